@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The GPU check: one command, run from the repository root on the GPU machine.
+#   1. builds and installs seqfuse there (its Python differs from ours),
+#   2. runs the standalone kernel checks carried in bin/ (built here by
+#      `make kernels`) and the `cuda` tests,
+#   3. runs every benchmarks/bench_*.py (or those named in BENCHES),
+#   4. prints a short summary table last.
+# Logs and results go to $OUT (the device tool brings them back) when set.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/seqfuse-gpu-check}
+mkdir -p "$OUT"
+status=0
+step() { echo; echo "===== $* ====="; }
+
+step build
+start=$(date +%s)
+MAX_JOBS=${MAX_JOBS:-16} python3 -m pip install -q --no-build-isolation --no-deps --no-index -e . \
+    > "$OUT/build.log" 2>&1 || { cat "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
+echo "build took $(( $(date +%s) - start )) s"; grep "seqfuse: built" "$OUT/build.log"
+python3 -m seqfuse || status=1
+
+step "standalone kernel checks"
+for b in bin/check_*; do
+    [ -x "$b" ] || continue
+    "$b" 2>&1 | tee -a "$OUT/checks.log" | grep -E "passed|FAIL|TB/s|TFLOP" || status=1
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+done
+
+step "cuda tests"
+python3 -m pytest -q -m cuda ${TESTS:-tests} -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cuda.log" | tail -25
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+
+step benchmarks
+for b in ${BENCHES:-benchmarks/bench_*.py}; do
+    echo "--- $b"
+    (cd benchmarks && python3 "$(basename "$b")") > "$OUT/$(basename "$b" .py).log" 2>&1 \
+        || { status=1; tail -20 "$OUT/$(basename "$b" .py).log"; }
+done
+mkdir -p "$OUT/results" && cp benchmarks/results/*.json benchmarks/results/*.png "$OUT/results/" 2>/dev/null
+
+step summary
+python3 benchmarks/summary.py
+echo "gpu_check status: $status"
+exit $status

@@ -1,0 +1,142 @@
+"""Benchmark harness shared by every script in benchmarks/.
+
+Timing: CUDA events around each repeat, after warm-up, with the L2 cache
+flushed between repeats (a 256 MB write, larger than the H200's 60 MB L2) so
+no repeat reads what the previous one left in cache; the median is reported.
+Host-side timings (per-call overhead) use perf_counter over many calls.
+
+Results: `Table` prints an aligned table and writes JSON to
+benchmarks/results/<name>.json with the device, versions and shapes, so every
+figure in the README can be traced to a file.
+"""
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+#: Ceilings measured on the H200 of this project (see README).
+H200_BF16_TFLOPS = 794.0
+H200_FP8_TFLOPS = 1438.0
+H200_COPY_TBS = 4.16
+
+_flush_buffer = None
+
+
+def flush_l2():
+    global _flush_buffer
+    if _flush_buffer is None:
+        _flush_buffer = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+    _flush_buffer.zero_()
+
+
+def cuda_time_ms(fn, warmup=5, repeats=20, flush=True):
+    """Median device time of fn() in milliseconds, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        if flush:
+            flush_l2()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def host_time_us(fn, calls=20000, rounds=7):
+    """Median over rounds of the mean host time of one fn() call, in µs."""
+    for _ in range(calls // 10):
+        fn()
+    results = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        results.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(results)
+
+
+def environment():
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+    }
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+    try:
+        import seqfuse
+
+        env["seqfuse_build"] = seqfuse.build_info()
+    except ImportError:
+        pass
+    return env
+
+
+class Table:
+    """Rows of results: printed as a table, saved as JSON."""
+
+    def __init__(self, name, columns):
+        self.name, self.columns, self.rows = name, columns, []
+
+    def add(self, **row):
+        self.rows.append(row)
+        return row
+
+    def text(self):
+        def fmt(v):
+            return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+        cells = [[fmt(r.get(c, "")) for c in self.columns] for r in self.rows]
+        widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c)
+                  for i, c in enumerate(self.columns)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(self.columns, widths))]
+        lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+        return "\n".join(lines)
+
+    def save(self, extra=None):
+        os.makedirs(RESULTS, exist_ok=True)
+        path = os.path.join(RESULTS, f"{self.name}.json")
+        doc = {"name": self.name, "environment": environment(), "rows": self.rows,
+               "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+        if extra:
+            doc.update(extra)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(doc, f, indent=1)
+        os.replace(tmp, path)
+        print(f"\n== {self.name} ==\n{self.text()}\n(saved {os.path.relpath(path)})")
+        return path
+
+
+def plot_bars(path_png, title, labels, series, ylabel):
+    """A grouped bar chart: series is {legend: [value per label]}."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6, len(labels) * 0.9), 4))
+    n = len(series)
+    width = 0.8 / max(n, 1)
+    for i, (legend, values) in enumerate(series.items()):
+        xs = [j + (i - (n - 1) / 2) * width for j in range(len(labels))]
+        ax.bar(xs, values, width, label=legend)
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, rotation=30, ha="right")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path_png, dpi=120)
+    plt.close(fig)

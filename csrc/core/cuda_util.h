@@ -1,0 +1,65 @@
+/*
+ * cuda_util.h - what every *_cuda.cu file needs: checked CUDA calls that turn
+ * errors into sf_status with CUDA's own error text, a device guard that runs a
+ * launch on the tensor's device and restores the caller's, and the launch-error
+ * check that must follow every kernel launch.
+ *
+ * Only CUDA translation units include this header.
+ */
+#ifndef SF_CUDA_UTIL_H
+#define SF_CUDA_UTIL_H
+
+#include <cuda_runtime.h>
+
+#include "seqfuse.h"
+
+#define SF_CUDA_TRY(op, call)                                                  \
+    do {                                                                       \
+        cudaError_t sf_err_ = (call);                                          \
+        if (sf_err_ != cudaSuccess)                                            \
+            return sf_fail(SF_ERR_RUNTIME, "%s: CUDA error %s: %s (%s)", (op),    \
+                           cudaGetErrorName(sf_err_), cudaGetErrorString(sf_err_), \
+                           #call);                                             \
+    } while (0)
+
+/* After a <<<...>>> launch: reports bad launch configurations at once. */
+#define SF_CUDA_CHECK_LAUNCH(op) SF_CUDA_TRY(op, cudaGetLastError())
+
+/* Switch to `device` for the duration of a call; restore with
+ * sf_cuda_device_restore.  Costs one cudaGetDevice when already there. */
+typedef struct {
+    int previous;
+    int switched;
+} sf_cuda_device_guard;
+
+static inline sf_status sf_cuda_device_enter(const char *op, int device,
+                                             sf_cuda_device_guard *g)
+{
+    g->switched = 0;
+    SF_CUDA_TRY(op, cudaGetDevice(&g->previous));
+    if (g->previous != device) {
+        SF_CUDA_TRY(op, cudaSetDevice(device));
+        g->switched = 1;
+    }
+    return SF_OK;
+}
+
+static inline void sf_cuda_device_restore(sf_cuda_device_guard *g)
+{
+    if (g->switched)
+        cudaSetDevice(g->previous);
+}
+
+static inline cudaStream_t sf_cuda_stream(sf_stream s) { return (cudaStream_t)s; }
+
+/* Blocks for a grid-stride loop over n items: enough to fill the GPU a few
+ * times over, never more than the work needs. */
+static inline int sf_grid_size(int64_t n, int block, int max_blocks)
+{
+    int64_t blocks = (n + block - 1) / block;
+    if (blocks < 1)
+        blocks = 1;
+    return (int)(blocks < max_blocks ? blocks : max_blocks);
+}
+
+#endif /* SF_CUDA_UTIL_H */

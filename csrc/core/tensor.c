@@ -1,0 +1,141 @@
+/*
+ * tensor.c - sf_tensor helpers and the argument checks every op shares.
+ *
+ * Ops validate their arguments once, at the C API entry, with these checks,
+ * so the CPU and CUDA backends see the same preconditions and the same
+ * messages.  Each check names the op and the argument it looked at.
+ */
+#include <string.h>
+
+#include "seqfuse.h"
+
+int64_t sf_numel(const sf_tensor *t)
+{
+    int64_t n = 1;
+    for (int i = 0; i < t->ndim; ++i)
+        n *= t->shape[i];
+    return n;
+}
+
+int sf_is_contiguous(const sf_tensor *t)
+{
+    int64_t expected = 1;
+    for (int i = t->ndim - 1; i >= 0; --i) {
+        if (t->shape[i] == 0)
+            return 1; /* an empty tensor has no layout to get wrong */
+        if (t->shape[i] != 1 && t->strides[i] != expected)
+            return 0;
+        expected *= t->shape[i];
+    }
+    return 1;
+}
+
+void sf_tensor_init(sf_tensor *t, void *data, sf_dtype dtype, int ndim,
+                    const int64_t *shape, sf_device_type device, int device_id)
+{
+    memset(t, 0, sizeof *t);
+    t->data = data;
+    t->dtype = dtype;
+    t->ndim = ndim;
+    t->device = device;
+    t->device_id = device_id;
+    int64_t stride = 1;
+    for (int i = ndim - 1; i >= 0; --i) {
+        t->shape[i] = shape[i];
+        t->strides[i] = stride;
+        stride *= shape[i] > 0 ? shape[i] : 1;
+    }
+}
+
+sf_status sf_check_dtype(const char *op, const char *arg, const sf_tensor *t,
+                         sf_dtype expected)
+{
+    if (t->dtype != expected)
+        return sf_fail(SF_ERR_TYPE, "%s: argument '%s' must have dtype %s, got %s",
+                       op, arg, sf_dtype_name(expected), sf_dtype_name(t->dtype));
+    return SF_OK;
+}
+
+sf_status sf_check_float_input(const char *op, const char *arg,
+                               const sf_tensor *t)
+{
+    if (t->dtype != SF_FLOAT32 && t->dtype != SF_FLOAT16 && t->dtype != SF_BFLOAT16)
+        return sf_fail(SF_ERR_TYPE,
+                       "%s: argument '%s' must have dtype float32, float16 or "
+                       "bfloat16, got %s",
+                       op, arg, sf_dtype_name(t->dtype));
+    return SF_OK;
+}
+
+sf_status sf_check_contiguous(const char *op, const char *arg,
+                              const sf_tensor *t)
+{
+    if (!sf_is_contiguous(t))
+        return sf_fail(SF_ERR_VALUE,
+                       "%s: argument '%s' must be contiguous (row-major); call "
+                       ".contiguous() on it first",
+                       op, arg);
+    return SF_OK;
+}
+
+sf_status sf_check_writable(const char *op, const char *arg, const sf_tensor *t)
+{
+    if (t->readonly)
+        return sf_fail(SF_ERR_VALUE,
+                       "%s: argument '%s' is an output but its memory is read-only",
+                       op, arg);
+    return SF_OK;
+}
+
+static const char *sf_device_name(sf_device_type d)
+{
+    return d == SF_CUDA ? "cuda" : "cpu";
+}
+
+sf_status sf_check_same_device(const char *op, const char *arg_a,
+                               const sf_tensor *a, const char *arg_b,
+                               const sf_tensor *b)
+{
+    if (a->device != b->device || (a->device == SF_CUDA && a->device_id != b->device_id))
+        return sf_fail(SF_ERR_VALUE,
+                       "%s: arguments '%s' (%s:%d) and '%s' (%s:%d) must be on the "
+                       "same device",
+                       op, arg_a, sf_device_name(a->device), a->device_id, arg_b,
+                       sf_device_name(b->device), b->device_id);
+    return SF_OK;
+}
+
+sf_status sf_check_numel(const char *op, const char *arg, const sf_tensor *t,
+                         int64_t expected)
+{
+    int64_t n = sf_numel(t);
+    if (n != expected)
+        return sf_fail(SF_ERR_VALUE,
+                       "%s: argument '%s' must have %lld element(s), got %lld", op,
+                       arg, (long long)expected, (long long)n);
+    return SF_OK;
+}
+
+sf_status sf_check_aligned(const char *op, const char *arg, const sf_tensor *t,
+                           size_t bytes)
+{
+    if (((uintptr_t)t->data) % bytes != 0)
+        return sf_fail(SF_ERR_VALUE,
+                       "%s: argument '%s' must be %zu-byte aligned (its data "
+                       "pointer is %p)",
+                       op, arg, bytes, t->data);
+    return SF_OK;
+}
+
+sf_status sf_check_same_shape(const char *op, const char *arg_a,
+                              const sf_tensor *a, const char *arg_b,
+                              const sf_tensor *b)
+{
+    int same = a->ndim == b->ndim;
+    for (int i = 0; same && i < a->ndim; ++i)
+        same = a->shape[i] == b->shape[i];
+    if (!same)
+        return sf_fail(SF_ERR_VALUE, "%s: arguments '%s' and '%s' must have the same shape",
+                       op, arg_a, arg_b);
+    return SF_OK;
+}

@@ -1,0 +1,219 @@
+/*
+ * module.c - the seqfuse._C extension module: joins the method tables of the
+ * binding files (one per kernel family) and holds the core bindings: build
+ * and device information, the exchange-API switch, and the overhead probe.
+ *
+ * Only this folder includes Python.h.  Each binding checks its arguments'
+ * count, imports tensors through py_call.c, calls one sf_* function with the
+ * GIL released, maps a failing status to an exception and releases every
+ * borrowed tensor at one cleanup label.
+ */
+#include "py_call.h"
+
+#ifndef SF_CUDA_ARCHS
+#define SF_CUDA_ARCHS ""
+#endif
+#ifndef SF_COMPILER_DESC
+#define SF_COMPILER_DESC "cc"
+#endif
+
+static PyObject *py_build_info(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    size_t lt = sf_cublaslt_version();
+    int nccl = sf_nccl_version();
+    int rt = sf_cuda_runtime_version();
+    return Py_BuildValue("{s:O,s:s,s:i,s:n,s:i,s:s,s:s}",
+                         "cuda", sf_built_with_cuda() ? Py_True : Py_False,
+                         "cuda_archs", SF_CUDA_ARCHS,
+                         "cuda_runtime", rt,
+                         "cublaslt", (Py_ssize_t)lt,
+                         "nccl", nccl,
+                         "compiler", SF_COMPILER_DESC,
+                         "python", PY_VERSION);
+}
+
+static PyObject *py_cuda_device_count(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    return PyLong_FromLong(sf_cuda_device_count());
+}
+
+static PyObject *py_cuda_driver_version(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    return PyLong_FromLong(sf_cuda_driver_version());
+}
+
+static PyObject *py_cuda_capability(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    long device = PyLong_AsLong(arg);
+    if (device == -1 && PyErr_Occurred())
+        return NULL;
+    int cap = 0;
+    sf_status st = sf_cuda_capability((int)device, &cap);
+    if (st != SF_OK)
+        return sf_py_raise(st);
+    return Py_BuildValue("(ii)", cap / 10, cap % 10);
+}
+
+static PyObject *py_set_exchange_api(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    int enabled = PyObject_IsTrue(arg);
+    if (enabled < 0)
+        return NULL;
+    int previous = sf_py_exchange_api_enabled();
+    sf_py_set_exchange_api(enabled);
+    return PyBool_FromLong(previous);
+}
+
+static PyObject *py_exchange_api_enabled(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    return PyBool_FromLong(sf_py_exchange_api_enabled());
+}
+
+/* probe(a, b, c, stream=None): import three tensors and give them back,
+ * launching nothing.  Its time is the host overhead every op pays. */
+static PyObject *py_probe(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    static const char op[] = "probe";
+    if (sf_py_check_nargs(op, nargs, 3, 4) < 0)
+        return NULL;
+    sf_py_call c;
+    if (sf_py_call_init(&c, op, nargs > 3 ? args[3] : Py_None) < 0)
+        return NULL;
+    PyObject *result = NULL;
+    sf_tensor a, b, t;
+    if (sf_py_tensor(&c, args[0], "a", &a) < 0 ||
+        sf_py_tensor(&c, args[1], "b", &b) < 0 ||
+        sf_py_tensor(&c, args[2], "c", &t) < 0)
+        goto done;
+    result = Py_NewRef(Py_None);
+done:
+    sf_py_call_release(&c);
+    return result;
+}
+
+/* describe(x): the view seqfuse reads from x, for tests of the DLPack path. */
+static PyObject *py_describe(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    static const char op[] = "describe";
+    if (sf_py_check_nargs(op, nargs, 1, 2) < 0)
+        return NULL;
+    sf_py_call c;
+    if (sf_py_call_init(&c, op, nargs > 1 ? args[1] : Py_None) < 0)
+        return NULL;
+    PyObject *result = NULL, *shape = NULL, *strides = NULL;
+    sf_tensor x;
+    if (sf_py_tensor(&c, args[0], "x", &x) < 0)
+        goto done;
+    shape = PyTuple_New(x.ndim);
+    strides = PyTuple_New(x.ndim);
+    if (shape == NULL || strides == NULL)
+        goto done;
+    for (int i = 0; i < x.ndim; ++i) {
+        PyTuple_SET_ITEM(shape, i, PyLong_FromLongLong(x.shape[i]));
+        PyTuple_SET_ITEM(strides, i, PyLong_FromLongLong(x.strides[i]));
+    }
+    result = Py_BuildValue("{s:s,s:O,s:O,s:s,s:i,s:K,s:O,s:O}",
+                           "dtype", sf_dtype_name(x.dtype),
+                           "shape", shape,
+                           "strides", strides,
+                           "device", x.device == SF_CUDA ? "cuda" : "cpu",
+                           "device_id", x.device_id,
+                           "data", (unsigned long long)(uintptr_t)x.data,
+                           "readonly", x.readonly ? Py_True : Py_False,
+                           "contiguous", sf_is_contiguous(&x) ? Py_True : Py_False);
+done:
+    Py_XDECREF(shape);
+    Py_XDECREF(strides);
+    sf_py_call_release(&c);
+    return result;
+}
+
+/* raise_status(code, message): exercise the status -> exception mapping. */
+static PyObject *py_raise_status(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int code;
+    const char *message;
+    if (!PyArg_ParseTuple(args, "is", &code, &message))
+        return NULL;
+    if (code == SF_OK)
+        Py_RETURN_NONE;
+    return sf_py_raise(sf_fail((sf_status)code, "%s", message));
+}
+
+PyMethodDef sf_py_core_methods[] = {
+    {"build_info", py_build_info, METH_NOARGS,
+     "build_info() -> dict: what this build compiled in (CUDA, architectures, "
+     "cuBLASLt and NCCL versions)."},
+    {"cuda_device_count", py_cuda_device_count, METH_NOARGS,
+     "cuda_device_count() -> int: CUDA devices usable now (0 without a driver)."},
+    {"cuda_driver_version", py_cuda_driver_version, METH_NOARGS,
+     "cuda_driver_version() -> int: the driver's CUDA version, 0 without one."},
+    {"cuda_capability", py_cuda_capability, METH_O,
+     "cuda_capability(device) -> (major, minor)."},
+    {"set_exchange_api", py_set_exchange_api, METH_O,
+     "set_exchange_api(enabled) -> bool: use DLPack's C exchange API where the "
+     "tensor type offers it; returns the previous setting."},
+    {"exchange_api_enabled", py_exchange_api_enabled, METH_NOARGS,
+     "exchange_api_enabled() -> bool: whether the C exchange API path is on."},
+    {"probe", (PyCFunction)(void (*)(void))py_probe, METH_FASTCALL,
+     "probe(a, b, c, stream=None): import three tensors and release them."},
+    {"describe", (PyCFunction)(void (*)(void))py_describe, METH_FASTCALL,
+     "describe(x, stream=None) -> dict: the view seqfuse reads from x."},
+    {"raise_status", py_raise_status, METH_VARARGS,
+     "raise_status(code, message): raise the exception a C status maps to."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMethodDef *const sf_py_tables[] = {
+    sf_py_core_methods,
+    sf_py_quant_methods,
+    sf_py_gemm_methods,
+    sf_py_norm_methods,
+    sf_py_act_methods,
+    sf_py_rope_methods,
+    sf_py_loss_methods,
+    sf_py_optim_methods,
+    sf_py_attn_methods,
+};
+
+static struct PyModuleDef sf_py_module = {
+    PyModuleDef_HEAD_INIT,
+    "seqfuse._C",
+    "seqfuse's C/CUDA engine. Called through seqfuse.ops; not a public API.",
+    -1,
+    NULL,
+};
+
+PyMODINIT_FUNC PyInit__C(void)
+{
+    PyObject *m = PyModule_Create(&sf_py_module);
+    if (m == NULL)
+        return NULL;
+    for (size_t i = 0; i < sizeof sf_py_tables / sizeof sf_py_tables[0]; ++i) {
+        if (PyModule_AddFunctions(m, sf_py_tables[i]) < 0) {
+            Py_DECREF(m);
+            return NULL;
+        }
+    }
+    if (PyModule_AddIntConstant(m, "STATUS_TYPE", SF_ERR_TYPE) < 0 ||
+        PyModule_AddIntConstant(m, "STATUS_VALUE", SF_ERR_VALUE) < 0 ||
+        PyModule_AddIntConstant(m, "STATUS_NOT_IMPLEMENTED", SF_ERR_NOT_IMPLEMENTED) < 0 ||
+        PyModule_AddIntConstant(m, "STATUS_RUNTIME", SF_ERR_RUNTIME) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

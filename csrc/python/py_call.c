@@ -1,0 +1,430 @@
+/*
+ * py_call.c - DLPack import into sf_tensor views, stream resolution, and the
+ * status -> exception mapping.  See py_call.h for the two import paths.
+ *
+ * DLPack rules followed here:
+ *   - a capsule named "dltensor_versioned" / "dltensor" is consumed by
+ *     renaming it "used_dltensor_versioned" / "used_dltensor"; from then on
+ *     the consumer (us) calls the managed tensor's deleter, exactly once, and
+ *     the producer's capsule destructor does nothing;
+ *   - a versioned tensor whose major version we do not know is given back at
+ *     once without reading any other field;
+ *   - the stream argument of __dlpack__ is the consumer's stream, so the
+ *     producer only synchronizes when it differs from its own; the legacy
+ *     default stream (0 in torch) is spelled 1 there.
+ */
+#include "py_call.h"
+
+#include "dlpack_abi.h"
+
+/* ---- exceptions ------------------------------------------------------- */
+
+PyObject *sf_py_raise(sf_status status)
+{
+    PyObject *type;
+    switch (status) {
+    case SF_ERR_TYPE: type = PyExc_TypeError; break;
+    case SF_ERR_VALUE: type = PyExc_ValueError; break;
+    case SF_ERR_NOT_IMPLEMENTED: type = PyExc_NotImplementedError; break;
+    default: type = PyExc_RuntimeError; break;
+    }
+    const char *msg = sf_last_error();
+    PyErr_SetString(type, msg[0] ? msg : "seqfuse: unknown error");
+    return NULL;
+}
+
+int sf_py_check_nargs(const char *op, Py_ssize_t nargs, Py_ssize_t min_args,
+                      Py_ssize_t max_args)
+{
+    if (nargs < min_args || nargs > max_args) {
+        if (min_args == max_args)
+            PyErr_Format(PyExc_TypeError, "%s() takes %zd positional arguments (%zd given)",
+                         op, min_args, nargs);
+        else
+            PyErr_Format(PyExc_TypeError,
+                         "%s() takes from %zd to %zd positional arguments (%zd given)",
+                         op, min_args, max_args, nargs);
+        return -1;
+    }
+    return 0;
+}
+
+/* ---- the exchange API cache ------------------------------------------- *
+ * One lookup per tensor type, then a pointer compare per argument.  Types
+ * stay referenced while cached, so an address is never reused under us. */
+
+#define SF_API_CACHE 8
+
+typedef struct {
+    PyTypeObject *type;
+    const DLPackExchangeAPI *api; /* NULL: the type has none we can use */
+} sf_api_entry;
+
+static sf_api_entry sf_api_cache[SF_API_CACHE];
+static int sf_api_cache_used;
+static int sf_exchange_enabled = 1;
+
+void sf_py_set_exchange_api(int enabled) { sf_exchange_enabled = enabled != 0; }
+int sf_py_exchange_api_enabled(void) { return sf_exchange_enabled; }
+
+static const DLPackExchangeAPI *sf_lookup_exchange_api(PyTypeObject *type)
+{
+    for (int i = 0; i < sf_api_cache_used; ++i)
+        if (sf_api_cache[i].type == type)
+            return sf_api_cache[i].api;
+
+    const DLPackExchangeAPI *api = NULL;
+    PyObject *cap = PyObject_GetAttrString((PyObject *)type, "__dlpack_c_exchange_api__");
+    if (cap == NULL) {
+        PyErr_Clear();
+    } else {
+        if (PyCapsule_CheckExact(cap) && PyCapsule_IsValid(cap, "dlpack_exchange_api")) {
+            api = (const DLPackExchangeAPI *)PyCapsule_GetPointer(cap, "dlpack_exchange_api");
+            /* Usable only if it speaks our major version and has both
+             * non-owning entries we call. */
+            if (api != NULL && (api->header.version.major != SF_DLPACK_MAJOR ||
+                                api->dltensor_from_py_object_no_sync == NULL ||
+                                api->current_work_stream == NULL))
+                api = NULL;
+        } else if (PyLong_Check(cap)) {
+            /* Some producers publish the table's address as an int. */
+            api = (const DLPackExchangeAPI *)PyLong_AsVoidPtr(cap);
+            if (api == NULL || api->header.version.major != SF_DLPACK_MAJOR ||
+                api->dltensor_from_py_object_no_sync == NULL ||
+                api->current_work_stream == NULL)
+                api = NULL;
+            PyErr_Clear();
+        }
+        Py_DECREF(cap); /* the table itself lives as long as the producer */
+    }
+    if (sf_api_cache_used < SF_API_CACHE) {
+        Py_INCREF(type);
+        sf_api_cache[sf_api_cache_used].type = type;
+        sf_api_cache[sf_api_cache_used].api = api;
+        sf_api_cache_used++;
+    }
+    return api;
+}
+
+/* ---- DLTensor -> sf_tensor ------------------------------------------- */
+
+static int sf_dtype_from_dl(const char *op, const char *arg, DLDataType dt, sf_dtype *out)
+{
+    if (dt.lanes == 1) {
+        switch (dt.code) {
+        case kDLFloat:
+            if (dt.bits == 32) { *out = SF_FLOAT32; return 0; }
+            if (dt.bits == 16) { *out = SF_FLOAT16; return 0; }
+            break;
+        case kDLBfloat:
+            if (dt.bits == 16) { *out = SF_BFLOAT16; return 0; }
+            break;
+        case kDLFloat8_e4m3fn:
+            if (dt.bits == 8) { *out = SF_FLOAT8_E4M3; return 0; }
+            break;
+        case kDLFloat8_e5m2:
+            if (dt.bits == 8) { *out = SF_FLOAT8_E5M2; return 0; }
+            break;
+        case kDLFloat8_e8m0fnu:
+            if (dt.bits == 8) { *out = SF_FLOAT8_E8M0; return 0; }
+            break;
+        case kDLInt:
+            if (dt.bits == 32) { *out = SF_INT32; return 0; }
+            if (dt.bits == 64) { *out = SF_INT64; return 0; }
+            break;
+        case kDLUInt:
+            if (dt.bits == 8) { *out = SF_UINT8; return 0; }
+            break;
+        case kDLBool:
+            if (dt.bits == 8) { *out = SF_BOOL; return 0; }
+            break;
+        }
+    }
+    PyErr_Format(PyExc_TypeError,
+                 "%s: argument '%s' has a dtype seqfuse does not take (DLPack code %u, "
+                 "%u bits, %u lanes); use float32, float16, bfloat16, float8_e4m3fn, "
+                 "float8_e5m2, float8_e8m0fnu, int32, int64, uint8 or bool (packed fp4 "
+                 "travels as uint8)",
+                 op, arg, dt.code, dt.bits, dt.lanes);
+    return -1;
+}
+
+static int sf_view_from_dl(const char *op, const char *arg, const DLTensor *dl,
+                           int readonly, sf_tensor *out)
+{
+    if (dl->ndim < 0 || dl->ndim > SF_MAX_DIMS) {
+        PyErr_Format(PyExc_ValueError, "%s: argument '%s' has %d dimensions; at most %d are supported",
+                     op, arg, (int)dl->ndim, SF_MAX_DIMS);
+        return -1;
+    }
+    switch (dl->device.device_type) {
+    case kDLCPU:
+    case kDLCUDAHost: /* pinned host memory: the CPU reads it directly */
+        out->device = SF_CPU;
+        out->device_id = 0;
+        break;
+    case kDLCUDA:
+    case kDLCUDAManaged:
+        out->device = SF_CUDA;
+        out->device_id = dl->device.device_id;
+        break;
+    default:
+        PyErr_Format(PyExc_ValueError,
+                     "%s: argument '%s' lives on a device seqfuse cannot use (DLPack "
+                     "device type %d); move it to the CPU or a CUDA GPU",
+                     op, arg, (int)dl->device.device_type);
+        return -1;
+    }
+    if (sf_dtype_from_dl(op, arg, dl->dtype, &out->dtype) < 0)
+        return -1;
+    out->ndim = dl->ndim;
+    out->readonly = readonly;
+    out->data = dl->data ? (void *)((char *)dl->data + dl->byte_offset) : NULL;
+    int64_t stride = 1;
+    for (int i = dl->ndim - 1; i >= 0; --i) {
+        out->shape[i] = dl->shape[i];
+        out->strides[i] = dl->strides ? dl->strides[i] : stride;
+        stride *= dl->shape[i];
+    }
+    return 0;
+}
+
+/* ---- calls -------------------------------------------------------------- */
+
+int sf_py_call_init(sf_py_call *c, const char *op, PyObject *stream_obj)
+{
+    c->op = op;
+    c->n_borrows = 0;
+    c->have_stream = 0;
+    c->stream = NULL;
+    if (stream_obj != NULL && stream_obj != Py_None) {
+        if (!PyLong_Check(stream_obj)) {
+            PyErr_Format(PyExc_TypeError,
+                         "%s: argument 'stream' must be None or an int (a cudaStream_t, "
+                         "as torch.cuda.Stream.cuda_stream gives), got %s",
+                         op, Py_TYPE(stream_obj)->tp_name);
+            return -1;
+        }
+        void *p = PyLong_AsVoidPtr(stream_obj);
+        if (p == NULL && PyErr_Occurred())
+            return -1;
+        c->stream = p;
+        c->have_stream = 1;
+    }
+    return 0;
+}
+
+sf_stream sf_py_call_stream(const sf_py_call *c) { return c->stream; }
+
+static int sf_py_push_borrow(sf_py_call *c, void *managed, int versioned)
+{
+    if (c->n_borrows == SF_PY_MAX_BORROWS) {
+        /* cannot happen with the bindings as written; give it back now */
+        if (versioned) {
+            DLManagedTensorVersioned *m = managed;
+            if (m->deleter) m->deleter(m);
+        } else {
+            DLManagedTensor *m = managed;
+            if (m->deleter) m->deleter(m);
+        }
+        PyErr_Format(PyExc_RuntimeError, "%s: more than %d tensor arguments", c->op,
+                     SF_PY_MAX_BORROWS);
+        return -1;
+    }
+    c->borrows[c->n_borrows].managed = managed;
+    c->borrows[c->n_borrows].versioned = versioned;
+    c->n_borrows++;
+    return 0;
+}
+
+void sf_py_call_release(sf_py_call *c)
+{
+    if (c->n_borrows == 0)
+        return;
+    /* A deleter may run Python code (a producer written in Python); keep any
+     * exception this call is raising out of its way. */
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    for (int i = c->n_borrows - 1; i >= 0; --i) {
+        if (c->borrows[i].versioned) {
+            DLManagedTensorVersioned *m = c->borrows[i].managed;
+            if (m->deleter) m->deleter(m);
+        } else {
+            DLManagedTensor *m = c->borrows[i].managed;
+            if (m->deleter) m->deleter(m);
+        }
+    }
+    c->n_borrows = 0;
+    PyErr_Restore(type, value, traceback);
+}
+
+/* The fast path: no capsule, nothing to give back. */
+static int sf_py_tensor_exchange(sf_py_call *c, const DLPackExchangeAPI *api, PyObject *obj,
+                                 const char *arg, sf_tensor *out)
+{
+    DLTensor dl;
+    if (api->dltensor_from_py_object_no_sync(obj, &dl) != 0) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_TypeError, "%s: argument '%s' could not be exported through DLPack",
+                         c->op, arg);
+        return -1;
+    }
+    if (sf_view_from_dl(c->op, arg, &dl, 0, out) < 0)
+        return -1;
+    if (out->device == SF_CUDA && !c->have_stream) {
+        void *stream = NULL;
+        if (api->current_work_stream(kDLCUDA, dl.device.device_id, &stream) != 0) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_RuntimeError, "%s: the producer of '%s' gave no current stream",
+                             c->op, arg);
+            return -1;
+        }
+        c->stream = stream;
+        c->have_stream = 1;
+    }
+    return 0;
+}
+
+/* Ask obj where it lives, through __dlpack_device__ (portable path only). */
+static int sf_py_dlpack_device(sf_py_call *c, PyObject *obj, const char *arg, int *type)
+{
+    PyObject *dev = PyObject_CallMethod(obj, "__dlpack_device__", NULL);
+    if (dev == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError,
+                         "%s: argument '%s' must be a tensor supporting DLPack (a torch "
+                         "tensor or numpy array), got %s",
+                         c->op, arg, Py_TYPE(obj)->tp_name);
+        }
+        return -1;
+    }
+    int ok = PyTuple_Check(dev) && PyTuple_GET_SIZE(dev) == 2;
+    if (ok) {
+        *type = (int)PyLong_AsLong(PyTuple_GET_ITEM(dev, 0));
+        ok = !PyErr_Occurred();
+    }
+    Py_DECREF(dev);
+    if (!ok) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s: argument '%s' has a malformed __dlpack_device__()",
+                     c->op, arg);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *sf_py_call_dlpack(PyObject *obj, PyObject *stream, int versioned)
+{
+    PyObject *method = PyObject_GetAttrString(obj, "__dlpack__");
+    if (method == NULL)
+        return NULL;
+    PyObject *args = PyTuple_New(0);
+    PyObject *kwargs = PyDict_New();
+    PyObject *capsule = NULL;
+    if (args && kwargs) {
+        int ok = 1;
+        if (stream != NULL)
+            ok = PyDict_SetItemString(kwargs, "stream", stream) == 0;
+        if (ok && versioned) {
+            PyObject *v = Py_BuildValue("(ii)", SF_DLPACK_MAJOR, 0);
+            ok = v && PyDict_SetItemString(kwargs, "max_version", v) == 0;
+            Py_XDECREF(v);
+        }
+        if (ok)
+            capsule = PyObject_Call(method, args, kwargs);
+    }
+    Py_XDECREF(args);
+    Py_XDECREF(kwargs);
+    Py_DECREF(method);
+    return capsule;
+}
+
+static int sf_py_tensor_capsule(sf_py_call *c, PyObject *obj, const char *arg, sf_tensor *out)
+{
+    int device_type = kDLCPU;
+    if (sf_py_dlpack_device(c, obj, arg, &device_type) < 0)
+        return -1;
+    PyObject *stream = NULL; /* NULL: pass no stream (CPU) */
+    if (device_type == kDLCUDA || device_type == kDLCUDAManaged) {
+        if (!c->have_stream) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: argument 'stream' is required: '%s' is a CUDA tensor whose type "
+                         "offers no DLPack C exchange API to ask for its current stream",
+                         c->op, arg);
+            return -1;
+        }
+        uintptr_t s = (uintptr_t)c->stream;
+        stream = PyLong_FromUnsignedLongLong(s == 0 ? 1u : (unsigned long long)s);
+        if (stream == NULL)
+            return -1;
+    }
+
+    PyObject *capsule = sf_py_call_dlpack(obj, stream, 1);
+    if (capsule == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
+        /* a producer older than DLPack 1.0 knows no max_version */
+        PyErr_Clear();
+        capsule = sf_py_call_dlpack(obj, stream, 0);
+    }
+    Py_XDECREF(stream);
+    if (capsule == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError,
+                         "%s: argument '%s' must be a tensor supporting DLPack (a torch "
+                         "tensor or numpy array), got %s",
+                         c->op, arg, Py_TYPE(obj)->tp_name);
+        }
+        return -1;
+    }
+
+    int rc = -1;
+    if (PyCapsule_IsValid(capsule, "dltensor_versioned")) {
+        DLManagedTensorVersioned *m = PyCapsule_GetPointer(capsule, "dltensor_versioned");
+        if (m == NULL || PyCapsule_SetName(capsule, "used_dltensor_versioned") != 0)
+            goto done;
+        if (m->version.major != SF_DLPACK_MAJOR) {
+            if (m->deleter) m->deleter(m);
+            PyErr_Format(PyExc_TypeError,
+                         "%s: argument '%s' is a DLPack %u.%u tensor; seqfuse reads major "
+                         "version %d",
+                         c->op, arg, m->version.major, m->version.minor, SF_DLPACK_MAJOR);
+            goto done;
+        }
+        if (sf_py_push_borrow(c, m, 1) < 0)
+            goto done;
+        rc = sf_view_from_dl(c->op, arg, &m->dl_tensor,
+                             (m->flags & SF_DLPACK_FLAG_READ_ONLY) != 0, out);
+    } else if (PyCapsule_IsValid(capsule, "dltensor")) {
+        DLManagedTensor *m = PyCapsule_GetPointer(capsule, "dltensor");
+        if (m == NULL || PyCapsule_SetName(capsule, "used_dltensor") != 0)
+            goto done;
+        if (sf_py_push_borrow(c, m, 0) < 0)
+            goto done;
+        rc = sf_view_from_dl(c->op, arg, &m->dl_tensor, 0, out);
+    } else {
+        PyErr_Format(PyExc_TypeError,
+                     "%s: argument '%s'.__dlpack__() returned no unused DLPack capsule",
+                     c->op, arg);
+    }
+done:
+    Py_DECREF(capsule); /* renamed "used_*": its destructor leaves the tensor to us */
+    return rc;
+}
+
+int sf_py_tensor(sf_py_call *c, PyObject *obj, const char *arg, sf_tensor *out)
+{
+    if (sf_exchange_enabled) {
+        const DLPackExchangeAPI *api = sf_lookup_exchange_api(Py_TYPE(obj));
+        if (api != NULL)
+            return sf_py_tensor_exchange(c, api, obj, arg, out);
+    }
+    return sf_py_tensor_capsule(c, obj, arg, out);
+}
+
+int sf_py_optional_tensor(sf_py_call *c, PyObject *obj, const char *arg, sf_tensor *out,
+                          int *has)
+{
+    *has = obj != Py_None;
+    return *has ? sf_py_tensor(c, obj, arg, out) : 0;
+}

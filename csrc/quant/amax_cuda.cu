@@ -1,0 +1,149 @@
+/*
+ * amax_cuda.cu - amax on the GPU in one pass, on the caller's stream.
+ *
+ * Each block reduces its grid-stride share with 16-byte loads (contiguous
+ * input) or strided loads (any layout), then folds its result into out[0]
+ * with atomicMax on the float's bit pattern: for non-negative floats the
+ * unsigned integer order is the float order, and a NaN's bits (0x7fc00000 and
+ * up) compare above +inf, so NaN wins the way the CPU reference says it must.
+ * out is zeroed by a memset on the same stream first; both are capturable in a
+ * CUDA graph and neither synchronizes the host.
+ */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "../core/cuda_util.h"
+#include "amax_backend.h"
+
+namespace {
+
+constexpr int kBlock = 512;
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+__device__ __forceinline__ unsigned abs_bits(float v)
+{
+    return __float_as_uint(v) & 0x7fffffffu;
+}
+
+/* Block-wide max of unsigned values; thread 0 then publishes it. */
+__device__ __forceinline__ void block_publish_max(unsigned v, unsigned *out)
+{
+    __shared__ unsigned warp_max[kBlock / 32];
+    for (int off = 16; off > 0; off >>= 1)
+        v = max(v, __shfl_xor_sync(0xffffffffu, v, off));
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0)
+        warp_max[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < kBlock / 32 ? warp_max[lane] : 0u;
+        for (int off = 16; off > 0; off >>= 1)
+            v = max(v, __shfl_xor_sync(0xffffffffu, v, off));
+        if (lane == 0 && v != 0u)
+            atomicMax(out, v);
+    }
+}
+
+template <typename T>
+__global__ void amax_contiguous_kernel(const T *__restrict__ x, int64_t n,
+                                       unsigned *__restrict__ out)
+{
+    constexpr int kVec = 16 / sizeof(T);
+    unsigned m = 0;
+    int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    /* peel the head so the vector loop reads 16-byte aligned chunks */
+    int64_t head = (int64_t)(((16 - ((uintptr_t)x & 15)) & 15) / sizeof(T));
+    if (head > n)
+        head = n;
+    if (tid < head)
+        m = abs_bits(to_float(x[tid]));
+    const T *xv = x + head;
+    int64_t nvec = (n - head) / kVec;
+    for (int64_t i = tid; i < nvec; i += stride) {
+        uint4 raw = __ldg(reinterpret_cast<const uint4 *>(xv) + i);
+        const T *vals = reinterpret_cast<const T *>(&raw);
+#pragma unroll
+        for (int k = 0; k < kVec; ++k)
+            m = max(m, abs_bits(to_float(vals[k])));
+    }
+    for (int64_t i = head + nvec * kVec + tid; i < n; i += stride)
+        m = max(m, abs_bits(to_float(x[i])));
+    block_publish_max(m, out);
+}
+
+struct Layout {
+    int ndim;
+    int64_t shape[SF_MAX_DIMS];
+    int64_t strides[SF_MAX_DIMS];
+};
+
+template <typename T>
+__global__ void amax_strided_kernel(const T *__restrict__ x, int64_t n, Layout l,
+                                    unsigned *__restrict__ out)
+{
+    unsigned m = 0;
+    int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        int64_t rem = i, offset = 0;
+        for (int d = l.ndim - 1; d >= 0; --d) {
+            offset += (rem % l.shape[d]) * l.strides[d];
+            rem /= l.shape[d];
+        }
+        m = max(m, abs_bits(to_float(x[offset])));
+    }
+    block_publish_max(m, out);
+}
+
+template <typename T>
+sf_status launch(const sf_tensor *x, unsigned *out, cudaStream_t stream)
+{
+    int64_t n = sf_numel(x);
+    int sms = 0;
+    int device = 0;
+    SF_CUDA_TRY("amax", cudaGetDevice(&device));
+    SF_CUDA_TRY("amax", cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    if (sf_is_contiguous(x)) {
+        int64_t work = n / (16 / sizeof(T)) + 1;
+        int grid = sf_grid_size(work, kBlock, sms * 4);
+        amax_contiguous_kernel<T><<<grid, kBlock, 0, stream>>>((const T *)x->data, n, out);
+    } else {
+        Layout l;
+        l.ndim = x->ndim;
+        for (int d = 0; d < x->ndim; ++d) {
+            l.shape[d] = x->shape[d];
+            l.strides[d] = x->strides[d];
+        }
+        int grid = sf_grid_size(n, kBlock, sms * 4);
+        amax_strided_kernel<T><<<grid, kBlock, 0, stream>>>((const T *)x->data, n, l, out);
+    }
+    SF_CUDA_CHECK_LAUNCH("amax");
+    return SF_OK;
+}
+
+} // namespace
+
+extern "C" sf_status sf_amax_cuda(const sf_tensor *x, sf_tensor *out, sf_stream s)
+{
+    cudaStream_t stream = sf_cuda_stream(s);
+    sf_cuda_device_guard guard;
+    SF_TRY(sf_cuda_device_enter("amax", x->device_id, &guard));
+    sf_status st = SF_OK;
+    cudaError_t e = cudaMemsetAsync(out->data, 0, sizeof(float), stream);
+    if (e != cudaSuccess) {
+        st = sf_fail(SF_ERR_RUNTIME, "amax: CUDA error %s: %s (zeroing 'out')",
+                     cudaGetErrorName(e), cudaGetErrorString(e));
+    } else if (sf_numel(x) > 0) {
+        unsigned *o = (unsigned *)out->data;
+        switch (x->dtype) {
+        case SF_FLOAT32: st = launch<float>(x, o, stream); break;
+        case SF_FLOAT16: st = launch<__half>(x, o, stream); break;
+        default:         st = launch<__nv_bfloat16>(x, o, stream); break;
+        }
+    }
+    sf_cuda_device_restore(&guard);
+    return st;
+}

@@ -1,0 +1,9 @@
+"""Functional ops: torch tensors in and out.
+
+Each op allocates its outputs with torch (so the caching allocator owns all
+memory), hands them to seqfuse._C as destination arguments, and runs on the
+caller's current CUDA stream.
+"""
+from .quant import amax
+
+__all__ = ["amax"]

@@ -1,0 +1,141 @@
+"""Build seqfuse._C: plain C (the CPython extension and the CPU backend) and,
+where nvcc is found, the CUDA backend, compiled in parallel and linked into one
+shared object.  No libtorch, no pybind11: one build serves any PyTorch release.
+
+Environment:
+  SEQFUSE_CUDA=0           CPU-only build even where nvcc exists.
+  SEQFUSE_CUDA_ARCHS=...   semicolon list of gencode targets, default
+                           "90a;80;80-ptx" (sm_90a, sm_80 and PTX for newer GPUs).
+  CUDA_HOME                toolkit root; otherwise nvcc is looked up on PATH.
+  MAX_JOBS                 parallel compile jobs (default: CPU count).
+"""
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def find_cuda_home():
+    if os.environ.get("SEQFUSE_CUDA", "1") == "0":
+        return None
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
+        return home
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+    if os.path.exists("/usr/local/cuda/bin/nvcc"):
+        return "/usr/local/cuda"
+    return None
+
+
+CUDA_HOME = find_cuda_home()
+ARCHS = os.environ.get("SEQFUSE_CUDA_ARCHS", "90a;80;80-ptx").split(";")
+JOBS = int(os.environ.get("MAX_JOBS", os.cpu_count() or 2))
+
+
+def gencode_flags():
+    flags = []
+    for a in ARCHS:
+        a = a.strip()
+        if not a:
+            continue
+        if a.endswith("-ptx"):
+            a = a[: -len("-ptx")]
+            flags.append(f"-gencode=arch=compute_{a},code=compute_{a}")
+        else:
+            flags.append(f"-gencode=arch=compute_{a},code=sm_{a}")
+    return flags
+
+
+def sources(pattern):
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
+
+
+# check_*.cu are standalone kernel checks with their own main() (csrc/build_checks.sh)
+C_SOURCES = sources("csrc/*/*.c")
+CU_SOURCES = [s for s in sources("csrc/*/*.cu") if not os.path.basename(s).startswith("check_")] if CUDA_HOME else []
+INCLUDES = [os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "csrc")]
+CC_DESC = f"{sysconfig.get_config_var('CC') or 'cc'}"
+
+define_macros = [("SF_COMPILER_DESC", f'"{CC_DESC}"')]
+libraries, library_dirs, rpaths = [], [], []
+if CUDA_HOME:
+    lib64 = os.path.join(CUDA_HOME, "lib64")
+    if not os.path.isdir(lib64):
+        lib64 = os.path.join(CUDA_HOME, "lib")
+    INCLUDES.append(os.path.join(CUDA_HOME, "include"))
+    define_macros += [("SF_WITH_CUDA", "1"), ("SF_CUDA_ARCHS", '"' + ";".join(ARCHS) + '"')]
+    libraries += ["cudart_static", "cublasLt", "stdc++", "dl", "rt", "pthread"]
+    library_dirs.append(lib64)
+    rpaths.append(lib64)
+
+
+class BuildExt(build_ext):
+    """Compiles the .cu files with nvcc on a thread pool, hands the objects to
+    the normal C link, and compiles the C files in parallel too."""
+
+    def build_extension(self, ext):
+        start = time.time()
+        self.parallel = JOBS
+        objects = []
+        if CU_SOURCES:
+            objects = self.compile_cuda(ext)
+        ext.extra_objects = objects
+        super().build_extension(ext)
+        print(f"seqfuse: built {ext.name} in {time.time() - start:.1f} s "
+              f"({'CUDA ' + ';'.join(ARCHS) if CUDA_HOME else 'CPU only'}, {JOBS} jobs)")
+
+    def compile_cuda(self, ext):
+        nvcc = os.path.join(CUDA_HOME, "bin", "nvcc")
+        out_dir = os.path.join(self.build_temp, "cuda")
+        os.makedirs(out_dir, exist_ok=True)
+        common = [
+            "-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo",
+            "-Xcompiler", "-fPIC", "-DSF_WITH_CUDA=1",
+            *[f"-I{i}" for i in INCLUDES], *gencode_flags(),
+        ]
+
+        def one(src):
+            obj = os.path.join(out_dir, src.replace(os.sep, "_") + ".o")
+            if (os.path.exists(obj) and not self.force
+                    and os.path.getmtime(obj) >= max(os.path.getmtime(src), newest_header())):
+                return obj
+            cmd = [nvcc, "-c", src, "-o", obj, *common]
+            print(" ".join(cmd), flush=True)
+            subprocess.check_call(cmd, cwd=ROOT)
+            return obj
+
+        with ThreadPoolExecutor(max_workers=JOBS) as pool:
+            return list(pool.map(one, CU_SOURCES))
+
+
+def newest_header():
+    headers = glob.glob(os.path.join(ROOT, "csrc", "**", "*.h"), recursive=True)
+    headers += glob.glob(os.path.join(ROOT, "csrc", "**", "*.cuh"), recursive=True)
+    return max((os.path.getmtime(h) for h in headers), default=0)
+
+
+ext = Extension(
+    "seqfuse._C",
+    sources=C_SOURCES,
+    include_dirs=INCLUDES,
+    define_macros=define_macros,
+    libraries=libraries,
+    library_dirs=library_dirs,
+    runtime_library_dirs=rpaths,
+    extra_compile_args=["-std=c11", "-O2", "-Wall", "-Wextra", "-Wno-unused-parameter",
+                        "-Wno-missing-field-initializers", "-fvisibility=hidden"],
+    depends=sources("csrc/**/*.h"),
+)
+
+setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt})
