@@ -1,0 +1,11 @@
+"""Transformer Engine's PyTorch API, spelled the same way, so code written for
+it runs by changing the import:
+
+    import seqfuse.pytorch as te
+    from seqfuse.common.recipe import Format, DelayedScaling
+
+Each export below comes from the module that implements it (seqfuse.modules,
+seqfuse.quantization); this file only gathers the names.
+"""
+# Exports are added here by each module family as it lands.
+__all__ = []
