@@ -52,6 +52,22 @@ static inline void sf_cuda_device_restore(sf_cuda_device_guard *g)
 
 static inline cudaStream_t sf_cuda_stream(sf_stream s) { return (cudaStream_t)s; }
 
+/* Multiprocessor count of a device, asked once per device and cached (launch
+ * sizing runs on every call; the attribute query is not free). */
+static inline int sf_cuda_sm_count(int device)
+{
+    static int cached[64];
+    if (device < 0 || device >= 64)
+        return 132;
+    if (cached[device] == 0) {
+        int n = 0;
+        if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0)
+            return 132; /* not cached: ask again next time */
+        cached[device] = n;
+    }
+    return cached[device];
+}
+
 /* Blocks for a grid-stride loop over n items: enough to fill the GPU a few
  * times over, never more than the work needs. */
 static inline int sf_grid_size(int64_t n, int block, int max_blocks)

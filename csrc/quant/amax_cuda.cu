@@ -102,10 +102,7 @@ template <typename T>
 sf_status launch(const sf_tensor *x, unsigned *out, cudaStream_t stream)
 {
     int64_t n = sf_numel(x);
-    int sms = 0;
-    int device = 0;
-    SF_CUDA_TRY("amax", cudaGetDevice(&device));
-    SF_CUDA_TRY("amax", cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    int sms = sf_cuda_sm_count(x->device_id);
     if (sf_is_contiguous(x)) {
         int64_t work = n / (16 / sizeof(T)) + 1;
         int grid = sf_grid_size(work, kBlock, sms * 4);
