@@ -1,6 +1,13 @@
 /*
  * seqfuse_rope.h - public C API of the rope family: rotary position embeddings on bshd, sbhd and packed thd (csrc/rope/).
  * Included by seqfuse.h; include that, not this.
+ *
+ * The rotation follows Transformer Engine's apply_rotary_pos_emb exactly:
+ * out[j] = t[j] * cos(freqs[pos, j]) + rotate(t)[j] * sin(freqs[pos, j]) for
+ * j < rot_dim (the last dimension of freqs), out[j] = t[j] beyond it, with
+ * rotate pairing element j with j + rot_dim/2 (half-split: GPT-NeoX, Llama,
+ * ESM) or with its neighbour 2i <-> 2i+1 (interleaved: GPT-J), the first of
+ * each pair negated.  The backward pass applies the transposed rotation.
  */
 #ifndef SEQFUSE_ROPE_H
 #define SEQFUSE_ROPE_H
@@ -11,6 +18,33 @@
 extern "C" {
 #endif
 
+/* Where the sequence position of a token comes from. */
+typedef enum sf_rope_format {
+    SF_ROPE_SBHD = 0, /* t [s, b, h, d]: position = s index */
+    SF_ROPE_BSHD = 1, /* t [b, s, h, d]: position = s index */
+    SF_ROPE_THD = 2,  /* t [T, h, d] packed: position = token - cu_seqlens[seq];
+                         tokens at or past cu_seqlens[last] pass through unchanged */
+} sf_rope_format;
+
+/*
+ * sf_rope: out = RoPE(t) (backward = 0) or its gradient dt = RoPE^T(dout)
+ * (backward = 1, t holds dout).
+ *   t, out           fp32 / fp16 / bf16, same dtype and shape, any strides
+ *                    (out may be t itself: every pair is read before written)
+ *   freqs            fp32 [s2, 1, 1, rot_dim] (or [s2, rot_dim]), rot_dim even,
+ *                    rot_dim <= d; angles in radians, as TE's
+ *                    RotaryPositionEmbedding produces them
+ *   cu_seqlens       int32 [batch + 1], non-decreasing from 0; thd only (NULL otherwise)
+ *   start_positions  NULL or int32 [batch]: positions of sequence i are offset
+ *                    by start_positions[i]
+ * A position outside [0, s2) is an error on the CPU.  The CUDA backend does not
+ * read cu_seqlens or start_positions on the host (no synchronization); there a
+ * token whose position falls outside freqs gets NaN in its rotated part.
+ */
+sf_status sf_rope(const sf_tensor *t, const sf_tensor *freqs,
+                  const sf_tensor *cu_seqlens, const sf_tensor *start_positions,
+                  sf_rope_format format, int interleaved, int backward,
+                  sf_tensor *out, sf_stream stream);
 
 #ifdef __cplusplus
 }

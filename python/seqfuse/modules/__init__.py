@@ -1,4 +1,6 @@
 """torch.nn.Module layers built on seqfuse.ops, each with its autograd
 Function: Linear, LayerNorm, RMSNorm, LayerNormLinear, LayerNormMLP,
 DotProductAttention, MultiheadAttention, TransformerLayer, ..."""
-__all__ = []
+from .rope import FusedRoPEFunc, RotaryPositionEmbedding, apply_rotary_pos_emb
+
+__all__ = ["FusedRoPEFunc", "RotaryPositionEmbedding", "apply_rotary_pos_emb"]

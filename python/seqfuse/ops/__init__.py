@@ -5,5 +5,6 @@ memory), hands them to seqfuse._C as destination arguments, and runs on the
 caller's current CUDA stream.
 """
 from .quant import amax
+from .rope import rope_backward, rope_forward
 
-__all__ = ["amax"]
+__all__ = ["amax", "rope_forward", "rope_backward"]

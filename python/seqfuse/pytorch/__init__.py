@@ -8,4 +8,6 @@ Each export below comes from the module that implements it (seqfuse.modules,
 seqfuse.quantization); this file only gathers the names.
 """
 # Exports are added here by each module family as it lands.
-__all__ = []
+from ..modules.rope import RotaryPositionEmbedding, apply_rotary_pos_emb
+
+__all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb"]

@@ -1,0 +1,88 @@
+/*
+ * rope_cpu.c - the reference RoPE: plain loops over tokens, heads and pairs,
+ * math in fp32 with cos/sin taken in double and rounded (the definition of
+ * correct the CUDA kernel is tested against).  Elements past rot_dim are
+ * copied through; so are thd tokens past the last sequence.
+ */
+#include <math.h>
+
+#include "../core/float_bits.h"
+#include "rope_backend.h"
+
+static float load(const sf_tensor *x, int64_t off)
+{
+    switch (x->dtype) {
+    case SF_FLOAT32: return ((const float *)x->data)[off];
+    case SF_FLOAT16: return sf_f16_to_f32(((const uint16_t *)x->data)[off]);
+    default:         return sf_bf16_to_f32(((const uint16_t *)x->data)[off]);
+    }
+}
+
+static void store(sf_tensor *x, int64_t off, float v)
+{
+    switch (x->dtype) {
+    case SF_FLOAT32: ((float *)x->data)[off] = v; break;
+    case SF_FLOAT16: ((uint16_t *)x->data)[off] = sf_f32_to_f16(v); break;
+    default:         ((uint16_t *)x->data)[off] = sf_f32_to_bf16(v); break;
+    }
+}
+
+/* Sequence index and position of token (i0, i1); pos < 0: pass through. */
+static void token_position(const sf_rope_problem *p, const int32_t *cu, const int32_t *start,
+                           int64_t i0, int64_t i1, int64_t *pos)
+{
+    int64_t seq, q;
+    if (p->format == SF_ROPE_THD) {
+        if (i0 >= cu[p->batch]) {
+            *pos = -1;
+            return;
+        }
+        seq = 0;
+        while (cu[seq + 1] <= i0) /* linear search: the reference favours plainness */
+            ++seq;
+        q = i0 - cu[seq];
+    } else if (p->format == SF_ROPE_BSHD) {
+        seq = i0;
+        q = i1;
+    } else {
+        seq = i1;
+        q = i0;
+    }
+    *pos = q + (start ? start[seq] : 0);
+}
+
+sf_status sf_rope_cpu(const sf_rope_problem *p, const sf_tensor *t, const sf_tensor *freqs,
+                      const int32_t *cu, const int32_t *start, sf_tensor *out)
+{
+    const float *f = (const float *)freqs->data;
+    for (int64_t i0 = 0; i0 < p->n0; ++i0)
+        for (int64_t i1 = 0; i1 < p->n1; ++i1) {
+            int64_t pos;
+            token_position(p, cu, start, i0, i1, &pos);
+            int64_t in_tok = i0 * p->in_stride[0] + i1 * p->in_stride[1];
+            int64_t out_tok = i0 * p->out_stride[0] + i1 * p->out_stride[1];
+            for (int64_t h = 0; h < p->heads; ++h) {
+                int64_t in_h = in_tok + h * p->in_stride[2];
+                int64_t out_h = out_tok + h * p->out_stride[2];
+                int64_t first_copied = pos < 0 ? 0 : p->rot;
+                if (pos >= 0) {
+                    for (int64_t i = 0; i < p->rot / 2; ++i) {
+                        int64_t j1, j2;
+                        sf_rope_pair_index(p->interleaved, p->rot, i, &j1, &j2);
+                        double a1 = f[pos * p->f_stride_pos + j1 * p->f_stride_dim];
+                        double a2 = f[pos * p->f_stride_pos + j2 * p->f_stride_dim];
+                        float x1 = load(t, in_h + j1 * p->in_stride[3]);
+                        float x2 = load(t, in_h + j2 * p->in_stride[3]);
+                        float y1, y2;
+                        sf_rope_rotate(p->backward, x1, x2, (float)cos(a1), (float)sin(a1),
+                                       (float)cos(a2), (float)sin(a2), &y1, &y2);
+                        store(out, out_h + j1 * p->out_stride[3], y1);
+                        store(out, out_h + j2 * p->out_stride[3], y2);
+                    }
+                }
+                for (int64_t j = first_copied; j < p->dim; ++j)
+                    store(out, out_h + j * p->out_stride[3], load(t, in_h + j * p->in_stride[3]));
+            }
+        }
+    return SF_OK;
+}

@@ -1,0 +1,92 @@
+"""Rotary position embeddings as Transformer Engine spells them:
+``RotaryPositionEmbedding(dim, ...)`` makes the angle table ``freqs``
+([max_seq_len, 1, 1, dim], float32) and ``apply_rotary_pos_emb(t, freqs,
+tensor_format, ...)`` rotates q or k with it through seqfuse's fused kernel
+(forward and backward, all three formats, packed thd with cu_seqlens).
+
+Differences from TE, stated rather than hidden: ``fused`` is accepted and
+ignored (the fused kernel is always used); context parallelism (``cp_size`` >
+1) raises NotImplementedError.
+"""
+from typing import Optional
+
+import torch
+
+from ..ops import rope as _rope
+
+
+class FusedRoPEFunc(torch.autograd.Function):
+    """Autograd Function over seqfuse.ops.rope_forward / rope_backward."""
+
+    @staticmethod
+    def forward(ctx, t, freqs, start_positions, tensor_format, interleaved, cu_seqlens):
+        if freqs.dtype != torch.float32:
+            freqs = freqs.float()
+        out = _rope.rope_forward(t, freqs, tensor_format, interleaved, cu_seqlens, start_positions)
+        ctx.save_for_backward(freqs, cu_seqlens, start_positions)
+        ctx.tensor_format = tensor_format
+        ctx.interleaved = interleaved
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        freqs, cu_seqlens, start_positions = ctx.saved_tensors
+        grad = _rope.rope_backward(grad_out, freqs, ctx.tensor_format, ctx.interleaved,
+                                   cu_seqlens, start_positions)
+        return grad, None, None, None, None, None
+
+
+def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, tensor_format: str = "sbhd",
+                         start_positions: Optional[torch.Tensor] = None, interleaved: bool = False,
+                         fused: bool = True, cu_seqlens: Optional[torch.Tensor] = None,
+                         cp_size: int = 1, cp_rank: int = 0) -> torch.Tensor:
+    """Apply rotary position embedding ``freqs`` ([s2, 1, 1, rot_dim] float32)
+    to ``t`` ([s, b, h, d] for 'sbhd', [b, s, h, d] for 'bshd', [T, h, d] for
+    'thd' with ``cu_seqlens`` int32 [batch + 1]).  Elements past rot_dim pass
+    through.  Same signature as transformer_engine.pytorch's."""
+    if cp_size != 1 or cp_rank != 0:
+        raise NotImplementedError(
+            "apply_rotary_pos_emb: context parallelism (cp_size > 1) is not supported by seqfuse yet")
+    return FusedRoPEFunc.apply(t, freqs, start_positions, tensor_format, interleaved, cu_seqlens)
+
+
+class RotaryPositionEmbedding(torch.nn.Module):
+    """The angle table of rotary position embeddings (https://arxiv.org/abs/2104.09864),
+    as Transformer Engine's module of the same name makes it.
+
+    ``forward(max_seq_len, offset=0)`` returns float32 [max_seq_len, 1, 1, dim']
+    with dim' = int(dim * rotary_percent): position p times inv_freq, each
+    frequency repeated for both members of its pair (halves concatenated, or
+    neighbours when ``interleaved``)."""
+
+    def __init__(self, dim: int, rotary_percent: float = 1.0,
+                 seq_len_interpolation_factor: Optional[int] = None,
+                 pretrained_max_position_embeddings: Optional[int] = None,
+                 rotary_base: float = 10000.0, interleaved: bool = False, device=None):
+        super().__init__()
+        if rotary_percent < 1.0:
+            dim = int(dim * rotary_percent)
+        if dim <= 0 or dim % 2:
+            raise ValueError(f"RotaryPositionEmbedding: rotary dim must be even and positive, got {dim}")
+        self.seq_len_interpolation_factor = seq_len_interpolation_factor
+        self.pretrained_max_position_embeddings = pretrained_max_position_embeddings
+        self.rotary_base = rotary_base
+        self.interleaved = interleaved
+        if device is None:
+            device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        inv_freq = 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+        self.register_buffer("inv_freq", inv_freq)
+
+    def forward(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        seq = torch.arange(max_seq_len, device=self.inv_freq.device, dtype=self.inv_freq.dtype) + offset
+        if self.pretrained_max_position_embeddings is not None and self.seq_len_interpolation_factor is not None:
+            if max_seq_len > self.pretrained_max_position_embeddings * self.seq_len_interpolation_factor:
+                seq *= 1 / (max_seq_len / self.pretrained_max_position_embeddings)
+            else:
+                seq *= 1 / self.seq_len_interpolation_factor
+        freqs = torch.outer(seq, self.inv_freq)
+        if self.interleaved:
+            emb = freqs.repeat_interleave(2, dim=-1)
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.reshape(emb.size(0), 1, 1, emb.size(1))

@@ -1,0 +1,62 @@
+"""Rotary position embeddings (csrc/rope/): forward and backward on bshd, sbhd
+and packed thd, half-split (GPT-NeoX / Llama / ESM) or interleaved (GPT-J)
+pairs, with a rotary width that may be less than the head dimension.
+
+These are the plain functional ops (no autograd); seqfuse.modules.rope wraps
+them in an autograd Function and in Transformer Engine's
+``apply_rotary_pos_emb`` / ``RotaryPositionEmbedding``.
+"""
+import torch
+
+from .. import _C
+from ._call import stream_for
+
+_FORMATS = {"sbhd": 0, "bshd": 1, "thd": 2}
+_FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check(t, freqs, tensor_format, cu_seqlens, start_positions, op):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: argument 't' must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _FLOAT_INPUTS:
+        raise TypeError(f"{op}: argument 't' must have dtype float32, float16 or bfloat16, got {t.dtype}")
+    if not isinstance(freqs, torch.Tensor):
+        raise TypeError(f"{op}: argument 'freqs' must be a torch.Tensor, got {type(freqs).__name__}")
+    if tensor_format not in _FORMATS:
+        raise ValueError(f"{op}: argument 'tensor_format' must be 'sbhd', 'bshd' or 'thd', got {tensor_format!r}")
+    if tensor_format == "thd" and cu_seqlens is None:
+        raise ValueError(f"{op}: argument 'cu_seqlens' is required for tensor_format 'thd'")
+    if tensor_format != "thd" and cu_seqlens is not None:
+        raise ValueError(f"{op}: argument 'cu_seqlens' is only valid for tensor_format 'thd'")
+    for name, v in (("cu_seqlens", cu_seqlens), ("start_positions", start_positions)):
+        if v is not None and (not isinstance(v, torch.Tensor) or v.dtype != torch.int32):
+            got = v.dtype if isinstance(v, torch.Tensor) else type(v).__name__
+            raise TypeError(f"{op}: argument '{name}' must be an int32 torch.Tensor, got {got}")
+
+
+def _run(t, freqs, tensor_format, interleaved, cu_seqlens, start_positions, backward, out):
+    op = "rope_backward" if backward else "rope"
+    _check(t, freqs, tensor_format, cu_seqlens, start_positions, op)
+    if out is None:
+        out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    _C.rope(t.detach(), freqs.detach(), cu_seqlens, start_positions, _FORMATS[tensor_format],
+            bool(interleaved), bool(backward), out, stream_for(t))
+    return out
+
+
+def rope_forward(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None,
+                 start_positions=None, out=None):
+    """RoPE of ``t`` ([s, b, h, d] sbhd, [b, s, h, d] bshd or [T, h, d] thd)
+    with angles ``freqs`` (float32 [s2, 1, 1, rot_dim], radians).  For thd,
+    positions restart at each ``cu_seqlens`` (int32 [batch + 1]) boundary;
+    ``start_positions`` (int32 [batch]) offsets each sequence.  ``t`` may have
+    any strides (e.g. q/k views of a packed qkv); the result is a new
+    contiguous tensor unless ``out`` is given (``out=t`` rotates in place)."""
+    return _run(t, freqs, tensor_format, interleaved, cu_seqlens, start_positions, False, out)
+
+
+def rope_backward(grad_out, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None,
+                  start_positions=None, out=None):
+    """Gradient of :func:`rope_forward` with respect to ``t``, given the
+    gradient of its output (same arguments)."""
+    return _run(grad_out, freqs, tensor_format, interleaved, cu_seqlens, start_positions, True, out)
