@@ -24,3 +24,23 @@ def stream_for(t):
 def exchange_api_in_use():
     """True when tensors cross into C through the C exchange API."""
     return FAST_EXCHANGE and _C.exchange_api_enabled()
+
+
+def _fp8_exports_through_dlpack():
+    try:
+        torch.zeros(1, dtype=torch.float8_e4m3fn).__dlpack__()
+        return True
+    except (RuntimeError, BufferError, TypeError, AttributeError):
+        return False
+
+
+#: True when this torch can hand float8 tensors to DLPack (torch 2.6 cannot).
+FP8_DLPACK = _fp8_exports_through_dlpack()
+
+
+def require_fp8_dlpack(op):
+    """Raise a clear error where this torch cannot pass float8 tensors to C."""
+    if not FP8_DLPACK:
+        raise NotImplementedError(
+            f"{op}: this torch ({torch.__version__}) cannot export float8 tensors through "
+            "DLPack; seqfuse's FP8 ops need a torch release that can (2.11 and later are tested)")
