@@ -4,3 +4,7 @@ DotProductAttention, MultiheadAttention, TransformerLayer, ..."""
 from .rope import FusedRoPEFunc, RotaryPositionEmbedding, apply_rotary_pos_emb
 
 __all__ = ["FusedRoPEFunc", "RotaryPositionEmbedding", "apply_rotary_pos_emb"]
+
+from .attention import DotProductAttention  # noqa: E402
+
+__all__ += ["DotProductAttention"]

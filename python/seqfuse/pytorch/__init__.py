@@ -11,3 +11,7 @@ seqfuse.quantization); this file only gathers the names.
 from ..modules.rope import RotaryPositionEmbedding, apply_rotary_pos_emb
 
 __all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb"]
+
+from ..modules.attention import DotProductAttention  # noqa: E402
+
+__all__ += ["DotProductAttention"]

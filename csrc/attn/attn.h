@@ -1,0 +1,141 @@
+/*
+ * attn.h - what both attention backends share: the problem as the C entry
+ * (attn.c) resolves it once (pointers, strides in elements, lengths, mask
+ * parameters), and the static inline rules every backend must agree on:
+ * where sequence b starts and how long it is, and which (query, key) pairs
+ * the mask lets through.  Usable from host C and CUDA device code.
+ */
+#ifndef SF_ATTN_INTERNAL_H
+#define SF_ATTN_INTERNAL_H
+
+#include <stdint.h>
+
+#include "seqfuse.h"
+
+#if defined(__CUDACC__)
+#define SF_ATTN_HD static inline __host__ __device__
+#else
+#define SF_ATTN_HD static inline
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* A [batch, token, head, dim] view: element (b, t, h, d) lives at
+ * ptr + b*sb + t*ss + h*sh + d (elements of the tensor's dtype).  THD views
+ * have sb = 0 and t counts from the start of the packed buffer. */
+typedef struct sf_attn_view {
+    void *ptr;
+    int64_t sb, ss, sh;
+} sf_attn_view;
+
+typedef struct sf_attn_problem {
+    sf_dtype dtype;            /* of q, k, v, out, dout, dq, dk, dv */
+    int batch, heads, heads_kv, head_dim;
+    int thd;
+    int max_sq, max_sk;        /* rows the grid covers per sequence */
+    int64_t extent_q, extent_k;/* THD: tokens in the buffers; else s_q, s_kv */
+    const int32_t *cu_q, *cu_k;/* NULL: every sequence has max_sq / max_sk rows */
+    int window_left, window_right; /* -1 unbounded; causal already folded in */
+    int bottom_right;          /* diagonal offset sk - sq (1) or 0 (0) */
+    float scale;
+    int deterministic;
+    sf_attn_view q, k, v, o, dout, dq, dk, dv;
+    sf_attn_view dq_accum;     /* float32 */
+    float *lse, *delta;        /* index lse_index() */
+    int64_t lse_sb, lse_sh;
+} sf_attn_problem;
+
+/* Start row (token index in the view) and length of sequence b. */
+SF_ATTN_HD void sf_attn_seq_q(const sf_attn_problem *p, int b, int64_t *start, int *len)
+{
+    if (p->thd) {
+        int64_t s = p->cu_q[b], e = p->cu_q[b + 1];
+        s = s < 0 ? 0 : (s > p->extent_q ? p->extent_q : s);
+        e = e < s ? s : (e > p->extent_q ? p->extent_q : e);
+        *start = s;
+        *len = (int)(e - s < p->max_sq ? e - s : p->max_sq);
+    } else {
+        *start = 0;
+        if (p->cu_q) {
+            int64_t n = (int64_t)p->cu_q[b + 1] - p->cu_q[b];
+            *len = (int)(n < 0 ? 0 : (n > p->max_sq ? p->max_sq : n));
+        } else {
+            *len = p->max_sq;
+        }
+    }
+}
+
+SF_ATTN_HD void sf_attn_seq_k(const sf_attn_problem *p, int b, int64_t *start, int *len)
+{
+    if (p->thd) {
+        int64_t s = p->cu_k[b], e = p->cu_k[b + 1];
+        s = s < 0 ? 0 : (s > p->extent_k ? p->extent_k : s);
+        e = e < s ? s : (e > p->extent_k ? p->extent_k : e);
+        *start = s;
+        *len = (int)(e - s < p->max_sk ? e - s : p->max_sk);
+    } else {
+        *start = 0;
+        if (p->cu_k) {
+            int64_t n = (int64_t)p->cu_k[b + 1] - p->cu_k[b];
+            *len = (int)(n < 0 ? 0 : (n > p->max_sk ? p->max_sk : n));
+        } else {
+            *len = p->max_sk;
+        }
+    }
+}
+
+/* Diagonal offset of sequence lengths sq, sk: query r sits on key r + off. */
+SF_ATTN_HD int sf_attn_diag(const sf_attn_problem *p, int sq, int sk)
+{
+    return p->bottom_right ? sk - sq : 0;
+}
+
+/* 1 if query row r may attend key c (both already within their lengths). */
+SF_ATTN_HD int sf_attn_allowed(int r, int c, int off, int left, int right)
+{
+    if (right >= 0 && c > r + off + right)
+        return 0;
+    if (left >= 0 && c < r + off - left)
+        return 0;
+    return 1;
+}
+
+/* Keys [*lo, *hi) that rows [r0, r1] (inclusive) may see, within [0, sk). */
+SF_ATTN_HD void sf_attn_key_range(int r0, int r1, int off, int left, int right, int sk,
+                                  int *lo, int *hi)
+{
+    int a = 0, b = sk;
+    if (left >= 0 && r0 + off - left > a)
+        a = r0 + off - left;
+    if (right >= 0 && r1 + off + right + 1 < b)
+        b = r1 + off + right + 1;
+    *lo = a;
+    *hi = b > a ? b : a;
+}
+
+/* Query rows [*lo, *hi) that may see some key of [c0, c1] (inclusive), within [0, sq). */
+SF_ATTN_HD void sf_attn_query_range(int c0, int c1, int off, int left, int right, int sq,
+                                    int *lo, int *hi)
+{
+    int a = 0, b = sq;
+    if (right >= 0 && c0 - off - right > a)
+        a = c0 - off - right;
+    if (left >= 0 && c1 - off + left + 1 < b)
+        b = c1 - off + left + 1;
+    *lo = a;
+    *hi = b > a ? b : a;
+}
+
+/* Backend entry points: the problem has been validated by attn.c. */
+sf_status sf_attn_fwd_cpu(const sf_attn_problem *p);
+sf_status sf_attn_bwd_cpu(const sf_attn_problem *p);
+sf_status sf_attn_fwd_cuda(const sf_attn_problem *p, sf_stream stream, int device);
+sf_status sf_attn_bwd_cuda(const sf_attn_problem *p, sf_stream stream, int device);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* SF_ATTN_INTERNAL_H */

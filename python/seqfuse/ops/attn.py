@@ -1,0 +1,183 @@
+"""Fused attention (csrc/attn/): softmax(scale * Q K^T + mask) V without the
+attention matrix, for padded (bshd, sbhd) and packed (thd) batches.
+
+``attention`` is the autograd-aware entry; ``attention_fwd`` and
+``attention_bwd`` are the two halves, with the log-sum-exp the forward saves
+for the backward.  Masks and layouts are spelled as in Transformer Engine:
+
+- ``qkv_format``: "bshd" [b, s, h, d], "sbhd" [s, b, h, d], "thd" [t, h, d]
+  (sequences packed back to back, delimited by ``cu_seqlens_q/kv``, int32
+  [b+1] cumulative lengths).
+- ``attn_mask_type``: "no_mask", "padding", "causal", "padding_causal"
+  (top-left aligned diagonal, as TE's "causal" and torch's ``is_causal``),
+  "causal_bottom_right", "padding_causal_bottom_right" (diagonal through the
+  last query and the last key, as flash-attn 2.1+).  In thd every mask is a
+  padding mask (sequences never see each other).
+- ``window_size`` = (left, right): query r sees keys r+off-left .. r+off+right,
+  -1 for unbounded; (-1, -1) or None means no window.  off is 0 for the
+  top-left causal masks and sk - sq otherwise (as TE).
+- GQA/MQA: k and v may have fewer heads than q (a divisor of its count).
+
+CUDA: float16/bfloat16, head dims 64 and 128.  CPU: the reference in double
+precision, any head dim, float32 too.  No dropout.
+"""
+import math
+
+import torch
+
+from .. import _C
+from ._call import stream_for
+
+FORMATS = {"bshd": 0, "sbhd": 1, "thd": 2}
+MASKS = {
+    "no_mask": 0,
+    "padding": 1,
+    "causal": 2,
+    "padding_causal": 3,
+    "padding,causal": 3,
+    "causal,padding": 3,
+    "causal_bottom_right": 4,
+    "padding_causal_bottom_right": 5,
+}
+_PADDING = {1, 3, 5}
+
+
+def _mask_code(attn_mask_type, qkv_format):
+    if attn_mask_type not in MASKS:
+        raise ValueError(f"attention: attn_mask_type must be one of {sorted(MASKS)}, got {attn_mask_type!r}")
+    code = MASKS[attn_mask_type]
+    if qkv_format == "thd" and code not in _PADDING:
+        code = {0: 1, 2: 3, 4: 5}[code]  # packed sequences are always delimited
+    return code
+
+
+def _window(window_size):
+    if window_size is None:
+        return -1, -1
+    if len(window_size) != 2:
+        raise ValueError(f"attention: window_size must be (left, right), got {window_size!r}")
+    left, right = (int(w) for w in window_size)
+    if left < -1 or right < -1:
+        raise ValueError(f"attention: window_size entries must be -1 or >= 0, got {window_size!r}")
+    return left, right
+
+
+def _max_seqlen(cu, given):
+    if given is not None:
+        return int(given)
+    if cu.numel() < 2:
+        return 0
+    return int((cu[1:] - cu[:-1]).max().item())  # one host sync, as TE does
+
+
+def _last_dim_contiguous(x):
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _check_tensor(name, x):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"attention: argument '{name}' must be a torch.Tensor, got {type(x).__name__}")
+
+
+def _config(q, k, qkv_format, attn_mask_type, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
+            max_seqlen_kv, window_size, softmax_scale, deterministic):
+    if qkv_format not in FORMATS:
+        raise ValueError(f"attention: qkv_format must be 'bshd', 'sbhd' or 'thd', got {qkv_format!r}")
+    mask = _mask_code(attn_mask_type, qkv_format)
+    left, right = _window(window_size)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    if qkv_format == "thd":
+        if cu_seqlens_q is None or cu_seqlens_kv is None:
+            raise ValueError("attention: qkv_format 'thd' needs cu_seqlens_q and cu_seqlens_kv")
+        msq = _max_seqlen(cu_seqlens_q, max_seqlen_q)
+        msk = _max_seqlen(cu_seqlens_kv, max_seqlen_kv)
+    else:
+        s_dim = 1 if qkv_format == "bshd" else 0
+        msq, msk = q.shape[s_dim], k.shape[s_dim]
+        if mask not in _PADDING:
+            cu_seqlens_q = cu_seqlens_kv = None  # full rows: lengths not needed
+        elif cu_seqlens_q is None or cu_seqlens_kv is None:
+            raise ValueError(f"attention: attn_mask_type {attn_mask_type!r} in {qkv_format} needs "
+                             "cu_seqlens_q and cu_seqlens_kv (or an attention_mask in the module)")
+    cfg = (FORMATS[qkv_format], mask, left, right, float(softmax_scale), msq, msk, int(bool(deterministic)))
+    return cfg, cu_seqlens_q, cu_seqlens_kv
+
+
+def _lse_shape(q, qkv_format, cfg):
+    if qkv_format == "thd":
+        return (q.shape[1], q.shape[0])
+    b = q.shape[0] if qkv_format == "bshd" else q.shape[1]
+    return (b, q.shape[-2], cfg[5])
+
+
+def attention_fwd(q, k, v, *, qkv_format="bshd", attn_mask_type="no_mask", cu_seqlens_q=None,
+                  cu_seqlens_kv=None, max_seqlen_q=None, max_seqlen_kv=None, window_size=None,
+                  softmax_scale=None, out=None, lse=None):
+    """Forward only: returns (out, lse).  out has q's shape and dtype; lse is
+    float32 [b, h, s_q] (bshd/sbhd) or [h, t] (thd), +inf on rows that see
+    no key.  ``out``/``lse`` may be given to write into."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, x)
+    q, k, v = (_last_dim_contiguous(x.detach()) for x in (q, k, v))
+    cfg, cu_q, cu_k = _config(q, k, qkv_format, attn_mask_type, cu_seqlens_q, cu_seqlens_kv,
+                              max_seqlen_q, max_seqlen_kv, window_size, softmax_scale, False)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty(_lse_shape(q, qkv_format, cfg), dtype=torch.float32, device=q.device)
+    _C.attn_fwd(q, k, v, cu_q, cu_k, out, lse, cfg, stream_for(q))
+    return out, lse
+
+
+def attention_bwd(dout, q, k, v, out, lse, *, qkv_format="bshd", attn_mask_type="no_mask",
+                  cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=None, max_seqlen_kv=None,
+                  window_size=None, softmax_scale=None, deterministic=False):
+    """Backward: returns (dq, dk, dv) in the shapes of q, k, v.  With
+    ``deterministic`` the CUDA kernel computes dQ without atomics (bitwise
+    reproducible, a little slower)."""
+    for name, x in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
+        _check_tensor(name, x)
+    dout, q, k, v, out = (_last_dim_contiguous(x.detach()) for x in (dout, q, k, v, out))
+    cfg, cu_q, cu_k = _config(q, k, qkv_format, attn_mask_type, cu_seqlens_q, cu_seqlens_kv,
+                              max_seqlen_q, max_seqlen_kv, window_size, softmax_scale, deterministic)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
+    _C.attn_bwd(q, k, v, out, dout, lse, cu_q, cu_k, dq, dk, dv, dq_accum, delta, cfg, stream_for(q))
+    return dq, dk, dv
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_kv, opts, deterministic):
+        out, lse = attention_fwd(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, **opts)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv)
+        ctx.opts, ctx.deterministic = opts, deterministic
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        dq, dk, dv = attention_bwd(dout, q, k, v, out, lse, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k,
+                                   deterministic=ctx.deterministic, **ctx.opts)
+        return dq, dk, dv, None, None, None, None
+
+
+def attention(q, k, v, *, qkv_format="bshd", attn_mask_type="no_mask", cu_seqlens_q=None,
+              cu_seqlens_kv=None, max_seqlen_q=None, max_seqlen_kv=None, window_size=None,
+              softmax_scale=None, deterministic=False):
+    """Fused attention with autograd: returns out (q's shape and dtype)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, x)
+    if qkv_format == "thd" and cu_seqlens_q is not None and cu_seqlens_kv is not None:
+        # resolve the max lengths once so forward and backward agree without a second sync
+        max_seqlen_q = _max_seqlen(cu_seqlens_q, max_seqlen_q)
+        max_seqlen_kv = _max_seqlen(cu_seqlens_kv, max_seqlen_kv)
+    opts = dict(qkv_format=qkv_format, attn_mask_type=attn_mask_type, max_seqlen_q=max_seqlen_q,
+                max_seqlen_kv=max_seqlen_kv, window_size=window_size, softmax_scale=softmax_scale)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _Attention.apply(q, k, v, cu_seqlens_q, cu_seqlens_kv, opts, bool(deterministic))
+    return attention_fwd(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, **opts)[0]

@@ -1,0 +1,266 @@
+"""seqfuse.ops.attention on the CPU (the C reference backend) against an
+independent float64 torch reference (tests/attn_ref.py) and torch's
+scaled_dot_product_attention: every layout, mask, window, GQA ratio, forward
+and gradients; packed (thd) against padded (bshd) on the same sequences; and
+every bad input's error.  The CUDA kernel is tested in test_attn_cuda.py."""
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import seqfuse
+from attn_ref import PADDING, cu_seqlens, pack, reference, unpack
+from helpers import assert_close_rel
+
+attention = seqfuse.ops.attention
+
+MASKS = ["no_mask", "padding", "causal", "padding_causal", "causal_bottom_right",
+         "padding_causal_bottom_right"]
+
+
+def make(shape_q, shape_kv, dtype, requires_grad=False):
+    q = torch.randn(shape_q).to(dtype).requires_grad_(requires_grad)
+    k = torch.randn(shape_kv).to(dtype).requires_grad_(requires_grad)
+    v = torch.randn(shape_kv).to(dtype).requires_grad_(requires_grad)
+    return q, k, v
+
+
+def grads(out_fn, inputs, dout):
+    for x in inputs:
+        x.grad = None
+    out = out_fn()
+    out.backward(dout)
+    return out.detach(), [x.grad.clone() for x in inputs]
+
+
+def padded_case(fmt, mask, b, sq, sk, h, hk, d, dtype, window=None, seed_lengths=0):
+    rng = random.Random(seed_lengths)
+    q, k, v = make((b, sq, h, d), (b, sk, hk, d), dtype, requires_grad=True)
+    if fmt == "sbhd":
+        q, k, v = (x.detach().transpose(0, 1).contiguous().requires_grad_() for x in (q, k, v))
+    lq = lk = None
+    kw = {}
+    if mask in PADDING:
+        lq = [rng.randint(0, sq) for _ in range(b)]
+        lk = [rng.randint(1, sk) for _ in range(b)]
+        lq[0], lk[0] = sq, sk  # one full row
+        kw = dict(cu_seqlens_q=cu_seqlens(lq), cu_seqlens_kv=cu_seqlens(lk))
+    return q, k, v, lq, lk, kw
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("sq,sk", [(7, 7), (13, 5), (5, 17)])
+@pytest.mark.parametrize("h,hk", [(4, 4), (4, 2), (3, 1)])
+def test_padded_forward_backward_float32(fmt, mask, sq, sk, h, hk, seed):
+    d = 16
+    q, k, v, lq, lk, kw = padded_case(fmt, mask, 3, sq, sk, h, hk, d, torch.float32, seed_lengths=seed)
+    dout = torch.randn(q.shape)
+    out, (dq, dk, dv) = grads(lambda: attention(q, k, v, qkv_format=fmt, attn_mask_type=mask, **kw),
+                              [q, k, v], dout)
+    qr, kr, vr = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = reference(qr, kr, vr, qkv_format=fmt, attn_mask_type=mask, seqlens_q=lq, seqlens_kv=lk)
+    ref.backward(dout.double())
+    assert_close_rel(out, ref, torch.float32)
+    assert_close_rel(dq, qr.grad, torch.float32)
+    assert_close_rel(dk, kr.grad, torch.float32)
+    assert_close_rel(dv, vr.grad, torch.float32)
+
+
+@pytest.mark.parametrize("mask", ["no_mask", "causal", "causal_bottom_right", "padding_causal"])
+@pytest.mark.parametrize("window", [(3, 0), (2, 2), (0, -1), (-1, 1), (5, -1)])
+@pytest.mark.parametrize("sq,sk", [(9, 9), (6, 11), (11, 6)])
+def test_sliding_window(mask, window, sq, sk, seed):
+    q, k, v, lq, lk, kw = padded_case("bshd", mask, 2, sq, sk, 2, 1, 8, torch.float32, seed_lengths=seed)
+    dout = torch.randn(q.shape)
+    out, (dq, dk, dv) = grads(lambda: attention(q, k, v, qkv_format="bshd", attn_mask_type=mask,
+                                                window_size=window, **kw), [q, k, v], dout)
+    qr, kr, vr = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = reference(qr, kr, vr, qkv_format="bshd", attn_mask_type=mask, seqlens_q=lq, seqlens_kv=lk,
+                    window_size=window)
+    ref.backward(dout.double())
+    for a, b in ((out, ref), (dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
+        assert_close_rel(a, b, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [32, 64])
+def test_half_dtypes_forward_backward(dtype, d, seed):
+    q, k, v = make((2, 19, 4, d), (2, 19, 2, d), dtype, requires_grad=True)
+    dout = torch.randn(q.shape).to(dtype)
+    out, (dq, dk, dv) = grads(lambda: attention(q, k, v, attn_mask_type="causal"), [q, k, v], dout)
+    assert out.dtype == dtype and dq.dtype == dtype
+    qr, kr, vr = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = reference(qr, kr, vr, qkv_format="bshd", attn_mask_type="causal")
+    ref.backward(dout.double())
+    for a, b in ((out, ref), (dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
+        assert_close_rel(a, b, dtype)
+
+
+@pytest.mark.parametrize("mask", ["no_mask", "causal"])
+@pytest.mark.parametrize("h,hk", [(4, 4), (4, 1)])
+def test_matches_torch_sdpa(mask, h, hk, seed):
+    q, k, v = make((2, 23, h, 32), (2, 23, hk, 32), torch.float32, requires_grad=True)
+    dout = torch.randn(q.shape)
+    out, g = grads(lambda: attention(q, k, v, attn_mask_type=mask), [q, k, v], dout)
+    qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+    ref = F.scaled_dot_product_attention(qt, kt.repeat_interleave(h // hk, 1), vt.repeat_interleave(h // hk, 1),
+                                         is_causal=mask == "causal")
+    ref.backward(dout.transpose(1, 2))
+    assert_close_rel(out, ref.transpose(1, 2), torch.float32)
+    for a, b in zip(g, (qt.grad, kt.grad, vt.grad)):
+        assert_close_rel(a, b.transpose(1, 2), torch.float32)
+
+
+@pytest.mark.parametrize("mask", ["padding", "padding_causal", "padding_causal_bottom_right"])
+@pytest.mark.parametrize("h,hk", [(2, 2), (4, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_thd_equals_bshd(mask, h, hk, dtype, seed):
+    """Packed and padded batches of the same sequences: same outputs and
+    gradients on the real tokens; zeros elsewhere."""
+    rng = random.Random(seed)
+    b, s, d = 4, 12, 16
+    lq = [rng.randint(1, s) for _ in range(b)]
+    lk = lq if "bottom_right" not in mask else [rng.randint(1, s) for _ in range(b)]
+    qp, kp, vp = make((b, s, h, d), (b, s, hk, d), dtype)
+    for i in range(b):  # padding content must not matter: fill it with noise
+        qp[i, lq[i]:] = 100
+        kp[i, lk[i]:] = -100
+        vp[i, lk[i]:] = float("nan")
+    dout = torch.randn(qp.shape).to(dtype)
+    cq, ck = cu_seqlens(lq), cu_seqlens(lk)
+    padded = [x.clone().requires_grad_() for x in (qp, kp, vp)]
+    out_p, g_p = grads(lambda: attention(*padded, qkv_format="bshd", attn_mask_type=mask,
+                                         cu_seqlens_q=cq, cu_seqlens_kv=ck), padded, dout)
+    tail = 3  # tokens past the last sequence in the packed buffer
+    packed = [torch.cat([pack(x, n), torch.randn((tail,) + x.shape[2:]).to(dtype)]).requires_grad_()
+              for x, n in ((qp, lq), (kp, lk), (vp, lk))]
+    dout_t = torch.cat([pack(dout, lq), torch.randn((tail,) + dout.shape[2:]).to(dtype)])
+    out_t, g_t = grads(lambda: attention(*packed, qkv_format="thd", attn_mask_type=mask,
+                                         cu_seqlens_q=cq, cu_seqlens_kv=ck), packed, dout_t)
+    assert torch.equal(unpack(out_t[:-tail], lq, s), out_p)
+    assert torch.equal(out_t[-tail:], torch.zeros_like(out_t[-tail:]))
+    assert torch.equal(unpack(g_t[0][:-tail], lq, s), g_p[0])
+    assert torch.equal(unpack(g_t[1][:-tail], lk, s), g_p[1])
+    assert torch.equal(unpack(g_t[2][:-tail], lk, s), g_p[2])
+    for g in g_t:
+        assert torch.equal(g[-tail:], torch.zeros_like(g[-tail:]))
+    ref = reference(qp, kp, vp, qkv_format="bshd", attn_mask_type=mask, seqlens_q=lq, seqlens_kv=lk)
+    assert_close_rel(out_p, ref, dtype)
+
+
+def test_lse_and_empty_rows():
+    """lse = logsumexp of the scaled scores; a row that sees no key gets
+    out 0 and lse +inf; padded rows too."""
+    q, k, v = make((1, 6, 1, 8), (1, 4, 1, 8), torch.float32)
+    out, lse = seqfuse.ops.attention_fwd(q, k, v, attn_mask_type="padding_causal",
+                                         cu_seqlens_q=cu_seqlens([5]), cu_seqlens_kv=cu_seqlens([3]),
+                                         window_size=(0, 0))
+    assert lse.shape == (1, 1, 6)
+    s = (q[0, :, 0] @ k[0, :, 0].T).double() / 8 ** 0.5
+    for r in range(3):  # top-left window (0, 0): row r sees only key r
+        assert abs(lse[0, 0, r].item() - s[r, r].item()) < 1e-5
+        assert torch.allclose(out[0, r, 0], v[0, r, 0], atol=1e-6)
+    assert torch.isinf(lse[0, 0, 3:]).all()  # rows 3, 4 see no key (3 keys); row 5 is padding
+    assert torch.equal(out[0, 3:], torch.zeros_like(out[0, 3:]))
+
+
+def test_deterministic_flag_same_result_on_cpu(seed):
+    q, k, v = make((2, 9, 2, 16), (2, 9, 2, 16), torch.float32, requires_grad=True)
+    dout = torch.randn(q.shape)
+    _, g1 = grads(lambda: attention(q, k, v, attn_mask_type="causal"), [q, k, v], dout)
+    _, g2 = grads(lambda: attention(q, k, v, attn_mask_type="causal", deterministic=True), [q, k, v], dout)
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
+
+
+def test_no_grad_path_returns_plain_tensor():
+    q, k, v = make((1, 4, 2, 8), (1, 4, 2, 8), torch.float32)
+    out = attention(q, k, v)
+    assert out.grad_fn is None and out.shape == q.shape
+
+
+# ---- bad inputs -----------------------------------------------------------
+
+def test_bad_dtype():
+    q, k, v = make((1, 4, 2, 8), (1, 4, 2, 8), torch.float32)
+    with pytest.raises(TypeError, match="attention_fwd: argument 'k' must have dtype float32, got bfloat16"):
+        attention(q, k.bfloat16(), v)
+    with pytest.raises(TypeError, match="argument 'q' must have dtype float32, float16 or bfloat16, got int32"):
+        attention(q.int(), k.int(), v.int())
+
+
+def test_bad_head_dims():
+    q, k, v = make((1, 4, 2, 8), (1, 4, 2, 16), torch.float32)
+    with pytest.raises(ValueError, match="'q' and 'k' must have the same head dim, got 8 and 16"):
+        attention(q, k, v)
+    q, k, v = make((1, 4, 3, 8), (1, 4, 2, 8), torch.float32)
+    with pytest.raises(ValueError, match=r"query heads \(3\) must be a positive multiple of the number of key/value heads \(2\)"):
+        attention(q, k, v)
+    q, k, v = make((1, 4, 2, 8), (1, 4, 2, 8), torch.float32)
+    with pytest.raises(ValueError, match="'k' and 'v' must have the same shape"):
+        attention(q, k, v[:, :3])
+    with pytest.raises(ValueError, match=r"must have 3 dimensions for qkv_format thd \(\[t, h, d\]\), got 4"):
+        attention(q, k, v, qkv_format="thd", cu_seqlens_q=cu_seqlens([4]), cu_seqlens_kv=cu_seqlens([4]))
+
+
+def test_bad_cu_seqlens():
+    q, k, v = make((8, 2, 8), (8, 2, 8), torch.float32)
+    good = cu_seqlens([3, 5])
+    with pytest.raises(ValueError, match="'thd' needs cu_seqlens_q and cu_seqlens_kv"):
+        attention(q, k, v, qkv_format="thd")
+    with pytest.raises(TypeError, match="argument 'cu_seqlens_q' must have dtype int32, got int64"):
+        attention(q, k, v, qkv_format="thd", cu_seqlens_q=good.long(), cu_seqlens_kv=good, max_seqlen_q=5)
+    with pytest.raises(ValueError, match=r"'cu_seqlens_q' and 'cu_seqlens_kv' must have the same number of elements \(b\+1\), got 3 and 4"):
+        attention(q, k, v, qkv_format="thd", cu_seqlens_q=good, cu_seqlens_kv=cu_seqlens([3, 2, 3]))
+    with pytest.raises(ValueError, match="'cu_seqlens_kv' must be non-decreasing"):
+        attention(q, k, v, qkv_format="thd", cu_seqlens_q=good,
+                  cu_seqlens_kv=torch.tensor([0, 5, 4], dtype=torch.int32), max_seqlen_kv=5)
+    with pytest.raises(ValueError, match="'cu_seqlens_q' ends at 9, beyond the 8 tokens"):
+        attention(q, k, v, qkv_format="thd", cu_seqlens_q=cu_seqlens([4, 5]), cu_seqlens_kv=good)
+    with pytest.raises(ValueError, match="holds a sequence of length 5, longer than the max_seqlen 4"):
+        attention(q, k, v, qkv_format="thd", cu_seqlens_q=good, cu_seqlens_kv=good, max_seqlen_q=4,
+                  max_seqlen_kv=5)
+    qb, kb, vb = make((2, 4, 2, 8), (2, 4, 2, 8), torch.float32)
+    with pytest.raises(ValueError, match=r"'cu_seqlens_q' must have b\+1 = 3 elements, got 2"):
+        attention(qb, kb, vb, attn_mask_type="padding", cu_seqlens_q=cu_seqlens([4]),
+                  cu_seqlens_kv=cu_seqlens([4, 4]))
+    with pytest.raises(ValueError, match="padding' in bshd needs cu_seqlens_q and cu_seqlens_kv"):
+        attention(qb, kb, vb, attn_mask_type="padding")
+
+
+def test_bad_options():
+    q, k, v = make((1, 4, 2, 8), (1, 4, 2, 8), torch.float32)
+    with pytest.raises(ValueError, match="qkv_format must be 'bshd', 'sbhd' or 'thd', got 'bhsd'"):
+        attention(q, k, v, qkv_format="bhsd")
+    with pytest.raises(ValueError, match="attn_mask_type must be one of"):
+        attention(q, k, v, attn_mask_type="arbitrary")
+    with pytest.raises(ValueError, match="window_size entries must be -1 or >= 0"):
+        attention(q, k, v, window_size=(-2, 0))
+    with pytest.raises(TypeError, match="argument 'v' must be a torch.Tensor"):
+        attention(q, k, None)
+
+
+def test_c_entry_checks_outputs():
+    q, k, v = make((1, 4, 2, 8), (1, 4, 2, 8), torch.float32)
+    cfg = (0, 0, -1, -1, 0.35, 4, 4, 0)
+    lse = torch.empty(1, 2, 4)
+    with pytest.raises(ValueError, match=r"attention_fwd: argument 'lse' must have shape \[b, h, s_q\] = \[1, 2, 4\]"):
+        seqfuse._C.attn_fwd(q, k, v, None, None, torch.empty_like(q), torch.empty(1, 2, 5), cfg)
+    with pytest.raises(TypeError, match="attention_fwd: argument 'out' must have dtype float32, got bfloat16"):
+        seqfuse._C.attn_fwd(q, k, v, None, None, torch.empty_like(q, dtype=torch.bfloat16), lse, cfg)
+    with pytest.raises(ValueError, match="must be contiguous in its last \\(head\\) dimension"):
+        seqfuse._C.attn_fwd(q, k, v, None, None, torch.empty(1, 4, 8, 2).transpose(2, 3), lse, cfg)
+    with pytest.raises(ValueError, match="cu_seqlens are only taken with qkv_format thd or a padding mask"):
+        seqfuse._C.attn_fwd(q, k, v, cu_seqlens([4]), cu_seqlens([4]), torch.empty_like(q), lse, cfg)
+
+
+@pytest.mark.skipif(not seqfuse.cuda_available(), reason="needs a GPU")
+def test_cuda_unsupported_inputs_raise():
+    q, k, v = (torch.randn(1, 8, 2, 64, device="cuda") for _ in range(3))
+    with pytest.raises(NotImplementedError, match="takes float16 or bfloat16 inputs, got float32"):
+        attention(q, k, v)
+    q, k, v = (torch.randn(1, 8, 2, 96, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    with pytest.raises(NotImplementedError, match="supports head dims 64 and 128, got 96"):
+        attention(q, k, v)
