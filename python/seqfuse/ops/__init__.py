@@ -8,6 +8,7 @@ from .quant import amax
 from .rope import rope_backward, rope_forward
 
 __all__ = ["amax", "rope_forward", "rope_backward"]
+
 from .attn import attention, attention_bwd, attention_fwd  # noqa: E402
 
 __all__ += ["attention", "attention_fwd", "attention_bwd"]
