@@ -1,0 +1,21 @@
+"""Hugging Face integration.
+
+- ``accelerate(model, recipe=None)``: swap nn.Linear / nn.LayerNorm of any
+  PreTrainedModel for seqfuse's in place; returns a report of what was
+  swapped and what was left and why.
+- ESM-2 in seqfuse layers: ``SeqfuseEsmConfig`` (and the published shapes via
+  ``esm2_config``), config conversion ``from_hf_config`` / ``to_hf_config``,
+  weight conversion in ``seqfuse.hf.convert``.
+
+Importing this package registers the "seqfuse_esm" model type with
+transformers' Auto classes.  It needs ``transformers`` (>= 5).
+"""
+from .accelerate import AccelerateReport, accelerate
+from .esm_config import ESM2_SHAPES, SeqfuseEsmConfig, esm2_config, from_hf_config, to_hf_config
+from .qkv import fuse_qkv, split_qkv
+
+__all__ = [
+    "AccelerateReport", "accelerate",
+    "ESM2_SHAPES", "SeqfuseEsmConfig", "esm2_config", "from_hf_config", "to_hf_config",
+    "fuse_qkv", "split_qkv",
+]

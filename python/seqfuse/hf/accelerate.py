@@ -1,0 +1,266 @@
+"""``seqfuse.hf.accelerate(model, recipe=None)``: swap the nn.Linear and
+nn.LayerNorm modules of any Hugging Face PreTrainedModel (any nn.Module,
+really) for seqfuse's, in place, keeping the weights, and report what was
+swapped and what was left and why.
+
+Weights are kept by moving the very Parameter objects into the new modules,
+so tied weights stay tied (e.g. an LM head tied to the word embeddings), an
+optimizer built before the swap still holds the live parameters, and dtype
+and device are unchanged.  A module is swapped only when seqfuse computes
+the same function; everything else is left as it was and listed in the
+report with the reason (never a silent fallback):
+
+- a subclass of nn.Linear / nn.LayerNorm (its forward may differ), modules
+  with hooks or parametrizations (weight norm, LoRA wrappers),
+- dtypes other than float32 / float16 / bfloat16, meta or sparse weights,
+- nn.LayerNorm without elementwise affine, without bias, or over more than
+  the last dimension,
+- under an FP8 recipe, a Linear whose in/out features are not multiples of
+  16 (the FP8 GEMM's alignment),
+- modules that hold parameters but have no seqfuse counterpart
+  (transformers' Conv1D, which stores its weight transposed; embeddings;
+  model-specific RMSNorm classes; bare parameters such as an LM head bias).
+
+With a ``recipe``, the model's forward is wrapped to run under
+``seqfuse.pytorch.autocast(enabled=True, recipe=recipe)``.
+"""
+import functools
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP8_ALIGN = 16
+
+
+@dataclass
+class Swapped:
+    name: str
+    original: str
+    replacement: str
+
+
+@dataclass
+class Left:
+    name: str
+    module_type: str
+    reason: str
+
+
+@dataclass
+class AccelerateReport:
+    """What ``accelerate`` did: ``swapped`` and ``left`` lists, and the recipe."""
+
+    swapped: list = field(default_factory=list)
+    left: list = field(default_factory=list)
+    recipe: object = None
+
+    def swapped_names(self):
+        return [s.name for s in self.swapped]
+
+    def left_names(self):
+        return [entry.name for entry in self.left]
+
+    def reason(self, name):
+        """Why module ``name`` was left (KeyError if it was not)."""
+        for entry in self.left:
+            if entry.name == name:
+                return entry.reason
+        raise KeyError(f"AccelerateReport: module {name!r} was not left")
+
+    def counts(self):
+        out = {}
+        for s in self.swapped:
+            key = f"{s.original} -> {s.replacement}"
+            out[key] = out.get(key, 0) + 1
+        return out
+
+    def __str__(self):
+        lines = [f"seqfuse.hf.accelerate: swapped {len(self.swapped)} module(s), left {len(self.left)}"]
+        if self.recipe is not None:
+            lines.append(f"  forward runs under seqfuse autocast with recipe {self.recipe!r}")
+        for k, n in self.counts().items():
+            lines.append(f"  swapped {n} x {k}")
+        for entry in self.left:
+            lines.append(f"  left {entry.name or '<root>'} ({entry.module_type}): {entry.reason}")
+        return "\n".join(lines)
+
+
+def _seqfuse_modules():
+    try:
+        from seqfuse.pytorch import LayerNorm, Linear
+    except ImportError as e:
+        raise NotImplementedError(
+            "seqfuse.hf.accelerate needs seqfuse.pytorch.Linear and seqfuse.pytorch.LayerNorm, "
+            f"which this build of seqfuse does not provide ({e})") from e
+    return Linear, LayerNorm
+
+
+def _common_refusal(module):
+    """Why a module cannot be swapped whatever its type, or None."""
+    if module._forward_hooks or module._forward_pre_hooks or getattr(module, "_backward_hooks", None):
+        return "has forward/backward hooks, which the replacement would not carry"
+    if hasattr(module, "parametrizations"):
+        return "has parametrizations (e.g. weight norm), which the replacement would not carry"
+    for name, p in module.named_parameters(recurse=False):
+        if p.is_meta:
+            return f"parameter {name!r} is on the meta device (not materialised)"
+        if p.layout != torch.strided:
+            return f"parameter {name!r} has layout {p.layout}; seqfuse takes dense tensors"
+        if p.dtype not in _DTYPES:
+            return f"parameter {name!r} has dtype {p.dtype}; seqfuse's kernels take float32, float16, bfloat16"
+    return None
+
+
+def _linear_refusal(module, align):
+    if type(module) is not nn.Linear:
+        return (f"{type(module).__name__} subclasses nn.Linear with its own behaviour; "
+                "only plain nn.Linear is swapped")
+    why = _common_refusal(module)
+    if why:
+        return why
+    if align and (module.in_features % align or module.out_features % align):
+        return (f"low-precision GEMMs need in_features and out_features divisible by {align}, got "
+                f"({module.in_features}, {module.out_features}); left in torch (higher precision)")
+    return None
+
+
+def _layernorm_refusal(module):
+    if type(module) is not nn.LayerNorm:
+        return (f"{type(module).__name__} subclasses nn.LayerNorm with its own behaviour; "
+                "only plain nn.LayerNorm is swapped")
+    why = _common_refusal(module)
+    if why:
+        return why
+    if len(module.normalized_shape) != 1:
+        return (f"normalizes over the last {len(module.normalized_shape)} dimensions "
+                f"{tuple(module.normalized_shape)}; seqfuse's LayerNorm normalizes the last one")
+    if not module.elementwise_affine:
+        return "elementwise_affine=False (no weight); seqfuse's LayerNorm has a weight and a bias"
+    if module.bias is None:
+        return "bias=False; seqfuse's LayerNorm has a bias"
+    return None
+
+
+def _other_reason(module):
+    """Why a module holding its own parameters is left, for types accelerate does not swap."""
+    cls = type(module).__name__
+    if cls == "Conv1D" and type(module).__module__.startswith("transformers"):
+        return ("transformers Conv1D stores its weight as [in, out] (transposed) and is not an "
+                "nn.Linear; swapping it would change the weight layout of the checkpoint")
+    if isinstance(module, nn.Embedding):
+        return "embedding lookup: not a GEMM or norm, no seqfuse replacement"
+    if "rmsnorm" in cls.lower():
+        return (f"{cls} is the model's own RMSNorm class, not nn.LayerNorm; its exact rounding "
+                "(upcast, scale, downcast order) is model-specific, so it is not swapped")
+    if "norm" in cls.lower():
+        return f"{cls} is not nn.LayerNorm; no seqfuse replacement"
+    names = [n for n, _ in module.named_parameters(recurse=False)]
+    return f"holds parameter(s) {names} used by {cls}'s own forward; no seqfuse replacement"
+
+
+def _move_params(old, new, names):
+    """Hand ``old``'s Parameter objects to ``new`` (same identity, so ties hold)."""
+    for n in names:
+        p = getattr(old, n, None)
+        if p is None:
+            continue
+        cur = getattr(new, n, None)
+        if not isinstance(cur, torch.Tensor) or tuple(cur.shape) != tuple(p.shape):
+            raise RuntimeError(
+                f"accelerate: {type(new).__name__}.{n} has shape "
+                f"{None if cur is None else tuple(cur.shape)}, the original has {tuple(p.shape)}")
+        setattr(new, n, p)
+
+
+def _make_linear(Linear, m):
+    w = m.weight
+    new = Linear(m.in_features, m.out_features, bias=m.bias is not None,
+                 params_dtype=w.dtype, device=w.device)
+    _move_params(m, new, ("weight", "bias"))
+    return new
+
+
+def _make_layernorm(LayerNorm, m):
+    w = m.weight
+    new = LayerNorm(m.normalized_shape[0], eps=m.eps, params_dtype=w.dtype, device=w.device)
+    _move_params(m, new, ("weight", "bias"))
+    return new
+
+
+def _wrap_forward(model, recipe):
+    try:
+        from seqfuse.pytorch import autocast
+    except ImportError as e:
+        raise NotImplementedError(
+            f"accelerate: a recipe was given but seqfuse.pytorch.autocast is not available ({e})") from e
+    inner = model.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        with autocast(enabled=True, recipe=recipe):
+            return inner(*args, **kwargs)
+
+    model.forward = forward
+
+
+def _gemm_alignment(recipe):
+    """The multiple that in/out features must be under ``recipe``: 16 for
+    FP8 (per-tensor and 128-block scaling), 32 for the 32-element block
+    formats (MXFP8, NVFP4); None without a recipe (bf16/fp32 GEMMs take any shape)."""
+    if recipe is None:
+        return None
+    name = type(recipe).__name__
+    return 32 if ("MXFP8" in name or "NVFP4" in name) else FP8_ALIGN
+
+
+def accelerate(model, recipe=None):
+    """Swap model's nn.Linear -> seqfuse.pytorch.Linear and nn.LayerNorm ->
+    seqfuse.pytorch.LayerNorm in place; return an AccelerateReport.
+
+    ``recipe`` (a seqfuse.common.recipe recipe, e.g. DelayedScaling()) makes
+    the model's forward run under seqfuse autocast with it, and leaves the
+    Linears whose shapes its GEMMs cannot take (listed in the report).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"accelerate: model must be a torch.nn.Module, got {type(model).__name__}")
+    Linear, LayerNorm = _seqfuse_modules()
+    align = _gemm_alignment(recipe)
+    report = AccelerateReport(recipe=recipe)
+    plan = []  # (parent, child name, full name, new-module factory)
+    for name, module in model.named_modules():
+        if isinstance(module, (Linear, LayerNorm)):
+            continue
+        if isinstance(module, nn.Linear):
+            why = _linear_refusal(module, align)
+            if why is None:
+                plan.append((name, module, functools.partial(_make_linear, Linear)))
+            else:
+                report.left.append(Left(name, type(module).__name__, why))
+        elif isinstance(module, nn.LayerNorm):
+            why = _layernorm_refusal(module)
+            if why is None:
+                plan.append((name, module, functools.partial(_make_layernorm, LayerNorm)))
+            else:
+                report.left.append(Left(name, type(module).__name__, why))
+        elif any(True for _ in module.parameters(recurse=False)):
+            report.left.append(Left(name, type(module).__name__, _other_reason(module)))
+    # Every (parent, attribute) slot holding each module: a module shared by
+    # two parents is replaced by one new module in both slots.
+    slots = {}
+    for _, parent in model.named_modules(remove_duplicate=False):
+        for child_name, child in parent.named_children():
+            slots.setdefault(id(child), []).append((parent, child_name))
+    for name, module, make in plan:
+        if not name:
+            raise ValueError("accelerate: the model itself is an nn.Linear/nn.LayerNorm; "
+                             "swap it by constructing the seqfuse module directly")
+        new = make(module)
+        new.train(module.training)
+        for parent, child_name in slots[id(module)]:
+            setattr(parent, child_name, new)
+        report.swapped.append(Swapped(name, type(module).__name__, type(new).__name__))
+    if recipe is not None:
+        _wrap_forward(model, recipe)
+    return report

@@ -1,0 +1,224 @@
+"""seqfuse.hf.accelerate on transformers models (BERT, Llama, GPT-2 tiny random
+configs): what is swapped, what is left and why, tied weights, and outputs
+and gradients against the untouched original.
+
+The walk/report logic is also tested with stand-in modules (plain torch
+Linear/LayerNorm under seqfuse's constructor signature) so it is covered even
+where seqfuse.pytorch.Linear/LayerNorm are not built; the real-module tests
+skip until those exist."""
+import copy
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+import seqfuse.pytorch  # noqa: E402
+from seqfuse.hf import accelerate  # noqa: E402
+from helpers import rel_error  # noqa: E402
+
+# The module (the package exports the function under the same name).
+accelerate_mod = importlib.import_module("seqfuse.hf.accelerate")
+
+HAVE_MODULES = hasattr(seqfuse.pytorch, "Linear") and hasattr(seqfuse.pytorch, "LayerNorm")
+needs_modules = pytest.mark.skipif(not HAVE_MODULES, reason="seqfuse.pytorch.Linear/LayerNorm not built yet")
+
+
+class StandInLinear(nn.Module):
+    def __init__(self, in_features, out_features, bias=True, params_dtype=None, device=None, init_method=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=params_dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=params_dtype, device=device)) if bias else None
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class StandInLayerNorm(nn.Module):
+    def __init__(self, hidden_size, eps=1e-5, params_dtype=None, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=params_dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(hidden_size, dtype=params_dtype, device=device))
+
+    def forward(self, x):
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+@pytest.fixture
+def stand_ins(monkeypatch):
+    monkeypatch.setattr(accelerate_mod, "_seqfuse_modules", lambda: (StandInLinear, StandInLayerNorm))
+    return StandInLinear, StandInLayerNorm
+
+
+def bert():
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=37, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return transformers.BertForMaskedLM(cfg).eval()
+
+
+def llama():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=99, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def gpt2():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=99, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def count(model, cls):
+    return sum(1 for m in model.modules() if type(m) is cls)
+
+
+def check_bert(model, report, Linear, LayerNorm):
+    assert count(model, nn.Linear) == 0 and count(model, nn.LayerNorm) == 0
+    assert count(model, Linear) == 2 * 6 + 2 and count(model, LayerNorm) == 1 + 2 * 2 + 1
+    assert "bert.encoder.layer.1.attention.self.query" in report.swapped_names()
+    assert "cls.predictions.decoder" in report.swapped_names()
+    # Tied weights stay tied: decoder weight = word embeddings, decoder bias = head bias.
+    assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
+    assert model.cls.predictions.decoder.bias is model.cls.predictions.bias
+    assert "embedding" in report.reason("bert.embeddings.word_embeddings")
+    assert "bias" in report.reason("cls.predictions")
+    assert set(report.left_names()) == {"bert.embeddings.word_embeddings", "bert.embeddings.position_embeddings",
+                                        "bert.embeddings.token_type_embeddings", "cls.predictions"}
+
+
+def check_llama(model, report, Linear, LayerNorm):
+    assert count(model, nn.Linear) == 0
+    assert count(model, Linear) == 2 * 7 + 1
+    norms = [n for n, m in model.named_modules() if type(m).__name__ == "LlamaRMSNorm"]
+    assert len(norms) == 5
+    for n in norms:
+        assert "RMSNorm" in report.reason(n)
+    assert "embedding" in report.reason("model.embed_tokens")
+
+
+def check_gpt2(model, report, Linear, LayerNorm):
+    conv = [n for n, m in model.named_modules() if type(m).__name__ == "Conv1D"]
+    assert len(conv) == 2 * 4
+    for n in conv:
+        assert "Conv1D" in report.reason(n) and "transposed" in report.reason(n)
+    assert count(model, nn.LayerNorm) == 0 and count(model, LayerNorm) == 2 * 2 + 1
+    assert "lm_head" in report.swapped_names()
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
+MODELS = {"bert": (bert, check_bert), "llama": (llama, check_llama), "gpt2": (gpt2, check_gpt2)}
+
+
+def run_and_compare(make, check, Linear, LayerNorm, tol):
+    model = make()
+    ref = copy.deepcopy(model)
+    params_before = {id(p) for p in model.parameters()}
+    report = accelerate(model)
+    # The same Parameter objects, none new, none lost.
+    assert {id(p) for p in model.parameters()} == params_before
+    check(model, report, Linear, LayerNorm)
+    torch.manual_seed(1)
+    ids = torch.randint(3, 99, (2, 11))
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0
+    out = model(input_ids=ids, attention_mask=mask, labels=ids)
+    exp = ref(input_ids=ids, attention_mask=mask, labels=ids)
+    assert rel_error(out.logits, exp.logits) <= tol
+    out.loss.backward()
+    exp.loss.backward()
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        # Swapped modules may not rename parameters: names map one to one.
+        q = ref_params[name]
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            assert rel_error(p.grad, q.grad) <= tol * 10, name
+    return report
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_accelerate_logic_with_stand_ins(name, stand_ins):
+    make, check = MODELS[name]
+    report = run_and_compare(make, check, *stand_ins, tol=1e-6)
+    text = str(report)
+    assert "swapped" in text and "left" in text
+
+
+@needs_modules
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_accelerate_real_modules(name):
+    make, check = MODELS[name]
+    run_and_compare(make, check, seqfuse.pytorch.Linear, seqfuse.pytorch.LayerNorm, tol=1e-5)
+
+
+class MyLinear(nn.Linear):
+    pass
+
+
+class Odd(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.sub = MyLinear(16, 16)
+        self.f64 = nn.Linear(16, 16).double()
+        self.hooked = nn.Linear(16, 16)
+        self.hooked.register_forward_hook(lambda m, i, o: o)
+        self.no_affine = nn.LayerNorm(16, elementwise_affine=False)
+        self.no_bias = nn.LayerNorm(16, bias=False)
+        self.two_d = nn.LayerNorm((4, 16))
+        self.unaligned = nn.Linear(16, 24)
+        self.shared = nn.Linear(16, 32)
+        self.inner = nn.Sequential(self.shared)
+        self.scale = nn.Parameter(torch.ones(3))
+
+
+def test_edge_cases_are_left_with_reasons(stand_ins, monkeypatch):
+    Linear, LayerNorm = stand_ins
+    m = Odd()
+    report = accelerate(m)
+    assert "subclasses nn.Linear" in report.reason("sub")
+    assert "float64" in report.reason("f64")
+    assert "hooks" in report.reason("hooked")
+    assert "elementwise_affine=False" in report.reason("no_affine")
+    assert "bias=False" in report.reason("no_bias")
+    assert "last 2 dimensions" in report.reason("two_d")
+    assert "scale" in report.reason("")
+    assert set(report.swapped_names()) == {"unaligned", "shared"}
+    # A module reachable from two parents is replaced in both.
+    assert m.inner[0] is m.shared and type(m.shared) is Linear
+
+    # Under a low-precision recipe, shapes its GEMMs cannot take are left.
+    wrapped = []
+    monkeypatch.setattr(accelerate_mod, "_wrap_forward", lambda model, recipe: wrapped.append(recipe))
+
+    class DelayedScaling:
+        pass
+
+    class MXFP8BlockScaling:
+        pass
+
+    m = Odd()
+    report = accelerate(m, recipe=DelayedScaling())
+    assert "divisible by 16" in report.reason("unaligned") and "(16, 24)" in report.reason("unaligned")
+    assert "shared" in report.swapped_names()
+    m = Odd()
+    report = accelerate(m, recipe=MXFP8BlockScaling())
+    assert "divisible by 32" in report.reason("shared")
+    assert len(wrapped) == 2
+
+
+def test_accelerate_bad_input():
+    with pytest.raises(TypeError, match="nn.Module"):
+        accelerate("not a model")
+
+
+@pytest.mark.skipif(HAVE_MODULES, reason="only where seqfuse.pytorch.Linear is missing")
+def test_accelerate_without_modules_says_so():
+    with pytest.raises(NotImplementedError, match="seqfuse.pytorch.Linear"):
+        accelerate(nn.Linear(4, 4))
