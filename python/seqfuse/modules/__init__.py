@@ -1,6 +1,8 @@
 """torch.nn.Module layers built on seqfuse.ops, each with its autograd
 Function: Linear, LayerNorm, RMSNorm, LayerNormLinear, LayerNormMLP,
 DotProductAttention, MultiheadAttention, TransformerLayer, ..."""
+from .cross_entropy import (CrossEntropyFunction, CrossEntropyLoss, LinearCrossEntropyFunction,
+                            cross_entropy, linear_cross_entropy, parallel_cross_entropy)
 from .rope import FusedRoPEFunc, RotaryPositionEmbedding, apply_rotary_pos_emb
 
 __all__ = ["FusedRoPEFunc", "RotaryPositionEmbedding", "apply_rotary_pos_emb"]
@@ -8,3 +10,6 @@ __all__ = ["FusedRoPEFunc", "RotaryPositionEmbedding", "apply_rotary_pos_emb"]
 from .attention import DotProductAttention  # noqa: E402
 
 __all__ += ["DotProductAttention"]
+
+__all__ += ["CrossEntropyFunction", "CrossEntropyLoss", "LinearCrossEntropyFunction", "cross_entropy",
+            "linear_cross_entropy", "parallel_cross_entropy"]

@@ -5,6 +5,7 @@ memory), hands them to seqfuse._C as destination arguments, and runs on the
 caller's current CUDA stream.
 """
 from .quant import amax
+from .loss import cross_entropy_backward, cross_entropy_forward
 from .rope import rope_backward, rope_forward
 
 __all__ = ["amax", "rope_forward", "rope_backward"]
@@ -12,3 +13,5 @@ __all__ = ["amax", "rope_forward", "rope_backward"]
 from .attn import attention, attention_bwd, attention_fwd  # noqa: E402
 
 __all__ += ["attention", "attention_fwd", "attention_bwd"]
+
+__all__ += ["cross_entropy_forward", "cross_entropy_backward"]

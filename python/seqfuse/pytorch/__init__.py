@@ -8,6 +8,7 @@ Each export below comes from the module that implements it (seqfuse.modules,
 seqfuse.quantization); this file only gathers the names.
 """
 # Exports are added here by each module family as it lands.
+from ..modules.cross_entropy import CrossEntropyLoss, linear_cross_entropy, parallel_cross_entropy
 from ..modules.rope import RotaryPositionEmbedding, apply_rotary_pos_emb
 
 __all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb"]
@@ -15,3 +16,5 @@ __all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb"]
 from ..modules.attention import DotProductAttention  # noqa: E402
 
 __all__ += ["DotProductAttention"]
+
+__all__ += ["CrossEntropyLoss", "linear_cross_entropy", "parallel_cross_entropy"]

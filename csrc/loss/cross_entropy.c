@@ -1,0 +1,120 @@
+/*
+ * cross_entropy.c - the public entries of the fused cross-entropy: validate
+ * every argument once (shared by both backends), then dispatch to the CPU
+ * reference (cross_entropy_cpu.c) or the CUDA kernels (cross_entropy_cuda.cu).
+ */
+#include "cross_entropy_backend.h"
+
+static sf_status check_logits(const char *op, const char *arg, const sf_tensor *x)
+{
+    SF_TRY(sf_check_float_input(op, arg, x));
+    if (x->ndim != 2)
+        return sf_fail(SF_ERR_VALUE, "%s: argument '%s' must be 2-D [N, V], got %d dimensions", op,
+                       arg, x->ndim);
+    if (x->shape[1] > 1 && x->strides[1] != 1)
+        return sf_fail(SF_ERR_VALUE, "%s: argument '%s' must have unit stride along V (got %lld)",
+                       op, arg, (long long)x->strides[1]);
+    if (x->shape[0] > 1 && x->strides[0] < x->shape[1])
+        return sf_fail(SF_ERR_VALUE, "%s: argument '%s' has overlapping rows (row stride %lld < V = %lld)",
+                       op, arg, (long long)x->strides[0], (long long)x->shape[1]);
+    if (x->shape[1] < 1 || x->shape[1] > 0x7fffffff)
+        return sf_fail(SF_ERR_VALUE, "%s: argument '%s' must have 1 <= V < 2^31 classes, got %lld", op,
+                       arg, (long long)x->shape[1]);
+    return SF_OK;
+}
+
+static sf_status check_row_vector(const char *op, const char *arg, const sf_tensor *v, sf_dtype dtype,
+                                  int64_t n, const sf_tensor *logits)
+{
+    SF_TRY(sf_check_dtype(op, arg, v, dtype));
+    if (v->ndim != 1)
+        return sf_fail(SF_ERR_VALUE, "%s: argument '%s' must be 1-D [N], got %d dimensions", op, arg,
+                       v->ndim);
+    SF_TRY(sf_check_numel(op, arg, v, n));
+    SF_TRY(sf_check_contiguous(op, arg, v));
+    return sf_check_same_device(op, "logits", logits, arg, v);
+}
+
+static sf_status check_common(const char *op, const sf_tensor *logits, const sf_tensor *labels,
+                              int64_t ignore_index, float label_smoothing)
+{
+    SF_TRY(check_logits(op, "logits", logits));
+    SF_TRY(check_row_vector(op, "labels", labels, SF_INT64, logits->shape[0], logits));
+    if (!(label_smoothing >= 0.0f && label_smoothing <= 1.0f))
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'label_smoothing' must be in [0, 1], got %g", op,
+                       (double)label_smoothing);
+    if (logits->device == SF_CPU) { /* the host can read the labels: check them once here */
+        const int64_t *y = (const int64_t *)labels->data;
+        for (int64_t i = 0; i < logits->shape[0]; ++i)
+            if (y[i] != ignore_index && (y[i] < 0 || y[i] >= logits->shape[1]))
+                return sf_fail(SF_ERR_VALUE, "%s: argument 'labels' holds %lld at row %lld, outside "
+                               "[0, %lld) and not ignore_index %lld", op, (long long)y[i],
+                               (long long)i, (long long)logits->shape[1], (long long)ignore_index);
+    }
+    return SF_OK;
+}
+
+#ifndef SF_WITH_CUDA
+static sf_status no_cuda(const char *op)
+{
+    return sf_fail(SF_ERR_NOT_IMPLEMENTED,
+                   "%s: argument 'logits' is a CUDA tensor but seqfuse was built without CUDA", op);
+}
+#endif
+
+sf_status sf_cross_entropy_forward(const sf_tensor *logits, const sf_tensor *labels,
+                                   int64_t ignore_index, float label_smoothing, sf_tensor *loss,
+                                   sf_tensor *lse, sf_stream stream)
+{
+    static const char op[] = "cross_entropy_forward";
+    SF_TRY(check_common(op, logits, labels, ignore_index, label_smoothing));
+    int64_t n = logits->shape[0];
+    SF_TRY(check_row_vector(op, "loss", loss, SF_FLOAT32, n, logits));
+    SF_TRY(check_row_vector(op, "lse", lse, SF_FLOAT32, n, logits));
+    SF_TRY(sf_check_writable(op, "loss", loss));
+    SF_TRY(sf_check_writable(op, "lse", lse));
+    if (logits->device == SF_CPU)
+        return sf_cross_entropy_forward_cpu(logits, labels, ignore_index, label_smoothing, loss, lse);
+#ifdef SF_WITH_CUDA
+    return sf_cross_entropy_forward_cuda(logits, labels, ignore_index, label_smoothing, loss, lse, stream);
+#else
+    (void)stream;
+    return no_cuda(op);
+#endif
+}
+
+sf_status sf_cross_entropy_backward(const sf_tensor *logits, const sf_tensor *labels,
+                                    const sf_tensor *lse, const sf_tensor *grad_scale,
+                                    int64_t ignore_index, float label_smoothing,
+                                    sf_tensor *dlogits, sf_stream stream)
+{
+    static const char op[] = "cross_entropy_backward";
+    SF_TRY(check_common(op, logits, labels, ignore_index, label_smoothing));
+    int64_t n = logits->shape[0];
+    SF_TRY(check_row_vector(op, "lse", lse, SF_FLOAT32, n, logits));
+    SF_TRY(sf_check_dtype(op, "grad_scale", grad_scale, SF_FLOAT32));
+    int64_t ns = sf_numel(grad_scale);
+    if (ns != 1 && ns != n)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'grad_scale' must have 1 or N = %lld elements, got %lld",
+                       op, (long long)n, (long long)ns);
+    SF_TRY(sf_check_contiguous(op, "grad_scale", grad_scale));
+    SF_TRY(sf_check_same_device(op, "logits", logits, "grad_scale", grad_scale));
+    SF_TRY(check_logits(op, "dlogits", dlogits));
+    SF_TRY(sf_check_dtype(op, "dlogits", dlogits, logits->dtype));
+    SF_TRY(sf_check_same_shape(op, "logits", logits, "dlogits", dlogits));
+    SF_TRY(sf_check_same_device(op, "logits", logits, "dlogits", dlogits));
+    SF_TRY(sf_check_writable(op, "dlogits", dlogits));
+    if (dlogits->data == logits->data && n > 1 && dlogits->strides[0] != logits->strides[0])
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'dlogits' shares memory with 'logits' but not its "
+                       "row stride; in place, both must be the same view", op);
+    if (logits->device == SF_CPU)
+        return sf_cross_entropy_backward_cpu(logits, labels, lse, grad_scale, ignore_index,
+                                             label_smoothing, dlogits);
+#ifdef SF_WITH_CUDA
+    return sf_cross_entropy_backward_cuda(logits, labels, lse, grad_scale, ignore_index,
+                                          label_smoothing, dlogits, stream);
+#else
+    (void)stream;
+    return no_cuda(op);
+#endif
+}

@@ -1,0 +1,266 @@
+/*
+ * cross_entropy_cuda.cu - fused cross-entropy on the GPU, one block per row,
+ * on the caller's stream.
+ *
+ * Forward: each thread streams its share of the row with 16-byte loads and
+ * keeps an online softmax state (running max m, running sum s of exp(x - m))
+ * plus the plain sum of x (for label smoothing); the states are merged across
+ * the block, giving lse = m + log s and the loss in one read of the row.  No
+ * softmax is written anywhere.
+ * Backward: reads the row again with the saved lse and writes
+ * scale * (exp(x - lse) - e/V - (1 - e)[j == y]); each thread reads a vector
+ * before writing the same vector, so dlogits may be the logits buffer itself.
+ * The upstream scale stays in device memory: no host synchronization, and
+ * both launches are capturable in a CUDA graph.
+ */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "../core/cuda_util.h"
+#include "cross_entropy_backend.h"
+
+namespace {
+
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T> __device__ __forceinline__ T from_f(float v);
+template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Vec {
+    T v[V];
+};
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+/* Merge online-softmax state (m2, s2) into (m, s). */
+__device__ __forceinline__ void merge(float &m, float &s, float m2, float s2)
+{
+    float mm = fmaxf(m, m2);
+    if (mm == -INFINITY)
+        return; /* both empty */
+    s = s * exp2f((m - mm) * kLog2e) + s2 * exp2f((m2 - mm) * kLog2e);
+    m = mm;
+}
+
+template <int BLOCK>
+__device__ __forceinline__ void block_reduce(float &m, float &s, float &sum)
+{
+    __shared__ float sm[BLOCK / 32], ss[BLOCK / 32], su[BLOCK / 32];
+    for (int off = 16; off > 0; off >>= 1) {
+        float m2 = __shfl_xor_sync(0xffffffffu, m, off);
+        float s2 = __shfl_xor_sync(0xffffffffu, s, off);
+        sum += __shfl_xor_sync(0xffffffffu, sum, off);
+        merge(m, s, m2, s2);
+    }
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        sm[warp] = m;
+        ss[warp] = s;
+        su[warp] = sum;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        m = lane < BLOCK / 32 ? sm[lane] : -INFINITY;
+        s = lane < BLOCK / 32 ? ss[lane] : 0.0f;
+        sum = lane < BLOCK / 32 ? su[lane] : 0.0f;
+        for (int off = 16; off > 0; off >>= 1) {
+            float m2 = __shfl_xor_sync(0xffffffffu, m, off);
+            float s2 = __shfl_xor_sync(0xffffffffu, s, off);
+            sum += __shfl_xor_sync(0xffffffffu, sum, off);
+            merge(m, s, m2, s2);
+        }
+    }
+}
+
+template <typename T, int VEC, int BLOCK>
+__global__ void __launch_bounds__(BLOCK) ce_forward_kernel(
+    const T *__restrict__ logits, int64_t row_stride, int64_t v, const int64_t *__restrict__ labels,
+    int64_t ignore_index, float smoothing, float *__restrict__ loss, float *__restrict__ lse)
+{
+    int64_t row = blockIdx.x;
+    const T *x = logits + row * row_stride;
+    float m = -INFINITY, s = 0.0f, sum = 0.0f;
+    int64_t nvec = v / VEC;
+    for (int64_t i = threadIdx.x; i < nvec; i += BLOCK) {
+        Vec<T, VEC> r = reinterpret_cast<const Vec<T, VEC> *>(x)[i];
+        float f[VEC];
+        float vm = -INFINITY;
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+            f[k] = to_f(r.v[k]);
+            vm = fmaxf(vm, f[k]);
+            sum += f[k];
+        }
+        if (vm > m) {
+            s *= exp2f((m - vm) * kLog2e);
+            m = vm;
+        }
+        if (m != -INFINITY) {
+            float ms = m * kLog2e;
+#pragma unroll
+            for (int k = 0; k < VEC; ++k)
+                s += exp2f(fmaf(f[k], kLog2e, -ms));
+        }
+    }
+    for (int64_t j = nvec * VEC + threadIdx.x; j < v; j += BLOCK) { /* tail when V % VEC != 0 */
+        float f = to_f(x[j]);
+        sum += f;
+        merge(m, s, f, 1.0f);
+    }
+    block_reduce<BLOCK>(m, s, sum);
+    if (threadIdx.x == 0) {
+        float l = m + logf(s);
+        lse[row] = l;
+        int64_t y = labels[row];
+        float value;
+        if (y == ignore_index)
+            value = 0.0f;
+        else if (y < 0 || y >= v)
+            value = __int_as_float(0x7fc00000); /* bad label: NaN, documented */
+        else
+            value = l - (1.0f - smoothing) * to_f(x[y]) - (smoothing > 0.0f ? smoothing / (float)v * sum : 0.0f);
+        loss[row] = value;
+    }
+}
+
+template <typename T, int VEC, int BLOCK>
+__global__ void __launch_bounds__(BLOCK) ce_backward_kernel(
+    const T *logits, int64_t row_stride, int64_t v, const int64_t *__restrict__ labels,
+    const float *__restrict__ lse, const float *__restrict__ grad_scale, int per_row_scale,
+    int64_t ignore_index, float smoothing, T *dlogits, int64_t out_row_stride)
+{
+    int64_t row = blockIdx.x;
+    const T *x = logits + row * row_stride;
+    T *dx = dlogits + row * out_row_stride;
+    int64_t y = labels[row];
+    bool ignored = y == ignore_index;
+    float scale = ignored ? 0.0f : grad_scale[per_row_scale ? row : 0];
+    float l2 = lse[row] * kLog2e;
+    float floor_ = smoothing / (float)v;
+    float on_label = 1.0f - smoothing;
+    int64_t nvec = v / VEC;
+    for (int64_t i = threadIdx.x; i < nvec; i += BLOCK) {
+        Vec<T, VEC> r = reinterpret_cast<const Vec<T, VEC> *>(x)[i];
+        Vec<T, VEC> o;
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+            int64_t j = i * VEC + k;
+            float p = exp2f(fmaf(to_f(r.v[k]), kLog2e, -l2));
+            float g = p - floor_ - (j == y ? on_label : 0.0f);
+            o.v[k] = from_f<T>(ignored ? 0.0f : g * scale);
+        }
+        reinterpret_cast<Vec<T, VEC> *>(dx)[i] = o;
+    }
+    for (int64_t j = nvec * VEC + threadIdx.x; j < v; j += BLOCK) {
+        float p = exp2f(fmaf(to_f(x[j]), kLog2e, -l2));
+        float g = p - floor_ - (j == y ? on_label : 0.0f);
+        dx[j] = from_f<T>(ignored ? 0.0f : g * scale);
+    }
+}
+
+/* 16-byte vectors when every row start is 16-byte aligned. */
+static bool rows_aligned(const sf_tensor *t)
+{
+    size_t es = sf_dtype_size(t->dtype);
+    return ((uintptr_t)t->data % 16) == 0 && (t->shape[0] <= 1 || (t->strides[0] * es) % 16 == 0);
+}
+
+constexpr int kBlock = 512;
+
+template <typename T>
+sf_status forward(const sf_tensor *logits, const int64_t *labels, int64_t ignore_index, float smoothing,
+                  float *loss, float *lse, cudaStream_t stream)
+{
+    int64_t n = logits->shape[0], v = logits->shape[1];
+    const T *x = (const T *)logits->data;
+    dim3 grid((unsigned)n);
+    if (rows_aligned(logits))
+        ce_forward_kernel<T, 16 / sizeof(T), kBlock><<<grid, kBlock, 0, stream>>>(
+            x, logits->strides[0], v, labels, ignore_index, smoothing, loss, lse);
+    else
+        ce_forward_kernel<T, 1, kBlock><<<grid, kBlock, 0, stream>>>(
+            x, logits->strides[0], v, labels, ignore_index, smoothing, loss, lse);
+    SF_CUDA_CHECK_LAUNCH("cross_entropy_forward");
+    return SF_OK;
+}
+
+template <typename T>
+sf_status backward(const sf_tensor *logits, const int64_t *labels, const float *lse, const sf_tensor *scale,
+                   int64_t ignore_index, float smoothing, sf_tensor *dlogits, cudaStream_t stream)
+{
+    int64_t n = logits->shape[0], v = logits->shape[1];
+    const T *x = (const T *)logits->data;
+    T *dx = (T *)dlogits->data;
+    int per_row = sf_numel(scale) != 1;
+    const float *sc = (const float *)scale->data;
+    dim3 grid((unsigned)n);
+    if (rows_aligned(logits) && rows_aligned(dlogits))
+        ce_backward_kernel<T, 16 / sizeof(T), kBlock><<<grid, kBlock, 0, stream>>>(
+            x, logits->strides[0], v, labels, lse, sc, per_row, ignore_index, smoothing, dx, dlogits->strides[0]);
+    else
+        ce_backward_kernel<T, 1, kBlock><<<grid, kBlock, 0, stream>>>(
+            x, logits->strides[0], v, labels, lse, sc, per_row, ignore_index, smoothing, dx, dlogits->strides[0]);
+    SF_CUDA_CHECK_LAUNCH("cross_entropy_backward");
+    return SF_OK;
+}
+
+sf_status check_rows(const char *op, int64_t n)
+{
+    if (n > 0x7fffffff)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'logits' has %lld rows; at most 2^31 - 1 are supported",
+                       op, (long long)n);
+    return SF_OK;
+}
+
+} // namespace
+
+extern "C" sf_status sf_cross_entropy_forward_cuda(const sf_tensor *logits, const sf_tensor *labels,
+                                                   int64_t ignore_index, float smoothing, sf_tensor *loss,
+                                                   sf_tensor *lse, sf_stream s)
+{
+    static const char op[] = "cross_entropy_forward";
+    SF_TRY(check_rows(op, logits->shape[0]));
+    if (logits->shape[0] == 0)
+        return SF_OK;
+    sf_cuda_device_guard guard;
+    SF_TRY(sf_cuda_device_enter(op, logits->device_id, &guard));
+    cudaStream_t stream = sf_cuda_stream(s);
+    const int64_t *y = (const int64_t *)labels->data;
+    float *lo = (float *)loss->data, *ls = (float *)lse->data;
+    sf_status st;
+    switch (logits->dtype) {
+    case SF_FLOAT32: st = forward<float>(logits, y, ignore_index, smoothing, lo, ls, stream); break;
+    case SF_FLOAT16: st = forward<__half>(logits, y, ignore_index, smoothing, lo, ls, stream); break;
+    default:         st = forward<__nv_bfloat16>(logits, y, ignore_index, smoothing, lo, ls, stream); break;
+    }
+    sf_cuda_device_restore(&guard);
+    return st;
+}
+
+extern "C" sf_status sf_cross_entropy_backward_cuda(const sf_tensor *logits, const sf_tensor *labels,
+                                                    const sf_tensor *lse, const sf_tensor *grad_scale,
+                                                    int64_t ignore_index, float smoothing,
+                                                    sf_tensor *dlogits, sf_stream s)
+{
+    static const char op[] = "cross_entropy_backward";
+    SF_TRY(check_rows(op, logits->shape[0]));
+    if (logits->shape[0] == 0)
+        return SF_OK;
+    sf_cuda_device_guard guard;
+    SF_TRY(sf_cuda_device_enter(op, logits->device_id, &guard));
+    cudaStream_t stream = sf_cuda_stream(s);
+    const int64_t *y = (const int64_t *)labels->data;
+    const float *ls = (const float *)lse->data;
+    sf_status st;
+    switch (logits->dtype) {
+    case SF_FLOAT32: st = backward<float>(logits, y, ls, grad_scale, ignore_index, smoothing, dlogits, stream); break;
+    case SF_FLOAT16: st = backward<__half>(logits, y, ls, grad_scale, ignore_index, smoothing, dlogits, stream); break;
+    default:         st = backward<__nv_bfloat16>(logits, y, ls, grad_scale, ignore_index, smoothing, dlogits, stream); break;
+    }
+    sf_cuda_device_restore(&guard);
+    return st;
+}

@@ -1,0 +1,210 @@
+"""Cross-entropy for language-model heads, built on seqfuse's fused kernel.
+
+- ``cross_entropy(logits, labels, ignore_index, label_smoothing, reduction,
+  inplace_backward)`` / ``CrossEntropyLoss``: torch.nn.functional.cross_entropy
+  semantics for [..., V] logits; the forward reads the logits once (online
+  softmax) and keeps only a float32 log-sum-exp per row; the backward writes
+  the gradient, over the logits buffer when ``inplace_backward=True`` (the
+  logits must then not be read after backward starts).  The loss is float32
+  whatever the logits' dtype.
+- ``parallel_cross_entropy``: Transformer Engine's name and arguments
+  (``reduce_loss``, ``ignore_idx``, ``overwrite_input``); no vocab-parallel
+  process group yet (NotImplementedError).
+- ``linear_cross_entropy(hidden, weight, labels, ...)``: logits = hidden @
+  weight.T and the loss, in chunks of tokens so the [N, V] logits never exist
+  at once.  Gradients are computed chunk by chunk during the forward (as
+  Liger-Kernel does) and scaled by the upstream gradient in the backward.
+  The chunk GEMMs run on torch.matmul: seqfuse.ops.gemm (cuBLASLt) had not
+  landed when this was written; the first call logs that.
+"""
+import logging
+
+import torch
+
+from ..ops import loss as _loss
+
+_log = logging.getLogger("seqfuse")
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def _check_reduction(reduction, allowed=_REDUCTIONS):
+    if reduction not in allowed:
+        raise ValueError(f"cross_entropy: argument 'reduction' must be one of {allowed}, got {reduction!r}")
+
+
+class CrossEntropyFunction(torch.autograd.Function):
+    """Autograd Function over seqfuse.ops.cross_entropy_forward / _backward."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, ignore_index, label_smoothing, reduction, inplace_backward):
+        v = logits.shape[-1]
+        flat = logits.reshape(-1, v)
+        flat_labels = labels.reshape(-1)
+        loss, lse = _loss.cross_entropy_forward(flat, flat_labels, ignore_index, label_smoothing)
+        count = None
+        if reduction == "mean":
+            count = (flat_labels != ignore_index).sum().to(torch.float32)
+            out = loss.sum() / count
+        elif reduction == "sum":
+            out = loss.sum()
+        else:
+            out = loss.view(labels.shape)
+        ctx.save_for_backward(flat, flat_labels, lse, count)
+        ctx.shape = logits.shape
+        ctx.args = (ignore_index, label_smoothing, reduction, inplace_backward)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        flat, labels, lse, count = ctx.saved_tensors
+        ignore_index, label_smoothing, reduction, inplace = ctx.args
+        scale = grad_out.detach().to(torch.float32).reshape(-1)
+        if reduction == "mean":
+            scale = scale / count
+        elif reduction == "none":
+            scale = scale.contiguous()
+        grad = _loss.cross_entropy_backward(flat, labels, lse, scale, ignore_index, label_smoothing,
+                                            out=flat if inplace else None)
+        return grad.view(ctx.shape), None, None, None, None, None
+
+
+def cross_entropy(logits, labels, ignore_index=-100, label_smoothing=0.0, reduction="mean",
+                  inplace_backward=False):
+    """Cross-entropy of ``logits`` [..., V] against int64 ``labels`` [...], as
+    torch.nn.functional.cross_entropy with class indices computes it
+    (mean over non-ignored rows, 'sum', or 'none' per row), in float32."""
+    _check_reduction(reduction)
+    if not isinstance(logits, torch.Tensor) or not isinstance(labels, torch.Tensor):
+        raise TypeError("cross_entropy: arguments 'logits' and 'labels' must be torch.Tensors")
+    if labels.shape != logits.shape[:-1]:
+        raise ValueError(f"cross_entropy: argument 'labels' must have shape {tuple(logits.shape[:-1])} "
+                         f"(logits without V), got {tuple(labels.shape)}")
+    return CrossEntropyFunction.apply(logits, labels, int(ignore_index), float(label_smoothing),
+                                      reduction, bool(inplace_backward))
+
+
+class CrossEntropyLoss(torch.nn.Module):
+    """torch.nn.CrossEntropyLoss (class indices, no class weights) on the fused kernel."""
+
+    def __init__(self, ignore_index=-100, reduction="mean", label_smoothing=0.0, inplace_backward=False):
+        super().__init__()
+        _check_reduction(reduction)
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.label_smoothing = label_smoothing
+        self.inplace_backward = inplace_backward
+
+    def forward(self, logits, labels):
+        return cross_entropy(logits, labels, self.ignore_index, self.label_smoothing, self.reduction,
+                             self.inplace_backward)
+
+
+def parallel_cross_entropy(inp, target, label_smoothing=0.0, reduce_loss=False, dist_process_group=None,
+                           ignore_idx=-100, is_cg_capturable=False, *, overwrite_input=False):
+    """Transformer Engine's parallel_cross_entropy: ``inp`` (B, SQ, V) or
+    (SQ, B, V), ``target`` int64 with B * SQ elements; float32 loss per token,
+    or its mean over non-ignored tokens with ``reduce_loss``.  Always graph
+    capturable here (nothing is read on the host)."""
+    if dist_process_group is not None and torch.distributed.is_initialized() and \
+            torch.distributed.get_world_size(dist_process_group) > 1:
+        raise NotImplementedError("parallel_cross_entropy: vocab-parallel loss over a process group "
+                                  "is not supported by seqfuse yet")
+    labels = target.reshape(inp.shape[:-1])
+    return cross_entropy(inp, labels, ignore_idx, label_smoothing, "mean" if reduce_loss else "none",
+                         overwrite_input)
+
+
+_gemm_logged = False
+
+
+def _log_gemm_backend():
+    global _gemm_logged
+    if not _gemm_logged:
+        _gemm_logged = True
+        _log.info("linear_cross_entropy: chunk GEMMs run on torch.matmul "
+                  "(seqfuse.ops.gemm had not landed on main when this was written)")
+
+
+def default_chunk_size(n, v, element_size, budget_bytes=1 << 28):
+    """Rows per chunk so one chunk of logits takes at most ``budget_bytes``
+    (256 MiB), a multiple of 256 rows, at least 256."""
+    rows = max(256, (budget_bytes // max(1, v * element_size)) // 256 * 256)
+    return min(n, rows) if n > 0 else 1
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    """Chunked hidden @ weight.T + cross-entropy; gradients made in the forward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, ignore_index, label_smoothing, reduction, chunk_size):
+        _log_gemm_backend()
+        n = hidden.shape[0]
+        v = weight.shape[0]
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = bias is not None and ctx.needs_input_grad[2]
+        count = (labels != ignore_index).sum().to(torch.float32)
+        scale = (1.0 / count).reshape(1) if reduction == "mean" else torch.ones(1, device=hidden.device)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(weight) if need_w else None
+        grad_b = torch.zeros(v, dtype=torch.float32, device=hidden.device) if need_b else None
+        chunk = chunk_size or default_chunk_size(n, v, hidden.element_size())
+        with torch.no_grad():
+            for start in range(0, n, chunk):
+                h = hidden[start:start + chunk]
+                y = labels[start:start + chunk]
+                logits = torch.matmul(h, weight.t())
+                if bias is not None:
+                    logits += bias
+                loss, lse = _loss.cross_entropy_forward(logits, y, ignore_index, label_smoothing)
+                total += loss.sum()
+                if need_h or need_w or need_b:
+                    _loss.cross_entropy_backward(logits, y, lse, scale, ignore_index, label_smoothing, out=logits)
+                    if need_h:
+                        torch.matmul(logits, weight, out=grad_h[start:start + chunk])
+                    if need_w:
+                        grad_w.addmm_(logits.t(), h)
+                    if need_b:
+                        grad_b += logits.sum(0, dtype=torch.float32)
+        out = total / count if reduction == "mean" else total
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        g = grad_out.detach()
+        if grad_h is not None:
+            grad_h = grad_h.mul_(g.to(grad_h.dtype))
+        if grad_w is not None:
+            grad_w = grad_w.mul_(g.to(grad_w.dtype))
+        if grad_b is not None:
+            grad_b = (grad_b * g).to(ctx.bias_dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, label_smoothing=0.0,
+                         reduction="mean", chunk_size=None):
+    """Cross-entropy of ``hidden`` [N, H] @ ``weight`` [V, H].T (+ ``bias`` [V])
+    against int64 ``labels`` [N], processed ``chunk_size`` tokens at a time
+    (default: 256 MiB of logits per chunk) so the full [N, V] logits are never
+    held.  ``reduction`` is 'mean' (over non-ignored tokens) or 'sum'; the
+    gradients of the weight accumulate in the weight's dtype across chunks."""
+    _check_reduction(reduction, ("mean", "sum"))
+    for name, t in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f"linear_cross_entropy: argument '{name}' must be a 2-D torch.Tensor")
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"linear_cross_entropy: arguments 'hidden' ({hidden.dtype}) and 'weight' "
+                        f"({weight.dtype}) must have the same dtype")
+    if hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"linear_cross_entropy: 'hidden' [N, {hidden.shape[1]}] and 'weight' "
+                         f"[V, {weight.shape[1]}] must share H")
+    if not isinstance(labels, torch.Tensor) or labels.dtype != torch.int64 or labels.shape != hidden.shape[:1]:
+        raise TypeError(f"linear_cross_entropy: argument 'labels' must be an int64 tensor of shape "
+                        f"[{hidden.shape[0]}]")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"linear_cross_entropy: argument 'chunk_size' must be positive, got {chunk_size}")
+    return LinearCrossEntropyFunction.apply(hidden, weight, bias, labels, int(ignore_index),
+                                            float(label_smoothing), reduction, chunk_size)

@@ -1,0 +1,271 @@
+"""Fused cross-entropy (seqfuse.ops.cross_entropy_*, seqfuse.modules.cross_entropy)
+against torch.nn.functional.cross_entropy in float64 on the CPU (ignored
+labels, label smoothing, every reduction, in-place backward), the chunked
+linear + cross-entropy against the unchunked torch computation, bad inputs,
+and the CUDA kernels against the CPU backend on poisoned outputs."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import seqfuse
+import seqfuse.pytorch
+from seqfuse.modules.cross_entropy import CrossEntropyLoss, cross_entropy, linear_cross_entropy, parallel_cross_entropy
+from seqfuse.ops import cross_entropy_backward, cross_entropy_forward
+
+from helpers import assert_close_rel, poisoned_like
+
+
+def make_labels(n, v, ignore_frac=0.25, ignore_index=-100, device="cpu"):
+    y = torch.randint(0, v, (n,), device=device)
+    y[torch.rand(n, device=device) < ignore_frac] = ignore_index
+    return y
+
+
+def torch_ref(logits, labels, ignore_index, smoothing, reduction):
+    x = logits.detach().double().requires_grad_(True)
+    loss = F.cross_entropy(x, labels, ignore_index=ignore_index, label_smoothing=smoothing, reduction=reduction)
+    return x, loss
+
+
+@pytest.mark.parametrize("n,v", [(1, 5), (13, 37), (64, 1000), (7, 4096 + 3)])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_rows_cpu(n, v, smoothing, dtype, seed):
+    logits = (torch.randn(n, v) * 3).to(dtype)
+    labels = make_labels(n, v)
+    loss, lse = cross_entropy_forward(logits, labels, -100, smoothing)
+    _, ref = torch_ref(logits, labels, -100, smoothing, "none")
+    assert loss.dtype == torch.float32 and lse.dtype == torch.float32
+    assert_close_rel(loss, ref, torch.float32)
+    assert_close_rel(lse, torch.logsumexp(logits.double(), -1), torch.float32)
+    assert (loss[labels == -100] == 0).all()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_autograd_matches_torch_cpu(reduction, smoothing, inplace, dtype, seed):
+    n, v, ignore = 40, 301, 7
+    logits = (torch.randn(n, v) * 2).to(dtype).requires_grad_(True)
+    labels = make_labels(n, v, ignore_index=ignore)
+    x, ref = torch_ref(logits, labels, ignore, smoothing, reduction)
+    src = logits.detach().clone().requires_grad_(True)
+    work = src * 1  # a non-leaf the in-place backward may overwrite
+    loss = cross_entropy(work, labels, ignore, smoothing, reduction, inplace_backward=inplace)
+    assert_close_rel(loss, ref, torch.float32)
+    g = torch.randn(ref.shape, dtype=torch.float64)
+    ref.backward(g)
+    loss.backward(g.float())
+    assert_close_rel(src.grad, x.grad, dtype)
+    assert (src.grad[labels == ignore] == 0).all()
+
+
+def test_inplace_backward_reuses_the_logits_buffer(seed):
+    logits = torch.randn(8, 50)
+    work = logits.clone().requires_grad_(True)
+    y = work * 1
+    ptr = y.data_ptr()
+    grads = {}
+    y.register_hook(lambda gr: grads.setdefault("g", gr))
+    cross_entropy(y, make_labels(8, 50), inplace_backward=True).backward()
+    assert grads["g"].data_ptr() == ptr
+
+
+def test_3d_logits_and_module(seed):
+    logits = torch.randn(2, 5, 11, requires_grad=True)
+    labels = torch.randint(0, 11, (2, 5))
+    labels[0, 1] = -100
+    loss = CrossEntropyLoss(label_smoothing=0.05)(logits, labels)
+    ref = F.cross_entropy(logits.double().reshape(-1, 11), labels.reshape(-1), label_smoothing=0.05)
+    assert_close_rel(loss, ref, torch.float32)
+    none = cross_entropy(logits, labels, reduction="none")
+    assert none.shape == (2, 5)
+
+
+def test_all_ignored_mean_is_nan_like_torch():
+    logits = torch.randn(4, 9)
+    labels = torch.full((4,), -100)
+    assert torch.isnan(cross_entropy(logits, labels)) and torch.isnan(F.cross_entropy(logits, labels))
+
+
+def test_parallel_cross_entropy_te_signature(seed):
+    inp = torch.randn(3, 4, 17, requires_grad=True)
+    target = torch.randint(0, 17, (12,))
+    target[5] = -100
+    per_token = parallel_cross_entropy(inp, target)
+    assert per_token.shape == (3, 4) and per_token.dtype == torch.float32
+    ref = F.cross_entropy(inp.double().reshape(12, 17), target, reduction="none").reshape(3, 4)
+    assert_close_rel(per_token, ref, torch.float32)
+    mean = parallel_cross_entropy(inp, target, reduce_loss=True)
+    assert_close_rel(mean, ref.sum() / 11, torch.float32)
+    assert seqfuse.pytorch.parallel_cross_entropy is parallel_cross_entropy
+
+
+def test_extreme_logits_stay_finite():
+    logits = torch.tensor([[1000.0, -1000.0, 0.0], [-float("inf"), 5.0, 5.0]])
+    labels = torch.tensor([0, 1])
+    loss, lse = cross_entropy_forward(logits, labels)
+    ref = F.cross_entropy(logits.double(), labels, reduction="none")
+    assert torch.allclose(loss.double(), ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("chunk", [None, 7, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_cross_entropy_cpu(reduction, chunk, bias, seed):
+    n, h, v = 50, 16, 97
+    hidden = torch.randn(n, h, requires_grad=True)
+    weight = (torch.randn(v, h) * 0.3).requires_grad_(True)
+    b = torch.randn(v, requires_grad=True) if bias else None
+    labels = make_labels(n, v)
+    loss = linear_cross_entropy(hidden, weight, labels, bias=b, label_smoothing=0.1, reduction=reduction,
+                                chunk_size=chunk)
+    hd, wd = hidden.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)
+    bd = b.detach().double().requires_grad_(True) if bias else None
+    ref = F.cross_entropy(F.linear(hd, wd, bd), labels, label_smoothing=0.1, reduction=reduction)
+    assert_close_rel(loss, ref, torch.float32)
+    (loss * 2.5).backward()
+    (ref * 2.5).backward()
+    assert_close_rel(hidden.grad, hd.grad, torch.float32)
+    assert_close_rel(weight.grad, wd.grad, torch.float32)
+    if bias:
+        assert_close_rel(b.grad, bd.grad, torch.float32)
+
+
+def test_linear_cross_entropy_under_no_grad(seed):
+    hidden, weight = torch.randn(10, 4, requires_grad=True), torch.randn(6, 4, requires_grad=True)
+    labels = torch.randint(0, 6, (10,))
+    with torch.no_grad():
+        loss = linear_cross_entropy(hidden, weight, labels, chunk_size=3)
+    assert not loss.requires_grad
+    assert_close_rel(loss, F.cross_entropy(hidden.double() @ weight.double().t(), labels), torch.float32)
+
+
+def test_bad_inputs():
+    x = torch.randn(4, 10)
+    y = torch.randint(0, 10, (4,))
+    with pytest.raises(TypeError, match="'labels' must be an int64"):
+        cross_entropy_forward(x, y.int())
+    with pytest.raises(TypeError, match="'logits' must have dtype"):
+        cross_entropy_forward(x.double(), y)
+    with pytest.raises(ValueError, match=r"'labels' must have shape \[N\] = \[4\]"):
+        cross_entropy_forward(x, y[:3])
+    with pytest.raises(ValueError, match="2-D"):
+        cross_entropy_forward(x[None], y)
+    with pytest.raises(ValueError, match="holds 10 at row 2, outside \\[0, 10\\) and not ignore_index -100"):
+        cross_entropy_forward(x, torch.tensor([0, 1, 10, 2]))
+    with pytest.raises(ValueError, match="'label_smoothing' must be in \\[0, 1\\]"):
+        cross_entropy_forward(x, y, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="unit stride along V"):
+        cross_entropy_forward(torch.randn(10, 4).t(), y)
+    _, lse = cross_entropy_forward(x, y)
+    with pytest.raises(ValueError, match="'grad_scale' must have 1 or N = 4 elements, got 3"):
+        cross_entropy_backward(x, y, lse, torch.ones(3))
+    with pytest.raises(TypeError, match="'dlogits' must have dtype float32, got bfloat16"):
+        cross_entropy_backward(x, y, lse, torch.ones(1), out=torch.empty(4, 10, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="'reduction' must be one of"):
+        cross_entropy(x, y, reduction="avg")
+    with pytest.raises(ValueError, match="'reduction' must be one of \\('mean', 'sum'\\)"):
+        linear_cross_entropy(x, torch.randn(5, 10), y, reduction="none")
+    with pytest.raises(TypeError, match="must have the same dtype"):
+        linear_cross_entropy(x, torch.randn(5, 10, dtype=torch.bfloat16), y)
+    with pytest.raises(ValueError, match="must share H"):
+        linear_cross_entropy(x, torch.randn(5, 9), y)
+
+
+# ---- CUDA -----------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n,v", [(1, 7), (300, 1000), (1024, 32000), (64, 128256), (33, 50257)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_cuda_matches_cpu(n, v, dtype, smoothing, seed):
+    logits = (torch.randn(n, v, device="cuda") * 4).to(dtype)
+    labels = make_labels(n, v, device="cuda")
+    loss, lse = cross_entropy_forward(logits, labels, -100, smoothing)
+    loss_c, lse_c = cross_entropy_forward(logits.cpu(), labels.cpu(), -100, smoothing)
+    assert_close_rel(loss, loss_c, torch.float32, factor=10)
+    assert_close_rel(lse, lse_c, torch.float32, factor=10)
+    scale = torch.rand(n, device="cuda")
+    for s in (scale, scale[:1]):
+        out = poisoned_like(logits)
+        cross_entropy_backward(logits, labels, lse, s, -100, smoothing, out=out)
+        ref = cross_entropy_backward(logits.cpu(), labels.cpu(), lse_c, s.cpu(), -100, smoothing)
+        assert_close_rel(out, ref, dtype, factor=0.5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_unaligned_rows_and_in_place(dtype, seed):
+    base = torch.randn(50, 1003, device="cuda").to(dtype)
+    logits = base[:, 1:1001]  # row stride 1003, 2- or 4-byte offset: scalar path
+    labels = make_labels(50, 1000, device="cuda")
+    loss, lse = cross_entropy_forward(logits, labels)
+    loss_c, lse_c = cross_entropy_forward(logits.cpu(), labels.cpu())
+    assert_close_rel(loss, loss_c, torch.float32, factor=10)
+    x = (torch.randn(64, 4096, device="cuda") * 3).to(dtype)
+    y = make_labels(64, 4096, device="cuda")
+    _, l2 = cross_entropy_forward(x, y)
+    ref = cross_entropy_backward(x.cpu(), y.cpu(), l2.cpu(), torch.ones(1))
+    cross_entropy_backward(x, y, l2, torch.ones(1, device="cuda"), out=x)
+    assert_close_rel(x, ref, dtype, factor=0.5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_cuda_autograd_vs_torch(reduction, seed):
+    logits = (torch.randn(2048, 32000, device="cuda") * 2).to(torch.bfloat16).requires_grad_(True)
+    labels = make_labels(2048, 32000, device="cuda")
+    ref = F.cross_entropy(logits.float(), labels, label_smoothing=0.1, reduction=reduction)
+    (gref,) = torch.autograd.grad(ref.sum(), logits)
+    loss = cross_entropy(logits, labels, label_smoothing=0.1, reduction=reduction)
+    (g,) = torch.autograd.grad(loss.sum(), logits)
+    assert_close_rel(loss, ref, torch.float32, factor=10)
+    assert_close_rel(g, gref, torch.bfloat16)
+
+
+@pytest.mark.cuda
+def test_cuda_bad_label_gives_nan():
+    logits = torch.randn(3, 10, device="cuda")
+    loss, _ = cross_entropy_forward(logits, torch.tensor([1, 10, -100], device="cuda"))
+    assert torch.isfinite(loss[0]) and torch.isnan(loss[1]) and loss[2] == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_linear_cross_entropy(dtype, seed):
+    n, h, v = 4096, 512, 32000
+    hidden = (torch.randn(n, h, device="cuda") * 0.5).to(dtype).requires_grad_(True)
+    weight = (torch.randn(v, h, device="cuda") * 0.05).to(dtype).requires_grad_(True)
+    labels = make_labels(n, v, device="cuda")
+    loss = linear_cross_entropy(hidden, weight, labels, chunk_size=1000)
+    loss.backward()
+    hd, wd = hidden.detach().float().requires_grad_(True), weight.detach().float().requires_grad_(True)
+    ref = F.cross_entropy(hd @ wd.t(), labels)
+    ref.backward()
+    assert_close_rel(loss, ref, dtype)
+    assert_close_rel(hidden.grad, hd.grad, dtype, factor=2)
+    assert_close_rel(weight.grad, wd.grad, dtype, factor=2)
+
+
+@pytest.mark.cuda
+def test_cuda_graph_capture(seed):
+    logits = torch.randn(256, 4096, device="cuda", dtype=torch.bfloat16)
+    labels = make_labels(256, 4096, device="cuda")
+    loss, lse = cross_entropy_forward(logits, labels)
+    dl = torch.empty_like(logits)
+    scale = torch.ones(1, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        cross_entropy_backward(logits, labels, lse, scale, out=dl)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        cross_entropy_backward(logits, labels, lse, scale, out=dl)
+    scale.fill_(3.0)
+    g.replay()
+    torch.cuda.synchronize()
+    ref = cross_entropy_backward(logits.cpu(), labels.cpu(), lse.cpu(), torch.full((1,), 3.0))
+    assert_close_rel(dl, ref, torch.bfloat16, factor=0.5)
