@@ -1,0 +1,187 @@
+"""Token-budget batching: group samples so each batch holds at most
+``max_tokens`` tokens, and deal the batches out to data-parallel ranks.
+
+Cost of a batch (what must stay <= max_tokens):
+  * packed (THD): the sum of the sample lengths, rounded up to
+    ``pad_to_multiple_of`` when given (the tokens the collator will emit);
+  * padded (BSHD): batch size x the longest length (rounded up likewise).
+Batches are formed greedily in epoch order: a sample that would push the
+current batch over budget (or over ``max_sequences``) starts the next one.
+
+Epoch order: a permutation seeded by ``(seed, epoch)`` when ``shuffle``, else
+file order. With ``bucket_size`` the order is cut into windows of that many
+samples, each window is sorted by length before batching (less padding in
+the padded layout, more even batches in the packed one), and the batches are
+then shuffled so lengths do not drift through the epoch.
+
+Data parallelism: every rank builds the same global batch list (same seed)
+and takes batches ``rank, rank + world_size, ...``. The list is first cut to
+a multiple of ``world_size`` (at most ``world_size - 1`` tail batches of the
+epoch are dropped; with shuffling, different ones each epoch) so every rank
+runs the same number of steps and collectives never hang.
+
+A sample longer than the budget can never be batched: the constructor raises
+ValueError naming it (crop sequences with MLMDataset's ``max_length``).
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import torch
+
+from .masking import sample_seed
+
+__all__ = ["TokenBudgetBatchSampler"]
+
+
+def _round_up(n, m):
+    return (n + m - 1) // m * m
+
+
+class TokenBudgetBatchSampler(torch.utils.data.Sampler):
+    """Yields lists of sample indices for this rank, one epoch per iteration
+    (``set_epoch`` picks the epoch). ``batches(epoch)`` gives the global
+    list, ``rank_batches(epoch)`` this rank's share."""
+
+    def __init__(
+        self,
+        lengths,
+        max_tokens: int,
+        *,
+        padded: bool = False,
+        pad_to_multiple_of: int | None = None,
+        max_sequences: int | None = None,
+        shuffle: bool = True,
+        bucket_size: int | None = None,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if lengths.ndim != 1 or lengths.size == 0:
+            raise ValueError(f"TokenBudgetBatchSampler: 'lengths' must be a non-empty 1-D sequence, got shape {lengths.shape}")
+        if (lengths < 1).any():
+            i = int(np.flatnonzero(lengths < 1)[0])
+            raise ValueError(f"TokenBudgetBatchSampler: sample {i} has length {lengths[i]}; lengths must be >= 1")
+        if max_tokens < 1:
+            raise ValueError(f"TokenBudgetBatchSampler: argument 'max_tokens' must be >= 1, got {max_tokens}")
+        if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
+            raise ValueError(f"TokenBudgetBatchSampler: argument 'pad_to_multiple_of' must be >= 1, got {pad_to_multiple_of}")
+        if max_sequences is not None and max_sequences < 1:
+            raise ValueError(f"TokenBudgetBatchSampler: argument 'max_sequences' must be >= 1, got {max_sequences}")
+        if bucket_size is not None and bucket_size < 1:
+            raise ValueError(f"TokenBudgetBatchSampler: argument 'bucket_size' must be >= 1, got {bucket_size}")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"TokenBudgetBatchSampler: need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+        m = pad_to_multiple_of or 1
+        single = _round_up(lengths, m)
+        over = np.flatnonzero(single > max_tokens)
+        if over.size:
+            i = int(over[0])
+            raise ValueError(
+                f"TokenBudgetBatchSampler: sample {i} needs {int(single[i])} tokens"
+                f"{' after padding to a multiple of %d' % m if m > 1 else ''}, more than max_tokens={max_tokens}"
+                f" ({over.size} sample(s) too long); crop sequences to at most max_tokens"
+            )
+        self.lengths = lengths
+        self.max_tokens = int(max_tokens)
+        self.padded = padded
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.max_sequences = max_sequences
+        self.shuffle = shuffle
+        self.bucket_size = bucket_size
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.epoch = 0
+        self._cache: tuple[int, list[list[int]]] | None = None
+
+    # -- identity, for checking a restored loader state --------------------
+    def fingerprint(self) -> dict:
+        """What must match for a saved position to mean the same batches."""
+        return {
+            "num_samples": int(self.lengths.size),
+            "lengths_crc32": zlib.crc32(self.lengths.tobytes()),
+            "max_tokens": self.max_tokens,
+            "padded": self.padded,
+            "pad_to_multiple_of": self.pad_to_multiple_of,
+            "max_sequences": self.max_sequences,
+            "shuffle": self.shuffle,
+            "bucket_size": self.bucket_size,
+            "seed": self.seed,
+        }
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    # -- batch construction -------------------------------------------------
+    def _generator(self, epoch: int, stream: int) -> torch.Generator:
+        g = torch.Generator()
+        g.manual_seed(sample_seed(self.seed, epoch, stream))
+        return g
+
+    def _order(self, epoch: int) -> np.ndarray:
+        n = self.lengths.size
+        if self.shuffle:
+            return torch.randperm(n, generator=self._generator(epoch, 0)).numpy()
+        return np.arange(n)
+
+    def _greedy(self, order: np.ndarray) -> list[list[int]]:
+        m = self.pad_to_multiple_of or 1
+        lens = self.lengths
+        budget = self.max_tokens
+        cap = self.max_sequences or len(order)
+        batches, cur, tot, longest = [], [], 0, 0
+        for i in order.tolist():
+            li = int(lens[i])
+            if self.padded:
+                new_longest = max(longest, li)
+                cost = (len(cur) + 1) * _round_up(new_longest, m)
+            else:
+                cost = _round_up(tot + li, m)
+            if cur and (cost > budget or len(cur) == cap):
+                batches.append(cur)
+                cur, tot, longest = [], 0, 0
+            cur.append(i)
+            tot += li
+            longest = max(longest, li)
+        if cur:
+            batches.append(cur)
+        return batches
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        """Every batch of ``epoch``, for all ranks together (cached)."""
+        if self._cache is not None and self._cache[0] == epoch:
+            return self._cache[1]
+        order = self._order(epoch)
+        if self.bucket_size is None:
+            out = self._greedy(order)
+        else:
+            out = []
+            for a in range(0, order.size, self.bucket_size):
+                window = order[a : a + self.bucket_size]
+                window = window[np.argsort(self.lengths[window], kind="stable")]
+                out.extend(self._greedy(window))
+            if self.shuffle:
+                perm = torch.randperm(len(out), generator=self._generator(epoch, 1)).tolist()
+                out = [out[k] for k in perm]
+        self._cache = (epoch, out)
+        return out
+
+    def rank_batches(self, epoch: int) -> list[list[int]]:
+        """This rank's batches of ``epoch`` (same count on every rank)."""
+        glob = self.batches(epoch)
+        usable = len(glob) // self.world_size * self.world_size
+        if usable == 0:
+            raise ValueError(
+                f"TokenBudgetBatchSampler: epoch {epoch} has {len(glob)} batch(es), fewer than "
+                f"world_size={self.world_size}; use more data or a smaller max_tokens"
+            )
+        return glob[self.rank : usable : self.world_size]
+
+    def __iter__(self):
+        return iter(self.rank_batches(self.epoch))
+
+    def __len__(self) -> int:
+        return len(self.rank_batches(self.epoch))

@@ -1,0 +1,151 @@
+"""Batch layouts: packed THD (no padding between sequences) and padded BSHD.
+
+Both take a list of samples ``{"input_ids": [L_i], "labels": [L_i], ...}``
+(1-D int64) and return a dict of tensors.
+
+PackedTHDCollator -> THD layout (tokens, heads, head dim) for attention with
+cu_seqlens (flash-attention varlen, seqfuse DotProductAttention qkv_format
+"thd"):
+  input_ids     int64 [T]       the sequences concatenated in sample order
+  labels        int64 [T]
+  position_ids  int64 [T]       0, 1, ... restarting at every sequence
+  cu_seqlens    int32 [S + 1]   cumulative segment starts, 0 first, T last
+  max_seqlen    int             longest segment
+  num_sequences int             real sequences (b)
+  num_tokens    int             real (unpadded) tokens = sum of L_i
+With ``pad_to_multiple_of`` (16 for FP8 GEMMs, whose token dimension must be a
+multiple of 16) the total T is rounded up by appending pad tokens that form
+their OWN dummy segment at the end: S = b + 1 and cu_seqlens has b + 2
+entries, the dummy segment's position_ids restart at 0, and its labels are
+-100. Attention restricted by cu_seqlens never lets a real token see a pad
+token (nor the reverse), and the loss ignores them, so the padding changes
+no result; only ``num_tokens`` and ``num_sequences`` count the real ones.
+Without padding (or when T is already a multiple) S = b.
+
+PaddedBSHDCollator -> batch-first padded layout (Hugging Face style):
+  input_ids      int64 [B, L]   right-padded with the pad id
+  attention_mask int64 [B, L]   1 on real tokens, 0 on padding
+  labels         int64 [B, L]   -100 on padding
+  num_tokens     int            real tokens
+L is the longest sample, rounded up to ``pad_to_multiple_of`` if given (so
+B * L is a multiple of it), or a fixed ``max_length``.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .masking import IGNORE_INDEX
+
+__all__ = ["PackedTHDCollator", "PaddedBSHDCollator"]
+
+
+def _check_samples(name: str, samples: Sequence[dict]) -> None:
+    if len(samples) == 0:
+        raise ValueError(f"{name}: got an empty batch")
+    for k, s in enumerate(samples):
+        ids, lab = s["input_ids"], s["labels"]
+        if ids.dim() != 1 or lab.shape != ids.shape:
+            raise ValueError(
+                f"{name}: sample {k}: 'input_ids' and 'labels' must be 1-D of one length, got "
+                f"{tuple(ids.shape)} and {tuple(lab.shape)}"
+            )
+        if ids.numel() == 0:
+            raise ValueError(f"{name}: sample {k} is empty")
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+class PackedTHDCollator:
+    """Concatenate samples into one THD batch (see the module note).
+
+    ``max_tokens`` (optional) is a hard check: a batch whose padded total
+    exceeds it raises ValueError (the batch sampler should never build one).
+    """
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None, max_tokens: int | None = None):
+        if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
+            raise ValueError(f"PackedTHDCollator: argument 'pad_to_multiple_of' must be >= 1, got {pad_to_multiple_of}")
+        self.pad_token_id = pad_token_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.max_tokens = max_tokens
+
+    def __call__(self, samples: Sequence[dict]) -> dict:
+        _check_samples("PackedTHDCollator", samples)
+        lens = [int(s["input_ids"].numel()) for s in samples]
+        n_real = sum(lens)
+        total = _round_up(n_real, self.pad_to_multiple_of) if self.pad_to_multiple_of else n_real
+        if self.max_tokens is not None and total > self.max_tokens:
+            raise ValueError(
+                f"PackedTHDCollator: batch of {len(samples)} sequences holds {total} tokens"
+                f" (padded), more than max_tokens={self.max_tokens}"
+            )
+        n_pad = total - n_real
+        seg_lens = lens + ([n_pad] if n_pad else [])
+        ids = [s["input_ids"].to(torch.long) for s in samples]
+        labels = [s["labels"].to(torch.long) for s in samples]
+        if n_pad:
+            ids.append(torch.full((n_pad,), self.pad_token_id, dtype=torch.long))
+            labels.append(torch.full((n_pad,), IGNORE_INDEX, dtype=torch.long))
+        seg = np.asarray(seg_lens, dtype=np.int64)
+        cu = np.zeros(len(seg_lens) + 1, dtype=np.int64)
+        np.cumsum(seg, out=cu[1:])
+        # position = token index minus the start of its segment (numpy: torch's
+        # repeat_interleave is slow on CPU for this size)
+        position_ids = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1], seg)
+        return {
+            "input_ids": torch.cat(ids),
+            "labels": torch.cat(labels),
+            "position_ids": torch.from_numpy(position_ids),
+            "cu_seqlens": torch.from_numpy(cu.astype(np.int32)),
+            "max_seqlen": max(seg_lens),
+            "num_sequences": len(samples),
+            "num_tokens": n_real,
+        }
+
+
+class PaddedBSHDCollator:
+    """Right-pad samples into ``[B, L]`` tensors (see the module note)."""
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None, max_length: int | None = None):
+        if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
+            raise ValueError(f"PaddedBSHDCollator: argument 'pad_to_multiple_of' must be >= 1, got {pad_to_multiple_of}")
+        if max_length is not None and pad_to_multiple_of and max_length % pad_to_multiple_of:
+            raise ValueError(
+                f"PaddedBSHDCollator: 'max_length' ({max_length}) must be a multiple of "
+                f"'pad_to_multiple_of' ({pad_to_multiple_of})"
+            )
+        self.pad_token_id = pad_token_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.max_length = max_length
+
+    def __call__(self, samples: Sequence[dict]) -> dict:
+        _check_samples("PaddedBSHDCollator", samples)
+        lens = [int(s["input_ids"].numel()) for s in samples]
+        longest = max(lens)
+        if self.max_length is not None:
+            if longest > self.max_length:
+                raise ValueError(
+                    f"PaddedBSHDCollator: a sample of {longest} tokens exceeds max_length={self.max_length}"
+                )
+            L = self.max_length
+        else:
+            L = _round_up(longest, self.pad_to_multiple_of) if self.pad_to_multiple_of else longest
+        B = len(samples)
+        input_ids = torch.full((B, L), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((B, L), IGNORE_INDEX, dtype=torch.long)
+        attention_mask = torch.zeros((B, L), dtype=torch.long)
+        for b, (s, n) in enumerate(zip(samples, lens)):
+            input_ids[b, :n] = s["input_ids"]
+            labels[b, :n] = s["labels"]
+            attention_mask[b, :n] = 1
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "labels": labels,
+            "num_tokens": sum(lens),
+        }

@@ -1,0 +1,200 @@
+"""A data loader whose position can be saved and restored exactly.
+
+ResumableDataLoader wraps torch.utils.data.DataLoader. Each ``iter()`` runs
+the rest of the current epoch: it asks the TokenBudgetBatchSampler for this
+rank's batches, skips the ones already consumed, and feeds the others to a
+DataLoader as lists of ``(epoch, index)`` keys (so the dataset knows which
+epoch's crops and masks to draw). Its position is counted here, in the
+process that consumes the batches, after each batch is handed out; worker
+prefetching therefore never moves it.
+
+``state_dict()`` after consuming batch k of epoch e says "k + 1 batches of
+epoch e done"; ``load_state_dict`` on a fresh loader built with the same data
+and settings makes the next batch the one an uninterrupted run would have
+produced (samples, crops, masks: all are functions of the seed, the epoch and
+the sample index). The position is stored as global batches (this rank's
+count x world_size), so a run can resume on a different number of ranks when
+that number divides it. A state from different data or settings (sample
+count, lengths, budget, seeds) raises ValueError instead of resuming into
+different batches.
+"""
+from __future__ import annotations
+
+import torch
+
+from .batching import TokenBudgetBatchSampler
+
+__all__ = ["ResumableDataLoader", "build_mlm_loader"]
+
+_FORMAT = "seqfuse.data.ResumableDataLoader/1"
+
+
+class ResumableDataLoader:
+    """Iterable over collated batches, one epoch per ``for`` loop, with
+    ``state_dict`` / ``load_state_dict`` (see the module note).
+
+    ``num_workers``, ``pin_memory``, ``prefetch_factor`` and
+    ``persistent_workers`` pass through to torch's DataLoader.
+    """
+
+    def __init__(
+        self,
+        dataset,
+        batch_sampler: TokenBudgetBatchSampler,
+        collate_fn,
+        *,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        prefetch_factor: int | None = None,
+    ):
+        if not isinstance(batch_sampler, TokenBudgetBatchSampler):
+            raise TypeError(
+                "ResumableDataLoader: argument 'batch_sampler' must be a TokenBudgetBatchSampler, got "
+                f"{type(batch_sampler).__name__}"
+            )
+        if len(dataset) != batch_sampler.lengths.size:
+            raise ValueError(
+                f"ResumableDataLoader: dataset has {len(dataset)} samples but the batch sampler "
+                f"was built for {batch_sampler.lengths.size}"
+            )
+        self.dataset = dataset
+        self.batch_sampler = batch_sampler
+        self.collate_fn = collate_fn
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.prefetch_factor = prefetch_factor
+        self.epoch = 0
+        self.batches_consumed = 0  # of this rank, in self.epoch
+
+    @property
+    def rank(self) -> int:
+        return self.batch_sampler.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.batch_sampler.world_size
+
+    def __len__(self) -> int:
+        """This rank's batches in the current epoch (all of it, not the rest)."""
+        return len(self.batch_sampler.rank_batches(self.epoch))
+
+    def __iter__(self):
+        batches = self.batch_sampler.rank_batches(self.epoch)
+        if self.batches_consumed >= len(batches):  # stopped right at an epoch's end
+            self.epoch += 1
+            self.batches_consumed = 0
+            batches = self.batch_sampler.rank_batches(self.epoch)
+        epoch = self.epoch
+        self.batch_sampler.set_epoch(epoch)
+        keys = [[(epoch, i) for i in b] for b in batches[self.batches_consumed :]]
+        kwargs = {}
+        if self.num_workers > 0 and self.prefetch_factor is not None:
+            kwargs["prefetch_factor"] = self.prefetch_factor
+        dl = torch.utils.data.DataLoader(
+            self.dataset,
+            batch_sampler=keys,
+            collate_fn=self.collate_fn,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            **kwargs,
+        )
+        for batch in dl:
+            if self.epoch != epoch:
+                raise RuntimeError("ResumableDataLoader: the position was changed during iteration")
+            self.batches_consumed += 1
+            yield batch
+        self.epoch = epoch + 1
+        self.batches_consumed = 0
+
+    # -- position -------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "format": _FORMAT,
+            "epoch": self.epoch,
+            "global_batches_consumed": self.batches_consumed * self.world_size,
+            "world_size": self.world_size,
+            "sampler": self.batch_sampler.fingerprint(),
+            "dataset_seed": getattr(self.dataset, "seed", None),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or state.get("format") != _FORMAT:
+            raise ValueError(f"ResumableDataLoader.load_state_dict: not a {_FORMAT} state")
+        mine = self.batch_sampler.fingerprint()
+        diff = {k: (state["sampler"].get(k), v) for k, v in mine.items() if state["sampler"].get(k) != v}
+        if diff:
+            raise ValueError(
+                "ResumableDataLoader.load_state_dict: the saved position belongs to other data or settings "
+                f"(saved, now): {diff}"
+            )
+        seed = getattr(self.dataset, "seed", None)
+        if state.get("dataset_seed") != seed:
+            raise ValueError(
+                f"ResumableDataLoader.load_state_dict: dataset seed differs (saved {state.get('dataset_seed')}, now {seed})"
+            )
+        g = int(state["global_batches_consumed"])
+        if g % self.world_size:
+            raise ValueError(
+                f"ResumableDataLoader.load_state_dict: {g} global batches consumed (saved with "
+                f"world_size={state['world_size']}) cannot be split evenly over world_size={self.world_size}"
+            )
+        epoch = int(state["epoch"])
+        step = g // self.world_size
+        if step > len(self.batch_sampler.rank_batches(epoch)):
+            raise ValueError(
+                f"ResumableDataLoader.load_state_dict: position {step} is past the end of epoch {epoch}"
+            )
+        self.epoch = epoch
+        self.batches_consumed = step
+
+
+def build_mlm_loader(
+    sequences,
+    tokenizer,
+    *,
+    max_tokens: int,
+    max_length: int = 1024,
+    packed: bool = True,
+    pad_to_multiple_of: int | None = None,
+    max_sequences: int | None = None,
+    shuffle: bool = True,
+    bucket_size: int | None = None,
+    seed: int = 0,
+    mask_prob: float = 0.15,
+    crop: str = "random",
+    rank: int = 0,
+    world_size: int = 1,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+) -> ResumableDataLoader:
+    """The usual ESM-style pipeline in one call: MLMDataset ->
+    TokenBudgetBatchSampler -> PackedTHDCollator (``packed``) or
+    PaddedBSHDCollator -> ResumableDataLoader. ``sequences`` is a list of
+    strings or a TokenizedSequences (to share one encoding between loaders)."""
+    from .collate import PackedTHDCollator, PaddedBSHDCollator
+    from .dataset import MLMDataset
+
+    m = pad_to_multiple_of or 1
+    if (max_length + m - 1) // m * m > max_tokens:
+        raise ValueError(
+            f"build_mlm_loader: max_length={max_length} (padded to a multiple of {m}) does not fit in "
+            f"max_tokens={max_tokens}: one sequence must fit in one batch"
+        )
+    ds = MLMDataset(sequences, tokenizer, max_length=max_length, seed=seed, mask_prob=mask_prob, crop=crop)
+    sampler = TokenBudgetBatchSampler(
+        ds.lengths,
+        max_tokens,
+        padded=not packed,
+        pad_to_multiple_of=pad_to_multiple_of,
+        max_sequences=max_sequences,
+        shuffle=shuffle,
+        bucket_size=bucket_size,
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
+    )
+    if packed:
+        collate = PackedTHDCollator(tokenizer.pad_token_id, pad_to_multiple_of=pad_to_multiple_of, max_tokens=max_tokens)
+    else:
+        collate = PaddedBSHDCollator(tokenizer.pad_token_id, pad_to_multiple_of=pad_to_multiple_of)
+    return ResumableDataLoader(ds, sampler, collate, num_workers=num_workers, pin_memory=pin_memory)

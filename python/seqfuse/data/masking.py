@@ -1,0 +1,109 @@
+"""Masked-language-model corruption (BERT / ESM style) with per-sample seeds.
+
+Each sample gets its own torch.Generator seeded from ``(seed, epoch, index)``
+(``sample_seed``), so the masks a sample receives depend on nothing else: not
+on the batch it lands in, the rank that reads it, the number of loader
+workers, or how many batches came before. That is what makes a resumed run
+reproduce the uninterrupted one exactly, and the packed and padded layouts
+carry identical labels. A new epoch gives new masks (dynamic masking).
+
+Rule (``mlm_mask``): every non-special token is selected independently with
+probability ``mask_prob`` (0.15); a selected token becomes <mask> with
+probability ``mask_token_frac`` (0.8), a random token drawn uniformly from
+``random_token_ids`` (the 20 standard amino acids for ESM) with probability
+``random_token_frac`` (0.1), and stays unchanged otherwise (0.1). Labels hold
+the original id at selected positions and -100 elsewhere. Special tokens
+(<cls>, <eos>, <pad>, <unk>, <mask>, ...) are never selected.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+__all__ = ["sample_seed", "sample_generator", "mlm_mask", "IGNORE_INDEX"]
+
+#: Label value the loss ignores (torch.nn.CrossEntropyLoss's default).
+IGNORE_INDEX = -100
+
+_M64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    z = x
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """A well-mixed 63-bit seed for sample ``index`` of ``epoch`` under the
+    run seed ``seed`` (splitmix64 chained over the three integers)."""
+    for v in (seed, epoch, index):
+        if v < 0:
+            raise ValueError(f"sample_seed: seed, epoch and index must be >= 0, got {(seed, epoch, index)}")
+    h = _splitmix64(seed & _M64)
+    h = _splitmix64(h ^ (epoch & _M64))
+    h = _splitmix64(h ^ (index & _M64))
+    return h >> 1
+
+
+def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
+    """A CPU torch.Generator seeded for one sample of one epoch."""
+    g = torch.Generator()
+    g.manual_seed(sample_seed(seed, epoch, index))
+    return g
+
+
+def mlm_mask(
+    input_ids: torch.Tensor,
+    *,
+    special_token_ids,
+    mask_token_id: int,
+    random_token_ids: torch.Tensor,
+    generator: torch.Generator,
+    mask_prob: float = 0.15,
+    mask_token_frac: float = 0.8,
+    random_token_frac: float = 0.1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Corrupt a 1-D sequence of ids; returns ``(masked_ids, labels)``.
+
+    The generator draws, in this order, L uniforms (selection), L uniforms
+    (action) and L random token choices, whatever the outcome, so the stream
+    layout is fixed by the length alone.
+    """
+    if input_ids.dim() != 1:
+        raise ValueError(f"mlm_mask: argument 'input_ids' must be 1-D, got shape {tuple(input_ids.shape)}")
+    if not 0.0 <= mask_prob <= 1.0:
+        raise ValueError(f"mlm_mask: argument 'mask_prob' must be in [0, 1], got {mask_prob}")
+    if mask_token_frac < 0 or random_token_frac < 0 or mask_token_frac + random_token_frac > 1.0:
+        raise ValueError(
+            "mlm_mask: 'mask_token_frac' and 'random_token_frac' must be >= 0 with a sum <= 1, "
+            f"got {mask_token_frac} and {random_token_frac}"
+        )
+    if input_ids.device.type != "cpu":
+        raise ValueError(f"mlm_mask: argument 'input_ids' must be on the CPU (data loading), got {input_ids.device}")
+    if random_token_ids.numel() == 0:
+        raise ValueError("mlm_mask: argument 'random_token_ids' is empty")
+    ids = input_ids.to(torch.long)
+    n = ids.numel()
+    u_select = torch.rand(n, generator=generator)
+    u_action = torch.rand(n, generator=generator)
+    choice = torch.randint(random_token_ids.numel(), (n,), generator=generator)
+
+    # The arithmetic runs in numpy on views of the same memory: a handful of
+    # small torch ops per sample cost more than the draws themselves.
+    ids_np = ids.numpy()
+    special = np.zeros(n, dtype=bool)
+    for sid in special_token_ids:  # a few ids: cheaper than np.isin's setup
+        special |= ids_np == sid
+    selected = (u_select.numpy() < mask_prob) & ~special
+    a = u_action.numpy()
+    replacement = np.where(
+        a < mask_token_frac,
+        mask_token_id,
+        np.where(a < mask_token_frac + random_token_frac, random_token_ids.numpy()[choice.numpy()], ids_np),
+    )
+    out = np.where(selected, replacement, ids_np)
+    labels = np.where(selected, ids_np, IGNORE_INDEX)
+    return torch.from_numpy(out), torch.from_numpy(labels)

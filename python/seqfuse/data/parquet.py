@@ -1,0 +1,109 @@
+"""Parquet storage of sequence records (columns ``id``, ``sequence``,
+``description``), through pyarrow.
+
+pyarrow is imported lazily, so the rest of seqfuse.data works without it;
+calling these functions without pyarrow raises an ImportError that says what
+to install. Reading streams record batches, so a large file is never loaded
+whole unless asked (``load_sequences``).
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterable, Iterator
+
+from .fasta import SequenceRecord, read_fasta
+
+__all__ = ["write_parquet", "read_parquet", "load_sequences"]
+
+_COLUMNS = ("id", "sequence", "description")
+
+
+def _pyarrow():
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "seqfuse.data Parquet support needs pyarrow: pip install pyarrow"
+        ) from e
+    return pa, pq
+
+
+def write_parquet(
+    records: Iterable[SequenceRecord],
+    path,
+    row_group_size: int = 4096,
+    compression: str = "zstd",
+    compression_level: int | None = None,
+) -> int:
+    """Write records to a Parquet file in row groups of ``row_group_size``;
+    returns the number written. Streams: at most one row group is in memory."""
+    pa, pq = _pyarrow()
+    if row_group_size < 1:
+        raise ValueError(f"write_parquet: argument 'row_group_size' must be >= 1, got {row_group_size}")
+    schema = pa.schema([(c, pa.string()) for c in _COLUMNS])
+    n = 0
+    buf = {c: [] for c in _COLUMNS}
+
+    def flush(writer):
+        writer.write_table(pa.table(buf, schema=schema), row_group_size=row_group_size)
+        for c in _COLUMNS:
+            buf[c].clear()
+
+    # No dictionary encoding: sequences are almost all distinct strings.
+    with pq.ParquetWriter(
+        os.fspath(path), schema, compression=compression, compression_level=compression_level, use_dictionary=["id"]
+    ) as writer:
+        for rec in records:
+            buf["id"].append(rec.id)
+            buf["sequence"].append(rec.sequence)
+            buf["description"].append(rec.description)
+            n += 1
+            if len(buf["id"]) == row_group_size:
+                flush(writer)
+        if buf["id"] or n == 0:
+            flush(writer)
+    return n
+
+
+def read_parquet(path, batch_size: int = 4096) -> Iterator[SequenceRecord]:
+    """Yield the records of a Parquet file written by ``write_parquet`` (or
+    any file with string columns ``id`` and ``sequence``; ``description`` is
+    optional)."""
+    _, pq = _pyarrow()
+    pf = pq.ParquetFile(os.fspath(path))
+    names = set(pf.schema_arrow.names)
+    missing = {"id", "sequence"} - names
+    if missing:
+        raise ValueError(f"read_parquet: {path} lacks column(s) {sorted(missing)}; has {sorted(names)}")
+    cols = [c for c in _COLUMNS if c in names]
+    for batch in pf.iter_batches(batch_size=batch_size, columns=cols):
+        d = batch.to_pydict()
+        descs = d.get("description") or [""] * len(d["id"])
+        for i, s, desc in zip(d["id"], d["sequence"], descs):
+            if s is None or i is None:
+                raise ValueError(f"read_parquet: {path} holds a null id or sequence")
+            yield SequenceRecord(id=i, sequence=s, description=desc or "")
+
+
+def iter_records(path) -> Iterator[SequenceRecord]:
+    """Records from a FASTA (.fa/.fasta/.faa/.fna, optionally .gz) or Parquet
+    file, chosen by suffix."""
+    p = os.fspath(path).lower()
+    if p.endswith(".parquet") or p.endswith(".pq"):
+        return read_parquet(path)
+    base = p[:-3] if p.endswith(".gz") else p
+    if base.endswith((".fa", ".fasta", ".faa", ".fna", ".fas")):
+        return read_fasta(path)
+    raise ValueError(
+        f"iter_records: cannot tell the format of {path!r}: expected .parquet or .fasta/.fa/.faa/.fna[.gz]"
+    )
+
+
+def load_sequences(path) -> tuple[list[str], list[str]]:
+    """All ``(ids, sequences)`` of a FASTA or Parquet file, in file order."""
+    ids, seqs = [], []
+    for rec in iter_records(path):
+        ids.append(rec.id)
+        seqs.append(rec.sequence)
+    return ids, seqs

@@ -1,0 +1,263 @@
+"""Character-level tokenizers: ESM-2 proteins and DNA nucleotides.
+
+Both map one character to one id through a 256-entry lookup table over ASCII
+bytes, so encoding a protein is a numpy gather, not a Python loop.
+
+``EsmTokenizer`` reproduces the ids of transformers' EsmTokenizer for the
+ESM-2 vocabulary (33 tokens, <cls>=0 <pad>=1 <eos>=2 <unk>=3 ... <mask>=32):
+``encode(seq)`` gives ``<cls> residues <eos>``, and ``max_length`` truncates
+the residues so the total, specials included, is at most ``max_length`` (as
+transformers does with ``truncation=True``).
+
+Characters outside the vocabulary (policy, argument ``unknown``):
+  * ``"error"`` (default): ValueError naming the character and its position.
+    Silent <unk>s in training data are usually a data bug (lower case input,
+    a stray '*' stop codon), so the default refuses them.
+  * ``"unk"``: exactly transformers' behaviour: a maximal run of consecutive
+    unknown characters becomes ONE <unk> (transformers splits the text on the
+    vocabulary's tokens and maps each leftover piece to <unk>). Note this
+    shortens the sequence by the run length minus one.
+ASCII whitespace inside a sequence is skipped (as transformers does); it also
+ends an unknown run. Special tokens written literally in the text (``<mask>``)
+are recognised when ``parse_special_tokens=True`` (transformers always does).
+Non-ASCII characters are unknown characters.
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["CharTokenizer", "EsmTokenizer", "NucleotideTokenizer", "ESM2_VOCAB", "NUCLEOTIDE_VOCAB"]
+
+#: ESM-2's vocabulary in id order (fair-esm's Alphabet "ESM-1b", as shipped in
+#: facebook/esm2_* vocab.txt files).
+ESM2_VOCAB = (
+    ["<cls>", "<pad>", "<eos>", "<unk>"]
+    + list("LAGVSERTIDPKQNFYMHWCXBUZO")
+    + [".", "-", "<null_1>", "<mask>"]
+)
+
+#: DNA vocabulary: specials first, then the four bases and N (any base).
+NUCLEOTIDE_VOCAB = ["<pad>", "<unk>", "<bos>", "<eos>", "<mask>", "A", "C", "G", "T", "N"]
+
+_WS = -2  # lookup-table code: skip
+_UNK = -1  # lookup-table code: not in the vocabulary
+
+
+class CharTokenizer:
+    """One character, one token; multi-character entries of the vocabulary
+    (``<...>``) are special tokens. Subclasses set the vocabulary and which
+    specials frame a sequence."""
+
+    def __init__(
+        self,
+        vocab: Sequence[str],
+        *,
+        bos_token: str | None,
+        eos_token: str | None,
+        pad_token: str,
+        unk_token: str,
+        mask_token: str | None,
+        random_tokens: Sequence[str],
+        unknown: str = "error",
+        parse_special_tokens: bool = True,
+        extra_char_map: dict[str, str] | None = None,
+    ):
+        if unknown not in ("error", "unk"):
+            raise ValueError(f"{type(self).__name__}: argument 'unknown' must be 'error' or 'unk', got {unknown!r}")
+        if len(set(vocab)) != len(vocab):
+            raise ValueError(f"{type(self).__name__}: vocabulary holds duplicates")
+        self.vocab = list(vocab)
+        self.token_to_id = {t: i for i, t in enumerate(self.vocab)}
+        self.unknown = unknown
+        self.parse_special_tokens = parse_special_tokens
+        self.special_tokens = [t for t in self.vocab if len(t) > 1]
+        self.pad_token_id = self.token_to_id[pad_token]
+        self.unk_token_id = self.token_to_id[unk_token]
+        self.bos_token_id = None if bos_token is None else self.token_to_id[bos_token]
+        self.eos_token_id = None if eos_token is None else self.token_to_id[eos_token]
+        self.mask_token_id = None if mask_token is None else self.token_to_id[mask_token]
+        #: ids a masking step may substitute at random (real residues only).
+        self.random_token_ids = torch.tensor([self.token_to_id[t] for t in random_tokens], dtype=torch.long)
+        #: ids never chosen as masking targets (every <...> token).
+        self.special_token_ids = sorted(self.token_to_id[t] for t in self.special_tokens)
+
+        lut = np.full(256, _UNK, dtype=np.int16)
+        for t, i in self.token_to_id.items():
+            if len(t) == 1:
+                lut[ord(t)] = i
+        for src, dst in (extra_char_map or {}).items():
+            lut[ord(src)] = self.token_to_id[dst]
+        for c in " \t\n\r\v\f":
+            lut[ord(c)] = _WS
+        self._lut = lut
+        self._special_re = re.compile("(" + "|".join(re.escape(t) for t in self.special_tokens) + ")")
+
+    # -- properties -----------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    def __len__(self) -> int:
+        return len(self.vocab)
+
+    @property
+    def num_special_tokens_added(self) -> int:
+        """Tokens ``encode(..., add_special_tokens=True)`` adds around a sequence."""
+        return (self.bos_token_id is not None) + (self.eos_token_id is not None)
+
+    # -- encoding -------------------------------------------------------
+    def _encode_piece(self, text: str, start: int) -> np.ndarray:
+        if text.isascii():
+            codes = self._lut[np.frombuffer(text.encode("ascii"), dtype=np.uint8)]
+        else:  # rare: a slow path that marks every non-ASCII character unknown
+            codes = np.array([self._lut[ord(c)] if ord(c) < 128 else _UNK for c in text], dtype=np.int16)
+        unk = codes == _UNK
+        if unk.any():
+            if self.unknown == "error":
+                pos = int(np.flatnonzero(unk)[0])
+                ch = text[pos]
+                raise ValueError(
+                    f"{type(self).__name__}.encode: character {ch!r} at position {start + pos} is not in "
+                    f"the vocabulary (unknown='error'; pass unknown='unk' to map it to "
+                    f"{self.vocab[self.unk_token_id]})"
+                )
+            # transformers: a maximal run of unknown characters is one <unk>.
+            prev_unk = np.concatenate(([False], unk[:-1]))
+            keep = ~(unk & prev_unk)
+            codes = np.where(unk, self.unk_token_id, codes)[keep]
+        return codes[codes != _WS].astype(np.int64)
+
+    def encode_residues(self, text: str) -> np.ndarray:
+        """Token ids of ``text`` without specials or truncation (int64 numpy)."""
+        if not isinstance(text, str):
+            raise TypeError(f"{type(self).__name__}.encode: expected a str, got {type(text).__name__}")
+        if self.parse_special_tokens and "<" in text:
+            parts, pos = [], 0
+            for piece in self._special_re.split(text):
+                if piece in self.token_to_id and len(piece) > 1:
+                    parts.append(np.array([self.token_to_id[piece]], dtype=np.int64))
+                elif piece:
+                    parts.append(self._encode_piece(piece, pos))
+                pos += len(piece)
+            return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return self._encode_piece(text, 0)
+
+    def add_special_tokens(self, residue_ids: torch.Tensor) -> torch.Tensor:
+        """Frame residue ids with the tokenizer's begin and end tokens."""
+        parts = []
+        if self.bos_token_id is not None:
+            parts.append(torch.tensor([self.bos_token_id], dtype=torch.long))
+        parts.append(residue_ids.to(torch.long))
+        if self.eos_token_id is not None:
+            parts.append(torch.tensor([self.eos_token_id], dtype=torch.long))
+        return torch.cat(parts)
+
+    def encode(self, text: str, add_special_tokens: bool = True, max_length: int | None = None) -> torch.Tensor:
+        """Ids of ``text`` as a 1-D int64 tensor. ``max_length`` keeps the
+        first residues so the result, specials included, has at most
+        ``max_length`` tokens."""
+        ids = self.encode_residues(text)
+        n_spec = self.num_special_tokens_added if add_special_tokens else 0
+        if max_length is not None:
+            if max_length < n_spec + 1:
+                raise ValueError(
+                    f"{type(self).__name__}.encode: argument 'max_length' must be >= {n_spec + 1} "
+                    f"(room for the specials and one residue), got {max_length}"
+                )
+            ids = ids[: max_length - n_spec]
+        t = torch.from_numpy(np.ascontiguousarray(ids))
+        return self.add_special_tokens(t) if add_special_tokens else t
+
+    def __call__(self, texts, add_special_tokens: bool = True, max_length: int | None = None):
+        if isinstance(texts, str):
+            return self.encode(texts, add_special_tokens, max_length)
+        return [self.encode(t, add_special_tokens, max_length) for t in texts]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        """Text of ``ids``; specials are written as ``<...>`` unless skipped."""
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        special = set(self.special_token_ids)
+        out = []
+        for i in ids:
+            if not 0 <= i < len(self.vocab):
+                raise ValueError(f"{type(self).__name__}.decode: id {i} is outside [0, {len(self.vocab)})")
+            if skip_special_tokens and i in special:
+                continue
+            out.append(self.vocab[i])
+        return "".join(out)
+
+    def special_tokens_mask(self, ids: torch.Tensor) -> torch.Tensor:
+        """Boolean mask, True where ``ids`` holds a special (``<...>``) token."""
+        return torch.isin(ids, torch.tensor(self.special_token_ids, dtype=ids.dtype, device=ids.device))
+
+    def save_vocabulary(self, directory) -> str:
+        """Write ``vocab.txt`` (one token per line, in id order; the format
+        transformers' EsmTokenizer reads); returns its path."""
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(os.fspath(directory), "vocab.txt")
+        with open(path, "w", encoding="ascii", newline="\n") as f:
+            f.write("\n".join(self.vocab) + "\n")
+        return path
+
+
+class EsmTokenizer(CharTokenizer):
+    """ESM-2 protein tokenizer: ``<cls> residues <eos>``, ids identical to
+    transformers.EsmTokenizer with the ESM-2 vocab.txt. Masking substitutes
+    random tokens among the 20 standard amino acids."""
+
+    STANDARD_AMINO_ACIDS = "LAGVSERTIDPKQNFYMHWC"
+
+    def __init__(self, unknown: str = "error", parse_special_tokens: bool = True):
+        super().__init__(
+            ESM2_VOCAB,
+            bos_token="<cls>",
+            eos_token="<eos>",
+            pad_token="<pad>",
+            unk_token="<unk>",
+            mask_token="<mask>",
+            random_tokens=list(self.STANDARD_AMINO_ACIDS),
+            unknown=unknown,
+            parse_special_tokens=parse_special_tokens,
+        )
+        self.cls_token_id = self.bos_token_id
+
+
+class NucleotideTokenizer(CharTokenizer):
+    """DNA tokenizer for causal or masked LMs: ``<bos> bases <eos>``, ids
+    <pad>=0 <unk>=1 <bos>=2 <eos>=3 <mask>=4 A=5 C=6 G=7 T=8 N=9.
+
+    ``uppercase=True`` (default) folds soft-masked (lower case) genome
+    stretches to upper case; ``iupac_to_n=True`` (default) maps the IUPAC
+    ambiguity codes R Y S W K M B D H V (and U->T is not done: RNA is refused)
+    to N. Other characters follow the ``unknown`` policy.
+    """
+
+    IUPAC_AMBIGUOUS = "RYSWKMBDHV"
+
+    def __init__(self, unknown: str = "error", uppercase: bool = True, iupac_to_n: bool = True,
+                 parse_special_tokens: bool = True):
+        extra = {}
+        if uppercase:
+            extra.update({c.lower(): c for c in "ACGTN"})
+        if iupac_to_n:
+            extra.update({c: "N" for c in self.IUPAC_AMBIGUOUS})
+            if uppercase:
+                extra.update({c.lower(): "N" for c in self.IUPAC_AMBIGUOUS})
+        super().__init__(
+            NUCLEOTIDE_VOCAB,
+            bos_token="<bos>",
+            eos_token="<eos>",
+            pad_token="<pad>",
+            unk_token="<unk>",
+            mask_token="<mask>",
+            random_tokens=list("ACGT"),
+            unknown=unknown,
+            parse_special_tokens=parse_special_tokens,
+            extra_char_map=extra,
+        )
