@@ -1,8 +1,128 @@
 /*
- * gemm_py.c - bindings of the gemm family (matrix products over cuBLASLt (csrc/gemm/)).
+ * gemm_py.c - bindings of the gemm family (matrix products over cuBLASLt,
+ * csrc/gemm/).  seqfuse.ops.gemm is the Python-facing op; this is its thin,
+ * positional, METH_FASTCALL door into sf_gemm (a Linear step makes three
+ * calls per layer, so the binding parses nothing it does not need).
  */
 #include "py_call.h"
 
+static int int_arg(const char *op, PyObject *o, const char *name, long *v)
+{
+    *v = PyLong_AsLong(o);
+    if (*v == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s: argument '%s' must be an int (or bool), got %s", op,
+                     name, Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    return 0;
+}
+
+/* gemm(a, b, out, transa, transb, a_scale_inv, b_scale_inv, a_scaling,
+ *      b_scaling, bias, aux, epilogue, accumulate, fast_accum, allow_tf32,
+ *      alpha, workspace, stream=None) */
+static PyObject *py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    static const char op[] = "gemm";
+    if (sf_py_check_nargs(op, nargs, 17, 18) < 0)
+        return NULL;
+    long transa, transb, a_scaling, b_scaling, epilogue, accumulate, fast_accum, allow_tf32;
+    if (int_arg(op, args[3], "transa", &transa) < 0 ||
+        int_arg(op, args[4], "transb", &transb) < 0 ||
+        int_arg(op, args[7], "a_scaling", &a_scaling) < 0 ||
+        int_arg(op, args[8], "b_scaling", &b_scaling) < 0 ||
+        int_arg(op, args[11], "epilogue", &epilogue) < 0 ||
+        int_arg(op, args[12], "accumulate", &accumulate) < 0 ||
+        int_arg(op, args[13], "fast_accum", &fast_accum) < 0 ||
+        int_arg(op, args[14], "allow_tf32", &allow_tf32) < 0)
+        return NULL;
+    double alpha = PyFloat_AsDouble(args[15]);
+    if (alpha == -1.0 && PyErr_Occurred())
+        return NULL;
+
+    sf_py_call c;
+    if (sf_py_call_init(&c, op, nargs > 17 ? args[17] : Py_None) < 0)
+        return NULL;
+    PyObject *result = NULL;
+    sf_tensor a, b, out, a_scale, b_scale, bias, aux, workspace;
+    int has_as, has_bs, has_bias, has_aux, has_ws;
+    if (sf_py_tensor(&c, args[0], "a", &a) < 0 || sf_py_tensor(&c, args[1], "b", &b) < 0 ||
+        sf_py_tensor(&c, args[2], "out", &out) < 0 ||
+        sf_py_optional_tensor(&c, args[5], "a_scale_inv", &a_scale, &has_as) < 0 ||
+        sf_py_optional_tensor(&c, args[6], "b_scale_inv", &b_scale, &has_bs) < 0 ||
+        sf_py_optional_tensor(&c, args[9], "bias", &bias, &has_bias) < 0 ||
+        sf_py_optional_tensor(&c, args[10], "aux", &aux, &has_aux) < 0 ||
+        sf_py_optional_tensor(&c, args[16], "workspace", &workspace, &has_ws) < 0)
+        goto done;
+
+    sf_gemm_args g;
+    sf_gemm_args_init(&g);
+    g.a = &a;
+    g.b = &b;
+    g.out = &out;
+    g.transa = transa != 0;
+    g.transb = transb != 0;
+    g.a_scale_inv = has_as ? &a_scale : NULL;
+    g.b_scale_inv = has_bs ? &b_scale : NULL;
+    g.a_scaling = (sf_gemm_scaling)a_scaling;
+    g.b_scaling = (sf_gemm_scaling)b_scaling;
+    g.bias = has_bias ? &bias : NULL;
+    g.aux = has_aux ? &aux : NULL;
+    g.epilogue = (sf_gemm_epilogue)epilogue;
+    g.accumulate = accumulate != 0;
+    g.fast_accum = fast_accum != 0;
+    g.allow_tf32 = allow_tf32 != 0;
+    g.alpha = (float)alpha;
+    g.workspace = has_ws ? &workspace : NULL;
+
+    sf_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = sf_gemm(&g, sf_py_call_stream(&c));
+    Py_END_ALLOW_THREADS
+    if (st != SF_OK) {
+        sf_py_raise(st);
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    sf_py_call_release(&c);
+    return result;
+}
+
+static PyObject *py_gemm_plan_cache_size(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    return PyLong_FromLong(sf_gemm_plan_cache_size());
+}
+
+static PyObject *py_gemm_plan_cache_clear(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    sf_gemm_plan_cache_clear();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_gemm_heuristic_queries(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    return PyLong_FromLongLong((long long)sf_gemm_heuristic_queries());
+}
+
 PyMethodDef sf_py_gemm_methods[] = {
+    {"gemm", (PyCFunction)(void (*)(void))py_gemm, METH_FASTCALL,
+     "gemm(a, b, out, transa, transb, a_scale_inv, b_scale_inv, a_scaling, b_scaling, "
+     "bias, aux, epilogue, accumulate, fast_accum, allow_tf32, alpha, workspace, "
+     "stream=None): out = epilogue(alpha * op(a) @ op(b) + beta * out). See "
+     "seqfuse.ops.gemm."},
+    {"gemm_plan_cache_size", py_gemm_plan_cache_size, METH_NOARGS,
+     "Number of cached cuBLASLt plans."},
+    {"gemm_plan_cache_clear", py_gemm_plan_cache_clear, METH_NOARGS,
+     "Drop every cached cuBLASLt plan."},
+    {"gemm_heuristic_queries", py_gemm_heuristic_queries, METH_NOARGS,
+     "How many times the cuBLASLt heuristic was queried."},
     {NULL, NULL, 0, NULL},
 };

@@ -5,10 +5,11 @@ memory), hands them to seqfuse._C as destination arguments, and runs on the
 caller's current CUDA stream.
 """
 from .quant import amax
+from .gemm import gemm
 from .loss import cross_entropy_backward, cross_entropy_forward
 from .rope import rope_backward, rope_forward
 
-__all__ = ["amax", "rope_forward", "rope_backward"]
+__all__ = ["amax", "gemm", "rope_forward", "rope_backward"]
 
 from .attn import attention, attention_bwd, attention_fwd  # noqa: E402
 

@@ -1,0 +1,415 @@
+/*
+ * gemm_cuda.cu - sf_gemm on the GPU through cuBLASLt.
+ *
+ * Row-major -> cuBLASLt (column-major): out[m, n] row-major is out^T [n, m]
+ * column-major, and out^T = op(b)^T op(a)^T, so cuBLASLt's "A" is our b and
+ * its "B" is our a, with m and n swapped; our transpose flags become its
+ * op flags unchanged (a row-major [r, c] buffer is a column-major [c, r] one).
+ * Consequences worth knowing when reading cuBLASLt's documentation:
+ *   our a_scale_inv -> its B_SCALE_POINTER, our b_scale_inv -> A_SCALE_POINTER;
+ *   bias of length n (per output column) = its bias over the rows of D;
+ *   our BGRAD (sum over k of op(a)) = its BGRADB; the "TN" FP8 layout = our
+ *   transa=0, transb=1.
+ *
+ * Plans: the matmul descriptor, the three layouts and the algorithm chosen by
+ * cublasLtMatmulAlgoGetHeuristic are built once per problem and kept in a
+ * small open-addressing hash table keyed by everything the heuristic sees
+ * (device, dtypes, m/n/k, leading dimensions, op flags, epilogue, scaling
+ * modes, fast accumulation, compute type, pointer alignments, workspace
+ * size).  Per call only the data pointers of the descriptor (scales, bias,
+ * aux) are rewritten, then the matmul is enqueued.  cuBLASLt reads the
+ * descriptor during cublasLtMatmul, so one mutex around "set pointers +
+ * enqueue" makes the cache safe for any number of host threads.  Nothing
+ * here synchronizes the host or allocates device memory, so the call is
+ * capturable in a CUDA graph (given a workspace, cuBLASLt allocates nothing).
+ */
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <mutex>
+#include <string.h>
+
+#include "../core/cuda_util.h"
+#include "gemm.h"
+
+namespace {
+
+constexpr int kMaxDevices = 64;
+constexpr int kTableSize = 1024;      /* power of two */
+constexpr int kTableMaxUsed = 768;    /* then the table is emptied and refilled */
+
+struct PlanKey {
+    int32_t device;
+    int32_t a_type, b_type, d_type, bias_type, aux_type; /* cudaDataType, or -1 */
+    int32_t op_a, op_b;                                  /* cuBLASLt's A and B */
+    int64_t m, n, k, lda, ldb, ldd, ld_aux;
+    int32_t epilogue, scale_mode_a, scale_mode_b, has_scale;
+    int32_t fast_accum, compute;
+    uint32_t align_a, align_b, align_d;
+    uint64_t workspace_bytes;
+};
+
+struct Plan {
+    int used;
+    uint64_t hash;
+    PlanKey key;
+    cublasLtMatmulDesc_t desc;
+    cublasLtMatrixLayout_t la, lb, ld;
+    cublasLtMatmulAlgo_t algo;
+};
+
+std::mutex g_lock;
+cublasLtHandle_t g_handles[kMaxDevices];
+Plan g_table[kTableSize];
+int g_used = 0;
+int64_t g_queries = 0;
+
+const char *op_name = "gemm";
+
+sf_status lt_fail(cublasStatus_t s, const char *what)
+{
+    return sf_fail(SF_ERR_RUNTIME, "%s: cuBLASLt %s failed: %s (%s)", op_name, what,
+                   cublasLtGetStatusName(s), cublasLtGetStatusString(s));
+}
+
+#define LT_TRY(what, call)                       \
+    do {                                         \
+        cublasStatus_t lt_s_ = (call);           \
+        if (lt_s_ != CUBLAS_STATUS_SUCCESS)      \
+            return lt_fail(lt_s_, what);         \
+    } while (0)
+
+cudaDataType_t cuda_type(sf_dtype d)
+{
+    switch (d) {
+    case SF_FLOAT32: return CUDA_R_32F;
+    case SF_FLOAT16: return CUDA_R_16F;
+    case SF_BFLOAT16: return CUDA_R_16BF;
+    case SF_FLOAT8_E4M3: return CUDA_R_8F_E4M3;
+    default: return CUDA_R_8F_E5M2;
+    }
+}
+
+cublasLtEpilogue_t lt_epilogue(sf_gemm_epilogue e)
+{
+    switch (e) {
+    case SF_GEMM_EPI_BIAS: return CUBLASLT_EPILOGUE_BIAS;
+    case SF_GEMM_EPI_GELU: return CUBLASLT_EPILOGUE_GELU;
+    case SF_GEMM_EPI_BIAS_GELU: return CUBLASLT_EPILOGUE_GELU_BIAS;
+    case SF_GEMM_EPI_GELU_AUX: return CUBLASLT_EPILOGUE_GELU_AUX;
+    case SF_GEMM_EPI_BIAS_GELU_AUX: return CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
+    case SF_GEMM_EPI_DGELU: return CUBLASLT_EPILOGUE_DGELU;
+    case SF_GEMM_EPI_DGELU_BGRAD: return CUBLASLT_EPILOGUE_DGELU_BGRAD;
+    case SF_GEMM_EPI_BGRAD: return CUBLASLT_EPILOGUE_BGRADB;
+    default: return CUBLASLT_EPILOGUE_DEFAULT;
+    }
+}
+
+int32_t lt_scale_mode(sf_gemm_scaling s)
+{
+    switch (s) {
+    case SF_GEMM_SCALE_BLOCK_1X128: return CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    case SF_GEMM_SCALE_BLOCK_128X128: return CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+    default: return CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+    }
+}
+
+/* Largest power of two (<= 256) dividing the address: cuBLASLt assumes 256
+ * unless told, and would pick a kernel that faults on a less aligned view. */
+uint32_t alignment(const void *p)
+{
+    uintptr_t a = (uintptr_t)p;
+    uint32_t al = 256;
+    while (al > 1 && a % al != 0)
+        al >>= 1;
+    return al;
+}
+
+uint64_t hash_key(const PlanKey *k)
+{
+    const unsigned char *b = (const unsigned char *)k;
+    uint64_t h = 1469598103934665603ull; /* FNV-1a */
+    for (size_t i = 0; i < sizeof *k; ++i) {
+        h ^= b[i];
+        h *= 1099511628211ull;
+    }
+    return h;
+}
+
+void destroy_plan(Plan *p)
+{
+    if (p->desc) cublasLtMatmulDescDestroy(p->desc);
+    if (p->la) cublasLtMatrixLayoutDestroy(p->la);
+    if (p->lb) cublasLtMatrixLayoutDestroy(p->lb);
+    if (p->ld) cublasLtMatrixLayoutDestroy(p->ld);
+    memset(p, 0, sizeof *p);
+}
+
+void clear_table_locked()
+{
+    for (int i = 0; i < kTableSize; ++i)
+        if (g_table[i].used)
+            destroy_plan(&g_table[i]);
+    g_used = 0;
+}
+
+sf_status get_handle_locked(int device, cublasLtHandle_t *h)
+{
+    if (device < 0 || device >= kMaxDevices)
+        return sf_fail(SF_ERR_VALUE, "%s: CUDA device %d is beyond the %d seqfuse supports",
+                       op_name, device, kMaxDevices);
+    if (!g_handles[device])
+        LT_TRY("cublasLtCreate", cublasLtCreate(&g_handles[device]));
+    *h = g_handles[device];
+    return SF_OK;
+}
+
+template <typename T>
+cublasStatus_t set_attr(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t a, const T &v)
+{
+    return cublasLtMatmulDescSetAttribute(d, a, &v, sizeof v);
+}
+
+/* Write the per-call pointers into a plan's descriptor. */
+sf_status set_pointers(Plan *plan, const sf_gemm_problem *p)
+{
+    cublasLtMatmulDesc_t d = plan->desc;
+    if (plan->key.has_scale) {
+        const void *sa = p->b_scale, *sb = p->a_scale; /* operands swapped */
+        LT_TRY("setting A_SCALE_POINTER", set_attr(d, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, sa));
+        LT_TRY("setting B_SCALE_POINTER", set_attr(d, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, sb));
+    }
+    if (p->bias) {
+        const void *b = p->bias;
+        LT_TRY("setting BIAS_POINTER", set_attr(d, CUBLASLT_MATMUL_DESC_BIAS_POINTER, b));
+    }
+    if (p->aux) {
+        const void *x = p->aux;
+        LT_TRY("setting EPILOGUE_AUX_POINTER",
+               set_attr(d, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, x));
+    }
+    return SF_OK;
+}
+
+void make_key(const sf_gemm_problem *p, PlanKey *k)
+{
+    memset(k, 0, sizeof *k); /* padding bytes take part in the hash */
+    int fp8 = sf_gemm_is_fp8(p->a.dtype);
+    k->device = p->device_id;
+    k->a_type = cuda_type(p->b.dtype);
+    k->b_type = cuda_type(p->a.dtype);
+    k->d_type = cuda_type(p->out_dtype);
+    k->bias_type = p->bias ? (int32_t)cuda_type(p->bias_dtype) : -1;
+    k->aux_type = p->aux ? (int32_t)cuda_type(p->aux_dtype) : -1;
+    k->op_a = p->b.trans ? CUBLAS_OP_T : CUBLAS_OP_N;
+    k->op_b = p->a.trans ? CUBLAS_OP_T : CUBLAS_OP_N;
+    k->m = p->n;
+    k->n = p->m;
+    k->k = p->k;
+    k->lda = p->b.ld;
+    k->ldb = p->a.ld;
+    k->ldd = p->ld_out;
+    k->ld_aux = p->aux ? p->ld_aux : 0;
+    k->epilogue = lt_epilogue(p->epilogue);
+    k->has_scale = fp8;
+    k->scale_mode_a = fp8 ? lt_scale_mode(p->b_scaling) : -1;
+    k->scale_mode_b = fp8 ? lt_scale_mode(p->a_scaling) : -1;
+    k->fast_accum = fp8 ? p->fast_accum : 0;
+    k->compute = (p->a.dtype == SF_FLOAT32 && p->allow_tf32) ? CUBLAS_COMPUTE_32F_FAST_TF32
+                                                              : CUBLAS_COMPUTE_32F;
+    k->align_a = alignment(p->b.data);
+    k->align_b = alignment(p->a.data);
+    k->align_d = alignment(p->out);
+    k->workspace_bytes = p->workspace_bytes;
+}
+
+sf_status describe_no_algo(const sf_gemm_problem *p, cublasStatus_t s)
+{
+    int cap = 0;
+    sf_cuda_capability(p->device_id, &cap);
+    return sf_fail(SF_ERR_NOT_IMPLEMENTED,
+                   "%s: cuBLASLt has no algorithm for this problem on sm_%d (%s): op(a) "
+                   "[%lld, %lld] %s%s x op(b) [%lld, %lld] %s%s -> %s, epilogue '%s', "
+                   "scaling a=%s b=%s, fast_accum=%d, workspace %zu bytes",
+                   op_name, cap, s == CUBLAS_STATUS_SUCCESS ? "no results" : cublasLtGetStatusName(s),
+                   (long long)p->m, (long long)p->k, sf_dtype_name(p->a.dtype),
+                   p->a.trans ? " (transposed)" : "", (long long)p->k, (long long)p->n,
+                   sf_dtype_name(p->b.dtype), p->b.trans ? " (transposed)" : "",
+                   sf_dtype_name(p->out_dtype), sf_gemm_epi_name(p->epilogue),
+                   sf_gemm_scaling_name(p->a_scaling), sf_gemm_scaling_name(p->b_scaling),
+                   p->fast_accum, p->workspace_bytes);
+}
+
+/* Build a plan into `plan` (zeroed); on failure everything made is freed. */
+sf_status build_plan(cublasLtHandle_t h, const sf_gemm_problem *p, const PlanKey *k,
+                     Plan *plan)
+{
+    plan->key = *k;
+    sf_status st = SF_OK;
+    cublasLtMatmulPreference_t pref = NULL;
+    cublasStatus_t s;
+    int returned = 0;
+    cublasLtMatmulHeuristicResult_t result;
+    memset(&result, 0, sizeof result);
+
+#define BP_TRY(what, call)                  \
+    do {                                    \
+        s = (call);                         \
+        if (s != CUBLAS_STATUS_SUCCESS) {   \
+            st = lt_fail(s, what);          \
+            goto fail;                      \
+        }                                   \
+    } while (0)
+
+    BP_TRY("MatmulDescCreate", cublasLtMatmulDescCreate(&plan->desc, (cublasComputeType_t)k->compute,
+                                                        CUDA_R_32F));
+    {
+        cublasOperation_t oa = (cublasOperation_t)k->op_a, ob = (cublasOperation_t)k->op_b;
+        BP_TRY("setting TRANSA", set_attr(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, oa));
+        BP_TRY("setting TRANSB", set_attr(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, ob));
+        cublasLtEpilogue_t epi = (cublasLtEpilogue_t)k->epilogue;
+        BP_TRY("setting EPILOGUE", set_attr(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, epi));
+    }
+    if (k->has_scale) {
+        int8_t fast = (int8_t)k->fast_accum;
+        BP_TRY("setting FAST_ACCUM", set_attr(plan->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, fast));
+        if (k->scale_mode_a != CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F ||
+            k->scale_mode_b != CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F) {
+            int32_t ma = k->scale_mode_a, mb = k->scale_mode_b;
+            BP_TRY("setting A_SCALE_MODE", set_attr(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, ma));
+            BP_TRY("setting B_SCALE_MODE", set_attr(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, mb));
+        }
+    }
+    if (k->bias_type >= 0) {
+        int32_t bt = k->bias_type;
+        BP_TRY("setting BIAS_DATA_TYPE", set_attr(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, bt));
+    }
+    if (k->aux_type >= 0) {
+        int64_t ld_aux = k->ld_aux;
+        int32_t at = k->aux_type;
+        BP_TRY("setting EPILOGUE_AUX_LD", set_attr(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, ld_aux));
+        BP_TRY("setting EPILOGUE_AUX_DATA_TYPE",
+               set_attr(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, at));
+    }
+    st = set_pointers(plan, p);
+    if (st != SF_OK)
+        goto fail;
+
+    /* cuBLASLt's A = our b: column-major [cols, rows] of b's row-major storage. */
+    BP_TRY("MatrixLayoutCreate(A)", cublasLtMatrixLayoutCreate(&plan->la, (cudaDataType_t)k->a_type,
+                                                               (uint64_t)p->b.cols, (uint64_t)p->b.rows, p->b.ld));
+    BP_TRY("MatrixLayoutCreate(B)", cublasLtMatrixLayoutCreate(&plan->lb, (cudaDataType_t)k->b_type,
+                                                               (uint64_t)p->a.cols, (uint64_t)p->a.rows, p->a.ld));
+    BP_TRY("MatrixLayoutCreate(D)", cublasLtMatrixLayoutCreate(&plan->ld, (cudaDataType_t)k->d_type,
+                                                               (uint64_t)p->n, (uint64_t)p->m, p->ld_out));
+
+    BP_TRY("MatmulPreferenceCreate", cublasLtMatmulPreferenceCreate(&pref));
+    {
+        uint64_t ws = k->workspace_bytes;
+        BP_TRY("setting MAX_WORKSPACE_BYTES",
+               cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
+        uint32_t al[4] = {k->align_a, k->align_b, k->align_d, k->align_d};
+        cublasLtMatmulPreferenceAttributes_t which[4] = {
+            CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+            CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+        for (int i = 0; i < 4; ++i)
+            BP_TRY("setting MIN_ALIGNMENT",
+                   cublasLtMatmulPreferenceSetAttribute(pref, which[i], &al[i], sizeof al[i]));
+    }
+    g_queries++;
+    s = cublasLtMatmulAlgoGetHeuristic(h, plan->desc, plan->la, plan->lb, plan->ld, plan->ld, pref, 1,
+                                       &result, &returned);
+    if (s == CUBLAS_STATUS_NOT_SUPPORTED || (s == CUBLAS_STATUS_SUCCESS && returned == 0)) {
+        st = describe_no_algo(p, s);
+        goto fail;
+    }
+    if (s != CUBLAS_STATUS_SUCCESS) {
+        st = lt_fail(s, "MatmulAlgoGetHeuristic");
+        goto fail;
+    }
+    plan->algo = result.algo;
+    cublasLtMatmulPreferenceDestroy(pref);
+    return SF_OK;
+#undef BP_TRY
+fail:
+    if (pref)
+        cublasLtMatmulPreferenceDestroy(pref);
+    destroy_plan(plan);
+    return st;
+}
+
+/* Find or build the plan for p; the caller holds g_lock. */
+sf_status lookup_locked(cublasLtHandle_t h, const sf_gemm_problem *p, Plan **out)
+{
+    PlanKey key;
+    make_key(p, &key);
+    uint64_t hash = hash_key(&key);
+    unsigned slot = (unsigned)hash & (kTableSize - 1);
+    for (int probe = 0; probe < kTableSize; ++probe, slot = (slot + 1) & (kTableSize - 1)) {
+        Plan *e = &g_table[slot];
+        if (!e->used)
+            break;
+        if (e->hash == hash && memcmp(&e->key, &key, sizeof key) == 0) {
+            *out = e;
+            return set_pointers(e, p);
+        }
+    }
+    if (g_used >= kTableMaxUsed)
+        clear_table_locked(); /* a cache: emptying it only costs new queries */
+    slot = (unsigned)hash & (kTableSize - 1);
+    while (g_table[slot].used)
+        slot = (slot + 1) & (kTableSize - 1);
+    Plan *e = &g_table[slot];
+    SF_TRY(build_plan(h, p, &key, e));
+    e->used = 1;
+    e->hash = hash;
+    g_used++;
+    *out = e;
+    return SF_OK;
+}
+
+sf_status run_locked(const sf_gemm_problem *p, cudaStream_t stream)
+{
+    cublasLtHandle_t h = NULL;
+    SF_TRY(get_handle_locked(p->device_id, &h));
+    Plan *plan = NULL;
+    SF_TRY(lookup_locked(h, p, &plan));
+    float alpha = p->alpha, beta = p->accumulate ? 1.0f : 0.0f;
+    LT_TRY("Matmul", cublasLtMatmul(h, plan->desc, &alpha, p->b.data, plan->la, p->a.data, plan->lb,
+                                    &beta, p->out, plan->ld, p->out, plan->ld, &plan->algo,
+                                    p->workspace, p->workspace_bytes, stream));
+    return SF_OK;
+}
+
+} // namespace
+
+extern "C" sf_status sf_gemm_cuda(const sf_gemm_problem *p, sf_stream s)
+{
+    sf_cuda_device_guard guard;
+    SF_TRY(sf_cuda_device_enter(op_name, p->device_id, &guard));
+    sf_status st;
+    {
+        std::lock_guard<std::mutex> lock(g_lock);
+        st = run_locked(p, sf_cuda_stream(s));
+    }
+    sf_cuda_device_restore(&guard);
+    return st;
+}
+
+extern "C" int sf_gemm_plan_cache_size(void)
+{
+    std::lock_guard<std::mutex> lock(g_lock);
+    return g_used;
+}
+
+extern "C" void sf_gemm_plan_cache_clear(void)
+{
+    std::lock_guard<std::mutex> lock(g_lock);
+    clear_table_locked();
+}
+
+extern "C" int64_t sf_gemm_heuristic_queries(void)
+{
+    std::lock_guard<std::mutex> lock(g_lock);
+    return g_queries;
+}

@@ -1,0 +1,200 @@
+"""Matrix products over cuBLASLt (csrc/gemm/), with fused epilogues and FP8.
+
+``gemm(a, b, ...)`` computes, row-major as torch sees tensors::
+
+    out = epilogue(alpha * op(a) @ op(b) + (out if accumulate else 0))
+
+with ``op(x) = x.t()`` where ``transa`` / ``transb`` say so.  It is
+``torch.matmul`` plus what training needs from the GEMM: a bias, GELU with
+its pre-activation saved (``gelu_aux``), the GELU backward (``dgelu``), the
+bias gradient (``bgrad``, ``dgelu_bgrad``), accumulation into an existing
+float32 buffer (``accumulate=True``, for ``main_grad``), and FP8 operands
+with their scale inverses read on the device.
+
+On the CPU it runs seqfuse's reference GEMM (dequantized operands, float32
+accumulation), which is also what the CUDA backend is tested against.
+"""
+import torch
+
+from .. import _C
+from ._call import stream_for
+
+EPILOGUES = ("none", "bias", "gelu", "bias_gelu", "gelu_aux", "bias_gelu_aux",
+             "dgelu", "dgelu_bgrad", "bgrad")
+_EPI = {name: i for i, name in enumerate(EPILOGUES)}
+#: Epilogue names given by the user -> the C epilogue once a bias is known.
+_WITH_BIAS = {"none": "bias", "bias": "bias", "gelu": "bias_gelu", "gelu_aux": "bias_gelu_aux",
+              "bias_gelu": "bias_gelu", "bias_gelu_aux": "bias_gelu_aux"}
+SCALINGS = {"tensor": 1, "block_1x128": 2, "block_128x128": 3}
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+#: cuBLASLt's recommended workspace on Hopper (32 MiB) plus room for its
+#: split-k reductions; allocated once per (device, stream) and cached.
+WORKSPACE_BYTES = 32 * 1024 * 1024 + 1024
+_workspaces = {}
+
+try:
+    _raw_stream = torch._C._cuda_getCurrentRawStream
+except AttributeError:  # pragma: no cover - older torch
+    def _raw_stream(index):
+        return torch.cuda.current_stream(index).cuda_stream
+
+
+def workspace_for(device):
+    """The cuBLASLt workspace of ``device``'s current stream (a uint8 tensor,
+    allocated with torch the first time and kept): one per stream, so GEMMs
+    running concurrently on two streams never share scratch memory."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, _raw_stream(index))
+    ws = _workspaces.get(key)
+    if ws is None:
+        ws = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=torch.device("cuda", index))
+        _workspaces[key] = ws
+    return ws
+
+
+def _scaling_code(name, scale_inv, arg):
+    if scale_inv is None:
+        return 0
+    if name is None:
+        if scale_inv.numel() == 1:
+            return 1
+        raise ValueError(f"gemm: argument '{arg}' is not a single element; name its layout "
+                         f"with {arg.replace('scale_inv', 'scaling')}='block_1x128' or "
+                         f"'block_128x128'")
+    try:
+        return SCALINGS[name]
+    except KeyError:
+        raise ValueError(f"gemm: argument '{arg.replace('scale_inv', 'scaling')}' must be one "
+                         f"of {sorted(SCALINGS)}, got {name!r}") from None
+
+
+def _detach(t):
+    return t.detach() if t is not None and t.requires_grad else t
+
+
+def gemm(a, b, *, transa=False, transb=False, out=None, out_dtype=None, bias=None,
+         epilogue="none", aux=None, accumulate=False, a_scale_inv=None, b_scale_inv=None,
+         a_scaling=None, b_scaling=None, fast_accum=False, allow_tf32=True, alpha=1.0,
+         workspace=None):
+    """``epilogue(alpha * op(a) @ op(b) [+ out])`` as one cuBLASLt call.
+
+    a, b: 2-D tensors, both float32 / float16 / bfloat16 (the same), or both
+        float8 (e4m3fn, or one e5m2: the gradient GEMMs).  op(a) is [m, k],
+        op(b) is [k, n].  Row- or column-major views are both fine.
+    transa, transb: use a.t() / b.t().
+    out: [m, n] row-major output (allocated when None); with
+        ``accumulate=True`` its current values are added (beta = 1).
+    out_dtype: dtype of a new ``out``: the operands' dtype by default,
+        bfloat16 for float8 operands; float32 is always allowed.
+    bias: [n] added before the activation (forward epilogues).
+    epilogue: "none", "gelu" (tanh approximation), "gelu_aux" (also returns
+        the pre-GELU values), "dgelu" (multiplies by GELU'(aux); give aux),
+        "dgelu_bgrad" (also returns sum over rows of the result), "bgrad"
+        (also returns sum over k of op(a), a bias gradient of length m).
+        "bias" / "bias_gelu" / "bias_gelu_aux" are spelled by passing bias.
+    aux: the pre-GELU input for "dgelu*", or a buffer for "gelu_aux".
+    a_scale_inv, b_scale_inv: float32 device tensors for float8 operands:
+        one element (per-tensor), or block scales, with a_scaling /
+        b_scaling = "block_1x128" / "block_128x128" (layouts: see
+        csrc/include/seqfuse_gemm.h).  float8 needs both operands K-major
+        (a as [m, k], b as [n, k] with transb=True) and m, n, k multiples of
+        16.
+    fast_accum: float8 only: skip the periodic float32 promotion inside
+        the tensor-core accumulation (faster; the forward GEMM uses it,
+        gradient GEMMs should not).
+    allow_tf32: float32 operands on TF32 tensor cores.
+
+    Returns ``out``; with "gelu_aux" ``(out, aux)``; with "bgrad" /
+    "dgelu_bgrad" ``(out, bias_grad)``.
+    """
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        bad, name = (a, "a") if not isinstance(a, torch.Tensor) else (b, "b")
+        raise TypeError(f"gemm: argument '{name}' must be a torch.Tensor, got {type(bad).__name__}")
+    if epilogue is None:
+        epilogue = "none"
+    if epilogue not in _EPI:
+        raise ValueError(f"gemm: argument 'epilogue' must be one of {EPILOGUES}, got {epilogue!r}")
+    if bias is not None and epilogue in _WITH_BIAS:
+        epilogue = _WITH_BIAS[epilogue]
+    a, b, bias, aux = _detach(a), _detach(b), _detach(bias), _detach(aux)
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"gemm: arguments 'a' and 'b' must be 2-D, got {a.dim()}-D and {b.dim()}-D")
+    m = a.shape[1] if transa else a.shape[0]
+    k = a.shape[0] if transa else a.shape[1]
+    n = b.shape[0] if transb else b.shape[1]
+    if out is None:
+        if out_dtype is None:
+            out_dtype = torch.bfloat16 if a.dtype in FP8_DTYPES else a.dtype
+        out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    extra = None
+    if epilogue in ("gelu_aux", "bias_gelu_aux"):
+        if aux is None:
+            aux_dtype = torch.bfloat16 if (a.dtype in FP8_DTYPES and out.dtype == torch.float32) else out.dtype
+            aux = torch.empty((m, n), dtype=aux_dtype, device=a.device)
+        extra = aux
+    elif epilogue in ("bgrad", "dgelu_bgrad"):
+        if bias is None:
+            bias_dtype = out.dtype
+            if a.dtype in FP8_DTYPES:
+                bias_dtype = torch.float16 if out.dtype == torch.float16 else torch.bfloat16
+            bias = torch.empty(m if epilogue == "bgrad" else n, dtype=bias_dtype, device=a.device)
+        extra = bias
+    if m == 0 or n == 0 or k == 0:
+        _empty_product(a, transa, out, bias, aux, epilogue, accumulate, m, n, k)
+    else:
+        a_code = _scaling_code(a_scaling, a_scale_inv, "a_scale_inv")
+        b_code = _scaling_code(b_scaling, b_scale_inv, "b_scale_inv")
+        if workspace is None and a.is_cuda:
+            workspace = workspace_for(a.device)
+        _C.gemm(a, b, out, transa, transb, a_scale_inv, b_scale_inv, a_code, b_code, bias, aux,
+                _EPI[epilogue], accumulate, fast_accum, allow_tf32, float(alpha), workspace,
+                stream_for(a))
+    return out if extra is None else (out, extra)
+
+
+def _empty_product(a, transa, out, bias, aux, epilogue, accumulate, m, n, k):
+    """m, n or k is 0: cuBLASLt takes no such problem, and the answer needs no
+    GEMM: the product is all zeros (k == 0), so only the epilogue remains."""
+    if a.dtype not in _FLOAT_DTYPES + FP8_DTYPES:
+        raise TypeError(f"gemm: argument 'a' has dtype {a.dtype}, which gemm does not take")
+    if m == 0 or n == 0:
+        if epilogue == "dgelu_bgrad":
+            bias.zero_()  # a sum over no rows (or an empty vector)
+        elif epilogue == "bgrad" and m > 0:  # n == 0 does not empty op(a)
+            bias.copy_(a.float().sum(0 if transa else 1) if k > 0 else 0)
+        return
+    acc = out.float() if accumulate else torch.zeros((m, n), dtype=torch.float32, device=out.device)
+    if epilogue in ("bias", "bias_gelu", "bias_gelu_aux"):
+        acc = acc + bias.float()
+    if epilogue in ("gelu_aux", "bias_gelu_aux"):
+        aux.copy_(acc)
+    if epilogue in ("gelu", "bias_gelu", "gelu_aux", "bias_gelu_aux"):
+        acc = torch.nn.functional.gelu(acc, approximate="tanh")
+    if epilogue in ("dgelu", "dgelu_bgrad"):
+        x = aux.float().requires_grad_(True)
+        with torch.enable_grad():
+            (g,) = torch.autograd.grad(torch.nn.functional.gelu(x, approximate="tanh").sum(), x)
+        acc = acc * g
+    if epilogue == "dgelu_bgrad":
+        bias.copy_(acc.sum(0))
+    if epilogue == "bgrad":
+        bias.zero_()  # sum over an empty k
+    out.copy_(acc)
+
+
+def plan_cache_size():
+    """Number of cuBLASLt plans (descriptor + chosen algorithm) cached."""
+    return _C.gemm_plan_cache_size()
+
+
+def plan_cache_clear():
+    """Forget every cached plan (the next call of each problem queries the
+    cuBLASLt heuristic again)."""
+    _C.gemm_plan_cache_clear()
+
+
+def heuristic_queries():
+    """How many times the cuBLASLt heuristic has been queried in this process."""
+    return _C.gemm_heuristic_queries()
