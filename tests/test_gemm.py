@@ -2,16 +2,17 @@
 precision, layout and epilogue; FP8 (per tensor and block scaled) against the
 dequantized product; every bad input's error; and (cuda marker) cuBLASLt
 against the CPU reference and torch, plan caching and graph capture."""
+import importlib
+
 import pytest
 import torch
 
 import seqfuse
-from seqfuse.ops import gemm as gemm_mod
-
 from gemm_helpers import E4M3, E5M2, QUANTIZERS, dgelu_tanh, op, reference
 from helpers import REL_TOL, assert_close_rel, rel_error
 
 gemm = seqfuse.ops.gemm
+gemm_mod = importlib.import_module("seqfuse.ops.gemm")  # the module; seqfuse.ops.gemm is the op
 
 CPU_SHAPES = [(16, 32, 48), (5, 7, 3), (33, 17, 65), (1, 9, 1)]
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]
@@ -242,7 +243,7 @@ def test_error_epilogue_arguments():
         gemm(a, b, epilogue="dgelu", aux=torch.ones(2, 3))
     with pytest.raises(ValueError, match="argument 'aux' given but epilogue 'none' takes none"):
         seqfuse._C.gemm(a, b, torch.empty(3, 2), 0, 0, None, None, 0, 0, None, torch.ones(3, 2),
-                        0, 0, 0, 1, 1.0, None)
+                        0, 0, 0, 1, 1.0, None, 0, 0)
 
 
 def test_error_fp8_rules():
@@ -512,3 +513,18 @@ def test_cuda_graph_capture(seed):
 def test_cuda_error_names_device_mismatch():
     with pytest.raises(ValueError, match="must be on the same device"):
         gemm(torch.ones(4, 4, device="cuda"), torch.ones(4, 4))
+
+
+def test_cpu_fp8_through_uint8_views(monkeypatch, seed):
+    """Where torch cannot export float8 through DLPack, the op passes uint8
+    views and names the format; the result must be the same."""
+    m, n, k = 16, 32, 48
+    qa, sa, da = QUANTIZERS["tensor"](torch.randn(m, k), E5M2)
+    qb, sb, db = QUANTIZERS["tensor"](torch.randn(n, k), E4M3)
+    direct = gemm(qa, qb, transb=True, a_scale_inv=sa, b_scale_inv=sb)
+    monkeypatch.setattr(gemm_mod, "FP8_DLPACK", False)
+    viewed = gemm(qa, qb, transb=True, a_scale_inv=sa, b_scale_inv=sb)
+    assert torch.equal(direct, viewed)
+    with pytest.raises(TypeError, match="argument 'a_format' names an fp8 format"):
+        seqfuse._C.gemm(torch.ones(2, 2), torch.ones(2, 2), torch.empty(2, 2), 0, 0, None, None,
+                        0, 0, None, None, 0, 0, 0, 1, 1.0, None, 3, 0)

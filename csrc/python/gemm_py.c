@@ -18,16 +18,36 @@ static int int_arg(const char *op, PyObject *o, const char *name, long *v)
     return 0;
 }
 
+/* A uint8 view standing for an fp8 tensor takes the named format. */
+static int reinterpret_fp8(const char *op, sf_tensor *t, const char *name, long format)
+{
+    if (format == 0)
+        return 0;
+    if ((format != SF_FLOAT8_E4M3 && format != SF_FLOAT8_E5M2) || t->dtype != SF_UINT8) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s: argument '%s_format' names an fp8 format (%d or %d) for a uint8 view; "
+                     "got format %ld for a %s tensor",
+                     op, name, (int)SF_FLOAT8_E4M3, (int)SF_FLOAT8_E5M2, format,
+                     sf_dtype_name(t->dtype));
+        return -1;
+    }
+    t->dtype = (sf_dtype)format;
+    return 0;
+}
+
 /* gemm(a, b, out, transa, transb, a_scale_inv, b_scale_inv, a_scaling,
  *      b_scaling, bias, aux, epilogue, accumulate, fast_accum, allow_tf32,
- *      alpha, workspace, stream=None) */
+ *      alpha, workspace, a_format, b_format, stream=None)
+ * a_format / b_format: 0, or the sf_dtype of an fp8 operand passed as a uint8
+ * view (torch releases that cannot export float8 through DLPack). */
 static PyObject *py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
     static const char op[] = "gemm";
-    if (sf_py_check_nargs(op, nargs, 17, 18) < 0)
+    if (sf_py_check_nargs(op, nargs, 19, 20) < 0)
         return NULL;
     long transa, transb, a_scaling, b_scaling, epilogue, accumulate, fast_accum, allow_tf32;
+    long a_format, b_format;
     if (int_arg(op, args[3], "transa", &transa) < 0 ||
         int_arg(op, args[4], "transb", &transb) < 0 ||
         int_arg(op, args[7], "a_scaling", &a_scaling) < 0 ||
@@ -35,14 +55,16 @@ static PyObject *py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         int_arg(op, args[11], "epilogue", &epilogue) < 0 ||
         int_arg(op, args[12], "accumulate", &accumulate) < 0 ||
         int_arg(op, args[13], "fast_accum", &fast_accum) < 0 ||
-        int_arg(op, args[14], "allow_tf32", &allow_tf32) < 0)
+        int_arg(op, args[14], "allow_tf32", &allow_tf32) < 0 ||
+        int_arg(op, args[17], "a_format", &a_format) < 0 ||
+        int_arg(op, args[18], "b_format", &b_format) < 0)
         return NULL;
     double alpha = PyFloat_AsDouble(args[15]);
     if (alpha == -1.0 && PyErr_Occurred())
         return NULL;
 
     sf_py_call c;
-    if (sf_py_call_init(&c, op, nargs > 17 ? args[17] : Py_None) < 0)
+    if (sf_py_call_init(&c, op, nargs > 19 ? args[19] : Py_None) < 0)
         return NULL;
     PyObject *result = NULL;
     sf_tensor a, b, out, a_scale, b_scale, bias, aux, workspace;
@@ -54,6 +76,8 @@ static PyObject *py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         sf_py_optional_tensor(&c, args[9], "bias", &bias, &has_bias) < 0 ||
         sf_py_optional_tensor(&c, args[10], "aux", &aux, &has_aux) < 0 ||
         sf_py_optional_tensor(&c, args[16], "workspace", &workspace, &has_ws) < 0)
+        goto done;
+    if (reinterpret_fp8(op, &a, "a", a_format) < 0 || reinterpret_fp8(op, &b, "b", b_format) < 0)
         goto done;
 
     sf_gemm_args g;
@@ -116,7 +140,7 @@ PyMethodDef sf_py_gemm_methods[] = {
     {"gemm", (PyCFunction)(void (*)(void))py_gemm, METH_FASTCALL,
      "gemm(a, b, out, transa, transb, a_scale_inv, b_scale_inv, a_scaling, b_scaling, "
      "bias, aux, epilogue, accumulate, fast_accum, allow_tf32, alpha, workspace, "
-     "stream=None): out = epilogue(alpha * op(a) @ op(b) + beta * out). See "
+     "a_format, b_format, stream=None): out = epilogue(alpha * op(a) @ op(b) + beta * out). See "
      "seqfuse.ops.gemm."},
     {"gemm_plan_cache_size", py_gemm_plan_cache_size, METH_NOARGS,
      "Number of cached cuBLASLt plans."},

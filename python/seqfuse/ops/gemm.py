@@ -17,7 +17,7 @@ accumulation), which is also what the CUDA backend is tested against.
 import torch
 
 from .. import _C
-from ._call import stream_for
+from ._call import FP8_DLPACK, stream_for
 
 EPILOGUES = ("none", "bias", "gelu", "bias_gelu", "gelu_aux", "bias_gelu_aux",
              "dgelu", "dgelu_bgrad", "bgrad")
@@ -28,6 +28,7 @@ _WITH_BIAS = {"none": "bias", "bias": "bias", "gelu": "bias_gelu", "gelu_aux": "
 SCALINGS = {"tensor": 1, "block_1x128": 2, "block_128x128": 3}
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_FP8_CODE = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}  # sf_dtype values
 
 #: cuBLASLt's recommended workspace on Hopper (32 MiB) plus room for its
 #: split-k reductions; allocated once per (device, stream) and cached.
@@ -148,9 +149,14 @@ def gemm(a, b, *, transa=False, transb=False, out=None, out_dtype=None, bias=Non
         b_code = _scaling_code(b_scaling, b_scale_inv, "b_scale_inv")
         if workspace is None and a.is_cuda:
             workspace = workspace_for(a.device)
+        a_fmt = b_fmt = 0
+        if not FP8_DLPACK and a.dtype in FP8_DTYPES:
+            # this torch cannot export float8: pass uint8 views and name the format
+            a_fmt, b_fmt = _FP8_CODE[a.dtype], _FP8_CODE.get(b.dtype, 0)
+            a, b = a.view(torch.uint8), b.view(torch.uint8) if b_fmt else b
         _C.gemm(a, b, out, transa, transb, a_scale_inv, b_scale_inv, a_code, b_code, bias, aux,
                 _EPI[epilogue], accumulate, fast_accum, allow_tf32, float(alpha), workspace,
-                stream_for(a))
+                a_fmt, b_fmt, stream_for(a))
     return out if extra is None else (out, extra)
 
 
