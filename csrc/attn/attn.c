@@ -176,8 +176,9 @@ static sf_status resolve(const char *op, const sf_tensor *q, const sf_tensor *k,
         return sf_fail(SF_ERR_VALUE,
                        "%s: window_size entries must be -1 (unbounded) or >= 0, got (%d, %d)",
                        op, cfg->window_left, cfg->window_right);
-    if (!isfinite(cfg->softmax_scale))
-        return sf_fail(SF_ERR_VALUE, "%s: softmax_scale must be finite", op);
+    if (!isfinite(cfg->softmax_scale) || cfg->softmax_scale <= 0.0f)
+        return sf_fail(SF_ERR_VALUE, "%s: softmax_scale must be finite and positive, got %g", op,
+                       (double)cfg->softmax_scale);
 
     int padding = mask_has_padding(cfg->mask);
     if (thd) {
@@ -310,13 +311,12 @@ sf_status sf_attn_fwd(const sf_tensor *q, const sf_tensor *k, const sf_tensor *v
     p.lse = (float *)lse->data;
     if (q->device == SF_CPU)
         return sf_attn_fwd_cpu(&p);
-#ifdef SF_ATTN_CUDA_KERNEL
+#ifdef SF_WITH_CUDA
     return sf_attn_fwd_cuda(&p, stream, q->device_id);
 #else
     (void)stream;
     return sf_fail(SF_ERR_NOT_IMPLEMENTED,
-                   "%s: argument 'q' is a CUDA tensor but this build has no CUDA attention "
-                   "kernel (a build without CUDA, or the kernel has not landed yet)", op);
+                   "%s: argument 'q' is a CUDA tensor but seqfuse was built without CUDA", op);
 #endif
 }
 
@@ -356,12 +356,11 @@ sf_status sf_attn_bwd(const sf_tensor *q, const sf_tensor *k, const sf_tensor *v
     }
     if (q->device == SF_CPU)
         return sf_attn_bwd_cpu(&p);
-#ifdef SF_ATTN_CUDA_KERNEL
+#ifdef SF_WITH_CUDA
     return sf_attn_bwd_cuda(&p, stream, q->device_id);
 #else
     (void)stream;
     return sf_fail(SF_ERR_NOT_IMPLEMENTED,
-                   "%s: argument 'q' is a CUDA tensor but this build has no CUDA attention "
-                   "kernel (a build without CUDA, or the kernel has not landed yet)", op);
+                   "%s: argument 'q' is a CUDA tensor but seqfuse was built without CUDA", op);
 #endif
 }

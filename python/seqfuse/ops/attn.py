@@ -132,18 +132,19 @@ def attention_fwd(q, k, v, *, qkv_format="bshd", attn_mask_type="no_mask", cu_se
 
 def attention_bwd(dout, q, k, v, out, lse, *, qkv_format="bshd", attn_mask_type="no_mask",
                   cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=None, max_seqlen_kv=None,
-                  window_size=None, softmax_scale=None, deterministic=False):
-    """Backward: returns (dq, dk, dv) in the shapes of q, k, v.  With
-    ``deterministic`` the CUDA kernel computes dQ without atomics (bitwise
-    reproducible, a little slower)."""
+                  window_size=None, softmax_scale=None, deterministic=False, dq=None, dk=None, dv=None):
+    """Backward: returns (dq, dk, dv) in the shapes of q, k, v (given
+    tensors are written into).  With ``deterministic`` the CUDA kernel
+    computes dQ without atomics (bitwise reproducible, about 40 % more
+    backward math)."""
     for name, x in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
         _check_tensor(name, x)
     dout, q, k, v, out = (_last_dim_contiguous(x.detach()) for x in (dout, q, k, v, out))
     cfg, cu_q, cu_k = _config(q, k, qkv_format, attn_mask_type, cu_seqlens_q, cu_seqlens_kv,
                               max_seqlen_q, max_seqlen_kv, window_size, softmax_scale, deterministic)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if dq is None else dq
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if dk is None else dk
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if dv is None else dv
     dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
     _C.attn_bwd(q, k, v, out, dout, lse, cu_q, cu_k, dq, dk, dv, dq_accum, delta, cfg, stream_for(q))

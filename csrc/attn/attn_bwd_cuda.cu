@@ -1,0 +1,485 @@
+/*
+ * attn_bwd_cuda.cu - the flash-attention backward on the GPU (the
+ * flash-attention 2 scheme), four launches on the caller's stream:
+ *
+ *  1. delta_kernel:  delta_r = dout_r . out_r (float32, one warp per row).
+ *  2. dkdv_kernel:   one block of 4 warps per 64-key tile of one key/value
+ *     head; each warp owns 16 keys and keeps their dK and dV in registers
+ *     while the block walks the query tiles (64 rows) that may see the tile,
+ *     for every query head of the GQA group (so dK, dV of a shared head are
+ *     summed in registers, in a fixed order).  Per query tile it recomputes
+ *     S^T = K Q^T and P^T = exp2(S^T * scale*log2e - lse*log2e) from the
+ *     forward's lse, dP^T = V dO^T, dS^T = P^T (dP^T - delta), then
+ *     dV += P^T dO and dK += dS^T Q on tensor cores, with P^T and dS^T fed
+ *     straight from registers.  In the default mode it also stages dS in
+ *     shared memory and adds dQ = dS K into a float32 workspace with
+ *     atomicAdd (as flash-attention 2 does: the order of the additions, and so
+ *     the last bits of dQ, vary run to run).
+ *  3. dq_convert_kernel: dQ = workspace, rounded to the input dtype.
+ *     Deterministic mode replaces 2's atomics and 3 by dq_kernel: one block
+ *     per 64-query tile walks its key tiles and accumulates dQ in registers
+ *     (S and dP recomputed once more: about 40 % more backward math).
+ *  4. THD: the rows past the last sequence are zeroed.
+ */
+#include "../core/cuda_util.h"
+#include "attn_cuda.cuh"
+
+namespace sf_attn {
+
+constexpr int kBwdWarps = 4, kBwdThreads = 32 * kBwdWarps, kBwdBN = 16 * kBwdWarps, kBwdBM = 64;
+
+template <int D> constexpr int dkdv_smem_bytes()
+{
+    return (2 * kBwdBN + 2 * kBwdBM) * (D + 8) * 2 + kBwdBN * (kBwdBM + 8) * 2 + 2 * kBwdBM * 4;
+}
+
+template <int D> constexpr int dq_smem_bytes()
+{
+    return (2 * kBwdBN + 2 * kBwdBM) * (D + 8) * 2;
+}
+
+template <typename T, int D>
+__global__ void delta_kernel(const sf_attn_problem p)
+{
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int r = blockIdx.x * blockDim.y + threadIdx.y, lane = threadIdx.x;
+    int64_t qs;
+    int sq;
+    sf_attn_seq_q(&p, b, &qs, &sq);
+    const int rows_total = p.thd ? sq : p.max_sq;
+    if (r >= rows_total)
+        return;
+    float acc = 0.f;
+    if (r < sq) {
+        const T *o = view_ptr<const T>(p.o, b, qs + r, h);
+        const T *d = view_ptr<const T>(p.dout, b, qs + r, h);
+        for (int c = 2 * lane; c < D; c += 64) {
+            float2 a = Mma<T>::unpack(*reinterpret_cast<const uint32_t *>(o + c));
+            float2 e = Mma<T>::unpack(*reinterpret_cast<const uint32_t *>(d + c));
+            acc += a.x * e.x + a.y * e.y;
+        }
+        for (int s = 16; s > 0; s >>= 1)
+            acc += __shfl_xor_sync(0xffffffffu, acc, s);
+    }
+    if (lane == 0)
+        p.delta[lse_at(p, b, h, qs + r)] = acc;
+}
+
+template <typename T, int D, bool kAtomicDq>
+__global__ void __launch_bounds__(kBwdThreads) dkdv_kernel(const sf_attn_problem p)
+{
+    constexpr int SD = D + 8, BM = kBwdBM, BN = kBwdBN, NT = kBwdThreads, SS = BM + 8;
+    constexpr int KD = D / 16, NO = D / 8, NS = BM / 8;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T *sK = reinterpret_cast<T *>(smem_raw);
+    T *sV = sK + BN * SD;
+    T *sQ = sV + BN * SD;
+    T *sdO = sQ + BM * SD;
+    T *sdS = sdO + BM * SD;                           /* dS^T [key][query] */
+    float *sLse = reinterpret_cast<float *>(sdS + BN * SS); /* lse * log2(e) */
+    float *sDelta = sLse + BM;
+
+    const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const int G = p.heads / p.heads_kv;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t4 = lane % 4, mi = lane / 8, mr = lane % 8;
+
+    int64_t qs, ks;
+    int sq, sk;
+    sf_attn_seq_q(&p, b, &qs, &sq);
+    sf_attn_seq_k(&p, b, &ks, &sk);
+    const int n0 = n_block * BN;
+    const int rows_total = p.thd ? sk : p.max_sk;
+    if (n0 >= rows_total)
+        return;
+    const int off = sf_attn_diag(&p, sq, sk);
+    const int left = p.window_left, right = p.window_right;
+    const float sl2 = p.scale * kLog2e;
+
+    int m_lo = 0, m_hi = 0;
+    if (n0 < sk)
+        sf_attn_query_range(n0, min(n0 + BN, sk) - 1, off, left, right, sq, &m_lo, &m_hi);
+    const int mb_lo = m_lo / BM, mb_hi = (m_hi + BM - 1) / BM;
+
+    float dk[NO][4], dv[NO][4];
+#pragma unroll
+    for (int i = 0; i < NO; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            dk[i][e] = dv[i][e] = 0.f;
+
+    if (mb_lo < mb_hi) {
+        load_tile<T, BN, D, NT>(sK, view_ptr<const T>(p.k, b, ks + n0, hk), p.k.ss, min(BN, sk - n0));
+        load_tile<T, BN, D, NT>(sV, view_ptr<const T>(p.v, b, ks + n0, hk), p.v.ss, min(BN, sk - n0));
+        cp_async_commit();
+        const int c_lo = n0 + warp * 16 + g; /* this thread's keys: c_lo, c_lo + 8 */
+
+        for (int gi = 0; gi < G; ++gi) {
+            const int h = hk * G + gi;
+            for (int mb = mb_lo; mb < mb_hi; ++mb) {
+                const int m0 = mb * BM;
+                const int valid_q = min(BM, sq - m0);
+                load_tile<T, BM, D, NT>(sQ, view_ptr<const T>(p.q, b, qs + m0, h), p.q.ss, valid_q);
+                load_tile<T, BM, D, NT>(sdO, view_ptr<const T>(p.dout, b, qs + m0, h), p.dout.ss, valid_q);
+                cp_async_commit();
+                for (int i = threadIdx.x; i < BM; i += NT) {
+                    const bool ok = i < valid_q;
+                    sLse[i] = ok ? p.lse[lse_at(p, b, h, qs + m0 + i)] * kLog2e : INFINITY;
+                    sDelta[i] = ok ? p.delta[lse_at(p, b, h, qs + m0 + i)] : 0.f;
+                }
+                cp_async_wait<0>();
+                __syncthreads();
+
+                /* S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys */
+                float st[NS][4], dpt[NS][4];
+#pragma unroll
+                for (int i = 0; i < NS; ++i)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        st[i][e] = dpt[i][e] = 0.f;
+#pragma unroll
+                for (int kk = 0; kk < KD; ++kk) {
+                    uint32_t ka[4], va[4];
+                    ldsm_x4(ka, smem_addr(sK + (warp * 16 + lane % 16) * SD + kk * 16 + (lane / 16) * 8));
+                    ldsm_x4(va, smem_addr(sV + (warp * 16 + lane % 16) * SD + kk * 16 + (lane / 16) * 8));
+#pragma unroll
+                    for (int j = 0; j < NS / 2; ++j) {
+                        uint32_t qb[4], ob[4];
+                        const int row = j * 16 + mr + (mi >> 1) * 8, col = kk * 16 + (mi & 1) * 8;
+                        ldsm_x4(qb, smem_addr(sQ + row * SD + col));
+                        ldsm_x4(ob, smem_addr(sdO + row * SD + col));
+                        Mma<T>::run(st[2 * j], ka, qb[0], qb[1]);
+                        Mma<T>::run(st[2 * j + 1], ka, qb[2], qb[3]);
+                        Mma<T>::run(dpt[2 * j], va, ob[0], ob[1]);
+                        Mma<T>::run(dpt[2 * j + 1], va, ob[2], ob[3]);
+                    }
+                }
+
+                /* P^T from the saved lse, dS^T = P^T (dP^T - delta) */
+                const bool need_mask = m0 + BM > sq || n0 + BN > sk ||
+                                       (right >= 0 && n0 + BN - 1 > m0 + off + right) ||
+                                       (left >= 0 && n0 < m0 + BM - 1 + off - left);
+#pragma unroll
+                for (int i = 0; i < NS; ++i)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int ql = i * 8 + 2 * t4 + (e & 1);
+                        const int c = c_lo + (e >> 1) * 8, r = m0 + ql;
+                        const bool ok = !need_mask ||
+                                        (r < sq && c < sk && sf_attn_allowed(r, c, off, left, right));
+                        const float pv = ok ? exp2f(fmaf(st[i][e], sl2, -sLse[ql])) : 0.f;
+                        st[i][e] = pv;
+                        dpt[i][e] = pv * (dpt[i][e] - sDelta[ql]);
+                    }
+
+                /* dV += P^T dO, dK += dS^T Q (the query index is the k dim) */
+#pragma unroll
+                for (int kc = 0; kc < BM / 16; ++kc) {
+                    uint32_t ap[4], as[4];
+                    ap[0] = Mma<T>::pack(st[2 * kc][0], st[2 * kc][1]);
+                    ap[1] = Mma<T>::pack(st[2 * kc][2], st[2 * kc][3]);
+                    ap[2] = Mma<T>::pack(st[2 * kc + 1][0], st[2 * kc + 1][1]);
+                    ap[3] = Mma<T>::pack(st[2 * kc + 1][2], st[2 * kc + 1][3]);
+                    as[0] = Mma<T>::pack(dpt[2 * kc][0], dpt[2 * kc][1]);
+                    as[1] = Mma<T>::pack(dpt[2 * kc][2], dpt[2 * kc][3]);
+                    as[2] = Mma<T>::pack(dpt[2 * kc + 1][0], dpt[2 * kc + 1][1]);
+                    as[3] = Mma<T>::pack(dpt[2 * kc + 1][2], dpt[2 * kc + 1][3]);
+#pragma unroll
+                    for (int j = 0; j < D / 16; ++j) {
+                        uint32_t ob[4], qb[4];
+                        const int row = kc * 16 + mr + (mi & 1) * 8, col = j * 16 + (mi >> 1) * 8;
+                        ldsm_x4_t(ob, smem_addr(sdO + row * SD + col));
+                        ldsm_x4_t(qb, smem_addr(sQ + row * SD + col));
+                        Mma<T>::run(dv[2 * j], ap, ob[0], ob[1]);
+                        Mma<T>::run(dv[2 * j + 1], ap, ob[2], ob[3]);
+                        Mma<T>::run(dk[2 * j], as, qb[0], qb[1]);
+                        Mma<T>::run(dk[2 * j + 1], as, qb[2], qb[3]);
+                    }
+                }
+
+                if (kAtomicDq) {
+                    /* dS^T to shared memory, then dQ[query rows of this warp] = dS K */
+#pragma unroll
+                    for (int i = 0; i < NS; ++i)
+#pragma unroll
+                        for (int hr = 0; hr < 2; ++hr)
+                            *reinterpret_cast<uint32_t *>(sdS + (warp * 16 + g + 8 * hr) * SS + i * 8 + 2 * t4) =
+                                Mma<T>::pack(dpt[i][2 * hr], dpt[i][2 * hr + 1]);
+                    __syncthreads();
+#pragma unroll
+                    for (int dc = 0; dc < D / 64; ++dc) {
+                        float acc[8][4];
+#pragma unroll
+                        for (int i = 0; i < 8; ++i)
+                            acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+#pragma unroll
+                        for (int kc = 0; kc < BN / 16; ++kc) {
+                            uint32_t a[4];
+                            ldsm_x4_t(a, smem_addr(sdS + (kc * 16 + mr + (mi >> 1) * 8) * SS + warp * 16 + (mi & 1) * 8));
+#pragma unroll
+                            for (int j = 0; j < 4; ++j) {
+                                uint32_t kb[4];
+                                ldsm_x4_t(kb, smem_addr(sK + (kc * 16 + mr + (mi & 1) * 8) * SD + dc * 64 + j * 16 + (mi >> 1) * 8));
+                                Mma<T>::run(acc[2 * j], a, kb[0], kb[1]);
+                                Mma<T>::run(acc[2 * j + 1], a, kb[2], kb[3]);
+                            }
+                        }
+#pragma unroll
+                        for (int hr = 0; hr < 2; ++hr) {
+                            const int r = m0 + warp * 16 + g + 8 * hr;
+                            if (r >= sq)
+                                continue;
+                            float *dst = reinterpret_cast<float *>(p.dq_accum.ptr) + (int64_t)b * p.dq_accum.sb +
+                                         (qs + r) * p.dq_accum.ss + (int64_t)h * p.dq_accum.sh + dc * 64 + 2 * t4;
+#pragma unroll
+                            for (int i = 0; i < 8; ++i) {
+                                atomicAdd(dst + i * 8, acc[i][2 * hr] * p.scale);
+                                atomicAdd(dst + i * 8 + 1, acc[i][2 * hr + 1] * p.scale);
+                            }
+                        }
+                    }
+                }
+                __syncthreads(); /* before the next tile overwrites sQ, sdO, sdS, sLse */
+            }
+        }
+    }
+
+    /* dK (scaled), dV of this warp's keys; padded keys get zeros */
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        const int c = n0 + warp * 16 + g + 8 * hr;
+        if (c >= rows_total)
+            continue;
+        const bool real = c < sk;
+        T *dkrow = view_ptr<T>(p.dk, b, ks + c, hk);
+        T *dvrow = view_ptr<T>(p.dv, b, ks + c, hk);
+#pragma unroll
+        for (int i = 0; i < NO; ++i) {
+            *reinterpret_cast<uint32_t *>(dkrow + i * 8 + 2 * t4) =
+                Mma<T>::pack(real ? dk[i][2 * hr] * p.scale : 0.f, real ? dk[i][2 * hr + 1] * p.scale : 0.f);
+            *reinterpret_cast<uint32_t *>(dvrow + i * 8 + 2 * t4) =
+                Mma<T>::pack(real ? dv[i][2 * hr] : 0.f, real ? dv[i][2 * hr + 1] : 0.f);
+        }
+    }
+}
+
+/* Deterministic dQ: one block per 64 query rows, keys walked in order. */
+template <typename T, int D>
+__global__ void __launch_bounds__(kBwdThreads) dq_kernel(const sf_attn_problem p)
+{
+    constexpr int SD = D + 8, BM = kBwdBM, BN = kBwdBN, NT = kBwdThreads;
+    constexpr int KD = D / 16, NO = D / 8, NS = BN / 8;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T *sQ = reinterpret_cast<T *>(smem_raw);
+    T *sdO = sQ + BM * SD;
+    T *sK = sdO + BM * SD;
+    T *sV = sK + BN * SD;
+
+    const int m_block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int hk = h / (p.heads / p.heads_kv);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t4 = lane % 4, mi = lane / 8, mr = lane % 8;
+
+    int64_t qs, ks;
+    int sq, sk;
+    sf_attn_seq_q(&p, b, &qs, &sq);
+    sf_attn_seq_k(&p, b, &ks, &sk);
+    const int m0 = m_block * BM;
+    const int rows_total = p.thd ? sq : p.max_sq;
+    if (m0 >= rows_total)
+        return;
+    const int off = sf_attn_diag(&p, sq, sk);
+    const int left = p.window_left, right = p.window_right;
+    const float sl2 = p.scale * kLog2e;
+    int n_lo = 0, n_hi = 0;
+    if (m0 < sq)
+        sf_attn_key_range(m0, min(m0 + BM, sq) - 1, off, left, right, sk, &n_lo, &n_hi);
+    const int nb_lo = n_lo / BN, nb_hi = (n_hi + BN - 1) / BN;
+
+    float dq[NO][4];
+#pragma unroll
+    for (int i = 0; i < NO; ++i)
+        dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
+    const int r_lo = m0 + warp * 16 + g;
+
+    if (nb_lo < nb_hi) {
+        const T *kbase = view_ptr<const T>(p.k, b, ks, hk);
+        const T *vbase = view_ptr<const T>(p.v, b, ks, hk);
+        load_tile<T, BM, D, NT>(sQ, view_ptr<const T>(p.q, b, qs + m0, h), p.q.ss, min(BM, sq - m0));
+        load_tile<T, BM, D, NT>(sdO, view_ptr<const T>(p.dout, b, qs + m0, h), p.dout.ss, min(BM, sq - m0));
+        cp_async_commit();
+        float lse2[2], dlt[2];
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            const int r = r_lo + 8 * hr;
+            lse2[hr] = r < sq ? p.lse[lse_at(p, b, h, qs + r)] * kLog2e : INFINITY;
+            dlt[hr] = r < sq ? p.delta[lse_at(p, b, h, qs + r)] : 0.f;
+        }
+        uint32_t qf[KD][4], of[KD][4];
+        for (int nb = nb_lo; nb < nb_hi; ++nb) {
+            const int n0 = nb * BN;
+            load_tile<T, BN, D, NT>(sK, kbase + (int64_t)n0 * p.k.ss, p.k.ss, min(BN, sk - n0));
+            load_tile<T, BN, D, NT>(sV, vbase + (int64_t)n0 * p.v.ss, p.v.ss, min(BN, sk - n0));
+            cp_async_commit();
+            cp_async_wait<0>();
+            __syncthreads();
+            if (nb == nb_lo) {
+#pragma unroll
+                for (int kk = 0; kk < KD; ++kk) {
+                    ldsm_x4(qf[kk], smem_addr(sQ + (warp * 16 + lane % 16) * SD + kk * 16 + (lane / 16) * 8));
+                    ldsm_x4(of[kk], smem_addr(sdO + (warp * 16 + lane % 16) * SD + kk * 16 + (lane / 16) * 8));
+                }
+            }
+            float s[NS][4], dp[NS][4];
+#pragma unroll
+            for (int i = 0; i < NS; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    s[i][e] = dp[i][e] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < KD; ++kk)
+#pragma unroll
+                for (int j = 0; j < NS / 2; ++j) {
+                    uint32_t kb[4], vb[4];
+                    const int row = j * 16 + mr + (mi >> 1) * 8, col = kk * 16 + (mi & 1) * 8;
+                    ldsm_x4(kb, smem_addr(sK + row * SD + col));
+                    ldsm_x4(vb, smem_addr(sV + row * SD + col));
+                    Mma<T>::run(s[2 * j], qf[kk], kb[0], kb[1]);
+                    Mma<T>::run(s[2 * j + 1], qf[kk], kb[2], kb[3]);
+                    Mma<T>::run(dp[2 * j], of[kk], vb[0], vb[1]);
+                    Mma<T>::run(dp[2 * j + 1], of[kk], vb[2], vb[3]);
+                }
+            const bool need_mask = n0 + BN > sk || m0 + BM > sq ||
+                                   (right >= 0 && n0 + BN - 1 > m0 + off + right) ||
+                                   (left >= 0 && n0 < m0 + BM - 1 + off - left);
+#pragma unroll
+            for (int i = 0; i < NS; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int r = r_lo + (e >> 1) * 8, c = n0 + i * 8 + 2 * t4 + (e & 1);
+                    const bool ok = !need_mask || (r < sq && c < sk && sf_attn_allowed(r, c, off, left, right));
+                    const float pv = ok ? exp2f(fmaf(s[i][e], sl2, -lse2[e >> 1])) : 0.f;
+                    s[i][e] = pv * (dp[i][e] - dlt[e >> 1]); /* dS */
+                }
+#pragma unroll
+            for (int kc = 0; kc < BN / 16; ++kc) {
+                uint32_t a[4];
+                a[0] = Mma<T>::pack(s[2 * kc][0], s[2 * kc][1]);
+                a[1] = Mma<T>::pack(s[2 * kc][2], s[2 * kc][3]);
+                a[2] = Mma<T>::pack(s[2 * kc + 1][0], s[2 * kc + 1][1]);
+                a[3] = Mma<T>::pack(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+#pragma unroll
+                for (int j = 0; j < D / 16; ++j) {
+                    uint32_t kb[4];
+                    ldsm_x4_t(kb, smem_addr(sK + (kc * 16 + mr + (mi & 1) * 8) * SD + j * 16 + (mi >> 1) * 8));
+                    Mma<T>::run(dq[2 * j], a, kb[0], kb[1]);
+                    Mma<T>::run(dq[2 * j + 1], a, kb[2], kb[3]);
+                }
+            }
+            __syncthreads(); /* before the next tile overwrites sK, sV */
+        }
+    }
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        const int r = r_lo + 8 * hr;
+        if (r >= rows_total)
+            continue;
+        const bool real = r < sq;
+        T *row = view_ptr<T>(p.dq, b, qs + r, h);
+#pragma unroll
+        for (int i = 0; i < NO; ++i)
+            *reinterpret_cast<uint32_t *>(row + i * 8 + 2 * t4) =
+                Mma<T>::pack(real ? dq[i][2 * hr] * p.scale : 0.f, real ? dq[i][2 * hr + 1] * p.scale : 0.f);
+    }
+}
+
+/* dq = dq_accum rounded to T, every row of the view (the workspace was
+ * zeroed, so rows no query reached come out 0). */
+template <typename T, int D>
+__global__ void dq_convert_kernel(const sf_attn_problem p, int64_t rows_per_batch, int64_t total_rows)
+{
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.y + threadIdx.y; i < total_rows;
+         i += (int64_t)gridDim.x * blockDim.y) {
+        const int h = (int)(i % p.heads);
+        const int64_t t = (i / p.heads) % rows_per_batch;
+        const int b = (int)(i / p.heads / rows_per_batch);
+        const float *src = reinterpret_cast<const float *>(p.dq_accum.ptr) + (int64_t)b * p.dq_accum.sb +
+                           t * p.dq_accum.ss + (int64_t)h * p.dq_accum.sh;
+        T *dst = view_ptr<T>(p.dq, b, t, h);
+        for (int c = 2 * threadIdx.x; c < D; c += 64) {
+            float2 v = *reinterpret_cast<const float2 *>(src + c);
+            *reinterpret_cast<uint32_t *>(dst + c) = Mma<T>::pack(v.x, v.y);
+        }
+    }
+}
+
+template <typename T, int D>
+static sf_status launch_bwd(const sf_attn_problem &p, cudaStream_t stream)
+{
+    static const char op[] = "attention_bwd";
+    const int rows_q = p.max_sq, batch = p.batch;
+    {
+        dim3 grid((rows_q + 7) / 8, p.heads, batch);
+        delta_kernel<T, D><<<grid, dim3(32, 8), 0, stream>>>(p);
+        SF_CUDA_CHECK_LAUNCH(op);
+    }
+    const int n_blocks_k = (p.max_sk + kBwdBN - 1) / kBwdBN;
+    if (p.deterministic) {
+        if (n_blocks_k > 0) {
+            constexpr int smem = dkdv_smem_bytes<D>();
+            SF_CUDA_TRY(op, allow_smem((const void *)dkdv_kernel<T, D, false>, smem));
+            dkdv_kernel<T, D, false><<<dim3(n_blocks_k, p.heads_kv, batch), kBwdThreads, smem, stream>>>(p);
+            SF_CUDA_CHECK_LAUNCH(op);
+        }
+        constexpr int smem = dq_smem_bytes<D>();
+        SF_CUDA_TRY(op, allow_smem((const void *)dq_kernel<T, D>, smem));
+        dq_kernel<T, D><<<dim3((rows_q + kBwdBM - 1) / kBwdBM, p.heads, batch), kBwdThreads, smem, stream>>>(p);
+        SF_CUDA_CHECK_LAUNCH(op);
+    } else {
+        const int64_t rows_per_batch = p.thd ? p.extent_q : p.max_sq;
+        const int64_t total_rows = (p.thd ? 1 : batch) * rows_per_batch * p.heads;
+        SF_CUDA_TRY(op, cudaMemsetAsync(p.dq_accum.ptr, 0, (size_t)total_rows * D * sizeof(float), stream));
+        if (n_blocks_k > 0) {
+            constexpr int smem = dkdv_smem_bytes<D>();
+            SF_CUDA_TRY(op, allow_smem((const void *)dkdv_kernel<T, D, true>, smem));
+            dkdv_kernel<T, D, true><<<dim3(n_blocks_k, p.heads_kv, batch), kBwdThreads, smem, stream>>>(p);
+            SF_CUDA_CHECK_LAUNCH(op);
+        }
+        if (total_rows > 0) {
+            const int grid = (int)((total_rows + 7) / 8 < 65536 ? (total_rows + 7) / 8 : 65536);
+            dq_convert_kernel<T, D><<<grid, dim3(32, 8), 0, stream>>>(p, rows_per_batch, total_rows);
+            SF_CUDA_CHECK_LAUNCH(op);
+        }
+    }
+    return SF_OK;
+}
+
+} // namespace sf_attn
+
+extern "C" sf_status sf_attn_bwd_cuda(const sf_attn_problem *p, sf_stream s, int device)
+{
+    using namespace sf_attn;
+    cudaStream_t stream = sf_cuda_stream(s);
+    sf_cuda_device_guard guard;
+    SF_TRY(sf_cuda_device_enter("attention_bwd", device, &guard));
+    sf_status st = SF_OK;
+    if (p->batch > 0 && (p->max_sq > 0 || p->max_sk > 0)) {
+        const bool bf = p->dtype == SF_BFLOAT16;
+        if (p->head_dim == 64)
+            st = bf ? launch_bwd<__nv_bfloat16, 64>(*p, stream) : launch_bwd<__half, 64>(*p, stream);
+        else
+            st = bf ? launch_bwd<__nv_bfloat16, 128>(*p, stream) : launch_bwd<__half, 128>(*p, stream);
+    }
+    if (st == SF_OK && p->thd) {
+        if (p->deterministic)
+            launch_zero_tail(*p, p->dq, p->heads, p->cu_q, p->extent_q, NULL, stream);
+        launch_zero_tail(*p, p->dk, p->heads_kv, p->cu_k, p->extent_k, NULL, stream);
+        launch_zero_tail(*p, p->dv, p->heads_kv, p->cu_k, p->extent_k, NULL, stream);
+        cudaError_t e = cudaGetLastError();
+        if (e != cudaSuccess)
+            st = sf_fail(SF_ERR_RUNTIME, "attention_bwd: CUDA error %s: %s (zero tail)",
+                         cudaGetErrorName(e), cudaGetErrorString(e));
+    }
+    sf_cuda_device_restore(&guard);
+    return st;
+}

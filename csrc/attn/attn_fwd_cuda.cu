@@ -1,0 +1,309 @@
+/*
+ * attn_fwd_cuda.cu - the flash-attention forward on the GPU.
+ *
+ * One block of 8 warps owns 128 query rows of one (sequence, head); each warp
+ * owns 16 rows and keeps their Q fragments, the running max, the running sum
+ * and the output accumulator in registers.  The block walks the key/value
+ * tiles (64 keys) its rows may see (the mask's range, computed per block, so
+ * causal and windowed blocks skip whole tiles): S = Q K^T on tensor cores,
+ * masking only on tiles that cross a boundary, online softmax in base 2
+ * (exp2f of a pre-scaled score), O += P V with P straight from registers.
+ * K of the next tile is fetched with cp.async while the current one is being
+ * consumed, V of the current tile while S is computed.  At the end O / l is
+ * written, and lse = max * scale + ln l (float32) for the backward.
+ *
+ * Lengths and offsets come from cu_seqlens on the device (sf_attn_seq_q/k in
+ * attn.h, clamped), so one launch serves padded and packed batches; blocks
+ * past a sequence's end exit early (THD) or write the zero padding (BSHD,
+ * SBHD).  Causal blocks are issued heaviest first.
+ */
+#include "../core/cuda_util.h"
+#include "attn_cuda.cuh"
+
+namespace sf_attn {
+
+constexpr int kFwdWarps = 8, kFwdThreads = kFwdWarps * 32, kFwdBM = 16 * kFwdWarps, kFwdBN = 64;
+
+template <int D> constexpr int fwd_smem_bytes()
+{
+    return (kFwdBM + 2 * kFwdBN) * (D + 8) * 2;
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kFwdThreads, 1) fwd_kernel(const sf_attn_problem p)
+{
+    constexpr int SD = D + 8, BM = kFwdBM, BN = kFwdBN, NT = kFwdThreads;
+    constexpr int KD = D / 16;  /* 16-wide chunks of the head dim */
+    constexpr int NS = BN / 8;  /* 8-wide score tiles per row block */
+    constexpr int NO = D / 8;   /* 8-wide output tiles */
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T *sQ = reinterpret_cast<T *>(smem_raw);
+    T *sK = sQ + BM * SD;
+    T *sV = sK + BN * SD;
+
+    const int m_block = gridDim.x - 1 - blockIdx.x; /* heavy (late) causal blocks first */
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int hk = h / (p.heads / p.heads_kv);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t4 = lane % 4;
+
+    int64_t qs, ks;
+    int sq, sk;
+    sf_attn_seq_q(&p, b, &qs, &sq);
+    sf_attn_seq_k(&p, b, &ks, &sk);
+    const int m0 = m_block * BM;
+    const int rows_total = p.thd ? sq : p.max_sq; /* rows this sequence owns in the view */
+    if (m0 >= rows_total)
+        return;
+    const int off = sf_attn_diag(&p, sq, sk);
+    const int left = p.window_left, right = p.window_right;
+    const float sl2 = p.scale * kLog2e;
+
+    int n_lo = 0, n_hi = 0;
+    if (m0 < sq)
+        sf_attn_key_range(m0, min(m0 + BM, sq) - 1, off, left, right, sk, &n_lo, &n_hi);
+    const int nb_lo = n_lo / BN, nb_hi = (n_hi + BN - 1) / BN;
+
+    const T *qbase = view_ptr<const T>(p.q, b, qs + m0, h);
+    const T *kbase = view_ptr<const T>(p.k, b, ks, hk);
+    const T *vbase = view_ptr<const T>(p.v, b, ks, hk);
+
+    float o[NO][4];
+#pragma unroll
+    for (int i = 0; i < NO; ++i)
+        o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    float row_max[2] = {-INFINITY, -INFINITY};
+    float row_sum[2] = {0.f, 0.f};
+
+    if (nb_lo < nb_hi) {
+        load_tile<T, BM, D, NT>(sQ, qbase, p.q.ss, min(BM, sq - m0));
+        load_tile<T, BN, D, NT>(sK, kbase + (int64_t)nb_lo * BN * p.k.ss, p.k.ss,
+                                min(BN, sk - nb_lo * BN));
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+
+        uint32_t qf[KD][4];
+#pragma unroll
+        for (int kk = 0; kk < KD; ++kk)
+            ldsm_x4(qf[kk], smem_addr(sQ + (warp * 16 + lane % 16) * SD + kk * 16 + (lane / 16) * 8));
+
+        const int mi = lane / 8, mr = lane % 8;
+        const int r_lo = m0 + warp * 16 + g; /* this thread's two rows: r_lo, r_lo + 8 */
+
+        for (int nb = nb_lo; nb < nb_hi; ++nb) {
+            const int n0 = nb * BN;
+            /* V of this tile streams in while S is computed */
+            load_tile<T, BN, D, NT>(sV, vbase + (int64_t)n0 * p.v.ss, p.v.ss, min(BN, sk - n0));
+            cp_async_commit();
+
+            float s[NS][4];
+#pragma unroll
+            for (int i = 0; i < NS; ++i)
+                s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < KD; ++kk) {
+#pragma unroll
+                for (int j = 0; j < NS / 2; ++j) {
+                    uint32_t kf[4];
+                    ldsm_x4(kf, smem_addr(sK + (j * 16 + mr + (mi >> 1) * 8) * SD + kk * 16 + (mi & 1) * 8));
+                    Mma<T>::run(s[2 * j], qf[kk], kf[0], kf[1]);
+                    Mma<T>::run(s[2 * j + 1], qf[kk], kf[2], kf[3]);
+                }
+            }
+            __syncthreads(); /* every warp is done with sK */
+            if (nb + 1 < nb_hi) {
+                load_tile<T, BN, D, NT>(sK, kbase + (int64_t)(n0 + BN) * p.k.ss, p.k.ss,
+                                        min(BN, sk - n0 - BN));
+                cp_async_commit();
+            }
+
+            /* mask only the tiles that cross the sequence end or the window */
+            const bool need_mask = n0 + BN > sk ||
+                                   (right >= 0 && n0 + BN - 1 > m0 + off + right) ||
+                                   (left >= 0 && n0 < m0 + BM - 1 + off - left);
+            if (need_mask) {
+#pragma unroll
+                for (int i = 0; i < NS; ++i)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        int r = r_lo + (e >> 1) * 8, c = n0 + i * 8 + 2 * t4 + (e & 1);
+                        if (c >= sk || !sf_attn_allowed(r, c, off, left, right))
+                            s[i][e] = -INFINITY;
+                    }
+            }
+
+            /* online softmax: two rows per thread, a quad shares a row */
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+                float mx = row_max[hr];
+#pragma unroll
+                for (int i = 0; i < NS; ++i)
+                    mx = fmaxf(mx, fmaxf(s[i][2 * hr], s[i][2 * hr + 1]));
+                mx = quad_max(mx);
+                const float base = mx == -INFINITY ? 0.f : mx * sl2;
+                const float corr = exp2f(row_max[hr] * sl2 - base); /* 0 when the old max was -inf */
+                row_max[hr] = mx;
+                float sum = 0.f;
+#pragma unroll
+                for (int i = 0; i < NS; ++i) {
+                    s[i][2 * hr] = exp2f(fmaf(s[i][2 * hr], sl2, -base));
+                    s[i][2 * hr + 1] = exp2f(fmaf(s[i][2 * hr + 1], sl2, -base));
+                    sum += s[i][2 * hr] + s[i][2 * hr + 1];
+                }
+                row_sum[hr] = row_sum[hr] * corr + sum;
+#pragma unroll
+                for (int i = 0; i < NO; ++i) {
+                    o[i][2 * hr] *= corr;
+                    o[i][2 * hr + 1] *= corr;
+                }
+            }
+
+            if (nb + 1 < nb_hi)
+                cp_async_wait<1>(); /* V landed; K of the next tile may still fly */
+            else
+                cp_async_wait<0>();
+            __syncthreads();
+
+#pragma unroll
+            for (int kc = 0; kc < BN / 16; ++kc) {
+                uint32_t a[4];
+                a[0] = Mma<T>::pack(s[2 * kc][0], s[2 * kc][1]);
+                a[1] = Mma<T>::pack(s[2 * kc][2], s[2 * kc][3]);
+                a[2] = Mma<T>::pack(s[2 * kc + 1][0], s[2 * kc + 1][1]);
+                a[3] = Mma<T>::pack(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+#pragma unroll
+                for (int j = 0; j < D / 16; ++j) {
+                    uint32_t vf[4];
+                    ldsm_x4_t(vf, smem_addr(sV + (kc * 16 + mr + (mi & 1) * 8) * SD + j * 16 + (mi >> 1) * 8));
+                    Mma<T>::run(o[2 * j], a, vf[0], vf[1]);
+                    Mma<T>::run(o[2 * j + 1], a, vf[2], vf[3]);
+                }
+            }
+            if (nb + 1 < nb_hi) {
+                cp_async_wait<0>(); /* K of the next tile */
+                __syncthreads();    /* ... visible, and every warp done with sV */
+            }
+        }
+    }
+
+    /* epilogue: O / l, lse; zero rows for padding and rows that saw nothing */
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        const int r = m0 + warp * 16 + g + hr * 8;
+        const float l = quad_sum(row_sum[hr]);
+        if (r >= rows_total)
+            continue;
+        const bool real = r < sq && l > 0.f; /* padded rows computed on zero Q: drop them */
+        const float inv = real ? 1.f / l : 0.f;
+        T *orow = view_ptr<T>(p.o, b, qs + r, h);
+#pragma unroll
+        for (int i = 0; i < NO; ++i)
+            *reinterpret_cast<uint32_t *>(orow + i * 8 + 2 * t4) =
+                Mma<T>::pack(o[i][2 * hr] * inv, o[i][2 * hr + 1] * inv);
+        if (t4 == 0)
+            p.lse[lse_at(p, b, h, qs + r)] =
+                real ? (row_max[hr] * sl2 + log2f(l)) * kLn2 : INFINITY;
+    }
+}
+
+__global__ void zero_tail_kernel(sf_attn_view view, int heads, int dim, const int32_t *cu,
+                                 int batch, int64_t extent, float *lse, int64_t lse_sh, int is_f32)
+{
+    int64_t start = cu[batch];
+    start = start < 0 ? 0 : (start > extent ? extent : start);
+    const int64_t rows = (extent - start) * heads;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.y + threadIdx.y; i < rows;
+         i += (int64_t)gridDim.x * blockDim.y) {
+        const int64_t t = start + i / heads;
+        const int h = (int)(i % heads);
+        if (is_f32) {
+            float *row = reinterpret_cast<float *>(view.ptr) + t * view.ss + (int64_t)h * view.sh;
+            for (int d = threadIdx.x; d < dim; d += blockDim.x)
+                row[d] = 0.f;
+        } else {
+            uint16_t *row = reinterpret_cast<uint16_t *>(view.ptr) + t * view.ss + (int64_t)h * view.sh;
+            for (int d = threadIdx.x; d < dim; d += blockDim.x)
+                row[d] = 0;
+        }
+        if (lse && threadIdx.x == 0)
+            lse[(int64_t)h * lse_sh + t] = INFINITY;
+    }
+}
+
+void launch_zero_tail(const sf_attn_problem &p, const sf_attn_view &view, int heads,
+                      const int32_t *cu, int64_t extent, float *lse, cudaStream_t stream)
+{
+    if (extent == 0)
+        return;
+    /* the tail length lives on the device: cover the whole buffer, rows
+     * before the tail exit at once */
+    const int64_t rows = extent * heads;
+    const int grid = (int)((rows + 7) / 8 < 4096 ? (rows + 7) / 8 : 4096);
+    zero_tail_kernel<<<grid, dim3(32, 8), 0, stream>>>(view, heads, p.head_dim, cu, p.batch, extent,
+                                                        lse, p.lse_sh, 0);
+}
+
+/* The attribute is set once per (kernel, device), so launches inside a CUDA
+ * graph capture make no such call; racing first calls set the same value. */
+cudaError_t allow_smem(const void *kernel, int bytes)
+{
+    if (bytes <= 48 * 1024)
+        return cudaSuccess;
+    constexpr int kSlots = 128;
+    static const void *done_kernel[kSlots];
+    static int done_device[kSlots];
+    static int n_done = 0;
+    int device = 0;
+    cudaError_t e = cudaGetDevice(&device);
+    if (e != cudaSuccess)
+        return e;
+    for (int i = 0; i < n_done && i < kSlots; ++i)
+        if (done_kernel[i] == kernel && done_device[i] == device)
+            return cudaSuccess;
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e == cudaSuccess && n_done < kSlots) {
+        done_kernel[n_done] = kernel;
+        done_device[n_done] = device;
+        ++n_done;
+    }
+    return e;
+}
+
+template <typename T, int D>
+static sf_status launch_fwd(const sf_attn_problem &p, cudaStream_t stream)
+{
+    constexpr int smem = fwd_smem_bytes<D>();
+    SF_CUDA_TRY("attention_fwd", allow_smem((const void *)fwd_kernel<T, D>, smem));
+    dim3 grid((p.max_sq + kFwdBM - 1) / kFwdBM, p.heads, p.batch);
+    fwd_kernel<T, D><<<grid, kFwdThreads, smem, stream>>>(p);
+    SF_CUDA_CHECK_LAUNCH("attention_fwd");
+    return SF_OK;
+}
+
+} // namespace sf_attn
+
+extern "C" sf_status sf_attn_fwd_cuda(const sf_attn_problem *p, sf_stream s, int device)
+{
+    using namespace sf_attn;
+    cudaStream_t stream = sf_cuda_stream(s);
+    sf_cuda_device_guard guard;
+    SF_TRY(sf_cuda_device_enter("attention_fwd", device, &guard));
+    sf_status st = SF_OK;
+    if (p->batch > 0 && p->max_sq > 0) {
+        const bool bf = p->dtype == SF_BFLOAT16;
+        if (p->head_dim == 64)
+            st = bf ? launch_fwd<__nv_bfloat16, 64>(*p, stream) : launch_fwd<__half, 64>(*p, stream);
+        else
+            st = bf ? launch_fwd<__nv_bfloat16, 128>(*p, stream) : launch_fwd<__half, 128>(*p, stream);
+    }
+    if (st == SF_OK && p->thd) {
+        launch_zero_tail(*p, p->o, p->heads, p->cu_q, p->extent_q, p->lse, stream);
+        cudaError_t e = cudaGetLastError();
+        if (e != cudaSuccess)
+            st = sf_fail(SF_ERR_RUNTIME, "attention_fwd: CUDA error %s: %s (zero tail)",
+                         cudaGetErrorName(e), cudaGetErrorString(e));
+    }
+    sf_cuda_device_restore(&guard);
+    return st;
+}

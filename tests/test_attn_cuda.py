@@ -1,0 +1,251 @@
+"""The CUDA attention kernels against the float64 reference (attn_ref.py, run
+on the GPU), the C CPU reference and torch's scaled_dot_product_attention:
+forward and gradients for every layout, mask, window, GQA ratio and head
+dim, at lengths that are and are not multiples of the tiles (128 query rows
+forward, 64 keys; 64 x 64 backward), on fresh random inputs with outputs
+poisoned (NaN) before each run.  Also: packed == padded on the real tokens,
+deterministic backward reproducible, current-stream use and CUDA graphs."""
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import seqfuse
+from attn_ref import PADDING, cu_seqlens, pack, reference, unpack
+from helpers import rel_error
+
+pytestmark = pytest.mark.cuda
+
+MASKS = ["no_mask", "padding", "causal", "padding_causal", "causal_bottom_right",
+         "padding_causal_bottom_right"]
+# (sq, sk): tile multiples, ragged, sq > sk, sq < sk, tiny
+LENGTHS = [(128, 128), (77, 150), (200, 65), (256, 256), (1, 9)]
+FWD_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+BWD_TOL = {torch.bfloat16: 3e-2, torch.float16: 6e-3}
+
+
+def poisoned(shape, dtype):
+    return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+
+
+def make_case(fmt, mask, b, sq, sk, h, hk, d, dtype, rng):
+    """Random q, k, v, dout and the lengths: padded tensors in fmt, or packed
+    (thd) with a few tail tokens past the last sequence."""
+    lq = lk = None
+    if mask in PADDING or fmt == "thd":
+        lq = [sq] + [rng.randint(0, sq) for _ in range(b - 1)]
+        lk = [sk] + [rng.randint(1, sk) for _ in range(b - 1)]
+    if fmt == "thd":
+        shape_q, shape_k = (sum(lq) + 3, h, d), (sum(lk) + 2, hk, d)
+    elif fmt == "bshd":
+        shape_q, shape_k = (b, sq, h, d), (b, sk, hk, d)
+    else:
+        shape_q, shape_k = (sq, b, h, d), (sk, b, hk, d)
+    q = torch.randn(shape_q, device="cuda").to(dtype)
+    k = torch.randn(shape_k, device="cuda").to(dtype)
+    v = torch.randn(shape_k, device="cuda").to(dtype)
+    dout = torch.randn(shape_q, device="cuda").to(dtype)
+    return q, k, v, dout, lq, lk
+
+
+def run_ours(q, k, v, dout, fmt, mask, lq, lk, window=None, deterministic=False):
+    kw = dict(qkv_format=fmt, attn_mask_type=mask, window_size=window)
+    if lq is not None:
+        kw.update(cu_seqlens_q=cu_seqlens(lq, "cuda"), cu_seqlens_kv=cu_seqlens(lk, "cuda"))
+        if fmt == "thd":
+            kw.update(max_seqlen_q=max(lq), max_seqlen_kv=max(lk))
+    lse_shape = (q.shape[1], q.shape[0]) if fmt == "thd" else \
+        ((q.shape[0], q.shape[2], q.shape[1]) if fmt == "bshd" else (q.shape[1], q.shape[2], q.shape[0]))
+    out, lse = seqfuse.ops.attention_fwd(q, k, v, out=poisoned(q.shape, q.dtype),
+                                         lse=poisoned(lse_shape, torch.float32), **kw)
+    dq, dk, dv = seqfuse.ops.attention_bwd(dout, q, k, v, out, lse, deterministic=deterministic,
+                                           dq=poisoned(q.shape, q.dtype), dk=poisoned(k.shape, k.dtype),
+                                           dv=poisoned(v.shape, v.dtype), **kw)
+    return out, lse, (dq, dk, dv)
+
+
+def run_reference(q, k, v, dout, fmt, mask, lq, lk, window=None):
+    qr, kr, vr = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = reference(qr, kr, vr, qkv_format=fmt, attn_mask_type=mask, seqlens_q=lq, seqlens_kv=lk,
+                    window_size=window)
+    ref.backward(dout.double())
+    return ref, (qr.grad, kr.grad, vr.grad)
+
+
+def check(out, grads, ref, ref_grads, dtype, what):
+    e = rel_error(out, ref)
+    assert e <= FWD_TOL[dtype], f"{what}: out rel error {e:.2e}"
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        e = rel_error(g, r)
+        assert e <= BWD_TOL[dtype], f"{what}: {name} rel error {e:.2e}"
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd", "thd"])
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("h,hk", [(4, 4), (4, 2), (6, 1)])
+@pytest.mark.parametrize("sq,sk", LENGTHS)
+def test_cuda_matches_reference(fmt, mask, d, h, hk, sq, sk, seed):
+    if fmt == "thd" and mask not in PADDING:
+        pytest.skip("thd always delimits sequences: covered by the padding masks")
+    rng = random.Random(seed)
+    dtype = torch.bfloat16
+    q, k, v, dout, lq, lk = make_case(fmt, mask, 3, sq, sk, h, hk, d, dtype, rng)
+    out, lse, grads = run_ours(q, k, v, dout, fmt, mask, lq, lk)
+    ref, ref_grads = run_reference(q, k, v, dout, fmt, mask, lq, lk)
+    check(out, grads, ref, ref_grads, dtype, f"{fmt} {mask} d={d} h={h}/{hk} {sq}x{sk} lq={lq} lk={lk}")
+    assert not torch.isnan(lse).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("mask", ["no_mask", "causal", "padding_causal_bottom_right"])
+@pytest.mark.parametrize("sq,sk", [(64, 64), (191, 333), (500, 129)])
+def test_cuda_dtypes_and_longer(dtype, d, mask, sq, sk, seed):
+    rng = random.Random(seed)
+    q, k, v, dout, lq, lk = make_case("bshd", mask, 2, sq, sk, 4, 2, d, dtype, rng)
+    out, lse, grads = run_ours(q, k, v, dout, "bshd", mask, lq, lk)
+    ref, ref_grads = run_reference(q, k, v, dout, "bshd", mask, lq, lk)
+    check(out, grads, ref, ref_grads, dtype, f"{dtype} {mask} d={d} {sq}x{sk}")
+
+
+@pytest.mark.parametrize("window", [(0, 0), (16, 0), (100, 0), (33, 17), (-1, 5), (64, -1)])
+@pytest.mark.parametrize("mask", ["no_mask", "causal", "padding_causal_bottom_right"])
+@pytest.mark.parametrize("fmt", ["bshd", "thd"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_cuda_sliding_window(window, mask, fmt, d, seed):
+    rng = random.Random(seed)
+    if fmt == "thd" and mask not in PADDING:
+        mask = "padding" if mask == "no_mask" else "padding_causal"
+    q, k, v, dout, lq, lk = make_case(fmt, mask, 3, 300, 270, 4, 2, d, torch.bfloat16, rng)
+    out, lse, grads = run_ours(q, k, v, dout, fmt, mask, lq, lk, window=window)
+    ref, ref_grads = run_reference(q, k, v, dout, fmt, mask, lq, lk, window=window)
+    check(out, grads, ref, ref_grads, torch.bfloat16, f"{fmt} {mask} window={window} d={d}")
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("mask", ["padding", "padding_causal_bottom_right"])
+def test_cuda_matches_c_reference_and_lse(d, mask, seed):
+    """Against the C CPU backend on the same inputs, lse included."""
+    rng = random.Random(seed)
+    q, k, v, dout, lq, lk = make_case("bshd", mask, 2, 70, 90, 2, 1, d, torch.bfloat16, rng)
+    out, lse, grads = run_ours(q, k, v, dout, "bshd", mask, lq, lk)
+    kw = dict(qkv_format="bshd", attn_mask_type=mask, cu_seqlens_q=cu_seqlens(lq), cu_seqlens_kv=cu_seqlens(lk))
+    out_c, lse_c = seqfuse.ops.attention_fwd(q.cpu(), k.cpu(), v.cpu(), **kw)
+    grads_c = seqfuse.ops.attention_bwd(dout.cpu(), q.cpu(), k.cpu(), v.cpu(), out_c, lse_c, **kw)
+    assert rel_error(out, out_c) <= FWD_TOL[torch.bfloat16]
+    finite = torch.isfinite(lse_c)
+    assert torch.equal(finite, torch.isfinite(lse.cpu()))
+    assert (lse.cpu()[finite] - lse_c[finite]).abs().max().item() < 2e-3
+    for g, gc in zip(grads, grads_c):
+        assert rel_error(g, gc) <= BWD_TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("h,hk", [(8, 8), (8, 2)])
+def test_cuda_vs_torch_sdpa(d, causal, h, hk, seed):
+    """Our error against float64 is no worse than torch SDPA's (bf16)."""
+    b, s = 2, 1000
+    q, k, v = (torch.randn(b, s, n, d, device="cuda").to(torch.bfloat16) for n in (h, hk, hk))
+    dout = torch.randn(b, s, h, d, device="cuda").to(torch.bfloat16)
+    mask = "causal" if causal else "no_mask"
+    out, _, grads = run_ours(q, k, v, dout, "bshd", mask, None, None)
+    ref, ref_grads = run_reference(q, k, v, dout, "bshd", mask, None, None)
+    qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+    o_t = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=hk != h)
+    o_t.backward(dout.transpose(1, 2))
+    torch_err = [rel_error(o_t.transpose(1, 2), ref)] + \
+        [rel_error(g.transpose(1, 2), r) for g, r in zip((qt.grad, kt.grad, vt.grad), ref_grads)]
+    ours = [rel_error(out, ref)] + [rel_error(g, r) for g, r in zip(grads, ref_grads)]
+    for name, a, t in zip(("out", "dq", "dk", "dv"), ours, torch_err):
+        assert a <= max(1.5 * t, 4e-3), f"{name}: ours {a:.2e} vs torch {t:.2e}"
+
+
+@pytest.mark.parametrize("mask", ["padding", "padding_causal", "padding_causal_bottom_right"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_cuda_thd_equals_bshd(mask, d, seed):
+    """Packed and padded batches of the same sequences give the same outputs
+    and (deterministic) gradients on the real tokens, bit for bit."""
+    rng = random.Random(seed)
+    b, s, h, hk = 5, 300, 4, 2
+    lq = [rng.randint(1, s) for _ in range(b)]
+    lk = lq if "bottom_right" not in mask else [rng.randint(1, s) for _ in range(b)]
+    qp, kp, vp, dp = (torch.randn(b, s, n, d, device="cuda").to(torch.bfloat16) for n in (h, hk, hk, h))
+    cq, ck = cu_seqlens(lq, "cuda"), cu_seqlens(lk, "cuda")
+    kw = dict(attn_mask_type=mask, cu_seqlens_q=cq, cu_seqlens_kv=ck)
+    out_p, lse_p = seqfuse.ops.attention_fwd(qp, kp, vp, qkv_format="bshd", **kw)
+    g_p = seqfuse.ops.attention_bwd(dp, qp, kp, vp, out_p, lse_p, qkv_format="bshd", deterministic=True, **kw)
+    qt, kt, vt, dt = pack(qp, lq), pack(kp, lk), pack(vp, lk), pack(dp, lq)
+    kw_t = dict(kw, max_seqlen_q=max(lq), max_seqlen_kv=max(lk))
+    out_t, lse_t = seqfuse.ops.attention_fwd(qt, kt, vt, qkv_format="thd", **kw_t)
+    g_t = seqfuse.ops.attention_bwd(dt, qt, kt, vt, out_t, lse_t, qkv_format="thd", deterministic=True, **kw_t)
+    assert torch.equal(unpack(out_t, lq, s), out_p)
+    assert torch.equal(unpack(g_t[0], lq, s), g_p[0])
+    assert torch.equal(unpack(g_t[1], lk, s), g_p[1])
+    assert torch.equal(unpack(g_t[2], lk, s), g_p[2])
+    # atomic-dQ path: equal up to the order of float additions
+    g_a = seqfuse.ops.attention_bwd(dt, qt, kt, vt, out_t, lse_t, qkv_format="thd", **kw_t)
+    assert rel_error(g_a[0], g_t[0]) < 1e-2
+    assert torch.equal(g_a[1], g_t[1]) and torch.equal(g_a[2], g_t[2])
+
+
+def test_cuda_deterministic_backward_is_reproducible(seed):
+    q, k, v, dout = (torch.randn(2, 700, 8, 128, device="cuda").to(torch.bfloat16) for _ in range(4))
+    out, lse = seqfuse.ops.attention_fwd(q, k, v, attn_mask_type="causal")
+    runs = [seqfuse.ops.attention_bwd(dout, q, k, v, out, lse, attn_mask_type="causal", deterministic=True)
+            for _ in range(3)]
+    for r in runs[1:]:
+        for a, b in zip(runs[0], r):
+            assert torch.equal(a, b)
+
+
+def test_cuda_module_matches_cpu_module(seed):
+    te = seqfuse.pytorch
+    attn = te.DotProductAttention(8, 64, num_gqa_groups=2, qkv_format="sbhd", attn_mask_type="causal")
+    q = torch.randn(130, 2, 8, 64).to(torch.bfloat16)
+    k, v = (torch.randn(130, 2, 2, 64).to(torch.bfloat16) for _ in range(2))
+    out_cpu = attn(q, k, v)
+    qc, kc, vc = (x.cuda().requires_grad_() for x in (q, k, v))
+    out = attn(qc, kc, vc)
+    assert out.shape == (130, 2, 512)
+    assert rel_error(out, out_cpu) <= FWD_TOL[torch.bfloat16]
+    out.float().sum().backward()
+    assert qc.grad.shape == qc.shape and not torch.isnan(kc.grad).any()
+
+
+def test_cuda_runs_on_current_stream_and_in_graph(seed):
+    q, k, v, dout = (torch.randn(2, 256, 4, 64, device="cuda").to(torch.bfloat16) for _ in range(4))
+    ref_out, ref_lse = seqfuse.ops.attention_fwd(q, k, v, attn_mask_type="causal")
+    ref_g = seqfuse.ops.attention_bwd(dout, q, k, v, ref_out, ref_lse, attn_mask_type="causal", deterministic=True)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        out, lse = seqfuse.ops.attention_fwd(q, k, v, attn_mask_type="causal")
+        g = seqfuse.ops.attention_bwd(dout, q, k, v, out, lse, attn_mask_type="causal", deterministic=True)
+    torch.cuda.current_stream().wait_stream(s)
+    assert torch.equal(out, ref_out) and all(torch.equal(a, b) for a, b in zip(g, ref_g))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_g, lse_g = seqfuse.ops.attention_fwd(q, k, v, attn_mask_type="causal")
+        g_g = seqfuse.ops.attention_bwd(dout, q, k, v, out_g, lse_g, attn_mask_type="causal")
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    new_out, _ = seqfuse.ops.attention_fwd(q, k, v, attn_mask_type="causal")
+    assert torch.equal(out_g, new_out)
+
+
+def test_cuda_bad_inputs():
+    q = torch.randn(1, 8, 2, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="takes float16 or bfloat16 inputs, got float32"):
+        seqfuse.ops.attention(q.float(), q.float(), q.float())
+    with pytest.raises(NotImplementedError, match="supports head dims 64 and 128, got 32"):
+        seqfuse.ops.attention(q[..., :32].contiguous(), q[..., :32].contiguous(), q[..., :32].contiguous())
+    with pytest.raises(ValueError, match="must have strides that are multiples of 8 elements"):
+        big = torch.randn(1, 8, 2, 65, device="cuda", dtype=torch.bfloat16)[..., :64]
+        seqfuse.ops.attention(big, big, big)
+    with pytest.raises(ValueError, match="must be on the same device"):
+        seqfuse.ops.attention(q[0], q[0], q[0], qkv_format="thd", cu_seqlens_q=cu_seqlens([8]),
+                              cu_seqlens_kv=cu_seqlens([8]), max_seqlen_q=8, max_seqlen_kv=8)
