@@ -18,6 +18,104 @@ extern "C" {
  * NaN in x propagates to out. Runs on `stream` for CUDA tensors. */
 sf_status sf_amax(const sf_tensor *x, sf_tensor *out, sf_stream stream);
 
+/* ---- FP8 with one scale per tensor ------------------------------------
+ * The FP8 format (E4M3 or E5M2) is the dtype of the output tensors.
+ * Conversions round to nearest even and saturate at the format's max; NaN
+ * becomes NaN (0x7f).  See csrc/quant/fp8.h for the exact rules. */
+
+/* Scale, cast and (optionally) transpose in one pass over x.
+ *   x:      float32, float16 or bfloat16, contiguous, viewed as [M, K]
+ *           (K = last dimension, M = all the others).
+ *   scale:  float32, 1 element: q = saturate(x * scale[0]).
+ *   amax:   optional float32, 1 element: ACCUMULATES, amax[0] =
+ *           max(amax[0], max |x|) (NaN wins).  Zero it first for a fresh max.
+ *   out:    optional FP8, same number of elements as x, contiguous [M, K].
+ *   out_t:  optional FP8, contiguous [K, M]: the transposed copy.
+ *   scale_inv: optional float32, 1 element: receives 1 / scale[0], so the
+ *           quantized tensor carries the inverse of the scale it was made
+ *           with even after the scale moves on.
+ * At least one of out, out_t.  The fast CUDA path takes K % 8 == 0,
+ * M % 16 == 0 (when out_t is given) and 16-byte aligned pointers; other
+ * shapes run a plain per-element kernel (correct, slower). */
+sf_status sf_cast_fp8(const sf_tensor *x, const sf_tensor *scale, sf_tensor *amax,
+                      sf_tensor *out, sf_tensor *out_t, sf_tensor *scale_inv,
+                      sf_stream stream);
+
+/* out = float(data) * scale_inv[0], out float32/float16/bfloat16 with the
+ * shape of data (contiguous both). */
+sf_status sf_dequantize_fp8(const sf_tensor *data, const sf_tensor *scale_inv,
+                            sf_tensor *out, sf_stream stream);
+
+/* The delayed-scaling update of every tensor of a step, in one launch.
+ *   amax_history: float32 [H, N], row stride >= N, unit column stride.
+ *                 Row 0 holds the amaxes accumulated this step.
+ *   scale, scale_inv: float32 [N] contiguous, updated in place.
+ *   fp8_max:      float32 [N]: 448 or 57344 per tensor.
+ *   algo:         0 = max over the H rows, 1 = most_recent (row 0).
+ *   margin:       scale = fp8_max / amax / 2^margin.
+ * Per column: a = algo(history); scale = a finite and > 0 ? that : the old
+ * scale (an infinite result becomes FLT_MAX); scale_inv = 1 / scale; then
+ * the history rolls as Transformer Engine rolls it: torch.roll(history, -1,
+ * 0) followed by row 0 = 0.  Row 0 is then ready to accumulate the next
+ * step, and rows 1..H-1 keep the last H-1 steps (the oldest drops out). */
+sf_status sf_fp8_scale_update(sf_tensor *amax_history, sf_tensor *scale,
+                              sf_tensor *scale_inv, const sf_tensor *fp8_max,
+                              int algo, int margin, sf_stream stream);
+
+/* Current scaling: scale[i] = fp8_max / amax[i] / 2^margin (1 where amax is 0
+ * or not finite), scale_inv[i] = 1 / scale[i].  All float32 [N]. */
+sf_status sf_fp8_compute_scale(const sf_tensor *amax, sf_tensor *scale,
+                               sf_tensor *scale_inv, float fp8_max, int margin,
+                               sf_stream stream);
+
+/* ---- block-scaled formats -----------------------------------------------
+ * x is float32/float16/bfloat16, contiguous, viewed as [M, K]; blocks run
+ * along K.  A dimension that is not a multiple the format needs is a
+ * ValueError naming the multiple. */
+
+/* FP8 with fp32 block scales for cuBLASLt's block-scaled GEMMs on Hopper.
+ *   block_rows = 1:   1x128 blocks (CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F),
+ *     scale_inv float32 [K/128, round_up(M, 4)]: element [kb, m] belongs to
+ *     x[m, 128 kb : 128 kb + 128]; M runs fastest (outer-dimension-major) and
+ *     is padded to a multiple of 4 (16 bytes); padding is written as 0.
+ *   block_rows = 128: 128x128 blocks (..._BLK128x128_32F),
+ *     scale_inv float32 [ceil(M/128), round_up(K/128, 4)]: element [mb, kb]
+ *     belongs to the block x[128 mb :, 128 kb :]; padding written as 0.
+ * K must be a multiple of 128; M is any (the last row block may be partial).
+ * q = saturate(x * s) with s = fp8_max / block_amax (1 for an all-zero
+ * block), scale_inv = 1 / s; dequantization is q * scale_inv. */
+sf_status sf_quantize_block_fp8(const sf_tensor *x, sf_tensor *out,
+                                sf_tensor *scale_inv, int block_rows,
+                                sf_stream stream);
+sf_status sf_dequantize_block_fp8(const sf_tensor *data, const sf_tensor *scale_inv,
+                                  int block_rows, sf_tensor *out, sf_stream stream);
+
+/* MXFP8: 1x32 blocks along K with E8M0 scales, K % 32 == 0.
+ *   out: FP8 [M, K]; scales: float8_e8m0fnu or uint8 [M, K/32], row-major
+ *   (the plain layout; Blackwell GEMMs want it swizzled into 128x4 tiles).
+ * scale = 2^ceil(log2(block_amax / fp8_max)), so nothing saturates;
+ * q = saturate(x / scale) computed as x * 2^-e exactly. */
+sf_status sf_quantize_mxfp8(const sf_tensor *x, sf_tensor *out, sf_tensor *scales,
+                            sf_stream stream);
+sf_status sf_dequantize_mxfp8(const sf_tensor *data, const sf_tensor *scales,
+                              sf_tensor *out, sf_stream stream);
+
+/* NVFP4: 16-element blocks along K of E2M1 values (two per byte, the first
+ * in the low nibble), an E4M3 scale per block and one fp32 scale per tensor.
+ * K % 16 == 0.
+ *   amax: float32, 1 element: max |x| of the whole tensor (sf_amax).
+ *   out: uint8 [M, K/2]; block_scales: float8_e4m3fn or uint8 [M, K/16];
+ *   global_scale_inv: float32, 1 element, receives 1 / S with
+ *   S = 448 * 6 / amax (S = 1 where amax is 0 or not finite).
+ * Per block: d = e4m3(block_amax / 6 * S); q = e2m1(x * (S / d)) (0 where
+ * d is 0).  Dequantization: e2m1 * d * global_scale_inv. */
+sf_status sf_quantize_nvfp4(const sf_tensor *x, const sf_tensor *amax, sf_tensor *out,
+                            sf_tensor *block_scales, sf_tensor *global_scale_inv,
+                            sf_stream stream);
+sf_status sf_dequantize_nvfp4(const sf_tensor *data, const sf_tensor *block_scales,
+                              const sf_tensor *global_scale_inv, sf_tensor *out,
+                              sf_stream stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,5 +1,8 @@
 /*
- * quant_py.c - bindings of the quant family (csrc/quant/).
+ * quant_py.c - bindings of the quant family (csrc/quant/): amax, the FP8
+ * casts, dequantization, the scaling-state updates and the block formats.
+ * Each takes its tensors positionally (None where an output is optional) and
+ * an optional stream last; seqfuse.ops.quant is the friendly layer above.
  */
 #include "py_call.h"
 
@@ -31,8 +34,156 @@ done:
     return result;
 }
 
+/* Read an int argument, naming it on failure. */
+static int int_arg(const char *op, PyObject *obj, const char *arg, int *out)
+{
+    long v = PyLong_AsLong(obj);
+    if (v == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s: argument '%s' must be an int, got %s", op, arg,
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    if (v < -2147483647L || v > 2147483647L) {
+        PyErr_Format(PyExc_ValueError, "%s: argument '%s' is out of range", op, arg);
+        return -1;
+    }
+    *out = (int)v;
+    return 0;
+}
+
+static PyObject *finish(sf_py_call *c, sf_status st)
+{
+    sf_py_call_release(c);
+    if (st != SF_OK)
+        return sf_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+/* cast_fp8(x, scale, amax, out, out_t, scale_inv, stream=None) */
+static PyObject *py_cast_fp8(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    static const char op[] = "cast_fp8";
+    if (sf_py_check_nargs(op, nargs, 6, 7) < 0)
+        return NULL;
+    sf_py_call c;
+    if (sf_py_call_init(&c, op, nargs > 6 ? args[6] : Py_None) < 0)
+        return NULL;
+    sf_tensor x, scale, amax, out, out_t, scale_inv;
+    int has_amax, has_out, has_out_t, has_si;
+    if (sf_py_tensor(&c, args[0], "x", &x) < 0 ||
+        sf_py_tensor(&c, args[1], "scale", &scale) < 0 ||
+        sf_py_optional_tensor(&c, args[2], "amax", &amax, &has_amax) < 0 ||
+        sf_py_optional_tensor(&c, args[3], "out", &out, &has_out) < 0 ||
+        sf_py_optional_tensor(&c, args[4], "out_t", &out_t, &has_out_t) < 0 ||
+        sf_py_optional_tensor(&c, args[5], "scale_inv", &scale_inv, &has_si) < 0) {
+        sf_py_call_release(&c);
+        return NULL;
+    }
+    sf_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = sf_cast_fp8(&x, &scale, has_amax ? &amax : NULL, has_out ? &out : NULL,
+                     has_out_t ? &out_t : NULL, has_si ? &scale_inv : NULL,
+                     sf_py_call_stream(&c));
+    Py_END_ALLOW_THREADS
+    return finish(&c, st);
+}
+
+/* dequantize_fp8(data, scale_inv, out, stream=None) */
+static PyObject *py_dequantize_fp8(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    static const char op[] = "dequantize_fp8";
+    if (sf_py_check_nargs(op, nargs, 3, 4) < 0)
+        return NULL;
+    sf_py_call c;
+    if (sf_py_call_init(&c, op, nargs > 3 ? args[3] : Py_None) < 0)
+        return NULL;
+    sf_tensor data, si, out;
+    if (sf_py_tensor(&c, args[0], "data", &data) < 0 ||
+        sf_py_tensor(&c, args[1], "scale_inv", &si) < 0 ||
+        sf_py_tensor(&c, args[2], "out", &out) < 0) {
+        sf_py_call_release(&c);
+        return NULL;
+    }
+    sf_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = sf_dequantize_fp8(&data, &si, &out, sf_py_call_stream(&c));
+    Py_END_ALLOW_THREADS
+    return finish(&c, st);
+}
+
+/* fp8_scale_update(amax_history, scale, scale_inv, fp8_max, algo, margin, stream=None) */
+static PyObject *py_fp8_scale_update(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    static const char op[] = "fp8_scale_update";
+    if (sf_py_check_nargs(op, nargs, 6, 7) < 0)
+        return NULL;
+    int algo, margin;
+    if (int_arg(op, args[4], "algo", &algo) < 0 || int_arg(op, args[5], "margin", &margin) < 0)
+        return NULL;
+    sf_py_call c;
+    if (sf_py_call_init(&c, op, nargs > 6 ? args[6] : Py_None) < 0)
+        return NULL;
+    sf_tensor hist, scale, si, fmax;
+    if (sf_py_tensor(&c, args[0], "amax_history", &hist) < 0 ||
+        sf_py_tensor(&c, args[1], "scale", &scale) < 0 ||
+        sf_py_tensor(&c, args[2], "scale_inv", &si) < 0 ||
+        sf_py_tensor(&c, args[3], "fp8_max", &fmax) < 0) {
+        sf_py_call_release(&c);
+        return NULL;
+    }
+    sf_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = sf_fp8_scale_update(&hist, &scale, &si, &fmax, algo, margin, sf_py_call_stream(&c));
+    Py_END_ALLOW_THREADS
+    return finish(&c, st);
+}
+
+/* fp8_compute_scale(amax, scale, scale_inv, fp8_max, margin, stream=None) */
+static PyObject *py_fp8_compute_scale(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    static const char op[] = "fp8_compute_scale";
+    if (sf_py_check_nargs(op, nargs, 5, 6) < 0)
+        return NULL;
+    double fmax = PyFloat_AsDouble(args[3]);
+    if (fmax == -1.0 && PyErr_Occurred())
+        return NULL;
+    int margin;
+    if (int_arg(op, args[4], "margin", &margin) < 0)
+        return NULL;
+    sf_py_call c;
+    if (sf_py_call_init(&c, op, nargs > 5 ? args[5] : Py_None) < 0)
+        return NULL;
+    sf_tensor amax, scale, si;
+    if (sf_py_tensor(&c, args[0], "amax", &amax) < 0 ||
+        sf_py_tensor(&c, args[1], "scale", &scale) < 0 ||
+        sf_py_tensor(&c, args[2], "scale_inv", &si) < 0) {
+        sf_py_call_release(&c);
+        return NULL;
+    }
+    sf_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = sf_fp8_compute_scale(&amax, &scale, &si, (float)fmax, margin, sf_py_call_stream(&c));
+    Py_END_ALLOW_THREADS
+    return finish(&c, st);
+}
+
 PyMethodDef sf_py_quant_methods[] = {
     {"amax", (PyCFunction)(void (*)(void))py_amax, METH_FASTCALL,
      "amax(x, out, stream=None): out[0] = max |x| (float32)."},
+    {"cast_fp8", (PyCFunction)(void (*)(void))py_cast_fp8, METH_FASTCALL,
+     "cast_fp8(x, scale, amax, out, out_t, scale_inv, stream=None): scale, cast to the FP8 "
+     "dtype of out/out_t, transpose into out_t, accumulate max|x| into amax."},
+    {"dequantize_fp8", (PyCFunction)(void (*)(void))py_dequantize_fp8, METH_FASTCALL,
+     "dequantize_fp8(data, scale_inv, out, stream=None): out = data * scale_inv[0]."},
+    {"fp8_scale_update", (PyCFunction)(void (*)(void))py_fp8_scale_update, METH_FASTCALL,
+     "fp8_scale_update(amax_history, scale, scale_inv, fp8_max, algo, margin, stream=None): "
+     "the delayed-scaling update of every column in one launch."},
+    {"fp8_compute_scale", (PyCFunction)(void (*)(void))py_fp8_compute_scale, METH_FASTCALL,
+     "fp8_compute_scale(amax, scale, scale_inv, fp8_max, margin, stream=None): current scaling."},
     {NULL, NULL, 0, NULL},
 };

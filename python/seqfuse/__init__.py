@@ -7,7 +7,8 @@ over it, and the modules and recipes are built on ``ops``.
 from . import _C
 from ._runtime import build_info, cuda_available, device_info
 from . import ops
+from . import common, quantization
 
 __version__ = "0.1.0"
 
-__all__ = ["build_info", "cuda_available", "device_info", "ops", "__version__"]
+__all__ = ["build_info", "cuda_available", "device_info", "ops", "common", "quantization", "__version__"]

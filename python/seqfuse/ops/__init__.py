@@ -16,3 +16,9 @@ from .attn import attention, attention_bwd, attention_fwd  # noqa: E402
 __all__ += ["attention", "attention_fwd", "attention_bwd"]
 
 __all__ += ["cross_entropy_forward", "cross_entropy_backward"]
+
+from .quant import (cast_fp8, cast_transpose_fp8, dequantize_fp8, fp8_compute_scale,  # noqa: E402
+                    fp8_scale_update)
+
+__all__ += ["cast_fp8", "cast_transpose_fp8", "dequantize_fp8", "fp8_compute_scale",
+            "fp8_scale_update"]

@@ -24,3 +24,141 @@ def amax(x, out=None):
         x = x.detach()
     _C.amax(x, out, stream_for(x))
     return out
+
+
+# ---- FP8 with one scale per tensor -----------------------------------------
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+#: Largest finite value of each FP8 format (saturation bound).
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+_FP8_NAMES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2,
+              "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+
+
+def fp8_dtype_of(fp8_dtype, op="cast_fp8"):
+    """torch.float8_e4m3fn / torch.float8_e5m2 from a dtype or a name
+    ("e4m3", "e5m2")."""
+    if isinstance(fp8_dtype, str):
+        d = _FP8_NAMES.get(fp8_dtype.lower())
+        if d is not None:
+            return d
+    elif fp8_dtype in FP8_DTYPES:
+        return fp8_dtype
+    raise TypeError(f"{op}: argument 'fp8_dtype' must be torch.float8_e4m3fn or "
+                    f"torch.float8_e5m2 (or 'e4m3' / 'e5m2'), got {fp8_dtype!r}")
+
+
+def _check_input(op, x):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: argument 'x' must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_INPUTS:
+        raise TypeError(f"{op}: argument 'x' must have dtype float32, float16 or bfloat16, got {x.dtype}")
+    if x.requires_grad:
+        x = x.detach()
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def _check_scalar(op, name, t, device):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: argument '{name}' must be a float32 torch.Tensor of one element, "
+                        f"got {type(t).__name__}")
+    return t
+
+
+def cast_fp8(x, scale, amax, fp8_dtype, *, out=None, scale_inv=None):
+    """Scale and cast ``x`` to FP8: ``out = saturate(x * scale[0])``, rounding
+    to nearest even and saturating at the format's max (448 for E4M3, 57344
+    for E5M2).  One pass over ``x`` on the current stream, no host sync.
+
+    ``scale``: float32 tensor of one element on x's device (read on the device).
+    ``amax``: float32 tensor of one element, or None.  It ACCUMULATES:
+    ``amax[0] = max(amax[0], max|x|)`` -- the per-step amax of delayed
+    scaling is zeroed by the scale update and then gathers every cast of the
+    step.  It must hold a non-negative value (or NaN) before the call.
+    ``scale_inv``: optional float32 tensor of one element that receives
+    ``1 / scale[0]`` (the inverse that goes with this data).
+    Returns the FP8 tensor (``out`` if given), shaped like ``x``.
+    """
+    op = "cast_fp8"
+    x = _check_input(op, x)
+    fp8_dtype = fp8_dtype_of(fp8_dtype, op)
+    if out is None:
+        out = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    elif out.dtype != fp8_dtype:
+        raise TypeError(f"{op}: argument 'out' must have dtype {fp8_dtype}, got {out.dtype}")
+    _C.cast_fp8(x, _check_scalar(op, "scale", scale, x.device), amax, out, None, scale_inv,
+                stream_for(x))
+    return out
+
+
+def cast_transpose_fp8(x, scale, amax, fp8_dtype, *, out=None, out_t=None, scale_inv=None,
+                       rowwise=True):
+    """Scale, cast and transpose in one pass: ``x`` is viewed as [M, K] (K the
+    last dimension), and the result is ``(data, data_t)`` with ``data`` the
+    FP8 copy shaped like ``x`` and ``data_t`` the [K, M] transposed copy that
+    Hopper's FP8 GEMMs take as their K-major operand.  ``rowwise=False`` skips
+    ``data`` (returns ``(None, data_t)``).  ``scale``, ``amax`` and
+    ``scale_inv`` as in :func:`cast_fp8` (amax accumulates).
+
+    The fast GPU kernel needs K % 8 == 0 and M % 16 == 0 (FP8 GEMMs need 16
+    anyway); other shapes run a plain per-element kernel.
+    """
+    op = "cast_transpose_fp8"
+    x = _check_input(op, x)
+    if x.dim() < 1:
+        raise ValueError(f"{op}: argument 'x' must have at least 1 dimension")
+    fp8_dtype = fp8_dtype_of(fp8_dtype, op)
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    if rowwise and out is None:
+        out = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    if out_t is None:
+        out_t = torch.empty((k, m), dtype=fp8_dtype, device=x.device)
+    for name, t in (("out", out), ("out_t", out_t)):
+        if t is not None and t.dtype != fp8_dtype:
+            raise TypeError(f"{op}: argument '{name}' must have dtype {fp8_dtype}, got {t.dtype}")
+    _C.cast_fp8(x, _check_scalar(op, "scale", scale, x.device), amax, out if rowwise else None,
+                out_t, scale_inv, stream_for(x))
+    return (out if rowwise else None), out_t
+
+
+def dequantize_fp8(data, scale_inv, out_dtype=torch.float32, *, out=None):
+    """``float(data) * scale_inv[0]`` in ``out_dtype`` (float32, float16 or
+    bfloat16), shaped like ``data``."""
+    op = "dequantize_fp8"
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"{op}: argument 'data' must be a torch.Tensor, got {type(data).__name__}")
+    if data.dtype not in FP8_DTYPES:
+        raise TypeError(f"{op}: argument 'data' must have dtype float8_e4m3fn or float8_e5m2, "
+                        f"got {data.dtype}")
+    if out_dtype not in _FLOAT_INPUTS:
+        raise TypeError(f"{op}: argument 'out_dtype' must be float32, float16 or bfloat16, "
+                        f"got {out_dtype}")
+    data = data.contiguous()
+    if out is None:
+        out = torch.empty(data.shape, dtype=out_dtype, device=data.device)
+    _C.dequantize_fp8(data, scale_inv, out, stream_for(data))
+    return out
+
+
+def fp8_scale_update(amax_history, scale, scale_inv, fp8_max, algo="max", margin=0):
+    """The delayed-scaling update of N tensors in one launch (in place).
+
+    ``amax_history`` float32 [H, N] (row 0: this step's amaxes), ``scale`` /
+    ``scale_inv`` / ``fp8_max`` float32 [N].  Per column: a = max over the
+    history (``algo="max"``) or row 0 (``"most_recent"``); the scale becomes
+    ``fp8_max / a / 2**margin`` where a is finite and positive, else it keeps
+    its value; ``scale_inv = 1 / scale``; the history rolls as
+    ``torch.roll(h, -1, 0); h[0] = 0``.
+    """
+    algo_id = {"max": 0, "most_recent": 1}.get(algo)
+    if algo_id is None:
+        raise ValueError(f"fp8_scale_update: argument 'algo' must be 'max' or 'most_recent', got {algo!r}")
+    _C.fp8_scale_update(amax_history, scale, scale_inv, fp8_max, algo_id, int(margin),
+                        stream_for(amax_history))
+
+
+def fp8_compute_scale(amax, scale, scale_inv, fp8_max, margin=0):
+    """Current scaling: ``scale = fp8_max / amax / 2**margin`` (1 where amax is
+    0 or not finite) and ``scale_inv = 1 / scale``, elementwise, in place."""
+    _C.fp8_compute_scale(amax, scale, scale_inv, float(fp8_max), int(margin), stream_for(amax))

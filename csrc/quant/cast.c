@@ -1,0 +1,242 @@
+/*
+ * cast.c - public entries of the per-tensor FP8 family: sf_cast_fp8 (scale +
+ * cast + transpose + amax), sf_dequantize_fp8, and the scaling-state kernels
+ * sf_fp8_scale_update (delayed scaling) and sf_fp8_compute_scale (current
+ * scaling).  Every precondition is checked here once; the CPU reference
+ * (cast_cpu.c) and the CUDA kernels (cast_cuda.cu) trust what they get.
+ */
+#include <math.h>
+
+#include "cast_backend.h"
+
+static int is_fp8(sf_dtype d) { return d == SF_FLOAT8_E4M3 || d == SF_FLOAT8_E5M2; }
+
+static sf_status check_fp8(const char *op, const char *arg, const sf_tensor *t)
+{
+    if (!is_fp8(t->dtype))
+        return sf_fail(SF_ERR_TYPE,
+                       "%s: argument '%s' must have dtype float8_e4m3fn or float8_e5m2, got %s",
+                       op, arg, sf_dtype_name(t->dtype));
+    return SF_OK;
+}
+
+/* A float32 tensor of exactly one element on x's device, optionally written. */
+static sf_status check_scalar(const char *op, const char *arg, const sf_tensor *t,
+                              const sf_tensor *x, int written)
+{
+    SF_TRY(sf_check_dtype(op, arg, t, SF_FLOAT32));
+    SF_TRY(sf_check_numel(op, arg, t, 1));
+    SF_TRY(sf_check_same_device(op, "x", x, arg, t));
+    if (written)
+        SF_TRY(sf_check_writable(op, arg, t));
+    return SF_OK;
+}
+
+#ifndef SF_WITH_CUDA
+static sf_status no_cuda(const char *op)
+{
+    return sf_fail(SF_ERR_NOT_IMPLEMENTED,
+                   "%s: the tensors are on a CUDA device but seqfuse was built without "
+                   "CUDA (rebuild with nvcc on PATH and SEQFUSE_CUDA unset)",
+                   op);
+}
+#endif
+
+sf_status sf_cast_fp8(const sf_tensor *x, const sf_tensor *scale, sf_tensor *amax,
+                      sf_tensor *out, sf_tensor *out_t, sf_tensor *scale_inv,
+                      sf_stream stream)
+{
+    static const char op[] = "cast_fp8";
+    SF_TRY(sf_check_float_input(op, "x", x));
+    SF_TRY(sf_check_contiguous(op, "x", x));
+    SF_TRY(check_scalar(op, "scale", scale, x, 0));
+    if (amax)
+        SF_TRY(check_scalar(op, "amax", amax, x, 1));
+    if (scale_inv)
+        SF_TRY(check_scalar(op, "scale_inv", scale_inv, x, 1));
+    if (!out && !out_t)
+        return sf_fail(SF_ERR_VALUE, "%s: at least one of 'out' and 'out_t' must be given", op);
+
+    int64_t n = sf_numel(x);
+    int64_t k = x->ndim == 0 ? 1 : x->shape[x->ndim - 1];
+    int64_t m = k == 0 ? 0 : n / k;
+    if (out) {
+        SF_TRY(check_fp8(op, "out", out));
+        SF_TRY(sf_check_contiguous(op, "out", out));
+        SF_TRY(sf_check_writable(op, "out", out));
+        SF_TRY(sf_check_same_device(op, "x", x, "out", out));
+        SF_TRY(sf_check_numel(op, "out", out, n));
+    }
+    if (out_t) {
+        SF_TRY(check_fp8(op, "out_t", out_t));
+        if (x->ndim < 1)
+            return sf_fail(SF_ERR_VALUE, "%s: argument 'x' must have at least 1 dimension "
+                           "for a transposed output", op);
+        if (out_t->ndim != 2 || out_t->shape[0] != k || out_t->shape[1] != m)
+            return sf_fail(SF_ERR_VALUE,
+                           "%s: argument 'out_t' must have shape [%lld, %lld] (x viewed as "
+                           "[M, K] = [%lld, %lld], transposed)",
+                           op, (long long)k, (long long)m, (long long)m, (long long)k);
+        SF_TRY(sf_check_contiguous(op, "out_t", out_t));
+        SF_TRY(sf_check_writable(op, "out_t", out_t));
+        SF_TRY(sf_check_same_device(op, "x", x, "out_t", out_t));
+        if (out && out->dtype != out_t->dtype)
+            return sf_fail(SF_ERR_TYPE, "%s: arguments 'out' (%s) and 'out_t' (%s) must have "
+                           "the same FP8 dtype",
+                           op, sf_dtype_name(out->dtype), sf_dtype_name(out_t->dtype));
+    }
+    sf_cast_args a;
+    a.x = x->data;
+    a.x_dtype = x->dtype;
+    a.m = m;
+    a.k = k;
+    a.scale = (const float *)scale->data;
+    a.amax = amax ? (float *)amax->data : NULL;
+    a.out = out ? (uint8_t *)out->data : NULL;
+    a.out_t = out_t ? (uint8_t *)out_t->data : NULL;
+    a.scale_inv = scale_inv ? (float *)scale_inv->data : NULL;
+    a.e5m2 = (out ? out->dtype : out_t->dtype) == SF_FLOAT8_E5M2;
+    if (x->device == SF_CPU)
+        return sf_cast_fp8_cpu(&a);
+#ifdef SF_WITH_CUDA
+    return sf_cast_fp8_cuda(&a, x->device_id, stream);
+#else
+    (void)stream;
+    return no_cuda(op);
+#endif
+}
+
+sf_status sf_dequantize_fp8(const sf_tensor *data, const sf_tensor *scale_inv,
+                            sf_tensor *out, sf_stream stream)
+{
+    static const char op[] = "dequantize_fp8";
+    SF_TRY(check_fp8(op, "data", data));
+    SF_TRY(sf_check_contiguous(op, "data", data));
+    SF_TRY(sf_check_float_input(op, "out", out));
+    SF_TRY(sf_check_contiguous(op, "out", out));
+    SF_TRY(sf_check_writable(op, "out", out));
+    SF_TRY(sf_check_same_device(op, "data", data, "out", out));
+    SF_TRY(sf_check_numel(op, "out", out, sf_numel(data)));
+    SF_TRY(sf_check_dtype(op, "scale_inv", scale_inv, SF_FLOAT32));
+    SF_TRY(sf_check_numel(op, "scale_inv", scale_inv, 1));
+    SF_TRY(sf_check_same_device(op, "data", data, "scale_inv", scale_inv));
+    sf_dequant_args a;
+    a.data = (const uint8_t *)data->data;
+    a.e5m2 = data->dtype == SF_FLOAT8_E5M2;
+    a.n = sf_numel(data);
+    a.scale_inv = (const float *)scale_inv->data;
+    a.out = out->data;
+    a.out_dtype = out->dtype;
+    if (data->device == SF_CPU)
+        return sf_dequantize_fp8_cpu(&a);
+#ifdef SF_WITH_CUDA
+    return sf_dequantize_fp8_cuda(&a, data->device_id, stream);
+#else
+    (void)stream;
+    return no_cuda(op);
+#endif
+}
+
+/* A float32 vector of n elements, contiguous, on `ref`'s device. */
+static sf_status check_vector(const char *op, const char *arg, const sf_tensor *t,
+                              int64_t n, const char *ref_name, const sf_tensor *ref,
+                              int written)
+{
+    SF_TRY(sf_check_dtype(op, arg, t, SF_FLOAT32));
+    SF_TRY(sf_check_numel(op, arg, t, n));
+    if (t->ndim > 1 || (t->ndim == 1 && t->strides[0] != 1 && n > 1))
+        return sf_fail(SF_ERR_VALUE, "%s: argument '%s' must be a contiguous 1-D tensor",
+                       op, arg);
+    SF_TRY(sf_check_same_device(op, ref_name, ref, arg, t));
+    if (written)
+        SF_TRY(sf_check_writable(op, arg, t));
+    return SF_OK;
+}
+
+static sf_status check_margin(const char *op, int margin, float *pow2)
+{
+    if (margin < -64 || margin > 64)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'margin' must be in [-64, 64], got %d",
+                       op, margin);
+    *pow2 = ldexpf(1.0f, -margin);
+    return SF_OK;
+}
+
+sf_status sf_fp8_scale_update(sf_tensor *amax_history, sf_tensor *scale,
+                              sf_tensor *scale_inv, const sf_tensor *fp8_max,
+                              int algo, int margin, sf_stream stream)
+{
+    static const char op[] = "fp8_scale_update";
+    SF_TRY(sf_check_dtype(op, "amax_history", amax_history, SF_FLOAT32));
+    if (amax_history->ndim != 2)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'amax_history' must be 2-D [history_len, "
+                       "num_tensors], got %d dimensions", op, amax_history->ndim);
+    int64_t h = amax_history->shape[0], n = amax_history->shape[1];
+    if (h < 1)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'amax_history' must have at least 1 row", op);
+    if (n > 1 && amax_history->strides[1] != 1)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'amax_history' must have unit column "
+                       "stride (got stride %lld)", op, (long long)amax_history->strides[1]);
+    int64_t ld = h > 1 ? amax_history->strides[0] : n;
+    if (h > 1 && ld < n)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'amax_history' rows overlap (row stride "
+                       "%lld < %lld columns)", op, (long long)ld, (long long)n);
+    SF_TRY(sf_check_writable(op, "amax_history", amax_history));
+    SF_TRY(check_vector(op, "scale", scale, n, "amax_history", amax_history, 1));
+    SF_TRY(check_vector(op, "scale_inv", scale_inv, n, "amax_history", amax_history, 1));
+    SF_TRY(check_vector(op, "fp8_max", fp8_max, n, "amax_history", amax_history, 0));
+    if (algo != 0 && algo != 1)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'algo' must be 0 (max) or 1 (most_recent), "
+                       "got %d", op, algo);
+    sf_scale_args a = {0};
+    SF_TRY(check_margin(op, margin, &a.pow2_neg_margin));
+    a.history = (float *)amax_history->data;
+    a.h = h;
+    a.n = n;
+    a.ld = ld;
+    a.scale = (float *)scale->data;
+    a.scale_inv = (float *)scale_inv->data;
+    a.fp8_max = (const float *)fp8_max->data;
+    a.algo = algo;
+    if (n == 0)
+        return SF_OK;
+    if (amax_history->device == SF_CPU)
+        return sf_fp8_scale_update_cpu(&a);
+#ifdef SF_WITH_CUDA
+    return sf_fp8_scale_update_cuda(&a, amax_history->device_id, stream);
+#else
+    (void)stream;
+    return no_cuda(op);
+#endif
+}
+
+sf_status sf_fp8_compute_scale(const sf_tensor *amax, sf_tensor *scale,
+                               sf_tensor *scale_inv, float fp8_max, int margin,
+                               sf_stream stream)
+{
+    static const char op[] = "fp8_compute_scale";
+    int64_t n = sf_numel(amax);
+    SF_TRY(check_vector(op, "amax", amax, n, "amax", amax, 0));
+    SF_TRY(check_vector(op, "scale", scale, n, "amax", amax, 1));
+    SF_TRY(check_vector(op, "scale_inv", scale_inv, n, "amax", amax, 1));
+    if (!(fp8_max > 0.0f) || isinf(fp8_max))
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'fp8_max' must be a positive finite number",
+                       op);
+    sf_scale_args a = {0};
+    SF_TRY(check_margin(op, margin, &a.pow2_neg_margin));
+    a.n = n;
+    a.amax = (const float *)amax->data;
+    a.scale = (float *)scale->data;
+    a.scale_inv = (float *)scale_inv->data;
+    a.fp8_max_all = fp8_max;
+    if (n == 0)
+        return SF_OK;
+    if (amax->device == SF_CPU)
+        return sf_fp8_compute_scale_cpu(&a);
+#ifdef SF_WITH_CUDA
+    return sf_fp8_compute_scale_cuda(&a, amax->device_id, stream);
+#else
+    (void)stream;
+    return no_cuda(op);
+#endif
+}

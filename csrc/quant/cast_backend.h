@@ -1,0 +1,92 @@
+/*
+ * cast_backend.h - the backend entry points behind the FP8 casts, the
+ * scaling-state update and the block formats.  Arguments have been
+ * validated by cast.c / block.c before either backend is called; the
+ * backends receive the problem already reduced to the numbers they need.
+ */
+#ifndef SF_CAST_BACKEND_H
+#define SF_CAST_BACKEND_H
+
+#include "seqfuse.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* A cast problem after validation: x is [m, k] contiguous; pointers may be
+ * NULL where the output is not wanted. */
+typedef struct {
+    const void *x;
+    sf_dtype x_dtype;
+    int64_t m, k;
+    const float *scale;
+    float *amax;      /* accumulated into, or NULL */
+    uint8_t *out;     /* [m, k] or NULL */
+    uint8_t *out_t;   /* [k, m] or NULL */
+    float *scale_inv; /* or NULL */
+    int e5m2;
+} sf_cast_args;
+
+sf_status sf_cast_fp8_cpu(const sf_cast_args *a);
+sf_status sf_cast_fp8_cuda(const sf_cast_args *a, int device, sf_stream stream);
+
+typedef struct {
+    const uint8_t *data;
+    int e5m2;
+    int64_t n;
+    const float *scale_inv;
+    void *out;
+    sf_dtype out_dtype;
+} sf_dequant_args;
+
+sf_status sf_dequantize_fp8_cpu(const sf_dequant_args *a);
+sf_status sf_dequantize_fp8_cuda(const sf_dequant_args *a, int device, sf_stream stream);
+
+typedef struct {
+    float *history;       /* [h, n] with row stride ld */
+    int64_t h, n, ld;
+    float *scale, *scale_inv;
+    const float *fp8_max; /* per column (update) */
+    float fp8_max_all;    /* one value (compute_scale) */
+    const float *amax;    /* compute_scale: [n] */
+    int algo;             /* 0 max, 1 most_recent */
+    float pow2_neg_margin;
+} sf_scale_args;
+
+sf_status sf_fp8_scale_update_cpu(const sf_scale_args *a);
+sf_status sf_fp8_scale_update_cuda(const sf_scale_args *a, int device, sf_stream stream);
+sf_status sf_fp8_compute_scale_cpu(const sf_scale_args *a);
+sf_status sf_fp8_compute_scale_cuda(const sf_scale_args *a, int device, sf_stream stream);
+
+/* Block formats: x [m, k] contiguous. */
+typedef enum {
+    SF_BLOCK_FP8_1X128 = 0,
+    SF_BLOCK_FP8_128X128 = 1,
+    SF_BLOCK_MXFP8 = 2,
+    SF_BLOCK_NVFP4 = 3,
+} sf_block_format;
+
+typedef struct {
+    sf_block_format format;
+    const void *x;        /* quantize: input; dequantize: unused */
+    sf_dtype x_dtype;     /* quantize: input dtype; dequantize: output dtype */
+    void *y;              /* dequantize: output [m, k] */
+    int64_t m, k;
+    uint8_t *data;        /* fp8 [m, k] or packed fp4 [m, k/2] */
+    int e5m2;
+    void *scales;         /* fp32 / e8m0 / e4m3, layout by format */
+    int64_t scale_ld;     /* fp32 block scales: row length of the scale tensor */
+    const float *amax;    /* nvfp4: tensor amax */
+    float *global_scale_inv; /* nvfp4 */
+} sf_block_args;
+
+sf_status sf_block_quantize_cpu(const sf_block_args *a);
+sf_status sf_block_quantize_cuda(const sf_block_args *a, int device, sf_stream stream);
+sf_status sf_block_dequantize_cpu(const sf_block_args *a);
+sf_status sf_block_dequantize_cuda(const sf_block_args *a, int device, sf_stream stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,97 @@
+/*
+ * cast_cpu.c - the reference FP8 casts and scaling-state updates: plain
+ * loops over every element, the definition of correct that the CUDA kernels
+ * must match bit for bit.  The math lives in fp8.h, shared with the GPU.
+ */
+#include "cast_backend.h"
+#include "fp8.h"
+
+static float load_f32(const void *x, sf_dtype dtype, int64_t i)
+{
+    switch (dtype) {
+    case SF_FLOAT32: return ((const float *)x)[i];
+    case SF_FLOAT16: return sf_f16_to_f32(((const uint16_t *)x)[i]);
+    default:         return sf_bf16_to_f32(((const uint16_t *)x)[i]);
+    }
+}
+
+static void store_f32(void *y, sf_dtype dtype, int64_t i, float v)
+{
+    switch (dtype) {
+    case SF_FLOAT32: ((float *)y)[i] = v; break;
+    case SF_FLOAT16: ((uint16_t *)y)[i] = sf_f32_to_f16(v); break;
+    default:         ((uint16_t *)y)[i] = sf_f32_to_bf16(v); break;
+    }
+}
+
+sf_status sf_cast_fp8_cpu(const sf_cast_args *a)
+{
+    float s = a->scale[0];
+    uint32_t m = 0;
+    for (int64_t r = 0; r < a->m; ++r) {
+        for (int64_t c = 0; c < a->k; ++c) {
+            float v = load_f32(a->x, a->x_dtype, r * a->k + c);
+            uint32_t bits = sf_abs_bits(v);
+            m = bits > m ? bits : m;
+            uint8_t q = sf_f32_to_fp8(SF_MUL(v, s), a->e5m2);
+            if (a->out)
+                a->out[r * a->k + c] = q;
+            if (a->out_t)
+                a->out_t[c * a->m + r] = q;
+        }
+    }
+    if (a->amax) {
+        /* the GPU folds with atomicMax on the raw bits (an unsigned max,
+         * which is the float max for the non-negative values an amax holds
+         * and lets NaN win); do exactly the same */
+        if (m > sf_f32_bits(a->amax[0]))
+            a->amax[0] = sf_bits_f32(m);
+    }
+    if (a->scale_inv)
+        a->scale_inv[0] = SF_DIV(1.0f, s);
+    return SF_OK;
+}
+
+sf_status sf_dequantize_fp8_cpu(const sf_dequant_args *a)
+{
+    float si = a->scale_inv[0];
+    for (int64_t i = 0; i < a->n; ++i)
+        store_f32(a->out, a->out_dtype, i, SF_MUL(sf_fp8_to_f32(a->data[i], a->e5m2), si));
+    return SF_OK;
+}
+
+sf_status sf_fp8_scale_update_cpu(const sf_scale_args *a)
+{
+    for (int64_t j = 0; j < a->n; ++j) {
+        float *col = a->history + j;
+        uint32_t m = sf_abs_bits(col[0]);
+        if (a->algo == 0)
+            for (int64_t i = 1; i < a->h; ++i) {
+                uint32_t b = sf_abs_bits(col[i * a->ld]);
+                m = b > m ? b : m;
+            }
+        float s = sf_scale_from_amax(sf_bits_f32(m), a->fp8_max[j], a->pow2_neg_margin,
+                                     a->scale[j]);
+        a->scale[j] = s;
+        a->scale_inv[j] = SF_DIV(1.0f, s);
+        /* torch.roll(history, -1, 0); history[0] = 0 */
+        if (a->h > 1) {
+            float first = col[0];
+            for (int64_t i = 1; i + 1 < a->h; ++i)
+                col[i * a->ld] = col[(i + 1) * a->ld];
+            col[(a->h - 1) * a->ld] = first;
+        }
+        col[0] = 0.0f;
+    }
+    return SF_OK;
+}
+
+sf_status sf_fp8_compute_scale_cpu(const sf_scale_args *a)
+{
+    for (int64_t j = 0; j < a->n; ++j) {
+        float s = sf_scale_from_amax(a->amax[j], a->fp8_max_all, a->pow2_neg_margin, 1.0f);
+        a->scale[j] = s;
+        a->scale_inv[j] = SF_DIV(1.0f, s);
+    }
+    return SF_OK;
+}

@@ -1,0 +1,357 @@
+/*
+ * cast_cuda.cu - the per-tensor FP8 kernels on the GPU, on the caller's
+ * stream, never synchronizing the host:
+ *
+ *   cast_transpose: the kernel FP8 training leans on.  One pass over x [M, K]
+ *     writes the row-wise FP8 copy, the column-wise (transposed) copy that
+ *     Hopper's FP8 GEMMs take for the other operand, and folds max |x| into
+ *     amax.  Tiles of 128 x 128: each thread loads 8 consecutive values with
+ *     16-byte loads, writes their 8 FP8 bytes row-wise at once and parks them
+ *     in shared memory; then each thread gathers a 16-row x 4-column patch
+ *     as 16 words, transposes it with byte permutes and writes four 16-byte
+ *     rows of out_t.  The shared tile is XOR-swizzled so both phases are free
+ *     of bank conflicts.  Blocks are persistent (a grid-stride loop over
+ *     tiles), so there is one amax atomic per block, not per tile.
+ *   cast (no transpose): 8 values per thread per step, 16-byte loads.
+ *   generic: one element per thread, any shape or alignment.
+ *   dequantize, and the scaling-state updates (one thread per tensor).
+ */
+#include "../core/cuda_util.h"
+#include "cast_backend.h"
+#include "fp8_cuda.cuh"
+
+namespace {
+
+constexpr int kTile = 128;        /* tile rows (M) and columns (K) */
+constexpr int kThreads = 256;
+constexpr int kWords = kTile / 4; /* 32 words of FP8 bytes per tile row */
+
+/* XOR swizzle of the word column: rows 16 apart land on different banks. */
+__device__ __forceinline__ int swz(int row, int word) { return word ^ (((row >> 4) & 7) << 2); }
+
+template <typename T, bool E5M2>
+__global__ void __launch_bounds__(kThreads)
+cast_transpose_kernel(const T *__restrict__ x, int64_t m, int64_t k,
+                      const float *__restrict__ scale_p, float *__restrict__ amax,
+                      uint8_t *__restrict__ out, uint8_t *__restrict__ out_t,
+                      float *__restrict__ scale_inv)
+{
+    __shared__ uint32_t tile[kTile][kWords];
+    const float scale = *scale_p;
+    if (scale_inv && blockIdx.x == 0 && threadIdx.x == 0)
+        *scale_inv = __fdiv_rn(1.0f, scale);
+
+    const int64_t tiles_k = (k + kTile - 1) / kTile;
+    const int64_t tiles = ((m + kTile - 1) / kTile) * tiles_k;
+    const int t = threadIdx.x;
+    /* load phase: 16 vectors of 8 per row, 16 rows per pass, 8 passes */
+    const int lj = t & 15, lr = t >> 4;
+    /* store phase: word column kw (4 k values), row group mg (16 rows) */
+    const int warp = t >> 5, lane = t & 31;
+    const int kw = warp * 4 + (lane >> 3), mg = lane & 7;
+    uint32_t local_max = 0;
+
+    for (int64_t ti = blockIdx.x; ti < tiles; ti += gridDim.x) {
+        const int64_t m0 = (ti / tiles_k) * kTile, k0 = (ti % tiles_k) * kTile;
+        const int64_t kc = k0 + lj * 8;
+        float v[8][8];
+        bool ok[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            int64_t r = m0 + lr + 16 * i;
+            ok[i] = r < m && kc < k;
+            if (ok[i])
+                sf_load8(x + r * k + kc, v[i]);
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            int row = lr + 16 * i;
+            uint2 w = make_uint2(0u, 0u);
+            if (ok[i]) {
+                float s[8];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    local_max = max(local_max, sf_abs_bits(v[i][e]));
+                    s[e] = __fmul_rn(v[i][e], scale);
+                }
+                w.x = sf_cvt4<E5M2>(s);
+                w.y = sf_cvt4<E5M2>(s + 4);
+                if (out)
+                    *reinterpret_cast<uint2 *>(out + (m0 + row) * k + kc) = w;
+            }
+            /* words 2lj and 2lj+1 stay adjacent under the swizzle */
+            *reinterpret_cast<uint2 *>(&tile[row][swz(row, 2 * lj)]) = w;
+        }
+        __syncthreads();
+        if (out_t && m0 + mg * 16 < m) {
+            uint32_t w[16];
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+                int row = mg * 16 + i;
+                w[i] = tile[row][swz(row, kw)];
+            }
+            uint32_t o[4][4]; /* o[kk][p]: rows 4p..4p+3 of column 4kw+kk */
+#pragma unroll
+            for (int p = 0; p < 4; ++p) {
+                uint32_t t0 = __byte_perm(w[4 * p], w[4 * p + 1], 0x5140);
+                uint32_t t1 = __byte_perm(w[4 * p], w[4 * p + 1], 0x7362);
+                uint32_t t2 = __byte_perm(w[4 * p + 2], w[4 * p + 3], 0x5140);
+                uint32_t t3 = __byte_perm(w[4 * p + 2], w[4 * p + 3], 0x7362);
+                o[0][p] = __byte_perm(t0, t2, 0x5410);
+                o[1][p] = __byte_perm(t0, t2, 0x7632);
+                o[2][p] = __byte_perm(t1, t3, 0x5410);
+                o[3][p] = __byte_perm(t1, t3, 0x7632);
+            }
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+                int64_t col = k0 + kw * 4 + kk;
+                if (col < k)
+                    *reinterpret_cast<uint4 *>(out_t + col * m + m0 + mg * 16) =
+                        make_uint4(o[kk][0], o[kk][1], o[kk][2], o[kk][3]);
+            }
+        }
+        __syncthreads();
+    }
+    if (amax)
+        sf_block_atomic_max<kThreads>(local_max, amax);
+}
+
+template <typename T, bool E5M2>
+__global__ void __launch_bounds__(kThreads)
+cast_kernel(const T *__restrict__ x, int64_t n, const float *__restrict__ scale_p,
+            float *__restrict__ amax, uint8_t *__restrict__ out, float *__restrict__ scale_inv)
+{
+    const float scale = *scale_p;
+    if (scale_inv && blockIdx.x == 0 && threadIdx.x == 0)
+        *scale_inv = __fdiv_rn(1.0f, scale);
+    uint32_t local_max = 0;
+    const int64_t nvec = n / 8, stride = (int64_t)gridDim.x * blockDim.x;
+    const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    for (int64_t i = tid; i < nvec; i += stride) {
+        float v[8];
+        sf_load8(x + i * 8, v);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            local_max = max(local_max, sf_abs_bits(v[e]));
+            v[e] = __fmul_rn(v[e], scale);
+        }
+        reinterpret_cast<uint2 *>(out)[i] = make_uint2(sf_cvt4<E5M2>(v), sf_cvt4<E5M2>(v + 4));
+    }
+    for (int64_t i = nvec * 8 + tid; i < n; i += stride) {
+        float v = sf_to_float(x[i]);
+        local_max = max(local_max, sf_abs_bits(v));
+        out[i] = (uint8_t)sf_cvt2<E5M2>(__fmul_rn(v, scale), 0.0f);
+    }
+    if (amax)
+        sf_block_atomic_max<kThreads>(local_max, amax);
+}
+
+/* Any shape and alignment: one element per thread per step. */
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+cast_generic_kernel(const T *__restrict__ x, int64_t m, int64_t k, const float *__restrict__ scale_p,
+                    float *__restrict__ amax, uint8_t *__restrict__ out,
+                    uint8_t *__restrict__ out_t, float *__restrict__ scale_inv, int e5m2)
+{
+    const float scale = *scale_p;
+    if (scale_inv && blockIdx.x == 0 && threadIdx.x == 0)
+        *scale_inv = __fdiv_rn(1.0f, scale);
+    uint32_t local_max = 0;
+    const int64_t n = m * k, stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        float v = sf_to_float(x[i]);
+        local_max = max(local_max, sf_abs_bits(v));
+        uint8_t q = e5m2 ? (uint8_t)sf_cvt2<true>(__fmul_rn(v, scale), 0.0f)
+                         : (uint8_t)sf_cvt2<false>(__fmul_rn(v, scale), 0.0f);
+        if (out)
+            out[i] = q;
+        if (out_t)
+            out_t[(i % k) * m + i / k] = q;
+    }
+    if (amax)
+        sf_block_atomic_max<kThreads>(local_max, amax);
+}
+
+sf_status device_sms(const char *op, int *sms)
+{
+    int device = 0;
+    SF_CUDA_TRY(op, cudaGetDevice(&device));
+    SF_CUDA_TRY(op, cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device));
+    return SF_OK;
+}
+
+int aligned(const void *p, uintptr_t bytes) { return ((uintptr_t)p % bytes) == 0; }
+
+template <typename T>
+sf_status launch_cast(const sf_cast_args *a, cudaStream_t stream)
+{
+    static const char op[] = "cast_fp8";
+    int sms = 0;
+    SF_TRY(device_sms(op, &sms));
+    const T *x = (const T *)a->x;
+    const int64_t n = a->m * a->k;
+    if (a->out_t) {
+        bool fast = a->k % 8 == 0 && a->m % 16 == 0 && aligned(x, 16) && aligned(a->out_t, 16) &&
+                    (!a->out || aligned(a->out, 8));
+        if (fast) {
+            int64_t tiles = ((a->m + kTile - 1) / kTile) * ((a->k + kTile - 1) / kTile);
+            int grid = (int)(tiles < (int64_t)sms * 8 ? tiles : (int64_t)sms * 8);
+            if (a->e5m2)
+                cast_transpose_kernel<T, true><<<grid, kThreads, 0, stream>>>(
+                    x, a->m, a->k, a->scale, a->amax, a->out, a->out_t, a->scale_inv);
+            else
+                cast_transpose_kernel<T, false><<<grid, kThreads, 0, stream>>>(
+                    x, a->m, a->k, a->scale, a->amax, a->out, a->out_t, a->scale_inv);
+            SF_CUDA_CHECK_LAUNCH(op);
+            return SF_OK;
+        }
+    } else if (aligned(x, 16) && aligned(a->out, 8)) {
+        int grid = sf_grid_size(n / 8 + 1, kThreads, sms * 8);
+        if (a->e5m2)
+            cast_kernel<T, true><<<grid, kThreads, 0, stream>>>(x, n, a->scale, a->amax, a->out,
+                                                               a->scale_inv);
+        else
+            cast_kernel<T, false><<<grid, kThreads, 0, stream>>>(x, n, a->scale, a->amax, a->out,
+                                                                a->scale_inv);
+        SF_CUDA_CHECK_LAUNCH(op);
+        return SF_OK;
+    }
+    int grid = sf_grid_size(n, kThreads, sms * 8);
+    cast_generic_kernel<T><<<grid, kThreads, 0, stream>>>(x, a->m, a->k, a->scale, a->amax,
+                                                          a->out, a->out_t, a->scale_inv, a->e5m2);
+    SF_CUDA_CHECK_LAUNCH(op);
+    return SF_OK;
+}
+
+template <typename T>
+__global__ void dequantize_kernel(const uint8_t *__restrict__ data, int64_t n, int e5m2,
+                                  const float *__restrict__ scale_inv_p, T *__restrict__ out)
+{
+    const float si = *scale_inv_p;
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        sf_store_from_float(out + i, __fmul_rn(sf_fp8_to_f32(data[i], e5m2), si));
+}
+
+__global__ void scale_update_kernel(sf_scale_args a)
+{
+    int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= a.n)
+        return;
+    float *col = a.history + j;
+    const float first = col[0];
+    uint32_t m = sf_abs_bits(first);
+    if (a.algo == 0)
+        for (int64_t i = 1; i < a.h; ++i)
+            m = max(m, sf_abs_bits(col[i * a.ld]));
+    float s = sf_scale_from_amax(sf_bits_f32(m), a.fp8_max[j], a.pow2_neg_margin, a.scale[j]);
+    a.scale[j] = s;
+    a.scale_inv[j] = __fdiv_rn(1.0f, s);
+    if (a.h > 1) {
+        for (int64_t i = 1; i + 1 < a.h; ++i)
+            col[i * a.ld] = col[(i + 1) * a.ld];
+        col[(a.h - 1) * a.ld] = first;
+    }
+    col[0] = 0.0f;
+}
+
+__global__ void compute_scale_kernel(sf_scale_args a)
+{
+    int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= a.n)
+        return;
+    float s = sf_scale_from_amax(a.amax[j], a.fp8_max_all, a.pow2_neg_margin, 1.0f);
+    a.scale[j] = s;
+    a.scale_inv[j] = __fdiv_rn(1.0f, s);
+}
+
+} // namespace
+
+extern "C" sf_status sf_cast_fp8_cuda(const sf_cast_args *a, int device, sf_stream s)
+{
+    if (a->m * a->k == 0 && !a->scale_inv)
+        return SF_OK;
+    cudaStream_t stream = sf_cuda_stream(s);
+    sf_cuda_device_guard guard;
+    SF_TRY(sf_cuda_device_enter("cast_fp8", device, &guard));
+    sf_status st;
+    if (a->m * a->k == 0) {
+        /* nothing to cast, but scale_inv must still follow scale */
+        sf_cast_args b = *a;
+        b.m = 1;
+        b.k = 0;
+        st = launch_cast<float>(&b, stream);
+    } else {
+        switch (a->x_dtype) {
+        case SF_FLOAT32: st = launch_cast<float>(a, stream); break;
+        case SF_FLOAT16: st = launch_cast<__half>(a, stream); break;
+        default:         st = launch_cast<__nv_bfloat16>(a, stream); break;
+        }
+    }
+    sf_cuda_device_restore(&guard);
+    return st;
+}
+
+extern "C" sf_status sf_dequantize_fp8_cuda(const sf_dequant_args *a, int device, sf_stream s)
+{
+    if (a->n == 0)
+        return SF_OK;
+    cudaStream_t stream = sf_cuda_stream(s);
+    sf_cuda_device_guard guard;
+    SF_TRY(sf_cuda_device_enter("dequantize_fp8", device, &guard));
+    int sms = 0;
+    sf_status st = device_sms("dequantize_fp8", &sms);
+    if (st == SF_OK) {
+        int grid = sf_grid_size(a->n, kThreads, sms * 8);
+        switch (a->out_dtype) {
+        case SF_FLOAT32:
+            dequantize_kernel<float><<<grid, kThreads, 0, stream>>>(a->data, a->n, a->e5m2,
+                                                                     a->scale_inv, (float *)a->out);
+            break;
+        case SF_FLOAT16:
+            dequantize_kernel<__half><<<grid, kThreads, 0, stream>>>(a->data, a->n, a->e5m2,
+                                                                      a->scale_inv, (__half *)a->out);
+            break;
+        default:
+            dequantize_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(
+                a->data, a->n, a->e5m2, a->scale_inv, (__nv_bfloat16 *)a->out);
+            break;
+        }
+        cudaError_t e = cudaGetLastError();
+        if (e != cudaSuccess)
+            st = sf_fail(SF_ERR_RUNTIME, "dequantize_fp8: CUDA error %s: %s", cudaGetErrorName(e),
+                         cudaGetErrorString(e));
+    }
+    sf_cuda_device_restore(&guard);
+    return st;
+}
+
+extern "C" sf_status sf_fp8_scale_update_cuda(const sf_scale_args *a, int device, sf_stream s)
+{
+    cudaStream_t stream = sf_cuda_stream(s);
+    sf_cuda_device_guard guard;
+    SF_TRY(sf_cuda_device_enter("fp8_scale_update", device, &guard));
+    int grid = (int)((a->n + kThreads - 1) / kThreads);
+    scale_update_kernel<<<grid, kThreads, 0, stream>>>(*a);
+    cudaError_t e = cudaGetLastError();
+    sf_cuda_device_restore(&guard);
+    if (e != cudaSuccess)
+        return sf_fail(SF_ERR_RUNTIME, "fp8_scale_update: CUDA error %s: %s", cudaGetErrorName(e),
+                       cudaGetErrorString(e));
+    return SF_OK;
+}
+
+extern "C" sf_status sf_fp8_compute_scale_cuda(const sf_scale_args *a, int device, sf_stream s)
+{
+    cudaStream_t stream = sf_cuda_stream(s);
+    sf_cuda_device_guard guard;
+    SF_TRY(sf_cuda_device_enter("fp8_compute_scale", device, &guard));
+    int grid = (int)((a->n + kThreads - 1) / kThreads);
+    compute_scale_kernel<<<grid, kThreads, 0, stream>>>(*a);
+    cudaError_t e = cudaGetLastError();
+    sf_cuda_device_restore(&guard);
+    if (e != cudaSuccess)
+        return sf_fail(SF_ERR_RUNTIME, "fp8_compute_scale: CUDA error %s: %s", cudaGetErrorName(e),
+                       cudaGetErrorString(e));
+    return SF_OK;
+}

@@ -1,0 +1,220 @@
+/*
+ * fp8.h - the low-precision number formats of seqfuse, as plain bit
+ * manipulation usable from host C and CUDA device code, so the CPU reference
+ * and the CUDA kernels produce the same bits.
+ *
+ *   E4M3 (float8_e4m3fn): bias 7, no inf, NaN = 0x7f/0xff, max 448.
+ *   E5M2 (float8_e5m2):   bias 15, IEEE-like, max 57344.
+ *   E8M0 (float8_e8m0fnu): 2^(e-127), e = 0..254, 0xff = NaN (block scales).
+ *   E2M1 (fp4): values 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives.
+ *
+ * Narrowing is round-to-nearest-even with saturation: a finite value or an
+ * infinity beyond the largest finite value becomes that value (with the
+ * sign); NaN becomes 0x7f (both FP8 formats; what the GPU's satfinite
+ * conversion gives).  Inside the finite range the result equals torch's
+ * float8 casts, which round to nearest even but turn out-of-range values
+ * into NaN (E4M3) or inf (E5M2) instead of saturating.
+ *
+ * Arithmetic that must match bit for bit between host and device goes
+ * through SF_MUL / SF_DIV, which forbid the device compiler from fusing a
+ * multiply into an add (nvcc contracts a*b+c into fma by default).
+ */
+#ifndef SF_FP8_H
+#define SF_FP8_H
+
+#include <stdint.h>
+
+#include "../core/float_bits.h"
+
+#if defined(__CUDA_ARCH__)
+#define SF_MUL(a, b) __fmul_rn((a), (b))
+#define SF_DIV(a, b) __fdiv_rn((a), (b))
+#else
+#define SF_MUL(a, b) ((a) * (b))
+#define SF_DIV(a, b) ((a) / (b))
+#endif
+
+#define SF_E4M3_MAX 448.0f
+#define SF_E5M2_MAX 57344.0f
+#define SF_E2M1_MAX 6.0f
+#define SF_FLT_MAX 3.402823466e+38f
+
+/* Round mant * 2^-shift to the nearest integer, ties to even.
+ * mant < 2^24, 1 <= shift; shift >= 25 always gives 0. */
+SF_HD uint32_t sf_round_shift_rne(uint32_t mant, uint32_t shift)
+{
+    if (shift >= 25u)
+        return 0u;
+    uint32_t q = mant >> shift;
+    uint32_t rem = mant & ((1u << shift) - 1u);
+    uint32_t half = 1u << (shift - 1u);
+    if (rem > half || (rem == half && (q & 1u)))
+        q++;
+    return q;
+}
+
+/* float32 -> E4M3 bits, RNE, saturating. */
+SF_HD uint8_t sf_f32_to_e4m3(float f)
+{
+    uint32_t u = sf_f32_bits(f);
+    uint32_t sign = (u >> 24) & 0x80u;
+    uint32_t au = u & 0x7fffffffu;
+    if (au > 0x7f800000u)
+        return 0x7f;
+    if (au >= 0x43e00000u) /* >= 448 (inf included): saturate */
+        return (uint8_t)(sign | 0x7eu);
+    if (au < 0x3c800000u) { /* below 2^-6: subnormal, step 2^-9 */
+        uint32_t e = au >> 23;
+        if (e == 0u) /* float32 subnormals are far below half a step */
+            return (uint8_t)sign;
+        uint32_t mant = (au & 0x7fffffu) | 0x800000u;
+        /* value * 2^9 = mant * 2^(e - 127 - 23 + 9) */
+        return (uint8_t)(sign | sf_round_shift_rne(mant, 141u - e));
+    }
+    uint32_t rounded = au + 0x7ffffu + ((au >> 20) & 1u);
+    return (uint8_t)(sign | ((rounded - 0x3c000000u) >> 20)); /* rebias 127 -> 7 */
+}
+
+/* float32 -> E5M2 bits, RNE, saturating. */
+SF_HD uint8_t sf_f32_to_e5m2(float f)
+{
+    uint32_t u = sf_f32_bits(f);
+    uint32_t sign = (u >> 24) & 0x80u;
+    uint32_t au = u & 0x7fffffffu;
+    if (au > 0x7f800000u)
+        return 0x7f;
+    if (au >= 0x47600000u) /* >= 57344: saturate */
+        return (uint8_t)(sign | 0x7bu);
+    if (au < 0x38800000u) { /* below 2^-14: subnormal, step 2^-16 */
+        uint32_t e = au >> 23;
+        if (e == 0u)
+            return (uint8_t)sign;
+        uint32_t mant = (au & 0x7fffffu) | 0x800000u;
+        return (uint8_t)(sign | sf_round_shift_rne(mant, 134u - e));
+    }
+    uint32_t rounded = au + 0xfffffu + ((au >> 21) & 1u);
+    return (uint8_t)(sign | ((rounded - 0x38000000u) >> 21)); /* rebias 127 -> 15 */
+}
+
+SF_HD float sf_e4m3_to_f32(uint8_t b)
+{
+    uint32_t sign = (uint32_t)(b & 0x80u) << 24;
+    uint32_t exp = (b >> 3) & 0xfu, man = b & 7u;
+    if ((b & 0x7fu) == 0x7fu)
+        return sf_bits_f32(sign | 0x7fc00000u);
+    if (exp == 0u) { /* man * 2^-9, exact */
+        float v = (float)man * (1.0f / 512.0f);
+        return sign ? -v : v;
+    }
+    return sf_bits_f32(sign | ((exp + 120u) << 23) | (man << 20));
+}
+
+SF_HD float sf_e5m2_to_f32(uint8_t b)
+{
+    /* E5M2 is the top byte of an IEEE half */
+    return sf_f16_to_f32((uint16_t)((uint16_t)b << 8));
+}
+
+/* Which FP8 format: 0 = E4M3, 1 = E5M2 (kernels take it as a flag). */
+SF_HD uint8_t sf_f32_to_fp8(float f, int e5m2)
+{
+    return e5m2 ? sf_f32_to_e5m2(f) : sf_f32_to_e4m3(f);
+}
+
+SF_HD float sf_fp8_to_f32(uint8_t b, int e5m2)
+{
+    return e5m2 ? sf_e5m2_to_f32(b) : sf_e4m3_to_f32(b);
+}
+
+SF_HD float sf_fp8_max(int e5m2) { return e5m2 ? SF_E5M2_MAX : SF_E4M3_MAX; }
+
+/* ---- E2M1 (fp4) ---------------------------------------------------------
+ * Codes 0..7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6; bit 3 is the sign.  RNE on this
+ * grid: a tie goes to the even code.  NaN has no encoding: it becomes +6
+ * (block scales of a NaN block are NaN, which is where it shows). */
+SF_HD uint8_t sf_f32_to_e2m1(float f)
+{
+    uint32_t u = sf_f32_bits(f);
+    uint8_t sign = (uint8_t)((u >> 28) & 0x8u);
+    float a = sf_bits_f32(u & 0x7fffffffu);
+    if (!(a == a))
+        return 0x7;
+    uint8_t code;
+    if (a <= 0.25f) code = 0;       /* 0.25: tie 0 | 0.5 -> 0 (even) */
+    else if (a < 0.75f) code = 1;   /* 0.75: tie 0.5 | 1 -> 1 */
+    else if (a <= 1.25f) code = 2;  /* 1.25: tie 1 | 1.5 -> 1 */
+    else if (a < 1.75f) code = 3;   /* 1.75: tie 1.5 | 2 -> 2 */
+    else if (a <= 2.5f) code = 4;   /* 2.5: tie 2 | 3 -> 2 */
+    else if (a < 3.5f) code = 5;    /* 3.5: tie 3 | 4 -> 4 */
+    else if (a <= 5.0f) code = 6;   /* 5: tie 4 | 6 -> 4 */
+    else code = 7;                  /* saturate at 6 */
+    return (uint8_t)(sign | code);
+}
+
+SF_HD float sf_e2m1_to_f32(uint8_t code)
+{
+    float mag;
+    switch (code & 7u) {
+    case 0: mag = 0.0f; break;
+    case 1: mag = 0.5f; break;
+    case 2: mag = 1.0f; break;
+    case 3: mag = 1.5f; break;
+    case 4: mag = 2.0f; break;
+    case 5: mag = 3.0f; break;
+    case 6: mag = 4.0f; break;
+    default: mag = 6.0f; break;
+    }
+    return (code & 8u) ? -mag : mag;
+}
+
+/* ---- E8M0 ---------------------------------------------------------------- */
+SF_HD float sf_e8m0_to_f32(uint8_t e)
+{
+    if (e == 0xffu)
+        return sf_bits_f32(0x7fc00000u);
+    if (e == 0u)
+        return sf_bits_f32(0x00400000u); /* 2^-127, a float32 subnormal */
+    return sf_bits_f32((uint32_t)e << 23);
+}
+
+/* The smallest power of two >= v, as an E8M0 exponent (MXFP8 scales round
+ * up so the block's amax never exceeds the element format's max).  v <= 0
+ * or below 2^-127 gives 2^-127; NaN/inf give 0xff. */
+SF_HD uint8_t sf_e8m0_ceil(float v)
+{
+    uint32_t u = sf_f32_bits(v);
+    if ((u & 0x7fffffffu) >= 0x7f800000u)
+        return 0xffu;
+    if ((int32_t)u <= 0x00400000)   /* negative, zero, or <= 2^-127 */
+        return 0u;
+    uint32_t e = u >> 23;
+    if (e == 0u)                    /* subnormal above 2^-127: 2^-126 */
+        return 1u;
+    if (u & 0x7fffffu)
+        e++;
+    return (uint8_t)(e > 254u ? 254u : e);
+}
+
+/* ---- scales ------------------------------------------------------------
+ * The scale that maps amax to fp8_max / 2^margin:
+ *   scale = (fp8_max / amax) * 2^-margin,
+ * keeping `previous` where amax is 0 or not finite, and clamping an
+ * infinite result (a tiny amax) to the largest float.  Shared by the delayed
+ * scaling update, current scaling and the block formats (previous = 1). */
+SF_HD float sf_scale_from_amax(float amax, float fp8_max, float pow2_neg_margin,
+                               float previous)
+{
+    uint32_t au = sf_f32_bits(amax) & 0x7fffffffu;
+    if (au == 0u || au >= 0x7f800000u)
+        return previous;
+    float s = SF_MUL(SF_DIV(fp8_max, amax), pow2_neg_margin);
+    if ((sf_f32_bits(s) & 0x7fffffffu) >= 0x7f800000u)
+        s = SF_FLT_MAX;
+    return s;
+}
+
+/* max(|a|, |b|) on bit patterns: NaN (0x7fc00000 and up) wins, as it must
+ * in an amax, and atomicMax on the same bits does the same on the GPU. */
+SF_HD uint32_t sf_abs_bits(float v) { return sf_f32_bits(v) & 0x7fffffffu; }
+
+#endif /* SF_FP8_H */

@@ -1,0 +1,187 @@
+"""autocast: where FP8 (or FP4) is on, with which recipe, and the end-of-step
+work of delayed scaling.
+
+    with seqfuse.pytorch.autocast(enabled=True, recipe=DelayedScaling(),
+                                  amax_reduction_group=group):
+        y = model(x)
+    y.sum().backward()
+
+Modules ask ``is_fp8_enabled()`` / ``get_recipe()`` (or ``autocast_state()``)
+in their forward.  When the outermost autocast region exits with a
+DelayedScaling recipe, seqfuse runs the step's update:
+
+  1. one all-reduce (MAX) of the flat row-0 amax buffer of each state chunk
+     across ``amax_reduction_group`` (default: the default process group when
+     torch.distributed is initialized with more than one rank and
+     recipe.reduce_amax), and
+  2. one fp8_scale_update launch per chunk over every state in it.
+
+Forward amaxes (inputs, weights) of this step are in row 0 by then.  The
+backward amaxes (output gradients) of a step are accumulated during its
+backward, after the region has exited; they sit in row 0 until the next
+step's exit folds them in with that step's forward amaxes.  So the backward
+of step t+1 uses scales computed from amaxes up to the backward of step t --
+what Transformer Engine's end-of-backward update gives -- with one update
+launch and one collective per step instead of two, and no hook on autograd.
+Nothing here synchronizes the host.
+
+quantized_model_init (alias fp8_model_init) marks modules created inside it
+to keep their weights quantized only (no high-precision copy); the modules
+read ``quantized_model_init_state()``.
+"""
+import contextlib
+import threading
+
+import torch
+
+from ..common.recipe import DelayedScaling, Recipe
+from ..ops import quant as qops
+from . import stats
+from .state import POOL
+
+
+class AutocastState:
+    """What a module sees: enabled, recipe, amax_reduction_group, calibrating."""
+
+    __slots__ = ("enabled", "recipe", "amax_reduction_group", "calibrating", "depth")
+
+    def __init__(self):
+        self.enabled = False
+        self.recipe = None
+        self.amax_reduction_group = None
+        self.calibrating = False
+        self.depth = 0
+
+    def __repr__(self):
+        return (f"AutocastState(enabled={self.enabled}, recipe={self.recipe}, "
+                f"calibrating={self.calibrating})")
+
+
+_local = threading.local()
+
+
+def autocast_state():
+    """The current AutocastState of this thread."""
+    s = getattr(_local, "state", None)
+    if s is None:
+        s = _local.state = AutocastState()
+    return s
+
+
+def is_fp8_enabled():
+    """True inside an enabled autocast region (any quantized recipe)."""
+    return autocast_state().enabled
+
+
+def get_recipe():
+    """The recipe of the current autocast region (DelayedScaling() outside one)."""
+    r = autocast_state().recipe
+    return r if r is not None else DelayedScaling()
+
+
+def get_amax_reduction_group():
+    return autocast_state().amax_reduction_group
+
+
+def _default_group(recipe, group):
+    if group is not None:
+        return group
+    if (getattr(recipe, "reduce_amax", True) and torch.distributed.is_available()
+            and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+        return torch.distributed.group.WORLD
+    return None
+
+
+def reduce_and_update(recipe, group=None):
+    """The end-of-step work of delayed scaling for every state made under a
+    recipe with these settings: one all-reduce of the amaxes per chunk (if a
+    group applies) and one fused update launch per chunk.  autocast calls it
+    at the outermost exit; call it yourself when running without autocast."""
+    if not isinstance(recipe, DelayedScaling):
+        return
+    group = _default_group(recipe, group)
+    for chunk in POOL.chunks_for(recipe.amax_compute_algo, int(recipe.margin)):
+        if chunk.history.shape[0] != int(recipe.amax_history_len):
+            continue
+        used = chunk.used
+        if group is not None:
+            torch.distributed.all_reduce(chunk.history[0, :used], op=torch.distributed.ReduceOp.MAX,
+                                         group=group)
+        stats.before_update(chunk)
+        qops.fp8_scale_update(chunk.history[:, :used], chunk.scale[:used], chunk.scale_inv[:used],
+                              chunk.fp8_max[:used], recipe.amax_compute_algo, recipe.margin)
+    stats.end_step()
+
+
+@contextlib.contextmanager
+def autocast(enabled=True, recipe=None, amax_reduction_group=None, calibrating=False):
+    """Run the region with quantized GEMMs under ``recipe`` (default
+    DelayedScaling()).  Nested regions inherit and restore; the delayed-
+    scaling update runs when the outermost enabled region exits."""
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise TypeError(f"autocast: argument 'recipe' must be a seqfuse.common.recipe recipe, "
+                        f"got {type(recipe).__name__}")
+    s = autocast_state()
+    saved = (s.enabled, s.recipe, s.amax_reduction_group, s.calibrating)
+    s.enabled = bool(enabled)
+    s.recipe = recipe if recipe is not None else (saved[1] if saved[0] else DelayedScaling())
+    s.amax_reduction_group = amax_reduction_group if amax_reduction_group is not None else saved[2]
+    s.calibrating = bool(calibrating)
+    s.depth += 1
+    ok = False
+    try:
+        yield s
+        ok = True
+    finally:
+        s.depth -= 1
+        recipe_now, group_now = s.recipe, s.amax_reduction_group
+        was_enabled = s.enabled or s.calibrating
+        s.enabled, s.recipe, s.amax_reduction_group, s.calibrating = saved
+        outermost_exit = was_enabled and not (s.enabled or s.calibrating)
+        if ok and outermost_exit:
+            reduce_and_update(recipe_now, group_now)
+
+
+def fp8_autocast(enabled=True, calibrating=False, fp8_recipe=None, fp8_group=None, _graph=False):
+    """Transformer Engine's older spelling of :func:`autocast`."""
+    return autocast(enabled=enabled, recipe=fp8_recipe, amax_reduction_group=fp8_group,
+                    calibrating=calibrating)
+
+
+class _InitState:
+    __slots__ = ("enabled", "recipe", "preserve_high_precision_init_val")
+
+    def __init__(self):
+        self.enabled, self.recipe, self.preserve_high_precision_init_val = False, None, False
+
+
+_init_local = threading.local()
+
+
+def quantized_model_init_state():
+    """(enabled, recipe, preserve_high_precision_init_val) for modules being
+    constructed now."""
+    s = getattr(_init_local, "state", None)
+    if s is None:
+        s = _init_local.state = _InitState()
+    return s
+
+
+@contextlib.contextmanager
+def quantized_model_init(enabled=True, recipe=None, preserve_high_precision_init_val=False):
+    """Modules constructed inside keep their weights only in quantized form
+    (the recipe's format), saving the high-precision copy's memory."""
+    s = quantized_model_init_state()
+    saved = (s.enabled, s.recipe, s.preserve_high_precision_init_val)
+    s.enabled = bool(enabled)
+    s.recipe = recipe if recipe is not None else DelayedScaling()
+    s.preserve_high_precision_init_val = bool(preserve_high_precision_init_val)
+    try:
+        yield s
+    finally:
+        s.enabled, s.recipe, s.preserve_high_precision_init_val = saved
+
+
+def fp8_model_init(enabled=True, recipe=None, preserve_high_precision_init_val=False):
+    """Transformer Engine's older spelling of :func:`quantized_model_init`."""
+    return quantized_model_init(enabled, recipe, preserve_high_precision_init_val)

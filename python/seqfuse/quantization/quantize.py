@@ -1,0 +1,72 @@
+"""Quantizers: torch tensor in, quantized tensor (tensor.py) out.  What the
+GEMM modules call; each is a thin layer over seqfuse.ops.quant that
+allocates the outputs and fills the quantized tensor's fields."""
+import torch
+
+from ..ops import quant as qops
+from . import stats
+from .tensor import Float8BlockTensor, Float8Tensor, MXFP8Tensor, NVFP4Tensor
+
+
+def quantize(x, scale, amax, fp8_dtype, *, transpose=False, rowwise=True):
+    """x -> Float8Tensor with ``scale`` (float32 one-element tensor), folding
+    max|x| into ``amax`` (accumulates; None to skip).  ``transpose`` also
+    makes the [K, M] copy (x viewed as [M, K]); ``rowwise=False`` makes only
+    that copy."""
+    fp8_dtype = qops.fp8_dtype_of(fp8_dtype, "quantize")
+    scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
+    if transpose:
+        data, data_t = qops.cast_transpose_fp8(x, scale, amax, fp8_dtype, scale_inv=scale_inv,
+                                               rowwise=rowwise)
+    else:
+        if not rowwise:
+            raise ValueError("quantize: rowwise=False needs transpose=True (no copy asked for)")
+        data, data_t = qops.cast_fp8(x, scale, amax, fp8_dtype, scale_inv=scale_inv), None
+    return Float8Tensor(data, scale_inv, fp8_dtype, data_t=data_t, dtype=x.dtype,
+                        shape=x.shape)
+
+
+def quantize_with_state(x, state, index, *, transpose=False, rowwise=True):
+    """Quantize ``x`` as tensor ``index`` of a ScalingState (delayed
+    scaling): its scale, its amax slot for this step, its FP8 dtype."""
+    state.ensure_pooled()
+    fp8_dtype = state.fp8_dtype(index)
+    scale = state.scale_of(index)
+    if stats.recording():
+        stats.record_cast(state, index, x.detach(), scale, fp8_dtype)
+    return quantize(x, scale, state.amax_of(index), fp8_dtype, transpose=transpose,
+                    rowwise=rowwise)
+
+
+def quantize_current(x, fp8_dtype, *, margin=0, transpose=False, rowwise=True, amax=None,
+                     amax_reduction_group=None):
+    """Current scaling: scale = fp8_max / max|x| / 2**margin from x itself
+    (an amax pass, an optional all-reduce of that amax, a scale kernel, then
+    the cast).  ``amax`` (optional one-element float32) receives max|x|."""
+    fp8_dtype = qops.fp8_dtype_of(fp8_dtype, "quantize_current")
+    amax = qops.amax(x, out=amax if amax is not None else torch.empty(1, device=x.device))
+    if amax_reduction_group is not None:
+        torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX,
+                                     group=amax_reduction_group)
+    amax = amax.reshape(1)
+    scale = torch.empty(1, dtype=torch.float32, device=x.device)
+    scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
+    qops.fp8_compute_scale(amax, scale, scale_inv, qops.FP8_MAX[fp8_dtype], margin)
+    return quantize(x, scale, None, fp8_dtype, transpose=transpose, rowwise=rowwise)
+
+
+def quantize_block(x, block_rows=1, fp8_dtype=torch.float8_e4m3fn):
+    """FP8 with 1x128 (block_rows=1) or 128x128 (block_rows=128) fp32 block
+    scales in cuBLASLt's Hopper layout -> Float8BlockTensor."""
+    data, scale_inv = qops.quantize_block_fp8(x, block_rows, fp8_dtype)
+    return Float8BlockTensor(data, scale_inv, block_rows, dtype=x.dtype)
+
+
+def quantize_mxfp8(x, fp8_dtype=torch.float8_e4m3fn):
+    data, scales = qops.quantize_mxfp8(x, fp8_dtype)
+    return MXFP8Tensor(data, scales, dtype=x.dtype)
+
+
+def quantize_nvfp4(x):
+    data, block_scales, global_scale_inv = qops.quantize_nvfp4(x)
+    return NVFP4Tensor(data, block_scales, global_scale_inv, dtype=x.dtype)

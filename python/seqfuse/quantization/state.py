@@ -1,0 +1,271 @@
+"""GPU-resident delayed-scaling state, and the pool that lets one kernel
+update every module's state in one launch.
+
+ScalingState is an nn.Module holding, for N tensors (the FP8 operands of a
+module's GEMMs):
+    amax_history [H, N]   row 0 accumulates this step's amaxes (the casts
+                          fold max|x| into it); rows 1.. the previous steps
+    scale        [N]      what the casts multiply by
+    scale_inv    [N]      1 / scale (what the GEMM multiplies back by)
+as buffers, so they are saved and restored with the module's state_dict.
+
+Those buffers are views into a few large pooled tensors ("chunks", one per
+device and recipe settings).  Every state on a chunk is updated by one
+fp8_scale_update launch over the chunk's used columns, and its row 0 is one
+contiguous buffer, so the amax all-reduce of a step is one collective on a
+flat buffer.  The views never move while the state stays on its device
+(autograd may hold them across the step); moving the module (``.to()``,
+``.cuda()``, ``.half()``...) re-homes the state into a chunk of the new
+device, keeping its values in float32.
+
+A state saved to a state_dict is cloned out of its chunk, so checkpoints hold
+only the state's own columns.
+"""
+import weakref
+
+import torch
+from torch import nn
+
+from ..common.recipe import DelayedScaling, Format
+
+#: Column capacity of a new chunk is about this many history floats.
+_CHUNK_FLOATS = 1 << 20
+
+
+class _Chunk:
+    __slots__ = ("history", "scale", "scale_inv", "fp8_max", "used", "key", "__weakref__")
+
+    def __init__(self, key, h, cap, device):
+        self.key = key
+        self.history = torch.zeros(h, cap, dtype=torch.float32, device=device)
+        self.scale = torch.ones(cap, dtype=torch.float32, device=device)
+        self.scale_inv = torch.ones(cap, dtype=torch.float32, device=device)
+        self.fp8_max = torch.full((cap,), 448.0, dtype=torch.float32, device=device)
+        self.used = 0
+
+    @property
+    def capacity(self):
+        return self.scale.numel()
+
+
+class _Pool:
+    """Chunks by (device, history_len, algo, margin); bump allocation."""
+
+    def __init__(self):
+        self.chunks = {}  # key -> [chunk, ...]
+
+    def allocate(self, key, n):
+        device, h = key[0], key[1]
+        chunks = self.chunks.setdefault(key, [])
+        if not chunks or chunks[-1].capacity - chunks[-1].used < n:
+            cap = max(n, min(65536, max(256, _CHUNK_FLOATS // h)))
+            chunks.append(_Chunk(key, h, cap, device))
+        c = chunks[-1]
+        off = c.used
+        c.used += n
+        return c, off
+
+    def chunks_for(self, algo=None, margin=None):
+        for key, chunks in self.chunks.items():
+            if (algo is None or key[2] == algo) and (margin is None or key[3] == margin):
+                for c in chunks:
+                    if c.used:
+                        yield c
+
+    def clear(self):
+        self.chunks.clear()
+
+
+POOL = _Pool()
+
+#: Every ScalingState alive (for stats and naming), weakly.
+STATES = weakref.WeakSet()
+
+#: Index convention of a Linear's state (ScalingState.for_linear).
+INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
+
+
+class ScalingState(nn.Module):
+    """Delayed-scaling state of ``num_tensors`` FP8 tensors.
+
+    recipe: a DelayedScaling (default DelayedScaling()); any other recipe
+    gets a history of 1 (current and block scaling keep no history, but the
+    state still serves as the place casts put their amax).
+    backward_indices: the indices that hold backward tensors (output
+    gradients): they use the recipe's backward format (E5M2 under HYBRID).
+    """
+
+    def __init__(self, num_tensors, recipe=None, *, backward_indices=(), device=None, name=None):
+        super().__init__()
+        if int(num_tensors) < 1:
+            raise ValueError(f"ScalingState: num_tensors must be >= 1, got {num_tensors}")
+        self.num_tensors = int(num_tensors)
+        self.backward_indices = tuple(sorted(set(int(i) for i in backward_indices)))
+        for i in self.backward_indices:
+            if not 0 <= i < self.num_tensors:
+                raise ValueError(f"ScalingState: backward index {i} out of range(0, {self.num_tensors})")
+        self.name = name
+        self.recipe = recipe if recipe is not None else DelayedScaling()
+        h = self._history_len(self.recipe)
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        self.register_buffer("amax_history", torch.zeros(h, self.num_tensors, device=device))
+        self.register_buffer("scale", torch.ones(self.num_tensors, device=device))
+        self.register_buffer("scale_inv", torch.ones(self.num_tensors, device=device))
+        self._chunk_ref = None   # weakref: a deepcopy must not copy the pool
+        self._ptrs = None
+        self._offset = 0
+        STATES.add(self)
+        self._rehome()
+
+    @classmethod
+    def for_linear(cls, recipe=None, **kwargs):
+        """The state of one GEMM module: index 0 input, 1 weight, 2 output
+        gradient (a backward tensor)."""
+        return cls(3, recipe, backward_indices=(GRAD_OUTPUT,), **kwargs)
+
+    # ---- recipe ---------------------------------------------------------
+    @staticmethod
+    def _history_len(recipe):
+        return int(recipe.amax_history_len) if isinstance(recipe, DelayedScaling) else 1
+
+    def _format(self):
+        fmt = getattr(self.recipe, "fp8_format", Format.HYBRID)
+        return fmt if isinstance(fmt, Format) else Format.HYBRID
+
+    def fp8_dtype(self, index):
+        """The FP8 dtype of tensor ``index`` under the state's recipe."""
+        fmt = self._format()
+        return fmt.bwd_dtype if index in self.backward_indices else fmt.fwd_dtype
+
+    def fp8_max(self, index):
+        fmt = self._format()
+        return fmt.max_bwd if index in self.backward_indices else fmt.max_fwd
+
+    def _key(self, device):
+        r = self.recipe
+        algo = getattr(r, "amax_compute_algo", "max")
+        return (device, self._history_len(r), algo, int(getattr(r, "margin", 0)))
+
+    def set_recipe(self, recipe):
+        """Adopt ``recipe``: a different history length, algorithm or margin
+        moves the state to a matching chunk (the newest amaxes and the
+        scales are kept); a format change only changes the FP8 maxima."""
+        old_key = self._key(self.amax_history.device)
+        self.recipe = recipe
+        if self._key(self.amax_history.device) != old_key:
+            h = self._history_len(recipe)
+            old = self.amax_history.detach()
+            hist = torch.zeros(h, self.num_tensors, device=old.device)
+            rows = min(h, old.shape[0])
+            hist[:rows] = old[:rows]
+            self._buffers["amax_history"] = hist
+        self._rehome()
+        c = self._chunk_ref() if self._chunk_ref is not None else None
+        if c is None:  # on the meta device: nothing pooled yet
+            return self
+        c.fp8_max[self._offset:self._offset + self.num_tensors] = self._fp8_max_vector()
+        return self
+
+    def _fp8_max_vector(self):
+        return torch.tensor([self.fp8_max(i) for i in range(self.num_tensors)],
+                            dtype=torch.float32)
+
+    # ---- views the casts use ---------------------------------------------
+    @property
+    def amax(self):
+        """Row 0 of the history [N]: where this step's casts accumulate."""
+        return self.amax_history[0]
+
+    def amax_of(self, index):
+        """A one-element view of tensor ``index``'s amax for this step."""
+        return self.amax_history[0, index:index + 1]
+
+    def scale_of(self, index):
+        return self.scale[index:index + 1]
+
+    def scale_inv_of(self, index):
+        return self.scale_inv[index:index + 1]
+
+    # ---- pooling ----------------------------------------------------------
+    def _in_chunk(self):
+        if self._ptrs is None or self._chunk_ref() is None:
+            return False
+        b = self._buffers
+        return (b["amax_history"].data_ptr(), b["scale"].data_ptr(),
+                b["scale_inv"].data_ptr()) == self._ptrs
+
+    def _rehome(self):
+        """Make the buffers views of a chunk of their current device."""
+        if self._in_chunk():
+            return
+        device = self.amax_history.device
+        if device.type == "meta":
+            return
+        c, off = POOL.allocate(self._key(device), self.num_tensors)
+        n = self.num_tensors
+        hist = c.history[:, off:off + n]
+        hist.copy_(self.amax_history.detach().float())
+        scale = c.scale[off:off + n]
+        scale.copy_(self.scale.detach().float())
+        scale_inv = c.scale_inv[off:off + n]
+        scale_inv.copy_(self.scale_inv.detach().float())
+        c.fp8_max[off:off + n] = self._fp8_max_vector()
+        self._buffers["amax_history"] = hist
+        self._buffers["scale"] = scale
+        self._buffers["scale_inv"] = scale_inv
+        self._chunk_ref, self._offset = weakref.ref(c), off
+        self._ptrs = (hist.data_ptr(), scale.data_ptr(), scale_inv.data_ptr())
+
+    def ensure_pooled(self):
+        """Re-home the state if something replaced its buffers (cheap when not)."""
+        self._rehome()
+        return self
+
+    def _apply(self, fn, recurse=True):
+        try:
+            super()._apply(fn, recurse)
+        except TypeError:  # torch without the recurse argument
+            super()._apply(fn)
+        for name in ("amax_history", "scale", "scale_inv"):
+            b = self._buffers[name]
+            if b.dtype != torch.float32:
+                self._buffers[name] = b.float()
+        self._rehome()
+        return self
+
+    # ---- state_dict -------------------------------------------------------
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for name in ("amax_history", "scale", "scale_inv"):
+            b = self._buffers[name]
+            destination[prefix + name] = b if keep_vars else b.detach().clone()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        hist = state_dict.get(prefix + "amax_history")
+        if (isinstance(hist, torch.Tensor) and hist.dim() == 2
+                and hist.shape[1] == self.num_tensors
+                and hist.shape[0] != self.amax_history.shape[0]):
+            # a checkpoint made with another amax_history_len: adopt its length
+            self.set_recipe(DelayedScaling(
+                margin=getattr(self.recipe, "margin", 0),
+                fp8_format=self._format(),
+                amax_history_len=hist.shape[0],
+                amax_compute_algo=getattr(self.recipe, "amax_compute_algo", "max")))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
+    def extra_repr(self):
+        return (f"num_tensors={self.num_tensors}, history_len={self.amax_history.shape[0]}, "
+                f"backward_indices={self.backward_indices}")
+
+
+def register_scaling_state(module, name, num_tensors, recipe=None, **kwargs):
+    """Attach a ScalingState to ``module`` as child ``name`` (so it lands in
+    the module's state_dict as ``name.amax_history`` ...) and return it."""
+    device = kwargs.pop("device", None)
+    if device is None:
+        p = next(iter(module.parameters(recurse=False)), None)
+        device = p.device if p is not None and p.device.type != "meta" else None
+    state = ScalingState(num_tensors, recipe, device=device, **kwargs)
+    module.add_module(name, state)
+    return state

@@ -1,0 +1,262 @@
+"""FP8 conversions and the per-tensor casts (seqfuse.ops.cast_fp8,
+cast_transpose_fp8, dequantize_fp8) against float64 references and torch's
+float8 casts on the CPU, and the CUDA backend against the CPU bit for bit."""
+import pytest
+import torch
+
+import seqfuse
+from seqfuse import ops
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8 = [E4M3, E5M2]
+FLOATS = [torch.float32, torch.float16, torch.bfloat16]
+MAXV = {E4M3: 448.0, E5M2: 57344.0}
+NAN_BYTE = 0x7F
+
+
+def bits(t):
+    return t.view(torch.uint8)
+
+
+def one(v, device="cpu"):
+    return torch.tensor([v], dtype=torch.float32, device=device)
+
+
+def grid(fp8):
+    """Every finite value of the format, as float64, with its code."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    vals = codes.view(fp8).to(torch.float64)
+    keep = torch.isfinite(vals)
+    return vals[keep], codes[keep]
+
+
+def rne_reference(x, fp8):
+    """float64 model of RNE with saturation: the nearest finite value of the
+    format, ties to the even code, beyond max -> +-max, NaN -> 0x7f."""
+    vals, codes = grid(fp8)
+    x64 = x.to(torch.float64)
+    clamped = x64.clamp(-MAXV[fp8], MAXV[fp8])
+    d = (clamped[:, None] - vals[None, :]).abs()
+    best = d.min(dim=1, keepdim=True).values
+    cand = d == best
+    # among equally near codes: prefer the even one (mantissa LSB 0), then
+    # the one with x's sign (+0 / -0)
+    same_sign = (codes[None, :] >= 128) == torch.signbit(x64)[:, None]
+    score = cand.to(torch.int64) * 4 + ((codes[None, :] & 1) == 0).to(torch.int64) * 2 \
+        + same_sign.to(torch.int64)
+    out = codes[score.argmax(dim=1)]
+    out[torch.isnan(x64)] = NAN_BYTE
+    return out
+
+
+def cast_cpu(x, fp8):
+    return ops.cast_fp8(x, one(1.0), None, fp8)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_every_bf16_and_fp16_value_matches_torch_where_finite(fp8):
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype)
+        ours = bits(cast_cpu(x, fp8))
+        theirs = x.to(fp8)
+        finite = torch.isfinite(theirs.float()) & torch.isfinite(x.float())
+        assert torch.equal(ours[finite], bits(theirs)[finite])
+        # where torch overflows (NaN / inf) we saturate with the sign
+        over = ~finite & torch.isfinite(x.float())
+        sat = torch.where(x.float()[over] > 0, MAXV[fp8], -MAXV[fp8])
+        assert torch.equal(ours[over].view(fp8).float(), sat)
+        assert (ours[torch.isnan(x.float())] == NAN_BYTE).all()
+        inf = torch.isinf(x.float())
+        assert torch.equal(ours[inf].view(fp8).float(), torch.sign(x.float()[inf]) * MAXV[fp8])
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_float32_against_float64_rne_model(fp8, seed):
+    vals, _ = grid(fp8)
+    v = vals.unique().sort().values
+    mids = (v[1:] + v[:-1]) / 2  # exact ties
+    near = torch.cat([mids, torch.nextafter(mids.float(), torch.tensor(float("inf"))).double(),
+                      torch.nextafter(mids.float(), torch.tensor(-float("inf"))).double()])
+    rand_bits = torch.randint(-2**31, 2**31 - 1, (20000,), dtype=torch.int64).to(torch.int32)
+    x = torch.cat([near.float(), v.float(), rand_bits.view(torch.float32),
+                   torch.randn(5000) * MAXV[fp8] / 8, torch.randn(5000) * 1e-3,
+                   torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"),
+                                 MAXV[fp8] * 1.03, 1e-45, -1e-45, 3e38])])
+    ours = bits(cast_cpu(x, fp8))
+    ref = rne_reference(x, fp8)
+    bad = (ours != ref).nonzero().flatten()
+    assert bad.numel() == 0, f"{bad.numel()} mismatches, first x={x[bad[0]].item()!r} ours={ours[bad[0]]} ref={ref[bad[0]]}"
+    theirs = x.to(fp8)
+    finite = torch.isfinite(theirs.float()) & torch.isfinite(x)
+    assert torch.equal(ours[finite], bits(theirs)[finite])
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("shape", [(1,), (7, 13), (16, 8), (130, 264), (3, 5, 16), (0, 8)])
+def test_cast_transpose_cpu(shape, dtype, fp8, seed):
+    x = (torch.randn(shape) * 30).to(dtype)
+    scale = one(3.5)
+    amax = one(0.0)
+    si = one(float("nan"))
+    data, data_t = ops.cast_transpose_fp8(x, scale, amax, fp8, scale_inv=si)
+    ref = rne_reference((x.float() * 3.5).flatten(), fp8).view(x.shape)
+    assert data.shape == x.shape and data.dtype == fp8
+    assert torch.equal(bits(data), ref)
+    k = shape[-1]
+    assert torch.equal(bits(data_t), ref.reshape(-1, k).t())
+    expect = x.float().abs().max().item() if x.numel() else 0.0
+    assert amax.item() == expect
+    assert si.item() == (1 / torch.tensor(3.5)).item() and si.dtype == torch.float32
+    plain = ops.cast_fp8(x, scale, None, fp8)
+    assert torch.equal(bits(plain), ref)
+
+
+def test_amax_accumulates():
+    x = torch.tensor([[1.0, -3.0]])
+    amax = one(5.0)
+    ops.cast_fp8(x, one(1.0), amax, E4M3)
+    assert amax.item() == 5.0
+    amax.fill_(2.0)
+    ops.cast_transpose_fp8(x, one(1.0), amax, E4M3)
+    assert amax.item() == 3.0
+    x[0, 0] = float("nan")
+    ops.cast_fp8(x, one(1.0), amax, E4M3)
+    assert torch.isnan(amax).all()
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("fp8", FP8)
+def test_dequantize_against_float64(dtype, fp8, seed):
+    x = torch.randn(37, 29) * 100
+    q = ops.cast_fp8(x, one(0.5), None, fp8)
+    si = one(2.0)
+    y = ops.dequantize_fp8(q, si, dtype)
+    ref = (q.to(torch.float64) * 2.0).to(dtype)
+    assert y.dtype == dtype and torch.equal(y, ref)
+    # dequantized error within half an FP8 step (relative 2^-4 / 2^-3) in the normal range
+    rel = {E4M3: 2.0 ** -4, E5M2: 2.0 ** -3}[fp8]
+    xs = x.double()
+    normal = (xs.abs() * 0.5 >= {E4M3: 2.0 ** -6, E5M2: 2.0 ** -14}[fp8]) & (xs.abs() * 0.5 <= MAXV[fp8])
+    err = ((q.double() * 2.0 - xs).abs() / xs.abs())[normal]
+    assert err.max().item() <= rel + 1e-3 * rel + (2 ** -8 if dtype != torch.float32 else 0)
+
+
+def test_cast_errors():
+    x = torch.randn(4, 8)
+    with pytest.raises(TypeError, match="cast_fp8: argument 'x' must have dtype float32, float16 or bfloat16, got torch.int32"):
+        ops.cast_fp8(torch.ones(3, dtype=torch.int32), one(1.0), None, E4M3)
+    with pytest.raises(TypeError, match="argument 'fp8_dtype' must be torch.float8_e4m3fn"):
+        ops.cast_fp8(x, one(1.0), None, torch.float16)
+    with pytest.raises(TypeError, match="cast_fp8: argument 'scale' must have dtype float32, got float16"):
+        ops.cast_fp8(x, torch.ones(1, dtype=torch.float16), None, E4M3)
+    with pytest.raises(ValueError, match="cast_fp8: argument 'scale' must have 1 element\\(s\\), got 2"):
+        ops.cast_fp8(x, torch.ones(2), None, E4M3)
+    with pytest.raises(ValueError, match="cast_fp8: argument 'amax' must have 1 element"):
+        ops.cast_fp8(x, one(1.0), torch.zeros(3), E4M3)
+    with pytest.raises(ValueError, match=r"cast_fp8: argument 'out_t' must have shape \[8, 4\]"):
+        ops.cast_transpose_fp8(x, one(1.0), None, E4M3, out_t=torch.empty(4, 8, dtype=E4M3))
+    with pytest.raises(TypeError, match="cast_fp8: argument 'out' must have dtype float8_e4m3fn or float8_e5m2, got float32"):
+        seqfuse._C.cast_fp8(x, one(1.0), None, torch.empty(4, 8), None, None)
+    with pytest.raises(ValueError, match="at least one of 'out' and 'out_t'"):
+        seqfuse._C.cast_fp8(x, one(1.0), None, None, None, None)
+    with pytest.raises(TypeError, match="must have the same FP8 dtype"):
+        seqfuse._C.cast_fp8(x, one(1.0), None, torch.empty(4, 8, dtype=E4M3),
+                            torch.empty(8, 4, dtype=E5M2), None)
+    with pytest.raises(TypeError, match="dequantize_fp8: argument 'data' must have dtype float8"):
+        ops.dequantize_fp8(torch.ones(3), one(1.0))
+
+
+# ---- CUDA against the CPU, bit for bit ------------------------------------
+
+def poisoned(shape, dtype, device="cuda"):
+    t = torch.empty(shape, dtype=dtype, device=device)
+    t.view(torch.uint8).fill_(0xFF)
+    return t
+
+
+CUDA_SHAPES = [(16, 16), (128, 128), (256, 384), (4096, 4096), (1000, 8), (48, 1032),
+               (7, 13), (1, 1), (33, 17), (130, 264), (2, 64, 96)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", CUDA_SHAPES)
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("fp8", FP8)
+def test_cuda_cast_transpose_bit_identical(shape, dtype, fp8, seed):
+    x = (torch.randn(shape, device="cuda") * 200).to(dtype)
+    x.view(-1)[:: 97] *= 1e-6  # some subnormal results
+    k = shape[-1]
+    m = x.numel() // k
+    scale = one(1.7, "cuda")
+    out, out_t = poisoned(shape, fp8), poisoned((k, m), fp8)
+    amax, si = one(0.0, "cuda"), one(float("nan"), "cuda")
+    ops.cast_transpose_fp8(x, scale, amax, fp8, out=out, out_t=out_t, scale_inv=si)
+    amax_c, si_c = one(0.0), one(float("nan"))
+    ref, ref_t = ops.cast_transpose_fp8(x.cpu(), scale.cpu(), amax_c, fp8, scale_inv=si_c)
+    assert torch.equal(bits(out).cpu(), bits(ref))
+    assert torch.equal(bits(out_t).cpu(), bits(ref_t))
+    assert amax.item() == amax_c.item() and si.item() == si_c.item()
+    out2 = poisoned(shape, fp8)
+    amax2 = one(0.0, "cuda")
+    ops.cast_fp8(x, scale, amax2, fp8, out=out2)
+    assert torch.equal(bits(out2).cpu(), bits(ref)) and amax2.item() == amax_c.item()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fp8", FP8)
+def test_cuda_all_bf16_values_and_specials(fp8):
+    x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).view(256, 256)
+    ref, ref_t = ops.cast_transpose_fp8(x, one(1.0), None, fp8)
+    out, out_t = ops.cast_transpose_fp8(x.cuda(), one(1.0, "cuda"), None, fp8)
+    assert torch.equal(bits(out).cpu(), bits(ref)) and torch.equal(bits(out_t).cpu(), bits(ref_t))
+    xf = torch.randint(-2**31, 2**31 - 1, (1 << 20,), dtype=torch.int64).to(torch.int32).view(torch.float32)
+    for s in (1.0, 3.0e-5, 1.0e5):
+        a = ops.cast_fp8(xf, one(s), None, fp8)
+        b = ops.cast_fp8(xf.cuda(), one(s, "cuda"), None, fp8)
+        assert torch.equal(bits(a), bits(b).cpu())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_cuda_unaligned_inputs(dtype, seed):
+    base = torch.randn(64 * 136 + 3, device="cuda").to(dtype)
+    x = base[3:].view(64, 136)  # not 16-byte aligned: the generic kernel
+    ref, ref_t = ops.cast_transpose_fp8(x.cpu(), one(2.0), None, E4M3)
+    out, out_t = ops.cast_transpose_fp8(x, one(2.0, "cuda"), None, E4M3)
+    assert torch.equal(bits(out).cpu(), bits(ref)) and torch.equal(bits(out_t).cpu(), bits(ref_t))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("fp8", FP8)
+def test_cuda_dequantize_bit_identical(dtype, fp8, seed):
+    q = torch.randint(0, 256, (1000, 33), dtype=torch.uint8).view(fp8)
+    q.view(torch.uint8)[q.view(torch.uint8) & 0x7F == 0x7F] = 0  # no NaN inputs
+    si = one(0.37)
+    ref = ops.dequantize_fp8(q, si, dtype)
+    out = torch.full((1000, 33), float("nan"), dtype=dtype, device="cuda")
+    ops.dequantize_fp8(q.cuda(), si.cuda(), dtype, out=out)
+    assert torch.equal(out.cpu().view(torch.uint8) if dtype == torch.float32 else out.cpu(), ref.view(torch.uint8) if dtype == torch.float32 else ref)
+
+
+@pytest.mark.cuda
+def test_cuda_cast_graph_capturable_and_on_current_stream():
+    x = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16)
+    scale, amax = one(2.0, "cuda"), one(0.0, "cuda")
+    out, out_t = torch.empty(1024, 512, dtype=E4M3, device="cuda"), torch.empty(512, 1024, dtype=E4M3, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        ops.cast_transpose_fp8(x, scale, amax, E4M3, out=out, out_t=out_t)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        ops.cast_transpose_fp8(x, scale, amax, E4M3, out=out, out_t=out_t)
+    x.mul_(3)
+    amax.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    ref, ref_t = ops.cast_transpose_fp8(x.cpu(), one(2.0), None, E4M3)
+    assert torch.equal(bits(out).cpu(), bits(ref)) and torch.equal(bits(out_t).cpu(), bits(ref_t))
+    assert amax.item() == x.float().abs().max().item()

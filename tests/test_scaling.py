@@ -1,0 +1,296 @@
+"""Delayed scaling: the fused update kernel against a plain Python model of
+the algorithm over 50 steps with spikes, zeros, infinities and NaN; the
+state's pooling, state_dict round trip and device/dtype moves; autocast's
+one-update-per-step; the per-layer stats log; CUDA against CPU."""
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import seqfuse
+import seqfuse.pytorch as te
+from seqfuse import ops
+from seqfuse.common.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
+                                   Format, MXFP8BlockScaling, NVFP4BlockScaling)
+from seqfuse.quantization import (GRAD_OUTPUT, INPUT, WEIGHT, ScalingState, autocast_state,
+                                  get_recipe, is_fp8_enabled, quantize_with_state,
+                                  reduce_and_update)
+from seqfuse.quantization import autocast as autocast_mod
+from seqfuse.quantization import stats
+
+
+class ModelState:
+    """The algorithm written plainly (Transformer Engine's semantics) in
+    float32: amax = max(history) or history[0]; scale = fp8_max / amax /
+    2^margin unless amax is 0 or not finite (then keep); inf -> FLT_MAX;
+    history = roll(history, -1); history[0] = 0."""
+
+    def __init__(self, h, n, fp8_max, algo, margin):
+        self.hist = np.zeros((h, n), np.float32)
+        self.scale = np.ones(n, np.float32)
+        self.fp8_max = np.asarray(fp8_max, np.float32)
+        self.algo, self.margin = algo, margin
+
+    def step(self, amax_now):
+        self.hist[0] = np.maximum(self.hist[0], amax_now) if False else amax_now
+        for j in range(self.hist.shape[1]):
+            col = self.hist[:, j]
+            if self.algo == "max":
+                a = np.float32(np.nan) if np.isnan(col).any() else col.max()
+            else:
+                a = col[0]
+            if a > 0 and np.isfinite(a):
+                with np.errstate(over="ignore"):
+                    s = np.float32(self.fp8_max[j] / a) * np.float32(2.0 ** -self.margin)
+                if not np.isfinite(s):
+                    s = np.float32(np.finfo(np.float32).max)
+                self.scale[j] = s
+        self.hist = np.roll(self.hist, -1, axis=0)
+        self.hist[0] = 0
+        with np.errstate(divide="ignore"):
+            return self.scale.copy(), (np.float32(1) / self.scale).astype(np.float32)
+
+
+def amax_sequence(steps, n, rng):
+    a = (rng.random((steps, n)) * 10).astype(np.float32)
+    a[5, :] *= 1000        # spike
+    a[10, 0] = 0           # zero
+    a[11:14, 1] = 0
+    a[20, 2] = np.inf
+    a[30, 3] = np.nan
+    a[35, :] = 1e-38       # tiny: scale overflows to FLT_MAX
+    a[40, 4] = 3e38
+    return a
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("h", [1, 4, 16])
+@pytest.mark.parametrize("margin", [0, 2])
+def test_update_matches_python_model_50_steps(algo, h, margin, seed):
+    rng = np.random.default_rng(seed)
+    n = 6
+    fmax = [448.0, 448.0, 57344.0, 448.0, 57344.0, 448.0]
+    model = ModelState(h, n, fmax, algo, margin)
+    hist = torch.zeros(h, n)
+    scale, scale_inv = torch.ones(n), torch.ones(n)
+    fp8_max = torch.tensor(fmax)
+    seq = amax_sequence(50, n, rng)
+    for t in range(50):
+        hist[0] = torch.from_numpy(seq[t])
+        ops.fp8_scale_update(hist, scale, scale_inv, fp8_max, algo, margin)
+        ms, msi = model.step(seq[t])
+        assert np.array_equal(scale.numpy(), ms), f"step {t}"
+        assert np.array_equal(scale_inv.numpy(), msi), f"step {t}"
+        assert np.array_equal(hist.numpy(), model.hist, equal_nan=True), f"step {t}"
+
+
+def test_update_roll_is_transformer_engines():
+    h = torch.tensor([[1.0], [2.0], [3.0], [4.0]])
+    ops.fp8_scale_update(h, torch.ones(1), torch.ones(1), torch.tensor([448.0]), "max", 0)
+    expect = torch.roll(torch.tensor([[1.0], [2.0], [3.0], [4.0]]), -1, 0)
+    expect[0] = 0
+    assert torch.equal(h, expect)
+
+
+def test_update_strided_history_and_errors():
+    big = torch.zeros(3, 10)
+    big[0, :4] = torch.tensor([1.0, 2.0, 4.0, 8.0])
+    s, si = torch.ones(4), torch.ones(4)
+    ops.fp8_scale_update(big[:, :4], s, si, torch.full((4,), 448.0), "max", 0)
+    assert torch.equal(s, 448.0 / torch.tensor([1.0, 2.0, 4.0, 8.0]))
+    assert torch.equal(big[2, :4], torch.tensor([1.0, 2.0, 4.0, 8.0])) and big[:, 4:].abs().sum() == 0
+    with pytest.raises(ValueError, match="'algo' must be 'max' or 'most_recent'"):
+        ops.fp8_scale_update(big[:, :4], s, si, torch.full((4,), 448.0), "mean", 0)
+    with pytest.raises(ValueError, match="fp8_scale_update: argument 'scale' must have 4 element"):
+        ops.fp8_scale_update(big[:, :4], torch.ones(5), si, torch.full((4,), 448.0), "max", 0)
+    with pytest.raises(TypeError, match="fp8_scale_update: argument 'amax_history' must have dtype float32"):
+        ops.fp8_scale_update(big[:, :4].half(), s, si, torch.full((4,), 448.0), "max", 0)
+    with pytest.raises(ValueError, match="must be 2-D"):
+        ops.fp8_scale_update(torch.zeros(4), s, si, torch.full((4,), 448.0), "max", 0)
+    with pytest.raises(ValueError, match="margin' must be in"):
+        ops.fp8_scale_update(big[:, :4], s, si, torch.full((4,), 448.0), "max", 100)
+
+
+def test_compute_scale_current():
+    amax = torch.tensor([2.0, 0.0, float("inf"), float("nan"), 1e-39])
+    s, si = torch.empty(5), torch.empty(5)
+    ops.fp8_compute_scale(amax, s, si, 448.0, 1)
+    expect = torch.tensor([448.0 / 2 / 2, 1.0, 1.0, 1.0, torch.finfo(torch.float32).max])
+    assert torch.equal(s, expect) and torch.equal(si, 1 / expect)
+
+
+# ---- recipes and autocast ----------------------------------------------------
+
+def test_recipes_named_as_transformer_engine():
+    r = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16, amax_compute_algo="max", margin=1)
+    assert r.delayed() and not r.float8_current_scaling()
+    assert Format.HYBRID.fwd_dtype == torch.float8_e4m3fn and Format.HYBRID.bwd_dtype == torch.float8_e5m2
+    assert Format.E4M3.max_fwd == 448 and Format.E5M2.max_bwd == 57344
+    assert Float8CurrentScaling().float8_current_scaling()
+    assert Float8BlockScaling().w_block_scaling_dim == 2
+    assert MXFP8BlockScaling().mxfp8() and NVFP4BlockScaling().nvfp4()
+    with pytest.raises(ValueError, match="amax_compute_algo"):
+        DelayedScaling(amax_compute_algo="mean")
+    with pytest.raises(TypeError, match="Format"):
+        DelayedScaling(fp8_format="E4M3")
+    assert te.recipe.DelayedScaling is DelayedScaling
+
+
+def test_autocast_state_and_nesting():
+    assert not is_fp8_enabled()
+    r = DelayedScaling(amax_history_len=2)
+    with te.autocast(enabled=True, recipe=r):
+        assert is_fp8_enabled() and get_recipe() is r
+        with te.autocast(enabled=False):
+            assert not is_fp8_enabled()
+        assert is_fp8_enabled()
+        with te.fp8_autocast(enabled=True):
+            assert get_recipe() is r  # inherited
+    assert not is_fp8_enabled() and autocast_state().recipe is None
+    with pytest.raises(TypeError, match="recipe"):
+        with te.autocast(recipe="delayed"):
+            pass
+    with te.fp8_model_init(enabled=True):
+        assert seqfuse.quantization.quantized_model_init_state().enabled
+    assert not seqfuse.quantization.quantized_model_init_state().enabled
+
+
+def test_one_update_launch_per_step_for_many_states(monkeypatch, seed):
+    r = DelayedScaling(amax_history_len=8, margin=3)  # a key of its own
+    states = [ScalingState.for_linear(r) for _ in range(20)]
+    calls = []
+    real = ops.quant.fp8_scale_update
+    monkeypatch.setattr(ops.quant, "fp8_scale_update", lambda *a, **k: (calls.append(a), real(*a, **k)))
+    xs = [torch.randn(16, 32) * (i + 1) for i in range(20)]
+    with te.autocast(enabled=True, recipe=r):
+        for st, x in zip(states, xs):
+            quantize_with_state(x, st, INPUT)
+            quantize_with_state(x * 2, st, WEIGHT, transpose=True)
+    assert len(calls) == 1
+    for st, x in zip(states, xs):
+        assert st.amax_history[-1, INPUT].item() == x.abs().max().item()
+        assert st.scale[WEIGHT].item() == np.float32(448.0) / np.float32((x * 2).abs().max().item()) / 8
+        assert st.scale[GRAD_OUTPUT].item() == 1.0  # no amax yet: kept
+
+
+def test_backward_amax_folds_in_at_next_exit():
+    r = DelayedScaling(amax_history_len=4, margin=4)
+    st = ScalingState.for_linear(r)
+    with te.autocast(recipe=r):
+        quantize_with_state(torch.full((4, 4), 2.0), st, INPUT)
+    # the "backward" of step 1: a gradient cast after the region
+    quantize_with_state(torch.full((4, 4), 8.0), st, GRAD_OUTPUT)
+    assert st.fp8_dtype(GRAD_OUTPUT) == torch.float8_e5m2
+    assert st.scale[GRAD_OUTPUT].item() == 1.0
+    with te.autocast(recipe=r):
+        pass
+    assert st.scale[GRAD_OUTPUT].item() == 57344.0 / 8.0 / 16
+
+
+def test_state_dict_round_trip_continues_identically(seed):
+    r = DelayedScaling(amax_history_len=5, margin=5)
+    torch.manual_seed(seed)
+    a = torch.nn.Module()
+    a.fp8_state = ScalingState.for_linear(r)
+    xs = [torch.randn(8, 8) * (1 + 10 * (t % 3)) for t in range(10)]
+    for t in range(6):
+        with te.autocast(recipe=r):
+            quantize_with_state(xs[t], a.fp8_state, INPUT)
+    sd = a.state_dict()
+    assert set(sd) == {"fp8_state.amax_history", "fp8_state.scale", "fp8_state.scale_inv"}
+    assert sd["fp8_state.amax_history"].shape == (5, 3)
+    assert sd["fp8_state.amax_history"].untyped_storage().nbytes() == 5 * 3 * 4  # not the chunk
+    b = torch.nn.Module()
+    b.fp8_state = ScalingState.for_linear(r)
+    b.load_state_dict(sd)
+    for t in range(6, 10):
+        with te.autocast(recipe=r):  # one step updates every state of the recipe
+            for m in (a, b):
+                quantize_with_state(xs[t], m.fp8_state, INPUT)
+    for k in sd:
+        assert torch.equal(a.state_dict()[k], b.state_dict()[k])
+    # a checkpoint made with another history length is adopted
+    c = ScalingState.for_linear(DelayedScaling(amax_history_len=3, margin=5))
+    c.load_state_dict({k.split(".", 1)[1]: v for k, v in sd.items()})
+    assert c.amax_history.shape == (5, 3)
+
+
+def test_module_moves_keep_float32_and_pooling():
+    r = DelayedScaling(amax_history_len=3, margin=6)
+    m = torch.nn.Module()
+    m.fp8_state = ScalingState.for_linear(r)
+    m.fp8_state.scale.fill_(4.0)
+    m.half()
+    assert m.fp8_state.scale.dtype == torch.float32 and m.fp8_state.scale[0].item() == 4.0
+    d = copy.deepcopy(m)
+    d.fp8_state.ensure_pooled()
+    assert d.fp8_state.scale.data_ptr() != m.fp8_state.scale.data_ptr()
+    with te.autocast(recipe=r):
+        quantize_with_state(torch.ones(2, 2), d.fp8_state, INPUT)
+    assert d.fp8_state.scale[0].item() == 448.0 / 64 and m.fp8_state.scale[0].item() == 4.0
+
+
+def test_stats_log(tmp_path):
+    r = DelayedScaling(amax_history_len=2, margin=7)
+    model = torch.nn.Module()
+    model.layer = torch.nn.Module()
+    model.layer.fp8_state = ScalingState.for_linear(r)
+    seqfuse.quantization.name_states(model)
+    path = tmp_path / "stats.jsonl"
+    seqfuse.quantization.enable_stats(every=2, path=str(path))
+    try:
+        x = torch.tensor([[1e-9, 1.0, 1000.0, 0.0]])
+        for _ in range(4):
+            with te.autocast(recipe=r):
+                quantize_with_state(x, model.layer.fp8_state, INPUT)
+        recs = seqfuse.quantization.stats_records()
+    finally:
+        seqfuse.quantization.disable_stats()
+    assert [rec["step"] for rec in recs] == [0, 2]
+    assert recs[0]["layer"] == "layer.fp8_state" and recs[0]["index"] == INPUT
+    assert recs[0]["amax"] == 1000.0 and recs[0]["scale"] == 1.0
+    assert recs[0]["underflow"] == 0.25 and recs[0]["saturated"] == 0.25  # 1e-9 -> 0, 1000 > 448
+    scale2 = np.float32(448.0) / np.float32(1000.0) / np.float32(128)
+    assert recs[1]["scale"] == pytest.approx(float(scale2), rel=1e-7)
+    assert len(path.read_text().splitlines()) == 2
+
+
+# ---- CUDA ---------------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_cuda_update_bit_identical(algo, seed):
+    rng = np.random.default_rng(seed)
+    h, n = 16, 1000
+    hist = torch.from_numpy((rng.random((h, n)) * 100).astype(np.float32))
+    hist[:, ::7] = 0
+    hist[3, ::11] = float("inf")
+    hist[5, ::13] = float("nan")
+    hist[0, ::17] = 1e-39
+    fmax = torch.where(torch.rand(n) < 0.5, 448.0, 57344.0)
+    scale = torch.from_numpy(rng.random(n).astype(np.float32) + 0.5)
+    c = [hist.clone(), scale.clone(), torch.empty(n)]
+    g = [hist.cuda(), scale.cuda(), torch.full((n,), float("nan"), device="cuda")]
+    for _ in range(3):
+        ops.fp8_scale_update(c[0], c[1], c[2], fmax, algo, 2)
+        ops.fp8_scale_update(g[0], g[1], g[2], fmax.cuda(), algo, 2)
+        for a, b in zip(c, g):
+            assert torch.equal(a.view(torch.int32), b.cpu().view(torch.int32))
+
+
+@pytest.mark.cuda
+def test_cuda_states_autocast_no_sync():
+    r = DelayedScaling(amax_history_len=4, margin=9)
+    states = [ScalingState.for_linear(r, device="cuda") for _ in range(8)]
+    x = torch.randn(64, 64, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with te.autocast(recipe=r):
+            for st in states:
+                quantize_with_state(x, st, INPUT, transpose=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    expect = np.float32(448.0) / np.float32(x.abs().max().item()) / np.float32(512)
+    assert all(st.scale[INPUT].item() == expect for st in states)
