@@ -13,3 +13,7 @@ __all__ += ["DotProductAttention"]
 
 __all__ += ["CrossEntropyFunction", "CrossEntropyLoss", "LinearCrossEntropyFunction", "cross_entropy",
             "linear_cross_entropy", "parallel_cross_entropy"]
+
+from .norm import LayerNorm, RMSNorm, layer_norm, rms_norm  # noqa: E402
+
+__all__ += ["LayerNorm", "RMSNorm", "layer_norm", "rms_norm"]

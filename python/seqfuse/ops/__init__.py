@@ -22,3 +22,7 @@ from .quant import (cast_fp8, cast_transpose_fp8, dequantize_fp8, fp8_compute_sc
 
 __all__ += ["cast_fp8", "cast_transpose_fp8", "dequantize_fp8", "fp8_compute_scale",
             "fp8_scale_update"]
+
+from .norm import layernorm_bwd, layernorm_fwd, rmsnorm_bwd, rmsnorm_fwd  # noqa: E402
+
+__all__ += ["layernorm_fwd", "layernorm_bwd", "rmsnorm_fwd", "rmsnorm_bwd"]

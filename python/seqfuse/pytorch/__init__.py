@@ -26,3 +26,7 @@ from ..common import recipe  # noqa: E402
 
 __all__ += ["autocast", "fp8_autocast", "quantized_model_init", "fp8_model_init",
             "is_fp8_enabled", "Float8Tensor", "recipe"]
+
+from ..modules.norm import LayerNorm, RMSNorm  # noqa: E402
+
+__all__ += ["LayerNorm", "RMSNorm"]

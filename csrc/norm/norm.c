@@ -1,0 +1,228 @@
+/*
+ * norm.c - the public LayerNorm / RMSNorm entries: every precondition is
+ * checked here, once, then the call goes to the CPU reference (norm_cpu.c) or
+ * the CUDA kernels (norm_cuda.cu).  Messages name the op, the argument and
+ * the rule, e.g. "layernorm_fwd: argument 'gamma' must have 4096 element(s)".
+ */
+#include <math.h>
+
+#include "norm_backend.h"
+
+static int is_fp8(sf_dtype d) { return d == SF_FLOAT8_E4M3 || d == SF_FLOAT8_E5M2; }
+
+/* x: float input, contiguous, at least one dimension, hidden in range. */
+static sf_status check_input(const char *op, const char *arg, const sf_tensor *x,
+                             int64_t *rows, int64_t *hidden)
+{
+    SF_TRY(sf_check_float_input(op, arg, x));
+    SF_TRY(sf_check_contiguous(op, arg, x));
+    if (x->ndim < 1)
+        return sf_fail(SF_ERR_VALUE, "%s: argument '%s' must have at least one dimension "
+                       "(the normalized one is the last)", op, arg);
+    *hidden = x->shape[x->ndim - 1];
+    if (*hidden < 1 || *hidden > SF_NORM_MAX_HIDDEN)
+        return sf_fail(SF_ERR_VALUE, "%s: argument '%s' has hidden size (last dimension) "
+                       "%lld; it must be between 1 and %d",
+                       op, arg, (long long)*hidden, SF_NORM_MAX_HIDDEN);
+    *rows = sf_numel(x) / *hidden;
+    return SF_OK;
+}
+
+/* gamma / beta / dgamma / dbeta: [hidden], x's dtype or float32. */
+static sf_status check_param(const char *op, const char *arg, const sf_tensor *p,
+                             const sf_tensor *x, int64_t hidden)
+{
+    if (p->dtype != x->dtype && p->dtype != SF_FLOAT32)
+        return sf_fail(SF_ERR_TYPE, "%s: argument '%s' must have dtype %s (the input's) or "
+                       "float32, got %s", op, arg, sf_dtype_name(x->dtype),
+                       sf_dtype_name(p->dtype));
+    SF_TRY(sf_check_contiguous(op, arg, p));
+    SF_TRY(sf_check_numel(op, arg, p, hidden));
+    return sf_check_same_device(op, "x", x, arg, p);
+}
+
+/* A float32 tensor of `n` elements on x's device (statistics, amax, scale). */
+static sf_status check_f32(const char *op, const char *arg, const sf_tensor *t,
+                           const sf_tensor *x, int64_t n, int writable)
+{
+    SF_TRY(sf_check_dtype(op, arg, t, SF_FLOAT32));
+    SF_TRY(sf_check_contiguous(op, arg, t));
+    SF_TRY(sf_check_numel(op, arg, t, n));
+    if (writable)
+        SF_TRY(sf_check_writable(op, arg, t));
+    return sf_check_same_device(op, "x", x, arg, t);
+}
+
+/* An output shaped like x. */
+static sf_status check_like_x(const char *op, const char *arg, const sf_tensor *t,
+                              const sf_tensor *x)
+{
+    SF_TRY(sf_check_contiguous(op, arg, t));
+    SF_TRY(sf_check_same_shape(op, "x", x, arg, t));
+    return sf_check_same_device(op, "x", x, arg, t);
+}
+
+static sf_status norm_fwd(const char *op, sf_norm_fwd_args *a, sf_stream stream)
+{
+    const sf_tensor *x = a->x;
+    SF_TRY(check_input(op, "x", x, &a->rows, &a->hidden));
+    if (!(a->eps >= 0.0f) || !isfinite(a->eps))
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'eps' must be finite and >= 0, got %g", op,
+                       (double)a->eps);
+    SF_TRY(check_param(op, "gamma", a->gamma, x, a->hidden));
+    if (a->beta) {
+        SF_TRY(check_param(op, "beta", a->beta, x, a->hidden));
+        if (a->beta->dtype != a->gamma->dtype)
+            return sf_fail(SF_ERR_TYPE, "%s: argument 'beta' must have gamma's dtype %s, got %s",
+                           op, sf_dtype_name(a->gamma->dtype), sf_dtype_name(a->beta->dtype));
+    }
+    sf_tensor *y = a->y;
+    if (y->dtype != x->dtype && !is_fp8(y->dtype))
+        return sf_fail(SF_ERR_TYPE, "%s: argument 'y' must have dtype %s (the input's), "
+                       "float8_e4m3fn or float8_e5m2, got %s", op, sf_dtype_name(x->dtype),
+                       sf_dtype_name(y->dtype));
+    SF_TRY(check_like_x(op, "y", y, x));
+    SF_TRY(sf_check_writable(op, "y", y));
+    if (a->mean)
+        SF_TRY(check_f32(op, "mean", a->mean, x, a->rows, 1));
+    if (a->rstd)
+        SF_TRY(check_f32(op, "rstd", a->rstd, x, a->rows, 1));
+    if (is_fp8(y->dtype) && !a->scale)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'scale' is required when 'y' is %s", op,
+                       sf_dtype_name(y->dtype));
+    if (!is_fp8(y->dtype) && (a->scale || a->scale_inv))
+        return sf_fail(SF_ERR_VALUE, "%s: arguments 'scale' and 'scale_inv' apply only to an "
+                       "FP8 'y', which is %s", op, sf_dtype_name(y->dtype));
+    if (a->scale)
+        SF_TRY(check_f32(op, "scale", a->scale, x, 1, 0));
+    if (a->amax)
+        SF_TRY(check_f32(op, "amax", a->amax, x, 1, 1));
+    if (a->scale_inv)
+        SF_TRY(check_f32(op, "scale_inv", a->scale_inv, x, 1, 1));
+
+    if (x->device == SF_CPU)
+        return sf_norm_fwd_cpu(a);
+#ifdef SF_WITH_CUDA
+    return sf_norm_fwd_cuda(a, stream);
+#else
+    (void)stream;
+    return sf_fail(SF_ERR_NOT_IMPLEMENTED, "%s: argument 'x' is a CUDA tensor but seqfuse was "
+                   "built without CUDA", op);
+#endif
+}
+
+sf_status sf_layernorm_fwd(const sf_tensor *x, const sf_tensor *gamma,
+                           const sf_tensor *beta, float eps, int zero_centered_gamma,
+                           sf_tensor *y, sf_tensor *mean, sf_tensor *rstd,
+                           const sf_tensor *scale, sf_tensor *amax,
+                           sf_tensor *scale_inv, sf_stream stream)
+{
+    sf_norm_fwd_args a = {0, zero_centered_gamma != 0, eps, 0, 0, x, gamma, beta,
+                          y, mean, rstd, scale, amax, scale_inv};
+    return norm_fwd("layernorm_fwd", &a, stream);
+}
+
+sf_status sf_rmsnorm_fwd(const sf_tensor *x, const sf_tensor *gamma, float eps,
+                         int zero_centered_gamma, sf_tensor *y, sf_tensor *rstd,
+                         const sf_tensor *scale, sf_tensor *amax,
+                         sf_tensor *scale_inv, sf_stream stream)
+{
+    sf_norm_fwd_args a = {1, zero_centered_gamma != 0, eps, 0, 0, x, gamma, NULL,
+                          y, NULL, rstd, scale, amax, scale_inv};
+    return norm_fwd("rmsnorm_fwd", &a, stream);
+}
+
+static sf_status workspace_numel(const sf_tensor *x, int64_t rows, int64_t hidden,
+                                 int64_t *numel)
+{
+    *numel = 0;
+    if (x->device == SF_CPU)
+        return SF_OK;
+#ifdef SF_WITH_CUDA
+    return sf_norm_bwd_workspace_numel_cuda(rows, hidden, x->dtype, x->device_id, numel);
+#else
+    (void)rows;
+    (void)hidden;
+    return sf_fail(SF_ERR_NOT_IMPLEMENTED, "norm_bwd_workspace_numel: argument 'x' is a CUDA "
+                   "tensor but seqfuse was built without CUDA");
+#endif
+}
+
+sf_status sf_norm_bwd_workspace_numel(const sf_tensor *x, int64_t *numel)
+{
+    int64_t rows, hidden;
+    SF_TRY(check_input("norm_bwd_workspace_numel", "x", x, &rows, &hidden));
+    return workspace_numel(x, rows, hidden, numel);
+}
+
+static sf_status norm_bwd(const char *op, sf_norm_bwd_args *a, sf_stream stream)
+{
+    const sf_tensor *x = a->x;
+    SF_TRY(check_input(op, "x", x, &a->rows, &a->hidden));
+    SF_TRY(sf_check_dtype(op, "dy", a->dy, x->dtype));
+    SF_TRY(check_like_x(op, "dy", a->dy, x));
+    SF_TRY(sf_check_dtype(op, "dx", a->dx, x->dtype));
+    SF_TRY(check_like_x(op, "dx", a->dx, x));
+    SF_TRY(sf_check_writable(op, "dx", a->dx));
+    if (a->mean)
+        SF_TRY(check_f32(op, "mean", a->mean, x, a->rows, 0));
+    SF_TRY(check_f32(op, "rstd", a->rstd, x, a->rows, 0));
+    SF_TRY(check_param(op, "gamma", a->gamma, x, a->hidden));
+    SF_TRY(sf_check_dtype(op, "dgamma", a->dgamma, a->gamma->dtype));
+    SF_TRY(check_param(op, "dgamma", a->dgamma, x, a->hidden));
+    SF_TRY(sf_check_writable(op, "dgamma", a->dgamma));
+    if (a->dbeta) {
+        SF_TRY(sf_check_dtype(op, "dbeta", a->dbeta, a->gamma->dtype));
+        SF_TRY(check_param(op, "dbeta", a->dbeta, x, a->hidden));
+        SF_TRY(sf_check_writable(op, "dbeta", a->dbeta));
+    }
+    int64_t need;
+    SF_TRY(workspace_numel(x, a->rows, a->hidden, &need));
+    if (need > 0) {
+        if (!a->workspace)
+            return sf_fail(SF_ERR_VALUE, "%s: argument 'workspace' is required: %lld float32 "
+                           "elements (norm_bwd_workspace_numel)", op, (long long)need);
+        SF_TRY(sf_check_dtype(op, "workspace", a->workspace, SF_FLOAT32));
+        SF_TRY(sf_check_contiguous(op, "workspace", a->workspace));
+        SF_TRY(sf_check_writable(op, "workspace", a->workspace));
+        SF_TRY(sf_check_same_device(op, "x", x, "workspace", a->workspace));
+        if (sf_numel(a->workspace) < need)
+            return sf_fail(SF_ERR_VALUE, "%s: argument 'workspace' must have at least %lld "
+                           "element(s), got %lld", op, (long long)need,
+                           (long long)sf_numel(a->workspace));
+    }
+
+    if (x->device == SF_CPU)
+        return sf_norm_bwd_cpu(a);
+#ifdef SF_WITH_CUDA
+    return sf_norm_bwd_cuda(a, stream);
+#else
+    (void)stream;
+    return sf_fail(SF_ERR_NOT_IMPLEMENTED, "%s: argument 'x' is a CUDA tensor but seqfuse was "
+                   "built without CUDA", op);
+#endif
+}
+
+sf_status sf_layernorm_bwd(const sf_tensor *dy, const sf_tensor *x,
+                           const sf_tensor *mean, const sf_tensor *rstd,
+                           const sf_tensor *gamma, int zero_centered_gamma,
+                           sf_tensor *dx, sf_tensor *dgamma, sf_tensor *dbeta,
+                           sf_tensor *workspace, sf_stream stream)
+{
+    static const char op[] = "layernorm_bwd";
+    if (!mean)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'mean' is required", op);
+    sf_norm_bwd_args a = {0, zero_centered_gamma != 0, 0, 0, dy, x, mean, rstd, gamma,
+                          dx, dgamma, dbeta, workspace};
+    return norm_bwd(op, &a, stream);
+}
+
+sf_status sf_rmsnorm_bwd(const sf_tensor *dy, const sf_tensor *x,
+                         const sf_tensor *rstd, const sf_tensor *gamma,
+                         int zero_centered_gamma, sf_tensor *dx, sf_tensor *dgamma,
+                         sf_tensor *workspace, sf_stream stream)
+{
+    sf_norm_bwd_args a = {1, zero_centered_gamma != 0, 0, 0, dy, x, NULL, rstd, gamma,
+                          dx, dgamma, NULL, workspace};
+    return norm_bwd("rmsnorm_bwd", &a, stream);
+}

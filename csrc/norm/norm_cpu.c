@@ -1,0 +1,129 @@
+/*
+ * norm_cpu.c - the reference LayerNorm / RMSNorm: plain loops, statistics and
+ * gradient sums in double, every output rounded once to its dtype.  This is
+ * the definition the CUDA kernels are tested against.
+ *
+ * The forward computes v = xhat * w + beta in double, rounds it to float32
+ * (the value the CUDA kernel holds), then to y's dtype; an FP8 y gets
+ * fp8(scale * v) and amax = max |v|.
+ */
+#include <math.h>
+
+#include "fp8_encode.h"
+#include "norm.h"
+#include "norm_backend.h"
+
+static double load(const sf_tensor *t, int64_t i)
+{
+    switch (t->dtype) {
+    case SF_FLOAT32: return ((const float *)t->data)[i];
+    case SF_FLOAT16: return sf_f16_to_f32(((const uint16_t *)t->data)[i]);
+    default:         return sf_bf16_to_f32(((const uint16_t *)t->data)[i]);
+    }
+}
+
+/* Store a float32 value into a float32 / float16 / bfloat16 tensor. */
+static void store(sf_tensor *t, int64_t i, float v)
+{
+    switch (t->dtype) {
+    case SF_FLOAT32: ((float *)t->data)[i] = v; break;
+    case SF_FLOAT16: ((uint16_t *)t->data)[i] = sf_f32_to_f16(v); break;
+    default:         ((uint16_t *)t->data)[i] = sf_f32_to_bf16(v); break;
+    }
+}
+
+/* Largest of two |values| with NaN winning, as the CUDA bit-max does. */
+static float max_abs(float m, float v)
+{
+    float a = fabsf(v);
+    if (isnan(m) || isnan(a))
+        return NAN;
+    return a > m ? a : m;
+}
+
+sf_status sf_norm_fwd_cpu(const sf_norm_fwd_args *a)
+{
+    const int64_t H = a->hidden;
+    const int fp8 = a->y->dtype == SF_FLOAT8_E4M3 || a->y->dtype == SF_FLOAT8_E5M2;
+    const float scale = a->scale ? *(const float *)a->scale->data : 1.0f;
+    float amax = 0.0f;
+    for (int64_t r = 0; r < a->rows; ++r) {
+        const int64_t base = r * H;
+        double mean = 0.0;
+        if (!a->rms) {
+            for (int64_t j = 0; j < H; ++j)
+                mean += load(a->x, base + j);
+            mean /= (double)H;
+        }
+        double var = 0.0;
+        for (int64_t j = 0; j < H; ++j) {
+            double d = load(a->x, base + j) - mean;
+            var += d * d;
+        }
+        var /= (double)H;
+        double rstd = 1.0 / sqrt(var + (double)a->eps);
+        if (a->mean)
+            ((float *)a->mean->data)[r] = (float)mean;
+        if (a->rstd)
+            ((float *)a->rstd->data)[r] = (float)rstd;
+        for (int64_t j = 0; j < H; ++j) {
+            double w = sf_norm_weight((float)load(a->gamma, j), a->zero_centered_gamma);
+            double v = (load(a->x, base + j) - mean) * rstd * w;
+            if (a->beta)
+                v += load(a->beta, j);
+            float vf = (float)v;
+            amax = max_abs(amax, vf);
+            if (!fp8)
+                store(a->y, base + j, vf);
+            else if (a->y->dtype == SF_FLOAT8_E4M3)
+                ((uint8_t *)a->y->data)[base + j] = sf_f32_to_e4m3(vf * scale);
+            else
+                ((uint8_t *)a->y->data)[base + j] = sf_f32_to_e5m2(vf * scale);
+        }
+    }
+    if (a->amax)
+        *(float *)a->amax->data = amax;
+    if (a->scale_inv)
+        *(float *)a->scale_inv->data = 1.0f / scale;
+    return SF_OK;
+}
+
+sf_status sf_norm_bwd_cpu(const sf_norm_bwd_args *a)
+{
+    const int64_t H = a->hidden;
+    /* dgamma / dbeta sums in double, one per column. */
+    for (int64_t j = 0; j < H; ++j) {
+        double dg = 0.0, db = 0.0;
+        for (int64_t r = 0; r < a->rows; ++r) {
+            double mean = a->mean ? ((const float *)a->mean->data)[r] : 0.0;
+            double rstd = ((const float *)a->rstd->data)[r];
+            double dy = load(a->dy, r * H + j);
+            dg += dy * (load(a->x, r * H + j) - mean) * rstd;
+            db += dy;
+        }
+        store(a->dgamma, j, (float)dg);
+        if (a->dbeta)
+            store(a->dbeta, j, (float)db);
+    }
+    for (int64_t r = 0; r < a->rows; ++r) {
+        const int64_t base = r * H;
+        double mean = a->mean ? ((const float *)a->mean->data)[r] : 0.0;
+        double rstd = ((const float *)a->rstd->data)[r];
+        double sum_g = 0.0, sum_gx = 0.0;
+        for (int64_t j = 0; j < H; ++j) {
+            double w = sf_norm_weight((float)load(a->gamma, j), a->zero_centered_gamma);
+            double g = load(a->dy, base + j) * w;
+            double xhat = (load(a->x, base + j) - mean) * rstd;
+            sum_g += g;
+            sum_gx += g * xhat;
+        }
+        double m1 = a->rms ? 0.0 : sum_g / (double)H, m2 = sum_gx / (double)H;
+        for (int64_t j = 0; j < H; ++j) {
+            double w = sf_norm_weight((float)load(a->gamma, j), a->zero_centered_gamma);
+            double g = load(a->dy, base + j) * w;
+            double xhat = (load(a->x, base + j) - mean) * rstd;
+            store(a->dx, base + j, (float)(rstd * (g - m1 - xhat * m2)));
+        }
+    }
+    return SF_OK;
+}

@@ -1,0 +1,622 @@
+/*
+ * norm_cuda.cu - LayerNorm and RMSNorm on the GPU: one pass over the data in
+ * each direction, on the caller's stream, no host synchronization, no
+ * allocation (the backward's workspace is handed in).
+ *
+ * Layout of the work.  A row of `hidden` elements is owned by blockDim.x
+ * threads (a multiple of 32); each thread owns at most 32 elements of it, in
+ * 16-byte vectors strided by blockDim.x so a warp's loads are coalesced.
+ * blockDim.y rows share a block when rows are short, so blocks have >= 256
+ * threads.  Rows whose length in bytes is not a multiple of 16, or tensors
+ * not 16-byte aligned, run the same kernels with one element per "vector"
+ * (the ops layer warns when that happens).
+ *
+ * Forward: the thread keeps its elements in registers, so x is read once;
+ * mean and variance are two exact-order reductions over those registers (no
+ * E[x^2] - E[x]^2 cancellation).  Output in x's dtype or FP8 (scale read on
+ * the device, amax folded with atomicMax on the float bits).
+ *
+ * Backward: a fixed grid of blocks walks the rows in a grid-stride loop.  Pass
+ * 1 reads x, dy and gamma and forms the two row sums the dx formula needs
+ * while accumulating dgamma and dbeta for the thread's columns in registers;
+ * pass 2 reads the same row again (an L1/L2 hit: the block has just read it)
+ * and writes dx.  At the end each block folds its rows' partial sums in a
+ * fixed order and writes one row of the float32 workspace; a second kernel
+ * adds the workspace rows in a fixed order.  The result is deterministic for a
+ * given GPU and shape.
+ */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include "../core/cuda_util.h"
+#include "fp8_encode.h"
+#include "norm.h"
+#include "norm_backend.h"
+
+namespace {
+
+constexpr int kElemsPerThread = 32; /* row elements a thread owns, at most */
+constexpr int kMinBlockThreads = 256;
+constexpr int kMaxDevices = 64;
+
+enum OutKind { kOutSame = 0, kOutE4M3 = 1, kOutE5M2 = 2 };
+
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T from_f(float v);
+template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v)
+{
+    return __float2bfloat16_rn(v);
+}
+
+/* N elements moved as one (or two, past 16 bytes) vector access. */
+template <typename T, int N>
+struct alignas(N * sizeof(T) >= 16 ? 16 : N * sizeof(T)) Pack {
+    T v[N];
+};
+
+template <typename T, int N>
+__device__ __forceinline__ void load_f(const T *p, float (&out)[N])
+{
+    Pack<T, N> pk = *reinterpret_cast<const Pack<T, N> *>(p);
+#pragma unroll
+    for (int k = 0; k < N; ++k)
+        out[k] = to_f(pk.v[k]);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_f(T *p, const float (&v)[N])
+{
+    Pack<T, N> pk;
+#pragma unroll
+    for (int k = 0; k < N; ++k)
+        pk.v[k] = from_f<T>(v[k]);
+    *reinterpret_cast<Pack<T, N> *>(p) = pk;
+}
+
+/* gamma / beta are x's dtype or float32, decided per call (a uniform branch). */
+template <typename T, int N>
+__device__ __forceinline__ void load_param(const void *p, int f32, int64_t i, float (&out)[N])
+{
+    if (f32)
+        load_f<float, N>((const float *)p + i, out);
+    else
+        load_f<T, N>((const T *)p + i, out);
+}
+
+__device__ __forceinline__ uint8_t enc_e4m3(float f)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    return (uint8_t)__nv_cvt_float_to_fp8(f, __NV_SATFINITE, __NV_E4M3);
+#else
+    return sf_f32_to_e4m3(f);
+#endif
+}
+
+__device__ __forceinline__ uint8_t enc_e5m2(float f)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    return (uint8_t)__nv_cvt_float_to_fp8(f, __NV_SATFINITE, __NV_E5M2);
+#else
+    return sf_f32_to_e5m2(f);
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void store_fp8(uint8_t *p, const float (&v)[N], float scale, int e5m2)
+{
+    Pack<uint8_t, N> pk;
+#pragma unroll
+    for (int k = 0; k < N; ++k)
+        pk.v[k] = e5m2 ? enc_e5m2(v[k] * scale) : enc_e4m3(v[k] * scale);
+    *reinterpret_cast<Pack<uint8_t, N> *>(p) = pk;
+}
+
+__device__ __forceinline__ unsigned abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
+
+__device__ __forceinline__ float warp_sum(float v)
+{
+    /* xor butterfly: every lane adds the same pairs, so all lanes agree bit for bit */
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+
+/* Sum over the threads of this row (same threadIdx.y); every thread gets the
+ * same value, added in a fixed order.  Called by all threads of the block. */
+__device__ __forceinline__ float row_sum(float v, float (*red)[32])
+{
+    v = warp_sum(v);
+    const int nw = blockDim.x >> 5;
+    if (nw == 1)
+        return v;
+    if ((threadIdx.x & 31) == 0)
+        red[threadIdx.y][threadIdx.x >> 5] = v;
+    __syncthreads();
+    float t = 0.0f;
+    for (int i = 0; i < nw; ++i)
+        t += red[threadIdx.y][i];
+    __syncthreads();
+    return t;
+}
+
+/* Block-wide max of bit patterns, folded into *out by one atomicMax. */
+__device__ __forceinline__ void block_publish_max(unsigned m, unsigned *red, unsigned *out)
+{
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1)
+        m = max(m, __shfl_xor_sync(0xffffffffu, m, off));
+    const int t = threadIdx.y * blockDim.x + threadIdx.x;
+    const int nw = (blockDim.x * blockDim.y) >> 5;
+    if ((t & 31) == 0)
+        red[t >> 5] = m;
+    __syncthreads();
+    if (t < 32) {
+        m = t < nw ? red[t] : 0u;
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1)
+            m = max(m, __shfl_xor_sync(0xffffffffu, m, off));
+        if (t == 0 && m != 0u)
+            atomicMax(out, m);
+    }
+}
+
+struct FwdParams {
+    const void *x, *gamma, *beta;
+    void *y;
+    float *mean, *rstd;
+    const float *scale;
+    unsigned *amax;
+    float *scale_inv;
+    int64_t rows;
+    int hidden;
+    float eps;
+    int rms, zc, gamma_f32, out_kind;
+};
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(512) norm_fwd_kernel(FwdParams p)
+{
+    constexpr int MAXV = kElemsPerThread / VEC;
+    __shared__ float red[32][32];
+    __shared__ unsigned amax_red[32];
+    const int nvec = p.hidden / VEC;
+    const int64_t row = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
+    const bool active = row < p.rows;
+    const int64_t roff = (active ? row : 0) * (int64_t)p.hidden;
+    const T *xr = (const T *)p.x + roff;
+
+    float v[MAXV][VEC];
+    float sum = 0.0f;
+#pragma unroll
+    for (int k = 0; k < MAXV; ++k) {
+        const int c = threadIdx.x + k * blockDim.x;
+        if (active && c < nvec) {
+            load_f<T, VEC>(xr + (int64_t)c * VEC, v[k]);
+#pragma unroll
+            for (int e = 0; e < VEC; ++e)
+                sum += v[k][e];
+        } else {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e)
+                v[k][e] = 0.0f;
+        }
+    }
+    float mean = 0.0f;
+    if (!p.rms)
+        mean = row_sum(sum, red) / (float)p.hidden;
+    float sq = 0.0f;
+#pragma unroll
+    for (int k = 0; k < MAXV; ++k) {
+        const int c = threadIdx.x + k * blockDim.x;
+        if (active && c < nvec) {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+                float d = v[k][e] - mean;
+                sq += d * d;
+            }
+        }
+    }
+    const float rstd = rsqrtf(row_sum(sq, red) / (float)p.hidden + p.eps);
+    if (active && threadIdx.x == 0) {
+        if (p.mean)
+            p.mean[row] = mean;
+        if (p.rstd)
+            p.rstd[row] = rstd;
+    }
+
+    const float scale = p.out_kind != kOutSame ? *p.scale : 1.0f;
+    unsigned amax = 0u;
+#pragma unroll
+    for (int k = 0; k < MAXV; ++k) {
+        const int c = threadIdx.x + k * blockDim.x;
+        if (!(active && c < nvec))
+            continue;
+        float g[VEC], b[VEC], o[VEC];
+        load_param<T, VEC>(p.gamma, p.gamma_f32, (int64_t)c * VEC, g);
+        if (p.beta) {
+            load_param<T, VEC>(p.beta, p.gamma_f32, (int64_t)c * VEC, b);
+        } else {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e)
+                b[e] = 0.0f;
+        }
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            o[e] = (v[k][e] - mean) * rstd * sf_norm_weight(g[e], p.zc) + b[e];
+            amax = max(amax, abs_bits(o[e]));
+        }
+        const int64_t off = roff + (int64_t)c * VEC;
+        if (p.out_kind == kOutSame)
+            store_f<T, VEC>((T *)p.y + off, o);
+        else
+            store_fp8<VEC>((uint8_t *)p.y + off, o, scale, p.out_kind == kOutE5M2);
+    }
+    if (p.amax)
+        block_publish_max(amax, amax_red, p.amax);
+    if (p.scale_inv && blockIdx.x == 0 && threadIdx.x == 0 && threadIdx.y == 0)
+        *p.scale_inv = 1.0f / scale;
+}
+
+struct BwdParams {
+    const void *dy, *x, *gamma;
+    const float *mean, *rstd;
+    void *dx;
+    float *ws; /* [2][gridDim.x][hidden]: dgamma partials, then dbeta partials */
+    int64_t rows;
+    int hidden;
+    int rms, zc, gamma_f32, want_dbeta;
+};
+
+/* Fold one VEC-wide column slice across the block's rows (threadIdx.y) in a
+ * fixed order and store it at column slice c of dst.  All threads call it. */
+template <int VEC>
+__device__ __forceinline__ void fold_store(const float (&val)[VEC], int c, int nvec, float *fold,
+                                           float *dst)
+{
+    if (blockDim.y == 1) {
+        if (c < nvec)
+            store_f<float, VEC>(dst + (int64_t)c * VEC, val);
+        return;
+    }
+    float *mine = fold + ((int)threadIdx.y * blockDim.x + threadIdx.x) * VEC;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e)
+        mine[e] = val[e];
+    __syncthreads();
+    if (threadIdx.y == 0 && c < nvec) {
+        float s[VEC];
+#pragma unroll
+        for (int e = 0; e < VEC; ++e)
+            s[e] = 0.0f;
+        for (int j = 0; j < (int)blockDim.y; ++j) {
+            const float *f = fold + (j * blockDim.x + threadIdx.x) * VEC;
+#pragma unroll
+            for (int e = 0; e < VEC; ++e)
+                s[e] += f[e];
+        }
+        store_f<float, VEC>(dst + (int64_t)c * VEC, s);
+    }
+    __syncthreads();
+}
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(512) norm_bwd_kernel(BwdParams p)
+{
+    constexpr int MAXV = kElemsPerThread / VEC;
+    __shared__ float red[32][32];
+    extern __shared__ float fold[]; /* blockDim.x * blockDim.y * VEC floats */
+    const int nvec = p.hidden / VEC;
+    const float inv_h = 1.0f / (float)p.hidden;
+
+    float dg[MAXV][VEC], db[MAXV][VEC];
+#pragma unroll
+    for (int k = 0; k < MAXV; ++k)
+#pragma unroll
+        for (int e = 0; e < VEC; ++e)
+            dg[k][e] = db[k][e] = 0.0f;
+
+    const int64_t step = (int64_t)gridDim.x * blockDim.y;
+    for (int64_t base = (int64_t)blockIdx.x * blockDim.y; base < p.rows; base += step) {
+        const int64_t row = base + threadIdx.y;
+        const bool active = row < p.rows;
+        const int64_t roff = (active ? row : 0) * (int64_t)p.hidden;
+        const T *xr = (const T *)p.x + roff;
+        const T *dyr = (const T *)p.dy + roff;
+        const float mean = (active && !p.rms) ? p.mean[row] : 0.0f;
+        const float rstd = active ? p.rstd[row] : 0.0f;
+
+        float s1 = 0.0f, s2 = 0.0f;
+#pragma unroll
+        for (int k = 0; k < MAXV; ++k) {
+            const int c = threadIdx.x + k * blockDim.x;
+            if (!(active && c < nvec))
+                continue;
+            float xv[VEC], dyv[VEC], g[VEC];
+            load_f<T, VEC>(xr + (int64_t)c * VEC, xv);
+            load_f<T, VEC>(dyr + (int64_t)c * VEC, dyv);
+            load_param<T, VEC>(p.gamma, p.gamma_f32, (int64_t)c * VEC, g);
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+                const float xhat = (xv[e] - mean) * rstd;
+                const float gg = dyv[e] * sf_norm_weight(g[e], p.zc);
+                s1 += gg;
+                s2 += gg * xhat;
+                dg[k][e] += dyv[e] * xhat;
+                db[k][e] += dyv[e];
+            }
+        }
+        const float m1 = p.rms ? 0.0f : row_sum(s1, red) * inv_h;
+        const float m2 = row_sum(s2, red) * inv_h;
+#pragma unroll
+        for (int k = 0; k < MAXV; ++k) {
+            const int c = threadIdx.x + k * blockDim.x;
+            if (!(active && c < nvec))
+                continue;
+            float xv[VEC], dyv[VEC], g[VEC], dxv[VEC];
+            load_f<T, VEC>(xr + (int64_t)c * VEC, xv);
+            load_f<T, VEC>(dyr + (int64_t)c * VEC, dyv);
+            load_param<T, VEC>(p.gamma, p.gamma_f32, (int64_t)c * VEC, g);
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+                const float xhat = (xv[e] - mean) * rstd;
+                const float gg = dyv[e] * sf_norm_weight(g[e], p.zc);
+                dxv[e] = rstd * (gg - m1 - xhat * m2);
+            }
+            store_f<T, VEC>((T *)p.dx + roff + (int64_t)c * VEC, dxv);
+        }
+    }
+
+    float *wsg = p.ws + (int64_t)blockIdx.x * p.hidden;
+    float *wsb = p.ws + ((int64_t)gridDim.x + blockIdx.x) * p.hidden;
+#pragma unroll
+    for (int k = 0; k < MAXV; ++k) {
+        const int c = threadIdx.x + k * blockDim.x;
+        fold_store<VEC>(dg[k], c, nvec, fold, wsg);
+        if (p.want_dbeta)
+            fold_store<VEC>(db[k], c, nvec, fold, wsb);
+    }
+}
+
+/* dgamma[j] = sum over parts of ws[0][part][j] (and dbeta from ws[1]), in a
+ * fixed order.  Block (32, 8): 32 columns, 8 interleaved slices of parts. */
+template <typename G>
+__global__ void norm_partials_reduce_kernel(const float *ws, int parts, int hidden, G *dgamma,
+                                            G *dbeta)
+{
+    __shared__ float s[8][33];
+    const int col = blockIdx.x * 32 + threadIdx.x;
+    const float *src = ws + (int64_t)blockIdx.y * parts * hidden;
+    float acc = 0.0f;
+    if (col < hidden)
+        for (int j = threadIdx.y; j < parts; j += 8)
+            acc += src[(int64_t)j * hidden + col];
+    s[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y == 0 && col < hidden) {
+        float t = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            t += s[i][threadIdx.x];
+        G *dst = blockIdx.y ? dbeta : dgamma;
+        dst[col] = from_f<G>(t);
+    }
+}
+
+__global__ void write_scale_inv_kernel(const float *scale, float *scale_inv)
+{
+    *scale_inv = 1.0f / *scale;
+}
+
+/* ---- host side ------------------------------------------------------- */
+
+struct Config {
+    int tx, ty;
+};
+
+/* Threads per row: enough that each owns <= 32 elements, a multiple of 32. */
+Config pick_config(int64_t hidden)
+{
+    int t = (int)((hidden + kElemsPerThread - 1) / kElemsPerThread);
+    t = (t + 31) / 32 * 32;
+    Config c;
+    c.tx = t;
+    c.ty = t >= kMinBlockThreads ? 1 : kMinBlockThreads / t;
+    return c;
+}
+
+sf_status sm_count(const char *op, int device, int *sms)
+{
+    static int cache[kMaxDevices];
+    if (device >= 0 && device < kMaxDevices && cache[device] > 0) {
+        *sms = cache[device];
+        return SF_OK;
+    }
+    SF_CUDA_TRY(op, cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device));
+    if (device >= 0 && device < kMaxDevices)
+        cache[device] = *sms;
+    return SF_OK;
+}
+
+/* Blocks of the backward: a fixed share of the GPU (the workspace holds one
+ * partial row per block). */
+sf_status bwd_grid(const char *op, int64_t rows, int64_t hidden, int device, int *grid)
+{
+    Config c = pick_config(hidden);
+    int sms;
+    SF_TRY(sm_count(op, device, &sms));
+    const int per_sm = 512 / (c.tx * c.ty) > 1 ? 512 / (c.tx * c.ty) : 1;
+    const int64_t groups = (rows + c.ty - 1) / c.ty;
+    const int64_t cap = (int64_t)sms * per_sm;
+    *grid = (int)(groups < cap ? groups : cap);
+    return SF_OK;
+}
+
+int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+
+template <typename T>
+sf_status launch_fwd(const FwdParams &p, bool vec, cudaStream_t stream)
+{
+    Config c = pick_config(p.hidden);
+    dim3 block(c.tx, c.ty);
+    const int64_t grid = (p.rows + c.ty - 1) / c.ty;
+    if (grid > 0x7fffffff)
+        return sf_fail(SF_ERR_VALUE, "norm_fwd: argument 'x' has too many rows (%lld)",
+                       (long long)p.rows);
+    if (vec)
+        norm_fwd_kernel<T, 16 / sizeof(T)><<<(unsigned)grid, block, 0, stream>>>(p);
+    else
+        norm_fwd_kernel<T, 1><<<(unsigned)grid, block, 0, stream>>>(p);
+    SF_CUDA_CHECK_LAUNCH("norm_fwd");
+    return SF_OK;
+}
+
+template <typename T>
+sf_status launch_bwd(const BwdParams &p, bool vec, int grid, cudaStream_t stream)
+{
+    Config c = pick_config(p.hidden);
+    dim3 block(c.tx, c.ty);
+    if (vec) {
+        constexpr int V = 16 / sizeof(T);
+        size_t smem = c.ty > 1 ? (size_t)c.tx * c.ty * V * sizeof(float) : 0;
+        norm_bwd_kernel<T, V><<<grid, block, smem, stream>>>(p);
+    } else {
+        size_t smem = c.ty > 1 ? (size_t)c.tx * c.ty * sizeof(float) : 0;
+        norm_bwd_kernel<T, 1><<<grid, block, smem, stream>>>(p);
+    }
+    SF_CUDA_CHECK_LAUNCH("norm_bwd");
+    return SF_OK;
+}
+
+template <typename G>
+sf_status launch_reduce(const float *ws, int parts, int hidden, void *dgamma, void *dbeta,
+                        cudaStream_t stream)
+{
+    dim3 block(32, 8);
+    dim3 grid((hidden + 31) / 32, dbeta ? 2 : 1);
+    norm_partials_reduce_kernel<G><<<grid, block, 0, stream>>>(ws, parts, hidden, (G *)dgamma,
+                                                               (G *)dbeta);
+    SF_CUDA_CHECK_LAUNCH("norm_bwd");
+    return SF_OK;
+}
+
+sf_status fwd(const sf_norm_fwd_args *a, cudaStream_t stream)
+{
+    const char *op = a->rms ? "rmsnorm_fwd" : "layernorm_fwd";
+    FwdParams p;
+    p.x = a->x->data;
+    p.gamma = a->gamma->data;
+    p.beta = a->beta ? a->beta->data : NULL;
+    p.y = a->y->data;
+    p.mean = a->mean ? (float *)a->mean->data : NULL;
+    p.rstd = a->rstd ? (float *)a->rstd->data : NULL;
+    p.scale = a->scale ? (const float *)a->scale->data : NULL;
+    p.amax = a->amax ? (unsigned *)a->amax->data : NULL;
+    p.scale_inv = a->scale_inv ? (float *)a->scale_inv->data : NULL;
+    p.rows = a->rows;
+    p.hidden = (int)a->hidden;
+    p.eps = a->eps;
+    p.rms = a->rms;
+    p.zc = a->zero_centered_gamma;
+    p.gamma_f32 = a->gamma->dtype == SF_FLOAT32;
+    p.out_kind = a->y->dtype == SF_FLOAT8_E4M3 ? kOutE4M3
+                 : a->y->dtype == SF_FLOAT8_E5M2 ? kOutE5M2 : kOutSame;
+
+    if (p.amax)
+        SF_CUDA_TRY(op, cudaMemsetAsync(p.amax, 0, sizeof(float), stream));
+    if (a->rows == 0) {
+        if (p.scale_inv) { /* nothing to normalize, but the contract still holds */
+            write_scale_inv_kernel<<<1, 1, 0, stream>>>(p.scale, p.scale_inv);
+            SF_CUDA_CHECK_LAUNCH(op);
+        }
+        return SF_OK;
+    }
+    const int ve = 16 / (int)sf_dtype_size(a->x->dtype);
+    const bool vec = a->hidden % ve == 0 && aligned16(p.x) && aligned16(p.y) &&
+                     aligned16(p.gamma) && (!p.beta || aligned16(p.beta));
+    switch (a->x->dtype) {
+    case SF_FLOAT32: return launch_fwd<float>(p, vec, stream);
+    case SF_FLOAT16: return launch_fwd<__half>(p, vec, stream);
+    default:         return launch_fwd<__nv_bfloat16>(p, vec, stream);
+    }
+}
+
+sf_status bwd(const sf_norm_bwd_args *a, cudaStream_t stream)
+{
+    const char *op = a->rms ? "rmsnorm_bwd" : "layernorm_bwd";
+    const size_t gsize = sf_dtype_size(a->gamma->dtype);
+    if (a->rows == 0) { /* empty sums */
+        SF_CUDA_TRY(op, cudaMemsetAsync(a->dgamma->data, 0, a->hidden * gsize, stream));
+        if (a->dbeta)
+            SF_CUDA_TRY(op, cudaMemsetAsync(a->dbeta->data, 0, a->hidden * gsize, stream));
+        return SF_OK;
+    }
+    int grid;
+    SF_TRY(bwd_grid(op, a->rows, a->hidden, a->x->device_id, &grid));
+    BwdParams p;
+    p.dy = a->dy->data;
+    p.x = a->x->data;
+    p.gamma = a->gamma->data;
+    p.mean = a->mean ? (const float *)a->mean->data : NULL;
+    p.rstd = (const float *)a->rstd->data;
+    p.dx = a->dx->data;
+    p.ws = (float *)a->workspace->data;
+    p.rows = a->rows;
+    p.hidden = (int)a->hidden;
+    p.rms = a->rms;
+    p.zc = a->zero_centered_gamma;
+    p.gamma_f32 = a->gamma->dtype == SF_FLOAT32;
+    p.want_dbeta = a->dbeta != NULL;
+
+    const int ve = 16 / (int)sf_dtype_size(a->x->dtype);
+    const bool vec = a->hidden % ve == 0 && aligned16(p.x) && aligned16(p.dy) &&
+                     aligned16(p.dx) && aligned16(p.gamma) && aligned16(p.ws);
+    switch (a->x->dtype) {
+    case SF_FLOAT32: SF_TRY(launch_bwd<float>(p, vec, grid, stream)); break;
+    case SF_FLOAT16: SF_TRY(launch_bwd<__half>(p, vec, grid, stream)); break;
+    default:         SF_TRY(launch_bwd<__nv_bfloat16>(p, vec, grid, stream)); break;
+    }
+    void *dbeta = a->dbeta ? a->dbeta->data : NULL;
+    switch (a->gamma->dtype) {
+    case SF_FLOAT32: return launch_reduce<float>(p.ws, grid, p.hidden, a->dgamma->data, dbeta, stream);
+    case SF_FLOAT16: return launch_reduce<__half>(p.ws, grid, p.hidden, a->dgamma->data, dbeta, stream);
+    default: return launch_reduce<__nv_bfloat16>(p.ws, grid, p.hidden, a->dgamma->data, dbeta, stream);
+    }
+}
+
+} // namespace
+
+extern "C" sf_status sf_norm_fwd_cuda(const sf_norm_fwd_args *a, sf_stream s)
+{
+    sf_cuda_device_guard guard;
+    SF_TRY(sf_cuda_device_enter(a->rms ? "rmsnorm_fwd" : "layernorm_fwd", a->x->device_id, &guard));
+    sf_status st = fwd(a, sf_cuda_stream(s));
+    sf_cuda_device_restore(&guard);
+    return st;
+}
+
+extern "C" sf_status sf_norm_bwd_cuda(const sf_norm_bwd_args *a, sf_stream s)
+{
+    sf_cuda_device_guard guard;
+    SF_TRY(sf_cuda_device_enter(a->rms ? "rmsnorm_bwd" : "layernorm_bwd", a->x->device_id, &guard));
+    sf_status st = bwd(a, sf_cuda_stream(s));
+    sf_cuda_device_restore(&guard);
+    return st;
+}
+
+extern "C" sf_status sf_norm_bwd_workspace_numel_cuda(int64_t rows, int64_t hidden, sf_dtype dtype,
+                                                      int device_id, int64_t *numel)
+{
+    (void)dtype; /* the launch shape depends on the hidden size only */
+    int grid = 0;
+    if (rows > 0)
+        SF_TRY(bwd_grid("norm_bwd_workspace_numel", rows, hidden, device_id, &grid));
+    *numel = 2 * (int64_t)grid * hidden;
+    return SF_OK;
+}

@@ -1,0 +1,143 @@
+"""LayerNorm and RMSNorm, forward and backward (csrc/norm/).
+
+The normalized dimension is the last one.  Statistics are float32, one per
+row (every leading dimension flattened): LayerNorm saves ``mean`` and
+``rstd = 1 / sqrt(var + eps)``, RMSNorm saves ``rstd = 1 / sqrt(mean(x^2) +
+eps)``.  With ``zero_centered_gamma`` the weight applied is ``1 + weight``.
+
+``weight``/``bias`` have the input's dtype or float32.  The output has the
+input's dtype, or, with ``out_dtype=torch.float8_e4m3fn / float8_e5m2``, is
+``fp8(scale * y)`` for the GEMM that follows (``scale``: float32 tensor of one
+element, read on the device; ``amax`` receives ``max |y|`` of this call,
+``scale_inv`` receives ``1 / scale``).  Nothing synchronizes the host.
+
+The backward reduces dgamma/dbeta in float32, deterministically, through a
+workspace allocated here with torch.
+"""
+import warnings
+
+import torch
+
+from .. import _C
+from ._call import stream_for
+
+_FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_warned_scalar = set()
+
+
+def _check_x(op, x):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: argument 'x' must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_INPUTS:
+        raise TypeError(f"{op}: argument 'x' must have dtype float32, float16 or bfloat16, got {x.dtype}")
+    if x.dim() < 1:
+        raise ValueError(f"{op}: argument 'x' must have at least one dimension")
+
+
+def _warn_if_scalar_path(op, x):
+    """The CUDA kernels read 16-byte vectors; a row whose byte length is not a
+    multiple of 16 runs the element-wide variant (slower).  Say so once."""
+    if x.device.type != "cuda":
+        return
+    hidden = x.shape[-1]
+    if (hidden * x.element_size()) % 16 and (op, hidden, x.dtype) not in _warned_scalar:
+        _warned_scalar.add((op, hidden, x.dtype))
+        warnings.warn(f"{op}: hidden size {hidden} of {x.dtype} rows is not a multiple of 16 bytes; "
+                      "the element-wide kernel runs (slower than the vectorized one)", stacklevel=3)
+
+
+def _plain(t):
+    """Drop autograd history (the ops are called from autograd Functions)."""
+    return t.detach() if t is not None and t.requires_grad else t
+
+
+def _out(x, out_dtype):
+    if out_dtype is None or out_dtype == x.dtype:
+        return torch.empty_like(x)
+    if out_dtype not in _FP8:
+        raise TypeError(f"norm: argument 'out_dtype' must be None (the input's dtype), "
+                        f"torch.float8_e4m3fn or torch.float8_e5m2, got {out_dtype}")
+    return torch.empty(x.shape, dtype=out_dtype, device=x.device)
+
+
+def layernorm_fwd(x, weight, bias=None, eps=1e-5, zero_centered_gamma=False, out_dtype=None,
+                  scale=None, amax=None, scale_inv=None, save_stats=True):
+    """LayerNorm forward: returns ``(y, mean, rstd)`` (``mean``/``rstd`` are
+    float32 ``[rows]``, or None with ``save_stats=False``)."""
+    op = "layernorm_fwd"
+    _check_x(op, x)
+    x = _plain(x).contiguous()
+    _warn_if_scalar_path(op, x)
+    y = _out(x, out_dtype)
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    mean = rstd = None
+    if save_stats:
+        mean = torch.empty(rows, dtype=torch.float32, device=x.device)
+        rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    _C.layernorm_fwd(x, _plain(weight), _plain(bias), float(eps), bool(zero_centered_gamma), y,
+                     mean, rstd, scale, amax, scale_inv, stream_for(x))
+    return y, mean, rstd
+
+
+def rmsnorm_fwd(x, weight, eps=1e-5, zero_centered_gamma=False, out_dtype=None, scale=None,
+                amax=None, scale_inv=None, save_stats=True):
+    """RMSNorm forward: returns ``(y, rstd)``."""
+    op = "rmsnorm_fwd"
+    _check_x(op, x)
+    x = _plain(x).contiguous()
+    _warn_if_scalar_path(op, x)
+    y = _out(x, out_dtype)
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    rstd = torch.empty(rows, dtype=torch.float32, device=x.device) if save_stats else None
+    _C.rmsnorm_fwd(x, _plain(weight), float(eps), bool(zero_centered_gamma), y, rstd, scale,
+                   amax, scale_inv, stream_for(x))
+    return y, rstd
+
+
+_workspace_numel = {}  # (device index, rows, hidden) -> float32 elements
+
+
+def _workspace(x):
+    """The backward's float32 workspace (None on the CPU, which needs none).
+    Its size depends on the GPU and the shape only, so it is asked once."""
+    if x.device.type != "cuda":
+        return None
+    hidden = x.shape[-1]
+    key = (x.device.index, x.numel() // hidden, hidden)
+    n = _workspace_numel.get(key)
+    if n is None:
+        if len(_workspace_numel) > 1024:
+            _workspace_numel.clear()
+        n = _workspace_numel[key] = _C.norm_bwd_workspace_numel(x)
+    return torch.empty(n, dtype=torch.float32, device=x.device) if n else None
+
+
+def layernorm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma=False, has_bias=True):
+    """LayerNorm backward: returns ``(dx, dgamma, dbeta)`` (dbeta None without
+    a bias); dgamma/dbeta have the weight's dtype."""
+    op = "layernorm_bwd"
+    _check_x(op, x)
+    x = _plain(x).contiguous()
+    dy = _plain(dy).contiguous()
+    weight = _plain(weight)
+    dx = torch.empty_like(x)
+    dgamma = torch.empty_like(weight)
+    dbeta = torch.empty_like(weight) if has_bias else None
+    _C.layernorm_bwd(dy, x, mean, rstd, weight, bool(zero_centered_gamma), dx, dgamma, dbeta,
+                     _workspace(x), stream_for(x))
+    return dx, dgamma, dbeta
+
+
+def rmsnorm_bwd(dy, x, rstd, weight, zero_centered_gamma=False):
+    """RMSNorm backward: returns ``(dx, dgamma)``."""
+    op = "rmsnorm_bwd"
+    _check_x(op, x)
+    x = _plain(x).contiguous()
+    dy = _plain(dy).contiguous()
+    weight = _plain(weight)
+    dx = torch.empty_like(x)
+    dgamma = torch.empty_like(weight)
+    _C.rmsnorm_bwd(dy, x, rstd, weight, bool(zero_centered_gamma), dx, dgamma, _workspace(x),
+                   stream_for(x))
+    return dx, dgamma
