@@ -1,0 +1,101 @@
+"""LayerNorm and RMSNorm, forward and forward+backward, on the GPU: seqfuse
+against torch eager and torch.compile of the same computation, same process,
+same bf16 inputs (weights in bf16 too, so every peer reads the same bytes).
+
+Bandwidth counts the bytes each direction must move at least: forward reads x
+and writes y (2 x n x 2 bytes), backward reads x and dy and writes dx
+(3 x n x 2 bytes); the ceiling is a device-to-device copy measured here.
+Goals (issue 5): >= 75 % of the copy bandwidth at large shapes, >= 1.0x
+torch.compile and >= 2x eager for forward+backward.
+"""
+import os
+
+import torch
+import torch.nn.functional as F
+
+import seqfuse
+from seqfuse.modules.norm import layer_norm, rms_norm
+
+from harness import RESULTS, Table, cuda_time_ms, plot_bars
+
+SHAPES = [(16384, 4096), (16384, 1280), (8192, 8192), (4096, 16384)]
+EPS = 1e-5
+
+
+def torch_rms(x, w, b):
+    if hasattr(F, "rms_norm"):
+        return F.rms_norm(x, (x.shape[-1],), w, EPS)
+    return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype) * w
+
+
+def torch_ln(x, w, b):
+    return F.layer_norm(x, (x.shape[-1],), w, b, EPS)
+
+
+def ours_ln(x, w, b):
+    return layer_norm(x, w, b, EPS)
+
+
+def ours_rms(x, w, b):
+    return rms_norm(x, w, EPS)
+
+
+def fwd_bwd(fn, x, w, b, dy):
+    inputs = (x, w) if b is None else (x, w, b)
+
+    def run():
+        y = fn(x, w, b)
+        torch.autograd.grad(y, inputs, dy)
+    return run
+
+
+def copy_tbs(x):
+    y = torch.empty_like(x)
+    ms = cuda_time_ms(lambda: y.copy_(x))
+    return 2 * x.numel() * x.element_size() / ms / 1e9
+
+
+def main():
+    if not (torch.cuda.is_available() and seqfuse.cuda_available()):
+        print("bench_norm: needs a CUDA GPU and a CUDA build of seqfuse")
+        return
+    table = Table("norm", ["op", "shape", "pass", "impl", "ms", "TB_s", "pct_copy", "x_vs_eager",
+                           "x_vs_compile"])
+    labels, series = [], {"vs eager": [], "vs compile": [], "% copy": []}
+    for rows, hidden in SHAPES:
+        x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn_like(x)
+        ceiling = copy_tbs(x)
+        n_bytes = x.numel() * 2
+        for name, ours, peer in (("layernorm", ours_ln, torch_ln), ("rmsnorm", ours_rms, torch_rms)):
+            w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16).requires_grad_()
+            b = torch.randn(hidden, device="cuda", dtype=torch.bfloat16).requires_grad_() \
+                if name == "layernorm" else None
+            xg = x.clone().requires_grad_()
+            compiled = torch.compile(peer)
+            impls = {"seqfuse": ours, "eager": peer, "compile": compiled}
+            for pss, traffic in (("fwd", 2 * n_bytes), ("fwd+bwd", 5 * n_bytes)):
+                times = {}
+                for impl, fn in impls.items():
+                    if pss == "fwd":
+                        with torch.no_grad():
+                            times[impl] = cuda_time_ms(lambda: fn(x, w, b))
+                    else:
+                        times[impl] = cuda_time_ms(fwd_bwd(fn, xg, w, b, dy))
+                for impl, ms in times.items():
+                    tbs = traffic / ms / 1e9
+                    table.add(op=name, shape=f"{rows}x{hidden}", **{"pass": pss}, impl=impl, ms=ms,
+                              TB_s=tbs, pct_copy=100 * tbs / ceiling,
+                              x_vs_eager=times["eager"] / ms, x_vs_compile=times["compile"] / ms)
+                labels.append(f"{name} {pss} {rows}x{hidden}")
+                series["vs eager"].append(times["eager"] / times["seqfuse"])
+                series["vs compile"].append(times["compile"] / times["seqfuse"])
+                series["% copy"].append(traffic / times["seqfuse"] / 1e9 / ceiling)
+        table.add(op="copy", shape=f"{rows}x{hidden}", impl="torch copy_", TB_s=ceiling, pct_copy=100.0)
+    table.save({"dtype": "bfloat16", "eps": EPS})
+    plot_bars(os.path.join(RESULTS, "norm.png"), "seqfuse LayerNorm/RMSNorm (bf16, H200): speedup and fraction of copy bandwidth",
+              labels, series, "x (speedup) / fraction of copy")
+
+
+if __name__ == "__main__":
+    main()
