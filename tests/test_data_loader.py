@@ -198,6 +198,8 @@ def test_resume_with_other_settings_refused():
         loader(max_tokens=8192).load_state_dict(state)
     with pytest.raises(ValueError, match="seed"):
         loader(seed=6).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"dataset settings differ.*'mask_prob': \(0.15, 0.2\)"):
+        loader(mask_prob=0.2).load_state_dict(state)
     with pytest.raises(ValueError, match="lengths_crc32"):
         loader(max_length=256).load_state_dict(state)
     with pytest.raises(ValueError, match="not a seqfuse.data.ResumableDataLoader"):
@@ -228,3 +230,29 @@ def test_padded_loader_matches_packed_tokens():
     for b, idx in zip(packed, sampler.batches(0)):
         want = torch.cat([ds[(0, i)]["input_ids"] for i in idx])
         assert torch.equal(b["input_ids"][: want.numel()], want)
+
+
+def test_evaluation_loader_is_fixed():
+    ev = loader(evaluation=True)
+    first = list(ev)
+    second = list(ev)
+    assert len(first) == len(second) == len(ev) > 0
+    for a, b in zip(first, second):
+        same(a, b)
+    # file order, crops from the start
+    order = [i for b in ev.batch_sampler.batches(0) for i in b]
+    assert order == sorted(order)
+    assert ev.state_dict()["global_batches_consumed"] == 0
+
+
+def test_rank_from_process_group(tmp_path):
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        l = loader()
+        assert (l.rank, l.world_size) == (0, 1)
+        assert loader(rank=1, world_size=2).rank == 1
+    finally:
+        dist.destroy_process_group()

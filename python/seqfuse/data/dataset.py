@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .masking import mlm_mask, sample_generator
+from .masking import IGNORE_INDEX, mask_numpy, sample_seed
 from .tokenizers import CharTokenizer
 
 __all__ = ["TokenizedSequences", "MLMDataset"]
@@ -91,11 +91,38 @@ class MLMDataset(torch.utils.data.Dataset):
         self.random_token_frac = random_token_frac
         self.crop = crop
         self._max_residues = max_length - n_spec
+        self._special_lut = np.zeros(tokenizer.vocab_size, dtype=bool)
+        self._special_lut[tokenizer.special_token_ids] = True
+        self._random_ids = tokenizer.random_token_ids.numpy().astype(np.int64)
+        self._gen = None  # one torch.Generator per process, re-seeded per sample
         #: Tokens per sample after cropping, specials included (int64 numpy).
         self.lengths = np.minimum(self.store.lengths, self._max_residues) + n_spec
 
     def __len__(self) -> int:
         return len(self.store)
+
+    def fingerprint(self) -> dict:
+        """The settings a saved loader position depends on."""
+        return {
+            "num_samples": len(self.store),
+            "max_length": self.max_length,
+            "seed": self.seed,
+            "mask_prob": self.mask_prob,
+            "mask_token_frac": self.mask_token_frac,
+            "random_token_frac": self.random_token_frac,
+            "crop": self.crop,
+            "vocab_size": self.tokenizer.vocab_size,
+        }
+
+    def _generator(self) -> torch.Generator:
+        if self._gen is None:
+            self._gen = torch.Generator()
+        return self._gen
+
+    def __getstate__(self):  # workers build their own generator
+        state = dict(self.__dict__)
+        state["_gen"] = None
+        return state
 
     def __getitem__(self, key):
         if isinstance(key, tuple):
@@ -105,26 +132,29 @@ class MLMDataset(torch.utils.data.Dataset):
         index = int(index)
         if not 0 <= index < len(self.store):
             raise IndexError(f"MLMDataset: index {index} out of range [0, {len(self.store)})")
-        g = sample_generator(self.seed, int(epoch), index)
-        res = self.store.residues(index)
+        g = self._generator()
+        g.manual_seed(sample_seed(self.seed, int(epoch), index))
+        a, b = int(self.store.offsets[index]), int(self.store.offsets[index + 1])
+        n = b - a
         keep = self._max_residues
-        if res.numel() > keep:
-            start = 0
+        if n > keep:
             if self.crop == "random":
-                start = int(torch.randint(res.numel() - keep + 1, (1,), generator=g))
-            res = res[start : start + keep]
-        ids = self.tokenizer.add_special_tokens(res)
+                a += int(torch.randint(n - keep + 1, (1,), generator=g))
+            n = keep
+        tok = self.tokenizer
+        bos = tok.bos_token_id is not None
+        ids = np.empty(n + tok.num_special_tokens_added, dtype=np.int64)
+        if bos:
+            ids[0] = tok.bos_token_id
+        ids[bos : bos + n] = self.store.flat[a : a + n]
+        if tok.eos_token_id is not None:
+            ids[-1] = tok.eos_token_id
         if self.mask_prob > 0:
-            ids, labels = mlm_mask(
-                ids,
-                special_token_ids=self.tokenizer.special_token_ids,
-                mask_token_id=self.tokenizer.mask_token_id,
-                random_token_ids=self.tokenizer.random_token_ids,
-                generator=g,
-                mask_prob=self.mask_prob,
-                mask_token_frac=self.mask_token_frac,
-                random_token_frac=self.random_token_frac,
+            ids, labels = mask_numpy(
+                ids, self._special_lut, tok.mask_token_id, self._random_ids, g,
+                self.mask_prob, self.mask_token_frac, self.random_token_frac,
             )
         else:
-            labels = torch.full_like(ids, -100)
+            labels = np.full(ids.size, IGNORE_INDEX, dtype=np.int64)
+        ids, labels = torch.from_numpy(ids), torch.from_numpy(labels)
         return {"input_ids": ids, "labels": labels, "index": index}

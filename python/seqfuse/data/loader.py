@@ -29,12 +29,20 @@ __all__ = ["ResumableDataLoader", "build_mlm_loader"]
 _FORMAT = "seqfuse.data.ResumableDataLoader/1"
 
 
+def _dataset_fingerprint(dataset):
+    fp = getattr(dataset, "fingerprint", None)
+    return fp() if callable(fp) else None
+
+
 class ResumableDataLoader:
     """Iterable over collated batches, one epoch per ``for`` loop, with
     ``state_dict`` / ``load_state_dict`` (see the module note).
 
-    ``num_workers``, ``pin_memory``, ``prefetch_factor`` and
-    ``persistent_workers`` pass through to torch's DataLoader.
+    ``fixed_epoch`` (for validation): every ``for`` loop runs that whole
+    epoch from its start (same order, crops and masks each time, so
+    validation losses are comparable between evaluations) and the position
+    never moves. ``num_workers``, ``pin_memory`` and ``prefetch_factor``
+    pass through to torch's DataLoader.
     """
 
     def __init__(
@@ -46,6 +54,7 @@ class ResumableDataLoader:
         num_workers: int = 0,
         pin_memory: bool = False,
         prefetch_factor: int | None = None,
+        fixed_epoch: int | None = None,
     ):
         if not isinstance(batch_sampler, TokenBudgetBatchSampler):
             raise TypeError(
@@ -63,7 +72,8 @@ class ResumableDataLoader:
         self.num_workers = num_workers
         self.pin_memory = pin_memory
         self.prefetch_factor = prefetch_factor
-        self.epoch = 0
+        self.fixed_epoch = fixed_epoch
+        self.epoch = 0 if fixed_epoch is None else int(fixed_epoch)
         self.batches_consumed = 0  # of this rank, in self.epoch
 
     @property
@@ -79,14 +89,26 @@ class ResumableDataLoader:
         return len(self.batch_sampler.rank_batches(self.epoch))
 
     def __iter__(self):
+        if self.fixed_epoch is not None:
+            yield from self._run(self.fixed_epoch, self.batch_sampler.rank_batches(self.fixed_epoch))
+            return
         batches = self.batch_sampler.rank_batches(self.epoch)
         if self.batches_consumed >= len(batches):  # stopped right at an epoch's end
             self.epoch += 1
             self.batches_consumed = 0
             batches = self.batch_sampler.rank_batches(self.epoch)
         epoch = self.epoch
+        for batch in self._run(epoch, batches[self.batches_consumed :]):
+            if self.epoch != epoch:
+                raise RuntimeError("ResumableDataLoader: the position was changed during iteration")
+            self.batches_consumed += 1
+            yield batch
+        self.epoch = epoch + 1
+        self.batches_consumed = 0
+
+    def _run(self, epoch, batches):
         self.batch_sampler.set_epoch(epoch)
-        keys = [[(epoch, i) for i in b] for b in batches[self.batches_consumed :]]
+        keys = [[(epoch, i) for i in b] for b in batches]
         kwargs = {}
         if self.num_workers > 0 and self.prefetch_factor is not None:
             kwargs["prefetch_factor"] = self.prefetch_factor
@@ -98,13 +120,7 @@ class ResumableDataLoader:
             pin_memory=self.pin_memory,
             **kwargs,
         )
-        for batch in dl:
-            if self.epoch != epoch:
-                raise RuntimeError("ResumableDataLoader: the position was changed during iteration")
-            self.batches_consumed += 1
-            yield batch
-        self.epoch = epoch + 1
-        self.batches_consumed = 0
+        yield from dl
 
     # -- position -------------------------------------------------------
     def state_dict(self) -> dict:
@@ -114,7 +130,7 @@ class ResumableDataLoader:
             "global_batches_consumed": self.batches_consumed * self.world_size,
             "world_size": self.world_size,
             "sampler": self.batch_sampler.fingerprint(),
-            "dataset_seed": getattr(self.dataset, "seed", None),
+            "dataset": _dataset_fingerprint(self.dataset),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -127,10 +143,12 @@ class ResumableDataLoader:
                 "ResumableDataLoader.load_state_dict: the saved position belongs to other data or settings "
                 f"(saved, now): {diff}"
             )
-        seed = getattr(self.dataset, "seed", None)
-        if state.get("dataset_seed") != seed:
+        mine = _dataset_fingerprint(self.dataset)
+        saved = state.get("dataset")
+        if saved != mine:
+            diff = {k: ((saved or {}).get(k), v) for k, v in (mine or {}).items() if (saved or {}).get(k) != v}
             raise ValueError(
-                f"ResumableDataLoader.load_state_dict: dataset seed differs (saved {state.get('dataset_seed')}, now {seed})"
+                f"ResumableDataLoader.load_state_dict: the dataset settings differ (saved, now): {diff or (saved, mine)}"
             )
         g = int(state["global_batches_consumed"])
         if g % self.world_size:
@@ -162,18 +180,34 @@ def build_mlm_loader(
     seed: int = 0,
     mask_prob: float = 0.15,
     crop: str = "random",
-    rank: int = 0,
-    world_size: int = 1,
+    rank: int | None = None,
+    world_size: int | None = None,
     num_workers: int = 0,
     pin_memory: bool = False,
+    evaluation: bool = False,
 ) -> ResumableDataLoader:
     """The usual ESM-style pipeline in one call: MLMDataset ->
     TokenBudgetBatchSampler -> PackedTHDCollator (``packed``) or
     PaddedBSHDCollator -> ResumableDataLoader. ``sequences`` is a list of
-    strings or a TokenizedSequences (to share one encoding between loaders)."""
+    strings or a TokenizedSequences (to share one encoding between loaders).
+
+    ``rank`` / ``world_size`` default to torch.distributed's when a process
+    group is initialised, else 0 / 1. ``evaluation=True`` gives a validation
+    loader: file order, crops from the start, and the same masks every pass
+    (``fixed_epoch=0``)."""
     from .collate import PackedTHDCollator, PaddedBSHDCollator
     from .dataset import MLMDataset
 
+    if rank is None or world_size is None:
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank() if rank is None else rank
+            world_size = dist.get_world_size() if world_size is None else world_size
+        else:
+            rank = 0 if rank is None else rank
+            world_size = 1 if world_size is None else world_size
+    if evaluation:
+        shuffle, crop, bucket_size = False, "start", None
     m = pad_to_multiple_of or 1
     if (max_length + m - 1) // m * m > max_tokens:
         raise ValueError(
@@ -197,4 +231,6 @@ def build_mlm_loader(
         collate = PackedTHDCollator(tokenizer.pad_token_id, pad_to_multiple_of=pad_to_multiple_of, max_tokens=max_tokens)
     else:
         collate = PaddedBSHDCollator(tokenizer.pad_token_id, pad_to_multiple_of=pad_to_multiple_of)
-    return ResumableDataLoader(ds, sampler, collate, num_workers=num_workers, pin_memory=pin_memory)
+    return ResumableDataLoader(
+        ds, sampler, collate, num_workers=num_workers, pin_memory=pin_memory, fixed_epoch=0 if evaluation else None
+    )

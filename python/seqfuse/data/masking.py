@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["sample_seed", "sample_generator", "mlm_mask", "IGNORE_INDEX"]
+__all__ = ["sample_seed", "sample_generator", "mlm_mask", "mask_numpy", "IGNORE_INDEX"]
 
 #: Label value the loss ignores (torch.nn.CrossEntropyLoss's default).
 IGNORE_INDEX = -100
@@ -68,9 +68,10 @@ def mlm_mask(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Corrupt a 1-D sequence of ids; returns ``(masked_ids, labels)``.
 
-    The generator draws, in this order, L uniforms (selection), L uniforms
-    (action) and L random token choices, whatever the outcome, so the stream
-    layout is fixed by the length alone.
+    The generator draws, in this order, 2L uniforms (L for selection, L for
+    the action) and L random token choices, whatever the outcome, so the
+    stream layout is fixed by the length alone. Runs on the CPU (it is a
+    data-loading step).
     """
     if input_ids.dim() != 1:
         raise ValueError(f"mlm_mask: argument 'input_ids' must be 1-D, got shape {tuple(input_ids.shape)}")
@@ -85,25 +86,34 @@ def mlm_mask(
         raise ValueError(f"mlm_mask: argument 'input_ids' must be on the CPU (data loading), got {input_ids.device}")
     if random_token_ids.numel() == 0:
         raise ValueError("mlm_mask: argument 'random_token_ids' is empty")
-    ids = input_ids.to(torch.long)
-    n = ids.numel()
-    u_select = torch.rand(n, generator=generator)
-    u_action = torch.rand(n, generator=generator)
-    choice = torch.randint(random_token_ids.numel(), (n,), generator=generator)
-
-    # The arithmetic runs in numpy on views of the same memory: a handful of
-    # small torch ops per sample cost more than the draws themselves.
-    ids_np = ids.numpy()
-    special = np.zeros(n, dtype=bool)
-    for sid in special_token_ids:  # a few ids: cheaper than np.isin's setup
-        special |= ids_np == sid
-    selected = (u_select.numpy() < mask_prob) & ~special
-    a = u_action.numpy()
-    replacement = np.where(
-        a < mask_token_frac,
-        mask_token_id,
-        np.where(a < mask_token_frac + random_token_frac, random_token_ids.numpy()[choice.numpy()], ids_np),
+    ids = input_ids.to(torch.long).numpy()
+    special = np.zeros(int(max(ids.max(initial=0), max(special_token_ids, default=0))) + 1, dtype=bool)
+    special[list(special_token_ids)] = True
+    out, labels = mask_numpy(
+        ids, special, mask_token_id, random_token_ids.to(torch.long).numpy(), generator,
+        mask_prob, mask_token_frac, random_token_frac,
     )
-    out = np.where(selected, replacement, ids_np)
-    labels = np.where(selected, ids_np, IGNORE_INDEX)
     return torch.from_numpy(out), torch.from_numpy(labels)
+
+
+def mask_numpy(ids, special_lut, mask_token_id, random_ids, generator, mask_prob, mask_token_frac, random_token_frac):
+    """mlm_mask's core on an int64 numpy array, without argument checks
+    (MLMDataset calls it once per sample with validated settings).
+    ``special_lut[id]`` is True for special ids."""
+    n = ids.size
+    # Draw order is fixed by the length alone: 2n uniforms (selection,
+    # action), then n choices of a random token.
+    u = torch.rand(2 * n, generator=generator).numpy()
+    choice = torch.randint(random_ids.size, (n,), generator=generator).numpy()
+    sel = np.flatnonzero((u[:n] < mask_prob) & ~special_lut[ids])
+    action = u[n:][sel]
+    orig = ids[sel]
+    labels = np.full(n, IGNORE_INDEX, dtype=np.int64)
+    labels[sel] = orig
+    rep = orig.copy()
+    rep[action < mask_token_frac] = mask_token_id
+    rnd = (action >= mask_token_frac) & (action < mask_token_frac + random_token_frac)
+    rep[rnd] = random_ids[choice[sel[rnd]]]
+    out = ids.copy()
+    out[sel] = rep
+    return out, labels
