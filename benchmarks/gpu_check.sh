@@ -9,8 +9,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/seqfuse-gpu-check}
-mkdir -p "$OUT"
+# Logs collect in $LOG and are packed into one archive in $OUT at the end
+# (the device tool brings back at most 8 files).
+FINAL_OUT=${OUT:-/tmp/seqfuse-gpu-check}
+OUT=$(mktemp -d /tmp/gpu_check.XXXX)
+mkdir -p "$FINAL_OUT"
+pack() { cp benchmarks/results/*.json benchmarks/results/*.png "$OUT/" 2>/dev/null; tar czf "$FINAL_OUT/gpu_check.tgz" -C "$OUT" .; }
+trap pack EXIT
 status=0
 step() { echo; echo "===== $* ====="; }
 
@@ -24,21 +29,20 @@ python3 -m seqfuse || status=1
 step "standalone kernel checks"
 for b in bin/check_*; do
     [ -x "$b" ] || continue
-    "$b" 2>&1 | tee -a "$OUT/checks.log" | grep -E "passed|FAIL|TB/s|TFLOP" || status=1
+    timeout ${CHECK_TIMEOUT:-300} "$b" 2>&1 | tee -a "$OUT/checks.log" | grep -E "passed|FAIL|TB/s|TFLOP" || status=1
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
 done
 
 step "cuda tests"
-python3 -m pytest -q -m cuda ${TESTS:-tests} -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cuda.log" | tail -25
+python3 -m pytest -q -m cuda ${TESTS:-tests} -p no:cacheprovider ${PYTEST_ARGS:--n 8 --timeout 600} 2>&1 | tee "$OUT/pytest_cuda.log" | tail -25
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
 step benchmarks
 for b in ${BENCHES:-benchmarks/bench_*.py}; do
     echo "--- $b"
-    (cd benchmarks && python3 "$(basename "$b")") > "$OUT/$(basename "$b" .py).log" 2>&1 \
+    (cd benchmarks && timeout ${BENCH_TIMEOUT:-300} python3 "$(basename "$b")") > "$OUT/$(basename "$b" .py).log" 2>&1 \
         || { status=1; tail -20 "$OUT/$(basename "$b" .py).log"; }
 done
-mkdir -p "$OUT/results" && cp benchmarks/results/*.json benchmarks/results/*.png "$OUT/results/" 2>/dev/null
 
 step summary
 python3 benchmarks/summary.py
