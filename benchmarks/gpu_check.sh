@@ -16,6 +16,7 @@ OUT=$(mktemp -d /tmp/gpu_check.XXXX)
 mkdir -p "$FINAL_OUT"
 pack() { cp benchmarks/results/*.json benchmarks/results/*.png "$OUT/" 2>/dev/null; tar czf "$FINAL_OUT/gpu_check.tgz" -C "$OUT" .; }
 trap pack EXIT
+trap "exit 143" TERM
 status=0
 step() { echo; echo "===== $* ====="; }
 
