@@ -172,6 +172,145 @@ static PyObject *py_fp8_compute_scale(PyObject *self, PyObject *const *args, Py_
     return finish(&c, st);
 }
 
+/* quantize_block_fp8(x, out, scale_inv, block_rows, stream=None) */
+static PyObject *py_quantize_block_fp8(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    static const char op[] = "quantize_block_fp8";
+    if (sf_py_check_nargs(op, nargs, 4, 5) < 0)
+        return NULL;
+    int block_rows;
+    if (int_arg(op, args[3], "block_rows", &block_rows) < 0)
+        return NULL;
+    sf_py_call c;
+    if (sf_py_call_init(&c, op, nargs > 4 ? args[4] : Py_None) < 0)
+        return NULL;
+    sf_tensor x, out, si;
+    if (sf_py_tensor(&c, args[0], "x", &x) < 0 || sf_py_tensor(&c, args[1], "out", &out) < 0 ||
+        sf_py_tensor(&c, args[2], "scale_inv", &si) < 0) {
+        sf_py_call_release(&c);
+        return NULL;
+    }
+    sf_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = sf_quantize_block_fp8(&x, &out, &si, block_rows, sf_py_call_stream(&c));
+    Py_END_ALLOW_THREADS
+    return finish(&c, st);
+}
+
+/* dequantize_block_fp8(data, scale_inv, block_rows, out, stream=None) */
+static PyObject *py_dequantize_block_fp8(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    static const char op[] = "dequantize_block_fp8";
+    if (sf_py_check_nargs(op, nargs, 4, 5) < 0)
+        return NULL;
+    int block_rows;
+    if (int_arg(op, args[2], "block_rows", &block_rows) < 0)
+        return NULL;
+    sf_py_call c;
+    if (sf_py_call_init(&c, op, nargs > 4 ? args[4] : Py_None) < 0)
+        return NULL;
+    sf_tensor data, si, out;
+    if (sf_py_tensor(&c, args[0], "data", &data) < 0 ||
+        sf_py_tensor(&c, args[1], "scale_inv", &si) < 0 ||
+        sf_py_tensor(&c, args[3], "out", &out) < 0) {
+        sf_py_call_release(&c);
+        return NULL;
+    }
+    sf_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = sf_dequantize_block_fp8(&data, &si, block_rows, &out, sf_py_call_stream(&c));
+    Py_END_ALLOW_THREADS
+    return finish(&c, st);
+}
+
+/* quantize_mxfp8(x, out, scales, stream=None) / dequantize_mxfp8(data, scales, out, stream=None) */
+static PyObject *py_mxfp8(PyObject *const *args, Py_ssize_t nargs, int quantize)
+{
+    const char *op = quantize ? "quantize_mxfp8" : "dequantize_mxfp8";
+    if (sf_py_check_nargs(op, nargs, 3, 4) < 0)
+        return NULL;
+    sf_py_call c;
+    if (sf_py_call_init(&c, op, nargs > 3 ? args[3] : Py_None) < 0)
+        return NULL;
+    sf_tensor t0, t1, t2;
+    if (sf_py_tensor(&c, args[0], quantize ? "x" : "data", &t0) < 0 ||
+        sf_py_tensor(&c, args[1], quantize ? "out" : "scales", &t1) < 0 ||
+        sf_py_tensor(&c, args[2], quantize ? "scales" : "out", &t2) < 0) {
+        sf_py_call_release(&c);
+        return NULL;
+    }
+    sf_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = quantize ? sf_quantize_mxfp8(&t0, &t1, &t2, sf_py_call_stream(&c))
+                  : sf_dequantize_mxfp8(&t0, &t1, &t2, sf_py_call_stream(&c));
+    Py_END_ALLOW_THREADS
+    return finish(&c, st);
+}
+
+static PyObject *py_quantize_mxfp8(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    return py_mxfp8(args, nargs, 1);
+}
+
+static PyObject *py_dequantize_mxfp8(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    return py_mxfp8(args, nargs, 0);
+}
+
+/* quantize_nvfp4(x, amax, out, block_scales, global_scale_inv, stream=None) */
+static PyObject *py_quantize_nvfp4(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    static const char op[] = "quantize_nvfp4";
+    if (sf_py_check_nargs(op, nargs, 5, 6) < 0)
+        return NULL;
+    sf_py_call c;
+    if (sf_py_call_init(&c, op, nargs > 5 ? args[5] : Py_None) < 0)
+        return NULL;
+    sf_tensor x, amax, out, bs, gsi;
+    if (sf_py_tensor(&c, args[0], "x", &x) < 0 || sf_py_tensor(&c, args[1], "amax", &amax) < 0 ||
+        sf_py_tensor(&c, args[2], "out", &out) < 0 ||
+        sf_py_tensor(&c, args[3], "block_scales", &bs) < 0 ||
+        sf_py_tensor(&c, args[4], "global_scale_inv", &gsi) < 0) {
+        sf_py_call_release(&c);
+        return NULL;
+    }
+    sf_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = sf_quantize_nvfp4(&x, &amax, &out, &bs, &gsi, sf_py_call_stream(&c));
+    Py_END_ALLOW_THREADS
+    return finish(&c, st);
+}
+
+/* dequantize_nvfp4(data, block_scales, global_scale_inv, out, stream=None) */
+static PyObject *py_dequantize_nvfp4(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    static const char op[] = "dequantize_nvfp4";
+    if (sf_py_check_nargs(op, nargs, 4, 5) < 0)
+        return NULL;
+    sf_py_call c;
+    if (sf_py_call_init(&c, op, nargs > 4 ? args[4] : Py_None) < 0)
+        return NULL;
+    sf_tensor data, bs, gsi, out;
+    if (sf_py_tensor(&c, args[0], "data", &data) < 0 ||
+        sf_py_tensor(&c, args[1], "block_scales", &bs) < 0 ||
+        sf_py_tensor(&c, args[2], "global_scale_inv", &gsi) < 0 ||
+        sf_py_tensor(&c, args[3], "out", &out) < 0) {
+        sf_py_call_release(&c);
+        return NULL;
+    }
+    sf_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = sf_dequantize_nvfp4(&data, &bs, &gsi, &out, sf_py_call_stream(&c));
+    Py_END_ALLOW_THREADS
+    return finish(&c, st);
+}
+
 PyMethodDef sf_py_quant_methods[] = {
     {"amax", (PyCFunction)(void (*)(void))py_amax, METH_FASTCALL,
      "amax(x, out, stream=None): out[0] = max |x| (float32)."},
@@ -185,5 +324,17 @@ PyMethodDef sf_py_quant_methods[] = {
      "the delayed-scaling update of every column in one launch."},
     {"fp8_compute_scale", (PyCFunction)(void (*)(void))py_fp8_compute_scale, METH_FASTCALL,
      "fp8_compute_scale(amax, scale, scale_inv, fp8_max, margin, stream=None): current scaling."},
+    {"quantize_block_fp8", (PyCFunction)(void (*)(void))py_quantize_block_fp8, METH_FASTCALL,
+     "quantize_block_fp8(x, out, scale_inv, block_rows, stream=None): 1x128 / 128x128 blocks."},
+    {"dequantize_block_fp8", (PyCFunction)(void (*)(void))py_dequantize_block_fp8, METH_FASTCALL,
+     "dequantize_block_fp8(data, scale_inv, block_rows, out, stream=None)."},
+    {"quantize_mxfp8", (PyCFunction)(void (*)(void))py_quantize_mxfp8, METH_FASTCALL,
+     "quantize_mxfp8(x, out, scales, stream=None): 1x32 blocks, E8M0 scales."},
+    {"dequantize_mxfp8", (PyCFunction)(void (*)(void))py_dequantize_mxfp8, METH_FASTCALL,
+     "dequantize_mxfp8(data, scales, out, stream=None)."},
+    {"quantize_nvfp4", (PyCFunction)(void (*)(void))py_quantize_nvfp4, METH_FASTCALL,
+     "quantize_nvfp4(x, amax, out, block_scales, global_scale_inv, stream=None)."},
+    {"dequantize_nvfp4", (PyCFunction)(void (*)(void))py_dequantize_nvfp4, METH_FASTCALL,
+     "dequantize_nvfp4(data, block_scales, global_scale_inv, out, stream=None)."},
     {NULL, NULL, 0, NULL},
 };

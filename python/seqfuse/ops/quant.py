@@ -162,3 +162,115 @@ def fp8_compute_scale(amax, scale, scale_inv, fp8_max, margin=0):
     """Current scaling: ``scale = fp8_max / amax / 2**margin`` (1 where amax is
     0 or not finite) and ``scale_inv = 1 / scale``, elementwise, in place."""
     _C.fp8_compute_scale(amax, scale, scale_inv, float(fp8_max), int(margin), stream_for(amax))
+
+
+# ---- block-scaled formats ----------------------------------------------------
+
+def _matrix(op, x, multiple, what):
+    x = _check_input(op, x)
+    if x.dim() < 1:
+        raise ValueError(f"{op}: argument 'x' must have at least 1 dimension")
+    k = x.shape[-1]
+    if k % multiple:
+        raise ValueError(f"{op}: the last dimension of 'x' (K = {k}) must be a multiple of "
+                         f"{multiple} for {what}")
+    return x, (x.numel() // k if k else 0), k
+
+
+def block_scale_shape(m, k, block_rows):
+    """Shape of the fp32 scale tensor of an [m, k] matrix in cuBLASLt's Hopper
+    layout: 1x128 blocks -> [k/128, round_up(m, 4)] (m fastest);
+    128x128 blocks -> [ceil(m/128), round_up(k/128, 4)]."""
+    if block_rows == 1:
+        return (k // 128, (m + 3) // 4 * 4)
+    return ((m + 127) // 128, (k // 128 + 3) // 4 * 4)
+
+
+def quantize_block_fp8(x, block_rows=1, fp8_dtype=torch.float8_e4m3fn):
+    """FP8 with an fp32 scale per 1x128 (``block_rows=1``) or 128x128
+    (``block_rows=128``) block, for cuBLASLt's block-scaled FP8 GEMMs on
+    Hopper (CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F / BLK128x128_32F).
+
+    Returns ``(data, scale_inv)``: ``data`` FP8 shaped like x (viewed as
+    [M, K], K % 128 == 0 required), ``scale_inv`` float32 of
+    :func:`block_scale_shape` -- 1x128: [K/128, round_up(M, 4)] with M
+    fastest (element [kb, m] belongs to x[m, 128kb:128kb+128]); 128x128:
+    [ceil(M/128), round_up(K/128, 4)].  Padding entries are 0.  A block's
+    values are ``saturate(x * s)`` with s = fp8_max / block_amax (1 for an
+    all-zero block) and scale_inv = 1 / s.
+    """
+    op = "quantize_block_fp8"
+    if block_rows not in (1, 128):
+        raise ValueError(f"{op}: argument 'block_rows' must be 1 (1x128 blocks) or 128 "
+                         f"(128x128 blocks), got {block_rows!r}")
+    x, m, k = _matrix(op, x, 128, "1x128 blocks" if block_rows == 1 else "128x128 blocks")
+    fp8_dtype = fp8_dtype_of(fp8_dtype, op)
+    out = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    scale_inv = torch.empty(block_scale_shape(m, k, block_rows), dtype=torch.float32, device=x.device)
+    _C.quantize_block_fp8(x, out, scale_inv, block_rows, stream_for(x))
+    return out, scale_inv
+
+
+def dequantize_block_fp8(data, scale_inv, block_rows=1, out_dtype=torch.float32):
+    out = torch.empty(data.shape, dtype=out_dtype, device=data.device)
+    _C.dequantize_block_fp8(data.contiguous(), scale_inv, block_rows, out, stream_for(data))
+    return out
+
+
+def _scales_arg(t, dtype):
+    """Scales travel as their float8 dtype where torch has it, else uint8."""
+    return t.view(torch.uint8) if dtype is not None and t.dtype == dtype else t
+
+
+_E8M0 = getattr(torch, "float8_e8m0fnu", None)
+
+
+def quantize_mxfp8(x, fp8_dtype=torch.float8_e4m3fn):
+    """MXFP8: FP8 values with an E8M0 scale (a power of two) per 32
+    consecutive elements along the last dimension (K % 32 == 0).  Returns
+    ``(data, scales)``; scales [..., K/32] as torch.float8_e8m0fnu (uint8 on
+    torch without it), row-major -- Blackwell GEMMs want them swizzled.
+    The scale is 2^ceil(log2(block_amax / fp8_max)), so nothing saturates.
+    """
+    op = "quantize_mxfp8"
+    x, m, k = _matrix(op, x, 32, "MXFP8 (1x32 blocks)")
+    fp8_dtype = fp8_dtype_of(fp8_dtype, op)
+    out = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    scales = torch.empty((*x.shape[:-1], k // 32), dtype=torch.uint8, device=x.device)
+    _C.quantize_mxfp8(x, out, scales, stream_for(x))
+    return out, (scales.view(_E8M0) if _E8M0 is not None else scales)
+
+
+def dequantize_mxfp8(data, scales, out_dtype=torch.float32):
+    out = torch.empty(data.shape, dtype=out_dtype, device=data.device)
+    _C.dequantize_mxfp8(data.contiguous(), _scales_arg(scales, _E8M0).contiguous(), out,
+                        stream_for(data))
+    return out
+
+
+def quantize_nvfp4(x, amax=None):
+    """NVFP4: E2M1 values packed two per byte (element 2j in the low nibble
+    of byte j), an E4M3 scale per 16 consecutive elements (K % 16 == 0) and
+    one fp32 scale per tensor.  ``amax``: max|x| if already known (one-element
+    float32), else computed here.  Returns ``(data uint8 [..., K/2],
+    block_scales float8_e4m3fn [..., K/16], global_scale_inv float32 [1])``;
+    x ~= e2m1 * block_scale * global_scale_inv.
+    """
+    op = "quantize_nvfp4"
+    x, m, k = _matrix(op, x, 16, "NVFP4 (16-element blocks)")
+    if amax is None:
+        amax = torch.empty(1, dtype=torch.float32, device=x.device)
+        _C.amax(x, amax, stream_for(x))
+    out = torch.empty((*x.shape[:-1], k // 2), dtype=torch.uint8, device=x.device)
+    block_scales = torch.empty((*x.shape[:-1], k // 16), dtype=torch.uint8, device=x.device)
+    gsi = torch.empty(1, dtype=torch.float32, device=x.device)
+    _C.quantize_nvfp4(x, amax, out, block_scales, gsi, stream_for(x))
+    return out, block_scales.view(torch.float8_e4m3fn), gsi
+
+
+def dequantize_nvfp4(data, block_scales, global_scale_inv, out_dtype=torch.float32):
+    shape = (*data.shape[:-1], data.shape[-1] * 2)
+    out = torch.empty(shape, dtype=out_dtype, device=data.device)
+    _C.dequantize_nvfp4(data.contiguous(), block_scales.view(torch.uint8).contiguous(),
+                        global_scale_inv, out, stream_for(data))
+    return out

@@ -1,0 +1,243 @@
+/*
+ * block.c - public entries of the block-scaled formats: FP8 with fp32 scales
+ * per 1x128 or 128x128 block (cuBLASLt's VEC128_32F / BLK128x128_32F layout
+ * on Hopper), MXFP8 (E8M0 per 32) and NVFP4 (E2M1 values, E4M3 per 16, fp32
+ * per tensor), quantize and dequantize.  Every precondition is checked here
+ * once, including the multiple each format needs of the last dimension.
+ */
+#include "cast_backend.h"
+
+static sf_status check_fp8_dtype(const char *op, const char *arg, const sf_tensor *t)
+{
+    if (t->dtype != SF_FLOAT8_E4M3 && t->dtype != SF_FLOAT8_E5M2)
+        return sf_fail(SF_ERR_TYPE,
+                       "%s: argument '%s' must have dtype float8_e4m3fn or float8_e5m2, got %s",
+                       op, arg, sf_dtype_name(t->dtype));
+    return SF_OK;
+}
+
+static sf_status check_out(const char *op, const char *arg, const sf_tensor *t,
+                           const sf_tensor *x, int64_t numel, int written)
+{
+    SF_TRY(sf_check_contiguous(op, arg, t));
+    SF_TRY(sf_check_same_device(op, "x", x, arg, t));
+    SF_TRY(sf_check_numel(op, arg, t, numel));
+    if (written)
+        SF_TRY(sf_check_writable(op, arg, t));
+    return SF_OK;
+}
+
+/* x viewed as [m, k]; k must be a multiple of `multiple`. */
+static sf_status matrix_view(const char *op, const char *arg, const sf_tensor *x,
+                             int64_t multiple, const char *what, int64_t *m, int64_t *k)
+{
+    SF_TRY(sf_check_contiguous(op, arg, x));
+    if (x->ndim < 1)
+        return sf_fail(SF_ERR_VALUE, "%s: argument '%s' must have at least 1 dimension", op, arg);
+    *k = x->shape[x->ndim - 1];
+    *m = *k ? sf_numel(x) / *k : 0;
+    if (*k % multiple != 0)
+        return sf_fail(SF_ERR_VALUE,
+                       "%s: the last dimension of '%s' (K = %lld) must be a multiple of %lld "
+                       "for %s",
+                       op, arg, (long long)*k, (long long)multiple, what);
+    return SF_OK;
+}
+
+static int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
+
+/* The fp32 block-scale tensor of block_rows 1 or 128 (see seqfuse_quant.h). */
+static sf_status check_block_scales(const char *op, const sf_tensor *s, const sf_tensor *x,
+                                    int block_rows, int64_t m, int64_t k, int written,
+                                    int64_t *ld)
+{
+    int64_t rows, cols;
+    if (block_rows == 1) {
+        rows = k / 128;
+        cols = round_up(m, 4);
+    } else {
+        rows = (m + 127) / 128;
+        cols = round_up(k / 128, 4);
+    }
+    SF_TRY(sf_check_dtype(op, "scale_inv", s, SF_FLOAT32));
+    if (s->ndim != 2 || s->shape[0] != rows || s->shape[1] != cols)
+        return sf_fail(SF_ERR_VALUE,
+                       "%s: argument 'scale_inv' must have shape [%lld, %lld] for %s blocks of "
+                       "a [%lld, %lld] matrix (%s)",
+                       op, (long long)rows, (long long)cols, block_rows == 1 ? "1x128" : "128x128",
+                       (long long)m, (long long)k,
+                       block_rows == 1 ? "[K/128, round_up(M, 4)], M fastest"
+                                       : "[ceil(M/128), round_up(K/128, 4)]");
+    SF_TRY(check_out(op, "scale_inv", s, x, rows * cols, written));
+    *ld = cols;
+    return SF_OK;
+}
+
+static sf_status dispatch(const char *op, const sf_tensor *on, sf_block_args *a, int quantize,
+                          sf_stream stream)
+{
+    if (on->device == SF_CPU)
+        return quantize ? sf_block_quantize_cpu(a) : sf_block_dequantize_cpu(a);
+#ifdef SF_WITH_CUDA
+    return quantize ? sf_block_quantize_cuda(a, on->device_id, stream)
+                    : sf_block_dequantize_cuda(a, on->device_id, stream);
+#else
+    (void)stream;
+    return sf_fail(SF_ERR_NOT_IMPLEMENTED,
+                   "%s: the tensors are on a CUDA device but seqfuse was built without CUDA", op);
+#endif
+}
+
+sf_status sf_quantize_block_fp8(const sf_tensor *x, sf_tensor *out, sf_tensor *scale_inv,
+                                int block_rows, sf_stream stream)
+{
+    static const char op[] = "quantize_block_fp8";
+    SF_TRY(sf_check_float_input(op, "x", x));
+    if (block_rows != 1 && block_rows != 128)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'block_rows' must be 1 (1x128 blocks) or 128 "
+                       "(128x128 blocks), got %d", op, block_rows);
+    sf_block_args a = {0};
+    SF_TRY(matrix_view(op, "x", x, 128, block_rows == 1 ? "1x128 blocks" : "128x128 blocks",
+                       &a.m, &a.k));
+    SF_TRY(check_fp8_dtype(op, "out", out));
+    SF_TRY(check_out(op, "out", out, x, a.m * a.k, 1));
+    SF_TRY(sf_check_aligned(op, "out", out, 8));
+    SF_TRY(check_block_scales(op, scale_inv, x, block_rows, a.m, a.k, 1, &a.scale_ld));
+    a.format = block_rows == 1 ? SF_BLOCK_FP8_1X128 : SF_BLOCK_FP8_128X128;
+    a.x = x->data;
+    a.x_dtype = x->dtype;
+    a.data = (uint8_t *)out->data;
+    a.e5m2 = out->dtype == SF_FLOAT8_E5M2;
+    a.scales = scale_inv->data;
+    return dispatch(op, x, &a, 1, stream);
+}
+
+sf_status sf_dequantize_block_fp8(const sf_tensor *data, const sf_tensor *scale_inv,
+                                  int block_rows, sf_tensor *out, sf_stream stream)
+{
+    static const char op[] = "dequantize_block_fp8";
+    SF_TRY(check_fp8_dtype(op, "data", data));
+    if (block_rows != 1 && block_rows != 128)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'block_rows' must be 1 or 128, got %d", op,
+                       block_rows);
+    sf_block_args a = {0};
+    SF_TRY(matrix_view(op, "data", data, 128, block_rows == 1 ? "1x128 blocks" : "128x128 blocks",
+                       &a.m, &a.k));
+    SF_TRY(sf_check_float_input(op, "out", out));
+    SF_TRY(check_out(op, "out", out, data, a.m * a.k, 1));
+    SF_TRY(check_block_scales(op, scale_inv, data, block_rows, a.m, a.k, 0, &a.scale_ld));
+    a.format = block_rows == 1 ? SF_BLOCK_FP8_1X128 : SF_BLOCK_FP8_128X128;
+    a.data = (uint8_t *)data->data;
+    a.e5m2 = data->dtype == SF_FLOAT8_E5M2;
+    a.scales = scale_inv->data;
+    a.y = out->data;
+    a.x_dtype = out->dtype;
+    return dispatch(op, data, &a, 0, stream);
+}
+
+static sf_status check_byte_scales(const char *op, const char *arg, const sf_tensor *s,
+                                   sf_dtype typed)
+{
+    if (s->dtype != typed && s->dtype != SF_UINT8)
+        return sf_fail(SF_ERR_TYPE, "%s: argument '%s' must have dtype %s or uint8, got %s", op,
+                       arg, sf_dtype_name(typed), sf_dtype_name(s->dtype));
+    return SF_OK;
+}
+
+sf_status sf_quantize_mxfp8(const sf_tensor *x, sf_tensor *out, sf_tensor *scales,
+                            sf_stream stream)
+{
+    static const char op[] = "quantize_mxfp8";
+    SF_TRY(sf_check_float_input(op, "x", x));
+    sf_block_args a = {0};
+    SF_TRY(matrix_view(op, "x", x, 32, "MXFP8 (1x32 blocks)", &a.m, &a.k));
+    SF_TRY(check_fp8_dtype(op, "out", out));
+    SF_TRY(check_out(op, "out", out, x, a.m * a.k, 1));
+    SF_TRY(check_byte_scales(op, "scales", scales, SF_FLOAT8_E8M0));
+    SF_TRY(check_out(op, "scales", scales, x, a.m * a.k / 32, 1));
+    a.format = SF_BLOCK_MXFP8;
+    a.x = x->data;
+    a.x_dtype = x->dtype;
+    a.data = (uint8_t *)out->data;
+    a.e5m2 = out->dtype == SF_FLOAT8_E5M2;
+    a.scales = scales->data;
+    return dispatch(op, x, &a, 1, stream);
+}
+
+sf_status sf_dequantize_mxfp8(const sf_tensor *data, const sf_tensor *scales, sf_tensor *out,
+                              sf_stream stream)
+{
+    static const char op[] = "dequantize_mxfp8";
+    SF_TRY(check_fp8_dtype(op, "data", data));
+    sf_block_args a = {0};
+    SF_TRY(matrix_view(op, "data", data, 32, "MXFP8 (1x32 blocks)", &a.m, &a.k));
+    SF_TRY(check_byte_scales(op, "scales", scales, SF_FLOAT8_E8M0));
+    SF_TRY(check_out(op, "scales", scales, data, a.m * a.k / 32, 0));
+    SF_TRY(sf_check_float_input(op, "out", out));
+    SF_TRY(check_out(op, "out", out, data, a.m * a.k, 1));
+    a.format = SF_BLOCK_MXFP8;
+    a.data = (uint8_t *)data->data;
+    a.e5m2 = data->dtype == SF_FLOAT8_E5M2;
+    a.scales = scales->data;
+    a.y = out->data;
+    a.x_dtype = out->dtype;
+    return dispatch(op, data, &a, 0, stream);
+}
+
+static sf_status check_scalar(const char *op, const char *arg, const sf_tensor *t,
+                              const sf_tensor *x, int written)
+{
+    SF_TRY(sf_check_dtype(op, arg, t, SF_FLOAT32));
+    SF_TRY(sf_check_numel(op, arg, t, 1));
+    SF_TRY(sf_check_same_device(op, "x", x, arg, t));
+    if (written)
+        SF_TRY(sf_check_writable(op, arg, t));
+    return SF_OK;
+}
+
+sf_status sf_quantize_nvfp4(const sf_tensor *x, const sf_tensor *amax, sf_tensor *out,
+                            sf_tensor *block_scales, sf_tensor *global_scale_inv,
+                            sf_stream stream)
+{
+    static const char op[] = "quantize_nvfp4";
+    SF_TRY(sf_check_float_input(op, "x", x));
+    sf_block_args a = {0};
+    SF_TRY(matrix_view(op, "x", x, 16, "NVFP4 (16-element blocks)", &a.m, &a.k));
+    SF_TRY(check_scalar(op, "amax", amax, x, 0));
+    SF_TRY(sf_check_dtype(op, "out", out, SF_UINT8));
+    SF_TRY(check_out(op, "out", out, x, a.m * a.k / 2, 1));
+    SF_TRY(check_byte_scales(op, "block_scales", block_scales, SF_FLOAT8_E4M3));
+    SF_TRY(check_out(op, "block_scales", block_scales, x, a.m * a.k / 16, 1));
+    SF_TRY(check_scalar(op, "global_scale_inv", global_scale_inv, x, 1));
+    a.format = SF_BLOCK_NVFP4;
+    a.x = x->data;
+    a.x_dtype = x->dtype;
+    a.data = (uint8_t *)out->data;
+    a.scales = block_scales->data;
+    a.amax = (const float *)amax->data;
+    a.global_scale_inv = (float *)global_scale_inv->data;
+    return dispatch(op, x, &a, 1, stream);
+}
+
+sf_status sf_dequantize_nvfp4(const sf_tensor *data, const sf_tensor *block_scales,
+                              const sf_tensor *global_scale_inv, sf_tensor *out,
+                              sf_stream stream)
+{
+    static const char op[] = "dequantize_nvfp4";
+    SF_TRY(sf_check_dtype(op, "data", data, SF_UINT8));
+    SF_TRY(sf_check_float_input(op, "out", out));
+    sf_block_args a = {0};
+    SF_TRY(matrix_view(op, "out", out, 16, "NVFP4 (16-element blocks)", &a.m, &a.k));
+    SF_TRY(sf_check_writable(op, "out", out));
+    SF_TRY(check_out(op, "data", data, out, a.m * a.k / 2, 0));
+    SF_TRY(check_byte_scales(op, "block_scales", block_scales, SF_FLOAT8_E4M3));
+    SF_TRY(check_out(op, "block_scales", block_scales, out, a.m * a.k / 16, 0));
+    SF_TRY(check_scalar(op, "global_scale_inv", global_scale_inv, out, 0));
+    a.format = SF_BLOCK_NVFP4;
+    a.data = (uint8_t *)data->data;
+    a.scales = block_scales->data;
+    a.global_scale_inv = (float *)global_scale_inv->data;
+    a.y = out->data;
+    a.x_dtype = out->dtype;
+    return dispatch(op, out, &a, 0, stream);
+}

@@ -1,0 +1,302 @@
+/*
+ * block_cuda.cu - the block-scaled quantizers on the GPU, matching
+ * block_cpu.c bit for bit (same fp8.h math, the same order of operations):
+ *
+ *   1x128:   one warp per block (4 values per lane), warp-shuffle amax.
+ *   128x128: one 256-thread CTA per block, 64 values per thread held in
+ *            registers between the amax and the cast.
+ *   MXFP8:   one warp per 32-value block (one value per lane).
+ *   NVFP4:   half a warp per 16-value block; even lanes pack two codes.
+ *   dequantize: one thread per value.
+ * These run once per weight update or per activation; they are written for
+ * clarity and coalesced access, not tuned like cast_transpose.
+ */
+#include "../core/cuda_util.h"
+#include "cast_backend.h"
+#include "fp8_cuda.cuh"
+
+namespace {
+
+constexpr int kThreads = 256;
+
+template <typename T>
+__device__ __forceinline__ float ld(const T *x, int64_t i) { return sf_to_float(x[i]); }
+
+__device__ __forceinline__ uint32_t warp_max(uint32_t v, int width = 32)
+{
+    for (int off = width / 2; off > 0; off >>= 1)
+        v = max(v, __shfl_xor_sync(0xffffffffu, v, off, width));
+    return v;
+}
+
+__device__ __forceinline__ uint8_t cvt1(float v, int e5m2)
+{
+    return e5m2 ? (uint8_t)sf_cvt2<true>(v, 0.0f) : (uint8_t)sf_cvt2<false>(v, 0.0f);
+}
+
+template <typename T>
+__global__ void quant_1x128_kernel(const T *__restrict__ x, int64_t m, int64_t k, uint8_t *out,
+                                   float *scale_inv, int64_t ld_m, int e5m2)
+{
+    const int lane = threadIdx.x & 31;
+    const int64_t kb_n = k / 128, total = ld_m * kb_n;
+    const int64_t warps = (int64_t)gridDim.x * (kThreads / 32);
+    const float fmax = sf_fp8_max(e5m2);
+    for (int64_t b = (int64_t)blockIdx.x * (kThreads / 32) + (threadIdx.x >> 5); b < total;
+         b += warps) {
+        const int64_t kb = b / ld_m, r = b % ld_m; /* consecutive warps: consecutive rows */
+        if (r >= m) {
+            if (lane == 0)
+                scale_inv[kb * ld_m + r] = 0.0f;
+            continue;
+        }
+        const int64_t base = r * k + kb * 128 + lane * 4;
+        float v[4];
+        uint32_t am = 0;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            v[e] = ld(x, base + e);
+            am = max(am, sf_abs_bits(v[e]));
+        }
+        am = warp_max(am);
+        const float s = sf_scale_from_amax(sf_bits_f32(am), fmax, 1.0f, 1.0f);
+        if (lane == 0)
+            scale_inv[kb * ld_m + r] = __fdiv_rn(1.0f, s);
+        uint32_t w = 0;
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            w |= (uint32_t)cvt1(__fmul_rn(v[e], s), e5m2) << (8 * e);
+        *reinterpret_cast<uint32_t *>(out + base) = w; /* k % 128 == 0: 4-byte aligned */
+    }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+quant_128x128_kernel(const T *__restrict__ x, int64_t m, int64_t k, uint8_t *out,
+                     float *scale_inv, int64_t ld_k, int e5m2)
+{
+    const int64_t kb_n = k / 128;
+    const int64_t mb = blockIdx.x / ld_k, kb = blockIdx.x % ld_k;
+    const int t = threadIdx.x;
+    if (kb >= kb_n) { /* a padding column of the scale tensor */
+        if (t == 0)
+            scale_inv[mb * ld_k + kb] = 0.0f;
+        return;
+    }
+    const int col = (t & 15) * 8, row0 = t >> 4;
+    float v[8][8];
+    uint32_t am = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int64_t r = mb * 128 + row0 + 16 * i;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            v[i][e] = r < m ? ld(x, r * k + kb * 128 + col + e) : 0.0f;
+            am = max(am, sf_abs_bits(v[i][e]));
+        }
+    }
+    __shared__ uint32_t red[kThreads / 32];
+    am = warp_max(am);
+    if ((t & 31) == 0)
+        red[t >> 5] = am;
+    __syncthreads();
+    am = 0;
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w)
+        am = max(am, red[w]);
+    const float s = sf_scale_from_amax(sf_bits_f32(am), sf_fp8_max(e5m2), 1.0f, 1.0f);
+    if (t == 0)
+        scale_inv[mb * ld_k + kb] = __fdiv_rn(1.0f, s);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int64_t r = mb * 128 + row0 + 16 * i;
+        if (r >= m)
+            continue;
+        uint32_t w0 = 0, w1 = 0;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            w0 |= (uint32_t)cvt1(__fmul_rn(v[i][e], s), e5m2) << (8 * e);
+            w1 |= (uint32_t)cvt1(__fmul_rn(v[i][e + 4], s), e5m2) << (8 * e);
+        }
+        *reinterpret_cast<uint2 *>(out + r * k + kb * 128 + col) = make_uint2(w0, w1);
+    }
+}
+
+__device__ __forceinline__ float e8m0_inverse(uint32_t e)
+{
+    return e == 254u ? sf_bits_f32(0x00400000u) : sf_bits_f32((254u - e) << 23);
+}
+
+template <typename T>
+__global__ void quant_mxfp8_kernel(const T *__restrict__ x, int64_t n, uint8_t *out,
+                                   uint8_t *scales, int e5m2)
+{
+    const int lane = threadIdx.x & 31;
+    const int64_t blocks = n / 32, warps = (int64_t)gridDim.x * (kThreads / 32);
+    const float fmax = sf_fp8_max(e5m2);
+    for (int64_t b = (int64_t)blockIdx.x * (kThreads / 32) + (threadIdx.x >> 5); b < blocks;
+         b += warps) {
+        const float v = ld(x, b * 32 + lane);
+        const float amax = sf_bits_f32(warp_max(sf_abs_bits(v)));
+        const uint8_t e = amax == 0.0f ? 127u : sf_e8m0_ceil(__fdiv_rn(amax, fmax));
+        if (lane == 0)
+            scales[b] = e;
+        const float mul = e == 0xffu ? sf_bits_f32(0x7fc00000u) : e8m0_inverse(e);
+        out[b * 32 + lane] = cvt1(__fmul_rn(v, mul), e5m2);
+    }
+}
+
+template <typename T>
+__global__ void quant_nvfp4_kernel(const T *__restrict__ x, int64_t n, const float *amax_p,
+                                   uint8_t *out, uint8_t *scales, float *global_scale_inv)
+{
+    const float S = sf_scale_from_amax(*amax_p, SF_E4M3_MAX * SF_E2M1_MAX, 1.0f, 1.0f);
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+        *global_scale_inv = __fdiv_rn(1.0f, S);
+    const int lane = threadIdx.x & 31, half = lane & 15;
+    const int64_t pairs = n / 32, warps = (int64_t)gridDim.x * (kThreads / 32);
+    const int64_t nblocks = n / 16;
+    for (int64_t p = (int64_t)blockIdx.x * (kThreads / 32) + (threadIdx.x >> 5);
+         p < (nblocks + 1) / 2; p += warps) {
+        const int64_t b = p * 2 + (lane >> 4);
+        const bool live = b < nblocks;
+        const float v = live ? ld(x, b * 16 + half) : 0.0f;
+        const float amax = sf_bits_f32(warp_max(sf_abs_bits(v), 16));
+        const uint8_t d = sf_f32_to_e4m3(__fmul_rn(__fdiv_rn(amax, SF_E2M1_MAX), S));
+        const float df = sf_e4m3_to_f32(d);
+        const float mul = df == 0.0f ? 0.0f : __fdiv_rn(S, df);
+        const uint32_t code = sf_f32_to_e2m1(__fmul_rn(v, mul));
+        const uint32_t next = __shfl_down_sync(0xffffffffu, code, 1);
+        if (live && half == 0)
+            scales[b] = d;
+        if (live && (half & 1) == 0)
+            out[(b * 16 + half) / 2] = (uint8_t)(code | (next << 4));
+    }
+    (void)pairs;
+}
+
+template <typename O>
+__global__ void dequant_kernel(sf_block_args a, O *__restrict__ y)
+{
+    const int64_t n = a.m * a.k, stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const int64_t r = i / a.k, c = i % a.k;
+        float v;
+        switch (a.format) {
+        case SF_BLOCK_FP8_1X128:
+            v = __fmul_rn(sf_fp8_to_f32(a.data[i], a.e5m2),
+                          ((const float *)a.scales)[(c / 128) * a.scale_ld + r]);
+            break;
+        case SF_BLOCK_FP8_128X128:
+            v = __fmul_rn(sf_fp8_to_f32(a.data[i], a.e5m2),
+                          ((const float *)a.scales)[(r / 128) * a.scale_ld + c / 128]);
+            break;
+        case SF_BLOCK_MXFP8:
+            v = __fmul_rn(sf_fp8_to_f32(a.data[i], a.e5m2),
+                          sf_e8m0_to_f32(((const uint8_t *)a.scales)[i / 32]));
+            break;
+        default: {
+            const uint8_t byte = a.data[i / 2];
+            const uint8_t code = (i & 1) ? (uint8_t)(byte >> 4) : (uint8_t)(byte & 15u);
+            const float d = sf_e4m3_to_f32(((const uint8_t *)a.scales)[i / 16]);
+            v = __fmul_rn(__fmul_rn(sf_e2m1_to_f32(code), d), a.global_scale_inv[0]);
+            break;
+        }
+        }
+        sf_store_from_float(y + i, v);
+    }
+}
+
+sf_status sms_of_current(int *sms)
+{
+    int device = 0;
+    SF_CUDA_TRY("block quantize", cudaGetDevice(&device));
+    SF_CUDA_TRY("block quantize", cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device));
+    return SF_OK;
+}
+
+template <typename T>
+void launch_quantize(const sf_block_args *a, int sms, cudaStream_t stream)
+{
+    const T *x = (const T *)a->x;
+    const int64_t n = a->m * a->k;
+    switch (a->format) {
+    case SF_BLOCK_FP8_1X128: {
+        int64_t warps = a->scale_ld * (a->k / 128);
+        int grid = sf_grid_size(warps * 32, kThreads, sms * 16);
+        quant_1x128_kernel<T><<<grid, kThreads, 0, stream>>>(x, a->m, a->k, a->data,
+                                                             (float *)a->scales, a->scale_ld, a->e5m2);
+        break;
+    }
+    case SF_BLOCK_FP8_128X128: {
+        int64_t grid = ((a->m + 127) / 128) * a->scale_ld;
+        quant_128x128_kernel<T><<<(unsigned)grid, kThreads, 0, stream>>>(
+            x, a->m, a->k, a->data, (float *)a->scales, a->scale_ld, a->e5m2);
+        break;
+    }
+    case SF_BLOCK_MXFP8: {
+        int grid = sf_grid_size(n, kThreads, sms * 16);
+        quant_mxfp8_kernel<T><<<grid, kThreads, 0, stream>>>(x, n, a->data, (uint8_t *)a->scales,
+                                                             a->e5m2);
+        break;
+    }
+    default: {
+        int grid = sf_grid_size(n / 2 + 32, kThreads, sms * 16);
+        quant_nvfp4_kernel<T><<<grid, kThreads, 0, stream>>>(x, n, a->amax, a->data,
+                                                             (uint8_t *)a->scales,
+                                                             a->global_scale_inv);
+        break;
+    }
+    }
+}
+
+} // namespace
+
+extern "C" sf_status sf_block_quantize_cuda(const sf_block_args *a, int device, sf_stream s)
+{
+    cudaStream_t stream = sf_cuda_stream(s);
+    sf_cuda_device_guard guard;
+    SF_TRY(sf_cuda_device_enter("block quantize", device, &guard));
+    int sms = 0;
+    sf_status st = sms_of_current(&sms);
+    /* an empty matrix has no blocks and no scales, but NVFP4 still owes its
+     * per-tensor scale */
+    if (st == SF_OK && (a->m * a->k != 0 || a->format == SF_BLOCK_NVFP4)) {
+        switch (a->x_dtype) {
+        case SF_FLOAT32: launch_quantize<float>(a, sms, stream); break;
+        case SF_FLOAT16: launch_quantize<__half>(a, sms, stream); break;
+        default:         launch_quantize<__nv_bfloat16>(a, sms, stream); break;
+        }
+        cudaError_t e = cudaGetLastError();
+        if (e != cudaSuccess)
+            st = sf_fail(SF_ERR_RUNTIME, "block quantize: CUDA error %s: %s", cudaGetErrorName(e),
+                         cudaGetErrorString(e));
+    }
+    sf_cuda_device_restore(&guard);
+    return st;
+}
+
+extern "C" sf_status sf_block_dequantize_cuda(const sf_block_args *a, int device, sf_stream s)
+{
+    if (a->m * a->k == 0)
+        return SF_OK;
+    cudaStream_t stream = sf_cuda_stream(s);
+    sf_cuda_device_guard guard;
+    SF_TRY(sf_cuda_device_enter("block dequantize", device, &guard));
+    int sms = 0;
+    sf_status st = sms_of_current(&sms);
+    if (st == SF_OK) {
+        int grid = sf_grid_size(a->m * a->k, kThreads, sms * 16);
+        switch (a->x_dtype) {
+        case SF_FLOAT32: dequant_kernel<float><<<grid, kThreads, 0, stream>>>(*a, (float *)a->y); break;
+        case SF_FLOAT16: dequant_kernel<__half><<<grid, kThreads, 0, stream>>>(*a, (__half *)a->y); break;
+        default: dequant_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(*a, (__nv_bfloat16 *)a->y); break;
+        }
+        cudaError_t e = cudaGetLastError();
+        if (e != cudaSuccess)
+            st = sf_fail(SF_ERR_RUNTIME, "block dequantize: CUDA error %s: %s", cudaGetErrorName(e),
+                         cudaGetErrorString(e));
+    }
+    sf_cuda_device_restore(&guard);
+    return st;
+}

@@ -1,0 +1,220 @@
+"""Block-scaled formats: FP8 with 1x128 / 128x128 fp32 scales (cuBLASLt's
+Hopper layout), MXFP8 (E8M0 per 32) and NVFP4 (E2M1, E4M3 per 16, fp32 per
+tensor) against float32/float64 torch references on the CPU, dimension
+errors, and the CUDA backend bit for bit against the CPU."""
+import pytest
+import torch
+
+import seqfuse
+from seqfuse import ops
+from seqfuse.quantization import quantize_block, quantize_mxfp8, quantize_nvfp4
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FLOATS = [torch.float32, torch.float16, torch.bfloat16]
+MAXV = {E4M3: 448.0, E5M2: 57344.0}
+FLT_MAX = torch.finfo(torch.float32).max
+
+
+def bits(t):
+    return t.view(torch.uint8)
+
+
+def scale_of(amax, fmax):
+    """fp32 fp8_max / amax, 1 for 0 or non-finite, FLT_MAX on overflow."""
+    s = torch.tensor(fmax, dtype=torch.float32) / amax
+    s = torch.where(torch.isinf(s), torch.tensor(FLT_MAX), s)
+    return torch.where((amax == 0) | ~torch.isfinite(amax), torch.ones_like(s), s)
+
+
+def sat_cast(v, fp8):
+    return v.clamp(-MAXV[fp8], MAXV[fp8]).to(fp8)
+
+
+def sample(shape, dtype):
+    x = torch.randn(shape) * torch.logspace(-3, 3, shape[-1])  # wide dynamic range across blocks
+    x[..., :128] = 0.0 if shape[-1] >= 256 else x[..., :128]  # an all-zero block
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+@pytest.mark.parametrize("m", [1, 5, 128, 200])
+def test_1x128_against_reference(m, fp8, dtype, seed):
+    k = 384
+    x = sample((m, k), dtype)
+    data, si = ops.quantize_block_fp8(x, 1, fp8)
+    assert si.shape == (k // 128, (m + 3) // 4 * 4) and si.dtype == torch.float32
+    xf = x.float().view(m, k // 128, 128)
+    s = scale_of(xf.abs().amax(-1), MAXV[fp8])  # [m, kb]
+    ref = sat_cast(xf * s[..., None], fp8).view(m, k)
+    assert torch.equal(bits(data), bits(ref))
+    assert torch.equal(si[:, :m], (1 / s).t())
+    assert (si[:, m:] == 0).all()
+    # dequantized: exactly q * scale_inv, within half a step of x
+    deq = ops.dequantize_block_fp8(data, si, 1)
+    assert torch.equal(deq, (ref.float().view(m, k // 128, 128) * (1 / s)[..., None]).view(m, k))
+    err = (deq.double() - x.double()).abs()
+    rel = {E4M3: 2.0 ** -4, E5M2: 2.0 ** -3}[fp8]
+    sub = {E4M3: 2.0 ** -10, E5M2: 2.0 ** -17}[fp8]
+    bound = torch.maximum(x.double().abs() * rel, (sub / s.double()).repeat_interleave(128, 1))
+    assert (err <= bound * 1.0001).all()
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape", [(128, 128), (200, 384), (3, 2, 256)])
+def test_128x128_against_reference(shape, dtype, seed):
+    x = sample(shape, dtype)
+    k = shape[-1]
+    m = x.numel() // k
+    data, si = ops.quantize_block_fp8(x, 128, E4M3)
+    mb, kb = (m + 127) // 128, k // 128
+    assert si.shape == (mb, (kb + 3) // 4 * 4)
+    xf = torch.nn.functional.pad(x.float().view(m, k), (0, 0, 0, mb * 128 - m))
+    blocks = xf.view(mb, 128, kb, 128)
+    s = scale_of(blocks.abs().amax(dim=(1, 3)), 448.0)  # [mb, kb]
+    ref = sat_cast(blocks * s[:, None, :, None], E4M3).view(mb * 128, k)[:m].view(shape)
+    assert torch.equal(bits(data), bits(ref))
+    assert torch.equal(si[:, :kb], 1 / s) and (si[:, kb:] == 0).all()
+    deq = ops.dequantize_block_fp8(data, si, 128, torch.float32)
+    rel = (deq.double() - x.double()).abs() / x.double().abs().clamp_min(1e-30)
+    big = x.double().abs() * s.repeat_interleave(128, 0)[:m].repeat_interleave(128, 1).view(shape).double() >= 2 ** -6
+    assert (rel[big] <= 2.0 ** -4 * 1.0001).all()
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+def test_mxfp8_against_reference(fp8, dtype, seed):
+    x = sample((7, 256), dtype)
+    x[0, 32:64] = 0.0
+    data, scales = ops.quantize_mxfp8(x, fp8)
+    assert scales.shape == (7, 8)
+    xf = x.float().view(7, 8, 32)
+    amax = xf.abs().amax(-1)
+    ratio = amax / MAXV[fp8]
+    e = torch.ceil(torch.log2(ratio.double())).clamp(-127, 127) + 127
+    e = torch.where(amax == 0, torch.full_like(e, 127), e).to(torch.uint8)
+    assert torch.equal(scales.view(torch.uint8), e)
+    mult = torch.exp2(127 - e.double()).float()
+    ref = sat_cast(xf * mult[..., None], fp8).view(7, 256)
+    assert torch.equal(bits(data), bits(ref))
+    assert (xf.abs() * mult[..., None] <= MAXV[fp8]).all()  # the scale rounds up: no saturation
+    deq = ops.dequantize_mxfp8(data, scales)
+    assert torch.equal(deq, (ref.float().view(7, 8, 32) * torch.exp2(e.double() - 127).float()[..., None]).view(7, 256))
+
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+
+
+def e2m1_reference(v):
+    """Nearest E2M1 code of float64 values, ties to the even code, saturating."""
+    a = v.abs().clamp(max=6.0)
+    d = (a[..., None] - E2M1).abs()
+    best = d.min(-1, keepdim=True).values
+    score = (d == best).to(torch.int64) * 2 + (torch.arange(8) % 2 == 0).to(torch.int64)
+    code = score.argmax(-1)
+    return code | (torch.signbit(v).to(torch.int64) << 3)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_nvfp4_against_reference(dtype, seed):
+    x = sample((6, 64), dtype)
+    x[1, 16:32] = 0
+    data, bs, gsi = ops.quantize_nvfp4(x)
+    assert data.shape == (6, 32) and data.dtype == torch.uint8 and bs.shape == (6, 4)
+    xf = x.float()
+    amax = xf.abs().max()
+    S = torch.tensor(448.0 * 6.0) / amax
+    assert gsi.item() == (1 / S).item()
+    bam = xf.view(6, 4, 16).abs().amax(-1)
+    d = sat_cast((bam / 6) * S, E4M3)
+    assert torch.equal(bits(bs), bits(d))
+    df = d.float()
+    mult = torch.where(df == 0, torch.zeros_like(df), S / df)
+    codes = e2m1_reference((xf.view(6, 4, 16) * mult[..., None]).double()).view(6, 64)
+    ref = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+    assert torch.equal(data, ref)
+    deq = ops.dequantize_nvfp4(data, bs, gsi)
+    vals = E2M1.float()[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+    assert torch.equal(deq, (vals.view(6, 4, 16) * df[..., None] * gsi).view(6, 64))
+    # where the E4M3 block scale is a normal number (relative error <= 2^-4),
+    # the error is within half the widest E2M1 step (1.0, between 4 and 6)
+    # plus the saturation that scale rounding can cause (6 * 2^-4)
+    unit = (df * gsi).repeat_interleave(16, 1)
+    normal = (df >= 2.0 ** -6).repeat_interleave(16, 1)
+    assert ((deq - xf).abs() <= unit * (1.0 + 6 / 16) + 1e-6 * xf.abs())[normal].all()
+
+
+def test_quantized_tensor_types_roundtrip():
+    x = torch.randn(128, 256)
+    for q in (quantize_block(x, 1), quantize_block(x, 128), quantize_mxfp8(x), quantize_nvfp4(x)):
+        y = q.dequantize()
+        assert y.shape == x.shape and (y - x).norm() / x.norm() < 0.2
+
+
+def test_block_dimension_errors():
+    with pytest.raises(ValueError, match=r"quantize_block_fp8: the last dimension of 'x' \(K = 100\) must be a multiple of 128 for 1x128 blocks"):
+        ops.quantize_block_fp8(torch.randn(4, 100), 1)
+    with pytest.raises(ValueError, match="must be a multiple of 128 for 128x128 blocks"):
+        ops.quantize_block_fp8(torch.randn(4, 200), 128)
+    with pytest.raises(ValueError, match="block_rows' must be 1"):
+        ops.quantize_block_fp8(torch.randn(4, 128), 64)
+    with pytest.raises(ValueError, match=r"quantize_mxfp8: the last dimension of 'x' \(K = 48\) must be a multiple of 32"):
+        ops.quantize_mxfp8(torch.randn(4, 48))
+    with pytest.raises(ValueError, match=r"quantize_nvfp4: the last dimension of 'x' \(K = 24\) must be a multiple of 16"):
+        ops.quantize_nvfp4(torch.randn(4, 24))
+    # the C entry says the same to a direct caller
+    with pytest.raises(ValueError, match="must be a multiple of 32 for MXFP8"):
+        seqfuse._C.quantize_mxfp8(torch.randn(2, 40), torch.empty(2, 40, dtype=E4M3),
+                                  torch.empty(2, 1, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"argument 'scale_inv' must have shape \[2, 4\]"):
+        seqfuse._C.quantize_block_fp8(torch.randn(3, 256), torch.empty(3, 256, dtype=E4M3),
+                                      torch.empty(3, 2), 1)
+    with pytest.raises(TypeError, match="quantize_block_fp8: argument 'x' must have dtype float32"):
+        ops.quantize_block_fp8(torch.ones(4, 128, dtype=torch.int32))
+    with pytest.raises(TypeError, match="argument 'block_scales' must have dtype float8_e4m3fn or uint8"):
+        seqfuse._C.quantize_nvfp4(torch.randn(2, 16), torch.ones(1), torch.empty(2, 8, dtype=torch.uint8),
+                                  torch.empty(2, 1), torch.empty(1))
+
+
+# ---- CUDA against the CPU, bit for bit ------------------------------------
+
+def poison(t):
+    t.view(torch.uint8).fill_(0xFF)
+    return t
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape", [(1, 128), (200, 384), (1000, 1024), (4096, 4096), (3, 5, 256)])
+def test_cuda_blocks_bit_identical(shape, dtype, seed):
+    x = sample(shape, dtype)
+    k = shape[-1]
+    m = x.numel() // k
+    xc = x.cuda()
+    for block_rows in (1, 128):
+        for fp8 in (E4M3, E5M2):
+            ref, ref_si = ops.quantize_block_fp8(x, block_rows, fp8)
+            out = poison(torch.empty(shape, dtype=fp8, device="cuda"))
+            si = poison(torch.empty(ref_si.shape, device="cuda"))
+            seqfuse._C.quantize_block_fp8(xc, out, si, block_rows)
+            assert torch.equal(bits(out).cpu(), bits(ref)), (block_rows, fp8)
+            assert torch.equal(si.cpu().view(torch.int32), ref_si.view(torch.int32))
+            deq = ops.dequantize_block_fp8(out, si, block_rows, dtype)
+            assert torch.equal(deq.cpu(), ops.dequantize_block_fp8(ref, ref_si, block_rows, dtype))
+    for fp8 in (E4M3, E5M2):
+        ref, ref_sc = ops.quantize_mxfp8(x, fp8)
+        out = poison(torch.empty(shape, dtype=fp8, device="cuda"))
+        sc = poison(torch.empty(ref_sc.shape, dtype=torch.uint8, device="cuda"))
+        seqfuse._C.quantize_mxfp8(xc, out, sc)
+        assert torch.equal(bits(out).cpu(), bits(ref)) and torch.equal(sc.cpu(), ref_sc.view(torch.uint8))
+        deq = ops.dequantize_mxfp8(out, sc, dtype)
+        assert torch.equal(deq.cpu(), ops.dequantize_mxfp8(ref, ref_sc, dtype))
+    ref, ref_bs, ref_g = ops.quantize_nvfp4(x)
+    out = poison(torch.empty(ref.shape, dtype=torch.uint8, device="cuda"))
+    bs = poison(torch.empty(ref_bs.shape, dtype=torch.uint8, device="cuda"))
+    g = poison(torch.empty(1, device="cuda"))
+    amax = seqfuse.ops.amax(xc).reshape(1)
+    seqfuse._C.quantize_nvfp4(xc, amax, out, bs, g)
+    assert torch.equal(out.cpu(), ref) and torch.equal(bs.cpu(), bits(ref_bs)) and g.item() == ref_g.item()
+    deq = ops.dequantize_nvfp4(out, bs, g, dtype)
+    assert torch.equal(deq.cpu(), ops.dequantize_nvfp4(ref, ref_bs, ref_g, dtype))
