@@ -17,3 +17,8 @@ __all__ += ["CrossEntropyFunction", "CrossEntropyLoss", "LinearCrossEntropyFunct
 from .norm import LayerNorm, RMSNorm, layer_norm, rms_norm  # noqa: E402
 
 __all__ += ["LayerNorm", "RMSNorm", "layer_norm", "rms_norm"]
+
+from .multihead_attention import MultiheadAttention  # noqa: E402
+from .transformer_layer import TransformerLayer  # noqa: E402
+
+__all__ += ["MultiheadAttention", "TransformerLayer"]

@@ -30,3 +30,8 @@ __all__ += ["autocast", "fp8_autocast", "quantized_model_init", "fp8_model_init"
 from ..modules.norm import LayerNorm, RMSNorm  # noqa: E402
 
 __all__ += ["LayerNorm", "RMSNorm"]
+
+from ..modules.multihead_attention import MultiheadAttention  # noqa: E402
+from ..modules.transformer_layer import TransformerLayer  # noqa: E402
+
+__all__ += ["MultiheadAttention", "TransformerLayer"]

@@ -1,0 +1,218 @@
+"""MultiheadAttention: Transformer Engine's attention block (norm + fused QKV
+projection, rotary embeddings, fused core attention, output projection) over
+seqfuse's LayerNormLinear, Linear, RoPE and DotProductAttention.
+
+Self-attention: with ``input_layernorm`` the input goes through
+``layernorm_qkv`` (LayerNormLinear, one GEMM producing Q, K and V for all
+heads), else through ``qkv`` (Linear).  Cross-attention
+(``attention_type="cross"``): queries from ``layernorm_query`` / ``query_layer``
+over the hidden states, keys and values from ``key_value`` over
+``encoder_output``.  The fused weight's row order is TE's: with
+``qkv_weight_interleaved`` (default) per key/value group [its query heads,
+its key head, its value head], else [all Q; all K; all V] (see
+seqfuse.hf.qkv for the reshuffle).  Q and K are rotated by
+``rotary_pos_emb`` (RotaryPositionEmbedding's freqs, or a (q, k) pair of
+them); thd rotates per packed sequence.  The output projection is ``proj``.
+
+Differences from TE, each raising NotImplementedError rather than doing
+something else: ``fuse_qkv_params=False`` (separate query/key/value
+parameters; the fused layout computes the same thing in one GEMM),
+``return_bias``, tensor/sequence/context parallelism, KV caches.
+"""
+import torch
+
+from .attention import DotProductAttention
+from .rope import apply_rotary_pos_emb
+
+
+def _te_modules():
+    # Imported when a layer is built, so this file loads before the GEMM and
+    # norm modules have landed in a given checkout.
+    from seqfuse.pytorch import LayerNormLinear, Linear
+    return LayerNormLinear, Linear
+
+
+def _kw(init_method, params_dtype, device):
+    kw = {}
+    if init_method is not None:
+        kw["init_method"] = init_method
+    if params_dtype is not None:
+        kw["params_dtype"] = params_dtype
+    if device is not None:
+        kw["device"] = device
+    return kw
+
+
+class MultiheadAttention(torch.nn.Module):
+    """TE's MultiheadAttention (names and arguments); see the module note."""
+
+    def __init__(self, hidden_size, num_attention_heads, kv_channels=None, attention_dropout=0.1,
+                 layernorm_epsilon=1e-5, init_method=None, output_layer_init_method=None,
+                 layer_number=None, attn_mask_type="causal", window_size=None, tp_group=None, tp_size=1,
+                 num_gqa_groups=None, fuse_wgrad_accumulation=False, get_rng_state_tracker=None,
+                 sequence_parallel=False, params_dtype=None, return_bias=False,
+                 return_layernorm_output=False, input_layernorm=False, attention_type="self",
+                 set_parallel_mode=False, fuse_qkv_params=False, zero_centered_gamma=False,
+                 qkv_weight_interleaved=True, bias=True, normalization="LayerNorm", device=None,
+                 qkv_format="sbhd", softmax_scale=None, **unsupported):
+        super().__init__()
+        if unsupported:
+            raise NotImplementedError(f"MultiheadAttention: arguments {sorted(unsupported)} are not supported")
+        if tp_size != 1 or sequence_parallel or set_parallel_mode or tp_group is not None:
+            raise NotImplementedError("MultiheadAttention: tensor/sequence parallelism is not supported")
+        if return_bias:
+            raise NotImplementedError("MultiheadAttention: return_bias=True is not supported "
+                                      "(the bias is added inside the projection)")
+        if not fuse_qkv_params:
+            raise NotImplementedError(
+                "MultiheadAttention: fuse_qkv_params=False (separate query/key/value parameters) is not "
+                "supported; pass fuse_qkv_params=True (the same function with one fused QKV GEMM)")
+        if attention_type not in ("self", "cross"):
+            raise ValueError(f"MultiheadAttention: attention_type must be 'self' or 'cross', got {attention_type!r}")
+        if normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"MultiheadAttention: normalization must be 'LayerNorm' or 'RMSNorm', "
+                             f"got {normalization!r}")
+        if qkv_format not in ("sbhd", "bshd", "thd"):
+            raise ValueError(f"MultiheadAttention: qkv_format must be 'sbhd', 'bshd' or 'thd', got {qkv_format!r}")
+        self.hidden_size = int(hidden_size)
+        self.num_attention_heads = int(num_attention_heads)
+        self.num_gqa_groups = int(num_gqa_groups or num_attention_heads)
+        if self.num_attention_heads % self.num_gqa_groups:
+            raise ValueError(f"MultiheadAttention: num_attention_heads ({num_attention_heads}) must be a "
+                             f"multiple of num_gqa_groups ({num_gqa_groups})")
+        if kv_channels is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(f"MultiheadAttention: hidden_size ({hidden_size}) must be a multiple of "
+                                 f"num_attention_heads ({num_attention_heads}) unless kv_channels is given")
+            kv_channels = self.hidden_size // self.num_attention_heads
+        self.hidden_size_per_attention_head = self.kv_channels = int(kv_channels)
+        self.attention_type = attention_type
+        self.input_layernorm = bool(input_layernorm)
+        self.return_layernorm_output = bool(return_layernorm_output)
+        self.qkv_weight_interleaved = bool(qkv_weight_interleaved)
+        self.qkv_format = qkv_format
+        self.attn_mask_type = attn_mask_type
+        self.window_size = window_size
+        self.layer_number = layer_number
+
+        LayerNormLinear, Linear = _te_modules()
+        hn, np_, ng = self.kv_channels, self.num_attention_heads, self.num_gqa_groups
+        kw = _kw(init_method, params_dtype, device)
+        ln_kw = dict(eps=layernorm_epsilon, bias=bias, normalization=normalization,
+                     zero_centered_gamma=zero_centered_gamma,
+                     return_layernorm_output=self.return_layernorm_output, **kw)
+        if attention_type == "self":
+            qkv_out = (np_ + 2 * ng) * hn
+            if self.input_layernorm:
+                self.layernorm_qkv = LayerNormLinear(self.hidden_size, qkv_out, **ln_kw)
+            else:
+                self.qkv = Linear(self.hidden_size, qkv_out, bias=bias, **kw)
+        else:
+            if self.input_layernorm:
+                self.layernorm_query = LayerNormLinear(self.hidden_size, np_ * hn, **ln_kw)
+            else:
+                self.query_layer = Linear(self.hidden_size, np_ * hn, bias=bias, **kw)
+            self.key_value = Linear(self.hidden_size, 2 * ng * hn, bias=bias, **kw)
+        self.core_attention = DotProductAttention(
+            np_, hn, num_gqa_groups=ng, attention_dropout=attention_dropout, qkv_format=qkv_format,
+            attn_mask_type=attn_mask_type, window_size=window_size, layer_number=layer_number,
+            attention_type=attention_type, softmax_scale=softmax_scale)
+        self.proj = Linear(np_ * hn, self.hidden_size, bias=bias,
+                           **_kw(output_layer_init_method, params_dtype, device))
+
+    # -- projections -------------------------------------------------------
+    def _split_qkv(self, mixed):
+        """[..., (np + 2 ng) hn] -> q [..., np, hn], k and v [..., ng, hn] (views)."""
+        hn, np_, ng = self.kv_channels, self.num_attention_heads, self.num_gqa_groups
+        lead = mixed.shape[:-1]
+        if self.qkv_weight_interleaved:
+            per = np_ // ng
+            grouped = mixed.view(*lead, ng, per + 2, hn)
+            q = grouped[..., :per, :].reshape(*lead, np_, hn)
+            k = grouped[..., per, :]
+            v = grouped[..., per + 1, :]
+        else:
+            q, k, v = torch.split(mixed, [np_ * hn, ng * hn, ng * hn], dim=-1)
+            q, k, v = q.view(*lead, np_, hn), k.view(*lead, ng, hn), v.view(*lead, ng, hn)
+        return q, k, v
+
+    def _split_kv(self, mixed):
+        hn, ng = self.kv_channels, self.num_gqa_groups
+        lead = mixed.shape[:-1]
+        if self.qkv_weight_interleaved:
+            grouped = mixed.view(*lead, ng, 2, hn)
+            return grouped[..., 0, :], grouped[..., 1, :]
+        k, v = torch.split(mixed, [ng * hn, ng * hn], dim=-1)
+        return k.view(*lead, ng, hn), v.view(*lead, ng, hn)
+
+    def _norm_proj(self, module, x):
+        out = module(x)
+        if self.return_layernorm_output and self.input_layernorm:
+            return out[0], out[1]
+        return out, None
+
+    # -- forward -----------------------------------------------------------
+    def forward(self, hidden_states, attention_mask=None, encoder_output=None, attn_mask_type=None,
+                window_size=None, is_first_microbatch=None, checkpoint_core_attention=False,
+                inference_params=None, rotary_pos_emb=None, core_attention_bias_type="no_bias",
+                core_attention_bias=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_kv=None,
+                max_seqlen_q=None, max_seqlen_kv=None, fast_zero_fill=True, qkv_format=None):
+        """TE's forward.  seqfuse extension: ``qkv_format`` overrides the
+        layout given at construction for this call (one model can take padded
+        bshd and packed thd batches)."""
+        if inference_params is not None:
+            raise NotImplementedError("MultiheadAttention: inference_params (KV cache) is not supported")
+        fmt = qkv_format or self.qkv_format
+        if fmt not in ("sbhd", "bshd", "thd"):
+            raise ValueError(f"MultiheadAttention: qkv_format must be 'sbhd', 'bshd' or 'thd', got {fmt!r}")
+        if not isinstance(hidden_states, torch.Tensor):
+            raise TypeError(f"MultiheadAttention: hidden_states must be a torch.Tensor, "
+                            f"got {type(hidden_states).__name__}")
+        want_dim = 2 if fmt == "thd" else 3
+        if hidden_states.dim() != want_dim or hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(f"MultiheadAttention: hidden_states must be {want_dim}-D with last dim "
+                             f"{self.hidden_size} for qkv_format {fmt!r}, got {tuple(hidden_states.shape)}")
+        if fmt == "thd" and cu_seqlens_q is None:
+            raise ValueError("MultiheadAttention: qkv_format 'thd' needs cu_seqlens_q")
+        ln_out = None
+        if self.attention_type == "self":
+            if self.input_layernorm:
+                mixed, ln_out = self._norm_proj(self.layernorm_qkv, hidden_states)
+            else:
+                mixed = self.qkv(hidden_states)
+            q, k, v = self._split_qkv(mixed)
+        else:
+            if encoder_output is None:
+                raise ValueError("MultiheadAttention: attention_type 'cross' needs encoder_output")
+            if self.input_layernorm:
+                mixed_q, ln_out = self._norm_proj(self.layernorm_query, hidden_states)
+            else:
+                mixed_q = self.query_layer(hidden_states)
+            q = mixed_q.view(*mixed_q.shape[:-1], self.num_attention_heads, self.kv_channels)
+            k, v = self._split_kv(self.key_value(encoder_output))
+
+        if rotary_pos_emb is not None:
+            q_freqs, k_freqs = (rotary_pos_emb if isinstance(rotary_pos_emb, (tuple, list))
+                                else (rotary_pos_emb, rotary_pos_emb))
+            thd = fmt == "thd"
+            q = apply_rotary_pos_emb(q, q_freqs, fmt, cu_seqlens=cu_seqlens_q if thd else None)
+            kv_cu = (cu_seqlens_kv if cu_seqlens_kv is not None else cu_seqlens_q) if thd else None
+            k = apply_rotary_pos_emb(k, k_freqs, fmt, cu_seqlens=kv_cu)
+
+        context = self.core_attention(
+            q, k, v, attention_mask=attention_mask, qkv_format=fmt, attn_mask_type=attn_mask_type,
+            window_size=window_size, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+            max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+            core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
+            alibi_slopes=alibi_slopes)
+        out = self.proj(context)
+        if self.return_layernorm_output and self.input_layernorm:
+            return out, ln_out
+        return out
+
+    def extra_repr(self):
+        return (f"hidden_size={self.hidden_size}, heads={self.num_attention_heads}, "
+                f"gqa_groups={self.num_gqa_groups}, head_dim={self.kv_channels}, "
+                f"attention_type={self.attention_type}, qkv_format={self.qkv_format}, "
+                f"interleaved={self.qkv_weight_interleaved}")
+

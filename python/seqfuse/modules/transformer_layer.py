@@ -1,0 +1,143 @@
+"""TransformerLayer: Transformer Engine's pre-LayerNorm transformer block over
+seqfuse's MultiheadAttention and LayerNormMLP.
+
+    x = x + dropout(self_attention(x))              # norm fused into the QKV GEMM
+    x = x + dropout(inter_attention(x, encoder))    # layer_type "decoder" only
+    x = x + dropout(layernorm_mlp(x))               # norm fused into FC1
+
+Submodule and parameter names are TE's (self_attention.layernorm_qkv,
+self_attention.proj, inter_attention.*, layernorm_mlp.*), so checkpoints and
+code written for TE's layer map one to one.  ``layer_type="decoder"`` adds
+TE's cross-attention over ``encoder_output`` (causality is the
+``self_attn_mask_type``, "causal" by default as in TE).  Inputs are
+[s, b, h] ("sbhd", TE's default), [b, s, h] ("bshd") or packed [t, h]
+("thd", with cu_seqlens_q/kv and max_seqlen_q/kv).
+
+Differences from TE, each raising NotImplementedError: post-LN variants
+(``apply_residual_connection_post_layernorm``, ``output_layernorm``),
+``parallel_attention_mlp``, ``drop_path_rate`` > 0, ``fuse_qkv_params=False``,
+tensor/sequence/context parallelism, KV caches.  Unlike TE, ``device``
+defaults to the GPU only where seqfuse can use one (else the CPU).
+"""
+import torch
+
+from .multihead_attention import MultiheadAttention
+
+
+def _layernorm_mlp():
+    from seqfuse.pytorch import LayerNormMLP
+    return LayerNormMLP
+
+
+class TransformerLayer(torch.nn.Module):
+    """TE's TransformerLayer (names and arguments); see the module note."""
+
+    def __init__(self, hidden_size, ffn_hidden_size, num_attention_heads, num_gqa_groups=None,
+                 layernorm_epsilon=1e-5, hidden_dropout=0.1, attention_dropout=0.1, init_method=None,
+                 output_layer_init_method=None, layer_number=None, kv_channels=None,
+                 self_attn_mask_type="causal", window_size=None, enc_dec_attn_mask_type="no_mask",
+                 enc_dec_window_size=None, tp_group=None, tp_size=1, params_dtype=None,
+                 get_rng_state_tracker=None, fuse_wgrad_accumulation=False, seq_length=None,
+                 micro_batch_size=None, sequence_parallel=False,
+                 apply_residual_connection_post_layernorm=False, output_layernorm=False,
+                 parallel_attention_mlp=False, layer_type="encoder", drop_path_rate=0.0,
+                 set_parallel_mode=False, fuse_qkv_params=False, rotary_pos_interleaved=False,
+                 zero_centered_gamma=False, qkv_weight_interleaved=True, bias=True, activation="gelu",
+                 normalization="LayerNorm", device=None, attn_input_format="sbhd", name=None,
+                 softmax_scale=None, **unsupported):
+        super().__init__()
+        if unsupported:
+            raise NotImplementedError(f"TransformerLayer: arguments {sorted(unsupported)} are not supported")
+        for flag, value in (("apply_residual_connection_post_layernorm", apply_residual_connection_post_layernorm),
+                            ("output_layernorm", output_layernorm),
+                            ("parallel_attention_mlp", parallel_attention_mlp)):
+            if value:
+                raise NotImplementedError(f"TransformerLayer: {flag}=True is not supported (pre-LN layers only)")
+        if drop_path_rate:
+            raise NotImplementedError(f"TransformerLayer: drop_path_rate={drop_path_rate} is not supported")
+        if rotary_pos_interleaved:
+            raise NotImplementedError("TransformerLayer: rotary_pos_interleaved=True is not supported")
+        if layer_type not in ("encoder", "decoder"):
+            raise ValueError(f"TransformerLayer: layer_type must be 'encoder' or 'decoder', got {layer_type!r}")
+        if attn_input_format not in ("sbhd", "bshd", "thd"):
+            raise ValueError(f"TransformerLayer: attn_input_format must be 'sbhd', 'bshd' or 'thd', "
+                             f"got {attn_input_format!r}")
+        if not 0.0 <= hidden_dropout < 1.0:
+            raise ValueError(f"TransformerLayer: hidden_dropout must be in [0, 1), got {hidden_dropout}")
+        if layer_type == "decoder" and attn_input_format == "thd":
+            raise NotImplementedError("TransformerLayer: layer_type 'decoder' with packed 'thd' input is not supported")
+        self.hidden_size = int(hidden_size)
+        self.layer_type = layer_type
+        self.attn_input_format = attn_input_format
+        self.self_attn_mask_type = self_attn_mask_type
+        self.window_size = window_size
+        self.hidden_dropout = float(hidden_dropout)
+        self.layer_number = layer_number
+        self.name = name
+        common = dict(kv_channels=kv_channels, attention_dropout=attention_dropout,
+                      layernorm_epsilon=layernorm_epsilon, init_method=init_method,
+                      output_layer_init_method=output_layer_init_method, layer_number=layer_number,
+                      tp_group=tp_group, tp_size=tp_size, num_gqa_groups=num_gqa_groups,
+                      sequence_parallel=sequence_parallel, params_dtype=params_dtype,
+                      input_layernorm=True, set_parallel_mode=set_parallel_mode,
+                      fuse_qkv_params=fuse_qkv_params, zero_centered_gamma=zero_centered_gamma,
+                      qkv_weight_interleaved=qkv_weight_interleaved, bias=bias,
+                      normalization=normalization, device=device, qkv_format=attn_input_format,
+                      softmax_scale=softmax_scale)
+        self.self_attention = MultiheadAttention(
+            hidden_size, num_attention_heads, attn_mask_type=self_attn_mask_type, window_size=window_size,
+            attention_type="self", **common)
+        if layer_type == "decoder":
+            self.inter_attention = MultiheadAttention(
+                hidden_size, num_attention_heads, attn_mask_type=enc_dec_attn_mask_type,
+                window_size=enc_dec_window_size, attention_type="cross", **common)
+        mlp_kw = dict(eps=layernorm_epsilon, bias=bias, normalization=normalization, activation=activation,
+                      zero_centered_gamma=zero_centered_gamma, device=device)
+        if params_dtype is not None:
+            mlp_kw["params_dtype"] = params_dtype
+        if init_method is not None:
+            mlp_kw["init_method"] = init_method
+        if output_layer_init_method is not None:
+            mlp_kw["output_layer_init_method"] = output_layer_init_method
+        self.layernorm_mlp = _layernorm_mlp()(hidden_size, ffn_hidden_size, **mlp_kw)
+
+    def _residual(self, residual, x):
+        return residual + torch.nn.functional.dropout(x, p=self.hidden_dropout, training=self.training)
+
+    def forward(self, hidden_states, attention_mask=None, self_attn_mask_type=None, window_size=None,
+                encoder_output=None, enc_dec_attn_mask=None, enc_dec_attn_mask_type=None,
+                enc_dec_window_size=None, is_first_microbatch=None, checkpoint_core_attention=False,
+                inference_params=None, rotary_pos_emb=None, core_attention_bias_type="no_bias",
+                core_attention_bias=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_kv=None,
+                max_seqlen_q=None, max_seqlen_kv=None, fast_zero_fill=True, qkv_format=None):
+        """One layer.  ``attention_mask``: TE's boolean padding mask [b, 1, 1, s]
+        (True = padding) for bshd/sbhd "padding" masks; thd uses cu_seqlens.
+        seqfuse extension: ``qkv_format`` overrides attn_input_format for this
+        call."""
+        if inference_params is not None:
+            raise NotImplementedError("TransformerLayer: inference_params (KV cache) is not supported")
+        attn_out = self.self_attention(
+            hidden_states, attention_mask=attention_mask,
+            attn_mask_type=self_attn_mask_type or self.self_attn_mask_type,
+            window_size=window_size if window_size is not None else self.window_size,
+            rotary_pos_emb=rotary_pos_emb, core_attention_bias_type=core_attention_bias_type,
+            core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes,
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
+            max_seqlen_kv=max_seqlen_kv, qkv_format=qkv_format)
+        x = self._residual(hidden_states, attn_out)
+        if self.layer_type == "decoder":
+            if encoder_output is None:
+                raise ValueError("TransformerLayer: layer_type 'decoder' needs encoder_output")
+            if (qkv_format or self.attn_input_format) == "thd":
+                raise NotImplementedError("TransformerLayer: layer_type 'decoder' with packed 'thd' "
+                                          "input is not supported")
+            cross = self.inter_attention(
+                x, attention_mask=enc_dec_attn_mask, encoder_output=encoder_output,
+                attn_mask_type=enc_dec_attn_mask_type, window_size=enc_dec_window_size,
+                qkv_format=qkv_format)
+            x = self._residual(x, cross)
+        return self._residual(x, self.layernorm_mlp(x))
+
+    def extra_repr(self):
+        return (f"hidden_size={self.hidden_size}, layer_type={self.layer_type}, "
+                f"attn_input_format={self.attn_input_format}, self_attn_mask_type={self.self_attn_mask_type}")

@@ -1,0 +1,362 @@
+"""MultiheadAttention and TransformerLayer against the same layer written in
+plain torch (float64, from the module's own parameters): encoder and
+decoder, LayerNorm and RMSNorm, GQA, RoPE, padding and causal masks, bshd /
+sbhd / packed thd, gradients; TE's parameter names; bad arguments.
+
+On CPU the layers run seqfuse's CPU backends; modules of seqfuse.pytorch a
+checkout lacks are replaced by plain-torch stand-ins (tests/te_stand_ins.py)
+so the composition is tested before every family lands.  CUDA tests compare
+the CUDA layer in bf16 (and under FP8) with the same float64 reference."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import seqfuse
+import seqfuse.pytorch as te
+import te_stand_ins
+from helpers import rel_error
+
+
+@pytest.fixture
+def modules(monkeypatch):
+    return te_stand_ins.install_missing(monkeypatch)
+
+
+# ---------------------------------------------------------------- reference
+def _norm(x, w, b, eps, normalization):
+    if normalization == "RMSNorm":
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+    return F.layer_norm(x, (x.shape[-1],), w, b, eps)
+
+
+def _rope(t, freqs):
+    # t [b, s, h, d], freqs [s, d] angles, half-split pairs (rotate_half)
+    cos, sin = freqs.cos()[None, :, None, :], freqs.sin()[None, :, None, :]
+    d = t.shape[-1]
+    rot = torch.cat([-t[..., d // 2:], t[..., :d // 2]], dim=-1)
+    return t * cos + rot * sin
+
+
+def _attention(q, k, v, lengths_q, lengths_k, causal, scale):
+    # q [b, s, h, d], k/v [b, s_k, g, d]; padding by lengths, causal top-left
+    b, s, h, d = q.shape
+    g = k.shape[2]
+    k = k.repeat_interleave(h // g, dim=2)
+    v = v.repeat_interleave(h // g, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    keep = torch.ones(b, 1, s, k.shape[1], dtype=torch.bool)
+    for i in range(b):
+        keep[i, :, :, lengths_k[i]:] = False
+    if causal:
+        keep &= torch.ones(s, k.shape[1], dtype=torch.bool).tril()
+    scores = scores.masked_fill(~keep, float("-inf"))
+    p = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, v)
+    for i in range(b):
+        out[i, lengths_q[i]:] = 0
+    return out.reshape(b, s, h * d)
+
+
+def _split(mixed, h, g, d, interleaved):
+    lead = mixed.shape[:-1]
+    if interleaved:
+        grouped = mixed.view(*lead, g, h // g + 2, d)
+        return (grouped[..., : h // g, :].reshape(*lead, h, d), grouped[..., h // g, :], grouped[..., h // g + 1, :])
+    q, k, v = torch.split(mixed, [h * d, g * d, g * d], dim=-1)
+    return q.reshape(*lead, h, d), k.reshape(*lead, g, d), v.reshape(*lead, g, d)
+
+
+def reference_layer(layer, x, lengths, causal, freqs, activation, normalization, eps, interleaved=True,
+                    encoder=None, enc_lengths=None):
+    """The TransformerLayer in float64 plain torch, on bshd x [b, s, hidden]."""
+    # float64 parameters are used as they are (so a test can take their gradients)
+    P = {n: p if p.dtype == torch.float64 else p.detach().double() for n, p in layer.named_parameters()}
+    x = x.double()
+    sa = layer.self_attention
+    h, g, d = sa.num_attention_heads, sa.num_gqa_groups, sa.kv_channels
+    scale = 1.0 / math.sqrt(d)
+    ln = _norm(x, P["self_attention.layernorm_qkv.layer_norm_weight"],
+               P.get("self_attention.layernorm_qkv.layer_norm_bias"), eps, normalization)
+    mixed = F.linear(ln, P["self_attention.layernorm_qkv.weight"], P.get("self_attention.layernorm_qkv.bias"))
+    q, k, v = _split(mixed, h, g, d, interleaved)
+    if freqs is not None:
+        q, k = _rope(q, freqs.double()), _rope(k, freqs.double())
+    a = _attention(q, k, v, lengths, lengths, causal, scale)
+    x = x + F.linear(a, P["self_attention.proj.weight"], P.get("self_attention.proj.bias"))
+    if encoder is not None:
+        enc = encoder.double()
+        ln = _norm(x, P["inter_attention.layernorm_query.layer_norm_weight"],
+                   P.get("inter_attention.layernorm_query.layer_norm_bias"), eps, normalization)
+        q = F.linear(ln, P["inter_attention.layernorm_query.weight"], P.get("inter_attention.layernorm_query.bias"))
+        q = q.view(*q.shape[:-1], h, d)
+        kv = F.linear(enc, P["inter_attention.key_value.weight"], P.get("inter_attention.key_value.bias"))
+        kv = kv.view(*kv.shape[:-1], g, 2, d)
+        a = _attention(q, kv[..., 0, :], kv[..., 1, :], [x.shape[1]] * x.shape[0], enc_lengths, False, scale)
+        x = x + F.linear(a, P["inter_attention.proj.weight"], P.get("inter_attention.proj.bias"))
+    ln = _norm(x, P["layernorm_mlp.layer_norm_weight"], P.get("layernorm_mlp.layer_norm_bias"), eps, normalization)
+    hmid = te_stand_ins.act(activation, F.linear(ln, P["layernorm_mlp.fc1_weight"], P.get("layernorm_mlp.fc1_bias")))
+    return x + F.linear(hmid, P["layernorm_mlp.fc2_weight"], P.get("layernorm_mlp.fc2_bias"))
+
+
+def randomize(layer, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in layer.named_parameters():
+            scale = 0.2 if p.dim() > 1 else 0.1
+            base = 1.0 if "layer_norm_weight" in n else 0.0
+            p.copy_((base + scale * torch.randn(p.shape, generator=g)).to(p.dtype))
+
+
+def pad_mask(lengths, s):
+    """TE's boolean mask [b, 1, 1, s], True = padding."""
+    ar = torch.arange(s)
+    return torch.stack([ar >= n for n in lengths])[:, None, None, :]
+
+
+def make_layer(hidden=64, ffn=96, heads=4, groups=None, normalization="LayerNorm", activation="gelu",
+               mask="padding", fmt="bshd", layer_type="encoder", interleaved=True, dtype=torch.float32,
+               device="cpu", bias=True):
+    layer = te.TransformerLayer(hidden, ffn, heads, num_gqa_groups=groups, layernorm_epsilon=1e-5,
+                                hidden_dropout=0.0, attention_dropout=0.0, self_attn_mask_type=mask,
+                                layer_type=layer_type, normalization=normalization, activation=activation,
+                                attn_input_format=fmt, params_dtype=dtype, fuse_qkv_params=True,
+                                qkv_weight_interleaved=interleaved, device=device, bias=bias)
+    randomize(layer)
+    return layer
+
+
+def rope_freqs(s, d):
+    return te.RotaryPositionEmbedding(d, device="cpu")(s)  # [s, 1, 1, d]
+
+
+# -------------------------------------------------------------------- tests
+def test_parameter_names_are_te(modules):
+    layer = make_layer(groups=2)
+    names = {n for n, _ in layer.named_parameters()}
+    assert names == {
+        "self_attention.layernorm_qkv.layer_norm_weight", "self_attention.layernorm_qkv.layer_norm_bias",
+        "self_attention.layernorm_qkv.weight", "self_attention.layernorm_qkv.bias",
+        "self_attention.proj.weight", "self_attention.proj.bias",
+        "layernorm_mlp.layer_norm_weight", "layernorm_mlp.layer_norm_bias",
+        "layernorm_mlp.fc1_weight", "layernorm_mlp.fc1_bias", "layernorm_mlp.fc2_weight", "layernorm_mlp.fc2_bias"}
+    assert layer.self_attention.layernorm_qkv.weight.shape == ((4 + 2 * 2) * 16, 64)
+
+
+CASES = [
+    dict(),
+    dict(groups=2),
+    dict(groups=1, normalization="RMSNorm", activation="swiglu", mask="padding_causal"),
+    dict(mask="causal", interleaved=False),
+    dict(mask="no_mask", activation="relu", bias=False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
+@pytest.mark.parametrize("with_rope", [True, False])
+def test_layer_matches_torch_bshd(case, with_rope, modules):
+    torch.manual_seed(0)
+    layer = make_layer(**case)
+    b, s = 3, 10
+    lengths = [10, 7, 3] if "padding" in case.get("mask", "padding") else [s] * b
+    x = torch.randn(b, s, 64, requires_grad=True)
+    freqs = rope_freqs(s, 16) if with_rope else None
+    mask = pad_mask(lengths, s) if "padding" in case.get("mask", "padding") else None
+    out = layer(x, attention_mask=mask, rotary_pos_emb=freqs)
+    ref = reference_layer(layer, x, lengths, "causal" in case.get("mask", "padding"),
+                          None if freqs is None else freqs[:, 0, 0, :], case.get("activation", "gelu"),
+                          case.get("normalization", "LayerNorm"), 1e-5, case.get("interleaved", True))
+    for i, n in enumerate(lengths):
+        assert rel_error(out[i, :n], ref[i, :n]) <= 1e-5
+    # Gradients of the real tokens, through every parameter.
+    w = torch.randn_like(out)
+    for i, n in enumerate(lengths):
+        w[i, n:] = 0
+    (out * w).sum().backward()
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    gx = x.grad.clone()
+    layer.zero_grad()
+    xd = x.detach().double().requires_grad_(True)
+    ref = reference_layer(layer, xd, lengths, "causal" in case.get("mask", "padding"),
+                          None if freqs is None else freqs[:, 0, 0, :], case.get("activation", "gelu"),
+                          case.get("normalization", "LayerNorm"), 1e-5, case.get("interleaved", True))
+    (ref * w.double()).sum().backward()
+    for i, n in enumerate(lengths):
+        assert rel_error(gx[i, :n], xd.grad[i, :n]) <= 1e-4
+    assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
+
+
+def _ref_param_grads(layer, x, w, lengths, causal, freqs, activation, normalization, interleaved):
+    """Parameter gradients of sum(w * layer(x)) through the float64 reference."""
+    saved = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    params64 = {n: p.double().requires_grad_(True) for n, p in saved.items()}
+
+    class View:
+        def __init__(self, base):
+            self.self_attention = base.self_attention
+
+        def named_parameters(self):
+            return params64.items()
+
+    ref = reference_layer(View(layer), x, lengths, causal, freqs, activation, normalization, 1e-5, interleaved)
+    (ref * w.double()).sum().backward()
+    return {n: p.grad for n, p in params64.items()}
+
+
+def test_layer_parameter_grads_match_torch(modules):
+    torch.manual_seed(1)
+    layer = make_layer(groups=2)
+    b, s, lengths = 2, 9, [9, 5]
+    x = torch.randn(b, s, 64)
+    freqs = rope_freqs(s, 16)
+    out = layer(x, attention_mask=pad_mask(lengths, s), rotary_pos_emb=freqs)
+    w = torch.randn_like(out)
+    w[1, 5:] = 0
+    (out * w).sum().backward()
+    ref = _ref_param_grads(layer, x, w, lengths, False, freqs[:, 0, 0, :], "gelu", "LayerNorm", True)
+    for n, p in layer.named_parameters():
+        assert rel_error(p.grad, ref[n]) <= 1e-4, n
+
+
+def test_thd_matches_bshd(modules):
+    torch.manual_seed(2)
+    layer = make_layer(groups=2, mask="padding")
+    b, s, lengths = 3, 12, [12, 5, 8]
+    x = torch.randn(b, s, 64)
+    freqs = rope_freqs(s, 16)
+    padded = layer(x, attention_mask=pad_mask(lengths, s), rotary_pos_emb=freqs)
+    packed_in = torch.cat([x[i, :n] for i, n in enumerate(lengths)]).requires_grad_(True)
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
+    packed = layer(packed_in, rotary_pos_emb=freqs, cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                   max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths), qkv_format="thd")
+    expect = torch.cat([padded[i, :n] for i, n in enumerate(lengths)])
+    assert rel_error(packed, expect) <= 1e-5
+    # The same layer built for thd.
+    layer_thd = make_layer(groups=2, mask="padding", fmt="thd")
+    layer_thd.load_state_dict(layer.state_dict())
+    again = layer_thd(packed_in, rotary_pos_emb=freqs, cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                      max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+    assert rel_error(again, expect) <= 1e-5
+    again.sum().backward()
+    assert packed_in.grad is not None and torch.isfinite(packed_in.grad).all()
+
+
+def test_sbhd_matches_bshd(modules):
+    torch.manual_seed(3)
+    layer = make_layer(mask="causal", fmt="sbhd")
+    x = torch.randn(2, 7, 64)
+    freqs = rope_freqs(7, 16)
+    out = layer(x.transpose(0, 1).contiguous(), rotary_pos_emb=freqs)
+    ref = reference_layer(layer, x, [7, 7], True, freqs[:, 0, 0, :], "gelu", "LayerNorm", 1e-5)
+    assert rel_error(out.transpose(0, 1), ref) <= 1e-5
+
+
+def test_decoder_layer_cross_attention(modules):
+    torch.manual_seed(4)
+    layer = make_layer(layer_type="decoder", mask="causal", groups=2)
+    names = {n for n, _ in layer.named_parameters()}
+    assert {"inter_attention.layernorm_query.weight", "inter_attention.key_value.weight",
+            "inter_attention.proj.weight"} <= names
+    x, enc = torch.randn(2, 6, 64), torch.randn(2, 9, 64)
+    out = layer(x, encoder_output=enc)
+    ref = reference_layer(layer, x, [6, 6], True, None, "gelu", "LayerNorm", 1e-5, encoder=enc, enc_lengths=[9, 9])
+    assert rel_error(out, ref) <= 1e-5
+    with pytest.raises(ValueError, match="encoder_output"):
+        layer(x)
+
+
+def test_multihead_attention_alone(modules):
+    torch.manual_seed(5)
+    mha = te.MultiheadAttention(64, 4, attention_dropout=0.0, input_layernorm=False, fuse_qkv_params=True,
+                                qkv_format="bshd", attn_mask_type="causal", device="cpu")
+    assert {n for n, _ in mha.named_parameters()} == {"qkv.weight", "qkv.bias", "proj.weight", "proj.bias"}
+    randomize(mha)
+    x = torch.randn(2, 5, 64)
+    out = mha(x)
+    P = {n: p.detach().double() for n, p in mha.named_parameters()}
+    q, k, v = _split(F.linear(x.double(), P["qkv.weight"], P["qkv.bias"]), 4, 4, 16, True)
+    ref = F.linear(_attention(q, k, v, [5, 5], [5, 5], True, 0.25), P["proj.weight"], P["proj.bias"])
+    assert rel_error(out, ref) <= 1e-5
+
+
+def test_bad_arguments(modules):
+    with pytest.raises(NotImplementedError, match="fuse_qkv_params"):
+        te.TransformerLayer(64, 96, 4, fuse_qkv_params=False, device="cpu")
+    with pytest.raises(NotImplementedError, match="output_layernorm"):
+        te.TransformerLayer(64, 96, 4, fuse_qkv_params=True, output_layernorm=True, device="cpu")
+    with pytest.raises(ValueError, match="layer_type"):
+        te.TransformerLayer(64, 96, 4, fuse_qkv_params=True, layer_type="cross", device="cpu")
+    with pytest.raises(ValueError, match="attn_input_format"):
+        te.TransformerLayer(64, 96, 4, fuse_qkv_params=True, attn_input_format="bhsd", device="cpu")
+    with pytest.raises(ValueError, match="num_gqa_groups"):
+        te.TransformerLayer(64, 96, 4, num_gqa_groups=3, fuse_qkv_params=True, device="cpu")
+    with pytest.raises(NotImplementedError, match="drop_path_rate"):
+        te.TransformerLayer(64, 96, 4, fuse_qkv_params=True, drop_path_rate=0.1, device="cpu")
+    with pytest.raises(NotImplementedError, match="not_an_arg"):
+        te.TransformerLayer(64, 96, 4, fuse_qkv_params=True, not_an_arg=1, device="cpu")
+    layer = make_layer(fmt="bshd")
+    with pytest.raises(ValueError, match="hidden_states"):
+        layer(torch.randn(2, 5, 32))
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        layer(torch.randn(10, 64), qkv_format="thd")
+    with pytest.raises(TypeError, match="hidden_states"):
+        layer([1, 2, 3])
+
+
+# ------------------------------------------------------------------- CUDA
+def _cuda_ready():
+    return seqfuse.cuda_available() and torch.cuda.is_available() and not te_stand_ins.missing()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", ["esm2_650m", "llama_like"])
+@pytest.mark.parametrize("fmt", ["bshd", "thd"])
+def test_cuda_bf16_layer_matches_torch(shape, fmt):
+    if not _cuda_ready():
+        pytest.skip("needs every seqfuse.pytorch module and a CUDA build")
+    torch.manual_seed(6)
+    if shape == "esm2_650m":
+        kw = dict(hidden=1280, ffn=5120, heads=20, mask="padding", activation="gelu")
+    else:
+        kw = dict(hidden=2048, ffn=5632, heads=16, groups=4, mask="padding_causal", activation="swiglu",
+                  normalization="RMSNorm")
+    layer = make_layer(**kw, dtype=torch.bfloat16, device="cuda", fmt=fmt)
+    d = kw["hidden"] // kw["heads"]
+    b, s, lengths = 4, 256, [256, 200, 129, 64]
+    x = torch.randn(b, s, kw["hidden"], device="cuda", dtype=torch.bfloat16)
+    freqs = te.RotaryPositionEmbedding(d, device="cuda")(s)
+    if fmt == "bshd":
+        out = layer(x, attention_mask=pad_mask(lengths, s).cuda(), rotary_pos_emb=freqs)
+        out = torch.cat([out[i, :n] for i, n in enumerate(lengths)])
+    else:
+        cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device="cuda")
+        out = layer(torch.cat([x[i, :n] for i, n in enumerate(lengths)]), rotary_pos_emb=freqs,
+                    cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=s, max_seqlen_kv=s)
+    ref = reference_layer(layer.cpu(), x.cpu(), lengths, "causal" in kw["mask"], freqs.cpu()[:, 0, 0, :],
+                          kw["activation"], kw.get("normalization", "LayerNorm"), 1e-5)
+    ref = torch.cat([ref[i, :n] for i, n in enumerate(lengths)])
+    # bf16 inputs, fp32 accumulation: a few bf16 ulps over one layer.
+    assert rel_error(out, ref) <= 2e-2
+
+
+@pytest.mark.cuda
+def test_cuda_fp8_layer_close_to_bf16():
+    if not _cuda_ready() or not hasattr(te, "fp8_autocast"):
+        pytest.skip("needs every seqfuse.pytorch module, autocast and a CUDA build")
+    from seqfuse.common.recipe import DelayedScaling, Format
+    torch.manual_seed(7)
+    layer = make_layer(hidden=1280, ffn=5120, heads=20, mask="padding", dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(4, 256, 1280, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    freqs = te.RotaryPositionEmbedding(64, device="cuda")(256)
+    mask = pad_mask([256, 200, 129, 64], 256).cuda()
+    ref = layer(x, attention_mask=mask, rotary_pos_emb=freqs)
+    recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
+    for _ in range(3):  # let the delayed scales settle
+        with te.fp8_autocast(enabled=True, fp8_recipe=recipe):
+            out = layer(x, attention_mask=mask, rotary_pos_emb=freqs)
+        out.sum().backward()
+    valid = ~mask[:, 0, 0, :]
+    # FP8 E4M3 forward: ~2^-4 relative per element, averaged over the GEMMs' K.
+    assert rel_error(out[valid], ref[valid]) <= 8e-2
+    assert torch.isfinite(x.grad).all()
