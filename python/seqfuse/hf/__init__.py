@@ -19,3 +19,7 @@ __all__ = [
     "ESM2_SHAPES", "SeqfuseEsmConfig", "esm2_config", "from_hf_config", "to_hf_config",
     "fuse_qkv", "split_qkv",
 ]
+
+from .esm import SeqfuseEsmForMaskedLM, SeqfuseEsmModel  # noqa: E402
+
+__all__ += ["SeqfuseEsmForMaskedLM", "SeqfuseEsmModel"]

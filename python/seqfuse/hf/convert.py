@@ -167,3 +167,66 @@ def seqfuse_to_hf_state_dict(sf_sd, config, lm_head=True):
     if lm_head and config.tie_word_embeddings:
         out[_TIED_DECODER] = out[_WORD_EMB]
     return out
+
+
+# ------------------------------------------------------------ model level
+_EXTRA_STATE = "._extra_state"
+
+
+def _strip_extra_state(sd):
+    """Module bookkeeping (e.g. FP8 scaling state) is not a weight: not converted."""
+    return {k: v for k, v in sd.items() if not k.endswith(_EXTRA_STATE)}
+
+
+def _build_and_load(cls, config, sd, like):
+    """``cls(config)`` on ``like``'s device without random init, holding
+    copies of the tensors of ``sd`` (dtype and values exactly as given)."""
+    import torch
+    from transformers.initialization import no_init_weights
+
+    device = next(like.parameters()).device
+    with torch.device(device), no_init_weights():
+        model = cls(config)
+    own = model.state_dict()
+    full = {k: v.detach().clone() for k, v in sd.items()}
+    for k, v in own.items():
+        if k.endswith(_EXTRA_STATE):
+            full[k] = v
+    if "lm_head.decoder.weight" in own and "lm_head.decoder.weight" not in full and config.tie_word_embeddings:
+        full["lm_head.decoder.weight"] = full["esm.embeddings.word_embeddings.weight"]
+    model.load_state_dict(full, strict=True, assign=True)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.train(like.training)
+
+
+def from_hf_model(hf_model):
+    """SeqfuseEsmForMaskedLM holding copies of the weights of transformers'
+    EsmForMaskedLM, each tensor in its dtype, on the same device.  The config
+    must be representable (see seqfuse.hf.from_hf_config)."""
+    from transformers import EsmForMaskedLM
+
+    from .esm import SeqfuseEsmForMaskedLM
+    from .esm_config import from_hf_config
+
+    if not isinstance(hf_model, EsmForMaskedLM):
+        raise TypeError(f"from_hf_model: expected transformers.EsmForMaskedLM, got {type(hf_model).__name__}")
+    config = from_hf_config(hf_model.config)
+    sd = hf_to_seqfuse_state_dict(hf_model.state_dict(), config)
+    return _build_and_load(SeqfuseEsmForMaskedLM, config, sd, hf_model)
+
+
+def to_hf_model(model):
+    """transformers' EsmForMaskedLM holding copies of the weights of a
+    SeqfuseEsmForMaskedLM."""
+    from transformers import EsmForMaskedLM
+
+    from .esm import SeqfuseEsmForMaskedLM
+    from .esm_config import to_hf_config
+
+    if not isinstance(model, SeqfuseEsmForMaskedLM):
+        raise TypeError(f"to_hf_model: expected SeqfuseEsmForMaskedLM, got {type(model).__name__}")
+    sd = seqfuse_to_hf_state_dict(_strip_extra_state(model.state_dict()), model.config)
+    hf = _build_and_load(EsmForMaskedLM, to_hf_config(model.config), sd, model)
+    hf.config._attn_implementation = model.config._attn_implementation or hf.config._attn_implementation
+    return hf

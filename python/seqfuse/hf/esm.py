@@ -1,0 +1,306 @@
+"""ESM-2 in seqfuse layers: a transformers PreTrainedModel family
+(SeqfuseEsmModel, SeqfuseEsmForMaskedLM) built on seqfuse's TransformerLayer.
+
+The model computes what transformers' EsmForMaskedLM computes for ESM-2
+configs: word embeddings with ESM's token-dropout rescaling, padded
+positions zeroed, rotary embeddings (half-split pairs, positions 0..L-1 per
+sequence), pre-LayerNorm layers (the norms fused into the QKV and FC1 GEMMs),
+GELU MLP, the final LayerNorm (emb_layer_norm_after) and the LM head
+(dense -> GELU -> LayerNorm -> decoder tied to the word embeddings + bias).
+Two deliberate differences, both small and stated:
+
+- attention scales the logits by 1/sqrt(d) after RoPE; HF scales the query
+  before RoPE.  RoPE is linear, so these are equal up to rounding.
+- the MLP's activation is ``config.mlp_activation`` run inside LayerNormMLP;
+  ESM-2 was trained with erf-GELU; seqfuse's fused MLP offers TE's
+  activations, whose "gelu" is the tanh approximation (|difference| < 5e-4
+  per element).  The LM head's GELU is erf-GELU, as in ESM.
+
+Inputs: padded ``input_ids`` [b, s] with ``attention_mask`` [b, s] (bshd), or
+packed ``input_ids`` [t] / [1, t] with ``cu_seqlens`` (int32 [n+1]) and
+``max_seqlen`` (thd: no padding anywhere).  Under seqfuse autocast with an
+FP8 recipe the layers' GEMMs run in FP8; the vocabulary projection (33 rows,
+not FP8-aligned) stays in the model's dtype.
+
+Contact prediction needs attention probabilities, which the fused attention
+never forms: ``predict_contacts`` raises and says to convert to HF.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoModel, AutoModelForMaskedLM, PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput
+
+from ..modules.rope import RotaryPositionEmbedding
+from ..modules.transformer_layer import TransformerLayer
+from .esm_config import SeqfuseEsmConfig
+
+#: ESM's token-dropout training mask ratio (15 % selected x 80 % replaced by <mask>).
+MASK_RATIO_TRAIN = 0.15 * 0.8
+
+
+def _seqfuse_modules():
+    from seqfuse.pytorch import LayerNorm, Linear
+    return LayerNorm, Linear
+
+
+def _device():
+    # The default device, which is "meta" while transformers builds a model
+    # to load into; seqfuse's modules would otherwise pick one themselves.
+    return torch.get_default_device()
+
+
+def erf_gelu(x):
+    """GELU with erf, as ESM (and transformers' EsmLMHead) computes it."""
+    return x * 0.5 * (1.0 + torch.erf(x / 2.0 ** 0.5))
+
+
+class SeqfuseEsmEmbeddings(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size,
+                                            padding_idx=config.pad_token_id, device=_device())
+        if config.emb_layer_norm_before:
+            LayerNorm, _ = _seqfuse_modules()
+            self.layer_norm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps, device=_device())
+        else:
+            self.layer_norm = None
+        self.token_dropout = config.token_dropout
+        self.mask_token_id = config.mask_token_id
+
+    def forward(self, input_ids, attention_mask=None, cu_seqlens=None):
+        emb = self.word_embeddings(input_ids)
+        if self.token_dropout:
+            is_mask = input_ids == self.mask_token_id
+            emb = emb.masked_fill(is_mask.unsqueeze(-1), 0.0)
+            if cu_seqlens is None:
+                src_lengths = attention_mask.sum(-1) if attention_mask is not None else input_ids.shape[-1]
+                observed = is_mask.sum(-1).float() / src_lengths
+                scale = ((1 - MASK_RATIO_TRAIN) / (1 - observed))[..., None, None]
+            else:
+                # Packed: the same per-sequence ratio, spread to each token of the sequence.
+                lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+                seq_of_token = torch.repeat_interleave(torch.arange(lengths.numel(), device=emb.device), lengths)
+                n_mask = torch.zeros(lengths.numel(), device=emb.device).index_add_(
+                    0, seq_of_token, is_mask.reshape(-1).float())
+                observed = n_mask / lengths
+                scale = ((1 - MASK_RATIO_TRAIN) / (1 - observed))[seq_of_token].view(*emb.shape[:-1], 1)
+            emb = (emb * scale).to(emb.dtype)
+        if self.layer_norm is not None:
+            emb = self.layer_norm(emb)
+        if attention_mask is not None:
+            emb = (emb * attention_mask.unsqueeze(-1)).to(emb.dtype)
+        return emb
+
+
+class SeqfuseEsmEncoder(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        LayerNorm, _ = _seqfuse_modules()
+        self.layers = nn.ModuleList([
+            TransformerLayer(
+                config.hidden_size, config.intermediate_size, config.num_attention_heads,
+                layernorm_epsilon=config.layer_norm_eps, hidden_dropout=config.hidden_dropout_prob,
+                attention_dropout=config.attention_probs_dropout_prob, layer_number=i + 1,
+                self_attn_mask_type="padding", layer_type="encoder", normalization="LayerNorm",
+                activation=config.mlp_activation, attn_input_format=config.attn_input_format,
+                fuse_qkv_params=True, qkv_weight_interleaved=True, bias=True, device=_device())
+            for i in range(config.num_hidden_layers)])
+        self.emb_layer_norm_after = LayerNorm(config.hidden_size, eps=config.layer_norm_eps, device=_device())
+
+
+class SeqfuseEsmContactPredictionHead(nn.Module):
+    """Holds ESM's contact-regression weights so conversion keeps them; the
+    computation needs attention maps seqfuse's fused attention never forms."""
+
+    def __init__(self, in_features):
+        super().__init__()
+        self.regression = nn.Linear(in_features, 1, device=_device())
+
+
+class SeqfuseEsmPreTrainedModel(PreTrainedModel):
+    config_class = SeqfuseEsmConfig
+    config: SeqfuseEsmConfig
+    base_model_prefix = "esm"
+    main_input_name = "input_ids"
+    _no_split_modules = ["TransformerLayer", "SeqfuseEsmEmbeddings"]
+    supports_gradient_checkpointing = False
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        """ESM's initialisation: matrices and embeddings N(0, initializer_range),
+        biases 0, norm weights 1 (by parameter name, so it covers the fused
+        seqfuse modules too)."""
+        # transformers.initialization's functions skip tensors already loaded
+        # from a checkpoint (and work on meta tensors).
+        std = self.config.initializer_range
+        for name, p in module.named_parameters(recurse=False):
+            if name.endswith("bias"):
+                init.zeros_(p)
+            elif p.dim() == 1:
+                init.ones_(p)  # norm weights (layer_norm_weight, LayerNorm.weight)
+            else:
+                init.normal_(p, mean=0.0, std=std)
+        if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+            if not getattr(module.weight, "_is_hf_initialized", False) and not module.weight.is_meta:
+                module.weight[module.padding_idx].zero_()
+        if isinstance(module, RotaryPositionEmbedding):
+            d = module.inv_freq.numel() * 2
+            init.copy_(module.inv_freq, 1.0 / (self.config.rope_theta ** (
+                torch.arange(0, d, 2, dtype=torch.float32, device=module.inv_freq.device) / d)))
+
+
+def _check_inputs(input_ids, attention_mask, cu_seqlens, output_attentions):
+    if output_attentions:
+        raise NotImplementedError("SeqfuseEsm: output_attentions=True is not supported; the fused attention "
+                                  "never forms attention probabilities (convert to transformers' EsmModel)")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError("SeqfuseEsm: input_ids must be an int64 or int32 torch.Tensor")
+    if cu_seqlens is not None:
+        if attention_mask is not None:
+            raise ValueError("SeqfuseEsm: packed input (cu_seqlens) takes no attention_mask: every token is real")
+        if input_ids.dim() == 2 and input_ids.shape[0] != 1:
+            raise ValueError(f"SeqfuseEsm: packed input_ids must be [t] or [1, t], got {tuple(input_ids.shape)}")
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
+            raise TypeError("SeqfuseEsm: cu_seqlens must be a 1-D int32 torch.Tensor")
+    elif input_ids.dim() != 2:
+        raise ValueError(f"SeqfuseEsm: padded input_ids must be [batch, seq], got {tuple(input_ids.shape)} "
+                         "(packed input needs cu_seqlens)")
+    elif attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(f"SeqfuseEsm: attention_mask {tuple(attention_mask.shape)} must match "
+                         f"input_ids {tuple(input_ids.shape)}")
+
+
+class SeqfuseEsmModel(SeqfuseEsmPreTrainedModel):
+    """The ESM-2 encoder: embeddings, TransformerLayers, final LayerNorm."""
+
+    def __init__(self, config: SeqfuseEsmConfig, add_pooling_layer=False):
+        super().__init__(config)
+        if add_pooling_layer:
+            raise NotImplementedError("SeqfuseEsmModel: the pooling layer is not implemented (ESM-2 MLM has none)")
+        self.embeddings = SeqfuseEsmEmbeddings(config)
+        self.rotary_embeddings = RotaryPositionEmbedding(config.head_dim, rotary_base=config.rope_theta,
+                                                         device=_device())
+        self.encoder = SeqfuseEsmEncoder(config)
+        self.contact_head = SeqfuseEsmContactPredictionHead(config.num_hidden_layers * config.num_attention_heads)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embeddings.word_embeddings
+
+    def set_input_embeddings(self, value):
+        self.embeddings.word_embeddings = value
+
+    def forward(self, input_ids=None, attention_mask=None, cu_seqlens=None, max_seqlen=None,
+                output_hidden_states=None, output_attentions=None, return_dict=None, **unused):
+        """Padded: input_ids [b, s], attention_mask [b, s] (1 = token, 0 = pad).
+        Packed: input_ids [t] or [1, t], cu_seqlens int32 [n+1], max_seqlen."""
+        bad = sorted(k for k, v in unused.items() if v is not None)
+        if bad:
+            raise NotImplementedError(f"SeqfuseEsmModel: arguments {bad} are not supported")
+        _check_inputs(input_ids, attention_mask, cu_seqlens, output_attentions)
+        packed = cu_seqlens is not None
+        if packed:
+            shape = input_ids.shape
+            ids = input_ids.reshape(-1)
+            if max_seqlen is None:
+                max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
+            x = self.embeddings(ids, cu_seqlens=cu_seqlens)
+            freqs = self.rotary_embeddings(int(max_seqlen))
+            layer_kw = dict(cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=int(max_seqlen),
+                            max_seqlen_kv=int(max_seqlen), qkv_format="thd", self_attn_mask_type="padding")
+        else:
+            x = self.embeddings(input_ids, attention_mask=attention_mask)
+            freqs = self.rotary_embeddings(input_ids.shape[1])
+            if attention_mask is not None and not bool(attention_mask.all()):
+                te_mask = ~attention_mask.bool()[:, None, None, :]
+                layer_kw = dict(attention_mask=te_mask, self_attn_mask_type="padding", qkv_format="bshd")
+            else:
+                layer_kw = dict(self_attn_mask_type="no_mask", qkv_format="bshd")
+        hidden = [] if output_hidden_states else None
+        for layer in self.encoder.layers:
+            if hidden is not None:
+                hidden.append(x)
+            x = layer(x, rotary_pos_emb=freqs, **layer_kw)
+        x = self.encoder.emb_layer_norm_after(x)
+        if hidden is not None:
+            hidden.append(x)
+        if packed:
+            x = x.view(*shape, -1)
+            if hidden is not None:
+                hidden = [h.view(*shape, -1) for h in hidden]
+        out = BaseModelOutput(last_hidden_state=x, hidden_states=tuple(hidden) if hidden is not None else None)
+        return out if return_dict is not False else out.to_tuple()
+
+    def predict_contacts(self, tokens, attention_mask=None):
+        raise NotImplementedError(
+            "SeqfuseEsmModel.predict_contacts needs attention probabilities, which seqfuse's fused attention "
+            "never forms; convert with seqfuse.hf.convert.to_hf_model(model) and predict there")
+
+
+class SeqfuseEsmLMHead(nn.Module):
+    """dense -> erf-GELU -> LayerNorm -> decoder (tied) + bias, as EsmLMHead."""
+
+    def __init__(self, config):
+        super().__init__()
+        LayerNorm, Linear = _seqfuse_modules()
+        self.dense = Linear(config.hidden_size, config.hidden_size, bias=True, device=_device())
+        self.layer_norm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps, device=_device())
+        # Plain torch: the vocabulary (33) is not FP8-aligned, and tying needs nn.Linear's weight.
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=_device())
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size, device=_device()))
+
+    def forward(self, x):
+        x = self.layer_norm(erf_gelu(self.dense(x)))
+        return F.linear(x, self.decoder.weight.to(x.dtype), self.bias.to(x.dtype))
+
+
+class SeqfuseEsmForMaskedLM(SeqfuseEsmPreTrainedModel):
+    """ESM-2 masked language model on seqfuse layers."""
+
+    _tied_weights_keys = {"lm_head.decoder.weight": "esm.embeddings.word_embeddings.weight"}
+
+    def __init__(self, config: SeqfuseEsmConfig):
+        super().__init__(config)
+        self.esm = SeqfuseEsmModel(config)
+        self.lm_head = SeqfuseEsmLMHead(config)
+        self.post_init()
+
+    def get_output_embeddings(self):
+        return self.lm_head.decoder
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head.decoder = new_embeddings
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, cu_seqlens=None, max_seqlen=None,
+                output_hidden_states=None, output_attentions=None, return_dict=None, **unused):
+        """As EsmForMaskedLM; packed input via cu_seqlens/max_seqlen.  The
+        loss is the mean cross entropy over labels != -100."""
+        out = self.esm(input_ids, attention_mask=attention_mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                       output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+                       return_dict=True, **unused)
+        logits = self.lm_head(out.last_hidden_state)
+        loss = None
+        if labels is not None:
+            if labels.shape != input_ids.shape:
+                raise ValueError(f"SeqfuseEsmForMaskedLM: labels {tuple(labels.shape)} must match "
+                                 f"input_ids {tuple(input_ids.shape)}")
+            loss = F.cross_entropy(logits.reshape(-1, self.config.vocab_size).float(), labels.reshape(-1),
+                                   ignore_index=-100)
+        result = MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
+        return result if return_dict is not False else result.to_tuple()
+
+    def predict_contacts(self, tokens, attention_mask=None):
+        return self.esm.predict_contacts(tokens, attention_mask)
+
+
+def _register():
+    for auto, cls in ((AutoModel, SeqfuseEsmModel), (AutoModelForMaskedLM, SeqfuseEsmForMaskedLM)):
+        try:
+            auto.register(SeqfuseEsmConfig, cls)
+        except ValueError:
+            pass  # already registered (module reloaded)
+
+
+_register()
