@@ -228,5 +228,33 @@ def to_hf_model(model):
         raise TypeError(f"to_hf_model: expected SeqfuseEsmForMaskedLM, got {type(model).__name__}")
     sd = seqfuse_to_hf_state_dict(_strip_extra_state(model.state_dict()), model.config)
     hf = _build_and_load(EsmForMaskedLM, to_hf_config(model.config), sd, model)
-    hf.config._attn_implementation = model.config._attn_implementation or hf.config._attn_implementation
     return hf
+
+
+def from_hf_pretrained(path, dtype=None, device=None):
+    """SeqfuseEsmForMaskedLM from a local transformers EsmForMaskedLM
+    checkpoint directory.  transformers reads the files (it knows every
+    on-disk naming its versions wrote: legacy LayerNorm gamma/beta, per-layer
+    rotary inv_freq, ...); unlike transformers, a weight missing from the
+    checkpoint raises KeyError naming it instead of being initialised at
+    random, and the config is checked before any weight is read."""
+    import os
+
+    from transformers import EsmConfig, EsmForMaskedLM
+
+    from .esm_config import from_hf_config
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"from_hf_pretrained: {path!r} is not a local directory")
+    from_hf_config(EsmConfig.from_pretrained(path))  # refuses unrepresentable configs up front
+    kw = {} if dtype is None else {"dtype": dtype}
+    hf, info = EsmForMaskedLM.from_pretrained(path, output_loading_info=True, local_files_only=True, **kw)
+    missing = sorted(k for k in info.get("missing_keys", ()) if k != _TIED_DECODER)
+    if missing:
+        raise KeyError(f"from_hf_pretrained({path!r}): the checkpoint is missing weight(s) {missing[:8]}"
+                       + (" ..." if len(missing) > 8 else ""))
+    mismatched = info.get("mismatched_keys", ())
+    if mismatched:
+        raise ValueError(f"from_hf_pretrained({path!r}): weight shapes differ from the config: {list(mismatched)[:8]}")
+    model = from_hf_model(hf.eval())
+    return model if device is None else model.to(device)

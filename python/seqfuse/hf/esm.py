@@ -77,7 +77,7 @@ class SeqfuseEsmEmbeddings(nn.Module):
             if cu_seqlens is None:
                 src_lengths = attention_mask.sum(-1) if attention_mask is not None else input_ids.shape[-1]
                 observed = is_mask.sum(-1).float() / src_lengths
-                scale = ((1 - MASK_RATIO_TRAIN) / (1 - observed))[..., None, None]
+                denom = (1 - observed)[..., None, None]
             else:
                 # Packed: the same per-sequence ratio, spread to each token of the sequence.
                 lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
@@ -85,8 +85,9 @@ class SeqfuseEsmEmbeddings(nn.Module):
                 n_mask = torch.zeros(lengths.numel(), device=emb.device).index_add_(
                     0, seq_of_token, is_mask.reshape(-1).float())
                 observed = n_mask / lengths
-                scale = ((1 - MASK_RATIO_TRAIN) / (1 - observed))[seq_of_token].view(*emb.shape[:-1], 1)
-            emb = (emb * scale).to(emb.dtype)
+                denom = (1 - observed)[seq_of_token].view(*emb.shape[:-1], 1)
+            # The operation order of transformers' EsmEmbeddings, for identical rounding.
+            emb = (emb * (1 - MASK_RATIO_TRAIN) / denom).to(emb.dtype)
         if self.layer_norm is not None:
             emb = self.layer_norm(emb)
         if attention_mask is not None:
@@ -126,6 +127,31 @@ class SeqfuseEsmPreTrainedModel(PreTrainedModel):
     main_input_name = "input_ids"
     _no_split_modules = ["TransformerLayer", "SeqfuseEsmEmbeddings"]
     supports_gradient_checkpointing = False
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """transformers' from_pretrained, made strict: a checkpoint with missing
+        or unexpected weights raises (KeyError / ValueError naming the keys)
+        instead of leaving randomly initialised weights behind."""
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
+                                              **kwargs)
+        tied = set(getattr(cls, "_tied_weights_keys", None) or {})
+        missing = sorted(k for k in info.get("missing_keys", ()) if k not in tied)
+        if missing:
+            raise KeyError(f"{cls.__name__}.from_pretrained({pretrained_model_name_or_path!r}): the checkpoint "
+                           f"is missing weight(s) {missing[:8]}" + (" ..." if len(missing) > 8 else ""))
+        unexpected = sorted(info.get("unexpected_keys", ()))
+        if cls is SeqfuseEsmModel:  # the encoder alone, from a masked-LM checkpoint
+            unexpected = [k for k in unexpected if not k.startswith("lm_head.")]
+        if unexpected:
+            raise ValueError(f"{cls.__name__}.from_pretrained({pretrained_model_name_or_path!r}): the checkpoint "
+                             f"has unexpected weight(s) {unexpected[:8]}" + (" ..." if len(unexpected) > 8 else ""))
+        mismatched = info.get("mismatched_keys", ())
+        if mismatched:
+            raise ValueError(f"{cls.__name__}.from_pretrained({pretrained_model_name_or_path!r}): weight shapes "
+                             f"differ from the config: {list(mismatched)[:8]}")
+        return (model, info) if want_info else model
 
     @torch.no_grad()
     def _init_weights(self, module):
