@@ -197,11 +197,7 @@ def test_edge_cases_are_left_with_reasons(stand_ins, monkeypatch):
     wrapped = []
     monkeypatch.setattr(accelerate_mod, "_wrap_forward", lambda model, recipe: wrapped.append(recipe))
 
-    class DelayedScaling:
-        pass
-
-    class MXFP8BlockScaling:
-        pass
+    from seqfuse.common.recipe import DelayedScaling, MXFP8BlockScaling
 
     m = Odd()
     report = accelerate(m, recipe=DelayedScaling())
@@ -211,6 +207,8 @@ def test_edge_cases_are_left_with_reasons(stand_ins, monkeypatch):
     report = accelerate(m, recipe=MXFP8BlockScaling())
     assert "divisible by 32" in report.reason("shared")
     assert len(wrapped) == 2
+    with pytest.raises(TypeError, match="recipe"):
+        accelerate(Odd(), recipe="fp8")
 
 
 def test_accelerate_bad_input():
@@ -222,3 +220,31 @@ def test_accelerate_bad_input():
 def test_accelerate_without_modules_says_so():
     with pytest.raises(NotImplementedError, match="seqfuse.pytorch.Linear"):
         accelerate(nn.Linear(4, 4))
+
+
+def test_recipe_runs_forward_under_autocast(stand_ins):
+    from seqfuse.common.recipe import DelayedScaling
+    from seqfuse.quantization import is_fp8_enabled
+
+    seen = []
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            seen.append(is_fp8_enabled())
+            return x
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(32, 32)
+            self.probe = Probe()
+
+        def forward(self, x):
+            return self.probe(self.fc(x))
+
+    net = Net()
+    recipe = DelayedScaling()
+    report = accelerate(net, recipe=recipe)
+    assert report.recipe is recipe and "recipe" in str(report)
+    net(torch.randn(4, 32))
+    assert seen == [True] and not is_fp8_enabled()

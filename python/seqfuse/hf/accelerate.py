@@ -211,8 +211,12 @@ def _gemm_alignment(recipe):
     formats (MXFP8, NVFP4); None without a recipe (bf16/fp32 GEMMs take any shape)."""
     if recipe is None:
         return None
-    name = type(recipe).__name__
-    return 32 if ("MXFP8" in name or "NVFP4" in name) else FP8_ALIGN
+    from seqfuse.common.recipe import Recipe
+
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"accelerate: recipe must be a seqfuse.common.recipe recipe (e.g. DelayedScaling()), "
+                        f"got {type(recipe).__name__}")
+    return 32 if (recipe.mxfp8() or recipe.nvfp4()) else FP8_ALIGN
 
 
 def accelerate(model, recipe=None):
