@@ -170,6 +170,8 @@ def main(argv=None) -> int:
                 example_dir = args.example_dir
                 deb_name = None
             else:
+                if args.deb and not os.path.isfile(args.deb):
+                    raise PrepareError(f"--deb {args.deb}: no such file")
                 deb = args.deb or fetch_deb(work, args.apt_update)
                 deb_name = os.path.basename(deb)
                 example_dir = extract_deb(deb, work)
