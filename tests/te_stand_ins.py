@@ -29,6 +29,8 @@ def _norm(x, w, b, eps, normalization, zero_centered_gamma):
 def act(name, x):
     if name == "gelu":  # TE's gelu is the tanh approximation
         return F.gelu(x, approximate="tanh")
+    if name == "gelu_erf":
+        return F.gelu(x)
     if name == "relu":
         return F.relu(x)
     if name == "silu":

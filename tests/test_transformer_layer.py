@@ -150,6 +150,7 @@ CASES = [
     dict(groups=1, normalization="RMSNorm", activation="swiglu", mask="padding_causal"),
     dict(mask="causal", interleaved=False),
     dict(mask="no_mask", activation="relu", bias=False),
+    dict(activation="gelu_erf", groups=2),
 ]
 
 

@@ -7,14 +7,12 @@ positions zeroed, rotary embeddings (half-split pairs, positions 0..L-1 per
 sequence), pre-LayerNorm layers (the norms fused into the QKV and FC1 GEMMs),
 GELU MLP, the final LayerNorm (emb_layer_norm_after) and the LM head
 (dense -> GELU -> LayerNorm -> decoder tied to the word embeddings + bias).
-Two deliberate differences, both small and stated:
-
-- attention scales the logits by 1/sqrt(d) after RoPE; HF scales the query
-  before RoPE.  RoPE is linear, so these are equal up to rounding.
-- the MLP's activation is ``config.mlp_activation`` run inside LayerNormMLP;
-  ESM-2 was trained with erf-GELU; seqfuse's fused MLP offers TE's
-  activations, whose "gelu" is the tanh approximation (|difference| < 5e-4
-  per element).  The LM head's GELU is erf-GELU, as in ESM.
+One deliberate difference, small and stated: attention scales the logits by
+1/sqrt(d) after RoPE; HF scales the query before RoPE.  RoPE is linear, so
+these are equal up to rounding.  The MLP runs ``config.mlp_activation``
+inside LayerNormMLP: "gelu_erf" (default) is ESM's erf-GELU; TE's "gelu" is
+the tanh approximation (|difference| < 5e-4 per element), selectable for
+speed.  The LM head's GELU is erf-GELU, as in ESM.
 
 Inputs: padded ``input_ids`` [b, s] with ``attention_mask`` [b, s] (bshd), or
 packed ``input_ids`` [t] / [1, t] with ``cu_seqlens`` (int32 [n+1]) and
