@@ -388,14 +388,16 @@ def test_cuda_bf16_golden(size):
     hf16 = hf.to(torch.bfloat16)
     sf = from_hf_model(hf16).eval()
     head_dim = hf_config(size).hidden_size // hf_config(size).num_attention_heads
-    if head_dim not in (64, 128):
-        # ESM-2 8M/35M/150M have head dims 16/24/32: the CUDA attention kernel
-        # must say so, not fall back.
-        with pytest.raises(NotImplementedError, match="head dim"):
-            sf(**b)
-        return
+    try:
+        with torch.no_grad():
+            out = sf(**b)
+    except NotImplementedError as e:
+        # ESM-2 8M/35M/150M have head dims 16/24/32; a CUDA attention kernel
+        # without them must say so (never fall back silently).
+        assert "head dim" in str(e)
+        pytest.skip(f"the CUDA attention kernel has no head dim {head_dim}: {e}")
     with torch.no_grad():
-        out, base = sf(**b), hf16(**b)
+        base = hf16(**b)
     m = b["attention_mask"]
     err_sf = rel_error(real_rows(out.logits, m), real_rows(ref.logits, m))
     err_hf = rel_error(real_rows(base.logits, m), real_rows(ref.logits, m))

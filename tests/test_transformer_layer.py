@@ -39,8 +39,9 @@ def _rope(t, freqs):
     return t * cos + rot * sin
 
 
-def _attention(q, k, v, lengths_q, lengths_k, causal, scale):
-    # q [b, s, h, d], k/v [b, s_k, g, d]; padding by lengths, causal top-left
+def _attention(q, k, v, lengths_q, lengths_k, causal, scale, window=None):
+    # q [b, s, h, d], k/v [b, s_k, g, d]; padding by lengths, causal top-left,
+    # window (left, right) around the diagonal, -1 unbounded
     b, s, h, d = q.shape
     g = k.shape[2]
     k = k.repeat_interleave(h // g, dim=2)
@@ -51,6 +52,12 @@ def _attention(q, k, v, lengths_q, lengths_k, causal, scale):
         keep[i, :, :, lengths_k[i]:] = False
     if causal:
         keep &= torch.ones(s, k.shape[1], dtype=torch.bool).tril()
+    if window is not None:
+        qi, ki = torch.arange(s)[:, None], torch.arange(k.shape[1])[None, :]
+        if window[0] >= 0:
+            keep &= ki >= qi - window[0]
+        if window[1] >= 0:
+            keep &= ki <= qi + window[1]
     scores = scores.masked_fill(~keep, float("-inf"))
     p = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     out = torch.einsum("bhqk,bkhd->bqhd", p, v)
@@ -69,7 +76,7 @@ def _split(mixed, h, g, d, interleaved):
 
 
 def reference_layer(layer, x, lengths, causal, freqs, activation, normalization, eps, interleaved=True,
-                    encoder=None, enc_lengths=None):
+                    encoder=None, enc_lengths=None, window=None):
     """The TransformerLayer in float64 plain torch, on bshd x [b, s, hidden]."""
     # float64 parameters are used as they are (so a test can take their gradients)
     P = {n: p if p.dtype == torch.float64 else p.detach().double() for n, p in layer.named_parameters()}
@@ -83,7 +90,7 @@ def reference_layer(layer, x, lengths, causal, freqs, activation, normalization,
     q, k, v = _split(mixed, h, g, d, interleaved)
     if freqs is not None:
         q, k = _rope(q, freqs.double()), _rope(k, freqs.double())
-    a = _attention(q, k, v, lengths, lengths, causal, scale)
+    a = _attention(q, k, v, lengths, lengths, causal, scale, window)
     x = x + F.linear(a, P["self_attention.proj.weight"], P.get("self_attention.proj.bias"))
     if encoder is not None:
         enc = encoder.double()
@@ -251,6 +258,21 @@ def test_sbhd_matches_bshd(modules):
     out = layer(x.transpose(0, 1).contiguous(), rotary_pos_emb=freqs)
     ref = reference_layer(layer, x, [7, 7], True, freqs[:, 0, 0, :], "gelu", "LayerNorm", 1e-5)
     assert rel_error(out.transpose(0, 1), ref) <= 1e-5
+
+
+@pytest.mark.parametrize("window", [(3, 0), (2, 2)])
+def test_sliding_window(window, modules):
+    torch.manual_seed(8)
+    layer = te.TransformerLayer(64, 96, 4, hidden_dropout=0.0, attention_dropout=0.0,
+                                self_attn_mask_type="causal" if window[1] == 0 else "no_mask",
+                                window_size=window, attn_input_format="bshd", fuse_qkv_params=True, device="cpu")
+    randomize(layer)
+    x = torch.randn(2, 9, 64)
+    freqs = rope_freqs(9, 16)
+    out = layer(x, rotary_pos_emb=freqs)
+    ref = reference_layer(layer, x, [9, 9], window[1] == 0, freqs[:, 0, 0, :], "gelu", "LayerNorm", 1e-5,
+                          window=window)
+    assert rel_error(out, ref) <= 1e-5
 
 
 def test_decoder_layer_cross_attention(modules):
