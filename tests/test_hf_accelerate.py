@@ -248,3 +248,26 @@ def test_recipe_runs_forward_under_autocast(stand_ins):
     assert report.recipe is recipe and "recipe" in str(report)
     net(torch.randn(4, 32))
     assert seen == [True] and not is_fp8_enabled()
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_checkpoint_still_loads_into_original_class(name, stand_ins, tmp_path):
+    """After the swap, parameter names are unchanged: save_pretrained writes a
+    checkpoint the original transformers class loads, weights identical."""
+    make, _ = MODELS[name]
+    model = make()
+    accelerate(model)
+    model.save_pretrained(tmp_path)
+    fresh = type(model).from_pretrained(tmp_path)
+    a, b = model.state_dict(), fresh.state_dict()
+    assert set(a) == set(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_dtype_and_training_mode_kept(stand_ins):
+    model = llama().to(torch.bfloat16).train()
+    accelerate(model)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    q = model.model.layers[0].self_attn.q_proj
+    assert type(q) is stand_ins[0] and q.training
