@@ -67,6 +67,44 @@ __device__ __forceinline__ void sf_load8(const T *p, float *v)
     }
 }
 
+/* The raw 16 bytes (2-byte types) or 32 bytes (float32) of eight values:
+ * loads issued early keep few registers busy until they are converted. */
+template <typename T>
+struct sf_raw8 {
+    uint4 a;
+};
+template <>
+struct sf_raw8<float> {
+    uint4 a, b;
+};
+
+template <typename T>
+__device__ __forceinline__ void sf_load_raw8(const T *p, sf_raw8<T> &r)
+{
+    r.a = __ldg(reinterpret_cast<const uint4 *>(p));
+    if constexpr (sizeof(T) == 4)
+        r.b = __ldg(reinterpret_cast<const uint4 *>(p) + 1);
+}
+
+template <typename T>
+__device__ __forceinline__ void sf_unpack8(const sf_raw8<T> &r, float *v)
+{
+    if constexpr (sizeof(T) == 4) {
+        const float *a = reinterpret_cast<const float *>(&r.a);
+        const float *b = reinterpret_cast<const float *>(&r.b);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            v[i] = a[i];
+            v[i + 4] = b[i];
+        }
+    } else {
+        const T *h = reinterpret_cast<const T *>(&r.a);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            v[i] = sf_to_float(h[i]);
+    }
+}
+
 __device__ __forceinline__ void sf_store_from_float(float *p, float v) { *p = v; }
 __device__ __forceinline__ void sf_store_from_float(__half *p, float v) { *p = __float2half_rn(v); }
 __device__ __forceinline__ void sf_store_from_float(__nv_bfloat16 *p, float v) { *p = __float2bfloat16_rn(v); }

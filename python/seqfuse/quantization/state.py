@@ -113,6 +113,7 @@ class ScalingState(nn.Module):
         self.register_buffer("scale_inv", torch.ones(self.num_tensors, device=device))
         self._chunk_ref = None   # weakref: a deepcopy must not copy the pool
         self._ptrs = None
+        self._views = None
         self._offset = 0
         STATES.add(self)
         self._rehome()
@@ -178,13 +179,16 @@ class ScalingState(nn.Module):
 
     def amax_of(self, index):
         """A one-element view of tensor ``index``'s amax for this step."""
-        return self.amax_history[0, index:index + 1]
+        v = self._views
+        return v[0][index] if v is not None else self.amax_history[0, index:index + 1]
 
     def scale_of(self, index):
-        return self.scale[index:index + 1]
+        v = self._views
+        return v[1][index] if v is not None else self.scale[index:index + 1]
 
     def scale_inv_of(self, index):
-        return self.scale_inv[index:index + 1]
+        v = self._views
+        return v[2][index] if v is not None else self.scale_inv[index:index + 1]
 
     # ---- pooling ----------------------------------------------------------
     def _in_chunk(self):
@@ -215,10 +219,15 @@ class ScalingState(nn.Module):
         self._buffers["scale_inv"] = scale_inv
         self._chunk_ref, self._offset = weakref.ref(c), off
         self._ptrs = (hist.data_ptr(), scale.data_ptr(), scale_inv.data_ptr())
+        # one-element views the casts take, made once (a view costs ~1 us)
+        self._views = ([hist[0, i:i + 1] for i in range(n)], [scale[i:i + 1] for i in range(n)],
+                       [scale_inv[i:i + 1] for i in range(n)])
 
     def ensure_pooled(self):
         """Re-home the state if something replaced its buffers (cheap when not)."""
-        self._rehome()
+        if not self._in_chunk():
+            self._views = None
+            self._rehome()
         return self
 
     def _apply(self, fn, recurse=True):
