@@ -1,8 +1,213 @@
 /*
  * optim_py.c - bindings of the optim family (multi-tensor AdamW and gradient norms (csrc/optim/)).
+ *
+ * These take Python lists of tensors.  Each list is first copied into a tuple
+ * (so the tensors stay referenced while the GIL is released), then every
+ * tensor is imported through its own short sf_py_call whose DLPack borrow is
+ * given back right after its view is read: a list may be far longer than the
+ * per-call borrow limit, and the tuple keeps the memory alive meanwhile.
  */
 #include "py_call.h"
 
+typedef struct {
+    PyObject *tuple;
+    Py_ssize_t n;
+    sf_tensor *views;
+} sf_py_tensor_list;
+
+static void list_free(sf_py_tensor_list *l)
+{
+    Py_XDECREF(l->tuple);
+    PyMem_Free(l->views);
+    l->tuple = NULL;
+    l->views = NULL;
+}
+
+static int list_import(sf_py_call *c, PyObject *stream_obj, PyObject *seq, const char *name,
+                       sf_py_tensor_list *l)
+{
+    l->views = NULL;
+    l->tuple = PySequence_Tuple(seq);
+    if (l->tuple == NULL) {
+        PyErr_Format(PyExc_TypeError, "%s: argument '%s' must be a list of tensors, got %s", c->op, name,
+                     Py_TYPE(seq)->tp_name);
+        return -1;
+    }
+    l->n = PyTuple_GET_SIZE(l->tuple);
+    l->views = PyMem_Calloc(l->n > 0 ? (size_t)l->n : 1, sizeof(sf_tensor));
+    if (l->views == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < l->n; ++i) {
+        char arg[64];
+        snprintf(arg, sizeof arg, "%s[%zd]", name, i);
+        sf_py_call one;
+        if (sf_py_call_init(&one, c->op, stream_obj) < 0)
+            return -1;
+        if (c->have_stream) {
+            one.stream = c->stream;
+            one.have_stream = 1;
+        }
+        int rc = sf_py_tensor(&one, PyTuple_GET_ITEM(l->tuple, i), arg, &l->views[i]);
+        if (rc == 0 && !c->have_stream && one.have_stream) {
+            c->stream = one.stream;
+            c->have_stream = 1;
+        }
+        sf_py_call_release(&one);
+        if (rc < 0)
+            return -1;
+    }
+    return 0;
+}
+
+static int same_length(const char *op, const sf_py_tensor_list *a, const char *an,
+                       const sf_py_tensor_list *b, const char *bn)
+{
+    if (a->n != b->n) {
+        PyErr_Format(PyExc_ValueError, "%s: arguments '%s' (%zd tensors) and '%s' (%zd tensors) must have "
+                     "the same length", op, an, a->n, bn, b->n);
+        return -1;
+    }
+    return 0;
+}
+
+/* multi_tensor_adamw(params, grads, exp_avg, exp_avg_sq, master, lr, beta1, beta2, eps,
+ *                    weight_decay, step, stream=None); master: None or a list */
+static PyObject *py_adamw(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    static const char op[] = "multi_tensor_adamw";
+    if (sf_py_check_nargs(op, nargs, 11, 12) < 0)
+        return NULL;
+    sf_adamw_config cfg;
+    double *fields[5] = {&cfg.lr, &cfg.beta1, &cfg.beta2, &cfg.eps, &cfg.weight_decay};
+    for (int i = 0; i < 5; ++i) {
+        *fields[i] = PyFloat_AsDouble(args[5 + i]);
+        if (*fields[i] == -1.0 && PyErr_Occurred())
+            return NULL;
+    }
+    long long step = PyLong_AsLongLong(args[10]);
+    if (step == -1 && PyErr_Occurred())
+        return NULL;
+    cfg.step = step;
+    PyObject *stream_obj = nargs > 11 ? args[11] : Py_None;
+    sf_py_call c;
+    if (sf_py_call_init(&c, op, stream_obj) < 0)
+        return NULL;
+    sf_py_tensor_list p = {0}, g = {0}, m = {0}, v = {0}, w = {0};
+    PyObject *result = NULL;
+    int has_master = args[4] != Py_None;
+    if (list_import(&c, stream_obj, args[0], "params", &p) < 0 ||
+        list_import(&c, stream_obj, args[1], "grads", &g) < 0 ||
+        list_import(&c, stream_obj, args[2], "exp_avg", &m) < 0 ||
+        list_import(&c, stream_obj, args[3], "exp_avg_sq", &v) < 0 ||
+        (has_master && list_import(&c, stream_obj, args[4], "master", &w) < 0))
+        goto done;
+    if (same_length(op, &p, "params", &g, "grads") < 0 || same_length(op, &p, "params", &m, "exp_avg") < 0 ||
+        same_length(op, &p, "params", &v, "exp_avg_sq") < 0 ||
+        (has_master && same_length(op, &p, "params", &w, "master") < 0))
+        goto done;
+    sf_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = sf_multi_tensor_adamw(p.n, p.views, g.views, m.views, v.views, has_master ? w.views : NULL, &cfg,
+                               sf_py_call_stream(&c));
+    Py_END_ALLOW_THREADS
+    if (st != SF_OK) {
+        sf_py_raise(st);
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    list_free(&p);
+    list_free(&g);
+    list_free(&m);
+    list_free(&v);
+    list_free(&w);
+    sf_py_call_release(&c);
+    return result;
+}
+
+/* multi_tensor_l2norm(tensors, workspace, out, stream=None) */
+static PyObject *py_l2norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    static const char op[] = "multi_tensor_l2norm";
+    if (sf_py_check_nargs(op, nargs, 3, 4) < 0)
+        return NULL;
+    PyObject *stream_obj = nargs > 3 ? args[3] : Py_None;
+    sf_py_call c;
+    if (sf_py_call_init(&c, op, stream_obj) < 0)
+        return NULL;
+    sf_py_tensor_list l = {0};
+    PyObject *result = NULL;
+    sf_tensor ws, out;
+    if (list_import(&c, stream_obj, args[0], "tensors", &l) < 0 ||
+        sf_py_tensor(&c, args[1], "workspace", &ws) < 0 || sf_py_tensor(&c, args[2], "out", &out) < 0)
+        goto done;
+    sf_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = sf_multi_tensor_l2norm(l.n, l.views, &ws, &out, sf_py_call_stream(&c));
+    Py_END_ALLOW_THREADS
+    if (st != SF_OK) {
+        sf_py_raise(st);
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    list_free(&l);
+    sf_py_call_release(&c);
+    return result;
+}
+
+/* multi_tensor_scale(tensors, scale, stream=None) */
+static PyObject *py_scale(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    static const char op[] = "multi_tensor_scale";
+    if (sf_py_check_nargs(op, nargs, 2, 3) < 0)
+        return NULL;
+    PyObject *stream_obj = nargs > 2 ? args[2] : Py_None;
+    sf_py_call c;
+    if (sf_py_call_init(&c, op, stream_obj) < 0)
+        return NULL;
+    sf_py_tensor_list l = {0};
+    PyObject *result = NULL;
+    sf_tensor scale;
+    if (list_import(&c, stream_obj, args[0], "tensors", &l) < 0 ||
+        sf_py_tensor(&c, args[1], "scale", &scale) < 0)
+        goto done;
+    sf_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = sf_multi_tensor_scale(l.n, l.views, &scale, sf_py_call_stream(&c));
+    Py_END_ALLOW_THREADS
+    if (st != SF_OK) {
+        sf_py_raise(st);
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    list_free(&l);
+    sf_py_call_release(&c);
+    return result;
+}
+
+static PyObject *py_chunk_size(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    return PyLong_FromLong(SF_MT_CHUNK);
+}
+
 PyMethodDef sf_py_optim_methods[] = {
+    {"multi_tensor_adamw", (PyCFunction)(void (*)(void))py_adamw, METH_FASTCALL,
+     "multi_tensor_adamw(params, grads, exp_avg, exp_avg_sq, master, lr, beta1, beta2, eps, weight_decay, "
+     "step, stream=None): one AdamW update of every tensor in the lists (master: None or fp32 copies)."},
+    {"multi_tensor_l2norm", (PyCFunction)(void (*)(void))py_l2norm, METH_FASTCALL,
+     "multi_tensor_l2norm(tensors, workspace, out, stream=None): out[0] = sqrt(sum x^2) over all tensors."},
+    {"multi_tensor_scale", (PyCFunction)(void (*)(void))py_scale, METH_FASTCALL,
+     "multi_tensor_scale(tensors, scale, stream=None): x *= scale[0] for every tensor."},
+    {"multi_tensor_chunk_size", py_chunk_size, METH_NOARGS,
+     "Elements per chunk of the multi-tensor kernels (one workspace float per chunk for l2norm)."},
     {NULL, NULL, 0, NULL},
 };

@@ -8,7 +8,8 @@ from . import _C
 from ._runtime import build_info, cuda_available, device_info
 from . import ops
 from . import common, quantization
+from . import optim
 
 __version__ = "0.1.0"
 
-__all__ = ["build_info", "cuda_available", "device_info", "ops", "common", "quantization", "__version__"]
+__all__ = ["build_info", "cuda_available", "device_info", "ops", "common", "quantization", "optim", "__version__"]

@@ -28,3 +28,7 @@ __all__ += ["cast_fp8", "cast_transpose_fp8", "dequantize_fp8", "fp8_compute_sca
 from .norm import layernorm_bwd, layernorm_fwd, rmsnorm_bwd, rmsnorm_fwd  # noqa: E402
 
 __all__ += ["layernorm_fwd", "layernorm_bwd", "rmsnorm_fwd", "rmsnorm_bwd"]
+
+from .optim import multi_tensor_adamw, multi_tensor_l2norm, multi_tensor_scale  # noqa: E402
+
+__all__ += ["multi_tensor_adamw", "multi_tensor_l2norm", "multi_tensor_scale"]

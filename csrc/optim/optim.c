@@ -1,0 +1,174 @@
+/*
+ * optim.c - the public entries of the multi-tensor ops (AdamW, l2 norm,
+ * scale): every tensor of every list is validated once here (dtype, size,
+ * contiguity, device, writability), with the list and the index named in the
+ * message, then the CPU reference (optim_cpu.c) or the CUDA kernels
+ * (optim_cuda.cu) run.
+ */
+#include <stdio.h>
+
+#include "optim_backend.h"
+
+/* "params[3]" style names for messages. */
+static const char *item(char *buf, size_t size, const char *list, int64_t i)
+{
+    snprintf(buf, size, "%s[%lld]", list, (long long)i);
+    return buf;
+}
+
+static sf_status check_item(const char *op, const char *list, int64_t i, const sf_tensor *t,
+                            const sf_tensor *first, int writable)
+{
+    char name[64];
+    item(name, sizeof name, list, i);
+    SF_TRY(sf_check_contiguous(op, name, t));
+    if (writable)
+        SF_TRY(sf_check_writable(op, name, t));
+    return sf_check_same_device(op, "params[0]", first, name, t);
+}
+
+static sf_status check_count(const char *op, int64_t n)
+{
+    if (n < 0)
+        return sf_fail(SF_ERR_VALUE, "%s: the tensor count must be >= 0, got %lld", op, (long long)n);
+    return SF_OK;
+}
+
+#ifndef SF_WITH_CUDA
+static sf_status no_cuda(const char *op)
+{
+    return sf_fail(SF_ERR_NOT_IMPLEMENTED, "%s: the tensors are on a CUDA device but seqfuse was "
+                   "built without CUDA", op);
+}
+#endif
+
+sf_status sf_multi_tensor_adamw(int64_t n, sf_tensor *params, const sf_tensor *grads,
+                                sf_tensor *exp_avg, sf_tensor *exp_avg_sq, sf_tensor *master,
+                                const sf_adamw_config *cfg, sf_stream stream)
+{
+    static const char op[] = "multi_tensor_adamw";
+    SF_TRY(check_count(op, n));
+    if (n == 0)
+        return SF_OK;
+    if (!(cfg->lr >= 0.0))
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'lr' must be >= 0, got %g", op, cfg->lr);
+    if (!(cfg->beta1 >= 0.0 && cfg->beta1 < 1.0) || !(cfg->beta2 >= 0.0 && cfg->beta2 < 1.0))
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'betas' must lie in [0, 1), got (%g, %g)", op,
+                       cfg->beta1, cfg->beta2);
+    if (!(cfg->eps >= 0.0))
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'eps' must be >= 0, got %g", op, cfg->eps);
+    if (!(cfg->weight_decay >= 0.0))
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'weight_decay' must be >= 0, got %g", op,
+                       cfg->weight_decay);
+    if (cfg->step < 1)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'step' must be >= 1 (the count of this update), got %lld",
+                       op, (long long)cfg->step);
+    sf_dtype pd = params[0].dtype;
+    SF_TRY(sf_check_float_input(op, "params[0]", &params[0]));
+    if (master != NULL && pd == SF_FLOAT32)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'master' is for fp16/bf16 params; params are float32", op);
+    char name[64];
+    for (int64_t i = 0; i < n; ++i) {
+        int64_t numel = sf_numel(&params[i]);
+        SF_TRY(sf_check_dtype(op, item(name, sizeof name, "params", i), &params[i], pd));
+        SF_TRY(check_item(op, "params", i, &params[i], &params[0], 1));
+        SF_TRY(sf_check_dtype(op, item(name, sizeof name, "grads", i), &grads[i], pd));
+        SF_TRY(sf_check_numel(op, name, &grads[i], numel));
+        SF_TRY(check_item(op, "grads", i, &grads[i], &params[0], 0));
+        SF_TRY(sf_check_dtype(op, item(name, sizeof name, "exp_avg", i), &exp_avg[i], SF_FLOAT32));
+        SF_TRY(sf_check_numel(op, name, &exp_avg[i], numel));
+        SF_TRY(check_item(op, "exp_avg", i, &exp_avg[i], &params[0], 1));
+        SF_TRY(sf_check_dtype(op, item(name, sizeof name, "exp_avg_sq", i), &exp_avg_sq[i], SF_FLOAT32));
+        SF_TRY(sf_check_numel(op, name, &exp_avg_sq[i], numel));
+        SF_TRY(check_item(op, "exp_avg_sq", i, &exp_avg_sq[i], &params[0], 1));
+        if (master != NULL) {
+            SF_TRY(sf_check_dtype(op, item(name, sizeof name, "master", i), &master[i], SF_FLOAT32));
+            SF_TRY(sf_check_numel(op, name, &master[i], numel));
+            SF_TRY(check_item(op, "master", i, &master[i], &params[0], 1));
+        }
+    }
+    sf_adamw_consts k = sf_adamw_derive(cfg);
+    if (params[0].device == SF_CPU)
+        return sf_multi_tensor_adamw_cpu(n, params, grads, exp_avg, exp_avg_sq, master, &k);
+#ifdef SF_WITH_CUDA
+    return sf_multi_tensor_adamw_cuda(n, params, grads, exp_avg, exp_avg_sq, master, &k, stream);
+#else
+    (void)stream;
+    return no_cuda(op);
+#endif
+}
+
+int64_t sf_multi_tensor_l2norm_workspace(int64_t n, const sf_tensor *tensors)
+{
+    int64_t chunks = 0;
+    for (int64_t i = 0; i < n; ++i)
+        chunks += (sf_numel(&tensors[i]) + SF_MT_CHUNK - 1) / SF_MT_CHUNK;
+    return chunks > 0 ? chunks : 1;
+}
+
+static sf_status check_list(const char *op, const char *list, int64_t n, const sf_tensor *t,
+                            int writable)
+{
+    char name[64];
+    for (int64_t i = 0; i < n; ++i) {
+        SF_TRY(sf_check_float_input(op, item(name, sizeof name, list, i), &t[i]));
+        SF_TRY(sf_check_contiguous(op, name, &t[i]));
+        if (writable)
+            SF_TRY(sf_check_writable(op, name, &t[i]));
+        if (t[i].device != t[0].device || t[i].device_id != t[0].device_id)
+            return sf_fail(SF_ERR_VALUE, "%s: arguments '%s[0]' and '%s' must be on the same device",
+                           op, list, name);
+    }
+    return SF_OK;
+}
+
+sf_status sf_multi_tensor_l2norm(int64_t n, const sf_tensor *tensors, sf_tensor *workspace,
+                                 sf_tensor *out, sf_stream stream)
+{
+    static const char op[] = "multi_tensor_l2norm";
+    SF_TRY(check_count(op, n));
+    SF_TRY(check_list(op, "tensors", n, tensors, 0));
+    SF_TRY(sf_check_dtype(op, "out", out, SF_FLOAT32));
+    SF_TRY(sf_check_numel(op, "out", out, 1));
+    SF_TRY(sf_check_writable(op, "out", out));
+    if (n > 0)
+        SF_TRY(sf_check_same_device(op, "tensors[0]", &tensors[0], "out", out));
+    if (out->device == SF_CPU)
+        return sf_multi_tensor_l2norm_cpu(n, tensors, out);
+    SF_TRY(sf_check_dtype(op, "workspace", workspace, SF_FLOAT32));
+    SF_TRY(sf_check_contiguous(op, "workspace", workspace));
+    SF_TRY(sf_check_writable(op, "workspace", workspace));
+    SF_TRY(sf_check_same_device(op, "out", out, "workspace", workspace));
+    int64_t need = sf_multi_tensor_l2norm_workspace(n, tensors);
+    if (sf_numel(workspace) < need)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'workspace' must hold at least %lld floats (one per "
+                       "%d-element chunk), got %lld", op, (long long)need, SF_MT_CHUNK,
+                       (long long)sf_numel(workspace));
+#ifdef SF_WITH_CUDA
+    return sf_multi_tensor_l2norm_cuda(n, tensors, workspace, out, stream);
+#else
+    (void)stream;
+    return no_cuda(op);
+#endif
+}
+
+sf_status sf_multi_tensor_scale(int64_t n, sf_tensor *tensors, const sf_tensor *scale,
+                                sf_stream stream)
+{
+    static const char op[] = "multi_tensor_scale";
+    SF_TRY(check_count(op, n));
+    SF_TRY(check_list(op, "tensors", n, tensors, 1));
+    SF_TRY(sf_check_dtype(op, "scale", scale, SF_FLOAT32));
+    SF_TRY(sf_check_numel(op, "scale", scale, 1));
+    if (n == 0)
+        return SF_OK;
+    SF_TRY(sf_check_same_device(op, "tensors[0]", &tensors[0], "scale", scale));
+    if (scale->device == SF_CPU)
+        return sf_multi_tensor_scale_cpu(n, tensors, scale);
+#ifdef SF_WITH_CUDA
+    return sf_multi_tensor_scale_cuda(n, tensors, scale, stream);
+#else
+    (void)stream;
+    return no_cuda(op);
+#endif
+}

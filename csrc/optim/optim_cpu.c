@@ -1,0 +1,72 @@
+/*
+ * optim_cpu.c - reference multi-tensor ops: plain loops, tensor by tensor,
+ * element by element.  AdamW uses the same fp32 element update as the CUDA
+ * kernel (adamw.h); the l2 norm accumulates in double.
+ */
+#include <math.h>
+
+#include "../core/float_bits.h"
+#include "optim_backend.h"
+
+static float load(const sf_tensor *x, int64_t i)
+{
+    switch (x->dtype) {
+    case SF_FLOAT32: return ((const float *)x->data)[i];
+    case SF_FLOAT16: return sf_f16_to_f32(((const uint16_t *)x->data)[i]);
+    default:         return sf_bf16_to_f32(((const uint16_t *)x->data)[i]);
+    }
+}
+
+static void store(sf_tensor *x, int64_t i, float v)
+{
+    switch (x->dtype) {
+    case SF_FLOAT32: ((float *)x->data)[i] = v; break;
+    case SF_FLOAT16: ((uint16_t *)x->data)[i] = sf_f32_to_f16(v); break;
+    default:         ((uint16_t *)x->data)[i] = sf_f32_to_bf16(v); break;
+    }
+}
+
+sf_status sf_multi_tensor_adamw_cpu(int64_t n, sf_tensor *params, const sf_tensor *grads,
+                                    sf_tensor *exp_avg, sf_tensor *exp_avg_sq, sf_tensor *master,
+                                    const sf_adamw_consts *k)
+{
+    for (int64_t t = 0; t < n; ++t) {
+        int64_t numel = sf_numel(&params[t]);
+        float *m = (float *)exp_avg[t].data;
+        float *v = (float *)exp_avg_sq[t].data;
+        float *w = master ? (float *)master[t].data : NULL;
+        for (int64_t i = 0; i < numel; ++i) {
+            float p = w ? w[i] : load(&params[t], i);
+            sf_adamw_update(k, load(&grads[t], i), &p, &m[i], &v[i]);
+            if (w)
+                w[i] = p;
+            store(&params[t], i, p);
+        }
+    }
+    return SF_OK;
+}
+
+sf_status sf_multi_tensor_l2norm_cpu(int64_t n, const sf_tensor *tensors, sf_tensor *out)
+{
+    double sum = 0.0;
+    for (int64_t t = 0; t < n; ++t) {
+        int64_t numel = sf_numel(&tensors[t]);
+        for (int64_t i = 0; i < numel; ++i) {
+            double x = load(&tensors[t], i);
+            sum += x * x;
+        }
+    }
+    *(float *)out->data = (float)sqrt(sum);
+    return SF_OK;
+}
+
+sf_status sf_multi_tensor_scale_cpu(int64_t n, sf_tensor *tensors, const sf_tensor *scale)
+{
+    float s = *(const float *)scale->data;
+    for (int64_t t = 0; t < n; ++t) {
+        int64_t numel = sf_numel(&tensors[t]);
+        for (int64_t i = 0; i < numel; ++i)
+            store(&tensors[t], i, load(&tensors[t], i) * s);
+    }
+    return SF_OK;
+}

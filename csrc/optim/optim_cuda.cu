@@ -1,0 +1,383 @@
+/*
+ * optim_cuda.cu - multi-tensor AdamW, l2 norm and scale on the GPU, on the
+ * caller's stream.
+ *
+ * Launch plan (the multi_tensor_apply idea of apex / Transformer Engine):
+ * the host walks the tensor lists and packs up to kTensors tensors per launch
+ * into a metadata struct (pointers per list, sizes, and the prefix sum of
+ * their chunk counts, a chunk being SF_MT_CHUNK elements).  The struct is
+ * the kernel's __grid_constant__ parameter (read in place from the constant
+ * bank, no copy, no device allocation, capturable in a CUDA graph).  Blocks
+ * walk the launch's chunks grid-stride, find a chunk's tensor by binary
+ * search over the prefix sum, and stream it with 16-byte loads of the fp32
+ * state (8-byte of 16-bit params and grads) where its pointers allow.
+ *
+ * The l2 norm writes one partial sum per chunk into the workspace; a final
+ * single-block kernel adds them in a fixed order (deterministic) and takes the
+ * square root.  Nothing is read back to the host.
+ */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "../core/cuda_util.h"
+#include "optim_backend.h"
+
+namespace {
+
+constexpr int kBlock = 512;
+constexpr int kIlp = 4;
+constexpr int kAdamTensors = 64;  /* 5 lists: ~3.4 KB of parameters */
+constexpr int kListTensors = 160; /* 1 list + dtype: ~3.4 KB */
+
+template <int DEPTH, int T>
+struct MTMeta {
+    void *ptr[DEPTH][T];
+    int64_t numel[T];
+    int32_t chunk_start[T + 1];
+    int8_t dtype[T];
+    int32_t n;
+    int64_t chunk_base; /* global index of this launch's first chunk */
+};
+
+template <int DEPTH, int T>
+__device__ __forceinline__ int find_tensor(const MTMeta<DEPTH, T> &m, int c)
+{
+    int lo = 0, hi = m.n - 1; /* largest t with chunk_start[t] <= c */
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if (m.chunk_start[mid] <= c) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T> __device__ __forceinline__ T from_f(float v);
+template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+template <typename T>
+struct alignas(sizeof(T) * kIlp) Vec {
+    T v[kIlp];
+};
+
+__device__ __forceinline__ bool aligned(const void *p, size_t bytes) { return ((uintptr_t)p % bytes) == 0; }
+
+/* ---- AdamW ----------------------------------------------------------- */
+
+template <typename T, bool MASTER>
+__device__ __forceinline__ void adamw_one(const sf_adamw_consts &k, T *p, const T *g, float *m, float *v,
+                                          float *w, int64_t i)
+{
+    float pv = MASTER ? w[i] : to_f(p[i]);
+    sf_adamw_update(&k, to_f(g[i]), &pv, &m[i], &v[i]);
+    if (MASTER)
+        w[i] = pv;
+    p[i] = from_f<T>(pv);
+}
+
+template <typename T, bool MASTER>
+__global__ void __launch_bounds__(kBlock) adamw_kernel(const __grid_constant__ MTMeta<5, kAdamTensors> meta,
+                                                       const sf_adamw_consts k)
+{
+    const int nchunks = meta.chunk_start[meta.n];
+    for (int c = blockIdx.x; c < nchunks; c += gridDim.x) {
+        int t = find_tensor(meta, c);
+        int64_t off = (int64_t)(c - meta.chunk_start[t]) * SF_MT_CHUNK;
+        int64_t rest = meta.numel[t] - off;
+        int64_t len = rest < SF_MT_CHUNK ? rest : SF_MT_CHUNK;
+        T *p = static_cast<T *>(meta.ptr[0][t]) + off;
+        const T *g = static_cast<const T *>(meta.ptr[1][t]) + off;
+        float *m = static_cast<float *>(meta.ptr[2][t]) + off;
+        float *v = static_cast<float *>(meta.ptr[3][t]) + off;
+        float *w = MASTER ? static_cast<float *>(meta.ptr[4][t]) + off : nullptr;
+        bool vec = aligned(p, sizeof(T) * kIlp) && aligned(g, sizeof(T) * kIlp) && aligned(m, 16) &&
+                   aligned(v, 16) && (!MASTER || aligned(w, 16));
+        int64_t done = 0;
+        if (vec) {
+            int64_t nv = len / kIlp;
+            for (int64_t i = threadIdx.x; i < nv; i += kBlock) {
+                Vec<T> gv = reinterpret_cast<const Vec<T> *>(g)[i];
+                float4 mv = reinterpret_cast<const float4 *>(m)[i];
+                float4 vv = reinterpret_cast<const float4 *>(v)[i];
+                float pf[kIlp];
+                if (MASTER) {
+                    float4 wv = reinterpret_cast<const float4 *>(w)[i];
+                    pf[0] = wv.x; pf[1] = wv.y; pf[2] = wv.z; pf[3] = wv.w;
+                } else {
+                    Vec<T> pv = reinterpret_cast<const Vec<T> *>(p)[i];
+#pragma unroll
+                    for (int j = 0; j < kIlp; ++j)
+                        pf[j] = to_f(pv.v[j]);
+                }
+                float mf[kIlp] = {mv.x, mv.y, mv.z, mv.w};
+                float vf[kIlp] = {vv.x, vv.y, vv.z, vv.w};
+                Vec<T> out;
+#pragma unroll
+                for (int j = 0; j < kIlp; ++j) {
+                    sf_adamw_update(&k, to_f(gv.v[j]), &pf[j], &mf[j], &vf[j]);
+                    out.v[j] = from_f<T>(pf[j]);
+                }
+                reinterpret_cast<float4 *>(m)[i] = make_float4(mf[0], mf[1], mf[2], mf[3]);
+                reinterpret_cast<float4 *>(v)[i] = make_float4(vf[0], vf[1], vf[2], vf[3]);
+                if (MASTER)
+                    reinterpret_cast<float4 *>(w)[i] = make_float4(pf[0], pf[1], pf[2], pf[3]);
+                reinterpret_cast<Vec<T> *>(p)[i] = out;
+            }
+            done = nv * kIlp;
+        }
+        for (int64_t i = done + threadIdx.x; i < len; i += kBlock)
+            adamw_one<T, MASTER>(k, p, g, m, v, w, i);
+    }
+}
+
+/* ---- l2 norm and scale over mixed dtypes -------------------------------- */
+
+template <typename T>
+__device__ __forceinline__ float sumsq(const T *x, int64_t len)
+{
+    float s = 0.0f;
+    int64_t done = 0;
+    if (aligned(x, sizeof(T) * kIlp)) {
+        int64_t nv = len / kIlp;
+        for (int64_t i = threadIdx.x; i < nv; i += kBlock) {
+            Vec<T> r = reinterpret_cast<const Vec<T> *>(x)[i];
+#pragma unroll
+            for (int j = 0; j < kIlp; ++j) {
+                float f = to_f(r.v[j]);
+                s = fmaf(f, f, s);
+            }
+        }
+        done = nv * kIlp;
+    }
+    for (int64_t i = done + threadIdx.x; i < len; i += kBlock) {
+        float f = to_f(x[i]);
+        s = fmaf(f, f, s);
+    }
+    return s;
+}
+
+__device__ __forceinline__ float block_sum(float s)
+{
+    __shared__ float part[kBlock / 32];
+    for (int off = 16; off > 0; off >>= 1)
+        s += __shfl_xor_sync(0xffffffffu, s, off);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0)
+        part[warp] = s;
+    __syncthreads();
+    if (warp == 0) {
+        s = lane < kBlock / 32 ? part[lane] : 0.0f;
+        for (int off = 16; off > 0; off >>= 1)
+            s += __shfl_xor_sync(0xffffffffu, s, off);
+    }
+    __syncthreads(); /* part[] is reused by the next chunk */
+    return s;
+}
+
+__global__ void __launch_bounds__(kBlock) l2norm_kernel(const __grid_constant__ MTMeta<1, kListTensors> meta,
+                                                        float *__restrict__ ws)
+{
+    const int nchunks = meta.chunk_start[meta.n];
+    for (int c = blockIdx.x; c < nchunks; c += gridDim.x) {
+        int t = find_tensor(meta, c);
+        int64_t off = (int64_t)(c - meta.chunk_start[t]) * SF_MT_CHUNK;
+        int64_t rest = meta.numel[t] - off;
+        int64_t len = rest < SF_MT_CHUNK ? rest : SF_MT_CHUNK;
+        float s;
+        switch (meta.dtype[t]) {
+        case SF_FLOAT32: s = sumsq(static_cast<const float *>(meta.ptr[0][t]) + off, len); break;
+        case SF_FLOAT16: s = sumsq(static_cast<const __half *>(meta.ptr[0][t]) + off, len); break;
+        default:         s = sumsq(static_cast<const __nv_bfloat16 *>(meta.ptr[0][t]) + off, len); break;
+        }
+        s = block_sum(s);
+        if (threadIdx.x == 0)
+            ws[meta.chunk_base + c] = s;
+    }
+}
+
+/* One block: add the partials in a fixed order, in double. */
+__global__ void __launch_bounds__(1024) l2norm_finish_kernel(const float *__restrict__ ws, int64_t count,
+                                                             float *__restrict__ out)
+{
+    __shared__ double part[1024];
+    double s = 0.0;
+    for (int64_t i = threadIdx.x; i < count; i += 1024)
+        s += ws[i];
+    part[threadIdx.x] = s;
+    __syncthreads();
+    for (int width = 512; width > 0; width >>= 1) {
+        if (threadIdx.x < width)
+            part[threadIdx.x] += part[threadIdx.x + width];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0)
+        out[0] = (float)sqrt(part[0]);
+}
+
+template <typename T>
+__device__ __forceinline__ void scale_chunk(T *x, int64_t len, float s)
+{
+    int64_t done = 0;
+    if (aligned(x, sizeof(T) * kIlp)) {
+        int64_t nv = len / kIlp;
+        for (int64_t i = threadIdx.x; i < nv; i += kBlock) {
+            Vec<T> r = reinterpret_cast<Vec<T> *>(x)[i];
+#pragma unroll
+            for (int j = 0; j < kIlp; ++j)
+                r.v[j] = from_f<T>(to_f(r.v[j]) * s);
+            reinterpret_cast<Vec<T> *>(x)[i] = r;
+        }
+        done = nv * kIlp;
+    }
+    for (int64_t i = done + threadIdx.x; i < len; i += kBlock)
+        x[i] = from_f<T>(to_f(x[i]) * s);
+}
+
+__global__ void __launch_bounds__(kBlock) scale_kernel(const __grid_constant__ MTMeta<1, kListTensors> meta,
+                                                       const float *__restrict__ scale)
+{
+    const float s = *scale;
+    const int nchunks = meta.chunk_start[meta.n];
+    for (int c = blockIdx.x; c < nchunks; c += gridDim.x) {
+        int t = find_tensor(meta, c);
+        int64_t off = (int64_t)(c - meta.chunk_start[t]) * SF_MT_CHUNK;
+        int64_t rest = meta.numel[t] - off;
+        int64_t len = rest < SF_MT_CHUNK ? rest : SF_MT_CHUNK;
+        switch (meta.dtype[t]) {
+        case SF_FLOAT32: scale_chunk(static_cast<float *>(meta.ptr[0][t]) + off, len, s); break;
+        case SF_FLOAT16: scale_chunk(static_cast<__half *>(meta.ptr[0][t]) + off, len, s); break;
+        default:         scale_chunk(static_cast<__nv_bfloat16 *>(meta.ptr[0][t]) + off, len, s); break;
+        }
+    }
+}
+
+/* ---- launch planning ------------------------------------------------- */
+
+/* Packs tensors into metadata structs and calls launch(meta, nchunks) for each
+ * full struct and for the last one.  lists[d][i] is tensor i of list d. */
+template <int DEPTH, int T, typename Launch>
+sf_status plan(int64_t n, const sf_tensor *const lists[DEPTH], Launch launch)
+{
+    MTMeta<DEPTH, T> meta = {};
+    meta.n = 0;
+    meta.chunk_start[0] = 0;
+    meta.chunk_base = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        int64_t numel = sf_numel(&lists[0][i]);
+        if (numel == 0)
+            continue;
+        int64_t chunks = (numel + SF_MT_CHUNK - 1) / SF_MT_CHUNK;
+        if (meta.n == T || (int64_t)meta.chunk_start[meta.n] + chunks > 0x7fffffff) {
+            SF_TRY(launch(meta, meta.chunk_start[meta.n]));
+            meta.chunk_base += meta.chunk_start[meta.n];
+            meta.n = 0;
+        }
+        for (int d = 0; d < DEPTH; ++d)
+            meta.ptr[d][meta.n] = lists[d][i].data;
+        meta.numel[meta.n] = numel;
+        meta.dtype[meta.n] = (int8_t)lists[0][i].dtype;
+        meta.chunk_start[meta.n + 1] = meta.chunk_start[meta.n] + (int32_t)chunks;
+        meta.n++;
+    }
+    if (meta.n > 0)
+        SF_TRY(launch(meta, meta.chunk_start[meta.n]));
+    return SF_OK;
+}
+
+int grid_for(int chunks, int device)
+{
+    int cap = sf_cuda_sm_count(device) * (2048 / kBlock);
+    return chunks < cap ? chunks : cap;
+}
+
+struct DeviceScope {
+    sf_cuda_device_guard guard;
+    bool entered = false;
+    ~DeviceScope()
+    {
+        if (entered)
+            sf_cuda_device_restore(&guard);
+    }
+};
+
+} // namespace
+
+extern "C" sf_status sf_multi_tensor_adamw_cuda(int64_t n, sf_tensor *params, const sf_tensor *grads,
+                                                sf_tensor *exp_avg, sf_tensor *exp_avg_sq, sf_tensor *master,
+                                                const sf_adamw_consts *k, sf_stream s)
+{
+    static const char op[] = "multi_tensor_adamw";
+    int device = params[0].device_id;
+    DeviceScope scope;
+    SF_TRY(sf_cuda_device_enter(op, device, &scope.guard));
+    scope.entered = true;
+    cudaStream_t stream = sf_cuda_stream(s);
+    const sf_tensor *lists[5] = {params, grads, exp_avg, exp_avg_sq, master ? master : exp_avg};
+    const sf_adamw_consts kk = *k;
+    sf_dtype dt = params[0].dtype;
+    bool with_master = master != NULL;
+    auto launch = [&](const MTMeta<5, kAdamTensors> &meta, int chunks) -> sf_status {
+        int grid = grid_for(chunks, device);
+        if (dt == SF_FLOAT32)
+            adamw_kernel<float, false><<<grid, kBlock, 0, stream>>>(meta, kk);
+        else if (dt == SF_BFLOAT16 && with_master)
+            adamw_kernel<__nv_bfloat16, true><<<grid, kBlock, 0, stream>>>(meta, kk);
+        else if (dt == SF_BFLOAT16)
+            adamw_kernel<__nv_bfloat16, false><<<grid, kBlock, 0, stream>>>(meta, kk);
+        else if (with_master)
+            adamw_kernel<__half, true><<<grid, kBlock, 0, stream>>>(meta, kk);
+        else
+            adamw_kernel<__half, false><<<grid, kBlock, 0, stream>>>(meta, kk);
+        SF_CUDA_CHECK_LAUNCH(op);
+        return SF_OK;
+    };
+    return plan<5, kAdamTensors>(n, lists, launch);
+}
+
+extern "C" sf_status sf_multi_tensor_l2norm_cuda(int64_t n, const sf_tensor *tensors, sf_tensor *workspace,
+                                                 sf_tensor *out, sf_stream s)
+{
+    static const char op[] = "multi_tensor_l2norm";
+    int device = out->device_id;
+    DeviceScope scope;
+    SF_TRY(sf_cuda_device_enter(op, device, &scope.guard));
+    scope.entered = true;
+    cudaStream_t stream = sf_cuda_stream(s);
+    float *ws = (float *)workspace->data;
+    int64_t total = 0;
+    const sf_tensor *lists[1] = {tensors};
+    auto launch = [&](const MTMeta<1, kListTensors> &meta, int chunks) -> sf_status {
+        l2norm_kernel<<<grid_for(chunks, device), kBlock, 0, stream>>>(meta, ws);
+        SF_CUDA_CHECK_LAUNCH(op);
+        total = meta.chunk_base + chunks;
+        return SF_OK;
+    };
+    SF_TRY((plan<1, kListTensors>(n, lists, launch)));
+    /* total == 0 (no elements): the finish kernel writes sqrt(0) = 0 */
+    l2norm_finish_kernel<<<1, 1024, 0, stream>>>(ws, total, (float *)out->data);
+    SF_CUDA_CHECK_LAUNCH(op);
+    return SF_OK;
+}
+
+extern "C" sf_status sf_multi_tensor_scale_cuda(int64_t n, sf_tensor *tensors, const sf_tensor *scale,
+                                                sf_stream s)
+{
+    static const char op[] = "multi_tensor_scale";
+    int device = scale->device_id;
+    DeviceScope scope;
+    SF_TRY(sf_cuda_device_enter(op, device, &scope.guard));
+    scope.entered = true;
+    cudaStream_t stream = sf_cuda_stream(s);
+    const float *sc = (const float *)scale->data;
+    const sf_tensor *lists[1] = {tensors};
+    auto launch = [&](const MTMeta<1, kListTensors> &meta, int chunks) -> sf_status {
+        scale_kernel<<<grid_for(chunks, device), kBlock, 0, stream>>>(meta, sc);
+        SF_CUDA_CHECK_LAUNCH(op);
+        return SF_OK;
+    };
+    return plan<1, kListTensors>(n, lists, launch);
+}

@@ -1,0 +1,64 @@
+"""Multi-tensor optimizer ops (csrc/optim/): one AdamW update over lists of
+tensors, the l2 norm of a list of tensors, and an in-place scale of a list
+of tensors by a device scalar, each in a few kernel launches however many
+tensors there are.  seqfuse.optim builds FusedAdamW and clip_grad_norm_ on
+them."""
+import torch
+
+from .. import _C
+from ._call import stream_for
+
+#: Elements per chunk of the multi-tensor kernels (one l2-norm workspace float each).
+CHUNK = _C.multi_tensor_chunk_size()
+
+
+def _check_list(op, name, ts):
+    if not isinstance(ts, (list, tuple)):
+        raise TypeError(f"{op}: argument '{name}' must be a list of tensors, got {type(ts).__name__}")
+
+
+def _detached(ts):
+    return [t.detach() if t.requires_grad else t for t in ts]
+
+
+def multi_tensor_adamw(params, grads, exp_avg, exp_avg_sq, master, lr, beta1, beta2, eps, weight_decay, step):
+    """One AdamW update (torch.optim.AdamW's definition, fp32 math) of every
+    tensor in ``params`` (all one dtype), in place, with fp32 moments
+    ``exp_avg`` / ``exp_avg_sq`` and, when ``master`` is a list, fp32 master
+    copies that hold the true value (params receive it rounded).  ``step`` is
+    the 1-based count of this update, used for bias correction."""
+    for name, ts in (("params", params), ("grads", grads), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        _check_list("multi_tensor_adamw", name, ts)
+    if master is not None:
+        _check_list("multi_tensor_adamw", "master", master)
+    if not params:
+        return
+    _C.multi_tensor_adamw(_detached(params), _detached(grads), exp_avg, exp_avg_sq, master, float(lr),
+                          float(beta1), float(beta2), float(eps), float(weight_decay), int(step),
+                          stream_for(params[0]))
+
+
+def multi_tensor_l2norm(tensors, out=None):
+    """sqrt(sum of x^2 over every tensor), a 0-d float32 tensor on their
+    device, computed without reading anything back to the host; the order of
+    the additions is fixed, so the result is deterministic."""
+    _check_list("multi_tensor_l2norm", "tensors", tensors)
+    tensors = _detached(tensors)
+    device = tensors[0].device if tensors else torch.device("cpu")
+    if out is None:
+        out = torch.empty((), dtype=torch.float32, device=device)
+    chunks = sum((t.numel() + CHUNK - 1) // CHUNK for t in tensors)
+    ws = torch.empty(max(1, chunks), dtype=torch.float32, device=device) if device.type == "cuda" else out
+    _C.multi_tensor_l2norm(tensors, ws, out, stream_for(out))
+    return out
+
+
+def multi_tensor_scale(tensors, scale):
+    """x *= scale for every tensor, in place; ``scale`` a float32 tensor with
+    one element on the tensors' device (read by the kernel, not the host)."""
+    _check_list("multi_tensor_scale", "tensors", tensors)
+    if not tensors:
+        return
+    if not isinstance(scale, torch.Tensor):
+        scale = torch.tensor(float(scale), dtype=torch.float32, device=tensors[0].device)
+    _C.multi_tensor_scale(_detached(tensors), scale.detach().reshape(()), stream_for(tensors[0]))

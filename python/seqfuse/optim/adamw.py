@@ -1,0 +1,99 @@
+"""FusedAdamW: torch.optim.AdamW's update on seqfuse's multi-tensor kernel.
+
+- One update of a parameter group takes a few kernel launches in all (up to
+  64 tensors per launch), not one per tensor.
+- ``master_weights=True`` (default): each bf16/fp16 parameter gets an fp32
+  master copy (state ``master_param``); the update runs on the master and
+  the parameter receives its value rounded.  fp32 parameters are updated
+  directly.  Moments (``exp_avg``, ``exp_avg_sq``) are fp32 always.
+- Decoupled weight decay (p *= 1 - lr * wd) and bias correction, in fp32,
+  following torch's operation order.
+- The step count lives on the host: ``state['step']`` is a Python int per
+  parameter, and parameters of a group that share a step share launches.  So
+  an update is not meant to be captured in a CUDA graph across steps.
+- ``state_dict()`` holds everything (moments, master copies, steps);
+  ``load_state_dict`` restores them exactly (fp32, not cast to the
+  parameter's dtype as torch's default loader would), so training resumes
+  bit for bit.
+- ``lr`` must be a Python number (a tensor lr would need a host read).
+"""
+import itertools
+
+import torch
+
+from ..ops import optim as _ops
+
+
+class FusedAdamW(torch.optim.Optimizer):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 master_weights=True, amsgrad=False, maximize=False):
+        if amsgrad or maximize:
+            raise NotImplementedError("FusedAdamW: amsgrad and maximize are not supported")
+        if isinstance(lr, torch.Tensor):
+            raise TypeError("FusedAdamW: argument 'lr' must be a Python number, not a tensor")
+        if not 0.0 <= lr:
+            raise ValueError(f"FusedAdamW: argument 'lr' must be >= 0, got {lr}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"FusedAdamW: argument 'betas' must lie in [0, 1), got {betas}")
+        if not 0.0 <= eps:
+            raise ValueError(f"FusedAdamW: argument 'eps' must be >= 0, got {eps}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"FusedAdamW: argument 'weight_decay' must be >= 0, got {weight_decay}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, master_weights=master_weights)
+        super().__init__(params, defaults)
+
+    def _state(self, p, group):
+        state = self.state[p]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            if group["master_weights"] and p.dtype != torch.float32:
+                state["master_param"] = p.detach().to(torch.float32, copy=True)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            buckets = {}
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError("FusedAdamW: sparse gradients are not supported")
+                state = self._state(p, group)
+                state["step"] += 1
+                master = state.get("master_param")
+                key = (p.device, p.dtype, master is not None, state["step"])
+                lists = buckets.setdefault(key, ([], [], [], [], []))
+                lists[0].append(p)
+                lists[1].append(p.grad)
+                lists[2].append(state["exp_avg"])
+                lists[3].append(state["exp_avg_sq"])
+                if master is not None:
+                    lists[4].append(master)
+            for (_, _, has_master, step), (ps, gs, ms, vs, ws) in buckets.items():
+                _ops.multi_tensor_adamw(ps, gs, ms, vs, ws if has_master else None, group["lr"], beta1, beta2,
+                                        group["eps"], group["weight_decay"], step)
+        return loss
+
+    def load_state_dict(self, state_dict):
+        """torch's loader, then the fp32 state put back exactly (torch's casts
+        floating-point state to each parameter's dtype, which would round the
+        master copies and moments of bf16 parameters)."""
+        super().load_state_dict(state_dict)
+        saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
+        for saved_id, p in zip(saved_ids, params):
+            saved = state_dict["state"].get(saved_id)
+            if not saved:
+                continue
+            for key in ("exp_avg", "exp_avg_sq", "master_param"):
+                if key in saved:
+                    self.state[p][key] = saved[key].to(device=p.device, dtype=torch.float32, copy=True)
+            self.state[p]["step"] = int(saved["step"])
