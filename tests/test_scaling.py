@@ -232,6 +232,27 @@ def test_module_moves_keep_float32_and_pooling():
     assert d.fp8_state.scale[0].item() == 448.0 / 64 and m.fp8_state.scale[0].item() == 4.0
 
 
+def test_moved_or_dead_states_leave_their_chunk():
+    from seqfuse.quantization.state import POOL
+    r = DelayedScaling(amax_history_len=2, margin=11)
+    a, b = ScalingState.for_linear(r), ScalingState.for_linear(r)
+    assert a._chunk_ref is None  # pooled lazily, at first use
+    a.amax_of(0), b.amax_of(0)
+    chunk = a._chunk_ref()
+    assert chunk is b._chunk_ref() and chunk.live == 6
+    c = copy.deepcopy(a)
+    c.ensure_pooled()
+    assert chunk.live == 9 and c._chunk_ref() is chunk
+    del b, c
+    import gc
+    gc.collect()
+    assert chunk.live == 3
+    a.half()  # a dtype move re-homes at the next use; the old columns stop counting
+    assert chunk.live == 0 and chunk not in list(POOL.chunks_for("max", 11))
+    a.scale_of(0)
+    assert a._chunk_ref().live == 3
+
+
 def test_stats_log(tmp_path):
     r = DelayedScaling(amax_history_len=2, margin=7)
     model = torch.nn.Module()

@@ -33,7 +33,7 @@ _CHUNK_FLOATS = 1 << 20
 
 
 class _Chunk:
-    __slots__ = ("history", "scale", "scale_inv", "fp8_max", "used", "key", "__weakref__")
+    __slots__ = ("history", "scale", "scale_inv", "fp8_max", "used", "live", "key", "__weakref__")
 
     def __init__(self, key, h, cap, device):
         self.key = key
@@ -41,7 +41,8 @@ class _Chunk:
         self.scale = torch.ones(cap, dtype=torch.float32, device=device)
         self.scale_inv = torch.ones(cap, dtype=torch.float32, device=device)
         self.fp8_max = torch.full((cap,), 448.0, dtype=torch.float32, device=device)
-        self.used = 0
+        self.used = 0   # columns handed out (bump allocation)
+        self.live = 0   # columns of states that still live here
 
     @property
     def capacity(self):
@@ -66,11 +67,16 @@ class _Pool:
         return c, off
 
     def chunks_for(self, algo=None, margin=None):
-        for key, chunks in self.chunks.items():
+        """Chunks that hold live states (a chunk whose states all moved to
+        another device or died is skipped, and dropped once it is not the
+        one new states are allocated from)."""
+        for key, chunks in list(self.chunks.items()):
             if (algo is None or key[2] == algo) and (margin is None or key[3] == margin):
-                for c in chunks:
-                    if c.used:
+                for c in list(chunks):
+                    if c.live > 0:
                         yield c
+                    elif c is not chunks[-1]:
+                        chunks.remove(c)
 
     def clear(self):
         self.chunks.clear()
@@ -116,7 +122,8 @@ class ScalingState(nn.Module):
         self._views = None
         self._offset = 0
         STATES.add(self)
-        self._rehome()
+        # pooled at first use (amax_of / scale_of / ensure_pooled), so a
+        # module built on the CPU and moved to the GPU never holds CPU columns
 
     @classmethod
     def for_linear(cls, recipe=None, **kwargs):
@@ -162,14 +169,16 @@ class ScalingState(nn.Module):
             self._buffers["amax_history"] = hist
         self._rehome()
         c = self._chunk_ref() if self._chunk_ref is not None else None
-        if c is None:  # on the meta device: nothing pooled yet
-            return self
-        c.fp8_max[self._offset:self._offset + self.num_tensors] = self._fp8_max_vector()
+        if c is not None:  # not pooled yet: pooling writes the maxima
+            self._write_fp8_max(c, self._offset)
         return self
 
-    def _fp8_max_vector(self):
-        return torch.tensor([self.fp8_max(i) for i in range(self.num_tensors)],
-                            dtype=torch.float32)
+    def _write_fp8_max(self, c, off):
+        # fills with Python scalars: kernel launches, no host-to-device copy
+        fmt = self._format()
+        c.fp8_max[off:off + self.num_tensors].fill_(fmt.max_fwd)
+        for i in self.backward_indices:
+            c.fp8_max[off + i:off + i + 1].fill_(fmt.max_bwd)
 
     # ---- views the casts use ---------------------------------------------
     @property
@@ -177,22 +186,30 @@ class ScalingState(nn.Module):
         """Row 0 of the history [N]: where this step's casts accumulate."""
         return self.amax_history[0]
 
-    def amax_of(self, index):
-        """A one-element view of tensor ``index``'s amax for this step."""
+    def _pooled_views(self):
         v = self._views
+        if v is None:
+            self.ensure_pooled()
+            v = self._views
+        return v
+
+    def amax_of(self, index):
+        """A one-element view of tensor ``index``'s amax for this step (pools
+        the state on first use)."""
+        v = self._pooled_views()
         return v[0][index] if v is not None else self.amax_history[0, index:index + 1]
 
     def scale_of(self, index):
-        v = self._views
+        v = self._pooled_views()
         return v[1][index] if v is not None else self.scale[index:index + 1]
 
     def scale_inv_of(self, index):
-        v = self._views
+        v = self._pooled_views()
         return v[2][index] if v is not None else self.scale_inv[index:index + 1]
 
     # ---- pooling ----------------------------------------------------------
     def _in_chunk(self):
-        if self._ptrs is None or self._chunk_ref() is None:
+        if self._ptrs is None or self._chunk_ref is None or self._chunk_ref() is None:
             return False
         b = self._buffers
         return (b["amax_history"].data_ptr(), b["scale"].data_ptr(),
@@ -207,13 +224,15 @@ class ScalingState(nn.Module):
             return
         c, off = POOL.allocate(self._key(device), self.num_tensors)
         n = self.num_tensors
+        self._leave_chunk()
+        c.live += n
         hist = c.history[:, off:off + n]
         hist.copy_(self.amax_history.detach().float())
         scale = c.scale[off:off + n]
         scale.copy_(self.scale.detach().float())
         scale_inv = c.scale_inv[off:off + n]
         scale_inv.copy_(self.scale_inv.detach().float())
-        c.fp8_max[off:off + n] = self._fp8_max_vector()
+        self._write_fp8_max(c, off)
         self._buffers["amax_history"] = hist
         self._buffers["scale"] = scale
         self._buffers["scale_inv"] = scale_inv
@@ -222,6 +241,18 @@ class ScalingState(nn.Module):
         # one-element views the casts take, made once (a view costs ~1 us)
         self._views = ([hist[0, i:i + 1] for i in range(n)], [scale[i:i + 1] for i in range(n)],
                        [scale_inv[i:i + 1] for i in range(n)])
+        # when the state dies, its columns stop counting as live
+        self._finalizer = weakref.finalize(self, _release, weakref.ref(c), n)
+
+    def _leave_chunk(self):
+        old = self._chunk_ref() if self._chunk_ref is not None else None
+        if old is not None:
+            old.live -= self.num_tensors
+        self._chunk_ref = None
+        self._ptrs = None
+        if getattr(self, "_finalizer", None) is not None:
+            self._finalizer.detach()
+            self._finalizer = None
 
     def ensure_pooled(self):
         """Re-home the state if something replaced its buffers (cheap when not)."""
@@ -239,8 +270,23 @@ class ScalingState(nn.Module):
             b = self._buffers[name]
             if b.dtype != torch.float32:
                 self._buffers[name] = b.float()
-        self._rehome()
+        if not self._in_chunk():
+            # moved: leave the old chunk now, join one on the new device at
+            # first use
+            self._leave_chunk()
+            self._views = None
         return self
+
+    def __getstate__(self):
+        # a copy (deepcopy, pickle) owns its buffers and joins the pool on
+        # its own first use; it must not carry this state's pool bookkeeping
+        d = dict(self.__dict__)
+        d.update(_chunk_ref=None, _ptrs=None, _views=None, _finalizer=None)
+        return d
+
+    def __setstate__(self, d):
+        super().__setstate__(d)
+        STATES.add(self)
 
     # ---- state_dict -------------------------------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -266,6 +312,12 @@ class ScalingState(nn.Module):
     def extra_repr(self):
         return (f"num_tensors={self.num_tensors}, history_len={self.amax_history.shape[0]}, "
                 f"backward_indices={self.backward_indices}")
+
+
+def _release(chunk_ref, n):
+    c = chunk_ref()
+    if c is not None:
+        c.live -= n
 
 
 def register_scaling_state(module, name, num_tensors, recipe=None, **kwargs):
