@@ -15,7 +15,7 @@
 
 #include "core/check_util.h"
 #include "core/float_bits.h"
-#include "norm/fp8_encode.h"
+#include "quant/fp8.h"
 #include "seqfuse.h"
 
 static float host_load(sf_dtype d, const uint8_t *p, int64_t i)

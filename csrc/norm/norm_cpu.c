@@ -9,7 +9,7 @@
  */
 #include <math.h>
 
-#include "fp8_encode.h"
+#include "../quant/fp8.h"
 #include "norm.h"
 #include "norm_backend.h"
 

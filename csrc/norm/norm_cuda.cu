@@ -25,99 +25,17 @@
  * adds the workspace rows in a fixed order.  The result is deterministic for a
  * given GPU and shape.
  */
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
-
 #include "../core/cuda_util.h"
-#include "fp8_encode.h"
+#include "vec_io.cuh"
 #include "norm.h"
 #include "norm_backend.h"
 
 namespace {
 
+using namespace sf_vec;
+
 constexpr int kElemsPerThread = 32; /* row elements a thread owns, at most */
 constexpr int kMinBlockThreads = 256;
-constexpr int kMaxDevices = 64;
-
-enum OutKind { kOutSame = 0, kOutE4M3 = 1, kOutE5M2 = 2 };
-
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T> __device__ __forceinline__ T from_f(float v);
-template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v)
-{
-    return __float2bfloat16_rn(v);
-}
-
-/* N elements moved as one (or two, past 16 bytes) vector access. */
-template <typename T, int N>
-struct alignas(N * sizeof(T) >= 16 ? 16 : N * sizeof(T)) Pack {
-    T v[N];
-};
-
-template <typename T, int N>
-__device__ __forceinline__ void load_f(const T *p, float (&out)[N])
-{
-    Pack<T, N> pk = *reinterpret_cast<const Pack<T, N> *>(p);
-#pragma unroll
-    for (int k = 0; k < N; ++k)
-        out[k] = to_f(pk.v[k]);
-}
-
-template <typename T, int N>
-__device__ __forceinline__ void store_f(T *p, const float (&v)[N])
-{
-    Pack<T, N> pk;
-#pragma unroll
-    for (int k = 0; k < N; ++k)
-        pk.v[k] = from_f<T>(v[k]);
-    *reinterpret_cast<Pack<T, N> *>(p) = pk;
-}
-
-/* gamma / beta are x's dtype or float32, decided per call (a uniform branch). */
-template <typename T, int N>
-__device__ __forceinline__ void load_param(const void *p, int f32, int64_t i, float (&out)[N])
-{
-    if (f32)
-        load_f<float, N>((const float *)p + i, out);
-    else
-        load_f<T, N>((const T *)p + i, out);
-}
-
-__device__ __forceinline__ uint8_t enc_e4m3(float f)
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    return (uint8_t)__nv_cvt_float_to_fp8(f, __NV_SATFINITE, __NV_E4M3);
-#else
-    return sf_f32_to_e4m3(f);
-#endif
-}
-
-__device__ __forceinline__ uint8_t enc_e5m2(float f)
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    return (uint8_t)__nv_cvt_float_to_fp8(f, __NV_SATFINITE, __NV_E5M2);
-#else
-    return sf_f32_to_e5m2(f);
-#endif
-}
-
-template <int N>
-__device__ __forceinline__ void store_fp8(uint8_t *p, const float (&v)[N], float scale, int e5m2)
-{
-    Pack<uint8_t, N> pk;
-#pragma unroll
-    for (int k = 0; k < N; ++k)
-        pk.v[k] = e5m2 ? enc_e5m2(v[k] * scale) : enc_e4m3(v[k] * scale);
-    *reinterpret_cast<Pack<uint8_t, N> *>(p) = pk;
-}
-
-__device__ __forceinline__ unsigned abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
 
 __device__ __forceinline__ float warp_sum(float v)
 {
@@ -144,27 +62,6 @@ __device__ __forceinline__ float row_sum(float v, float (*red)[32])
         t += red[threadIdx.y][i];
     __syncthreads();
     return t;
-}
-
-/* Block-wide max of bit patterns, folded into *out by one atomicMax. */
-__device__ __forceinline__ void block_publish_max(unsigned m, unsigned *red, unsigned *out)
-{
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1)
-        m = max(m, __shfl_xor_sync(0xffffffffu, m, off));
-    const int t = threadIdx.y * blockDim.x + threadIdx.x;
-    const int nw = (blockDim.x * blockDim.y) >> 5;
-    if ((t & 31) == 0)
-        red[t >> 5] = m;
-    __syncthreads();
-    if (t < 32) {
-        m = t < nw ? red[t] : 0u;
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1)
-            m = max(m, __shfl_xor_sync(0xffffffffu, m, off));
-        if (t == 0 && m != 0u)
-            atomicMax(out, m);
-    }
 }
 
 struct FwdParams {
@@ -384,31 +281,6 @@ __global__ void __launch_bounds__(512) norm_bwd_kernel(BwdParams p)
     }
 }
 
-/* dgamma[j] = sum over parts of ws[0][part][j] (and dbeta from ws[1]), in a
- * fixed order.  Block (32, 8): 32 columns, 8 interleaved slices of parts. */
-template <typename G>
-__global__ void norm_partials_reduce_kernel(const float *ws, int parts, int hidden, G *dgamma,
-                                            G *dbeta)
-{
-    __shared__ float s[8][33];
-    const int col = blockIdx.x * 32 + threadIdx.x;
-    const float *src = ws + (int64_t)blockIdx.y * parts * hidden;
-    float acc = 0.0f;
-    if (col < hidden)
-        for (int j = threadIdx.y; j < parts; j += 8)
-            acc += src[(int64_t)j * hidden + col];
-    s[threadIdx.y][threadIdx.x] = acc;
-    __syncthreads();
-    if (threadIdx.y == 0 && col < hidden) {
-        float t = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-            t += s[i][threadIdx.x];
-        G *dst = blockIdx.y ? dbeta : dgamma;
-        dst[col] = from_f<G>(t);
-    }
-}
-
 __global__ void write_scale_inv_kernel(const float *scale, float *scale_inv)
 {
     *scale_inv = 1.0f / *scale;
@@ -431,26 +303,13 @@ Config pick_config(int64_t hidden)
     return c;
 }
 
-sf_status sm_count(const char *op, int device, int *sms)
-{
-    static int cache[kMaxDevices];
-    if (device >= 0 && device < kMaxDevices && cache[device] > 0) {
-        *sms = cache[device];
-        return SF_OK;
-    }
-    SF_CUDA_TRY(op, cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device));
-    if (device >= 0 && device < kMaxDevices)
-        cache[device] = *sms;
-    return SF_OK;
-}
-
 /* Blocks of the backward: a fixed share of the GPU (the workspace holds one
  * partial row per block). */
 sf_status bwd_grid(const char *op, int64_t rows, int64_t hidden, int device, int *grid)
 {
     Config c = pick_config(hidden);
     int sms;
-    SF_TRY(sm_count(op, device, &sms));
+    SF_TRY(sf_vec::sm_count(op, device, &sms));
     const int per_sm = 512 / (c.tx * c.ty) > 1 ? 512 / (c.tx * c.ty) : 1;
     const int64_t groups = (rows + c.ty - 1) / c.ty;
     const int64_t cap = (int64_t)sms * per_sm;
@@ -458,7 +317,6 @@ sf_status bwd_grid(const char *op, int64_t rows, int64_t hidden, int device, int
     return SF_OK;
 }
 
-int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
 template <typename T>
 sf_status launch_fwd(const FwdParams &p, bool vec, cudaStream_t stream)
@@ -500,8 +358,7 @@ sf_status launch_reduce(const float *ws, int parts, int hidden, void *dgamma, vo
 {
     dim3 block(32, 8);
     dim3 grid((hidden + 31) / 32, dbeta ? 2 : 1);
-    norm_partials_reduce_kernel<G><<<grid, block, 0, stream>>>(ws, parts, hidden, (G *)dgamma,
-                                                               (G *)dbeta);
+    column_sum_kernel<G><<<grid, block, 0, stream>>>(ws, parts, hidden, (G *)dgamma, (G *)dbeta);
     SF_CUDA_CHECK_LAUNCH("norm_bwd");
     return SF_OK;
 }

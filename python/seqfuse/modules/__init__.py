@@ -22,3 +22,7 @@ from .multihead_attention import MultiheadAttention  # noqa: E402
 from .transformer_layer import TransformerLayer  # noqa: E402
 
 __all__ += ["MultiheadAttention", "TransformerLayer"]
+
+from .activation import activation, bias_dropout_add  # noqa: E402
+
+__all__ += ["activation", "bias_dropout_add"]

@@ -1,0 +1,114 @@
+/*
+ * act.h - the arithmetic of the act family, shared by the CPU reference and
+ * the CUDA kernels: activations and their derivatives in float32, and the
+ * Philox-4x32-10 generator behind dropout (bit-exact on host and device).
+ *
+ * exp and the divisions inside tanh/sigmoid use the hardware approximations
+ * on the device (__expf, __fdividef: a few ulp) and libm on the host; both
+ * are tested against float64 torch.  tanh(u) is written 1 - 2 / (1 + e^{2u}),
+ * which saturates to +-1 cleanly when e^{2u} overflows or underflows.
+ */
+#ifndef SF_ACT_H
+#define SF_ACT_H
+
+#include <math.h>
+#include <stdint.h>
+
+#include "../core/float_bits.h"
+
+#if defined(__CUDA_ARCH__)
+#define SF_ACT_EXP(x) __expf(x)
+#define SF_ACT_FDIV(a, b) __fdividef((a), (b))
+#else
+#define SF_ACT_EXP(x) expf(x)
+#define SF_ACT_FDIV(a, b) ((a) / (b))
+#endif
+
+#define SF_GELU_K0 0.7978845608028654f /* sqrt(2 / pi) */
+#define SF_GELU_K1 0.044715f
+#define SF_INV_SQRT2 0.7071067811865476f
+#define SF_INV_SQRT_2PI 0.3989422804014327f
+
+SF_HD float sf_tanh_fast(float u) { return 1.0f - SF_ACT_FDIV(2.0f, 1.0f + SF_ACT_EXP(2.0f * u)); }
+
+SF_HD float sf_sigmoid(float x) { return SF_ACT_FDIV(1.0f, 1.0f + SF_ACT_EXP(-x)); }
+
+/* The base activation of `kind` (0 gelu-tanh, 1 gelu-erf, 2 silu, 3 relu). */
+SF_HD float sf_act_base(int kind, float x)
+{
+    switch (kind) {
+    case 0: {
+        float t = sf_tanh_fast(SF_GELU_K0 * (x + SF_GELU_K1 * x * x * x));
+        return 0.5f * x * (1.0f + t);
+    }
+    case 1: return 0.5f * x * (1.0f + erff(x * SF_INV_SQRT2));
+    case 2: return x * sf_sigmoid(x);
+    default: return x > 0.0f ? x : 0.0f;
+    }
+}
+
+/* d act / dx of the base activation. */
+SF_HD float sf_act_base_grad(int kind, float x)
+{
+    switch (kind) {
+    case 0: {
+        float x2 = x * x;
+        float t = sf_tanh_fast(SF_GELU_K0 * x * (1.0f + SF_GELU_K1 * x2));
+        return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * SF_GELU_K0 * (1.0f + 3.0f * SF_GELU_K1 * x2);
+    }
+    case 1:
+        return 0.5f * (1.0f + erff(x * SF_INV_SQRT2)) + x * SF_INV_SQRT_2PI * SF_ACT_EXP(-0.5f * x * x);
+    case 2: {
+        float s = sf_sigmoid(x);
+        return s * (1.0f + x * (1.0f - s));
+    }
+    default: return x > 0.0f ? 1.0f : 0.0f;
+    }
+}
+
+/* ---- Philox-4x32-10 (Salmon et al., SC'11) -------------------------------- */
+
+typedef struct {
+    uint32_t v[4];
+} sf_philox4;
+
+SF_HD uint32_t sf_mulhi32(uint32_t a, uint32_t b)
+{
+    return (uint32_t)(((uint64_t)a * (uint64_t)b) >> 32);
+}
+
+/* Four random words for `counter` under `key`. */
+SF_HD sf_philox4 sf_philox(uint64_t key, uint64_t counter)
+{
+    uint32_t c0 = (uint32_t)counter, c1 = (uint32_t)(counter >> 32), c2 = 0u, c3 = 0u;
+    uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
+    for (int r = 0; r < 10; ++r) {
+        uint32_t hi0 = sf_mulhi32(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+        uint32_t hi1 = sf_mulhi32(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+        uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+        c0 = n0;
+        c1 = lo1;
+        c2 = n2;
+        c3 = lo0;
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+    sf_philox4 out = {{c0, c1, c2, c3}};
+    return out;
+}
+
+/* Keep threshold for drop probability p: keep when (word >> 8) < threshold. */
+SF_HD uint32_t sf_dropout_threshold(float p)
+{
+    double keep = 1.0 - (double)p;
+    if (keep <= 0.0)
+        return 0u;
+    if (keep >= 1.0)
+        return 1u << 24;
+    return (uint32_t)(keep * 16777216.0);
+}
+
+/* The factor applied to kept elements. */
+SF_HD float sf_dropout_scale(float p) { return p >= 1.0f ? 0.0f : 1.0f / (1.0f - p); }
+
+#endif /* SF_ACT_H */

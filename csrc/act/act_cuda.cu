@@ -1,0 +1,519 @@
+/*
+ * act_cuda.cu - activations (forward and backward, optional FP8 output) and
+ * bias + dropout + residual on the GPU: one pass, 16-byte vector accesses,
+ * on the caller's stream, no host synchronization.
+ *
+ * Work layout: the tensor is [rows, cols] (an element-wise activation is one
+ * long row; a gated one has rows of 2n inputs and n outputs; dropout has the
+ * bias dimension as cols).  blockIdx.y walks rows, blockIdx.x and threadIdx.x
+ * walk the vectors of a row; each thread keeps kUnroll vectors in flight.
+ * When a row's vectors cannot be 16-byte aligned (a gated n, or a dropout row
+ * length, not a multiple of the vector width; an offset view) the same kernel
+ * runs with one element per vector; a lone element-wise row takes its tail
+ * element by element.
+ *
+ * Dropout regenerates its keep decisions from Philox (act.h) in the backward
+ * instead of storing a mask.  Its dbias is deterministic: each thread owns one
+ * column vector and sums it over the rows of its block's row set; blocks write
+ * float32 partial rows to the workspace, which a second kernel folds in a
+ * fixed order.
+ */
+#include "../core/cuda_util.h"
+#include "../norm/vec_io.cuh"
+#include "act.h"
+#include "act_backend.h"
+
+namespace {
+
+using namespace sf_vec;
+
+constexpr int kThreads = 256;
+constexpr int kUnroll = 4;
+
+struct ActParams {
+    const void *x, *dy;
+    void *out;
+    const float *scale;
+    unsigned *amax;
+    float *scale_inv;
+    int64_t rows, n; /* n: outputs (forward) per row; the input row has in_cols */
+    int64_t in_cols;
+    int base, gated, out_kind;
+};
+
+/* Store VEC values at element offset `off` of the output (its dtype or FP8). */
+template <typename T, int VEC>
+__device__ __forceinline__ void store_out(const ActParams &p, int64_t off, const float (&v)[VEC],
+                                          float scale)
+{
+    if (p.out_kind == kOutSame)
+        store_f<T, VEC>((T *)p.out + off, v);
+    else
+        store_fp8<VEC>((uint8_t *)p.out + off, v, scale, p.out_kind == kOutE5M2);
+}
+
+template <int VEC>
+__device__ __forceinline__ unsigned vmax(unsigned m, const float (&v)[VEC])
+{
+#pragma unroll
+    for (int e = 0; e < VEC; ++e)
+        m = max(m, abs_bits(v[e]));
+    return m;
+}
+
+/* Pack<T, N> -> N floats. */
+template <typename T, int N>
+__device__ __forceinline__ void unpack(const Pack<T, N> &pk, float (&out)[N])
+{
+#pragma unroll
+    for (int k = 0; k < N; ++k)
+        out[k] = to_f(pk.v[k]);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ Pack<T, N> load_raw(const T *p)
+{
+    return *reinterpret_cast<const Pack<T, N> *>(p);
+}
+
+/* The raw inputs of one vector: a (activation half), b (gate half, gated
+ * only) and dy (backward only). */
+template <typename T, int VEC>
+struct Raw {
+    Pack<T, VEC> a, b, dy;
+};
+
+template <typename T, int VEC, bool BWD>
+__device__ __forceinline__ void load_vec(const ActParams &p, int64_t r, int64_t c, Raw<T, VEC> &raw)
+{
+    const T *xr = (const T *)p.x + r * p.in_cols;
+    raw.a = load_raw<T, VEC>(xr + c);
+    if (p.gated)
+        raw.b = load_raw<T, VEC>(xr + p.n + c);
+    if (BWD)
+        raw.dy = load_raw<T, VEC>((const T *)p.dy + r * p.n + c);
+}
+
+/* Compute and store one vector; returns the running max of |output| bits. */
+template <typename T, int VEC, bool BWD>
+__device__ __forceinline__ unsigned compute_vec(const ActParams &p, int64_t r, int64_t c,
+                                                const Raw<T, VEC> &raw, float scale, unsigned m)
+{
+    float a[VEC], b[VEC], o[VEC];
+    unpack<T, VEC>(raw.a, a);
+    if (p.gated)
+        unpack<T, VEC>(raw.b, b);
+    if (!BWD) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e)
+            o[e] = p.gated ? sf_act_base(p.base, a[e]) * b[e] : sf_act_base(p.base, a[e]);
+        store_out<T, VEC>(p, r * p.n + c, o, scale);
+        return vmax<VEC>(m, o);
+    }
+    float dy[VEC];
+    unpack<T, VEC>(raw.dy, dy);
+    if (p.gated) {
+        float db[VEC];
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            o[e] = dy[e] * b[e] * sf_act_base_grad(p.base, a[e]);
+            db[e] = dy[e] * sf_act_base(p.base, a[e]);
+        }
+        store_out<T, VEC>(p, r * p.in_cols + p.n + c, db, scale);
+        m = vmax<VEC>(m, db);
+    } else {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e)
+            o[e] = dy[e] * sf_act_base_grad(p.base, a[e]);
+    }
+    store_out<T, VEC>(p, r * p.in_cols + c, o, scale);
+    return vmax<VEC>(m, o);
+}
+
+/* Forward (BWD false) or backward over every row; vectors of VEC elements,
+ * kUnroll of them loaded before any is computed (the stores could alias the
+ * loads, so the compiler would not overlap them on its own), and, for
+ * VEC > 1, the tail of a row whose length is not a multiple of VEC. */
+template <typename T, int VEC, bool BWD>
+__global__ void __launch_bounds__(kThreads, 2) act_kernel(ActParams p)
+{
+    __shared__ unsigned red[kThreads / 32];
+    const float scale = p.out_kind != kOutSame ? *p.scale : 1.0f;
+    const int64_t nv = p.n / VEC;
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    unsigned m = 0u;
+    for (int64_t r = blockIdx.y; r < p.rows; r += gridDim.y) {
+        for (int64_t v0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; v0 < nv;
+             v0 += stride * kUnroll) {
+            Raw<T, VEC> raw[kUnroll];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+                if (v0 + u * stride < nv)
+                    load_vec<T, VEC, BWD>(p, r, (v0 + u * stride) * VEC, raw[u]);
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+                if (v0 + u * stride < nv)
+                    m = compute_vec<T, VEC, BWD>(p, r, (v0 + u * stride) * VEC, raw[u], scale, m);
+        }
+        if (VEC > 1) /* tail elements (element-wise rows only: see launch) */
+            for (int64_t c = nv * VEC + (int64_t)blockIdx.x * blockDim.x + threadIdx.x; c < p.n;
+                 c += stride) {
+                Raw<T, 1> raw;
+                load_vec<T, 1, BWD>(p, r, c, raw);
+                m = compute_vec<T, 1, BWD>(p, r, c, raw, scale, m);
+            }
+    }
+    if (p.amax)
+        block_publish_max(m, red, p.amax);
+    if (p.scale_inv && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0)
+        *p.scale_inv = 1.0f / scale;
+}
+
+/* ---- dropout ----------------------------------------------------------------- */
+
+struct DropParams {
+    const void *x, *bias, *residual, *dy;
+    void *out;
+    float *ws; /* backward with dbias: [gridDim.y][n] */
+    int64_t rows, n;
+    uint64_t seed, offset;
+    uint32_t threshold;
+    float keep_scale;
+    int bias_f32;
+};
+
+/* Keep flags of VEC consecutive elements starting at flat index i (i a
+ * multiple of 4 when VEC >= 4). */
+template <int VEC>
+__device__ __forceinline__ void keep_flags(const DropParams &p, int64_t i, bool (&keep)[VEC])
+{
+    if constexpr (VEC == 1) {
+        sf_philox4 w = sf_philox(p.seed, p.offset + (uint64_t)i / 4u);
+        keep[0] = (w.v[i & 3] >> 8) < p.threshold;
+    } else {
+#pragma unroll
+        for (int q = 0; q < VEC / 4; ++q) {
+            sf_philox4 w = sf_philox(p.seed, p.offset + (uint64_t)i / 4u + q);
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                keep[q * 4 + e] = (w.v[e] >> 8) < p.threshold;
+        }
+    }
+}
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kThreads) bias_dropout_add_kernel(DropParams p)
+{
+    const int64_t nv = p.n / VEC;
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t r = blockIdx.y; r < p.rows; r += gridDim.y) {
+        for (int64_t v = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; v < nv; v += stride) {
+            const int64_t c = v * VEC, i = r * p.n + c;
+            float x[VEC], res[VEC], b[VEC], o[VEC];
+            bool keep[VEC];
+            load_f<T, VEC>((const T *)p.x + i, x);
+            load_f<T, VEC>((const T *)p.residual + i, res);
+            if (p.bias) {
+                if (p.bias_f32)
+                    load_f<float, VEC>((const float *)p.bias + c, b);
+                else
+                    load_f<T, VEC>((const T *)p.bias + c, b);
+            } else {
+#pragma unroll
+                for (int e = 0; e < VEC; ++e)
+                    b[e] = 0.0f;
+            }
+            keep_flags<VEC>(p, i, keep);
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+                const float d = keep[e] ? (x[e] + b[e]) * p.keep_scale : 0.0f;
+                o[e] = res[e] + d;
+            }
+            store_f<T, VEC>((T *)p.out + i, o);
+        }
+    }
+}
+
+/* dx = dy * keep * keep_scale.  With ws: gridDim.x * blockDim.x * VEC covers
+ * the row exactly once, so each thread owns one column vector and sums it
+ * over this block's rows into ws[blockIdx.y]. */
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kThreads) dropout_bwd_kernel(DropParams p)
+{
+    const int64_t nv = p.n / VEC;
+    const int64_t v = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (v >= nv)
+        return;
+    const int64_t c = v * VEC;
+    float acc[VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e)
+        acc[e] = 0.0f;
+    for (int64_t r = blockIdx.y; r < p.rows; r += gridDim.y) {
+        const int64_t i = r * p.n + c;
+        float dy[VEC], dx[VEC];
+        bool keep[VEC];
+        load_f<T, VEC>((const T *)p.dy + i, dy);
+        keep_flags<VEC>(p, i, keep);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            dx[e] = keep[e] ? dy[e] * p.keep_scale : 0.0f;
+            acc[e] += dx[e];
+        }
+        store_f<T, VEC>((T *)p.out + i, dx);
+    }
+    if (p.ws)
+        store_f<float, VEC>(p.ws + (int64_t)blockIdx.y * p.n + c, acc);
+}
+
+/* ---- host side --------------------------------------------------------------- */
+
+/* Blocks: about 8 per multiprocessor in all. */
+sf_status grid_for(const char *op, int device, int64_t rows, int64_t vecs_per_row, dim3 *grid)
+{
+    int sms;
+    SF_TRY(sm_count(op, device, &sms));
+    const int64_t target = (int64_t)sms * 8;
+    int64_t gx = (vecs_per_row + (int64_t)kThreads * kUnroll - 1) / ((int64_t)kThreads * kUnroll);
+    gx = gx < 1 ? 1 : gx > target ? target : gx;
+    int64_t gy = target / gx;
+    gy = gy < 1 ? 1 : gy > rows ? rows : gy;
+    gy = gy > 65535 ? 65535 : gy;
+    *grid = dim3((unsigned)gx, (unsigned)(gy < 1 ? 1 : gy));
+    return SF_OK;
+}
+
+template <typename T>
+sf_status launch_act(const char *op, const ActParams &p, int device, bool vec, bool bwd,
+                     cudaStream_t stream)
+{
+    constexpr int V = 16 / sizeof(T);
+    dim3 grid;
+    SF_TRY(grid_for(op, device, p.rows, vec ? p.n / V + 1 : p.n, &grid));
+    if (vec) {
+        if (bwd) act_kernel<T, V, true><<<grid, kThreads, 0, stream>>>(p);
+        else     act_kernel<T, V, false><<<grid, kThreads, 0, stream>>>(p);
+    } else {
+        if (bwd) act_kernel<T, 1, true><<<grid, kThreads, 0, stream>>>(p);
+        else     act_kernel<T, 1, false><<<grid, kThreads, 0, stream>>>(p);
+    }
+    SF_CUDA_CHECK_LAUNCH(op);
+    return SF_OK;
+}
+
+__global__ void write_scale_inv_kernel(const float *scale, float *scale_inv) { *scale_inv = 1.0f / *scale; }
+
+sf_status act(const sf_act_args *a, bool bwd, cudaStream_t stream)
+{
+    const char *op = bwd ? "act_bwd" : "act_fwd";
+    ActParams p;
+    p.x = a->x->data;
+    p.dy = a->dy ? a->dy->data : NULL;
+    p.out = a->out->data;
+    p.scale = a->scale ? (const float *)a->scale->data : NULL;
+    p.amax = a->amax ? (unsigned *)a->amax->data : NULL;
+    p.scale_inv = a->scale_inv ? (float *)a->scale_inv->data : NULL;
+    p.rows = a->rows;
+    p.n = a->n;
+    p.in_cols = a->gated ? 2 * a->n : a->n;
+    p.base = a->base;
+    p.gated = a->gated;
+    p.out_kind = a->out->dtype == SF_FLOAT8_E4M3 ? kOutE4M3
+                 : a->out->dtype == SF_FLOAT8_E5M2 ? kOutE5M2 : kOutSame;
+    if (p.amax)
+        SF_CUDA_TRY(op, cudaMemsetAsync(p.amax, 0, sizeof(float), stream));
+    if (a->rows == 0 || a->n == 0) {
+        if (p.scale_inv) {
+            write_scale_inv_kernel<<<1, 1, 0, stream>>>(p.scale, p.scale_inv);
+            SF_CUDA_CHECK_LAUNCH(op);
+        }
+        return SF_OK;
+    }
+    const int64_t ve = 16 / (int64_t)sf_dtype_size(a->x->dtype);
+    /* gated rows must start on vector boundaries in both halves; an
+     * element-wise row (rows == 1) takes its tail element by element */
+    const bool vec = (!a->gated || a->n % ve == 0) && aligned16(p.x) && aligned16(p.out) &&
+                     (!p.dy || aligned16(p.dy));
+    const int device = a->x->device_id;
+    switch (a->x->dtype) {
+    case SF_FLOAT32: return launch_act<float>(op, p, device, vec, bwd, stream);
+    case SF_FLOAT16: return launch_act<__half>(op, p, device, vec, bwd, stream);
+    default:         return launch_act<__nv_bfloat16>(op, p, device, vec, bwd, stream);
+    }
+}
+
+/* The dropout kernels' shape: one thread per column vector across x, row
+ * sets across y.  Vectors only when every row starts on a 16-byte boundary. */
+struct DropShape {
+    bool vec;
+    int v;
+    dim3 grid;
+};
+
+sf_status drop_shape(const char *op, int device, int64_t rows, int64_t n, sf_dtype dtype,
+                     bool aligned, DropShape *s)
+{
+    const int ve = 16 / (int)sf_dtype_size(dtype);
+    s->vec = aligned && n % ve == 0;
+    s->v = s->vec ? ve : 1;
+    int sms;
+    SF_TRY(sm_count(op, device, &sms));
+    const int64_t gx = (n / s->v + kThreads - 1) / kThreads;
+    int64_t gy = (int64_t)sms * 8 / (gx > 0 ? gx : 1);
+    gy = gy < 1 ? 1 : gy > rows ? rows : gy;
+    gy = gy > 65535 ? 65535 : gy;
+    s->grid = dim3((unsigned)(gx > 0 ? gx : 1), (unsigned)(gy > 0 ? gy : 1));
+    return SF_OK;
+}
+
+DropParams drop_params(const sf_dropout_args *a)
+{
+    DropParams p;
+    p.x = a->x ? a->x->data : NULL;
+    p.bias = a->bias ? a->bias->data : NULL;
+    p.residual = a->residual ? a->residual->data : NULL;
+    p.dy = a->dy ? a->dy->data : NULL;
+    p.out = a->out->data;
+    p.ws = NULL;
+    p.rows = a->rows;
+    p.n = a->n;
+    p.seed = a->seed;
+    p.offset = a->offset;
+    p.threshold = a->threshold;
+    p.keep_scale = sf_dropout_scale(a->p);
+    p.bias_f32 = a->bias && a->bias->dtype == SF_FLOAT32;
+    return p;
+}
+
+template <typename T>
+sf_status launch_drop_fwd(const DropParams &p, const DropShape &s, cudaStream_t stream)
+{
+    if (s.vec)
+        bias_dropout_add_kernel<T, 16 / sizeof(T)><<<s.grid, kThreads, 0, stream>>>(p);
+    else
+        bias_dropout_add_kernel<T, 1><<<s.grid, kThreads, 0, stream>>>(p);
+    SF_CUDA_CHECK_LAUNCH("bias_dropout_add");
+    return SF_OK;
+}
+
+template <typename T>
+sf_status launch_drop_bwd(const DropParams &p, const DropShape &s, cudaStream_t stream)
+{
+    if (s.vec)
+        dropout_bwd_kernel<T, 16 / sizeof(T)><<<s.grid, kThreads, 0, stream>>>(p);
+    else
+        dropout_bwd_kernel<T, 1><<<s.grid, kThreads, 0, stream>>>(p);
+    SF_CUDA_CHECK_LAUNCH("dropout_bwd");
+    return SF_OK;
+}
+
+template <typename G>
+sf_status launch_col_sum(const float *ws, int parts, int64_t n, void *out, cudaStream_t stream)
+{
+    dim3 grid((unsigned)((n + 31) / 32), 1);
+    column_sum_kernel<G><<<grid, dim3(32, 8), 0, stream>>>(ws, parts, (int)n, (G *)out, (G *)NULL);
+    SF_CUDA_CHECK_LAUNCH("dropout_bwd");
+    return SF_OK;
+}
+
+} // namespace
+
+extern "C" sf_status sf_act_fwd_cuda(const sf_act_args *a, sf_stream s)
+{
+    sf_cuda_device_guard guard;
+    SF_TRY(sf_cuda_device_enter("act_fwd", a->x->device_id, &guard));
+    sf_status st = act(a, false, sf_cuda_stream(s));
+    sf_cuda_device_restore(&guard);
+    return st;
+}
+
+extern "C" sf_status sf_act_bwd_cuda(const sf_act_args *a, sf_stream s)
+{
+    sf_cuda_device_guard guard;
+    SF_TRY(sf_cuda_device_enter("act_bwd", a->x->device_id, &guard));
+    sf_status st = act(a, true, sf_cuda_stream(s));
+    sf_cuda_device_restore(&guard);
+    return st;
+}
+
+extern "C" sf_status sf_bias_dropout_add_cuda(const sf_dropout_args *a, sf_stream s)
+{
+    static const char op[] = "bias_dropout_add";
+    if (a->rows == 0 || a->n == 0)
+        return SF_OK;
+    sf_cuda_device_guard guard;
+    SF_TRY(sf_cuda_device_enter(op, a->x->device_id, &guard));
+    DropParams p = drop_params(a);
+    DropShape shape;
+    const bool aligned = aligned16(p.x) && aligned16(p.residual) && aligned16(p.out) &&
+                         (!p.bias || aligned16(p.bias));
+    sf_status st = drop_shape(op, a->x->device_id, a->rows, a->n, a->x->dtype, aligned, &shape);
+    if (st == SF_OK) {
+        cudaStream_t stream = sf_cuda_stream(s);
+        switch (a->x->dtype) {
+        case SF_FLOAT32: st = launch_drop_fwd<float>(p, shape, stream); break;
+        case SF_FLOAT16: st = launch_drop_fwd<__half>(p, shape, stream); break;
+        default:         st = launch_drop_fwd<__nv_bfloat16>(p, shape, stream); break;
+        }
+    }
+    sf_cuda_device_restore(&guard);
+    return st;
+}
+
+extern "C" sf_status sf_dropout_bwd_workspace_numel_cuda(int64_t rows, int64_t n, int device_id,
+                                                         int64_t *numel)
+{
+    *numel = 0;
+    if (rows == 0 || n == 0)
+        return SF_OK;
+    /* an upper bound of gridDim.y for any vector width: one partial row
+     * per y block */
+    int sms;
+    SF_TRY(sm_count("dropout_bwd_workspace_numel", device_id, &sms));
+    int64_t gy = (int64_t)sms * 8;
+    gy = gy > rows ? rows : gy;
+    gy = gy > 65535 ? 65535 : gy;
+    *numel = gy * n;
+    return SF_OK;
+}
+
+extern "C" sf_status sf_dropout_bwd_cuda(const sf_dropout_args *a, sf_stream s)
+{
+    static const char op[] = "dropout_bwd";
+    cudaStream_t stream = sf_cuda_stream(s);
+    sf_cuda_device_guard guard;
+    SF_TRY(sf_cuda_device_enter(op, a->dy->device_id, &guard));
+    sf_status st = SF_OK;
+    if (a->rows == 0 || a->n == 0) {
+        if (a->dbias && a->n > 0) {
+            cudaError_t e = cudaMemsetAsync(a->dbias->data, 0, a->n * sf_dtype_size(a->dbias->dtype), stream);
+            if (e != cudaSuccess)
+                st = sf_fail(SF_ERR_RUNTIME, "%s: CUDA error %s: %s (zeroing 'dbias')", op,
+                             cudaGetErrorName(e), cudaGetErrorString(e));
+        }
+        sf_cuda_device_restore(&guard);
+        return st;
+    }
+    DropParams p = drop_params(a);
+    p.ws = a->dbias ? (float *)a->workspace->data : NULL;
+    DropShape shape;
+    const bool aligned = aligned16(p.dy) && aligned16(p.out) && (!p.ws || aligned16(p.ws));
+    st = drop_shape(op, a->dy->device_id, a->rows, a->n, a->dy->dtype, aligned, &shape);
+    if (st == SF_OK) {
+        switch (a->dy->dtype) {
+        case SF_FLOAT32: st = launch_drop_bwd<float>(p, shape, stream); break;
+        case SF_FLOAT16: st = launch_drop_bwd<__half>(p, shape, stream); break;
+        default:         st = launch_drop_bwd<__nv_bfloat16>(p, shape, stream); break;
+        }
+    }
+    if (st == SF_OK && a->dbias) {
+        const int parts = (int)shape.grid.y;
+        switch (a->dbias->dtype) {
+        case SF_FLOAT32: st = launch_col_sum<float>(p.ws, parts, a->n, a->dbias->data, stream); break;
+        case SF_FLOAT16: st = launch_col_sum<__half>(p.ws, parts, a->n, a->dbias->data, stream); break;
+        default: st = launch_col_sum<__nv_bfloat16>(p.ws, parts, a->n, a->dbias->data, stream); break;
+        }
+    }
+    sf_cuda_device_restore(&guard);
+    return st;
+}

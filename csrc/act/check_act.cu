@@ -1,0 +1,219 @@
+/*
+ * check_act.cu - standalone check and benchmark of the act family.
+ *
+ * Philox-4x32-10 against the Random123 known answer; every activation,
+ * forward and backward, in each dtype, at short, odd and long shapes (and
+ * with FP8 output): CUDA outputs, poisoned before the run, against the CPU
+ * reference within a relative error by dtype (FP8 codes at most one step
+ * apart, on a small fraction); dropout keep decisions identical on both
+ * backends.  Then bandwidth against a copy of the same bytes.
+ */
+#include <string>
+
+#include "core/check_util.h"
+#include "core/float_bits.h"
+#include "act/act.h"
+#include "seqfuse.h"
+
+static float hload(sf_dtype d, const uint8_t *p, int64_t i)
+{
+    if (d == SF_FLOAT32) { float v; memcpy(&v, p + 4 * i, 4); return v; }
+    uint16_t h; memcpy(&h, p + 2 * i, 2);
+    return d == SF_BFLOAT16 ? sf_bf16_to_f32(h) : sf_f16_to_f32(h);
+}
+
+static void hstore(sf_dtype d, uint8_t *p, int64_t i, float v)
+{
+    if (d == SF_FLOAT32) { memcpy(p + 4 * i, &v, 4); return; }
+    uint16_t h = d == SF_BFLOAT16 ? sf_f32_to_bf16(v) : sf_f32_to_f16(v);
+    memcpy(p + 2 * i, &h, 2);
+}
+
+struct Buf {
+    sf_dtype dtype; std::vector<uint8_t> h; void *d;
+    Buf(sf_dtype t, int64_t n) : dtype(t), h(n * sf_dtype_size(t) + 16), d(NULL)
+    {
+        CHECK_CUDA(cudaMalloc(&d, h.size()));
+        CHECK_CUDA(cudaMemset(d, 0xff, h.size())); /* poison */
+    }
+    ~Buf() { cudaFree(d); }
+    void up() { CHECK_CUDA(cudaMemcpy(d, h.data(), h.size(), cudaMemcpyHostToDevice)); }
+    std::vector<uint8_t> down() const
+    {
+        std::vector<uint8_t> r(h.size());
+        CHECK_CUDA(cudaMemcpy(r.data(), d, h.size(), cudaMemcpyDeviceToHost));
+        return r;
+    }
+    sf_tensor view(int ndim, const int64_t *shape, int cuda)
+    {
+        sf_tensor t;
+        sf_tensor_init(&t, cuda ? d : (void *)h.data(), dtype, ndim, shape, cuda ? SF_CUDA : SF_CPU, 0);
+        return t;
+    }
+};
+
+static double rel_err(sf_dtype d, const std::vector<uint8_t> &got, const std::vector<uint8_t> &ref, int64_t n)
+{
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        double a = hload(d, got.data(), i), b = hload(d, ref.data(), i);
+        if (isnan(a)) return INFINITY;
+        num += (a - b) * (a - b);
+        den += b * b;
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+static double tol(sf_dtype d) { return d == SF_FLOAT32 ? 2e-5 : d == SF_FLOAT16 ? 4e-3 : 2e-2; }
+
+static int fp8_ok(const std::vector<uint8_t> &g, const std::vector<uint8_t> &r, int64_t n)
+{
+    int64_t off = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        int d = abs((int)g[i] - (int)r[i]);
+        if (d > 1) return 0;
+        off += d != 0;
+    }
+    return off <= n / 50 + 1;
+}
+
+static void run_act(sf_activation act, sf_dtype dt, int64_t rows, int64_t cols, sf_dtype odt)
+{
+    const int gated = sf_activation_is_gated(act);
+    const int64_t n_in = rows * cols, ocols = gated ? cols / 2 : cols, n_out = rows * ocols;
+    int64_t xs[2] = {rows, cols}, ys[2] = {rows, ocols}, one[1] = {1};
+    Buf x(dt, n_in), dy(dt, n_out), y(odt, n_out), dx(odt, n_in), sc(SF_FLOAT32, 1);
+    for (int64_t i = 0; i < n_in; ++i) hstore(dt, x.h.data(), i, 3.0f * rng_normal());
+    for (int64_t i = 0; i < n_out; ++i) hstore(dt, dy.h.data(), i, rng_normal());
+    float s = 9.0f;
+    memcpy(sc.h.data(), &s, 4);
+    x.up(); dy.up(); sc.up();
+    const int fp8 = odt == SF_FLOAT8_E4M3 || odt == SF_FLOAT8_E5M2;
+    for (int cuda = 1; cuda >= 0; --cuda) {
+        sf_tensor X = x.view(2, xs, cuda), DY = dy.view(2, ys, cuda), Y = y.view(2, ys, cuda),
+                  DX = dx.view(2, xs, cuda), S = sc.view(1, one, cuda);
+        CHECK_SF(sf_act_fwd(act, &X, &Y, fp8 ? &S : NULL, NULL, NULL, NULL));
+        CHECK_SF(sf_act_bwd(act, &DY, &X, &DX, fp8 ? &S : NULL, NULL, NULL, NULL));
+    }
+    CHECK_CUDA(cudaDeviceSynchronize());
+    char what[200];
+    snprintf(what, sizeof what, "%s %s -> %s %lldx%lld", sf_activation_name(act), sf_dtype_name(dt),
+             sf_dtype_name(odt), (long long)rows, (long long)cols);
+    if (fp8) {
+        check_report(fp8_ok(y.down(), y.h, n_out), (std::string(what) + " y codes").c_str());
+        check_report(fp8_ok(dx.down(), dx.h, n_in), (std::string(what) + " dx codes").c_str());
+    } else {
+        double ey = rel_err(odt, y.down(), y.h, n_out), ed = rel_err(odt, dx.down(), dx.h, n_in);
+        char m[300];
+        snprintf(m, sizeof m, "%s: y rel err %.2e, dx rel err %.2e (tol %.1e)", what, ey, ed, tol(dt));
+        check_report(ey <= tol(dt) && ed <= tol(dt), m);
+    }
+}
+
+static void run_dropout(sf_dtype dt, int64_t rows, int64_t cols)
+{
+    const int64_t n = rows * cols;
+    int64_t xs[2] = {rows, cols}, bs[1] = {cols};
+    Buf x(dt, n), r(dt, n), b(dt, cols), out(dt, n), dy(dt, n), dx(dt, n), db(dt, cols);
+    for (int64_t i = 0; i < n; ++i) {
+        hstore(dt, x.h.data(), i, rng_normal());
+        hstore(dt, r.h.data(), i, rng_normal());
+        hstore(dt, dy.h.data(), i, rng_normal());
+    }
+    for (int64_t i = 0; i < cols; ++i) hstore(dt, b.h.data(), i, rng_normal());
+    x.up(); r.up(); b.up(); dy.up();
+    sf_tensor D = dy.view(2, xs, 1);
+    int64_t wsn = 0;
+    CHECK_SF(sf_dropout_bwd_workspace_numel(&D, &wsn));
+    Buf ws(SF_FLOAT32, wsn > 0 ? wsn : 1);
+    int64_t wshape[1] = {wsn};
+    const uint64_t seed = rng_next(), offset = rng_next() >> 40;
+    for (int cuda = 1; cuda >= 0; --cuda) {
+        sf_tensor X = x.view(2, xs, cuda), R = r.view(2, xs, cuda), B = b.view(1, bs, cuda),
+                  O = out.view(2, xs, cuda), DY = dy.view(2, xs, cuda), DX = dx.view(2, xs, cuda),
+                  DB = db.view(1, bs, cuda), W = ws.view(1, wshape, cuda);
+        CHECK_SF(sf_bias_dropout_add_fwd(&X, &B, &R, 0.3f, seed, offset, &O, NULL));
+        CHECK_SF(sf_dropout_bwd(&DY, 0.3f, seed, offset, &DX, &DB, cuda ? &W : NULL, NULL));
+    }
+    std::vector<uint8_t> gdx = dx.down();
+    int64_t mismatched = 0;
+    for (int64_t i = 0; i < n; ++i)
+        mismatched += (hload(dt, gdx.data(), i) == 0.0f) != (hload(dt, dx.h.data(), i) == 0.0f);
+    char m[300];
+    double eo = rel_err(dt, out.down(), out.h, n), ed = rel_err(dt, gdx, dx.h, n),
+           eb = rel_err(dt, db.down(), db.h, cols);
+    snprintf(m, sizeof m, "dropout %s %lldx%lld: %lld keep decisions differ; out %.2e dx %.2e dbias %.2e",
+             sf_dtype_name(dt), (long long)rows, (long long)cols, (long long)mismatched, eo, ed, eb);
+    check_report(mismatched == 0 && eo <= tol(dt) && ed <= tol(dt) && eb <= 10 * tol(dt), m);
+}
+
+static void philox_kat(void)
+{
+    sf_philox4 w = sf_philox(0, 0);
+    char m[120];
+    snprintf(m, sizeof m, "philox(0,0) = %08x %08x %08x %08x (Random123: 6627e8d5 e169c58d bc57ac4c 9b00dbd8)",
+             w.v[0], w.v[1], w.v[2], w.v[3]);
+    check_report(w.v[0] == 0x6627e8d5u && w.v[1] == 0xe169c58du && w.v[2] == 0xbc57ac4cu &&
+                 w.v[3] == 0x9b00dbd8u, m);
+}
+
+static void bandwidth(void)
+{
+    const int64_t rows = 16384, cols = 16384, n = rows * cols; /* 512 MiB of bf16 */
+    int64_t s2[2] = {rows, cols}, s2h[2] = {rows, cols / 2}, bs[1] = {cols};
+    void *x, *y, *dy, *dx, *r, *copy;
+    CHECK_CUDA(cudaMalloc(&x, n * 2)); CHECK_CUDA(cudaMalloc(&y, n * 2));
+    CHECK_CUDA(cudaMalloc(&dy, n * 2)); CHECK_CUDA(cudaMalloc(&dx, n * 2));
+    CHECK_CUDA(cudaMalloc(&r, n * 2)); CHECK_CUDA(cudaMalloc(&copy, n * 2));
+    CHECK_CUDA(cudaMemset(x, 0x3f, n * 2)); CHECK_CUDA(cudaMemset(dy, 0x3f, n * 2));
+    CHECK_CUDA(cudaMemset(r, 0x3f, n * 2));
+    float c = time_ms([&] { CHECK_CUDA(cudaMemcpyAsync(copy, x, n * 2, cudaMemcpyDeviceToDevice)); });
+    const double copy_tbs = 2.0 * n * 2 / c / 1e9;
+    printf("copy %.2f TB/s (read+write)\n", copy_tbs);
+    sf_tensor X, Y, DY, DX, Yh, DYh, R, B;
+    sf_tensor_init(&X, x, SF_BFLOAT16, 2, s2, SF_CUDA, 0);
+    sf_tensor_init(&Y, y, SF_BFLOAT16, 2, s2, SF_CUDA, 0);
+    sf_tensor_init(&DY, dy, SF_BFLOAT16, 2, s2, SF_CUDA, 0);
+    sf_tensor_init(&DX, dx, SF_BFLOAT16, 2, s2, SF_CUDA, 0);
+    sf_tensor_init(&Yh, y, SF_BFLOAT16, 2, s2h, SF_CUDA, 0);
+    sf_tensor_init(&DYh, dy, SF_BFLOAT16, 2, s2h, SF_CUDA, 0);
+    sf_tensor_init(&R, r, SF_BFLOAT16, 2, s2, SF_CUDA, 0);
+    sf_tensor_init(&B, dy, SF_BFLOAT16, 1, bs, SF_CUDA, 0);
+    const sf_activation acts[] = {SF_ACT_GELU, SF_ACT_GELU_ERF, SF_ACT_SILU, SF_ACT_RELU, SF_ACT_SWIGLU, SF_ACT_GEGLU};
+    for (sf_activation a : acts) {
+        const int g = sf_activation_is_gated(a);
+        float f = time_ms([&] { CHECK_SF(sf_act_fwd(a, &X, g ? &Yh : &Y, NULL, NULL, NULL, NULL)); });
+        float b = time_ms([&] { CHECK_SF(sf_act_bwd(a, g ? &DYh : &DY, &X, &DX, NULL, NULL, NULL, NULL)); });
+        double fb = (g ? 1.5 : 2.0) * n * 2, bb = (g ? 2.5 : 3.0) * n * 2;
+        printf("%-9s bf16 16384x16384: fwd %.3f ms %.2f TB/s (%.0f%% of copy), bwd %.3f ms %.2f TB/s (%.0f%%)\n",
+               sf_activation_name(a), f, fb / f / 1e9, 100 * fb / f / 1e9 / copy_tbs, b, bb / b / 1e9,
+               100 * bb / b / 1e9 / copy_tbs);
+    }
+    float d = time_ms([&] { CHECK_SF(sf_bias_dropout_add_fwd(&X, &B, &R, 0.1f, 1, 0, &Y, NULL)); });
+    printf("bias_dropout_add bf16 16384x16384: %.3f ms %.2f TB/s (%.0f%% of copy)\n", d, 3.0 * n * 2 / d / 1e9,
+           100 * 3.0 * n * 2 / d / 1e9 / copy_tbs);
+    void *all[] = {x, y, dy, dx, r, copy};
+    for (void *p : all) cudaFree(p);
+}
+
+int main(void)
+{
+    rng_seed();
+    philox_kat();
+    const sf_dtype dts[3] = {SF_FLOAT32, SF_FLOAT16, SF_BFLOAT16};
+    const int64_t shapes[][2] = {{1, 2}, {3, 34}, {64, 1024}, {129, 1002}, {1000, 4096}};
+    for (int a = 0; a < SF_NUM_ACTIVATIONS; ++a)
+        for (sf_dtype d : dts)
+            for (auto &s : shapes) {
+                run_act((sf_activation)a, d, s[0], s[1], d);
+                if (s[0] == 64)
+                    run_act((sf_activation)a, d, s[0], s[1], a % 2 ? SF_FLOAT8_E5M2 : SF_FLOAT8_E4M3);
+            }
+    for (sf_dtype d : dts) {
+        run_dropout(d, 64, 1024);
+        run_dropout(d, 37, 1001);
+        run_dropout(d, 4096, 4096);
+    }
+    bandwidth();
+    return check_finish("check_act");
+}

@@ -1,0 +1,52 @@
+"""Differentiable activations and bias + dropout + residual over
+seqfuse.ops.act (autograd Functions; the MLP modules and users call these).
+
+    activation(x, "swiglu")                      # y = silu(x[..., :n]) * x[..., n:]
+    bias_dropout_add(x, bias, residual, p, training=True)
+"""
+import torch
+
+from ..ops import act as A
+
+
+class _ActivationFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, name):
+        ctx.save_for_backward(x)
+        ctx.name = name
+        return A.act_fwd(x, name)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        return A.act_bwd(dy, x, ctx.name), None
+
+
+def activation(x, name):
+    """One of seqfuse.ops.act.ACTIVATIONS applied to x, with autograd."""
+    if name not in A.ACTIVATIONS:
+        raise ValueError(f"activation: argument 'name' must be one of {', '.join(A.ACTIVATIONS)}, got {name!r}")
+    return _ActivationFn.apply(x, name)
+
+
+class _BiasDropoutAddFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, bias, residual, p):
+        out, seed, offset = A.bias_dropout_add(x, bias, residual, p)
+        ctx.p, ctx.seed, ctx.offset = p, seed, offset
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        dx, dbias = A.dropout_bwd(dout, ctx.p, ctx.seed, ctx.offset, ctx.bias_dtype)
+        return dx, dbias, dout, None
+
+
+def bias_dropout_add(x, bias, residual, p, training=True):
+    """residual + dropout(x + bias, p) (p ignored when not training), one
+    kernel each way; the keep mask is regenerated in the backward, not stored."""
+    return _BiasDropoutAddFn.apply(x, bias, residual, float(p) if training else 0.0)
+
+
+__all__ = ["activation", "bias_dropout_add"]

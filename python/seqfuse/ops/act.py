@@ -1,0 +1,137 @@
+"""Activations with their gradients, and bias + dropout + residual (csrc/act/).
+
+Activations: ``gelu`` (tanh approximation, Transformer Engine's "gelu"),
+``gelu_erf`` (exact), ``silu``, ``relu``, and the gated ``geglu``,
+``geglu_erf``, ``swiglu``, ``reglu``.  A gated activation takes x with a last
+dimension of 2n and returns n columns, TE's convention: the FIRST half goes
+through the activation, the SECOND half is the linear gate,
+``y = act(x[..., :n]) * x[..., n:]``.
+
+FP8 output: ``out_dtype=torch.float8_e4m3fn / float8_e5m2`` with ``scale`` (a
+float32 tensor of one element, read on the device) gives ``fp8(scale * v)``;
+``amax`` receives ``max |v|`` of this call, ``scale_inv`` ``1 / scale``.  The
+backward takes the same arguments for its dx.
+
+Dropout stores no mask: keep decisions come from Philox-4x32-10 keyed by a
+seed at counter ``offset + i // 4`` (i the flat element index), so the
+backward regenerates exactly the forward's decisions from ``(p, seed,
+offset)``.  The seed defaults to a draw from torch's default CPU generator, so
+``torch.manual_seed`` makes runs repeatable.
+"""
+import torch
+
+from .. import _C
+from ._call import stream_for
+
+ACTIVATIONS = {"gelu": 0, "gelu_erf": 1, "silu": 2, "relu": 3, "geglu": 4, "geglu_erf": 5,
+               "swiglu": 6, "reglu": 7}
+GATED = frozenset(("geglu", "geglu_erf", "swiglu", "reglu"))
+_FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _code(op, activation):
+    try:
+        return ACTIVATIONS[activation]
+    except (KeyError, TypeError):
+        raise ValueError(f"{op}: argument 'activation' must be one of {', '.join(ACTIVATIONS)}, "
+                         f"got {activation!r}") from None
+
+
+def _check_x(op, name, x):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: argument '{name}' must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_INPUTS:
+        raise TypeError(f"{op}: argument '{name}' must have dtype float32, float16 or bfloat16, got {x.dtype}")
+
+
+def _plain(t):
+    return t.detach() if t is not None and t.requires_grad else t
+
+
+def _out_dtype(op, x, out_dtype):
+    if out_dtype is None or out_dtype == x.dtype:
+        return x.dtype
+    if out_dtype not in _FP8:
+        raise TypeError(f"{op}: argument 'out_dtype' must be None (the input's dtype), "
+                        f"torch.float8_e4m3fn or torch.float8_e5m2, got {out_dtype}")
+    return out_dtype
+
+
+def act_fwd(x, activation, out_dtype=None, scale=None, amax=None, scale_inv=None):
+    """y = activation(x); last dimension halved for the gated ones."""
+    op = "act_fwd"
+    code = _code(op, activation)
+    _check_x(op, "x", x)
+    x = _plain(x).contiguous()
+    shape = list(x.shape)
+    if activation in GATED and x.dim() >= 1:
+        shape[-1] //= 2
+    y = torch.empty(shape, dtype=_out_dtype(op, x, out_dtype), device=x.device)
+    _C.act_fwd(code, x, y, scale, amax, scale_inv, stream_for(x))
+    return y
+
+
+def act_bwd(dy, x, activation, out_dtype=None, scale=None, amax=None, scale_inv=None):
+    """dx of the activation, given dy and the forward's input x."""
+    op = "act_bwd"
+    code = _code(op, activation)
+    _check_x(op, "x", x)
+    _check_x(op, "dy", dy)
+    x = _plain(x).contiguous()
+    dy = _plain(dy).contiguous()
+    dx = torch.empty(x.shape, dtype=_out_dtype(op, x, out_dtype), device=x.device)
+    _C.act_bwd(code, dy, x, dx, scale, amax, scale_inv, stream_for(x))
+    return dx
+
+
+def new_seed():
+    """A dropout seed from torch's default CPU generator (no GPU sync)."""
+    return int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+
+
+def bias_dropout_add(x, bias, residual, p, seed=None, offset=0):
+    """out = residual + dropout(x + bias, p).  Returns ``(out, seed, offset)``:
+    hand seed and offset to :func:`dropout_bwd`."""
+    op = "bias_dropout_add"
+    _check_x(op, "x", x)
+    _check_x(op, "residual", residual)
+    x = _plain(x).contiguous()
+    residual = _plain(residual).contiguous()
+    if seed is None:
+        seed = new_seed()
+    out = torch.empty_like(x)
+    _C.bias_dropout_add(x, _plain(bias), residual, float(p), int(seed), int(offset), out,
+                        stream_for(x))
+    return out, seed, offset
+
+
+_workspace_numel = {}
+
+
+def _workspace(dy):
+    if dy.device.type != "cuda" or dy.numel() == 0:
+        return None
+    key = (dy.device.index, dy.numel() // dy.shape[-1], dy.shape[-1])
+    n = _workspace_numel.get(key)
+    if n is None:
+        if len(_workspace_numel) > 1024:
+            _workspace_numel.clear()
+        n = _workspace_numel[key] = _C.dropout_bwd_workspace_numel(dy)
+    return torch.empty(n, dtype=torch.float32, device=dy.device) if n else None
+
+
+def dropout_bwd(dy, p, seed, offset=0, dbias_dtype=None):
+    """Gradient through dropout(x + bias): returns ``(dx, dbias)``; dbias (the
+    column sums of dx, float32-accumulated, deterministic) only when
+    ``dbias_dtype`` is given, else None.  The residual's gradient is dy."""
+    op = "dropout_bwd"
+    _check_x(op, "dy", dy)
+    dy = _plain(dy).contiguous()
+    dx = torch.empty_like(dy)
+    dbias = ws = None
+    if dbias_dtype is not None:
+        dbias = torch.empty(dy.shape[-1], dtype=dbias_dtype, device=dy.device)
+        ws = _workspace(dy)
+    _C.dropout_bwd(dy, float(p), int(seed), int(offset), dx, dbias, ws, stream_for(dy))
+    return dx, dbias
