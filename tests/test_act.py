@@ -90,7 +90,7 @@ def test_act_saturating_inputs():
 def test_act_cpu_fp8_output(name, fmt, seed):
     x, dy = inputs(name, (12, 64), torch.float32, "cpu")
     scale = torch.tensor([11.0])
-    amax, scale_inv = torch.full((1,), -1.0), torch.zeros(1)
+    amax, scale_inv = torch.zeros(1), torch.zeros(1)
     y_hp = A.act_fwd(x, name)
     y8 = A.act_fwd(x, name, out_dtype=fmt, scale=scale, amax=amax, scale_inv=scale_inv)
     fmax = torch.finfo(fmt).max
@@ -98,6 +98,7 @@ def test_act_cpu_fp8_output(name, fmt, seed):
     assert amax.item() == y_hp.abs().max().item()
     assert scale_inv.item() == pytest.approx(1 / 11.0, rel=1e-7)
     dx_hp = A.act_bwd(dy, x, name)
+    amax.zero_()
     dx8 = A.act_bwd(dy, x, name, out_dtype=fmt, scale=scale, amax=amax)
     assert torch.equal(dx8.view(torch.uint8), (dx_hp * scale).clamp(-fmax, fmax).to(fmt).view(torch.uint8))
     assert amax.item() == dx_hp.abs().max().item()
@@ -226,8 +227,8 @@ def run_c(name, x, dy, out_dtype=None, scale=None):
         yshape[-1] //= 2
     y = poisoned_like(torch.empty(yshape, dtype=out_dtype or x.dtype, device=x.device))
     dx = poisoned_like(torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device))
-    amax_y = poisoned_like(torch.empty(1, device=x.device))
-    amax_dx = poisoned_like(torch.empty(1, device=x.device))
+    amax_y = torch.zeros(1, device=x.device)  # amax accumulates: starts at 0
+    amax_dx = torch.zeros(1, device=x.device)
     _C.act_fwd(code, x, y, scale, amax_y, None)
     _C.act_bwd(code, dy, x, dx, scale, amax_dx, None)
     return y, dx, amax_y, amax_dx
@@ -326,3 +327,16 @@ def test_act_cuda_graph_capture(seed):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, A.act_fwd(x, "swiglu"))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_act_amax_accumulates(device, seed):
+    x = torch.randn(64, 256, device=device)
+    y = A.act_fwd(x, "gelu")
+    big = torch.full((1,), 1e4, device=device)
+    A.act_fwd(x, "gelu", amax=big)
+    assert big.item() == 1e4
+    small = torch.zeros(1, device=device)
+    A.act_fwd(x, "gelu", amax=small)
+    A.act_fwd(x * 0.5, "gelu", amax=small)
+    assert small.item() == y.abs().max().item()

@@ -117,7 +117,7 @@ def test_norm_cpu_empty_rows():
 def test_norm_cpu_fp8_output(rms, fmt, seed):
     x, w, b, _ = make_inputs((12, 160), torch.float32, "cpu", bias=not rms)
     scale = torch.tensor([37.5])
-    amax = torch.full((1,), -1.0)
+    amax = torch.zeros(1)
     scale_inv = torch.zeros(1)
     if rms:
         y_hp, _ = N.rmsnorm_fwd(x, w, 1e-5)
@@ -242,7 +242,7 @@ def run_c_poisoned(rms, x, w, b, dy, eps, zc, out_dtype=None, scale=None):
     y = poisoned_like(torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device))
     mean = poisoned_like(torch.empty(rows, device=x.device))
     rstd = poisoned_like(torch.empty(rows, device=x.device))
-    amax = poisoned_like(torch.empty(1, device=x.device))
+    amax = torch.zeros(1, device=x.device)  # accumulates: starts at 0
     dx = poisoned_like(x)
     dg = poisoned_like(w)
     db = poisoned_like(w) if b is not None else None
@@ -368,3 +368,16 @@ def test_norm_cuda_graph_capture_and_stream(seed):
     torch.cuda.synchronize()
     ref = run_ops(True, x, w, None, y.clone(), 1e-5, False)
     assert torch.equal(y, ref[0]) and torch.equal(dx, ref[3]) and torch.equal(dg, ref[4])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_norm_amax_accumulates(device, seed):
+    x = torch.randn(64, 256, device=device)
+    w = torch.ones(256, device=device)
+    y, _ = N.rmsnorm_fwd(x, w)
+    big = torch.full((1,), 1e4, device=device)
+    N.rmsnorm_fwd(x, w, amax=big)
+    assert big.item() == 1e4  # a larger earlier amax stays
+    small = torch.full((1,), 1e-3, device=device)
+    N.rmsnorm_fwd(x, w, out_dtype=torch.float8_e4m3fn, scale=torch.ones(1, device=device), amax=small)
+    assert small.item() == y.abs().max().item()

@@ -47,11 +47,14 @@ static void finish_fp8(const sf_act_args *a, float amax, float scale)
         *(float *)a->scale_inv->data = 1.0f / scale;
 }
 
+/* amax accumulates: start from what the slot holds */
+static float amax_start(const sf_act_args *a) { return a->amax ? *(const float *)a->amax->data : 0.0f; }
+
 sf_status sf_act_fwd_cpu(const sf_act_args *a)
 {
     const float scale = a->scale ? *(const float *)a->scale->data : 1.0f;
     const int64_t in_cols = a->gated ? 2 * a->n : a->n;
-    float amax = 0.0f;
+    float amax = amax_start(a);
     for (int64_t r = 0; r < a->rows; ++r)
         for (int64_t j = 0; j < a->n; ++j) {
             float v = sf_act_base(a->base, load(a->x, r * in_cols + j));
@@ -68,7 +71,7 @@ sf_status sf_act_bwd_cpu(const sf_act_args *a)
 {
     const float scale = a->scale ? *(const float *)a->scale->data : 1.0f;
     const int64_t in_cols = a->gated ? 2 * a->n : a->n;
-    float amax = 0.0f;
+    float amax = amax_start(a);
     for (int64_t r = 0; r < a->rows; ++r)
         for (int64_t j = 0; j < a->n; ++j) {
             const float x = load(a->x, r * in_cols + j);

@@ -320,8 +320,6 @@ sf_status act(const sf_act_args *a, bool bwd, cudaStream_t stream)
     p.gated = a->gated;
     p.out_kind = a->out->dtype == SF_FLOAT8_E4M3 ? kOutE4M3
                  : a->out->dtype == SF_FLOAT8_E5M2 ? kOutE5M2 : kOutSame;
-    if (p.amax)
-        SF_CUDA_TRY(op, cudaMemsetAsync(p.amax, 0, sizeof(float), stream));
     if (a->rows == 0 || a->n == 0) {
         if (p.scale_inv) {
             write_scale_inv_kernel<<<1, 1, 0, stream>>>(p.scale, p.scale_inv);

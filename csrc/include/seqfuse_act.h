@@ -12,7 +12,8 @@
  *
  * FP8 output (forward and backward alike): when y (or dx) is float8_e4m3fn or
  * float8_e5m2 it receives fp8(scale * v) of the float32 value v (round to
- * nearest even, saturating); amax, when given, is SET to max |v| of this call;
+ * nearest even, saturating); amax, when given, accumulates max |v| of this
+ * call (amax[0] = max(amax[0], max |v|), the quant family's rule);
  * scale_inv, when given, receives 1/scale.
  *
  * Dropout draws no mask tensor: whether element i (flat index in the

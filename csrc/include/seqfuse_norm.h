@@ -12,8 +12,9 @@
  * FP8 output: when y is float8_e4m3fn or float8_e5m2, y = fp8(scale * v) with
  * v the float32 normalized value, rounded to nearest even and saturated to the
  * format's largest finite value; `scale` (float32, one element) is read on the
- * device.  amax (optional, float32, one element) is SET to max |v| of this call
- * (zeroed first, then folded with atomicMax on the float bits; NaN wins).
+ * device.  amax (optional, float32, one element) ACCUMULATES, as every cast of
+ * the quant family does: amax[0] = max(amax[0], max |v|) (atomicMax on the
+ * float bits; NaN wins), so one step's micro-batches fold into the same slot.
  * scale_inv (optional) receives 1/scale.  amax may also be asked for a 16-bit
  * or float32 y (current scaling of the next GEMM's input).
  *

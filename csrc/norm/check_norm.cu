@@ -85,7 +85,8 @@ static void run_case(int rms, sf_dtype dt, sf_dtype wdt, int64_t rows, int64_t h
     }
     float sc = 5.5f;
     memcpy(scale.h.data(), &sc, 4);
-    x.up(); dy.up(); w.up(); b.up(); scale.up();
+    memset(amax.h.data(), 0, amax.h.size()); /* amax accumulates: start at 0 */
+    x.up(); dy.up(); w.up(); b.up(); scale.up(); amax.up();
     const int fp8 = ydt == SF_FLOAT8_E4M3 || ydt == SF_FLOAT8_E5M2;
     int64_t wsn = 0;
     sf_tensor xv = x.view(2, xs, 1);

@@ -5,7 +5,7 @@
  *
  * The forward computes v = xhat * w + beta in double, rounds it to float32
  * (the value the CUDA kernel holds), then to y's dtype; an FP8 y gets
- * fp8(scale * v) and amax = max |v|.
+ * fp8(scale * v); amax[0] becomes max(amax[0], max |v|).
  */
 #include <math.h>
 
@@ -46,7 +46,7 @@ sf_status sf_norm_fwd_cpu(const sf_norm_fwd_args *a)
     const int64_t H = a->hidden;
     const int fp8 = a->y->dtype == SF_FLOAT8_E4M3 || a->y->dtype == SF_FLOAT8_E5M2;
     const float scale = a->scale ? *(const float *)a->scale->data : 1.0f;
-    float amax = 0.0f;
+    float amax = a->amax ? *(const float *)a->amax->data : 0.0f; /* accumulates */
     for (int64_t r = 0; r < a->rows; ++r) {
         const int64_t base = r * H;
         double mean = 0.0;

@@ -9,7 +9,8 @@ through the activation, the SECOND half is the linear gate,
 
 FP8 output: ``out_dtype=torch.float8_e4m3fn / float8_e5m2`` with ``scale`` (a
 float32 tensor of one element, read on the device) gives ``fp8(scale * v)``;
-``amax`` receives ``max |v|`` of this call, ``scale_inv`` ``1 / scale``.  The
+``amax`` accumulates ``max |v|`` (``amax[0] = max(amax[0], max |v|)``, the
+quant casts' rule), ``scale_inv`` receives ``1 / scale``.  The
 backward takes the same arguments for its dx.
 
 Dropout stores no mask: keep decisions come from Philox-4x32-10 keyed by a

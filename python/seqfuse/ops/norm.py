@@ -8,8 +8,8 @@ eps)``.  With ``zero_centered_gamma`` the weight applied is ``1 + weight``.
 ``weight``/``bias`` have the input's dtype or float32.  The output has the
 input's dtype, or, with ``out_dtype=torch.float8_e4m3fn / float8_e5m2``, is
 ``fp8(scale * y)`` for the GEMM that follows (``scale``: float32 tensor of one
-element, read on the device; ``amax`` receives ``max |y|`` of this call,
-``scale_inv`` receives ``1 / scale``).  Nothing synchronizes the host.
+element, read on the device; ``amax`` accumulates: ``amax[0] = max(amax[0],
+max |y|)``, like every quant cast; ``scale_inv`` receives ``1 / scale``).  Nothing synchronizes the host.
 
 The backward reduces dgamma/dbeta in float32, deterministically, through a
 workspace allocated here with torch.
