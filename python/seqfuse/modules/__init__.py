@@ -26,3 +26,8 @@ __all__ += ["MultiheadAttention", "TransformerLayer"]
 from .activation import activation, bias_dropout_add  # noqa: E402
 
 __all__ += ["activation", "bias_dropout_add"]
+
+from .layernorm_linear import LayerNormLinear  # noqa: E402
+from .layernorm_mlp import LayerNormMLP  # noqa: E402
+
+__all__ += ["LayerNormLinear", "LayerNormMLP"]

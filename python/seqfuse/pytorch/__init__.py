@@ -35,3 +35,8 @@ from ..modules.multihead_attention import MultiheadAttention  # noqa: E402
 from ..modules.transformer_layer import TransformerLayer  # noqa: E402
 
 __all__ += ["MultiheadAttention", "TransformerLayer"]
+
+from ..modules.layernorm_linear import LayerNormLinear  # noqa: E402
+from ..modules.layernorm_mlp import LayerNormMLP  # noqa: E402
+
+__all__ += ["LayerNormLinear", "LayerNormMLP"]

@@ -1,0 +1,275 @@
+"""LayerNormLinear: normalization fused in front of a linear layer
+(Transformer Engine's name, arguments and parameter names), and the pieces
+LayerNormMLP shares with it.
+
+    LayerNormLinear(in_features, out_features, eps=1e-5, bias=True,
+                    normalization="LayerNorm", zero_centered_gamma=False,
+                    return_layernorm_output=False, params_dtype=None, device=None,
+                    init_method=None)
+
+Parameters: ``layer_norm_weight``, ``layer_norm_bias`` (LayerNorm only),
+``weight`` [out, in], ``bias`` [out].
+
+Without FP8: seqfuse's norm kernel, then one GEMM (seqfuse.ops.gemm) with the
+bias in its epilogue; the backward's weight GEMM also produces the bias
+gradient (cuBLASLt's bgrad epilogue).  Parameters in another dtype than the
+input (float32 master weights with bf16 activations) are cast for the GEMMs;
+their gradients come back in the parameters' dtype.
+
+Under ``seqfuse.quantization.autocast`` with a DelayedScaling recipe, the
+norm kernel writes its output directly in FP8 (scale and amax of the
+module's ScalingState, index 0), the weight is cast and transposed once per
+forward (index 1), the output gradient is cast and transposed (index 2, E5M2
+under Format.HYBRID), and all three GEMMs run in FP8 (forward with fast
+accumulation).  The wgrad GEMM needs the FP8 norm output transposed: that is
+a byte transpose done by torch in the backward.  The bias gradient is a
+float32 column sum by torch.  Other recipes raise NotImplementedError.
+
+Unsupported TE arguments (tensor/sequence parallelism, return_bias,
+parameters_split, fuse_wgrad_accumulation, userbuffers) raise
+NotImplementedError when set to anything but their default.
+"""
+import torch
+
+from .. import ops
+from .norm import _hidden, default_device
+
+_SUPPORTED_RECIPES = ("DelayedScaling",)
+
+
+def _check_normalization(normalization):
+    if normalization not in ("LayerNorm", "RMSNorm"):
+        raise ValueError(f"argument 'normalization' must be 'LayerNorm' or 'RMSNorm', got {normalization!r}")
+
+
+def _reject_unsupported(cls, kwargs, defaults):
+    for name, value in kwargs.items():
+        if name not in defaults:
+            raise TypeError(f"{cls}: unexpected argument {name!r}")
+        if value != defaults[name]:
+            raise NotImplementedError(f"{cls}: argument {name}={value!r} is not supported "
+                                      f"(only {defaults[name]!r})")
+
+
+#: TE arguments accepted for compatibility, with the only value supported.
+TE_DEFAULTS = {"sequence_parallel": False, "fuse_wgrad_accumulation": False, "tp_group": None,
+               "tp_size": 1, "get_rng_state_tracker": None, "return_bias": False,
+               "parallel_mode": None, "return_layernorm_output_gathered": False,
+               "parameters_split": None, "ub_overlap_ag": False, "ub_overlap_rs": False,
+               "ub_overlap_rs_dgrad": False, "ub_bulk_wgrad": False, "ub_bulk_dgrad": False,
+               "ub_name": None, "name": None, "set_parallel_mode": False, "ub_overlap_ag_fprop": False,
+               "ub_overlap_rs_fprop": False}
+
+
+# ---- pieces shared with LayerNormMLP -------------------------------------------
+
+def norm_forward(x2, weight, bias, eps, rms, zc, out_dtype=None, scale=None, amax=None,
+                 scale_inv=None):
+    """(y, mean, rstd) of the module's normalization; mean is None for RMSNorm."""
+    if rms:
+        y, rstd = ops.rmsnorm_fwd(x2, weight, eps, zc, out_dtype, scale, amax, scale_inv)
+        return y, None, rstd
+    return ops.layernorm_fwd(x2, weight, bias, eps, zc, out_dtype, scale, amax, scale_inv)
+
+
+def norm_backward(dy2, x2, mean, rstd, weight, rms, zc, has_bias):
+    """(dx, dgamma, dbeta or None)."""
+    if rms:
+        dx, dg = ops.rmsnorm_bwd(dy2, x2, rstd, weight, zc)
+        return dx, dg, None
+    return ops.layernorm_bwd(dy2, x2, mean, rstd, weight, zc, has_bias)
+
+
+def norm_param(p, x):
+    """The norm kernels take weights in the input's dtype or float32."""
+    if p is None or p.dtype == x.dtype or p.dtype == torch.float32:
+        return p
+    return p.float()
+
+
+def as_dtype(t, dtype):
+    return None if t is None else (t if t.dtype == dtype else t.to(dtype))
+
+
+def fp8_transpose(t):
+    """[M, K] FP8 -> contiguous [K, M] FP8 (a byte transpose)."""
+    return t.view(torch.uint8).t().contiguous().view(t.dtype)
+
+
+def active_fp8_recipe(cls):
+    """The autocast recipe when FP8 is on, else None; recipes this module
+    cannot run raise NotImplementedError."""
+    from ..quantization import get_recipe, is_fp8_enabled
+
+    if not is_fp8_enabled():
+        return None
+    recipe = get_recipe()
+    if type(recipe).__name__ not in _SUPPORTED_RECIPES:
+        raise NotImplementedError(f"{cls}: FP8 recipe {type(recipe).__name__} is not supported yet "
+                                  f"(supported: {', '.join(_SUPPORTED_RECIPES)})")
+    return recipe
+
+
+def scaling_state(module, attr, num_tensors, backward_indices, recipe, device):
+    """The module's ScalingState, made at the first FP8 forward and kept in
+    step with the autocast recipe."""
+    from ..quantization import ScalingState
+
+    state = getattr(module, attr, None)
+    if state is None:
+        state = ScalingState(num_tensors, recipe, backward_indices=backward_indices, device=device)
+        module.add_module(attr, state)
+    elif state.recipe != recipe:
+        state.set_recipe(recipe)
+    state.ensure_pooled()
+    return state
+
+
+def fp8_norm(x2, ln_w, ln_b, eps, rms, zc, state, index):
+    """Norm with FP8 output under tensor `index` of `state`:
+    (y_fp8, mean, rstd, scale_inv)."""
+    scale_inv = torch.empty(1, dtype=torch.float32, device=x2.device)
+    y, mean, rstd = norm_forward(x2, ln_w, ln_b, eps, rms, zc, state.fp8_dtype(index),
+                                 state.scale_of(index), state.amax_of(index), scale_inv)
+    return y, mean, rstd, scale_inv
+
+
+def fp8_gemm(a, a_si, b, b_si, out_dtype, bias=None, fast=False):
+    """a [m, k] @ b[n, k]^T in FP8 (both K-major).  cuBLASLt's FP8 kernels
+    take the bias in bfloat16 (float16 with a float16 output)."""
+    if bias is not None:
+        bias = as_dtype(bias, torch.float16 if out_dtype == torch.float16 else torch.bfloat16)
+    return ops.gemm(a, b, transb=True, a_scale_inv=a_si, b_scale_inv=b_si, out_dtype=out_dtype,
+                    bias=bias, fast_accum=fast)
+
+
+def init_weight(w, init_method):
+    if init_method is not None:
+        init_method(w)
+    else:
+        torch.nn.init.normal_(w, mean=0.0, std=0.02)
+
+
+class _LayerNormLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ln_w, ln_b, weight, bias, eps, rms, zc, ret_ln, module, recipe):
+        in_features = x.shape[-1]
+        x2 = x.reshape(-1, in_features)
+        lnw, lnb = norm_param(ln_w, x2), norm_param(ln_b, x2)
+        ctx.fp8 = recipe is not None
+        if ctx.fp8:
+            from ..quantization import quantize_with_state
+
+            state = scaling_state(module, "fp8_state", 3, (2,), recipe, x.device)
+            if ret_ln:  # the norm output is returned: make it in x's dtype, then cast
+                ln_out, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc)
+                ln_q = quantize_with_state(ln_out, state, 0, transpose=True)
+                ln8, ln8_t, ln_si = ln_q.data, ln_q.data_t, ln_q.scale_inv
+            else:
+                ln_out = None
+                ln8, mean, rstd, ln_si = fp8_norm(x2, lnw, lnb, eps, rms, zc, state, 0)
+                ln8_t = None
+            w_q = quantize_with_state(weight.detach(), state, 1, transpose=True)
+            out = fp8_gemm(ln8, ln_si, w_q.data, w_q.scale_inv, x.dtype, as_dtype(bias, x.dtype),
+                           fast=True)
+            ctx.save_for_backward(x2, lnw, mean, rstd, ln8, ln8_t, ln_si, w_q.data_t, w_q.scale_inv)
+            ctx.state = state
+        else:
+            ln_out, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc)
+            w = as_dtype(weight, x.dtype)
+            out = ops.gemm(ln_out, w, transb=True, bias=as_dtype(bias, x.dtype))
+            ctx.save_for_backward(x2, lnw, mean, rstd, ln_out, w)
+        ctx.meta = (x.shape, eps, rms, zc, ln_b is not None, bias is not None, weight.dtype,
+                    None if bias is None else bias.dtype, ln_w.dtype)
+        out = out.view(*x.shape[:-1], out.shape[-1])
+        if ret_ln:
+            return out, ln_out.view(x.shape)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout, dln_extra=None):
+        x_shape, eps, rms, zc, has_ln_bias, has_bias, w_dtype, b_dtype, lnw_dtype = ctx.meta
+        dout2 = dout.reshape(-1, dout.shape[-1]).contiguous()
+        dbias = None
+        if ctx.fp8:
+            from ..quantization import quantize_with_state
+
+            x2, lnw, mean, rstd, ln8, ln8_t, ln_si, w_t, w_si = ctx.saved_tensors
+            g = quantize_with_state(dout2, ctx.state, 2, transpose=True)
+            dln = fp8_gemm(g.data, g.scale_inv, w_t, w_si, x2.dtype)
+            if ln8_t is None:
+                ln8_t = fp8_transpose(ln8)
+            wdt = w_dtype if w_dtype in (torch.float32, torch.bfloat16) else torch.float32
+            dweight = fp8_gemm(g.data_t, g.scale_inv, ln8_t, ln_si, wdt).to(w_dtype)
+            if has_bias:
+                dbias = dout2.float().sum(0).to(b_dtype)
+        else:
+            x2, lnw, mean, rstd, ln_out, w = ctx.saved_tensors
+            dln = ops.gemm(dout2, w)
+            if has_bias:
+                dweight, dbias = ops.gemm(dout2, ln_out, transa=True, epilogue="bgrad")
+                dbias = as_dtype(dbias, b_dtype)
+            else:
+                dweight = ops.gemm(dout2, ln_out, transa=True)
+            dweight = as_dtype(dweight, w_dtype)
+        if dln_extra is not None:
+            dln = dln + dln_extra.reshape(dln.shape)
+        dx, dg, db = norm_backward(dln, x2, mean, rstd, lnw, rms, zc, has_ln_bias)
+        return (dx.view(x_shape), as_dtype(dg, lnw_dtype), as_dtype(db, lnw_dtype), dweight, dbias,
+                None, None, None, None, None, None)
+
+
+class LayerNormLinear(torch.nn.Module):
+    """Normalization + linear layer; see the module note."""
+
+    def __init__(self, in_features, out_features, eps=1e-5, bias=True, normalization="LayerNorm",
+                 zero_centered_gamma=False, return_layernorm_output=False, params_dtype=None,
+                 device=None, init_method=None, **te_kwargs):
+        super().__init__()
+        _reject_unsupported("LayerNormLinear", te_kwargs, TE_DEFAULTS)
+        _check_normalization(normalization)
+        self.in_features = _hidden(in_features)
+        self.out_features = int(out_features)
+        self.eps = float(eps)
+        self.normalization = normalization
+        self.zero_centered_gamma = bool(zero_centered_gamma)
+        self.return_layernorm_output = bool(return_layernorm_output)
+        self.use_bias = bool(bias)
+        dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
+        device = default_device(device)
+        kw = dict(dtype=dtype, device=device)
+        self.layer_norm_weight = torch.nn.Parameter(torch.empty(self.in_features, **kw))
+        if normalization == "LayerNorm":
+            self.layer_norm_bias = torch.nn.Parameter(torch.empty(self.in_features, **kw))
+        else:
+            self.register_parameter("layer_norm_bias", None)
+        self.weight = torch.nn.Parameter(torch.empty(self.out_features, self.in_features, **kw))
+        self.bias = torch.nn.Parameter(torch.empty(self.out_features, **kw)) if bias else None
+        self.init_method = init_method
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        with torch.no_grad():
+            self.layer_norm_weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
+            if self.layer_norm_bias is not None:
+                self.layer_norm_bias.zero_()
+            init_weight(self.weight, self.init_method)
+            if self.bias is not None:
+                self.bias.zero_()
+
+    def forward(self, x):
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"LayerNormLinear: input's last dimension must be in_features="
+                             f"{self.in_features}, got {x.shape[-1]}")
+        recipe = active_fp8_recipe("LayerNormLinear")
+        return _LayerNormLinearFn.apply(x, self.layer_norm_weight, self.layer_norm_bias, self.weight,
+                                        self.bias, self.eps, self.normalization == "RMSNorm",
+                                        self.zero_centered_gamma, self.return_layernorm_output, self,
+                                        recipe)
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"normalization={self.normalization}, bias={self.bias is not None}")
+
+
+__all__ = ["LayerNormLinear"]

@@ -1,0 +1,183 @@
+"""LayerNormMLP: normalization, FC1, activation and FC2 in one module
+(Transformer Engine's name, arguments and parameter names).
+
+    LayerNormMLP(hidden_size, ffn_hidden_size, eps=1e-5, bias=True,
+                 normalization="LayerNorm", activation="gelu",
+                 zero_centered_gamma=False, params_dtype=None, device=None,
+                 init_method=None, output_layer_init_method=None)
+
+Parameters: ``layer_norm_weight``, ``layer_norm_bias`` (LayerNorm only),
+``fc1_weight`` [fc1_out, hidden], ``fc1_bias``, ``fc2_weight`` [hidden, ffn],
+``fc2_bias``; fc1_out is 2 x ffn for the gated activations (swiglu, geglu,
+reglu: TE's layout, the activated half first, then the gate half).
+Activations: gelu (tanh approximation, TE's), gelu_erf, relu, silu, swiglu,
+geglu, reglu, geglu_erf.
+
+Without FP8: norm kernel, FC1 GEMM with its bias, activation kernel, FC2 GEMM
+with its bias; the backward runs the activation-gradient kernel and takes the
+bias gradients from the weight GEMMs' bgrad epilogue.
+
+Under autocast with DelayedScaling: ScalingState of 6 (3 per GEMM: FC1
+input 0, weight 1, output gradient 2; FC2 input 3, weight 4, output gradient
+5).  The norm kernel writes FC1's input in FP8, the activation kernel writes
+FC2's input in FP8 (fused casts with amax), weights are cast+transposed once
+per forward, output gradients are cast+transposed, and all six GEMMs run in
+FP8.  The activation gradient is computed in the input's dtype, summed for
+FC1's bias gradient, then cast+transposed for FC1's gradient GEMMs.
+"""
+import torch
+
+from .. import ops
+from ..ops import act as A
+from .layernorm_linear import (TE_DEFAULTS, _check_normalization, _reject_unsupported,
+                               active_fp8_recipe, as_dtype, fp8_gemm, fp8_norm, fp8_transpose,
+                               init_weight, norm_backward, norm_forward, norm_param, scaling_state)
+from .norm import _hidden, default_device
+
+ACTIVATIONS = ("gelu", "gelu_erf", "relu", "silu", "swiglu", "geglu", "reglu", "geglu_erf")
+
+MLP_TE_DEFAULTS = dict(TE_DEFAULTS, return_layernorm_output=False, seq_length=None,
+                       micro_batch_size=None, ub_overlap_rs_dgrad=False, delay_wgrad_compute=False)
+
+
+class _LayerNormMLPFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ln_w, ln_b, w1, b1, w2, b2, eps, rms, zc, activation, module, recipe):
+        hidden = x.shape[-1]
+        x2 = x.reshape(-1, hidden)
+        lnw, lnb = norm_param(ln_w, x2), norm_param(ln_b, x2)
+        dt = x.dtype
+        ctx.fp8 = recipe is not None
+        if ctx.fp8:
+            from ..quantization import quantize_with_state
+
+            state = scaling_state(module, "fp8_state", 6, (2, 5), recipe, x.device)
+            ln8, mean, rstd, ln_si = fp8_norm(x2, lnw, lnb, eps, rms, zc, state, 0)
+            w1_q = quantize_with_state(w1.detach(), state, 1, transpose=True)
+            h = fp8_gemm(ln8, ln_si, w1_q.data, w1_q.scale_inv, dt, as_dtype(b1, dt), fast=True)
+            a_si = torch.empty(1, dtype=torch.float32, device=x.device)
+            a8 = A.act_fwd(h, activation, state.fp8_dtype(3), state.scale_of(3), state.amax_of(3), a_si)
+            w2_q = quantize_with_state(w2.detach(), state, 4, transpose=True)
+            out = fp8_gemm(a8, a_si, w2_q.data, w2_q.scale_inv, dt, as_dtype(b2, dt), fast=True)
+            ctx.save_for_backward(x2, lnw, mean, rstd, ln8, ln_si, h, a8, a_si, w1_q.data_t,
+                                  w1_q.scale_inv, w2_q.data_t, w2_q.scale_inv)
+            ctx.state = state
+        else:
+            ln, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc)
+            w1c, w2c = as_dtype(w1, dt), as_dtype(w2, dt)
+            h = ops.gemm(ln, w1c, transb=True, bias=as_dtype(b1, dt))
+            a = A.act_fwd(h, activation)
+            out = ops.gemm(a, w2c, transb=True, bias=as_dtype(b2, dt))
+            ctx.save_for_backward(x2, lnw, mean, rstd, ln, h, a, w1c, w2c)
+        ctx.meta = (x.shape, rms, zc, activation, ln_b is not None, ln_w.dtype, w1.dtype, w2.dtype,
+                    None if b1 is None else b1.dtype, None if b2 is None else b2.dtype)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dout):
+        x_shape, rms, zc, activation, has_ln_bias, lnw_dt, w1_dt, w2_dt, b1_dt, b2_dt = ctx.meta
+        dout2 = dout.reshape(-1, dout.shape[-1]).contiguous()
+        db1 = db2 = None
+        if ctx.fp8:
+            from ..quantization import quantize_with_state
+
+            (x2, lnw, mean, rstd, ln8, ln_si, h, a8, a_si, w1_t, w1_si, w2_t,
+             w2_si) = ctx.saved_tensors
+            dt = x2.dtype
+            g2 = quantize_with_state(dout2, ctx.state, 5, transpose=True)
+            da = fp8_gemm(g2.data, g2.scale_inv, w2_t, w2_si, dt)
+            dw2 = fp8_gemm(g2.data_t, g2.scale_inv, fp8_transpose(a8), a_si, _wgrad_dtype(w2_dt))
+            if b2_dt is not None:
+                db2 = dout2.float().sum(0).to(b2_dt)
+            dh = A.act_bwd(da, h, activation)
+            if b1_dt is not None:
+                db1 = dh.float().sum(0).to(b1_dt)
+            g1 = quantize_with_state(dh, ctx.state, 2, transpose=True)
+            dln = fp8_gemm(g1.data, g1.scale_inv, w1_t, w1_si, dt)
+            dw1 = fp8_gemm(g1.data_t, g1.scale_inv, fp8_transpose(ln8), ln_si, _wgrad_dtype(w1_dt))
+        else:
+            x2, lnw, mean, rstd, ln, h, a, w1c, w2c = ctx.saved_tensors
+            da = ops.gemm(dout2, w2c)
+            dw2, db2 = _wgrad(dout2, a, b2_dt)
+            dh = A.act_bwd(da, h, activation)
+            dln = ops.gemm(dh, w1c)
+            dw1, db1 = _wgrad(dh, ln, b1_dt)
+        dx, dg, db = norm_backward(dln, x2, mean, rstd, lnw, rms, zc, has_ln_bias)
+        return (dx.view(x_shape), as_dtype(dg, lnw_dt), as_dtype(db, lnw_dt), as_dtype(dw1, w1_dt),
+                as_dtype(db1, b1_dt), as_dtype(dw2, w2_dt), as_dtype(db2, b2_dt),
+                None, None, None, None, None, None)
+
+
+def _wgrad_dtype(w_dtype):
+    return w_dtype if w_dtype in (torch.float32, torch.bfloat16) else torch.float32
+
+
+def _wgrad(dy, inp, bias_dtype):
+    """dW = dy^T @ inp, and the bias gradient from the same GEMM."""
+    if bias_dtype is None:
+        return ops.gemm(dy, inp, transa=True), None
+    return ops.gemm(dy, inp, transa=True, epilogue="bgrad")
+
+
+class LayerNormMLP(torch.nn.Module):
+    """Norm + FC1 + activation + FC2; see the module note."""
+
+    def __init__(self, hidden_size, ffn_hidden_size, eps=1e-5, bias=True, normalization="LayerNorm",
+                 activation="gelu", zero_centered_gamma=False, params_dtype=None, device=None,
+                 init_method=None, output_layer_init_method=None, **te_kwargs):
+        super().__init__()
+        _reject_unsupported("LayerNormMLP", te_kwargs, MLP_TE_DEFAULTS)
+        _check_normalization(normalization)
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"LayerNormMLP: argument 'activation' must be one of {', '.join(ACTIVATIONS)}, "
+                             f"got {activation!r}")
+        self.hidden_size = _hidden(hidden_size)
+        self.ffn_hidden_size = int(ffn_hidden_size)
+        self.eps = float(eps)
+        self.normalization = normalization
+        self.activation = activation
+        self.zero_centered_gamma = bool(zero_centered_gamma)
+        self.use_bias = bool(bias)
+        fc1_out = 2 * self.ffn_hidden_size if activation in A.GATED else self.ffn_hidden_size
+        dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
+        kw = dict(dtype=dtype, device=default_device(device))
+        self.layer_norm_weight = torch.nn.Parameter(torch.empty(self.hidden_size, **kw))
+        if normalization == "LayerNorm":
+            self.layer_norm_bias = torch.nn.Parameter(torch.empty(self.hidden_size, **kw))
+        else:
+            self.register_parameter("layer_norm_bias", None)
+        self.fc1_weight = torch.nn.Parameter(torch.empty(fc1_out, self.hidden_size, **kw))
+        self.fc1_bias = torch.nn.Parameter(torch.empty(fc1_out, **kw)) if bias else None
+        self.fc2_weight = torch.nn.Parameter(torch.empty(self.hidden_size, self.ffn_hidden_size, **kw))
+        self.fc2_bias = torch.nn.Parameter(torch.empty(self.hidden_size, **kw)) if bias else None
+        self.init_method = init_method
+        self.output_layer_init_method = output_layer_init_method
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        with torch.no_grad():
+            self.layer_norm_weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
+            if self.layer_norm_bias is not None:
+                self.layer_norm_bias.zero_()
+            init_weight(self.fc1_weight, self.init_method)
+            init_weight(self.fc2_weight, self.output_layer_init_method)
+            for b in (self.fc1_bias, self.fc2_bias):
+                if b is not None:
+                    b.zero_()
+
+    def forward(self, x):
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"LayerNormMLP: input's last dimension must be hidden_size="
+                             f"{self.hidden_size}, got {x.shape[-1]}")
+        recipe = active_fp8_recipe("LayerNormMLP")
+        return _LayerNormMLPFn.apply(x, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight,
+                                     self.fc1_bias, self.fc2_weight, self.fc2_bias, self.eps,
+                                     self.normalization == "RMSNorm", self.zero_centered_gamma,
+                                     self.activation, self, recipe)
+
+    def extra_repr(self):
+        return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
+                f"activation={self.activation}, normalization={self.normalization}")
+
+
+__all__ = ["LayerNormMLP"]

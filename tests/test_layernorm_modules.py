@@ -1,0 +1,246 @@
+"""LayerNormLinear and LayerNormMLP against the same blocks in plain torch
+(float64 on the CPU, dtype tolerances on the GPU), in FP8 under autocast
+against the high-precision result, and their TE-compatible surface."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import seqfuse.pytorch as te
+from seqfuse.common.recipe import DelayedScaling, Format
+from seqfuse.quantization import autocast
+
+from helpers import assert_close_rel, rel_error
+
+
+def ref_norm(x, w, b, eps, normalization, zc):
+    w = 1 + w if zc else w
+    if normalization == "RMSNorm":
+        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * w
+    return F.layer_norm(x, (x.shape[-1],), w, b, eps)
+
+
+def ref_act(name, h):
+    base = {"gelu": lambda t: F.gelu(t, approximate="tanh"), "gelu_erf": F.gelu, "relu": F.relu,
+            "silu": F.silu, "swiglu": F.silu, "geglu": lambda t: F.gelu(t, approximate="tanh"),
+            "reglu": F.relu, "geglu_erf": F.gelu}[name]
+    if name in ("swiglu", "geglu", "reglu", "geglu_erf"):
+        a, g = h.chunk(2, dim=-1)
+        return base(a) * g
+    return base(h)
+
+
+def params64(m):
+    return {n: p.detach().double().clone().requires_grad_() for n, p in m.named_parameters()}
+
+
+def randomize(m):
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "layer_norm_weight" in n:
+                p.normal_(0.0 if m.zero_centered_gamma else 1.0, 0.2)
+            else:
+                p.normal_(0.0, 0.1)
+
+
+def ref_lnl(m, p, x):
+    ln = ref_norm(x, p["layer_norm_weight"], p.get("layer_norm_bias"), m.eps, m.normalization,
+                  m.zero_centered_gamma)
+    return F.linear(ln, p["weight"], p.get("bias")), ln
+
+
+def ref_mlp(m, p, x):
+    ln = ref_norm(x, p["layer_norm_weight"], p.get("layer_norm_bias"), m.eps, m.normalization,
+                  m.zero_centered_gamma)
+    h = ref_act(m.activation, F.linear(ln, p["fc1_weight"], p.get("fc1_bias")))
+    return F.linear(h, p["fc2_weight"], p.get("fc2_bias"))
+
+
+def check_grads(m, p, x, xd, dtype, factor=1.0):
+    assert_close_rel(x.grad, xd.grad, dtype, factor)
+    for n, q in m.named_parameters():
+        assert q.grad is not None and q.grad.dtype == q.dtype, n
+        assert_close_rel(q.grad, p[n].grad, dtype, factor)
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("zc", [False, True])
+@pytest.mark.parametrize("ret_ln", [False, True])
+def test_layernorm_linear_cpu(normalization, bias, zc, ret_ln, seed):
+    m = te.LayerNormLinear(48, 40, eps=1e-5, bias=bias, normalization=normalization,
+                           zero_centered_gamma=zc, return_layernorm_output=ret_ln, device="cpu")
+    randomize(m)
+    p = params64(m)
+    x = torch.randn(3, 7, 48, requires_grad=True)
+    xd = x.detach().double().requires_grad_()
+    out = m(x)
+    ref, ref_ln = ref_lnl(m, p, xd)
+    dy = torch.randn(3, 7, 40)
+    if ret_ln:
+        out, ln = out
+        assert_close_rel(ln, ref_ln, torch.float32)
+        dln = torch.randn_like(ln)
+        (out * dy).sum().add((ln * dln).sum()).backward()
+        ((ref * dy.double()).sum() + (ref_ln * dln.double()).sum()).backward()
+    else:
+        out.backward(dy)
+        ref.backward(dy.double())
+    assert out.shape == (3, 7, 40)
+    assert_close_rel(out, ref, torch.float32)
+    check_grads(m, p, x, xd, torch.float32)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_erf", "relu", "silu", "swiglu", "geglu", "reglu"])
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_layernorm_mlp_cpu(activation, normalization, bias, seed):
+    m = te.LayerNormMLP(32, 56, eps=1e-5, bias=bias, normalization=normalization, activation=activation,
+                        device="cpu")
+    randomize(m)
+    p = params64(m)
+    x = torch.randn(2, 9, 32, requires_grad=True)
+    xd = x.detach().double().requires_grad_()
+    out = m(x)
+    ref = ref_mlp(m, p, xd)
+    dy = torch.randn_like(out)
+    out.backward(dy)
+    ref.backward(dy.double())
+    assert_close_rel(out, ref, torch.float32)
+    check_grads(m, p, x, xd, torch.float32)
+
+
+def test_layernorm_mlp_parameter_names_and_shapes():
+    m = te.LayerNormMLP(16, 24, activation="swiglu", device="cpu")
+    shapes = {n: tuple(p.shape) for n, p in m.named_parameters()}
+    assert shapes == {"layer_norm_weight": (16,), "layer_norm_bias": (16,), "fc1_weight": (48, 16),
+                      "fc1_bias": (48,), "fc2_weight": (16, 24), "fc2_bias": (16,)}
+    m = te.LayerNormLinear(16, 8, normalization="RMSNorm", bias=False, device="cpu")
+    assert [n for n, _ in m.named_parameters()] == ["layer_norm_weight", "weight"]
+
+
+def test_layernorm_modules_params_dtype_bf16_input_float32_params(seed):
+    m = te.LayerNormMLP(32, 64, device="cpu")
+    x = torch.randn(16, 32).bfloat16().requires_grad_()
+    y = m(x)
+    y.float().sum().backward()
+    assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16
+    assert all(p.grad.dtype == torch.float32 for p in m.parameters())
+
+
+def test_layernorm_modules_errors():
+    with pytest.raises(ValueError, match="'activation' must be one of"):
+        te.LayerNormMLP(8, 8, activation="tanh", device="cpu")
+    with pytest.raises(ValueError, match="'normalization' must be 'LayerNorm' or 'RMSNorm'"):
+        te.LayerNormLinear(8, 8, normalization="BatchNorm", device="cpu")
+    with pytest.raises(NotImplementedError, match="tp_size=2 is not supported"):
+        te.LayerNormLinear(8, 8, tp_size=2, device="cpu")
+    with pytest.raises(NotImplementedError, match="return_bias=True"):
+        te.LayerNormMLP(8, 8, return_bias=True, device="cpu")
+    with pytest.raises(TypeError, match="unexpected argument 'foo'"):
+        te.LayerNormMLP(8, 8, foo=1, device="cpu")
+    with pytest.raises(ValueError, match="in_features=8, got 9"):
+        te.LayerNormLinear(8, 4, device="cpu")(torch.randn(2, 9))
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_layernorm_mlp_fp8_cpu(activation, seed):
+    m = te.LayerNormMLP(64, 128, activation=activation, device="cpu")
+    randomize(m)
+    x = torch.randn(32, 64, requires_grad=True)
+    ref = m(x)
+    ref.backward(torch.ones_like(ref))
+    gref = [x.grad.clone()] + [q.grad.clone() for q in m.parameters()]
+    recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4)
+    for _ in range(3):  # the first step runs on scale 1; later ones on the amax history
+        x.grad = None
+        m.zero_grad()
+        with autocast(recipe=recipe):
+            y = m(x)
+        y.backward(torch.ones_like(y))
+    assert m.fp8_state.num_tensors == 6
+    assert (m.fp8_state.scale != 1).all()  # every one of the 6 tensors recorded an amax
+    err = rel_error(y, ref)
+    assert 1e-4 < err < 0.12, err  # FP8 did run, and close to the bf16/fp32 answer
+    for g, r in zip([x.grad] + [q.grad for q in m.parameters()], gref):
+        assert rel_error(g, r) < 0.15
+
+
+def test_layernorm_linear_fp8_cpu(seed):
+    m = te.LayerNormLinear(64, 48, device="cpu", return_layernorm_output=True)
+    randomize(m)
+    x = torch.randn(32, 64, requires_grad=True)
+    ref, ref_ln = m(x)
+    for _ in range(2):
+        with autocast(recipe=DelayedScaling()):
+            y, ln = m(x)
+        (y.sum() + ln.sum()).backward()
+    assert 1e-4 < rel_error(y, ref) < 0.1
+    assert_close_rel(ln, ref_ln, torch.float32)  # the returned norm output is not quantized
+
+
+def test_layernorm_mlp_fp8_unsupported_recipe():
+    from seqfuse.common.recipe import Float8BlockScaling
+
+    m = te.LayerNormMLP(64, 128, device="cpu")
+    with pytest.raises(NotImplementedError, match="Float8BlockScaling is not supported yet"):
+        with autocast(recipe=Float8BlockScaling()):
+            m(torch.randn(16, 64))
+
+
+# ---- CUDA --------------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("activation", ["gelu", "swiglu", "relu", "geglu"])
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_layernorm_mlp_cuda_bf16(activation, normalization, seed):
+    m = te.LayerNormMLP(1024, 2048, activation=activation, normalization=normalization,
+                        params_dtype=torch.bfloat16, device="cuda")
+    randomize(m)
+    p = params64(m)
+    x = torch.randn(4, 256, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    xd = x.detach().double().requires_grad_()
+    out = m(x)
+    ref = ref_mlp(m, p, xd)
+    dy = torch.randn_like(out)
+    out.backward(dy)
+    ref.backward(dy.double())
+    assert_close_rel(out, ref, torch.bfloat16, factor=2)
+    check_grads(m, p, x, xd, torch.bfloat16, factor=3)
+
+
+@pytest.mark.cuda
+def test_layernorm_linear_cuda_bf16(seed):
+    m = te.LayerNormLinear(2048, 3072, params_dtype=torch.bfloat16, device="cuda", return_layernorm_output=True)
+    randomize(m)
+    p = params64(m)
+    x = torch.randn(512, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    xd = x.detach().double().requires_grad_()
+    out, ln = m(x)
+    ref, ref_ln = ref_lnl(m, p, xd)
+    dy = torch.randn_like(out)
+    (out * dy).sum().backward()
+    (ref * dy.double()).sum().backward()
+    assert_close_rel(out, ref, torch.bfloat16, factor=2)
+    assert_close_rel(ln, ref_ln, torch.bfloat16)
+    check_grads(m, p, x, xd, torch.bfloat16, factor=3)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_layernorm_mlp_cuda_fp8(activation, seed):
+    m = te.LayerNormMLP(1024, 4096, activation=activation, params_dtype=torch.bfloat16, device="cuda")
+    randomize(m)
+    x = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ref = m(x)
+    ref.backward(torch.ones_like(ref))
+    gref = [x.grad.clone()] + [q.grad.clone() for q in m.parameters()]
+    recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16)
+    for _ in range(3):
+        x.grad = None
+        m.zero_grad()
+        with autocast(recipe=recipe):
+            y = m(x)
+        y.backward(torch.ones_like(y))
+    assert 1e-4 < rel_error(y, ref) < 0.12
+    for g, r in zip([x.grad] + [q.grad for q in m.parameters()], gref):
+        assert rel_error(g, r) < 0.15
