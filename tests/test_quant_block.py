@@ -7,7 +7,10 @@ import torch
 
 import seqfuse
 from seqfuse import ops
+from seqfuse.ops._call import FP8_DLPACK
 from seqfuse.quantization import quantize_block, quantize_mxfp8, quantize_nvfp4
+
+pytestmark = pytest.mark.skipif(not FP8_DLPACK, reason="this torch cannot export float8 through DLPack")
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]

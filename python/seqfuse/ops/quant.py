@@ -2,7 +2,7 @@
 import torch
 
 from .. import _C
-from ._call import stream_for
+from ._call import require_fp8_dlpack, stream_for
 
 _FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -80,6 +80,7 @@ def cast_fp8(x, scale, amax, fp8_dtype, *, out=None, scale_inv=None):
     Returns the FP8 tensor (``out`` if given), shaped like ``x``.
     """
     op = "cast_fp8"
+    require_fp8_dlpack(op)
     x = _check_input(op, x)
     fp8_dtype = fp8_dtype_of(fp8_dtype, op)
     if out is None:
@@ -104,6 +105,7 @@ def cast_transpose_fp8(x, scale, amax, fp8_dtype, *, out=None, out_t=None, scale
     anyway); other shapes run a plain per-element kernel.
     """
     op = "cast_transpose_fp8"
+    require_fp8_dlpack(op)
     x = _check_input(op, x)
     if x.dim() < 1:
         raise ValueError(f"{op}: argument 'x' must have at least 1 dimension")
@@ -134,6 +136,7 @@ def dequantize_fp8(data, scale_inv, out_dtype=torch.float32, *, out=None):
     if out_dtype not in _FLOAT_INPUTS:
         raise TypeError(f"{op}: argument 'out_dtype' must be float32, float16 or bfloat16, "
                         f"got {out_dtype}")
+    require_fp8_dlpack(op)
     data = data.contiguous()
     if out is None:
         out = torch.empty(data.shape, dtype=out_dtype, device=data.device)
@@ -203,6 +206,7 @@ def quantize_block_fp8(x, block_rows=1, fp8_dtype=torch.float8_e4m3fn):
     if block_rows not in (1, 128):
         raise ValueError(f"{op}: argument 'block_rows' must be 1 (1x128 blocks) or 128 "
                          f"(128x128 blocks), got {block_rows!r}")
+    require_fp8_dlpack(op)
     x, m, k = _matrix(op, x, 128, "1x128 blocks" if block_rows == 1 else "128x128 blocks")
     fp8_dtype = fp8_dtype_of(fp8_dtype, op)
     out = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
@@ -212,6 +216,8 @@ def quantize_block_fp8(x, block_rows=1, fp8_dtype=torch.float8_e4m3fn):
 
 
 def dequantize_block_fp8(data, scale_inv, block_rows=1, out_dtype=torch.float32):
+    """``data * scale_inv`` of the matching block (layout of quantize_block_fp8)."""
+    require_fp8_dlpack("dequantize_block_fp8")
     out = torch.empty(data.shape, dtype=out_dtype, device=data.device)
     _C.dequantize_block_fp8(data.contiguous(), scale_inv, block_rows, out, stream_for(data))
     return out
@@ -233,6 +239,7 @@ def quantize_mxfp8(x, fp8_dtype=torch.float8_e4m3fn):
     The scale is 2^ceil(log2(block_amax / fp8_max)), so nothing saturates.
     """
     op = "quantize_mxfp8"
+    require_fp8_dlpack(op)
     x, m, k = _matrix(op, x, 32, "MXFP8 (1x32 blocks)")
     fp8_dtype = fp8_dtype_of(fp8_dtype, op)
     out = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
@@ -242,6 +249,8 @@ def quantize_mxfp8(x, fp8_dtype=torch.float8_e4m3fn):
 
 
 def dequantize_mxfp8(data, scales, out_dtype=torch.float32):
+    """``data * 2^(scale - 127)`` of the matching 32-element block."""
+    require_fp8_dlpack("dequantize_mxfp8")
     out = torch.empty(data.shape, dtype=out_dtype, device=data.device)
     _C.dequantize_mxfp8(data.contiguous(), _scales_arg(scales, _E8M0).contiguous(), out,
                         stream_for(data))
@@ -269,6 +278,7 @@ def quantize_nvfp4(x, amax=None):
 
 
 def dequantize_nvfp4(data, block_scales, global_scale_inv, out_dtype=torch.float32):
+    """``e2m1 * block_scale * global_scale_inv`` (layout of quantize_nvfp4)."""
     shape = (*data.shape[:-1], data.shape[-1] * 2)
     out = torch.empty(shape, dtype=out_dtype, device=data.device)
     _C.dequantize_nvfp4(data.contiguous(), block_scales.view(torch.uint8).contiguous(),
