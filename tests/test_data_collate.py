@@ -112,3 +112,11 @@ def test_collator_bad_input():
         PackedTHDCollator(1, max_tokens=100)(ss)
     with pytest.raises(ValueError, match="'pad_to_multiple_of' must be >= 1"):
         PackedTHDCollator(1, pad_to_multiple_of=0)
+
+
+def test_sample_indices_carried():
+    ss = samples([7, 3, 9])
+    for coll in (PackedTHDCollator(1, pad_to_multiple_of=16), PaddedBSHDCollator(1)):
+        assert coll(ss)["sample_indices"].tolist() == [7, 3, 9]
+    bare = [{"input_ids": s["input_ids"], "labels": s["labels"]} for s in ss]
+    assert "sample_indices" not in PackedTHDCollator(1)(bare)

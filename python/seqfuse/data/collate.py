@@ -13,6 +13,7 @@ cu_seqlens (flash-attention varlen, seqfuse DotProductAttention qkv_format
   max_seqlen    int             longest segment
   num_sequences int             real sequences (b)
   num_tokens    int             real (unpadded) tokens = sum of L_i
+  sample_indices int64 [b]      dataset indices of the samples (when given)
 With ``pad_to_multiple_of`` (16 for FP8 GEMMs, whose token dimension must be a
 multiple of 16) the total T is rounded up by appending pad tokens that form
 their OWN dummy segment at the end: S = b + 1 and cu_seqlens has b + 2
@@ -27,6 +28,7 @@ PaddedBSHDCollator -> batch-first padded layout (Hugging Face style):
   attention_mask int64 [B, L]   1 on real tokens, 0 on padding
   labels         int64 [B, L]   -100 on padding
   num_tokens     int            real tokens
+  sample_indices int64 [B]      dataset indices (when the samples carry them)
 L is the longest sample, rounded up to ``pad_to_multiple_of`` if given (so
 B * L is a multiple of it), or a fixed ``max_length``.
 """
@@ -54,6 +56,12 @@ def _check_samples(name: str, samples: Sequence[dict]) -> None:
             )
         if ids.numel() == 0:
             raise ValueError(f"{name}: sample {k} is empty")
+
+
+def _indices(samples) -> dict:
+    if all("index" in s for s in samples):
+        return {"sample_indices": torch.tensor([int(s["index"]) for s in samples], dtype=torch.long)}
+    return {}
 
 
 def _round_up(n: int, m: int) -> int:
@@ -105,6 +113,7 @@ class PackedTHDCollator:
             "max_seqlen": max(seg_lens),
             "num_sequences": len(samples),
             "num_tokens": n_real,
+            **_indices(samples),
         }
 
 
@@ -148,4 +157,5 @@ class PaddedBSHDCollator:
             "attention_mask": attention_mask,
             "labels": labels,
             "num_tokens": sum(lens),
+            **_indices(samples),
         }
