@@ -16,8 +16,10 @@
  * E[x^2] - E[x]^2 cancellation).  Output in x's dtype or FP8 (scale read on
  * the device, amax folded with atomicMax on the float bits).
  *
- * Backward: a fixed grid of blocks walks the rows in a grid-stride loop.  Pass
- * 1 reads x, dy and gamma and forms the two row sums the dx formula needs
+ * Backward: a fixed grid of blocks walks the rows in a grid-stride loop; each
+ * block first stages the weight (gamma, or 1 + gamma) as float32 in shared
+ * memory, so the row passes read it without conversion or branches.  Pass
+ * 1 reads x and dy and forms the two row sums the dx formula needs
  * while accumulating dgamma and dbeta for the thread's columns in registers;
  * pass 2 reads the same row again (an L1/L2 hit: the block has just read it)
  * and writes dx.  At the end each block folds its rows' partial sums in a
@@ -208,9 +210,19 @@ __global__ void __launch_bounds__(512) norm_bwd_kernel(BwdParams p)
 {
     constexpr int MAXV = kElemsPerThread / VEC;
     __shared__ float red[32][32];
-    extern __shared__ float fold[]; /* blockDim.x * blockDim.y * VEC floats */
+    /* dynamic shared memory: the weight w = gamma (or 1 + gamma) as float32,
+     * staged once per block (the block is persistent), then the fold buffer
+     * of blockDim.x * blockDim.y * VEC floats */
+    extern __shared__ float4 smem4[];
+    float *wsm = reinterpret_cast<float *>(smem4);
+    float *fold = wsm + ((p.hidden + 3) & ~3);
     const int nvec = p.hidden / VEC;
     const float inv_h = 1.0f / (float)p.hidden;
+    for (int i = threadIdx.y * blockDim.x + threadIdx.x; i < p.hidden; i += blockDim.x * blockDim.y) {
+        const float g = p.gamma_f32 ? ((const float *)p.gamma)[i] : to_f(((const T *)p.gamma)[i]);
+        wsm[i] = sf_norm_weight(g, p.zc);
+    }
+    __syncthreads();
 
     float dg[MAXV][VEC], db[MAXV][VEC];
 #pragma unroll
@@ -228,6 +240,7 @@ __global__ void __launch_bounds__(512) norm_bwd_kernel(BwdParams p)
         const T *dyr = (const T *)p.dy + roff;
         const float mean = (active && !p.rms) ? p.mean[row] : 0.0f;
         const float rstd = active ? p.rstd[row] : 0.0f;
+        const float nmr = -mean * rstd; /* xhat = x * rstd + nmr */
 
         float s1 = 0.0f, s2 = 0.0f;
 #pragma unroll
@@ -235,14 +248,14 @@ __global__ void __launch_bounds__(512) norm_bwd_kernel(BwdParams p)
             const int c = threadIdx.x + k * blockDim.x;
             if (!(active && c < nvec))
                 continue;
-            float xv[VEC], dyv[VEC], g[VEC];
+            float xv[VEC], dyv[VEC], w[VEC];
             load_f<T, VEC>(xr + (int64_t)c * VEC, xv);
             load_f<T, VEC>(dyr + (int64_t)c * VEC, dyv);
-            load_param<T, VEC>(p.gamma, p.gamma_f32, (int64_t)c * VEC, g);
+            load_f<float, VEC>(wsm + c * VEC, w);
 #pragma unroll
             for (int e = 0; e < VEC; ++e) {
-                const float xhat = (xv[e] - mean) * rstd;
-                const float gg = dyv[e] * sf_norm_weight(g[e], p.zc);
+                const float xhat = fmaf(xv[e], rstd, nmr);
+                const float gg = dyv[e] * w[e];
                 s1 += gg;
                 s2 += gg * xhat;
                 dg[k][e] += dyv[e] * xhat;
@@ -256,14 +269,14 @@ __global__ void __launch_bounds__(512) norm_bwd_kernel(BwdParams p)
             const int c = threadIdx.x + k * blockDim.x;
             if (!(active && c < nvec))
                 continue;
-            float xv[VEC], dyv[VEC], g[VEC], dxv[VEC];
+            float xv[VEC], dyv[VEC], w[VEC], dxv[VEC];
             load_f<T, VEC>(xr + (int64_t)c * VEC, xv);
             load_f<T, VEC>(dyr + (int64_t)c * VEC, dyv);
-            load_param<T, VEC>(p.gamma, p.gamma_f32, (int64_t)c * VEC, g);
+            load_f<float, VEC>(wsm + c * VEC, w);
 #pragma unroll
             for (int e = 0; e < VEC; ++e) {
-                const float xhat = (xv[e] - mean) * rstd;
-                const float gg = dyv[e] * sf_norm_weight(g[e], p.zc);
+                const float xhat = fmaf(xv[e], rstd, nmr);
+                const float gg = dyv[e] * w[e];
                 dxv[e] = rstd * (gg - m1 - xhat * m2);
             }
             store_f<T, VEC>((T *)p.dx + roff + (int64_t)c * VEC, dxv);
@@ -335,17 +348,32 @@ sf_status launch_fwd(const FwdParams &p, bool vec, cudaStream_t stream)
     return SF_OK;
 }
 
+/* Kernels may use more than 48 KiB of dynamic shared memory only after
+ * opting in (per device; cheap enough to repeat on every launch that needs
+ * it).  16384 float32 weights are 64 KiB. */
+template <typename K>
+sf_status allow_smem(const char *op, K kernel, size_t bytes)
+{
+    if (bytes > 48 * 1024)
+        SF_CUDA_TRY(op, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             (int)bytes));
+    return SF_OK;
+}
+
 template <typename T>
 sf_status launch_bwd(const BwdParams &p, bool vec, int grid, cudaStream_t stream)
 {
     Config c = pick_config(p.hidden);
     dim3 block(c.tx, c.ty);
+    const size_t w_bytes = (size_t)((p.hidden + 3) & ~3) * sizeof(float);
     if (vec) {
         constexpr int V = 16 / sizeof(T);
-        size_t smem = c.ty > 1 ? (size_t)c.tx * c.ty * V * sizeof(float) : 0;
+        const size_t smem = w_bytes + (c.ty > 1 ? (size_t)c.tx * c.ty * V * sizeof(float) : 0);
+        SF_TRY(allow_smem("norm_bwd", norm_bwd_kernel<T, V>, smem));
         norm_bwd_kernel<T, V><<<grid, block, smem, stream>>>(p);
     } else {
-        size_t smem = c.ty > 1 ? (size_t)c.tx * c.ty * sizeof(float) : 0;
+        const size_t smem = w_bytes + (c.ty > 1 ? (size_t)c.tx * c.ty * sizeof(float) : 0);
+        SF_TRY(allow_smem("norm_bwd", norm_bwd_kernel<T, 1>, smem));
         norm_bwd_kernel<T, 1><<<grid, block, smem, stream>>>(p);
     }
     SF_CUDA_CHECK_LAUNCH("norm_bwd");

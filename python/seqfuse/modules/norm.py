@@ -16,7 +16,15 @@ import numbers
 
 import torch
 
-from .. import ops
+from .. import _C
+from ..ops import norm as N
+from ..ops._call import FAST_EXCHANGE, stream_for
+
+
+def _plain(t):
+    """Tensors cross into C as they are where torch offers DLPack's C exchange
+    API; the capsule path needs them detached."""
+    return t if (FAST_EXCHANGE or t is None or not t.requires_grad) else t.detach()
 
 
 def _weight_for(x, w):
@@ -26,10 +34,31 @@ def _weight_for(x, w):
     return w.float()
 
 
+# The autograd functions call seqfuse._C directly: a norm's kernels take tens
+# of microseconds, so the Python around them is kept to what must happen
+# (contiguity, output allocation, the workspace); _C validates everything.
+
+def _prep(x):
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if x.is_cuda:
+        N._warn_if_scalar_path("norm", x)
+    return x if FAST_EXCHANGE else x.detach()
+
+
+def _stats(x):
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return torch.empty(rows, dtype=torch.float32, device=x.device)
+
+
 class _LayerNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, zero_centered_gamma):
-        y, mean, rstd = ops.layernorm_fwd(x, weight, bias, eps, zero_centered_gamma)
+        x = _prep(x)
+        y = torch.empty_like(x)
+        mean, rstd = _stats(x), _stats(x)
+        _C.layernorm_fwd(x, _plain(weight), _plain(bias), eps, zero_centered_gamma, y, mean, rstd,
+                         None, None, None, stream_for(x))
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.zero_centered_gamma = zero_centered_gamma
         ctx.has_bias = bias is not None
@@ -38,15 +67,23 @@ class _LayerNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, mean, rstd = ctx.saved_tensors
-        dx, dgamma, dbeta = ops.layernorm_bwd(dy, x, mean, rstd, weight, ctx.zero_centered_gamma,
-                                              ctx.has_bias)
+        dy = _prep(dy)
+        dx = torch.empty_like(x)
+        dgamma = torch.empty_like(weight)
+        dbeta = torch.empty_like(weight) if ctx.has_bias else None
+        _C.layernorm_bwd(dy, _plain(x), mean, rstd, _plain(weight), ctx.zero_centered_gamma, dx,
+                         dgamma, dbeta, N._workspace(x), stream_for(x))
         return dx, dgamma, dbeta, None, None
 
 
 class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, zero_centered_gamma):
-        y, rstd = ops.rmsnorm_fwd(x, weight, eps, zero_centered_gamma)
+        x = _prep(x)
+        y = torch.empty_like(x)
+        rstd = _stats(x)
+        _C.rmsnorm_fwd(x, _plain(weight), eps, zero_centered_gamma, y, rstd, None, None, None,
+                       stream_for(x))
         ctx.save_for_backward(x, weight, rstd)
         ctx.zero_centered_gamma = zero_centered_gamma
         return y
@@ -54,7 +91,11 @@ class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
-        dx, dgamma = ops.rmsnorm_bwd(dy, x, rstd, weight, ctx.zero_centered_gamma)
+        dy = _prep(dy)
+        dx = torch.empty_like(x)
+        dgamma = torch.empty_like(weight)
+        _C.rmsnorm_bwd(dy, _plain(x), rstd, _plain(weight), ctx.zero_centered_gamma, dx, dgamma,
+                       N._workspace(x), stream_for(x))
         return dx, dgamma, None, None
 
 
