@@ -104,7 +104,7 @@ def main():
                   vs_eager=times["torch eager"] / times[k], vs_compile=times["torch.compile"] / times[k],
                   peak_GB=(torch.cuda.max_memory_allocated() - base_mem) / 1e9)
     table.save({"copy_ceiling_TBs": H200_COPY_TBS,
-                "note": "linear_cross_entropy chunk GEMMs run on torch.matmul (seqfuse.ops.gemm not on main yet); "
+                "note": "linear_cross_entropy chunk GEMMs run on seqfuse.ops.gemm (cuBLASLt), weight grad accumulated in fp32; "
                         "peak_GB for linear+CE is memory above what the inputs already held"})
     plot_bars(f"{RESULTS}/cross_entropy.png", "Cross-entropy fwd+bwd, bf16 logits, H200 (TB/s of 3 N V bytes)",
               labels, series, "TB/s")

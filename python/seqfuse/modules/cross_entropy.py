@@ -14,14 +14,18 @@
   weight.T and the loss, in chunks of tokens so the [N, V] logits never exist
   at once.  Gradients are computed chunk by chunk during the forward (as
   Liger-Kernel does) and scaled by the upstream gradient in the backward.
-  The chunk GEMMs run on torch.matmul: seqfuse.ops.gemm (cuBLASLt) had not
-  landed when this was written; the first call logs that.
+  The chunk GEMMs run on seqfuse.ops.gemm (cuBLASLt on the GPU, the
+  reference GEMM on the CPU): the logits GEMM with the bias in its epilogue,
+  and the weight gradient accumulated across chunks in a float32 buffer by
+  the GEMM itself (beta = 1), rounded to the weight's dtype once at the end.
+  The first call logs which GEMM runs.
 """
 import logging
 
 import torch
 
 from ..ops import loss as _loss
+from ..ops.gemm import gemm as _gemm
 
 _log = logging.getLogger("seqfuse")
 _REDUCTIONS = ("mean", "sum", "none")
@@ -121,8 +125,8 @@ def _log_gemm_backend():
     global _gemm_logged
     if not _gemm_logged:
         _gemm_logged = True
-        _log.info("linear_cross_entropy: chunk GEMMs run on torch.matmul "
-                  "(seqfuse.ops.gemm had not landed on main when this was written)")
+        _log.info("linear_cross_entropy: chunk GEMMs run on seqfuse.ops.gemm (cuBLASLt on CUDA, "
+                  "the reference GEMM on the CPU); weight gradient accumulated in float32")
 
 
 def default_chunk_size(n, v, element_size, budget_bytes=1 << 28):
@@ -146,26 +150,27 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         scale = (1.0 / count).reshape(1) if reduction == "mean" else torch.ones(1, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros_like(weight) if need_w else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.zeros(v, dtype=torch.float32, device=hidden.device) if need_b else None
         chunk = chunk_size or default_chunk_size(n, v, hidden.element_size())
         with torch.no_grad():
             for start in range(0, n, chunk):
-                h = hidden[start:start + chunk]
+                h = hidden[start:start + chunk].detach()
                 y = labels[start:start + chunk]
-                logits = torch.matmul(h, weight.t())
-                if bias is not None:
-                    logits += bias
+                # logits = h @ weight.T (+ bias), fp32 accumulation, no TF32 (as torch.matmul)
+                logits = _gemm(h, weight, transb=True, bias=bias, allow_tf32=False)
                 loss, lse = _loss.cross_entropy_forward(logits, y, ignore_index, label_smoothing)
                 total += loss.sum()
                 if need_h or need_w or need_b:
                     _loss.cross_entropy_backward(logits, y, lse, scale, ignore_index, label_smoothing, out=logits)
                     if need_h:
-                        torch.matmul(logits, weight, out=grad_h[start:start + chunk])
-                    if need_w:
-                        grad_w.addmm_(logits.t(), h)
+                        _gemm(logits, weight, out=grad_h[start:start + chunk], allow_tf32=False)
+                    if need_w:  # grad_w += dlogits.T @ h, accumulated in float32 by the GEMM
+                        _gemm(logits, h, transa=True, out=grad_w, accumulate=True, allow_tf32=False)
                     if need_b:
                         grad_b += logits.sum(0, dtype=torch.float32)
+        if grad_w is not None and weight.dtype != torch.float32:
+            grad_w = grad_w.to(weight.dtype)
         out = total / count if reduction == "mean" else total
         ctx.save_for_backward(grad_h, grad_w, grad_b)
         ctx.bias_dtype = bias.dtype if bias is not None else None
@@ -189,8 +194,9 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, l
     """Cross-entropy of ``hidden`` [N, H] @ ``weight`` [V, H].T (+ ``bias`` [V])
     against int64 ``labels`` [N], processed ``chunk_size`` tokens at a time
     (default: 256 MiB of logits per chunk) so the full [N, V] logits are never
-    held.  ``reduction`` is 'mean' (over non-ignored tokens) or 'sum'; the
-    gradients of the weight accumulate in the weight's dtype across chunks."""
+    held.  ``reduction`` is 'mean' (over non-ignored tokens) or 'sum'.  The
+    weight gradient accumulates in a float32 [V, H] buffer across chunks
+    (memory: 4 V H bytes while the forward runs)."""
     _check_reduction(reduction, ("mean", "sum"))
     for name, t in (("hidden", hidden), ("weight", weight)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
@@ -198,6 +204,9 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, l
     if hidden.dtype != weight.dtype:
         raise TypeError(f"linear_cross_entropy: arguments 'hidden' ({hidden.dtype}) and 'weight' "
                         f"({weight.dtype}) must have the same dtype")
+    if bias is not None and (bias.dtype != weight.dtype or bias.shape != weight.shape[:1]):
+        raise TypeError(f"linear_cross_entropy: argument 'bias' must be [V] = [{weight.shape[0]}] of the "
+                        f"weight's dtype {weight.dtype}, got {tuple(bias.shape)} {bias.dtype}")
     if hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"linear_cross_entropy: 'hidden' [N, {hidden.shape[1]}] and 'weight' "
                          f"[V, {weight.shape[1]}] must share H")

@@ -1,0 +1,100 @@
+"""FusedAdamW and clip_grad_norm_ on a 1B-parameter set (200 tensors of 5M
+elements), same process, same gradients:
+
+- bf16 parameters with fp32 master weights (seqfuse.optim.FusedAdamW)
+  against torch.optim.AdamW(fused=True) on fp32 parameters: the two ways to
+  keep an fp32 copy of the weights;
+- fp32 against fp32 (FusedAdamW vs torch fused and foreach);
+- the gradient 2-norm + clip (seqfuse.optim.clip_grad_norm_ vs
+  torch.nn.utils.clip_grad_norm_, foreach).
+
+Bandwidth counts the bytes an update must move: bf16 + master: grad 2 +
+master 4+4 + moments 16 + param write 2 = 28 B per parameter; fp32: param
+4+4 + grad 4 + moments 16 = 28 B.  Time is device time of optimizer.step()
+(host launch work included, L2 flushed).  Writes results/adamw.json, .png.
+"""
+import torch
+
+from seqfuse.optim import FusedAdamW, clip_grad_norm_
+
+from harness import H200_COPY_TBS, RESULTS, Table, cuda_time_ms, host_time_us, plot_bars
+
+N_TENSORS, NUMEL = 200, 5_000_000
+
+
+def make(dtype):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    params = []
+    for _ in range(N_TENSORS):
+        p = torch.nn.Parameter(torch.randn(NUMEL, device="cuda", generator=g).to(dtype))
+        p.grad = (torch.randn(NUMEL, device="cuda", generator=g) * 1e-3).to(dtype)
+        params.append(p)
+    return params
+
+
+def main():
+    hyper = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    n = N_TENSORS * NUMEL
+    table = Table("adamw", ["case", "impl", "ms", "TB_s", "pct_copy", "vs_torch_fused", "host_us"])
+    labels, series = [], {"seqfuse": [], "torch fused": []}
+
+    # --- bf16 params + fp32 master vs torch fused on fp32 params
+    bf16 = make(torch.bfloat16)
+    ours = FusedAdamW(bf16, master_weights=True, **hyper)
+    ours.step()
+    t_ours = cuda_time_ms(ours.step)
+    del ours, bf16
+    torch.cuda.empty_cache()
+    fp32 = make(torch.float32)
+    theirs = torch.optim.AdamW(fp32, fused=True, **hyper)
+    theirs.step()
+    t_theirs = cuda_time_ms(theirs.step)
+    case = "1B params: bf16 + fp32 master vs torch fused fp32"
+    for impl, ms in (("seqfuse FusedAdamW (bf16 + master)", t_ours), ("torch AdamW fused=True (fp32)", t_theirs)):
+        table.add(case=case, impl=impl, ms=ms, TB_s=28 * n / ms / 1e9, pct_copy=100 * 28 * n / ms / 1e9 / H200_COPY_TBS,
+                  vs_torch_fused=t_theirs / ms)
+    labels.append("bf16+master vs fp32 fused")
+    series["seqfuse"].append(t_ours)
+    series["torch fused"].append(t_theirs)
+
+    # --- fp32 vs fp32
+    ours = FusedAdamW(fp32, **hyper)
+    ours.step()
+    t_ours = cuda_time_ms(ours.step)
+    host_ours = host_time_us(ours.step, calls=20, rounds=3)
+    host_theirs = host_time_us(theirs.step, calls=20, rounds=3)
+    foreach = torch.optim.AdamW(fp32, foreach=True, **hyper)
+    foreach.step()
+    t_foreach = cuda_time_ms(foreach.step)
+    case = "1B params: fp32 vs fp32"
+    for impl, ms, host in (("seqfuse FusedAdamW", t_ours, host_ours), ("torch AdamW fused=True", t_theirs, host_theirs),
+                           ("torch AdamW foreach=True", t_foreach, None)):
+        row = dict(case=case, impl=impl, ms=ms, TB_s=28 * n / ms / 1e9, pct_copy=100 * 28 * n / ms / 1e9 / H200_COPY_TBS,
+                   vs_torch_fused=t_theirs / ms)
+        if host is not None:
+            row["host_us"] = host  # wall time per step() call, launches queued behind the GPU
+        table.add(**row)
+    labels.append("fp32 vs fp32")
+    series["seqfuse"].append(t_ours)
+    series["torch fused"].append(t_theirs)
+    del foreach, ours, theirs
+
+    # --- gradient norm + clip over 1B fp32 gradients (read + write: 8 B per element)
+    t_clip = cuda_time_ms(lambda: clip_grad_norm_(fp32, 1.0))
+    t_tclip = cuda_time_ms(lambda: torch.nn.utils.clip_grad_norm_(fp32, 1.0, foreach=True))
+    case = "1B fp32 grads: 2-norm + clip"
+    for impl, ms in (("seqfuse clip_grad_norm_", t_clip), ("torch clip_grad_norm_ foreach", t_tclip)):
+        table.add(case=case, impl=impl, ms=ms, TB_s=12 * n / ms / 1e9, pct_copy=100 * 12 * n / ms / 1e9 / H200_COPY_TBS,
+                  vs_torch_fused=t_tclip / ms)
+    labels.append("clip 1B fp32 grads")
+    series["seqfuse"].append(t_clip)
+    series["torch fused"].append(t_tclip)
+    table.save({"copy_ceiling_TBs": H200_COPY_TBS, "n_params": n,
+                "note": "clip bytes: read for the norm (4 B) + read/write for the scale (8 B) per element; "
+                        "vs_torch_fused of the clip row is against torch's foreach clip"})
+    plot_bars(f"{RESULTS}/adamw.png", "AdamW step / clip on 1B params, H200 (ms, lower is better)", labels,
+              series, "ms")
+
+
+if __name__ == "__main__":
+    main()
