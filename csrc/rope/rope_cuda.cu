@@ -2,7 +2,8 @@
  * rope_cuda.cu - RoPE on the GPU: one block per token, on the caller's stream.
  *
  * Each thread owns a group of V pairs of one head at a time: it takes the 2V
- * angles freqs[pos, .] once (sincosf) and reuses them for every head it
+ * angles freqs[pos, .] once (sincosf, once per pair where both members share
+ * an angle, as TE's tables have it) and reuses them for every head it
  * visits, so the transcendental work is shared across heads.  Where the last
  * dimension is unit-stride and every stride and pointer allows it, a group is
  * loaded as two V-element vectors (V = 4: 8 bytes of bf16/fp16, 16 of fp32);
@@ -124,8 +125,14 @@ __global__ void rope_kernel(RopeArgs a)
                         c1[k] = s1[k] = c2[k] = s2[k] = __int_as_float(0x7fc00000);
                     } else {
                         const float *fr = a.freqs + pos * p.f_stride_pos;
-                        sincosf(fr[j1[k] * p.f_stride_dim], &s1[k], &c1[k]);
-                        sincosf(fr[j2[k] * p.f_stride_dim], &s2[k], &c2[k]);
+                        float a1 = fr[j1[k] * p.f_stride_dim], a2 = fr[j2[k] * p.f_stride_dim];
+                        sincosf(a1, &s1[k], &c1[k]);
+                        if (a2 == a1) { /* TE's tables repeat each angle for both members */
+                            s2[k] = s1[k];
+                            c2[k] = c1[k];
+                        } else {
+                            sincosf(a2, &s2[k], &c2[k]);
+                        }
                     }
                 }
                 /* element offsets of the two V-vectors this group reads */
@@ -198,7 +205,8 @@ __global__ void rope_kernel(RopeArgs a)
     }
 }
 
-/* Stride of dimension k, or 0 where the dimension has one element (any stride works there). */
+/* The vector path needs unit stride along d and every other stride (of a
+ * dimension longer than 1) and both pointers aligned to V elements. */
 static bool vector_ok(const sf_rope_problem &p, const sf_tensor *t, const sf_tensor *out, int V)
 {
     if (p.rot % (2 * V) || p.dim % V)
@@ -219,8 +227,10 @@ sf_status launch(const RopeArgs &a, bool vec, cudaStream_t stream)
     const sf_rope_problem &p = a.p;
     int V = vec ? 4 : 1;
     int64_t units = p.heads * (p.rot / 2 / V);
+    /* at most 128 threads: each thread then visits more heads per token, and
+     * the sines and cosines it computes once serve all of them */
     int block = (int)((units + 31) / 32 * 32);
-    block = block < 64 ? 64 : block > 256 ? 256 : block;
+    block = block < 64 ? 64 : block > 128 ? 128 : block;
     int64_t tokens = p.n0 * p.n1;
     if (tokens > 0x7fffffff)
         return sf_fail(SF_ERR_VALUE, "rope: argument 't' has %lld tokens; at most 2^31 - 1 are supported",
