@@ -31,3 +31,7 @@ from .layernorm_linear import LayerNormLinear  # noqa: E402
 from .layernorm_mlp import LayerNormMLP  # noqa: E402
 
 __all__ += ["LayerNormLinear", "LayerNormMLP"]
+
+from .linear import Linear, LinearFunction  # noqa: E402
+
+__all__ += ["Linear", "LinearFunction"]

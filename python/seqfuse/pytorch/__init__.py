@@ -40,3 +40,7 @@ from ..modules.layernorm_linear import LayerNormLinear  # noqa: E402
 from ..modules.layernorm_mlp import LayerNormMLP  # noqa: E402
 
 __all__ += ["LayerNormLinear", "LayerNormMLP"]
+
+from ..modules.linear import Linear  # noqa: E402
+
+__all__ += ["Linear"]

@@ -1,0 +1,294 @@
+"""seqfuse.pytorch.Linear against torch.nn.Linear (forward and backward, bf16
+and fp32 parameters, autocast), main_grad accumulation, initialization, the
+TE namespace, FSDP2 (fully_shard, 2 processes over gloo on the CPU) and, with
+the cuda marker, large shapes and CUDA-graph capture."""
+import os
+import socket
+import time
+
+import pytest
+import torch
+
+import seqfuse.pytorch as te
+from helpers import REL_TOL, rel_error
+
+
+def twin(in_f, out_f, bias, dtype, device):
+    """A seqfuse Linear and a torch.nn.Linear with the same parameters."""
+    ours = te.Linear(in_f, out_f, bias=bias, params_dtype=dtype, device=device)
+    ref = torch.nn.Linear(in_f, out_f, bias=bias, dtype=dtype, device=device)
+    with torch.no_grad():
+        ref.weight.copy_(ours.weight)
+        if bias:
+            ours.bias.normal_()
+            ref.bias.copy_(ours.bias)
+    return ours, ref
+
+
+def fwd_bwd(module, x, dy):
+    x = x.detach().clone().requires_grad_(True)
+    y = module(x)
+    y.backward(dy)
+    grads = [x.grad] + [p.grad for p in module.parameters()]
+    return y, grads
+
+
+def check_against_torch(ours, ref, x, dy, dtype, factor=1.0):
+    y, g = fwd_bwd(ours, x, dy)
+    y_ref, g_ref = fwd_bwd(ref, x.double() if dtype == torch.float64 else x, dy)
+    tol = REL_TOL[dtype] * factor
+    assert y.dtype == y_ref.dtype and y.shape == y_ref.shape
+    assert rel_error(y, y_ref) <= tol, "forward"
+    for name, a, b in zip(["dx", "dW", "db"], g, g_ref):
+        assert a.dtype == b.dtype, name
+        assert rel_error(a, b) <= tol, name
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [((4, 6, 32), 48), ((5, 17), 9)])
+def test_cpu_matches_torch(bias, dtype, shape, seed):
+    in_shape, out_f = shape
+    ours, ref = twin(in_shape[-1], out_f, bias, dtype, "cpu")
+    x = torch.randn(in_shape).to(dtype)
+    dy = torch.randn(*in_shape[:-1], out_f).to(dtype)
+    # torch's bf16 CPU matmul rounds differently from a single fp32 accumulation
+    check_against_torch(ours, ref, x, dy, dtype, factor=1.0 if dtype == torch.float32 else 2.0)
+
+
+def test_cpu_float64_reference_is_tight(seed):
+    """fp32 parameters against the same layer in float64: the only error is
+    float32 accumulation."""
+    ours = te.Linear(40, 24, params_dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        ours.bias.normal_()
+    x, dy = torch.randn(3, 7, 40), torch.randn(3, 7, 24)
+    y, (dx, dw, db) = fwd_bwd(ours, x, dy)
+    w, b = ours.weight.double(), ours.bias.double()
+    xd, dyd = x.double().reshape(-1, 40), dy.double().reshape(-1, 24)
+    assert rel_error(y.reshape(-1, 24), xd @ w.t() + b) < 1e-6
+    assert rel_error(dx.reshape(-1, 40), dyd @ w) < 1e-6
+    assert rel_error(dw, dyd.t() @ xd) < 1e-6
+    assert rel_error(db, dyd.sum(0)) < 1e-6
+
+
+def test_cpu_autocast_bf16_with_fp32_params(seed):
+    ours, ref = twin(32, 16, True, torch.float32, "cpu")
+    x, dy = torch.randn(8, 32), torch.randn(8, 16).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, (dx, dw, db) = fwd_bwd(ours, x, dy)
+        y_ref, (dx_r, dw_r, db_r) = fwd_bwd(ref, x, dy)
+    assert y.dtype == torch.bfloat16 and dw.dtype == torch.float32 and db.dtype == torch.float32
+    for a, b in [(y, y_ref), (dx, dx_r), (dw, dw_r), (db, db_r)]:
+        assert rel_error(a, b) <= 2e-2
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_cpu_main_grad_accumulation(bias, seed):
+    ours, ref = twin(24, 40, bias, torch.bfloat16, "cpu")
+    ours.weight.main_grad = torch.zeros(40, 24, dtype=torch.float32)
+    ours.weight.grad_added_to_main_grad = False
+    dws, dbs = [], []
+    for _ in range(3):  # three micro-batches
+        x, dy = torch.randn(10, 24).bfloat16(), torch.randn(10, 40).bfloat16()
+        fwd_bwd(ours, x, dy)
+        dws.append(dy.double().t() @ x.double())
+        dbs.append(dy.double().sum(0))
+    assert ours.weight.grad is None and ours.weight.grad_added_to_main_grad
+    assert ours.weight.main_grad.dtype == torch.float32
+    assert rel_error(ours.weight.main_grad, sum(dws)) < 1e-5  # fp32 accumulation: tight
+    if bias:
+        assert rel_error(ours.bias.grad, sum(dbs)) < 2e-2  # bias grads summed by autograd in bf16
+
+
+def test_cpu_return_bias_and_no_input_grad(seed):
+    ours = te.Linear(16, 8, return_bias=True, device="cpu")
+    y, b = ours(torch.randn(4, 16))
+    assert b is ours.bias and y.shape == (4, 8)
+    # frozen input: no dgrad needed, weight gradient still produced
+    y = te.Linear(16, 8, device="cpu")
+    out = y(torch.randn(4, 16))
+    out.sum().backward()
+    assert y.weight.grad is not None and y.bias.grad is not None
+
+
+def test_init_and_meta_device():
+    calls = []
+
+    def init(w):
+        calls.append(w.shape)
+        torch.nn.init.constant_(w, 0.5)
+
+    m = te.Linear(8, 4, init_method=init, device="cpu")
+    assert calls == [(4, 8)] and torch.all(m.weight == 0.5) and torch.all(m.bias == 0)
+    d = te.Linear(256, 512, device="cpu")
+    assert abs(d.weight.std().item() - 0.023) < 0.002  # TE's default init
+    meta = te.Linear(8, 4, device="meta")
+    assert meta.weight.is_meta
+    meta.to_empty(device="cpu")
+    meta.reset_parameters()
+    assert torch.isfinite(meta.weight).all()
+    assert te.Linear(8, 4, params_dtype=torch.bfloat16, device="cpu").weight.dtype == torch.bfloat16
+
+
+def test_errors():
+    m = te.Linear(8, 4, device="cpu")
+    with pytest.raises(ValueError, match=r"Linear: input's last dimension must be in_features = 8, "
+                                         r"got shape \(2, 5\)"):
+        m(torch.randn(2, 5))
+    with pytest.raises(NotImplementedError, match="Linear: argument 'tp_size'=2 is not supported"):
+        te.Linear(8, 4, tp_size=2, device="cpu")
+    with pytest.raises(ValueError, match="in_features and out_features must be positive"):
+        te.Linear(0, 4, device="cpu")
+
+
+def test_empty_batch(seed):
+    m = te.Linear(8, 4, device="cpu")
+    x = torch.randn(0, 8, requires_grad=True)
+    y = m(x)
+    y.sum().backward()
+    assert y.shape == (0, 4) and torch.equal(m.weight.grad, torch.zeros(4, 8))
+    assert torch.equal(m.bias.grad, torch.zeros(4))
+
+
+# ---- FSDP2 on the CPU (gloo, 2 processes) ---------------------------------
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fsdp_worker(rank, world, port, result_path):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    # a forked child must not enter the parent's OpenMP pool (it deadlocks)
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(te.Linear(32, 64, device="cpu"), torch.nn.GELU(),
+                                    te.Linear(64, 16, device="cpu"))
+        ref = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), ref.parameters()):
+                q.copy_(p)
+        for layer in model:
+            if isinstance(layer, te.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        torch.manual_seed(1)
+        for step in range(3):
+            xs = [torch.randn(6, 32) for _ in range(world)]  # the global batch
+            ys = [torch.randn(6, 16) for _ in range(world)]
+            loss = torch.nn.functional.mse_loss(model(xs[rank]), ys[rank])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ref_loss = sum(torch.nn.functional.mse_loss(ref(x), y) for x, y in zip(xs, ys)) / world
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        errs = []
+        for p, q in zip(model.parameters(), ref.parameters()):
+            full = p.full_tensor()
+            errs.append(((full - q).norm() / q.norm()).item())
+        if rank == 0:
+            torch.save({"errs": errs, "sharded": type(next(model.parameters())).__name__}, result_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_fully_shard_gloo(tmp_path):
+    import torch.multiprocessing as mp
+
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    result = str(tmp_path / "fsdp.pt")
+    # fork: the children inherit the imported torch (spawning re-imports it, ~10 s each)
+    ctx = mp.start_processes(_fsdp_worker, args=(2, _free_port(), result), nprocs=2, join=False,
+                             start_method="fork")
+    deadline = time.time() + 180
+    while not ctx.join(timeout=2):
+        if time.time() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("FSDP2 workers did not finish within 180 s")
+    out = torch.load(result)
+    assert out["sharded"] == "DTensor"
+    assert max(out["errs"]) < 1e-5, out["errs"]
+
+
+# ---- CUDA --------------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [((4, 512, 1024), 4096), ((1000, 777), 333), ((3, 5, 64), 8)])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_matches_torch(shape, bias, dtype, seed):
+    in_shape, out_f = shape
+    ours, ref = twin(in_shape[-1], out_f, bias, dtype, "cuda")
+    x = torch.randn(in_shape, device="cuda").to(dtype)
+    dy = torch.randn(*in_shape[:-1], out_f, device="cuda").to(dtype)
+    # fp32 parameters: both sides use TF32 tensor cores only if torch allows; seqfuse does
+    check_against_torch(ours, ref, x, dy, dtype, factor=2.0 if dtype == torch.bfloat16 else 300.0)
+
+
+@pytest.mark.cuda
+def test_cuda_main_grad(seed):
+    ours, _ = twin(1024, 2048, True, torch.bfloat16, "cuda")
+    ours.weight.main_grad = torch.zeros(2048, 1024, device="cuda")
+    total = torch.zeros(2048, 1024, dtype=torch.float64, device="cuda")
+    for _ in range(4):
+        x = torch.randn(512, 1024, device="cuda").bfloat16()
+        dy = torch.randn(512, 2048, device="cuda").bfloat16()
+        fwd_bwd(ours, x, dy)
+        total += dy.double().t() @ x.double()
+    assert ours.weight.grad is None
+    assert rel_error(ours.weight.main_grad, total) < 1e-5
+
+
+@pytest.mark.cuda
+def test_cuda_graph_capture_fwd_bwd(seed):
+    torch.manual_seed(0)
+    m = te.Linear(512, 1024, params_dtype=torch.bfloat16, device="cuda")
+    static_x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    static_dy = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):  # warm up: plans, workspaces, autograd
+            m.zero_grad(set_to_none=False)
+            static_x.grad = None
+            m(static_x).backward(static_dy)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    m.zero_grad(set_to_none=True)
+    static_x.grad = None
+    with torch.cuda.graph(g):
+        static_y = m(static_x)
+        static_y.backward(static_dy)
+    for _ in range(2):
+        x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            static_x.copy_(x)
+        static_dy.copy_(dy)
+        g.replay()
+        torch.cuda.synchronize()
+        y_eager, (dx, dw, db) = fwd_bwd(m_copy(m), x, dy)
+        assert torch.equal(static_y, y_eager)
+        assert torch.equal(static_x.grad, dx)
+        assert torch.equal(m.weight.grad, dw) and torch.equal(m.bias.grad, db)
+
+
+def m_copy(m):
+    c = te.Linear(m.in_features, m.out_features, params_dtype=m.weight.dtype, device="cuda")
+    with torch.no_grad():
+        c.weight.copy_(m.weight)
+        c.bias.copy_(m.bias)
+    return c
