@@ -134,12 +134,18 @@ def run_and_compare(make, check, Linear, LayerNorm, tol):
     out.loss.backward()
     exp.loss.backward()
     ref_params = dict(ref.named_parameters())
+    grad_scale = max(q.grad.double().norm().item() for q in ref.parameters() if q.grad is not None)
     for name, p in model.named_parameters():
         # Swapped modules may not rename parameters: names map one to one.
         q = ref_params[name]
         assert (p.grad is None) == (q.grad is None), name
         if p.grad is not None:
-            assert rel_error(p.grad, q.grad) <= tol * 10, name
+            if q.grad.double().norm().item() <= 1e-9 * grad_scale:
+                # zero in exact arithmetic (the key bias under softmax): both sides hold
+                # rounding noise whose relative difference means nothing
+                assert p.grad.double().norm().item() <= 1e-8 * grad_scale, name
+            else:
+                assert rel_error(p.grad, q.grad) <= tol * 10, name
     return report
 
 
