@@ -120,3 +120,12 @@ def test_sample_indices_carried():
         assert coll(ss)["sample_indices"].tolist() == [7, 3, 9]
     bare = [{"input_ids": s["input_ids"], "labels": s["labels"]} for s in ss]
     assert "sample_indices" not in PackedTHDCollator(1)(bare)
+
+
+def test_batch_to_device():
+    from seqfuse.data import batch_to_device
+
+    b = PackedTHDCollator(1, pad_to_multiple_of=16)(samples([1, 2]))
+    moved = batch_to_device(b, torch.device("meta"))
+    assert moved["input_ids"].device.type == "meta" and moved["cu_seqlens"].dtype == torch.int32
+    assert moved["sample_indices"].device.type == "cpu" and moved["max_seqlen"] == b["max_seqlen"]

@@ -11,7 +11,7 @@ Pure Python over torch and numpy; pyarrow only for Parquet. The pipeline:
     loader   ResumableDataLoader with state_dict               (loader.py)
 """
 from .batching import TokenBudgetBatchSampler
-from .collate import PackedTHDCollator, PaddedBSHDCollator
+from .collate import PackedTHDCollator, PaddedBSHDCollator, batch_to_device
 from .dataset import MLMDataset, TokenizedSequences
 from .fasta import SequenceRecord, read_fasta, write_fasta
 from .loader import ResumableDataLoader, build_mlm_loader
@@ -25,7 +25,7 @@ __all__ = [
     "CharTokenizer", "EsmTokenizer", "NucleotideTokenizer", "ESM2_VOCAB", "NUCLEOTIDE_VOCAB",
     "IGNORE_INDEX", "mlm_mask", "sample_seed", "sample_generator",
     "TokenizedSequences", "MLMDataset",
-    "PackedTHDCollator", "PaddedBSHDCollator",
+    "PackedTHDCollator", "PaddedBSHDCollator", "batch_to_device",
     "TokenBudgetBatchSampler",
     "ResumableDataLoader", "build_mlm_loader",
 ]

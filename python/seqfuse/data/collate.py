@@ -41,7 +41,7 @@ import torch
 
 from .masking import IGNORE_INDEX
 
-__all__ = ["PackedTHDCollator", "PaddedBSHDCollator"]
+__all__ = ["PackedTHDCollator", "PaddedBSHDCollator", "batch_to_device"]
 
 
 def _check_samples(name: str, samples: Sequence[dict]) -> None:
@@ -159,3 +159,12 @@ class PaddedBSHDCollator:
             "num_tokens": sum(lens),
             **_indices(samples),
         }
+
+
+def batch_to_device(batch: dict, device, non_blocking: bool = True) -> dict:
+    """Move a collated batch's tensors to ``device`` (ints stay ints).
+    ``sample_indices`` stays on the CPU: it is bookkeeping, not model input."""
+    return {
+        k: v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) and k != "sample_indices" else v
+        for k, v in batch.items()
+    }
