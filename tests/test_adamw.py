@@ -257,13 +257,13 @@ def test_cuda_adamw_matches_cpu_backend(dtype, master, seed):
     ws = [b.float() + torch.randn(b.shape) * 1e-3 for b in base] if master else None
 
     def run(device):
-        p = [b.to(device) for b in base]
+        p = [b.to(device, copy=True) for b in base]  # copies: each backend starts from the same state
         if device == "cuda":  # poison what the kernel writes, keeping the inputs it reads
             if master:
                 for t in p:
                     t.fill_(float("nan"))
-        args = ([g.to(device) for g in grads], [m.to(device) for m in ms], [v.to(device) for v in vs],
-                [w.to(device) for w in ws] if master else None)
+        args = ([g.to(device, copy=True) for g in grads], [m.to(device, copy=True) for m in ms],
+                [v.to(device, copy=True) for v in vs], [w.to(device, copy=True) for w in ws] if master else None)
         multi_tensor_adamw(p, *args, 3e-3, 0.9, 0.95, 1e-8, 0.1, 7)
         return p, args
 

@@ -133,6 +133,21 @@ def test_linear_cross_entropy_cpu(reduction, chunk, bias, seed):
         assert_close_rel(b.grad, bd.grad, torch.float32)
 
 
+def test_linear_cross_entropy_fp32_weight_bf16_hidden(seed):
+    """An fp32 weight with bf16 activations (autocast style): GEMMs in bf16,
+    the weight's gradient in fp32."""
+    hidden = torch.randn(40, 16).to(torch.bfloat16).requires_grad_(True)
+    weight = (torch.randn(30, 16) * 0.3).requires_grad_(True)
+    labels = make_labels(40, 30)
+    linear_cross_entropy(hidden, weight, labels, chunk_size=16).backward()
+    assert weight.grad.dtype == torch.float32 and hidden.grad.dtype == torch.bfloat16
+    hd = hidden.detach().double().requires_grad_(True)
+    wd = weight.detach().to(torch.bfloat16).double().requires_grad_(True)
+    F.cross_entropy(hd @ wd.t(), labels).backward()
+    assert_close_rel(weight.grad, wd.grad, torch.bfloat16)
+    assert_close_rel(hidden.grad, hd.grad, torch.bfloat16)
+
+
 def test_linear_cross_entropy_under_no_grad(seed):
     hidden, weight = torch.randn(10, 4, requires_grad=True), torch.randn(6, 4, requires_grad=True)
     labels = torch.randint(0, 6, (10,))
@@ -168,8 +183,10 @@ def test_bad_inputs():
         cross_entropy(x, y, reduction="avg")
     with pytest.raises(ValueError, match="'reduction' must be one of \\('mean', 'sum'\\)"):
         linear_cross_entropy(x, torch.randn(5, 10), y, reduction="none")
-    with pytest.raises(TypeError, match="must have the same dtype"):
-        linear_cross_entropy(x, torch.randn(5, 10, dtype=torch.bfloat16), y)
+    with pytest.raises(TypeError, match="must be float32, float16 or bfloat16"):
+        linear_cross_entropy(x, torch.randn(5, 10, dtype=torch.float64), y)
+    with pytest.raises(TypeError, match="'bias' must be \\[V\\] = \\[5\\]"):
+        linear_cross_entropy(x, torch.randn(5, 10), y, bias=torch.randn(4))
     with pytest.raises(ValueError, match="must share H"):
         linear_cross_entropy(x, torch.randn(5, 9), y)
 

@@ -153,6 +153,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.zeros(v, dtype=torch.float32, device=hidden.device) if need_b else None
         chunk = chunk_size or default_chunk_size(n, v, hidden.element_size())
+        weight_dtype = weight.dtype
+        if weight.dtype != hidden.dtype:  # e.g. an fp32 weight under bf16 autocast: GEMMs in hidden's dtype
+            weight = weight.detach().to(hidden.dtype)
+            bias = bias.detach().to(hidden.dtype) if bias is not None else None
         with torch.no_grad():
             for start in range(0, n, chunk):
                 h = hidden[start:start + chunk].detach()
@@ -169,8 +173,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                         _gemm(logits, h, transa=True, out=grad_w, accumulate=True, allow_tf32=False)
                     if need_b:
                         grad_b += logits.sum(0, dtype=torch.float32)
-        if grad_w is not None and weight.dtype != torch.float32:
-            grad_w = grad_w.to(weight.dtype)
+        if grad_w is not None and weight_dtype != torch.float32:
+            grad_w = grad_w.to(weight_dtype)
         out = total / count if reduction == "mean" else total
         ctx.save_for_backward(grad_h, grad_w, grad_b)
         ctx.bias_dtype = bias.dtype if bias is not None else None
@@ -195,15 +199,18 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, l
     against int64 ``labels`` [N], processed ``chunk_size`` tokens at a time
     (default: 256 MiB of logits per chunk) so the full [N, V] logits are never
     held.  ``reduction`` is 'mean' (over non-ignored tokens) or 'sum'.  The
-    weight gradient accumulates in a float32 [V, H] buffer across chunks
+    GEMMs run in ``hidden``'s dtype: a weight of another dtype (an fp32 weight
+    under bf16 autocast) is cast for them, and its gradient is returned in its
+    own dtype.  The weight gradient accumulates in a float32 [V, H] buffer across chunks
     (memory: 4 V H bytes while the forward runs)."""
     _check_reduction(reduction, ("mean", "sum"))
     for name, t in (("hidden", hidden), ("weight", weight)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
             raise ValueError(f"linear_cross_entropy: argument '{name}' must be a 2-D torch.Tensor")
-    if hidden.dtype != weight.dtype:
+    floats = (torch.float32, torch.float16, torch.bfloat16)
+    if hidden.dtype not in floats or weight.dtype not in floats:
         raise TypeError(f"linear_cross_entropy: arguments 'hidden' ({hidden.dtype}) and 'weight' "
-                        f"({weight.dtype}) must have the same dtype")
+                        f"({weight.dtype}) must be float32, float16 or bfloat16")
     if bias is not None and (bias.dtype != weight.dtype or bias.shape != weight.shape[:1]):
         raise TypeError(f"linear_cross_entropy: argument 'bias' must be [V] = [{weight.shape[0]}] of the "
                         f"weight's dtype {weight.dtype}, got {tuple(bias.shape)} {bias.dtype}")
