@@ -202,7 +202,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
             wdt = w_dtype if w_dtype in (torch.float32, torch.bfloat16) else torch.float32
             dweight = fp8_gemm(g.data_t, g.scale_inv, ln8_t, ln_si, wdt).to(w_dtype)
             if has_bias:
-                dbias = dout2.float().sum(0).to(b_dtype)
+                dbias = dout2.sum(0, dtype=torch.float32).to(b_dtype)
         else:
             x2, lnw, mean, rstd, ln_out, w = ctx.saved_tensors
             dln = ops.gemm(dout2, w)

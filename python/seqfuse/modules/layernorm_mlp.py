@@ -15,7 +15,10 @@ geglu, reglu, geglu_erf.
 
 Without FP8: norm kernel, FC1 GEMM with its bias, activation kernel, FC2 GEMM
 with its bias; the backward runs the activation-gradient kernel and takes the
-bias gradients from the weight GEMMs' bgrad epilogue.
+bias gradients from the weight GEMMs' bgrad epilogue.  For "gelu" (tanh) the
+activation rides in cuBLASLt's epilogues instead (FC1: bias + GELU keeping the
+pre-activation; FC2's dgrad: GELU' and FC1's bias gradient), which saves a
+pass over the [tokens, ffn] activations each way.
 
 Under autocast with DelayedScaling: ScalingState of 6 (3 per GEMM: FC1
 input 0, weight 1, output gradient 2; FC2 input 3, weight 4, output gradient
@@ -65,8 +68,11 @@ class _LayerNormMLPFn(torch.autograd.Function):
         else:
             ln, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc)
             w1c, w2c = as_dtype(w1, dt), as_dtype(w2, dt)
-            h = ops.gemm(ln, w1c, transb=True, bias=as_dtype(b1, dt))
-            a = A.act_fwd(h, activation)
+            if activation == "gelu":  # GELU in FC1's epilogue, pre-activation kept as aux
+                a, h = ops.gemm(ln, w1c, transb=True, bias=as_dtype(b1, dt), epilogue="gelu_aux")
+            else:
+                h = ops.gemm(ln, w1c, transb=True, bias=as_dtype(b1, dt))
+                a = A.act_fwd(h, activation)
             out = ops.gemm(a, w2c, transb=True, bias=as_dtype(b2, dt))
             ctx.save_for_backward(x2, lnw, mean, rstd, ln, h, a, w1c, w2c)
         ctx.meta = (x.shape, rms, zc, activation, ln_b is not None, ln_w.dtype, w1.dtype, w2.dtype,
@@ -88,20 +94,28 @@ class _LayerNormMLPFn(torch.autograd.Function):
             da = fp8_gemm(g2.data, g2.scale_inv, w2_t, w2_si, dt)
             dw2 = fp8_gemm(g2.data_t, g2.scale_inv, fp8_transpose(a8), a_si, _wgrad_dtype(w2_dt))
             if b2_dt is not None:
-                db2 = dout2.float().sum(0).to(b2_dt)
+                db2 = dout2.sum(0, dtype=torch.float32).to(b2_dt)
             dh = A.act_bwd(da, h, activation)
             if b1_dt is not None:
-                db1 = dh.float().sum(0).to(b1_dt)
+                db1 = dh.sum(0, dtype=torch.float32).to(b1_dt)
             g1 = quantize_with_state(dh, ctx.state, 2, transpose=True)
             dln = fp8_gemm(g1.data, g1.scale_inv, w1_t, w1_si, dt)
             dw1 = fp8_gemm(g1.data_t, g1.scale_inv, fp8_transpose(ln8), ln_si, _wgrad_dtype(w1_dt))
         else:
             x2, lnw, mean, rstd, ln, h, a, w1c, w2c = ctx.saved_tensors
-            da = ops.gemm(dout2, w2c)
             dw2, db2 = _wgrad(dout2, a, b2_dt)
-            dh = A.act_bwd(da, h, activation)
-            dln = ops.gemm(dh, w1c)
-            dw1, db1 = _wgrad(dh, ln, b1_dt)
+            if activation == "gelu":  # GELU' (and FC1's bias gradient) in the dgrad epilogue
+                if b1_dt is not None:
+                    dh, db1 = ops.gemm(dout2, w2c, aux=h, epilogue="dgelu_bgrad")
+                else:
+                    dh = ops.gemm(dout2, w2c, aux=h, epilogue="dgelu")
+                dln = ops.gemm(dh, w1c)
+                dw1 = ops.gemm(dh, ln, transa=True)
+            else:
+                da = ops.gemm(dout2, w2c)
+                dh = A.act_bwd(da, h, activation)
+                dln = ops.gemm(dh, w1c)
+                dw1, db1 = _wgrad(dh, ln, b1_dt)
         dx, dg, db = norm_backward(dln, x2, mean, rstd, lnw, rms, zc, has_ln_bias)
         return (dx.view(x_shape), as_dtype(dg, lnw_dt), as_dtype(db, lnw_dt), as_dtype(dw1, w1_dt),
                 as_dtype(db1, b1_dt), as_dtype(dw2, w2_dt), as_dtype(db2, b2_dt),
