@@ -11,8 +11,11 @@
  * not 16-byte aligned, run the same kernels with one element per "vector"
  * (the ops layer warns when that happens).
  *
- * Forward: the thread keeps its elements in registers, so x is read once;
- * mean and variance are two exact-order reductions over those registers (no
+ * Forward: persistent blocks (as many as fit at once) walk the rows; each
+ * stages gamma (or 1 + gamma) and beta as float32 in shared memory once, and
+ * loads the next row into registers before reducing the current one, so
+ * memory latency hides behind the reductions.  x is read once; mean and
+ * variance are two exact-order reductions over the registers (no
  * E[x^2] - E[x]^2 cancellation).  Output in x's dtype or FP8 (scale read on
  * the device, amax folded with atomicMax on the float bits).
  *
@@ -38,6 +41,7 @@ using namespace sf_vec;
 
 constexpr int kElemsPerThread = 32; /* row elements a thread owns, at most */
 constexpr int kMinBlockThreads = 256;
+constexpr int kCacheSlots = 64; /* occupancy answers remembered */
 
 __device__ __forceinline__ float warp_sum(float v)
 {
@@ -79,83 +83,118 @@ struct FwdParams {
     int rms, zc, gamma_f32, out_kind;
 };
 
+/* Stage the weight w (gamma, or 1 + gamma) and the bias of the row as float32
+ * in shared memory; every thread of the block helps, then all wait. */
+template <typename T>
+__device__ __forceinline__ void stage_params(const void *gamma, const void *beta, int f32, int zc,
+                                             int hidden, float *wsm, float *bsm)
+{
+    for (int i = threadIdx.y * blockDim.x + threadIdx.x; i < hidden; i += blockDim.x * blockDim.y) {
+        const float g = f32 ? ((const float *)gamma)[i] : to_f(((const T *)gamma)[i]);
+        wsm[i] = sf_norm_weight(g, zc);
+        if (bsm)
+            bsm[i] = !beta ? 0.0f : f32 ? ((const float *)beta)[i] : to_f(((const T *)beta)[i]);
+    }
+    __syncthreads();
+}
+
+/* The raw vectors a thread owns in a row (none past the row's end or the
+ * last row). */
+template <typename T, int VEC, int MAXV>
+__device__ __forceinline__ void load_row(const T *x, int64_t row, int64_t rows, int hidden,
+                                         Pack<T, VEC> (&raw)[MAXV])
+{
+    const int nvec = hidden / VEC;
+    const T *xr = x + (row < rows ? row : 0) * (int64_t)hidden;
+#pragma unroll
+    for (int k = 0; k < MAXV; ++k) {
+        const int c = threadIdx.x + k * blockDim.x;
+        if (row < rows && c < nvec)
+            raw[k] = *reinterpret_cast<const Pack<T, VEC> *>(xr + (int64_t)c * VEC);
+    }
+}
+
+/* Persistent: a fixed grid walks the rows; the next row's x is loaded into
+ * registers (still packed) before this row's reductions, so its memory
+ * latency hides behind them. */
 template <typename T, int VEC>
 __global__ void __launch_bounds__(512) norm_fwd_kernel(FwdParams p)
 {
     constexpr int MAXV = kElemsPerThread / VEC;
     __shared__ float red[32][32];
     __shared__ unsigned amax_red[32];
+    extern __shared__ float4 smem4[];
+    float *wsm = reinterpret_cast<float *>(smem4);
+    float *bsm = wsm + ((p.hidden + 3) & ~3);
+    stage_params<T>(p.gamma, p.beta, p.gamma_f32, p.zc, p.hidden, wsm, p.rms ? NULL : bsm);
     const int nvec = p.hidden / VEC;
-    const int64_t row = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
-    const bool active = row < p.rows;
-    const int64_t roff = (active ? row : 0) * (int64_t)p.hidden;
-    const T *xr = (const T *)p.x + roff;
+    const float inv_h = 1.0f / (float)p.hidden;
+    const float scale = p.out_kind != kOutSame ? *p.scale : 1.0f;
+    const int64_t step = (int64_t)gridDim.x * blockDim.y;
+    unsigned amax = 0u;
 
-    float v[MAXV][VEC];
-    float sum = 0.0f;
+    Pack<T, VEC> next[MAXV];
+    load_row<T, VEC, MAXV>((const T *)p.x, (int64_t)blockIdx.x * blockDim.y + threadIdx.y, p.rows,
+                           p.hidden, next);
+    for (int64_t base = (int64_t)blockIdx.x * blockDim.y; base < p.rows; base += step) {
+        const int64_t row = base + threadIdx.y;
+        const bool active = row < p.rows;
+        /* this row stays packed in registers (16-bit types: half the
+         * registers of floats) and is converted where it is used */
+        Pack<T, VEC> cur[MAXV];
+        float sum = 0.0f;
 #pragma unroll
-    for (int k = 0; k < MAXV; ++k) {
-        const int c = threadIdx.x + k * blockDim.x;
-        if (active && c < nvec) {
-            load_f<T, VEC>(xr + (int64_t)c * VEC, v[k]);
+        for (int k = 0; k < MAXV; ++k) {
+            cur[k] = next[k];
+            const int c = threadIdx.x + k * blockDim.x;
+            if (active && c < nvec)
 #pragma unroll
-            for (int e = 0; e < VEC; ++e)
-                sum += v[k][e];
-        } else {
-#pragma unroll
-            for (int e = 0; e < VEC; ++e)
-                v[k][e] = 0.0f;
+                for (int e = 0; e < VEC; ++e)
+                    sum += to_f(cur[k].v[e]);
         }
-    }
-    float mean = 0.0f;
-    if (!p.rms)
-        mean = row_sum(sum, red) / (float)p.hidden;
-    float sq = 0.0f;
+        load_row<T, VEC, MAXV>((const T *)p.x, row + step, p.rows, p.hidden, next);
+
+        const float mean = p.rms ? 0.0f : row_sum(sum, red) * inv_h;
+        float sq = 0.0f;
 #pragma unroll
-    for (int k = 0; k < MAXV; ++k) {
-        const int c = threadIdx.x + k * blockDim.x;
-        if (active && c < nvec) {
+        for (int k = 0; k < MAXV; ++k) {
+            const int c = threadIdx.x + k * blockDim.x;
+            if (active && c < nvec) {
 #pragma unroll
-            for (int e = 0; e < VEC; ++e) {
-                float d = v[k][e] - mean;
-                sq += d * d;
+                for (int e = 0; e < VEC; ++e) {
+                    const float d = to_f(cur[k].v[e]) - mean;
+                    sq += d * d;
+                }
             }
         }
-    }
-    const float rstd = rsqrtf(row_sum(sq, red) / (float)p.hidden + p.eps);
-    if (active && threadIdx.x == 0) {
-        if (p.mean)
-            p.mean[row] = mean;
-        if (p.rstd)
-            p.rstd[row] = rstd;
-    }
-
-    const float scale = p.out_kind != kOutSame ? *p.scale : 1.0f;
-    unsigned amax = 0u;
-#pragma unroll
-    for (int k = 0; k < MAXV; ++k) {
-        const int c = threadIdx.x + k * blockDim.x;
-        if (!(active && c < nvec))
-            continue;
-        float g[VEC], b[VEC], o[VEC];
-        load_param<T, VEC>(p.gamma, p.gamma_f32, (int64_t)c * VEC, g);
-        if (p.beta) {
-            load_param<T, VEC>(p.beta, p.gamma_f32, (int64_t)c * VEC, b);
-        } else {
-#pragma unroll
-            for (int e = 0; e < VEC; ++e)
-                b[e] = 0.0f;
+        const float rstd = rsqrtf(row_sum(sq, red) * inv_h + p.eps);
+        if (active && threadIdx.x == 0) {
+            if (p.mean)
+                p.mean[row] = mean;
+            if (p.rstd)
+                p.rstd[row] = rstd;
         }
+        const int64_t roff = (active ? row : 0) * (int64_t)p.hidden;
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-            o[e] = (v[k][e] - mean) * rstd * sf_norm_weight(g[e], p.zc) + b[e];
-            amax = max(amax, abs_bits(o[e]));
+        for (int k = 0; k < MAXV; ++k) {
+            const int c = threadIdx.x + k * blockDim.x;
+            if (!(active && c < nvec))
+                continue;
+            float w[VEC], b[VEC], o[VEC];
+            load_f<float, VEC>(wsm + c * VEC, w);
+            if (!p.rms)
+                load_f<float, VEC>(bsm + c * VEC, b);
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+                o[e] = (to_f(cur[k].v[e]) - mean) * rstd * w[e] + (p.rms ? 0.0f : b[e]);
+                amax = max(amax, abs_bits(o[e]));
+            }
+            const int64_t off = roff + (int64_t)c * VEC;
+            if (p.out_kind == kOutSame)
+                store_f<T, VEC>((T *)p.y + off, o);
+            else
+                store_fp8<VEC>((uint8_t *)p.y + off, o, scale, p.out_kind == kOutE5M2);
         }
-        const int64_t off = roff + (int64_t)c * VEC;
-        if (p.out_kind == kOutSame)
-            store_f<T, VEC>((T *)p.y + off, o);
-        else
-            store_fp8<VEC>((uint8_t *)p.y + off, o, scale, p.out_kind == kOutE5M2);
     }
     if (p.amax)
         block_publish_max(amax, amax_red, p.amax);
@@ -331,32 +370,71 @@ sf_status bwd_grid(const char *op, int64_t rows, int64_t hidden, int device, int
 }
 
 
-template <typename T>
-sf_status launch_fwd(const FwdParams &p, bool vec, cudaStream_t stream)
-{
-    Config c = pick_config(p.hidden);
-    dim3 block(c.tx, c.ty);
-    const int64_t grid = (p.rows + c.ty - 1) / c.ty;
-    if (grid > 0x7fffffff)
-        return sf_fail(SF_ERR_VALUE, "norm_fwd: argument 'x' has too many rows (%lld)",
-                       (long long)p.rows);
-    if (vec)
-        norm_fwd_kernel<T, 16 / sizeof(T)><<<(unsigned)grid, block, 0, stream>>>(p);
-    else
-        norm_fwd_kernel<T, 1><<<(unsigned)grid, block, 0, stream>>>(p);
-    SF_CUDA_CHECK_LAUNCH("norm_fwd");
-    return SF_OK;
-}
-
-/* Kernels may use more than 48 KiB of dynamic shared memory only after
- * opting in (per device; cheap enough to repeat on every launch that needs
- * it).  16384 float32 weights are 64 KiB. */
 template <typename K>
 sf_status allow_smem(const char *op, K kernel, size_t bytes)
 {
     if (bytes > 48 * 1024)
         SF_CUDA_TRY(op, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              (int)bytes));
+    return SF_OK;
+}
+
+/* Blocks of the persistent forward: as many as fit on the GPU at once
+ * (occupancy asked once per kernel, block shape and device), never more
+ * than there are row groups. */
+template <typename K>
+sf_status fwd_grid(const char *op, K kernel, int threads, size_t smem, int64_t groups, int *grid)
+{
+    static int cache[kCacheSlots][3]; /* blocks per SM, smem bytes, device */
+    static const void *keys[kCacheSlots];
+    static int sizes[kCacheSlots];
+    int device;
+    SF_CUDA_TRY(op, cudaGetDevice(&device));
+    int per_sm = 0;
+    for (int i = 0; i < kCacheSlots; ++i)
+        if (keys[i] == (const void *)kernel && sizes[i] == threads && cache[i][1] == (int)smem &&
+            cache[i][2] == device) {
+            per_sm = cache[i][0];
+            break;
+        }
+    if (per_sm == 0) {
+        SF_CUDA_TRY(op, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+        if (per_sm < 1)
+            per_sm = 1;
+        static int next;
+        const int i = next++ % kCacheSlots;
+        keys[i] = (const void *)kernel;
+        sizes[i] = threads;
+        cache[i][0] = per_sm;
+        cache[i][1] = (int)smem;
+        cache[i][2] = device;
+    }
+    int sms;
+    SF_TRY(sm_count(op, device, &sms));
+    const int64_t cap = (int64_t)sms * per_sm;
+    *grid = (int)(groups < cap ? groups : cap);
+    return SF_OK;
+}
+
+template <typename T>
+sf_status launch_fwd(const FwdParams &p, bool vec, cudaStream_t stream)
+{
+    Config c = pick_config(p.hidden);
+    dim3 block(c.tx, c.ty);
+    const int64_t groups = (p.rows + c.ty - 1) / c.ty;
+    const size_t smem = 2 * (size_t)((p.hidden + 3) & ~3) * sizeof(float);
+    int grid;
+    if (vec) {
+        constexpr int V = 16 / sizeof(T);
+        SF_TRY(allow_smem("norm_fwd", norm_fwd_kernel<T, V>, smem));
+        SF_TRY(fwd_grid("norm_fwd", norm_fwd_kernel<T, V>, c.tx * c.ty, smem, groups, &grid));
+        norm_fwd_kernel<T, V><<<grid, block, smem, stream>>>(p);
+    } else {
+        SF_TRY(allow_smem("norm_fwd", norm_fwd_kernel<T, 1>, smem));
+        SF_TRY(fwd_grid("norm_fwd", norm_fwd_kernel<T, 1>, c.tx * c.ty, smem, groups, &grid));
+        norm_fwd_kernel<T, 1><<<grid, block, smem, stream>>>(p);
+    }
+    SF_CUDA_CHECK_LAUNCH("norm_fwd");
     return SF_OK;
 }
 
