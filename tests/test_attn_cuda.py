@@ -243,9 +243,17 @@ def test_cuda_bad_inputs():
         seqfuse.ops.attention(q.float(), q.float(), q.float())
     with pytest.raises(NotImplementedError, match="supports head dims 64 and 128, got 32"):
         seqfuse.ops.attention(q[..., :32].contiguous(), q[..., :32].contiguous(), q[..., :32].contiguous())
-    with pytest.raises(ValueError, match="must have strides that are multiples of 8 elements"):
-        big = torch.randn(1, 8, 2, 65, device="cuda", dtype=torch.bfloat16)[..., :64]
-        seqfuse.ops.attention(big, big, big)
+    big = torch.randn(1, 8, 2, 65, device="cuda", dtype=torch.bfloat16)[..., :64]
+    cfg = (0, 0, -1, -1, 0.125, 8, 8, 0)
+    lse = torch.empty(1, 2, 8, device="cuda")
+    with pytest.raises(ValueError, match="argument 'q' must have strides that are multiples of 8 elements"):
+        seqfuse._C.attn_fwd(big, q, q, None, None, torch.empty_like(q), lse, cfg)
+    with pytest.raises(ValueError, match="argument 'k' must start at a 16-byte aligned address"):
+        shifted = torch.randn(2049, device="cuda", dtype=torch.bfloat16)[1:].view(1, 8, 4, 64)[:, :, :2]
+        seqfuse._C.attn_fwd(q, shifted, q, None, None, torch.empty_like(q), lse, cfg)
+    # the op copies such views once instead of failing
+    out = seqfuse.ops.attention(big, big, big)
+    assert torch.equal(out, seqfuse.ops.attention(big.contiguous(), big.contiguous(), big.contiguous()))
     with pytest.raises(ValueError, match="must be on the same device"):
         seqfuse.ops.attention(q[0], q[0], q[0], qkv_format="thd", cu_seqlens_q=cu_seqlens([8]),
                               cu_seqlens_kv=cu_seqlens([8]), max_seqlen_q=8, max_seqlen_kv=8)

@@ -71,7 +71,14 @@ def _max_seqlen(cu, given):
 
 
 def _last_dim_contiguous(x):
-    return x if x.stride(-1) == 1 else x.contiguous()
+    """x as the kernel reads it: unit stride in the head dim and, on CUDA,
+    16-byte aligned rows (the kernel loads 16-byte vectors).  Anything else
+    (an expanded or sliced gradient, say) is copied once, here."""
+    if x.stride(-1) != 1 and x.shape[-1] > 1:
+        return x.contiguous()
+    if x.is_cuda and (x.data_ptr() % 16 or any(st % 8 for st, n in zip(x.stride()[:-1], x.shape[:-1]) if n > 1)):
+        return x.contiguous()
+    return x
 
 
 def _check_tensor(name, x):
