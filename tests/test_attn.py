@@ -264,3 +264,11 @@ def test_cuda_unsupported_inputs_raise():
     q, k, v = (torch.randn(1, 8, 2, 96, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     with pytest.raises(NotImplementedError, match="supports head dims 64 and 128, got 96"):
         attention(q, k, v)
+
+
+def test_strided_qkv_views_cpu(seed):
+    qkv = torch.randn(2, 11, 3, 2, 8)
+    q, k, v = qkv.unbind(2)
+    out = attention(q, k, v, attn_mask_type="causal")
+    ref = attention(q.contiguous(), k.contiguous(), v.contiguous(), attn_mask_type="causal")
+    assert torch.equal(out, ref)

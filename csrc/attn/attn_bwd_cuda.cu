@@ -167,7 +167,7 @@ __global__ void __launch_bounds__(kBwdThreads) dkdv_kernel(const sf_attn_problem
                         const int c = c_lo + (e >> 1) * 8, r = m0 + ql;
                         const bool ok = !need_mask ||
                                         (r < sq && c < sk && sf_attn_allowed(r, c, off, left, right));
-                        const float pv = ok ? exp2f(fmaf(st[i][e], sl2, -sLse[ql])) : 0.f;
+                        const float pv = ok ? fast_exp2(fmaf(st[i][e], sl2, -sLse[ql])) : 0.f;
                         st[i][e] = pv;
                         dpt[i][e] = pv * (dpt[i][e] - sDelta[ql]);
                     }
@@ -358,7 +358,7 @@ __global__ void __launch_bounds__(kBwdThreads) dq_kernel(const sf_attn_problem p
                 for (int e = 0; e < 4; ++e) {
                     const int r = r_lo + (e >> 1) * 8, c = n0 + i * 8 + 2 * t4 + (e & 1);
                     const bool ok = !need_mask || (r < sq && c < sk && sf_attn_allowed(r, c, off, left, right));
-                    const float pv = ok ? exp2f(fmaf(s[i][e], sl2, -lse2[e >> 1])) : 0.f;
+                    const float pv = ok ? fast_exp2(fmaf(s[i][e], sl2, -lse2[e >> 1])) : 0.f;
                     s[i][e] = pv * (dp[i][e] - dlt[e >> 1]); /* dS */
                 }
 #pragma unroll

@@ -131,6 +131,16 @@ __device__ __forceinline__ int64_t lse_at(const sf_attn_problem &p, int b, int h
     return (int64_t)b * p.lse_sb + (int64_t)h * p.lse_sh + t;
 }
 
+/* 2^x on the special-function unit (ex2.approx: relative error < 2^-22,
+ * 2^-inf = 0); exp2f without fast-math is several instructions more, and
+ * the exponentials are a bottleneck of attention. */
+__device__ __forceinline__ float fast_exp2(float x)
+{
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
 /* Sum over the 4 lanes of a quad (they hold one row of a C fragment). */
 __device__ __forceinline__ float quad_sum(float x)
 {

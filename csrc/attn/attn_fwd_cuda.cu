@@ -142,13 +142,13 @@ __global__ void __launch_bounds__(kFwdThreads, 1) fwd_kernel(const sf_attn_probl
                     mx = fmaxf(mx, fmaxf(s[i][2 * hr], s[i][2 * hr + 1]));
                 mx = quad_max(mx);
                 const float base = mx == -INFINITY ? 0.f : mx * sl2;
-                const float corr = exp2f(row_max[hr] * sl2 - base); /* 0 when the old max was -inf */
+                const float corr = fast_exp2(row_max[hr] * sl2 - base); /* 0 when the old max was -inf */
                 row_max[hr] = mx;
                 float sum = 0.f;
 #pragma unroll
                 for (int i = 0; i < NS; ++i) {
-                    s[i][2 * hr] = exp2f(fmaf(s[i][2 * hr], sl2, -base));
-                    s[i][2 * hr + 1] = exp2f(fmaf(s[i][2 * hr + 1], sl2, -base));
+                    s[i][2 * hr] = fast_exp2(fmaf(s[i][2 * hr], sl2, -base));
+                    s[i][2 * hr + 1] = fast_exp2(fmaf(s[i][2 * hr + 1], sl2, -base));
                     sum += s[i][2 * hr] + s[i][2 * hr + 1];
                 }
                 row_sum[hr] = row_sum[hr] * corr + sum;
