@@ -25,6 +25,14 @@ FWD_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 BWD_TOL = {torch.bfloat16: 3e-2, torch.float16: 6e-3}
 
 
+@pytest.fixture(params=[1, 0], ids=["fwd4x32", "fwd8x16"])
+def fwd_variant(request):
+    """Both tile shapes of the forward kernel (the default 1 restored after)."""
+    seqfuse._C.attn_set_fwd_variant(request.param)
+    yield request.param
+    seqfuse._C.attn_set_fwd_variant(1)
+
+
 def poisoned(shape, dtype):
     return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
 
@@ -86,7 +94,7 @@ def check(out, grads, ref, ref_grads, dtype, what):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("h,hk", [(4, 4), (4, 2), (6, 1)])
 @pytest.mark.parametrize("sq,sk", LENGTHS)
-def test_cuda_matches_reference(fmt, mask, d, h, hk, sq, sk, seed):
+def test_cuda_matches_reference(fmt, mask, d, h, hk, sq, sk, seed, fwd_variant):
     if fmt == "thd" and mask not in PADDING:
         pytest.skip("thd always delimits sequences: covered by the padding masks")
     rng = random.Random(seed)
@@ -102,7 +110,7 @@ def test_cuda_matches_reference(fmt, mask, d, h, hk, sq, sk, seed):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("mask", ["no_mask", "causal", "padding_causal_bottom_right"])
 @pytest.mark.parametrize("sq,sk", [(64, 64), (191, 333), (500, 129)])
-def test_cuda_dtypes_and_longer(dtype, d, mask, sq, sk, seed):
+def test_cuda_dtypes_and_longer(dtype, d, mask, sq, sk, seed, fwd_variant):
     rng = random.Random(seed)
     q, k, v, dout, lq, lk = make_case("bshd", mask, 2, sq, sk, 4, 2, d, dtype, rng)
     out, lse, grads = run_ours(q, k, v, dout, "bshd", mask, lq, lk)
@@ -114,7 +122,7 @@ def test_cuda_dtypes_and_longer(dtype, d, mask, sq, sk, seed):
 @pytest.mark.parametrize("mask", ["no_mask", "causal", "padding_causal_bottom_right"])
 @pytest.mark.parametrize("fmt", ["bshd", "thd"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_cuda_sliding_window(window, mask, fmt, d, seed):
+def test_cuda_sliding_window(window, mask, fmt, d, seed, fwd_variant):
     rng = random.Random(seed)
     if fmt == "thd" and mask not in PADDING:
         mask = "padding" if mask == "no_mask" else "padding_causal"

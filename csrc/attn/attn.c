@@ -364,3 +364,12 @@ sf_status sf_attn_bwd(const sf_tensor *q, const sf_tensor *k, const sf_tensor *v
                    "%s: argument 'q' is a CUDA tensor but seqfuse was built without CUDA", op);
 #endif
 }
+
+#ifndef SF_WITH_CUDA
+sf_status sf_attn_set_fwd_variant(int variant)
+{
+    (void)variant;
+    return sf_fail(SF_ERR_NOT_IMPLEMENTED,
+                   "attention_fwd: kernel variants exist only in a CUDA build");
+}
+#endif

@@ -22,20 +22,38 @@
 
 namespace sf_attn {
 
-constexpr int kFwdWarps = 8, kFwdThreads = kFwdWarps * 32, kFwdBM = 16 * kFwdWarps, kFwdBN = 64;
+/* Tile shapes: WARPS warps of MT m16 row tiles each (BM = 16*MT*WARPS query
+ * rows per block), 64 keys per step.  QREG keeps Q's fragments in registers
+ * for the whole block; otherwise they are re-read from shared memory at each
+ * step (head dim 128 with two row tiles would not fit the register file).
+ * Two row tiles per warp reuse every K/V fragment read from shared memory
+ * twice, which is what shared-memory bandwidth asks for. */
+template <int D, int VARIANT> struct FwdCfg;
+template <int D> struct FwdCfg<D, 0> { /* 8 warps x 16 rows */
+    static constexpr int WARPS = 8, MT = 1, BN = 64;
+    static constexpr bool QREG = true;
+};
+template <int D> struct FwdCfg<D, 1> { /* 4 warps x 32 rows */
+    static constexpr int WARPS = 4, MT = 2, BN = 64;
+    static constexpr bool QREG = D <= 64;
+};
 
-template <int D> constexpr int fwd_smem_bytes()
+template <int D, int VARIANT> constexpr int fwd_smem_bytes()
 {
-    return (kFwdBM + 2 * kFwdBN) * (D + 8) * 2;
+    using C = FwdCfg<D, VARIANT>;
+    return (16 * C::MT * C::WARPS + 2 * C::BN) * (D + 8) * 2;
 }
 
-template <typename T, int D>
-__global__ void __launch_bounds__(kFwdThreads, 1) fwd_kernel(const sf_attn_problem p)
+template <typename T, int D, int VARIANT>
+__global__ void __launch_bounds__(32 * FwdCfg<D, VARIANT>::WARPS, 1) fwd_kernel(const sf_attn_problem p)
 {
-    constexpr int SD = D + 8, BM = kFwdBM, BN = kFwdBN, NT = kFwdThreads;
+    using C = FwdCfg<D, VARIANT>;
+    constexpr int WARPS = C::WARPS, MT = C::MT, BN = C::BN, NT = 32 * WARPS;
+    constexpr int SD = D + 8, BM = 16 * MT * WARPS;
     constexpr int KD = D / 16;  /* 16-wide chunks of the head dim */
-    constexpr int NS = BN / 8;  /* 8-wide score tiles per row block */
+    constexpr int NS = BN / 8;  /* 8-wide score tiles per row tile */
     constexpr int NO = D / 8;   /* 8-wide output tiles */
+    constexpr int QF = C::QREG ? KD : 1;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T *sQ = reinterpret_cast<T *>(smem_raw);
     T *sK = sQ + BM * SD;
@@ -67,13 +85,18 @@ __global__ void __launch_bounds__(kFwdThreads, 1) fwd_kernel(const sf_attn_probl
     const T *qbase = view_ptr<const T>(p.q, b, qs + m0, h);
     const T *kbase = view_ptr<const T>(p.k, b, ks, hk);
     const T *vbase = view_ptr<const T>(p.v, b, ks, hk);
+    const int wrow = warp * 16 * MT; /* first row of this warp in the block */
 
-    float o[NO][4];
+    float o[MT][NO][4];
+    float row_max[MT][2], row_sum[MT][2];
 #pragma unroll
-    for (int i = 0; i < NO; ++i)
-        o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-    float row_max[2] = {-INFINITY, -INFINITY};
-    float row_sum[2] = {0.f, 0.f};
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int i = 0; i < NO; ++i)
+            o[mt][i][0] = o[mt][i][1] = o[mt][i][2] = o[mt][i][3] = 0.f;
+        row_max[mt][0] = row_max[mt][1] = -INFINITY;
+        row_sum[mt][0] = row_sum[mt][1] = 0.f;
+    }
 
     if (nb_lo < nb_hi) {
         load_tile<T, BM, D, NT>(sQ, qbase, p.q.ss, min(BM, sq - m0));
@@ -83,13 +106,16 @@ __global__ void __launch_bounds__(kFwdThreads, 1) fwd_kernel(const sf_attn_probl
         cp_async_wait<0>();
         __syncthreads();
 
-        uint32_t qf[KD][4];
+        uint32_t qf[MT][QF][4];
+        if constexpr (C::QREG) {
 #pragma unroll
-        for (int kk = 0; kk < KD; ++kk)
-            ldsm_x4(qf[kk], smem_addr(sQ + (warp * 16 + lane % 16) * SD + kk * 16 + (lane / 16) * 8));
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int kk = 0; kk < QF; ++kk)
+                    ldsm_x4(qf[mt][kk], smem_addr(sQ + (wrow + mt * 16 + lane % 16) * SD + kk * 16 + (lane / 16) * 8));
+        }
 
         const int mi = lane / 8, mr = lane % 8;
-        const int r_lo = m0 + warp * 16 + g; /* this thread's two rows: r_lo, r_lo + 8 */
 
         for (int nb = nb_lo; nb < nb_hi; ++nb) {
             const int n0 = nb * BN;
@@ -97,18 +123,34 @@ __global__ void __launch_bounds__(kFwdThreads, 1) fwd_kernel(const sf_attn_probl
             load_tile<T, BN, D, NT>(sV, vbase + (int64_t)n0 * p.v.ss, p.v.ss, min(BN, sk - n0));
             cp_async_commit();
 
-            float s[NS][4];
+            float s[MT][NS][4];
 #pragma unroll
-            for (int i = 0; i < NS; ++i)
-                s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int i = 0; i < NS; ++i)
+                    s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.f;
 #pragma unroll
             for (int kk = 0; kk < KD; ++kk) {
+                uint32_t qa[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    if constexpr (C::QREG) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            qa[mt][e] = qf[mt][kk][e];
+                    } else {
+                        ldsm_x4(qa[mt], smem_addr(sQ + (wrow + mt * 16 + lane % 16) * SD + kk * 16 + (lane / 16) * 8));
+                    }
+                }
 #pragma unroll
                 for (int j = 0; j < NS / 2; ++j) {
                     uint32_t kf[4];
                     ldsm_x4(kf, smem_addr(sK + (j * 16 + mr + (mi >> 1) * 8) * SD + kk * 16 + (mi & 1) * 8));
-                    Mma<T>::run(s[2 * j], qf[kk], kf[0], kf[1]);
-                    Mma<T>::run(s[2 * j + 1], qf[kk], kf[2], kf[3]);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        Mma<T>::run(s[mt][2 * j], qa[mt], kf[0], kf[1]);
+                        Mma<T>::run(s[mt][2 * j + 1], qa[mt], kf[2], kf[3]);
+                    }
                 }
             }
             __syncthreads(); /* every warp is done with sK */
@@ -124,40 +166,45 @@ __global__ void __launch_bounds__(kFwdThreads, 1) fwd_kernel(const sf_attn_probl
                                    (left >= 0 && n0 < m0 + BM - 1 + off - left);
             if (need_mask) {
 #pragma unroll
-                for (int i = 0; i < NS; ++i)
+                for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        int r = r_lo + (e >> 1) * 8, c = n0 + i * 8 + 2 * t4 + (e & 1);
-                        if (c >= sk || !sf_attn_allowed(r, c, off, left, right))
-                            s[i][e] = -INFINITY;
-                    }
+                    for (int i = 0; i < NS; ++i)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int r = m0 + wrow + mt * 16 + g + (e >> 1) * 8;
+                            const int c = n0 + i * 8 + 2 * t4 + (e & 1);
+                            if (c >= sk || !sf_attn_allowed(r, c, off, left, right))
+                                s[mt][i][e] = -INFINITY;
+                        }
             }
 
-            /* online softmax: two rows per thread, a quad shares a row */
+            /* online softmax: two rows per thread and row tile, a quad shares a row */
 #pragma unroll
-            for (int hr = 0; hr < 2; ++hr) {
-                float mx = row_max[hr];
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                for (int i = 0; i < NS; ++i)
-                    mx = fmaxf(mx, fmaxf(s[i][2 * hr], s[i][2 * hr + 1]));
-                mx = quad_max(mx);
-                const float base = mx == -INFINITY ? 0.f : mx * sl2;
-                const float corr = fast_exp2(row_max[hr] * sl2 - base); /* 0 when the old max was -inf */
-                row_max[hr] = mx;
-                float sum = 0.f;
+                for (int hr = 0; hr < 2; ++hr) {
+                    float mx = row_max[mt][hr];
 #pragma unroll
-                for (int i = 0; i < NS; ++i) {
-                    s[i][2 * hr] = fast_exp2(fmaf(s[i][2 * hr], sl2, -base));
-                    s[i][2 * hr + 1] = fast_exp2(fmaf(s[i][2 * hr + 1], sl2, -base));
-                    sum += s[i][2 * hr] + s[i][2 * hr + 1];
+                    for (int i = 0; i < NS; ++i)
+                        mx = fmaxf(mx, fmaxf(s[mt][i][2 * hr], s[mt][i][2 * hr + 1]));
+                    mx = quad_max(mx);
+                    const float base = mx == -INFINITY ? 0.f : mx * sl2;
+                    const float corr = fast_exp2(row_max[mt][hr] * sl2 - base); /* 0 when the old max was -inf */
+                    row_max[mt][hr] = mx;
+                    float sum = 0.f;
+#pragma unroll
+                    for (int i = 0; i < NS; ++i) {
+                        s[mt][i][2 * hr] = fast_exp2(fmaf(s[mt][i][2 * hr], sl2, -base));
+                        s[mt][i][2 * hr + 1] = fast_exp2(fmaf(s[mt][i][2 * hr + 1], sl2, -base));
+                        sum += s[mt][i][2 * hr] + s[mt][i][2 * hr + 1];
+                    }
+                    row_sum[mt][hr] = row_sum[mt][hr] * corr + sum;
+#pragma unroll
+                    for (int i = 0; i < NO; ++i) {
+                        o[mt][i][2 * hr] *= corr;
+                        o[mt][i][2 * hr + 1] *= corr;
+                    }
                 }
-                row_sum[hr] = row_sum[hr] * corr + sum;
-#pragma unroll
-                for (int i = 0; i < NO; ++i) {
-                    o[i][2 * hr] *= corr;
-                    o[i][2 * hr + 1] *= corr;
-                }
-            }
 
             if (nb + 1 < nb_hi)
                 cp_async_wait<1>(); /* V landed; K of the next tile may still fly */
@@ -167,17 +214,23 @@ __global__ void __launch_bounds__(kFwdThreads, 1) fwd_kernel(const sf_attn_probl
 
 #pragma unroll
             for (int kc = 0; kc < BN / 16; ++kc) {
-                uint32_t a[4];
-                a[0] = Mma<T>::pack(s[2 * kc][0], s[2 * kc][1]);
-                a[1] = Mma<T>::pack(s[2 * kc][2], s[2 * kc][3]);
-                a[2] = Mma<T>::pack(s[2 * kc + 1][0], s[2 * kc + 1][1]);
-                a[3] = Mma<T>::pack(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+                uint32_t a[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    a[mt][0] = Mma<T>::pack(s[mt][2 * kc][0], s[mt][2 * kc][1]);
+                    a[mt][1] = Mma<T>::pack(s[mt][2 * kc][2], s[mt][2 * kc][3]);
+                    a[mt][2] = Mma<T>::pack(s[mt][2 * kc + 1][0], s[mt][2 * kc + 1][1]);
+                    a[mt][3] = Mma<T>::pack(s[mt][2 * kc + 1][2], s[mt][2 * kc + 1][3]);
+                }
 #pragma unroll
                 for (int j = 0; j < D / 16; ++j) {
                     uint32_t vf[4];
                     ldsm_x4_t(vf, smem_addr(sV + (kc * 16 + mr + (mi & 1) * 8) * SD + j * 16 + (mi >> 1) * 8));
-                    Mma<T>::run(o[2 * j], a, vf[0], vf[1]);
-                    Mma<T>::run(o[2 * j + 1], a, vf[2], vf[3]);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        Mma<T>::run(o[mt][2 * j], a[mt], vf[0], vf[1]);
+                        Mma<T>::run(o[mt][2 * j + 1], a[mt], vf[2], vf[3]);
+                    }
                 }
             }
             if (nb + 1 < nb_hi) {
@@ -189,22 +242,24 @@ __global__ void __launch_bounds__(kFwdThreads, 1) fwd_kernel(const sf_attn_probl
 
     /* epilogue: O / l, lse; zero rows for padding and rows that saw nothing */
 #pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-        const int r = m0 + warp * 16 + g + hr * 8;
-        const float l = quad_sum(row_sum[hr]);
-        if (r >= rows_total)
-            continue;
-        const bool real = r < sq && l > 0.f; /* padded rows computed on zero Q: drop them */
-        const float inv = real ? 1.f / l : 0.f;
-        T *orow = view_ptr<T>(p.o, b, qs + r, h);
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int i = 0; i < NO; ++i)
-            *reinterpret_cast<uint32_t *>(orow + i * 8 + 2 * t4) =
-                Mma<T>::pack(o[i][2 * hr] * inv, o[i][2 * hr + 1] * inv);
-        if (t4 == 0)
-            p.lse[lse_at(p, b, h, qs + r)] =
-                real ? (row_max[hr] * sl2 + log2f(l)) * kLn2 : INFINITY;
-    }
+        for (int hr = 0; hr < 2; ++hr) {
+            const int r = m0 + wrow + mt * 16 + g + hr * 8;
+            const float l = quad_sum(row_sum[mt][hr]);
+            if (r >= rows_total)
+                continue;
+            const bool real = r < sq && l > 0.f; /* padded rows computed on zero Q: drop them */
+            const float inv = real ? 1.f / l : 0.f;
+            T *orow = view_ptr<T>(p.o, b, qs + r, h);
+#pragma unroll
+            for (int i = 0; i < NO; ++i)
+                *reinterpret_cast<uint32_t *>(orow + i * 8 + 2 * t4) =
+                    Mma<T>::pack(o[mt][i][2 * hr] * inv, o[mt][i][2 * hr + 1] * inv);
+            if (t4 == 0)
+                p.lse[lse_at(p, b, h, qs + r)] =
+                    real ? (row_max[mt][hr] * sl2 + log2f(l)) * kLn2 : INFINITY;
+        }
 }
 
 __global__ void zero_tail_kernel(sf_attn_view view, int heads, int dim, const int32_t *cu,
@@ -270,18 +325,38 @@ cudaError_t allow_smem(const void *kernel, int bytes)
     return e;
 }
 
-template <typename T, int D>
-static sf_status launch_fwd(const sf_attn_problem &p, cudaStream_t stream)
+/* Which tile shape the forward uses: 1 (4 warps x 32 rows) unless
+ * sf_attn_set_fwd_variant() picked 0 (8 warps x 16 rows, the first version,
+ * kept so the two can be timed against each other on the GPU). */
+static int g_fwd_variant = 1;
+
+template <typename T, int D, int VARIANT>
+static sf_status launch_fwd_variant(const sf_attn_problem &p, cudaStream_t stream)
 {
-    constexpr int smem = fwd_smem_bytes<D>();
-    SF_CUDA_TRY("attention_fwd", allow_smem((const void *)fwd_kernel<T, D>, smem));
-    dim3 grid((p.max_sq + kFwdBM - 1) / kFwdBM, p.heads, p.batch);
-    fwd_kernel<T, D><<<grid, kFwdThreads, smem, stream>>>(p);
+    constexpr int smem = fwd_smem_bytes<D, VARIANT>();
+    constexpr int BM = 16 * FwdCfg<D, VARIANT>::MT * FwdCfg<D, VARIANT>::WARPS;
+    SF_CUDA_TRY("attention_fwd", allow_smem((const void *)fwd_kernel<T, D, VARIANT>, smem));
+    dim3 grid((p.max_sq + BM - 1) / BM, p.heads, p.batch);
+    fwd_kernel<T, D, VARIANT><<<grid, 32 * FwdCfg<D, VARIANT>::WARPS, smem, stream>>>(p);
     SF_CUDA_CHECK_LAUNCH("attention_fwd");
     return SF_OK;
 }
 
+template <typename T, int D>
+static sf_status launch_fwd(const sf_attn_problem &p, cudaStream_t stream)
+{
+    return g_fwd_variant == 0 ? launch_fwd_variant<T, D, 0>(p, stream) : launch_fwd_variant<T, D, 1>(p, stream);
+}
+
 } // namespace sf_attn
+
+extern "C" sf_status sf_attn_set_fwd_variant(int variant)
+{
+    if (variant != 0 && variant != 1)
+        return sf_fail(SF_ERR_VALUE, "attention_fwd: variant must be 0 or 1, got %d", variant);
+    sf_attn::g_fwd_variant = variant;
+    return SF_OK;
+}
 
 extern "C" sf_status sf_attn_fwd_cuda(const sf_attn_problem *p, sf_stream s, int device)
 {

@@ -150,6 +150,13 @@ static void run_case(const Case &c)
     T(&gdo, dout, true, c.dtype, nd, sh_q);
     T(&gdq, dq, true, c.dtype, nd, sh_q); T(&gdk, dk, true, c.dtype, nd, sh_k); T(&gdv, dv, true, c.dtype, nd, sh_k);
     T(&gacc, acc, true, SF_FLOAT32, nd, sh_q); T(&gdelta, delta, true, SF_FLOAT32, lse_nd, sh_l);
+    const double tol = c.dtype == SF_BFLOAT16 ? 2e-2 : 4e-3;
+    char what[320];
+    int n = snprintf(what, sizeof what, "%s %s mask=%d b=%d sq=%d sk=%d h=%d hk=%d d=%d win=(%d,%d)",
+                     sf_dtype_name(c.dtype), c.fmt == SF_ATTN_BSHD ? "bshd" : c.fmt == SF_ATTN_SBHD ? "sbhd" : "thd",
+                     (int)c.mask, c.b, c.sq, c.sk, c.h, c.hk, c.d, c.left, c.right);
+    for (int variant = 0; variant < 2; ++variant) {
+    CHECK_SF(sf_attn_set_fwd_variant(variant));
     out.poison(); lse.poison();
     CHECK_SF(sf_attn_fwd(&gq, &gk, &gv, with_cu ? &gcq : NULL, with_cu ? &gck : NULL, &cfg, &gout, &glse, NULL));
     CHECK_CUDA(cudaDeviceSynchronize());
@@ -164,14 +171,13 @@ static void run_case(const Case &c)
         if (a != a) { lse_bad = true; continue; }
         e_lse = fmax(e_lse, fabs(a - r));
     }
-    const double tol = c.dtype == SF_BFLOAT16 ? 2e-2 : 4e-3;
-    char what[320];
-    int n = snprintf(what, sizeof what, "%s %s mask=%d b=%d sq=%d sk=%d h=%d hk=%d d=%d win=(%d,%d)",
-                     sf_dtype_name(c.dtype), c.fmt == SF_ATTN_BSHD ? "bshd" : c.fmt == SF_ATTN_SBHD ? "sbhd" : "thd",
-                     (int)c.mask, c.b, c.sq, c.sk, c.h, c.hk, c.d, c.left, c.right);
-    snprintf(what + n, sizeof what - n, " fwd: out rel %.2e lse max abs %.2e%s%s", e_out, e_lse,
-             nan ? " NaN" : "", lse_bad ? " lse-inf-mismatch" : "");
+    snprintf(what + n, sizeof what - n, " fwd(variant %d): out rel %.2e lse max abs %.2e%s%s", variant, e_out,
+             e_lse, nan ? " NaN" : "", lse_bad ? " lse-inf-mismatch" : "");
     check_report(!nan && !lse_bad && e_out <= tol && e_lse <= 2e-3, what);
+    if (getenv("CHECK_VERBOSE"))
+        printf("%s\n", what);
+    }
+    CHECK_SF(sf_attn_set_fwd_variant(1));
 
     /* CUDA backward from the reference out and lse */
     out.host = ref_out; out.upload();
@@ -276,15 +282,18 @@ int main(int argc, char **argv)
     if (argc > 1 && !strcmp(argv[1], "--no-bench"))
         return check_finish("check_attn");
     printf("\nspeed: 16k tokens per batch, bf16, bshd (TFLOP/s)\n");
-    printf("%-6s %-4s %-7s %10s %12s\n", "seqlen", "hd", "causal", "fwd", "fwd+bwd");
+    printf("%-6s %-4s %-7s %10s %12s %14s\n", "seqlen", "hd", "causal", "fwd", "fwd+bwd", "fwd(8x16 tile)");
     for (int d : {64, 128})
         for (int s : {1024, 4096, 8192})
             for (int causal = 0; causal < 2; ++causal) {
                 int b = 16384 / s, h = d == 64 ? 32 : 16;
                 sf_attn_mask m = causal ? SF_ATTN_CAUSAL : SF_ATTN_NO_MASK;
+                CHECK_SF(sf_attn_set_fwd_variant(0));
+                double f0 = time_fwd_bwd(SF_ATTN_BSHD, m, b, s, h, d, false);
+                CHECK_SF(sf_attn_set_fwd_variant(1));
                 double f = time_fwd_bwd(SF_ATTN_BSHD, m, b, s, h, d, false);
                 double fb = time_fwd_bwd(SF_ATTN_BSHD, m, b, s, h, d, true);
-                printf("%-6d %-4d %-7s %10.1f %12.1f TFLOP/s\n", s, d, causal ? "yes" : "no", f, fb);
+                printf("%-6d %-4d %-7s %10.1f %12.1f %14.1f TFLOP/s\n", s, d, causal ? "yes" : "no", f, fb, f0);
             }
     return check_finish("check_attn");
 }

@@ -99,6 +99,11 @@ sf_status sf_attn_bwd(const sf_tensor *q, const sf_tensor *k, const sf_tensor *v
                       sf_tensor *dq, sf_tensor *dk, sf_tensor *dv,
                       sf_tensor *dq_accum, sf_tensor *delta, sf_stream stream);
 
+/* Tuning knob for benchmarks: the forward's tile shape on CUDA, 1 (default:
+ * 4 warps x 32 query rows per block) or 0 (8 warps x 16 rows).  Process-wide;
+ * NotImplementedError without CUDA. */
+sf_status sf_attn_set_fwd_variant(int variant);
+
 #ifdef __cplusplus
 }
 #endif
