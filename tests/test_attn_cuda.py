@@ -25,12 +25,15 @@ FWD_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 BWD_TOL = {torch.bfloat16: 3e-2, torch.float16: 6e-3}
 
 
-@pytest.fixture(params=[1, 0], ids=["fwd4x32", "fwd8x16"])
+@pytest.fixture(params=[1, 0], ids=["kernels_v1", "kernels_v0"])
 def fwd_variant(request):
-    """Both tile shapes of the forward kernel (the default 1 restored after)."""
+    """Both versions of the forward tile shape and of the dK/dV kernel
+    (variant 1, the default, restored after)."""
     seqfuse._C.attn_set_fwd_variant(request.param)
+    seqfuse._C.attn_set_bwd_variant(request.param)
     yield request.param
     seqfuse._C.attn_set_fwd_variant(1)
+    seqfuse._C.attn_set_bwd_variant(1)
 
 
 def poisoned(shape, dtype):
@@ -173,7 +176,7 @@ def test_cuda_vs_torch_sdpa(d, causal, h, hk, seed):
 
 @pytest.mark.parametrize("mask", ["padding", "padding_causal", "padding_causal_bottom_right"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_cuda_thd_equals_bshd(mask, d, seed):
+def test_cuda_thd_equals_bshd(mask, d, seed, fwd_variant):
     """Packed and padded batches of the same sequences give the same outputs
     and (deterministic) gradients on the real tokens, bit for bit."""
     rng = random.Random(seed)

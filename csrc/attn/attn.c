@@ -372,4 +372,11 @@ sf_status sf_attn_set_fwd_variant(int variant)
     return sf_fail(SF_ERR_NOT_IMPLEMENTED,
                    "attention_fwd: kernel variants exist only in a CUDA build");
 }
+
+sf_status sf_attn_set_bwd_variant(int variant)
+{
+    (void)variant;
+    return sf_fail(SF_ERR_NOT_IMPLEMENTED,
+                   "attention_bwd: kernel variants exist only in a CUDA build");
+}
 #endif

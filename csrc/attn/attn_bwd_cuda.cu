@@ -263,6 +263,223 @@ __global__ void __launch_bounds__(kBwdThreads) dkdv_kernel(const sf_attn_problem
     }
 }
 
+/* Variant 1 of dkdv_kernel (the default): 32 query rows per step instead of
+ * 64 and the next step's Q, dO, lse and delta fetched (cp.async, double
+ * buffered) while the current one is computed, so the loads no longer stall
+ * the block; the smaller step also keeps S^T and dP^T in half the registers
+ * (no spills at head dim 128).  dQ of a step: warp w adds query rows
+ * 16*(w%2).. and head-dim columns (w/2)*D/2.. of dS K.  Same math and the
+ * same order of the dK, dV sums as variant 0. */
+constexpr int kBwdBM1 = 32;
+
+template <int D> constexpr int dkdv1_smem_bytes()
+{
+    return (2 * kBwdBN + 4 * kBwdBM1) * (D + 8) * 2 + kBwdBN * (kBwdBM1 + 8) * 2 + 4 * kBwdBM1 * 4;
+}
+
+template <typename T, int D, bool kAtomicDq>
+__global__ void __launch_bounds__(kBwdThreads) dkdv1_kernel(const sf_attn_problem p)
+{
+    constexpr int SD = D + 8, BM = kBwdBM1, BN = kBwdBN, NT = kBwdThreads, SS = BM + 8;
+    constexpr int KD = D / 16, NO = D / 8, NS = BM / 8, DH = D / 2;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T *sK = reinterpret_cast<T *>(smem_raw);
+    T *sV = sK + BN * SD;
+    T *sQ0 = sV + BN * SD;      /* [2][BM][SD] */
+    T *sdO0 = sQ0 + 2 * BM * SD; /* [2][BM][SD] */
+    T *sdS = sdO0 + 2 * BM * SD; /* dS^T [key][query] */
+    float *sLse0 = reinterpret_cast<float *>(sdS + BN * SS); /* [2][BM], lse * log2(e) */
+    float *sDelta0 = sLse0 + 2 * BM;                         /* [2][BM] */
+
+    const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const int G = p.heads / p.heads_kv;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t4 = lane % 4, mi = lane / 8, mr = lane % 8;
+
+    int64_t qs, ks;
+    int sq, sk;
+    sf_attn_seq_q(&p, b, &qs, &sq);
+    sf_attn_seq_k(&p, b, &ks, &sk);
+    const int n0 = n_block * BN;
+    const int rows_total = p.thd ? sk : p.max_sk;
+    if (n0 >= rows_total)
+        return;
+    const int off = sf_attn_diag(&p, sq, sk);
+    const int left = p.window_left, right = p.window_right;
+    const float sl2 = p.scale * kLog2e;
+
+    int m_lo = 0, m_hi = 0;
+    if (n0 < sk)
+        sf_attn_query_range(n0, min(n0 + BN, sk) - 1, off, left, right, sq, &m_lo, &m_hi);
+    const int mb_lo = m_lo / BM, nmb = (m_hi + BM - 1) / BM - m_lo / BM;
+    const int steps = nmb > 0 ? G * nmb : 0; /* (head of the group, query tile) pairs */
+
+    float dk[NO][4], dv[NO][4];
+#pragma unroll
+    for (int i = 0; i < NO; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            dk[i][e] = dv[i][e] = 0.f;
+
+    /* issue the loads of step `it` into buffer `buf` */
+    auto fetch = [&](int it, int buf) {
+        const int h = hk * G + it / nmb, m0 = (mb_lo + it % nmb) * BM;
+        const int valid_q = min(BM, sq - m0);
+        load_tile<T, BM, D, NT>(sQ0 + buf * BM * SD, view_ptr<const T>(p.q, b, qs + m0, h), p.q.ss, valid_q);
+        load_tile<T, BM, D, NT>(sdO0 + buf * BM * SD, view_ptr<const T>(p.dout, b, qs + m0, h), p.dout.ss, valid_q);
+        cp_async_commit();
+        for (int i = threadIdx.x; i < BM; i += NT) {
+            const bool ok = i < valid_q;
+            sLse0[buf * BM + i] = ok ? p.lse[lse_at(p, b, h, qs + m0 + i)] * kLog2e : INFINITY;
+            sDelta0[buf * BM + i] = ok ? p.delta[lse_at(p, b, h, qs + m0 + i)] : 0.f;
+        }
+    };
+
+    if (steps > 0) {
+        load_tile<T, BN, D, NT>(sK, view_ptr<const T>(p.k, b, ks + n0, hk), p.k.ss, min(BN, sk - n0));
+        load_tile<T, BN, D, NT>(sV, view_ptr<const T>(p.v, b, ks + n0, hk), p.v.ss, min(BN, sk - n0));
+        cp_async_commit();
+        fetch(0, 0);
+        const int c_lo = n0 + warp * 16 + g; /* this thread's keys: c_lo, c_lo + 8 */
+
+        for (int it = 0; it < steps; ++it) {
+            const int buf = it & 1;
+            const int h = hk * G + it / nmb, m0 = (mb_lo + it % nmb) * BM;
+            if (it + 1 < steps) {
+                fetch(it + 1, buf ^ 1); /* buffer buf^1 was released by the barrier ending step it-1 */
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
+            __syncthreads();
+            const T *sQ = sQ0 + buf * BM * SD, *sdO = sdO0 + buf * BM * SD;
+            const float *sLse = sLse0 + buf * BM, *sDelta = sDelta0 + buf * BM;
+
+            float st[NS][4], dpt[NS][4];
+#pragma unroll
+            for (int i = 0; i < NS; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    st[i][e] = dpt[i][e] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < KD; ++kk) {
+                uint32_t ka[4], va[4];
+                ldsm_x4(ka, smem_addr(sK + (warp * 16 + lane % 16) * SD + kk * 16 + (lane / 16) * 8));
+                ldsm_x4(va, smem_addr(sV + (warp * 16 + lane % 16) * SD + kk * 16 + (lane / 16) * 8));
+#pragma unroll
+                for (int j = 0; j < NS / 2; ++j) {
+                    uint32_t qb[4], ob[4];
+                    const int row = j * 16 + mr + (mi >> 1) * 8, col = kk * 16 + (mi & 1) * 8;
+                    ldsm_x4(qb, smem_addr(sQ + row * SD + col));
+                    ldsm_x4(ob, smem_addr(sdO + row * SD + col));
+                    Mma<T>::run(st[2 * j], ka, qb[0], qb[1]);
+                    Mma<T>::run(st[2 * j + 1], ka, qb[2], qb[3]);
+                    Mma<T>::run(dpt[2 * j], va, ob[0], ob[1]);
+                    Mma<T>::run(dpt[2 * j + 1], va, ob[2], ob[3]);
+                }
+            }
+
+            const bool need_mask = m0 + BM > sq || n0 + BN > sk ||
+                                   (right >= 0 && n0 + BN - 1 > m0 + off + right) ||
+                                   (left >= 0 && n0 < m0 + BM - 1 + off - left);
+#pragma unroll
+            for (int i = 0; i < NS; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int ql = i * 8 + 2 * t4 + (e & 1);
+                    const int c = c_lo + (e >> 1) * 8, r = m0 + ql;
+                    const bool ok = !need_mask ||
+                                    (r < sq && c < sk && sf_attn_allowed(r, c, off, left, right));
+                    const float pv = ok ? fast_exp2(fmaf(st[i][e], sl2, -sLse[ql])) : 0.f;
+                    st[i][e] = pv;
+                    dpt[i][e] = pv * (dpt[i][e] - sDelta[ql]);
+                }
+
+#pragma unroll
+            for (int kc = 0; kc < BM / 16; ++kc) {
+                uint32_t ap[4], as[4];
+                ap[0] = Mma<T>::pack(st[2 * kc][0], st[2 * kc][1]);
+                ap[1] = Mma<T>::pack(st[2 * kc][2], st[2 * kc][3]);
+                ap[2] = Mma<T>::pack(st[2 * kc + 1][0], st[2 * kc + 1][1]);
+                ap[3] = Mma<T>::pack(st[2 * kc + 1][2], st[2 * kc + 1][3]);
+                as[0] = Mma<T>::pack(dpt[2 * kc][0], dpt[2 * kc][1]);
+                as[1] = Mma<T>::pack(dpt[2 * kc][2], dpt[2 * kc][3]);
+                as[2] = Mma<T>::pack(dpt[2 * kc + 1][0], dpt[2 * kc + 1][1]);
+                as[3] = Mma<T>::pack(dpt[2 * kc + 1][2], dpt[2 * kc + 1][3]);
+#pragma unroll
+                for (int j = 0; j < D / 16; ++j) {
+                    uint32_t ob[4], qb[4];
+                    const int row = kc * 16 + mr + (mi & 1) * 8, col = j * 16 + (mi >> 1) * 8;
+                    ldsm_x4_t(ob, smem_addr(sdO + row * SD + col));
+                    ldsm_x4_t(qb, smem_addr(sQ + row * SD + col));
+                    Mma<T>::run(dv[2 * j], ap, ob[0], ob[1]);
+                    Mma<T>::run(dv[2 * j + 1], ap, ob[2], ob[3]);
+                    Mma<T>::run(dk[2 * j], as, qb[0], qb[1]);
+                    Mma<T>::run(dk[2 * j + 1], as, qb[2], qb[3]);
+                }
+            }
+
+            if (kAtomicDq) {
+#pragma unroll
+                for (int i = 0; i < NS; ++i)
+#pragma unroll
+                    for (int hr = 0; hr < 2; ++hr)
+                        *reinterpret_cast<uint32_t *>(sdS + (warp * 16 + g + 8 * hr) * SS + i * 8 + 2 * t4) =
+                            Mma<T>::pack(dpt[i][2 * hr], dpt[i][2 * hr + 1]);
+                __syncthreads();
+                const int qrow = (warp & 1) * 16, dcol = (warp >> 1) * DH;
+                float acc[DH / 8][4];
+#pragma unroll
+                for (int i = 0; i < DH / 8; ++i)
+                    acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+#pragma unroll
+                for (int kc = 0; kc < BN / 16; ++kc) {
+                    uint32_t a[4];
+                    ldsm_x4_t(a, smem_addr(sdS + (kc * 16 + mr + (mi >> 1) * 8) * SS + qrow + (mi & 1) * 8));
+#pragma unroll
+                    for (int j = 0; j < DH / 16; ++j) {
+                        uint32_t kb[4];
+                        ldsm_x4_t(kb, smem_addr(sK + (kc * 16 + mr + (mi & 1) * 8) * SD + dcol + j * 16 + (mi >> 1) * 8));
+                        Mma<T>::run(acc[2 * j], a, kb[0], kb[1]);
+                        Mma<T>::run(acc[2 * j + 1], a, kb[2], kb[3]);
+                    }
+                }
+#pragma unroll
+                for (int hr = 0; hr < 2; ++hr) {
+                    const int r = m0 + qrow + g + 8 * hr;
+                    if (r >= sq)
+                        continue;
+                    float *dst = reinterpret_cast<float *>(p.dq_accum.ptr) + (int64_t)b * p.dq_accum.sb +
+                                 (qs + r) * p.dq_accum.ss + (int64_t)h * p.dq_accum.sh + dcol + 2 * t4;
+#pragma unroll
+                    for (int i = 0; i < DH / 8; ++i) {
+                        atomicAdd(dst + i * 8, acc[i][2 * hr] * p.scale);
+                        atomicAdd(dst + i * 8 + 1, acc[i][2 * hr + 1] * p.scale);
+                    }
+                }
+            }
+            __syncthreads(); /* the step's buffers, sdS and the key tile reads are done */
+        }
+    }
+
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        const int c = n0 + warp * 16 + g + 8 * hr;
+        if (c >= rows_total)
+            continue;
+        const bool real = c < sk;
+        T *dkrow = view_ptr<T>(p.dk, b, ks + c, hk);
+        T *dvrow = view_ptr<T>(p.dv, b, ks + c, hk);
+#pragma unroll
+        for (int i = 0; i < NO; ++i) {
+            *reinterpret_cast<uint32_t *>(dkrow + i * 8 + 2 * t4) =
+                Mma<T>::pack(real ? dk[i][2 * hr] * p.scale : 0.f, real ? dk[i][2 * hr + 1] * p.scale : 0.f);
+            *reinterpret_cast<uint32_t *>(dvrow + i * 8 + 2 * t4) =
+                Mma<T>::pack(real ? dv[i][2 * hr] : 0.f, real ? dv[i][2 * hr + 1] : 0.f);
+        }
+    }
+}
+
 /* Deterministic dQ: one block per 64 query rows, keys walked in order. */
 template <typename T, int D>
 __global__ void __launch_bounds__(kBwdThreads) dq_kernel(const sf_attn_problem p)
@@ -413,10 +630,34 @@ __global__ void dq_convert_kernel(const sf_attn_problem p, int64_t rows_per_batc
     }
 }
 
+/* The dK/dV kernel: 1 (dkdv1_kernel, default) or 0 (dkdv_kernel, the first
+ * version); see sf_attn_set_bwd_variant. */
+static int g_bwd_variant = -1;
+
+template <typename T, int D, bool kAtomicDq>
+static sf_status launch_dkdv(const sf_attn_problem &p, int n_blocks_k, cudaStream_t stream)
+{
+    static const char op[] = "attention_bwd";
+    const dim3 grid(n_blocks_k, p.heads_kv, p.batch);
+    if (g_bwd_variant == 0) {
+        constexpr int smem = dkdv_smem_bytes<D>();
+        SF_CUDA_TRY(op, allow_smem((const void *)dkdv_kernel<T, D, kAtomicDq>, smem));
+        dkdv_kernel<T, D, kAtomicDq><<<grid, kBwdThreads, smem, stream>>>(p);
+    } else {
+        constexpr int smem = dkdv1_smem_bytes<D>();
+        SF_CUDA_TRY(op, allow_smem((const void *)dkdv1_kernel<T, D, kAtomicDq>, smem));
+        dkdv1_kernel<T, D, kAtomicDq><<<grid, kBwdThreads, smem, stream>>>(p);
+    }
+    SF_CUDA_CHECK_LAUNCH(op);
+    return SF_OK;
+}
+
 template <typename T, int D>
 static sf_status launch_bwd(const sf_attn_problem &p, cudaStream_t stream)
 {
     static const char op[] = "attention_bwd";
+    if (g_bwd_variant < 0)
+        g_bwd_variant = env_variant("SEQFUSE_ATTN_BWD_VARIANT", 1);
     const int rows_q = p.max_sq, batch = p.batch;
     {
         dim3 grid((rows_q + 7) / 8, p.heads, batch);
@@ -425,12 +666,8 @@ static sf_status launch_bwd(const sf_attn_problem &p, cudaStream_t stream)
     }
     const int n_blocks_k = (p.max_sk + kBwdBN - 1) / kBwdBN;
     if (p.deterministic) {
-        if (n_blocks_k > 0) {
-            constexpr int smem = dkdv_smem_bytes<D>();
-            SF_CUDA_TRY(op, allow_smem((const void *)dkdv_kernel<T, D, false>, smem));
-            dkdv_kernel<T, D, false><<<dim3(n_blocks_k, p.heads_kv, batch), kBwdThreads, smem, stream>>>(p);
-            SF_CUDA_CHECK_LAUNCH(op);
-        }
+        if (n_blocks_k > 0)
+            SF_TRY((launch_dkdv<T, D, false>(p, n_blocks_k, stream)));
         constexpr int smem = dq_smem_bytes<D>();
         SF_CUDA_TRY(op, allow_smem((const void *)dq_kernel<T, D>, smem));
         dq_kernel<T, D><<<dim3((rows_q + kBwdBM - 1) / kBwdBM, p.heads, batch), kBwdThreads, smem, stream>>>(p);
@@ -439,12 +676,8 @@ static sf_status launch_bwd(const sf_attn_problem &p, cudaStream_t stream)
         const int64_t rows_per_batch = p.thd ? p.extent_q : p.max_sq;
         const int64_t total_rows = (p.thd ? 1 : batch) * rows_per_batch * p.heads;
         SF_CUDA_TRY(op, cudaMemsetAsync(p.dq_accum.ptr, 0, (size_t)total_rows * D * sizeof(float), stream));
-        if (n_blocks_k > 0) {
-            constexpr int smem = dkdv_smem_bytes<D>();
-            SF_CUDA_TRY(op, allow_smem((const void *)dkdv_kernel<T, D, true>, smem));
-            dkdv_kernel<T, D, true><<<dim3(n_blocks_k, p.heads_kv, batch), kBwdThreads, smem, stream>>>(p);
-            SF_CUDA_CHECK_LAUNCH(op);
-        }
+        if (n_blocks_k > 0)
+            SF_TRY((launch_dkdv<T, D, true>(p, n_blocks_k, stream)));
         if (total_rows > 0) {
             const int grid = (int)((total_rows + 7) / 8 < 65536 ? (total_rows + 7) / 8 : 65536);
             dq_convert_kernel<T, D><<<grid, dim3(32, 8), 0, stream>>>(p, rows_per_batch, total_rows);
@@ -455,6 +688,14 @@ static sf_status launch_bwd(const sf_attn_problem &p, cudaStream_t stream)
 }
 
 } // namespace sf_attn
+
+extern "C" sf_status sf_attn_set_bwd_variant(int variant)
+{
+    if (variant != 0 && variant != 1)
+        return sf_fail(SF_ERR_VALUE, "attention_bwd: variant must be 0 or 1, got %d", variant);
+    sf_attn::g_bwd_variant = variant;
+    return SF_OK;
+}
 
 extern "C" sf_status sf_attn_bwd_cuda(const sf_attn_problem *p, sf_stream s, int device)
 {

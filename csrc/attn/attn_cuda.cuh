@@ -168,6 +168,10 @@ namespace sf_attn {
  * Defined in attn_fwd_cuda.cu. */
 void launch_zero_tail(const sf_attn_problem &p, const sf_attn_view &view, int heads,
                       const int32_t *cu, int64_t extent, float *lse, cudaStream_t stream);
+/* A kernel variant named by an environment variable ("0" or "1"), else
+ * `fallback`: lets a GPU run switch back to a previous kernel without a
+ * rebuild.  Read once per process by the callers. */
+int env_variant(const char *name, int fallback);
 /* Opt a kernel into more than 48 KiB of dynamic shared memory (once per device). */
 cudaError_t allow_smem(const void *kernel, int bytes);
 } // namespace sf_attn

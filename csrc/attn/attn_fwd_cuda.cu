@@ -17,6 +17,8 @@
  * past a sequence's end exit early (THD) or write the zero padding (BSHD,
  * SBHD).  Causal blocks are issued heaviest first.
  */
+#include <stdlib.h>
+
 #include "../core/cuda_util.h"
 #include "attn_cuda.cuh"
 
@@ -325,10 +327,19 @@ cudaError_t allow_smem(const void *kernel, int bytes)
     return e;
 }
 
+int env_variant(const char *name, int fallback)
+{
+    const char *v = getenv(name);
+    if (v && (v[0] == '0' || v[0] == '1') && v[1] == '\0')
+        return v[0] - '0';
+    return fallback;
+}
+
 /* Which tile shape the forward uses: 1 (4 warps x 32 rows) unless
- * sf_attn_set_fwd_variant() picked 0 (8 warps x 16 rows, the first version,
- * kept so the two can be timed against each other on the GPU). */
-static int g_fwd_variant = 1;
+ * SEQFUSE_ATTN_FWD_VARIANT=0 or sf_attn_set_fwd_variant() picked 0 (8 warps x
+ * 16 rows, the first version, kept so the two can be timed against each
+ * other and so a GPU run can fall back to it without a rebuild). */
+static int g_fwd_variant = -1;
 
 template <typename T, int D, int VARIANT>
 static sf_status launch_fwd_variant(const sf_attn_problem &p, cudaStream_t stream)
@@ -345,6 +356,8 @@ static sf_status launch_fwd_variant(const sf_attn_problem &p, cudaStream_t strea
 template <typename T, int D>
 static sf_status launch_fwd(const sf_attn_problem &p, cudaStream_t stream)
 {
+    if (g_fwd_variant < 0)
+        g_fwd_variant = env_variant("SEQFUSE_ATTN_FWD_VARIANT", 1);
     return g_fwd_variant == 0 ? launch_fwd_variant<T, D, 0>(p, stream) : launch_fwd_variant<T, D, 1>(p, stream);
 }
 

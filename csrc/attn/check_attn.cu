@@ -11,6 +11,10 @@
  * dq, dk, dv are compared, in the default (atomic dQ) and deterministic
  * modes, the latter also checked bitwise reproducible.
  *
+ * Every forward check runs both forward tile variants, every backward check
+ * both dK/dV kernel variants (sf_attn_set_fwd/bwd_variant); the timing prints
+ * the defaults (variant 1) and the first versions (variant 0) side by side.
+ *
  * Speed: 16k tokens per batch, seqlens 1024/4096/8192, head dims 64 (32
  * heads) and 128 (16 heads), causal and not: forward and forward+backward
  * TFLOP/s (fwd 4*b*h*s*s*d, halved when causal; bwd 2.5x the forward).
@@ -183,7 +187,10 @@ static void run_case(const Case &c)
     out.host = ref_out; out.upload();
     lse.host = ref_lse; lse.upload();
     std::vector<uint8_t> det_dq;
-    for (int det = 0; det < 3; ++det) { /* 0: atomic dQ, 1 and 2: deterministic (compared bitwise) */
+    for (int run = 0; run < 6; ++run) {
+        /* dK/dV kernel variant run / 3; run % 3 = 0: atomic dQ, 1 and 2: deterministic (compared bitwise) */
+        const int det = run % 3, variant = run / 3;
+        CHECK_SF(sf_attn_set_bwd_variant(variant));
         cfg.deterministic = det > 0;
         dq.poison(); dk.poison(); dv.poison(); acc.poison(); delta.poison();
         CHECK_SF(sf_attn_bwd(&gq, &gk, &gv, &gout, &gdo, &glse, with_cu ? &gcq : NULL, with_cu ? &gck : NULL, &cfg,
@@ -197,10 +204,11 @@ static void run_case(const Case &c)
         bool repro = true;
         if (det == 1) det_dq = gdq_h;
         if (det == 2) repro = det_dq == gdq_h;
-        snprintf(what + n, sizeof what - n, " bwd%s: dq %.2e dk %.2e dv %.2e%s%s", det ? "(det)" : "",
-                 e_dq, e_dk, e_dv, bnan ? " NaN" : "", repro ? "" : " NOT-REPRODUCIBLE");
+        snprintf(what + n, sizeof what - n, " bwd(variant %d)%s: dq %.2e dk %.2e dv %.2e%s%s", variant,
+                 det ? "(det)" : "", e_dq, e_dk, e_dv, bnan ? " NaN" : "", repro ? "" : " NOT-REPRODUCIBLE");
         check_report(!bnan && repro && e_dq <= 2 * tol && e_dk <= 2 * tol && e_dv <= 2 * tol, what);
     }
+    CHECK_SF(sf_attn_set_bwd_variant(1));
     if (getenv("CHECK_VERBOSE"))
         printf("%s\n", what);
 }
@@ -282,18 +290,23 @@ int main(int argc, char **argv)
     if (argc > 1 && !strcmp(argv[1], "--no-bench"))
         return check_finish("check_attn");
     printf("\nspeed: 16k tokens per batch, bf16, bshd (TFLOP/s)\n");
-    printf("%-6s %-4s %-7s %10s %12s %14s\n", "seqlen", "hd", "causal", "fwd", "fwd+bwd", "fwd(8x16 tile)");
+    printf("%-6s %-4s %-7s %10s %12s %14s %14s\n", "seqlen", "hd", "causal", "fwd", "fwd+bwd", "fwd(variant0)",
+           "fwd+bwd(v0)");
     for (int d : {64, 128})
         for (int s : {1024, 4096, 8192})
             for (int causal = 0; causal < 2; ++causal) {
                 int b = 16384 / s, h = d == 64 ? 32 : 16;
                 sf_attn_mask m = causal ? SF_ATTN_CAUSAL : SF_ATTN_NO_MASK;
                 CHECK_SF(sf_attn_set_fwd_variant(0));
+                CHECK_SF(sf_attn_set_bwd_variant(0));
                 double f0 = time_fwd_bwd(SF_ATTN_BSHD, m, b, s, h, d, false);
+                double fb0 = time_fwd_bwd(SF_ATTN_BSHD, m, b, s, h, d, true);
                 CHECK_SF(sf_attn_set_fwd_variant(1));
+                CHECK_SF(sf_attn_set_bwd_variant(1));
                 double f = time_fwd_bwd(SF_ATTN_BSHD, m, b, s, h, d, false);
                 double fb = time_fwd_bwd(SF_ATTN_BSHD, m, b, s, h, d, true);
-                printf("%-6d %-4d %-7s %10.1f %12.1f %14.1f TFLOP/s\n", s, d, causal ? "yes" : "no", f, fb, f0);
+                printf("%-6d %-4d %-7s %10.1f %12.1f %14.1f %14.1f TFLOP/s\n", s, d, causal ? "yes" : "no", f, fb,
+                       f0, fb0);
             }
     return check_finish("check_attn");
 }

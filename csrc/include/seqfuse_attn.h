@@ -103,6 +103,11 @@ sf_status sf_attn_bwd(const sf_tensor *q, const sf_tensor *k, const sf_tensor *v
  * 4 warps x 32 query rows per block) or 0 (8 warps x 16 rows).  Process-wide;
  * NotImplementedError without CUDA. */
 sf_status sf_attn_set_fwd_variant(int variant);
+/* The same for the backward's dK/dV kernel: 1 (default: 32 query rows per
+ * step, next step prefetched) or 0 (64 rows, no prefetch).  The environment
+ * variables SEQFUSE_ATTN_FWD_VARIANT / SEQFUSE_ATTN_BWD_VARIANT (0 or 1) set
+ * the starting choice. */
+sf_status sf_attn_set_bwd_variant(int variant);
 
 #ifdef __cplusplus
 }
