@@ -121,6 +121,9 @@ def run_and_compare(make, check, Linear, LayerNorm, tol):
     ref = copy.deepcopy(model)
     params_before = {id(p) for p in model.parameters()}
     report = accelerate(model)
+    # Attention goes through seqfuse's fused kernel too.
+    assert "config._attn_implementation" in report.swapped_names()
+    assert model.config._attn_implementation == "seqfuse"
     # The same Parameter objects, none new, none lost.
     assert {id(p) for p in model.parameters()} == params_before
     check(model, report, Linear, LayerNorm)
@@ -128,9 +131,12 @@ def run_and_compare(make, check, Linear, LayerNorm, tol):
     ids = torch.randint(3, 99, (2, 11))
     mask = torch.ones_like(ids)
     mask[1, 8:] = 0
-    out = model(input_ids=ids, attention_mask=mask, labels=ids)
-    exp = ref(input_ids=ids, attention_mask=mask, labels=ids)
-    assert rel_error(out.logits, exp.logits) <= tol
+    labels = ids.masked_fill(mask == 0, -100)  # padded positions: no prediction to compare
+    out = model(input_ids=ids, attention_mask=mask, labels=labels)
+    exp = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    real = mask.bool()
+    assert rel_error(out.logits[real], exp.logits[real]) <= tol
+    assert abs(out.loss.item() - exp.loss.item()) <= tol * 10 * exp.loss.item()
     out.loss.backward()
     exp.loss.backward()
     ref_params = dict(ref.named_parameters())
@@ -277,3 +283,46 @@ def test_dtype_and_training_mode_kept(stand_ins):
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     q = model.model.layers[0].self_attn.q_proj
     assert type(q) is stand_ins[0] and q.training
+
+
+def test_attention_left_with_reasons(stand_ins):
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                  intermediate_size=32, attention_probs_dropout_prob=0.1)
+    model = transformers.BertModel(cfg)
+    report = accelerate(model)
+    assert "attention_probs_dropout_prob=0.1" in report.reason("config._attn_implementation")
+    assert model.config._attn_implementation != "seqfuse"
+    model = bert()
+    before = model.config._attn_implementation
+    report = accelerate(model, attention=False)
+    assert model.config._attn_implementation == before
+    assert "config._attn_implementation" not in report.swapped_names() + report.left_names()
+
+
+def test_attention_function_refuses_what_it_cannot_compute():
+    from seqfuse.hf.attention import seqfuse_attention_forward
+
+    class M(nn.Module):
+        is_causal = False
+
+    q = torch.randn(2, 4, 6, 8)
+    left_padded = torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6], dtype=torch.bool)
+    with pytest.raises(NotImplementedError, match="right padding"):
+        seqfuse_attention_forward(M(), q, q, q, left_padded)
+    with pytest.raises(NotImplementedError, match="custom mask"):
+        seqfuse_attention_forward(M(), q, q, q, torch.ones(2, 1, 6, 6, dtype=torch.bool))
+    with pytest.raises(NotImplementedError, match="sliding"):
+        seqfuse_attention_forward(M(), q, q, q, None, sliding_window=4)
+    with pytest.raises(NotImplementedError, match="soft-capping"):
+        seqfuse_attention_forward(M(), q, q, q, None, softcap=30.0)
+    m = M().train()
+    with pytest.raises(NotImplementedError, match="dropout"):
+        seqfuse_attention_forward(m, q, q, q, None, dropout=0.1)
+    # Right padding and GQA work: compare with torch.
+    k = torch.randn(2, 2, 6, 8)
+    mask = torch.tensor([[1] * 6, [1, 1, 1, 1, 0, 0]], dtype=torch.bool)
+    out, _ = seqfuse_attention_forward(M().eval(), q, k, k, mask, scaling=0.3)
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), k.repeat_interleave(2, 1),
+                                         attn_mask=mask[:, None, None, :], scale=0.3).transpose(1, 2)
+    assert rel_error(out[0], ref[0]) <= 1e-5 and rel_error(out[1, :4], ref[1, :4]) <= 1e-5

@@ -1,8 +1,9 @@
 """Hugging Face integration.
 
-- ``accelerate(model, recipe=None)``: swap nn.Linear / nn.LayerNorm of any
-  PreTrainedModel for seqfuse's in place; returns a report of what was
-  swapped and what was left and why.
+- ``accelerate(model, recipe=None, attention=True)``: swap nn.Linear /
+  nn.LayerNorm of any PreTrainedModel for seqfuse's in place, and its
+  attention for seqfuse's fused kernel (transformers' AttentionInterface,
+  "seqfuse"); returns a report of what was swapped and what was left and why.
 - ESM-2 in seqfuse layers: ``SeqfuseEsmConfig`` (and the published shapes via
   ``esm2_config``), config conversion ``from_hf_config`` / ``to_hf_config``,
   weight conversion in ``seqfuse.hf.convert``.

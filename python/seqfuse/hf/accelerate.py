@@ -23,6 +23,14 @@ report with the reason (never a silent fallback):
 
 With a ``recipe``, the model's forward is wrapped to run under
 ``seqfuse.pytorch.autocast(enabled=True, recipe=recipe)``.
+
+Attention (``attention=True``): a transformers model whose attention layers
+go through transformers' AttentionInterface is switched to seqfuse's fused
+attention (seqfuse.hf.attention) with ``set_attn_implementation("seqfuse")``;
+reported under the name "config._attn_implementation".  It is left, with the
+reason, when the model does not use the interface, when its config has
+attention dropout or sliding windows, or when the kernel cannot take the
+model's head dim on the model's device (asked of the kernel itself).
 """
 import functools
 from dataclasses import dataclass, field
@@ -219,13 +227,68 @@ def _gemm_alignment(recipe):
     return 32 if (recipe.mxfp8() or recipe.nvfp4()) else FP8_ALIGN
 
 
-def accelerate(model, recipe=None):
+ATTN_SLOT = "config._attn_implementation"
+_DROPOUT_FIELDS = ("attention_dropout", "attention_probs_dropout_prob", "attn_pdrop")
+
+
+def _attention_refusal(model):
+    """Why the model's attention cannot be switched to seqfuse's, or None."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        return "not a transformers PreTrainedModel: no attention interface to switch"
+    if not getattr(model, "_supports_attention_backend", False):
+        return (f"{type(model).__name__} does not route attention through transformers' AttentionInterface "
+                "(_supports_attention_backend is False)")
+    cfg = model.config
+    for f in _DROPOUT_FIELDS:
+        p = getattr(cfg, f, None)
+        if isinstance(p, (int, float)) and p > 0:
+            return f"config.{f}={p}: seqfuse's fused attention has no dropout"
+    if getattr(cfg, "sliding_window", None) not in (None, 0) or getattr(cfg, "use_sliding_window", False):
+        return "config has sliding-window attention, which seqfuse's transformers attention does not take"
+    heads = getattr(cfg, "num_attention_heads", None)
+    head_dim = getattr(cfg, "head_dim", None) or (cfg.hidden_size // heads if heads else None)
+    if head_dim is None:
+        return "cannot tell the model's head dim from its config"
+    p = next(model.parameters(), None)
+    if p is not None:
+        from .. import ops
+
+        dtype = p.dtype  # what the layers will hand the kernel (no autocast assumed)
+        probe = torch.zeros(1, 1, 1, head_dim, device=p.device, dtype=dtype)
+        try:
+            ops.attention(probe, probe, probe, qkv_format="bshd")
+        except (NotImplementedError, TypeError, ValueError) as e:
+            return f"the fused attention kernel refuses head dim {head_dim} on {p.device} ({dtype}): {e}"
+    return None
+
+
+def _switch_attention(model, report):
+    current = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    why = _attention_refusal(model)
+    if why is not None:
+        report.left.append(Left(ATTN_SLOT, str(current), why))
+        return
+    from .attention import NAME, register
+
+    register()
+    model.set_attn_implementation(NAME)
+    if model.config._attn_implementation != NAME:
+        report.left.append(Left(ATTN_SLOT, str(current), "transformers refused set_attn_implementation"))
+        return
+    report.swapped.append(Swapped(ATTN_SLOT, str(current), NAME))
+
+
+def accelerate(model, recipe=None, attention=True):
     """Swap model's nn.Linear -> seqfuse.pytorch.Linear and nn.LayerNorm ->
     seqfuse.pytorch.LayerNorm in place; return an AccelerateReport.
 
     ``recipe`` (a seqfuse.common.recipe recipe, e.g. DelayedScaling()) makes
     the model's forward run under seqfuse autocast with it, and leaves the
     Linears whose shapes its GEMMs cannot take (listed in the report).
+    ``attention`` switches a transformers model's attention to seqfuse's
+    fused kernel where it can (see the module note).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"accelerate: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -265,6 +328,8 @@ def accelerate(model, recipe=None):
         for parent, child_name in slots[id(module)]:
             setattr(parent, child_name, new)
         report.swapped.append(Swapped(name, type(module).__name__, type(new).__name__))
+    if attention:
+        _switch_attention(model, report)
     if recipe is not None:
         _wrap_forward(model, recipe)
     return report
