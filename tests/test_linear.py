@@ -292,3 +292,188 @@ def m_copy(m):
         c.weight.copy_(m.weight)
         c.bias.copy_(m.bias)
     return c
+
+
+# ---- FP8 ---------------------------------------------------------------------
+
+from seqfuse import quantization as Q  # noqa: E402
+from seqfuse.common.recipe import (DelayedScaling, Float8BlockScaling,  # noqa: E402
+                                   Float8CurrentScaling, Format, MXFP8BlockScaling)
+
+RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling, "block": Float8BlockScaling}
+
+
+def fp8_twin(in_f, out_f, device, dtype=torch.bfloat16):
+    m = te.Linear(in_f, out_f, params_dtype=dtype, device=device)
+    with torch.no_grad():
+        m.weight.normal_(0, 0.05)
+        m.bias.normal_()
+    return m
+
+
+def quantized_reference(kind, x, w, b, dy):
+    """float64 (y, dx, dW, db) from the operands quantized the way the
+    module quantizes them on its first call (a fresh delayed state has scale 1)."""
+    f = Float8CurrentScaling().fp8_format
+    if kind == "block":
+        xq = Q.quantize_block(x, 1).dequantize(torch.float32).double()
+        wq = Q.quantize_block(w, 128).dequantize(torch.float32).double()
+        gq = Q.quantize_block(dy, 1).dequantize(torch.float32).double()
+        gq_t = Q.quantize_block(dy.t().contiguous(), 1).dequantize(torch.float32).double().t()
+        xq_t = Q.quantize_block(x.t().contiguous(), 1).dequantize(torch.float32).double().t()
+        return xq @ wq.t() + b.double(), gq @ wq, gq_t.t() @ xq_t, dy.double().sum(0)
+    wq = Q.quantize_current(w, f.fwd_dtype).dequantize(torch.float32).double()
+    if kind == "current":
+        xq = Q.quantize_current(x, f.fwd_dtype).dequantize(torch.float32).double()
+        gq = Q.quantize_current(dy, f.bwd_dtype).dequantize(torch.float32).double()
+    else:  # delayed, first step: the state's scales are 1
+        one = torch.ones(1, device=x.device)
+        xq = Q.quantize(x, one, None, f.fwd_dtype).dequantize(torch.float32).double()
+        gq = Q.quantize(dy, one, None, f.bwd_dtype).dequantize(torch.float32).double()
+    return xq @ wq.t() + b.double(), gq @ wq, gq.t() @ xq, dy.double().sum(0)
+
+
+def run_fp8(kind, device, tokens, in_f, out_f, seed_):
+    m = fp8_twin(in_f, out_f, device)
+    x = torch.randn(tokens, in_f, device=device).bfloat16()
+    dy = torch.randn(tokens, out_f, device=device).bfloat16()
+    xr = x.clone().requires_grad_(True)
+    with te.fp8_autocast(fp8_recipe=RECIPES[kind]()):
+        y = m(xr)
+    y.backward(dy)
+    y_ref, dx_ref, dw_ref, db_ref = quantized_reference(kind, x, m.weight.detach(), m.bias.detach(), dy)
+    # tight: the same quantized operands in float64, up to bf16 output rounding
+    assert y.dtype == torch.bfloat16 and xr.grad.dtype == torch.bfloat16
+    # (measured ~1.7e-3; a wrongly quantized operand gives ~2e-2 and more)
+    assert rel_error(y, y_ref) < 4e-3
+    assert rel_error(xr.grad, dx_ref) < 4e-3
+    assert rel_error(m.weight.grad, dw_ref) < 4e-3
+    assert rel_error(m.bias.grad, db_ref) < 4e-3
+    # bounded against the unquantized layer
+    xd, wd, dyd = x.double(), m.weight.double(), dy.double()
+    assert rel_error(y, xd @ wd.t() + m.bias.double()) < 0.05
+    grad_tol = 0.12 if kind != "block" else 0.06  # E5M2 gradients under HYBRID
+    assert rel_error(xr.grad, dyd @ wd) < grad_tol
+    assert rel_error(m.weight.grad, dyd.t() @ xd) < grad_tol
+    return m
+
+
+@pytest.mark.parametrize("kind", ["delayed", "current", "block"])
+def test_cpu_fp8_recipes(kind, seed):
+    run_fp8(kind, "cpu", 128, 128, 256, seed)
+
+
+def test_cpu_fp8_weight_quantized_once_per_update(seed):
+    m = fp8_twin(64, 32, "cpu")
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    x = torch.randn(32, 64).bfloat16()
+    with te.fp8_autocast(fp8_recipe=DelayedScaling()):
+        for step in range(2):
+            for micro in range(3):  # gradient accumulation: one quantization per step
+                m(x).float().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert m._fp8_weight_quantizations == 2
+    with te.fp8_autocast():
+        m(x, is_first_microbatch=True)   # forced
+        m(x, is_first_microbatch=False)  # reused
+        m(x)                             # unchanged weight: reused
+    assert m._fp8_weight_quantizations == 3
+    with torch.no_grad():
+        m.weight.mul_(2)                 # in-place change: version moves
+    with te.fp8_autocast():
+        m(x, is_first_microbatch=False)  # explicit reuse wins (TE's contract)
+        assert m._fp8_weight_quantizations == 3
+        y = m(x)
+    assert m._fp8_weight_quantizations == 4
+    ref = x.double() @ m.weight.double().t() + m.bias.double()
+    assert rel_error(y, ref) < 0.05
+
+
+def test_cpu_fp8_main_grad(seed):
+    m = fp8_twin(64, 48, "cpu")
+    m.weight.main_grad = torch.zeros(48, 64)
+    total = torch.zeros(48, 64, dtype=torch.float64)
+    for _ in range(2):
+        x, dy = torch.randn(32, 64).bfloat16(), torch.randn(32, 48).bfloat16()
+        with te.fp8_autocast(fp8_recipe=Float8CurrentScaling()):
+            y = m(x)
+        y.backward(dy)
+        total += dy.double().t() @ x.double()
+    assert m.weight.grad is None
+    assert rel_error(m.weight.main_grad, total) < 0.12
+
+
+def test_cpu_fp8_errors():
+    m = fp8_twin(64, 32, "cpu")
+    with pytest.raises(ValueError, match="Linear: FP8 GEMMs need the number of tokens \\(input rows\\) "
+                                         "to be a multiple of 16, got 10"):
+        with te.fp8_autocast():
+            m(torch.randn(10, 64).bfloat16())
+    with pytest.raises(ValueError, match="block-scaled FP8 .* need in_features to be a multiple of 128"):
+        with te.fp8_autocast(fp8_recipe=Float8BlockScaling()):
+            m(torch.randn(128, 64).bfloat16())
+    with pytest.raises(NotImplementedError, match="FP8 recipe MXFP8BlockScaling is not supported: its "
+                                                  "GEMMs need compute capability 10.x"):
+        with te.fp8_autocast(fp8_recipe=MXFP8BlockScaling()):
+            m(torch.randn(32, 64).bfloat16())
+    with pytest.raises(TypeError, match="float8_e5m2 x float8_e5m2 is not supported"):
+        with te.fp8_autocast(fp8_recipe=DelayedScaling(fp8_format=Format.E5M2)):
+            m(torch.randn(32, 64).bfloat16())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["delayed", "current", "block"])
+@pytest.mark.parametrize("shape", [(2048, 1024, 4096), (512, 1280, 5120)])
+def test_cuda_fp8_recipes(kind, shape, seed):
+    run_fp8(kind, "cuda", *shape, seed)
+
+
+@pytest.mark.cuda
+def test_cuda_fp8_delayed_scaling_steps(seed):
+    """Several steps: the scales follow the amaxes, the error stays bounded."""
+    m = fp8_twin(1024, 1024, "cuda")
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    for step in range(4):
+        x = (torch.randn(1024, 1024, device="cuda") * (step + 1) * 10).bfloat16()
+        with te.fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=4)):
+            y = m(x)
+        y.float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    ref = x.double() @ m.weight.double().t() + m.bias.double()
+    assert rel_error(y, ref) < 0.05
+    assert m._fp8_weight_quantizations == 4
+
+
+@pytest.mark.cuda
+def test_cuda_fp8_graph_capture(seed):
+    torch.manual_seed(0)
+    m = fp8_twin(512, 1024, "cuda")
+    recipe = Float8CurrentScaling()
+    static_x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    static_dy = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            with te.fp8_autocast(fp8_recipe=recipe):
+                y = m(static_x)
+            y.backward(static_dy)
+    torch.cuda.current_stream().wait_stream(s)
+    m.zero_grad(set_to_none=True)
+    static_x.grad = None
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        with te.fp8_autocast(fp8_recipe=recipe):
+            static_y = m(static_x)
+        static_y.backward(static_dy)
+    with torch.no_grad():
+        m.weight.mul_(1.5)  # a weight update between replays: the graph re-quantizes it
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        static_x.copy_(x)
+    g.replay()
+    torch.cuda.synchronize()
+    ref = x.double() @ m.weight.double().t() + m.bias.double()
+    assert rel_error(static_y, ref) < 0.05

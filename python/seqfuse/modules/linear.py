@@ -9,6 +9,32 @@ gradient, weight gradient) each one cuBLASLt call:
 
 Precision: the forward runs in the dtype of torch.autocast when it is on,
 else in the parameters' dtype; bf16 and fp32 parameters are both fine.
+Under seqfuse's FP8 autocast (seqfuse.pytorch.autocast / fp8_autocast) the
+three GEMMs run in FP8 under the active recipe:
+
+  DelayedScaling        input and output-gradient scales from the module's
+                        ScalingState (index 0 input, 2 output gradient;
+                        E5M2 gradients under Format.HYBRID); forward with
+                        fast accumulation, gradients with split accumulation.
+                        The weight is scaled by its own amax when it is
+                        quantized (once per weight update, see below), which
+                        is recorded in state index 1.
+  Float8CurrentScaling  scales from each tensor's own amax.
+  Float8BlockScaling    1x128 blocks for the input and the output gradient,
+                        128x128 for the weight (cuBLASLt's block-scaled FP8);
+                        in/out features and the token count must be
+                        multiples of 128.
+  MXFP8 / NVFP4         raise NotImplementedError (their GEMMs need compute
+                        capability 10.x).
+
+Hopper's FP8 GEMMs take both operands K-major, so each FP8 operand comes
+with a transposed copy made by a fused cast-transpose kernel: the input's
+in the forward (for the weight gradient), the output gradient's in the
+backward, and the weight's once per weight update.  The quantized weight is
+cached: ``is_first_microbatch=True`` re-quantizes, ``False`` reuses the
+cache (TE's gradient-accumulation contract), ``None`` re-quantizes only when
+the weight changed (its version counter moved) or the recipe changed, and
+always while a CUDA graph is being captured (so replays re-quantize).
 
 Weight-gradient accumulation (TE's fuse_wgrad_accumulation): where the
 weight parameter carries a float32 ``main_grad`` buffer, dW is accumulated
@@ -22,8 +48,9 @@ synchronization, workspaces cached per stream).
 import torch
 
 from .. import ops
+from .. import quantization as _q
 
-__all__ = ["Linear", "LinearFunction"]
+__all__ = ["Linear", "LinearFunction", "Fp8LinearFunction"]
 
 
 def _default_device():
@@ -149,10 +176,194 @@ class Linear(torch.nn.Module):
         lead = inp.shape[:-1]
         x = inp.reshape(-1, self.in_features)
         dtype = _compute_dtype(inp, weight)
-        y = LinearFunction.apply(x, weight, None if self.return_bias else bias, dtype)
+        use_bias = None if self.return_bias else bias
+        recipe = _active_fp8_recipe()
+        if recipe is not None:
+            kind = _recipe_kind(recipe)
+            _check_fp8_shapes(kind, x.shape[0], self.in_features, self.out_features)
+            y = Fp8LinearFunction.apply(x, weight, use_bias, self, recipe, kind, dtype,
+                                        is_first_microbatch)
+        else:
+            y = LinearFunction.apply(x, weight, use_bias, dtype)
         if inp.dim() != 2:  # a 2-D input gets the Function's output itself, not a view of it
             y = y.view(*lead, self.out_features)
         if self.return_bias:
             return y, bias
         return y
 
+
+
+# ---- FP8 ---------------------------------------------------------------------
+
+_KINDS = {"DelayedScaling": "delayed", "Float8CurrentScaling": "current",
+          "Float8BlockScaling": "block"}
+
+
+def _active_fp8_recipe():
+    """The recipe of the enclosing FP8 autocast, or None outside one."""
+    if not _q.is_fp8_enabled():
+        return None
+    return _q.get_recipe()
+
+
+def _recipe_kind(recipe):
+    name = type(recipe).__name__
+    kind = _KINDS.get(name)
+    if kind is None:
+        raise NotImplementedError(
+            f"Linear: FP8 recipe {name} is not supported: its GEMMs need compute capability 10.x "
+            f"(Blackwell) in cuBLASLt; on Hopper use DelayedScaling, Float8CurrentScaling or "
+            f"Float8BlockScaling")
+    if kind == "block" and (recipe.x_block_scaling_dim, recipe.w_block_scaling_dim,
+                            recipe.grad_block_scaling_dim) != (1, 2, 1):
+        raise NotImplementedError(
+            "Linear: Float8BlockScaling is supported with x_block_scaling_dim=1, "
+            "w_block_scaling_dim=2, grad_block_scaling_dim=1 (cuBLASLt takes no 128x128 x 128x128 "
+            "product)")
+    return kind
+
+
+def _check_fp8_shapes(kind, tokens, in_f, out_f):
+    mult = 128 if kind == "block" else 16
+    what = "block-scaled FP8 (1x128 / 128x128 blocks)" if kind == "block" else "FP8 GEMMs"
+    for name, v in (("the number of tokens (input rows)", tokens), ("in_features", in_f),
+                    ("out_features", out_f)):
+        if v % mult:
+            raise ValueError(f"Linear: {what} need {name} to be a multiple of {mult}, got {v} "
+                             f"(pad the batch, e.g. with seqfuse.data's collators, or run this layer "
+                             f"outside FP8 autocast)")
+
+
+def _fp8_bias(bias, out_dtype):
+    """cuBLASLt's FP8 kernels take the bias in bfloat16 (float16 for a float16 output)."""
+    if bias is None:
+        return None
+    want = torch.float16 if out_dtype == torch.float16 else torch.bfloat16
+    return bias if bias.dtype == want else bias.to(want)
+
+
+def _scaling_state(module, recipe, device):
+    """The module's ScalingState (input, weight, output gradient), made at the
+    first delayed-scaling forward and kept in step with the autocast recipe."""
+    state = getattr(module, "fp8_state", None)
+    if state is None:
+        state = _q.ScalingState.for_linear(recipe, device=device)
+        module.add_module("fp8_state", state)
+    elif state.recipe is not recipe and state.recipe != recipe:
+        state.set_recipe(recipe)
+    state.ensure_pooled()
+    return state
+
+
+def _quantize_weight(module, weight, recipe, kind, state, is_first_microbatch):
+    """The weight in FP8 with its transposed copy, cached across calls (see the
+    module note for when it is re-made).  Returns (forward operand, dgrad
+    operand): Float8Tensors (data / data_t) or, for block scaling, two
+    Float8BlockTensors (W and W^T, both 128x128)."""
+    w = weight.detach()
+    fmt = getattr(recipe, "fp8_format", None)
+    key = (kind, fmt, w.data_ptr(), w._version, tuple(w.shape), w.dtype)
+    cache = getattr(module, "_fp8_weight_cache", None)
+    capturing = w.is_cuda and torch.cuda.is_current_stream_capturing()
+    if cache is not None and cache[0][0] == kind and cache[0][1] == fmt:
+        if is_first_microbatch is False or (is_first_microbatch is None and not capturing
+                                            and cache[0] == key and cache[1] is weight):
+            return cache[2]
+    if kind in ("delayed", "current"):
+        # The weight's scale comes from its own amax, taken when it is quantized
+        # (once per weight update): a cached copy is never stuck with a stale
+        # delayed scale (e.g. a frozen weight first quantized at scale 1).  Under
+        # delayed scaling the amax also lands in the state's weight slot.
+        q = _q.quantize_current(w, recipe.fp8_format.fwd_dtype, margin=int(getattr(recipe, "margin", 0)),
+                                transpose=True,
+                                amax=state.amax_of(_q.WEIGHT) if state is not None else None)
+        pair = (q, q)
+    else:
+        pair = (_q.quantize_block(w, 128, recipe.fp8_format.fwd_dtype),
+                _q.quantize_block(w.t().contiguous(), 128, recipe.fp8_format.fwd_dtype))
+    module._fp8_weight_cache = (key, weight, pair)
+    module._fp8_weight_quantizations = getattr(module, "_fp8_weight_quantizations", 0) + 1
+    return pair
+
+
+def _quantize_act(x, kind, recipe, state, index, transpose, backward):
+    """An activation (index 0) or output gradient (index 2) for the per-tensor
+    recipes: a Float8Tensor with data [M, K] and, if asked, data_t [K, M]."""
+    if kind == "delayed":
+        return _q.quantize_with_state(x, state, index, transpose=transpose)
+    fmt = recipe.fp8_format
+    return _q.quantize_current(x, fmt.bwd_dtype if backward else fmt.fwd_dtype,
+                               margin=int(getattr(recipe, "margin", 0)), transpose=transpose)
+
+
+class Fp8LinearFunction(torch.autograd.Function):
+    """Autograd of y = x W^T + b with FP8 GEMMs (see the module note).
+
+    forward(x [tokens, in], weight, bias, module, recipe, kind, dtype,
+    is_first_microbatch): dtype is the output (activation) dtype."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, module, recipe, kind, dtype, is_first_microbatch):
+        need_w = ctx.needs_input_grad[1]  # False under no_grad: no transposed input copy
+        state = _scaling_state(module, recipe, x.device) if kind == "delayed" else None
+        w_fwd, w_bwd = _quantize_weight(module, weight, recipe, kind, state, is_first_microbatch)
+        xin = x.detach()
+        if kind == "block":
+            fmt = recipe.fp8_format.fwd_dtype
+            xq = _q.quantize_block(xin, 1, fmt)
+            y = ops.gemm(xq.data, w_fwd.data, transb=True, a_scale_inv=xq.scale_inv,
+                         b_scale_inv=w_fwd.scale_inv, a_scaling="block_1x128",
+                         b_scaling="block_128x128", out_dtype=dtype, bias=_fp8_bias(bias, dtype))
+            x_t = _q.quantize_block(xin.t().contiguous(), 1, fmt) if need_w else None
+            ctx.save_for_backward(x_t.data if need_w else None, x_t.scale_inv if need_w else None,
+                                  w_bwd.data, w_bwd.scale_inv)
+        else:
+            xq = _quantize_act(xin, kind, recipe, state, _q.INPUT, need_w, False)
+            y = ops.gemm(xq.data, w_fwd.data, transb=True, a_scale_inv=xq.scale_inv,
+                         b_scale_inv=w_fwd.scale_inv, out_dtype=dtype, bias=_fp8_bias(bias, dtype),
+                         fast_accum=True)
+            ctx.save_for_backward(xq.data_t, xq.scale_inv, w_bwd.data_t, w_bwd.scale_inv)
+        ctx.kind, ctx.recipe, ctx.state, ctx.dtype = kind, recipe, state, dtype
+        ctx.weight = weight
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_t, x_si, w_t, w_si = ctx.saved_tensors
+        kind, recipe, state, dtype = ctx.kind, ctx.recipe, ctx.state, ctx.dtype
+        need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        dy = dy.contiguous()
+        weight = ctx.weight
+        main_grad = getattr(weight, "main_grad", None) if need_dw else None
+        dx = dw = db = None
+        if kind == "block":
+            fmt = recipe.fp8_format.bwd_dtype
+            if need_dx:
+                g = _q.quantize_block(dy, 1, fmt)
+                dx = ops.gemm(g.data, w_t, transb=True, a_scale_inv=g.scale_inv, b_scale_inv=w_si,
+                              a_scaling="block_1x128", b_scaling="block_128x128", out_dtype=dtype)
+            if need_dw:
+                g_t = _q.quantize_block(dy.t().contiguous(), 1, fmt)
+                kw = dict(transb=True, a_scale_inv=g_t.scale_inv, b_scale_inv=x_si,
+                          a_scaling="block_1x128", b_scaling="block_1x128")
+                if main_grad is not None:
+                    ops.gemm(g_t.data, x_t, out=main_grad, accumulate=True, **kw)
+                else:
+                    dw = ops.gemm(g_t.data, x_t, out_dtype=weight.dtype, **kw)
+        else:
+            g = _quantize_act(dy, kind, recipe, state, _q.GRAD_OUTPUT, need_dw, True)
+            if need_dx:
+                dx = ops.gemm(g.data, w_t, transb=True, a_scale_inv=g.scale_inv, b_scale_inv=w_si,
+                              out_dtype=dtype)
+            if need_dw:
+                kw = dict(transb=True, a_scale_inv=g.scale_inv, b_scale_inv=x_si)
+                if main_grad is not None:
+                    ops.gemm(g.data_t, x_t, out=main_grad, accumulate=True, **kw)
+                else:
+                    dw = ops.gemm(g.data_t, x_t, out_dtype=weight.dtype, **kw)
+        if main_grad is not None and hasattr(weight, "grad_added_to_main_grad"):
+            weight.grad_added_to_main_grad = True
+        if need_db and ctx.bias_dtype is not None:
+            db = dy.float().sum(0).to(ctx.bias_dtype)
+        return dx, dw, db, None, None, None, None, None

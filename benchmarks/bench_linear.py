@@ -1,0 +1,102 @@
+"""Linear layer forward+backward: seqfuse.pytorch.Linear (bf16, and FP8
+under DelayedScaling / Float8CurrentScaling / Float8BlockScaling) against
+torch.nn.Linear in bf16, same weights and inputs, in the same process; and
+the host time of one Linear call beside torch.nn.Linear's.
+
+Device time: 16384 tokens x 4096 -> 4096 (also 16384 x 4096 -> 16384, the
+MLP up-projection), one step = forward + backward (+ the delayed-scaling
+update at the autocast exit, as a training step pays it).  Goal (issue 4):
+FP8 delayed scaling >= 1.5x torch bf16.
+
+Host time: a tiny layer (16 x 64 -> 64) so the GPU never limits: microseconds
+of Python + C per forward call, bf16 and FP8.
+
+Writes results/linear.json and results/linear.png.
+"""
+import os
+
+import torch
+
+import seqfuse
+import seqfuse.pytorch as te
+from harness import RESULTS, Table, cuda_time_ms, host_time_us, plot_bars
+from seqfuse.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+
+RECIPES = [("fp8 delayed", DelayedScaling()), ("fp8 current", Float8CurrentScaling()),
+           ("fp8 block", Float8BlockScaling())]
+
+
+def make_pair(in_f, out_f):
+    ours = te.Linear(in_f, out_f, params_dtype=torch.bfloat16, device="cuda")
+    ref = torch.nn.Linear(in_f, out_f, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        ref.weight.copy_(ours.weight)
+        ref.bias.copy_(ours.bias)
+    return ours, ref
+
+
+def step_fn(module, x, dy, recipe=None):
+    def step():
+        if recipe is None:
+            y = module(x)
+        else:
+            with te.fp8_autocast(fp8_recipe=recipe):
+                y = module(x)
+        y.backward(dy)
+        x.grad = None
+    return step
+
+
+def main():
+    torch.manual_seed(0)
+    table = Table("linear", ["case", "tokens", "in", "out", "seqfuse_ms", "torch_bf16_ms",
+                             "speedup_vs_torch_bf16", "tflops"])
+    labels, speed = [], {}
+    for tokens, in_f, out_f in [(16384, 4096, 4096), (16384, 4096, 16384)]:
+        ours, ref = make_pair(in_f, out_f)
+        x = torch.randn(tokens, in_f, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(tokens, out_f, device="cuda", dtype=torch.bfloat16)
+        flops = 3 * 2.0 * tokens * in_f * out_f
+        t_ms = cuda_time_ms(step_fn(ref, x, dy), warmup=5, repeats=20)
+        cases = [("bf16", None)] + RECIPES
+        for name, recipe in cases:
+            ms = cuda_time_ms(step_fn(ours, x, dy, recipe), warmup=5, repeats=20)
+            row = table.add(case=name, tokens=tokens, **{"in": in_f, "out": out_f}, seqfuse_ms=ms,
+                            torch_bf16_ms=t_ms, speedup_vs_torch_bf16=t_ms / ms,
+                            tflops=flops / (ms * 1e-3) / 1e12)
+            speed.setdefault(name, []).append(row["speedup_vs_torch_bf16"])
+        labels.append(f"{tokens}x{in_f}->{out_f}")
+        del ours, ref, x, dy
+        torch.cuda.empty_cache()
+
+    # host time per call: tiny shapes, forward only (the GPU idles)
+    host = Table("linear_host", ["call", "us_per_call"])
+    ours, ref = make_pair(64, 64)
+    xs = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        host.add(call="torch.nn.Linear bf16 (no grad)", us_per_call=host_time_us(lambda: ref(xs)))
+        host.add(call="seqfuse Linear bf16 (no grad)", us_per_call=host_time_us(lambda: ours(xs)))
+        with te.fp8_autocast(fp8_recipe=DelayedScaling()):
+            host.add(call="seqfuse Linear fp8 delayed (no grad)", us_per_call=host_time_us(lambda: ours(xs)))
+    xg = xs.clone().requires_grad_(True)
+    host.add(call="torch.nn.Linear bf16 (grad)", us_per_call=host_time_us(lambda: ref(xg), calls=5000))
+    host.add(call="seqfuse Linear bf16 (grad)", us_per_call=host_time_us(lambda: ours(xg), calls=5000))
+    host.add(call="seqfuse.ops.gemm bf16 16x64x64",
+             us_per_call=host_time_us(lambda: seqfuse.ops.gemm(xs, ours.weight.detach(), transb=True)))
+    host.add(call="torch.matmul bf16 16x64x64",
+             us_per_call=host_time_us(lambda: torch.matmul(xs, ref.weight.detach().t())))
+    torch.cuda.synchronize()
+    host.save()
+
+    fp8_delayed = [r for r in table.rows if r["case"] == "fp8 delayed" and r["out"] == 4096][0]
+    table.save({"goal_fp8_delayed_vs_torch_bf16": 1.5,
+                "fp8_delayed_vs_torch_bf16_4096": fp8_delayed["speedup_vs_torch_bf16"],
+                "host_us": {r["call"]: r["us_per_call"] for r in host.rows}})
+    plot_bars(os.path.join(RESULTS, "linear.png"), "Linear fwd+bwd speedup over torch.nn.Linear bf16",
+              labels, speed, "x torch bf16")
+
+
+if __name__ == "__main__":
+    if not (seqfuse.cuda_available() and torch.cuda.is_available()):
+        raise SystemExit("bench_linear needs a CUDA GPU and a CUDA build of seqfuse")
+    main()
