@@ -73,18 +73,21 @@ def main():
     host = Table("linear_host", ["call", "us_per_call"])
     ours, ref = make_pair(64, 64)
     xs = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)
+    w_ours, w_ref = ours.weight.detach(), ref.weight.detach()
+
+    def timed(call, fn):
+        host.add(call=call, us_per_call=host_time_us(fn, calls=5000))
+
     with torch.no_grad():
-        host.add(call="torch.nn.Linear bf16 (no grad)", us_per_call=host_time_us(lambda: ref(xs)))
-        host.add(call="seqfuse Linear bf16 (no grad)", us_per_call=host_time_us(lambda: ours(xs)))
+        timed("torch.nn.Linear bf16 (no grad)", lambda: ref(xs))
+        timed("seqfuse Linear bf16 (no grad)", lambda: ours(xs))
         with te.fp8_autocast(fp8_recipe=DelayedScaling()):
-            host.add(call="seqfuse Linear fp8 delayed (no grad)", us_per_call=host_time_us(lambda: ours(xs)))
+            timed("seqfuse Linear fp8 delayed (no grad)", lambda: ours(xs))
     xg = xs.clone().requires_grad_(True)
-    host.add(call="torch.nn.Linear bf16 (grad)", us_per_call=host_time_us(lambda: ref(xg), calls=5000))
-    host.add(call="seqfuse Linear bf16 (grad)", us_per_call=host_time_us(lambda: ours(xg), calls=5000))
-    host.add(call="seqfuse.ops.gemm bf16 16x64x64",
-             us_per_call=host_time_us(lambda: seqfuse.ops.gemm(xs, ours.weight.detach(), transb=True)))
-    host.add(call="torch.matmul bf16 16x64x64",
-             us_per_call=host_time_us(lambda: torch.matmul(xs, ref.weight.detach().t())))
+    timed("torch.nn.Linear bf16 (grad)", lambda: ref(xg))
+    timed("seqfuse Linear bf16 (grad)", lambda: ours(xg))
+    timed("seqfuse.ops.gemm bf16 16x64x64", lambda: seqfuse.ops.gemm(xs, w_ours, transb=True))
+    timed("torch.matmul bf16 16x64x64", lambda: torch.matmul(xs, w_ref.t()))
     torch.cuda.synchronize()
     host.save()
 
