@@ -148,6 +148,14 @@ def test_linear_cross_entropy_fp32_weight_bf16_hidden(seed):
     assert_close_rel(hidden.grad, hd.grad, torch.bfloat16)
 
 
+def test_linear_cross_entropy_no_tokens():
+    hidden = torch.zeros(0, 4, requires_grad=True)
+    weight = torch.randn(6, 4, requires_grad=True)
+    loss = linear_cross_entropy(hidden, weight, torch.zeros(0, dtype=torch.int64), reduction="sum")
+    loss.backward()
+    assert loss.item() == 0.0 and torch.equal(weight.grad, torch.zeros(6, 4))
+
+
 def test_linear_cross_entropy_under_no_grad(seed):
     hidden, weight = torch.randn(10, 4, requires_grad=True), torch.randn(6, 4, requires_grad=True)
     labels = torch.randint(0, 6, (10,))

@@ -129,9 +129,11 @@ def _log_gemm_backend():
                   "the reference GEMM on the CPU); weight gradient accumulated in float32")
 
 
-def default_chunk_size(n, v, element_size, budget_bytes=1 << 28):
+def default_chunk_size(n, v, element_size, budget_bytes=1 << 30):
     """Rows per chunk so one chunk of logits takes at most ``budget_bytes``
-    (256 MiB), a multiple of 256 rows, at least 256."""
+    (1 GiB), a multiple of 256 rows, at least 256.  Fewer chunks mean fewer
+    read-modify-writes of the float32 weight-gradient accumulator (4 V H
+    bytes each way per chunk), which dominate the cost beside the GEMMs."""
     rows = max(256, (budget_bytes // max(1, v * element_size)) // 256 * 256)
     return min(n, rows) if n > 0 else 1
 
@@ -150,7 +152,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         scale = (1.0 / count).reshape(1) if reduction == "mean" else torch.ones(1, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_w = torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.zeros(v, dtype=torch.float32, device=hidden.device) if need_b else None
         chunk = chunk_size or default_chunk_size(n, v, hidden.element_size())
         weight_dtype = weight.dtype
@@ -169,10 +171,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                     _loss.cross_entropy_backward(logits, y, lse, scale, ignore_index, label_smoothing, out=logits)
                     if need_h:
                         _gemm(logits, weight, out=grad_h[start:start + chunk], allow_tf32=False)
-                    if need_w:  # grad_w += dlogits.T @ h, accumulated in float32 by the GEMM
-                        _gemm(logits, h, transa=True, out=grad_w, accumulate=True, allow_tf32=False)
+                    if need_w:  # grad_w (+)= dlogits.T @ h, accumulated in float32 by the GEMM
+                        _gemm(logits, h, transa=True, out=grad_w, accumulate=start > 0, allow_tf32=False)
                     if need_b:
                         grad_b += logits.sum(0, dtype=torch.float32)
+        if grad_w is not None and n == 0:
+            grad_w.zero_()  # no chunk wrote it
         if grad_w is not None and weight_dtype != torch.float32:
             grad_w = grad_w.to(weight_dtype)
         out = total / count if reduction == "mean" else total
@@ -197,7 +201,7 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, l
                          reduction="mean", chunk_size=None):
     """Cross-entropy of ``hidden`` [N, H] @ ``weight`` [V, H].T (+ ``bias`` [V])
     against int64 ``labels`` [N], processed ``chunk_size`` tokens at a time
-    (default: 256 MiB of logits per chunk) so the full [N, V] logits are never
+    (default: 1 GiB of logits per chunk) so the full [N, V] logits are never
     held.  ``reduction`` is 'mean' (over non-ignored tokens) or 'sum'.  The
     GEMMs run in ``hidden``'s dtype: a weight of another dtype (an fp32 weight
     under bf16 autocast) is cast for them, and its gradient is returned in its
