@@ -4,7 +4,8 @@
 Part 1, padded (bshd), 16k tokens per batch: seqlens 1024, 4096, 8192, head
 dims 64 (32 heads) and 128 (16 heads), causal and not, forward and
 forward+backward, bf16.  TFLOP/s = 4*b*h*s^2*d (halved when causal), x3.5
-with the backward; ratio = seqfuse / torch (goal >= 1.0).
+with the backward; ratio = seqfuse / torch (goal >= 1.0).  seqfuse_v0 is
+the first version of the kernels (variant 0), timed beside the default.
 
 Part 2, packed (thd) proteins: ESM-2 650M attention (20 heads of 64), 16k
 tokens of real UniProt lengths (recipes/esm2/data/subset, +2 special
@@ -34,6 +35,18 @@ def sdpa_flops(b, h, s, d, causal, backward):
     return 4.0 * b * h * s * s * d * (0.5 if causal else 1.0) * (3.5 if backward else 1.0)
 
 
+def _with_variant(variant, fn):
+    """Run fn with the first versions of the kernels (variant 0: 8x16-row
+    forward tiles, 64-row backward steps) selected, then restore the defaults."""
+    seqfuse._C.attn_set_fwd_variant(variant)
+    seqfuse._C.attn_set_bwd_variant(variant)
+    try:
+        return fn()
+    finally:
+        seqfuse._C.attn_set_fwd_variant(1)
+        seqfuse._C.attn_set_bwd_variant(1)
+
+
 def padded_rows(table):
     for d, h in ((64, 32), (128, 16)):
         for s in (1024, 4096, 8192):
@@ -59,13 +72,14 @@ def padded_rows(table):
                         def peer():
                             F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
                     t_ours, t_peer = cuda_time_ms(ours), cuda_time_ms(peer)
+                    t_v0 = _with_variant(0, lambda: cuda_time_ms(ours))
                     fl = sdpa_flops(b, h, s, d, causal, backward)
                     table.add(case=f"s{s} d{d}{' causal' if causal else ''} {'fwd+bwd' if backward else 'fwd'}",
                               seqlen=s, head_dim=d, heads=h, batch=b, causal=causal,
                               passes="fwd+bwd" if backward else "fwd",
                               seqfuse_ms=t_ours, torch_ms=t_peer,
                               seqfuse_tflops=fl / t_ours / 1e9, torch_tflops=fl / t_peer / 1e9,
-                              ratio=t_peer / t_ours)
+                              ratio=t_peer / t_ours, seqfuse_v0_tflops=fl / t_v0 / 1e9)
                 del q, k, v, dout
                 torch.cuda.empty_cache()
 
@@ -146,7 +160,8 @@ def main():
         print("bench_attn: needs a CUDA GPU and a CUDA build of seqfuse")
         return
     torch.manual_seed(0)
-    table = Table("attn", ["case", "seqfuse_tflops", "torch_tflops", "ratio", "seqfuse_ms", "torch_ms"])
+    table = Table("attn", ["case", "seqfuse_tflops", "torch_tflops", "ratio", "seqfuse_ms", "torch_ms",
+                           "seqfuse_v0_tflops"])
     padded_rows(table)
     extra = packed_rows(table)
     extra["note"] = ("torch = F.scaled_dot_product_attention (backend of its choice); TFLOP/s counts "
