@@ -235,6 +235,7 @@ def test_cuda_runs_on_current_stream_and_in_graph(seed):
     with torch.cuda.stream(s):
         out, lse = seqfuse.ops.attention_fwd(q, k, v, attn_mask_type="causal")
         g = seqfuse.ops.attention_bwd(dout, q, k, v, out, lse, attn_mask_type="causal", deterministic=True)
+        seqfuse.ops.attention_bwd(dout, q, k, v, out, lse, attn_mask_type="causal")  # warm-up before capture
     torch.cuda.current_stream().wait_stream(s)
     assert torch.equal(out, ref_out) and all(torch.equal(a, b) for a, b in zip(g, ref_g))
     graph = torch.cuda.CUDAGraph()
