@@ -227,14 +227,18 @@ def test_layernorm_linear_cuda_bf16(seed):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
-def test_layernorm_mlp_cuda_fp8(activation, seed):
+@pytest.mark.parametrize("current", [False, True], ids=["delayed", "current"])
+def test_layernorm_mlp_cuda_fp8(activation, current, seed):
+    from seqfuse.common.recipe import Float8CurrentScaling
+
     m = te.LayerNormMLP(1024, 4096, activation=activation, params_dtype=torch.bfloat16, device="cuda")
     randomize(m)
     x = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     ref = m(x)
     ref.backward(torch.ones_like(ref))
     gref = [x.grad.clone()] + [q.grad.clone() for q in m.parameters()]
-    recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16)
+    recipe = Float8CurrentScaling() if current else DelayedScaling(fp8_format=Format.HYBRID,
+                                                                    amax_history_len=16)
     for _ in range(3):
         x.grad = None
         m.zero_grad()
@@ -242,5 +246,27 @@ def test_layernorm_mlp_cuda_fp8(activation, seed):
             y = m(x)
         y.backward(torch.ones_like(y))
     assert 1e-4 < rel_error(y, ref) < 0.12
+    for g, r in zip([x.grad] + [q.grad for q in m.parameters()], gref):
+        assert rel_error(g, r) < 0.15
+
+
+@pytest.mark.parametrize("cls", ["LayerNormLinear", "LayerNormMLP"])
+def test_layernorm_modules_fp8_current_scaling_cpu(cls, seed):
+    from seqfuse.common.recipe import Float8CurrentScaling
+
+    m = te.LayerNormLinear(64, 48, device="cpu") if cls == "LayerNormLinear" else \
+        te.LayerNormMLP(64, 128, activation="swiglu", device="cpu")
+    randomize(m)
+    x = torch.randn(32, 64, requires_grad=True)
+    ref = m(x)
+    ref.backward(torch.ones_like(ref))
+    gref = [x.grad.clone()] + [q.grad.clone() for q in m.parameters()]
+    x.grad = None
+    m.zero_grad()
+    with autocast(recipe=Float8CurrentScaling()):
+        y = m(x)
+    y.backward(torch.ones_like(y))
+    assert getattr(m, "fp8_state", None) is None  # current scaling keeps no state
+    assert 1e-4 < rel_error(y, ref) < 0.1
     for g, r in zip([x.grad] + [q.grad for q in m.parameters()], gref):
         assert rel_error(g, r) < 0.15

@@ -23,7 +23,10 @@ forward (index 1), the output gradient is cast and transposed (index 2, E5M2
 under Format.HYBRID), and all three GEMMs run in FP8 (forward with fast
 accumulation).  The wgrad GEMM needs the FP8 norm output transposed: that is
 a byte transpose done by torch in the backward.  The bias gradient is a
-float32 column sum by torch.  Other recipes raise NotImplementedError.
+float32 column sum by torch.  Float8CurrentScaling: the same GEMMs, each
+operand scaled from its own amax just before its cast (the norm output is
+made in high precision, then cast and transposed).  Block-scaled, MXFP8 and
+NVFP4 recipes raise NotImplementedError.
 
 Unsupported TE arguments (tensor/sequence parallelism, return_bias,
 parameters_split, fuse_wgrad_accumulation, userbuffers) raise
@@ -34,7 +37,7 @@ import torch
 from .. import ops
 from .norm import _hidden, default_device
 
-_SUPPORTED_RECIPES = ("DelayedScaling",)
+_SUPPORTED_RECIPES = ("DelayedScaling", "Float8CurrentScaling")
 
 
 def _check_normalization(normalization):
@@ -134,6 +137,64 @@ def fp8_norm(x2, ln_w, ln_b, eps, rms, zc, state, index):
     return y, mean, rstd, scale_inv
 
 
+class Quantizers:
+    """The FP8 casts of one module's tensors for one forward/backward under
+    a per-tensor recipe.  Index convention: 3 per GEMM (input, weight, output
+    gradient); ``backward_indices`` name the gradients.
+
+    DelayedScaling: the module's ScalingState gives scale, amax slot and
+    format; the norm and activation kernels write FP8 directly (their
+    transposed copies are made in the backward).  Float8CurrentScaling: the
+    scale comes from the tensor's own amax just before the cast, so the norm
+    and activation outputs are made in high precision and cast+transposed.
+    """
+
+    def __init__(self, module, num_tensors, backward_indices, recipe, device):
+        self.recipe = recipe
+        self.delayed = recipe.delayed()
+        self.backward = frozenset(backward_indices)
+        self.state = (scaling_state(module, "fp8_state", num_tensors, backward_indices, recipe, device)
+                      if self.delayed else None)
+
+    def dtype(self, index):
+        if self.delayed:
+            return self.state.fp8_dtype(index)
+        fmt = self.recipe.fp8_format
+        return fmt.bwd_dtype if index in self.backward else fmt.fwd_dtype
+
+    def quantize(self, x, index, transpose=True):
+        """x -> Float8Tensor (with the transposed copy when asked)."""
+        from ..quantization import quantize_current, quantize_with_state
+
+        if self.delayed:
+            return quantize_with_state(x, self.state, index, transpose=transpose)
+        from ..quantization import get_amax_reduction_group
+
+        return quantize_current(x, self.dtype(index), margin=int(self.recipe.margin), transpose=transpose,
+                                amax_reduction_group=get_amax_reduction_group())
+
+    def norm(self, x2, lnw, lnb, eps, rms, zc, index):
+        """(data, data_t or None, scale_inv, mean, rstd) of the FP8 norm output."""
+        if self.delayed:
+            y, mean, rstd, si = fp8_norm(x2, lnw, lnb, eps, rms, zc, self.state, index)
+            return y, None, si, mean, rstd
+        y, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc)
+        q = self.quantize(y, index)
+        return q.data, q.data_t, q.scale_inv, mean, rstd
+
+    def act(self, h, activation, index):
+        """(data, data_t or None, scale_inv) of the FP8 activation output."""
+        from ..ops import act as A
+
+        if self.delayed:
+            si = torch.empty(1, dtype=torch.float32, device=h.device)
+            y = A.act_fwd(h, activation, self.state.fp8_dtype(index), self.state.scale_of(index),
+                          self.state.amax_of(index), si)
+            return y, None, si
+        q = self.quantize(A.act_fwd(h, activation), index)
+        return q.data, q.data_t, q.scale_inv
+
+
 def fp8_gemm(a, a_si, b, b_si, out_dtype, bias=None, fast=False):
     """a [m, k] @ b[n, k]^T in FP8 (both K-major).  cuBLASLt's FP8 kernels
     take the bias in bfloat16 (float16 with a float16 output)."""
@@ -158,22 +219,19 @@ class _LayerNormLinearFn(torch.autograd.Function):
         lnw, lnb = norm_param(ln_w, x2), norm_param(ln_b, x2)
         ctx.fp8 = recipe is not None
         if ctx.fp8:
-            from ..quantization import quantize_with_state
-
-            state = scaling_state(module, "fp8_state", 3, (2,), recipe, x.device)
+            q = Quantizers(module, 3, (2,), recipe, x.device)
             if ret_ln:  # the norm output is returned: make it in x's dtype, then cast
                 ln_out, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc)
-                ln_q = quantize_with_state(ln_out, state, 0, transpose=True)
+                ln_q = q.quantize(ln_out, 0)
                 ln8, ln8_t, ln_si = ln_q.data, ln_q.data_t, ln_q.scale_inv
             else:
                 ln_out = None
-                ln8, mean, rstd, ln_si = fp8_norm(x2, lnw, lnb, eps, rms, zc, state, 0)
-                ln8_t = None
-            w_q = quantize_with_state(weight.detach(), state, 1, transpose=True)
+                ln8, ln8_t, ln_si, mean, rstd = q.norm(x2, lnw, lnb, eps, rms, zc, 0)
+            w_q = q.quantize(weight.detach(), 1)
             out = fp8_gemm(ln8, ln_si, w_q.data, w_q.scale_inv, x.dtype, as_dtype(bias, x.dtype),
                            fast=True)
             ctx.save_for_backward(x2, lnw, mean, rstd, ln8, ln8_t, ln_si, w_q.data_t, w_q.scale_inv)
-            ctx.state = state
+            ctx.quantizers = q
         else:
             ln_out, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc)
             w = as_dtype(weight, x.dtype)
@@ -192,10 +250,8 @@ class _LayerNormLinearFn(torch.autograd.Function):
         dout2 = dout.reshape(-1, dout.shape[-1]).contiguous()
         dbias = None
         if ctx.fp8:
-            from ..quantization import quantize_with_state
-
             x2, lnw, mean, rstd, ln8, ln8_t, ln_si, w_t, w_si = ctx.saved_tensors
-            g = quantize_with_state(dout2, ctx.state, 2, transpose=True)
+            g = ctx.quantizers.quantize(dout2, 2)
             dln = fp8_gemm(g.data, g.scale_inv, w_t, w_si, x2.dtype)
             if ln8_t is None:
                 ln8_t = fp8_transpose(ln8)

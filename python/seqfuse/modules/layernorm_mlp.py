@@ -25,16 +25,18 @@ input 0, weight 1, output gradient 2; FC2 input 3, weight 4, output gradient
 5).  The norm kernel writes FC1's input in FP8, the activation kernel writes
 FC2's input in FP8 (fused casts with amax), weights are cast+transposed once
 per forward, output gradients are cast+transposed, and all six GEMMs run in
-FP8.  The activation gradient is computed in the input's dtype, summed for
+FP8.  Float8CurrentScaling: the same six FP8 GEMMs, each operand scaled from
+its own amax just before its cast (norm and activation outputs are made in
+high precision, then cast+transposed).  The activation gradient is computed in the input's dtype, summed for
 FC1's bias gradient, then cast+transposed for FC1's gradient GEMMs.
 """
 import torch
 
 from .. import ops
 from ..ops import act as A
-from .layernorm_linear import (TE_DEFAULTS, _check_normalization, _reject_unsupported,
-                               active_fp8_recipe, as_dtype, fp8_gemm, fp8_norm, fp8_transpose,
-                               init_weight, norm_backward, norm_forward, norm_param, scaling_state)
+from .layernorm_linear import (TE_DEFAULTS, Quantizers, _check_normalization, _reject_unsupported,
+                               active_fp8_recipe, as_dtype, fp8_gemm, fp8_transpose, init_weight,
+                               norm_backward, norm_forward, norm_param)
 from .norm import _hidden, default_device
 
 ACTIVATIONS = ("gelu", "gelu_erf", "relu", "silu", "swiglu", "geglu", "reglu", "geglu_erf")
@@ -52,19 +54,16 @@ class _LayerNormMLPFn(torch.autograd.Function):
         dt = x.dtype
         ctx.fp8 = recipe is not None
         if ctx.fp8:
-            from ..quantization import quantize_with_state
-
-            state = scaling_state(module, "fp8_state", 6, (2, 5), recipe, x.device)
-            ln8, mean, rstd, ln_si = fp8_norm(x2, lnw, lnb, eps, rms, zc, state, 0)
-            w1_q = quantize_with_state(w1.detach(), state, 1, transpose=True)
+            q = Quantizers(module, 6, (2, 5), recipe, x.device)
+            ln8, ln8_t, ln_si, mean, rstd = q.norm(x2, lnw, lnb, eps, rms, zc, 0)
+            w1_q = q.quantize(w1.detach(), 1)
             h = fp8_gemm(ln8, ln_si, w1_q.data, w1_q.scale_inv, dt, as_dtype(b1, dt), fast=True)
-            a_si = torch.empty(1, dtype=torch.float32, device=x.device)
-            a8 = A.act_fwd(h, activation, state.fp8_dtype(3), state.scale_of(3), state.amax_of(3), a_si)
-            w2_q = quantize_with_state(w2.detach(), state, 4, transpose=True)
+            a8, a8_t, a_si = q.act(h, activation, 3)
+            w2_q = q.quantize(w2.detach(), 4)
             out = fp8_gemm(a8, a_si, w2_q.data, w2_q.scale_inv, dt, as_dtype(b2, dt), fast=True)
-            ctx.save_for_backward(x2, lnw, mean, rstd, ln8, ln_si, h, a8, a_si, w1_q.data_t,
-                                  w1_q.scale_inv, w2_q.data_t, w2_q.scale_inv)
-            ctx.state = state
+            ctx.save_for_backward(x2, lnw, mean, rstd, ln8, ln8_t, ln_si, h, a8, a8_t, a_si,
+                                  w1_q.data_t, w1_q.scale_inv, w2_q.data_t, w2_q.scale_inv)
+            ctx.quantizers = q
         else:
             ln, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc)
             w1c, w2c = as_dtype(w1, dt), as_dtype(w2, dt)
@@ -85,22 +84,25 @@ class _LayerNormMLPFn(torch.autograd.Function):
         dout2 = dout.reshape(-1, dout.shape[-1]).contiguous()
         db1 = db2 = None
         if ctx.fp8:
-            from ..quantization import quantize_with_state
-
-            (x2, lnw, mean, rstd, ln8, ln_si, h, a8, a_si, w1_t, w1_si, w2_t,
+            (x2, lnw, mean, rstd, ln8, ln8_t, ln_si, h, a8, a8_t, a_si, w1_t, w1_si, w2_t,
              w2_si) = ctx.saved_tensors
             dt = x2.dtype
-            g2 = quantize_with_state(dout2, ctx.state, 5, transpose=True)
+            q = ctx.quantizers
+            g2 = q.quantize(dout2, 5)
             da = fp8_gemm(g2.data, g2.scale_inv, w2_t, w2_si, dt)
-            dw2 = fp8_gemm(g2.data_t, g2.scale_inv, fp8_transpose(a8), a_si, _wgrad_dtype(w2_dt))
+            if a8_t is None:
+                a8_t = fp8_transpose(a8)
+            dw2 = fp8_gemm(g2.data_t, g2.scale_inv, a8_t, a_si, _wgrad_dtype(w2_dt))
             if b2_dt is not None:
                 db2 = dout2.sum(0, dtype=torch.float32).to(b2_dt)
             dh = A.act_bwd(da, h, activation)
             if b1_dt is not None:
                 db1 = dh.sum(0, dtype=torch.float32).to(b1_dt)
-            g1 = quantize_with_state(dh, ctx.state, 2, transpose=True)
+            g1 = q.quantize(dh, 2)
             dln = fp8_gemm(g1.data, g1.scale_inv, w1_t, w1_si, dt)
-            dw1 = fp8_gemm(g1.data_t, g1.scale_inv, fp8_transpose(ln8), ln_si, _wgrad_dtype(w1_dt))
+            if ln8_t is None:
+                ln8_t = fp8_transpose(ln8)
+            dw1 = fp8_gemm(g1.data_t, g1.scale_inv, ln8_t, ln_si, _wgrad_dtype(w1_dt))
         else:
             x2, lnw, mean, rstd, ln, h, a, w1c, w2c = ctx.saved_tensors
             dw2, db2 = _wgrad(dout2, a, b2_dt)
