@@ -221,3 +221,45 @@ def test_cuda_blocks_bit_identical(shape, dtype, seed):
     assert torch.equal(out.cpu(), ref) and torch.equal(bs.cpu(), bits(ref_bs)) and g.item() == ref_g.item()
     deq = ops.dequantize_nvfp4(out, bs, g, dtype)
     assert torch.equal(deq.cpu(), ops.dequantize_nvfp4(ref, ref_bs, ref_g, dtype))
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+def test_rowcol_1x128_against_separate_quantizations(fp8, dtype, seed):
+    x = sample((256, 384), dtype)
+    x[128:, 5] = 0  # a zero column block
+    data, si, data_t, si_t = ops.quantize_block_fp8_rowcol(x, fp8)
+    ref, ref_si = ops.quantize_block_fp8(x, 1, fp8)
+    assert torch.equal(bits(data), bits(ref)) and torch.equal(si, ref_si)
+    ref_t, ref_si_t = ops.quantize_block_fp8(x.t().contiguous(), 1, fp8)
+    assert data_t.shape == (384, 256) and si_t.shape == (2, 384)
+    assert torch.equal(bits(data_t), bits(ref_t)) and torch.equal(si_t, ref_si_t)
+    only_t = ops.quantize_block_fp8_rowcol(x, fp8, rowwise=False)
+    assert only_t[0] is None and torch.equal(bits(only_t[2]), bits(ref_t))
+    q = quantize_block(x, 1, fp8, columnwise=True)
+    assert torch.equal(q.dequantize(), ops.dequantize_block_fp8(ref, ref_si, 1, dtype))
+    with pytest.raises(ValueError, match=r"rows of 'x' \(M = 100, all dimensions but the last\) must be a multiple of 128"):
+        ops.quantize_block_fp8_rowcol(torch.randn(100, 128))
+    with pytest.raises(ValueError, match="must be a multiple of 128 for 1x128 blocks"):
+        ops.quantize_block_fp8_rowcol(torch.randn(128, 130))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape", [(128, 128), (256, 384), (4096, 4096), (2, 128, 1024)])
+def test_cuda_rowcol_bit_identical(shape, dtype, seed):
+    x = sample(shape, dtype)
+    k = shape[-1]
+    m = x.numel() // k
+    for fp8 in (E4M3, E5M2):
+        ref = ops.quantize_block_fp8_rowcol(x, fp8)
+        out = poison(torch.empty(shape, dtype=fp8, device="cuda"))
+        si = poison(torch.empty(ref[1].shape, device="cuda"))
+        out_t = poison(torch.empty((k, m), dtype=fp8, device="cuda"))
+        si_t = poison(torch.empty(ref[3].shape, device="cuda"))
+        seqfuse._C.quantize_block_fp8_rowcol(x.cuda(), out, si, out_t, si_t)
+        assert torch.equal(bits(out).cpu(), bits(ref[0])) and torch.equal(bits(out_t).cpu(), bits(ref[2]))
+        assert torch.equal(si.cpu().view(torch.int32), ref[1].view(torch.int32))
+        assert torch.equal(si_t.cpu().view(torch.int32), ref[3].view(torch.int32))
+        only = ops.quantize_block_fp8_rowcol(x.cuda(), fp8, rowwise=False)
+        assert torch.equal(bits(only[2]).cpu(), bits(ref[2]))

@@ -90,6 +90,17 @@ sf_status sf_quantize_block_fp8(const sf_tensor *x, sf_tensor *out,
 sf_status sf_dequantize_block_fp8(const sf_tensor *data, const sf_tensor *scale_inv,
                                   int block_rows, sf_tensor *out, sf_stream stream);
 
+/* 1x128 blocks of x [M, K] along both dimensions in one pass: the row-wise
+ * copy (out, scale_inv as sf_quantize_block_fp8 with block_rows = 1) and the
+ * column-wise copy out_t [K, M] = the transposed matrix in 1x128 blocks
+ * along M, with scale_inv_t float32 [M/128, round_up(K, 4)] in the same
+ * layout (element [mb, k] belongs to x[128 mb : 128 mb + 128, k]).  Either
+ * pair may be NULL (not both).  M and K must be multiples of 128.  What
+ * Float8BlockScaling's backward GEMMs take for activations and gradients. */
+sf_status sf_quantize_block_fp8_rowcol(const sf_tensor *x, sf_tensor *out, sf_tensor *scale_inv,
+                                       sf_tensor *out_t, sf_tensor *scale_inv_t,
+                                       sf_stream stream);
+
 /* MXFP8: 1x32 blocks along K with E8M0 scales, K % 32 == 0.
  *   out: FP8 [M, K]; scales: float8_e8m0fnu or uint8 [M, K/32], row-major
  *   (the plain layout; Blackwell GEMMs want it swizzled into 128x4 tiles).

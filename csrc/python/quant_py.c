@@ -225,6 +225,36 @@ static PyObject *py_dequantize_block_fp8(PyObject *self, PyObject *const *args, 
     return finish(&c, st);
 }
 
+/* quantize_block_fp8_rowcol(x, out, scale_inv, out_t, scale_inv_t, stream=None) */
+static PyObject *py_quantize_block_fp8_rowcol(PyObject *self, PyObject *const *args,
+                                              Py_ssize_t nargs)
+{
+    (void)self;
+    static const char op[] = "quantize_block_fp8_rowcol";
+    if (sf_py_check_nargs(op, nargs, 5, 6) < 0)
+        return NULL;
+    sf_py_call c;
+    if (sf_py_call_init(&c, op, nargs > 5 ? args[5] : Py_None) < 0)
+        return NULL;
+    sf_tensor x, out, si, out_t, si_t;
+    int h_out, h_si, h_out_t, h_si_t;
+    if (sf_py_tensor(&c, args[0], "x", &x) < 0 ||
+        sf_py_optional_tensor(&c, args[1], "out", &out, &h_out) < 0 ||
+        sf_py_optional_tensor(&c, args[2], "scale_inv", &si, &h_si) < 0 ||
+        sf_py_optional_tensor(&c, args[3], "out_t", &out_t, &h_out_t) < 0 ||
+        sf_py_optional_tensor(&c, args[4], "scale_inv_t", &si_t, &h_si_t) < 0) {
+        sf_py_call_release(&c);
+        return NULL;
+    }
+    sf_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = sf_quantize_block_fp8_rowcol(&x, h_out ? &out : NULL, h_si ? &si : NULL,
+                                      h_out_t ? &out_t : NULL, h_si_t ? &si_t : NULL,
+                                      sf_py_call_stream(&c));
+    Py_END_ALLOW_THREADS
+    return finish(&c, st);
+}
+
 /* quantize_mxfp8(x, out, scales, stream=None) / dequantize_mxfp8(data, scales, out, stream=None) */
 static PyObject *py_mxfp8(PyObject *const *args, Py_ssize_t nargs, int quantize)
 {
@@ -326,6 +356,10 @@ PyMethodDef sf_py_quant_methods[] = {
      "fp8_compute_scale(amax, scale, scale_inv, fp8_max, margin, stream=None): current scaling."},
     {"quantize_block_fp8", (PyCFunction)(void (*)(void))py_quantize_block_fp8, METH_FASTCALL,
      "quantize_block_fp8(x, out, scale_inv, block_rows, stream=None): 1x128 / 128x128 blocks."},
+    {"quantize_block_fp8_rowcol", (PyCFunction)(void (*)(void))py_quantize_block_fp8_rowcol,
+     METH_FASTCALL,
+     "quantize_block_fp8_rowcol(x, out, scale_inv, out_t, scale_inv_t, stream=None): 1x128 "
+     "blocks along K and (transposed) along M in one pass."},
     {"dequantize_block_fp8", (PyCFunction)(void (*)(void))py_dequantize_block_fp8, METH_FASTCALL,
      "dequantize_block_fp8(data, scale_inv, block_rows, out, stream=None)."},
     {"quantize_mxfp8", (PyCFunction)(void (*)(void))py_quantize_mxfp8, METH_FASTCALL,

@@ -47,9 +47,9 @@ static sf_status matrix_view(const char *op, const char *arg, const sf_tensor *x
 static int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 
 /* The fp32 block-scale tensor of block_rows 1 or 128 (see seqfuse_quant.h). */
-static sf_status check_block_scales(const char *op, const sf_tensor *s, const sf_tensor *x,
-                                    int block_rows, int64_t m, int64_t k, int written,
-                                    int64_t *ld)
+static sf_status check_block_scales_named(const char *op, const char *name, const sf_tensor *s,
+                                          const sf_tensor *x, int block_rows, int64_t m,
+                                          int64_t k, int written, int64_t *ld)
 {
     int64_t rows, cols;
     if (block_rows == 1) {
@@ -59,18 +59,25 @@ static sf_status check_block_scales(const char *op, const sf_tensor *s, const sf
         rows = (m + 127) / 128;
         cols = round_up(k / 128, 4);
     }
-    SF_TRY(sf_check_dtype(op, "scale_inv", s, SF_FLOAT32));
+    SF_TRY(sf_check_dtype(op, name, s, SF_FLOAT32));
     if (s->ndim != 2 || s->shape[0] != rows || s->shape[1] != cols)
         return sf_fail(SF_ERR_VALUE,
-                       "%s: argument 'scale_inv' must have shape [%lld, %lld] for %s blocks of "
+                       "%s: argument '%s' must have shape [%lld, %lld] for %s blocks of "
                        "a [%lld, %lld] matrix (%s)",
-                       op, (long long)rows, (long long)cols, block_rows == 1 ? "1x128" : "128x128",
+                       op, name, (long long)rows, (long long)cols, block_rows == 1 ? "1x128" : "128x128",
                        (long long)m, (long long)k,
                        block_rows == 1 ? "[K/128, round_up(M, 4)], M fastest"
                                        : "[ceil(M/128), round_up(K/128, 4)]");
-    SF_TRY(check_out(op, "scale_inv", s, x, rows * cols, written));
+    SF_TRY(check_out(op, name, s, x, rows * cols, written));
     *ld = cols;
     return SF_OK;
+}
+
+static sf_status check_block_scales(const char *op, const sf_tensor *s, const sf_tensor *x,
+                                    int block_rows, int64_t m, int64_t k, int written,
+                                    int64_t *ld)
+{
+    return check_block_scales_named(op, "scale_inv", s, x, block_rows, m, k, written, ld);
 }
 
 static sf_status dispatch(const char *op, const sf_tensor *on, sf_block_args *a, int quantize,
@@ -109,6 +116,57 @@ sf_status sf_quantize_block_fp8(const sf_tensor *x, sf_tensor *out, sf_tensor *s
     a.data = (uint8_t *)out->data;
     a.e5m2 = out->dtype == SF_FLOAT8_E5M2;
     a.scales = scale_inv->data;
+    return dispatch(op, x, &a, 1, stream);
+}
+
+sf_status sf_quantize_block_fp8_rowcol(const sf_tensor *x, sf_tensor *out, sf_tensor *scale_inv,
+                                       sf_tensor *out_t, sf_tensor *scale_inv_t,
+                                       sf_stream stream)
+{
+    static const char op[] = "quantize_block_fp8_rowcol";
+    SF_TRY(sf_check_float_input(op, "x", x));
+    sf_block_args a = {0};
+    SF_TRY(matrix_view(op, "x", x, 128, "1x128 blocks", &a.m, &a.k));
+    if (a.m % 128 != 0)
+        return sf_fail(SF_ERR_VALUE,
+                       "%s: the rows of 'x' (M = %lld, all dimensions but the last) must be a "
+                       "multiple of 128 for the column-wise 1x128 blocks",
+                       op, (long long)a.m);
+    SF_TRY(sf_check_aligned(op, "x", x, 16));
+    if (!out && !out_t)
+        return sf_fail(SF_ERR_VALUE, "%s: at least one of 'out' and 'out_t' must be given", op);
+    if ((out == NULL) != (scale_inv == NULL) || (out_t == NULL) != (scale_inv_t == NULL))
+        return sf_fail(SF_ERR_VALUE, "%s: 'out' comes with 'scale_inv' and 'out_t' with "
+                       "'scale_inv_t'", op);
+    if (out) {
+        SF_TRY(check_fp8_dtype(op, "out", out));
+        SF_TRY(check_out(op, "out", out, x, a.m * a.k, 1));
+        SF_TRY(sf_check_aligned(op, "out", out, 16));
+        SF_TRY(check_block_scales(op, scale_inv, x, 1, a.m, a.k, 1, &a.scale_ld));
+        a.e5m2 = out->dtype == SF_FLOAT8_E5M2;
+    }
+    if (out_t) {
+        SF_TRY(check_fp8_dtype(op, "out_t", out_t));
+        if (out_t->ndim != 2 || out_t->shape[0] != a.k || out_t->shape[1] != a.m)
+            return sf_fail(SF_ERR_VALUE, "%s: argument 'out_t' must have shape [%lld, %lld]", op,
+                           (long long)a.k, (long long)a.m);
+        SF_TRY(check_out(op, "out_t", out_t, x, a.m * a.k, 1));
+        SF_TRY(sf_check_aligned(op, "out_t", out_t, 16));
+        if (out && out->dtype != out_t->dtype)
+            return sf_fail(SF_ERR_TYPE, "%s: arguments 'out' and 'out_t' must have the same "
+                           "FP8 dtype", op);
+        /* the transposed [K, M] matrix's 1x128 layout: [M/128, round_up(K, 4)] */
+        SF_TRY(check_block_scales_named(op, "scale_inv_t", scale_inv_t, x, 1, a.k, a.m, 1,
+                                        &a.scale_ld_t));
+        a.e5m2 = out_t->dtype == SF_FLOAT8_E5M2;
+    }
+    a.format = SF_BLOCK_FP8_ROWCOL;
+    a.x = x->data;
+    a.x_dtype = x->dtype;
+    a.data = out ? (uint8_t *)out->data : NULL;
+    a.scales = scale_inv ? scale_inv->data : NULL;
+    a.data_t = out_t ? (uint8_t *)out_t->data : NULL;
+    a.scales_t = scale_inv_t ? (float *)scale_inv_t->data : NULL;
     return dispatch(op, x, &a, 1, stream);
 }
 

@@ -61,6 +61,25 @@ static void quantize_fp8_blocks(const sf_block_args *a, int block_rows)
         }
 }
 
+/* Row-wise 1x128 (as quantize_fp8_blocks) and column-wise 1x128 along M. */
+static void quantize_rowcol(const sf_block_args *a)
+{
+    if (a->data)
+        quantize_fp8_blocks(a, 1);
+    if (!a->data_t)
+        return;
+    float fmax = sf_fp8_max(a->e5m2);
+    for (int64_t mb = 0; mb < a->m / 128; ++mb)
+        for (int64_t c = 0; c < a->k; ++c) {
+            float amax = sf_bits_f32(block_amax(a, mb * 128, mb * 128 + 128, c, c + 1));
+            float s = sf_scale_from_amax(amax, fmax, 1.0f, 1.0f);
+            a->scales_t[mb * a->scale_ld_t + c] = SF_DIV(1.0f, s);
+            for (int64_t r = mb * 128; r < mb * 128 + 128; ++r)
+                a->data_t[c * a->m + r] =
+                    sf_f32_to_fp8(SF_MUL(load_f32(a->x, a->x_dtype, r * a->k + c), s), a->e5m2);
+        }
+}
+
 /* 2^(127 - e) exactly, for an E8M0 exponent e in 0..254. */
 static float e8m0_inverse(uint8_t e)
 {
@@ -109,6 +128,7 @@ sf_status sf_block_quantize_cpu(const sf_block_args *a)
     case SF_BLOCK_FP8_1X128: quantize_fp8_blocks(a, 1); break;
     case SF_BLOCK_FP8_128X128: quantize_fp8_blocks(a, 128); break;
     case SF_BLOCK_MXFP8: quantize_mxfp8(a); break;
+    case SF_BLOCK_FP8_ROWCOL: quantize_rowcol(a); break;
     default: quantize_nvfp4(a); break;
     }
     return SF_OK;

@@ -122,6 +122,119 @@ quant_128x128_kernel(const T *__restrict__ x, int64_t m, int64_t k, uint8_t *out
     }
 }
 
+/* 1x128 blocks along K (row-wise copy) and along M (column-wise copy, the
+ * transposed matrix) from one read of x: a CTA per 128 x 128 tile, loads as
+ * in cast_transpose; row amaxes by shuffles over the 16 lanes of a row,
+ * column amaxes through shared memory; the column-wise bytes go through the
+ * swizzled tile and leave as 16-byte rows of out_t. */
+__device__ __forceinline__ int swz(int row, int word) { return word ^ (((row >> 4) & 7) << 2); }
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+quant_rowcol_kernel(const T *__restrict__ x, int64_t m, int64_t k, uint8_t *out, float *scale_inv,
+                    int64_t ld_m, uint8_t *out_t, float *scale_inv_t, int64_t ld_k, int e5m2)
+{
+    __shared__ uint32_t tile[128][32];
+    __shared__ uint32_t colmax[8][128];
+    __shared__ float colscale[128];
+    const int64_t tiles_k = k / 128;
+    const int64_t m0 = (blockIdx.x / tiles_k) * 128, k0 = (blockIdx.x % tiles_k) * 128;
+    const int t = threadIdx.x, lj = t & 15, lr = t >> 4, lane = t & 31, warp = t >> 5;
+    const float fmax = sf_fp8_max(e5m2);
+    sf_raw8<T> raw[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+        sf_load_raw8(x + (m0 + lr + 16 * i) * k + k0 + lj * 8, raw[i]);
+    uint32_t cmax[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        float v[8];
+        sf_unpack8(raw[i], v);
+        uint32_t rmax = 0;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            uint32_t b = sf_abs_bits(v[e]);
+            rmax = max(rmax, b);
+            cmax[e] = max(cmax[e], b);
+        }
+        if (out) {
+            rmax = warp_max(rmax, 16); /* the 16 lanes of this row */
+            const float s = sf_scale_from_amax(sf_bits_f32(rmax), fmax, 1.0f, 1.0f);
+            const int64_t r = m0 + lr + 16 * i;
+            if (lj == 0)
+                scale_inv[(k0 / 128) * ld_m + r] = __fdiv_rn(1.0f, s);
+            uint32_t w0 = 0, w1 = 0;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                w0 |= (uint32_t)cvt1(__fmul_rn(v[e], s), e5m2) << (8 * e);
+                w1 |= (uint32_t)cvt1(__fmul_rn(v[e + 4], s), e5m2) << (8 * e);
+            }
+            *reinterpret_cast<uint2 *>(out + r * k + k0 + lj * 8) = make_uint2(w0, w1);
+        }
+    }
+    if (!out_t)
+        return;
+    /* column amax: the two rows of a warp, then the 8 warps via shared memory */
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        cmax[e] = max(cmax[e], __shfl_xor_sync(0xffffffffu, cmax[e], 16));
+        if (lane < 16)
+            colmax[warp][lj * 8 + e] = cmax[e];
+    }
+    __syncthreads();
+    if (t < 128) {
+        uint32_t cm = 0;
+#pragma unroll
+        for (int w = 0; w < 8; ++w)
+            cm = max(cm, colmax[w][t]);
+        const float s = sf_scale_from_amax(sf_bits_f32(cm), fmax, 1.0f, 1.0f);
+        colscale[t] = s;
+        scale_inv_t[(m0 / 128) * ld_k + k0 + t] = __fdiv_rn(1.0f, s);
+    }
+    __syncthreads();
+    float cs[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+        cs[e] = colscale[lj * 8 + e];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        float v[8];
+        sf_unpack8(raw[i], v);
+        const int row = lr + 16 * i;
+        uint32_t w0 = 0, w1 = 0;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            w0 |= (uint32_t)cvt1(__fmul_rn(v[e], cs[e]), e5m2) << (8 * e);
+            w1 |= (uint32_t)cvt1(__fmul_rn(v[e + 4], cs[e + 4]), e5m2) << (8 * e);
+        }
+        *reinterpret_cast<uint2 *>(&tile[row][swz(row, 2 * lj)]) = make_uint2(w0, w1);
+    }
+    __syncthreads();
+    const int kw = warp * 4 + (lane >> 3), mg = lane & 7;
+    uint32_t w[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        const int row = mg * 16 + i;
+        w[i] = tile[row][swz(row, kw)];
+    }
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        const uint32_t t0 = __byte_perm(w[4 * p], w[4 * p + 1], 0x5140);
+        const uint32_t t1 = __byte_perm(w[4 * p], w[4 * p + 1], 0x7362);
+        const uint32_t t2 = __byte_perm(w[4 * p + 2], w[4 * p + 3], 0x5140);
+        const uint32_t t3 = __byte_perm(w[4 * p + 2], w[4 * p + 3], 0x7362);
+        w[4 * p] = __byte_perm(t0, t2, 0x5410);
+        w[4 * p + 1] = __byte_perm(t0, t2, 0x7632);
+        w[4 * p + 2] = __byte_perm(t1, t3, 0x5410);
+        w[4 * p + 3] = __byte_perm(t1, t3, 0x7632);
+    }
+    /* w[4p + kk]: rows 4p..4p+3 of column 4kw + kk */
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+        *reinterpret_cast<uint4 *>(out_t + (k0 + kw * 4 + kk) * m + m0 + mg * 16) =
+            make_uint4(w[kk], w[4 + kk], w[8 + kk], w[12 + kk]);
+}
+
 __device__ __forceinline__ float e8m0_inverse(uint32_t e)
 {
     return e == 254u ? sf_bits_f32(0x00400000u) : sf_bits_f32((254u - e) << 23);
@@ -232,6 +345,13 @@ void launch_quantize(const sf_block_args *a, int sms, cudaStream_t stream)
         int64_t grid = ((a->m + 127) / 128) * a->scale_ld;
         quant_128x128_kernel<T><<<(unsigned)grid, kThreads, 0, stream>>>(
             x, a->m, a->k, a->data, (float *)a->scales, a->scale_ld, a->e5m2);
+        break;
+    }
+    case SF_BLOCK_FP8_ROWCOL: {
+        int64_t tiles = (a->m / 128) * (a->k / 128);
+        quant_rowcol_kernel<T><<<(unsigned)tiles, kThreads, 0, stream>>>(
+            x, a->m, a->k, a->data, (float *)a->scales, a->scale_ld, a->data_t, a->scales_t,
+            a->scale_ld_t, a->e5m2);
         break;
     }
     case SF_BLOCK_MXFP8: {

@@ -64,6 +64,7 @@ typedef enum {
     SF_BLOCK_FP8_128X128 = 1,
     SF_BLOCK_MXFP8 = 2,
     SF_BLOCK_NVFP4 = 3,
+    SF_BLOCK_FP8_ROWCOL = 4, /* 1x128 along K (data) and along M (data_t) */
 } sf_block_format;
 
 typedef struct {
@@ -78,6 +79,9 @@ typedef struct {
     int64_t scale_ld;     /* fp32 block scales: row length of the scale tensor */
     const float *amax;    /* nvfp4: tensor amax */
     float *global_scale_inv; /* nvfp4 */
+    uint8_t *data_t;      /* rowcol: [k, m] or NULL (data may be NULL too) */
+    float *scales_t;      /* rowcol: [m/128, scale_ld_t] */
+    int64_t scale_ld_t;
 } sf_block_args;
 
 sf_status sf_block_quantize_cpu(const sf_block_args *a);

@@ -57,18 +57,27 @@ class Float8Tensor:
 class Float8BlockTensor:
     """FP8 with fp32 block scales in the layout cuBLASLt's block-scaled GEMMs
     read on Hopper (see seqfuse.ops.quantize_block_fp8): block_rows 1 for
-    1x128 blocks, 128 for 128x128 blocks."""
+    1x128 blocks, 128 for 128x128 blocks.  For 1x128, ``data_t`` /
+    ``scale_inv_t`` optionally hold the column-wise copy (the transposed
+    matrix in 1x128 blocks along M, quantize_block_fp8_rowcol)."""
 
-    __slots__ = ("data", "scale_inv", "block_rows", "dtype")
+    __slots__ = ("data", "scale_inv", "block_rows", "dtype", "data_t", "scale_inv_t")
 
-    def __init__(self, data, scale_inv, block_rows, dtype=torch.float32):
+    def __init__(self, data, scale_inv, block_rows, dtype=torch.float32, data_t=None,
+                 scale_inv_t=None):
         self.data, self.scale_inv, self.block_rows, self.dtype = data, scale_inv, block_rows, dtype
+        self.data_t, self.scale_inv_t = data_t, scale_inv_t
 
     @property
     def shape(self):
-        return self.data.shape
+        if self.data is not None:
+            return self.data.shape
+        return torch.Size(tuple(reversed(self.data_t.shape)))
 
     def dequantize(self, dtype=None):
+        if self.data is None:
+            return qops.dequantize_block_fp8(self.data_t, self.scale_inv_t, 1,
+                                             dtype or self.dtype).t()
         return qops.dequantize_block_fp8(self.data, self.scale_inv, self.block_rows,
                                          dtype or self.dtype)
 
