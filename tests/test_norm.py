@@ -275,7 +275,11 @@ def test_norm_cuda_matches_cpu_and_float64(rms, dtype, shape, w32, seed):
     cpu = run_ops(rms, x.cpu(), w.cpu(), None if b is None else b.cpu(), dy.cpu(), eps, zc)
     check_against_reference(got, [None if t is None else t.double() for t in cpu], dtype, rms,
                             grad_factor=2.0)
-    assert amax.item() == got[0].float().abs().max().item()
+    # amax is max |v| of the float32 values before rounding to y's dtype
+    if dtype == torch.float32:
+        assert amax.item() == got[0].abs().max().item()
+    else:
+        assert amax.item() == pytest.approx(got[0].float().abs().max().item(), rel=2 ** -7)
 
 
 @pytest.mark.cuda

@@ -5,8 +5,8 @@
  *
  * exp and the divisions inside tanh/sigmoid use the hardware approximations
  * on the device (__expf, __fdividef: a few ulp) and libm on the host; both
- * are tested against float64 torch.  tanh(u) is written 1 - 2 / (1 + e^{2u}),
- * which saturates to +-1 cleanly when e^{2u} overflows or underflows.
+ * are tested against float64 torch.  sigmoid(v) = 1 / (1 + e^{-v}) saturates
+ * cleanly to 0 or 1 when e^{-v} overflows or underflows.
  */
 #ifndef SF_ACT_H
 #define SF_ACT_H
@@ -29,19 +29,17 @@
 #define SF_INV_SQRT2 0.7071067811865476f
 #define SF_INV_SQRT_2PI 0.3989422804014327f
 
-SF_HD float sf_tanh_fast(float u) { return 1.0f - SF_ACT_FDIV(2.0f, 1.0f + SF_ACT_EXP(2.0f * u)); }
-
 SF_HD float sf_sigmoid(float x) { return SF_ACT_FDIV(1.0f, 1.0f + SF_ACT_EXP(-x)); }
 
-/* The base activation of `kind` (0 gelu-tanh, 1 gelu-erf, 2 silu, 3 relu). */
+/* The base activation of `kind` (0 gelu-tanh, 1 gelu-erf, 2 silu, 3 relu).
+ * Both GELUs are written without 1 + (something near -1), which cancels for
+ * negative x:  0.5 (1 + tanh(u)) = sigmoid(2u),  0.5 (1 + erf(z)) =
+ * 0.5 erfc(-z). */
 SF_HD float sf_act_base(int kind, float x)
 {
     switch (kind) {
-    case 0: {
-        float t = sf_tanh_fast(SF_GELU_K0 * (x + SF_GELU_K1 * x * x * x));
-        return 0.5f * x * (1.0f + t);
-    }
-    case 1: return 0.5f * x * (1.0f + erff(x * SF_INV_SQRT2));
+    case 0: return x * sf_sigmoid(2.0f * SF_GELU_K0 * (x + SF_GELU_K1 * x * x * x));
+    case 1: return 0.5f * x * erfcf(-x * SF_INV_SQRT2);
     case 2: return x * sf_sigmoid(x);
     default: return x > 0.0f ? x : 0.0f;
     }
@@ -51,13 +49,13 @@ SF_HD float sf_act_base(int kind, float x)
 SF_HD float sf_act_base_grad(int kind, float x)
 {
     switch (kind) {
-    case 0: {
+    case 0: { /* s = sigmoid(2u): gelu = x s, gelu' = s + 2 x s (1 - s) u' */
         float x2 = x * x;
-        float t = sf_tanh_fast(SF_GELU_K0 * x * (1.0f + SF_GELU_K1 * x2));
-        return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * SF_GELU_K0 * (1.0f + 3.0f * SF_GELU_K1 * x2);
+        float s = sf_sigmoid(2.0f * SF_GELU_K0 * x * (1.0f + SF_GELU_K1 * x2));
+        return s + 2.0f * x * s * (1.0f - s) * SF_GELU_K0 * (1.0f + 3.0f * SF_GELU_K1 * x2);
     }
     case 1:
-        return 0.5f * (1.0f + erff(x * SF_INV_SQRT2)) + x * SF_INV_SQRT_2PI * SF_ACT_EXP(-0.5f * x * x);
+        return 0.5f * erfcf(-x * SF_INV_SQRT2) + x * SF_INV_SQRT_2PI * SF_ACT_EXP(-0.5f * x * x);
     case 2: {
         float s = sf_sigmoid(x);
         return s * (1.0f + x * (1.0f - s));
