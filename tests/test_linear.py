@@ -138,6 +138,9 @@ def test_errors():
         m(torch.randn(2, 5))
     with pytest.raises(NotImplementedError, match="Linear: argument 'tp_size'=2 is not supported"):
         te.Linear(8, 4, tp_size=2, device="cpu")
+    with pytest.raises(TypeError, match="Linear: unexpected argument 'bias_init'"):
+        te.Linear(8, 4, bias_init=0.0, device="cpu")
+    te.Linear(8, 4, name="proj", sequence_parallel=False, tp_size=1, device="cpu")  # TE defaults
     with pytest.raises(ValueError, match="in_features and out_features must be positive"):
         te.Linear(0, 4, device="cpu")
 

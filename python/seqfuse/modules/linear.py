@@ -66,6 +66,16 @@ def _compute_dtype(x, weight):
     return weight.dtype
 
 
+#: TE arguments accepted with only their default value (parallelism, overlap).
+_TE_DEFAULTS = {"sequence_parallel": False, "tp_group": None, "tp_size": 1, "parallel_mode": None,
+                "parameters_split": None, "ub_overlap_ag": False, "ub_overlap_rs": False,
+                "ub_overlap_rs_dgrad": False, "ub_bulk_dgrad": False, "ub_bulk_wgrad": False,
+                "ub_name": None, "symmetric_ar_type": None, "delay_wgrad_compute": False,
+                "save_original_input": False}
+#: TE arguments that change nothing here (names, RNG trackers for TP init).
+_TE_IGNORED = ("name", "get_rng_state_tracker", "rng_tracker_name")
+
+
 class LinearFunction(torch.autograd.Function):
     """Autograd of y = x W^T + b in one compute dtype (bf16, fp16 or fp32).
 
@@ -129,7 +139,11 @@ class Linear(torch.nn.Module):
                  init_method=None, return_bias=False, fuse_wgrad_accumulation=False, **unsupported):
         super().__init__()
         for name, value in unsupported.items():
-            if value not in (None, False, 1, "", 0):
+            if name in _TE_IGNORED:
+                continue
+            if name not in _TE_DEFAULTS:
+                raise TypeError(f"Linear: unexpected argument {name!r}")
+            if value != _TE_DEFAULTS[name]:
                 raise NotImplementedError(f"Linear: argument '{name}'={value!r} is not supported "
                                           "(no tensor/sequence parallelism or comm overlap here)")
         if in_features <= 0 or out_features <= 0:
@@ -365,5 +379,5 @@ class Fp8LinearFunction(torch.autograd.Function):
         if main_grad is not None and hasattr(weight, "grad_added_to_main_grad"):
             weight.grad_added_to_main_grad = True
         if need_db and ctx.bias_dtype is not None:
-            db = dy.float().sum(0).to(ctx.bias_dtype)
+            db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)  # no float32 copy of dy
         return dx, dw, db, None, None, None, None, None
