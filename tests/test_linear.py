@@ -284,9 +284,10 @@ def test_cuda_graph_capture_fwd_bwd(seed):
         g.replay()
         torch.cuda.synchronize()
         y_eager, (dx, dw, db) = fwd_bwd(m_copy(m), x, dy)
-        assert torch.equal(static_y, y_eager)
-        assert torch.equal(static_x.grad, dx)
-        assert torch.equal(m.weight.grad, dw) and torch.equal(m.bias.grad, db)
+        # the same plans on another stream and workspace: equal up to reduction order
+        for got, want in ((static_y, y_eager), (static_x.grad, dx), (m.weight.grad, dw),
+                          (m.bias.grad, db)):
+            assert rel_error(got, want) <= 2e-3
 
 
 def m_copy(m):
