@@ -144,7 +144,8 @@ class Quantizers:
 
     DelayedScaling: the module's ScalingState gives scale, amax slot and
     format; the norm and activation kernels write FP8 directly (their
-    transposed copies are made in the backward).  Float8CurrentScaling: the
+    transposed copies are made in the backward).  Weights (index 3g + 1) are
+    scaled from their own amax at the cast, which also goes to their slot.  Float8CurrentScaling: the
     scale comes from the tensor's own amax just before the cast, so the norm
     and activation outputs are made in high precision and cast+transposed.
     """
@@ -166,6 +167,12 @@ class Quantizers:
         """x -> Float8Tensor (with the transposed copy when asked)."""
         from ..quantization import quantize_current, quantize_with_state
 
+        if self.delayed and index % 3 == 1:
+            # weights: scaled from their own amax when cast (as seqfuse's
+            # Linear does), so a first step or a frozen weight never runs on a
+            # stale scale; the amax still lands in the state's weight slot
+            return quantize_current(x, self.dtype(index), margin=int(self.recipe.margin),
+                                    transpose=transpose, amax=self.state.amax_of(index))
         if self.delayed:
             return quantize_with_state(x, self.state, index, transpose=transpose)
         from ..quantization import get_amax_reduction_group
