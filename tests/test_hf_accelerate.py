@@ -326,3 +326,28 @@ def test_attention_function_refuses_what_it_cannot_compute():
     ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), k.repeat_interleave(2, 1),
                                          attn_mask=mask[:, None, None, :], scale=0.3).transpose(1, 2)
     assert rel_error(out[0], ref[0]) <= 1e-5 and rel_error(out[1, :4], ref[1, :4]) <= 1e-5
+
+
+@pytest.mark.cuda
+def test_accelerate_cuda_bf16_llama():
+    """A Llama-shaped model (head dim 64, GQA) in bf16 on the GPU: every Linear,
+    and attention, through seqfuse; logits and loss against the untouched model."""
+    if not HAVE_MODULES:
+        pytest.skip("seqfuse.pytorch.Linear/LayerNorm not built")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                                   num_attention_heads=16, num_key_value_heads=4)
+    model = transformers.LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    ref = copy.deepcopy(model)
+    report = accelerate(model)
+    assert "config._attn_implementation" in report.swapped_names(), str(report)
+    ids = torch.randint(0, 512, (4, 256), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, 200:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        exp = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    real = mask.bool()
+    assert rel_error(out.logits[real], exp.logits[real]) <= 2e-2
+    assert abs(out.loss.item() - exp.loss.item()) <= 1e-2 * exp.loss.item()

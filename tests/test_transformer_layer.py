@@ -380,8 +380,9 @@ def test_cuda_fp8_layer_close_to_bf16():
             out = layer(x, attention_mask=mask, rotary_pos_emb=freqs)
         out.sum().backward()
     valid = ~mask[:, 0, 0, :]
-    # FP8 E4M3 forward: ~2^-4 relative per element, averaged over the GEMMs' K.
-    assert rel_error(out[valid], ref[valid]) <= 8e-2
+    # The layer's update (out - x) within FP8's precision (E4M3: ~4 % rms per
+    # quantized operand, a few chained), as on the CPU test.
+    assert rel_error((out - x)[valid], (ref - x)[valid]) <= 0.25
     assert torch.isfinite(x.grad).all()
 
 
