@@ -6,8 +6,7 @@ PYTHON ?= python3
 .PHONY: run test deps build kernels gpu-check clean
 
 deps:
-	@$(PYTHON) -c "import torch, numpy, pytest, setuptools, wheel; assert int(setuptools.__version__.split('.')[0]) >= 77" 2>/dev/null || \
-		$(PYTHON) -m pip install -q -r requirements-test.txt
+	$(PYTHON) -m pip install -q -r requirements-test.txt
 
 build: deps
 	$(PYTHON) -m pip install -q --no-build-isolation --no-deps -e .
