@@ -64,6 +64,36 @@ SF_HD float sf_act_base_grad(int kind, float x)
     }
 }
 
+/* The activation and its derivative together (the gated backward needs
+ * both): the exponential / erfc is evaluated once. */
+SF_HD void sf_act_base_both(int kind, float x, float *f, float *df)
+{
+    switch (kind) {
+    case 0: {
+        float x2 = x * x;
+        float s = sf_sigmoid(2.0f * SF_GELU_K0 * x * (1.0f + SF_GELU_K1 * x2));
+        *f = x * s;
+        *df = s + 2.0f * x * s * (1.0f - s) * SF_GELU_K0 * (1.0f + 3.0f * SF_GELU_K1 * x2);
+        return;
+    }
+    case 1: {
+        float phi = 0.5f * erfcf(-x * SF_INV_SQRT2);
+        *f = x * phi;
+        *df = phi + x * SF_INV_SQRT_2PI * SF_ACT_EXP(-0.5f * x * x);
+        return;
+    }
+    case 2: {
+        float s = sf_sigmoid(x);
+        *f = x * s;
+        *df = s * (1.0f + x * (1.0f - s));
+        return;
+    }
+    default:
+        *f = x > 0.0f ? x : 0.0f;
+        *df = x > 0.0f ? 1.0f : 0.0f;
+    }
+}
+
 /* ---- Philox-4x32-10 (Salmon et al., SC'11) -------------------------------- */
 
 typedef struct {

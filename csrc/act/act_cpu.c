@@ -83,8 +83,10 @@ sf_status sf_act_bwd_cpu(const sf_act_args *a)
                 continue;
             }
             const float gate = load(a->x, r * in_cols + a->n + j);
-            float d_act = dy * gate * sf_act_base_grad(a->base, x);
-            float d_gate = dy * sf_act_base(a->base, x);
+            float f, df;
+            sf_act_base_both(a->base, x, &f, &df);
+            float d_act = dy * gate * df;
+            float d_gate = dy * f;
             amax = max_abs(max_abs(amax, d_act), d_gate);
             store(a->out, r * in_cols + j, d_act, scale);
             store(a->out, r * in_cols + a->n + j, d_gate, scale);

@@ -116,8 +116,10 @@ __device__ __forceinline__ unsigned compute_vec(const ActParams &p, int64_t r, i
         float db[VEC];
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
-            o[e] = dy[e] * b[e] * sf_act_base_grad(p.base, a[e]);
-            db[e] = dy[e] * sf_act_base(p.base, a[e]);
+            float f, df;
+            sf_act_base_both(p.base, a[e], &f, &df);
+            o[e] = dy[e] * b[e] * df;
+            db[e] = dy[e] * f;
         }
         store_out<T, VEC>(p, r * p.in_cols + p.n + c, db, scale);
         m = vmax<VEC>(m, db);
