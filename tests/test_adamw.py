@@ -123,6 +123,28 @@ def test_state_dict_resumes_bit_exactly(device, seed):
         assert opt.state[p]["step"] == opt2.state[q]["step"] == 12
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_main_grad_fp32_gradients_for_bf16_params(device, seed):
+    """use_main_grad: bf16 params updated from float32 main_grad buffers (p.grad None),
+    exactly as fp32 AdamW on the masters with those gradients."""
+    params = make_params(torch.bfloat16, device)
+    masters = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
+    ours = FusedAdamW(params, use_main_grad=True, **HYPER)
+    theirs = torch.optim.AdamW(masters, foreach=False, **HYPER)
+    for step in range(5):
+        for p, m in zip(params, masters):
+            p.main_grad = torch.randn(p.shape, device=device) * 0.1
+            m.grad = p.main_grad.clone()
+            assert p.grad is None
+        ours.step()
+        theirs.step()
+    for p, m in zip(params, masters):
+        assert max_rel(ours.state[p]["master_param"], m.detach()) < 1e-5
+    total = clip_grad_norm_(params, 1e9, use_main_grad=True)
+    expect = torch.sqrt(sum((p.main_grad.double() ** 2).sum() for p in params))
+    assert abs(total.item() - expect.item()) < 1e-5 * expect.item()
+
+
 def test_params_without_grad_and_groups(seed):
     a, b, c = make_params(torch.float32, shapes=[(4,), (5,), (6,)])
     opt = FusedAdamW([{"params": [a, b]}, {"params": [c], "lr": 0.0, "weight_decay": 0.0}], **HYPER)
@@ -213,8 +235,11 @@ def test_bad_inputs():
     p = torch.zeros(4)
     g = torch.zeros(4)
     m, v = torch.zeros(4), torch.zeros(4)
-    with pytest.raises(TypeError, match=r"'grads\[0\]' must have dtype float32, got bfloat16"):
+    with pytest.raises(TypeError, match=r"'grads\[0\]' must have dtype float32 \(the params'\) or float32, got bfloat16"):
         multi_tensor_adamw([p], [g.bfloat16()], [m], [v], None, 0.1, 0.9, 0.99, 1e-8, 0.0, 1)
+    with pytest.raises(TypeError, match=r"'grads\[1\]' must have dtype float32, got bfloat16"):
+        multi_tensor_adamw([p.bfloat16()] * 2, [g, g.bfloat16()], [m, m.clone()], [v, v.clone()], None,
+                           0.1, 0.9, 0.99, 1e-8, 0.0, 1)
     with pytest.raises(ValueError, match=r"'exp_avg\[0\]' must have 4 element"):
         multi_tensor_adamw([p], [g], [torch.zeros(3)], [v], None, 0.1, 0.9, 0.99, 1e-8, 0.0, 1)
     with pytest.raises(TypeError, match=r"'exp_avg_sq\[0\]' must have dtype float32"):
@@ -246,12 +271,13 @@ def test_bad_inputs():
 # ---- CUDA -----------------------------------------------------------------
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype,master", [(torch.float32, False), (torch.bfloat16, True),
-                                          (torch.bfloat16, False), (torch.float16, True)])
-def test_cuda_adamw_matches_cpu_backend(dtype, master, seed):
+@pytest.mark.parametrize("dtype,master,fp32_grads", [(torch.float32, False, False), (torch.bfloat16, True, False),
+                                                     (torch.bfloat16, False, False), (torch.float16, True, False),
+                                                     (torch.bfloat16, True, True), (torch.float16, False, True)])
+def test_cuda_adamw_matches_cpu_backend(dtype, master, fp32_grads, seed):
     shapes = [(5,), (65536 * 3 + 7,), (1000, 333), (1,)] + [(i + 1,) for i in range(70)]
     base = [torch.randn(s).to(dtype) for s in shapes]
-    grads = [torch.randn(s).to(dtype) for s in shapes]
+    grads = [torch.randn(s).to(torch.float32 if fp32_grads else dtype) for s in shapes]
     ms = [torch.randn(s).abs() * 0.1 for s in shapes]
     vs = [torch.randn(s).abs() * 0.01 for s in shapes]
     ws = [b.float() + torch.randn(b.shape) * 1e-3 for b in base] if master else None

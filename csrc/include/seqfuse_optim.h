@@ -35,7 +35,9 @@ typedef struct sf_adamw_config {
  *   m  = lerp(m, g, 1 - beta1)           v = v beta2 + (1 - beta2) g^2
  *   p  = p - lr / (1 - beta1^step) * m / (sqrt(v) / sqrt(1 - beta2^step) + eps)
  * all in fp32.
- *   params      fp32, fp16 or bf16, all the same dtype; grads the same dtype
+ *   params      fp32, fp16 or bf16, all the same dtype
+ *   grads       all in the params' dtype, or all float32 for fp16/bf16 params
+ *               (a float32 main_grad accumulated by the wgrad GEMMs)
  *   exp_avg, exp_avg_sq   fp32, one per parameter, same numel
  *   master      NULL, or n fp32 master copies: then p above is the master,
  *               and params receive its value rounded to their dtype

@@ -65,6 +65,11 @@ sf_status sf_multi_tensor_adamw(int64_t n, sf_tensor *params, const sf_tensor *g
                        op, (long long)cfg->step);
     sf_dtype pd = params[0].dtype;
     SF_TRY(sf_check_float_input(op, "params[0]", &params[0]));
+    /* gradients in the params' dtype, or float32 for 16-bit params (main_grad) */
+    sf_dtype gd = grads[0].dtype;
+    if (gd != pd && !(gd == SF_FLOAT32 && pd != SF_FLOAT32))
+        return sf_fail(SF_ERR_TYPE, "%s: argument 'grads[0]' must have dtype %s (the params') or float32, got %s",
+                       op, sf_dtype_name(pd), sf_dtype_name(gd));
     if (master != NULL && pd == SF_FLOAT32)
         return sf_fail(SF_ERR_VALUE, "%s: argument 'master' is for fp16/bf16 params; params are float32", op);
     char name[64];
@@ -72,7 +77,7 @@ sf_status sf_multi_tensor_adamw(int64_t n, sf_tensor *params, const sf_tensor *g
         int64_t numel = sf_numel(&params[i]);
         SF_TRY(sf_check_dtype(op, item(name, sizeof name, "params", i), &params[i], pd));
         SF_TRY(check_item(op, "params", i, &params[i], &params[0], 1));
-        SF_TRY(sf_check_dtype(op, item(name, sizeof name, "grads", i), &grads[i], pd));
+        SF_TRY(sf_check_dtype(op, item(name, sizeof name, "grads", i), &grads[i], gd));
         SF_TRY(sf_check_numel(op, name, &grads[i], numel));
         SF_TRY(check_item(op, "grads", i, &grads[i], &params[0], 0));
         SF_TRY(sf_check_dtype(op, item(name, sizeof name, "exp_avg", i), &exp_avg[i], SF_FLOAT32));

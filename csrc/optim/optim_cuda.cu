@@ -68,8 +68,8 @@ __device__ __forceinline__ bool aligned(const void *p, size_t bytes) { return ((
 
 /* ---- AdamW ----------------------------------------------------------- */
 
-template <typename T, bool MASTER>
-__device__ __forceinline__ void adamw_one(const sf_adamw_consts &k, T *p, const T *g, float *m, float *v,
+template <typename T, typename TG, bool MASTER>
+__device__ __forceinline__ void adamw_one(const sf_adamw_consts &k, T *p, const TG *g, float *m, float *v,
                                           float *w, int64_t i)
 {
     float pv = MASTER ? w[i] : to_f(p[i]);
@@ -79,7 +79,7 @@ __device__ __forceinline__ void adamw_one(const sf_adamw_consts &k, T *p, const 
     p[i] = from_f<T>(pv);
 }
 
-template <typename T, bool MASTER>
+template <typename T, typename TG, bool MASTER>
 __global__ void __launch_bounds__(kBlock) adamw_kernel(const __grid_constant__ MTMeta<5, kAdamTensors> meta,
                                                        const sf_adamw_consts k)
 {
@@ -90,17 +90,17 @@ __global__ void __launch_bounds__(kBlock) adamw_kernel(const __grid_constant__ M
         int64_t rest = meta.numel[t] - off;
         int64_t len = rest < SF_MT_CHUNK ? rest : SF_MT_CHUNK;
         T *p = static_cast<T *>(meta.ptr[0][t]) + off;
-        const T *g = static_cast<const T *>(meta.ptr[1][t]) + off;
+        const TG *g = static_cast<const TG *>(meta.ptr[1][t]) + off;
         float *m = static_cast<float *>(meta.ptr[2][t]) + off;
         float *v = static_cast<float *>(meta.ptr[3][t]) + off;
         float *w = MASTER ? static_cast<float *>(meta.ptr[4][t]) + off : nullptr;
-        bool vec = aligned(p, sizeof(T) * kIlp) && aligned(g, sizeof(T) * kIlp) && aligned(m, 16) &&
+        bool vec = aligned(p, sizeof(T) * kIlp) && aligned(g, sizeof(TG) * kIlp) && aligned(m, 16) &&
                    aligned(v, 16) && (!MASTER || aligned(w, 16));
         int64_t done = 0;
         if (vec) {
             int64_t nv = len / kIlp;
             for (int64_t i = threadIdx.x; i < nv; i += kBlock) {
-                Vec<T> gv = reinterpret_cast<const Vec<T> *>(g)[i];
+                Vec<TG> gv = reinterpret_cast<const Vec<TG> *>(g)[i];
                 float4 mv = reinterpret_cast<const float4 *>(m)[i];
                 float4 vv = reinterpret_cast<const float4 *>(v)[i];
                 float pf[kIlp];
@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(kBlock) adamw_kernel(const __grid_constant__ M
             done = nv * kIlp;
         }
         for (int64_t i = done + threadIdx.x; i < len; i += kBlock)
-            adamw_one<T, MASTER>(k, p, g, m, v, w, i);
+            adamw_one<T, TG, MASTER>(k, p, g, m, v, w, i);
     }
 }
 
@@ -320,18 +320,27 @@ extern "C" sf_status sf_multi_tensor_adamw_cuda(int64_t n, sf_tensor *params, co
     const sf_adamw_consts kk = *k;
     sf_dtype dt = params[0].dtype;
     bool with_master = master != NULL;
+    bool fp32_grads = grads[0].dtype == SF_FLOAT32 && dt != SF_FLOAT32;
     auto launch = [&](const MTMeta<5, kAdamTensors> &meta, int chunks) -> sf_status {
         int grid = grid_for(chunks, device);
         if (dt == SF_FLOAT32)
-            adamw_kernel<float, false><<<grid, kBlock, 0, stream>>>(meta, kk);
+            adamw_kernel<float, float, false><<<grid, kBlock, 0, stream>>>(meta, kk);
+        else if (dt == SF_BFLOAT16 && fp32_grads && with_master)
+            adamw_kernel<__nv_bfloat16, float, true><<<grid, kBlock, 0, stream>>>(meta, kk);
+        else if (dt == SF_BFLOAT16 && fp32_grads)
+            adamw_kernel<__nv_bfloat16, float, false><<<grid, kBlock, 0, stream>>>(meta, kk);
         else if (dt == SF_BFLOAT16 && with_master)
-            adamw_kernel<__nv_bfloat16, true><<<grid, kBlock, 0, stream>>>(meta, kk);
+            adamw_kernel<__nv_bfloat16, __nv_bfloat16, true><<<grid, kBlock, 0, stream>>>(meta, kk);
         else if (dt == SF_BFLOAT16)
-            adamw_kernel<__nv_bfloat16, false><<<grid, kBlock, 0, stream>>>(meta, kk);
+            adamw_kernel<__nv_bfloat16, __nv_bfloat16, false><<<grid, kBlock, 0, stream>>>(meta, kk);
+        else if (fp32_grads && with_master)
+            adamw_kernel<__half, float, true><<<grid, kBlock, 0, stream>>>(meta, kk);
+        else if (fp32_grads)
+            adamw_kernel<__half, float, false><<<grid, kBlock, 0, stream>>>(meta, kk);
         else if (with_master)
-            adamw_kernel<__half, true><<<grid, kBlock, 0, stream>>>(meta, kk);
+            adamw_kernel<__half, __half, true><<<grid, kBlock, 0, stream>>>(meta, kk);
         else
-            adamw_kernel<__half, false><<<grid, kBlock, 0, stream>>>(meta, kk);
+            adamw_kernel<__half, __half, false><<<grid, kBlock, 0, stream>>>(meta, kk);
         SF_CUDA_CHECK_LAUNCH(op);
         return SF_OK;
     };

@@ -16,6 +16,12 @@
   parameter's dtype as torch's default loader would), so training resumes
   bit for bit.
 - ``lr`` must be a Python number (a tensor lr would need a host read).
+- ``use_main_grad=True``: a parameter's gradient is its float32
+  ``main_grad`` where it has one (seqfuse.pytorch.Linear accumulates the
+  weight gradient there, Megatron style, leaving ``.grad`` None), else its
+  ``.grad``.  16-bit parameters take float32 gradients directly.  zero_grad()
+  does not clear main_grad: that stays the training loop's job, as in
+  Megatron.
 """
 import itertools
 
@@ -24,9 +30,17 @@ import torch
 from ..ops import optim as _ops
 
 
+def _grad_of(p, use_main_grad):
+    if use_main_grad:
+        main_grad = getattr(p, "main_grad", None)
+        if main_grad is not None:
+            return main_grad
+    return p.grad
+
+
 class FusedAdamW(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                 master_weights=True, amsgrad=False, maximize=False):
+                 master_weights=True, amsgrad=False, maximize=False, use_main_grad=False):
         if amsgrad or maximize:
             raise NotImplementedError("FusedAdamW: amsgrad and maximize are not supported")
         if isinstance(lr, torch.Tensor):
@@ -39,7 +53,8 @@ class FusedAdamW(torch.optim.Optimizer):
             raise ValueError(f"FusedAdamW: argument 'eps' must be >= 0, got {eps}")
         if not 0.0 <= weight_decay:
             raise ValueError(f"FusedAdamW: argument 'weight_decay' must be >= 0, got {weight_decay}")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, master_weights=master_weights)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, master_weights=master_weights,
+                        use_main_grad=use_main_grad)
         super().__init__(params, defaults)
 
     def _state(self, p, group):
@@ -62,22 +77,23 @@ class FusedAdamW(torch.optim.Optimizer):
             beta1, beta2 = group["betas"]
             buckets = {}
             for p in group["params"]:
-                if p.grad is None:
+                grad = _grad_of(p, group.get("use_main_grad", False))
+                if grad is None:
                     continue
-                if p.grad.is_sparse:
+                if grad.is_sparse:
                     raise ValueError("FusedAdamW: sparse gradients are not supported")
                 state = self._state(p, group)
                 state["step"] += 1
                 master = state.get("master_param")
-                key = (p.device, p.dtype, master is not None, state["step"])
+                key = (p.device, p.dtype, grad.dtype, master is not None, state["step"])
                 lists = buckets.setdefault(key, ([], [], [], [], []))
                 lists[0].append(p)
-                lists[1].append(p.grad)
+                lists[1].append(grad)
                 lists[2].append(state["exp_avg"])
                 lists[3].append(state["exp_avg_sq"])
                 if master is not None:
                     lists[4].append(master)
-            for (_, _, has_master, step), (ps, gs, ms, vs, ws) in buckets.items():
+            for (_, _, _, has_master, step), (ps, gs, ms, vs, ws) in buckets.items():
                 _ops.multi_tensor_adamw(ps, gs, ms, vs, ws if has_master else None, group["lr"], beta1, beta2,
                                         group["eps"], group["weight_decay"], step)
         return loss

@@ -9,16 +9,23 @@ import torch
 from ..ops import optim as _ops
 
 
-def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None,
+                    use_main_grad=False):
     """Clip the gradients of ``parameters`` in place to a total 2-norm of at
     most ``max_norm``; returns the total norm before clipping (a 0-d float32
-    tensor on the gradients' device)."""
+    tensor on the gradients' device).  ``use_main_grad``: take a parameter's
+    float32 ``main_grad`` where it has one (as FusedAdamW(use_main_grad=True))."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     if float(norm_type) != 2.0:
         raise NotImplementedError(f"clip_grad_norm_: seqfuse computes the 2-norm only, got norm_type={norm_type}; "
                                   "use torch.nn.utils.clip_grad_norm_ for other norms")
-    grads = [p.grad for p in parameters if p.grad is not None]
+    grads = []
+    for p in parameters:
+        g = getattr(p, "main_grad", None) if use_main_grad else None
+        g = p.grad if g is None else g
+        if g is not None:
+            grads.append(g)
     if not grads:
         return torch.tensor(0.0)
     by_device = {}
