@@ -323,3 +323,21 @@ def test_cuda_states_autocast_no_sync():
         torch.cuda.set_sync_debug_mode(0)
     expect = np.float32(448.0) / np.float32(x.abs().max().item()) / np.float32(512)
     assert all(st.scale[INPUT].item() == expect for st in states)
+
+
+@needs_fp8
+def test_quantize_current_and_float8tensor(seed):
+    from seqfuse.quantization import Float8Tensor, quantize, quantize_current
+    x = torch.randn(48, 32) * 7
+    q = quantize_current(x, torch.float8_e4m3fn, transpose=True)
+    assert isinstance(q, Float8Tensor) and q.data.shape == (48, 32) and q.data_t.shape == (32, 48)
+    s = torch.tensor(448.0) / x.abs().max()
+    assert torch.equal(q.data.view(torch.uint8), (x * s).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8))
+    assert torch.equal(q.data_t.view(torch.uint8), q.data.view(torch.uint8).t())
+    assert q.scale_inv.item() == (1 / s).item()
+    assert torch.equal(q.dequantize(), q.data.float() * q.scale_inv)
+    only_t = quantize(x, torch.ones(1), None, "e5m2", transpose=True, rowwise=False)
+    assert only_t.data is None and only_t.shape == (48, 32) and only_t.fp8_dtype == torch.float8_e5m2
+    assert torch.equal(only_t.dequantize(), x.to(torch.float8_e5m2).float())
+    with pytest.raises(ValueError, match="rowwise=False needs transpose=True"):
+        quantize(x, torch.ones(1), None, torch.float8_e4m3fn, rowwise=False)

@@ -86,6 +86,7 @@ static sf_status dispatch(const char *op, const sf_tensor *on, sf_block_args *a,
     if (on->device == SF_CPU)
         return quantize ? sf_block_quantize_cpu(a) : sf_block_dequantize_cpu(a);
 #ifdef SF_WITH_CUDA
+    (void)op;
     return quantize ? sf_block_quantize_cuda(a, on->device_id, stream)
                     : sf_block_dequantize_cuda(a, on->device_id, stream);
 #else
