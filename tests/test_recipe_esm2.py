@@ -1,0 +1,225 @@
+"""The ESM-2 training recipe (recipes/esm2) on the CPU, on the committed real
+UniProt subset: config loading, the LR schedule, L0_sanity trains (the loss
+falls), stop-and-resume equals the uninterrupted run, checkpoints are atomic,
+the export loads in transformers, and a two-process gloo FSDP2 run under
+torchrun (sharded DCP checkpoint, resume and export included)."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = os.path.join(ROOT, "recipes", "esm2")
+sys.path.insert(0, RECIPE)
+
+pytest.importorskip("transformers")
+pytest.importorskip("pyarrow")
+
+from esm2_recipe import checkpoint as ckpt  # noqa: E402
+from esm2_recipe.config import load_config  # noqa: E402
+from esm2_recipe.trainer import lr_lambda, train  # noqa: E402
+
+# A smaller, quicker L0 for the tests that compare runs.
+TINY = ["data.micro_batch_tokens=1024", "data.val_batches=2", "train.log_interval=1", "train.eval_interval=0",
+        "train.warmup_steps=2", "logging.progress_bar=false"]
+
+
+def _losses(path):
+    with open(path) as f:
+        rows = [json.loads(line) for line in f]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+# ------------------------------------------------------------ config
+def test_config_compose_and_override():
+    cfg = load_config("L0_sanity", ["train.lr=1e-3", "precision.recipe=fp8_block", "data.packed=false",
+                                    "train.betas=[0.9,0.95]", "+model.extra=3"])
+    assert cfg.train.lr == 1e-3 and isinstance(cfg.train.lr, float)
+    assert cfg.precision.recipe == "fp8_block" and cfg.data.packed is False
+    assert cfg.train.betas == [0.9, 0.95] and cfg.model.extra == 3
+    assert cfg.model.hidden_size == 64 and cfg.train.weight_decay == 0.01  # L0 over base
+    assert isinstance(load_config("35M").train.lr, float)  # "4.0e-4" from YAML
+    for size in ("8M", "35M", "150M", "650M", "3B"):
+        assert load_config(size).model.size == size
+    with pytest.raises(KeyError, match="train.stepz"):
+        load_config("L0_sanity", ["train.stepz=3"])
+    with pytest.raises(ValueError, match="key=value"):
+        load_config("L0_sanity", ["train.steps"])
+    with pytest.raises(FileNotFoundError, match="nope"):
+        load_config("nope")
+
+
+def test_lr_schedule_warmup_and_decay():
+    cfg = load_config("L0_sanity", ["train.steps=100", "train.warmup_steps=10", "train.min_lr_ratio=0.1"])
+    f = lr_lambda(cfg)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(10) == pytest.approx(1.0) and f(100) == pytest.approx(0.1)
+    assert f(55) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    lin = lr_lambda(load_config("L0_sanity", ["train.steps=100", "train.warmup_steps=10", "train.decay=linear"]))
+    assert lin(55) == pytest.approx(1 - 0.9 * 0.5)
+    with pytest.raises(ValueError, match="train.decay"):
+        lr_lambda(load_config("L0_sanity", ["train.decay=exp"]))
+
+
+# ------------------------------------------------------------ training
+def test_l0_sanity_loss_falls(tmp_path):
+    """The real L0_sanity config (shortened to 40 steps): validation and
+    training loss fall well below the uniform-guess loss ln(33) = 3.50."""
+    jl = tmp_path / "m.jsonl"
+    out = train(load_config("L0_sanity", ["train.steps=40", "train.eval_interval=20", "logging.progress_bar=false",
+                                          f"logging.metrics_jsonl={jl}"]), "fsdp2")
+    h = out["history"]
+    assert h["step"][-1] == 40 and len(h["val_loss"]) == 2
+    assert all(math.isfinite(v) for v in h["loss"] + h["val_loss"])
+    assert h["loss"][-1] < h["loss"][0] - 0.3, h["loss"]
+    assert h["val_loss"][-1] < 3.2, h["val_loss"]
+    rows = [json.loads(line) for line in open(jl)]
+    assert {"loss", "tokens_per_s", "unpadded_tokens_per_s", "step_time_ms"} <= set(rows[0])
+    assert rows[0]["unpadded_tokens_per_s"] <= rows[0]["tokens_per_s"]
+
+
+def test_resume_exact(tmp_path):
+    """Stop by interrupting at step 4 of an 8-step run (a checkpoint every 4
+    steps and an exception after step 4), resume to 8: losses of steps 5-8
+    equal the uninterrupted run's exactly on the CPU."""
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    base = TINY + ["train.steps=8", "train.grad_accum=2"]
+    train(load_config("L0_sanity", base + [f"logging.metrics_jsonl={a}"]), "ddp")
+    d = tmp_path / "ck"
+    cfg = load_config("L0_sanity", base + [f"checkpoint.dir={d}", "checkpoint.interval=4",
+                                           f"logging.metrics_jsonl={b}"])
+
+    class Stop(Exception):
+        pass
+
+    real_save = ckpt.save_checkpoint
+
+    def save_then_crash(*args, **kw):
+        path = real_save(*args, **kw)
+        raise Stop(path)
+
+    ckpt.save_checkpoint = save_then_crash
+    try:
+        with pytest.raises(Stop):
+            train(cfg, "ddp")
+    finally:
+        ckpt.save_checkpoint = real_save
+    assert [s for s, _ in ckpt.list_checkpoints(str(d))] == [4]
+    out = train(cfg, "ddp")
+    assert out["final_step"] == 8
+    la, lb = _losses(a), _losses(b)
+    assert sorted(lb) == list(range(1, 9))
+    for s in range(1, 9):
+        assert lb[s] == la[s], (s, la[s], lb[s])
+
+
+def test_checkpoint_atomic_and_keep_last(tmp_path):
+    """A crash inside the save leaves the previous checkpoint the newest
+    complete one, loadable; the next save removes the leftover and keeps
+    only keep_last checkpoints."""
+    from seqfuse.hf import SeqfuseEsmConfig, SeqfuseEsmForMaskedLM
+    from seqfuse.optim import FusedAdamW
+
+    torch.manual_seed(0)
+    model = SeqfuseEsmForMaskedLM(SeqfuseEsmConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                   intermediate_size=64))
+    opt = FusedAdamW(model.parameters(), lr=1e-2)
+
+    def one_step():
+        ids = torch.randint(4, 24, (2, 12))
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    root = str(tmp_path / "ck")
+    one_step()
+    ckpt.save_checkpoint(root, 1, model, opt, {"step": 1}, keep_last=2)
+    saved = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+    one_step()
+    real = ckpt._finalize
+
+    def crash(tmp, final):
+        raise OSError("simulated crash before the rename")
+
+    ckpt._finalize = crash
+    try:
+        with pytest.raises(OSError, match="simulated"):
+            ckpt.save_checkpoint(root, 2, model, opt, {"step": 2}, keep_last=2)
+    finally:
+        ckpt._finalize = real
+    assert os.path.isdir(os.path.join(root, ".tmp_step_00000002"))  # the half-written one
+    assert [s for s, _ in ckpt.list_checkpoints(root)] == [1]
+    state = ckpt.load_checkpoint(ckpt.latest_checkpoint(root), model, opt)
+    assert state["step"] == 1
+    for k, v in model.state_dict().items():
+        if k in saved:
+            assert torch.equal(v, saved[k]), k
+    for s in (2, 3, 4):
+        one_step()
+        ckpt.save_checkpoint(root, s, model, opt, {"step": s}, keep_last=2)
+    assert [s for s, _ in ckpt.list_checkpoints(root)] == [3, 4]
+    assert not [n for n in os.listdir(root) if n.startswith(".tmp")]
+
+
+def test_export_loads_in_transformers(tmp_path):
+    """The final export is an EsmForMaskedLM directory (safetensors) whose
+    logits equal the trained seqfuse model's."""
+    from transformers import EsmForMaskedLM, EsmTokenizer
+
+    from seqfuse.hf.convert import from_hf_model
+
+    exp, d = tmp_path / "hf", tmp_path / "ck"
+    train(load_config("L0_sanity", TINY + ["train.steps=3", f"checkpoint.dir={d}", f"checkpoint.export_dir={exp}"]),
+          "fsdp2")
+    assert (exp / "model.safetensors").is_file()
+    hf = EsmForMaskedLM.from_pretrained(str(exp)).eval()
+    tok = EsmTokenizer.from_pretrained(str(exp))
+    enc = tok(["MKTAYIAKQRQISFVKSHFSRQ", "MSEQLLKAL"], return_tensors="pt", padding=True)
+    # The same weights through seqfuse, from the last checkpoint.
+    sf = from_hf_model(hf)
+    with torch.no_grad():
+        want = sf(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits
+        got = hf(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits
+    m = enc["attention_mask"].bool()
+    torch.testing.assert_close(got[m], want[m], atol=2e-4, rtol=2e-4)
+    # and they are the trained weights, not a fresh init: the checkpoint's embedding matches
+    import torch.distributed.checkpoint as dcp
+    sd = {"model": {"esm.embeddings.word_embeddings.weight": torch.empty_like(hf.esm.embeddings.word_embeddings.weight)}}
+    dcp.load(sd, checkpoint_id=ckpt.latest_checkpoint(str(d)))
+    assert torch.equal(sd["model"]["esm.embeddings.word_embeddings.weight"], hf.esm.embeddings.word_embeddings.weight)
+
+
+# ------------------------------------------------------------ two processes
+def _torchrun(script, args, env_extra=None, timeout=240):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "python"), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(env_extra or {})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0",
+           os.path.join(RECIPE, script)] + args
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-6000:]
+    return r
+
+
+def test_two_process_gloo_fsdp2(tmp_path):
+    """torchrun --nproc_per_node 2 train_fsdp2.py on gloo: sharded training,
+    a sharded DCP checkpoint at step 3, a resume to step 6, and the HF export."""
+    jl, d, exp = tmp_path / "m.jsonl", tmp_path / "ck", tmp_path / "hf"
+    args = ["--config", "L0_sanity", *TINY, "train.steps=3", f"checkpoint.dir={d}", f"logging.metrics_jsonl={jl}",
+            "device=cpu"]
+    _torchrun("train_fsdp2.py", args)
+    assert [s for s, _ in ckpt.list_checkpoints(str(d))] == [3]
+    names = os.listdir(ckpt.latest_checkpoint(str(d)))
+    assert {"rng_rank0.pt", "rng_rank1.pt", ".metadata"} <= set(names)
+    args = [a for a in args if not a.startswith("train.steps")] + ["train.steps=6", f"checkpoint.export_dir={exp}"]
+    r = _torchrun("train_fsdp2.py", args)
+    assert "resumed from" in r.stdout + r.stderr
+    losses = _losses(jl)
+    assert sorted(losses) == list(range(1, 7)) and all(math.isfinite(v) for v in losses.values())
+    from transformers import EsmForMaskedLM
+    assert EsmForMaskedLM.from_pretrained(str(exp)).config.num_hidden_layers == 2
