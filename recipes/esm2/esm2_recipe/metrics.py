@@ -89,7 +89,8 @@ class MetricLogger:
             return
         text = " ".join(_fmt(k, v) for k, v in metrics.items())
         if self.bar is not None:
-            self.bar.set_postfix_str(f"loss={metrics.get('loss', float('nan')):.4f}", refresh=False)
+            if "loss" in metrics:
+                self.bar.set_postfix_str(f"loss={metrics['loss']:.4f}", refresh=False)
             self.bar.write(f"step {step}: {text}")
         else:
             log.info("step %d: %s", step, text)

@@ -123,6 +123,9 @@ def build_model(cfg, device, dtype):
         model = SeqfuseEsmForMaskedLM(mcfg)
     model = model.to(dtype)
     model.tie_weights()
+    # ESM-2's contact regression is fitted after pre-training, never by the MLM
+    # loss: frozen, so it gets no optimizer state (and no zero gradients).
+    model.esm.contact_head.requires_grad_(False)
     return model, mcfg
 
 
