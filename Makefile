@@ -11,8 +11,16 @@ deps:
 build: deps
 	$(PYTHON) -m pip install -q --no-build-isolation --no-deps -e .
 
+# The main job: the ESM-2 masked-LM recipe (recipes/esm2) at its L0_sanity size
+# on real UniProt proteins (the committed subset): trains about a minute on a
+# CPU (seconds on a GPU), checkpoints and exports a Hugging Face model under
+# runs/.  More: make run ARGS="train.steps=200 precision.recipe=fp8_delayed",
+# other sizes: python recipes/esm2/train_fsdp2.py --config 35M (see recipes/esm2).
+RUN_DIR ?= runs/esm2_L0_sanity
 run: build
 	$(PYTHON) -m seqfuse
+	$(PYTHON) recipes/esm2/train_fsdp2.py --config L0_sanity checkpoint.dir=$(RUN_DIR)/checkpoints \
+		checkpoint.export_dir=$(RUN_DIR)/hf checkpoint.resume=false $(ARGS)
 
 test: build
 	$(PYTHON) -m pytest -q tests

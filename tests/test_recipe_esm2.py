@@ -25,7 +25,8 @@ from esm2_recipe.trainer import lr_lambda, train  # noqa: E402
 
 # A smaller, quicker L0 for the tests that compare runs.
 TINY = ["data.micro_batch_tokens=512", "data.max_length=64", "data.val_batches=2", "train.log_interval=1", "train.eval_interval=0",
-        "train.warmup_steps=2", "logging.progress_bar=false"]
+        "train.warmup_steps=2", "logging.progress_bar=false",
+        "device=cpu"]
 
 
 def _losses(path):
@@ -70,7 +71,7 @@ def test_l0_sanity_loss_falls(tmp_path):
     """The real L0_sanity config (shortened to 30 steps): validation and
     training loss fall well below the uniform-guess loss ln(33) = 3.50."""
     jl = tmp_path / "m.jsonl"
-    out = train(load_config("L0_sanity", ["train.steps=30", "train.eval_interval=15", "logging.progress_bar=false",
+    out = train(load_config("L0_sanity", ["train.steps=30", "train.eval_interval=15", "logging.progress_bar=false", "device=cpu",
                                           f"logging.metrics_jsonl={jl}"]), "fsdp2")
     h = out["history"]
     assert h["step"][-1] == 30 and len(h["val_loss"]) == 2
@@ -211,8 +212,7 @@ def test_two_process_gloo_fsdp2(tmp_path):
     """torchrun --nproc_per_node 2 train_fsdp2.py on gloo: sharded training,
     a sharded DCP checkpoint at step 3, a resume to step 6, and the HF export."""
     jl, d, exp = tmp_path / "m.jsonl", tmp_path / "ck", tmp_path / "hf"
-    args = ["--config", "L0_sanity", *TINY, "train.steps=3", f"checkpoint.dir={d}", f"logging.metrics_jsonl={jl}",
-            "device=cpu"]
+    args = ["--config", "L0_sanity", *TINY, "train.steps=3", f"checkpoint.dir={d}", f"logging.metrics_jsonl={jl}"]
     _torchrun("train_fsdp2.py", args)
     assert [s for s, _ in ckpt.list_checkpoints(str(d))] == [3]
     names = os.listdir(ckpt.latest_checkpoint(str(d)))
@@ -224,3 +224,47 @@ def test_two_process_gloo_fsdp2(tmp_path):
     assert sorted(losses) == list(range(1, 7)) and all(math.isfinite(v) for v in losses.values())
     from transformers import EsmForMaskedLM
     assert EsmForMaskedLM.from_pretrained(str(exp)).config.num_hidden_layers == 2
+
+
+def test_fp8_delayed_with_bf16_first_layer(tmp_path):
+    """precision.recipe=fp8_delayed with bf16_first_layers=1: FP8 is on inside
+    layer 1 and off inside layer 0 (seen from a hook inside each layer), the
+    FP8 batches are padded to a multiple of 16 tokens, and the loss is finite."""
+    from esm2_recipe import trainer
+
+    from seqfuse.quantization import is_fp8_enabled
+
+    seen = {}
+    real_build = trainer.build_model
+
+    def build_with_probes(cfg, device, dtype):
+        model, mcfg = real_build(cfg, device, dtype)
+        for i, layer in enumerate(model.esm.encoder.layers):
+            layer.self_attention.register_forward_hook(
+                lambda m, a, o, i=i: seen.setdefault(i, set()).add(is_fp8_enabled()))
+        return model, mcfg
+
+    trainer.build_model = build_with_probes
+    try:
+        out = train(load_config("L0_sanity", TINY + ["train.steps=2", "precision.recipe=fp8_delayed",
+                                                     "precision.bf16_first_layers=1"]), "ddp")
+    finally:
+        trainer.build_model = real_build
+    assert seen[0] == {False} and seen[1] == {True}, seen
+    assert all(math.isfinite(v) for v in out["history"]["loss"])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_delayed"])
+@pytest.mark.parametrize("packed", [True, False])
+def test_l0_sanity_cuda(recipe, packed):
+    """L0_sanity on the GPU (bf16 parameters, FusedAdamW), bf16 and FP8
+    delayed scaling, packed and padded: the loss falls below ln(33) - 0.3 and
+    the logged MFU and peak memory are there."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    out = train(load_config("L0_sanity", ["device=cuda", f"precision.recipe={recipe}", f"data.packed={packed}",
+                                          "logging.progress_bar=false", "train.eval_interval=0"]), "fsdp2")
+    h = out["history"]
+    assert h["loss"][-1] < math.log(33) - 0.3, h["loss"]
+    assert out["rates"][-1]["peak_mem_gib"] > 0 and out["rates"][-1]["mfu_measured"] > 0

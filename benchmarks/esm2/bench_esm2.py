@@ -1,0 +1,283 @@
+"""ESM-2 training throughput: Hugging Face EsmForMaskedLM (sdpa, bf16) against
+seqfuse's ESM-2 (bf16, FP8 delayed / current / block scaling), padded and
+packed, on real UniProt proteins (max length 1024), in one process on the
+same GPU, with identical initial weights.
+
+Each row runs ``--warmup`` then ``--steps`` full training steps (forward,
+backward, optimizer) on the same batches of about ``--tokens`` tokens:
+  * real length distribution: the recipe's token-budget batches of the
+    prepared data (padded BSHD for HF and the *_padded rows, packed THD with
+    cu_seqlens for *_packed rows);
+  * ``--fixed-length`` rows: every sequence exactly 1024 tokens (windows of
+    the concatenated proteins), so no layout pads anything.
+Reported: tokens/s (incl. padding), unpadded tokens/s (real tokens: the
+figure that matters), its ratio to HF's, MFU of the useful FLOPs
+(esm2_recipe.metrics.train_flops) against the measured bf16 ceiling
+(794 TFLOP/s) and the datasheet (989), peak memory, step time.  HF trains
+bf16 parameters with torch's fused AdamW; seqfuse bf16 parameters with
+FusedAdamW and fp32 master weights (more optimizer memory, counted).
+
+Two GPUs: ``torchrun --nproc_per_node 2 benchmarks/esm2/bench_esm2.py --fsdp2``
+measures seqfuse under FSDP2 (fully_shard per layer) on both GPUs and, in
+the same job, the same per-GPU batches on rank 0 alone; the scaling is the
+ratio of total unpadded tokens/s.
+
+JSON: benchmarks/results/esm2.json (esm2_fsdp2.json), PNG next to it.
+Quick look: --size 35M --steps 5; CPU smoke test: --size tiny --device cpu.
+"""
+import argparse
+import gc
+import os
+import time
+
+from common import (build_hf, build_seqfuse, data_dir, fixed_length_sequences, fp8_recipe, forward_loss,
+                    load_train_sequences, make_batches, seq_lengths, seqfuse_config)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from esm2_recipe.metrics import H200_BF16_DATASHEET_TFLOPS, H200_BF16_MEASURED_TFLOPS, train_flops  # noqa: E402
+from harness import RESULTS, Table, plot_bars  # noqa: E402
+
+DEFAULT_ROWS = ["hf_bf16_padded", "seqfuse_bf16_padded", "seqfuse_bf16_packed", "seqfuse_fp8_delayed_padded",
+                "seqfuse_fp8_delayed_packed", "seqfuse_fp8_block_packed"]
+FIXED_ROWS = ["hf_bf16_fixed", "seqfuse_bf16_fixed", "seqfuse_fp8_delayed_fixed", "seqfuse_fp8_block_fixed"]
+
+
+def parse_row(name):
+    parts = name.split("_")
+    impl, layout = parts[0], parts[-1]
+    recipe = "_".join(parts[1:-1])
+    if impl not in ("hf", "seqfuse") or layout not in ("padded", "packed", "fixed"):
+        raise ValueError(f"row {name!r}: expected <hf|seqfuse>_<bf16|fp8_delayed|fp8_current|fp8_block>_"
+                         "<padded|packed|fixed>")
+    if impl == "hf" and (recipe != "bf16" or layout == "packed"):
+        raise ValueError(f"row {name!r}: Hugging Face runs bf16 padded (or fixed) only")
+    fp8_recipe(recipe)  # validates the name
+    return impl, recipe, layout
+
+
+def run_row(impl, recipe_name, batches, args, device, fsdp=False):
+    from seqfuse.pytorch import autocast
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    recipe = fp8_recipe(recipe_name)
+    if impl == "hf":
+        model = build_hf(args.size, device, dtype)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    else:
+        model = build_seqfuse(args.size, device, dtype)
+        if fsdp:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+            for layer in model.esm.encoder.layers:
+                fully_shard(layer, mp_policy=mp)
+            fully_shard(model, mp_policy=mp)
+        params = [p for p in model.parameters() if p.requires_grad]
+        if fsdp or args.torch_adamw:
+            opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)  # DTensor parameters (FSDP2) and its baseline
+        else:
+            from seqfuse.optim import FusedAdamW
+
+            opt = FusedAdamW(params, lr=1e-4)
+    model.train()
+    cfg = seqfuse_config(args.size)
+
+    def step(batch):
+        with autocast(enabled=recipe is not None, recipe=recipe):
+            loss = forward_loss(model, batch, device)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for b in batches[: args.warmup]:
+        step(b)
+    sync()
+    timed = batches[args.warmup:]
+    t0 = time.perf_counter()
+    losses = [step(b) for b in timed]
+    sync()
+    dt = time.perf_counter() - t0
+    losses = [float(x) for x in losses]
+    real = sum(int(b["num_tokens"]) for b in timed)
+    total = sum(b["input_ids"].numel() for b in timed)
+    flops = sum(train_flops(seq_lengths(b), cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers)
+                for b in timed)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    del model, opt
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return dict(seconds=dt, real=real, total=total, flops=flops, peak=peak, losses=losses)
+
+
+def figures(r, world=1):
+    return {
+        "tokens_per_s": r["total"] / r["seconds"],
+        "unpadded_tokens_per_s": r["real"] / r["seconds"],
+        "padding_pct": 100.0 * (1 - r["real"] / r["total"]),
+        "mfu_measured_pct": 100.0 * r["flops"] / r["seconds"] / (H200_BF16_MEASURED_TFLOPS * 1e12 * world),
+        "mfu_datasheet_pct": 100.0 * r["flops"] / r["seconds"] / (H200_BF16_DATASHEET_TFLOPS * 1e12 * world),
+        "peak_mem_gib": r["peak"],
+        "step_ms": 1000.0 * r["seconds"] / max(1, args_steps(r)),
+        "final_loss": r["losses"][-1] if r["losses"] else float("nan"),
+    }
+
+
+def args_steps(r):
+    return len(r["losses"])
+
+
+def single(args, device):
+    seqs = load_train_sequences(data_dir(args.data))
+    n = args.warmup + args.steps
+    rows = args.rows.split(",") if args.rows else DEFAULT_ROWS + (FIXED_ROWS if args.fixed_length else [])
+    cache = {}
+
+    def batches_for(layout):
+        if layout not in cache:
+            if layout == "fixed":
+                fx = fixed_length_sequences(seqs, args.max_length - 2)
+                cache[layout] = make_batches(fx, n, tokens=args.tokens, max_length=args.max_length, packed=False)
+            else:
+                cache[layout] = make_batches(seqs, n, tokens=args.tokens, max_length=args.max_length,
+                                             packed=layout == "packed")
+        return cache[layout]
+
+    cols = ["row", "impl", "recipe", "layout", "tokens_per_s", "unpadded_tokens_per_s", "vs_hf", "padding_pct",
+            "mfu_measured_pct", "mfu_datasheet_pct", "peak_mem_gib", "mem_vs_hf", "step_ms", "final_loss"]
+    table = Table(args.out, cols)
+    hf_ref = {}
+    for name in rows:
+        impl, recipe, layout = parse_row(name)
+        try:
+            r = run_row(impl, recipe, batches_for(layout), args, device)
+        except (NotImplementedError, RuntimeError, ValueError) as e:
+            print(f"[esm2 bench] {name}: FAILED: {type(e).__name__}: {e}")
+            table.add(row=name, impl=impl, recipe=recipe, layout=layout, error=f"{type(e).__name__}: {e}")
+            gc.collect()
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+            continue
+        f = figures(r)
+        ref_key = "fixed" if layout == "fixed" else "real"
+        if impl == "hf":
+            hf_ref[ref_key] = f
+        ref = hf_ref.get(ref_key)
+        f["vs_hf"] = f["unpadded_tokens_per_s"] / ref["unpadded_tokens_per_s"] if ref else float("nan")
+        f["mem_vs_hf"] = f["peak_mem_gib"] / ref["peak_mem_gib"] if ref else float("nan")
+        table.add(row=name, impl=impl, recipe=recipe, layout=layout, **f)
+        print(table.text().splitlines()[-1], flush=True)
+
+    goals = check_goals(table.rows)
+    for g in goals:
+        print(f"goal {g['goal']}: {g['value']:.3g} (need {g['need']}) -> {'PASS' if g['pass'] else 'FAIL'}")
+    table.save(extra={"size": args.size, "tokens_per_batch": args.tokens, "max_length": args.max_length,
+                      "steps": args.steps, "warmup": args.warmup, "data": data_dir(args.data), "goals": goals})
+    ok = [r for r in table.rows if "error" not in r]
+    if ok:
+        png = os.path.join(RESULTS, f"{args.out}.png")
+        plot_bars(png, f"ESM-2 {args.size} training on one GPU: unpadded tokens/s", [r["row"] for r in ok],
+                  {"unpadded tokens/s (thousands)": [r["unpadded_tokens_per_s"] / 1e3 for r in ok]},
+                  "thousand tokens/s")
+        print(f"(plot {os.path.relpath(png)})")
+
+
+def check_goals(rows):
+    by = {r["row"]: r for r in rows if "error" not in r}
+    out = []
+
+    def goal(name, row, need, key="vs_hf", le=False):
+        if row in by and by[row].get(key) == by[row].get(key):  # present and not NaN
+            v = by[row][key]
+            out.append({"goal": name, "row": row, "value": v, "need": (f"<= {need}" if le else f">= {need}"),
+                        "pass": v <= need if le else v >= need})
+
+    goal("packed FP8 delayed vs HF, real lengths", "seqfuse_fp8_delayed_packed", 3.0)
+    goal("packed FP8 block vs HF, real lengths", "seqfuse_fp8_block_packed", 3.0)
+    goal("bf16 vs HF, all 1024", "seqfuse_bf16_fixed", 1.3)
+    goal("FP8 delayed vs HF, all 1024", "seqfuse_fp8_delayed_fixed", 1.7)
+    goal("FP8 block vs HF, all 1024", "seqfuse_fp8_block_fixed", 1.7)
+    for row in by:
+        if row.startswith("seqfuse") and not row.endswith("packed"):
+            goal(f"peak memory vs HF ({row})", row, 1.0, key="mem_vs_hf", le=True)
+    return out
+
+
+def fsdp2(args):
+    """Two (or more) GPUs under torchrun: seqfuse FSDP2 vs rank 0 alone."""
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    seqs = load_train_sequences(data_dir(args.data))
+    n = args.warmup + args.steps
+    rows = args.rows.split(",") if args.rows else ["seqfuse_bf16_packed", "seqfuse_fp8_delayed_packed"]
+    table = Table(args.out + "_fsdp2", ["row", "gpus", "unpadded_tokens_per_s", "scaling", "mfu_measured_pct",
+                                        "peak_mem_gib", "step_ms"])
+    for name in rows:
+        impl, recipe, layout = parse_row(name)
+        if impl != "seqfuse" or layout == "fixed":
+            raise ValueError(f"--fsdp2 rows are seqfuse padded/packed rows, got {name!r}")
+        mine = make_batches(seqs, n, tokens=args.tokens, max_length=args.max_length, packed=layout == "packed",
+                            rank=rank, world_size=world)
+        one = None
+        if rank == 0:  # the one-GPU baseline on the same per-GPU batches, same optimizer
+            one = figures(run_row(impl, recipe, mine, args, device, fsdp=False))
+        dist.barrier()
+        r = run_row(impl, recipe, mine, args, device, fsdp=True)
+        t = torch.tensor([r["real"], r["flops"], r["seconds"], r["peak"]], dtype=torch.float64, device=device)
+        tot = t.clone()
+        dist.all_reduce(tot)
+        mx = t.clone()
+        dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            seconds = mx[2].item()  # the slowest rank's time is the job's
+            agg = {"seconds": seconds, "real": tot[0].item(), "total": tot[0].item(), "flops": tot[1].item(),
+                   "peak": mx[3].item(), "losses": r["losses"]}
+            f = figures(agg, world)
+            table.add(row=name, gpus=1, unpadded_tokens_per_s=one["unpadded_tokens_per_s"], scaling=1.0,
+                      mfu_measured_pct=one["mfu_measured_pct"], peak_mem_gib=one["peak_mem_gib"], step_ms=one["step_ms"])
+            table.add(row=name, gpus=world, unpadded_tokens_per_s=f["unpadded_tokens_per_s"],
+                      scaling=f["unpadded_tokens_per_s"] / one["unpadded_tokens_per_s"],
+                      mfu_measured_pct=f["mfu_measured_pct"], peak_mem_gib=f["peak_mem_gib"], step_ms=f["step_ms"])
+            s = f["unpadded_tokens_per_s"] / one["unpadded_tokens_per_s"]
+            print(f"{name}: {world} GPUs FSDP2 {s:.2f}x one GPU (goal >= 1.85 for 2): "
+                  f"{'PASS' if s >= 1.85 * world / 2 else 'FAIL'}", flush=True)
+    if rank == 0:
+        table.save(extra={"size": args.size, "tokens_per_gpu_batch": args.tokens, "steps": args.steps,
+                          "optimizer": "torch.optim.AdamW(foreach) in both rows"})
+        png = os.path.join(RESULTS, f"{args.out}_fsdp2.png")
+        plot_bars(png, f"ESM-2 {args.size}: FSDP2 scaling", [f"{r['row']} x{r['gpus']}" for r in table.rows],
+                  {"unpadded tokens/s (thousands)": [r["unpadded_tokens_per_s"] / 1e3 for r in table.rows]},
+                  "thousand tokens/s")
+    dist.destroy_process_group()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", default="650M", help="8M 35M 150M 650M 3B, or tiny (CPU smoke test)")
+    p.add_argument("--tokens", type=int, default=16384, help="token budget per batch (per GPU)")
+    p.add_argument("--max-length", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rows", default=None, help=f"comma list; default {','.join(DEFAULT_ROWS)}")
+    p.add_argument("--fixed-length", action="store_true", help=f"also the rows {','.join(FIXED_ROWS)}")
+    p.add_argument("--data", default=None, help="directory with train.parquet (default: data/full, else subset)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--torch-adamw", action="store_true", help="seqfuse rows use torch AdamW instead of FusedAdamW")
+    p.add_argument("--fsdp2", action="store_true", help="under torchrun: FSDP2 scaling")
+    p.add_argument("--out", default="esm2")
+    args = p.parse_args()
+    if args.fsdp2:
+        return fsdp2(args)
+    device = torch.device(args.device)
+    return single(args, device)
+
+
+if __name__ == "__main__":
+    main()

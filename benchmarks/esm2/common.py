@@ -1,0 +1,138 @@
+"""Shared pieces of the ESM-2 benchmarks (bench_esm2.py, bench_esm2_convergence.py):
+paths, the real UniProt batches, model construction with identical weights
+for Hugging Face and seqfuse, and the FLOP count.
+
+Batches come from seqfuse.data on the recipe's real data
+(recipes/esm2/data/full when prepared, else the committed subset), cropped
+to max length 1024 like the recipe.  ``fixed_length=True`` instead cuts the
+concatenated proteins into windows of exactly max_length - 2 residues, so
+every sequence has max_length tokens and no layout pads anything.
+"""
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH = os.path.dirname(HERE)
+ROOT = os.path.dirname(BENCH)
+sys.path.insert(0, BENCH)  # harness
+sys.path.insert(0, os.path.join(ROOT, "recipes", "esm2"))  # esm2_recipe (FLOPs, shared with the recipe)
+try:
+    import seqfuse  # noqa: F401
+except ImportError:  # a source checkout built in place
+    sys.path.insert(0, os.path.join(ROOT, "python"))
+
+import torch  # noqa: E402
+
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256)  # CPU smoke runs
+
+
+def data_dir(path=None):
+    if path:
+        return path
+    full = os.path.join(ROOT, "recipes", "esm2", "data", "full")
+    if os.path.isfile(os.path.join(full, "train.parquet")):
+        return full
+    sub = os.path.join(ROOT, "recipes", "esm2", "data", "subset")
+    print(f"[esm2 bench] recipes/esm2/data/full is not prepared here: using the committed subset {sub} "
+          "(same source and length distribution, 2,000 proteins)")
+    return sub
+
+
+def load_train_sequences(path):
+    from seqfuse.data import load_sequences
+
+    _, seqs = load_sequences(os.path.join(path, "train.parquet"))
+    return seqs
+
+
+def fixed_length_sequences(seqs, residues):
+    """Windows of exactly ``residues`` residues cut from the concatenated proteins."""
+    cat = "".join(seqs)
+    return [cat[i:i + residues] for i in range(0, len(cat) - residues + 1, residues)]
+
+
+def make_batches(seqs, n, *, tokens, max_length=1024, packed=True, pad_to_multiple_of=16, seed=0, rank=0,
+                 world_size=1):
+    """The first ``n`` batches (cycling epochs) of the recipe's MLM loader."""
+    from seqfuse.data import EsmTokenizer, TokenizedSequences, build_mlm_loader
+
+    tok = EsmTokenizer()
+    loader = build_mlm_loader(TokenizedSequences(seqs, tok), tok, max_tokens=tokens, max_length=max_length,
+                              packed=packed, pad_to_multiple_of=pad_to_multiple_of, seed=seed, rank=rank,
+                              world_size=world_size)
+    out = []
+    while len(out) < n:
+        for b in loader:
+            out.append(b)
+            if len(out) == n:
+                break
+    return out
+
+
+def packed_to_padded(batch, multiple=8):
+    """The same samples (and masks) as a padded [B, L] batch, for Hugging Face."""
+    cu = batch["cu_seqlens"].tolist()
+    n = int(batch["num_sequences"])
+    lens = [cu[i + 1] - cu[i] for i in range(n)]
+    L = (max(lens) + multiple - 1) // multiple * multiple
+    ids = torch.full((n, L), 1, dtype=torch.long)  # <pad> = 1
+    labels = torch.full((n, L), -100, dtype=torch.long)
+    mask = torch.zeros((n, L), dtype=torch.long)
+    for i in range(n):
+        a, b = cu[i], cu[i + 1]
+        ids[i, : b - a] = batch["input_ids"][a:b]
+        labels[i, : b - a] = batch["labels"][a:b]
+        mask[i, : b - a] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask, "num_tokens": sum(lens)}
+
+
+def seqfuse_config(size):
+    from seqfuse.hf import SeqfuseEsmConfig, esm2_config
+
+    return SeqfuseEsmConfig(**TINY) if size == "tiny" else esm2_config(size)
+
+
+def build_hf(size, device, dtype, seed=0, attn="sdpa"):
+    """transformers' EsmForMaskedLM of a published ESM-2 shape, seeded init."""
+    from transformers import EsmForMaskedLM
+
+    from seqfuse.hf import to_hf_config
+
+    torch.manual_seed(seed)
+    cfg = to_hf_config(seqfuse_config(size))
+    with torch.device(device):
+        model = EsmForMaskedLM._from_config(cfg, attn_implementation=attn, dtype=dtype)
+    return model.to(device=device, dtype=dtype)
+
+
+def build_seqfuse(size, device, dtype, seed=0):
+    """SeqfuseEsmForMaskedLM with exactly the weights build_hf(size, seed) gets."""
+    from seqfuse.hf.convert import from_hf_model
+
+    hf = build_hf(size, device, dtype, seed=seed)
+    model = from_hf_model(hf)
+    del hf
+    model.esm.contact_head.requires_grad_(False)
+    return model
+
+
+def forward_loss(model, batch, device):
+    b = {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
+    if "cu_seqlens" in b:
+        return model(input_ids=b["input_ids"], labels=b["labels"], cu_seqlens=b["cu_seqlens"],
+                     max_seqlen=int(b["max_seqlen"])).loss
+    return model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"]).loss
+
+
+def seq_lengths(batch):
+    if "cu_seqlens" in batch:
+        cu = batch["cu_seqlens"].tolist()
+        return [cu[i + 1] - cu[i] for i in range(int(batch["num_sequences"]))]
+    return batch["attention_mask"].sum(-1).tolist()
+
+
+def fp8_recipe(name):
+    from seqfuse.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+
+    return {"bf16": None, "fp8_delayed": DelayedScaling(), "fp8_current": Float8CurrentScaling(),
+            "fp8_block": Float8BlockScaling()}[name]
