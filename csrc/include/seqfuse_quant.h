@@ -82,6 +82,15 @@ sf_status sf_fp8_compute_scale(const sf_tensor *amax, sf_tensor *scale,
  *     scale_inv float32 [ceil(M/128), round_up(K/128, 4)]: element [mb, kb]
  *     belongs to the block x[128 mb :, 128 kb :]; padding written as 0.
  * K must be a multiple of 128; M is any (the last row block may be partial).
+ * Where the layout comes from: cuBLASLt's docs name the modes but the stored
+ * copies we could search did not show their layout text; torch's scaled_mm
+ * tests transpose 1x128 scales to "outer-dim-major" ([M, K/128] with strides
+ * (1, M)), and public block-FP8 GEMM code calling cuBLASLt notes it "wants
+ * the activation scales token-major with the token count a multiple of 4 and
+ * the weight's K blocks padded to a multiple of 4" -- the two shapes above.
+ * Not yet run through a cuBLASLt block-scaled GEMM here: confirm on the GPU.
+ * seqfuse.ops.gemm currently checks 1x128 scales as [K/128, M] unpadded:
+ * the same tensor whenever M % 4 == 0.
  * q = saturate(x * s) with s = fp8_max / block_amax (1 for an all-zero
  * block), scale_inv = 1 / s; dequantization is q * scale_inv. */
 sf_status sf_quantize_block_fp8(const sf_tensor *x, sf_tensor *out,
