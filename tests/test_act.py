@@ -244,8 +244,10 @@ def test_act_cuda_matches_cpu_and_float64(name, dtype, shape, seed):
     x, dy = inputs(name, shape, dtype, "cuda")
     y, dx, amax_y, amax_dx = run_c(name, x, dy)
     ry, rdx = reference(name, x, dy)
-    assert_close_rel(y, ry, dtype)
-    assert_close_rel(dx, rdx, dtype)
+    # against the float64 values rounded to the output dtype: at shape (1,) a
+    # single gelu(x < -5) ~ 1e-9 is the whole norm, and float16 cannot hold it
+    assert_close_rel(y, ry.to(dtype).double(), dtype)
+    assert_close_rel(dx, rdx.to(dtype).double(), dtype)
     cy, cdx = A.act_fwd(x.cpu(), name), A.act_bwd(dy.cpu(), x.cpu(), name)
     assert_close_rel(y, cy.double(), dtype)
     assert_close_rel(dx, cdx.double(), dtype)
