@@ -145,6 +145,22 @@ def test_dequantize_against_float64(dtype, fp8, seed):
     assert err.max().item() <= rel + 1e-3 * rel + (2 ** -8 if dtype != torch.float32 else 0)
 
 
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("fp8", FP8)
+def test_dequantize_nan_codes_give_the_defined_nan_bits(dtype, fp8):
+    """Every NaN code, either sign, becomes the positive default quiet NaN
+    (fp8.h SF_DEQUANT_NAN_*): the bits the CUDA kernel writes too."""
+    codes = [0x7F, 0xFF] if fp8 == E4M3 else [0x7D, 0x7E, 0x7F, 0xFD, 0xFE, 0xFF]
+    q = torch.tensor(codes, dtype=torch.uint8).view(fp8)
+    y = ops.dequantize_fp8(q, one(0.37), dtype)
+    bits = {torch.float32: (torch.int32, 0x7FC00000), torch.float16: (torch.int16, 0x7E00),
+            torch.bfloat16: (torch.int16, 0x7FC0)}[dtype]
+    assert (y.view(bits[0]) == bits[1]).all(), y.view(bits[0])
+    if fp8 == E5M2:  # the infinities stay infinities
+        inf = ops.dequantize_fp8(torch.tensor([0x7C, 0xFC], dtype=torch.uint8).view(fp8), one(0.37), dtype)
+        assert inf.tolist() == [float("inf"), float("-inf")]
+
+
 def test_cast_errors():
     x = torch.randn(4, 8)
     with pytest.raises(TypeError, match="cast_fp8: argument 'x' must have dtype float32, float16 or bfloat16, got torch.int32"):
@@ -234,12 +250,11 @@ def test_cuda_unaligned_inputs(dtype, seed):
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("fp8", FP8)
 def test_cuda_dequantize_bit_identical(dtype, fp8, seed):
-    q = torch.randint(0, 256, (1000, 33), dtype=torch.uint8).view(fp8)
-    # no NaN (or inf) codes: a NaN's payload after the multiply is the
-    # hardware's business (the GPU returns the canonical NaN)
-    nonfinite = (q.view(torch.uint8) & 0x7F) == 0x7F if fp8 == E4M3 else \
-        (q.view(torch.uint8) & 0x7C) == 0x7C
-    q.view(torch.uint8)[nonfinite] = 0
+    # every code, NaN codes included (E4M3 0x7f/0xff, E5M2 0x7d-0x7f/0xfd-0xff):
+    # both backends write the NaN bits fp8.h defines; compared as bits (NaN != NaN)
+    q = torch.randint(0, 256, (1000, 33), dtype=torch.uint8)
+    q[0, :] = torch.tensor([0x7C, 0x7D, 0x7E, 0x7F, 0xFC, 0xFD, 0xFE, 0xFF] * 4 + [0x80], dtype=torch.uint8)
+    q = q.view(fp8)
     si = one(0.37)
     ref = ops.dequantize_fp8(q, si, dtype)
     out = torch.full((1000, 33), float("nan"), dtype=dtype, device="cuda")

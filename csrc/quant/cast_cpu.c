@@ -3,6 +3,8 @@
  * loops over every element, the definition of correct that the CUDA kernels
  * must match bit for bit.  The math lives in fp8.h, shared with the GPU.
  */
+#include <math.h>
+
 #include "cast_backend.h"
 #include "fp8.h"
 
@@ -55,8 +57,16 @@ sf_status sf_cast_fp8_cpu(const sf_cast_args *a)
 sf_status sf_dequantize_fp8_cpu(const sf_dequant_args *a)
 {
     float si = a->scale_inv[0];
-    for (int64_t i = 0; i < a->n; ++i)
-        store_f32(a->out, a->out_dtype, i, SF_MUL(sf_fp8_to_f32(a->data[i], a->e5m2), si));
+    for (int64_t i = 0; i < a->n; ++i) {
+        float v = SF_MUL(sf_fp8_to_f32(a->data[i], a->e5m2), si);
+        if (!isnan(v))
+            store_f32(a->out, a->out_dtype, i, v);
+        else if (a->out_dtype == SF_FLOAT32)
+            ((uint32_t *)a->out)[i] = SF_DEQUANT_NAN_F32;
+        else
+            ((uint16_t *)a->out)[i] = a->out_dtype == SF_FLOAT16 ? SF_DEQUANT_NAN_F16
+                                                                 : SF_DEQUANT_NAN_BF16;
+    }
     return SF_OK;
 }
 

@@ -236,7 +236,7 @@ __global__ void dequantize_kernel(const uint8_t *__restrict__ data, int64_t n, i
     const float si = *scale_inv_p;
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
-        sf_store_from_float(out + i, __fmul_rn(sf_fp8_to_f32(data[i], e5m2), si));
+        sf_store_dequant(out + i, __fmul_rn(sf_fp8_to_f32(data[i], e5m2), si));
 }
 
 __global__ void scale_update_kernel(sf_scale_args a)

@@ -115,6 +115,17 @@ SF_HD float sf_e5m2_to_f32(uint8_t b)
     return sf_f16_to_f32((uint16_t)((uint16_t)b << 8));
 }
 
+/* What dequantization writes for NaN: a NaN code (E4M3 0x7f/0xff, E5M2
+ * exponent 31 with a nonzero mantissa) times scale_inv, or any NaN product,
+ * becomes the positive default quiet NaN of the output dtype on both
+ * backends.  Sign and payload are not kept: the GPU's multiply and
+ * conversions replace them with their own canonical NaN (0x7fffffff,
+ * 0x7fff) while the host's keep them (E5M2 0x7d would give 0x7fe00000), so
+ * only an explicit pattern is the same bits on both. */
+#define SF_DEQUANT_NAN_F32 0x7fc00000u
+#define SF_DEQUANT_NAN_F16 ((uint16_t)0x7e00u)
+#define SF_DEQUANT_NAN_BF16 ((uint16_t)0x7fc0u)
+
 /* Which FP8 format: 0 = E4M3, 1 = E5M2 (kernels take it as a flag). */
 SF_HD uint8_t sf_f32_to_fp8(float f, int e5m2)
 {

@@ -109,6 +109,21 @@ __device__ __forceinline__ void sf_store_from_float(float *p, float v) { *p = v;
 __device__ __forceinline__ void sf_store_from_float(__half *p, float v) { *p = __float2half_rn(v); }
 __device__ __forceinline__ void sf_store_from_float(__nv_bfloat16 *p, float v) { *p = __float2bfloat16_rn(v); }
 
+/* A dequantized value: NaN as the bits fp8.h defines (SF_DEQUANT_NAN_*), the
+ * same as the CPU reference writes, not the conversion's canonical NaN. */
+__device__ __forceinline__ void sf_store_dequant(float *p, float v)
+{
+    *p = isnan(v) ? __uint_as_float(SF_DEQUANT_NAN_F32) : v;
+}
+__device__ __forceinline__ void sf_store_dequant(__half *p, float v)
+{
+    *p = isnan(v) ? __ushort_as_half(SF_DEQUANT_NAN_F16) : __float2half_rn(v);
+}
+__device__ __forceinline__ void sf_store_dequant(__nv_bfloat16 *p, float v)
+{
+    *p = isnan(v) ? __ushort_as_bfloat16(SF_DEQUANT_NAN_BF16) : __float2bfloat16_rn(v);
+}
+
 /* Block-wide unsigned max; thread 0 folds it into *out with atomicMax (the
  * bits of a non-negative float order like the float; NaN wins).  Every
  * thread of the block must call it. */
