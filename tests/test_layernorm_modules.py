@@ -48,11 +48,26 @@ def ref_lnl(m, p, x):
     return F.linear(ln, p["weight"], p.get("bias")), ln
 
 
-def ref_mlp(m, p, x):
+def ref_mlp(m, p, x, relu_mask=None):
+    """relu_mask: take ReLU's 0/1 from the module's own pre-activation
+    instead of the float64 one (h * mask: the same forward up to the tiny
+    values whose sign differs, and the gradient the module must produce)."""
     ln = ref_norm(x, p["layer_norm_weight"], p.get("layer_norm_bias"), m.eps, m.normalization,
                   m.zero_centered_gamma)
-    h = ref_act(m.activation, F.linear(ln, p["fc1_weight"], p.get("fc1_bias")))
+    h = F.linear(ln, p["fc1_weight"], p.get("fc1_bias"))
+    h = h * relu_mask.to(h.dtype) if relu_mask is not None else ref_act(m.activation, h)
     return F.linear(h, p["fc2_weight"], p.get("fc2_bias"))
+
+
+def saved_preactivation(out, ffn):
+    """The FC1 output h LayerNormMLP's bf16 path saved for its backward (its
+    sign is ReLU's 0/1 there): saved tensor 5 of the autograd node."""
+    node = out.grad_fn
+    while node is not None and "LayerNormMLP" not in type(node).__name__:
+        node = node.next_functions[0][0]
+    h = node.saved_tensors[5]
+    assert h.shape[-1] == ffn and (h < 0).any()  # the pre-activation, not relu(h)
+    return h.reshape(*out.shape[:-1], ffn)
 
 
 def check_grads(m, p, x, xd, dtype, factor=1.0):
@@ -200,13 +215,18 @@ def test_layernorm_mlp_cuda_bf16(activation, normalization, seed):
     x = torch.randn(4, 256, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     xd = x.detach().double().requires_grad_()
     out = m(x)
-    ref = ref_mlp(m, p, xd)
+    # ReLU' is a step: where bf16 rounding of the inputs flips the sign of a
+    # near-zero pre-activation (~5e-4 of them), seqfuse and a float64 ReLU
+    # legitimately differ by a whole dh, ~3.3e-2 relative in dx (torch's own
+    # bf16 MLP shows the same).  The reference takes ReLU's mask from
+    # seqfuse's own pre-activation; the rest must then be bf16 rounding.
+    mask = saved_preactivation(out, 2048).double() > 0 if activation == "relu" else None
+    ref = ref_mlp(m, p, xd, relu_mask=mask)
     dy = torch.randn_like(out)
     out.backward(dy)
     ref.backward(dy.double())
     assert_close_rel(out, ref, torch.bfloat16, factor=2)
-    # bf16 GEMM chains; relu's mask flips where h is within rounding of 0
-    check_grads(m, p, x, xd, torch.bfloat16, factor=5)
+    check_grads(m, p, x, xd, torch.bfloat16, factor=3)
 
 
 @pytest.mark.cuda
