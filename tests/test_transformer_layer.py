@@ -76,21 +76,31 @@ def _split(mixed, h, g, d, interleaved):
 
 
 def reference_layer(layer, x, lengths, causal, freqs, activation, normalization, eps, interleaved=True,
-                    encoder=None, enc_lengths=None, window=None):
-    """The TransformerLayer in float64 plain torch, on bshd x [b, s, hidden]."""
-    # float64 parameters are used as they are (so a test can take their gradients)
-    P = {n: p if p.dtype == torch.float64 else p.detach().double() for n, p in layer.named_parameters()}
-    x = x.double()
+                    encoder=None, enc_lengths=None, window=None, dtype=torch.float64):
+    """The TransformerLayer in float64 plain torch, on bshd x [b, s, hidden].
+    dtype=torch.bfloat16: the plain-torch bf16 layer instead (parameters,
+    activations and GEMM outputs in bf16, GEMMs accumulating in float32;
+    norms, RoPE, attention scores/softmax and activations computed in float32
+    and rounded once, as fused kernels do), the bar a bf16 layer is held to."""
+    if dtype == torch.float64:
+        # float64 parameters are used as they are (so a test can take their gradients)
+        P = {n: p if p.dtype == torch.float64 else p.detach().double() for n, p in layer.named_parameters()}
+        f32 = rnd = lambda t: t  # noqa: E731
+    else:
+        P = {n: p.detach().to(dtype) for n, p in layer.named_parameters()}
+        f32, rnd = (lambda t: None if t is None else t.float()), (lambda t: t.to(dtype))  # noqa: E731
+        assert encoder is None and window is None, "the bf16 reference covers self-attention layers"
+    x = x.to(dtype)
     sa = layer.self_attention
     h, g, d = sa.num_attention_heads, sa.num_gqa_groups, sa.kv_channels
     scale = 1.0 / math.sqrt(d)
-    ln = _norm(x, P["self_attention.layernorm_qkv.layer_norm_weight"],
-               P.get("self_attention.layernorm_qkv.layer_norm_bias"), eps, normalization)
+    ln = rnd(_norm(f32(x), f32(P["self_attention.layernorm_qkv.layer_norm_weight"]),
+                   f32(P.get("self_attention.layernorm_qkv.layer_norm_bias")), eps, normalization))
     mixed = F.linear(ln, P["self_attention.layernorm_qkv.weight"], P.get("self_attention.layernorm_qkv.bias"))
     q, k, v = _split(mixed, h, g, d, interleaved)
     if freqs is not None:
-        q, k = _rope(q, freqs.double()), _rope(k, freqs.double())
-    a = _attention(q, k, v, lengths, lengths, causal, scale, window)
+        q, k = rnd(_rope(f32(q), f32(freqs.double()))), rnd(_rope(f32(k), f32(freqs.double())))
+    a = rnd(_attention(f32(q), f32(k), f32(v), lengths, lengths, causal, scale, window))
     x = x + F.linear(a, P["self_attention.proj.weight"], P.get("self_attention.proj.bias"))
     if encoder is not None:
         enc = encoder.double()
@@ -102,8 +112,10 @@ def reference_layer(layer, x, lengths, causal, freqs, activation, normalization,
         kv = kv.view(*kv.shape[:-1], g, 2, d)
         a = _attention(q, kv[..., 0, :], kv[..., 1, :], [x.shape[1]] * x.shape[0], enc_lengths, False, scale)
         x = x + F.linear(a, P["inter_attention.proj.weight"], P.get("inter_attention.proj.bias"))
-    ln = _norm(x, P["layernorm_mlp.layer_norm_weight"], P.get("layernorm_mlp.layer_norm_bias"), eps, normalization)
-    hmid = te_stand_ins.act(activation, F.linear(ln, P["layernorm_mlp.fc1_weight"], P.get("layernorm_mlp.fc1_bias")))
+    ln = rnd(_norm(f32(x), f32(P["layernorm_mlp.layer_norm_weight"]), f32(P.get("layernorm_mlp.layer_norm_bias")),
+                   eps, normalization))
+    hmid = rnd(te_stand_ins.act(activation, f32(F.linear(ln, P["layernorm_mlp.fc1_weight"],
+                                                         P.get("layernorm_mlp.fc1_bias")))))
     return x + F.linear(hmid, P["layernorm_mlp.fc2_weight"], P.get("layernorm_mlp.fc2_bias"))
 
 
@@ -356,11 +368,22 @@ def test_cuda_bf16_layer_matches_torch(shape, fmt):
         cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device="cuda")
         out = layer(torch.cat([x[i, :n] for i, n in enumerate(lengths)]), rotary_pos_emb=freqs,
                     cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=s, max_seqlen_kv=s)
-    ref = reference_layer(layer.cpu(), x.cpu(), lengths, "causal" in kw["mask"], freqs.cpu()[:, 0, 0, :],
-                          kw["activation"], kw.get("normalization", "LayerNorm"), 1e-5)
-    ref = torch.cat([ref[i, :n] for i, n in enumerate(lengths)])
-    # bf16 inputs, fp32 accumulation: a few bf16 ulps over one layer.
-    assert rel_error(out, ref) <= 2e-2
+    args = (layer.cpu(), x.cpu(), lengths, "causal" in kw["mask"], freqs.cpu()[:, 0, 0, :], kw["activation"],
+            kw.get("normalization", "LayerNorm"), 1e-5)
+    valid = lambda t: torch.cat([t[i, :n] for i, n in enumerate(lengths)])  # noqa: E731
+    ref = valid(reference_layer(*args))
+    torch_bf16 = valid(reference_layer(*args, dtype=torch.bfloat16))
+    # randomize()'s weights (0.2 whatever the fan-in) put the attention logits
+    # at ~50 (esm2) / ~80 (llama_like) std: the softmax is nearly one-hot, so
+    # bf16 rounding of q and k (2^-9 relative, ~0.1 absolute in a logit) moves
+    # attention weights by whole percents.  The plain-torch bf16 layer (float32
+    # softmax) is 3.0e-2 / 4.6e-2 off float64 for these seeds on the CPU, as is
+    # seqfuse's CPU backend in bf16 (3.0e-2); H200 run 3 measured seqfuse CUDA
+    # at 2.7e-2 / 4.7e-2, identical for bshd and thd.  So the bar is rounding:
+    # seqfuse's error against float64 no larger than plain torch's bf16 error
+    # against the same reference (+25 %), and within 2e-2 where that is smaller.
+    err, err_torch = rel_error(out, ref), rel_error(torch_bf16, ref)
+    assert err <= max(2e-2, 1.25 * err_torch), f"seqfuse bf16 {err:.3e}, plain torch bf16 {err_torch:.3e}"
 
 
 @pytest.mark.cuda
@@ -370,6 +393,16 @@ def test_cuda_fp8_layer_close_to_bf16():
     from seqfuse.common.recipe import DelayedScaling, Format
     torch.manual_seed(7)
     layer = make_layer(hidden=1280, ffn=5120, heads=20, mask="padding", dtype=torch.bfloat16, device="cuda")
+    # randomize()'s QKV weights give attention logits of ~50 std: a near
+    # one-hot softmax, where E4M3's 2^-4 input rounding (logits off by ~1)
+    # switches which key a query attends to -- 0.30 off bf16 in H200 run 3,
+    # and 0.30 as well for plain torch with its four GEMMs' operands rounded
+    # to E4M3 (per-tensor amax scales), a property of that layer, not of
+    # seqfuse (and the update out - x alone is as far off).  Logits of ~0.5
+    # std (QKV weight x 0.1, the usual 0.02 init) keep the output a smooth
+    # function of the GEMMs: that emulation is then 0.062 off bf16.
+    with torch.no_grad():
+        layer.self_attention.layernorm_qkv.weight.mul_(0.1)
     x = torch.randn(4, 256, 1280, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     freqs = te.RotaryPositionEmbedding(64, device="cuda")(256)
     mask = pad_mask([256, 200, 129, 64], 256).cuda()
@@ -380,9 +413,10 @@ def test_cuda_fp8_layer_close_to_bf16():
             out = layer(x, attention_mask=mask, rotary_pos_emb=freqs)
         out.sum().backward()
     valid = ~mask[:, 0, 0, :]
-    # The layer's update (out - x) within FP8's precision (E4M3: ~4 % rms per
-    # quantized operand, a few chained), as on the CPU test.
-    assert rel_error((out - x)[valid], (ref - x)[valid]) <= 0.25
+    # The layer's update (out - x) within FP8's precision (E4M3: ~3.6 % rms
+    # per quantized operand, two per GEMM product; the plain-torch emulation
+    # above is 0.062 off bf16 on this layer)
+    assert rel_error((out - x)[valid], (ref - x)[valid]) <= 0.1
     assert torch.isfinite(x.grad).all()
 
 
