@@ -382,7 +382,10 @@ def train(cfg, strategy: str = "fsdp2") -> dict:
     model.train()
     while step < total_steps:
         for micro in range(accum):
-            batch = to_device(next(batches), device)
+            host_batch = next(batches)
+            # FLOPs from the host copy: reading cu_seqlens on the GPU would sync every micro-step.
+            win["flops"] += train_flops(batch_seq_lengths(host_batch), h, f, L)
+            batch = to_device(host_batch, device)
             with no_grad_sync(model, strategy, micro < accum - 1):
                 with autocast(enabled=recipe is not None, recipe=recipe):
                     loss = forward_loss(model, batch)
@@ -390,7 +393,6 @@ def train(cfg, strategy: str = "fsdp2") -> dict:
             win["loss"].append(loss.detach())
             win["tokens"] += batch["input_ids"].numel()
             win["real"] += int(batch["num_tokens"])
-            win["flops"] += train_flops(batch_seq_lengths(batch), h, f, L)
         if cfg.train.clip_grad_norm:
             if use_seqfuse_clip:
                 from seqfuse.optim import clip_grad_norm_
