@@ -278,3 +278,12 @@ def test_cuda_capsule_path_needs_stream():
 def test_cuda_float8_view(path):
     x = torch.randn(8, device="cuda").to(torch.float8_e4m3fn)
     assert _C.describe(x, torch.cuda.current_stream().cuda_stream)["dtype"] == "float8_e4m3fn"
+
+
+def test_requires_grad_tensor_imported_directly(path):
+    """torch's __dlpack__ refuses tensors that require grad; the capsule path
+    exports a detached view of the same memory instead."""
+    x = torch.randn(4, requires_grad=True)
+    d = _C.describe(x)
+    assert d["data"] == x.data_ptr() and d["shape"] == (4,)
+    assert x.requires_grad and x.grad_fn is None

@@ -360,12 +360,35 @@ static int sf_py_tensor_capsule(sf_py_call *c, PyObject *obj, const char *arg, s
             return -1;
     }
 
-    PyObject *capsule = sf_py_call_dlpack(obj, stream, 1);
+    /* torch's __dlpack__ refuses tensors that require grad; seqfuse only
+     * reads or writes their memory, so export a detached view instead. */
+    PyObject *source = obj;
+    Py_INCREF(source);
+    PyObject *requires_grad = PyObject_GetAttrString(obj, "requires_grad");
+    if (requires_grad == NULL) {
+        PyErr_Clear();
+    } else {
+        int needs_detach = PyObject_IsTrue(requires_grad);
+        Py_DECREF(requires_grad);
+        if (needs_detach > 0) {
+            PyObject *detached = PyObject_CallMethod(obj, "detach", NULL);
+            if (detached == NULL) {
+                Py_DECREF(source);
+                Py_XDECREF(stream);
+                return -1;
+            }
+            Py_SETREF(source, detached);
+        } else if (needs_detach < 0) {
+            PyErr_Clear();
+        }
+    }
+    PyObject *capsule = sf_py_call_dlpack(source, stream, 1);
     if (capsule == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
         /* a producer older than DLPack 1.0 knows no max_version */
         PyErr_Clear();
-        capsule = sf_py_call_dlpack(obj, stream, 0);
+        capsule = sf_py_call_dlpack(source, stream, 0);
     }
+    Py_DECREF(source); /* the capsule holds what it needs */
     Py_XDECREF(stream);
     if (capsule == NULL) {
         if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
