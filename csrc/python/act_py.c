@@ -45,12 +45,6 @@ static int arg_float(const char *op, const char *name, PyObject *o, float *out)
     return 0;
 }
 
-static PyObject *finish(sf_py_call *c, sf_status st)
-{
-    PyObject *result = st == SF_OK ? Py_NewRef(Py_None) : sf_py_raise(st);
-    sf_py_call_release(c);
-    return result;
-}
 
 /* act_fwd(activation, x, y, scale, amax, scale_inv, stream=None)
  * act_bwd(activation, dy, x, dx, scale, amax, scale_inv, stream=None) */
@@ -87,7 +81,7 @@ static PyObject *act_call(PyObject *const *args, Py_ssize_t nargs, int backward)
         st = sf_act_fwd((sf_activation)act, &x, &out, has_scale ? &scale : NULL,
                         has_amax ? &amax : NULL, has_si ? &si : NULL, sf_py_call_stream(&c));
     Py_END_ALLOW_THREADS
-    return finish(&c, st);
+    return sf_py_finish(&c, st);
 }
 
 static PyObject *py_act_fwd(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -131,7 +125,7 @@ static PyObject *py_bias_dropout_add(PyObject *self, PyObject *const *args, Py_s
     st = sf_bias_dropout_add_fwd(&x, has_bias ? &bias : NULL, &residual, p, seed, offset, &out,
                                  sf_py_call_stream(&c));
     Py_END_ALLOW_THREADS
-    return finish(&c, st);
+    return sf_py_finish(&c, st);
 }
 
 /* dropout_bwd(dy, p, seed, offset, dx, dbias, workspace, stream=None) */
@@ -163,7 +157,7 @@ static PyObject *py_dropout_bwd(PyObject *self, PyObject *const *args, Py_ssize_
     st = sf_dropout_bwd(&dy, p, seed, offset, &dx, has_dbias ? &dbias : NULL,
                         has_ws ? &ws : NULL, sf_py_call_stream(&c));
     Py_END_ALLOW_THREADS
-    return finish(&c, st);
+    return sf_py_finish(&c, st);
 }
 
 /* dropout_bwd_workspace_numel(dy) -> int */
@@ -188,18 +182,16 @@ static PyObject *py_dropout_bwd_workspace_numel(PyObject *self, PyObject *const 
     return result;
 }
 
-#define FASTCALL(f) (PyCFunction)(void (*)(void))(f), METH_FASTCALL
-
 PyMethodDef sf_py_act_methods[] = {
-    {"act_fwd", FASTCALL(py_act_fwd),
+    {"act_fwd", SF_PY_FASTCALL(py_act_fwd),
      "act_fwd(activation, x, y, scale, amax, scale_inv, stream=None)"},
-    {"act_bwd", FASTCALL(py_act_bwd),
+    {"act_bwd", SF_PY_FASTCALL(py_act_bwd),
      "act_bwd(activation, dy, x, dx, scale, amax, scale_inv, stream=None)"},
-    {"bias_dropout_add", FASTCALL(py_bias_dropout_add),
+    {"bias_dropout_add", SF_PY_FASTCALL(py_bias_dropout_add),
      "bias_dropout_add(x, bias, residual, p, seed, offset, out, stream=None)"},
-    {"dropout_bwd", FASTCALL(py_dropout_bwd),
+    {"dropout_bwd", SF_PY_FASTCALL(py_dropout_bwd),
      "dropout_bwd(dy, p, seed, offset, dx, dbias, workspace, stream=None)"},
-    {"dropout_bwd_workspace_numel", FASTCALL(py_dropout_bwd_workspace_numel),
+    {"dropout_bwd_workspace_numel", SF_PY_FASTCALL(py_dropout_bwd_workspace_numel),
      "dropout_bwd_workspace_numel(dy) -> int: float32 elements of dbias workspace."},
     {NULL, NULL, 0, NULL},
 };

@@ -153,10 +153,10 @@ PyMethodDef sf_py_attn_methods[] = {
     {"attn_set_fwd_variant", py_attn_set_fwd_variant, METH_O,
      "attn_set_fwd_variant(v): CUDA forward tile shape, 1 (4 warps x 32 rows, default) or 0 "
      "(8 warps x 16 rows)."},
-    {"attn_fwd", (PyCFunction)(void (*)(void))py_attn_fwd, METH_FASTCALL,
+    {"attn_fwd", SF_PY_FASTCALL(py_attn_fwd),
      "attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, out, lse, cfg, stream=None): "
      "fused attention forward into out and lse (float32)."},
-    {"attn_bwd", (PyCFunction)(void (*)(void))py_attn_bwd, METH_FASTCALL,
+    {"attn_bwd", SF_PY_FASTCALL(py_attn_bwd),
      "attn_bwd(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_kv, dq, dk, dv, dq_accum, "
      "delta, cfg, stream=None): fused attention backward."},
     {NULL, NULL, 0, NULL},

@@ -137,7 +137,7 @@ static PyObject *py_gemm_heuristic_queries(PyObject *self, PyObject *unused)
 }
 
 PyMethodDef sf_py_gemm_methods[] = {
-    {"gemm", (PyCFunction)(void (*)(void))py_gemm, METH_FASTCALL,
+    {"gemm", SF_PY_FASTCALL(py_gemm),
      "gemm(a, b, out, transa, transb, a_scale_inv, b_scale_inv, a_scaling, b_scaling, "
      "bias, aux, epilogue, accumulate, fast_accum, allow_tf32, alpha, workspace, "
      "a_format, b_format, stream=None): out = epilogue(alpha * op(a) @ op(b) + beta * out). See "

@@ -88,10 +88,10 @@ done:
 }
 
 PyMethodDef sf_py_loss_methods[] = {
-    {"cross_entropy_forward", (PyCFunction)(void (*)(void))py_ce_forward, METH_FASTCALL,
+    {"cross_entropy_forward", SF_PY_FASTCALL(py_ce_forward),
      "cross_entropy_forward(logits, labels, ignore_index, label_smoothing, loss, lse, stream=None): "
      "per-row loss and log-sum-exp (float32)."},
-    {"cross_entropy_backward", (PyCFunction)(void (*)(void))py_ce_backward, METH_FASTCALL,
+    {"cross_entropy_backward", SF_PY_FASTCALL(py_ce_backward),
      "cross_entropy_backward(logits, labels, lse, grad_scale, ignore_index, label_smoothing, dlogits, "
      "stream=None): dlogits = grad_scale * d loss / d logits (dlogits may be logits)."},
     {NULL, NULL, 0, NULL},

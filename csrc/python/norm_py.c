@@ -29,12 +29,6 @@ static int arg_bool(PyObject *o, int *out)
     return 0;
 }
 
-static PyObject *finish(sf_py_call *c, sf_status st)
-{
-    PyObject *result = st == SF_OK ? Py_NewRef(Py_None) : sf_py_raise(st);
-    sf_py_call_release(c);
-    return result;
-}
 
 /* layernorm_fwd(x, gamma, beta, eps, zero_centered_gamma, y, mean, rstd,
  *               scale, amax, scale_inv, stream=None) */
@@ -72,7 +66,7 @@ static PyObject *py_layernorm_fwd(PyObject *self, PyObject *const *args, Py_ssiz
                           has_scale ? &scale : NULL, has_amax ? &amax : NULL,
                           has_si ? &scale_inv : NULL, sf_py_call_stream(&c));
     Py_END_ALLOW_THREADS
-    return finish(&c, st);
+    return sf_py_finish(&c, st);
 }
 
 /* rmsnorm_fwd(x, gamma, eps, zero_centered_gamma, y, rstd, scale, amax,
@@ -108,7 +102,7 @@ static PyObject *py_rmsnorm_fwd(PyObject *self, PyObject *const *args, Py_ssize_
                         has_scale ? &scale : NULL, has_amax ? &amax : NULL,
                         has_si ? &scale_inv : NULL, sf_py_call_stream(&c));
     Py_END_ALLOW_THREADS
-    return finish(&c, st);
+    return sf_py_finish(&c, st);
 }
 
 /* layernorm_bwd(dy, x, mean, rstd, gamma, zero_centered_gamma, dx, dgamma,
@@ -145,7 +139,7 @@ static PyObject *py_layernorm_bwd(PyObject *self, PyObject *const *args, Py_ssiz
                           has_dbeta ? &dbeta : NULL, has_ws ? &ws : NULL,
                           sf_py_call_stream(&c));
     Py_END_ALLOW_THREADS
-    return finish(&c, st);
+    return sf_py_finish(&c, st);
 }
 
 /* rmsnorm_bwd(dy, x, rstd, gamma, zero_centered_gamma, dx, dgamma, workspace,
@@ -179,7 +173,7 @@ static PyObject *py_rmsnorm_bwd(PyObject *self, PyObject *const *args, Py_ssize_
     st = sf_rmsnorm_bwd(&dy, &x, &rstd, &gamma, zc, &dx, &dgamma, has_ws ? &ws : NULL,
                         sf_py_call_stream(&c));
     Py_END_ALLOW_THREADS
-    return finish(&c, st);
+    return sf_py_finish(&c, st);
 }
 
 /* norm_bwd_workspace_numel(x) -> int */
@@ -204,22 +198,20 @@ static PyObject *py_norm_bwd_workspace_numel(PyObject *self, PyObject *const *ar
     return result;
 }
 
-#define FASTCALL(f) (PyCFunction)(void (*)(void))(f), METH_FASTCALL
-
 PyMethodDef sf_py_norm_methods[] = {
-    {"layernorm_fwd", FASTCALL(py_layernorm_fwd),
+    {"layernorm_fwd", SF_PY_FASTCALL(py_layernorm_fwd),
      "layernorm_fwd(x, gamma, beta, eps, zero_centered_gamma, y, mean, rstd, scale, amax, "
      "scale_inv, stream=None)"},
-    {"rmsnorm_fwd", FASTCALL(py_rmsnorm_fwd),
+    {"rmsnorm_fwd", SF_PY_FASTCALL(py_rmsnorm_fwd),
      "rmsnorm_fwd(x, gamma, eps, zero_centered_gamma, y, rstd, scale, amax, scale_inv, "
      "stream=None)"},
-    {"layernorm_bwd", FASTCALL(py_layernorm_bwd),
+    {"layernorm_bwd", SF_PY_FASTCALL(py_layernorm_bwd),
      "layernorm_bwd(dy, x, mean, rstd, gamma, zero_centered_gamma, dx, dgamma, dbeta, "
      "workspace, stream=None)"},
-    {"rmsnorm_bwd", FASTCALL(py_rmsnorm_bwd),
+    {"rmsnorm_bwd", SF_PY_FASTCALL(py_rmsnorm_bwd),
      "rmsnorm_bwd(dy, x, rstd, gamma, zero_centered_gamma, dx, dgamma, workspace, "
      "stream=None)"},
-    {"norm_bwd_workspace_numel", FASTCALL(py_norm_bwd_workspace_numel),
+    {"norm_bwd_workspace_numel", SF_PY_FASTCALL(py_norm_bwd_workspace_numel),
      "norm_bwd_workspace_numel(x) -> int: float32 elements of backward workspace."},
     {NULL, NULL, 0, NULL},
 };

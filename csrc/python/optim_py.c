@@ -200,12 +200,12 @@ static PyObject *py_chunk_size(PyObject *self, PyObject *unused)
 }
 
 PyMethodDef sf_py_optim_methods[] = {
-    {"multi_tensor_adamw", (PyCFunction)(void (*)(void))py_adamw, METH_FASTCALL,
+    {"multi_tensor_adamw", SF_PY_FASTCALL(py_adamw),
      "multi_tensor_adamw(params, grads, exp_avg, exp_avg_sq, master, lr, beta1, beta2, eps, weight_decay, "
      "step, stream=None): one AdamW update of every tensor in the lists (master: None or fp32 copies)."},
-    {"multi_tensor_l2norm", (PyCFunction)(void (*)(void))py_l2norm, METH_FASTCALL,
+    {"multi_tensor_l2norm", SF_PY_FASTCALL(py_l2norm),
      "multi_tensor_l2norm(tensors, workspace, out, stream=None): out[0] = sqrt(sum x^2) over all tensors."},
-    {"multi_tensor_scale", (PyCFunction)(void (*)(void))py_scale, METH_FASTCALL,
+    {"multi_tensor_scale", SF_PY_FASTCALL(py_scale),
      "multi_tensor_scale(tensors, scale, stream=None): x *= scale[0] for every tensor."},
     {"multi_tensor_chunk_size", py_chunk_size, METH_NOARGS,
      "Elements per chunk of the multi-tensor kernels (one workspace float per chunk for l2norm)."},

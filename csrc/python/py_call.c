@@ -33,6 +33,14 @@ PyObject *sf_py_raise(sf_status status)
     return NULL;
 }
 
+PyObject *sf_py_finish(sf_py_call *c, sf_status status)
+{
+    sf_py_call_release(c);
+    if (status != SF_OK)
+        return sf_py_raise(status);
+    Py_RETURN_NONE;
+}
+
 int sf_py_check_nargs(const char *op, Py_ssize_t nargs, Py_ssize_t min_args,
                       Py_ssize_t max_args)
 {

@@ -58,6 +58,13 @@ sf_stream sf_py_call_stream(const sf_py_call *c);
 /* Give back every borrowed tensor (calls each DLPack deleter once). */
 void sf_py_call_release(sf_py_call *c);
 
+/* The common tail of a binding whose op returns nothing: release every
+ * borrowed tensor, then None on SF_OK or the status's exception. */
+PyObject *sf_py_finish(sf_py_call *c, sf_status status);
+
+/* A METH_FASTCALL entry of a method table: the cast and the flag. */
+#define SF_PY_FASTCALL(f) (PyCFunction)(void (*)(void))(f), METH_FASTCALL
+
 /* Raise the Python exception for a failing status, with sf_last_error(). */
 PyObject *sf_py_raise(sf_status status);
 

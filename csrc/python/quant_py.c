@@ -52,13 +52,6 @@ static int int_arg(const char *op, PyObject *obj, const char *arg, int *out)
     return 0;
 }
 
-static PyObject *finish(sf_py_call *c, sf_status st)
-{
-    sf_py_call_release(c);
-    if (st != SF_OK)
-        return sf_py_raise(st);
-    Py_RETURN_NONE;
-}
 
 /* cast_fp8(x, scale, amax, out, out_t, scale_inv, stream=None) */
 static PyObject *py_cast_fp8(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -87,7 +80,7 @@ static PyObject *py_cast_fp8(PyObject *self, PyObject *const *args, Py_ssize_t n
                      has_out_t ? &out_t : NULL, has_si ? &scale_inv : NULL,
                      sf_py_call_stream(&c));
     Py_END_ALLOW_THREADS
-    return finish(&c, st);
+    return sf_py_finish(&c, st);
 }
 
 /* dequantize_fp8(data, scale_inv, out, stream=None) */
@@ -111,7 +104,7 @@ static PyObject *py_dequantize_fp8(PyObject *self, PyObject *const *args, Py_ssi
     Py_BEGIN_ALLOW_THREADS
     st = sf_dequantize_fp8(&data, &si, &out, sf_py_call_stream(&c));
     Py_END_ALLOW_THREADS
-    return finish(&c, st);
+    return sf_py_finish(&c, st);
 }
 
 /* fp8_scale_update(amax_history, scale, scale_inv, fp8_max, algo, margin, stream=None) */
@@ -139,7 +132,7 @@ static PyObject *py_fp8_scale_update(PyObject *self, PyObject *const *args, Py_s
     Py_BEGIN_ALLOW_THREADS
     st = sf_fp8_scale_update(&hist, &scale, &si, &fmax, algo, margin, sf_py_call_stream(&c));
     Py_END_ALLOW_THREADS
-    return finish(&c, st);
+    return sf_py_finish(&c, st);
 }
 
 /* fp8_compute_scale(amax, scale, scale_inv, fp8_max, margin, stream=None) */
@@ -169,7 +162,7 @@ static PyObject *py_fp8_compute_scale(PyObject *self, PyObject *const *args, Py_
     Py_BEGIN_ALLOW_THREADS
     st = sf_fp8_compute_scale(&amax, &scale, &si, (float)fmax, margin, sf_py_call_stream(&c));
     Py_END_ALLOW_THREADS
-    return finish(&c, st);
+    return sf_py_finish(&c, st);
 }
 
 /* quantize_block_fp8(x, out, scale_inv, block_rows, stream=None) */
@@ -195,7 +188,7 @@ static PyObject *py_quantize_block_fp8(PyObject *self, PyObject *const *args, Py
     Py_BEGIN_ALLOW_THREADS
     st = sf_quantize_block_fp8(&x, &out, &si, block_rows, sf_py_call_stream(&c));
     Py_END_ALLOW_THREADS
-    return finish(&c, st);
+    return sf_py_finish(&c, st);
 }
 
 /* dequantize_block_fp8(data, scale_inv, block_rows, out, stream=None) */
@@ -222,7 +215,7 @@ static PyObject *py_dequantize_block_fp8(PyObject *self, PyObject *const *args, 
     Py_BEGIN_ALLOW_THREADS
     st = sf_dequantize_block_fp8(&data, &si, block_rows, &out, sf_py_call_stream(&c));
     Py_END_ALLOW_THREADS
-    return finish(&c, st);
+    return sf_py_finish(&c, st);
 }
 
 /* quantize_block_fp8_rowcol(x, out, scale_inv, out_t, scale_inv_t, stream=None) */
@@ -252,7 +245,7 @@ static PyObject *py_quantize_block_fp8_rowcol(PyObject *self, PyObject *const *a
                                       h_out_t ? &out_t : NULL, h_si_t ? &si_t : NULL,
                                       sf_py_call_stream(&c));
     Py_END_ALLOW_THREADS
-    return finish(&c, st);
+    return sf_py_finish(&c, st);
 }
 
 /* quantize_mxfp8(x, out, scales, stream=None) / dequantize_mxfp8(data, scales, out, stream=None) */
@@ -276,7 +269,7 @@ static PyObject *py_mxfp8(PyObject *const *args, Py_ssize_t nargs, int quantize)
     st = quantize ? sf_quantize_mxfp8(&t0, &t1, &t2, sf_py_call_stream(&c))
                   : sf_dequantize_mxfp8(&t0, &t1, &t2, sf_py_call_stream(&c));
     Py_END_ALLOW_THREADS
-    return finish(&c, st);
+    return sf_py_finish(&c, st);
 }
 
 static PyObject *py_quantize_mxfp8(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -313,7 +306,7 @@ static PyObject *py_quantize_nvfp4(PyObject *self, PyObject *const *args, Py_ssi
     Py_BEGIN_ALLOW_THREADS
     st = sf_quantize_nvfp4(&x, &amax, &out, &bs, &gsi, sf_py_call_stream(&c));
     Py_END_ALLOW_THREADS
-    return finish(&c, st);
+    return sf_py_finish(&c, st);
 }
 
 /* dequantize_nvfp4(data, block_scales, global_scale_inv, out, stream=None) */
@@ -338,37 +331,36 @@ static PyObject *py_dequantize_nvfp4(PyObject *self, PyObject *const *args, Py_s
     Py_BEGIN_ALLOW_THREADS
     st = sf_dequantize_nvfp4(&data, &bs, &gsi, &out, sf_py_call_stream(&c));
     Py_END_ALLOW_THREADS
-    return finish(&c, st);
+    return sf_py_finish(&c, st);
 }
 
 PyMethodDef sf_py_quant_methods[] = {
-    {"amax", (PyCFunction)(void (*)(void))py_amax, METH_FASTCALL,
+    {"amax", SF_PY_FASTCALL(py_amax),
      "amax(x, out, stream=None): out[0] = max |x| (float32)."},
-    {"cast_fp8", (PyCFunction)(void (*)(void))py_cast_fp8, METH_FASTCALL,
+    {"cast_fp8", SF_PY_FASTCALL(py_cast_fp8),
      "cast_fp8(x, scale, amax, out, out_t, scale_inv, stream=None): scale, cast to the FP8 "
      "dtype of out/out_t, transpose into out_t, accumulate max|x| into amax."},
-    {"dequantize_fp8", (PyCFunction)(void (*)(void))py_dequantize_fp8, METH_FASTCALL,
+    {"dequantize_fp8", SF_PY_FASTCALL(py_dequantize_fp8),
      "dequantize_fp8(data, scale_inv, out, stream=None): out = data * scale_inv[0]."},
-    {"fp8_scale_update", (PyCFunction)(void (*)(void))py_fp8_scale_update, METH_FASTCALL,
+    {"fp8_scale_update", SF_PY_FASTCALL(py_fp8_scale_update),
      "fp8_scale_update(amax_history, scale, scale_inv, fp8_max, algo, margin, stream=None): "
      "the delayed-scaling update of every column in one launch."},
-    {"fp8_compute_scale", (PyCFunction)(void (*)(void))py_fp8_compute_scale, METH_FASTCALL,
+    {"fp8_compute_scale", SF_PY_FASTCALL(py_fp8_compute_scale),
      "fp8_compute_scale(amax, scale, scale_inv, fp8_max, margin, stream=None): current scaling."},
-    {"quantize_block_fp8", (PyCFunction)(void (*)(void))py_quantize_block_fp8, METH_FASTCALL,
+    {"quantize_block_fp8", SF_PY_FASTCALL(py_quantize_block_fp8),
      "quantize_block_fp8(x, out, scale_inv, block_rows, stream=None): 1x128 / 128x128 blocks."},
-    {"quantize_block_fp8_rowcol", (PyCFunction)(void (*)(void))py_quantize_block_fp8_rowcol,
-     METH_FASTCALL,
+    {"quantize_block_fp8_rowcol", SF_PY_FASTCALL(py_quantize_block_fp8_rowcol),
      "quantize_block_fp8_rowcol(x, out, scale_inv, out_t, scale_inv_t, stream=None): 1x128 "
      "blocks along K and (transposed) along M in one pass."},
-    {"dequantize_block_fp8", (PyCFunction)(void (*)(void))py_dequantize_block_fp8, METH_FASTCALL,
+    {"dequantize_block_fp8", SF_PY_FASTCALL(py_dequantize_block_fp8),
      "dequantize_block_fp8(data, scale_inv, block_rows, out, stream=None)."},
-    {"quantize_mxfp8", (PyCFunction)(void (*)(void))py_quantize_mxfp8, METH_FASTCALL,
+    {"quantize_mxfp8", SF_PY_FASTCALL(py_quantize_mxfp8),
      "quantize_mxfp8(x, out, scales, stream=None): 1x32 blocks, E8M0 scales."},
-    {"dequantize_mxfp8", (PyCFunction)(void (*)(void))py_dequantize_mxfp8, METH_FASTCALL,
+    {"dequantize_mxfp8", SF_PY_FASTCALL(py_dequantize_mxfp8),
      "dequantize_mxfp8(data, scales, out, stream=None)."},
-    {"quantize_nvfp4", (PyCFunction)(void (*)(void))py_quantize_nvfp4, METH_FASTCALL,
+    {"quantize_nvfp4", SF_PY_FASTCALL(py_quantize_nvfp4),
      "quantize_nvfp4(x, amax, out, block_scales, global_scale_inv, stream=None)."},
-    {"dequantize_nvfp4", (PyCFunction)(void (*)(void))py_dequantize_nvfp4, METH_FASTCALL,
+    {"dequantize_nvfp4", SF_PY_FASTCALL(py_dequantize_nvfp4),
      "dequantize_nvfp4(data, block_scales, global_scale_inv, out, stream=None)."},
     {NULL, NULL, 0, NULL},
 };

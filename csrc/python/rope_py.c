@@ -45,7 +45,7 @@ done:
 }
 
 PyMethodDef sf_py_rope_methods[] = {
-    {"rope", (PyCFunction)(void (*)(void))py_rope, METH_FASTCALL,
+    {"rope", SF_PY_FASTCALL(py_rope),
      "rope(t, freqs, cu_seqlens, start_positions, tensor_format, interleaved, backward, out, "
      "stream=None): rotary position embedding (tensor_format 0 sbhd, 1 bshd, 2 thd)."},
     {NULL, NULL, 0, NULL},
