@@ -52,7 +52,6 @@ static PyObject *py_attn_fwd(PyObject *self, PyObject *const *args, Py_ssize_t n
     sf_py_call c;
     if (sf_py_call_init(&c, op, nargs > 8 ? args[8] : Py_None) < 0)
         return NULL;
-    PyObject *result = NULL;
     sf_tensor q, k, v, cuq, cuk, out, lse;
     int has_cuq = 0, has_cuk = 0;
     if (sf_py_tensor(&c, args[0], "q", &q) < 0 || sf_py_tensor(&c, args[1], "k", &k) < 0 ||
@@ -66,14 +65,10 @@ static PyObject *py_attn_fwd(PyObject *self, PyObject *const *args, Py_ssize_t n
     st = sf_attn_fwd(&q, &k, &v, has_cuq ? &cuq : NULL, has_cuk ? &cuk : NULL, &cfg, &out,
                      &lse, sf_py_call_stream(&c));
     Py_END_ALLOW_THREADS
-    if (st != SF_OK) {
-        sf_py_raise(st);
-        goto done;
-    }
-    result = Py_NewRef(Py_None);
+    return sf_py_finish(&c, st);
 done:
     sf_py_call_release(&c);
-    return result;
+    return NULL;
 }
 
 /* attn_bwd(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_kv, dq, dk, dv,
@@ -90,7 +85,6 @@ static PyObject *py_attn_bwd(PyObject *self, PyObject *const *args, Py_ssize_t n
     sf_py_call c;
     if (sf_py_call_init(&c, op, nargs > 14 ? args[14] : Py_None) < 0)
         return NULL;
-    PyObject *result = NULL;
     sf_tensor q, k, v, out, dout, lse, cuq, cuk, dq, dk, dv, acc, delta;
     int has_cuq = 0, has_cuk = 0;
     if (sf_py_tensor(&c, args[0], "q", &q) < 0 || sf_py_tensor(&c, args[1], "k", &k) < 0 ||
@@ -110,14 +104,10 @@ static PyObject *py_attn_bwd(PyObject *self, PyObject *const *args, Py_ssize_t n
                      has_cuk ? &cuk : NULL, &cfg, &dq, &dk, &dv, &acc, &delta,
                      sf_py_call_stream(&c));
     Py_END_ALLOW_THREADS
-    if (st != SF_OK) {
-        sf_py_raise(st);
-        goto done;
-    }
-    result = Py_NewRef(Py_None);
+    return sf_py_finish(&c, st);
 done:
     sf_py_call_release(&c);
-    return result;
+    return NULL;
 }
 
 /* attn_set_fwd_variant(variant): the CUDA forward's tile shape (benchmarks). */

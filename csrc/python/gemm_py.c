@@ -66,7 +66,6 @@ static PyObject *py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     sf_py_call c;
     if (sf_py_call_init(&c, op, nargs > 19 ? args[19] : Py_None) < 0)
         return NULL;
-    PyObject *result = NULL;
     sf_tensor a, b, out, a_scale, b_scale, bias, aux, workspace;
     int has_as, has_bs, has_bias, has_aux, has_ws;
     if (sf_py_tensor(&c, args[0], "a", &a) < 0 || sf_py_tensor(&c, args[1], "b", &b) < 0 ||
@@ -104,14 +103,10 @@ static PyObject *py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     Py_BEGIN_ALLOW_THREADS
     st = sf_gemm(&g, sf_py_call_stream(&c));
     Py_END_ALLOW_THREADS
-    if (st != SF_OK) {
-        sf_py_raise(st);
-        goto done;
-    }
-    result = Py_NewRef(Py_None);
+    return sf_py_finish(&c, st);
 done:
     sf_py_call_release(&c);
-    return result;
+    return NULL;
 }
 
 static PyObject *py_gemm_plan_cache_size(PyObject *self, PyObject *unused)

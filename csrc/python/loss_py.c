@@ -31,7 +31,6 @@ static PyObject *py_ce_forward(PyObject *self, PyObject *const *args, Py_ssize_t
     sf_py_call c;
     if (sf_py_call_init(&c, op, nargs > 6 ? args[6] : Py_None) < 0)
         return NULL;
-    PyObject *result = NULL;
     sf_tensor logits, labels, loss, lse;
     if (sf_py_tensor(&c, args[0], "logits", &logits) < 0 || sf_py_tensor(&c, args[1], "labels", &labels) < 0 ||
         sf_py_tensor(&c, args[4], "loss", &loss) < 0 || sf_py_tensor(&c, args[5], "lse", &lse) < 0)
@@ -41,14 +40,10 @@ static PyObject *py_ce_forward(PyObject *self, PyObject *const *args, Py_ssize_t
     st = sf_cross_entropy_forward(&logits, &labels, ignore_index, smoothing, &loss, &lse,
                                   sf_py_call_stream(&c));
     Py_END_ALLOW_THREADS
-    if (st != SF_OK) {
-        sf_py_raise(st);
-        goto done;
-    }
-    result = Py_NewRef(Py_None);
+    return sf_py_finish(&c, st);
 done:
     sf_py_call_release(&c);
-    return result;
+    return NULL;
 }
 
 /* cross_entropy_backward(logits, labels, lse, grad_scale, ignore_index, label_smoothing,
@@ -66,7 +61,6 @@ static PyObject *py_ce_backward(PyObject *self, PyObject *const *args, Py_ssize_
     sf_py_call c;
     if (sf_py_call_init(&c, op, nargs > 7 ? args[7] : Py_None) < 0)
         return NULL;
-    PyObject *result = NULL;
     sf_tensor logits, labels, lse, scale, dlogits;
     if (sf_py_tensor(&c, args[0], "logits", &logits) < 0 || sf_py_tensor(&c, args[1], "labels", &labels) < 0 ||
         sf_py_tensor(&c, args[2], "lse", &lse) < 0 || sf_py_tensor(&c, args[3], "grad_scale", &scale) < 0 ||
@@ -77,14 +71,10 @@ static PyObject *py_ce_backward(PyObject *self, PyObject *const *args, Py_ssize_
     st = sf_cross_entropy_backward(&logits, &labels, &lse, &scale, ignore_index, smoothing, &dlogits,
                                    sf_py_call_stream(&c));
     Py_END_ALLOW_THREADS
-    if (st != SF_OK) {
-        sf_py_raise(st);
-        goto done;
-    }
-    result = Py_NewRef(Py_None);
+    return sf_py_finish(&c, st);
 done:
     sf_py_call_release(&c);
-    return result;
+    return NULL;
 }
 
 PyMethodDef sf_py_loss_methods[] = {

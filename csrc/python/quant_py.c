@@ -16,7 +16,6 @@ static PyObject *py_amax(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     sf_py_call c;
     if (sf_py_call_init(&c, op, nargs > 2 ? args[2] : Py_None) < 0)
         return NULL;
-    PyObject *result = NULL;
     sf_tensor x, out;
     if (sf_py_tensor(&c, args[0], "x", &x) < 0 || sf_py_tensor(&c, args[1], "out", &out) < 0)
         goto done;
@@ -24,14 +23,10 @@ static PyObject *py_amax(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     Py_BEGIN_ALLOW_THREADS
     st = sf_amax(&x, &out, sf_py_call_stream(&c));
     Py_END_ALLOW_THREADS
-    if (st != SF_OK) {
-        sf_py_raise(st);
-        goto done;
-    }
-    result = Py_NewRef(Py_None);
+    return sf_py_finish(&c, st);
 done:
     sf_py_call_release(&c);
-    return result;
+    return NULL;
 }
 
 /* Read an int argument, naming it on failure. */

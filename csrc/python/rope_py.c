@@ -21,7 +21,6 @@ static PyObject *py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     sf_py_call c;
     if (sf_py_call_init(&c, op, nargs > 8 ? args[8] : Py_None) < 0)
         return NULL;
-    PyObject *result = NULL;
     sf_tensor t, freqs, cu, start, out;
     int has_cu = 0, has_start = 0;
     if (sf_py_tensor(&c, args[0], "t", &t) < 0 || sf_py_tensor(&c, args[1], "freqs", &freqs) < 0 ||
@@ -34,14 +33,10 @@ static PyObject *py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     st = sf_rope(&t, &freqs, has_cu ? &cu : NULL, has_start ? &start : NULL,
                  (sf_rope_format)format, interleaved, backward, &out, sf_py_call_stream(&c));
     Py_END_ALLOW_THREADS
-    if (st != SF_OK) {
-        sf_py_raise(st);
-        goto done;
-    }
-    result = Py_NewRef(Py_None);
+    return sf_py_finish(&c, st);
 done:
     sf_py_call_release(&c);
-    return result;
+    return NULL;
 }
 
 PyMethodDef sf_py_rope_methods[] = {
