@@ -75,6 +75,14 @@ static int sf_exchange_enabled = 1;
 void sf_py_set_exchange_api(int enabled) { sf_exchange_enabled = enabled != 0; }
 int sf_py_exchange_api_enabled(void) { return sf_exchange_enabled; }
 
+/* Usable only if it speaks our major version and has both non-owning
+ * entries we call. */
+static int sf_exchange_api_usable(const DLPackExchangeAPI *api)
+{
+    return api != NULL && api->header.version.major == SF_DLPACK_MAJOR &&
+           api->dltensor_from_py_object_no_sync != NULL && api->current_work_stream != NULL;
+}
+
 static const DLPackExchangeAPI *sf_lookup_exchange_api(PyTypeObject *type)
 {
     for (int i = 0; i < sf_api_cache_used; ++i)
@@ -88,21 +96,13 @@ static const DLPackExchangeAPI *sf_lookup_exchange_api(PyTypeObject *type)
     } else {
         if (PyCapsule_CheckExact(cap) && PyCapsule_IsValid(cap, "dlpack_exchange_api")) {
             api = (const DLPackExchangeAPI *)PyCapsule_GetPointer(cap, "dlpack_exchange_api");
-            /* Usable only if it speaks our major version and has both
-             * non-owning entries we call. */
-            if (api != NULL && (api->header.version.major != SF_DLPACK_MAJOR ||
-                                api->dltensor_from_py_object_no_sync == NULL ||
-                                api->current_work_stream == NULL))
-                api = NULL;
         } else if (PyLong_Check(cap)) {
             /* Some producers publish the table's address as an int. */
             api = (const DLPackExchangeAPI *)PyLong_AsVoidPtr(cap);
-            if (api == NULL || api->header.version.major != SF_DLPACK_MAJOR ||
-                api->dltensor_from_py_object_no_sync == NULL ||
-                api->current_work_stream == NULL)
-                api = NULL;
             PyErr_Clear();
         }
+        if (!sf_exchange_api_usable(api))
+            api = NULL;
         Py_DECREF(cap); /* the table itself lives as long as the producer */
     }
     if (sf_api_cache_used < SF_API_CACHE) {
@@ -224,17 +224,23 @@ int sf_py_call_init(sf_py_call *c, const char *op, PyObject *stream_obj)
 
 sf_stream sf_py_call_stream(const sf_py_call *c) { return c->stream; }
 
+/* Call a borrowed tensor's DLPack deleter (the one place that does). */
+static void sf_py_give_back(void *managed, int versioned)
+{
+    if (versioned) {
+        DLManagedTensorVersioned *m = managed;
+        if (m->deleter) m->deleter(m);
+    } else {
+        DLManagedTensor *m = managed;
+        if (m->deleter) m->deleter(m);
+    }
+}
+
 static int sf_py_push_borrow(sf_py_call *c, void *managed, int versioned)
 {
     if (c->n_borrows == SF_PY_MAX_BORROWS) {
         /* cannot happen with the bindings as written; give it back now */
-        if (versioned) {
-            DLManagedTensorVersioned *m = managed;
-            if (m->deleter) m->deleter(m);
-        } else {
-            DLManagedTensor *m = managed;
-            if (m->deleter) m->deleter(m);
-        }
+        sf_py_give_back(managed, versioned);
         PyErr_Format(PyExc_RuntimeError, "%s: more than %d tensor arguments", c->op,
                      SF_PY_MAX_BORROWS);
         return -1;
@@ -253,15 +259,8 @@ void sf_py_call_release(sf_py_call *c)
      * exception this call is raising out of its way. */
     PyObject *type, *value, *traceback;
     PyErr_Fetch(&type, &value, &traceback);
-    for (int i = c->n_borrows - 1; i >= 0; --i) {
-        if (c->borrows[i].versioned) {
-            DLManagedTensorVersioned *m = c->borrows[i].managed;
-            if (m->deleter) m->deleter(m);
-        } else {
-            DLManagedTensor *m = c->borrows[i].managed;
-            if (m->deleter) m->deleter(m);
-        }
-    }
+    for (int i = c->n_borrows - 1; i >= 0; --i)
+        sf_py_give_back(c->borrows[i].managed, c->borrows[i].versioned);
     c->n_borrows = 0;
     PyErr_Restore(type, value, traceback);
 }
@@ -415,7 +414,7 @@ static int sf_py_tensor_capsule(sf_py_call *c, PyObject *obj, const char *arg, s
         if (m == NULL || PyCapsule_SetName(capsule, "used_dltensor_versioned") != 0)
             goto done;
         if (m->version.major != SF_DLPACK_MAJOR) {
-            if (m->deleter) m->deleter(m);
+            sf_py_give_back(m, 1);
             PyErr_Format(PyExc_TypeError,
                          "%s: argument '%s' is a DLPack %u.%u tensor; seqfuse reads major "
                          "version %d",
