@@ -4,6 +4,7 @@ master weights against fp32 AdamW run on the masters, state_dict round trips
 that resume bit for bit, the l2 norm against a float64 reference, bad inputs,
 and the CUDA kernels against the CPU backend."""
 import copy
+import os
 import io
 
 import pytest
@@ -335,3 +336,162 @@ def test_cuda_clip_does_not_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert total.item() > 1.0
+
+
+# ---- FSDP2 (DTensor parameters), two processes on gloo -------------------
+#
+# Each worker shards a small model with fully_shard (dim-0 shards, uneven:
+# 33 rows over 2 ranks, and a (1,) bias that leaves rank 1 an empty shard)
+# and holds an unsharded copy of the same model.  Results go to files the
+# test reads.
+
+FSDP_WORLD = 2
+FSDP_HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def _fsdp_model(dtype):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.GELU(), torch.nn.Linear(33, 9),
+                               torch.nn.GELU(), torch.nn.Linear(9, 1)).to(dtype)
+
+
+def _fsdp_shard(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _fsdp_worker(rank, init_file, out_dir):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=FSDP_WORLD)
+    mesh = init_device_mesh("cpu", (FSDP_WORLD,))
+    out = {}
+
+    # 1. fp32: FSDP2 + FusedAdamW + seqfuse clip against the unsharded model +
+    #    torch AdamW + torch clip, 6 steps of real backward passes.
+    ref = _fsdp_model(torch.float32)
+    model = _fsdp_shard(_fsdp_model(torch.float32), mesh)
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    opt = FusedAdamW(model.parameters(), **FSDP_HYPER)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **FSDP_HYPER)
+    g = torch.Generator().manual_seed(7)
+    norms, ref_norms, calls = [], [], []
+    real_all_reduce = dist.all_reduce
+    for step in range(6):
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)
+        half = slice(4 * rank, 4 * rank + 4)  # each rank its half of the batch; FSDP2 averages gradients
+        torch.nn.functional.mse_loss(model(x[half]), y[half]).backward()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        dist.all_reduce = lambda *a, **k: (calls.append(step), real_all_reduce(*a, **k))[1]
+        try:
+            norms.append(clip_grad_norm_(list(model.parameters()), 0.05).item())
+        finally:
+            dist.all_reduce = real_all_reduce
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05).item())
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    out["norms"], out["ref_norms"], out["calls"] = norms, ref_norms, calls
+    out["param_err"] = max(max_rel(p.full_tensor(), r.detach()) for p, r in zip(model.parameters(), ref.parameters()))
+    st = opt.state[next(model.parameters())]
+    out["state_kinds"] = [type(st[k]).__name__ for k in ("exp_avg", "exp_avg_sq")]
+    out["state_placements"] = [str(st["exp_avg"].placements), str(next(model.parameters()).placements)]
+    out["moment_err"] = max(max_rel(opt.state[p]["exp_avg_sq"].full_tensor(), ref_opt.state[r]["exp_avg_sq"])
+                            for p, r in zip(model.parameters(), ref.parameters()))
+
+    # 2. bf16 parameters: the fp32 master copies are sharded DTensors, and
+    #    given the same gradients the sharded update equals the unsharded
+    #    FusedAdamW's bit for bit (params and masters).
+    full = _fsdp_model(torch.bfloat16)
+    sharded = _fsdp_shard(_fsdp_model(torch.bfloat16), mesh)
+    opt_full, opt_sh = FusedAdamW(full.parameters(), **FSDP_HYPER), FusedAdamW(sharded.parameters(), **FSDP_HYPER)
+    for step in range(4):
+        gg = torch.Generator().manual_seed(100 + step)
+        for p, q in zip(full.parameters(), sharded.parameters()):
+            p.grad = (torch.randn(p.shape, generator=gg) * 0.1).to(torch.bfloat16)
+            q.grad = distribute_tensor(p.grad.clone(), mesh, q.placements, src_data_rank=None)
+        opt_full.step()
+        opt_sh.step()
+    exact = True
+    for p, q in zip(full.parameters(), sharded.parameters()):
+        m = opt_sh.state[q]["master_param"]
+        assert isinstance(m, DTensor) and m.dtype == torch.float32 and m.placements == q.placements
+        assert m.to_local().shape == q.to_local().shape
+        exact &= torch.equal(q.full_tensor(), p.detach())
+        exact &= torch.equal(m.full_tensor(), opt_full.state[p]["master_param"])
+    out["bf16_exact"] = bool(exact)
+
+    # 3. DCP round trip of the optimizer state (fp32 model of part 1): save
+    #    at step 6, run 3 more steps; a fresh sharded model + optimizer
+    #    loaded from the checkpoint runs the same 3 steps to the same values.
+    ckpt_dir = os.path.join(out_dir, "dcp")
+    osd = get_optimizer_state_dict(model, opt)
+    assert any(isinstance(v, DTensor) for s in osd["state"].values() for v in s.values())
+    dcp.save({"model": model.state_dict(), "optim": osd}, checkpoint_id=ckpt_dir)
+
+    def more_steps(m, o):
+        gm = torch.Generator().manual_seed(55)
+        for _ in range(3):
+            x, y = torch.randn(8, 16, generator=gm), torch.randn(8, 1, generator=gm)
+            torch.nn.functional.mse_loss(m(x[4 * rank:4 * rank + 4]), y[4 * rank:4 * rank + 4]).backward()
+            clip_grad_norm_(list(m.parameters()), 0.05)
+            o.step()
+            o.zero_grad()
+        return [p.full_tensor() for p in m.parameters()]
+
+    want = more_steps(model, opt)
+    fresh = _fsdp_shard(_fsdp_model(torch.float32), mesh)
+    fresh_opt = FusedAdamW(fresh.parameters(), lr=0.5)  # hyper-parameters come from the checkpoint
+    state = {"model": fresh.state_dict(), "optim": get_optimizer_state_dict(fresh, fresh_opt)}
+    dcp.load(state, checkpoint_id=ckpt_dir)
+    fresh.load_state_dict(state["model"])
+    set_optimizer_state_dict(fresh, fresh_opt, state["optim"])
+    p0 = next(fresh.parameters())
+    out["loaded_step"] = fresh_opt.state[p0]["step"]
+    out["loaded_lr"] = fresh_opt.param_groups[0]["lr"]
+    out["loaded_kind"] = type(fresh_opt.state[p0]["exp_avg"]).__name__
+    got = more_steps(fresh, fresh_opt)
+    out["resume_exact"] = all(torch.equal(a, b) for a, b in zip(want, got))
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_fsdp2_two_processes_gloo(tmp_path):
+    """FusedAdamW and clip_grad_norm_ on FSDP2 DTensor shards (2 processes,
+    gloo, CPU): 6 steps equal torch.optim.AdamW + torch's clip on the
+    unsharded model (params and moments within fp32 tolerance), the clip
+    norm equals the unsharded norm with one all-reduce per call, bf16 master
+    weights are sharded and the sharded update is bit-identical to the
+    unsharded FusedAdamW's, and a DCP save / load of the optimizer state
+    resumes bit for bit."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    pytest.importorskip("torch.distributed.fsdp")
+    mp.spawn(_fsdp_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=FSDP_WORLD, join=True)
+    res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(FSDP_WORLD)]
+    for r in res:
+        assert r["norms"] == res[0]["norms"]  # every rank the same global norm
+        for n, rn in zip(r["norms"], r["ref_norms"]):
+            assert abs(n - rn) <= 1e-5 * rn, (r["norms"], r["ref_norms"])
+        assert max(r["norms"]) > 0.05  # the clipping was active
+        assert r["calls"] == list(range(6)), r["calls"]  # one all-reduce per clip, for all parameters
+        assert r["param_err"] < 1e-5 and r["moment_err"] < 1e-4, (r["param_err"], r["moment_err"])
+        assert r["state_kinds"] == ["DTensor", "DTensor"]
+        assert r["state_placements"][0] == r["state_placements"][1] and "Shard(dim=0)" in r["state_placements"][0]
+        assert r["bf16_exact"]
+        assert r["loaded_step"] == 6 and r["loaded_lr"] == FSDP_HYPER["lr"] and r["loaded_kind"] == "DTensor"
+        assert r["resume_exact"]

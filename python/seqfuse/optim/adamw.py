@@ -22,12 +22,21 @@
   ``.grad``.  16-bit parameters take float32 gradients directly.  zero_grad()
   does not clear main_grad: that stays the training loop's job, as in
   Megatron.
+- DTensor parameters (FSDP2's fully_shard: Shard(0) on a device mesh): the
+  kernels run on each rank's local shards (``to_local()``, the parameter's
+  own storage) with the gradient's local shard, which must have the same
+  placements.  The moments and the fp32 master copies are DTensors with the
+  parameter's mesh and placements (sharded like it), so state_dict() and
+  torch.distributed.checkpoint (get/set_optimizer_state_dict, dcp.save /
+  dcp.load) save each rank's shard and reload it, resharded if the mesh
+  changed.  No communication: AdamW is elementwise.
 """
 import itertools
 
 import torch
 
 from ..ops import optim as _ops
+from ._dtensor import as_state_of, check_layout, like, local
 
 
 def _grad_of(p, use_main_grad):
@@ -58,13 +67,17 @@ class FusedAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def _state(self, p, group):
+        """The state of ``p``, created at its first update: fp32 tensors shaped
+        like p (for a DTensor p, DTensors sharded like it, built from fp32
+        local shards, so the state of a sharded parameter is sharded too)."""
         state = self.state[p]
         if not state:
+            lp = local(p)
             state["step"] = 0
-            state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-            state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            state["exp_avg"] = like(p, torch.zeros(lp.shape, dtype=torch.float32, device=lp.device))
+            state["exp_avg_sq"] = like(p, torch.zeros(lp.shape, dtype=torch.float32, device=lp.device))
             if group["master_weights"] and p.dtype != torch.float32:
-                state["master_param"] = p.detach().to(torch.float32, copy=True)
+                state["master_param"] = like(p, lp.detach().to(torch.float32, copy=True))
         return state
 
     @torch.no_grad()
@@ -82,17 +95,21 @@ class FusedAdamW(torch.optim.Optimizer):
                     continue
                 if grad.is_sparse:
                     raise ValueError("FusedAdamW: sparse gradients are not supported")
+                check_layout("FusedAdamW", f"parameter of shape {tuple(p.shape)}", p, grad)
                 state = self._state(p, group)
                 state["step"] += 1
                 master = state.get("master_param")
-                key = (p.device, p.dtype, grad.dtype, master is not None, state["step"])
+                lp = local(p)
+                if lp.numel() == 0:  # an uneven FSDP2 split can leave a rank nothing of a small tensor
+                    continue
+                key = (lp.device, lp.dtype, grad.dtype, master is not None, state["step"])
                 lists = buckets.setdefault(key, ([], [], [], [], []))
-                lists[0].append(p)
-                lists[1].append(grad)
-                lists[2].append(state["exp_avg"])
-                lists[3].append(state["exp_avg_sq"])
+                lists[0].append(lp)
+                lists[1].append(local(grad))
+                lists[2].append(local(state["exp_avg"]))
+                lists[3].append(local(state["exp_avg_sq"]))
                 if master is not None:
-                    lists[4].append(master)
+                    lists[4].append(local(master))
             for (_, _, _, has_master, step), (ps, gs, ms, vs, ws) in buckets.items():
                 _ops.multi_tensor_adamw(ps, gs, ms, vs, ws if has_master else None, group["lr"], beta1, beta2,
                                         group["eps"], group["weight_decay"], step)
@@ -101,7 +118,8 @@ class FusedAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         """torch's loader, then the fp32 state put back exactly (torch's casts
         floating-point state to each parameter's dtype, which would round the
-        master copies and moments of bf16 parameters)."""
+        master copies and moments of bf16 parameters).  DTensor state (a
+        sharded parameter's, as DCP loads it) stays a DTensor."""
         super().load_state_dict(state_dict)
         saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
@@ -111,5 +129,6 @@ class FusedAdamW(torch.optim.Optimizer):
                 continue
             for key in ("exp_avg", "exp_avg_sq", "master_param"):
                 if key in saved:
-                    self.state[p][key] = saved[key].to(device=p.device, dtype=torch.float32, copy=True)
+                    self.state[p][key] = as_state_of(p, saved[key].to(device=p.device, dtype=torch.float32,
+                                                                      copy=True))
             self.state[p]["step"] = int(saved["step"])

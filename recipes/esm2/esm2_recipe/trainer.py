@@ -178,16 +178,10 @@ def wrap_model(model, strategy, world, device, cfg):
     raise ValueError(f"strategy must be 'fsdp2' or 'ddp', got {strategy!r}")
 
 
-def _is_dtensor_model(model):
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return False
-    return any(isinstance(p, DTensor) for p in model.parameters())
-
-
 def build_optimizer(model, cfg):
-    """FusedAdamW (fp32 master weights) with decay on matrices only."""
+    """FusedAdamW (fp32 master weights) with decay on matrices only.  Under
+    FSDP2 the parameters are DTensor shards: FusedAdamW updates the local
+    shards and keeps its state (moments, fp32 masters) sharded like them."""
     from seqfuse.optim import FusedAdamW
 
     decay, no_decay = [], []
@@ -199,10 +193,6 @@ def build_optimizer(model, cfg):
               {"params": no_decay, "weight_decay": 0.0}]
     t = cfg.train
     kw = dict(lr=float(t.lr), betas=tuple(float(b) for b in t.betas), eps=float(t.eps))
-    if _is_dtensor_model(model):
-        log.warning("optimizer: FusedAdamW does not take FSDP2's DTensor parameters; using torch.optim.AdamW "
-                    "(foreach) for this sharded run")
-        return torch.optim.AdamW(groups, foreach=True, **kw)
     return FusedAdamW(groups, **kw)
 
 
@@ -319,6 +309,7 @@ def evaluate(model, val_loader, cfg, recipe, device):
 
 # ---------------------------------------------------------------- the run
 def train(cfg, strategy: str = "fsdp2") -> dict:
+    from seqfuse.optim import clip_grad_norm_
     from seqfuse.pytorch import autocast
 
     rank, world, _, device = init_distributed(cfg)
@@ -363,7 +354,6 @@ def train(cfg, strategy: str = "fsdp2") -> dict:
     logger = MetricLogger(cfg, rank, total_steps, step)
     batches = endless(train_loader)
     params = [p for p in model.parameters() if p.requires_grad]
-    use_seqfuse_clip = not _is_dtensor_model(model)
     h, f, L = mcfg.hidden_size, mcfg.intermediate_size, mcfg.num_hidden_layers
     cuda = device.type == "cuda"
     if cuda:
@@ -394,11 +384,8 @@ def train(cfg, strategy: str = "fsdp2") -> dict:
             win["tokens"] += batch["input_ids"].numel()
             win["real"] += int(batch["num_tokens"])
         if cfg.train.clip_grad_norm:
-            if use_seqfuse_clip:
-                from seqfuse.optim import clip_grad_norm_
-                clip_grad_norm_(params, float(cfg.train.clip_grad_norm))
-            else:
-                torch.nn.utils.clip_grad_norm_(params, float(cfg.train.clip_grad_norm))
+            # FSDP2: the local shards' squares, one all-reduce, the global norm
+            clip_grad_norm_(params, float(cfg.train.clip_grad_norm))
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
