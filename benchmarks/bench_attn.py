@@ -4,10 +4,10 @@
 Part 1, padded (bshd), 16k tokens per batch: seqlens 1024, 4096, 8192, head
 dims 64 (32 heads) and 128 (16 heads), causal and not, forward and
 forward+backward, bf16.  TFLOP/s = 4*b*h*s^2*d (halved when causal), x3.5
-with the backward; ratio = seqfuse / torch (goal >= 1.0).  seqfuse_v0 is
-the first version of the kernels (variant 0), timed beside the default.
+with the backward; ratio = seqfuse / torch (goal >= 1.0).
 
-Part 2, packed (thd) proteins: ESM-2 650M attention (20 heads of 64), 16k
+Part 2, packed (thd) proteins: ESM-2 attention, 20 heads of 64 (650M), 32
+(150M), 24 (35M; the kernel runs it as a 32-wide tile) and 16 (8M), 16k
 tokens of real UniProt lengths (recipes/esm2/data/subset, +2 special
 tokens, cropped to 1024; a lognormal fit with median 345 and 90th percentile
 872 where the data or pyarrow is missing), bidirectional.  seqfuse runs the
@@ -35,18 +35,6 @@ def sdpa_flops(b, h, s, d, causal, backward):
     return 4.0 * b * h * s * s * d * (0.5 if causal else 1.0) * (3.5 if backward else 1.0)
 
 
-def _with_variant(variant, fn):
-    """Run fn with the first versions of the kernels (variant 0: 8x16-row
-    forward tiles, 64-row backward steps) selected, then restore the defaults."""
-    seqfuse._C.attn_set_fwd_variant(variant)
-    seqfuse._C.attn_set_bwd_variant(variant)
-    try:
-        return fn()
-    finally:
-        seqfuse._C.attn_set_fwd_variant(1)
-        seqfuse._C.attn_set_bwd_variant(1)
-
-
 def padded_rows(table):
     for d, h in ((64, 32), (128, 16)):
         for s in (1024, 4096, 8192):
@@ -72,14 +60,13 @@ def padded_rows(table):
                         def peer():
                             F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
                     t_ours, t_peer = cuda_time_ms(ours), cuda_time_ms(peer)
-                    t_v0 = _with_variant(0, lambda: cuda_time_ms(ours))
                     fl = sdpa_flops(b, h, s, d, causal, backward)
                     table.add(case=f"s{s} d{d}{' causal' if causal else ''} {'fwd+bwd' if backward else 'fwd'}",
                               seqlen=s, head_dim=d, heads=h, batch=b, causal=causal,
                               passes="fwd+bwd" if backward else "fwd",
                               seqfuse_ms=t_ours, torch_ms=t_peer,
                               seqfuse_tflops=fl / t_ours / 1e9, torch_tflops=fl / t_peer / 1e9,
-                              ratio=t_peer / t_ours, seqfuse_v0_tflops=fl / t_v0 / 1e9)
+                              ratio=t_peer / t_ours)
                 del q, k, v, dout
                 torch.cuda.empty_cache()
 
@@ -109,7 +96,15 @@ def protein_lengths(rng):
 def packed_rows(table):
     rng = random.Random(0)
     lengths, source = protein_lengths(rng)
-    h, d = 20, 64
+    for model, d in (("650M", 64), ("150M", 32), ("35M", 24), ("8M", 16)):
+        packed_model_rows(table, lengths, 20, d, f"ESM-2 {model}")
+    total, b, smax = sum(lengths), len(lengths), max(lengths)
+    padding = 1 - total / (b * smax)
+    return {"protein_lengths_source": source, "protein_sequences": b, "protein_tokens": total,
+            "protein_max_len": smax, "protein_padding_fraction_for_torch": padding}
+
+
+def packed_model_rows(table, lengths, h, d, model):
     total, b, smax = sum(lengths), len(lengths), max(lengths)
     cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device="cuda")
     q, k, v, dout = (torch.randn(total, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
@@ -146,13 +141,13 @@ def packed_rows(table):
                 F.scaled_dot_product_attention(qp, kp, vp, attn_mask=keep)
         t_ours, t_peer = cuda_time_ms(ours), cuda_time_ms(peer)
         fl = useful * (3.5 if backward else 1.0)
-        table.add(case=f"proteins thd d64 {'fwd+bwd' if backward else 'fwd'}", seqlen=f"{b} seqs, max {smax}",
+        table.add(case=f"proteins thd d{d} ({model}) {'fwd+bwd' if backward else 'fwd'}",
+                  seqlen=f"{b} seqs, max {smax}",
                   head_dim=d, heads=h, batch=b, causal=False, passes="fwd+bwd" if backward else "fwd",
                   seqfuse_ms=t_ours, torch_ms=t_peer, seqfuse_tflops=fl / t_ours / 1e9,
                   torch_tflops=fl / t_peer / 1e9, ratio=t_peer / t_ours)
-    padding = 1 - total / (b * smax)
-    return {"protein_lengths_source": source, "protein_sequences": b, "protein_tokens": total,
-            "protein_max_len": smax, "protein_padding_fraction_for_torch": padding}
+    del q, k, v, dout, qp, kp, vp, dp
+    torch.cuda.empty_cache()
 
 
 def main():
@@ -160,8 +155,7 @@ def main():
         print("bench_attn: needs a CUDA GPU and a CUDA build of seqfuse")
         return
     torch.manual_seed(0)
-    table = Table("attn", ["case", "seqfuse_tflops", "torch_tflops", "ratio", "seqfuse_ms", "torch_ms",
-                           "seqfuse_v0_tflops"])
+    table = Table("attn", ["case", "seqfuse_tflops", "torch_tflops", "ratio", "seqfuse_ms", "torch_ms"])
     padded_rows(table)
     extra = packed_rows(table)
     extra["note"] = ("torch = F.scaled_dot_product_attention (backend of its choice); TFLOP/s counts "

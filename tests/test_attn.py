@@ -5,12 +5,18 @@ and gradients; packed (thd) against padded (bshd) on the same sequences; and
 every bad input's error.  The CUDA kernel is tested in test_attn_cuda.py."""
 import random
 
+import ctypes
+from ctypes import c_int64
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 import seqfuse
 from attn_ref import PADDING, cu_seqlens, pack, reference, unpack
+from dlpack_forge import (KDL_CUDA, VERSIONED_DELETER, DLDataType, DLDevice, DLManagedTensorVersioned,
+                          DLPackVersion, DLTensor, _capsule_new)
 from helpers import assert_close_rel
 
 attention = seqfuse.ops.attention
@@ -262,8 +268,76 @@ def test_cuda_unsupported_inputs_raise():
     with pytest.raises(NotImplementedError, match="takes float16 or bfloat16 inputs, got float32"):
         attention(q, k, v)
     q, k, v = (torch.randn(1, 8, 2, 96, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    with pytest.raises(NotImplementedError, match="supports head dims 64 and 128, got 96"):
+    with pytest.raises(NotImplementedError, match="supports head dims 16, 24, 32, 64 and 128, got 96"):
         attention(q, k, v)
+
+
+class _ForgedCuda16:
+    """A bfloat16 tensor that claims to live on cuda:0 (DLPack capsule made
+    by hand, host memory behind it, 16-byte aligned): lets the C entry's CUDA
+    checks run without a GPU.  Nothing may launch on it, so every call below
+    fails in a check after the head-dim one."""
+
+    def __init__(self, shape, dtype_code=4, bits=16):
+        n = int(np.prod(shape)) * bits // 8
+        self._raw = np.zeros(n + 16, dtype=np.uint8)
+        off = (-self._raw.ctypes.data) % 16
+        self.array = self._raw[off:off + n]
+        self.shape, self.code, self.bits = tuple(shape), dtype_code, bits
+        self._keep = []
+
+    def __dlpack_device__(self):
+        return (KDL_CUDA, 0)
+
+    def __dlpack__(self, stream=None, max_version=None):
+        nd = len(self.shape)
+        shape = (c_int64 * nd)(*self.shape)
+        strides = (c_int64 * nd)(*[int(np.prod(self.shape[i + 1:])) for i in range(nd)])
+        m = DLManagedTensorVersioned()
+        m.version = DLPackVersion(1, 0)
+        m.deleter = VERSIONED_DELETER(lambda ptr: None)
+        m.flags = 0
+        m.dl_tensor = DLTensor(self.array.ctypes.data, DLDevice(KDL_CUDA, 0), nd,
+                               DLDataType(self.code, self.bits, 1), shape, strides, 0)
+        self._keep.append((m, shape, strides))
+        return _capsule_new(ctypes.addressof(m), b"dltensor_versioned", None)
+
+
+@pytest.mark.parametrize("d", [16, 24, 32, 64, 128, 8, 40, 96])
+def test_cuda_entry_head_dims(d):
+    """The C entry's CUDA rules, checked on forged CUDA tensors: head dims 16,
+    24, 32, 64 and 128 pass the head-dim check (the call then stops at the
+    deliberately wrong lse shape), others are rejected with a message that
+    names the supported dims."""
+    q, k, v, out = (_ForgedCuda16((1, 8, 2, d)) for _ in range(4))
+    bad_lse = _ForgedCuda16((1, 2, 5), dtype_code=2, bits=32)
+    cfg = (0, 0, -1, -1, d ** -0.5, 8, 8, 0)
+    if d in (16, 24, 32, 64, 128):
+        with pytest.raises(ValueError, match=r"argument 'lse' must have shape \[b, h, s_q\] = \[1, 2, 8\]"):
+            seqfuse._C.attn_fwd(q, k, v, None, None, out, bad_lse, cfg, 0)
+    else:
+        with pytest.raises(NotImplementedError,
+                           match=f"attention_fwd: the CUDA kernel supports head dims 16, 24, 32, 64 and 128, got {d}"):
+            seqfuse._C.attn_fwd(q, k, v, None, None, out, bad_lse, cfg, 0)
+
+
+def test_cuda_entry_head_dim_24_alignment():
+    """Head dim 24 rows are 48 bytes, three 16-byte loads: strides that are
+    multiples of 8 elements keep every row 16-byte aligned; a stride of 12
+    (say [..., :12] of 24-wide rows) is refused on CUDA."""
+    q = _ForgedCuda16((1, 8, 2, 24))
+    bad_lse = _ForgedCuda16((1, 2, 5), dtype_code=2, bits=32)
+    cfg = (0, 0, -1, -1, 24 ** -0.5, 8, 8, 0)
+
+    class Strided(_ForgedCuda16):
+        def __dlpack__(self, stream=None, max_version=None):
+            cap = super().__dlpack__(stream, max_version)
+            self._keep[-1][2][2] = 12  # head stride 12 elements = 24 bytes
+            return cap
+
+    odd = Strided((1, 8, 2, 24))
+    with pytest.raises(ValueError, match="argument 'k' must have strides that are multiples of 8 elements"):
+        seqfuse._C.attn_fwd(q, odd, q, None, None, q, bad_lse, cfg, 0)
 
 
 def test_strided_qkv_views_cpu(seed):

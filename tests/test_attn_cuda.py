@@ -1,10 +1,15 @@
 """The CUDA attention kernels against the float64 reference (attn_ref.py, run
 on the GPU), the C CPU reference and torch's scaled_dot_product_attention:
 forward and gradients for every layout, mask, window, GQA ratio and head
-dim, at lengths that are and are not multiples of the tiles (128 query rows
-forward, 64 keys; 64 x 64 backward), on fresh random inputs with outputs
-poisoned (NaN) before each run.  Also: packed == padded on the real tokens,
-deterministic backward reproducible, current-stream use and CUDA graphs."""
+dim (16, 24, 32, 64, 128; the small ones, ESM-2 8M/35M/150M's, on a smaller
+grid), at lengths that are and are not multiples of the tiles (128 query
+rows forward, 64 keys, 128 for head dims <= 32; backward 64 keys x 32 rows,
+64 rows for deterministic dQ), on fresh random inputs with outputs poisoned
+(NaN) before each run.  Also: packed == padded on the real tokens,
+deterministic backward reproducible, current-stream use and CUDA graphs, and
+head dim 24 (run as a 32-wide tile) neither reading nor writing past its 24
+columns."""
+import itertools
 import random
 
 import pytest
@@ -21,19 +26,18 @@ MASKS = ["no_mask", "padding", "causal", "padding_causal", "causal_bottom_right"
          "padding_causal_bottom_right"]
 # (sq, sk): tile multiples, ragged, sq > sk, sq < sk, tiny
 LENGTHS = [(128, 128), (77, 150), (200, 65), (256, 256), (1, 9)]
+GQA = [(4, 4), (4, 2), (6, 1)]
 FWD_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 BWD_TOL = {torch.bfloat16: 3e-2, torch.float16: 6e-3}
+DIMS = [16, 24, 32, 64, 128]
+SMALL_DIMS = [16, 24, 32]  # ESM-2 8M, 35M, 150M
 
-
-@pytest.fixture(params=[1, 0], ids=["kernels_v1", "kernels_v0"])
-def fwd_variant(request):
-    """Both versions of the forward tile shape and of the dK/dV kernel
-    (variant 1, the default, restored after)."""
-    seqfuse._C.attn_set_fwd_variant(request.param)
-    seqfuse._C.attn_set_bwd_variant(request.param)
-    yield request.param
-    seqfuse._C.attn_set_fwd_variant(1)
-    seqfuse._C.attn_set_bwd_variant(1)
+# Head dims 64 and 128: every layout, mask, GQA ratio and length.  The small
+# dims: every layout and mask at one GQA ratio and two lengths (a tile
+# multiple and a ragged sq < sk), the rest of the grid is shared code.
+REFERENCE_CASES = (
+    list(itertools.product(["bshd", "sbhd", "thd"], MASKS, [64, 128], GQA, LENGTHS)) +
+    list(itertools.product(["bshd", "sbhd", "thd"], MASKS, SMALL_DIMS, [(4, 2)], [(128, 128), (77, 150)])))
 
 
 def poisoned(shape, dtype):
@@ -92,14 +96,12 @@ def check(out, grads, ref, ref_grads, dtype, what):
         assert e <= BWD_TOL[dtype], f"{what}: {name} rel error {e:.2e}"
 
 
-@pytest.mark.parametrize("fmt", ["bshd", "sbhd", "thd"])
-@pytest.mark.parametrize("mask", MASKS)
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("h,hk", [(4, 4), (4, 2), (6, 1)])
-@pytest.mark.parametrize("sq,sk", LENGTHS)
-def test_cuda_matches_reference(fmt, mask, d, h, hk, sq, sk, seed, fwd_variant):
-    if fmt == "thd" and mask not in PADDING:
-        pytest.skip("thd always delimits sequences: covered by the padding masks")
+@pytest.mark.parametrize(
+    "fmt,mask,d,h,hk,sq,sk",
+    [(f, m, d, h, hk, sq, sk) for f, m, d, (h, hk), (sq, sk) in REFERENCE_CASES
+     if f != "thd" or m in PADDING],  # thd always delimits sequences: the padding masks cover it
+    ids=lambda x: str(x))
+def test_cuda_matches_reference(fmt, mask, d, h, hk, sq, sk, seed):
     rng = random.Random(seed)
     dtype = torch.bfloat16
     q, k, v, dout, lq, lk = make_case(fmt, mask, 3, sq, sk, h, hk, d, dtype, rng)
@@ -110,10 +112,10 @@ def test_cuda_matches_reference(fmt, mask, d, h, hk, sq, sk, seed, fwd_variant):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", DIMS)
 @pytest.mark.parametrize("mask", ["no_mask", "causal", "padding_causal_bottom_right"])
 @pytest.mark.parametrize("sq,sk", [(64, 64), (191, 333), (500, 129)])
-def test_cuda_dtypes_and_longer(dtype, d, mask, sq, sk, seed, fwd_variant):
+def test_cuda_dtypes_and_longer(dtype, d, mask, sq, sk, seed):
     rng = random.Random(seed)
     q, k, v, dout, lq, lk = make_case("bshd", mask, 2, sq, sk, 4, 2, d, dtype, rng)
     out, lse, grads = run_ours(q, k, v, dout, "bshd", mask, lq, lk)
@@ -124,8 +126,8 @@ def test_cuda_dtypes_and_longer(dtype, d, mask, sq, sk, seed, fwd_variant):
 @pytest.mark.parametrize("window", [(0, 0), (16, 0), (100, 0), (33, 17), (-1, 5), (64, -1)])
 @pytest.mark.parametrize("mask", ["no_mask", "causal", "padding_causal_bottom_right"])
 @pytest.mark.parametrize("fmt", ["bshd", "thd"])
-@pytest.mark.parametrize("d", [64, 128])
-def test_cuda_sliding_window(window, mask, fmt, d, seed, fwd_variant):
+@pytest.mark.parametrize("d", DIMS)
+def test_cuda_sliding_window(window, mask, fmt, d, seed):
     rng = random.Random(seed)
     if fmt == "thd" and mask not in PADDING:
         mask = "padding" if mask == "no_mask" else "padding_causal"
@@ -135,7 +137,7 @@ def test_cuda_sliding_window(window, mask, fmt, d, seed, fwd_variant):
     check(out, grads, ref, ref_grads, torch.bfloat16, f"{fmt} {mask} window={window} d={d}")
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", DIMS)
 @pytest.mark.parametrize("mask", ["padding", "padding_causal_bottom_right"])
 def test_cuda_matches_c_reference_and_lse(d, mask, seed):
     """Against the C CPU backend on the same inputs, lse included."""
@@ -153,7 +155,7 @@ def test_cuda_matches_c_reference_and_lse(d, mask, seed):
         assert rel_error(g, gc) <= BWD_TOL[torch.bfloat16]
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [24, 32, 64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("h,hk", [(8, 8), (8, 2)])
 def test_cuda_vs_torch_sdpa(d, causal, h, hk, seed):
@@ -175,8 +177,8 @@ def test_cuda_vs_torch_sdpa(d, causal, h, hk, seed):
 
 
 @pytest.mark.parametrize("mask", ["padding", "padding_causal", "padding_causal_bottom_right"])
-@pytest.mark.parametrize("d", [64, 128])
-def test_cuda_thd_equals_bshd(mask, d, seed, fwd_variant):
+@pytest.mark.parametrize("d", DIMS)
+def test_cuda_thd_equals_bshd(mask, d, seed):
     """Packed and padded batches of the same sequences give the same outputs
     and (deterministic) gradients on the real tokens, bit for bit."""
     rng = random.Random(seed)
@@ -253,8 +255,10 @@ def test_cuda_bad_inputs():
     q = torch.randn(1, 8, 2, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match="takes float16 or bfloat16 inputs, got float32"):
         seqfuse.ops.attention(q.float(), q.float(), q.float())
-    with pytest.raises(NotImplementedError, match="supports head dims 64 and 128, got 32"):
-        seqfuse.ops.attention(q[..., :32].contiguous(), q[..., :32].contiguous(), q[..., :32].contiguous())
+    for bad in (40, 96, 8):
+        x = q[..., :bad].contiguous() if bad < 64 else torch.randn(1, 8, 2, bad, device="cuda", dtype=torch.bfloat16)
+        with pytest.raises(NotImplementedError, match=f"supports head dims 16, 24, 32, 64 and 128, got {bad}"):
+            seqfuse.ops.attention(x, x, x)
     big = torch.randn(1, 8, 2, 65, device="cuda", dtype=torch.bfloat16)[..., :64]
     cfg = (0, 0, -1, -1, 0.125, 8, 8, 0)
     lse = torch.empty(1, 2, 8, device="cuda")
@@ -272,10 +276,12 @@ def test_cuda_bad_inputs():
 
 
 @pytest.mark.parametrize("fmt", ["bshd", "sbhd", "thd"])
-def test_cuda_strided_qkv_views(fmt, seed):
+@pytest.mark.parametrize("d", [24, 64])
+def test_cuda_strided_qkv_views(fmt, d, seed):
     """q, k, v as views into one fused QKV projection output (no copy): the
-    same numbers as contiguous inputs, bit for bit."""
-    h, d = 4, 64
+    same numbers as contiguous inputs, bit for bit (head dim 24: ESM-2 35M's
+    fused QKV, rows of 48 bytes)."""
+    h = 4
     shape = {"bshd": (2, 150, 3, h, d), "sbhd": (150, 2, 3, h, d), "thd": (300, 3, h, d)}[fmt]
     qkv = torch.randn(shape, device="cuda").to(torch.bfloat16)
     q, k, v = qkv.unbind(-3)
@@ -291,3 +297,46 @@ def test_cuda_strided_qkv_views(fmt, seed):
     g_c = seqfuse.ops.attention_bwd(dout, q.contiguous(), k.contiguous(), v.contiguous(), out_c, lse_c,
                                     deterministic=True, **kw)
     assert all(torch.equal(a, b) for a, b in zip(g, g_c))
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "thd"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_cuda_head_dim_24_stays_in_its_columns(fmt, deterministic, seed):
+    """Head dim 24 runs as a 32-wide tile: q, k, v, dout given as views
+    [..., :24] of 32-wide buffers whose last 8 columns are NaN (a load past
+    column 24 would spread NaN everywhere), out, dq, dk, dv as views of
+    32-wide buffers whose last 8 columns hold a sentinel (a store past column
+    24 would change it).  The numbers equal those of contiguous inputs, bit
+    for bit, and the scale is the user's (default 1/sqrt(24))."""
+    rng = random.Random(seed)
+    mask = "padding_causal" if fmt == "thd" else "causal"
+    q0, k0, v0, dout0, lq, lk = make_case(fmt, mask, 3, 150, 150, 4, 2, 24, torch.bfloat16, rng)
+
+    def wide(x, fill):
+        buf = torch.full(x.shape[:-1] + (32,), fill, dtype=x.dtype, device="cuda")
+        buf[..., :24] = x
+        return buf
+
+    q, k, v, dout = (wide(x, float("nan"))[..., :24] for x in (q0, k0, v0, dout0))
+    outs = {n: wide(torch.zeros_like(x), 7.0) for n, x in (("out", q0), ("dq", q0), ("dk", k0), ("dv", v0))}
+    kw = dict(qkv_format=fmt, attn_mask_type=mask)
+    if fmt == "thd":
+        kw.update(cu_seqlens_q=cu_seqlens(lq, "cuda"), cu_seqlens_kv=cu_seqlens(lk, "cuda"),
+                  max_seqlen_q=max(lq), max_seqlen_kv=max(lk))
+    out, lse = seqfuse.ops.attention_fwd(q, k, v, out=outs["out"][..., :24], **kw)
+    grads = seqfuse.ops.attention_bwd(dout, q, k, v, out, lse, deterministic=deterministic,
+                                      dq=outs["dq"][..., :24], dk=outs["dk"][..., :24],
+                                      dv=outs["dv"][..., :24], **kw)
+    assert out.data_ptr() == outs["out"].data_ptr()  # written in place, not copied
+    for name, buf in outs.items():
+        assert torch.all(buf[..., 24:] == 7.0), f"{name}: columns 24..31 were written"
+    out_c, lse_c = seqfuse.ops.attention_fwd(q0, k0, v0, **kw)
+    g_c = seqfuse.ops.attention_bwd(dout0, q0, k0, v0, out_c, lse_c, deterministic=True, **kw)
+    assert torch.equal(out, out_c) and torch.equal(lse, lse_c)
+    if deterministic:
+        assert all(torch.equal(a, b) for a, b in zip(grads, g_c))
+    ref, ref_grads = run_reference(q0, k0, v0, dout0, fmt, mask, lq, lk)
+    check(out, grads, ref, ref_grads, torch.bfloat16, f"{fmt} d=24 views")
+    # a scale of 1/sqrt(32) (the tile's width) would be a different function
+    out_32, _ = seqfuse.ops.attention_fwd(q0, k0, v0, softmax_scale=32 ** -0.5, **kw)
+    assert rel_error(out_32, ref) > 2 * FWD_TOL[torch.bfloat16]

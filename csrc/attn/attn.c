@@ -233,10 +233,12 @@ static sf_status resolve(const char *op, const sf_tensor *q, const sf_tensor *k,
                            "%s: the CUDA kernel takes float16 or bfloat16 inputs, got float32 "
                            "(cast q, k, v first; the CPU reference takes float32)",
                            op);
-        if (dq != 64 && dq != 128)
+        /* 24 (ESM-2 35M) runs in the 32-wide kernels with zero columns */
+        if (dq != 16 && dq != 24 && dq != 32 && dq != 64 && dq != 128)
             return sf_fail(SF_ERR_NOT_IMPLEMENTED,
-                           "%s: the CUDA kernel supports head dims 64 and 128, got %lld", op,
-                           (long long)dq);
+                           "%s: the CUDA kernel supports head dims 16, 24, 32, 64 and 128, "
+                           "got %lld",
+                           op, (long long)dq);
         SF_TRY(check_cuda_alignment(op, "q", q));
         SF_TRY(check_cuda_alignment(op, "k", k));
         SF_TRY(check_cuda_alignment(op, "v", v));
@@ -364,19 +366,3 @@ sf_status sf_attn_bwd(const sf_tensor *q, const sf_tensor *k, const sf_tensor *v
                    "%s: argument 'q' is a CUDA tensor but seqfuse was built without CUDA", op);
 #endif
 }
-
-#ifndef SF_WITH_CUDA
-sf_status sf_attn_set_fwd_variant(int variant)
-{
-    (void)variant;
-    return sf_fail(SF_ERR_NOT_IMPLEMENTED,
-                   "attention_fwd: kernel variants exist only in a CUDA build");
-}
-
-sf_status sf_attn_set_bwd_variant(int variant)
-{
-    (void)variant;
-    return sf_fail(SF_ERR_NOT_IMPLEMENTED,
-                   "attention_bwd: kernel variants exist only in a CUDA build");
-}
-#endif

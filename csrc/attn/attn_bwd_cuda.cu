@@ -5,7 +5,9 @@
  *  1. delta_kernel:  delta_r = dout_r . out_r (float32, one warp per row).
  *  2. dkdv_kernel:   one block of 4 warps per 64-key tile of one key/value
  *     head; each warp owns 16 keys and keeps their dK and dV in registers
- *     while the block walks the query tiles (64 rows) that may see the tile,
+ *     while the block walks the query tiles (32 rows per step, the next
+ *     step's Q, dO, lse and delta fetched while the current one is computed)
+ *     that may see the tile,
  *     for every query head of the GQA group (so dK, dV of a shared head are
  *     summed in registers, in a fixed order).  Per query tile it recomputes
  *     S^T = K Q^T and P^T = exp2(S^T * scale*log2e - lse*log2e) from the
@@ -20,25 +22,27 @@
  *     per 64-query tile walks its key tiles and accumulates dQ in registers
  *     (S and dP recomputed once more: about 40 % more backward math).
  *  4. THD: the rows past the last sequence are zeroed.
+ *
+ * Head dims: kernels for tile widths 16, 32, 64 and 128; head dim 24 runs in
+ * the 32-wide kernels with its last 8 columns zero-filled on load (they add
+ * nothing to S, dP, dV, dK or dQ) and not stored.
  */
 #include "../core/cuda_util.h"
 #include "attn_cuda.cuh"
 
 namespace sf_attn {
 
+/* kBwdBN keys per dK/dV block, kBwdStepM query rows per step of it;
+ * kBwdBM query rows per deterministic dQ block. */
 constexpr int kBwdWarps = 4, kBwdThreads = 32 * kBwdWarps, kBwdBN = 16 * kBwdWarps, kBwdBM = 64;
-
-template <int D> constexpr int dkdv_smem_bytes()
-{
-    return (2 * kBwdBN + 2 * kBwdBM) * (D + 8) * 2 + kBwdBN * (kBwdBM + 8) * 2 + 2 * kBwdBM * 4;
-}
+constexpr int kBwdStepM = 32;
 
 template <int D> constexpr int dq_smem_bytes()
 {
     return (2 * kBwdBN + 2 * kBwdBM) * (D + 8) * 2;
 }
 
-template <typename T, int D>
+template <typename T>
 __global__ void delta_kernel(const sf_attn_problem p)
 {
     const int h = blockIdx.y, b = blockIdx.z;
@@ -53,7 +57,7 @@ __global__ void delta_kernel(const sf_attn_problem p)
     if (r < sq) {
         const T *o = view_ptr<const T>(p.o, b, qs + r, h);
         const T *d = view_ptr<const T>(p.dout, b, qs + r, h);
-        for (int c = 2 * lane; c < D; c += 64) {
+        for (int c = 2 * lane; c < p.head_dim; c += 64) {
             float2 a = Mma<T>::unpack(*reinterpret_cast<const uint32_t *>(o + c));
             float2 e = Mma<T>::unpack(*reinterpret_cast<const uint32_t *>(d + c));
             acc += a.x * e.x + a.y * e.y;
@@ -65,223 +69,23 @@ __global__ void delta_kernel(const sf_attn_problem p)
         p.delta[lse_at(p, b, h, qs + r)] = acc;
 }
 
+/* dK and dV of 64 keys: 32 query rows per step, the next step's Q, dO, lse
+ * and delta fetched (cp.async, double buffered) while the current one is
+ * computed, so the loads do not stall the block; the 32-row step keeps S^T
+ * and dP^T in few registers (no spills at head dim 128).  dQ of a step: warp
+ * w adds query rows 16*(w%2).. and head-dim columns (w/2)*DH.. of dS K
+ * (head dims of 32 and more: two column halves; 16: warps 0 and 1 only). */
+template <int D> constexpr int dkdv_smem_bytes()
+{
+    return (2 * kBwdBN + 4 * kBwdStepM) * (D + 8) * 2 + kBwdBN * (kBwdStepM + 8) * 2 + 4 * kBwdStepM * 4;
+}
+
 template <typename T, int D, bool kAtomicDq>
 __global__ void __launch_bounds__(kBwdThreads) dkdv_kernel(const sf_attn_problem p)
 {
-    constexpr int SD = D + 8, BM = kBwdBM, BN = kBwdBN, NT = kBwdThreads, SS = BM + 8;
+    constexpr int SD = D + 8, BM = kBwdStepM, BN = kBwdBN, NT = kBwdThreads, SS = BM + 8;
     constexpr int KD = D / 16, NO = D / 8, NS = BM / 8;
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    T *sK = reinterpret_cast<T *>(smem_raw);
-    T *sV = sK + BN * SD;
-    T *sQ = sV + BN * SD;
-    T *sdO = sQ + BM * SD;
-    T *sdS = sdO + BM * SD;                           /* dS^T [key][query] */
-    float *sLse = reinterpret_cast<float *>(sdS + BN * SS); /* lse * log2(e) */
-    float *sDelta = sLse + BM;
-
-    const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
-    const int G = p.heads / p.heads_kv;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int g = lane / 4, t4 = lane % 4, mi = lane / 8, mr = lane % 8;
-
-    int64_t qs, ks;
-    int sq, sk;
-    sf_attn_seq_q(&p, b, &qs, &sq);
-    sf_attn_seq_k(&p, b, &ks, &sk);
-    const int n0 = n_block * BN;
-    const int rows_total = p.thd ? sk : p.max_sk;
-    if (n0 >= rows_total)
-        return;
-    const int off = sf_attn_diag(&p, sq, sk);
-    const int left = p.window_left, right = p.window_right;
-    const float sl2 = p.scale * kLog2e;
-
-    int m_lo = 0, m_hi = 0;
-    if (n0 < sk)
-        sf_attn_query_range(n0, min(n0 + BN, sk) - 1, off, left, right, sq, &m_lo, &m_hi);
-    const int mb_lo = m_lo / BM, mb_hi = (m_hi + BM - 1) / BM;
-
-    float dk[NO][4], dv[NO][4];
-#pragma unroll
-    for (int i = 0; i < NO; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-            dk[i][e] = dv[i][e] = 0.f;
-
-    if (mb_lo < mb_hi) {
-        load_tile<T, BN, D, NT>(sK, view_ptr<const T>(p.k, b, ks + n0, hk), p.k.ss, min(BN, sk - n0));
-        load_tile<T, BN, D, NT>(sV, view_ptr<const T>(p.v, b, ks + n0, hk), p.v.ss, min(BN, sk - n0));
-        cp_async_commit();
-        const int c_lo = n0 + warp * 16 + g; /* this thread's keys: c_lo, c_lo + 8 */
-
-        for (int gi = 0; gi < G; ++gi) {
-            const int h = hk * G + gi;
-            for (int mb = mb_lo; mb < mb_hi; ++mb) {
-                const int m0 = mb * BM;
-                const int valid_q = min(BM, sq - m0);
-                load_tile<T, BM, D, NT>(sQ, view_ptr<const T>(p.q, b, qs + m0, h), p.q.ss, valid_q);
-                load_tile<T, BM, D, NT>(sdO, view_ptr<const T>(p.dout, b, qs + m0, h), p.dout.ss, valid_q);
-                cp_async_commit();
-                for (int i = threadIdx.x; i < BM; i += NT) {
-                    const bool ok = i < valid_q;
-                    sLse[i] = ok ? p.lse[lse_at(p, b, h, qs + m0 + i)] * kLog2e : INFINITY;
-                    sDelta[i] = ok ? p.delta[lse_at(p, b, h, qs + m0 + i)] : 0.f;
-                }
-                cp_async_wait<0>();
-                __syncthreads();
-
-                /* S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys */
-                float st[NS][4], dpt[NS][4];
-#pragma unroll
-                for (int i = 0; i < NS; ++i)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        st[i][e] = dpt[i][e] = 0.f;
-#pragma unroll
-                for (int kk = 0; kk < KD; ++kk) {
-                    uint32_t ka[4], va[4];
-                    ldsm_x4(ka, smem_addr(sK + (warp * 16 + lane % 16) * SD + kk * 16 + (lane / 16) * 8));
-                    ldsm_x4(va, smem_addr(sV + (warp * 16 + lane % 16) * SD + kk * 16 + (lane / 16) * 8));
-#pragma unroll
-                    for (int j = 0; j < NS / 2; ++j) {
-                        uint32_t qb[4], ob[4];
-                        const int row = j * 16 + mr + (mi >> 1) * 8, col = kk * 16 + (mi & 1) * 8;
-                        ldsm_x4(qb, smem_addr(sQ + row * SD + col));
-                        ldsm_x4(ob, smem_addr(sdO + row * SD + col));
-                        Mma<T>::run(st[2 * j], ka, qb[0], qb[1]);
-                        Mma<T>::run(st[2 * j + 1], ka, qb[2], qb[3]);
-                        Mma<T>::run(dpt[2 * j], va, ob[0], ob[1]);
-                        Mma<T>::run(dpt[2 * j + 1], va, ob[2], ob[3]);
-                    }
-                }
-
-                /* P^T from the saved lse, dS^T = P^T (dP^T - delta) */
-                const bool need_mask = m0 + BM > sq || n0 + BN > sk ||
-                                       (right >= 0 && n0 + BN - 1 > m0 + off + right) ||
-                                       (left >= 0 && n0 < m0 + BM - 1 + off - left);
-#pragma unroll
-                for (int i = 0; i < NS; ++i)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int ql = i * 8 + 2 * t4 + (e & 1);
-                        const int c = c_lo + (e >> 1) * 8, r = m0 + ql;
-                        const bool ok = !need_mask ||
-                                        (r < sq && c < sk && sf_attn_allowed(r, c, off, left, right));
-                        const float pv = ok ? fast_exp2(fmaf(st[i][e], sl2, -sLse[ql])) : 0.f;
-                        st[i][e] = pv;
-                        dpt[i][e] = pv * (dpt[i][e] - sDelta[ql]);
-                    }
-
-                /* dV += P^T dO, dK += dS^T Q (the query index is the k dim) */
-#pragma unroll
-                for (int kc = 0; kc < BM / 16; ++kc) {
-                    uint32_t ap[4], as[4];
-                    ap[0] = Mma<T>::pack(st[2 * kc][0], st[2 * kc][1]);
-                    ap[1] = Mma<T>::pack(st[2 * kc][2], st[2 * kc][3]);
-                    ap[2] = Mma<T>::pack(st[2 * kc + 1][0], st[2 * kc + 1][1]);
-                    ap[3] = Mma<T>::pack(st[2 * kc + 1][2], st[2 * kc + 1][3]);
-                    as[0] = Mma<T>::pack(dpt[2 * kc][0], dpt[2 * kc][1]);
-                    as[1] = Mma<T>::pack(dpt[2 * kc][2], dpt[2 * kc][3]);
-                    as[2] = Mma<T>::pack(dpt[2 * kc + 1][0], dpt[2 * kc + 1][1]);
-                    as[3] = Mma<T>::pack(dpt[2 * kc + 1][2], dpt[2 * kc + 1][3]);
-#pragma unroll
-                    for (int j = 0; j < D / 16; ++j) {
-                        uint32_t ob[4], qb[4];
-                        const int row = kc * 16 + mr + (mi & 1) * 8, col = j * 16 + (mi >> 1) * 8;
-                        ldsm_x4_t(ob, smem_addr(sdO + row * SD + col));
-                        ldsm_x4_t(qb, smem_addr(sQ + row * SD + col));
-                        Mma<T>::run(dv[2 * j], ap, ob[0], ob[1]);
-                        Mma<T>::run(dv[2 * j + 1], ap, ob[2], ob[3]);
-                        Mma<T>::run(dk[2 * j], as, qb[0], qb[1]);
-                        Mma<T>::run(dk[2 * j + 1], as, qb[2], qb[3]);
-                    }
-                }
-
-                if (kAtomicDq) {
-                    /* dS^T to shared memory, then dQ[query rows of this warp] = dS K */
-#pragma unroll
-                    for (int i = 0; i < NS; ++i)
-#pragma unroll
-                        for (int hr = 0; hr < 2; ++hr)
-                            *reinterpret_cast<uint32_t *>(sdS + (warp * 16 + g + 8 * hr) * SS + i * 8 + 2 * t4) =
-                                Mma<T>::pack(dpt[i][2 * hr], dpt[i][2 * hr + 1]);
-                    __syncthreads();
-#pragma unroll
-                    for (int dc = 0; dc < D / 64; ++dc) {
-                        float acc[8][4];
-#pragma unroll
-                        for (int i = 0; i < 8; ++i)
-                            acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-#pragma unroll
-                        for (int kc = 0; kc < BN / 16; ++kc) {
-                            uint32_t a[4];
-                            ldsm_x4_t(a, smem_addr(sdS + (kc * 16 + mr + (mi >> 1) * 8) * SS + warp * 16 + (mi & 1) * 8));
-#pragma unroll
-                            for (int j = 0; j < 4; ++j) {
-                                uint32_t kb[4];
-                                ldsm_x4_t(kb, smem_addr(sK + (kc * 16 + mr + (mi & 1) * 8) * SD + dc * 64 + j * 16 + (mi >> 1) * 8));
-                                Mma<T>::run(acc[2 * j], a, kb[0], kb[1]);
-                                Mma<T>::run(acc[2 * j + 1], a, kb[2], kb[3]);
-                            }
-                        }
-#pragma unroll
-                        for (int hr = 0; hr < 2; ++hr) {
-                            const int r = m0 + warp * 16 + g + 8 * hr;
-                            if (r >= sq)
-                                continue;
-                            float *dst = reinterpret_cast<float *>(p.dq_accum.ptr) + (int64_t)b * p.dq_accum.sb +
-                                         (qs + r) * p.dq_accum.ss + (int64_t)h * p.dq_accum.sh + dc * 64 + 2 * t4;
-#pragma unroll
-                            for (int i = 0; i < 8; ++i) {
-                                atomicAdd(dst + i * 8, acc[i][2 * hr] * p.scale);
-                                atomicAdd(dst + i * 8 + 1, acc[i][2 * hr + 1] * p.scale);
-                            }
-                        }
-                    }
-                }
-                __syncthreads(); /* before the next tile overwrites sQ, sdO, sdS, sLse */
-            }
-        }
-    }
-
-    /* dK (scaled), dV of this warp's keys; padded keys get zeros */
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-        const int c = n0 + warp * 16 + g + 8 * hr;
-        if (c >= rows_total)
-            continue;
-        const bool real = c < sk;
-        T *dkrow = view_ptr<T>(p.dk, b, ks + c, hk);
-        T *dvrow = view_ptr<T>(p.dv, b, ks + c, hk);
-#pragma unroll
-        for (int i = 0; i < NO; ++i) {
-            *reinterpret_cast<uint32_t *>(dkrow + i * 8 + 2 * t4) =
-                Mma<T>::pack(real ? dk[i][2 * hr] * p.scale : 0.f, real ? dk[i][2 * hr + 1] * p.scale : 0.f);
-            *reinterpret_cast<uint32_t *>(dvrow + i * 8 + 2 * t4) =
-                Mma<T>::pack(real ? dv[i][2 * hr] : 0.f, real ? dv[i][2 * hr + 1] : 0.f);
-        }
-    }
-}
-
-/* Variant 1 of dkdv_kernel (the default): 32 query rows per step instead of
- * 64 and the next step's Q, dO, lse and delta fetched (cp.async, double
- * buffered) while the current one is computed, so the loads no longer stall
- * the block; the smaller step also keeps S^T and dP^T in half the registers
- * (no spills at head dim 128).  dQ of a step: warp w adds query rows
- * 16*(w%2).. and head-dim columns (w/2)*D/2.. of dS K.  Same math and the
- * same order of the dK, dV sums as variant 0. */
-constexpr int kBwdBM1 = 32;
-
-template <int D> constexpr int dkdv1_smem_bytes()
-{
-    return (2 * kBwdBN + 4 * kBwdBM1) * (D + 8) * 2 + kBwdBN * (kBwdBM1 + 8) * 2 + 4 * kBwdBM1 * 4;
-}
-
-template <typename T, int D, bool kAtomicDq>
-__global__ void __launch_bounds__(kBwdThreads) dkdv1_kernel(const sf_attn_problem p)
-{
-    constexpr int SD = D + 8, BM = kBwdBM1, BN = kBwdBN, NT = kBwdThreads, SS = BM + 8;
-    constexpr int KD = D / 16, NO = D / 8, NS = BM / 8, DH = D / 2;
+    constexpr int DSPLIT = D >= 32 ? 2 : 1, DH = D / DSPLIT; /* dQ columns per warp */
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T *sK = reinterpret_cast<T *>(smem_raw);
     T *sV = sK + BN * SD;
@@ -307,6 +111,7 @@ __global__ void __launch_bounds__(kBwdThreads) dkdv1_kernel(const sf_attn_proble
     const int off = sf_attn_diag(&p, sq, sk);
     const int left = p.window_left, right = p.window_right;
     const float sl2 = p.scale * kLog2e;
+    const int dr = real_dim<D>(p);
 
     int m_lo = 0, m_hi = 0;
     if (n0 < sk)
@@ -325,8 +130,9 @@ __global__ void __launch_bounds__(kBwdThreads) dkdv1_kernel(const sf_attn_proble
     auto fetch = [&](int it, int buf) {
         const int h = hk * G + it / nmb, m0 = (mb_lo + it % nmb) * BM;
         const int valid_q = min(BM, sq - m0);
-        load_tile<T, BM, D, NT>(sQ0 + buf * BM * SD, view_ptr<const T>(p.q, b, qs + m0, h), p.q.ss, valid_q);
-        load_tile<T, BM, D, NT>(sdO0 + buf * BM * SD, view_ptr<const T>(p.dout, b, qs + m0, h), p.dout.ss, valid_q);
+        load_tile<T, BM, D, NT>(sQ0 + buf * BM * SD, view_ptr<const T>(p.q, b, qs + m0, h), p.q.ss, valid_q, dr);
+        load_tile<T, BM, D, NT>(sdO0 + buf * BM * SD, view_ptr<const T>(p.dout, b, qs + m0, h), p.dout.ss, valid_q,
+                                dr);
         cp_async_commit();
         for (int i = threadIdx.x; i < BM; i += NT) {
             const bool ok = i < valid_q;
@@ -336,8 +142,8 @@ __global__ void __launch_bounds__(kBwdThreads) dkdv1_kernel(const sf_attn_proble
     };
 
     if (steps > 0) {
-        load_tile<T, BN, D, NT>(sK, view_ptr<const T>(p.k, b, ks + n0, hk), p.k.ss, min(BN, sk - n0));
-        load_tile<T, BN, D, NT>(sV, view_ptr<const T>(p.v, b, ks + n0, hk), p.v.ss, min(BN, sk - n0));
+        load_tile<T, BN, D, NT>(sK, view_ptr<const T>(p.k, b, ks + n0, hk), p.k.ss, min(BN, sk - n0), dr);
+        load_tile<T, BN, D, NT>(sV, view_ptr<const T>(p.v, b, ks + n0, hk), p.v.ss, min(BN, sk - n0), dr);
         cp_async_commit();
         fetch(0, 0);
         const int c_lo = n0 + warp * 16 + g; /* this thread's keys: c_lo, c_lo + 8 */
@@ -428,33 +234,37 @@ __global__ void __launch_bounds__(kBwdThreads) dkdv1_kernel(const sf_attn_proble
                             Mma<T>::pack(dpt[i][2 * hr], dpt[i][2 * hr + 1]);
                 __syncthreads();
                 const int qrow = (warp & 1) * 16, dcol = (warp >> 1) * DH;
-                float acc[DH / 8][4];
+                if (dcol < D) { /* head dim 16: warps 2 and 3 have no columns */
+                    float acc[DH / 8][4];
 #pragma unroll
-                for (int i = 0; i < DH / 8; ++i)
-                    acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+                    for (int i = 0; i < DH / 8; ++i)
+                        acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 #pragma unroll
-                for (int kc = 0; kc < BN / 16; ++kc) {
-                    uint32_t a[4];
-                    ldsm_x4_t(a, smem_addr(sdS + (kc * 16 + mr + (mi >> 1) * 8) * SS + qrow + (mi & 1) * 8));
+                    for (int kc = 0; kc < BN / 16; ++kc) {
+                        uint32_t a[4];
+                        ldsm_x4_t(a, smem_addr(sdS + (kc * 16 + mr + (mi >> 1) * 8) * SS + qrow + (mi & 1) * 8));
 #pragma unroll
-                    for (int j = 0; j < DH / 16; ++j) {
-                        uint32_t kb[4];
-                        ldsm_x4_t(kb, smem_addr(sK + (kc * 16 + mr + (mi & 1) * 8) * SD + dcol + j * 16 + (mi >> 1) * 8));
-                        Mma<T>::run(acc[2 * j], a, kb[0], kb[1]);
-                        Mma<T>::run(acc[2 * j + 1], a, kb[2], kb[3]);
+                        for (int j = 0; j < DH / 16; ++j) {
+                            uint32_t kb[4];
+                            ldsm_x4_t(kb, smem_addr(sK + (kc * 16 + mr + (mi & 1) * 8) * SD + dcol + j * 16 + (mi >> 1) * 8));
+                            Mma<T>::run(acc[2 * j], a, kb[0], kb[1]);
+                            Mma<T>::run(acc[2 * j + 1], a, kb[2], kb[3]);
+                        }
                     }
-                }
 #pragma unroll
-                for (int hr = 0; hr < 2; ++hr) {
-                    const int r = m0 + qrow + g + 8 * hr;
-                    if (r >= sq)
-                        continue;
-                    float *dst = reinterpret_cast<float *>(p.dq_accum.ptr) + (int64_t)b * p.dq_accum.sb +
-                                 (qs + r) * p.dq_accum.ss + (int64_t)h * p.dq_accum.sh + dcol + 2 * t4;
+                    for (int hr = 0; hr < 2; ++hr) {
+                        const int r = m0 + qrow + g + 8 * hr;
+                        if (r >= sq)
+                            continue;
+                        float *dst = reinterpret_cast<float *>(p.dq_accum.ptr) + (int64_t)b * p.dq_accum.sb +
+                                     (qs + r) * p.dq_accum.ss + (int64_t)h * p.dq_accum.sh + dcol + 2 * t4;
 #pragma unroll
-                    for (int i = 0; i < DH / 8; ++i) {
-                        atomicAdd(dst + i * 8, acc[i][2 * hr] * p.scale);
-                        atomicAdd(dst + i * 8 + 1, acc[i][2 * hr + 1] * p.scale);
+                        for (int i = 0; i < DH / 8; ++i) {
+                            if (dcol + i * 8 >= dr) /* head dim 24: no zero columns */
+                                break;
+                            atomicAdd(dst + i * 8, acc[i][2 * hr] * p.scale);
+                            atomicAdd(dst + i * 8 + 1, acc[i][2 * hr + 1] * p.scale);
+                        }
                     }
                 }
             }
@@ -472,6 +282,8 @@ __global__ void __launch_bounds__(kBwdThreads) dkdv1_kernel(const sf_attn_proble
         T *dvrow = view_ptr<T>(p.dv, b, ks + c, hk);
 #pragma unroll
         for (int i = 0; i < NO; ++i) {
+            if (i * 8 >= dr) /* head dim 24: the zero columns stay unwritten */
+                break;
             *reinterpret_cast<uint32_t *>(dkrow + i * 8 + 2 * t4) =
                 Mma<T>::pack(real ? dk[i][2 * hr] * p.scale : 0.f, real ? dk[i][2 * hr + 1] * p.scale : 0.f);
             *reinterpret_cast<uint32_t *>(dvrow + i * 8 + 2 * t4) =
@@ -508,6 +320,7 @@ __global__ void __launch_bounds__(kBwdThreads) dq_kernel(const sf_attn_problem p
     const int off = sf_attn_diag(&p, sq, sk);
     const int left = p.window_left, right = p.window_right;
     const float sl2 = p.scale * kLog2e;
+    const int dr = real_dim<D>(p);
     int n_lo = 0, n_hi = 0;
     if (m0 < sq)
         sf_attn_key_range(m0, min(m0 + BM, sq) - 1, off, left, right, sk, &n_lo, &n_hi);
@@ -522,8 +335,8 @@ __global__ void __launch_bounds__(kBwdThreads) dq_kernel(const sf_attn_problem p
     if (nb_lo < nb_hi) {
         const T *kbase = view_ptr<const T>(p.k, b, ks, hk);
         const T *vbase = view_ptr<const T>(p.v, b, ks, hk);
-        load_tile<T, BM, D, NT>(sQ, view_ptr<const T>(p.q, b, qs + m0, h), p.q.ss, min(BM, sq - m0));
-        load_tile<T, BM, D, NT>(sdO, view_ptr<const T>(p.dout, b, qs + m0, h), p.dout.ss, min(BM, sq - m0));
+        load_tile<T, BM, D, NT>(sQ, view_ptr<const T>(p.q, b, qs + m0, h), p.q.ss, min(BM, sq - m0), dr);
+        load_tile<T, BM, D, NT>(sdO, view_ptr<const T>(p.dout, b, qs + m0, h), p.dout.ss, min(BM, sq - m0), dr);
         cp_async_commit();
         float lse2[2], dlt[2];
 #pragma unroll
@@ -535,8 +348,8 @@ __global__ void __launch_bounds__(kBwdThreads) dq_kernel(const sf_attn_problem p
         uint32_t qf[KD][4], of[KD][4];
         for (int nb = nb_lo; nb < nb_hi; ++nb) {
             const int n0 = nb * BN;
-            load_tile<T, BN, D, NT>(sK, kbase + (int64_t)n0 * p.k.ss, p.k.ss, min(BN, sk - n0));
-            load_tile<T, BN, D, NT>(sV, vbase + (int64_t)n0 * p.v.ss, p.v.ss, min(BN, sk - n0));
+            load_tile<T, BN, D, NT>(sK, kbase + (int64_t)n0 * p.k.ss, p.k.ss, min(BN, sk - n0), dr);
+            load_tile<T, BN, D, NT>(sV, vbase + (int64_t)n0 * p.v.ss, p.v.ss, min(BN, sk - n0), dr);
             cp_async_commit();
             cp_async_wait<0>();
             __syncthreads();
@@ -605,14 +418,15 @@ __global__ void __launch_bounds__(kBwdThreads) dq_kernel(const sf_attn_problem p
         T *row = view_ptr<T>(p.dq, b, qs + r, h);
 #pragma unroll
         for (int i = 0; i < NO; ++i)
-            *reinterpret_cast<uint32_t *>(row + i * 8 + 2 * t4) =
-                Mma<T>::pack(real ? dq[i][2 * hr] * p.scale : 0.f, real ? dq[i][2 * hr + 1] * p.scale : 0.f);
+            if (i * 8 < dr) /* head dim 24: the zero columns stay unwritten */
+                *reinterpret_cast<uint32_t *>(row + i * 8 + 2 * t4) =
+                    Mma<T>::pack(real ? dq[i][2 * hr] * p.scale : 0.f, real ? dq[i][2 * hr + 1] * p.scale : 0.f);
     }
 }
 
 /* dq = dq_accum rounded to T, every row of the view (the workspace was
  * zeroed, so rows no query reached come out 0). */
-template <typename T, int D>
+template <typename T>
 __global__ void dq_convert_kernel(const sf_attn_problem p, int64_t rows_per_batch, int64_t total_rows)
 {
     for (int64_t i = (int64_t)blockIdx.x * blockDim.y + threadIdx.y; i < total_rows;
@@ -623,31 +437,20 @@ __global__ void dq_convert_kernel(const sf_attn_problem p, int64_t rows_per_batc
         const float *src = reinterpret_cast<const float *>(p.dq_accum.ptr) + (int64_t)b * p.dq_accum.sb +
                            t * p.dq_accum.ss + (int64_t)h * p.dq_accum.sh;
         T *dst = view_ptr<T>(p.dq, b, t, h);
-        for (int c = 2 * threadIdx.x; c < D; c += 64) {
+        for (int c = 2 * threadIdx.x; c < p.head_dim; c += 64) {
             float2 v = *reinterpret_cast<const float2 *>(src + c);
             *reinterpret_cast<uint32_t *>(dst + c) = Mma<T>::pack(v.x, v.y);
         }
     }
 }
 
-/* The dK/dV kernel: 1 (dkdv1_kernel, default) or 0 (dkdv_kernel, the first
- * version); see sf_attn_set_bwd_variant. */
-static int g_bwd_variant = -1;
-
 template <typename T, int D, bool kAtomicDq>
 static sf_status launch_dkdv(const sf_attn_problem &p, int n_blocks_k, cudaStream_t stream)
 {
     static const char op[] = "attention_bwd";
-    const dim3 grid(n_blocks_k, p.heads_kv, p.batch);
-    if (g_bwd_variant == 0) {
-        constexpr int smem = dkdv_smem_bytes<D>();
-        SF_CUDA_TRY(op, allow_smem((const void *)dkdv_kernel<T, D, kAtomicDq>, smem));
-        dkdv_kernel<T, D, kAtomicDq><<<grid, kBwdThreads, smem, stream>>>(p);
-    } else {
-        constexpr int smem = dkdv1_smem_bytes<D>();
-        SF_CUDA_TRY(op, allow_smem((const void *)dkdv1_kernel<T, D, kAtomicDq>, smem));
-        dkdv1_kernel<T, D, kAtomicDq><<<grid, kBwdThreads, smem, stream>>>(p);
-    }
+    constexpr int smem = dkdv_smem_bytes<D>();
+    SF_CUDA_TRY(op, allow_smem((const void *)dkdv_kernel<T, D, kAtomicDq>, smem));
+    dkdv_kernel<T, D, kAtomicDq><<<dim3(n_blocks_k, p.heads_kv, p.batch), kBwdThreads, smem, stream>>>(p);
     SF_CUDA_CHECK_LAUNCH(op);
     return SF_OK;
 }
@@ -656,12 +459,10 @@ template <typename T, int D>
 static sf_status launch_bwd(const sf_attn_problem &p, cudaStream_t stream)
 {
     static const char op[] = "attention_bwd";
-    if (g_bwd_variant < 0)
-        g_bwd_variant = env_variant("SEQFUSE_ATTN_BWD_VARIANT", 1);
     const int rows_q = p.max_sq, batch = p.batch;
     {
         dim3 grid((rows_q + 7) / 8, p.heads, batch);
-        delta_kernel<T, D><<<grid, dim3(32, 8), 0, stream>>>(p);
+        delta_kernel<T><<<grid, dim3(32, 8), 0, stream>>>(p);
         SF_CUDA_CHECK_LAUNCH(op);
     }
     const int n_blocks_k = (p.max_sk + kBwdBN - 1) / kBwdBN;
@@ -675,27 +476,26 @@ static sf_status launch_bwd(const sf_attn_problem &p, cudaStream_t stream)
     } else {
         const int64_t rows_per_batch = p.thd ? p.extent_q : p.max_sq;
         const int64_t total_rows = (p.thd ? 1 : batch) * rows_per_batch * p.heads;
-        SF_CUDA_TRY(op, cudaMemsetAsync(p.dq_accum.ptr, 0, (size_t)total_rows * D * sizeof(float), stream));
+        SF_CUDA_TRY(op, cudaMemsetAsync(p.dq_accum.ptr, 0, (size_t)total_rows * p.head_dim * sizeof(float), stream));
         if (n_blocks_k > 0)
             SF_TRY((launch_dkdv<T, D, true>(p, n_blocks_k, stream)));
         if (total_rows > 0) {
             const int grid = (int)((total_rows + 7) / 8 < 65536 ? (total_rows + 7) / 8 : 65536);
-            dq_convert_kernel<T, D><<<grid, dim3(32, 8), 0, stream>>>(p, rows_per_batch, total_rows);
+            dq_convert_kernel<T><<<grid, dim3(32, 8), 0, stream>>>(p, rows_per_batch, total_rows);
             SF_CUDA_CHECK_LAUNCH(op);
         }
     }
     return SF_OK;
 }
 
-} // namespace sf_attn
-
-extern "C" sf_status sf_attn_set_bwd_variant(int variant)
+template <typename T>
+static sf_status launch_bwd_dims(const sf_attn_problem &p, cudaStream_t stream)
 {
-    if (variant != 0 && variant != 1)
-        return sf_fail(SF_ERR_VALUE, "attention_bwd: variant must be 0 or 1, got %d", variant);
-    sf_attn::g_bwd_variant = variant;
-    return SF_OK;
+    return with_tile_width("attention_bwd", p.head_dim,
+                           [&](auto w) { return launch_bwd<T, decltype(w)::value>(p, stream); });
 }
+
+} // namespace sf_attn
 
 extern "C" sf_status sf_attn_bwd_cuda(const sf_attn_problem *p, sf_stream s, int device)
 {
@@ -704,13 +504,9 @@ extern "C" sf_status sf_attn_bwd_cuda(const sf_attn_problem *p, sf_stream s, int
     sf_cuda_device_guard guard;
     SF_TRY(sf_cuda_device_enter("attention_bwd", device, &guard));
     sf_status st = SF_OK;
-    if (p->batch > 0 && (p->max_sq > 0 || p->max_sk > 0)) {
-        const bool bf = p->dtype == SF_BFLOAT16;
-        if (p->head_dim == 64)
-            st = bf ? launch_bwd<__nv_bfloat16, 64>(*p, stream) : launch_bwd<__half, 64>(*p, stream);
-        else
-            st = bf ? launch_bwd<__nv_bfloat16, 128>(*p, stream) : launch_bwd<__half, 128>(*p, stream);
-    }
+    if (p->batch > 0 && (p->max_sq > 0 || p->max_sk > 0))
+        st = p->dtype == SF_BFLOAT16 ? launch_bwd_dims<__nv_bfloat16>(*p, stream)
+                                     : launch_bwd_dims<__half>(*p, stream);
     if (st == SF_OK && p->thd) {
         if (p->deterministic)
             launch_zero_tail(*p, p->dq, p->heads, p->cu_q, p->extent_q, NULL, stream);

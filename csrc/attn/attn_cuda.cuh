@@ -103,19 +103,49 @@ template <int N> __device__ __forceinline__ void cp_async_wait()
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-/* Load rows [0, ROWS) x D of a [token, D] slab (row stride `ld` elements)
- * into a shared tile with row stride D + 8; rows >= valid are zero-filled,
- * so padding never reaches the math (0 * NaN would).  `base` must point to a
+/* Load rows [0, ROWS) x D of a [token, head dim] slab (row stride `ld`
+ * elements) into a shared tile with row stride D + 8; rows >= valid and
+ * columns >= dcols (a multiple of 8: the 32-wide tile also serves head dim
+ * 24) are zero-filled, so padding never reaches the math (0 * NaN would) and
+ * zero columns add nothing to Q K^T nor to P V.  `base` must point to a
  * valid address even when valid == 0. */
 template <typename T, int ROWS, int D, int NT>
-__device__ __forceinline__ void load_tile(T *tile, const T *base, int64_t ld, int valid)
+__device__ __forceinline__ void load_tile(T *tile, const T *base, int64_t ld, int valid, int dcols)
 {
     constexpr int kChunks = D / 8, SD = D + 8;
+    const int ok_chunks = dcols / 8;
     for (int i = threadIdx.x; i < ROWS * kChunks; i += NT) {
         int r = i / kChunks, c = i % kChunks;
-        bool ok = r < valid;
+        bool ok = r < valid && c < ok_chunks;
         const T *src = ok ? base + (int64_t)r * ld + c * 8 : base;
         cp_async_16(smem_addr(tile + r * SD + c * 8), src, ok ? 16 : 0);
+    }
+}
+
+/* The head dim a D-wide kernel really reads and writes: D itself (a
+ * constant the compiler folds), except that the 32-wide kernels also run head
+ * dim 24, as a 32-wide tile whose last 8 columns are zero. */
+template <int D> __device__ __forceinline__ int real_dim(const sf_attn_problem &p)
+{
+    return D == 32 ? p.head_dim : D;
+}
+
+template <int D> struct TileWidth {
+    static constexpr int value = D;
+};
+
+/* fn(TileWidth<D>{}) for the kernels' tile width D of every head dim attn.c
+ * admits: 16, 24 (in the 32-wide kernels), 32, 64, 128. */
+template <typename Fn>
+inline sf_status with_tile_width(const char *op, int head_dim, Fn &&fn)
+{
+    switch (head_dim) {
+    case 16: return fn(TileWidth<16>{});
+    case 24:
+    case 32: return fn(TileWidth<32>{});
+    case 64: return fn(TileWidth<64>{});
+    case 128: return fn(TileWidth<128>{});
+    default: return sf_fail(SF_ERR_NOT_IMPLEMENTED, "%s: no CUDA kernel for head dim %d", op, head_dim);
     }
 }
 
@@ -168,10 +198,6 @@ namespace sf_attn {
  * Defined in attn_fwd_cuda.cu. */
 void launch_zero_tail(const sf_attn_problem &p, const sf_attn_view &view, int heads,
                       const int32_t *cu, int64_t extent, float *lse, cudaStream_t stream);
-/* A kernel variant named by an environment variable ("0" or "1"), else
- * `fallback`: lets a GPU run switch back to a previous kernel without a
- * rebuild.  Read once per process by the callers. */
-int env_variant(const char *name, int fallback);
 /* Opt a kernel into more than 48 KiB of dynamic shared memory (once per device). */
 cudaError_t allow_smem(const void *kernel, int bytes);
 } // namespace sf_attn

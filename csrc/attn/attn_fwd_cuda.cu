@@ -1,11 +1,12 @@
 /*
  * attn_fwd_cuda.cu - the flash-attention forward on the GPU.
  *
- * One block of 8 warps owns 128 query rows of one (sequence, head); each warp
- * owns 16 rows and keeps their Q fragments, the running max, the running sum
- * and the output accumulator in registers.  The block walks the key/value
- * tiles (64 keys) its rows may see (the mask's range, computed per block, so
- * causal and windowed blocks skip whole tiles): S = Q K^T on tensor cores,
+ * One block of 4 warps owns 128 query rows of one (sequence, head); each warp
+ * owns 32 rows (two m16 row tiles) and keeps their Q fragments (head dims up
+ * to 64), the running max, the running sum and the output accumulator in
+ * registers.  The block walks the key/value tiles (64 keys; 128 for head dims
+ * up to 32, where a key row is cheap) its rows may see (the mask's range,
+ * computed per block, so causal and windowed blocks skip whole tiles): S = Q K^T on tensor cores,
  * masking only on tiles that cross a boundary, online softmax in base 2
  * (exp2f of a pre-scaled score), O += P V with P straight from registers.
  * K of the next tile is fetched with cp.async while the current one is being
@@ -16,40 +17,39 @@
  * attn.h, clamped), so one launch serves padded and packed batches; blocks
  * past a sequence's end exit early (THD) or write the zero padding (BSHD,
  * SBHD).  Causal blocks are issued heaviest first.
+ *
+ * Head dims: kernels for tile widths 16, 32, 64 and 128; head dim 24 runs in
+ * the 32-wide kernel with its last 8 columns zero-filled on load (zero
+ * columns add nothing to Q K^T nor to P V) and not stored.
  */
-#include <stdlib.h>
-
 #include "../core/cuda_util.h"
 #include "attn_cuda.cuh"
 
 namespace sf_attn {
 
-/* Tile shapes: WARPS warps of MT m16 row tiles each (BM = 16*MT*WARPS query
- * rows per block), 64 keys per step.  QREG keeps Q's fragments in registers
- * for the whole block; otherwise they are re-read from shared memory at each
- * step (head dim 128 with two row tiles would not fit the register file).
- * Two row tiles per warp reuse every K/V fragment read from shared memory
- * twice, which is what shared-memory bandwidth asks for. */
-template <int D, int VARIANT> struct FwdCfg;
-template <int D> struct FwdCfg<D, 0> { /* 8 warps x 16 rows */
-    static constexpr int WARPS = 8, MT = 1, BN = 64;
-    static constexpr bool QREG = true;
-};
-template <int D> struct FwdCfg<D, 1> { /* 4 warps x 32 rows */
-    static constexpr int WARPS = 4, MT = 2, BN = 64;
+/* Tile shape: WARPS warps of MT m16 row tiles each (BM = 16*MT*WARPS query
+ * rows per block), BN keys per step.  Two row tiles per warp reuse every K/V
+ * fragment read from shared memory twice, which is what shared-memory
+ * bandwidth asks for.  QREG keeps Q's fragments in registers for the whole
+ * block; otherwise they are re-read from shared memory at each step (head dim
+ * 128 with two row tiles would not fit the register file).  Small head dims
+ * take twice the keys per step: the scores of a step then cost as many
+ * registers as head dim 64's, and the block's loop runs half as often. */
+template <int D> struct FwdCfg {
+    static constexpr int WARPS = 4, MT = 2, BN = D <= 32 ? 128 : 64;
     static constexpr bool QREG = D <= 64;
 };
 
-template <int D, int VARIANT> constexpr int fwd_smem_bytes()
+template <int D> constexpr int fwd_smem_bytes()
 {
-    using C = FwdCfg<D, VARIANT>;
+    using C = FwdCfg<D>;
     return (16 * C::MT * C::WARPS + 2 * C::BN) * (D + 8) * 2;
 }
 
-template <typename T, int D, int VARIANT>
-__global__ void __launch_bounds__(32 * FwdCfg<D, VARIANT>::WARPS, 1) fwd_kernel(const sf_attn_problem p)
+template <typename T, int D>
+__global__ void __launch_bounds__(32 * FwdCfg<D>::WARPS, 1) fwd_kernel(const sf_attn_problem p)
 {
-    using C = FwdCfg<D, VARIANT>;
+    using C = FwdCfg<D>;
     constexpr int WARPS = C::WARPS, MT = C::MT, BN = C::BN, NT = 32 * WARPS;
     constexpr int SD = D + 8, BM = 16 * MT * WARPS;
     constexpr int KD = D / 16;  /* 16-wide chunks of the head dim */
@@ -78,6 +78,7 @@ __global__ void __launch_bounds__(32 * FwdCfg<D, VARIANT>::WARPS, 1) fwd_kernel(
     const int off = sf_attn_diag(&p, sq, sk);
     const int left = p.window_left, right = p.window_right;
     const float sl2 = p.scale * kLog2e;
+    const int dr = real_dim<D>(p);
 
     int n_lo = 0, n_hi = 0;
     if (m0 < sq)
@@ -101,9 +102,9 @@ __global__ void __launch_bounds__(32 * FwdCfg<D, VARIANT>::WARPS, 1) fwd_kernel(
     }
 
     if (nb_lo < nb_hi) {
-        load_tile<T, BM, D, NT>(sQ, qbase, p.q.ss, min(BM, sq - m0));
+        load_tile<T, BM, D, NT>(sQ, qbase, p.q.ss, min(BM, sq - m0), dr);
         load_tile<T, BN, D, NT>(sK, kbase + (int64_t)nb_lo * BN * p.k.ss, p.k.ss,
-                                min(BN, sk - nb_lo * BN));
+                                min(BN, sk - nb_lo * BN), dr);
         cp_async_commit();
         cp_async_wait<0>();
         __syncthreads();
@@ -122,7 +123,7 @@ __global__ void __launch_bounds__(32 * FwdCfg<D, VARIANT>::WARPS, 1) fwd_kernel(
         for (int nb = nb_lo; nb < nb_hi; ++nb) {
             const int n0 = nb * BN;
             /* V of this tile streams in while S is computed */
-            load_tile<T, BN, D, NT>(sV, vbase + (int64_t)n0 * p.v.ss, p.v.ss, min(BN, sk - n0));
+            load_tile<T, BN, D, NT>(sV, vbase + (int64_t)n0 * p.v.ss, p.v.ss, min(BN, sk - n0), dr);
             cp_async_commit();
 
             float s[MT][NS][4];
@@ -158,7 +159,7 @@ __global__ void __launch_bounds__(32 * FwdCfg<D, VARIANT>::WARPS, 1) fwd_kernel(
             __syncthreads(); /* every warp is done with sK */
             if (nb + 1 < nb_hi) {
                 load_tile<T, BN, D, NT>(sK, kbase + (int64_t)(n0 + BN) * p.k.ss, p.k.ss,
-                                        min(BN, sk - n0 - BN));
+                                        min(BN, sk - n0 - BN), dr);
                 cp_async_commit();
             }
 
@@ -256,8 +257,9 @@ __global__ void __launch_bounds__(32 * FwdCfg<D, VARIANT>::WARPS, 1) fwd_kernel(
             T *orow = view_ptr<T>(p.o, b, qs + r, h);
 #pragma unroll
             for (int i = 0; i < NO; ++i)
-                *reinterpret_cast<uint32_t *>(orow + i * 8 + 2 * t4) =
-                    Mma<T>::pack(o[mt][i][2 * hr] * inv, o[mt][i][2 * hr + 1] * inv);
+                if (i * 8 < dr) /* head dim 24: the zero columns stay unwritten */
+                    *reinterpret_cast<uint32_t *>(orow + i * 8 + 2 * t4) =
+                        Mma<T>::pack(o[mt][i][2 * hr] * inv, o[mt][i][2 * hr + 1] * inv);
             if (t4 == 0)
                 p.lse[lse_at(p, b, h, qs + r)] =
                     real ? (row_max[mt][hr] * sl2 + log2f(l)) * kLn2 : INFINITY;
@@ -327,49 +329,27 @@ cudaError_t allow_smem(const void *kernel, int bytes)
     return e;
 }
 
-int env_variant(const char *name, int fallback)
+template <typename T, int D>
+static sf_status launch_fwd_dim(const sf_attn_problem &p, cudaStream_t stream)
 {
-    const char *v = getenv(name);
-    if (v && (v[0] == '0' || v[0] == '1') && v[1] == '\0')
-        return v[0] - '0';
-    return fallback;
-}
-
-/* Which tile shape the forward uses: 1 (4 warps x 32 rows) unless
- * SEQFUSE_ATTN_FWD_VARIANT=0 or sf_attn_set_fwd_variant() picked 0 (8 warps x
- * 16 rows, the first version, kept so the two can be timed against each
- * other and so a GPU run can fall back to it without a rebuild). */
-static int g_fwd_variant = -1;
-
-template <typename T, int D, int VARIANT>
-static sf_status launch_fwd_variant(const sf_attn_problem &p, cudaStream_t stream)
-{
-    constexpr int smem = fwd_smem_bytes<D, VARIANT>();
-    constexpr int BM = 16 * FwdCfg<D, VARIANT>::MT * FwdCfg<D, VARIANT>::WARPS;
-    SF_CUDA_TRY("attention_fwd", allow_smem((const void *)fwd_kernel<T, D, VARIANT>, smem));
+    constexpr int smem = fwd_smem_bytes<D>();
+    constexpr int BM = 16 * FwdCfg<D>::MT * FwdCfg<D>::WARPS;
+    SF_CUDA_TRY("attention_fwd", allow_smem((const void *)fwd_kernel<T, D>, smem));
     dim3 grid((p.max_sq + BM - 1) / BM, p.heads, p.batch);
-    fwd_kernel<T, D, VARIANT><<<grid, 32 * FwdCfg<D, VARIANT>::WARPS, smem, stream>>>(p);
+    fwd_kernel<T, D><<<grid, 32 * FwdCfg<D>::WARPS, smem, stream>>>(p);
     SF_CUDA_CHECK_LAUNCH("attention_fwd");
     return SF_OK;
 }
 
-template <typename T, int D>
+/* The sm_80 (mma.sync) forward, every head dim attn.c admits. */
+template <typename T>
 static sf_status launch_fwd(const sf_attn_problem &p, cudaStream_t stream)
 {
-    if (g_fwd_variant < 0)
-        g_fwd_variant = env_variant("SEQFUSE_ATTN_FWD_VARIANT", 1);
-    return g_fwd_variant == 0 ? launch_fwd_variant<T, D, 0>(p, stream) : launch_fwd_variant<T, D, 1>(p, stream);
+    return with_tile_width("attention_fwd", p.head_dim,
+                           [&](auto w) { return launch_fwd_dim<T, decltype(w)::value>(p, stream); });
 }
 
 } // namespace sf_attn
-
-extern "C" sf_status sf_attn_set_fwd_variant(int variant)
-{
-    if (variant != 0 && variant != 1)
-        return sf_fail(SF_ERR_VALUE, "attention_fwd: variant must be 0 or 1, got %d", variant);
-    sf_attn::g_fwd_variant = variant;
-    return SF_OK;
-}
 
 extern "C" sf_status sf_attn_fwd_cuda(const sf_attn_problem *p, sf_stream s, int device)
 {
@@ -378,13 +358,8 @@ extern "C" sf_status sf_attn_fwd_cuda(const sf_attn_problem *p, sf_stream s, int
     sf_cuda_device_guard guard;
     SF_TRY(sf_cuda_device_enter("attention_fwd", device, &guard));
     sf_status st = SF_OK;
-    if (p->batch > 0 && p->max_sq > 0) {
-        const bool bf = p->dtype == SF_BFLOAT16;
-        if (p->head_dim == 64)
-            st = bf ? launch_fwd<__nv_bfloat16, 64>(*p, stream) : launch_fwd<__half, 64>(*p, stream);
-        else
-            st = bf ? launch_fwd<__nv_bfloat16, 128>(*p, stream) : launch_fwd<__half, 128>(*p, stream);
-    }
+    if (p->batch > 0 && p->max_sq > 0)
+        st = p->dtype == SF_BFLOAT16 ? launch_fwd<__nv_bfloat16>(*p, stream) : launch_fwd<__half>(*p, stream);
     if (st == SF_OK && p->thd) {
         launch_zero_tail(*p, p->o, p->heads, p->cu_q, p->extent_q, p->lse, stream);
         cudaError_t e = cudaGetLastError();

@@ -3,17 +3,14 @@
  * kernels (no Python).
  *
  * Correctness: fresh random bf16/fp16 q, k, v, dout at small shapes covering
- * every layout (bshd, sbhd, thd), mask, window, GQA ratio and head dim, with
- * lengths that are and are not multiples of the tiles (128/64 rows); device
+ * every layout (bshd, sbhd, thd), mask, window, GQA ratio and head dim (64
+ * and 128 on the full grid; 16, 24 and 32, ESM-2's small models, on a few
+ * shapes), with lengths that are and are not multiples of the tiles; device
  * outputs are poisoned (0xFF bytes = NaN) before each run.  The forward's
  * out and lse are compared with the CPU reference (sf_attn_fwd on host
  * tensors); the backward gets the reference's out and lse on both sides and
  * dq, dk, dv are compared, in the default (atomic dQ) and deterministic
  * modes, the latter also checked bitwise reproducible.
- *
- * Every forward check runs both forward tile variants, every backward check
- * both dK/dV kernel variants (sf_attn_set_fwd/bwd_variant); the timing prints
- * the defaults (variant 1) and the first versions (variant 0) side by side.
  *
  * Speed: 16k tokens per batch, seqlens 1024/4096/8192, head dims 64 (32
  * heads) and 128 (16 heads), causal and not: forward and forward+backward
@@ -159,8 +156,6 @@ static void run_case(const Case &c)
     int n = snprintf(what, sizeof what, "%s %s mask=%d b=%d sq=%d sk=%d h=%d hk=%d d=%d win=(%d,%d)",
                      sf_dtype_name(c.dtype), c.fmt == SF_ATTN_BSHD ? "bshd" : c.fmt == SF_ATTN_SBHD ? "sbhd" : "thd",
                      (int)c.mask, c.b, c.sq, c.sk, c.h, c.hk, c.d, c.left, c.right);
-    for (int variant = 0; variant < 2; ++variant) {
-    CHECK_SF(sf_attn_set_fwd_variant(variant));
     out.poison(); lse.poison();
     CHECK_SF(sf_attn_fwd(&gq, &gk, &gv, with_cu ? &gcq : NULL, with_cu ? &gck : NULL, &cfg, &gout, &glse, NULL));
     CHECK_CUDA(cudaDeviceSynchronize());
@@ -175,22 +170,19 @@ static void run_case(const Case &c)
         if (a != a) { lse_bad = true; continue; }
         e_lse = fmax(e_lse, fabs(a - r));
     }
-    snprintf(what + n, sizeof what - n, " fwd(variant %d): out rel %.2e lse max abs %.2e%s%s", variant, e_out,
-             e_lse, nan ? " NaN" : "", lse_bad ? " lse-inf-mismatch" : "");
+    snprintf(what + n, sizeof what - n, " fwd: out rel %.2e lse max abs %.2e%s%s", e_out, e_lse,
+             nan ? " NaN" : "", lse_bad ? " lse-inf-mismatch" : "");
     check_report(!nan && !lse_bad && e_out <= tol && e_lse <= 2e-3, what);
     if (getenv("CHECK_VERBOSE"))
         printf("%s\n", what);
-    }
-    CHECK_SF(sf_attn_set_fwd_variant(1));
 
     /* CUDA backward from the reference out and lse */
     out.host = ref_out; out.upload();
     lse.host = ref_lse; lse.upload();
     std::vector<uint8_t> det_dq;
-    for (int run = 0; run < 6; ++run) {
-        /* dK/dV kernel variant run / 3; run % 3 = 0: atomic dQ, 1 and 2: deterministic (compared bitwise) */
-        const int det = run % 3, variant = run / 3;
-        CHECK_SF(sf_attn_set_bwd_variant(variant));
+    for (int run = 0; run < 3; ++run) {
+        /* run 0: atomic dQ, 1 and 2: deterministic (compared bitwise) */
+        const int det = run;
         cfg.deterministic = det > 0;
         dq.poison(); dk.poison(); dv.poison(); acc.poison(); delta.poison();
         CHECK_SF(sf_attn_bwd(&gq, &gk, &gv, &gout, &gdo, &glse, with_cu ? &gcq : NULL, with_cu ? &gck : NULL, &cfg,
@@ -204,11 +196,9 @@ static void run_case(const Case &c)
         bool repro = true;
         if (det == 1) det_dq = gdq_h;
         if (det == 2) repro = det_dq == gdq_h;
-        snprintf(what + n, sizeof what - n, " bwd(variant %d)%s: dq %.2e dk %.2e dv %.2e%s%s", variant,
-                 det ? "(det)" : "", e_dq, e_dk, e_dv, bnan ? " NaN" : "", repro ? "" : " NOT-REPRODUCIBLE");
+        snprintf(what + n, sizeof what - n, " bwd%s: dq %.2e dk %.2e dv %.2e%s%s", det ? "(det)" : "", e_dq, e_dk, e_dv, bnan ? " NaN" : "", repro ? "" : " NOT-REPRODUCIBLE");
         check_report(!bnan && repro && e_dq <= 2 * tol && e_dk <= 2 * tol && e_dv <= 2 * tol, what);
     }
-    CHECK_SF(sf_attn_set_bwd_variant(1));
     if (getenv("CHECK_VERBOSE"))
         printf("%s\n", what);
 }
@@ -287,26 +277,27 @@ int main(int argc, char **argv)
             run_case(mk(SF_ATTN_BSHD, SF_ATTN_NO_MASK, 1, 160, 230, 2, 1, d, dt, 33, 17));
             run_case(mk(SF_ATTN_THD, SF_ATTN_PADDING, 3, 200, 200, 2, 2, d, dt, 0, 64));
         }
+    /* the small head dims (24 runs as a 32-wide tile with zero columns) */
+    for (int d : {16, 24, 32})
+        for (sf_dtype dt : dts) {
+            for (sf_attn_mask m : {SF_ATTN_NO_MASK, SF_ATTN_PADDING, SF_ATTN_CAUSAL, SF_ATTN_PADDING_CAUSAL_BOTTOM_RIGHT})
+                run_case(mk(SF_ATTN_BSHD, m, 2, 77, 150, 4, 2, d, dt));    /* ragged, sq < sk, GQA */
+            run_case(mk(SF_ATTN_SBHD, SF_ATTN_CAUSAL, 3, 256, 256, 4, 1, d, dt)); /* tile multiples, MQA */
+            run_case(mk(SF_ATTN_THD, SF_ATTN_PADDING, 6, 300, 300, 4, 4, d, dt)); /* packed proteins */
+            run_case(mk(SF_ATTN_THD, SF_ATTN_PADDING_CAUSAL, 4, 190, 190, 4, 2, d, dt, 40, 0));
+        }
     if (argc > 1 && !strcmp(argv[1], "--no-bench"))
         return check_finish("check_attn");
     printf("\nspeed: 16k tokens per batch, bf16, bshd (TFLOP/s)\n");
-    printf("%-6s %-4s %-7s %10s %12s %14s %14s\n", "seqlen", "hd", "causal", "fwd", "fwd+bwd", "fwd(variant0)",
-           "fwd+bwd(v0)");
+    printf("%-6s %-4s %-7s %10s %12s\n", "seqlen", "hd", "causal", "fwd", "fwd+bwd");
     for (int d : {64, 128})
         for (int s : {1024, 4096, 8192})
             for (int causal = 0; causal < 2; ++causal) {
                 int b = 16384 / s, h = d == 64 ? 32 : 16;
                 sf_attn_mask m = causal ? SF_ATTN_CAUSAL : SF_ATTN_NO_MASK;
-                CHECK_SF(sf_attn_set_fwd_variant(0));
-                CHECK_SF(sf_attn_set_bwd_variant(0));
-                double f0 = time_fwd_bwd(SF_ATTN_BSHD, m, b, s, h, d, false);
-                double fb0 = time_fwd_bwd(SF_ATTN_BSHD, m, b, s, h, d, true);
-                CHECK_SF(sf_attn_set_fwd_variant(1));
-                CHECK_SF(sf_attn_set_bwd_variant(1));
                 double f = time_fwd_bwd(SF_ATTN_BSHD, m, b, s, h, d, false);
                 double fb = time_fwd_bwd(SF_ATTN_BSHD, m, b, s, h, d, true);
-                printf("%-6d %-4d %-7s %10.1f %12.1f %14.1f %14.1f TFLOP/s\n", s, d, causal ? "yes" : "no", f, fb,
-                       f0, fb0);
+                printf("%-6d %-4d %-7s %10.1f %12.1f TFLOP/s\n", s, d, causal ? "yes" : "no", f, fb);
             }
     return check_finish("check_attn");
 }

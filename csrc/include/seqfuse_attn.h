@@ -39,7 +39,8 @@
  * key/value head j / (h / hk).
  *
  * Backends: the CPU reference takes float32, float16 and bfloat16; the CUDA
- * kernel float16 and bfloat16 with d = 64 or 128 (NotImplementedError else).
+ * kernel float16 and bfloat16 with d = 16, 24, 32, 64 or 128
+ * (NotImplementedError else).
  * On CUDA, cu_seqlens are trusted (reading them would synchronize the host):
  * lengths are clamped to [0, max_seqlen] and tokens to the tensor's extent, so
  * bad offsets give wrong numbers, never out-of-bounds accesses.
@@ -98,16 +99,6 @@ sf_status sf_attn_bwd(const sf_tensor *q, const sf_tensor *k, const sf_tensor *v
                       const sf_tensor *cu_seqlens_kv, const sf_attn_config *cfg,
                       sf_tensor *dq, sf_tensor *dk, sf_tensor *dv,
                       sf_tensor *dq_accum, sf_tensor *delta, sf_stream stream);
-
-/* Tuning knob for benchmarks: the forward's tile shape on CUDA, 1 (default:
- * 4 warps x 32 query rows per block) or 0 (8 warps x 16 rows).  Process-wide;
- * NotImplementedError without CUDA. */
-sf_status sf_attn_set_fwd_variant(int variant);
-/* The same for the backward's dK/dV kernel: 1 (default: 32 query rows per
- * step, next step prefetched) or 0 (64 rows, no prefetch).  The environment
- * variables SEQFUSE_ATTN_FWD_VARIANT / SEQFUSE_ATTN_BWD_VARIANT (0 or 1) set
- * the starting choice. */
-sf_status sf_attn_set_bwd_variant(int variant);
 
 #ifdef __cplusplus
 }

@@ -110,39 +110,7 @@ done:
     return NULL;
 }
 
-/* attn_set_fwd_variant(variant): the CUDA forward's tile shape (benchmarks). */
-static PyObject *py_attn_set_fwd_variant(PyObject *self, PyObject *arg)
-{
-    (void)self;
-    long v = PyLong_AsLong(arg);
-    if (v == -1 && PyErr_Occurred())
-        return NULL;
-    sf_status st = sf_attn_set_fwd_variant((int)v);
-    if (st != SF_OK)
-        return sf_py_raise(st);
-    Py_RETURN_NONE;
-}
-
-/* attn_set_bwd_variant(variant): the CUDA backward's dK/dV kernel (benchmarks). */
-static PyObject *py_attn_set_bwd_variant(PyObject *self, PyObject *arg)
-{
-    (void)self;
-    long v = PyLong_AsLong(arg);
-    if (v == -1 && PyErr_Occurred())
-        return NULL;
-    sf_status st = sf_attn_set_bwd_variant((int)v);
-    if (st != SF_OK)
-        return sf_py_raise(st);
-    Py_RETURN_NONE;
-}
-
 PyMethodDef sf_py_attn_methods[] = {
-    {"attn_set_bwd_variant", py_attn_set_bwd_variant, METH_O,
-     "attn_set_bwd_variant(v): CUDA backward dK/dV kernel, 1 (32-row steps, prefetched, default) "
-     "or 0 (64-row steps)."},
-    {"attn_set_fwd_variant", py_attn_set_fwd_variant, METH_O,
-     "attn_set_fwd_variant(v): CUDA forward tile shape, 1 (4 warps x 32 rows, default) or 0 "
-     "(8 warps x 16 rows)."},
     {"attn_fwd", SF_PY_FASTCALL(py_attn_fwd),
      "attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, out, lse, cfg, stream=None): "
      "fused attention forward into out and lse (float32)."},

@@ -18,7 +18,7 @@ for the backward.  Masks and layouts are spelled as in Transformer Engine:
   top-left causal masks and sk - sq otherwise (as TE).
 - GQA/MQA: k and v may have fewer heads than q (a divisor of its count).
 
-CUDA: float16/bfloat16, head dims 64 and 128.  CPU: the reference in double
+CUDA: float16/bfloat16, head dims 16, 24, 32, 64 and 128.  CPU: the reference in double
 precision, any head dim, float32 too.  No dropout.
 """
 import math
