@@ -52,6 +52,18 @@ def cuda_time_ms(fn, warmup=5, repeats=20, flush=True):
     return statistics.median(times)
 
 
+def allow_recompiles(limit=128):
+    """Benchmarks compile one peer per shape (dynamic=False, as a fixed-size
+    training step would): keep dynamo from silently falling back to eager
+    after its default 8 recompilations of the same function."""
+    import torch._dynamo
+
+    for key in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                "accumulated_cache_size_limit"):
+        if hasattr(torch._dynamo.config, key):
+            setattr(torch._dynamo.config, key, max(limit, getattr(torch._dynamo.config, key)))
+
+
 def host_time_us(fn, calls=20000, rounds=7):
     """Median over rounds of the mean host time of one fn() call, in µs."""
     for _ in range(calls // 10):

@@ -232,8 +232,14 @@ def test_norm_op_makes_input_contiguous(seed):
 
 # ---- CUDA --------------------------------------------------------------------
 
-CUDA_SHAPES = [(1, 8), (3, 37), (5, 7, 64), (64, 1280), (1000, 4096), (33, 16384), (257, 8192),
-               (4096, 1024)]
+# Every launch shape of norm_cuda.cu's pick_config: a warp per row (8..512),
+# several warps per row with idle slots (320, 480, 640, 1000), exact splits
+# (1280, 2560, 4096, 5120, 8192), the register-heavy long rows (16384), the
+# element-wide path (37, 1001, 16383: rows not a multiple of 16 bytes), and
+# row counts that leave persistent blocks with unequal shares (20000 x 256).
+CUDA_SHAPES = [(1, 8), (3, 37), (5, 7, 64), (300, 320), (129, 480), (2000, 640), (77, 1000),
+               (9, 1001), (64, 1280), (65, 2560), (1000, 4096), (4096, 1024), (40, 5120),
+               (257, 8192), (33, 16384), (5, 16383), (20000, 256)]
 
 
 def run_c_poisoned(rms, x, w, b, dy, eps, zc, out_dtype=None, scale=None):

@@ -15,76 +15,14 @@
 #include "act/act.h"
 #include "seqfuse.h"
 
-static float hload(sf_dtype d, const uint8_t *p, int64_t i)
-{
-    if (d == SF_FLOAT32) { float v; memcpy(&v, p + 4 * i, 4); return v; }
-    uint16_t h; memcpy(&h, p + 2 * i, 2);
-    return d == SF_BFLOAT16 ? sf_bf16_to_f32(h) : sf_f16_to_f32(h);
-}
-
-static void hstore(sf_dtype d, uint8_t *p, int64_t i, float v)
-{
-    if (d == SF_FLOAT32) { memcpy(p + 4 * i, &v, 4); return; }
-    uint16_t h = d == SF_BFLOAT16 ? sf_f32_to_bf16(v) : sf_f32_to_f16(v);
-    memcpy(p + 2 * i, &h, 2);
-}
-
-struct Buf {
-    sf_dtype dtype; std::vector<uint8_t> h; void *d;
-    Buf(sf_dtype t, int64_t n) : dtype(t), h(n * sf_dtype_size(t) + 16), d(NULL)
-    {
-        CHECK_CUDA(cudaMalloc(&d, h.size()));
-        CHECK_CUDA(cudaMemset(d, 0xff, h.size())); /* poison */
-    }
-    ~Buf() { cudaFree(d); }
-    void up() { CHECK_CUDA(cudaMemcpy(d, h.data(), h.size(), cudaMemcpyHostToDevice)); }
-    std::vector<uint8_t> down() const
-    {
-        std::vector<uint8_t> r(h.size());
-        CHECK_CUDA(cudaMemcpy(r.data(), d, h.size(), cudaMemcpyDeviceToHost));
-        return r;
-    }
-    sf_tensor view(int ndim, const int64_t *shape, int cuda)
-    {
-        sf_tensor t;
-        sf_tensor_init(&t, cuda ? d : (void *)h.data(), dtype, ndim, shape, cuda ? SF_CUDA : SF_CPU, 0);
-        return t;
-    }
-};
-
-static double rel_err(sf_dtype d, const std::vector<uint8_t> &got, const std::vector<uint8_t> &ref, int64_t n)
-{
-    double num = 0, den = 0;
-    for (int64_t i = 0; i < n; ++i) {
-        double a = hload(d, got.data(), i), b = hload(d, ref.data(), i);
-        if (isnan(a)) return INFINITY;
-        num += (a - b) * (a - b);
-        den += b * b;
-    }
-    return den > 0 ? sqrt(num / den) : sqrt(num);
-}
-
-static double tol(sf_dtype d) { return d == SF_FLOAT32 ? 2e-5 : d == SF_FLOAT16 ? 4e-3 : 2e-2; }
-
-static int fp8_ok(const std::vector<uint8_t> &g, const std::vector<uint8_t> &r, int64_t n)
-{
-    int64_t off = 0;
-    for (int64_t i = 0; i < n; ++i) {
-        int d = abs((int)g[i] - (int)r[i]);
-        if (d > 1) return 0;
-        off += d != 0;
-    }
-    return off <= n / 50 + 1;
-}
-
 static void run_act(sf_activation act, sf_dtype dt, int64_t rows, int64_t cols, sf_dtype odt)
 {
     const int gated = sf_activation_is_gated(act);
     const int64_t n_in = rows * cols, ocols = gated ? cols / 2 : cols, n_out = rows * ocols;
     int64_t xs[2] = {rows, cols}, ys[2] = {rows, ocols}, one[1] = {1};
-    Buf x(dt, n_in), dy(dt, n_out), y(odt, n_out), dx(odt, n_in), sc(SF_FLOAT32, 1);
-    for (int64_t i = 0; i < n_in; ++i) hstore(dt, x.h.data(), i, 3.0f * rng_normal());
-    for (int64_t i = 0; i < n_out; ++i) hstore(dt, dy.h.data(), i, rng_normal());
+    CheckBuf x(dt, n_in), dy(dt, n_out), y(odt, n_out), dx(odt, n_in), sc(SF_FLOAT32, 1);
+    for (int64_t i = 0; i < n_in; ++i) check_store(dt, x.h.data(), i, 3.0f * rng_normal());
+    for (int64_t i = 0; i < n_out; ++i) check_store(dt, dy.h.data(), i, rng_normal());
     float s = 9.0f;
     memcpy(sc.h.data(), &s, 4);
     x.up(); dy.up(); sc.up();
@@ -100,13 +38,13 @@ static void run_act(sf_activation act, sf_dtype dt, int64_t rows, int64_t cols, 
     snprintf(what, sizeof what, "%s %s -> %s %lldx%lld", sf_activation_name(act), sf_dtype_name(dt),
              sf_dtype_name(odt), (long long)rows, (long long)cols);
     if (fp8) {
-        check_report(fp8_ok(y.down(), y.h, n_out), (std::string(what) + " y codes").c_str());
-        check_report(fp8_ok(dx.down(), dx.h, n_in), (std::string(what) + " dx codes").c_str());
+        check_report(check_fp8_close(y.down(), y.h, n_out), (std::string(what) + " y codes").c_str());
+        check_report(check_fp8_close(dx.down(), dx.h, n_in), (std::string(what) + " dx codes").c_str());
     } else {
-        double ey = rel_err(odt, y.down(), y.h, n_out), ed = rel_err(odt, dx.down(), dx.h, n_in);
+        double ey = check_rel_err(odt, y.down(), y.h, n_out), ed = check_rel_err(odt, dx.down(), dx.h, n_in);
         char m[300];
-        snprintf(m, sizeof m, "%s: y rel err %.2e, dx rel err %.2e (tol %.1e)", what, ey, ed, tol(dt));
-        check_report(ey <= tol(dt) && ed <= tol(dt), m);
+        snprintf(m, sizeof m, "%s: y rel err %.2e, dx rel err %.2e (tol %.1e)", what, ey, ed, check_tol(dt));
+        check_report(ey <= check_tol(dt) && ed <= check_tol(dt), m);
     }
 }
 
@@ -114,18 +52,18 @@ static void run_dropout(sf_dtype dt, int64_t rows, int64_t cols)
 {
     const int64_t n = rows * cols;
     int64_t xs[2] = {rows, cols}, bs[1] = {cols};
-    Buf x(dt, n), r(dt, n), b(dt, cols), out(dt, n), dy(dt, n), dx(dt, n), db(dt, cols);
+    CheckBuf x(dt, n), r(dt, n), b(dt, cols), out(dt, n), dy(dt, n), dx(dt, n), db(dt, cols);
     for (int64_t i = 0; i < n; ++i) {
-        hstore(dt, x.h.data(), i, rng_normal());
-        hstore(dt, r.h.data(), i, rng_normal());
-        hstore(dt, dy.h.data(), i, rng_normal());
+        check_store(dt, x.h.data(), i, rng_normal());
+        check_store(dt, r.h.data(), i, rng_normal());
+        check_store(dt, dy.h.data(), i, rng_normal());
     }
-    for (int64_t i = 0; i < cols; ++i) hstore(dt, b.h.data(), i, rng_normal());
+    for (int64_t i = 0; i < cols; ++i) check_store(dt, b.h.data(), i, rng_normal());
     x.up(); r.up(); b.up(); dy.up();
     sf_tensor D = dy.view(2, xs, 1);
     int64_t wsn = 0;
     CHECK_SF(sf_dropout_bwd_workspace_numel(&D, &wsn));
-    Buf ws(SF_FLOAT32, wsn > 0 ? wsn : 1);
+    CheckBuf ws(SF_FLOAT32, wsn > 0 ? wsn : 1);
     int64_t wshape[1] = {wsn};
     const uint64_t seed = rng_next(), offset = rng_next() >> 40;
     for (int cuda = 1; cuda >= 0; --cuda) {
@@ -138,13 +76,13 @@ static void run_dropout(sf_dtype dt, int64_t rows, int64_t cols)
     std::vector<uint8_t> gdx = dx.down();
     int64_t mismatched = 0;
     for (int64_t i = 0; i < n; ++i)
-        mismatched += (hload(dt, gdx.data(), i) == 0.0f) != (hload(dt, dx.h.data(), i) == 0.0f);
+        mismatched += (check_load(dt, gdx.data(), i) == 0.0f) != (check_load(dt, dx.h.data(), i) == 0.0f);
     char m[300];
-    double eo = rel_err(dt, out.down(), out.h, n), ed = rel_err(dt, gdx, dx.h, n),
-           eb = rel_err(dt, db.down(), db.h, cols);
+    double eo = check_rel_err(dt, out.down(), out.h, n), ed = check_rel_err(dt, gdx, dx.h, n),
+           eb = check_rel_err(dt, db.down(), db.h, cols);
     snprintf(m, sizeof m, "dropout %s %lldx%lld: %lld keep decisions differ; out %.2e dx %.2e dbias %.2e",
              sf_dtype_name(dt), (long long)rows, (long long)cols, (long long)mismatched, eo, ed, eb);
-    check_report(mismatched == 0 && eo <= tol(dt) && ed <= tol(dt) && eb <= 10 * tol(dt), m);
+    check_report(mismatched == 0 && eo <= check_tol(dt) && ed <= check_tol(dt) && eb <= 10 * check_tol(dt), m);
 }
 
 static void philox_kat(void)

@@ -3,6 +3,12 @@
  * (csrc/<family>/check_*.cu): a seeded random generator, device buffers that
  * are poisoned before each run, CUDA-event timing with an L2 flush, and the
  * PASS/FAIL bookkeeping.  Header-only, CUDA C++.
+ *
+ * The last part (CheckBuf and the check_* helpers) serves checks that run
+ * the same sf_* call on both backends: a host array and its poisoned device
+ * twin viewed as sf_tensor on either side, float32 / float16 / bfloat16
+ * elements read and written as float, and the relative-error and FP8-code
+ * comparisons the CUDA results are held to.
  */
 #ifndef SF_CHECK_UTIL_H
 #define SF_CHECK_UTIL_H
@@ -114,6 +120,104 @@ static float time_ms(F fn, int warmup = 3, int repeats = 15)
     cudaEventDestroy(a);
     cudaEventDestroy(b);
     return t[t.size() / 2];
+}
+
+/* ---- host / device tensor pairs (checks of an sf_* call on both backends) ---- */
+
+#include "seqfuse.h"
+#include "float_bits.h"
+
+/* Element i of a float32 / float16 / bfloat16 host array, as float. */
+static inline float check_load(sf_dtype d, const uint8_t *p, int64_t i)
+{
+    if (d == SF_FLOAT32) { float v; memcpy(&v, p + 4 * i, 4); return v; }
+    uint16_t h; memcpy(&h, p + 2 * i, 2);
+    return d == SF_BFLOAT16 ? sf_bf16_to_f32(h) : sf_f16_to_f32(h);
+}
+
+static inline void check_store(sf_dtype d, uint8_t *p, int64_t i, float v)
+{
+    if (d == SF_FLOAT32) { memcpy(p + 4 * i, &v, 4); return; }
+    uint16_t h = d == SF_BFLOAT16 ? sf_f32_to_bf16(v) : sf_f32_to_f16(v);
+    memcpy(p + 2 * i, &h, 2);
+}
+
+/* A host array and its device twin, the device side poisoned (0xff) at birth
+ * so unwritten outputs show; 16 spare bytes for offset views. */
+struct CheckBuf {
+    sf_dtype dtype; int64_t n; std::vector<uint8_t> h; void *d;
+    CheckBuf(sf_dtype t, int64_t count) : dtype(t), n(count), h(count * sf_dtype_size(t) + 16), d(NULL)
+    {
+        CHECK_CUDA(cudaMalloc(&d, h.size()));
+        CHECK_CUDA(cudaMemset(d, 0xff, h.size()));
+    }
+    ~CheckBuf() { cudaFree(d); }
+    CheckBuf(const CheckBuf &) = delete;
+    CheckBuf &operator=(const CheckBuf &) = delete;
+    void up() { CHECK_CUDA(cudaMemcpy(d, h.data(), h.size(), cudaMemcpyHostToDevice)); }
+    std::vector<uint8_t> down() const
+    {
+        std::vector<uint8_t> r(h.size());
+        CHECK_CUDA(cudaMemcpy(r.data(), d, h.size(), cudaMemcpyDeviceToHost));
+        return r;
+    }
+    void set(int64_t i, float v) { check_store(dtype, h.data(), i, v); }
+    sf_tensor view(int ndim, const int64_t *shape, int cuda)
+    {
+        sf_tensor t;
+        sf_tensor_init(&t, cuda ? d : (void *)h.data(), dtype, ndim, shape, cuda ? SF_CUDA : SF_CPU, 0);
+        return t;
+    }
+};
+
+/* ||got - ref|| / ||ref|| over n elements of dtype d (infinite on a NaN). */
+static inline double check_rel_err(sf_dtype d, const std::vector<uint8_t> &got,
+                                   const std::vector<uint8_t> &ref, int64_t n)
+{
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        double a = check_load(d, got.data(), i), b = check_load(d, ref.data(), i);
+        if (isnan(a)) return INFINITY;
+        num += (a - b) * (a - b);
+        den += b * b;
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+/* The relative error a CUDA result in dtype d may have against the CPU one. */
+static inline double check_tol(sf_dtype d)
+{
+    return d == SF_FLOAT32 ? 2e-5 : d == SF_FLOAT16 ? 4e-3 : 2e-2;
+}
+
+/* FP8 codes: none more than one step apart, at most 2 % (+1) one step apart
+ * (the float32 value before rounding may differ by an ulp between kernels). */
+static inline int check_fp8_close(const std::vector<uint8_t> &g, const std::vector<uint8_t> &r, int64_t n,
+                                  int64_t *off_out = NULL, int64_t *big_out = NULL)
+{
+    int64_t off = 0, big = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        int dd = abs((int)g[i] - (int)r[i]);
+        off += dd != 0;
+        big += dd > 1;
+    }
+    if (off_out) *off_out = off;
+    if (big_out) *big_out = big;
+    return big == 0 && off <= n / 50 + 1;
+}
+
+/* Device-to-device copy bandwidth of `bytes` (read + write, TB/s): the
+ * ceiling the memory-bound kernels are reported against. */
+static inline double check_copy_tbs(size_t bytes)
+{
+    void *a, *b;
+    CHECK_CUDA(cudaMalloc(&a, bytes));
+    CHECK_CUDA(cudaMalloc(&b, bytes));
+    CHECK_CUDA(cudaMemset(a, 0, bytes));
+    float ms = time_ms([&] { CHECK_CUDA(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); });
+    cudaFree(a);
+    cudaFree(b);
+    return 2.0 * bytes / ms / 1e9;
 }
 
 #endif /* SF_CHECK_UTIL_H */

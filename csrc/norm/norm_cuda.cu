@@ -1,34 +1,51 @@
 /*
- * norm_cuda.cu - LayerNorm and RMSNorm on the GPU: one pass over the data in
- * each direction, on the caller's stream, no host synchronization, no
- * allocation (the backward's workspace is handed in).
+ * norm_cuda.cu - LayerNorm and RMSNorm on the GPU: each direction reads its
+ * inputs from memory once and writes its outputs once, on the caller's
+ * stream, with no host synchronization and no allocation (the backward's
+ * workspace is handed in).
  *
- * Layout of the work.  A row of `hidden` elements is owned by blockDim.x
- * threads (a multiple of 32); each thread owns at most 32 elements of it, in
- * 16-byte vectors strided by blockDim.x so a warp's loads are coalesced.
- * blockDim.y rows share a block when rows are short, so blocks have >= 256
- * threads.  Rows whose length in bytes is not a multiple of 16, or tensors
- * not 16-byte aligned, run the same kernels with one element per "vector"
- * (the ops layer warns when that happens).
+ * Minimum traffic per element (bf16): forward reads x and writes y (4 bytes),
+ * backward reads x and dy and writes dx (6 bytes); gamma, beta and the
+ * per-row statistics are a rounding error at the shapes that matter.  The
+ * kernels are built to run at that minimum:
  *
- * Forward: persistent blocks (as many as fit at once) walk the rows; each
- * stages gamma (or 1 + gamma) and beta as float32 in shared memory once, and
- * loads the next row into registers before reducing the current one, so
- * memory latency hides behind the reductions.  x is read once; mean and
- * variance are two exact-order reductions over the registers (no
- * E[x^2] - E[x]^2 cancellation).  Output in x's dtype or FP8 (scale read on
- * the device, amax folded with atomicMax on the float bits).
+ * - A row lives in registers, as packed 16-byte vectors (Pack<T, VEC>): a
+ *   thread owns NV vectors of it, strided by the row's thread count tx so a
+ *   warp's accesses are coalesced.  NV is a template parameter, so the
+ *   register arrays are exactly as large as the configuration needs (an
+ *   earlier version sized every thread for 32 elements and ran at 122-128
+ *   registers, 16 warps per SM: 63 % / 54 % of copy for forward / backward).
+ * - Short rows (<= 128 vectors forward, <= 64 backward) get one warp each:
+ *   the row's sums are warp shuffles, no shared memory, no barrier.  Longer
+ *   rows get tx = a multiple of 32 threads (the split with the fewest idle
+ *   slots); their sums cross warps through shared memory with one barrier
+ *   (double-buffered, so no second barrier).  Several rows share a block
+ *   (ty = 512 / tx).
+ * - Blocks are persistent: as many as fit on the GPU at once (occupancy
+ *   query, cached), with the rows dealt out so every block walks the same
+ *   number of row groups (no partial last wave).  Each block stages the
+ *   weight (gamma or 1 + gamma) and beta as float32 in shared memory once.
+ * - The next row's vectors are loaded into registers before the current
+ *   row is reduced, so every warp keeps a row's loads in flight while it
+ *   computes (software pipelining).
  *
- * Backward: a fixed grid of blocks walks the rows in a grid-stride loop; each
- * block first stages the weight (gamma, or 1 + gamma) as float32 in shared
- * memory, so the row passes read it without conversion or branches.  Pass
- * 1 reads x and dy and forms the two row sums the dx formula needs
- * while accumulating dgamma and dbeta for the thread's columns in registers;
- * pass 2 reads the same row again (an L1/L2 hit: the block has just read it)
- * and writes dx.  At the end each block folds its rows' partial sums in a
- * fixed order and writes one row of the float32 workspace; a second kernel
- * adds the workspace rows in a fixed order.  The result is deterministic for a
- * given GPU and shape.
+ * Forward: mean and variance are two exact-order reductions over the row in
+ * registers (no E[x^2] - E[x]^2 cancellation); mean / rstd are written for
+ * the backward; the output is x's dtype or FP8 of scale * v (scale read on
+ * the device), and amax is reduced per block and folded with one atomicMax
+ * per block.
+ *
+ * Backward: one pass.  x and dy come into registers once; the two row sums
+ * the dx formula needs are reduced together (one barrier per row); dx is
+ * computed from the registers.  dgamma / dbeta partials for the thread's
+ * columns accumulate in float32 registers across all the rows the block
+ * walks; at the end the block folds its rows (fixed order) and writes one
+ * float32 partial row to the workspace, and a small second kernel adds the
+ * partial rows in a fixed order (deterministic, no atomics).
+ *
+ * Rows whose byte length is not a multiple of 16, or tensors not 16-byte
+ * aligned, run the same kernels with one element per "vector" (the ops
+ * layer warns once when that happens).
  */
 #include "../core/cuda_util.h"
 #include "vec_io.cuh"
@@ -39,9 +56,23 @@ namespace {
 
 using namespace sf_vec;
 
-constexpr int kElemsPerThread = 32; /* row elements a thread owns, at most */
-constexpr int kMinBlockThreads = 256;
-constexpr int kCacheSlots = 64; /* occupancy answers remembered */
+constexpr int kRowThreads = 512;  /* a row's threads (tx) at most, but see pick_config */
+constexpr int kScalarNV = 32;     /* element-wide path: 32 x 512 = SF_NORM_MAX_HIDDEN */
+/* Elements a thread owns before the kernel trades occupancy for registers:
+ * up to these, the kernels fit 64 registers (2 x 512 or 1 x 1024 threads
+ * per block) with the next row prefetched; beyond them (only rows longer
+ * than 8192 / 4096 elements in 16-bit) they get 128 and no prefetch. */
+constexpr int kFwdElems = 16;
+constexpr int kBwdElems = 8;
+/* Threads per block: the forward keeps blocks small (256) so occupancy
+ * comes in fine steps; the backward makes them large (1024) because every
+ * block writes a float32 partial row of dgamma / dbeta that the reduction
+ * reads back: 132 blocks cost 2 x 132 x hidden x 4 bytes x 2, about 2 % of
+ * the backward's traffic at 16384 x 4096, where 256-thread blocks would
+ * cost 8 %. */
+constexpr int kFwdBlock = 256;
+constexpr int kBwdBlock = 1024;
+constexpr int kCacheSlots = 64;    /* occupancy answers remembered */
 
 __device__ __forceinline__ float warp_sum(float v)
 {
@@ -52,22 +83,34 @@ __device__ __forceinline__ float warp_sum(float v)
     return v;
 }
 
-/* Sum over the threads of this row (same threadIdx.y); every thread gets the
- * same value, added in a fixed order.  Called by all threads of the block. */
-__device__ __forceinline__ float row_sum(float v, float (*red)[32])
+/* Sum N values over the threads of this row (same threadIdx.y); every thread
+ * gets the same sums, added in a fixed order.  With one warp per row it is
+ * shuffles only; otherwise warp partials go through `red` (2 buffers of 32
+ * warps x N floats, alternated by `phase`: the barrier of the next call
+ * orders this call's reads before that buffer is written again). */
+template <int N>
+__device__ __forceinline__ void row_sum(float (&v)[N], float *red, int &phase)
 {
-    v = warp_sum(v);
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+        v[n] = warp_sum(v[n]);
+    if (blockDim.x == 32)
+        return;
     const int nw = blockDim.x >> 5;
-    if (nw == 1)
-        return v;
+    float *buf = red + (phase * 32 + threadIdx.y * nw) * N;
+    phase ^= 1;
     if ((threadIdx.x & 31) == 0)
-        red[threadIdx.y][threadIdx.x >> 5] = v;
+#pragma unroll
+        for (int n = 0; n < N; ++n)
+            buf[(threadIdx.x >> 5) * N + n] = v[n];
     __syncthreads();
-    float t = 0.0f;
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+        v[n] = 0.0f;
     for (int i = 0; i < nw; ++i)
-        t += red[threadIdx.y][i];
-    __syncthreads();
-    return t;
+#pragma unroll
+        for (int n = 0; n < N; ++n)
+            v[n] += buf[i * N + n];
 }
 
 struct FwdParams {
@@ -83,8 +126,8 @@ struct FwdParams {
     int rms, zc, gamma_f32, out_kind;
 };
 
-/* Stage the weight w (gamma, or 1 + gamma) and the bias of the row as float32
- * in shared memory; every thread of the block helps, then all wait. */
+/* Stage the weight w (gamma, or 1 + gamma) and, when bsm is given, beta as
+ * float32 in shared memory; every thread of the block helps, then all wait. */
 template <typename T>
 __device__ __forceinline__ void stage_params(const void *gamma, const void *beta, int f32, int zc,
                                              int hidden, float *wsm, float *bsm)
@@ -98,30 +141,29 @@ __device__ __forceinline__ void stage_params(const void *gamma, const void *beta
     __syncthreads();
 }
 
-/* The raw vectors a thread owns in a row (none past the row's end or the
- * last row). */
-template <typename T, int VEC, int MAXV>
+/* The NV raw vectors this thread owns in `row` (none past the row's end or
+ * past the last row). */
+template <typename T, int VEC, int NV>
 __device__ __forceinline__ void load_row(const T *x, int64_t row, int64_t rows, int hidden,
-                                         Pack<T, VEC> (&raw)[MAXV])
+                                         Pack<T, VEC> (&raw)[NV])
 {
+    if (row >= rows)
+        return;
     const int nvec = hidden / VEC;
-    const T *xr = x + (row < rows ? row : 0) * (int64_t)hidden;
+    const T *xr = x + row * (int64_t)hidden;
 #pragma unroll
-    for (int k = 0; k < MAXV; ++k) {
+    for (int k = 0; k < NV; ++k) {
         const int c = threadIdx.x + k * blockDim.x;
-        if (row < rows && c < nvec)
+        if (c < nvec)
             raw[k] = *reinterpret_cast<const Pack<T, VEC> *>(xr + (int64_t)c * VEC);
     }
 }
 
-/* Persistent: a fixed grid walks the rows; the next row's x is loaded into
- * registers (still packed) before this row's reductions, so its memory
- * latency hides behind them. */
-template <typename T, int VEC>
-__global__ void __launch_bounds__(512) norm_fwd_kernel(FwdParams p)
+template <typename T, int VEC, int NV>
+__global__ void __launch_bounds__(512, NV * VEC <= kFwdElems ? 2 : 1) norm_fwd_kernel(FwdParams p)
 {
-    constexpr int MAXV = kElemsPerThread / VEC;
-    __shared__ float red[32][32];
+    constexpr bool PREFETCH = NV * VEC <= kFwdElems; /* next row in flight */
+    __shared__ float red[2 * 32];
     __shared__ unsigned amax_red[32];
     extern __shared__ float4 smem4[];
     float *wsm = reinterpret_cast<float *>(smem4);
@@ -132,63 +174,85 @@ __global__ void __launch_bounds__(512) norm_fwd_kernel(FwdParams p)
     const float scale = p.out_kind != kOutSame ? *p.scale : 1.0f;
     const int64_t step = (int64_t)gridDim.x * blockDim.y;
     unsigned amax = 0u;
+    int phase = 0;
 
-    Pack<T, VEC> next[MAXV];
-    load_row<T, VEC, MAXV>((const T *)p.x, (int64_t)blockIdx.x * blockDim.y + threadIdx.y, p.rows,
-                           p.hidden, next);
-    for (int64_t base = (int64_t)blockIdx.x * blockDim.y; base < p.rows; base += step) {
+    const T *X = (const T *)p.x;
+    Pack<T, VEC> next[NV];
+    int64_t base = (int64_t)blockIdx.x * blockDim.y;
+    if (PREFETCH)
+        load_row<T, VEC, NV>(X, base + threadIdx.y, p.rows, p.hidden, next);
+    for (; base < p.rows; base += step) { /* uniform over the block: barriers inside */
         const int64_t row = base + threadIdx.y;
         const bool active = row < p.rows;
-        /* this row stays packed in registers (16-bit types: half the
-         * registers of floats) and is converted where it is used */
-        Pack<T, VEC> cur[MAXV];
-        float sum = 0.0f;
+        /* this row stays packed (16-bit types: half the registers of floats)
+         * and is converted where it is used */
+        Pack<T, VEC> cur[NV];
+        if (PREFETCH) {
 #pragma unroll
-        for (int k = 0; k < MAXV; ++k) {
-            cur[k] = next[k];
+            for (int k = 0; k < NV; ++k)
+                cur[k] = next[k];
+            load_row<T, VEC, NV>(X, row + step, p.rows, p.hidden, next);
+        } else {
+            load_row<T, VEC, NV>(X, row, p.rows, p.hidden, cur);
+        }
+        float s[1] = {0.0f};
+#pragma unroll
+        for (int k = 0; k < NV; ++k) {
             const int c = threadIdx.x + k * blockDim.x;
             if (active && c < nvec)
 #pragma unroll
                 for (int e = 0; e < VEC; ++e)
-                    sum += to_f(cur[k].v[e]);
+                    s[0] += to_f(cur[k].v[e]);
         }
-        load_row<T, VEC, MAXV>((const T *)p.x, row + step, p.rows, p.hidden, next);
 
-        const float mean = p.rms ? 0.0f : row_sum(sum, red) * inv_h;
-        float sq = 0.0f;
+        float mean = 0.0f;
+        if (!p.rms) {
+            row_sum<1>(s, red, phase);
+            mean = s[0] * inv_h;
+        }
+        float q[1] = {0.0f};
 #pragma unroll
-        for (int k = 0; k < MAXV; ++k) {
+        for (int k = 0; k < NV; ++k) {
             const int c = threadIdx.x + k * blockDim.x;
-            if (active && c < nvec) {
+            if (active && c < nvec)
 #pragma unroll
                 for (int e = 0; e < VEC; ++e) {
                     const float d = to_f(cur[k].v[e]) - mean;
-                    sq += d * d;
+                    q[0] += d * d;
                 }
-            }
         }
-        const float rstd = rsqrtf(row_sum(sq, red) * inv_h + p.eps);
+        row_sum<1>(q, red, phase);
+        const float rstd = rsqrtf(q[0] * inv_h + p.eps);
         if (active && threadIdx.x == 0) {
             if (p.mean)
                 p.mean[row] = mean;
             if (p.rstd)
                 p.rstd[row] = rstd;
         }
-        const int64_t roff = (active ? row : 0) * (int64_t)p.hidden;
+        if (!active)
+            continue; /* after the last barrier of this row */
+        const int64_t roff = row * (int64_t)p.hidden;
 #pragma unroll
-        for (int k = 0; k < MAXV; ++k) {
+        for (int k = 0; k < NV; ++k) {
             const int c = threadIdx.x + k * blockDim.x;
-            if (!(active && c < nvec))
+            if (c >= nvec)
                 continue;
-            float w[VEC], b[VEC], o[VEC];
+            float w[VEC], o[VEC];
             load_f<float, VEC>(wsm + c * VEC, w);
-            if (!p.rms)
+            if (p.rms) {
+#pragma unroll
+                for (int e = 0; e < VEC; ++e)
+                    o[e] = to_f(cur[k].v[e]) * rstd * w[e];
+            } else {
+                float b[VEC];
                 load_f<float, VEC>(bsm + c * VEC, b);
 #pragma unroll
-            for (int e = 0; e < VEC; ++e) {
-                o[e] = (to_f(cur[k].v[e]) - mean) * rstd * w[e] + (p.rms ? 0.0f : b[e]);
-                amax = max(amax, abs_bits(o[e]));
+                for (int e = 0; e < VEC; ++e)
+                    o[e] = (to_f(cur[k].v[e]) - mean) * rstd * w[e] + b[e];
             }
+#pragma unroll
+            for (int e = 0; e < VEC; ++e)
+                amax = max(amax, abs_bits(o[e]));
             const int64_t off = roff + (int64_t)c * VEC;
             if (p.out_kind == kOutSame)
                 store_f<T, VEC>((T *)p.y + off, o);
@@ -244,79 +308,110 @@ __device__ __forceinline__ void fold_store(const float (&val)[VEC], int c, int n
     __syncthreads();
 }
 
-template <typename T, int VEC>
-__global__ void __launch_bounds__(512) norm_bwd_kernel(BwdParams p)
+/* RMS: no mean, no dbeta (compile-time, so RMSNorm does not hold dbeta
+ * registers).  PREFETCH: load the next row's x and dy before reducing this
+ * one (off where the registers would not fit). */
+template <typename T, int VEC, int NV, bool RMS>
+__global__ void __launch_bounds__(NV * VEC <= kBwdElems ? 1024 : 512) norm_bwd_kernel(BwdParams p)
 {
-    constexpr int MAXV = kElemsPerThread / VEC;
-    __shared__ float red[32][32];
+    constexpr bool PREFETCH = NV * VEC <= kBwdElems; /* next row in flight */
+    __shared__ float red[2 * 32 * 2];
     /* dynamic shared memory: the weight w = gamma (or 1 + gamma) as float32,
      * staged once per block (the block is persistent), then the fold buffer
      * of blockDim.x * blockDim.y * VEC floats */
     extern __shared__ float4 smem4[];
     float *wsm = reinterpret_cast<float *>(smem4);
     float *fold = wsm + ((p.hidden + 3) & ~3);
+    stage_params<T>(p.gamma, NULL, p.gamma_f32, p.zc, p.hidden, wsm, NULL);
     const int nvec = p.hidden / VEC;
     const float inv_h = 1.0f / (float)p.hidden;
-    for (int i = threadIdx.y * blockDim.x + threadIdx.x; i < p.hidden; i += blockDim.x * blockDim.y) {
-        const float g = p.gamma_f32 ? ((const float *)p.gamma)[i] : to_f(((const T *)p.gamma)[i]);
-        wsm[i] = sf_norm_weight(g, p.zc);
-    }
-    __syncthreads();
 
-    float dg[MAXV][VEC], db[MAXV][VEC];
+    float dg[NV][VEC], db[RMS ? 1 : NV][VEC];
 #pragma unroll
-    for (int k = 0; k < MAXV; ++k)
+    for (int k = 0; k < NV; ++k)
 #pragma unroll
-        for (int e = 0; e < VEC; ++e)
-            dg[k][e] = db[k][e] = 0.0f;
+        for (int e = 0; e < VEC; ++e) {
+            dg[k][e] = 0.0f;
+            db[RMS ? 0 : k][e] = 0.0f;
+        }
 
+    const T *X = (const T *)p.x, *DY = (const T *)p.dy;
     const int64_t step = (int64_t)gridDim.x * blockDim.y;
-    for (int64_t base = (int64_t)blockIdx.x * blockDim.y; base < p.rows; base += step) {
+    int phase = 0;
+    int64_t base = (int64_t)blockIdx.x * blockDim.y;
+    /* the row's statistics, loaded with (PREFETCH: one row ahead of) x and dy */
+    auto load_stats = [&](int64_t r, float &m, float &rs) {
+        m = (r < p.rows && !RMS) ? p.mean[r] : 0.0f;
+        rs = r < p.rows ? p.rstd[r] : 0.0f;
+    };
+    Pack<T, VEC> nx[NV], ndy[NV];
+    float nmean = 0.0f, nrstd = 0.0f;
+    if (PREFETCH) {
+        load_row<T, VEC, NV>(X, base + threadIdx.y, p.rows, p.hidden, nx);
+        load_row<T, VEC, NV>(DY, base + threadIdx.y, p.rows, p.hidden, ndy);
+        load_stats(base + threadIdx.y, nmean, nrstd);
+    }
+    for (; base < p.rows; base += step) { /* uniform over the block: barriers inside */
         const int64_t row = base + threadIdx.y;
         const bool active = row < p.rows;
-        const int64_t roff = (active ? row : 0) * (int64_t)p.hidden;
-        const T *xr = (const T *)p.x + roff;
-        const T *dyr = (const T *)p.dy + roff;
-        const float mean = (active && !p.rms) ? p.mean[row] : 0.0f;
-        const float rstd = active ? p.rstd[row] : 0.0f;
+        Pack<T, VEC> cx[NV], cdy[NV];
+        float mean, rstd;
+        if (PREFETCH) {
+#pragma unroll
+            for (int k = 0; k < NV; ++k) {
+                cx[k] = nx[k];
+                cdy[k] = ndy[k];
+            }
+            mean = nmean;
+            rstd = nrstd;
+            load_row<T, VEC, NV>(X, row + step, p.rows, p.hidden, nx);
+            load_row<T, VEC, NV>(DY, row + step, p.rows, p.hidden, ndy);
+            load_stats(row + step, nmean, nrstd);
+        } else {
+            load_row<T, VEC, NV>(X, row, p.rows, p.hidden, cx);
+            load_row<T, VEC, NV>(DY, row, p.rows, p.hidden, cdy);
+            load_stats(row, mean, rstd);
+        }
         const float nmr = -mean * rstd; /* xhat = x * rstd + nmr */
 
-        float s1 = 0.0f, s2 = 0.0f;
+        float s[2] = {0.0f, 0.0f}; /* sum g, sum g * xhat; g = dy * w */
 #pragma unroll
-        for (int k = 0; k < MAXV; ++k) {
+        for (int k = 0; k < NV; ++k) {
             const int c = threadIdx.x + k * blockDim.x;
             if (!(active && c < nvec))
                 continue;
-            float xv[VEC], dyv[VEC], w[VEC];
-            load_f<T, VEC>(xr + (int64_t)c * VEC, xv);
-            load_f<T, VEC>(dyr + (int64_t)c * VEC, dyv);
+            float w[VEC];
             load_f<float, VEC>(wsm + c * VEC, w);
 #pragma unroll
             for (int e = 0; e < VEC; ++e) {
-                const float xhat = fmaf(xv[e], rstd, nmr);
-                const float gg = dyv[e] * w[e];
-                s1 += gg;
-                s2 += gg * xhat;
-                dg[k][e] += dyv[e] * xhat;
-                db[k][e] += dyv[e];
+                const float dyv = to_f(cdy[k].v[e]);
+                const float xhat = fmaf(to_f(cx[k].v[e]), rstd, nmr);
+                const float g = dyv * w[e];
+                s[0] += g;
+                s[1] += g * xhat;
+                dg[k][e] += dyv * xhat;
+                if (!RMS)
+                    db[RMS ? 0 : k][e] += dyv;
             }
         }
-        const float m1 = p.rms ? 0.0f : row_sum(s1, red) * inv_h;
-        const float m2 = row_sum(s2, red) * inv_h;
+        row_sum<2>(s, red, phase);
+        if (!active)
+            continue; /* after the row's only barrier */
+        const float m1 = RMS ? 0.0f : s[0] * inv_h;
+        const float m2 = s[1] * inv_h;
+        const int64_t roff = row * (int64_t)p.hidden;
 #pragma unroll
-        for (int k = 0; k < MAXV; ++k) {
+        for (int k = 0; k < NV; ++k) {
             const int c = threadIdx.x + k * blockDim.x;
-            if (!(active && c < nvec))
+            if (c >= nvec)
                 continue;
-            float xv[VEC], dyv[VEC], w[VEC], dxv[VEC];
-            load_f<T, VEC>(xr + (int64_t)c * VEC, xv);
-            load_f<T, VEC>(dyr + (int64_t)c * VEC, dyv);
+            float w[VEC], dxv[VEC];
             load_f<float, VEC>(wsm + c * VEC, w);
 #pragma unroll
             for (int e = 0; e < VEC; ++e) {
-                const float xhat = fmaf(xv[e], rstd, nmr);
-                const float gg = dyv[e] * w[e];
-                dxv[e] = rstd * (gg - m1 - xhat * m2);
+                const float xhat = fmaf(to_f(cx[k].v[e]), rstd, nmr);
+                const float g = to_f(cdy[k].v[e]) * w[e];
+                dxv[e] = rstd * (g - m1 - xhat * m2);
             }
             store_f<T, VEC>((T *)p.dx + roff + (int64_t)c * VEC, dxv);
         }
@@ -325,11 +420,11 @@ __global__ void __launch_bounds__(512) norm_bwd_kernel(BwdParams p)
     float *wsg = p.ws + (int64_t)blockIdx.x * p.hidden;
     float *wsb = p.ws + ((int64_t)gridDim.x + blockIdx.x) * p.hidden;
 #pragma unroll
-    for (int k = 0; k < MAXV; ++k) {
+    for (int k = 0; k < NV; ++k) {
         const int c = threadIdx.x + k * blockDim.x;
         fold_store<VEC>(dg[k], c, nvec, fold, wsg);
-        if (p.want_dbeta)
-            fold_store<VEC>(db[k], c, nvec, fold, wsb);
+        if (!RMS && p.want_dbeta)
+            fold_store<VEC>(db[RMS ? 0 : k], c, nvec, fold, wsb);
     }
 }
 
@@ -340,35 +435,68 @@ __global__ void write_scale_inv_kernel(const float *scale, float *scale_inv)
 
 /* ---- host side ------------------------------------------------------- */
 
+/* A launch shape: NV vectors per thread, tx threads per row, ty rows per
+ * block. */
 struct Config {
-    int tx, ty;
+    int nv, tx, ty;
 };
 
-/* Threads per row: enough that each owns <= 32 elements, a multiple of 32. */
-Config pick_config(int64_t hidden)
+int round32(int64_t v) { return (int)((v + 31) / 32 * 32); }
+
+/* The split of a row of `hidden` elements in vectors of `vec`:
+ * - element-wide path: 32 elements per thread, tx <= 512;
+ * - a warp per row while each lane holds at most `elems` elements (the
+ *   row's sums are then shuffles only);
+ * - else tx threads x NV vectors with NV * vec <= elems, tx <= max(512,
+ *   block), the split with the fewest idle slots (ties: more vectors per
+ *   thread, fewer warps to reduce over); rows too long for that double NV
+ *   (register-heavy kernel, bounded to 512 threads) until tx <= 512.
+ * ty rows share a block of about `block` threads. */
+Config pick_config(int64_t hidden, int vec, int elems, int block)
 {
-    int t = (int)((hidden + kElemsPerThread - 1) / kElemsPerThread);
-    t = (t + 31) / 32 * 32;
     Config c;
-    c.tx = t;
-    c.ty = t >= kMinBlockThreads ? 1 : kMinBlockThreads / t;
+    if (vec == 1) {
+        c.nv = kScalarNV;
+        c.tx = round32((hidden + kScalarNV - 1) / kScalarNV);
+    } else {
+        const int64_t nvec = hidden / vec;
+        const int cap = elems / vec > 1 ? elems / vec : 1;
+        if (nvec <= 32 * (int64_t)cap) {
+            c.tx = 32;
+            c.nv = 1;
+            while (32 * (int64_t)c.nv < nvec)
+                c.nv *= 2;
+        } else {
+            c.nv = 0;
+            double best_idle = 2.0;
+            /* the light kernels of a 1024-thread block may give a row 1024 threads */
+            const int limit = block > kRowThreads ? block : kRowThreads;
+            for (int nv = cap; nv >= 1; nv /= 2) {
+                const int tx = round32((nvec + nv - 1) / nv);
+                const double idle = 1.0 - (double)nvec / ((double)tx * nv);
+                if (tx <= limit && idle < best_idle - 1e-9) {
+                    best_idle = idle;
+                    c.nv = nv;
+                    c.tx = tx;
+                }
+            }
+            for (int nv = cap * 2; c.nv == 0; nv *= 2) {
+                const int tx = round32((nvec + nv - 1) / nv);
+                if (tx <= kRowThreads) {
+                    c.nv = nv;
+                    c.tx = tx;
+                }
+            }
+        }
+    }
+    if (c.nv * vec > elems && block > 512)
+        block = 512; /* the register-heavy kernels are bounded to 512 threads */
+    c.ty = c.tx >= block ? 1 : block / c.tx;
     return c;
 }
 
-/* Blocks of the backward: a fixed share of the GPU (the workspace holds one
- * partial row per block). */
-sf_status bwd_grid(const char *op, int64_t rows, int64_t hidden, int device, int *grid)
-{
-    Config c = pick_config(hidden);
-    int sms;
-    SF_TRY(sf_vec::sm_count(op, device, &sms));
-    const int per_sm = 512 / (c.tx * c.ty) > 1 ? 512 / (c.tx * c.ty) : 1;
-    const int64_t groups = (rows + c.ty - 1) / c.ty;
-    const int64_t cap = (int64_t)sms * per_sm;
-    *grid = (int)(groups < cap ? groups : cap);
-    return SF_OK;
-}
-
+Config fwd_config(int64_t hidden, int vec) { return pick_config(hidden, vec, kFwdElems, kFwdBlock); }
+Config bwd_config(int64_t hidden, int vec) { return pick_config(hidden, vec, kBwdElems, kBwdBlock); }
 
 template <typename K>
 sf_status allow_smem(const char *op, K kernel, size_t bytes)
@@ -379,83 +507,140 @@ sf_status allow_smem(const char *op, K kernel, size_t bytes)
     return SF_OK;
 }
 
-/* Blocks of the persistent forward: as many as fit on the GPU at once
- * (occupancy asked once per kernel, block shape and device), never more
- * than there are row groups. */
+/* Blocks of a kernel that fit on one SM at once (asked once per kernel,
+ * block size, shared memory and device). */
 template <typename K>
-sf_status fwd_grid(const char *op, K kernel, int threads, size_t smem, int64_t groups, int *grid)
+sf_status blocks_per_sm(const char *op, K kernel, int threads, size_t smem, int device, int *per_sm)
 {
-    static int cache[kCacheSlots][3]; /* blocks per SM, smem bytes, device */
+    static int cache[kCacheSlots][4]; /* blocks per SM, threads, smem bytes, device */
     static const void *keys[kCacheSlots];
-    static int sizes[kCacheSlots];
-    int device;
-    SF_CUDA_TRY(op, cudaGetDevice(&device));
-    int per_sm = 0;
+    static int next;
     for (int i = 0; i < kCacheSlots; ++i)
-        if (keys[i] == (const void *)kernel && sizes[i] == threads && cache[i][1] == (int)smem &&
-            cache[i][2] == device) {
-            per_sm = cache[i][0];
-            break;
+        if (keys[i] == (const void *)kernel && cache[i][1] == threads && cache[i][2] == (int)smem &&
+            cache[i][3] == device) {
+            *per_sm = cache[i][0];
+            return SF_OK;
         }
-    if (per_sm == 0) {
-        SF_CUDA_TRY(op, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
-        if (per_sm < 1)
-            per_sm = 1;
-        static int next;
-        const int i = next++ % kCacheSlots;
-        keys[i] = (const void *)kernel;
-        sizes[i] = threads;
-        cache[i][0] = per_sm;
-        cache[i][1] = (int)smem;
-        cache[i][2] = device;
-    }
-    int sms;
-    SF_TRY(sm_count(op, device, &sms));
-    const int64_t cap = (int64_t)sms * per_sm;
-    *grid = (int)(groups < cap ? groups : cap);
+    int n = 0;
+    SF_CUDA_TRY(op, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem));
+    if (n < 1)
+        n = 1;
+    const int i = next++ % kCacheSlots;
+    keys[i] = (const void *)kernel;
+    cache[i][0] = n;
+    cache[i][1] = threads;
+    cache[i][2] = (int)smem;
+    cache[i][3] = device;
+    *per_sm = n;
     return SF_OK;
 }
 
-template <typename T>
-sf_status launch_fwd(const FwdParams &p, bool vec, cudaStream_t stream)
+/* Persistent grid: at most what fits at once, with the row groups dealt out
+ * evenly (every block walks ceil(groups / cap) groups, or one fewer). */
+int64_t balanced_grid(int64_t groups, int64_t cap)
 {
-    Config c = pick_config(p.hidden);
-    dim3 block(c.tx, c.ty);
-    const int64_t groups = (p.rows + c.ty - 1) / c.ty;
-    const size_t smem = 2 * (size_t)((p.hidden + 3) & ~3) * sizeof(float);
-    int grid;
-    if (vec) {
-        constexpr int V = 16 / sizeof(T);
-        SF_TRY(allow_smem("norm_fwd", norm_fwd_kernel<T, V>, smem));
-        SF_TRY(fwd_grid("norm_fwd", norm_fwd_kernel<T, V>, c.tx * c.ty, smem, groups, &grid));
-        norm_fwd_kernel<T, V><<<grid, block, smem, stream>>>(p);
-    } else {
-        SF_TRY(allow_smem("norm_fwd", norm_fwd_kernel<T, 1>, smem));
-        SF_TRY(fwd_grid("norm_fwd", norm_fwd_kernel<T, 1>, c.tx * c.ty, smem, groups, &grid));
-        norm_fwd_kernel<T, 1><<<grid, block, smem, stream>>>(p);
-    }
+    if (groups <= cap)
+        return groups;
+    const int64_t per_block = (groups + cap - 1) / cap;
+    return (groups + per_block - 1) / per_block;
+}
+
+/* An upper bound of any backward grid for this shape: blocks that could be
+ * resident at once by thread count (2048 threads per SM on sm_80 / sm_90),
+ * never more than the row groups.  The workspace is sized by it. */
+sf_status bwd_grid_bound(const char *op, int64_t rows, int64_t hidden, int vec, int device,
+                         int64_t *bound)
+{
+    const Config c = bwd_config(hidden, vec);
+    int sms;
+    SF_TRY(sf_vec::sm_count(op, device, &sms));
+    const int threads = c.tx * c.ty;
+    const int64_t per_sm = 2048 / threads > 1 ? 2048 / threads : 1;
+    const int64_t groups = (rows + c.ty - 1) / c.ty;
+    const int64_t cap = (int64_t)sms * per_sm;
+    *bound = groups < cap ? groups : cap;
+    return SF_OK;
+}
+
+template <typename K>
+sf_status persistent_grid(const char *op, K kernel, const Config &c, size_t smem, int64_t rows,
+                          int device, int64_t *grid)
+{
+    int per_sm, sms;
+    SF_TRY(blocks_per_sm(op, kernel, c.tx * c.ty, smem, device, &per_sm));
+    SF_TRY(sf_vec::sm_count(op, device, &sms));
+    const int64_t groups = (rows + c.ty - 1) / c.ty;
+    *grid = balanced_grid(groups, (int64_t)sms * per_sm);
+    return SF_OK;
+}
+
+template <typename T, int VEC, int NV>
+sf_status launch_fwd_nv(const FwdParams &p, const Config &c, int device, cudaStream_t stream)
+{
+    const size_t smem = (p.rms ? 1 : 2) * (size_t)((p.hidden + 3) & ~3) * sizeof(float);
+    auto kernel = norm_fwd_kernel<T, VEC, NV>;
+    SF_TRY(allow_smem("norm_fwd", kernel, smem));
+    int64_t grid;
+    SF_TRY(persistent_grid("norm_fwd", kernel, c, smem, p.rows, device, &grid));
+    kernel<<<(unsigned)grid, dim3(c.tx, c.ty), smem, stream>>>(p);
     SF_CUDA_CHECK_LAUNCH("norm_fwd");
     return SF_OK;
 }
 
 template <typename T>
-sf_status launch_bwd(const BwdParams &p, bool vec, int grid, cudaStream_t stream)
+sf_status launch_fwd(const FwdParams &p, bool vec, int device, cudaStream_t stream)
 {
-    Config c = pick_config(p.hidden);
-    dim3 block(c.tx, c.ty);
-    const size_t w_bytes = (size_t)((p.hidden + 3) & ~3) * sizeof(float);
-    if (vec) {
-        constexpr int V = 16 / sizeof(T);
-        const size_t smem = w_bytes + (c.ty > 1 ? (size_t)c.tx * c.ty * V * sizeof(float) : 0);
-        SF_TRY(allow_smem("norm_bwd", norm_bwd_kernel<T, V>, smem));
-        norm_bwd_kernel<T, V><<<grid, block, smem, stream>>>(p);
-    } else {
-        const size_t smem = w_bytes + (c.ty > 1 ? (size_t)c.tx * c.ty * sizeof(float) : 0);
-        SF_TRY(allow_smem("norm_bwd", norm_bwd_kernel<T, 1>, smem));
-        norm_bwd_kernel<T, 1><<<grid, block, smem, stream>>>(p);
+    constexpr int V = 16 / sizeof(T);
+    const Config c = fwd_config(p.hidden, vec ? V : 1);
+    if (!vec)
+        return launch_fwd_nv<T, 1, kScalarNV>(p, c, device, stream);
+    switch (c.nv) {
+    case 1:  return launch_fwd_nv<T, V, 1>(p, c, device, stream);
+    case 2:  return launch_fwd_nv<T, V, 2>(p, c, device, stream);
+    case 4:  return launch_fwd_nv<T, V, 4>(p, c, device, stream);
+    default: return launch_fwd_nv<T, V, V == 4 ? 8 : 4>(p, c, device, stream); /* fp32 rows > 8192 */
     }
+}
+
+template <typename T, int VEC, int NV, bool RMS>
+sf_status launch_bwd_nv(const BwdParams &p, const Config &c, int device, int64_t bound,
+                        cudaStream_t stream, int64_t *grid)
+{
+    const size_t smem = (size_t)((p.hidden + 3) & ~3) * sizeof(float) +
+                        (c.ty > 1 ? (size_t)c.tx * c.ty * VEC * sizeof(float) : 0);
+    auto kernel = norm_bwd_kernel<T, VEC, NV, RMS>;
+    SF_TRY(allow_smem("norm_bwd", kernel, smem));
+    SF_TRY(persistent_grid("norm_bwd", kernel, c, smem, p.rows, device, grid));
+    if (*grid > bound)
+        *grid = bound; /* the workspace holds `bound` partial rows */
+    kernel<<<(unsigned)*grid, dim3(c.tx, c.ty), smem, stream>>>(p);
     SF_CUDA_CHECK_LAUNCH("norm_bwd");
     return SF_OK;
+}
+
+template <typename T, int VEC, int NV>
+sf_status launch_bwd_rms(const BwdParams &p, const Config &c, int device, int64_t bound,
+                         cudaStream_t stream, int64_t *grid)
+{
+    if (p.rms)
+        return launch_bwd_nv<T, VEC, NV, true>(p, c, device, bound, stream, grid);
+    return launch_bwd_nv<T, VEC, NV, false>(p, c, device, bound, stream, grid);
+}
+
+template <typename T>
+sf_status launch_bwd(const BwdParams &p, bool vec, int device, int64_t bound, cudaStream_t stream,
+                     int64_t *grid)
+{
+    constexpr int V = 16 / sizeof(T);
+    const Config c = bwd_config(p.hidden, vec ? V : 1);
+    if (!vec)
+        return launch_bwd_rms<T, 1, kScalarNV>(p, c, device, bound, stream, grid);
+    switch (c.nv) {
+    case 1:  return launch_bwd_rms<T, V, 1>(p, c, device, bound, stream, grid);
+    case 2:  return launch_bwd_rms<T, V, 2>(p, c, device, bound, stream, grid);
+    case 4:  return launch_bwd_rms<T, V, 4>(p, c, device, bound, stream, grid);
+    default: return launch_bwd_rms<T, V, V == 4 ? 8 : 4>(p, c, device, bound, stream, grid);
+    }
 }
 
 template <typename G>
@@ -498,14 +683,26 @@ sf_status fwd(const sf_norm_fwd_args *a, cudaStream_t stream)
         }
         return SF_OK;
     }
+    /* y may be FP8 (1 byte per element): its vectors are VEC bytes, so its
+     * row starts are VEC-aligned when x's are 16-byte aligned */
     const int ve = 16 / (int)sf_dtype_size(a->x->dtype);
-    const bool vec = a->hidden % ve == 0 && aligned16(p.x) && aligned16(p.y) &&
-                     aligned16(p.gamma) && (!p.beta || aligned16(p.beta));
+    const int ysize = (int)sf_dtype_size(a->y->dtype);
+    const bool vec = a->hidden % ve == 0 && aligned16(p.x) &&
+                     ((uintptr_t)p.y % (uintptr_t)(ve * ysize)) == 0;
+    const int device = a->x->device_id;
     switch (a->x->dtype) {
-    case SF_FLOAT32: return launch_fwd<float>(p, vec, stream);
-    case SF_FLOAT16: return launch_fwd<__half>(p, vec, stream);
-    default:         return launch_fwd<__nv_bfloat16>(p, vec, stream);
+    case SF_FLOAT32: return launch_fwd<float>(p, vec, device, stream);
+    case SF_FLOAT16: return launch_fwd<__half>(p, vec, device, stream);
+    default:         return launch_fwd<__nv_bfloat16>(p, vec, device, stream);
     }
+}
+
+/* The vector path: rows of whole 16-byte vectors, every row tensor aligned. */
+bool bwd_vec(const sf_norm_bwd_args *a)
+{
+    const int ve = 16 / (int)sf_dtype_size(a->x->dtype);
+    return a->hidden % ve == 0 && aligned16(a->x->data) && aligned16(a->dy->data) &&
+           aligned16(a->dx->data);
 }
 
 sf_status bwd(const sf_norm_bwd_args *a, cudaStream_t stream)
@@ -518,8 +715,13 @@ sf_status bwd(const sf_norm_bwd_args *a, cudaStream_t stream)
             SF_CUDA_TRY(op, cudaMemsetAsync(a->dbeta->data, 0, a->hidden * gsize, stream));
         return SF_OK;
     }
-    int grid;
-    SF_TRY(bwd_grid(op, a->rows, a->hidden, a->x->device_id, &grid));
+    /* the partial rows are written as float32 vectors of VEC, so the vector
+     * path also wants the workspace 16-byte aligned (torch's allocations are) */
+    const bool vec = bwd_vec(a) && aligned16(a->workspace->data);
+    const int ve = 16 / (int)sf_dtype_size(a->x->dtype);
+    const int device = a->x->device_id;
+    int64_t bound;
+    SF_TRY(bwd_grid_bound(op, a->rows, a->hidden, vec ? ve : 1, device, &bound));
     BwdParams p;
     p.dy = a->dy->data;
     p.x = a->x->data;
@@ -535,19 +737,18 @@ sf_status bwd(const sf_norm_bwd_args *a, cudaStream_t stream)
     p.gamma_f32 = a->gamma->dtype == SF_FLOAT32;
     p.want_dbeta = a->dbeta != NULL;
 
-    const int ve = 16 / (int)sf_dtype_size(a->x->dtype);
-    const bool vec = a->hidden % ve == 0 && aligned16(p.x) && aligned16(p.dy) &&
-                     aligned16(p.dx) && aligned16(p.gamma) && aligned16(p.ws);
+    int64_t grid = 0;
     switch (a->x->dtype) {
-    case SF_FLOAT32: SF_TRY(launch_bwd<float>(p, vec, grid, stream)); break;
-    case SF_FLOAT16: SF_TRY(launch_bwd<__half>(p, vec, grid, stream)); break;
-    default:         SF_TRY(launch_bwd<__nv_bfloat16>(p, vec, grid, stream)); break;
+    case SF_FLOAT32: SF_TRY(launch_bwd<float>(p, vec, device, bound, stream, &grid)); break;
+    case SF_FLOAT16: SF_TRY(launch_bwd<__half>(p, vec, device, bound, stream, &grid)); break;
+    default:         SF_TRY(launch_bwd<__nv_bfloat16>(p, vec, device, bound, stream, &grid)); break;
     }
     void *dbeta = a->dbeta ? a->dbeta->data : NULL;
+    const int parts = (int)grid;
     switch (a->gamma->dtype) {
-    case SF_FLOAT32: return launch_reduce<float>(p.ws, grid, p.hidden, a->dgamma->data, dbeta, stream);
-    case SF_FLOAT16: return launch_reduce<__half>(p.ws, grid, p.hidden, a->dgamma->data, dbeta, stream);
-    default: return launch_reduce<__nv_bfloat16>(p.ws, grid, p.hidden, a->dgamma->data, dbeta, stream);
+    case SF_FLOAT32: return launch_reduce<float>(p.ws, parts, p.hidden, a->dgamma->data, dbeta, stream);
+    case SF_FLOAT16: return launch_reduce<__half>(p.ws, parts, p.hidden, a->dgamma->data, dbeta, stream);
+    default: return launch_reduce<__nv_bfloat16>(p.ws, parts, p.hidden, a->dgamma->data, dbeta, stream);
     }
 }
 
@@ -574,10 +775,15 @@ extern "C" sf_status sf_norm_bwd_cuda(const sf_norm_bwd_args *a, sf_stream s)
 extern "C" sf_status sf_norm_bwd_workspace_numel_cuda(int64_t rows, int64_t hidden, sf_dtype dtype,
                                                       int device_id, int64_t *numel)
 {
-    (void)dtype; /* the launch shape depends on the hidden size only */
-    int grid = 0;
-    if (rows > 0)
-        SF_TRY(bwd_grid("norm_bwd_workspace_numel", rows, hidden, device_id, &grid));
-    *numel = 2 * (int64_t)grid * hidden;
+    /* the larger of the vector and element-wide paths' bounds: which one
+     * runs depends on pointers the caller has not handed in yet */
+    int64_t b1 = 0, b2 = 0;
+    if (rows > 0) {
+        const int ve = 16 / (int)sf_dtype_size(dtype);
+        SF_TRY(bwd_grid_bound("norm_bwd_workspace_numel", rows, hidden, 1, device_id, &b1));
+        if (hidden % ve == 0)
+            SF_TRY(bwd_grid_bound("norm_bwd_workspace_numel", rows, hidden, ve, device_id, &b2));
+    }
+    *numel = 2 * (b1 > b2 ? b1 : b2) * hidden;
     return SF_OK;
 }
