@@ -38,3 +38,33 @@ def poisoned_like(t):
     else:
         out.view(torch.uint8).fill_(0xFF)
     return out
+
+
+def block_dequantized_ref(x, fp8_dtype=torch.float8_e4m3fn, columnwise=False):
+    """float64 values of x [M, K] after 1x128 block FP8 quantization, in plain
+    torch: blocks of 128 along K (row-wise), or along M with M zero-padded to
+    a multiple of 128 (column-wise, seqfuse's rowcol layout).  Scale per
+    block fp8_max / amax (1 for an all-zero block), saturating cast."""
+    fmax = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}[fp8_dtype]
+    xf = x.detach().float().cpu()
+    if columnwise:
+        m = xf.shape[0]
+        xf = torch.nn.functional.pad(xf, (0, 0, 0, (-m) % 128)).t().contiguous()
+    rows, k = xf.shape
+    blocks = xf.view(rows, k // 128, 128)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    s = torch.where(amax == 0, torch.ones_like(amax), torch.tensor(fmax) / amax)
+    q = (blocks * s).clamp(-fmax, fmax).to(fp8_dtype).float() * (1 / s)
+    q = q.view(rows, k).double()
+    return q.t()[: x.shape[0]] if columnwise else q
+
+
+def block128_dequantized_ref(w):
+    """float64 values of w [N, K] after 128x128 block E4M3 quantization."""
+    wf = w.detach().float().cpu()
+    n, k = wf.shape
+    blocks = wf.view(n // 128, 128, k // 128, 128)
+    amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
+    s = torch.where(amax == 0, torch.ones_like(amax), torch.tensor(448.0) / amax)
+    q = (blocks * s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * (1 / s)
+    return q.view(n, k).double()

@@ -238,15 +238,41 @@ def test_rowcol_1x128_against_separate_quantizations(fp8, dtype, seed):
     assert only_t[0] is None and torch.equal(bits(only_t[2]), bits(ref_t))
     q = quantize_block(x, 1, fp8, columnwise=True)
     assert torch.equal(q.dequantize(), ops.dequantize_block_fp8(ref, ref_si, 1, dtype))
-    with pytest.raises(ValueError, match=r"rows of 'x' \(M = 100, all dimensions but the last\) must be a multiple of 128"):
-        ops.quantize_block_fp8_rowcol(torch.randn(100, 128))
     with pytest.raises(ValueError, match="must be a multiple of 128 for 1x128 blocks"):
         ops.quantize_block_fp8_rowcol(torch.randn(128, 130))
+    with pytest.raises(ValueError, match=r"'out_t' must have shape \[K, round_up\(M, 128\)\] = \[128, 256\]"):
+        seqfuse._C.quantize_block_fp8_rowcol(torch.randn(144, 128), None, None,
+                                             torch.empty(128, 144, dtype=fp8),
+                                             torch.empty(2, 128))
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+@pytest.mark.parametrize("m", [1, 16, 144, 300])
+def test_rowcol_partial_row_blocks(m, fp8, dtype, seed):
+    """M not a multiple of 128: the row-wise copy as quantize_block_fp8, the
+    column-wise copy zero-padded to round_up(M, 128) columns, its last block's
+    scale from the real rows only (the reference: x zero-padded, quantized
+    separately)."""
+    x = sample((m, 256), dtype)
+    mt = (m + 127) // 128 * 128
+    data, si, data_t, si_t = ops.quantize_block_fp8_rowcol(x, fp8)
+    ref, ref_si = ops.quantize_block_fp8(x, 1, fp8)
+    assert torch.equal(bits(data), bits(ref)) and torch.equal(si, ref_si)
+    padded = torch.nn.functional.pad(x, (0, 0, 0, mt - m))
+    ref_t, ref_si_t = ops.quantize_block_fp8(padded.t().contiguous(), 1, fp8)
+    assert data_t.shape == (256, mt) and si_t.shape == (mt // 128, 256)
+    assert torch.equal(bits(data_t), bits(ref_t)) and torch.equal(si_t, ref_si_t)
+    assert (bits(data_t)[:, m:] == 0).all()
+    q = quantize_block(x, 1, fp8, columnwise=True, rowwise=False)
+    assert q.shape == (m, 256)
+    assert torch.equal(q.dequantize(), ops.dequantize_block_fp8(ref_t, ref_si_t, 1, dtype).t()[:m])
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", FLOATS)
-@pytest.mark.parametrize("shape", [(128, 128), (256, 384), (4096, 4096), (2, 128, 1024)])
+@pytest.mark.parametrize("shape", [(128, 128), (256, 384), (4096, 4096), (2, 128, 1024), (1, 128),
+                                   (144, 256), (1040, 1024), (3, 50, 384)])
 def test_cuda_rowcol_bit_identical(shape, dtype, seed):
     x = sample(shape, dtype)
     k = shape[-1]
@@ -255,7 +281,7 @@ def test_cuda_rowcol_bit_identical(shape, dtype, seed):
         ref = ops.quantize_block_fp8_rowcol(x, fp8)
         out = poison(torch.empty(shape, dtype=fp8, device="cuda"))
         si = poison(torch.empty(ref[1].shape, device="cuda"))
-        out_t = poison(torch.empty((k, m), dtype=fp8, device="cuda"))
+        out_t = poison(torch.empty((k, (m + 127) // 128 * 128), dtype=fp8, device="cuda"))
         si_t = poison(torch.empty(ref[3].shape, device="cuda"))
         seqfuse._C.quantize_block_fp8_rowcol(x.cuda(), out, si, out_t, si_t)
         assert torch.equal(bits(out).cpu(), bits(ref[0])) and torch.equal(bits(out_t).cpu(), bits(ref[2]))

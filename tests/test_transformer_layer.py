@@ -435,8 +435,10 @@ def test_fp8_layer_cpu(recipe, modules):
     if modules:
         pytest.skip(f"needs the real {modules}")
     torch.manual_seed(9)
-    layer = make_layer(hidden=64, ffn=128, heads=4, dtype=torch.bfloat16)
-    x = torch.randn(2, 16, 64, dtype=torch.bfloat16, requires_grad=True)
+    # block scaling takes features in whole 128-wide blocks (head dim 16 either way)
+    hidden, ffn, heads = (128, 256, 8) if type(recipe).__name__ == "Float8BlockScaling" else (64, 128, 4)
+    layer = make_layer(hidden=hidden, ffn=ffn, heads=heads, dtype=torch.bfloat16)
+    x = torch.randn(2, 16, hidden, dtype=torch.bfloat16, requires_grad=True)
     freqs = rope_freqs(16, 16)
     mask = pad_mask([16, 10], 16)
     ref = layer(x, attention_mask=mask, rotary_pos_emb=freqs)

@@ -101,11 +101,13 @@ sf_status sf_dequantize_block_fp8(const sf_tensor *data, const sf_tensor *scale_
 
 /* 1x128 blocks of x [M, K] along both dimensions in one pass: the row-wise
  * copy (out, scale_inv as sf_quantize_block_fp8 with block_rows = 1) and the
- * column-wise copy out_t [K, M] = the transposed matrix in 1x128 blocks
- * along M, with scale_inv_t float32 [M/128, round_up(K, 4)] in the same
- * layout (element [mb, k] belongs to x[128 mb : 128 mb + 128, k]).  Either
- * pair may be NULL (not both).  M and K must be multiples of 128.  What
- * Float8BlockScaling's backward GEMMs take for activations and gradients. */
+ * column-wise copy out_t [K, Mt] = the transposed matrix in 1x128 blocks
+ * along M, Mt = round_up(M, 128), zero past column M, with scale_inv_t
+ * float32 [Mt/128, round_up(K, 4)] in the same layout (element [mb, k]
+ * belongs to x[128 mb : min(128 mb + 128, M), k]).  Either pair may be NULL
+ * (not both).  K must be a multiple of 128, x 16-byte aligned; M is any.
+ * What Float8BlockScaling's weight-gradient GEMMs take for activations and
+ * gradients (the zero padding makes their k a whole number of blocks). */
 sf_status sf_quantize_block_fp8_rowcol(const sf_tensor *x, sf_tensor *out, sf_tensor *scale_inv,
                                        sf_tensor *out_t, sf_tensor *scale_inv_t,
                                        sf_stream stream);

@@ -128,12 +128,9 @@ sf_status sf_quantize_block_fp8_rowcol(const sf_tensor *x, sf_tensor *out, sf_te
     SF_TRY(sf_check_float_input(op, "x", x));
     sf_block_args a = {0};
     SF_TRY(matrix_view(op, "x", x, 128, "1x128 blocks", &a.m, &a.k));
-    if (a.m % 128 != 0)
-        return sf_fail(SF_ERR_VALUE,
-                       "%s: the rows of 'x' (M = %lld, all dimensions but the last) must be a "
-                       "multiple of 128 for the column-wise 1x128 blocks",
-                       op, (long long)a.m);
     SF_TRY(sf_check_aligned(op, "x", x, 16));
+    /* the column-wise copy's rows: M rounded up to whole 128-row blocks */
+    const int64_t mt = (a.m + 127) / 128 * 128;
     if (!out && !out_t)
         return sf_fail(SF_ERR_VALUE, "%s: at least one of 'out' and 'out_t' must be given", op);
     if ((out == NULL) != (scale_inv == NULL) || (out_t == NULL) != (scale_inv_t == NULL))
@@ -148,16 +145,17 @@ sf_status sf_quantize_block_fp8_rowcol(const sf_tensor *x, sf_tensor *out, sf_te
     }
     if (out_t) {
         SF_TRY(check_fp8_dtype(op, "out_t", out_t));
-        if (out_t->ndim != 2 || out_t->shape[0] != a.k || out_t->shape[1] != a.m)
-            return sf_fail(SF_ERR_VALUE, "%s: argument 'out_t' must have shape [%lld, %lld]", op,
-                           (long long)a.k, (long long)a.m);
-        SF_TRY(check_out(op, "out_t", out_t, x, a.m * a.k, 1));
+        if (out_t->ndim != 2 || out_t->shape[0] != a.k || out_t->shape[1] != mt)
+            return sf_fail(SF_ERR_VALUE,
+                           "%s: argument 'out_t' must have shape [K, round_up(M, 128)] = "
+                           "[%lld, %lld]", op, (long long)a.k, (long long)mt);
+        SF_TRY(check_out(op, "out_t", out_t, x, mt * a.k, 1));
         SF_TRY(sf_check_aligned(op, "out_t", out_t, 16));
         if (out && out->dtype != out_t->dtype)
             return sf_fail(SF_ERR_TYPE, "%s: arguments 'out' and 'out_t' must have the same "
                            "FP8 dtype", op);
-        /* the transposed [K, M] matrix's 1x128 layout: [M/128, round_up(K, 4)] */
-        SF_TRY(check_block_scales_named(op, "scale_inv_t", scale_inv_t, x, 1, a.k, a.m, 1,
+        /* the transposed [K, mt] matrix's 1x128 layout: [mt/128, round_up(K, 4)] */
+        SF_TRY(check_block_scales_named(op, "scale_inv_t", scale_inv_t, x, 1, a.k, mt, 1,
                                         &a.scale_ld_t));
         a.e5m2 = out_t->dtype == SF_FLOAT8_E5M2;
     }

@@ -61,7 +61,9 @@ static void quantize_fp8_blocks(const sf_block_args *a, int block_rows)
         }
 }
 
-/* Row-wise 1x128 (as quantize_fp8_blocks) and column-wise 1x128 along M. */
+/* Row-wise 1x128 (as quantize_fp8_blocks) and column-wise 1x128 along M:
+ * data_t is [k, mt] with mt = round_up(m, 128); rows of x past m count as 0
+ * (in the amax and in the bytes written). */
 static void quantize_rowcol(const sf_block_args *a)
 {
     if (a->data)
@@ -69,14 +71,17 @@ static void quantize_rowcol(const sf_block_args *a)
     if (!a->data_t)
         return;
     float fmax = sf_fp8_max(a->e5m2);
-    for (int64_t mb = 0; mb < a->m / 128; ++mb)
+    const int64_t mt = (a->m + 127) / 128 * 128;
+    for (int64_t mb = 0; mb < mt / 128; ++mb)
         for (int64_t c = 0; c < a->k; ++c) {
-            float amax = sf_bits_f32(block_amax(a, mb * 128, mb * 128 + 128, c, c + 1));
+            int64_t r1 = mb * 128 + 128 < a->m ? mb * 128 + 128 : a->m;
+            float amax = sf_bits_f32(block_amax(a, mb * 128, r1, c, c + 1));
             float s = sf_scale_from_amax(amax, fmax, 1.0f, 1.0f);
             a->scales_t[mb * a->scale_ld_t + c] = SF_DIV(1.0f, s);
-            for (int64_t r = mb * 128; r < mb * 128 + 128; ++r)
-                a->data_t[c * a->m + r] =
-                    sf_f32_to_fp8(SF_MUL(load_f32(a->x, a->x_dtype, r * a->k + c), s), a->e5m2);
+            for (int64_t r = mb * 128; r < mb * 128 + 128; ++r) {
+                float v = r < a->m ? load_f32(a->x, a->x_dtype, r * a->k + c) : 0.0f;
+                a->data_t[c * mt + r] = sf_f32_to_fp8(SF_MUL(v, s), a->e5m2);
+            }
         }
 }
 

@@ -126,13 +126,18 @@ quant_128x128_kernel(const T *__restrict__ x, int64_t m, int64_t k, uint8_t *out
  * transposed matrix) from one read of x: a CTA per 128 x 128 tile, loads as
  * in cast_transpose; row amaxes by shuffles over the 16 lanes of a row,
  * column amaxes through shared memory; the column-wise bytes go through the
- * swizzled tile and leave as 16-byte rows of out_t. */
+ * swizzled tile and leave as 16-byte rows of out_t.  M need not be a
+ * multiple of 128: rows past M read as 0, so the column-wise copy (rows of
+ * mt = round_up(M, 128) bytes) ends in zeros and its last block's scale
+ * comes from the real rows only; the row-wise copy stops at row M (its scale
+ * padding up to ld_m is written 0). */
 __device__ __forceinline__ int swz(int row, int word) { return word ^ (((row >> 4) & 7) << 2); }
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
 quant_rowcol_kernel(const T *__restrict__ x, int64_t m, int64_t k, uint8_t *out, float *scale_inv,
-                    int64_t ld_m, uint8_t *out_t, float *scale_inv_t, int64_t ld_k, int e5m2)
+                    int64_t ld_m, uint8_t *out_t, float *scale_inv_t, int64_t ld_k, int64_t mt,
+                    int e5m2)
 {
     __shared__ uint32_t tile[128][32];
     __shared__ uint32_t colmax[8][128];
@@ -143,8 +148,12 @@ quant_rowcol_kernel(const T *__restrict__ x, int64_t m, int64_t k, uint8_t *out,
     const float fmax = sf_fp8_max(e5m2);
     sf_raw8<T> raw[8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i)
-        sf_load_raw8(x + (m0 + lr + 16 * i) * k + k0 + lj * 8, raw[i]);
+    for (int i = 0; i < 8; ++i) {
+        if (m0 + lr + 16 * i < m)
+            sf_load_raw8(x + (m0 + lr + 16 * i) * k + k0 + lj * 8, raw[i]);
+        else
+            raw[i] = sf_raw8<T>{}; /* zero bits: 0.0 */
+    }
     uint32_t cmax[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
@@ -158,9 +167,14 @@ quant_rowcol_kernel(const T *__restrict__ x, int64_t m, int64_t k, uint8_t *out,
             cmax[e] = max(cmax[e], b);
         }
         if (out) {
-            rmax = warp_max(rmax, 16); /* the 16 lanes of this row */
+            rmax = warp_max(rmax, 16); /* the 16 lanes of this row (all lanes shuffle) */
             const float s = sf_scale_from_amax(sf_bits_f32(rmax), fmax, 1.0f, 1.0f);
             const int64_t r = m0 + lr + 16 * i;
+            if (r >= m) { /* past M: only the scale tensor's padding is owed */
+                if (lj == 0 && r < ld_m)
+                    scale_inv[(k0 / 128) * ld_m + r] = 0.0f;
+                continue;
+            }
             if (lj == 0)
                 scale_inv[(k0 / 128) * ld_m + r] = __fdiv_rn(1.0f, s);
             uint32_t w0 = 0, w1 = 0;
@@ -231,7 +245,7 @@ quant_rowcol_kernel(const T *__restrict__ x, int64_t m, int64_t k, uint8_t *out,
     /* w[4p + kk]: rows 4p..4p+3 of column 4kw + kk */
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
-        *reinterpret_cast<uint4 *>(out_t + (k0 + kw * 4 + kk) * m + m0 + mg * 16) =
+        *reinterpret_cast<uint4 *>(out_t + (k0 + kw * 4 + kk) * mt + m0 + mg * 16) =
             make_uint4(w[kk], w[4 + kk], w[8 + kk], w[12 + kk]);
 }
 
@@ -348,10 +362,11 @@ void launch_quantize(const sf_block_args *a, int sms, cudaStream_t stream)
         break;
     }
     case SF_BLOCK_FP8_ROWCOL: {
-        int64_t tiles = (a->m / 128) * (a->k / 128);
+        const int64_t mt = (a->m + 127) / 128 * 128;
+        int64_t tiles = (mt / 128) * (a->k / 128);
         quant_rowcol_kernel<T><<<(unsigned)tiles, kThreads, 0, stream>>>(
             x, a->m, a->k, a->data, (float *)a->scales, a->scale_ld, a->data_t, a->scales_t,
-            a->scale_ld_t, a->e5m2);
+            a->scale_ld_t, mt, a->e5m2);
         break;
     }
     case SF_BLOCK_MXFP8: {

@@ -79,8 +79,8 @@ typedef struct {
     int64_t scale_ld;     /* fp32 block scales: row length of the scale tensor */
     const float *amax;    /* nvfp4: tensor amax */
     float *global_scale_inv; /* nvfp4 */
-    uint8_t *data_t;      /* rowcol: [k, m] or NULL (data may be NULL too) */
-    float *scales_t;      /* rowcol: [m/128, scale_ld_t] */
+    uint8_t *data_t;      /* rowcol: [k, round_up(m, 128)] or NULL (data may be NULL too) */
+    float *scales_t;      /* rowcol: [round_up(m, 128)/128, scale_ld_t] */
     int64_t scale_ld_t;
 } sf_block_args;
 

@@ -25,8 +25,14 @@ accumulation).  The wgrad GEMM needs the FP8 norm output transposed: that is
 a byte transpose done by torch in the backward.  The bias gradient is a
 float32 column sum by torch.  Float8CurrentScaling: the same GEMMs, each
 operand scaled from its own amax just before its cast (the norm output is
-made in high precision, then cast and transposed).  Block-scaled, MXFP8 and
-NVFP4 recipes raise NotImplementedError.
+made in high precision, then cast and transposed).  Float8BlockScaling:
+Linear's block path (seqfuse.modules.linear.block_forward / block_backward):
+the norm output is made in high precision and read once by the kernel that
+writes its row-wise (forward) and column-wise (weight gradient) 1x128 FP8
+copies; the weight in 128x128 blocks is cached until it changes (as
+Linear's); the output gradient gets the same two-copy cast.  Features must
+be multiples of 128 and tokens of 16.  MXFP8 and NVFP4 recipes raise
+NotImplementedError (their GEMMs need compute capability 10.x).
 
 Unsupported TE arguments (tensor/sequence parallelism, return_bias,
 parameters_split, fuse_wgrad_accumulation, userbuffers) raise
@@ -35,9 +41,11 @@ NotImplementedError when set to anything but their default.
 import torch
 
 from .. import ops
+from .linear import (_check_fp8_shapes, _quantize_weight, _recipe_kind, block_backward,
+                     block_forward)
 from .norm import _hidden, default_device
 
-_SUPPORTED_RECIPES = ("DelayedScaling", "Float8CurrentScaling")
+_SUPPORTED_RECIPES = ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling")
 
 
 def _check_normalization(normalization):
@@ -110,7 +118,20 @@ def active_fp8_recipe(cls):
     if type(recipe).__name__ not in _SUPPORTED_RECIPES:
         raise NotImplementedError(f"{cls}: FP8 recipe {type(recipe).__name__} is not supported yet "
                                   f"(supported: {', '.join(_SUPPORTED_RECIPES)})")
+    if is_block(recipe):
+        _recipe_kind(recipe)  # Linear's rule on the block dimensions
     return recipe
+
+
+def is_block(recipe):
+    return recipe is not None and type(recipe).__name__ == "Float8BlockScaling"
+
+
+def check_block_shapes(cls, tokens, *features):
+    """Block scaling's shape rules (Linear's): features in whole 128-wide
+    blocks, tokens a multiple of 16.  features: (in, out) per GEMM."""
+    for in_f, out_f in features:
+        _check_fp8_shapes("block", tokens, in_f, out_f, cls)
 
 
 def scaling_state(module, attr, num_tensors, backward_indices, recipe, device):
@@ -211,6 +232,12 @@ def fp8_gemm(a, a_si, b, b_si, out_dtype, bias=None, fast=False):
                     bias=bias, fast_accum=fast)
 
 
+def _wgrad_dtype(w_dtype):
+    """The FP8 weight-gradient GEMM's output dtype: the weight's where
+    cuBLASLt writes it, else float32 (then cast)."""
+    return w_dtype if w_dtype in (torch.float32, torch.bfloat16) else torch.float32
+
+
 def init_weight(w, init_method):
     if init_method is not None:
         init_method(w)
@@ -225,7 +252,17 @@ class _LayerNormLinearFn(torch.autograd.Function):
         x2 = x.reshape(-1, in_features)
         lnw, lnb = norm_param(ln_w, x2), norm_param(ln_b, x2)
         ctx.fp8 = recipe is not None
-        if ctx.fp8:
+        ctx.block = is_block(recipe)
+        if ctx.block:
+            ln_out, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc)
+            w_fwd, w_bwd = _quantize_weight(module, weight, recipe, "block", None, None)
+            out, ln_t = block_forward(ln_out, w_fwd, recipe, x.dtype, as_dtype(bias, x.dtype),
+                                      ctx.needs_input_grad[3])
+            ctx.save_for_backward(x2, lnw, mean, rstd, *ln_t, w_bwd.data, w_bwd.scale_inv)
+            ctx.recipe = recipe
+            if not ret_ln:
+                ln_out = None
+        elif ctx.fp8:
             q = Quantizers(module, 3, (2,), recipe, x.device)
             if ret_ln:  # the norm output is returned: make it in x's dtype, then cast
                 ln_out, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc)
@@ -256,14 +293,20 @@ class _LayerNormLinearFn(torch.autograd.Function):
         x_shape, eps, rms, zc, has_ln_bias, has_bias, w_dtype, b_dtype, lnw_dtype = ctx.meta
         dout2 = dout.reshape(-1, dout.shape[-1]).contiguous()
         dbias = None
-        if ctx.fp8:
+        if ctx.block:
+            x2, lnw, mean, rstd, ln_t, ln_t_si, w_t, w_si = ctx.saved_tensors
+            dln, dweight = block_backward(dout2, (ln_t, ln_t_si), (w_t, w_si), ctx.recipe, x2.dtype,
+                                          True, ctx.needs_input_grad[3], _wgrad_dtype(w_dtype))
+            dweight = as_dtype(dweight, w_dtype)
+            if has_bias:
+                dbias = dout2.sum(0, dtype=torch.float32).to(b_dtype)
+        elif ctx.fp8:
             x2, lnw, mean, rstd, ln8, ln8_t, ln_si, w_t, w_si = ctx.saved_tensors
             g = ctx.quantizers.quantize(dout2, 2)
             dln = fp8_gemm(g.data, g.scale_inv, w_t, w_si, x2.dtype)
             if ln8_t is None:
                 ln8_t = fp8_transpose(ln8)
-            wdt = w_dtype if w_dtype in (torch.float32, torch.bfloat16) else torch.float32
-            dweight = fp8_gemm(g.data_t, g.scale_inv, ln8_t, ln_si, wdt).to(w_dtype)
+            dweight = fp8_gemm(g.data_t, g.scale_inv, ln8_t, ln_si, _wgrad_dtype(w_dtype)).to(w_dtype)
             if has_bias:
                 dbias = dout2.sum(0, dtype=torch.float32).to(b_dtype)
         else:
@@ -325,6 +368,9 @@ class LayerNormLinear(torch.nn.Module):
             raise ValueError(f"LayerNormLinear: input's last dimension must be in_features="
                              f"{self.in_features}, got {x.shape[-1]}")
         recipe = active_fp8_recipe("LayerNormLinear")
+        if is_block(recipe):
+            check_block_shapes("LayerNormLinear", x.numel() // self.in_features,
+                               (self.in_features, self.out_features))
         return _LayerNormLinearFn.apply(x, self.layer_norm_weight, self.layer_norm_bias, self.weight,
                                         self.bias, self.eps, self.normalization == "RMSNorm",
                                         self.zero_centered_gamma, self.return_layernorm_output, self,

@@ -29,14 +29,23 @@ FP8.  Float8CurrentScaling: the same six FP8 GEMMs, each operand scaled from
 its own amax just before its cast (norm and activation outputs are made in
 high precision, then cast+transposed).  The activation gradient is computed in the input's dtype, summed for
 FC1's bias gradient, then cast+transposed for FC1's gradient GEMMs.
+Float8BlockScaling: each GEMM runs Linear's block path
+(seqfuse.modules.linear.block_forward / block_backward): the norm output,
+the activation output and both output gradients are made in high precision
+and read once each by the kernel that writes their row-wise and column-wise
+1x128 FP8 copies; the two weights are quantized in 128x128 blocks and cached
+until they change.  hidden and ffn sizes must be multiples of 128, tokens of
+16.
 """
 import torch
 
 from .. import ops
 from ..ops import act as A
 from .layernorm_linear import (TE_DEFAULTS, Quantizers, _check_normalization, _reject_unsupported,
-                               active_fp8_recipe, as_dtype, fp8_gemm, fp8_transpose, init_weight,
-                               norm_backward, norm_forward, norm_param)
+                               _wgrad_dtype, active_fp8_recipe, as_dtype, check_block_shapes,
+                               fp8_gemm, fp8_transpose, init_weight, is_block, norm_backward,
+                               norm_forward, norm_param)
+from .linear import _quantize_weight, block_backward, block_forward
 from .norm import _hidden, default_device
 
 ACTIVATIONS = ("gelu", "gelu_erf", "relu", "silu", "swiglu", "geglu", "reglu", "geglu_erf")
@@ -53,7 +62,18 @@ class _LayerNormMLPFn(torch.autograd.Function):
         lnw, lnb = norm_param(ln_w, x2), norm_param(ln_b, x2)
         dt = x.dtype
         ctx.fp8 = recipe is not None
-        if ctx.fp8:
+        ctx.block = is_block(recipe)
+        if ctx.block:  # Linear's block path, once per GEMM
+            ln, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc)
+            w1_f, w1_b = _quantize_weight(module, w1, recipe, "block", None, None, slot="fc1")
+            h, ln_t = block_forward(ln, w1_f, recipe, dt, as_dtype(b1, dt), ctx.needs_input_grad[3])
+            a = A.act_fwd(h, activation)
+            w2_f, w2_b = _quantize_weight(module, w2, recipe, "block", None, None, slot="fc2")
+            out, a_t = block_forward(a, w2_f, recipe, dt, as_dtype(b2, dt), ctx.needs_input_grad[5])
+            ctx.save_for_backward(x2, lnw, mean, rstd, h, *ln_t, *a_t, w1_b.data, w1_b.scale_inv,
+                                  w2_b.data, w2_b.scale_inv)
+            ctx.recipe = recipe
+        elif ctx.fp8:
             q = Quantizers(module, 6, (2, 5), recipe, x.device)
             ln8, ln8_t, ln_si, mean, rstd = q.norm(x2, lnw, lnb, eps, rms, zc, 0)
             w1_q = q.quantize(w1.detach(), 1)
@@ -83,7 +103,20 @@ class _LayerNormMLPFn(torch.autograd.Function):
         x_shape, rms, zc, activation, has_ln_bias, lnw_dt, w1_dt, w2_dt, b1_dt, b2_dt = ctx.meta
         dout2 = dout.reshape(-1, dout.shape[-1]).contiguous()
         db1 = db2 = None
-        if ctx.fp8:
+        if ctx.block:
+            (x2, lnw, mean, rstd, h, ln_t, ln_t_si, a_t, a_t_si, w1_t, w1_si, w2_t,
+             w2_si) = ctx.saved_tensors
+            dt, recipe = x2.dtype, ctx.recipe
+            da, dw2 = block_backward(dout2, (a_t, a_t_si), (w2_t, w2_si), recipe, dt, True,
+                                     ctx.needs_input_grad[5], _wgrad_dtype(w2_dt))
+            if b2_dt is not None:
+                db2 = dout2.sum(0, dtype=torch.float32).to(b2_dt)
+            dh = A.act_bwd(da, h, activation)
+            if b1_dt is not None:
+                db1 = dh.sum(0, dtype=torch.float32).to(b1_dt)
+            dln, dw1 = block_backward(dh, (ln_t, ln_t_si), (w1_t, w1_si), recipe, dt, True,
+                                      ctx.needs_input_grad[3], _wgrad_dtype(w1_dt))
+        elif ctx.fp8:
             (x2, lnw, mean, rstd, ln8, ln8_t, ln_si, h, a8, a8_t, a_si, w1_t, w1_si, w2_t,
              w2_si) = ctx.saved_tensors
             dt = x2.dtype
@@ -122,10 +155,6 @@ class _LayerNormMLPFn(torch.autograd.Function):
         return (dx.view(x_shape), as_dtype(dg, lnw_dt), as_dtype(db, lnw_dt), as_dtype(dw1, w1_dt),
                 as_dtype(db1, b1_dt), as_dtype(dw2, w2_dt), as_dtype(db2, b2_dt),
                 None, None, None, None, None, None)
-
-
-def _wgrad_dtype(w_dtype):
-    return w_dtype if w_dtype in (torch.float32, torch.bfloat16) else torch.float32
 
 
 def _wgrad(dy, inp, bias_dtype):
@@ -186,6 +215,10 @@ class LayerNormMLP(torch.nn.Module):
             raise ValueError(f"LayerNormMLP: input's last dimension must be hidden_size="
                              f"{self.hidden_size}, got {x.shape[-1]}")
         recipe = active_fp8_recipe("LayerNormMLP")
+        if is_block(recipe):
+            check_block_shapes("LayerNormMLP", x.numel() // self.hidden_size,
+                               (self.hidden_size, self.fc1_weight.shape[0]),
+                               (self.ffn_hidden_size, self.hidden_size))
         return _LayerNormMLPFn.apply(x, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight,
                                      self.fc1_bias, self.fc2_weight, self.fc2_bias, self.eps,
                                      self.normalization == "RMSNorm", self.zero_centered_gamma,

@@ -22,8 +22,12 @@ three GEMMs run in FP8 under the active recipe:
   Float8CurrentScaling  scales from each tensor's own amax.
   Float8BlockScaling    1x128 blocks for the input and the output gradient,
                         128x128 for the weight (cuBLASLt's block-scaled FP8);
-                        in/out features and the token count must be
-                        multiples of 128.
+                        in/out features must be multiples of 128, the token
+                        count of 16.  Each input / output gradient is read
+                        once by a kernel that writes both its row-wise and
+                        its column-wise (transposed) 1x128 copies; the code
+                        is shared with LayerNormLinear / LayerNormMLP
+                        (block_forward / block_backward below).
   MXFP8 / NVFP4         raise NotImplementedError (their GEMMs need compute
                         capability 10.x).
 
@@ -237,13 +241,17 @@ def _recipe_kind(recipe):
     return kind
 
 
-def _check_fp8_shapes(kind, tokens, in_f, out_f):
-    mult = 128 if kind == "block" else 16
-    what = "block-scaled FP8 (1x128 / 128x128 blocks)" if kind == "block" else "FP8 GEMMs"
-    for name, v in (("the number of tokens (input rows)", tokens), ("in_features", in_f),
-                    ("out_features", out_f)):
+def _check_fp8_shapes(kind, tokens, in_f, out_f, cls="Linear"):
+    """FP8 GEMMs take m, n, k multiples of 16; block scaling also needs the
+    features to be whole 128-wide blocks (the token count stays a multiple of
+    16: the column-wise copies are zero-padded to 128 tokens)."""
+    block = kind == "block"
+    what = "block-scaled FP8 (1x128 / 128x128 blocks)" if block else "FP8 GEMMs"
+    for name, v, mult in (("the number of tokens (input rows)", tokens, 16),
+                          ("in_features", in_f, 128 if block else 16),
+                          ("out_features", out_f, 128 if block else 16)):
         if v % mult:
-            raise ValueError(f"Linear: {what} need {name} to be a multiple of {mult}, got {v} "
+            raise ValueError(f"{cls}: {what} need {name} to be a multiple of {mult}, got {v} "
                              f"(pad the batch, e.g. with seqfuse.data's collators, or run this layer "
                              f"outside FP8 autocast)")
 
@@ -269,15 +277,17 @@ def _scaling_state(module, recipe, device):
     return state
 
 
-def _quantize_weight(module, weight, recipe, kind, state, is_first_microbatch):
+def _quantize_weight(module, weight, recipe, kind, state, is_first_microbatch, slot="weight"):
     """The weight in FP8 with its transposed copy, cached across calls (see the
     module note for when it is re-made).  Returns (forward operand, dgrad
     operand): Float8Tensors (data / data_t) or, for block scaling, two
-    Float8BlockTensors (W and W^T, both 128x128)."""
+    Float8BlockTensors (W and W^T, both 128x128).  ``slot`` names the cache
+    entry, for modules with several weights (LayerNormMLP: "fc1", "fc2")."""
     w = weight.detach()
     fmt = getattr(recipe, "fp8_format", None)
     key = (kind, fmt, w.data_ptr(), w._version, tuple(w.shape), w.dtype)
-    cache = getattr(module, "_fp8_weight_cache", None)
+    caches = module.__dict__.setdefault("_fp8_weight_cache", {})
+    cache = caches.get(slot)
     capturing = w.is_cuda and torch.cuda.is_current_stream_capturing()
     if cache is not None and cache[0][0] == kind and cache[0][1] == fmt:
         if is_first_microbatch is False or (is_first_microbatch is None and not capturing
@@ -293,9 +303,9 @@ def _quantize_weight(module, weight, recipe, kind, state, is_first_microbatch):
                                 amax=state.amax_of(_q.WEIGHT) if state is not None else None)
         pair = (q, q)
     else:
-        pair = (_q.quantize_block(w, 128, recipe.fp8_format.fwd_dtype),
-                _q.quantize_block(w.t().contiguous(), 128, recipe.fp8_format.fwd_dtype))
-    module._fp8_weight_cache = (key, weight, pair)
+        q = _q.quantize_block(w, 128, recipe.fp8_format.fwd_dtype)
+        pair = (q, block_weight_transposed(q))
+    caches[slot] = (key, weight, pair)
     module._fp8_weight_quantizations = getattr(module, "_fp8_weight_quantizations", 0) + 1
     return pair
 
@@ -323,14 +333,8 @@ class Fp8LinearFunction(torch.autograd.Function):
         w_fwd, w_bwd = _quantize_weight(module, weight, recipe, kind, state, is_first_microbatch)
         xin = x.detach()
         if kind == "block":
-            fmt = recipe.fp8_format.fwd_dtype
-            xq = _q.quantize_block(xin, 1, fmt)
-            y = ops.gemm(xq.data, w_fwd.data, transb=True, a_scale_inv=xq.scale_inv,
-                         b_scale_inv=w_fwd.scale_inv, a_scaling="block_1x128",
-                         b_scaling="block_128x128", out_dtype=dtype, bias=_fp8_bias(bias, dtype))
-            x_t = _q.quantize_block(xin.t().contiguous(), 1, fmt) if need_w else None
-            ctx.save_for_backward(x_t.data if need_w else None, x_t.scale_inv if need_w else None,
-                                  w_bwd.data, w_bwd.scale_inv)
+            y, x_t = block_forward(xin, w_fwd, recipe, dtype, bias, need_w)
+            ctx.save_for_backward(*x_t, w_bwd.data, w_bwd.scale_inv)
         else:
             xq = _quantize_act(xin, kind, recipe, state, _q.INPUT, need_w, False)
             y = ops.gemm(xq.data, w_fwd.data, transb=True, a_scale_inv=xq.scale_inv,
@@ -352,19 +356,8 @@ class Fp8LinearFunction(torch.autograd.Function):
         main_grad = getattr(weight, "main_grad", None) if need_dw else None
         dx = dw = db = None
         if kind == "block":
-            fmt = recipe.fp8_format.bwd_dtype
-            if need_dx:
-                g = _q.quantize_block(dy, 1, fmt)
-                dx = ops.gemm(g.data, w_t, transb=True, a_scale_inv=g.scale_inv, b_scale_inv=w_si,
-                              a_scaling="block_1x128", b_scaling="block_128x128", out_dtype=dtype)
-            if need_dw:
-                g_t = _q.quantize_block(dy.t().contiguous(), 1, fmt)
-                kw = dict(transb=True, a_scale_inv=g_t.scale_inv, b_scale_inv=x_si,
-                          a_scaling="block_1x128", b_scaling="block_1x128")
-                if main_grad is not None:
-                    ops.gemm(g_t.data, x_t, out=main_grad, accumulate=True, **kw)
-                else:
-                    dw = ops.gemm(g_t.data, x_t, out_dtype=weight.dtype, **kw)
+            dx, dw = block_backward(dy, (x_t, x_si), (w_t, w_si), recipe, dtype, need_dx, need_dw,
+                                    weight.dtype, main_grad)
         else:
             g = _quantize_act(dy, kind, recipe, state, _q.GRAD_OUTPUT, need_dw, True)
             if need_dx:
@@ -381,3 +374,69 @@ class Fp8LinearFunction(torch.autograd.Function):
         if need_db and ctx.bias_dtype is not None:
             db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)  # no float32 copy of dy
         return dx, dw, db, None, None, None, None, None
+
+
+# ---- block-scaled FP8, shared with LayerNormLinear and LayerNormMLP -----------
+#
+# One GEMM's worth of Float8BlockScaling (1x128 activations and gradients,
+# 128x128 weights).  Each high-precision tensor is read once by
+# quantize_block_fp8_rowcol, which writes the row-wise copy (1x128 along K,
+# the forward / dgrad operand) and the column-wise copy (the transpose in
+# 1x128 blocks along the tokens, the wgrad operand) with their scales already
+# in cuBLASLt's layout: nothing is transposed or re-laid-out per call.  The
+# column-wise copy is zero-padded to a multiple of 128 tokens, so the token
+# count only has to be a multiple of 16 (the FP8 GEMMs' rule).
+
+def block_quantize(x, fp8_dtype, rowwise=True, columnwise=True):
+    """x [M, K] -> Float8BlockTensor with the asked copies, one pass over x."""
+    if columnwise:
+        return _q.quantize_block(x, 1, fp8_dtype, rowwise=rowwise, columnwise=True)
+    return _q.quantize_block(x, 1, fp8_dtype)
+
+
+def block_weight_transposed(q):
+    """W^T in 128x128 blocks from W's: the blocks are the same sets of values,
+    so the bytes are W's transposed and the scales W's scale matrix
+    transposed (re-padded to 4 blocks per row) -- bit for bit what quantizing
+    W.t() gives, for a byte transpose instead of a 16-bit transpose and a
+    second quantization.  Made once per weight update."""
+    out_f, in_f = q.data.shape
+    data_t = q.data.view(torch.uint8).t().contiguous().view(q.data.dtype)
+    rb, cb = out_f // 128, in_f // 128
+    si_t = q.scale_inv.new_zeros((cb, (rb + 3) // 4 * 4))
+    si_t[:, :rb] = q.scale_inv[:rb, :cb].t()
+    return _q.Float8BlockTensor(data_t, si_t, 128, dtype=q.dtype)
+
+
+def block_forward(x, w_fwd, recipe, out_dtype, bias, need_wgrad):
+    """y = x W^T (+ bias) with x [M, K] in high precision and w_fwd W's
+    128x128 Float8BlockTensor.  Returns (y, (x_t, x_t_scale_inv)): x's
+    column-wise copy for the weight gradient, (None, None) when not needed."""
+    xq = block_quantize(x, recipe.fp8_format.fwd_dtype, columnwise=need_wgrad)
+    y = ops.gemm(xq.data, w_fwd.data, transb=True, a_scale_inv=xq.scale_inv,
+                 b_scale_inv=w_fwd.scale_inv, a_scaling="block_1x128", b_scaling="block_128x128",
+                 out_dtype=out_dtype, bias=_fp8_bias(bias, out_dtype))
+    return y, (xq.data_t, xq.scale_inv_t)
+
+
+def block_backward(dy, x_t, w_bwd, recipe, out_dtype, need_dx, need_dw, wgrad_dtype,
+                   main_grad=None):
+    """(dx, dW) from dy [M, N] (high precision), x_t = (x's column-wise data,
+    scales) from block_forward and w_bwd = (W^T data, scales) in 128x128
+    blocks.  dx is [M, K] in out_dtype; dW is [N, K] in wgrad_dtype, or
+    accumulated into main_grad (then returned as None)."""
+    dx = dw = None
+    if not (need_dx or need_dw):
+        return dx, dw
+    g = block_quantize(dy, recipe.fp8_format.bwd_dtype, rowwise=need_dx, columnwise=need_dw)
+    if need_dx:
+        dx = ops.gemm(g.data, w_bwd[0], transb=True, a_scale_inv=g.scale_inv, b_scale_inv=w_bwd[1],
+                      a_scaling="block_1x128", b_scaling="block_128x128", out_dtype=out_dtype)
+    if need_dw:
+        kw = dict(transb=True, a_scale_inv=g.scale_inv_t, b_scale_inv=x_t[1],
+                  a_scaling="block_1x128", b_scaling="block_1x128")
+        if main_grad is not None:
+            ops.gemm(g.data_t, x_t[0], out=main_grad, accumulate=True, **kw)
+        else:
+            dw = ops.gemm(g.data_t, x_t[0], out_dtype=wgrad_dtype, **kw)
+    return dx, dw

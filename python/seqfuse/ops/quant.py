@@ -217,25 +217,24 @@ def quantize_block_fp8(x, block_rows=1, fp8_dtype=torch.float8_e4m3fn):
 
 def quantize_block_fp8_rowcol(x, fp8_dtype=torch.float8_e4m3fn, *, rowwise=True, columnwise=True):
     """1x128 block quantization along both dimensions from one read of x
-    [M, K] (M and K multiples of 128): returns ``(data, scale_inv, data_t,
+    [M, K] (K a multiple of 128, M any): returns ``(data, scale_inv, data_t,
     scale_inv_t)`` -- the row-wise copy as :func:`quantize_block_fp8` with
-    block_rows=1, and the column-wise copy ``data_t`` [K, M] (x transposed,
-    1x128 blocks along M) with ``scale_inv_t`` [M/128, round_up(K, 4)] in the
+    block_rows=1, and the column-wise copy ``data_t`` [K, Mt] (x transposed,
+    1x128 blocks along M; Mt = M rounded up to a multiple of 128, the
+    columns past M zero) with ``scale_inv_t`` [Mt/128, round_up(K, 4)] in the
     same cuBLASLt layout.  Either copy can be skipped (returned as None)."""
     op = "quantize_block_fp8_rowcol"
     require_fp8_dlpack(op)
     x, m, k = _matrix(op, x, 128, "1x128 blocks")
-    if m % 128:
-        raise ValueError(f"{op}: the rows of 'x' (M = {m}, all dimensions but the last) must be "
-                         "a multiple of 128 for the column-wise 1x128 blocks")
+    mt = (m + 127) // 128 * 128
     fp8_dtype = fp8_dtype_of(fp8_dtype, op)
     data = scale_inv = data_t = scale_inv_t = None
     if rowwise:
         data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
         scale_inv = torch.empty(block_scale_shape(m, k, 1), dtype=torch.float32, device=x.device)
     if columnwise:
-        data_t = torch.empty((k, m), dtype=fp8_dtype, device=x.device)
-        scale_inv_t = torch.empty(block_scale_shape(k, m, 1), dtype=torch.float32, device=x.device)
+        data_t = torch.empty((k, mt), dtype=fp8_dtype, device=x.device)
+        scale_inv_t = torch.empty(block_scale_shape(k, mt, 1), dtype=torch.float32, device=x.device)
     _C.quantize_block_fp8_rowcol(x, data, scale_inv, data_t, scale_inv_t, stream_for(x))
     return data, scale_inv, data_t, scale_inv_t
 

@@ -60,14 +60,16 @@ def quantize_block(x, block_rows=1, fp8_dtype=torch.float8_e4m3fn, *, columnwise
     """FP8 with 1x128 (block_rows=1) or 128x128 (block_rows=128) fp32 block
     scales in cuBLASLt's Hopper layout -> Float8BlockTensor.  With
     ``columnwise=True`` (1x128 only) the same pass also makes the transposed
-    copy in 1x128 blocks along M (data_t, scale_inv_t)."""
+    copy in 1x128 blocks along M (data_t [K, round_up(M, 128)], zero past
+    M, and scale_inv_t); ``rowwise=False`` then skips the row-wise copy."""
     if columnwise:
         if block_rows != 1:
             raise ValueError("quantize_block: columnwise copies are made for 1x128 blocks; a "
                              "128x128-block tensor serves both GEMM layouts by transposing its "
                              "scales")
         data, si, data_t, si_t = qops.quantize_block_fp8_rowcol(x, fp8_dtype, rowwise=rowwise)
-        return Float8BlockTensor(data, si, 1, dtype=x.dtype, data_t=data_t, scale_inv_t=si_t)
+        return Float8BlockTensor(data, si, 1, dtype=x.dtype, data_t=data_t, scale_inv_t=si_t,
+                                 shape=x.shape)
     data, scale_inv = qops.quantize_block_fp8(x, block_rows, fp8_dtype)
     return Float8BlockTensor(data, scale_inv, block_rows, dtype=x.dtype)
 

@@ -59,25 +59,29 @@ class Float8BlockTensor:
     read on Hopper (see seqfuse.ops.quantize_block_fp8): block_rows 1 for
     1x128 blocks, 128 for 128x128 blocks.  For 1x128, ``data_t`` /
     ``scale_inv_t`` optionally hold the column-wise copy (the transposed
-    matrix in 1x128 blocks along M, quantize_block_fp8_rowcol)."""
+    matrix in 1x128 blocks along M, quantize_block_fp8_rowcol; its rows are
+    zero-padded to a multiple of 128, ``shape`` stays the original's)."""
 
-    __slots__ = ("data", "scale_inv", "block_rows", "dtype", "data_t", "scale_inv_t")
+    __slots__ = ("data", "scale_inv", "block_rows", "dtype", "data_t", "scale_inv_t", "_shape")
 
     def __init__(self, data, scale_inv, block_rows, dtype=torch.float32, data_t=None,
-                 scale_inv_t=None):
+                 scale_inv_t=None, shape=None):
         self.data, self.scale_inv, self.block_rows, self.dtype = data, scale_inv, block_rows, dtype
         self.data_t, self.scale_inv_t = data_t, scale_inv_t
+        if shape is None:
+            shape = data.shape if data is not None else tuple(reversed(data_t.shape))
+        self._shape = torch.Size(shape)
 
     @property
     def shape(self):
-        if self.data is not None:
-            return self.data.shape
-        return torch.Size(tuple(reversed(self.data_t.shape)))
+        return self._shape
 
     def dequantize(self, dtype=None):
         if self.data is None:
-            return qops.dequantize_block_fp8(self.data_t, self.scale_inv_t, 1,
-                                             dtype or self.dtype).t()
+            k = self._shape[-1]
+            m = self._shape.numel() // k if k else 0
+            full = qops.dequantize_block_fp8(self.data_t, self.scale_inv_t, 1, dtype or self.dtype)
+            return full.t()[:m].reshape(self._shape)
         return qops.dequantize_block_fp8(self.data, self.scale_inv, self.block_rows,
                                          dtype or self.dtype)
 
