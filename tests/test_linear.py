@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import seqfuse.pytorch as te
-from helpers import REL_TOL, rel_error
+from helpers import REL_TOL, block128_dequantized_ref, block_dequantized_ref, rel_error
 
 
 def twin(in_f, out_f, bias, dtype, device):
@@ -319,13 +319,13 @@ def quantized_reference(kind, x, w, b, dy):
     """float64 (y, dx, dW, db) from the operands quantized the way the
     module quantizes them on its first call (a fresh delayed state has scale 1)."""
     f = Float8CurrentScaling().fp8_format
-    if kind == "block":
-        xq = Q.quantize_block(x, 1).dequantize(torch.float32).double()
-        wq = Q.quantize_block(w, 128).dequantize(torch.float32).double()
-        gq = Q.quantize_block(dy, 1).dequantize(torch.float32).double()
-        gq_t = Q.quantize_block(dy.t().contiguous(), 1).dequantize(torch.float32).double().t()
-        xq_t = Q.quantize_block(x.t().contiguous(), 1).dequantize(torch.float32).double().t()
-        return xq @ wq.t() + b.double(), gq @ wq, gq_t.t() @ xq_t, dy.double().sum(0)
+    if kind == "block":  # plain-torch block quantization (helpers), float64 products
+        xq, gq = block_dequantized_ref(x), block_dequantized_ref(dy)
+        wq = block128_dequantized_ref(w)
+        gq_t, xq_t = block_dequantized_ref(dy, columnwise=True), block_dequantized_ref(x, columnwise=True)
+        dev = x.device
+        return ((xq @ wq.t()).to(dev) + b.double(), (gq @ wq).to(dev), (gq_t.t() @ xq_t).to(dev),
+                dy.double().sum(0))
     wq = Q.quantize_current(w, f.fwd_dtype).dequantize(torch.float32).double()
     if kind == "current":
         xq = Q.quantize_current(x, f.fwd_dtype).dequantize(torch.float32).double()
@@ -365,6 +365,38 @@ def run_fp8(kind, device, tokens, in_f, out_f, seed_):
 @pytest.mark.parametrize("kind", ["delayed", "current", "block"])
 def test_cpu_fp8_recipes(kind, seed):
     run_fp8(kind, "cpu", 128, 128, 256, seed)
+
+
+def test_cpu_fp8_block_tokens_not_a_multiple_of_128(seed):
+    """Block scaling needs only tokens % 16: the column-wise copies of the
+    input and gradient are zero-padded to whole 128-token blocks."""
+    run_fp8("block", "cpu", 144, 256, 128, seed)
+
+
+@pytest.mark.parametrize("shape", [(128, 128), (256, 384), (640, 128)])
+def test_block_weight_transposed_is_quantized_transpose(shape, seed):
+    """W^T's 128x128 copy made from W's (byte transpose, scale matrix
+    transposed) is bit for bit the quantization of W.t()."""
+    from seqfuse.modules.linear import block_weight_transposed
+
+    w = (torch.randn(shape) * torch.logspace(-2, 2, shape[1])).bfloat16()
+    got = block_weight_transposed(Q.quantize_block(w, 128))
+    want = Q.quantize_block(w.t().contiguous(), 128)
+    assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+    assert torch.equal(got.scale_inv, want.scale_inv)
+
+
+def test_cpu_fp8_block_weight_cached(seed):
+    m = fp8_twin(128, 256, "cpu")
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    x = torch.randn(32, 128).bfloat16()
+    with te.fp8_autocast(fp8_recipe=Float8BlockScaling()):
+        for step in range(2):
+            for micro in range(3):
+                m(x).float().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert m._fp8_weight_quantizations == 2
 
 
 def test_cpu_fp8_weight_quantized_once_per_update(seed):
