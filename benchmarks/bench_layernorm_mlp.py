@@ -1,6 +1,6 @@
 """LayerNormMLP forward+backward at 16384 tokens x 4096 hidden x 16384 FFN:
-seqfuse in FP8 (DelayedScaling, HYBRID: E4M3 forward, E5M2 gradients) and in
-bf16, against the same block in torch bf16 (F.layer_norm, F.linear, the
+seqfuse in FP8 (DelayedScaling, HYBRID: E4M3 forward, E5M2 gradients; and
+Float8BlockScaling, E4M3 1x128 / 128x128 blocks) and in bf16, against the same block in torch bf16 (F.layer_norm, F.linear, the
 activation, F.linear) eager and under torch.compile; same process, same
 inputs and weights (bf16 parameters everywhere).
 
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import seqfuse
 import seqfuse.pytorch as te
-from seqfuse.common.recipe import DelayedScaling, Format
+from seqfuse.common.recipe import DelayedScaling, Float8BlockScaling, Format
 from seqfuse.quantization import autocast
 
 from harness import H200_BF16_TFLOPS, H200_FP8_TFLOPS, RESULTS, Table, cuda_time_ms, plot_bars
@@ -62,6 +62,13 @@ def main():
                 y = m(x)
             torch.autograd.grad(y, params, dy)
 
+        block_recipe = Float8BlockScaling()
+
+        def seqfuse_fp8_block():
+            with autocast(recipe=block_recipe):
+                y = m(x)
+            torch.autograd.grad(y, params, dy)
+
         def seqfuse_bf16():
             torch.autograd.grad(m(x), params, dy)
 
@@ -76,21 +83,23 @@ def main():
             torch.autograd.grad(compiled(*args), params, dy)
 
         times = {}
-        for name, fn in (("seqfuse fp8", seqfuse_fp8), ("seqfuse bf16", seqfuse_bf16),
+        for name, fn in (("seqfuse fp8", seqfuse_fp8), ("seqfuse fp8 block", seqfuse_fp8_block),
+                         ("seqfuse bf16", seqfuse_bf16),
                          ("torch bf16", torch_bf16), ("torch.compile bf16", torch_compile)):
             times[name] = cuda_time_ms(fn, warmup=3, repeats=10)
         for name, ms in times.items():
             table.add(activation=activation, shape=f"{TOKENS}x{HIDDEN}x{FFN}", impl=name, ms=ms,
                       TFLOP_s=flops / ms / 1e9, x_vs_torch_bf16=times["torch bf16"] / ms,
                       x_vs_compile=times["torch.compile bf16"] / ms)
-        for name in ("seqfuse fp8", "seqfuse bf16"):
+        for name in ("seqfuse fp8", "seqfuse fp8 block", "seqfuse bf16"):
             labels.append(f"{activation} {name}")
             series["vs torch bf16 eager"].append(times["torch bf16"] / times[name])
             series["vs torch bf16 compile"].append(times["torch.compile bf16"] / times[name])
         del m, x, dy
         torch.cuda.empty_cache()
     table.save({"ceilings_tflops": {"bf16": H200_BF16_TFLOPS, "fp8": H200_FP8_TFLOPS},
-                "recipe": "DelayedScaling(HYBRID, amax_history_len=16, max)"})
+                "recipe": "seqfuse fp8: DelayedScaling(HYBRID, amax_history_len=16, max); "
+                          "seqfuse fp8 block: Float8BlockScaling() (E4M3, 1x128 / 128x128)"})
     plot_bars(os.path.join(RESULTS, "layernorm_mlp.png"),
               "LayerNormMLP fwd+bwd 16384x4096x16384 (H200): speedup over torch bf16", labels, series,
               "x speedup")

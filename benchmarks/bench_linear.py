@@ -11,7 +11,16 @@ FP8 delayed scaling >= 1.5x torch bf16.
 Host time: a tiny layer (16 x 64 -> 64) so the GPU never limits: microseconds
 of Python + C per forward call, bf16 and FP8.
 
-Writes results/linear.json and results/linear.png.
+Block FP8 breakdown (16384 x 4096 -> 4096): each piece of a
+Float8BlockScaling step timed alone -- the one-pass row+column 1x128
+quantization of x and of dy, the three block-scaled GEMMs (fprop and dgrad
+1x128 x 128x128, wgrad 1x128 x 1x128), the bias-gradient sum -- beside the
+bf16 GEMM, and the older three-pass quantization (1x128 rows, a torch
+transpose, 1x128 rows again) for comparison.  Quantization rows report
+GB/s of bytes moved (read bf16 + written FP8 and scales).
+
+Writes results/linear.json, results/linear_block_breakdown.json and
+results/linear.png.
 """
 import os
 
@@ -45,6 +54,56 @@ def step_fn(module, x, dy, recipe=None):
         y.backward(dy)
         x.grad = None
     return step
+
+
+def block_breakdown():
+    """Time each piece of a block-FP8 Linear step alone (see the module note)."""
+    from seqfuse import ops
+    from seqfuse import quantization as Q
+
+    tokens, in_f, out_f = 16384, 4096, 4096
+    table = Table("linear_block_breakdown", ["piece", "ms", "GB_s", "TFLOP_s"])
+    x = torch.randn(tokens, in_f, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(tokens, out_f, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16) * 0.02
+    e4m3 = torch.float8_e4m3fn
+    qbytes = x.numel() * (2 + 2 * 1) + 2 * 4 * x.numel() // 128  # bf16 in, two fp8 copies + scales
+    flops = 2.0 * tokens * in_f * out_f
+
+    def add(piece, fn, nbytes=None, nflops=None):
+        ms = cuda_time_ms(fn, warmup=5, repeats=20)
+        table.add(piece=piece, ms=ms, GB_s=nbytes / ms / 1e6 if nbytes else None,
+                  TFLOP_s=nflops / ms / 1e9 if nflops else None)
+
+    add("quantize x: rowcol 1x128 (one pass, both copies)",
+        lambda: ops.quantize_block_fp8_rowcol(x, e4m3), qbytes)
+    add("quantize x: old 1x128 + torch transpose + 1x128",
+        lambda: (ops.quantize_block_fp8(x, 1, e4m3),
+                 ops.quantize_block_fp8(x.t().contiguous(), 1, e4m3)), qbytes)
+    add("quantize x: row-wise 1x128 only (warp kernel)", lambda: ops.quantize_block_fp8(x, 1, e4m3),
+        x.numel() * 3 + 4 * x.numel() // 128)
+    add("quantize x: row-wise 1x128 only (rowcol kernel)",
+        lambda: ops.quantize_block_fp8_rowcol(x, e4m3, columnwise=False), x.numel() * 3 + 4 * x.numel() // 128)
+    from seqfuse.modules.linear import block_weight_transposed
+
+    add("quantize W 128x128 + W^T copy (once per weight update)",
+        lambda: block_weight_transposed(Q.quantize_block(w, 128, e4m3)))
+    wq = Q.quantize_block(w, 128, e4m3)
+    wt = block_weight_transposed(wq)
+    xq = Q.quantize_block(x, 1, e4m3, columnwise=True)
+    gq = Q.quantize_block(dy, 1, e4m3, columnwise=True)
+    add("gemm fprop 1x128 x 128x128", lambda: ops.gemm(
+        xq.data, wq.data, transb=True, a_scale_inv=xq.scale_inv, b_scale_inv=wq.scale_inv,
+        a_scaling="block_1x128", b_scaling="block_128x128"), nflops=flops)
+    add("gemm dgrad 1x128 x 128x128", lambda: ops.gemm(
+        gq.data, wt.data, transb=True, a_scale_inv=gq.scale_inv, b_scale_inv=wt.scale_inv,
+        a_scaling="block_1x128", b_scaling="block_128x128"), nflops=flops)
+    add("gemm wgrad 1x128 x 1x128", lambda: ops.gemm(
+        gq.data_t, xq.data_t, transb=True, a_scale_inv=gq.scale_inv_t, b_scale_inv=xq.scale_inv_t,
+        a_scaling="block_1x128", b_scaling="block_1x128"), nflops=flops)
+    add("bias gradient dy.sum(0) in fp32", lambda: dy.sum(0, dtype=torch.float32), dy.numel() * 2)
+    add("torch bf16 gemm x @ W^T", lambda: torch.matmul(x, w.t()), nflops=flops)
+    table.save()
 
 
 def main():
@@ -97,6 +156,7 @@ def main():
                 "host_us": {r["call"]: r["us_per_call"] for r in host.rows}})
     plot_bars(os.path.join(RESULTS, "linear.png"), "Linear fwd+bwd speedup over torch.nn.Linear bf16",
               labels, speed, "x torch bf16")
+    block_breakdown()  # last: the tables above are saved whatever happens here
 
 
 if __name__ == "__main__":
