@@ -217,7 +217,12 @@ def test_dropout_errors():
 
 # ---- CUDA --------------------------------------------------------------------
 
-CUDA_SHAPES = [(1,), (7,), (1000, 37), (3, 5, 34), (4096, 1024), (333, 4098), (8, 4096 * 33 + 6)]
+# Vector kernels (gated n a multiple of 8: 4096 x 1024, 20000 x 640, 5 x 8 x
+# 2560; element-wise rows with a tail: 7, 3 x 5 x 34, 333 x 4098), the
+# element-wise fallback (gated n odd or not a multiple of 8: 3 x 5 x 34,
+# 333 x 4098, 8 x 135174), more rows than the grid has row blocks (20000).
+CUDA_SHAPES = [(1,), (7,), (1000, 37), (3, 5, 34), (4096, 1024), (333, 4098), (8, 4096 * 33 + 6),
+               (20000, 640), (5, 8, 2560)]
 
 
 def run_c(name, x, dy, out_dtype=None, scale=None):

@@ -105,6 +105,7 @@ static sf_status dispatch_act(const char *op, const sf_act_args *a, int backward
     if (a->x->device == SF_CPU)
         return backward ? sf_act_bwd_cpu(a) : sf_act_fwd_cpu(a);
 #ifdef SF_WITH_CUDA
+    (void)op;
     return backward ? sf_act_bwd_cuda(a, stream) : sf_act_fwd_cuda(a, stream);
 #else
     (void)stream;

@@ -6,7 +6,20 @@
  * Work layout: the tensor is [rows, cols] (an element-wise activation is one
  * long row; a gated one has rows of 2n inputs and n outputs; dropout has the
  * bias dimension as cols).  blockIdx.y walks rows, blockIdx.x and threadIdx.x
- * walk the vectors of a row; each thread keeps kUnroll vectors in flight.
+ * walk the vectors of a row; each thread loads U vectors of every input
+ * before computing any (vec_unroll: 64 bytes of input in flight per
+ * thread).
+ *
+ * Speed: these are pure streams (forward reads 2 bytes and writes 2 per bf16
+ * element; GLUs read 4 and write 2 per output), so what matters is bytes in
+ * flight per SM, i.e. occupancy.  The activation is a template parameter of
+ * the vector kernels (an earlier version switched on it at run time: every
+ * kernel carried erfc's and the gated backward's registers, 114-128 in all,
+ * 2 blocks of 256 per SM, and ran at 45-77 % of copy, below torch's own
+ * element-wise kernels); the kernels are bounded to 64 registers (4 blocks
+ * of 256 per SM at least) and the grid is what fits at once (occupancy
+ * query), walking the tensor grid-stride.  Only the element-wise fallback
+ * (rows not in 16-byte vectors) switches on the activation at run time.
  * When a row's vectors cannot be 16-byte aligned (a gated n, or a dropout row
  * length, not a multiple of the vector width; an offset view) the same kernel
  * runs with one element per vector; a lone element-wise row takes its tail
@@ -28,7 +41,7 @@ namespace {
 using namespace sf_vec;
 
 constexpr int kThreads = 256;
-constexpr int kUnroll = 4;
+constexpr int kMinBlocks = 4; /* vector kernels: <= 64 registers a thread */
 
 struct ActParams {
     const void *x, *dy;
@@ -96,7 +109,7 @@ __device__ __forceinline__ void load_vec(const ActParams &p, int64_t r, int64_t 
 
 /* Compute and store one vector; returns the running max of |output| bits. */
 template <typename T, int VEC, bool BWD>
-__device__ __forceinline__ unsigned compute_vec(const ActParams &p, int64_t r, int64_t c,
+__device__ __forceinline__ unsigned compute_vec(const ActParams &p, int base, int64_t r, int64_t c,
                                                 const Raw<T, VEC> &raw, float scale, unsigned m)
 {
     float a[VEC], b[VEC], o[VEC];
@@ -106,7 +119,7 @@ __device__ __forceinline__ unsigned compute_vec(const ActParams &p, int64_t r, i
     if (!BWD) {
 #pragma unroll
         for (int e = 0; e < VEC; ++e)
-            o[e] = p.gated ? sf_act_base(p.base, a[e]) * b[e] : sf_act_base(p.base, a[e]);
+            o[e] = p.gated ? sf_act_base(base, a[e]) * b[e] : sf_act_base(base, a[e]);
         store_out<T, VEC>(p, r * p.n + c, o, scale);
         return vmax<VEC>(m, o);
     }
@@ -117,7 +130,7 @@ __device__ __forceinline__ unsigned compute_vec(const ActParams &p, int64_t r, i
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
             float f, df;
-            sf_act_base_both(p.base, a[e], &f, &df);
+            sf_act_base_both(base, a[e], &f, &df);
             o[e] = dy[e] * b[e] * df;
             db[e] = dy[e] * f;
         }
@@ -126,44 +139,129 @@ __device__ __forceinline__ unsigned compute_vec(const ActParams &p, int64_t r, i
     } else {
 #pragma unroll
         for (int e = 0; e < VEC; ++e)
-            o[e] = dy[e] * sf_act_base_grad(p.base, a[e]);
+            o[e] = dy[e] * sf_act_base_grad(base, a[e]);
     }
     store_out<T, VEC>(p, r * p.in_cols + c, o, scale);
     return vmax<VEC>(m, o);
 }
 
-/* Forward (BWD false) or backward over every row; vectors of VEC elements,
- * kUnroll of them loaded before any is computed (the stores could alias the
- * loads, so the compiler would not overlap them on its own), and, for
- * VEC > 1, the tail of a row whose length is not a multiple of VEC. */
+/* The element-wise fallback (rows not in 16-byte vectors: VEC = 1), any
+ * activation (p.base read at run time): forward (BWD false) or backward over
+ * every row, U elements loaded before any is computed. */
 template <typename T, int VEC, bool BWD>
-__global__ void __launch_bounds__(kThreads, 2) act_kernel(ActParams p)
+__global__ void __launch_bounds__(kThreads) act_kernel(ActParams p)
 {
+    constexpr int U = BWD ? 2 : 4;
     __shared__ unsigned red[kThreads / 32];
+    const int base = p.base;
     const float scale = p.out_kind != kOutSame ? *p.scale : 1.0f;
     const int64_t nv = p.n / VEC;
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
     unsigned m = 0u;
     for (int64_t r = blockIdx.y; r < p.rows; r += gridDim.y) {
         for (int64_t v0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; v0 < nv;
-             v0 += stride * kUnroll) {
-            Raw<T, VEC> raw[kUnroll];
+             v0 += stride * U) {
+            Raw<T, VEC> raw[U];
 #pragma unroll
-            for (int u = 0; u < kUnroll; ++u)
+            for (int u = 0; u < U; ++u)
                 if (v0 + u * stride < nv)
                     load_vec<T, VEC, BWD>(p, r, (v0 + u * stride) * VEC, raw[u]);
 #pragma unroll
-            for (int u = 0; u < kUnroll; ++u)
+            for (int u = 0; u < U; ++u)
                 if (v0 + u * stride < nv)
-                    m = compute_vec<T, VEC, BWD>(p, r, (v0 + u * stride) * VEC, raw[u], scale, m);
+                    m = compute_vec<T, VEC, BWD>(p, base, r, (v0 + u * stride) * VEC, raw[u], scale, m);
         }
-        if (VEC > 1) /* tail elements (element-wise rows only: see launch) */
-            for (int64_t c = nv * VEC + (int64_t)blockIdx.x * blockDim.x + threadIdx.x; c < p.n;
-                 c += stride) {
-                Raw<T, 1> raw;
-                load_vec<T, 1, BWD>(p, r, c, raw);
-                m = compute_vec<T, 1, BWD>(p, r, c, raw, scale, m);
+    }
+    if (p.amax)
+        block_publish_max(m, red, p.amax);
+    if (p.scale_inv && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0)
+        *p.scale_inv = 1.0f / scale;
+}
+
+/* Vectors a thread loads per input before computing: 64 bytes of input in
+ * flight per thread (48 for the gated backward's three inputs), within 64
+ * registers. */
+__host__ __device__ constexpr int vec_unroll(bool gated, bool bwd)
+{
+    return bwd ? (gated ? 1 : 2) : (gated ? 2 : 4);
+}
+
+/* The vector path: BASE (0 gelu-tanh, 1 gelu-erf, 2 silu, 3 relu), GATED
+ * and the direction are template parameters, so each kernel holds only its
+ * own registers.  Row r of x is [a | b] (b only when GATED); a thread loads
+ * U 16-byte vectors of a (and of b, and of dy in the backward) before it
+ * computes and stores any.  Element-wise activations are one flat row; its
+ * tail (numel not a multiple of V) is done element by element by the first
+ * threads of block (0, 0). */
+template <typename T, int BASE, bool GATED, bool BWD>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) act_vec_kernel(ActParams p)
+{
+    constexpr int V = 16 / sizeof(T);
+    constexpr int U = vec_unroll(GATED, BWD);
+    __shared__ unsigned red[kThreads / 32];
+    const float scale = p.out_kind != kOutSame ? *p.scale : 1.0f;
+    const int64_t nv = p.n / V;
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    unsigned m = 0u;
+    for (int64_t r = blockIdx.y; r < p.rows; r += gridDim.y) {
+        const T *ar = (const T *)p.x + r * p.in_cols;
+        const T *dyr = BWD ? (const T *)p.dy + r * p.n : NULL;
+        const int64_t orow = r * (BWD ? p.in_cols : p.n); /* element offset of the output row */
+        for (int64_t v0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; v0 < nv; v0 += stride * U) {
+            Pack<T, V> ra[U], rb[U], rd[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int64_t v = v0 + u * stride;
+                if (v < nv) {
+                    ra[u] = *reinterpret_cast<const Pack<T, V> *>(ar + v * V);
+                    if (GATED)
+                        rb[u] = *reinterpret_cast<const Pack<T, V> *>(ar + p.n + v * V);
+                    if (BWD)
+                        rd[u] = *reinterpret_cast<const Pack<T, V> *>(dyr + v * V);
+                }
             }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int64_t v = v0 + u * stride;
+                if (v >= nv)
+                    break;
+                float a[V], o[V];
+#pragma unroll
+                for (int e = 0; e < V; ++e)
+                    a[e] = to_f(ra[u].v[e]);
+                if (!BWD) {
+#pragma unroll
+                    for (int e = 0; e < V; ++e)
+                        o[e] = GATED ? sf_act_base(BASE, a[e]) * to_f(rb[u].v[e]) : sf_act_base(BASE, a[e]);
+                } else if (GATED) {
+                    float g[V];
+#pragma unroll
+                    for (int e = 0; e < V; ++e) {
+                        float f, df;
+                        sf_act_base_both(BASE, a[e], &f, &df);
+                        const float d = to_f(rd[u].v[e]);
+                        o[e] = d * to_f(rb[u].v[e]) * df;
+                        g[e] = d * f;
+                    }
+                    store_out<T, V>(p, orow + p.n + v * V, g, scale);
+                    m = vmax<V>(m, g);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < V; ++e)
+                        o[e] = to_f(rd[u].v[e]) * sf_act_base_grad(BASE, a[e]);
+                }
+                store_out<T, V>(p, orow + v * V, o, scale);
+                m = vmax<V>(m, o);
+            }
+        }
+    }
+    if (!GATED && blockIdx.x == 0 && blockIdx.y == 0) { /* the flat row's tail */
+        const int64_t c = nv * V + threadIdx.x;
+        if (c < p.n) {
+            Raw<T, 1> raw;
+            load_vec<T, 1, BWD>(p, 0, c, raw);
+            m = compute_vec<T, 1, BWD>(p, BASE, 0, c, raw, scale, m);
+        }
     }
     if (p.amax)
         block_publish_max(m, red, p.amax);
@@ -251,18 +349,32 @@ __global__ void __launch_bounds__(kThreads) dropout_bwd_kernel(DropParams p)
 #pragma unroll
     for (int e = 0; e < VEC; ++e)
         acc[e] = 0.0f;
-    for (int64_t r = blockIdx.y; r < p.rows; r += gridDim.y) {
-        const int64_t i = r * p.n + c;
-        float dy[VEC], dx[VEC];
-        bool keep[VEC];
-        load_f<T, VEC>((const T *)p.dy + i, dy);
-        keep_flags<VEC>(p, i, keep);
+    /* kRows rows' dy loads in flight before any is used (one at a time left
+     * each thread waiting a full memory latency per row) */
+    constexpr int kRows = 4;
+    const int64_t ystep = gridDim.y;
+    for (int64_t r0 = blockIdx.y; r0 < p.rows; r0 += ystep * kRows) {
+        Pack<T, VEC> raw[kRows];
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-            dx[e] = keep[e] ? dy[e] * p.keep_scale : 0.0f;
-            acc[e] += dx[e];
+        for (int j = 0; j < kRows; ++j)
+            if (r0 + j * ystep < p.rows)
+                raw[j] = *reinterpret_cast<const Pack<T, VEC> *>((const T *)p.dy + (r0 + j * ystep) * p.n + c);
+#pragma unroll
+        for (int j = 0; j < kRows; ++j) {
+            const int64_t r = r0 + j * ystep;
+            if (r >= p.rows)
+                break;
+            const int64_t i = r * p.n + c;
+            float dx[VEC];
+            bool keep[VEC];
+            keep_flags<VEC>(p, i, keep);
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+                dx[e] = keep[e] ? to_f(raw[j].v[e]) * p.keep_scale : 0.0f;
+                acc[e] += dx[e];
+            }
+            store_f<T, VEC>((T *)p.out + i, dx);
         }
-        store_f<T, VEC>((T *)p.out + i, dx);
     }
     if (p.ws)
         store_f<float, VEC>(p.ws + (int64_t)blockIdx.y * p.n + c, acc);
@@ -270,37 +382,67 @@ __global__ void __launch_bounds__(kThreads) dropout_bwd_kernel(DropParams p)
 
 /* ---- host side --------------------------------------------------------------- */
 
-/* Blocks: about 8 per multiprocessor in all. */
-sf_status grid_for(const char *op, int device, int64_t rows, int64_t vecs_per_row, dim3 *grid)
+/* The grid of an act kernel: what fits on the GPU at once (occupancy of this
+ * kernel), split between the vectors of a row (x: enough blocks to give each
+ * thread U vectors of it, no more) and the rows (y). */
+template <typename K>
+sf_status act_grid(const char *op, K kernel, int device, int64_t rows, int64_t vecs_per_row, int unroll,
+                   dim3 *grid)
 {
-    int sms;
+    int sms, per_sm;
     SF_TRY(sm_count(op, device, &sms));
-    const int64_t target = (int64_t)sms * 8;
-    int64_t gx = (vecs_per_row + (int64_t)kThreads * kUnroll - 1) / ((int64_t)kThreads * kUnroll);
+    SF_TRY(blocks_per_sm(op, kernel, kThreads, 0, device, &per_sm));
+    const int64_t target = (int64_t)sms * per_sm;
+    int64_t gx = (vecs_per_row + (int64_t)kThreads * unroll - 1) / ((int64_t)kThreads * unroll);
     gx = gx < 1 ? 1 : gx > target ? target : gx;
     int64_t gy = target / gx;
     gy = gy < 1 ? 1 : gy > rows ? rows : gy;
     gy = gy > 65535 ? 65535 : gy;
-    *grid = dim3((unsigned)gx, (unsigned)(gy < 1 ? 1 : gy));
+    *grid = dim3((unsigned)gx, (unsigned)gy);
     return SF_OK;
+}
+
+template <typename K>
+sf_status launch_with(const char *op, K kernel, const ActParams &p, int device, int64_t vecs_per_row,
+                      int unroll, cudaStream_t stream)
+{
+    dim3 grid;
+    SF_TRY(act_grid(op, kernel, device, p.rows, vecs_per_row, unroll, &grid));
+    kernel<<<grid, kThreads, 0, stream>>>(p);
+    SF_CUDA_CHECK_LAUNCH(op);
+    return SF_OK;
+}
+
+template <typename T, int BASE, bool BWD>
+sf_status launch_vec(const char *op, const ActParams &p, int device, cudaStream_t stream)
+{
+    const int64_t vecs = p.n / (16 / (int64_t)sizeof(T)) + 1;
+    if (p.gated)
+        return launch_with(op, act_vec_kernel<T, BASE, true, BWD>, p, device, vecs,
+                           vec_unroll(true, BWD), stream);
+    return launch_with(op, act_vec_kernel<T, BASE, false, BWD>, p, device, vecs,
+                       vec_unroll(false, BWD), stream);
+}
+
+template <typename T, bool BWD>
+sf_status launch_act_dir(const char *op, const ActParams &p, int device, bool vec, cudaStream_t stream)
+{
+    if (!vec)
+        return launch_with(op, act_kernel<T, 1, BWD>, p, device, p.n, BWD ? 2 : 4, stream);
+    switch (p.base) {
+    case 0:  return launch_vec<T, 0, BWD>(op, p, device, stream);
+    case 1:  return launch_vec<T, 1, BWD>(op, p, device, stream);
+    case 2:  return launch_vec<T, 2, BWD>(op, p, device, stream);
+    default: return launch_vec<T, 3, BWD>(op, p, device, stream);
+    }
 }
 
 template <typename T>
 sf_status launch_act(const char *op, const ActParams &p, int device, bool vec, bool bwd,
                      cudaStream_t stream)
 {
-    constexpr int V = 16 / sizeof(T);
-    dim3 grid;
-    SF_TRY(grid_for(op, device, p.rows, vec ? p.n / V + 1 : p.n, &grid));
-    if (vec) {
-        if (bwd) act_kernel<T, V, true><<<grid, kThreads, 0, stream>>>(p);
-        else     act_kernel<T, V, false><<<grid, kThreads, 0, stream>>>(p);
-    } else {
-        if (bwd) act_kernel<T, 1, true><<<grid, kThreads, 0, stream>>>(p);
-        else     act_kernel<T, 1, false><<<grid, kThreads, 0, stream>>>(p);
-    }
-    SF_CUDA_CHECK_LAUNCH(op);
-    return SF_OK;
+    return bwd ? launch_act_dir<T, true>(op, p, device, vec, stream)
+               : launch_act_dir<T, false>(op, p, device, vec, stream);
 }
 
 __global__ void write_scale_inv_kernel(const float *scale, float *scale_inv) { *scale_inv = 1.0f / *scale; }

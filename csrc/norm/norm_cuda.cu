@@ -72,7 +72,6 @@ constexpr int kBwdElems = 8;
  * cost 8 %. */
 constexpr int kFwdBlock = 256;
 constexpr int kBwdBlock = 1024;
-constexpr int kCacheSlots = 64;    /* occupancy answers remembered */
 
 __device__ __forceinline__ float warp_sum(float v)
 {
@@ -504,34 +503,6 @@ sf_status allow_smem(const char *op, K kernel, size_t bytes)
     if (bytes > 48 * 1024)
         SF_CUDA_TRY(op, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              (int)bytes));
-    return SF_OK;
-}
-
-/* Blocks of a kernel that fit on one SM at once (asked once per kernel,
- * block size, shared memory and device). */
-template <typename K>
-sf_status blocks_per_sm(const char *op, K kernel, int threads, size_t smem, int device, int *per_sm)
-{
-    static int cache[kCacheSlots][4]; /* blocks per SM, threads, smem bytes, device */
-    static const void *keys[kCacheSlots];
-    static int next;
-    for (int i = 0; i < kCacheSlots; ++i)
-        if (keys[i] == (const void *)kernel && cache[i][1] == threads && cache[i][2] == (int)smem &&
-            cache[i][3] == device) {
-            *per_sm = cache[i][0];
-            return SF_OK;
-        }
-    int n = 0;
-    SF_CUDA_TRY(op, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem));
-    if (n < 1)
-        n = 1;
-    const int i = next++ % kCacheSlots;
-    keys[i] = (const void *)kernel;
-    cache[i][0] = n;
-    cache[i][1] = threads;
-    cache[i][2] = (int)smem;
-    cache[i][3] = device;
-    *per_sm = n;
     return SF_OK;
 }
 

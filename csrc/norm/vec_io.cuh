@@ -4,7 +4,8 @@
  * and converted to / from float, FP8 stores of scaled values, and the
  * block-wide max that folds an amax into global memory with one atomicMax on
  * the float's bits per block (non-negative floats order like their bits; a
- * NaN's bits order above +inf, so NaN wins, as the CPU references say).
+ * NaN's bits order above +inf, so NaN wins, as the CPU references say), and
+ * the occupancy query that sizes their grids.
  *
  * FP8 encoding: the hardware conversion (cvt.rn.satfinite) on sm_89 and newer,
  * else quant/fp8.h's bit manipulation, which is the same rule (round to
@@ -19,6 +20,7 @@
 #include <stdint.h>
 
 #include "seqfuse.h"
+#include "../core/cuda_util.h"
 #include "../quant/fp8.h"
 
 namespace sf_vec {
@@ -168,6 +170,36 @@ inline sf_status sm_count(const char *op, int device, int *sms)
 }
 
 inline int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+
+/* Blocks of a kernel that fit on one SM at once (asked once per kernel,
+ * block size, shared memory and device, then remembered): the size of a
+ * persistent or grid-stride launch that fills the GPU exactly once. */
+template <typename K>
+sf_status blocks_per_sm(const char *op, K kernel, int threads, size_t smem, int device, int *per_sm)
+{
+    constexpr int kSlots = 64;
+    static int cache[kSlots][4]; /* blocks per SM, threads, smem bytes, device */
+    static const void *keys[kSlots];
+    static int next;
+    for (int i = 0; i < kSlots; ++i)
+        if (keys[i] == (const void *)kernel && cache[i][1] == threads && cache[i][2] == (int)smem &&
+            cache[i][3] == device) {
+            *per_sm = cache[i][0];
+            return SF_OK;
+        }
+    int n = 0;
+    SF_CUDA_TRY(op, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem));
+    if (n < 1)
+        n = 1;
+    const int i = next++ % kSlots;
+    keys[i] = (const void *)kernel;
+    cache[i][0] = n;
+    cache[i][1] = threads;
+    cache[i][2] = (int)smem;
+    cache[i][3] = device;
+    *per_sm = n;
+    return SF_OK;
+}
 
 } // namespace sf_vec
 
