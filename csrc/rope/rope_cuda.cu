@@ -13,6 +13,14 @@
  * token comes from a binary search of cu_seqlens in device memory: nothing is
  * read on the host, nothing synchronizes, and the launch is capturable in a
  * CUDA graph.  A position outside freqs makes NaN (seqfuse_rope.h).
+ *
+ * Registers: the (cos, sin) pairs sit in shared memory as float2 and are
+ * read where they are used (16 bytes of shared memory per pair against 4 of
+ * global input: a quarter of shared memory's bandwidth at the copy rate),
+ * and a thread rotates one head at a time while the loads of all kBatch are
+ * in flight.  That keeps the kernel within 64 registers, 16+ blocks per SM;
+ * holding the 4 x V angles of a group across the heads in registers, as an
+ * earlier version did, took 153-157 registers and 3 blocks of 128 per SM.
  */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -88,9 +96,9 @@ __device__ __forceinline__ void group_offsets(int g, int64_t rot, int64_t *e1, i
 }
 
 template <typename T, bool IL, int V>
-__global__ void rope_kernel(RopeArgs a)
+__global__ void __launch_bounds__(128, 8) rope_kernel(RopeArgs a)
 {
-    extern __shared__ float cs[]; /* cos[rot] then sin[rot] of this token */
+    extern __shared__ float2 cs[]; /* (cos, sin) of each of this token's rot angles */
     const sf_rope_problem &p = a.p;
     const T *in = static_cast<const T *>(a.in);
     T *out = static_cast<T *>(a.out);
@@ -132,50 +140,44 @@ __global__ void rope_kernel(RopeArgs a)
         const float *fr = a.freqs + pos * p.f_stride_pos;
         for (int64_t j = threadIdx.x; j < p.rot; j += blockDim.x) {
             if (bad) {
-                cs[j] = cs[p.rot + j] = __int_as_float(0x7fc00000);
+                const float nan = __int_as_float(0x7fc00000);
+                cs[j] = make_float2(nan, nan);
             } else {
                 float s, c;
                 sincosf(fr[j * p.f_stride_dim], &s, &c);
-                cs[j] = c;
-                cs[p.rot + j] = s;
+                cs[j] = make_float2(c, s);
             }
         }
     }
     __syncthreads();
 
     while (have) {
-        float c1[V], s1[V], c2[V], s2[V];
-#pragma unroll
-        for (int i = 0; i < V; ++i) {
-            int64_t j1, j2;
-            sf_rope_pair_index(IL, p.rot, (int64_t)g * V + i, &j1, &j2);
-            c1[i] = cs[j1];
-            s1[i] = cs[p.rot + j1];
-            c2[i] = cs[j2];
-            s2[i] = cs[p.rot + j2];
-        }
-#pragma unroll
+        /* the angles are read from shared memory where they are used, not
+         * held across the heads in registers (32 floats a thread for bf16:
+         * what kept an earlier version at 153-157 registers); 16 bytes of
+         * shared memory per pair against 4 bytes of global input */
+#pragma unroll 1 /* one head at a time: the loads of all kBatch are already in flight */
         for (int k = 0; k < kBatch; ++k) {
             int64_t h = h0 + (int64_t)k * Hb;
             if (h >= p.heads)
                 break;
-            float x1[V], x2[V];
-#pragma unroll
-            for (int i = 0; i < V; ++i) {
-                if (IL) { /* ra rb hold 2V consecutive elements: pairs (2i, 2i+1) */
-                    int m = 2 * i;
-                    x1[i] = to_f(m < V ? ra[k].v[m] : rb[k].v[m - V]);
-                    x2[i] = to_f(m + 1 < V ? ra[k].v[m + 1] : rb[k].v[m + 1 - V]);
-                } else {
-                    x1[i] = to_f(ra[k].v[i]);
-                    x2[i] = to_f(rb[k].v[i]);
-                }
-            }
             Vec<T, V> oa, ob;
 #pragma unroll
             for (int i = 0; i < V; ++i) {
+                float x1, x2;
+                if (IL) { /* ra rb hold 2V consecutive elements: pairs (2i, 2i+1) */
+                    int m = 2 * i;
+                    x1 = to_f(m < V ? ra[k].v[m] : rb[k].v[m - V]);
+                    x2 = to_f(m + 1 < V ? ra[k].v[m + 1] : rb[k].v[m + 1 - V]);
+                } else {
+                    x1 = to_f(ra[k].v[i]);
+                    x2 = to_f(rb[k].v[i]);
+                }
+                int64_t j1, j2;
+                sf_rope_pair_index(IL, p.rot, (int64_t)g * V + i, &j1, &j2);
+                const float2 a1 = cs[j1], a2 = cs[j2];
                 float y1, y2;
-                sf_rope_rotate(p.backward, x1[i], x2[i], c1[i], s1[i], c2[i], s2[i], &y1, &y2);
+                sf_rope_rotate(p.backward, x1, x2, a1.x, a1.y, a2.x, a2.y, &y1, &y2);
                 if (IL) {
                     int m = 2 * i;
                     if (m < V) oa.v[m] = from_f<T>(y1); else ob.v[m - V] = from_f<T>(y1);
@@ -238,7 +240,7 @@ void launch_one(const RopeArgs &a, cudaStream_t stream)
     int64_t want = rows * groups;
     int block = (int)((want + 31) / 32 * 32);
     block = block < 32 ? 32 : block > 128 ? 128 : block;
-    size_t smem = 2 * (size_t)p.rot * sizeof(float);
+    size_t smem = (size_t)p.rot * sizeof(float2);
     rope_kernel<T, IL, V><<<(unsigned)(p.n0 * p.n1), block, smem, stream>>>(a);
 }
 
