@@ -61,7 +61,7 @@ def main():
     for name in ("gelu", "gelu_erf", "silu", "relu", "swiglu", "geglu"):
         gated = name in ("swiglu", "geglu")
         peer = torch_act(name)
-        impls = {"seqfuse": lambda t, n=name: activation(t, n), "eager": peer, "compile": torch.compile(peer)}
+        impls = {"seqfuse": lambda t, n=name: activation(t, n), "eager": peer, "compile": torch.compile(peer, dynamic=False)}
         dy = torch.randn(ROWS, COLS // 2 if gated else COLS, device="cuda", dtype=torch.bfloat16)
         for pss, traffic in (("fwd", (1.5 if gated else 2.0) * nb),
                              ("fwd+bwd", (4.0 if gated else 5.0) * nb),
@@ -93,7 +93,7 @@ def main():
     xs_g, b_g, r_g = (t.clone().requires_grad_() for t in (xs, b, r))
     dy = torch.randn_like(xs)
     nb = xs.numel() * 2
-    compiled = torch.compile(torch_bda)
+    compiled = torch.compile(torch_bda, dynamic=False)
     impls = {"seqfuse": lambda a, bb, rr: bias_dropout_add(a, bb, rr, 0.1), "eager": torch_bda,
              "compile": compiled}
     for pss, traffic in (("fwd", 3 * nb), ("fwd+bwd", 5 * nb)):

@@ -130,6 +130,22 @@ static void bandwidth(void)
     float d = time_ms([&] { CHECK_SF(sf_bias_dropout_add_fwd(&X, &B, &R, 0.1f, 1, 0, &Y, NULL)); });
     printf("bias_dropout_add bf16 16384x16384: %.3f ms %.2f TB/s (%.0f%% of copy)\n", d, 3.0 * n * 2 / d / 1e9,
            100 * 3.0 * n * 2 / d / 1e9 / copy_tbs);
+    /* dropout backward with dbias: dy read, dx written (the float32 partials
+     * of dbias are not counted) */
+    int64_t wsn = 0;
+    CHECK_SF(sf_dropout_bwd_workspace_numel(&DY, &wsn));
+    void *ws, *dbias;
+    CHECK_CUDA(cudaMalloc(&ws, (wsn > 0 ? wsn : 1) * 4));
+    CHECK_CUDA(cudaMalloc(&dbias, cols * 2));
+    int64_t wshape[1] = {wsn};
+    sf_tensor WS, DB;
+    sf_tensor_init(&WS, ws, SF_FLOAT32, 1, wshape, SF_CUDA, 0);
+    sf_tensor_init(&DB, dbias, SF_BFLOAT16, 1, bs, SF_CUDA, 0);
+    float db = time_ms([&] { CHECK_SF(sf_dropout_bwd(&DY, 0.1f, 1, 0, &DX, &DB, &WS, NULL)); });
+    printf("dropout_bwd+dbias bf16 16384x16384: %.3f ms %.2f TB/s (%.0f%% of copy)\n", db, 2.0 * n * 2 / db / 1e9,
+           100 * 2.0 * n * 2 / db / 1e9 / copy_tbs);
+    cudaFree(ws);
+    cudaFree(dbias);
     void *all[] = {x, y, dy, dx, r, copy};
     for (void *p : all) cudaFree(p);
 }

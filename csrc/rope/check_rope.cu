@@ -103,27 +103,39 @@ int main(void)
                     run_case(dt, f, il, bw, 2, 17, 3, 10, 6); /* scalar path */
                 }
 
-    /* bandwidth: bf16 bshd [8, 4096, 32, 128], full rotary */
-    int64_t shape[4] = {8, 4096, 32, 128}, fshape[4] = {4096, 1, 1, 128};
-    int64_t n = shape[0] * shape[1] * shape[2] * shape[3];
-    void *dx, *dout, *dfreqs;
-    CHECK_CUDA(cudaMalloc(&dx, n * 2));
-    CHECK_CUDA(cudaMalloc(&dout, n * 2));
-    CHECK_CUDA(cudaMalloc(&dfreqs, 4096 * 128 * 4));
-    CHECK_CUDA(cudaMemset(dx, 0x3c, n * 2));
-    std::vector<float> freqs(4096 * 128);
-    for (int p = 0; p < 4096; ++p)
-        for (int j = 0; j < 128; ++j) freqs[p * 128 + j] = p * powf(10000.0f, -2.0f * (j % 64) / 128);
-    CHECK_CUDA(cudaMemcpy(dfreqs, freqs.data(), freqs.size() * 4, cudaMemcpyHostToDevice));
-    sf_tensor tx, tout, tf;
-    sf_tensor_init(&tx, dx, SF_BFLOAT16, 4, shape, SF_CUDA, 0);
-    sf_tensor_init(&tout, dout, SF_BFLOAT16, 4, shape, SF_CUDA, 0);
-    sf_tensor_init(&tf, dfreqs, SF_FLOAT32, 4, fshape, SF_CUDA, 0);
-    for (int il = 0; il < 2; ++il) {
-        float ms = time_ms([&] { CHECK_SF(sf_rope(&tx, &tf, NULL, NULL, SF_ROPE_BSHD, il, 0, &tout, NULL)); });
-        float copy_ms = time_ms([&] { CHECK_CUDA(cudaMemcpyAsync(dout, dx, n * 2, cudaMemcpyDeviceToDevice)); });
-        printf("rope bf16 bshd 8x4096x32x128 %s: %.3f ms = %.2f TB/s (read+write); copy %.3f ms = %.2f TB/s\n",
-               il ? "interleaved" : "half-split", ms, 2.0 * n * 2 / ms / 1e9, copy_ms, 2.0 * n * 2 / copy_ms / 1e9);
+    /* bandwidth, bf16 bshd, full rotary: Llama-like [8, 4096, 32, 128] and
+     * ESM-2 650M-like [8, 4096, 20, 64]; bytes = t read + out written */
+    const int64_t shapes[2][4] = {{8, 4096, 32, 128}, {8, 4096, 20, 64}};
+    for (auto &sh : shapes) {
+        int64_t shape[4] = {sh[0], sh[1], sh[2], sh[3]}, rot = sh[3], fshape[4] = {sh[1], 1, 1, rot};
+        int64_t n = shape[0] * shape[1] * shape[2] * shape[3];
+        void *dx, *dout, *dfreqs;
+        CHECK_CUDA(cudaMalloc(&dx, n * 2));
+        CHECK_CUDA(cudaMalloc(&dout, n * 2));
+        CHECK_CUDA(cudaMalloc(&dfreqs, sh[1] * rot * 4));
+        CHECK_CUDA(cudaMemset(dx, 0x3c, n * 2));
+        std::vector<float> freqs(sh[1] * rot);
+        for (int64_t p = 0; p < sh[1]; ++p)
+            for (int64_t j = 0; j < rot; ++j)
+                freqs[p * rot + j] = p * powf(10000.0f, -2.0f * (j % (rot / 2)) / rot);
+        CHECK_CUDA(cudaMemcpy(dfreqs, freqs.data(), freqs.size() * 4, cudaMemcpyHostToDevice));
+        sf_tensor tx, tout, tf;
+        sf_tensor_init(&tx, dx, SF_BFLOAT16, 4, shape, SF_CUDA, 0);
+        sf_tensor_init(&tout, dout, SF_BFLOAT16, 4, shape, SF_CUDA, 0);
+        sf_tensor_init(&tf, dfreqs, SF_FLOAT32, 4, fshape, SF_CUDA, 0);
+        const double copy = check_copy_tbs((size_t)n * 2);
+        for (int il = 0; il < 2; ++il)
+            for (int bw = 0; bw < 2; ++bw) {
+                float ms = time_ms([&] { CHECK_SF(sf_rope(&tx, &tf, NULL, NULL, SF_ROPE_BSHD, il, bw, &tout, NULL)); });
+                const double tbs = 2.0 * n * 2 / ms / 1e9;
+                printf("rope bf16 bshd %lldx%lldx%lldx%lld %s %s: %.3f ms = %.2f TB/s (read+write), %.0f%% of "
+                       "copy %.2f TB/s\n", (long long)sh[0], (long long)sh[1], (long long)sh[2],
+                       (long long)sh[3], il ? "interleaved" : "half-split", bw ? "backward" : "forward", ms, tbs,
+                       100 * tbs / copy, copy);
+            }
+        cudaFree(dx);
+        cudaFree(dout);
+        cudaFree(dfreqs);
     }
     return check_finish("check_rope");
 }
