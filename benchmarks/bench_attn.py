@@ -4,7 +4,10 @@
 Part 1, padded (bshd), 16k tokens per batch: seqlens 1024, 4096, 8192, head
 dims 64 (32 heads) and 128 (16 heads), causal and not, forward and
 forward+backward, bf16.  TFLOP/s = 4*b*h*s^2*d (halved when causal), x3.5
-with the backward; ratio = seqfuse / torch (goal >= 1.0).
+with the backward; ratio = seqfuse / torch (goal >= 1.0).  On Hopper,
+sm90v0/sm90v1 TFLOP/s and sm90_ratio time the same call with the wgmma
+forward (attn_fwd_sm90_cuda.cu, schedules 0 and 1) selected, whatever the
+default is, so the sm90 and sm80 forwards and torch stand side by side.
 
 Part 2, packed (thd) proteins: ESM-2 attention, 20 heads of 64 (650M), 32
 (150M), 24 (35M; the kernel runs it as a 32-wide tile) and 16 (8M), 16k
@@ -35,6 +38,20 @@ def sdpa_flops(b, h, s, d, causal, backward):
     return 4.0 * b * h * s * s * d * (0.5 if causal else 1.0) * (3.5 if backward else 1.0)
 
 
+def _sm90_time(fn, variant):
+    """cuda_time_ms(fn) with the wgmma forward (schedule `variant`) selected;
+    None off Hopper.  Restores the sm80 default and schedule 0."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        return None
+    seqfuse.ops.set_attention_fwd_kernel(90)
+    seqfuse._C.attn_set_fwd_sm90_variant(variant)
+    try:
+        return cuda_time_ms(fn)
+    finally:
+        seqfuse.ops.set_attention_fwd_kernel(80)
+        seqfuse._C.attn_set_fwd_sm90_variant(0)
+
+
 def padded_rows(table):
     for d, h in ((64, 32), (128, 16)):
         for s in (1024, 4096, 8192):
@@ -60,13 +77,17 @@ def padded_rows(table):
                         def peer():
                             F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
                     t_ours, t_peer = cuda_time_ms(ours), cuda_time_ms(peer)
+                    t90 = [_sm90_time(ours, v) for v in (0, 1)]
                     fl = sdpa_flops(b, h, s, d, causal, backward)
                     table.add(case=f"s{s} d{d}{' causal' if causal else ''} {'fwd+bwd' if backward else 'fwd'}",
                               seqlen=s, head_dim=d, heads=h, batch=b, causal=causal,
                               passes="fwd+bwd" if backward else "fwd",
                               seqfuse_ms=t_ours, torch_ms=t_peer,
                               seqfuse_tflops=fl / t_ours / 1e9, torch_tflops=fl / t_peer / 1e9,
-                              ratio=t_peer / t_ours)
+                              ratio=t_peer / t_ours,
+                              sm90v0_tflops=fl / t90[0] / 1e9 if t90[0] else None,
+                              sm90v1_tflops=fl / t90[1] / 1e9 if t90[1] else None,
+                              sm90_ratio=t_peer / min(t90) if t90[0] else None)
                 del q, k, v, dout
                 torch.cuda.empty_cache()
 
@@ -155,7 +176,8 @@ def main():
         print("bench_attn: needs a CUDA GPU and a CUDA build of seqfuse")
         return
     torch.manual_seed(0)
-    table = Table("attn", ["case", "seqfuse_tflops", "torch_tflops", "ratio", "seqfuse_ms", "torch_ms"])
+    table = Table("attn", ["case", "seqfuse_tflops", "torch_tflops", "ratio", "seqfuse_ms", "torch_ms",
+                           "sm90v0_tflops", "sm90v1_tflops", "sm90_ratio"])
     padded_rows(table)
     extra = packed_rows(table)
     extra["note"] = ("torch = F.scaled_dot_product_attention (backend of its choice); TFLOP/s counts "

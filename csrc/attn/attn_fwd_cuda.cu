@@ -24,6 +24,7 @@
  */
 #include "../core/cuda_util.h"
 #include "attn_cuda.cuh"
+#include "attn_sm90.cuh"
 
 namespace sf_attn {
 
@@ -358,8 +359,12 @@ extern "C" sf_status sf_attn_fwd_cuda(const sf_attn_problem *p, sf_stream s, int
     sf_cuda_device_guard guard;
     SF_TRY(sf_cuda_device_enter("attention_fwd", device, &guard));
     sf_status st = SF_OK;
-    if (p->batch > 0 && p->max_sq > 0)
-        st = p->dtype == SF_BFLOAT16 ? launch_fwd<__nv_bfloat16>(*p, stream) : launch_fwd<__half>(*p, stream);
+    if (p->batch > 0 && p->max_sq > 0) {
+        if (fwd_sm90_selected(*p, device, NULL))
+            st = launch_fwd_sm90(*p, stream); /* wgmma kernel, attn_fwd_sm90_cuda.cu */
+        else
+            st = p->dtype == SF_BFLOAT16 ? launch_fwd<__nv_bfloat16>(*p, stream) : launch_fwd<__half>(*p, stream);
+    }
     if (st == SF_OK && p->thd) {
         launch_zero_tail(*p, p->o, p->heads, p->cu_q, p->extent_q, p->lse, stream);
         cudaError_t e = cudaGetLastError();

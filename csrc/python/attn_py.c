@@ -6,6 +6,7 @@
  *          max_seqlen_q, max_seqlen_kv, deterministic)
  */
 #include "py_call.h"
+#include "attn/attn_sm90.h"
 
 static int parse_config(const char *op, PyObject *obj, sf_attn_config *cfg)
 {
@@ -110,7 +111,65 @@ done:
     return NULL;
 }
 
+/* attn_set_fwd_kernel(arch): the CUDA forward on Hopper, 90 (wgmma) or 80
+ * (mma.sync); attn_set_fwd_sm90_variant(v): the wgmma kernel's schedule;
+ * attn_fwd_kernel_for(head_dim, device) -> (arch, reason): which kernel a
+ * forward takes (attn_sm90.h).  Tests, benchmarks and the once-per-reason
+ * log of ops/attn.py. */
+static PyObject *py_attn_set_int(PyObject *arg, sf_status (*set)(int))
+{
+    long v = PyLong_AsLong(arg);
+    if (v == -1 && PyErr_Occurred())
+        return NULL;
+#ifdef SF_WITH_CUDA
+    sf_status st = set((int)v);
+#else
+    (void)set;
+    sf_status st = sf_fail(SF_ERR_NOT_IMPLEMENTED, "attention_fwd: the kernel choice exists only in a CUDA build");
+#endif
+    if (st != SF_OK)
+        return sf_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+#ifndef SF_WITH_CUDA
+#define sf_attn_set_fwd_kernel NULL
+#define sf_attn_set_fwd_sm90_variant NULL
+#endif
+
+static PyObject *py_attn_set_fwd_kernel(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    return py_attn_set_int(arg, sf_attn_set_fwd_kernel);
+}
+
+static PyObject *py_attn_set_fwd_sm90_variant(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    return py_attn_set_int(arg, sf_attn_set_fwd_sm90_variant);
+}
+
+static PyObject *py_attn_fwd_kernel_for(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int head_dim, device;
+    if (!PyArg_ParseTuple(args, "ii", &head_dim, &device))
+        return NULL;
+    const char *why = "";
+    int arch = 80;
+#ifdef SF_WITH_CUDA
+    arch = sf_attn_fwd_kernel_for(head_dim, device, &why);
+#endif
+    return Py_BuildValue("(is)", arch, why ? why : "");
+}
+
 PyMethodDef sf_py_attn_methods[] = {
+    {"attn_set_fwd_kernel", py_attn_set_fwd_kernel, METH_O,
+     "attn_set_fwd_kernel(arch): CUDA forward kernel on Hopper, 90 (wgmma) or 80 (mma.sync)."},
+    {"attn_set_fwd_sm90_variant", py_attn_set_fwd_sm90_variant, METH_O,
+     "attn_set_fwd_sm90_variant(v): wgmma forward schedule, 0 (in order) or 1 (softmax overlapped with P V)."},
+    {"attn_fwd_kernel_for", py_attn_fwd_kernel_for, METH_VARARGS,
+     "attn_fwd_kernel_for(head_dim, device) -> (arch, reason): the forward kernel a call takes."},
     {"attn_fwd", SF_PY_FASTCALL(py_attn_fwd),
      "attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, out, lse, cfg, stream=None): "
      "fused attention forward into out and lse (float32)."},

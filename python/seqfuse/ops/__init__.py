@@ -12,8 +12,10 @@ from .rope import rope_backward, rope_forward
 __all__ = ["amax", "gemm", "rope_forward", "rope_backward"]
 
 from .attn import attention, attention_bwd, attention_fwd  # noqa: E402
+from .attn import attention_fwd_kernel, set_attention_fwd_kernel  # noqa: E402
 
 __all__ += ["attention", "attention_fwd", "attention_bwd"]
+__all__ += ["attention_fwd_kernel", "set_attention_fwd_kernel"]
 
 __all__ += ["cross_entropy_forward", "cross_entropy_backward"]
 

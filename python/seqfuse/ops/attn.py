@@ -20,7 +20,14 @@ for the backward.  Masks and layouts are spelled as in Transformer Engine:
 
 CUDA: float16/bfloat16, head dims 16, 24, 32, 64 and 128.  CPU: the reference in double
 precision, any head dim, float32 too.  No dropout.
+
+On Hopper the forward has two kernels: the wgmma one (``attention_fwd_kernel`` 90,
+csrc/attn/attn_fwd_sm90_cuda.cu) and the mma.sync one (80).  The choice is
+``SEQFUSE_ATTN_FWD_KERNEL=sm90|sm80`` or ``set_attention_fwd_kernel``; sm80 stays the
+default until the wgmma kernel is confirmed on a GPU.  Wherever a Hopper
+device runs the slower kernel, the reason is logged once (logger "seqfuse").
 """
+import logging
 import math
 
 import torch
@@ -40,6 +47,32 @@ MASKS = {
     "padding_causal_bottom_right": 5,
 }
 _PADDING = {1, 3, 5}
+
+_log = logging.getLogger("seqfuse")
+_fwd_reasons_logged = set()
+
+
+def set_attention_fwd_kernel(arch):
+    """Forward kernel on Hopper: 90 (wgmma) or 80 (mma.sync), for the process."""
+    _C.attn_set_fwd_kernel(arch)
+
+
+def attention_fwd_kernel(head_dim, device=None):
+    """(arch, reason): the CUDA forward kernel a call with this head dim takes
+    on ``device`` (default: the current CUDA device); reason is "" when it is
+    90 or when the device is not Hopper."""
+    index = torch.cuda.current_device() if device is None else torch.device(device).index
+    return _C.attn_fwd_kernel_for(head_dim, 0 if index is None else index)
+
+
+def _note_fwd_kernel(q):
+    """Log once per reason when a Hopper device gets the sm80 forward."""
+    arch, why = _C.attn_fwd_kernel_for(q.shape[-1], q.device.index or 0)
+    if arch != 90 and why and why not in _fwd_reasons_logged:
+        _fwd_reasons_logged.add(why)
+        # an explicit (or, for now, default) choice is news; anything else is a missed fast path
+        level = logging.INFO if why.startswith("sm80 kernel chosen") else logging.WARNING
+        _log.log(level, "seqfuse attention forward: the sm80 (mma.sync) kernel runs on this Hopper GPU: %s", why)
 
 
 def _mask_code(attn_mask_type, qkv_format):
@@ -133,6 +166,8 @@ def attention_fwd(q, k, v, *, qkv_format="bshd", attn_mask_type="no_mask", cu_se
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty(_lse_shape(q, qkv_format, cfg), dtype=torch.float32, device=q.device)
+    if q.is_cuda:
+        _note_fwd_kernel(q)
     _C.attn_fwd(q, k, v, cu_q, cu_k, out, lse, cfg, stream_for(q))
     return out, lse
 

@@ -1,0 +1,446 @@
+/*
+ * attn_fwd_sm90_cuda.cu - the flash-attention forward on Hopper's wgmma
+ * (sm_90a), head dims 64 and 128, everything the mma.sync forward
+ * (attn_fwd_cuda.cu) supports: layouts through the problem's strides and
+ * cu_seqlens, every mask and window, GQA/MQA, the same lse for the backward.
+ *
+ * A block of two warpgroups owns BM = 128 query rows of one (sequence,
+ * head), 64 rows per warpgroup.  Q is copied once into shared memory, K and
+ * V tiles of BN = 128 keys go through two shared-memory stages: all threads
+ * issue cp.async for tile n + 1 while tile n is consumed.  Per tile each
+ * warpgroup computes S = Q K^T (wgmma m64n128k16, A and B K-major from the
+ * 128-byte swizzled tiles, attn_sm90.cuh), masks only tiles that cross a
+ * boundary, runs the online softmax in base 2 on the accumulator registers,
+ * packs P to 16-bit pairs in registers and accumulates O += P V (wgmma
+ * m64nDk16, A from registers, V MN-major).  Epilogue: O / l and
+ * lse = ln(sum exp(scale * s)) (float32, natural log), exactly as the sm80
+ * forward writes them.
+ *
+ * This first version keeps the schedule simple (no producer warp, no TMA,
+ * no overlap of the softmax with the next tile's wgmma); those are the next
+ * steps once the GPU has confirmed it.  The kernel is selected by
+ * fwd_sm90_selected() (SEQFUSE_ATTN_FWD_KERNEL=sm90|sm80, default sm80 for
+ * now) from sf_attn_fwd_cuda.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "../core/cuda_util.h"
+#include "attn_sm90.cuh"
+
+namespace sf_attn {
+namespace sm90 {
+
+constexpr int kWarpgroups = 2, kBM = 64 * kWarpgroups, kBN = 128, kThreads = 128 * kWarpgroups;
+
+/* Where one block stands: its sequence, rows and the key tiles they see. */
+struct BlockPlan {
+    int64_t qs, ks;         /* first token of the sequence in q / k views */
+    int sq, sk, rows_total; /* lengths; rows the view owns for this sequence */
+    int m0, off, nb_lo, nb_hi;
+};
+
+__device__ __forceinline__ bool plan_block(const sf_attn_problem &p, int b, int m_block, BlockPlan &bp)
+{
+    sf_attn_seq_q(&p, b, &bp.qs, &bp.sq);
+    sf_attn_seq_k(&p, b, &bp.ks, &bp.sk);
+    bp.m0 = m_block * kBM;
+    bp.rows_total = p.thd ? bp.sq : p.max_sq;
+    if (bp.m0 >= bp.rows_total)
+        return false;
+    bp.off = sf_attn_diag(&p, bp.sq, bp.sk);
+    int lo = 0, hi = 0;
+    if (bp.m0 < bp.sq)
+        sf_attn_key_range(bp.m0, min(bp.m0 + kBM, bp.sq) - 1, bp.off, p.window_left, p.window_right, bp.sk, &lo,
+                          &hi);
+    bp.nb_lo = lo / kBN;
+    bp.nb_hi = (hi + kBN - 1) / kBN;
+    return true;
+}
+
+/* ---- the steps of one key tile, shared by the two schedules ---- */
+
+template <typename T, int D>
+__device__ __forceinline__ void load_kv(const sf_attn_problem &p, const BlockPlan &bp, const T *kbase,
+                                        const T *vbase, uint32_t kt, uint32_t vt, int nb, int tid)
+{
+    const int n0 = nb * kBN, valid = min(kBN, bp.sk - n0);
+    load_tile_sw128<T, kBN, D, kThreads>(kt, kbase + (int64_t)n0 * p.k.ss, p.k.ss, valid, tid);
+    load_tile_sw128<T, kBN, D, kThreads>(vt, vbase + (int64_t)n0 * p.v.ss, p.v.ss, valid, tid);
+}
+
+/* Masks the scores of key tile n0 where the tile crosses the sequence end or
+ * the window (other tiles are wholly inside).  r0: the thread's first row. */
+__device__ __forceinline__ void mask_tile(float (&s)[kBN / 2], const BlockPlan &bp, int n0, int r0, int q4, int left,
+                                          int right)
+{
+    const bool edge = n0 + kBN > bp.sk || (right >= 0 && n0 + kBN - 1 > bp.m0 + bp.off + right) ||
+                      (left >= 0 && n0 < bp.m0 + kBM - 1 + bp.off - left);
+    if (!edge)
+        return;
+#pragma unroll
+    for (int i = 0; i < kBN / 2; ++i) {
+        const int r = r0 + ((i >> 1) & 1) * 8;
+        const int c = n0 + (i >> 2) * 8 + 2 * q4 + (i & 1);
+        if (c >= bp.sk || !sf_attn_allowed(r, c, bp.off, left, right))
+            s[i] = -INFINITY;
+    }
+}
+
+/* Online softmax of one tile in base 2: s becomes exp2(s*sl2 - max*sl2),
+ * the running max and sum move on, corr[hr] is the factor for O's row hr.
+ * Registers 4j + 2hr + {0,1} hold row hr; a quad shares the rows. */
+__device__ __forceinline__ void softmax_tile(float (&s)[kBN / 2], float (&mrow)[2], float (&lrow)[2], float sl2,
+                                             float (&corr)[2])
+{
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        float mx = mrow[hr];
+#pragma unroll
+        for (int j = 0; j < kBN / 8; ++j)
+            mx = fmaxf(mx, fmaxf(s[4 * j + 2 * hr], s[4 * j + 2 * hr + 1]));
+        mx = quad_max(mx);
+        const float shift = mx == -INFINITY ? 0.f : mx * sl2;
+        corr[hr] = fast_exp2(mrow[hr] * sl2 - shift); /* 0 while the old max is -inf */
+        mrow[hr] = mx;
+        float acc = 0.f;
+#pragma unroll
+        for (int j = 0; j < kBN / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                float &x = s[4 * j + 2 * hr + e];
+                x = fast_exp2(fmaf(x, sl2, -shift));
+                acc += x;
+            }
+        lrow[hr] = lrow[hr] * corr[hr] + acc;
+    }
+}
+
+template <int NO> __device__ __forceinline__ void rescale_o(float (&o)[NO], const float (&corr)[2])
+{
+#pragma unroll
+    for (int j = 0; j < NO / 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            o[4 * j + e] *= corr[e >> 1];
+}
+
+/* P as the register A operand: k step kc is S columns 16kc..16kc+15 = registers 8kc..8kc+7. */
+template <typename T> __device__ __forceinline__ void pack_p(uint32_t (&pa)[kBN / 16][4], const float (&s)[kBN / 2])
+{
+#pragma unroll
+    for (int kc = 0; kc < kBN / 16; ++kc)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            pa[kc][e] = Mma<T>::pack(s[8 * kc + 2 * e], s[8 * kc + 2 * e + 1]);
+}
+
+#ifdef SF_SM90A
+/* S = Q K^T for this warpgroup's 64 rows, issued and committed (not waited). */
+template <typename T, int D>
+__device__ __forceinline__ void issue_qk(float (&s)[kBN / 2], uint32_t sQ, uint32_t kt, int wg)
+{
+    wg_pin(s);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) /* scale_d = 0 on the first step: no register writes to zero s */
+        Wgmma<T, kBN>::ss(s, desc_kmajor<kBM>(sQ, wg * 64, kk), desc_kmajor<kBN>(kt, 0, kk), kk > 0);
+    wg_commit();
+}
+
+/* O += P V, issued and committed (not waited). */
+template <typename T, int D>
+__device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&pa)[kBN / 16][4], uint32_t vt)
+{
+    wg_pin(o);
+    wg_fence();
+#pragma unroll
+    for (int kc = 0; kc < kBN / 16; ++kc)
+        Wgmma<T, D>::rs(o, pa[kc], desc_mnmajor<kBN>(vt, kc), 1);
+    wg_commit();
+}
+#endif
+
+/* Schedules (PIPE):
+ *  0  two K/V stages; per tile: S = Q K^T, wait, softmax, O += P V, wait.
+ *  1  three K/V stages, tile n+2 loading while tile n is consumed; per tile
+ *     S(n+1) = Q K(n+1)^T and O += P(n) V(n) are issued together and the
+ *     softmax of tile n+1 is meant to run while O += P(n) V(n) is still on
+ *     the tensor cores (FlashAttention-3's intra-warpgroup overlap); O is
+ *     rescaled once that product has landed.  ptxas 13.0 keeps only the
+ *     masking and row max ahead of the wait for P(n) V(n) (it moves the
+ *     wait above the in-place exponentials); writing P to separate
+ *     registers instead made it serialize every wgmma (C7513). */
+template <int PIPE> constexpr int kStages = PIPE ? 3 : 2;
+
+template <int D, int PIPE> constexpr int smem_bytes()
+{
+    /* + 1024: the tiles are placed at the next 1024-byte boundary */
+    return 1024 + (kBM + 2 * kStages<PIPE> * kBN) * D * 2;
+}
+
+template <typename T, int D, int PIPE>
+__global__ void __launch_bounds__(kThreads, 1) fwd_sm90_kernel(const sf_attn_problem p)
+{
+#ifdef SF_SM90A
+    constexpr int NO = D / 2, ST = kStages<PIPE>;
+    constexpr int QBYTES = kBM * D * 2, KVBYTES = kBN * D * 2;
+    extern __shared__ unsigned char smem_raw[];
+    const uint32_t sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;
+    const uint32_t sK = sQ + QBYTES;         /* stage s at sK + s * KVBYTES */
+    const uint32_t sV = sK + ST * KVBYTES;   /* stage s at sV + s * KVBYTES */
+
+    const int h = blockIdx.y, b = blockIdx.z;
+    BlockPlan bp;
+    if (!plan_block(p, b, gridDim.x - 1 - blockIdx.x, bp)) /* heavy causal blocks first */
+        return;
+    const int hk = h / (p.heads / p.heads_kv);
+    const int left = p.window_left, right = p.window_right;
+    const float sl2 = p.scale * kLog2e;
+    const int tid = threadIdx.x, wg = tid / 128;
+    const int q4 = tid % 4;
+    const int wrow = wg * 64 + (tid % 128) / 32 * 16 + (tid % 32) / 4; /* first row in the block; +8 the second */
+    const int r0 = bp.m0 + wrow;
+
+    const T *qbase = view_ptr<const T>(p.q, b, bp.qs + bp.m0, h);
+    const T *kbase = view_ptr<const T>(p.k, b, bp.ks, hk);
+    const T *vbase = view_ptr<const T>(p.v, b, bp.ks, hk);
+
+    float o[NO];
+#pragma unroll
+    for (int i = 0; i < NO; ++i)
+        o[i] = 0.f;
+    float mrow[2] = {-INFINITY, -INFINITY}, lrow[2] = {0.f, 0.f}, corr[2];
+    const int lo = bp.nb_lo, hi = bp.nb_hi;
+
+    if (lo < hi) {
+        load_tile_sw128<T, kBM, D, kThreads>(sQ, qbase, p.q.ss, min(kBM, bp.sq - bp.m0), tid);
+        load_kv<T, D>(p, bp, kbase, vbase, sK, sV, lo, tid);
+        cp_async_commit();
+        float s[kBN / 2];
+        uint32_t pa[kBN / 16][4];
+        if constexpr (PIPE == 0) {
+            for (int nb = lo; nb < hi; ++nb) {
+                const uint32_t cur = ((nb - lo) & 1) * KVBYTES;
+                if (nb + 1 < hi) { /* next tile into the other stage, freed by the last barrier */
+                    load_kv<T, D>(p, bp, kbase, vbase, sK + (KVBYTES - cur), sV + (KVBYTES - cur), nb + 1, tid);
+                    cp_async_commit();
+                    cp_async_wait<1>();
+                } else {
+                    cp_async_wait<0>();
+                }
+                fence_proxy_async(); /* cp.async wrote through the generic proxy; wgmma reads the async one */
+                __syncthreads();
+                issue_qk<T, D>(s, sQ, sK + cur, wg);
+                wg_wait<0>();
+                wg_pin(s);
+                mask_tile(s, bp, nb * kBN, r0, q4, left, right);
+                softmax_tile(s, mrow, lrow, sl2, corr);
+                rescale_o(o, corr);
+                pack_p<T>(pa, s);
+                issue_pv<T, D>(o, pa, sV + cur);
+                wg_wait<0>();
+                wg_pin(o);
+                __syncthreads(); /* every warpgroup is done with this stage before it is refilled */
+            }
+        } else {
+            if (lo + 1 < hi) {
+                load_kv<T, D>(p, bp, kbase, vbase, sK + KVBYTES, sV + KVBYTES, lo + 1, tid);
+                cp_async_commit();
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
+            fence_proxy_async();
+            __syncthreads();
+            issue_qk<T, D>(s, sQ, sK, wg);
+            wg_wait<0>();
+            wg_pin(s);
+            mask_tile(s, bp, lo * kBN, r0, q4, left, right);
+            softmax_tile(s, mrow, lrow, sl2, corr); /* O is still zero: no rescale */
+            pack_p<T>(pa, s);
+            for (int nb = lo; nb + 1 < hi; ++nb) { /* every step but the last: S(nb + 1) and P(nb) V(nb) together */
+                const int i = nb - lo;
+                cp_async_wait<0>(); /* tile nb + 1 */
+                fence_proxy_async();
+                __syncthreads(); /* tile nb + 1 visible; everyone is past tile nb - 1, its stage is free */
+                if (nb + 2 < hi) {
+                    const uint32_t fr = ((i + 2) % ST) * KVBYTES;
+                    load_kv<T, D>(p, bp, kbase, vbase, sK + fr, sV + fr, nb + 2, tid);
+                    cp_async_commit();
+                }
+                issue_qk<T, D>(s, sQ, sK + ((i + 1) % ST) * KVBYTES, wg);
+                issue_pv<T, D>(o, pa, sV + (i % ST) * KVBYTES);
+                wg_wait<1>(); /* S of tile nb + 1; P(nb) V(nb) may still run */
+                wg_pin(s);
+                mask_tile(s, bp, (nb + 1) * kBN, r0, q4, left, right);
+                softmax_tile(s, mrow, lrow, sl2, corr);
+                wg_pin(s);
+                wg_wait<0>(); /* note: ptxas 13.0 hoists this above the exponentials (SASS), so only the
+                               * max and the mask overlap P(nb) V(nb) so far; see the report */
+                wg_pin(o);
+                rescale_o(o, corr);
+                pack_p<T>(pa, s); /* the registers of P(nb) are free now */
+            }
+            issue_pv<T, D>(o, pa, sV + ((hi - 1 - lo) % ST) * KVBYTES); /* the last tile */
+            wg_wait<0>();
+            wg_pin(o);
+        }
+    }
+
+    /* epilogue: rows past the view's rows are not ours; padded rows and rows
+     * that saw no key get zeros and lse = +inf */
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        const int r = r0 + hr * 8;
+        const float l = quad_sum(lrow[hr]);
+        if (r >= bp.rows_total)
+            continue;
+        const bool seen = r < bp.sq && l > 0.f;
+        const float inv = seen ? 1.f / l : 0.f;
+        T *dst = view_ptr<T>(p.o, b, bp.qs + r, h) + 2 * q4;
+#pragma unroll
+        for (int j = 0; j < NO / 4; ++j)
+            *reinterpret_cast<uint32_t *>(dst + 8 * j) = Mma<T>::pack(o[4 * j + 2 * hr] * inv, o[4 * j + 2 * hr + 1] * inv);
+        if (q4 == 0)
+            p.lse[lse_at(p, b, h, bp.qs + r)] = seen ? (mrow[hr] * sl2 + log2f(l)) * kLn2 : INFINITY;
+    }
+#else
+    /* not an sm_90a build: the host never launches this (fwd_sm90_selected
+     * checks for the marker below through the kernel's static shared size) */
+    __shared__ volatile int not_built_for_sm90a[32];
+    not_built_for_sm90a[threadIdx.x & 31] = 1;
+    __trap();
+#endif
+}
+
+template <typename T, int D, int PIPE> static sf_status launch(const sf_attn_problem &p, cudaStream_t stream)
+{
+    constexpr int smem = smem_bytes<D, PIPE>();
+    SF_CUDA_TRY("attention_fwd", allow_smem((const void *)fwd_sm90_kernel<T, D, PIPE>, smem));
+    dim3 grid((p.max_sq + kBM - 1) / kBM, p.heads, p.batch);
+    fwd_sm90_kernel<T, D, PIPE><<<grid, kThreads, smem, stream>>>(p);
+    SF_CUDA_CHECK_LAUNCH("attention_fwd");
+    return SF_OK;
+}
+
+/* Schedule of the wgmma kernel: 0 (two stages, in order) unless
+ * SEQFUSE_ATTN_SM90_VARIANT=1 or sf_attn_set_fwd_sm90_variant(1) (three
+ * stages, softmax overlapped with P V); both are checked and timed by
+ * check_attn_sm90 until the faster one is confirmed. */
+static int g_variant = -1;
+
+template <typename T, int D> static sf_status launch_variant(const sf_attn_problem &p, cudaStream_t stream)
+{
+    if (g_variant < 0) {
+        const char *v = getenv("SEQFUSE_ATTN_SM90_VARIANT");
+        g_variant = v && !strcmp(v, "1") ? 1 : 0;
+    }
+    return g_variant == 1 ? launch<T, D, 1>(p, stream) : launch<T, D, 0>(p, stream);
+}
+
+/* -1: not chosen yet (read SEQFUSE_ATTN_FWD_KERNEL once), else 80 or 90. */
+static int g_kernel = -1;
+
+/* Per device: -1 unknown, 0 no (not cc 9.0 or not built for sm_90a), 1 yes. */
+constexpr int kMaxDevices = 64;
+static int g_device_ok[kMaxDevices];
+static const char *g_device_why[kMaxDevices];
+static int g_device_known[kMaxDevices];
+
+static int device_ok(int device, const char **why)
+{
+    if (device < 0 || device >= kMaxDevices) {
+        *why = "device index beyond the kernel-choice table";
+        return 0;
+    }
+    if (!g_device_known[device]) {
+        int major = 0, minor = 0;
+        cudaFuncAttributes attr;
+        memset(&attr, 0, sizeof attr);
+        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+            cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+            (void)cudaGetLastError();
+            g_device_ok[device] = 0;
+            g_device_why[device] = "compute capability unreadable";
+        } else if (major != 9 || minor != 0) {
+            g_device_ok[device] = 0;
+            g_device_why[device] = ""; /* not Hopper: the sm80 kernel is the one for it */
+        } else if (cudaFuncGetAttributes(&attr, (const void *)fwd_sm90_kernel<__nv_bfloat16, 64, 0>) != cudaSuccess ||
+                   attr.sharedSizeBytes != 0) {
+            (void)cudaGetLastError();
+            g_device_ok[device] = 0;
+            g_device_why[device] = "library not built for sm_90a (SEQFUSE_CUDA_ARCHS lacks 90a)";
+        } else {
+            g_device_ok[device] = 1;
+            g_device_why[device] = "";
+        }
+        g_device_known[device] = 1;
+    }
+    *why = g_device_why[device];
+    return g_device_ok[device];
+}
+
+static int chosen_kernel()
+{
+    if (g_kernel < 0) {
+        const char *v = getenv("SEQFUSE_ATTN_FWD_KERNEL");
+        g_kernel = v && !strcmp(v, "sm90") ? 90 : 80; /* sm80 by default until confirmed on a GPU */
+    }
+    return g_kernel;
+}
+
+static int selected(int head_dim, int device, const char **why)
+{
+    const char *w = "";
+    int ok = device_ok(device, &w); /* "" where the device is not Hopper: 80 is its kernel, no reason to give */
+    if (ok && chosen_kernel() != 90) {
+        ok = 0;
+        w = "sm80 kernel chosen (SEQFUSE_ATTN_FWD_KERNEL=sm80 or unset, or sf_attn_set_fwd_kernel(80))";
+    } else if (ok && head_dim != 64 && head_dim != 128) {
+        ok = 0;
+        w = "the wgmma kernel takes head dims 64 and 128 only";
+    }
+    if (why)
+        *why = w;
+    return ok;
+}
+
+} // namespace sm90
+
+int fwd_sm90_selected(const sf_attn_problem &p, int device, const char **why)
+{
+    return sm90::selected(p.head_dim, device, why);
+}
+
+sf_status launch_fwd_sm90(const sf_attn_problem &p, cudaStream_t stream)
+{
+    using namespace sm90;
+    const bool bf = p.dtype == SF_BFLOAT16;
+    if (p.head_dim == 64)
+        return bf ? launch_variant<__nv_bfloat16, 64>(p, stream) : launch_variant<__half, 64>(p, stream);
+    return bf ? launch_variant<__nv_bfloat16, 128>(p, stream) : launch_variant<__half, 128>(p, stream);
+}
+
+} // namespace sf_attn
+
+extern "C" sf_status sf_attn_set_fwd_kernel(int arch)
+{
+    if (arch != 80 && arch != 90)
+        return sf_fail(SF_ERR_VALUE, "attention_fwd: kernel must be 80 or 90, got %d", arch);
+    sf_attn::sm90::g_kernel = arch;
+    return SF_OK;
+}
+
+extern "C" sf_status sf_attn_set_fwd_sm90_variant(int variant)
+{
+    if (variant != 0 && variant != 1)
+        return sf_fail(SF_ERR_VALUE, "attention_fwd: sm90 variant must be 0 or 1, got %d", variant);
+    sf_attn::sm90::g_variant = variant;
+    return SF_OK;
+}
+
+extern "C" int sf_attn_fwd_kernel_for(int head_dim, int device, const char **why)
+{
+    return sf_attn::sm90::selected(head_dim, device, why) ? 90 : 80;
+}

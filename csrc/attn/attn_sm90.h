@@ -1,0 +1,36 @@
+/*
+ * attn_sm90.h - the C face of the forward-kernel choice on Hopper, for the
+ * Python binding and the checks: which forward kernel (90: wgmma,
+ * attn_fwd_sm90_cuda.cu; 80: mma.sync, attn_fwd_cuda.cu) a call takes, and
+ * a switch between them.  Defined in attn_fwd_sm90_cuda.cu (CUDA builds only).
+ */
+#ifndef SF_ATTN_SM90_H
+#define SF_ATTN_SM90_H
+
+#include "seqfuse.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Pick the forward kernel: 90 (wgmma, where supported) or 80 (mma.sync);
+ * overrides SEQFUSE_ATTN_FWD_KERNEL=sm90|sm80 (read once; default sm80
+ * until the wgmma kernel is confirmed on a GPU). */
+sf_status sf_attn_set_fwd_kernel(int arch);
+
+/* Schedule of the wgmma kernel: 0 (two K/V stages, in order; the default)
+ * or 1 (three stages, softmax overlapped with P V); overrides
+ * SEQFUSE_ATTN_SM90_VARIANT. */
+sf_status sf_attn_set_fwd_sm90_variant(int variant);
+
+/* The kernel a forward with this head dim takes on `device` now: 90 or 80.
+ * When 80, *why (may be NULL) says why: "" where 80 is simply the kernel
+ * for that device (not compute capability 9.0), otherwise the reason a
+ * Hopper device gets the slower kernel (choice, head dim, build). */
+int sf_attn_fwd_kernel_for(int head_dim, int device, const char **why);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* SF_ATTN_SM90_H */
