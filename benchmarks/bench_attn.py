@@ -5,9 +5,10 @@ Part 1, padded (bshd), 16k tokens per batch: seqlens 1024, 4096, 8192, head
 dims 64 (32 heads) and 128 (16 heads), causal and not, forward and
 forward+backward, bf16.  TFLOP/s = 4*b*h*s^2*d (halved when causal), x3.5
 with the backward; ratio = seqfuse / torch (goal >= 1.0).  On Hopper,
-sm90v0/sm90v1 TFLOP/s and sm90_ratio time the same call with the wgmma
-forward (attn_fwd_sm90_cuda.cu, schedules 0 and 1) selected, whatever the
-default is, so the sm90 and sm80 forwards and torch stand side by side.
+sm90v0/sm90v1 TFLOP/s and sm90_ratio (forward rows) time the same call
+with the wgmma forward (attn_fwd_sm90_cuda.cu, schedules 0 and 1) selected,
+whatever the default is, so the sm90 and sm80 forwards and torch stand side
+by side.
 
 Part 2, packed (thd) proteins: ESM-2 attention, 20 heads of 64 (650M), 32
 (150M), 24 (35M; the kernel runs it as a 32-wide tile) and 16 (8M), 16k
@@ -77,7 +78,7 @@ def padded_rows(table):
                         def peer():
                             F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
                     t_ours, t_peer = cuda_time_ms(ours), cuda_time_ms(peer)
-                    t90 = [_sm90_time(ours, v) for v in (0, 1)]
+                    t90 = [None, None] if backward else [_sm90_time(ours, v) for v in (0, 1)]  # forward rows
                     fl = sdpa_flops(b, h, s, d, causal, backward)
                     table.add(case=f"s{s} d{d}{' causal' if causal else ''} {'fwd+bwd' if backward else 'fwd'}",
                               seqlen=s, head_dim=d, heads=h, batch=b, causal=causal,
