@@ -56,12 +56,14 @@ namespace {
 
 using namespace sf_vec;
 
-constexpr int kRowThreads = 512;  /* a row's threads (tx) at most, but see pick_config */
+constexpr int kRowThreads = 512;  /* a row's threads (tx) in the register-heavy kernels */
+constexpr int kLightRowThreads = 1024; /* ... in the light ones (<= 64 registers) */
 constexpr int kScalarNV = 32;     /* element-wide path: 32 x 512 = SF_NORM_MAX_HIDDEN */
 /* Elements a thread owns before the kernel trades occupancy for registers:
- * up to these, the kernels fit 64 registers (2 x 512 or 1 x 1024 threads
- * per block) with the next row prefetched; beyond them (only rows longer
- * than 8192 / 4096 elements in 16-bit) they get 128 and no prefetch. */
+ * up to these, the "light" kernels fit 64 registers (launch bound 1024
+ * threads) with the next row prefetched; beyond them they get 128 (bound
+ * 512) and no prefetch: only the backward of 16-bit rows longer than 8192
+ * (and float32 ones longer than 8192 / 4096) and the element-wise path. */
 constexpr int kFwdElems = 16;
 constexpr int kBwdElems = 8;
 /* Threads per block: the forward keeps blocks small (256) so occupancy
@@ -159,7 +161,7 @@ __device__ __forceinline__ void load_row(const T *x, int64_t row, int64_t rows, 
 }
 
 template <typename T, int VEC, int NV>
-__global__ void __launch_bounds__(512, NV * VEC <= kFwdElems ? 2 : 1) norm_fwd_kernel(FwdParams p)
+__global__ void __launch_bounds__(NV * VEC <= kFwdElems ? 1024 : 512) norm_fwd_kernel(FwdParams p)
 {
     constexpr bool PREFETCH = NV * VEC <= kFwdElems; /* next row in flight */
     __shared__ float red[2 * 32];
@@ -446,10 +448,10 @@ int round32(int64_t v) { return (int)((v + 31) / 32 * 32); }
  * - element-wide path: 32 elements per thread, tx <= 512;
  * - a warp per row while each lane holds at most `elems` elements (the
  *   row's sums are then shuffles only);
- * - else tx threads x NV vectors with NV * vec <= elems, tx <= max(512,
- *   block), the split with the fewest idle slots (ties: more vectors per
- *   thread, fewer warps to reduce over); rows too long for that double NV
- *   (register-heavy kernel, bounded to 512 threads) until tx <= 512.
+ * - else tx threads x NV vectors with NV * vec <= elems, tx <= 1024, the
+ *   split with the fewest idle slots (ties: more vectors per thread, fewer
+ *   warps to reduce over); rows too long for that double NV (register-heavy
+ *   kernel, bounded to 512 threads) until tx <= 512.
  * ty rows share a block of about `block` threads. */
 Config pick_config(int64_t hidden, int vec, int elems, int block)
 {
@@ -468,8 +470,8 @@ Config pick_config(int64_t hidden, int vec, int elems, int block)
         } else {
             c.nv = 0;
             double best_idle = 2.0;
-            /* the light kernels of a 1024-thread block may give a row 1024 threads */
-            const int limit = block > kRowThreads ? block : kRowThreads;
+            /* the light kernels (bounded to 64 registers) take 1024-thread rows */
+            const int limit = kLightRowThreads;
             for (int nv = cap; nv >= 1; nv /= 2) {
                 const int tx = round32((nvec + nv - 1) / nv);
                 const double idle = 1.0 - (double)nvec / ((double)tx * nv);
