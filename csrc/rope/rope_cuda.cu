@@ -26,20 +26,16 @@
 #include <cuda_fp16.h>
 
 #include "../core/cuda_util.h"
+#include "../norm/vec_io.cuh"
 #include "rope_backend.h"
 
 namespace {
 
-constexpr int kBatch = 4;          /* heads per thread whose loads are in flight together */
-constexpr int kMaxRot = 6144;      /* 2 * rot_dim floats of shared memory: 48 KB */
+using sf_vec::from_f; /* float <-> element conversions shared with norm / act */
+using sf_vec::to_f;
 
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T> __device__ __forceinline__ T from_f(float v);
-template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+constexpr int kBatch = 4;          /* heads per thread whose loads are in flight together */
+constexpr int kMaxRot = 6144;      /* rot_dim (cos, sin) float pairs of shared memory: 48 KB */
 
 template <typename T, int V>
 struct alignas(sizeof(T) * V) Vec {
