@@ -68,3 +68,16 @@ def block128_dequantized_ref(w):
     s = torch.where(amax == 0, torch.ones_like(amax), torch.tensor(448.0) / amax)
     q = (blocks * s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * (1 / s)
     return q.view(n, k).double()
+
+
+def fp8_steps(a, b):
+    """Distance in representable steps between two float8 tensors of the
+    same format (elementwise, int32): the sign-magnitude codes are mapped to
+    signed ordinals, so +0 and -0 are equal and the codes either side of zero
+    are one step apart.  Comparing raw codes would call a sign-of-zero flip
+    128 steps."""
+    def ordinal(t):
+        c = t.view(torch.uint8).int()
+        mag = c & 0x7F
+        return torch.where(c >= 0x80, -mag, mag)
+    return (ordinal(a) - ordinal(b.to(a.device))).abs()

@@ -221,8 +221,11 @@ def block_reference(m, x, dy, h_mod=None):
     def rq(t, col=False):
         return block_dequantized_ref(t.float(), columnwise=col)
 
-    p = params64(m)
-    xd = x.detach().double().requires_grad_()
+    # the quantization helpers return CPU float64: the whole reference runs there
+    p = {n: t.detach().double().cpu().clone().requires_grad_() for n, t in m.named_parameters()}
+    x, dy = x.detach().cpu(), dy.detach().cpu()
+    h_mod = None if h_mod is None else h_mod.detach().cpu()
+    xd = x.double().requires_grad_()
     ln = ref_norm(xd, p["layer_norm_weight"], p.get("layer_norm_bias"), m.eps, m.normalization,
                   m.zero_centered_gamma)
     ln_d = ln.detach()

@@ -195,9 +195,13 @@ static inline double check_tol(sf_dtype d)
 static inline int check_fp8_close(const std::vector<uint8_t> &g, const std::vector<uint8_t> &r, int64_t n,
                                   int64_t *off_out = NULL, int64_t *big_out = NULL)
 {
+    /* Distance in representable steps: sign-magnitude codes mapped to signed
+     * ordinals, so +0 (0x00) and -0 (0x80) are the same value and the two
+     * codes either side of zero are neighbours. */
+    auto ordinal = [](uint8_t c) { return (c & 0x80) ? -(int)(c & 0x7f) : (int)(c & 0x7f); };
     int64_t off = 0, big = 0;
     for (int64_t i = 0; i < n; ++i) {
-        int dd = abs((int)g[i] - (int)r[i]);
+        int dd = abs(ordinal(g[i]) - ordinal(r[i]));
         off += dd != 0;
         big += dd > 1;
     }

@@ -499,10 +499,20 @@ Config pick_config(int64_t hidden, int vec, int elems, int block)
 Config fwd_config(int64_t hidden, int vec) { return pick_config(hidden, vec, kFwdElems, kFwdBlock); }
 Config bwd_config(int64_t hidden, int vec) { return pick_config(hidden, vec, kBwdElems, kBwdBlock); }
 
+/* Dynamic shared memory beyond the default 48 KB needs the opt-in attribute.
+ * The limit counts the kernel's static shared memory too (the reduction
+ * scratch), so a 48 KB dynamic request with 512 static bytes already needs
+ * it: hence the query of the static size once the request comes close. */
 template <typename K>
 sf_status allow_smem(const char *op, K kernel, size_t bytes)
 {
-    if (bytes > 48 * 1024)
+    constexpr size_t kDefault = 48 * 1024;
+    constexpr size_t kStaticSlack = 4 * 1024; /* more than any static scratch here */
+    if (bytes + kStaticSlack <= kDefault)
+        return SF_OK;
+    cudaFuncAttributes attr;
+    SF_CUDA_TRY(op, cudaFuncGetAttributes(&attr, kernel));
+    if (bytes + attr.sharedSizeBytes > kDefault)
         SF_CUDA_TRY(op, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              (int)bytes));
     return SF_OK;
