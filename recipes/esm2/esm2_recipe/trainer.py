@@ -346,11 +346,18 @@ def train(cfg, strategy: str = "fsdp2") -> dict:
             state = ckpt.load_checkpoint(path, model, optimizer)
             step = int(state["step"])
             scheduler.load_state_dict(state["scheduler"])
+            # The optimizer's saved lr is the old schedule's; this run's schedule
+            # (train.steps may have grown) sets the lr of the next step.
+            for g, base in zip(optimizer.param_groups, scheduler.base_lrs):
+                g["lr"] = base * lr_lambda(cfg)(scheduler.last_epoch)
             train_loader.load_state_dict(state["data"])
             if rank == 0:
                 log.info("resumed from %s at step %d (data epoch %d)", path, step, state["data"]["epoch"])
 
     total_steps, accum = int(cfg.train.steps), int(cfg.train.grad_accum)
+    # train.stop_at: end this run after that step (checkpoint written), on
+    # train.steps' schedule; a rerun resumes and continues the same run.
+    stop_at = total_steps if cfg.train.get("stop_at") is None else min(total_steps, int(cfg.train.stop_at))
     logger = MetricLogger(cfg, rank, total_steps, step)
     batches = endless(train_loader)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -370,7 +377,7 @@ def train(cfg, strategy: str = "fsdp2") -> dict:
             log.info("checkpoint: %s", p)
 
     model.train()
-    while step < total_steps:
+    while step < stop_at:
         for micro in range(accum):
             host_batch = next(batches)
             # FLOPs from the host copy: reading cu_seqlens on the GPU would sync every micro-step.
@@ -393,7 +400,7 @@ def train(cfg, strategy: str = "fsdp2") -> dict:
         win["steps"] += 1
         logger.advance()
 
-        last = step == total_steps
+        last = step == stop_at
         if step % int(cfg.train.log_interval) == 0 or last:
             if cuda:
                 torch.cuda.synchronize(device)
@@ -429,6 +436,10 @@ def train(cfg, strategy: str = "fsdp2") -> dict:
     logger.close()
 
     export = cfg.checkpoint.export_dir
+    if export and step < total_steps:
+        if rank == 0:
+            log.info("stopped at step %d of %d (train.stop_at): no export yet", step, total_steps)
+        export = None
     if export:
         sd = ckpt.full_model_state_dict(inner)
         if rank == 0:
