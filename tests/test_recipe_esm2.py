@@ -307,3 +307,31 @@ def test_l0_sanity_cuda(recipe, packed):
     h = out["history"]
     assert h["loss"][-1] < math.log(33) - 0.3, h["loss"]
     assert out["rates"][-1]["peak_mem_gib"] > 0 and out["rates"][-1]["mfu_measured"] > 0
+
+
+def test_per_layer_precision_listed_layers():
+    """precision.bf16_layers=[1,-1] with bf16_first_layers=0 on a 4-layer
+    model under FP8 delayed scaling: layers 1 and 3 run without FP8, 0 and 2
+    with it; an index outside the model is refused, naming the key."""
+    from esm2_recipe.trainer import apply_layer_precision, fp8_recipe
+
+    from seqfuse.hf import SeqfuseEsmConfig, SeqfuseEsmForMaskedLM
+    from seqfuse.pytorch import autocast
+    from seqfuse.quantization import is_fp8_enabled
+
+    cfg = load_config("L0_sanity", ["precision.recipe=fp8_delayed", "precision.bf16_layers=[1,-1]"])
+    torch.manual_seed(0)
+    model = SeqfuseEsmForMaskedLM(SeqfuseEsmConfig(hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
+                                                   intermediate_size=64))
+    recipe = fp8_recipe(cfg)
+    assert apply_layer_precision(model, cfg, recipe, rank=0) == [1, 3]
+    seen = {}
+    for i, layer in enumerate(model.esm.encoder.layers):
+        layer.self_attention.register_forward_hook(lambda m, a, o, i=i: seen.setdefault(i, is_fp8_enabled()))
+    ids = torch.randint(4, 24, (16,))
+    with autocast(enabled=True, recipe=recipe):
+        model(input_ids=ids, cu_seqlens=torch.tensor([0, 16], dtype=torch.int32))
+    assert seen == {0: True, 1: False, 2: True, 3: False}, seen
+    bad = load_config("L0_sanity", ["precision.recipe=fp8_delayed", "precision.bf16_layers=[4]"])
+    with pytest.raises(ValueError, match="precision.bf16_layers"):
+        apply_layer_precision(model, bad, recipe, rank=0)

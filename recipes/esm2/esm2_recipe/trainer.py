@@ -130,18 +130,29 @@ def build_model(cfg, device, dtype):
 
 
 def apply_layer_precision(model, cfg, recipe, rank):
-    """Per-layer precision: the first / last N TransformerLayers run their
-    forward (and so their backward) without FP8 inside the FP8 region."""
+    """Per-layer precision: the first / last N TransformerLayers, and those
+    listed in precision.bf16_layers (indices, negative from the end), run
+    their forward (and so their backward) without FP8 inside the FP8 region."""
     from seqfuse.pytorch import autocast
 
     layers = model.esm.encoder.layers
     n = len(layers)
     first, last = int(cfg.precision.bf16_first_layers), int(cfg.precision.bf16_last_layers)
+    listed = cfg.precision.get("bf16_layers") or []
+    if isinstance(listed, int):
+        listed = [listed]
+    chosen = set()
+    for i in listed:
+        if isinstance(i, bool) or not isinstance(i, int) or not -n <= i < n:
+            raise ValueError(f"precision.bf16_layers: {i!r} is not a layer index of a {n}-layer model "
+                             f"(0..{n - 1}, or negative from the end)")
+        chosen.add(i % n)
     if recipe is None:
-        if first or last:
-            log.info("precision: bf16_first/last_layers ignored (recipe %s has no FP8)", cfg.precision.recipe)
+        if first or last or chosen:
+            log.info("precision: bf16_first/last_layers and bf16_layers ignored (recipe %s has no FP8)",
+                     cfg.precision.recipe)
         return []
-    keep = sorted(set(range(min(first, n))) | set(range(max(0, n - last), n)))
+    keep = sorted(set(range(min(first, n))) | set(range(max(0, n - last), n)) | chosen)
     for i in keep:
         layer = layers[i]
         fwd = layer.forward
