@@ -327,7 +327,7 @@ def test_per_layer_precision_listed_layers():
     assert apply_layer_precision(model, cfg, recipe, rank=0) == [1, 3]
     seen = {}
     for i, layer in enumerate(model.esm.encoder.layers):
-        layer.self_attention.register_forward_hook(lambda m, a, o, i=i: seen.setdefault(i, is_fp8_enabled()))
+        layer.self_attention.register_forward_hook(lambda m, a, o, i=i: seen.update({i: is_fp8_enabled()}))
     ids = torch.randint(4, 24, (16,))
     with autocast(enabled=True, recipe=recipe):
         model(input_ids=ids, cu_seqlens=torch.tensor([0, 16], dtype=torch.int32))
