@@ -1,6 +1,19 @@
 """Tolerances and checks shared by the tests (device METHOD.md): relative
-error ||out - ref|| / ||ref|| against a float64 reference, by dtype."""
+error ||out - ref|| / ||ref|| against a float64 reference, by dtype; the
+skip condition of tests that hand float8 tensors to seqfuse's C ops."""
+import pytest
 import torch
+
+from seqfuse.ops._call import FP8_DLPACK
+
+#: Marks a test that passes float8 tensors to seqfuse (every FP8 recipe,
+#: quantizer and FP8 GEMM does): torch releases that cannot export float8
+#: through DLPack (2.6 and older) skip it with the reason instead of failing
+#: on the ops' NotImplementedError.  seqfuse.ops._call.FP8_DLPACK decides.
+needs_fp8 = pytest.mark.skipif(
+    not FP8_DLPACK,
+    reason=f"torch {torch.__version__} cannot export float8 tensors through DLPack "
+           "(seqfuse's FP8 ops need a torch that can)")
 
 #: Relative-error bounds by the dtype of the computation's inputs.
 REL_TOL = {

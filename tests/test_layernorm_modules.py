@@ -9,7 +9,7 @@ import seqfuse.pytorch as te
 from seqfuse.common.recipe import DelayedScaling, Format
 from seqfuse.quantization import autocast
 
-from helpers import assert_close_rel, rel_error
+from helpers import assert_close_rel, needs_fp8, rel_error
 
 
 def ref_norm(x, w, b, eps, normalization, zc):
@@ -157,6 +157,7 @@ def test_layernorm_modules_errors():
         te.LayerNormLinear(8, 4, device="cpu")(torch.randn(2, 9))
 
 
+@needs_fp8
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
 def test_layernorm_mlp_fp8_cpu(activation, seed):
     m = te.LayerNormMLP(64, 128, activation=activation, device="cpu")
@@ -180,6 +181,7 @@ def test_layernorm_mlp_fp8_cpu(activation, seed):
         assert rel_error(g, r) < 0.15
 
 
+@needs_fp8
 def test_layernorm_linear_fp8_cpu(seed):
     m = te.LayerNormLinear(64, 48, device="cpu", return_layernorm_output=True)
     randomize(m)
@@ -287,6 +289,7 @@ def run_block_fp8(cls, device, tokens, hidden, ffn, activation="gelu", normaliza
     ("LayerNormMLP", "gelu", "LayerNorm", 128),
     ("LayerNormMLP", "swiglu", "RMSNorm", 176),
 ])
+@needs_fp8
 def test_layernorm_modules_fp8_block_cpu(cls, activation, normalization, tokens, seed):
     m, x, dy, y, h = run_block_fp8(cls, "cpu", tokens, 256, 384, activation or "gelu", normalization)
     check_block_against_reference(m, x, dy, y, h, 1.0)
@@ -309,6 +312,7 @@ def check_block_against_reference(m, x, dy, y, h, factor):
         assert rel_error(m(x), y) > 1e-2
 
 
+@needs_fp8
 def test_layernorm_modules_fp8_block_weight_cache_and_errors(seed):
     from seqfuse.common.recipe import Float8BlockScaling
 
@@ -378,6 +382,7 @@ def test_layernorm_linear_cuda_bf16(seed):
     check_grads(m, p, x, xd, torch.bfloat16, factor=3)
 
 
+@needs_fp8
 @pytest.mark.cuda
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
 @pytest.mark.parametrize("current", [False, True], ids=["delayed", "current"])
@@ -407,6 +412,7 @@ def test_layernorm_mlp_cuda_fp8(activation, current, seed):
 @pytest.mark.parametrize("cls,activation,tokens", [
     ("LayerNormLinear", None, 2048), ("LayerNormLinear", None, 1040),
     ("LayerNormMLP", "gelu", 2048), ("LayerNormMLP", "swiglu", 1040), ("LayerNormMLP", "relu", 512)])
+@needs_fp8
 def test_layernorm_modules_cuda_fp8_block(cls, activation, tokens, seed):
     """bf16 under Float8BlockScaling against the same bf16 module without FP8
     (FP8 tolerances), and in float32 against the float64 reference of the
@@ -435,6 +441,7 @@ def test_layernorm_modules_cuda_fp8_block(cls, activation, tokens, seed):
         assert rel_error(g, r) < 0.1
 
 
+@needs_fp8
 @pytest.mark.parametrize("cls", ["LayerNormLinear", "LayerNormMLP"])
 def test_layernorm_modules_fp8_current_scaling_cpu(cls, seed):
     from seqfuse.common.recipe import Float8CurrentScaling

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import seqfuse.pytorch as te
-from helpers import REL_TOL, block128_dequantized_ref, block_dequantized_ref, rel_error
+from helpers import REL_TOL, block128_dequantized_ref, block_dequantized_ref, needs_fp8, rel_error
 
 
 def twin(in_f, out_f, bias, dtype, device):
@@ -362,17 +362,20 @@ def run_fp8(kind, device, tokens, in_f, out_f, seed_):
     return m
 
 
+@needs_fp8
 @pytest.mark.parametrize("kind", ["delayed", "current", "block"])
 def test_cpu_fp8_recipes(kind, seed):
     run_fp8(kind, "cpu", 128, 128, 256, seed)
 
 
+@needs_fp8
 def test_cpu_fp8_block_tokens_not_a_multiple_of_128(seed):
     """Block scaling needs only tokens % 16: the column-wise copies of the
     input and gradient are zero-padded to whole 128-token blocks."""
     run_fp8("block", "cpu", 144, 256, 128, seed)
 
 
+@needs_fp8
 @pytest.mark.parametrize("shape", [(128, 128), (256, 384), (640, 128)])
 def test_block_weight_transposed_is_quantized_transpose(shape, seed):
     """W^T's 128x128 copy made from W's (byte transpose, scale matrix
@@ -386,6 +389,7 @@ def test_block_weight_transposed_is_quantized_transpose(shape, seed):
     assert torch.equal(got.scale_inv, want.scale_inv)
 
 
+@needs_fp8
 def test_cpu_fp8_block_weight_cached(seed):
     m = fp8_twin(128, 256, "cpu")
     opt = torch.optim.SGD(m.parameters(), lr=0.01)
@@ -399,6 +403,7 @@ def test_cpu_fp8_block_weight_cached(seed):
     assert m._fp8_weight_quantizations == 2
 
 
+@needs_fp8
 def test_cpu_fp8_weight_quantized_once_per_update(seed):
     m = fp8_twin(64, 32, "cpu")
     opt = torch.optim.SGD(m.parameters(), lr=0.01)
@@ -426,6 +431,7 @@ def test_cpu_fp8_weight_quantized_once_per_update(seed):
     assert rel_error(y, ref) < 0.05
 
 
+@needs_fp8
 def test_cpu_fp8_main_grad(seed):
     m = fp8_twin(64, 48, "cpu")
     m.weight.main_grad = torch.zeros(48, 64)
@@ -440,6 +446,7 @@ def test_cpu_fp8_main_grad(seed):
     assert rel_error(m.weight.main_grad, total) < 0.12
 
 
+@needs_fp8
 def test_cpu_fp8_errors():
     m = fp8_twin(64, 32, "cpu")
     with pytest.raises(ValueError, match="Linear: FP8 GEMMs need the number of tokens \\(input rows\\) "
@@ -458,6 +465,7 @@ def test_cpu_fp8_errors():
             m(torch.randn(32, 64).bfloat16())
 
 
+@needs_fp8
 @pytest.mark.cuda
 @pytest.mark.parametrize("kind", ["delayed", "current", "block"])
 @pytest.mark.parametrize("shape", [(2048, 1024, 4096), (512, 1280, 5120)])
@@ -465,6 +473,7 @@ def test_cuda_fp8_recipes(kind, shape, seed):
     run_fp8(kind, "cuda", *shape, seed)
 
 
+@needs_fp8
 @pytest.mark.cuda
 def test_cuda_fp8_delayed_scaling_steps(seed):
     """Several steps: the scales follow the amaxes, the error stays bounded."""
@@ -482,6 +491,7 @@ def test_cuda_fp8_delayed_scaling_steps(seed):
     assert m._fp8_weight_quantizations == 4
 
 
+@needs_fp8
 @pytest.mark.cuda
 def test_cuda_fp8_graph_capture(seed):
     torch.manual_seed(0)

@@ -7,10 +7,10 @@ import torch
 
 import seqfuse
 from seqfuse import ops
-from seqfuse.ops._call import FP8_DLPACK
+from helpers import needs_fp8
 from seqfuse.quantization import quantize_block, quantize_mxfp8, quantize_nvfp4
 
-pytestmark = pytest.mark.skipif(not FP8_DLPACK, reason="this torch cannot export float8 through DLPack")
+pytestmark = needs_fp8
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]
@@ -269,6 +269,44 @@ def test_rowcol_partial_row_blocks(m, fp8, dtype, seed):
     assert torch.equal(q.dequantize(), ops.dequantize_block_fp8(ref_t, ref_si_t, 1, dtype).t()[:m])
 
 
+def col_sums_in_order(x):
+    """seqfuse_quant.h's col_sums, float32 adds in its fixed order, in torch:
+    rows 128 mb + g + 16 i summed over i left to right, paired over g, the 8
+    pairs added left to right."""
+    k = x.shape[-1]
+    xf = x.float().reshape(-1, k)
+    m = xf.shape[0]
+    xb = torch.nn.functional.pad(xf, (0, 0, 0, (-m) % 128)).view(-1, 8, 16, k)  # [mb, i, g, k]
+    acc = xb[:, 0]
+    for i in range(1, 8):
+        acc = acc + xb[:, i]
+    p = acc[:, 0::2] + acc[:, 1::2]  # [mb, w, k]
+    total = p[:, 0]
+    for w in range(1, 8):
+        total = total + p[:, w]
+    return total
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("m", [16, 128, 200])
+def test_rowcol_col_sums(m, dtype, seed):
+    x = sample((m, 256), dtype)
+    *q, sums = ops.quantize_block_fp8_rowcol(x, E4M3, col_sums=True)
+    assert sums.shape == ((m + 127) // 128, 256) and sums.dtype == torch.float32
+    assert torch.equal(sums.view(torch.int32), col_sums_in_order(x).view(torch.int32))
+    ref = x.double().sum(0)
+    assert ((sums.double().sum(0) - ref).abs() <= 1e-5 * x.double().abs().sum(0) + 1e-30).all()
+    plain = ops.quantize_block_fp8_rowcol(x, E4M3, rowwise=False)  # the copies are unchanged
+    assert torch.equal(bits(q[2]), bits(plain[2])) and torch.equal(q[3], plain[3])
+    with pytest.raises(ValueError, match="col_sums=True needs columnwise=True"):
+        ops.quantize_block_fp8_rowcol(x, E4M3, columnwise=False, col_sums=True)
+    with pytest.raises(ValueError, match="'col_sums' comes with the column-wise copy"):
+        seqfuse._C.quantize_block_fp8_rowcol(x, q[0], q[1], None, None, None,
+                                             torch.empty(sums.shape))
+    with pytest.raises(ValueError, match=r"'col_sums' must have shape \[round_up\(M, 128\)/128, K\]"):
+        seqfuse._C.quantize_block_fp8_rowcol(x, None, None, q[2], q[3], None, torch.empty(3, 256))
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("shape", [(128, 128), (256, 384), (4096, 4096), (2, 128, 1024), (1, 128),
@@ -289,3 +327,6 @@ def test_cuda_rowcol_bit_identical(shape, dtype, seed):
         assert torch.equal(si_t.cpu().view(torch.int32), ref[3].view(torch.int32))
         only = ops.quantize_block_fp8_rowcol(x.cuda(), fp8, rowwise=False)
         assert torch.equal(bits(only[2]).cpu(), bits(ref[2]))
+        # the fused column sums: the fixed add order, bit for bit
+        sums = ops.quantize_block_fp8_rowcol(x.cuda(), fp8, col_sums=True)[4]
+        assert torch.equal(sums.cpu().view(torch.int32), col_sums_in_order(x).view(torch.int32))

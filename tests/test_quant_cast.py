@@ -6,9 +6,9 @@ import torch
 
 import seqfuse
 from seqfuse import ops
-from seqfuse.ops._call import FP8_DLPACK
+from helpers import needs_fp8
 
-pytestmark = pytest.mark.skipif(not FP8_DLPACK, reason="this torch cannot export float8 through DLPack")
+pytestmark = needs_fp8
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8 = [E4M3, E5M2]

@@ -19,9 +19,7 @@ from seqfuse.quantization import (GRAD_OUTPUT, INPUT, WEIGHT, ScalingState, auto
                                   reduce_and_update)
 from seqfuse.quantization import autocast as autocast_mod
 from seqfuse.quantization import stats
-from seqfuse.ops._call import FP8_DLPACK
-
-needs_fp8 = pytest.mark.skipif(not FP8_DLPACK, reason="this torch cannot export float8 through DLPack")
+from helpers import needs_fp8
 
 
 class ModelState:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import seqfuse
 import seqfuse.pytorch as te
 import te_stand_ins
-from helpers import rel_error
+from helpers import needs_fp8, rel_error
 
 
 @pytest.fixture
@@ -386,6 +386,7 @@ def test_cuda_bf16_layer_matches_torch(shape, fmt):
     assert err <= max(2e-2, 1.25 * err_torch), f"seqfuse bf16 {err:.3e}, plain torch bf16 {err_torch:.3e}"
 
 
+@needs_fp8
 @pytest.mark.cuda
 def test_cuda_fp8_layer_close_to_bf16():
     if not _cuda_ready() or not hasattr(te, "fp8_autocast"):
@@ -426,6 +427,7 @@ def _fp8_recipes():
             r.MXFP8BlockScaling()]
 
 
+@needs_fp8
 @pytest.mark.parametrize("recipe", _fp8_recipes(), ids=lambda r: type(r).__name__)
 def test_fp8_layer_cpu(recipe, modules):
     """Under an FP8 recipe (CPU backends): the layer's update (out - x) and the

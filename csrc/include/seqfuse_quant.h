@@ -107,10 +107,17 @@ sf_status sf_dequantize_block_fp8(const sf_tensor *data, const sf_tensor *scale_
  * belongs to x[128 mb : min(128 mb + 128, M), k]).  Either pair may be NULL
  * (not both).  K must be a multiple of 128, x 16-byte aligned; M is any.
  * What Float8BlockScaling's weight-gradient GEMMs take for activations and
- * gradients (the zero padding makes their k a whole number of blocks). */
+ * gradients (the zero padding makes their k a whole number of blocks).
+ * col_sums (optional, with out_t): float32 [Mt/128, K], the sum of each
+ * column over each 128-row block -- a bias gradient is col_sums summed over
+ * its rows, without another pass over x.  The order of the float32 adds is
+ * fixed (both backends): with rows r = 128 mb + g + 16 i (g = 0..15,
+ * i = 0..7; rows past M read as 0), s_g = x[g] + x[g+16] + ... + x[g+112]
+ * left to right, p_w = s_2w + s_2w+1, col_sums = p_0 + p_1 + ... + p_7 left
+ * to right. */
 sf_status sf_quantize_block_fp8_rowcol(const sf_tensor *x, sf_tensor *out, sf_tensor *scale_inv,
                                        sf_tensor *out_t, sf_tensor *scale_inv_t,
-                                       sf_stream stream);
+                                       sf_tensor *col_sums, sf_stream stream);
 
 /* MXFP8: 1x32 blocks along K with E8M0 scales, K % 32 == 0.
  *   out: FP8 [M, K]; scales: float8_e8m0fnu or uint8 [M, K/32], row-major

@@ -213,24 +213,25 @@ static PyObject *py_dequantize_block_fp8(PyObject *self, PyObject *const *args, 
     return sf_py_finish(&c, st);
 }
 
-/* quantize_block_fp8_rowcol(x, out, scale_inv, out_t, scale_inv_t, stream=None) */
+/* quantize_block_fp8_rowcol(x, out, scale_inv, out_t, scale_inv_t, stream=None, col_sums=None) */
 static PyObject *py_quantize_block_fp8_rowcol(PyObject *self, PyObject *const *args,
                                               Py_ssize_t nargs)
 {
     (void)self;
     static const char op[] = "quantize_block_fp8_rowcol";
-    if (sf_py_check_nargs(op, nargs, 5, 6) < 0)
+    if (sf_py_check_nargs(op, nargs, 5, 7) < 0)
         return NULL;
     sf_py_call c;
     if (sf_py_call_init(&c, op, nargs > 5 ? args[5] : Py_None) < 0)
         return NULL;
-    sf_tensor x, out, si, out_t, si_t;
-    int h_out, h_si, h_out_t, h_si_t;
+    sf_tensor x, out, si, out_t, si_t, sums;
+    int h_out, h_si, h_out_t, h_si_t, h_sums = 0;
     if (sf_py_tensor(&c, args[0], "x", &x) < 0 ||
         sf_py_optional_tensor(&c, args[1], "out", &out, &h_out) < 0 ||
         sf_py_optional_tensor(&c, args[2], "scale_inv", &si, &h_si) < 0 ||
         sf_py_optional_tensor(&c, args[3], "out_t", &out_t, &h_out_t) < 0 ||
-        sf_py_optional_tensor(&c, args[4], "scale_inv_t", &si_t, &h_si_t) < 0) {
+        sf_py_optional_tensor(&c, args[4], "scale_inv_t", &si_t, &h_si_t) < 0 ||
+        (nargs > 6 && sf_py_optional_tensor(&c, args[6], "col_sums", &sums, &h_sums) < 0)) {
         sf_py_call_release(&c);
         return NULL;
     }
@@ -238,7 +239,7 @@ static PyObject *py_quantize_block_fp8_rowcol(PyObject *self, PyObject *const *a
     Py_BEGIN_ALLOW_THREADS
     st = sf_quantize_block_fp8_rowcol(&x, h_out ? &out : NULL, h_si ? &si : NULL,
                                       h_out_t ? &out_t : NULL, h_si_t ? &si_t : NULL,
-                                      sf_py_call_stream(&c));
+                                      h_sums ? &sums : NULL, sf_py_call_stream(&c));
     Py_END_ALLOW_THREADS
     return sf_py_finish(&c, st);
 }
@@ -345,8 +346,9 @@ PyMethodDef sf_py_quant_methods[] = {
     {"quantize_block_fp8", SF_PY_FASTCALL(py_quantize_block_fp8),
      "quantize_block_fp8(x, out, scale_inv, block_rows, stream=None): 1x128 / 128x128 blocks."},
     {"quantize_block_fp8_rowcol", SF_PY_FASTCALL(py_quantize_block_fp8_rowcol),
-     "quantize_block_fp8_rowcol(x, out, scale_inv, out_t, scale_inv_t, stream=None): 1x128 "
-     "blocks along K and (transposed) along M in one pass."},
+     "quantize_block_fp8_rowcol(x, out, scale_inv, out_t, scale_inv_t, stream=None, "
+     "col_sums=None): 1x128 blocks along K and (transposed) along M in one pass, and the "
+     "column sums per 128-row block."},
     {"dequantize_block_fp8", SF_PY_FASTCALL(py_dequantize_block_fp8),
      "dequantize_block_fp8(data, scale_inv, block_rows, out, stream=None)."},
     {"quantize_mxfp8", SF_PY_FASTCALL(py_quantize_mxfp8),

@@ -122,7 +122,7 @@ sf_status sf_quantize_block_fp8(const sf_tensor *x, sf_tensor *out, sf_tensor *s
 
 sf_status sf_quantize_block_fp8_rowcol(const sf_tensor *x, sf_tensor *out, sf_tensor *scale_inv,
                                        sf_tensor *out_t, sf_tensor *scale_inv_t,
-                                       sf_stream stream)
+                                       sf_tensor *col_sums, sf_stream stream)
 {
     static const char op[] = "quantize_block_fp8_rowcol";
     SF_TRY(sf_check_float_input(op, "x", x));
@@ -159,6 +159,17 @@ sf_status sf_quantize_block_fp8_rowcol(const sf_tensor *x, sf_tensor *out, sf_te
                                         &a.scale_ld_t));
         a.e5m2 = out_t->dtype == SF_FLOAT8_E5M2;
     }
+    if (col_sums) {
+        if (!out_t)
+            return sf_fail(SF_ERR_VALUE, "%s: 'col_sums' comes with the column-wise copy "
+                           "('out_t'), whose pass computes it", op);
+        SF_TRY(sf_check_dtype(op, "col_sums", col_sums, SF_FLOAT32));
+        if (col_sums->ndim != 2 || col_sums->shape[0] != mt / 128 || col_sums->shape[1] != a.k)
+            return sf_fail(SF_ERR_VALUE,
+                           "%s: argument 'col_sums' must have shape [round_up(M, 128)/128, K] = "
+                           "[%lld, %lld]", op, (long long)(mt / 128), (long long)a.k);
+        SF_TRY(check_out(op, "col_sums", col_sums, x, mt / 128 * a.k, 1));
+    }
     a.format = SF_BLOCK_FP8_ROWCOL;
     a.x = x->data;
     a.x_dtype = x->dtype;
@@ -166,6 +177,7 @@ sf_status sf_quantize_block_fp8_rowcol(const sf_tensor *x, sf_tensor *out, sf_te
     a.scales = scale_inv ? scale_inv->data : NULL;
     a.data_t = out_t ? (uint8_t *)out_t->data : NULL;
     a.scales_t = scale_inv_t ? (float *)scale_inv_t->data : NULL;
+    a.col_sums = col_sums ? (float *)col_sums->data : NULL;
     return dispatch(op, x, &a, 1, stream);
 }
 

@@ -61,6 +61,27 @@ static void quantize_fp8_blocks(const sf_block_args *a, int block_rows)
         }
 }
 
+/* Column c's float32 sum over rows r0 .. r0 + 127 (past m: 0) in the order
+ * seqfuse_quant.h fixes for col_sums (the CUDA kernel's: 16 strided partial
+ * sums, paired, then added left to right). */
+static float block_col_sum(const sf_block_args *a, int64_t r0, int64_t c)
+{
+    float s[16];
+    for (int g = 0; g < 16; ++g) {
+        float acc = 0.0f;
+        for (int i = 0; i < 8; ++i) {
+            int64_t r = r0 + g + 16 * i;
+            float v = r < a->m ? load_f32(a->x, a->x_dtype, r * a->k + c) : 0.0f;
+            acc = i == 0 ? v : acc + v;
+        }
+        s[g] = acc;
+    }
+    float total = s[0] + s[1];
+    for (int w = 1; w < 8; ++w)
+        total = total + (s[2 * w] + s[2 * w + 1]);
+    return total;
+}
+
 /* Row-wise 1x128 (as quantize_fp8_blocks) and column-wise 1x128 along M:
  * data_t is [k, mt] with mt = round_up(m, 128); rows of x past m count as 0
  * (in the amax and in the bytes written). */
@@ -74,6 +95,8 @@ static void quantize_rowcol(const sf_block_args *a)
     const int64_t mt = (a->m + 127) / 128 * 128;
     for (int64_t mb = 0; mb < mt / 128; ++mb)
         for (int64_t c = 0; c < a->k; ++c) {
+            if (a->col_sums)
+                a->col_sums[mb * a->k + c] = block_col_sum(a, mb * 128, c);
             int64_t r1 = mb * 128 + 128 < a->m ? mb * 128 + 128 : a->m;
             float amax = sf_bits_f32(block_amax(a, mb * 128, r1, c, c + 1));
             float s = sf_scale_from_amax(amax, fmax, 1.0f, 1.0f);

@@ -125,33 +125,52 @@ quant_128x128_kernel(const T *__restrict__ x, int64_t m, int64_t k, uint8_t *out
 /* 1x128 blocks along K (row-wise copy) and along M (column-wise copy, the
  * transposed matrix) from one read of x: a CTA per 128 x 128 tile, loads as
  * in cast_transpose; row amaxes by shuffles over the 16 lanes of a row,
- * column amaxes through shared memory; the column-wise bytes go through the
- * swizzled tile and leave as 16-byte rows of out_t.  M need not be a
- * multiple of 128: rows past M read as 0, so the column-wise copy (rows of
+ * column amaxes (and, when asked, column sums) through shared memory; the
+ * column-wise bytes go through the swizzled tile and leave as 16-byte rows
+ * of out_t.  Conversions take two values per cvt instruction (the format is
+ * a template parameter, so no per-value branch).  M need not be a multiple
+ * of 128: rows past M read as 0, so the column-wise copy (rows of
  * mt = round_up(M, 128) bytes) ends in zeros and its last block's scale
  * comes from the real rows only; the row-wise copy stops at row M (its scale
- * padding up to ld_m is written 0). */
+ * padding up to ld_m is written 0).  Traffic per element: 2 (bf16) bytes
+ * read, 2 bytes written, plus 8 bytes of scales per 128 elements. */
 __device__ __forceinline__ int swz(int row, int word) { return word ^ (((row >> 4) & 7) << 2); }
 
-template <typename T>
+/* Eight values times their scales -> eight FP8 bytes (v[0] lowest). */
+template <bool E5M2>
+__device__ __forceinline__ uint2 cvt8(const float *v, const float *s)
+{
+    float q[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+        q[e] = __fmul_rn(v[e], s[e]);
+    return make_uint2(sf_cvt4<E5M2>(q), sf_cvt4<E5M2>(q + 4));
+}
+
+template <typename T, bool E5M2>
 __global__ void __launch_bounds__(kThreads)
 quant_rowcol_kernel(const T *__restrict__ x, int64_t m, int64_t k, uint8_t *out, float *scale_inv,
                     int64_t ld_m, uint8_t *out_t, float *scale_inv_t, int64_t ld_k, int64_t mt,
-                    int e5m2)
+                    float *col_sums)
 {
     __shared__ uint32_t tile[128][32];
     __shared__ uint32_t colmax[8][128];
+    __shared__ float colsum[8][128];
     __shared__ float colscale[128];
     const int64_t tiles_k = k / 128;
     const int64_t m0 = (blockIdx.x / tiles_k) * 128, k0 = (blockIdx.x % tiles_k) * 128;
     const int t = threadIdx.x, lj = t & 15, lr = t >> 4, lane = t & 31, warp = t >> 5;
-    const float fmax = sf_fp8_max(e5m2);
+    const float fmax = sf_fp8_max(E5M2);
+    /* rows of this tile inside x (rem) and inside the row-wise scale tensor,
+     * whose padding up to ld_m is written 0; 32-bit, as are the row tests */
+    const int rem = (int)min(m - m0, (int64_t)128), rem_ld = (int)min(ld_m - m0, (int64_t)128);
+    const T *xt = x + m0 * k + k0 + lj * 8;
     sf_raw8<T> raw[8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        if (m0 + lr + 16 * i < m)
-            sf_load_raw8(x + (m0 + lr + 16 * i) * k + k0 + lj * 8, raw[i]);
-        else
+    for (int i = 0; i < 8; ++i) { /* rows past M load row m0 (always there) and become 0 */
+        const int row = lr + 16 * i;
+        sf_load_raw8(xt + (int64_t)(row < rem ? row : 0) * k, raw[i]);
+        if (row >= rem)
             raw[i] = sf_raw8<T>{}; /* zero bits: 0.0 */
     }
     uint32_t cmax[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -169,21 +188,12 @@ quant_rowcol_kernel(const T *__restrict__ x, int64_t m, int64_t k, uint8_t *out,
         if (out) {
             rmax = warp_max(rmax, 16); /* the 16 lanes of this row (all lanes shuffle) */
             const float s = sf_scale_from_amax(sf_bits_f32(rmax), fmax, 1.0f, 1.0f);
-            const int64_t r = m0 + lr + 16 * i;
-            if (r >= m) { /* past M: only the scale tensor's padding is owed */
-                if (lj == 0 && r < ld_m)
-                    scale_inv[(k0 / 128) * ld_m + r] = 0.0f;
-                continue;
-            }
-            if (lj == 0)
-                scale_inv[(k0 / 128) * ld_m + r] = __fdiv_rn(1.0f, s);
-            uint32_t w0 = 0, w1 = 0;
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                w0 |= (uint32_t)cvt1(__fmul_rn(v[e], s), e5m2) << (8 * e);
-                w1 |= (uint32_t)cvt1(__fmul_rn(v[e + 4], s), e5m2) << (8 * e);
-            }
-            *reinterpret_cast<uint2 *>(out + r * k + k0 + lj * 8) = make_uint2(w0, w1);
+            const int row = lr + 16 * i;
+            if (lj == 0 && row < rem_ld)
+                scale_inv[(k0 / 128) * ld_m + m0 + row] = row < rem ? __fdiv_rn(1.0f, s) : 0.0f;
+            const float sv[8] = {s, s, s, s, s, s, s, s};
+            if (row < rem)
+                *reinterpret_cast<uint2 *>(out + (m0 + row) * k + k0 + lj * 8) = cvt8<E5M2>(v, sv);
         }
     }
     if (!out_t)
@@ -197,16 +207,19 @@ quant_rowcol_kernel(const T *__restrict__ x, int64_t m, int64_t k, uint8_t *out,
     }
     __syncthreads();
     if (t < 128) {
-        uint32_t cm = 0;
+        uint32_t cm = colmax[0][t];
 #pragma unroll
-        for (int w = 0; w < 8; ++w)
+        for (int w = 1; w < 8; ++w)
             cm = max(cm, colmax[w][t]);
         const float s = sf_scale_from_amax(sf_bits_f32(cm), fmax, 1.0f, 1.0f);
         colscale[t] = s;
         scale_inv_t[(m0 / 128) * ld_k + k0 + t] = __fdiv_rn(1.0f, s);
     }
     __syncthreads();
-    float cs[8];
+    /* the column-wise bytes into the tile, and (col_sums) the column sums in
+     * seqfuse_quant.h's order: this thread's 8 rows, its warp's two rows,
+     * then the 8 warps below */
+    float cs[8], csum[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e)
         cs[e] = colscale[lj * 8 + e];
@@ -215,15 +228,30 @@ quant_rowcol_kernel(const T *__restrict__ x, int64_t m, int64_t k, uint8_t *out,
         float v[8];
         sf_unpack8(raw[i], v);
         const int row = lr + 16 * i;
-        uint32_t w0 = 0, w1 = 0;
+        *reinterpret_cast<uint2 *>(&tile[row][swz(row, 2 * lj)]) = cvt8<E5M2>(v, cs);
+        if (col_sums) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            w0 |= (uint32_t)cvt1(__fmul_rn(v[e], cs[e]), e5m2) << (8 * e);
-            w1 |= (uint32_t)cvt1(__fmul_rn(v[e + 4], cs[e + 4]), e5m2) << (8 * e);
+            for (int e = 0; e < 8; ++e)
+                csum[e] = i == 0 ? v[e] : __fadd_rn(csum[e], v[e]);
         }
-        *reinterpret_cast<uint2 *>(&tile[row][swz(row, 2 * lj)]) = make_uint2(w0, w1);
+    }
+    if (col_sums) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            csum[e] = __fadd_rn(csum[e], __shfl_xor_sync(0xffffffffu, csum[e], 16));
+            if (lane < 16)
+                colsum[warp][lj * 8 + e] = csum[e];
+        }
     }
     __syncthreads();
+    if (col_sums && t >= 128) { /* threads 0..127 took the amaxes above */
+        const int c = t - 128;
+        float sum = colsum[0][c];
+#pragma unroll
+        for (int w = 1; w < 8; ++w)
+            sum = __fadd_rn(sum, colsum[w][c]);
+        col_sums[(m0 / 128) * k + k0 + c] = sum;
+    }
     const int kw = warp * 4 + (lane >> 3), mg = lane & 7;
     uint32_t w[16];
 #pragma unroll
@@ -364,9 +392,14 @@ void launch_quantize(const sf_block_args *a, int sms, cudaStream_t stream)
     case SF_BLOCK_FP8_ROWCOL: {
         const int64_t mt = (a->m + 127) / 128 * 128;
         int64_t tiles = (mt / 128) * (a->k / 128);
-        quant_rowcol_kernel<T><<<(unsigned)tiles, kThreads, 0, stream>>>(
-            x, a->m, a->k, a->data, (float *)a->scales, a->scale_ld, a->data_t, a->scales_t,
-            a->scale_ld_t, mt, a->e5m2);
+        if (a->e5m2)
+            quant_rowcol_kernel<T, true><<<(unsigned)tiles, kThreads, 0, stream>>>(
+                x, a->m, a->k, a->data, (float *)a->scales, a->scale_ld, a->data_t, a->scales_t,
+                a->scale_ld_t, mt, a->col_sums);
+        else
+            quant_rowcol_kernel<T, false><<<(unsigned)tiles, kThreads, 0, stream>>>(
+                x, a->m, a->k, a->data, (float *)a->scales, a->scale_ld, a->data_t, a->scales_t,
+                a->scale_ld_t, mt, a->col_sums);
         break;
     }
     case SF_BLOCK_MXFP8: {

@@ -82,6 +82,7 @@ typedef struct {
     uint8_t *data_t;      /* rowcol: [k, round_up(m, 128)] or NULL (data may be NULL too) */
     float *scales_t;      /* rowcol: [round_up(m, 128)/128, scale_ld_t] */
     int64_t scale_ld_t;
+    float *col_sums;      /* rowcol: [round_up(m, 128)/128, k] block column sums, or NULL */
 } sf_block_args;
 
 sf_status sf_block_quantize_cpu(const sf_block_args *a);

@@ -295,11 +295,10 @@ class _LayerNormLinearFn(torch.autograd.Function):
         dbias = None
         if ctx.block:
             x2, lnw, mean, rstd, ln_t, ln_t_si, w_t, w_si = ctx.saved_tensors
-            dln, dweight = block_backward(dout2, (ln_t, ln_t_si), (w_t, w_si), ctx.recipe, x2.dtype,
-                                          True, ctx.needs_input_grad[3], _wgrad_dtype(w_dtype))
-            dweight = as_dtype(dweight, w_dtype)
-            if has_bias:
-                dbias = dout2.sum(0, dtype=torch.float32).to(b_dtype)
+            dln, dweight, dbias = block_backward(
+                dout2, (ln_t, ln_t_si), (w_t, w_si), ctx.recipe, x2.dtype, True,
+                ctx.needs_input_grad[3], _wgrad_dtype(w_dtype), need_dbias=has_bias)
+            dweight, dbias = as_dtype(dweight, w_dtype), as_dtype(dbias, b_dtype)
         elif ctx.fp8:
             x2, lnw, mean, rstd, ln8, ln8_t, ln_si, w_t, w_si = ctx.saved_tensors
             g = ctx.quantizers.quantize(dout2, 2)

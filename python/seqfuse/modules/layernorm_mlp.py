@@ -107,15 +107,14 @@ class _LayerNormMLPFn(torch.autograd.Function):
             (x2, lnw, mean, rstd, h, ln_t, ln_t_si, a_t, a_t_si, w1_t, w1_si, w2_t,
              w2_si) = ctx.saved_tensors
             dt, recipe = x2.dtype, ctx.recipe
-            da, dw2 = block_backward(dout2, (a_t, a_t_si), (w2_t, w2_si), recipe, dt, True,
-                                     ctx.needs_input_grad[5], _wgrad_dtype(w2_dt))
-            if b2_dt is not None:
-                db2 = dout2.sum(0, dtype=torch.float32).to(b2_dt)
+            # the bias gradients come out of the gradients' quantization passes
+            da, dw2, db2 = block_backward(dout2, (a_t, a_t_si), (w2_t, w2_si), recipe, dt, True,
+                                          ctx.needs_input_grad[5], _wgrad_dtype(w2_dt),
+                                          need_dbias=b2_dt is not None)
             dh = A.act_bwd(da, h, activation)
-            if b1_dt is not None:
-                db1 = dh.sum(0, dtype=torch.float32).to(b1_dt)
-            dln, dw1 = block_backward(dh, (ln_t, ln_t_si), (w1_t, w1_si), recipe, dt, True,
-                                      ctx.needs_input_grad[3], _wgrad_dtype(w1_dt))
+            dln, dw1, db1 = block_backward(dh, (ln_t, ln_t_si), (w1_t, w1_si), recipe, dt, True,
+                                           ctx.needs_input_grad[3], _wgrad_dtype(w1_dt),
+                                           need_dbias=b1_dt is not None)
         elif ctx.fp8:
             (x2, lnw, mean, rstd, ln8, ln8_t, ln_si, h, a8, a8_t, a_si, w1_t, w1_si, w2_t,
              w2_si) = ctx.saved_tensors

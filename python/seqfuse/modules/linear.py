@@ -356,8 +356,9 @@ class Fp8LinearFunction(torch.autograd.Function):
         main_grad = getattr(weight, "main_grad", None) if need_dw else None
         dx = dw = db = None
         if kind == "block":
-            dx, dw = block_backward(dy, (x_t, x_si), (w_t, w_si), recipe, dtype, need_dx, need_dw,
-                                    weight.dtype, main_grad)
+            dx, dw, db = block_backward(dy, (x_t, x_si), (w_t, w_si), recipe, dtype, need_dx,
+                                        need_dw, weight.dtype, main_grad,
+                                        need_dbias=need_db and ctx.bias_dtype is not None)
         else:
             g = _quantize_act(dy, kind, recipe, state, _q.GRAD_OUTPUT, need_dw, True)
             if need_dx:
@@ -372,7 +373,9 @@ class Fp8LinearFunction(torch.autograd.Function):
         if main_grad is not None and hasattr(weight, "grad_added_to_main_grad"):
             weight.grad_added_to_main_grad = True
         if need_db and ctx.bias_dtype is not None:
-            db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)  # no float32 copy of dy
+            if db is None:
+                db = dy.sum(0, dtype=torch.float32)  # no float32 copy of dy
+            db = db.to(ctx.bias_dtype)
         return dx, dw, db, None, None, None, None, None
 
 
@@ -383,16 +386,11 @@ class Fp8LinearFunction(torch.autograd.Function):
 # quantize_block_fp8_rowcol, which writes the row-wise copy (1x128 along K,
 # the forward / dgrad operand) and the column-wise copy (the transpose in
 # 1x128 blocks along the tokens, the wgrad operand) with their scales already
-# in cuBLASLt's layout: nothing is transposed or re-laid-out per call.  The
+# in cuBLASLt's layout: nothing is transposed or re-laid-out per call.  In the
+# backward the same pass also sums dy's columns per 128-row block, so the
+# bias gradient needs no further read of dy.  The
 # column-wise copy is zero-padded to a multiple of 128 tokens, so the token
 # count only has to be a multiple of 16 (the FP8 GEMMs' rule).
-
-def block_quantize(x, fp8_dtype, rowwise=True, columnwise=True):
-    """x [M, K] -> Float8BlockTensor with the asked copies, one pass over x."""
-    if columnwise:
-        return _q.quantize_block(x, 1, fp8_dtype, rowwise=rowwise, columnwise=True)
-    return _q.quantize_block(x, 1, fp8_dtype)
-
 
 def block_weight_transposed(q):
     """W^T in 128x128 blocks from W's: the blocks are the same sets of values,
@@ -412,7 +410,7 @@ def block_forward(x, w_fwd, recipe, out_dtype, bias, need_wgrad):
     """y = x W^T (+ bias) with x [M, K] in high precision and w_fwd W's
     128x128 Float8BlockTensor.  Returns (y, (x_t, x_t_scale_inv)): x's
     column-wise copy for the weight gradient, (None, None) when not needed."""
-    xq = block_quantize(x, recipe.fp8_format.fwd_dtype, columnwise=need_wgrad)
+    xq = _q.quantize_block(x, 1, recipe.fp8_format.fwd_dtype, columnwise=need_wgrad)
     y = ops.gemm(xq.data, w_fwd.data, transb=True, a_scale_inv=xq.scale_inv,
                  b_scale_inv=w_fwd.scale_inv, a_scaling="block_1x128", b_scaling="block_128x128",
                  out_dtype=out_dtype, bias=_fp8_bias(bias, out_dtype))
@@ -420,23 +418,33 @@ def block_forward(x, w_fwd, recipe, out_dtype, bias, need_wgrad):
 
 
 def block_backward(dy, x_t, w_bwd, recipe, out_dtype, need_dx, need_dw, wgrad_dtype,
-                   main_grad=None):
-    """(dx, dW) from dy [M, N] (high precision), x_t = (x's column-wise data,
-    scales) from block_forward and w_bwd = (W^T data, scales) in 128x128
-    blocks.  dx is [M, K] in out_dtype; dW is [N, K] in wgrad_dtype, or
-    accumulated into main_grad (then returned as None)."""
-    dx = dw = None
-    if not (need_dx or need_dw):
-        return dx, dw
-    g = block_quantize(dy, recipe.fp8_format.bwd_dtype, rowwise=need_dx, columnwise=need_dw)
+                   main_grad=None, need_dbias=False):
+    """(dx, dW, dbias) from dy [M, N] (high precision), x_t = (x's
+    column-wise data, scales) from block_forward and w_bwd = (W^T data,
+    scales) in 128x128 blocks.  dx is [M, K] in out_dtype; dW is [N, K] in
+    wgrad_dtype, or accumulated into main_grad (then returned as None);
+    dbias (need_dbias) is dy's float32 column sum, taken from the
+    quantization pass's per-block column sums when the weight gradient makes
+    that pass read dy anyway."""
+    dx = dw = db = None
+    fmt = recipe.fp8_format.bwd_dtype
+    if need_dw:
+        g, g_si, g_t, g_t_si, *sums = ops.quantize_block_fp8_rowcol(
+            dy, fmt, rowwise=need_dx, col_sums=need_dbias)
+        if need_dbias:
+            db = sums[0].sum(0)
+    elif need_dx:
+        g, g_si = ops.quantize_block_fp8(dy, 1, fmt)
+    if need_dbias and db is None:
+        db = dy.sum(0, dtype=torch.float32)
     if need_dx:
-        dx = ops.gemm(g.data, w_bwd[0], transb=True, a_scale_inv=g.scale_inv, b_scale_inv=w_bwd[1],
+        dx = ops.gemm(g, w_bwd[0], transb=True, a_scale_inv=g_si, b_scale_inv=w_bwd[1],
                       a_scaling="block_1x128", b_scaling="block_128x128", out_dtype=out_dtype)
     if need_dw:
-        kw = dict(transb=True, a_scale_inv=g.scale_inv_t, b_scale_inv=x_t[1],
+        kw = dict(transb=True, a_scale_inv=g_t_si, b_scale_inv=x_t[1],
                   a_scaling="block_1x128", b_scaling="block_1x128")
         if main_grad is not None:
-            ops.gemm(g.data_t, x_t[0], out=main_grad, accumulate=True, **kw)
+            ops.gemm(g_t, x_t[0], out=main_grad, accumulate=True, **kw)
         else:
-            dw = ops.gemm(g.data_t, x_t[0], out_dtype=wgrad_dtype, **kw)
-    return dx, dw
+            dw = ops.gemm(g_t, x_t[0], out_dtype=wgrad_dtype, **kw)
+    return dx, dw, db

@@ -215,14 +215,20 @@ def quantize_block_fp8(x, block_rows=1, fp8_dtype=torch.float8_e4m3fn):
     return out, scale_inv
 
 
-def quantize_block_fp8_rowcol(x, fp8_dtype=torch.float8_e4m3fn, *, rowwise=True, columnwise=True):
+def quantize_block_fp8_rowcol(x, fp8_dtype=torch.float8_e4m3fn, *, rowwise=True, columnwise=True,
+                              col_sums=False):
     """1x128 block quantization along both dimensions from one read of x
     [M, K] (K a multiple of 128, M any): returns ``(data, scale_inv, data_t,
     scale_inv_t)`` -- the row-wise copy as :func:`quantize_block_fp8` with
     block_rows=1, and the column-wise copy ``data_t`` [K, Mt] (x transposed,
     1x128 blocks along M; Mt = M rounded up to a multiple of 128, the
     columns past M zero) with ``scale_inv_t`` [Mt/128, round_up(K, 4)] in the
-    same cuBLASLt layout.  Either copy can be skipped (returned as None)."""
+    same cuBLASLt layout.  Either copy can be skipped (returned as None).
+    ``col_sums=True`` (with the column-wise copy) also returns, fifth, the
+    float32 [Mt/128, K] sums of each column over each 128-row block, from the
+    same pass: ``col_sums.sum(0)`` is x's column sum (a bias gradient)
+    without another read of x (float32 adds in the fixed order of
+    seqfuse_quant.h)."""
     op = "quantize_block_fp8_rowcol"
     require_fp8_dlpack(op)
     x, m, k = _matrix(op, x, 128, "1x128 blocks")
@@ -235,8 +241,14 @@ def quantize_block_fp8_rowcol(x, fp8_dtype=torch.float8_e4m3fn, *, rowwise=True,
     if columnwise:
         data_t = torch.empty((k, mt), dtype=fp8_dtype, device=x.device)
         scale_inv_t = torch.empty(block_scale_shape(k, mt, 1), dtype=torch.float32, device=x.device)
-    _C.quantize_block_fp8_rowcol(x, data, scale_inv, data_t, scale_inv_t, stream_for(x))
-    return data, scale_inv, data_t, scale_inv_t
+    if not col_sums:
+        _C.quantize_block_fp8_rowcol(x, data, scale_inv, data_t, scale_inv_t, stream_for(x))
+        return data, scale_inv, data_t, scale_inv_t
+    if not columnwise:
+        raise ValueError(f"{op}: col_sums=True needs columnwise=True (that pass computes them)")
+    sums = torch.empty((mt // 128, k), dtype=torch.float32, device=x.device)
+    _C.quantize_block_fp8_rowcol(x, data, scale_inv, data_t, scale_inv_t, stream_for(x), sums)
+    return data, scale_inv, data_t, scale_inv_t, sums
 
 
 def dequantize_block_fp8(data, scale_inv, block_rows=1, out_dtype=torch.float32):
