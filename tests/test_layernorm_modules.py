@@ -411,13 +411,15 @@ def test_layernorm_mlp_cuda_fp8(activation, current, seed):
 @pytest.mark.cuda
 @pytest.mark.parametrize("cls,activation,tokens", [
     ("LayerNormLinear", None, 2048), ("LayerNormLinear", None, 1040),
-    ("LayerNormMLP", "gelu", 2048), ("LayerNormMLP", "swiglu", 1040), ("LayerNormMLP", "relu", 512)])
+    ("LayerNormMLP", "gelu", 2048), ("LayerNormMLP", "swiglu", 1040), ("LayerNormMLP", "geglu", 512)])
 @needs_fp8
 def test_layernorm_modules_cuda_fp8_block(cls, activation, tokens, seed):
     """bf16 under Float8BlockScaling against the same bf16 module without FP8
     (FP8 tolerances), and in float32 against the float64 reference of the
     quantized computation (cuBLASLt's accumulation order and its bfloat16
-    bias in FP8 GEMMs loosen it to 5x the CPU bounds)."""
+    bias in FP8 GEMMs loosen it to 5x the CPU bounds).  No ReLU here: FP8
+    flips the sign of many near-zero pre-activations, each a whole dh of
+    difference from the bf16 module (0.17 in the gradients on the CPU)."""
     from seqfuse.common.recipe import Float8BlockScaling
 
     hidden, ffn = 1024, (3072 if cls == "LayerNormLinear" else 4096)
@@ -425,6 +427,7 @@ def test_layernorm_modules_cuda_fp8_block(cls, activation, tokens, seed):
                                    "RMSNorm" if activation == "swiglu" else "LayerNorm")
     check_block_against_reference(m, x, dy, y, h, 5.0)
     mb = m.to(torch.bfloat16)
+    mb.zero_grad(set_to_none=True)  # drop the float32 run's gradients
     xb = x.detach().bfloat16().requires_grad_()
     dyb = dy.bfloat16()
     ref = mb(xb)
