@@ -495,3 +495,37 @@ def test_fsdp2_two_processes_gloo(tmp_path):
         assert r["bf16_exact"]
         assert r["loaded_step"] == 6 and r["loaded_lr"] == FSDP_HYPER["lr"] and r["loaded_kind"] == "DTensor"
         assert r["resume_exact"]
+
+
+def test_step_bumps_versions_so_fp8_weight_caches_refresh(seed):
+    """The kernels write parameters (and clipped gradients) behind torch's
+    back; FusedAdamW / clip_grad_norm_ bump their version counters, so
+    seqfuse.pytorch.Linear's FP8 weight cache (keyed on the weight's
+    version) re-quantizes the updated weight at the next FP8 forward instead
+    of reusing the pre-update one."""
+    import seqfuse.pytorch as te
+    from seqfuse.common.recipe import DelayedScaling
+    from helpers import rel_error
+
+    lin = te.Linear(64, 64)
+    opt = FusedAdamW(lin.parameters(), lr=0.05, weight_decay=0.0)
+    x = torch.randn(32, 64)
+    recipe = DelayedScaling()
+    w_old = lin.weight.detach().clone()
+    v0 = lin.weight._version
+    for _ in range(2):
+        with te.autocast(enabled=True, recipe=recipe):
+            y = lin(x)
+        y.square().mean().backward()
+        g0 = lin.weight.grad._version
+        clip_grad_norm_(list(lin.parameters()), 1e-3)
+        assert lin.weight.grad._version > g0
+        opt.step()
+        opt.zero_grad()
+    assert lin.weight._version > v0
+    with torch.no_grad(), te.autocast(enabled=True, recipe=recipe):
+        y = lin(x)
+    new = x @ lin.weight.detach().t() + lin.bias.detach()
+    old = x @ w_old.t() + lin.bias.detach()
+    assert rel_error(old, new) > 0.2  # the update is large enough to tell the two apart
+    assert rel_error(y, new) < 0.1, (rel_error(y, new), rel_error(y, old))

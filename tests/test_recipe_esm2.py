@@ -83,12 +83,16 @@ def test_l0_sanity_loss_falls(tmp_path):
     assert rows[0]["unpadded_tokens_per_s"] <= rows[0]["tokens_per_s"]
 
 
-def test_resume_exact(tmp_path):
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_delayed"])
+def test_resume_exact(tmp_path, recipe):
     """Stop by interrupting at step 4 of an 8-step run (a checkpoint every 4
     steps and an exception after step 4), resume to 8: losses of steps 5-8
-    equal the uninterrupted run's exactly on the CPU."""
+    equal the uninterrupted run's exactly on the CPU.  Under FP8 delayed
+    scaling this needs the scaling state (amax histories, scales) restored
+    from the checkpoint: a fresh state would quantize differently."""
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    base = TINY + ["train.steps=8", "train.grad_accum=2"]
+    base = TINY + ["train.steps=8", "train.grad_accum=2", f"precision.recipe={recipe}",
+                   "precision.amax_history_len=4"]
     train(load_config("L0_sanity", base + [f"logging.metrics_jsonl={a}"]), "ddp")
     d = tmp_path / "ck"
     cfg = load_config("L0_sanity", base + [f"checkpoint.dir={d}", "checkpoint.interval=4",

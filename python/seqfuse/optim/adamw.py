@@ -16,6 +16,9 @@
   parameter's dtype as torch's default loader would), so training resumes
   bit for bit.
 - ``lr`` must be a Python number (a tensor lr would need a host read).
+- Each update bumps the parameters' version counters (the kernel writes
+  them directly, which torch would not notice): caches keyed on a weight's
+  version, such as Linear's FP8 weight cache, are refreshed.
 - ``use_main_grad=True``: a parameter's gradient is its float32
   ``main_grad`` where it has one (seqfuse.pytorch.Linear accumulates the
   weight gradient there, Megatron style, leaving ``.grad`` None), else its
@@ -113,6 +116,11 @@ class FusedAdamW(torch.optim.Optimizer):
             for (_, _, _, has_master, step), (ps, gs, ms, vs, ws) in buckets.items():
                 _ops.multi_tensor_adamw(ps, gs, ms, vs, ws if has_master else None, group["lr"], beta1, beta2,
                                         group["eps"], group["weight_decay"], step)
+                # The kernel wrote the parameters behind torch's back: bump their
+                # version counters as an in-place torch op would, so whatever is
+                # keyed on them (autograd's saved-tensor checks, the FP8 weight
+                # caches of seqfuse.pytorch.Linear) sees the update.
+                torch.autograd.graph.increment_version(ps)
         return loss
 
     def load_state_dict(self, state_dict):

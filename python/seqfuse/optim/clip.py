@@ -94,4 +94,5 @@ def _scale(grads, total, max_norm, error_if_nonfinite):
             by_device.setdefault(lg.device, []).append(lg)
     for device, gs in by_device.items():
         _ops.multi_tensor_scale(gs, coef.to(device))
+        torch.autograd.graph.increment_version(gs)  # written in place by the kernel
     return total

@@ -21,6 +21,7 @@ benchmarks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -166,6 +167,42 @@ def apply_layer_precision(model, cfg, recipe, rank):
         log.info("precision: %s on layers %s of %d; layers %s without FP8", cfg.precision.recipe,
                  [i for i in range(n) if i not in keep], n, keep)
     return keep
+
+
+@torch.no_grad()
+def prepare_fp8_state(model, recipe, device):
+    """Create every module's delayed-scaling state now, at its initial values.
+
+    seqfuse's modules make their ScalingState (amax history, scales) at their
+    first FP8 forward.  A resumed run must have them before the checkpoint is
+    loaded, or the saved ones find no place to go and the run continues from
+    fresh scales (different FP8 rounding from the uninterrupted run).  So one
+    forward of a 32-token dummy batch under the recipe creates them; their
+    values are then reset (history 0, scale 1) and the modules' cached FP8
+    weights dropped, so a fresh run starts exactly as if this forward had
+    never run."""
+    from seqfuse.common.recipe import DelayedScaling
+    from seqfuse.pytorch import autocast
+    from seqfuse.quantization import ScalingState
+
+    if not isinstance(recipe, DelayedScaling):
+        return 0
+    was = model.training
+    model.eval()
+    ids = torch.full((32,), 5, dtype=torch.long, device=device)  # 'A' residues
+    cu = torch.tensor([0, 32], dtype=torch.int32, device=device)
+    with autocast(enabled=True, recipe=dataclasses.replace(recipe, reduce_amax=False)):
+        model(input_ids=ids, cu_seqlens=cu, max_seqlen=32)
+    model.train(was)
+    n = 0
+    for m in model.modules():
+        m.__dict__.pop("_fp8_weight_cache", None)
+        if isinstance(m, ScalingState):
+            m.amax_history.zero_()
+            m.scale.fill_(1.0)
+            m.scale_inv.fill_(1.0)
+            n += 1
+    return n
 
 
 def wrap_model(model, strategy, world, device, cfg):
@@ -339,6 +376,9 @@ def train(cfg, strategy: str = "fsdp2") -> dict:
             log.info("precision: recipe bf16 on the CPU runs fp32 parameters (precision.param_dtype=auto); "
                      "set precision.param_dtype=bf16 to force bf16")
     apply_layer_precision(model, cfg, recipe, rank)
+    n_states = prepare_fp8_state(model, recipe, device)
+    if rank == 0 and n_states:
+        log.info("precision: %d delayed-scaling states created (checkpointed with the model)", n_states)
     model = wrap_model(model, strategy, world, device, cfg)
     inner = model.module if hasattr(model, "module") and strategy == "ddp" else model
     optimizer = build_optimizer(model, cfg)
