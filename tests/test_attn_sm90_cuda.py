@@ -25,10 +25,15 @@ def is_hopper():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-@pytest.fixture(params=[0, 1], ids=["sm90v0", "sm90v1"])
+SM90_VARIANTS = [0, 1, 2, 3]
+
+
+@pytest.fixture(params=SM90_VARIANTS, ids=[f"sm90v{v}" for v in SM90_VARIANTS])
 def sm90(request):
-    """The wgmma forward for the test, both schedules (0: in order, 1: softmax
-    overlapped with P V), skipped off Hopper; sm80 and schedule 0 restored after."""
+    """The wgmma forward for the test, every schedule (0: in order, 1: softmax
+    overlapped with P V, 2: 1 warp-specialized with a producer warpgroup and
+    an mbarrier K/V pipeline, 3: 2 with the consumers in ping-pong), skipped
+    off Hopper; sm80 and schedule 0 restored after."""
     if not is_hopper():
         pytest.skip("the wgmma forward needs a compute capability 9.0 GPU")
     seqfuse._C.attn_set_fwd_sm90_variant(request.param)
@@ -82,7 +87,7 @@ MASKS = ["no_mask", "padding", "causal", "padding_causal", "causal_bottom_right"
 @pytest.mark.parametrize("fmt", ["bshd", "sbhd", "thd"])
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("h,hk", [(4, 4), (4, 2), (6, 1)])
+@pytest.mark.parametrize("h,hk", [(4, 4), (6, 1)])  # (4, 2) GQA: the tests below
 @pytest.mark.parametrize("sq,sk", [(128, 128), (77, 150), (200, 65), (256, 384), (1, 9)])
 def test_sm90_matches_reference(fmt, mask, d, h, hk, sq, sk, seed, sm90):
     if fmt == "thd" and mask not in PADDING:
@@ -101,6 +106,22 @@ def test_sm90_dtypes_and_longer(dtype, d, mask, sq, sk, seed, sm90):
     rng = random.Random(seed)
     q, k, v, _, lq, lk = make_case("bshd", mask, 2, sq, sk, 4, 2, d, dtype, rng)
     check(q, k, v, "bshd", mask, lq, lk, None, f"{dtype} {mask} d={d} {sq}x{sk}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("mask", ["padding", "padding_causal"])
+def test_sm90_packed_many_tiles(d, mask, seed, sm90):
+    """Packed sequences of very different lengths, up to 23 key tiles: the
+    K/V stages (two or three) wrap around many times and blocks of one launch
+    run different numbers of tiles (the mbarrier phases of schedules 2 and 3)."""
+    lq = [1500, 37, 2900, 640, 129]
+    lk = list(lq)
+    h, hk = 4, 2
+    q = torch.randn(sum(lq) + 3, h, d, device="cuda").to(torch.bfloat16)
+    k = torch.randn(sum(lk) + 2, hk, d, device="cuda").to(torch.bfloat16)
+    v = torch.randn(sum(lk) + 2, hk, d, device="cuda").to(torch.bfloat16)
+    check(q, k, v, "thd", mask, lq, lk, None, f"thd {mask} d={d} lq={lq}")
 
 
 @pytest.mark.cuda
@@ -138,7 +159,9 @@ def test_fwd_kernel_choice_rejects_other_values():
     with pytest.raises(expected):
         seqfuse.ops.set_attention_fwd_kernel(75)
     with pytest.raises(expected):
-        seqfuse._C.attn_set_fwd_sm90_variant(2)
+        seqfuse._C.attn_set_fwd_sm90_variant(4)
+    with pytest.raises(expected):
+        seqfuse._C.attn_set_fwd_sm90_variant(-1)
 
 
 def test_fwd_kernel_query_default_is_sm80():

@@ -314,6 +314,223 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_sm90_kernel(const sf_attn_pro
 #endif
 }
 
+/* ---- warp-specialized schedules (variants 2 and 3) ----
+ *
+ * Three warpgroups: warpgroup 0 is the producer, 1 and 2 the consumers
+ * (64 query rows each, the same 128-row block as above).  The producer
+ * keeps 40 registers (setmaxnreg.dec) and copies Q once and the K/V tiles
+ * through kWsStages shared-memory stages with cp.async; each thread's
+ * copies complete on the stage's "full" mbarrier (cp.async.mbarrier.arrive
+ * .noinc, 128 arrivals).  The consumers take 232 registers
+ * (setmaxnreg.inc), wait on "full", run variant 1's per-tile schedule
+ * (S(n+1) = Q K(n+1)^T issued with O += P(n) V(n)) and, once P(n) V(n)
+ * has landed, arrive on the stage's "empty" mbarrier (256 arrivals) so the
+ * producer refills it.  No __syncthreads after the split: the two
+ * consumers no longer wait for each other nor for the loads of a tile they
+ * do not need yet.
+ *   2  as above.
+ *   3  + ping-pong: named barriers (ids 1, 2; 256 threads) hand the tensor
+ *      cores from one consumer to the other, so that a consumer issues its
+ *      two products only after the other has issued its own, and its
+ *      softmax runs while the other's products are on the tensor cores
+ *      (FlashAttention-3's inter-warpgroup overlap).
+ */
+constexpr int kWsConsumers = 2, kWsThreads = 128 * (kWsConsumers + 1), kWsStages = 3;
+constexpr int kWsProducerRegs = 40, kWsConsumerRegs = 232; /* 128 * 40 + 256 * 232 <= 65536 */
+
+template <int D> constexpr int ws_smem_bytes()
+{
+    /* Q, kWsStages K and V tiles, then 2 * kWsStages + 1 mbarriers (8 bytes each) */
+    return 1024 + (kBM + 2 * kWsStages * kBN) * D * 2 + (2 * kWsStages + 1) * 8;
+}
+
+#ifdef SF_SM90A
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+/* Returns once the phase of parity `parity` has completed. */
+__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity)
+{
+    asm volatile("{\n"
+                 ".reg .pred P1;\n"
+                 "LAB_WAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+                 "@P1 bra DONE;\n"
+                 "bra LAB_WAIT;\n"
+                 "DONE:\n"
+                 "}\n" ::"r"(bar),
+                 "r"(parity)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar)
+{
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+/* One arrival on `bar` once all of this thread's earlier cp.async have landed
+ * (the barrier's count includes it: .noinc). */
+__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar)
+{
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void named_sync(int id, int count)
+{
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int count)
+{
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+#endif
+
+template <typename T, int D, bool PINGPONG>
+__global__ void __launch_bounds__(kWsThreads, 1) fwd_sm90_ws_kernel(const sf_attn_problem p)
+{
+#ifdef SF_SM90A
+    constexpr int NO = D / 2, ST = kWsStages;
+    constexpr int QBYTES = kBM * D * 2, KVBYTES = kBN * D * 2;
+    extern __shared__ unsigned char smem_raw[];
+    const uint32_t sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;
+    const uint32_t sK = sQ + QBYTES;       /* stage s at sK + s * KVBYTES */
+    const uint32_t sV = sK + ST * KVBYTES; /* stage s at sV + s * KVBYTES */
+    const uint32_t bFull = sV + ST * KVBYTES, bEmpty = bFull + ST * 8, bQ = bEmpty + ST * 8;
+
+    const int h = blockIdx.y, b = blockIdx.z;
+    BlockPlan bp;
+    if (!plan_block(p, b, gridDim.x - 1 - blockIdx.x, bp)) /* heavy causal blocks first */
+        return;
+    const int lo = bp.nb_lo, hi = bp.nb_hi;
+    const int tid = threadIdx.x, wg = tid / 128;
+    if (tid == 0) {
+        for (int s = 0; s < ST; ++s) {
+            mbar_init(bFull + s * 8, 128);
+            mbar_init(bEmpty + s * 8, 128 * kWsConsumers);
+        }
+        mbar_init(bQ, 128);
+    }
+    __syncthreads(); /* the barriers are initialized; the last block-wide barrier */
+
+    if (wg == 0) { /* producer */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWsProducerRegs));
+        if (lo < hi) {
+            const int hk = h / (p.heads / p.heads_kv);
+            const T *kbase = view_ptr<const T>(p.k, b, bp.ks, hk);
+            const T *vbase = view_ptr<const T>(p.v, b, bp.ks, hk);
+            load_tile_sw128<T, kBM, D, 128>(sQ, view_ptr<const T>(p.q, b, bp.qs + bp.m0, h), p.q.ss,
+                                            min(kBM, bp.sq - bp.m0), tid);
+            cp_async_mbar_arrive(bQ);
+            for (int nb = lo; nb < hi; ++nb) {
+                const int i = nb - lo, s = i % ST;
+                if (i >= ST) /* the consumers released this stage's previous tile, i - ST */
+                    mbar_wait(bEmpty + s * 8, ((i / ST) & 1) ^ 1);
+                const int n0 = nb * kBN, valid = min(kBN, bp.sk - n0);
+                load_tile_sw128<T, kBN, D, 128>(sK + s * KVBYTES, kbase + (int64_t)n0 * p.k.ss, p.k.ss, valid, tid);
+                load_tile_sw128<T, kBN, D, 128>(sV + s * KVBYTES, vbase + (int64_t)n0 * p.v.ss, p.v.ss, valid, tid);
+                cp_async_mbar_arrive(bFull + s * 8);
+            }
+            cp_async_wait<0>(); /* leave no copy in flight behind an exited thread */
+        }
+    } else { /* consumers */
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWsConsumerRegs));
+        const int cw = wg - 1, ct = tid - 128; /* consumer index, thread in the consumers */
+        const int left = p.window_left, right = p.window_right;
+        const float sl2 = p.scale * kLog2e;
+        const int q4 = tid % 4;
+        const int wrow = cw * 64 + (ct % 128) / 32 * 16 + (ct % 32) / 4; /* first row in the block; +8 the second */
+        const int r0 = bp.m0 + wrow;
+        /* ping-pong: barrier 1 + c is "consumer c may issue"; consumer 1 lets consumer 0 go first */
+        const int my_turn = 1 + cw, their_turn = 2 - cw;
+
+        float o[NO];
+#pragma unroll
+        for (int i = 0; i < NO; ++i)
+            o[i] = 0.f;
+        float mrow[2] = {-INFINITY, -INFINITY}, lrow[2] = {0.f, 0.f}, corr[2];
+        if (lo < hi) {
+            float s[kBN / 2];
+            uint32_t pa[kBN / 16][4];
+            if (PINGPONG && cw == 1)
+                named_arrive(1, 256);
+            mbar_wait(bQ, 0);
+            mbar_wait(bFull, 0);
+            fence_proxy_async(); /* cp.async wrote through the generic proxy; wgmma reads the async one */
+            if (PINGPONG)
+                named_sync(my_turn, 256);
+            issue_qk<T, D>(s, sQ, sK, cw);
+            if (PINGPONG)
+                named_arrive(their_turn, 256);
+            wg_wait<0>();
+            wg_pin(s);
+            mask_tile(s, bp, lo * kBN, r0, q4, left, right);
+            softmax_tile(s, mrow, lrow, sl2, corr); /* O is still zero: no rescale */
+            pack_p<T>(pa, s);
+            for (int nb = lo; nb + 1 < hi; ++nb) { /* S(nb + 1) and P(nb) V(nb) together */
+                const int i = nb - lo, sn = (i + 1) % ST, sc = i % ST;
+                mbar_wait(bFull + sn * 8, ((i + 1) / ST) & 1);
+                fence_proxy_async();
+                if (PINGPONG)
+                    named_sync(my_turn, 256);
+                issue_qk<T, D>(s, sQ, sK + sn * KVBYTES, cw);
+                issue_pv<T, D>(o, pa, sV + sc * KVBYTES);
+                if (PINGPONG)
+                    named_arrive(their_turn, 256);
+                wg_wait<1>(); /* S of tile nb + 1; P(nb) V(nb) may still run */
+                wg_pin(s);
+                mask_tile(s, bp, (nb + 1) * kBN, r0, q4, left, right);
+                softmax_tile(s, mrow, lrow, sl2, corr);
+                wg_pin(s);
+                wg_wait<0>(); /* ptxas hoists this above the exponentials as in schedule 1 (forcing the
+                               * order with a block boundary made it serialize every wgmma, C7512) */
+                wg_pin(o);
+                mbar_arrive(bEmpty + sc * 8); /* tile nb's stage is free */
+                rescale_o(o, corr);
+                pack_p<T>(pa, s);
+            }
+            if (PINGPONG)
+                named_sync(my_turn, 256);
+            issue_pv<T, D>(o, pa, sV + ((hi - 1 - lo) % ST) * KVBYTES); /* the last tile */
+            if (PINGPONG && cw == 0) /* consumer 1 issues last: nobody waits for its turn to end */
+                named_arrive(their_turn, 256);
+            wg_wait<0>();
+            wg_pin(o);
+        }
+
+        /* epilogue as in fwd_sm90_kernel */
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            const int r = r0 + hr * 8;
+            const float l = quad_sum(lrow[hr]);
+            if (r >= bp.rows_total)
+                continue;
+            const bool seen = r < bp.sq && l > 0.f;
+            const float inv = seen ? 1.f / l : 0.f;
+            T *dst = view_ptr<T>(p.o, b, bp.qs + r, h) + 2 * q4;
+#pragma unroll
+            for (int j = 0; j < NO / 4; ++j)
+                *reinterpret_cast<uint32_t *>(dst + 8 * j) =
+                    Mma<T>::pack(o[4 * j + 2 * hr] * inv, o[4 * j + 2 * hr + 1] * inv);
+            if (q4 == 0)
+                p.lse[lse_at(p, b, h, bp.qs + r)] = seen ? (mrow[hr] * sl2 + log2f(l)) * kLn2 : INFINITY;
+        }
+    }
+#else
+    __shared__ volatile int not_built_for_sm90a[32];
+    not_built_for_sm90a[threadIdx.x & 31] = 1;
+    __trap();
+#endif
+}
+
+template <typename T, int D, bool PINGPONG> static sf_status launch_ws(const sf_attn_problem &p, cudaStream_t stream)
+{
+    constexpr int smem = ws_smem_bytes<D>();
+    static_assert(smem <= 232448, "more shared memory than a Hopper block may have");
+    SF_CUDA_TRY("attention_fwd", allow_smem((const void *)fwd_sm90_ws_kernel<T, D, PINGPONG>, smem));
+    dim3 grid((p.max_sq + kBM - 1) / kBM, p.heads, p.batch);
+    fwd_sm90_ws_kernel<T, D, PINGPONG><<<grid, kWsThreads, smem, stream>>>(p);
+    SF_CUDA_CHECK_LAUNCH("attention_fwd");
+    return SF_OK;
+}
+
 template <typename T, int D, int PIPE> static sf_status launch(const sf_attn_problem &p, cudaStream_t stream)
 {
     constexpr int smem = smem_bytes<D, PIPE>();
@@ -325,18 +542,27 @@ template <typename T, int D, int PIPE> static sf_status launch(const sf_attn_pro
 }
 
 /* Schedule of the wgmma kernel: 0 (two stages, in order) unless
- * SEQFUSE_ATTN_SM90_VARIANT=1 or sf_attn_set_fwd_sm90_variant(1) (three
- * stages, softmax overlapped with P V); both are checked and timed by
- * check_attn_sm90 until the faster one is confirmed. */
+ * SEQFUSE_ATTN_SM90_VARIANT=1|2|3 or sf_attn_set_fwd_sm90_variant(v):
+ * 1 three stages, softmax overlapped with P V; 2 the same per-tile schedule
+ * warp-specialized (producer warpgroup, mbarrier pipeline, setmaxnreg);
+ * 3 = 2 + ping-pong of the two consumer warpgroups.  All are checked and
+ * timed by check_attn_sm90 until the fastest is confirmed; the default is
+ * the 0 below (g_variant's fallback in launch_variant). */
 static int g_variant = -1;
+constexpr int kVariants = 4;
 
 template <typename T, int D> static sf_status launch_variant(const sf_attn_problem &p, cudaStream_t stream)
 {
     if (g_variant < 0) {
         const char *v = getenv("SEQFUSE_ATTN_SM90_VARIANT");
-        g_variant = v && !strcmp(v, "1") ? 1 : 0;
+        g_variant = v && v[0] >= '0' && v[0] < '0' + kVariants && !v[1] ? v[0] - '0' : 0;
     }
-    return g_variant == 1 ? launch<T, D, 1>(p, stream) : launch<T, D, 0>(p, stream);
+    switch (g_variant) {
+    case 1: return launch<T, D, 1>(p, stream);
+    case 2: return launch_ws<T, D, false>(p, stream);
+    case 3: return launch_ws<T, D, true>(p, stream);
+    default: return launch<T, D, 0>(p, stream);
+    }
 }
 
 /* -1: not chosen yet (read SEQFUSE_ATTN_FWD_KERNEL once), else 80 or 90. */
@@ -434,8 +660,8 @@ extern "C" sf_status sf_attn_set_fwd_kernel(int arch)
 
 extern "C" sf_status sf_attn_set_fwd_sm90_variant(int variant)
 {
-    if (variant != 0 && variant != 1)
-        return sf_fail(SF_ERR_VALUE, "attention_fwd: sm90 variant must be 0 or 1, got %d", variant);
+    if (variant < 0 || variant >= sf_attn::sm90::kVariants)
+        return sf_fail(SF_ERR_VALUE, "attention_fwd: sm90 variant must be 0, 1, 2 or 3, got %d", variant);
     sf_attn::sm90::g_variant = variant;
     return SF_OK;
 }
