@@ -74,10 +74,11 @@ def run_row(impl, recipe_name, batches, args, device, fsdp=False, torch_adamw=Fa
         if fsdp:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-            mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+            mp = MixedPrecisionPolicy(reduce_dtype=torch.float32 if args.reduce_dtype == "float32" else torch.bfloat16)
+            reshard = bool(args.reshard_after_forward)
             for layer in model.esm.encoder.layers:
-                fully_shard(layer, mp_policy=mp)
-            fully_shard(model, mp_policy=mp)
+                fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard)
+            fully_shard(model, mp_policy=mp, reshard_after_forward=reshard)
         params = [p for p in model.parameters() if p.requires_grad]
         if torch_adamw or args.torch_adamw:
             opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
@@ -261,6 +262,8 @@ def fsdp2(args):
                   f"{'PASS' if s >= 1.85 * world / 2 else 'FAIL'}", flush=True)
     if rank == 0:
         table.save(extra={"size": args.size, "tokens_per_gpu_batch": args.tokens, "steps": args.steps,
+                          "reshard_after_forward": bool(args.reshard_after_forward),
+                          "reduce_dtype": args.reduce_dtype,
                           "optimizer": ("torch.optim.AdamW(foreach)" if args.torch_adamw else
                                         "seqfuse FusedAdamW (fp32 masters; sharded under FSDP2)") + " in both rows"})
         png = os.path.join(RESULTS, f"{args.out}_fsdp2.png")
@@ -283,6 +286,11 @@ def main():
     p.add_argument("--device", default="cuda")
     p.add_argument("--torch-adamw", action="store_true", help="seqfuse rows use torch AdamW instead of FusedAdamW")
     p.add_argument("--fsdp2", action="store_true", help="under torchrun: FSDP2 scaling")
+    p.add_argument("--reshard-after-forward", type=int, default=1, choices=(0, 1),
+                   help="FSDP2: free the gathered layer weights after forward (1, ZeRO-3) or keep them for the "
+                        "backward (0: one all-gather per step instead of two)")
+    p.add_argument("--reduce-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="FSDP2: dtype of the gradient reduce-scatter")
     p.add_argument("--out", default="esm2")
     args = p.parse_args()
     if args.fsdp2:
