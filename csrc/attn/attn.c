@@ -350,6 +350,7 @@ sf_status sf_attn_bwd(const sf_tensor *q, const sf_tensor *k, const sf_tensor *v
     SF_TRY(sf_check_writable(op, "dq_accum", dq_accum));
     SF_TRY(sf_check_contiguous(op, "dq_accum", dq_accum));
     SF_TRY(same_layout(op, "dq_accum", dq_accum, "q", q, cfg->format, &p.dq_accum));
+    SF_TRY(check_cuda_alignment(op, "dq_accum", dq_accum)); /* read and added as float pairs */
     {
         sf_attn_problem tmp = p; /* delta has lse's shape; keep p's lse strides */
         SF_TRY(check_rowstat(op, "delta", delta, q, &tmp));

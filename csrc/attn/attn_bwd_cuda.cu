@@ -262,8 +262,7 @@ __global__ void __launch_bounds__(kBwdThreads) dkdv_kernel(const sf_attn_problem
                         for (int i = 0; i < DH / 8; ++i) {
                             if (dcol + i * 8 >= dr) /* head dim 24: no zero columns */
                                 break;
-                            atomicAdd(dst + i * 8, acc[i][2 * hr] * p.scale);
-                            atomicAdd(dst + i * 8 + 1, acc[i][2 * hr + 1] * p.scale);
+                            atomic_add2(dst + i * 8, acc[i][2 * hr] * p.scale, acc[i][2 * hr + 1] * p.scale);
                         }
                     }
                 }
