@@ -3,8 +3,8 @@ on the GPU), the C CPU reference and torch's scaled_dot_product_attention:
 forward and gradients for every layout, mask, window, GQA ratio and head
 dim (16, 24, 32, 64, 128; the small ones, ESM-2 8M/35M/150M's, on a smaller
 grid), at lengths that are and are not multiples of the tiles (128 query
-rows forward, 64 keys, 128 for head dims <= 32; backward 64 keys x 32 rows,
-64 rows for deterministic dQ), on fresh random inputs with outputs poisoned
+rows forward, 64 keys, 128 for head dims <= 32; backward 128 keys, 64 at head
+dim 128, x 32 rows, 64 x 64 for deterministic dQ), on fresh random inputs with outputs poisoned
 (NaN) before each run.  Also: packed == padded on the real tokens,
 deterministic backward reproducible, current-stream use and CUDA graphs, and
 head dim 24 (run as a 32-wide tile) neither reading nor writing past its 24

@@ -3,13 +3,13 @@
  * flash-attention 2 scheme), four launches on the caller's stream:
  *
  *  1. delta_kernel:  delta_r = dout_r . out_r (float32, one warp per row).
- *  2. dkdv_kernel:   one block of 4 warps per 64-key tile of one key/value
- *     head; each warp owns 16 keys and keeps their dK and dV in registers
- *     while the block walks the query tiles (32 rows per step, the next
- *     step's Q, dO, lse and delta fetched while the current one is computed)
- *     that may see the tile,
- *     for every query head of the GQA group (so dK, dV of a shared head are
- *     summed in registers, in a fixed order).  Per query tile it recomputes
+ *  2. dkdv_kernel:   one block of 4 warps per 128-key tile (64 at head dim
+ *     128) of one key/value head; each warp owns 32 keys (16) and keeps
+ *     their dK and dV in registers while the block walks the query tiles
+ *     (32 rows per step, the next step's Q, dO, lse and delta fetched while
+ *     the current one is computed) that may see the tile, for every query
+ *     head of the GQA group (so dK, dV of a shared head are summed in
+ *     registers, in a fixed order).  Per query tile it recomputes
  *     S^T = K Q^T and P^T = exp2(S^T * scale*log2e - lse*log2e) from the
  *     forward's lse, dP^T = V dO^T, dS^T = P^T (dP^T - delta), then
  *     dV += P^T dO and dK += dS^T Q on tensor cores, with P^T and dS^T fed
@@ -32,10 +32,19 @@
 
 namespace sf_attn {
 
-/* kBwdBN keys per dK/dV block, kBwdStepM query rows per step of it;
- * kBwdBM query rows per deterministic dQ block. */
+/* kBwdStepM query rows per step of a dK/dV block; kBwdBN keys and kBwdBM
+ * query rows per deterministic dQ block. */
 constexpr int kBwdWarps = 4, kBwdThreads = 32 * kBwdWarps, kBwdBN = 16 * kBwdWarps, kBwdBM = 64;
 constexpr int kBwdStepM = 32;
+
+/* Keys of a dK/dV block: each warp owns KT m16 tiles of keys (16*KT keys).
+ * Two tiles (head dims up to 64) use every Q and dO fragment read from
+ * shared memory twice, which is what shared-memory bandwidth asks for, and
+ * halve the dQ atomics and the Q/dO re-reads (there are half as many key
+ * blocks); head dim 128's dK and dV would not fit the registers twice. */
+template <int D> struct DkdvCfg {
+    static constexpr int KT = D <= 64 ? 2 : 1, BN = 16 * KT * kBwdWarps;
+};
 
 template <int D> constexpr int dq_smem_bytes()
 {
@@ -69,21 +78,23 @@ __global__ void delta_kernel(const sf_attn_problem p)
         p.delta[lse_at(p, b, h, qs + r)] = acc;
 }
 
-/* dK and dV of 64 keys: 32 query rows per step, the next step's Q, dO, lse
- * and delta fetched (cp.async, double buffered) while the current one is
- * computed, so the loads do not stall the block; the 32-row step keeps S^T
+/* dK and dV of BN keys (DkdvCfg): 32 query rows per step, the next step's
+ * Q, dO, lse and delta fetched (cp.async, double buffered) while the current
+ * one is computed, so the loads do not stall the block; the 32-row step keeps S^T
  * and dP^T in few registers (no spills at head dim 128).  dQ of a step: warp
  * w adds query rows 16*(w%2).. and head-dim columns (w/2)*DH.. of dS K
  * (head dims of 32 and more: two column halves; 16: warps 0 and 1 only). */
 template <int D> constexpr int dkdv_smem_bytes()
 {
-    return (2 * kBwdBN + 4 * kBwdStepM) * (D + 8) * 2 + kBwdBN * (kBwdStepM + 8) * 2 + 4 * kBwdStepM * 4;
+    constexpr int BN = DkdvCfg<D>::BN;
+    return (2 * BN + 4 * kBwdStepM) * (D + 8) * 2 + BN * (kBwdStepM + 8) * 2 + 4 * kBwdStepM * 4;
 }
 
 template <typename T, int D, bool kAtomicDq>
 __global__ void __launch_bounds__(kBwdThreads) dkdv_kernel(const sf_attn_problem p)
 {
-    constexpr int SD = D + 8, BM = kBwdStepM, BN = kBwdBN, NT = kBwdThreads, SS = BM + 8;
+    constexpr int KT = DkdvCfg<D>::KT, BN = DkdvCfg<D>::BN;
+    constexpr int SD = D + 8, BM = kBwdStepM, NT = kBwdThreads, SS = BM + 8;
     constexpr int KD = D / 16, NO = D / 8, NS = BM / 8;
     constexpr int DSPLIT = D >= 32 ? 2 : 1, DH = D / DSPLIT; /* dQ columns per warp */
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -119,12 +130,15 @@ __global__ void __launch_bounds__(kBwdThreads) dkdv_kernel(const sf_attn_problem
     const int mb_lo = m_lo / BM, nmb = (m_hi + BM - 1) / BM - m_lo / BM;
     const int steps = nmb > 0 ? G * nmb : 0; /* (head of the group, query tile) pairs */
 
-    float dk[NO][4], dv[NO][4];
+    const int kw = warp * 16 * KT; /* first key of this warp in the block */
+    float dk[KT][NO][4], dv[KT][NO][4];
 #pragma unroll
-    for (int i = 0; i < NO; ++i)
+    for (int kt = 0; kt < KT; ++kt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-            dk[i][e] = dv[i][e] = 0.f;
+        for (int i = 0; i < NO; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                dk[kt][i][e] = dv[kt][i][e] = 0.f;
 
     /* issue the loads of step `it` into buffer `buf` */
     auto fetch = [&](int it, int buf) {
@@ -146,7 +160,7 @@ __global__ void __launch_bounds__(kBwdThreads) dkdv_kernel(const sf_attn_problem
         load_tile<T, BN, D, NT>(sV, view_ptr<const T>(p.v, b, ks + n0, hk), p.v.ss, min(BN, sk - n0), dr);
         cp_async_commit();
         fetch(0, 0);
-        const int c_lo = n0 + warp * 16 + g; /* this thread's keys: c_lo, c_lo + 8 */
+        const int c_lo = n0 + kw + g; /* this thread's keys: c_lo + 16*kt, + 8 */
 
         for (int it = 0; it < steps; ++it) {
             const int buf = it & 1;
@@ -161,27 +175,36 @@ __global__ void __launch_bounds__(kBwdThreads) dkdv_kernel(const sf_attn_problem
             const T *sQ = sQ0 + buf * BM * SD, *sdO = sdO0 + buf * BM * SD;
             const float *sLse = sLse0 + buf * BM, *sDelta = sDelta0 + buf * BM;
 
-            float st[NS][4], dpt[NS][4];
+            float st[KT][NS][4], dpt[KT][NS][4];
 #pragma unroll
-            for (int i = 0; i < NS; ++i)
+            for (int kt = 0; kt < KT; ++kt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    st[i][e] = dpt[i][e] = 0.f;
+                for (int i = 0; i < NS; ++i)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        st[kt][i][e] = dpt[kt][i][e] = 0.f;
 #pragma unroll
             for (int kk = 0; kk < KD; ++kk) {
-                uint32_t ka[4], va[4];
-                ldsm_x4(ka, smem_addr(sK + (warp * 16 + lane % 16) * SD + kk * 16 + (lane / 16) * 8));
-                ldsm_x4(va, smem_addr(sV + (warp * 16 + lane % 16) * SD + kk * 16 + (lane / 16) * 8));
+                uint32_t ka[KT][4], va[KT][4];
+#pragma unroll
+                for (int kt = 0; kt < KT; ++kt) {
+                    const int row = kw + kt * 16 + lane % 16, col = kk * 16 + (lane / 16) * 8;
+                    ldsm_x4(ka[kt], smem_addr(sK + row * SD + col));
+                    ldsm_x4(va[kt], smem_addr(sV + row * SD + col));
+                }
 #pragma unroll
                 for (int j = 0; j < NS / 2; ++j) {
                     uint32_t qb[4], ob[4];
                     const int row = j * 16 + mr + (mi >> 1) * 8, col = kk * 16 + (mi & 1) * 8;
                     ldsm_x4(qb, smem_addr(sQ + row * SD + col));
                     ldsm_x4(ob, smem_addr(sdO + row * SD + col));
-                    Mma<T>::run(st[2 * j], ka, qb[0], qb[1]);
-                    Mma<T>::run(st[2 * j + 1], ka, qb[2], qb[3]);
-                    Mma<T>::run(dpt[2 * j], va, ob[0], ob[1]);
-                    Mma<T>::run(dpt[2 * j + 1], va, ob[2], ob[3]);
+#pragma unroll
+                    for (int kt = 0; kt < KT; ++kt) {
+                        Mma<T>::run(st[kt][2 * j], ka[kt], qb[0], qb[1]);
+                        Mma<T>::run(st[kt][2 * j + 1], ka[kt], qb[2], qb[3]);
+                        Mma<T>::run(dpt[kt][2 * j], va[kt], ob[0], ob[1]);
+                        Mma<T>::run(dpt[kt][2 * j + 1], va[kt], ob[2], ob[3]);
+                    }
                 }
             }
 
@@ -189,49 +212,59 @@ __global__ void __launch_bounds__(kBwdThreads) dkdv_kernel(const sf_attn_problem
                                    (right >= 0 && n0 + BN - 1 > m0 + off + right) ||
                                    (left >= 0 && n0 < m0 + BM - 1 + off - left);
 #pragma unroll
-            for (int i = 0; i < NS; ++i)
+            for (int kt = 0; kt < KT; ++kt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int ql = i * 8 + 2 * t4 + (e & 1);
-                    const int c = c_lo + (e >> 1) * 8, r = m0 + ql;
-                    const bool ok = !need_mask ||
-                                    (r < sq && c < sk && sf_attn_allowed(r, c, off, left, right));
-                    const float pv = ok ? fast_exp2(fmaf(st[i][e], sl2, -sLse[ql])) : 0.f;
-                    st[i][e] = pv;
-                    dpt[i][e] = pv * (dpt[i][e] - sDelta[ql]);
-                }
+                for (int i = 0; i < NS; ++i)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int ql = i * 8 + 2 * t4 + (e & 1);
+                        const int c = c_lo + kt * 16 + (e >> 1) * 8, r = m0 + ql;
+                        const bool ok = !need_mask ||
+                                        (r < sq && c < sk && sf_attn_allowed(r, c, off, left, right));
+                        const float pv = ok ? fast_exp2(fmaf(st[kt][i][e], sl2, -sLse[ql])) : 0.f;
+                        st[kt][i][e] = pv;
+                        dpt[kt][i][e] = pv * (dpt[kt][i][e] - sDelta[ql]);
+                    }
 
 #pragma unroll
             for (int kc = 0; kc < BM / 16; ++kc) {
-                uint32_t ap[4], as[4];
-                ap[0] = Mma<T>::pack(st[2 * kc][0], st[2 * kc][1]);
-                ap[1] = Mma<T>::pack(st[2 * kc][2], st[2 * kc][3]);
-                ap[2] = Mma<T>::pack(st[2 * kc + 1][0], st[2 * kc + 1][1]);
-                ap[3] = Mma<T>::pack(st[2 * kc + 1][2], st[2 * kc + 1][3]);
-                as[0] = Mma<T>::pack(dpt[2 * kc][0], dpt[2 * kc][1]);
-                as[1] = Mma<T>::pack(dpt[2 * kc][2], dpt[2 * kc][3]);
-                as[2] = Mma<T>::pack(dpt[2 * kc + 1][0], dpt[2 * kc + 1][1]);
-                as[3] = Mma<T>::pack(dpt[2 * kc + 1][2], dpt[2 * kc + 1][3]);
+                uint32_t ap[KT][4], as[KT][4];
+#pragma unroll
+                for (int kt = 0; kt < KT; ++kt) {
+                    ap[kt][0] = Mma<T>::pack(st[kt][2 * kc][0], st[kt][2 * kc][1]);
+                    ap[kt][1] = Mma<T>::pack(st[kt][2 * kc][2], st[kt][2 * kc][3]);
+                    ap[kt][2] = Mma<T>::pack(st[kt][2 * kc + 1][0], st[kt][2 * kc + 1][1]);
+                    ap[kt][3] = Mma<T>::pack(st[kt][2 * kc + 1][2], st[kt][2 * kc + 1][3]);
+                    as[kt][0] = Mma<T>::pack(dpt[kt][2 * kc][0], dpt[kt][2 * kc][1]);
+                    as[kt][1] = Mma<T>::pack(dpt[kt][2 * kc][2], dpt[kt][2 * kc][3]);
+                    as[kt][2] = Mma<T>::pack(dpt[kt][2 * kc + 1][0], dpt[kt][2 * kc + 1][1]);
+                    as[kt][3] = Mma<T>::pack(dpt[kt][2 * kc + 1][2], dpt[kt][2 * kc + 1][3]);
+                }
 #pragma unroll
                 for (int j = 0; j < D / 16; ++j) {
                     uint32_t ob[4], qb[4];
                     const int row = kc * 16 + mr + (mi & 1) * 8, col = j * 16 + (mi >> 1) * 8;
                     ldsm_x4_t(ob, smem_addr(sdO + row * SD + col));
                     ldsm_x4_t(qb, smem_addr(sQ + row * SD + col));
-                    Mma<T>::run(dv[2 * j], ap, ob[0], ob[1]);
-                    Mma<T>::run(dv[2 * j + 1], ap, ob[2], ob[3]);
-                    Mma<T>::run(dk[2 * j], as, qb[0], qb[1]);
-                    Mma<T>::run(dk[2 * j + 1], as, qb[2], qb[3]);
+#pragma unroll
+                    for (int kt = 0; kt < KT; ++kt) {
+                        Mma<T>::run(dv[kt][2 * j], ap[kt], ob[0], ob[1]);
+                        Mma<T>::run(dv[kt][2 * j + 1], ap[kt], ob[2], ob[3]);
+                        Mma<T>::run(dk[kt][2 * j], as[kt], qb[0], qb[1]);
+                        Mma<T>::run(dk[kt][2 * j + 1], as[kt], qb[2], qb[3]);
+                    }
                 }
             }
 
             if (kAtomicDq) {
 #pragma unroll
-                for (int i = 0; i < NS; ++i)
+                for (int kt = 0; kt < KT; ++kt)
 #pragma unroll
-                    for (int hr = 0; hr < 2; ++hr)
-                        *reinterpret_cast<uint32_t *>(sdS + (warp * 16 + g + 8 * hr) * SS + i * 8 + 2 * t4) =
-                            Mma<T>::pack(dpt[i][2 * hr], dpt[i][2 * hr + 1]);
+                    for (int i = 0; i < NS; ++i)
+#pragma unroll
+                        for (int hr = 0; hr < 2; ++hr)
+                            *reinterpret_cast<uint32_t *>(sdS + (kw + kt * 16 + g + 8 * hr) * SS + i * 8 + 2 * t4) =
+                                Mma<T>::pack(dpt[kt][i][2 * hr], dpt[kt][i][2 * hr + 1]);
                 __syncthreads();
                 const int qrow = (warp & 1) * 16, dcol = (warp >> 1) * DH;
                 if (dcol < D) { /* head dim 16: warps 2 and 3 have no columns */
@@ -272,23 +305,25 @@ __global__ void __launch_bounds__(kBwdThreads) dkdv_kernel(const sf_attn_problem
     }
 
 #pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-        const int c = n0 + warp * 16 + g + 8 * hr;
-        if (c >= rows_total)
-            continue;
-        const bool real = c < sk;
-        T *dkrow = view_ptr<T>(p.dk, b, ks + c, hk);
-        T *dvrow = view_ptr<T>(p.dv, b, ks + c, hk);
+    for (int kt = 0; kt < KT; ++kt)
 #pragma unroll
-        for (int i = 0; i < NO; ++i) {
-            if (i * 8 >= dr) /* head dim 24: the zero columns stay unwritten */
-                break;
-            *reinterpret_cast<uint32_t *>(dkrow + i * 8 + 2 * t4) =
-                Mma<T>::pack(real ? dk[i][2 * hr] * p.scale : 0.f, real ? dk[i][2 * hr + 1] * p.scale : 0.f);
-            *reinterpret_cast<uint32_t *>(dvrow + i * 8 + 2 * t4) =
-                Mma<T>::pack(real ? dv[i][2 * hr] : 0.f, real ? dv[i][2 * hr + 1] : 0.f);
+        for (int hr = 0; hr < 2; ++hr) {
+            const int c = n0 + kw + kt * 16 + g + 8 * hr;
+            if (c >= rows_total)
+                continue;
+            const bool real = c < sk;
+            T *dkrow = view_ptr<T>(p.dk, b, ks + c, hk);
+            T *dvrow = view_ptr<T>(p.dv, b, ks + c, hk);
+#pragma unroll
+            for (int i = 0; i < NO; ++i) {
+                if (i * 8 >= dr) /* head dim 24: the zero columns stay unwritten */
+                    break;
+                *reinterpret_cast<uint32_t *>(dkrow + i * 8 + 2 * t4) = Mma<T>::pack(
+                    real ? dk[kt][i][2 * hr] * p.scale : 0.f, real ? dk[kt][i][2 * hr + 1] * p.scale : 0.f);
+                *reinterpret_cast<uint32_t *>(dvrow + i * 8 + 2 * t4) =
+                    Mma<T>::pack(real ? dv[kt][i][2 * hr] : 0.f, real ? dv[kt][i][2 * hr + 1] : 0.f);
+            }
         }
-    }
 }
 
 /* Deterministic dQ: one block per 64 query rows, keys walked in order. */
@@ -464,7 +499,7 @@ static sf_status launch_bwd(const sf_attn_problem &p, cudaStream_t stream)
         delta_kernel<T><<<grid, dim3(32, 8), 0, stream>>>(p);
         SF_CUDA_CHECK_LAUNCH(op);
     }
-    const int n_blocks_k = (p.max_sk + kBwdBN - 1) / kBwdBN;
+    const int n_blocks_k = (p.max_sk + DkdvCfg<D>::BN - 1) / DkdvCfg<D>::BN;
     if (p.deterministic) {
         if (n_blocks_k > 0)
             SF_TRY((launch_dkdv<T, D, false>(p, n_blocks_k, stream)));
