@@ -5,8 +5,8 @@ Part 1, padded (bshd), 16k tokens per batch: seqlens 1024, 4096, 8192, head
 dims 64 (32 heads) and 128 (16 heads), causal and not, forward and
 forward+backward, bf16.  TFLOP/s = 4*b*h*s^2*d (halved when causal), x3.5
 with the backward; ratio = seqfuse / torch (goal >= 1.0).  On Hopper,
-sm90v0..sm90v3 TFLOP/s and sm90_ratio (best of them; forward rows) time the
-same call with the wgmma forward (attn_fwd_sm90_cuda.cu, schedules 0-3) selected,
+sm90v0..sm90v4 TFLOP/s and sm90_ratio (best of them; forward rows) time the
+same call with the wgmma forward (attn_fwd_sm90_cuda.cu, schedules 0-4) selected,
 whatever the default is, so the sm90 and sm80 forwards and torch stand side
 by side.
 
@@ -78,7 +78,7 @@ def padded_rows(table):
                         def peer():
                             F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
                     t_ours, t_peer = cuda_time_ms(ours), cuda_time_ms(peer)
-                    t90 = [None] * 4 if backward else [_sm90_time(ours, v) for v in range(4)]  # forward rows
+                    t90 = [None] * 5 if backward else [_sm90_time(ours, v) for v in range(5)]  # forward rows
                     fl = sdpa_flops(b, h, s, d, causal, backward)
                     table.add(case=f"s{s} d{d}{' causal' if causal else ''} {'fwd+bwd' if backward else 'fwd'}",
                               seqlen=s, head_dim=d, heads=h, batch=b, causal=causal,
@@ -90,6 +90,7 @@ def padded_rows(table):
                               sm90v1_tflops=fl / t90[1] / 1e9 if t90[1] else None,
                               sm90v2_tflops=fl / t90[2] / 1e9 if t90[2] else None,
                               sm90v3_tflops=fl / t90[3] / 1e9 if t90[3] else None,
+                              sm90v4_tflops=fl / t90[4] / 1e9 if t90[4] else None,
                               sm90_ratio=t_peer / min(t90) if t90[0] else None)
                 del q, k, v, dout
                 torch.cuda.empty_cache()
@@ -180,7 +181,7 @@ def main():
         return
     torch.manual_seed(0)
     table = Table("attn", ["case", "seqfuse_tflops", "torch_tflops", "ratio", "seqfuse_ms", "torch_ms",
-                           "sm90v0_tflops", "sm90v1_tflops", "sm90v2_tflops", "sm90v3_tflops",
+                           "sm90v0_tflops", "sm90v1_tflops", "sm90v2_tflops", "sm90v3_tflops", "sm90v4_tflops",
                            "sm90_ratio"])
     padded_rows(table)
     extra = packed_rows(table)

@@ -25,14 +25,15 @@ def is_hopper():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-SM90_VARIANTS = [0, 1, 2, 3]
+SM90_VARIANTS = [0, 1, 2, 3, 4]
 
 
 @pytest.fixture(params=SM90_VARIANTS, ids=[f"sm90v{v}" for v in SM90_VARIANTS])
 def sm90(request):
     """The wgmma forward for the test, every schedule (0: in order, 1: softmax
     overlapped with P V, 2: 1 warp-specialized with a producer warpgroup and
-    an mbarrier K/V pipeline, 3: 2 with the consumers in ping-pong), skipped
+    an mbarrier K/V pipeline, 3: 2 with the consumers in ping-pong, 4: 3 with
+    three consumer warpgroups of 192 rows at head dim 64), skipped
     off Hopper; sm80 and schedule 0 restored after."""
     if not is_hopper():
         pytest.skip("the wgmma forward needs a compute capability 9.0 GPU")
@@ -159,7 +160,7 @@ def test_fwd_kernel_choice_rejects_other_values():
     with pytest.raises(expected):
         seqfuse.ops.set_attention_fwd_kernel(75)
     with pytest.raises(expected):
-        seqfuse._C.attn_set_fwd_sm90_variant(4)
+        seqfuse._C.attn_set_fwd_sm90_variant(5)
     with pytest.raises(expected):
         seqfuse._C.attn_set_fwd_sm90_variant(-1)
 

@@ -40,18 +40,19 @@ struct BlockPlan {
     int m0, off, nb_lo, nb_hi;
 };
 
+template <int BM = kBM>
 __device__ __forceinline__ bool plan_block(const sf_attn_problem &p, int b, int m_block, BlockPlan &bp)
 {
     sf_attn_seq_q(&p, b, &bp.qs, &bp.sq);
     sf_attn_seq_k(&p, b, &bp.ks, &bp.sk);
-    bp.m0 = m_block * kBM;
+    bp.m0 = m_block * BM;
     bp.rows_total = p.thd ? bp.sq : p.max_sq;
     if (bp.m0 >= bp.rows_total)
         return false;
     bp.off = sf_attn_diag(&p, bp.sq, bp.sk);
     int lo = 0, hi = 0;
     if (bp.m0 < bp.sq)
-        sf_attn_key_range(bp.m0, min(bp.m0 + kBM, bp.sq) - 1, bp.off, p.window_left, p.window_right, bp.sk, &lo,
+        sf_attn_key_range(bp.m0, min(bp.m0 + BM, bp.sq) - 1, bp.off, p.window_left, p.window_right, bp.sk, &lo,
                           &hi);
     bp.nb_lo = lo / kBN;
     bp.nb_hi = (hi + kBN - 1) / kBN;
@@ -71,11 +72,12 @@ __device__ __forceinline__ void load_kv(const sf_attn_problem &p, const BlockPla
 
 /* Masks the scores of key tile n0 where the tile crosses the sequence end or
  * the window (other tiles are wholly inside).  r0: the thread's first row. */
+template <int BM = kBM>
 __device__ __forceinline__ void mask_tile(float (&s)[kBN / 2], const BlockPlan &bp, int n0, int r0, int q4, int left,
                                           int right)
 {
     const bool edge = n0 + kBN > bp.sk || (right >= 0 && n0 + kBN - 1 > bp.m0 + bp.off + right) ||
-                      (left >= 0 && n0 < bp.m0 + kBM - 1 + bp.off - left);
+                      (left >= 0 && n0 < bp.m0 + BM - 1 + bp.off - left);
     if (!edge)
         return;
 #pragma unroll
@@ -137,14 +139,14 @@ template <typename T> __device__ __forceinline__ void pack_p(uint32_t (&pa)[kBN 
 
 #ifdef SF_SM90A
 /* S = Q K^T for this warpgroup's 64 rows, issued and committed (not waited). */
-template <typename T, int D>
+template <typename T, int D, int BM = kBM>
 __device__ __forceinline__ void issue_qk(float (&s)[kBN / 2], uint32_t sQ, uint32_t kt, int wg)
 {
     wg_pin(s);
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) /* scale_d = 0 on the first step: no register writes to zero s */
-        Wgmma<T, kBN>::ss(s, desc_kmajor<kBM>(sQ, wg * 64, kk), desc_kmajor<kBN>(kt, 0, kk), kk > 0);
+        Wgmma<T, kBN>::ss(s, desc_kmajor<BM>(sQ, wg * 64, kk), desc_kmajor<kBN>(kt, 0, kk), kk > 0);
     wg_commit();
 }
 
@@ -334,14 +336,23 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_sm90_kernel(const sf_attn_pro
  *      two products only after the other has issued its own, and its
  *      softmax runs while the other's products are on the tensor cores
  *      (FlashAttention-3's inter-warpgroup overlap).
+ *   4  3 with three consumer warpgroups (192 rows, producer 32 registers,
+ *      consumers 160) at head dim 64, where the exponentials weigh as much
+ *      as the products; the turn passes round-robin.  At head dim 128 the
+ *      registers would not hold S, P and O: 4 runs 3 there.
  */
-constexpr int kWsConsumers = 2, kWsThreads = 128 * (kWsConsumers + 1), kWsStages = 3;
-constexpr int kWsProducerRegs = 40, kWsConsumerRegs = 232; /* 128 * 40 + 256 * 232 <= 65536 */
+constexpr int kWsStages = 3;
+/* NC consumer warpgroups (2, or 3 at head dim 64: schedule 4) of 64 rows */
+template <int NC> constexpr int ws_threads() { return 128 * (NC + 1); }
+/* registers: 128 * 40 + 256 * 232 <= 65536; 128 * 32 + 384 * 160 = 65536 (at 3 consumers the producer
+ * spills a few 64-bit addresses at 32; consumers at 152 made ptxas serialize the wgmma, C7512) */
+template <int NC> constexpr int ws_producer_regs() { return NC == 2 ? 40 : 32; }
+template <int NC> constexpr int ws_consumer_regs() { return NC == 2 ? 232 : 160; }
 
-template <int D> constexpr int ws_smem_bytes()
+template <int D, int NC> constexpr int ws_smem_bytes()
 {
     /* Q, kWsStages K and V tiles, then 2 * kWsStages + 1 mbarriers (8 bytes each) */
-    return 1024 + (kBM + 2 * kWsStages * kBN) * D * 2 + (2 * kWsStages + 1) * 8;
+    return 1024 + (64 * NC + 2 * kWsStages * kBN) * D * 2 + (2 * kWsStages + 1) * 8;
 }
 
 #ifdef SF_SM90A
@@ -383,12 +394,12 @@ __device__ __forceinline__ void named_arrive(int id, int count)
 }
 #endif
 
-template <typename T, int D, bool PINGPONG>
-__global__ void __launch_bounds__(kWsThreads, 1) fwd_sm90_ws_kernel(const sf_attn_problem p)
+template <typename T, int D, bool PINGPONG, int NC>
+__global__ void __launch_bounds__(ws_threads<NC>(), 1) fwd_sm90_ws_kernel(const sf_attn_problem p)
 {
 #ifdef SF_SM90A
-    constexpr int NO = D / 2, ST = kWsStages;
-    constexpr int QBYTES = kBM * D * 2, KVBYTES = kBN * D * 2;
+    constexpr int NO = D / 2, ST = kWsStages, BM = 64 * NC;
+    constexpr int QBYTES = BM * D * 2, KVBYTES = kBN * D * 2;
     extern __shared__ unsigned char smem_raw[];
     const uint32_t sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;
     const uint32_t sK = sQ + QBYTES;       /* stage s at sK + s * KVBYTES */
@@ -397,27 +408,27 @@ __global__ void __launch_bounds__(kWsThreads, 1) fwd_sm90_ws_kernel(const sf_att
 
     const int h = blockIdx.y, b = blockIdx.z;
     BlockPlan bp;
-    if (!plan_block(p, b, gridDim.x - 1 - blockIdx.x, bp)) /* heavy causal blocks first */
+    if (!plan_block<BM>(p, b, gridDim.x - 1 - blockIdx.x, bp)) /* heavy causal blocks first */
         return;
     const int lo = bp.nb_lo, hi = bp.nb_hi;
     const int tid = threadIdx.x, wg = tid / 128;
     if (tid == 0) {
         for (int s = 0; s < ST; ++s) {
             mbar_init(bFull + s * 8, 128);
-            mbar_init(bEmpty + s * 8, 128 * kWsConsumers);
+            mbar_init(bEmpty + s * 8, 128 * NC);
         }
         mbar_init(bQ, 128);
     }
     __syncthreads(); /* the barriers are initialized; the last block-wide barrier */
 
     if (wg == 0) { /* producer */
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWsProducerRegs));
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(ws_producer_regs<NC>()));
         if (lo < hi) {
             const int hk = h / (p.heads / p.heads_kv);
             const T *kbase = view_ptr<const T>(p.k, b, bp.ks, hk);
             const T *vbase = view_ptr<const T>(p.v, b, bp.ks, hk);
-            load_tile_sw128<T, kBM, D, 128>(sQ, view_ptr<const T>(p.q, b, bp.qs + bp.m0, h), p.q.ss,
-                                            min(kBM, bp.sq - bp.m0), tid);
+            load_tile_sw128<T, BM, D, 128>(sQ, view_ptr<const T>(p.q, b, bp.qs + bp.m0, h), p.q.ss,
+                                           min(BM, bp.sq - bp.m0), tid);
             cp_async_mbar_arrive(bQ);
             for (int nb = lo; nb < hi; ++nb) {
                 const int i = nb - lo, s = i % ST;
@@ -431,15 +442,16 @@ __global__ void __launch_bounds__(kWsThreads, 1) fwd_sm90_ws_kernel(const sf_att
             cp_async_wait<0>(); /* leave no copy in flight behind an exited thread */
         }
     } else { /* consumers */
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWsConsumerRegs));
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(ws_consumer_regs<NC>()));
         const int cw = wg - 1, ct = tid - 128; /* consumer index, thread in the consumers */
         const int left = p.window_left, right = p.window_right;
         const float sl2 = p.scale * kLog2e;
         const int q4 = tid % 4;
         const int wrow = cw * 64 + (ct % 128) / 32 * 16 + (ct % 32) / 4; /* first row in the block; +8 the second */
         const int r0 = bp.m0 + wrow;
-        /* ping-pong: barrier 1 + c is "consumer c may issue"; consumer 1 lets consumer 0 go first */
-        const int my_turn = 1 + cw, their_turn = 2 - cw;
+        /* ping-pong: barrier 1 + c is "consumer c may issue", handed on round-robin
+         * (0 -> 1 [-> 2] -> 0); the last consumer lets consumer 0 go first */
+        const int my_turn = 1 + cw, their_turn = 1 + (cw + 1) % NC;
 
         float o[NO];
 #pragma unroll
@@ -449,19 +461,19 @@ __global__ void __launch_bounds__(kWsThreads, 1) fwd_sm90_ws_kernel(const sf_att
         if (lo < hi) {
             float s[kBN / 2];
             uint32_t pa[kBN / 16][4];
-            if (PINGPONG && cw == 1)
+            if (PINGPONG && cw == NC - 1)
                 named_arrive(1, 256);
             mbar_wait(bQ, 0);
             mbar_wait(bFull, 0);
             fence_proxy_async(); /* cp.async wrote through the generic proxy; wgmma reads the async one */
             if (PINGPONG)
                 named_sync(my_turn, 256);
-            issue_qk<T, D>(s, sQ, sK, cw);
+            issue_qk<T, D, BM>(s, sQ, sK, cw);
             if (PINGPONG)
                 named_arrive(their_turn, 256);
             wg_wait<0>();
             wg_pin(s);
-            mask_tile(s, bp, lo * kBN, r0, q4, left, right);
+            mask_tile<BM>(s, bp, lo * kBN, r0, q4, left, right);
             softmax_tile(s, mrow, lrow, sl2, corr); /* O is still zero: no rescale */
             pack_p<T>(pa, s);
             for (int nb = lo; nb + 1 < hi; ++nb) { /* S(nb + 1) and P(nb) V(nb) together */
@@ -470,13 +482,13 @@ __global__ void __launch_bounds__(kWsThreads, 1) fwd_sm90_ws_kernel(const sf_att
                 fence_proxy_async();
                 if (PINGPONG)
                     named_sync(my_turn, 256);
-                issue_qk<T, D>(s, sQ, sK + sn * KVBYTES, cw);
+                issue_qk<T, D, BM>(s, sQ, sK + sn * KVBYTES, cw);
                 issue_pv<T, D>(o, pa, sV + sc * KVBYTES);
                 if (PINGPONG)
                     named_arrive(their_turn, 256);
                 wg_wait<1>(); /* S of tile nb + 1; P(nb) V(nb) may still run */
                 wg_pin(s);
-                mask_tile(s, bp, (nb + 1) * kBN, r0, q4, left, right);
+                mask_tile<BM>(s, bp, (nb + 1) * kBN, r0, q4, left, right);
                 softmax_tile(s, mrow, lrow, sl2, corr);
                 wg_pin(s);
                 wg_wait<0>(); /* ptxas hoists this above the exponentials as in schedule 1 (forcing the
@@ -489,7 +501,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) fwd_sm90_ws_kernel(const sf_att
             if (PINGPONG)
                 named_sync(my_turn, 256);
             issue_pv<T, D>(o, pa, sV + ((hi - 1 - lo) % ST) * KVBYTES); /* the last tile */
-            if (PINGPONG && cw == 0) /* consumer 1 issues last: nobody waits for its turn to end */
+            if (PINGPONG && cw != NC - 1) /* the last consumer issues last: nobody waits for its turn to end */
                 named_arrive(their_turn, 256);
             wg_wait<0>();
             wg_pin(o);
@@ -520,13 +532,14 @@ __global__ void __launch_bounds__(kWsThreads, 1) fwd_sm90_ws_kernel(const sf_att
 #endif
 }
 
-template <typename T, int D, bool PINGPONG> static sf_status launch_ws(const sf_attn_problem &p, cudaStream_t stream)
+template <typename T, int D, bool PINGPONG, int NC = 2>
+static sf_status launch_ws(const sf_attn_problem &p, cudaStream_t stream)
 {
-    constexpr int smem = ws_smem_bytes<D>();
+    constexpr int smem = ws_smem_bytes<D, NC>(), BM = 64 * NC;
     static_assert(smem <= 232448, "more shared memory than a Hopper block may have");
-    SF_CUDA_TRY("attention_fwd", allow_smem((const void *)fwd_sm90_ws_kernel<T, D, PINGPONG>, smem));
-    dim3 grid((p.max_sq + kBM - 1) / kBM, p.heads, p.batch);
-    fwd_sm90_ws_kernel<T, D, PINGPONG><<<grid, kWsThreads, smem, stream>>>(p);
+    SF_CUDA_TRY("attention_fwd", allow_smem((const void *)fwd_sm90_ws_kernel<T, D, PINGPONG, NC>, smem));
+    dim3 grid((p.max_sq + BM - 1) / BM, p.heads, p.batch);
+    fwd_sm90_ws_kernel<T, D, PINGPONG, NC><<<grid, ws_threads<NC>(), smem, stream>>>(p);
     SF_CUDA_CHECK_LAUNCH("attention_fwd");
     return SF_OK;
 }
@@ -545,22 +558,32 @@ template <typename T, int D, int PIPE> static sf_status launch(const sf_attn_pro
  * SEQFUSE_ATTN_SM90_VARIANT=1|2|3 or sf_attn_set_fwd_sm90_variant(v):
  * 1 three stages, softmax overlapped with P V; 2 the same per-tile schedule
  * warp-specialized (producer warpgroup, mbarrier pipeline, setmaxnreg);
- * 3 = 2 + ping-pong of the two consumer warpgroups.  All are checked and
+ * 3 = 2 + ping-pong of the two consumer warpgroups; 4 = 3 with three
+ * consumer warpgroups (192 rows) at head dim 64 (3 itself at 128).  All are checked and
  * timed by check_attn_sm90 until the fastest is confirmed; the default is
  * the 0 below (g_variant's fallback in launch_variant). */
 static int g_variant = -1;
-constexpr int kVariants = 4;
+constexpr int kVariants = 5;
+constexpr int kDefaultVariant = 0; /* the schedule when SEQFUSE_ATTN_SM90_VARIANT is unset */
 
 template <typename T, int D> static sf_status launch_variant(const sf_attn_problem &p, cudaStream_t stream)
 {
     if (g_variant < 0) {
         const char *v = getenv("SEQFUSE_ATTN_SM90_VARIANT");
-        g_variant = v && v[0] >= '0' && v[0] < '0' + kVariants && !v[1] ? v[0] - '0' : 0;
+        g_variant = v && v[0] >= '0' && v[0] < '0' + kVariants && !v[1] ? v[0] - '0' : kDefaultVariant;
     }
     switch (g_variant) {
     case 1: return launch<T, D, 1>(p, stream);
     case 2: return launch_ws<T, D, false>(p, stream);
     case 3: return launch_ws<T, D, true>(p, stream);
+    /* 4: three consumer warpgroups (192 rows) at head dim 64, where the softmax
+     * weighs as much as the products; at 128 their registers would not hold
+     * S, P and O, so schedule 4 is schedule 3 there */
+    case 4:
+        if constexpr (D == 64)
+            return launch_ws<T, D, true, 3>(p, stream);
+        else
+            return launch_ws<T, D, true>(p, stream);
     default: return launch<T, D, 0>(p, stream);
     }
 }
@@ -661,7 +684,7 @@ extern "C" sf_status sf_attn_set_fwd_kernel(int arch)
 extern "C" sf_status sf_attn_set_fwd_sm90_variant(int variant)
 {
     if (variant < 0 || variant >= sf_attn::sm90::kVariants)
-        return sf_fail(SF_ERR_VALUE, "attention_fwd: sm90 variant must be 0, 1, 2 or 3, got %d", variant);
+        return sf_fail(SF_ERR_VALUE, "attention_fwd: sm90 variant must be 0 to 4, got %d", variant);
     sf_attn::sm90::g_variant = variant;
     return SF_OK;
 }

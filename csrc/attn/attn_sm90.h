@@ -21,8 +21,9 @@ sf_status sf_attn_set_fwd_kernel(int arch);
 /* Schedule of the wgmma kernel: 0 (two K/V stages, in order; the default),
  * 1 (three stages, softmax overlapped with P V), 2 (1 warp-specialized: a
  * producer warpgroup feeds three K/V stages through mbarriers, consumers
- * at 232 registers) or 3 (2 with the two consumer warpgroups in
- * ping-pong); overrides SEQFUSE_ATTN_SM90_VARIANT. */
+ * at 232 registers), 3 (2 with the two consumer warpgroups in ping-pong)
+ * or 4 (3 with three consumer warpgroups, 192 rows, at head dim 64; 3 at
+ * 128); overrides SEQFUSE_ATTN_SM90_VARIANT. */
 sf_status sf_attn_set_fwd_sm90_variant(int variant);
 
 /* The kernel a forward with this head dim takes on `device` now: 90 or 80.

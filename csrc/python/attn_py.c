@@ -168,7 +168,8 @@ PyMethodDef sf_py_attn_methods[] = {
      "attn_set_fwd_kernel(arch): CUDA forward kernel on Hopper, 90 (wgmma) or 80 (mma.sync)."},
     {"attn_set_fwd_sm90_variant", py_attn_set_fwd_sm90_variant, METH_O,
      "attn_set_fwd_sm90_variant(v): wgmma forward schedule, 0 (in order), 1 (softmax overlapped with P V), "
-     "2 (1 warp-specialized: producer warpgroup, mbarrier pipeline) or 3 (2 + consumer ping-pong)."},
+     "2 (1 warp-specialized: producer warpgroup, mbarrier pipeline), 3 (2 + consumer ping-pong) "
+     "or 4 (3 with three consumer warpgroups of 192 rows at head dim 64)."},
     {"attn_fwd_kernel_for", py_attn_fwd_kernel_for, METH_VARARGS,
      "attn_fwd_kernel_for(head_dim, device) -> (arch, reason): the forward kernel a call takes."},
     {"attn_fwd", SF_PY_FASTCALL(py_attn_fwd),
