@@ -15,6 +15,14 @@ needs_fp8 = pytest.mark.skipif(
     reason=f"torch {torch.__version__} cannot export float8 tensors through DLPack "
            "(seqfuse's FP8 ops need a torch that can)")
 
+#: Marks a test that runs FSDP2 (fully_shard) on CPU tensors over gloo: torch
+#: 2.6's FSDP2 records events on a CPU stream, which that torch's
+#: torch.cpu.Stream cannot do.
+needs_cpu_fsdp2 = pytest.mark.skipif(
+    not hasattr(torch.cpu.Stream, "record_event"),
+    reason=f"torch {torch.__version__}'s FSDP2 cannot run on CPU tensors "
+           "(torch.cpu.Stream has no record_event)")
+
 #: Relative-error bounds by the dtype of the computation's inputs.
 REL_TOL = {
     torch.float64: 1e-12,

@@ -9,7 +9,7 @@ from seqfuse import _C
 from seqfuse.modules.activation import activation, bias_dropout_add
 from seqfuse.ops import act as A
 
-from helpers import assert_close_rel, fp8_steps, poisoned_like
+from helpers import assert_close_rel, fp8_steps, needs_fp8, poisoned_like
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 NAMES = list(A.ACTIVATIONS)
@@ -85,6 +85,7 @@ def test_act_saturating_inputs():
         assert_close_rel(y, BASE[name](x.double()), torch.float32)
 
 
+@needs_fp8
 @pytest.mark.parametrize("name", ["gelu", "swiglu", "silu", "geglu"])
 @pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_act_cpu_fp8_output(name, fmt, seed):
@@ -130,6 +131,7 @@ def test_act_error_from_c_shapes():
                    None, None, None)
 
 
+@needs_fp8
 def test_act_error_from_c_bad_code_and_fp8_scale():
     with pytest.raises(ValueError, match="act_fwd: argument 'activation' must be one of 0..7, got 9"):
         _C.act_fwd(9, torch.ones(2), torch.empty(2), None, None, None)

@@ -14,6 +14,7 @@ import seqfuse
 import seqfuse.optim
 from seqfuse.optim import FusedAdamW, clip_grad_norm_
 from seqfuse.ops import multi_tensor_adamw, multi_tensor_l2norm, multi_tensor_scale
+from helpers import needs_cpu_fsdp2
 
 SHAPES = [(7,), (33, 17), (65536 + 5,), (3, 4, 5), (1,)]
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -467,6 +468,7 @@ def _fsdp_worker(rank, init_file, out_dir):
     dist.destroy_process_group()
 
 
+@needs_cpu_fsdp2
 def test_fsdp2_two_processes_gloo(tmp_path):
     """FusedAdamW and clip_grad_norm_ on FSDP2 DTensor shards (2 processes,
     gloo, CPU): 6 steps equal torch.optim.AdamW + torch's clip on the

@@ -9,7 +9,7 @@ import torch
 
 import seqfuse
 from gemm_helpers import E4M3, E5M2, QUANTIZERS, dgelu_tanh, op, reference
-from helpers import REL_TOL, assert_close_rel, rel_error
+from helpers import REL_TOL, assert_close_rel, needs_fp8, rel_error
 
 gemm = seqfuse.ops.gemm
 gemm_mod = importlib.import_module("seqfuse.ops.gemm")  # the module; seqfuse.ops.gemm is the op
@@ -246,6 +246,7 @@ def test_error_epilogue_arguments():
                         0, 0, 0, 1, 1.0, None, 0, 0)
 
 
+@needs_fp8
 def test_error_fp8_rules():
     s = torch.ones(1)
     qa, qb = torch.zeros(32, 100, dtype=E4M3), torch.zeros(48, 100, dtype=E4M3)

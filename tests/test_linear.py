@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import seqfuse.pytorch as te
-from helpers import REL_TOL, block128_dequantized_ref, block_dequantized_ref, needs_fp8, rel_error
+from helpers import (REL_TOL, block128_dequantized_ref, block_dequantized_ref, needs_cpu_fsdp2, needs_fp8,
+                     rel_error)
 
 
 def twin(in_f, out_f, bias, dtype, device):
@@ -206,6 +207,7 @@ def _fsdp_worker(rank, world, port, result_path):
         dist.destroy_process_group()
 
 
+@needs_cpu_fsdp2
 def test_fsdp2_fully_shard_gloo(tmp_path):
     import torch.multiprocessing as mp
 

@@ -8,7 +8,7 @@ import seqfuse
 from seqfuse import _C
 from seqfuse.ops import norm as N
 
-from helpers import assert_close_rel, fp8_steps, poisoned_like
+from helpers import assert_close_rel, fp8_steps, needs_fp8, poisoned_like
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 CPU_SHAPES = [(1, 8), (7, 37), (3, 5, 64), (16, 1280), (2, 4096)]
@@ -112,6 +112,7 @@ def test_norm_cpu_empty_rows():
     assert torch.equal(dg, torch.zeros(64)) and torch.equal(db, torch.zeros(64))
 
 
+@needs_fp8
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_norm_cpu_fp8_output(rms, fmt, seed):
@@ -135,6 +136,7 @@ def test_norm_cpu_fp8_output(rms, fmt, seed):
     assert scale_inv.item() == pytest.approx(1 / 37.5, rel=1e-7)
 
 
+@needs_fp8
 def test_norm_cpu_fp8_saturates():
     x = torch.tensor([[1.0, -1.0, 1.0, -1.0]])
     y, _, _ = N.layernorm_fwd(x, torch.ones(4), torch.zeros(4), 0.0,
@@ -175,6 +177,7 @@ def test_norm_error_bad_eps():
         N.layernorm_fwd(torch.ones(2, 8), torch.ones(8), None, eps=-1.0)
 
 
+@needs_fp8
 def test_norm_error_fp8_without_scale():
     with pytest.raises(ValueError, match="argument 'scale' is required when 'y' is float8_e4m3fn"):
         N.layernorm_fwd(torch.ones(2, 8), torch.ones(8), None, out_dtype=torch.float8_e4m3fn)
@@ -381,6 +384,7 @@ def test_norm_cuda_graph_capture_and_stream(seed):
     assert torch.equal(y, ref[0]) and torch.equal(dx, ref[3]) and torch.equal(dg, ref[4])
 
 
+@needs_fp8
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_norm_amax_accumulates(device, seed):
     x = torch.randn(64, 256, device=device)
