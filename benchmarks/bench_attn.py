@@ -41,7 +41,7 @@ def sdpa_flops(b, h, s, d, causal, backward):
 
 def _sm90_time(fn, variant):
     """cuda_time_ms(fn) with the wgmma forward (schedule `variant`) selected;
-    None off Hopper.  Restores the sm80 default and schedule 0."""
+    None off Hopper.  Restores the defaults (wgmma kernel, schedule 4)."""
     if torch.cuda.get_device_capability() != (9, 0):
         return None
     seqfuse.ops.set_attention_fwd_kernel(90)
@@ -49,8 +49,8 @@ def _sm90_time(fn, variant):
     try:
         return cuda_time_ms(fn)
     finally:
-        seqfuse.ops.set_attention_fwd_kernel(80)
-        seqfuse._C.attn_set_fwd_sm90_variant(0)
+        seqfuse.ops.set_attention_fwd_kernel(90)
+        seqfuse._C.attn_set_fwd_sm90_variant(4)
 
 
 def padded_rows(table):

@@ -501,5 +501,9 @@ def train(cfg, strategy: str = "fsdp2") -> dict:
     result = {"history": history, "rates": summary_rates, "world_size": world, "rank": rank,
               "final_step": step, "params": n_params}
     if dist.is_initialized() and os.environ.get("ESM2_KEEP_PG") != "1":
+        # every rank past its last collective before any tears the group
+        # down: a rank destroying gloo's group while a peer still talks to
+        # it died in std::terminate at exit (intermittent, 2-process test)
+        dist.barrier()
         dist.destroy_process_group()
     return result
