@@ -165,21 +165,8 @@ static PyObject *py_dropout_bwd_workspace_numel(PyObject *self, PyObject *const 
                                                 Py_ssize_t nargs)
 {
     (void)self;
-    static const char op[] = "dropout_bwd_workspace_numel";
-    if (sf_py_check_nargs(op, nargs, 1, 2) < 0)
-        return NULL;
-    sf_py_call c;
-    if (sf_py_call_init(&c, op, nargs > 1 ? args[1] : Py_None) < 0)
-        return NULL;
-    sf_tensor dy;
-    PyObject *result = NULL;
-    int64_t numel = 0;
-    if (sf_py_tensor(&c, args[0], "dy", &dy) == 0) {
-        sf_status st = sf_dropout_bwd_workspace_numel(&dy, &numel);
-        result = st == SF_OK ? PyLong_FromLongLong(numel) : sf_py_raise(st);
-    }
-    sf_py_call_release(&c);
-    return result;
+    return sf_py_numel_query("dropout_bwd_workspace_numel", "dy", args, nargs,
+                             sf_dropout_bwd_workspace_numel);
 }
 
 PyMethodDef sf_py_act_methods[] = {

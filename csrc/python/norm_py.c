@@ -181,21 +181,8 @@ static PyObject *py_norm_bwd_workspace_numel(PyObject *self, PyObject *const *ar
                                              Py_ssize_t nargs)
 {
     (void)self;
-    static const char op[] = "norm_bwd_workspace_numel";
-    if (sf_py_check_nargs(op, nargs, 1, 2) < 0)
-        return NULL;
-    sf_py_call c;
-    if (sf_py_call_init(&c, op, nargs > 1 ? args[1] : Py_None) < 0)
-        return NULL;
-    sf_tensor x;
-    PyObject *result = NULL;
-    int64_t numel = 0;
-    if (sf_py_tensor(&c, args[0], "x", &x) == 0) {
-        sf_status st = sf_norm_bwd_workspace_numel(&x, &numel);
-        result = st == SF_OK ? PyLong_FromLongLong(numel) : sf_py_raise(st);
-    }
-    sf_py_call_release(&c);
-    return result;
+    return sf_py_numel_query("norm_bwd_workspace_numel", "x", args, nargs,
+                             sf_norm_bwd_workspace_numel);
 }
 
 PyMethodDef sf_py_norm_methods[] = {

@@ -57,6 +57,26 @@ int sf_py_check_nargs(const char *op, Py_ssize_t nargs, Py_ssize_t min_args,
     return 0;
 }
 
+PyObject *sf_py_numel_query(const char *op, const char *arg, PyObject *const *args,
+                            Py_ssize_t nargs,
+                            sf_status (*query)(const sf_tensor *, int64_t *))
+{
+    if (sf_py_check_nargs(op, nargs, 1, 2) < 0)
+        return NULL;
+    sf_py_call c;
+    if (sf_py_call_init(&c, op, nargs > 1 ? args[1] : Py_None) < 0)
+        return NULL;
+    sf_tensor t;
+    PyObject *result = NULL;
+    int64_t numel = 0;
+    if (sf_py_tensor(&c, args[0], arg, &t) == 0) {
+        sf_status st = query(&t, &numel);
+        result = st == SF_OK ? PyLong_FromLongLong(numel) : sf_py_raise(st);
+    }
+    sf_py_call_release(&c);
+    return result;
+}
+
 /* ---- the exchange API cache ------------------------------------------- *
  * One lookup per tensor type, then a pointer compare per argument.  Types
  * stay referenced while cached, so an address is never reused under us. */

@@ -68,6 +68,13 @@ PyObject *sf_py_finish(sf_py_call *c, sf_status status);
 /* Raise the Python exception for a failing status, with sf_last_error(). */
 PyObject *sf_py_raise(sf_status status);
 
+/* The body of a `<op>(tensor, stream=None) -> int` size query binding (the
+ * workspace_numel entries): import the one tensor as `arg`, ask `query`,
+ * return the count or raise. */
+PyObject *sf_py_numel_query(const char *op, const char *arg, PyObject *const *args,
+                            Py_ssize_t nargs,
+                            sf_status (*query)(const sf_tensor *, int64_t *));
+
 /* Check the positional argument count of a METH_FASTCALL binding. */
 int sf_py_check_nargs(const char *op, Py_ssize_t nargs, Py_ssize_t min_args,
                       Py_ssize_t max_args);
