@@ -3,7 +3,7 @@
  *
  * These take Python lists of tensors.  Each list is first copied into a tuple
  * (so the tensors stay referenced while the GIL is released), then every
- * tensor is imported through its own short sf_py_call whose DLPack borrow is
+ * tensor is ran through its own short sf_py_call whose DLPack borrow is
  * given back right after its view is read: a list may be far longer than the
  * per-call borrow limit, and the tuple keeps the memory alive meanwhile.
  */
@@ -72,6 +72,19 @@ static int same_length(const char *op, const sf_py_tensor_list *a, const char *a
     return 0;
 }
 
+/* The common end of a list binding, once its lists are freed: where the
+ * kernel did not run, an import or check failed and set the Python error
+ * (release the call, return NULL); otherwise sf_py_finish turns the
+ * kernel's status into None or a raise. */
+static PyObject *finish_lists(sf_py_call *c, int ran, sf_status st)
+{
+    if (!ran) {
+        sf_py_call_release(c);
+        return NULL;
+    }
+    return sf_py_finish(c, st);
+}
+
 /* multi_tensor_adamw(params, grads, exp_avg, exp_avg_sq, master, lr, beta1, beta2, eps,
  *                    weight_decay, step, stream=None); master: None or a list */
 static PyObject *py_adamw(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -96,7 +109,8 @@ static PyObject *py_adamw(PyObject *self, PyObject *const *args, Py_ssize_t narg
     if (sf_py_call_init(&c, op, stream_obj) < 0)
         return NULL;
     sf_py_tensor_list p = {0}, g = {0}, m = {0}, v = {0}, w = {0};
-    PyObject *result = NULL;
+    sf_status st = SF_OK;
+    int ran = 0;
     int has_master = args[4] != Py_None;
     if (list_import(&c, stream_obj, args[0], "params", &p) < 0 ||
         list_import(&c, stream_obj, args[1], "grads", &g) < 0 ||
@@ -108,24 +122,18 @@ static PyObject *py_adamw(PyObject *self, PyObject *const *args, Py_ssize_t narg
         same_length(op, &p, "params", &v, "exp_avg_sq") < 0 ||
         (has_master && same_length(op, &p, "params", &w, "master") < 0))
         goto done;
-    sf_status st;
     Py_BEGIN_ALLOW_THREADS
     st = sf_multi_tensor_adamw(p.n, p.views, g.views, m.views, v.views, has_master ? w.views : NULL, &cfg,
                                sf_py_call_stream(&c));
     Py_END_ALLOW_THREADS
-    if (st != SF_OK) {
-        sf_py_raise(st);
-        goto done;
-    }
-    result = Py_NewRef(Py_None);
+    ran = 1;
 done:
     list_free(&p);
     list_free(&g);
     list_free(&m);
     list_free(&v);
     list_free(&w);
-    sf_py_call_release(&c);
-    return result;
+    return finish_lists(&c, ran, st);
 }
 
 /* multi_tensor_l2norm(tensors, workspace, out, stream=None) */
@@ -140,24 +148,18 @@ static PyObject *py_l2norm(PyObject *self, PyObject *const *args, Py_ssize_t nar
     if (sf_py_call_init(&c, op, stream_obj) < 0)
         return NULL;
     sf_py_tensor_list l = {0};
-    PyObject *result = NULL;
+    sf_status st = SF_OK;
+    int ran = 0;
     sf_tensor ws, out;
-    if (list_import(&c, stream_obj, args[0], "tensors", &l) < 0 ||
-        sf_py_tensor(&c, args[1], "workspace", &ws) < 0 || sf_py_tensor(&c, args[2], "out", &out) < 0)
-        goto done;
-    sf_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = sf_multi_tensor_l2norm(l.n, l.views, &ws, &out, sf_py_call_stream(&c));
-    Py_END_ALLOW_THREADS
-    if (st != SF_OK) {
-        sf_py_raise(st);
-        goto done;
+    if (list_import(&c, stream_obj, args[0], "tensors", &l) == 0 &&
+        sf_py_tensor(&c, args[1], "workspace", &ws) == 0 && sf_py_tensor(&c, args[2], "out", &out) == 0) {
+        Py_BEGIN_ALLOW_THREADS
+        st = sf_multi_tensor_l2norm(l.n, l.views, &ws, &out, sf_py_call_stream(&c));
+        Py_END_ALLOW_THREADS
+        ran = 1;
     }
-    result = Py_NewRef(Py_None);
-done:
     list_free(&l);
-    sf_py_call_release(&c);
-    return result;
+    return finish_lists(&c, ran, st);
 }
 
 /* multi_tensor_scale(tensors, scale, stream=None) */
@@ -172,24 +174,18 @@ static PyObject *py_scale(PyObject *self, PyObject *const *args, Py_ssize_t narg
     if (sf_py_call_init(&c, op, stream_obj) < 0)
         return NULL;
     sf_py_tensor_list l = {0};
-    PyObject *result = NULL;
+    sf_status st = SF_OK;
+    int ran = 0;
     sf_tensor scale;
-    if (list_import(&c, stream_obj, args[0], "tensors", &l) < 0 ||
-        sf_py_tensor(&c, args[1], "scale", &scale) < 0)
-        goto done;
-    sf_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = sf_multi_tensor_scale(l.n, l.views, &scale, sf_py_call_stream(&c));
-    Py_END_ALLOW_THREADS
-    if (st != SF_OK) {
-        sf_py_raise(st);
-        goto done;
+    if (list_import(&c, stream_obj, args[0], "tensors", &l) == 0 &&
+        sf_py_tensor(&c, args[1], "scale", &scale) == 0) {
+        Py_BEGIN_ALLOW_THREADS
+        st = sf_multi_tensor_scale(l.n, l.views, &scale, sf_py_call_stream(&c));
+        Py_END_ALLOW_THREADS
+        ran = 1;
     }
-    result = Py_NewRef(Py_None);
-done:
     list_free(&l);
-    sf_py_call_release(&c);
-    return result;
+    return finish_lists(&c, ran, st);
 }
 
 static PyObject *py_chunk_size(PyObject *self, PyObject *unused)
