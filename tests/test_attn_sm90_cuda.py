@@ -184,3 +184,32 @@ def test_fwd_kernel_query_default():
     assert arch == 80
     if is_hopper():
         assert "head dims 64 and 128" in why
+
+
+def test_fwd_kernel_choice_asked_once_per_head_dim_and_device(monkeypatch):
+    """The forward asks C for its kernel choice once per (head dim, device)
+    until the choice changes, not on every call (host time per forward)."""
+    from seqfuse.ops import attn as attn_mod
+
+    calls = []
+
+    class FakeC:
+        @staticmethod
+        def attn_fwd_kernel_for(d, dev):
+            calls.append((d, dev))
+            return 90, ""
+
+        @staticmethod
+        def attn_set_fwd_kernel(arch):
+            pass
+
+    monkeypatch.setattr(attn_mod, "_C", FakeC)
+    monkeypatch.setattr(attn_mod, "_fwd_kernel_checked", set())
+    q64, q128 = torch.empty(1, 4, 2, 64), torch.empty(1, 4, 2, 128)
+    for _ in range(3):
+        attn_mod._note_fwd_kernel(q64)
+        attn_mod._note_fwd_kernel(q128)
+    assert calls == [(64, 0), (128, 0)]
+    attn_mod.set_attention_fwd_kernel(80)  # a new choice: asked again
+    attn_mod._note_fwd_kernel(q64)
+    assert calls == [(64, 0), (128, 0), (64, 0)]

@@ -504,17 +504,36 @@ Config bwd_config(int64_t hidden, int vec) { return pick_config(hidden, vec, kBw
  * scratch), so a 48 KB dynamic request with 512 static bytes already needs
  * it: hence the query of the static size once the request comes close. */
 template <typename K>
-sf_status allow_smem(const char *op, K kernel, size_t bytes)
+sf_status allow_smem(const char *op, K kernel, size_t bytes, int device)
 {
     constexpr size_t kDefault = 48 * 1024;
     constexpr size_t kStaticSlack = 4 * 1024; /* more than any static scratch here */
     if (bytes + kStaticSlack <= kDefault)
+        return SF_OK;
+    /* The attribute stays set, so the query and the set run once per kernel,
+     * device and larger request, not on every call (host time per launch). */
+    constexpr int kSlots = 64;
+    static const void *keys[kSlots];
+    static int devices[kSlots];
+    static size_t allowed[kSlots];
+    static int used;
+    int i = 0;
+    while (i < used && !(keys[i] == (const void *)kernel && devices[i] == device))
+        ++i;
+    if (i < used && allowed[i] >= bytes)
         return SF_OK;
     cudaFuncAttributes attr;
     SF_CUDA_TRY(op, cudaFuncGetAttributes(&attr, kernel));
     if (bytes + attr.sharedSizeBytes > kDefault)
         SF_CUDA_TRY(op, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              (int)bytes));
+    if (i == used && used < kSlots) { /* a full table only means asking again */
+        keys[i] = (const void *)kernel;
+        devices[i] = device;
+        ++used;
+    }
+    if (i < used)
+        allowed[i] = bytes;
     return SF_OK;
 }
 
@@ -562,7 +581,7 @@ sf_status launch_fwd_nv(const FwdParams &p, const Config &c, int device, cudaStr
 {
     const size_t smem = (p.rms ? 1 : 2) * (size_t)((p.hidden + 3) & ~3) * sizeof(float);
     auto kernel = norm_fwd_kernel<T, VEC, NV>;
-    SF_TRY(allow_smem("norm_fwd", kernel, smem));
+    SF_TRY(allow_smem("norm_fwd", kernel, smem, device));
     int64_t grid;
     SF_TRY(persistent_grid("norm_fwd", kernel, c, smem, p.rows, device, &grid));
     kernel<<<(unsigned)grid, dim3(c.tx, c.ty), smem, stream>>>(p);
@@ -592,7 +611,7 @@ sf_status launch_bwd_nv(const BwdParams &p, const Config &c, int device, int64_t
     const size_t smem = (size_t)((p.hidden + 3) & ~3) * sizeof(float) +
                         (c.ty > 1 ? (size_t)c.tx * c.ty * VEC * sizeof(float) : 0);
     auto kernel = norm_bwd_kernel<T, VEC, NV, RMS>;
-    SF_TRY(allow_smem("norm_bwd", kernel, smem));
+    SF_TRY(allow_smem("norm_bwd", kernel, smem, device));
     SF_TRY(persistent_grid("norm_bwd", kernel, c, smem, p.rows, device, grid));
     if (*grid > bound)
         *grid = bound; /* the workspace holds `bound` partial rows */

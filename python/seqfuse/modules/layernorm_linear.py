@@ -324,6 +324,23 @@ class _LayerNormLinearFn(torch.autograd.Function):
                 None, None, None, None, None, None)
 
 
+def _make_norm_params(module, size, normalization, kw):
+    """The fused norm's parameters, named as TE names them: layer_norm_weight,
+    and layer_norm_bias for LayerNorm (registered as None for RMSNorm)."""
+    module.layer_norm_weight = torch.nn.Parameter(torch.empty(size, **kw))
+    if normalization == "LayerNorm":
+        module.layer_norm_bias = torch.nn.Parameter(torch.empty(size, **kw))
+    else:
+        module.register_parameter("layer_norm_bias", None)
+
+
+def _reset_norm_params(module):
+    """gamma = 1 (0 when zero-centered), beta = 0; call under no_grad."""
+    module.layer_norm_weight.fill_(0.0 if module.zero_centered_gamma else 1.0)
+    if module.layer_norm_bias is not None:
+        module.layer_norm_bias.zero_()
+
+
 class LayerNormLinear(torch.nn.Module):
     """Normalization + linear layer; see the module note."""
 
@@ -343,11 +360,7 @@ class LayerNormLinear(torch.nn.Module):
         dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
         device = default_device(device)
         kw = dict(dtype=dtype, device=device)
-        self.layer_norm_weight = torch.nn.Parameter(torch.empty(self.in_features, **kw))
-        if normalization == "LayerNorm":
-            self.layer_norm_bias = torch.nn.Parameter(torch.empty(self.in_features, **kw))
-        else:
-            self.register_parameter("layer_norm_bias", None)
+        _make_norm_params(self, self.in_features, normalization, kw)
         self.weight = torch.nn.Parameter(torch.empty(self.out_features, self.in_features, **kw))
         self.bias = torch.nn.Parameter(torch.empty(self.out_features, **kw)) if bias else None
         self.init_method = init_method
@@ -355,9 +368,7 @@ class LayerNormLinear(torch.nn.Module):
 
     def reset_parameters(self):
         with torch.no_grad():
-            self.layer_norm_weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
-            if self.layer_norm_bias is not None:
-                self.layer_norm_bias.zero_()
+            _reset_norm_params(self)
             init_weight(self.weight, self.init_method)
             if self.bias is not None:
                 self.bias.zero_()

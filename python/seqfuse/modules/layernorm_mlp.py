@@ -41,8 +41,8 @@ import torch
 
 from .. import ops
 from ..ops import act as A
-from .layernorm_linear import (TE_DEFAULTS, Quantizers, _check_normalization, _reject_unsupported,
-                               _wgrad_dtype, active_fp8_recipe, as_dtype, check_block_shapes,
+from .layernorm_linear import (TE_DEFAULTS, Quantizers, _check_normalization, _make_norm_params,
+                               _reject_unsupported, _reset_norm_params, _wgrad_dtype, active_fp8_recipe, as_dtype, check_block_shapes,
                                fp8_gemm, fp8_transpose, init_weight, is_block, norm_backward,
                                norm_forward, norm_param)
 from .linear import _quantize_weight, block_backward, block_forward
@@ -185,11 +185,7 @@ class LayerNormMLP(torch.nn.Module):
         fc1_out = 2 * self.ffn_hidden_size if activation in A.GATED else self.ffn_hidden_size
         dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
         kw = dict(dtype=dtype, device=default_device(device))
-        self.layer_norm_weight = torch.nn.Parameter(torch.empty(self.hidden_size, **kw))
-        if normalization == "LayerNorm":
-            self.layer_norm_bias = torch.nn.Parameter(torch.empty(self.hidden_size, **kw))
-        else:
-            self.register_parameter("layer_norm_bias", None)
+        _make_norm_params(self, self.hidden_size, normalization, kw)
         self.fc1_weight = torch.nn.Parameter(torch.empty(fc1_out, self.hidden_size, **kw))
         self.fc1_bias = torch.nn.Parameter(torch.empty(fc1_out, **kw)) if bias else None
         self.fc2_weight = torch.nn.Parameter(torch.empty(self.hidden_size, self.ffn_hidden_size, **kw))
@@ -200,9 +196,7 @@ class LayerNormMLP(torch.nn.Module):
 
     def reset_parameters(self):
         with torch.no_grad():
-            self.layer_norm_weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
-            if self.layer_norm_bias is not None:
-                self.layer_norm_bias.zero_()
+            _reset_norm_params(self)
             init_weight(self.fc1_weight, self.init_method)
             init_weight(self.fc2_weight, self.output_layer_init_method)
             for b in (self.fc1_bias, self.fc2_bias):

@@ -50,11 +50,15 @@ _PADDING = {1, 3, 5}
 
 _log = logging.getLogger("seqfuse")
 _fwd_reasons_logged = set()
+# (head dim, device index) pairs whose kernel choice was already looked at
+# since the choice last changed: the forward asks C once per pair, not per call
+_fwd_kernel_checked = set()
 
 
 def set_attention_fwd_kernel(arch):
     """Forward kernel on Hopper: 90 (wgmma) or 80 (mma.sync), for the process."""
     _C.attn_set_fwd_kernel(arch)
+    _fwd_kernel_checked.clear()
 
 
 def attention_fwd_kernel(head_dim, device=None):
@@ -67,7 +71,11 @@ def attention_fwd_kernel(head_dim, device=None):
 
 def _note_fwd_kernel(q):
     """Log once per reason when a Hopper device gets the sm80 forward."""
-    arch, why = _C.attn_fwd_kernel_for(q.shape[-1], q.device.index or 0)
+    key = (q.shape[-1], q.device.index or 0)
+    if key in _fwd_kernel_checked:
+        return
+    _fwd_kernel_checked.add(key)
+    arch, why = _C.attn_fwd_kernel_for(*key)
     if arch != 90 and why and why not in _fwd_reasons_logged:
         _fwd_reasons_logged.add(why)
         # an explicit choice is news; anything else (e.g. head dims 16-32) is a missed fast path
