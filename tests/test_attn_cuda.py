@@ -64,16 +64,28 @@ def make_case(fmt, mask, b, sq, sk, h, hk, d, dtype, rng):
     return q, k, v, dout, lq, lk
 
 
-def run_ours(q, k, v, dout, fmt, mask, lq, lk, window=None, deterministic=False):
+def attention_kwargs(fmt, mask, lq, lk, window=None):
+    """The keyword arguments of ops.attention_fwd / _bwd for one case."""
     kw = dict(qkv_format=fmt, attn_mask_type=mask, window_size=window)
     if lq is not None:
         kw.update(cu_seqlens_q=cu_seqlens(lq, "cuda"), cu_seqlens_kv=cu_seqlens(lk, "cuda"))
         if fmt == "thd":
             kw.update(max_seqlen_q=max(lq), max_seqlen_kv=max(lk))
+    return kw
+
+
+def run_fwd(q, k, v, fmt, mask, lq, lk, window=None):
+    """ops.attention_fwd into NaN-poisoned out and lse."""
     lse_shape = (q.shape[1], q.shape[0]) if fmt == "thd" else \
         ((q.shape[0], q.shape[2], q.shape[1]) if fmt == "bshd" else (q.shape[1], q.shape[2], q.shape[0]))
-    out, lse = seqfuse.ops.attention_fwd(q, k, v, out=poisoned(q.shape, q.dtype),
-                                         lse=poisoned(lse_shape, torch.float32), **kw)
+    return seqfuse.ops.attention_fwd(q, k, v, out=poisoned(q.shape, q.dtype),
+                                     lse=poisoned(lse_shape, torch.float32),
+                                     **attention_kwargs(fmt, mask, lq, lk, window))
+
+
+def run_ours(q, k, v, dout, fmt, mask, lq, lk, window=None, deterministic=False):
+    kw = attention_kwargs(fmt, mask, lq, lk, window)
+    out, lse = run_fwd(q, k, v, fmt, mask, lq, lk, window)
     dq, dk, dv = seqfuse.ops.attention_bwd(dout, q, k, v, out, lse, deterministic=deterministic,
                                            dq=poisoned(q.shape, q.dtype), dk=poisoned(k.shape, k.dtype),
                                            dv=poisoned(v.shape, v.dtype), **kw)

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import seqfuse
-from attn_ref import PADDING, cu_seqlens, reference
+from attn_ref import PADDING, reference
 from helpers import rel_error
-from test_attn_cuda import make_case, poisoned
+from test_attn_cuda import make_case, run_fwd as forward
 
 FWD_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
@@ -42,18 +42,6 @@ def sm90(request):
     yield request.param
     seqfuse.ops.set_attention_fwd_kernel(90)
     seqfuse._C.attn_set_fwd_sm90_variant(4)
-
-
-def forward(q, k, v, fmt, mask, lq, lk, window=None):
-    kw = dict(qkv_format=fmt, attn_mask_type=mask, window_size=window)
-    if lq is not None:
-        kw.update(cu_seqlens_q=cu_seqlens(lq, "cuda"), cu_seqlens_kv=cu_seqlens(lk, "cuda"))
-        if fmt == "thd":
-            kw.update(max_seqlen_q=max(lq), max_seqlen_kv=max(lk))
-    lse_shape = (q.shape[1], q.shape[0]) if fmt == "thd" else \
-        ((q.shape[0], q.shape[2], q.shape[1]) if fmt == "bshd" else (q.shape[1], q.shape[2], q.shape[0]))
-    return seqfuse.ops.attention_fwd(q, k, v, out=poisoned(q.shape, q.dtype),
-                                     lse=poisoned(lse_shape, torch.float32), **kw)
 
 
 def both_kernels(q, k, v, fmt, mask, lq, lk, window=None):
