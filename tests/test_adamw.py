@@ -14,7 +14,7 @@ import seqfuse
 import seqfuse.optim
 from seqfuse.optim import FusedAdamW, clip_grad_norm_
 from seqfuse.ops import multi_tensor_adamw, multi_tensor_l2norm, multi_tensor_scale
-from helpers import needs_cpu_fsdp2
+from helpers import end_gloo_group, needs_cpu_fsdp2
 
 SHAPES = [(7,), (33, 17), (65536 + 5,), (3, 4, 5), (1,)]
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -368,13 +368,24 @@ def _fsdp_shard(model, mesh):
 
 def _fsdp_worker(rank, init_file, out_dir):
     import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=FSDP_WORLD)
+    ok = False
+    try:
+        _fsdp_body(rank, out_dir)  # its models and meshes are garbage once it returns
+        ok = True
+    finally:
+        end_gloo_group(ok)
+
+
+def _fsdp_body(rank, out_dir):
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=FSDP_WORLD)
     mesh = init_device_mesh("cpu", (FSDP_WORLD,))
     out = {}
 
@@ -465,7 +476,6 @@ def _fsdp_worker(rank, init_file, out_dir):
     got = more_steps(fresh, fresh_opt)
     out["resume_exact"] = all(torch.equal(a, b) for a, b in zip(want, got))
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
 
 
 @needs_cpu_fsdp2

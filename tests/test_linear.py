@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import seqfuse.pytorch as te
-from helpers import (REL_TOL, block128_dequantized_ref, block_dequantized_ref, needs_cpu_fsdp2, needs_fp8,
-                     rel_error)
+from helpers import (REL_TOL, block128_dequantized_ref, block_dequantized_ref, end_gloo_group, needs_cpu_fsdp2,
+                     needs_fp8, rel_error)
 
 
 def twin(in_f, out_f, bias, dtype, device):
@@ -165,46 +165,53 @@ def _free_port():
 
 def _fsdp_worker(rank, world, port, result_path):
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
 
     # a forked child must not enter the parent's OpenMP pool (it deadlocks)
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    ok = False
     try:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(te.Linear(32, 64, device="cpu"), torch.nn.GELU(),
-                                    te.Linear(64, 16, device="cpu"))
-        ref = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
-        with torch.no_grad():
-            for p, q in zip(model.parameters(), ref.parameters()):
-                q.copy_(p)
-        for layer in model:
-            if isinstance(layer, te.Linear):
-                fully_shard(layer)
-        fully_shard(model)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-        torch.manual_seed(1)
-        for step in range(3):
-            xs = [torch.randn(6, 32) for _ in range(world)]  # the global batch
-            ys = [torch.randn(6, 16) for _ in range(world)]
-            loss = torch.nn.functional.mse_loss(model(xs[rank]), ys[rank])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            ref_loss = sum(torch.nn.functional.mse_loss(ref(x), y) for x, y in zip(xs, ys)) / world
-            ref_loss.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-        errs = []
-        for p, q in zip(model.parameters(), ref.parameters()):
-            full = p.full_tensor()
-            errs.append(((full - q).norm() / q.norm()).item())
-        if rank == 0:
-            torch.save({"errs": errs, "sharded": type(next(model.parameters())).__name__}, result_path)
+        _fsdp_body(rank, world, result_path)  # its sharded model is garbage once it returns
+        ok = True
     finally:
-        dist.destroy_process_group()
+        end_gloo_group(ok)
+
+
+def _fsdp_body(rank, world, result_path):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(te.Linear(32, 64, device="cpu"), torch.nn.GELU(),
+                                te.Linear(64, 16, device="cpu"))
+    ref = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), ref.parameters()):
+            q.copy_(p)
+    for layer in model:
+        if isinstance(layer, te.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    torch.manual_seed(1)
+    for step in range(3):
+        xs = [torch.randn(6, 32) for _ in range(world)]  # the global batch
+        ys = [torch.randn(6, 16) for _ in range(world)]
+        loss = torch.nn.functional.mse_loss(model(xs[rank]), ys[rank])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = sum(torch.nn.functional.mse_loss(ref(x), y) for x, y in zip(xs, ys)) / world
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    errs = []
+    for p, q in zip(model.parameters(), ref.parameters()):
+        full = p.full_tensor()
+        errs.append(((full - q).norm() / q.norm()).item())
+    if rank == 0:
+        torch.save({"errs": errs, "sharded": type(next(model.parameters())).__name__}, result_path)
 
 
 @needs_cpu_fsdp2
