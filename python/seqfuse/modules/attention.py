@@ -18,6 +18,7 @@ import math
 import torch
 
 from .. import ops
+from ._input import check_input
 
 
 def _mask_to_cu_seqlens(mask):
@@ -96,8 +97,7 @@ class DotProductAttention(torch.nn.Module):
                 raise NotImplementedError(f"DotProductAttention: {name} different from the unpadded "
                                           "cu_seqlens (padding between packed sequences) is not supported")
         for name, x in (("query_layer", query_layer), ("key_layer", key_layer), ("value_layer", value_layer)):
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"DotProductAttention: {name} must be a torch.Tensor, got {type(x).__name__}")
+            check_input("DotProductAttention", x, name=name, min_dim=3)  # [t, h, d] or [b, s, h, d]
         heads, dim = query_layer.shape[-2], query_layer.shape[-1]
         if heads != self.num_attention_heads or dim != self.kv_channels:
             raise ValueError(f"DotProductAttention: query_layer has {heads} heads of dim {dim}; the module "

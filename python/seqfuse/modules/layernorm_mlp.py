@@ -46,6 +46,7 @@ from .layernorm_linear import (TE_DEFAULTS, Quantizers, _check_normalization, _m
                                fp8_gemm, fp8_transpose, init_weight, is_block, norm_backward,
                                norm_forward, norm_param)
 from .linear import _quantize_weight, block_backward, block_forward
+from ._input import check_input
 from .norm import _hidden, default_device
 
 ACTIVATIONS = ("gelu", "gelu_erf", "relu", "silu", "swiglu", "geglu", "reglu", "geglu_erf")
@@ -204,9 +205,7 @@ class LayerNormMLP(torch.nn.Module):
                     b.zero_()
 
     def forward(self, x):
-        if x.shape[-1] != self.hidden_size:
-            raise ValueError(f"LayerNormMLP: input's last dimension must be hidden_size="
-                             f"{self.hidden_size}, got {x.shape[-1]}")
+        check_input("LayerNormMLP", x, self.hidden_size, "hidden_size")
         recipe = active_fp8_recipe("LayerNormMLP")
         if is_block(recipe):
             check_block_shapes("LayerNormMLP", x.numel() // self.hidden_size,

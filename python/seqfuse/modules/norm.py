@@ -19,6 +19,7 @@ import torch
 from .. import _C
 from ..ops import norm as N
 from ..ops._call import FAST_EXCHANGE, stream_for
+from ._input import check_input
 
 
 def _plain(t):
@@ -101,12 +102,14 @@ class _RMSNormFn(torch.autograd.Function):
 
 def layer_norm(x, weight, bias=None, eps=1e-5, zero_centered_gamma=False):
     """Differentiable LayerNorm over the last dimension of x."""
+    check_input("LayerNorm", x)
     return _LayerNormFn.apply(x, _weight_for(x, weight), _weight_for(x, bias), float(eps),
                               bool(zero_centered_gamma))
 
 
 def rms_norm(x, weight, eps=1e-5, zero_centered_gamma=False):
     """Differentiable RMSNorm over the last dimension of x."""
+    check_input("RMSNorm", x)
     return _RMSNormFn.apply(x, _weight_for(x, weight), float(eps), bool(zero_centered_gamma))
 
 

@@ -44,3 +44,40 @@ def require_fp8_dlpack(op):
         raise NotImplementedError(
             f"{op}: this torch ({torch.__version__}) cannot export float8 tensors through "
             "DLPack; seqfuse's FP8 ops need a torch release that can (2.11 and later are tested)")
+
+
+def detached(t):
+    """``t`` without autograd history (the ops run inside autograd Functions
+    and DLPack refuses tensors that require grad).  Anything that is not a
+    tensor passes through unchanged, so that C's argument check names it."""
+    return t.detach() if isinstance(t, torch.Tensor) and t.requires_grad else t
+
+
+_INT64 = (-(2 ** 63), 2 ** 63 - 1)
+
+
+def as_float(op, name, value):
+    """``value`` as a Python float for C, or a TypeError naming the argument
+    (a 1-element tensor is read, as float() would)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"{op}: argument '{name}' must be a real number, got {value!r}") from None
+
+
+def as_int(op, name, value, minimum=None):
+    """``value`` as a Python int for C (an integral float is fine), or a
+    TypeError / ValueError naming the argument: not a number, not whole,
+    outside int64, or below ``minimum``."""
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError(f"{op}: argument '{name}' must be a whole number, got {value!r}")
+        value = int(value)
+    try:
+        value = int(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"{op}: argument '{name}' must be an integer, got {value!r}") from None
+    low = _INT64[0] if minimum is None else minimum
+    if not low <= value <= _INT64[1]:
+        raise ValueError(f"{op}: argument '{name}' must be in [{low}, 2**63 - 1], got {value}")
+    return value

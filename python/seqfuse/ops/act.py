@@ -22,7 +22,7 @@ offset)``.  The seed defaults to a draw from torch's default CPU generator, so
 import torch
 
 from .. import _C
-from ._call import stream_for
+from ._call import as_float, as_int, detached, stream_for
 
 ACTIVATIONS = {"gelu": 0, "gelu_erf": 1, "silu": 2, "relu": 3, "geglu": 4, "geglu_erf": 5,
                "swiglu": 6, "reglu": 7}
@@ -46,10 +46,6 @@ def _check_x(op, name, x):
         raise TypeError(f"{op}: argument '{name}' must have dtype float32, float16 or bfloat16, got {x.dtype}")
 
 
-def _plain(t):
-    return t.detach() if t is not None and t.requires_grad else t
-
-
 def _out_dtype(op, x, out_dtype):
     if out_dtype is None or out_dtype == x.dtype:
         return x.dtype
@@ -64,7 +60,7 @@ def act_fwd(x, activation, out_dtype=None, scale=None, amax=None, scale_inv=None
     op = "act_fwd"
     code = _code(op, activation)
     _check_x(op, "x", x)
-    x = _plain(x).contiguous()
+    x = detached(x).contiguous()
     shape = list(x.shape)
     if activation in GATED and x.dim() >= 1:
         shape[-1] //= 2
@@ -79,8 +75,8 @@ def act_bwd(dy, x, activation, out_dtype=None, scale=None, amax=None, scale_inv=
     code = _code(op, activation)
     _check_x(op, "x", x)
     _check_x(op, "dy", dy)
-    x = _plain(x).contiguous()
-    dy = _plain(dy).contiguous()
+    x = detached(x).contiguous()
+    dy = detached(dy).contiguous()
     dx = torch.empty(x.shape, dtype=_out_dtype(op, x, out_dtype), device=x.device)
     _C.act_bwd(code, dy, x, dx, scale, amax, scale_inv, stream_for(x))
     return dx
@@ -97,12 +93,13 @@ def bias_dropout_add(x, bias, residual, p, seed=None, offset=0):
     op = "bias_dropout_add"
     _check_x(op, "x", x)
     _check_x(op, "residual", residual)
-    x = _plain(x).contiguous()
-    residual = _plain(residual).contiguous()
+    x = detached(x).contiguous()
+    residual = detached(residual).contiguous()
     if seed is None:
         seed = new_seed()
     out = torch.empty_like(x)
-    _C.bias_dropout_add(x, _plain(bias), residual, float(p), int(seed), int(offset), out,
+    _C.bias_dropout_add(x, detached(bias), residual, as_float(op, "p", p), as_int(op, "seed", seed),
+                        as_int(op, "offset", offset, 0), out,
                         stream_for(x))
     return out, seed, offset
 
@@ -128,11 +125,12 @@ def dropout_bwd(dy, p, seed, offset=0, dbias_dtype=None):
     ``dbias_dtype`` is given, else None.  The residual's gradient is dy."""
     op = "dropout_bwd"
     _check_x(op, "dy", dy)
-    dy = _plain(dy).contiguous()
+    dy = detached(dy).contiguous()
     dx = torch.empty_like(dy)
     dbias = ws = None
     if dbias_dtype is not None:
         dbias = torch.empty(dy.shape[-1], dtype=dbias_dtype, device=dy.device)
         ws = _workspace(dy)
-    _C.dropout_bwd(dy, float(p), int(seed), int(offset), dx, dbias, ws, stream_for(dy))
+    _C.dropout_bwd(dy, as_float(op, "p", p), as_int(op, "seed", seed), as_int(op, "offset", offset, 0),
+                   dx, dbias, ws, stream_for(dy))
     return dx, dbias

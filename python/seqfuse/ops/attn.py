@@ -33,7 +33,7 @@ import math
 import torch
 
 from .. import _C
-from ._call import stream_for
+from ._call import as_float, as_int, stream_for
 
 FORMATS = {"bshd": 0, "sbhd": 1, "thd": 2}
 MASKS = {
@@ -95,17 +95,17 @@ def _mask_code(attn_mask_type, qkv_format):
 def _window(window_size):
     if window_size is None:
         return -1, -1
-    if len(window_size) != 2:
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise ValueError(f"attention: window_size must be (left, right), got {window_size!r}")
-    left, right = (int(w) for w in window_size)
+    left, right = (as_int("attention", "window_size", w) for w in window_size)
     if left < -1 or right < -1:
         raise ValueError(f"attention: window_size entries must be -1 or >= 0, got {window_size!r}")
     return left, right
 
 
-def _max_seqlen(cu, given):
+def _max_seqlen(cu, given, name):
     if given is not None:
-        return int(given)
+        return as_int("attention", name, given, 0)
     if cu.numel() < 2:
         return 0
     return int((cu[1:] - cu[:-1]).max().item())  # one host sync, as TE does
@@ -125,6 +125,9 @@ def _last_dim_contiguous(x):
 def _check_tensor(name, x):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"attention: argument '{name}' must be a torch.Tensor, got {type(x).__name__}")
+    if name != "lse" and x.dim() < 3:  # (lse is [h, t] in thd; C checks its shape)
+        raise ValueError(f"attention: argument '{name}' must be 3-D (thd) or 4-D (bshd, sbhd), got "
+                         f"shape {tuple(x.shape)}")
 
 
 def _config(q, k, qkv_format, attn_mask_type, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
@@ -138,8 +141,8 @@ def _config(q, k, qkv_format, attn_mask_type, cu_seqlens_q, cu_seqlens_kv, max_s
     if qkv_format == "thd":
         if cu_seqlens_q is None or cu_seqlens_kv is None:
             raise ValueError("attention: qkv_format 'thd' needs cu_seqlens_q and cu_seqlens_kv")
-        msq = _max_seqlen(cu_seqlens_q, max_seqlen_q)
-        msk = _max_seqlen(cu_seqlens_kv, max_seqlen_kv)
+        msq = _max_seqlen(cu_seqlens_q, max_seqlen_q, "max_seqlen_q")
+        msk = _max_seqlen(cu_seqlens_kv, max_seqlen_kv, "max_seqlen_kv")
     else:
         s_dim = 1 if qkv_format == "bshd" else 0
         msq, msk = q.shape[s_dim], k.shape[s_dim]
@@ -148,7 +151,7 @@ def _config(q, k, qkv_format, attn_mask_type, cu_seqlens_q, cu_seqlens_kv, max_s
         elif cu_seqlens_q is None or cu_seqlens_kv is None:
             raise ValueError(f"attention: attn_mask_type {attn_mask_type!r} in {qkv_format} needs "
                              "cu_seqlens_q and cu_seqlens_kv (or an attention_mask in the module)")
-    cfg = (FORMATS[qkv_format], mask, left, right, float(softmax_scale), msq, msk, int(bool(deterministic)))
+    cfg = (FORMATS[qkv_format], mask, left, right, as_float("attention", "softmax_scale", softmax_scale), msq, msk, int(bool(deterministic)))
     return cfg, cu_seqlens_q, cu_seqlens_kv
 
 
@@ -225,8 +228,8 @@ def attention(q, k, v, *, qkv_format="bshd", attn_mask_type="no_mask", cu_seqlen
         _check_tensor(name, x)
     if qkv_format == "thd" and cu_seqlens_q is not None and cu_seqlens_kv is not None:
         # resolve the max lengths once so forward and backward agree without a second sync
-        max_seqlen_q = _max_seqlen(cu_seqlens_q, max_seqlen_q)
-        max_seqlen_kv = _max_seqlen(cu_seqlens_kv, max_seqlen_kv)
+        max_seqlen_q = _max_seqlen(cu_seqlens_q, max_seqlen_q, "max_seqlen_q")
+        max_seqlen_kv = _max_seqlen(cu_seqlens_kv, max_seqlen_kv, "max_seqlen_kv")
     opts = dict(qkv_format=qkv_format, attn_mask_type=attn_mask_type, max_seqlen_q=max_seqlen_q,
                 max_seqlen_kv=max_seqlen_kv, window_size=window_size, softmax_scale=softmax_scale)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):

@@ -17,7 +17,7 @@ accumulation), which is also what the CUDA backend is tested against.
 import torch
 
 from .. import _C
-from ._call import FP8_DLPACK, stream_for
+from ._call import FP8_DLPACK, as_float, detached, stream_for
 
 EPILOGUES = ("none", "bias", "gelu", "bias_gelu", "gelu_aux", "bias_gelu_aux",
              "dgelu", "dgelu_bgrad", "bgrad")
@@ -71,10 +71,6 @@ def _scaling_code(name, scale_inv, arg):
                          f"of {sorted(SCALINGS)}, got {name!r}") from None
 
 
-def _detach(t):
-    return t.detach() if t is not None and t.requires_grad else t
-
-
 def gemm(a, b, *, transa=False, transb=False, out=None, out_dtype=None, bias=None,
          epilogue="none", aux=None, accumulate=False, a_scale_inv=None, b_scale_inv=None,
          a_scaling=None, b_scaling=None, fast_accum=False, allow_tf32=True, alpha=1.0,
@@ -119,7 +115,7 @@ def gemm(a, b, *, transa=False, transb=False, out=None, out_dtype=None, bias=Non
         raise ValueError(f"gemm: argument 'epilogue' must be one of {EPILOGUES}, got {epilogue!r}")
     if bias is not None and epilogue in _WITH_BIAS:
         epilogue = _WITH_BIAS[epilogue]
-    a, b, bias, aux = _detach(a), _detach(b), _detach(bias), _detach(aux)
+    a, b, bias, aux = detached(a), detached(b), detached(bias), detached(aux)
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"gemm: arguments 'a' and 'b' must be 2-D, got {a.dim()}-D and {b.dim()}-D")
     m = a.shape[1] if transa else a.shape[0]
@@ -155,7 +151,7 @@ def gemm(a, b, *, transa=False, transb=False, out=None, out_dtype=None, bias=Non
             a_fmt, b_fmt = _FP8_CODE[a.dtype], _FP8_CODE.get(b.dtype, 0)
             a, b = a.view(torch.uint8), b.view(torch.uint8) if b_fmt else b
         _C.gemm(a, b, out, transa, transb, a_scale_inv, b_scale_inv, a_code, b_code, bias, aux,
-                _EPI[epilogue], accumulate, fast_accum, allow_tf32, float(alpha), workspace,
+                _EPI[epilogue], accumulate, fast_accum, allow_tf32, as_float("gemm", "alpha", alpha), workspace,
                 a_fmt, b_fmt, stream_for(a))
     return out if extra is None else (out, extra)
 

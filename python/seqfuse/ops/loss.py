@@ -9,7 +9,7 @@ linear_cross_entropy) on them.
 import torch
 
 from .. import _C
-from ._call import stream_for
+from ._call import as_float, as_int, stream_for
 
 _FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -36,7 +36,9 @@ def cross_entropy_forward(logits, labels, ignore_index=-100, label_smoothing=0.0
     _check(logits, labels, "cross_entropy_forward")
     loss = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
     lse = torch.empty_like(loss)
-    _C.cross_entropy_forward(logits.detach(), labels, int(ignore_index), float(label_smoothing), loss, lse,
+    op = "cross_entropy_forward"
+    _C.cross_entropy_forward(logits.detach(), labels, as_int(op, "ignore_index", ignore_index),
+                             as_float(op, "label_smoothing", label_smoothing), loss, lse,
                              stream_for(logits))
     return loss, lse
 
@@ -50,7 +52,10 @@ def cross_entropy_backward(logits, labels, lse, grad_scale, ignore_index=-100, l
     if out is None:
         out = torch.empty_like(logits, memory_format=torch.contiguous_format)
     if not isinstance(grad_scale, torch.Tensor):
-        grad_scale = torch.tensor([float(grad_scale)], device=logits.device)
+        grad_scale = torch.tensor([as_float("cross_entropy_backward", "grad_scale", grad_scale)],
+                                  device=logits.device)
     _C.cross_entropy_backward(logits.detach(), labels, lse, grad_scale.detach().float().reshape(-1),
-                              int(ignore_index), float(label_smoothing), out, stream_for(logits))
+                              as_int("cross_entropy_backward", "ignore_index", ignore_index),
+                              as_float("cross_entropy_backward", "label_smoothing", label_smoothing), out,
+                              stream_for(logits))
     return out

@@ -19,7 +19,7 @@ import warnings
 import torch
 
 from .. import _C
-from ._call import stream_for
+from ._call import as_float, detached, stream_for
 
 _FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -47,11 +47,6 @@ def _warn_if_scalar_path(op, x):
                       "the element-wide kernel runs (slower than the vectorized one)", stacklevel=3)
 
 
-def _plain(t):
-    """Drop autograd history (the ops are called from autograd Functions)."""
-    return t.detach() if t is not None and t.requires_grad else t
-
-
 def _out(x, out_dtype):
     if out_dtype is None or out_dtype == x.dtype:
         return torch.empty_like(x)
@@ -67,7 +62,7 @@ def layernorm_fwd(x, weight, bias=None, eps=1e-5, zero_centered_gamma=False, out
     float32 ``[rows]``, or None with ``save_stats=False``)."""
     op = "layernorm_fwd"
     _check_x(op, x)
-    x = _plain(x).contiguous()
+    x = detached(x).contiguous()
     _warn_if_scalar_path(op, x)
     y = _out(x, out_dtype)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -75,7 +70,7 @@ def layernorm_fwd(x, weight, bias=None, eps=1e-5, zero_centered_gamma=False, out
     if save_stats:
         mean = torch.empty(rows, dtype=torch.float32, device=x.device)
         rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
-    _C.layernorm_fwd(x, _plain(weight), _plain(bias), float(eps), bool(zero_centered_gamma), y,
+    _C.layernorm_fwd(x, detached(weight), detached(bias), as_float(op, "eps", eps), bool(zero_centered_gamma), y,
                      mean, rstd, scale, amax, scale_inv, stream_for(x))
     return y, mean, rstd
 
@@ -85,12 +80,12 @@ def rmsnorm_fwd(x, weight, eps=1e-5, zero_centered_gamma=False, out_dtype=None, 
     """RMSNorm forward: returns ``(y, rstd)``."""
     op = "rmsnorm_fwd"
     _check_x(op, x)
-    x = _plain(x).contiguous()
+    x = detached(x).contiguous()
     _warn_if_scalar_path(op, x)
     y = _out(x, out_dtype)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device) if save_stats else None
-    _C.rmsnorm_fwd(x, _plain(weight), float(eps), bool(zero_centered_gamma), y, rstd, scale,
+    _C.rmsnorm_fwd(x, detached(weight), as_float(op, "eps", eps), bool(zero_centered_gamma), y, rstd, scale,
                    amax, scale_inv, stream_for(x))
     return y, rstd
 
@@ -118,9 +113,9 @@ def layernorm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma=False, has_bias
     a bias); dgamma/dbeta have the weight's dtype."""
     op = "layernorm_bwd"
     _check_x(op, x)
-    x = _plain(x).contiguous()
-    dy = _plain(dy).contiguous()
-    weight = _plain(weight)
+    x = detached(x).contiguous()
+    dy = detached(dy).contiguous()
+    weight = detached(weight)
     dx = torch.empty_like(x)
     dgamma = torch.empty_like(weight)
     dbeta = torch.empty_like(weight) if has_bias else None
@@ -133,9 +128,9 @@ def rmsnorm_bwd(dy, x, rstd, weight, zero_centered_gamma=False):
     """RMSNorm backward: returns ``(dx, dgamma)``."""
     op = "rmsnorm_bwd"
     _check_x(op, x)
-    x = _plain(x).contiguous()
-    dy = _plain(dy).contiguous()
-    weight = _plain(weight)
+    x = detached(x).contiguous()
+    dy = detached(dy).contiguous()
+    weight = detached(weight)
     dx = torch.empty_like(x)
     dgamma = torch.empty_like(weight)
     _C.rmsnorm_bwd(dy, x, rstd, weight, bool(zero_centered_gamma), dx, dgamma, _workspace(x),

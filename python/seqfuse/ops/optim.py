@@ -6,7 +6,7 @@ them."""
 import torch
 
 from .. import _C
-from ._call import stream_for
+from ._call import as_float, as_int, detached, stream_for
 
 #: Elements per chunk of the multi-tensor kernels (one l2-norm workspace float each).
 CHUNK = _C.multi_tensor_chunk_size()
@@ -15,10 +15,14 @@ CHUNK = _C.multi_tensor_chunk_size()
 def _check_list(op, name, ts):
     if not isinstance(ts, (list, tuple)):
         raise TypeError(f"{op}: argument '{name}' must be a list of tensors, got {type(ts).__name__}")
+    for i, t in enumerate(ts):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: argument '{name}' must hold only tensors, got {type(t).__name__} "
+                            f"at index {i}")
 
 
 def _detached(ts):
-    return [t.detach() if t.requires_grad else t for t in ts]
+    return [detached(t) for t in ts]
 
 
 def multi_tensor_adamw(params, grads, exp_avg, exp_avg_sq, master, lr, beta1, beta2, eps, weight_decay, step):
@@ -27,14 +31,17 @@ def multi_tensor_adamw(params, grads, exp_avg, exp_avg_sq, master, lr, beta1, be
     ``exp_avg`` / ``exp_avg_sq`` and, when ``master`` is a list, fp32 master
     copies that hold the true value (params receive it rounded).  ``step`` is
     the 1-based count of this update, used for bias correction."""
+    op = "multi_tensor_adamw"
     for name, ts in (("params", params), ("grads", grads), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        _check_list("multi_tensor_adamw", name, ts)
+        _check_list(op, name, ts)
     if master is not None:
-        _check_list("multi_tensor_adamw", "master", master)
+        _check_list(op, "master", master)
     if not params:
         return
-    _C.multi_tensor_adamw(_detached(params), _detached(grads), exp_avg, exp_avg_sq, master, float(lr),
-                          float(beta1), float(beta2), float(eps), float(weight_decay), int(step),
+    _C.multi_tensor_adamw(_detached(params), _detached(grads), exp_avg, exp_avg_sq, master,
+                          *(as_float(op, n, v) for n, v in (("lr", lr), ("beta1", beta1), ("beta2", beta2),
+                                                             ("eps", eps), ("weight_decay", weight_decay))),
+                          as_int(op, "step", step),
                           stream_for(params[0]))
 
 
@@ -60,5 +67,6 @@ def multi_tensor_scale(tensors, scale):
     if not tensors:
         return
     if not isinstance(scale, torch.Tensor):
-        scale = torch.tensor(float(scale), dtype=torch.float32, device=tensors[0].device)
+        scale = torch.tensor(as_float("multi_tensor_scale", "scale", scale), dtype=torch.float32,
+                             device=tensors[0].device)
     _C.multi_tensor_scale(_detached(tensors), scale.detach().reshape(()), stream_for(tensors[0]))

@@ -2,7 +2,7 @@
 import torch
 
 from .. import _C
-from ._call import require_fp8_dlpack, stream_for
+from ._call import as_float, as_int, require_fp8_dlpack, stream_for
 
 _FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -157,14 +157,17 @@ def fp8_scale_update(amax_history, scale, scale_inv, fp8_max, algo="max", margin
     algo_id = {"max": 0, "most_recent": 1}.get(algo)
     if algo_id is None:
         raise ValueError(f"fp8_scale_update: argument 'algo' must be 'max' or 'most_recent', got {algo!r}")
-    _C.fp8_scale_update(amax_history, scale, scale_inv, fp8_max, algo_id, int(margin),
+    _C.fp8_scale_update(amax_history, scale, scale_inv, fp8_max, algo_id,
+                        as_int("fp8_scale_update", "margin", margin),
                         stream_for(amax_history))
 
 
 def fp8_compute_scale(amax, scale, scale_inv, fp8_max, margin=0):
     """Current scaling: ``scale = fp8_max / amax / 2**margin`` (1 where amax is
     0 or not finite) and ``scale_inv = 1 / scale``, elementwise, in place."""
-    _C.fp8_compute_scale(amax, scale, scale_inv, float(fp8_max), int(margin), stream_for(amax))
+    op = "fp8_compute_scale"
+    _C.fp8_compute_scale(amax, scale, scale_inv, as_float(op, "fp8_max", fp8_max), as_int(op, "margin", margin),
+                         stream_for(amax))
 
 
 # ---- block-scaled formats ----------------------------------------------------
