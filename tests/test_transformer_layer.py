@@ -315,9 +315,100 @@ def test_multihead_attention_alone(modules):
     assert rel_error(out, ref) <= 1e-5
 
 
+def _same_params_unfused(fused, unfused, split_modules):
+    """Copy the fused layer's parameters into the unfused one: the pieces
+    (query/key/value) take their rows of the fused weight and bias."""
+    with torch.no_grad():
+        unfused_params = dict(unfused.named_parameters())
+        for n, p in fused.named_parameters():
+            owner = n.rsplit(".", 1)[0]
+            if owner in split_modules and n.endswith((".weight", ".bias")):
+                kind = n.rsplit(".", 1)[1]
+                start = 0
+                for name, rows in split_modules[owner]:
+                    unfused_params[f"{owner}.{name}_{kind}"].copy_(p[start:start + rows])
+                    start += rows
+            else:
+                unfused_params[n].copy_(p)
+
+
+@pytest.mark.parametrize("layer_type", ["encoder", "decoder"])
+def test_unfused_qkv_params_match_fused(layer_type, modules):
+    """fuse_qkv_params=False (TE's default): query/key/value weights and
+    biases are separate parameters with TE's names, the layer computes what
+    the fused layer with qkv_weight_interleaved=False computes, and each
+    piece's gradient is its rows of the fused gradient."""
+    kw = dict(hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_gqa_groups=2, hidden_dropout=0.0,
+              attention_dropout=0.0, self_attn_mask_type="padding", layer_type=layer_type,
+              attn_input_format="bshd", device="cpu")
+    fused = te.TransformerLayer(fuse_qkv_params=True, qkv_weight_interleaved=False, **kw)
+    randomize(fused)
+    torch.manual_seed(0)
+    unfused = te.TransformerLayer(**kw)  # fuse_qkv_params defaults to False, as in TE
+    assert unfused.self_attention.qkv_weight_interleaved is False
+    names = {n for n, _ in unfused.named_parameters()}
+    qkv = "self_attention.layernorm_qkv"
+    assert {f"{qkv}.{p}_{k}" for p in ("query", "key", "value") for k in ("weight", "bias")} <= names
+    assert f"{qkv}.weight" not in names
+    assert unfused.self_attention.layernorm_qkv.query_weight.shape == (4 * 16, 64)
+    assert unfused.self_attention.layernorm_qkv.key_weight.shape == (2 * 16, 64)
+    split = {qkv: [("query", 64), ("key", 32), ("value", 32)]}
+    if layer_type == "decoder":
+        assert {"inter_attention.key_value.key_weight", "inter_attention.key_value.value_bias"} <= names
+        split["inter_attention.key_value"] = [("key", 32), ("value", 32)]
+    _same_params_unfused(fused, unfused, split)
+    x = torch.randn(2, 7, 64)
+    enc = torch.randn(2, 5, 64) if layer_type == "decoder" else None
+    mask = pad_mask([7, 4], 7)
+    freqs = rope_freqs(7, 16)
+    outs = []
+    for layer in (fused, unfused):
+        out = layer(x, attention_mask=mask, rotary_pos_emb=freqs, encoder_output=enc)
+        w = torch.ones_like(out)
+        w[1, 4:] = 0
+        (out * w).sum().backward()
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    fused_grads = {n: p.grad for n, p in fused.named_parameters()}
+    for owner, pieces in split.items():
+        for kind in ("weight", "bias"):
+            got = torch.cat([getattr(unfused.get_submodule(owner), f"{name}_{kind}").grad for name, _ in pieces])
+            assert torch.equal(got, fused_grads[f"{owner}.{kind}"]), (owner, kind)
+
+
+def test_linear_parameters_split(modules):
+    """TE's parameters_split on Linear and LayerNormLinear: names from a
+    tuple (equal rows, trailing underscores stripped) or a dict; one GEMM;
+    the same initial values as the unsplit module from the same seed; bad
+    splits name the argument."""
+    torch.manual_seed(3)
+    whole = te.Linear(16, 12, device="cpu")
+    torch.manual_seed(3)
+    split = te.Linear(16, 12, parameters_split=("a_", "b_", "c_"), device="cpu")
+    assert [n for n, _ in split.named_parameters()] == ["a_weight", "a_bias", "b_weight", "b_bias",
+                                                        "c_weight", "c_bias"]
+    assert torch.equal(torch.cat([split.a_weight, split.b_weight, split.c_weight]), whole.weight)
+    x = torch.randn(5, 16)
+    assert torch.equal(split(x), whole(x))
+    ln = te.LayerNormLinear(16, 10, parameters_split={"q": 6, "kv": 4}, bias=False, device="cpu")
+    assert [n for n, _ in ln.named_parameters()] == ["layer_norm_weight", "layer_norm_bias", "q_weight", "kv_weight"]
+    y = ln(x)
+    y.sum().backward()
+    assert y.shape == (5, 10) and ln.q_weight.grad.shape == (6, 16) and ln.kv_weight.grad.shape == (4, 16)
+    with pytest.raises(ValueError, match="parameters_split rows \\[6, 5\\] must add up to out_features = 10"):
+        te.Linear(16, 10, parameters_split={"q": 6, "kv": 5}, device="cpu")
+    with pytest.raises(ValueError, match="parameters_split of 3 names must split out_features = 10"):
+        te.Linear(16, 10, parameters_split=("a", "b", "c"), device="cpu")
+    with pytest.raises(ValueError, match="names must be distinct"):
+        te.Linear(16, 10, parameters_split=("a", "a_"), device="cpu")
+    with pytest.raises(TypeError, match="parameters_split must be a dict"):
+        te.Linear(16, 10, parameters_split=5, device="cpu")
+    split.a_weight.main_grad = torch.zeros(4, 16)
+    with pytest.raises(NotImplementedError, match="main_grad"):
+        split(x)
+
+
 def test_bad_arguments(modules):
-    with pytest.raises(NotImplementedError, match="fuse_qkv_params"):
-        te.TransformerLayer(64, 96, 4, fuse_qkv_params=False, device="cpu")
     with pytest.raises(NotImplementedError, match="output_layernorm"):
         te.TransformerLayer(64, 96, 4, fuse_qkv_params=True, output_layernorm=True, device="cpu")
     with pytest.raises(ValueError, match="layer_type"):

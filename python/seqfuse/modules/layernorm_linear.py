@@ -35,7 +35,7 @@ be multiples of 128 and tokens of 16.  MXFP8 and NVFP4 recipes raise
 NotImplementedError (their GEMMs need compute capability 10.x).
 
 Unsupported TE arguments (tensor/sequence parallelism, return_bias,
-parameters_split, fuse_wgrad_accumulation, userbuffers) raise
+fuse_wgrad_accumulation, userbuffers) raise
 NotImplementedError when set to anything but their default.
 """
 import torch
@@ -43,6 +43,8 @@ import torch
 from .. import ops
 from .linear import (_check_fp8_shapes, _quantize_weight, _recipe_kind, block_backward,
                      block_forward)
+from ._input import check_input
+from ._split import fused_params, install_split, parse_split, reset_split
 from .norm import _hidden, default_device
 
 _SUPPORTED_RECIPES = ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling")
@@ -66,7 +68,7 @@ def _reject_unsupported(cls, kwargs, defaults):
 TE_DEFAULTS = {"sequence_parallel": False, "fuse_wgrad_accumulation": False, "tp_group": None,
                "tp_size": 1, "get_rng_state_tracker": None, "return_bias": False,
                "parallel_mode": None, "return_layernorm_output_gathered": False,
-               "parameters_split": None, "ub_overlap_ag": False, "ub_overlap_rs": False,
+               "ub_overlap_ag": False, "ub_overlap_rs": False,
                "ub_overlap_rs_dgrad": False, "ub_bulk_wgrad": False, "ub_bulk_dgrad": False,
                "ub_name": None, "name": None, "set_parallel_mode": False, "ub_overlap_ag_fprop": False,
                "ub_overlap_rs_fprop": False}
@@ -346,7 +348,7 @@ class LayerNormLinear(torch.nn.Module):
 
     def __init__(self, in_features, out_features, eps=1e-5, bias=True, normalization="LayerNorm",
                  zero_centered_gamma=False, return_layernorm_output=False, params_dtype=None,
-                 device=None, init_method=None, **te_kwargs):
+                 device=None, init_method=None, parameters_split=None, **te_kwargs):
         super().__init__()
         _reject_unsupported("LayerNormLinear", te_kwargs, TE_DEFAULTS)
         _check_normalization(normalization)
@@ -364,31 +366,36 @@ class LayerNormLinear(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.empty(self.out_features, self.in_features, **kw))
         self.bias = torch.nn.Parameter(torch.empty(self.out_features, **kw)) if bias else None
         self.init_method = init_method
+        split = parse_split("LayerNormLinear", parameters_split, self.out_features)
+        if split:  # TE's split of the weight rows into parameters; still one GEMM
+            install_split(self, split)
         self.reset_parameters()
 
     def reset_parameters(self):
         with torch.no_grad():
             _reset_norm_params(self)
+            if getattr(self, "parameters_split", None):
+                reset_split(self, lambda w: init_weight(w, self.init_method))
+                return
             init_weight(self.weight, self.init_method)
             if self.bias is not None:
                 self.bias.zero_()
 
     def forward(self, x):
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"LayerNormLinear: input's last dimension must be in_features="
-                             f"{self.in_features}, got {x.shape[-1]}")
+        check_input("LayerNormLinear", x, self.in_features, "in_features")
         recipe = active_fp8_recipe("LayerNormLinear")
         if is_block(recipe):
             check_block_shapes("LayerNormLinear", x.numel() // self.in_features,
                                (self.in_features, self.out_features))
-        return _LayerNormLinearFn.apply(x, self.layer_norm_weight, self.layer_norm_bias, self.weight,
-                                        self.bias, self.eps, self.normalization == "RMSNorm",
+        weight, bias = fused_params(self, "LayerNormLinear")
+        return _LayerNormLinearFn.apply(x, self.layer_norm_weight, self.layer_norm_bias, weight,
+                                        bias, self.eps, self.normalization == "RMSNorm",
                                         self.zero_centered_gamma, self.return_layernorm_output, self,
                                         recipe)
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"normalization={self.normalization}, bias={self.bias is not None}")
+                f"normalization={self.normalization}, bias={self.use_bias}")
 
 
 __all__ = ["LayerNormLinear"]

@@ -53,6 +53,8 @@ import torch
 
 from .. import ops
 from .. import quantization as _q
+from ._input import check_input
+from ._split import fused_params, install_split, parse_split, reset_split
 
 __all__ = ["Linear", "LinearFunction", "Fp8LinearFunction"]
 
@@ -72,7 +74,7 @@ def _compute_dtype(x, weight):
 
 #: TE arguments accepted with only their default value (parallelism, overlap).
 _TE_DEFAULTS = {"sequence_parallel": False, "tp_group": None, "tp_size": 1, "parallel_mode": None,
-                "parameters_split": None, "ub_overlap_ag": False, "ub_overlap_rs": False,
+                "ub_overlap_ag": False, "ub_overlap_rs": False,
                 "ub_overlap_rs_dgrad": False, "ub_bulk_dgrad": False, "ub_bulk_wgrad": False,
                 "ub_name": None, "symmetric_ar_type": None, "delay_wgrad_compute": False,
                 "save_original_input": False}
@@ -137,10 +139,13 @@ class Linear(torch.nn.Module):
     return_bias: return (y, bias) and leave the bias add to the caller (TE).
     fuse_wgrad_accumulation: accepted for TE compatibility; accumulation into
     ``weight.main_grad`` happens whenever the weight carries one.
+    parameters_split: TE's split of the weight's rows into several
+    parameters (see seqfuse.modules._split); still one GEMM.
     """
 
     def __init__(self, in_features, out_features, bias=True, params_dtype=None, device=None,
-                 init_method=None, return_bias=False, fuse_wgrad_accumulation=False, **unsupported):
+                 init_method=None, return_bias=False, fuse_wgrad_accumulation=False, parameters_split=None,
+                 **unsupported):
         super().__init__()
         for name, value in unsupported.items():
             if name in _TE_IGNORED:
@@ -166,31 +171,41 @@ class Linear(torch.nn.Module):
             self.bias = torch.nn.Parameter(torch.empty(self.out_features, dtype=dtype, device=device))
         else:
             self.register_parameter("bias", None)
+        split = parse_split("Linear", parameters_split, self.out_features)
+        if split:
+            install_split(self, split)
         if device.type != "meta":
             self.reset_parameters()
 
+    def _init_weight(self, weight):
+        if self.init_method is not None:
+            self.init_method(weight)
+        else:
+            weight.normal_(0.0, 0.023)
+
     @torch.no_grad()
     def reset_parameters(self):
-        if self.init_method is not None:
-            self.init_method(self.weight)
-        else:
-            self.weight.normal_(0.0, 0.023)
+        if getattr(self, "parameters_split", None):
+            reset_split(self, self._init_weight)
+            return
+        self._init_weight(self.weight)
         if self.bias is not None:
             self.bias.zero_()
 
     def extra_repr(self):
+        split = getattr(self, "parameters_split", None)
+        dtype = next(self.parameters()).dtype
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.use_bias}, params_dtype={self.weight.dtype}")
+                f"bias={self.use_bias}, params_dtype={dtype}"
+                + (f", parameters_split={[name for name, _ in split]}" if split else ""))
 
     def forward(self, inp, is_first_microbatch=None):
         """y for inp [..., in_features].  is_first_microbatch (TE): under
         FP8, True re-quantizes the weight, False reuses the quantized weight
         of the previous call (gradient-accumulation micro-batches), None
         re-quantizes only when the weight changed."""
-        if inp.shape[-1] != self.in_features:
-            raise ValueError(f"Linear: input's last dimension must be in_features = {self.in_features}, "
-                             f"got shape {tuple(inp.shape)}")
-        weight, bias = self.weight, self.bias
+        check_input("Linear", inp, self.in_features, "in_features")
+        weight, bias = fused_params(self, "Linear")
         lead = inp.shape[:-1]
         x = inp.reshape(-1, self.in_features)
         dtype = _compute_dtype(inp, weight)

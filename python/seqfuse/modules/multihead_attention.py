@@ -14,10 +14,17 @@ seqfuse.hf.qkv for the reshuffle).  Q and K are rotated by
 ``rotary_pos_emb`` (RotaryPositionEmbedding's freqs, or a (q, k) pair of
 them); thd rotates per packed sequence.  The output projection is ``proj``.
 
+``fuse_qkv_params=False`` (TE's default) keeps the projection's rows as
+separate parameters, as TE does: ``query_weight``, ``key_weight``,
+``value_weight`` (and ``*_bias``) in ``layernorm_qkv`` / ``qkv``, or
+``key_weight`` / ``value_weight`` in ``key_value`` for cross-attention;
+the layout is then [all Q; all K; all V] (qkv_weight_interleaved is set to
+False, as in TE).  The projection is still one GEMM over the concatenated
+pieces (seqfuse.modules._split).
+
 Differences from TE, each raising NotImplementedError rather than doing
-something else: ``fuse_qkv_params=False`` (separate query/key/value
-parameters; the fused layout computes the same thing in one GEMM),
-``return_bias``, tensor/sequence/context parallelism, KV caches.
+something else: ``return_bias``, tensor/sequence/context parallelism, KV
+caches.
 """
 import torch
 
@@ -63,10 +70,6 @@ class MultiheadAttention(torch.nn.Module):
         if return_bias:
             raise NotImplementedError("MultiheadAttention: return_bias=True is not supported "
                                       "(the bias is added inside the projection)")
-        if not fuse_qkv_params:
-            raise NotImplementedError(
-                "MultiheadAttention: fuse_qkv_params=False (separate query/key/value parameters) is not "
-                "supported; pass fuse_qkv_params=True (the same function with one fused QKV GEMM)")
         if attention_type not in ("self", "cross"):
             raise ValueError(f"MultiheadAttention: attention_type must be 'self' or 'cross', got {attention_type!r}")
         if normalization not in ("LayerNorm", "RMSNorm"):
@@ -89,7 +92,9 @@ class MultiheadAttention(torch.nn.Module):
         self.attention_type = attention_type
         self.input_layernorm = bool(input_layernorm)
         self.return_layernorm_output = bool(return_layernorm_output)
-        self.qkv_weight_interleaved = bool(qkv_weight_interleaved)
+        self.fuse_qkv_params = bool(fuse_qkv_params)
+        # separate Q/K/V parameters are concatenated [Q; K; V] (TE: the same)
+        self.qkv_weight_interleaved = bool(qkv_weight_interleaved) and self.fuse_qkv_params
         self.qkv_format = qkv_format
         self.attn_mask_type = attn_mask_type
         self.window_size = window_size
@@ -101,18 +106,21 @@ class MultiheadAttention(torch.nn.Module):
         ln_kw = dict(eps=layernorm_epsilon, bias=bias, normalization=normalization,
                      zero_centered_gamma=zero_centered_gamma,
                      return_layernorm_output=self.return_layernorm_output, **kw)
+        q_rows, kv_rows = np_ * hn, ng * hn
         if attention_type == "self":
-            qkv_out = (np_ + 2 * ng) * hn
+            qkv_out = q_rows + 2 * kv_rows
+            split = None if self.fuse_qkv_params else {"query": q_rows, "key": kv_rows, "value": kv_rows}
             if self.input_layernorm:
-                self.layernorm_qkv = LayerNormLinear(self.hidden_size, qkv_out, **ln_kw)
+                self.layernorm_qkv = LayerNormLinear(self.hidden_size, qkv_out, parameters_split=split, **ln_kw)
             else:
-                self.qkv = Linear(self.hidden_size, qkv_out, bias=bias, **kw)
+                self.qkv = Linear(self.hidden_size, qkv_out, bias=bias, parameters_split=split, **kw)
         else:
             if self.input_layernorm:
                 self.layernorm_query = LayerNormLinear(self.hidden_size, np_ * hn, **ln_kw)
             else:
                 self.query_layer = Linear(self.hidden_size, np_ * hn, bias=bias, **kw)
-            self.key_value = Linear(self.hidden_size, 2 * ng * hn, bias=bias, **kw)
+            split = None if self.fuse_qkv_params else {"key": kv_rows, "value": kv_rows}
+            self.key_value = Linear(self.hidden_size, 2 * kv_rows, bias=bias, parameters_split=split, **kw)
         self.core_attention = DotProductAttention(
             np_, hn, num_gqa_groups=ng, attention_dropout=attention_dropout, qkv_format=qkv_format,
             attn_mask_type=attn_mask_type, window_size=window_size, layer_number=layer_number,

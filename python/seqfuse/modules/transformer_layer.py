@@ -15,8 +15,10 @@ TE's cross-attention over ``encoder_output`` (causality is the
 
 Differences from TE, each raising NotImplementedError: post-LN variants
 (``apply_residual_connection_post_layernorm``, ``output_layernorm``),
-``parallel_attention_mlp``, ``drop_path_rate`` > 0, ``fuse_qkv_params=False``,
-tensor/sequence/context parallelism, KV caches.  Unlike TE, ``device``
+``parallel_attention_mlp``, ``drop_path_rate`` > 0, tensor/sequence/context
+parallelism, KV caches.  ``fuse_qkv_params=False`` (TE's default) gives
+separate query/key/value parameters, still one QKV GEMM (see
+MultiheadAttention).  Unlike TE, ``device``
 defaults to the GPU only where seqfuse can use one (else the CPU).
 """
 import torch
