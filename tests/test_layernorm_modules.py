@@ -153,8 +153,14 @@ def test_layernorm_modules_errors():
         te.LayerNormMLP(8, 8, return_bias=True, device="cpu")
     with pytest.raises(TypeError, match="unexpected argument 'foo'"):
         te.LayerNormMLP(8, 8, foo=1, device="cpu")
-    with pytest.raises(ValueError, match="in_features=8, got 9"):
+    with pytest.raises(ValueError, match=r"LayerNormLinear: input's last dimension must be in_features = 8, "
+                                         r"got shape \(2, 9\)"):
         te.LayerNormLinear(8, 4, device="cpu")(torch.randn(2, 9))
+    with pytest.raises(ValueError, match=r"LayerNormMLP: input's last dimension must be hidden_size = 8, "
+                                         r"got shape \(3, 7\)"):
+        te.LayerNormMLP(8, 16, device="cpu")(torch.randn(3, 7))
+    with pytest.raises(TypeError, match="LayerNormMLP: input must be a torch.Tensor, got list"):
+        te.LayerNormMLP(8, 16, device="cpu")([[1.0] * 8])
 
 
 @needs_fp8
