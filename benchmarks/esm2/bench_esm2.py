@@ -28,6 +28,7 @@ Quick look: --size 35M --steps 5; CPU smoke test: --size tiny --device cpu.
 import argparse
 import gc
 import os
+import re
 import time
 
 from common import (build_hf, build_seqfuse, data_dir, fixed_length_sequences, fp8_recipe, forward_loss,
@@ -56,7 +57,10 @@ def parse_row(name):
     return impl, recipe, layout
 
 
-def run_row(impl, recipe_name, batches, args, device, fsdp=False, torch_adamw=False, alone=False):
+def run_row(impl, recipe_name, batches, args, device, fsdp=None, torch_adamw=False, alone=False, profile=None):
+    """One row: build, warm up, time ``--steps`` steps.  ``fsdp``: None (plain
+    module) or an FSDP2 setting dict (see fsdp2_config).  ``profile``: None or
+    (path, title): afterwards profile --profile-steps more steps into path."""
     import dataclasses
 
     from seqfuse.common.recipe import DelayedScaling
@@ -71,14 +75,8 @@ def run_row(impl, recipe_name, batches, args, device, fsdp=False, torch_adamw=Fa
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     else:
         model = build_seqfuse(args.size, device, dtype)
-        if fsdp:
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-            mp = MixedPrecisionPolicy(reduce_dtype=torch.float32 if args.reduce_dtype == "float32" else torch.bfloat16)
-            reshard = bool(args.reshard_after_forward)
-            for layer in model.esm.encoder.layers:
-                fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard)
-            fully_shard(model, mp_policy=mp, reshard_after_forward=reshard)
+        if fsdp is not None:
+            shard_model(model, fsdp)
         params = [p for p in model.parameters() if p.requires_grad]
         if torch_adamw or args.torch_adamw:
             opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
@@ -104,10 +102,20 @@ def run_row(impl, recipe_name, batches, args, device, fsdp=False, torch_adamw=Fa
         step(b)
     sync()
     timed = batches[args.warmup:]
+    losses, issue = [], []
     t0 = time.perf_counter()
-    losses = [step(b) for b in timed]
+    for b in timed:  # no sync inside: issue time < step time means the host runs ahead of the GPU
+        ti = time.perf_counter()
+        losses.append(step(b))
+        issue.append(time.perf_counter() - ti)
     sync()
     dt = time.perf_counter() - t0
+    prof = None
+    if profile is not None:
+        from profile_summary import profile_steps
+
+        prof = profile_steps(step, timed[: args.profile_steps], sync, profile[0], profile[1],
+                             cuda=device.type == "cuda")
     losses = [float(x.detach()) for x in losses]
     real = sum(int(b["num_tokens"]) for b in timed)
     total = sum(b["input_ids"].numel() for b in timed)
@@ -118,7 +126,8 @@ def run_row(impl, recipe_name, batches, args, device, fsdp=False, torch_adamw=Fa
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return dict(seconds=dt, real=real, total=total, flops=flops, peak=peak, losses=losses)
+    return dict(seconds=dt, real=real, total=total, flops=flops, peak=peak, losses=losses,
+                host_ms=1000.0 * sum(issue) / max(1, len(issue)), profile=prof)
 
 
 def figures(r, world=1):
@@ -131,6 +140,7 @@ def figures(r, world=1):
         "peak_mem_gib": r["peak"],
         "step_ms": 1000.0 * r["seconds"] / max(1, args_steps(r)),
         "final_loss": r["losses"][-1] if r["losses"] else float("nan"),
+        "host_issue_ms": r.get("host_ms", float("nan")),
     }
 
 
@@ -213,8 +223,55 @@ def check_goals(rows):
     return out
 
 
+FSDP2_CONFIG_HELP = ("'+'-joined tokens: default (the --reshard-after-forward / --reduce-dtype / --prefetch "
+                     "flags), raf0 / raf1 (reshard_after_forward), rbf16 / rfp32 (gradient reduce dtype), "
+                     "pfN (explicit forward+backward prefetch of N layers; pf0: FSDP2's implicit), same (every "
+                     "rank trains rank 0's batches: the scaling without per-rank load imbalance, a diagnostic)")
+
+
+def fsdp2_config(name, args):
+    """An FSDP2 setting from a config name such as 'raf0+rbf16+pf1'."""
+    cfg = dict(name=name, reshard=bool(args.reshard_after_forward), reduce=args.reduce_dtype,
+               prefetch=int(args.prefetch), same=False)
+    for tok in name.split("+"):
+        if tok == "default":
+            continue
+        if tok in ("raf0", "raf1"):
+            cfg["reshard"] = tok == "raf1"
+        elif tok in ("rbf16", "rfp32"):
+            cfg["reduce"] = "bfloat16" if tok == "rbf16" else "float32"
+        elif re.fullmatch(r"pf\d+", tok):
+            cfg["prefetch"] = int(tok[2:])
+        elif tok == "same":
+            cfg["same"] = True
+        else:
+            raise ValueError(f"--configs: unknown token {tok!r} in {name!r}; {FSDP2_CONFIG_HELP}")
+    return cfg
+
+
+def shard_model(model, cfg):
+    from esm2_recipe.fsdp import shard_model as shard
+
+    return shard(model, reshard_after_forward=cfg["reshard"], reduce_dtype=cfg["reduce"], prefetch=cfg["prefetch"])
+
+
+def gather_rows(values, device):
+    """[world, len(values)] float64 on the host: every rank's values."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return torch.stack(out).cpu()
+
+
 def fsdp2(args):
-    """Two (or more) GPUs under torchrun: seqfuse FSDP2 vs each GPU alone."""
+    """Two (or more) GPUs under torchrun: seqfuse FSDP2 vs each GPU alone.
+
+    Per row: the one-GPU baseline once (every rank alone on its own GPU, on
+    its own batches, at once, no collectives), then each --configs setting
+    under FSDP2 on the same per-GPU batches.  Baseline = the mean over ranks
+    of the alone unpadded tokens/s (each rank's batches differ a little);
+    FSDP2 = the unpadded tokens of all ranks / the slowest rank's time.
+    Warm-up steps are excluded from both."""
     local = int(os.environ["LOCAL_RANK"])
     if args.device == "cpu":  # smoke test of this path (gloo)
         device = torch.device("cpu")
@@ -224,53 +281,116 @@ def fsdp2(args):
         device = torch.device("cuda", local)
         dist.init_process_group("nccl", device_id=device)
     rank, world = dist.get_rank(), dist.get_world_size()
+    started = time.perf_counter()
     seqs = load_train_sequences(data_dir(args.data))
     n = args.warmup + args.steps
     rows = args.rows.split(",") if args.rows else ["seqfuse_bf16_packed", "seqfuse_fp8_delayed_packed"]
-    table = Table(args.out + "_fsdp2", ["row", "gpus", "unpadded_tokens_per_s", "scaling", "mfu_measured_pct",
-                                        "peak_mem_gib", "step_ms"])
+    configs = [fsdp2_config(c, args) for c in args.configs.split(",")]
+    want_prof = set(args.profile_configs.split(",")) if args.profile else set()
+    table = Table(args.out + "_fsdp2", ["row", "config", "gpus", "unpadded_tokens_per_s", "scaling", "step_ms",
+                                        "host_issue_ms", "mfu_measured_pct", "peak_mem_gib", "rank_seconds",
+                                        "gpu_idle_ms", "exposed_comm_ms", "nccl_ms", "error"])
+
+    def prof_path(tag):
+        return os.path.join(args.profile, f"rank{rank}_{tag + '_' if tag else ''}profile.txt")
+
+    def out_of_time():
+        """Same answer on every rank (rank 0's clock decides)."""
+        if not args.time_budget:
+            return False
+        flag = torch.tensor([float(time.perf_counter() - started > args.time_budget)], device=device)
+        dist.broadcast(flag, 0)
+        return bool(flag.item())
+
     for name in rows:
         impl, recipe, layout = parse_row(name)
         if impl != "seqfuse" or layout == "fixed":
             raise ValueError(f"--fsdp2 rows are seqfuse padded/packed rows, got {name!r}")
-        mine = make_batches(seqs, n, tokens=args.tokens, max_length=args.max_length, packed=layout == "packed",
-                            rank=rank, world_size=world)
+        if out_of_time():
+            break
+        mk = dict(tokens=args.tokens, max_length=args.max_length, packed=layout == "packed", world_size=world)
+        mine = make_batches(seqs, n, rank=rank, **mk)
+        rank0 = make_batches(seqs, n, rank=0, **mk) if any(c["same"] for c in configs) else None
         # The one-GPU baseline on the same per-GPU batches and optimizer, run by
-        # every rank on its own GPU at once (no collectives; rank 0's figure is
-        # reported): so every rank makes the same FP8 scaling states, whose
-        # amaxes the FSDP2 run then all-reduces as one buffer of equal size.
-        one = figures(run_row(impl, recipe, mine, args, device, fsdp=False, alone=True))
-        dist.barrier()
-        r = run_row(impl, recipe, mine, args, device, fsdp=True)
-        t = torch.tensor([r["real"], r["flops"], r["seconds"], r["peak"]], dtype=torch.float64, device=device)
-        tot = t.clone()
-        dist.all_reduce(tot)
-        mx = t.clone()
-        dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+        # every rank on its own GPU at once (no collectives): so every rank makes
+        # the same FP8 scaling states, whose amaxes the FSDP2 run then
+        # all-reduces as one buffer of equal size.
+        alone_prof = (prof_path(f"{name}_alone"), f"{name} alone on rank {rank}") if args.profile else None
+        one = run_row(impl, recipe, mine, args, device, fsdp=None, alone=True, profile=alone_prof)
+        g = gather_rows([one["real"], one["seconds"], one["host_ms"]], device)
+        base = float((g[:, 0] / g[:, 1]).mean())  # mean over ranks of one GPU's unpadded tokens/s
         if rank == 0:
-            seconds = mx[2].item()  # the slowest rank's time is the job's
-            agg = {"seconds": seconds, "real": tot[0].item(), "total": tot[0].item(), "flops": tot[1].item(),
-                   "peak": mx[3].item(), "losses": r["losses"]}
-            f = figures(agg, world)
-            table.add(row=name, gpus=1, unpadded_tokens_per_s=one["unpadded_tokens_per_s"], scaling=1.0,
-                      mfu_measured_pct=one["mfu_measured_pct"], peak_mem_gib=one["peak_mem_gib"], step_ms=one["step_ms"])
-            table.add(row=name, gpus=world, unpadded_tokens_per_s=f["unpadded_tokens_per_s"],
-                      scaling=f["unpadded_tokens_per_s"] / one["unpadded_tokens_per_s"],
-                      mfu_measured_pct=f["mfu_measured_pct"], peak_mem_gib=f["peak_mem_gib"], step_ms=f["step_ms"])
-            s = f["unpadded_tokens_per_s"] / one["unpadded_tokens_per_s"]
-            print(f"{name}: {world} GPUs FSDP2 {s:.2f}x one GPU (goal >= 1.85 for 2): "
-                  f"{'PASS' if s >= 1.85 * world / 2 else 'FAIL'}", flush=True)
+            f1 = figures(one)
+            secs = "/".join(f"{x:.3f}" for x in g[:, 1].tolist())
+            table.add(row=name, config="one_gpu", gpus=1, unpadded_tokens_per_s=base, scaling=1.0,
+                      step_ms=f1["step_ms"], host_issue_ms=f1["host_issue_ms"], mfu_measured_pct=f1["mfu_measured_pct"],
+                      peak_mem_gib=f1["peak_mem_gib"], rank_seconds=secs, **prof_cols(one))
+            print(f"[fsdp2] {name} one GPU: {base / 1e3:.1f}k unpadded tok/s (mean of ranks; alone seconds per "
+                  f"rank {secs}), step {f1['step_ms']:.1f} ms, host issue {f1['host_issue_ms']:.1f} ms/step", flush=True)
+        best = None
+        for cfg in configs:
+            if out_of_time():
+                if rank == 0:
+                    print(f"[fsdp2] {name} {cfg['name']}: skipped (--time-budget {args.time_budget} s spent)", flush=True)
+                continue
+            dist.barrier()
+            prof = ((prof_path("" if cfg is configs[0] and len(rows) == 1 else f"{name}_{cfg['name']}"),
+                     f"{name} FSDP2 {cfg['name']} on rank {rank} of {world}") if cfg["name"] in want_prof else None)
+            r = run_row(impl, recipe, rank0 if cfg["same"] else mine, args, device, fsdp=cfg, profile=prof)
+            line = fsdp2_line(table, name, cfg, r, base, world, device)
+            if rank == 0 and line is not None:
+                s = line["scaling"]
+                if not cfg["same"] and (best is None or s > best[1]):
+                    best = (cfg, s)
+        if "best" in want_prof:  # also profile the best-scaling setting (a re-run, not re-reported)
+            nb = [best[0]["name"] if rank == 0 and best is not None else None]
+            dist.broadcast_object_list(nb, 0)  # rank 0 decided: every rank takes the same branch
+            if nb[0] is not None and nb[0] not in want_prof and not out_of_time():
+                cfg = fsdp2_config(nb[0], args)
+                run_row(impl, recipe, mine, args, device, fsdp=cfg,
+                        profile=(prof_path(f"{name}_best_{cfg['name']}"), f"{name} FSDP2 best {cfg['name']} rank {rank}"))
     if rank == 0:
         table.save(extra={"size": args.size, "tokens_per_gpu_batch": args.tokens, "steps": args.steps,
-                          "reshard_after_forward": bool(args.reshard_after_forward),
-                          "reduce_dtype": args.reduce_dtype,
+                          "warmup": args.warmup, "world_size": world, "configs": configs,
+                          "baseline": "mean over ranks of one GPU alone on that rank's batches",
                           "optimizer": ("torch.optim.AdamW(foreach)" if args.torch_adamw else
-                                        "seqfuse FusedAdamW (fp32 masters; sharded under FSDP2)") + " in both rows"})
+                                        "seqfuse FusedAdamW (fp32 masters; sharded under FSDP2)") + " in all rows",
+                          "profile_dir": args.profile})
+        ok = [r for r in table.rows if "error" not in r]
         png = os.path.join(RESULTS, f"{args.out}_fsdp2.png")
-        plot_bars(png, f"ESM-2 {args.size}: FSDP2 scaling", [f"{r['row']} x{r['gpus']}" for r in table.rows],
-                  {"unpadded tokens/s (thousands)": [r["unpadded_tokens_per_s"] / 1e3 for r in table.rows]},
+        plot_bars(png, f"ESM-2 {args.size}: FSDP2 scaling", [f"{r['row']} {r['config']} x{r['gpus']}" for r in ok],
+                  {"unpadded tokens/s (thousands)": [r["unpadded_tokens_per_s"] / 1e3 for r in ok]},
                   "thousand tokens/s")
     dist.destroy_process_group()
+
+
+def prof_cols(r):
+    p = r.get("profile") or {}
+    return {k: p[v] for k, v in (("gpu_idle_ms", "gpu_idle_ms_per_step"), ("exposed_comm_ms", "exposed_comm_ms_per_step"),
+                                 ("nccl_ms", "nccl_kernel_ms_per_step")) if v in p}
+
+
+def fsdp2_line(table, name, cfg, r, base, world, device):
+    """Aggregate one FSDP2 run over ranks, add its row, print its line (rank 0)."""
+    g = gather_rows([r["real"], r["flops"], r["seconds"], r["peak"], r["host_ms"]], device)
+    if dist.get_rank() != 0:
+        return None
+    seconds = float(g[:, 2].max())  # the slowest rank's time is the job's
+    agg = {"seconds": seconds, "real": float(g[:, 0].sum()), "total": float(g[:, 0].sum()),
+           "flops": float(g[:, 1].sum()), "peak": float(g[:, 3].max()), "losses": r["losses"], "host_ms": r["host_ms"]}
+    f = figures(agg, world)
+    s = f["unpadded_tokens_per_s"] / base
+    row = table.add(row=name, config=cfg["name"], gpus=world, unpadded_tokens_per_s=f["unpadded_tokens_per_s"],
+                    scaling=s, step_ms=f["step_ms"], host_issue_ms=f["host_issue_ms"],
+                    mfu_measured_pct=f["mfu_measured_pct"], peak_mem_gib=f["peak_mem_gib"],
+                    rank_seconds="/".join(f"{x:.3f}" for x in g[:, 2].tolist()), **prof_cols(r))
+    need = 1.85 * world / 2
+    print(f"[fsdp2] {name} {cfg['name']} (reshard_after_forward={int(cfg['reshard'])}, reduce {cfg['reduce']}, "
+          f"prefetch {cfg['prefetch']}{', same batches on all ranks' if cfg['same'] else ''}): {world} GPUs "
+          f"{f['unpadded_tokens_per_s'] / 1e3:.1f}k unpadded tok/s = {s:.3f}x one GPU ({base / 1e3:.1f}k; goal >= "
+          f"{need:.2f}: {'PASS' if s >= need else 'FAIL'}), step {f['step_ms']:.1f} ms, host issue "
+          f"{f['host_issue_ms']:.1f} ms/step, peak {f['peak_mem_gib']:.1f} GiB", flush=True)
+    return row
 
 
 def main():
@@ -291,6 +411,17 @@ def main():
                         "backward (0: one all-gather per step instead of two)")
     p.add_argument("--reduce-dtype", default="float32", choices=("float32", "bfloat16"),
                    help="FSDP2: dtype of the gradient reduce-scatter")
+    p.add_argument("--prefetch", type=int, default=0,
+                   help="FSDP2: explicit forward/backward prefetch of the next N layers (0: FSDP2's implicit)")
+    p.add_argument("--configs", default="default", help=f"FSDP2 settings to compare in one job: {FSDP2_CONFIG_HELP}")
+    p.add_argument("--time-budget", type=float, default=0.0,
+                   help="FSDP2: skip the remaining settings once this many seconds are spent (0: no limit)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="FSDP2: after the timed steps, profile --profile-steps more steps on every rank and write "
+                        "DIR/rank{r}_profile.txt (first config), rank{r}_<row>_alone_profile.txt (one GPU) ...")
+    p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--profile-configs", default="default,best",
+                   help="which --configs to profile (comma list; 'best': also the best-scaling one, re-run)")
     p.add_argument("--out", default="esm2")
     args = p.parse_args()
     if args.fsdp2:

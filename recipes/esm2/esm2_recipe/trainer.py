@@ -5,7 +5,8 @@ one of many under torchrun (the process group is initialised from torchrun's
 environment).  ``strategy`` picks the data-parallel wrapping:
   * "fsdp2": torch.distributed.fsdp.fully_shard on every TransformerLayer,
     then on the whole model (embeddings and the tied LM head share the root
-    unit); gradients reduced in fp32.
+    unit); esm2_recipe.fsdp.shard_model, with distributed.reshard_after_forward,
+    .reduce_dtype and .prefetch.
   * "ddp": torch DistributedDataParallel (nothing wrapped with one process).
 
 A step: ``grad_accum`` micro-batches (each a token-budget batch of real
@@ -210,13 +211,11 @@ def wrap_model(model, strategy, world, device, cfg):
         if world == 1 and not dist.is_initialized():
             log.info("FSDP2: one process without a process group: model not sharded")
             return model
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from .fsdp import shard_model
 
-        mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
-        for layer in model.esm.encoder.layers:
-            fully_shard(layer, mp_policy=mp, reshard_after_forward=bool(cfg.distributed.reshard_after_forward))
-        fully_shard(model, mp_policy=mp, reshard_after_forward=bool(cfg.distributed.reshard_after_forward))
-        return model
+        d = cfg.distributed
+        return shard_model(model, reshard_after_forward=bool(d.reshard_after_forward),
+                           reduce_dtype=str(d.get("reduce_dtype", "float32")), prefetch=int(d.get("prefetch", 0)))
     if strategy == "ddp":
         if world == 1:
             return model

@@ -1,0 +1,215 @@
+"""Compact per-rank profile of a few training steps (bench_esm2.py --profile).
+
+Why: the FSDP2 scaling question ("what costs time on two GPUs and not on
+one?") is answered by a handful of numbers per rank, not by a 100 MB trace:
+how long the GPU computes per step, how long it sits idle between kernels
+(the host or a sync starving it), how much NCCL time is *exposed* (runs while
+no compute kernel runs on any other stream), and which kernels dominate.
+
+``profile_steps`` runs the given steps under torch.profiler, exports the
+chrome trace to a temporary directory (deleted afterwards: nothing large is
+kept), and ``summarize`` turns its events into the text written to
+``DIR/rank{r}_<tag>profile.txt``.  ``summarize`` works on plain event dicts
+(chrome trace format: ph "X", cat, name, ts and dur in microseconds,
+args.stream), so it is tested on the CPU with synthetic events.
+"""
+import json
+import os
+import re
+import tempfile
+import time
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+HOST_CATS = ("user_annotation", "cpu_op")
+
+
+def is_nccl(name):
+    n = name.lower()
+    return n.startswith("nccl") or "nccldevkernel" in n or "ncclkernel" in n
+
+
+def nccl_kind(name):
+    n = name.lower()
+    for key, kind in (("allgather", "all_gather"), ("reducescatter", "reduce_scatter"), ("allreduce", "all_reduce"),
+                      ("broadcast", "broadcast"), ("sendrecv", "send_recv")):
+        if key in n:
+            return kind
+    return "other"
+
+
+_MODULE = re.compile(r"\s*\((?:esm|lm_head)[^)]*\)|\s+for\s+(?:esm|lm_head)\S*")
+
+
+def host_name(name):
+    """FSDP2 labels name their module ("FSDP::pre_forward (esm.encoder.layers.7)"):
+    drop it, so the 33 layers of 650M add up to one line per label."""
+    return _MODULE.sub("", name)
+
+
+def union(intervals):
+    """Merged, sorted list of [start, end) intervals."""
+    out = []
+    for a, b in sorted(intervals):
+        if b <= a:
+            continue
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def length(merged):
+    return sum(b - a for a, b in merged)
+
+
+def intersect(x, y):
+    """Total overlap of two merged interval lists."""
+    i = j = 0
+    tot = 0.0
+    while i < len(x) and j < len(y):
+        a, b = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        if b > a:
+            tot += b - a
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return tot
+
+
+def gaps(merged, top=5):
+    """Idle stretches between busy intervals, longest first: (us, start)."""
+    out = [(merged[k + 1][0] - merged[k][1], merged[k][1]) for k in range(len(merged) - 1)]
+    return sorted(out, reverse=True)[:top]
+
+
+def summarize(events, steps, host_ms=(), cpu_ms=(), title="", top=25):
+    """The profile's text report and its numbers (dict)."""
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS and "dur" in e]
+    lines = [f"# {title}".rstrip(), f"profiled steps: {steps}"]
+    nums = {"steps": steps}
+    if host_ms:
+        nums["host_issue_ms_per_step"] = sum(host_ms) / len(host_ms)
+        lines.append("host time to issue one step (ms, no sync inside): "
+                     + ", ".join(f"{t:.1f}" for t in host_ms) + f"  (mean {nums['host_issue_ms_per_step']:.1f})")
+    if cpu_ms:
+        nums["host_cpu_ms_per_step"] = sum(cpu_ms) / len(cpu_ms)
+        lines.append("host thread CPU time per step (ms): " + ", ".join(f"{t:.1f}" for t in cpu_ms)
+                     + f"  (mean {nums['host_cpu_ms_per_step']:.1f})")
+    if not gpu:
+        lines.append("no GPU kernels recorded (CPU run): GPU figures not available")
+        lines += host_section(events, steps)
+        return "\n".join(lines) + "\n", nums
+    t0 = min(e["ts"] for e in gpu)
+    t1 = max(e["ts"] + e["dur"] for e in gpu)
+    window = t1 - t0
+    busy = union([e["ts"], e["ts"] + e["dur"]] for e in gpu)
+    comm = [e for e in gpu if e.get("cat") == "kernel" and is_nccl(e["name"])]
+    compute = [e for e in gpu if not (e.get("cat") == "kernel" and is_nccl(e["name"]))]
+    comm_u = union([e["ts"], e["ts"] + e["dur"]] for e in comm)
+    compute_u = union([e["ts"], e["ts"] + e["dur"]] for e in compute)
+    comm_sum = sum(e["dur"] for e in comm)
+    exposed = length(comm_u) - intersect(comm_u, compute_u)
+    idle = window - length(busy)
+    per = max(1, steps)
+    nums.update(gpu_window_ms_per_step=window / 1e3 / per, gpu_busy_ms_per_step=length(busy) / 1e3 / per,
+                gpu_idle_ms_per_step=idle / 1e3 / per, compute_ms_per_step=length(compute_u) / 1e3 / per,
+                compute_kernel_sum_ms_per_step=sum(e["dur"] for e in compute) / 1e3 / per,
+                nccl_kernel_ms_per_step=comm_sum / 1e3 / per, nccl_union_ms_per_step=length(comm_u) / 1e3 / per,
+                exposed_comm_ms_per_step=exposed / 1e3 / per)
+    lines += [
+        "",
+        "== GPU time per step (ms; window = first to last kernel of the profiled steps) ==",
+        f"window {nums['gpu_window_ms_per_step']:.2f}   busy (any kernel/copy) {nums['gpu_busy_ms_per_step']:.2f}   "
+        f"idle gaps {nums['gpu_idle_ms_per_step']:.2f} ({100 * idle / max(window, 1e-9):.1f}%)",
+        f"compute (non-NCCL, union over streams) {nums['compute_ms_per_step']:.2f}   "
+        f"sum of compute kernels {nums['compute_kernel_sum_ms_per_step']:.2f}",
+        f"NCCL kernels: sum {nums['nccl_kernel_ms_per_step']:.2f}   union {nums['nccl_union_ms_per_step']:.2f}   "
+        f"exposed (no compute kernel running) {nums['exposed_comm_ms_per_step']:.2f}",
+    ]
+    if comm:
+        kinds = {}
+        for e in comm:
+            k = kinds.setdefault(nccl_kind(e["name"]), [0, 0.0])
+            k[0] += 1
+            k[1] += e["dur"]
+        lines.append("NCCL by collective: " + ", ".join(
+            f"{k} {v[0] / per:.1f}/step {v[1] / 1e3 / per:.2f} ms/step" for k, v in sorted(kinds.items())))
+    streams = {}
+    for e in gpu:
+        s = (e.get("args") or {}).get("stream", e.get("tid"))
+        streams.setdefault(s, []).append([e["ts"], e["ts"] + e["dur"]])
+    lines.append("busy per stream (ms/step): " + ", ".join(
+        f"stream {s}: {length(union(v)) / 1e3 / per:.2f}" for s, v in sorted(streams.items(), key=lambda x: str(x[0]))))
+    g = gaps(busy)
+    if g:
+        lines.append("longest idle gaps (ms at ms from window start): "
+                     + ", ".join(f"{d / 1e3:.2f} @ {(s - t0) / 1e3:.1f}" for d, s in g))
+    by = {}
+    for e in gpu:
+        name = e["name"] if e.get("cat") == "kernel" else f"[{e['cat']}] {e['name']}"
+        k = by.setdefault(name, [0, 0.0])
+        k[0] += 1
+        k[1] += e["dur"]
+    total = sum(v[1] for v in by.values())
+    lines += ["", f"== top {top} GPU kernels by total time (per step) ==",
+              f"{'ms/step':>8} {'calls/step':>10} {'avg us':>8} {'%':>5}  name"]
+    for name, (n, d) in sorted(by.items(), key=lambda x: -x[1][1])[:top]:
+        short = name if len(name) <= 110 else name[:107] + "..."
+        lines.append(f"{d / 1e3 / per:8.2f} {n / per:10.1f} {d / n:8.1f} {100 * d / max(total, 1e-9):5.1f}  {short}")
+    lines += host_section(events, steps)
+    return "\n".join(lines) + "\n", nums
+
+
+def host_section(events, steps, top=15):
+    """Host ranges by inclusive time: FSDP2's record_function labels
+    (FSDP::pre_forward, FSDP::post_backward_reduce, ...) and torch ops."""
+    host = [e for e in events if e.get("ph") == "X" and e.get("cat") in HOST_CATS and "dur" in e]
+    if not host:
+        return []
+    by = {}
+    for e in host:
+        k = by.setdefault((e["cat"], host_name(e["name"])), [0, 0.0])
+        k[0] += 1
+        k[1] += e["dur"]
+    per = max(1, steps)
+    out = ["", f"== top {top} host ranges by inclusive time (per step; nested ranges overlap; "
+                "FSDP2 labels summed over modules) ==",
+           f"{'ms/step':>8} {'calls/step':>10}  name"]
+    for (cat, name), (n, d) in sorted(by.items(), key=lambda x: -x[1][1])[:top]:
+        short = name if len(name) <= 100 else name[:97] + "..."
+        out.append(f"{d / 1e3 / per:8.2f} {n / per:10.1f}  {short}" + ("  [annotation]" if cat == "user_annotation" else ""))
+    fsdp = {name: v for (cat, name), v in by.items() if name.startswith("FSDP::")}
+    if fsdp:
+        out.append("FSDP2 host ranges (ms/step): " + ", ".join(
+            f"{n} {v[1] / 1e3 / per:.2f}" for n, v in sorted(fsdp.items(), key=lambda x: -x[1][1])))
+    return out
+
+
+def profile_steps(step, batches, sync, path, title, cuda=True):
+    """Run ``step(b)`` for each batch under torch.profiler; write the summary
+    to ``path`` and return its numbers.  The trace lives in a temporary
+    directory only."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    host_ms, cpu_ms = [], []
+    sync()
+    with profile(activities=acts, record_shapes=False, with_stack=False, profile_memory=False) as prof:
+        for b in batches:
+            t0, c0 = time.perf_counter(), time.thread_time()
+            step(b)
+            host_ms.append(1e3 * (time.perf_counter() - t0))
+            cpu_ms.append(1e3 * (time.thread_time() - c0))
+        sync()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(trace)
+        with open(trace) as f:
+            events = json.load(f).get("traceEvents", [])
+    text, nums = summarize(events, len(batches), host_ms, cpu_ms, title=title)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+    return nums

@@ -1,0 +1,57 @@
+"""FSDP2 wrapping of the ESM-2 model, shared by the recipe (trainer.py) and
+benchmarks/esm2/bench_esm2.py so both measure the same thing.
+
+fully_shard on every TransformerLayer, then on the whole model (embeddings,
+final norm and the tied LM head form the root unit).  The knobs that decide
+how much of the communication hides behind compute:
+  * ``reshard_after_forward``: True frees each layer's gathered weights after
+    its forward (ZeRO-3: all-gathered again for the backward); False keeps
+    them until the backward (one all-gather per layer per step instead of
+    two; + one layer's full weights of memory per layer).
+  * ``reduce_dtype``: dtype of the gradient reduce-scatter.  float32 doubles
+    the bytes moved and adds a cast of every gradient in and out; with bf16
+    parameters the reduced gradient is cast back to bf16 anyway, so bf16
+    only changes the rounding of one sum per element.
+  * ``prefetch``: 0 leaves FSDP2's defaults (forward all-gathers issued when
+    the host reaches each layer, which only overlaps if the host runs ahead
+    of the GPU; backward prefetches one layer).  N > 0 asks explicitly for
+    the next N layers' all-gathers at each layer's forward and backward, so
+    they are queued on the all-gather stream before the compute that should
+    hide them, whatever the host's lead.
+"""
+import torch
+
+REDUCE_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def shard_model(model, *, reshard_after_forward=True, reduce_dtype="float32", prefetch=0, mesh=None):
+    """fully_shard the layers and the root of a SeqfuseEsmForMaskedLM in place;
+    returns the model.  See the module note for the arguments."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if reduce_dtype not in REDUCE_DTYPES:
+        raise ValueError(f"shard_model: reduce_dtype must be one of {sorted(REDUCE_DTYPES)}, got {reduce_dtype!r}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"shard_model: prefetch must be an int >= 0 (layers), got {prefetch!r}")
+    mp = MixedPrecisionPolicy(reduce_dtype=REDUCE_DTYPES[reduce_dtype])
+    kw = dict(mp_policy=mp, reshard_after_forward=bool(reshard_after_forward))
+    if mesh is not None:
+        kw["mesh"] = mesh
+    layers = list(model.esm.encoder.layers)
+    for layer in layers:
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    if prefetch:
+        n = prefetch
+        for i, layer in enumerate(layers):
+            nxt = layers[i + 1:i + 1 + n]
+            prev = layers[max(0, i - n):i][::-1]  # the backward runs the layers in reverse
+            if nxt:
+                layer.set_modules_to_forward_prefetch(nxt)
+            if prev:
+                layer.set_modules_to_backward_prefetch(prev)
+        # the root's forward starts with the embedding: queue the first layers'
+        # gathers there; its backward starts at the LM head: queue the last ones
+        model.set_modules_to_forward_prefetch(layers[:n])
+        model.set_modules_to_backward_prefetch(layers[::-1][:n])
+    return model

@@ -1,0 +1,118 @@
+"""The FSDP2 scaling tools of benchmarks/esm2 on the CPU: the profile
+summary's arithmetic (idle gaps, exposed communication) on synthetic trace
+events, the --configs parser, esm2_recipe.fsdp.shard_model's argument
+checks, and a two-process gloo run of bench_esm2.py --fsdp2 with two
+settings (one with explicit prefetch, bf16 reduce, no reshard) and
+--profile, which must write its JSON and a profile summary per rank."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks", "esm2")
+sys.path.insert(0, BENCH)
+sys.path.insert(0, os.path.join(ROOT, "recipes", "esm2"))
+
+import profile_summary as ps  # noqa: E402
+
+
+def _k(name, ts, dur, stream, cat="kernel"):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+
+def test_summary_idle_and_exposed_communication():
+    ev = [
+        _k("gemm_a", 0, 100, 7), _k("gemm_b", 150, 100, 7), _k("gemm_a", 300, 100, 7),
+        _k("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 80, 100, 20),
+        _k("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", 420, 30, 21),
+        _k("Memcpy HtoD (Pageable -> Device)", 460, 10, 7, cat="gpu_memcpy"),
+        {"ph": "X", "cat": "user_annotation", "name": "FSDP::pre_forward (esm.encoder.layers.3)", "ts": 0, "dur": 40},
+        {"ph": "X", "cat": "user_annotation", "name": "FSDP::pre_forward (esm.encoder.layers.4)", "ts": 50, "dur": 60},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5},
+    ]
+    text, n = ps.summarize(ev, 2, host_ms=[3.0, 5.0], cpu_ms=[1.0, 1.0], title="t")
+    # window 0..470; busy [0,250] [300,400] [420,450] [460,470] -> idle 50 + 20 + 10 = 80 us
+    assert n["gpu_window_ms_per_step"] == pytest.approx(0.470 / 2)
+    assert n["gpu_idle_ms_per_step"] == pytest.approx(0.080 / 2)
+    # all-gather 80..180 overlaps compute 80..100 and 150..180: 50 us exposed; reduce-scatter 30 us all exposed
+    assert n["exposed_comm_ms_per_step"] == pytest.approx(0.080 / 2)
+    assert n["nccl_kernel_ms_per_step"] == pytest.approx(0.130 / 2)
+    assert n["compute_kernel_sum_ms_per_step"] == pytest.approx(0.310 / 2)
+    assert n["host_issue_ms_per_step"] == pytest.approx(4.0)
+    assert "all_gather 0.5/step" in text and "reduce_scatter" in text
+    # gemm_a: 2 calls, 200 us in all, first in the kernel table
+    table = text.split("top 25 GPU kernels")[1].splitlines()
+    assert table[2].split()[:2] == ["0.10", "1.0"] and table[2].endswith("gemm_a")
+    # the FSDP2 labels of the two layers add up to one line
+    assert "FSDP::pre_forward 0.05" in text and "(esm.encoder" not in text
+
+
+def test_summary_without_gpu_events():
+    text, n = ps.summarize([{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5}], 1, [2.0], [1.0])
+    assert "no GPU kernels recorded" in text and "gpu_idle_ms_per_step" not in n
+
+
+def test_interval_helpers():
+    u = ps.union([[5, 7], [0, 2], [1, 3], [7, 8], [9, 9]])
+    assert u == [[0, 3], [5, 8]]
+    assert ps.intersect(u, ps.union([[2, 6]])) == 2
+    assert ps.gaps(u) == [(2, 3)]
+
+
+def test_fsdp2_config_parser():
+    import argparse
+
+    import bench_esm2
+
+    args = argparse.Namespace(reshard_after_forward=1, reduce_dtype="float32", prefetch=0)
+    c = bench_esm2.fsdp2_config("raf0+rbf16+pf2", args)
+    assert (c["reshard"], c["reduce"], c["prefetch"], c["same"]) == (False, "bfloat16", 2, False)
+    c = bench_esm2.fsdp2_config("default", args)
+    assert (c["reshard"], c["reduce"], c["prefetch"]) == (True, "float32", 0)
+    assert bench_esm2.fsdp2_config("same", args)["same"]
+    with pytest.raises(ValueError, match="unknown token 'fast'"):
+        bench_esm2.fsdp2_config("raf0+fast", args)
+
+
+def test_shard_model_rejects_bad_settings():
+    from esm2_recipe.fsdp import shard_model
+
+    with pytest.raises(ValueError, match="reduce_dtype"):
+        shard_model(torch.nn.Linear(2, 2), reduce_dtype="float16")
+    with pytest.raises(ValueError, match="prefetch"):
+        shard_model(torch.nn.Linear(2, 2), prefetch=-1)
+    with pytest.raises(ValueError, match="prefetch"):
+        shard_model(torch.nn.Linear(2, 2), prefetch=True)
+
+
+def test_bench_fsdp2_gloo_with_profile(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("pyarrow")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "python"), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    out, prof = tmp_path / "b", tmp_path / "prof"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(BENCH, "bench_esm2.py"), "--fsdp2", "--device", "cpu", "--size", "tiny", "--tokens", "256",
+           "--max-length", "64", "--steps", "1", "--warmup", "1", "--rows", "seqfuse_bf16_packed",
+           "--configs", "default,raf0+rbf16+pf1", "--profile", str(prof), "--profile-configs", "default",
+           "--profile-steps", "1", "--out", str(out)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-6000:]
+    with open(f"{out}_fsdp2.json") as f:
+        doc = json.load(f)
+    rows = {(x["config"], x["gpus"]): x for x in doc["rows"]}
+    assert set(rows) == {("one_gpu", 1), ("default", 2), ("raf0+rbf16+pf1", 2)}
+    assert all(x["unpadded_tokens_per_s"] > 0 for x in rows.values())
+    assert rows[("raf0+rbf16+pf1", 2)]["scaling"] > 0
+    assert r.stdout.count("[fsdp2] seqfuse_bf16_packed") == 3
+    names = sorted(os.listdir(prof))
+    assert names == ["rank0_profile.txt", "rank0_seqfuse_bf16_packed_alone_profile.txt",
+                     "rank1_profile.txt", "rank1_seqfuse_bf16_packed_alone_profile.txt"]
+    for n in names:
+        text = (prof / n).read_text()
+        assert "host time to issue one step" in text and "FSDP::" in text or "alone" in n
