@@ -2,7 +2,8 @@
 summary's arithmetic (idle gaps, exposed communication) on synthetic trace
 events, the --configs parser, esm2_recipe.fsdp.shard_model's argument
 checks, and a two-process gloo run of bench_esm2.py --fsdp2 with two
-settings (one with explicit prefetch, bf16 reduce, no reshard) and
+settings (one with explicit prefetch, bf16 reduce, no reshard, two layers
+per unit) and
 --profile, which must write its JSON and a profile summary per rank."""
 import json
 import os
@@ -68,14 +69,15 @@ def test_fsdp2_config_parser():
 
     import bench_esm2
 
-    args = argparse.Namespace(reshard_after_forward=1, reduce_dtype="float32", prefetch=0)
-    c = bench_esm2.fsdp2_config("raf0+rbf16+pf2", args)
-    assert (c["reshard"], c["reduce"], c["prefetch"], c["same"]) == (False, "bfloat16", 2, False)
+    args = argparse.Namespace(reshard_after_forward=1, reduce_dtype="float32", prefetch=0, layers_per_unit=1)
+    c = bench_esm2.fsdp2_config("raf0+rbf16+pf2+g3", args)
+    assert (c["reshard"], c["reduce"], c["prefetch"], c["layers_per_unit"], c["same"]) == (False, "bfloat16", 2, 3, False)
     c = bench_esm2.fsdp2_config("default", args)
     assert (c["reshard"], c["reduce"], c["prefetch"]) == (True, "float32", 0)
     assert bench_esm2.fsdp2_config("same", args)["same"]
-    with pytest.raises(ValueError, match="unknown token 'fast'"):
-        bench_esm2.fsdp2_config("raf0+fast", args)
+    for bad in ("fast", "g0", "pf"):
+        with pytest.raises(ValueError, match=f"unknown token '{bad}'"):
+            bench_esm2.fsdp2_config("raf0+" + bad, args)
 
 
 def test_shard_model_rejects_bad_settings():
@@ -87,6 +89,8 @@ def test_shard_model_rejects_bad_settings():
         shard_model(torch.nn.Linear(2, 2), prefetch=-1)
     with pytest.raises(ValueError, match="prefetch"):
         shard_model(torch.nn.Linear(2, 2), prefetch=True)
+    with pytest.raises(ValueError, match="layers_per_unit"):
+        shard_model(torch.nn.Linear(2, 2), layers_per_unit=0)
 
 
 def test_bench_fsdp2_gloo_with_profile(tmp_path):
@@ -99,16 +103,16 @@ def test_bench_fsdp2_gloo_with_profile(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            os.path.join(BENCH, "bench_esm2.py"), "--fsdp2", "--device", "cpu", "--size", "tiny", "--tokens", "256",
            "--max-length", "64", "--steps", "1", "--warmup", "1", "--rows", "seqfuse_bf16_packed",
-           "--configs", "default,raf0+rbf16+pf1", "--profile", str(prof), "--profile-configs", "default",
+           "--configs", "pf1,raf0+rbf16+pf1+g2", "--profile", str(prof), "--profile-configs", "pf1",
            "--profile-steps", "1", "--out", str(out)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-6000:]
     with open(f"{out}_fsdp2.json") as f:
         doc = json.load(f)
     rows = {(x["config"], x["gpus"]): x for x in doc["rows"]}
-    assert set(rows) == {("one_gpu", 1), ("default", 2), ("raf0+rbf16+pf1", 2)}
+    assert set(rows) == {("one_gpu", 1), ("pf1", 2), ("raf0+rbf16+pf1+g2", 2)}
     assert all(x["unpadded_tokens_per_s"] > 0 for x in rows.values())
-    assert rows[("raf0+rbf16+pf1", 2)]["scaling"] > 0
+    assert rows[("raf0+rbf16+pf1+g2", 2)]["scaling"] > 0
     assert r.stdout.count("[fsdp2] seqfuse_bf16_packed") == 3
     names = sorted(os.listdir(prof))
     assert names == ["rank0_profile.txt", "rank0_seqfuse_bf16_packed_alone_profile.txt",

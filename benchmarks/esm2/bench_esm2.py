@@ -225,14 +225,15 @@ def check_goals(rows):
 
 FSDP2_CONFIG_HELP = ("'+'-joined tokens: default (the --reshard-after-forward / --reduce-dtype / --prefetch "
                      "flags), raf0 / raf1 (reshard_after_forward), rbf16 / rfp32 (gradient reduce dtype), "
-                     "pfN (explicit forward+backward prefetch of N layers; pf0: FSDP2's implicit), same (every "
+                     "pfN (explicit forward+backward prefetch of N units; pf0: FSDP2's implicit), gK (K layers per FSDP unit), "
+                     "same (every "
                      "rank trains rank 0's batches: the scaling without per-rank load imbalance, a diagnostic)")
 
 
 def fsdp2_config(name, args):
     """An FSDP2 setting from a config name such as 'raf0+rbf16+pf1'."""
     cfg = dict(name=name, reshard=bool(args.reshard_after_forward), reduce=args.reduce_dtype,
-               prefetch=int(args.prefetch), same=False)
+               prefetch=int(args.prefetch), layers_per_unit=int(args.layers_per_unit), same=False)
     for tok in name.split("+"):
         if tok == "default":
             continue
@@ -242,6 +243,8 @@ def fsdp2_config(name, args):
             cfg["reduce"] = "bfloat16" if tok == "rbf16" else "float32"
         elif re.fullmatch(r"pf\d+", tok):
             cfg["prefetch"] = int(tok[2:])
+        elif re.fullmatch(r"g[1-9]\d*", tok):
+            cfg["layers_per_unit"] = int(tok[1:])
         elif tok == "same":
             cfg["same"] = True
         else:
@@ -252,7 +255,8 @@ def fsdp2_config(name, args):
 def shard_model(model, cfg):
     from esm2_recipe.fsdp import shard_model as shard
 
-    return shard(model, reshard_after_forward=cfg["reshard"], reduce_dtype=cfg["reduce"], prefetch=cfg["prefetch"])
+    return shard(model, reshard_after_forward=cfg["reshard"], reduce_dtype=cfg["reduce"], prefetch=cfg["prefetch"],
+                 layers_per_unit=cfg["layers_per_unit"])
 
 
 def gather_rows(values, device):
@@ -386,7 +390,7 @@ def fsdp2_line(table, name, cfg, r, base, world, device):
                     rank_seconds="/".join(f"{x:.3f}" for x in g[:, 2].tolist()), **prof_cols(r))
     need = 1.85 * world / 2
     print(f"[fsdp2] {name} {cfg['name']} (reshard_after_forward={int(cfg['reshard'])}, reduce {cfg['reduce']}, "
-          f"prefetch {cfg['prefetch']}{', same batches on all ranks' if cfg['same'] else ''}): {world} GPUs "
+          f"prefetch {cfg['prefetch']}, {cfg['layers_per_unit']} layer(s)/unit{', same batches on all ranks' if cfg['same'] else ''}): {world} GPUs "
           f"{f['unpadded_tokens_per_s'] / 1e3:.1f}k unpadded tok/s = {s:.3f}x one GPU ({base / 1e3:.1f}k; goal >= "
           f"{need:.2f}: {'PASS' if s >= need else 'FAIL'}), step {f['step_ms']:.1f} ms, host issue "
           f"{f['host_issue_ms']:.1f} ms/step, peak {f['peak_mem_gib']:.1f} GiB", flush=True)
@@ -413,6 +417,7 @@ def main():
                    help="FSDP2: dtype of the gradient reduce-scatter")
     p.add_argument("--prefetch", type=int, default=0,
                    help="FSDP2: explicit forward/backward prefetch of the next N layers (0: FSDP2's implicit)")
+    p.add_argument("--layers-per-unit", type=int, default=1, help="FSDP2: consecutive layers sharded as one unit")
     p.add_argument("--configs", default="default", help=f"FSDP2 settings to compare in one job: {FSDP2_CONFIG_HELP}")
     p.add_argument("--time-budget", type=float, default=0.0,
                    help="FSDP2: skip the remaining settings once this many seconds are spent (0: no limit)")

@@ -18,8 +18,10 @@
 # Settings (bench_esm2.py --configs): default = reshard_after_forward=1,
 # fp32 reduce, FSDP2's own prefetch; raf0 = keep gathered weights for the
 # backward; rbf16 = bf16 gradient reduce-scatter; pfN = explicit prefetch
-# of N layers; same = every rank trains rank 0's batches (what perfectly
-# balanced ranks would give: the load-imbalance diagnostic).
+# of N units; gK = K layers per FSDP unit; same = every rank trains rank 0's
+# batches (what perfectly balanced ranks would give: the load-imbalance
+# diagnostic).  Settings run in the order given; those past the time budget
+# are skipped (and say so), so put the important ones first.
 set -u
 cd "$(dirname "$0")/../.."
 
@@ -33,7 +35,7 @@ MAXLEN=${MAXLEN:-1024}
 OUT=${OUT:-esm2_sweep}
 PROFILE_DIR=${PROFILE_DIR:-benchmarks/results/esm2_fsdp2_profile}
 LOG=${LOG:-benchmarks/results/logs/esm2_fsdp2_sweep.log}
-BF16_CONFIGS=${BF16_CONFIGS:-default,raf0,rbf16,pf1,pf2,raf0+rbf16,raf0+rbf16+pf1,same}
+BF16_CONFIGS=${BF16_CONFIGS:-default,raf0,rbf16,pf1,raf0+rbf16+pf1,raf0+rbf16+g3,same,pf2,g3}
 FP8_CONFIGS=${FP8_CONFIGS:-default,raf0+rbf16+pf1}
 T_BF16=${T_BF16:-200}   # seconds, hard limit of the bf16 job (its --time-budget is 45 s less)
 T_FP8=${T_FP8:-90}      # seconds, hard limit of the FP8 job

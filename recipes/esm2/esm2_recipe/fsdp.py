@@ -18,40 +18,51 @@ how much of the communication hides behind compute:
     the next N layers' all-gathers at each layer's forward and backward, so
     they are queued on the all-gather stream before the compute that should
     hide them, whatever the host's lead.
+  * ``layers_per_unit``: k > 1 shards k consecutive layers as one FSDP unit
+    (fully_shard of a list of modules): k times fewer all-gathers,
+    reduce-scatters and hook/stream/event round trips per step, at the cost
+    of k layers' full weights (and gradients) live at once.  Worth it when
+    the per-unit host overhead, not the bandwidth, is what the GPU waits for.
 """
 import torch
 
 REDUCE_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
-def shard_model(model, *, reshard_after_forward=True, reduce_dtype="float32", prefetch=0, mesh=None):
-    """fully_shard the layers and the root of a SeqfuseEsmForMaskedLM in place;
-    returns the model.  See the module note for the arguments."""
+def shard_model(model, *, reshard_after_forward=True, reduce_dtype="float32", prefetch=0, layers_per_unit=1,
+                mesh=None):
+    """fully_shard the layers (``layers_per_unit`` at a time) and the root of a
+    SeqfuseEsmForMaskedLM in place; returns the model.  See the module note."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if reduce_dtype not in REDUCE_DTYPES:
         raise ValueError(f"shard_model: reduce_dtype must be one of {sorted(REDUCE_DTYPES)}, got {reduce_dtype!r}")
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"shard_model: prefetch must be an int >= 0 (layers), got {prefetch!r}")
+    if isinstance(layers_per_unit, bool) or not isinstance(layers_per_unit, int) or layers_per_unit < 1:
+        raise ValueError(f"shard_model: layers_per_unit must be an int >= 1, got {layers_per_unit!r}")
     mp = MixedPrecisionPolicy(reduce_dtype=REDUCE_DTYPES[reduce_dtype])
     kw = dict(mp_policy=mp, reshard_after_forward=bool(reshard_after_forward))
     if mesh is not None:
         kw["mesh"] = mesh
     layers = list(model.esm.encoder.layers)
-    for layer in layers:
-        fully_shard(layer, **kw)
+    k = layers_per_unit
+    units = [layers[i:i + k] for i in range(0, len(layers), k)]
+    for unit in units:
+        fully_shard(unit[0] if len(unit) == 1 else unit, **kw)  # a list: one unit, one all-gather
     fully_shard(model, **kw)
     if prefetch:
         n = prefetch
-        for i, layer in enumerate(layers):
-            nxt = layers[i + 1:i + 1 + n]
-            prev = layers[max(0, i - n):i][::-1]  # the backward runs the layers in reverse
+        heads = [unit[0] for unit in units]  # a unit's modules share one FSDP state: its first names it
+        for i, head in enumerate(heads):
+            nxt = heads[i + 1:i + 1 + n]
+            prev = heads[max(0, i - n):i][::-1]  # the backward runs the units in reverse
             if nxt:
-                layer.set_modules_to_forward_prefetch(nxt)
+                head.set_modules_to_forward_prefetch(nxt)
             if prev:
-                layer.set_modules_to_backward_prefetch(prev)
-        # the root's forward starts with the embedding: queue the first layers'
+                head.set_modules_to_backward_prefetch(prev)
+        # the root's forward starts with the embedding: queue the first units'
         # gathers there; its backward starts at the LM head: queue the last ones
-        model.set_modules_to_forward_prefetch(layers[:n])
-        model.set_modules_to_backward_prefetch(layers[::-1][:n])
+        model.set_modules_to_forward_prefetch(heads[:n])
+        model.set_modules_to_backward_prefetch(heads[::-1][:n])
     return model

@@ -6,7 +6,7 @@ environment).  ``strategy`` picks the data-parallel wrapping:
   * "fsdp2": torch.distributed.fsdp.fully_shard on every TransformerLayer,
     then on the whole model (embeddings and the tied LM head share the root
     unit); esm2_recipe.fsdp.shard_model, with distributed.reshard_after_forward,
-    .reduce_dtype and .prefetch.
+    .reduce_dtype, .prefetch and .layers_per_unit.
   * "ddp": torch DistributedDataParallel (nothing wrapped with one process).
 
 A step: ``grad_accum`` micro-batches (each a token-budget batch of real
@@ -215,7 +215,8 @@ def wrap_model(model, strategy, world, device, cfg):
 
         d = cfg.distributed
         return shard_model(model, reshard_after_forward=bool(d.reshard_after_forward),
-                           reduce_dtype=str(d.get("reduce_dtype", "float32")), prefetch=int(d.get("prefetch", 0)))
+                           reduce_dtype=str(d.get("reduce_dtype", "float32")), prefetch=int(d.get("prefetch", 0)),
+                           layers_per_unit=int(d.get("layers_per_unit", 1)))
     if strategy == "ddp":
         if world == 1:
             return model
