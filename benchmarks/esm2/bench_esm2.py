@@ -75,7 +75,12 @@ def run_row(impl, recipe_name, batches, args, device, fsdp=None, torch_adamw=Fal
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     else:
         model = build_seqfuse(args.size, device, dtype)
-        if fsdp is not None:
+        if fsdp is not None and fsdp["ddp"]:  # the comparison: DDP, bucketed all-reduce hooks in C++
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                        gradient_as_bucket_view=True)
+        elif fsdp is not None:
             shard_model(model, fsdp)
         params = [p for p in model.parameters() if p.requires_grad]
         if torch_adamw or args.torch_adamw:
@@ -227,13 +232,14 @@ FSDP2_CONFIG_HELP = ("'+'-joined tokens: default (the --reshard-after-forward / 
                      "flags), raf0 / raf1 (reshard_after_forward), rbf16 / rfp32 (gradient reduce dtype), "
                      "pfN (explicit forward+backward prefetch of N units; pf0: FSDP2's implicit), gK (K layers per FSDP unit), "
                      "same (every "
-                     "rank trains rank 0's batches: the scaling without per-rank load imbalance, a diagnostic)")
+                     "rank trains rank 0's batches: the scaling without per-rank load imbalance, a diagnostic), "
+                     "ddp (torch DDP instead of FSDP2, for comparison: the FSDP2 tokens do not apply)")
 
 
 def fsdp2_config(name, args):
     """An FSDP2 setting from a config name such as 'raf0+rbf16+pf1'."""
     cfg = dict(name=name, reshard=bool(args.reshard_after_forward), reduce=args.reduce_dtype,
-               prefetch=int(args.prefetch), layers_per_unit=int(args.layers_per_unit), same=False)
+               prefetch=int(args.prefetch), layers_per_unit=int(args.layers_per_unit), same=False, ddp=False)
     for tok in name.split("+"):
         if tok == "default":
             continue
@@ -247,6 +253,8 @@ def fsdp2_config(name, args):
             cfg["layers_per_unit"] = int(tok[1:])
         elif tok == "same":
             cfg["same"] = True
+        elif tok == "ddp":
+            cfg["ddp"] = True
         else:
             raise ValueError(f"--configs: unknown token {tok!r} in {name!r}; {FSDP2_CONFIG_HELP}")
     return cfg
@@ -389,8 +397,10 @@ def fsdp2_line(table, name, cfg, r, base, world, device):
                     mfu_measured_pct=f["mfu_measured_pct"], peak_mem_gib=f["peak_mem_gib"],
                     rank_seconds="/".join(f"{x:.3f}" for x in g[:, 2].tolist()), **prof_cols(r))
     need = 1.85 * world / 2
-    print(f"[fsdp2] {name} {cfg['name']} (reshard_after_forward={int(cfg['reshard'])}, reduce {cfg['reduce']}, "
-          f"prefetch {cfg['prefetch']}, {cfg['layers_per_unit']} layer(s)/unit{', same batches on all ranks' if cfg['same'] else ''}): {world} GPUs "
+    what = ("torch DDP" if cfg["ddp"] else
+            f"reshard_after_forward={int(cfg['reshard'])}, reduce {cfg['reduce']}, prefetch {cfg['prefetch']}, "
+            f"{cfg['layers_per_unit']} layer(s)/unit") + (", same batches on all ranks" if cfg["same"] else "")
+    print(f"[fsdp2] {name} {cfg['name']} ({what}): {world} GPUs "
           f"{f['unpadded_tokens_per_s'] / 1e3:.1f}k unpadded tok/s = {s:.3f}x one GPU ({base / 1e3:.1f}k; goal >= "
           f"{need:.2f}: {'PASS' if s >= need else 'FAIL'}), step {f['step_ms']:.1f} ms, host issue "
           f"{f['host_issue_ms']:.1f} ms/step, peak {f['peak_mem_gib']:.1f} GiB", flush=True)
