@@ -5,7 +5,10 @@ dim 64/128 and dtype, at lengths that are and are not multiples of the
 128-row / 128-key tiles, outputs poisoned (NaN) before each run.  Also the
 kernel choice (SEQFUSE_ATTN_FWD_KERNEL / set_attention_fwd_kernel), its
 query and the once-per-reason log when a Hopper GPU runs the sm80 kernel.
-The choice and query tests run on CPU-only machines too."""
+The wgmma backward (attn_bwd_sm90_cuda.cu) likewise: dq, dk, dv against the
+reference and the sm80 backward, its choice (default sm80 until confirmed on
+a GPU; deterministic calls always sm80), query and log.  The choice and
+query tests run on CPU-only machines too."""
 import logging
 import os
 import random
@@ -16,7 +19,7 @@ import torch
 import seqfuse
 from attn_ref import PADDING, reference
 from helpers import rel_error
-from test_attn_cuda import make_case, run_fwd as forward
+from test_attn_cuda import BWD_TOL, make_case, run_fwd as forward, run_ours, run_reference
 
 FWD_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
@@ -201,3 +204,156 @@ def test_fwd_kernel_choice_asked_once_per_head_dim_and_device(monkeypatch):
     attn_mod.set_attention_fwd_kernel(80)  # a new choice: asked again
     attn_mod._note_fwd_kernel(q64)
     assert calls == [(64, 0), (128, 0), (64, 0)]
+
+
+# ---- the wgmma backward (csrc/attn/attn_bwd_sm90_cuda.cu) ----
+
+@pytest.fixture
+def sm90_bwd():
+    """The wgmma backward (and forward) for the test, skipped off Hopper; the
+    backward's default (sm80 until the lead confirms the wgmma one) restored after."""
+    if not is_hopper():
+        pytest.skip("the wgmma backward needs a compute capability 9.0 GPU")
+    seqfuse.ops.set_attention_fwd_kernel(90)
+    seqfuse.ops.set_attention_bwd_kernel(90)
+    yield
+    seqfuse.ops.set_attention_bwd_kernel(80)
+
+
+def check_bwd(q, k, v, dout, fmt, mask, lq, lk, window, what):
+    """dq, dk, dv of the sm90 backward against the float64 reference (the
+    tolerances of test_attn_cuda) and against the sm80 backward."""
+    seqfuse.ops.set_attention_bwd_kernel(80)
+    _, _, g80 = run_ours(q, k, v, dout, fmt, mask, lq, lk, window)
+    seqfuse.ops.set_attention_bwd_kernel(90)
+    assert seqfuse.ops.attention_bwd_kernel(q.shape[-1], q.device)[0] == 90
+    out, _, g90 = run_ours(q, k, v, dout, fmt, mask, lq, lk, window)
+    ref, ref_grads = run_reference(q, k, v, dout, fmt, mask, lq, lk, window)
+    for name, g, g8, r in zip(("dq", "dk", "dv"), g90, g80, ref_grads):
+        assert not torch.isnan(g).any(), f"{what}: NaN in {name}"
+        e, e80 = rel_error(g, r), rel_error(g8, r)
+        assert e <= BWD_TOL[q.dtype], f"{what}: {name} rel error {e:.2e} (sm80: {e80:.2e})"
+        d = rel_error(g, g8)
+        assert d <= BWD_TOL[q.dtype], f"{what}: {name} differs from the sm80 backward's by {d:.2e}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd", "thd"])
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("h,hk", [(4, 4), (8, 2), (6, 1)])
+@pytest.mark.parametrize("sq,sk", [(128, 128), (77, 150), (200, 65), (1, 9), (513, 300)])
+def test_sm90_bwd_matches_reference(fmt, mask, d, h, hk, sq, sk, seed, sm90_bwd):
+    if fmt == "thd" and mask not in PADDING:
+        pytest.skip("thd always delimits sequences: covered by the padding masks")
+    rng = random.Random(seed)
+    q, k, v, dout, lq, lk = make_case(fmt, mask, 3, sq, sk, h, hk, d, torch.bfloat16, rng)
+    check_bwd(q, k, v, dout, fmt, mask, lq, lk, None, f"{fmt} {mask} d={d} h={h}/{hk} {sq}x{sk} lq={lq} lk={lk}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("mask", ["no_mask", "causal", "padding_causal_bottom_right"])
+@pytest.mark.parametrize("sq,sk", [(63, 65), (191, 333), (1000, 1000)])
+def test_sm90_bwd_dtypes_and_longer(dtype, d, mask, sq, sk, seed, sm90_bwd):
+    rng = random.Random(seed)
+    q, k, v, dout, lq, lk = make_case("bshd", mask, 2, sq, sk, 4, 2, d, dtype, rng)
+    check_bwd(q, k, v, dout, "bshd", mask, lq, lk, None, f"{dtype} {mask} d={d} {sq}x{sk}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("window", [(0, 0), (16, 0), (100, 0), (33, 17), (-1, 5), (64, -1)])
+@pytest.mark.parametrize("mask", ["no_mask", "causal", "padding_causal_bottom_right"])
+@pytest.mark.parametrize("fmt", ["bshd", "thd"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm90_bwd_sliding_window(window, mask, fmt, d, seed, sm90_bwd):
+    if fmt == "thd" and mask not in PADDING:
+        pytest.skip("thd always delimits sequences: covered by the padding masks")
+    rng = random.Random(seed)
+    q, k, v, dout, lq, lk = make_case(fmt, mask, 2, 300, 420, 4, 2, d, torch.bfloat16, rng)
+    check_bwd(q, k, v, dout, fmt, mask, lq, lk, window, f"{fmt} {mask} d={d} window={window}")
+
+
+@pytest.mark.cuda
+def test_sm90_bwd_autograd_and_deterministic(seed, sm90_bwd, caplog):
+    """Through seqfuse.ops.attention's autograd: the sm90 backward's gradients
+    match the sm80 deterministic ones; a deterministic call takes sm80 and
+    says why once (WARNING, logger "seqfuse")."""
+    from seqfuse.ops import attn as attn_mod
+
+    torch.manual_seed(seed)
+    q, k, v = (torch.randn(2, 300, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    dout = torch.randn(2, 300, 4, 128, device="cuda", dtype=torch.bfloat16)
+    grads = {}
+    attn_mod._bwd_reasons_logged.clear()
+    with caplog.at_level(logging.INFO, logger="seqfuse"):
+        for det in (False, True, True):
+            for x in (q, k, v):
+                x.grad = None
+            seqfuse.ops.attention(q, k, v, attn_mask_type="causal", deterministic=det).backward(dout)
+            grads[det] = [x.grad.clone() for x in (q, k, v)]
+    arch, why = seqfuse.ops.attention_bwd_kernel(128, q.device, deterministic=True)
+    assert arch == 80 and "deterministic" in why
+    assert seqfuse.ops.attention_bwd_kernel(128, q.device)[0] == 90
+    for name, a, b in zip(("dq", "dk", "dv"), grads[False], grads[True]):
+        assert rel_error(a, b) <= BWD_TOL[torch.bfloat16], f"{name}: sm90 vs deterministic sm80"
+    hits = [r for r in caplog.records if "attention backward" in r.getMessage()]
+    assert len(hits) == 1 and "deterministic" in hits[0].getMessage(), [r.getMessage() for r in caplog.records]
+    assert hits[0].levelno == logging.WARNING
+
+
+def test_bwd_kernel_choice_rejects_other_values():
+    expected = ValueError if seqfuse.build_info()["cuda"] else NotImplementedError
+    with pytest.raises(expected):
+        seqfuse.ops.set_attention_bwd_kernel(75)
+    with pytest.raises(expected):
+        seqfuse.ops.set_attention_bwd_kernel(-1)
+
+
+def test_bwd_kernel_query_default():
+    """The backward's default stays sm80 (until the wgmma backward is
+    confirmed on a GPU): on Hopper the query says it was chosen; elsewhere 80
+    with no reason; deterministic calls never get 90."""
+    if os.environ.get("SEQFUSE_ATTN_BWD_KERNEL"):
+        pytest.skip("SEQFUSE_ATTN_BWD_KERNEL overrides the default")
+    for d in (64, 128, 32):
+        for det in (False, True):
+            arch, why = seqfuse._C.attn_bwd_kernel_for(d, 0, det)
+            assert arch == 80 and isinstance(why, str)
+            if is_hopper():
+                assert why.startswith("sm80 backward chosen")
+            elif seqfuse.build_info()["cuda"] and torch.cuda.is_available():
+                assert why == ""
+
+
+def test_bwd_kernel_choice_asked_once_per_key(monkeypatch):
+    """The backward asks C for its kernel choice once per (head dim, device,
+    deterministic) until the choice changes, and logs a reason once."""
+    from seqfuse.ops import attn as attn_mod
+
+    calls = []
+
+    class FakeC:
+        @staticmethod
+        def attn_bwd_kernel_for(d, dev, det):
+            calls.append((d, dev, det))
+            return (80, "deterministic backward: test") if det else (90, "")
+
+        @staticmethod
+        def attn_set_bwd_kernel(arch):
+            pass
+
+    monkeypatch.setattr(attn_mod, "_C", FakeC)
+    monkeypatch.setattr(attn_mod, "_bwd_kernel_checked", set())
+    monkeypatch.setattr(attn_mod, "_bwd_reasons_logged", set())
+    q64 = torch.empty(1, 4, 2, 64)
+    for _ in range(3):
+        attn_mod._note_bwd_kernel(q64, False)
+        attn_mod._note_bwd_kernel(q64, True)
+    assert calls == [(64, 0, False), (64, 0, True)]
+    assert attn_mod._bwd_reasons_logged == {"deterministic backward: test"}
+    attn_mod.set_attention_bwd_kernel(90)  # a new choice: asked again
+    attn_mod._note_bwd_kernel(q64, False)
+    assert calls[-1] == (64, 0, False) and len(calls) == 3

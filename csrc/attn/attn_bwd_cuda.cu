@@ -17,6 +17,9 @@
  *     shared memory and adds dQ = dS K into a float32 workspace with
  *     atomicAdd (as flash-attention 2 does: the order of the additions, and so
  *     the last bits of dQ, vary run to run).
+ *     On Hopper, with the wgmma backward selected (bwd_sm90_selected), step 2
+ *     is attn_bwd_sm90_cuda.cu's kernel instead (head dims 64 and 128, not
+ *     deterministic).
  *  3. dq_convert_kernel: dQ = workspace, rounded to the input dtype.
  *     Deterministic mode replaces 2's atomics and 3 by dq_kernel: one block
  *     per 64-query tile walks its key tiles and accumulates dQ in registers
@@ -28,7 +31,7 @@
  * nothing to S, dP, dV, dK or dQ) and not stored.
  */
 #include "../core/cuda_util.h"
-#include "attn_cuda.cuh"
+#include "attn_sm90.cuh"
 
 namespace sf_attn {
 
@@ -489,8 +492,11 @@ static sf_status launch_dkdv(const sf_attn_problem &p, int n_blocks_k, cudaStrea
     return SF_OK;
 }
 
+/* sm90: the dK/dV/dQ pass runs on the wgmma kernel (attn_bwd_sm90_cuda.cu,
+ * head dims 64 and 128, never deterministic); delta and the dQ conversion
+ * are these kernels either way. */
 template <typename T, int D>
-static sf_status launch_bwd(const sf_attn_problem &p, cudaStream_t stream)
+static sf_status launch_bwd(const sf_attn_problem &p, bool sm90, cudaStream_t stream)
 {
     static const char op[] = "attention_bwd";
     const int rows_q = p.max_sq, batch = p.batch;
@@ -511,7 +517,9 @@ static sf_status launch_bwd(const sf_attn_problem &p, cudaStream_t stream)
         const int64_t rows_per_batch = p.thd ? p.extent_q : p.max_sq;
         const int64_t total_rows = (p.thd ? 1 : batch) * rows_per_batch * p.heads;
         SF_CUDA_TRY(op, cudaMemsetAsync(p.dq_accum.ptr, 0, (size_t)total_rows * p.head_dim * sizeof(float), stream));
-        if (n_blocks_k > 0)
+        if (sm90)
+            SF_TRY(launch_bwd_sm90(p, stream));
+        else if (n_blocks_k > 0)
             SF_TRY((launch_dkdv<T, D, true>(p, n_blocks_k, stream)));
         if (total_rows > 0) {
             const int grid = (int)((total_rows + 7) / 8 < 65536 ? (total_rows + 7) / 8 : 65536);
@@ -523,10 +531,10 @@ static sf_status launch_bwd(const sf_attn_problem &p, cudaStream_t stream)
 }
 
 template <typename T>
-static sf_status launch_bwd_dims(const sf_attn_problem &p, cudaStream_t stream)
+static sf_status launch_bwd_dims(const sf_attn_problem &p, bool sm90, cudaStream_t stream)
 {
     return with_tile_width("attention_bwd", p.head_dim,
-                           [&](auto w) { return launch_bwd<T, decltype(w)::value>(p, stream); });
+                           [&](auto w) { return launch_bwd<T, decltype(w)::value>(p, sm90, stream); });
 }
 
 } // namespace sf_attn
@@ -538,9 +546,11 @@ extern "C" sf_status sf_attn_bwd_cuda(const sf_attn_problem *p, sf_stream s, int
     sf_cuda_device_guard guard;
     SF_TRY(sf_cuda_device_enter("attention_bwd", device, &guard));
     sf_status st = SF_OK;
-    if (p->batch > 0 && (p->max_sq > 0 || p->max_sk > 0))
-        st = p->dtype == SF_BFLOAT16 ? launch_bwd_dims<__nv_bfloat16>(*p, stream)
-                                     : launch_bwd_dims<__half>(*p, stream);
+    if (p->batch > 0 && (p->max_sq > 0 || p->max_sk > 0)) {
+        const bool sm90 = bwd_sm90_selected(*p, device, NULL); /* wgmma kernel, attn_bwd_sm90_cuda.cu */
+        st = p->dtype == SF_BFLOAT16 ? launch_bwd_dims<__nv_bfloat16>(*p, sm90, stream)
+                                     : launch_bwd_dims<__half>(*p, sm90, stream);
+    }
     if (st == SF_OK && p->thd) {
         if (p->deterministic)
             launch_zero_tail(*p, p->dq, p->heads, p->cu_q, p->extent_q, NULL, stream);

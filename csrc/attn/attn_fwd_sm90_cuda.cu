@@ -128,16 +128,6 @@ template <int NO> __device__ __forceinline__ void rescale_o(float (&o)[NO], cons
             o[4 * j + e] *= corr[e >> 1];
 }
 
-/* P as the register A operand: k step kc is S columns 16kc..16kc+15 = registers 8kc..8kc+7. */
-template <typename T> __device__ __forceinline__ void pack_p(uint32_t (&pa)[kBN / 16][4], const float (&s)[kBN / 2])
-{
-#pragma unroll
-    for (int kc = 0; kc < kBN / 16; ++kc)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-            pa[kc][e] = Mma<T>::pack(s[8 * kc + 2 * e], s[8 * kc + 2 * e + 1]);
-}
-
 #ifdef SF_SM90A
 /* S = Q K^T for this warpgroup's 64 rows, issued and committed (not waited). */
 template <typename T, int D, int BM = kBM>
@@ -240,7 +230,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_sm90_kernel(const sf_attn_pro
                 mask_tile(s, bp, nb * kBN, r0, q4, left, right);
                 softmax_tile(s, mrow, lrow, sl2, corr);
                 rescale_o(o, corr);
-                pack_p<T>(pa, s);
+                pack_acc<T>(pa, s);
                 issue_pv<T, D>(o, pa, sV + cur);
                 wg_wait<0>();
                 wg_pin(o);
@@ -261,7 +251,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_sm90_kernel(const sf_attn_pro
             wg_pin(s);
             mask_tile(s, bp, lo * kBN, r0, q4, left, right);
             softmax_tile(s, mrow, lrow, sl2, corr); /* O is still zero: no rescale */
-            pack_p<T>(pa, s);
+            pack_acc<T>(pa, s);
             for (int nb = lo; nb + 1 < hi; ++nb) { /* every step but the last: S(nb + 1) and P(nb) V(nb) together */
                 const int i = nb - lo;
                 cp_async_wait<0>(); /* tile nb + 1 */
@@ -283,7 +273,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_sm90_kernel(const sf_attn_pro
                                * max and the mask overlap P(nb) V(nb) so far; see the report */
                 wg_pin(o);
                 rescale_o(o, corr);
-                pack_p<T>(pa, s); /* the registers of P(nb) are free now */
+                pack_acc<T>(pa, s); /* the registers of P(nb) are free now */
             }
             issue_pv<T, D>(o, pa, sV + ((hi - 1 - lo) % ST) * KVBYTES); /* the last tile */
             wg_wait<0>();
@@ -476,7 +466,7 @@ __global__ void __launch_bounds__(ws_threads<NC>(), 1) fwd_sm90_ws_kernel(const 
             wg_pin(s);
             mask_tile<BM>(s, bp, lo * kBN, r0, q4, left, right);
             softmax_tile(s, mrow, lrow, sl2, corr); /* O is still zero: no rescale */
-            pack_p<T>(pa, s);
+            pack_acc<T>(pa, s);
             for (int nb = lo; nb + 1 < hi; ++nb) { /* S(nb + 1) and P(nb) V(nb) together */
                 const int i = nb - lo, sn = (i + 1) % ST, sc = i % ST;
                 mbar_wait(bFull + sn * 8, ((i + 1) / ST) & 1);
@@ -497,7 +487,7 @@ __global__ void __launch_bounds__(ws_threads<NC>(), 1) fwd_sm90_ws_kernel(const 
                 wg_pin(o);
                 mbar_arrive(bEmpty + sc * 8); /* tile nb's stage is free */
                 rescale_o(o, corr);
-                pack_p<T>(pa, s);
+                pack_acc<T>(pa, s);
             }
             if (PINGPONG)
                 named_sync(my_turn, 256);
@@ -644,13 +634,13 @@ static int chosen_kernel()
     return g_kernel;
 }
 
-static int selected(int head_dim, int device, const char **why)
+int pick_kernel(int choice, const char *not_chosen, int head_dim, int device, const char **why)
 {
     const char *w = "";
     int ok = device_ok(device, &w); /* "" where the device is not Hopper: 80 is its kernel, no reason to give */
-    if (ok && chosen_kernel() != 90) {
+    if (ok && choice != 90) {
         ok = 0;
-        w = "sm80 kernel chosen (SEQFUSE_ATTN_FWD_KERNEL=sm80 or sf_attn_set_fwd_kernel(80))";
+        w = not_chosen;
     } else if (ok && head_dim != 64 && head_dim != 128) {
         ok = 0;
         w = "the wgmma kernel takes head dims 64 and 128 only";
@@ -658,6 +648,12 @@ static int selected(int head_dim, int device, const char **why)
     if (why)
         *why = w;
     return ok;
+}
+
+static int selected(int head_dim, int device, const char **why)
+{
+    return pick_kernel(chosen_kernel(), "sm80 kernel chosen (SEQFUSE_ATTN_FWD_KERNEL=sm80 or sf_attn_set_fwd_kernel(80))",
+                       head_dim, device, why);
 }
 
 } // namespace sm90

@@ -66,11 +66,27 @@ template <int ROWS> __device__ __forceinline__ uint64_t desc_kmajor(uint32_t til
     return desc_sw128(tile + (kk >> 2) * ROWS * 128 + row0 * 128 + (kk & 3) * 32, 16, 1024);
 }
 
-/* B operand, MN-major: reduction rows [16 kk, 16 kk + 16) of a ROWS-row
- * tile, all its columns (N). */
-template <int ROWS> __device__ __forceinline__ uint64_t desc_mnmajor(uint32_t tile, int kk)
+/* A or B operand, MN-major: reduction rows [16 kk, 16 kk + 16) of a
+ * ROWS-row tile, its columns from col0 on (N, or M = 64 for A).  col0 a
+ * multiple of 8: inside a 64-column block the start moves by 2 col0 bytes
+ * and the hardware's XOR on the absolute address keeps the swizzle (as the
+ * K-major k steps do); the backward's two warpgroups take the two halves of
+ * the head dim this way. */
+template <int ROWS> __device__ __forceinline__ uint64_t desc_mnmajor(uint32_t tile, int kk, int col0 = 0)
 {
-    return desc_sw128(tile + kk * 16 * 128, ROWS * 128, 1024);
+    return desc_sw128(tile + (col0 >> 6) * ROWS * 128 + (col0 & 63) * 2 + kk * 16 * 128, ROWS * 128, 1024);
+}
+
+/* Accumulator registers of an m64nN tile as the register A operand:
+ * k step kc is columns 16kc..16kc+15 = registers 8kc..8kc+7, packed to
+ * 16-bit pairs (see the layout note above). */
+template <typename T, int NR> __device__ __forceinline__ void pack_acc(uint32_t (&pa)[NR / 8][4], const float (&s)[NR])
+{
+#pragma unroll
+    for (int kc = 0; kc < NR / 8; ++kc)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            pa[kc][e] = Mma<T>::pack(s[8 * kc + 2 * e], s[8 * kc + 2 * e + 1]);
 }
 
 /* Copy rows [0, ROWS) x COLS of a [token, COLS] slab (row stride ld
@@ -113,66 +129,96 @@ template <int N> __device__ __forceinline__ void wg_pin(float (&d)[N])
 
 template <typename T, int N> struct Wgmma;
 
+#define SF_WG_D16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define SF_WG_D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define SF_WG_D64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 #define SF_WG_ACC8(i)                                                                                            \
     "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
         "+f"(d[i + 7])
+#define SF_WG_ACC16 SF_WG_ACC8(0), SF_WG_ACC8(8)
 #define SF_WG_ACC32 SF_WG_ACC8(0), SF_WG_ACC8(8), SF_WG_ACC8(16), SF_WG_ACC8(24)
 #define SF_WG_ACC64 SF_WG_ACC32, SF_WG_ACC8(32), SF_WG_ACC8(40), SF_WG_ACC8(48), SF_WG_ACC8(56)
 
 /* One specialization per (type, N).  ss: A and B K-major from shared memory;
- * rs: A from registers, B MN-major ("transpose B" = 1) from shared memory.
- * scale_d = 0 ignores the accumulator's previous value.  Operand numbers
- * after the NR accumulators: ss a, b, scale; rs a0..a3, b, scale. */
+ * rs: A from registers, B MN-major ("transpose B" = 1) from shared memory;
+ * tt: A and B both MN-major from shared memory (the backward's dQ = dS K,
+ * with dS^T stored [key][query]).  scale_d = 0 ignores the accumulator's
+ * previous value.  Operand numbers after the NR accumulators: ss/tt a, b,
+ * scale; rs a0..a3, b, scale. */
 #ifdef SF_SM90A
-#define SF_WG_DEF(TYPE, PTXT, N, NR, DREGS, ACC, SS_OPS, RS_OPS)                                                \
-    template <> struct Wgmma<TYPE, N> {                                                                          \
-        static constexpr int kRegs = NR;                                                                         \
-        static __device__ __forceinline__ void ss(float (&d)[NR], uint64_t a, uint64_t b, int scale_d)           \
-        {                                                                                                        \
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" SS_OPS "}\n"                                     \
-                         : ACC                                                                                   \
-                         : "l"(a), "l"(b), "r"(scale_d));                                                        \
-        }                                                                                                        \
-        static __device__ __forceinline__ void rs(float (&d)[NR], const uint32_t (&a)[4], uint64_t b, int scale_d) \
-        {                                                                                                        \
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" RS_OPS "}\n"                                     \
-                         : ACC                                                                                   \
-                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));                   \
-        }                                                                                                        \
-    };
-/* the instruction text after "setp.ne.b32 p, %": scale operand, then the wgmma */
-#define SF_WG_SS(PTXT, N, DREGS, A, B, S)                                                                        \
+#define SF_WG_DEF(NR, SS_OPS, TT_OPS, RS_OPS, ...) /* ...: the accumulator operands */                         \
+    static __device__ __forceinline__ void ss(float (&d)[NR], uint64_t a, uint64_t b, int scale_d)               \
+    {                                                                                                            \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" SS_OPS "}\n" : __VA_ARGS__ : "l"(a), "l"(b), "r"(scale_d));  \
+    }                                                                                                            \
+    static __device__ __forceinline__ void tt(float (&d)[NR], uint64_t a, uint64_t b, int scale_d)               \
+    {                                                                                                            \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" TT_OPS "}\n" : __VA_ARGS__ : "l"(a), "l"(b), "r"(scale_d));  \
+    }                                                                                                            \
+    static __device__ __forceinline__ void rs(float (&d)[NR], const uint32_t (&a)[4], uint64_t b, int scale_d)   \
+    {                                                                                                            \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" RS_OPS "}\n"                                       \
+                     : __VA_ARGS__                                                                               \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));                       \
+    }
+/* the instruction text after "setp.ne.b32 p, %": scale operand, then the
+ * wgmma; TR = "0, 0" (both K-major) or "1, 1" (both MN-major) */
+#define SF_WG_SS(PTXT, N, DREGS, A, B, S, TR)                                                                    \
     S ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTXT "." PTXT " " DREGS ", %" A ", %" B           \
-      ", p, 1, 1, 0, 0;\n"
+      ", p, 1, 1, " TR ";\n"
 #define SF_WG_RS(PTXT, N, DREGS, A0, B, S)                                                                       \
     S ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTXT "." PTXT " " DREGS ", {%" A0 "}, %" B        \
       ", p, 1, 1, 1;\n"
-SF_WG_DEF(__nv_bfloat16, "bf16", 64, 32, SF_WG_D32, SF_WG_ACC32, SF_WG_SS("bf16", 64, SF_WG_D32, "32", "33", "34"),
-          SF_WG_RS("bf16", 64, SF_WG_D32, "32, %33, %34, %35", "36", "37"))
-SF_WG_DEF(__half, "f16", 64, 32, SF_WG_D32, SF_WG_ACC32, SF_WG_SS("f16", 64, SF_WG_D32, "32", "33", "34"),
-          SF_WG_RS("f16", 64, SF_WG_D32, "32, %33, %34, %35", "36", "37"))
-SF_WG_DEF(__nv_bfloat16, "bf16", 128, 64, SF_WG_D64, SF_WG_ACC64, SF_WG_SS("bf16", 128, SF_WG_D64, "64", "65", "66"),
-          SF_WG_RS("bf16", 128, SF_WG_D64, "64, %65, %66, %67", "68", "69"))
-SF_WG_DEF(__half, "f16", 128, 64, SF_WG_D64, SF_WG_ACC64, SF_WG_SS("f16", 128, SF_WG_D64, "64", "65", "66"),
-          SF_WG_RS("f16", 128, SF_WG_D64, "64, %65, %66, %67", "68", "69"))
+/* operand numbers of the NR-register forms: after d, a (or a0..a3), b, scale */
+#define SF_WG_ALL(TYPE, PTXT, N, NR, DREGS, A, B, S, A0, RB, RSC, ...)                                           \
+    template <> struct Wgmma<TYPE, N> {                                                                          \
+        static constexpr int kRegs = NR;                                                                         \
+        SF_WG_DEF(NR, SF_WG_SS(PTXT, N, DREGS, A, B, S, "0, 0"), SF_WG_SS(PTXT, N, DREGS, A, B, S, "1, 1"),      \
+                  SF_WG_RS(PTXT, N, DREGS, A0, RB, RSC), __VA_ARGS__)                                            \
+    };
+#define SF_WG_N32(TYPE, PTXT) SF_WG_ALL(TYPE, PTXT, 32, 16, SF_WG_D16, "16", "17", "18", "16, %17, %18, %19", "20", "21", SF_WG_ACC16)
+#define SF_WG_N64(TYPE, PTXT) SF_WG_ALL(TYPE, PTXT, 64, 32, SF_WG_D32, "32", "33", "34", "32, %33, %34, %35", "36", "37", SF_WG_ACC32)
+#define SF_WG_N128(TYPE, PTXT) SF_WG_ALL(TYPE, PTXT, 128, 64, SF_WG_D64, "64", "65", "66", "64, %65, %66, %67", "68", "69", SF_WG_ACC64)
+SF_WG_N32(__nv_bfloat16, "bf16")
+SF_WG_N32(__half, "f16")
+SF_WG_N64(__nv_bfloat16, "bf16")
+SF_WG_N64(__half, "f16")
+SF_WG_N128(__nv_bfloat16, "bf16")
+SF_WG_N128(__half, "f16")
+#undef SF_WG_N32
+#undef SF_WG_N64
+#undef SF_WG_N128
+#undef SF_WG_ALL
 #undef SF_WG_DEF
 #undef SF_WG_SS
 #undef SF_WG_RS
 #endif /* SF_SM90A */
 
+/* 1 when a call with this head dim may take a wgmma kernel on `device`:
+ * the kernel `choice` is 90, the device has compute capability 9.0, the
+ * library was built for sm_90a and the head dim is 64 or 128.  *why (may be
+ * NULL) gets the reason when 0: "" where the device is not Hopper (80 is
+ * its kernel), `not_chosen` where choice is 80, else the head dim or build
+ * (attn_fwd_sm90_cuda.cu; the forward and the backward choose through it). */
+int pick_kernel(int choice, const char *not_chosen, int head_dim, int device, const char **why);
 } // namespace sm90
 
 /* Host side (attn_fwd_sm90_cuda.cu). */
-/* 1 when this problem's forward runs on the wgmma kernel on `device`:
- * head dim 64 or 128, a compute capability 9.0 device, the kernel built for
- * sm_90a, and the sm90 kernel selected (SEQFUSE_ATTN_FWD_KERNEL=sm90|sm80 or
- * sf_attn_set_fwd_kernel; the default is sm80 until the kernel is confirmed
- * on a GPU).  *why (may be NULL) gets a short reason when it is 0 (see
- * sf_attn_fwd_kernel_for in attn_sm90.h). */
+/* 1 when this problem's forward runs on the wgmma kernel on `device`
+ * (sm90::pick_kernel with SEQFUSE_ATTN_FWD_KERNEL=sm90|sm80 or
+ * sf_attn_set_fwd_kernel; the default is sm90).  *why as pick_kernel's. */
 int fwd_sm90_selected(const sf_attn_problem &p, int device, const char **why);
 sf_status launch_fwd_sm90(const sf_attn_problem &p, cudaStream_t stream);
+
+/* Host side (attn_bwd_sm90_cuda.cu). */
+/* 1 when this problem's backward runs its dK/dV/dQ pass on the wgmma kernel:
+ * pick_kernel with SEQFUSE_ATTN_BWD_KERNEL=sm90|sm80 or
+ * sf_attn_set_bwd_kernel (default sm80 until confirmed on a GPU), and not
+ * deterministic (the wgmma kernel adds dQ with atomics). */
+int bwd_sm90_selected(const sf_attn_problem &p, int device, const char **why);
+/* The dK, dV and atomic dQ pass (into the zeroed p.dq_accum) of the wgmma
+ * backward; delta before and the dQ conversion after are attn_bwd_cuda.cu's. */
+sf_status launch_bwd_sm90(const sf_attn_problem &p, cudaStream_t stream);
 
 } // namespace sf_attn
 

@@ -1,8 +1,10 @@
 /*
- * attn_sm90.h - the C face of the forward-kernel choice on Hopper, for the
- * Python binding and the checks: which forward kernel (90: wgmma,
- * attn_fwd_sm90_cuda.cu; 80: mma.sync, attn_fwd_cuda.cu) a call takes, and
- * a switch between them.  Defined in attn_fwd_sm90_cuda.cu (CUDA builds only).
+ * attn_sm90.h - the C face of the kernel choice on Hopper, for the Python
+ * binding and the checks: which forward kernel (90: wgmma,
+ * attn_fwd_sm90_cuda.cu; 80: mma.sync, attn_fwd_cuda.cu) and which backward
+ * kernel (90: wgmma, attn_bwd_sm90_cuda.cu; 80: mma.sync, attn_bwd_cuda.cu)
+ * a call takes, and switches between them.  Defined in attn_fwd_sm90_cuda.cu
+ * and attn_bwd_sm90_cuda.cu (CUDA builds only).
  */
 #ifndef SF_ATTN_SM90_H
 #define SF_ATTN_SM90_H
@@ -14,16 +16,16 @@ extern "C" {
 #endif
 
 /* Pick the forward kernel: 90 (wgmma, where supported) or 80 (mma.sync);
- * overrides SEQFUSE_ATTN_FWD_KERNEL=sm90|sm80 (read once; default sm80
- * until the wgmma kernel is confirmed on a GPU). */
+ * overrides SEQFUSE_ATTN_FWD_KERNEL=sm90|sm80 (read once; default sm90,
+ * confirmed on an H200). */
 sf_status sf_attn_set_fwd_kernel(int arch);
 
-/* Schedule of the wgmma kernel: 0 (two K/V stages, in order; the default),
- * 1 (three stages, softmax overlapped with P V), 2 (1 warp-specialized: a
- * producer warpgroup feeds three K/V stages through mbarriers, consumers
- * at 232 registers), 3 (2 with the two consumer warpgroups in ping-pong)
- * or 4 (3 with three consumer warpgroups, 192 rows, at head dim 64; 3 at
- * 128); overrides SEQFUSE_ATTN_SM90_VARIANT. */
+/* Schedule of the wgmma forward: 0 (two K/V stages, in order), 1 (three
+ * stages, softmax overlapped with P V), 2 (1 warp-specialized: a producer
+ * warpgroup feeds three K/V stages through mbarriers, consumers at 232
+ * registers), 3 (2 with the two consumer warpgroups in ping-pong) or 4 (3
+ * with three consumer warpgroups, 192 rows, at head dim 64; 3 at 128; the
+ * default); overrides SEQFUSE_ATTN_SM90_VARIANT. */
 sf_status sf_attn_set_fwd_sm90_variant(int variant);
 
 /* The kernel a forward with this head dim takes on `device` now: 90 or 80.
@@ -31,6 +33,16 @@ sf_status sf_attn_set_fwd_sm90_variant(int variant);
  * for that device (not compute capability 9.0), otherwise the reason a
  * Hopper device gets the slower kernel (choice, head dim, build). */
 int sf_attn_fwd_kernel_for(int head_dim, int device, const char **why);
+
+/* Pick the backward kernel: 90 (wgmma, where supported) or 80 (mma.sync);
+ * overrides SEQFUSE_ATTN_BWD_KERNEL=sm90|sm80 (read once; default sm80
+ * until the wgmma backward is confirmed on a GPU). */
+sf_status sf_attn_set_bwd_kernel(int arch);
+
+/* The kernel a backward with this head dim and deterministic flag takes on
+ * `device` now: 90 or 80, *why as in sf_attn_fwd_kernel_for (plus the
+ * deterministic mode, which the wgmma backward's atomic dQ cannot give). */
+int sf_attn_bwd_kernel_for(int head_dim, int deterministic, int device, const char **why);
 
 #ifdef __cplusplus
 }

@@ -27,7 +27,21 @@
  *      and not; "best" names the fastest sm90 schedule.
  *  (c) runs every sm90 schedule too (lines "sm90v0" .. "sm90v4").
  *
- * Run: bash csrc/build_checks.sh && bin/check_attn_attn_sm90 [--no-bench]
+ * The wgmma backward (attn_bwd_sm90_cuda.cu):
+ *  (a') gemm-tt: C = A B with A and B both MN-major in shared memory
+ *      (A given as A^T), each of two warpgroups taking N = 32 or 64 of the
+ *      columns - the dQ = dS K step with dS^T [key][query] and K [key][dim].
+ *  (e) the backward (sf_attn_bwd with the sm90 kernel selected) against the
+ *      CPU reference and the sm80 backward, both given the reference's out
+ *      and lse, outputs poisoned (NaN): dq, dk, dv relative errors, head
+ *      dims 64/128, bf16/fp16, lengths 1..513 around the 64-row / 128-key
+ *      tiles, every mask, windows, GQA 4:1 and MQA, bshd/sbhd/thd with
+ *      uneven cu_seqlens; also that deterministic calls take sm80.
+ *  (f) speed: TFLOP/s of the sm90 and sm80 backward (delta + main pass +
+ *      dQ conversion, 2.5x the forward's flops) at the (d) shapes.
+ *
+ * Run: bash csrc/build_checks.sh && bin/check_attn_attn_sm90 [--fwd | --bwd] [--no-bench]
+ * (--fwd: forward parts only, --bwd: backward parts only.)
  */
 #include "core/check_util.h"
 #include "core/float_bits.h"
@@ -114,22 +128,58 @@ template <typename T, int N> __global__ void gemm_rs_kernel(const T *A, const T 
 #endif
 }
 
+/* C[m][n] = sum_k A[m][k] B[k][n + wg N] for warpgroup wg's N columns, A
+ * given as A^T [GK][64] and B as [GK][2N], both MN-major in shared memory:
+ * the backward's dQ = dS K (dS^T [key][query], K [key][dim], the head dim
+ * split between two warpgroups: N = 32 starts mid column block). */
+template <typename T, int N> __global__ void gemm_tt_kernel(const T *At, const T *B, float *C)
+{
+#ifdef SF_SM90A
+    extern __shared__ unsigned char smem_raw[];
+    const uint32_t sA = (smem_addr(smem_raw) + 1023u) & ~1023u, sB = sA + GK * 64 * 2;
+    unsigned char *gen = smem_raw + (sA - smem_addr(smem_raw));
+    for (int i = threadIdx.x; i < GK * 64; i += blockDim.x)
+        *reinterpret_cast<T *>(gen + sw128_at<GK>(i / 64, i % 64)) = At[i];
+    for (int i = threadIdx.x; i < GK * 2 * N; i += blockDim.x)
+        *reinterpret_cast<T *>(gen + GK * 64 * 2 + sw128_at<GK>(i / (2 * N), i % (2 * N))) = B[i];
+    fence_proxy_async();
+    __syncthreads();
+    const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
+    float d[N / 2];
+    wg_pin(d);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < GK / 16; ++kk)
+        Wgmma<T, N>::tt(d, desc_mnmajor<GK>(sA, kk), desc_mnmajor<GK>(sB, kk, wg * N), kk > 0);
+    wg_commit();
+    wg_wait<0>();
+    wg_pin(d);
+    const int row = t / 32 * 16 + (t % 32) / 4, col = wg * N + 2 * (t % 4);
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i)
+        C[(row + ((i >> 1) & 1) * 8) * 2 * N + (i >> 2) * 8 + col + (i & 1)] = d[i];
+#endif
+}
+
 static uint16_t to16(sf_dtype dt, float x) { return dt == SF_BFLOAT16 ? sf_f32_to_bf16(x) : sf_f32_to_f16(x); }
 static float from16(sf_dtype dt, uint16_t x) { return dt == SF_BFLOAT16 ? sf_bf16_to_f32(x) : sf_f16_to_f32(x); }
 
-template <typename T, int N> static void check_gemm(sf_dtype dt, bool rs)
+/* mode 0: gemm-ss, 1: gemm-rs, 2: gemm-tt (see the kernels). */
+template <typename T, int N> static void check_gemm(sf_dtype dt, int mode)
 {
-    std::vector<uint16_t> a(GM * GK), bm(N * GK);
+    const bool rs = mode == 1, tt = mode == 2;
+    const int M = tt ? 64 : GM, NC = tt ? 2 * N : N; /* C is M x NC */
+    std::vector<uint16_t> a(M * GK), bm(NC * GK);
     std::vector<float> af(a.size()), bf(bm.size());
     for (size_t i = 0; i < a.size(); ++i) { af[i] = (float)((int)(rng_next() % 9) - 4); a[i] = to16(dt, af[i]); }
     for (size_t i = 0; i < bm.size(); ++i) { bf[i] = (float)((int)(rng_next() % 9) - 4); bm[i] = to16(dt, bf[i]); }
-    std::vector<float> ref(GM * N);
-    for (int m = 0; m < GM; ++m)
-        for (int n = 0; n < N; ++n) {
+    std::vector<float> ref(M * NC);
+    for (int m = 0; m < M; ++m)
+        for (int n = 0; n < NC; ++n) {
             double s = 0;
             for (int k = 0; k < GK; ++k)
-                s += (double)af[m * GK + k] * (rs ? bf[k * N + n] : bf[n * GK + k]);
-            ref[m * N + n] = (float)s;
+                s += (double)(tt ? af[k * M + m] : af[m * GK + k]) * (rs || tt ? bf[k * NC + n] : bf[n * GK + k]);
+            ref[m * NC + n] = (float)s;
         }
     T *dA, *dB;
     float *dC;
@@ -139,8 +189,11 @@ template <typename T, int N> static void check_gemm(sf_dtype dt, bool rs)
     CHECK_CUDA(cudaMemcpy(dA, a.data(), a.size() * 2, cudaMemcpyHostToDevice));
     CHECK_CUDA(cudaMemcpy(dB, bm.data(), bm.size() * 2, cudaMemcpyHostToDevice));
     CHECK_CUDA(cudaMemset(dC, 0xff, ref.size() * 4));
-    const int smem = 1024 + (GM * GK + N * GK) * 2;
-    if (rs) {
+    const int smem = 1024 + (GM * GK + 2 * N * GK) * 2;
+    if (tt) {
+        CHECK_CUDA(cudaFuncSetAttribute(gemm_tt_kernel<T, N>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        gemm_tt_kernel<T, N><<<1, 256, smem>>>(dA, dB, dC);
+    } else if (rs) {
         CHECK_CUDA(cudaFuncSetAttribute(gemm_rs_kernel<T, N>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
         gemm_rs_kernel<T, N><<<1, 256, smem>>>(dA, dB, dC);
     } else {
@@ -153,29 +206,32 @@ template <typename T, int N> static void check_gemm(sf_dtype dt, bool rs)
     CHECK_CUDA(cudaMemcpy(got.data(), dC, got.size() * 4, cudaMemcpyDeviceToHost));
     cudaFree(dA); cudaFree(dB); cudaFree(dC);
 
+    /* quadrants: rows >= 64 (ss, rs: the second warpgroup) and columns >= 64
+     * (ss, rs: the second column block; tt: the second warpgroup's columns) */
+    const int half_c = tt ? N : 64;
     int bad = 0, first = -1, quad[2][2] = {{0, 0}, {0, 0}};
-    for (int i = 0; i < GM * N; ++i)
+    for (int i = 0; i < M * NC; ++i)
         if (!(got[i] == ref[i])) {
             if (first < 0) first = i;
             ++bad;
-            quad[i / N >= 64][i % N >= 64]++;
+            quad[i / NC >= 64][i % NC >= half_c]++;
         }
     char what[400];
-    snprintf(what, sizeof what, "(%s) gemm-%s %s m128n%dk128 (%s A, %s B): %d of %d wrong", rs ? "b" : "a",
-             rs ? "rs" : "ss", sf_dtype_name(dt), N, rs ? "register" : "K-major smem", rs ? "MN-major" : "K-major",
-             bad, GM * N);
+    snprintf(what, sizeof what, "(%s) gemm-%s %s m%dn%dk128 (%s A, %s B): %d of %d wrong", tt ? "a'" : rs ? "b" : "a",
+             tt ? "tt" : rs ? "rs" : "ss", sf_dtype_name(dt), tt ? 64 : GM, N,
+             tt ? "MN-major smem" : rs ? "register" : "K-major smem", rs || tt ? "MN-major" : "K-major", bad, M * NC);
     printf("%s %s\n", bad ? "FAIL" : "PASS", what);
     g_checks++;
     if (bad) {
         g_failures++;
-        printf("    first wrong C[%d][%d]: expected %g got %g\n", first / N, first % N, ref[first], got[first]);
-        printf("    wrong by quadrant: rows<64 cols<64 %d, rows<64 cols>=64 %d, rows>=64 cols<64 %d, rows>=64 cols>=64 %d\n",
-               quad[0][0], quad[0][1], quad[1][0], quad[1][1]);
+        printf("    first wrong C[%d][%d]: expected %g got %g\n", first / NC, first % NC, ref[first], got[first]);
+        printf("    wrong by quadrant: rows<64 cols<%d %d, rows<64 cols>=%d %d, rows>=64 cols<%d %d, rows>=64 cols>=%d %d\n",
+               half_c, quad[0][0], half_c, quad[0][1], half_c, quad[1][0], half_c, quad[1][1]);
         for (int r : {0, 1, 8, 64})
-            for (int pass = 0; pass < 2; ++pass) {
+            for (int pass = 0; pass < 2 && r < M; ++pass) {
                 printf("    row %3d %s:", r, pass ? "got" : "exp");
                 for (int c = 0; c < 12; ++c)
-                    printf(" %6g", (pass ? got : ref)[r * N + c]);
+                    printf(" %6g", (pass ? got : ref)[r * NC + c]);
                 printf("\n");
             }
     }
@@ -266,65 +322,87 @@ static void compare_attn(const AttnCase &c, int variant, int64_t nq, int64_t nl,
                l90[lfirst], l80[lfirst]);
 }
 
+/* A case's host side: lengths (cu_seqlens for padding masks and thd, the
+ * first sequence full, the others random), shapes, random q, k, v, the
+ * config, and host tensor views; shared by the forward and backward checks. */
+struct AttnSetup {
+    bool thd, pad;
+    std::vector<int32_t> cuq{0}, cuk{0};
+    int nd = 4, ndl;
+    int64_t shq[4], shk[4], shl[3], nq = 1, nk = 1, nl = 1, ncu;
+    std::vector<uint16_t> hq, hk, hv;
+    sf_attn_config cfg;
+
+    explicit AttnSetup(const AttnCase &c)
+    {
+        thd = c.fmt == SF_ATTN_THD;
+        pad = thd || c.mask == SF_ATTN_PADDING || c.mask == SF_ATTN_PADDING_CAUSAL ||
+              c.mask == SF_ATTN_PADDING_CAUSAL_BOTTOM_RIGHT;
+        int maxq = c.sq, maxk = c.sk;
+        if (pad) {
+            maxq = maxk = 0;
+            for (int i = 0; i < c.b; ++i) {
+                const int lq = i == 0 ? c.sq : (int)(rng_next() % (c.sq + 1));
+                const int lk = i == 0 ? c.sk : 1 + (int)(rng_next() % c.sk);
+                cuq.push_back(cuq.back() + lq);
+                cuk.push_back(cuk.back() + lk);
+                maxq = std::max(maxq, lq);
+                maxk = std::max(maxk, lk);
+            }
+        }
+        const int64_t tq = thd ? cuq.back() + 5 : 0, tk = thd ? cuk.back() + 3 : 0; /* thd: a tail past the end */
+        ndl = thd ? 2 : 3;
+        dims(c.fmt, c.b, c.sq, c.h, c.d, tq, &nd, shq);
+        dims(c.fmt, c.b, c.sk, c.hk, c.d, tk, &nd, shk);
+        if (thd) { shl[0] = c.h; shl[1] = tq; } else { shl[0] = c.b; shl[1] = c.h; shl[2] = c.sq; }
+        for (int i = 0; i < nd; ++i) { nq *= shq[i]; nk *= shk[i]; }
+        for (int i = 0; i < ndl; ++i) nl *= shl[i];
+        ncu = (int64_t)cuq.size();
+        hq.resize(nq); hk.resize(nk); hv.resize(nk);
+        for (auto *v : {&hq, &hk, &hv})
+            for (auto &x : *v) x = to16(c.dt, rng_normal());
+        memset(&cfg, 0, sizeof cfg);
+        cfg.format = c.fmt; cfg.mask = c.mask; cfg.window_left = c.left; cfg.window_right = c.right;
+        cfg.softmax_scale = 1.0f / sqrtf((float)c.d);
+        cfg.max_seqlen_q = thd ? maxq : 0;
+        cfg.max_seqlen_kv = thd ? maxk : 0;
+    }
+    /* a q-shaped (q = true) or k-shaped view, or the lse-shaped one (float32) */
+    sf_tensor view(void *p, sf_dtype dt, int which, bool cuda) const
+    {
+        sf_tensor t;
+        sf_tensor_init(&t, p, dt, which == 2 ? ndl : nd, which == 0 ? shq : which == 1 ? shk : shl,
+                       cuda ? SF_CUDA : SF_CPU, 0);
+        return t;
+    }
+    sf_tensor cu(const void *p, bool cuda) const
+    {
+        sf_tensor t;
+        sf_tensor_init(&t, (void *)p, SF_INT32, 1, &ncu, cuda ? SF_CUDA : SF_CPU, 0);
+        return t;
+    }
+};
+enum { kQ = 0, kK = 1, kL = 2 }; /* AttnSetup::view's shapes */
+
 static void check_attn_case(const AttnCase &c)
 {
-    const bool thd = c.fmt == SF_ATTN_THD;
-    const bool pad = thd || c.mask == SF_ATTN_PADDING || c.mask == SF_ATTN_PADDING_CAUSAL ||
-                     c.mask == SF_ATTN_PADDING_CAUSAL_BOTTOM_RIGHT;
-    std::vector<int32_t> cuq(1, 0), cuk(1, 0);
-    int maxq = c.sq, maxk = c.sk;
-    if (pad) {
-        maxq = maxk = 0;
-        for (int i = 0; i < c.b; ++i) {
-            const int lq = i == 0 ? c.sq : (int)(rng_next() % (c.sq + 1));
-            const int lk = i == 0 ? c.sk : 1 + (int)(rng_next() % c.sk);
-            cuq.push_back(cuq.back() + lq);
-            cuk.push_back(cuk.back() + lk);
-            maxq = std::max(maxq, lq);
-            maxk = std::max(maxk, lk);
-        }
-    }
-    const int64_t tq = thd ? cuq.back() + 5 : 0, tk = thd ? cuk.back() + 3 : 0; /* thd: a tail past the end */
-    int nd, ndl = thd ? 2 : 3;
-    int64_t shq[4], shk[4], shl[3];
-    dims(c.fmt, c.b, c.sq, c.h, c.d, tq, &nd, shq);
-    dims(c.fmt, c.b, c.sk, c.hk, c.d, tk, &nd, shk);
-    if (thd) { shl[0] = c.h; shl[1] = tq; } else { shl[0] = c.b; shl[1] = c.h; shl[2] = c.sq; }
-    int64_t nq = 1, nk = 1, nl = 1;
-    for (int i = 0; i < nd; ++i) { nq *= shq[i]; nk *= shk[i]; }
-    for (int i = 0; i < ndl; ++i) nl *= shl[i];
-
-    std::vector<uint16_t> hq(nq), hk(nk), hv(nk), ref_o(nq), o80(nq), o90(nq);
+    const AttnSetup su(c);
+    const bool pad = su.pad;
+    const int64_t nq = su.nq, nk = su.nk, nl = su.nl, ncu = su.ncu;
+    const sf_attn_config cfg = su.cfg;
+    std::vector<uint16_t> ref_o(nq), o80(nq), o90(nq);
     std::vector<float> ref_l(nl), l80(nl), l90(nl);
-    for (auto *v : {&hq, &hk, &hv})
-        for (auto &x : *v) x = to16(c.dt, rng_normal());
-    sf_attn_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.format = c.fmt; cfg.mask = c.mask; cfg.window_left = c.left; cfg.window_right = c.right;
-    cfg.softmax_scale = 1.0f / sqrtf((float)c.d);
-    cfg.max_seqlen_q = thd ? maxq : 0;
-    cfg.max_seqlen_kv = thd ? maxk : 0;
-    const int64_t ncu = (int64_t)cuq.size();
-
-    sf_tensor q, k, v, o, l, cq, ck;
-    sf_tensor_init(&q, hq.data(), c.dt, nd, shq, SF_CPU, 0);
-    sf_tensor_init(&k, hk.data(), c.dt, nd, shk, SF_CPU, 0);
-    sf_tensor_init(&v, hv.data(), c.dt, nd, shk, SF_CPU, 0);
-    sf_tensor_init(&o, ref_o.data(), c.dt, nd, shq, SF_CPU, 0);
-    sf_tensor_init(&l, ref_l.data(), SF_FLOAT32, ndl, shl, SF_CPU, 0);
-    sf_tensor_init(&cq, cuq.data(), SF_INT32, 1, &ncu, SF_CPU, 0);
-    sf_tensor_init(&ck, cuk.data(), SF_INT32, 1, &ncu, SF_CPU, 0);
+    sf_tensor q = su.view((void *)su.hq.data(), c.dt, kQ, false), k = su.view((void *)su.hk.data(), c.dt, kK, false),
+              v = su.view((void *)su.hv.data(), c.dt, kK, false), o = su.view(ref_o.data(), c.dt, kQ, false),
+              l = su.view(ref_l.data(), SF_FLOAT32, kL, false), cq = su.cu(su.cuq.data(), false),
+              ck = su.cu(su.cuk.data(), false);
     CHECK_SF(sf_attn_fwd(&q, &k, &v, pad ? &cq : NULL, pad ? &ck : NULL, &cfg, &o, &l, NULL));
 
     Dev dq(nq * 2), dk(nk * 2), dv(nk * 2), dout(nq * 2), dl(nl * 4), dcq(ncu * 4), dck(ncu * 4);
-    dq.put(hq.data()); dk.put(hk.data()); dv.put(hv.data()); dcq.put(cuq.data()); dck.put(cuk.data());
-    sf_tensor_init(&q, dq.p, c.dt, nd, shq, SF_CUDA, 0);
-    sf_tensor_init(&k, dk.p, c.dt, nd, shk, SF_CUDA, 0);
-    sf_tensor_init(&v, dv.p, c.dt, nd, shk, SF_CUDA, 0);
-    sf_tensor_init(&o, dout.p, c.dt, nd, shq, SF_CUDA, 0);
-    sf_tensor_init(&l, dl.p, SF_FLOAT32, ndl, shl, SF_CUDA, 0);
-    sf_tensor_init(&cq, dcq.p, SF_INT32, 1, &ncu, SF_CUDA, 0);
-    sf_tensor_init(&ck, dck.p, SF_INT32, 1, &ncu, SF_CUDA, 0);
+    dq.put(su.hq.data()); dk.put(su.hk.data()); dv.put(su.hv.data()); dcq.put(su.cuq.data()); dck.put(su.cuk.data());
+    q = su.view(dq.p, c.dt, kQ, true); k = su.view(dk.p, c.dt, kK, true); v = su.view(dv.p, c.dt, kK, true);
+    o = su.view(dout.p, c.dt, kQ, true); l = su.view(dl.p, SF_FLOAT32, kL, true);
+    cq = su.cu(dcq.p, true); ck = su.cu(dck.p, true);
     auto run = [&](int arch, int variant, std::vector<uint16_t> &oh, std::vector<float> &lh) {
         CHECK_SF(sf_attn_set_fwd_kernel(arch));
         CHECK_SF(sf_attn_set_fwd_sm90_variant(variant));
@@ -344,36 +422,242 @@ static void check_attn_case(const AttnCase &c)
     CHECK_SF(sf_attn_set_fwd_sm90_variant(0));
 }
 
-/* ---------- (d): speed ---------- */
+/* ---------- (e): the attention backward ---------- */
+
+/* ||x - r|| / ||r|| over 16-bit arrays (NaN counted apart) and the first
+ * element off by more than elt (1 + |r|). */
+struct Err16 {
+    double rel = 0;
+    int64_t nan = 0, first = -1;
+};
+static Err16 err16(sf_dtype dt, const std::vector<uint16_t> &x, const std::vector<uint16_t> &r, double elt)
+{
+    Err16 e;
+    double num = 0, den = 0;
+    for (size_t i = 0; i < x.size(); ++i) {
+        const float a = from16(dt, x[i]), b = from16(dt, r[i]);
+        if (a != a) { ++e.nan; if (e.first < 0) e.first = (int64_t)i; continue; }
+        num += (double)(a - b) * (a - b); den += (double)b * b;
+        if (e.first < 0 && fabs(a - b) > elt * (1 + fabs(b))) e.first = (int64_t)i;
+    }
+    e.rel = den > 0 ? sqrt(num / den) : sqrt(num);
+    return e;
+}
+
+/* The sm90 backward (dq, dk, dv) against the CPU reference and the sm80
+ * backward, both from the reference's out and lse, outputs poisoned. */
+static void check_bwd_case(const AttnCase &c)
+{
+    const AttnSetup su(c);
+    const bool pad = su.pad;
+    const int64_t nq = su.nq, nk = su.nk, nl = su.nl, ncu = su.ncu;
+    const sf_attn_config cfg = su.cfg;
+    std::vector<uint16_t> hdo(nq), ref_o(nq), ref_dq(nq), ref_dk(nk), ref_dv(nk);
+    std::vector<float> ref_l(nl), acc(nq), delta(nl);
+    for (auto &x : hdo) x = to16(c.dt, rng_normal());
+    {
+        sf_tensor q = su.view((void *)su.hq.data(), c.dt, kQ, false), k = su.view((void *)su.hk.data(), c.dt, kK, false),
+                  v = su.view((void *)su.hv.data(), c.dt, kK, false), o = su.view(ref_o.data(), c.dt, kQ, false),
+                  l = su.view(ref_l.data(), SF_FLOAT32, kL, false), cq = su.cu(su.cuq.data(), false),
+                  ck = su.cu(su.cuk.data(), false), dout = su.view(hdo.data(), c.dt, kQ, false),
+                  dq = su.view(ref_dq.data(), c.dt, kQ, false), dk = su.view(ref_dk.data(), c.dt, kK, false),
+                  dv = su.view(ref_dv.data(), c.dt, kK, false), ac = su.view(acc.data(), SF_FLOAT32, kQ, false),
+                  de = su.view(delta.data(), SF_FLOAT32, kL, false);
+        CHECK_SF(sf_attn_fwd(&q, &k, &v, pad ? &cq : NULL, pad ? &ck : NULL, &cfg, &o, &l, NULL));
+        CHECK_SF(sf_attn_bwd(&q, &k, &v, &o, &dout, &l, pad ? &cq : NULL, pad ? &ck : NULL, &cfg, &dq, &dk, &dv, &ac,
+                             &de, NULL));
+    }
+    Dev gq(nq * 2), gk(nk * 2), gv(nk * 2), go(nq * 2), gdo(nq * 2), gl(nl * 4), gcq(ncu * 4), gck(ncu * 4);
+    Dev gdq(nq * 2), gdk(nk * 2), gdv(nk * 2), gacc(nq * 4), gdelta(nl * 4);
+    gq.put(su.hq.data()); gk.put(su.hk.data()); gv.put(su.hv.data()); go.put(ref_o.data()); gdo.put(hdo.data());
+    gl.put(ref_l.data()); gcq.put(su.cuq.data()); gck.put(su.cuk.data());
+    sf_tensor q = su.view(gq.p, c.dt, kQ, true), k = su.view(gk.p, c.dt, kK, true), v = su.view(gv.p, c.dt, kK, true),
+              o = su.view(go.p, c.dt, kQ, true), l = su.view(gl.p, SF_FLOAT32, kL, true), cq = su.cu(gcq.p, true),
+              ck = su.cu(gck.p, true), dout = su.view(gdo.p, c.dt, kQ, true), dq = su.view(gdq.p, c.dt, kQ, true),
+              dk = su.view(gdk.p, c.dt, kK, true), dv = su.view(gdv.p, c.dt, kK, true),
+              ac = su.view(gacc.p, SF_FLOAT32, kQ, true), de = su.view(gdelta.p, SF_FLOAT32, kL, true);
+    struct Grads { std::vector<uint16_t> dq, dk, dv; };
+    auto run = [&](int arch, Grads &g) {
+        CHECK_SF(sf_attn_set_bwd_kernel(arch));
+        for (Dev *d : {&gdq, &gdk, &gdv, &gacc, &gdelta})
+            CHECK_CUDA(cudaMemset(d->p, 0xff, d->n));
+        CHECK_SF(sf_attn_bwd(&q, &k, &v, &o, &dout, &l, pad ? &cq : NULL, pad ? &ck : NULL, &cfg, &dq, &dk, &dv, &ac,
+                             &de, NULL));
+        CHECK_CUDA(cudaDeviceSynchronize());
+        g.dq.resize(nq); g.dk.resize(nk); g.dv.resize(nk);
+        gdq.get(g.dq.data()); gdk.get(g.dk.data()); gdv.get(g.dv.data());
+    };
+    Grads g80, g90;
+    run(80, g80);
+    run(90, g90);
+    CHECK_SF(sf_attn_set_bwd_kernel(80));
+
+    /* as check_attn's backward: relative L2 error within twice the forward's tolerance */
+    const double tol = 2 * (c.dt == SF_BFLOAT16 ? 2e-2 : 4e-3), elt = c.dt == SF_BFLOAT16 ? 1e-1 : 2e-2;
+    const char *names[3] = {"dq", "dk", "dv"};
+    const std::vector<uint16_t> *got[3] = {&g90.dq, &g90.dk, &g90.dv}, *s80[3] = {&g80.dq, &g80.dk, &g80.dv},
+                                *ref[3] = {&ref_dq, &ref_dk, &ref_dv};
+    Err16 e[3], e80[3];
+    bool ok = true;
+    for (int i = 0; i < 3; ++i) {
+        e[i] = err16(c.dt, *got[i], *ref[i], elt);
+        e80[i] = err16(c.dt, *s80[i], *ref[i], elt);
+        ok = ok && e[i].nan == 0 && e[i].rel <= tol;
+    }
+    printf("%s (e) attn bwd sm90 %s %s d=%d mask=%d b=%d sq=%d sk=%d h=%d hk=%d win=(%d,%d): dq %.2e dk %.2e dv %.2e "
+           "(sm80 %.2e %.2e %.2e)%s\n",
+           ok ? "PASS" : "FAIL", sf_dtype_name(c.dt), fmt_name(c.fmt), c.d, (int)c.mask, c.b, c.sq, c.sk, c.h, c.hk,
+           c.left, c.right, e[0].rel, e[1].rel, e[2].rel, e80[0].rel, e80[1].rel, e80[2].rel,
+           e[0].nan + e[1].nan + e[2].nan ? " NaN" : "");
+    g_checks++;
+    if (ok)
+        return;
+    g_failures++;
+    printf("    hint: dv wrong: P^T (S^T = K Q^T, mask, lse) or dV += P^T dO; dk right-ish but dq wrong: the dS^T\n"
+           "    store or dQ = dS K (gemm-tt) or its atomics; dk wrong, dv right: dP^T = V dO^T, delta or dK += dS^T Q\n");
+    for (int i = 0; i < 3; ++i) {
+        const int64_t f = e[i].first;
+        if (f < 0)
+            continue;
+        const int hh = i == 0 ? c.h : c.hk;
+        printf("    first wrong %s element %lld (outer %lld, head %lld, dim %lld): expected %g got %g (sm80 %g)%s\n",
+               names[i], (long long)f, (long long)(f / c.d / hh), (long long)((f / c.d) % hh), (long long)(f % c.d),
+               from16(c.dt, (*ref[i])[f]), from16(c.dt, (*got[i])[f]), from16(c.dt, (*s80[i])[f]),
+               e[i].nan ? " (NaN present)" : "");
+    }
+}
+
+/* ---------- (d), (f): speed ---------- */
+
+/* A bshd bf16 problem of b x s tokens, h heads of d, random inputs, on the device. */
+struct BenchProblem {
+    int64_t shape[4], lshape[3], n;
+    Dev q, k, v, o, l, dout, dq, dk, dv, acc, delta;
+    sf_tensor tq, tk, tv, to, tl, tdo, tdq, tdk, tdv, tacc, tdelta;
+    sf_attn_config cfg;
+    BenchProblem(int b, int s, int h, int d, bool causal)
+        : shape{b, s, h, d}, lshape{b, h, s}, n((int64_t)b * s * h * d), q(n * 2), k(n * 2), v(n * 2), o(n * 2),
+          l((int64_t)b * h * s * 4), dout(n * 2), dq(n * 2), dk(n * 2), dv(n * 2), acc(n * 4),
+          delta((int64_t)b * h * s * 4)
+    {
+        std::vector<uint16_t> host(n);
+        for (Dev *x : {&q, &k, &v, &dout}) {
+            for (auto &e : host) e = sf_f32_to_bf16(rng_normal());
+            x->put(host.data());
+        }
+        for (auto [t, dev] : {std::pair{&tq, &q}, {&tk, &k}, {&tv, &v}, {&to, &o}, {&tdo, &dout}, {&tdq, &dq},
+                              {&tdk, &dk}, {&tdv, &dv}})
+            sf_tensor_init(t, dev->p, SF_BFLOAT16, 4, shape, SF_CUDA, 0);
+        sf_tensor_init(&tacc, acc.p, SF_FLOAT32, 4, shape, SF_CUDA, 0);
+        sf_tensor_init(&tl, l.p, SF_FLOAT32, 3, lshape, SF_CUDA, 0);
+        sf_tensor_init(&tdelta, delta.p, SF_FLOAT32, 3, lshape, SF_CUDA, 0);
+        memset(&cfg, 0, sizeof cfg);
+        cfg.format = SF_ATTN_BSHD;
+        cfg.mask = causal ? SF_ATTN_CAUSAL : SF_ATTN_NO_MASK;
+        cfg.window_left = cfg.window_right = -1;
+        cfg.softmax_scale = 1.0f / sqrtf((float)d);
+    }
+    void fwd() { CHECK_SF(sf_attn_fwd(&tq, &tk, &tv, NULL, NULL, &cfg, &to, &tl, NULL)); }
+    void bwd()
+    {
+        CHECK_SF(sf_attn_bwd(&tq, &tk, &tv, &to, &tdo, &tl, NULL, NULL, &cfg, &tdq, &tdk, &tdv, &tacc, &tdelta, NULL));
+    }
+    /* 4 b h s^2 d for the forward, halved when causal */
+    double fwd_flops() const
+    {
+        return 4.0 * shape[0] * shape[2] * (double)shape[1] * shape[1] * shape[3] *
+               (cfg.mask == SF_ATTN_CAUSAL ? 0.5 : 1.0);
+    }
+};
 
 static double fwd_tflops(int arch, int variant, int b, int s, int h, int d, bool causal)
 {
-    const int64_t shape[4] = {b, s, h, d}, lshape[3] = {b, h, s}, n = (int64_t)b * s * h * d;
-    Dev q(n * 2), k(n * 2), v(n * 2), o(n * 2), l((int64_t)b * h * s * 4);
-    std::vector<uint16_t> host(n);
-    for (auto &x : host) x = sf_f32_to_bf16(rng_normal());
-    q.put(host.data()); k.put(host.data()); v.put(host.data());
-    sf_tensor tq, tk, tv, to, tl;
-    sf_tensor_init(&tq, q.p, SF_BFLOAT16, 4, shape, SF_CUDA, 0);
-    sf_tensor_init(&tk, k.p, SF_BFLOAT16, 4, shape, SF_CUDA, 0);
-    sf_tensor_init(&tv, v.p, SF_BFLOAT16, 4, shape, SF_CUDA, 0);
-    sf_tensor_init(&to, o.p, SF_BFLOAT16, 4, shape, SF_CUDA, 0);
-    sf_tensor_init(&tl, l.p, SF_FLOAT32, 3, lshape, SF_CUDA, 0);
-    sf_attn_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.format = SF_ATTN_BSHD;
-    cfg.mask = causal ? SF_ATTN_CAUSAL : SF_ATTN_NO_MASK;
-    cfg.window_left = cfg.window_right = -1;
-    cfg.softmax_scale = 1.0f / sqrtf((float)d);
+    BenchProblem bp(b, s, h, d, causal);
     CHECK_SF(sf_attn_set_fwd_kernel(arch));
     CHECK_SF(sf_attn_set_fwd_sm90_variant(variant));
-    const float ms = time_ms([&] { CHECK_SF(sf_attn_fwd(&tq, &tk, &tv, NULL, NULL, &cfg, &to, &tl, NULL)); });
+    const float ms = time_ms([&] { bp.fwd(); });
     CHECK_SF(sf_attn_set_fwd_kernel(80));
-    return 4.0 * b * h * (double)s * s * d * (causal ? 0.5 : 1.0) / (ms * 1e-3) / 1e12;
+    return bp.fwd_flops() / (ms * 1e-3) / 1e12;
+}
+
+/* Backward alone (delta, dK/dV/dQ, dQ conversion) after one forward; 2.5x the forward's flops. */
+static double bwd_tflops(int arch, BenchProblem &bp)
+{
+    CHECK_SF(sf_attn_set_bwd_kernel(arch));
+    const float ms = time_ms([&] { bp.bwd(); });
+    CHECK_SF(sf_attn_set_bwd_kernel(80));
+    return 2.5 * bp.fwd_flops() / (ms * 1e-3) / 1e12;
+}
+
+static void bench_bwd()
+{
+    printf("\n(f) backward speed: 16k tokens per batch, bf16, bshd (TFLOP/s, 10*b*h*s*s*d, halved when causal)\n");
+    printf("%-6s %-4s %-5s %-6s %8s %8s %8s\n", "seqlen", "hd", "heads", "causal", "sm90", "sm80", "sm90/sm80");
+    for (int d : {64, 128})
+        for (int s : {1024, 4096, 8192})
+            for (int causal = 0; causal < 2; ++causal) {
+                const int b = 16384 / s, h = d == 64 ? 32 : 16;
+                BenchProblem bp(b, s, h, d, causal);
+                CHECK_SF(sf_attn_set_fwd_kernel(90));
+                bp.fwd();
+                const double t90 = bwd_tflops(90, bp), t80 = bwd_tflops(80, bp);
+                printf("%-6d %-4d %-5d %-6s %8.1f %8.1f %8.2f\n", s, d, h, causal ? "yes" : "no", t90, t80, t90 / t80);
+            }
+}
+
+static void check_bwd_cases()
+{
+    const char *why = "";
+    CHECK_SF(sf_attn_set_bwd_kernel(90));
+    const int path = sf_attn_bwd_kernel_for(128, 0, 0, &why), det = sf_attn_bwd_kernel_for(128, 1, 0, &why);
+    printf("%s (e) sm90 backward taken when selected (%d), sm80 for deterministic calls (%d: %s)\n",
+           path == 90 && det == 80 ? "PASS" : "FAIL", path, det, why);
+    g_checks++;
+    if (path != 90 || det != 80) {
+        g_failures++;
+        return;
+    }
+    CHECK_SF(sf_attn_set_fwd_kernel(90));
+    for (int d : {64, 128})
+        for (sf_dtype dt : {SF_BFLOAT16, SF_FLOAT16}) {
+            for (int s : {1, 63, 64, 65, 127, 200, 513}) /* lengths around the 64-row / 128-key tiles */
+                check_bwd_case({SF_ATTN_BSHD, SF_ATTN_NO_MASK, 2, s, s, 2, 2, d, dt, -1, -1});
+            check_bwd_case({SF_ATTN_BSHD, SF_ATTN_CAUSAL, 2, 200, 200, 2, 2, d, dt, -1, -1});
+            check_bwd_case({SF_ATTN_BSHD, SF_ATTN_CAUSAL, 1, 513, 513, 2, 2, d, dt, -1, -1});
+            check_bwd_case({SF_ATTN_BSHD, SF_ATTN_NO_MASK, 2, 77, 150, 8, 2, d, dt, -1, -1});  /* GQA 4:1 */
+            check_bwd_case({SF_ATTN_BSHD, SF_ATTN_CAUSAL, 2, 300, 300, 4, 1, d, dt, -1, -1});  /* MQA */
+            check_bwd_case({SF_ATTN_BSHD, SF_ATTN_PADDING, 3, 200, 260, 2, 2, d, dt, -1, -1});
+            check_bwd_case({SF_ATTN_BSHD, SF_ATTN_PADDING_CAUSAL, 3, 127, 127, 2, 2, d, dt, -1, -1});
+            check_bwd_case({SF_ATTN_BSHD, SF_ATTN_CAUSAL_BOTTOM_RIGHT, 2, 100, 230, 2, 2, d, dt, -1, -1});
+            check_bwd_case({SF_ATTN_BSHD, SF_ATTN_CAUSAL_BOTTOM_RIGHT, 2, 230, 100, 2, 2, d, dt, -1, -1});
+            check_bwd_case({SF_ATTN_SBHD, SF_ATTN_PADDING_CAUSAL, 3, 200, 65, 4, 1, d, dt, -1, -1});
+            check_bwd_case({SF_ATTN_SBHD, SF_ATTN_NO_MASK, 2, 65, 63, 2, 2, d, dt, -1, -1});
+            check_bwd_case({SF_ATTN_THD, SF_ATTN_PADDING, 4, 300, 300, 4, 4, d, dt, -1, -1});
+            check_bwd_case({SF_ATTN_THD, SF_ATTN_PADDING_CAUSAL, 5, 257, 257, 8, 2, d, dt, -1, -1});
+            check_bwd_case({SF_ATTN_THD, SF_ATTN_PADDING_CAUSAL_BOTTOM_RIGHT, 3, 190, 140, 2, 1, d, dt, -1, -1});
+            check_bwd_case({SF_ATTN_BSHD, SF_ATTN_CAUSAL, 1, 300, 300, 2, 2, d, dt, 70, 0}); /* sliding windows */
+            check_bwd_case({SF_ATTN_BSHD, SF_ATTN_NO_MASK, 1, 160, 230, 2, 1, d, dt, 33, 17});
+            check_bwd_case({SF_ATTN_THD, SF_ATTN_PADDING, 3, 400, 400, 2, 2, d, dt, 64, 64});
+            check_bwd_case({SF_ATTN_BSHD, SF_ATTN_NO_MASK, 1, 1000, 1000, 2, 2, d, dt, -1, -1}); /* many tiles */
+        }
+    CHECK_SF(sf_attn_set_bwd_kernel(80));
 }
 
 int main(int argc, char **argv)
 {
+    bool bench = true, fwd = true, bwd = true;
+    for (int i = 1; i < argc; ++i) {
+        if (!strcmp(argv[i], "--no-bench"))
+            bench = false;
+        else if (!strcmp(argv[i], "--bwd"))
+            fwd = false;
+        else if (!strcmp(argv[i], "--fwd"))
+            bwd = false;
+        else {
+            fprintf(stderr, "usage: %s [--fwd | --bwd] [--no-bench]\n", argv[0]);
+            return 2;
+        }
+    }
     rng_seed();
     const char *why = "";
     CHECK_SF(sf_attn_set_fwd_kernel(90));
@@ -387,17 +671,23 @@ int main(int argc, char **argv)
         return check_finish("check_attn_sm90");
     }
 
-    check_gemm<__nv_bfloat16, 64>(SF_BFLOAT16, false);
-    check_gemm<__nv_bfloat16, 128>(SF_BFLOAT16, false);
-    check_gemm<__half, 64>(SF_FLOAT16, false);
-    check_gemm<__half, 128>(SF_FLOAT16, false);
-    check_gemm<__nv_bfloat16, 64>(SF_BFLOAT16, true);
-    check_gemm<__nv_bfloat16, 128>(SF_BFLOAT16, true);
-    check_gemm<__half, 64>(SF_FLOAT16, true);
-    check_gemm<__half, 128>(SF_FLOAT16, true);
+    for (int mode = 0; mode < 2 && fwd; ++mode) {
+        check_gemm<__nv_bfloat16, 64>(SF_BFLOAT16, mode);
+        check_gemm<__nv_bfloat16, 128>(SF_BFLOAT16, mode);
+        check_gemm<__half, 64>(SF_FLOAT16, mode);
+        check_gemm<__half, 128>(SF_FLOAT16, mode);
+    }
+    if (bwd) { /* the backward's dQ product (and its m64n64 S^T, dP^T are gemm-ss above) */
+        check_gemm<__nv_bfloat16, 32>(SF_BFLOAT16, 2);
+        check_gemm<__nv_bfloat16, 64>(SF_BFLOAT16, 2);
+        check_gemm<__half, 32>(SF_FLOAT16, 2);
+        check_gemm<__half, 64>(SF_FLOAT16, 2);
+    }
 
     for (int d : {64, 128})
         for (sf_dtype dt : {SF_BFLOAT16, SF_FLOAT16}) {
+            if (!fwd)
+                break;
             check_attn_case({SF_ATTN_BSHD, SF_ATTN_NO_MASK, 1, 128, 128, 1, 1, d, dt, -1, -1}); /* one tile */
             check_attn_case({SF_ATTN_BSHD, SF_ATTN_NO_MASK, 2, 256, 384, 2, 2, d, dt, -1, -1});
             check_attn_case({SF_ATTN_BSHD, SF_ATTN_CAUSAL, 2, 256, 256, 2, 2, d, dt, -1, -1});
@@ -413,9 +703,15 @@ int main(int argc, char **argv)
             check_attn_case({SF_ATTN_BSHD, SF_ATTN_NO_MASK, 1, 160, 230, 2, 1, d, dt, 33, 17});
             check_attn_case({SF_ATTN_BSHD, SF_ATTN_NO_MASK, 1, 1000, 1000, 1, 1, d, dt, -1, -1}); /* 8 key tiles */
         }
-    if (argc > 1 && !strcmp(argv[1], "--no-bench"))
+    if (bwd)
+        check_bwd_cases();
+    if (!bench)
         return check_finish("check_attn_sm90");
 
+    if (bwd)
+        bench_bwd();
+    if (!fwd)
+        return check_finish("check_attn_sm90");
     printf("\n(d) forward speed: 16k tokens per batch, bf16, bshd (TFLOP/s, 4*b*h*s*s*d, halved when causal)\n");
     printf("%-6s %-4s %-6s %8s %8s %8s %8s %8s %8s %5s %10s\n", "seqlen", "hd", "causal", "sm90v0", "sm90v1",
            "sm90v2", "sm90v3", "sm90v4", "sm80", "best", "best/sm80");

@@ -111,11 +111,13 @@ done:
     return NULL;
 }
 
-/* attn_set_fwd_kernel(arch): the CUDA forward on Hopper, 90 (wgmma) or 80
- * (mma.sync); attn_set_fwd_sm90_variant(v): the wgmma kernel's schedule;
- * attn_fwd_kernel_for(head_dim, device) -> (arch, reason): which kernel a
- * forward takes (attn_sm90.h).  Tests, benchmarks and the once-per-reason
- * log of ops/attn.py. */
+/* attn_set_fwd_kernel(arch) / attn_set_bwd_kernel(arch): the CUDA forward
+ * / backward on Hopper, 90 (wgmma) or 80 (mma.sync);
+ * attn_set_fwd_sm90_variant(v): the wgmma forward's schedule;
+ * attn_fwd_kernel_for(head_dim, device) and attn_bwd_kernel_for(head_dim,
+ * device, deterministic) -> (arch, reason): which kernel a call takes
+ * (attn_sm90.h).  Tests, benchmarks and the once-per-reason log of
+ * ops/attn.py. */
 static PyObject *py_attn_set_int(PyObject *arg, sf_status (*set)(int))
 {
     long v = PyLong_AsLong(arg);
@@ -125,7 +127,7 @@ static PyObject *py_attn_set_int(PyObject *arg, sf_status (*set)(int))
     sf_status st = set((int)v);
 #else
     (void)set;
-    sf_status st = sf_fail(SF_ERR_NOT_IMPLEMENTED, "attention_fwd: the kernel choice exists only in a CUDA build");
+    sf_status st = sf_fail(SF_ERR_NOT_IMPLEMENTED, "attention: the kernel choice exists only in a CUDA build");
 #endif
     if (st != SF_OK)
         return sf_py_raise(st);
@@ -135,6 +137,7 @@ static PyObject *py_attn_set_int(PyObject *arg, sf_status (*set)(int))
 #ifndef SF_WITH_CUDA
 #define sf_attn_set_fwd_kernel NULL
 #define sf_attn_set_fwd_sm90_variant NULL
+#define sf_attn_set_bwd_kernel NULL
 #endif
 
 static PyObject *py_attn_set_fwd_kernel(PyObject *self, PyObject *arg)
@@ -147,6 +150,26 @@ static PyObject *py_attn_set_fwd_sm90_variant(PyObject *self, PyObject *arg)
 {
     (void)self;
     return py_attn_set_int(arg, sf_attn_set_fwd_sm90_variant);
+}
+
+static PyObject *py_attn_set_bwd_kernel(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    return py_attn_set_int(arg, sf_attn_set_bwd_kernel);
+}
+
+static PyObject *py_attn_bwd_kernel_for(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int head_dim, device, deterministic;
+    if (!PyArg_ParseTuple(args, "iip", &head_dim, &device, &deterministic))
+        return NULL;
+    const char *why = "";
+    int arch = 80;
+#ifdef SF_WITH_CUDA
+    arch = sf_attn_bwd_kernel_for(head_dim, deterministic, device, &why);
+#endif
+    return Py_BuildValue("(is)", arch, why ? why : "");
 }
 
 static PyObject *py_attn_fwd_kernel_for(PyObject *self, PyObject *args)
@@ -172,6 +195,10 @@ PyMethodDef sf_py_attn_methods[] = {
      "or 4 (3 with three consumer warpgroups of 192 rows at head dim 64)."},
     {"attn_fwd_kernel_for", py_attn_fwd_kernel_for, METH_VARARGS,
      "attn_fwd_kernel_for(head_dim, device) -> (arch, reason): the forward kernel a call takes."},
+    {"attn_set_bwd_kernel", py_attn_set_bwd_kernel, METH_O,
+     "attn_set_bwd_kernel(arch): CUDA backward kernel on Hopper, 90 (wgmma) or 80 (mma.sync)."},
+    {"attn_bwd_kernel_for", py_attn_bwd_kernel_for, METH_VARARGS,
+     "attn_bwd_kernel_for(head_dim, device, deterministic) -> (arch, reason): the backward kernel a call takes."},
     {"attn_fwd", SF_PY_FASTCALL(py_attn_fwd),
      "attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, out, lse, cfg, stream=None): "
      "fused attention forward into out and lse (float32)."},

@@ -12,10 +12,12 @@ from .rope import rope_backward, rope_forward
 __all__ = ["amax", "gemm", "rope_forward", "rope_backward"]
 
 from .attn import attention, attention_bwd, attention_fwd  # noqa: E402
-from .attn import attention_fwd_kernel, set_attention_fwd_kernel  # noqa: E402
+from .attn import attention_bwd_kernel, attention_fwd_kernel  # noqa: E402
+from .attn import set_attention_bwd_kernel, set_attention_fwd_kernel  # noqa: E402
 
 __all__ += ["attention", "attention_fwd", "attention_bwd"]
 __all__ += ["attention_fwd_kernel", "set_attention_fwd_kernel"]
+__all__ += ["attention_bwd_kernel", "set_attention_bwd_kernel"]
 
 __all__ += ["cross_entropy_forward", "cross_entropy_backward"]
 

@@ -24,8 +24,12 @@ precision, any head dim, float32 too.  No dropout.
 On Hopper the forward has two kernels: the wgmma one (``attention_fwd_kernel`` 90,
 csrc/attn/attn_fwd_sm90_cuda.cu) and the mma.sync one (80).  The choice is
 ``SEQFUSE_ATTN_FWD_KERNEL=sm90|sm80`` or ``set_attention_fwd_kernel``; the wgmma kernel is
-the default for head dims 64 and 128 (confirmed on an H200).  Wherever a Hopper
-device runs the slower kernel, the reason is logged once (logger "seqfuse").
+the default for head dims 64 and 128 (confirmed on an H200).  The backward has the
+same pair (``attention_bwd_kernel``, csrc/attn/attn_bwd_sm90_cuda.cu), chosen by
+``SEQFUSE_ATTN_BWD_KERNEL=sm90|sm80`` or ``set_attention_bwd_kernel``; its default is
+sm80 until the wgmma backward is confirmed on a GPU, and deterministic calls always
+take sm80 (the wgmma backward adds dQ with atomics).  Wherever a Hopper device runs
+the slower kernel, the reason is logged once (logger "seqfuse").
 """
 import logging
 import math
@@ -50,9 +54,11 @@ _PADDING = {1, 3, 5}
 
 _log = logging.getLogger("seqfuse")
 _fwd_reasons_logged = set()
-# (head dim, device index) pairs whose kernel choice was already looked at
-# since the choice last changed: the forward asks C once per pair, not per call
+_bwd_reasons_logged = set()
+# (head dim, device index[, deterministic]) keys whose kernel choice was already
+# looked at since the choice last changed: each direction asks C once per key, not per call
 _fwd_kernel_checked = set()
+_bwd_kernel_checked = set()
 
 
 def set_attention_fwd_kernel(arch):
@@ -61,26 +67,52 @@ def set_attention_fwd_kernel(arch):
     _fwd_kernel_checked.clear()
 
 
+def set_attention_bwd_kernel(arch):
+    """Backward kernel on Hopper: 90 (wgmma) or 80 (mma.sync), for the process."""
+    _C.attn_set_bwd_kernel(arch)
+    _bwd_kernel_checked.clear()
+
+
+def _device_index(device):
+    index = torch.cuda.current_device() if device is None else torch.device(device).index
+    return 0 if index is None else index
+
+
 def attention_fwd_kernel(head_dim, device=None):
     """(arch, reason): the CUDA forward kernel a call with this head dim takes
     on ``device`` (default: the current CUDA device); reason is "" when it is
     90 or when the device is not Hopper."""
-    index = torch.cuda.current_device() if device is None else torch.device(device).index
-    return _C.attn_fwd_kernel_for(head_dim, 0 if index is None else index)
+    return _C.attn_fwd_kernel_for(head_dim, _device_index(device))
+
+
+def attention_bwd_kernel(head_dim, device=None, deterministic=False):
+    """(arch, reason): the CUDA backward kernel a call with this head dim and
+    deterministic flag takes on ``device``, as ``attention_fwd_kernel``."""
+    return _C.attn_bwd_kernel_for(head_dim, _device_index(device), bool(deterministic))
+
+
+def _note_kernel(direction, key, kernel_for, checked, logged):
+    """Log once per reason when a Hopper device gets an sm80 kernel."""
+    if key in checked:
+        return
+    checked.add(key)
+    arch, why = kernel_for(*key)
+    if arch != 90 and why and why not in logged:
+        logged.add(why)
+        # an explicit choice (or the default) is news; anything else is a missed fast path
+        level = logging.INFO if why.startswith(("sm80 kernel chosen", "sm80 backward chosen")) else logging.WARNING
+        _log.log(level, "seqfuse attention %s: the sm80 (mma.sync) kernel runs on this Hopper GPU: %s",
+                 direction, why)
 
 
 def _note_fwd_kernel(q):
-    """Log once per reason when a Hopper device gets the sm80 forward."""
-    key = (q.shape[-1], q.device.index or 0)
-    if key in _fwd_kernel_checked:
-        return
-    _fwd_kernel_checked.add(key)
-    arch, why = _C.attn_fwd_kernel_for(*key)
-    if arch != 90 and why and why not in _fwd_reasons_logged:
-        _fwd_reasons_logged.add(why)
-        # an explicit choice is news; anything else (e.g. head dims 16-32) is a missed fast path
-        level = logging.INFO if why.startswith("sm80 kernel chosen") else logging.WARNING
-        _log.log(level, "seqfuse attention forward: the sm80 (mma.sync) kernel runs on this Hopper GPU: %s", why)
+    _note_kernel("forward", (q.shape[-1], q.device.index or 0), _C.attn_fwd_kernel_for, _fwd_kernel_checked,
+                 _fwd_reasons_logged)
+
+
+def _note_bwd_kernel(q, deterministic):
+    _note_kernel("backward", (q.shape[-1], q.device.index or 0, bool(deterministic)), _C.attn_bwd_kernel_for,
+                 _bwd_kernel_checked, _bwd_reasons_logged)
 
 
 def _mask_code(attn_mask_type, qkv_format):
@@ -200,6 +232,8 @@ def attention_bwd(dout, q, k, v, out, lse, *, qkv_format="bshd", attn_mask_type=
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if dv is None else dv
     dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
+    if q.is_cuda:
+        _note_bwd_kernel(q, deterministic)
     _C.attn_bwd(q, k, v, out, dout, lse, cu_q, cu_k, dq, dk, dv, dq_accum, delta, cfg, stream_for(q))
     return dq, dk, dv
 
