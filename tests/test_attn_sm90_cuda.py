@@ -31,20 +31,28 @@ def is_hopper():
 SM90_VARIANTS = [0, 1, 2, 3, 4]
 
 
-@pytest.fixture(params=SM90_VARIANTS, ids=[f"sm90v{v}" for v in SM90_VARIANTS])
+@pytest.fixture(params=SM90_VARIANTS + ["bwd"], ids=[f"sm90v{v}" for v in SM90_VARIANTS] + ["sm90bwd"])
 def sm90(request):
-    """The wgmma forward for the test, every schedule (0: in order, 1: softmax
-    overlapped with P V, 2: 1 warp-specialized with a producer warpgroup and
-    an mbarrier K/V pipeline, 3: 2 with the consumers in ping-pong, 4: 3 with
-    three consumer warpgroups of 192 rows at head dim 64), skipped
-    off Hopper; the defaults (wgmma, schedule 4) restored after."""
+    """A checker of one case, check(q, k, v, dout, fmt, mask, lq, lk, window,
+    what), for each wgmma kernel: the forward's schedules (0: in order, 1:
+    softmax overlapped with P V, 2: 1 warp-specialized with a producer
+    warpgroup and an mbarrier K/V pipeline, 3: 2 with the consumers in
+    ping-pong, 4: 3 with three consumer warpgroups of 192 rows at head dim
+    64), checked on out and lse, and the backward ("bwd", after the default
+    forward), checked on dq, dk, dv.  Skipped off Hopper; the defaults
+    (forward wgmma schedule 4, backward sm80) restored after."""
     if not is_hopper():
-        pytest.skip("the wgmma forward needs a compute capability 9.0 GPU")
-    seqfuse._C.attn_set_fwd_sm90_variant(request.param)
+        pytest.skip("the wgmma kernels need a compute capability 9.0 GPU")
     seqfuse.ops.set_attention_fwd_kernel(90)
-    yield request.param
-    seqfuse.ops.set_attention_fwd_kernel(90)
-    seqfuse._C.attn_set_fwd_sm90_variant(4)
+    if request.param == "bwd":
+        seqfuse.ops.set_attention_bwd_kernel(90)
+        yield check_bwd
+        seqfuse.ops.set_attention_bwd_kernel(80)
+    else:
+        seqfuse._C.attn_set_fwd_sm90_variant(request.param)
+        yield lambda q, k, v, dout, *case: check(q, k, v, *case)
+        seqfuse.ops.set_attention_fwd_kernel(90)
+        seqfuse._C.attn_set_fwd_sm90_variant(4)
 
 
 def both_kernels(q, k, v, fmt, mask, lq, lk, window=None):
@@ -71,6 +79,23 @@ def check(q, k, v, fmt, mask, lq, lk, window, what):
     assert err <= 2e-3, f"{what}: lse differs from the sm80 kernel's by {err:.2e}"
 
 
+def check_bwd(q, k, v, dout, fmt, mask, lq, lk, window, what):
+    """dq, dk, dv of the sm90 backward against the float64 reference (the
+    tolerances of test_attn_cuda) and against the sm80 backward."""
+    seqfuse.ops.set_attention_bwd_kernel(80)
+    _, _, g80 = run_ours(q, k, v, dout, fmt, mask, lq, lk, window)
+    seqfuse.ops.set_attention_bwd_kernel(90)
+    assert seqfuse.ops.attention_bwd_kernel(q.shape[-1], q.device)[0] == 90
+    _, _, g90 = run_ours(q, k, v, dout, fmt, mask, lq, lk, window)
+    ref, ref_grads = run_reference(q, k, v, dout, fmt, mask, lq, lk, window)
+    for name, g, g8, r in zip(("dq", "dk", "dv"), g90, g80, ref_grads):
+        assert not torch.isnan(g).any(), f"{what}: NaN in {name}"
+        e, e80 = rel_error(g, r), rel_error(g8, r)
+        assert e <= BWD_TOL[q.dtype], f"{what}: {name} rel error {e:.2e} (sm80: {e80:.2e})"
+        d = rel_error(g, g8)
+        assert d <= BWD_TOL[q.dtype], f"{what}: {name} differs from the sm80 backward's by {d:.2e}"
+
+
 MASKS = ["no_mask", "padding", "causal", "padding_causal", "causal_bottom_right",
          "padding_causal_bottom_right"]
 
@@ -79,25 +104,25 @@ MASKS = ["no_mask", "padding", "causal", "padding_causal", "causal_bottom_right"
 @pytest.mark.parametrize("fmt", ["bshd", "sbhd", "thd"])
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("h,hk", [(4, 4), (6, 1)])  # (4, 2) GQA: the tests below
-@pytest.mark.parametrize("sq,sk", [(128, 128), (77, 150), (200, 65), (256, 384), (1, 9)])
+@pytest.mark.parametrize("h,hk", [(4, 4), (8, 2), (6, 1)])  # (4, 2) GQA: the tests below
+@pytest.mark.parametrize("sq,sk", [(128, 128), (77, 150), (200, 65), (256, 384), (1, 9), (513, 300)])
 def test_sm90_matches_reference(fmt, mask, d, h, hk, sq, sk, seed, sm90):
     if fmt == "thd" and mask not in PADDING:
         pytest.skip("thd always delimits sequences: covered by the padding masks")
     rng = random.Random(seed)
-    q, k, v, _, lq, lk = make_case(fmt, mask, 3, sq, sk, h, hk, d, torch.bfloat16, rng)
-    check(q, k, v, fmt, mask, lq, lk, None, f"{fmt} {mask} d={d} h={h}/{hk} {sq}x{sk} lq={lq} lk={lk}")
+    q, k, v, dout, lq, lk = make_case(fmt, mask, 3, sq, sk, h, hk, d, torch.bfloat16, rng)
+    sm90(q, k, v, dout, fmt, mask, lq, lk, None, f"{fmt} {mask} d={d} h={h}/{hk} {sq}x{sk} lq={lq} lk={lk}")
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("mask", ["no_mask", "causal", "padding_causal_bottom_right"])
-@pytest.mark.parametrize("sq,sk", [(191, 333), (500, 129), (1000, 1000)])
+@pytest.mark.parametrize("sq,sk", [(63, 65), (191, 333), (500, 129), (1000, 1000)])
 def test_sm90_dtypes_and_longer(dtype, d, mask, sq, sk, seed, sm90):
     rng = random.Random(seed)
-    q, k, v, _, lq, lk = make_case("bshd", mask, 2, sq, sk, 4, 2, d, dtype, rng)
-    check(q, k, v, "bshd", mask, lq, lk, None, f"{dtype} {mask} d={d} {sq}x{sk}")
+    q, k, v, dout, lq, lk = make_case("bshd", mask, 2, sq, sk, 4, 2, d, dtype, rng)
+    sm90(q, k, v, dout, "bshd", mask, lq, lk, None, f"{dtype} {mask} d={d} {sq}x{sk}")
 
 
 @pytest.mark.cuda
@@ -113,7 +138,8 @@ def test_sm90_packed_many_tiles(d, mask, seed, sm90):
     q = torch.randn(sum(lq) + 3, h, d, device="cuda").to(torch.bfloat16)
     k = torch.randn(sum(lk) + 2, hk, d, device="cuda").to(torch.bfloat16)
     v = torch.randn(sum(lk) + 2, hk, d, device="cuda").to(torch.bfloat16)
-    check(q, k, v, "thd", mask, lq, lk, None, f"thd {mask} d={d} lq={lq}")
+    dout = torch.randn_like(q)
+    sm90(q, k, v, dout, "thd", mask, lq, lk, None, f"thd {mask} d={d} lq={lq}")
 
 
 @pytest.mark.cuda
@@ -125,8 +151,8 @@ def test_sm90_sliding_window(window, mask, fmt, d, seed, sm90):
     if fmt == "thd" and mask not in PADDING:
         pytest.skip("thd always delimits sequences: covered by the padding masks")
     rng = random.Random(seed)
-    q, k, v, _, lq, lk = make_case(fmt, mask, 2, 300, 420, 4, 2, d, torch.bfloat16, rng)
-    check(q, k, v, fmt, mask, lq, lk, window, f"{fmt} {mask} d={d} window={window}")
+    q, k, v, dout, lq, lk = make_case(fmt, mask, 2, 300, 420, 4, 2, d, torch.bfloat16, rng)
+    sm90(q, k, v, dout, fmt, mask, lq, lk, window, f"{fmt} {mask} d={d} window={window}")
 
 
 @pytest.mark.cuda
@@ -206,82 +232,26 @@ def test_fwd_kernel_choice_asked_once_per_head_dim_and_device(monkeypatch):
     assert calls == [(64, 0), (128, 0), (64, 0)]
 
 
-# ---- the wgmma backward (csrc/attn/attn_bwd_sm90_cuda.cu) ----
-
-@pytest.fixture
-def sm90_bwd():
-    """The wgmma backward (and forward) for the test, skipped off Hopper; the
-    backward's default (sm80 until the lead confirms the wgmma one) restored after."""
-    if not is_hopper():
-        pytest.skip("the wgmma backward needs a compute capability 9.0 GPU")
-    seqfuse.ops.set_attention_fwd_kernel(90)
-    seqfuse.ops.set_attention_bwd_kernel(90)
-    yield
-    seqfuse.ops.set_attention_bwd_kernel(80)
-
-
-def check_bwd(q, k, v, dout, fmt, mask, lq, lk, window, what):
-    """dq, dk, dv of the sm90 backward against the float64 reference (the
-    tolerances of test_attn_cuda) and against the sm80 backward."""
-    seqfuse.ops.set_attention_bwd_kernel(80)
-    _, _, g80 = run_ours(q, k, v, dout, fmt, mask, lq, lk, window)
-    seqfuse.ops.set_attention_bwd_kernel(90)
-    assert seqfuse.ops.attention_bwd_kernel(q.shape[-1], q.device)[0] == 90
-    out, _, g90 = run_ours(q, k, v, dout, fmt, mask, lq, lk, window)
-    ref, ref_grads = run_reference(q, k, v, dout, fmt, mask, lq, lk, window)
-    for name, g, g8, r in zip(("dq", "dk", "dv"), g90, g80, ref_grads):
-        assert not torch.isnan(g).any(), f"{what}: NaN in {name}"
-        e, e80 = rel_error(g, r), rel_error(g8, r)
-        assert e <= BWD_TOL[q.dtype], f"{what}: {name} rel error {e:.2e} (sm80: {e80:.2e})"
-        d = rel_error(g, g8)
-        assert d <= BWD_TOL[q.dtype], f"{what}: {name} differs from the sm80 backward's by {d:.2e}"
-
+# ---- the wgmma backward (csrc/attn/attn_bwd_sm90_cuda.cu): also through the sm90 fixture above ----
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("fmt", ["bshd", "sbhd", "thd"])
-@pytest.mark.parametrize("mask", MASKS)
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("h,hk", [(4, 4), (8, 2), (6, 1)])
-@pytest.mark.parametrize("sq,sk", [(128, 128), (77, 150), (200, 65), (1, 9), (513, 300)])
-def test_sm90_bwd_matches_reference(fmt, mask, d, h, hk, sq, sk, seed, sm90_bwd):
-    if fmt == "thd" and mask not in PADDING:
-        pytest.skip("thd always delimits sequences: covered by the padding masks")
-    rng = random.Random(seed)
-    q, k, v, dout, lq, lk = make_case(fmt, mask, 3, sq, sk, h, hk, d, torch.bfloat16, rng)
-    check_bwd(q, k, v, dout, fmt, mask, lq, lk, None, f"{fmt} {mask} d={d} h={h}/{hk} {sq}x{sk} lq={lq} lk={lk}")
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("mask", ["no_mask", "causal", "padding_causal_bottom_right"])
-@pytest.mark.parametrize("sq,sk", [(63, 65), (191, 333), (1000, 1000)])
-def test_sm90_bwd_dtypes_and_longer(dtype, d, mask, sq, sk, seed, sm90_bwd):
-    rng = random.Random(seed)
-    q, k, v, dout, lq, lk = make_case("bshd", mask, 2, sq, sk, 4, 2, d, dtype, rng)
-    check_bwd(q, k, v, dout, "bshd", mask, lq, lk, None, f"{dtype} {mask} d={d} {sq}x{sk}")
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("window", [(0, 0), (16, 0), (100, 0), (33, 17), (-1, 5), (64, -1)])
-@pytest.mark.parametrize("mask", ["no_mask", "causal", "padding_causal_bottom_right"])
-@pytest.mark.parametrize("fmt", ["bshd", "thd"])
-@pytest.mark.parametrize("d", [64, 128])
-def test_sm90_bwd_sliding_window(window, mask, fmt, d, seed, sm90_bwd):
-    if fmt == "thd" and mask not in PADDING:
-        pytest.skip("thd always delimits sequences: covered by the padding masks")
-    rng = random.Random(seed)
-    q, k, v, dout, lq, lk = make_case(fmt, mask, 2, 300, 420, 4, 2, d, torch.bfloat16, rng)
-    check_bwd(q, k, v, dout, fmt, mask, lq, lk, window, f"{fmt} {mask} d={d} window={window}")
-
-
-@pytest.mark.cuda
-def test_sm90_bwd_autograd_and_deterministic(seed, sm90_bwd, caplog):
+def test_sm90_bwd_autograd_and_deterministic(seed, caplog):
     """Through seqfuse.ops.attention's autograd: the sm90 backward's gradients
     match the sm80 deterministic ones; a deterministic call takes sm80 and
     says why once (WARNING, logger "seqfuse")."""
     from seqfuse.ops import attn as attn_mod
 
+    if not is_hopper():
+        pytest.skip("the wgmma backward needs a compute capability 9.0 GPU")
+    seqfuse.ops.set_attention_fwd_kernel(90)
+    seqfuse.ops.set_attention_bwd_kernel(90)
+    try:
+        autograd_and_deterministic(seed, caplog, attn_mod)
+    finally:
+        seqfuse.ops.set_attention_bwd_kernel(80)
+
+
+def autograd_and_deterministic(seed, caplog, attn_mod):
     torch.manual_seed(seed)
     q, k, v = (torch.randn(2, 300, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))

@@ -71,23 +71,13 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_sm90_kernel(const sf_attn_
     const int G = p.heads / p.heads_kv;
     const int tid = threadIdx.x, wg = tid / 128, warp = (tid % 128) / 32, g = (tid % 32) / 4, q4 = tid % 4;
 
-    int64_t qs, ks;
-    int sq, sk;
-    sf_attn_seq_q(&p, b, &qs, &sq);
-    sf_attn_seq_k(&p, b, &ks, &sk);
     const int n0 = n_block * BN;
-    const int rows_total = p.thd ? sk : p.max_sk;
-    if (n0 >= rows_total)
+    KeyBlockPlan kp;
+    if (!plan_key_block(p, b, n0, BN, BM, kp))
         return;
-    const int off = sf_attn_diag(&p, sq, sk);
-    const int left = p.window_left, right = p.window_right;
+    const int64_t qs = kp.qs, ks = kp.ks;
+    const int sq = kp.sq, sk = kp.sk, off = kp.off, left = p.window_left, right = p.window_right;
     const float sl2 = p.scale * kLog2e;
-
-    int m_lo = 0, m_hi = 0;
-    if (n0 < sk)
-        sf_attn_query_range(n0, min(n0 + BN, sk) - 1, off, left, right, sq, &m_lo, &m_hi);
-    const int mb_lo = m_lo / BM, nmb = (m_hi + BM - 1) / BM - m_lo / BM;
-    const int steps = nmb > 0 ? G * nmb : 0; /* (head of the group, query tile) pairs */
 
     /* this thread's keys in the block (accumulator rows): krow, krow + 8 */
     const int krow = wg * 64 + warp * 16 + g;
@@ -98,30 +88,26 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_sm90_kernel(const sf_attn_
 
     /* issue the loads of step `it` into buffer `buf` */
     auto fetch = [&](int it, int buf) {
-        const int h = hk * G + it / nmb, m0 = (mb_lo + it % nmb) * BM;
+        const int h = hk * G + it / kp.nmb, m0 = (kp.mb_lo + it % kp.nmb) * BM;
         const int valid_q = min(BM, sq - m0);
         load_tile_sw128<T, BM, D, NT>(sQ0 + buf * QBYTES, view_ptr<const T>(p.q, b, qs + m0, h), p.q.ss, valid_q, tid);
         load_tile_sw128<T, BM, D, NT>(sdO0 + buf * QBYTES, view_ptr<const T>(p.dout, b, qs + m0, h), p.dout.ss,
                                       valid_q, tid);
         cp_async_commit();
-        for (int i = tid; i < BM; i += NT) {
-            const bool ok = i < valid_q;
-            sLse0[buf * BM + i] = ok ? p.lse[lse_at(p, b, h, qs + m0 + i)] * kLog2e : INFINITY;
-            sDelta0[buf * BM + i] = ok ? p.delta[lse_at(p, b, h, qs + m0 + i)] : 0.f;
-        }
+        load_lse_delta(p, b, h, qs + m0, valid_q, BM, NT, sLse0 + buf * BM, sDelta0 + buf * BM);
     };
 
-    if (steps > 0) {
+    if (kp.steps > 0) {
         const int valid_k = min(BN, sk - n0);
         load_tile_sw128<T, BN, D, NT>(sK, view_ptr<const T>(p.k, b, ks + n0, hk), p.k.ss, valid_k, tid);
         load_tile_sw128<T, BN, D, NT>(sV, view_ptr<const T>(p.v, b, ks + n0, hk), p.v.ss, valid_k, tid);
         cp_async_commit();
         fetch(0, 0);
 
-        for (int it = 0; it < steps; ++it) {
+        for (int it = 0; it < kp.steps; ++it) {
             const int buf = it & 1;
-            const int h = hk * G + it / nmb, m0 = (mb_lo + it % nmb) * BM;
-            if (it + 1 < steps) {
+            const int h = hk * G + it / kp.nmb, m0 = (kp.mb_lo + it % kp.nmb) * BM;
+            if (it + 1 < kp.steps) {
                 fetch(it + 1, buf ^ 1); /* buffer buf^1 was released by the barrier ending step it-1 */
                 cp_async_wait<1>();
             } else {
@@ -142,20 +128,15 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_sm90_kernel(const sf_attn_
             wg_pin(st);
             wg_pin(dpt);
             wg_fence();
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk)
-                Wgmma<T, BM>::ss(st, desc_kmajor<BN>(sKs, wg * 64, kk), desc_kmajor<BM>(sQ, 0, kk), kk > 0);
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk)
-                Wgmma<T, BM>::ss(dpt, desc_kmajor<BN>(sVs, wg * 64, kk), desc_kmajor<BM>(sdO, 0, kk), kk > 0);
+            mma_ss_kmajor<T, BM, BN, BM, D>(st, sKs, wg * 64, sQ);
+            mma_ss_kmajor<T, BM, BN, BM, D>(dpt, sVs, wg * 64, sdO);
             wg_commit();
             wg_wait<0>();
             wg_pin(st);
             wg_pin(dpt);
 
             /* P^T and dS^T in place; register 4j + e: key krow + 8 (e >> 1), query 8j + 2 q4 + (e & 1) */
-            const bool need_mask = m0 + BM > sq || n0 + BN > sk || (right >= 0 && n0 + BN - 1 > m0 + off + right) ||
-                                   (left >= 0 && n0 < m0 + BM - 1 + off - left);
+            const bool need_mask = tile_crosses_mask(m0, BM, n0, BN, sq, sk, off, left, right);
 #pragma unroll
             for (int i = 0; i < NS; ++i) {
                 const int ql = (i >> 2) * 8 + 2 * q4 + (i & 1);
@@ -196,12 +177,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_sm90_kernel(const sf_attn_
             /* dQ (BM x DQN columns from wg * DQN) = dS K: A = dS^T [key][query] and
              * B = K [key][dim] are both MN-major, the keys being the reduction */
             float dq[DQN / 2];
-            wg_pin(dq);
-            wg_fence();
-#pragma unroll
-            for (int kc = 0; kc < BN / 16; ++kc)
-                Wgmma<T, DQN>::tt(dq, desc_mnmajor<BN>(sdS, kc), desc_mnmajor<BN>(sKs, kc, wg * DQN), kc > 0);
-            wg_commit();
+            issue_tt<T, DQN, BN>(dq, sdS, sKs, wg * DQN);
             wg_wait<0>(); /* dV, dK and dQ of the step */
             wg_pin(dv);
             wg_pin(dk);
@@ -226,7 +202,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_sm90_kernel(const sf_attn_
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
         const int c = n0 + krow + 8 * hr;
-        if (c >= rows_total)
+        if (c >= kp.rows_total)
             continue;
         const bool real = c < sk;
         T *dkrow = view_ptr<T>(p.dk, b, ks + c, hk) + 2 * q4;
@@ -296,21 +272,14 @@ int bwd_sm90_selected(const sf_attn_problem &p, int device, const char **why)
 
 sf_status launch_bwd_sm90(const sf_attn_problem &p, cudaStream_t stream)
 {
-    using namespace sm90;
-    const bool bf = p.dtype == SF_BFLOAT16;
-    if (p.head_dim == 64)
-        return bf ? launch<__nv_bfloat16, 64>(p, stream) : launch<__half, 64>(p, stream);
-    return bf ? launch<__nv_bfloat16, 128>(p, stream) : launch<__half, 128>(p, stream);
+    return with_sm90_shape(p, [&](auto t, auto w) { return sm90::launch<decltype(t), decltype(w)::value>(p, stream); });
 }
 
 } // namespace sf_attn
 
 extern "C" sf_status sf_attn_set_bwd_kernel(int arch)
 {
-    if (arch != 80 && arch != 90)
-        return sf_fail(SF_ERR_VALUE, "attention_bwd: kernel must be 80 or 90, got %d", arch);
-    sf_attn::sm90::g_bwd_kernel = arch;
-    return SF_OK;
+    return sf_attn::sm90::set_kernel_choice("attention_bwd", arch, &sf_attn::sm90::g_bwd_kernel);
 }
 
 extern "C" int sf_attn_bwd_kernel_for(int head_dim, int deterministic, int device, const char **why)

@@ -174,6 +174,57 @@ __device__ __forceinline__ int64_t lse_at(const sf_attn_problem &p, int b, int h
     return (int64_t)b * p.lse_sb + (int64_t)h * p.lse_sh + t;
 }
 
+/* Where a backward key block stands (the dK/dV kernels of attn_bwd_cuda.cu
+ * and attn_bwd_sm90_cuda.cu): its sequence and the query tiles of bm rows
+ * that may see keys [n0, n0 + bn), walked for every query head of the GQA
+ * group: `steps` (head, tile) pairs, step it = head it / nmb of the group,
+ * tile mb_lo + it % nmb. */
+struct KeyBlockPlan {
+    int64_t qs, ks;         /* first token of the sequence in q / k views */
+    int sq, sk, rows_total; /* lengths; key rows the view owns for this sequence */
+    int off, mb_lo, nmb, steps;
+};
+
+/* false when the block starts past the view's key rows of sequence b */
+__device__ __forceinline__ bool plan_key_block(const sf_attn_problem &p, int b, int n0, int bn, int bm,
+                                               KeyBlockPlan &kp)
+{
+    sf_attn_seq_q(&p, b, &kp.qs, &kp.sq);
+    sf_attn_seq_k(&p, b, &kp.ks, &kp.sk);
+    kp.rows_total = p.thd ? kp.sk : p.max_sk;
+    if (n0 >= kp.rows_total)
+        return false;
+    kp.off = sf_attn_diag(&p, kp.sq, kp.sk);
+    int m_lo = 0, m_hi = 0;
+    if (n0 < kp.sk)
+        sf_attn_query_range(n0, min(n0 + bn, kp.sk) - 1, kp.off, p.window_left, p.window_right, kp.sq, &m_lo, &m_hi);
+    kp.mb_lo = m_lo / bm;
+    kp.nmb = (m_hi + bm - 1) / bm - m_lo / bm;
+    kp.steps = kp.nmb > 0 ? p.heads / p.heads_kv * kp.nmb : 0;
+    return true;
+}
+
+/* 1 when some (query, key) pair of rows [m0, m0 + bm) x keys [n0, n0 + bn)
+ * is outside the sequences or the window (the tile needs per-element masking). */
+__device__ __forceinline__ bool tile_crosses_mask(int m0, int bm, int n0, int bn, int sq, int sk, int off, int left,
+                                                  int right)
+{
+    return m0 + bm > sq || n0 + bn > sk || (right >= 0 && n0 + bn - 1 > m0 + off + right) ||
+           (left >= 0 && n0 < m0 + bm - 1 + off - left);
+}
+
+/* lse * log2(e) and delta of query rows t0 .. t0 + bm - 1 of head h into
+ * shared arrays, by nt threads; rows >= valid get +inf and 0 (P = 0). */
+__device__ __forceinline__ void load_lse_delta(const sf_attn_problem &p, int b, int h, int64_t t0, int valid, int bm,
+                                               int nt, float *s_lse, float *s_delta)
+{
+    for (int i = threadIdx.x; i < bm; i += nt) {
+        const bool ok = i < valid;
+        s_lse[i] = ok ? p.lse[lse_at(p, b, h, t0 + i)] * kLog2e : INFINITY;
+        s_delta[i] = ok ? p.delta[lse_at(p, b, h, t0 + i)] : 0.f;
+    }
+}
+
 /* 2^x on the special-function unit (ex2.approx: relative error < 2^-22,
  * 2^-inf = 0); exp2f without fast-math is several instructions more, and
  * the exponentials are a bottleneck of attention. */

@@ -135,9 +135,7 @@ __device__ __forceinline__ void issue_qk(float (&s)[kBN / 2], uint32_t sQ, uint3
 {
     wg_pin(s);
     wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) /* scale_d = 0 on the first step: no register writes to zero s */
-        Wgmma<T, kBN>::ss(s, desc_kmajor<BM>(sQ, wg * 64, kk), desc_kmajor<kBN>(kt, 0, kk), kk > 0);
+    mma_ss_kmajor<T, kBN, BM, kBN, D>(s, sQ, wg * 64, kt); /* scale_d = 0 on the first step: no register writes to zero s */
     wg_commit();
 }
 
@@ -665,21 +663,23 @@ int fwd_sm90_selected(const sf_attn_problem &p, int device, const char **why)
 
 sf_status launch_fwd_sm90(const sf_attn_problem &p, cudaStream_t stream)
 {
-    using namespace sm90;
-    const bool bf = p.dtype == SF_BFLOAT16;
-    if (p.head_dim == 64)
-        return bf ? launch_variant<__nv_bfloat16, 64>(p, stream) : launch_variant<__half, 64>(p, stream);
-    return bf ? launch_variant<__nv_bfloat16, 128>(p, stream) : launch_variant<__half, 128>(p, stream);
+    return with_sm90_shape(
+        p, [&](auto t, auto w) { return sm90::launch_variant<decltype(t), decltype(w)::value>(p, stream); });
 }
 
 } // namespace sf_attn
 
-extern "C" sf_status sf_attn_set_fwd_kernel(int arch)
+sf_status sf_attn::sm90::set_kernel_choice(const char *op, int arch, int *choice)
 {
     if (arch != 80 && arch != 90)
-        return sf_fail(SF_ERR_VALUE, "attention_fwd: kernel must be 80 or 90, got %d", arch);
-    sf_attn::sm90::g_kernel = arch;
+        return sf_fail(SF_ERR_VALUE, "%s: kernel must be 80 or 90, got %d", op, arch);
+    *choice = arch;
     return SF_OK;
+}
+
+extern "C" sf_status sf_attn_set_fwd_kernel(int arch)
+{
+    return sf_attn::sm90::set_kernel_choice("attention_fwd", arch, &sf_attn::sm90::g_kernel);
 }
 
 extern "C" sf_status sf_attn_set_fwd_sm90_variant(int variant)

@@ -192,6 +192,31 @@ SF_WG_N128(__half, "f16")
 #undef SF_WG_DEF
 #undef SF_WG_SS
 #undef SF_WG_RS
+
+/* d = A B^T over K columns (the wgmma k steps only: the caller fences and
+ * commits): A = rows [arow0, arow0 + 64) of an AROWS-row tile and B = rows
+ * [0, N) of a BROWS-row tile, both K-major; the first step overwrites d. */
+template <typename T, int N, int AROWS, int BROWS, int K>
+__device__ __forceinline__ void mma_ss_kmajor(float (&d)[N / 2], uint32_t a, int arow0, uint32_t b)
+{
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk)
+        Wgmma<T, N>::ss(d, desc_kmajor<AROWS>(a, arow0, kk), desc_kmajor<BROWS>(b, 0, kk), kk > 0);
+}
+
+/* d = A B, A (64 columns) and B (N columns from col0) both MN-major
+ * ROWS-row tiles, the ROWS rows being the reduction: issued and committed,
+ * not waited (the backward's dQ = dS K and its check). */
+template <typename T, int N, int ROWS>
+__device__ __forceinline__ void issue_tt(float (&d)[N / 2], uint32_t a, uint32_t b, int col0)
+{
+    wg_pin(d);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < ROWS / 16; ++kk)
+        Wgmma<T, N>::tt(d, desc_mnmajor<ROWS>(a, kk), desc_mnmajor<ROWS>(b, kk, col0), kk > 0);
+    wg_commit();
+}
 #endif /* SF_SM90A */
 
 /* 1 when a call with this head dim may take a wgmma kernel on `device`:
@@ -201,7 +226,19 @@ SF_WG_N128(__half, "f16")
  * its kernel), `not_chosen` where choice is 80, else the head dim or build
  * (attn_fwd_sm90_cuda.cu; the forward and the backward choose through it). */
 int pick_kernel(int choice, const char *not_chosen, int head_dim, int device, const char **why);
+/* *choice = arch where arch is 80 or 90, else an SF_ERR_VALUE naming op (the setters of attn_sm90.h). */
+sf_status set_kernel_choice(const char *op, int arch, int *choice);
 } // namespace sm90
+
+/* fn(T{}, TileWidth<D>{}) for the wgmma kernels' element type and head dim
+ * (64 or 128; the callers have checked): the launchers' one dispatch. */
+template <typename Fn> inline sf_status with_sm90_shape(const sf_attn_problem &p, Fn &&fn)
+{
+    const bool bf = p.dtype == SF_BFLOAT16;
+    if (p.head_dim == 64)
+        return bf ? fn(__nv_bfloat16{}, TileWidth<64>{}) : fn(__half{}, TileWidth<64>{});
+    return bf ? fn(__nv_bfloat16{}, TileWidth<128>{}) : fn(__half{}, TileWidth<128>{});
+}
 
 /* Host side (attn_fwd_sm90_cuda.cu). */
 /* 1 when this problem's forward runs on the wgmma kernel on `device`

@@ -75,9 +75,7 @@ template <typename T, int N> __global__ void gemm_ss_kernel(const T *A, const T 
         d[i] = -1.f; /* scale_d = 0 on the first step must discard this */
     wg_pin(d);
     wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < GK / 16; ++kk)
-        Wgmma<T, N>::ss(d, desc_kmajor<GM>(sA, wg * 64, kk), desc_kmajor<N>(sB, 0, kk), kk > 0);
+    mma_ss_kmajor<T, N, GM, N, GK>(d, sA, wg * 64, sB);
     wg_commit();
     wg_wait<0>();
     wg_pin(d);
@@ -146,12 +144,7 @@ template <typename T, int N> __global__ void gemm_tt_kernel(const T *At, const T
     __syncthreads();
     const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
     float d[N / 2];
-    wg_pin(d);
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < GK / 16; ++kk)
-        Wgmma<T, N>::tt(d, desc_mnmajor<GK>(sA, kk), desc_mnmajor<GK>(sB, kk, wg * N), kk > 0);
-    wg_commit();
+    issue_tt<T, N, GK>(d, sA, sB, wg * N);
     wg_wait<0>();
     wg_pin(d);
     const int row = t / 32 * 16 + (t % 32) / 4, col = wg * N + 2 * (t % 4);
@@ -422,6 +415,29 @@ static void check_attn_case(const AttnCase &c)
     CHECK_SF(sf_attn_set_fwd_sm90_variant(0));
 }
 
+/* The cases the forward (c) and backward (e) checks share, per head dim
+ * and dtype: tile multiples and not, every mask, GQA, MQA, the three
+ * layouts, windows, many tiles. */
+static std::vector<AttnCase> common_cases(int d, sf_dtype dt)
+{
+    return {
+        {SF_ATTN_BSHD, SF_ATTN_NO_MASK, 1, 128, 128, 1, 1, d, dt, -1, -1}, /* one tile */
+        {SF_ATTN_BSHD, SF_ATTN_NO_MASK, 2, 256, 384, 2, 2, d, dt, -1, -1},
+        {SF_ATTN_BSHD, SF_ATTN_CAUSAL, 2, 256, 256, 2, 2, d, dt, -1, -1},
+        {SF_ATTN_BSHD, SF_ATTN_NO_MASK, 2, 77, 150, 4, 2, d, dt, -1, -1},  /* not multiples, GQA */
+        {SF_ATTN_BSHD, SF_ATTN_CAUSAL, 2, 300, 300, 2, 1, d, dt, -1, -1},  /* MQA */
+        {SF_ATTN_BSHD, SF_ATTN_PADDING, 3, 200, 260, 2, 2, d, dt, -1, -1},
+        {SF_ATTN_BSHD, SF_ATTN_CAUSAL_BOTTOM_RIGHT, 2, 100, 230, 2, 2, d, dt, -1, -1},
+        {SF_ATTN_SBHD, SF_ATTN_PADDING_CAUSAL, 3, 200, 65, 3, 1, d, dt, -1, -1},
+        {SF_ATTN_THD, SF_ATTN_PADDING, 4, 300, 300, 4, 4, d, dt, -1, -1},
+        {SF_ATTN_THD, SF_ATTN_PADDING_CAUSAL, 5, 257, 257, 4, 2, d, dt, -1, -1},
+        {SF_ATTN_THD, SF_ATTN_PADDING_CAUSAL_BOTTOM_RIGHT, 3, 190, 140, 2, 1, d, dt, -1, -1},
+        {SF_ATTN_BSHD, SF_ATTN_CAUSAL, 1, 300, 300, 2, 2, d, dt, 70, 0}, /* sliding window */
+        {SF_ATTN_BSHD, SF_ATTN_NO_MASK, 1, 160, 230, 2, 1, d, dt, 33, 17},
+        {SF_ATTN_BSHD, SF_ATTN_NO_MASK, 1, 1000, 1000, 1, 1, d, dt, -1, -1}, /* 8 key tiles */
+    };
+}
+
 /* ---------- (e): the attention backward ---------- */
 
 /* ||x - r|| / ||r|| over 16-bit arrays (NaN counted apart) and the first
@@ -622,23 +638,14 @@ static void check_bwd_cases()
         for (sf_dtype dt : {SF_BFLOAT16, SF_FLOAT16}) {
             for (int s : {1, 63, 64, 65, 127, 200, 513}) /* lengths around the 64-row / 128-key tiles */
                 check_bwd_case({SF_ATTN_BSHD, SF_ATTN_NO_MASK, 2, s, s, 2, 2, d, dt, -1, -1});
-            check_bwd_case({SF_ATTN_BSHD, SF_ATTN_CAUSAL, 2, 200, 200, 2, 2, d, dt, -1, -1});
+            for (const AttnCase &c : common_cases(d, dt))
+                check_bwd_case(c);
             check_bwd_case({SF_ATTN_BSHD, SF_ATTN_CAUSAL, 1, 513, 513, 2, 2, d, dt, -1, -1});
-            check_bwd_case({SF_ATTN_BSHD, SF_ATTN_NO_MASK, 2, 77, 150, 8, 2, d, dt, -1, -1});  /* GQA 4:1 */
-            check_bwd_case({SF_ATTN_BSHD, SF_ATTN_CAUSAL, 2, 300, 300, 4, 1, d, dt, -1, -1});  /* MQA */
-            check_bwd_case({SF_ATTN_BSHD, SF_ATTN_PADDING, 3, 200, 260, 2, 2, d, dt, -1, -1});
+            check_bwd_case({SF_ATTN_BSHD, SF_ATTN_NO_MASK, 2, 77, 150, 8, 2, d, dt, -1, -1}); /* GQA 4:1 */
             check_bwd_case({SF_ATTN_BSHD, SF_ATTN_PADDING_CAUSAL, 3, 127, 127, 2, 2, d, dt, -1, -1});
-            check_bwd_case({SF_ATTN_BSHD, SF_ATTN_CAUSAL_BOTTOM_RIGHT, 2, 100, 230, 2, 2, d, dt, -1, -1});
             check_bwd_case({SF_ATTN_BSHD, SF_ATTN_CAUSAL_BOTTOM_RIGHT, 2, 230, 100, 2, 2, d, dt, -1, -1});
-            check_bwd_case({SF_ATTN_SBHD, SF_ATTN_PADDING_CAUSAL, 3, 200, 65, 4, 1, d, dt, -1, -1});
             check_bwd_case({SF_ATTN_SBHD, SF_ATTN_NO_MASK, 2, 65, 63, 2, 2, d, dt, -1, -1});
-            check_bwd_case({SF_ATTN_THD, SF_ATTN_PADDING, 4, 300, 300, 4, 4, d, dt, -1, -1});
-            check_bwd_case({SF_ATTN_THD, SF_ATTN_PADDING_CAUSAL, 5, 257, 257, 8, 2, d, dt, -1, -1});
-            check_bwd_case({SF_ATTN_THD, SF_ATTN_PADDING_CAUSAL_BOTTOM_RIGHT, 3, 190, 140, 2, 1, d, dt, -1, -1});
-            check_bwd_case({SF_ATTN_BSHD, SF_ATTN_CAUSAL, 1, 300, 300, 2, 2, d, dt, 70, 0}); /* sliding windows */
-            check_bwd_case({SF_ATTN_BSHD, SF_ATTN_NO_MASK, 1, 160, 230, 2, 1, d, dt, 33, 17});
-            check_bwd_case({SF_ATTN_THD, SF_ATTN_PADDING, 3, 400, 400, 2, 2, d, dt, 64, 64});
-            check_bwd_case({SF_ATTN_BSHD, SF_ATTN_NO_MASK, 1, 1000, 1000, 2, 2, d, dt, -1, -1}); /* many tiles */
+            check_bwd_case({SF_ATTN_THD, SF_ATTN_PADDING, 3, 400, 400, 2, 2, d, dt, 64, 64}); /* window in thd */
         }
     CHECK_SF(sf_attn_set_bwd_kernel(80));
 }
@@ -688,20 +695,8 @@ int main(int argc, char **argv)
         for (sf_dtype dt : {SF_BFLOAT16, SF_FLOAT16}) {
             if (!fwd)
                 break;
-            check_attn_case({SF_ATTN_BSHD, SF_ATTN_NO_MASK, 1, 128, 128, 1, 1, d, dt, -1, -1}); /* one tile */
-            check_attn_case({SF_ATTN_BSHD, SF_ATTN_NO_MASK, 2, 256, 384, 2, 2, d, dt, -1, -1});
-            check_attn_case({SF_ATTN_BSHD, SF_ATTN_CAUSAL, 2, 256, 256, 2, 2, d, dt, -1, -1});
-            check_attn_case({SF_ATTN_BSHD, SF_ATTN_NO_MASK, 2, 77, 150, 4, 2, d, dt, -1, -1});  /* not multiples, GQA */
-            check_attn_case({SF_ATTN_BSHD, SF_ATTN_CAUSAL, 2, 300, 300, 2, 1, d, dt, -1, -1});  /* MQA */
-            check_attn_case({SF_ATTN_BSHD, SF_ATTN_PADDING, 3, 200, 260, 2, 2, d, dt, -1, -1});
-            check_attn_case({SF_ATTN_BSHD, SF_ATTN_CAUSAL_BOTTOM_RIGHT, 2, 100, 230, 2, 2, d, dt, -1, -1});
-            check_attn_case({SF_ATTN_SBHD, SF_ATTN_PADDING_CAUSAL, 3, 200, 65, 3, 1, d, dt, -1, -1});
-            check_attn_case({SF_ATTN_THD, SF_ATTN_PADDING, 4, 300, 300, 4, 4, d, dt, -1, -1});
-            check_attn_case({SF_ATTN_THD, SF_ATTN_PADDING_CAUSAL, 5, 257, 257, 4, 2, d, dt, -1, -1});
-            check_attn_case({SF_ATTN_THD, SF_ATTN_PADDING_CAUSAL_BOTTOM_RIGHT, 3, 190, 140, 2, 1, d, dt, -1, -1});
-            check_attn_case({SF_ATTN_BSHD, SF_ATTN_CAUSAL, 1, 300, 300, 2, 2, d, dt, 70, 0}); /* sliding window */
-            check_attn_case({SF_ATTN_BSHD, SF_ATTN_NO_MASK, 1, 160, 230, 2, 1, d, dt, 33, 17});
-            check_attn_case({SF_ATTN_BSHD, SF_ATTN_NO_MASK, 1, 1000, 1000, 1, 1, d, dt, -1, -1}); /* 8 key tiles */
+            for (const AttnCase &c : common_cases(d, dt))
+                check_attn_case(c);
         }
     if (bwd)
         check_bwd_cases();
