@@ -3,7 +3,7 @@ summary's arithmetic (idle gaps, exposed communication) on synthetic trace
 events, the --configs parser, esm2_recipe.fsdp.shard_model's argument
 checks, and a two-process gloo run of bench_esm2.py --fsdp2 with two FSDP2
 settings (explicit prefetch; bf16 reduce, no reshard, two layers per unit)
-and torch DDP, with --profile, which must write its JSON and a profile
+and torch DDP on rank-balanced batches, with --profile, which must write its JSON and a profile
 summary per rank."""
 import json
 import os
@@ -76,6 +76,7 @@ def test_fsdp2_config_parser():
     assert (c["reshard"], c["reduce"], c["prefetch"]) == (True, "float32", 0)
     assert bench_esm2.fsdp2_config("same", args)["same"]
     assert bench_esm2.fsdp2_config("ddp", args)["ddp"] and not c["ddp"]
+    assert bench_esm2.fsdp2_config("bal+pf1", args)["bal"] and not c["bal"]
     for bad in ("fast", "g0", "pf"):
         with pytest.raises(ValueError, match=f"unknown token '{bad}'"):
             bench_esm2.fsdp2_config("raf0+" + bad, args)
@@ -104,17 +105,17 @@ def test_bench_fsdp2_gloo_with_profile(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            os.path.join(BENCH, "bench_esm2.py"), "--fsdp2", "--device", "cpu", "--size", "tiny", "--tokens", "256",
            "--max-length", "64", "--steps", "1", "--warmup", "1", "--rows", "seqfuse_bf16_packed",
-           "--configs", "pf1,raf0+rbf16+pf1+g2,ddp", "--profile", str(prof), "--profile-configs", "pf1",
+           "--configs", "pf1,raf0+rbf16+pf1+g2,ddp+bal", "--profile", str(prof), "--profile-configs", "pf1",
            "--profile-steps", "1", "--out", str(out)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-6000:]
     with open(f"{out}_fsdp2.json") as f:
         doc = json.load(f)
     rows = {(x["config"], x["gpus"]): x for x in doc["rows"]}
-    assert set(rows) == {("one_gpu", 1), ("pf1", 2), ("raf0+rbf16+pf1+g2", 2), ("ddp", 2)}
+    assert set(rows) == {("one_gpu", 1), ("pf1", 2), ("raf0+rbf16+pf1+g2", 2), ("one_gpu_bal", 1), ("ddp+bal", 2)}
     assert all(x["unpadded_tokens_per_s"] > 0 for x in rows.values())
     assert rows[("raf0+rbf16+pf1+g2", 2)]["scaling"] > 0
-    assert r.stdout.count("[fsdp2] seqfuse_bf16_packed") == 4
+    assert r.stdout.count("[fsdp2] seqfuse_bf16_packed") == 5
     names = sorted(os.listdir(prof))
     assert names == ["rank0_profile.txt", "rank0_seqfuse_bf16_packed_alone_profile.txt",
                      "rank1_profile.txt", "rank1_seqfuse_bf16_packed_alone_profile.txt"]

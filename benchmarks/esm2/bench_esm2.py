@@ -233,13 +233,15 @@ FSDP2_CONFIG_HELP = ("'+'-joined tokens: default (the --reshard-after-forward / 
                      "pfN (explicit forward+backward prefetch of N units; pf0: FSDP2's implicit), gK (K layers per FSDP unit), "
                      "same (every "
                      "rank trains rank 0's batches: the scaling without per-rank load imbalance, a diagnostic), "
-                     "ddp (torch DDP instead of FSDP2, for comparison: the FSDP2 tokens do not apply)")
+                     "ddp (torch DDP instead of FSDP2, for comparison: the FSDP2 tokens do not apply), bal (each step's "
+                     "samples re-dealt over the ranks by cost: TokenBudgetBatchSampler(balance_ranks=True); "
+                     "its own one-GPU baseline on those batches)")
 
 
 def fsdp2_config(name, args):
     """An FSDP2 setting from a config name such as 'raf0+rbf16+pf1'."""
     cfg = dict(name=name, reshard=bool(args.reshard_after_forward), reduce=args.reduce_dtype,
-               prefetch=int(args.prefetch), layers_per_unit=int(args.layers_per_unit), same=False, ddp=False)
+               prefetch=int(args.prefetch), layers_per_unit=int(args.layers_per_unit), same=False, ddp=False, bal=False)
     for tok in name.split("+"):
         if tok == "default":
             continue
@@ -255,6 +257,8 @@ def fsdp2_config(name, args):
             cfg["same"] = True
         elif tok == "ddp":
             cfg["ddp"] = True
+        elif tok == "bal":
+            cfg["bal"] = True
         else:
             raise ValueError(f"--configs: unknown token {tok!r} in {name!r}; {FSDP2_CONFIG_HELP}")
     return cfg
@@ -321,24 +325,41 @@ def fsdp2(args):
         if out_of_time():
             break
         mk = dict(tokens=args.tokens, max_length=args.max_length, packed=layout == "packed", world_size=world)
-        mine = make_batches(seqs, n, rank=rank, **mk)
-        rank0 = make_batches(seqs, n, rank=0, **mk) if any(c["same"] for c in configs) else None
-        # The one-GPU baseline on the same per-GPU batches and optimizer, run by
-        # every rank on its own GPU at once (no collectives): so every rank makes
-        # the same FP8 scaling states, whose amaxes the FSDP2 run then
-        # all-reduces as one buffer of equal size.
-        alone_prof = (prof_path(f"{name}_alone"), f"{name} alone on rank {rank}") if args.profile else None
-        one = run_row(impl, recipe, mine, args, device, fsdp=None, alone=True, profile=alone_prof)
-        g = gather_rows([one["real"], one["seconds"], one["host_ms"]], device)
-        base = float((g[:, 0] / g[:, 1]).mean())  # mean over ranks of one GPU's unpadded tokens/s
-        if rank == 0:
-            f1 = figures(one)
-            secs = "/".join(f"{x:.3f}" for x in g[:, 1].tolist())
-            table.add(row=name, config="one_gpu", gpus=1, unpadded_tokens_per_s=base, scaling=1.0,
-                      step_ms=f1["step_ms"], host_issue_ms=f1["host_issue_ms"], mfu_measured_pct=f1["mfu_measured_pct"],
-                      peak_mem_gib=f1["peak_mem_gib"], rank_seconds=secs, **prof_cols(one))
-            print(f"[fsdp2] {name} one GPU: {base / 1e3:.1f}k unpadded tok/s (mean of ranks; alone seconds per "
-                  f"rank {secs}), step {f1['step_ms']:.1f} ms, host issue {f1['host_issue_ms']:.1f} ms/step", flush=True)
+        batches, bases = {}, {}
+
+        def batches_for(bal, who=rank):
+            if (bal, who) not in batches:
+                batches[(bal, who)] = make_batches(seqs, n, rank=who, balance_ranks=bal, **mk)
+            return batches[(bal, who)]
+
+        def baseline(bal):
+            """The one-GPU baseline on the same per-GPU batches and optimizer, run
+            by every rank on its own GPU at once (no collectives): so every rank
+            makes the same FP8 scaling states, whose amaxes the FSDP2 run then
+            all-reduces as one buffer of equal size.  Balanced batches (config
+            'bal') get their own baseline."""
+            if bal in bases:
+                return bases[bal]
+            tag = "_bal" if bal else ""
+            alone_prof = ((prof_path(f"{name}_alone{tag}"), f"{name} alone{tag} on rank {rank}")
+                          if args.profile and not bal else None)
+            one = run_row(impl, recipe, batches_for(bal), args, device, fsdp=None, alone=True, profile=alone_prof)
+            g = gather_rows([one["real"], one["seconds"], one["host_ms"]], device)
+            base = float((g[:, 0] / g[:, 1]).mean())  # mean over ranks of one GPU's unpadded tokens/s
+            if rank == 0:
+                f1 = figures(one)
+                secs = "/".join(f"{x:.3f}" for x in g[:, 1].tolist())
+                table.add(row=name, config="one_gpu" + tag, gpus=1, unpadded_tokens_per_s=base, scaling=1.0,
+                          step_ms=f1["step_ms"], host_issue_ms=f1["host_issue_ms"],
+                          mfu_measured_pct=f1["mfu_measured_pct"], peak_mem_gib=f1["peak_mem_gib"], rank_seconds=secs,
+                          **prof_cols(one))
+                print(f"[fsdp2] {name} one GPU{' (rank-balanced batches)' if bal else ''}: {base / 1e3:.1f}k unpadded "
+                      f"tok/s (mean of ranks; alone seconds per rank {secs}), step {f1['step_ms']:.1f} ms, host issue "
+                      f"{f1['host_issue_ms']:.1f} ms/step", flush=True)
+            bases[bal] = base
+            return base
+
+        baseline(False)
         best = None
         for cfg in configs:
             if out_of_time():
@@ -348,7 +369,9 @@ def fsdp2(args):
             dist.barrier()
             prof = ((prof_path("" if cfg is configs[0] and len(rows) == 1 else f"{name}_{cfg['name']}"),
                      f"{name} FSDP2 {cfg['name']} on rank {rank} of {world}") if cfg["name"] in want_prof else None)
-            r = run_row(impl, recipe, rank0 if cfg["same"] else mine, args, device, fsdp=cfg, profile=prof)
+            base = baseline(cfg["bal"])
+            mine = batches_for(cfg["bal"], 0 if cfg["same"] else rank)
+            r = run_row(impl, recipe, mine, args, device, fsdp=cfg, profile=prof)
             line = fsdp2_line(table, name, cfg, r, base, world, device)
             if rank == 0 and line is not None:
                 s = line["scaling"]
@@ -359,7 +382,7 @@ def fsdp2(args):
             dist.broadcast_object_list(nb, 0)  # rank 0 decided: every rank takes the same branch
             if nb[0] is not None and nb[0] not in want_prof and not out_of_time():
                 cfg = fsdp2_config(nb[0], args)
-                run_row(impl, recipe, mine, args, device, fsdp=cfg,
+                run_row(impl, recipe, batches_for(cfg["bal"], 0 if cfg["same"] else rank), args, device, fsdp=cfg,
                         profile=(prof_path(f"{name}_best_{cfg['name']}"), f"{name} FSDP2 best {cfg['name']} rank {rank}"))
     if rank == 0:
         table.save(extra={"size": args.size, "tokens_per_gpu_batch": args.tokens, "steps": args.steps,
@@ -399,7 +422,8 @@ def fsdp2_line(table, name, cfg, r, base, world, device):
     need = 1.85 * world / 2
     what = ("torch DDP" if cfg["ddp"] else
             f"reshard_after_forward={int(cfg['reshard'])}, reduce {cfg['reduce']}, prefetch {cfg['prefetch']}, "
-            f"{cfg['layers_per_unit']} layer(s)/unit") + (", same batches on all ranks" if cfg["same"] else "")
+            f"{cfg['layers_per_unit']} layer(s)/unit") + (", same batches on all ranks" if cfg["same"] else "") + (
+                ", rank-balanced batches" if cfg["bal"] else "")
     print(f"[fsdp2] {name} {cfg['name']} ({what}): {world} GPUs "
           f"{f['unpadded_tokens_per_s'] / 1e3:.1f}k unpadded tok/s = {s:.3f}x one GPU ({base / 1e3:.1f}k; goal >= "
           f"{need:.2f}: {'PASS' if s >= need else 'FAIL'}), step {f['step_ms']:.1f} ms, host issue "

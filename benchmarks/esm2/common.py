@@ -52,14 +52,14 @@ def fixed_length_sequences(seqs, residues):
 
 
 def make_batches(seqs, n, *, tokens, max_length=1024, packed=True, pad_to_multiple_of=16, seed=0, rank=0,
-                 world_size=1):
+                 world_size=1, balance_ranks=False):
     """The first ``n`` batches (cycling epochs) of the recipe's MLM loader."""
     from seqfuse.data import EsmTokenizer, TokenizedSequences, build_mlm_loader
 
     tok = EsmTokenizer()
     loader = build_mlm_loader(TokenizedSequences(seqs, tok), tok, max_tokens=tokens, max_length=max_length,
                               packed=packed, pad_to_multiple_of=pad_to_multiple_of, seed=seed, rank=rank,
-                              world_size=world_size)
+                              world_size=world_size, balance_ranks=balance_ranks)
     out = []
     while len(out) < n:
         for b in loader:

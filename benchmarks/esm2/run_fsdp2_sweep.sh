@@ -20,9 +20,11 @@
 # backward; rbf16 = bf16 gradient reduce-scatter; pfN = explicit prefetch
 # of N units; gK = K layers per FSDP unit; same = every rank trains rank 0's
 # batches (what perfectly balanced ranks would give: the load-imbalance
-# diagnostic); ddp = torch DDP instead of FSDP2 (what the same model scales
-# to with C++ bucketed all-reduce hooks).  Settings run in the order given; those past the time budget
-# are skipped (and say so), so put the important ones first.
+# diagnostic); bal = each step's samples re-dealt over the ranks by cost
+# (TokenBudgetBatchSampler balance_ranks, with its own one-GPU baseline);
+# ddp = torch DDP instead of FSDP2 (what the same model scales to with
+# C++ bucketed all-reduce hooks).  Settings run in the order given; those
+# past the time budget are skipped (and say so): important ones first.
 set -u
 cd "$(dirname "$0")/../.."
 
@@ -36,7 +38,7 @@ MAXLEN=${MAXLEN:-1024}
 OUT=${OUT:-esm2_sweep}
 PROFILE_DIR=${PROFILE_DIR:-benchmarks/results/esm2_fsdp2_profile}
 LOG=${LOG:-benchmarks/results/logs/esm2_fsdp2_sweep.log}
-BF16_CONFIGS=${BF16_CONFIGS:-default,raf0,rbf16,pf1,raf0+rbf16+pf1,raf0+rbf16+g3,ddp,same,pf2,g3}
+BF16_CONFIGS=${BF16_CONFIGS:-default,raf0,rbf16,pf1,bal,ddp,raf0+rbf16+pf1,raf0+rbf16+g3,same,bal+raf0+rbf16+pf1,g3,pf2}
 FP8_CONFIGS=${FP8_CONFIGS:-default,raf0+rbf16+pf1}
 T_BF16=${T_BF16:-200}   # seconds, hard limit of the bf16 job (its --time-budget is 45 s less)
 T_FP8=${T_FP8:-90}      # seconds, hard limit of the FP8 job

@@ -20,6 +20,17 @@ a multiple of ``world_size`` (at most ``world_size - 1`` tail batches of the
 epoch are dropped; with shuffling, different ones each epoch) so every rank
 runs the same number of steps and collectives never hang.
 
+Balancing (``balance_ranks=True``, world_size > 1): ranks wait for each
+other at every collective, so a step lasts as long as its most expensive
+rank.  The ``world_size`` batches of each step are then re-dealt: their
+samples, most expensive first, each go to the rank with the least cost so
+far that still has room (the same budget rules), where a sample's cost is
+its tokens plus its attention, ``L + L**2 / attention_tokens`` (attention
+grows with the square of the length; ``attention_tokens`` ~ 6 x hidden
+size x the matmul-to-attention efficiency ratio, 4096 suits ESM-2 650M).
+A step whose samples do not fit that way keeps its greedy batches.  Same
+samples per step, same step count; only their split between ranks moves.
+
 A sample longer than the budget can never be batched: the constructor raises
 ValueError naming it (crop sequences with MLMDataset's ``max_length``).
 """
@@ -57,6 +68,8 @@ class TokenBudgetBatchSampler(torch.utils.data.Sampler):
         seed: int = 0,
         rank: int = 0,
         world_size: int = 1,
+        balance_ranks: bool = False,
+        attention_tokens: int = 4096,
     ):
         lengths = np.asarray(lengths, dtype=np.int64)
         if lengths.ndim != 1 or lengths.size == 0:
@@ -72,6 +85,8 @@ class TokenBudgetBatchSampler(torch.utils.data.Sampler):
             raise ValueError(f"TokenBudgetBatchSampler: argument 'max_sequences' must be >= 1, got {max_sequences}")
         if bucket_size is not None and bucket_size < 1:
             raise ValueError(f"TokenBudgetBatchSampler: argument 'bucket_size' must be >= 1, got {bucket_size}")
+        if attention_tokens < 1:
+            raise ValueError(f"TokenBudgetBatchSampler: argument 'attention_tokens' must be >= 1, got {attention_tokens}")
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"TokenBudgetBatchSampler: need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
         m = pad_to_multiple_of or 1
@@ -94,13 +109,16 @@ class TokenBudgetBatchSampler(torch.utils.data.Sampler):
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
+        self.balance_ranks = bool(balance_ranks)
+        self.attention_tokens = int(attention_tokens)
         self.epoch = 0
         self._cache: tuple[int, list[list[int]]] | None = None
+        self._balanced_cache: tuple[int, list[list[int]]] | None = None
 
     # -- identity, for checking a restored loader state --------------------
     def fingerprint(self) -> dict:
         """What must match for a saved position to mean the same batches."""
-        return {
+        fp = {
             "num_samples": int(self.lengths.size),
             "lengths_crc32": zlib.crc32(self.lengths.tobytes()),
             "max_tokens": self.max_tokens,
@@ -111,6 +129,10 @@ class TokenBudgetBatchSampler(torch.utils.data.Sampler):
             "bucket_size": self.bucket_size,
             "seed": self.seed,
         }
+        if self.balance_ranks:  # only when on: positions saved before the option existed still load
+            fp["balance_ranks"] = True
+            fp["attention_tokens"] = self.attention_tokens
+        return fp
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
@@ -169,6 +191,39 @@ class TokenBudgetBatchSampler(torch.utils.data.Sampler):
         self._cache = (epoch, out)
         return out
 
+    def _fits(self, tot, longest, count, li):
+        """Would a sample of length ``li`` fit a batch of ``count`` samples,
+        ``tot`` tokens, longest ``longest``? (the greedy packer's rules)"""
+        m = self.pad_to_multiple_of or 1
+        if self.max_sequences is not None and count >= self.max_sequences:
+            return False
+        if self.padded:
+            return (count + 1) * _round_up(max(longest, li), m) <= self.max_tokens
+        return _round_up(tot + li, m) <= self.max_tokens
+
+    def _balance(self, group: list[list[int]]) -> list[list[int]]:
+        """The samples of one step's batches re-dealt over the ranks by cost
+        (longest-processing-time first); the group unchanged if they do not fit."""
+        w = len(group)
+        samples = [i for b in group for i in b]
+        lens = self.lengths
+        cost = {i: float(lens[i]) + float(lens[i]) ** 2 / self.attention_tokens for i in samples}
+        order = sorted(samples, key=lambda i: (-cost[i], i))
+        bins = [[] for _ in range(w)]
+        load, tot, longest = [0.0] * w, [0] * w, [0] * w
+        for i in order:
+            li = int(lens[i])
+            fit = [r for r in range(w) if self._fits(tot[r], longest[r], len(bins[r]), li)]
+            if not fit:
+                return group
+            r = min(fit, key=lambda k: (load[k], k))
+            bins[r].append(i)
+            load[r] += cost[i]
+            tot[r] += li
+            longest[r] = max(longest[r], li)
+        pos = {i: k for k, i in enumerate(samples)}  # keep the epoch's order inside each batch
+        return [sorted(b, key=pos.__getitem__) for b in bins]
+
     def rank_batches(self, epoch: int) -> list[list[int]]:
         """This rank's batches of ``epoch`` (same count on every rank)."""
         glob = self.batches(epoch)
@@ -178,6 +233,14 @@ class TokenBudgetBatchSampler(torch.utils.data.Sampler):
                 f"TokenBudgetBatchSampler: epoch {epoch} has {len(glob)} batch(es), fewer than "
                 f"world_size={self.world_size}; use more data or a smaller max_tokens"
             )
+        if self.balance_ranks and self.world_size > 1:
+            if self._balanced_cache is None or self._balanced_cache[0] != epoch:
+                w = self.world_size
+                out = []
+                for a in range(0, usable, w):
+                    out.extend(self._balance(glob[a : a + w]))
+                self._balanced_cache = (epoch, out)
+            glob = self._balanced_cache[1]
         return glob[self.rank : usable : self.world_size]
 
     def __iter__(self):

@@ -185,6 +185,7 @@ def build_mlm_loader(
     num_workers: int = 0,
     pin_memory: bool = False,
     evaluation: bool = False,
+    balance_ranks: bool = False,
 ) -> ResumableDataLoader:
     """The usual ESM-style pipeline in one call: MLMDataset ->
     TokenBudgetBatchSampler -> PackedTHDCollator (``packed``) or
@@ -194,7 +195,8 @@ def build_mlm_loader(
     ``rank`` / ``world_size`` default to torch.distributed's when a process
     group is initialised, else 0 / 1. ``evaluation=True`` gives a validation
     loader: file order, crops from the start, and the same masks every pass
-    (``fixed_epoch=0``)."""
+    (``fixed_epoch=0``).  ``balance_ranks``: re-deal each step's samples over
+    the ranks by cost (TokenBudgetBatchSampler; training loaders only)."""
     from .collate import PackedTHDCollator, PaddedBSHDCollator
     from .dataset import MLMDataset
 
@@ -226,6 +228,7 @@ def build_mlm_loader(
         seed=seed,
         rank=rank,
         world_size=world_size,
+        balance_ranks=balance_ranks and not evaluation,
     )
     if packed:
         collate = PackedTHDCollator(tokenizer.pad_token_id, pad_to_multiple_of=pad_to_multiple_of, max_tokens=max_tokens)

@@ -281,7 +281,8 @@ def build_loaders(cfg, rank, world, recipe):
                   packed=bool(cfg.data.packed), pad_to_multiple_of=pad, mask_prob=float(cfg.data.mask_prob),
                   seed=int(cfg.train.seed), rank=rank, world_size=world)
     train = build_mlm_loader(TokenizedSequences(train_seqs, tok), tok, num_workers=int(cfg.data.num_workers),
-                             bucket_size=cfg.data.bucket_size, **common)
+                             bucket_size=cfg.data.bucket_size, balance_ranks=bool(cfg.data.get("balance_ranks", False)),
+                             **common)
     val = build_mlm_loader(val_seqs, tok, evaluation=True, **common)
     return train, val, len(train_seqs), len(val_seqs)
 
