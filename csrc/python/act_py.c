@@ -32,56 +32,38 @@ static int arg_u64(const char *op, const char *name, PyObject *o, uint64_t *out)
     return 0;
 }
 
-static int arg_float(const char *op, const char *name, PyObject *o, float *out)
-{
-    double v = PyFloat_AsDouble(o);
-    if (v == -1.0 && PyErr_Occurred()) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "%s: argument '%s' must be a float, got %s", op, name,
-                     Py_TYPE(o)->tp_name);
-        return -1;
-    }
-    *out = (float)v;
-    return 0;
-}
-
-
 /* act_fwd(activation, x, y, scale, amax, scale_inv, stream=None)
  * act_bwd(activation, dy, x, dx, scale, amax, scale_inv, stream=None) */
 static PyObject *act_call(PyObject *const *args, Py_ssize_t nargs, int backward)
 {
+    static const sf_py_tensor_arg fwd[] = {
+        {1, "x", 0}, {2, "y", 0}, {3, "scale", 1}, {4, "amax", 1}, {5, "scale_inv", 1}};
+    static const sf_py_tensor_arg bwd[] = {{1, "dy", 0},    {2, "x", 0},    {3, "dx", 0},
+                                           {4, "scale", 1}, {5, "amax", 1}, {6, "scale_inv", 1}};
     const char *op = backward ? "act_bwd" : "act_fwd";
-    const Py_ssize_t n_fixed = backward ? 7 : 6;
+    const int n_fixed = backward ? 7 : 6;
+    /* the tensors after dy (absent forward) stand at the same places in a.t */
+    const int k = backward ? 1 : 0;
+    enum { X, OUT, SCALE, AMAX, SCALE_INV };
     if (sf_py_check_nargs(op, nargs, n_fixed, n_fixed + 1) < 0)
         return NULL;
     long act;
-    if (arg_int(op, "activation", args[0], &act) < 0)
+    sf_py_args a;
+    if (arg_int(op, "activation", args[0], &act) < 0 ||
+        sf_py_begin(&a, op, args, nargs, n_fixed, backward ? bwd : fwd,
+                    backward ? SF_PY_NARGS(bwd) : SF_PY_NARGS(fwd)) < 0)
         return NULL;
-    sf_py_call c;
-    if (sf_py_call_init(&c, op, nargs > n_fixed ? args[n_fixed] : Py_None) < 0)
-        return NULL;
-    sf_tensor dy, x, out, scale, amax, si;
-    int has_scale, has_amax, has_si;
-    int k = 1;
-    if ((backward && sf_py_tensor(&c, args[k++], "dy", &dy) < 0) ||
-        sf_py_tensor(&c, args[k++], "x", &x) < 0 ||
-        sf_py_tensor(&c, args[k++], backward ? "dx" : "y", &out) < 0 ||
-        sf_py_optional_tensor(&c, args[k++], "scale", &scale, &has_scale) < 0 ||
-        sf_py_optional_tensor(&c, args[k++], "amax", &amax, &has_amax) < 0 ||
-        sf_py_optional_tensor(&c, args[k++], "scale_inv", &si, &has_si) < 0) {
-        sf_py_call_release(&c);
-        return NULL;
-    }
+    sf_tensor *const *t = a.t + k;
     sf_status st;
     Py_BEGIN_ALLOW_THREADS
     if (backward)
-        st = sf_act_bwd((sf_activation)act, &dy, &x, &out, has_scale ? &scale : NULL,
-                        has_amax ? &amax : NULL, has_si ? &si : NULL, sf_py_call_stream(&c));
+        st = sf_act_bwd((sf_activation)act, a.t[0], t[X], t[OUT], t[SCALE], t[AMAX], t[SCALE_INV],
+                        sf_py_call_stream(&a.call));
     else
-        st = sf_act_fwd((sf_activation)act, &x, &out, has_scale ? &scale : NULL,
-                        has_amax ? &amax : NULL, has_si ? &si : NULL, sf_py_call_stream(&c));
+        st = sf_act_fwd((sf_activation)act, t[X], t[OUT], t[SCALE], t[AMAX], t[SCALE_INV],
+                        sf_py_call_stream(&a.call));
     Py_END_ALLOW_THREADS
-    return sf_py_finish(&c, st);
+    return sf_py_finish(&a.call, st);
 }
 
 static PyObject *py_act_fwd(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -96,36 +78,41 @@ static PyObject *py_act_bwd(PyObject *self, PyObject *const *args, Py_ssize_t na
     return act_call(args, nargs, 1);
 }
 
+/* The scalars of the dropout bindings: p, seed and offset from args[at],
+ * args[at + 1], args[at + 2], after the argument count check (7, then the
+ * optional stream). */
+static int dropout_scalars(const char *op, PyObject *const *args, Py_ssize_t nargs, int at,
+                           float *p, uint64_t *seed, uint64_t *offset)
+{
+    if (sf_py_check_nargs(op, nargs, 7, 8) < 0)
+        return -1;
+    return sf_py_arg_float(op, "p", args[at], p) < 0 ||
+                   arg_u64(op, "seed", args[at + 1], seed) < 0 ||
+                   arg_u64(op, "offset", args[at + 2], offset) < 0
+               ? -1
+               : 0;
+}
+
 /* bias_dropout_add(x, bias, residual, p, seed, offset, out, stream=None) */
 static PyObject *py_bias_dropout_add(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
     static const char op[] = "bias_dropout_add";
-    if (sf_py_check_nargs(op, nargs, 7, 8) < 0)
-        return NULL;
+    static const sf_py_tensor_arg spec[] = {
+        {0, "x", 0}, {1, "bias", 1}, {2, "residual", 0}, {6, "out", 0}};
+    enum { X, BIAS, RESIDUAL, OUT };
     float p;
     uint64_t seed, offset;
-    if (arg_float(op, "p", args[3], &p) < 0 || arg_u64(op, "seed", args[4], &seed) < 0 ||
-        arg_u64(op, "offset", args[5], &offset) < 0)
+    sf_py_args a;
+    if (dropout_scalars(op, args, nargs, 3, &p, &seed, &offset) < 0 ||
+        sf_py_begin(&a, op, args, nargs, 7, spec, SF_PY_NARGS(spec)) < 0)
         return NULL;
-    sf_py_call c;
-    if (sf_py_call_init(&c, op, nargs > 7 ? args[7] : Py_None) < 0)
-        return NULL;
-    sf_tensor x, bias, residual, out;
-    int has_bias;
-    if (sf_py_tensor(&c, args[0], "x", &x) < 0 ||
-        sf_py_optional_tensor(&c, args[1], "bias", &bias, &has_bias) < 0 ||
-        sf_py_tensor(&c, args[2], "residual", &residual) < 0 ||
-        sf_py_tensor(&c, args[6], "out", &out) < 0) {
-        sf_py_call_release(&c);
-        return NULL;
-    }
     sf_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = sf_bias_dropout_add_fwd(&x, has_bias ? &bias : NULL, &residual, p, seed, offset, &out,
-                                 sf_py_call_stream(&c));
+    st = sf_bias_dropout_add_fwd(a.t[X], a.t[BIAS], a.t[RESIDUAL], p, seed, offset, a.t[OUT],
+                                 sf_py_call_stream(&a.call));
     Py_END_ALLOW_THREADS
-    return sf_py_finish(&c, st);
+    return sf_py_finish(&a.call, st);
 }
 
 /* dropout_bwd(dy, p, seed, offset, dx, dbias, workspace, stream=None) */
@@ -133,31 +120,21 @@ static PyObject *py_dropout_bwd(PyObject *self, PyObject *const *args, Py_ssize_
 {
     (void)self;
     static const char op[] = "dropout_bwd";
-    if (sf_py_check_nargs(op, nargs, 7, 8) < 0)
-        return NULL;
+    static const sf_py_tensor_arg spec[] = {
+        {0, "dy", 0}, {4, "dx", 0}, {5, "dbias", 1}, {6, "workspace", 1}};
+    enum { DY, DX, DBIAS, WS };
     float p;
     uint64_t seed, offset;
-    if (arg_float(op, "p", args[1], &p) < 0 || arg_u64(op, "seed", args[2], &seed) < 0 ||
-        arg_u64(op, "offset", args[3], &offset) < 0)
+    sf_py_args a;
+    if (dropout_scalars(op, args, nargs, 1, &p, &seed, &offset) < 0 ||
+        sf_py_begin(&a, op, args, nargs, 7, spec, SF_PY_NARGS(spec)) < 0)
         return NULL;
-    sf_py_call c;
-    if (sf_py_call_init(&c, op, nargs > 7 ? args[7] : Py_None) < 0)
-        return NULL;
-    sf_tensor dy, dx, dbias, ws;
-    int has_dbias, has_ws;
-    if (sf_py_tensor(&c, args[0], "dy", &dy) < 0 ||
-        sf_py_tensor(&c, args[4], "dx", &dx) < 0 ||
-        sf_py_optional_tensor(&c, args[5], "dbias", &dbias, &has_dbias) < 0 ||
-        sf_py_optional_tensor(&c, args[6], "workspace", &ws, &has_ws) < 0) {
-        sf_py_call_release(&c);
-        return NULL;
-    }
     sf_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = sf_dropout_bwd(&dy, p, seed, offset, &dx, has_dbias ? &dbias : NULL,
-                        has_ws ? &ws : NULL, sf_py_call_stream(&c));
+    st = sf_dropout_bwd(a.t[DY], p, seed, offset, a.t[DX], a.t[DBIAS], a.t[WS],
+                        sf_py_call_stream(&a.call));
     Py_END_ALLOW_THREADS
-    return sf_py_finish(&c, st);
+    return sf_py_finish(&a.call, st);
 }
 
 /* dropout_bwd_workspace_numel(dy) -> int */

@@ -44,6 +44,10 @@ static PyObject *py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 {
     (void)self;
     static const char op[] = "gemm";
+    static const sf_py_tensor_arg spec[] = {
+        {0, "a", 0},           {1, "b", 0},    {2, "out", 0},  {5, "a_scale_inv", 1},
+        {6, "b_scale_inv", 1}, {9, "bias", 1}, {10, "aux", 1}, {16, "workspace", 1}};
+    enum { A, B, OUT, A_SCALE_INV, B_SCALE_INV, BIAS, AUX, WORKSPACE };
     if (sf_py_check_nargs(op, nargs, 19, 20) < 0)
         return NULL;
     long transa, transb, a_scaling, b_scaling, epilogue, accumulate, fast_accum, allow_tf32;
@@ -63,50 +67,40 @@ static PyObject *py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     if (alpha == -1.0 && PyErr_Occurred())
         return NULL;
 
-    sf_py_call c;
-    if (sf_py_call_init(&c, op, nargs > 19 ? args[19] : Py_None) < 0)
+    sf_py_args a;
+    if (sf_py_begin(&a, op, args, nargs, 19, spec, SF_PY_NARGS(spec)) < 0)
         return NULL;
-    sf_tensor a, b, out, a_scale, b_scale, bias, aux, workspace;
-    int has_as, has_bs, has_bias, has_aux, has_ws;
-    if (sf_py_tensor(&c, args[0], "a", &a) < 0 || sf_py_tensor(&c, args[1], "b", &b) < 0 ||
-        sf_py_tensor(&c, args[2], "out", &out) < 0 ||
-        sf_py_optional_tensor(&c, args[5], "a_scale_inv", &a_scale, &has_as) < 0 ||
-        sf_py_optional_tensor(&c, args[6], "b_scale_inv", &b_scale, &has_bs) < 0 ||
-        sf_py_optional_tensor(&c, args[9], "bias", &bias, &has_bias) < 0 ||
-        sf_py_optional_tensor(&c, args[10], "aux", &aux, &has_aux) < 0 ||
-        sf_py_optional_tensor(&c, args[16], "workspace", &workspace, &has_ws) < 0)
-        goto done;
-    if (reinterpret_fp8(op, &a, "a", a_format) < 0 || reinterpret_fp8(op, &b, "b", b_format) < 0)
-        goto done;
+    if (reinterpret_fp8(op, a.t[A], "a", a_format) < 0 ||
+        reinterpret_fp8(op, a.t[B], "b", b_format) < 0) {
+        sf_py_call_release(&a.call);
+        return NULL;
+    }
 
     sf_gemm_args g;
     sf_gemm_args_init(&g);
-    g.a = &a;
-    g.b = &b;
-    g.out = &out;
+    g.a = a.t[A];
+    g.b = a.t[B];
+    g.out = a.t[OUT];
     g.transa = transa != 0;
     g.transb = transb != 0;
-    g.a_scale_inv = has_as ? &a_scale : NULL;
-    g.b_scale_inv = has_bs ? &b_scale : NULL;
+    g.a_scale_inv = a.t[A_SCALE_INV];
+    g.b_scale_inv = a.t[B_SCALE_INV];
     g.a_scaling = (sf_gemm_scaling)a_scaling;
     g.b_scaling = (sf_gemm_scaling)b_scaling;
-    g.bias = has_bias ? &bias : NULL;
-    g.aux = has_aux ? &aux : NULL;
+    g.bias = a.t[BIAS];
+    g.aux = a.t[AUX];
     g.epilogue = (sf_gemm_epilogue)epilogue;
     g.accumulate = accumulate != 0;
     g.fast_accum = fast_accum != 0;
     g.allow_tf32 = allow_tf32 != 0;
     g.alpha = (float)alpha;
-    g.workspace = has_ws ? &workspace : NULL;
+    g.workspace = a.t[WORKSPACE];
 
     sf_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = sf_gemm(&g, sf_py_call_stream(&c));
+    st = sf_gemm(&g, sf_py_call_stream(&a.call));
     Py_END_ALLOW_THREADS
-    return sf_py_finish(&c, st);
-done:
-    sf_py_call_release(&c);
-    return NULL;
+    return sf_py_finish(&a.call, st);
 }
 
 static PyObject *py_gemm_plan_cache_size(PyObject *self, PyObject *unused)

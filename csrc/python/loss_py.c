@@ -3,13 +3,18 @@
  */
 #include "py_call.h"
 
-static int read_scalars(PyObject *ignore_obj, PyObject *smoothing_obj, int64_t *ignore_index,
-                        float *smoothing)
+/* The opening both bindings share: the argument count (n_fixed, then the
+ * optional stream), then ignore_index and label_smoothing from args[at] and
+ * args[at + 1]. */
+static int read_scalars(const char *op, PyObject *const *args, Py_ssize_t nargs,
+                        Py_ssize_t n_fixed, int at, int64_t *ignore_index, float *smoothing)
 {
-    long long ig = PyLong_AsLongLong(ignore_obj);
+    if (sf_py_check_nargs(op, nargs, n_fixed, n_fixed + 1) < 0)
+        return -1;
+    long long ig = PyLong_AsLongLong(args[at]);
     if (ig == -1 && PyErr_Occurred())
         return -1;
-    double sm = PyFloat_AsDouble(smoothing_obj);
+    double sm = PyFloat_AsDouble(args[at + 1]);
     if (sm == -1.0 && PyErr_Occurred())
         return -1;
     *ignore_index = (int64_t)ig;
@@ -22,28 +27,21 @@ static PyObject *py_ce_forward(PyObject *self, PyObject *const *args, Py_ssize_t
 {
     (void)self;
     static const char op[] = "cross_entropy_forward";
-    if (sf_py_check_nargs(op, nargs, 6, 7) < 0)
-        return NULL;
+    static const sf_py_tensor_arg spec[] = {
+        {0, "logits", 0}, {1, "labels", 0}, {4, "loss", 0}, {5, "lse", 0}};
+    enum { LOGITS, LABELS, LOSS, LSE };
     int64_t ignore_index;
     float smoothing;
-    if (read_scalars(args[2], args[3], &ignore_index, &smoothing) < 0)
+    sf_py_args a;
+    if (read_scalars(op, args, nargs, 6, 2, &ignore_index, &smoothing) < 0 ||
+        sf_py_begin(&a, op, args, nargs, 6, spec, SF_PY_NARGS(spec)) < 0)
         return NULL;
-    sf_py_call c;
-    if (sf_py_call_init(&c, op, nargs > 6 ? args[6] : Py_None) < 0)
-        return NULL;
-    sf_tensor logits, labels, loss, lse;
-    if (sf_py_tensor(&c, args[0], "logits", &logits) < 0 || sf_py_tensor(&c, args[1], "labels", &labels) < 0 ||
-        sf_py_tensor(&c, args[4], "loss", &loss) < 0 || sf_py_tensor(&c, args[5], "lse", &lse) < 0)
-        goto done;
     sf_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = sf_cross_entropy_forward(&logits, &labels, ignore_index, smoothing, &loss, &lse,
-                                  sf_py_call_stream(&c));
+    st = sf_cross_entropy_forward(a.t[LOGITS], a.t[LABELS], ignore_index, smoothing, a.t[LOSS],
+                                  a.t[LSE], sf_py_call_stream(&a.call));
     Py_END_ALLOW_THREADS
-    return sf_py_finish(&c, st);
-done:
-    sf_py_call_release(&c);
-    return NULL;
+    return sf_py_finish(&a.call, st);
 }
 
 /* cross_entropy_backward(logits, labels, lse, grad_scale, ignore_index, label_smoothing,
@@ -52,29 +50,21 @@ static PyObject *py_ce_backward(PyObject *self, PyObject *const *args, Py_ssize_
 {
     (void)self;
     static const char op[] = "cross_entropy_backward";
-    if (sf_py_check_nargs(op, nargs, 7, 8) < 0)
-        return NULL;
+    static const sf_py_tensor_arg spec[] = {
+        {0, "logits", 0}, {1, "labels", 0}, {2, "lse", 0}, {3, "grad_scale", 0}, {6, "dlogits", 0}};
+    enum { LOGITS, LABELS, LSE, SCALE, DLOGITS };
     int64_t ignore_index;
     float smoothing;
-    if (read_scalars(args[4], args[5], &ignore_index, &smoothing) < 0)
+    sf_py_args a;
+    if (read_scalars(op, args, nargs, 7, 4, &ignore_index, &smoothing) < 0 ||
+        sf_py_begin(&a, op, args, nargs, 7, spec, SF_PY_NARGS(spec)) < 0)
         return NULL;
-    sf_py_call c;
-    if (sf_py_call_init(&c, op, nargs > 7 ? args[7] : Py_None) < 0)
-        return NULL;
-    sf_tensor logits, labels, lse, scale, dlogits;
-    if (sf_py_tensor(&c, args[0], "logits", &logits) < 0 || sf_py_tensor(&c, args[1], "labels", &labels) < 0 ||
-        sf_py_tensor(&c, args[2], "lse", &lse) < 0 || sf_py_tensor(&c, args[3], "grad_scale", &scale) < 0 ||
-        sf_py_tensor(&c, args[6], "dlogits", &dlogits) < 0)
-        goto done;
     sf_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = sf_cross_entropy_backward(&logits, &labels, &lse, &scale, ignore_index, smoothing, &dlogits,
-                                   sf_py_call_stream(&c));
+    st = sf_cross_entropy_backward(a.t[LOGITS], a.t[LABELS], a.t[LSE], a.t[SCALE], ignore_index,
+                                   smoothing, a.t[DLOGITS], sf_py_call_stream(&a.call));
     Py_END_ALLOW_THREADS
-    return sf_py_finish(&c, st);
-done:
-    sf_py_call_release(&c);
-    return NULL;
+    return sf_py_finish(&a.call, st);
 }
 
 PyMethodDef sf_py_loss_methods[] = {

@@ -6,20 +6,6 @@
  */
 #include "py_call.h"
 
-/* Read a float / bool positional argument. */
-static int arg_float(const char *op, const char *name, PyObject *o, float *out)
-{
-    double v = PyFloat_AsDouble(o);
-    if (v == -1.0 && PyErr_Occurred()) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "%s: argument '%s' must be a float, got %s", op, name,
-                     Py_TYPE(o)->tp_name);
-        return -1;
-    }
-    *out = (float)v;
-    return 0;
-}
-
 static int arg_bool(PyObject *o, int *out)
 {
     int v = PyObject_IsTrue(o);
@@ -29,44 +15,30 @@ static int arg_bool(PyObject *o, int *out)
     return 0;
 }
 
-
 /* layernorm_fwd(x, gamma, beta, eps, zero_centered_gamma, y, mean, rstd,
  *               scale, amax, scale_inv, stream=None) */
 static PyObject *py_layernorm_fwd(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
     static const char op[] = "layernorm_fwd";
+    static const sf_py_tensor_arg spec[] = {
+        {0, "x", 0},    {1, "gamma", 0}, {2, "beta", 1},  {5, "y", 0},         {6, "mean", 1},
+        {7, "rstd", 1}, {8, "scale", 1}, {9, "amax", 1}, {10, "scale_inv", 1}};
+    enum { X, GAMMA, BETA, Y, MEAN, RSTD, SCALE, AMAX, SCALE_INV };
     if (sf_py_check_nargs(op, nargs, 11, 12) < 0)
         return NULL;
     float eps;
     int zc;
-    if (arg_float(op, "eps", args[3], &eps) < 0 || arg_bool(args[4], &zc) < 0)
+    sf_py_args a;
+    if (sf_py_arg_float(op, "eps", args[3], &eps) < 0 || arg_bool(args[4], &zc) < 0 ||
+        sf_py_begin(&a, op, args, nargs, 11, spec, SF_PY_NARGS(spec)) < 0)
         return NULL;
-    sf_py_call c;
-    if (sf_py_call_init(&c, op, nargs > 11 ? args[11] : Py_None) < 0)
-        return NULL;
-    sf_tensor x, gamma, beta, y, mean, rstd, scale, amax, scale_inv;
-    int has_beta, has_mean, has_rstd, has_scale, has_amax, has_si;
-    if (sf_py_tensor(&c, args[0], "x", &x) < 0 ||
-        sf_py_tensor(&c, args[1], "gamma", &gamma) < 0 ||
-        sf_py_optional_tensor(&c, args[2], "beta", &beta, &has_beta) < 0 ||
-        sf_py_tensor(&c, args[5], "y", &y) < 0 ||
-        sf_py_optional_tensor(&c, args[6], "mean", &mean, &has_mean) < 0 ||
-        sf_py_optional_tensor(&c, args[7], "rstd", &rstd, &has_rstd) < 0 ||
-        sf_py_optional_tensor(&c, args[8], "scale", &scale, &has_scale) < 0 ||
-        sf_py_optional_tensor(&c, args[9], "amax", &amax, &has_amax) < 0 ||
-        sf_py_optional_tensor(&c, args[10], "scale_inv", &scale_inv, &has_si) < 0) {
-        sf_py_call_release(&c);
-        return NULL;
-    }
     sf_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = sf_layernorm_fwd(&x, &gamma, has_beta ? &beta : NULL, eps, zc, &y,
-                          has_mean ? &mean : NULL, has_rstd ? &rstd : NULL,
-                          has_scale ? &scale : NULL, has_amax ? &amax : NULL,
-                          has_si ? &scale_inv : NULL, sf_py_call_stream(&c));
+    st = sf_layernorm_fwd(a.t[X], a.t[GAMMA], a.t[BETA], eps, zc, a.t[Y], a.t[MEAN], a.t[RSTD],
+                          a.t[SCALE], a.t[AMAX], a.t[SCALE_INV], sf_py_call_stream(&a.call));
     Py_END_ALLOW_THREADS
-    return sf_py_finish(&c, st);
+    return sf_py_finish(&a.call, st);
 }
 
 /* rmsnorm_fwd(x, gamma, eps, zero_centered_gamma, y, rstd, scale, amax,
@@ -75,34 +47,24 @@ static PyObject *py_rmsnorm_fwd(PyObject *self, PyObject *const *args, Py_ssize_
 {
     (void)self;
     static const char op[] = "rmsnorm_fwd";
+    static const sf_py_tensor_arg spec[] = {{0, "x", 0},     {1, "gamma", 0}, {4, "y", 0},
+                                            {5, "rstd", 1},  {6, "scale", 1}, {7, "amax", 1},
+                                            {8, "scale_inv", 1}};
+    enum { X, GAMMA, Y, RSTD, SCALE, AMAX, SCALE_INV };
     if (sf_py_check_nargs(op, nargs, 9, 10) < 0)
         return NULL;
     float eps;
     int zc;
-    if (arg_float(op, "eps", args[2], &eps) < 0 || arg_bool(args[3], &zc) < 0)
+    sf_py_args a;
+    if (sf_py_arg_float(op, "eps", args[2], &eps) < 0 || arg_bool(args[3], &zc) < 0 ||
+        sf_py_begin(&a, op, args, nargs, 9, spec, SF_PY_NARGS(spec)) < 0)
         return NULL;
-    sf_py_call c;
-    if (sf_py_call_init(&c, op, nargs > 9 ? args[9] : Py_None) < 0)
-        return NULL;
-    sf_tensor x, gamma, y, rstd, scale, amax, scale_inv;
-    int has_rstd, has_scale, has_amax, has_si;
-    if (sf_py_tensor(&c, args[0], "x", &x) < 0 ||
-        sf_py_tensor(&c, args[1], "gamma", &gamma) < 0 ||
-        sf_py_tensor(&c, args[4], "y", &y) < 0 ||
-        sf_py_optional_tensor(&c, args[5], "rstd", &rstd, &has_rstd) < 0 ||
-        sf_py_optional_tensor(&c, args[6], "scale", &scale, &has_scale) < 0 ||
-        sf_py_optional_tensor(&c, args[7], "amax", &amax, &has_amax) < 0 ||
-        sf_py_optional_tensor(&c, args[8], "scale_inv", &scale_inv, &has_si) < 0) {
-        sf_py_call_release(&c);
-        return NULL;
-    }
     sf_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = sf_rmsnorm_fwd(&x, &gamma, eps, zc, &y, has_rstd ? &rstd : NULL,
-                        has_scale ? &scale : NULL, has_amax ? &amax : NULL,
-                        has_si ? &scale_inv : NULL, sf_py_call_stream(&c));
+    st = sf_rmsnorm_fwd(a.t[X], a.t[GAMMA], eps, zc, a.t[Y], a.t[RSTD], a.t[SCALE], a.t[AMAX],
+                        a.t[SCALE_INV], sf_py_call_stream(&a.call));
     Py_END_ALLOW_THREADS
-    return sf_py_finish(&c, st);
+    return sf_py_finish(&a.call, st);
 }
 
 /* layernorm_bwd(dy, x, mean, rstd, gamma, zero_centered_gamma, dx, dgamma,
@@ -111,35 +73,23 @@ static PyObject *py_layernorm_bwd(PyObject *self, PyObject *const *args, Py_ssiz
 {
     (void)self;
     static const char op[] = "layernorm_bwd";
+    static const sf_py_tensor_arg spec[] = {
+        {0, "dy", 0}, {1, "x", 0},      {2, "mean", 0},  {3, "rstd", 0},      {4, "gamma", 0},
+        {6, "dx", 0}, {7, "dgamma", 0}, {8, "dbeta", 1}, {9, "workspace", 1}};
+    enum { DY, X, MEAN, RSTD, GAMMA, DX, DGAMMA, DBETA, WS };
     if (sf_py_check_nargs(op, nargs, 10, 11) < 0)
         return NULL;
     int zc;
-    if (arg_bool(args[5], &zc) < 0)
+    sf_py_args a;
+    if (arg_bool(args[5], &zc) < 0 ||
+        sf_py_begin(&a, op, args, nargs, 10, spec, SF_PY_NARGS(spec)) < 0)
         return NULL;
-    sf_py_call c;
-    if (sf_py_call_init(&c, op, nargs > 10 ? args[10] : Py_None) < 0)
-        return NULL;
-    sf_tensor dy, x, mean, rstd, gamma, dx, dgamma, dbeta, ws;
-    int has_dbeta, has_ws;
-    if (sf_py_tensor(&c, args[0], "dy", &dy) < 0 ||
-        sf_py_tensor(&c, args[1], "x", &x) < 0 ||
-        sf_py_tensor(&c, args[2], "mean", &mean) < 0 ||
-        sf_py_tensor(&c, args[3], "rstd", &rstd) < 0 ||
-        sf_py_tensor(&c, args[4], "gamma", &gamma) < 0 ||
-        sf_py_tensor(&c, args[6], "dx", &dx) < 0 ||
-        sf_py_tensor(&c, args[7], "dgamma", &dgamma) < 0 ||
-        sf_py_optional_tensor(&c, args[8], "dbeta", &dbeta, &has_dbeta) < 0 ||
-        sf_py_optional_tensor(&c, args[9], "workspace", &ws, &has_ws) < 0) {
-        sf_py_call_release(&c);
-        return NULL;
-    }
     sf_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = sf_layernorm_bwd(&dy, &x, &mean, &rstd, &gamma, zc, &dx, &dgamma,
-                          has_dbeta ? &dbeta : NULL, has_ws ? &ws : NULL,
-                          sf_py_call_stream(&c));
+    st = sf_layernorm_bwd(a.t[DY], a.t[X], a.t[MEAN], a.t[RSTD], a.t[GAMMA], zc, a.t[DX],
+                          a.t[DGAMMA], a.t[DBETA], a.t[WS], sf_py_call_stream(&a.call));
     Py_END_ALLOW_THREADS
-    return sf_py_finish(&c, st);
+    return sf_py_finish(&a.call, st);
 }
 
 /* rmsnorm_bwd(dy, x, rstd, gamma, zero_centered_gamma, dx, dgamma, workspace,
@@ -148,32 +98,23 @@ static PyObject *py_rmsnorm_bwd(PyObject *self, PyObject *const *args, Py_ssize_
 {
     (void)self;
     static const char op[] = "rmsnorm_bwd";
+    static const sf_py_tensor_arg spec[] = {{0, "dy", 0},    {1, "x", 0},  {2, "rstd", 0},
+                                            {3, "gamma", 0}, {5, "dx", 0}, {6, "dgamma", 0},
+                                            {7, "workspace", 1}};
+    enum { DY, X, RSTD, GAMMA, DX, DGAMMA, WS };
     if (sf_py_check_nargs(op, nargs, 8, 9) < 0)
         return NULL;
     int zc;
-    if (arg_bool(args[4], &zc) < 0)
+    sf_py_args a;
+    if (arg_bool(args[4], &zc) < 0 ||
+        sf_py_begin(&a, op, args, nargs, 8, spec, SF_PY_NARGS(spec)) < 0)
         return NULL;
-    sf_py_call c;
-    if (sf_py_call_init(&c, op, nargs > 8 ? args[8] : Py_None) < 0)
-        return NULL;
-    sf_tensor dy, x, rstd, gamma, dx, dgamma, ws;
-    int has_ws;
-    if (sf_py_tensor(&c, args[0], "dy", &dy) < 0 ||
-        sf_py_tensor(&c, args[1], "x", &x) < 0 ||
-        sf_py_tensor(&c, args[2], "rstd", &rstd) < 0 ||
-        sf_py_tensor(&c, args[3], "gamma", &gamma) < 0 ||
-        sf_py_tensor(&c, args[5], "dx", &dx) < 0 ||
-        sf_py_tensor(&c, args[6], "dgamma", &dgamma) < 0 ||
-        sf_py_optional_tensor(&c, args[7], "workspace", &ws, &has_ws) < 0) {
-        sf_py_call_release(&c);
-        return NULL;
-    }
     sf_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = sf_rmsnorm_bwd(&dy, &x, &rstd, &gamma, zc, &dx, &dgamma, has_ws ? &ws : NULL,
-                        sf_py_call_stream(&c));
+    st = sf_rmsnorm_bwd(a.t[DY], a.t[X], a.t[RSTD], a.t[GAMMA], zc, a.t[DX], a.t[DGAMMA], a.t[WS],
+                        sf_py_call_stream(&a.call));
     Py_END_ALLOW_THREADS
-    return sf_py_finish(&c, st);
+    return sf_py_finish(&a.call, st);
 }
 
 /* norm_bwd_workspace_numel(x) -> int */

@@ -136,56 +136,46 @@ done:
     return finish_lists(&c, ran, st);
 }
 
-/* multi_tensor_l2norm(tensors, workspace, out, stream=None) */
+/* multi_tensor_l2norm(tensors, workspace, out, stream=None)
+ * multi_tensor_scale(tensors, scale, stream=None): one list, then plain tensors. */
+static PyObject *list_then_tensors(PyObject *const *args, Py_ssize_t nargs, int l2norm)
+{
+    static const sf_py_tensor_arg l2[] = {{1, "workspace", 0}, {2, "out", 0}};
+    static const sf_py_tensor_arg sc[] = {{1, "scale", 0}};
+    const char *op = l2norm ? "multi_tensor_l2norm" : "multi_tensor_scale";
+    const int n_fixed = l2norm ? 3 : 2;
+    if (sf_py_check_nargs(op, nargs, n_fixed, n_fixed + 1) < 0)
+        return NULL;
+    PyObject *stream_obj = nargs > n_fixed ? args[n_fixed] : Py_None;
+    sf_py_args a;
+    if (sf_py_call_init(&a.call, op, stream_obj) < 0)
+        return NULL;
+    sf_py_tensor_list l = {0};
+    sf_status st = SF_OK;
+    int ran = 0;
+    if (list_import(&a.call, stream_obj, args[0], "tensors", &l) == 0 &&
+        sf_py_import(&a, args, nargs, l2norm ? l2 : sc, n_fixed - 1) == 0) {
+        Py_BEGIN_ALLOW_THREADS
+        const sf_stream stream = sf_py_call_stream(&a.call);
+        st = l2norm ? sf_multi_tensor_l2norm(l.n, l.views, a.t[0], a.t[1], stream)
+                    : sf_multi_tensor_scale(l.n, l.views, a.t[0], stream);
+        Py_END_ALLOW_THREADS
+        ran = 1;
+    }
+    list_free(&l);
+    return finish_lists(&a.call, ran, st);
+}
+
 static PyObject *py_l2norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    static const char op[] = "multi_tensor_l2norm";
-    if (sf_py_check_nargs(op, nargs, 3, 4) < 0)
-        return NULL;
-    PyObject *stream_obj = nargs > 3 ? args[3] : Py_None;
-    sf_py_call c;
-    if (sf_py_call_init(&c, op, stream_obj) < 0)
-        return NULL;
-    sf_py_tensor_list l = {0};
-    sf_status st = SF_OK;
-    int ran = 0;
-    sf_tensor ws, out;
-    if (list_import(&c, stream_obj, args[0], "tensors", &l) == 0 &&
-        sf_py_tensor(&c, args[1], "workspace", &ws) == 0 && sf_py_tensor(&c, args[2], "out", &out) == 0) {
-        Py_BEGIN_ALLOW_THREADS
-        st = sf_multi_tensor_l2norm(l.n, l.views, &ws, &out, sf_py_call_stream(&c));
-        Py_END_ALLOW_THREADS
-        ran = 1;
-    }
-    list_free(&l);
-    return finish_lists(&c, ran, st);
+    return list_then_tensors(args, nargs, 1);
 }
 
-/* multi_tensor_scale(tensors, scale, stream=None) */
 static PyObject *py_scale(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    static const char op[] = "multi_tensor_scale";
-    if (sf_py_check_nargs(op, nargs, 2, 3) < 0)
-        return NULL;
-    PyObject *stream_obj = nargs > 2 ? args[2] : Py_None;
-    sf_py_call c;
-    if (sf_py_call_init(&c, op, stream_obj) < 0)
-        return NULL;
-    sf_py_tensor_list l = {0};
-    sf_status st = SF_OK;
-    int ran = 0;
-    sf_tensor scale;
-    if (list_import(&c, stream_obj, args[0], "tensors", &l) == 0 &&
-        sf_py_tensor(&c, args[1], "scale", &scale) == 0) {
-        Py_BEGIN_ALLOW_THREADS
-        st = sf_multi_tensor_scale(l.n, l.views, &scale, sf_py_call_stream(&c));
-        Py_END_ALLOW_THREADS
-        ran = 1;
-    }
-    list_free(&l);
-    return finish_lists(&c, ran, st);
+    return list_then_tensors(args, nargs, 0);
 }
 
 static PyObject *py_chunk_size(PyObject *self, PyObject *unused)

@@ -136,38 +136,27 @@ static const DLPackExchangeAPI *sf_lookup_exchange_api(PyTypeObject *type)
 
 /* ---- DLTensor -> sf_tensor ------------------------------------------- */
 
+/* The DLPack dtypes seqfuse takes (all one lane), most common first. */
+static const struct {
+    uint8_t code;
+    uint8_t bits;
+    sf_dtype dtype;
+} sf_dl_dtypes[] = {
+    {kDLBfloat, 16, SF_BFLOAT16},      {kDLFloat, 32, SF_FLOAT32},
+    {kDLFloat, 16, SF_FLOAT16},        {kDLFloat8_e4m3fn, 8, SF_FLOAT8_E4M3},
+    {kDLFloat8_e5m2, 8, SF_FLOAT8_E5M2}, {kDLFloat8_e8m0fnu, 8, SF_FLOAT8_E8M0},
+    {kDLInt, 32, SF_INT32},            {kDLInt, 64, SF_INT64},
+    {kDLUInt, 8, SF_UINT8},            {kDLBool, 8, SF_BOOL},
+};
+
 static int sf_dtype_from_dl(const char *op, const char *arg, DLDataType dt, sf_dtype *out)
 {
-    if (dt.lanes == 1) {
-        switch (dt.code) {
-        case kDLFloat:
-            if (dt.bits == 32) { *out = SF_FLOAT32; return 0; }
-            if (dt.bits == 16) { *out = SF_FLOAT16; return 0; }
-            break;
-        case kDLBfloat:
-            if (dt.bits == 16) { *out = SF_BFLOAT16; return 0; }
-            break;
-        case kDLFloat8_e4m3fn:
-            if (dt.bits == 8) { *out = SF_FLOAT8_E4M3; return 0; }
-            break;
-        case kDLFloat8_e5m2:
-            if (dt.bits == 8) { *out = SF_FLOAT8_E5M2; return 0; }
-            break;
-        case kDLFloat8_e8m0fnu:
-            if (dt.bits == 8) { *out = SF_FLOAT8_E8M0; return 0; }
-            break;
-        case kDLInt:
-            if (dt.bits == 32) { *out = SF_INT32; return 0; }
-            if (dt.bits == 64) { *out = SF_INT64; return 0; }
-            break;
-        case kDLUInt:
-            if (dt.bits == 8) { *out = SF_UINT8; return 0; }
-            break;
-        case kDLBool:
-            if (dt.bits == 8) { *out = SF_BOOL; return 0; }
-            break;
-        }
-    }
+    if (dt.lanes == 1)
+        for (size_t i = 0; i < sizeof sf_dl_dtypes / sizeof sf_dl_dtypes[0]; ++i)
+            if (sf_dl_dtypes[i].code == dt.code && sf_dl_dtypes[i].bits == dt.bits) {
+                *out = sf_dl_dtypes[i].dtype;
+                return 0;
+            }
     PyErr_Format(PyExc_TypeError,
                  "%s: argument '%s' has a dtype seqfuse does not take (DLPack code %u, "
                  "%u bits, %u lanes); use float32, float16, bfloat16, float8_e4m3fn, "
@@ -477,4 +466,51 @@ int sf_py_optional_tensor(sf_py_call *c, PyObject *obj, const char *arg, sf_tens
 {
     *has = obj != Py_None;
     return *has ? sf_py_tensor(c, obj, arg, out) : 0;
+}
+
+int sf_py_import(sf_py_args *a, PyObject *const *args, Py_ssize_t nargs,
+                 const sf_py_tensor_arg *spec, int n)
+{
+    if (n > SF_PY_MAX_BORROWS) { /* cannot happen with the bindings as written */
+        PyErr_Format(PyExc_RuntimeError, "%s: more than %d tensor arguments", a->call.op,
+                     SF_PY_MAX_BORROWS);
+        sf_py_call_release(&a->call);
+        return -1;
+    }
+    for (int i = 0; i < n; ++i) {
+        PyObject *obj = spec[i].index < nargs ? args[spec[i].index] : NULL;
+        a->t[i] = NULL;
+        if (spec[i].optional && (obj == NULL || obj == Py_None))
+            continue;
+        if (obj == NULL) /* a table naming a required argument past nargs */
+            PyErr_Format(PyExc_TypeError, "%s: argument '%s' is missing", a->call.op,
+                         spec[i].name);
+        if (obj == NULL || sf_py_tensor(&a->call, obj, spec[i].name, &a->views[i]) < 0) {
+            sf_py_call_release(&a->call);
+            return -1;
+        }
+        a->t[i] = &a->views[i];
+    }
+    return 0;
+}
+
+int sf_py_begin(sf_py_args *a, const char *op, PyObject *const *args, Py_ssize_t nargs,
+                int stream_at, const sf_py_tensor_arg *spec, int n)
+{
+    if (sf_py_call_init(&a->call, op, stream_at < nargs ? args[stream_at] : Py_None) < 0)
+        return -1;
+    return sf_py_import(a, args, nargs, spec, n);
+}
+
+int sf_py_arg_float(const char *op, const char *arg, PyObject *obj, float *out)
+{
+    double v = PyFloat_AsDouble(obj);
+    if (v == -1.0 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s: argument '%s' must be a float, got %s", op, arg,
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    *out = (float)v;
+    return 0;
 }

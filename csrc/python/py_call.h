@@ -52,6 +52,45 @@ int sf_py_tensor(sf_py_call *c, PyObject *obj, const char *arg, sf_tensor *out);
 int sf_py_optional_tensor(sf_py_call *c, PyObject *obj, const char *arg,
                           sf_tensor *out, int *has);
 
+/* One tensor argument of a binding: its position in args, its name in
+ * messages, and whether None may stand for it (or, past nargs, nothing). */
+typedef struct {
+    int index;
+    const char *name;
+    int optional;
+} sf_py_tensor_arg;
+
+/* The number of entries of a binding's sf_py_tensor_arg table. */
+#define SF_PY_NARGS(table) ((int)(sizeof(table) / sizeof((table)[0])))
+
+/* A binding's call and the tensors it imported, in its table's order:
+ * t[i] points at views[i], or is NULL for an optional argument given None
+ * or left out. */
+typedef struct {
+    sf_py_call call;
+    sf_tensor *t[SF_PY_MAX_BORROWS];
+    sf_tensor views[SF_PY_MAX_BORROWS];
+} sf_py_args;
+
+/* The opening every tensor binding shares: start the call with args[stream_at]
+ * as its stream (None where nargs stops before it), then import the n tensors
+ * that spec names, in its order (the first CUDA tensor decides the stream when
+ * none was given; the first bad one is the one named).  On failure gives back
+ * every borrowed tensor and returns -1 with a Python exception set, so the
+ * binding simply returns NULL; on success it ends with
+ * sf_py_finish(&a->call, status). */
+int sf_py_begin(sf_py_args *a, const char *op, PyObject *const *args, Py_ssize_t nargs,
+                int stream_at, const sf_py_tensor_arg *spec, int n);
+
+/* The import half of sf_py_begin, for a binding that started a->call itself
+ * (and imported other arguments first): same table, same failure rule. */
+int sf_py_import(sf_py_args *a, PyObject *const *args, Py_ssize_t nargs,
+                 const sf_py_tensor_arg *spec, int n);
+
+/* Read a float positional argument as float; a non-number raises TypeError
+ * naming op and arg. */
+int sf_py_arg_float(const char *op, const char *arg, PyObject *obj, float *out);
+
 /* The stream for CUDA work (resolved by the tensors imported so far). */
 sf_stream sf_py_call_stream(const sf_py_call *c);
 

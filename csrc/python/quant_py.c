@@ -11,22 +11,16 @@ static PyObject *py_amax(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 {
     (void)self;
     static const char op[] = "amax";
-    if (sf_py_check_nargs(op, nargs, 2, 3) < 0)
+    static const sf_py_tensor_arg spec[] = {{0, "x", 0}, {1, "out", 0}};
+    sf_py_args a;
+    if (sf_py_check_nargs(op, nargs, 2, 3) < 0 ||
+        sf_py_begin(&a, op, args, nargs, 2, spec, SF_PY_NARGS(spec)) < 0)
         return NULL;
-    sf_py_call c;
-    if (sf_py_call_init(&c, op, nargs > 2 ? args[2] : Py_None) < 0)
-        return NULL;
-    sf_tensor x, out;
-    if (sf_py_tensor(&c, args[0], "x", &x) < 0 || sf_py_tensor(&c, args[1], "out", &out) < 0)
-        goto done;
     sf_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = sf_amax(&x, &out, sf_py_call_stream(&c));
+    st = sf_amax(a.t[0], a.t[1], sf_py_call_stream(&a.call));
     Py_END_ALLOW_THREADS
-    return sf_py_finish(&c, st);
-done:
-    sf_py_call_release(&c);
-    return NULL;
+    return sf_py_finish(&a.call, st);
 }
 
 /* Read an int argument, naming it on failure. */
@@ -47,35 +41,24 @@ static int int_arg(const char *op, PyObject *obj, const char *arg, int *out)
     return 0;
 }
 
-
 /* cast_fp8(x, scale, amax, out, out_t, scale_inv, stream=None) */
 static PyObject *py_cast_fp8(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
     static const char op[] = "cast_fp8";
-    if (sf_py_check_nargs(op, nargs, 6, 7) < 0)
+    static const sf_py_tensor_arg spec[] = {{0, "x", 0},   {1, "scale", 0}, {2, "amax", 1},
+                                            {3, "out", 1}, {4, "out_t", 1}, {5, "scale_inv", 1}};
+    enum { X, SCALE, AMAX, OUT, OUT_T, SCALE_INV };
+    sf_py_args a;
+    if (sf_py_check_nargs(op, nargs, 6, 7) < 0 ||
+        sf_py_begin(&a, op, args, nargs, 6, spec, SF_PY_NARGS(spec)) < 0)
         return NULL;
-    sf_py_call c;
-    if (sf_py_call_init(&c, op, nargs > 6 ? args[6] : Py_None) < 0)
-        return NULL;
-    sf_tensor x, scale, amax, out, out_t, scale_inv;
-    int has_amax, has_out, has_out_t, has_si;
-    if (sf_py_tensor(&c, args[0], "x", &x) < 0 ||
-        sf_py_tensor(&c, args[1], "scale", &scale) < 0 ||
-        sf_py_optional_tensor(&c, args[2], "amax", &amax, &has_amax) < 0 ||
-        sf_py_optional_tensor(&c, args[3], "out", &out, &has_out) < 0 ||
-        sf_py_optional_tensor(&c, args[4], "out_t", &out_t, &has_out_t) < 0 ||
-        sf_py_optional_tensor(&c, args[5], "scale_inv", &scale_inv, &has_si) < 0) {
-        sf_py_call_release(&c);
-        return NULL;
-    }
     sf_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = sf_cast_fp8(&x, &scale, has_amax ? &amax : NULL, has_out ? &out : NULL,
-                     has_out_t ? &out_t : NULL, has_si ? &scale_inv : NULL,
-                     sf_py_call_stream(&c));
+    st = sf_cast_fp8(a.t[X], a.t[SCALE], a.t[AMAX], a.t[OUT], a.t[OUT_T], a.t[SCALE_INV],
+                     sf_py_call_stream(&a.call));
     Py_END_ALLOW_THREADS
-    return sf_py_finish(&c, st);
+    return sf_py_finish(&a.call, st);
 }
 
 /* dequantize_fp8(data, scale_inv, out, stream=None) */
@@ -83,23 +66,16 @@ static PyObject *py_dequantize_fp8(PyObject *self, PyObject *const *args, Py_ssi
 {
     (void)self;
     static const char op[] = "dequantize_fp8";
-    if (sf_py_check_nargs(op, nargs, 3, 4) < 0)
+    static const sf_py_tensor_arg spec[] = {{0, "data", 0}, {1, "scale_inv", 0}, {2, "out", 0}};
+    sf_py_args a;
+    if (sf_py_check_nargs(op, nargs, 3, 4) < 0 ||
+        sf_py_begin(&a, op, args, nargs, 3, spec, SF_PY_NARGS(spec)) < 0)
         return NULL;
-    sf_py_call c;
-    if (sf_py_call_init(&c, op, nargs > 3 ? args[3] : Py_None) < 0)
-        return NULL;
-    sf_tensor data, si, out;
-    if (sf_py_tensor(&c, args[0], "data", &data) < 0 ||
-        sf_py_tensor(&c, args[1], "scale_inv", &si) < 0 ||
-        sf_py_tensor(&c, args[2], "out", &out) < 0) {
-        sf_py_call_release(&c);
-        return NULL;
-    }
     sf_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = sf_dequantize_fp8(&data, &si, &out, sf_py_call_stream(&c));
+    st = sf_dequantize_fp8(a.t[0], a.t[1], a.t[2], sf_py_call_stream(&a.call));
     Py_END_ALLOW_THREADS
-    return sf_py_finish(&c, st);
+    return sf_py_finish(&a.call, st);
 }
 
 /* fp8_scale_update(amax_history, scale, scale_inv, fp8_max, algo, margin, stream=None) */
@@ -107,27 +83,22 @@ static PyObject *py_fp8_scale_update(PyObject *self, PyObject *const *args, Py_s
 {
     (void)self;
     static const char op[] = "fp8_scale_update";
+    static const sf_py_tensor_arg spec[] = {
+        {0, "amax_history", 0}, {1, "scale", 0}, {2, "scale_inv", 0}, {3, "fp8_max", 0}};
+    enum { HIST, SCALE, SCALE_INV, FP8_MAX };
     if (sf_py_check_nargs(op, nargs, 6, 7) < 0)
         return NULL;
     int algo, margin;
-    if (int_arg(op, args[4], "algo", &algo) < 0 || int_arg(op, args[5], "margin", &margin) < 0)
+    sf_py_args a;
+    if (int_arg(op, args[4], "algo", &algo) < 0 || int_arg(op, args[5], "margin", &margin) < 0 ||
+        sf_py_begin(&a, op, args, nargs, 6, spec, SF_PY_NARGS(spec)) < 0)
         return NULL;
-    sf_py_call c;
-    if (sf_py_call_init(&c, op, nargs > 6 ? args[6] : Py_None) < 0)
-        return NULL;
-    sf_tensor hist, scale, si, fmax;
-    if (sf_py_tensor(&c, args[0], "amax_history", &hist) < 0 ||
-        sf_py_tensor(&c, args[1], "scale", &scale) < 0 ||
-        sf_py_tensor(&c, args[2], "scale_inv", &si) < 0 ||
-        sf_py_tensor(&c, args[3], "fp8_max", &fmax) < 0) {
-        sf_py_call_release(&c);
-        return NULL;
-    }
     sf_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = sf_fp8_scale_update(&hist, &scale, &si, &fmax, algo, margin, sf_py_call_stream(&c));
+    st = sf_fp8_scale_update(a.t[HIST], a.t[SCALE], a.t[SCALE_INV], a.t[FP8_MAX], algo, margin,
+                             sf_py_call_stream(&a.call));
     Py_END_ALLOW_THREADS
-    return sf_py_finish(&c, st);
+    return sf_py_finish(&a.call, st);
 }
 
 /* fp8_compute_scale(amax, scale, scale_inv, fp8_max, margin, stream=None) */
@@ -135,82 +106,58 @@ static PyObject *py_fp8_compute_scale(PyObject *self, PyObject *const *args, Py_
 {
     (void)self;
     static const char op[] = "fp8_compute_scale";
+    static const sf_py_tensor_arg spec[] = {{0, "amax", 0}, {1, "scale", 0}, {2, "scale_inv", 0}};
     if (sf_py_check_nargs(op, nargs, 5, 6) < 0)
         return NULL;
     double fmax = PyFloat_AsDouble(args[3]);
     if (fmax == -1.0 && PyErr_Occurred())
         return NULL;
     int margin;
-    if (int_arg(op, args[4], "margin", &margin) < 0)
+    sf_py_args a;
+    if (int_arg(op, args[4], "margin", &margin) < 0 ||
+        sf_py_begin(&a, op, args, nargs, 5, spec, SF_PY_NARGS(spec)) < 0)
         return NULL;
-    sf_py_call c;
-    if (sf_py_call_init(&c, op, nargs > 5 ? args[5] : Py_None) < 0)
-        return NULL;
-    sf_tensor amax, scale, si;
-    if (sf_py_tensor(&c, args[0], "amax", &amax) < 0 ||
-        sf_py_tensor(&c, args[1], "scale", &scale) < 0 ||
-        sf_py_tensor(&c, args[2], "scale_inv", &si) < 0) {
-        sf_py_call_release(&c);
-        return NULL;
-    }
     sf_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = sf_fp8_compute_scale(&amax, &scale, &si, (float)fmax, margin, sf_py_call_stream(&c));
+    st = sf_fp8_compute_scale(a.t[0], a.t[1], a.t[2], (float)fmax, margin,
+                              sf_py_call_stream(&a.call));
     Py_END_ALLOW_THREADS
-    return sf_py_finish(&c, st);
+    return sf_py_finish(&a.call, st);
 }
 
-/* quantize_block_fp8(x, out, scale_inv, block_rows, stream=None) */
+/* quantize_block_fp8(x, out, scale_inv, block_rows, stream=None)
+ * dequantize_block_fp8(data, scale_inv, block_rows, out, stream=None) */
+static PyObject *block_fp8_call(PyObject *const *args, Py_ssize_t nargs, int quantize)
+{
+    static const sf_py_tensor_arg q[] = {{0, "x", 0}, {1, "out", 0}, {2, "scale_inv", 0}};
+    static const sf_py_tensor_arg dq[] = {{0, "data", 0}, {1, "scale_inv", 0}, {3, "out", 0}};
+    const char *op = quantize ? "quantize_block_fp8" : "dequantize_block_fp8";
+    if (sf_py_check_nargs(op, nargs, 4, 5) < 0)
+        return NULL;
+    int block_rows;
+    sf_py_args a;
+    if (int_arg(op, args[quantize ? 3 : 2], "block_rows", &block_rows) < 0 ||
+        sf_py_begin(&a, op, args, nargs, 4, quantize ? q : dq, 3) < 0)
+        return NULL;
+    sf_status st;
+    Py_BEGIN_ALLOW_THREADS
+    const sf_stream stream = sf_py_call_stream(&a.call);
+    st = quantize ? sf_quantize_block_fp8(a.t[0], a.t[1], a.t[2], block_rows, stream)
+                  : sf_dequantize_block_fp8(a.t[0], a.t[1], block_rows, a.t[2], stream);
+    Py_END_ALLOW_THREADS
+    return sf_py_finish(&a.call, st);
+}
+
 static PyObject *py_quantize_block_fp8(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    static const char op[] = "quantize_block_fp8";
-    if (sf_py_check_nargs(op, nargs, 4, 5) < 0)
-        return NULL;
-    int block_rows;
-    if (int_arg(op, args[3], "block_rows", &block_rows) < 0)
-        return NULL;
-    sf_py_call c;
-    if (sf_py_call_init(&c, op, nargs > 4 ? args[4] : Py_None) < 0)
-        return NULL;
-    sf_tensor x, out, si;
-    if (sf_py_tensor(&c, args[0], "x", &x) < 0 || sf_py_tensor(&c, args[1], "out", &out) < 0 ||
-        sf_py_tensor(&c, args[2], "scale_inv", &si) < 0) {
-        sf_py_call_release(&c);
-        return NULL;
-    }
-    sf_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = sf_quantize_block_fp8(&x, &out, &si, block_rows, sf_py_call_stream(&c));
-    Py_END_ALLOW_THREADS
-    return sf_py_finish(&c, st);
+    return block_fp8_call(args, nargs, 1);
 }
 
-/* dequantize_block_fp8(data, scale_inv, block_rows, out, stream=None) */
 static PyObject *py_dequantize_block_fp8(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    static const char op[] = "dequantize_block_fp8";
-    if (sf_py_check_nargs(op, nargs, 4, 5) < 0)
-        return NULL;
-    int block_rows;
-    if (int_arg(op, args[2], "block_rows", &block_rows) < 0)
-        return NULL;
-    sf_py_call c;
-    if (sf_py_call_init(&c, op, nargs > 4 ? args[4] : Py_None) < 0)
-        return NULL;
-    sf_tensor data, si, out;
-    if (sf_py_tensor(&c, args[0], "data", &data) < 0 ||
-        sf_py_tensor(&c, args[1], "scale_inv", &si) < 0 ||
-        sf_py_tensor(&c, args[3], "out", &out) < 0) {
-        sf_py_call_release(&c);
-        return NULL;
-    }
-    sf_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = sf_dequantize_block_fp8(&data, &si, block_rows, &out, sf_py_call_stream(&c));
-    Py_END_ALLOW_THREADS
-    return sf_py_finish(&c, st);
+    return block_fp8_call(args, nargs, 0);
 }
 
 /* quantize_block_fp8_rowcol(x, out, scale_inv, out_t, scale_inv_t, stream=None, col_sums=None) */
@@ -219,53 +166,39 @@ static PyObject *py_quantize_block_fp8_rowcol(PyObject *self, PyObject *const *a
 {
     (void)self;
     static const char op[] = "quantize_block_fp8_rowcol";
-    if (sf_py_check_nargs(op, nargs, 5, 7) < 0)
+    static const sf_py_tensor_arg spec[] = {{0, "x", 0},           {1, "out", 1},
+                                            {2, "scale_inv", 1},   {3, "out_t", 1},
+                                            {4, "scale_inv_t", 1}, {6, "col_sums", 1}};
+    enum { X, OUT, SCALE_INV, OUT_T, SCALE_INV_T, COL_SUMS };
+    sf_py_args a;
+    if (sf_py_check_nargs(op, nargs, 5, 7) < 0 ||
+        sf_py_begin(&a, op, args, nargs, 5, spec, SF_PY_NARGS(spec)) < 0)
         return NULL;
-    sf_py_call c;
-    if (sf_py_call_init(&c, op, nargs > 5 ? args[5] : Py_None) < 0)
-        return NULL;
-    sf_tensor x, out, si, out_t, si_t, sums;
-    int h_out, h_si, h_out_t, h_si_t, h_sums = 0;
-    if (sf_py_tensor(&c, args[0], "x", &x) < 0 ||
-        sf_py_optional_tensor(&c, args[1], "out", &out, &h_out) < 0 ||
-        sf_py_optional_tensor(&c, args[2], "scale_inv", &si, &h_si) < 0 ||
-        sf_py_optional_tensor(&c, args[3], "out_t", &out_t, &h_out_t) < 0 ||
-        sf_py_optional_tensor(&c, args[4], "scale_inv_t", &si_t, &h_si_t) < 0 ||
-        (nargs > 6 && sf_py_optional_tensor(&c, args[6], "col_sums", &sums, &h_sums) < 0)) {
-        sf_py_call_release(&c);
-        return NULL;
-    }
     sf_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = sf_quantize_block_fp8_rowcol(&x, h_out ? &out : NULL, h_si ? &si : NULL,
-                                      h_out_t ? &out_t : NULL, h_si_t ? &si_t : NULL,
-                                      h_sums ? &sums : NULL, sf_py_call_stream(&c));
+    st = sf_quantize_block_fp8_rowcol(a.t[X], a.t[OUT], a.t[SCALE_INV], a.t[OUT_T],
+                                      a.t[SCALE_INV_T], a.t[COL_SUMS], sf_py_call_stream(&a.call));
     Py_END_ALLOW_THREADS
-    return sf_py_finish(&c, st);
+    return sf_py_finish(&a.call, st);
 }
 
 /* quantize_mxfp8(x, out, scales, stream=None) / dequantize_mxfp8(data, scales, out, stream=None) */
 static PyObject *py_mxfp8(PyObject *const *args, Py_ssize_t nargs, int quantize)
 {
+    static const sf_py_tensor_arg q[] = {{0, "x", 0}, {1, "out", 0}, {2, "scales", 0}};
+    static const sf_py_tensor_arg dq[] = {{0, "data", 0}, {1, "scales", 0}, {2, "out", 0}};
     const char *op = quantize ? "quantize_mxfp8" : "dequantize_mxfp8";
-    if (sf_py_check_nargs(op, nargs, 3, 4) < 0)
+    sf_py_args a;
+    if (sf_py_check_nargs(op, nargs, 3, 4) < 0 ||
+        sf_py_begin(&a, op, args, nargs, 3, quantize ? q : dq, 3) < 0)
         return NULL;
-    sf_py_call c;
-    if (sf_py_call_init(&c, op, nargs > 3 ? args[3] : Py_None) < 0)
-        return NULL;
-    sf_tensor t0, t1, t2;
-    if (sf_py_tensor(&c, args[0], quantize ? "x" : "data", &t0) < 0 ||
-        sf_py_tensor(&c, args[1], quantize ? "out" : "scales", &t1) < 0 ||
-        sf_py_tensor(&c, args[2], quantize ? "scales" : "out", &t2) < 0) {
-        sf_py_call_release(&c);
-        return NULL;
-    }
     sf_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = quantize ? sf_quantize_mxfp8(&t0, &t1, &t2, sf_py_call_stream(&c))
-                  : sf_dequantize_mxfp8(&t0, &t1, &t2, sf_py_call_stream(&c));
+    const sf_stream stream = sf_py_call_stream(&a.call);
+    st = quantize ? sf_quantize_mxfp8(a.t[0], a.t[1], a.t[2], stream)
+                  : sf_dequantize_mxfp8(a.t[0], a.t[1], a.t[2], stream);
     Py_END_ALLOW_THREADS
-    return sf_py_finish(&c, st);
+    return sf_py_finish(&a.call, st);
 }
 
 static PyObject *py_quantize_mxfp8(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -280,54 +213,42 @@ static PyObject *py_dequantize_mxfp8(PyObject *self, PyObject *const *args, Py_s
     return py_mxfp8(args, nargs, 0);
 }
 
-/* quantize_nvfp4(x, amax, out, block_scales, global_scale_inv, stream=None) */
+/* quantize_nvfp4(x, amax, out, block_scales, global_scale_inv, stream=None)
+ * dequantize_nvfp4(data, block_scales, global_scale_inv, out, stream=None) */
+static PyObject *nvfp4_call(PyObject *const *args, Py_ssize_t nargs, int quantize)
+{
+    static const sf_py_tensor_arg q[] = {{0, "x", 0},
+                                         {1, "amax", 0},
+                                         {2, "out", 0},
+                                         {3, "block_scales", 0},
+                                         {4, "global_scale_inv", 0}};
+    static const sf_py_tensor_arg dq[] = {
+        {0, "data", 0}, {1, "block_scales", 0}, {2, "global_scale_inv", 0}, {3, "out", 0}};
+    const char *op = quantize ? "quantize_nvfp4" : "dequantize_nvfp4";
+    const int n = quantize ? SF_PY_NARGS(q) : SF_PY_NARGS(dq);
+    sf_py_args a;
+    if (sf_py_check_nargs(op, nargs, n, n + 1) < 0 ||
+        sf_py_begin(&a, op, args, nargs, n, quantize ? q : dq, n) < 0)
+        return NULL;
+    sf_status st;
+    Py_BEGIN_ALLOW_THREADS
+    const sf_stream stream = sf_py_call_stream(&a.call);
+    st = quantize ? sf_quantize_nvfp4(a.t[0], a.t[1], a.t[2], a.t[3], a.t[4], stream)
+                  : sf_dequantize_nvfp4(a.t[0], a.t[1], a.t[2], a.t[3], stream);
+    Py_END_ALLOW_THREADS
+    return sf_py_finish(&a.call, st);
+}
+
 static PyObject *py_quantize_nvfp4(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    static const char op[] = "quantize_nvfp4";
-    if (sf_py_check_nargs(op, nargs, 5, 6) < 0)
-        return NULL;
-    sf_py_call c;
-    if (sf_py_call_init(&c, op, nargs > 5 ? args[5] : Py_None) < 0)
-        return NULL;
-    sf_tensor x, amax, out, bs, gsi;
-    if (sf_py_tensor(&c, args[0], "x", &x) < 0 || sf_py_tensor(&c, args[1], "amax", &amax) < 0 ||
-        sf_py_tensor(&c, args[2], "out", &out) < 0 ||
-        sf_py_tensor(&c, args[3], "block_scales", &bs) < 0 ||
-        sf_py_tensor(&c, args[4], "global_scale_inv", &gsi) < 0) {
-        sf_py_call_release(&c);
-        return NULL;
-    }
-    sf_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = sf_quantize_nvfp4(&x, &amax, &out, &bs, &gsi, sf_py_call_stream(&c));
-    Py_END_ALLOW_THREADS
-    return sf_py_finish(&c, st);
+    return nvfp4_call(args, nargs, 1);
 }
 
-/* dequantize_nvfp4(data, block_scales, global_scale_inv, out, stream=None) */
 static PyObject *py_dequantize_nvfp4(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    static const char op[] = "dequantize_nvfp4";
-    if (sf_py_check_nargs(op, nargs, 4, 5) < 0)
-        return NULL;
-    sf_py_call c;
-    if (sf_py_call_init(&c, op, nargs > 4 ? args[4] : Py_None) < 0)
-        return NULL;
-    sf_tensor data, bs, gsi, out;
-    if (sf_py_tensor(&c, args[0], "data", &data) < 0 ||
-        sf_py_tensor(&c, args[1], "block_scales", &bs) < 0 ||
-        sf_py_tensor(&c, args[2], "global_scale_inv", &gsi) < 0 ||
-        sf_py_tensor(&c, args[3], "out", &out) < 0) {
-        sf_py_call_release(&c);
-        return NULL;
-    }
-    sf_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = sf_dequantize_nvfp4(&data, &bs, &gsi, &out, sf_py_call_stream(&c));
-    Py_END_ALLOW_THREADS
-    return sf_py_finish(&c, st);
+    return nvfp4_call(args, nargs, 0);
 }
 
 PyMethodDef sf_py_quant_methods[] = {

@@ -9,6 +9,12 @@ static PyObject *py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 {
     (void)self;
     static const char op[] = "rope";
+    static const sf_py_tensor_arg spec[] = {{0, "t", 0},
+                                            {1, "freqs", 0},
+                                            {2, "cu_seqlens", 1},
+                                            {3, "start_positions", 1},
+                                            {7, "out", 0}};
+    enum { T, FREQS, CU, START, OUT };
     if (sf_py_check_nargs(op, nargs, 8, 9) < 0)
         return NULL;
     long format = PyLong_AsLong(args[4]);
@@ -18,25 +24,15 @@ static PyObject *py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     int backward = PyObject_IsTrue(args[6]);
     if (interleaved < 0 || backward < 0)
         return NULL;
-    sf_py_call c;
-    if (sf_py_call_init(&c, op, nargs > 8 ? args[8] : Py_None) < 0)
+    sf_py_args a;
+    if (sf_py_begin(&a, op, args, nargs, 8, spec, SF_PY_NARGS(spec)) < 0)
         return NULL;
-    sf_tensor t, freqs, cu, start, out;
-    int has_cu = 0, has_start = 0;
-    if (sf_py_tensor(&c, args[0], "t", &t) < 0 || sf_py_tensor(&c, args[1], "freqs", &freqs) < 0 ||
-        sf_py_optional_tensor(&c, args[2], "cu_seqlens", &cu, &has_cu) < 0 ||
-        sf_py_optional_tensor(&c, args[3], "start_positions", &start, &has_start) < 0 ||
-        sf_py_tensor(&c, args[7], "out", &out) < 0)
-        goto done;
     sf_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = sf_rope(&t, &freqs, has_cu ? &cu : NULL, has_start ? &start : NULL,
-                 (sf_rope_format)format, interleaved, backward, &out, sf_py_call_stream(&c));
+    st = sf_rope(a.t[T], a.t[FREQS], a.t[CU], a.t[START], (sf_rope_format)format, interleaved,
+                 backward, a.t[OUT], sf_py_call_stream(&a.call));
     Py_END_ALLOW_THREADS
-    return sf_py_finish(&c, st);
-done:
-    sf_py_call_release(&c);
-    return NULL;
+    return sf_py_finish(&a.call, st);
 }
 
 PyMethodDef sf_py_rope_methods[] = {
