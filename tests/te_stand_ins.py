@@ -44,15 +44,20 @@ def act(name, x):
     raise ValueError(name)
 
 
+def _linear_params(m, in_features, out_features, bias, params_dtype, device):
+    """m.weight ~ N(0, 0.02) and m.bias zeros (or None)."""
+    m.weight = _p(out_features, in_features, dtype=params_dtype, device=device)
+    m.bias = _p(out_features, dtype=params_dtype, device=device) if bias else None
+    nn.init.normal_(m.weight, std=0.02)
+    if m.bias is not None:
+        nn.init.zeros_(m.bias)
+
+
 class Linear(nn.Module):
     def __init__(self, in_features, out_features, bias=True, params_dtype=None, device=None, init_method=None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = _p(out_features, in_features, dtype=params_dtype, device=device)
-        self.bias = _p(out_features, dtype=params_dtype, device=device) if bias else None
-        nn.init.normal_(self.weight, std=0.02)
-        if self.bias is not None:
-            nn.init.zeros_(self.bias)
+        _linear_params(self, in_features, out_features, bias, params_dtype, device)
 
     def forward(self, x):
         return F.linear(x, self.weight, self.bias)
@@ -80,11 +85,7 @@ class LayerNormLinear(nn.Module):
         self.layer_norm_weight = nn.Parameter(torch.ones(in_features, dtype=params_dtype, device=device))
         self.layer_norm_bias = (nn.Parameter(torch.zeros(in_features, dtype=params_dtype, device=device))
                                 if normalization == "LayerNorm" else None)
-        self.weight = _p(out_features, in_features, dtype=params_dtype, device=device)
-        self.bias = _p(out_features, dtype=params_dtype, device=device) if bias else None
-        nn.init.normal_(self.weight, std=0.02)
-        if self.bias is not None:
-            nn.init.zeros_(self.bias)
+        _linear_params(self, in_features, out_features, bias, params_dtype, device)
 
     def forward(self, x):
         ln = _norm(x, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.normalization, self.zcg)

@@ -398,31 +398,30 @@ def test_block_weight_transposed_is_quantized_transpose(shape, seed):
     assert torch.equal(got.scale_inv, want.scale_inv)
 
 
-@needs_fp8
-def test_cpu_fp8_block_weight_cached(seed):
-    m = fp8_twin(128, 256, "cpu")
+def _two_accumulated_steps(m, x, recipe):
+    """Two SGD steps of three micro-batches each (gradient accumulation: one
+    weight quantization per step)."""
     opt = torch.optim.SGD(m.parameters(), lr=0.01)
-    x = torch.randn(32, 128).bfloat16()
-    with te.fp8_autocast(fp8_recipe=Float8BlockScaling()):
+    with te.fp8_autocast(fp8_recipe=recipe):
         for step in range(2):
             for micro in range(3):
                 m(x).float().sum().backward()
             opt.step()
             opt.zero_grad()
+
+
+@needs_fp8
+def test_cpu_fp8_block_weight_cached(seed):
+    m = fp8_twin(128, 256, "cpu")
+    _two_accumulated_steps(m, torch.randn(32, 128).bfloat16(), Float8BlockScaling())
     assert m._fp8_weight_quantizations == 2
 
 
 @needs_fp8
 def test_cpu_fp8_weight_quantized_once_per_update(seed):
     m = fp8_twin(64, 32, "cpu")
-    opt = torch.optim.SGD(m.parameters(), lr=0.01)
     x = torch.randn(32, 64).bfloat16()
-    with te.fp8_autocast(fp8_recipe=DelayedScaling()):
-        for step in range(2):
-            for micro in range(3):  # gradient accumulation: one quantization per step
-                m(x).float().sum().backward()
-            opt.step()
-            opt.zero_grad()
+    _two_accumulated_steps(m, x, DelayedScaling())
     assert m._fp8_weight_quantizations == 2
     with te.fp8_autocast():
         m(x, is_first_microbatch=True)   # forced

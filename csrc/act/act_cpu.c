@@ -5,28 +5,18 @@
  */
 #include <math.h>
 
+#include "../core/float_io.h"
 #include "../quant/fp8.h"
 #include "act.h"
 #include "act_backend.h"
-
-static float load(const sf_tensor *t, int64_t i)
-{
-    switch (t->dtype) {
-    case SF_FLOAT32: return ((const float *)t->data)[i];
-    case SF_FLOAT16: return sf_f16_to_f32(((const uint16_t *)t->data)[i]);
-    default:         return sf_bf16_to_f32(((const uint16_t *)t->data)[i]);
-    }
-}
 
 /* Store v into t[i]: the tensor's dtype, or FP8 of v * scale. */
 static void store(sf_tensor *t, int64_t i, float v, float scale)
 {
     switch (t->dtype) {
-    case SF_FLOAT32: ((float *)t->data)[i] = v; break;
-    case SF_FLOAT16: ((uint16_t *)t->data)[i] = sf_f32_to_f16(v); break;
-    case SF_BFLOAT16: ((uint16_t *)t->data)[i] = sf_f32_to_bf16(v); break;
     case SF_FLOAT8_E4M3: ((uint8_t *)t->data)[i] = sf_f32_to_e4m3(v * scale); break;
-    default: ((uint8_t *)t->data)[i] = sf_f32_to_e5m2(v * scale); break;
+    case SF_FLOAT8_E5M2: ((uint8_t *)t->data)[i] = sf_f32_to_e5m2(v * scale); break;
+    default: sf_tensor_store(t, i, v); break;
     }
 }
 
@@ -57,9 +47,9 @@ sf_status sf_act_fwd_cpu(const sf_act_args *a)
     float amax = amax_start(a);
     for (int64_t r = 0; r < a->rows; ++r)
         for (int64_t j = 0; j < a->n; ++j) {
-            float v = sf_act_base(a->base, load(a->x, r * in_cols + j));
+            float v = sf_act_base(a->base, sf_tensor_load(a->x, r * in_cols + j));
             if (a->gated)
-                v *= load(a->x, r * in_cols + a->n + j);
+                v *= sf_tensor_load(a->x, r * in_cols + a->n + j);
             amax = max_abs(amax, v);
             store(a->out, r * a->n + j, v, scale);
         }
@@ -74,15 +64,15 @@ sf_status sf_act_bwd_cpu(const sf_act_args *a)
     float amax = amax_start(a);
     for (int64_t r = 0; r < a->rows; ++r)
         for (int64_t j = 0; j < a->n; ++j) {
-            const float x = load(a->x, r * in_cols + j);
-            const float dy = load(a->dy, r * a->n + j);
+            const float x = sf_tensor_load(a->x, r * in_cols + j);
+            const float dy = sf_tensor_load(a->dy, r * a->n + j);
             if (!a->gated) {
                 float d = dy * sf_act_base_grad(a->base, x);
                 amax = max_abs(amax, d);
                 store(a->out, r * in_cols + j, d, scale);
                 continue;
             }
-            const float gate = load(a->x, r * in_cols + a->n + j);
+            const float gate = sf_tensor_load(a->x, r * in_cols + a->n + j);
             float f, df;
             sf_act_base_both(a->base, x, &f, &df);
             float d_act = dy * gate * df;
@@ -108,11 +98,11 @@ sf_status sf_bias_dropout_add_cpu(const sf_dropout_args *a)
     for (int64_t r = 0; r < a->rows; ++r)
         for (int64_t j = 0; j < a->n; ++j) {
             const int64_t i = r * a->n + j;
-            float v = load(a->x, i);
+            float v = sf_tensor_load(a->x, i);
             if (a->bias)
-                v += load(a->bias, j);
+                v += sf_tensor_load(a->bias, j);
             v = kept(a, i) ? v * keep_scale : 0.0f;
-            store(a->out, i, load(a->residual, i) + v, 1.0f);
+            store(a->out, i, sf_tensor_load(a->residual, i) + v, 1.0f);
         }
     return SF_OK;
 }
@@ -123,7 +113,7 @@ sf_status sf_dropout_bwd_cpu(const sf_dropout_args *a)
     for (int64_t r = 0; r < a->rows; ++r)
         for (int64_t j = 0; j < a->n; ++j) {
             const int64_t i = r * a->n + j;
-            store(a->out, i, kept(a, i) ? load(a->dy, i) * keep_scale : 0.0f, 1.0f);
+            store(a->out, i, kept(a, i) ? sf_tensor_load(a->dy, i) * keep_scale : 0.0f, 1.0f);
         }
     if (a->dbias)
         for (int64_t j = 0; j < a->n; ++j) {
@@ -131,7 +121,7 @@ sf_status sf_dropout_bwd_cpu(const sf_dropout_args *a)
             for (int64_t r = 0; r < a->rows; ++r) {
                 const int64_t i = r * a->n + j;
                 if (kept(a, i))
-                    s += (double)(load(a->dy, i) * keep_scale);
+                    s += (double)(sf_tensor_load(a->dy, i) * keep_scale);
             }
             store(a->dbias, j, (float)s, 1.0f);
         }

@@ -32,7 +32,7 @@
  * fixed order.
  */
 #include "../core/cuda_util.h"
-#include "../norm/vec_io.cuh"
+#include "../core/vec_io.cuh"
 #include "act.h"
 #include "act_backend.h"
 

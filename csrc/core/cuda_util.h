@@ -9,6 +9,7 @@
 #ifndef SF_CUDA_UTIL_H
 #define SF_CUDA_UTIL_H
 
+#include <atomic>
 #include <cuda_runtime.h>
 
 #include "seqfuse.h"
@@ -53,19 +54,33 @@ static inline void sf_cuda_device_restore(sf_cuda_device_guard *g)
 static inline cudaStream_t sf_cuda_stream(sf_stream s) { return (cudaStream_t)s; }
 
 /* Multiprocessor count of a device, asked once per device and cached (launch
- * sizing runs on every call; the attribute query is not free). */
+ * sizing runs on every call; the attribute query is not free).  The cache is
+ * read and written from any host thread: one atomic int per device, 0 until
+ * known (a failed query is not cached: asked again next time). */
+static inline cudaError_t sf_cuda_query_sm_count(int device, int *sms)
+{
+    static std::atomic<int> cached[64];
+    const bool cacheable = device >= 0 && device < 64;
+    if (cacheable) {
+        const int n = cached[device].load(std::memory_order_relaxed);
+        if (n > 0) {
+            *sms = n;
+            return cudaSuccess;
+        }
+    }
+    const cudaError_t e = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
+    if (e == cudaSuccess && cacheable && *sms > 0)
+        cached[device].store(*sms, std::memory_order_relaxed);
+    return e;
+}
+
+/* The same, 132 (an H100 / H200) when the device cannot be asked. */
 static inline int sf_cuda_sm_count(int device)
 {
-    static int cached[64];
-    if (device < 0 || device >= 64)
+    int n = 0;
+    if (device < 0 || device >= 64 || sf_cuda_query_sm_count(device, &n) != cudaSuccess || n <= 0)
         return 132;
-    if (cached[device] == 0) {
-        int n = 0;
-        if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0)
-            return 132; /* not cached: ask again next time */
-        cached[device] = n;
-    }
-    return cached[device];
+    return n;
 }
 
 /* Blocks for a grid-stride loop over n items: enough to fill the GPU a few

@@ -13,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../core/float_bits.h"
+#include "../core/float_io.h"
 #include "gemm.h"
 
 static float load_elem(const void *base, sf_dtype dtype, int64_t index)
@@ -25,15 +25,6 @@ static float load_elem(const void *base, sf_dtype dtype, int64_t index)
     case SF_FLOAT8_E4M3: return sf_gemm_e4m3_to_f32(((const uint8_t *)base)[index]);
     case SF_FLOAT8_E5M2: return sf_gemm_e5m2_to_f32(((const uint8_t *)base)[index]);
     default: return NAN;
-    }
-}
-
-static void store_elem(void *base, sf_dtype dtype, int64_t index, float v)
-{
-    switch (dtype) {
-    case SF_FLOAT32: ((float *)base)[index] = v; break;
-    case SF_FLOAT16: ((uint16_t *)base)[index] = sf_f32_to_f16(v); break;
-    default: ((uint16_t *)base)[index] = sf_f32_to_bf16(v); break;
     }
 }
 
@@ -139,7 +130,7 @@ sf_status sf_gemm_cpu(const sf_gemm_problem *p)
             case SF_GEMM_EPI_BIAS_GELU: v = sf_gemm_gelu(v); break;
             case SF_GEMM_EPI_GELU_AUX:
             case SF_GEMM_EPI_BIAS_GELU_AUX:
-                store_elem(p->aux, p->aux_dtype, i * p->ld_aux + j, v);
+                sf_store_float(p->aux, p->aux_dtype, i * p->ld_aux + j, v);
                 v = sf_gemm_gelu(v);
                 break;
             case SF_GEMM_EPI_DGELU:
@@ -150,12 +141,12 @@ sf_status sf_gemm_cpu(const sf_gemm_problem *p)
                 break;
             default: break;
             }
-            store_elem(p->out, p->out_dtype, o, v);
+            sf_store_float(p->out, p->out_dtype, o, v);
         }
     }
     if (bgrad) {
         for (int64_t j = 0; j < n; ++j)
-            store_elem(p->bias, p->bias_dtype, j, bgrad[j]);
+            sf_store_float(p->bias, p->bias_dtype, j, bgrad[j]);
         free(bgrad);
     }
     if (e == SF_GEMM_EPI_BGRAD) { /* bias[i] = sum_kk op(a)[i, kk] */
@@ -163,7 +154,7 @@ sf_status sf_gemm_cpu(const sf_gemm_problem *p)
             float s = 0.0f;
             for (int64_t kk = 0; kk < k; ++kk)
                 s += pa[i * k + kk];
-            store_elem(p->bias, p->bias_dtype, i, s);
+            sf_store_float(p->bias, p->bias_dtype, i, s);
         }
     }
     free(pa);

@@ -5,26 +5,11 @@
  */
 #include <math.h>
 
-#include "../core/float_bits.h"
+#include "../core/float_io.h"
 #include "cross_entropy_backend.h"
 
-static double load(const sf_tensor *x, int64_t off)
-{
-    switch (x->dtype) {
-    case SF_FLOAT32: return ((const float *)x->data)[off];
-    case SF_FLOAT16: return sf_f16_to_f32(((const uint16_t *)x->data)[off]);
-    default:         return sf_bf16_to_f32(((const uint16_t *)x->data)[off]);
-    }
-}
-
-static void store(sf_tensor *x, int64_t off, float v)
-{
-    switch (x->dtype) {
-    case SF_FLOAT32: ((float *)x->data)[off] = v; break;
-    case SF_FLOAT16: ((uint16_t *)x->data)[off] = sf_f32_to_f16(v); break;
-    default:         ((uint16_t *)x->data)[off] = sf_f32_to_bf16(v); break;
-    }
-}
+/* Read as double: the sums here run in double. */
+static double load(const sf_tensor *x, int64_t off) { return sf_tensor_load(x, off); }
 
 sf_status sf_cross_entropy_forward_cpu(const sf_tensor *logits, const sf_tensor *labels,
                                        int64_t ignore_index, float label_smoothing,
@@ -73,7 +58,7 @@ sf_status sf_cross_entropy_backward_cpu(const sf_tensor *logits, const sf_tensor
             if (!ignored)
                 g = scale * (exp(load(logits, in_row + j) - l) - e / (double)v -
                              (j == y[i] ? 1.0 - e : 0.0));
-            store(dlogits, out_row + j, (float)g);
+            sf_tensor_store(dlogits, out_row + j, (float)g);
         }
     }
     return SF_OK;

@@ -13,26 +13,17 @@
  * The upstream scale stays in device memory: no host synchronization, and
  * both launches are capturable in a CUDA graph.
  */
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include "../core/cuda_util.h"
+#include "../core/vec_io.cuh"
 #include "cross_entropy_backend.h"
 
 namespace {
 
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T> __device__ __forceinline__ T from_f(float v);
-template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+using sf_vec::from_f;
+using sf_vec::to_f;
 
-template <typename T, int V>
-struct alignas(sizeof(T) * V) Vec {
-    T v[V];
-};
+/* V elements as one 16-byte access (the kernels take V = 16 / sizeof(T)). */
+template <typename T, int V> using Vec = sf_vec::Pack<T, V>;
 
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -216,29 +207,38 @@ sf_status check_rows(const char *op, int64_t n)
     return SF_OK;
 }
 
+/* What both entries do around their kernel: the row limit, nothing for no
+ * rows, the logits' device for the launch, and the dtype's instantiation:
+ * run(T{}) with T float, __half or __nv_bfloat16. */
+template <typename Run>
+sf_status on_rows(const char *op, const sf_tensor *logits, Run run)
+{
+    SF_TRY(check_rows(op, logits->shape[0]));
+    if (logits->shape[0] == 0)
+        return SF_OK;
+    sf_cuda_device_guard guard;
+    SF_TRY(sf_cuda_device_enter(op, logits->device_id, &guard));
+    sf_status st;
+    switch (logits->dtype) {
+    case SF_FLOAT32: st = run(float{}); break;
+    case SF_FLOAT16: st = run(__half{}); break;
+    default:         st = run(__nv_bfloat16{}); break;
+    }
+    sf_cuda_device_restore(&guard);
+    return st;
+}
+
 } // namespace
 
 extern "C" sf_status sf_cross_entropy_forward_cuda(const sf_tensor *logits, const sf_tensor *labels,
                                                    int64_t ignore_index, float smoothing, sf_tensor *loss,
                                                    sf_tensor *lse, sf_stream s)
 {
-    static const char op[] = "cross_entropy_forward";
-    SF_TRY(check_rows(op, logits->shape[0]));
-    if (logits->shape[0] == 0)
-        return SF_OK;
-    sf_cuda_device_guard guard;
-    SF_TRY(sf_cuda_device_enter(op, logits->device_id, &guard));
-    cudaStream_t stream = sf_cuda_stream(s);
     const int64_t *y = (const int64_t *)labels->data;
     float *lo = (float *)loss->data, *ls = (float *)lse->data;
-    sf_status st;
-    switch (logits->dtype) {
-    case SF_FLOAT32: st = forward<float>(logits, y, ignore_index, smoothing, lo, ls, stream); break;
-    case SF_FLOAT16: st = forward<__half>(logits, y, ignore_index, smoothing, lo, ls, stream); break;
-    default:         st = forward<__nv_bfloat16>(logits, y, ignore_index, smoothing, lo, ls, stream); break;
-    }
-    sf_cuda_device_restore(&guard);
-    return st;
+    return on_rows("cross_entropy_forward", logits, [&](auto t) {
+        return forward<decltype(t)>(logits, y, ignore_index, smoothing, lo, ls, sf_cuda_stream(s));
+    });
 }
 
 extern "C" sf_status sf_cross_entropy_backward_cuda(const sf_tensor *logits, const sf_tensor *labels,
@@ -246,21 +246,10 @@ extern "C" sf_status sf_cross_entropy_backward_cuda(const sf_tensor *logits, con
                                                     int64_t ignore_index, float smoothing,
                                                     sf_tensor *dlogits, sf_stream s)
 {
-    static const char op[] = "cross_entropy_backward";
-    SF_TRY(check_rows(op, logits->shape[0]));
-    if (logits->shape[0] == 0)
-        return SF_OK;
-    sf_cuda_device_guard guard;
-    SF_TRY(sf_cuda_device_enter(op, logits->device_id, &guard));
-    cudaStream_t stream = sf_cuda_stream(s);
     const int64_t *y = (const int64_t *)labels->data;
     const float *ls = (const float *)lse->data;
-    sf_status st;
-    switch (logits->dtype) {
-    case SF_FLOAT32: st = backward<float>(logits, y, ls, grad_scale, ignore_index, smoothing, dlogits, stream); break;
-    case SF_FLOAT16: st = backward<__half>(logits, y, ls, grad_scale, ignore_index, smoothing, dlogits, stream); break;
-    default:         st = backward<__nv_bfloat16>(logits, y, ls, grad_scale, ignore_index, smoothing, dlogits, stream); break;
-    }
-    sf_cuda_device_restore(&guard);
-    return st;
+    return on_rows("cross_entropy_backward", logits, [&](auto t) {
+        return backward<decltype(t)>(logits, y, ls, grad_scale, ignore_index, smoothing, dlogits,
+                                     sf_cuda_stream(s));
+    });
 }

@@ -9,28 +9,13 @@
  */
 #include <math.h>
 
+#include "../core/float_io.h"
 #include "../quant/fp8.h"
 #include "norm.h"
 #include "norm_backend.h"
 
-static double load(const sf_tensor *t, int64_t i)
-{
-    switch (t->dtype) {
-    case SF_FLOAT32: return ((const float *)t->data)[i];
-    case SF_FLOAT16: return sf_f16_to_f32(((const uint16_t *)t->data)[i]);
-    default:         return sf_bf16_to_f32(((const uint16_t *)t->data)[i]);
-    }
-}
-
-/* Store a float32 value into a float32 / float16 / bfloat16 tensor. */
-static void store(sf_tensor *t, int64_t i, float v)
-{
-    switch (t->dtype) {
-    case SF_FLOAT32: ((float *)t->data)[i] = v; break;
-    case SF_FLOAT16: ((uint16_t *)t->data)[i] = sf_f32_to_f16(v); break;
-    default:         ((uint16_t *)t->data)[i] = sf_f32_to_bf16(v); break;
-    }
-}
+/* Read as double: the sums here run in double. */
+static double load(const sf_tensor *t, int64_t i) { return sf_tensor_load(t, i); }
 
 /* Largest of two |values| with NaN winning, as the CUDA bit-max does. */
 static float max_abs(float m, float v)
@@ -74,7 +59,7 @@ sf_status sf_norm_fwd_cpu(const sf_norm_fwd_args *a)
             float vf = (float)v;
             amax = max_abs(amax, vf);
             if (!fp8)
-                store(a->y, base + j, vf);
+                sf_tensor_store(a->y, base + j, vf);
             else if (a->y->dtype == SF_FLOAT8_E4M3)
                 ((uint8_t *)a->y->data)[base + j] = sf_f32_to_e4m3(vf * scale);
             else
@@ -101,9 +86,9 @@ sf_status sf_norm_bwd_cpu(const sf_norm_bwd_args *a)
             dg += dy * (load(a->x, r * H + j) - mean) * rstd;
             db += dy;
         }
-        store(a->dgamma, j, (float)dg);
+        sf_tensor_store(a->dgamma, j, (float)dg);
         if (a->dbeta)
-            store(a->dbeta, j, (float)db);
+            sf_tensor_store(a->dbeta, j, (float)db);
     }
     for (int64_t r = 0; r < a->rows; ++r) {
         const int64_t base = r * H;
@@ -122,7 +107,7 @@ sf_status sf_norm_bwd_cpu(const sf_norm_bwd_args *a)
             double w = sf_norm_weight((float)load(a->gamma, j), a->zero_centered_gamma);
             double g = load(a->dy, base + j) * w;
             double xhat = (load(a->x, base + j) - mean) * rstd;
-            store(a->dx, base + j, (float)(rstd * (g - m1 - xhat * m2)));
+            sf_tensor_store(a->dx, base + j, (float)(rstd * (g - m1 - xhat * m2)));
         }
     }
     return SF_OK;

@@ -48,7 +48,7 @@
  * layer warns once when that happens).
  */
 #include "../core/cuda_util.h"
-#include "vec_io.cuh"
+#include "../core/vec_io.cuh"
 #include "norm.h"
 #include "norm_backend.h"
 
@@ -503,6 +503,12 @@ Config bwd_config(int64_t hidden, int vec) { return pick_config(hidden, vec, kBw
  * The limit counts the kernel's static shared memory too (the reduction
  * scratch), so a 48 KB dynamic request with 512 static bytes already needs
  * it: hence the query of the static size once the request comes close. */
+struct SmemKey {
+    const void *kernel;
+    int device;
+    bool operator==(const SmemKey &o) const { return kernel == o.kernel && device == o.device; }
+};
+
 template <typename K>
 sf_status allow_smem(const char *op, K kernel, size_t bytes, int device)
 {
@@ -511,29 +517,23 @@ sf_status allow_smem(const char *op, K kernel, size_t bytes, int device)
     if (bytes + kStaticSlack <= kDefault)
         return SF_OK;
     /* The attribute stays set, so the query and the set run once per kernel,
-     * device and larger request, not on every call (host time per launch). */
-    constexpr int kSlots = 64;
-    static const void *keys[kSlots];
-    static int devices[kSlots];
-    static size_t allowed[kSlots];
-    static int used;
-    int i = 0;
-    while (i < used && !(keys[i] == (const void *)kernel && devices[i] == device))
-        ++i;
-    if (i < used && allowed[i] >= bytes)
+     * device and larger request, not on every call (host time per launch).
+     * Under the cache's lock the opt-in only grows: a thread asking for less
+     * than another already set finds it done and leaves it. */
+    static sf_launch_cache<SmemKey, 64> cache;
+    const SmemKey key = {(const void *)kernel, device};
+    int64_t allowed;
+    if (cache.find(key, &allowed) && allowed >= (int64_t)bytes)
+        return SF_OK;
+    std::lock_guard<std::mutex> hold(cache.lock());
+    if (cache.find(key, &allowed) && allowed >= (int64_t)bytes)
         return SF_OK;
     cudaFuncAttributes attr;
     SF_CUDA_TRY(op, cudaFuncGetAttributes(&attr, kernel));
     if (bytes + attr.sharedSizeBytes > kDefault)
         SF_CUDA_TRY(op, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              (int)bytes));
-    if (i == used && used < kSlots) { /* a full table only means asking again */
-        keys[i] = (const void *)kernel;
-        devices[i] = device;
-        ++used;
-    }
-    if (i < used)
-        allowed[i] = bytes;
+    cache.put(key, (int64_t)bytes);
     return SF_OK;
 }
 

@@ -5,26 +5,8 @@
  */
 #include <math.h>
 
-#include "../core/float_bits.h"
+#include "../core/float_io.h"
 #include "optim_backend.h"
-
-static float load(const sf_tensor *x, int64_t i)
-{
-    switch (x->dtype) {
-    case SF_FLOAT32: return ((const float *)x->data)[i];
-    case SF_FLOAT16: return sf_f16_to_f32(((const uint16_t *)x->data)[i]);
-    default:         return sf_bf16_to_f32(((const uint16_t *)x->data)[i]);
-    }
-}
-
-static void store(sf_tensor *x, int64_t i, float v)
-{
-    switch (x->dtype) {
-    case SF_FLOAT32: ((float *)x->data)[i] = v; break;
-    case SF_FLOAT16: ((uint16_t *)x->data)[i] = sf_f32_to_f16(v); break;
-    default:         ((uint16_t *)x->data)[i] = sf_f32_to_bf16(v); break;
-    }
-}
 
 sf_status sf_multi_tensor_adamw_cpu(int64_t n, sf_tensor *params, const sf_tensor *grads,
                                     sf_tensor *exp_avg, sf_tensor *exp_avg_sq, sf_tensor *master,
@@ -36,11 +18,11 @@ sf_status sf_multi_tensor_adamw_cpu(int64_t n, sf_tensor *params, const sf_tenso
         float *v = (float *)exp_avg_sq[t].data;
         float *w = master ? (float *)master[t].data : NULL;
         for (int64_t i = 0; i < numel; ++i) {
-            float p = w ? w[i] : load(&params[t], i);
-            sf_adamw_update(k, load(&grads[t], i), &p, &m[i], &v[i]);
+            float p = w ? w[i] : sf_tensor_load(&params[t], i);
+            sf_adamw_update(k, sf_tensor_load(&grads[t], i), &p, &m[i], &v[i]);
             if (w)
                 w[i] = p;
-            store(&params[t], i, p);
+            sf_tensor_store(&params[t], i, p);
         }
     }
     return SF_OK;
@@ -52,7 +34,7 @@ sf_status sf_multi_tensor_l2norm_cpu(int64_t n, const sf_tensor *tensors, sf_ten
     for (int64_t t = 0; t < n; ++t) {
         int64_t numel = sf_numel(&tensors[t]);
         for (int64_t i = 0; i < numel; ++i) {
-            double x = load(&tensors[t], i);
+            double x = sf_tensor_load(&tensors[t], i);
             sum += x * x;
         }
     }
@@ -66,7 +48,7 @@ sf_status sf_multi_tensor_scale_cpu(int64_t n, sf_tensor *tensors, const sf_tens
     for (int64_t t = 0; t < n; ++t) {
         int64_t numel = sf_numel(&tensors[t]);
         for (int64_t i = 0; i < numel; ++i)
-            store(&tensors[t], i, load(&tensors[t], i) * s);
+            sf_tensor_store(&tensors[t], i, sf_tensor_load(&tensors[t], i) * s);
     }
     return SF_OK;
 }

@@ -16,10 +16,8 @@
  * single-block kernel adds them in a fixed order (deterministic) and takes the
  * square root.  Nothing is read back to the host.
  */
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include "../core/cuda_util.h"
+#include "../core/vec_io.cuh"
 #include "optim_backend.h"
 
 namespace {
@@ -51,18 +49,30 @@ __device__ __forceinline__ int find_tensor(const MTMeta<DEPTH, T> &m, int c)
     return lo;
 }
 
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T> __device__ __forceinline__ T from_f(float v);
-template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-
-template <typename T>
-struct alignas(sizeof(T) * kIlp) Vec {
-    T v[kIlp];
+/* Chunk c of a launch: its tensor, its first element in that tensor, and its
+ * length (SF_MT_CHUNK, or what is left of the tensor). */
+struct Chunk {
+    int t;
+    int64_t off;
+    int64_t len;
 };
+
+template <int DEPTH, int T>
+__device__ __forceinline__ Chunk chunk_at(const MTMeta<DEPTH, T> &m, int c)
+{
+    Chunk ch;
+    ch.t = find_tensor(m, c);
+    ch.off = (int64_t)(c - m.chunk_start[ch.t]) * SF_MT_CHUNK;
+    const int64_t rest = m.numel[ch.t] - ch.off;
+    ch.len = rest < SF_MT_CHUNK ? rest : SF_MT_CHUNK;
+    return ch;
+}
+
+using sf_vec::from_f;
+using sf_vec::to_f;
+
+/* kIlp elements as one access (16 bytes of fp32, 8 of 16-bit types). */
+template <typename T> using Vec = sf_vec::Pack<T, kIlp>;
 
 __device__ __forceinline__ bool aligned(const void *p, size_t bytes) { return ((uintptr_t)p % bytes) == 0; }
 
@@ -85,10 +95,9 @@ __global__ void __launch_bounds__(kBlock) adamw_kernel(const __grid_constant__ M
 {
     const int nchunks = meta.chunk_start[meta.n];
     for (int c = blockIdx.x; c < nchunks; c += gridDim.x) {
-        int t = find_tensor(meta, c);
-        int64_t off = (int64_t)(c - meta.chunk_start[t]) * SF_MT_CHUNK;
-        int64_t rest = meta.numel[t] - off;
-        int64_t len = rest < SF_MT_CHUNK ? rest : SF_MT_CHUNK;
+        const Chunk ch = chunk_at(meta, c);
+        const int t = ch.t;
+        const int64_t off = ch.off, len = ch.len;
         T *p = static_cast<T *>(meta.ptr[0][t]) + off;
         const TG *g = static_cast<const TG *>(meta.ptr[1][t]) + off;
         float *m = static_cast<float *>(meta.ptr[2][t]) + off;
@@ -183,10 +192,9 @@ __global__ void __launch_bounds__(kBlock) l2norm_kernel(const __grid_constant__ 
 {
     const int nchunks = meta.chunk_start[meta.n];
     for (int c = blockIdx.x; c < nchunks; c += gridDim.x) {
-        int t = find_tensor(meta, c);
-        int64_t off = (int64_t)(c - meta.chunk_start[t]) * SF_MT_CHUNK;
-        int64_t rest = meta.numel[t] - off;
-        int64_t len = rest < SF_MT_CHUNK ? rest : SF_MT_CHUNK;
+        const Chunk ch = chunk_at(meta, c);
+        const int t = ch.t;
+        const int64_t off = ch.off, len = ch.len;
         float s;
         switch (meta.dtype[t]) {
         case SF_FLOAT32: s = sumsq(static_cast<const float *>(meta.ptr[0][t]) + off, len); break;
@@ -243,10 +251,9 @@ __global__ void __launch_bounds__(kBlock) scale_kernel(const __grid_constant__ M
     const float s = *scale;
     const int nchunks = meta.chunk_start[meta.n];
     for (int c = blockIdx.x; c < nchunks; c += gridDim.x) {
-        int t = find_tensor(meta, c);
-        int64_t off = (int64_t)(c - meta.chunk_start[t]) * SF_MT_CHUNK;
-        int64_t rest = meta.numel[t] - off;
-        int64_t len = rest < SF_MT_CHUNK ? rest : SF_MT_CHUNK;
+        const Chunk ch = chunk_at(meta, c);
+        const int t = ch.t;
+        const int64_t off = ch.off, len = ch.len;
         switch (meta.dtype[t]) {
         case SF_FLOAT32: scale_chunk(static_cast<float *>(meta.ptr[0][t]) + off, len, s); break;
         case SF_FLOAT16: scale_chunk(static_cast<__half *>(meta.ptr[0][t]) + off, len, s); break;
@@ -297,6 +304,12 @@ int grid_for(int chunks, int device)
 struct DeviceScope {
     sf_cuda_device_guard guard;
     bool entered = false;
+    sf_status enter(const char *op, int device)
+    {
+        SF_TRY(sf_cuda_device_enter(op, device, &guard));
+        entered = true;
+        return SF_OK;
+    }
     ~DeviceScope()
     {
         if (entered)
@@ -313,8 +326,7 @@ extern "C" sf_status sf_multi_tensor_adamw_cuda(int64_t n, sf_tensor *params, co
     static const char op[] = "multi_tensor_adamw";
     int device = params[0].device_id;
     DeviceScope scope;
-    SF_TRY(sf_cuda_device_enter(op, device, &scope.guard));
-    scope.entered = true;
+    SF_TRY(scope.enter(op, device));
     cudaStream_t stream = sf_cuda_stream(s);
     const sf_tensor *lists[5] = {params, grads, exp_avg, exp_avg_sq, master ? master : exp_avg};
     const sf_adamw_consts kk = *k;
@@ -353,8 +365,7 @@ extern "C" sf_status sf_multi_tensor_l2norm_cuda(int64_t n, const sf_tensor *ten
     static const char op[] = "multi_tensor_l2norm";
     int device = out->device_id;
     DeviceScope scope;
-    SF_TRY(sf_cuda_device_enter(op, device, &scope.guard));
-    scope.entered = true;
+    SF_TRY(scope.enter(op, device));
     cudaStream_t stream = sf_cuda_stream(s);
     float *ws = (float *)workspace->data;
     int64_t total = 0;
@@ -378,8 +389,7 @@ extern "C" sf_status sf_multi_tensor_scale_cuda(int64_t n, sf_tensor *tensors, c
     static const char op[] = "multi_tensor_scale";
     int device = scale->device_id;
     DeviceScope scope;
-    SF_TRY(sf_cuda_device_enter(op, device, &scope.guard));
-    scope.entered = true;
+    SF_TRY(scope.enter(op, device));
     cudaStream_t stream = sf_cuda_stream(s);
     const float *sc = (const float *)scale->data;
     const sf_tensor *lists[1] = {tensors};

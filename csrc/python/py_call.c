@@ -301,19 +301,27 @@ static int sf_py_tensor_exchange(sf_py_call *c, const DLPackExchangeAPI *api, Py
     return 0;
 }
 
+/* After a failed DLPack call on obj: an AttributeError (no __dlpack__ or
+ * __dlpack_device__) becomes the TypeError that names the argument; any other
+ * error stays.  Returns -1. */
+static int sf_py_not_dlpack(sf_py_call *c, PyObject *obj, const char *arg)
+{
+    if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError,
+                     "%s: argument '%s' must be a tensor supporting DLPack (a torch "
+                     "tensor or numpy array), got %s",
+                     c->op, arg, Py_TYPE(obj)->tp_name);
+    }
+    return -1;
+}
+
 /* Ask obj where it lives, through __dlpack_device__ (portable path only). */
 static int sf_py_dlpack_device(sf_py_call *c, PyObject *obj, const char *arg, int *type)
 {
     PyObject *dev = PyObject_CallMethod(obj, "__dlpack_device__", NULL);
     if (dev == NULL) {
-        if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_TypeError,
-                         "%s: argument '%s' must be a tensor supporting DLPack (a torch "
-                         "tensor or numpy array), got %s",
-                         c->op, arg, Py_TYPE(obj)->tp_name);
-        }
-        return -1;
+        return sf_py_not_dlpack(c, obj, arg);
     }
     int ok = PyTuple_Check(dev) && PyTuple_GET_SIZE(dev) == 2;
     if (ok) {
@@ -407,14 +415,7 @@ static int sf_py_tensor_capsule(sf_py_call *c, PyObject *obj, const char *arg, s
     Py_DECREF(source); /* the capsule holds what it needs */
     Py_XDECREF(stream);
     if (capsule == NULL) {
-        if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_TypeError,
-                         "%s: argument '%s' must be a tensor supporting DLPack (a torch "
-                         "tensor or numpy array), got %s",
-                         c->op, arg, Py_TYPE(obj)->tp_name);
-        }
-        return -1;
+        return sf_py_not_dlpack(c, obj, arg);
     }
 
     int rc = -1;

@@ -4,17 +4,8 @@
  */
 #include <math.h>
 
-#include "../core/float_bits.h"
+#include "../core/float_io.h"
 #include "amax_backend.h"
-
-static float sf_load_float(const sf_tensor *x, int64_t offset)
-{
-    switch (x->dtype) {
-    case SF_FLOAT32: return ((const float *)x->data)[offset];
-    case SF_FLOAT16: return sf_f16_to_f32(((const uint16_t *)x->data)[offset]);
-    default:         return sf_bf16_to_f32(((const uint16_t *)x->data)[offset]);
-    }
-}
 
 sf_status sf_amax_cpu(const sf_tensor *x, sf_tensor *out)
 {
@@ -25,7 +16,7 @@ sf_status sf_amax_cpu(const sf_tensor *x, sf_tensor *out)
         int64_t offset = 0;
         for (int d = 0; d < x->ndim; ++d)
             offset += index[d] * x->strides[d];
-        float a = fabsf(sf_load_float(x, offset));
+        float a = fabsf(sf_tensor_load(x, offset));
         if (isnan(a) || a > result)
             result = isnan(result) ? result : a;
         /* advance the multi-index, last dimension fastest */

@@ -14,37 +14,15 @@
 
 #include "../core/cuda_util.h"
 #include "amax_backend.h"
+#include "fp8_cuda.cuh"
 
 namespace {
 
 constexpr int kBlock = 512;
 
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-
 __device__ __forceinline__ unsigned abs_bits(float v)
 {
     return __float_as_uint(v) & 0x7fffffffu;
-}
-
-/* Block-wide max of unsigned values; thread 0 then publishes it. */
-__device__ __forceinline__ void block_publish_max(unsigned v, unsigned *out)
-{
-    __shared__ unsigned warp_max[kBlock / 32];
-    for (int off = 16; off > 0; off >>= 1)
-        v = max(v, __shfl_xor_sync(0xffffffffu, v, off));
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0)
-        warp_max[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        v = lane < kBlock / 32 ? warp_max[lane] : 0u;
-        for (int off = 16; off > 0; off >>= 1)
-            v = max(v, __shfl_xor_sync(0xffffffffu, v, off));
-        if (lane == 0 && v != 0u)
-            atomicMax(out, v);
-    }
 }
 
 template <typename T>
@@ -60,7 +38,7 @@ __global__ void amax_contiguous_kernel(const T *__restrict__ x, int64_t n,
     if (head > n)
         head = n;
     if (tid < head)
-        m = abs_bits(to_float(x[tid]));
+        m = abs_bits(sf_to_float(x[tid]));
     const T *xv = x + head;
     int64_t nvec = (n - head) / kVec;
     for (int64_t i = tid; i < nvec; i += stride) {
@@ -68,11 +46,11 @@ __global__ void amax_contiguous_kernel(const T *__restrict__ x, int64_t n,
         const T *vals = reinterpret_cast<const T *>(&raw);
 #pragma unroll
         for (int k = 0; k < kVec; ++k)
-            m = max(m, abs_bits(to_float(vals[k])));
+            m = max(m, abs_bits(sf_to_float(vals[k])));
     }
     for (int64_t i = head + nvec * kVec + tid; i < n; i += stride)
-        m = max(m, abs_bits(to_float(x[i])));
-    block_publish_max(m, out);
+        m = max(m, abs_bits(sf_to_float(x[i])));
+    sf_block_atomic_max_bits<kBlock>(m, out);
 }
 
 struct Layout {
@@ -93,9 +71,9 @@ __global__ void amax_strided_kernel(const T *__restrict__ x, int64_t n, Layout l
             offset += (rem % l.shape[d]) * l.strides[d];
             rem /= l.shape[d];
         }
-        m = max(m, abs_bits(to_float(x[offset])));
+        m = max(m, abs_bits(sf_to_float(x[offset])));
     }
-    block_publish_max(m, out);
+    sf_block_atomic_max_bits<kBlock>(m, out);
 }
 
 template <typename T>

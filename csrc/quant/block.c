@@ -7,15 +7,6 @@
  */
 #include "cast_backend.h"
 
-static sf_status check_fp8_dtype(const char *op, const char *arg, const sf_tensor *t)
-{
-    if (t->dtype != SF_FLOAT8_E4M3 && t->dtype != SF_FLOAT8_E5M2)
-        return sf_fail(SF_ERR_TYPE,
-                       "%s: argument '%s' must have dtype float8_e4m3fn or float8_e5m2, got %s",
-                       op, arg, sf_dtype_name(t->dtype));
-    return SF_OK;
-}
-
 static sf_status check_out(const char *op, const char *arg, const sf_tensor *t,
                            const sf_tensor *x, int64_t numel, int written)
 {
@@ -96,6 +87,28 @@ static sf_status dispatch(const char *op, const sf_tensor *on, sf_block_args *a,
 #endif
 }
 
+/* The pointers and dtypes of a validated FP8 block quantization (x -> out,
+ * one scale per block into scales) and of its dequantization. */
+static void fp8_quantize_fields(sf_block_args *a, const sf_tensor *x, sf_tensor *out,
+                                sf_tensor *scales)
+{
+    a->x = x->data;
+    a->x_dtype = x->dtype;
+    a->data = (uint8_t *)out->data;
+    a->e5m2 = out->dtype == SF_FLOAT8_E5M2;
+    a->scales = scales->data;
+}
+
+static void fp8_dequantize_fields(sf_block_args *a, const sf_tensor *data,
+                                  const sf_tensor *scales, sf_tensor *out)
+{
+    a->data = (uint8_t *)data->data;
+    a->e5m2 = data->dtype == SF_FLOAT8_E5M2;
+    a->scales = scales->data;
+    a->y = out->data;
+    a->x_dtype = out->dtype;
+}
+
 sf_status sf_quantize_block_fp8(const sf_tensor *x, sf_tensor *out, sf_tensor *scale_inv,
                                 int block_rows, sf_stream stream)
 {
@@ -107,16 +120,12 @@ sf_status sf_quantize_block_fp8(const sf_tensor *x, sf_tensor *out, sf_tensor *s
     sf_block_args a = {0};
     SF_TRY(matrix_view(op, "x", x, 128, block_rows == 1 ? "1x128 blocks" : "128x128 blocks",
                        &a.m, &a.k));
-    SF_TRY(check_fp8_dtype(op, "out", out));
+    SF_TRY(sf_quant_check_fp8(op, "out", out));
     SF_TRY(check_out(op, "out", out, x, a.m * a.k, 1));
     SF_TRY(sf_check_aligned(op, "out", out, 8));
     SF_TRY(check_block_scales(op, scale_inv, x, block_rows, a.m, a.k, 1, &a.scale_ld));
     a.format = block_rows == 1 ? SF_BLOCK_FP8_1X128 : SF_BLOCK_FP8_128X128;
-    a.x = x->data;
-    a.x_dtype = x->dtype;
-    a.data = (uint8_t *)out->data;
-    a.e5m2 = out->dtype == SF_FLOAT8_E5M2;
-    a.scales = scale_inv->data;
+    fp8_quantize_fields(&a, x, out, scale_inv);
     return dispatch(op, x, &a, 1, stream);
 }
 
@@ -137,14 +146,14 @@ sf_status sf_quantize_block_fp8_rowcol(const sf_tensor *x, sf_tensor *out, sf_te
         return sf_fail(SF_ERR_VALUE, "%s: 'out' comes with 'scale_inv' and 'out_t' with "
                        "'scale_inv_t'", op);
     if (out) {
-        SF_TRY(check_fp8_dtype(op, "out", out));
+        SF_TRY(sf_quant_check_fp8(op, "out", out));
         SF_TRY(check_out(op, "out", out, x, a.m * a.k, 1));
         SF_TRY(sf_check_aligned(op, "out", out, 16));
         SF_TRY(check_block_scales(op, scale_inv, x, 1, a.m, a.k, 1, &a.scale_ld));
         a.e5m2 = out->dtype == SF_FLOAT8_E5M2;
     }
     if (out_t) {
-        SF_TRY(check_fp8_dtype(op, "out_t", out_t));
+        SF_TRY(sf_quant_check_fp8(op, "out_t", out_t));
         if (out_t->ndim != 2 || out_t->shape[0] != a.k || out_t->shape[1] != mt)
             return sf_fail(SF_ERR_VALUE,
                            "%s: argument 'out_t' must have shape [K, round_up(M, 128)] = "
@@ -185,7 +194,7 @@ sf_status sf_dequantize_block_fp8(const sf_tensor *data, const sf_tensor *scale_
                                   int block_rows, sf_tensor *out, sf_stream stream)
 {
     static const char op[] = "dequantize_block_fp8";
-    SF_TRY(check_fp8_dtype(op, "data", data));
+    SF_TRY(sf_quant_check_fp8(op, "data", data));
     if (block_rows != 1 && block_rows != 128)
         return sf_fail(SF_ERR_VALUE, "%s: argument 'block_rows' must be 1 or 128, got %d", op,
                        block_rows);
@@ -196,11 +205,7 @@ sf_status sf_dequantize_block_fp8(const sf_tensor *data, const sf_tensor *scale_
     SF_TRY(check_out(op, "out", out, data, a.m * a.k, 1));
     SF_TRY(check_block_scales(op, scale_inv, data, block_rows, a.m, a.k, 0, &a.scale_ld));
     a.format = block_rows == 1 ? SF_BLOCK_FP8_1X128 : SF_BLOCK_FP8_128X128;
-    a.data = (uint8_t *)data->data;
-    a.e5m2 = data->dtype == SF_FLOAT8_E5M2;
-    a.scales = scale_inv->data;
-    a.y = out->data;
-    a.x_dtype = out->dtype;
+    fp8_dequantize_fields(&a, data, scale_inv, out);
     return dispatch(op, data, &a, 0, stream);
 }
 
@@ -220,16 +225,12 @@ sf_status sf_quantize_mxfp8(const sf_tensor *x, sf_tensor *out, sf_tensor *scale
     SF_TRY(sf_check_float_input(op, "x", x));
     sf_block_args a = {0};
     SF_TRY(matrix_view(op, "x", x, 32, "MXFP8 (1x32 blocks)", &a.m, &a.k));
-    SF_TRY(check_fp8_dtype(op, "out", out));
+    SF_TRY(sf_quant_check_fp8(op, "out", out));
     SF_TRY(check_out(op, "out", out, x, a.m * a.k, 1));
     SF_TRY(check_byte_scales(op, "scales", scales, SF_FLOAT8_E8M0));
     SF_TRY(check_out(op, "scales", scales, x, a.m * a.k / 32, 1));
     a.format = SF_BLOCK_MXFP8;
-    a.x = x->data;
-    a.x_dtype = x->dtype;
-    a.data = (uint8_t *)out->data;
-    a.e5m2 = out->dtype == SF_FLOAT8_E5M2;
-    a.scales = scales->data;
+    fp8_quantize_fields(&a, x, out, scales);
     return dispatch(op, x, &a, 1, stream);
 }
 
@@ -237,7 +238,7 @@ sf_status sf_dequantize_mxfp8(const sf_tensor *data, const sf_tensor *scales, sf
                               sf_stream stream)
 {
     static const char op[] = "dequantize_mxfp8";
-    SF_TRY(check_fp8_dtype(op, "data", data));
+    SF_TRY(sf_quant_check_fp8(op, "data", data));
     sf_block_args a = {0};
     SF_TRY(matrix_view(op, "data", data, 32, "MXFP8 (1x32 blocks)", &a.m, &a.k));
     SF_TRY(check_byte_scales(op, "scales", scales, SF_FLOAT8_E8M0));
@@ -245,23 +246,8 @@ sf_status sf_dequantize_mxfp8(const sf_tensor *data, const sf_tensor *scales, sf
     SF_TRY(sf_check_float_input(op, "out", out));
     SF_TRY(check_out(op, "out", out, data, a.m * a.k, 1));
     a.format = SF_BLOCK_MXFP8;
-    a.data = (uint8_t *)data->data;
-    a.e5m2 = data->dtype == SF_FLOAT8_E5M2;
-    a.scales = scales->data;
-    a.y = out->data;
-    a.x_dtype = out->dtype;
+    fp8_dequantize_fields(&a, data, scales, out);
     return dispatch(op, data, &a, 0, stream);
-}
-
-static sf_status check_scalar(const char *op, const char *arg, const sf_tensor *t,
-                              const sf_tensor *x, int written)
-{
-    SF_TRY(sf_check_dtype(op, arg, t, SF_FLOAT32));
-    SF_TRY(sf_check_numel(op, arg, t, 1));
-    SF_TRY(sf_check_same_device(op, "x", x, arg, t));
-    if (written)
-        SF_TRY(sf_check_writable(op, arg, t));
-    return SF_OK;
 }
 
 sf_status sf_quantize_nvfp4(const sf_tensor *x, const sf_tensor *amax, sf_tensor *out,
@@ -272,12 +258,12 @@ sf_status sf_quantize_nvfp4(const sf_tensor *x, const sf_tensor *amax, sf_tensor
     SF_TRY(sf_check_float_input(op, "x", x));
     sf_block_args a = {0};
     SF_TRY(matrix_view(op, "x", x, 16, "NVFP4 (16-element blocks)", &a.m, &a.k));
-    SF_TRY(check_scalar(op, "amax", amax, x, 0));
+    SF_TRY(sf_quant_check_scalar(op, "amax", amax, x, 0));
     SF_TRY(sf_check_dtype(op, "out", out, SF_UINT8));
     SF_TRY(check_out(op, "out", out, x, a.m * a.k / 2, 1));
     SF_TRY(check_byte_scales(op, "block_scales", block_scales, SF_FLOAT8_E4M3));
     SF_TRY(check_out(op, "block_scales", block_scales, x, a.m * a.k / 16, 1));
-    SF_TRY(check_scalar(op, "global_scale_inv", global_scale_inv, x, 1));
+    SF_TRY(sf_quant_check_scalar(op, "global_scale_inv", global_scale_inv, x, 1));
     a.format = SF_BLOCK_NVFP4;
     a.x = x->data;
     a.x_dtype = x->dtype;
@@ -301,7 +287,7 @@ sf_status sf_dequantize_nvfp4(const sf_tensor *data, const sf_tensor *block_scal
     SF_TRY(check_out(op, "data", data, out, a.m * a.k / 2, 0));
     SF_TRY(check_byte_scales(op, "block_scales", block_scales, SF_FLOAT8_E4M3));
     SF_TRY(check_out(op, "block_scales", block_scales, out, a.m * a.k / 16, 0));
-    SF_TRY(check_scalar(op, "global_scale_inv", global_scale_inv, out, 0));
+    SF_TRY(sf_quant_check_scalar(op, "global_scale_inv", global_scale_inv, out, 0));
     a.format = SF_BLOCK_NVFP4;
     a.data = (uint8_t *)data->data;
     a.scales = block_scales->data;

@@ -3,26 +3,9 @@
  * time, the math from fp8.h.  The CUDA kernels (block_cuda.cu) must match
  * these bit for bit.
  */
+#include "../core/float_io.h"
 #include "cast_backend.h"
 #include "fp8.h"
-
-static float load_f32(const void *x, sf_dtype dtype, int64_t i)
-{
-    switch (dtype) {
-    case SF_FLOAT32: return ((const float *)x)[i];
-    case SF_FLOAT16: return sf_f16_to_f32(((const uint16_t *)x)[i]);
-    default:         return sf_bf16_to_f32(((const uint16_t *)x)[i]);
-    }
-}
-
-static void store_f32(void *y, sf_dtype dtype, int64_t i, float v)
-{
-    switch (dtype) {
-    case SF_FLOAT32: ((float *)y)[i] = v; break;
-    case SF_FLOAT16: ((uint16_t *)y)[i] = sf_f32_to_f16(v); break;
-    default:         ((uint16_t *)y)[i] = sf_f32_to_bf16(v); break;
-    }
-}
 
 /* max |x| over rows [r0, r1) x columns [c0, c1), as bits (NaN wins). */
 static uint32_t block_amax(const sf_block_args *a, int64_t r0, int64_t r1, int64_t c0, int64_t c1)
@@ -30,7 +13,7 @@ static uint32_t block_amax(const sf_block_args *a, int64_t r0, int64_t r1, int64
     uint32_t m = 0;
     for (int64_t r = r0; r < r1; ++r)
         for (int64_t c = c0; c < c1; ++c) {
-            uint32_t b = sf_abs_bits(load_f32(a->x, a->x_dtype, r * a->k + c));
+            uint32_t b = sf_abs_bits(sf_load_float(a->x, a->x_dtype, r * a->k + c));
             m = b > m ? b : m;
         }
     return m;
@@ -57,7 +40,7 @@ static void quantize_fp8_blocks(const sf_block_args *a, int block_rows)
             for (int64_t r = r0; r < r1; ++r)
                 for (int64_t c = kb * 128; c < kb * 128 + 128; ++c)
                     a->data[r * a->k + c] =
-                        sf_f32_to_fp8(SF_MUL(load_f32(a->x, a->x_dtype, r * a->k + c), s), a->e5m2);
+                        sf_f32_to_fp8(SF_MUL(sf_load_float(a->x, a->x_dtype, r * a->k + c), s), a->e5m2);
         }
 }
 
@@ -71,7 +54,7 @@ static float block_col_sum(const sf_block_args *a, int64_t r0, int64_t c)
         float acc = 0.0f;
         for (int i = 0; i < 8; ++i) {
             int64_t r = r0 + g + 16 * i;
-            float v = r < a->m ? load_f32(a->x, a->x_dtype, r * a->k + c) : 0.0f;
+            float v = r < a->m ? sf_load_float(a->x, a->x_dtype, r * a->k + c) : 0.0f;
             acc = i == 0 ? v : acc + v;
         }
         s[g] = acc;
@@ -102,7 +85,7 @@ static void quantize_rowcol(const sf_block_args *a)
             float s = sf_scale_from_amax(amax, fmax, 1.0f, 1.0f);
             a->scales_t[mb * a->scale_ld_t + c] = SF_DIV(1.0f, s);
             for (int64_t r = mb * 128; r < mb * 128 + 128; ++r) {
-                float v = r < a->m ? load_f32(a->x, a->x_dtype, r * a->k + c) : 0.0f;
+                float v = r < a->m ? sf_load_float(a->x, a->x_dtype, r * a->k + c) : 0.0f;
                 a->data_t[c * mt + r] = sf_f32_to_fp8(SF_MUL(v, s), a->e5m2);
             }
         }
@@ -126,7 +109,7 @@ static void quantize_mxfp8(const sf_block_args *a)
             float mul = e == 0xffu ? sf_bits_f32(0x7fc00000u) : e8m0_inverse(e);
             for (int64_t c = b * 32; c < b * 32 + 32; ++c)
                 a->data[r * a->k + c] =
-                    sf_f32_to_fp8(SF_MUL(load_f32(a->x, a->x_dtype, r * a->k + c), mul), a->e5m2);
+                    sf_f32_to_fp8(SF_MUL(sf_load_float(a->x, a->x_dtype, r * a->k + c), mul), a->e5m2);
         }
 }
 
@@ -143,8 +126,8 @@ static void quantize_nvfp4(const sf_block_args *a)
             float df = sf_e4m3_to_f32(d);
             float mul = df == 0.0f ? 0.0f : SF_DIV(S, df);
             for (int64_t c = b * 16; c < b * 16 + 16; c += 2) {
-                uint8_t lo = sf_f32_to_e2m1(SF_MUL(load_f32(a->x, a->x_dtype, r * a->k + c), mul));
-                uint8_t hi = sf_f32_to_e2m1(SF_MUL(load_f32(a->x, a->x_dtype, r * a->k + c + 1), mul));
+                uint8_t lo = sf_f32_to_e2m1(SF_MUL(sf_load_float(a->x, a->x_dtype, r * a->k + c), mul));
+                uint8_t hi = sf_f32_to_e2m1(SF_MUL(sf_load_float(a->x, a->x_dtype, r * a->k + c + 1), mul));
                 a->data[(r * a->k + c) / 2] = (uint8_t)(lo | (hi << 4));
             }
         }
@@ -189,7 +172,7 @@ sf_status sf_block_dequantize_cpu(const sf_block_args *a)
                 break;
             }
             }
-            store_f32(a->y, a->x_dtype, i, v);
+            sf_store_float(a->y, a->x_dtype, i, v);
         }
     return SF_OK;
 }

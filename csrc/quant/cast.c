@@ -9,20 +9,17 @@
 
 #include "cast_backend.h"
 
-static int is_fp8(sf_dtype d) { return d == SF_FLOAT8_E4M3 || d == SF_FLOAT8_E5M2; }
-
-static sf_status check_fp8(const char *op, const char *arg, const sf_tensor *t)
+sf_status sf_quant_check_fp8(const char *op, const char *arg, const sf_tensor *t)
 {
-    if (!is_fp8(t->dtype))
+    if (t->dtype != SF_FLOAT8_E4M3 && t->dtype != SF_FLOAT8_E5M2)
         return sf_fail(SF_ERR_TYPE,
                        "%s: argument '%s' must have dtype float8_e4m3fn or float8_e5m2, got %s",
                        op, arg, sf_dtype_name(t->dtype));
     return SF_OK;
 }
 
-/* A float32 tensor of exactly one element on x's device, optionally written. */
-static sf_status check_scalar(const char *op, const char *arg, const sf_tensor *t,
-                              const sf_tensor *x, int written)
+sf_status sf_quant_check_scalar(const char *op, const char *arg, const sf_tensor *t,
+                                const sf_tensor *x, int written)
 {
     SF_TRY(sf_check_dtype(op, arg, t, SF_FLOAT32));
     SF_TRY(sf_check_numel(op, arg, t, 1));
@@ -49,11 +46,11 @@ sf_status sf_cast_fp8(const sf_tensor *x, const sf_tensor *scale, sf_tensor *ama
     static const char op[] = "cast_fp8";
     SF_TRY(sf_check_float_input(op, "x", x));
     SF_TRY(sf_check_contiguous(op, "x", x));
-    SF_TRY(check_scalar(op, "scale", scale, x, 0));
+    SF_TRY(sf_quant_check_scalar(op, "scale", scale, x, 0));
     if (amax)
-        SF_TRY(check_scalar(op, "amax", amax, x, 1));
+        SF_TRY(sf_quant_check_scalar(op, "amax", amax, x, 1));
     if (scale_inv)
-        SF_TRY(check_scalar(op, "scale_inv", scale_inv, x, 1));
+        SF_TRY(sf_quant_check_scalar(op, "scale_inv", scale_inv, x, 1));
     if (!out && !out_t)
         return sf_fail(SF_ERR_VALUE, "%s: at least one of 'out' and 'out_t' must be given", op);
 
@@ -61,14 +58,14 @@ sf_status sf_cast_fp8(const sf_tensor *x, const sf_tensor *scale, sf_tensor *ama
     int64_t k = x->ndim == 0 ? 1 : x->shape[x->ndim - 1];
     int64_t m = k == 0 ? 0 : n / k;
     if (out) {
-        SF_TRY(check_fp8(op, "out", out));
+        SF_TRY(sf_quant_check_fp8(op, "out", out));
         SF_TRY(sf_check_contiguous(op, "out", out));
         SF_TRY(sf_check_writable(op, "out", out));
         SF_TRY(sf_check_same_device(op, "x", x, "out", out));
         SF_TRY(sf_check_numel(op, "out", out, n));
     }
     if (out_t) {
-        SF_TRY(check_fp8(op, "out_t", out_t));
+        SF_TRY(sf_quant_check_fp8(op, "out_t", out_t));
         if (x->ndim < 1)
             return sf_fail(SF_ERR_VALUE, "%s: argument 'x' must have at least 1 dimension "
                            "for a transposed output", op);
@@ -110,7 +107,7 @@ sf_status sf_dequantize_fp8(const sf_tensor *data, const sf_tensor *scale_inv,
                             sf_tensor *out, sf_stream stream)
 {
     static const char op[] = "dequantize_fp8";
-    SF_TRY(check_fp8(op, "data", data));
+    SF_TRY(sf_quant_check_fp8(op, "data", data));
     SF_TRY(sf_check_contiguous(op, "data", data));
     SF_TRY(sf_check_float_input(op, "out", out));
     SF_TRY(sf_check_contiguous(op, "out", out));

@@ -13,6 +13,13 @@
 extern "C" {
 #endif
 
+/* Checks cast.c and block.c share (defined in cast.c): t is an FP8 tensor
+ * (float8_e4m3fn or float8_e5m2); t is a float32 tensor of exactly one
+ * element on x's device, writable where `written`. */
+sf_status sf_quant_check_fp8(const char *op, const char *arg, const sf_tensor *t);
+sf_status sf_quant_check_scalar(const char *op, const char *arg, const sf_tensor *t,
+                                const sf_tensor *x, int written);
+
 /* A cast problem after validation: x is [m, k] contiguous; pointers may be
  * NULL where the output is not wanted. */
 typedef struct {

@@ -5,26 +5,9 @@
  */
 #include <math.h>
 
+#include "../core/float_io.h"
 #include "cast_backend.h"
 #include "fp8.h"
-
-static float load_f32(const void *x, sf_dtype dtype, int64_t i)
-{
-    switch (dtype) {
-    case SF_FLOAT32: return ((const float *)x)[i];
-    case SF_FLOAT16: return sf_f16_to_f32(((const uint16_t *)x)[i]);
-    default:         return sf_bf16_to_f32(((const uint16_t *)x)[i]);
-    }
-}
-
-static void store_f32(void *y, sf_dtype dtype, int64_t i, float v)
-{
-    switch (dtype) {
-    case SF_FLOAT32: ((float *)y)[i] = v; break;
-    case SF_FLOAT16: ((uint16_t *)y)[i] = sf_f32_to_f16(v); break;
-    default:         ((uint16_t *)y)[i] = sf_f32_to_bf16(v); break;
-    }
-}
 
 sf_status sf_cast_fp8_cpu(const sf_cast_args *a)
 {
@@ -32,7 +15,7 @@ sf_status sf_cast_fp8_cpu(const sf_cast_args *a)
     uint32_t m = 0;
     for (int64_t r = 0; r < a->m; ++r) {
         for (int64_t c = 0; c < a->k; ++c) {
-            float v = load_f32(a->x, a->x_dtype, r * a->k + c);
+            float v = sf_load_float(a->x, a->x_dtype, r * a->k + c);
             uint32_t bits = sf_abs_bits(v);
             m = bits > m ? bits : m;
             uint8_t q = sf_f32_to_fp8(SF_MUL(v, s), a->e5m2);
@@ -60,7 +43,7 @@ sf_status sf_dequantize_fp8_cpu(const sf_dequant_args *a)
     for (int64_t i = 0; i < a->n; ++i) {
         float v = SF_MUL(sf_fp8_to_f32(a->data[i], a->e5m2), si);
         if (!isnan(v))
-            store_f32(a->out, a->out_dtype, i, v);
+            sf_store_float(a->out, a->out_dtype, i, v);
         else if (a->out_dtype == SF_FLOAT32)
             ((uint32_t *)a->out)[i] = SF_DEQUANT_NAN_F32;
         else

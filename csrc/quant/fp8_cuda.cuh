@@ -124,11 +124,10 @@ __device__ __forceinline__ void sf_store_dequant(__nv_bfloat16 *p, float v)
     *p = isnan(v) ? __ushort_as_bfloat16(SF_DEQUANT_NAN_BF16) : __float2bfloat16_rn(v);
 }
 
-/* Block-wide unsigned max; thread 0 folds it into *out with atomicMax (the
- * bits of a non-negative float order like the float; NaN wins).  Every
- * thread of the block must call it. */
+/* Block-wide unsigned max; thread 0 folds it into *out with atomicMax.
+ * Every thread of the block must call it. */
 template <int kThreads>
-__device__ __forceinline__ void sf_block_atomic_max(uint32_t v, float *out)
+__device__ __forceinline__ void sf_block_atomic_max_bits(uint32_t v, unsigned *out)
 {
     __shared__ uint32_t warp_max[kThreads / 32];
 #pragma unroll
@@ -144,8 +143,16 @@ __device__ __forceinline__ void sf_block_atomic_max(uint32_t v, float *out)
         for (int off = 16; off > 0; off >>= 1)
             v = max(v, __shfl_xor_sync(0xffffffffu, v, off));
         if (lane == 0 && v != 0u)
-            atomicMax(reinterpret_cast<unsigned *>(out), v);
+            atomicMax(out, v);
     }
+}
+
+/* The same folding a float amax held as its bits (the bits of a
+ * non-negative float order like the float; NaN wins). */
+template <int kThreads>
+__device__ __forceinline__ void sf_block_atomic_max(uint32_t v, float *out)
+{
+    sf_block_atomic_max_bits<kThreads>(v, reinterpret_cast<unsigned *>(out));
 }
 
 #endif /* SF_FP8_CUDA_CUH */

@@ -6,26 +6,8 @@
  */
 #include <math.h>
 
-#include "../core/float_bits.h"
+#include "../core/float_io.h"
 #include "rope_backend.h"
-
-static float load(const sf_tensor *x, int64_t off)
-{
-    switch (x->dtype) {
-    case SF_FLOAT32: return ((const float *)x->data)[off];
-    case SF_FLOAT16: return sf_f16_to_f32(((const uint16_t *)x->data)[off]);
-    default:         return sf_bf16_to_f32(((const uint16_t *)x->data)[off]);
-    }
-}
-
-static void store(sf_tensor *x, int64_t off, float v)
-{
-    switch (x->dtype) {
-    case SF_FLOAT32: ((float *)x->data)[off] = v; break;
-    case SF_FLOAT16: ((uint16_t *)x->data)[off] = sf_f32_to_f16(v); break;
-    default:         ((uint16_t *)x->data)[off] = sf_f32_to_bf16(v); break;
-    }
-}
 
 /* Sequence index and position of token (i0, i1); pos < 0: pass through. */
 static void token_position(const sf_rope_problem *p, const int32_t *cu, const int32_t *start,
@@ -71,17 +53,17 @@ sf_status sf_rope_cpu(const sf_rope_problem *p, const sf_tensor *t, const sf_ten
                         sf_rope_pair_index(p->interleaved, p->rot, i, &j1, &j2);
                         double a1 = f[pos * p->f_stride_pos + j1 * p->f_stride_dim];
                         double a2 = f[pos * p->f_stride_pos + j2 * p->f_stride_dim];
-                        float x1 = load(t, in_h + j1 * p->in_stride[3]);
-                        float x2 = load(t, in_h + j2 * p->in_stride[3]);
+                        float x1 = sf_tensor_load(t, in_h + j1 * p->in_stride[3]);
+                        float x2 = sf_tensor_load(t, in_h + j2 * p->in_stride[3]);
                         float y1, y2;
                         sf_rope_rotate(p->backward, x1, x2, (float)cos(a1), (float)sin(a1),
                                        (float)cos(a2), (float)sin(a2), &y1, &y2);
-                        store(out, out_h + j1 * p->out_stride[3], y1);
-                        store(out, out_h + j2 * p->out_stride[3], y2);
+                        sf_tensor_store(out, out_h + j1 * p->out_stride[3], y1);
+                        sf_tensor_store(out, out_h + j2 * p->out_stride[3], y2);
                     }
                 }
                 for (int64_t j = first_copied; j < p->dim; ++j)
-                    store(out, out_h + j * p->out_stride[3], load(t, in_h + j * p->in_stride[3]));
+                    sf_tensor_store(out, out_h + j * p->out_stride[3], sf_tensor_load(t, in_h + j * p->in_stride[3]));
             }
         }
     return SF_OK;

@@ -26,7 +26,7 @@
 #include <cuda_fp16.h>
 
 #include "../core/cuda_util.h"
-#include "../norm/vec_io.cuh"
+#include "../core/vec_io.cuh"
 #include "rope_backend.h"
 
 namespace {

@@ -21,6 +21,24 @@ def stream_for(t):
     return torch.cuda.current_stream(t.device).cuda_stream
 
 
+def cached_workspace(t, cache, query):
+    """The float32 workspace of a backward over ``t`` seen as [rows, hidden]
+    (None on the CPU, which needs none, or where the size is 0).  The size
+    depends on the GPU and the shape only, so ``query(t)`` (a
+    ``_C.*_workspace_numel``) is asked once per (device, rows, hidden) and
+    kept in the op's ``cache`` dict (emptied past 1024 shapes)."""
+    if t.device.type != "cuda":
+        return None
+    hidden = t.shape[-1]
+    key = (t.device.index, t.numel() // hidden, hidden)
+    n = cache.get(key)
+    if n is None:
+        if len(cache) > 1024:
+            cache.clear()
+        n = cache[key] = query(t)
+    return torch.empty(n, dtype=torch.float32, device=t.device) if n else None
+
+
 def exchange_api_in_use():
     """True when tensors cross into C through the C exchange API."""
     return FAST_EXCHANGE and _C.exchange_api_enabled()

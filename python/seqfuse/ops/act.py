@@ -22,7 +22,7 @@ offset)``.  The seed defaults to a draw from torch's default CPU generator, so
 import torch
 
 from .. import _C
-from ._call import as_float, as_int, detached, stream_for
+from ._call import as_float, as_int, cached_workspace, detached, stream_for
 
 ACTIVATIONS = {"gelu": 0, "gelu_erf": 1, "silu": 2, "relu": 3, "geglu": 4, "geglu_erf": 5,
                "swiglu": 6, "reglu": 7}
@@ -108,15 +108,9 @@ _workspace_numel = {}
 
 
 def _workspace(dy):
-    if dy.device.type != "cuda" or dy.numel() == 0:
+    if dy.numel() == 0:
         return None
-    key = (dy.device.index, dy.numel() // dy.shape[-1], dy.shape[-1])
-    n = _workspace_numel.get(key)
-    if n is None:
-        if len(_workspace_numel) > 1024:
-            _workspace_numel.clear()
-        n = _workspace_numel[key] = _C.dropout_bwd_workspace_numel(dy)
-    return torch.empty(n, dtype=torch.float32, device=dy.device) if n else None
+    return cached_workspace(dy, _workspace_numel, _C.dropout_bwd_workspace_numel)
 
 
 def dropout_bwd(dy, p, seed, offset=0, dbias_dtype=None):

@@ -19,7 +19,7 @@ import warnings
 import torch
 
 from .. import _C
-from ._call import as_float, detached, stream_for
+from ._call import as_float, cached_workspace, detached, stream_for
 
 _FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -35,16 +35,17 @@ def _check_x(op, x):
         raise ValueError(f"{op}: argument 'x' must have at least one dimension")
 
 
-def _warn_if_scalar_path(op, x):
+def _warn_if_scalar_path(op, x, stacklevel=3):
     """The CUDA kernels read 16-byte vectors; a row whose byte length is not a
-    multiple of 16 runs the element-wide variant (slower).  Say so once."""
+    multiple of 16 runs the element-wide variant (slower).  Say so once, at the
+    caller ``stacklevel - 1`` frames above the one calling this."""
     if x.device.type != "cuda":
         return
     hidden = x.shape[-1]
     if (hidden * x.element_size()) % 16 and (op, hidden, x.dtype) not in _warned_scalar:
         _warned_scalar.add((op, hidden, x.dtype))
         warnings.warn(f"{op}: hidden size {hidden} of {x.dtype} rows is not a multiple of 16 bytes; "
-                      "the element-wide kernel runs (slower than the vectorized one)", stacklevel=3)
+                      "the element-wide kernel runs (slower than the vectorized one)", stacklevel=stacklevel)
 
 
 def _out(x, out_dtype):
@@ -56,16 +57,22 @@ def _out(x, out_dtype):
     return torch.empty(x.shape, dtype=out_dtype, device=x.device)
 
 
+def _fwd_args(op, x, out_dtype):
+    """What both forwards start from: x (checked, contiguous, detached), the
+    output to fill and the number of rows."""
+    _check_x(op, x)
+    x = detached(x).contiguous()
+    _warn_if_scalar_path(op, x, stacklevel=4)  # the caller of layernorm_fwd / rmsnorm_fwd
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return x, _out(x, out_dtype), rows
+
+
 def layernorm_fwd(x, weight, bias=None, eps=1e-5, zero_centered_gamma=False, out_dtype=None,
                   scale=None, amax=None, scale_inv=None, save_stats=True):
     """LayerNorm forward: returns ``(y, mean, rstd)`` (``mean``/``rstd`` are
     float32 ``[rows]``, or None with ``save_stats=False``)."""
     op = "layernorm_fwd"
-    _check_x(op, x)
-    x = detached(x).contiguous()
-    _warn_if_scalar_path(op, x)
-    y = _out(x, out_dtype)
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    x, y, rows = _fwd_args(op, x, out_dtype)
     mean = rstd = None
     if save_stats:
         mean = torch.empty(rows, dtype=torch.float32, device=x.device)
@@ -79,11 +86,7 @@ def rmsnorm_fwd(x, weight, eps=1e-5, zero_centered_gamma=False, out_dtype=None, 
                 amax=None, scale_inv=None, save_stats=True):
     """RMSNorm forward: returns ``(y, rstd)``."""
     op = "rmsnorm_fwd"
-    _check_x(op, x)
-    x = detached(x).contiguous()
-    _warn_if_scalar_path(op, x)
-    y = _out(x, out_dtype)
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    x, y, rows = _fwd_args(op, x, out_dtype)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device) if save_stats else None
     _C.rmsnorm_fwd(x, detached(weight), as_float(op, "eps", eps), bool(zero_centered_gamma), y, rstd, scale,
                    amax, scale_inv, stream_for(x))
@@ -94,30 +97,24 @@ _workspace_numel = {}  # (device index, rows, hidden) -> float32 elements
 
 
 def _workspace(x):
-    """The backward's float32 workspace (None on the CPU, which needs none).
-    Its size depends on the GPU and the shape only, so it is asked once."""
-    if x.device.type != "cuda":
-        return None
-    hidden = x.shape[-1]
-    key = (x.device.index, x.numel() // hidden, hidden)
-    n = _workspace_numel.get(key)
-    if n is None:
-        if len(_workspace_numel) > 1024:
-            _workspace_numel.clear()
-        n = _workspace_numel[key] = _C.norm_bwd_workspace_numel(x)
-    return torch.empty(n, dtype=torch.float32, device=x.device) if n else None
+    """The backward's float32 workspace (None on the CPU, which needs none)."""
+    return cached_workspace(x, _workspace_numel, _C.norm_bwd_workspace_numel)
+
+
+def _bwd_args(op, dy, x, weight):
+    """What both backwards start from: dy, x (contiguous, detached) and the
+    weight, then dx and dgamma to fill."""
+    _check_x(op, x)
+    x = detached(x).contiguous()
+    dy = detached(dy).contiguous()
+    weight = detached(weight)
+    return dy, x, weight, torch.empty_like(x), torch.empty_like(weight)
 
 
 def layernorm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma=False, has_bias=True):
     """LayerNorm backward: returns ``(dx, dgamma, dbeta)`` (dbeta None without
     a bias); dgamma/dbeta have the weight's dtype."""
-    op = "layernorm_bwd"
-    _check_x(op, x)
-    x = detached(x).contiguous()
-    dy = detached(dy).contiguous()
-    weight = detached(weight)
-    dx = torch.empty_like(x)
-    dgamma = torch.empty_like(weight)
+    dy, x, weight, dx, dgamma = _bwd_args("layernorm_bwd", dy, x, weight)
     dbeta = torch.empty_like(weight) if has_bias else None
     _C.layernorm_bwd(dy, x, mean, rstd, weight, bool(zero_centered_gamma), dx, dgamma, dbeta,
                      _workspace(x), stream_for(x))
@@ -126,13 +123,7 @@ def layernorm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma=False, has_bias
 
 def rmsnorm_bwd(dy, x, rstd, weight, zero_centered_gamma=False):
     """RMSNorm backward: returns ``(dx, dgamma)``."""
-    op = "rmsnorm_bwd"
-    _check_x(op, x)
-    x = detached(x).contiguous()
-    dy = detached(dy).contiguous()
-    weight = detached(weight)
-    dx = torch.empty_like(x)
-    dgamma = torch.empty_like(weight)
+    dy, x, weight, dx, dgamma = _bwd_args("rmsnorm_bwd", dy, x, weight)
     _C.rmsnorm_bwd(dy, x, rstd, weight, bool(zero_centered_gamma), dx, dgamma, _workspace(x),
                    stream_for(x))
     return dx, dgamma

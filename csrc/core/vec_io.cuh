@@ -1,11 +1,12 @@
 /*
- * vec_io.cuh - device helpers the memory-bound kernels of the norm and act
- * families share: N elements moved as one 16-byte (or narrower) vector access
- * and converted to / from float, FP8 stores of scaled values, and the
- * block-wide max that folds an amax into global memory with one atomicMax on
- * the float's bits per block (non-negative floats order like their bits; a
- * NaN's bits order above +inf, so NaN wins, as the CPU references say), and
- * the occupancy query that sizes their grids.
+ * vec_io.cuh - device helpers the memory-bound kernels share (norm, act and
+ * rope use all of it; loss and optim the conversions and vector type): N
+ * elements moved as one 16-byte (or narrower) vector access and converted to
+ * / from float, FP8 stores of scaled values, and the block-wide max that
+ * folds an amax into global memory with one atomicMax on the float's bits per
+ * block (non-negative floats order like their bits; a NaN's bits order above
+ * +inf, so NaN wins, as the CPU references say), and the occupancy query that
+ * sizes their grids (cached for every host thread: launch_cache.cuh).
  *
  * FP8 encoding: the hardware conversion (cvt.rn.satfinite) on sm_89 and newer,
  * else quant/fp8.h's bit manipulation, which is the same rule (round to
@@ -20,7 +21,8 @@
 #include <stdint.h>
 
 #include "seqfuse.h"
-#include "../core/cuda_util.h"
+#include "cuda_util.h"
+#include "launch_cache.cuh"
 #include "../quant/fp8.h"
 
 namespace sf_vec {
@@ -155,17 +157,10 @@ __global__ void column_sum_kernel(const float *ws, int parts, int hidden, G *out
 /* Multiprocessors of a device (cached: asked once per device). */
 inline sf_status sm_count(const char *op, int device, int *sms)
 {
-    static int cache[64];
-    if (device >= 0 && device < 64 && cache[device] > 0) {
-        *sms = cache[device];
-        return SF_OK;
-    }
-    cudaError_t e = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
+    cudaError_t e = sf_cuda_query_sm_count(device, sms);
     if (e != cudaSuccess)
         return sf_fail(SF_ERR_RUNTIME, "%s: CUDA error %s: %s (multiprocessor count)", op,
                        cudaGetErrorName(e), cudaGetErrorString(e));
-    if (device >= 0 && device < 64)
-        cache[device] = *sms;
     return SF_OK;
 }
 
@@ -174,29 +169,35 @@ inline int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 /* Blocks of a kernel that fit on one SM at once (asked once per kernel,
  * block size, shared memory and device, then remembered): the size of a
  * persistent or grid-stride launch that fills the GPU exactly once. */
+struct OccupancyKey {
+    const void *kernel;
+    int threads;
+    size_t smem;
+    int device;
+    bool operator==(const OccupancyKey &o) const
+    {
+        return kernel == o.kernel && threads == o.threads && smem == o.smem && device == o.device;
+    }
+};
+
 template <typename K>
 sf_status blocks_per_sm(const char *op, K kernel, int threads, size_t smem, int device, int *per_sm)
 {
-    constexpr int kSlots = 64;
-    static int cache[kSlots][4]; /* blocks per SM, threads, smem bytes, device */
-    static const void *keys[kSlots];
-    static int next;
-    for (int i = 0; i < kSlots; ++i)
-        if (keys[i] == (const void *)kernel && cache[i][1] == threads && cache[i][2] == (int)smem &&
-            cache[i][3] == device) {
-            *per_sm = cache[i][0];
-            return SF_OK;
-        }
+    static sf_launch_cache<OccupancyKey, 128> cache;
+    const OccupancyKey key = {(const void *)kernel, threads, smem, device};
+    int64_t known;
+    if (cache.find(key, &known)) {
+        *per_sm = (int)known;
+        return SF_OK;
+    }
     int n = 0;
     SF_CUDA_TRY(op, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem));
     if (n < 1)
         n = 1;
-    const int i = next++ % kSlots;
-    keys[i] = (const void *)kernel;
-    cache[i][0] = n;
-    cache[i][1] = threads;
-    cache[i][2] = (int)smem;
-    cache[i][3] = device;
+    {
+        std::lock_guard<std::mutex> hold(cache.lock());
+        cache.put(key, n);
+    }
     *per_sm = n;
     return SF_OK;
 }
