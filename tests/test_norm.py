@@ -1,6 +1,8 @@
 """LayerNorm / RMSNorm kernels (seqfuse.ops.norm) against float64 torch
 references on the CPU, and the CUDA kernels against the CPU backend and torch
 with poisoned outputs (cuda marker)."""
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -341,6 +343,35 @@ def test_norm_cuda_unaligned_rows(dtype, seed):
     dy = torch.randn(65, 128, device="cuda").to(dtype)
     got, _ = run_c_poisoned(False, x, w, b, dy, 1e-5, False)
     check_against_reference(got, reference(False, x, w, b, dy, 1e-5, False), dtype, False)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+def test_norm_cuda_threads_share_launch_caches(rms, seed):
+    """Launches from eight host threads at once, each on its own stream, read
+    and fill the launch caches together (blocks per SM, and the shared-memory
+    opt-in, which grows past 48 KB for the wider rows): every result equals
+    the same call made alone afterwards."""
+    hiddens = [16384, 12288, 9216, 6144, 3072, 1536]
+    inputs = [make_inputs((64, h), torch.bfloat16, "cuda", w_dtype=torch.float32, bias=not rms)
+              for h in hiddens]
+    torch.cuda.synchronize()
+    streams = [torch.cuda.Stream() for _ in range(8)]
+
+    def run(k):
+        stream = streams[k % len(streams)]
+        with torch.cuda.stream(stream):
+            out = run_ops(rms, *inputs[k % len(hiddens)], 1e-5, False)
+        stream.synchronize()
+        return out
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        got = list(pool.map(run, range(48)))
+    for k, together in enumerate(got):
+        alone = run_ops(rms, *inputs[k % len(hiddens)], 1e-5, False)
+        for a, c in zip(together, alone):
+            if a is not None:
+                assert torch.equal(a, c)
 
 
 @pytest.mark.cuda

@@ -332,32 +332,34 @@ extern "C" sf_status sf_dequantize_fp8_cuda(const sf_dequant_args *a, int device
     return st;
 }
 
-extern "C" sf_status sf_fp8_scale_update_cuda(const sf_scale_args *a, int device, sf_stream s)
+namespace {
+
+/* The scaling-state kernels: one thread per column, on `device`. */
+template <typename Kernel>
+sf_status launch_scale(const char *op, Kernel kernel, const sf_scale_args *a, int device,
+                       sf_stream s)
 {
     cudaStream_t stream = sf_cuda_stream(s);
     sf_cuda_device_guard guard;
-    SF_TRY(sf_cuda_device_enter("fp8_scale_update", device, &guard));
+    SF_TRY(sf_cuda_device_enter(op, device, &guard));
     int grid = (int)((a->n + kThreads - 1) / kThreads);
-    scale_update_kernel<<<grid, kThreads, 0, stream>>>(*a);
+    kernel<<<grid, kThreads, 0, stream>>>(*a);
     cudaError_t e = cudaGetLastError();
     sf_cuda_device_restore(&guard);
     if (e != cudaSuccess)
-        return sf_fail(SF_ERR_RUNTIME, "fp8_scale_update: CUDA error %s: %s", cudaGetErrorName(e),
+        return sf_fail(SF_ERR_RUNTIME, "%s: CUDA error %s: %s", op, cudaGetErrorName(e),
                        cudaGetErrorString(e));
     return SF_OK;
 }
 
+} // namespace
+
+extern "C" sf_status sf_fp8_scale_update_cuda(const sf_scale_args *a, int device, sf_stream s)
+{
+    return launch_scale("fp8_scale_update", scale_update_kernel, a, device, s);
+}
+
 extern "C" sf_status sf_fp8_compute_scale_cuda(const sf_scale_args *a, int device, sf_stream s)
 {
-    cudaStream_t stream = sf_cuda_stream(s);
-    sf_cuda_device_guard guard;
-    SF_TRY(sf_cuda_device_enter("fp8_compute_scale", device, &guard));
-    int grid = (int)((a->n + kThreads - 1) / kThreads);
-    compute_scale_kernel<<<grid, kThreads, 0, stream>>>(*a);
-    cudaError_t e = cudaGetLastError();
-    sf_cuda_device_restore(&guard);
-    if (e != cudaSuccess)
-        return sf_fail(SF_ERR_RUNTIME, "fp8_compute_scale: CUDA error %s: %s", cudaGetErrorName(e),
-                       cudaGetErrorString(e));
-    return SF_OK;
+    return launch_scale("fp8_compute_scale", compute_scale_kernel, a, device, s);
 }
