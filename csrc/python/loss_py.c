@@ -22,49 +22,45 @@ static int read_scalars(const char *op, PyObject *const *args, Py_ssize_t nargs,
     return 0;
 }
 
-/* cross_entropy_forward(logits, labels, ignore_index, label_smoothing, loss, lse, stream=None) */
-static PyObject *py_ce_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* cross_entropy_forward(logits, labels, ignore_index, label_smoothing, loss, lse, stream=None)
+ * cross_entropy_backward(logits, labels, lse, grad_scale, ignore_index, label_smoothing,
+ *                        dlogits, stream=None) */
+static PyObject *ce_call(PyObject *const *args, Py_ssize_t nargs, int backward)
 {
-    (void)self;
-    static const char op[] = "cross_entropy_forward";
-    static const sf_py_tensor_arg spec[] = {
+    static const sf_py_tensor_arg fwd[] = {
         {0, "logits", 0}, {1, "labels", 0}, {4, "loss", 0}, {5, "lse", 0}};
-    enum { LOGITS, LABELS, LOSS, LSE };
+    static const sf_py_tensor_arg bwd[] = {
+        {0, "logits", 0}, {1, "labels", 0}, {2, "lse", 0}, {3, "grad_scale", 0}, {6, "dlogits", 0}};
+    const char *op = backward ? "cross_entropy_backward" : "cross_entropy_forward";
+    const int n_fixed = backward ? 7 : 6;
     int64_t ignore_index;
     float smoothing;
     sf_py_args a;
-    if (read_scalars(op, args, nargs, 6, 2, &ignore_index, &smoothing) < 0 ||
-        sf_py_begin(&a, op, args, nargs, 6, spec, SF_PY_NARGS(spec)) < 0)
+    if (read_scalars(op, args, nargs, n_fixed, backward ? 4 : 2, &ignore_index, &smoothing) < 0 ||
+        sf_py_begin(&a, op, args, nargs, n_fixed, backward ? bwd : fwd,
+                    backward ? SF_PY_NARGS(bwd) : SF_PY_NARGS(fwd)) < 0)
         return NULL;
+    sf_tensor **t = a.t; /* in the table's order */
     sf_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = sf_cross_entropy_forward(a.t[LOGITS], a.t[LABELS], ignore_index, smoothing, a.t[LOSS],
-                                  a.t[LSE], sf_py_call_stream(&a.call));
+    const sf_stream stream = sf_py_call_stream(&a.call);
+    st = backward ? sf_cross_entropy_backward(t[0], t[1], t[2], t[3], ignore_index, smoothing, t[4],
+                                              stream)
+                  : sf_cross_entropy_forward(t[0], t[1], ignore_index, smoothing, t[2], t[3], stream);
     Py_END_ALLOW_THREADS
     return sf_py_finish(&a.call, st);
 }
 
-/* cross_entropy_backward(logits, labels, lse, grad_scale, ignore_index, label_smoothing,
- *                        dlogits, stream=None) */
+static PyObject *py_ce_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    return ce_call(args, nargs, 0);
+}
+
 static PyObject *py_ce_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    static const char op[] = "cross_entropy_backward";
-    static const sf_py_tensor_arg spec[] = {
-        {0, "logits", 0}, {1, "labels", 0}, {2, "lse", 0}, {3, "grad_scale", 0}, {6, "dlogits", 0}};
-    enum { LOGITS, LABELS, LSE, SCALE, DLOGITS };
-    int64_t ignore_index;
-    float smoothing;
-    sf_py_args a;
-    if (read_scalars(op, args, nargs, 7, 4, &ignore_index, &smoothing) < 0 ||
-        sf_py_begin(&a, op, args, nargs, 7, spec, SF_PY_NARGS(spec)) < 0)
-        return NULL;
-    sf_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = sf_cross_entropy_backward(a.t[LOGITS], a.t[LABELS], a.t[LSE], a.t[SCALE], ignore_index,
-                                   smoothing, a.t[DLOGITS], sf_py_call_stream(&a.call));
-    Py_END_ALLOW_THREADS
-    return sf_py_finish(&a.call, st);
+    return ce_call(args, nargs, 1);
 }
 
 PyMethodDef sf_py_loss_methods[] = {

@@ -39,15 +39,14 @@ def _te_modules():
     return LayerNormLinear, Linear
 
 
+def given(**kw):
+    """The keyword arguments that are not None (the callee's own defaults
+    apply to the others)."""
+    return {k: v for k, v in kw.items() if v is not None}
+
+
 def _kw(init_method, params_dtype, device):
-    kw = {}
-    if init_method is not None:
-        kw["init_method"] = init_method
-    if params_dtype is not None:
-        kw["params_dtype"] = params_dtype
-    if device is not None:
-        kw["device"] = device
-    return kw
+    return given(init_method=init_method, params_dtype=params_dtype, device=device)
 
 
 class MultiheadAttention(torch.nn.Module):

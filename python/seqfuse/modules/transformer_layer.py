@@ -23,7 +23,7 @@ defaults to the GPU only where seqfuse can use one (else the CPU).
 """
 import torch
 
-from .multihead_attention import MultiheadAttention
+from .multihead_attention import MultiheadAttention, given
 
 
 def _layernorm_mlp():
@@ -94,13 +94,9 @@ class TransformerLayer(torch.nn.Module):
                 hidden_size, num_attention_heads, attn_mask_type=enc_dec_attn_mask_type,
                 window_size=enc_dec_window_size, attention_type="cross", **common)
         mlp_kw = dict(eps=layernorm_epsilon, bias=bias, normalization=normalization, activation=activation,
-                      zero_centered_gamma=zero_centered_gamma, device=device)
-        if params_dtype is not None:
-            mlp_kw["params_dtype"] = params_dtype
-        if init_method is not None:
-            mlp_kw["init_method"] = init_method
-        if output_layer_init_method is not None:
-            mlp_kw["output_layer_init_method"] = output_layer_init_method
+                      zero_centered_gamma=zero_centered_gamma, device=device,
+                      **given(params_dtype=params_dtype, init_method=init_method,
+                              output_layer_init_method=output_layer_init_method))
         self.layernorm_mlp = _layernorm_mlp()(hidden_size, ffn_hidden_size, **mlp_kw)
 
     def _residual(self, residual, x):
