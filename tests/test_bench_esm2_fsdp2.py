@@ -122,3 +122,24 @@ def test_bench_fsdp2_gloo_with_profile(tmp_path):
     for n in names:
         text = (prof / n).read_text()
         assert "host time to issue one step" in text and "FSDP::" in text or "alone" in n
+
+
+def test_fsdp2_host_overhead_script(tmp_path):
+    """fsdp2_host_overhead.py (fake process group, one process): one row per
+    setting, plain first with ratio 1, FSDP2 settings timed on a wrapped model."""
+    pytest.importorskip("transformers")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "python"), env.get("PYTHONPATH", "")])
+    out = tmp_path / "host"
+    r = subprocess.run([sys.executable, os.path.join(BENCH, "fsdp2_host_overhead.py"), "--layers", "2", "--steps", "2",
+                        "--warmup", "1", "--configs", "plain,default,raf0+g2", "--out", str(out)],
+                       env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-6000:]
+    with open(f"{out}.json") as f:
+        rows = json.load(f)["rows"]
+    assert [x["config"] for x in rows] == ["plain", "default", "raf0+g2"]
+    assert rows[0]["vs_plain"] == 1.0 and all(x["step_ms"] > 0 for x in rows)
+    r = subprocess.run([sys.executable, os.path.join(BENCH, "fsdp2_host_overhead.py"), "--layers", "2", "--steps", "1",
+                        "--configs", "plain,ddp", "--out", str(out)], env=env, capture_output=True, text=True,
+                       timeout=240, cwd=ROOT)
+    assert r.returncode != 0 and "only FSDP2 wrapping settings" in r.stderr

@@ -38,8 +38,8 @@ MAXLEN=${MAXLEN:-1024}
 OUT=${OUT:-esm2_sweep}
 PROFILE_DIR=${PROFILE_DIR:-benchmarks/results/esm2_fsdp2_profile}
 LOG=${LOG:-benchmarks/results/logs/esm2_fsdp2_sweep.log}
-BF16_CONFIGS=${BF16_CONFIGS:-default,raf0,rbf16,pf1,bal,ddp,raf0+rbf16+pf1,raf0+rbf16+g3,same,bal+raf0+rbf16+pf1,g3,pf2}
-FP8_CONFIGS=${FP8_CONFIGS:-default,raf0+rbf16+pf1}
+BF16_CONFIGS=${BF16_CONFIGS:-default,raf0,raf0+g3,raf0+g11,bal,raf0+g3+bal,ddp,rbf16,pf1,raf0+rbf16+g3+pf1,same,g3}
+FP8_CONFIGS=${FP8_CONFIGS:-default,raf0+g3+bal}
 T_BF16=${T_BF16:-200}   # seconds, hard limit of the bf16 job (its --time-budget is 45 s less)
 T_FP8=${T_FP8:-90}      # seconds, hard limit of the FP8 job
 
