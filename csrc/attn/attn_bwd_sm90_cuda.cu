@@ -11,11 +11,14 @@
  * (attn_sm90.cuh) and dK, dV in float32 registers.  It walks the 64-row
  * query tiles that may see its keys, for every query head of the GQA group
  * (dK, dV of a shared head summed in registers in a fixed order); Q, dO,
- * lse and delta of the next tile are fetched with cp.async into the other
- * of two buffers while the current one is computed.  Per query tile each
- * warpgroup computes
+ * lse and delta of the next tile are fetched (cp.async) into the other of
+ * two buffers while the current one is computed, issued right after the
+ * step's first products so the loads run under them; one barrier at the top
+ * of a step frees the previous step's buffers and dS^T, one in the middle
+ * publishes dS^T.  Per query tile each warpgroup computes
  *   S^T = K Q^T, dP^T = V dO^T         (wgmma m64n64, both operands K-major)
- *   P^T = exp2(S^T scale log2e - lse log2e), masked only on edge tiles
+ *   P^T = exp2(S^T scale log2e - lse log2e), masked only on edge tiles,
+ *                                      while dP^T is still on the tensor cores
  *   dS^T = P^T o (dP^T - delta)
  *   dV += P^T dO, dK += dS^T Q         (P^T, dS^T from registers; dO, Q MN-major)
  * and stores dS^T [key][query] to shared memory; then both warpgroups
@@ -107,14 +110,10 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_sm90_kernel(const sf_attn_
         for (int it = 0; it < kp.steps; ++it) {
             const int buf = it & 1;
             const int h = hk * G + it / kp.nmb, m0 = (kp.mb_lo + it % kp.nmb) * BM;
-            if (it + 1 < kp.steps) {
-                fetch(it + 1, buf ^ 1); /* buffer buf^1 was released by the barrier ending step it-1 */
-                cp_async_wait<1>();
-            } else {
-                cp_async_wait<0>();
-            }
+            cp_async_wait<0>();  /* this step's Q and dO, issued during the previous step */
             fence_proxy_async(); /* cp.async wrote through the generic proxy; wgmma reads the async one */
-            __syncthreads();
+            __syncthreads();     /* ... visible to all; and every thread is past step it-1, so its
+                                  * buffers (refilled below) and dS^T (rewritten below) are free */
             const uint32_t sQ = sQ0 + buf * QBYTES, sdO = sdO0 + buf * QBYTES;
             /* K and V's addresses made opaque per step: otherwise their
              * loop-invariant descriptors are hoisted and held in registers
@@ -129,11 +128,13 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_sm90_kernel(const sf_attn_
             wg_pin(dpt);
             wg_fence();
             mma_ss_kmajor<T, BM, BN, BM, D>(st, sKs, wg * 64, sQ);
+            wg_commit();
             mma_ss_kmajor<T, BM, BN, BM, D>(dpt, sVs, wg * 64, sdO);
             wg_commit();
-            wg_wait<0>();
+            if (it + 1 < kp.steps) /* the next step's loads, under the products */
+                fetch(it + 1, buf ^ 1);
+            wg_wait<1>(); /* S^T; dP^T may still run while P^T is computed */
             wg_pin(st);
-            wg_pin(dpt);
 
             /* P^T and dS^T in place; register 4j + e: key krow + 8 (e >> 1), query 8j + 2 q4 + (e & 1) */
             const bool need_mask = tile_crosses_mask(m0, BM, n0, BN, sq, sk, off, left, right);
@@ -142,10 +143,14 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_sm90_kernel(const sf_attn_
                 const int ql = (i >> 2) * 8 + 2 * q4 + (i & 1);
                 const int c = n0 + krow + ((i >> 1) & 1) * 8, r = m0 + ql;
                 const bool ok = !need_mask || (r < sq && c < sk && sf_attn_allowed(r, c, off, left, right));
-                const float pv = ok ? fast_exp2(fmaf(st[i], sl2, -sLse[ql])) : 0.f;
-                st[i] = pv;
-                dpt[i] = pv * (dpt[i] - sDelta[ql]);
+                st[i] = ok ? fast_exp2(fmaf(st[i], sl2, -sLse[ql])) : 0.f;
             }
+            wg_pin(st);
+            wg_wait<0>(); /* dP^T */
+            wg_pin(dpt);
+#pragma unroll
+            for (int i = 0; i < NS; ++i)
+                dpt[i] = st[i] * (dpt[i] - sDelta[(i >> 2) * 8 + 2 * q4 + (i & 1)]);
             uint32_t pa[NS / 8][4], da[NS / 8][4];
             pack_acc<T>(pa, st);
             pack_acc<T>(da, dpt);
@@ -194,7 +199,6 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_sm90_kernel(const sf_attn_
                 for (int j = 0; j < DQN / 8; ++j)
                     atomic_add2(dst + 8 * j, dq[4 * j + 2 * hr] * p.scale, dq[4 * j + 2 * hr + 1] * p.scale);
             }
-            __syncthreads(); /* the step's buffers and dS^T are free */
         }
     }
 
