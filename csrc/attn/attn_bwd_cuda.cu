@@ -114,16 +114,24 @@ __global__ void __launch_bounds__(kBwdThreads) dkdv_kernel(const sf_attn_problem
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t4 = lane % 4, mi = lane / 8, mr = lane % 8;
 
+    int64_t qs, ks;
+    int sq, sk;
+    sf_attn_seq_q(&p, b, &qs, &sq);
+    sf_attn_seq_k(&p, b, &ks, &sk);
     const int n0 = n_block * BN;
-    KeyBlockPlan kp;
-    if (!plan_key_block(p, b, n0, BN, BM, kp))
+    const int rows_total = p.thd ? sk : p.max_sk;
+    if (n0 >= rows_total)
         return;
-    const int64_t qs = kp.qs, ks = kp.ks;
-    const int sq = kp.sq, sk = kp.sk, rows_total = kp.rows_total, off = kp.off;
-    const int mb_lo = kp.mb_lo, nmb = kp.nmb, steps = kp.steps; /* (head of the group, query tile) pairs */
+    const int off = sf_attn_diag(&p, sq, sk);
     const int left = p.window_left, right = p.window_right;
     const float sl2 = p.scale * kLog2e;
     const int dr = real_dim<D>(p);
+
+    int m_lo = 0, m_hi = 0;
+    if (n0 < sk)
+        sf_attn_query_range(n0, min(n0 + BN, sk) - 1, off, left, right, sq, &m_lo, &m_hi);
+    const int mb_lo = m_lo / BM, nmb = (m_hi + BM - 1) / BM - m_lo / BM;
+    const int steps = nmb > 0 ? G * nmb : 0; /* (head of the group, query tile) pairs */
 
     const int kw = warp * 16 * KT; /* first key of this warp in the block */
     float dk[KT][NO][4], dv[KT][NO][4];
@@ -143,7 +151,11 @@ __global__ void __launch_bounds__(kBwdThreads) dkdv_kernel(const sf_attn_problem
         load_tile<T, BM, D, NT>(sdO0 + buf * BM * SD, view_ptr<const T>(p.dout, b, qs + m0, h), p.dout.ss, valid_q,
                                 dr);
         cp_async_commit();
-        load_lse_delta(p, b, h, qs + m0, valid_q, BM, NT, sLse0 + buf * BM, sDelta0 + buf * BM);
+        for (int i = threadIdx.x; i < BM; i += NT) {
+            const bool ok = i < valid_q;
+            sLse0[buf * BM + i] = ok ? p.lse[lse_at(p, b, h, qs + m0 + i)] * kLog2e : INFINITY;
+            sDelta0[buf * BM + i] = ok ? p.delta[lse_at(p, b, h, qs + m0 + i)] : 0.f;
+        }
     };
 
     if (steps > 0) {
@@ -199,7 +211,9 @@ __global__ void __launch_bounds__(kBwdThreads) dkdv_kernel(const sf_attn_problem
                 }
             }
 
-            const bool need_mask = tile_crosses_mask(m0, BM, n0, BN, sq, sk, off, left, right);
+            const bool need_mask = m0 + BM > sq || n0 + BN > sk ||
+                                   (right >= 0 && n0 + BN - 1 > m0 + off + right) ||
+                                   (left >= 0 && n0 < m0 + BM - 1 + off - left);
 #pragma unroll
             for (int kt = 0; kt < KT; ++kt)
 #pragma unroll

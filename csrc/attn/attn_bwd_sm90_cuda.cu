@@ -29,7 +29,14 @@
  * (bwd_sm90_selected says so).
  *
  * Registers (head dim 128): dK and dV 128, S^T and dP^T 64, their packed
- * 16-bit copies 32, under __launch_bounds__(256, 1)'s 255.
+ * 16-bit copies 32, under __launch_bounds__(256, 1)'s 255 (ptxas: 255, no
+ * spills; 202 at head dim 64).
+ *
+ * UNVERIFIED ON GPU: written in a session without GPU time, so it is opt-in
+ * only (SEQFUSE_ATTN_BWD_KERNEL=sm90 or sf_attn_set_bwd_kernel(90)); the
+ * next session runs bin/check_attn_attn_sm90 --bwd (gemm-tt, then the
+ * backward against the CPU reference and sm80) and the sm90bwd tests of
+ * tests/test_attn_sm90_cuda.py before anything makes it a default.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -76,7 +83,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_sm90_kernel(const sf_attn_
 
     const int n0 = n_block * BN;
     KeyBlockPlan kp;
-    if (!plan_key_block(p, b, n0, BN, BM, kp))
+    if (!plan_key_block(p, b, n0, BN, BM, G, kp))
         return;
     const int64_t qs = kp.qs, ks = kp.ks;
     const int sq = kp.sq, sk = kp.sk, off = kp.off, left = p.window_left, right = p.window_right;
@@ -242,11 +249,15 @@ template <typename T, int D> static sf_status launch(const sf_attn_problem &p, c
 /* -1: not chosen yet (read SEQFUSE_ATTN_BWD_KERNEL once), else 80 or 90. */
 static int g_bwd_kernel = -1;
 
+/* The selection point: the wgmma backward is UNVERIFIED ON GPU (see the top
+ * of this file), so only an explicit SEQFUSE_ATTN_BWD_KERNEL=sm90 or
+ * sf_attn_set_bwd_kernel(90) reaches it; the default is sm80 until a GPU run
+ * of check_attn_sm90 --bwd and the sm90bwd tests passes. */
 static int chosen_bwd_kernel()
 {
     if (g_bwd_kernel < 0) {
         const char *v = getenv("SEQFUSE_ATTN_BWD_KERNEL");
-        g_bwd_kernel = v && !strcmp(v, "sm90") ? 90 : 80; /* sm80 until the wgmma backward is confirmed on a GPU */
+        g_bwd_kernel = v && !strcmp(v, "sm90") ? 90 : 80;
     }
     return g_bwd_kernel;
 }
@@ -255,8 +266,8 @@ static int bwd_selected(int head_dim, int deterministic, int device, const char 
 {
     const char *w = "";
     int ok = pick_kernel(chosen_bwd_kernel(),
-                         "sm80 backward chosen (the default until the wgmma backward is confirmed; "
-                         "SEQFUSE_ATTN_BWD_KERNEL=sm90 or sf_attn_set_bwd_kernel(90) selects it)",
+                         "sm80 backward chosen (the default until the wgmma backward, unverified on GPU, is "
+                         "confirmed; SEQFUSE_ATTN_BWD_KERNEL=sm90 or sf_attn_set_bwd_kernel(90) selects it)",
                          head_dim, device, &w);
     if (ok && deterministic) {
         ok = 0;

@@ -174,10 +174,14 @@ __device__ __forceinline__ int64_t lse_at(const sf_attn_problem &p, int b, int h
     return (int64_t)b * p.lse_sb + (int64_t)h * p.lse_sh + t;
 }
 
-/* Where a backward key block stands (the dK/dV kernels of attn_bwd_cuda.cu
- * and attn_bwd_sm90_cuda.cu): its sequence and the query tiles of bm rows
+/* Where a backward key block stands (the wgmma dK/dV kernel,
+ * attn_bwd_sm90_cuda.cu; the sm80 dkdv_kernel of attn_bwd_cuda.cu still
+ * spells the same plan, the mask test and the lse/delta load out inline: it
+ * is GPU-verified code, left byte-identical in a session without a GPU -
+ * switch it to these helpers when it can be rechecked on one): its
+ * sequence and the query tiles of bm rows
  * that may see keys [n0, n0 + bn), walked for every query head of the GQA
- * group: `steps` (head, tile) pairs, step it = head it / nmb of the group,
+ * group (G heads): `steps` (head, tile) pairs, step it = head it / nmb of the group,
  * tile mb_lo + it % nmb. */
 struct KeyBlockPlan {
     int64_t qs, ks;         /* first token of the sequence in q / k views */
@@ -186,7 +190,7 @@ struct KeyBlockPlan {
 };
 
 /* false when the block starts past the view's key rows of sequence b */
-__device__ __forceinline__ bool plan_key_block(const sf_attn_problem &p, int b, int n0, int bn, int bm,
+__device__ __forceinline__ bool plan_key_block(const sf_attn_problem &p, int b, int n0, int bn, int bm, int G,
                                                KeyBlockPlan &kp)
 {
     sf_attn_seq_q(&p, b, &kp.qs, &kp.sq);
@@ -200,7 +204,7 @@ __device__ __forceinline__ bool plan_key_block(const sf_attn_problem &p, int b, 
         sf_attn_query_range(n0, min(n0 + bn, kp.sk) - 1, kp.off, p.window_left, p.window_right, kp.sq, &m_lo, &m_hi);
     kp.mb_lo = m_lo / bm;
     kp.nmb = (m_hi + bm - 1) / bm - m_lo / bm;
-    kp.steps = kp.nmb > 0 ? p.heads / p.heads_kv * kp.nmb : 0;
+    kp.steps = kp.nmb > 0 ? G * kp.nmb : 0;
     return true;
 }
 
