@@ -19,11 +19,19 @@ packed batch; torch runs the same sequences padded to the longest with a
 key-padding mask (how Hugging Face's ESM runs sdpa).  Figures are useful
 TFLOP/s over the real tokens only (4*h*d*sum(len^2)), so the ratio is the
 end-to-end speedup of packing plus the kernel.
+
+Part 3, attention dropout (p = 0.1, the TransformerLayer default): head dim
+64 (32 heads), seqlens 1024 and 4096, not causal, forward and
+forward+backward; torch runs scaled_dot_product_attention(dropout_p=0.1) on
+the same inputs.  seqfuse's dropout forward is the sm80 (mma.sync) kernel on
+every GPU (the wgmma forward has no dropout).  FLOPs counted as in part 1.
+``python bench_attn.py --dropout`` runs part 3 alone.
 """
 import itertools
 import math
 import os
 import random
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +61,38 @@ def _sm90_time(fn, variant):
         seqfuse._C.attn_set_fwd_sm90_variant(4)
 
 
+def sdpa_pair(ours_in, peer_in, backward, ours_kw, peer_kw):
+    """(ours, peer) timing closures: seqfuse on ours_in = (q, k, v, dout) and
+    torch SDPA on peer_in (the same data in torch's [b, h, s, d] layout),
+    forward only (no grad) or forward + backward; ours_kw go to seqfuse.ops,
+    peer_kw to SDPA."""
+    q, k, v, dout = ours_in
+    qt, kt, vt, dt = peer_in
+    if backward:
+        qs, ks, vs = (x.detach().requires_grad_() for x in (q, k, v))
+        qg, kg, vg = (x.detach().requires_grad_() for x in (qt, kt, vt))
+
+        def ours():
+            seqfuse.ops.attention(qs, ks, vs, **ours_kw).backward(dout)
+
+        def peer():
+            F.scaled_dot_product_attention(qg, kg, vg, **peer_kw).backward(dt)
+    else:
+        def ours():
+            seqfuse.ops.attention_fwd(q, k, v, **ours_kw)
+
+        def peer():
+            with torch.no_grad():
+                F.scaled_dot_product_attention(qt, kt, vt, **peer_kw)
+    return ours, peer
+
+
+def bshd_pair(q, k, v, dout, backward, ours_kw, peer_kw):
+    """sdpa_pair on bshd tensors (torch reads [b, h, s, d] views of them)."""
+    return sdpa_pair((q, k, v, dout), tuple(x.transpose(1, 2) for x in (q, k, v, dout)), backward,
+                     ours_kw, peer_kw)
+
+
 def padded_rows(table):
     for d, h in ((64, 32), (128, 16)):
         for s in (1024, 4096, 8192):
@@ -60,23 +100,8 @@ def padded_rows(table):
             for causal in (False, True):
                 q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
                 mask = "causal" if causal else "no_mask"
-                qt, kt, vt, dt = (x.transpose(1, 2) for x in (q, k, v, dout))  # torch's [b, h, s, d] views
                 for backward in (False, True):
-                    if backward:
-                        qs, ks, vs = (x.detach().requires_grad_() for x in (q, k, v))
-                        qg, kg, vg = (x.detach().requires_grad_() for x in (qt, kt, vt))
-
-                        def ours():
-                            seqfuse.ops.attention(qs, ks, vs, attn_mask_type=mask).backward(dout)
-
-                        def peer():
-                            F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal).backward(dt)
-                    else:
-                        def ours():
-                            seqfuse.ops.attention_fwd(q, k, v, attn_mask_type=mask)
-
-                        def peer():
-                            F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                    ours, peer = bshd_pair(q, k, v, dout, backward, dict(attn_mask_type=mask), dict(is_causal=causal))
                     t_ours, t_peer = cuda_time_ms(ours), cuda_time_ms(peer)
                     t90 = [None] * 5 if backward else [_sm90_time(ours, v) for v in range(5)]  # forward rows
                     fl = sdpa_flops(b, h, s, d, causal, backward)
@@ -94,6 +119,25 @@ def padded_rows(table):
                               sm90_ratio=t_peer / min(t90) if t90[0] else None)
                 del q, k, v, dout
                 torch.cuda.empty_cache()
+
+
+def dropout_rows(table, p=0.1):
+    d, h = 64, 32
+    for s in (1024, 4096):
+        b = TOKENS // s
+        q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        for backward in (False, True):
+            ours, peer = bshd_pair(q, k, v, dout, backward, dict(dropout_p=p), dict(dropout_p=p))
+            t_ours, t_peer = cuda_time_ms(ours), cuda_time_ms(peer)
+            fl = sdpa_flops(b, h, s, d, False, backward)
+            table.add(case=f"s{s} d{d} dropout {p} {'fwd+bwd' if backward else 'fwd'}",
+                      seqlen=s, head_dim=d, heads=h, batch=b, causal=False, dropout=p,
+                      passes="fwd+bwd" if backward else "fwd",
+                      seqfuse_ms=t_ours, torch_ms=t_peer,
+                      seqfuse_tflops=fl / t_ours / 1e9, torch_tflops=fl / t_peer / 1e9,
+                      ratio=t_peer / t_ours)
+        del q, k, v, dout
+        torch.cuda.empty_cache()
 
 
 def protein_lengths(rng):
@@ -149,21 +193,7 @@ def packed_model_rows(table, lengths, h, d, model):
     kw = dict(qkv_format="thd", attn_mask_type="padding", cu_seqlens_q=cu, cu_seqlens_kv=cu,
               max_seqlen_q=smax, max_seqlen_kv=smax)
     for backward in (False, True):
-        if backward:
-            qs, ks, vs = (x.detach().requires_grad_() for x in (q, k, v))
-            qg, kg, vg = (x.detach().requires_grad_() for x in (qp, kp, vp))
-
-            def ours():
-                seqfuse.ops.attention(qs, ks, vs, **kw).backward(dout)
-
-            def peer():
-                F.scaled_dot_product_attention(qg, kg, vg, attn_mask=keep).backward(dp)
-        else:
-            def ours():
-                seqfuse.ops.attention_fwd(q, k, v, **kw)
-
-            def peer():
-                F.scaled_dot_product_attention(qp, kp, vp, attn_mask=keep)
+        ours, peer = sdpa_pair((q, k, v, dout), (qp, kp, vp, dp), backward, kw, dict(attn_mask=keep))
         t_ours, t_peer = cuda_time_ms(ours), cuda_time_ms(peer)
         fl = useful * (3.5 if backward else 1.0)
         table.add(case=f"proteins thd d{d} ({model}) {'fwd+bwd' if backward else 'fwd'}",
@@ -183,8 +213,15 @@ def main():
     table = Table("attn", ["case", "seqfuse_tflops", "torch_tflops", "ratio", "seqfuse_ms", "torch_ms",
                            "sm90v0_tflops", "sm90v1_tflops", "sm90v2_tflops", "sm90v3_tflops", "sm90v4_tflops",
                            "sm90_ratio"])
+    if "--dropout" in sys.argv[1:]:
+        table = Table("attn_dropout", ["case", "seqfuse_tflops", "torch_tflops", "ratio", "seqfuse_ms",
+                                       "torch_ms"])
+        dropout_rows(table)
+        table.save({"note": "attention dropout p=0.1; torch = F.scaled_dot_product_attention(dropout_p=0.1)"})
+        return
     padded_rows(table)
     extra = packed_rows(table)
+    dropout_rows(table)
     extra["note"] = ("torch = F.scaled_dot_product_attention (backend of its choice); TFLOP/s counts "
                      "4*b*h*s^2*d per forward (half when causal), x3.5 with the backward; protein rows count "
                      "real tokens only")

@@ -9,6 +9,8 @@ masks ("causal", "padding_causal"), off = sk - sq otherwise.
 """
 import torch
 
+from attn_philox import drop_multiplier
+
 TOP_LEFT = {"causal", "padding_causal"}
 CAUSAL = {"causal", "padding_causal", "causal_bottom_right", "padding_causal_bottom_right"}
 PADDING = {"padding", "padding_causal", "padding_causal_bottom_right"}
@@ -29,8 +31,9 @@ def allowed_matrix(sq, sk, mask, window, device="cpu"):
     return ok
 
 
-def attend(q, k, v, mask, window, scale):
-    """One sequence: q [sq, h, d], k/v [sk, hk, d] -> out [sq, h, d]."""
+def attend(q, k, v, mask, window, scale, drop=None):
+    """One sequence: q [sq, h, d], k/v [sk, hk, d] -> out [sq, h, d];
+    drop: None or the dropout multiplier [h, sq, sk] applied to softmax(S)."""
     sq, h, _ = q.shape
     sk, hk, _ = k.shape
     g = h // hk
@@ -39,19 +42,30 @@ def attend(q, k, v, mask, window, scale):
     s = torch.einsum("qhd,khd->hqk", q, kx) * scale
     ok = allowed_matrix(sq, sk, mask, window, q.device)
     p = torch.softmax(s.masked_fill(~ok, -1e30), dim=-1) * ok  # rows seeing nothing -> 0
+    if drop is not None:
+        p = p * drop.to(device=p.device, dtype=p.dtype)
     return torch.einsum("hqk,khd->qhd", p, vx)
 
 
+def _drop(dropout, i, heads, sq, sk):
+    """The dropout multiplier of sequence i: dropout = (p, seed, offset) or None."""
+    if dropout is None or dropout[0] == 0.0:
+        return None
+    p, seed, offset = dropout
+    return drop_multiplier(seed, offset, i, heads, sq, sk, p)
+
+
 def reference(q, k, v, *, qkv_format, attn_mask_type="no_mask", seqlens_q=None, seqlens_kv=None,
-              window_size=None, softmax_scale=None, dtype=torch.float64):
+              window_size=None, softmax_scale=None, dtype=torch.float64, dropout=None):
     """Attention of (padded or packed) q, k, v in `dtype`; padded rows and
-    the thd tail are 0.  seqlens_* are python lists of real lengths."""
+    the thd tail are 0.  seqlens_* are python lists of real lengths.
+    dropout: None or (p, seed, offset), the mask of tests/attn_philox.py."""
     q, k, v = (x.to(dtype) for x in (q, k, v))
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     if qkv_format == "sbhd":
         out = reference(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), qkv_format="bshd",
                         attn_mask_type=attn_mask_type, seqlens_q=seqlens_q, seqlens_kv=seqlens_kv,
-                        window_size=window_size, softmax_scale=scale, dtype=dtype)
+                        window_size=window_size, softmax_scale=scale, dtype=dtype, dropout=dropout)
         return out.transpose(0, 1)
     pieces = []
     if qkv_format == "bshd":
@@ -59,7 +73,8 @@ def reference(q, k, v, *, qkv_format, attn_mask_type="no_mask", seqlens_q=None, 
         for i in range(b):
             lq = seqlens_q[i] if seqlens_q is not None else s
             lk = seqlens_kv[i] if seqlens_kv is not None else k.shape[1]
-            o = attend(q[i, :lq], k[i, :lk], v[i, :lk], attn_mask_type, window_size, scale)
+            o = attend(q[i, :lq], k[i, :lk], v[i, :lk], attn_mask_type, window_size, scale,
+                       _drop(dropout, i, q.shape[2], lq, lk))
             pad = q.new_zeros((s - lq,) + q.shape[2:])
             pieces.append(torch.cat([o, pad]))
         return torch.stack(pieces)
@@ -71,7 +86,8 @@ def reference(q, k, v, *, qkv_format, attn_mask_type="no_mask", seqlens_q=None, 
         ck.append(ck[-1] + b_)
     for i in range(len(seqlens_q)):
         pieces.append(attend(q[cq[i]:cq[i + 1]], k[ck[i]:ck[i + 1]], v[ck[i]:ck[i + 1]],
-                             attn_mask_type, window_size, scale))
+                             attn_mask_type, window_size, scale,
+                             _drop(dropout, i, q.shape[1], seqlens_q[i], seqlens_kv[i])))
     pieces.append(q.new_zeros((q.shape[0] - cq[-1],) + q.shape[1:]))
     return torch.cat(pieces)
 

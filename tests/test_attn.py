@@ -250,7 +250,7 @@ def test_bad_options():
 
 def test_c_entry_checks_outputs():
     q, k, v = make((1, 4, 2, 8), (1, 4, 2, 8), torch.float32)
-    cfg = (0, 0, -1, -1, 0.35, 4, 4, 0)
+    cfg = (0, 0, -1, -1, 0.35, 4, 4, 0, 0.0, 0, 0)
     lse = torch.empty(1, 2, 4)
     with pytest.raises(ValueError, match=r"attention_fwd: argument 'lse' must have shape \[b, h, s_q\] = \[1, 2, 4\]"):
         seqfuse._C.attn_fwd(q, k, v, None, None, torch.empty_like(q), torch.empty(1, 2, 5), cfg)
@@ -260,6 +260,12 @@ def test_c_entry_checks_outputs():
         seqfuse._C.attn_fwd(q, k, v, None, None, torch.empty(1, 4, 8, 2).transpose(2, 3), lse, cfg)
     with pytest.raises(ValueError, match="cu_seqlens are only taken with qkv_format thd or a padding mask"):
         seqfuse._C.attn_fwd(q, k, v, cu_seqlens([4]), cu_seqlens([4]), torch.empty_like(q), lse, cfg)
+    with pytest.raises(TypeError, match="argument 'cfg' must be a tuple of 11 numbers"):
+        seqfuse._C.attn_fwd(q, k, v, None, None, torch.empty_like(q), lse, cfg[:8])
+    with pytest.raises(ValueError, match=r"config entry 9 \(dropout_seed\) must be in \[0, 2\*\*64\)"):
+        seqfuse._C.attn_fwd(q, k, v, None, None, torch.empty_like(q), lse, cfg[:9] + (-1, 0))
+    with pytest.raises(ValueError, match=r"config entry 10 \(dropout_offset\) must be in \[0, 2\*\*64\)"):
+        seqfuse._C.attn_fwd(q, k, v, None, None, torch.empty_like(q), lse, cfg[:9] + (0, 2**64))
 
 
 @pytest.mark.skipif(not seqfuse.cuda_available(), reason="needs a GPU")
@@ -311,7 +317,7 @@ def test_cuda_entry_head_dims(d):
     names the supported dims."""
     q, k, v, out = (_ForgedCuda16((1, 8, 2, d)) for _ in range(4))
     bad_lse = _ForgedCuda16((1, 2, 5), dtype_code=2, bits=32)
-    cfg = (0, 0, -1, -1, d ** -0.5, 8, 8, 0)
+    cfg = (0, 0, -1, -1, d ** -0.5, 8, 8, 0, 0.0, 0, 0)
     if d in (16, 24, 32, 64, 128):
         with pytest.raises(ValueError, match=r"argument 'lse' must have shape \[b, h, s_q\] = \[1, 2, 8\]"):
             seqfuse._C.attn_fwd(q, k, v, None, None, out, bad_lse, cfg, 0)
@@ -327,7 +333,7 @@ def test_cuda_entry_head_dim_24_alignment():
     (say [..., :12] of 24-wide rows) is refused on CUDA."""
     q = _ForgedCuda16((1, 8, 2, 24))
     bad_lse = _ForgedCuda16((1, 2, 5), dtype_code=2, bits=32)
-    cfg = (0, 0, -1, -1, 24 ** -0.5, 8, 8, 0)
+    cfg = (0, 0, -1, -1, 24 ** -0.5, 8, 8, 0, 0.0, 0, 0)
 
     class Strided(_ForgedCuda16):
         def __dlpack__(self, stream=None, max_version=None):
@@ -346,3 +352,182 @@ def test_strided_qkv_views_cpu(seed):
     out = attention(q, k, v, attn_mask_type="causal")
     ref = attention(q.contiguous(), k.contiguous(), v.contiguous(), attn_mask_type="causal")
     assert torch.equal(out, ref)
+
+
+# ---- attention dropout ---------------------------------------------------------------------------
+# The mask is regenerated from Philox4x32-10 (csrc/attn/attn_philox.h); tests/attn_philox.py writes
+# the same rule again in numpy, so the C mask is checked element by element.
+
+from attn_philox import keep_mask, philox4x32_10  # noqa: E402
+
+
+def test_philox_known_answers():
+    """The numpy Philox4x32-10 reproduces Random123's known-answer vectors."""
+    kat = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+           ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+           ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+            (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+    for ctr, key, want in kat:
+        got = tuple(int(w) for w in philox4x32_10(*ctr, *key))
+        assert got == want, [hex(w) for w in got]
+
+
+def _identity_v_case(fmt, b, sq, sk, h, hk):
+    """q, k random; v = identity over the keys (head dim = sk), so
+    out[r, c] = P_rc * keep_rc / (1 - p): the output IS the dropped P."""
+    q = torch.randn(b, sq, h, sk)
+    k = torch.randn(b, sk, hk, sk)
+    v = torch.eye(sk).expand(b, hk, sk, sk).permute(0, 2, 1, 3).contiguous()
+    if fmt == "sbhd":
+        q, k, v = (x.transpose(0, 1).contiguous() for x in (q, k, v))
+    return q, k, v
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
+@pytest.mark.parametrize("p", [0.1, 0.25, 0.5])
+def test_dropout_mask_elementwise_and_rate(fmt, p):
+    """With V = identity the forward returns dropout(P) itself: every element's
+    keep decision and 1/(1-p) scale equal the numpy Philox mask, and the kept
+    fraction over 2*4*48*64 = 24576 elements is within 5 standard deviations
+    of 1 - p."""
+    torch.manual_seed(0)
+    b, sq, sk, h, hk = 2, 48, 64, 4, 2
+    q, k, v = _identity_v_case(fmt, b, sq, sk, h, hk)
+    seed, offset = 0x1234_5678_9ABC_DEF0, 40
+    out = attention(q, k, v, qkv_format=fmt, dropout_p=p, rng_state=(seed, offset))
+    plain = attention(q, k, v, qkv_format=fmt)  # P itself (v = identity)
+    if fmt == "sbhd":
+        out, plain = out.transpose(0, 1), plain.transpose(0, 1)
+    kept = 0
+    for i in range(b):
+        keep = keep_mask(seed, offset, i, h, sq, sk, p).permute(1, 0, 2)  # [sq, h, sk]
+        want = torch.where(keep, plain[i].double() / (1 - p), torch.zeros((), dtype=torch.float64))
+        assert torch.equal(out[i] != 0, keep)
+        torch.testing.assert_close(out[i].double(), want, rtol=2e-6, atol=1e-9)
+        kept += int(keep.sum())
+    n = b * h * sq * sk
+    sigma = (p * (1 - p) / n) ** 0.5
+    assert abs(kept / n - (1 - p)) < 5 * sigma, (kept / n, 1 - p)
+
+
+@pytest.mark.parametrize("mask", ["no_mask", "causal", "padding_causal_bottom_right"])
+def test_dropout_thd_mask_coordinates(mask):
+    """thd: sequence i's mask uses stream i and rows/keys counted from the
+    sequence start (the same mask as its bshd row)."""
+    torch.manual_seed(1)
+    lengths = [5, 33, 17]
+    s, h = 40, 2
+    q, k, v = _identity_v_case("bshd", len(lengths), s, s, h, h)
+    cu = cu_seqlens(lengths)
+    rng_state = (987654321, 8)
+    packed = [pack(x, lengths) for x in (q, k, v)]
+    out_t = attention(*packed, qkv_format="thd", attn_mask_type=mask, cu_seqlens_q=cu,
+                      cu_seqlens_kv=cu, dropout_p=0.3, rng_state=rng_state)
+    ref = reference(*packed, qkv_format="thd", attn_mask_type=mask, seqlens_q=lengths,
+                    seqlens_kv=lengths, dropout=(0.3, *rng_state))
+    assert_close_rel(out_t, ref, torch.float32)
+    padded_mask = {"no_mask": "padding", "causal": "padding_causal"}.get(mask, mask)
+    out_p = attention(q, k, v, qkv_format="bshd", attn_mask_type=padded_mask, cu_seqlens_q=cu,
+                      cu_seqlens_kv=cu, dropout_p=0.3, rng_state=rng_state)
+    assert torch.equal(unpack(out_t, lengths, s), out_p)
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd", "thd"])
+@pytest.mark.parametrize("mask", ["no_mask", "causal", "padding_causal"])
+@pytest.mark.parametrize("h,hk", [(4, 4), (4, 2)])
+@pytest.mark.parametrize("p", [0.2, 0.6])
+def test_dropout_gradients_float64_reference(fmt, mask, h, hk, p, seed):
+    """Output and gradients of the dropout op against torch autograd of the
+    explicit float64 reference (softmax, times the regenerated mask / (1-p),
+    matmul)."""
+    b, sq, sk, d = 3, 21, 37, 16
+    rng_state = (seed * 7919 + 3, 4 * seed)
+    if fmt == "thd":
+        rng = random.Random(seed)
+        lq = [rng.randint(1, sq) for _ in range(b)]
+        lk = [rng.randint(1, sk) for _ in range(b)]
+        q, k, v = make((sum(lq), h, d), (sum(lk), hk, d), torch.float32, requires_grad=True)
+        kw = dict(cu_seqlens_q=cu_seqlens(lq), cu_seqlens_kv=cu_seqlens(lk))
+    else:
+        q, k, v, lq, lk, kw = padded_case(fmt, mask, b, sq, sk, h, hk, d, torch.float32, seed_lengths=seed)
+    dout = torch.randn(q.shape)
+    out, (dq, dk, dv) = grads(lambda: attention(q, k, v, qkv_format=fmt, attn_mask_type=mask, dropout_p=p,
+                                                rng_state=rng_state, **kw), [q, k, v], dout)
+    qr, kr, vr = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = reference(qr, kr, vr, qkv_format=fmt, attn_mask_type=mask, seqlens_q=lq, seqlens_kv=lk,
+                    dropout=(p, *rng_state))
+    ref.backward(dout.double())
+    assert_close_rel(out, ref, torch.float32)
+    assert_close_rel(dq, qr.grad, torch.float32)
+    assert_close_rel(dk, kr.grad, torch.float32)
+    assert_close_rel(dv, vr.grad, torch.float32)
+    # and the dropout really acted: without it the output differs
+    assert not torch.allclose(out, attention(q.detach(), k.detach(), v.detach(), qkv_format=fmt,
+                                             attn_mask_type=mask, **kw))
+
+
+def test_dropout_determinism_and_rng_draws():
+    """Same (seed, offset): bitwise the same output; another offset or seed:
+    another mask; without rng_state the pair comes from torch's CPU generator,
+    so torch.manual_seed repeats it; the autograd backward reuses the forward's
+    pair (its gradients equal an explicit call with the same pair)."""
+    torch.manual_seed(3)
+    q, k, v = make((2, 16, 2, 16), (2, 24, 2, 16), torch.float32)
+    run = lambda st: attention(q, k, v, dropout_p=0.4, rng_state=st)  # noqa: E731
+    a = run((11, 0))
+    assert torch.equal(a, run((11, 0)))
+    assert not torch.equal(a != 0, run((11, 4)) != 0) or not torch.equal(a, run((11, 4)))
+    assert not torch.equal(a, run((11, 4)))
+    assert not torch.equal(a, run((12, 0)))
+    torch.manual_seed(5)
+    x = attention(q, k, v, dropout_p=0.4)
+    y = attention(q, k, v, dropout_p=0.4)
+    torch.manual_seed(5)
+    assert torch.equal(x, attention(q, k, v, dropout_p=0.4))
+    assert not torch.equal(x, y)  # a fresh draw per call
+    # autograd: forward and backward share the drawn pair
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    dout = torch.randn(q.shape)
+    torch.manual_seed(9)
+    state = seqfuse.ops.attn.dropout_rng_state(q)
+    torch.manual_seed(9)
+    out, (dq, dk, dv) = grads(lambda: attention(qg, kg, vg, dropout_p=0.4), [qg, kg, vg], dout)
+    ref_out, (rdq, rdk, rdv) = grads(lambda: attention(qg, kg, vg, dropout_p=0.4, rng_state=state),
+                                     [qg, kg, vg], dout)
+    for got, want in ((out, ref_out), (dq, rdq), (dk, rdk), (dv, rdv)):
+        assert torch.equal(got, want)
+
+
+def test_dropout_zero_is_plain_attention():
+    q, k, v = make((2, 9, 2, 16), (2, 9, 2, 16), torch.float32)
+    assert torch.equal(attention(q, k, v, dropout_p=0.0, rng_state=(5, 0)), attention(q, k, v))
+
+
+@pytest.mark.parametrize("p", [-0.1, 1.0, 1.5, float("nan")])
+def test_dropout_bad_probability(p):
+    q, k, v = make((1, 4, 2, 8), (1, 4, 2, 8), torch.float32)
+    with pytest.raises(ValueError, match=r"attention_fwd: dropout_p must be in \[0, 1\)"):
+        attention(q, k, v, dropout_p=p)
+    out, lse = seqfuse.ops.attention_fwd(q, k, v)
+    with pytest.raises(ValueError, match=r"attention_bwd: dropout_p must be in \[0, 1\)"):
+        seqfuse.ops.attention_bwd(out, q, k, v, out, lse, dropout_p=p, rng_state=(1, 0))
+    with pytest.raises(ValueError, match="needs the forward's rng_state"):
+        seqfuse.ops.attention_bwd(out, q, k, v, out, lse, dropout_p=0.5)
+    with pytest.raises(ValueError, match=r"rng_state must be two integers in \[0, 2\*\*64\)"):
+        attention(q, k, v, dropout_p=0.5, rng_state=(-1, 0))
+
+
+def test_cuda_dropout_is_opt_in_at_the_c_entry(monkeypatch):
+    """On CUDA tensors (forged: nothing launches) a dropout call is refused
+    with NotImplementedError naming SEQFUSE_ATTN_CUDA_DROPOUT unless it is 1;
+    with it the call passes that check (and stops at the wrong lse shape)."""
+    q = _ForgedCuda16((1, 8, 2, 64))
+    out = _ForgedCuda16((1, 8, 2, 64))
+    bad_lse = _ForgedCuda16((1, 2, 9), dtype_code=2, bits=32)
+    cfg = (0, 0, -1, -1, 0.125, 8, 8, 0, 0.1, 1, 0)
+    monkeypatch.delenv("SEQFUSE_ATTN_CUDA_DROPOUT", raising=False)
+    with pytest.raises(NotImplementedError, match="dropout .*SEQFUSE_ATTN_CUDA_DROPOUT=1"):
+        seqfuse._C.attn_fwd(q, q, q, None, None, out, bad_lse, cfg, 0)
+    monkeypatch.setenv("SEQFUSE_ATTN_CUDA_DROPOUT", "1")
+    with pytest.raises(ValueError, match=r"argument 'lse' must have shape"):
+        seqfuse._C.attn_fwd(q, q, q, None, None, out, bad_lse, cfg, 0)

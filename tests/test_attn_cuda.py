@@ -10,6 +10,7 @@ deterministic backward reproducible, current-stream use and CUDA graphs, and
 head dim 24 (run as a 32-wide tile) neither reading nor writing past its 24
 columns."""
 import itertools
+import logging
 import random
 
 import pytest
@@ -272,7 +273,7 @@ def test_cuda_bad_inputs():
         with pytest.raises(NotImplementedError, match=f"supports head dims 16, 24, 32, 64 and 128, got {bad}"):
             seqfuse.ops.attention(x, x, x)
     big = torch.randn(1, 8, 2, 65, device="cuda", dtype=torch.bfloat16)[..., :64]
-    cfg = (0, 0, -1, -1, 0.125, 8, 8, 0)
+    cfg = (0, 0, -1, -1, 0.125, 8, 8, 0, 0.0, 0, 0)
     lse = torch.empty(1, 2, 8, device="cuda")
     with pytest.raises(ValueError, match="argument 'q' must have strides that are multiples of 8 elements"):
         seqfuse._C.attn_fwd(big, q, q, None, None, torch.empty_like(q), lse, cfg)
@@ -352,3 +353,188 @@ def test_cuda_head_dim_24_stays_in_its_columns(fmt, deterministic, seed):
     # a scale of 1/sqrt(32) (the tile's width) would be a different function
     out_32, _ = seqfuse.ops.attention_fwd(q0, k0, v0, softmax_scale=32 ** -0.5, **kw)
     assert rel_error(out_32, ref) > 2 * FWD_TOL[torch.bfloat16]
+
+
+# ---- attention dropout ---------------------------------------------------------------------------
+# The CUDA kernels regenerate the Philox mask of csrc/attn/attn_philox.h; the CPU backend and the numpy
+# reimplementation (tests/attn_philox.py) draw the same one, so outputs and gradients are compared
+# directly, for fixed (seed, offset).
+
+from attn_philox import keep_mask  # noqa: E402
+
+
+@pytest.fixture
+def cuda_dropout(monkeypatch):
+    """The CUDA dropout kernels run only on request until verified on a GPU
+    (csrc/attn/attn.c): these tests make the request."""
+    monkeypatch.setenv("SEQFUSE_ATTN_CUDA_DROPOUT", "1")
+
+DROPOUT_CASES = (
+    [("bshd", "no_mask", d, 4, 2, 77, 150, torch.bfloat16) for d in DIMS] +
+    [("sbhd", "causal", d, 6, 1, 200, 65, torch.float16) for d in (24, 64, 128)] +
+    [("bshd", "padding_causal", 64, 4, 4, 128, 128, torch.float16),
+     ("bshd", "causal_bottom_right", 128, 4, 2, 64, 190, torch.bfloat16),
+     ("thd", "padding", 64, 4, 2, 150, 150, torch.bfloat16),
+     ("thd", "padding_causal", 128, 2, 2, 130, 130, torch.float16),
+     ("thd", "padding_causal", 32, 4, 1, 100, 100, torch.bfloat16)])
+
+
+def run_ours_dropout(q, k, v, dout, fmt, mask, lq, lk, p, rng_state, deterministic=False):
+    kw = attention_kwargs(fmt, mask, lq, lk)
+    lse_shape = (q.shape[1], q.shape[0]) if fmt == "thd" else \
+        ((q.shape[0], q.shape[2], q.shape[1]) if fmt == "bshd" else (q.shape[1], q.shape[2], q.shape[0]))
+    out, lse = seqfuse.ops.attention_fwd(q, k, v, out=poisoned(q.shape, q.dtype), lse=poisoned(lse_shape, torch.float32),
+                                         dropout_p=p, rng_state=rng_state, **kw)
+    grads = seqfuse.ops.attention_bwd(dout, q, k, v, out, lse, deterministic=deterministic, dropout_p=p,
+                                      rng_state=rng_state, dq=poisoned(q.shape, q.dtype),
+                                      dk=poisoned(k.shape, k.dtype), dv=poisoned(v.shape, v.dtype), **kw)
+    return out, lse, grads
+
+
+@pytest.mark.parametrize("fmt,mask,d,h,hk,sq,sk,dtype", DROPOUT_CASES, ids=lambda x: str(x))
+@pytest.mark.parametrize("p", [0.1, 0.5])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_cuda_dropout_matches_cpu_backend_and_reference(fmt, mask, d, h, hk, sq, sk, dtype, p, deterministic, seed, cuda_dropout):
+    """Same (seed, offset): the CUDA forward and backward equal the CPU
+    backend's (the same mask) and the float64 reference with the numpy mask,
+    within the dtype's tolerances; lse is the undropped one."""
+    rng = random.Random(seed)
+    q, k, v, dout, lq, lk = make_case(fmt, mask, 3, sq, sk, h, hk, d, dtype, rng)
+    rng_state = (rng.getrandbits(64), 4 * rng.randint(0, 1000))
+    out, lse, grads = run_ours_dropout(q, k, v, dout, fmt, mask, lq, lk, p, rng_state, deterministic)
+    what = f"{fmt} {mask} d={d} h={h}/{hk} {sq}x{sk} p={p} det={deterministic}"
+    cpu = [x.cpu() for x in (q, k, v, dout)]
+    cpu_out, cpu_lse, cpu_grads = run_ours_dropout(*cpu, fmt, mask, lq, lk, p, rng_state)
+    check(out, grads, cpu_out, cpu_grads, dtype, what + " vs CPU backend")
+    ref_kw = dict(qkv_format=fmt, attn_mask_type=mask, seqlens_q=lq, seqlens_kv=lk, dropout=(p, *rng_state))
+    qr, kr, vr = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = reference(qr, kr, vr, **ref_kw)
+    ref.backward(dout.double())
+    check(out, grads, ref, (qr.grad, kr.grad, vr.grad), dtype, what + " vs float64 reference")
+    _, lse_plain = run_fwd(q, k, v, fmt, mask, lq, lk)
+    torch.testing.assert_close(lse, lse_plain, rtol=1e-6, atol=1e-6)  # dropout leaves the log-sum-exp alone
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("p", [0.1, 0.3, 0.5])
+def test_cuda_dropout_mask_elementwise(d, p, cuda_dropout):
+    """V = identity over the keys (sk = head dim): the CUDA forward returns
+    dropout(P) itself, so every keep decision is compared with the numpy
+    Philox mask and every kept value with P / (1 - p)."""
+    torch.manual_seed(d)
+    b, sq, h, hk = 2, 200, 4, 2
+    sk = d
+    q = torch.randn(b, sq, h, d, device="cuda").half()
+    k = torch.randn(b, sk, hk, d, device="cuda").half()
+    v = torch.eye(sk, device="cuda").half().expand(b, hk, sk, sk).permute(0, 2, 1, 3).contiguous()
+    rng_state = (0xDEADBEEF12345678, 4 * 37)
+    out, _ = seqfuse.ops.attention_fwd(q, k, v, dropout_p=p, rng_state=rng_state)
+    plain, _ = seqfuse.ops.attention_fwd(q, k, v)
+    out, plain = out.float().cpu(), plain.float().cpu()
+    for i in range(b):
+        keep = keep_mask(*rng_state, i, h, sq, sk, p).permute(1, 0, 2)  # [sq, h, sk]
+        assert torch.equal(out[i] != 0, keep), f"batch {i}: keep pattern differs"
+        want = torch.where(keep, plain[i] / (1 - p), torch.zeros(()))
+        assert rel_error(out[i], want) < 2e-3
+
+
+@pytest.mark.parametrize("p", [0.1, 0.3, 0.5])
+def test_cuda_dropout_keep_rate(p, cuda_dropout):
+    """q = 0 makes P uniform (1/sk) and v = ones makes out_r = kept_r / (sk (1-p)):
+    over 4*8*1024 rows x 1024 keys (33.5M decisions) the kept fraction is
+    within 1e-3 of 1 - p (5 standard deviations are < 5e-4 at p = 0.5)."""
+    b, s, h, d = 4, 1024, 8, 64
+    q = torch.zeros(b, s, h, d, device="cuda", dtype=torch.float16)
+    k = torch.randn(b, s, h, d, device="cuda", dtype=torch.float16)
+    v = torch.ones(b, s, h, d, device="cuda", dtype=torch.float16)
+    out, _ = seqfuse.ops.attention_fwd(q, k, v, dropout_p=p, rng_state=(2024, 0))
+    kept = out[..., 0].double().mean().item() * (1 - p)
+    assert abs(kept - (1 - p)) < 1e-3, (kept, 1 - p)
+
+
+def test_cuda_dropout_determinism_and_generator(cuda_dropout):
+    """Same (seed, offset): bitwise the same outputs and deterministic-mode
+    gradients; another offset: another mask; without rng_state the pair comes
+    from the CUDA generator, whose offset advances by batch * heads rounded up
+    to 4, and torch.manual_seed repeats the draws."""
+    rng = random.Random(0)
+    q, k, v, dout, lq, lk = make_case("bshd", "causal", 2, 150, 150, 6, 2, 64, torch.bfloat16, rng)
+    a = run_ours_dropout(q, k, v, dout, "bshd", "causal", lq, lk, 0.2, (7, 0), deterministic=True)
+    b_ = run_ours_dropout(q, k, v, dout, "bshd", "causal", lq, lk, 0.2, (7, 0), deterministic=True)
+    assert torch.equal(a[0], b_[0])
+    for x, y in zip(a[2], b_[2]):
+        assert torch.equal(x, y)
+    c = run_ours_dropout(q, k, v, dout, "bshd", "causal", lq, lk, 0.2, (7, 12))
+    assert not torch.equal(a[0], c[0])
+    gen = torch.cuda.default_generators[torch.cuda.current_device()]
+    torch.manual_seed(11)
+    start = gen.get_offset()
+    x = seqfuse.ops.attention(q, k, v, attn_mask_type="causal", dropout_p=0.2)
+    assert gen.get_offset() == start + 12  # 2 sequences x 6 heads
+    y = seqfuse.ops.attention(q, k, v, attn_mask_type="causal", dropout_p=0.2)
+    assert not torch.equal(x, y)
+    torch.manual_seed(11)
+    assert torch.equal(x, seqfuse.ops.attention(q, k, v, attn_mask_type="causal", dropout_p=0.2))
+    assert torch.equal(x, seqfuse.ops.attention_fwd(q, k, v, attn_mask_type="causal", dropout_p=0.2,
+                                                    rng_state=(gen.initial_seed(), start))[0])
+
+
+def test_cuda_dropout_module_training_and_eval(cuda_dropout):
+    """DotProductAttention with TE's default attention_dropout=0.1: training
+    drops (and trains), eval does not; thd too."""
+    torch.manual_seed(0)
+    lengths = [100, 37, 256]
+    h, d = 4, 64
+    cu = cu_seqlens(lengths, "cuda")
+    import seqfuse.pytorch as te
+
+    attn = te.DotProductAttention(h, d, attention_dropout=0.1, qkv_format="thd",
+                                               attn_mask_type="padding_causal")
+    q, k, v = (torch.randn(sum(lengths), h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    kw = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=256, max_seqlen_kv=256)
+    out = attn(q, k, v, **kw)
+    out.float().square().sum().backward()
+    assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
+    attn.eval()
+    plain = seqfuse.ops.attention(q, k, v, qkv_format="thd", attn_mask_type="padding_causal", **kw)
+    assert torch.equal(attn(q, k, v, **kw), plain.reshape(out.shape))
+    assert not torch.equal(out, plain.reshape(out.shape))
+
+
+def test_cuda_dropout_forward_kernel_choice_logged(monkeypatch, caplog, cuda_dropout):
+    """On Hopper a dropout forward runs the sm80 kernel (the wgmma kernel has
+    no dropout): the kernel query says so with a reason naming dropout, and
+    the first such forward logs it (logger "seqfuse")."""
+    from seqfuse.ops import attn as attn_mod
+
+    arch, why = seqfuse.ops.attention_fwd_kernel(64, dropout=True)
+    assert arch == 80
+    if torch.cuda.get_device_capability() != (9, 0) or why.startswith("sm80 kernel chosen"):
+        return
+    assert "dropout" in why
+    monkeypatch.setattr(attn_mod, "_fwd_kernel_checked", set())
+    monkeypatch.setattr(attn_mod, "_fwd_reasons_logged", set())
+    q = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="seqfuse"):
+        seqfuse.ops.attention(q, q, q, dropout_p=0.1)
+        seqfuse.ops.attention(q, q, q, dropout_p=0.1)
+    hits = [r for r in caplog.records if "dropout" in r.getMessage()]
+    assert len(hits) == 1, [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("p", [-0.5, 1.0, float("nan")])
+def test_cuda_dropout_bad_probability(p, cuda_dropout):
+    q = torch.randn(1, 8, 2, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
+        seqfuse.ops.attention(q, q, q, dropout_p=p)
+
+
+def test_cuda_dropout_needs_opt_in(monkeypatch):
+    """Without SEQFUSE_ATTN_CUDA_DROPOUT=1 a CUDA dropout call is refused
+    (NotImplementedError naming the switch), never run unverified."""
+    monkeypatch.delenv("SEQFUSE_ATTN_CUDA_DROPOUT", raising=False)
+    q = torch.randn(1, 8, 2, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="SEQFUSE_ATTN_CUDA_DROPOUT=1"):
+        seqfuse.ops.attention(q, q, q, dropout_p=0.1)
+    seqfuse.ops.attention(q, q, q, dropout_p=0.0)  # no dropout: the verified kernels

@@ -212,7 +212,7 @@ def test_fwd_kernel_choice_asked_once_per_head_dim_and_device(monkeypatch):
 
     class FakeC:
         @staticmethod
-        def attn_fwd_kernel_for(d, dev):
+        def attn_fwd_kernel_for(d, dev, dropout=0):
             calls.append((d, dev))
             return 90, ""
 
@@ -224,11 +224,11 @@ def test_fwd_kernel_choice_asked_once_per_head_dim_and_device(monkeypatch):
     monkeypatch.setattr(attn_mod, "_fwd_kernel_checked", set())
     q64, q128 = torch.empty(1, 4, 2, 64), torch.empty(1, 4, 2, 128)
     for _ in range(3):
-        attn_mod._note_fwd_kernel(q64)
-        attn_mod._note_fwd_kernel(q128)
+        attn_mod._note_fwd_kernel(q64, False)
+        attn_mod._note_fwd_kernel(q128, False)
     assert calls == [(64, 0), (128, 0)]
     attn_mod.set_attention_fwd_kernel(80)  # a new choice: asked again
-    attn_mod._note_fwd_kernel(q64)
+    attn_mod._note_fwd_kernel(q64, False)
     assert calls == [(64, 0), (128, 0), (64, 0)]
 
 
@@ -307,7 +307,7 @@ def test_bwd_kernel_choice_asked_once_per_key(monkeypatch):
 
     class FakeC:
         @staticmethod
-        def attn_bwd_kernel_for(d, dev, det):
+        def attn_bwd_kernel_for(d, dev, det, dropout=0):
             calls.append((d, dev, det))
             return (80, "deterministic backward: test") if det else (90, "")
 

@@ -48,6 +48,8 @@ def _cases(device):
         "rope_thd": (ops.rope_forward, [r(t, 3, 8), r(t, 1, 1, 8)], {"tensor_format": "thd", "cu_seqlens": cu}),
         "attention_fwd": (ops.attention_fwd, [r(2, 5, h, d), r(2, 5, h, d), r(2, 5, h, d)],
                           {"softmax_scale": 0.25, "window_size": (2, 0)}),
+        "attention_dropout": (ops.attention_fwd, [r(2, 5, h, d), r(2, 5, h, d), r(2, 5, h, d)],
+                              {"dropout_p": 0.2, "rng_state": (3, 4)}),
         "attention_thd": (ops.attention_fwd, [r(t, h, d), r(t, h, d), r(t, h, d)],
                           {"qkv_format": "thd", "cu_seqlens_q": cu, "cu_seqlens_kv": cu,
                            "max_seqlen_q": 5, "max_seqlen_kv": 5}),

@@ -15,6 +15,7 @@
 #include <stdint.h>
 
 #include "../core/float_bits.h"
+#include "../core/philox.h"
 
 #if defined(__CUDA_ARCH__)
 #define SF_ACT_EXP(x) __expf(x)
@@ -94,36 +95,7 @@ SF_HD void sf_act_base_both(int kind, float x, float *f, float *df)
     }
 }
 
-/* ---- Philox-4x32-10 (Salmon et al., SC'11) -------------------------------- */
-
-typedef struct {
-    uint32_t v[4];
-} sf_philox4;
-
-SF_HD uint32_t sf_mulhi32(uint32_t a, uint32_t b)
-{
-    return (uint32_t)(((uint64_t)a * (uint64_t)b) >> 32);
-}
-
-/* Four random words for `counter` under `key`. */
-SF_HD sf_philox4 sf_philox(uint64_t key, uint64_t counter)
-{
-    uint32_t c0 = (uint32_t)counter, c1 = (uint32_t)(counter >> 32), c2 = 0u, c3 = 0u;
-    uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
-    for (int r = 0; r < 10; ++r) {
-        uint32_t hi0 = sf_mulhi32(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
-        uint32_t hi1 = sf_mulhi32(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
-        uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
-        c0 = n0;
-        c1 = lo1;
-        c2 = n2;
-        c3 = lo0;
-        k0 += 0x9E3779B9u;
-        k1 += 0xBB67AE85u;
-    }
-    sf_philox4 out = {{c0, c1, c2, c3}};
-    return out;
-}
+/* ---- Philox-4x32-10: sf_philox(key, counter), csrc/core/philox.h ---------- */
 
 /* Keep threshold for drop probability p: keep when (word >> 8) < threshold. */
 SF_HD uint32_t sf_dropout_threshold(float p)

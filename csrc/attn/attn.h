@@ -45,9 +45,21 @@ typedef struct sf_attn_problem {
     sf_attn_view dq_accum;     /* float32 */
     float *lse, *delta;        /* index lse_index() */
     int64_t lse_sb, lse_sh;
+    /* attention dropout (attn_philox.h): on when dropout != 0; a probability
+     * keeps an element iff its 16-bit uniform >= drop_threshold, and kept
+     * probabilities are multiplied by drop_scale = 1 / (1 - p).  Last in the
+     * struct, so the fields before keep the offsets the verified kernels read. */
+    int dropout;
+    uint32_t drop_threshold;
+    float drop_scale;          /* kernels; the CPU reference uses 1 / (1 - drop_p) */
+    double drop_p;
+    uint32_t seed_lo, seed_hi;
+    uint64_t offset;
 } sf_attn_problem;
 
-/* Start row (token index in the view) and length of sequence b. */
+/* Start row (token index in the view) and length of sequence b.  (Two
+ * bodies, not one parameterized by side: the GPU-verified kernels compile
+ * from exactly these.) */
 SF_ATTN_HD void sf_attn_seq_q(const sf_attn_problem *p, int b, int64_t *start, int *len)
 {
     if (p->thd) {
@@ -90,6 +102,21 @@ SF_ATTN_HD void sf_attn_seq_k(const sf_attn_problem *p, int b, int64_t *start, i
 SF_ATTN_HD int sf_attn_diag(const sf_attn_problem *p, int sq, int sk)
 {
     return p->bottom_right ? sk - sq : 0;
+}
+
+/* Sequence b on both sides: first tokens, lengths and diagonal offset. */
+typedef struct sf_attn_seqs {
+    int64_t qs, ks;
+    int sq, sk, off;
+} sf_attn_seqs;
+
+SF_ATTN_HD sf_attn_seqs sf_attn_seqs_of(const sf_attn_problem *p, int b)
+{
+    sf_attn_seqs s;
+    sf_attn_seq_q(p, b, &s.qs, &s.sq);
+    sf_attn_seq_k(p, b, &s.ks, &s.sk);
+    s.off = sf_attn_diag(p, s.sq, s.sk);
+    return s;
 }
 
 /* 1 if query row r may attend key c (both already within their lengths). */

@@ -26,6 +26,12 @@
  *     (S and dP recomputed once more: about 40 % more backward math).
  *  4. THD: the rows past the last sequence are zeroed.
  *
+ * Dropout (separate instantiations, kDropout): the keep bits of each score
+ * tile are regenerated from attn_philox.h (keep_cols / keep_rows in
+ * attn_cuda.cuh); dV += dropout(P)^T dO, dP = dropout(dO V^T) (mask and
+ * 1 / (1 - p)), dS = P (dP - delta) with P undropped; delta = dO . O with
+ * the dropped O is still rowsum(dP o P) (flash-attention 2).
+ *
  * Head dims: kernels for tile widths 16, 32, 64 and 128; head dim 24 runs in
  * the 32-wide kernels with its last 8 columns zero-filled on load (they add
  * nothing to S, dP, dV, dK or dQ) and not stored.
@@ -93,7 +99,7 @@ template <int D> constexpr int dkdv_smem_bytes()
     return (2 * BN + 4 * kBwdStepM) * (D + 8) * 2 + BN * (kBwdStepM + 8) * 2 + 4 * kBwdStepM * 4;
 }
 
-template <typename T, int D, bool kAtomicDq>
+template <typename T, int D, bool kAtomicDq, bool kDropout>
 __global__ void __launch_bounds__(kBwdThreads) dkdv_kernel(const sf_attn_problem p)
 {
     constexpr int KT = DkdvCfg<D>::KT, BN = DkdvCfg<D>::BN;
@@ -214,6 +220,10 @@ __global__ void __launch_bounds__(kBwdThreads) dkdv_kernel(const sf_attn_problem
             const bool need_mask = m0 + BM > sq || n0 + BN > sk ||
                                    (right >= 0 && n0 + BN - 1 > m0 + off + right) ||
                                    (left >= 0 && n0 < m0 + BM - 1 + off - left);
+            /* dropout: dP = dropout(dO V^T) and dV takes dropout(P); dS keeps P (see the header) */
+            uint32_t keep_bits = 0;
+            if constexpr (kDropout)
+                keep_bits = keep_cols<KT, NS>(p, (int64_t)b * p.heads + h, n0 + kw, m0, g, t4);
 #pragma unroll
             for (int kt = 0; kt < KT; ++kt)
 #pragma unroll
@@ -225,8 +235,14 @@ __global__ void __launch_bounds__(kBwdThreads) dkdv_kernel(const sf_attn_problem
                         const bool ok = !need_mask ||
                                         (r < sq && c < sk && sf_attn_allowed(r, c, off, left, right));
                         const float pv = ok ? fast_exp2(fmaf(st[kt][i][e], sl2, -sLse[ql])) : 0.f;
-                        st[kt][i][e] = pv;
-                        dpt[kt][i][e] = pv * (dpt[kt][i][e] - sDelta[ql]);
+                        if constexpr (kDropout) {
+                            const bool keep = (keep_bits >> ((kt * NS + i) * 4 + e)) & 1u;
+                            st[kt][i][e] = keep ? pv * p.drop_scale : 0.f;
+                            dpt[kt][i][e] = pv * ((keep ? dpt[kt][i][e] * p.drop_scale : 0.f) - sDelta[ql]);
+                        } else {
+                            st[kt][i][e] = pv;
+                            dpt[kt][i][e] = pv * (dpt[kt][i][e] - sDelta[ql]);
+                        }
                     }
 
 #pragma unroll
@@ -330,7 +346,7 @@ __global__ void __launch_bounds__(kBwdThreads) dkdv_kernel(const sf_attn_problem
 }
 
 /* Deterministic dQ: one block per 64 query rows, keys walked in order. */
-template <typename T, int D>
+template <typename T, int D, bool kDropout>
 __global__ void __launch_bounds__(kBwdThreads) dq_kernel(const sf_attn_problem p)
 {
     constexpr int SD = D + 8, BM = kBwdBM, BN = kBwdBN, NT = kBwdThreads;
@@ -419,6 +435,14 @@ __global__ void __launch_bounds__(kBwdThreads) dq_kernel(const sf_attn_problem p
             const bool need_mask = n0 + BN > sk || m0 + BM > sq ||
                                    (right >= 0 && n0 + BN - 1 > m0 + off + right) ||
                                    (left >= 0 && n0 < m0 + BM - 1 + off - left);
+            if constexpr (kDropout) { /* dP = dropout(dO V^T) */
+                const auto keep = keep_rows<NS>(p, (int64_t)b * p.heads + h, m0 + warp * 16, n0, g, t4);
+#pragma unroll
+                for (int i = 0; i < NS; ++i)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        dp[i][e] = ((keep >> (4 * i + e)) & 1) ? dp[i][e] * p.drop_scale : 0.f;
+            }
 #pragma unroll
             for (int i = 0; i < NS; ++i)
 #pragma unroll
@@ -481,21 +505,21 @@ __global__ void dq_convert_kernel(const sf_attn_problem p, int64_t rows_per_batc
     }
 }
 
-template <typename T, int D, bool kAtomicDq>
+template <typename T, int D, bool kAtomicDq, bool kDropout>
 static sf_status launch_dkdv(const sf_attn_problem &p, int n_blocks_k, cudaStream_t stream)
 {
     static const char op[] = "attention_bwd";
     constexpr int smem = dkdv_smem_bytes<D>();
-    SF_CUDA_TRY(op, allow_smem((const void *)dkdv_kernel<T, D, kAtomicDq>, smem));
-    dkdv_kernel<T, D, kAtomicDq><<<dim3(n_blocks_k, p.heads_kv, p.batch), kBwdThreads, smem, stream>>>(p);
+    SF_CUDA_TRY(op, allow_smem((const void *)dkdv_kernel<T, D, kAtomicDq, kDropout>, smem));
+    dkdv_kernel<T, D, kAtomicDq, kDropout><<<dim3(n_blocks_k, p.heads_kv, p.batch), kBwdThreads, smem, stream>>>(p);
     SF_CUDA_CHECK_LAUNCH(op);
     return SF_OK;
 }
 
 /* sm90: the dK/dV/dQ pass runs on the wgmma kernel (attn_bwd_sm90_cuda.cu,
- * head dims 64 and 128, never deterministic); delta and the dQ conversion
- * are these kernels either way. */
-template <typename T, int D>
+ * head dims 64 and 128, never deterministic, never with dropout); delta and
+ * the dQ conversion are these kernels either way. */
+template <typename T, int D, bool kDropout>
 static sf_status launch_bwd(const sf_attn_problem &p, bool sm90, cudaStream_t stream)
 {
     static const char op[] = "attention_bwd";
@@ -508,19 +532,19 @@ static sf_status launch_bwd(const sf_attn_problem &p, bool sm90, cudaStream_t st
     const int n_blocks_k = (p.max_sk + DkdvCfg<D>::BN - 1) / DkdvCfg<D>::BN;
     if (p.deterministic) {
         if (n_blocks_k > 0)
-            SF_TRY((launch_dkdv<T, D, false>(p, n_blocks_k, stream)));
+            SF_TRY((launch_dkdv<T, D, false, kDropout>(p, n_blocks_k, stream)));
         constexpr int smem = dq_smem_bytes<D>();
-        SF_CUDA_TRY(op, allow_smem((const void *)dq_kernel<T, D>, smem));
-        dq_kernel<T, D><<<dim3((rows_q + kBwdBM - 1) / kBwdBM, p.heads, batch), kBwdThreads, smem, stream>>>(p);
+        SF_CUDA_TRY(op, allow_smem((const void *)dq_kernel<T, D, kDropout>, smem));
+        dq_kernel<T, D, kDropout><<<dim3((rows_q + kBwdBM - 1) / kBwdBM, p.heads, batch), kBwdThreads, smem, stream>>>(p);
         SF_CUDA_CHECK_LAUNCH(op);
     } else {
         const int64_t rows_per_batch = p.thd ? p.extent_q : p.max_sq;
         const int64_t total_rows = (p.thd ? 1 : batch) * rows_per_batch * p.heads;
         SF_CUDA_TRY(op, cudaMemsetAsync(p.dq_accum.ptr, 0, (size_t)total_rows * p.head_dim * sizeof(float), stream));
-        if (sm90)
+        if (sm90 && !kDropout) /* bwd_sm90_selected never picks it with dropout */
             SF_TRY(launch_bwd_sm90(p, stream));
         else if (n_blocks_k > 0)
-            SF_TRY((launch_dkdv<T, D, true>(p, n_blocks_k, stream)));
+            SF_TRY((launch_dkdv<T, D, true, kDropout>(p, n_blocks_k, stream)));
         if (total_rows > 0) {
             const int grid = (int)((total_rows + 7) / 8 < 65536 ? (total_rows + 7) / 8 : 65536);
             dq_convert_kernel<T><<<grid, dim3(32, 8), 0, stream>>>(p, rows_per_batch, total_rows);
@@ -530,11 +554,11 @@ static sf_status launch_bwd(const sf_attn_problem &p, bool sm90, cudaStream_t st
     return SF_OK;
 }
 
-template <typename T>
-static sf_status launch_bwd_dims(const sf_attn_problem &p, bool sm90, cudaStream_t stream)
+static sf_status launch_bwd_any(const sf_attn_problem &p, bool sm90, cudaStream_t stream)
 {
-    return with_tile_width("attention_bwd", p.head_dim,
-                           [&](auto w) { return launch_bwd<T, decltype(w)::value>(p, sm90, stream); });
+    return with_kernel_params("attention_bwd", p, [&](auto t, auto w, auto drop) {
+        return launch_bwd<typename decltype(t)::type, decltype(w)::value, decltype(drop)::value>(p, sm90, stream);
+    });
 }
 
 } // namespace sf_attn
@@ -543,24 +567,18 @@ extern "C" sf_status sf_attn_bwd_cuda(const sf_attn_problem *p, sf_stream s, int
 {
     using namespace sf_attn;
     cudaStream_t stream = sf_cuda_stream(s);
-    sf_cuda_device_guard guard;
-    SF_TRY(sf_cuda_device_enter("attention_bwd", device, &guard));
-    sf_status st = SF_OK;
-    if (p->batch > 0 && (p->max_sq > 0 || p->max_sk > 0)) {
-        const bool sm90 = bwd_sm90_selected(*p, device, NULL); /* wgmma kernel, attn_bwd_sm90_cuda.cu */
-        st = p->dtype == SF_BFLOAT16 ? launch_bwd_dims<__nv_bfloat16>(*p, sm90, stream)
-                                     : launch_bwd_dims<__half>(*p, sm90, stream);
-    }
-    if (st == SF_OK && p->thd) {
-        if (p->deterministic)
-            launch_zero_tail(*p, p->dq, p->heads, p->cu_q, p->extent_q, NULL, stream);
-        launch_zero_tail(*p, p->dk, p->heads_kv, p->cu_k, p->extent_k, NULL, stream);
-        launch_zero_tail(*p, p->dv, p->heads_kv, p->cu_k, p->extent_k, NULL, stream);
-        cudaError_t e = cudaGetLastError();
-        if (e != cudaSuccess)
-            st = sf_fail(SF_ERR_RUNTIME, "attention_bwd: CUDA error %s: %s (zero tail)",
-                         cudaGetErrorName(e), cudaGetErrorString(e));
-    }
-    sf_cuda_device_restore(&guard);
-    return st;
+    return run_on_device(
+        "attention_bwd", *p, device,
+        [&]() -> sf_status {
+            if (p->batch == 0 || (p->max_sq == 0 && p->max_sk == 0))
+                return SF_OK;
+            const bool sm90 = bwd_sm90_selected(*p, device, NULL); /* wgmma kernel, attn_bwd_sm90_cuda.cu */
+            return launch_bwd_any(*p, sm90, stream);
+        },
+        [&] {
+            if (p->deterministic)
+                launch_zero_tail(*p, p->dq, p->heads, p->cu_q, p->extent_q, NULL, stream);
+            launch_zero_tail(*p, p->dk, p->heads_kv, p->cu_k, p->extent_k, NULL, stream);
+            launch_zero_tail(*p, p->dv, p->heads_kv, p->cu_k, p->extent_k, NULL, stream);
+        });
 }

@@ -262,7 +262,7 @@ static int chosen_bwd_kernel()
     return g_bwd_kernel;
 }
 
-static int bwd_selected(int head_dim, int deterministic, int device, const char **why)
+static int bwd_selected(int head_dim, int deterministic, int dropout, int device, const char **why)
 {
     const char *w = "";
     int ok = pick_kernel(chosen_bwd_kernel(),
@@ -275,14 +275,14 @@ static int bwd_selected(int head_dim, int deterministic, int device, const char 
     }
     if (why)
         *why = w;
-    return ok;
+    return pick_kernel_no_dropout(ok, dropout, why);
 }
 
 } // namespace sm90
 
 int bwd_sm90_selected(const sf_attn_problem &p, int device, const char **why)
 {
-    return sm90::bwd_selected(p.head_dim, p.deterministic, device, why);
+    return sm90::bwd_selected(p.head_dim, p.deterministic, p.dropout, device, why);
 }
 
 sf_status launch_bwd_sm90(const sf_attn_problem &p, cudaStream_t stream)
@@ -297,7 +297,7 @@ extern "C" sf_status sf_attn_set_bwd_kernel(int arch)
     return sf_attn::sm90::set_kernel_choice("attention_bwd", arch, &sf_attn::sm90::g_bwd_kernel);
 }
 
-extern "C" int sf_attn_bwd_kernel_for(int head_dim, int deterministic, int device, const char **why)
+extern "C" int sf_attn_bwd_kernel_for(int head_dim, int deterministic, int dropout, int device, const char **why)
 {
-    return sf_attn::sm90::bwd_selected(head_dim, deterministic, device, why) ? 90 : 80;
+    return sf_attn::sm90::bwd_selected(head_dim, deterministic, dropout, device, why) ? 90 : 80;
 }

@@ -13,12 +13,19 @@
  *   dq_r = scale sum_c dS_rc k_c,  dk_c = scale sum_r dS_rc q_r,
  *   dv_c = sum_r P_rc dout_r   (dk, dv summed over the heads of a group).
  * Rows that see no key: out 0, lse +inf.  Padded rows and the THD tail: 0.
+ *
+ * Dropout (p->dropout): each probability P_rc is multiplied by
+ * m_rc = keep_rc / (1 - p), keep from attn_philox.h; lse stays the undropped
+ * one.  out_r = sum_c P_rc m_rc v_c; backward: dv_c = sum_r P_rc m_rc dout_r
+ * and dS_rc = P_rc (m_rc dout_r . v_c - delta_r) (delta = dout . out with the
+ * dropped out is still rowsum(dP o P), as flash-attention 2 uses it).
  */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "attn.h"
+#include "attn_philox.h"
 #include "core/float_bits.h"
 
 static double load(sf_dtype dt, const sf_attn_view *v, int b, int64_t t, int h, int d)
@@ -51,6 +58,18 @@ static void zero_token(sf_dtype dt, const sf_attn_view *v, int b, int64_t t, int
             store(dt, v, b, t, h, d, 0.0);
 }
 
+/* The dropout multiplier of element (b, h, r, c): 1 without dropout, else
+ * 0 or 1 / (1 - p). */
+static double drop_factor(const sf_attn_problem *p, int b, int h, int r, int c)
+{
+    if (!p->dropout)
+        return 1.0;
+    return sf_attn_drop_keep(p->seed_lo, p->seed_hi, p->offset, (int64_t)b * p->heads + h,
+                             p->drop_threshold, r, c)
+               ? 1.0 / (1.0 - p->drop_p)
+               : 0.0;
+}
+
 static int64_t lse_index(const sf_attn_problem *p, int b, int h, int64_t t)
 {
     return (int64_t)b * p->lse_sb + (int64_t)h * p->lse_sh + t;
@@ -74,11 +93,9 @@ sf_status sf_attn_fwd_cpu(const sf_attn_problem *p)
         return sf_fail(SF_ERR_RUNTIME, "attention_fwd: out of host memory");
     }
     for (int b = 0; b < p->batch; ++b) {
-        int64_t qs, ks;
-        int sq, sk;
-        sf_attn_seq_q(p, b, &qs, &sq);
-        sf_attn_seq_k(p, b, &ks, &sk);
-        int off = sf_attn_diag(p, sq, sk);
+        const sf_attn_seqs sb = sf_attn_seqs_of(p, b);
+        const int64_t qs = sb.qs, ks = sb.ks;
+        const int sq = sb.sq, sk = sb.sk, off = sb.off;
         for (int h = 0; h < p->heads; ++h) {
             int hk = h / G;
             for (int r = 0; r < sq; ++r) {
@@ -103,9 +120,12 @@ sf_status sf_attn_fwd_cpu(const sf_attn_problem *p)
                         if (s[c] == -INFINITY)
                             continue;
                         double e = exp(s[c] - m);
-                        l += e;
+                        l += e; /* the softmax denominator counts dropped probabilities too */
+                        double ed = e * drop_factor(p, b, h, r, c);
+                        if (ed == 0.0)
+                            continue;
                         for (int d = 0; d < D; ++d)
-                            acc[d] += e * load(p->dtype, &p->v, b, ks + c, hk, d);
+                            acc[d] += ed * load(p->dtype, &p->v, b, ks + c, hk, d);
                     }
                 }
                 for (int d = 0; d < D; ++d)
@@ -145,11 +165,9 @@ sf_status sf_attn_bwd_cpu(const sf_attn_problem *p)
         return sf_fail(SF_ERR_RUNTIME, "attention_bwd: out of host memory");
     }
     for (int b = 0; b < p->batch; ++b) {
-        int64_t qs, ks;
-        int sq, sk;
-        sf_attn_seq_q(p, b, &qs, &sq);
-        sf_attn_seq_k(p, b, &ks, &sk);
-        int off = sf_attn_diag(p, sq, sk);
+        const sf_attn_seqs sb = sf_attn_seqs_of(p, b);
+        const int64_t qs = sb.qs, ks = sb.ks;
+        const int sq = sb.sq, sk = sb.sk, off = sb.off;
         for (int hk = 0; hk < p->heads_kv; ++hk) {
             memset(dk, 0, sizeof(double) * (size_t)(maxk * D));
             memset(dv, 0, sizeof(double) * (size_t)(maxk * D));
@@ -180,12 +198,13 @@ sf_status sf_attn_bwd_cpu(const sf_attn_problem *p)
                     for (int c = 0; c < sk; ++c) {
                         if (pr[c] == 0.0)
                             continue;
-                        double ds = pr[c] * (dov[c] - delta) * p->scale;
+                        const double m = drop_factor(p, b, h, r, c);
+                        double ds = pr[c] * (m * dov[c] - delta) * p->scale;
                         for (int d = 0; d < D; ++d) {
                             dq[d] += ds * load(p->dtype, &p->k, b, ks + c, hk, d);
                             dk[(int64_t)c * D + d] += ds * load(p->dtype, &p->q, b, qs + r, h, d);
                             dv[(int64_t)c * D + d] +=
-                                pr[c] * load(p->dtype, &p->dout, b, qs + r, h, d);
+                                m * pr[c] * load(p->dtype, &p->dout, b, qs + r, h, d);
                         }
                     }
                     for (int d = 0; d < D; ++d) {

@@ -21,7 +21,11 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include <type_traits>
+
+#include "../core/cuda_util.h"
 #include "attn.h"
+#include "attn_philox.h"
 
 namespace sf_attn {
 
@@ -33,45 +37,43 @@ __device__ __forceinline__ uint32_t smem_addr(const void *p)
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-template <typename T> struct Mma;
-
-template <> struct Mma<__nv_bfloat16> {
-    static __device__ __forceinline__ void run(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1)
-    {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi)
-    {
-        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-        return *reinterpret_cast<uint32_t *>(&v);
-    }
-    static __device__ __forceinline__ float2 unpack(uint32_t u)
-    {
-        __nv_bfloat162 v = *reinterpret_cast<__nv_bfloat162 *>(&u);
-        return __bfloat1622float2(v);
-    }
+/* The 16-bit input types: T2 holds a pair, kPtx names the type in PTX. */
+template <typename T> struct Half2;
+template <> struct Half2<__nv_bfloat16> {
+    using T2 = __nv_bfloat162;
+    static __device__ __forceinline__ T2 from(float lo, float hi) { return __floats2bfloat162_rn(lo, hi); }
+    static __device__ __forceinline__ float2 to(T2 v) { return __bfloat1622float2(v); }
+};
+template <> struct Half2<__half> {
+    using T2 = __half2;
+    static __device__ __forceinline__ T2 from(float lo, float hi) { return __floats2half2_rn(lo, hi); }
+    static __device__ __forceinline__ float2 to(T2 v) { return __half22float2(v); }
 };
 
-template <> struct Mma<__half> {
+/* c += a b: one mma.sync m16n8k16, float32 accumulation; PTX_TYPE bf16 or f16. */
+#define SF_ATTN_MMA_16816(PTX_TYPE, c, a, b0, b1)                                                   \
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX_TYPE "." PTX_TYPE ".f32 "             \
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                          \
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                   \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+
+template <typename T> struct Mma {
     static __device__ __forceinline__ void run(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1)
     {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+        if constexpr (std::is_same<T, __nv_bfloat16>::value)
+            SF_ATTN_MMA_16816("bf16", c, a, b0, b1);
+        else
+            SF_ATTN_MMA_16816("f16", c, a, b0, b1);
     }
+    /* two floats -> one register of two T (lo in the low half) and back */
     static __device__ __forceinline__ uint32_t pack(float lo, float hi)
     {
-        __half2 v = __floats2half2_rn(lo, hi);
+        typename Half2<T>::T2 v = Half2<T>::from(lo, hi);
         return *reinterpret_cast<uint32_t *>(&v);
     }
     static __device__ __forceinline__ float2 unpack(uint32_t u)
     {
-        __half2 v = *reinterpret_cast<__half2 *>(&u);
-        return __half22float2(v);
+        return Half2<T>::to(*reinterpret_cast<typename Half2<T>::T2 *>(&u));
     }
 };
 
@@ -147,6 +149,25 @@ inline sf_status with_tile_width(const char *op, int head_dim, Fn &&fn)
     case 128: return fn(TileWidth<128>{});
     default: return sf_fail(SF_ERR_NOT_IMPLEMENTED, "%s: no CUDA kernel for head dim %d", op, head_dim);
     }
+}
+
+template <typename T> struct TypeTag {
+    using type = T;
+};
+
+/* fn(TypeTag<T>{}, TileWidth<D>{}, std::bool_constant<kDropout>{}) for the
+ * problem's dtype, head dim and dropout: the instantiation an sm80 kernel
+ * family launches (dropout kernels are separate instantiations, so the
+ * p = 0 ones carry none of it). */
+template <typename Fn>
+inline sf_status with_kernel_params(const char *op, const sf_attn_problem &p, Fn &&fn)
+{
+    return with_tile_width(op, p.head_dim, [&](auto w) -> sf_status {
+        auto drop = [&](auto t) {
+            return p.dropout ? fn(t, w, std::true_type{}) : fn(t, w, std::false_type{});
+        };
+        return p.dtype == SF_BFLOAT16 ? drop(TypeTag<__nv_bfloat16>{}) : drop(TypeTag<__half>{});
+    });
 }
 
 /* dst[0] += a, dst[1] += b in global memory (dst 8-byte aligned): one
@@ -254,13 +275,74 @@ __device__ __forceinline__ float quad_max(float x)
     return x;
 }
 
-} // namespace sf_attn
+/* ---- attention dropout: keep decisions of a thread's fragment ----------------
+ * The bits come from attn_philox.h; one Philox call serves a group of 8
+ * elements (rows r0, r0 + 8 x keys k0, k0 + 8, k0 + 16, k0 + 24), and the
+ * mma layouts below hold whole groups, so no call is wasted (but at head dim
+ * 128 in keep_cols, where a warp owns 16 keys: half of each call).  The calls
+ * run in a loop that is not unrolled, one Philox in flight, into a bit mask
+ * (bit = fragment index), so the score registers the kernel holds meanwhile
+ * do not spill; the caller applies the mask with compile-time bit indices. */
 
-#endif /* SF_ATTN_CUDA_CUH */
+template <int BITS> using KeepMask = typename std::conditional<(BITS > 32), uint64_t, uint32_t>::type;
 
-#include <cuda_runtime.h>
+/* Row-major score fragment (forward, deterministic dQ): rows row0 + g and
+ * row0 + g + 8, keys n0 + 8 i + 2 t4 + (e & 1) for i < NS; bit 4 i + e of the
+ * result (e = 2 * row half + key parity, as in the C fragment) is 1 where the
+ * element is kept.  row0 a multiple of 16, n0 of 32, NS of 4. */
+template <int NS>
+__device__ __forceinline__ KeepMask<4 * NS> keep_rows(const sf_attn_problem &p, int64_t bh, int row0, int n0,
+                                                       int g, int t4)
+{
+    static_assert(NS % 4 == 0 && 4 * NS <= 64, "a thread's keys must cover whole 32-key groups");
+    using M = KeepMask<4 * NS>;
+    const uint32_t rg = (uint32_t)((row0 >> 4) * 8 + g);
+    M mask = 0;
+#pragma unroll 1
+    for (int call = 0; call < NS / 2; ++call) {
+        const int cb = call >> 1, par = call & 1;
+        const sf_philox4 bits =
+            sf_attn_drop_bits(p.seed_lo, p.seed_hi, p.offset, bh, rg, (uint32_t)(((n0 >> 5) + cb) * 8 + 2 * t4 + par));
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr)
+                if (((bits.v[j] >> (16 * hr)) & 0xffffu) >= p.drop_threshold)
+                    mask |= (M)1 << (4 * (cb * 4 + j) + 2 * hr + par);
+    }
+    return mask;
+}
 
-namespace sf_attn {
+/* Transposed fragment (the dK/dV kernel's S^T): keys key0 + 16 kt + g and
+ * + 8 for kt < KT, queries m0 + 8 i + 2 t4 + (e & 1) for i < NS; bit
+ * 4 (kt NS + i) + e (e = 2 * key half + query parity) is 1 where kept.  m0 a
+ * multiple of 16, key0 of 16 (of 32 when KT == 2). */
+template <int KT, int NS>
+__device__ __forceinline__ uint32_t keep_cols(const sf_attn_problem &p, int64_t bh, int key0, int m0, int g, int t4)
+{
+    static_assert((KT == 1 || KT == 2) && NS % 2 == 0 && 4 * KT * NS <= 32, "16 or 32 keys, whole query groups");
+    const uint32_t cg = (uint32_t)((key0 >> 5) * 8 + g);
+    const int wbase = KT == 1 && (key0 & 16) ? 2 : 0; /* 16 keys: words 2, 3 of each call */
+    uint32_t mask = 0;
+#pragma unroll 1
+    for (int call = 0; call < NS; ++call) {
+        const int iq = call >> 1, par = call & 1;
+        const sf_philox4 bits =
+            sf_attn_drop_bits(p.seed_lo, p.seed_hi, p.offset, bh, (uint32_t)(((m0 >> 4) + iq) * 8 + 2 * t4 + par), cg);
+#pragma unroll
+        for (int kt = 0; kt < KT; ++kt)
+#pragma unroll
+            for (int eh = 0; eh < 2; ++eh) {
+                const uint32_t w = wbase ? bits.v[2 + eh] : bits.v[2 * kt + eh];
+#pragma unroll
+                for (int ih = 0; ih < 2; ++ih)
+                    if (((w >> (16 * ih)) & 0xffffu) >= p.drop_threshold)
+                        mask |= 1u << (4 * (kt * NS + 2 * iq + ih) + 2 * eh + par);
+            }
+    }
+    return mask;
+}
+
 /* THD: zero the rows of `view` (heads x head_dim) past the last sequence,
  * tokens cu[batch] .. extent-1, and set lse there to +inf when lse != NULL.
  * Defined in attn_fwd_cuda.cu. */
@@ -268,4 +350,27 @@ void launch_zero_tail(const sf_attn_problem &p, const sf_attn_view &view, int he
                       const int32_t *cu, int64_t extent, float *lse, cudaStream_t stream);
 /* Opt a kernel into more than 48 KiB of dynamic shared memory (once per device). */
 cudaError_t allow_smem(const void *kernel, int bytes);
+
+/* The entries' frame: launch() on `device` (the caller's device restored
+ * after), then, for THD, zero_tails() and the status of those launches. */
+template <typename Launch, typename Tails>
+inline sf_status run_on_device(const char *op, const sf_attn_problem &p, int device, Launch &&launch,
+                               Tails &&zero_tails)
+{
+    sf_cuda_device_guard guard;
+    SF_TRY(sf_cuda_device_enter(op, device, &guard));
+    sf_status st = launch();
+    if (st == SF_OK && p.thd) {
+        zero_tails();
+        cudaError_t e = cudaGetLastError();
+        if (e != cudaSuccess)
+            st = sf_fail(SF_ERR_RUNTIME, "%s: CUDA error %s: %s (zero tail)", op, cudaGetErrorName(e),
+                         cudaGetErrorString(e));
+    }
+    sf_cuda_device_restore(&guard);
+    return st;
+}
+
 } // namespace sf_attn
+
+#endif /* SF_ATTN_CUDA_CUH */

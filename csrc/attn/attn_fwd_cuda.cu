@@ -18,6 +18,13 @@
  * past a sequence's end exit early (THD) or write the zero padding (BSHD,
  * SBHD).  Causal blocks are issued heaviest first.
  *
+ * Dropout (a separate instantiation, kDropout): after the online softmax of
+ * a tile has summed every probability, the dropped ones are zeroed before
+ * P V (keep bits from attn_philox.h, regenerated per tile, never stored) and
+ * the epilogue scales O by 1 / (1 - p); lse stays the undropped one.  On
+ * Hopper a dropout call runs here, not in the wgmma kernel (fwd_sm90_selected
+ * says so, and ops/attn.py logs it once).
+ *
  * Head dims: kernels for tile widths 16, 32, 64 and 128; head dim 24 runs in
  * the 32-wide kernel with its last 8 columns zero-filled on load (zero
  * columns add nothing to Q K^T nor to P V) and not stored.
@@ -35,22 +42,25 @@ namespace sf_attn {
  * block; otherwise they are re-read from shared memory at each step (head dim
  * 128 with two row tiles would not fit the register file).  Small head dims
  * take twice the keys per step: the scores of a step then cost as many
- * registers as head dim 64's, and the block's loop runs half as often. */
-template <int D> struct FwdCfg {
-    static constexpr int WARPS = 4, MT = 2, BN = D <= 32 ? 128 : 64;
+ * registers as head dim 64's, and the block's loop runs half as often.
+ * Dropout kernels hold the keep bits of a tile besides: they take 64 keys
+ * per step at every head dim, and one row tile per warp at head dim 128, so
+ * that nothing spills (ptxas -v). */
+template <int D, bool kDropout = false> struct FwdCfg {
+    static constexpr int WARPS = 4, MT = kDropout && D == 128 ? 1 : 2, BN = D <= 32 && !kDropout ? 128 : 64;
     static constexpr bool QREG = D <= 64;
 };
 
-template <int D> constexpr int fwd_smem_bytes()
+template <int D, bool kDropout> constexpr int fwd_smem_bytes()
 {
-    using C = FwdCfg<D>;
+    using C = FwdCfg<D, kDropout>;
     return (16 * C::MT * C::WARPS + 2 * C::BN) * (D + 8) * 2;
 }
 
-template <typename T, int D>
+template <typename T, int D, bool kDropout>
 __global__ void __launch_bounds__(32 * FwdCfg<D>::WARPS, 1) fwd_kernel(const sf_attn_problem p)
 {
-    using C = FwdCfg<D>;
+    using C = FwdCfg<D, kDropout>;
     constexpr int WARPS = C::WARPS, MT = C::MT, BN = C::BN, NT = 32 * WARPS;
     constexpr int SD = D + 8, BM = 16 * MT * WARPS;
     constexpr int KD = D / 16;  /* 16-wide chunks of the head dim */
@@ -126,6 +136,12 @@ __global__ void __launch_bounds__(32 * FwdCfg<D>::WARPS, 1) fwd_kernel(const sf_
             /* V of this tile streams in while S is computed */
             load_tile<T, BN, D, NT>(sV, vbase + (int64_t)n0 * p.v.ss, p.v.ss, min(BN, sk - n0), dr);
             cp_async_commit();
+
+            /* dropout's keep bits of this tile, drawn before S is live (fewer registers held) */
+            KeepMask<4 * NS> keep[MT];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                keep[mt] = kDropout ? keep_rows<NS>(p, (int64_t)b * p.heads + h, m0 + wrow + mt * 16, n0, g, t4) : 0;
 
             float s[MT][NS][4];
 #pragma unroll
@@ -210,6 +226,17 @@ __global__ void __launch_bounds__(32 * FwdCfg<D>::WARPS, 1) fwd_kernel(const sf_
                     }
                 }
 
+            if constexpr (kDropout) { /* P V takes dropout(P); the sums above keep every P */
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int i = 0; i < NS; ++i)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            if (!((keep[mt] >> (4 * i + e)) & 1))
+                                s[mt][i][e] = 0.f;
+            }
+
             if (nb + 1 < nb_hi)
                 cp_async_wait<1>(); /* V landed; K of the next tile may still fly */
             else
@@ -254,7 +281,7 @@ __global__ void __launch_bounds__(32 * FwdCfg<D>::WARPS, 1) fwd_kernel(const sf_
             if (r >= rows_total)
                 continue;
             const bool real = r < sq && l > 0.f; /* padded rows computed on zero Q: drop them */
-            const float inv = real ? 1.f / l : 0.f;
+            const float inv = real ? (kDropout ? p.drop_scale : 1.f) / l : 0.f;
             T *orow = view_ptr<T>(p.o, b, qs + r, h);
 #pragma unroll
             for (int i = 0; i < NO; ++i)
@@ -330,24 +357,25 @@ cudaError_t allow_smem(const void *kernel, int bytes)
     return e;
 }
 
-template <typename T, int D>
+template <typename T, int D, bool kDropout>
 static sf_status launch_fwd_dim(const sf_attn_problem &p, cudaStream_t stream)
 {
-    constexpr int smem = fwd_smem_bytes<D>();
-    constexpr int BM = 16 * FwdCfg<D>::MT * FwdCfg<D>::WARPS;
-    SF_CUDA_TRY("attention_fwd", allow_smem((const void *)fwd_kernel<T, D>, smem));
+    using C = FwdCfg<D, kDropout>;
+    constexpr int smem = fwd_smem_bytes<D, kDropout>();
+    constexpr int BM = 16 * C::MT * C::WARPS;
+    SF_CUDA_TRY("attention_fwd", allow_smem((const void *)fwd_kernel<T, D, kDropout>, smem));
     dim3 grid((p.max_sq + BM - 1) / BM, p.heads, p.batch);
-    fwd_kernel<T, D><<<grid, 32 * FwdCfg<D>::WARPS, smem, stream>>>(p);
+    fwd_kernel<T, D, kDropout><<<grid, 32 * C::WARPS, smem, stream>>>(p);
     SF_CUDA_CHECK_LAUNCH("attention_fwd");
     return SF_OK;
 }
 
-/* The sm_80 (mma.sync) forward, every head dim attn.c admits. */
-template <typename T>
+/* The sm_80 (mma.sync) forward, every dtype and head dim attn.c admits. */
 static sf_status launch_fwd(const sf_attn_problem &p, cudaStream_t stream)
 {
-    return with_tile_width("attention_fwd", p.head_dim,
-                           [&](auto w) { return launch_fwd_dim<T, decltype(w)::value>(p, stream); });
+    return with_kernel_params("attention_fwd", p, [&](auto t, auto w, auto drop) {
+        return launch_fwd_dim<typename decltype(t)::type, decltype(w)::value, decltype(drop)::value>(p, stream);
+    });
 }
 
 } // namespace sf_attn
@@ -356,22 +384,14 @@ extern "C" sf_status sf_attn_fwd_cuda(const sf_attn_problem *p, sf_stream s, int
 {
     using namespace sf_attn;
     cudaStream_t stream = sf_cuda_stream(s);
-    sf_cuda_device_guard guard;
-    SF_TRY(sf_cuda_device_enter("attention_fwd", device, &guard));
-    sf_status st = SF_OK;
-    if (p->batch > 0 && p->max_sq > 0) {
-        if (fwd_sm90_selected(*p, device, NULL))
-            st = launch_fwd_sm90(*p, stream); /* wgmma kernel, attn_fwd_sm90_cuda.cu */
-        else
-            st = p->dtype == SF_BFLOAT16 ? launch_fwd<__nv_bfloat16>(*p, stream) : launch_fwd<__half>(*p, stream);
-    }
-    if (st == SF_OK && p->thd) {
-        launch_zero_tail(*p, p->o, p->heads, p->cu_q, p->extent_q, p->lse, stream);
-        cudaError_t e = cudaGetLastError();
-        if (e != cudaSuccess)
-            st = sf_fail(SF_ERR_RUNTIME, "attention_fwd: CUDA error %s: %s (zero tail)",
-                         cudaGetErrorName(e), cudaGetErrorString(e));
-    }
-    sf_cuda_device_restore(&guard);
-    return st;
+    return run_on_device(
+        "attention_fwd", *p, device,
+        [&]() -> sf_status {
+            if (p->batch == 0 || p->max_sq == 0)
+                return SF_OK;
+            if (fwd_sm90_selected(*p, device, NULL))
+                return launch_fwd_sm90(*p, stream); /* wgmma kernel, attn_fwd_sm90_cuda.cu */
+            return launch_fwd(*p, stream);
+        },
+        [&] { launch_zero_tail(*p, p->o, p->heads, p->cu_q, p->extent_q, p->lse, stream); });
 }

@@ -34,6 +34,16 @@ namespace sm90 {
 
 constexpr int kWarpgroups = 2, kBM = 64 * kWarpgroups, kBN = 128, kThreads = 128 * kWarpgroups;
 
+/* The body of a wgmma kernel in a build without sm_90a: the host never
+ * launches it (fwd_sm90_selected checks for this marker through the kernel's
+ * static shared size). */
+#define SF_SM90_NOT_BUILT()                                                                            \
+    do {                                                                                               \
+        __shared__ volatile int not_built_for_sm90a[32];                                               \
+        not_built_for_sm90a[threadIdx.x & 31] = 1;                                                     \
+        __trap();                                                                                      \
+    } while (0)
+
 /* Where one block stands: its sequence, rows and the key tiles they see. */
 struct BlockPlan {
     int64_t qs, ks;         /* first token of the sequence in q / k views */
@@ -58,6 +68,32 @@ __device__ __forceinline__ bool plan_block(const sf_attn_problem &p, int b, int 
     bp.nb_lo = lo / kBN;
     bp.nb_hi = (hi + kBN - 1) / kBN;
     return true;
+}
+
+/* Epilogue of a thread's two rows r0, r0 + 8: O / l and lse.  Rows past the
+ * view's rows are not ours; padded rows and rows that saw no key get zeros
+ * and lse = +inf.  Every schedule ends here. */
+template <typename T, int NO>
+__device__ __forceinline__ void store_rows(const sf_attn_problem &p, const BlockPlan &bp, int b, int h, int r0,
+                                           int q4, const float (&o)[NO], const float mrow[2], const float lrow[2],
+                                           float sl2)
+{
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        const int r = r0 + hr * 8;
+        const float l = quad_sum(lrow[hr]);
+        if (r >= bp.rows_total)
+            continue;
+        const bool seen = r < bp.sq && l > 0.f;
+        const float inv = seen ? 1.f / l : 0.f;
+        T *dst = view_ptr<T>(p.o, b, bp.qs + r, h) + 2 * q4;
+#pragma unroll
+        for (int j = 0; j < NO / 4; ++j)
+            *reinterpret_cast<uint32_t *>(dst + 8 * j) =
+                Mma<T>::pack(o[4 * j + 2 * hr] * inv, o[4 * j + 2 * hr + 1] * inv);
+        if (q4 == 0)
+            p.lse[lse_at(p, b, h, bp.qs + r)] = seen ? (mrow[hr] * sl2 + log2f(l)) * kLn2 : INFINITY;
+    }
 }
 
 /* ---- the steps of one key tile, shared by the two schedules ---- */
@@ -279,29 +315,9 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_sm90_kernel(const sf_attn_pro
         }
     }
 
-    /* epilogue: rows past the view's rows are not ours; padded rows and rows
-     * that saw no key get zeros and lse = +inf */
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-        const int r = r0 + hr * 8;
-        const float l = quad_sum(lrow[hr]);
-        if (r >= bp.rows_total)
-            continue;
-        const bool seen = r < bp.sq && l > 0.f;
-        const float inv = seen ? 1.f / l : 0.f;
-        T *dst = view_ptr<T>(p.o, b, bp.qs + r, h) + 2 * q4;
-#pragma unroll
-        for (int j = 0; j < NO / 4; ++j)
-            *reinterpret_cast<uint32_t *>(dst + 8 * j) = Mma<T>::pack(o[4 * j + 2 * hr] * inv, o[4 * j + 2 * hr + 1] * inv);
-        if (q4 == 0)
-            p.lse[lse_at(p, b, h, bp.qs + r)] = seen ? (mrow[hr] * sl2 + log2f(l)) * kLn2 : INFINITY;
-    }
+    store_rows<T>(p, bp, b, h, r0, q4, o, mrow, lrow, sl2);
 #else
-    /* not an sm_90a build: the host never launches this (fwd_sm90_selected
-     * checks for the marker below through the kernel's static shared size) */
-    __shared__ volatile int not_built_for_sm90a[32];
-    not_built_for_sm90a[threadIdx.x & 31] = 1;
-    __trap();
+    SF_SM90_NOT_BUILT();
 #endif
 }
 
@@ -496,28 +512,10 @@ __global__ void __launch_bounds__(ws_threads<NC>(), 1) fwd_sm90_ws_kernel(const 
             wg_pin(o);
         }
 
-        /* epilogue as in fwd_sm90_kernel */
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-            const int r = r0 + hr * 8;
-            const float l = quad_sum(lrow[hr]);
-            if (r >= bp.rows_total)
-                continue;
-            const bool seen = r < bp.sq && l > 0.f;
-            const float inv = seen ? 1.f / l : 0.f;
-            T *dst = view_ptr<T>(p.o, b, bp.qs + r, h) + 2 * q4;
-#pragma unroll
-            for (int j = 0; j < NO / 4; ++j)
-                *reinterpret_cast<uint32_t *>(dst + 8 * j) =
-                    Mma<T>::pack(o[4 * j + 2 * hr] * inv, o[4 * j + 2 * hr + 1] * inv);
-            if (q4 == 0)
-                p.lse[lse_at(p, b, h, bp.qs + r)] = seen ? (mrow[hr] * sl2 + log2f(l)) * kLn2 : INFINITY;
-        }
+        store_rows<T>(p, bp, b, h, r0, q4, o, mrow, lrow, sl2);
     }
 #else
-    __shared__ volatile int not_built_for_sm90a[32];
-    not_built_for_sm90a[threadIdx.x & 31] = 1;
-    __trap();
+    SF_SM90_NOT_BUILT();
 #endif
 }
 
@@ -648,17 +646,29 @@ int pick_kernel(int choice, const char *not_chosen, int head_dim, int device, co
     return ok;
 }
 
-static int selected(int head_dim, int device, const char **why)
+int pick_kernel_no_dropout(int ok, int dropout, const char **why)
 {
-    return pick_kernel(chosen_kernel(), "sm80 kernel chosen (SEQFUSE_ATTN_FWD_KERNEL=sm80 or sf_attn_set_fwd_kernel(80))",
-                       head_dim, device, why);
+    if (ok && dropout) {
+        if (why)
+            *why = "attention dropout: the wgmma kernels have no dropout yet, the sm80 kernels apply it";
+        return 0;
+    }
+    return ok;
+}
+
+static int selected(int head_dim, int dropout, int device, const char **why)
+{
+    const int ok = pick_kernel(chosen_kernel(),
+                               "sm80 kernel chosen (SEQFUSE_ATTN_FWD_KERNEL=sm80 or sf_attn_set_fwd_kernel(80))",
+                               head_dim, device, why);
+    return pick_kernel_no_dropout(ok, dropout, why);
 }
 
 } // namespace sm90
 
 int fwd_sm90_selected(const sf_attn_problem &p, int device, const char **why)
 {
-    return sm90::selected(p.head_dim, device, why);
+    return sm90::selected(p.head_dim, p.dropout, device, why);
 }
 
 sf_status launch_fwd_sm90(const sf_attn_problem &p, cudaStream_t stream)
@@ -690,7 +700,7 @@ extern "C" sf_status sf_attn_set_fwd_sm90_variant(int variant)
     return SF_OK;
 }
 
-extern "C" int sf_attn_fwd_kernel_for(int head_dim, int device, const char **why)
+extern "C" int sf_attn_fwd_kernel_for(int head_dim, int dropout, int device, const char **why)
 {
-    return sf_attn::sm90::selected(head_dim, device, why) ? 90 : 80;
+    return sf_attn::sm90::selected(head_dim, dropout, device, why) ? 90 : 80;
 }

@@ -226,6 +226,9 @@ __device__ __forceinline__ void issue_tt(float (&d)[N / 2], uint32_t a, uint32_t
  * its kernel), `not_chosen` where choice is 80, else the head dim or build
  * (attn_fwd_sm90_cuda.cu; the forward and the backward choose through it). */
 int pick_kernel(int choice, const char *not_chosen, int head_dim, int device, const char **why);
+/* ok, or 0 with *why (may be NULL) naming attention dropout when dropout is
+ * set: the wgmma kernels have none, dropout calls take the sm80 kernels. */
+int pick_kernel_no_dropout(int ok, int dropout, const char **why);
 /* *choice = arch where arch is 80 or 90, else an SF_ERR_VALUE naming op (the setters of attn_sm90.h). */
 sf_status set_kernel_choice(const char *op, int arch, int *choice);
 } // namespace sm90
@@ -243,15 +246,16 @@ template <typename Fn> inline sf_status with_sm90_shape(const sf_attn_problem &p
 /* Host side (attn_fwd_sm90_cuda.cu). */
 /* 1 when this problem's forward runs on the wgmma kernel on `device`
  * (sm90::pick_kernel with SEQFUSE_ATTN_FWD_KERNEL=sm90|sm80 or
- * sf_attn_set_fwd_kernel; the default is sm90).  *why as pick_kernel's. */
+ * sf_attn_set_fwd_kernel; the default is sm90), never with dropout.  *why as
+ * pick_kernel's. */
 int fwd_sm90_selected(const sf_attn_problem &p, int device, const char **why);
 sf_status launch_fwd_sm90(const sf_attn_problem &p, cudaStream_t stream);
 
 /* Host side (attn_bwd_sm90_cuda.cu). */
 /* 1 when this problem's backward runs its dK/dV/dQ pass on the wgmma kernel:
  * pick_kernel with SEQFUSE_ATTN_BWD_KERNEL=sm90|sm80 or
- * sf_attn_set_bwd_kernel (default sm80 until confirmed on a GPU), and not
- * deterministic (the wgmma kernel adds dQ with atomics). */
+ * sf_attn_set_bwd_kernel (default sm80 until confirmed on a GPU), not
+ * deterministic (the wgmma kernel adds dQ with atomics) and without dropout. */
 int bwd_sm90_selected(const sf_attn_problem &p, int device, const char **why);
 /* The dK, dV and atomic dQ pass (into the zeroed p.dq_accum) of the wgmma
  * backward; delta before and the dQ conversion after are attn_bwd_cuda.cu's. */

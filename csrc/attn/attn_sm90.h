@@ -28,21 +28,23 @@ sf_status sf_attn_set_fwd_kernel(int arch);
  * default); overrides SEQFUSE_ATTN_SM90_VARIANT. */
 sf_status sf_attn_set_fwd_sm90_variant(int variant);
 
-/* The kernel a forward with this head dim takes on `device` now: 90 or 80.
+/* The kernel a forward with this head dim, with dropout (1) or not (0), takes
+ * on `device` now: 90 or 80 (dropout runs in the sm80 kernel).
  * When 80, *why (may be NULL) says why: "" where 80 is simply the kernel
  * for that device (not compute capability 9.0), otherwise the reason a
  * Hopper device gets the slower kernel (choice, head dim, build). */
-int sf_attn_fwd_kernel_for(int head_dim, int device, const char **why);
+int sf_attn_fwd_kernel_for(int head_dim, int dropout, int device, const char **why);
 
 /* Pick the backward kernel: 90 (wgmma, where supported) or 80 (mma.sync);
  * overrides SEQFUSE_ATTN_BWD_KERNEL=sm90|sm80 (read once; default sm80
  * until the wgmma backward is confirmed on a GPU). */
 sf_status sf_attn_set_bwd_kernel(int arch);
 
-/* The kernel a backward with this head dim and deterministic flag takes on
- * `device` now: 90 or 80, *why as in sf_attn_fwd_kernel_for (plus the
- * deterministic mode, which the wgmma backward's atomic dQ cannot give). */
-int sf_attn_bwd_kernel_for(int head_dim, int deterministic, int device, const char **why);
+/* The kernel a backward with this head dim, deterministic flag and dropout
+ * (1) or not (0) takes on `device` now: 90 or 80, *why as in
+ * sf_attn_fwd_kernel_for (plus the deterministic mode, which the wgmma
+ * backward's atomic dQ cannot give, and dropout, which it lacks). */
+int sf_attn_bwd_kernel_for(int head_dim, int deterministic, int dropout, int device, const char **why);
 
 #ifdef __cplusplus
 }

@@ -10,7 +10,10 @@
  * out and lse are compared with the CPU reference (sf_attn_fwd on host
  * tensors); the backward gets the reference's out and lse on both sides and
  * dq, dk, dv are compared, in the default (atomic dQ) and deterministic
- * modes, the latter also checked bitwise reproducible.
+ * modes, the latter also checked bitwise reproducible.  Dropout cases
+ * (dropout_p 0.1 / 0.3 / 0.5 with a seed and offset) run the same way: the CPU
+ * reference draws the same Philox mask (attn_philox.h), so out and the
+ * gradients must match it as closely as without dropout.
  *
  * Speed: 16k tokens per batch, seqlens 1024/4096/8192, head dims 64 (32
  * heads) and 128 (16 heads), causal and not: forward and forward+backward
@@ -27,6 +30,7 @@ struct Case {
     sf_dtype dtype;
     int left, right;
     std::vector<int> lq, lk; /* real lengths (padding masks and thd) */
+    double dropout = 0.0;
 };
 
 static uint16_t to16(sf_dtype dt, float x) { return dt == SF_BFLOAT16 ? sf_f32_to_bf16(x) : sf_f32_to_f16(x); }
@@ -124,6 +128,9 @@ static void run_case(const Case &c)
     cfg.format = c.fmt; cfg.mask = c.mask; cfg.window_left = c.left; cfg.window_right = c.right;
     cfg.softmax_scale = 1.0f / sqrtf((float)c.d);
     cfg.max_seqlen_q = thd ? maxq : 0; cfg.max_seqlen_kv = thd ? maxk : 0;
+    cfg.dropout_p = c.dropout;
+    cfg.dropout_seed = 0x0123456789abcdefull ^ rng_next();
+    cfg.dropout_offset = 4 * (rng_next() % 1000);
     const bool with_cu = !c.lq.empty();
 
     auto T = [&](sf_tensor *t, Buf &bf, bool dev, sf_dtype dt, int n, const int64_t *shape) {
@@ -153,9 +160,9 @@ static void run_case(const Case &c)
     T(&gacc, acc, true, SF_FLOAT32, nd, sh_q); T(&gdelta, delta, true, SF_FLOAT32, lse_nd, sh_l);
     const double tol = c.dtype == SF_BFLOAT16 ? 2e-2 : 4e-3;
     char what[320];
-    int n = snprintf(what, sizeof what, "%s %s mask=%d b=%d sq=%d sk=%d h=%d hk=%d d=%d win=(%d,%d)",
+    int n = snprintf(what, sizeof what, "%s %s mask=%d b=%d sq=%d sk=%d h=%d hk=%d d=%d win=(%d,%d) drop=%.2f",
                      sf_dtype_name(c.dtype), c.fmt == SF_ATTN_BSHD ? "bshd" : c.fmt == SF_ATTN_SBHD ? "sbhd" : "thd",
-                     (int)c.mask, c.b, c.sq, c.sk, c.h, c.hk, c.d, c.left, c.right);
+                     (int)c.mask, c.b, c.sq, c.sk, c.h, c.hk, c.d, c.left, c.right, c.dropout);
     out.poison(); lse.poison();
     CHECK_SF(sf_attn_fwd(&gq, &gk, &gv, with_cu ? &gcq : NULL, with_cu ? &gck : NULL, &cfg, &gout, &glse, NULL));
     CHECK_CUDA(cudaDeviceSynchronize());
@@ -219,7 +226,8 @@ static Case mk(sf_attn_format fmt, sf_attn_mask mask, int b, int sq, int sk, int
     return c;
 }
 
-static double time_fwd_bwd(sf_attn_format fmt, sf_attn_mask mask, int b, int s, int h, int d, bool bwd)
+static double time_fwd_bwd(sf_attn_format fmt, sf_attn_mask mask, int b, int s, int h, int d, bool bwd,
+                           double dropout = 0.0)
 {
     int64_t shape[4] = {b, s, h, d}, lshape[3] = {b, h, s};
     int64_t n = (int64_t)b * s * h * d;
@@ -247,6 +255,8 @@ static double time_fwd_bwd(sf_attn_format fmt, sf_attn_mask mask, int b, int s, 
     memset(&cfg, 0, sizeof cfg);
     cfg.format = fmt; cfg.mask = mask; cfg.window_left = cfg.window_right = -1;
     cfg.softmax_scale = 1.0f / sqrtf((float)d);
+    cfg.dropout_p = dropout;
+    cfg.dropout_seed = 42;
     float ms = time_ms([&] {
         CHECK_SF(sf_attn_fwd(&tq, &tk, &tv, NULL, NULL, &cfg, &to, &tl, NULL));
         if (bwd)
@@ -286,6 +296,24 @@ int main(int argc, char **argv)
             run_case(mk(SF_ATTN_THD, SF_ATTN_PADDING, 6, 300, 300, 4, 4, d, dt)); /* packed proteins */
             run_case(mk(SF_ATTN_THD, SF_ATTN_PADDING_CAUSAL, 4, 190, 190, 4, 2, d, dt, 40, 0));
         }
+    /* attention dropout against the CPU reference's identical mask (the CUDA
+     * dropout kernels are opt-in until this passes on a GPU) */
+    setenv("SEQFUSE_ATTN_CUDA_DROPOUT", "1", 1);
+    for (double pd : {0.1, 0.3, 0.5})
+        for (sf_dtype dt : dts) {
+            Case c = mk(SF_ATTN_BSHD, SF_ATTN_NO_MASK, 2, 77, 150, 4, 2, 64, dt);
+            c.dropout = pd;
+            run_case(c);
+            c = mk(SF_ATTN_SBHD, SF_ATTN_CAUSAL, 2, 130, 130, 2, 1, 128, dt);
+            c.dropout = pd;
+            run_case(c);
+            c = mk(SF_ATTN_THD, SF_ATTN_PADDING_CAUSAL, 4, 200, 200, 4, 2, pd == 0.3 ? 32 : 64, dt);
+            c.dropout = pd;
+            run_case(c);
+            c = mk(SF_ATTN_BSHD, SF_ATTN_PADDING, 3, 100, 90, 2, 2, pd == 0.5 ? 24 : 16, dt);
+            c.dropout = pd;
+            run_case(c);
+        }
     if (argc > 1 && !strcmp(argv[1], "--no-bench"))
         return check_finish("check_attn");
     printf("\nspeed: 16k tokens per batch, bf16, bshd (TFLOP/s)\n");
@@ -299,5 +327,12 @@ int main(int argc, char **argv)
                 double fb = time_fwd_bwd(SF_ATTN_BSHD, m, b, s, h, d, true);
                 printf("%-6d %-4d %-7s %10.1f %12.1f TFLOP/s\n", s, d, causal ? "yes" : "no", f, fb);
             }
+    printf("\ndropout p=0.1 (same shapes, head dim 64, not causal; sm80 kernels)\n");
+    for (int s : {1024, 4096}) {
+        const int b = 16384 / s, h = 32;
+        double f = time_fwd_bwd(SF_ATTN_BSHD, SF_ATTN_NO_MASK, b, s, h, 64, false, 0.1);
+        double fb = time_fwd_bwd(SF_ATTN_BSHD, SF_ATTN_NO_MASK, b, s, h, 64, true, 0.1);
+        printf("%-6d %-4d %-7s %10.1f %12.1f TFLOP/s\n", s, 64, "no", f, fb);
+    }
     return check_finish("check_attn");
 }

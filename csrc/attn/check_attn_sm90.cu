@@ -625,7 +625,7 @@ static void check_bwd_cases()
 {
     const char *why = "";
     CHECK_SF(sf_attn_set_bwd_kernel(90));
-    const int path = sf_attn_bwd_kernel_for(128, 0, 0, &why), det = sf_attn_bwd_kernel_for(128, 1, 0, &why);
+    const int path = sf_attn_bwd_kernel_for(128, 0, 0, 0, &why), det = sf_attn_bwd_kernel_for(128, 1, 0, 0, &why);
     printf("%s (e) sm90 backward taken when selected (%d), sm80 for deterministic calls (%d: %s)\n",
            path == 90 && det == 80 ? "PASS" : "FAIL", path, det, why);
     g_checks++;
@@ -668,7 +668,7 @@ int main(int argc, char **argv)
     rng_seed();
     const char *why = "";
     CHECK_SF(sf_attn_set_fwd_kernel(90));
-    const int path = sf_attn_fwd_kernel_for(128, 0, &why);
+    const int path = sf_attn_fwd_kernel_for(128, 0, 0, &why);
     CHECK_SF(sf_attn_set_fwd_kernel(80));
     printf("sm90 forward available on device 0: %s%s\n", path == 90 ? "yes" : "NO - ", path == 90 ? "" : why);
     g_checks++;

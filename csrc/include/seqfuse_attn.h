@@ -38,6 +38,16 @@
  * Grouped-query attention: h must be a multiple of hk; query head j reads
  * key/value head j / (h / hk).
  *
+ * Dropout (dropout_p in [0, 1)): the probabilities P = softmax(scale Q K^T)
+ * are multiplied by keep / (1 - p) before P V, keep drawn from Philox4x32-10
+ * keyed by (dropout_seed, dropout_offset) and the element's (sequence,
+ * query head, query row, key) coordinates (csrc/attn/attn_philox.h gives the
+ * exact bits): never stored, the backward regenerates the same mask from the
+ * same config.  lse is the undropped one.  A call uses batch * heads values
+ * of the offset space (b = sequences, THD included): the next call should
+ * start at dropout_offset + batch * heads or later.  dropout_p = 0 costs
+ * nothing (the kernels without dropout are separate instantiations).
+ *
  * Backends: the CPU reference takes float32, float16 and bfloat16; the CUDA
  * kernel float16 and bfloat16 with d = 16, 24, 32, 64 or 128
  * (NotImplementedError else).
@@ -78,6 +88,9 @@ typedef struct sf_attn_config {
     int max_seqlen_q;       /* THD: longest sequence; BSHD/SBHD: 0 or s_q */
     int max_seqlen_kv;      /* THD: longest sequence; BSHD/SBHD: 0 or s_kv */
     int deterministic;      /* backward: dQ without atomics, fixed order */
+    double dropout_p;       /* probability of dropping an attention probability, [0, 1) */
+    uint64_t dropout_seed;  /* Philox key (with dropout_p > 0) */
+    uint64_t dropout_offset;/* Philox counter offset (with dropout_p > 0) */
 } sf_attn_config;
 
 /* Forward: out (same shape as q, dtype of q) and lse (float32, see above).

@@ -9,9 +9,15 @@ come either as cu_seqlens or as TE's boolean attention_mask (True = masked
 out, [b, 1, 1, s_kv] for self-attention or a (q_mask, kv_mask) pair with
 masks [b, 1, 1, s]); padding must be at the end of each row.
 
+attention_dropout applies to the attention probabilities in training mode
+only (eval: none), in every layout, inside the fused kernel (the mask is
+regenerated in the backward from a Philox seed/offset drawn from torch's
+generator, see seqfuse.ops.attn).  On CUDA it needs SEQFUSE_ATTN_CUDA_DROPOUT=1
+until its kernels are verified on a GPU (NotImplementedError otherwise).
+
 Not supported (each raises NotImplementedError, never falls back silently):
-attention dropout while training, attention biases (ALiBi, post-scale bias),
-the "arbitrary" mask, and cu_seqlens_*_padded different from cu_seqlens_*.
+attention biases (ALiBi, post-scale bias), the "arbitrary" mask, and
+cu_seqlens_*_padded different from cu_seqlens_*.
 """
 import math
 
@@ -34,7 +40,7 @@ class DotProductAttention(torch.nn.Module):
 
     Arguments (TE's names): num_attention_heads, kv_channels (head dim, or a
     (k, v) pair of equal dims), num_gqa_groups (key/value heads, default all),
-    attention_dropout (must be 0 while training), qkv_format ("sbhd", "bshd",
+    attention_dropout (probability, applied in training mode only), qkv_format ("sbhd", "bshd",
     "thd"), attn_mask_type ("no_mask", "padding", "causal", "padding_causal",
     "causal_bottom_right", "padding_causal_bottom_right"), window_size
     ((left, right), -1 unbounded), softmax_scale (default 1/sqrt(d)).
@@ -83,10 +89,6 @@ class DotProductAttention(torch.nn.Module):
         qkv_format = qkv_format or self.qkv_format
         attn_mask_type = attn_mask_type or self.attn_mask_type
         window_size = window_size if window_size is not None else self.window_size
-        if self.training and self.attention_dropout > 0.0:
-            raise NotImplementedError(
-                f"DotProductAttention: attention_dropout={self.attention_dropout} while training; the fused "
-                "kernel has no dropout (use 0.0, or call .eval())")
         if core_attention_bias_type != "no_bias" or core_attention_bias is not None or alibi_slopes is not None:
             raise NotImplementedError("DotProductAttention: attention biases (ALiBi, post-scale bias) are not supported")
         if inference_params is not None:
@@ -124,5 +126,6 @@ class DotProductAttention(torch.nn.Module):
                             attn_mask_type=attn_mask_type, cu_seqlens_q=cu_seqlens_q,
                             cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
                             max_seqlen_kv=max_seqlen_kv, window_size=window_size,
-                            softmax_scale=self.softmax_scale, deterministic=self.deterministic)
+                            softmax_scale=self.softmax_scale, deterministic=self.deterministic,
+                            dropout_p=self.attention_dropout if self.training else 0.0)
         return out.reshape(out.shape[:-2] + (heads * dim,))

@@ -19,7 +19,26 @@ for the backward.  Masks and layouts are spelled as in Transformer Engine:
 - GQA/MQA: k and v may have fewer heads than q (a divisor of its count).
 
 CUDA: float16/bfloat16, head dims 16, 24, 32, 64 and 128.  CPU: the reference in double
-precision, any head dim, float32 too.  No dropout.
+precision, any head dim, float32 too.
+
+Dropout (``dropout_p`` in [0, 1), as flash-attn and TE's ``attention_dropout``):
+P = softmax(S) is multiplied by keep / (1 - p) before P V; the mask is never
+stored, both halves regenerate it from Philox4x32-10 keyed by ``rng_state =
+(seed, offset)`` and each element's (sequence, head, query, key) coordinates
+(csrc/attn/attn_philox.h), so the CPU and CUDA backends draw the same mask.
+Without an explicit ``rng_state`` it comes from torch's default generator of
+q's device: on CUDA (seed, offset) = (initial_seed(), get_offset()) and the
+generator's offset advances by the call's use, batch * heads rounded up to a
+multiple of 4, as flash-attn's philox_args do, so ``torch.manual_seed`` makes
+runs repeatable; on the CPU (whose generator has no offset) a fresh seed is
+drawn with offset 0.  Drawing reads and sets the generator's offset on the
+host, so a forward with dropout and without ``rng_state`` is NOT capturable in
+a CUDA graph (pass ``rng_state`` from outside the graph, or use dropout_p=0).
+The autograd function saves the pair for its backward.  On CUDA the dropout
+kernels (sm80 forward and backward; on Hopper the forward leaves the wgmma
+kernel for them, logged once) have NOT run on a GPU yet: a CUDA dropout call
+raises NotImplementedError unless SEQFUSE_ATTN_CUDA_DROPOUT=1 (the CPU backend
+is tested and always on).
 
 On Hopper the forward has two kernels: the wgmma one (``attention_fwd_kernel`` 90,
 csrc/attn/attn_fwd_sm90_cuda.cu) and the mma.sync one (80).  The choice is
@@ -78,17 +97,17 @@ def _device_index(device):
     return 0 if index is None else index
 
 
-def attention_fwd_kernel(head_dim, device=None):
-    """(arch, reason): the CUDA forward kernel a call with this head dim takes
-    on ``device`` (default: the current CUDA device); reason is "" when it is
-    90 or when the device is not Hopper."""
-    return _C.attn_fwd_kernel_for(head_dim, _device_index(device))
+def attention_fwd_kernel(head_dim, device=None, dropout=False):
+    """(arch, reason): the CUDA forward kernel a call with this head dim (and
+    dropout or not) takes on ``device`` (default: the current CUDA device);
+    reason is "" when it is 90 or when the device is not Hopper."""
+    return _C.attn_fwd_kernel_for(head_dim, _device_index(device), int(bool(dropout)))
 
 
-def attention_bwd_kernel(head_dim, device=None, deterministic=False):
-    """(arch, reason): the CUDA backward kernel a call with this head dim and
-    deterministic flag takes on ``device``, as ``attention_fwd_kernel``."""
-    return _C.attn_bwd_kernel_for(head_dim, _device_index(device), bool(deterministic))
+def attention_bwd_kernel(head_dim, device=None, deterministic=False, dropout=False):
+    """(arch, reason): the CUDA backward kernel a call with this head dim,
+    deterministic flag and dropout takes on ``device``, as ``attention_fwd_kernel``."""
+    return _C.attn_bwd_kernel_for(head_dim, _device_index(device), bool(deterministic), int(bool(dropout)))
 
 
 def _note_kernel(direction, key, kernel_for, checked, logged):
@@ -105,14 +124,14 @@ def _note_kernel(direction, key, kernel_for, checked, logged):
                  direction, why)
 
 
-def _note_fwd_kernel(q):
-    _note_kernel("forward", (q.shape[-1], q.device.index or 0), _C.attn_fwd_kernel_for, _fwd_kernel_checked,
-                 _fwd_reasons_logged)
+def _note_fwd_kernel(q, dropout=False):
+    _note_kernel("forward", (q.shape[-1], q.device.index or 0, int(bool(dropout))), _C.attn_fwd_kernel_for,
+                 _fwd_kernel_checked, _fwd_reasons_logged)
 
 
-def _note_bwd_kernel(q, deterministic):
-    _note_kernel("backward", (q.shape[-1], q.device.index or 0, bool(deterministic)), _C.attn_bwd_kernel_for,
-                 _bwd_kernel_checked, _bwd_reasons_logged)
+def _note_bwd_kernel(q, deterministic, dropout=False):
+    _note_kernel("backward", (q.shape[-1], q.device.index or 0, bool(deterministic), int(bool(dropout))),
+                 _C.attn_bwd_kernel_for, _bwd_kernel_checked, _bwd_reasons_logged)
 
 
 def _mask_code(attn_mask_type, qkv_format):
@@ -143,6 +162,44 @@ def _max_seqlen(cu, given, name):
     return int((cu[1:] - cu[:-1]).max().item())  # one host sync, as TE does
 
 
+def _num_sequences(q, qkv_format, cu_seqlens_q):
+    if qkv_format == "thd":
+        return max(int(cu_seqlens_q.numel()) - 1, 0) if cu_seqlens_q is not None else 0
+    return q.shape[0] if qkv_format == "bshd" else q.shape[1]
+
+
+def dropout_rng_state(q, qkv_format="bshd", cu_seqlens_q=None):
+    """(seed, offset) for one attention call with dropout on q's device,
+    drawn from torch's default generator (see the module docstring); the
+    CUDA generator's offset advances by the call's use."""
+    used = _num_sequences(q, qkv_format, cu_seqlens_q) * q.shape[-2]
+    if q.is_cuda:
+        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        gen = torch.cuda.default_generators[index]
+        seed, offset = gen.initial_seed(), gen.get_offset()
+        gen.set_offset(offset + (used + 3) // 4 * 4)  # torch keeps offsets multiples of 4
+        return seed, offset
+    return int(torch.randint(0, 2**62, (), dtype=torch.int64).item()), 0
+
+
+def _rng_cfg(dropout_p, rng_state):
+    """The (dropout_p, seed, offset) tail of the C config."""
+    p = as_float("attention", "dropout_p", dropout_p)
+    if p == 0.0 or rng_state is None:
+        return (p, 0, 0)
+    if not isinstance(rng_state, (tuple, list)) or len(rng_state) != 2:
+        raise TypeError(f"attention: argument 'rng_state' must be a (seed, offset) pair, got {rng_state!r}")
+    seed, offset = (as_int("attention", "rng_state", x) if not isinstance(x, int) else x for x in rng_state)
+    if not (0 <= seed < 2**64 and 0 <= offset < 2**64):
+        raise ValueError(f"attention: rng_state must be two integers in [0, 2**64), got {rng_state!r}")
+    return (p, seed, offset)
+
+
+def _wants_rng(dropout_p):
+    p = as_float("attention", "dropout_p", dropout_p)
+    return 0.0 < p < 1.0  # anything else is 0 (no mask) or an error C reports naming dropout_p
+
+
 def _last_dim_contiguous(x):
     """x as the kernel reads it: unit stride in the head dim and, on CUDA,
     16-byte aligned rows (the kernel loads 16-byte vectors).  Anything else
@@ -163,7 +220,7 @@ def _check_tensor(name, x):
 
 
 def _config(q, k, qkv_format, attn_mask_type, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
-            max_seqlen_kv, window_size, softmax_scale, deterministic):
+            max_seqlen_kv, window_size, softmax_scale, deterministic, dropout_p=0.0, rng_state=None):
     if qkv_format not in FORMATS:
         raise ValueError(f"attention: qkv_format must be 'bshd', 'sbhd' or 'thd', got {qkv_format!r}")
     mask = _mask_code(attn_mask_type, qkv_format)
@@ -183,7 +240,8 @@ def _config(q, k, qkv_format, attn_mask_type, cu_seqlens_q, cu_seqlens_kv, max_s
         elif cu_seqlens_q is None or cu_seqlens_kv is None:
             raise ValueError(f"attention: attn_mask_type {attn_mask_type!r} in {qkv_format} needs "
                              "cu_seqlens_q and cu_seqlens_kv (or an attention_mask in the module)")
-    cfg = (FORMATS[qkv_format], mask, left, right, as_float("attention", "softmax_scale", softmax_scale), msq, msk, int(bool(deterministic)))
+    cfg = (FORMATS[qkv_format], mask, left, right, as_float("attention", "softmax_scale", softmax_scale), msq, msk,
+           int(bool(deterministic))) + _rng_cfg(dropout_p, rng_state)
     return cfg, cu_seqlens_q, cu_seqlens_kv
 
 
@@ -196,44 +254,55 @@ def _lse_shape(q, qkv_format, cfg):
 
 def attention_fwd(q, k, v, *, qkv_format="bshd", attn_mask_type="no_mask", cu_seqlens_q=None,
                   cu_seqlens_kv=None, max_seqlen_q=None, max_seqlen_kv=None, window_size=None,
-                  softmax_scale=None, out=None, lse=None):
+                  softmax_scale=None, dropout_p=0.0, rng_state=None, out=None, lse=None):
     """Forward only: returns (out, lse).  out has q's shape and dtype; lse is
     float32 [b, h, s_q] (bshd/sbhd) or [h, t] (thd), +inf on rows that see
-    no key.  ``out``/``lse`` may be given to write into."""
+    no key (the undropped log-sum-exp).  With ``dropout_p`` > 0 the mask comes
+    from ``rng_state`` = (seed, offset), drawn by :func:`dropout_rng_state`
+    when None (pass the same pair to :func:`attention_bwd`).
+    ``out``/``lse`` may be given to write into."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, x)
     q, k, v = (_last_dim_contiguous(x.detach()) for x in (q, k, v))
+    if rng_state is None and _wants_rng(dropout_p):
+        rng_state = dropout_rng_state(q, qkv_format, cu_seqlens_q)
     cfg, cu_q, cu_k = _config(q, k, qkv_format, attn_mask_type, cu_seqlens_q, cu_seqlens_kv,
-                              max_seqlen_q, max_seqlen_kv, window_size, softmax_scale, False)
+                              max_seqlen_q, max_seqlen_kv, window_size, softmax_scale, False,
+                              dropout_p, rng_state)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty(_lse_shape(q, qkv_format, cfg), dtype=torch.float32, device=q.device)
     if q.is_cuda:
-        _note_fwd_kernel(q)
+        _note_fwd_kernel(q, cfg[8] > 0.0)
     _C.attn_fwd(q, k, v, cu_q, cu_k, out, lse, cfg, stream_for(q))
     return out, lse
 
 
 def attention_bwd(dout, q, k, v, out, lse, *, qkv_format="bshd", attn_mask_type="no_mask",
                   cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=None, max_seqlen_kv=None,
-                  window_size=None, softmax_scale=None, deterministic=False, dq=None, dk=None, dv=None):
+                  window_size=None, softmax_scale=None, deterministic=False, dropout_p=0.0,
+                  rng_state=None, dq=None, dk=None, dv=None):
     """Backward: returns (dq, dk, dv) in the shapes of q, k, v (given
     tensors are written into).  With ``deterministic`` the CUDA kernel
     computes dQ without atomics (bitwise reproducible, about 40 % more
-    backward math)."""
+    backward math).  With ``dropout_p`` > 0, ``rng_state`` must be the
+    forward's (seed, offset)."""
     for name, x in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
         _check_tensor(name, x)
+    if rng_state is None and _wants_rng(dropout_p):
+        raise ValueError("attention_bwd: dropout_p > 0 needs the forward's rng_state (seed, offset)")
     dout, q, k, v, out = (_last_dim_contiguous(x.detach()) for x in (dout, q, k, v, out))
     cfg, cu_q, cu_k = _config(q, k, qkv_format, attn_mask_type, cu_seqlens_q, cu_seqlens_kv,
-                              max_seqlen_q, max_seqlen_kv, window_size, softmax_scale, deterministic)
+                              max_seqlen_q, max_seqlen_kv, window_size, softmax_scale, deterministic,
+                              dropout_p, rng_state)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if dq is None else dq
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if dk is None else dk
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if dv is None else dv
     dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
     if q.is_cuda:
-        _note_bwd_kernel(q, deterministic)
+        _note_bwd_kernel(q, deterministic, cfg[8] > 0.0)
     _C.attn_bwd(q, k, v, out, dout, lse, cu_q, cu_k, dq, dk, dv, dq_accum, delta, cfg, stream_for(q))
     return dq, dk, dv
 
@@ -241,6 +310,8 @@ def attention_bwd(dout, q, k, v, out, lse, *, qkv_format="bshd", attn_mask_type=
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_kv, opts, deterministic):
+        # opts carries dropout_p and the call's rng_state (drawn by attention()),
+        # so the backward regenerates the forward's mask
         out, lse = attention_fwd(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, **opts)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv)
         ctx.opts, ctx.deterministic = opts, deterministic
@@ -256,16 +327,21 @@ class _Attention(torch.autograd.Function):
 
 def attention(q, k, v, *, qkv_format="bshd", attn_mask_type="no_mask", cu_seqlens_q=None,
               cu_seqlens_kv=None, max_seqlen_q=None, max_seqlen_kv=None, window_size=None,
-              softmax_scale=None, deterministic=False):
-    """Fused attention with autograd: returns out (q's shape and dtype)."""
+              softmax_scale=None, deterministic=False, dropout_p=0.0, rng_state=None):
+    """Fused attention with autograd: returns out (q's shape and dtype).
+    ``dropout_p``: attention dropout (the caller decides training vs eval);
+    ``rng_state``: its (seed, offset), drawn from torch's generator when None."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, x)
+    if rng_state is None and _wants_rng(dropout_p):
+        rng_state = dropout_rng_state(q, qkv_format, cu_seqlens_q)
     if qkv_format == "thd" and cu_seqlens_q is not None and cu_seqlens_kv is not None:
         # resolve the max lengths once so forward and backward agree without a second sync
         max_seqlen_q = _max_seqlen(cu_seqlens_q, max_seqlen_q, "max_seqlen_q")
         max_seqlen_kv = _max_seqlen(cu_seqlens_kv, max_seqlen_kv, "max_seqlen_kv")
     opts = dict(qkv_format=qkv_format, attn_mask_type=attn_mask_type, max_seqlen_q=max_seqlen_q,
-                max_seqlen_kv=max_seqlen_kv, window_size=window_size, softmax_scale=softmax_scale)
+                max_seqlen_kv=max_seqlen_kv, window_size=window_size, softmax_scale=softmax_scale,
+                dropout_p=dropout_p, rng_state=rng_state)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _Attention.apply(q, k, v, cu_seqlens_q, cu_seqlens_kv, opts, bool(deterministic))
     return attention_fwd(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, **opts)[0]
