@@ -26,28 +26,16 @@
 
 #include "attn.h"
 #include "attn_philox.h"
-#include "core/float_bits.h"
+#include "core/float_io.h"
 
 static double load(sf_dtype dt, const sf_attn_view *v, int b, int64_t t, int h, int d)
 {
-    const char *base = (const char *)v->ptr;
-    int64_t i = (int64_t)b * v->sb + t * v->ss + (int64_t)h * v->sh + d;
-    switch (dt) {
-    case SF_FLOAT32: return ((const float *)base)[i];
-    case SF_FLOAT16: return sf_f16_to_f32(((const uint16_t *)base)[i]);
-    default:         return sf_bf16_to_f32(((const uint16_t *)base)[i]);
-    }
+    return sf_load_float(v->ptr, dt, (int64_t)b * v->sb + t * v->ss + (int64_t)h * v->sh + d);
 }
 
 static void store(sf_dtype dt, const sf_attn_view *v, int b, int64_t t, int h, int d, double x)
 {
-    char *base = (char *)v->ptr;
-    int64_t i = (int64_t)b * v->sb + t * v->ss + (int64_t)h * v->sh + d;
-    switch (dt) {
-    case SF_FLOAT32: ((float *)base)[i] = (float)x; break;
-    case SF_FLOAT16: ((uint16_t *)base)[i] = sf_f32_to_f16((float)x); break;
-    default:         ((uint16_t *)base)[i] = sf_f32_to_bf16((float)x); break;
-    }
+    sf_store_float(v->ptr, dt, (int64_t)b * v->sb + t * v->ss + (int64_t)h * v->sh + d, (float)x);
 }
 
 /* Zero `heads` rows of token t of a view (padded rows, the THD tail). */

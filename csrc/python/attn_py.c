@@ -62,35 +62,16 @@ static int parse_config(const char *op, PyObject *obj, sf_attn_config *cfg)
     return 0;
 }
 
-/* A tensor argument: position, name, destination; `present` non-NULL marks
- * an optional one (None allowed, *present says whether it was given). */
-typedef struct tensor_arg {
-    int index;
-    const char *name;
-    sf_tensor *t;
-    int *present;
-} tensor_arg;
-
-/* The common start of a call: nargs (the config at position n_tensors, the
- * stream after it), the config, the call and every tensor.  0 with the call
- * initialized (release or finish it), -1 with an exception set. */
-static int begin_call(const char *op, PyObject *const *args, Py_ssize_t nargs, int n_tensors,
-                      const tensor_arg *spec, sf_attn_config *cfg, sf_py_call *c)
+/* The common opening: nargs (the config at position cfg_at, the stream
+ * after it), the config, then the call and every tensor of spec
+ * (sf_py_begin).  0 on success (end with sf_py_finish), -1 with an exception
+ * set and nothing borrowed. */
+static int begin_call(const char *op, PyObject *const *args, Py_ssize_t nargs, int cfg_at,
+                      const sf_py_tensor_arg *spec, int n, sf_attn_config *cfg, sf_py_args *a)
 {
-    if (sf_py_check_nargs(op, nargs, n_tensors + 1, n_tensors + 2) < 0 ||
-        parse_config(op, args[n_tensors], cfg) < 0 ||
-        sf_py_call_init(c, op, nargs > n_tensors + 1 ? args[n_tensors + 1] : Py_None) < 0)
+    if (sf_py_check_nargs(op, nargs, cfg_at + 1, cfg_at + 2) < 0 || parse_config(op, args[cfg_at], cfg) < 0)
         return -1;
-    for (int i = 0; i < n_tensors; ++i) {
-        const tensor_arg *a = &spec[i];
-        int rc = a->present ? sf_py_optional_tensor(c, args[a->index], a->name, a->t, a->present)
-                            : sf_py_tensor(c, args[a->index], a->name, a->t);
-        if (rc < 0) {
-            sf_py_call_release(c);
-            return -1;
-        }
-    }
-    return 0;
+    return sf_py_begin(a, op, args, nargs, cfg_at + 1, spec, n);
 }
 
 /* attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, out, lse, cfg, stream=None) */
@@ -98,23 +79,21 @@ static PyObject *py_attn_fwd(PyObject *self, PyObject *const *args, Py_ssize_t n
 {
     (void)self;
     static const char op[] = "attention_fwd";
-    sf_tensor q, k, v, cuq, cuk, out, lse;
-    int has_cuq = 0, has_cuk = 0;
-    const tensor_arg spec[] = {
-        {0, "q", &q, NULL}, {1, "k", &k, NULL}, {2, "v", &v, NULL},
-        {3, "cu_seqlens_q", &cuq, &has_cuq}, {4, "cu_seqlens_kv", &cuk, &has_cuk},
-        {5, "out", &out, NULL}, {6, "lse", &lse, NULL},
+    static const sf_py_tensor_arg spec[] = {
+        {0, "q", 0}, {1, "k", 0}, {2, "v", 0}, {3, "cu_seqlens_q", 1}, {4, "cu_seqlens_kv", 1},
+        {5, "out", 0}, {6, "lse", 0},
     };
+    enum { Q, K, V, CUQ, CUK, OUT, LSE };
     sf_attn_config cfg;
-    sf_py_call c;
-    if (begin_call(op, args, nargs, 7, spec, &cfg, &c) < 0)
+    sf_py_args a;
+    if (begin_call(op, args, nargs, 7, spec, SF_PY_NARGS(spec), &cfg, &a) < 0)
         return NULL;
     sf_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = sf_attn_fwd(&q, &k, &v, has_cuq ? &cuq : NULL, has_cuk ? &cuk : NULL, &cfg, &out,
-                     &lse, sf_py_call_stream(&c));
+    st = sf_attn_fwd(a.t[Q], a.t[K], a.t[V], a.t[CUQ], a.t[CUK], &cfg, a.t[OUT], a.t[LSE],
+                     sf_py_call_stream(&a.call));
     Py_END_ALLOW_THREADS
-    return sf_py_finish(&c, st);
+    return sf_py_finish(&a.call, st);
 }
 
 /* attn_bwd(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_kv, dq, dk, dv,
@@ -123,26 +102,22 @@ static PyObject *py_attn_bwd(PyObject *self, PyObject *const *args, Py_ssize_t n
 {
     (void)self;
     static const char op[] = "attention_bwd";
-    sf_tensor q, k, v, out, dout, lse, cuq, cuk, dq, dk, dv, acc, delta;
-    int has_cuq = 0, has_cuk = 0;
-    const tensor_arg spec[] = {
-        {0, "q", &q, NULL}, {1, "k", &k, NULL}, {2, "v", &v, NULL}, {3, "out", &out, NULL},
-        {4, "dout", &dout, NULL}, {5, "lse", &lse, NULL},
-        {6, "cu_seqlens_q", &cuq, &has_cuq}, {7, "cu_seqlens_kv", &cuk, &has_cuk},
-        {8, "dq", &dq, NULL}, {9, "dk", &dk, NULL}, {10, "dv", &dv, NULL},
-        {11, "dq_accum", &acc, NULL}, {12, "delta", &delta, NULL},
+    static const sf_py_tensor_arg spec[] = {
+        {0, "q", 0}, {1, "k", 0}, {2, "v", 0}, {3, "out", 0}, {4, "dout", 0}, {5, "lse", 0},
+        {6, "cu_seqlens_q", 1}, {7, "cu_seqlens_kv", 1}, {8, "dq", 0}, {9, "dk", 0}, {10, "dv", 0},
+        {11, "dq_accum", 0}, {12, "delta", 0},
     };
+    enum { Q, K, V, OUT, DOUT, LSE, CUQ, CUK, DQ, DK, DV, ACC, DELTA };
     sf_attn_config cfg;
-    sf_py_call c;
-    if (begin_call(op, args, nargs, 13, spec, &cfg, &c) < 0)
+    sf_py_args a;
+    if (begin_call(op, args, nargs, 13, spec, SF_PY_NARGS(spec), &cfg, &a) < 0)
         return NULL;
     sf_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = sf_attn_bwd(&q, &k, &v, &out, &dout, &lse, has_cuq ? &cuq : NULL,
-                     has_cuk ? &cuk : NULL, &cfg, &dq, &dk, &dv, &acc, &delta,
-                     sf_py_call_stream(&c));
+    st = sf_attn_bwd(a.t[Q], a.t[K], a.t[V], a.t[OUT], a.t[DOUT], a.t[LSE], a.t[CUQ], a.t[CUK], &cfg,
+                     a.t[DQ], a.t[DK], a.t[DV], a.t[ACC], a.t[DELTA], sf_py_call_stream(&a.call));
     Py_END_ALLOW_THREADS
-    return sf_py_finish(&c, st);
+    return sf_py_finish(&a.call, st);
 }
 
 /* attn_set_fwd_kernel(arch) / attn_set_bwd_kernel(arch): the CUDA forward
