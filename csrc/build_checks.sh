@@ -12,16 +12,20 @@ CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v "$NVCC")")")}
 OBJ=build/checks
 mkdir -p "$OBJ" bin
 INC="-Icsrc/include -Icsrc -I$CUDA_HOME/include"
+# An object is rebuilt when its source or ANY header under csrc is newer than
+# it: conservative (a header edit rebuilds every object), never stale.
+newest_header=$(ls -t $(find csrc -name '*.h' -o -name '*.cuh') | head -1)
+stale() { [ ! -f "$2" ] || [ "$1" -nt "$2" ] || [ "$newest_header" -nt "$2" ]; }
 cc_obj() { # gcc-compile a C file once
     local o="$OBJ/$(echo "$1" | tr / _).o"
-    if [ ! -f "$o" ] || [ "$1" -nt "$o" ]; then
+    if stale "$1" "$o"; then
         cc -std=c11 -O2 -fPIC -DSF_WITH_CUDA=1 $INC -c "$1" -o "$o"
     fi
     echo "$o"
 }
 cu_obj() {
     local o="$OBJ/$(echo "$1" | tr / _).o"
-    if [ ! -f "$o" ] || [ "$1" -nt "$o" ]; then
+    if stale "$1" "$o"; then
         "$NVCC" -O3 -std=c++17 --expt-relaxed-constexpr $ARCH -DSF_WITH_CUDA=1 $INC -c "$1" -o "$o"
     fi
     echo "$o"
