@@ -36,6 +36,7 @@ from common import (build_hf, build_seqfuse, data_dir, fixed_length_sequences, f
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from esm2_recipe.fsdp import end_process_group  # noqa: E402
 from esm2_recipe.metrics import H200_BF16_DATASHEET_TFLOPS, H200_BF16_MEASURED_TFLOPS, train_flops  # noqa: E402
 from harness import RESULTS, Table, plot_bars  # noqa: E402
 
@@ -396,7 +397,7 @@ def fsdp2(args):
         plot_bars(png, f"ESM-2 {args.size}: FSDP2 scaling", [f"{r['row']} {r['config']} x{r['gpus']}" for r in ok],
                   {"unpadded tokens/s (thousands)": [r["unpadded_tokens_per_s"] / 1e3 for r in ok]},
                   "thousand tokens/s")
-    dist.destroy_process_group()
+    end_process_group()  # the rows' models are garbage now (run_row made them)
 
 
 def prof_cols(r):

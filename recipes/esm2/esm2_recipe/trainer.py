@@ -358,6 +358,18 @@ def evaluate(model, val_loader, cfg, recipe, device):
 
 # ---------------------------------------------------------------- the run
 def train(cfg, strategy: str = "fsdp2") -> dict:
+    """One training run (see the module note); returns its history.  The
+    process group is torn down after the run's models are gone
+    (fsdp.end_process_group), unless ESM2_KEEP_PG=1."""
+    result = _run(cfg, strategy)
+    if dist.is_initialized() and os.environ.get("ESM2_KEEP_PG") != "1":
+        from .fsdp import end_process_group
+
+        end_process_group()
+    return result
+
+
+def _run(cfg, strategy):
     from seqfuse.optim import clip_grad_norm_
     from seqfuse.pytorch import autocast
 
@@ -499,12 +511,5 @@ def train(cfg, strategy: str = "fsdp2") -> dict:
             log.info("exported Hugging Face EsmForMaskedLM (safetensors) to %s", export)
         if dist.is_initialized():
             dist.barrier()
-    result = {"history": history, "rates": summary_rates, "world_size": world, "rank": rank,
-              "final_step": step, "params": n_params}
-    if dist.is_initialized() and os.environ.get("ESM2_KEEP_PG") != "1":
-        # every rank past its last collective before any tears the group
-        # down: a rank destroying gloo's group while a peer still talks to
-        # it died in std::terminate at exit (intermittent, 2-process test)
-        dist.barrier()
-        dist.destroy_process_group()
-    return result
+    return {"history": history, "rates": summary_rates, "world_size": world, "rank": rank,
+            "final_step": step, "params": n_params}
