@@ -6,19 +6,6 @@
  */
 #include "py_call.h"
 
-static int arg_int(const char *op, const char *name, PyObject *o, long *out)
-{
-    long v = PyLong_AsLong(o);
-    if (v == -1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "%s: argument '%s' must be an int, got %s", op, name,
-                     Py_TYPE(o)->tp_name);
-        return -1;
-    }
-    *out = v;
-    return 0;
-}
-
 static int arg_u64(const char *op, const char *name, PyObject *o, uint64_t *out)
 {
     unsigned long long v = PyLong_AsUnsignedLongLong(o);
@@ -49,7 +36,7 @@ static PyObject *act_call(PyObject *const *args, Py_ssize_t nargs, int backward)
         return NULL;
     long act;
     sf_py_args a;
-    if (arg_int(op, "activation", args[0], &act) < 0 ||
+    if (sf_py_arg_long(op, "activation", args[0], &act) < 0 ||
         sf_py_begin(&a, op, args, nargs, n_fixed, backward ? bwd : fwd,
                     backward ? SF_PY_NARGS(bwd) : SF_PY_NARGS(fwd)) < 0)
         return NULL;

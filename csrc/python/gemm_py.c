@@ -6,18 +6,6 @@
  */
 #include "py_call.h"
 
-static int int_arg(const char *op, PyObject *o, const char *name, long *v)
-{
-    *v = PyLong_AsLong(o);
-    if (*v == -1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "%s: argument '%s' must be an int (or bool), got %s", op,
-                     name, Py_TYPE(o)->tp_name);
-        return -1;
-    }
-    return 0;
-}
-
 /* A uint8 view standing for an fp8 tensor takes the named format. */
 static int reinterpret_fp8(const char *op, sf_tensor *t, const char *name, long format)
 {
@@ -52,16 +40,16 @@ static PyObject *py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         return NULL;
     long transa, transb, a_scaling, b_scaling, epilogue, accumulate, fast_accum, allow_tf32;
     long a_format, b_format;
-    if (int_arg(op, args[3], "transa", &transa) < 0 ||
-        int_arg(op, args[4], "transb", &transb) < 0 ||
-        int_arg(op, args[7], "a_scaling", &a_scaling) < 0 ||
-        int_arg(op, args[8], "b_scaling", &b_scaling) < 0 ||
-        int_arg(op, args[11], "epilogue", &epilogue) < 0 ||
-        int_arg(op, args[12], "accumulate", &accumulate) < 0 ||
-        int_arg(op, args[13], "fast_accum", &fast_accum) < 0 ||
-        int_arg(op, args[14], "allow_tf32", &allow_tf32) < 0 ||
-        int_arg(op, args[17], "a_format", &a_format) < 0 ||
-        int_arg(op, args[18], "b_format", &b_format) < 0)
+    if (sf_py_arg_long(op, "transa", args[3], &transa) < 0 ||
+        sf_py_arg_long(op, "transb", args[4], &transb) < 0 ||
+        sf_py_arg_long(op, "a_scaling", args[7], &a_scaling) < 0 ||
+        sf_py_arg_long(op, "b_scaling", args[8], &b_scaling) < 0 ||
+        sf_py_arg_long(op, "epilogue", args[11], &epilogue) < 0 ||
+        sf_py_arg_long(op, "accumulate", args[12], &accumulate) < 0 ||
+        sf_py_arg_long(op, "fast_accum", args[13], &fast_accum) < 0 ||
+        sf_py_arg_long(op, "allow_tf32", args[14], &allow_tf32) < 0 ||
+        sf_py_arg_long(op, "a_format", args[17], &a_format) < 0 ||
+        sf_py_arg_long(op, "b_format", args[18], &b_format) < 0)
         return NULL;
     double alpha = PyFloat_AsDouble(args[15]);
     if (alpha == -1.0 && PyErr_Occurred())

@@ -515,3 +515,16 @@ int sf_py_arg_float(const char *op, const char *arg, PyObject *obj, float *out)
     *out = (float)v;
     return 0;
 }
+
+int sf_py_arg_long(const char *op, const char *arg, PyObject *obj, long *out)
+{
+    long v = PyLong_AsLong(obj);
+    if (v == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s: argument '%s' must be an int, got %s", op, arg,
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}

@@ -26,13 +26,9 @@ static PyObject *py_amax(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 /* Read an int argument, naming it on failure. */
 static int int_arg(const char *op, PyObject *obj, const char *arg, int *out)
 {
-    long v = PyLong_AsLong(obj);
-    if (v == -1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "%s: argument '%s' must be an int, got %s", op, arg,
-                     Py_TYPE(obj)->tp_name);
+    long v;
+    if (sf_py_arg_long(op, arg, obj, &v) < 0)
         return -1;
-    }
     if (v < -2147483647L || v > 2147483647L) {
         PyErr_Format(PyExc_ValueError, "%s: argument '%s' is out of range", op, arg);
         return -1;
