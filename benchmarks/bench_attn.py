@@ -8,7 +8,9 @@ with the backward; ratio = seqfuse / torch (goal >= 1.0).  On Hopper,
 sm90v0..sm90v4 TFLOP/s and sm90_ratio (best of them; forward rows) time the
 same call with the wgmma forward (attn_fwd_sm90_cuda.cu, schedules 0-4) selected,
 whatever the default is, so the sm90 and sm80 forwards and torch stand side
-by side.
+by side.  sm80bwd_tflops and sm80bwd_ratio (forward+backward rows) time the
+same call with the sm80 (mma.sync) backward selected instead of the default
+wgmma one (attn_bwd_sm90_cuda.cu).
 
 Part 2, packed (thd) proteins: ESM-2 attention, 20 heads of 64 (650M), 32
 (150M), 24 (35M; the kernel runs it as a 32-wide tile) and 16 (8M), 16k
@@ -61,6 +63,18 @@ def _sm90_time(fn, variant):
         seqfuse._C.attn_set_fwd_sm90_variant(4)
 
 
+def _sm80_bwd_time(fn):
+    """cuda_time_ms(fn) (a forward+backward) with the sm80 backward selected;
+    None off Hopper.  Restores the wgmma backward, the default there."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        return None
+    seqfuse.ops.set_attention_bwd_kernel(80)
+    try:
+        return cuda_time_ms(fn)
+    finally:
+        seqfuse.ops.set_attention_bwd_kernel(90)
+
+
 def sdpa_pair(ours_in, peer_in, backward, ours_kw, peer_kw):
     """(ours, peer) timing closures: seqfuse on ours_in = (q, k, v, dout) and
     torch SDPA on peer_in (the same data in torch's [b, h, s, d] layout),
@@ -104,6 +118,7 @@ def padded_rows(table):
                     ours, peer = bshd_pair(q, k, v, dout, backward, dict(attn_mask_type=mask), dict(is_causal=causal))
                     t_ours, t_peer = cuda_time_ms(ours), cuda_time_ms(peer)
                     t90 = [None] * 5 if backward else [_sm90_time(ours, v) for v in range(5)]  # forward rows
+                    t80b = _sm80_bwd_time(ours) if backward else None
                     fl = sdpa_flops(b, h, s, d, causal, backward)
                     table.add(case=f"s{s} d{d}{' causal' if causal else ''} {'fwd+bwd' if backward else 'fwd'}",
                               seqlen=s, head_dim=d, heads=h, batch=b, causal=causal,
@@ -116,7 +131,9 @@ def padded_rows(table):
                               sm90v2_tflops=fl / t90[2] / 1e9 if t90[2] else None,
                               sm90v3_tflops=fl / t90[3] / 1e9 if t90[3] else None,
                               sm90v4_tflops=fl / t90[4] / 1e9 if t90[4] else None,
-                              sm90_ratio=t_peer / min(t90) if t90[0] else None)
+                              sm90_ratio=t_peer / min(t90) if t90[0] else None,
+                              sm80bwd_tflops=fl / t80b / 1e9 if t80b else None,
+                              sm80bwd_ratio=t_peer / t80b if t80b else None)
                 del q, k, v, dout
                 torch.cuda.empty_cache()
 
@@ -212,7 +229,7 @@ def main():
     torch.manual_seed(0)
     table = Table("attn", ["case", "seqfuse_tflops", "torch_tflops", "ratio", "seqfuse_ms", "torch_ms",
                            "sm90v0_tflops", "sm90v1_tflops", "sm90v2_tflops", "sm90v3_tflops", "sm90v4_tflops",
-                           "sm90_ratio"])
+                           "sm90_ratio", "sm80bwd_tflops", "sm80bwd_ratio"])
     if "--dropout" in sys.argv[1:]:
         table = Table("attn_dropout", ["case", "seqfuse_tflops", "torch_tflops", "ratio", "seqfuse_ms",
                                        "torch_ms"])

@@ -96,13 +96,17 @@ def environment():
 
 
 class Table:
-    """Rows of results: printed as a table, saved as JSON."""
+    """Rows of results: printed as a table, saved as JSON.  Each row is also
+    printed as it is added, so a run cut short by a timeout keeps its figures."""
 
     def __init__(self, name, columns):
         self.name, self.columns, self.rows = name, columns, []
 
     def add(self, **row):
         self.rows.append(row)
+        shown = (f"{c}={row[c]:.3g}" if isinstance(row[c], float) else f"{c}={row[c]}"
+                 for c in self.columns if c in row)
+        print(f"[{self.name}] " + "  ".join(shown), flush=True)
         return row
 
     def text(self):

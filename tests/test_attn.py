@@ -517,17 +517,13 @@ def test_dropout_bad_probability(p):
         attention(q, k, v, dropout_p=0.5, rng_state=(-1, 0))
 
 
-def test_cuda_dropout_is_opt_in_at_the_c_entry(monkeypatch):
-    """On CUDA tensors (forged: nothing launches) a dropout call is refused
-    with NotImplementedError naming SEQFUSE_ATTN_CUDA_DROPOUT unless it is 1;
-    with it the call passes that check (and stops at the wrong lse shape)."""
+def test_cuda_dropout_reaches_the_shape_checks_at_the_c_entry():
+    """On CUDA tensors (forged: nothing launches) a dropout call goes through
+    the C entry's checks like any other (here it stops at the wrong lse shape):
+    CUDA dropout needs no switch since its kernels passed on an H200."""
     q = _ForgedCuda16((1, 8, 2, 64))
     out = _ForgedCuda16((1, 8, 2, 64))
     bad_lse = _ForgedCuda16((1, 2, 9), dtype_code=2, bits=32)
     cfg = (0, 0, -1, -1, 0.125, 8, 8, 0, 0.1, 1, 0)
-    monkeypatch.delenv("SEQFUSE_ATTN_CUDA_DROPOUT", raising=False)
-    with pytest.raises(NotImplementedError, match="dropout .*SEQFUSE_ATTN_CUDA_DROPOUT=1"):
-        seqfuse._C.attn_fwd(q, q, q, None, None, out, bad_lse, cfg, 0)
-    monkeypatch.setenv("SEQFUSE_ATTN_CUDA_DROPOUT", "1")
     with pytest.raises(ValueError, match=r"argument 'lse' must have shape"):
         seqfuse._C.attn_fwd(q, q, q, None, None, out, bad_lse, cfg, 0)

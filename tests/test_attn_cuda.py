@@ -41,8 +41,8 @@ REFERENCE_CASES = (
     list(itertools.product(["bshd", "sbhd", "thd"], MASKS, SMALL_DIMS, [(4, 2)], [(128, 128), (77, 150)])))
 
 
-def poisoned(shape, dtype):
-    return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+def poisoned(shape, dtype, device="cuda"):
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 
 def make_case(fmt, mask, b, sq, sk, h, hk, d, dtype, rng):
@@ -65,11 +65,11 @@ def make_case(fmt, mask, b, sq, sk, h, hk, d, dtype, rng):
     return q, k, v, dout, lq, lk
 
 
-def attention_kwargs(fmt, mask, lq, lk, window=None):
+def attention_kwargs(fmt, mask, lq, lk, window=None, device="cuda"):
     """The keyword arguments of ops.attention_fwd / _bwd for one case."""
     kw = dict(qkv_format=fmt, attn_mask_type=mask, window_size=window)
     if lq is not None:
-        kw.update(cu_seqlens_q=cu_seqlens(lq, "cuda"), cu_seqlens_kv=cu_seqlens(lk, "cuda"))
+        kw.update(cu_seqlens_q=cu_seqlens(lq, device), cu_seqlens_kv=cu_seqlens(lk, device))
         if fmt == "thd":
             kw.update(max_seqlen_q=max(lq), max_seqlen_kv=max(lk))
     return kw
@@ -363,12 +363,6 @@ def test_cuda_head_dim_24_stays_in_its_columns(fmt, deterministic, seed):
 from attn_philox import keep_mask  # noqa: E402
 
 
-@pytest.fixture
-def cuda_dropout(monkeypatch):
-    """The CUDA dropout kernels run only on request until verified on a GPU
-    (csrc/attn/attn.c): these tests make the request."""
-    monkeypatch.setenv("SEQFUSE_ATTN_CUDA_DROPOUT", "1")
-
 DROPOUT_CASES = (
     [("bshd", "no_mask", d, 4, 2, 77, 150, torch.bfloat16) for d in DIMS] +
     [("sbhd", "causal", d, 6, 1, 200, 65, torch.float16) for d in (24, 64, 128)] +
@@ -380,21 +374,23 @@ DROPOUT_CASES = (
 
 
 def run_ours_dropout(q, k, v, dout, fmt, mask, lq, lk, p, rng_state, deterministic=False):
-    kw = attention_kwargs(fmt, mask, lq, lk)
+    dev = q.device  # the CUDA kernels, or the CPU backend on CPU copies of the case
+    kw = attention_kwargs(fmt, mask, lq, lk, device=dev)
     lse_shape = (q.shape[1], q.shape[0]) if fmt == "thd" else \
         ((q.shape[0], q.shape[2], q.shape[1]) if fmt == "bshd" else (q.shape[1], q.shape[2], q.shape[0]))
-    out, lse = seqfuse.ops.attention_fwd(q, k, v, out=poisoned(q.shape, q.dtype), lse=poisoned(lse_shape, torch.float32),
+    out, lse = seqfuse.ops.attention_fwd(q, k, v, out=poisoned(q.shape, q.dtype, dev),
+                                         lse=poisoned(lse_shape, torch.float32, dev),
                                          dropout_p=p, rng_state=rng_state, **kw)
     grads = seqfuse.ops.attention_bwd(dout, q, k, v, out, lse, deterministic=deterministic, dropout_p=p,
-                                      rng_state=rng_state, dq=poisoned(q.shape, q.dtype),
-                                      dk=poisoned(k.shape, k.dtype), dv=poisoned(v.shape, v.dtype), **kw)
+                                      rng_state=rng_state, dq=poisoned(q.shape, q.dtype, dev),
+                                      dk=poisoned(k.shape, k.dtype, dev), dv=poisoned(v.shape, v.dtype, dev), **kw)
     return out, lse, grads
 
 
 @pytest.mark.parametrize("fmt,mask,d,h,hk,sq,sk,dtype", DROPOUT_CASES, ids=lambda x: str(x))
 @pytest.mark.parametrize("p", [0.1, 0.5])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_cuda_dropout_matches_cpu_backend_and_reference(fmt, mask, d, h, hk, sq, sk, dtype, p, deterministic, seed, cuda_dropout):
+def test_cuda_dropout_matches_cpu_backend_and_reference(fmt, mask, d, h, hk, sq, sk, dtype, p, deterministic, seed):
     """Same (seed, offset): the CUDA forward and backward equal the CPU
     backend's (the same mask) and the float64 reference with the numpy mask,
     within the dtype's tolerances; lse is the undropped one."""
@@ -412,12 +408,14 @@ def test_cuda_dropout_matches_cpu_backend_and_reference(fmt, mask, d, h, hk, sq,
     ref.backward(dout.double())
     check(out, grads, ref, (qr.grad, kr.grad, vr.grad), dtype, what + " vs float64 reference")
     _, lse_plain = run_fwd(q, k, v, fmt, mask, lq, lk)
-    torch.testing.assert_close(lse, lse_plain, rtol=1e-6, atol=1e-6)  # dropout leaves the log-sum-exp alone
+    # dropout leaves the log-sum-exp alone; on Hopper lse_plain comes from the wgmma forward (dropout
+    # takes sm80), so the bound is test_attn_sm90_cuda's between those kernels
+    torch.testing.assert_close(lse, lse_plain, rtol=0, atol=2e-3)
 
 
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("p", [0.1, 0.3, 0.5])
-def test_cuda_dropout_mask_elementwise(d, p, cuda_dropout):
+def test_cuda_dropout_mask_elementwise(d, p):
     """V = identity over the keys (sk = head dim): the CUDA forward returns
     dropout(P) itself, so every keep decision is compared with the numpy
     Philox mask and every kept value with P / (1 - p)."""
@@ -439,7 +437,7 @@ def test_cuda_dropout_mask_elementwise(d, p, cuda_dropout):
 
 
 @pytest.mark.parametrize("p", [0.1, 0.3, 0.5])
-def test_cuda_dropout_keep_rate(p, cuda_dropout):
+def test_cuda_dropout_keep_rate(p):
     """q = 0 makes P uniform (1/sk) and v = ones makes out_r = kept_r / (sk (1-p)):
     over 4*8*1024 rows x 1024 keys (33.5M decisions) the kept fraction is
     within 1e-3 of 1 - p (5 standard deviations are < 5e-4 at p = 0.5)."""
@@ -452,7 +450,7 @@ def test_cuda_dropout_keep_rate(p, cuda_dropout):
     assert abs(kept - (1 - p)) < 1e-3, (kept, 1 - p)
 
 
-def test_cuda_dropout_determinism_and_generator(cuda_dropout):
+def test_cuda_dropout_determinism_and_generator():
     """Same (seed, offset): bitwise the same outputs and deterministic-mode
     gradients; another offset: another mask; without rng_state the pair comes
     from the CUDA generator, whose offset advances by batch * heads rounded up
@@ -479,7 +477,7 @@ def test_cuda_dropout_determinism_and_generator(cuda_dropout):
                                                     rng_state=(gen.initial_seed(), start))[0])
 
 
-def test_cuda_dropout_module_training_and_eval(cuda_dropout):
+def test_cuda_dropout_module_training_and_eval():
     """DotProductAttention with TE's default attention_dropout=0.1: training
     drops (and trains), eval does not; thd too."""
     torch.manual_seed(0)
@@ -502,7 +500,7 @@ def test_cuda_dropout_module_training_and_eval(cuda_dropout):
     assert not torch.equal(out, plain.reshape(out.shape))
 
 
-def test_cuda_dropout_forward_kernel_choice_logged(monkeypatch, caplog, cuda_dropout):
+def test_cuda_dropout_forward_kernel_choice_logged(monkeypatch, caplog):
     """On Hopper a dropout forward runs the sm80 kernel (the wgmma kernel has
     no dropout): the kernel query says so with a reason naming dropout, and
     the first such forward logs it (logger "seqfuse")."""
@@ -524,17 +522,7 @@ def test_cuda_dropout_forward_kernel_choice_logged(monkeypatch, caplog, cuda_dro
 
 
 @pytest.mark.parametrize("p", [-0.5, 1.0, float("nan")])
-def test_cuda_dropout_bad_probability(p, cuda_dropout):
+def test_cuda_dropout_bad_probability(p):
     q = torch.randn(1, 8, 2, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
         seqfuse.ops.attention(q, q, q, dropout_p=p)
-
-
-def test_cuda_dropout_needs_opt_in(monkeypatch):
-    """Without SEQFUSE_ATTN_CUDA_DROPOUT=1 a CUDA dropout call is refused
-    (NotImplementedError naming the switch), never run unverified."""
-    monkeypatch.delenv("SEQFUSE_ATTN_CUDA_DROPOUT", raising=False)
-    q = torch.randn(1, 8, 2, 64, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="SEQFUSE_ATTN_CUDA_DROPOUT=1"):
-        seqfuse.ops.attention(q, q, q, dropout_p=0.1)
-    seqfuse.ops.attention(q, q, q, dropout_p=0.0)  # no dropout: the verified kernels

@@ -6,8 +6,8 @@ dim 64/128 and dtype, at lengths that are and are not multiples of the
 kernel choice (SEQFUSE_ATTN_FWD_KERNEL / set_attention_fwd_kernel), its
 query and the once-per-reason log when a Hopper GPU runs the sm80 kernel.
 The wgmma backward (attn_bwd_sm90_cuda.cu) likewise: dq, dk, dv against the
-reference and the sm80 backward, its choice (default sm80 until confirmed on
-a GPU; deterministic calls always sm80), query and log.  The choice and
+reference and the sm80 backward, its choice (default wgmma on Hopper for head
+dims 64 and 128; deterministic calls always sm80), query and log.  The choice and
 query tests run on CPU-only machines too."""
 import logging
 import os
@@ -40,14 +40,14 @@ def sm90(request):
     ping-pong, 4: 3 with three consumer warpgroups of 192 rows at head dim
     64), checked on out and lse, and the backward ("bwd", after the default
     forward), checked on dq, dk, dv.  Skipped off Hopper; the defaults
-    (forward wgmma schedule 4, backward sm80) restored after."""
+    (forward wgmma schedule 4, backward wgmma) restored after."""
     if not is_hopper():
         pytest.skip("the wgmma kernels need a compute capability 9.0 GPU")
     seqfuse.ops.set_attention_fwd_kernel(90)
     if request.param == "bwd":
         seqfuse.ops.set_attention_bwd_kernel(90)
         yield check_bwd
-        seqfuse.ops.set_attention_bwd_kernel(80)
+        seqfuse.ops.set_attention_bwd_kernel(90)
     else:
         seqfuse._C.attn_set_fwd_sm90_variant(request.param)
         yield lambda q, k, v, dout, *case: check(q, k, v, *case)
@@ -248,7 +248,7 @@ def test_sm90_bwd_autograd_and_deterministic(seed, caplog):
     try:
         autograd_and_deterministic(seed, caplog, attn_mod)
     finally:
-        seqfuse.ops.set_attention_bwd_kernel(80)
+        seqfuse.ops.set_attention_bwd_kernel(90)
 
 
 def autograd_and_deterministic(seed, caplog, attn_mod):
@@ -283,19 +283,25 @@ def test_bwd_kernel_choice_rejects_other_values():
 
 
 def test_bwd_kernel_query_default():
-    """The backward's default stays sm80 (until the wgmma backward is
-    confirmed on a GPU): on Hopper the query says it was chosen; elsewhere 80
-    with no reason; deterministic calls never get 90."""
+    """The wgmma backward is the default on Hopper for head dims 64 and 128
+    (it passed every check on an H200); deterministic calls and other head
+    dims get sm80 with the reason; elsewhere 80 with no reason."""
     if os.environ.get("SEQFUSE_ATTN_BWD_KERNEL"):
         pytest.skip("SEQFUSE_ATTN_BWD_KERNEL overrides the default")
     for d in (64, 128, 32):
         for det in (False, True):
             arch, why = seqfuse._C.attn_bwd_kernel_for(d, 0, det)
-            assert arch == 80 and isinstance(why, str)
+            assert isinstance(why, str)
             if is_hopper():
-                assert why.startswith("sm80 backward chosen")
-            elif seqfuse.build_info()["cuda"] and torch.cuda.is_available():
-                assert why == ""
+                if d != 32 and not det:
+                    assert arch == 90 and why == ""
+                else:
+                    assert arch == 80
+                    assert ("deterministic" in why) if det else ("head dims 64 and 128" in why)
+            else:
+                assert arch == 80
+                if seqfuse.build_info()["cuda"] and torch.cuda.is_available():
+                    assert why == ""
 
 
 def test_bwd_kernel_choice_asked_once_per_key(monkeypatch):

@@ -35,7 +35,7 @@ STEPS=${STEPS:-10}
 WARMUP=${WARMUP:-3}
 TOKENS=${TOKENS:-16384}
 MAXLEN=${MAXLEN:-1024}
-OUT=${OUT:-esm2_sweep}
+NAME=${SWEEP_NAME:-esm2_sweep}  # result file prefix (not $OUT: the GPU machine sets that to its output folder)
 PROFILE_DIR=${PROFILE_DIR:-benchmarks/results/esm2_fsdp2_profile}
 LOG=${LOG:-benchmarks/results/logs/esm2_fsdp2_sweep.log}
 BF16_CONFIGS=${BF16_CONFIGS:-default,raf0,raf0+g3,raf0+g11,bal,raf0+g3+bal,ddp,rbf16,pf1,raf0+rbf16+g3+pf1,same,g3}
@@ -67,12 +67,12 @@ job() {  # job NAME SECONDS ARGS...: one torchrun under a hard timeout
 printed=0
 
 job bf16 "$T_BF16" --rows seqfuse_bf16_packed --configs "$BF16_CONFIGS" --time-budget $((T_BF16 - 45)) \
-    --profile "$PROFILE_DIR" --profile-configs default,best --out "${OUT}_bf16"
+    --profile "$PROFILE_DIR" --profile-configs default,best --out "${NAME}_bf16"
 job fp8_delayed "$T_FP8" --rows seqfuse_fp8_delayed_packed --configs "$FP8_CONFIGS" --time-budget $((T_FP8 - 40)) \
-    --out "${OUT}_fp8"
+    --out "${NAME}_fp8"
 
 echo
-echo "== summary (JSON: benchmarks/results/${OUT}_bf16_fsdp2.json, ${OUT}_fp8_fsdp2.json; log: $LOG)"
+echo "== summary (JSON: benchmarks/results/${NAME}_bf16_fsdp2.json, ${NAME}_fp8_fsdp2.json; log: $LOG)"
 grep -E '^\[fsdp2\]' "$LOG" | sed -E 's/^\[fsdp2\] //'
 echo "== profiles in $PROFILE_DIR:"
 ls "$PROFILE_DIR"

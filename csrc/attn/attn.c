@@ -134,16 +134,6 @@ static sf_status check_cu_seqlens(const char *op, const char *arg, const sf_tens
     return SF_OK;
 }
 
-/* The CUDA dropout kernels were written and compiled in a session without a
- * GPU: UNVERIFIED ON GPU.  Until check_attn and tests/test_attn_cuda.py's
- * dropout tests pass on one, they run only on request
- * (SEQFUSE_ATTN_CUDA_DROPOUT=1, read per call: only dropout calls ask). */
-static int cuda_dropout_opted_in(void)
-{
-    const char *v = getenv("SEQFUSE_ATTN_CUDA_DROPOUT");
-    return v && strcmp(v, "1") == 0;
-}
-
 /* Everything the forward and backward share: q, k, v, cu_seqlens, config. */
 static sf_status resolve(const char *op, const sf_tensor *q, const sf_tensor *k,
                          const sf_tensor *v, const sf_tensor *cu_q, const sf_tensor *cu_k,
@@ -256,12 +246,6 @@ static sf_status resolve(const char *op, const sf_tensor *q, const sf_tensor *k,
         SF_TRY(check_cuda_alignment(op, "q", q));
         SF_TRY(check_cuda_alignment(op, "k", k));
         SF_TRY(check_cuda_alignment(op, "v", v));
-        if (cfg->dropout_p > 0.0 && !cuda_dropout_opted_in())
-            return sf_fail(SF_ERR_NOT_IMPLEMENTED,
-                           "%s: attention dropout (dropout_p %g) on CUDA has not run on a GPU yet; "
-                           "set SEQFUSE_ATTN_CUDA_DROPOUT=1 to use its kernels (unverified), or "
-                           "use dropout_p=0 (eval mode)",
-                           op, cfg->dropout_p);
     }
 
     p->dtype = q->dtype;

@@ -296,9 +296,7 @@ int main(int argc, char **argv)
             run_case(mk(SF_ATTN_THD, SF_ATTN_PADDING, 6, 300, 300, 4, 4, d, dt)); /* packed proteins */
             run_case(mk(SF_ATTN_THD, SF_ATTN_PADDING_CAUSAL, 4, 190, 190, 4, 2, d, dt, 40, 0));
         }
-    /* attention dropout against the CPU reference's identical mask (the CUDA
-     * dropout kernels are opt-in until this passes on a GPU) */
-    setenv("SEQFUSE_ATTN_CUDA_DROPOUT", "1", 1);
+    /* attention dropout against the CPU reference's identical mask */
     for (double pd : {0.1, 0.3, 0.5})
         for (sf_dtype dt : dts) {
             Case c = mk(SF_ATTN_BSHD, SF_ATTN_NO_MASK, 2, 77, 150, 4, 2, 64, dt);

@@ -12,8 +12,8 @@ masks [b, 1, 1, s]); padding must be at the end of each row.
 attention_dropout applies to the attention probabilities in training mode
 only (eval: none), in every layout, inside the fused kernel (the mask is
 regenerated in the backward from a Philox seed/offset drawn from torch's
-generator, see seqfuse.ops.attn).  On CUDA it needs SEQFUSE_ATTN_CUDA_DROPOUT=1
-until its kernels are verified on a GPU (NotImplementedError otherwise).
+generator, see seqfuse.ops.attn).  On CUDA, dropout runs in the sm80
+kernels (on Hopper too, logged once: the wgmma kernels have no dropout yet).
 
 Not supported (each raises NotImplementedError, never falls back silently):
 attention biases (ALiBi, post-scale bias), the "arbitrary" mask, and

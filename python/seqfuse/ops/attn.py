@@ -34,20 +34,19 @@ runs repeatable; on the CPU (whose generator has no offset) a fresh seed is
 drawn with offset 0.  Drawing reads and sets the generator's offset on the
 host, so a forward with dropout and without ``rng_state`` is NOT capturable in
 a CUDA graph (pass ``rng_state`` from outside the graph, or use dropout_p=0).
-The autograd function saves the pair for its backward.  On CUDA the dropout
-kernels (sm80 forward and backward; on Hopper the forward leaves the wgmma
-kernel for them, logged once) have NOT run on a GPU yet: a CUDA dropout call
-raises NotImplementedError unless SEQFUSE_ATTN_CUDA_DROPOUT=1 (the CPU backend
-is tested and always on).
+The autograd function saves the pair for its backward.  On CUDA dropout runs
+in the sm80 forward and backward kernels (on Hopper a dropout call leaves the
+wgmma kernels for them, logged once), checked on an H200 against the CPU
+backend's identical Philox mask.
 
 On Hopper the forward has two kernels: the wgmma one (``attention_fwd_kernel`` 90,
 csrc/attn/attn_fwd_sm90_cuda.cu) and the mma.sync one (80).  The choice is
 ``SEQFUSE_ATTN_FWD_KERNEL=sm90|sm80`` or ``set_attention_fwd_kernel``; the wgmma kernel is
 the default for head dims 64 and 128 (confirmed on an H200).  The backward has the
 same pair (``attention_bwd_kernel``, csrc/attn/attn_bwd_sm90_cuda.cu), chosen by
-``SEQFUSE_ATTN_BWD_KERNEL=sm90|sm80`` or ``set_attention_bwd_kernel``; its default is
-sm80 until the wgmma backward is confirmed on a GPU, and deterministic calls always
-take sm80 (the wgmma backward adds dQ with atomics).  Wherever a Hopper device runs
+``SEQFUSE_ATTN_BWD_KERNEL=sm90|sm80`` or ``set_attention_bwd_kernel``; the wgmma
+backward is the default for head dims 64 and 128 (confirmed on an H200), and
+deterministic calls always take sm80 (the wgmma backward adds dQ with atomics).  Wherever a Hopper device runs
 the slower kernel, the reason is logged once (logger "seqfuse").
 """
 import logging
