@@ -34,23 +34,6 @@ REL_TOL = {
 POISON = float("nan")
 
 
-def end_gloo_group(ok):
-    """Tear down a test worker's gloo process group.  FSDP2 models, meshes
-    and DTensors hold the group through reference cycles; left to the
-    interpreter's exit they destroyed gloo's threads in std::terminate
-    (SIGABRT, about 1 run in 6 of the FSDP2 AdamW test).  So: collect the
-    cycles first, and on success (ok) wait until every rank is past its
-    last collective; after a failure only destroy, a barrier would hang."""
-    import gc
-
-    import torch.distributed as dist
-
-    gc.collect()
-    if ok:
-        dist.barrier()
-    dist.destroy_process_group()
-
-
 def rel_error(out, ref):
     out = out.detach().to(torch.float64).cpu()
     ref = ref.detach().to(torch.float64).cpu()

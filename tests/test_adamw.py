@@ -12,9 +12,10 @@ import torch
 
 import seqfuse
 import seqfuse.optim
+from seqfuse.distributed import end_process_group
 from seqfuse.optim import FusedAdamW, clip_grad_norm_
 from seqfuse.ops import multi_tensor_adamw, multi_tensor_l2norm, multi_tensor_scale
-from helpers import end_gloo_group, needs_cpu_fsdp2
+from helpers import needs_cpu_fsdp2
 
 SHAPES = [(7,), (33, 17), (65536 + 5,), (3, 4, 5), (1,)]
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -376,7 +377,7 @@ def _fsdp_worker(rank, init_file, out_dir):
         _fsdp_body(rank, out_dir)  # its models and meshes are garbage once it returns
         ok = True
     finally:
-        end_gloo_group(ok)
+        end_process_group(ok)
 
 
 def _fsdp_body(rank, out_dir):

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import seqfuse.pytorch as te
-from helpers import (REL_TOL, block128_dequantized_ref, block_dequantized_ref, end_gloo_group, needs_cpu_fsdp2,
+from seqfuse.distributed import end_process_group
+from helpers import (REL_TOL, block128_dequantized_ref, block_dequantized_ref, needs_cpu_fsdp2,
                      needs_fp8, rel_error)
 
 
@@ -175,7 +176,7 @@ def _fsdp_worker(rank, world, port, result_path):
         _fsdp_body(rank, world, result_path)  # its sharded model is garbage once it returns
         ok = True
     finally:
-        end_gloo_group(ok)
+        end_process_group(ok)
 
 
 def _fsdp_body(rank, world, result_path):

@@ -36,7 +36,7 @@ from common import (build_hf, build_seqfuse, data_dir, fixed_length_sequences, f
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from esm2_recipe.fsdp import end_process_group  # noqa: E402
+from seqfuse.distributed import end_process_group  # noqa: E402
 from esm2_recipe.metrics import H200_BF16_DATASHEET_TFLOPS, H200_BF16_MEASURED_TFLOPS, train_flops  # noqa: E402
 from harness import RESULTS, Table, plot_bars  # noqa: E402
 

@@ -67,19 +67,3 @@ def shard_model(model, *, reshard_after_forward=True, reduce_dtype="float32", pr
         model.set_modules_to_backward_prefetch(heads[::-1][:n])
     return model
 
-
-def end_process_group():
-    """Tear the process group down at the end of a distributed run, every rank
-    past its last collective (barrier) first.  FSDP2 models, device meshes and
-    DTensors hold the group through reference cycles: left to the
-    interpreter's exit, gloo's threads were destroyed in std::terminate
-    (SIGABRT, intermittent in the 2-process tests).  So the caller's models
-    must be unreachable by now (call this after the function that held them
-    returned), and the cycles are collected before the group is destroyed."""
-    import gc
-
-    import torch.distributed as dist
-
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()

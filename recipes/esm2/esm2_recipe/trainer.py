@@ -360,10 +360,10 @@ def evaluate(model, val_loader, cfg, recipe, device):
 def train(cfg, strategy: str = "fsdp2") -> dict:
     """One training run (see the module note); returns its history.  The
     process group is torn down after the run's models are gone
-    (fsdp.end_process_group), unless ESM2_KEEP_PG=1."""
+    (seqfuse.distributed.end_process_group), unless ESM2_KEEP_PG=1."""
     result = _run(cfg, strategy)
     if dist.is_initialized() and os.environ.get("ESM2_KEEP_PG") != "1":
-        from .fsdp import end_process_group
+        from seqfuse.distributed import end_process_group
 
         end_process_group()
     return result
