@@ -287,11 +287,12 @@ def test_dtype_and_training_mode_kept(stand_ins):
 
 def test_attention_left_with_reasons(stand_ins):
     torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                                  intermediate_size=32, attention_probs_dropout_prob=0.1)
-    model = transformers.BertModel(cfg)
+    cfg = transformers.LlamaConfig(vocab_size=99, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
+    cfg.use_sliding_window = True
+    model = transformers.LlamaModel(cfg)
     report = accelerate(model)
-    assert "attention_probs_dropout_prob=0.1" in report.reason("config._attn_implementation")
+    assert "sliding-window" in report.reason("config._attn_implementation")
     assert model.config._attn_implementation != "seqfuse"
     model = bert()
     before = model.config._attn_implementation
@@ -316,9 +317,6 @@ def test_attention_function_refuses_what_it_cannot_compute():
         seqfuse_attention_forward(M(), q, q, q, None, sliding_window=4)
     with pytest.raises(NotImplementedError, match="soft-capping"):
         seqfuse_attention_forward(M(), q, q, q, None, softcap=30.0)
-    m = M().train()
-    with pytest.raises(NotImplementedError, match="dropout"):
-        seqfuse_attention_forward(m, q, q, q, None, dropout=0.1)
     # Right padding and GQA work: compare with torch.
     k = torch.randn(2, 2, 6, 8)
     mask = torch.tensor([[1] * 6, [1, 1, 1, 1, 0, 0]], dtype=torch.bool)
@@ -351,3 +349,65 @@ def test_accelerate_cuda_bf16_llama():
     real = mask.bool()
     assert rel_error(out.logits[real], exp.logits[real]) <= 2e-2
     assert abs(out.loss.item() - exp.loss.item()) <= 1e-2 * exp.loss.item()
+
+
+def test_attention_function_dropout_while_training_only():
+    """The probability the layer passes goes to the kernel while the module
+    trains (the same mask as ops.attention from the same torch seed), and is
+    ignored in eval; a bad probability is a ValueError naming dropout_p."""
+    from seqfuse.hf.attention import seqfuse_attention_forward
+
+    class M(nn.Module):
+        is_causal = False
+
+    q, k, v = (torch.randn(2, 4, 9, 8) for _ in range(3))
+    mask = torch.tensor([[1] * 9, [1] * 6 + [0] * 3], dtype=torch.bool)
+    plain, _ = seqfuse_attention_forward(M().eval(), q, k, v, mask)
+    torch.manual_seed(5)
+    dropped, _ = seqfuse_attention_forward(M().train(), q, k, v, mask, dropout=0.3)
+    torch.manual_seed(5)
+    cu = torch.tensor([0, 9, 15], dtype=torch.int32)
+    want = seqfuse.ops.attention(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask_type="padding",
+                                 cu_seqlens_q=cu, cu_seqlens_kv=cu, dropout_p=0.3)
+    assert torch.equal(dropped, want)
+    assert not torch.allclose(dropped[0], plain[0])
+    evald, _ = seqfuse_attention_forward(M().eval(), q, k, v, mask, dropout=0.3)
+    assert torch.equal(evald, plain)
+    with pytest.raises(ValueError, match="dropout_p"):
+        seqfuse_attention_forward(M().train(), q, k, v, mask, dropout=1.5)
+
+
+@needs_modules
+def test_accelerate_bert_with_attention_dropout():
+    """BERT's default attention dropout (0.1) no longer keeps its attention in
+    torch: accelerate switches it; in eval the model matches the original,
+    in training the same seed gives the same loss and another seed another
+    one, and gradients reach every parameter the original's do."""
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=37, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.1)
+    model = transformers.BertForMaskedLM(cfg).eval()
+    ref = copy.deepcopy(model)
+    report = accelerate(model)
+    assert "config._attn_implementation" in report.swapped_names()
+    ids = torch.randint(3, 99, (2, 11))
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0
+    real = mask.bool()
+    out = model(input_ids=ids, attention_mask=mask).logits
+    exp = ref(input_ids=ids, attention_mask=mask).logits
+    assert rel_error(out[real], exp[real]) <= 1e-5
+    model.train()
+    losses = []
+    for seed in (3, 3, 4):
+        torch.manual_seed(seed)
+        losses.append(model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(~real, -100)).loss)
+    assert losses[0].item() == losses[1].item() != losses[2].item()
+    losses[0].backward()
+    ref.train()
+    ref(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(~real, -100)).loss.backward()
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        assert (p.grad is None) == (ref_params[name].grad is None), name
+        if p.grad is not None:
+            assert torch.isfinite(p.grad).all(), name

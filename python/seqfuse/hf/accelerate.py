@@ -29,8 +29,9 @@ go through transformers' AttentionInterface is switched to seqfuse's fused
 attention (seqfuse.hf.attention) with ``set_attn_implementation("seqfuse")``;
 reported under the name "config._attn_implementation".  It is left, with the
 reason, when the model does not use the interface, when its config has
-attention dropout or sliding windows, or when the kernel cannot take the
-model's head dim on the model's device (asked of the kernel itself).
+sliding windows, or when the kernel cannot take the model's head dim on the
+model's device (asked of the kernel itself).  Attention dropout is applied in
+the kernel while training, as the model's layers ask.
 """
 import functools
 from dataclasses import dataclass, field
@@ -228,7 +229,6 @@ def _gemm_alignment(recipe):
 
 
 ATTN_SLOT = "config._attn_implementation"
-_DROPOUT_FIELDS = ("attention_dropout", "attention_probs_dropout_prob", "attn_pdrop")
 
 
 def _attention_refusal(model):
@@ -241,10 +241,6 @@ def _attention_refusal(model):
         return (f"{type(model).__name__} does not route attention through transformers' AttentionInterface "
                 "(_supports_attention_backend is False)")
     cfg = model.config
-    for f in _DROPOUT_FIELDS:
-        p = getattr(cfg, f, None)
-        if isinstance(p, (int, float)) and p > 0:
-            return f"config.{f}={p}: seqfuse's fused attention has no dropout"
     if getattr(cfg, "sliding_window", None) not in (None, 0) or getattr(cfg, "use_sliding_window", False):
         return "config has sliding-window attention, which seqfuse's transformers attention does not take"
     heads = getattr(cfg, "num_attention_heads", None)

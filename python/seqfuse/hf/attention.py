@@ -11,11 +11,14 @@ Llama, GPT-2, ESM, ...) switch with ``model.set_attn_implementation("seqfuse")``
 
 What it computes: softmax(scaling * Q K^T + mask) V with key padding taken
 from the mask (padding must be at the end of each row: right padding) and the
-module's own causality; grouped-query attention as the shapes say.  What it
-refuses (NotImplementedError naming it; never another computation):
-attention dropout while training, logit soft-capping, sliding windows,
-left padding or holes in the mask, padded queries against a KV cache, and
-transformers' padding-free packed batches (position_ids / cu_seq_lens).
+module's own causality; grouped-query attention as the shapes say; attention
+dropout with the probability the layer passes, while the module is training
+(inside the kernel: the mask is drawn from torch's generator as a Philox
+seed/offset and regenerated in the backward, see seqfuse.ops.attn; in eval
+mode none).  What it refuses (NotImplementedError naming it; never another
+computation): logit soft-capping, sliding windows, left padding or holes in
+the mask, padded queries against a KV cache, and transformers' padding-free
+packed batches (position_ids / cu_seq_lens).
 """
 import torch
 
@@ -40,10 +43,8 @@ def _lengths_of_right_padded(mask):
 def seqfuse_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                               sliding_window=None, softcap=None, **kwargs):
     """transformers' attention-function signature: query [b, h, s_q, d], key and
-    value [b, g, s_kv, d]; returns (output [b, s_q, h, d], None)."""
-    if dropout and module.training:
-        raise NotImplementedError(f"seqfuse attention: attention dropout ({dropout}) while training is not "
-                                  "supported; set the model's attention dropout to 0")
+    value [b, g, s_kv, d]; returns (output [b, s_q, h, d], None).  ``dropout``
+    applies only while ``module.training`` (layers pass 0 in eval anyway)."""
     if softcap:
         raise NotImplementedError("seqfuse attention: logit soft-capping is not supported")
     if sliding_window is not None:
@@ -72,7 +73,8 @@ def seqfuse_attention_forward(module, query, key, value, attention_mask, dropout
     else:
         mask_type = "no_mask"
     out = ops.attention(q, k, v, qkv_format="bshd", attn_mask_type=mask_type, cu_seqlens_q=cu_q,
-                        cu_seqlens_kv=cu_kv, softmax_scale=scaling)
+                        cu_seqlens_kv=cu_kv, softmax_scale=scaling,
+                        dropout_p=dropout if module.training else 0.0)
     return out, None
 
 
