@@ -286,14 +286,12 @@ def test_dtype_and_training_mode_kept(stand_ins):
 
 
 def test_attention_left_with_reasons(stand_ins):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=99, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
-    cfg.use_sliding_window = True
-    model = transformers.LlamaModel(cfg)
+    model = bert()
+    model._supports_attention_backend = False  # as models with their own attention code declare
+    before = model.config._attn_implementation
     report = accelerate(model)
-    assert "sliding-window" in report.reason("config._attn_implementation")
-    assert model.config._attn_implementation != "seqfuse"
+    assert "_supports_attention_backend is False" in report.reason("config._attn_implementation")
+    assert model.config._attn_implementation == before
     model = bert()
     before = model.config._attn_implementation
     report = accelerate(model, attention=False)
@@ -313,8 +311,8 @@ def test_attention_function_refuses_what_it_cannot_compute():
         seqfuse_attention_forward(M(), q, q, q, left_padded)
     with pytest.raises(NotImplementedError, match="custom mask"):
         seqfuse_attention_forward(M(), q, q, q, torch.ones(2, 1, 6, 6, dtype=torch.bool))
-    with pytest.raises(NotImplementedError, match="sliding"):
-        seqfuse_attention_forward(M(), q, q, q, None, sliding_window=4)
+    with pytest.raises(ValueError, match="sliding_window must be a positive int"):
+        seqfuse_attention_forward(M(), q, q, q, None, sliding_window=0)
     with pytest.raises(NotImplementedError, match="soft-capping"):
         seqfuse_attention_forward(M(), q, q, q, None, softcap=30.0)
     # Right padding and GQA work: compare with torch.
@@ -327,15 +325,21 @@ def test_attention_function_refuses_what_it_cannot_compute():
 
 
 @pytest.mark.cuda
-def test_accelerate_cuda_bf16_llama():
-    """A Llama-shaped model (head dim 64, GQA) in bf16 on the GPU: every Linear,
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_accelerate_cuda_bf16_llama(family):
+    """A Llama-shaped model (head dim 64, GQA) in bf16 on the GPU, and the same
+    as Mistral with a 64-token sliding window over 256 tokens: every Linear,
     and attention, through seqfuse; logits and loss against the untouched model."""
     if not HAVE_MODULES:
         pytest.skip("seqfuse.pytorch.Linear/LayerNorm not built")
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
-                                   num_attention_heads=16, num_key_value_heads=4)
-    model = transformers.LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    shape = dict(vocab_size=512, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                 num_attention_heads=16, num_key_value_heads=4)
+    if family == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape))
+    else:
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**shape, sliding_window=64))
+    model = model.to("cuda", torch.bfloat16).eval()
     ref = copy.deepcopy(model)
     report = accelerate(model)
     assert "config._attn_implementation" in report.swapped_names(), str(report)
@@ -411,3 +415,48 @@ def test_accelerate_bert_with_attention_dropout():
         assert (p.grad is None) == (ref_params[name].grad is None), name
         if p.grad is not None:
             assert torch.isfinite(p.grad).all(), name
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_function_sliding_window(causal):
+    """transformers' sliding_window W (flash-attention semantics: the W keys
+    up to the query when causal, W - 1 either side when not) against SDPA
+    with that mask written out, with right padding and GQA."""
+    from seqfuse.hf.attention import seqfuse_attention_forward
+
+    class M(nn.Module):
+        is_causal = causal
+
+    torch.manual_seed(2)
+    q = torch.randn(2, 4, 13, 8)
+    k, v = torch.randn(2, 2, 13, 8), torch.randn(2, 2, 13, 8)
+    keep = torch.ones(2, 13, dtype=torch.bool)
+    keep[1, 10:] = False
+    w = 4
+    out, _ = seqfuse_attention_forward(M().eval(), q, k, v, keep, sliding_window=w)
+    i, j = torch.arange(13)[:, None], torch.arange(13)[None, :]
+    allowed = (j > i - w) & ((j <= i) if causal else (j < i + w))
+    mask = allowed[None, None] & keep[:, None, None, :]
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                         attn_mask=mask).transpose(1, 2)
+    assert rel_error(out[0], ref[0]) <= 1e-5 and rel_error(out[1, :10], ref[1, :10]) <= 1e-5
+
+
+def mistral():
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(vocab_size=99, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                     sliding_window=4, head_dim=8)
+    return transformers.MistralForCausalLM(cfg).eval()
+
+
+@needs_modules
+def test_accelerate_mistral_sliding_window():
+    """A sliding-window model (Mistral, window 4 over 11 tokens, so the window
+    matters) is switched to seqfuse's attention and matches the original in
+    logits, loss and gradients."""
+    def check(model, report, Linear, LayerNorm):
+        assert model.config.sliding_window == 4
+        assert not [n for n, m in model.named_modules() if type(m) is nn.Linear]
+
+    run_and_compare(mistral, check, seqfuse.pytorch.Linear, seqfuse.pytorch.LayerNorm, tol=1e-5)

@@ -28,10 +28,10 @@ Attention (``attention=True``): a transformers model whose attention layers
 go through transformers' AttentionInterface is switched to seqfuse's fused
 attention (seqfuse.hf.attention) with ``set_attn_implementation("seqfuse")``;
 reported under the name "config._attn_implementation".  It is left, with the
-reason, when the model does not use the interface, when its config has
-sliding windows, or when the kernel cannot take the model's head dim on the
-model's device (asked of the kernel itself).  Attention dropout is applied in
-the kernel while training, as the model's layers ask.
+reason, when the model does not use the interface or when the kernel cannot
+take the model's head dim on the model's device (asked of the kernel
+itself).  Attention dropout (while training) and sliding windows are applied
+in the kernel, as the model's layers ask.
 """
 import functools
 from dataclasses import dataclass, field
@@ -241,8 +241,6 @@ def _attention_refusal(model):
         return (f"{type(model).__name__} does not route attention through transformers' AttentionInterface "
                 "(_supports_attention_backend is False)")
     cfg = model.config
-    if getattr(cfg, "sliding_window", None) not in (None, 0) or getattr(cfg, "use_sliding_window", False):
-        return "config has sliding-window attention, which seqfuse's transformers attention does not take"
     heads = getattr(cfg, "num_attention_heads", None)
     head_dim = getattr(cfg, "head_dim", None) or (cfg.hidden_size // heads if heads else None)
     if head_dim is None:

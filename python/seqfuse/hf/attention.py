@@ -15,9 +15,12 @@ module's own causality; grouped-query attention as the shapes say; attention
 dropout with the probability the layer passes, while the module is training
 (inside the kernel: the mask is drawn from torch's generator as a Philox
 seed/offset and regenerated in the backward, see seqfuse.ops.attn; in eval
-mode none).  What it refuses (NotImplementedError naming it; never another
-computation): logit soft-capping, sliding windows, left padding or holes in
-the mask, padded queries against a KV cache, and transformers' padding-free
+mode none); sliding-window attention as transformers' flash-attention path
+defines it (``sliding_window`` W: each query sees the W keys up to and
+including its own position when causal, W - 1 either side when not), inside
+the kernel's window_size.  What it refuses (NotImplementedError naming it;
+never another computation): logit soft-capping, left padding or holes in the
+mask, padded queries against a KV cache, and transformers' padding-free
 packed batches (position_ids / cu_seq_lens).
 """
 import torch
@@ -47,9 +50,6 @@ def seqfuse_attention_forward(module, query, key, value, attention_mask, dropout
     applies only while ``module.training`` (layers pass 0 in eval anyway)."""
     if softcap:
         raise NotImplementedError("seqfuse attention: logit soft-capping is not supported")
-    if sliding_window is not None:
-        raise NotImplementedError("seqfuse attention: sliding-window attention through transformers is not "
-                                  "supported")
     if any(kwargs.get(k) is not None for k in ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens_q")):
         raise NotImplementedError("seqfuse attention: transformers' padding-free packed batches are not "
                                   "supported; use seqfuse's own models for packed (thd) input")
@@ -72,8 +72,14 @@ def seqfuse_attention_forward(module, query, key, value, attention_mask, dropout
         mask_type = "causal" if s_q == s_kv else "causal_bottom_right"
     else:
         mask_type = "no_mask"
+    window = None
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+            raise ValueError(f"seqfuse attention: sliding_window must be a positive int (keys per window), "
+                             f"got {sliding_window!r}")
+        window = (sliding_window - 1, 0 if is_causal else sliding_window - 1)
     out = ops.attention(q, k, v, qkv_format="bshd", attn_mask_type=mask_type, cu_seqlens_q=cu_q,
-                        cu_seqlens_kv=cu_kv, softmax_scale=scaling,
+                        cu_seqlens_kv=cu_kv, softmax_scale=scaling, window_size=window,
                         dropout_p=dropout if module.training else 0.0)
     return out, None
 
