@@ -460,3 +460,81 @@ def test_accelerate_mistral_sliding_window():
         assert not [n for n, m in model.named_modules() if type(m) is nn.Linear]
 
     run_and_compare(mistral, check, seqfuse.pytorch.Linear, seqfuse.pytorch.LayerNorm, tol=1e-5)
+
+
+def _packed_case(lengths, h=4, g=2, d=8, seed=3):
+    torch.manual_seed(seed)
+    n = sum(lengths)
+    q, k, v = torch.randn(1, h, n, d), torch.randn(1, g, n, d), torch.randn(1, g, n, d)
+    pos = torch.cat([torch.arange(m) for m in lengths])[None]
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
+    return q, k, v, pos, cu
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_function_packed_batches(causal):
+    """transformers' padding-free packing (one row, sequences concatenated):
+    from restarting position ids and from cu_seq_lens keywords, the output of
+    each sequence equals attention over that sequence alone (no attention
+    across the boundaries), with GQA and a sliding window."""
+    from seqfuse.hf.attention import seqfuse_attention_forward
+
+    class M(nn.Module):
+        is_causal = causal
+
+    lengths = [5, 7, 1, 4]
+    q, k, v, pos, cu = _packed_case(lengths)
+    for kw in (dict(position_ids=pos),
+               dict(position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=7, max_length_k=7)):
+        for window in (None, 3):
+            out, _ = seqfuse_attention_forward(M().eval(), q, k, v, None, sliding_window=window, **kw)
+            assert out.shape == (1, sum(lengths), 4, 8)
+            start = 0
+            for m in lengths:
+                sl = slice(start, start + m)
+                alone, _ = seqfuse_attention_forward(M().eval(), q[:, :, sl], k[:, :, sl], v[:, :, sl], None,
+                                                     sliding_window=window)
+                assert rel_error(out[:, sl], alone) <= 1e-6, (kw.keys(), window, m)
+                start += m
+
+
+def test_attention_function_packed_refusals():
+    from seqfuse.hf.attention import seqfuse_attention_forward
+
+    class M(nn.Module):
+        is_causal = True
+
+    q, k, v, pos, cu = _packed_case([5, 7])
+    with pytest.raises(NotImplementedError, match="count up by one"):
+        seqfuse_attention_forward(M(), q, k, v, None, position_ids=torch.tensor([[0, 1, 2, 4, 5, 0, 1, 2, 3, 4, 5, 6]]))
+    holes = torch.ones(1, 12, dtype=torch.bool)
+    holes[0, -1] = False
+    with pytest.raises(NotImplementedError, match="padding mask"):
+        seqfuse_attention_forward(M(), q, k, v, holes, position_ids=pos)
+    with pytest.raises(ValueError, match="come together"):
+        seqfuse_attention_forward(M(), q, k, v, None, cu_seq_lens_q=cu)
+    # one sequence counting up from 0 is not packed: the plain path, same answer
+    one, _ = seqfuse_attention_forward(M(), q, k, v, None, position_ids=torch.arange(12)[None])
+    plain, _ = seqfuse_attention_forward(M(), q, k, v, None)
+    assert torch.equal(one, plain)
+
+
+@needs_modules
+def test_accelerate_llama_packed_batch_matches_sequences_alone():
+    """A tiny Llama after accelerate(), fed three sequences packed into one
+    row with restarting position ids (DataCollatorWithFlattening's format):
+    each sequence's logits equal the untouched model's on that sequence alone."""
+    model = llama()
+    ref = copy.deepcopy(model)
+    accelerate(model)
+    torch.manual_seed(4)
+    seqs = [torch.randint(3, 99, (m,)) for m in (6, 9, 4)]
+    ids = torch.cat(seqs)[None]
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=pos).logits[0]
+        start = 0
+        for s in seqs:
+            alone = ref(input_ids=s[None]).logits[0]
+            assert rel_error(packed[start:start + len(s)], alone) <= 1e-5
+            start += len(s)

@@ -18,10 +18,18 @@ seed/offset and regenerated in the backward, see seqfuse.ops.attn; in eval
 mode none); sliding-window attention as transformers' flash-attention path
 defines it (``sliding_window`` W: each query sees the W keys up to and
 including its own position when causal, W - 1 either side when not), inside
-the kernel's window_size.  What it refuses (NotImplementedError naming it;
-never another computation): logit soft-capping, left padding or holes in the
-mask, padded queries against a KV cache, and transformers' padding-free
-packed batches (position_ids / cu_seq_lens).
+the kernel's window_size; transformers' padding-free packed batches (batch
+1, sequences concatenated: ``cu_seq_lens_q`` / ``cu_seq_lens_k`` from
+DataCollatorWithFlattening, or position ids that restart) as the kernel's
+packed thd layout, so no token attends across a sequence boundary.  What it
+refuses (NotImplementedError naming it; never another computation): logit
+soft-capping, left padding or holes in the mask, padded queries against a KV
+cache, packed batches with a padding mask or a KV cache, and position ids
+that restart but do not then count up by one.
+
+Packed batches described only by position ids cost a few host syncs per
+layer (finding the sequence starts), as in transformers' flash-attention
+path; the cu_seq_lens keywords avoid them.
 """
 import torch
 
@@ -43,6 +51,50 @@ def _lengths_of_right_padded(mask):
     return cu
 
 
+def _is_packed(position_ids, batch):
+    """transformers' test: one row whose positions are not min, min + 1, ..."""
+    if position_ids is None or batch != 1 or position_ids.shape[-1] == 1:
+        return False
+    pos = position_ids.reshape(-1)
+    return not torch.equal(pos, pos.min() + torch.arange(pos.numel(), device=pos.device))
+
+
+def _cu_seqlens_of_positions(position_ids):
+    """(int32 cu_seqlens, max length) of a packed row: a sequence starts wherever
+    the position is the row's minimum (0, or padding_idx + 1 for RoBERTa-like
+    models) and must count up by one from there."""
+    pos = position_ids.reshape(-1)
+    first = pos.min()
+    is_start = pos == first
+    starts = is_start.nonzero().view(-1)
+    seq_of = torch.cumsum(is_start, 0) - 1  # which sequence each token is in
+    expected = first + torch.arange(pos.numel(), device=pos.device) - starts[seq_of]
+    if not torch.equal(pos, expected):
+        raise NotImplementedError("seqfuse attention: packed position ids must restart at their minimum and "
+                                  "count up by one within each sequence")
+    cu = torch.cat((starts.to(torch.int32), torch.tensor([pos.numel()], dtype=torch.int32, device=pos.device)))
+    return cu, int(cu.diff().max())
+
+
+def _packed_thd(attention_mask, s_q, s_kv, kwargs):
+    """(cu_q, cu_kv, max_q, max_kv) of a padding-free packed call."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise NotImplementedError("seqfuse attention: a packed batch (cu_seq_lens / restarting position ids) "
+                                  "with a padding mask is not supported")
+    if s_q != s_kv:
+        raise NotImplementedError(f"seqfuse attention: a packed batch against a key cache (q_len {s_q}, "
+                                  f"kv_len {s_kv}) is not supported")
+    cu_q, cu_kv = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None and cu_kv is None:
+        cu, longest = _cu_seqlens_of_positions(kwargs["position_ids"])
+        return cu, cu, longest, longest
+    if cu_q is None or cu_kv is None:
+        raise ValueError("seqfuse attention: cu_seq_lens_q and cu_seq_lens_k come together")
+    max_q, max_kv = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+    return (cu_q.to(torch.int32), cu_kv.to(torch.int32), None if max_q is None else int(max_q),
+            None if max_kv is None else int(max_kv))
+
+
 def seqfuse_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                               sliding_window=None, softcap=None, **kwargs):
     """transformers' attention-function signature: query [b, h, s_q, d], key and
@@ -50,9 +102,6 @@ def seqfuse_attention_forward(module, query, key, value, attention_mask, dropout
     applies only while ``module.training`` (layers pass 0 in eval anyway)."""
     if softcap:
         raise NotImplementedError("seqfuse attention: logit soft-capping is not supported")
-    if any(kwargs.get(k) is not None for k in ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens_q")):
-        raise NotImplementedError("seqfuse attention: transformers' padding-free packed batches are not "
-                                  "supported; use seqfuse's own models for packed (thd) input")
     if attention_mask is not None and attention_mask.dim() != 2:
         raise NotImplementedError(f"seqfuse attention: a {attention_mask.dim()}-D attention mask (custom mask) "
                                   "is not supported; only key padding")
@@ -61,8 +110,18 @@ def seqfuse_attention_forward(module, query, key, value, attention_mask, dropout
         is_causal = getattr(module, "is_causal", False)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # bshd views
     s_q, s_kv = q.shape[1], k.shape[1]
-    cu_q = cu_kv = None
-    if attention_mask is not None:
+    cu_q = cu_kv = max_q = max_kv = None
+    fmt = "bshd"
+    if (kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None
+            or _is_packed(kwargs.get("position_ids"), q.shape[0])):
+        if q.shape[0] != 1:
+            raise NotImplementedError(f"seqfuse attention: packed batches (cu_seq_lens) come as one row, got "
+                                      f"batch {q.shape[0]}")
+        cu_q, cu_kv, max_q, max_kv = _packed_thd(attention_mask, s_q, s_kv, kwargs)
+        q, k, v = q[0], k[0], v[0]  # [total, heads, dim]
+        fmt = "thd"
+        mask_type = "padding_causal" if is_causal else "padding"
+    elif attention_mask is not None:
         if s_q != s_kv:
             raise NotImplementedError("seqfuse attention: padded queries against a longer key cache "
                                       f"(q_len {s_q}, kv_len {s_kv}) are not supported")
@@ -78,10 +137,10 @@ def seqfuse_attention_forward(module, query, key, value, attention_mask, dropout
             raise ValueError(f"seqfuse attention: sliding_window must be a positive int (keys per window), "
                              f"got {sliding_window!r}")
         window = (sliding_window - 1, 0 if is_causal else sliding_window - 1)
-    out = ops.attention(q, k, v, qkv_format="bshd", attn_mask_type=mask_type, cu_seqlens_q=cu_q,
-                        cu_seqlens_kv=cu_kv, softmax_scale=scaling, window_size=window,
-                        dropout_p=dropout if module.training else 0.0)
-    return out, None
+    out = ops.attention(q, k, v, qkv_format=fmt, attn_mask_type=mask_type, cu_seqlens_q=cu_q,
+                        cu_seqlens_kv=cu_kv, max_seqlen_q=max_q, max_seqlen_kv=max_kv, softmax_scale=scaling,
+                        window_size=window, dropout_p=dropout if module.training else 0.0)
+    return (out.unsqueeze(0) if fmt == "thd" else out), None
 
 
 def register():
