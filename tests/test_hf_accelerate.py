@@ -306,9 +306,9 @@ def test_attention_function_refuses_what_it_cannot_compute():
         is_causal = False
 
     q = torch.randn(2, 4, 6, 8)
-    left_padded = torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6], dtype=torch.bool)
-    with pytest.raises(NotImplementedError, match="right padding"):
-        seqfuse_attention_forward(M(), q, q, q, left_padded)
+    holes = torch.tensor([[1, 1, 0, 1, 1, 1], [1] * 6], dtype=torch.bool)
+    with pytest.raises(NotImplementedError, match="holes"):
+        seqfuse_attention_forward(M(), q, q, q, holes)
     with pytest.raises(NotImplementedError, match="custom mask"):
         seqfuse_attention_forward(M(), q, q, q, torch.ones(2, 1, 6, 6, dtype=torch.bool))
     with pytest.raises(ValueError, match="sliding_window must be a positive int"):
@@ -538,3 +538,69 @@ def test_accelerate_llama_packed_batch_matches_sequences_alone():
             alone = ref(input_ids=s[None]).logits[0]
             assert rel_error(packed[start:start + len(s)], alone) <= 1e-5
             start += len(s)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_function_left_and_both_sided_padding(causal):
+    """Rows padded on the left, on both sides, on the right, not at all and
+    entirely: every real token's output equals SDPA's with the padding masked
+    out (GQA; and with a sliding window), whatever the padding computes."""
+    from seqfuse.hf.attention import seqfuse_attention_forward
+
+    class M(nn.Module):
+        is_causal = causal
+
+    torch.manual_seed(6)
+    s = 10
+    q, k, v = torch.randn(5, 4, s, 8), torch.randn(5, 2, s, 8), torch.randn(5, 2, s, 8)
+    keep = torch.zeros(5, s, dtype=torch.bool)
+    keep[0, 3:] = True      # left
+    keep[1, 2:7] = True     # both sides
+    keep[2, :6] = True      # right
+    keep[3, :] = True       # none
+    # row 4: all padding
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    for window in (None, 3):
+        out, _ = seqfuse_attention_forward(M().eval(), q, k, v, keep, sliding_window=window)
+        assert out.shape == (5, s, 4, 8) and torch.isfinite(out).all()
+        allowed = torch.ones(s, s, dtype=torch.bool)
+        if causal:
+            allowed &= j <= i
+        if window:
+            allowed &= (j > i - window) & (j < i + window)
+        for r in range(4):
+            m = allowed[None] & keep[r][None, None, :]
+            ref = F.scaled_dot_product_attention(q[r:r + 1], k[r:r + 1].repeat_interleave(2, 1),
+                                                 v[r:r + 1].repeat_interleave(2, 1), attn_mask=m[None])
+            real = keep[r]
+            assert rel_error(out[r][real], ref.transpose(1, 2)[0][real]) <= 1e-5, (r, window)
+
+
+@needs_modules
+def test_accelerate_llama_left_padded_batch():
+    """A tiny Llama after accelerate() on a left-padded batch (how decoder
+    tokenizers often pad): logits of the real tokens, loss and gradients as
+    the untouched model's.  Outputs at padding positions are defined by no
+    implementation (here the padding attends among itself), so the label a
+    causal LM would predict from a padding position (each row's first token)
+    is masked too."""
+    model = llama()
+    ref = copy.deepcopy(model)
+    accelerate(model)
+    torch.manual_seed(7)
+    ids = torch.randint(3, 99, (3, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    mask[2, :1] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[0, 5] = labels[2, 1] = -100  # predicted from a padding position
+    out = model(input_ids=ids, attention_mask=mask, labels=labels)
+    exp = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    real = mask.bool()
+    assert rel_error(out.logits[real], exp.logits[real]) <= 1e-5
+    assert abs(out.loss.item() - exp.loss.item()) <= 1e-5 * exp.loss.item()
+    out.loss.backward()
+    exp.loss.backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if q.grad is not None and q.grad.norm() > 0:
+            assert rel_error(p.grad, q.grad) <= 1e-4, name

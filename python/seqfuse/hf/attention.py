@@ -10,8 +10,11 @@ Llama, GPT-2, ESM, ...) switch with ``model.set_attn_implementation("seqfuse")``
 ``seqfuse.hf.accelerate`` does it and reports it.
 
 What it computes: softmax(scaling * Q K^T + mask) V with key padding taken
-from the mask (padding must be at the end of each row: right padding) and the
-module's own causality; grouped-query attention as the shapes say; attention
+from the mask and the module's own causality (right padding runs in the
+kernel's padded layout; left or both-sided padding, each row one run of
+tokens, as packed thd sequences: the tokens, and each stretch of padding on
+its own, so padding never reaches a token; outputs at padding positions are
+not defined, as in every implementation); grouped-query attention as the shapes say; attention
 dropout with the probability the layer passes, while the module is training
 (inside the kernel: the mask is drawn from torch's generator as a Philox
 seed/offset and regenerated in the backward, see seqfuse.ops.attn; in eval
@@ -23,8 +26,8 @@ the kernel's window_size; transformers' padding-free packed batches (batch
 DataCollatorWithFlattening, or position ids that restart) as the kernel's
 packed thd layout, so no token attends across a sequence boundary.  What it
 refuses (NotImplementedError naming it; never another computation): logit
-soft-capping, left padding or holes in the mask, padded queries against a KV
-cache, packed batches with a padding mask or a KV cache, and position ids
+soft-capping, holes in the mask (a row of more than one run of tokens),
+padded queries against a KV cache, packed batches with a padding mask or a KV cache, and position ids
 that restart but do not then count up by one.
 
 Packed batches described only by position ids cost a few host syncs per
@@ -38,17 +41,32 @@ from .. import ops
 NAME = "seqfuse"
 
 
-def _lengths_of_right_padded(mask):
-    """int32 cu_seqlens of a [b, s] keep-mask, which must be ones then zeros per row."""
+def _padding_layout(mask):
+    """(format, int32 cu_seqlens, longest) of a [b, s] keep-mask.
+
+    Every row ones then zeros (right padding): "bshd" with each row's length,
+    the kernel's padded layout.  Every row one run of ones anywhere (left or
+    both-sided padding): "thd" over the b*s flattened tokens, each row split
+    into its leading padding, its tokens and its trailing padding as
+    sequences of their own, so a token attends only within its run and the
+    padding only among itself.  A row with a hole is refused."""
     mask = mask.bool()
+    b, s = mask.shape
     lengths = mask.sum(-1, dtype=torch.int32)
-    ar = torch.arange(mask.shape[-1], device=mask.device)
-    if not torch.equal(mask, ar[None, :] < lengths[:, None]):
-        raise NotImplementedError("seqfuse attention: the attention mask must be right padding (ones then zeros "
-                                  "per row); left padding or holes are not supported")
-    cu = torch.zeros(mask.shape[0] + 1, dtype=torch.int32, device=mask.device)
-    torch.cumsum(lengths, 0, out=cu[1:])
-    return cu
+    ar = torch.arange(s, device=mask.device)
+    if torch.equal(mask, ar[None, :] < lengths[:, None]):
+        cu = torch.zeros(b + 1, dtype=torch.int32, device=mask.device)
+        torch.cumsum(lengths, 0, out=cu[1:])
+        return "bshd", cu, None
+    first = torch.where(lengths > 0, mask.int().argmax(-1).to(torch.int32), 0)
+    if not torch.equal(mask, (ar[None, :] >= first[:, None]) & (ar[None, :] < (first + lengths)[:, None])):
+        raise NotImplementedError("seqfuse attention: each row of the attention mask must be one run of tokens "
+                                  "(left, right or both-sided padding); holes are not supported")
+    row0 = torch.arange(b, device=mask.device, dtype=torch.int32)[:, None] * s
+    ends = torch.stack((first, first + lengths, torch.full_like(first, s)), 1) + row0
+    cu = torch.unique_consecutive(torch.cat((torch.zeros(1, dtype=torch.int32, device=mask.device),
+                                             ends.flatten())))  # empty runs dropped
+    return "thd", cu, int(cu.diff().max())
 
 
 def _is_packed(position_ids, batch):
@@ -125,7 +143,10 @@ def seqfuse_attention_forward(module, query, key, value, attention_mask, dropout
         if s_q != s_kv:
             raise NotImplementedError("seqfuse attention: padded queries against a longer key cache "
                                       f"(q_len {s_q}, kv_len {s_kv}) are not supported")
-        cu_q = cu_kv = _lengths_of_right_padded(attention_mask)
+        fmt, cu_q, max_q = _padding_layout(attention_mask)
+        cu_kv, max_kv = cu_q, max_q
+        if fmt == "thd":  # the rows end to end: [b * s, heads, dim]
+            q, k, v = (t.reshape(-1, t.shape[2], t.shape[3]) for t in (q, k, v))
         mask_type = "padding_causal" if is_causal else "padding"
     elif is_causal:
         mask_type = "causal" if s_q == s_kv else "causal_bottom_right"
@@ -140,7 +161,9 @@ def seqfuse_attention_forward(module, query, key, value, attention_mask, dropout
     out = ops.attention(q, k, v, qkv_format=fmt, attn_mask_type=mask_type, cu_seqlens_q=cu_q,
                         cu_seqlens_kv=cu_kv, max_seqlen_q=max_q, max_seqlen_kv=max_kv, softmax_scale=scaling,
                         window_size=window, dropout_p=dropout if module.training else 0.0)
-    return (out.unsqueeze(0) if fmt == "thd" else out), None
+    if fmt == "thd":  # back to [b, s_q, heads, dim]: one row when packed, the padded rows otherwise
+        out = out.view(query.shape[0], s_q, *out.shape[1:])
+    return out, None
 
 
 def register():
