@@ -604,3 +604,60 @@ def test_accelerate_llama_left_padded_batch():
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         if q.grad is not None and q.grad.norm() > 0:
             assert rel_error(p.grad, q.grad) <= 1e-4, name
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_attention_function_padded_queries_against_a_key_cache(window):
+    """Generation: the last s_q of s_kv positions query a key cache whose
+    rows are padded on the left (or not at all): every real query's output
+    equals SDPA's with the padding masked and causality aligned bottom-right."""
+    from seqfuse.hf.attention import seqfuse_attention_forward
+
+    class M(nn.Module):
+        is_causal = True
+
+    torch.manual_seed(8)
+    s_kv = 9
+    keep = torch.ones(3, s_kv, dtype=torch.bool)
+    keep[0, :4] = False
+    keep[2, :8] = False
+    k, v = torch.randn(3, 2, s_kv, 8), torch.randn(3, 2, s_kv, 8)
+    for s_q in (1, 3):
+        q = torch.randn(3, 4, s_q, 8)
+        out, _ = seqfuse_attention_forward(M().eval(), q, k, v, keep, sliding_window=window)
+        i = torch.arange(s_kv - s_q, s_kv)[:, None]  # the queries' positions
+        j = torch.arange(s_kv)[None, :]
+        allowed = (j <= i) & ((j > i - window) if window else True)
+        for r in range(3):
+            m = allowed[None, None] & keep[r][None, None, None, :]
+            ref = F.scaled_dot_product_attention(q[r:r + 1], k[r:r + 1].repeat_interleave(2, 1),
+                                                 v[r:r + 1].repeat_interleave(2, 1), attn_mask=m)
+            real = keep[r, s_kv - s_q:]
+            assert rel_error(out[r][real], ref.transpose(1, 2)[0][real]) <= 1e-5, (s_q, r)
+
+
+@needs_modules
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_accelerate_generate_left_padded_batch(family):
+    """model.generate on a left-padded batch (one row padded on 6 of 7
+    positions), greedy: the same tokens as the untouched model, with a key
+    cache, and for Mistral a sliding window shorter than the prompt."""
+    torch.manual_seed(0)
+    shape = dict(vocab_size=99, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).eval()
+    else:
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**shape, sliding_window=3,
+                                                                            head_dim=8)).eval()
+    ref = copy.deepcopy(model)
+    report = accelerate(model)
+    assert "config._attn_implementation" in report.swapped_names()
+    ids = torch.randint(3, 99, (3, 7))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[2, :6] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    want = ref.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert torch.equal(got, want)

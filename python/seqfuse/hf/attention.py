@@ -27,7 +27,7 @@ DataCollatorWithFlattening, or position ids that restart) as the kernel's
 packed thd layout, so no token attends across a sequence boundary.  What it
 refuses (NotImplementedError naming it; never another computation): logit
 soft-capping, holes in the mask (a row of more than one run of tokens),
-padded queries against a KV cache, packed batches with a padding mask or a KV cache, and position ids
+packed batches with a padding mask or a KV cache, and position ids
 that restart but do not then count up by one.
 
 Packed batches described only by position ids cost a few host syncs per
@@ -41,32 +41,40 @@ from .. import ops
 NAME = "seqfuse"
 
 
-def _padding_layout(mask):
-    """(format, int32 cu_seqlens, longest) of a [b, s] keep-mask.
+def _padding_layout(mask, s_q):
+    """(format, cu_seqlens_q, longest q, cu_seqlens_kv, longest kv) of a
+    [b, s_kv] keep-mask over the keys, whose last s_q positions are the
+    queries (s_q < s_kv: a key cache during generation).
 
-    Every row ones then zeros (right padding): "bshd" with each row's length,
-    the kernel's padded layout.  Every row one run of ones anywhere (left or
-    both-sided padding): "thd" over the b*s flattened tokens, each row split
-    into its leading padding, its tokens and its trailing padding as
-    sequences of their own, so a token attends only within its run and the
-    padding only among itself.  A row with a hole is refused."""
+    Every row ones then zeros and no cache (right padding): "bshd" with each
+    row's length, the kernel's padded layout.  Otherwise every row must be
+    one run of ones (left, right or both-sided padding): "thd" over the rows
+    laid end to end, each row split into its leading padding, its tokens and
+    its trailing padding as sequences of their own, for the keys and, cut to
+    the query positions, for the queries (possibly empty, kept in pairs), so a
+    query attends only to the keys of its run.  A row with a hole is refused."""
     mask = mask.bool()
-    b, s = mask.shape
+    b, s_kv = mask.shape
+    dev = mask.device
     lengths = mask.sum(-1, dtype=torch.int32)
-    ar = torch.arange(s, device=mask.device)
-    if torch.equal(mask, ar[None, :] < lengths[:, None]):
-        cu = torch.zeros(b + 1, dtype=torch.int32, device=mask.device)
+    ar = torch.arange(s_kv, device=dev)
+    if s_q == s_kv and torch.equal(mask, ar[None, :] < lengths[:, None]):
+        cu = torch.zeros(b + 1, dtype=torch.int32, device=dev)
         torch.cumsum(lengths, 0, out=cu[1:])
-        return "bshd", cu, None
+        return "bshd", cu, None, cu, None
     first = torch.where(lengths > 0, mask.int().argmax(-1).to(torch.int32), 0)
     if not torch.equal(mask, (ar[None, :] >= first[:, None]) & (ar[None, :] < (first + lengths)[:, None])):
         raise NotImplementedError("seqfuse attention: each row of the attention mask must be one run of tokens "
                                   "(left, right or both-sided padding); holes are not supported")
-    row0 = torch.arange(b, device=mask.device, dtype=torch.int32)[:, None] * s
-    ends = torch.stack((first, first + lengths, torch.full_like(first, s)), 1) + row0
-    cu = torch.unique_consecutive(torch.cat((torch.zeros(1, dtype=torch.int32, device=mask.device),
-                                             ends.flatten())))  # empty runs dropped
-    return "thd", cu, int(cu.diff().max())
+    kv_ends = torch.stack((first, first + lengths, torch.full_like(first, s_kv)), 1)  # per row, 3 runs
+    q_ends = (kv_ends - (s_kv - s_q)).clamp(0, s_q)  # the same runs over the query positions
+    row = torch.arange(b, device=dev, dtype=torch.int32)[:, None]
+    zero = torch.zeros(1, dtype=torch.int32, device=dev)
+    cu_kv = torch.cat((zero, (kv_ends + row * s_kv).flatten()))
+    cu_q = torch.cat((zero, (q_ends + row * s_q).flatten()))
+    if s_q == s_kv:  # the same runs: drop the empty ones
+        cu_q = cu_kv = torch.unique_consecutive(cu_kv)
+    return "thd", cu_q, int(cu_q.diff().max()), cu_kv, int(cu_kv.diff().max())
 
 
 def _is_packed(position_ids, batch):
@@ -140,14 +148,15 @@ def seqfuse_attention_forward(module, query, key, value, attention_mask, dropout
         fmt = "thd"
         mask_type = "padding_causal" if is_causal else "padding"
     elif attention_mask is not None:
-        if s_q != s_kv:
-            raise NotImplementedError("seqfuse attention: padded queries against a longer key cache "
-                                      f"(q_len {s_q}, kv_len {s_kv}) are not supported")
-        fmt, cu_q, max_q = _padding_layout(attention_mask)
-        cu_kv, max_kv = cu_q, max_q
+        if attention_mask.shape[-1] != s_kv or s_q > s_kv:
+            raise ValueError(f"seqfuse attention: the attention mask covers {attention_mask.shape[-1]} keys; "
+                             f"the call has {s_kv} keys and {s_q} queries")
+        fmt, cu_q, max_q, cu_kv, max_kv = _padding_layout(attention_mask, s_q)
         if fmt == "thd":  # the rows end to end: [b * s, heads, dim]
             q, k, v = (t.reshape(-1, t.shape[2], t.shape[3]) for t in (q, k, v))
-        mask_type = "padding_causal" if is_causal else "padding"
+        # queries sit at the end of their key run (a cache), so causality aligns bottom-right
+        mask_type = ("padding_causal" if s_q == s_kv else "padding_causal_bottom_right") if is_causal \
+            else "padding"
     elif is_causal:
         mask_type = "causal" if s_q == s_kv else "causal_bottom_right"
     else:
