@@ -329,7 +329,8 @@ def test_attention_function_refuses_what_it_cannot_compute():
 def test_accelerate_cuda_bf16_llama(family):
     """A Llama-shaped model (head dim 64, GQA) in bf16 on the GPU, and the same
     as Mistral with a 64-token sliding window over 256 tokens: every Linear,
-    and attention, through seqfuse; logits and loss against the untouched model."""
+    and attention, through seqfuse; logits and loss against the untouched model
+    with right padding, then left padding and a decode step on its key cache."""
     if not HAVE_MODULES:
         pytest.skip("seqfuse.pytorch.Linear/LayerNorm not built")
     torch.manual_seed(0)
@@ -353,6 +354,20 @@ def test_accelerate_cuda_bf16_llama(family):
     real = mask.bool()
     assert rel_error(out.logits[real], exp.logits[real]) <= 2e-2
     assert abs(out.loss.item() - exp.loss.item()) <= 1e-2 * exp.loss.item()
+    # left padding (packed thd runs on the GPU), and one greedy step on from it through the key cache
+    left = torch.ones_like(ids)
+    left[0, :56] = 0
+    left[3, :3] = 0
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=left, use_cache=True)
+        exp = ref(input_ids=ids, attention_mask=left, use_cache=True)
+        real = left.bool()
+        assert rel_error(out.logits[real], exp.logits[real]) <= 2e-2
+        nxt = exp.logits[:, -1:].argmax(-1)
+        mask2 = torch.cat((left, torch.ones_like(nxt)), 1)
+        step = model(input_ids=nxt, attention_mask=mask2, past_key_values=out.past_key_values).logits
+        want = ref(input_ids=nxt, attention_mask=mask2, past_key_values=exp.past_key_values).logits
+        assert rel_error(step, want) <= 2e-2
 
 
 def test_attention_function_dropout_while_training_only():
