@@ -58,6 +58,9 @@ def main():
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--recipe", default="bf16", choices=["bf16", "fp8_delayed", "fp8_current"],
+                   help="precision recipe of every step (FP8 GEMMs are emulated on the CPU: a cost both "
+                        "plain and FSDP2 pay, so compare the differences)")
     p.add_argument("--out", default="esm2_fsdp2_host")
     args = p.parse_args()
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -72,11 +75,15 @@ def main():
     ids = torch.randint(4, 24, (t,))
     cu = torch.tensor([0, t // 2, t], dtype=torch.int32)
     times = {c: [] for c in configs}
+    import seqfuse.pytorch as te
+
+    recipe = common.fp8_recipe(args.recipe)
     for i in range(args.warmup + args.steps):
         for c in configs:  # interleaved: a load spike hits every setting alike
             model, opt = runs[c]
             t0 = time.perf_counter()
-            loss = model(input_ids=ids, labels=ids, cu_seqlens=cu, max_seqlen=t - t // 2).loss
+            with te.autocast(enabled=recipe is not None, recipe=recipe):
+                loss = model(input_ids=ids, labels=ids, cu_seqlens=cu, max_seqlen=t - t // 2).loss
             t1 = time.perf_counter()
             loss.backward()
             t2 = time.perf_counter()
@@ -93,6 +100,7 @@ def main():
         table.add(config=c, fwd_ms=med[0], bwd_ms=med[1], opt_ms=med[2], step_ms=med[3],
                   vs_plain=med[3] / ref if ref else float("nan"))
     table.save(extra={"layers": args.layers, "hidden": args.hidden, "tokens": args.tokens, "steps": args.steps,
+                      "recipe": args.recipe,
                       "what": "host ms per step (median), fake process group of 2, CPU, kernels ~free"})
     dist.destroy_process_group()
 
