@@ -217,9 +217,7 @@ __global__ void __launch_bounds__(kBwdThreads) dkdv_kernel(const sf_attn_problem
                 }
             }
 
-            const bool need_mask = m0 + BM > sq || n0 + BN > sk ||
-                                   (right >= 0 && n0 + BN - 1 > m0 + off + right) ||
-                                   (left >= 0 && n0 < m0 + BM - 1 + off - left);
+            const bool need_mask = SF_ATTN_TILE_CROSSES_MASK(m0, BM, n0, BN, sq, sk, off, left, right);
             /* dropout: dP = dropout(dO V^T) and dV takes dropout(P); dS keeps P (see the header) */
             uint32_t keep_bits = 0;
             if constexpr (kDropout)
@@ -232,8 +230,7 @@ __global__ void __launch_bounds__(kBwdThreads) dkdv_kernel(const sf_attn_problem
                     for (int e = 0; e < 4; ++e) {
                         const int ql = i * 8 + 2 * t4 + (e & 1);
                         const int c = c_lo + kt * 16 + (e >> 1) * 8, r = m0 + ql;
-                        const bool ok = !need_mask ||
-                                        (r < sq && c < sk && sf_attn_allowed(r, c, off, left, right));
+                        const bool ok = !need_mask || SF_ATTN_PAIR_ALLOWED(r, c, sq, sk, off, left, right);
                         const float pv = ok ? fast_exp2(fmaf(st[kt][i][e], sl2, -sLse[ql])) : 0.f;
                         if constexpr (kDropout) {
                             const bool keep = (keep_bits >> ((kt * NS + i) * 4 + e)) & 1u;
@@ -250,14 +247,8 @@ __global__ void __launch_bounds__(kBwdThreads) dkdv_kernel(const sf_attn_problem
                 uint32_t ap[KT][4], as[KT][4];
 #pragma unroll
                 for (int kt = 0; kt < KT; ++kt) {
-                    ap[kt][0] = Mma<T>::pack(st[kt][2 * kc][0], st[kt][2 * kc][1]);
-                    ap[kt][1] = Mma<T>::pack(st[kt][2 * kc][2], st[kt][2 * kc][3]);
-                    ap[kt][2] = Mma<T>::pack(st[kt][2 * kc + 1][0], st[kt][2 * kc + 1][1]);
-                    ap[kt][3] = Mma<T>::pack(st[kt][2 * kc + 1][2], st[kt][2 * kc + 1][3]);
-                    as[kt][0] = Mma<T>::pack(dpt[kt][2 * kc][0], dpt[kt][2 * kc][1]);
-                    as[kt][1] = Mma<T>::pack(dpt[kt][2 * kc][2], dpt[kt][2 * kc][3]);
-                    as[kt][2] = Mma<T>::pack(dpt[kt][2 * kc + 1][0], dpt[kt][2 * kc + 1][1]);
-                    as[kt][3] = Mma<T>::pack(dpt[kt][2 * kc + 1][2], dpt[kt][2 * kc + 1][3]);
+                    pack_a<T>(ap[kt], st[kt][2 * kc], st[kt][2 * kc + 1]);
+                    pack_a<T>(as[kt], dpt[kt][2 * kc], dpt[kt][2 * kc + 1]);
                 }
 #pragma unroll
                 for (int j = 0; j < D / 16; ++j) {
@@ -448,17 +439,14 @@ __global__ void __launch_bounds__(kBwdThreads) dq_kernel(const sf_attn_problem p
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int r = r_lo + (e >> 1) * 8, c = n0 + i * 8 + 2 * t4 + (e & 1);
-                    const bool ok = !need_mask || (r < sq && c < sk && sf_attn_allowed(r, c, off, left, right));
+                    const bool ok = !need_mask || SF_ATTN_PAIR_ALLOWED(r, c, sq, sk, off, left, right);
                     const float pv = ok ? fast_exp2(fmaf(s[i][e], sl2, -lse2[e >> 1])) : 0.f;
                     s[i][e] = pv * (dp[i][e] - dlt[e >> 1]); /* dS */
                 }
 #pragma unroll
             for (int kc = 0; kc < BN / 16; ++kc) {
                 uint32_t a[4];
-                a[0] = Mma<T>::pack(s[2 * kc][0], s[2 * kc][1]);
-                a[1] = Mma<T>::pack(s[2 * kc][2], s[2 * kc][3]);
-                a[2] = Mma<T>::pack(s[2 * kc + 1][0], s[2 * kc + 1][1]);
-                a[3] = Mma<T>::pack(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+                pack_a<T>(a, s[2 * kc], s[2 * kc + 1]);
 #pragma unroll
                 for (int j = 0; j < D / 16; ++j) {
                     uint32_t kb[4];

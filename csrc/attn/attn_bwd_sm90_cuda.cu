@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_sm90_kernel(const sf_attn_
             for (int i = 0; i < NS; ++i) {
                 const int ql = (i >> 2) * 8 + 2 * q4 + (i & 1);
                 const int c = n0 + krow + ((i >> 1) & 1) * 8, r = m0 + ql;
-                const bool ok = !need_mask || (r < sq && c < sk && sf_attn_allowed(r, c, off, left, right));
+                const bool ok = !need_mask || SF_ATTN_PAIR_ALLOWED(r, c, sq, sk, off, left, right);
                 st[i] = ok ? fast_exp2(fmaf(st[i], sl2, -sLse[ql])) : 0.f;
             }
             wg_pin(st);

@@ -77,6 +77,18 @@ template <typename T> struct Mma {
     }
 };
 
+/* The A fragment of a 16x16 tile from the float C fragments of its two
+ * 16x8 halves (columns 0-7 in c0, 8-15 in c1), rounded to T: how P and dS
+ * feed the next product straight from registers (see the top of this file). */
+template <typename T>
+__device__ __forceinline__ void pack_a(uint32_t a[4], const float c0[4], const float c1[4])
+{
+    a[0] = Mma<T>::pack(c0[0], c0[1]);
+    a[1] = Mma<T>::pack(c0[2], c0[3]);
+    a[2] = Mma<T>::pack(c1[0], c1[1]);
+    a[3] = Mma<T>::pack(c1[2], c1[3]);
+}
+
 __device__ __forceinline__ void ldsm_x4(uint32_t r[4], uint32_t addr)
 {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -229,8 +241,33 @@ __device__ __forceinline__ bool plan_key_block(const sf_attn_problem &p, int b, 
     return true;
 }
 
+/* ---- masking: decided per tile, applied per element only where needed ----
+ * Most tiles lie wholly inside the sequences and the window; only those that
+ * cross a boundary pay for the per-element test.  The tests are macros, so
+ * that the sm80 kernels keep them as expressions in their own bodies: as
+ * function calls the compiler turns the short-circuit tests into select
+ * chains and those kernels' machine code, verified on the GPU, changes
+ * (checked with cuobjdump).  The wgmma backward calls the function form,
+ * tile_crosses_mask, as it always has. */
+
+/* 1 when some key of [n0, n0 + bn) is past the sequence end or outside the
+ * window of some row of [m0, m0 + bm).  The forward's test: its rows past the
+ * sequence end are dropped by the epilogue anyway. */
+#define SF_ATTN_KEYS_CROSS_MASK(m0, bm, n0, bn, sk, off, left, right)                                      \
+    ((n0) + (bn) > (sk) || ((right) >= 0 && (n0) + (bn) - 1 > (m0) + (off) + (right)) ||                   \
+     ((left) >= 0 && (n0) < (m0) + (bm) - 1 + (off) - (left)))
+
 /* 1 when some (query, key) pair of rows [m0, m0 + bm) x keys [n0, n0 + bn)
- * is outside the sequences or the window (the tile needs per-element masking). */
+ * is outside the sequences or the window (the tile needs per-element
+ * masking).  The backward's test: rows past the sequence end must get P = 0,
+ * or they would add to dK and dV. */
+#define SF_ATTN_TILE_CROSSES_MASK(m0, bm, n0, bn, sq, sk, off, left, right)                                \
+    ((m0) + (bm) > (sq) || SF_ATTN_KEYS_CROSS_MASK(m0, bm, n0, bn, sk, off, left, right))
+
+/* 1 when query r may see key c: both inside their sequences, the pair inside the mask. */
+#define SF_ATTN_PAIR_ALLOWED(r, c, sq, sk, off, left, right)                                                \
+    ((r) < (sq) && (c) < (sk) && sf_attn_allowed(r, c, off, left, right))
+
 __device__ __forceinline__ bool tile_crosses_mask(int m0, int bm, int n0, int bn, int sq, int sk, int off, int left,
                                                   int right)
 {

@@ -181,10 +181,7 @@ __global__ void __launch_bounds__(32 * FwdCfg<D>::WARPS, 1) fwd_kernel(const sf_
             }
 
             /* mask only the tiles that cross the sequence end or the window */
-            const bool need_mask = n0 + BN > sk ||
-                                   (right >= 0 && n0 + BN - 1 > m0 + off + right) ||
-                                   (left >= 0 && n0 < m0 + BM - 1 + off - left);
-            if (need_mask) {
+            if (SF_ATTN_KEYS_CROSS_MASK(m0, BM, n0, BN, sk, off, left, right)) {
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -247,12 +244,8 @@ __global__ void __launch_bounds__(32 * FwdCfg<D>::WARPS, 1) fwd_kernel(const sf_
             for (int kc = 0; kc < BN / 16; ++kc) {
                 uint32_t a[MT][4];
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    a[mt][0] = Mma<T>::pack(s[mt][2 * kc][0], s[mt][2 * kc][1]);
-                    a[mt][1] = Mma<T>::pack(s[mt][2 * kc][2], s[mt][2 * kc][3]);
-                    a[mt][2] = Mma<T>::pack(s[mt][2 * kc + 1][0], s[mt][2 * kc + 1][1]);
-                    a[mt][3] = Mma<T>::pack(s[mt][2 * kc + 1][2], s[mt][2 * kc + 1][3]);
-                }
+                for (int mt = 0; mt < MT; ++mt)
+                    pack_a<T>(a[mt], s[mt][2 * kc], s[mt][2 * kc + 1]);
 #pragma unroll
                 for (int j = 0; j < D / 16; ++j) {
                     uint32_t vf[4];
