@@ -120,26 +120,17 @@ __global__ void __launch_bounds__(kBwdThreads) dkdv_kernel(const sf_attn_problem
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t4 = lane % 4, mi = lane / 8, mr = lane % 8;
 
-    int64_t qs, ks;
-    int sq, sk;
-    sf_attn_seq_q(&p, b, &qs, &sq);
-    sf_attn_seq_k(&p, b, &ks, &sk);
-    const int n0 = n_block * BN;
-    const int rows_total = p.thd ? sk : p.max_sk;
-    if (n0 >= rows_total)
-        return;
-    const int off = sf_attn_diag(&p, sq, sk);
-    const int left = p.window_left, right = p.window_right;
-    const float sl2 = p.scale * kLog2e;
-    const int dr = real_dim<D>(p);
-
-    int m_lo = 0, m_hi = 0;
-    if (n0 < sk)
-        sf_attn_query_range(n0, min(n0 + BN, sk) - 1, off, left, right, sq, &m_lo, &m_hi);
-    const int mb_lo = m_lo / BM, nmb = (m_hi + BM - 1) / BM - m_lo / BM;
-    const int steps = nmb > 0 ? G * nmb : 0; /* (head of the group, query tile) pairs */
-
     const int kw = warp * 16 * KT; /* first key of this warp in the block */
+    KeyBlock kb; /* sequence, mask and the query tiles this block walks (attn_cuda.cuh) */
+    if (!enter_key_block<BN>(p, b, n_block, kb))
+        return;
+    find_query_tiles<D, BN, BM>(p, G, kb);
+    const int64_t qs = kb.qs, ks = kb.ks;
+    const int sq = kb.sq, sk = kb.sk, n0 = kb.n0, rows_total = kb.rows_total;
+    const int off = kb.off, left = kb.left, right = kb.right, dr = kb.dr;
+    const int mb_lo = kb.mb_lo, nmb = kb.nmb, steps = kb.steps; /* steps: (head of the group, query tile) pairs */
+    const float sl2 = kb.sl2;
+
     float dk[KT][NO][4], dv[KT][NO][4];
 #pragma unroll
     for (int kt = 0; kt < KT; ++kt)
@@ -353,22 +344,14 @@ __global__ void __launch_bounds__(kBwdThreads) dq_kernel(const sf_attn_problem p
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t4 = lane % 4, mi = lane / 8, mr = lane % 8;
 
-    int64_t qs, ks;
-    int sq, sk;
-    sf_attn_seq_q(&p, b, &qs, &sq);
-    sf_attn_seq_k(&p, b, &ks, &sk);
-    const int m0 = m_block * BM;
-    const int rows_total = p.thd ? sq : p.max_sq;
-    if (m0 >= rows_total)
+    QueryBlock qb; /* sequence, mask and the key tiles this block walks (attn_cuda.cuh) */
+    if (!enter_query_block<BM>(p, b, m_block, qb))
         return;
-    const int off = sf_attn_diag(&p, sq, sk);
-    const int left = p.window_left, right = p.window_right;
-    const float sl2 = p.scale * kLog2e;
-    const int dr = real_dim<D>(p);
-    int n_lo = 0, n_hi = 0;
-    if (m0 < sq)
-        sf_attn_key_range(m0, min(m0 + BM, sq) - 1, off, left, right, sk, &n_lo, &n_hi);
-    const int nb_lo = n_lo / BN, nb_hi = (n_hi + BN - 1) / BN;
+    find_key_tiles<D, BM, BN>(p, qb);
+    const int64_t qs = qb.qs, ks = qb.ks;
+    const int sq = qb.sq, sk = qb.sk, m0 = qb.m0, rows_total = qb.rows_total;
+    const int off = qb.off, left = qb.left, right = qb.right, dr = qb.dr, nb_lo = qb.nb_lo, nb_hi = qb.nb_hi;
+    const float sl2 = qb.sl2;
 
     float dq[NO][4];
 #pragma unroll

@@ -207,15 +207,110 @@ __device__ __forceinline__ int64_t lse_at(const sf_attn_problem &p, int b, int h
     return (int64_t)b * p.lse_sb + (int64_t)h * p.lse_sh + t;
 }
 
-/* Where a backward key block stands (the wgmma dK/dV kernel,
- * attn_bwd_sm90_cuda.cu; the sm80 dkdv_kernel of attn_bwd_cuda.cu still
- * spells the same plan, the mask test and the lse/delta load out inline: it
- * is GPU-verified code, left byte-identical in a session without a GPU -
- * switch it to these helpers when it can be rechecked on one): its
- * sequence and the query tiles of bm rows
- * that may see keys [n0, n0 + bn), walked for every query head of the GQA
- * group (G heads): `steps` (head, tile) pairs, step it = head it / nmb of the group,
- * tile mb_lo + it % nmb. */
+/* ---- where a block stands: the prologue of the sm80 kernels ----
+ * A block owns a tile of query rows (forward, deterministic dQ) or of keys
+ * (dK/dV) of one sequence b.  It reads the sequence's bounds (sf_attn_seq_q/k:
+ * from cu_seqlens on the device for THD, so one launch serves padded and
+ * packed batches), exits when its tile starts past the rows the view owns
+ * for that sequence (THD: the sequence's length; BSHD/SBHD: max_sq / max_sk,
+ * whose padding rows the block still writes, as zeros), reads the mask and
+ * the scale, and narrows its walk to the tiles the mask lets it see.
+ *
+ * Two steps: enter_* (bounds; false: exit) and find_* (mask, scale, tiles).
+ * The exit test stays in the kernel's own body, between them: with the
+ * early return inside a helper the compiler schedules the prologue
+ * differently and the kernels' machine code, verified on the GPU, changes.
+ * The kernels copy the fields into locals of the old names (qs, sq, off,
+ * ...), so their bodies read as before.
+ *
+ * dkdv_kernel and dq_kernel use them; fwd_kernel still spells its prologue
+ * out (as QueryBlock its dropout kernels' code changes: the compiler orders
+ * two thread-index values differently), as do the wgmma kernels, which
+ * read the mask in another order (plan_key_block below, plan_block in
+ * attn_fwd_sm90_cuda.cu).  Checked by comparing cubins (cuobjdump -sass),
+ * with no GPU at hand: switch them when they can be rechecked on one. */
+
+/* What a block of either kind knows of its sequence and the mask. */
+struct BlockSeq {
+    int64_t qs, ks;         /* first token of the sequence in q / k views */
+    int sq, sk, rows_total; /* lengths; rows of the block's kind the view owns for this sequence */
+    int off, left, right;   /* diagonal offset and window, as sf_attn_allowed takes them */
+    int dr;                 /* the head dim really read and written (real_dim) */
+    float sl2;              /* softmax scale * log2(e): the scores feed exp2 */
+};
+
+/* the mask, the scale and the head dim of a D-wide kernel */
+template <int D> __device__ __forceinline__ void read_mask(const sf_attn_problem &p, BlockSeq &s)
+{
+    s.off = sf_attn_diag(&p, s.sq, s.sk);
+    s.left = p.window_left, s.right = p.window_right;
+    s.sl2 = p.scale * kLog2e;
+    s.dr = real_dim<D>(p);
+}
+
+/* Query rows [m0, m0 + BM) and the key tiles of BN keys they may see,
+ * nb_lo .. nb_hi - 1 (none when nb_lo >= nb_hi). */
+struct QueryBlock : BlockSeq {
+    int m0, nb_lo, nb_hi;
+};
+
+/* false when block m_block starts past the view's query rows of sequence b */
+template <int BM>
+__device__ __forceinline__ bool enter_query_block(const sf_attn_problem &p, int b, int m_block, QueryBlock &qb)
+{
+    sf_attn_seq_q(&p, b, &qb.qs, &qb.sq);
+    sf_attn_seq_k(&p, b, &qb.ks, &qb.sk);
+    qb.m0 = m_block * BM;
+    qb.rows_total = p.thd ? qb.sq : p.max_sq;
+    return qb.m0 < qb.rows_total;
+}
+
+template <int D, int BM, int BN>
+__device__ __forceinline__ void find_key_tiles(const sf_attn_problem &p, QueryBlock &qb)
+{
+    read_mask<D>(p, qb);
+    int n_lo = 0, n_hi = 0;
+    if (qb.m0 < qb.sq) /* padding rows (BSHD past sq) see no key */
+        sf_attn_key_range(qb.m0, min(qb.m0 + BM, qb.sq) - 1, qb.off, qb.left, qb.right, qb.sk, &n_lo, &n_hi);
+    qb.nb_lo = n_lo / BN, qb.nb_hi = (n_hi + BN - 1) / BN;
+}
+
+/* Keys [n0, n0 + BN) and the query tiles of BM rows that may see them,
+ * walked for every query head of the GQA group: `steps` (head, tile)
+ * pairs, step it = head it / nmb of the group, tile mb_lo + it % nmb. */
+struct KeyBlock : BlockSeq {
+    int n0, mb_lo, nmb, steps;
+};
+
+/* false when block n_block starts past the view's key rows of sequence b */
+template <int BN>
+__device__ __forceinline__ bool enter_key_block(const sf_attn_problem &p, int b, int n_block, KeyBlock &kb)
+{
+    sf_attn_seq_q(&p, b, &kb.qs, &kb.sq);
+    sf_attn_seq_k(&p, b, &kb.ks, &kb.sk);
+    kb.n0 = n_block * BN;
+    kb.rows_total = p.thd ? kb.sk : p.max_sk;
+    return kb.n0 < kb.rows_total;
+}
+
+/* G: query heads per key/value head */
+template <int D, int BN, int BM>
+__device__ __forceinline__ void find_query_tiles(const sf_attn_problem &p, int G, KeyBlock &kb)
+{
+    read_mask<D>(p, kb);
+    int m_lo = 0, m_hi = 0;
+    if (kb.n0 < kb.sk) /* padding keys (BSHD past sk) are seen by no query */
+        sf_attn_query_range(kb.n0, min(kb.n0 + BN, kb.sk) - 1, kb.off, kb.left, kb.right, kb.sq, &m_lo, &m_hi);
+    kb.mb_lo = m_lo / BM, kb.nmb = (m_hi + BM - 1) / BM - m_lo / BM;
+    kb.steps = kb.nmb > 0 ? G * kb.nmb : 0;
+}
+
+/* Where a key block of the wgmma dK/dV kernel (attn_bwd_sm90_cuda.cu)
+ * stands: KeyBlock's plan in one step, the mask read before the exit test
+ * and the window and scale left to the kernel, in the order of that
+ * kernel's verified machine code (as enter_key_block + find_query_tiles
+ * its code changes).  The sm80 dkdv_kernel still loads lse and delta
+ * inline rather than through load_lse_delta, for the same reason. */
 struct KeyBlockPlan {
     int64_t qs, ks;         /* first token of the sequence in q / k views */
     int sq, sk, rows_total; /* lengths; key rows the view owns for this sequence */
