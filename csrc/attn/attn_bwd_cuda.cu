@@ -133,12 +133,10 @@ __global__ void __launch_bounds__(kBwdThreads) dkdv_kernel(const sf_attn_problem
 
     float dk[KT][NO][4], dv[KT][NO][4];
 #pragma unroll
-    for (int kt = 0; kt < KT; ++kt)
-#pragma unroll
-        for (int i = 0; i < NO; ++i)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                dk[kt][i][e] = dv[kt][i][e] = 0.f;
+    for (int kt = 0; kt < KT; ++kt) {
+        zero_frags(dk[kt]);
+        zero_frags(dv[kt]);
+    }
 
     /* issue the loads of step `it` into buffer `buf` */
     auto fetch = [&](int it, int buf) {
@@ -177,12 +175,10 @@ __global__ void __launch_bounds__(kBwdThreads) dkdv_kernel(const sf_attn_problem
 
             float st[KT][NS][4], dpt[KT][NS][4];
 #pragma unroll
-            for (int kt = 0; kt < KT; ++kt)
-#pragma unroll
-                for (int i = 0; i < NS; ++i)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        st[kt][i][e] = dpt[kt][i][e] = 0.f;
+            for (int kt = 0; kt < KT; ++kt) {
+                zero_frags(st[kt]);
+                zero_frags(dpt[kt]);
+            }
 #pragma unroll
             for (int kk = 0; kk < KD; ++kk) {
                 uint32_t ka[KT][4], va[KT][4];
@@ -270,9 +266,7 @@ __global__ void __launch_bounds__(kBwdThreads) dkdv_kernel(const sf_attn_problem
                 const int qrow = (warp & 1) * 16, dcol = (warp >> 1) * DH;
                 if (dcol < D) { /* head dim 16: warps 2 and 3 have no columns */
                     float acc[DH / 8][4];
-#pragma unroll
-                    for (int i = 0; i < DH / 8; ++i)
-                        acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+                    zero_frags(acc);
 #pragma unroll
                     for (int kc = 0; kc < BN / 16; ++kc) {
                         uint32_t a[4];
@@ -354,9 +348,7 @@ __global__ void __launch_bounds__(kBwdThreads) dq_kernel(const sf_attn_problem p
     const float sl2 = qb.sl2;
 
     float dq[NO][4];
-#pragma unroll
-    for (int i = 0; i < NO; ++i)
-        dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
+    zero_frags(dq);
     const int r_lo = m0 + warp * 16 + g;
 
     if (nb_lo < nb_hi) {
@@ -388,11 +380,8 @@ __global__ void __launch_bounds__(kBwdThreads) dq_kernel(const sf_attn_problem p
                 }
             }
             float s[NS][4], dp[NS][4];
-#pragma unroll
-            for (int i = 0; i < NS; ++i)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    s[i][e] = dp[i][e] = 0.f;
+            zero_frags(s);
+            zero_frags(dp);
 #pragma unroll
             for (int kk = 0; kk < KD; ++kk)
 #pragma unroll

@@ -77,6 +77,16 @@ template <typename T> struct Mma {
     }
 };
 
+/* c = 0 for N float C fragments (accumulators before their first product) */
+template <int N> __device__ __forceinline__ void zero_frags(float (&c)[N][4])
+{
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            c[i][e] = 0.f;
+}
+
 /* The A fragment of a 16x16 tile from the float C fragments of its two
  * 16x8 halves (columns 0-7 in c0, 8-15 in c1), rounded to T: how P and dS
  * feed the next product straight from registers (see the top of this file). */
@@ -239,6 +249,22 @@ struct BlockSeq {
     float sl2;              /* softmax scale * log2(e): the scores feed exp2 */
 };
 
+/* Step 1: the sequence's bounds and the block's first row, row0 = block *
+ * ROWS (a query row, or a key when kKeys); false when that row is past the
+ * rows of its kind the view owns for sequence b (the block exits). */
+template <bool kKeys, int ROWS>
+__device__ __forceinline__ bool enter_block(const sf_attn_problem &p, int b, int block, BlockSeq &s, int &row0)
+{
+    sf_attn_seq_q(&p, b, &s.qs, &s.sq);
+    sf_attn_seq_k(&p, b, &s.ks, &s.sk);
+    row0 = block * ROWS;
+    if constexpr (kKeys)
+        s.rows_total = p.thd ? s.sk : p.max_sk;
+    else
+        s.rows_total = p.thd ? s.sq : p.max_sq;
+    return row0 < s.rows_total;
+}
+
 /* the mask, the scale and the head dim of a D-wide kernel */
 template <int D> __device__ __forceinline__ void read_mask(const sf_attn_problem &p, BlockSeq &s)
 {
@@ -254,15 +280,10 @@ struct QueryBlock : BlockSeq {
     int m0, nb_lo, nb_hi;
 };
 
-/* false when block m_block starts past the view's query rows of sequence b */
 template <int BM>
 __device__ __forceinline__ bool enter_query_block(const sf_attn_problem &p, int b, int m_block, QueryBlock &qb)
 {
-    sf_attn_seq_q(&p, b, &qb.qs, &qb.sq);
-    sf_attn_seq_k(&p, b, &qb.ks, &qb.sk);
-    qb.m0 = m_block * BM;
-    qb.rows_total = p.thd ? qb.sq : p.max_sq;
-    return qb.m0 < qb.rows_total;
+    return enter_block<false, BM>(p, b, m_block, qb, qb.m0);
 }
 
 template <int D, int BM, int BN>
@@ -282,15 +303,10 @@ struct KeyBlock : BlockSeq {
     int n0, mb_lo, nmb, steps;
 };
 
-/* false when block n_block starts past the view's key rows of sequence b */
 template <int BN>
 __device__ __forceinline__ bool enter_key_block(const sf_attn_problem &p, int b, int n_block, KeyBlock &kb)
 {
-    sf_attn_seq_q(&p, b, &kb.qs, &kb.sq);
-    sf_attn_seq_k(&p, b, &kb.ks, &kb.sk);
-    kb.n0 = n_block * BN;
-    kb.rows_total = p.thd ? kb.sk : p.max_sk;
-    return kb.n0 < kb.rows_total;
+    return enter_block<true, BN>(p, b, n_block, kb, kb.n0);
 }
 
 /* G: query heads per key/value head */

@@ -105,9 +105,7 @@ __global__ void __launch_bounds__(32 * FwdCfg<D>::WARPS, 1) fwd_kernel(const sf_
     float row_max[MT][2], row_sum[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-        for (int i = 0; i < NO; ++i)
-            o[mt][i][0] = o[mt][i][1] = o[mt][i][2] = o[mt][i][3] = 0.f;
+        zero_frags(o[mt]);
         row_max[mt][0] = row_max[mt][1] = -INFINITY;
         row_sum[mt][0] = row_sum[mt][1] = 0.f;
     }
@@ -146,9 +144,7 @@ __global__ void __launch_bounds__(32 * FwdCfg<D>::WARPS, 1) fwd_kernel(const sf_
             float s[MT][NS][4];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int i = 0; i < NS; ++i)
-                    s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.f;
+                zero_frags(s[mt]);
 #pragma unroll
             for (int kk = 0; kk < KD; ++kk) {
                 uint32_t qa[MT][4];
