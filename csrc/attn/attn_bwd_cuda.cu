@@ -395,6 +395,7 @@ __global__ void __launch_bounds__(kBwdThreads) dq_kernel(const sf_attn_problem p
                     Mma<T>::run(dp[2 * j], of[kk], vb[0], vb[1]);
                     Mma<T>::run(dp[2 * j + 1], of[kk], vb[2], vb[3]);
                 }
+            /* SF_ATTN_TILE_CROSSES_MASK with the two sequence-end tests swapped (as the macro, the code changes) */
             const bool need_mask = n0 + BN > sk || m0 + BM > sq ||
                                    (right >= 0 && n0 + BN - 1 > m0 + off + right) ||
                                    (left >= 0 && n0 < m0 + BM - 1 + off - left);

@@ -322,11 +322,12 @@ __device__ __forceinline__ void find_query_tiles(const sf_attn_problem &p, int G
 }
 
 /* Where a key block of the wgmma dK/dV kernel (attn_bwd_sm90_cuda.cu)
- * stands: KeyBlock's plan in one step, the mask read before the exit test
- * and the window and scale left to the kernel, in the order of that
- * kernel's verified machine code (as enter_key_block + find_query_tiles
- * its code changes).  The sm80 dkdv_kernel still loads lse and delta
- * inline rather than through load_lse_delta, for the same reason. */
+ * stands: KeyBlock's plan in one step (bounds, exit, diagonal offset, query
+ * tiles), the window and the scale read by the kernel after it, in the
+ * order of that kernel's verified machine code (as enter_key_block +
+ * find_query_tiles its code changes).  The sm80 dkdv_kernel still loads
+ * lse and delta inline rather than through load_lse_delta, for the same
+ * reason. */
 struct KeyBlockPlan {
     int64_t qs, ks;         /* first token of the sequence in q / k views */
     int sq, sk, rows_total; /* lengths; key rows the view owns for this sequence */
@@ -359,7 +360,8 @@ __device__ __forceinline__ bool plan_key_block(const sf_attn_problem &p, int b, 
  * function calls the compiler turns the short-circuit tests into select
  * chains and those kernels' machine code, verified on the GPU, changes
  * (checked with cuobjdump).  The wgmma backward calls the function form,
- * tile_crosses_mask, as it always has. */
+ * tile_crosses_mask, as it always has.  dq_kernel spells its test out: it
+ * runs the two sequence-end tests the other way round. */
 
 /* 1 when some key of [n0, n0 + bn) is past the sequence end or outside the
  * window of some row of [m0, m0 + bm).  The forward's test: its rows past the
@@ -382,8 +384,7 @@ __device__ __forceinline__ bool plan_key_block(const sf_attn_problem &p, int b, 
 __device__ __forceinline__ bool tile_crosses_mask(int m0, int bm, int n0, int bn, int sq, int sk, int off, int left,
                                                   int right)
 {
-    return m0 + bm > sq || n0 + bn > sk || (right >= 0 && n0 + bn - 1 > m0 + off + right) ||
-           (left >= 0 && n0 < m0 + bm - 1 + off - left);
+    return SF_ATTN_TILE_CROSSES_MASK(m0, bm, n0, bn, sq, sk, off, left, right);
 }
 
 /* lse * log2(e) and delta of query rows t0 .. t0 + bm - 1 of head h into
