@@ -48,9 +48,21 @@ class StandInLayerNorm(nn.Module):
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
 
+class StandInRMSNorm(nn.Module):
+    def __init__(self, hidden_size, eps=1e-5, zero_centered_gamma=False, params_dtype=None, device=None):
+        super().__init__()
+        self.eps, self.zero_centered_gamma = eps, zero_centered_gamma
+        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=params_dtype, device=device))
+
+    def forward(self, x):
+        y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (self.weight.float() + (1.0 if self.zero_centered_gamma else 0.0))).to(x.dtype)
+
+
 @pytest.fixture
 def stand_ins(monkeypatch):
     monkeypatch.setattr(accelerate_mod, "_seqfuse_modules", lambda: (StandInLinear, StandInLayerNorm))
+    monkeypatch.setattr(accelerate_mod, "_seqfuse_rmsnorm", lambda: StandInRMSNorm)
     return StandInLinear, StandInLayerNorm
 
 
@@ -96,10 +108,10 @@ def check_bert(model, report, Linear, LayerNorm):
 def check_llama(model, report, Linear, LayerNorm):
     assert count(model, nn.Linear) == 0
     assert count(model, Linear) == 2 * 7 + 1
-    norms = [n for n, m in model.named_modules() if type(m).__name__ == "LlamaRMSNorm"]
-    assert len(norms) == 5
-    for n in norms:
-        assert "RMSNorm" in report.reason(n)
+    # the model's own RMSNorm class computes what seqfuse's does: all 5 swapped (probe-checked)
+    assert not [n for n, m in model.named_modules() if type(m).__name__ == "LlamaRMSNorm"]
+    norms = [s.name for s in report.swapped if s.original == "LlamaRMSNorm"]
+    assert len(norms) == 5 and "model.norm" in norms
     assert "embedding" in report.reason("model.embed_tokens")
 
 
@@ -676,3 +688,86 @@ def test_accelerate_generate_left_padded_batch(family):
     got = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
     want = ref.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
     assert torch.equal(got, want)
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """Gemma's form: x / rms(x) * (1 + weight), in float32, eps as ``eps``."""
+
+    def __init__(self, n, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(n))
+
+    def forward(self, x):
+        y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).type_as(x)
+
+
+class EpsOutsideNorm(nn.Module):
+    """Not RMSNorm: eps added outside the square root."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.variance_epsilon = 1e-2
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        return self.weight * x / (x.pow(2).mean(-1, keepdim=True).sqrt() + self.variance_epsilon)
+
+
+class BiasedNorm(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.eps = 1e-5
+        self.weight = nn.Parameter(torch.ones(n))
+        self.bias = nn.Parameter(torch.zeros(n))
+
+    def forward(self, x):
+        return x * self.weight + self.bias
+
+
+@needs_modules
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_model_rmsnorm_classes_swapped_only_when_the_probe_agrees(dtype):
+    """Gemma-style zero-centred RMSNorm becomes seqfuse's RMSNorm with
+    zero_centered_gamma (the same Parameter, the same outputs); a norm with
+    eps outside the root, and one with a bias, are left with the reason."""
+    torch.manual_seed(0)
+    model = nn.Sequential(ZeroCenteredRMSNorm(64), nn.ReLU(), EpsOutsideNorm(64), BiasedNorm(64)).to(dtype)
+    with torch.no_grad():
+        model[0].weight.normal_()
+    ref = copy.deepcopy(model)
+    w0 = model[0].weight
+    report = accelerate(model, attention=False)
+    assert type(model[0]) is seqfuse.pytorch.RMSNorm and model[0].zero_centered_gamma
+    assert model[0].weight is w0
+    assert "does not compute what seqfuse's RMSNorm computes" in report.reason("2")
+    assert "holds parameter(s) ['weight', 'bias']" in report.reason("3")
+    x = torch.randn(4, 7, 64).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel_error(model[0](x), ref[0](x)) <= tol
+    assert rel_error(model(x), ref(x)) <= tol
+
+
+@needs_modules
+def test_accelerate_gemma_zero_centered_rmsnorm():
+    """Gemma (RMSNorm with 1 + weight, GQA): every GemmaRMSNorm becomes
+    seqfuse's RMSNorm with zero-centred gamma, and the model matches the
+    original in logits, loss and gradients."""
+    def gemma():
+        torch.manual_seed(0)
+        cfg = transformers.GemmaConfig(vocab_size=99, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+        model = transformers.GemmaForCausalLM(cfg).eval()
+        with torch.no_grad():  # Gemma initialises the norm weights to 0 (gamma 1): make them matter
+            for n, p in model.named_parameters():
+                if "norm" in n:
+                    p.normal_(0, 0.3)
+        return model
+
+    def check(model, report, Linear, LayerNorm):
+        swapped = [s for s in report.swapped if s.original == "GemmaRMSNorm"]
+        assert len(swapped) == 5
+        assert all(m.zero_centered_gamma for m in model.modules() if type(m) is seqfuse.pytorch.RMSNorm)
+
+    run_and_compare(gemma, check, seqfuse.pytorch.Linear, seqfuse.pytorch.LayerNorm, tol=1e-5)

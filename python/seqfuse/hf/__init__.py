@@ -1,7 +1,8 @@
 """Hugging Face integration.
 
 - ``accelerate(model, recipe=None, attention=True)``: swap nn.Linear /
-  nn.LayerNorm of any PreTrainedModel for seqfuse's in place, and its
+  nn.LayerNorm (and the model's own RMSNorm classes, where a probe shows the
+  same function) of any PreTrainedModel for seqfuse's in place, and its
   attention for seqfuse's fused kernel (transformers' AttentionInterface,
   "seqfuse"); returns a report of what was swapped and what was left and why.
 - ESM-2 in seqfuse layers: ``SeqfuseEsmConfig`` (and the published shapes via

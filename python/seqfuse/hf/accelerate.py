@@ -19,7 +19,14 @@ report with the reason (never a silent fallback):
   16 (the FP8 GEMM's alignment),
 - modules that hold parameters but have no seqfuse counterpart
   (transformers' Conv1D, which stores its weight transposed; embeddings;
-  model-specific RMSNorm classes; bare parameters such as an LM head bias).
+  bare parameters such as an LM head bias).
+
+A model's own RMSNorm classes (LlamaRMSNorm, GemmaRMSNorm's 1 + weight,
+T5LayerNorm, ...: a "*Norm" class holding one 1-D weight and an eps) become
+seqfuse.pytorch.RMSNorm, with or without zero-centred gamma, only when the
+two compute the same thing: both are run on probe inputs (in the module's
+dtype and device, with its weights and with random ones, on a copy) and must
+agree within the dtype's rounding; otherwise the module is left, saying so.
 
 With a ``recipe``, the model's forward is wrapped to run under
 ``seqfuse.pytorch.autocast(enabled=True, recipe=recipe)``.
@@ -33,6 +40,7 @@ take the model's head dim on the model's device (asked of the kernel
 itself).  Attention dropout (while training) and sliding windows are applied
 in the kernel, as the model's layers ask.
 """
+import copy
 import functools
 from dataclasses import dataclass, field
 
@@ -106,6 +114,82 @@ def _seqfuse_modules():
     return Linear, LayerNorm
 
 
+def _seqfuse_rmsnorm():
+    from seqfuse.pytorch import RMSNorm
+
+    return RMSNorm
+
+
+#: relative difference (per row, the worst) allowed between a model's RMSNorm and
+#: seqfuse's on the probe: their rounding differs (upcast / scale / downcast order),
+#: nothing else
+_RMS_PROBE_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def _rmsnorm_eps(module):
+    for attr in ("variance_epsilon", "eps", "epsilon"):
+        v = getattr(module, attr, None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+    return None
+
+
+def _make_rmsnorm(RMSNorm, eps, zero_centered, m):
+    w = m.weight
+    new = RMSNorm(w.shape[0], eps=eps, zero_centered_gamma=zero_centered, params_dtype=w.dtype, device=w.device)
+    _move_params(m, new, ("weight",))
+    return new
+
+
+def _rmsnorm_plan(RMSNorm, module):
+    """(factory, None) when ``module`` (a model's own norm class) computes what
+    seqfuse's RMSNorm computes, with or without zero-centred gamma; else
+    (None, reason).  Decided by running both on probe inputs, with the
+    module's weights and with random ones (on a copy of the module)."""
+    cls = type(module).__name__
+    names = [n for n, _ in module.named_parameters(recurse=False)]
+    if names != ["weight"] or module.weight.dim() != 1:
+        return None, f"{cls} holds parameter(s) {names}; seqfuse's RMSNorm takes one 1-D weight"
+    why = _common_refusal(module)
+    if why is not None:
+        return None, why
+    eps = _rmsnorm_eps(module)
+    if eps is None:
+        return None, f"{cls} has no eps (variance_epsilon / eps) to carry over to seqfuse's RMSNorm"
+    w = module.weight
+    n = w.shape[0]
+    g = torch.Generator().manual_seed(0)
+    # rows at several magnitudes, down to where eps dominates the mean square
+    scale = torch.tensor([1e-3, 3e-2, 1.0, 30.0])[:, None, None]
+    x = (scale * torch.randn(4, 6, n, generator=g)).to(device=w.device, dtype=w.dtype)
+    weights = (w.detach(), torch.randn(n, generator=g).to(device=w.device, dtype=w.dtype))
+    probe = copy.deepcopy(module)
+    with torch.no_grad():
+        for zero_centered in (False, True):
+            cand = RMSNorm(n, eps=eps, zero_centered_gamma=zero_centered, params_dtype=w.dtype, device=w.device)
+            same = True
+            for weight in weights:
+                probe.weight.copy_(weight)
+                cand.weight.copy_(weight)
+                try:
+                    want, got = probe(x), cand(x)
+                except (RuntimeError, TypeError, ValueError, NotImplementedError) as e:
+                    return None, f"{cls}: probing it against seqfuse's RMSNorm failed ({type(e).__name__}: {e})"
+                if (not isinstance(want, torch.Tensor) or want.shape != got.shape or want.dtype != got.dtype
+                        or not torch.isfinite(want).all()):
+                    same = False
+                    break
+                rows = want.double().norm(dim=-1).clamp_min(1e-30)
+                diff = ((got.double() - want.double()).norm(dim=-1) / rows).max()  # the worst row
+                if diff > _RMS_PROBE_TOL[w.dtype]:
+                    same = False
+                    break
+            if same:
+                return functools.partial(_make_rmsnorm, RMSNorm, eps, zero_centered), None
+    return None, (f"{cls} does not compute what seqfuse's RMSNorm computes (with or without zero-centred "
+                  "gamma) on probe inputs; left as it is")
+
+
 def _common_refusal(module):
     """Why a module cannot be swapped whatever its type, or None."""
     if module._forward_hooks or module._forward_pre_hooks or getattr(module, "_backward_hooks", None):
@@ -160,9 +244,6 @@ def _other_reason(module):
                 "nn.Linear; swapping it would change the weight layout of the checkpoint")
     if isinstance(module, nn.Embedding):
         return "embedding lookup: not a GEMM or norm, no seqfuse replacement"
-    if "rmsnorm" in cls.lower():
-        return (f"{cls} is the model's own RMSNorm class, not nn.LayerNorm; its exact rounding "
-                "(upcast, scale, downcast order) is model-specific, so it is not swapped")
     if "norm" in cls.lower():
         return f"{cls} is not nn.LayerNorm; no seqfuse replacement"
     names = [n for n, _ in module.named_parameters(recurse=False)]
@@ -275,8 +356,10 @@ def _switch_attention(model, report):
 
 
 def accelerate(model, recipe=None, attention=True):
-    """Swap model's nn.Linear -> seqfuse.pytorch.Linear and nn.LayerNorm ->
-    seqfuse.pytorch.LayerNorm in place; return an AccelerateReport.
+    """Swap model's nn.Linear -> seqfuse.pytorch.Linear, nn.LayerNorm ->
+    seqfuse.pytorch.LayerNorm and its own RMSNorm classes (where a probe shows
+    the same function) -> seqfuse.pytorch.RMSNorm in place; return an
+    AccelerateReport.
 
     ``recipe`` (a seqfuse.common.recipe recipe, e.g. DelayedScaling()) makes
     the model's forward run under seqfuse autocast with it, and leaves the
@@ -287,11 +370,12 @@ def accelerate(model, recipe=None, attention=True):
     if not isinstance(model, nn.Module):
         raise TypeError(f"accelerate: model must be a torch.nn.Module, got {type(model).__name__}")
     Linear, LayerNorm = _seqfuse_modules()
+    RMSNorm = _seqfuse_rmsnorm()
     align = _gemm_alignment(recipe)
     report = AccelerateReport(recipe=recipe)
     plan = []  # (parent, child name, full name, new-module factory)
     for name, module in model.named_modules():
-        if isinstance(module, (Linear, LayerNorm)):
+        if isinstance(module, (Linear, LayerNorm, RMSNorm)):
             continue
         if isinstance(module, nn.Linear):
             why = _linear_refusal(module, align)
@@ -303,6 +387,12 @@ def accelerate(model, recipe=None, attention=True):
             why = _layernorm_refusal(module)
             if why is None:
                 plan.append((name, module, functools.partial(_make_layernorm, LayerNorm)))
+            else:
+                report.left.append(Left(name, type(module).__name__, why))
+        elif "norm" in type(module).__name__.lower() and any(True for _ in module.parameters(recurse=False)):
+            make, why = _rmsnorm_plan(RMSNorm, module)
+            if make is not None:
+                plan.append((name, module, make))
             else:
                 report.left.append(Left(name, type(module).__name__, why))
         elif any(True for _ in module.parameters(recurse=False)):
