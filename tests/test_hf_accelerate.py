@@ -771,3 +771,31 @@ def test_accelerate_gemma_zero_centered_rmsnorm():
         assert all(m.zero_centered_gamma for m in model.modules() if type(m) is seqfuse.pytorch.RMSNorm)
 
     run_and_compare(gemma, check, seqfuse.pytorch.Linear, seqfuse.pytorch.LayerNorm, tol=1e-5)
+
+
+def test_attention_function_reads_a_mask_once_per_tensor(monkeypatch):
+    """Every layer gets the same mask tensor: its padding layout (host syncs)
+    is worked out once and reused, and worked out again for another tensor or
+    after the mask is modified in place."""
+    from seqfuse.hf import attention as att
+
+    class M(nn.Module):
+        is_causal = True
+
+    calls = []
+    real = att._padding_layout_cached.compute
+    monkeypatch.setattr(att._padding_layout_cached, "compute", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(att._padding_layout_cached, "entry", None)
+    q = torch.randn(2, 4, 6, 8)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[0, :2] = False
+    first, _ = att.seqfuse_attention_forward(M(), q, q, q, mask)
+    for _ in range(3):  # "layers"
+        again, _ = att.seqfuse_attention_forward(M(), q, q, q, mask)
+        assert torch.equal(again, first)
+    assert len(calls) == 1
+    mask[1, :3] = False  # in place: the cached layout is stale
+    changed, _ = att.seqfuse_attention_forward(M(), q, q, q, mask)
+    assert len(calls) == 2 and not torch.equal(changed[1, 3:], first[1, 3:])
+    att.seqfuse_attention_forward(M(), q, q, q, mask.clone())  # another tensor, same values
+    assert len(calls) == 3

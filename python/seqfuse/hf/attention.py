@@ -30,13 +30,33 @@ soft-capping, holes in the mask (a row of more than one run of tokens),
 packed batches with a padding mask or a KV cache, and position ids
 that restart but do not then count up by one.
 
-Packed batches described only by position ids cost a few host syncs per
-layer (finding the sequence starts), as in transformers' flash-attention
-path; the cu_seq_lens keywords avoid them.
+Reading a mask's padding or the sequence starts of packed position ids costs
+a few host syncs; transformers hands every layer the same mask and position
+ids tensors, so the result is kept for the tensor it came from (while it
+lives and is not modified in place: its version counter) and the other layers
+reuse it.
 """
+import weakref
+
 import torch
 
 from .. import ops
+
+
+class _PerTensor:
+    """The last result computed from one tensor (plus extra key), reused while
+    that very tensor object is alive and unmodified (same ``_version``)."""
+
+    def __init__(self, compute):
+        self.compute, self.entry = compute, None
+
+    def __call__(self, t, *extra):
+        e = self.entry
+        if e is not None and e[0]() is t and e[1] == t._version and e[2] == extra:
+            return e[3]
+        result = self.compute(t, *extra)
+        self.entry = (weakref.ref(t), t._version, extra, result)
+        return result
 
 NAME = "seqfuse"
 
@@ -112,13 +132,18 @@ def _packed_thd(attention_mask, s_q, s_kv, kwargs):
                                   f"kv_len {s_kv}) is not supported")
     cu_q, cu_kv = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is None and cu_kv is None:
-        cu, longest = _cu_seqlens_of_positions(kwargs["position_ids"])
+        cu, longest = _cu_seqlens_of_positions_cached(kwargs["position_ids"])
         return cu, cu, longest, longest
     if cu_q is None or cu_kv is None:
         raise ValueError("seqfuse attention: cu_seq_lens_q and cu_seq_lens_k come together")
     max_q, max_kv = kwargs.get("max_length_q"), kwargs.get("max_length_k")
     return (cu_q.to(torch.int32), cu_kv.to(torch.int32), None if max_q is None else int(max_q),
             None if max_kv is None else int(max_kv))
+
+
+_padding_layout_cached = _PerTensor(_padding_layout)
+_is_packed_cached = _PerTensor(_is_packed)
+_cu_seqlens_of_positions_cached = _PerTensor(_cu_seqlens_of_positions)
 
 
 def seqfuse_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -138,8 +163,9 @@ def seqfuse_attention_forward(module, query, key, value, attention_mask, dropout
     s_q, s_kv = q.shape[1], k.shape[1]
     cu_q = cu_kv = max_q = max_kv = None
     fmt = "bshd"
+    pos = kwargs.get("position_ids")
     if (kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None
-            or _is_packed(kwargs.get("position_ids"), q.shape[0])):
+            or (pos is not None and _is_packed_cached(pos, q.shape[0]))):
         if q.shape[0] != 1:
             raise NotImplementedError(f"seqfuse attention: packed batches (cu_seq_lens) come as one row, got "
                                       f"batch {q.shape[0]}")
@@ -151,7 +177,7 @@ def seqfuse_attention_forward(module, query, key, value, attention_mask, dropout
         if attention_mask.shape[-1] != s_kv or s_q > s_kv:
             raise ValueError(f"seqfuse attention: the attention mask covers {attention_mask.shape[-1]} keys; "
                              f"the call has {s_kv} keys and {s_q} queries")
-        fmt, cu_q, max_q, cu_kv, max_kv = _padding_layout(attention_mask, s_q)
+        fmt, cu_q, max_q, cu_kv, max_kv = _padding_layout_cached(attention_mask, s_q)
         if fmt == "thd":  # the rows end to end: [b * s, heads, dim]
             q, k, v = (t.reshape(-1, t.shape[2], t.shape[3]) for t in (q, k, v))
         # queries sit at the end of their key run (a cache), so causality aligns bottom-right
