@@ -94,6 +94,7 @@ from .autocast import (AutocastState, autocast, autocast_state, fp8_autocast, fp
 from .quantize import (quantize, quantize_block, quantize_current, quantize_mxfp8,
                        quantize_nvfp4, quantize_with_state)
 from .state import GRAD_OUTPUT, INPUT, WEIGHT, ScalingState, register_scaling_state
+from .checkpoint import checkpoint
 from .stats import disable_stats, enable_stats, name_states, stats_records
 from .tensor import Float8BlockTensor, Float8Tensor, MXFP8Tensor, NVFP4Tensor
 
@@ -102,7 +103,7 @@ __all__ = [
     "MXFP8BlockScaling", "NVFP4BlockScaling",
     "AutocastState", "autocast", "fp8_autocast", "autocast_state", "is_fp8_enabled", "get_recipe",
     "get_amax_reduction_group", "reduce_and_update", "quantized_model_init", "fp8_model_init",
-    "quantized_model_init_state",
+    "quantized_model_init_state", "checkpoint",
     "quantize", "quantize_with_state", "quantize_current", "quantize_block", "quantize_mxfp8",
     "quantize_nvfp4",
     "ScalingState", "register_scaling_state", "INPUT", "WEIGHT", "GRAD_OUTPUT",

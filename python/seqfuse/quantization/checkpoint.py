@@ -1,0 +1,114 @@
+"""checkpoint: activation recomputation that keeps FP8 numerics.
+
+``torch.utils.checkpoint`` drops a region's activations and runs its forward
+again during the backward.  Under seqfuse autocast that second forward would
+run after the region has exited: FP8 off, so it computes something else than
+the forward did (torch notices the different saved tensors and raises), and
+with delayed scaling the scales have moved on (the step's update runs at the
+autocast exit) and the recompute would record its amaxes into the next step.
+
+``checkpoint(function, *args, **kwargs)`` is torch's non-reentrant
+checkpoint with two contexts (torch's ``context_fn``):
+
+- the original forward notes, for every delayed-scaling scale it reads
+  (``ScalingState.scale_of``: input casts, the norm's and activation's FP8
+  outputs), a copy of it;
+- the recompute re-enters the forward's autocast settings (enabled, recipe,
+  reduction group, calibrating) without an exit update, reads those copies
+  instead of the states' current scales, and records its amaxes
+  (``ScalingState.amax_of``) into scratch tensors, not into the step's
+  history.  A recompute that reads a scale the forward did not raises
+  RuntimeError.
+
+Current and block scaling derive scales from the tensors themselves, so the
+recompute only needs the autocast settings back.  Dropout draws from torch's
+generator, whose state torch's checkpoint restores (preserve_rng_state).
+"""
+import contextlib
+import threading
+
+import torch
+
+_local = threading.local()
+
+
+def _stack(name):
+    s = getattr(_local, name, None)
+    if s is None:
+        s = []
+        setattr(_local, name, s)
+    return s
+
+
+def scale_for(state, index, scale):
+    """What ``state.scale_of(index)`` returns: ``scale`` (the live one),
+    noted inside a checkpointed forward, replaced by the noted copy inside
+    its recompute."""
+    replays = _stack("replays")
+    if replays:
+        try:
+            return replays[-1][(id(state), index)]
+        except KeyError:
+            raise RuntimeError("seqfuse checkpoint: the recompute read an FP8 scale the forward did not "
+                               "(a forward that depends on more than its inputs?)") from None
+    records = _stack("records")
+    if records:
+        records[-1].setdefault((id(state), index), scale.detach().clone())
+    return scale
+
+
+def amax_for(amax):
+    """What ``state.amax_of(index)`` returns: the step's slot, or a scratch
+    tensor inside a recompute (its amaxes were recorded by the forward)."""
+    return torch.zeros_like(amax) if _stack("replays") else amax
+
+
+@contextlib.contextmanager
+def _recording(casts):
+    records = _stack("records")
+    records.append(casts)
+    try:
+        yield
+    finally:
+        records.pop()
+
+
+@contextlib.contextmanager
+def _replaying(settings, casts):
+    from .autocast import autocast_state  # (autocast imports state, which imports this module)
+
+    s = autocast_state()
+    before = (s.enabled, s.recipe, s.amax_reduction_group, s.calibrating)
+    s.enabled, s.recipe, s.amax_reduction_group, s.calibrating = settings
+    replays = _stack("replays")
+    replays.append(casts)
+    try:
+        yield
+    finally:
+        replays.pop()
+        s.enabled, s.recipe, s.amax_reduction_group, s.calibrating = before
+
+
+def checkpoint(function, *args, use_reentrant=False, distribute_saved_activations=False,
+               get_rng_state_tracker=None, tp_group=None, **kwargs):
+    """Run ``function(*args, **kwargs)`` without keeping its activations;
+    recompute them in the backward with the forward's FP8 settings and
+    scales.  Transformer Engine's signature; only the non-reentrant form (no
+    tensor parallelism: the remaining arguments must keep their defaults)."""
+    if use_reentrant:
+        raise NotImplementedError("checkpoint: use_reentrant=True is not supported; seqfuse's checkpoint is "
+                                  "torch's non-reentrant one (use_reentrant=False)")
+    if distribute_saved_activations or get_rng_state_tracker is not None or tp_group is not None:
+        raise NotImplementedError("checkpoint: distribute_saved_activations, get_rng_state_tracker and "
+                                  "tp_group (tensor parallelism) are not supported")
+    from .autocast import autocast_state
+
+    s = autocast_state()
+    settings = (s.enabled, s.recipe, s.amax_reduction_group, s.calibrating)
+    casts = {}  # (id(state), index) -> the scale the forward used
+
+    def context_fn():
+        return _recording(casts), _replaying(settings, casts)
+
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, context_fn=context_fn,
+                                             **kwargs)

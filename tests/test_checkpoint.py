@@ -1,0 +1,103 @@
+"""seqfuse.pytorch.checkpoint (activation recomputation under FP8): a
+checkpointed module gives bit for bit the outputs and gradients of the same
+module run plainly, step after step (so delayed scaling's scales and amax
+histories evolve alike: the recompute neither uses the moved-on scales nor
+records its amaxes), under every per-tensor and block recipe and in bf16,
+with dropout inside; and its refusals."""
+import pytest
+import torch
+from torch import nn
+
+import seqfuse.pytorch as te
+from seqfuse.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+from helpers import needs_fp8
+
+# delayed scaling from the latest amax only, so each step's scales follow that step's amaxes:
+# a recompute that used the moved-on scales, or recorded its amaxes into the next step, shows
+RECIPES = {"bf16": None, "delayed": DelayedScaling(amax_history_len=1, amax_compute_algo="most_recent"),
+           "delayed_max": DelayedScaling(), "current": Float8CurrentScaling(), "block": Float8BlockScaling()}
+SCALES = {"growing": (1.0, 2.0, 4.0), "shrinking": (4.0, 2.0, 1.0)}
+
+
+def steps(make, inputs, recipe, ck):
+    torch.manual_seed(0)
+    m = make()
+    out = []
+    for i, x in enumerate(inputs):
+        x = x.clone().requires_grad_()
+        torch.manual_seed(100 + i)  # the same dropout draws in both runs
+        with te.autocast(enabled=recipe is not None, recipe=recipe):
+            y = te.checkpoint(m, x) if ck else m(x)
+        y.float().pow(2).sum().backward()
+        out.append([y.detach(), x.grad] + [p.grad.clone() for p in m.parameters() if p.grad is not None])
+        m.zero_grad(set_to_none=True)
+    return out
+
+
+def assert_same(a, b):
+    for step_a, step_b in zip(a, b):
+        assert len(step_a) == len(step_b)
+        for u, v in zip(step_a, step_b):
+            assert torch.equal(u, v)
+
+
+@needs_fp8
+@pytest.mark.parametrize("inputs", sorted(SCALES))
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_checkpointed_layernorm_mlp_equals_plain(recipe, inputs):
+    torch.manual_seed(1)
+    inputs = [torch.randn(64, 128) * c for c in SCALES[inputs]]
+    make = lambda: te.LayerNormMLP(128, 256)  # noqa: E731
+    assert_same(steps(make, inputs, RECIPES[recipe], False), steps(make, inputs, RECIPES[recipe], True))
+
+
+@needs_fp8
+@pytest.mark.parametrize("recipe", ["bf16", "delayed"])
+def test_checkpointed_transformer_layer_with_dropout_equals_plain(recipe):
+    inputs = [torch.randn(2, 16, 128) * c for c in SCALES["shrinking"]]  # [b, s, h]
+
+    def make():
+        return te.TransformerLayer(128, 256, 4, hidden_dropout=0.1, attention_dropout=0.1,
+                                   attn_input_format="bshd", self_attn_mask_type="causal")
+
+    plain, ck = steps(make, inputs, RECIPES[recipe], False), steps(make, inputs, RECIPES[recipe], True)
+    assert_same(plain, ck)
+
+
+@needs_fp8
+def test_torch_checkpoint_alone_cannot_recompute_fp8():
+    """Why seqfuse has its own: torch's recompute runs after the autocast
+    region has exited, so it computes in high precision and torch refuses."""
+    m = te.Linear(64, 64)
+    x = torch.randn(32, 64, requires_grad=True)
+    with te.autocast(enabled=True, recipe=DelayedScaling()):
+        y = torch.utils.checkpoint.checkpoint(m, x, use_reentrant=False)
+    with pytest.raises(torch.utils.checkpoint.CheckpointError):
+        y.sum().backward()
+
+
+def test_checkpoint_refusals():
+    m = nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="use_reentrant=True"):
+        te.checkpoint(m, x, use_reentrant=True)
+    with pytest.raises(NotImplementedError, match="tensor parallelism"):
+        te.checkpoint(m, x, tp_group=object())
+
+
+@needs_fp8
+def test_recompute_that_reads_other_scales_raises():
+    """A function whose recompute runs another FP8 module than its forward
+    (it depends on more than its inputs) is refused, not recomputed wrongly."""
+    a, b = te.Linear(64, 64), te.Linear(64, 64)
+    calls = []
+
+    def fn(x):
+        calls.append(1)
+        return (a if len(calls) == 1 else b)(x)
+
+    x = torch.randn(32, 64, requires_grad=True)
+    with te.autocast(enabled=True, recipe=DelayedScaling()):
+        y = te.checkpoint(fn, x)
+    with pytest.raises(RuntimeError, match="read an FP8 scale the forward did not"):
+        y.sum().backward()
