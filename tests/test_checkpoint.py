@@ -101,3 +101,71 @@ def test_recompute_that_reads_other_scales_raises():
         y = te.checkpoint(fn, x)
     with pytest.raises(RuntimeError, match="read an FP8 scale the forward did not"):
         y.sum().backward()
+
+
+@needs_fp8
+@pytest.mark.parametrize("recipe", ["bf16", "delayed"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_esm_activation_checkpointing_equals_plain(recipe, packed):
+    """SeqfuseEsmForMaskedLM with activation checkpointing (through
+    transformers' gradient_checkpointing_enable name): the same loss and
+    gradients, bit for bit, over 3 steps, padded and packed; off in eval."""
+    from seqfuse.hf import SeqfuseEsmForMaskedLM, esm2_config
+
+    cfg = esm2_config("8M", num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4)
+    torch.manual_seed(0)
+    ids = torch.randint(4, 29, (2, 16))
+    cu = torch.tensor([0, 9, 16], dtype=torch.int32)
+
+    def run(ck):
+        torch.manual_seed(0)
+        m = SeqfuseEsmForMaskedLM(cfg)
+        if ck:
+            m.gradient_checkpointing_enable()
+            assert m.is_gradient_checkpointing
+        m.train()
+        out = []
+        for step in range(3):
+            torch.manual_seed(50 + step)
+            with te.autocast(enabled=RECIPES[recipe] is not None, recipe=RECIPES[recipe]):
+                if packed:
+                    loss = m(input_ids=ids[0], labels=ids[0], cu_seqlens=cu, max_seqlen=9).loss
+                else:
+                    loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            out.append([loss.detach()] + [p.grad.clone() for p in m.parameters() if p.grad is not None])
+            m.zero_grad(set_to_none=True)
+        return out
+
+    assert_same(run(False), run(True))
+
+
+def test_esm_activation_checkpointing_refuses_reentrant():
+    from seqfuse.hf import SeqfuseEsmForMaskedLM, esm2_config
+
+    m = SeqfuseEsmForMaskedLM(esm2_config("8M", num_hidden_layers=1))
+    with pytest.raises(NotImplementedError, match="use_reentrant=True"):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    assert not m.is_gradient_checkpointing
+    m.set_activation_checkpointing(True)
+    m.gradient_checkpointing_disable()
+    assert not m.is_gradient_checkpointing
+
+
+def test_esm_activation_checkpointing_recomputes_in_training_only(monkeypatch):
+    from seqfuse.hf import SeqfuseEsmForMaskedLM, esm2_config
+    from seqfuse.hf import esm as esm_mod
+
+    calls = []
+    real = esm_mod.checkpoint
+    monkeypatch.setattr(esm_mod, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    m = SeqfuseEsmForMaskedLM(esm2_config("8M", num_hidden_layers=3)).train()
+    m.set_activation_checkpointing(True)
+    ids = torch.randint(4, 29, (2, 8))
+    m(input_ids=ids, labels=ids).loss.backward()
+    assert len(calls) == 3  # one per layer
+    m.eval()
+    m(input_ids=ids, labels=ids)
+    with torch.no_grad():
+        m.train()(input_ids=ids, labels=ids)
+    assert len(calls) == 3

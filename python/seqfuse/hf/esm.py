@@ -31,6 +31,7 @@ from transformers import initialization as init
 from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput
 
 from ..modules.rope import RotaryPositionEmbedding
+from ..quantization.checkpoint import checkpoint
 from ..modules.transformer_layer import TransformerLayer
 from .esm_config import SeqfuseEsmConfig
 
@@ -124,7 +125,37 @@ class SeqfuseEsmPreTrainedModel(PreTrainedModel):
     base_model_prefix = "esm"
     main_input_name = "input_ids"
     _no_split_modules = ["TransformerLayer", "SeqfuseEsmEmbeddings"]
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = False  # transformers' own mechanism is not used: see below
+
+    # Activation checkpointing: seqfuse's FP8-aware checkpoint around each
+    # TransformerLayer while training.  transformers' enable/disable names
+    # (the Trainer's gradient_checkpointing=True calls them) lead here.
+    def set_activation_checkpointing(self, enabled=True):
+        """Recompute each TransformerLayer's activations in the backward
+        (seqfuse.pytorch.checkpoint: the forward's FP8 settings and scales)
+        while training: less activation memory for one more layer forward."""
+        for m in self.modules():
+            if isinstance(m, SeqfuseEsmModel):
+                m.activation_checkpointing = bool(enabled)
+        return self
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **kwargs):
+        kw = dict(gradient_checkpointing_kwargs or {}, **kwargs.pop("activation_checkpointing_kwargs", None) or {})
+        if kw.get("use_reentrant"):
+            raise NotImplementedError("gradient_checkpointing_kwargs: use_reentrant=True is not supported; "
+                                      "seqfuse's checkpoint is non-reentrant")
+        self.set_activation_checkpointing(True)
+
+    def gradient_checkpointing_disable(self):
+        self.set_activation_checkpointing(False)
+
+    activation_checkpointing_enable = gradient_checkpointing_enable
+    activation_checkpointing_disable = gradient_checkpointing_disable
+
+    @property
+    def is_gradient_checkpointing(self):
+        return any(getattr(m, "activation_checkpointing", False) for m in self.modules()
+                   if isinstance(m, SeqfuseEsmModel))
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
@@ -208,6 +239,7 @@ class SeqfuseEsmModel(SeqfuseEsmPreTrainedModel):
                                                          device=_device())
         self.encoder = SeqfuseEsmEncoder(config)
         self.contact_head = SeqfuseEsmContactPredictionHead(config.num_hidden_layers * config.num_attention_heads)
+        self.activation_checkpointing = False  # set_activation_checkpointing
         self.post_init()
 
     def get_input_embeddings(self):
@@ -243,10 +275,14 @@ class SeqfuseEsmModel(SeqfuseEsmPreTrainedModel):
             else:
                 layer_kw = dict(self_attn_mask_type="no_mask", qkv_format="bshd")
         hidden = [] if output_hidden_states else None
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.encoder.layers:
             if hidden is not None:
                 hidden.append(x)
-            x = layer(x, rotary_pos_emb=freqs, **layer_kw)
+            if recompute:
+                x = checkpoint(layer, x, rotary_pos_emb=freqs, **layer_kw)
+            else:
+                x = layer(x, rotary_pos_emb=freqs, **layer_kw)
         x = self.encoder.emb_layer_norm_after(x)
         if hidden is not None:
             hidden.append(x)

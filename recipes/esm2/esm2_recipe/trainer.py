@@ -128,6 +128,8 @@ def build_model(cfg, device, dtype):
     # ESM-2's contact regression is fitted after pre-training, never by the MLM
     # loss: frozen, so it gets no optimizer state (and no zero gradients).
     model.esm.contact_head.requires_grad_(False)
+    if cfg.train.get("activation_checkpointing", False):
+        model.set_activation_checkpointing(True)  # FP8-aware (seqfuse.pytorch.checkpoint)
     return model, mcfg
 
 
