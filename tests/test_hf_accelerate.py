@@ -799,3 +799,42 @@ def test_attention_function_reads_a_mask_once_per_tensor(monkeypatch):
     assert len(calls) == 2 and not torch.equal(changed[1, 3:], first[1, 3:])
     att.seqfuse_attention_forward(M(), q, q, q, mask.clone())  # another tensor, same values
     assert len(calls) == 3
+
+
+@needs_modules
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_accelerate_fp8_with_transformers_gradient_checkpointing(order, caplog):
+    """accelerate(model, recipe=DelayedScaling()) with transformers' gradient
+    checkpointing enabled before or after the swap: the recompute goes
+    through seqfuse's checkpoint (torch's would run outside autocast and
+    raise), and the losses and gradients equal the run without checkpointing
+    bit for bit over 3 steps; a use_reentrant=True request is logged as not taken."""
+    import logging
+
+    from seqfuse.common.recipe import DelayedScaling
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    base = transformers.LlamaForCausalLM(cfg).train()
+
+    def run(ck):
+        m = copy.deepcopy(base)
+        if ck and order == "before":
+            m.gradient_checkpointing_enable()
+        accelerate(m, recipe=DelayedScaling(amax_history_len=1, amax_compute_algo="most_recent"))
+        if ck and order == "after":
+            with caplog.at_level(logging.WARNING, logger="seqfuse"):
+                m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+            assert any("use_reentrant=True is not taken" in r.getMessage() for r in caplog.records)
+        out = []
+        for step in range(3):
+            ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(step))
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            out.append([loss.detach()] + [p.grad.clone() for p in m.parameters() if p.grad is not None])
+            m.zero_grad(set_to_none=True)
+        return out
+
+    for a, b in zip(run(False), run(True)):
+        assert len(a) == len(b) and all(torch.equal(u, v) for u, v in zip(a, b))

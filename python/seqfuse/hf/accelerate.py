@@ -31,6 +31,12 @@ agree within the dtype's rounding; otherwise the module is left, saying so.
 With a ``recipe``, the model's forward is wrapped to run under
 ``seqfuse.pytorch.autocast(enabled=True, recipe=recipe)``.
 
+transformers' gradient checkpointing (``gradient_checkpointing_enable``,
+before or after the swap) is routed through seqfuse.pytorch.checkpoint,
+which recomputes with the forward's FP8 settings and scales (torch's own
+recomputes outside autocast, and torch then raises).  It is non-reentrant;
+a use_reentrant=True request is replaced, and the log says so.
+
 Attention (``attention=True``): a transformers model whose attention layers
 go through transformers' AttentionInterface is switched to seqfuse's fused
 attention (seqfuse.hf.attention) with ``set_attn_implementation("seqfuse")``;
@@ -42,10 +48,13 @@ in the kernel, as the model's layers ask.
 """
 import copy
 import functools
+import logging
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+_log = logging.getLogger("seqfuse")
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP8_ALIGN = 16
@@ -416,4 +425,53 @@ def accelerate(model, recipe=None, attention=True):
         _switch_attention(model, report)
     if recipe is not None:
         _wrap_forward(model, recipe)
+    _route_checkpointing(model)
     return report
+
+
+def _seqfuse_checkpoint_like(func):
+    """seqfuse's checkpoint in place of torch's (as transformers passes it: a
+    partial with keyword arguments); any other function is kept, with a warning."""
+    from ..quantization.checkpoint import checkpoint
+
+    torch_ck = torch.utils.checkpoint.checkpoint
+    if func is torch_ck:
+        return checkpoint
+    if isinstance(func, functools.partial) and func.func is torch_ck and not func.args:
+        kw = dict(func.keywords)
+        if kw.pop("use_reentrant", False):
+            _log.warning("seqfuse.hf.accelerate: gradient checkpointing runs non-reentrant "
+                         "(seqfuse.pytorch.checkpoint, which keeps FP8 numerics); use_reentrant=True is not taken")
+        return functools.partial(checkpoint, **kw)
+    if func is checkpoint or (isinstance(func, functools.partial) and func.func is checkpoint):
+        return func
+    _log.warning("seqfuse.hf.accelerate: the gradient checkpointing function %r is not torch's checkpoint and is "
+                 "kept; under an FP8 recipe its recompute runs outside seqfuse autocast", func)
+    return func
+
+
+def _route_checkpointing(model):
+    """Make transformers' gradient checkpointing use seqfuse's checkpoint: the
+    model's _set_gradient_checkpointing (what every transformers version's
+    enable calls) swaps the function it is handed; layers that already hold
+    one are switched now."""
+    setter = getattr(model, "_set_gradient_checkpointing", None)
+    if not isinstance(model, nn.Module) or setter is None or getattr(setter, "_seqfuse", False):
+        return
+    import inspect
+
+    if "value" in inspect.signature(setter).parameters:  # transformers' pre-4.35 format: not routed
+        return
+
+    def _set_gradient_checkpointing(enable=True, gradient_checkpointing_func=None, **kwargs):
+        if gradient_checkpointing_func is None:
+            return setter(enable=enable, **kwargs)
+        return setter(enable=enable, gradient_checkpointing_func=_seqfuse_checkpoint_like(gradient_checkpointing_func),
+                      **kwargs)
+
+    _set_gradient_checkpointing._seqfuse = True
+    model._set_gradient_checkpointing = _set_gradient_checkpointing
+    for m in model.modules():
+        f = m.__dict__.get("_gradient_checkpointing_func")
+        if f is not None:
+            m._gradient_checkpointing_func = _seqfuse_checkpoint_like(f)
