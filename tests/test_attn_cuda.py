@@ -260,8 +260,12 @@ def test_cuda_runs_on_current_stream_and_in_graph(seed):
     q.copy_(torch.randn_like(q))
     graph.replay()
     torch.cuda.synchronize()
-    new_out, _ = seqfuse.ops.attention_fwd(q, k, v, attn_mask_type="causal")
+    new_out, new_lse = seqfuse.ops.attention_fwd(q, k, v, attn_mask_type="causal")
     assert torch.equal(out_g, new_out)
+    # the replayed backward too (dQ by atomics: equal within the backward's tolerance, not bitwise)
+    new_g = seqfuse.ops.attention_bwd(dout, q, k, v, new_out, new_lse, attn_mask_type="causal")
+    for name, a, b in zip(("dq", "dk", "dv"), g_g, new_g):
+        assert rel_error(a, b) <= BWD_TOL[q.dtype], name
 
 
 def test_cuda_bad_inputs():

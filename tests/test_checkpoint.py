@@ -150,6 +150,12 @@ def test_esm_activation_checkpointing_refuses_reentrant():
     m.set_activation_checkpointing(True)
     m.gradient_checkpointing_disable()
     assert not m.is_gradient_checkpointing
+    for kw in (dict(every_n_layers=2), dict(offload=True)):
+        with pytest.raises(NotImplementedError, match="every_n_layers"):
+            m.gradient_checkpointing_enable(**kw)
+        assert not m.is_gradient_checkpointing
+    m.activation_checkpointing_enable({"use_reentrant": False})
+    assert m.is_gradient_checkpointing
 
 
 def test_esm_activation_checkpointing_recomputes_in_training_only(monkeypatch):

@@ -838,3 +838,67 @@ def test_accelerate_fp8_with_transformers_gradient_checkpointing(order, caplog):
 
     for a, b in zip(run(False), run(True)):
         assert len(a) == len(b) and all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+
+def test_attention_function_refusals_of_packing_and_masks():
+    from seqfuse.hf.attention import seqfuse_attention_forward
+
+    class M(nn.Module):
+        is_causal = True
+
+    q, k, v, pos, cu = _packed_case([5, 7])
+    q2 = torch.cat([q, q])
+    with pytest.raises(NotImplementedError, match="come as one row"):
+        seqfuse_attention_forward(M(), q2, torch.cat([k, k]), torch.cat([v, v]), None, cu_seq_lens_q=cu,
+                                  cu_seq_lens_k=cu)
+    with pytest.raises(NotImplementedError, match="key cache"):
+        seqfuse_attention_forward(M(), q[:, :, :6], k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    with pytest.raises(ValueError, match="covers 5 keys"):
+        seqfuse_attention_forward(M(), q, k, v, torch.ones(1, 5, dtype=torch.bool))
+
+
+def test_gradient_checkpointing_function_other_than_torchs_is_kept_with_a_warning(caplog):
+    import functools
+    import logging
+
+    from seqfuse.quantization.checkpoint import checkpoint as sf_checkpoint
+
+    like = accelerate_mod._seqfuse_checkpoint_like
+    ck = torch.utils.checkpoint.checkpoint
+    assert like(ck) is sf_checkpoint
+    routed = like(functools.partial(ck, use_reentrant=False, preserve_rng_state=False))
+    assert routed.func is sf_checkpoint and routed.keywords == {"preserve_rng_state": False}
+    assert like(routed) is routed
+
+    def mine(fn, *a, **k):
+        return fn(*a, **k)
+
+    with caplog.at_level(logging.WARNING, logger="seqfuse"):
+        assert like(mine) is mine
+    assert any("is not torch's checkpoint and is kept" in r.getMessage() for r in caplog.records)
+
+
+class NoEpsRMSNorm(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class FailingNorm(NoEpsRMSNorm):
+    eps = 1e-6
+
+    def forward(self, x):
+        raise ValueError("only takes 2-D input")
+
+
+@needs_modules
+def test_model_norms_without_eps_or_failing_the_probe_are_left():
+    model = nn.Sequential(NoEpsRMSNorm(16), FailingNorm(16))
+    report = accelerate(model, attention=False)
+    assert "has no eps" in report.reason("0")
+    assert "probing it against seqfuse's RMSNorm failed (ValueError: only takes 2-D input)" in report.reason("1")
+    assert type(model[0]) is NoEpsRMSNorm and type(model[1]) is FailingNorm

@@ -48,6 +48,7 @@ in the kernel, as the model's layers ask.
 """
 import copy
 import functools
+import inspect
 import logging
 from dataclasses import dataclass, field
 
@@ -458,8 +459,6 @@ def _route_checkpointing(model):
     setter = getattr(model, "_set_gradient_checkpointing", None)
     if not isinstance(model, nn.Module) or setter is None or getattr(setter, "_seqfuse", False):
         return
-    import inspect
-
     if "value" in inspect.signature(setter).parameters:  # transformers' pre-4.35 format: not routed
         return
 

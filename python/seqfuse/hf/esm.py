@@ -139,11 +139,15 @@ class SeqfuseEsmPreTrainedModel(PreTrainedModel):
                 m.activation_checkpointing = bool(enabled)
         return self
 
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **kwargs):
-        kw = dict(gradient_checkpointing_kwargs or {}, **kwargs.pop("activation_checkpointing_kwargs", None) or {})
-        if kw.get("use_reentrant"):
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, every_n_layers=1, offload=False):
+        """transformers' entry (also reached as activation_checkpointing_enable):
+        every layer, non-reentrant, activations kept on the device."""
+        if (gradient_checkpointing_kwargs or {}).get("use_reentrant"):
             raise NotImplementedError("gradient_checkpointing_kwargs: use_reentrant=True is not supported; "
                                       "seqfuse's checkpoint is non-reentrant")
+        if every_n_layers != 1 or offload:
+            raise NotImplementedError(f"gradient_checkpointing_enable: every_n_layers={every_n_layers!r} and "
+                                      f"offload={offload!r} are not supported (every layer, on the device)")
         self.set_activation_checkpointing(True)
 
     def gradient_checkpointing_disable(self):

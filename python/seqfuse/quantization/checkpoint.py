@@ -30,6 +30,11 @@ import threading
 import torch
 
 _local = threading.local()
+# How many recording / replaying contexts are open in any thread: scale_of and
+# amax_of run for every FP8 cast, and with none open they return at once
+# (no thread-local lookup on the hot path).
+_open = 0
+_open_lock = threading.Lock()
 
 
 def _stack(name):
@@ -40,37 +45,53 @@ def _stack(name):
     return s
 
 
+def _top(name):
+    s = getattr(_local, name, None)
+    return s[-1] if s else None
+
+
+def _opened(delta):
+    global _open
+    with _open_lock:
+        _open += delta
+
+
 def scale_for(state, index, scale):
     """What ``state.scale_of(index)`` returns: ``scale`` (the live one),
     noted inside a checkpointed forward, replaced by the noted copy inside
     its recompute."""
-    replays = _stack("replays")
-    if replays:
+    if not _open:
+        return scale
+    key = (id(state), index)
+    replay = _top("replays")
+    if replay is not None:
         try:
-            return replays[-1][(id(state), index)]
+            return replay[key]
         except KeyError:
             raise RuntimeError("seqfuse checkpoint: the recompute read an FP8 scale the forward did not "
                                "(a forward that depends on more than its inputs?)") from None
-    records = _stack("records")
-    if records:
-        records[-1].setdefault((id(state), index), scale.detach().clone())
+    record = _top("records")
+    if record is not None and key not in record:
+        record[key] = scale.detach().clone()
     return scale
 
 
 def amax_for(amax):
     """What ``state.amax_of(index)`` returns: the step's slot, or a scratch
     tensor inside a recompute (its amaxes were recorded by the forward)."""
-    return torch.zeros_like(amax) if _stack("replays") else amax
+    return torch.zeros_like(amax) if _open and _top("replays") is not None else amax
 
 
 @contextlib.contextmanager
 def _recording(casts):
     records = _stack("records")
     records.append(casts)
+    _opened(1)
     try:
         yield
     finally:
         records.pop()
+        _opened(-1)
 
 
 @contextlib.contextmanager
@@ -82,10 +103,12 @@ def _replaying(settings, casts):
     s.enabled, s.recipe, s.amax_reduction_group, s.calibrating = settings
     replays = _stack("replays")
     replays.append(casts)
+    _opened(1)
     try:
         yield
     finally:
         replays.pop()
+        _opened(-1)
         s.enabled, s.recipe, s.amax_reduction_group, s.calibrating = before
 
 
