@@ -32,6 +32,32 @@
 
 SF_HD float sf_sigmoid(float x) { return SF_ACT_FDIV(1.0f, 1.0f + SF_ACT_EXP(-x)); }
 
+/* erfc(x) in single precision without branches: t = 1 / (1 + |x| / 2),
+ * erfc(|x|) = t exp(-x^2 + P(t)) with P of degree 9 (the Chebyshev fit of
+ * Numerical Recipes' erfcc, fractional error below 1.2e-7 in exact
+ * arithmetic), erfc(-|x|) = 2 - erfc(|x|).  In float32 the rounding of the
+ * exponent's argument bounds the relative error: about 1e-6 for |x| < 5, 8e-6
+ * near |x| = 9, far below the 16-bit types' resolution.  It replaces
+ * erfcf(), whose interval branches and extra exponentials made the erf GELU
+ * the one activation kernel well below the copy rate (45 % against 90 %). */
+SF_HD float sf_erfc(float x)
+{
+    const float z = fabsf(x);
+    const float t = SF_ACT_FDIV(1.0f, 1.0f + 0.5f * z);
+    float p = 0.17087277f;
+    p = p * t - 0.82215223f;
+    p = p * t + 1.48851587f;
+    p = p * t - 1.13520398f;
+    p = p * t + 0.27886807f;
+    p = p * t - 0.18628806f;
+    p = p * t + 0.09678418f;
+    p = p * t + 0.37409196f;
+    p = p * t + 1.00002368f;
+    p = p * t - 1.26551223f;
+    const float e = t * SF_ACT_EXP(p - z * z);
+    return x >= 0.0f ? e : 2.0f - e;
+}
+
 /* The base activation of `kind` (0 gelu-tanh, 1 gelu-erf, 2 silu, 3 relu).
  * Both GELUs are written without 1 + (something near -1), which cancels for
  * negative x:  0.5 (1 + tanh(u)) = sigmoid(2u),  0.5 (1 + erf(z)) =
@@ -40,7 +66,7 @@ SF_HD float sf_act_base(int kind, float x)
 {
     switch (kind) {
     case 0: return x * sf_sigmoid(2.0f * SF_GELU_K0 * (x + SF_GELU_K1 * x * x * x));
-    case 1: return 0.5f * x * erfcf(-x * SF_INV_SQRT2);
+    case 1: return 0.5f * x * sf_erfc(-x * SF_INV_SQRT2);
     case 2: return x * sf_sigmoid(x);
     default: return x > 0.0f ? x : 0.0f;
     }
@@ -56,7 +82,7 @@ SF_HD float sf_act_base_grad(int kind, float x)
         return s + 2.0f * x * s * (1.0f - s) * SF_GELU_K0 * (1.0f + 3.0f * SF_GELU_K1 * x2);
     }
     case 1:
-        return 0.5f * erfcf(-x * SF_INV_SQRT2) + x * SF_INV_SQRT_2PI * SF_ACT_EXP(-0.5f * x * x);
+        return 0.5f * sf_erfc(-x * SF_INV_SQRT2) + x * SF_INV_SQRT_2PI * SF_ACT_EXP(-0.5f * x * x);
     case 2: {
         float s = sf_sigmoid(x);
         return s * (1.0f + x * (1.0f - s));
@@ -78,7 +104,7 @@ SF_HD void sf_act_base_both(int kind, float x, float *f, float *df)
         return;
     }
     case 1: {
-        float phi = 0.5f * erfcf(-x * SF_INV_SQRT2);
+        float phi = 0.5f * sf_erfc(-x * SF_INV_SQRT2);
         *f = x * phi;
         *df = phi + x * SF_INV_SQRT_2PI * SF_ACT_EXP(-0.5f * x * x);
         return;
