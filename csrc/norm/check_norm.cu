@@ -11,6 +11,13 @@
  * amax, backward and forward + backward in bf16 at the hidden sizes that
  * matter (ESM-2 320 .. 5120, Llama 4096 / 8192, 16384), as a share of a
  * device-to-device copy of the same bytes measured in the same run.
+ *
+ * --sweep: only the bandwidth part, once per alternative split (elements
+ * per thread 8 / 16 / 32, threads per block) of each direction, through
+ * sf_norm_cuda_tune: the measurements the defaults in norm_cuda.cu are
+ * chosen from.  Every alternative's output is checked against the
+ * defaults' on fresh random rows (outputs poisoned first; the split
+ * changes the order of a row's sums, so within bf16 rounding).
  */
 #include <cuda_fp8.h>
 
@@ -18,6 +25,7 @@
 
 #include "core/check_util.h"
 #include "core/float_bits.h"
+#include "norm/norm_backend.h"
 #include "quant/fp8.h"
 #include "seqfuse.h"
 
@@ -189,9 +197,102 @@ static void bandwidth(int rms, int64_t rows, int64_t hidden)
     for (void *p : all) cudaFree(p);
 }
 
-int main(void)
+/* One alternative split: relative errors of y, dx, dgamma (, dbeta) against
+ * the defaults' results `ref`, then the times of forward and backward. */
+struct SweepBufs {
+    CheckBuf x, dy, w, b, y, m, r, dx, dg, db;
+    SweepBufs(int64_t rows, int64_t hidden)
+        : x(SF_BFLOAT16, rows * hidden), dy(SF_BFLOAT16, rows * hidden), w(SF_BFLOAT16, hidden),
+          b(SF_BFLOAT16, hidden), y(SF_BFLOAT16, rows * hidden), m(SF_FLOAT32, rows), r(SF_FLOAT32, rows),
+          dx(SF_BFLOAT16, rows * hidden), dg(SF_BFLOAT16, hidden), db(SF_BFLOAT16, hidden) {}
+};
+
+static void sweep_shape(int rms, int64_t rows, int64_t hidden)
+{
+    const int64_t n = rows * hidden;
+    int64_t xs[2] = {rows, hidden}, ws[1] = {hidden}, rs[1] = {rows};
+    SweepBufs B(rows, hidden);
+    for (int64_t i = 0; i < n; ++i) {
+        B.x.set(i, rng_normal() * 2.0f + 0.3f);
+        B.dy.set(i, rng_normal());
+    }
+    for (int64_t i = 0; i < hidden; ++i) {
+        B.w.set(i, 1.0f + 0.2f * rng_normal());
+        B.b.set(i, 0.2f * rng_normal());
+    }
+    B.x.up(); B.dy.up(); B.w.up(); B.b.up();
+    sf_tensor X = B.x.view(2, xs, 1), DY = B.dy.view(2, xs, 1), W = B.w.view(1, ws, 1), Bt = B.b.view(1, ws, 1),
+              Y = B.y.view(2, xs, 1), M = B.m.view(1, rs, 1), R = B.r.view(1, rs, 1), DX = B.dx.view(2, xs, 1),
+              DG = B.dg.view(1, ws, 1), DB = B.db.view(1, ws, 1);
+    /* the largest workspace any alternative asks for */
+    int64_t wsn = 1;
+    for (int e : {8, 16, 32})
+        for (int blk : {256, 512, 1024}) {
+            int64_t k;
+            CHECK_SF(sf_norm_cuda_tune(16, 256, e, blk));
+            CHECK_SF(sf_norm_bwd_workspace_numel(&X, &k));
+            wsn = std::max(wsn, k);
+        }
+    CheckBuf work(SF_FLOAT32, wsn);
+    int64_t wshape[1] = {wsn};
+    sf_tensor WS = work.view(1, wshape, 1);
+    auto fwd = [&] {
+        if (rms) CHECK_SF(sf_rmsnorm_fwd(&X, &W, 1e-5f, 0, &Y, &R, NULL, NULL, NULL, NULL));
+        else CHECK_SF(sf_layernorm_fwd(&X, &W, &Bt, 1e-5f, 0, &Y, &M, &R, NULL, NULL, NULL, NULL));
+    };
+    auto bwd = [&] {
+        if (rms) CHECK_SF(sf_rmsnorm_bwd(&DY, &X, &R, &W, 0, &DX, &DG, &WS, NULL));
+        else CHECK_SF(sf_layernorm_bwd(&DY, &X, &M, &R, &W, 0, &DX, &DG, &DB, &WS, NULL));
+    };
+    CheckBuf *outs[4] = {&B.y, &B.dx, &B.dg, &B.db};
+    const int64_t counts[4] = {n, n, hidden, hidden};
+    auto run_checked = [&] {
+        for (CheckBuf *o : outs)
+            CHECK_CUDA(cudaMemset(o->d, 0xff, o->h.size()));
+        fwd();
+        bwd();
+        CHECK_CUDA(cudaDeviceSynchronize());
+    };
+    CHECK_SF(sf_norm_cuda_tune(16, 256, 8, 1024)); /* the defaults of norm_cuda.cu */
+    run_checked();
+    std::vector<uint8_t> ref[4];
+    for (int i = 0; i < 4; ++i)
+        ref[i] = outs[i]->down();
+    const double copy = check_copy_tbs((size_t)n * 2), e = (double)n;
+    const char *name = rms ? "rmsnorm" : "layernorm";
+    for (int dir = 0; dir < 2; ++dir)
+        for (int elems : {8, 16, 32})
+            for (int blk : {128, 256, 512, 1024}) {
+                if (dir == 0) CHECK_SF(sf_norm_cuda_tune(elems, blk, 8, 1024));
+                else CHECK_SF(sf_norm_cuda_tune(16, 256, elems, blk));
+                run_checked();
+                double worst = 0;
+                for (int i = 0; i < (rms ? 3 : 4); ++i)
+                    worst = std::max(worst, check_rel_err(SF_BFLOAT16, outs[i]->down(), ref[i], counts[i]));
+                char what[160];
+                snprintf(what, sizeof what, "sweep %s %lldx%lld %s elems %d block %d: rel err %.2e vs defaults",
+                         name, (long long)rows, (long long)hidden, dir ? "bwd" : "fwd", elems, blk, worst);
+                check_report(worst < 1e-2, what);
+                const float ms = dir == 0 ? time_ms(fwd) : time_ms(bwd);
+                const double bytes = (dir == 0 ? 4 : 6) * e;
+                printf("sweep %-9s %5lldx%-5lld %s elems %2d block %4d: %.4f ms %.2f TB/s (%3.0f%% of copy)\n",
+                       name, (long long)rows, (long long)hidden, dir ? "bwd" : "fwd", elems, blk, ms,
+                       bytes / ms / 1e9, 100 * bytes / ms / 1e9 / copy);
+            }
+    CHECK_SF(sf_norm_cuda_tune(16, 256, 8, 1024));
+}
+
+int main(int argc, char **argv)
 {
     rng_seed();
+    if (argc > 1 && strcmp(argv[1], "--sweep") == 0) {
+        const int64_t sw[][2] = {{65536, 320}, {16384, 1280}, {16384, 4096}, {16384, 5120}, {8192, 8192},
+                                 {4096, 16384}};
+        for (auto &sh : sw)
+            for (int rms = 0; rms < 2; ++rms)
+                sweep_shape(rms, sh[0], sh[1]);
+        return check_finish("check_norm --sweep");
+    }
     check_encoder();
     const sf_dtype dts[3] = {SF_FLOAT32, SF_FLOAT16, SF_BFLOAT16};
     /* every launch shape of norm_cuda.cu: a warp per row, several warps with

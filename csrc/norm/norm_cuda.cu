@@ -127,17 +127,53 @@ struct FwdParams {
     int rms, zc, gamma_f32, out_kind;
 };
 
+/* Shared-memory layout of the staged parameters.  Thread c reads the VEC
+ * floats of its vector c; stored plainly (vector c at c * VEC) a warp's
+ * 16-byte reads would stride by VEC * 4 = 32 bytes for 16-bit rows, two-way
+ * bank conflicts on every read, and LayerNorm's forward reads w and beta
+ * (64 bytes of shared memory per 16 bytes of x): conflicted, that is about
+ * as many shared-memory cycles as the row's DRAM traffic takes.  So the
+ * floats go in chunks of CH = 4 (one float4), chunk j of every vector
+ * together: chunk j of vector c at (j * nvec + c) * CH.  A warp's float4
+ * reads of one chunk are then 512 contiguous bytes, conflict free.  For
+ * VEC <= 4 this is the plain layout. */
+template <int VEC>
+__device__ __forceinline__ int staged_index(int i, int nvec)
+{
+    constexpr int CH = VEC >= 4 ? 4 : VEC;
+    const int c = i / VEC, e = i % VEC;
+    return ((e / CH) * nvec + c) * CH + e % CH;
+}
+
+/* The VEC staged floats of vector c. */
+template <int VEC>
+__device__ __forceinline__ void load_staged(const float *sm, int c, int nvec, float (&out)[VEC])
+{
+    constexpr int CH = VEC >= 4 ? 4 : VEC;
+#pragma unroll
+    for (int j = 0; j < VEC / CH; ++j) {
+        float part[CH];
+        load_f<float, CH>(sm + (j * nvec + c) * CH, part);
+#pragma unroll
+        for (int e = 0; e < CH; ++e)
+            out[j * CH + e] = part[e];
+    }
+}
+
 /* Stage the weight w (gamma, or 1 + gamma) and, when bsm is given, beta as
- * float32 in shared memory; every thread of the block helps, then all wait. */
-template <typename T>
+ * float32 in shared memory (layout: staged_index); every thread of the
+ * block helps, then all wait. */
+template <typename T, int VEC>
 __device__ __forceinline__ void stage_params(const void *gamma, const void *beta, int f32, int zc,
                                              int hidden, float *wsm, float *bsm)
 {
+    const int nvec = hidden / VEC;
     for (int i = threadIdx.y * blockDim.x + threadIdx.x; i < hidden; i += blockDim.x * blockDim.y) {
         const float g = f32 ? ((const float *)gamma)[i] : to_f(((const T *)gamma)[i]);
-        wsm[i] = sf_norm_weight(g, zc);
+        const int at = staged_index<VEC>(i, nvec);
+        wsm[at] = sf_norm_weight(g, zc);
         if (bsm)
-            bsm[i] = !beta ? 0.0f : f32 ? ((const float *)beta)[i] : to_f(((const T *)beta)[i]);
+            bsm[at] = !beta ? 0.0f : f32 ? ((const float *)beta)[i] : to_f(((const T *)beta)[i]);
     }
     __syncthreads();
 }
@@ -169,7 +205,7 @@ __global__ void __launch_bounds__(NV * VEC <= kFwdElems ? 1024 : 512) norm_fwd_k
     extern __shared__ float4 smem4[];
     float *wsm = reinterpret_cast<float *>(smem4);
     float *bsm = wsm + ((p.hidden + 3) & ~3);
-    stage_params<T>(p.gamma, p.beta, p.gamma_f32, p.zc, p.hidden, wsm, p.rms ? NULL : bsm);
+    stage_params<T, VEC>(p.gamma, p.beta, p.gamma_f32, p.zc, p.hidden, wsm, p.rms ? NULL : bsm);
     const int nvec = p.hidden / VEC;
     const float inv_h = 1.0f / (float)p.hidden;
     const float scale = p.out_kind != kOutSame ? *p.scale : 1.0f;
@@ -239,14 +275,14 @@ __global__ void __launch_bounds__(NV * VEC <= kFwdElems ? 1024 : 512) norm_fwd_k
             if (c >= nvec)
                 continue;
             float w[VEC], o[VEC];
-            load_f<float, VEC>(wsm + c * VEC, w);
+            load_staged<VEC>(wsm, c, nvec, w);
             if (p.rms) {
 #pragma unroll
                 for (int e = 0; e < VEC; ++e)
                     o[e] = to_f(cur[k].v[e]) * rstd * w[e];
             } else {
                 float b[VEC];
-                load_f<float, VEC>(bsm + c * VEC, b);
+                load_staged<VEC>(bsm, c, nvec, b);
 #pragma unroll
                 for (int e = 0; e < VEC; ++e)
                     o[e] = (to_f(cur[k].v[e]) - mean) * rstd * w[e] + b[e];
@@ -323,7 +359,7 @@ __global__ void __launch_bounds__(NV * VEC <= kBwdElems ? 1024 : 512) norm_bwd_k
     extern __shared__ float4 smem4[];
     float *wsm = reinterpret_cast<float *>(smem4);
     float *fold = wsm + ((p.hidden + 3) & ~3);
-    stage_params<T>(p.gamma, NULL, p.gamma_f32, p.zc, p.hidden, wsm, NULL);
+    stage_params<T, VEC>(p.gamma, NULL, p.gamma_f32, p.zc, p.hidden, wsm, NULL);
     const int nvec = p.hidden / VEC;
     const float inv_h = 1.0f / (float)p.hidden;
 
@@ -382,7 +418,7 @@ __global__ void __launch_bounds__(NV * VEC <= kBwdElems ? 1024 : 512) norm_bwd_k
             if (!(active && c < nvec))
                 continue;
             float w[VEC];
-            load_f<float, VEC>(wsm + c * VEC, w);
+            load_staged<VEC>(wsm, c, nvec, w);
 #pragma unroll
             for (int e = 0; e < VEC; ++e) {
                 const float dyv = to_f(cdy[k].v[e]);
@@ -407,7 +443,7 @@ __global__ void __launch_bounds__(NV * VEC <= kBwdElems ? 1024 : 512) norm_bwd_k
             if (c >= nvec)
                 continue;
             float w[VEC], dxv[VEC];
-            load_f<float, VEC>(wsm + c * VEC, w);
+            load_staged<VEC>(wsm, c, nvec, w);
 #pragma unroll
             for (int e = 0; e < VEC; ++e) {
                 const float xhat = fmaf(to_f(cx[k].v[e]), rstd, nmr);
@@ -448,12 +484,14 @@ int round32(int64_t v) { return (int)((v + 31) / 32 * 32); }
  * - element-wide path: 32 elements per thread, tx <= 512;
  * - a warp per row while each lane holds at most `elems` elements (the
  *   row's sums are then shuffles only);
- * - else tx threads x NV vectors with NV * vec <= elems, tx <= 1024, the
- *   split with the fewest idle slots (ties: more vectors per thread, fewer
- *   warps to reduce over); rows too long for that double NV (register-heavy
- *   kernel, bounded to 512 threads) until tx <= 512.
- * ty rows share a block of about `block` threads. */
-Config pick_config(int64_t hidden, int vec, int elems, int block)
+ * - else tx threads x NV vectors with NV * vec <= elems, the split with the
+ *   fewest idle slots (ties: more vectors per thread, fewer warps to reduce
+ *   over); rows too long for that double NV until tx <= 512.
+ * A split holding more than `light` elements per thread runs the
+ * register-heavy kernel (bounded to 512 threads: tx <= 512, block <= 512);
+ * the light ones take rows of up to 1024 threads.  ty rows share a block of
+ * about `block` threads. */
+Config pick_config(int64_t hidden, int vec, int elems, int block, int light)
 {
     Config c;
     if (vec == 1) {
@@ -470,10 +508,9 @@ Config pick_config(int64_t hidden, int vec, int elems, int block)
         } else {
             c.nv = 0;
             double best_idle = 2.0;
-            /* the light kernels (bounded to 64 registers) take 1024-thread rows */
-            const int limit = kLightRowThreads;
             for (int nv = cap; nv >= 1; nv /= 2) {
                 const int tx = round32((nvec + nv - 1) / nv);
+                const int limit = nv * vec <= light ? kLightRowThreads : kRowThreads;
                 const double idle = 1.0 - (double)nvec / ((double)tx * nv);
                 if (tx <= limit && idle < best_idle - 1e-9) {
                     best_idle = idle;
@@ -490,14 +527,29 @@ Config pick_config(int64_t hidden, int vec, int elems, int block)
             }
         }
     }
-    if (c.nv * vec > elems && block > 512)
+    if (c.nv * vec > light && block > 512)
         block = 512; /* the register-heavy kernels are bounded to 512 threads */
     c.ty = c.tx >= block ? 1 : block / c.tx;
     return c;
 }
 
-Config fwd_config(int64_t hidden, int vec) { return pick_config(hidden, vec, kFwdElems, kFwdBlock); }
-Config bwd_config(int64_t hidden, int vec) { return pick_config(hidden, vec, kBwdElems, kBwdBlock); }
+/* The knobs of the split (elements per thread, threads per block), per
+ * direction.  The defaults are the constants above; check_norm --sweep
+ * times alternatives through sf_norm_cuda_tune (a process-wide setting for
+ * that benchmark; nothing else changes it). */
+struct Tuning {
+    int fwd_elems, fwd_block, bwd_elems, bwd_block;
+};
+Tuning g_tuning = {kFwdElems, kFwdBlock, kBwdElems, kBwdBlock};
+
+Config fwd_config(int64_t hidden, int vec)
+{
+    return pick_config(hidden, vec, g_tuning.fwd_elems, g_tuning.fwd_block, kFwdElems);
+}
+Config bwd_config(int64_t hidden, int vec)
+{
+    return pick_config(hidden, vec, g_tuning.bwd_elems, g_tuning.bwd_block, kBwdElems);
+}
 
 /* Dynamic shared memory beyond the default 48 KB needs the opt-in attribute.
  * The limit counts the kernel's static shared memory too (the reduction
@@ -597,11 +649,15 @@ sf_status launch_fwd(const FwdParams &p, bool vec, int device, cudaStream_t stre
     if (!vec)
         return launch_fwd_nv<T, 1, kScalarNV>(p, c, device, stream);
     switch (c.nv) {
-    case 1:  return launch_fwd_nv<T, V, 1>(p, c, device, stream);
-    case 2:  return launch_fwd_nv<T, V, 2>(p, c, device, stream);
-    case 4:  return launch_fwd_nv<T, V, 4>(p, c, device, stream);
-    default: return launch_fwd_nv<T, V, V == 4 ? 8 : 4>(p, c, device, stream); /* fp32 rows > 8192 */
+    case 1: return launch_fwd_nv<T, V, 1>(p, c, device, stream);
+    case 2: return launch_fwd_nv<T, V, 2>(p, c, device, stream);
+    case 4: return launch_fwd_nv<T, V, 4>(p, c, device, stream);
+    case 8: /* fp32 rows > 8192 */
+        if constexpr (V == 4)
+            return launch_fwd_nv<T, V, 8>(p, c, device, stream);
     }
+    return sf_fail(SF_ERR_RUNTIME, "norm_fwd: no kernel holds %d vectors per thread (hidden %d)", c.nv,
+                   p.hidden);
 }
 
 template <typename T, int VEC, int NV, bool RMS>
@@ -638,11 +694,15 @@ sf_status launch_bwd(const BwdParams &p, bool vec, int device, int64_t bound, cu
     if (!vec)
         return launch_bwd_rms<T, 1, kScalarNV>(p, c, device, bound, stream, grid);
     switch (c.nv) {
-    case 1:  return launch_bwd_rms<T, V, 1>(p, c, device, bound, stream, grid);
-    case 2:  return launch_bwd_rms<T, V, 2>(p, c, device, bound, stream, grid);
-    case 4:  return launch_bwd_rms<T, V, 4>(p, c, device, bound, stream, grid);
-    default: return launch_bwd_rms<T, V, V == 4 ? 8 : 4>(p, c, device, bound, stream, grid);
+    case 1: return launch_bwd_rms<T, V, 1>(p, c, device, bound, stream, grid);
+    case 2: return launch_bwd_rms<T, V, 2>(p, c, device, bound, stream, grid);
+    case 4: return launch_bwd_rms<T, V, 4>(p, c, device, bound, stream, grid);
+    case 8:
+        if constexpr (V == 4)
+            return launch_bwd_rms<T, V, 8>(p, c, device, bound, stream, grid);
     }
+    return sf_fail(SF_ERR_RUNTIME, "norm_bwd: no kernel holds %d vectors per thread (hidden %d)", c.nv,
+                   p.hidden);
 }
 
 template <typename G>
@@ -772,6 +832,25 @@ extern "C" sf_status sf_norm_bwd_cuda(const sf_norm_bwd_args *a, sf_stream s)
     sf_status st = bwd(a, sf_cuda_stream(s));
     sf_cuda_device_restore(&guard);
     return st;
+}
+
+extern "C" sf_status sf_norm_cuda_tune(int fwd_elems, int fwd_block, int bwd_elems, int bwd_block)
+{
+    /* at most 32 elements per thread: the kernels hold NV <= 4 vectors of
+     * 16-bit rows, NV <= 8 of float32 ones */
+    const int e[2] = {fwd_elems, bwd_elems}, b[2] = {fwd_block, bwd_block};
+    for (int i = 0; i < 2; ++i) {
+        if (e[i] != 8 && e[i] != 16 && e[i] != 32)
+            return sf_fail(SF_ERR_VALUE, "sf_norm_cuda_tune: elements per thread must be 8, 16 or 32, got %d", e[i]);
+        if (b[i] < 32 || b[i] > 1024 || b[i] % 32)
+            return sf_fail(SF_ERR_VALUE, "sf_norm_cuda_tune: block must be a multiple of 32 in [32, 1024], got %d",
+                           b[i]);
+    }
+    g_tuning.fwd_elems = fwd_elems;
+    g_tuning.fwd_block = fwd_block;
+    g_tuning.bwd_elems = bwd_elems;
+    g_tuning.bwd_block = bwd_block;
+    return SF_OK;
 }
 
 extern "C" sf_status sf_norm_bwd_workspace_numel_cuda(int64_t rows, int64_t hidden, sf_dtype dtype,
