@@ -42,6 +42,12 @@ H200, ESM-2 35M, five minutes for all three runs (expected: seqfuse
     python benchmarks/esm2/bench_esm2_convergence.py --size 35M --steps 2000 \\
         --tokens 8192 --time-budget 270
 CPU smoke test: --size tiny --device cpu --steps 6 --tokens 1024 --eval-every 3
+
+On two GPUs the runs can go at once, one process each, then be joined:
+    CUDA_VISIBLE_DEVICES=1 python ... --runs hf_bf16 --out conv_hf &
+    CUDA_VISIBLE_DEVICES=0 python ... --runs seqfuse_bf16 --out conv_bf16 & ...; wait
+    python benchmarks/esm2/bench_esm2_convergence.py --merge conv_hf,conv_bf16,conv_fp8
+(steps/s of runs sharing a GPU or the host are then not solo figures.)
 """
 import argparse
 import json
@@ -305,7 +311,11 @@ def main():
     p.add_argument("--data", default=None)
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default="esm2_convergence")
+    p.add_argument("--merge", default=None, metavar="NAME,NAME,...",
+                   help="join finished runs saved under these result names (one --runs each) into --out")
     args = p.parse_args()
+    if args.merge:
+        return merge(args)
     for k in ("steps", "tokens", "log_every", "eval_every", "val_batches"):
         if getattr(args, k) < 1:
             p.error(f"--{k.replace('_', '-')} must be >= 1")
@@ -359,6 +369,12 @@ def main():
             print(f"[convergence] {name}: {r['note']}; later runs capped at {cap} steps", flush=True)
         write_outputs(results, args, meta, final=False)
 
+    report(results, args, meta)
+    print(f"[convergence] total {time.perf_counter() - T_START:.0f} s")
+
+
+def report(results, args, meta):
+    """Final JSON/PNG and the bound checks, printed."""
     step, checks = write_outputs(results, args, meta, final=True)
     if step is None:
         print("convergence bound: NOT CHECKED (no run finished with a validation loss)")
@@ -371,8 +387,41 @@ def main():
             print(f"convergence bound: NOT CHECKED (runs missing: {[k for k, r in results.items() if 'error' in r]})")
     print(json.dumps({k: (r["val"][-1][1] if "error" not in r and r["val"] else r.get("error"))
                       for k, r in results.items()}))
-    print(f"[convergence] total {time.perf_counter() - T_START:.0f} s")
 
+
+def merge(args):
+    """Join runs made by separate processes (``--runs`` one each, ``--out``
+    a name each, e.g. on different GPUs at once) into one comparison under
+    ``--out``: curves, rows and the bound checks at their last common
+    validation step.  The parts must share size, tokens, steps and seed."""
+    results, meta, names = {}, None, [n for n in args.merge.split(",") if n]
+    for name in names:
+        with open(os.path.join(RESULTS, f"{name}.json")) as f:
+            part = json.load(f)
+        key = {k: part.get(k) for k in ("size", "steps_planned", "tokens_per_step", "lr", "warmup",
+                                        "train_proteins")}
+        if meta is None:
+            meta = {k: v for k, v in part.items() if k not in ("name", "environment", "rows", "date", "curves",
+                                                               "checks", "common_val_step", "complete",
+                                                               "all_pass")}
+            meta["runs"], meta["merged_from"], first = [], names, (name, key)
+        elif key != first[1]:
+            raise SystemExit(f"--merge: {name} ran {key}, {first[0]} ran {first[1]}: not one comparison")
+        if not part.get("complete"):
+            raise SystemExit(f"--merge: {name} did not finish (complete is false)")
+        for row in part["rows"]:
+            run_name = row["run"]
+            if row.get("error"):
+                results[run_name] = {"error": row["error"]}
+            else:
+                c = part["curves"][run_name]
+                results[run_name] = dict(train_loss=c["train_loss"], logged=c["logged"],
+                                         val=[tuple(v) for v in c["val"]], seconds=row["seconds"],
+                                         steps_done=row["steps_done"], steps_per_s=row["steps_per_s"],
+                                         peak_mem_gib=row["peak_mem_gib"], note=row.get("note") or "")
+            meta["runs"].append(run_name)
+    args.size, args.steps, args.tokens = meta["size"], meta["steps_planned"], meta["tokens_per_step"]
+    report(results, args, meta)
 
 if __name__ == "__main__":
     main()
