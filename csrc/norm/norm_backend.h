@@ -40,7 +40,8 @@ sf_status sf_norm_bwd_cuda(const sf_norm_bwd_args *a, sf_stream stream);
 /* The CUDA split's knobs (elements per thread: 8, 16 or 32; threads per
  * block), forward and backward: for check_norm --sweep, which times the
  * alternatives; the library never calls it (its defaults are norm_cuda.cu's
- * constants).  Set it before asking for a workspace size. */
+ * constants; all four 0 restores them).  Set it before asking for a
+ * workspace size. */
 sf_status sf_norm_cuda_tune(int fwd_elems, int fwd_block, int bwd_elems, int bwd_block);
 /* Float32 elements of workspace the CUDA backward wants for rows x hidden. */
 sf_status sf_norm_bwd_workspace_numel_cuda(int64_t rows, int64_t hidden, sf_dtype dtype,

@@ -15,12 +15,14 @@
  *   register arrays are exactly as large as the configuration needs (an
  *   earlier version sized every thread for 32 elements and ran at 122-128
  *   registers, 16 warps per SM: 63 % / 54 % of copy for forward / backward).
- * - Short rows (<= 128 vectors forward, <= 64 backward) get one warp each:
- *   the row's sums are warp shuffles, no shared memory, no barrier.  Longer
- *   rows get tx = a multiple of 32 threads (the split with the fewest idle
- *   slots); their sums cross warps through shared memory with one barrier
- *   (double-buffered, so no second barrier).  Several rows share a block
- *   (ty = 512 / tx).
+ * - Short rows (each lane holding at most the split's elements per thread:
+ *   16 forward, 16 / 32 backward for LayerNorm / RMSNorm) get one warp
+ *   each: the row's sums are warp shuffles, no shared memory, no barrier.
+ *   Longer rows get tx = a multiple of 32 threads (the split with the
+ *   fewest idle slots); their sums cross warps through shared memory with
+ *   one barrier (double-buffered, so no second barrier).  Several rows
+ *   share a block (ty = block / tx).  The split's defaults come from a
+ *   measured sweep (see kBwdElemsDefault).
  * - Blocks are persistent: as many as fit on the GPU at once (occupancy
  *   query, cached), with the rows dealt out so every block walks the same
  *   number of row groups (no partial last wave).  Each block stages the
@@ -62,18 +64,28 @@ constexpr int kScalarNV = 32;     /* element-wide path: 32 x 512 = SF_NORM_MAX_H
 /* Elements a thread owns before the kernel trades occupancy for registers:
  * up to these, the "light" kernels fit 64 registers (launch bound 1024
  * threads) with the next row prefetched; beyond them they get 128 (bound
- * 512) and no prefetch: only the backward of 16-bit rows longer than 8192
- * (and float32 ones longer than 8192 / 4096) and the element-wise path. */
+ * 512) and no prefetch. */
 constexpr int kFwdElems = 16;
 constexpr int kBwdElems = 8;
-/* Threads per block: the forward keeps blocks small (256) so occupancy
- * comes in fine steps; the backward makes them large (1024) because every
- * block writes a float32 partial row of dgamma / dbeta that the reduction
- * reads back: 132 blocks cost 2 x 132 x hidden x 4 bytes x 2, about 2 % of
- * the backward's traffic at 16384 x 4096, where 256-thread blocks would
- * cost 8 %. */
+/* The default split per direction: elements per thread (the cap of NV *
+ * VEC) and threads per block, chosen from check_norm --sweep on the H200
+ * (bf16, 16384 rows of 1280 / 4096 / 5120, 8192 x 8192, 4096 x 16384,
+ * 65536 x 320; % of a device copy):
+ * - forward, 16 elements in 256-thread blocks: the best or within 1 point
+ *   of it at every shape except 65536 x 320 (1024-thread blocks: +3);
+ *   8 elements lose 20-30 points at 4096 and up, 32 lose 3-5;
+ * - LayerNorm backward, 16 elements (the 128-register kernel, no prefetch)
+ *   in 256-thread blocks: 60 / 62 / 65 / 47 / 58 / 55 % where the earlier
+ *   8 elements in 1024-thread blocks ran 46 / 57 / 56 / 45 / 52 / 55 %
+ *   (32 elements spill: its dgamma and dbeta accumulators do not fit);
+ * - RMSNorm backward, 32 elements in 256-thread blocks: 62 / 65 / 80 / 77 /
+ *   76 / 73 %, against 48 / 59 / 59 / 47 / 54 / 73 % before.
+ * The smaller blocks write more float32 partial rows of dgamma / dbeta for
+ * the second kernel to add (4 bytes x hidden per block), which the timings
+ * include. */
 constexpr int kFwdBlock = 256;
-constexpr int kBwdBlock = 1024;
+constexpr int kBwdElemsDefault[2] = {16, 32}; /* [rms] */
+constexpr int kBwdBlockDefault[2] = {256, 256};
 
 __device__ __forceinline__ float warp_sum(float v)
 {
@@ -534,21 +546,24 @@ Config pick_config(int64_t hidden, int vec, int elems, int block, int light)
 }
 
 /* The knobs of the split (elements per thread, threads per block), per
- * direction.  The defaults are the constants above; check_norm --sweep
- * times alternatives through sf_norm_cuda_tune (a process-wide setting for
- * that benchmark; nothing else changes it). */
+ * direction and, backward, per norm ([rms]).  The defaults are the
+ * constants above; check_norm --sweep times alternatives through
+ * sf_norm_cuda_tune (a process-wide setting for that benchmark; nothing
+ * else changes it). */
 struct Tuning {
-    int fwd_elems, fwd_block, bwd_elems, bwd_block;
+    int fwd_elems, fwd_block, bwd_elems[2], bwd_block[2];
 };
-Tuning g_tuning = {kFwdElems, kFwdBlock, kBwdElems, kBwdBlock};
+Tuning g_tuning = {kFwdElems, kFwdBlock, {kBwdElemsDefault[0], kBwdElemsDefault[1]},
+                   {kBwdBlockDefault[0], kBwdBlockDefault[1]}};
 
 Config fwd_config(int64_t hidden, int vec)
 {
     return pick_config(hidden, vec, g_tuning.fwd_elems, g_tuning.fwd_block, kFwdElems);
 }
-Config bwd_config(int64_t hidden, int vec)
+Config bwd_config(int64_t hidden, int vec, int rms)
 {
-    return pick_config(hidden, vec, g_tuning.bwd_elems, g_tuning.bwd_block, kBwdElems);
+    const int r = rms ? 1 : 0;
+    return pick_config(hidden, vec, g_tuning.bwd_elems[r], g_tuning.bwd_block[r], kBwdElems);
 }
 
 /* Dynamic shared memory beyond the default 48 KB needs the opt-in attribute.
@@ -602,10 +617,10 @@ int64_t balanced_grid(int64_t groups, int64_t cap)
 /* An upper bound of any backward grid for this shape: blocks that could be
  * resident at once by thread count (2048 threads per SM on sm_80 / sm_90),
  * never more than the row groups.  The workspace is sized by it. */
-sf_status bwd_grid_bound(const char *op, int64_t rows, int64_t hidden, int vec, int device,
+sf_status bwd_grid_bound(const char *op, int64_t rows, int64_t hidden, int vec, int rms, int device,
                          int64_t *bound)
 {
-    const Config c = bwd_config(hidden, vec);
+    const Config c = bwd_config(hidden, vec, rms);
     int sms;
     SF_TRY(sf_vec::sm_count(op, device, &sms));
     const int threads = c.tx * c.ty;
@@ -690,7 +705,7 @@ sf_status launch_bwd(const BwdParams &p, bool vec, int device, int64_t bound, cu
                      int64_t *grid)
 {
     constexpr int V = 16 / sizeof(T);
-    const Config c = bwd_config(p.hidden, vec ? V : 1);
+    const Config c = bwd_config(p.hidden, vec ? V : 1, p.rms);
     if (!vec)
         return launch_bwd_rms<T, 1, kScalarNV>(p, c, device, bound, stream, grid);
     switch (c.nv) {
@@ -783,7 +798,7 @@ sf_status bwd(const sf_norm_bwd_args *a, cudaStream_t stream)
     const int ve = 16 / (int)sf_dtype_size(a->x->dtype);
     const int device = a->x->device_id;
     int64_t bound;
-    SF_TRY(bwd_grid_bound(op, a->rows, a->hidden, vec ? ve : 1, device, &bound));
+    SF_TRY(bwd_grid_bound(op, a->rows, a->hidden, vec ? ve : 1, a->rms, device, &bound));
     BwdParams p;
     p.dy = a->dy->data;
     p.x = a->x->data;
@@ -836,6 +851,11 @@ extern "C" sf_status sf_norm_bwd_cuda(const sf_norm_bwd_args *a, sf_stream s)
 
 extern "C" sf_status sf_norm_cuda_tune(int fwd_elems, int fwd_block, int bwd_elems, int bwd_block)
 {
+    if (!fwd_elems && !fwd_block && !bwd_elems && !bwd_block) { /* back to the defaults */
+        g_tuning = Tuning{kFwdElems, kFwdBlock, {kBwdElemsDefault[0], kBwdElemsDefault[1]},
+                          {kBwdBlockDefault[0], kBwdBlockDefault[1]}};
+        return SF_OK;
+    }
     /* at most 32 elements per thread: the kernels hold NV <= 4 vectors of
      * 16-bit rows, NV <= 8 of float32 ones */
     const int e[2] = {fwd_elems, bwd_elems}, b[2] = {fwd_block, bwd_block};
@@ -848,22 +868,31 @@ extern "C" sf_status sf_norm_cuda_tune(int fwd_elems, int fwd_block, int bwd_ele
     }
     g_tuning.fwd_elems = fwd_elems;
     g_tuning.fwd_block = fwd_block;
-    g_tuning.bwd_elems = bwd_elems;
-    g_tuning.bwd_block = bwd_block;
+    for (int rms = 0; rms < 2; ++rms) {
+        g_tuning.bwd_elems[rms] = bwd_elems;
+        g_tuning.bwd_block[rms] = bwd_block;
+    }
     return SF_OK;
 }
 
 extern "C" sf_status sf_norm_bwd_workspace_numel_cuda(int64_t rows, int64_t hidden, sf_dtype dtype,
                                                       int device_id, int64_t *numel)
 {
-    /* the larger of the vector and element-wide paths' bounds: which one
-     * runs depends on pointers the caller has not handed in yet */
+    /* the largest of the vector and element-wide paths' bounds, LayerNorm's
+     * and RMSNorm's: which one runs depends on what the caller has not
+     * handed in yet */
     int64_t b1 = 0, b2 = 0;
     if (rows > 0) {
         const int ve = 16 / (int)sf_dtype_size(dtype);
-        SF_TRY(bwd_grid_bound("norm_bwd_workspace_numel", rows, hidden, 1, device_id, &b1));
-        if (hidden % ve == 0)
-            SF_TRY(bwd_grid_bound("norm_bwd_workspace_numel", rows, hidden, ve, device_id, &b2));
+        for (int rms = 0; rms < 2; ++rms) {
+            int64_t b;
+            SF_TRY(bwd_grid_bound("norm_bwd_workspace_numel", rows, hidden, 1, rms, device_id, &b));
+            b1 = b > b1 ? b : b1;
+            if (hidden % ve == 0) {
+                SF_TRY(bwd_grid_bound("norm_bwd_workspace_numel", rows, hidden, ve, rms, device_id, &b));
+                b2 = b > b2 ? b : b2;
+            }
+        }
     }
     *numel = 2 * (b1 > b2 ? b1 : b2) * hidden;
     return SF_OK;
