@@ -315,6 +315,42 @@ def test_multihead_attention_alone(modules):
     assert rel_error(out, ref) <= 1e-5
 
 
+def _backward_nodes(t, stop):
+    """Names of the autograd nodes between t and the AccumulateGrad of `stop`."""
+    seen, todo, names = set(), [t.grad_fn], []
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen or getattr(node, "variable", None) is stop:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        todo.extend(n for n, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("interleaved, groups", [(True, 4), (True, 2), (False, 2)])
+def test_qkv_split_backward_writes_the_fused_gradient_once(interleaved, groups):
+    """q, k, v come out of the fused projection through split / unbind, whose
+    backward concatenates the three gradients in one pass; index or slice
+    views would each zero-fill a fused-size gradient and autograd would add
+    the three (the backward of the split is checked by the layer tests)."""
+    mha = te.MultiheadAttention(64, 4, num_gqa_groups=groups, attention_dropout=0.0, input_layernorm=False,
+                                fuse_qkv_params=True, qkv_weight_interleaved=interleaved, device="cpu")
+    mixed = torch.randn(3, 64 + 2 * groups * 16, requires_grad=True)
+    q, k, v = mha._split_qkv(mixed)
+    assert q.shape == (3, 4, 16) and k.shape == v.shape == (3, groups, 16)
+    names = set()
+    for t in (q, k, v):
+        names.update(_backward_nodes(t, mixed))
+    assert not names & {"SelectBackward0", "SliceBackward0", "IndexBackward0"}, names
+    assert "SplitWithSizesBackward0" in names, names
+    kv = torch.randn(3, 2 * groups * 16, requires_grad=True)
+    names = set()
+    for t in mha._split_kv(kv):
+        names.update(_backward_nodes(t, kv))
+    assert not names & {"SelectBackward0", "SliceBackward0", "IndexBackward0"}, names
+
+
 def _same_params_unfused(fused, unfused, split_modules):
     """Copy the fused layer's parameters into the unfused one: the pieces
     (query/key/value) take their rows of the fused weight and bias."""
