@@ -143,12 +143,13 @@ struct FwdParams {
  * floats of its vector c; stored plainly (vector c at c * VEC) a warp's
  * 16-byte reads would stride by VEC * 4 = 32 bytes for 16-bit rows, two-way
  * bank conflicts on every read, and LayerNorm's forward reads w and beta
- * (64 bytes of shared memory per 16 bytes of x): conflicted, that is about
- * as many shared-memory cycles as the row's DRAM traffic takes.  So the
- * floats go in chunks of CH = 4 (one float4), chunk j of every vector
- * together: chunk j of vector c at (j * nvec + c) * CH.  A warp's float4
- * reads of one chunk are then 512 contiguous bytes, conflict free.  For
- * VEC <= 4 this is the plain layout. */
+ * (64 bytes of shared memory per 16 bytes of x).  So the floats go in
+ * chunks of CH = 4 (one float4), chunk j of every vector together: chunk j
+ * of vector c at (j * nvec + c) * CH.  A warp's float4 reads of one chunk
+ * are then 512 contiguous bytes, conflict free.  For VEC <= 4 this is the
+ * plain layout.  Measured on the H200, the forward ran no faster for it
+ * (LayerNorm 62 % of copy at 16384 x 4096 before and after): shared memory
+ * was not what limits it; the layout stays because it costs nothing. */
 template <int VEC>
 __device__ __forceinline__ int staged_index(int i, int nvec)
 {
