@@ -299,6 +299,11 @@ int main(int argc, char **argv)
         return check_finish("check_norm --sweep");
     }
     check_encoder();
+    /* the tuning knob refuses splits no kernel holds (and leaves the defaults) */
+    check_report(sf_norm_cuda_tune(12, 256, 16, 256) == SF_ERR_VALUE, "sf_norm_cuda_tune accepted 12 elements");
+    check_report(sf_norm_cuda_tune(16, 256, 64, 256) == SF_ERR_VALUE, "sf_norm_cuda_tune accepted 64 elements");
+    check_report(sf_norm_cuda_tune(16, 100, 16, 256) == SF_ERR_VALUE, "sf_norm_cuda_tune accepted a 100-thread block");
+    check_report(sf_norm_cuda_tune(16, 256, 16, 2048) == SF_ERR_VALUE, "sf_norm_cuda_tune accepted a 2048-thread block");
     const sf_dtype dts[3] = {SF_FLOAT32, SF_FLOAT16, SF_BFLOAT16};
     /* every launch shape of norm_cuda.cu: a warp per row, several warps with
      * idle slots, exact splits, long rows, the element-wide path (37, 1001,

@@ -554,8 +554,9 @@ Config pick_config(int64_t hidden, int vec, int elems, int block, int light)
 struct Tuning {
     int fwd_elems, fwd_block, bwd_elems[2], bwd_block[2];
 };
-Tuning g_tuning = {kFwdElems, kFwdBlock, {kBwdElemsDefault[0], kBwdElemsDefault[1]},
-                   {kBwdBlockDefault[0], kBwdBlockDefault[1]}};
+constexpr Tuning kDefaultTuning = {kFwdElems, kFwdBlock, {kBwdElemsDefault[0], kBwdElemsDefault[1]},
+                                   {kBwdBlockDefault[0], kBwdBlockDefault[1]}};
+Tuning g_tuning = kDefaultTuning;
 
 Config fwd_config(int64_t hidden, int vec)
 {
@@ -615,13 +616,11 @@ int64_t balanced_grid(int64_t groups, int64_t cap)
     return (groups + per_block - 1) / per_block;
 }
 
-/* An upper bound of any backward grid for this shape: blocks that could be
- * resident at once by thread count (2048 threads per SM on sm_80 / sm_90),
- * never more than the row groups.  The workspace is sized by it. */
-sf_status bwd_grid_bound(const char *op, int64_t rows, int64_t hidden, int vec, int rms, int device,
-                         int64_t *bound)
+/* An upper bound of any backward grid of split c over `rows`: blocks that
+ * could be resident at once by thread count (2048 threads per SM on sm_80 /
+ * sm_90), never more than the row groups.  The workspace is sized by it. */
+sf_status bwd_grid_bound(const char *op, int64_t rows, const Config &c, int device, int64_t *bound)
 {
-    const Config c = bwd_config(hidden, vec, rms);
     int sms;
     SF_TRY(sf_vec::sm_count(op, device, &sms));
     const int threads = c.tx * c.ty;
@@ -702,11 +701,10 @@ sf_status launch_bwd_rms(const BwdParams &p, const Config &c, int device, int64_
 }
 
 template <typename T>
-sf_status launch_bwd(const BwdParams &p, bool vec, int device, int64_t bound, cudaStream_t stream,
-                     int64_t *grid)
+sf_status launch_bwd(const BwdParams &p, const Config &c, bool vec, int device, int64_t bound,
+                     cudaStream_t stream, int64_t *grid)
 {
     constexpr int V = 16 / sizeof(T);
-    const Config c = bwd_config(p.hidden, vec ? V : 1, p.rms);
     if (!vec)
         return launch_bwd_rms<T, 1, kScalarNV>(p, c, device, bound, stream, grid);
     switch (c.nv) {
@@ -799,7 +797,8 @@ sf_status bwd(const sf_norm_bwd_args *a, cudaStream_t stream)
     const int ve = 16 / (int)sf_dtype_size(a->x->dtype);
     const int device = a->x->device_id;
     int64_t bound;
-    SF_TRY(bwd_grid_bound(op, a->rows, a->hidden, vec ? ve : 1, a->rms, device, &bound));
+    const Config c = bwd_config(a->hidden, vec ? ve : 1, a->rms); /* the split of both calls below */
+    SF_TRY(bwd_grid_bound(op, a->rows, c, device, &bound));
     BwdParams p;
     p.dy = a->dy->data;
     p.x = a->x->data;
@@ -817,9 +816,9 @@ sf_status bwd(const sf_norm_bwd_args *a, cudaStream_t stream)
 
     int64_t grid = 0;
     switch (a->x->dtype) {
-    case SF_FLOAT32: SF_TRY(launch_bwd<float>(p, vec, device, bound, stream, &grid)); break;
-    case SF_FLOAT16: SF_TRY(launch_bwd<__half>(p, vec, device, bound, stream, &grid)); break;
-    default:         SF_TRY(launch_bwd<__nv_bfloat16>(p, vec, device, bound, stream, &grid)); break;
+    case SF_FLOAT32: SF_TRY(launch_bwd<float>(p, c, vec, device, bound, stream, &grid)); break;
+    case SF_FLOAT16: SF_TRY(launch_bwd<__half>(p, c, vec, device, bound, stream, &grid)); break;
+    default:         SF_TRY(launch_bwd<__nv_bfloat16>(p, c, vec, device, bound, stream, &grid)); break;
     }
     void *dbeta = a->dbeta ? a->dbeta->data : NULL;
     const int parts = (int)grid;
@@ -853,8 +852,7 @@ extern "C" sf_status sf_norm_bwd_cuda(const sf_norm_bwd_args *a, sf_stream s)
 extern "C" sf_status sf_norm_cuda_tune(int fwd_elems, int fwd_block, int bwd_elems, int bwd_block)
 {
     if (!fwd_elems && !fwd_block && !bwd_elems && !bwd_block) { /* back to the defaults */
-        g_tuning = Tuning{kFwdElems, kFwdBlock, {kBwdElemsDefault[0], kBwdElemsDefault[1]},
-                          {kBwdBlockDefault[0], kBwdBlockDefault[1]}};
+        g_tuning = kDefaultTuning;
         return SF_OK;
     }
     /* at most 32 elements per thread: the kernels hold NV <= 4 vectors of
@@ -882,19 +880,19 @@ extern "C" sf_status sf_norm_bwd_workspace_numel_cuda(int64_t rows, int64_t hidd
     /* the largest of the vector and element-wide paths' bounds, LayerNorm's
      * and RMSNorm's: which one runs depends on what the caller has not
      * handed in yet */
-    int64_t b1 = 0, b2 = 0;
+    int64_t most = 0;
     if (rows > 0) {
         const int ve = 16 / (int)sf_dtype_size(dtype);
-        for (int rms = 0; rms < 2; ++rms) {
-            int64_t b;
-            SF_TRY(bwd_grid_bound("norm_bwd_workspace_numel", rows, hidden, 1, rms, device_id, &b));
-            b1 = b > b1 ? b : b1;
-            if (hidden % ve == 0) {
-                SF_TRY(bwd_grid_bound("norm_bwd_workspace_numel", rows, hidden, ve, rms, device_id, &b));
-                b2 = b > b2 ? b : b2;
+        for (int rms = 0; rms < 2; ++rms)
+            for (int vec : {1, ve}) {
+                if (vec > 1 && hidden % vec)
+                    continue; /* no vector path for this row length */
+                int64_t b;
+                SF_TRY(bwd_grid_bound("norm_bwd_workspace_numel", rows, bwd_config(hidden, vec, rms), device_id,
+                                      &b));
+                most = b > most ? b : most;
             }
-        }
     }
-    *numel = 2 * (b1 > b2 ? b1 : b2) * hidden;
+    *numel = 2 * most * hidden;
     return SF_OK;
 }
