@@ -49,30 +49,27 @@ def sdpa_flops(b, h, s, d, causal, backward):
     return 4.0 * b * h * s * s * d * (0.5 if causal else 1.0) * (3.5 if backward else 1.0)
 
 
-def _sm90_time(fn, variant):
-    """cuda_time_ms(fn) with the wgmma forward (schedule `variant`) selected;
-    None off Hopper.  Restores the defaults (wgmma kernel, schedule 4)."""
+def _hopper_time(fn, fwd_variant=None, bwd_kernel=None):
+    """cuda_time_ms(fn) with the wgmma forward of schedule ``fwd_variant``
+    and / or the backward kernel ``bwd_kernel`` (90 or 80) selected; None off
+    Hopper.  The process's kernel choices (SEQFUSE_ATTN_FWD_KERNEL /
+    SEQFUSE_ATTN_BWD_KERNEL or an earlier set_attention_*_kernel) are put
+    back after, and the forward schedule returns to 4, the default."""
     if torch.cuda.get_device_capability() != (9, 0):
         return None
-    seqfuse.ops.set_attention_fwd_kernel(90)
-    seqfuse._C.attn_set_fwd_sm90_variant(variant)
-    try:
-        return cuda_time_ms(fn)
-    finally:
+    fwd_was = seqfuse.ops.attention_fwd_kernel(64)[0]
+    bwd_was = seqfuse.ops.attention_bwd_kernel(64)[0]
+    if fwd_variant is not None:
         seqfuse.ops.set_attention_fwd_kernel(90)
-        seqfuse._C.attn_set_fwd_sm90_variant(4)
-
-
-def _sm80_bwd_time(fn):
-    """cuda_time_ms(fn) (a forward+backward) with the sm80 backward selected;
-    None off Hopper.  Restores the wgmma backward, the default there."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        return None
-    seqfuse.ops.set_attention_bwd_kernel(80)
+        seqfuse._C.attn_set_fwd_sm90_variant(fwd_variant)
+    if bwd_kernel is not None:
+        seqfuse.ops.set_attention_bwd_kernel(bwd_kernel)
     try:
         return cuda_time_ms(fn)
     finally:
-        seqfuse.ops.set_attention_bwd_kernel(90)
+        seqfuse.ops.set_attention_fwd_kernel(fwd_was)
+        seqfuse._C.attn_set_fwd_sm90_variant(4)
+        seqfuse.ops.set_attention_bwd_kernel(bwd_was)
 
 
 def sdpa_pair(ours_in, peer_in, backward, ours_kw, peer_kw):
@@ -117,8 +114,8 @@ def padded_rows(table):
                 for backward in (False, True):
                     ours, peer = bshd_pair(q, k, v, dout, backward, dict(attn_mask_type=mask), dict(is_causal=causal))
                     t_ours, t_peer = cuda_time_ms(ours), cuda_time_ms(peer)
-                    t90 = [None] * 5 if backward else [_sm90_time(ours, v) for v in range(5)]  # forward rows
-                    t80b = _sm80_bwd_time(ours) if backward else None
+                    t90 = [None] * 5 if backward else [_hopper_time(ours, fwd_variant=v) for v in range(5)]
+                    t80b = _hopper_time(ours, bwd_kernel=80) if backward else None
                     fl = sdpa_flops(b, h, s, d, causal, backward)
                     table.add(case=f"s{s} d{d}{' causal' if causal else ''} {'fwd+bwd' if backward else 'fwd'}",
                               seqlen=s, head_dim=d, heads=h, batch=b, causal=causal,

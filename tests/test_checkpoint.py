@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+import seqfuse
 import seqfuse.pytorch as te
 from seqfuse.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 from helpers import needs_fp8
@@ -101,6 +102,60 @@ def test_recompute_that_reads_other_scales_raises():
         y = te.checkpoint(fn, x)
     with pytest.raises(RuntimeError, match="read an FP8 scale the forward did not"):
         y.sum().backward()
+
+
+@needs_fp8
+def test_autocast_inside_the_function_updates_once_per_step(monkeypatch):
+    """A function that opens its own autocast leaves it again in the
+    recompute (during the backward, with no autocast around): that exit must
+    not run the step's scale update a second time."""
+    import sys
+
+    ac = sys.modules["seqfuse.quantization.autocast"]  # the module (the package's name is the function)
+
+    updates = []
+    real = ac.reduce_and_update
+    monkeypatch.setattr(ac, "reduce_and_update", lambda *a, **k: (updates.append(1), real(*a, **k)))
+    m = te.Linear(64, 64)
+    recipe = DelayedScaling()
+
+    def fn(x):
+        with te.autocast(enabled=True, recipe=recipe):
+            h = m(x)
+        return h * h  # saved by the autograd graph, so the recompute runs past the autocast exit
+
+    for step in range(2):
+        x = torch.randn(32, 64, requires_grad=True)
+        y = te.checkpoint(fn, x)
+        assert len(updates) == step + 1
+        y.sum().backward()
+        assert len(updates) == step + 1, "the recompute ran the scale update again"
+
+
+@needs_fp8
+def test_fp8_stats_count_the_forward_casts_only():
+    """FP8 statistics (enable_stats) of checkpointed steps equal plain ones:
+    the recompute's casts, made after the step ended, are not counted into
+    the next step."""
+    recipe = DelayedScaling()
+
+    def run(ck):
+        torch.manual_seed(0)
+        m = te.Linear(64, 64)
+        seqfuse.quantization.name_states(m)
+        seqfuse.quantization.enable_stats(every=1)
+        try:
+            for _ in range(3):
+                x = torch.randn(32, 64, requires_grad=True)
+                with te.autocast(enabled=True, recipe=recipe):
+                    y = te.checkpoint(m, x) if ck else m(x)
+                y.sum().backward()
+            return [(r["step"], r["index"], r["numel"]) for r in seqfuse.quantization.stats_records()]
+        finally:
+            seqfuse.quantization.disable_stats()
+
+    plain = run(False)
+    assert plain and run(True) == plain
 
 
 @needs_fp8

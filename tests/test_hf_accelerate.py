@@ -862,7 +862,7 @@ def test_gradient_checkpointing_function_other_than_torchs_is_kept_with_a_warnin
     import functools
     import logging
 
-    from seqfuse.quantization.checkpoint import checkpoint as sf_checkpoint
+    from seqfuse.quantization.recompute import checkpoint as sf_checkpoint
 
     like = accelerate_mod._seqfuse_checkpoint_like
     ck = torch.utils.checkpoint.checkpoint

@@ -433,7 +433,7 @@ def accelerate(model, recipe=None, attention=True):
 def _seqfuse_checkpoint_like(func):
     """seqfuse's checkpoint in place of torch's (as transformers passes it: a
     partial with keyword arguments); any other function is kept, with a warning."""
-    from ..quantization.checkpoint import checkpoint
+    from ..quantization.recompute import checkpoint
 
     torch_ck = torch.utils.checkpoint.checkpoint
     if func is torch_ck:

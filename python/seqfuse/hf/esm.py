@@ -31,7 +31,7 @@ from transformers import initialization as init
 from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput
 
 from ..modules.rope import RotaryPositionEmbedding
-from ..quantization.checkpoint import checkpoint
+from ..quantization.recompute import checkpoint
 from ..modules.transformer_layer import TransformerLayer
 from .esm_config import SeqfuseEsmConfig
 

@@ -94,7 +94,7 @@ from .autocast import (AutocastState, autocast, autocast_state, fp8_autocast, fp
 from .quantize import (quantize, quantize_block, quantize_current, quantize_mxfp8,
                        quantize_nvfp4, quantize_with_state)
 from .state import GRAD_OUTPUT, INPUT, WEIGHT, ScalingState, register_scaling_state
-from .checkpoint import checkpoint
+from .recompute import checkpoint
 from .stats import disable_stats, enable_stats, name_states, stats_records
 from .tensor import Float8BlockTensor, Float8Tensor, MXFP8Tensor, NVFP4Tensor
 

@@ -43,14 +43,16 @@ from .state import POOL
 class AutocastState:
     """What a module sees: enabled, recipe, amax_reduction_group, calibrating."""
 
-    __slots__ = ("enabled", "recipe", "amax_reduction_group", "calibrating", "depth")
+    # recomputing: checkpoint recomputes open on this thread (an autocast
+    # left inside one must not run the step's scale update again)
+    __slots__ = ("enabled", "recipe", "amax_reduction_group", "calibrating", "recomputing")
 
     def __init__(self):
         self.enabled = False
         self.recipe = None
         self.amax_reduction_group = None
         self.calibrating = False
-        self.depth = 0
+        self.recomputing = 0
 
     def __repr__(self):
         return (f"AutocastState(enabled={self.enabled}, recipe={self.recipe}, "
@@ -127,18 +129,18 @@ def autocast(enabled=True, recipe=None, amax_reduction_group=None, calibrating=F
     s.recipe = recipe if recipe is not None else (saved[1] if saved[0] else DelayedScaling())
     s.amax_reduction_group = amax_reduction_group if amax_reduction_group is not None else saved[2]
     s.calibrating = bool(calibrating)
-    s.depth += 1
     ok = False
     try:
         yield s
         ok = True
     finally:
-        s.depth -= 1
         recipe_now, group_now = s.recipe, s.amax_reduction_group
         was_enabled = s.enabled or s.calibrating
         s.enabled, s.recipe, s.amax_reduction_group, s.calibrating = saved
         outermost_exit = was_enabled and not (s.enabled or s.calibrating)
-        if ok and outermost_exit:
+        # a region inside a checkpointed function is left again in its
+        # recompute (the backward): the step's update ran at the forward's exit
+        if ok and outermost_exit and not s.recomputing:
             reduce_and_update(recipe_now, group_now)
 
 

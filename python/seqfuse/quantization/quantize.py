@@ -4,7 +4,7 @@ allocates the outputs and fills the quantized tensor's fields."""
 import torch
 
 from ..ops import quant as qops
-from . import stats
+from . import recompute, stats
 from .tensor import Float8BlockTensor, Float8Tensor, MXFP8Tensor, NVFP4Tensor
 
 
@@ -32,7 +32,7 @@ def quantize_with_state(x, state, index, *, transpose=False, rowwise=True):
     state.ensure_pooled()
     fp8_dtype = state.fp8_dtype(index)
     scale = state.scale_of(index)
-    if stats.recording():
+    if stats.recording() and not recompute.replaying():  # a recompute's casts were the forward's
         stats.record_cast(state, index, x.detach(), scale, fp8_dtype)
     return quantize(x, scale, state.amax_of(index), fp8_dtype, transpose=transpose,
                     rowwise=rowwise)

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..common.recipe import DelayedScaling, Format
-from . import checkpoint
+from . import recompute
 
 #: Column capacity of a new chunk is about this many history floats.
 _CHUNK_FLOATS = 1 << 20
@@ -198,13 +198,13 @@ class ScalingState(nn.Module):
         """A one-element view of tensor ``index``'s amax for this step (pools
         the state on first use)."""
         v = self._pooled_views()
-        return checkpoint.amax_for(v[0][index] if v is not None else self.amax_history[0, index:index + 1])
+        return recompute.amax_for(v[0][index] if v is not None else self.amax_history[0, index:index + 1])
 
     def scale_of(self, index):
         """A one-element view of tensor ``index``'s scale (inside a
         checkpoint recompute: the copy its forward used)."""
         v = self._pooled_views()
-        return checkpoint.scale_for(self, index, v[1][index] if v is not None else self.scale[index:index + 1])
+        return recompute.scale_for(self, index, v[1][index] if v is not None else self.scale[index:index + 1])
 
     def scale_inv_of(self, index):
         v = self._pooled_views()

@@ -1,4 +1,4 @@
-"""checkpoint: activation recomputation that keeps FP8 numerics.
+"""recompute: seqfuse's checkpoint, activation recomputation that keeps FP8 numerics.
 
 ``torch.utils.checkpoint`` drops a region's activations and runs its forward
 again during the backward.  Under seqfuse autocast that second forward would
@@ -76,10 +76,15 @@ def scale_for(state, index, scale):
     return scale
 
 
+def replaying():
+    """True inside a checkpoint's recompute on this thread."""
+    return bool(_open) and _top("replays") is not None
+
+
 def amax_for(amax):
     """What ``state.amax_of(index)`` returns: the step's slot, or a scratch
     tensor inside a recompute (its amaxes were recorded by the forward)."""
-    return torch.zeros_like(amax) if _open and _top("replays") is not None else amax
+    return torch.zeros_like(amax) if replaying() else amax
 
 
 @contextlib.contextmanager
@@ -101,6 +106,7 @@ def _replaying(settings, casts):
     s = autocast_state()
     before = (s.enabled, s.recipe, s.amax_reduction_group, s.calibrating)
     s.enabled, s.recipe, s.amax_reduction_group, s.calibrating = settings
+    s.recomputing += 1
     replays = _stack("replays")
     replays.append(casts)
     _opened(1)
@@ -109,6 +115,7 @@ def _replaying(settings, casts):
     finally:
         replays.pop()
         _opened(-1)
+        s.recomputing -= 1
         s.enabled, s.recipe, s.amax_reduction_group, s.calibrating = before
 
 
