@@ -29,8 +29,8 @@ import shutil
 import subprocess
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results")
+from harness import RESULTS  # (benchmarks/ is the script's folder)
+
 CASES = {"d64": (4096, 32, 64), "d128": (4096, 16, 128)}  # seqlen, heads, head dim; 16k tokens
 STALL = "smsp__average_warps_issue_stalled_"
 METRICS = [f"regex:{STALL}.*_per_issue_active\\.ratio",

@@ -87,6 +87,13 @@ def test_merge_refuses_parts_of_other_settings(results_dir):
         conv.merge(_args("merged", merge="p_hf,p_bf16"))
 
 
+def test_merge_refuses_a_run_given_twice(results_dir):
+    _part("p_a", "seqfuse_bf16", [3.0, 2.5])
+    _part("p_b", "seqfuse_bf16", [3.0, 2.4])
+    with pytest.raises(SystemExit, match="run seqfuse_bf16 is in two parts"):
+        conv.merge(_args("merged", merge="p_a,p_b"))
+
+
 def test_merge_refuses_an_unfinished_part(results_dir):
     _part("p_hf", "hf_bf16", [3.0, 2.5])
     _part("p_bf16", "seqfuse_bf16", [3.0], final=False)

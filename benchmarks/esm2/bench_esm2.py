@@ -191,8 +191,7 @@ def single(args, device):
         ref = hf_ref.get(ref_key)
         f["vs_hf"] = f["unpadded_tokens_per_s"] / ref["unpadded_tokens_per_s"] if ref else float("nan")
         f["mem_vs_hf"] = f["peak_mem_gib"] / ref["peak_mem_gib"] if ref else float("nan")
-        table.add(row=name, impl=impl, recipe=recipe, layout=layout, **f)
-        print(table.text().splitlines()[-1], flush=True)
+        table.add(row=name, impl=impl, recipe=recipe, layout=layout, **f)  # (add prints the row)
 
     goals = check_goals(table.rows)
     for g in goals:

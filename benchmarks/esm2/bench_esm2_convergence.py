@@ -411,6 +411,8 @@ def merge(args):
             raise SystemExit(f"--merge: {name} did not finish (complete is false)")
         for row in part["rows"]:
             run_name = row["run"]
+            if run_name in results:
+                raise SystemExit(f"--merge: run {run_name} is in two parts ({name} and an earlier one)")
             if row.get("error"):
                 results[run_name] = {"error": row["error"]}
             else:

@@ -6,7 +6,6 @@
  * kernels (attn_cuda.cu) read the same way.
  */
 #include <math.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "attn.h"

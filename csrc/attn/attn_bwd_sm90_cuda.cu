@@ -41,8 +41,6 @@
  * kernels at head dim 64 and 1.34-1.51x at 128 (16k tokens, seqlen 1k-8k).
  * SEQFUSE_ATTN_BWD_KERNEL=sm80 or sf_attn_set_bwd_kernel(80) selects sm80.
  */
-#include <stdlib.h>
-#include <string.h>
 
 #include "../core/cuda_util.h"
 #include "attn_sm90.cuh"
@@ -255,14 +253,7 @@ static int g_bwd_kernel = -1;
 /* The selection point: wgmma by default where the device is Hopper (see the
  * top of this file), sm80 on SEQFUSE_ATTN_BWD_KERNEL=sm80 or
  * sf_attn_set_bwd_kernel(80). */
-static int chosen_bwd_kernel()
-{
-    if (g_bwd_kernel < 0) {
-        const char *v = getenv("SEQFUSE_ATTN_BWD_KERNEL");
-        g_bwd_kernel = v && !strcmp(v, "sm80") ? 80 : 90;
-    }
-    return g_bwd_kernel;
-}
+static int chosen_bwd_kernel() { return kernel_choice(&g_bwd_kernel, "SEQFUSE_ATTN_BWD_KERNEL"); }
 
 static int bwd_selected(int head_dim, int deterministic, int dropout, int device, const char **why)
 {

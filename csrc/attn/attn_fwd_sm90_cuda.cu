@@ -621,14 +621,16 @@ static int device_ok(int device, const char **why)
     return g_device_ok[device];
 }
 
-static int chosen_kernel()
+int kernel_choice(int *choice, const char *env)
 {
-    if (g_kernel < 0) {
-        const char *v = getenv("SEQFUSE_ATTN_FWD_KERNEL");
-        g_kernel = v && !strcmp(v, "sm80") ? 80 : 90; /* wgmma by default where the device is Hopper */
+    if (*choice < 0) {
+        const char *v = getenv(env);
+        *choice = v && !strcmp(v, "sm80") ? 80 : 90;
     }
-    return g_kernel;
+    return *choice;
 }
+
+static int chosen_kernel() { return kernel_choice(&g_kernel, "SEQFUSE_ATTN_FWD_KERNEL"); }
 
 int pick_kernel(int choice, const char *not_chosen, int head_dim, int device, const char **why)
 {

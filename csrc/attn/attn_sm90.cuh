@@ -231,6 +231,10 @@ int pick_kernel(int choice, const char *not_chosen, int head_dim, int device, co
 int pick_kernel_no_dropout(int ok, int dropout, const char **why);
 /* *choice = arch where arch is 80 or 90, else an SF_ERR_VALUE naming op (the setters of attn_sm90.h). */
 sf_status set_kernel_choice(const char *op, int arch, int *choice);
+/* *choice, read from the environment variable `env` the first time (-1:
+ * not read yet): 80 where it says sm80, else 90 (wgmma, the default where
+ * the device is Hopper). */
+int kernel_choice(int *choice, const char *env);
 } // namespace sm90
 
 /* fn(T{}, TileWidth<D>{}) for the wgmma kernels' element type and head dim

@@ -36,8 +36,8 @@ sf_status sf_attn_set_fwd_sm90_variant(int variant);
 int sf_attn_fwd_kernel_for(int head_dim, int dropout, int device, const char **why);
 
 /* Pick the backward kernel: 90 (wgmma, where supported) or 80 (mma.sync);
- * overrides SEQFUSE_ATTN_BWD_KERNEL=sm90|sm80 (read once; default sm80
- * until the wgmma backward is confirmed on a GPU). */
+ * overrides SEQFUSE_ATTN_BWD_KERNEL=sm90|sm80 (read once; default sm90,
+ * the wgmma backward, confirmed on an H200). */
 sf_status sf_attn_set_bwd_kernel(int arch);
 
 /* The kernel a backward with this head dim, deterministic flag and dropout

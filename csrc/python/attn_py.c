@@ -127,10 +127,10 @@ static PyObject *py_attn_bwd(PyObject *self, PyObject *const *args, Py_ssize_t n
  * attn_bwd_kernel_for(head_dim, device, deterministic, dropout=0) ->
  * (arch, reason): which kernel a call takes (attn_sm90.h).  Tests,
  * benchmarks and the once-per-reason log of ops/attn.py. */
-static PyObject *py_attn_set_int(PyObject *arg, sf_status (*set)(int))
+static PyObject *py_attn_set_int(const char *op, const char *name, PyObject *arg, sf_status (*set)(int))
 {
-    long v = PyLong_AsLong(arg);
-    if (v == -1 && PyErr_Occurred())
+    long v;
+    if (sf_py_arg_long(op, name, arg, &v) < 0)
         return NULL;
 #ifdef SF_WITH_CUDA
     sf_status st = set((int)v);
@@ -152,19 +152,19 @@ static PyObject *py_attn_set_int(PyObject *arg, sf_status (*set)(int))
 static PyObject *py_attn_set_fwd_kernel(PyObject *self, PyObject *arg)
 {
     (void)self;
-    return py_attn_set_int(arg, sf_attn_set_fwd_kernel);
+    return py_attn_set_int("attn_set_fwd_kernel", "arch", arg, sf_attn_set_fwd_kernel);
 }
 
 static PyObject *py_attn_set_fwd_sm90_variant(PyObject *self, PyObject *arg)
 {
     (void)self;
-    return py_attn_set_int(arg, sf_attn_set_fwd_sm90_variant);
+    return py_attn_set_int("attn_set_fwd_sm90_variant", "variant", arg, sf_attn_set_fwd_sm90_variant);
 }
 
 static PyObject *py_attn_set_bwd_kernel(PyObject *self, PyObject *arg)
 {
     (void)self;
-    return py_attn_set_int(arg, sf_attn_set_bwd_kernel);
+    return py_attn_set_int("attn_set_bwd_kernel", "arch", arg, sf_attn_set_bwd_kernel);
 }
 
 /* (arch, reason) of the forward (bwd 0; args head_dim, device[, dropout])

@@ -51,8 +51,8 @@ static PyObject *py_cuda_driver_version(PyObject *self, PyObject *unused)
 static PyObject *py_cuda_capability(PyObject *self, PyObject *arg)
 {
     (void)self;
-    long device = PyLong_AsLong(arg);
-    if (device == -1 && PyErr_Occurred())
+    long device;
+    if (sf_py_arg_long("cuda_capability", "device", arg, &device) < 0)
         return NULL;
     int cap = 0;
     sf_status st = sf_cuda_capability((int)device, &cap);

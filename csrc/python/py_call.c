@@ -503,15 +503,25 @@ int sf_py_begin(sf_py_args *a, const char *op, PyObject *const *args, Py_ssize_t
     return sf_py_import(a, args, nargs, spec, n);
 }
 
+/* The number readers' one failure path: a value of the right kind too
+ * large for C (OverflowError) is a ValueError, anything else a TypeError. */
+static int arg_fail(const char *op, const char *arg, PyObject *obj, const char *kind)
+{
+    const int overflow = PyErr_ExceptionMatches(PyExc_OverflowError);
+    PyErr_Clear();
+    if (overflow)
+        PyErr_Format(PyExc_ValueError, "%s: argument '%s' is out of range, got %R", op, arg, obj);
+    else
+        PyErr_Format(PyExc_TypeError, "%s: argument '%s' must be %s, got %s", op, arg, kind,
+                     Py_TYPE(obj)->tp_name);
+    return -1;
+}
+
 int sf_py_arg_float(const char *op, const char *arg, PyObject *obj, float *out)
 {
     double v = PyFloat_AsDouble(obj);
-    if (v == -1.0 && PyErr_Occurred()) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "%s: argument '%s' must be a float, got %s", op, arg,
-                     Py_TYPE(obj)->tp_name);
-        return -1;
-    }
+    if (v == -1.0 && PyErr_Occurred())
+        return arg_fail(op, arg, obj, "a float");
     *out = (float)v;
     return 0;
 }
@@ -519,12 +529,8 @@ int sf_py_arg_float(const char *op, const char *arg, PyObject *obj, float *out)
 int sf_py_arg_long(const char *op, const char *arg, PyObject *obj, long *out)
 {
     long v = PyLong_AsLong(obj);
-    if (v == -1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "%s: argument '%s' must be an int, got %s", op, arg,
-                     Py_TYPE(obj)->tp_name);
-        return -1;
-    }
+    if (v == -1 && PyErr_Occurred())
+        return arg_fail(op, arg, obj, "an int");
     *out = v;
     return 0;
 }

@@ -92,7 +92,8 @@ int sf_py_import(sf_py_args *a, PyObject *const *args, Py_ssize_t nargs,
 int sf_py_arg_float(const char *op, const char *arg, PyObject *obj, float *out);
 
 /* Read an int (or bool) positional argument as long; a non-integer raises
- * TypeError naming op and arg. */
+ * TypeError, one past a C long ValueError, naming op and arg (as
+ * sf_py_arg_float does for floats). */
 int sf_py_arg_long(const char *op, const char *arg, PyObject *obj, long *out);
 
 /* The stream for CUDA work (resolved by the tensors imported so far). */

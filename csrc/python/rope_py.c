@@ -17,8 +17,8 @@ static PyObject *py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     enum { T, FREQS, CU, START, OUT };
     if (sf_py_check_nargs(op, nargs, 8, 9) < 0)
         return NULL;
-    long format = PyLong_AsLong(args[4]);
-    if (format == -1 && PyErr_Occurred())
+    long format;
+    if (sf_py_arg_long(op, "format", args[4], &format) < 0)
         return NULL;
     int interleaved = PyObject_IsTrue(args[5]);
     int backward = PyObject_IsTrue(args[6]);

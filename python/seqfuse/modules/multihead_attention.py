@@ -146,10 +146,8 @@ class MultiheadAttention(torch.nn.Module):
             grouped = mixed.view(*lead, ng, per + 2, hn)
             q, k, v = torch.split(grouped, [per, 1, 1], dim=-2)
             return q.reshape(*lead, np_, hn), k.squeeze(-2), v.squeeze(-2)
-        else:
-            q, k, v = torch.split(mixed, [np_ * hn, ng * hn, ng * hn], dim=-1)
-            q, k, v = q.view(*lead, np_, hn), k.view(*lead, ng, hn), v.view(*lead, ng, hn)
-        return q, k, v
+        q, k, v = torch.split(mixed, [np_ * hn, ng * hn, ng * hn], dim=-1)
+        return q.view(*lead, np_, hn), k.view(*lead, ng, hn), v.view(*lead, ng, hn)
 
     def _split_kv(self, mixed):
         hn, ng = self.kv_channels, self.num_gqa_groups

@@ -66,4 +66,3 @@ def shard_model(model, *, reshard_after_forward=True, reduce_dtype="float32", pr
         model.set_modules_to_forward_prefetch(heads[:n])
         model.set_modules_to_backward_prefetch(heads[::-1][:n])
     return model
-
