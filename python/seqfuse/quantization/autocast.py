@@ -54,6 +54,14 @@ class AutocastState:
         self.calibrating = False
         self.recomputing = 0
 
+    def settings(self):
+        """(enabled, recipe, amax_reduction_group, calibrating): what a region
+        sets and restores (and a checkpoint recompute re-enters)."""
+        return self.enabled, self.recipe, self.amax_reduction_group, self.calibrating
+
+    def restore(self, settings):
+        self.enabled, self.recipe, self.amax_reduction_group, self.calibrating = settings
+
     def __repr__(self):
         return (f"AutocastState(enabled={self.enabled}, recipe={self.recipe}, "
                 f"calibrating={self.calibrating})")
@@ -124,7 +132,7 @@ def autocast(enabled=True, recipe=None, amax_reduction_group=None, calibrating=F
         raise TypeError(f"autocast: argument 'recipe' must be a seqfuse.common.recipe recipe, "
                         f"got {type(recipe).__name__}")
     s = autocast_state()
-    saved = (s.enabled, s.recipe, s.amax_reduction_group, s.calibrating)
+    saved = s.settings()
     s.enabled = bool(enabled)
     s.recipe = recipe if recipe is not None else (saved[1] if saved[0] else DelayedScaling())
     s.amax_reduction_group = amax_reduction_group if amax_reduction_group is not None else saved[2]
@@ -136,7 +144,7 @@ def autocast(enabled=True, recipe=None, amax_reduction_group=None, calibrating=F
     finally:
         recipe_now, group_now = s.recipe, s.amax_reduction_group
         was_enabled = s.enabled or s.calibrating
-        s.enabled, s.recipe, s.amax_reduction_group, s.calibrating = saved
+        s.restore(saved)
         outermost_exit = was_enabled and not (s.enabled or s.calibrating)
         # a region inside a checkpointed function is left again in its
         # recompute (the backward): the step's update ran at the forward's exit

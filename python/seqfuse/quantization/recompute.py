@@ -104,8 +104,8 @@ def _replaying(settings, casts):
     from .autocast import autocast_state  # (autocast imports state, which imports this module)
 
     s = autocast_state()
-    before = (s.enabled, s.recipe, s.amax_reduction_group, s.calibrating)
-    s.enabled, s.recipe, s.amax_reduction_group, s.calibrating = settings
+    before = s.settings()
+    s.restore(settings)
     s.recomputing += 1
     replays = _stack("replays")
     replays.append(casts)
@@ -116,7 +116,7 @@ def _replaying(settings, casts):
         replays.pop()
         _opened(-1)
         s.recomputing -= 1
-        s.enabled, s.recipe, s.amax_reduction_group, s.calibrating = before
+        s.restore(before)
 
 
 def checkpoint(function, *args, use_reentrant=False, distribute_saved_activations=False,
@@ -134,7 +134,7 @@ def checkpoint(function, *args, use_reentrant=False, distribute_saved_activation
     from .autocast import autocast_state
 
     s = autocast_state()
-    settings = (s.enabled, s.recipe, s.amax_reduction_group, s.calibrating)
+    settings = s.settings()
     casts = {}  # (id(state), index) -> the scale the forward used
 
     def context_fn():

@@ -198,13 +198,16 @@ class ScalingState(nn.Module):
         """A one-element view of tensor ``index``'s amax for this step (pools
         the state on first use)."""
         v = self._pooled_views()
-        return recompute.amax_for(v[0][index] if v is not None else self.amax_history[0, index:index + 1])
+        amax = v[0][index] if v is not None else self.amax_history[0, index:index + 1]
+        # (the hot path: no call into recompute unless a checkpoint is open)
+        return recompute.amax_for(amax) if recompute._open else amax
 
     def scale_of(self, index):
         """A one-element view of tensor ``index``'s scale (inside a
         checkpoint recompute: the copy its forward used)."""
         v = self._pooled_views()
-        return recompute.scale_for(self, index, v[1][index] if v is not None else self.scale[index:index + 1])
+        scale = v[1][index] if v is not None else self.scale[index:index + 1]
+        return recompute.scale_for(self, index, scale) if recompute._open else scale
 
     def scale_inv_of(self, index):
         v = self._pooled_views()
