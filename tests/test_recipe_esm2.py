@@ -339,3 +339,14 @@ def test_per_layer_precision_listed_layers():
     bad = load_config("L0_sanity", ["precision.recipe=fp8_delayed", "precision.bf16_layers=[4]"])
     with pytest.raises(ValueError, match="precision.bf16_layers"):
         apply_layer_precision(model, bad, recipe, rank=0)
+
+
+def test_activation_checkpointing_setting_reaches_the_model():
+    """train.activation_checkpointing turns the model's (FP8-aware) layer
+    recomputation on, and only then."""
+    from esm2_recipe.trainer import build_model
+
+    for on in (False, True):
+        cfg = load_config("L0_sanity", [f"train.activation_checkpointing={str(on).lower()}"])
+        model, _ = build_model(cfg, "cpu", torch.float32)
+        assert model.is_gradient_checkpointing is on
