@@ -773,10 +773,9 @@ def test_accelerate_gemma_zero_centered_rmsnorm():
     run_and_compare(gemma, check, seqfuse.pytorch.Linear, seqfuse.pytorch.LayerNorm, tol=1e-5)
 
 
-def test_attention_function_reads_a_mask_once_per_tensor(monkeypatch):
-    """Every layer gets the same mask tensor: its padding layout (host syncs)
-    is worked out once and reused, and worked out again for another tensor or
-    after the mask is modified in place."""
+def _counting_layouts(monkeypatch):
+    """seqfuse.hf.attention with an empty mask-layout cache whose computations
+    are counted, a causal stand-in module, and the list of counts."""
     from seqfuse.hf import attention as att
 
     class M(nn.Module):
@@ -785,7 +784,15 @@ def test_attention_function_reads_a_mask_once_per_tensor(monkeypatch):
     calls = []
     real = att._padding_layout_cached.compute
     monkeypatch.setattr(att._padding_layout_cached, "compute", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(att._padding_layout_cached, "entry", None)
+    monkeypatch.setattr(att._padding_layout_cached, "entries", [])
+    return att, M, calls
+
+
+def test_attention_function_reads_a_mask_once_per_tensor(monkeypatch):
+    """Every layer gets the same mask tensor: its padding layout (host syncs)
+    is worked out once and reused, and worked out again for another tensor or
+    after the mask is modified in place."""
+    att, M, calls = _counting_layouts(monkeypatch)
     q = torch.randn(2, 4, 6, 8)
     mask = torch.ones(2, 6, dtype=torch.bool)
     mask[0, :2] = False
@@ -902,3 +909,169 @@ def test_model_norms_without_eps_or_failing_the_probe_are_left():
     assert "has no eps" in report.reason("0")
     assert "probing it against seqfuse's RMSNorm failed (ValueError: only takes 2-D input)" in report.reason("1")
     assert type(model[0]) is NoEpsRMSNorm and type(model[1]) is FailingNorm
+
+
+def test_attention_function_refuses_attention_sinks():
+    """gpt-oss passes s_aux=self.sinks (others sinks=): the fused kernel has no
+    sink logit, so the call is refused rather than computing other attention;
+    sinks=None (MiMo's full-attention layers) is attention without sinks."""
+    from seqfuse.hf.attention import seqfuse_attention_forward
+
+    class M(nn.Module):
+        is_causal = True
+
+    q = torch.randn(1, 4, 6, 8)
+    sinks = torch.randn(4)
+    for name in ("s_aux", "sinks"):
+        with pytest.raises(NotImplementedError, match=rf"attention sinks \({name}="):
+            seqfuse_attention_forward(M().eval(), q, q, q, None, **{name: sinks})
+    out, _ = seqfuse_attention_forward(M().eval(), q, q, q, None, s_aux=None, sinks=None)
+    ref = F.scaled_dot_product_attention(q, q, q, is_causal=True).transpose(1, 2)
+    assert rel_error(out, ref) <= 1e-5
+
+
+@pytest.mark.skipif(not hasattr(transformers, "GptOssConfig"), reason="transformers without gpt-oss")
+def test_accelerate_gpt_oss_attention_sinks_left_in_torch(stand_ins):
+    """gpt-oss's attention modules carry a ``sinks`` parameter: accelerate
+    leaves the attention implementation as it was, says why, and the model
+    computes what the original computes (sinks included)."""
+    torch.manual_seed(0)
+    cfg = transformers.GptOssConfig(vocab_size=99, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                    num_local_experts=4, num_experts_per_tok=2)
+    model = transformers.GptOssForCausalLM(cfg).eval()
+    with torch.no_grad():  # large sinks, so attention without them is far off
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0, 3.0)
+    ref = copy.deepcopy(model)
+    before = model.config._attn_implementation
+    report = accelerate(model)
+    why = report.reason("config._attn_implementation")
+    assert "attention sinks" in why and "model.layers.0.self_attn" in why
+    assert model.config._attn_implementation == before
+    assert "config._attn_implementation" not in report.swapped_names()
+    ids = torch.randint(0, 99, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert rel_error(model(ids).logits, ref(ids).logits) <= 1e-5
+
+
+class GatedRMSNorm(nn.Module):
+    """Mamba2 / Qwen3-Next style: RMSNorm, then times silu(gate) when a gate is given."""
+
+    def __init__(self, n, eps=1e-6):
+        super().__init__()
+        self.variance_epsilon = eps
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, hidden_states, gate=None):
+        y = hidden_states * torch.rsqrt(hidden_states.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        y = self.weight * y
+        return y if gate is None else y * F.silu(gate)
+
+
+class GatedBlock(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.norm = GatedRMSNorm(n)
+
+    def forward(self, x):
+        return self.norm(x, gate=2 * x)
+
+
+class AttributeErrorNorm(NoEpsRMSNorm):
+    """Reaches for an attribute it lacks (as a gated norm does with gate=None)."""
+
+    eps = 1e-6
+
+    def forward(self, x):
+        return x * self.missing_gate_projection
+
+
+def test_gated_model_norms_are_left_and_probe_errors_are_refusals(stand_ins):
+    """A norm whose forward takes a gate besides the input agrees with RMSNorm
+    when probed without the gate, but the model calls it with one: it is
+    left (the model still runs and computes what it did); a norm whose probe
+    raises anything (here AttributeError) is left, not a crash."""
+    torch.manual_seed(0)
+    model = nn.Sequential(GatedBlock(16), AttributeErrorNorm(16))
+    with torch.no_grad():
+        model[0].norm.weight.normal_()
+    ref = copy.deepcopy(model[0])
+    report = accelerate(model, attention=False)
+    assert type(model[0].norm) is GatedRMSNorm
+    assert "GatedRMSNorm.forward takes ['gate'] besides the input" in report.reason("0.norm")
+    x = torch.randn(3, 5, 16)
+    assert torch.equal(model[0](x), ref(x))
+    assert type(model[1]) is AttributeErrorNorm
+    assert "probing it against seqfuse's RMSNorm failed (AttributeError:" in report.reason("1")
+    # transformers' own gated norms, where this version has them
+    gated = []
+    for mod, name, args in (("mamba2", "MambaRMSNormGated", (16, 16)),
+                            ("kimi_linear", "KimiLinearRMSNormGated", (16,))):
+        try:
+            m = importlib.import_module(f"transformers.models.{mod}.modeling_{mod}")
+        except ImportError:
+            continue
+        if hasattr(m, name):
+            gated.append(getattr(m, name)(*args))
+    model = nn.Sequential(*gated)
+    report = accelerate(model, attention=False)
+    assert [type(m) for m in model] == [type(m) for m in gated]
+    for i, m in enumerate(gated):
+        assert "takes ['gate'] besides the input" in report.reason(str(i))
+
+
+def test_deepcopy_of_an_accelerated_model_is_independent(stand_ins):
+    """accelerate() replaces the model's forward (recipe) and its
+    _set_gradient_checkpointing (routing): a deepcopy's must act on the copy.
+    Enabling checkpointing on the copy changes the copy's layers and leaves
+    the original's; the copy's forward runs the copy's weights, under
+    autocast; forward keeps the model's signature (the Trainer reads it)."""
+    import inspect
+
+    from seqfuse.common.recipe import DelayedScaling
+    from seqfuse.quantization import is_fp8_enabled
+    from seqfuse.quantization.recompute import checkpoint as sf_checkpoint
+
+    model = llama().train()
+    accelerate(model, recipe=DelayedScaling())
+    assert "input_ids" in inspect.signature(model.forward).parameters
+    c = copy.deepcopy(model)
+    c.gradient_checkpointing_enable()
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    assert all(layer.gradient_checkpointing for layer in c.model.layers)
+    assert all(layer._gradient_checkpointing_func.func is sf_checkpoint for layer in c.model.layers)
+    seen = []
+    c.model.norm.register_forward_hook(lambda *_: seen.append(is_fp8_enabled()))
+    with torch.no_grad():
+        c.model.norm.weight.mul_(3.0)
+    ids = torch.randint(0, 99, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = c(input_ids=ids).logits, model(input_ids=ids).logits
+    assert seen == [True]  # the copy's own modules ran, under autocast
+    assert rel_error(got, 3.0 * want) <= 1e-4  # lm_head is linear: 3 x the final norm, 3 x the logits
+    c.gradient_checkpointing_disable()
+    assert not any(layer.gradient_checkpointing for layer in c.model.layers)
+
+
+def test_attention_function_keeps_masks_of_alternating_layers(monkeypatch):
+    """Layers alternating sliding-window and full attention get two mask
+    tensors in turn: both layouts stay cached (worked out once each, not at
+    every layer), and a mask that dies leaves the cache."""
+    import gc
+
+    att, M, calls = _counting_layouts(monkeypatch)
+    q = torch.randn(2, 4, 6, 8)
+    full = torch.ones(2, 6, dtype=torch.bool)
+    full[0, :2] = False
+    sliding = full.clone()
+    outs = {}
+    for layer in range(6):
+        mask = sliding if layer % 2 == 0 else full
+        out, _ = att.seqfuse_attention_forward(M(), q, q, q, mask)
+        assert torch.equal(out, outs.setdefault(id(mask), out))
+    assert len(calls) == 2
+    del sliding, mask
+    gc.collect()
+    att.seqfuse_attention_forward(M(), q, q, q, full.clone())
+    assert len(att._padding_layout_cached.entries) == 2  # the new mask's and full's

@@ -588,3 +588,26 @@ def test_fp8_delayed_scaling_cpu(modules):
         out.loss.backward()
     assert abs(out.loss.item() - ref) <= 2e-2 * ref
     assert all(torch.isfinite(p.grad).all() for n, p in sf.named_parameters() if p.grad is not None)
+
+
+def test_activation_checkpointing_names_take_transformers_keywords(modules):
+    """transformers' activation_checkpointing_enable/disable (the names that
+    replace the deprecated gradient_checkpointing_*) reach seqfuse's
+    checkpointing with their own keyword, activation_checkpointing_kwargs;
+    is_activation_checkpointing / is_gradient_checkpointing report it, on the
+    masked-LM model and on the encoder alone."""
+    from seqfuse.hf import SeqfuseEsmModel
+
+    cfg = esm2_config("8M", num_hidden_layers=1)
+    for m in (SeqfuseEsmForMaskedLM(cfg), SeqfuseEsmModel(cfg)):
+        assert not m.is_activation_checkpointing and not m.is_gradient_checkpointing
+        m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        assert m.base_model.activation_checkpointing
+        assert m.is_activation_checkpointing and m.is_gradient_checkpointing
+        m.activation_checkpointing_disable()
+        assert not m.base_model.activation_checkpointing and not m.is_activation_checkpointing
+        with pytest.raises(NotImplementedError, match="use_reentrant=True"):
+            m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+        with pytest.raises(NotImplementedError, match="every_n_layers"):
+            m.activation_checkpointing_enable(every_n_layers=2)
+        assert not m.is_activation_checkpointing

@@ -24,9 +24,11 @@ report with the reason (never a silent fallback):
 A model's own RMSNorm classes (LlamaRMSNorm, GemmaRMSNorm's 1 + weight,
 T5LayerNorm, ...: a "*Norm" class holding one 1-D weight and an eps) become
 seqfuse.pytorch.RMSNorm, with or without zero-centred gamma, only when the
-two compute the same thing: both are run on probe inputs (in the module's
-dtype and device, with its weights and with random ones, on a copy) and must
-agree within the dtype's rounding; otherwise the module is left, saying so.
+two compute the same thing: the module's forward takes the input alone (a
+gated norm's ``forward(hidden_states, gate=None)`` is left), and both are
+run on probe inputs (in the module's dtype and device, with its weights and
+with random ones, on a copy) and must agree within the dtype's rounding;
+otherwise the module is left, saying so.
 
 With a ``recipe``, the model's forward is wrapped to run under
 ``seqfuse.pytorch.autocast(enabled=True, recipe=recipe)``.
@@ -41,15 +43,17 @@ Attention (``attention=True``): a transformers model whose attention layers
 go through transformers' AttentionInterface is switched to seqfuse's fused
 attention (seqfuse.hf.attention) with ``set_attn_implementation("seqfuse")``;
 reported under the name "config._attn_implementation".  It is left, with the
-reason, when the model does not use the interface or when the kernel cannot
-take the model's head dim on the model's device (asked of the kernel
-itself).  Attention dropout (while training) and sliding windows are applied
-in the kernel, as the model's layers ask.
+reason, when the model does not use the interface, when its attention
+modules carry attention sinks (a ``sinks`` tensor, as gpt-oss's do), or
+when the kernel cannot take the model's head dim on the model's device
+(asked of the kernel itself).  Attention dropout (while training) and
+sliding windows are applied in the kernel, as the model's layers ask.
 """
 import copy
 import functools
 import inspect
 import logging
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -151,6 +155,18 @@ def _make_rmsnorm(RMSNorm, eps, zero_centered, m):
     return new
 
 
+def _forward_extra_inputs(module):
+    """The parameters of ``type(module).forward`` besides self and the input
+    (a list of names, *args / **kwargs included); [] when its signature
+    cannot be read (the probe then decides)."""
+    try:
+        params = list(inspect.signature(type(module).forward).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    return [("*" if p.kind is p.VAR_POSITIONAL else "**" if p.kind is p.VAR_KEYWORD else "") + p.name
+            for p in params[2:]]
+
+
 def _rmsnorm_plan(RMSNorm, module):
     """(factory, None) when ``module`` (a model's own norm class) computes what
     seqfuse's RMSNorm computes, with or without zero-centred gamma; else
@@ -163,6 +179,13 @@ def _rmsnorm_plan(RMSNorm, module):
     why = _common_refusal(module)
     if why is not None:
         return None, why
+    extra = _forward_extra_inputs(module)
+    if extra:
+        # e.g. gated norms, forward(hidden_states, gate=None): the model calls
+        # them with the gate, which seqfuse's RMSNorm does not take, and a
+        # one-argument probe would not see what the gate does.
+        return None, (f"{cls}.forward takes {extra} besides the input; seqfuse's RMSNorm takes the input "
+                      "alone; left as it is")
     eps = _rmsnorm_eps(module)
     if eps is None:
         return None, f"{cls} has no eps (variance_epsilon / eps) to carry over to seqfuse's RMSNorm"
@@ -183,7 +206,7 @@ def _rmsnorm_plan(RMSNorm, module):
                 cand.weight.copy_(weight)
                 try:
                     want, got = probe(x), cand(x)
-                except (RuntimeError, TypeError, ValueError, NotImplementedError) as e:
+                except Exception as e:  # noqa: BLE001 - whatever the module raises, it is left (a refusal)
                     return None, f"{cls}: probing it against seqfuse's RMSNorm failed ({type(e).__name__}: {e})"
                 if (not isinstance(want, torch.Tensor) or want.shape != got.shape or want.dtype != got.dtype
                         or not torch.isfinite(want).all()):
@@ -254,8 +277,6 @@ def _other_reason(module):
                 "nn.Linear; swapping it would change the weight layout of the checkpoint")
     if isinstance(module, nn.Embedding):
         return "embedding lookup: not a GEMM or norm, no seqfuse replacement"
-    if "norm" in cls.lower():
-        return f"{cls} is not nn.LayerNorm; no seqfuse replacement"
     names = [n for n, _ in module.named_parameters(recurse=False)]
     return f"holds parameter(s) {names} used by {cls}'s own forward; no seqfuse replacement"
 
@@ -289,20 +310,43 @@ def _make_layernorm(LayerNorm, m):
     return new
 
 
+def _wrap_method(model, name, wrap):
+    """Replace ``model.<name>`` by ``wrap(inner)``, bound to the model, where
+    ``inner(self, ...)`` runs what ``model.<name>`` ran.
+
+    Both are functions of ``self`` rather than closures over this model's
+    bound method, so ``copy.deepcopy(model)`` re-binds the wrapper to the
+    copy (deepcopy copies a bound method by binding its function to the copy
+    of its object): the copy's forward runs the copy, and its checkpointing
+    setter changes the copy's layers, not the original's."""
+    current = getattr(model, name)
+    if isinstance(current, types.MethodType) and current.__self__ is model:
+        inner = current.__func__  # the class's method, or an earlier wrapper of ours: re-bound on each call
+    else:  # a callable set on the instance by someone else (not bound to model): called as it is
+
+        def inner(self, *args, **kwargs):
+            return current(*args, **kwargs)
+
+    wrapper = functools.wraps(inner)(wrap(inner))  # keeps inner's signature (Trainer reads forward's)
+    wrapper._seqfuse = True
+    setattr(model, name, types.MethodType(wrapper, model))
+
+
 def _wrap_forward(model, recipe):
     try:
         from seqfuse.pytorch import autocast
     except ImportError as e:
         raise NotImplementedError(
             f"accelerate: a recipe was given but seqfuse.pytorch.autocast is not available ({e})") from e
-    inner = model.forward
 
-    @functools.wraps(inner)
-    def forward(*args, **kwargs):
-        with autocast(enabled=True, recipe=recipe):
-            return inner(*args, **kwargs)
+    def wrap(inner):
+        def forward(self, *args, **kwargs):
+            with autocast(enabled=True, recipe=recipe):
+                return inner(self, *args, **kwargs)
 
-    model.forward = forward
+        return forward
+
+    _wrap_method(model, "forward", wrap)
 
 
 def _gemm_alignment(recipe):
@@ -331,6 +375,16 @@ def _attention_refusal(model):
     if not getattr(model, "_supports_attention_backend", False):
         return (f"{type(model).__name__} does not route attention through transformers' AttentionInterface "
                 "(_supports_attention_backend is False)")
+    # Attention sinks (gpt-oss, MiMo's sliding-window layers, ...): the layers
+    # hand their ``sinks`` tensor to the attention function, whose fused
+    # kernel has no sink logit and would refuse every call; leave such
+    # models' attention to torch and say why.
+    with_sinks = [name for name, m in model.named_modules()
+                  if isinstance(getattr(m, "sinks", None), torch.Tensor)]
+    if with_sinks:
+        shown = ", ".join(with_sinks[:3]) + (", ..." if len(with_sinks) > 3 else "")
+        return (f"attention module(s) {shown} carry attention sinks (a 'sinks' tensor), which seqfuse's fused "
+                "attention does not compute; attention left in torch")
     cfg = model.config
     heads = getattr(cfg, "num_attention_heads", None)
     head_dim = getattr(cfg, "head_dim", None) or (cfg.hidden_size // heads if heads else None)
@@ -399,14 +453,15 @@ def accelerate(model, recipe=None, attention=True):
                 plan.append((name, module, functools.partial(_make_layernorm, LayerNorm)))
             else:
                 report.left.append(Left(name, type(module).__name__, why))
-        elif "norm" in type(module).__name__.lower() and any(True for _ in module.parameters(recurse=False)):
-            make, why = _rmsnorm_plan(RMSNorm, module)
+        elif next(module.parameters(recurse=False), None) is not None:  # holds parameters of its own
+            if "norm" in type(module).__name__.lower():  # a model's own norm class: RMSNorm if the probe agrees
+                make, why = _rmsnorm_plan(RMSNorm, module)
+            else:
+                make, why = None, _other_reason(module)
             if make is not None:
                 plan.append((name, module, make))
             else:
                 report.left.append(Left(name, type(module).__name__, why))
-        elif any(True for _ in module.parameters(recurse=False)):
-            report.left.append(Left(name, type(module).__name__, _other_reason(module)))
     # Every (parent, attribute) slot holding each module: a module shared by
     # two parents is replaced by one new module in both slots.
     slots = {}
@@ -457,19 +512,21 @@ def _route_checkpointing(model):
     enable calls) swaps the function it is handed; layers that already hold
     one are switched now."""
     setter = getattr(model, "_set_gradient_checkpointing", None)
-    if not isinstance(model, nn.Module) or setter is None or getattr(setter, "_seqfuse", False):
+    if setter is None or getattr(setter, "_seqfuse", False):
         return
     if "value" in inspect.signature(setter).parameters:  # transformers' pre-4.35 format: not routed
         return
 
-    def _set_gradient_checkpointing(enable=True, gradient_checkpointing_func=None, **kwargs):
-        if gradient_checkpointing_func is None:
-            return setter(enable=enable, **kwargs)
-        return setter(enable=enable, gradient_checkpointing_func=_seqfuse_checkpoint_like(gradient_checkpointing_func),
-                      **kwargs)
+    def wrap(inner):
+        def _set_gradient_checkpointing(self, enable=True, gradient_checkpointing_func=None, **kwargs):
+            if gradient_checkpointing_func is None:
+                return inner(self, enable=enable, **kwargs)
+            return inner(self, enable=enable,
+                         gradient_checkpointing_func=_seqfuse_checkpoint_like(gradient_checkpointing_func), **kwargs)
 
-    _set_gradient_checkpointing._seqfuse = True
-    model._set_gradient_checkpointing = _set_gradient_checkpointing
+        return _set_gradient_checkpointing
+
+    _wrap_method(model, "_set_gradient_checkpointing", wrap)
     for m in model.modules():
         f = m.__dict__.get("_gradient_checkpointing_func")
         if f is not None:

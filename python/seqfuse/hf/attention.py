@@ -27,14 +27,15 @@ DataCollatorWithFlattening, or position ids that restart) as the kernel's
 packed thd layout, so no token attends across a sequence boundary.  What it
 refuses (NotImplementedError naming it; never another computation): logit
 soft-capping, holes in the mask (a row of more than one run of tokens),
-packed batches with a padding mask or a KV cache, and position ids
-that restart but do not then count up by one.
+packed batches with a padding mask or a KV cache, position ids
+that restart but do not then count up by one, and attention sinks
+(``s_aux`` / ``sinks``, as gpt-oss passes them).
 
 Reading a mask's padding or the sequence starts of packed position ids costs
 a few host syncs; transformers hands every layer the same mask and position
 ids tensors, so the result is kept for the tensor it came from (while it
-lives and is not modified in place: its version counter) and the other layers
-reuse it.
+lives and is not modified in place: its version counter; the last few
+tensors' results are kept) and the other layers reuse it.
 """
 import weakref
 
@@ -44,18 +45,26 @@ from .. import ops
 
 
 class _PerTensor:
-    """The last result computed from one tensor (plus extra key), reused while
-    that very tensor object is alive and unmodified (same ``_version``)."""
+    """The results last computed from a few tensors (plus extra key), each
+    reused while that very tensor object is alive and unmodified (same
+    ``_version``).  A few, not one: models that alternate sliding-window and
+    full-attention layers hand their layers two masks in turn, and a single
+    entry would be recomputed at every layer."""
+
+    SIZE = 4
 
     def __init__(self, compute):
-        self.compute, self.entry = compute, None
+        self.compute = compute
+        self.entries = []  # (weakref to the tensor, its _version, extra, result), newest first
 
     def __call__(self, t, *extra):
-        e = self.entry
-        if e is not None and e[0]() is t and e[1] == t._version and e[2] == extra:
-            return e[3]
+        for ref, version, key, result in self.entries:
+            if ref() is t and version == t._version and key == extra:
+                return result
         result = self.compute(t, *extra)
-        self.entry = (weakref.ref(t), t._version, extra, result)
+        # keep the live entries that can still match: not a dead tensor's, not this tensor's older versions
+        live = [e for e in self.entries if e[0]() is not None and not (e[0]() is t and e[1] != t._version)]
+        self.entries = [(weakref.ref(t), t._version, extra, result)] + live[:self.SIZE - 1]
         return result
 
 NAME = "seqfuse"
@@ -141,6 +150,9 @@ def _packed_thd(attention_mask, s_q, s_kv, kwargs):
             None if max_kv is None else int(max_kv))
 
 
+#: the keyword arguments under which transformers' layers hand over attention sinks
+_SINK_KWARGS = ("s_aux", "sinks")
+
 _padding_layout_cached = _PerTensor(_padding_layout)
 _is_packed_cached = _PerTensor(_is_packed)
 _cu_seqlens_of_positions_cached = _PerTensor(_cu_seqlens_of_positions)
@@ -153,6 +165,13 @@ def seqfuse_attention_forward(module, query, key, value, attention_mask, dropout
     applies only while ``module.training`` (layers pass 0 in eval anyway)."""
     if softcap:
         raise NotImplementedError("seqfuse attention: logit soft-capping is not supported")
+    # Attention sinks (gpt-oss and others pass s_aux=self.sinks, some sinks=):
+    # an extra logit per head in the softmax's denominator, which the kernel
+    # does not have.  Ignoring it would silently compute other attention.
+    for name in _SINK_KWARGS:
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"seqfuse attention: attention sinks ({name}=...) are not supported; "
+                                      "the fused kernel's softmax has no sink logit")
     if attention_mask is not None and attention_mask.dim() != 2:
         raise NotImplementedError(f"seqfuse attention: a {attention_mask.dim()}-D attention mask (custom mask) "
                                   "is not supported; only key padding")

@@ -129,19 +129,24 @@ class SeqfuseEsmPreTrainedModel(PreTrainedModel):
 
     # Activation checkpointing: seqfuse's FP8-aware checkpoint around each
     # TransformerLayer while training.  transformers' enable/disable names
-    # (the Trainer's gradient_checkpointing=True calls them) lead here.
+    # (the Trainer's gradient_checkpointing=True calls them) lead here:
+    # gradient_checkpointing_enable/disable are overridden, and transformers'
+    # own activation_checkpointing_enable/disable hand an overridden
+    # gradient_checkpointing_enable/disable the call (its keyword
+    # activation_checkpointing_kwargs becomes gradient_checkpointing_kwargs),
+    # so they are not aliased here: an alias would take the wrong keyword.
     def set_activation_checkpointing(self, enabled=True):
         """Recompute each TransformerLayer's activations in the backward
         (seqfuse.pytorch.checkpoint: the forward's FP8 settings and scales)
         while training: less activation memory for one more layer forward."""
-        for m in self.modules():
-            if isinstance(m, SeqfuseEsmModel):
-                m.activation_checkpointing = bool(enabled)
+        # the encoder (SeqfuseEsmModel) is the base model: self.esm, or self itself
+        self.base_model.activation_checkpointing = bool(enabled)
         return self
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, every_n_layers=1, offload=False):
-        """transformers' entry (also reached as activation_checkpointing_enable):
-        every layer, non-reentrant, activations kept on the device."""
+        """transformers' entry (also reached through transformers'
+        activation_checkpointing_enable): every layer, non-reentrant,
+        activations kept on the device."""
         if (gradient_checkpointing_kwargs or {}).get("use_reentrant"):
             raise NotImplementedError("gradient_checkpointing_kwargs: use_reentrant=True is not supported; "
                                       "seqfuse's checkpoint is non-reentrant")
@@ -153,13 +158,15 @@ class SeqfuseEsmPreTrainedModel(PreTrainedModel):
     def gradient_checkpointing_disable(self):
         self.set_activation_checkpointing(False)
 
-    activation_checkpointing_enable = gradient_checkpointing_enable
-    activation_checkpointing_disable = gradient_checkpointing_disable
+    @property
+    def is_activation_checkpointing(self):
+        # transformers' own looks for modules' gradient_checkpointing flags,
+        # which seqfuse's layers do not carry (False while the encoder is not built yet)
+        return bool(getattr(self.base_model, "activation_checkpointing", False))
 
     @property
     def is_gradient_checkpointing(self):
-        return any(getattr(m, "activation_checkpointing", False) for m in self.modules()
-                   if isinstance(m, SeqfuseEsmModel))
+        return self.is_activation_checkpointing
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
