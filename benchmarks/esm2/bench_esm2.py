@@ -177,7 +177,9 @@ def single(args, device):
     for name in rows:
         impl, recipe, layout = parse_row(name)
         try:
-            r = run_row(impl, recipe, batches_for(layout), args, device)
+            prof = ((os.path.join(args.profile, f"{name}_profile.txt"), f"{name} on one GPU")
+                    if args.profile else None)
+            r = run_row(impl, recipe, batches_for(layout), args, device, profile=prof)
         except (NotImplementedError, RuntimeError, ValueError) as e:
             print(f"[esm2 bench] {name}: FAILED: {type(e).__name__}: {e}")
             table.add(row=name, impl=impl, recipe=recipe, layout=layout, error=f"{type(e).__name__}: {e}")
@@ -456,8 +458,9 @@ def main():
     p.add_argument("--time-budget", type=float, default=0.0,
                    help="FSDP2: skip the remaining settings once this many seconds are spent (0: no limit)")
     p.add_argument("--profile", default=None, metavar="DIR",
-                   help="FSDP2: after the timed steps, profile --profile-steps more steps on every rank and write "
-                        "DIR/rank{r}_profile.txt (first config), rank{r}_<row>_alone_profile.txt (one GPU) ...")
+                   help="after the timed steps, profile --profile-steps more steps: one GPU: DIR/<row>_profile.txt; "
+                        "FSDP2: on every rank DIR/rank{r}_profile.txt (first config), rank{r}_<row>_alone_profile.txt "
+                        "(one GPU) ...")
     p.add_argument("--profile-steps", type=int, default=3)
     p.add_argument("--profile-configs", default="default,best",
                    help="which --configs to profile (comma list; 'best': also the best-scaling one, re-run)")
