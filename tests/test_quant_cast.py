@@ -1,5 +1,5 @@
 """FP8 conversions and the per-tensor casts (seqfuse.ops.cast_fp8,
-cast_transpose_fp8, dequantize_fp8) against float64 references and torch's
+cast_transpose_fp8, dequantize_fp8, transpose_fp8) against float64 references and torch's
 float8 casts on the CPU, and the CUDA backend against the CPU bit for bit."""
 import pytest
 import torch
@@ -113,6 +113,34 @@ def test_cast_transpose_cpu(shape, dtype, fp8, seed):
     assert si.item() == (1 / torch.tensor(3.5)).item() and si.dtype == torch.float32
     plain = ops.cast_fp8(x, scale, None, fp8)
     assert torch.equal(bits(plain), ref)
+
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("shape", [(1,), (7, 13), (16, 8), (130, 264), (3, 5, 16), (0, 8)])
+def test_transpose_fp8_cpu(shape, fp8, seed):
+    codes = torch.randint(0, 256, shape, dtype=torch.uint8)
+    data = codes.view(fp8)
+    k = shape[-1]
+    out = ops.transpose_fp8(data)
+    assert out.dtype == fp8 and out.shape == (k, data.numel() // k)
+    assert torch.equal(bits(out), codes.reshape(-1, k).t())
+
+
+def test_transpose_fp8_errors():
+    data = torch.zeros(32, 16, dtype=E4M3)
+    with pytest.raises(TypeError, match="argument 'data' must have dtype float8"):
+        ops.transpose_fp8(torch.zeros(4, 4))
+    with pytest.raises(ValueError, match="argument 'data' must be contiguous"):
+        ops.transpose_fp8(data.t())
+    with pytest.raises(ValueError, match="at least 1 dimension"):
+        ops.transpose_fp8(torch.zeros((), dtype=E4M3))
+    with pytest.raises(ValueError, match=r"argument 'out_t' must have shape \[16, 32\]"):
+        ops.transpose_fp8(data, out=torch.empty(16, 31, dtype=E4M3))
+    with pytest.raises(TypeError, match="argument 'out_t' must have data's dtype float8_e4m3fn"):
+        ops.transpose_fp8(data, out=torch.empty(16, 32, dtype=E5M2))
+    with pytest.raises(ValueError, match="argument 'out_t' must be contiguous"):
+        ops.transpose_fp8(data, out=torch.empty(32, 16, dtype=E4M3).t())
 
 
 def test_amax_accumulates():
@@ -261,6 +289,33 @@ def test_cuda_dequantize_bit_identical(dtype, fp8, seed):
     ops.dequantize_fp8(q.cuda(), si.cuda(), dtype, out=out)
     assert torch.equal(out.cpu().view(torch.uint8), ref.view(torch.uint8))
 
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", CUDA_SHAPES + [(16384, 1280), (4096, 5120), (160, 48), (32, 2064)])
+@pytest.mark.parametrize("fp8", FP8)
+def test_cuda_transpose_fp8_bit_identical(shape, fp8, seed):
+    """Every byte against the CPU backend, outputs poisoned: the tiled kernel
+    (K, M multiples of 16, partial 128-tiles at the edges) and the generic one."""
+    codes = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda")
+    data = codes.view(fp8)
+    k = shape[-1]
+    out = poisoned((k, data.numel() // k), fp8)
+    ops.transpose_fp8(data, out=out)
+    assert torch.equal(bits(out).cpu(), bits(ops.transpose_fp8(data.cpu())))
+
+
+@pytest.mark.cuda
+def test_cuda_transpose_fp8_unaligned_and_on_current_stream():
+    base = torch.randint(0, 256, (64 * 48 + 1,), dtype=torch.uint8, device="cuda")
+    data = base[1:].view(64, 48).view(E4M3)  # not 16-byte aligned: the generic kernel
+    assert torch.equal(bits(ops.transpose_fp8(data)).cpu(), base[1:].view(64, 48).t().cpu())
+    s = torch.cuda.Stream()
+    big = torch.randint(0, 256, (2048, 1024), dtype=torch.uint8, device="cuda").view(E5M2)
+    with torch.cuda.stream(s):
+        out = ops.transpose_fp8(big)
+    s.synchronize()
+    assert torch.equal(bits(out), bits(big).t())
 
 @pytest.mark.cuda
 def test_cuda_cast_graph_capturable_and_on_current_stream():

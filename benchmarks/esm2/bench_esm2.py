@@ -171,7 +171,8 @@ def single(args, device):
         return cache[layout]
 
     cols = ["row", "impl", "recipe", "layout", "tokens_per_s", "unpadded_tokens_per_s", "vs_hf", "padding_pct",
-            "mfu_measured_pct", "mfu_datasheet_pct", "peak_mem_gib", "mem_vs_hf", "step_ms", "final_loss", "error"]
+            "mfu_measured_pct", "mfu_datasheet_pct", "peak_mem_gib", "mem_vs_hf", "step_ms", "host_issue_ms",
+            "final_loss", "error"]
     table = Table(args.out, cols)
     hf_ref = {}
     for name in rows:

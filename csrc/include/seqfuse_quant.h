@@ -41,6 +41,15 @@ sf_status sf_cast_fp8(const sf_tensor *x, const sf_tensor *scale, sf_tensor *ama
                       sf_tensor *out, sf_tensor *out_t, sf_tensor *scale_inv,
                       sf_stream stream);
 
+/* out_t = data^T: data an FP8 tensor viewed as [M, K] (K its last
+ * dimension, contiguous), out_t [K, M] contiguous with data's dtype.  The
+ * bytes move unchanged (same scale).  Under delayed scaling the norm and
+ * activation kernels write their FP8 outputs row-wise only; the weight
+ * gradient's K-major operand is this transpose, made in the backward.  The
+ * fast CUDA path takes K % 16 == 0, M % 16 == 0 and 16-byte aligned
+ * pointers; other shapes run a per-element kernel (correct, slower). */
+sf_status sf_transpose_fp8(const sf_tensor *data, sf_tensor *out_t, sf_stream stream);
+
 /* out = float(data) * scale_inv[0], out float32/float16/bfloat16 with the
  * shape of data (contiguous both). */
 sf_status sf_dequantize_fp8(const sf_tensor *data, const sf_tensor *scale_inv,

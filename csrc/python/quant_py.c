@@ -57,6 +57,23 @@ static PyObject *py_cast_fp8(PyObject *self, PyObject *const *args, Py_ssize_t n
     return sf_py_finish(&a.call, st);
 }
 
+/* transpose_fp8(data, out_t, stream=None) */
+static PyObject *py_transpose_fp8(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    static const char op[] = "transpose_fp8";
+    static const sf_py_tensor_arg spec[] = {{0, "data", 0}, {1, "out_t", 0}};
+    sf_py_args a;
+    if (sf_py_check_nargs(op, nargs, 2, 3) < 0 ||
+        sf_py_begin(&a, op, args, nargs, 2, spec, SF_PY_NARGS(spec)) < 0)
+        return NULL;
+    sf_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = sf_transpose_fp8(a.t[0], a.t[1], sf_py_call_stream(&a.call));
+    Py_END_ALLOW_THREADS
+    return sf_py_finish(&a.call, st);
+}
+
 /* dequantize_fp8(data, scale_inv, out, stream=None) */
 static PyObject *py_dequantize_fp8(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -253,6 +270,8 @@ PyMethodDef sf_py_quant_methods[] = {
     {"cast_fp8", SF_PY_FASTCALL(py_cast_fp8),
      "cast_fp8(x, scale, amax, out, out_t, scale_inv, stream=None): scale, cast to the FP8 "
      "dtype of out/out_t, transpose into out_t, accumulate max|x| into amax."},
+    {"transpose_fp8", SF_PY_FASTCALL(py_transpose_fp8),
+     "transpose_fp8(data, out_t, stream=None): out_t = data viewed as [M, K], transposed (FP8 bytes)."},
     {"dequantize_fp8", SF_PY_FASTCALL(py_dequantize_fp8),
      "dequantize_fp8(data, scale_inv, out, stream=None): out = data * scale_inv[0]."},
     {"fp8_scale_update", SF_PY_FASTCALL(py_fp8_scale_update),

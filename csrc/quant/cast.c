@@ -103,6 +103,45 @@ sf_status sf_cast_fp8(const sf_tensor *x, const sf_tensor *scale, sf_tensor *ama
 #endif
 }
 
+sf_status sf_transpose_fp8(const sf_tensor *data, sf_tensor *out_t, sf_stream stream)
+{
+    static const char op[] = "transpose_fp8";
+    SF_TRY(sf_quant_check_fp8(op, "data", data));
+    SF_TRY(sf_check_contiguous(op, "data", data));
+    if (data->ndim < 1)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'data' must have at least 1 dimension", op);
+    int64_t n = sf_numel(data);
+    int64_t k = data->shape[data->ndim - 1];
+    int64_t m = k == 0 ? 0 : n / k;
+    SF_TRY(sf_quant_check_fp8(op, "out_t", out_t));
+    if (out_t->dtype != data->dtype)
+        return sf_fail(SF_ERR_TYPE, "%s: argument 'out_t' must have data's dtype %s, got %s", op,
+                       sf_dtype_name(data->dtype), sf_dtype_name(out_t->dtype));
+    if (out_t->ndim != 2 || out_t->shape[0] != k || out_t->shape[1] != m)
+        return sf_fail(SF_ERR_VALUE,
+                       "%s: argument 'out_t' must have shape [%lld, %lld] (data viewed as "
+                       "[M, K] = [%lld, %lld], transposed)",
+                       op, (long long)k, (long long)m, (long long)m, (long long)k);
+    SF_TRY(sf_check_contiguous(op, "out_t", out_t));
+    SF_TRY(sf_check_writable(op, "out_t", out_t));
+    SF_TRY(sf_check_same_device(op, "data", data, "out_t", out_t));
+    sf_transpose_args a;
+    a.in = (const uint8_t *)data->data;
+    a.out = (uint8_t *)out_t->data;
+    a.m = m;
+    a.k = k;
+    if (n == 0)
+        return SF_OK;
+    if (data->device == SF_CPU)
+        return sf_transpose_fp8_cpu(&a);
+#ifdef SF_WITH_CUDA
+    return sf_transpose_fp8_cuda(&a, data->device_id, stream);
+#else
+    (void)stream;
+    return no_cuda(op);
+#endif
+}
+
 sf_status sf_dequantize_fp8(const sf_tensor *data, const sf_tensor *scale_inv,
                             sf_tensor *out, sf_stream stream)
 {

@@ -37,6 +37,16 @@ typedef struct {
 sf_status sf_cast_fp8_cpu(const sf_cast_args *a);
 sf_status sf_cast_fp8_cuda(const sf_cast_args *a, int device, sf_stream stream);
 
+/* A byte transpose: in [m, k] -> out [k, m], both contiguous. */
+typedef struct {
+    const uint8_t *in;
+    uint8_t *out;
+    int64_t m, k;
+} sf_transpose_args;
+
+sf_status sf_transpose_fp8_cpu(const sf_transpose_args *a);
+sf_status sf_transpose_fp8_cuda(const sf_transpose_args *a, int device, sf_stream stream);
+
 typedef struct {
     const uint8_t *data;
     int e5m2;

@@ -37,6 +37,14 @@ sf_status sf_cast_fp8_cpu(const sf_cast_args *a)
     return SF_OK;
 }
 
+sf_status sf_transpose_fp8_cpu(const sf_transpose_args *a)
+{
+    for (int64_t r = 0; r < a->m; ++r)
+        for (int64_t c = 0; c < a->k; ++c)
+            a->out[c * a->m + r] = a->in[r * a->k + c];
+    return SF_OK;
+}
+
 sf_status sf_dequantize_fp8_cpu(const sf_dequant_args *a)
 {
     float si = a->scale_inv[0];

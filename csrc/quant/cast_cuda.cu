@@ -15,6 +15,10 @@
  *     ~96 KB of loads in flight per SM).  One CTA per tile, one amax atomic
  *     per CTA.
  *   cast (no transpose): 8 values per thread per step, 16-byte loads.
+ *   transpose: FP8 bytes [M, K] -> [K, M] (the weight gradient's operand
+ *     under delayed scaling, whose norm/activation kernels write FP8
+ *     row-wise only): 16-byte loads into the same swizzled tile, then
+ *     cast_transpose's store phase.
  *   generic: one element per thread, any shape or alignment.
  *   dequantize, and the scaling-state updates (one thread per tensor).
  */
@@ -30,6 +34,44 @@ constexpr int kWords = kTile / 4; /* 32 words of FP8 bytes per tile row */
 
 /* XOR swizzle of the word column: rows 16 apart land on different banks. */
 __device__ __forceinline__ int swz(int row, int word) { return word ^ (((row >> 4) & 7) << 2); }
+
+/* The store phase shared by cast_transpose and transpose: tile holds the FP8
+ * bytes of rows m0.. and columns k0.. (128 x 128, swizzled words); each thread
+ * gathers the 16-row x 4-column patch (rows mg*16.., word column kw) as 16
+ * words, transposes it with byte permutes and writes four 16-byte rows of
+ * out_t [k, m].  Needs m % 16 == 0 (whole 16-byte rows of out_t). */
+__device__ __forceinline__ void store_tile_transposed(const uint32_t (*tile)[kWords], int64_t m0,
+                                                      int64_t k0, int64_t m, int64_t k, int kw,
+                                                      int mg, uint8_t *__restrict__ out_t)
+{
+    if (m0 + mg * 16 >= m)
+        return;
+    uint32_t w[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        int row = mg * 16 + i;
+        w[i] = tile[row][swz(row, kw)];
+    }
+    uint32_t o[4][4]; /* o[kk][p]: rows 4p..4p+3 of column 4kw+kk */
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        uint32_t t0 = __byte_perm(w[4 * p], w[4 * p + 1], 0x5140);
+        uint32_t t1 = __byte_perm(w[4 * p], w[4 * p + 1], 0x7362);
+        uint32_t t2 = __byte_perm(w[4 * p + 2], w[4 * p + 3], 0x5140);
+        uint32_t t3 = __byte_perm(w[4 * p + 2], w[4 * p + 3], 0x7362);
+        o[0][p] = __byte_perm(t0, t2, 0x5410);
+        o[1][p] = __byte_perm(t0, t2, 0x7632);
+        o[2][p] = __byte_perm(t1, t3, 0x5410);
+        o[3][p] = __byte_perm(t1, t3, 0x7632);
+    }
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+        int64_t col = k0 + kw * 4 + kk;
+        if (col < k)
+            *reinterpret_cast<uint4 *>(out_t + col * m + m0 + mg * 16) =
+                make_uint4(o[kk][0], o[kk][1], o[kk][2], o[kk][3]);
+    }
+}
 
 template <typename T, bool E5M2>
 __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? 2 : 3)
@@ -86,33 +128,8 @@ cast_transpose_kernel(const T *__restrict__ x, int64_t m, int64_t k,
             *reinterpret_cast<uint2 *>(&tile[row][swz(row, 2 * lj)]) = w;
         }
         __syncthreads();
-        if (out_t && m0 + mg * 16 < m) {
-            uint32_t w[16];
-#pragma unroll
-            for (int i = 0; i < 16; ++i) {
-                int row = mg * 16 + i;
-                w[i] = tile[row][swz(row, kw)];
-            }
-            uint32_t o[4][4]; /* o[kk][p]: rows 4p..4p+3 of column 4kw+kk */
-#pragma unroll
-            for (int p = 0; p < 4; ++p) {
-                uint32_t t0 = __byte_perm(w[4 * p], w[4 * p + 1], 0x5140);
-                uint32_t t1 = __byte_perm(w[4 * p], w[4 * p + 1], 0x7362);
-                uint32_t t2 = __byte_perm(w[4 * p + 2], w[4 * p + 3], 0x5140);
-                uint32_t t3 = __byte_perm(w[4 * p + 2], w[4 * p + 3], 0x7362);
-                o[0][p] = __byte_perm(t0, t2, 0x5410);
-                o[1][p] = __byte_perm(t0, t2, 0x7632);
-                o[2][p] = __byte_perm(t1, t3, 0x5410);
-                o[3][p] = __byte_perm(t1, t3, 0x7632);
-            }
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk) {
-                int64_t col = k0 + kw * 4 + kk;
-                if (col < k)
-                    *reinterpret_cast<uint4 *>(out_t + col * m + m0 + mg * 16) =
-                        make_uint4(o[kk][0], o[kk][1], o[kk][2], o[kk][3]);
-            }
-        }
+        if (out_t)
+            store_tile_transposed(tile, m0, k0, m, k, kw, mg, out_t);
         __syncthreads();
     }
     if (amax)
@@ -173,6 +190,46 @@ cast_generic_kernel(const T *__restrict__ x, int64_t m, int64_t k, const float *
     }
     if (amax)
         sf_block_atomic_max<kThreads>(local_max, amax);
+}
+
+/* transpose: FP8 bytes [m, k] -> [k, m], one 128 x 128 tile per CTA.  Each
+ * thread loads four 16-byte row pieces (rows lr + 32i, bytes 16lj..) into the
+ * swizzled tile (a 16-byte piece is 4 words that the swizzle keeps together),
+ * then stores as cast_transpose does.  Needs k % 16 == 0 and m % 16 == 0. */
+__global__ void __launch_bounds__(kThreads)
+transpose_kernel(const uint8_t *__restrict__ in, int64_t m, int64_t k, uint8_t *__restrict__ out_t)
+{
+    __shared__ uint32_t tile[kTile][kWords];
+    const int t = threadIdx.x;
+    const int lj = t & 7, lr = t >> 3;
+    const int warp = t >> 5, lane = t & 31;
+    const int kw = warp * 4 + (lane >> 3), mg = lane & 7;
+    const int64_t tiles_k = (k + kTile - 1) / kTile;
+    const int64_t m0 = ((int64_t)blockIdx.x / tiles_k) * kTile, k0 = ((int64_t)blockIdx.x % tiles_k) * kTile;
+    const int64_t kc = k0 + lj * 16;
+    uint4 v[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        int64_t r = m0 + lr + 32 * i;
+        v[i] = r < m && kc < k ? __ldg(reinterpret_cast<const uint4 *>(in + r * k + kc))
+                               : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        int row = lr + 32 * i;
+        *reinterpret_cast<uint4 *>(&tile[row][swz(row, 4 * lj)]) = v[i];
+    }
+    __syncthreads();
+    store_tile_transposed(tile, m0, k0, m, k, kw, mg, out_t);
+}
+
+/* Any shape and alignment: one byte per thread per step. */
+__global__ void __launch_bounds__(kThreads)
+transpose_generic_kernel(const uint8_t *__restrict__ in, int64_t m, int64_t k, uint8_t *__restrict__ out_t)
+{
+    const int64_t n = m * k, stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        out_t[(i % k) * m + i / k] = in[i];
 }
 
 sf_status device_sms(const char *op, int *sms)
@@ -293,6 +350,37 @@ extern "C" sf_status sf_cast_fp8_cuda(const sf_cast_args *a, int device, sf_stre
         case SF_FLOAT16: st = launch_cast<__half>(a, stream); break;
         default:         st = launch_cast<__nv_bfloat16>(a, stream); break;
         }
+    }
+    sf_cuda_device_restore(&guard);
+    return st;
+}
+
+extern "C" sf_status sf_transpose_fp8_cuda(const sf_transpose_args *a, int device, sf_stream s)
+{
+    static const char op[] = "transpose_fp8";
+    cudaStream_t stream = sf_cuda_stream(s);
+    sf_cuda_device_guard guard;
+    SF_TRY(sf_cuda_device_enter(op, device, &guard));
+    sf_status st = SF_OK;
+    if (a->k % 16 == 0 && a->m % 16 == 0 && aligned(a->in, 16) && aligned(a->out, 16)) {
+        int64_t tiles = ((a->m + kTile - 1) / kTile) * ((a->k + kTile - 1) / kTile);
+        if (tiles > 0x7fffffff)
+            st = sf_fail(SF_ERR_VALUE, "%s: argument 'data' has too many 128 x 128 tiles (%lld)", op,
+                         (long long)tiles);
+        else
+            transpose_kernel<<<(int)tiles, kThreads, 0, stream>>>(a->in, a->m, a->k, a->out);
+    } else {
+        int sms = 0;
+        st = device_sms(op, &sms);
+        if (st == SF_OK)
+            transpose_generic_kernel<<<sf_grid_size(a->m * a->k, kThreads, sms * 8), kThreads, 0, stream>>>(
+                a->in, a->m, a->k, a->out);
+    }
+    if (st == SF_OK) {
+        cudaError_t e = cudaGetLastError();
+        if (e != cudaSuccess)
+            st = sf_fail(SF_ERR_RUNTIME, "%s: CUDA error %s: %s", op, cudaGetErrorName(e),
+                         cudaGetErrorString(e));
     }
     sf_cuda_device_restore(&guard);
     return st;

@@ -105,8 +105,9 @@ def as_dtype(t, dtype):
 
 
 def fp8_transpose(t):
-    """[M, K] FP8 -> contiguous [K, M] FP8 (a byte transpose)."""
-    return t.view(torch.uint8).t().contiguous().view(t.dtype)
+    """[M, K] FP8 -> contiguous [K, M] FP8 (a byte transpose, one kernel:
+    torch's strided copy took 5x longer at ESM-2 650M's shapes)."""
+    return ops.transpose_fp8(t)
 
 
 def active_fp8_recipe(cls):

@@ -24,12 +24,12 @@ __all__ += ["cross_entropy_forward", "cross_entropy_backward"]
 from .quant import (cast_fp8, cast_transpose_fp8, dequantize_block_fp8,  # noqa: E402
                     dequantize_fp8, dequantize_mxfp8, dequantize_nvfp4, fp8_compute_scale,
                     fp8_scale_update, quantize_block_fp8, quantize_block_fp8_rowcol,
-                    quantize_mxfp8, quantize_nvfp4)
+                    quantize_mxfp8, quantize_nvfp4, transpose_fp8)
 
 __all__ += ["cast_fp8", "cast_transpose_fp8", "dequantize_fp8", "fp8_compute_scale",
             "fp8_scale_update", "quantize_block_fp8", "dequantize_block_fp8", "quantize_mxfp8",
             "dequantize_mxfp8", "quantize_nvfp4", "dequantize_nvfp4",
-            "quantize_block_fp8_rowcol"]
+            "quantize_block_fp8_rowcol", "transpose_fp8"]
 
 from .norm import layernorm_bwd, layernorm_fwd, rmsnorm_bwd, rmsnorm_fwd  # noqa: E402
 

@@ -124,6 +124,32 @@ def cast_transpose_fp8(x, scale, amax, fp8_dtype, *, out=None, out_t=None, scale
     return (out if rowwise else None), out_t
 
 
+def transpose_fp8(data, *, out=None):
+    """``data`` (float8_e4m3fn / float8_e5m2, viewed as [M, K] with K its last
+    dimension) transposed to a contiguous [K, M] tensor of the same dtype: the
+    bytes move unchanged (same scale).  Under delayed scaling the norm and
+    activation kernels write their FP8 outputs row-wise only, and the weight
+    gradient takes this transpose as its K-major operand.  The fast GPU kernel
+    needs K % 16 == 0, M % 16 == 0 and 16-byte aligned tensors; other shapes
+    run a per-element kernel."""
+    op = "transpose_fp8"
+    require_fp8_dlpack(op)
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"{op}: argument 'data' must be a torch.Tensor, got {type(data).__name__}")
+    if data.dtype not in FP8_DTYPES:
+        raise TypeError(f"{op}: argument 'data' must have dtype float8_e4m3fn or float8_e5m2, got {data.dtype}")
+    if data.dim() < 1:
+        raise ValueError(f"{op}: argument 'data' must have at least 1 dimension")
+    if not data.is_contiguous():
+        raise ValueError(f"{op}: argument 'data' must be contiguous")
+    k = data.shape[-1]
+    m = data.numel() // k if k else 0
+    if out is None:
+        out = torch.empty((k, m), dtype=data.dtype, device=data.device)
+    _C.transpose_fp8(data, out, stream_for(data))
+    return out
+
+
 def dequantize_fp8(data, scale_inv, out_dtype=torch.float32, *, out=None):
     """``float(data) * scale_inv[0]`` in ``out_dtype`` (float32, float16 or
     bfloat16), shaped like ``data``."""
