@@ -164,10 +164,11 @@ def single(args, device):
         if layout not in cache:
             if layout == "fixed":
                 fx = fixed_length_sequences(seqs, args.max_length - 2)
-                cache[layout] = make_batches(fx, n, tokens=args.tokens, max_length=args.max_length, packed=False)
+                cache[layout] = make_batches(fx, n, tokens=args.tokens, max_length=args.max_length, packed=False,
+                                             pin=device.type == "cuda")
             else:
                 cache[layout] = make_batches(seqs, n, tokens=args.tokens, max_length=args.max_length,
-                                             packed=layout == "packed")
+                                             packed=layout == "packed", pin=device.type == "cuda")
         return cache[layout]
 
     cols = ["row", "impl", "recipe", "layout", "tokens_per_s", "unpadded_tokens_per_s", "vs_hf", "padding_pct",
@@ -327,7 +328,8 @@ def fsdp2(args):
             raise ValueError(f"--fsdp2 rows are seqfuse padded/packed rows, got {name!r}")
         if out_of_time():
             break
-        mk = dict(tokens=args.tokens, max_length=args.max_length, packed=layout == "packed", world_size=world)
+        mk = dict(tokens=args.tokens, max_length=args.max_length, packed=layout == "packed", world_size=world,
+                  pin=device.type == "cuda")
         batches, bases = {}, {}
 
         def batches_for(bal, who=rank):

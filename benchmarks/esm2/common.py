@@ -52,8 +52,11 @@ def fixed_length_sequences(seqs, residues):
 
 
 def make_batches(seqs, n, *, tokens, max_length=1024, packed=True, pad_to_multiple_of=16, seed=0, rank=0,
-                 world_size=1, balance_ranks=False):
-    """The first ``n`` batches (cycling epochs) of the recipe's MLM loader."""
+                 world_size=1, balance_ranks=False, pin=False):
+    """The first ``n`` batches (cycling epochs) of the recipe's MLM loader.
+    ``pin``: in page-locked memory, as the recipe's CUDA loader gives them (a
+    copy from pageable memory makes the host wait for the GPU to drain: a
+    stall at the start of every step)."""
     from seqfuse.data import EsmTokenizer, TokenizedSequences, build_mlm_loader
 
     tok = EsmTokenizer()
@@ -63,7 +66,7 @@ def make_batches(seqs, n, *, tokens, max_length=1024, packed=True, pad_to_multip
     out = []
     while len(out) < n:
         for b in loader:
-            out.append(b)
+            out.append({k: v.pin_memory() if pin and torch.is_tensor(v) else v for k, v in b.items()})
             if len(out) == n:
                 break
     return out
@@ -117,7 +120,13 @@ def build_seqfuse(size, device, dtype, seed=0):
 
 
 def forward_loss(model, batch, device):
+    """The MLM loss of one batch.  A padded batch whose attention_mask is all
+    ones (the fixed-length rows) goes in without a mask, for both models: it
+    is checked here on the host copy, where a model handed a device mask has
+    to read it back (a host sync per step) to learn that nothing is padded."""
     b = {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
+    if "attention_mask" in batch and bool(batch["attention_mask"].all()):
+        b["attention_mask"] = None
     if "cu_seqlens" in b:
         return model(input_ids=b["input_ids"], labels=b["labels"], cu_seqlens=b["cu_seqlens"],
                      max_seqlen=int(b["max_seqlen"])).loss

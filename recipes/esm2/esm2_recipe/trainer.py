@@ -267,7 +267,7 @@ def lr_lambda(cfg):
     return f
 
 
-def build_loaders(cfg, rank, world, recipe):
+def build_loaders(cfg, rank, world, recipe, pin_memory=False):
     from seqfuse.data import EsmTokenizer, TokenizedSequences, build_mlm_loader, load_sequences
 
     path = resolve_data_path(cfg.data.path)
@@ -279,9 +279,11 @@ def build_loaders(cfg, rank, world, recipe):
         pad = 16 if recipe is not None else None
     elif recipe is not None and (not pad or int(pad) % 16):
         raise ValueError(f"data.pad_to_multiple_of={pad}: FP8 GEMMs need the token count a multiple of 16")
+    # page-locked batches on CUDA: their non_blocking copies then run behind the
+    # GPU's queue instead of making the host wait for it to drain every step
     common = dict(max_tokens=int(cfg.data.micro_batch_tokens), max_length=int(cfg.data.max_length),
                   packed=bool(cfg.data.packed), pad_to_multiple_of=pad, mask_prob=float(cfg.data.mask_prob),
-                  seed=int(cfg.train.seed), rank=rank, world_size=world)
+                  seed=int(cfg.train.seed), rank=rank, world_size=world, pin_memory=pin_memory)
     train = build_mlm_loader(TokenizedSequences(train_seqs, tok), tok, num_workers=int(cfg.data.num_workers),
                              bucket_size=cfg.data.bucket_size, balance_ranks=bool(cfg.data.get("balance_ranks", False)),
                              **common)
@@ -398,7 +400,8 @@ def _run(cfg, strategy):
     inner = model.module if hasattr(model, "module") and strategy == "ddp" else model
     optimizer = build_optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    train_loader, val_loader, n_train, n_val = build_loaders(cfg, rank, world, recipe)
+    train_loader, val_loader, n_train, n_val = build_loaders(cfg, rank, world, recipe,
+                                                             pin_memory=device.type == "cuda")
     if rank == 0:
         log.info("data: %s: %d train / %d validation proteins; %d micro-batches of <= %d tokens per rank per "
                  "epoch", cfg.data.path, n_train, n_val, len(train_loader), cfg.data.micro_batch_tokens)
