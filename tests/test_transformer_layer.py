@@ -411,6 +411,42 @@ def test_unfused_qkv_params_match_fused(layer_type, modules):
             got = torch.cat([getattr(unfused.get_submodule(owner), f"{name}_{kind}").grad for name, _ in pieces])
             assert torch.equal(got, fused_grads[f"{owner}.{kind}"]), (owner, kind)
 
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_qkv_split_backward_cats_at_most_4d(interleaved):
+    """A bshd input ([b, s, ...]) is split on a tokens-flattened view: torch's
+    CUDA cat kernel takes at most 4 dimensions and falls back to one strided
+    copy per part beyond that (3 extra passes per layer on the GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Cats(TorchDispatchMode):
+        dims = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.cat.default, torch.ops.aten.stack.default):
+                Cats.dims.append(max(t.dim() for t in args[0]) + (func is torch.ops.aten.stack.default))
+            return func(*args, **(kwargs or {}))
+
+    mha = te.MultiheadAttention(64, 4, num_gqa_groups=2, attention_dropout=0.0, input_layernorm=False,
+                                fuse_qkv_params=True, qkv_weight_interleaved=interleaved, device="cpu")
+    mixed = torch.randn(2, 3, 64 + 2 * 2 * 16, requires_grad=True)
+    kv = torch.randn(2, 3, 2 * 2 * 16, requires_grad=True)
+    q, k, v = mha._split_qkv(mixed)
+    k2, v2 = mha._split_kv(kv)
+    assert q.shape == (2, 3, 4, 16) and k.shape == v.shape == k2.shape == v2.shape == (2, 3, 2, 16)
+    with Cats():
+        (q.sum() + 2 * k.sum() + 3 * v.sum() + 4 * k2.sum() + 5 * v2.sum()).backward()
+    if interleaved:
+        assert Cats.dims and max(Cats.dims) <= 4, Cats.dims
+    g = mixed.grad.view(2, 3, 2, 4, 16) if interleaved else None
+    if interleaved:  # per group: 2 query heads, then k, then v
+        assert torch.equal(g[..., :2, :], torch.ones_like(g[..., :2, :]))
+        assert torch.equal(g[..., 2, :], torch.full_like(g[..., 2, :], 2.0))
+        assert torch.equal(g[..., 3, :], torch.full_like(g[..., 3, :], 3.0))
+        gk = kv.grad.view(2, 3, 2, 2, 16)
+        assert torch.equal(gk[..., 0, :], torch.full_like(gk[..., 0, :], 4.0))
+        assert torch.equal(gk[..., 1, :], torch.full_like(gk[..., 1, :], 5.0))
+
+
 
 def test_linear_parameters_split(modules):
     """TE's parameters_split on Linear and LayerNormLinear: names from a
