@@ -143,6 +143,65 @@ def test_transpose_fp8_errors():
         ops.transpose_fp8(data, out=torch.empty(32, 16, dtype=E4M3).t())
 
 
+
+def dbias_order_reference(x):
+    """The kernel's summation order, in float32, in Python (cast_cuda.cu):
+    per 128-row block, thread (warp w, half h) adds rows 2w+h, 2w+h+16, ...;
+    the halves are added, then the 8 warps in order."""
+    m, k = x.shape
+    x = x.float()
+    out = torch.empty(((m + 127) // 128, k), dtype=torch.float32)
+    for b in range(out.shape[0]):
+        total = None
+        for w in range(8):
+            half = []
+            for h in range(2):
+                acc = torch.zeros(k, dtype=torch.float32)
+                for i in range(8):
+                    r = b * 128 + 2 * w + h + 16 * i
+                    if r < m:
+                        acc = acc + x[r]
+                half.append(acc)
+            pair = half[0] + half[1]
+            total = pair if total is None else total + pair
+        out[b] = total
+    return out.sum(0)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape", [(16, 8), (144, 24), (256, 64), (2, 8, 16)])
+def test_cast_transpose_dbias_cpu(shape, dtype, seed):
+    x = (torch.randn(shape) * 3).to(dtype)
+    amax = one(0.0)
+    data, data_t, db = ops.cast_transpose_fp8(x, one(1.5), amax, E5M2, dbias=True)
+    ref_data, ref_t = ops.cast_transpose_fp8(x, one(1.5), None, E5M2)
+    assert torch.equal(bits(data), bits(ref_data)) and torch.equal(bits(data_t), bits(ref_t))
+    assert amax.item() == x.float().abs().max().item()
+    x2 = x.reshape(-1, shape[-1])
+    assert db.dtype == torch.float32 and db.shape == (shape[-1],)
+    assert torch.equal(db, dbias_order_reference(x2))  # the kernel's order, bit for bit
+    ref = x2.double().sum(0)
+    assert torch.allclose(db.double(), ref, rtol=1e-5, atol=1e-5 * x2.double().abs().sum(0).max().item())
+
+
+def test_cast_transpose_dbias_errors():
+    x = torch.randn(32, 16)
+    with pytest.raises(ValueError, match=r"K % 8 == 0 and M % 16 == 0"):
+        ops.cast_transpose_fp8(torch.randn(20, 16), one(1.0), None, E4M3, dbias=True)
+    with pytest.raises(ValueError, match=r"K % 8 == 0 and M % 16 == 0"):
+        ops.cast_transpose_fp8(torch.randn(32, 12), one(1.0), None, E4M3, dbias=True)
+    assert ops.quant.dbias_fusable(x) and not ops.quant.dbias_fusable(x[:20])
+    assert not ops.quant.dbias_fusable(torch.randn(16, 32).t())
+    with pytest.raises(ValueError, match="'col_sums' must have shape \\[1, 16\\]"):
+        seqfuse._C.cast_fp8_dbias(x, one(1.0), None, None, torch.empty(16, 32, dtype=E4M3), None,
+                                  torch.empty(2, 16), None)
+    with pytest.raises(TypeError, match="argument 'out_t' must be a tensor"):
+        seqfuse._C.cast_fp8_dbias(x, one(1.0), None, torch.empty(32, 16, dtype=E4M3), None, None,
+                                  torch.empty(1, 16), None)
+    with pytest.raises(ValueError, match="needs transpose=True"):
+        from seqfuse.quantization import quantize
+        quantize(x, one(1.0), None, E4M3, dbias=True)
+
 def test_amax_accumulates():
     x = torch.tensor([[1.0, -3.0]])
     amax = one(5.0)
@@ -316,6 +375,41 @@ def test_cuda_transpose_fp8_unaligned_and_on_current_stream():
         out = ops.transpose_fp8(big)
     s.synchronize()
     assert torch.equal(bits(out), bits(big).t())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [(16, 8), (144, 24), (4096, 1280), (16384, 5120), (1040, 136), (2, 64, 96)])
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("fp8", FP8)
+def test_cuda_cast_transpose_dbias_bit_identical(shape, dtype, fp8, seed):
+    """Data, transposed copy, amax and the bias gradient (the block sums in
+    the kernel's order, then torch's sum over blocks) against the CPU
+    backend; outputs poisoned."""
+    x = (torch.randn(shape, device="cuda") * 5).to(dtype)
+    k = shape[-1]
+    m = x.numel() // k
+    out, out_t = poisoned(shape, fp8), poisoned((k, m), fp8)
+    amax = one(0.0, "cuda")
+    data, data_t, db = ops.cast_transpose_fp8(x, one(0.75, "cuda"), amax, fp8, out=out, out_t=out_t, dbias=True)
+    amax_c = one(0.0)
+    ref, ref_t, ref_db = ops.cast_transpose_fp8(x.cpu(), one(0.75), amax_c, fp8, dbias=True)
+    assert torch.equal(bits(data).cpu(), bits(ref)) and torch.equal(bits(data_t).cpu(), bits(ref_t))
+    assert amax.item() == amax_c.item()
+    sums = torch.full(((m + 127) // 128, k), float("nan"), device="cuda")
+    seqfuse._C.cast_fp8_dbias(x, one(0.75, "cuda"), None, None, poisoned((k, m), fp8), None, sums, None)
+    sums_c = torch.empty(((m + 127) // 128, k))
+    seqfuse._C.cast_fp8_dbias(x.cpu(), one(0.75), None, None, torch.empty((k, m), dtype=fp8), None, sums_c, None)
+    assert torch.equal(sums.cpu(), sums_c)  # the kernel's fixed order, bit for bit
+    assert torch.allclose(db.double().cpu(), x.double().reshape(m, k).sum(0).cpu(), rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.cuda
+def test_cuda_cast_dbias_refuses_unaligned():
+    base = torch.randn(64 * 32 + 8, device="cuda", dtype=torch.bfloat16)
+    x = base[8:].view(64, 32) if base[8:].data_ptr() % 16 else base[1:2049].view(64, 32)
+    assert not ops.quant.dbias_fusable(x)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        ops.cast_transpose_fp8(x, one(1.0, "cuda"), None, E4M3, dbias=True)
 
 @pytest.mark.cuda
 def test_cuda_cast_graph_capturable_and_on_current_stream():

@@ -41,6 +41,17 @@ sf_status sf_cast_fp8(const sf_tensor *x, const sf_tensor *scale, sf_tensor *ama
                       sf_tensor *out, sf_tensor *out_t, sf_tensor *scale_inv,
                       sf_stream stream);
 
+/* sf_cast_fp8 with out_t required, plus x's column sums per block of 128
+ * rows: col_sums float32 [ceil(M / 128), K], row b holding the sums of rows
+ * 128b .. 128b+127 (the bias gradient, once the rows are added, when x is
+ * an output gradient: the cast's read of x serves both).  Summed in float32
+ * in the CUDA kernel's fixed order, which the CPU backend repeats: the two
+ * agree bit for bit.  Needs K % 8 == 0, M % 16 == 0 and, on CUDA, 16-byte
+ * aligned x and out_t. */
+sf_status sf_cast_fp8_dbias(const sf_tensor *x, const sf_tensor *scale, sf_tensor *amax,
+                            sf_tensor *out, sf_tensor *out_t, sf_tensor *scale_inv,
+                            sf_tensor *col_sums, sf_stream stream);
+
 /* out_t = data^T: data an FP8 tensor viewed as [M, K] (K its last
  * dimension, contiguous), out_t [K, M] contiguous with data's dtype.  The
  * bytes move unchanged (same scale).  Under delayed scaling the norm and

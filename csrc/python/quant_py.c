@@ -57,6 +57,27 @@ static PyObject *py_cast_fp8(PyObject *self, PyObject *const *args, Py_ssize_t n
     return sf_py_finish(&a.call, st);
 }
 
+/* cast_fp8_dbias(x, scale, amax, out, out_t, scale_inv, col_sums, stream=None) */
+static PyObject *py_cast_fp8_dbias(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    static const char op[] = "cast_fp8_dbias";
+    static const sf_py_tensor_arg spec[] = {{0, "x", 0},   {1, "scale", 0}, {2, "amax", 1},
+                                            {3, "out", 1}, {4, "out_t", 0}, {5, "scale_inv", 1},
+                                            {6, "col_sums", 0}};
+    enum { X, SCALE, AMAX, OUT, OUT_T, SCALE_INV, COL_SUMS };
+    sf_py_args a;
+    if (sf_py_check_nargs(op, nargs, 7, 8) < 0 ||
+        sf_py_begin(&a, op, args, nargs, 7, spec, SF_PY_NARGS(spec)) < 0)
+        return NULL;
+    sf_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = sf_cast_fp8_dbias(a.t[X], a.t[SCALE], a.t[AMAX], a.t[OUT], a.t[OUT_T], a.t[SCALE_INV],
+                           a.t[COL_SUMS], sf_py_call_stream(&a.call));
+    Py_END_ALLOW_THREADS
+    return sf_py_finish(&a.call, st);
+}
+
 /* transpose_fp8(data, out_t, stream=None) */
 static PyObject *py_transpose_fp8(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -270,6 +291,9 @@ PyMethodDef sf_py_quant_methods[] = {
     {"cast_fp8", SF_PY_FASTCALL(py_cast_fp8),
      "cast_fp8(x, scale, amax, out, out_t, scale_inv, stream=None): scale, cast to the FP8 "
      "dtype of out/out_t, transpose into out_t, accumulate max|x| into amax."},
+    {"cast_fp8_dbias", SF_PY_FASTCALL(py_cast_fp8_dbias),
+     "cast_fp8_dbias(x, scale, amax, out, out_t, scale_inv, col_sums, stream=None): cast_fp8 with "
+     "the transposed copy and x's column sums per block of 128 rows."},
     {"transpose_fp8", SF_PY_FASTCALL(py_transpose_fp8),
      "transpose_fp8(data, out_t, stream=None): out_t = data viewed as [M, K], transposed (FP8 bytes)."},
     {"dequantize_fp8", SF_PY_FASTCALL(py_dequantize_fp8),

@@ -39,11 +39,12 @@ static sf_status no_cuda(const char *op)
 }
 #endif
 
-sf_status sf_cast_fp8(const sf_tensor *x, const sf_tensor *scale, sf_tensor *amax,
-                      sf_tensor *out, sf_tensor *out_t, sf_tensor *scale_inv,
-                      sf_stream stream)
+/* The checks and the dispatch of sf_cast_fp8 and sf_cast_fp8_dbias
+ * (col_sums NULL for the former). */
+static sf_status cast_entry(const char *op, const sf_tensor *x, const sf_tensor *scale,
+                            sf_tensor *amax, sf_tensor *out, sf_tensor *out_t,
+                            sf_tensor *scale_inv, sf_tensor *col_sums, sf_stream stream)
 {
-    static const char op[] = "cast_fp8";
     SF_TRY(sf_check_float_input(op, "x", x));
     SF_TRY(sf_check_contiguous(op, "x", x));
     SF_TRY(sf_quant_check_scalar(op, "scale", scale, x, 0));
@@ -82,6 +83,26 @@ sf_status sf_cast_fp8(const sf_tensor *x, const sf_tensor *scale, sf_tensor *ama
                            "the same FP8 dtype",
                            op, sf_dtype_name(out->dtype), sf_dtype_name(out_t->dtype));
     }
+    if (col_sums) {
+        if (!out_t)
+            return sf_fail(SF_ERR_VALUE, "%s: argument 'out_t' must be given (the column sums "
+                           "come from the cast+transpose kernel)", op);
+        if (k % 8 || m % 16)
+            return sf_fail(SF_ERR_VALUE, "%s: argument 'x' viewed as [M, K] = [%lld, %lld] must "
+                           "have K %% 8 == 0 and M %% 16 == 0 (the tiled kernel's rule)",
+                           op, (long long)m, (long long)k);
+        if (x->device != SF_CPU && (((uintptr_t)x->data | (uintptr_t)out_t->data) % 16))
+            return sf_fail(SF_ERR_VALUE, "%s: arguments 'x' and 'out_t' must be 16-byte aligned",
+                           op);
+        SF_TRY(sf_check_dtype(op, "col_sums", col_sums, SF_FLOAT32));
+        int64_t blocks = (m + 127) / 128;
+        if (col_sums->ndim != 2 || col_sums->shape[0] != blocks || col_sums->shape[1] != k)
+            return sf_fail(SF_ERR_VALUE, "%s: argument 'col_sums' must have shape [%lld, %lld] "
+                           "(one row per 128 rows of x)", op, (long long)blocks, (long long)k);
+        SF_TRY(sf_check_contiguous(op, "col_sums", col_sums));
+        SF_TRY(sf_check_writable(op, "col_sums", col_sums));
+        SF_TRY(sf_check_same_device(op, "x", x, "col_sums", col_sums));
+    }
     sf_cast_args a;
     a.x = x->data;
     a.x_dtype = x->dtype;
@@ -93,6 +114,7 @@ sf_status sf_cast_fp8(const sf_tensor *x, const sf_tensor *scale, sf_tensor *ama
     a.out_t = out_t ? (uint8_t *)out_t->data : NULL;
     a.scale_inv = scale_inv ? (float *)scale_inv->data : NULL;
     a.e5m2 = (out ? out->dtype : out_t->dtype) == SF_FLOAT8_E5M2;
+    a.col_sums = col_sums ? (float *)col_sums->data : NULL;
     if (x->device == SF_CPU)
         return sf_cast_fp8_cpu(&a);
 #ifdef SF_WITH_CUDA
@@ -101,6 +123,22 @@ sf_status sf_cast_fp8(const sf_tensor *x, const sf_tensor *scale, sf_tensor *ama
     (void)stream;
     return no_cuda(op);
 #endif
+}
+
+sf_status sf_cast_fp8(const sf_tensor *x, const sf_tensor *scale, sf_tensor *amax,
+                      sf_tensor *out, sf_tensor *out_t, sf_tensor *scale_inv,
+                      sf_stream stream)
+{
+    return cast_entry("cast_fp8", x, scale, amax, out, out_t, scale_inv, NULL, stream);
+}
+
+sf_status sf_cast_fp8_dbias(const sf_tensor *x, const sf_tensor *scale, sf_tensor *amax,
+                            sf_tensor *out, sf_tensor *out_t, sf_tensor *scale_inv,
+                            sf_tensor *col_sums, sf_stream stream)
+{
+    if (!col_sums)
+        return sf_fail(SF_ERR_VALUE, "cast_fp8_dbias: argument 'col_sums' must be given");
+    return cast_entry("cast_fp8_dbias", x, scale, amax, out, out_t, scale_inv, col_sums, stream);
 }
 
 sf_status sf_transpose_fp8(const sf_tensor *data, sf_tensor *out_t, sf_stream stream)

@@ -32,6 +32,7 @@ typedef struct {
     uint8_t *out_t;   /* [k, m] or NULL */
     float *scale_inv; /* or NULL */
     int e5m2;
+    float *col_sums;  /* [ceil(m / 128), k] per-128-row-block column sums, or NULL */
 } sf_cast_args;
 
 sf_status sf_cast_fp8_cpu(const sf_cast_args *a);

@@ -9,6 +9,8 @@
 #include "cast_backend.h"
 #include "fp8.h"
 
+static void column_sums(const sf_cast_args *a);
+
 sf_status sf_cast_fp8_cpu(const sf_cast_args *a)
 {
     float s = a->scale[0];
@@ -34,7 +36,35 @@ sf_status sf_cast_fp8_cpu(const sf_cast_args *a)
     }
     if (a->scale_inv)
         a->scale_inv[0] = SF_DIV(1.0f, s);
+    if (a->col_sums)
+        column_sums(a);
     return SF_OK;
+}
+
+/* col_sums in the CUDA kernel's order (cast_cuda.cu): in each block of 128
+ * rows, thread (warp w, half h) adds its rows 2w+h, 2w+h+16, ... in turn;
+ * the halves are added, then the 8 warps in order. */
+static void column_sums(const sf_cast_args *a)
+{
+    for (int64_t b = 0; b * 128 < a->m; ++b)
+        for (int64_t c = 0; c < a->k; ++c) {
+            float total = 0.0f;
+            for (int w = 0; w < 8; ++w) {
+                float half[2];
+                for (int h = 0; h < 2; ++h) {
+                    float acc = 0.0f;
+                    for (int i = 0; i < 8; ++i) {
+                        int64_t r = b * 128 + 2 * w + h + 16 * i;
+                        if (r < a->m)
+                            acc += sf_load_float(a->x, a->x_dtype, r * a->k + c);
+                    }
+                    half[h] = acc;
+                }
+                float pair = half[0] + half[1];
+                total = w == 0 ? pair : total + pair;
+            }
+            a->col_sums[b * a->k + c] = total;
+        }
 }
 
 sf_status sf_transpose_fp8_cpu(const sf_transpose_args *a)

@@ -73,14 +73,20 @@ __device__ __forceinline__ void store_tile_transposed(const uint32_t (*tile)[kWo
     }
 }
 
-template <typename T, bool E5M2>
-__global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? 2 : 3)
+/* SUMS (the dbias variant) also writes col_sums[tile row][k]: each 128-row
+ * block's column sums of x in float32, in a fixed order that cast_cpu.c
+ * repeats: per thread its 8 rows (lr, lr+16, ...), then the two threads of a
+ * warp that share the columns (rows 2w.. and 2w+1..), then the 8 warps in
+ * order. */
+template <typename T, bool E5M2, bool SUMS = false>
+__global__ void __launch_bounds__(kThreads, SUMS || sizeof(T) == 4 ? 2 : 3)
 cast_transpose_kernel(const T *__restrict__ x, int64_t m, int64_t k,
                       const float *__restrict__ scale_p, float *__restrict__ amax,
                       uint8_t *__restrict__ out, uint8_t *__restrict__ out_t,
-                      float *__restrict__ scale_inv)
+                      float *__restrict__ scale_inv, float *__restrict__ col_sums = nullptr)
 {
     __shared__ uint32_t tile[kTile][kWords];
+    __shared__ float red[SUMS ? kThreads / 32 : 1][kTile];
     const float scale = *scale_p;
     if (scale_inv && blockIdx.x == 0 && threadIdx.x == 0)
         *scale_inv = __fdiv_rn(1.0f, scale);
@@ -100,6 +106,7 @@ cast_transpose_kernel(const T *__restrict__ x, int64_t m, int64_t k,
         const int64_t kc = k0 + lj * 8;
         sf_raw8<T> raw[8];
         bool ok[8];
+        float csum[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             int64_t r = m0 + lr + 16 * i;
@@ -118,6 +125,8 @@ cast_transpose_kernel(const T *__restrict__ x, int64_t m, int64_t k,
                 for (int e = 0; e < 8; ++e) {
                     local_max = max(local_max, sf_abs_bits(v[e]));
                     s[e] = __fmul_rn(v[e], scale);
+                    if constexpr (SUMS)
+                        csum[e] = __fadd_rn(csum[e], v[e]);
                 }
                 w.x = sf_cvt4<E5M2>(s);
                 w.y = sf_cvt4<E5M2>(s + 4);
@@ -127,9 +136,28 @@ cast_transpose_kernel(const T *__restrict__ x, int64_t m, int64_t k,
             /* words 2lj and 2lj+1 stay adjacent under the swizzle */
             *reinterpret_cast<uint2 *>(&tile[row][swz(row, 2 * lj)]) = w;
         }
+        if constexpr (SUMS) {
+            /* lanes l and l ^ 16 hold rows 2w.. and 2w+1.. of the same columns */
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+                csum[e] = __fadd_rn(csum[e], __shfl_xor_sync(0xffffffffu, csum[e], 16));
+            if (lane < 16)
+#pragma unroll
+                for (int e = 0; e < 8; ++e)
+                    red[warp][lj * 8 + e] = csum[e];
+        }
         __syncthreads();
         if (out_t)
             store_tile_transposed(tile, m0, k0, m, k, kw, mg, out_t);
+        if constexpr (SUMS) {
+            if (t < kTile && k0 + t < k) {
+                float sum = red[0][t];
+#pragma unroll
+                for (int w2 = 1; w2 < kThreads / 32; ++w2)
+                    sum = __fadd_rn(sum, red[w2][t]);
+                col_sums[(m0 / kTile) * k + k0 + t] = sum;
+            }
+        }
         __syncthreads();
     }
     if (amax)
@@ -259,7 +287,13 @@ sf_status launch_cast(const sf_cast_args *a, cudaStream_t stream)
              * atomics (one per CTA) are far below what L2 absorbs */
             int64_t tiles = ((a->m + kTile - 1) / kTile) * ((a->k + kTile - 1) / kTile);
             int grid = (int)(tiles < 0x7fffffff ? tiles : 0x7fffffff);
-            if (a->e5m2)
+            if (a->col_sums && a->e5m2)
+                cast_transpose_kernel<T, true, true><<<grid, kThreads, 0, stream>>>(
+                    x, a->m, a->k, a->scale, a->amax, a->out, a->out_t, a->scale_inv, a->col_sums);
+            else if (a->col_sums)
+                cast_transpose_kernel<T, false, true><<<grid, kThreads, 0, stream>>>(
+                    x, a->m, a->k, a->scale, a->amax, a->out, a->out_t, a->scale_inv, a->col_sums);
+            else if (a->e5m2)
                 cast_transpose_kernel<T, true><<<grid, kThreads, 0, stream>>>(
                     x, a->m, a->k, a->scale, a->amax, a->out, a->out_t, a->scale_inv);
             else

@@ -10,7 +10,9 @@
  *   3. Bandwidth of cast+transpose+amax of bf16 matrices 4096^2..16384^2
  *      against a device-to-device copy, counting bytes read and written
  *      (2 read + 1 + 1 written per element; the copy moves 2 + 2).
- *   4. transpose_fp8 (FP8 bytes [M, K] -> [K, M]) against the CPU backend
+ *   4. cast_fp8_dbias (cast_transpose plus per-128-row column sums) against
+ *      the CPU backend bit for bit, and its cost next to the plain kernel.
+ *   5. transpose_fp8 (FP8 bytes [M, K] -> [K, M]) against the CPU backend
  *      byte for byte (fast tiled kernel, partial tiles, the generic kernel
  *      for odd shapes and unaligned pointers), and its bandwidth at ESM-2
  *      650M's shapes against a copy of the same bytes.
@@ -65,7 +67,10 @@ static void check_exhaustive(void)
 #endif
 }
 
-static void run_case(sf_dtype dtype, int64_t m, int64_t k, int e5m2, int transpose, int64_t offset)
+/* dbias: the sf_cast_fp8_dbias variant (transpose on), its per-128-row column
+ * sums compared bit for bit too. */
+static void run_case(sf_dtype dtype, int64_t m, int64_t k, int e5m2, int transpose, int64_t offset,
+                     int dbias = 0)
 {
     size_t es = sf_dtype_size(dtype);
     int64_t n = m * k;
@@ -101,7 +106,19 @@ static void run_case(sf_dtype dtype, int64_t m, int64_t k, int e5m2, int transpo
     sf_tensor_init(&scale, dscalars, SF_FLOAT32, 1, one, SF_CUDA, 0);
     sf_tensor_init(&amax, dscalars + 1, SF_FLOAT32, 1, one, SF_CUDA, 0);
     sf_tensor_init(&si, dscalars + 2, SF_FLOAT32, 1, one, SF_CUDA, 0);
-    CHECK_SF(sf_cast_fp8(&x, &scale, &amax, &out, transpose ? &out_t : NULL, &si, NULL));
+    int64_t sshape[2] = {(m + 127) / 128, k};
+    std::vector<float> csums(sshape[0] * k), gsums(sshape[0] * k);
+    float *dsums = NULL;
+    sf_tensor sums, hsums;
+    if (dbias) {
+        CHECK_CUDA(cudaMalloc(&dsums, gsums.size() * 4));
+        CHECK_CUDA(cudaMemset(dsums, 0xff, gsums.size() * 4));
+        sf_tensor_init(&sums, dsums, SF_FLOAT32, 2, sshape, SF_CUDA, 0);
+        sf_tensor_init(&hsums, csums.data(), SF_FLOAT32, 2, sshape, SF_CPU, 0);
+        CHECK_SF(sf_cast_fp8_dbias(&x, &scale, &amax, &out, &out_t, &si, &sums, NULL));
+    } else {
+        CHECK_SF(sf_cast_fp8(&x, &scale, &amax, &out, transpose ? &out_t : NULL, &si, NULL));
+    }
 
     std::vector<uint8_t> cout(n), cout_t(n), gout(n), gout_t(n);
     float cs[3] = {1.75f, 0.0f, -1.0f}, gs[3];
@@ -112,7 +129,13 @@ static void run_case(sf_dtype dtype, int64_t m, int64_t k, int e5m2, int transpo
     sf_tensor_init(&hscale, cs, SF_FLOAT32, 1, one, SF_CPU, 0);
     sf_tensor_init(&hamax, cs + 1, SF_FLOAT32, 1, one, SF_CPU, 0);
     sf_tensor_init(&hsi, cs + 2, SF_FLOAT32, 1, one, SF_CPU, 0);
-    CHECK_SF(sf_cast_fp8(&hx, &hscale, &hamax, &hout, transpose ? &hout_t : NULL, &hsi, NULL));
+    if (dbias) {
+        CHECK_SF(sf_cast_fp8_dbias(&hx, &hscale, &hamax, &hout, &hout_t, &hsi, &hsums, NULL));
+        CHECK_CUDA(cudaMemcpy(gsums.data(), dsums, gsums.size() * 4, cudaMemcpyDeviceToHost));
+        cudaFree(dsums);
+    } else {
+        CHECK_SF(sf_cast_fp8(&hx, &hscale, &hamax, &hout, transpose ? &hout_t : NULL, &hsi, NULL));
+    }
     CHECK_CUDA(cudaMemcpy(gout.data(), dout, n, cudaMemcpyDeviceToHost));
     CHECK_CUDA(cudaMemcpy(gout_t.data(), dout_t, n, cudaMemcpyDeviceToHost));
     CHECK_CUDA(cudaMemcpy(gs, dscalars, 12, cudaMemcpyDeviceToHost));
@@ -123,9 +146,11 @@ static void run_case(sf_dtype dtype, int64_t m, int64_t k, int e5m2, int transpo
              guard[0] == 0xff && guard[1] == 0xff;
     if (transpose)
         ok = ok && memcmp(cout_t.data(), gout_t.data(), n) == 0;
+    if (dbias)
+        ok = ok && memcmp(csums.data(), gsums.data(), csums.size() * 4) == 0;
     char what[200];
-    snprintf(what, sizeof what, "cast%s %s -> %s [%lld, %lld] offset %lld: amax gpu %g cpu %g",
-             transpose ? "_transpose" : "", sf_dtype_name(dtype), sf_dtype_name(fp8),
+    snprintf(what, sizeof what, "cast%s%s %s -> %s [%lld, %lld] offset %lld: amax gpu %g cpu %g",
+             transpose ? "_transpose" : "", dbias ? "_dbias" : "", sf_dtype_name(dtype), sf_dtype_name(fp8),
              (long long)m, (long long)k, (long long)offset, gs[1], cs[1]);
     check_report(ok, what);
     cudaFree(dx);
@@ -217,6 +242,42 @@ static void transpose_bandwidth(int64_t m, int64_t k)
     cudaFree(dout);
 }
 
+/* The dbias variant against the plain cast+transpose on the same bf16
+ * gradient (its extra work: the sums and a [M/128, K] float32 write). */
+static void dbias_bandwidth(int64_t m, int64_t k)
+{
+    int64_t n = m * k;
+    void *dx;
+    uint8_t *dout, *dout_t;
+    float *ds, *dsums;
+    CHECK_CUDA(cudaMalloc(&dx, n * 2));
+    CHECK_CUDA(cudaMalloc(&dout, n));
+    CHECK_CUDA(cudaMalloc(&dout_t, n));
+    CHECK_CUDA(cudaMalloc(&ds, 12));
+    CHECK_CUDA(cudaMalloc(&dsums, (m + 127) / 128 * k * 4));
+    CHECK_CUDA(cudaMemset(dx, 0x3f, n * 2));
+    float one_f = 1.0f;
+    CHECK_CUDA(cudaMemcpy(ds, &one_f, 4, cudaMemcpyHostToDevice));
+    int64_t shape[2] = {m, k}, tshape[2] = {k, m}, sshape[2] = {(m + 127) / 128, k}, one[1] = {1};
+    sf_tensor x, out, out_t, scale, amax, si, sums;
+    sf_tensor_init(&x, dx, SF_BFLOAT16, 2, shape, SF_CUDA, 0);
+    sf_tensor_init(&out, dout, SF_FLOAT8_E5M2, 2, shape, SF_CUDA, 0);
+    sf_tensor_init(&out_t, dout_t, SF_FLOAT8_E5M2, 2, tshape, SF_CUDA, 0);
+    sf_tensor_init(&scale, ds, SF_FLOAT32, 1, one, SF_CUDA, 0);
+    sf_tensor_init(&amax, ds + 1, SF_FLOAT32, 1, one, SF_CUDA, 0);
+    sf_tensor_init(&si, ds + 2, SF_FLOAT32, 1, one, SF_CUDA, 0);
+    sf_tensor_init(&sums, dsums, SF_FLOAT32, 2, sshape, SF_CUDA, 0);
+    float plain = time_ms([&] { CHECK_SF(sf_cast_fp8(&x, &scale, &amax, &out, &out_t, &si, NULL)); });
+    float fused = time_ms([&] { CHECK_SF(sf_cast_fp8_dbias(&x, &scale, &amax, &out, &out_t, &si, &sums, NULL)); });
+    printf("cast_transpose bf16 [%lld, %lld]: %.4f ms; with dbias sums %.4f ms (%.2fx)\n", (long long)m,
+           (long long)k, plain, fused, fused / plain);
+    cudaFree(dx);
+    cudaFree(dout);
+    cudaFree(dout_t);
+    cudaFree(ds);
+    cudaFree(dsums);
+}
+
 int main(void)
 {
     rng_seed();
@@ -233,6 +294,10 @@ int main(void)
             }
     for (int64_t side : {4096, 8192, 16384})
         bandwidth(side);
+    int64_t dshapes[][2] = {{16, 8}, {144, 24}, {4096, 1280}, {1040, 136}, {16384, 5120}};
+    for (sf_dtype d : dtypes)
+        for (auto &s : dshapes)
+            run_case(d, s[0], s[1], 1, 1, 0, 1);
     int64_t tshapes[][2] = {{16, 16}, {128, 128}, {16384, 1280}, {4096, 5120}, {160, 48},
                             {32, 2064}, {1000, 8}, {7, 13}, {48, 1032}, {2, 64}};
     for (auto &s : tshapes)
@@ -240,5 +305,7 @@ int main(void)
             run_transpose_case(s[0], s[1], offset);
     transpose_bandwidth(16384, 1280);
     transpose_bandwidth(16384, 5120);
+    dbias_bandwidth(16384, 1280);
+    dbias_bandwidth(16384, 5120);
     return check_finish("check_cast");
 }

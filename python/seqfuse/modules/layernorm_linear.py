@@ -41,7 +41,7 @@ NotImplementedError when set to anything but their default.
 import torch
 
 from .. import ops
-from .linear import (_check_fp8_shapes, _quantize_weight, _recipe_kind, block_backward,
+from .linear import (_check_fp8_shapes, _quantize_weight, _recipe_kind, block_backward, quantize_grad,
                      block_forward)
 from ._input import check_input
 from ._split import fused_params, install_split, parse_split, reset_split
@@ -187,8 +187,10 @@ class Quantizers:
         fmt = self.recipe.fp8_format
         return fmt.bwd_dtype if index in self.backward else fmt.fwd_dtype
 
-    def quantize(self, x, index, transpose=True):
-        """x -> Float8Tensor (with the transposed copy when asked)."""
+    def quantize(self, x, index, transpose=True, dbias=False):
+        """x -> Float8Tensor (with the transposed copy when asked; ``dbias``:
+        and x's float32 column sums, as ``(Float8Tensor, dbias)``, for
+        gradients)."""
         from ..quantization import quantize_current, quantize_with_state
 
         if self.delayed and index % 3 == 1:
@@ -198,11 +200,17 @@ class Quantizers:
             return quantize_current(x, self.dtype(index), margin=int(self.recipe.margin),
                                     transpose=transpose, amax=self.state.amax_of(index))
         if self.delayed:
-            return quantize_with_state(x, self.state, index, transpose=transpose)
+            return quantize_with_state(x, self.state, index, transpose=transpose, dbias=dbias)
         from ..quantization import get_amax_reduction_group
 
         return quantize_current(x, self.dtype(index), margin=int(self.recipe.margin), transpose=transpose,
-                                amax_reduction_group=get_amax_reduction_group())
+                                amax_reduction_group=get_amax_reduction_group(), dbias=dbias)
+
+    def grad(self, dy, index, bias_dtype):
+        """(Float8Tensor of the output gradient with its transposed copy, its
+        bias gradient in ``bias_dtype`` or None), the sums from the same pass
+        where the kernel takes dy (see linear.quantize_grad)."""
+        return quantize_grad(lambda t, dbias: self.quantize(t, index, True, dbias), dy, bias_dtype)
 
     def norm(self, x2, lnw, lnb, eps, rms, zc, index):
         """(data, data_t or None, scale_inv, mean, rstd) of the FP8 norm output."""
@@ -304,13 +312,11 @@ class _LayerNormLinearFn(torch.autograd.Function):
             dweight, dbias = as_dtype(dweight, w_dtype), as_dtype(dbias, b_dtype)
         elif ctx.fp8:
             x2, lnw, mean, rstd, ln8, ln8_t, ln_si, w_t, w_si = ctx.saved_tensors
-            g = ctx.quantizers.quantize(dout2, 2)
+            g, dbias = ctx.quantizers.grad(dout2, 2, b_dtype if has_bias else None)
             dln = fp8_gemm(g.data, g.scale_inv, w_t, w_si, x2.dtype)
             if ln8_t is None:
                 ln8_t = fp8_transpose(ln8)
             dweight = fp8_gemm(g.data_t, g.scale_inv, ln8_t, ln_si, _wgrad_dtype(w_dtype)).to(w_dtype)
-            if has_bias:
-                dbias = dout2.sum(0, dtype=torch.float32).to(b_dtype)
         else:
             x2, lnw, mean, rstd, ln_out, w = ctx.saved_tensors
             dln = ops.gemm(dout2, w)

@@ -121,17 +121,13 @@ class _LayerNormMLPFn(torch.autograd.Function):
              w2_si) = ctx.saved_tensors
             dt = x2.dtype
             q = ctx.quantizers
-            g2 = q.quantize(dout2, 5)
+            g2, db2 = q.grad(dout2, 5, b2_dt)
             da = fp8_gemm(g2.data, g2.scale_inv, w2_t, w2_si, dt)
             if a8_t is None:
                 a8_t = fp8_transpose(a8)
             dw2 = fp8_gemm(g2.data_t, g2.scale_inv, a8_t, a_si, _wgrad_dtype(w2_dt))
-            if b2_dt is not None:
-                db2 = dout2.sum(0, dtype=torch.float32).to(b2_dt)
             dh = A.act_bwd(da, h, activation)
-            if b1_dt is not None:
-                db1 = dh.sum(0, dtype=torch.float32).to(b1_dt)
-            g1 = q.quantize(dh, 2)
+            g1, db1 = q.grad(dh, 2, b1_dt)
             dln = fp8_gemm(g1.data, g1.scale_inv, w1_t, w1_si, dt)
             if ln8_t is None:
                 ln8_t = fp8_transpose(ln8)

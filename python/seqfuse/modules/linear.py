@@ -49,10 +49,13 @@ Works under torch.distributed.fsdp.fully_shard (parameters are read at
 forward time, whatever FSDP put there) and under CUDA graph capture (no host
 synchronization, workspaces cached per stream).
 """
+import logging
+
 import torch
 
 from .. import ops
 from .. import quantization as _q
+from ..ops import quant as _qops
 from ._input import check_input
 from ._split import fused_params, install_split, parse_split, reset_split
 
@@ -325,14 +328,42 @@ def _quantize_weight(module, weight, recipe, kind, state, is_first_microbatch, s
     return pair
 
 
-def _quantize_act(x, kind, recipe, state, index, transpose, backward):
+def _quantize_act(x, kind, recipe, state, index, transpose, backward, dbias=False):
     """An activation (index 0) or output gradient (index 2) for the per-tensor
-    recipes: a Float8Tensor with data [M, K] and, if asked, data_t [K, M]."""
+    recipes: a Float8Tensor with data [M, K] and, if asked, data_t [K, M]
+    (``dbias``: and x's column sums, as ``(Float8Tensor, dbias)``)."""
     if kind == "delayed":
-        return _q.quantize_with_state(x, state, index, transpose=transpose)
+        return _q.quantize_with_state(x, state, index, transpose=transpose, dbias=dbias)
     fmt = recipe.fp8_format
     return _q.quantize_current(x, fmt.bwd_dtype if backward else fmt.fwd_dtype,
-                               margin=int(getattr(recipe, "margin", 0)), transpose=transpose)
+                               margin=int(getattr(recipe, "margin", 0)), transpose=transpose,
+                               dbias=dbias)
+
+
+_log = logging.getLogger("seqfuse")
+_dbias_fallback_logged = []
+
+
+def quantize_grad(quantize, dy, bias_dtype):
+    """An output gradient's FP8 cast with its transposed copy, and the bias
+    gradient (dy's column sums in float32, cast to ``bias_dtype``; None when
+    ``bias_dtype`` is None).  ``quantize(dy, dbias)`` is the recipe's cast
+    (transpose on).  The sums come out of the cast's own read of dy where its
+    kernel takes dy (``ops.quant.dbias_fusable``); otherwise a second pass
+    over dy makes them, logged once."""
+    if bias_dtype is None:
+        return quantize(dy, False), None
+    if _qops.dbias_fusable(dy):
+        g, db = quantize(dy, True)
+    else:
+        if not _dbias_fallback_logged:
+            _dbias_fallback_logged.append(True)
+            _log.info("seqfuse FP8: a bias gradient is summed in a separate pass over the output gradient "
+                      "(shape %s, contiguous %s, 16-byte aligned %s: the fused cast takes [M, K] with "
+                      "K %% 8 == 0, M %% 16 == 0, contiguous and aligned)", tuple(dy.shape),
+                      dy.is_contiguous(), dy.data_ptr() % 16 == 0)
+        g, db = quantize(dy, False), dy.sum(0, dtype=torch.float32)
+    return g, db.to(bias_dtype)
 
 
 class Fp8LinearFunction(torch.autograd.Function):
@@ -375,7 +406,12 @@ class Fp8LinearFunction(torch.autograd.Function):
                                         need_dw, weight.dtype, main_grad,
                                         need_dbias=need_db and ctx.bias_dtype is not None)
         else:
-            g = _quantize_act(dy, kind, recipe, state, _q.GRAD_OUTPUT, need_dw, True)
+            if need_dw:  # the transposed copy's pass also sums the bias gradient
+                g, db = quantize_grad(
+                    lambda t, dbias: _quantize_act(t, kind, recipe, state, _q.GRAD_OUTPUT, True, True, dbias),
+                    dy, ctx.bias_dtype if need_db else None)
+            else:
+                g = _quantize_act(dy, kind, recipe, state, _q.GRAD_OUTPUT, False, True)
             if need_dx:
                 dx = ops.gemm(g.data, w_t, transb=True, a_scale_inv=g.scale_inv, b_scale_inv=w_si,
                               out_dtype=dtype)

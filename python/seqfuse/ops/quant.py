@@ -93,7 +93,7 @@ def cast_fp8(x, scale, amax, fp8_dtype, *, out=None, scale_inv=None):
 
 
 def cast_transpose_fp8(x, scale, amax, fp8_dtype, *, out=None, out_t=None, scale_inv=None,
-                       rowwise=True):
+                       rowwise=True, dbias=False):
     """Scale, cast and transpose in one pass: ``x`` is viewed as [M, K] (K the
     last dimension), and the result is ``(data, data_t)`` with ``data`` the
     FP8 copy shaped like ``x`` and ``data_t`` the [K, M] transposed copy that
@@ -103,6 +103,13 @@ def cast_transpose_fp8(x, scale, amax, fp8_dtype, *, out=None, out_t=None, scale
 
     The fast GPU kernel needs K % 8 == 0 and M % 16 == 0 (FP8 GEMMs need 16
     anyway); other shapes run a plain per-element kernel.
+
+    ``dbias=True`` also sums x's columns in the same pass (the bias gradient
+    when x is an output gradient) and returns ``(data, data_t, dbias)``,
+    dbias float32 [K]: the kernel writes the sums of each 128-row block in a
+    fixed order (the CPU backend repeats it bit for bit) and one small
+    reduction adds the blocks.  It takes the fast kernel's shapes and, on
+    CUDA, 16-byte aligned x (see :func:`dbias_fusable`).
     """
     op = "cast_transpose_fp8"
     require_fp8_dlpack(op)
@@ -119,9 +126,23 @@ def cast_transpose_fp8(x, scale, amax, fp8_dtype, *, out=None, out_t=None, scale
     for name, t in (("out", out), ("out_t", out_t)):
         if t is not None and t.dtype != fp8_dtype:
             raise TypeError(f"{op}: argument '{name}' must have dtype {fp8_dtype}, got {t.dtype}")
-    _C.cast_fp8(x, _check_scalar(op, "scale", scale, x.device), amax, out if rowwise else None,
-                out_t, scale_inv, stream_for(x))
+    scale = _check_scalar(op, "scale", scale, x.device)
+    if dbias:
+        sums = torch.empty(((m + 127) // 128, k), dtype=torch.float32, device=x.device)
+        _C.cast_fp8_dbias(x, scale, amax, out if rowwise else None, out_t, scale_inv, sums, stream_for(x))
+        return (out if rowwise else None), out_t, sums.sum(0)
+    _C.cast_fp8(x, scale, amax, out if rowwise else None, out_t, scale_inv, stream_for(x))
     return (out if rowwise else None), out_t
+
+
+def dbias_fusable(x):
+    """Whether ``cast_transpose_fp8(x, ..., dbias=True)`` takes x: viewed as
+    [M, K], K % 8 == 0 and M % 16 == 0, contiguous and, on CUDA, 16-byte
+    aligned (its tiled kernel's rules)."""
+    k = x.shape[-1] if x.dim() else 1
+    m = x.numel() // k if k else 0
+    return (x.dim() >= 1 and x.is_contiguous() and k % 8 == 0 and m % 16 == 0
+            and (not x.is_cuda or x.data_ptr() % 16 == 0))
 
 
 def transpose_fp8(data, *, out=None):

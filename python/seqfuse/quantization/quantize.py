@@ -8,25 +8,30 @@ from . import recompute, stats
 from .tensor import Float8BlockTensor, Float8Tensor, MXFP8Tensor, NVFP4Tensor
 
 
-def quantize(x, scale, amax, fp8_dtype, *, transpose=False, rowwise=True):
+def quantize(x, scale, amax, fp8_dtype, *, transpose=False, rowwise=True, dbias=False):
     """x -> Float8Tensor with ``scale`` (float32 one-element tensor), folding
     max|x| into ``amax`` (accumulates; None to skip).  ``transpose`` also
     makes the [K, M] copy (x viewed as [M, K]); ``rowwise=False`` makes only
-    that copy."""
+    that copy.  ``dbias`` (with ``transpose``, where
+    ``ops.quant.dbias_fusable(x)``): also x's float32 column sums from the same
+    pass, returned as ``(Float8Tensor, dbias)``."""
     fp8_dtype = qops.fp8_dtype_of(fp8_dtype, "quantize")
     scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
+    if dbias and not transpose:
+        raise ValueError("quantize: dbias=True needs transpose=True (the sums come from the "
+                         "cast+transpose kernel)")
     if transpose:
-        data, data_t = qops.cast_transpose_fp8(x, scale, amax, fp8_dtype, scale_inv=scale_inv,
-                                               rowwise=rowwise)
+        data, data_t, *db = qops.cast_transpose_fp8(x, scale, amax, fp8_dtype, scale_inv=scale_inv,
+                                                    rowwise=rowwise, dbias=dbias)
     else:
         if not rowwise:
             raise ValueError("quantize: rowwise=False needs transpose=True (no copy asked for)")
         data, data_t = qops.cast_fp8(x, scale, amax, fp8_dtype, scale_inv=scale_inv), None
-    return Float8Tensor(data, scale_inv, fp8_dtype, data_t=data_t, dtype=x.dtype,
-                        shape=x.shape)
+    q = Float8Tensor(data, scale_inv, fp8_dtype, data_t=data_t, dtype=x.dtype, shape=x.shape)
+    return (q, db[0]) if dbias else q
 
 
-def quantize_with_state(x, state, index, *, transpose=False, rowwise=True):
+def quantize_with_state(x, state, index, *, transpose=False, rowwise=True, dbias=False):
     """Quantize ``x`` as tensor ``index`` of a ScalingState (delayed
     scaling): its scale, its amax slot for this step, its FP8 dtype."""
     state.ensure_pooled()
@@ -35,11 +40,11 @@ def quantize_with_state(x, state, index, *, transpose=False, rowwise=True):
     if stats.recording() and not recompute.replaying():  # a recompute's casts were the forward's
         stats.record_cast(state, index, x.detach(), scale, fp8_dtype)
     return quantize(x, scale, state.amax_of(index), fp8_dtype, transpose=transpose,
-                    rowwise=rowwise)
+                    rowwise=rowwise, dbias=dbias)
 
 
 def quantize_current(x, fp8_dtype, *, margin=0, transpose=False, rowwise=True, amax=None,
-                     amax_reduction_group=None):
+                     amax_reduction_group=None, dbias=False):
     """Current scaling: scale = fp8_max / max|x| / 2**margin from x itself
     (an amax pass, an optional all-reduce of that amax, a scale kernel, then
     the cast).  ``amax`` (optional one-element float32) receives max|x|."""
@@ -52,7 +57,7 @@ def quantize_current(x, fp8_dtype, *, margin=0, transpose=False, rowwise=True, a
     scale = torch.empty(1, dtype=torch.float32, device=x.device)
     scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
     qops.fp8_compute_scale(amax, scale, scale_inv, qops.FP8_MAX[fp8_dtype], margin)
-    return quantize(x, scale, None, fp8_dtype, transpose=transpose, rowwise=rowwise)
+    return quantize(x, scale, None, fp8_dtype, transpose=transpose, rowwise=rowwise, dbias=dbias)
 
 
 def quantize_block(x, block_rows=1, fp8_dtype=torch.float8_e4m3fn, *, columnwise=False,
