@@ -14,10 +14,12 @@ __all__ = ["amax", "gemm", "rope_forward", "rope_backward"]
 from .attn import attention, attention_bwd, attention_fwd  # noqa: E402
 from .attn import attention_bwd_kernel, attention_fwd_kernel  # noqa: E402
 from .attn import set_attention_bwd_kernel, set_attention_fwd_kernel  # noqa: E402
+from .attn import attention_backend, cudnn_eligibility, set_attention_backend  # noqa: E402
 
 __all__ += ["attention", "attention_fwd", "attention_bwd"]
 __all__ += ["attention_fwd_kernel", "set_attention_fwd_kernel"]
 __all__ += ["attention_bwd_kernel", "set_attention_bwd_kernel"]
+__all__ += ["attention_backend", "set_attention_backend", "cudnn_eligibility"]
 
 __all__ += ["cross_entropy_forward", "cross_entropy_backward"]
 
