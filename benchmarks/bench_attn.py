@@ -1,5 +1,7 @@
-"""Fused attention: seqfuse against torch's scaled_dot_product_attention
-(which picks cuDNN or flash) in one process on the same inputs.
+"""Fused attention: seqfuse's kernels against torch's
+scaled_dot_product_attention (which picks cuDNN or flash) in one process on
+the same inputs (ops.attention pinned to seqfuse's kernels: its default sends
+padding-free bshd calls on Hopper to cuDNN, see seqfuse.ops.attn).
 
 Part 1, padded (bshd), 16k tokens per batch: seqlens 1024, 4096, 8192, head
 dims 64 (32 heads) and 128 (16 heads), causal and not, forward and
@@ -224,6 +226,9 @@ def main():
         print("bench_attn: needs a CUDA GPU and a CUDA build of seqfuse")
         return
     torch.manual_seed(0)
+    # seqfuse's own kernels against torch: the default backend would send the
+    # padded rows' autograd calls to cuDNN (the same kernels torch runs)
+    seqfuse.ops.set_attention_backend("seqfuse")
     table = Table("attn", ["case", "seqfuse_tflops", "torch_tflops", "ratio", "seqfuse_ms", "torch_ms",
                            "sm90v0_tflops", "sm90v1_tflops", "sm90v2_tflops", "sm90v3_tflops", "sm90v4_tflops",
                            "sm90_ratio", "sm80bwd_tflops", "sm80bwd_ratio"])

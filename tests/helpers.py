@@ -102,3 +102,14 @@ def fp8_steps(a, b):
         mag = c & 0x7F
         return torch.where(c >= 0x80, -mag, mag)
     return (ordinal(a) - ordinal(b.to(a.device))).abs()
+
+
+def seqfuse_attention_only(monkeypatch):
+    """Pins ops.attention to seqfuse's own kernels for one test (the kernel
+    tests check those; on an H200 the default sends padding-free bshd/sbhd
+    calls to cuDNN): the backend choice and its cache are put back after."""
+    from seqfuse.ops import attn
+
+    monkeypatch.setattr(attn, "_backend", "seqfuse")
+    monkeypatch.setattr(attn, "_choices", {})
+

@@ -19,9 +19,15 @@ import torch.nn.functional as F
 
 import seqfuse
 from attn_ref import PADDING, cu_seqlens, pack, reference, unpack
-from helpers import rel_error
+from helpers import rel_error, seqfuse_attention_only
 
 pytestmark = pytest.mark.cuda
+
+
+@pytest.fixture(autouse=True)
+def _seqfuse_kernels(monkeypatch):
+    """ops.attention calls here test seqfuse's kernels, not the cuDNN route."""
+    seqfuse_attention_only(monkeypatch)
 
 MASKS = ["no_mask", "padding", "causal", "padding_causal", "causal_bottom_right",
          "padding_causal_bottom_right"]
@@ -228,7 +234,8 @@ def test_cuda_deterministic_backward_is_reproducible(seed):
 
 
 def test_cuda_module_matches_cpu_module(seed):
-    te = seqfuse.pytorch
+    import seqfuse.pytorch as te  # (not imported by `import seqfuse`; a lone xdist worker has no other import)
+
     attn = te.DotProductAttention(8, 64, num_gqa_groups=2, qkv_format="sbhd", attn_mask_type="causal")
     q = torch.randn(130, 2, 8, 64).to(torch.bfloat16)
     k, v = (torch.randn(130, 2, 2, 64).to(torch.bfloat16) for _ in range(2))

@@ -18,8 +18,15 @@ import torch
 
 import seqfuse
 from attn_ref import PADDING, reference
-from helpers import rel_error
+from helpers import rel_error, seqfuse_attention_only
 from test_attn_cuda import BWD_TOL, make_case, run_fwd as forward, run_ours, run_reference
+
+
+@pytest.fixture(autouse=True)
+def _seqfuse_kernels(monkeypatch):
+    """ops.attention calls here test seqfuse's kernels, not the cuDNN route."""
+    seqfuse_attention_only(monkeypatch)
+
 
 FWD_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 

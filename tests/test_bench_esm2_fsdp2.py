@@ -77,6 +77,9 @@ def test_fsdp2_config_parser():
     assert bench_esm2.fsdp2_config("same", args)["same"]
     assert bench_esm2.fsdp2_config("ddp", args)["ddp"] and not c["ddp"]
     assert bench_esm2.fsdp2_config("bal+pf1", args)["bal"] and not c["bal"]
+    assert c["amax"] == "world"
+    assert bench_esm2.fsdp2_config("raf0+amaxown", args)["amax"] == "own"
+    assert bench_esm2.fsdp2_config("amaxoff+g3", args)["amax"] == "off"
     for bad in ("fast", "g0", "pf"):
         with pytest.raises(ValueError, match=f"unknown token '{bad}'"):
             bench_esm2.fsdp2_config("raf0+" + bad, args)

@@ -69,8 +69,13 @@ def run_row(impl, recipe_name, batches, args, device, fsdp=None, torch_adamw=Fal
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     recipe = fp8_recipe(recipe_name)
+    amax_group = None
     if alone and isinstance(recipe, DelayedScaling):  # one rank of a job: no amax all-reduce with the others
         recipe = dataclasses.replace(recipe, reduce_amax=False)
+    elif fsdp is not None and isinstance(recipe, DelayedScaling) and fsdp.get("amax") == "off":
+        recipe = dataclasses.replace(recipe, reduce_amax=False)  # diagnostic: each rank its own scales
+    elif fsdp is not None and fsdp.get("amax") == "own":
+        amax_group = _own_amax_group()
     if impl == "hf":
         model = build_hf(args.size, device, dtype)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
@@ -94,7 +99,7 @@ def run_row(impl, recipe_name, batches, args, device, fsdp=None, torch_adamw=Fal
     cfg = seqfuse_config(args.size)
 
     def step(batch):
-        with autocast(enabled=recipe is not None, recipe=recipe):
+        with autocast(enabled=recipe is not None, recipe=recipe, amax_reduction_group=amax_group):
             loss = forward_loss(model, batch, device)
         loss.backward()
         opt.step()
@@ -134,6 +139,17 @@ def run_row(impl, recipe_name, batches, args, device, fsdp=None, torch_adamw=Fal
         torch.cuda.empty_cache()
     return dict(seconds=dt, real=real, total=total, flops=flops, peak=peak, losses=losses,
                 host_ms=1000.0 * sum(issue) / max(1, len(issue)), profile=prof)
+
+
+_AMAX_GROUP = []
+
+
+def _own_amax_group():
+    """A process group of all ranks for the delayed-scaling amax all-reduce
+    alone (its own NCCL communicator, apart from the one FSDP2 / DDP use)."""
+    if not _AMAX_GROUP:
+        _AMAX_GROUP.append(dist.new_group(list(range(dist.get_world_size()))))
+    return _AMAX_GROUP[0]
 
 
 def figures(r, world=1):
@@ -239,13 +255,16 @@ FSDP2_CONFIG_HELP = ("'+'-joined tokens: default (the --reshard-after-forward / 
                      "rank trains rank 0's batches: the scaling without per-rank load imbalance, a diagnostic), "
                      "ddp (torch DDP instead of FSDP2, for comparison: the FSDP2 tokens do not apply), bal (each step's "
                      "samples re-dealt over the ranks by cost: TokenBudgetBatchSampler(balance_ranks=True); "
-                     "its own one-GPU baseline on those batches)")
+                     "its own one-GPU baseline on those batches), amaxown (FP8 delayed scaling's amax all-reduce "
+                     "on its own process group), amaxoff (no amax all-reduce: each rank keeps its own scales, "
+                     "a diagnostic)")
 
 
 def fsdp2_config(name, args):
     """An FSDP2 setting from a config name such as 'raf0+rbf16+pf1'."""
     cfg = dict(name=name, reshard=bool(args.reshard_after_forward), reduce=args.reduce_dtype,
-               prefetch=int(args.prefetch), layers_per_unit=int(args.layers_per_unit), same=False, ddp=False, bal=False)
+               prefetch=int(args.prefetch), layers_per_unit=int(args.layers_per_unit), same=False, ddp=False, bal=False,
+               amax="world")
     for tok in name.split("+"):
         if tok == "default":
             continue
@@ -263,6 +282,8 @@ def fsdp2_config(name, args):
             cfg["ddp"] = True
         elif tok == "bal":
             cfg["bal"] = True
+        elif tok in ("amaxown", "amaxoff"):
+            cfg["amax"] = tok[4:]
         else:
             raise ValueError(f"--configs: unknown token {tok!r} in {name!r}; {FSDP2_CONFIG_HELP}")
     return cfg
@@ -428,7 +449,8 @@ def fsdp2_line(table, name, cfg, r, base, world, device):
     what = ("torch DDP" if cfg["ddp"] else
             f"reshard_after_forward={int(cfg['reshard'])}, reduce {cfg['reduce']}, prefetch {cfg['prefetch']}, "
             f"{cfg['layers_per_unit']} layer(s)/unit") + (", same batches on all ranks" if cfg["same"] else "") + (
-                ", rank-balanced batches" if cfg["bal"] else "")
+                ", rank-balanced batches" if cfg["bal"] else "") + (
+                f", amax all-reduce: {cfg['amax']}" if cfg["amax"] != "world" else "")
     print(f"[fsdp2] {name} {cfg['name']} ({what}): {world} GPUs "
           f"{f['unpadded_tokens_per_s'] / 1e3:.1f}k unpadded tok/s = {s:.3f}x one GPU ({base / 1e3:.1f}k; goal >= "
           f"{need:.2f}: {'PASS' if s >= need else 'FAIL'}), step {f['step_ms']:.1f} ms, host issue "
