@@ -169,14 +169,14 @@ def dbias_order_reference(x):
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
-@pytest.mark.parametrize("shape", [(16, 8), (144, 24), (256, 64), (2, 8, 16)])
+@pytest.mark.parametrize("shape", [(16, 8), (144, 24), (256, 64), (2, 8, 16), (0, 8)])
 def test_cast_transpose_dbias_cpu(shape, dtype, seed):
     x = (torch.randn(shape) * 3).to(dtype)
     amax = one(0.0)
     data, data_t, db = ops.cast_transpose_fp8(x, one(1.5), amax, E5M2, dbias=True)
     ref_data, ref_t = ops.cast_transpose_fp8(x, one(1.5), None, E5M2)
     assert torch.equal(bits(data), bits(ref_data)) and torch.equal(bits(data_t), bits(ref_t))
-    assert amax.item() == x.float().abs().max().item()
+    assert amax.item() == (x.float().abs().max().item() if x.numel() else 0.0)
     x2 = x.reshape(-1, shape[-1])
     assert db.dtype == torch.float32 and db.shape == (shape[-1],)
     assert torch.equal(db, dbias_order_reference(x2))  # the kernel's order, bit for bit
@@ -410,6 +410,10 @@ def test_cuda_cast_dbias_refuses_unaligned():
     assert not ops.quant.dbias_fusable(x)
     with pytest.raises(ValueError, match="16-byte aligned"):
         ops.cast_transpose_fp8(x, one(1.0, "cuda"), None, E4M3, dbias=True)
+    ok = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(64 * 32 + 1, dtype=torch.uint8, device="cuda")[1:].view(E4M3).view(64, 32)
+    with pytest.raises(ValueError, match="argument 'out' must be 8-byte aligned"):
+        ops.cast_transpose_fp8(ok, one(1.0, "cuda"), None, E4M3, out=out, dbias=True)
 
 @pytest.mark.cuda
 def test_cuda_cast_graph_capturable_and_on_current_stream():

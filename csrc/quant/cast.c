@@ -94,6 +94,8 @@ static sf_status cast_entry(const char *op, const sf_tensor *x, const sf_tensor 
         if (x->device != SF_CPU && (((uintptr_t)x->data | (uintptr_t)out_t->data) % 16))
             return sf_fail(SF_ERR_VALUE, "%s: arguments 'x' and 'out_t' must be 16-byte aligned",
                            op);
+        if (x->device != SF_CPU && out && (uintptr_t)out->data % 8)
+            return sf_fail(SF_ERR_VALUE, "%s: argument 'out' must be 8-byte aligned", op);
         SF_TRY(sf_check_dtype(op, "col_sums", col_sums, SF_FLOAT32));
         int64_t blocks = (m + 127) / 128;
         if (col_sums->ndim != 2 || col_sums->shape[0] != blocks || col_sums->shape[1] != k)

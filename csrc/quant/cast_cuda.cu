@@ -302,6 +302,9 @@ sf_status launch_cast(const sf_cast_args *a, cudaStream_t stream)
             SF_CUDA_CHECK_LAUNCH(op);
             return SF_OK;
         }
+        if (a->col_sums) /* the entry checks the tiled kernel's rules: never leave the sums unwritten */
+            return sf_fail(SF_ERR_VALUE, "%s: the column sums need the tiled kernel (K %% 8 == 0, "
+                           "M %% 16 == 0, aligned x and outputs)", op);
     } else if (aligned(x, 16) && aligned(a->out, 8)) {
         int grid = sf_grid_size(n / 8 + 1, kThreads, sms * 8);
         if (a->e5m2)
@@ -377,6 +380,7 @@ extern "C" sf_status sf_cast_fp8_cuda(const sf_cast_args *a, int device, sf_stre
         sf_cast_args b = *a;
         b.m = 1;
         b.k = 0;
+        b.col_sums = NULL; /* no rows: no sums to write */
         st = launch_cast<float>(&b, stream);
     } else {
         switch (a->x_dtype) {
