@@ -1,5 +1,7 @@
 """DotProductAttention: Transformer Engine's core-attention module over
-seqfuse's fused attention (seqfuse.ops.attention).
+seqfuse's fused attention (seqfuse.ops.attention: seqfuse's kernels, or on
+Hopper cuDNN's fused attention for padding-free bshd/sbhd calls, as that
+op's backend choice says).
 
 It takes query, key and value already split into heads, in the layout named
 by qkv_format (sbhd [s, b, h, d], bshd [b, s, h, d], thd [t, h, d] packed with
