@@ -1,0 +1,100 @@
+"""Host cost of one transformer layer's GEMM modules under each precision, with
+seqfuse's compute kernels stubbed out.
+
+Why: on two H200s the ESM-2 650M FP8 step is host-bound (README, FSDP2
+rows): the host's work per layer, not the GPU's, sets the pace.  This
+measures that work alone: LayerNormLinear (QKV) + LayerNormMLP (gelu) +
+Linear (projection), forward and backward, inside the recipe's autocast,
+with every seqfuse._C compute entry (GEMM, casts, norms, activations,
+quantizers, scale update) replaced by a function that returns at once.
+What remains is what the host does around the kernels: Python, torch's
+tensor allocations and autograd.  Kernel launch costs are not in it.
+
+Rows: bf16, FP8 delayed, FP8 current, FP8 block; microseconds per layer
+(best of 5 runs of --iters iterations), and the ratio to bf16.  Tiny shapes
+(16 tokens, hidden 128, FFN 512) keep torch's own remaining ops cheap.
+``--device cuda`` allocates on the GPU (the caching allocator's cost
+included; no kernel of seqfuse runs).  JSON: results/fp8_host.json.
+"""
+import argparse
+import contextlib
+import time
+
+import torch
+
+from harness import Table
+
+STUBBED = ("act_bwd", "act_fwd", "amax", "cast_fp8", "cast_fp8_dbias", "fp8_compute_scale", "fp8_scale_update",
+           "gemm", "layernorm_bwd", "layernorm_fwd", "rmsnorm_bwd", "rmsnorm_fwd", "transpose_fp8",
+           "quantize_block_fp8", "quantize_block_fp8_rowcol")
+
+
+@contextlib.contextmanager
+def stubbed_kernels():
+    """seqfuse._C's compute entries return at once inside the block (restored after)."""
+    from seqfuse import _C
+
+    saved = {name: getattr(_C, name) for name in STUBBED}
+    try:
+        for name in STUBBED:
+            setattr(_C, name, lambda *args, **kwargs: None)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(_C, name, fn)
+
+
+def layer_modules(device, hidden=128, ffn=512):
+    from seqfuse.modules import LayerNormLinear, LayerNormMLP, Linear
+
+    kw = dict(device=device, params_dtype=torch.bfloat16)
+    return (LayerNormLinear(hidden, 3 * hidden, **kw), LayerNormMLP(hidden, ffn, activation="gelu", **kw),
+            Linear(hidden, hidden, **kw))
+
+
+def host_us(recipe, device, iters):
+    """Best of 5: microseconds per layer fwd+bwd (autocast enter/exit included)."""
+    from seqfuse.pytorch import autocast
+
+    torch.manual_seed(0)
+    qkv, mlp, proj = layer_modules(device)
+    x = torch.randn(16, 128, dtype=torch.bfloat16, device=device, requires_grad=True)
+    hidden = x.shape[-1]
+
+    def run(n):
+        for _ in range(n):
+            with autocast(enabled=recipe is not None, recipe=recipe):
+                y = proj(mlp(qkv(x)[:, :hidden]))
+            y.backward(torch.ones_like(y))
+
+    with stubbed_kernels():
+        run(max(10, iters // 10))
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            run(iters)
+            best = min(best, (time.perf_counter() - t0) / iters * 1e6)
+    return best
+
+
+def main():
+    from seqfuse.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--iters", type=int, default=300)
+    args = p.parse_args()
+    device = torch.device(args.device)
+    table = Table("fp8_host", ["precision", "device", "us_per_layer", "vs_bf16"])
+    base = None
+    for name, recipe in (("bf16", None), ("fp8_delayed", DelayedScaling()), ("fp8_current", Float8CurrentScaling()),
+                         ("fp8_block", Float8BlockScaling())):
+        us = host_us(recipe, device, args.iters)
+        base = us if base is None else base
+        table.add(precision=name, device=str(device), us_per_layer=us, vs_bf16=us / base)
+    table.save({"note": "LayerNormLinear(128->384) + LayerNormMLP(128->512 gelu) + Linear(128->128) fwd+bwd, "
+                        "16 tokens, seqfuse's compute kernels stubbed out: host work only"})
+
+
+if __name__ == "__main__":
+    main()
