@@ -488,8 +488,11 @@ def test_auto_falls_back_on_runtime_error_and_remembers(monkeypatch, caplog):
     assert q.grad is not None and torch.isfinite(q.grad.float()).all()
     name, reason = seqfuse.ops.attention_backend(q, k, v)
     assert name == "seqfuse" and reason.startswith("cudnn_failed: ") and "No viable backend" in reason
-    # the memory is per (dtype, head dim, causal, device): a causal call still tries cuDNN
+    # the memory is per call (shapes, strides, dtype, mask, device): a causal call and another
+    # sequence length still try cuDNN
     assert seqfuse.ops.attention_backend(q, k, v, attn_mask_type="causal")[0] == "cudnn"
+    q8 = layout("bshd", 2, 8, 2, 16)
+    assert seqfuse.ops.attention_backend(q8, q8, q8)[0] == "cudnn"
     # forced cudnn re-raises torch's error
     seqfuse.ops.set_attention_backend("cudnn")
     with pytest.raises(RuntimeError, match="No viable backend"):
@@ -497,6 +500,33 @@ def test_auto_falls_back_on_runtime_error_and_remembers(monkeypatch, caplog):
     # a new choice forgets the failures
     seqfuse.ops.set_attention_backend("auto")
     assert seqfuse.ops.attention_backend(q, k, v)[0] == "cudnn"
+
+
+def test_auto_does_not_swallow_cuda_errors(monkeypatch, emulated_h200):
+    """A CUDA error leaves the context broken: re-raised, not remembered."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", broken)
+    seqfuse.ops.set_attention_backend("auto")
+    q = layout("bshd", 1, 4, 2, 16)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        seqfuse.ops.attention(q, q, q)
+    assert A._cudnn_failed == {}
+
+
+def test_route_output_dtype_ignores_torch_autocast(emulated_h200):
+    """Under torch.autocast the route returns q's dtype, as seqfuse's kernels
+    do (SDPA is an autocast op: it would return the autocast dtype)."""
+    seqfuse.ops.set_attention_backend("auto")
+    q, k, v = (layout("bshd", 2, 6, 2, 16, dtype=torch.float16) for _ in range(3))
+    assert seqfuse.ops.attention_backend(q, k, v)[0] == "cudnn"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = seqfuse.ops.attention(q, k, v)
+    assert out.dtype == torch.float16
+    seqfuse.ops.set_attention_backend("seqfuse")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert seqfuse.ops.attention(q, k, v).dtype == torch.float16
 
 
 def test_auto_does_not_swallow_out_of_memory(monkeypatch, emulated_h200):

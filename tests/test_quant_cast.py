@@ -202,6 +202,33 @@ def test_cast_transpose_dbias_errors():
         from seqfuse.quantization import quantize
         quantize(x, one(1.0), None, E4M3, dbias=True)
 
+
+def test_quantize_grad_fuses_the_bias_gradient_or_says_it_does_not(caplog):
+    """modules.linear.quantize_grad: the sums come from the cast where its
+    kernel takes dy; a dy it does not take (not contiguous here) gets a
+    separate column sum, with one WARNING."""
+    import logging
+
+    from seqfuse.modules import linear as L
+    from seqfuse.quantization import quantize_current
+
+    def cast(t, dbias):
+        return quantize_current(t, E5M2, transpose=True, dbias=dbias)
+
+    dy = torch.randn(32, 48).to(torch.bfloat16)
+    L._dbias_fallback_logged.clear()
+    with caplog.at_level(logging.WARNING, logger="seqfuse"):
+        g, db = L.quantize_grad(cast, dy, torch.bfloat16)
+        g2, db2 = L.quantize_grad(cast, dy.t().contiguous().t(), torch.bfloat16)
+        L.quantize_grad(cast, dy.t().contiguous().t(), torch.bfloat16)
+    warned = [r for r in caplog.records if "separate pass" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelno == logging.WARNING
+    ref = dy.double().sum(0)
+    for d in (db, db2):
+        assert d.dtype == torch.bfloat16 and torch.allclose(d.double(), ref, rtol=1e-2, atol=1e-2)
+    assert torch.equal(bits(g.data), bits(g2.data)) and torch.equal(bits(g.data_t), bits(g2.data_t))
+    assert L.quantize_grad(cast, dy, None)[1] is None
+
 def test_amax_accumulates():
     x = torch.tensor([[1.0, -3.0]])
     amax = one(5.0)
@@ -406,9 +433,9 @@ def test_cuda_cast_transpose_dbias_bit_identical(shape, dtype, fp8, seed):
 @pytest.mark.cuda
 def test_cuda_cast_dbias_refuses_unaligned():
     base = torch.randn(64 * 32 + 8, device="cuda", dtype=torch.bfloat16)
-    x = base[8:].view(64, 32) if base[8:].data_ptr() % 16 else base[1:2049].view(64, 32)
+    x = base[1:2049].view(64, 32)  # 2 bytes past an allocation's start
     assert not ops.quant.dbias_fusable(x)
-    with pytest.raises(ValueError, match="16-byte aligned"):
+    with pytest.raises(ValueError, match="argument 'x' must be 16-byte aligned"):
         ops.cast_transpose_fp8(x, one(1.0, "cuda"), None, E4M3, dbias=True)
     ok = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(64 * 32 + 1, dtype=torch.uint8, device="cuda")[1:].view(E4M3).view(64, 32)

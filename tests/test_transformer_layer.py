@@ -445,6 +445,16 @@ def test_qkv_split_backward_cats_at_most_4d(interleaved):
         gk = kv.grad.view(2, 3, 2, 2, 16)
         assert torch.equal(gk[..., 0, :], torch.full_like(gk[..., 0, :], 4.0))
         assert torch.equal(gk[..., 1, :], torch.full_like(gk[..., 1, :], 5.0))
+    else:  # [q heads | k heads | v heads] and [k | v]
+        g = mixed.grad
+        assert torch.equal(g[..., :64], torch.ones_like(g[..., :64]))
+        assert torch.equal(g[..., 64:96], torch.full_like(g[..., 64:96], 2.0))
+        assert torch.equal(g[..., 96:], torch.full_like(g[..., 96:], 3.0))
+        assert torch.equal(kv.grad[..., :32], torch.full_like(kv.grad[..., :32], 4.0))
+        assert torch.equal(kv.grad[..., 32:], torch.full_like(kv.grad[..., 32:], 5.0))
+    # a non-contiguous input (strided lead dims) still splits
+    q2, k2_, v2_ = mha._split_qkv(torch.randn(3, 2, 64 + 2 * 2 * 16).transpose(0, 1))
+    assert q2.shape == (2, 3, 4, 16) and k2_.shape == v2_.shape == (2, 3, 2, 16)
 
 
 

@@ -47,7 +47,7 @@ sf_status sf_cast_fp8(const sf_tensor *x, const sf_tensor *scale, sf_tensor *ama
  * an output gradient: the cast's read of x serves both).  Summed in float32
  * in the CUDA kernel's fixed order, which the CPU backend repeats: the two
  * agree bit for bit.  Needs K % 8 == 0, M % 16 == 0 and, on CUDA, 16-byte
- * aligned x and out_t. */
+ * aligned x and out_t and an 8-byte aligned out (when given). */
 sf_status sf_cast_fp8_dbias(const sf_tensor *x, const sf_tensor *scale, sf_tensor *amax,
                             sf_tensor *out, sf_tensor *out_t, sf_tensor *scale_inv,
                             sf_tensor *col_sums, sf_stream stream);

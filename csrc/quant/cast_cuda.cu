@@ -85,7 +85,7 @@ cast_transpose_kernel(const T *__restrict__ x, int64_t m, int64_t k,
                       uint8_t *__restrict__ out, uint8_t *__restrict__ out_t,
                       float *__restrict__ scale_inv, float *__restrict__ col_sums = nullptr)
 {
-    __shared__ uint32_t tile[kTile][kWords];
+    __shared__ __align__(16) uint32_t tile[kTile][kWords]; /* 8- and 16-byte stores */
     __shared__ float red[SUMS ? kThreads / 32 : 1][kTile];
     const float scale = *scale_p;
     if (scale_inv && blockIdx.x == 0 && threadIdx.x == 0)
@@ -227,7 +227,7 @@ cast_generic_kernel(const T *__restrict__ x, int64_t m, int64_t k, const float *
 __global__ void __launch_bounds__(kThreads)
 transpose_kernel(const uint8_t *__restrict__ in, int64_t m, int64_t k, uint8_t *__restrict__ out_t)
 {
-    __shared__ uint32_t tile[kTile][kWords];
+    __shared__ __align__(16) uint32_t tile[kTile][kWords]; /* 8- and 16-byte stores */
     const int t = threadIdx.x;
     const int lj = t & 7, lr = t >> 3;
     const int warp = t >> 5, lane = t & 31;

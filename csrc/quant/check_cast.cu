@@ -297,7 +297,8 @@ int main(void)
     int64_t dshapes[][2] = {{16, 8}, {144, 24}, {4096, 1280}, {1040, 136}, {16384, 5120}};
     for (sf_dtype d : dtypes)
         for (auto &s : dshapes)
-            run_case(d, s[0], s[1], 1, 1, 0, 1);
+            for (int e5m2 = 0; e5m2 < 2; ++e5m2)
+                run_case(d, s[0], s[1], e5m2, 1, 0, 1);
     int64_t tshapes[][2] = {{16, 16}, {128, 128}, {16384, 1280}, {4096, 5120}, {160, 48},
                             {32, 2064}, {1000, 8}, {7, 13}, {48, 1032}, {2, 64}};
     for (auto &s : tshapes)

@@ -358,7 +358,7 @@ def quantize_grad(quantize, dy, bias_dtype):
     else:
         if not _dbias_fallback_logged:
             _dbias_fallback_logged.append(True)
-            _log.info("seqfuse FP8: a bias gradient is summed in a separate pass over the output gradient "
+            _log.warning("seqfuse FP8: a bias gradient is summed in a separate pass over the output gradient "
                       "(shape %s, contiguous %s, 16-byte aligned %s: the fused cast takes [M, K] with "
                       "K %% 8 == 0, M %% 16 == 0, contiguous and aligned)", tuple(dy.shape),
                       dy.is_contiguous(), dy.data_ptr() % 16 == 0)

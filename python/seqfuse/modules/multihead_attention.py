@@ -147,7 +147,7 @@ class MultiheadAttention(torch.nn.Module):
         lead = mixed.shape[:-1]
         if self.qkv_weight_interleaved:
             per = np_ // ng
-            grouped = mixed.view(-1, ng, per + 2, hn)
+            grouped = mixed.reshape(-1, ng, per + 2, hn)  # a view unless mixed's lead dims are strided
             q, k, v = torch.split(grouped, [per, 1, 1], dim=-2)
             return q.reshape(*lead, np_, hn), k.view(*lead, ng, hn), v.view(*lead, ng, hn)
         q, k, v = torch.split(mixed, [np_ * hn, ng * hn, ng * hn], dim=-1)
@@ -157,7 +157,7 @@ class MultiheadAttention(torch.nn.Module):
         hn, ng = self.kv_channels, self.num_gqa_groups
         lead = mixed.shape[:-1]
         if self.qkv_weight_interleaved:
-            k, v = torch.unbind(mixed.view(-1, ng, 2, hn), dim=-2)
+            k, v = torch.unbind(mixed.reshape(-1, ng, 2, hn), dim=-2)
             return k.view(*lead, ng, hn), v.view(*lead, ng, hn)
         k, v = torch.split(mixed, [ng * hn, ng * hn], dim=-1)
         return k.view(*lead, ng, hn), v.view(*lead, ng, hn)

@@ -93,16 +93,21 @@ would take and why.
 The first time auto sends a kind of call (layout, mask, head dim, dtype) to
 cuDNN, logger "seqfuse" says so once at INFO.  If torch raises a
 RuntimeError from the cuDNN forward in auto (e.g. "No available kernel"; an
-out-of-memory error is raised as it is), a WARNING names the error, the
-call runs seqfuse's kernels, and every later call of the same (dtype, head
-dim, causal, device) skips cuDNN (until ``set_attention_backend``).  An
-error in cuDNN's backward comes from torch's autograd and is not caught.
+out-of-memory error, or a CUDA error, which leaves the context unusable, is
+raised as it is), a WARNING names the error, the call runs seqfuse's
+kernels, and every later call of the same shapes, strides, dtype, mask and
+device skips cuDNN (until ``set_attention_backend``); other shapes still try
+it.  An error in cuDNN's backward comes from torch's autograd and is not
+caught.
 Layouts: SDPA takes [b, h, s, d]; q, k and v go in as permuted views (bshd
 ``permute(0, 2, 1, 3)``, sbhd ``permute(1, 2, 0, 3)``, copied only when the
 head dim is not unit-stride), with ``scale=softmax_scale`` (1/sqrt(d) when
 None) and ``is_causal``; the output is permuted back to the caller's layout
 and copied only when that view is not contiguous.  Its shape and dtype are
-the seqfuse path's.
+the seqfuse path's: SDPA runs with torch.autocast off (seqfuse's kernels
+take no autocast cast either).  ``sdpa_kernel`` sets torch's process-wide
+SDPA backend flags for the call: another thread calling SDPA at that moment
+sees them.
 """
 import logging
 import math
@@ -543,15 +548,18 @@ def _choose(mode, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, d
             raise NotImplementedError(f"attention: backend 'cudnn' was chosen ({_ENV} or set_attention_backend) "
                                       f"but this call cannot run cuDNN fused attention: {reason}")
     elif name == "cudnn" and _cudnn_failed:
-        error = _cudnn_failed.get(_failure_key(q, attn_mask_type))
+        error = _cudnn_failed.get(_failure_key(q, k, attn_mask_type))
         if error is not None:
-            return "seqfuse", "cudnn_failed", f"cudnn_failed: cuDNN failed earlier on this dtype, head dim, " \
-                                              f"mask and device: {error}"
+            return "seqfuse", "cudnn_failed", f"cudnn_failed: cuDNN failed earlier on these shapes, strides, " \
+                                              f"dtype, mask and device: {error}"
     return hit
 
 
-def _failure_key(q, attn_mask_type):
-    return (q.dtype, q.shape[-1], attn_mask_type != "no_mask", q.device)
+def _failure_key(q, k, attn_mask_type):
+    """What a cuDNN failure in auto is remembered by: the call's shapes,
+    strides, dtype, mask and device (one odd call does not turn the route
+    off for every other shape)."""
+    return (q.dtype, tuple(q.shape), tuple(k.shape), q.stride(), k.stride(), attn_mask_type, q.device)
 
 
 def attention_backend(q, k, v, qkv_format="bshd", attn_mask_type="no_mask", window_size=None, dropout_p=0.0,
@@ -574,7 +582,7 @@ def _sdpa(q, k, v, qkv_format, causal, scale):
     back in the caller's layout."""
     to = _TO_BHSD[qkv_format]
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    with sdpa_kernel(_SDPA_BACKENDS):
+    with sdpa_kernel(_SDPA_BACKENDS), torch.autocast(q.device.type, enabled=False):
         out = F.scaled_dot_product_attention(q.permute(to), k.permute(to), v.permute(to), is_causal=causal,
                                              scale=scale)
     out = out.permute(_FROM_BHSD[qkv_format])
@@ -596,9 +604,12 @@ def _cudnn_attention(mode, reason, q, k, v, qkv_format, attn_mask_type, softmax_
         raise
     except RuntimeError as e:
         error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        _cudnn_failed[_failure_key(q, attn_mask_type)] = error
+        if "CUDA error" in error or "cudaError" in error:  # the context is broken: nothing to fall back to
+            raise
+        _cudnn_failed[_failure_key(q, k, attn_mask_type)] = error
         _log.warning("seqfuse attention: cuDNN fused attention (torch SDPA) failed on %s %s d=%d %s: %s; this "
-                     "call and later ones of this dtype, head dim, mask and device run on seqfuse's kernels",
+                     "call and later ones of these shapes, strides, dtype, mask and device run on seqfuse's "
+                     "kernels",
                      qkv_format, attn_mask_type, q.shape[-1], str(q.dtype).replace("torch.", ""), error)
         return None
 
