@@ -502,6 +502,22 @@ def test_auto_falls_back_on_runtime_error_and_remembers(monkeypatch, caplog):
     assert seqfuse.ops.attention_backend(q, k, v)[0] == "cudnn"
 
 
+def test_auto_builds_no_call_key_for_packed_calls(emulated_h200):
+    """thd (the packed hot path) is never eligible: auto does not look it up,
+    while forced cudnn still refuses it with the rule."""
+    seqfuse.ops.set_attention_backend("auto")
+    q = torch.randn(12, 2, 16).bfloat16()
+    cu = cu_seqlens([5, 7])
+    kw = dict(qkv_format="thd", attn_mask_type="padding", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=7,
+              max_seqlen_kv=7)
+    out = seqfuse.ops.attention(q, q, q, **kw)
+    assert A._choices == {}
+    assert torch.equal(out, seqfuse.ops.attention_fwd(q, q, q, **kw)[0])
+    seqfuse.ops.set_attention_backend("cudnn")
+    with pytest.raises(NotImplementedError, match="qkv_format"):
+        seqfuse.ops.attention(q, q, q, **kw)
+
+
 def test_auto_does_not_swallow_cuda_errors(monkeypatch, emulated_h200):
     """A CUDA error leaves the context broken: re-raised, not remembered."""
     def broken(*args, **kwargs):
@@ -541,25 +557,41 @@ def test_auto_does_not_swallow_out_of_memory(monkeypatch, emulated_h200):
     assert A._cudnn_failed == {}
 
 
-@pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
-def test_transformer_layer_through_the_route_on_cpu(fmt, sdpa_calls, emulated_h200):
+def _transformer_layer(**kw):
+    """A TransformerLayer without dropout and with fused QKV, or a skip when a
+    seqfuse.pytorch module family is missing."""
     import te_stand_ins
     if te_stand_ins.missing():
         pytest.skip("a seqfuse.pytorch module family is missing")
     import seqfuse.pytorch as te
-    layer = te.TransformerLayer(64, 96, 4, hidden_dropout=0.0, attention_dropout=0.0, self_attn_mask_type="causal",
-                                attn_input_format=fmt, params_dtype=torch.bfloat16, fuse_qkv_params=True,
-                                device="cpu")
-    x0 = torch.randn(6, 3, 64).bfloat16()  # [s, b, hidden] or [b, s, hidden]: 6 x 3 either way
+    return te.TransformerLayer(hidden_dropout=0.0, attention_dropout=0.0, fuse_qkv_params=True, **kw)
+
+
+def _layer_under_backends(layer, x0, dy, backends, sdpa_calls):
+    """One forward+backward of ``layer`` per backend: {backend: (y, dx, the
+    QKV weight's gradient, SDPA calls made)}."""
     results = {}
-    for backend in ("seqfuse", "auto"):
+    for backend in backends:
         seqfuse.ops.set_attention_backend(backend)
         layer.zero_grad(set_to_none=True)
         x = x0.clone().requires_grad_()
+        calls = len(sdpa_calls)
         y = layer(x)
-        y.backward(torch.ones_like(y))
-        results[backend] = (y.detach(), x.grad, layer.self_attention.layernorm_qkv.weight.grad.clone())
+        y.backward(torch.ones_like(y) if dy is None else dy)
+        results[backend] = (y.detach(), x.grad, layer.self_attention.layernorm_qkv.weight.grad.clone(),
+                            len(sdpa_calls) - calls)
+    return results
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
+def test_transformer_layer_through_the_route_on_cpu(fmt, sdpa_calls, emulated_h200):
+    layer = _transformer_layer(hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
+                               self_attn_mask_type="causal", attn_input_format=fmt, params_dtype=torch.bfloat16,
+                               device="cpu")
+    x0 = torch.randn(6, 3, 64).bfloat16()  # [s, b, hidden] or [b, s, hidden]: 6 x 3 either way
+    results = _layer_under_backends(layer, x0, None, ("seqfuse", "auto"), sdpa_calls)
     assert len(sdpa_calls) == 1
+    results = {name: r[:3] for name, r in results.items()}
     for ours, ref, tol in zip(results["auto"], results["seqfuse"], (FWD_TOL, BWD_TOL, BWD_TOL)):
         assert ours.shape == ref.shape and rel_error(ours, ref) <= tol[torch.bfloat16]
 
@@ -694,28 +726,16 @@ def test_cuda_cudnn_route_strided_qkv_views(fmt, seed, sdpa_calls):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_cuda_transformer_layer_same_under_both_backends(dtype, seed, sdpa_calls):
-    import te_stand_ins
-    if te_stand_ins.missing():
-        pytest.skip("a seqfuse.pytorch module family is missing")
-    import seqfuse.pytorch as te
-    layer = te.TransformerLayer(256, 512, 4, hidden_dropout=0.0, attention_dropout=0.0,
-                                self_attn_mask_type="no_mask", attn_input_format="bshd", params_dtype=dtype,
-                                fuse_qkv_params=True, device="cuda")
+    layer = _transformer_layer(hidden_size=256, ffn_hidden_size=512, num_attention_heads=4,
+                               self_attn_mask_type="no_mask", attn_input_format="bshd", params_dtype=dtype,
+                               device="cuda")
     x0 = torch.randn(2, 300, 256, device="cuda", dtype=dtype)
     dy = torch.randn(2, 300, 256, device="cuda", dtype=dtype)
-    results = {}
-    for backend in ("seqfuse", "cudnn"):
-        seqfuse.ops.set_attention_backend(backend)
-        layer.zero_grad(set_to_none=True)
-        x = x0.clone().requires_grad_()
-        calls = len(sdpa_calls)
-        y = layer(x)
-        y.backward(dy)
-        assert len(sdpa_calls) - calls == (1 if backend == "cudnn" else 0)
-        wgrad = layer.self_attention.layernorm_qkv.weight.grad
-        _assert_finite(y, x.grad, wgrad)
-        results[backend] = (y.detach(), x.grad, wgrad.clone())
-    (y_s, dx_s, dw_s), (y_c, dx_c, dw_c) = results["seqfuse"], results["cudnn"]
+    results = _layer_under_backends(layer, x0, dy, ("seqfuse", "cudnn"), sdpa_calls)
+    for backend, (y, dx, dw, calls) in results.items():
+        assert calls == (1 if backend == "cudnn" else 0)
+        _assert_finite(y, dx, dw)
+    (y_s, dx_s, dw_s, _), (y_c, dx_c, dw_c, _) = results["seqfuse"], results["cudnn"]
     assert y_c.shape == y_s.shape and y_c.dtype == y_s.dtype
     assert rel_error(y_c, y_s) <= FWD_TOL[dtype]
     assert rel_error(dx_c, dx_s) <= BWD_TOL[dtype]

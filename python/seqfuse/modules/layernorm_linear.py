@@ -41,8 +41,10 @@ NotImplementedError when set to anything but their default.
 import torch
 
 from .. import ops
-from .linear import (_check_fp8_shapes, _quantize_weight, _recipe_kind, block_backward, quantize_grad,
-                     block_forward)
+from .. import quantization as _q
+from ..ops import act as A
+from .linear import (_check_fp8_shapes, _quantize_weight, _recipe_kind, block_backward, block_forward,
+                     quantize_grad, scaling_state)
 from ._input import check_input
 from ._split import fused_params, install_split, parse_split, reset_split
 from .norm import _hidden, default_device
@@ -104,20 +106,12 @@ def as_dtype(t, dtype):
     return None if t is None else (t if t.dtype == dtype else t.to(dtype))
 
 
-def fp8_transpose(t):
-    """[M, K] FP8 -> contiguous [K, M] FP8 (a byte transpose, one kernel:
-    torch's strided copy took 5x longer at ESM-2 650M's shapes)."""
-    return ops.transpose_fp8(t)
-
-
 def active_fp8_recipe(cls):
     """The autocast recipe when FP8 is on, else None; recipes this module
     cannot run raise NotImplementedError."""
-    from ..quantization import get_recipe, is_fp8_enabled
-
-    if not is_fp8_enabled():
+    if not _q.is_fp8_enabled():
         return None
-    recipe = get_recipe()
+    recipe = _q.get_recipe()
     if type(recipe).__name__ not in _SUPPORTED_RECIPES:
         raise NotImplementedError(f"{cls}: FP8 recipe {type(recipe).__name__} is not supported yet "
                                   f"(supported: {', '.join(_SUPPORTED_RECIPES)})")
@@ -135,21 +129,6 @@ def check_block_shapes(cls, tokens, *features):
     blocks, tokens a multiple of 16.  features: (in, out) per GEMM."""
     for in_f, out_f in features:
         _check_fp8_shapes("block", tokens, in_f, out_f, cls)
-
-
-def scaling_state(module, attr, num_tensors, backward_indices, recipe, device):
-    """The module's ScalingState, made at the first FP8 forward and kept in
-    step with the autocast recipe."""
-    from ..quantization import ScalingState
-
-    state = getattr(module, attr, None)
-    if state is None:
-        state = ScalingState(num_tensors, recipe, backward_indices=backward_indices, device=device)
-        module.add_module(attr, state)
-    elif state.recipe != recipe:
-        state.set_recipe(recipe)
-    state.ensure_pooled()
-    return state
 
 
 def fp8_norm(x2, ln_w, ln_b, eps, rms, zc, state, index):
@@ -191,20 +170,16 @@ class Quantizers:
         """x -> Float8Tensor (with the transposed copy when asked; ``dbias``:
         and x's float32 column sums, as ``(Float8Tensor, dbias)``, for
         gradients)."""
-        from ..quantization import quantize_current, quantize_with_state
-
         if self.delayed and index % 3 == 1:
             # weights: scaled from their own amax when cast (as seqfuse's
             # Linear does), so a first step or a frozen weight never runs on a
             # stale scale; the amax still lands in the state's weight slot
-            return quantize_current(x, self.dtype(index), margin=int(self.recipe.margin),
-                                    transpose=transpose, amax=self.state.amax_of(index))
+            return _q.quantize_current(x, self.dtype(index), margin=int(self.recipe.margin),
+                                       transpose=transpose, amax=self.state.amax_of(index))
         if self.delayed:
-            return quantize_with_state(x, self.state, index, transpose=transpose, dbias=dbias)
-        from ..quantization import get_amax_reduction_group
-
-        return quantize_current(x, self.dtype(index), margin=int(self.recipe.margin), transpose=transpose,
-                                amax_reduction_group=get_amax_reduction_group(), dbias=dbias)
+            return _q.quantize_with_state(x, self.state, index, transpose=transpose, dbias=dbias)
+        return _q.quantize_current(x, self.dtype(index), margin=int(self.recipe.margin), transpose=transpose,
+                                   amax_reduction_group=_q.get_amax_reduction_group(), dbias=dbias)
 
     def grad(self, dy, index, bias_dtype):
         """(Float8Tensor of the output gradient with its transposed copy, its
@@ -223,8 +198,6 @@ class Quantizers:
 
     def act(self, h, activation, index):
         """(data, data_t or None, scale_inv) of the FP8 activation output."""
-        from ..ops import act as A
-
         if self.delayed:
             si = torch.empty(1, dtype=torch.float32, device=h.device)
             y = A.act_fwd(h, activation, self.state.fp8_dtype(index), self.state.scale_of(index),
@@ -315,7 +288,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
             g, dbias = ctx.quantizers.grad(dout2, 2, b_dtype if has_bias else None)
             dln = fp8_gemm(g.data, g.scale_inv, w_t, w_si, x2.dtype)
             if ln8_t is None:
-                ln8_t = fp8_transpose(ln8)
+                ln8_t = ops.transpose_fp8(ln8)
             dweight = fp8_gemm(g.data_t, g.scale_inv, ln8_t, ln_si, _wgrad_dtype(w_dtype)).to(w_dtype)
         else:
             x2, lnw, mean, rstd, ln_out, w = ctx.saved_tensors

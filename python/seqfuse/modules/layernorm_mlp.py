@@ -43,7 +43,7 @@ from .. import ops
 from ..ops import act as A
 from .layernorm_linear import (TE_DEFAULTS, Quantizers, _check_normalization, _make_norm_params,
                                _reject_unsupported, _reset_norm_params, _wgrad_dtype, active_fp8_recipe, as_dtype, check_block_shapes,
-                               fp8_gemm, fp8_transpose, init_weight, is_block, norm_backward,
+                               fp8_gemm, init_weight, is_block, norm_backward,
                                norm_forward, norm_param)
 from .linear import _quantize_weight, block_backward, block_forward
 from ._input import check_input
@@ -124,13 +124,13 @@ class _LayerNormMLPFn(torch.autograd.Function):
             g2, db2 = q.grad(dout2, 5, b2_dt)
             da = fp8_gemm(g2.data, g2.scale_inv, w2_t, w2_si, dt)
             if a8_t is None:
-                a8_t = fp8_transpose(a8)
+                a8_t = ops.transpose_fp8(a8)
             dw2 = fp8_gemm(g2.data_t, g2.scale_inv, a8_t, a_si, _wgrad_dtype(w2_dt))
             dh = A.act_bwd(da, h, activation)
             g1, db1 = q.grad(dh, 2, b1_dt)
             dln = fp8_gemm(g1.data, g1.scale_inv, w1_t, w1_si, dt)
             if ln8_t is None:
-                ln8_t = fp8_transpose(ln8)
+                ln8_t = ops.transpose_fp8(ln8)
             dw1 = fp8_gemm(g1.data_t, g1.scale_inv, ln8_t, ln_si, _wgrad_dtype(w1_dt))
         else:
             x2, lnw, mean, rstd, ln, h, a, w1c, w2c = ctx.saved_tensors

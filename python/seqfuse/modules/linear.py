@@ -282,17 +282,25 @@ def _fp8_bias(bias, out_dtype):
     return bias if bias.dtype == want else bias.to(want)
 
 
-def _scaling_state(module, recipe, device):
-    """The module's ScalingState (input, weight, output gradient), made at the
-    first delayed-scaling forward and kept in step with the autocast recipe."""
-    state = getattr(module, "fp8_state", None)
+def scaling_state(module, attr, num_tensors, backward_indices, recipe, device):
+    """``module.<attr>``, its ScalingState (3 tensors per GEMM: input, weight,
+    output gradient; ``backward_indices`` name the gradients), made at the
+    first delayed-scaling forward and kept in step with the autocast recipe.
+    Shared by Linear, LayerNormLinear and LayerNormMLP; per forward, so the
+    recipe is compared by identity before by value."""
+    state = getattr(module, attr, None)
     if state is None:
-        state = _q.ScalingState.for_linear(recipe, device=device)
-        module.add_module("fp8_state", state)
+        state = _q.ScalingState(num_tensors, recipe, backward_indices=backward_indices, device=device)
+        module.add_module(attr, state)
     elif state.recipe is not recipe and state.recipe != recipe:
         state.set_recipe(recipe)
     state.ensure_pooled()
     return state
+
+
+def _scaling_state(module, recipe, device):
+    """Linear's state: input, weight, output gradient."""
+    return scaling_state(module, "fp8_state", 3, (_q.GRAD_OUTPUT,), recipe, device)
 
 
 def _quantize_weight(module, weight, recipe, kind, state, is_first_microbatch, slot="weight"):
@@ -426,7 +434,8 @@ class Fp8LinearFunction(torch.autograd.Function):
         if need_db and ctx.bias_dtype is not None:
             if db is None:
                 db = dy.sum(0, dtype=torch.float32)  # no float32 copy of dy
-            db = db.to(ctx.bias_dtype)
+            if db.dtype != ctx.bias_dtype:  # (quantize_grad's is cast already)
+                db = db.to(ctx.bias_dtype)
         return dx, dw, db, None, None, None, None, None
 
 

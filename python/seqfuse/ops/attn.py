@@ -643,7 +643,9 @@ def attention(q, k, v, *, qkv_format="bshd", attn_mask_type="no_mask", cu_seqlen
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, x)
     mode = _backend if _backend is not None else _read_backend()
-    if mode != "seqfuse":
+    # auto looks at bshd/sbhd calls only (thd, the packed hot path, is never
+    # eligible: no call key to build); forced cudnn looks at every call, to refuse
+    if mode == "cudnn" or (mode == "auto" and qkv_format in _TO_BHSD):
         name, _, reason = _choose(mode, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p,
                                   deterministic, cu_seqlens_q, cu_seqlens_kv)
         if name == "cudnn":

@@ -58,6 +58,14 @@ def _check_input(op, x):
     return x if x.is_contiguous() else x.contiguous()
 
 
+def _check_fp8_data(op, data):
+    """``data`` is a float8 (e4m3fn / e5m2) torch tensor, or a TypeError naming it."""
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"{op}: argument 'data' must be a torch.Tensor, got {type(data).__name__}")
+    if data.dtype not in FP8_DTYPES:
+        raise TypeError(f"{op}: argument 'data' must have dtype float8_e4m3fn or float8_e5m2, got {data.dtype}")
+
+
 def _check_scalar(op, name, t, device):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: argument '{name}' must be a float32 torch.Tensor of one element, "
@@ -154,15 +162,10 @@ def transpose_fp8(data, *, out=None):
     needs K % 16 == 0, M % 16 == 0 and 16-byte aligned tensors; other shapes
     run a per-element kernel."""
     op = "transpose_fp8"
+    _check_fp8_data(op, data)
     require_fp8_dlpack(op)
-    if not isinstance(data, torch.Tensor):
-        raise TypeError(f"{op}: argument 'data' must be a torch.Tensor, got {type(data).__name__}")
-    if data.dtype not in FP8_DTYPES:
-        raise TypeError(f"{op}: argument 'data' must have dtype float8_e4m3fn or float8_e5m2, got {data.dtype}")
-    if data.dim() < 1:
+    if data.dim() < 1:  # (C checks contiguity and the shapes; this one is needed for out's shape)
         raise ValueError(f"{op}: argument 'data' must have at least 1 dimension")
-    if not data.is_contiguous():
-        raise ValueError(f"{op}: argument 'data' must be contiguous")
     k = data.shape[-1]
     m = data.numel() // k if k else 0
     if out is None:
@@ -175,11 +178,7 @@ def dequantize_fp8(data, scale_inv, out_dtype=torch.float32, *, out=None):
     """``float(data) * scale_inv[0]`` in ``out_dtype`` (float32, float16 or
     bfloat16), shaped like ``data``."""
     op = "dequantize_fp8"
-    if not isinstance(data, torch.Tensor):
-        raise TypeError(f"{op}: argument 'data' must be a torch.Tensor, got {type(data).__name__}")
-    if data.dtype not in FP8_DTYPES:
-        raise TypeError(f"{op}: argument 'data' must have dtype float8_e4m3fn or float8_e5m2, "
-                        f"got {data.dtype}")
+    _check_fp8_data(op, data)
     if out_dtype not in _FLOAT_INPUTS:
         raise TypeError(f"{op}: argument 'out_dtype' must be float32, float16 or bfloat16, "
                         f"got {out_dtype}")

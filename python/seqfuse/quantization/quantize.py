@@ -16,10 +16,10 @@ def quantize(x, scale, amax, fp8_dtype, *, transpose=False, rowwise=True, dbias=
     ``ops.quant.dbias_fusable(x)``): also x's float32 column sums from the same
     pass, returned as ``(Float8Tensor, dbias)``."""
     fp8_dtype = qops.fp8_dtype_of(fp8_dtype, "quantize")
-    scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
     if dbias and not transpose:
         raise ValueError("quantize: dbias=True needs transpose=True (the sums come from the "
                          "cast+transpose kernel)")
+    scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
     if transpose:
         data, data_t, *db = qops.cast_transpose_fp8(x, scale, amax, fp8_dtype, scale_inv=scale_inv,
                                                     rowwise=rowwise, dbias=dbias)
