@@ -12,9 +12,11 @@ Llama, GPT-2, ESM, ...) switch with ``model.set_attn_implementation("seqfuse")``
 What it computes: softmax(scaling * Q K^T + mask) V with key padding taken
 from the mask and the module's own causality (right padding runs in the
 kernel's padded layout; left or both-sided padding, each row one run of
-tokens, as packed thd sequences: the tokens, and each stretch of padding on
-its own, so padding never reaches a token; outputs at padding positions are
-not defined, as in every implementation); grouped-query attention as the shapes say; attention
+tokens, as packed thd sequences with separate query and key extents: the
+tokens see only the tokens, and a padding position sees no key, so its
+output is 0 (outputs at padding positions are not defined in transformers;
+seqfuse.ops.attn.padding_layout, which DotProductAttention shares));
+grouped-query attention as the shapes say; attention
 dropout with the probability the layer passes, while the module is training
 (inside the kernel: the mask is drawn from torch's generator as a Philox
 seed/offset and regenerated in the backward, see seqfuse.ops.attn; in eval
@@ -31,41 +33,19 @@ packed batches with a padding mask or a KV cache, position ids
 that restart but do not then count up by one, and attention sinks
 (``s_aux`` / ``sinks``, as gpt-oss passes them).
 
-Reading a mask's padding or the sequence starts of packed position ids costs
-a few host syncs; transformers hands every layer the same mask and position
+Reading a mask's padding costs one host sync, the sequence starts of packed
+position ids a few; transformers hands every layer the same mask and position
 ids tensors, so the result is kept for the tensor it came from (while it
 lives and is not modified in place: its version counter; the last few
-tensors' results are kept) and the other layers reuse it.
+tensors' results are kept) and the other layers reuse it.  Under CUDA
+graph capture a padding mask is not read (nor cached): a row with a hole
+then comes out NaN instead of being refused.
 """
-import weakref
-
 import torch
 
 from .. import ops
+from ..ops.attn import PerTensorCache, padding_layout
 
-
-class _PerTensor:
-    """The results last computed from a few tensors (plus extra key), each
-    reused while that very tensor object is alive and unmodified (same
-    ``_version``).  A few, not one: models that alternate sliding-window and
-    full-attention layers hand their layers two masks in turn, and a single
-    entry would be recomputed at every layer."""
-
-    SIZE = 4
-
-    def __init__(self, compute):
-        self.compute = compute
-        self.entries = []  # (weakref to the tensor, its _version, extra, result), newest first
-
-    def __call__(self, t, *extra):
-        for ref, version, key, result in self.entries:
-            if ref() is t and version == t._version and key == extra:
-                return result
-        result = self.compute(t, *extra)
-        # keep the live entries that can still match: not a dead tensor's, not this tensor's older versions
-        live = [e for e in self.entries if e[0]() is not None and not (e[0]() is t and e[1] != t._version)]
-        self.entries = [(weakref.ref(t), t._version, extra, result)] + live[:self.SIZE - 1]
-        return result
 
 NAME = "seqfuse"
 
@@ -73,37 +53,14 @@ NAME = "seqfuse"
 def _padding_layout(mask, s_q):
     """(format, cu_seqlens_q, longest q, cu_seqlens_kv, longest kv) of a
     [b, s_kv] keep-mask over the keys, whose last s_q positions are the
-    queries (s_q < s_kv: a key cache during generation).
-
-    Every row ones then zeros and no cache (right padding): "bshd" with each
-    row's length, the kernel's padded layout.  Otherwise every row must be
-    one run of ones (left, right or both-sided padding): "thd" over the rows
-    laid end to end, each row split into its leading padding, its tokens and
-    its trailing padding as sequences of their own, for the keys and, cut to
-    the query positions, for the queries (possibly empty, kept in pairs), so a
-    query attends only to the keys of its run.  A row with a hole is refused."""
-    mask = mask.bool()
-    b, s_kv = mask.shape
-    dev = mask.device
-    lengths = mask.sum(-1, dtype=torch.int32)
-    ar = torch.arange(s_kv, device=dev)
-    if s_q == s_kv and torch.equal(mask, ar[None, :] < lengths[:, None]):
-        cu = torch.zeros(b + 1, dtype=torch.int32, device=dev)
-        torch.cumsum(lengths, 0, out=cu[1:])
-        return "bshd", cu, None, cu, None
-    first = torch.where(lengths > 0, mask.int().argmax(-1).to(torch.int32), 0)
-    if not torch.equal(mask, (ar[None, :] >= first[:, None]) & (ar[None, :] < (first + lengths)[:, None])):
-        raise NotImplementedError("seqfuse attention: each row of the attention mask must be one run of tokens "
-                                  "(left, right or both-sided padding); holes are not supported")
-    kv_ends = torch.stack((first, first + lengths, torch.full_like(first, s_kv)), 1)  # per row, 3 runs
-    q_ends = (kv_ends - (s_kv - s_q)).clamp(0, s_q)  # the same runs over the query positions
-    row = torch.arange(b, device=dev, dtype=torch.int32)[:, None]
-    zero = torch.zeros(1, dtype=torch.int32, device=dev)
-    cu_kv = torch.cat((zero, (kv_ends + row * s_kv).flatten()))
-    cu_q = torch.cat((zero, (q_ends + row * s_q).flatten()))
-    if s_q == s_kv:  # the same runs: drop the empty ones
-        cu_q = cu_kv = torch.unique_consecutive(cu_kv)
-    return "thd", cu_q, int(cu_q.diff().max()), cu_kv, int(cu_kv.diff().max())
+    queries (s_q < s_kv: a key cache during generation): seqfuse.ops.attn's
+    padding_layout, which DotProductAttention uses too.  Every row right
+    padded: "bshd", the kernel's padded layout.  Otherwise (left or
+    both-sided padding, each row one run of tokens) "thd" over the rows laid
+    end to end, tokens seeing only tokens.  A row with a hole is refused
+    (under CUDA graph capture, where nothing is read, it comes out NaN)."""
+    return padding_layout(mask.bool(), None, s_q, who="seqfuse attention", names=("attention mask",) * 2,
+                          hole_error=NotImplementedError)
 
 
 def _is_packed(position_ids, batch):
@@ -153,9 +110,9 @@ def _packed_thd(attention_mask, s_q, s_kv, kwargs):
 #: the keyword arguments under which transformers' layers hand over attention sinks
 _SINK_KWARGS = ("s_aux", "sinks")
 
-_padding_layout_cached = _PerTensor(_padding_layout)
-_is_packed_cached = _PerTensor(_is_packed)
-_cu_seqlens_of_positions_cached = _PerTensor(_cu_seqlens_of_positions)
+_padding_layout_cached = PerTensorCache(_padding_layout)
+_is_packed_cached = PerTensorCache(_is_packed)
+_cu_seqlens_of_positions_cached = PerTensorCache(_cu_seqlens_of_positions)
 
 
 def seqfuse_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -180,7 +137,7 @@ def seqfuse_attention_forward(module, query, key, value, attention_mask, dropout
         is_causal = getattr(module, "is_causal", False)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # bshd views
     s_q, s_kv = q.shape[1], k.shape[1]
-    cu_q = cu_kv = max_q = max_kv = None
+    cu_q = cu_kv = max_q = max_kv = poison = None
     fmt = "bshd"
     pos = kwargs.get("position_ids")
     if (kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None
@@ -196,7 +153,9 @@ def seqfuse_attention_forward(module, query, key, value, attention_mask, dropout
         if attention_mask.shape[-1] != s_kv or s_q > s_kv:
             raise ValueError(f"seqfuse attention: the attention mask covers {attention_mask.shape[-1]} keys; "
                              f"the call has {s_kv} keys and {s_q} queries")
-        fmt, cu_q, max_q, cu_kv, max_kv = _padding_layout_cached(attention_mask, s_q)
+        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()  # a replay reads new mask contents
+        fmt, cu_q, max_q, cu_kv, max_kv, poison, _ = (_padding_layout if capturing else _padding_layout_cached)(
+            attention_mask, s_q)
         if fmt == "thd":  # the rows end to end: [b * s, heads, dim]
             q, k, v = (t.reshape(-1, t.shape[2], t.shape[3]) for t in (q, k, v))
         # queries sit at the end of their key run (a cache), so causality aligns bottom-right
@@ -217,6 +176,8 @@ def seqfuse_attention_forward(module, query, key, value, attention_mask, dropout
                         window_size=window, dropout_p=dropout if module.training else 0.0)
     if fmt == "thd":  # back to [b, s_q, heads, dim]: one row when packed, the padded rows otherwise
         out = out.view(query.shape[0], s_q, *out.shape[1:])
+    if poison is not None:  # CUDA graph capture: a row with a hole comes out NaN
+        out = out + poison.to(out.dtype)[:, None, None, None]
     return out, None
 
 

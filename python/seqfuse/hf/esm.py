@@ -14,7 +14,10 @@ inside LayerNormMLP: "gelu_erf" (default) is ESM's erf-GELU; TE's "gelu" is
 the tanh approximation (|difference| < 5e-4 per element), selectable for
 speed.  The LM head's GELU is erf-GELU, as in ESM.
 
-Inputs: padded ``input_ids`` [b, s] with ``attention_mask`` [b, s] (bshd), or
+Inputs: padded ``input_ids`` [b, s] with ``attention_mask`` [b, s] (bshd;
+right, left or both-sided padding, each row one run of tokens, computed
+exactly: a row with a hole is a ValueError; logits at padding positions
+are not defined), or
 packed ``input_ids`` [t] / [1, t] with ``cu_seqlens`` (int32 [n+1]) and
 ``max_seqlen`` (thd: no padding anywhere).  Under seqfuse autocast with an
 FP8 recipe the layers' GEMMs run in FP8; the vocabulary projection (33 rows,
@@ -30,6 +33,7 @@ from transformers import AutoModel, AutoModelForMaskedLM, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput
 
+from ..modules.attention import padding_mask_layout
 from ..modules.rope import RotaryPositionEmbedding
 from ..quantization.recompute import checkpoint
 from ..modules.transformer_layer import TransformerLayer
@@ -280,8 +284,10 @@ class SeqfuseEsmModel(SeqfuseEsmPreTrainedModel):
         else:
             x = self.embeddings(input_ids, attention_mask=attention_mask)
             freqs = self.rotary_embeddings(input_ids.shape[1])
-            if attention_mask is not None and not bool(attention_mask.all()):
-                te_mask = ~attention_mask.bool()[:, None, None, :]
+            te_mask = None if attention_mask is None else ~attention_mask.bool()[:, None, None, :]
+            # One host read of the mask: whether anything is padded, and the layout the layers then reuse
+            # (right padding: the padded layout; left or both-sided: packed runs; a hole: ValueError)
+            if te_mask is not None and padding_mask_layout(te_mask).padded is not False:
                 layer_kw = dict(attention_mask=te_mask, self_attn_mask_type="padding", qkv_format="bshd")
             else:
                 layer_kw = dict(self_attn_mask_type="no_mask", qkv_format="bshd")

@@ -7,9 +7,26 @@ It takes query, key and value already split into heads, in the layout named
 by qkv_format (sbhd [s, b, h, d], bshd [b, s, h, d], thd [t, h, d] packed with
 cu_seqlens), and returns the attention output with the heads flattened:
 [s, b, h*d], [b, s, h*d] or [t, h*d], as TE does.  Padding masks in bshd/sbhd
-come either as cu_seqlens or as TE's boolean attention_mask (True = masked
-out, [b, 1, 1, s_kv] for self-attention or a (q_mask, kv_mask) pair with
-masks [b, 1, 1, s]); padding must be at the end of each row.
+come either as cu_seqlens (right padding: each row's length) or as TE's
+boolean attention_mask: True = masked out (padding), a bool tensor
+[b, 1, 1, s] (or [b, s]) for self-attention, or a (q_mask, kv_mask) pair of
+such masks over s_q and s_kv.  Each row of a mask must be one run of tokens:
+padding at the end (right), the start (left) or both; a row with a hole
+(padding between tokens) is a ValueError naming the row and position.
+Right padding runs in the kernel's padded layout; left or both-sided
+padding runs as packed thd sequences with separate query and key extents
+(seqfuse.ops.attn.padding_layout, shared with seqfuse.hf), exactly.  Causal
+masks align within each row's tokens (top-left: first query, first key;
+bottom-right: last, last), as TE's cu_seqlens do; for a single
+self-attention mask that is the causal mask of the padded positions.
+Outputs at padding positions are 0 and no gradient flows through them; a
+row that is all padding is all 0 (torch's SDPA gives NaN there).
+Reading a mask costs one host sync on CUDA, once per mask tensor (the
+layout is kept while that tensor lives unmodified, so a model's layers,
+which get the same mask, read it once); under CUDA graph capture nothing is
+read (a row with a hole then comes out NaN).  An attention_mask with a
+non-padding attn_mask_type, or with qkv_format thd, is a ValueError (it
+would be ignored).
 
 attention_dropout applies to the attention probabilities in training mode
 only (eval: none), in every layout, inside the fused kernel (the mask is
@@ -26,15 +43,83 @@ import math
 import torch
 
 from .. import ops
+from ..ops.attn import PerTensorCache, padding_layout
 from ._input import check_input
 
 
-def _mask_to_cu_seqlens(mask):
-    """TE's padding mask [b, 1, 1, s] (True = padding) -> int32 cu_seqlens."""
-    lengths = (~mask.reshape(mask.shape[0], -1)).sum(dim=1, dtype=torch.int32)
-    cu = torch.zeros(mask.shape[0] + 1, dtype=torch.int32, device=mask.device)
-    torch.cumsum(lengths, 0, out=cu[1:])
-    return cu
+def _check_mask(mask, name, batch, length, side, device):
+    """TE's padding mask, checked: a bool [b, 1, 1, s] or [b, s] tensor on
+    the inputs' device, True = masked out."""
+    who = "DotProductAttention"
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{who}: {name} must be a torch.Tensor, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"{who}: {name} must be a bool tensor (True = masked out, Transformer Engine's "
+                        f"convention), got dtype {mask.dtype}")
+    shape = tuple(mask.shape)
+    if not ((len(shape) == 4 and shape[1] == shape[2] == 1) or len(shape) == 2):
+        extra = " (a [b, 1, s_q, s_kv] mask is TE's 'arbitrary' mask, which is not supported)" \
+            if len(shape) == 4 else ""
+        raise ValueError(f"{who}: {name} must be a padding mask [b, 1, 1, s] (or [b, s]), True = padding, got "
+                         f"shape {shape}{extra}")
+    if shape[0] != batch or shape[-1] != length:
+        raise ValueError(f"{who}: {name} has shape {shape}: it must cover the batch ({batch}) and the "
+                         f"{side} length ({length})")
+    if mask.device != device:
+        raise ValueError(f"{who}: {name} is on {mask.device}, the query on {device}: they must be on one device")
+
+
+def _layout_of(masks, s_q):
+    """ops.attn.padding_layout of TE masks (True = padding): one mask for
+    self-attention, or a (q_mask, kv_mask) pair."""
+    who = "DotProductAttention"
+    if isinstance(masks, tuple):
+        keep_q, keep_kv = (~m.reshape(m.shape[0], m.shape[-1]) for m in masks)
+        return padding_layout(keep_kv, keep_q, who=who, names=("attention_mask[0]", "attention_mask[1]"))
+    return padding_layout(~masks.reshape(masks.shape[0], masks.shape[-1]), None, s_q, who=who)
+
+
+_layout_cached = PerTensorCache(_layout_of)
+
+
+def _mask_layout(attention_mask, q, k, qkv_format, attn_mask_type):
+    """The checked attention_mask's PaddingLayout (cached per mask tensor)."""
+    s_dim = 1 if qkv_format == "bshd" else 0
+    batch, s_q, s_kv = q.shape[1 - s_dim], q.shape[s_dim], k.shape[s_dim]
+    if isinstance(attention_mask, (tuple, list)):
+        if len(attention_mask) != 2:
+            raise ValueError(f"DotProductAttention: attention_mask must be one mask or a (q_mask, kv_mask) pair, "
+                             f"got {len(attention_mask)} masks")
+        _check_mask(attention_mask[0], "attention_mask[0]", batch, s_q, "query", q.device)
+        _check_mask(attention_mask[1], "attention_mask[1]", batch, s_kv, "key", q.device)
+        masks = tuple(attention_mask) if attention_mask[0] is not attention_mask[1] else attention_mask[0]
+    else:
+        masks = attention_mask
+        _check_mask(masks, "attention_mask", batch, s_kv, "key", q.device)
+        if s_q != s_kv:
+            raise ValueError(f"DotProductAttention: one attention_mask is a self-attention mask, but the query "
+                             f"length {s_q} differs from the key length {s_kv}: pass a (q_mask, kv_mask) pair")
+    return _cached_layout(masks, s_q)
+
+
+def _cached_layout(masks, s_q):
+    first = masks[0] if isinstance(masks, tuple) else masks
+    if first.is_cuda and torch.cuda.is_current_stream_capturing():
+        return _layout_of(masks, s_q)  # a replay reads new mask contents: nothing cached
+    return _layout_cached(masks, s_q)
+
+
+def padding_mask_layout(attention_mask):
+    """The PaddingLayout (seqfuse.ops.attn.padding_layout) of a self-attention
+    TE mask [b, 1, 1, s] (True = padding), as DotProductAttention computes
+    and keeps it for that tensor: a model that asks first (``.padded``: is
+    anything padded? None under CUDA graph capture) pays the one host read
+    that its layers then reuse."""
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() < 2:
+        _check_mask(attention_mask, "attention_mask", 0, 0, "key", None)  # raises, naming the rule
+    _check_mask(attention_mask, "attention_mask", attention_mask.shape[0], attention_mask.shape[-1], "key",
+                attention_mask.device)
+    return _cached_layout(attention_mask, attention_mask.shape[-1])
 
 
 class DotProductAttention(torch.nn.Module):
@@ -109,15 +194,23 @@ class DotProductAttention(torch.nn.Module):
         if key_layer.shape[-2] != self.num_gqa_groups:
             raise ValueError(f"DotProductAttention: key_layer has {key_layer.shape[-2]} heads; the module "
                              f"was built for num_gqa_groups={self.num_gqa_groups}")
+        if attention_mask is not None and (qkv_format == "thd" or not isinstance(attn_mask_type, str)
+                                           or "padding" not in attn_mask_type):
+            raise ValueError(f"DotProductAttention: attention_mask is taken only with a padding attn_mask_type "
+                             f"in bshd/sbhd (it would be ignored); got attn_mask_type {attn_mask_type!r}, "
+                             f"qkv_format {qkv_format!r}")
         if "padding" in attn_mask_type and qkv_format != "thd" and cu_seqlens_q is None:
             if attention_mask is None:
                 raise ValueError(f"DotProductAttention: attn_mask_type {attn_mask_type!r} needs an "
                                  "attention_mask or cu_seqlens_q/cu_seqlens_kv")
-            if isinstance(attention_mask, (tuple, list)):
-                cu_seqlens_q = _mask_to_cu_seqlens(attention_mask[0])
-                cu_seqlens_kv = _mask_to_cu_seqlens(attention_mask[1])
-            else:
-                cu_seqlens_q = cu_seqlens_kv = _mask_to_cu_seqlens(attention_mask)
+            if qkv_format not in ("bshd", "sbhd"):
+                raise ValueError(f"DotProductAttention: qkv_format must be 'bshd', 'sbhd' or 'thd', "
+                                 f"got {qkv_format!r}")
+            layout = _mask_layout(attention_mask, query_layer, key_layer, qkv_format, attn_mask_type)
+            if layout.qkv_format == "thd":
+                return self._packed_rows(query_layer, key_layer, value_layer, qkv_format, attn_mask_type,
+                                         window_size, layout)
+            cu_seqlens_q, cu_seqlens_kv = layout.cu_seqlens_q, layout.cu_seqlens_kv
         elif "padding" not in attn_mask_type and qkv_format != "thd":
             cu_seqlens_q = cu_seqlens_kv = None
         if qkv_format == "thd" and cu_seqlens_kv is None:
@@ -131,3 +224,21 @@ class DotProductAttention(torch.nn.Module):
                             softmax_scale=self.softmax_scale, deterministic=self.deterministic,
                             dropout_p=self.attention_dropout if self.training else 0.0)
         return out.reshape(out.shape[:-2] + (heads * dim,))
+
+    def _packed_rows(self, q, k, v, qkv_format, attn_mask_type, window_size, layout):
+        """Left or both-sided padding: the rows end to end as thd sequences
+        (padding_layout); back to the caller's layout, heads flattened."""
+        if qkv_format == "sbhd":  # [s, b, h, d] -> [b, s, h, d] (a copy: thd needs each row's tokens together)
+            q, k, v = (x.transpose(0, 1) for x in (q, k, v))
+        b, s_q, heads, dim = q.shape
+        q, k, v = (x.reshape(-1, x.shape[2], x.shape[3]) for x in (q, k, v))
+        out = ops.attention(q, k, v, qkv_format="thd", attn_mask_type=attn_mask_type,
+                            cu_seqlens_q=layout.cu_seqlens_q, cu_seqlens_kv=layout.cu_seqlens_kv,
+                            max_seqlen_q=layout.max_seqlen_q, max_seqlen_kv=layout.max_seqlen_kv,
+                            window_size=window_size, softmax_scale=self.softmax_scale,
+                            deterministic=self.deterministic,
+                            dropout_p=self.attention_dropout if self.training else 0.0)
+        out = out.view(b, s_q, heads * dim)
+        if layout.poison is not None:  # CUDA graph capture: a row with a hole comes out NaN
+            out = out + layout.poison.to(out.dtype)[:, None, None]
+        return out.transpose(0, 1).contiguous() if qkv_format == "sbhd" else out
