@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import seqfuse.pytorch as te
+from seqfuse.quantization.gemm_quantizers import weight_casts
 from seqfuse.distributed import end_process_group
 from helpers import (REL_TOL, block128_dequantized_ref, block_dequantized_ref, needs_cpu_fsdp2,
                      needs_fp8, rel_error)
@@ -390,7 +391,7 @@ def test_cpu_fp8_block_tokens_not_a_multiple_of_128(seed):
 def test_block_weight_transposed_is_quantized_transpose(shape, seed):
     """W^T's 128x128 copy made from W's (byte transpose, scale matrix
     transposed) is bit for bit the quantization of W.t()."""
-    from seqfuse.modules.linear import block_weight_transposed
+    from seqfuse.quantization.gemm_quantizers import block_weight_transposed
 
     w = (torch.randn(shape) * torch.logspace(-2, 2, shape[1])).bfloat16()
     got = block_weight_transposed(Q.quantize_block(w, 128))
@@ -415,7 +416,7 @@ def _two_accumulated_steps(m, x, recipe):
 def test_cpu_fp8_block_weight_cached(seed):
     m = fp8_twin(128, 256, "cpu")
     _two_accumulated_steps(m, torch.randn(32, 128).bfloat16(), Float8BlockScaling())
-    assert m._fp8_weight_quantizations == 2
+    assert weight_casts(m) == 2
 
 
 @needs_fp8
@@ -423,19 +424,19 @@ def test_cpu_fp8_weight_quantized_once_per_update(seed):
     m = fp8_twin(64, 32, "cpu")
     x = torch.randn(32, 64).bfloat16()
     _two_accumulated_steps(m, x, DelayedScaling())
-    assert m._fp8_weight_quantizations == 2
+    assert weight_casts(m) == 2
     with te.fp8_autocast():
         m(x, is_first_microbatch=True)   # forced
         m(x, is_first_microbatch=False)  # reused
         m(x)                             # unchanged weight: reused
-    assert m._fp8_weight_quantizations == 3
+    assert weight_casts(m) == 3
     with torch.no_grad():
         m.weight.mul_(2)                 # in-place change: version moves
     with te.fp8_autocast():
         m(x, is_first_microbatch=False)  # explicit reuse wins (TE's contract)
-        assert m._fp8_weight_quantizations == 3
+        assert weight_casts(m) == 3
         y = m(x)
-    assert m._fp8_weight_quantizations == 4
+    assert weight_casts(m) == 4
     ref = x.double() @ m.weight.double().t() + m.bias.double()
     assert rel_error(y, ref) < 0.05
 
@@ -457,11 +458,12 @@ def test_cpu_fp8_main_grad(seed):
 
 @needs_fp8
 def test_cpu_fp8_errors():
-    m = fp8_twin(64, 32, "cpu")
-    with pytest.raises(ValueError, match="Linear: FP8 GEMMs need the number of tokens \\(input rows\\) "
-                                         "to be a multiple of 16, got 10"):
+    m = fp8_twin(64, 40, "cpu")
+    with pytest.raises(ValueError, match="Linear: FP8 GEMMs need out_features to be a multiple of 16, "
+                                         "got 40"):
         with te.fp8_autocast():
             m(torch.randn(10, 64).bfloat16())
+    m = fp8_twin(64, 32, "cpu")
     with pytest.raises(ValueError, match="block-scaled FP8 .* need in_features to be a multiple of 128"):
         with te.fp8_autocast(fp8_recipe=Float8BlockScaling()):
             m(torch.randn(128, 64).bfloat16())
@@ -497,7 +499,7 @@ def test_cuda_fp8_delayed_scaling_steps(seed):
         opt.zero_grad()
     ref = x.double() @ m.weight.double().t() + m.bias.double()
     assert rel_error(y, ref) < 0.05
-    assert m._fp8_weight_quantizations == 4
+    assert weight_casts(m) == 4
 
 
 @needs_fp8

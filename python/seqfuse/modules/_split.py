@@ -7,8 +7,9 @@ of one fused QKV weight.  Here the module still runs ONE GEMM: the forward
 concatenates the pieces along dim 0 (a copy of the weight, a few
 microseconds against the GEMM; its backward hands each piece its rows of
 the weight gradient without a copy).  Under FP8 the concatenated weight is
-a new tensor on every call, so it is quantized on every call (as with
-``is_first_microbatch=True``).
+a new tensor on every call; its FP8 cast is cached on the pieces' versions
+(seqfuse.quantization's WeightQuantizer), so it is still cast once per
+weight update.
 
 ``parameters_split`` is a dict (name -> rows, in order) or a list / tuple
 of names (equal rows).  Trailing underscores are stripped and ``_weight`` /
@@ -85,6 +86,16 @@ def reset_split(module, init_full):
         if b is not None:
             b.zero_()
         start += rows
+
+
+def weight_sources(module):
+    """The parameters the GEMM's weight is made from: None when it is the
+    module's own ``weight``, else the split pieces (the FP8 weight cache
+    follows their versions)."""
+    split = getattr(module, "parameters_split", None)
+    if not split:
+        return None
+    return tuple(getattr(module, f"{name}_weight") for name, _ in split)
 
 
 def fused_params(module, cls):

@@ -42,15 +42,11 @@ import torch
 
 from .. import ops
 from .. import quantization as _q
-from ..ops import act as A
-from .linear import (_check_fp8_shapes, _quantize_weight, _recipe_kind, block_backward, block_forward,
-                     quantize_grad, scaling_state)
+from ..quantization import gemm_quantizers as _gq
+from . import _fp8 as F8
 from ._input import check_input
-from ._split import fused_params, install_split, parse_split, reset_split
+from ._split import fused_params, install_split, parse_split, reset_split, weight_sources
 from .norm import _hidden, default_device
-
-_SUPPORTED_RECIPES = ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling")
-
 
 def _check_normalization(normalization):
     if normalization not in ("LayerNorm", "RMSNorm"):
@@ -106,120 +102,26 @@ def as_dtype(t, dtype):
     return None if t is None else (t if t.dtype == dtype else t.to(dtype))
 
 
-def active_fp8_recipe(cls):
-    """The autocast recipe when FP8 is on, else None; recipes this module
-    cannot run raise NotImplementedError."""
+def fp8_quantizers(module, x):
+    """The module's GemmQuantizers under the active FP8 autocast recipe, or
+    None outside FP8 autocast (recipes it cannot run raise, naming it)."""
     if not _q.is_fp8_enabled():
         return None
-    recipe = _q.get_recipe()
-    if type(recipe).__name__ not in _SUPPORTED_RECIPES:
-        raise NotImplementedError(f"{cls}: FP8 recipe {type(recipe).__name__} is not supported yet "
-                                  f"(supported: {', '.join(_SUPPORTED_RECIPES)})")
-    if is_block(recipe):
-        _recipe_kind(recipe)  # Linear's rule on the block dimensions
-    return recipe
+    return _gq.quantizers_for(module, _q.get_recipe(), x.device)
 
 
-def is_block(recipe):
-    return recipe is not None and type(recipe).__name__ == "Float8BlockScaling"
-
-
-def check_block_shapes(cls, tokens, *features):
-    """Block scaling's shape rules (Linear's): features in whole 128-wide
-    blocks, tokens a multiple of 16.  features: (in, out) per GEMM."""
-    for in_f, out_f in features:
-        _check_fp8_shapes("block", tokens, in_f, out_f, cls)
-
-
-def fp8_norm(x2, ln_w, ln_b, eps, rms, zc, state, index):
-    """Norm with FP8 output under tensor `index` of `state`:
-    (y_fp8, mean, rstd, scale_inv)."""
-    scale_inv = torch.empty(1, dtype=torch.float32, device=x2.device)
-    y, mean, rstd = norm_forward(x2, ln_w, ln_b, eps, rms, zc, state.fp8_dtype(index),
-                                 state.scale_of(index), state.amax_of(index), scale_inv)
-    return y, mean, rstd, scale_inv
-
-
-class Quantizers:
-    """The FP8 casts of one module's tensors for one forward/backward under
-    a per-tensor recipe.  Index convention: 3 per GEMM (input, weight, output
-    gradient); ``backward_indices`` name the gradients.
-
-    DelayedScaling: the module's ScalingState gives scale, amax slot and
-    format; the norm and activation kernels write FP8 directly (their
-    transposed copies are made in the backward).  Weights (index 3g + 1) are
-    scaled from their own amax at the cast, which also goes to their slot.  Float8CurrentScaling: the
-    scale comes from the tensor's own amax just before the cast, so the norm
-    and activation outputs are made in high precision and cast+transposed.
-    """
-
-    def __init__(self, module, num_tensors, backward_indices, recipe, device):
-        self.recipe = recipe
-        self.delayed = recipe.delayed()
-        self.backward = frozenset(backward_indices)
-        self.state = (scaling_state(module, "fp8_state", num_tensors, backward_indices, recipe, device)
-                      if self.delayed else None)
-
-    def dtype(self, index):
-        if self.delayed:
-            return self.state.fp8_dtype(index)
-        fmt = self.recipe.fp8_format
-        return fmt.bwd_dtype if index in self.backward else fmt.fwd_dtype
-
-    def quantize(self, x, index, transpose=True, dbias=False):
-        """x -> Float8Tensor (with the transposed copy when asked; ``dbias``:
-        and x's float32 column sums, as ``(Float8Tensor, dbias)``, for
-        gradients)."""
-        if self.delayed and index % 3 == 1:
-            # weights: scaled from their own amax when cast (as seqfuse's
-            # Linear does), so a first step or a frozen weight never runs on a
-            # stale scale; the amax still lands in the state's weight slot
-            return _q.quantize_current(x, self.dtype(index), margin=int(self.recipe.margin),
-                                       transpose=transpose, amax=self.state.amax_of(index))
-        if self.delayed:
-            return _q.quantize_with_state(x, self.state, index, transpose=transpose, dbias=dbias)
-        return _q.quantize_current(x, self.dtype(index), margin=int(self.recipe.margin), transpose=transpose,
-                                   amax_reduction_group=_q.get_amax_reduction_group(), dbias=dbias)
-
-    def grad(self, dy, index, bias_dtype):
-        """(Float8Tensor of the output gradient with its transposed copy, its
-        bias gradient in ``bias_dtype`` or None), the sums from the same pass
-        where the kernel takes dy (see linear.quantize_grad)."""
-        return quantize_grad(lambda t, dbias: self.quantize(t, index, True, dbias), dy, bias_dtype)
-
-    def norm(self, x2, lnw, lnb, eps, rms, zc, index):
-        """(data, data_t or None, scale_inv, mean, rstd) of the FP8 norm output."""
-        if self.delayed:
-            y, mean, rstd, si = fp8_norm(x2, lnw, lnb, eps, rms, zc, self.state, index)
-            return y, None, si, mean, rstd
-        y, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc)
-        q = self.quantize(y, index)
-        return q.data, q.data_t, q.scale_inv, mean, rstd
-
-    def act(self, h, activation, index):
-        """(data, data_t or None, scale_inv) of the FP8 activation output."""
-        if self.delayed:
-            si = torch.empty(1, dtype=torch.float32, device=h.device)
-            y = A.act_fwd(h, activation, self.state.fp8_dtype(index), self.state.scale_of(index),
-                          self.state.amax_of(index), si)
-            return y, None, si
-        q = self.quantize(A.act_fwd(h, activation), index)
-        return q.data, q.data_t, q.scale_inv
-
-
-def fp8_gemm(a, a_si, b, b_si, out_dtype, bias=None, fast=False):
-    """a [m, k] @ b[n, k]^T in FP8 (both K-major).  cuBLASLt's FP8 kernels
-    take the bias in bfloat16 (float16 with a float16 output)."""
-    if bias is not None:
-        bias = as_dtype(bias, torch.float16 if out_dtype == torch.float16 else torch.bfloat16)
-    return ops.gemm(a, b, transb=True, a_scale_inv=a_si, b_scale_inv=b_si, out_dtype=out_dtype,
-                    bias=bias, fast_accum=fast)
-
-
-def _wgrad_dtype(w_dtype):
-    """The FP8 weight-gradient GEMM's output dtype: the weight's where
-    cuBLASLt writes it, else float32 (then cast)."""
-    return w_dtype if w_dtype in (torch.float32, torch.bfloat16) else torch.float32
+def fp8_norm(q, x2, lnw, lnb, eps, rms, zc, need_col):
+    """(quantized norm output, mean, rstd) as GEMM 0's input.  Delayed
+    scaling: the norm kernel writes FP8 itself (scale and amax of the
+    state); other recipes: the norm in x's dtype, then the recipe's cast."""
+    iq = q.inputs[0]
+    if q.kind == "delayed":
+        scale, amax, fp8_dtype = iq.scale
+        si = torch.empty(1, dtype=torch.float32, device=x2.device)
+        y, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc, fp8_dtype, scale, amax, si)
+        return iq.fp8_output(y, si, x2.dtype), mean, rstd
+    y, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc)
+    return iq.quantize(y, transpose=need_col), mean, rstd
 
 
 def init_weight(w, init_method):
@@ -231,35 +133,24 @@ def init_weight(w, init_method):
 
 class _LayerNormLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, ln_w, ln_b, weight, bias, eps, rms, zc, ret_ln, module, recipe):
+    def forward(ctx, x, ln_w, ln_b, weight, bias, eps, rms, zc, ret_ln, q, sources):
         in_features = x.shape[-1]
         x2 = x.reshape(-1, in_features)
         lnw, lnb = norm_param(ln_w, x2), norm_param(ln_b, x2)
-        ctx.fp8 = recipe is not None
-        ctx.block = is_block(recipe)
-        if ctx.block:
-            ln_out, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc)
-            w_fwd, w_bwd = _quantize_weight(module, weight, recipe, "block", None, None)
-            out, ln_t = block_forward(ln_out, w_fwd, recipe, x.dtype, as_dtype(bias, x.dtype),
-                                      ctx.needs_input_grad[3])
-            ctx.save_for_backward(x2, lnw, mean, rstd, *ln_t, w_bwd.data, w_bwd.scale_inv)
-            ctx.recipe = recipe
-            if not ret_ln:
-                ln_out = None
-        elif ctx.fp8:
-            q = Quantizers(module, 3, (2,), recipe, x.device)
+        ctx.fp8 = q is not None
+        if ctx.fp8:
+            kind, rows, need_w = q.kind, x2.shape[0], ctx.needs_input_grad[3]
             if ret_ln:  # the norm output is returned: make it in x's dtype, then cast
                 ln_out, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc)
-                ln_q = q.quantize(ln_out, 0)
-                ln8, ln8_t, ln_si = ln_q.data, ln_q.data_t, ln_q.scale_inv
+                lnq = q.inputs[0].quantize(ln_out, transpose=need_w)
             else:
                 ln_out = None
-                ln8, ln8_t, ln_si, mean, rstd = q.norm(x2, lnw, lnb, eps, rms, zc, 0)
-            w_q = q.quantize(weight.detach(), 1)
-            out = fp8_gemm(ln8, ln_si, w_q.data, w_q.scale_inv, x.dtype, as_dtype(bias, x.dtype),
-                           fast=True)
-            ctx.save_for_backward(x2, lnw, mean, rstd, ln8, ln8_t, ln_si, w_q.data_t, w_q.scale_inv)
-            ctx.quantizers = q
+                lnq, mean, rstd = fp8_norm(q, x2, lnw, lnb, eps, rms, zc, need_w)
+            pair = q.weights[0].get(weight, sources=sources)
+            out = F8.forward(lnq, pair, kind, x.dtype, as_dtype(bias, x.dtype), rows)
+            ln_col = F8.saved(F8.columnwise(lnq, kind)) if need_w else (None, None)
+            ctx.save_for_backward(x2, lnw, mean, rstd, *ln_col, *F8.saved(F8.weight_dgrad(pair, kind)))
+            ctx.q, ctx.kind = q, kind
         else:
             ln_out, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc)
             w = as_dtype(weight, x.dtype)
@@ -277,19 +168,14 @@ class _LayerNormLinearFn(torch.autograd.Function):
         x_shape, eps, rms, zc, has_ln_bias, has_bias, w_dtype, b_dtype, lnw_dtype = ctx.meta
         dout2 = dout.reshape(-1, dout.shape[-1]).contiguous()
         dbias = None
-        if ctx.block:
-            x2, lnw, mean, rstd, ln_t, ln_t_si, w_t, w_si = ctx.saved_tensors
-            dln, dweight, dbias = block_backward(
-                dout2, (ln_t, ln_t_si), (w_t, w_si), ctx.recipe, x2.dtype, True,
-                ctx.needs_input_grad[3], _wgrad_dtype(w_dtype), need_dbias=has_bias)
-            dweight, dbias = as_dtype(dweight, w_dtype), as_dtype(dbias, b_dtype)
-        elif ctx.fp8:
-            x2, lnw, mean, rstd, ln8, ln8_t, ln_si, w_t, w_si = ctx.saved_tensors
-            g, dbias = ctx.quantizers.grad(dout2, 2, b_dtype if has_bias else None)
-            dln = fp8_gemm(g.data, g.scale_inv, w_t, w_si, x2.dtype)
-            if ln8_t is None:
-                ln8_t = ops.transpose_fp8(ln8)
-            dweight = fp8_gemm(g.data_t, g.scale_inv, ln8_t, ln_si, _wgrad_dtype(w_dtype)).to(w_dtype)
+        if ctx.fp8:
+            x2, lnw, mean, rstd, ln_t, ln_si, w_t, w_si = ctx.saved_tensors
+            kind, need_dw = ctx.kind, ctx.needs_input_grad[3]
+            g, dbias = ctx.q.grads[0].quantize_grad(dout2, b_dtype if has_bias else None,
+                                                   need_wgrad=need_dw)
+            dln, dweight = F8.backward(g, F8.restore(ln_t, ln_si, kind),
+                                       F8.restore(w_t, w_si, kind, weight=True), kind, x2.dtype,
+                                       x2.shape[0], True, need_dw, w_dtype)
         else:
             x2, lnw, mean, rstd, ln_out, w = ctx.saved_tensors
             dln = ops.gemm(dout2, w)
@@ -363,15 +249,18 @@ class LayerNormLinear(torch.nn.Module):
 
     def forward(self, x):
         check_input("LayerNormLinear", x, self.in_features, "in_features")
-        recipe = active_fp8_recipe("LayerNormLinear")
-        if is_block(recipe):
-            check_block_shapes("LayerNormLinear", x.numel() // self.in_features,
-                               (self.in_features, self.out_features))
+        q = fp8_quantizers(self, x)
         weight, bias = fused_params(self, "LayerNormLinear")
         return _LayerNormLinearFn.apply(x, self.layer_norm_weight, self.layer_norm_bias, weight,
                                         bias, self.eps, self.normalization == "RMSNorm",
-                                        self.zero_centered_gamma, self.return_layernorm_output, self,
-                                        recipe)
+                                        self.zero_centered_gamma, self.return_layernorm_output, q,
+                                        weight_sources(self) if q is not None else None)
+
+    fp8_num_gemms = 1
+
+    def fp8_features(self):
+        """(name, size) of the FP8 GEMM's feature dimensions (checked per recipe)."""
+        return (("in_features", self.in_features), ("out_features", self.out_features))
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

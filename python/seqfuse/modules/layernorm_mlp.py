@@ -41,11 +41,10 @@ import torch
 
 from .. import ops
 from ..ops import act as A
-from .layernorm_linear import (TE_DEFAULTS, Quantizers, _check_normalization, _make_norm_params,
-                               _reject_unsupported, _reset_norm_params, _wgrad_dtype, active_fp8_recipe, as_dtype, check_block_shapes,
-                               fp8_gemm, init_weight, is_block, norm_backward,
-                               norm_forward, norm_param)
-from .linear import _quantize_weight, block_backward, block_forward
+from . import _fp8 as F8
+from .layernorm_linear import (TE_DEFAULTS, _check_normalization, _make_norm_params,
+                               _reject_unsupported, _reset_norm_params, as_dtype, fp8_norm,
+                               fp8_quantizers, init_weight, norm_backward, norm_forward, norm_param)
 from ._input import check_input
 from .norm import _hidden, default_device
 
@@ -57,34 +56,26 @@ MLP_TE_DEFAULTS = dict(TE_DEFAULTS, return_layernorm_output=False, seq_length=No
 
 class _LayerNormMLPFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, ln_w, ln_b, w1, b1, w2, b2, eps, rms, zc, activation, module, recipe):
+    def forward(ctx, x, ln_w, ln_b, w1, b1, w2, b2, eps, rms, zc, activation, q):
         hidden = x.shape[-1]
         x2 = x.reshape(-1, hidden)
         lnw, lnb = norm_param(ln_w, x2), norm_param(ln_b, x2)
         dt = x.dtype
-        ctx.fp8 = recipe is not None
-        ctx.block = is_block(recipe)
-        if ctx.block:  # Linear's block path, once per GEMM
-            ln, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc)
-            w1_f, w1_b = _quantize_weight(module, w1, recipe, "block", None, None, slot="fc1")
-            h, ln_t = block_forward(ln, w1_f, recipe, dt, as_dtype(b1, dt), ctx.needs_input_grad[3])
-            a = A.act_fwd(h, activation)
-            w2_f, w2_b = _quantize_weight(module, w2, recipe, "block", None, None, slot="fc2")
-            out, a_t = block_forward(a, w2_f, recipe, dt, as_dtype(b2, dt), ctx.needs_input_grad[5])
-            ctx.save_for_backward(x2, lnw, mean, rstd, h, *ln_t, *a_t, w1_b.data, w1_b.scale_inv,
-                                  w2_b.data, w2_b.scale_inv)
-            ctx.recipe = recipe
-        elif ctx.fp8:
-            q = Quantizers(module, 6, (2, 5), recipe, x.device)
-            ln8, ln8_t, ln_si, mean, rstd = q.norm(x2, lnw, lnb, eps, rms, zc, 0)
-            w1_q = q.quantize(w1.detach(), 1)
-            h = fp8_gemm(ln8, ln_si, w1_q.data, w1_q.scale_inv, dt, as_dtype(b1, dt), fast=True)
-            a8, a8_t, a_si = q.act(h, activation, 3)
-            w2_q = q.quantize(w2.detach(), 4)
-            out = fp8_gemm(a8, a_si, w2_q.data, w2_q.scale_inv, dt, as_dtype(b2, dt), fast=True)
-            ctx.save_for_backward(x2, lnw, mean, rstd, ln8, ln8_t, ln_si, h, a8, a8_t, a_si,
-                                  w1_q.data_t, w1_q.scale_inv, w2_q.data_t, w2_q.scale_inv)
-            ctx.quantizers = q
+        ctx.fp8 = q is not None
+        if ctx.fp8:
+            kind, rows = q.kind, x2.shape[0]
+            need_w1, need_w2 = ctx.needs_input_grad[3], ctx.needs_input_grad[5]
+            lnq, mean, rstd = fp8_norm(q, x2, lnw, lnb, eps, rms, zc, need_w1)
+            p1 = q.weights[0].get(w1)
+            h = F8.forward(lnq, p1, kind, dt, as_dtype(b1, dt), rows)
+            aq = _fp8_act(q, h, activation, need_w2)
+            p2 = q.weights[1].get(w2)
+            out = F8.forward(aq, p2, kind, dt, as_dtype(b2, dt), rows)
+            ln_col = F8.saved(F8.columnwise(lnq, kind)) if need_w1 else (None, None)
+            a_col = F8.saved(F8.columnwise(aq, kind)) if need_w2 else (None, None)
+            ctx.save_for_backward(x2, lnw, mean, rstd, h, *ln_col, *a_col,
+                                  *F8.saved(F8.weight_dgrad(p1, kind)), *F8.saved(F8.weight_dgrad(p2, kind)))
+            ctx.q, ctx.kind = q, kind
         else:
             ln, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc)
             w1c, w2c = as_dtype(w1, dt), as_dtype(w2, dt)
@@ -104,34 +95,19 @@ class _LayerNormMLPFn(torch.autograd.Function):
         x_shape, rms, zc, activation, has_ln_bias, lnw_dt, w1_dt, w2_dt, b1_dt, b2_dt = ctx.meta
         dout2 = dout.reshape(-1, dout.shape[-1]).contiguous()
         db1 = db2 = None
-        if ctx.block:
-            (x2, lnw, mean, rstd, h, ln_t, ln_t_si, a_t, a_t_si, w1_t, w1_si, w2_t,
+        if ctx.fp8:
+            (x2, lnw, mean, rstd, h, ln_t, ln_si, a_t, a_si, w1_t, w1_si, w2_t,
              w2_si) = ctx.saved_tensors
-            dt, recipe = x2.dtype, ctx.recipe
-            # the bias gradients come out of the gradients' quantization passes
-            da, dw2, db2 = block_backward(dout2, (a_t, a_t_si), (w2_t, w2_si), recipe, dt, True,
-                                          ctx.needs_input_grad[5], _wgrad_dtype(w2_dt),
-                                          need_dbias=b2_dt is not None)
+            dt, kind, q, rows = x2.dtype, ctx.kind, ctx.q, x2.shape[0]
+            need_w1, need_w2 = ctx.needs_input_grad[3], ctx.needs_input_grad[5]
+            # the bias gradients come out of the gradients' cast passes where the kernels take them
+            g2, db2 = q.grads[1].quantize_grad(dout2, b2_dt, need_wgrad=need_w2)
+            da, dw2 = F8.backward(g2, F8.restore(a_t, a_si, kind), F8.restore(w2_t, w2_si, kind, True),
+                                  kind, dt, rows, True, need_w2, w2_dt)
             dh = A.act_bwd(da, h, activation)
-            dln, dw1, db1 = block_backward(dh, (ln_t, ln_t_si), (w1_t, w1_si), recipe, dt, True,
-                                           ctx.needs_input_grad[3], _wgrad_dtype(w1_dt),
-                                           need_dbias=b1_dt is not None)
-        elif ctx.fp8:
-            (x2, lnw, mean, rstd, ln8, ln8_t, ln_si, h, a8, a8_t, a_si, w1_t, w1_si, w2_t,
-             w2_si) = ctx.saved_tensors
-            dt = x2.dtype
-            q = ctx.quantizers
-            g2, db2 = q.grad(dout2, 5, b2_dt)
-            da = fp8_gemm(g2.data, g2.scale_inv, w2_t, w2_si, dt)
-            if a8_t is None:
-                a8_t = ops.transpose_fp8(a8)
-            dw2 = fp8_gemm(g2.data_t, g2.scale_inv, a8_t, a_si, _wgrad_dtype(w2_dt))
-            dh = A.act_bwd(da, h, activation)
-            g1, db1 = q.grad(dh, 2, b1_dt)
-            dln = fp8_gemm(g1.data, g1.scale_inv, w1_t, w1_si, dt)
-            if ln8_t is None:
-                ln8_t = ops.transpose_fp8(ln8)
-            dw1 = fp8_gemm(g1.data_t, g1.scale_inv, ln8_t, ln_si, _wgrad_dtype(w1_dt))
+            g1, db1 = q.grads[0].quantize_grad(dh, b1_dt, need_wgrad=need_w1)
+            dln, dw1 = F8.backward(g1, F8.restore(ln_t, ln_si, kind), F8.restore(w1_t, w1_si, kind, True),
+                                   kind, dt, rows, True, need_w1, w1_dt)
         else:
             x2, lnw, mean, rstd, ln, h, a, w1c, w2c = ctx.saved_tensors
             dw2, db2 = _wgrad(dout2, a, b2_dt)
@@ -150,7 +126,19 @@ class _LayerNormMLPFn(torch.autograd.Function):
         dx, dg, db = norm_backward(dln, x2, mean, rstd, lnw, rms, zc, has_ln_bias)
         return (dx.view(x_shape), as_dtype(dg, lnw_dt), as_dtype(db, lnw_dt), as_dtype(dw1, w1_dt),
                 as_dtype(db1, b1_dt), as_dtype(dw2, w2_dt), as_dtype(db2, b2_dt),
-                None, None, None, None, None, None)
+                None, None, None, None, None)
+
+
+def _fp8_act(q, h, activation, need_col):
+    """The activation of FC1's output as FC2's quantized input: written in
+    FP8 by the activation kernel under delayed scaling, else made in h's
+    dtype and cast."""
+    iq = q.inputs[1]
+    if q.kind == "delayed":
+        scale, amax, fp8_dtype = iq.scale
+        si = torch.empty(1, dtype=torch.float32, device=h.device)
+        return iq.fp8_output(A.act_fwd(h, activation, fp8_dtype, scale, amax, si), si, h.dtype)
+    return iq.quantize(A.act_fwd(h, activation), transpose=need_col)
 
 
 def _wgrad(dy, inp, bias_dtype):
@@ -202,15 +190,19 @@ class LayerNormMLP(torch.nn.Module):
 
     def forward(self, x):
         check_input("LayerNormMLP", x, self.hidden_size, "hidden_size")
-        recipe = active_fp8_recipe("LayerNormMLP")
-        if is_block(recipe):
-            check_block_shapes("LayerNormMLP", x.numel() // self.hidden_size,
-                               (self.hidden_size, self.fc1_weight.shape[0]),
-                               (self.ffn_hidden_size, self.hidden_size))
+        q = fp8_quantizers(self, x)
         return _LayerNormMLPFn.apply(x, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight,
                                      self.fc1_bias, self.fc2_weight, self.fc2_bias, self.eps,
                                      self.normalization == "RMSNorm", self.zero_centered_gamma,
-                                     self.activation, self, recipe)
+                                     self.activation, q)
+
+    fp8_num_gemms = 2
+
+    def fp8_features(self):
+        """(name, size) of the FP8 GEMMs' feature dimensions (checked per recipe)."""
+        return (("hidden_size", self.hidden_size), ("FC1's output (ffn_hidden_size, x2 when gated)",
+                                                    self.fc1_weight.shape[0]),
+                ("ffn_hidden_size", self.ffn_hidden_size))
 
     def extra_repr(self):
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "

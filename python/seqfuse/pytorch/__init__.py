@@ -21,11 +21,11 @@ __all__ += ["CrossEntropyLoss", "linear_cross_entropy", "parallel_cross_entropy"
 
 # quantization: autocast, model init, recipes, quantized tensors
 from ..quantization import (Float8Tensor, autocast, checkpoint, fp8_autocast, fp8_model_init,  # noqa: E402
-                            is_fp8_enabled, quantized_model_init)
+                            is_fp8_enabled, make_graphed_callables, quantized_model_init)
 from ..common import recipe  # noqa: E402
 
 __all__ += ["autocast", "fp8_autocast", "quantized_model_init", "fp8_model_init",
-            "is_fp8_enabled", "Float8Tensor", "recipe", "checkpoint"]
+            "is_fp8_enabled", "Float8Tensor", "recipe", "checkpoint", "make_graphed_callables"]
 
 from ..modules.norm import LayerNorm, RMSNorm  # noqa: E402
 

@@ -79,6 +79,21 @@ Outside autocast, call reduce_and_update(recipe, group) yourself.
 quantized_model_init(enabled, recipe, preserve_high_precision_init_val)
 (alias fp8_model_init) + quantized_model_init_state() for module constructors.
 
+GEMM operands (gemm_quantizers.py)
+----------------------------------
+GemmQuantizers: one per FP8 GEMM module (Linear, LayerNormLinear,
+LayerNormMLP): per GEMM an input, a weight and an output-gradient
+quantizer (TE's FP8FwdTensors / FP8BwdTensors index names), the module's
+ScalingState under delayed scaling, the weight cast once per weight
+update, token rows padded to the FP8 GEMMs' multiple of 16 inside.
+init_fp8_state(model, recipe) makes every module's state without a forward;
+weight_casts(model) counts weight casts.
+
+CUDA graphs (graphs.py)
+-----------------------
+make_graphed_callables(modules, sample_args, ..., fp8_enabled, fp8_recipe):
+TE's name; torch.cuda.make_graphed_callables captured under FP8 autocast.
+
 Stats (stats.py)
 ----------------
 enable_stats(every=N, path=None): per-layer amax, scale, underflow and
@@ -95,6 +110,9 @@ from .quantize import (quantize, quantize_block, quantize_current, quantize_mxfp
                        quantize_nvfp4, quantize_with_state)
 from .state import GRAD_OUTPUT, INPUT, WEIGHT, ScalingState, register_scaling_state
 from .recompute import checkpoint
+from .gemm_quantizers import (FP8BwdTensors, FP8FwdTensors, GemmQuantizers, init_fp8_state,
+                              weight_casts)
+from .graphs import make_graphed_callables
 from .stats import disable_stats, enable_stats, name_states, stats_records
 from .tensor import Float8BlockTensor, Float8Tensor, MXFP8Tensor, NVFP4Tensor
 
@@ -103,7 +121,8 @@ __all__ = [
     "MXFP8BlockScaling", "NVFP4BlockScaling",
     "AutocastState", "autocast", "fp8_autocast", "autocast_state", "is_fp8_enabled", "get_recipe",
     "get_amax_reduction_group", "reduce_and_update", "quantized_model_init", "fp8_model_init",
-    "quantized_model_init_state", "checkpoint",
+    "quantized_model_init_state", "checkpoint", "make_graphed_callables",
+    "GemmQuantizers", "FP8FwdTensors", "FP8BwdTensors", "init_fp8_state", "weight_casts",
     "quantize", "quantize_with_state", "quantize_current", "quantize_block", "quantize_mxfp8",
     "quantize_nvfp4",
     "ScalingState", "register_scaling_state", "INPUT", "WEIGHT", "GRAD_OUTPUT",

@@ -8,25 +8,28 @@ from . import recompute, stats
 from .tensor import Float8BlockTensor, Float8Tensor, MXFP8Tensor, NVFP4Tensor
 
 
-def quantize(x, scale, amax, fp8_dtype, *, transpose=False, rowwise=True, dbias=False):
+def quantize(x, scale, amax, fp8_dtype, *, transpose=False, rowwise=True, dbias=False, out=None,
+             out_t=None, scale_inv=None):
     """x -> Float8Tensor with ``scale`` (float32 one-element tensor), folding
     max|x| into ``amax`` (accumulates; None to skip).  ``transpose`` also
     makes the [K, M] copy (x viewed as [M, K]); ``rowwise=False`` makes only
     that copy.  ``dbias`` (with ``transpose``, where
     ``ops.quant.dbias_fusable(x)``): also x's float32 column sums from the same
-    pass, returned as ``(Float8Tensor, dbias)``."""
+    pass, returned as ``(Float8Tensor, dbias)``.  ``out``, ``out_t`` and
+    ``scale_inv`` (optional) are written instead of new tensors."""
     fp8_dtype = qops.fp8_dtype_of(fp8_dtype, "quantize")
     if dbias and not transpose:
         raise ValueError("quantize: dbias=True needs transpose=True (the sums come from the "
                          "cast+transpose kernel)")
-    scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
+    if scale_inv is None:
+        scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
     if transpose:
         data, data_t, *db = qops.cast_transpose_fp8(x, scale, amax, fp8_dtype, scale_inv=scale_inv,
-                                                    rowwise=rowwise, dbias=dbias)
+                                                    rowwise=rowwise, dbias=dbias, out=out, out_t=out_t)
     else:
         if not rowwise:
             raise ValueError("quantize: rowwise=False needs transpose=True (no copy asked for)")
-        data, data_t = qops.cast_fp8(x, scale, amax, fp8_dtype, scale_inv=scale_inv), None
+        data, data_t = qops.cast_fp8(x, scale, amax, fp8_dtype, scale_inv=scale_inv, out=out), None
     q = Float8Tensor(data, scale_inv, fp8_dtype, data_t=data_t, dtype=x.dtype, shape=x.shape)
     return (q, db[0]) if dbias else q
 
@@ -44,20 +47,29 @@ def quantize_with_state(x, state, index, *, transpose=False, rowwise=True, dbias
 
 
 def quantize_current(x, fp8_dtype, *, margin=0, transpose=False, rowwise=True, amax=None,
-                     amax_reduction_group=None, dbias=False):
+                     amax_reduction_group=None, dbias=False, into=None, scale=None):
     """Current scaling: scale = fp8_max / max|x| / 2**margin from x itself
     (an amax pass, an optional all-reduce of that amax, a scale kernel, then
-    the cast).  ``amax`` (optional one-element float32) receives max|x|."""
+    the cast).  ``amax`` (optional one-element float32) receives max|x|.
+    ``into`` (a Float8Tensor of x's shape and format) and ``scale`` (a
+    one-element float32 buffer): written instead of new tensors (a weight
+    re-cast each step allocates nothing)."""
     fp8_dtype = qops.fp8_dtype_of(fp8_dtype, "quantize_current")
     amax = qops.amax(x, out=amax if amax is not None else torch.empty(1, device=x.device))
     if amax_reduction_group is not None:
         torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX,
                                      group=amax_reduction_group)
     amax = amax.reshape(1)
-    scale = torch.empty(1, dtype=torch.float32, device=x.device)
-    scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
+    if scale is None:
+        scale = torch.empty(1, dtype=torch.float32, device=x.device)
+    if into is not None:
+        scale_inv, out, out_t = into.scale_inv, into.data, into.data_t
+    else:
+        scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
+        out = out_t = None
     qops.fp8_compute_scale(amax, scale, scale_inv, qops.FP8_MAX[fp8_dtype], margin)
-    return quantize(x, scale, None, fp8_dtype, transpose=transpose, rowwise=rowwise, dbias=dbias)
+    return quantize(x, scale, None, fp8_dtype, transpose=transpose, rowwise=rowwise, dbias=dbias,
+                    out=out, out_t=out_t, scale_inv=scale_inv)
 
 
 def quantize_block(x, block_rows=1, fp8_dtype=torch.float8_e4m3fn, *, columnwise=False,

@@ -1,0 +1,105 @@
+"""The FP8 GEMM steps shared by Linear, LayerNormLinear and LayerNormMLP.
+
+A module's FP8 forward and backward are, per GEMM, the same three products
+over operands made by its GemmQuantizers (seqfuse.quantization):
+
+    forward  y  = x  W^T    x row-wise,  W row-wise          (fast accumulation)
+    dgrad    dx = dy W      dy row-wise, W^T (the weight's transposed copy)
+    wgrad    dW = dy^T x    dy's and x's transposed (column-wise) copies
+
+Each operand is a triple (data, scale_inv, scaling) where scaling names
+cuBLASLt's block layout ("block_1x128", "block_128x128") or is None for one
+scale per tensor.  The quantizers pad the token rows of x and dy to a
+multiple of 16 (zeros), so y and dx come back with padded rows and are cut
+to the real ones with ``row_prefix``.
+"""
+import torch
+
+from .. import ops
+from ..quantization import gemm_quantizers as gq
+
+row_prefix = gq.row_prefix
+
+
+def _bias(bias, out_dtype):
+    """cuBLASLt's FP8 kernels take the bias in bfloat16 (float16 for a float16 output)."""
+    if bias is None:
+        return None
+    want = torch.float16 if out_dtype == torch.float16 else torch.bfloat16
+    return bias if bias.dtype == want else bias.to(want)
+
+
+def rowwise(q, kind):
+    """The forward / dgrad operand of an activation or gradient cast."""
+    return q.data, q.scale_inv, ("block_1x128" if kind == "block" else None)
+
+
+def columnwise(q, kind):
+    """The wgrad operand: the transposed copy (made now for a producer's row-wise FP8 output)."""
+    if kind == "block":
+        return q.data_t, q.scale_inv_t, "block_1x128"
+    return gq.transposed(q), q.scale_inv, None
+
+
+def weight_forward(pair, kind):
+    w = pair[0]
+    return w.data, w.scale_inv, ("block_128x128" if kind == "block" else None)
+
+
+def weight_dgrad(pair, kind):
+    w = pair[1]
+    if kind == "block":
+        return w.data, w.scale_inv, "block_128x128"
+    return w.data_t, w.scale_inv, None
+
+
+def saved(operand):
+    """The tensors of an operand, for ctx.save_for_backward."""
+    return operand[0], operand[1]
+
+
+def restore(data, scale_inv, kind, weight=False):
+    """An operand back from saved tensors (a weight's dgrad operand, or a wgrad operand)."""
+    if kind != "block":
+        return data, scale_inv, None
+    return data, scale_inv, "block_128x128" if weight else "block_1x128"
+
+
+def gemm(a, b, out_dtype, *, bias=None, fast_accum=False, out=None, accumulate=False):
+    """a [m, k] @ b [n, k]^T over FP8 operand triples."""
+    kw = dict(transb=True, a_scale_inv=a[1], b_scale_inv=b[1], a_scaling=a[2], b_scaling=b[2],
+              bias=_bias(bias, out_dtype), fast_accum=fast_accum)
+    if out is not None:
+        return ops.gemm(a[0], b[0], out=out, accumulate=accumulate, **kw)
+    return ops.gemm(a[0], b[0], out_dtype=out_dtype, **kw)
+
+
+def forward(xq, pair, kind, out_dtype, bias, rows):
+    """y [rows, N] = x W^T (+ bias) from the quantized input and weight."""
+    y = gemm(rowwise(xq, kind), weight_forward(pair, kind), out_dtype, bias=bias,
+             fast_accum=kind != "block")
+    return row_prefix(y, rows)
+
+
+def wgrad_dtype(w_dtype):
+    """The FP8 weight-gradient GEMM's output dtype: the weight's where
+    cuBLASLt writes it, else float32 (then cast)."""
+    return w_dtype if w_dtype in (torch.float32, torch.bfloat16) else torch.float32
+
+
+def backward(g, x_col, w_dgrad, kind, out_dtype, rows, need_dx, need_dw, w_dtype, main_grad=None):
+    """(dx [rows, K] or None, dW or None) from the quantized output gradient
+    ``g``, the input's wgrad operand ``x_col`` and the weight's dgrad
+    operand.  With ``main_grad`` dW is accumulated into it (returned None)."""
+    dx = dw = None
+    if need_dx:
+        dx = row_prefix(gemm(rowwise(g, kind), w_dgrad, out_dtype), rows)
+    if need_dw:
+        g_col = columnwise(g, kind)
+        if main_grad is not None:
+            gemm(g_col, x_col, None, out=main_grad, accumulate=True)
+        else:
+            dw = gemm(g_col, x_col, wgrad_dtype(w_dtype))
+            if dw.dtype != w_dtype:
+                dw = dw.to(w_dtype)
+    return dx, dw

@@ -1,0 +1,432 @@
+"""The FP8 operands of the GEMM modules, made in one place.
+
+Every seqfuse module that runs GEMMs under FP8 autocast (Linear,
+LayerNormLinear, LayerNormMLP, and what is built the same way) owns one
+GemmQuantizers: three tensor roles per GEMM, each a quantizer object,
+
+    InputQuantizer   the GEMM's activation operand  (state index 3g + 0)
+    WeightQuantizer  the weight                     (state index 3g + 1)
+    GradQuantizer    the output gradient            (state index 3g + 2)
+
+with Transformer Engine's names for the indices (FP8FwdTensors.GEMM1_INPUT,
+GEMM1_WEIGHT, GEMM2_INPUT, ...; FP8BwdTensors.GRAD_OUTPUT1, ...).  The set
+knows the active recipe by its type (DelayedScaling, Float8CurrentScaling,
+Float8BlockScaling; MXFP8 and NVFP4 refuse on Hopper) and, under delayed
+scaling, owns the module's ScalingState (child ``fp8_state``, so the
+state_dict carries it).  ``init_fp8_state(model, recipe)`` makes every
+module's state at once, before a checkpoint is loaded, without a forward.
+
+Any number of rows.  Hopper's FP8 GEMMs take K-major operands whose row
+stride is a multiple of 16 bytes, so the weight gradient (dW = dy^T x, a
+reduction over the tokens) needs the transposed copies of x and dy with a
+token count that is a multiple of 16.  The quantizers pad the token rows of
+every FP8 operand they make to the next multiple of 16 with zeros (the
+row-wise copy [Mp, K], the transposed copy [K, Mp]); the forward and input-
+gradient GEMMs then run on Mp rows and their outputs are cut back to the M
+real rows (``row_prefix``: the same storage, no copy, not an autograd
+view).  Zero rows add nothing to the weight and bias gradients, and the
+amaxes are taken over the real rows only, so the real rows' results are the
+aligned computation's.  Aligned inputs take exactly the old path.
+
+Weights are cast once per weight update: WeightQuantizer keeps the FP8
+weight and its transposed copy keyed on the parameter's identity, data
+pointer and version counter (an optimizer step bumps the version), and
+writes a re-cast into the same buffers.  ``is_first_microbatch`` is TE's
+gradient-accumulation contract: True re-casts, False reuses, None re-casts
+when the version moved.  While a CUDA graph is captured the cast is always
+captured, so every replay re-casts from the weight's current values.
+``weight_casts(module)`` counts the casts (tests read it).
+"""
+import enum
+import logging
+
+import torch
+
+from ..common.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
+                             MXFP8BlockScaling, NVFP4BlockScaling, Recipe)
+from ..ops import quant as qops
+from .quantize import quantize_block, quantize_current, quantize_with_state
+from .state import ScalingState
+from .tensor import Float8BlockTensor, Float8Tensor
+
+__all__ = ["FP8FwdTensors", "FP8BwdTensors", "GemmQuantizers", "quantizers_for", "recipe_kind",
+           "init_fp8_state", "weight_casts", "padded_rows", "row_prefix", "ROW_MULTIPLE"]
+
+_log = logging.getLogger("seqfuse")
+
+#: The FP8 GEMMs' token granularity (the wgrad operands' row stride, in bytes).
+ROW_MULTIPLE = 16
+
+
+class FP8FwdTensors(enum.IntEnum):
+    """Transformer Engine's names of the forward tensors' state indices."""
+    GEMM1_INPUT = 0
+    GEMM1_WEIGHT = 1
+    GEMM2_INPUT = 3
+    GEMM2_WEIGHT = 4
+    GEMM3_INPUT = 6
+    GEMM3_WEIGHT = 7
+
+
+class FP8BwdTensors(enum.IntEnum):
+    """Transformer Engine's names of the output gradients' state indices."""
+    GRAD_OUTPUT1 = 2
+    GRAD_OUTPUT2 = 5
+    GRAD_OUTPUT3 = 8
+
+
+def padded_rows(m):
+    """``m`` rounded up to the FP8 GEMMs' token granularity."""
+    return -(-m // ROW_MULTIPLE) * ROW_MULTIPLE
+
+
+def row_prefix(t, rows):
+    """The first ``rows`` rows of the contiguous result ``t`` of a padded GEMM,
+    as a tensor of its own over the same storage (no copy).  A slice would be
+    an autograd view of a tensor made inside a Function, which torch forbids
+    callers to modify in place (a residual ``+=``)."""
+    if t.shape[0] == rows:
+        return t
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), (rows, *t.shape[1:]),
+                               t.stride())
+
+
+def _pad_rows_fp8(data, rows):
+    """FP8 ``data`` [M, K] copied into a zero-padded [rows, K] buffer."""
+    m = data.shape[0]
+    buf = torch.empty((rows, data.shape[1]), dtype=data.dtype, device=data.device)
+    buf[:m].copy_(data)
+    buf[m:].view(torch.uint8).zero_()
+    return buf
+
+
+def _pad_rows(x, rows):
+    """High-precision ``x`` [M, K] in a zero-padded [rows, K] copy (block scaling's
+    unaligned token counts: its row-wise kernel sizes its output from x)."""
+    m = x.shape[0]
+    buf = torch.empty((rows, x.shape[1]), dtype=x.dtype, device=x.device)
+    buf[:m].copy_(x)
+    buf[m:].zero_()
+    return buf
+
+
+_UNSUPPORTED_NOTE = ("its GEMMs need compute capability 10.x (Blackwell) in cuBLASLt; on Hopper use "
+                     "DelayedScaling, Float8CurrentScaling or Float8BlockScaling")
+
+
+def recipe_kind(recipe, cls):
+    """"delayed", "current" or "block" for the recipe's type; recipes whose
+    GEMMs this GPU generation cannot run raise NotImplementedError naming
+    the module ``cls``."""
+    if isinstance(recipe, DelayedScaling):
+        return "delayed"
+    if isinstance(recipe, Float8CurrentScaling):
+        return "current"
+    if isinstance(recipe, Float8BlockScaling):
+        dims = (recipe.x_block_scaling_dim, recipe.w_block_scaling_dim, recipe.grad_block_scaling_dim)
+        if dims != (1, 2, 1):
+            raise NotImplementedError(
+                f"{cls}: Float8BlockScaling is supported with x_block_scaling_dim=1, "
+                f"w_block_scaling_dim=2, grad_block_scaling_dim=1 (cuBLASLt takes no 128x128 x "
+                f"128x128 product), got {dims}")
+        return "block"
+    if isinstance(recipe, (MXFP8BlockScaling, NVFP4BlockScaling)):
+        raise NotImplementedError(f"{cls}: FP8 recipe {type(recipe).__name__} is not supported: "
+                                  f"{_UNSUPPORTED_NOTE}")
+    if isinstance(recipe, Recipe):
+        raise NotImplementedError(f"{cls}: recipe {type(recipe).__name__} has no GEMM path here")
+    raise TypeError(f"{cls}: the FP8 recipe must be a seqfuse.common.recipe recipe, got "
+                    f"{type(recipe).__name__}")
+
+
+def check_features(cls, kind, *features):
+    """The shape rules left once tokens are padded: per GEMM (name, size)
+    pairs, multiples of 16 (the operands' row strides), of 128 for block
+    scaling (whole blocks)."""
+    mult = 128 if kind == "block" else 16
+    for name, size in features:
+        if size % mult:
+            what = ("block-scaled FP8 (1x128 / 128x128 blocks)" if kind == "block" else "FP8 GEMMs")
+            raise ValueError(f"{cls}: {what} need {name} to be a multiple of {mult}, got {size} "
+                             f"(run this layer outside FP8 autocast, or pick a size that is)")
+
+
+# ---- the three roles -------------------------------------------------------------
+
+class _Role:
+    __slots__ = ("owner", "index")
+
+    def __init__(self, owner, index):
+        self.owner, self.index = owner, index
+
+    @property
+    def fp8_dtype(self):
+        o = self.owner
+        fmt = o.recipe.fp8_format
+        return fmt.bwd_dtype if self.index % 3 == 2 else fmt.fwd_dtype
+
+    def _cast(self, x, transpose, dbias=False):
+        """Per-tensor cast of x [M, K] (M aligned) under the owner's recipe."""
+        o = self.owner
+        if o.kind == "delayed":
+            return quantize_with_state(x, o.state, self.index, transpose=transpose, dbias=dbias)
+        return quantize_current(x, self.fp8_dtype, margin=o.margin, transpose=transpose, dbias=dbias)
+
+    def quantize(self, x, transpose=True):
+        """x [M, K] -> Float8Tensor whose data (and data_t) carry
+        ``padded_rows(M)`` token rows, the extra ones zero; ``shape`` stays
+        x's.  Block scaling: a Float8BlockTensor with the row-wise and (if
+        ``transpose``) column-wise 1x128 copies, rows padded likewise."""
+        o = self.owner
+        m = x.shape[0]
+        mp = padded_rows(m)
+        if o.kind == "block":
+            xp = x if mp == m else _pad_rows(x, mp)
+            return quantize_block(xp, 1, self.fp8_dtype, columnwise=transpose)
+        if mp == m:
+            return self._cast(x, transpose)
+        q = self._cast(x, False)
+        data = _pad_rows_fp8(q.data, mp)
+        return Float8Tensor(data, q.scale_inv, q.fp8_dtype, dtype=x.dtype, shape=x.shape,
+                            data_t=qops.transpose_fp8(data) if transpose else None)
+
+    def fp8_output(self, data, scale_inv, dtype):
+        """A producer kernel's FP8 output [M, K] (norm, activation: delayed
+        scaling's fused casts) as this role's padded Float8Tensor standing
+        for ``dtype``, without the transposed copy (``transposed()`` makes it)."""
+        m = data.shape[0]
+        mp = padded_rows(m)
+        shape = data.shape
+        if mp != m:
+            data = _pad_rows_fp8(data, mp)
+        return Float8Tensor(data, scale_inv, data.dtype, dtype=dtype, shape=shape)
+
+    @property
+    def scale(self):
+        """Delayed scaling: (scale, amax slot, fp8 dtype) for a producer kernel's fused cast."""
+        o = self.owner
+        return o.state.scale_of(self.index), o.state.amax_of(self.index), o.state.fp8_dtype(self.index)
+
+
+def transposed(q):
+    """The [K, Mp] transposed copy of a padded Float8Tensor (made now if the
+    cast did not make it)."""
+    return q.data_t if q.data_t is not None else qops.transpose_fp8(q.data)
+
+
+class InputQuantizer(_Role):
+    """A GEMM's activation operand."""
+    __slots__ = ()
+
+
+class GradQuantizer(_Role):
+    """A GEMM's output gradient (the recipe's backward format)."""
+    __slots__ = ()
+    _fallback_logged = []
+
+    def quantize_grad(self, dy, bias_dtype, need_dgrad=True, need_wgrad=True):
+        """(padded FP8 dy with its transposed copy where the weight gradient
+        needs it, the bias gradient in ``bias_dtype`` or None).  The bias
+        gradient comes out of the cast's own pass over dy where its kernel
+        takes dy (aligned rows, K % 8, 16-byte aligned); otherwise a separate
+        float32 column sum, logged once."""
+        o = self.owner
+        m = dy.shape[0]
+        want_db = bias_dtype is not None
+        if o.kind == "block":
+            return self._block_grad(dy, want_db, need_dgrad, need_wgrad, bias_dtype)
+        db = None
+        if not need_wgrad:
+            g = self.quantize(dy, transpose=False)
+        elif want_db and padded_rows(m) == m and qops.dbias_fusable(dy):
+            g, db = self._cast(dy, True, dbias=True)
+        else:
+            g = self.quantize(dy, transpose=True)
+        if want_db and db is None:
+            if need_wgrad and not GradQuantizer._fallback_logged:
+                GradQuantizer._fallback_logged.append(True)
+                _log.warning("seqfuse FP8: a bias gradient is summed in a separate pass over the output "
+                             "gradient (shape %s, contiguous %s, 16-byte aligned %s: the fused cast takes "
+                             "[M, K] with K %% 8 == 0, M %% 16 == 0, contiguous and aligned)",
+                             tuple(dy.shape), dy.is_contiguous(), dy.data_ptr() % 16 == 0)
+            db = dy.sum(0, dtype=torch.float32)
+        return g, (None if db is None else db.to(bias_dtype))
+
+    def _block_grad(self, dy, want_db, need_dgrad, need_wgrad, bias_dtype):
+        m = dy.shape[0]
+        mp = padded_rows(m)
+        dyp = dy if mp == m else _pad_rows(dy, mp)
+        db = None
+        if need_wgrad:
+            g, g_si, g_t, g_t_si, *sums = qops.quantize_block_fp8_rowcol(
+                dyp, self.fp8_dtype, rowwise=need_dgrad, col_sums=want_db)
+            if want_db:
+                db = sums[0].sum(0)
+            q = Float8BlockTensor(g, g_si, 1, dtype=dy.dtype, data_t=g_t, scale_inv_t=g_t_si,
+                                  shape=dy.shape)
+        else:
+            g, g_si = qops.quantize_block_fp8(dyp, 1, self.fp8_dtype)
+            q = Float8BlockTensor(g, g_si, 1, dtype=dy.dtype, shape=dy.shape)
+        if want_db and db is None:
+            db = dy.sum(0, dtype=torch.float32)
+        return q, (None if db is None else db.to(bias_dtype))
+
+
+class WeightQuantizer(_Role):
+    """The weight, cast once per weight update (see the module note).
+    Per-tensor recipes scale the weight from its own amax at the cast (so a
+    first step or a frozen weight never runs on a stale scale); under
+    delayed scaling that amax also lands in the state's weight slot."""
+    __slots__ = ("key", "param", "pair", "casts", "scratch")
+
+    def __init__(self, owner, index):
+        super().__init__(owner, index)
+        self.key = self.param = self.pair = self.scratch = None
+        self.casts = 0
+
+    def get(self, weight, is_first_microbatch=None, sources=None):
+        """(forward operand, input-gradient operand): for per-tensor recipes
+        one Float8Tensor with data [N, K] and data_t [K, N] (both); for block
+        scaling two Float8BlockTensors in 128x128 blocks (W and W^T).
+        ``sources``: the parameters ``weight`` was made from when it is not a
+        parameter itself (TE's parameters_split concatenates its pieces on
+        every call): the cache follows their versions."""
+        o = self.owner
+        w = weight.detach()
+        src = sources if sources is not None else (weight,)
+        key = (o.kind, o.fmt, w.shape, w.dtype, tuple((p.data_ptr(), p._version) for p in src))
+        old = self.key
+        if self.pair is not None and old[:2] == key[:2]:
+            if is_first_microbatch is False:
+                return self.pair
+            if (is_first_microbatch is None and old == key
+                    and all(a is b for a, b in zip(self.param, src))
+                    and not (w.is_cuda and torch.cuda.is_current_stream_capturing())):
+                return self.pair
+        # same kind, format, shape and dtype: the re-cast writes the old buffers
+        reuse = self.pair is not None and old[:4] == key[:4]
+        self.pair = self._cast_weight(w, reuse)
+        self.key, self.param = key, tuple(src)
+        self.casts += 1
+        return self.pair
+
+    def _cast_weight(self, w, reuse):
+        o = self.owner
+        if o.kind == "block":
+            q = quantize_block(w, 128, self.fp8_dtype)
+            return q, block_weight_transposed(q)
+        if self.scratch is None or not reuse:
+            # the amax lands in the state's weight slot under delayed scaling
+            self.scratch = (None if o.kind == "delayed" else torch.empty(1, device=w.device),
+                            torch.empty(1, device=w.device))
+        amax = o.state.amax_of(self.index) if o.kind == "delayed" else self.scratch[0]
+        q = quantize_current(w, self.fp8_dtype, margin=o.margin, transpose=True, amax=amax,
+                             scale=self.scratch[1], into=self.pair[0] if reuse else None)
+        return q, q
+
+
+def block_weight_transposed(q):
+    """W^T in 128x128 blocks from W's: the blocks are the same sets of values,
+    so the bytes are W's transposed and the scales W's scale matrix
+    transposed (re-padded to 4 blocks per row) -- bit for bit what quantizing
+    W.t() gives, for a byte transpose instead of a 16-bit transpose and a
+    second quantization.  Made once per weight update."""
+    out_f, in_f = q.data.shape
+    data_t = qops.transpose_fp8(q.data)
+    rb, cb = out_f // 128, in_f // 128
+    si_t = q.scale_inv.new_zeros((cb, (rb + 3) // 4 * 4))
+    si_t[:, :rb] = q.scale_inv[:rb, :cb].t()
+    return Float8BlockTensor(data_t, si_t, 128, dtype=q.dtype)
+
+
+# ---- one module's set -------------------------------------------------------------
+
+class GemmQuantizers:
+    """The quantizers of one module's ``num_gemms`` GEMMs under one recipe.
+    ``inputs[g]``, ``weights[g]``, ``grads[g]``; ``state`` (delayed scaling:
+    the module's ScalingState of 3 x num_gemms tensors, else None)."""
+
+    __slots__ = ("cls", "num_gemms", "recipe", "kind", "fmt", "margin", "state", "inputs", "weights",
+                 "grads")
+
+    def __init__(self, cls, num_gemms):
+        self.cls, self.num_gemms = cls, num_gemms
+        self.recipe = self.kind = self.fmt = self.state = None
+        self.margin = 0
+        self.inputs = [InputQuantizer(self, 3 * g) for g in range(num_gemms)]
+        self.weights = [WeightQuantizer(self, 3 * g + 1) for g in range(num_gemms)]
+        self.grads = [GradQuantizer(self, 3 * g + 2) for g in range(num_gemms)]
+
+    def quantizer(self, index):
+        """The quantizer of state index ``index`` (an int or a TE enum member)."""
+        g, role = divmod(int(index), 3)
+        return (self.inputs, self.weights, self.grads)[role][g]
+
+    def adopt(self, module, recipe, device):
+        """Take ``recipe`` (called at each FP8 forward; the same recipe object
+        costs one identity check)."""
+        if recipe is self.recipe:
+            if self.state is not None:
+                self.state.ensure_pooled()
+            return self
+        kind = recipe_kind(recipe, self.cls)
+        check_features(self.cls, kind, *module.fp8_features())
+        self.recipe, self.kind = recipe, kind
+        self.fmt = getattr(recipe, "fp8_format", None)
+        self.margin = int(getattr(recipe, "margin", 0))
+        if kind == "delayed":
+            state = getattr(module, "fp8_state", None)
+            if state is None:
+                state = ScalingState(3 * self.num_gemms, recipe,
+                                     backward_indices=tuple(3 * g + 2 for g in range(self.num_gemms)),
+                                     device=device)
+                module.add_module("fp8_state", state)
+            elif state.recipe is not recipe and state.recipe != recipe:
+                state.set_recipe(recipe)
+            state.ensure_pooled()
+            self.state = state
+        else:
+            self.state = None
+        return self
+
+
+def quantizers_for(module, recipe, device):
+    """``module``'s GemmQuantizers under ``recipe`` (made at the first call;
+    the module class says how many GEMMs it has: ``fp8_num_gemms``)."""
+    q = module.__dict__.get("_fp8_quantizers")
+    if q is None:
+        q = module.__dict__["_fp8_quantizers"] = GemmQuantizers(type(module).__name__,
+                                                                 type(module).fp8_num_gemms)
+    return q.adopt(module, recipe, device)
+
+
+def weight_casts(model):
+    """How many weight casts to FP8 the modules of ``model`` (itself
+    included) have made so far, all GEMMs together."""
+    n = 0
+    for m in model.modules():
+        q = m.__dict__.get("_fp8_quantizers")
+        if q is not None:
+            n += sum(w.casts for w in q.weights)
+    return n
+
+
+@torch.no_grad()
+def init_fp8_state(model, recipe):
+    """Make every FP8 GEMM module's scaling state under ``recipe`` now, at its
+    initial values (amax history 0, scale 1), without running the model:
+    a resumed run then finds a place for each saved state when it loads the
+    checkpoint.  Returns the number of states made or adopted (0 for recipes
+    that keep none: current and block scaling)."""
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"init_fp8_state: argument 'recipe' must be a seqfuse.common.recipe recipe, "
+                        f"got {type(recipe).__name__}")
+    n = 0
+    for m in model.modules():
+        if getattr(type(m), "fp8_num_gemms", 0):
+            p = next(iter(m.parameters(recurse=False)), None)
+            device = p.device if p is not None and p.device.type != "meta" else None
+            q = quantizers_for(m, recipe, device)
+            if q.state is not None:
+                n += 1
+    return n

@@ -1,0 +1,95 @@
+"""make_graphed_callables: CUDA graphs of seqfuse modules, FP8 included
+(Transformer Engine's name and arguments).
+
+torch.cuda.make_graphed_callables captures a callable's forward and
+backward into two CUDA graphs; this wraps it so the capture runs under
+seqfuse's FP8 autocast.  What makes FP8 graphable is already in the design:
+every scale, scale inverse and amax lives in GPU memory at an address that
+does not move (the ScalingState pools), the casts read scales and fold
+amaxes on the device, and nothing in a step synchronizes the host.  So the
+graphs hold every cast of the layer, the weight casts included (a captured
+weight cast runs at each replay, from the weight's values then, into the
+same buffers), and every amax they record lands in this step's row of the
+amax history.
+
+The delayed-scaling update (roll the history, new scales; one launch per
+pool chunk for the whole model) is once per step, not once per layer, so it
+is not inside a layer's graph: call the graphed callables inside
+``autocast(recipe=...)`` as the eager ones, and the update runs at the
+region's exit exactly as in eager mode.
+
+Warm-up and capture run the callables a few times; the FP8 scaling state
+(amax history, scales) is put back afterwards, so graphing leaves training
+where it was.
+"""
+import torch
+
+from ..common.recipe import DelayedScaling
+from .autocast import autocast
+from .gemm_quantizers import init_fp8_state
+from .state import ScalingState
+
+__all__ = ["make_graphed_callables"]
+
+
+def _states(callables):
+    seen = []
+    for c in callables:
+        if isinstance(c, torch.nn.Module):
+            for m in c.modules():
+                if isinstance(m, ScalingState) and all(m is not s for s in seen):
+                    seen.append(m)
+    return seen
+
+
+def make_graphed_callables(modules, sample_args, num_warmup_iters=3, allow_unused_input=False,
+                           sample_kwargs=None, fp8_enabled=False, fp8_calibrating=False,
+                           fp8_recipe=None, fp8_group=None, fp8_weight_caching=False, pool=None,
+                           _order=None, retain_graph_in_backward=False):
+    """Graphed versions of ``modules`` (a module or callable, or a tuple of
+    them with a tuple of sample-argument tuples), as
+    torch.cuda.make_graphed_callables returns them, captured with FP8 on
+    when ``fp8_enabled`` (``fp8_recipe``, default DelayedScaling()).
+
+    Run the result inside ``seqfuse.pytorch.autocast`` with the same recipe
+    (the delayed-scaling update runs at that region's exit).
+    ``fp8_weight_caching`` is accepted for TE's signature: weights are cast
+    at every replay (a graph cannot know whether the optimizer stepped).
+    TE's pipeline-schedule arguments (``_order``) and keyword sample
+    arguments are not supported and raise."""
+    if _order is not None:
+        raise NotImplementedError("make_graphed_callables: argument '_order' (pipeline-parallel capture "
+                                  "order) is not supported")
+    if sample_kwargs:
+        raise NotImplementedError("make_graphed_callables: argument 'sample_kwargs' is not supported: "
+                                  "pass every input positionally in sample_args")
+    if retain_graph_in_backward:
+        raise NotImplementedError("make_graphed_callables: argument 'retain_graph_in_backward' is not "
+                                  "supported")
+    if not torch.cuda.is_available():
+        raise RuntimeError("make_graphed_callables: CUDA graphs need a CUDA device")
+    single = not isinstance(modules, tuple)
+    callables = (modules,) if single else modules
+    args = (sample_args,) if single else sample_args
+    if len(callables) != len(args):
+        raise ValueError(f"make_graphed_callables: {len(callables)} callables but {len(args)} sample "
+                         f"argument tuples")
+    recipe = (fp8_recipe if fp8_recipe is not None else DelayedScaling()) if fp8_enabled else None
+    saved = []
+    if recipe is not None:
+        for c in callables:
+            if isinstance(c, torch.nn.Module):
+                init_fp8_state(c, recipe)
+        saved = [(s, s.amax_history.clone(), s.scale.clone(), s.scale_inv.clone())
+                 for s in _states(callables)]
+    with autocast(enabled=bool(fp8_enabled), recipe=recipe, amax_reduction_group=fp8_group,
+                  calibrating=fp8_calibrating):
+        graphed = torch.cuda.make_graphed_callables(
+            callables, tuple(args), num_warmup_iters=num_warmup_iters,
+            allow_unused_input=allow_unused_input, pool=pool)
+    with torch.no_grad():
+        for s, hist, scale, scale_inv in saved:  # in place: the graphs hold these addresses
+            s.amax_history.copy_(hist)
+            s.scale.copy_(scale)
+            s.scale_inv.copy_(scale_inv)
+    return graphed[0] if single else graphed
