@@ -335,11 +335,45 @@ def all_reduce_sum(values, device):
     return t.tolist()
 
 
+def scaling_snapshot(model):
+    """Every delayed-scaling state of ``model`` (seqfuse.quantization.
+    ScalingState: its amax_history, scale and scale_inv buffers, the state
+    the FP8 casts read and the end-of-step update writes), copied."""
+    from seqfuse.quantization import ScalingState
+
+    return [(m, m.amax_history.detach().clone(), m.scale.detach().clone(), m.scale_inv.detach().clone())
+            for m in model.modules() if isinstance(m, ScalingState)]
+
+
+@torch.no_grad()
+def restore_scaling(snapshot):
+    """Put the values of scaling_snapshot back, in place (the buffers are
+    views of seqfuse's pooled chunks: they stay where they are)."""
+    for m, hist, scale, scale_inv in snapshot:
+        m.amax_history.copy_(hist)
+        m.scale.copy_(scale)
+        m.scale_inv.copy_(scale_inv)
+
+
 @torch.no_grad()
 def evaluate(model, val_loader, cfg, recipe, device):
+    """Validation loss.  It never changes training state: under delayed
+    scaling the validation forwards record amaxes and their autocast exits
+    run the scale update (rolling the amax history), so the scaling state
+    is snapshotted before and restored after -- a run that validates trains
+    exactly as one that does not (tests/test_recipe_esm2.py)."""
     from seqfuse.pytorch import autocast
 
     was = model.training
+    snapshot = scaling_snapshot(model) if recipe is not None else []
+    try:
+        return _evaluate(model, val_loader, cfg, recipe, device, autocast)
+    finally:
+        restore_scaling(snapshot)
+        model.train(was)
+
+
+def _evaluate(model, val_loader, cfg, recipe, device, autocast):
     model.eval()
     n = len(val_loader)
     if cfg.data.val_batches:
@@ -356,7 +390,6 @@ def evaluate(model, val_loader, cfg, recipe, device):
         total[1] += k
     if dist.is_initialized():
         dist.all_reduce(total)
-    model.train(was)
     return (total[0] / total[1].clamp(min=1)).item()
 
 
@@ -364,7 +397,15 @@ def evaluate(model, val_loader, cfg, recipe, device):
 def train(cfg, strategy: str = "fsdp2") -> dict:
     """One training run (see the module note); returns its history.  The
     process group is torn down after the run's models are gone
-    (seqfuse.distributed.end_process_group), unless ESM2_KEEP_PG=1."""
+    (seqfuse.distributed.end_process_group), unless ESM2_KEEP_PG=1.
+
+    Before anything is built the config is checked against the schema
+    (config.validate_config: every bad key in one ConfigError) and the
+    output directories are checked writable (config.check_paths)."""
+    from .config import check_paths, validate_config
+
+    cfg = validate_config(cfg)
+    check_paths(cfg)
     result = _run(cfg, strategy)
     if os.environ.get("ESM2_KEEP_PG") != "1":  # (a no-op without a group)
         from seqfuse.distributed import end_process_group
@@ -409,9 +450,20 @@ def _run(cfg, strategy):
     seed_everything(cfg.train.seed, rank)  # training RNG (a resume restores the saved one)
     step = 0
     root = cfg.checkpoint.dir
-    if root and cfg.checkpoint.resume:
-        path = ckpt.latest_checkpoint(root)
+    named = cfg.checkpoint.get("resume_from")
+    total_steps = int(cfg.train.steps)
+    if named or (root and cfg.checkpoint.resume):
+        # verified (manifest sizes and CRC-32s); a damaged newest one is skipped with a warning,
+        # a damaged named one refused
+        path = ckpt.find_resume_checkpoint(root, named)
         if path:
+            saved_step = int(ckpt.read_trainer_state(path)["step"])
+            if saved_step >= total_steps:
+                where = "the end of" if saved_step == total_steps else "beyond"
+                raise ckpt.CheckpointError(
+                    f"checkpoint {path} is at step {saved_step}, {where} train.steps={total_steps}: there is "
+                    f"nothing left to train.  Raise train.steps to continue this run, or start a new one "
+                    f"(checkpoint.resume=false or another checkpoint.dir)")
             state = ckpt.load_checkpoint(path, model, optimizer)
             step = int(state["step"])
             scheduler.load_state_dict(state["scheduler"])
@@ -423,10 +475,12 @@ def _run(cfg, strategy):
             if rank == 0:
                 log.info("resumed from %s at step %d (data epoch %d)", path, step, state["data"]["epoch"])
 
-    total_steps, accum = int(cfg.train.steps), int(cfg.train.grad_accum)
+    accum = int(cfg.train.grad_accum)
     # train.stop_at: end this run after that step (checkpoint written), on
     # train.steps' schedule; a rerun resumes and continues the same run.
     stop_at = total_steps if cfg.train.get("stop_at") is None else min(total_steps, int(cfg.train.stop_at))
+    if step >= stop_at and rank == 0:
+        log.warning("resumed at step %d, at or past train.stop_at=%d: nothing to train in this run", step, stop_at)
     logger = MetricLogger(cfg, rank, total_steps, step)
     batches = endless(train_loader)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -1,0 +1,139 @@
+"""The ESM-2 recipe's config (recipes/esm2/esm2_recipe/config.py): Hydra's
+compose API over hydra_config/, checked against the dataclass schema before
+anything heavy starts.  Every bad key is reported in one ValueError, one line
+per key naming the key, the value and the rule; output directories are
+checked writable at the start, not after training."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = os.path.join(ROOT, "recipes", "esm2")
+sys.path.insert(0, RECIPE)
+
+pytest.importorskip("hydra")
+
+from esm2_recipe import config as C  # noqa: E402
+from esm2_recipe.config import ConfigError, load_config  # noqa: E402
+
+BAD = {  # override -> what its line must say
+    "train.clip_grad_norm=-1": "train.clip_grad_norm=-1: must be a finite number > 0, or null (no clipping)",
+    "train.steps=-5": "train.steps=-5: must be an integer >= 1",
+    "train.warmup_steps=-3": "train.warmup_steps=-3: must be an integer >= 0",
+    "data.mask_prob=1.5": "data.mask_prob=1.5: must be a finite number > 0 and <= 1",
+    "device=tpu": "device='tpu': must be one of 'auto', 'cpu', 'cuda'",
+    "train.grad_accum=0": "train.grad_accum=0: must be an integer >= 1",
+    "train.log_interval=0": "train.log_interval=0: must be an integer >= 1",
+    "train.lr=fast": "train.lr='fast': must be a finite number > 0",
+    "model.hidden_size=big": "model.hidden_size='big': must be an integer >= 1",
+    "precision.recipe=fp4": "precision.recipe='fp4': must be one of 'bf16', 'fp32', 'fp8_delayed'",
+    "train.betas=[0.9]": "train.betas=[0.9]: must be a list of two numbers",
+    "data.packed=maybe": "data.packed='maybe': must be true or false",
+    "precision.bf16_layers=[a]": "precision.bf16_layers=['a']: must be a list of integers",
+}
+
+
+def test_every_bad_key_in_one_error():
+    with pytest.raises(ValueError) as e:
+        load_config("L0_sanity", list(BAD))
+    msg = str(e.value)
+    lines = msg.splitlines()
+    assert lines[0] == f"config L0_sanity: {len(BAD)} bad keys", msg
+    assert len(lines) == 1 + len(BAD), msg
+    for want in BAD.values():
+        assert sum(want in line for line in lines) == 1, (want, msg)
+    assert isinstance(e.value, ConfigError) and len(e.value.problems) == len(BAD)
+
+
+def test_unknown_keys_and_bad_overrides():
+    with pytest.raises(ValueError) as e:
+        load_config("L0_sanity", ["train.stepz=3", "trian.lr=1", "train.steps=4"])
+    msg = str(e.value)
+    assert "train.stepz=3: not a key of the train group (did you mean train.steps?)" in msg
+    assert "trian.lr=1: not a key of the top level (did you mean train?)" in msg
+    with pytest.raises(ValueError, match=r"\+?train.extra=1: not a key of the train group"):
+        load_config("L0_sanity", ["+train.extra=1"])
+    with pytest.raises(ValueError, match="must be key=value"):
+        load_config("L0_sanity", ["train.steps"])
+    with pytest.raises(ValueError, match=r"train=5: must be a group of keys"):
+        load_config("L0_sanity", ["train=5"])
+
+
+def test_cross_key_rules():
+    with pytest.raises(ValueError) as e:
+        load_config("L0_sanity", ["train.stop_at=100", "train.steps=10", "model.num_attention_heads=3",
+                                  "data.micro_batch_tokens=100", "precision.recipe=fp8_delayed",
+                                  "data.pad_to_multiple_of=8"])
+    msg = str(e.value)
+    assert "train.stop_at=100: must be <= train.steps=10" in msg
+    assert "model.num_attention_heads=3: must divide model.hidden_size=64" in msg
+    assert "data.micro_batch_tokens=100: must be >= data.max_length=128" in msg
+    assert "data.pad_to_multiple_of=8: must be a multiple of 16" in msg
+
+
+def test_every_named_config_is_valid_and_base_matches_the_schema():
+    have = sorted(f[:-5] for f in os.listdir(C.CONFIG_DIR) if f.endswith(".yaml"))
+    assert "L0_sanity" in have and "base" in have
+    for name in have:
+        cfg = load_config(name)
+        assert cfg.config_name == name
+    assert C.compose_config("base") == C.schema_defaults()
+    cfg = load_config("35M", ["train.lr=1", "checkpoint.dir=/tmp/x y/ck"])
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float) and cfg.checkpoint.dir == "/tmp/x y/ck"
+
+
+def test_train_refuses_a_bad_config_before_building_anything(monkeypatch):
+    """A config dict handed to train() directly (not through load_config) is
+    checked too, before the model is built."""
+    from esm2_recipe import trainer
+
+    def no_build(*a, **k):
+        raise AssertionError("the model was built from a bad config")
+
+    monkeypatch.setattr(trainer, "build_model", no_build)
+    cfg = load_config("L0_sanity", ["device=cpu"])
+    cfg.train.steps = -5
+    cfg.device = "tpu"
+    with pytest.raises(ValueError) as e:
+        trainer.train(cfg, "ddp")
+    assert "train.steps=-5" in str(e.value) and "device='tpu'" in str(e.value)
+
+
+def test_output_dirs_checked_writable_at_start(tmp_path, monkeypatch):
+    """checkpoint.dir and export_dir that cannot be created are reported at
+    the start (both, in one error), not when the first checkpoint is saved."""
+    from esm2_recipe import trainer
+
+    def no_build(*a, **k):
+        raise AssertionError("training started with unwritable output directories")
+
+    monkeypatch.setattr(trainer, "build_model", no_build)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    cfg = load_config("L0_sanity", ["device=cpu", "train.steps=2", f"checkpoint.dir={blocker}/ck",
+                                    f"checkpoint.export_dir={blocker}", f"logging.metrics_jsonl={blocker}/m.jsonl",
+                                    f"checkpoint.resume_from={tmp_path}/nope"])
+    with pytest.raises(ValueError) as e:
+        trainer.train(cfg, "ddp")
+    msg = str(e.value)
+    assert f"checkpoint.dir='{blocker}/ck': cannot be created: {blocker} is a file" in msg
+    assert f"checkpoint.export_dir='{blocker}': exists and is not a directory" in msg
+    assert "logging.metrics_jsonl=" in msg and "checkpoint.resume_from=" in msg
+    assert not (tmp_path / "ck").exists()
+    # a writable one that does not exist yet passes, and nothing is created by the check
+    C.check_paths(load_config("L0_sanity", [f"checkpoint.dir={tmp_path}/new/ck"]))
+    assert not (tmp_path / "new").exists()
+
+
+def test_command_line_reports_bad_keys_and_exits_2():
+    r = subprocess.run([sys.executable, os.path.join(RECIPE, "train_fsdp2.py"), "--config", "L0_sanity",
+                        "train.steps=-5", "device=tpu"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "train.steps=-5: must be an integer >= 1" in r.stderr and "device='tpu'" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert C.parse_args(["--config-name=35M", "train.steps=3"]) == ("35M", ["train.steps=3"])
+    assert C.parse_args(["--config", "8M"]) == ("8M", [])
+    with pytest.raises(SystemExit, match="unknown option"):
+        C.parse_args(["--steps", "3"])
