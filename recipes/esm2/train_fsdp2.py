@@ -6,9 +6,10 @@ Overrides:              ... train.steps=500 precision.recipe=fp8_delayed data.pa
 
 Every TransformerLayer and then the whole model go through
 torch.distributed.fsdp.fully_shard (parameters, gradients and optimizer
-state sharded across ranks).  With Hydra installed, Hydra's own command
-line works too (``--config-name 35M key=value``); ``--config`` always uses
-the built-in YAML loader.  The loop is recipes/esm2/esm2_recipe/trainer.py.
+state sharded across ranks).  Configs are composed by Hydra's compose API
+(``--config NAME`` or ``--config-name NAME``) and checked against the
+schema in esm2_recipe/config.py before anything is built.  The loop is
+recipes/esm2/esm2_recipe/trainer.py.
 """
 import os
 import sys

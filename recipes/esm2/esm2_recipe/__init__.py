@@ -1,5 +1,5 @@
 """Shared code of the ESM-2 training recipe (recipes/esm2/train_*.py):
-config loading with or without Hydra (config.py), the training loop
+config composition (Hydra's compose API) and schema checks (config.py), the training loop
 (trainer.py), checkpoints and Hugging Face export (checkpoint.py), FLOPs,
 MFU and logging (metrics.py)."""
 from .config import Cfg, load_config, main_entry
