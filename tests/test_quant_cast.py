@@ -204,30 +204,32 @@ def test_cast_transpose_dbias_errors():
 
 
 def test_quantize_grad_fuses_the_bias_gradient_or_says_it_does_not(caplog):
-    """modules.linear.quantize_grad: the sums come from the cast where its
+    """GradQuantizer.quantize_grad: the sums come from the cast where its
     kernel takes dy; a dy it does not take (not contiguous here) gets a
     separate column sum, with one WARNING."""
     import logging
 
-    from seqfuse.modules import linear as L
-    from seqfuse.quantization import quantize_current
+    import seqfuse.pytorch as te
+    from seqfuse.common.recipe import Float8CurrentScaling, Format
+    from seqfuse.quantization import gemm_quantizers as gq
 
-    def cast(t, dbias):
-        return quantize_current(t, E5M2, transpose=True, dbias=dbias)
-
+    m = te.Linear(16, 48, device="cpu", params_dtype=torch.bfloat16)
+    grad = gq.quantizers_for(m, Float8CurrentScaling(fp8_format=Format.HYBRID), torch.device("cpu")).grads[0]
+    assert grad.fp8_dtype == E5M2
     dy = torch.randn(32, 48).to(torch.bfloat16)
-    L._dbias_fallback_logged.clear()
+    gq.GradQuantizer._fallback_logged.clear()
     with caplog.at_level(logging.WARNING, logger="seqfuse"):
-        g, db = L.quantize_grad(cast, dy, torch.bfloat16)
-        g2, db2 = L.quantize_grad(cast, dy.t().contiguous().t(), torch.bfloat16)
-        L.quantize_grad(cast, dy.t().contiguous().t(), torch.bfloat16)
+        g, db = grad.quantize_grad(dy, torch.bfloat16)
+        g2, db2 = grad.quantize_grad(dy.t().contiguous().t(), torch.bfloat16)
+        grad.quantize_grad(dy.t().contiguous().t(), torch.bfloat16)
     warned = [r for r in caplog.records if "separate pass" in r.getMessage()]
     assert len(warned) == 1 and warned[0].levelno == logging.WARNING
     ref = dy.double().sum(0)
     for d in (db, db2):
         assert d.dtype == torch.bfloat16 and torch.allclose(d.double(), ref, rtol=1e-2, atol=1e-2)
     assert torch.equal(bits(g.data), bits(g2.data)) and torch.equal(bits(g.data_t), bits(g2.data_t))
-    assert L.quantize_grad(cast, dy, None)[1] is None
+    assert grad.quantize_grad(dy, None)[1] is None
+
 
 def test_amax_accumulates():
     x = torch.tensor([[1.0, -3.0]])

@@ -216,6 +216,34 @@ def fp8_compute_scale(amax, scale, scale_inv, fp8_max, margin=0):
                          stream_for(amax))
 
 
+def cast_fp8_current(x, fp8_dtype, *, amax, scale, scale_inv, out=None, out_t=None, rowwise=True,
+                     margin=0):
+    """Current scaling of ``x`` in one call: ``amax = max|x|``, ``scale =
+    fp8_max / amax / 2**margin`` (1 where amax is 0 or not finite),
+    ``scale_inv = 1 / scale``, then the cast (and, with ``out_t`` or
+    ``rowwise=False``, the transposed copy [K, M]).  Three kernels on the
+    current stream, no host sync; ``amax``, ``scale`` and ``scale_inv`` are
+    one-element float32 buffers the caller keeps (a weight re-cast each step
+    allocates nothing when ``out`` / ``out_t`` are given too).  Returns
+    ``(data or None, data_t or None)``.  Arguments are checked by the C
+    entries (this is the quantizers' hot path)."""
+    op = "cast_fp8_current"
+    require_fp8_dlpack(op)
+    x = _check_input(op, x)
+    fp8_dtype = fp8_dtype_of(fp8_dtype, op)
+    stream = stream_for(x)
+    _C.amax(x, amax, stream)
+    _C.fp8_compute_scale(amax, scale, scale_inv, FP8_MAX[fp8_dtype], as_int(op, "margin", margin), stream)
+    transpose = out_t is not None or not rowwise
+    if rowwise and out is None:
+        out = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    if transpose and out_t is None:
+        k = x.shape[-1] if x.dim() else 1
+        out_t = torch.empty((k, x.numel() // k if k else 0), dtype=fp8_dtype, device=x.device)
+    _C.cast_fp8(x, scale, None, out if rowwise else None, out_t, None, stream)
+    return (out if rowwise else None), out_t
+
+
 # ---- block-scaled formats ----------------------------------------------------
 
 def _matrix(op, x, multiple, what):

@@ -55,18 +55,31 @@ def quantize_current(x, fp8_dtype, *, margin=0, transpose=False, rowwise=True, a
     one-element float32 buffer): written instead of new tensors (a weight
     re-cast each step allocates nothing)."""
     fp8_dtype = qops.fp8_dtype_of(fp8_dtype, "quantize_current")
-    amax = qops.amax(x, out=amax if amax is not None else torch.empty(1, device=x.device))
+    dev = x.device
+    if amax is None:
+        amax = torch.empty(1, device=dev)
+    if scale is None:
+        scale = torch.empty(1, dtype=torch.float32, device=dev)
+    if into is not None:
+        scale_inv, out, out_t = into.scale_inv, into.data, into.data_t
+    else:
+        scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
+        out = out_t = None
+    if amax_reduction_group is None and not dbias:
+        # the common path (weights, current-scaling activations): one op call
+        if transpose and out_t is None:
+            k = x.shape[-1]
+            out_t = torch.empty((k, x.numel() // k if k else 0), dtype=fp8_dtype, device=dev)
+        data, data_t = qops.cast_fp8_current(x, fp8_dtype, amax=amax.reshape(1), scale=scale,
+                                             scale_inv=scale_inv, out=out,
+                                             out_t=out_t if transpose else None, rowwise=rowwise,
+                                             margin=margin)
+        return Float8Tensor(data, scale_inv, fp8_dtype, data_t=data_t, dtype=x.dtype, shape=x.shape)
+    amax = qops.amax(x, out=amax)
     if amax_reduction_group is not None:
         torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX,
                                      group=amax_reduction_group)
     amax = amax.reshape(1)
-    if scale is None:
-        scale = torch.empty(1, dtype=torch.float32, device=x.device)
-    if into is not None:
-        scale_inv, out, out_t = into.scale_inv, into.data, into.data_t
-    else:
-        scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
-        out = out_t = None
     qops.fp8_compute_scale(amax, scale, scale_inv, qops.FP8_MAX[fp8_dtype], margin)
     return quantize(x, scale, None, fp8_dtype, transpose=transpose, rowwise=rowwise, dbias=dbias,
                     out=out, out_t=out_t, scale_inv=scale_inv)
