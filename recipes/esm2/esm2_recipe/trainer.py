@@ -22,7 +22,6 @@ benchmarks.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import os
@@ -172,40 +171,22 @@ def apply_layer_precision(model, cfg, recipe, rank):
     return keep
 
 
-@torch.no_grad()
-def prepare_fp8_state(model, recipe, device):
-    """Create every module's delayed-scaling state now, at its initial values.
-
-    seqfuse's modules make their ScalingState (amax history, scales) at their
-    first FP8 forward.  A resumed run must have them before the checkpoint is
-    loaded, or the saved ones find no place to go and the run continues from
-    fresh scales (different FP8 rounding from the uninterrupted run).  So one
-    forward of a 32-token dummy batch under the recipe creates them; their
-    values are then reset (history 0, scale 1) and the modules' cached FP8
-    weights dropped, so a fresh run starts exactly as if this forward had
-    never run."""
+def prepare_fp8_state(model, recipe, bf16_layers):
+    """Make the delayed-scaling state (amax history, scales) of every module
+    that runs FP8 now, at its initial values, so a resumed run finds a place
+    for each saved state when the checkpoint is loaded
+    (seqfuse.quantization.init_fp8_state; no forward runs).  The layers in
+    ``bf16_layers`` (apply_layer_precision) run without FP8 and get none.
+    Returns the number of states."""
     from seqfuse.common.recipe import DelayedScaling
-    from seqfuse.pytorch import autocast
-    from seqfuse.quantization import ScalingState
+    from seqfuse.quantization import init_fp8_state
 
     if not isinstance(recipe, DelayedScaling):
         return 0
-    was = model.training
-    model.eval()
-    ids = torch.full((32,), 5, dtype=torch.long, device=device)  # 'A' residues
-    cu = torch.tensor([0, 32], dtype=torch.int32, device=device)
-    with autocast(enabled=True, recipe=dataclasses.replace(recipe, reduce_amax=False)):
-        model(input_ids=ids, cu_seqlens=cu, max_seqlen=32)
-    model.train(was)
-    n = 0
-    for m in model.modules():
-        m.__dict__.pop("_fp8_weight_cache", None)
-        if isinstance(m, ScalingState):
-            m.amax_history.zero_()
-            m.scale.fill_(1.0)
-            m.scale_inv.fill_(1.0)
-            n += 1
-    return n
+    layers = model.esm.encoder.layers
+    skip = {id(m) for i in bf16_layers for m in layers[i].modules()}
+    return sum(init_fp8_state(m, recipe) for m in model.modules()
+               if id(m) not in skip and getattr(type(m), "fp8_num_gemms", 0))
 
 
 def wrap_model(model, strategy, world, device, cfg):
@@ -433,8 +414,8 @@ def _run(cfg, strategy):
         if device.type == "cpu" and cfg.precision.recipe == "bf16" and dtype == torch.float32:
             log.info("precision: recipe bf16 on the CPU runs fp32 parameters (precision.param_dtype=auto); "
                      "set precision.param_dtype=bf16 to force bf16")
-    apply_layer_precision(model, cfg, recipe, rank)
-    n_states = prepare_fp8_state(model, recipe, device)
+    bf16_layers = apply_layer_precision(model, cfg, recipe, rank)
+    n_states = prepare_fp8_state(model, recipe, bf16_layers)
     if rank == 0 and n_states:
         log.info("precision: %d delayed-scaling states created (checkpointed with the model)", n_states)
     model = wrap_model(model, strategy, world, device, cfg)
