@@ -87,6 +87,8 @@ quantizer (TE's FP8FwdTensors / FP8BwdTensors index names), the module's
 ScalingState under delayed scaling, the weight cast once per weight
 update, token rows padded to the FP8 GEMMs' multiple of 16 inside.
 init_fp8_state(model, recipe) makes every module's state without a forward;
+snapshot_scaling(model) / restore_scaling(snapshot) put the states' values
+back after work that must not move them (validation, graph warm-up);
 weight_casts(model) counts weight casts.
 
 CUDA graphs (graphs.py)
@@ -108,7 +110,8 @@ from .autocast import (AutocastState, autocast, autocast_state, fp8_autocast, fp
                        quantized_model_init_state, reduce_and_update)
 from .quantize import (quantize, quantize_block, quantize_current, quantize_mxfp8,
                        quantize_nvfp4, quantize_with_state)
-from .state import GRAD_OUTPUT, INPUT, WEIGHT, ScalingState, register_scaling_state
+from .state import (GRAD_OUTPUT, INPUT, WEIGHT, ScalingState, register_scaling_state, restore_scaling,
+                    snapshot_scaling)
 from .recompute import checkpoint
 from .gemm_quantizers import (FP8BwdTensors, FP8FwdTensors, GemmQuantizers, init_fp8_state,
                               weight_casts)
@@ -125,7 +128,7 @@ __all__ = [
     "GemmQuantizers", "FP8FwdTensors", "FP8BwdTensors", "init_fp8_state", "weight_casts",
     "quantize", "quantize_with_state", "quantize_current", "quantize_block", "quantize_mxfp8",
     "quantize_nvfp4",
-    "ScalingState", "register_scaling_state", "INPUT", "WEIGHT", "GRAD_OUTPUT",
+    "ScalingState", "register_scaling_state", "snapshot_scaling", "restore_scaling", "INPUT", "WEIGHT", "GRAD_OUTPUT",
     "enable_stats", "disable_stats", "name_states", "stats_records",
     "Float8Tensor", "Float8BlockTensor", "MXFP8Tensor", "NVFP4Tensor",
 ]

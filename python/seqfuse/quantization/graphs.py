@@ -27,19 +27,9 @@ import torch
 from ..common.recipe import DelayedScaling
 from .autocast import autocast
 from .gemm_quantizers import init_fp8_state
-from .state import ScalingState
+from .state import restore_scaling, snapshot_scaling
 
 __all__ = ["make_graphed_callables"]
-
-
-def _states(callables):
-    seen = []
-    for c in callables:
-        if isinstance(c, torch.nn.Module):
-            for m in c.modules():
-                if isinstance(m, ScalingState) and all(m is not s for s in seen):
-                    seen.append(m)
-    return seen
 
 
 def make_graphed_callables(modules, sample_args, num_warmup_iters=3, allow_unused_input=False,
@@ -75,21 +65,14 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters=3, allow_unuse
         raise ValueError(f"make_graphed_callables: {len(callables)} callables but {len(args)} sample "
                          f"argument tuples")
     recipe = (fp8_recipe if fp8_recipe is not None else DelayedScaling()) if fp8_enabled else None
-    saved = []
+    modules_in = torch.nn.ModuleList(c for c in callables if isinstance(c, torch.nn.Module))
     if recipe is not None:
-        for c in callables:
-            if isinstance(c, torch.nn.Module):
-                init_fp8_state(c, recipe)
-        saved = [(s, s.amax_history.clone(), s.scale.clone(), s.scale_inv.clone())
-                 for s in _states(callables)]
+        init_fp8_state(modules_in, recipe)
+    saved = snapshot_scaling(modules_in)
     with autocast(enabled=bool(fp8_enabled), recipe=recipe, amax_reduction_group=fp8_group,
                   calibrating=fp8_calibrating):
         graphed = torch.cuda.make_graphed_callables(
             callables, tuple(args), num_warmup_iters=num_warmup_iters,
             allow_unused_input=allow_unused_input, pool=pool)
-    with torch.no_grad():
-        for s, hist, scale, scale_inv in saved:  # in place: the graphs hold these addresses
-            s.amax_history.copy_(hist)
-            s.scale.copy_(scale)
-            s.scale_inv.copy_(scale_inv)
+    restore_scaling(saved)  # in place: the graphs hold these addresses
     return graphed[0] if single else graphed

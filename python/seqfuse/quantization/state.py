@@ -336,3 +336,28 @@ def register_scaling_state(module, name, num_tensors, recipe=None, **kwargs):
     state = ScalingState(num_tensors, recipe, device=device, **kwargs)
     module.add_module(name, state)
     return state
+
+
+def snapshot_scaling(model):
+    """Every delayed-scaling state under ``model`` (its amax_history, scale
+    and scale_inv: what the FP8 casts read and the end-of-step update
+    writes), copied, for :func:`restore_scaling`.  Work that must not move
+    training state (a validation pass, a CUDA-graph warm-up) runs between
+    the two."""
+    seen, out = set(), []
+    for m in model.modules():
+        if isinstance(m, ScalingState) and id(m) not in seen:
+            seen.add(id(m))
+            out.append((m, m.amax_history.detach().clone(), m.scale.detach().clone(),
+                        m.scale_inv.detach().clone()))
+    return out
+
+
+@torch.no_grad()
+def restore_scaling(snapshot):
+    """Put the values of :func:`snapshot_scaling` back, in place (the buffers
+    are views of the pooled chunks, and CUDA graphs hold their addresses)."""
+    for m, hist, scale, scale_inv in snapshot:
+        m.amax_history.copy_(hist)
+        m.scale.copy_(scale)
+        m.scale_inv.copy_(scale_inv)

@@ -316,26 +316,6 @@ def all_reduce_sum(values, device):
     return t.tolist()
 
 
-def scaling_snapshot(model):
-    """Every delayed-scaling state of ``model`` (seqfuse.quantization.
-    ScalingState: its amax_history, scale and scale_inv buffers, the state
-    the FP8 casts read and the end-of-step update writes), copied."""
-    from seqfuse.quantization import ScalingState
-
-    return [(m, m.amax_history.detach().clone(), m.scale.detach().clone(), m.scale_inv.detach().clone())
-            for m in model.modules() if isinstance(m, ScalingState)]
-
-
-@torch.no_grad()
-def restore_scaling(snapshot):
-    """Put the values of scaling_snapshot back, in place (the buffers are
-    views of seqfuse's pooled chunks: they stay where they are)."""
-    for m, hist, scale, scale_inv in snapshot:
-        m.amax_history.copy_(hist)
-        m.scale.copy_(scale)
-        m.scale_inv.copy_(scale_inv)
-
-
 @torch.no_grad()
 def evaluate(model, val_loader, cfg, recipe, device):
     """Validation loss.  It never changes training state: under delayed
@@ -344,9 +324,10 @@ def evaluate(model, val_loader, cfg, recipe, device):
     is snapshotted before and restored after -- a run that validates trains
     exactly as one that does not (tests/test_recipe_esm2.py)."""
     from seqfuse.pytorch import autocast
+    from seqfuse.quantization import restore_scaling, snapshot_scaling
 
     was = model.training
-    snapshot = scaling_snapshot(model) if recipe is not None else []
+    snapshot = snapshot_scaling(model) if recipe is not None else []
     try:
         return _evaluate(model, val_loader, cfg, recipe, device, autocast)
     finally:
