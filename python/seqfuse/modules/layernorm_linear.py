@@ -16,22 +16,16 @@ gradient (cuBLASLt's bgrad epilogue).  Parameters in another dtype than the
 input (float32 master weights with bf16 activations) are cast for the GEMMs;
 their gradients come back in the parameters' dtype.
 
-Under ``seqfuse.quantization.autocast`` with a DelayedScaling recipe, the
-norm kernel writes its output directly in FP8 (scale and amax of the
-module's ScalingState, index 0), the weight is cast and transposed once per
-forward (index 1), the output gradient is cast and transposed (index 2, E5M2
-under Format.HYBRID), and all three GEMMs run in FP8 (forward with fast
-accumulation).  The wgrad GEMM needs the FP8 norm output transposed: that is
-a byte transpose done by torch in the backward.  The bias gradient is a
-float32 column sum by torch.  Float8CurrentScaling: the same GEMMs, each
-operand scaled from its own amax just before its cast (the norm output is
-made in high precision, then cast and transposed).  Float8BlockScaling:
-Linear's block path (seqfuse.modules.linear.block_forward / block_backward):
-the norm output is made in high precision and read once by the kernel that
-writes its row-wise (forward) and column-wise (weight gradient) 1x128 FP8
-copies; the weight in 128x128 blocks is cached until it changes (as
-Linear's); the output gradient gets the same two-copy cast.  Features must
-be multiples of 128 and tokens of 16.  MXFP8 and NVFP4 recipes raise
+Under ``seqfuse.quantization.autocast`` the GEMM runs in FP8 with operands
+made by the module's GemmQuantizers (as Linear's; any token count, the
+weight cast once per weight update): with DelayedScaling the norm kernel
+writes its output directly in FP8 (scale and amax of the module's
+ScalingState, index 0; its transposed copy for the weight gradient is a
+byte transpose), the output gradient is cast and transposed (index 2,
+E5M2 under Format.HYBRID) with the bias gradient summed in the same pass.
+Float8CurrentScaling and Float8BlockScaling make the norm output in high
+precision and cast it (block scaling: row-wise and column-wise 1x128 copies
+in one pass; features multiples of 128).  MXFP8 and NVFP4 recipes raise
 NotImplementedError (their GEMMs need compute capability 10.x).
 
 Unsupported TE arguments (tensor/sequence parallelism, return_bias,

@@ -20,22 +20,16 @@ activation rides in cuBLASLt's epilogues instead (FC1: bias + GELU keeping the
 pre-activation; FC2's dgrad: GELU' and FC1's bias gradient), which saves a
 pass over the [tokens, ffn] activations each way.
 
-Under autocast with DelayedScaling: ScalingState of 6 (3 per GEMM: FC1
+Under FP8 autocast the six GEMMs run in FP8 with operands made by the
+module's GemmQuantizers (as Linear's: any token count, each weight cast once
+per weight update).  DelayedScaling: ScalingState of 6 (3 per GEMM: FC1
 input 0, weight 1, output gradient 2; FC2 input 3, weight 4, output gradient
-5).  The norm kernel writes FC1's input in FP8, the activation kernel writes
-FC2's input in FP8 (fused casts with amax), weights are cast+transposed once
-per forward, output gradients are cast+transposed, and all six GEMMs run in
-FP8.  Float8CurrentScaling: the same six FP8 GEMMs, each operand scaled from
-its own amax just before its cast (norm and activation outputs are made in
-high precision, then cast+transposed).  The activation gradient is computed in the input's dtype, summed for
-FC1's bias gradient, then cast+transposed for FC1's gradient GEMMs.
-Float8BlockScaling: each GEMM runs Linear's block path
-(seqfuse.modules.linear.block_forward / block_backward): the norm output,
-the activation output and both output gradients are made in high precision
-and read once each by the kernel that writes their row-wise and column-wise
-1x128 FP8 copies; the two weights are quantized in 128x128 blocks and cached
-until they change.  hidden and ffn sizes must be multiples of 128, tokens of
-16.
+5); the norm kernel writes FC1's input in FP8 and the activation kernel
+FC2's (fused casts with amax); output gradients are cast and transposed
+with their bias gradients summed in the same pass.  Float8CurrentScaling
+and Float8BlockScaling make the norm and activation outputs in high
+precision and cast them (block: hidden and ffn sizes multiples of 128).
+The activation gradient is computed in the input's dtype.
 """
 import torch
 

@@ -10,35 +10,37 @@ gradient, weight gradient) each one cuBLASLt call:
 Precision: the forward runs in the dtype of torch.autocast when it is on,
 else in the parameters' dtype; bf16 and fp32 parameters are both fine.
 Under seqfuse's FP8 autocast (seqfuse.pytorch.autocast / fp8_autocast) the
-three GEMMs run in FP8 under the active recipe:
+three GEMMs run in FP8 under the active recipe, with operands made by the
+module's GemmQuantizers (seqfuse.quantization.gemm_quantizers, shared with
+LayerNormLinear and LayerNormMLP; the GEMM steps are modules/_fp8.py):
 
   DelayedScaling        input and output-gradient scales from the module's
                         ScalingState (index 0 input, 2 output gradient;
                         E5M2 gradients under Format.HYBRID); forward with
                         fast accumulation, gradients with split accumulation.
                         The weight is scaled by its own amax when it is
-                        quantized (once per weight update, see below), which
-                        is recorded in state index 1.
+                        cast (once per weight update), which is recorded in
+                        state index 1.
   Float8CurrentScaling  scales from each tensor's own amax.
   Float8BlockScaling    1x128 blocks for the input and the output gradient,
                         128x128 for the weight (cuBLASLt's block-scaled FP8);
-                        in/out features must be multiples of 128, the token
-                        count of 16.  Each input / output gradient is read
-                        once by a kernel that writes both its row-wise and
-                        its column-wise (transposed) 1x128 copies; the code
-                        is shared with LayerNormLinear / LayerNormMLP
-                        (block_forward / block_backward below).
+                        in/out features must be multiples of 128.  Each
+                        input / output gradient is read once by a kernel
+                        that writes both its row-wise and its column-wise
+                        (transposed) 1x128 copies.
   MXFP8 / NVFP4         raise NotImplementedError (their GEMMs need compute
                         capability 10.x).
 
+Any number of tokens: the quantizers pad the rows of the FP8 operands to a
+multiple of 16 with zeros and the outputs are cut back to the real rows.
 Hopper's FP8 GEMMs take both operands K-major, so each FP8 operand comes
-with a transposed copy made by a fused cast-transpose kernel: the input's
-in the forward (for the weight gradient), the output gradient's in the
-backward, and the weight's once per weight update.  The quantized weight is
-cached: ``is_first_microbatch=True`` re-quantizes, ``False`` reuses the
-cache (TE's gradient-accumulation contract), ``None`` re-quantizes only when
-the weight changed (its version counter moved) or the recipe changed, and
-always while a CUDA graph is being captured (so replays re-quantize).
+with a transposed copy: the input's in the forward (for the weight
+gradient), the output gradient's in the backward, and the weight's once per
+weight update.  ``is_first_microbatch=True`` re-casts the weight, ``False``
+reuses the cast (TE's gradient-accumulation contract), ``None`` re-casts
+only when the weight changed (its version counter moved) or the recipe
+changed, and always while a CUDA graph is being captured (so replays
+re-cast).
 
 Weight-gradient accumulation (TE's fuse_wgrad_accumulation): where the
 weight parameter carries a float32 ``main_grad`` buffer, dW is accumulated
