@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The FP8 work's GPU run, one command from the repository root on the GPU
+# machine: build, the cuda tests of the FP8 modules (and of the input-check
+# and attention-mask work beside them), then the FP8 benchmarks and the
+# ESM-2 650M rows that show the whole-step effect.  Each step has its own
+# time limit so one slow step cannot eat the others; logs and result JSON
+# are packed into $OUT/fp8_run.tgz (and the JSONs copied to $OUT).
+#   bash benchmarks/gpu_fp8.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/seqfuse-fp8}
+LOG=$(mktemp -d /tmp/fp8_run.XXXX)
+mkdir -p "$OUT"
+pack() { cp benchmarks/results/{fp8_rows,graphs,fp8_host,esm2_s7}.json "$LOG/" 2>/dev/null
+         tar czf "$OUT/fp8_run.tgz" -C "$LOG" .; cp "$LOG"/*.json "$OUT/" 2>/dev/null; }
+trap pack EXIT
+status=0
+run() {  # run LIMIT NAME CMD...: log to $LOG/NAME.log, print its tail
+    local limit=$1 name=$2; shift 2
+    echo "===== $name"
+    timeout "$limit" "$@" > "$LOG/$name.log" 2>&1 || { status=1; echo "($name: exit $?)"; }
+    tail -n "${TAIL:-25}" "$LOG/$name.log"
+}
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+start=$(date +%s)
+MAX_JOBS=16 python3 -m pip install -q --no-build-isolation --no-deps --no-index -e . > "$LOG/build.log" 2>&1 \
+    || { tail -30 "$LOG/build.log"; echo BUILD FAILED; exit 1; }
+echo "build $(( $(date +%s) - start )) s"
+TAIL=12 run ${TEST_LIMIT:-200} pytest python3 -m pytest -q -m cuda -p no:cacheprovider -n 8 --timeout 180 \
+    ${TESTS:-tests/test_fp8_any_rows.py tests/test_linear.py tests/test_layernorm_modules.py \
+     tests/test_transformer_layer.py tests/test_quant_cast.py tests/test_attn_masks.py \
+     tests/test_silent_wrong.py tests/test_act.py}
+cd benchmarks
+TAIL=40 run 110 fp8_rows python3 bench_fp8_rows.py --rows 4097,16383
+TAIL=12 run 90 graphs python3 bench_graphs.py
+TAIL=12 run 60 fp8_host env OMP_NUM_THREADS=1 python3 bench_fp8_host.py --iters 200
+TAIL=14 run 170 esm2 python3 esm2/bench_esm2.py --size 650M --steps 10 --warmup 3 --out esm2_s7 \
+    --rows hf_bf16_fixed,seqfuse_bf16_fixed,seqfuse_fp8_delayed_fixed,seqfuse_fp8_delayed_packed
+echo "gpu_fp8 status $status, $(( $(date +%s) - start )) s"
+exit $status
