@@ -170,26 +170,6 @@ def test_weight_cast_once_per_step_with_accumulation(kind, n_weights, recipe, se
 
 
 @needs_fp8
-def test_weight_recast_reuses_buffers(seed):
-    """A re-cast after an update writes the same FP8 buffers (no allocation)."""
-    m = te.Linear(64, 32, device="cpu", params_dtype=torch.bfloat16)
-    x = torch.randn(16, 64, dtype=torch.bfloat16)
-    with te.autocast(recipe=Float8CurrentScaling()):
-        m(x)
-    q = m._fp8_quantizers.weights[0].pair[0]
-    ptrs = (q.data.data_ptr(), q.data_t.data_ptr(), q.scale_inv.data_ptr())
-    with torch.no_grad():
-        m.weight.mul_(3)
-    with te.autocast(recipe=Float8CurrentScaling()):
-        y = m(x)
-    q2 = m._fp8_quantizers.weights[0].pair[0]
-    assert (q2.data.data_ptr(), q2.data_t.data_ptr(), q2.scale_inv.data_ptr()) == ptrs
-    assert weight_casts(m) == 2
-    ref = x.double() @ m.weight.double().t() + m.bias.double()
-    assert rel_error(y, ref) < 0.05  # the new weight, not the old
-
-
-@needs_fp8
 def test_init_fp8_state_without_forward(seed):
     """init_fp8_state makes the states a checkpoint loads into, at their
     initial values, with no forward; loading then resumes exactly."""
@@ -260,3 +240,79 @@ def test_graphed_layer_equals_eager(recipe, seed):
         assert abs(losses[0] - losses[1]) <= 1e-3 * abs(losses[0]), step
         opt_e.step(), opt_g.step()
         opt_e.zero_grad(), opt_g.zero_grad()
+
+
+@needs_fp8
+def test_recast_never_overwrites_a_weight_a_pending_backward_holds(seed):
+    """Forward, change the weight, forward again, then the first backward:
+    its input gradient uses the weight its forward used (the re-cast writes
+    new buffers while the old ones are saved for a backward)."""
+    m = te.Linear(64, 32, bias=False, device="cpu", params_dtype=torch.bfloat16)
+    w0 = m.weight.detach().clone()
+    x = torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)
+    with te.autocast(recipe=Float8CurrentScaling()):
+        y1 = m(x)
+        with torch.no_grad():
+            m.weight.mul_(-3)
+        m(x.detach())
+    dy = torch.randn(16, 32, dtype=torch.bfloat16)
+    y1.backward(dy)
+    assert weight_casts(m) == 2
+    assert rel_error(x.grad, dy.double() @ w0.double()) < 0.1  # FP8 (E5M2 x E4M3) rounding
+    assert rel_error(x.grad, dy.double() @ (-3 * w0.double())) > 1
+
+
+@needs_fp8
+def test_recipe_changed_in_place_is_seen(seed):
+    r = DelayedScaling()
+    m = te.Linear(64, 32, device="cpu", params_dtype=torch.bfloat16)
+    with te.autocast(recipe=r):
+        m(torch.randn(16, 64, dtype=torch.bfloat16))
+    r.margin = 4
+    assert m._fp8_quantizers.margin == 4
+
+
+def _fsdp2_fp8_worker(rank, port, result):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        m = te.Linear(64, 32, device="cpu", params_dtype=torch.bfloat16)
+        fully_shard(m)
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        errs = []
+        for step in range(3):
+            x = torch.randn(16, 64, dtype=torch.bfloat16)
+            with te.autocast(recipe=Float8CurrentScaling()):
+                y = m(x)
+            w, b = (p.full_tensor() if hasattr(p, "full_tensor") else p for p in (m.weight, m.bias))
+            ref = x.double() @ w.double().t() + b.double()
+            errs.append(rel_error(y, ref))
+            y.float().square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        torch.save({"errs": errs, "casts": weight_casts(m)}, result)
+    finally:
+        dist.destroy_process_group()
+
+
+@needs_fp8
+@pytest.mark.skipif(not hasattr(torch.cpu.Stream, "record_event"), reason="FSDP2 cannot run on CPU here")
+def test_fsdp2_weights_are_recast_every_step(tmp_path):
+    """FSDP2 re-gathers each step's weights into the same unsharded
+    parameter with its version counter preserved: the FP8 weight must follow
+    the new values anyway (cast at every forward under FSDP2)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = str(tmp_path / "r.pt")
+    mp.start_processes(_fsdp2_fp8_worker, args=(port, result), nprocs=1, start_method="fork")
+    out = torch.load(result)
+    assert out["casts"] == 3
+    assert max(out["errs"]) < 0.05, out["errs"]

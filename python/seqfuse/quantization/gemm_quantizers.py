@@ -21,7 +21,10 @@ stride is a multiple of 16 bytes, so the weight gradient (dW = dy^T x, a
 reduction over the tokens) needs the transposed copies of x and dy with a
 token count that is a multiple of 16.  The quantizers pad the token rows of
 every FP8 operand they make to the next multiple of 16 with zeros (the
-row-wise copy [Mp, K], the transposed copy [K, Mp]); the forward and input-
+row-wise copy [Mp, K], the transposed copy [K, Mp]: a padded copy of the
+high-precision input goes through the usual one-pass cast, or, where no
+transposed copy is wanted and for the norm's and activation's own FP8
+outputs, the FP8 rows are copied into a padded buffer); the forward and input-
 gradient GEMMs then run on Mp rows and their outputs are cut back to the M
 real rows (``row_prefix``: the same storage, no copy, not an autograd
 view).  Zero rows add nothing to the weight and bias gradients, and the
@@ -29,9 +32,12 @@ amaxes are taken over the real rows only, so the real rows' results are the
 aligned computation's.  Aligned inputs take exactly the old path.
 
 Weights are cast once per weight update: WeightQuantizer keeps the FP8
-weight and its transposed copy keyed on the parameter's identity, data
-pointer and version counter (an optimizer step bumps the version), and
-writes a re-cast into the same buffers.  ``is_first_microbatch`` is TE's
+weight and its transposed copy keyed on the parameter's identity, device,
+data pointer and version counter (an optimizer step bumps the version); a
+re-cast makes new FP8 buffers (a pending backward may still hold the old
+ones).  Values written without moving the version (``.data`` copies, FSDP2's
+all-gather) are not seen: under FSDP2 weights are cast at every forward;
+after a ``.data`` write pass ``is_first_microbatch=True``.  ``is_first_microbatch`` is TE's
 gradient-accumulation contract: True re-casts, False reuses, None re-casts
 when the version moved.  While a CUDA graph is captured the cast is always
 captured, so every replay re-casts from the weight's current values.
@@ -101,8 +107,9 @@ def _pad_rows_fp8(data, rows):
 
 
 def _pad_rows(x, rows):
-    """High-precision ``x`` [M, K] in a zero-padded [rows, K] copy (block scaling's
-    unaligned token counts: its row-wise kernel sizes its output from x)."""
+    """High-precision ``x`` [M, K] in a zero-padded [rows, K] copy: what the
+    one-pass casts (cast+transpose with the bias gradient's sums, the block
+    formats' row-and-column kernel) read for an unaligned token count."""
     m = x.shape[0]
     buf = torch.empty((rows, x.shape[1]), dtype=x.dtype, device=x.device)
     buf[:m].copy_(x)
@@ -172,11 +179,16 @@ class _Role:
             return quantize_with_state(x, o.state, self.index, transpose=transpose, dbias=dbias)
         return quantize_current(x, self.fp8_dtype, margin=o.margin, transpose=transpose, dbias=dbias)
 
+
     def quantize(self, x, transpose=True):
         """x [M, K] -> Float8Tensor whose data (and data_t) carry
         ``padded_rows(M)`` token rows, the extra ones zero; ``shape`` stays
         x's.  Block scaling: a Float8BlockTensor with the row-wise and (if
-        ``transpose``) column-wise 1x128 copies, rows padded likewise."""
+        ``transpose``) column-wise 1x128 copies, rows padded likewise.
+        Unaligned rows with a transposed copy are padded in x's precision
+        first (a copy of x), so the one-pass cast+transpose runs as for an
+        aligned x and the results are the hand-padded computation's bit for
+        bit; without a transposed copy the FP8 rows are padded after the cast."""
         o = self.owner
         m = x.shape[0]
         mp = padded_rows(m)
@@ -185,10 +197,13 @@ class _Role:
             return quantize_block(xp, 1, self.fp8_dtype, columnwise=transpose)
         if mp == m:
             return self._cast(x, transpose)
+        if transpose:
+            q = self._cast(_pad_rows(x, mp), True)
+            q.shape = x.shape
+            return q
         q = self._cast(x, False)
-        data = _pad_rows_fp8(q.data, mp)
-        return Float8Tensor(data, q.scale_inv, q.fp8_dtype, dtype=x.dtype, shape=x.shape,
-                            data_t=qops.transpose_fp8(data) if transpose else None)
+        return Float8Tensor(_pad_rows_fp8(q.data, mp), q.scale_inv, q.fp8_dtype, dtype=x.dtype,
+                            shape=x.shape)
 
     def fp8_output(self, data, scale_inv, dtype):
         """A producer kernel's FP8 output [M, K] (norm, activation: delayed
@@ -238,8 +253,13 @@ class GradQuantizer(_Role):
         db = None
         if not need_wgrad:
             g = self.quantize(dy, transpose=False)
-        elif want_db and padded_rows(m) == m and qops.dbias_fusable(dy):
-            g, db = self._cast(dy, True, dbias=True)
+        elif want_db:
+            dyp = dy if padded_rows(m) == m else _pad_rows(dy, padded_rows(m))
+            if qops.dbias_fusable(dyp):
+                g, db = self._cast(dyp, True, dbias=True)
+                g.shape = dy.shape
+            else:
+                g = self.quantize(dy, transpose=True)
         else:
             g = self.quantize(dy, transpose=True)
         if want_db and db is None:
@@ -294,35 +314,52 @@ class WeightQuantizer(_Role):
         o = self.owner
         w = weight.detach()
         src = sources if sources is not None else (weight,)
-        key = (o.kind, o.fmt, w.shape, w.dtype, tuple((p.data_ptr(), p._version) for p in src))
+        key = (o.kind, o.fmt, w.shape, w.dtype, w.device,
+               tuple((p.data_ptr(), p._version) for p in src))
         old = self.key
         if self.pair is not None and old[:2] == key[:2]:
             if is_first_microbatch is False:
                 return self.pair
             if (is_first_microbatch is None and old == key
                     and all(a is b for a, b in zip(self.param, src))
+                    and not _fsdp2_in_use()
                     and not (w.is_cuda and torch.cuda.is_current_stream_capturing())):
                 return self.pair
-        # same kind, format, shape and dtype: the re-cast writes the old buffers
-        reuse = self.pair is not None and old[:4] == key[:4]
-        self.pair = self._cast_weight(w, reuse)
+        # new FP8 buffers each time: a pending backward may hold the old ones
+        self.pair = self._cast_weight(w, old is not None and old[:5] == key[:5])
         self.key, self.param = key, tuple(src)
         self.casts += 1
         return self.pair
 
-    def _cast_weight(self, w, reuse):
+    def _cast_weight(self, w, same_shape):
         o = self.owner
         if o.kind == "block":
             q = quantize_block(w, 128, self.fp8_dtype)
             return q, block_weight_transposed(q)
-        if self.scratch is None or not reuse:
-            # the amax lands in the state's weight slot under delayed scaling
+        if self.scratch is None or not same_shape:
+            # amax and scale scratch (nothing keeps them past the cast); the
+            # amax lands in the state's weight slot under delayed scaling
             self.scratch = (None if o.kind == "delayed" else torch.empty(1, device=w.device),
                             torch.empty(1, device=w.device))
         amax = o.state.amax_of(self.index) if o.kind == "delayed" else self.scratch[0]
         q = quantize_current(w, self.fp8_dtype, margin=o.margin, transpose=True, amax=amax,
-                             scale=self.scratch[1], into=self.pair[0] if reuse else None)
+                             scale=self.scratch[1])
         return q, q
+
+
+def _fsdp2_in_use():
+    """Whether torch's FSDP2 (fully_shard) manages modules in this process.
+    FSDP2 re-gathers every weight into the same unsharded parameter each step
+    with its version counter preserved, so version keys cannot see the new
+    values: weights are then cast at every forward, as the all-gather runs at
+    every forward."""
+    return bool(_FSDP_MODULE is not None and _FSDP_MODULE.__subclasses__())
+
+
+try:
+    from torch.distributed.fsdp import FSDPModule as _FSDP_MODULE
+except ImportError:  # pragma: no cover - torch without FSDP2
+    _FSDP_MODULE = None
 
 
 def block_weight_transposed(q):
@@ -346,16 +383,23 @@ class GemmQuantizers:
     ``inputs[g]``, ``weights[g]``, ``grads[g]``; ``state`` (delayed scaling:
     the module's ScalingState of 3 x num_gemms tensors, else None)."""
 
-    __slots__ = ("cls", "num_gemms", "recipe", "kind", "fmt", "margin", "state", "inputs", "weights",
-                 "grads")
+    __slots__ = ("cls", "num_gemms", "recipe", "kind", "state", "inputs", "weights", "grads")
 
     def __init__(self, cls, num_gemms):
         self.cls, self.num_gemms = cls, num_gemms
-        self.recipe = self.kind = self.fmt = self.state = None
-        self.margin = 0
+        self.recipe = self.kind = self.state = None
         self.inputs = [InputQuantizer(self, 3 * g) for g in range(num_gemms)]
         self.weights = [WeightQuantizer(self, 3 * g + 1) for g in range(num_gemms)]
         self.grads = [GradQuantizer(self, 3 * g + 2) for g in range(num_gemms)]
+
+    @property
+    def fmt(self):
+        """The recipe's format, read each time (a recipe changed in place is seen)."""
+        return self.recipe.fp8_format
+
+    @property
+    def margin(self):
+        return int(getattr(self.recipe, "margin", 0))
 
     def quantizer(self, index):
         """The quantizer of state index ``index`` (an int or a TE enum member)."""
@@ -372,8 +416,6 @@ class GemmQuantizers:
         kind = recipe_kind(recipe, self.cls)
         check_features(self.cls, kind, *module.fp8_features())
         self.recipe, self.kind = recipe, kind
-        self.fmt = getattr(recipe, "fp8_format", None)
-        self.margin = int(getattr(recipe, "margin", 0))
         if kind == "delayed":
             state = getattr(module, "fp8_state", None)
             if state is None:

@@ -69,10 +69,12 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters=3, allow_unuse
     if recipe is not None:
         init_fp8_state(modules_in, recipe)
     saved = snapshot_scaling(modules_in)
-    with autocast(enabled=bool(fp8_enabled), recipe=recipe, amax_reduction_group=fp8_group,
-                  calibrating=fp8_calibrating):
-        graphed = torch.cuda.make_graphed_callables(
-            callables, tuple(args), num_warmup_iters=num_warmup_iters,
-            allow_unused_input=allow_unused_input, pool=pool)
-    restore_scaling(saved)  # in place: the graphs hold these addresses
+    try:
+        with autocast(enabled=bool(fp8_enabled), recipe=recipe, amax_reduction_group=fp8_group,
+                      calibrating=fp8_calibrating):
+            graphed = torch.cuda.make_graphed_callables(
+                callables, tuple(args), num_warmup_iters=num_warmup_iters,
+                allow_unused_input=allow_unused_input, pool=pool)
+    finally:
+        restore_scaling(saved)  # in place: the graphs hold these addresses
     return graphed[0] if single else graphed
