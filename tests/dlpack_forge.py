@@ -1,6 +1,6 @@
 """Hand-made DLPack producers (ctypes), to test what no real library will
 export: a tensor that claims to be on a GPU, an unknown major version, a
-read-only flag, and a deleter that counts its calls."""
+read-only flag, a NULL data pointer, and a deleter that counts its calls."""
 import ctypes
 from ctypes import CFUNCTYPE, POINTER, Structure, c_char_p, c_int32, c_int64, c_uint8, c_uint16, c_uint32, c_uint64, c_void_p
 
@@ -57,8 +57,9 @@ class ForgedTensor:
     """Exports `array`'s memory with whatever device, version and flags the
     test asks for.  `deleted` counts deleter calls across all exports."""
 
-    def __init__(self, array, device_type=KDL_CPU, device_id=0, major=1, flags=0):
+    def __init__(self, array, device_type=KDL_CPU, device_id=0, major=1, flags=0, data=None):
         self.array = np.ascontiguousarray(array, dtype=np.float32)
+        self.data = data  # the data pointer to export in place of the array's (0: NULL)
         self.device_type, self.device_id = device_type, device_id
         self.major, self.flags = major, flags
         self.exported = 0
@@ -80,7 +81,8 @@ class ForgedTensor:
         m.version = DLPackVersion(self.major, 0)
         m.deleter = self._deleter
         m.flags = self.flags
-        m.dl_tensor = DLTensor(a.ctypes.data, DLDevice(self.device_type, self.device_id), a.ndim,
+        data = a.ctypes.data if self.data is None else (self.data or None)
+        m.dl_tensor = DLTensor(data, DLDevice(self.device_type, self.device_id), a.ndim,
                                DLDataType(KDL_FLOAT, 32, 1), shape, strides, 0)
         self._keep.append((m, shape, strides))
         self.exported += 1

@@ -60,7 +60,10 @@ SF_HD float sf_erfc(float x)
     return x >= 0.0f ? e : 2.0f - e;
 }
 
-/* The base activation of `kind` (0 gelu-tanh, 1 gelu-erf, 2 silu, 3 relu).
+/* NaN and Inf go where torch's float32 activations send them (tested against
+ * torch for every activation, forward and backward).
+ *
+ * The base activation of `kind` (0 gelu-tanh, 1 gelu-erf, 2 silu, 3 relu).
  * Both GELUs are written without 1 + (something near -1), which cancels for
  * negative x:  0.5 (1 + tanh(u)) = sigmoid(2u),  0.5 (1 + erf(z)) =
  * 0.5 erfc(-z). */
@@ -70,7 +73,7 @@ SF_HD float sf_act_base(int kind, float x)
     case 0: return x * sf_sigmoid(2.0f * SF_GELU_K0 * (x + SF_GELU_K1 * x * x * x));
     case 1: return 0.5f * x * sf_erfc(-x * SF_INV_SQRT2);
     case 2: return x * sf_sigmoid(x);
-    default: return x > 0.0f ? x : 0.0f;
+    default: return x <= 0.0f ? 0.0f : x; /* NaN stays NaN, as torch's relu */
     }
 }
 
@@ -89,7 +92,7 @@ SF_HD float sf_act_base_grad(int kind, float x)
         float s = sf_sigmoid(x);
         return s * (1.0f + x * (1.0f - s));
     }
-    default: return x > 0.0f ? 1.0f : 0.0f;
+    default: return x <= 0.0f ? 0.0f : 1.0f; /* 1 at NaN: torch passes dy there */
     }
 }
 
@@ -118,9 +121,18 @@ SF_HD void sf_act_base_both(int kind, float x, float *f, float *df)
         return;
     }
     default:
-        *f = x > 0.0f ? x : 0.0f;
-        *df = x > 0.0f ? 1.0f : 0.0f;
+        *f = x <= 0.0f ? 0.0f : x;
+        *df = x <= 0.0f ? 0.0f : 1.0f;
     }
+}
+
+/* The chain rule as torch's backward forms it: g * act'(x) for the smooth
+ * activations; for relu torch's threshold_backward SELECTS, 0 where x <= 0
+ * and g elsewhere, so a NaN or Inf g does not turn into NaN in the cut-off
+ * half (g * 0 would), and g passes where x is NaN.  df: sf_act_base_grad. */
+SF_HD float sf_act_chain(int kind, float g, float df)
+{
+    return kind == 3 ? (df != 0.0f ? g : 0.0f) : g * df;
 }
 
 /* ---- Philox-4x32-10: sf_philox(key, counter), csrc/core/philox.h ---------- */

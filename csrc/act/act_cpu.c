@@ -20,31 +20,29 @@ static void store(sf_tensor *t, int64_t i, float v, float scale)
     }
 }
 
-/* max |v| with NaN winning (the CUDA bit-max rule). */
-static float max_abs(float m, float v)
+/* max |v| on bit patterns, NaN winning (the CUDA bit-max rule). */
+static uint32_t max_abs(uint32_t m, float v)
 {
-    float a = fabsf(v);
-    if (isnan(m) || isnan(a))
-        return NAN;
-    return a > m ? a : m;
+    uint32_t b = sf_abs_bits(v);
+    return b > m ? b : m;
 }
 
-static void finish_fp8(const sf_act_args *a, float amax, float scale)
+/* amax accumulates (fp8.h's sf_amax_fold; untouched when there is no element) */
+static void finish_fp8(const sf_act_args *a, uint32_t amax, float scale)
 {
-    if (a->amax)
-        *(float *)a->amax->data = amax;
+    if (a->amax && a->rows > 0 && a->n > 0) {
+        float *slot = (float *)a->amax->data;
+        *slot = sf_bits_f32(sf_amax_fold(sf_f32_bits(*slot), amax));
+    }
     if (a->scale_inv)
         *(float *)a->scale_inv->data = 1.0f / scale;
 }
-
-/* amax accumulates: start from what the slot holds */
-static float amax_start(const sf_act_args *a) { return a->amax ? *(const float *)a->amax->data : 0.0f; }
 
 sf_status sf_act_fwd_cpu(const sf_act_args *a)
 {
     const float scale = a->scale ? *(const float *)a->scale->data : 1.0f;
     const int64_t in_cols = a->gated ? 2 * a->n : a->n;
-    float amax = amax_start(a);
+    uint32_t amax = 0;
     for (int64_t r = 0; r < a->rows; ++r)
         for (int64_t j = 0; j < a->n; ++j) {
             float v = sf_act_base(a->base, sf_tensor_load(a->x, r * in_cols + j));
@@ -61,13 +59,13 @@ sf_status sf_act_bwd_cpu(const sf_act_args *a)
 {
     const float scale = a->scale ? *(const float *)a->scale->data : 1.0f;
     const int64_t in_cols = a->gated ? 2 * a->n : a->n;
-    float amax = amax_start(a);
+    uint32_t amax = 0;
     for (int64_t r = 0; r < a->rows; ++r)
         for (int64_t j = 0; j < a->n; ++j) {
             const float x = sf_tensor_load(a->x, r * in_cols + j);
             const float dy = sf_tensor_load(a->dy, r * a->n + j);
             if (!a->gated) {
-                float d = dy * sf_act_base_grad(a->base, x);
+                float d = sf_act_chain(a->base, dy, sf_act_base_grad(a->base, x));
                 amax = max_abs(amax, d);
                 store(a->out, r * in_cols + j, d, scale);
                 continue;
@@ -75,7 +73,7 @@ sf_status sf_act_bwd_cpu(const sf_act_args *a)
             const float gate = sf_tensor_load(a->x, r * in_cols + a->n + j);
             float f, df;
             sf_act_base_both(a->base, x, &f, &df);
-            float d_act = dy * gate * df;
+            float d_act = sf_act_chain(a->base, dy * gate, df);
             float d_gate = dy * f;
             amax = max_abs(max_abs(amax, d_act), d_gate);
             store(a->out, r * in_cols + j, d_act, scale);

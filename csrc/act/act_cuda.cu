@@ -131,7 +131,7 @@ __device__ __forceinline__ unsigned compute_vec(const ActParams &p, int base, in
         for (int e = 0; e < VEC; ++e) {
             float f, df;
             sf_act_base_both(base, a[e], &f, &df);
-            o[e] = dy[e] * b[e] * df;
+            o[e] = sf_act_chain(base, dy[e] * b[e], df);
             db[e] = dy[e] * f;
         }
         store_out<T, VEC>(p, r * p.in_cols + p.n + c, db, scale);
@@ -139,7 +139,7 @@ __device__ __forceinline__ unsigned compute_vec(const ActParams &p, int base, in
     } else {
 #pragma unroll
         for (int e = 0; e < VEC; ++e)
-            o[e] = dy[e] * sf_act_base_grad(base, a[e]);
+            o[e] = sf_act_chain(base, dy[e], sf_act_base_grad(base, a[e]));
     }
     store_out<T, VEC>(p, r * p.in_cols + c, o, scale);
     return vmax<VEC>(m, o);
@@ -240,7 +240,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) act_vec_kernel(ActParams
                         float f, df;
                         sf_act_base_both(BASE, a[e], &f, &df);
                         const float d = to_f(rd[u].v[e]);
-                        o[e] = d * to_f(rb[u].v[e]) * df;
+                        o[e] = sf_act_chain(BASE, d * to_f(rb[u].v[e]), df);
                         g[e] = d * f;
                     }
                     store_out<T, V>(p, orow + p.n + v * V, g, scale);
@@ -248,7 +248,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) act_vec_kernel(ActParams
                 } else {
 #pragma unroll
                     for (int e = 0; e < V; ++e)
-                        o[e] = to_f(rd[u].v[e]) * sf_act_base_grad(BASE, a[e]);
+                        o[e] = sf_act_chain(BASE, to_f(rd[u].v[e]), sf_act_base_grad(BASE, a[e]));
                 }
                 store_out<T, V>(p, orow + v * V, o, scale);
                 m = vmax<V>(m, o);

@@ -123,8 +123,8 @@ __device__ __forceinline__ void block_publish_max(unsigned m, unsigned *red, uns
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1)
             m = max(m, __shfl_xor_sync(0xffffffffu, m, off));
-        if (t == 0 && m != 0u)
-            atomicMax(out, m);
+        if (t == 0) /* fp8.h's sf_amax_fold: a signed max (a negative start loses to 0) */
+            atomicMax(reinterpret_cast<int *>(out), (int)m);
     }
 }
 

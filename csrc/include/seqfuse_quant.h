@@ -29,6 +29,8 @@ sf_status sf_amax(const sf_tensor *x, sf_tensor *out, sf_stream stream);
  *   scale:  float32, 1 element: q = saturate(x * scale[0]).
  *   amax:   optional float32, 1 element: ACCUMULATES, amax[0] =
  *           max(amax[0], max |x|) (NaN wins).  Zero it first for a fresh max.
+ *           A start with its sign bit set (-0.0, a negative value) counts as
+ *           0 (fp8.h's sf_amax_fold); an empty x leaves amax as it was.
  *   out:    optional FP8, same number of elements as x, contiguous [M, K].
  *   out_t:  optional FP8, contiguous [K, M]: the transposed copy.
  *   scale_inv: optional float32, 1 element: receives 1 / scale[0], so the

@@ -5,7 +5,8 @@
  *
  * The forward computes v = xhat * w + beta in double, rounds it to float32
  * (the value the CUDA kernel holds), then to y's dtype; an FP8 y gets
- * fp8(scale * v); amax[0] becomes max(amax[0], max |v|).
+ * fp8(scale * v); amax[0] becomes max(amax[0], max |v|)
+ * (fp8.h's sf_amax_fold: a start below zero counts as 0).
  */
 #include <math.h>
 
@@ -17,13 +18,11 @@
 /* Read as double: the sums here run in double. */
 static double load(const sf_tensor *t, int64_t i) { return sf_tensor_load(t, i); }
 
-/* Largest of two |values| with NaN winning, as the CUDA bit-max does. */
-static float max_abs(float m, float v)
+/* max |v| on bit patterns, NaN winning, as the CUDA bit-max does. */
+static uint32_t max_abs(uint32_t m, float v)
 {
-    float a = fabsf(v);
-    if (isnan(m) || isnan(a))
-        return NAN;
-    return a > m ? a : m;
+    uint32_t b = sf_abs_bits(v);
+    return b > m ? b : m;
 }
 
 sf_status sf_norm_fwd_cpu(const sf_norm_fwd_args *a)
@@ -31,7 +30,7 @@ sf_status sf_norm_fwd_cpu(const sf_norm_fwd_args *a)
     const int64_t H = a->hidden;
     const int fp8 = a->y->dtype == SF_FLOAT8_E4M3 || a->y->dtype == SF_FLOAT8_E5M2;
     const float scale = a->scale ? *(const float *)a->scale->data : 1.0f;
-    float amax = a->amax ? *(const float *)a->amax->data : 0.0f; /* accumulates */
+    uint32_t amax = 0; /* folded into amax[0] at the end (fp8.h's sf_amax_fold) */
     for (int64_t r = 0; r < a->rows; ++r) {
         const int64_t base = r * H;
         double mean = 0.0;
@@ -66,8 +65,10 @@ sf_status sf_norm_fwd_cpu(const sf_norm_fwd_args *a)
                 ((uint8_t *)a->y->data)[base + j] = sf_f32_to_e5m2(vf * scale);
         }
     }
-    if (a->amax)
-        *(float *)a->amax->data = amax;
+    if (a->amax && a->rows > 0 && H > 0) {
+        float *slot = (float *)a->amax->data;
+        *slot = sf_bits_f32(sf_amax_fold(sf_f32_bits(*slot), amax));
+    }
     if (a->scale_inv)
         *(float *)a->scale_inv->data = 1.0f / scale;
     return SF_OK;

@@ -6,6 +6,8 @@
  *          max_seqlen_q, max_seqlen_kv, deterministic,
  *          dropout_p, dropout_seed, dropout_offset)
  */
+#include <limits.h>
+
 #include "py_call.h"
 #include "attn/attn_sm90.h"
 
@@ -17,15 +19,28 @@ static int parse_config(const char *op, PyObject *obj, sf_attn_config *cfg)
         PyErr_Format(PyExc_TypeError, "%s: argument 'cfg' must be a tuple of %d numbers", op, kCfgLen);
         return -1;
     }
+    /* the integer entries, named as the Python API names them; each must fit
+     * the C int the kernels take (window sizes: -1 for unbounded) */
+    static const char *const names[kCfgScale + 4] = {
+        "qkv_format", "attn_mask_type", "window_size[0]", "window_size[1]", NULL,
+        "max_seqlen_q", "max_seqlen_kv", "deterministic"};
     long v[kCfgScale + 4];
     for (int i = 0; i < kCfgScale + 4; ++i) {
         if (i == kCfgScale)
             continue;
-        v[i] = PyLong_AsLong(PyTuple_GET_ITEM(obj, i));
-        if (v[i] == -1 && PyErr_Occurred())
-            return -1;
-        if (v[i] < -1 || v[i] > 0x7fffffffL) {
-            PyErr_Format(PyExc_ValueError, "%s: config entry %d out of range: %ld", op, i, v[i]);
+        PyObject *item = PyTuple_GET_ITEM(obj, i);
+        v[i] = PyLong_AsLong(item);
+        if (v[i] == -1 && PyErr_Occurred()) {
+            if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+                return -1;
+            PyErr_Clear();
+            v[i] = LONG_MAX; /* reported below with the value itself */
+        }
+        const long low = (i == 2 || i == 3) ? -1 : 0;
+        if (v[i] < low || v[i] > 0x7fffffffL) {
+            PyErr_Format(PyExc_ValueError, "%s: argument '%s' must be in [%ld, 2**31 - 1] (the "
+                         "kernels count in 32-bit ints), got %S",
+                         op, names[i], low, item);
             return -1;
         }
     }

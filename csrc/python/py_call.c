@@ -77,19 +77,33 @@ PyObject *sf_py_numel_query(const char *op, const char *arg, PyObject *const *ar
     return result;
 }
 
-/* ---- the exchange API cache ------------------------------------------- *
+/* ---- the per-type cache ------------------------------------------------ *
  * One lookup per tensor type, then a pointer compare per argument.  Types
- * stay referenced while cached, so an address is never reused under us. */
+ * stay referenced while cached, so an address is never reused under us.
+ * Each entry keeps the type's DLPack C exchange API (NULL: none we can use)
+ * and its `is_neg` method, if it has one (torch's).
+ *
+ * Why is_neg: torch can mark a tensor "negative" (torch._neg_view(x), the
+ * imaginary part of a conjugate view) without touching its memory, and DLPack
+ * has no field for that bit: both import paths hand over x's memory, so the op
+ * would silently compute with x where the caller means -x.  The bit lives in
+ * torch's dispatch keys, out of C's reach without libtorch, so the import asks
+ * the tensor through the method descriptor (a vectorcall, no attribute
+ * lookup).  torch's conjugate bit needs no question: only complex tensors
+ * carry it, and seqfuse takes no complex dtype. */
 
 #define SF_API_CACHE 8
 
 typedef struct {
     PyTypeObject *type;
     const DLPackExchangeAPI *api; /* NULL: the type has none we can use */
-} sf_api_entry;
+    PyObject *is_neg;             /* the type's is_neg method (new ref), or NULL */
+    PyCFunction is_neg_c;         /* its C function where it is a METH_NOARGS method
+                                   * descriptor of a base of the type, else NULL */
+} sf_type_entry;
 
-static sf_api_entry sf_api_cache[SF_API_CACHE];
-static int sf_api_cache_used;
+static sf_type_entry sf_type_cache[SF_API_CACHE];
+static int sf_type_cache_used;
 static int sf_exchange_enabled = 1;
 
 void sf_py_set_exchange_api(int enabled) { sf_exchange_enabled = enabled != 0; }
@@ -103,35 +117,95 @@ static int sf_exchange_api_usable(const DLPackExchangeAPI *api)
            api->dltensor_from_py_object_no_sync != NULL && api->current_work_stream != NULL;
 }
 
-static const DLPackExchangeAPI *sf_lookup_exchange_api(PyTypeObject *type)
+static const DLPackExchangeAPI *sf_find_exchange_api(PyTypeObject *type)
 {
-    for (int i = 0; i < sf_api_cache_used; ++i)
-        if (sf_api_cache[i].type == type)
-            return sf_api_cache[i].api;
-
     const DLPackExchangeAPI *api = NULL;
     PyObject *cap = PyObject_GetAttrString((PyObject *)type, "__dlpack_c_exchange_api__");
     if (cap == NULL) {
         PyErr_Clear();
-    } else {
-        if (PyCapsule_CheckExact(cap) && PyCapsule_IsValid(cap, "dlpack_exchange_api")) {
-            api = (const DLPackExchangeAPI *)PyCapsule_GetPointer(cap, "dlpack_exchange_api");
-        } else if (PyLong_Check(cap)) {
-            /* Some producers publish the table's address as an int. */
-            api = (const DLPackExchangeAPI *)PyLong_AsVoidPtr(cap);
-            PyErr_Clear();
-        }
-        if (!sf_exchange_api_usable(api))
-            api = NULL;
-        Py_DECREF(cap); /* the table itself lives as long as the producer */
+        return NULL;
     }
-    if (sf_api_cache_used < SF_API_CACHE) {
-        Py_INCREF(type);
-        sf_api_cache[sf_api_cache_used].type = type;
-        sf_api_cache[sf_api_cache_used].api = api;
-        sf_api_cache_used++;
+    if (PyCapsule_CheckExact(cap) && PyCapsule_IsValid(cap, "dlpack_exchange_api")) {
+        api = (const DLPackExchangeAPI *)PyCapsule_GetPointer(cap, "dlpack_exchange_api");
+    } else if (PyLong_Check(cap)) {
+        /* Some producers publish the table's address as an int. */
+        api = (const DLPackExchangeAPI *)PyLong_AsVoidPtr(cap);
+        PyErr_Clear();
     }
+    if (!sf_exchange_api_usable(api))
+        api = NULL;
+    Py_DECREF(cap); /* the table itself lives as long as the producer */
     return api;
+}
+
+/* The type's is_neg method if it has a callable one (new ref), else NULL. */
+static PyObject *sf_find_is_neg(PyTypeObject *type)
+{
+    PyObject *m = PyObject_GetAttrString((PyObject *)type, "is_neg");
+    if (m == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    if (!PyCallable_Check(m))
+        Py_CLEAR(m);
+    return m;
+}
+
+/* The cache entry of type (filled on first sight); a type seen after the
+ * cache is full gets a one-off entry in *spare, its reference kept there
+ * until sf_type_entry_done. */
+static const sf_type_entry *sf_lookup_type(PyTypeObject *type, sf_type_entry *spare)
+{
+    for (int i = 0; i < sf_type_cache_used; ++i)
+        if (sf_type_cache[i].type == type)
+            return &sf_type_cache[i];
+    sf_type_entry e = {type, sf_find_exchange_api(type), sf_find_is_neg(type), NULL};
+    if (e.is_neg != NULL && Py_IS_TYPE(e.is_neg, &PyMethodDescr_Type)) {
+        PyMethodDescrObject *d = (PyMethodDescrObject *)e.is_neg;
+        if ((d->d_method->ml_flags & (METH_VARARGS | METH_FASTCALL | METH_NOARGS | METH_O |
+                                      METH_KEYWORDS | METH_METHOD)) == METH_NOARGS &&
+            PyType_IsSubtype(type, PyDescr_TYPE(d)))
+            e.is_neg_c = d->d_method->ml_meth;
+    }
+    if (sf_type_cache_used < SF_API_CACHE) {
+        Py_INCREF(type);
+        sf_type_cache[sf_type_cache_used] = e;
+        return &sf_type_cache[sf_type_cache_used++];
+    }
+    *spare = e;
+    return spare;
+}
+
+static void sf_type_entry_done(const sf_type_entry *e, sf_type_entry *spare)
+{
+    if (e == spare)
+        Py_CLEAR(spare->is_neg);
+}
+
+/* -1 with ValueError if obj carries torch's negative bit (or is_neg fails). */
+static int sf_py_check_neg(sf_py_call *c, const sf_type_entry *e, PyObject *obj, const char *arg)
+{
+    if (e->is_neg == NULL)
+        return 0;
+    PyObject *r;
+    if (e->is_neg_c != NULL) /* a C method of the type's own (torch's): call it directly */
+        r = e->is_neg_c(obj, NULL);
+    else
+        r = PyObject_Vectorcall(e->is_neg, &obj, 1, NULL);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r); /* True and False are immortal or otherwise alive */
+    if (r == Py_False)
+        return 0;
+    if (r == Py_True) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: argument '%s' has torch's negative bit set; call .resolve_neg() "
+                     "first (DLPack cannot carry the bit: its memory holds the negation of "
+                     "the values it stands for)",
+                     c->op, arg);
+        return -1;
+    }
+    return 0; /* not a bool: not torch's bit */
 }
 
 /* ---- DLTensor -> sf_tensor ------------------------------------------- */
@@ -198,10 +272,27 @@ static int sf_view_from_dl(const char *op, const char *arg, const DLTensor *dl,
     out->readonly = readonly;
     out->data = dl->data ? (void *)((char *)dl->data + dl->byte_offset) : NULL;
     int64_t stride = 1;
+    int empty = 0;
     for (int i = dl->ndim - 1; i >= 0; --i) {
+        if (dl->shape[i] < 0) {
+            PyErr_Format(PyExc_ValueError, "%s: argument '%s' has a negative size (%lld) in "
+                         "dimension %d", op, arg, (long long)dl->shape[i], i);
+            return -1;
+        }
+        empty |= dl->shape[i] == 0;
         out->shape[i] = dl->shape[i];
         out->strides[i] = dl->strides ? dl->strides[i] : stride;
         stride *= dl->shape[i];
+    }
+    if (dl->data == NULL && !empty) {
+        /* what torch exports for a tensor whose storage was freed or resized
+         * to 0 (x.untyped_storage().resize_(0), as FSDP2 does to a resharded
+         * parameter) while its shape still promises elements */
+        PyErr_Format(PyExc_ValueError,
+                     "%s: argument '%s' has no memory (a NULL data pointer) but a non-empty "
+                     "shape; was its storage freed or resized to 0?",
+                     op, arg);
+        return -1;
     }
     return 0;
 }
@@ -317,9 +408,32 @@ static int sf_py_not_dlpack(sf_py_call *c, PyObject *obj, const char *arg)
 }
 
 /* Ask obj where it lives, through __dlpack_device__ (portable path only). */
+/* obj.<name> if it is callable (new ref); else -1 with the TypeError that
+ * names the argument ("'int' object is not callable" named nothing). */
+static PyObject *sf_py_dlpack_method(sf_py_call *c, PyObject *obj, const char *arg,
+                                     const char *name)
+{
+    PyObject *m = PyObject_GetAttrString(obj, name);
+    if (m == NULL) {
+        sf_py_not_dlpack(c, obj, arg);
+        return NULL;
+    }
+    if (!PyCallable_Check(m)) {
+        PyErr_Format(PyExc_TypeError, "%s: argument '%s': %s must be callable, got %s", c->op,
+                     arg, name, Py_TYPE(m)->tp_name);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
+
 static int sf_py_dlpack_device(sf_py_call *c, PyObject *obj, const char *arg, int *type)
 {
-    PyObject *dev = PyObject_CallMethod(obj, "__dlpack_device__", NULL);
+    PyObject *method = sf_py_dlpack_method(c, obj, arg, "__dlpack_device__");
+    if (method == NULL)
+        return -1;
+    PyObject *dev = PyObject_CallNoArgs(method);
+    Py_DECREF(method);
     if (dev == NULL) {
         return sf_py_not_dlpack(c, obj, arg);
     }
@@ -338,11 +452,8 @@ static int sf_py_dlpack_device(sf_py_call *c, PyObject *obj, const char *arg, in
     return 0;
 }
 
-static PyObject *sf_py_call_dlpack(PyObject *obj, PyObject *stream, int versioned)
+static PyObject *sf_py_call_dlpack(PyObject *method, PyObject *stream, int versioned)
 {
-    PyObject *method = PyObject_GetAttrString(obj, "__dlpack__");
-    if (method == NULL)
-        return NULL;
     PyObject *args = PyTuple_New(0);
     PyObject *kwargs = PyDict_New();
     PyObject *capsule = NULL;
@@ -360,7 +471,6 @@ static PyObject *sf_py_call_dlpack(PyObject *obj, PyObject *stream, int versione
     }
     Py_XDECREF(args);
     Py_XDECREF(kwargs);
-    Py_DECREF(method);
     return capsule;
 }
 
@@ -406,16 +516,34 @@ static int sf_py_tensor_capsule(sf_py_call *c, PyObject *obj, const char *arg, s
             PyErr_Clear();
         }
     }
-    PyObject *capsule = sf_py_call_dlpack(source, stream, 1);
-    if (capsule == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
-        /* a producer older than DLPack 1.0 knows no max_version */
-        PyErr_Clear();
-        capsule = sf_py_call_dlpack(source, stream, 0);
+    PyObject *method = sf_py_dlpack_method(c, source, arg, "__dlpack__");
+    PyObject *capsule = NULL;
+    if (method != NULL) {
+        capsule = sf_py_call_dlpack(method, stream, 1);
+        if (capsule == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
+            /* a producer older than DLPack 1.0 knows no max_version */
+            PyErr_Clear();
+            capsule = sf_py_call_dlpack(method, stream, 0);
+        }
+        Py_DECREF(method);
     }
     Py_DECREF(source); /* the capsule holds what it needs */
     Py_XDECREF(stream);
     if (capsule == NULL) {
-        return sf_py_not_dlpack(c, obj, arg);
+        if (method != NULL && PyErr_ExceptionMatches(PyExc_BufferError)) {
+            /* the producer's refusal (torch: a conjugate view, a sparse
+             * layout): keep its reason, name the argument */
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            PyErr_NormalizeException(&type, &value, &tb);
+            PyErr_Format(PyExc_ValueError, "%s: argument '%s' cannot be exported through DLPack: %S",
+                         c->op, arg, value);
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+            return -1;
+        }
+        return method == NULL ? -1 : sf_py_not_dlpack(c, obj, arg);
     }
 
     int rc = -1;
@@ -454,12 +582,14 @@ done:
 
 int sf_py_tensor(sf_py_call *c, PyObject *obj, const char *arg, sf_tensor *out)
 {
-    if (sf_exchange_enabled) {
-        const DLPackExchangeAPI *api = sf_lookup_exchange_api(Py_TYPE(obj));
-        if (api != NULL)
-            return sf_py_tensor_exchange(c, api, obj, arg, out);
-    }
-    return sf_py_tensor_capsule(c, obj, arg, out);
+    sf_type_entry spare;
+    const sf_type_entry *e = sf_lookup_type(Py_TYPE(obj), &spare);
+    int rc = sf_py_check_neg(c, e, obj, arg);
+    if (rc == 0)
+        rc = sf_exchange_enabled && e->api != NULL ? sf_py_tensor_exchange(c, e->api, obj, arg, out)
+                                                   : sf_py_tensor_capsule(c, obj, arg, out);
+    sf_type_entry_done(e, &spare);
+    return rc;
 }
 
 int sf_py_optional_tensor(sf_py_call *c, PyObject *obj, const char *arg, sf_tensor *out,

@@ -27,13 +27,8 @@ sf_status sf_cast_fp8_cpu(const sf_cast_args *a)
                 a->out_t[c * a->m + r] = q;
         }
     }
-    if (a->amax) {
-        /* the GPU folds with atomicMax on the raw bits (an unsigned max,
-         * which is the float max for the non-negative values an amax holds
-         * and lets NaN win); do exactly the same */
-        if (m > sf_f32_bits(a->amax[0]))
-            a->amax[0] = sf_bits_f32(m);
-    }
+    if (a->amax && a->m * a->k > 0) /* the GPU's fold (fp8.h); no element, no fold */
+        a->amax[0] = sf_bits_f32(sf_amax_fold(sf_f32_bits(a->amax[0]), m));
     if (a->scale_inv)
         a->scale_inv[0] = SF_DIV(1.0f, s);
     if (a->col_sums)

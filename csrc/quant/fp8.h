@@ -228,4 +228,17 @@ SF_HD float sf_scale_from_amax(float amax, float fp8_max, float pow2_neg_margin,
  * in an amax, and atomicMax on the same bits does the same on the GPU. */
 SF_HD uint32_t sf_abs_bits(float v) { return sf_f32_bits(v) & 0x7fffffffu; }
 
+/* The accumulating amax rule of every op with an amax argument:
+ *   amax[0] = max(amax[0], m),  m = max |v| as sf_abs_bits (never negative),
+ * compared as SIGNED 32-bit integers.  For floats with the sign bit clear that
+ * is the float order (NaN above +inf, so NaN wins); a start with the sign bit
+ * set (-0.0, any negative value) is below every m, so it counts as 0 and is
+ * replaced by the true max |v|.  (An unsigned compare kept a negative start:
+ * its bits are above every non-negative float's.)  The GPU folds with
+ * atomicMax on int, which is this same compare. */
+SF_HD uint32_t sf_amax_fold(uint32_t start, uint32_t m)
+{
+    return (int32_t)m > (int32_t)start ? m : start;
+}
+
 #endif /* SF_FP8_H */

@@ -142,8 +142,8 @@ __device__ __forceinline__ void sf_block_atomic_max_bits(uint32_t v, unsigned *o
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1)
             v = max(v, __shfl_xor_sync(0xffffffffu, v, off));
-        if (lane == 0 && v != 0u)
-            atomicMax(out, v);
+        if (lane == 0) /* fp8.h's sf_amax_fold: a signed max (a negative start loses to 0) */
+            atomicMax(reinterpret_cast<int *>(out), (int)v);
     }
 }
 

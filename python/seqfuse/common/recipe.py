@@ -21,6 +21,8 @@ MXFP8 and NVFP4 GEMMs need compute capability 10.x; on Hopper seqfuse
 quantizes and dequantizes them exactly, and their GEMM is the GEMM layer's
 business (it raises NotImplementedError or runs a named emulation).
 """
+import math
+import numbers
 from dataclasses import dataclass
 from enum import Enum
 
@@ -66,7 +68,35 @@ class Format(Enum):
 
 
 class Recipe:
-    """Base class; the predicates say which family a recipe belongs to."""
+    """Base class; the predicates say which family a recipe belongs to.
+
+    A recipe checks its fields when it is made and again whenever one is
+    assigned afterwards (``recipe.amax_history_len = 0`` raises, naming the
+    field, and leaves the recipe as it was): the scaling state is built from
+    these values later, far from the line that set them."""
+
+    def __setattr__(self, name, value):
+        if not self.__dict__.get("_checked", False):
+            object.__setattr__(self, name, value)  # being constructed: __post_init__ checks
+            return
+        missing = object()
+        previous = self.__dict__.get(name, missing)
+        object.__setattr__(self, name, value)
+        try:
+            self._check()
+        except Exception:
+            if previous is missing:
+                object.__delattr__(self, name)
+            else:
+                object.__setattr__(self, name, previous)
+            raise
+
+    def __post_init__(self):
+        self._check()
+        object.__setattr__(self, "_checked", True)
+
+    def _check(self):
+        """Raise TypeError / ValueError naming the first field that breaks its rule."""
 
     def delayed(self):
         return isinstance(self, DelayedScaling)
@@ -87,9 +117,34 @@ class Recipe:
         return self.delayed() or self.float8_current_scaling()
 
 
-def _check_format(fmt):
+def _check_format(fmt, name="fp8_format"):
     if not isinstance(fmt, Format):
-        raise TypeError(f"fp8_format must be a seqfuse.common.recipe.Format, got {fmt!r}")
+        raise TypeError(f"{name} must be a seqfuse.common.recipe.Format, got {fmt!r}")
+
+
+def _whole(recipe, name, low, high=None):
+    """Field ``name`` of ``recipe`` as an int: a whole, finite real number in
+    [low, high] (a whole float such as 2.0 is fine; a bool, 0.5 or nan is
+    not: the state keeps ints, and int() would truncate or fail far away)."""
+    cls = type(recipe).__name__
+    value = getattr(recipe, name)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{cls}: {name} must be an integer, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{cls}: {name} must be finite, got {value!r}")
+    if value != int(value):
+        raise ValueError(f"{cls}: {name} must be a whole number, got {value!r}")
+    value = int(value)
+    if value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{cls}: {name} must be {bound}, got {value}")
+    return value
+
+
+def _flag(recipe, name):
+    value = getattr(recipe, name)
+    if not isinstance(value, (bool, int)) or value not in (0, 1):
+        raise TypeError(f"{type(recipe).__name__}: {name} must be a bool, got {value!r}")
 
 
 @dataclass
@@ -113,7 +168,7 @@ class DelayedScaling(Recipe):
     fp8_dpa: bool = False
     fp8_mha: bool = False
 
-    def __post_init__(self):
+    def _check(self):
         _check_format(self.fp8_format)
         if self.amax_compute_algo not in ("max", "most_recent"):
             raise ValueError("DelayedScaling: amax_compute_algo must be 'max' or 'most_recent' "
@@ -121,10 +176,10 @@ class DelayedScaling(Recipe):
         if self.scaling_factor_compute_algo is not None:
             raise NotImplementedError("DelayedScaling: a custom scaling_factor_compute_algo is not "
                                       "supported; the fused update computes fp8_max / amax / 2**margin")
-        if int(self.amax_history_len) < 1:
-            raise ValueError(f"DelayedScaling: amax_history_len must be >= 1, got {self.amax_history_len}")
-        if not -64 <= int(self.margin) <= 64:
-            raise ValueError(f"DelayedScaling: margin must be in [-64, 64], got {self.margin}")
+        _whole(self, "amax_history_len", 1)
+        _whole(self, "margin", -64, 64)
+        for name in ("reduce_amax", "fp8_dpa", "fp8_mha"):
+            _flag(self, name)
 
 
 @dataclass
@@ -136,8 +191,9 @@ class Float8CurrentScaling(Recipe):
     fp8_dpa: bool = False
     fp8_mha: bool = False
 
-    def __post_init__(self):
+    def _check(self):
         _check_format(self.fp8_format)
+        _whole(self, "margin", -64, 64)
 
 
 @dataclass
@@ -153,11 +209,12 @@ class Float8BlockScaling(Recipe):
     fp8_dpa: bool = False
     fp8_mha: bool = False
 
-    def __post_init__(self):
+    def _check(self):
         _check_format(self.fp8_format)
         for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
             if getattr(self, name) not in (1, 2):
-                raise ValueError(f"Float8BlockScaling: {name} must be 1 (1x128) or 2 (128x128)")
+                raise ValueError(f"Float8BlockScaling: {name} must be 1 (1x128) or 2 (128x128), "
+                                 f"got {getattr(self, name)!r}")
 
 
 @dataclass
@@ -168,7 +225,7 @@ class MXFP8BlockScaling(Recipe):
     fp8_dpa: bool = False
     fp8_mha: bool = False
 
-    def __post_init__(self):
+    def _check(self):
         _check_format(self.fp8_format)
 
 
@@ -180,7 +237,7 @@ class NVFP4BlockScaling(Recipe):
     fp8_dpa: bool = False
     fp8_mha: bool = False
 
-    def __post_init__(self):
+    def _check(self):
         if self.fp4_format != "E2M1":
             raise ValueError(f"NVFP4BlockScaling: fp4_format must be 'E2M1', got {self.fp4_format!r}")
 

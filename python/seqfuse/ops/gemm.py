@@ -122,6 +122,9 @@ def gemm(a, b, *, transa=False, transb=False, out=None, out_dtype=None, bias=Non
     k = a.shape[0] if transa else a.shape[1]
     n = b.shape[0] if transb else b.shape[1]
     if out is None:
+        if accumulate:
+            raise ValueError("gemm: accumulate=True adds to the current values of 'out', so it "
+                             "requires out (a new output would hold uninitialised memory)")
         if out_dtype is None:
             out_dtype = torch.bfloat16 if a.dtype in FP8_DTYPES else a.dtype
         out = torch.empty((m, n), dtype=out_dtype, device=a.device)
