@@ -8,11 +8,12 @@
 #   bash benchmarks/gpu_fp8.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$(pwd)
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/seqfuse-fp8}
 LOG=$(mktemp -d /tmp/fp8_run.XXXX)
 mkdir -p "$OUT"
-pack() { cp benchmarks/results/{fp8_rows,graphs,fp8_host,esm2_s7}.json "$LOG/" 2>/dev/null
+pack() { cp "$ROOT"/benchmarks/results/{fp8_rows,graphs,fp8_host,esm2_s7}.json "$LOG/" 2>/dev/null
          tar czf "$OUT/fp8_run.tgz" -C "$LOG" .; cp "$LOG"/*.json "$OUT/" 2>/dev/null; }
 trap pack EXIT
 trap "exit 143" TERM

@@ -78,14 +78,19 @@ def test_any_row_count_equals_aligned(kind, recipe, rows, device, seed):
     # A TransformerLayer's pad tokens stop being zero after attention (they
     # attend to the real ones), so the hand-padded run's amaxes (and current
     # or delayed scales) take them in: equal within FP8 rounding only.
+    # The error floor is relative to the largest gradient of the run: with one
+    # real token its query and key weight gradients are 0 in exact arithmetic
+    # (softmax over one key), so GPU rounding noise is all there is to compare.
     exact = kind != "TransformerLayer"
+    floor = max(g.float().norm().item() for g in grads_p.values())
     for got, want, what in [(y, yp[:rows], "output"), (dx, dxp[:rows], "input gradient")] + [
             (grads[n], grads_p[n], n) for n in grads]:
         assert torch.isfinite(got.float()).all(), what
         if exact:
             assert torch.equal(got, want), f"{kind} {recipe} rows={rows}: {what} differs from the aligned run"
         else:
-            assert rel_error(got, want) < 0.05, what
+            err = (got.double() - want.double()).norm().item()
+            assert err <= 0.05 * want.double().norm().item() + 1e-2 * floor, what
     if recipe == "delayed" and exact:  # the same forward amaxes were recorded, so the same scales follow
         assert torch.equal(_forward_scales(m), _forward_scales(twin))
 
