@@ -45,6 +45,7 @@ captured, so every replay re-casts from the weight's current values.
 """
 import enum
 import logging
+import sys
 
 import torch
 
@@ -352,14 +353,12 @@ def _fsdp2_in_use():
     FSDP2 re-gathers every weight into the same unsharded parameter each step
     with its version counter preserved, so version keys cannot see the new
     values: weights are then cast at every forward, as the all-gather runs at
-    every forward."""
-    return bool(_FSDP_MODULE is not None and _FSDP_MODULE.__subclasses__())
-
-
-try:
-    from torch.distributed.fsdp import FSDPModule as _FSDP_MODULE
-except ImportError:  # pragma: no cover - torch without FSDP2
-    _FSDP_MODULE = None
+    every forward.  (Read from sys.modules: a process that never imported
+    FSDP2 cannot be using it, and importing it here would load about 600
+    modules into every seqfuse process.)"""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    cls = getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
+    return bool(cls is not None and cls.__subclasses__())
 
 
 def block_weight_transposed(q):
