@@ -10,6 +10,7 @@ every module and the two runs quantize the same values: the comparison is
 exact.
 """
 import copy
+import time
 
 import pytest
 import torch
@@ -317,7 +318,15 @@ def test_fsdp2_weights_are_recast_every_step(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     result = str(tmp_path / "r.pt")
-    mp.start_processes(_fsdp2_fp8_worker, args=(port, result), nprocs=1, start_method="fork")
+    # spawn, not fork: a fork after many tests can inherit a held lock (seen hanging in a full run)
+    ctx = mp.start_processes(_fsdp2_fp8_worker, args=(port, result), nprocs=1, join=False,
+                             start_method="spawn")
+    deadline = time.time() + 180
+    while not ctx.join(timeout=2):
+        if time.time() > deadline:
+            for proc in ctx.processes:
+                proc.kill()
+            pytest.fail("the FSDP2 worker did not finish within 180 s")
     out = torch.load(result)
     assert out["casts"] == 3
     assert max(out["errs"]) < 0.05, out["errs"]

@@ -82,7 +82,8 @@ def cast_fp8(x, scale, amax, fp8_dtype, *, out=None, scale_inv=None):
     ``amax``: float32 tensor of one element, or None.  It ACCUMULATES:
     ``amax[0] = max(amax[0], max|x|)`` -- the per-step amax of delayed
     scaling is zeroed by the scale update and then gathers every cast of the
-    step.  It must hold a non-negative value (or NaN) before the call.
+    step.  A start below zero (or -0.0) counts as 0 (the fold is a signed
+    max on the float bits); NaN, in the buffer or in x, wins.
     ``scale_inv``: optional float32 tensor of one element that receives
     ``1 / scale[0]`` (the inverse that goes with this data).
     Returns the FP8 tensor (``out`` if given), shaped like ``x``.
