@@ -330,3 +330,14 @@ def test_fsdp2_weights_are_recast_every_step(tmp_path):
     out = torch.load(result)
     assert out["casts"] == 3
     assert max(out["errs"]) < 0.05, out["errs"]
+
+
+def test_recipes_pickle():
+    """Recipes cross into spawned processes and saved configs."""
+    import pickle
+
+    from seqfuse.common.recipe import Format
+
+    for r in (DelayedScaling(fp8_format=Format.HYBRID, margin=1), Float8CurrentScaling(), Float8BlockScaling()):
+        back = pickle.loads(pickle.dumps(r))
+        assert back == r and back.fp8_format is r.fp8_format

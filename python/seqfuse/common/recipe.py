@@ -50,6 +50,12 @@ class Format(Enum):
     E5M2 = _FormatSpec(torch.float8_e5m2, torch.float8_e5m2)
     HYBRID = _FormatSpec(torch.float8_e4m3fn, torch.float8_e5m2)
 
+    def __reduce_ex__(self, protocol):
+        # by name: the default pickles the value, which compares by identity
+        # and so matched no member when unpickled (a recipe could not cross
+        # into a spawned process or a pickled config)
+        return getattr, (type(self), self.name)
+
     @property
     def fwd_dtype(self):
         return self.value.fwd_dtype
