@@ -37,60 +37,13 @@ import torch
 from ..common.recipe import DelayedScaling, Recipe
 from ..ops import quant as qops
 from . import stats
+from ._autocast_state import (AutocastState, autocast_state, get_amax_reduction_group, get_recipe,
+                              is_fp8_enabled)
 from .state import POOL
 
-
-class AutocastState:
-    """What a module sees: enabled, recipe, amax_reduction_group, calibrating."""
-
-    # recomputing: checkpoint recomputes open on this thread (an autocast
-    # left inside one must not run the step's scale update again)
-    __slots__ = ("enabled", "recipe", "amax_reduction_group", "calibrating", "recomputing")
-
-    def __init__(self):
-        self.enabled = False
-        self.recipe = None
-        self.amax_reduction_group = None
-        self.calibrating = False
-        self.recomputing = 0
-
-    def settings(self):
-        """(enabled, recipe, amax_reduction_group, calibrating): what a region
-        sets and restores (and a checkpoint recompute re-enters)."""
-        return self.enabled, self.recipe, self.amax_reduction_group, self.calibrating
-
-    def restore(self, settings):
-        self.enabled, self.recipe, self.amax_reduction_group, self.calibrating = settings
-
-    def __repr__(self):
-        return (f"AutocastState(enabled={self.enabled}, recipe={self.recipe}, "
-                f"calibrating={self.calibrating})")
-
-
-_local = threading.local()
-
-
-def autocast_state():
-    """The current AutocastState of this thread."""
-    s = getattr(_local, "state", None)
-    if s is None:
-        s = _local.state = AutocastState()
-    return s
-
-
-def is_fp8_enabled():
-    """True inside an enabled autocast region (any quantized recipe)."""
-    return autocast_state().enabled
-
-
-def get_recipe():
-    """The recipe of the current autocast region (DelayedScaling() outside one)."""
-    r = autocast_state().recipe
-    return r if r is not None else DelayedScaling()
-
-
-def get_amax_reduction_group():
-    return autocast_state().amax_reduction_group
+__all__ = ["AutocastState", "autocast_state", "is_fp8_enabled", "get_recipe", "get_amax_reduction_group",
+           "reduce_and_update", "autocast", "fp8_autocast", "quantized_model_init", "fp8_model_init",
+           "quantized_model_init_state"]
 
 
 def _default_group(recipe, group):

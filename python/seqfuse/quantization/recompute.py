@@ -29,11 +29,14 @@ import threading
 
 import torch
 
+from ._autocast_state import autocast_state
+
 _local = threading.local()
-# How many recording / replaying contexts are open in any thread: scale_of and
-# amax_of run for every FP8 cast, and with none open they return at once
-# (no thread-local lookup on the hot path).
-_open = 0
+#: How many recording / replaying contexts are open in any thread: scale_of
+#: and amax_of run for every FP8 cast, and with none open they return at once
+#: (no thread-local lookup, no call into this module, on the hot path).
+#: Read it; only this module changes it.
+open_contexts = 0
 _open_lock = threading.Lock()
 
 
@@ -51,16 +54,16 @@ def _top(name):
 
 
 def _opened(delta):
-    global _open
+    global open_contexts
     with _open_lock:
-        _open += delta
+        open_contexts += delta
 
 
 def scale_for(state, index, scale):
     """What ``state.scale_of(index)`` returns: ``scale`` (the live one),
     noted inside a checkpointed forward, replaced by the noted copy inside
     its recompute."""
-    if not _open:
+    if not open_contexts:
         return scale
     key = (id(state), index)
     replay = _top("replays")
@@ -78,7 +81,7 @@ def scale_for(state, index, scale):
 
 def replaying():
     """True inside a checkpoint's recompute on this thread."""
-    return bool(_open) and _top("replays") is not None
+    return bool(open_contexts) and _top("replays") is not None
 
 
 def amax_for(amax):
@@ -101,8 +104,6 @@ def _recording(casts):
 
 @contextlib.contextmanager
 def _replaying(settings, casts):
-    from .autocast import autocast_state  # (autocast imports state, which imports this module)
-
     s = autocast_state()
     before = s.settings()
     s.restore(settings)
@@ -131,8 +132,6 @@ def checkpoint(function, *args, use_reentrant=False, distribute_saved_activation
     if distribute_saved_activations or get_rng_state_tracker is not None or tp_group is not None:
         raise NotImplementedError("checkpoint: distribute_saved_activations, get_rng_state_tracker and "
                                   "tp_group (tensor parallelism) are not supported")
-    from .autocast import autocast_state
-
     s = autocast_state()
     settings = s.settings()
     casts = {}  # (id(state), index) -> the scale the forward used

@@ -200,14 +200,14 @@ class ScalingState(nn.Module):
         v = self._pooled_views()
         amax = v[0][index] if v is not None else self.amax_history[0, index:index + 1]
         # (the hot path: no call into recompute unless a checkpoint is open)
-        return recompute.amax_for(amax) if recompute._open else amax
+        return recompute.amax_for(amax) if recompute.open_contexts else amax
 
     def scale_of(self, index):
         """A one-element view of tensor ``index``'s scale (inside a
         checkpoint recompute: the copy its forward used)."""
         v = self._pooled_views()
         scale = v[1][index] if v is not None else self.scale[index:index + 1]
-        return recompute.scale_for(self, index, scale) if recompute._open else scale
+        return recompute.scale_for(self, index, scale) if recompute.open_contexts else scale
 
     def scale_inv_of(self, index):
         v = self._pooled_views()

@@ -15,7 +15,7 @@ import logging
 
 import torch
 
-from .state import STATES
+from .state import STATES, ScalingState
 
 _log = logging.getLogger("seqfuse.fp8_stats")
 
@@ -60,8 +60,6 @@ def recording():
 
 def name_states(model):
     """Name every ScalingState in ``model`` after its module path."""
-    from .state import ScalingState
-
     for name, m in model.named_modules():
         if isinstance(m, ScalingState):
             m.name = name or "root"
