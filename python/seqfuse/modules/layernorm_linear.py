@@ -1,6 +1,6 @@
 """LayerNormLinear: normalization fused in front of a linear layer
-(Transformer Engine's name, arguments and parameter names), and the pieces
-LayerNormMLP shares with it.
+(Transformer Engine's name, arguments and parameter names).  What it shares
+with LayerNormMLP is in seqfuse.modules._base.
 
     LayerNormLinear(in_features, out_features, eps=1e-5, bias=True,
                     normalization="LayerNorm", zero_centered_gamma=False,
@@ -35,95 +35,12 @@ NotImplementedError when set to anything but their default.
 import torch
 
 from .. import ops
-from .. import quantization as _q
-from ..quantization import gemm_quantizers as _gq
 from . import _fp8 as F8
+from ._base import (TE_DEFAULTS, as_dtype, check_normalization, default_device, fp8_norm,  # noqa: F401
+                    fp8_quantizers, hidden_dim, init_weight, make_norm_params, norm_backward,
+                    norm_forward, norm_param, reject_unsupported, reset_norm_params)
 from ._input import check_input
 from ._split import fused_params, install_split, parse_split, reset_split, weight_sources
-from .norm import _hidden, default_device
-
-def _check_normalization(normalization):
-    if normalization not in ("LayerNorm", "RMSNorm"):
-        raise ValueError(f"argument 'normalization' must be 'LayerNorm' or 'RMSNorm', got {normalization!r}")
-
-
-def _reject_unsupported(cls, kwargs, defaults):
-    for name, value in kwargs.items():
-        if name not in defaults:
-            raise TypeError(f"{cls}: unexpected argument {name!r}")
-        if value != defaults[name]:
-            raise NotImplementedError(f"{cls}: argument {name}={value!r} is not supported "
-                                      f"(only {defaults[name]!r})")
-
-
-#: TE arguments accepted for compatibility, with the only value supported.
-TE_DEFAULTS = {"sequence_parallel": False, "fuse_wgrad_accumulation": False, "tp_group": None,
-               "tp_size": 1, "get_rng_state_tracker": None, "return_bias": False,
-               "parallel_mode": None, "return_layernorm_output_gathered": False,
-               "ub_overlap_ag": False, "ub_overlap_rs": False,
-               "ub_overlap_rs_dgrad": False, "ub_bulk_wgrad": False, "ub_bulk_dgrad": False,
-               "ub_name": None, "name": None, "set_parallel_mode": False, "ub_overlap_ag_fprop": False,
-               "ub_overlap_rs_fprop": False}
-
-
-# ---- pieces shared with LayerNormMLP -------------------------------------------
-
-def norm_forward(x2, weight, bias, eps, rms, zc, out_dtype=None, scale=None, amax=None,
-                 scale_inv=None):
-    """(y, mean, rstd) of the module's normalization; mean is None for RMSNorm."""
-    if rms:
-        y, rstd = ops.rmsnorm_fwd(x2, weight, eps, zc, out_dtype, scale, amax, scale_inv)
-        return y, None, rstd
-    return ops.layernorm_fwd(x2, weight, bias, eps, zc, out_dtype, scale, amax, scale_inv)
-
-
-def norm_backward(dy2, x2, mean, rstd, weight, rms, zc, has_bias):
-    """(dx, dgamma, dbeta or None)."""
-    if rms:
-        dx, dg = ops.rmsnorm_bwd(dy2, x2, rstd, weight, zc)
-        return dx, dg, None
-    return ops.layernorm_bwd(dy2, x2, mean, rstd, weight, zc, has_bias)
-
-
-def norm_param(p, x):
-    """The norm kernels take weights in the input's dtype or float32."""
-    if p is None or p.dtype == x.dtype or p.dtype == torch.float32:
-        return p
-    return p.float()
-
-
-def as_dtype(t, dtype):
-    return None if t is None else (t if t.dtype == dtype else t.to(dtype))
-
-
-def fp8_quantizers(module, x):
-    """The module's GemmQuantizers under the active FP8 autocast recipe, or
-    None outside FP8 autocast (recipes it cannot run raise, naming it)."""
-    if not _q.is_fp8_enabled():
-        return None
-    return _gq.quantizers_for(module, _q.get_recipe(), x.device)
-
-
-def fp8_norm(q, x2, lnw, lnb, eps, rms, zc, need_col):
-    """(quantized norm output, mean, rstd) as GEMM 0's input.  Delayed
-    scaling: the norm kernel writes FP8 itself (scale and amax of the
-    state); other recipes: the norm in x's dtype, then the recipe's cast."""
-    iq = q.inputs[0]
-    if q.kind == "delayed":
-        scale, amax, fp8_dtype = iq.scale
-        si = torch.empty(1, dtype=torch.float32, device=x2.device)
-        y, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc, fp8_dtype, scale, amax, si)
-        return iq.fp8_output(y, si, x2.dtype), mean, rstd
-    y, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc)
-    return iq.quantize(y, transpose=need_col), mean, rstd
-
-
-def init_weight(w, init_method):
-    if init_method is not None:
-        init_method(w)
-    else:
-        torch.nn.init.normal_(w, mean=0.0, std=0.02)
-
 
 class _LayerNormLinearFn(torch.autograd.Function):
     @staticmethod
@@ -186,23 +103,6 @@ class _LayerNormLinearFn(torch.autograd.Function):
                 None, None, None, None, None, None)
 
 
-def _make_norm_params(module, size, normalization, kw):
-    """The fused norm's parameters, named as TE names them: layer_norm_weight,
-    and layer_norm_bias for LayerNorm (registered as None for RMSNorm)."""
-    module.layer_norm_weight = torch.nn.Parameter(torch.empty(size, **kw))
-    if normalization == "LayerNorm":
-        module.layer_norm_bias = torch.nn.Parameter(torch.empty(size, **kw))
-    else:
-        module.register_parameter("layer_norm_bias", None)
-
-
-def _reset_norm_params(module):
-    """gamma = 1 (0 when zero-centered), beta = 0; call under no_grad."""
-    module.layer_norm_weight.fill_(0.0 if module.zero_centered_gamma else 1.0)
-    if module.layer_norm_bias is not None:
-        module.layer_norm_bias.zero_()
-
-
 class LayerNormLinear(torch.nn.Module):
     """Normalization + linear layer; see the module note."""
 
@@ -210,9 +110,9 @@ class LayerNormLinear(torch.nn.Module):
                  zero_centered_gamma=False, return_layernorm_output=False, params_dtype=None,
                  device=None, init_method=None, parameters_split=None, **te_kwargs):
         super().__init__()
-        _reject_unsupported("LayerNormLinear", te_kwargs, TE_DEFAULTS)
-        _check_normalization(normalization)
-        self.in_features = _hidden(in_features)
+        reject_unsupported("LayerNormLinear", te_kwargs, TE_DEFAULTS)
+        check_normalization(normalization)
+        self.in_features = hidden_dim(in_features)
         self.out_features = int(out_features)
         self.eps = float(eps)
         self.normalization = normalization
@@ -222,7 +122,7 @@ class LayerNormLinear(torch.nn.Module):
         dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
         device = default_device(device)
         kw = dict(dtype=dtype, device=device)
-        _make_norm_params(self, self.in_features, normalization, kw)
+        make_norm_params(self, self.in_features, normalization, kw)
         self.weight = torch.nn.Parameter(torch.empty(self.out_features, self.in_features, **kw))
         self.bias = torch.nn.Parameter(torch.empty(self.out_features, **kw)) if bias else None
         self.init_method = init_method
@@ -233,7 +133,7 @@ class LayerNormLinear(torch.nn.Module):
 
     def reset_parameters(self):
         with torch.no_grad():
-            _reset_norm_params(self)
+            reset_norm_params(self)
             if getattr(self, "parameters_split", None):
                 reset_split(self, lambda w: init_weight(w, self.init_method))
                 return

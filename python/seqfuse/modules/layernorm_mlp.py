@@ -36,11 +36,10 @@ import torch
 from .. import ops
 from ..ops import act as A
 from . import _fp8 as F8
-from .layernorm_linear import (TE_DEFAULTS, _check_normalization, _make_norm_params,
-                               _reject_unsupported, _reset_norm_params, as_dtype, fp8_norm,
-                               fp8_quantizers, init_weight, norm_backward, norm_forward, norm_param)
+from ._base import (TE_DEFAULTS, as_dtype, check_normalization, default_device, fp8_norm,
+                    fp8_quantizers, hidden_dim, init_weight, make_norm_params, norm_backward,
+                    norm_forward, norm_param, reject_unsupported, reset_norm_params)
 from ._input import check_input
-from .norm import _hidden, default_device
 
 ACTIVATIONS = ("gelu", "gelu_erf", "relu", "silu", "swiglu", "geglu", "reglu", "geglu_erf")
 
@@ -149,12 +148,12 @@ class LayerNormMLP(torch.nn.Module):
                  activation="gelu", zero_centered_gamma=False, params_dtype=None, device=None,
                  init_method=None, output_layer_init_method=None, **te_kwargs):
         super().__init__()
-        _reject_unsupported("LayerNormMLP", te_kwargs, MLP_TE_DEFAULTS)
-        _check_normalization(normalization)
+        reject_unsupported("LayerNormMLP", te_kwargs, MLP_TE_DEFAULTS)
+        check_normalization(normalization)
         if activation not in ACTIVATIONS:
             raise ValueError(f"LayerNormMLP: argument 'activation' must be one of {', '.join(ACTIVATIONS)}, "
                              f"got {activation!r}")
-        self.hidden_size = _hidden(hidden_size)
+        self.hidden_size = hidden_dim(hidden_size)
         self.ffn_hidden_size = int(ffn_hidden_size)
         self.eps = float(eps)
         self.normalization = normalization
@@ -164,7 +163,7 @@ class LayerNormMLP(torch.nn.Module):
         fc1_out = 2 * self.ffn_hidden_size if activation in A.GATED else self.ffn_hidden_size
         dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
         kw = dict(dtype=dtype, device=default_device(device))
-        _make_norm_params(self, self.hidden_size, normalization, kw)
+        make_norm_params(self, self.hidden_size, normalization, kw)
         self.fc1_weight = torch.nn.Parameter(torch.empty(fc1_out, self.hidden_size, **kw))
         self.fc1_bias = torch.nn.Parameter(torch.empty(fc1_out, **kw)) if bias else None
         self.fc2_weight = torch.nn.Parameter(torch.empty(self.hidden_size, self.ffn_hidden_size, **kw))
@@ -175,7 +174,7 @@ class LayerNormMLP(torch.nn.Module):
 
     def reset_parameters(self):
         with torch.no_grad():
-            _reset_norm_params(self)
+            reset_norm_params(self)
             init_weight(self.fc1_weight, self.init_method)
             init_weight(self.fc2_weight, self.output_layer_init_method)
             for b in (self.fc1_bias, self.fc2_bias):

@@ -29,14 +29,9 @@ caches.
 import torch
 
 from .attention import DotProductAttention
+from .layernorm_linear import LayerNormLinear
+from .linear import Linear
 from .rope import apply_rotary_pos_emb
-
-
-def _te_modules():
-    # Imported when a layer is built, so this file loads before the GEMM and
-    # norm modules have landed in a given checkout.
-    from seqfuse.pytorch import LayerNormLinear, Linear
-    return LayerNormLinear, Linear
 
 
 def given(**kw):
@@ -99,7 +94,6 @@ class MultiheadAttention(torch.nn.Module):
         self.window_size = window_size
         self.layer_number = layer_number
 
-        LayerNormLinear, Linear = _te_modules()
         hn, np_, ng = self.kv_channels, self.num_attention_heads, self.num_gqa_groups
         kw = _kw(init_method, params_dtype, device)
         ln_kw = dict(eps=layernorm_epsilon, bias=bias, normalization=normalization,

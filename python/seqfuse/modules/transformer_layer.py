@@ -23,12 +23,8 @@ defaults to the GPU only where seqfuse can use one (else the CPU).
 """
 import torch
 
+from .layernorm_mlp import LayerNormMLP
 from .multihead_attention import MultiheadAttention, given
-
-
-def _layernorm_mlp():
-    from seqfuse.pytorch import LayerNormMLP
-    return LayerNormMLP
 
 
 class TransformerLayer(torch.nn.Module):
@@ -97,7 +93,7 @@ class TransformerLayer(torch.nn.Module):
                       zero_centered_gamma=zero_centered_gamma, device=device,
                       **given(params_dtype=params_dtype, init_method=init_method,
                               output_layer_init_method=output_layer_init_method))
-        self.layernorm_mlp = _layernorm_mlp()(hidden_size, ffn_hidden_size, **mlp_kw)
+        self.layernorm_mlp = LayerNormMLP(hidden_size, ffn_hidden_size, **mlp_kw)
 
     def _residual(self, residual, x):
         return residual + torch.nn.functional.dropout(x, p=self.hidden_dropout, training=self.training)

@@ -1,0 +1,130 @@
+"""What the normalization-fused modules (LayerNormLinear, LayerNormMLP) and
+the norm modules share: TE argument handling, parameter creation and
+initialisation, the norm forward/backward over seqfuse.ops, and the FP8 norm
+output.  A private helper of seqfuse.modules: its siblings import it; code
+outside the package uses the modules."""
+import numbers
+
+import torch
+
+from .. import ops
+from .. import quantization as _q
+from .._runtime import cuda_available
+from ..quantization import gemm_quantizers as _gq
+
+
+def default_device(device):
+    """TE places parameters on the GPU by default; so do we where one is
+    usable by seqfuse, else on the CPU."""
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() and cuda_available() else "cpu")
+
+
+def hidden_dim(hidden_size):
+    """The normalized size: an int, or a 1-element shape (normalization over
+    the last dimension only)."""
+    if isinstance(hidden_size, numbers.Integral):
+        return int(hidden_size)
+    shape = tuple(hidden_size)
+    if len(shape) != 1:
+        raise NotImplementedError(f"normalization over the last dimension only; got normalized shape {shape}")
+    return int(shape[0])
+
+
+def check_normalization(normalization):
+    if normalization not in ("LayerNorm", "RMSNorm"):
+        raise ValueError(f"argument 'normalization' must be 'LayerNorm' or 'RMSNorm', got {normalization!r}")
+
+
+def reject_unsupported(cls, kwargs, defaults):
+    for name, value in kwargs.items():
+        if name not in defaults:
+            raise TypeError(f"{cls}: unexpected argument {name!r}")
+        if value != defaults[name]:
+            raise NotImplementedError(f"{cls}: argument {name}={value!r} is not supported "
+                                      f"(only {defaults[name]!r})")
+
+
+#: TE arguments accepted for compatibility, with the only value supported.
+TE_DEFAULTS = {"sequence_parallel": False, "fuse_wgrad_accumulation": False, "tp_group": None,
+               "tp_size": 1, "get_rng_state_tracker": None, "return_bias": False,
+               "parallel_mode": None, "return_layernorm_output_gathered": False,
+               "ub_overlap_ag": False, "ub_overlap_rs": False,
+               "ub_overlap_rs_dgrad": False, "ub_bulk_wgrad": False, "ub_bulk_dgrad": False,
+               "ub_name": None, "name": None, "set_parallel_mode": False, "ub_overlap_ag_fprop": False,
+               "ub_overlap_rs_fprop": False}
+
+
+def norm_forward(x2, weight, bias, eps, rms, zc, out_dtype=None, scale=None, amax=None,
+                 scale_inv=None):
+    """(y, mean, rstd) of the module's normalization; mean is None for RMSNorm."""
+    if rms:
+        y, rstd = ops.rmsnorm_fwd(x2, weight, eps, zc, out_dtype, scale, amax, scale_inv)
+        return y, None, rstd
+    return ops.layernorm_fwd(x2, weight, bias, eps, zc, out_dtype, scale, amax, scale_inv)
+
+
+def norm_backward(dy2, x2, mean, rstd, weight, rms, zc, has_bias):
+    """(dx, dgamma, dbeta or None)."""
+    if rms:
+        dx, dg = ops.rmsnorm_bwd(dy2, x2, rstd, weight, zc)
+        return dx, dg, None
+    return ops.layernorm_bwd(dy2, x2, mean, rstd, weight, zc, has_bias)
+
+
+def norm_param(p, x):
+    """The norm kernels take weights in the input's dtype or float32."""
+    if p is None or p.dtype == x.dtype or p.dtype == torch.float32:
+        return p
+    return p.float()
+
+
+def as_dtype(t, dtype):
+    return None if t is None else (t if t.dtype == dtype else t.to(dtype))
+
+
+def fp8_quantizers(module, x):
+    """The module's GemmQuantizers under the active FP8 autocast recipe, or
+    None outside FP8 autocast (recipes it cannot run raise, naming it)."""
+    if not _q.is_fp8_enabled():
+        return None
+    return _gq.quantizers_for(module, _q.get_recipe(), x.device)
+
+
+def fp8_norm(q, x2, lnw, lnb, eps, rms, zc, need_col):
+    """(quantized norm output, mean, rstd) as GEMM 0's input.  Delayed
+    scaling: the norm kernel writes FP8 itself (scale and amax of the
+    state); other recipes: the norm in x's dtype, then the recipe's cast."""
+    iq = q.inputs[0]
+    if q.kind == "delayed":
+        scale, amax, fp8_dtype = iq.scale
+        si = torch.empty(1, dtype=torch.float32, device=x2.device)
+        y, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc, fp8_dtype, scale, amax, si)
+        return iq.fp8_output(y, si, x2.dtype), mean, rstd
+    y, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc)
+    return iq.quantize(y, transpose=need_col), mean, rstd
+
+
+def init_weight(w, init_method):
+    if init_method is not None:
+        init_method(w)
+    else:
+        torch.nn.init.normal_(w, mean=0.0, std=0.02)
+
+
+def make_norm_params(module, size, normalization, kw):
+    """The fused norm's parameters, named as TE names them: layer_norm_weight,
+    and layer_norm_bias for LayerNorm (registered as None for RMSNorm)."""
+    module.layer_norm_weight = torch.nn.Parameter(torch.empty(size, **kw))
+    if normalization == "LayerNorm":
+        module.layer_norm_bias = torch.nn.Parameter(torch.empty(size, **kw))
+    else:
+        module.register_parameter("layer_norm_bias", None)
+
+
+def reset_norm_params(module):
+    """gamma = 1 (0 when zero-centered), beta = 0; call under no_grad."""
+    module.layer_norm_weight.fill_(0.0 if module.zero_centered_gamma else 1.0)
+    if module.layer_norm_bias is not None:
+        module.layer_norm_bias.zero_()
