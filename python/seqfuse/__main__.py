@@ -16,9 +16,8 @@ def main():
     print(f"  built with CUDA : {info['cuda']}  archs={info['cuda_archs'] or '-'}  "
           f"runtime={info['cuda_runtime']}  cuBLASLt={info['cublaslt']}  NCCL={info['nccl']}")
     print(f"  CUDA usable now : {seqfuse.cuda_available()}  devices={seqfuse.device_info()}")
-    from seqfuse.ops._call import exchange_api_in_use
-
-    print(f"  tensor exchange : {'DLPack C exchange API' if exchange_api_in_use() else '__dlpack__ capsules'}")
+    exchange = "DLPack C exchange API" if seqfuse.ops.exchange_api_in_use() else "__dlpack__ capsules"
+    print(f"  tensor exchange : {exchange}")
 
     failures = 0
     devices = ["cpu"] + (["cuda"] if seqfuse.cuda_available() and torch.cuda.is_available() else [])

@@ -44,3 +44,7 @@ __all__ += ["multi_tensor_adamw", "multi_tensor_l2norm", "multi_tensor_scale"]
 from .act import act_bwd, act_fwd, bias_dropout_add, dropout_bwd  # noqa: E402
 
 __all__ += ["act_fwd", "act_bwd", "bias_dropout_add", "dropout_bwd"]
+
+from ._call import exchange_api_in_use  # noqa: E402
+
+__all__ += ["exchange_api_in_use"]
