@@ -113,3 +113,42 @@ def seqfuse_attention_only(monkeypatch):
     monkeypatch.setattr(attn, "_backend", "seqfuse")
     monkeypatch.setattr(attn, "_choices", {})
 
+
+
+def free_port():
+    """A TCP port free on 127.0.0.1 now (for a gloo process group's rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_workers(fn, args, nprocs, start_method, what, timeout=180):
+    """torch.multiprocessing.start_processes(fn, args, nprocs) joined with a
+    deadline: past ``timeout`` seconds the workers are killed and the test
+    fails naming ``what`` (a hung rendezvous must not hang the suite)."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method=start_method)
+    deadline = time.time() + timeout
+    while not ctx.join(timeout=2):
+        if time.time() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{what} did not finish within {timeout} s")
+
+
+@pytest.fixture(params=["exchange", "capsule"])
+def dlpack_path(request):
+    """Run a test through both DLPack import paths of seqfuse._C (a test
+    module imports this fixture under the name it uses)."""
+    from seqfuse import _C
+
+    if request.param == "exchange" and not hasattr(torch.Tensor, "__dlpack_c_exchange_api__"):
+        pytest.skip("this torch offers no DLPack C exchange API")
+    previous = _C.set_exchange_api(request.param == "exchange")
+    yield request.param
+    _C.set_exchange_api(previous)

@@ -331,11 +331,7 @@ def test_esm_left_padding_matches_transformers(esm, side, monkeypatch):
     assert abs(out.loss.item() - exp.loss.item()) <= 1e-5 * exp.loss.item()
     exp.loss.backward()
     out.loss.backward()
-    hf_grads = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
-    hf_grads["esm.rotary_embeddings.inv_freq"] = hf.esm.rotary_embeddings.inv_freq
-    for n in ("esm.contact_head.regression.weight", "esm.contact_head.regression.bias"):
-        hf_grads[n] = torch.zeros_like(dict(hf.named_parameters())[n])
-    mapped = esm.hf_to_seqfuse_state_dict(hf_grads, sf.config)
+    mapped = esm.hf_grads_in_seqfuse_names(hf, sf)
     for name, p in sf.named_parameters():
         if "contact_head" not in name:
             assert esm.rel_error(p.grad, mapped[name]) <= 1e-4, name

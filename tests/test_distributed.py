@@ -1,16 +1,11 @@
 """seqfuse.distributed.end_process_group: a no-op without a group; with one,
 the group is gone afterwards (with and without the barrier)."""
-import socket
 
 import torch.distributed as dist
 
 from seqfuse.distributed import end_process_group
 
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from helpers import free_port
 
 
 def test_end_process_group_without_a_group_is_a_no_op():
@@ -28,7 +23,7 @@ def test_end_process_group_destroys_the_group(monkeypatch):
     monkeypatch.setattr(dist, "barrier", lambda *a, **k: (barriers.append(1), real_barrier(*a, **k)))
     for ok in (True, False):
         barriers.clear()
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
         assert dist.is_initialized()
         end_process_group(ok)
         assert not dist.is_initialized()

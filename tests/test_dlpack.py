@@ -11,16 +11,10 @@ import seqfuse
 from seqfuse import _C
 
 from dlpack_forge import KDL_CUDA, KDL_VULKAN, ForgedTensor
+from helpers import dlpack_path
 
 
-@pytest.fixture(params=["exchange", "capsule"])
-def path(request):
-    """Run each test through both import paths."""
-    if request.param == "exchange" and not hasattr(torch.Tensor, "__dlpack_c_exchange_api__"):
-        pytest.skip("this torch offers no DLPack C exchange API")
-    previous = _C.set_exchange_api(request.param == "exchange")
-    yield request.param
-    _C.set_exchange_api(previous)
+path = dlpack_path  # both DLPack import paths (helpers)
 
 
 def test_contiguous(path):

@@ -10,7 +10,6 @@ every module and the two runs quantize the same values: the comparison is
 exact.
 """
 import copy
-import time
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from seqfuse.common.recipe import (DelayedScaling, Float8BlockScaling, Float8Cur
                                    MXFP8BlockScaling)
 from seqfuse.quantization import FP8FwdTensors, init_fp8_state, weight_casts
 
-from helpers import needs_fp8, rel_error
+from helpers import free_port, needs_fp8, rel_error, run_workers
 
 RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling, "block": Float8BlockScaling}
 ROWS = [1, 7, 8, 40, 1000, 4097]
@@ -310,23 +309,9 @@ def test_fsdp2_weights_are_recast_every_step(tmp_path):
     """FSDP2 re-gathers each step's weights into the same unsharded
     parameter with its version counter preserved: the FP8 weight must follow
     the new values anyway (cast at every forward under FSDP2)."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     result = str(tmp_path / "r.pt")
     # spawn, not fork: a fork after many tests can inherit a held lock (seen hanging in a full run)
-    ctx = mp.start_processes(_fsdp2_fp8_worker, args=(port, result), nprocs=1, join=False,
-                             start_method="spawn")
-    deadline = time.time() + 180
-    while not ctx.join(timeout=2):
-        if time.time() > deadline:
-            for proc in ctx.processes:
-                proc.kill()
-            pytest.fail("the FSDP2 worker did not finish within 180 s")
+    run_workers(_fsdp2_fp8_worker, (free_port(), result), 1, "spawn", "the FSDP2 worker")
     out = torch.load(result)
     assert out["casts"] == 3
     assert max(out["errs"]) < 0.05, out["errs"]
@@ -341,3 +326,29 @@ def test_recipes_pickle():
     for r in (DelayedScaling(fp8_format=Format.HYBRID, margin=1), Float8CurrentScaling(), Float8BlockScaling()):
         back = pickle.loads(pickle.dumps(r))
         assert back == r and back.fp8_format is r.fp8_format
+
+
+def test_make_graphed_callables_refusals():
+    """TE arguments with no implementation here are refused by name, before
+    anything is captured."""
+    m = te.Linear(32, 32, device="cpu", params_dtype=torch.bfloat16)
+    x = (torch.randn(16, 32, dtype=torch.bfloat16),)
+    for kwargs, name in (({"_order": [1, -1]}, "_order"), ({"sample_kwargs": {"a": 1}}, "sample_kwargs"),
+                         ({"retain_graph_in_backward": True}, "retain_graph_in_backward")):
+        with pytest.raises(NotImplementedError, match=f"make_graphed_callables: argument '{name}'"):
+            te.make_graphed_callables(m, x, **kwargs)
+
+
+def test_recipe_kind_refuses_what_it_cannot_run():
+    from seqfuse.common.recipe import Recipe
+    from seqfuse.quantization.gemm_quantizers import recipe_kind
+
+    class Custom(Recipe):
+        pass
+
+    with pytest.raises(NotImplementedError, match="Linear: recipe Custom has no GEMM path"):
+        recipe_kind(Custom(), "Linear")
+    with pytest.raises(TypeError, match="Linear: the FP8 recipe must be a seqfuse.common.recipe recipe, got str"):
+        recipe_kind("delayed", "Linear")
+    with pytest.raises(NotImplementedError, match="x_block_scaling_dim=1"):
+        recipe_kind(Float8BlockScaling(w_block_scaling_dim=1), "Linear")

@@ -54,6 +54,16 @@ FALLBACK = [
 ]
 
 
+def hf_grads_in_seqfuse_names(hf, sf):
+    """HF's parameter gradients mapped through the same conversion as the
+    weights (seqfuse names; the buffers the conversion expects filled in)."""
+    hf_grads = {k: p.grad for k, p in hf.named_parameters() if p.grad is not None}
+    hf_grads["esm.rotary_embeddings.inv_freq"] = hf.esm.rotary_embeddings.inv_freq
+    for k in ("esm.contact_head.regression.weight", "esm.contact_head.regression.bias"):
+        hf_grads[k] = torch.zeros_like(dict(hf.named_parameters())[k])
+    return hf_to_seqfuse_state_dict(hf_grads, sf.config)
+
+
 def proteins(n, min_len=20):
     try:
         from seqfuse.data.parquet import load_sequences
@@ -163,12 +173,7 @@ def test_golden_8m_logits_loss_grads(modules, hf_same_activation):
     assert abs(out.loss.item() - exp.loss.item()) <= 1e-5 * exp.loss.item()
     exp.loss.backward()
     out.loss.backward()
-    # HF's gradients mapped through the same weight conversion as the weights.
-    hf_grads = {k: p.grad for k, p in hf.named_parameters() if p.grad is not None}
-    hf_grads["esm.rotary_embeddings.inv_freq"] = hf.esm.rotary_embeddings.inv_freq
-    for k in ("esm.contact_head.regression.weight", "esm.contact_head.regression.bias"):
-        hf_grads[k] = torch.zeros_like(dict(hf.named_parameters())[k])
-    mapped = hf_to_seqfuse_state_dict(hf_grads, sf.config)
+    mapped = hf_grads_in_seqfuse_names(hf, sf)
     checked = 0
     for name, p in sf.named_parameters():
         if "contact_head" in name:

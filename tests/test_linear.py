@@ -3,8 +3,6 @@ and fp32 parameters, autocast), main_grad accumulation, initialization, the
 TE namespace, FSDP2 (fully_shard, 2 processes over gloo on the CPU) and, with
 the cuda marker, large shapes and CUDA-graph capture."""
 import os
-import socket
-import time
 
 import pytest
 import torch
@@ -12,7 +10,7 @@ import torch
 import seqfuse.pytorch as te
 from seqfuse.quantization.gemm_quantizers import weight_casts
 from seqfuse.distributed import end_process_group
-from helpers import (REL_TOL, block128_dequantized_ref, block_dequantized_ref, needs_cpu_fsdp2,
+from helpers import (REL_TOL, free_port, run_workers, block128_dequantized_ref, block_dequantized_ref, needs_cpu_fsdp2,
                      needs_fp8, rel_error)
 
 
@@ -159,12 +157,6 @@ def test_empty_batch(seed):
 
 # ---- FSDP2 on the CPU (gloo, 2 processes) ---------------------------------
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _fsdp_worker(rank, world, port, result_path):
     import torch.distributed as dist
 
@@ -218,20 +210,11 @@ def _fsdp_body(rank, world, result_path):
 
 @needs_cpu_fsdp2
 def test_fsdp2_fully_shard_gloo(tmp_path):
-    import torch.multiprocessing as mp
-
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     result = str(tmp_path / "fsdp.pt")
     # fork: the children inherit the imported torch (spawning re-imports it, ~10 s each)
-    ctx = mp.start_processes(_fsdp_worker, args=(2, _free_port(), result), nprocs=2, join=False,
-                             start_method="fork")
-    deadline = time.time() + 180
-    while not ctx.join(timeout=2):
-        if time.time() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("FSDP2 workers did not finish within 180 s")
+    run_workers(_fsdp_worker, (2, free_port(), result), 2, "fork", "FSDP2 workers")
     out = torch.load(result)
     assert out["sharded"] == "DTensor"
     assert max(out["errs"]) < 1e-5, out["errs"]

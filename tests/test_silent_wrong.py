@@ -18,19 +18,12 @@ from seqfuse import _C, ops
 from seqfuse.common.recipe import DelayedScaling
 
 from dlpack_forge import ForgedTensor
-from helpers import needs_fp8
+from helpers import dlpack_path, needs_fp8
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.fixture(params=["exchange", "capsule"])
-def path(request):
-    """Run a test through both DLPack import paths."""
-    if request.param == "exchange" and not hasattr(torch.Tensor, "__dlpack_c_exchange_api__"):
-        pytest.skip("this torch offers no DLPack C exchange API")
-    previous = _C.set_exchange_api(request.param == "exchange")
-    yield request.param
-    _C.set_exchange_api(previous)
+path = dlpack_path  # both DLPack import paths (helpers)
 
 
 # ---- 1. torch's negative bit ------------------------------------------------

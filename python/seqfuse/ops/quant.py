@@ -218,11 +218,11 @@ def fp8_compute_scale(amax, scale, scale_inv, fp8_max, margin=0):
 
 
 def cast_fp8_current(x, fp8_dtype, *, amax, scale, scale_inv, out=None, out_t=None, rowwise=True,
-                     margin=0):
+                     transpose=False, margin=0):
     """Current scaling of ``x`` in one call: ``amax = max|x|``, ``scale =
     fp8_max / amax / 2**margin`` (1 where amax is 0 or not finite),
-    ``scale_inv = 1 / scale``, then the cast (and, with ``out_t`` or
-    ``rowwise=False``, the transposed copy [K, M]).  Three kernels on the
+    ``scale_inv = 1 / scale``, then the cast (and, with ``transpose``, the
+    transposed copy [K, M]; ``rowwise=False`` makes only that one).  Three kernels on the
     current stream, no host sync; ``amax``, ``scale`` and ``scale_inv`` are
     one-element float32 buffers the caller keeps (a weight re-cast each step
     allocates nothing when ``out`` / ``out_t`` are given too).  Returns
@@ -235,7 +235,7 @@ def cast_fp8_current(x, fp8_dtype, *, amax, scale, scale_inv, out=None, out_t=No
     stream = stream_for(x)
     _C.amax(x, amax, stream)
     _C.fp8_compute_scale(amax, scale, scale_inv, FP8_MAX[fp8_dtype], as_int(op, "margin", margin), stream)
-    transpose = out_t is not None or not rowwise
+    transpose = transpose or not rowwise
     if rowwise and out is None:
         out = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     if transpose and out_t is None:

@@ -98,23 +98,14 @@ def row_prefix(t, rows):
                                t.stride())
 
 
-def _pad_rows_fp8(data, rows):
-    """FP8 ``data`` [M, K] copied into a zero-padded [rows, K] buffer."""
-    m = data.shape[0]
-    buf = torch.empty((rows, data.shape[1]), dtype=data.dtype, device=data.device)
-    buf[:m].copy_(data)
-    buf[m:].view(torch.uint8).zero_()
-    return buf
-
-
 def _pad_rows(x, rows):
-    """High-precision ``x`` [M, K] in a zero-padded [rows, K] copy: what the
-    one-pass casts (cast+transpose with the bias gradient's sums, the block
-    formats' row-and-column kernel) read for an unaligned token count."""
+    """``x`` [M, K] (high precision or FP8) in a [rows, K] copy whose extra
+    rows are zero: what the one-pass casts read for an unaligned token count,
+    and the FP8 row-wise copies that need no transposed copy."""
     m = x.shape[0]
     buf = torch.empty((rows, x.shape[1]), dtype=x.dtype, device=x.device)
     buf[:m].copy_(x)
-    buf[m:].zero_()
+    buf[m:].view(torch.uint8).zero_()  # (float8 has no zero_ kernel everywhere: zero the bytes)
     return buf
 
 
@@ -203,7 +194,7 @@ class _Role:
             q.shape = x.shape
             return q
         q = self._cast(x, False)
-        return Float8Tensor(_pad_rows_fp8(q.data, mp), q.scale_inv, q.fp8_dtype, dtype=x.dtype,
+        return Float8Tensor(_pad_rows(q.data, mp), q.scale_inv, q.fp8_dtype, dtype=x.dtype,
                             shape=x.shape)
 
     def fp8_output(self, data, scale_inv, dtype):
@@ -214,7 +205,7 @@ class _Role:
         mp = padded_rows(m)
         shape = data.shape
         if mp != m:
-            data = _pad_rows_fp8(data, mp)
+            data = _pad_rows(data, mp)
         return Float8Tensor(data, scale_inv, data.dtype, dtype=dtype, shape=shape)
 
     @property
@@ -313,10 +304,11 @@ class WeightQuantizer(_Role):
         parameter itself (TE's parameters_split concatenates its pieces on
         every call): the cache follows their versions."""
         o = self.owner
-        w = weight.detach()
-        src = sources if sources is not None else (weight,)
-        key = (o.kind, o.fmt, w.shape, w.dtype, w.device,
-               tuple((p.data_ptr(), p._version) for p in src))
+        if sources is None:
+            src, versions = (weight,), ((weight.data_ptr(), weight._version),)
+        else:
+            src, versions = sources, tuple((p.data_ptr(), p._version) for p in sources)
+        key = (o.kind, o.fmt, weight.shape, weight.dtype, weight.device, versions)
         old = self.key
         if self.pair is not None and old[:2] == key[:2]:
             if is_first_microbatch is False:
@@ -324,10 +316,10 @@ class WeightQuantizer(_Role):
             if (is_first_microbatch is None and old == key
                     and all(a is b for a, b in zip(self.param, src))
                     and not _fsdp2_in_use()
-                    and not (w.is_cuda and torch.cuda.is_current_stream_capturing())):
+                    and not (weight.is_cuda and torch.cuda.is_current_stream_capturing())):
                 return self.pair
         # new FP8 buffers each time: a pending backward may hold the old ones
-        self.pair = self._cast_weight(w, old is not None and old[:5] == key[:5])
+        self.pair = self._cast_weight(weight.detach(), old is not None and old[:5] == key[:5])
         self.key, self.param = key, tuple(src)
         self.casts += 1
         return self.pair

@@ -67,13 +67,9 @@ def quantize_current(x, fp8_dtype, *, margin=0, transpose=False, rowwise=True, a
         out = out_t = None
     if amax_reduction_group is None and not dbias:
         # the common path (weights, current-scaling activations): one op call
-        if transpose and out_t is None:
-            k = x.shape[-1]
-            out_t = torch.empty((k, x.numel() // k if k else 0), dtype=fp8_dtype, device=dev)
         data, data_t = qops.cast_fp8_current(x, fp8_dtype, amax=amax.reshape(1), scale=scale,
-                                             scale_inv=scale_inv, out=out,
-                                             out_t=out_t if transpose else None, rowwise=rowwise,
-                                             margin=margin)
+                                             scale_inv=scale_inv, out=out, out_t=out_t,
+                                             rowwise=rowwise, transpose=transpose, margin=margin)
         return Float8Tensor(data, scale_inv, fp8_dtype, data_t=data_t, dtype=x.dtype, shape=x.shape)
     amax = qops.amax(x, out=amax)
     if amax_reduction_group is not None:
