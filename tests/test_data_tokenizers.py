@@ -1,13 +1,13 @@
 """EsmTokenizer against transformers.EsmTokenizer (built from a vocab.txt
 written here, nothing downloaded) on the real UniProt subset, the unknown-
-character policy, and the nucleotide tokenizer."""
+character policy (the nucleotide tokenizer: test_data_nucleotide.py)."""
 from functools import lru_cache
 from pathlib import Path
 
 import pytest
 import torch
 
-from seqfuse.data import ESM2_VOCAB, EsmTokenizer, NucleotideTokenizer, read_parquet
+from seqfuse.data import ESM2_VOCAB, EsmTokenizer, read_parquet
 
 SUBSET = Path(__file__).resolve().parents[1] / "recipes" / "esm2" / "data" / "subset"
 
@@ -140,25 +140,6 @@ def test_save_vocabulary_loads_in_transformers(tmp_path):
     assert Path(path).read_text() == HF_VOCAB_TXT
     hf = transformers.EsmTokenizer(path)
     assert hf("MKTAYIAK")["input_ids"] == EsmTokenizer().encode("MKTAYIAK").tolist()
-
-
-def test_nucleotide_tokenizer():
-    tok = NucleotideTokenizer()
-    assert tok.vocab == ["<pad>", "<unk>", "<bos>", "<eos>", "<mask>", "A", "C", "G", "T", "N"]
-    assert tok.encode("ACGTN").tolist() == [2, 5, 6, 7, 8, 9, 3]
-    assert tok.encode("acgtn", add_special_tokens=False).tolist() == [5, 6, 7, 8, 9]  # soft-masked
-    assert tok.encode("RYKMswbdhv", add_special_tokens=False).tolist() == [9] * 10  # IUPAC -> N
-    assert tok.encode("ACGT" * 10, max_length=6).tolist() == [2, 5, 6, 7, 8, 3]
-    with pytest.raises(ValueError, match="character 'U' at position 2"):
-        tok.encode("ACUG")
-    strict = NucleotideTokenizer(uppercase=False, iupac_to_n=False)
-    with pytest.raises(ValueError, match="character 'a'"):
-        strict.encode("a")
-    with pytest.raises(ValueError, match="character 'R'"):
-        strict.encode("R")
-    assert NucleotideTokenizer(unknown="unk").encode("AUUG", add_special_tokens=False).tolist() == [5, 1, 7]
-    assert sorted(tok.random_token_ids.tolist()) == [5, 6, 7, 8]
-    assert tok.special_token_ids == [0, 1, 2, 3, 4]
 
 
 def test_encode_speed_is_vectorised():

@@ -1,6 +1,7 @@
-"""Character-level tokenizers: ESM-2 proteins and DNA nucleotides.
+"""Character-level tokenizers: the shared CharTokenizer and ESM-2 proteins
+(DNA nucleotides: nucleotide.py, a CharTokenizer too).
 
-Both map one character to one id through a 256-entry lookup table over ASCII
+Every one maps one character to one id through a 256-entry lookup table over ASCII
 bytes, so encoding a protein is a numpy gather, not a Python loop.
 
 ``EsmTokenizer`` reproduces the ids of transformers' EsmTokenizer for the
@@ -17,6 +18,8 @@ Characters outside the vocabulary (policy, argument ``unknown``):
     unknown characters becomes ONE <unk> (transformers splits the text on the
     vocabulary's tokens and maps each leftover piece to <unk>). Note this
     shortens the sequence by the run length minus one.
+  * a one-character token of the vocabulary (``"N"`` for DNA): every unknown
+    character becomes that token, one for one (lengths are kept).
 ASCII whitespace inside a sequence is skipped (as transformers does); it also
 ends an unknown run. Special tokens written literally in the text (``<mask>``)
 are recognised when ``parse_special_tokens=True`` (transformers always does).
@@ -31,7 +34,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-__all__ = ["CharTokenizer", "EsmTokenizer", "NucleotideTokenizer", "ESM2_VOCAB", "NUCLEOTIDE_VOCAB"]
+__all__ = ["CharTokenizer", "EsmTokenizer", "ESM2_VOCAB"]
 
 #: ESM-2's vocabulary in id order (fair-esm's Alphabet "ESM-1b", as shipped in
 #: facebook/esm2_* vocab.txt files).
@@ -40,9 +43,6 @@ ESM2_VOCAB = (
     + list("LAGVSERTIDPKQNFYMHWCXBUZO")
     + [".", "-", "<null_1>", "<mask>"]
 )
-
-#: DNA vocabulary: specials first, then the four bases and N (any base).
-NUCLEOTIDE_VOCAB = ["<pad>", "<unk>", "<bos>", "<eos>", "<mask>", "A", "C", "G", "T", "N"]
 
 _WS = -2  # lookup-table code: skip
 _UNK = -1  # lookup-table code: not in the vocabulary
@@ -67,10 +67,13 @@ class CharTokenizer:
         parse_special_tokens: bool = True,
         extra_char_map: dict[str, str] | None = None,
     ):
-        if unknown not in ("error", "unk"):
-            raise ValueError(f"{type(self).__name__}: argument 'unknown' must be 'error' or 'unk', got {unknown!r}")
         if len(set(vocab)) != len(vocab):
             raise ValueError(f"{type(self).__name__}: vocabulary holds duplicates")
+        if not isinstance(unknown, str) or (unknown not in ("error", "unk") and not (len(unknown) == 1 and unknown in vocab)):
+            raise ValueError(
+                f"{type(self).__name__}: argument 'unknown' must be 'error' or 'unk' (or a one-character token "
+                f"of the vocabulary that replaces unknown characters), got {unknown!r}"
+            )
         self.vocab = list(vocab)
         self.token_to_id = {t: i for i, t in enumerate(self.vocab)}
         self.unknown = unknown
@@ -116,21 +119,54 @@ class CharTokenizer:
             codes = self._lut[np.frombuffer(text.encode("ascii"), dtype=np.uint8)]
         else:  # rare: a slow path that marks every non-ASCII character unknown
             codes = np.array([self._lut[ord(c)] if ord(c) < 128 else _UNK for c in text], dtype=np.int16)
+        return self._resolve(codes, text.__getitem__, start).astype(np.int64)
+
+    def _resolve(self, codes: np.ndarray, char_at, start: int) -> np.ndarray:
+        """Apply the unknown policy to lookup-table codes and drop whitespace;
+        ``char_at(pos)`` names the character for the error message."""
         unk = codes == _UNK
         if unk.any():
             if self.unknown == "error":
                 pos = int(np.flatnonzero(unk)[0])
-                ch = text[pos]
                 raise ValueError(
-                    f"{type(self).__name__}.encode: character {ch!r} at position {start + pos} is not in "
+                    f"{type(self).__name__}.encode: character {char_at(pos)!r} at position {start + pos} is not in "
                     f"the vocabulary (unknown='error'; pass unknown='unk' to map it to "
                     f"{self.vocab[self.unk_token_id]})"
                 )
-            # transformers: a maximal run of unknown characters is one <unk>.
-            prev_unk = np.concatenate(([False], unk[:-1]))
-            keep = ~(unk & prev_unk)
-            codes = np.where(unk, self.unk_token_id, codes)[keep]
-        return codes[codes != _WS].astype(np.int64)
+            if self.unknown != "unk":  # a replacement token: one for one
+                codes = np.where(unk, self.token_to_id[self.unknown], codes)
+            else:  # transformers: a maximal run of unknown characters is one <unk>.
+                prev_unk = np.concatenate(([False], unk[:-1]))
+                keep = ~(unk & prev_unk)
+                codes = np.where(unk, self.unk_token_id, codes)[keep]
+        return codes[codes != _WS]
+
+    def encode_bytes(self, data, dtype=np.int64) -> np.ndarray:
+        """Ids of raw bytes (``bytes``, ``bytearray``, ``memoryview`` or a
+        uint8 numpy array) through the lookup table: the bulk path for whole
+        genomes, one gather over the buffer. Same rules as ``encode`` without
+        specials: whitespace skipped, the ``unknown`` policy, bytes >= 128
+        unknown, and no special-token parsing (``<`` is an ordinary
+        character). ``dtype`` of the result (uint8 fits every vocabulary
+        here and takes an eighth of int64's memory)."""
+        if isinstance(data, np.ndarray):
+            if data.dtype != np.uint8 or data.ndim != 1:
+                raise ValueError(
+                    f"{type(self).__name__}.encode_bytes: argument 'data' must be 1-D uint8, got "
+                    f"{data.dtype} of shape {data.shape}"
+                )
+            buf = data
+        elif isinstance(data, (bytes, bytearray, memoryview)):
+            buf = np.frombuffer(data, dtype=np.uint8)
+        else:
+            raise TypeError(
+                f"{type(self).__name__}.encode_bytes: argument 'data' must be bytes or a uint8 array, got "
+                f"{type(data).__name__}"
+            )
+        if np.iinfo(dtype).max < self.vocab_size - 1:
+            raise ValueError(f"{type(self).__name__}.encode_bytes: dtype {np.dtype(dtype)} cannot hold {self.vocab_size} ids")
+        lut = np.where(np.arange(256) < 128, self._lut, _UNK).astype(np.int16)
+        return self._resolve(lut[buf], lambda pos: chr(buf[pos]) if buf[pos] < 128 else bytes(buf[pos : pos + 1]), 0).astype(dtype)
 
     def encode_residues(self, text: str) -> np.ndarray:
         """Token ids of ``text`` without specials or truncation (int64 numpy)."""
@@ -226,38 +262,3 @@ class EsmTokenizer(CharTokenizer):
             parse_special_tokens=parse_special_tokens,
         )
         self.cls_token_id = self.bos_token_id
-
-
-class NucleotideTokenizer(CharTokenizer):
-    """DNA tokenizer for causal or masked LMs: ``<bos> bases <eos>``, ids
-    <pad>=0 <unk>=1 <bos>=2 <eos>=3 <mask>=4 A=5 C=6 G=7 T=8 N=9.
-
-    ``uppercase=True`` (default) folds soft-masked (lower case) genome
-    stretches to upper case; ``iupac_to_n=True`` (default) maps the IUPAC
-    ambiguity codes R Y S W K M B D H V (and U->T is not done: RNA is refused)
-    to N. Other characters follow the ``unknown`` policy.
-    """
-
-    IUPAC_AMBIGUOUS = "RYSWKMBDHV"
-
-    def __init__(self, unknown: str = "error", uppercase: bool = True, iupac_to_n: bool = True,
-                 parse_special_tokens: bool = True):
-        extra = {}
-        if uppercase:
-            extra.update({c.lower(): c for c in "ACGTN"})
-        if iupac_to_n:
-            extra.update({c: "N" for c in self.IUPAC_AMBIGUOUS})
-            if uppercase:
-                extra.update({c.lower(): "N" for c in self.IUPAC_AMBIGUOUS})
-        super().__init__(
-            NUCLEOTIDE_VOCAB,
-            bos_token="<bos>",
-            eos_token="<eos>",
-            pad_token="<pad>",
-            unk_token="<unk>",
-            mask_token="<mask>",
-            random_tokens=list("ACGT"),
-            unknown=unknown,
-            parse_special_tokens=parse_special_tokens,
-            extra_char_map=extra,
-        )
