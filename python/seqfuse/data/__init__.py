@@ -6,28 +6,34 @@ Pure Python over torch and numpy; pyarrow only for Parquet. The pipeline:
     records  read_fasta / read_parquet / load_sequences        (fasta.py, parquet.py)
     ids      EsmTokenizer / NucleotideTokenizer    (tokenizers.py, nucleotide.py)
     sample   MLMDataset: crop, <cls> ... <eos>, MLM masking    (dataset.py, masking.py)
+             CausalLMDataset: crop, <bos> ... <eos>, next-token labels (dataset.py)
     batches  TokenBudgetBatchSampler: <= max_tokens per batch  (batching.py)
     layout   PackedTHDCollator (cu_seqlens) / PaddedBSHDCollator (collate.py)
     loader   ResumableDataLoader with state_dict               (loader.py)
+             build_mlm_loader / build_causal_lm_loader: all of it in one call
+DNA: genome windows with provenance (genome.py) from Debian packages
+(debian.py), for the Llama 3 recipe (recipes/llama3/prepare_data.py).
 """
 from .batching import TokenBudgetBatchSampler
 from .collate import PackedTHDCollator, PaddedBSHDCollator, batch_to_device
-from .dataset import MLMDataset, TokenizedSequences
+from .dataset import CausalLMDataset, FramedDataset, MLMDataset, TokenizedSequences
 from .fasta import SequenceRecord, read_fasta, write_fasta
-from .loader import ResumableDataLoader, build_mlm_loader
+from .loader import ResumableDataLoader, build_causal_lm_loader, build_mlm_loader
 from .masking import IGNORE_INDEX, mlm_mask, sample_generator, sample_seed
-from .parquet import iter_records, load_sequences, read_parquet, write_parquet
+from .genome import WINDOW_COLUMNS, genome_windows, read_dataset_metadata, window_spans, write_windows
+from .parquet import iter_records, load_sequences, read_metadata, read_parquet, write_parquet, write_rows
 from .nucleotide import NUCLEOTIDE_VOCAB, NucleotideTokenizer, reverse_complement
 from .tokenizers import ESM2_VOCAB, CharTokenizer, EsmTokenizer
 
 __all__ = [
     "SequenceRecord", "read_fasta", "write_fasta",
-    "read_parquet", "write_parquet", "iter_records", "load_sequences",
+    "read_parquet", "write_parquet", "write_rows", "read_metadata", "iter_records", "load_sequences",
+    "WINDOW_COLUMNS", "window_spans", "genome_windows", "write_windows", "read_dataset_metadata",
     "CharTokenizer", "EsmTokenizer", "NucleotideTokenizer", "ESM2_VOCAB", "NUCLEOTIDE_VOCAB",
     "reverse_complement",
     "IGNORE_INDEX", "mlm_mask", "sample_seed", "sample_generator",
-    "TokenizedSequences", "MLMDataset",
+    "TokenizedSequences", "FramedDataset", "MLMDataset", "CausalLMDataset",
     "PackedTHDCollator", "PaddedBSHDCollator", "batch_to_device",
     "TokenBudgetBatchSampler",
-    "ResumableDataLoader", "build_mlm_loader",
+    "ResumableDataLoader", "build_mlm_loader", "build_causal_lm_loader",
 ]

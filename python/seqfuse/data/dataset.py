@@ -1,4 +1,4 @@
-"""Tokenized sequence storage and the masked-LM dataset.
+"""Tokenized sequence storage, the masked-LM dataset and the causal-LM dataset.
 
 ``TokenizedSequences`` encodes every sequence once and keeps the ids in one
 flat uint8 array with offsets (1 byte per residue: the 20,000 UniProt
@@ -10,6 +10,15 @@ and per-sample token lengths are known up front for token-budget batching.
 transformers truncates), frame with <cls> ... <eos>, then mask (masking.py).
 It is indexed by ``(epoch, index)`` pairs (a plain int means epoch 0) because
 crops and masks change per epoch; ResumableDataLoader passes those pairs.
+
+``CausalLMDataset`` (next-token prediction, e.g. Llama on DNA windows) crops
+and frames the same way (``FramedDataset`` holds that shared part) and sets
+``labels`` to the ids themselves, Hugging Face style: the model shifts them
+(logits at t predict labels[t + 1]). ``labels[0]`` is -100: the first token
+is never a target, so when samples are packed one after another (THD), the
+shifted loss never asks the last token of one sequence to predict the first
+of the next; padded (BSHD) results are unchanged by it (position 0 is never a
+target after the shift), and the collators put -100 on padding.
 """
 from __future__ import annotations
 
@@ -21,7 +30,7 @@ import torch
 from .masking import IGNORE_INDEX, mask_numpy, sample_seed
 from .tokenizers import CharTokenizer
 
-__all__ = ["TokenizedSequences", "MLMDataset"]
+__all__ = ["TokenizedSequences", "FramedDataset", "MLMDataset", "CausalLMDataset"]
 
 
 class TokenizedSequences:
@@ -52,7 +61,77 @@ class TokenizedSequences:
         return torch.from_numpy(self.flat[a:b].astype(np.int64))
 
 
-class MLMDataset(torch.utils.data.Dataset):
+class FramedDataset(torch.utils.data.Dataset):
+    """Samples cropped to ``max_length`` tokens (specials included) and framed
+    with the tokenizer's begin / end tokens; subclasses add the labels.
+
+    ``crop`` is ``"random"`` (a window drawn from the per-sample generator of
+    ``(seed, epoch, index)``) or ``"start"``. ``framed(key)`` gives
+    ``(index, ids, generator)``; the generator has drawn the crop offset (only
+    when a crop was needed) and goes on to the subclass.
+    """
+
+    def __init__(self, sequences, tokenizer: CharTokenizer, *, max_length: int, seed: int, crop: str,
+                 add_special_tokens: bool = True):
+        name = type(self).__name__
+        if crop not in ("random", "start"):
+            raise ValueError(f"{name}: argument 'crop' must be 'random' or 'start', got {crop!r}")
+        n_spec = tokenizer.num_special_tokens_added if add_special_tokens else 0
+        if max_length < n_spec + 1:
+            raise ValueError(f"{name}: argument 'max_length' must be >= {n_spec + 1}, got {max_length}")
+        self.store = sequences if isinstance(sequences, TokenizedSequences) else TokenizedSequences(sequences, tokenizer)
+        if self.store.tokenizer is not tokenizer and self.store.tokenizer.vocab != tokenizer.vocab:
+            raise ValueError(f"{name}: the TokenizedSequences were made with a different vocabulary")
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.seed = seed
+        self.crop = crop
+        self.add_special_tokens = add_special_tokens
+        self._n_spec = n_spec
+        self._max_residues = max_length - n_spec
+        self._gen = None  # one torch.Generator per process, re-seeded per sample
+        #: Tokens per sample after cropping, specials included (int64 numpy).
+        self.lengths = np.minimum(self.store.lengths, self._max_residues) + n_spec
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    def __getstate__(self):  # workers build their own generator
+        state = dict(self.__dict__)
+        state["_gen"] = None
+        return state
+
+    def framed(self, key) -> tuple[int, np.ndarray, torch.Generator]:
+        if isinstance(key, tuple):
+            epoch, index = key
+        else:
+            epoch, index = 0, key
+        index = int(index)
+        if not 0 <= index < len(self.store):
+            raise IndexError(f"{type(self).__name__}: index {index} out of range [0, {len(self.store)})")
+        if self._gen is None:
+            self._gen = torch.Generator()
+        g = self._gen
+        g.manual_seed(sample_seed(self.seed, int(epoch), index))
+        a, b = int(self.store.offsets[index]), int(self.store.offsets[index + 1])
+        n = b - a
+        keep = self._max_residues
+        if n > keep:
+            if self.crop == "random":
+                a += int(torch.randint(n - keep + 1, (1,), generator=g))
+            n = keep
+        tok = self.tokenizer
+        bos = self.add_special_tokens and tok.bos_token_id is not None
+        ids = np.empty(n + self._n_spec, dtype=np.int64)
+        if bos:
+            ids[0] = tok.bos_token_id
+        ids[bos : bos + n] = self.store.flat[a : a + n]
+        if self.add_special_tokens and tok.eos_token_id is not None:
+            ids[-1] = tok.eos_token_id
+        return index, ids, g
+
+
+class MLMDataset(FramedDataset):
     """Masked-LM samples ``{"input_ids", "labels", "index"}`` (1-D int64).
 
     ``max_length`` counts the specials (as transformers does); ``crop`` is
@@ -73,33 +152,15 @@ class MLMDataset(torch.utils.data.Dataset):
         random_token_frac: float = 0.1,
         crop: str = "random",
     ):
-        if crop not in ("random", "start"):
-            raise ValueError(f"MLMDataset: argument 'crop' must be 'random' or 'start', got {crop!r}")
-        n_spec = tokenizer.num_special_tokens_added
-        if max_length < n_spec + 1:
-            raise ValueError(f"MLMDataset: argument 'max_length' must be >= {n_spec + 1}, got {max_length}")
         if tokenizer.mask_token_id is None and mask_prob > 0:
             raise ValueError("MLMDataset: the tokenizer has no mask token; use mask_prob=0")
-        self.store = sequences if isinstance(sequences, TokenizedSequences) else TokenizedSequences(sequences, tokenizer)
-        if self.store.tokenizer is not tokenizer and self.store.tokenizer.vocab != tokenizer.vocab:
-            raise ValueError("MLMDataset: the TokenizedSequences were made with a different vocabulary")
-        self.tokenizer = tokenizer
-        self.max_length = max_length
-        self.seed = seed
+        super().__init__(sequences, tokenizer, max_length=max_length, seed=seed, crop=crop)
         self.mask_prob = mask_prob
         self.mask_token_frac = mask_token_frac
         self.random_token_frac = random_token_frac
-        self.crop = crop
-        self._max_residues = max_length - n_spec
         self._special_lut = np.zeros(tokenizer.vocab_size, dtype=bool)
         self._special_lut[tokenizer.special_token_ids] = True
         self._random_ids = tokenizer.random_token_ids.numpy().astype(np.int64)
-        self._gen = None  # one torch.Generator per process, re-seeded per sample
-        #: Tokens per sample after cropping, specials included (int64 numpy).
-        self.lengths = np.minimum(self.store.lengths, self._max_residues) + n_spec
-
-    def __len__(self) -> int:
-        return len(self.store)
 
     def fingerprint(self) -> dict:
         """The settings a saved loader position depends on."""
@@ -114,47 +175,48 @@ class MLMDataset(torch.utils.data.Dataset):
             "vocab_size": self.tokenizer.vocab_size,
         }
 
-    def _generator(self) -> torch.Generator:
-        if self._gen is None:
-            self._gen = torch.Generator()
-        return self._gen
-
-    def __getstate__(self):  # workers build their own generator
-        state = dict(self.__dict__)
-        state["_gen"] = None
-        return state
-
     def __getitem__(self, key):
-        if isinstance(key, tuple):
-            epoch, index = key
-        else:
-            epoch, index = 0, key
-        index = int(index)
-        if not 0 <= index < len(self.store):
-            raise IndexError(f"MLMDataset: index {index} out of range [0, {len(self.store)})")
-        g = self._generator()
-        g.manual_seed(sample_seed(self.seed, int(epoch), index))
-        a, b = int(self.store.offsets[index]), int(self.store.offsets[index + 1])
-        n = b - a
-        keep = self._max_residues
-        if n > keep:
-            if self.crop == "random":
-                a += int(torch.randint(n - keep + 1, (1,), generator=g))
-            n = keep
-        tok = self.tokenizer
-        bos = tok.bos_token_id is not None
-        ids = np.empty(n + tok.num_special_tokens_added, dtype=np.int64)
-        if bos:
-            ids[0] = tok.bos_token_id
-        ids[bos : bos + n] = self.store.flat[a : a + n]
-        if tok.eos_token_id is not None:
-            ids[-1] = tok.eos_token_id
+        index, ids, g = self.framed(key)
         if self.mask_prob > 0:
             ids, labels = mask_numpy(
-                ids, self._special_lut, tok.mask_token_id, self._random_ids, g,
+                ids, self._special_lut, self.tokenizer.mask_token_id, self._random_ids, g,
                 self.mask_prob, self.mask_token_frac, self.random_token_frac,
             )
         else:
             labels = np.full(ids.size, IGNORE_INDEX, dtype=np.int64)
         ids, labels = torch.from_numpy(ids), torch.from_numpy(labels)
         return {"input_ids": ids, "labels": labels, "index": index}
+
+
+class CausalLMDataset(FramedDataset):
+    """Next-token samples ``{"input_ids", "labels", "index"}`` (1-D int64):
+    ``labels`` = ``input_ids`` with ``labels[0] = -100`` (module note).
+
+    ``max_length`` counts the specials; ``crop`` ``"random"`` draws a new
+    window per epoch from ``(seed, epoch, index)`` (``"start"``: the first
+    tokens, for validation); ``add_special_tokens`` frames with the
+    tokenizer's <bos> ... <eos> (for DNA windows: ``<bos> bases <eos>``).
+    """
+
+    def __init__(self, sequences, tokenizer: CharTokenizer, *, max_length: int = 8192, seed: int = 0,
+                 crop: str = "random", add_special_tokens: bool = True):
+        super().__init__(sequences, tokenizer, max_length=max_length, seed=seed, crop=crop,
+                         add_special_tokens=add_special_tokens)
+
+    def fingerprint(self) -> dict:
+        """The settings a saved loader position depends on."""
+        return {
+            "objective": "causal_lm",
+            "num_samples": len(self.store),
+            "max_length": self.max_length,
+            "seed": self.seed,
+            "crop": self.crop,
+            "add_special_tokens": self.add_special_tokens,
+            "vocab_size": self.tokenizer.vocab_size,
+        }
+
+    def __getitem__(self, key):
+        index, ids, _ = self.framed(key)
+        labels = ids.copy()
+        labels[0] = IGNORE_INDEX
+        return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels), "index": index}

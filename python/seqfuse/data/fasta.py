@@ -1,4 +1,5 @@
-"""FASTA reading and writing, plain or gzip-compressed, streaming.
+"""FASTA reading and writing, plain or gzip-compressed (reading: xz too, as
+Debian ships some genome assemblies), streaming.
 
 Records are read one at a time so a file of millions of sequences never has to
 fit in memory. A record's ``id`` is the header up to the first whitespace,
@@ -27,19 +28,24 @@ class SequenceRecord:
     description: str = ""
 
 
-def _is_gzip(path) -> bool:
+def _magic(path) -> bytes:
     with open(path, "rb") as f:
-        return f.read(2) == b"\x1f\x8b"
+        return f.read(6)
 
 
 def open_text(path, mode: str = "rt"):
-    """Open ``path`` as text; gzip is detected from the magic bytes when
-    reading and from a ``.gz`` suffix when writing."""
+    """Open ``path`` as text; gzip (and, reading only, xz) is detected from
+    the magic bytes when reading, gzip from a ``.gz`` suffix when writing."""
     if mode not in ("rt", "wt"):
         raise ValueError(f"open_text: argument 'mode' must be 'rt' or 'wt', got {mode!r}")
     path = os.fspath(path)
     if mode == "rt":
-        gz = _is_gzip(path)
+        magic = _magic(path)
+        if magic == b"\xfd7zXZ\x00":
+            import lzma
+
+            return lzma.open(path, "rt", encoding="ascii")
+        gz = magic[:2] == b"\x1f\x8b"
     else:
         gz = path.endswith(".gz")
     if gz:

@@ -24,7 +24,7 @@ import torch
 
 from .batching import TokenBudgetBatchSampler
 
-__all__ = ["ResumableDataLoader", "build_mlm_loader"]
+__all__ = ["ResumableDataLoader", "build_mlm_loader", "build_causal_lm_loader"]
 
 _FORMAT = "seqfuse.data.ResumableDataLoader/1"
 
@@ -197,8 +197,73 @@ def build_mlm_loader(
     loader: file order, crops from the start, and the same masks every pass
     (``fixed_epoch=0``).  ``balance_ranks``: re-deal each step's samples over
     the ranks by cost (TokenBudgetBatchSampler; training loaders only)."""
-    from .collate import PackedTHDCollator, PaddedBSHDCollator
     from .dataset import MLMDataset
+
+    _check_fits("build_mlm_loader", max_length, max_tokens, pad_to_multiple_of)
+    if evaluation:
+        crop = "start"
+    ds = MLMDataset(sequences, tokenizer, max_length=max_length, seed=seed, mask_prob=mask_prob, crop=crop)
+    return _loader(ds, tokenizer, max_tokens=max_tokens, packed=packed, pad_to_multiple_of=pad_to_multiple_of,
+                   max_sequences=max_sequences, shuffle=shuffle, bucket_size=bucket_size, seed=seed, rank=rank,
+                   world_size=world_size, num_workers=num_workers, pin_memory=pin_memory, evaluation=evaluation,
+                   balance_ranks=balance_ranks)
+
+
+def build_causal_lm_loader(
+    sequences,
+    tokenizer,
+    *,
+    max_tokens: int,
+    max_length: int = 8192,
+    packed: bool = True,
+    pad_to_multiple_of: int | None = None,
+    max_sequences: int | None = None,
+    shuffle: bool = True,
+    bucket_size: int | None = None,
+    seed: int = 0,
+    crop: str = "random",
+    add_special_tokens: bool = True,
+    rank: int | None = None,
+    world_size: int | None = None,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    evaluation: bool = False,
+    balance_ranks: bool = False,
+) -> ResumableDataLoader:
+    """The causal-LM pipeline (Llama on DNA windows) in one call:
+    CausalLMDataset (crop to ``max_length`` tokens, ``<bos> ... <eos>``,
+    labels = ids with -100 first) -> TokenBudgetBatchSampler ->
+    PackedTHDCollator (``packed``: cu_seqlens, position_ids restarting per
+    sequence) or PaddedBSHDCollator (labels -100 on padding) ->
+    ResumableDataLoader. Same arguments and rules as ``build_mlm_loader``
+    (``evaluation=True``: file order, crops from the start, one fixed epoch);
+    no masking."""
+    from .dataset import CausalLMDataset
+
+    _check_fits("build_causal_lm_loader", max_length, max_tokens, pad_to_multiple_of)
+    if evaluation:
+        crop = "start"
+    ds = CausalLMDataset(sequences, tokenizer, max_length=max_length, seed=seed, crop=crop,
+                         add_special_tokens=add_special_tokens)
+    return _loader(ds, tokenizer, max_tokens=max_tokens, packed=packed, pad_to_multiple_of=pad_to_multiple_of,
+                   max_sequences=max_sequences, shuffle=shuffle, bucket_size=bucket_size, seed=seed, rank=rank,
+                   world_size=world_size, num_workers=num_workers, pin_memory=pin_memory, evaluation=evaluation,
+                   balance_ranks=balance_ranks)
+
+
+def _check_fits(caller, max_length, max_tokens, pad_to_multiple_of):
+    m = pad_to_multiple_of or 1
+    if (max_length + m - 1) // m * m > max_tokens:
+        raise ValueError(
+            f"{caller}: max_length={max_length} (padded to a multiple of {m}) does not fit in "
+            f"max_tokens={max_tokens}: one sequence must fit in one batch"
+        )
+
+
+def _loader(ds, tokenizer, *, max_tokens, packed, pad_to_multiple_of, max_sequences, shuffle, bucket_size, seed,
+            rank, world_size, num_workers, pin_memory, evaluation, balance_ranks) -> ResumableDataLoader:
+    """Sampler, collator and loader around a dataset (both builders)."""
+    from .collate import PackedTHDCollator, PaddedBSHDCollator
 
     if rank is None or world_size is None:
         dist = torch.distributed
@@ -209,14 +274,7 @@ def build_mlm_loader(
             rank = 0 if rank is None else rank
             world_size = 1 if world_size is None else world_size
     if evaluation:
-        shuffle, crop, bucket_size = False, "start", None
-    m = pad_to_multiple_of or 1
-    if (max_length + m - 1) // m * m > max_tokens:
-        raise ValueError(
-            f"build_mlm_loader: max_length={max_length} (padded to a multiple of {m}) does not fit in "
-            f"max_tokens={max_tokens}: one sequence must fit in one batch"
-        )
-    ds = MLMDataset(sequences, tokenizer, max_length=max_length, seed=seed, mask_prob=mask_prob, crop=crop)
+        shuffle, bucket_size = False, None
     sampler = TokenBudgetBatchSampler(
         ds.lengths,
         max_tokens,

@@ -1,5 +1,6 @@
 """Parquet storage of sequence records (columns ``id``, ``sequence``,
-``description``), through pyarrow.
+``description``; ``write_rows`` for other schemas, such as the genome windows
+of genome.py, with file metadata), through pyarrow.
 
 pyarrow is imported lazily, so the rest of seqfuse.data works without it;
 calling these functions without pyarrow raises an ImportError that says what
@@ -13,7 +14,7 @@ from typing import Iterable, Iterator
 
 from .fasta import SequenceRecord, read_fasta
 
-__all__ = ["write_parquet", "read_parquet", "load_sequences"]
+__all__ = ["write_parquet", "write_rows", "read_metadata", "read_parquet", "iter_records", "load_sequences"]
 
 _COLUMNS = ("id", "sequence", "description")
 
@@ -38,32 +39,69 @@ def write_parquet(
 ) -> int:
     """Write records to a Parquet file in row groups of ``row_group_size``;
     returns the number written. Streams: at most one row group is in memory."""
+    pa, _ = _pyarrow()
+    schema = pa.schema([(c, pa.string()) for c in _COLUMNS])
+    rows = ({"id": r.id, "sequence": r.sequence, "description": r.description} for r in records)
+    # No dictionary encoding for sequences: they are almost all distinct strings.
+    return write_rows(
+        rows, path, schema, row_group_size=row_group_size, compression=compression,
+        compression_level=compression_level, use_dictionary=["id"], caller="write_parquet",
+    )
+
+
+def write_rows(
+    rows: Iterable[dict],
+    path,
+    schema,
+    *,
+    row_group_size: int = 4096,
+    compression: str = "zstd",
+    compression_level: int | None = None,
+    use_dictionary=True,
+    metadata: dict[str, str] | None = None,
+    caller: str = "write_rows",
+) -> int:
+    """Write dict rows (one key per column of the pyarrow ``schema``) to a
+    Parquet file in row groups of ``row_group_size``, streaming; returns the
+    number written. ``metadata`` (str -> str) goes into the file's schema
+    metadata (read back with ``read_metadata``)."""
     pa, pq = _pyarrow()
     if row_group_size < 1:
-        raise ValueError(f"write_parquet: argument 'row_group_size' must be >= 1, got {row_group_size}")
-    schema = pa.schema([(c, pa.string()) for c in _COLUMNS])
+        raise ValueError(f"{caller}: argument 'row_group_size' must be >= 1, got {row_group_size}")
+    if metadata:
+        schema = schema.with_metadata({str(k): str(v) for k, v in metadata.items()})
+    names = schema.names
     n = 0
-    buf = {c: [] for c in _COLUMNS}
+    buf = {c: [] for c in names}
 
     def flush(writer):
         writer.write_table(pa.table(buf, schema=schema), row_group_size=row_group_size)
-        for c in _COLUMNS:
+        for c in names:
             buf[c].clear()
 
-    # No dictionary encoding: sequences are almost all distinct strings.
     with pq.ParquetWriter(
-        os.fspath(path), schema, compression=compression, compression_level=compression_level, use_dictionary=["id"]
+        os.fspath(path), schema, compression=compression, compression_level=compression_level,
+        use_dictionary=use_dictionary,
     ) as writer:
-        for rec in records:
-            buf["id"].append(rec.id)
-            buf["sequence"].append(rec.sequence)
-            buf["description"].append(rec.description)
+        for row in rows:
+            if row.keys() != buf.keys():
+                raise ValueError(f"{caller}: row {n} has columns {sorted(row)}, the schema {sorted(names)}")
+            for c in names:
+                buf[c].append(row[c])
             n += 1
-            if len(buf["id"]) == row_group_size:
+            if len(buf[names[0]]) == row_group_size:
                 flush(writer)
-        if buf["id"] or n == 0:
+        if buf[names[0]] or n == 0:
             flush(writer)
     return n
+
+
+def read_metadata(path) -> dict[str, str]:
+    """The schema metadata of a Parquet file (str -> str; pyarrow's own
+    ``ARROW:schema`` entry left out)."""
+    _, pq = _pyarrow()
+    meta = pq.read_schema(os.fspath(path)).metadata or {}
+    return {k.decode(): v.decode() for k, v in meta.items() if k != b"ARROW:schema"}
 
 
 def read_parquet(path, batch_size: int = 4096) -> Iterator[SequenceRecord]:
@@ -87,16 +125,16 @@ def read_parquet(path, batch_size: int = 4096) -> Iterator[SequenceRecord]:
 
 
 def iter_records(path) -> Iterator[SequenceRecord]:
-    """Records from a FASTA (.fa/.fasta/.faa/.fna, optionally .gz) or Parquet
+    """Records from a FASTA (.fa/.fasta/.faa/.fna, optionally .gz or .xz) or Parquet
     file, chosen by suffix."""
     p = os.fspath(path).lower()
     if p.endswith(".parquet") or p.endswith(".pq"):
         return read_parquet(path)
-    base = p[:-3] if p.endswith(".gz") else p
+    base = p[:-3] if p.endswith((".gz", ".xz")) else p
     if base.endswith((".fa", ".fasta", ".faa", ".fna", ".fas")):
         return read_fasta(path)
     raise ValueError(
-        f"iter_records: cannot tell the format of {path!r}: expected .parquet or .fasta/.fa/.faa/.fna[.gz]"
+        f"iter_records: cannot tell the format of {path!r}: expected .parquet or .fasta/.fa/.faa/.fna[.gz|.xz]"
     )
 
 
