@@ -8,8 +8,12 @@
 - ESM-2 in seqfuse layers: ``SeqfuseEsmConfig`` (and the published shapes via
   ``esm2_config``), config conversion ``from_hf_config`` / ``to_hf_config``,
   weight conversion in ``seqfuse.hf.convert``.
+- Llama (Llama 3 included) in seqfuse layers: ``SeqfuseLlamaConfig`` (a
+  LlamaConfig; the published Llama 3.x shapes via ``llama3_config``),
+  ``SeqfuseLlamaModel`` / ``SeqfuseLlamaForCausalLM``, conversion both ways
+  and the export transformers loads in ``seqfuse.hf.llama_convert``.
 
-Importing this package registers the "seqfuse_esm" model type with
+Importing this package registers the "seqfuse_esm" and "seqfuse_llama" model types with
 transformers' Auto classes.  It needs ``transformers`` (>= 5).
 """
 from .accelerate import AccelerateReport, accelerate
@@ -25,3 +29,8 @@ __all__ = [
 from .esm import SeqfuseEsmForMaskedLM, SeqfuseEsmModel  # noqa: E402
 
 __all__ += ["SeqfuseEsmForMaskedLM", "SeqfuseEsmModel"]
+
+from .llama_config import LLAMA3_SHAPES, SeqfuseLlamaConfig, llama3_config  # noqa: E402
+from .llama import SeqfuseLlamaForCausalLM, SeqfuseLlamaModel  # noqa: E402
+
+__all__ += ["LLAMA3_SHAPES", "SeqfuseLlamaConfig", "llama3_config", "SeqfuseLlamaForCausalLM", "SeqfuseLlamaModel"]

@@ -63,7 +63,7 @@ def _padding_layout(mask, s_q):
                           hole_error=NotImplementedError)
 
 
-def _is_packed(position_ids, batch):
+def is_packed_positions(position_ids, batch):
     """transformers' test: one row whose positions are not min, min + 1, ..."""
     if position_ids is None or batch != 1 or position_ids.shape[-1] == 1:
         return False
@@ -71,7 +71,7 @@ def _is_packed(position_ids, batch):
     return not torch.equal(pos, pos.min() + torch.arange(pos.numel(), device=pos.device))
 
 
-def _cu_seqlens_of_positions(position_ids):
+def cu_seqlens_of_positions(position_ids):
     """(int32 cu_seqlens, max length) of a packed row: a sequence starts wherever
     the position is the row's minimum (0, or padding_idx + 1 for RoBERTa-like
     models) and must count up by one from there."""
@@ -111,8 +111,8 @@ def _packed_thd(attention_mask, s_q, s_kv, kwargs):
 _SINK_KWARGS = ("s_aux", "sinks")
 
 _padding_layout_cached = PerTensorCache(_padding_layout)
-_is_packed_cached = PerTensorCache(_is_packed)
-_cu_seqlens_of_positions_cached = PerTensorCache(_cu_seqlens_of_positions)
+_is_packed_cached = PerTensorCache(is_packed_positions)
+_cu_seqlens_of_positions_cached = PerTensorCache(cu_seqlens_of_positions)
 
 
 def seqfuse_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,

@@ -27,7 +27,10 @@ Only tensors are moved, never recomputed, so HF -> seqfuse -> HF is
 bit-identical.  Missing keys raise KeyError naming them, unexpected keys and
 wrong shapes raise ValueError naming them.
 """
+import os
+
 from .qkv import fuse_qkv, split_qkv
+from .state_dict import build_and_load, check_keys, check_shapes, load_hf_checkpoint, strip_extra_state
 
 HF_LAYER = "esm.encoder.layer.{}."
 SF_LAYER = "esm.encoder.layers.{}."
@@ -92,19 +95,6 @@ def seqfuse_keys(config, lm_head=True):
     return keys
 
 
-def _check_keys(sd, expected, side):
-    present = set(sd)
-    missing = [k for k in expected if k not in present]
-    if missing:
-        more = f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""
-        raise KeyError(f"{side} state dict is missing key(s) {missing[:8]}{more}")
-    allowed = set(expected) | {_TIED_DECODER}
-    unexpected = sorted(k for k in present if k not in allowed)
-    if unexpected:
-        more = f" (and {len(unexpected) - 8} more)" if len(unexpected) > 8 else ""
-        raise ValueError(f"{side} state dict has unexpected key(s) {unexpected[:8]}{more}")
-
-
 def _check_shapes(sd, config, side, layer_fmt, lm_head):
     h, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
     want = {_WORD_EMB: (v, h), "esm.rotary_embeddings.inv_freq": (config.head_dim // 2,),
@@ -124,10 +114,7 @@ def _check_shapes(sd, config, side, layer_fmt, lm_head):
             want[p + _SF_QKV[0]] = (3 * h, h)
             want[p + "layernorm_mlp.fc1_weight"] = (f, h)
             want[p + "layernorm_mlp.fc2_weight"] = (h, f)
-    for k, shape in want.items():
-        if tuple(sd[k].shape) != shape:
-            raise ValueError(f"{side} state dict key {k!r} has shape {tuple(sd[k].shape)}, "
-                             f"the config needs {shape}")
+    check_shapes(sd, want, side)
 
 
 def hf_to_seqfuse_state_dict(hf_sd, config, lm_head=True):
@@ -136,7 +123,7 @@ def hf_to_seqfuse_state_dict(hf_sd, config, lm_head=True):
     ``config`` is the SeqfuseEsmConfig; ``lm_head=False`` converts the encoder
     of an EsmModel whose keys carry the "esm." prefix.
     """
-    _check_keys(hf_sd, hf_keys(config, lm_head), "transformers")
+    check_keys(hf_sd, hf_keys(config, lm_head), "transformers", optional=(_TIED_DECODER,))
     _check_shapes(hf_sd, config, "transformers", HF_LAYER, lm_head)
     out = {k: hf_sd[k] for k in _shared_keys(config, lm_head)}
     for i in range(config.num_hidden_layers):
@@ -153,7 +140,7 @@ def hf_to_seqfuse_state_dict(hf_sd, config, lm_head=True):
 
 def seqfuse_to_hf_state_dict(sf_sd, config, lm_head=True):
     """transformers EsmForMaskedLM state dict from a seqfuse one."""
-    _check_keys(sf_sd, seqfuse_keys(config, lm_head), "seqfuse")
+    check_keys(sf_sd, seqfuse_keys(config, lm_head), "seqfuse", optional=(_TIED_DECODER,))
     _check_shapes(sf_sd, config, "seqfuse", SF_LAYER, lm_head)
     out = {k: sf_sd[k] for k in _shared_keys(config, lm_head)}
     for i in range(config.num_hidden_layers):
@@ -170,36 +157,6 @@ def seqfuse_to_hf_state_dict(sf_sd, config, lm_head=True):
 
 
 # ------------------------------------------------------------ model level
-_EXTRA_STATE = "._extra_state"
-
-
-def _strip_extra_state(sd):
-    """Module bookkeeping (e.g. FP8 scaling state) is not a weight: not converted."""
-    return {k: v for k, v in sd.items() if not k.endswith(_EXTRA_STATE)}
-
-
-def _build_and_load(cls, config, sd, like):
-    """``cls(config)`` on ``like``'s device without random init, holding
-    copies of the tensors of ``sd`` (dtype and values exactly as given)."""
-    import torch
-    from transformers.initialization import no_init_weights
-
-    device = next(like.parameters()).device
-    with torch.device(device), no_init_weights():
-        model = cls(config)
-    own = model.state_dict()
-    full = {k: v.detach().clone() for k, v in sd.items()}
-    for k, v in own.items():
-        if k.endswith(_EXTRA_STATE):
-            full[k] = v
-    if "lm_head.decoder.weight" in own and "lm_head.decoder.weight" not in full and config.tie_word_embeddings:
-        full["lm_head.decoder.weight"] = full["esm.embeddings.word_embeddings.weight"]
-    model.load_state_dict(full, strict=True, assign=True)
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    return model.train(like.training)
-
-
 def from_hf_model(hf_model):
     """SeqfuseEsmForMaskedLM holding copies of the weights of transformers'
     EsmForMaskedLM, each tensor in its dtype, on the same device.  The config
@@ -213,7 +170,7 @@ def from_hf_model(hf_model):
         raise TypeError(f"from_hf_model: expected transformers.EsmForMaskedLM, got {type(hf_model).__name__}")
     config = from_hf_config(hf_model.config)
     sd = hf_to_seqfuse_state_dict(hf_model.state_dict(), config)
-    return _build_and_load(SeqfuseEsmForMaskedLM, config, sd, hf_model)
+    return build_and_load(SeqfuseEsmForMaskedLM, config, sd, hf_model)
 
 
 def to_hf_model(model):
@@ -226,8 +183,8 @@ def to_hf_model(model):
 
     if not isinstance(model, SeqfuseEsmForMaskedLM):
         raise TypeError(f"to_hf_model: expected SeqfuseEsmForMaskedLM, got {type(model).__name__}")
-    sd = seqfuse_to_hf_state_dict(_strip_extra_state(model.state_dict()), model.config)
-    hf = _build_and_load(EsmForMaskedLM, to_hf_config(model.config), sd, model)
+    sd = seqfuse_to_hf_state_dict(strip_extra_state(model.state_dict()), model.config)
+    hf = build_and_load(EsmForMaskedLM, to_hf_config(model.config), sd, model)
     return hf
 
 
@@ -238,8 +195,6 @@ def from_hf_pretrained(path, dtype=None, device=None):
     rotary inv_freq, ...); unlike transformers, a weight missing from the
     checkpoint raises KeyError naming it instead of being initialised at
     random, and the config is checked before any weight is read."""
-    import os
-
     from transformers import EsmConfig, EsmForMaskedLM
 
     from .esm_config import from_hf_config
@@ -247,14 +202,6 @@ def from_hf_pretrained(path, dtype=None, device=None):
     if not os.path.isdir(path):
         raise FileNotFoundError(f"from_hf_pretrained: {path!r} is not a local directory")
     from_hf_config(EsmConfig.from_pretrained(path))  # refuses unrepresentable configs up front
-    kw = {} if dtype is None else {"dtype": dtype}
-    hf, info = EsmForMaskedLM.from_pretrained(path, output_loading_info=True, local_files_only=True, **kw)
-    missing = sorted(k for k in info.get("missing_keys", ()) if k != _TIED_DECODER)
-    if missing:
-        raise KeyError(f"from_hf_pretrained({path!r}): the checkpoint is missing weight(s) {missing[:8]}"
-                       + (" ..." if len(missing) > 8 else ""))
-    mismatched = info.get("mismatched_keys", ())
-    if mismatched:
-        raise ValueError(f"from_hf_pretrained({path!r}): weight shapes differ from the config: {list(mismatched)[:8]}")
-    model = from_hf_model(hf.eval())
+    hf = load_hf_checkpoint(EsmForMaskedLM, path, dtype, optional=(_TIED_DECODER,))
+    model = from_hf_model(hf)
     return model if device is None else model.to(device)

@@ -1,0 +1,322 @@
+"""Llama (Llama 3 included) in seqfuse layers: a transformers PreTrainedModel
+family (SeqfuseLlamaModel, SeqfuseLlamaForCausalLM) on seqfuse's
+TransformerLayer.
+
+The model computes what transformers' LlamaForCausalLM computes: token
+embeddings, then per layer x += attention(RMSNorm(x)) and x += MLP(RMSNorm(x))
+(the norms fused into the QKV and FC1 GEMMs: layernorm_qkv, layernorm_mlp),
+grouped-query causal attention (num_key_value_heads key/value heads) with
+rotary embeddings (half-split pairs; inverse frequencies with Llama 3's
+scaling when rope_type is "llama3", see llama_config.rope_inv_freq), SwiGLU
+MLP (fc1 = [gate; up], TE's layout: silu on the first half), the final
+RMSNorm and the LM head, tied to the token embeddings or not
+(config.tie_word_embeddings).  No biases, as in Llama.  Differences, small
+and stated: attention scales the logits by 1/sqrt(d) inside the kernel and
+RoPE rotates in float32 before rounding once (transformers rounds cos/sin
+to the activation dtype first); RMSNorm multiplies by its weight before
+rounding (transformers rounds, then multiplies).  In float32 these agree to
+rounding; in bf16 to bf16 rounding.
+
+Inputs:
+- padded (bshd): ``input_ids`` [b, s] with ``attention_mask`` [b, s] (1 =
+  token); right padding (the collators' layout) runs in the kernel's padded
+  layout; left or both-sided padding, each row one run of tokens, is computed
+  exactly too (a row with a hole is a ValueError).  Positions are the column
+  index 0..s-1, as transformers' forward without position_ids; a
+  ``position_ids`` argument must say the same (checked), other positions
+  raise NotImplementedError.  Logits at padding positions are not defined.
+- packed (thd): ``input_ids`` [t] or [1, t] with ``cu_seqlens`` (int32
+  [n + 1]) and optionally ``max_seqlen``; or with ``position_ids`` that
+  restart at 0 for each sequence (transformers' padding-free layout), from
+  which cu_seqlens is derived.  When both are given they must agree
+  (checked: one host read).  No token attends across a sequence boundary and
+  positions restart per sequence.
+
+Loss: ``labels`` as in transformers (the same shape as input_ids, -100
+ignored): token i predicts labels[i + 1]; the last token of every sequence
+(of each row when padded, of each packed sequence when packed) predicts
+nothing, so a packed batch gives the loss of the same sequences padded.
+Mean over the predicted tokens, or the sum divided by
+``num_items_in_batch`` when given (transformers' gradient-accumulation
+rule).  The cross-entropy is seqfuse's fused kernel
+(seqfuse.modules.cross_entropy), float32 whatever the logits' dtype.
+
+Under seqfuse autocast with an FP8 recipe the layers' GEMMs run in FP8; the
+LM head (plain torch, so it can be tied to the embedding) stays in the
+model's dtype.
+"""
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoModel, AutoModelForCausalLM
+from transformers import initialization as init
+from transformers.modeling_outputs import BaseModelOutput, CausalLMOutput
+
+from ..modules.attention import padding_mask_layout
+from ..modules.cross_entropy import cross_entropy
+from ..modules.norm import RMSNorm
+from ..modules.rope import RotaryPositionEmbedding
+from ..modules.transformer_layer import TransformerLayer
+from ..quantization.recompute import checkpoint
+from .attention import cu_seqlens_of_positions, is_packed_positions
+from .llama_config import SeqfuseLlamaConfig, rope_inv_freq
+from .pretrained import SeqfusePreTrainedModel, default_device, init_by_name
+
+IGNORE_INDEX = -100
+
+
+class SeqfuseLlamaRotaryEmbedding(RotaryPositionEmbedding):
+    """seqfuse's RotaryPositionEmbedding (its forward makes the angle table)
+    with the config's inverse frequencies (Llama 3 scaling included).  Like
+    transformers' LlamaRotaryEmbedding, inv_freq is computed from the config
+    and not saved with the weights."""
+
+    def __init__(self, config, device=None):
+        super().__init__(config.head_dim, rotary_base=config.rope_parameters["rope_theta"], device=device)
+        self.register_buffer("inv_freq", rope_inv_freq(config, device=self.inv_freq.device), persistent=False)
+
+
+def make_layer(config, layer_number):
+    """One Llama decoder layer as seqfuse's TransformerLayer: RMSNorm fused
+    into QKV and FC1, SwiGLU, grouped-query causal self-attention, no biases."""
+    return TransformerLayer(
+        config.hidden_size, config.intermediate_size, config.num_attention_heads,
+        num_gqa_groups=config.num_key_value_heads, kv_channels=config.head_dim,
+        layernorm_epsilon=config.rms_norm_eps, hidden_dropout=0.0,
+        attention_dropout=float(config.attention_dropout or 0.0), layer_number=layer_number,
+        self_attn_mask_type="causal", layer_type="encoder", normalization="RMSNorm", activation="swiglu",
+        attn_input_format=config.attn_input_format, fuse_qkv_params=True, qkv_weight_interleaved=True,
+        bias=False, device=default_device())
+
+
+class SeqfuseLlamaPreTrainedModel(SeqfusePreTrainedModel):
+    config_class = SeqfuseLlamaConfig
+    config: SeqfuseLlamaConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    _no_split_modules = ["TransformerLayer"]
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        """transformers' Llama initialisation: matrices and embeddings
+        N(0, initializer_range), norm weights 1 (by parameter name, so it
+        covers the fused seqfuse modules), inv_freq from the config."""
+        init_by_name(module, self.config.initializer_range)
+        if isinstance(module, SeqfuseLlamaRotaryEmbedding):
+            init.copy_(module.inv_freq, rope_inv_freq(self.config, device=module.inv_freq.device))
+
+
+def _packed_layout(input_ids, position_ids, cu_seqlens, max_seqlen):
+    """(cu_seqlens, max_seqlen) of a packed call, checked."""
+    if input_ids.dim() == 2 and input_ids.shape[0] != 1:
+        raise ValueError(f"SeqfuseLlama: packed input_ids must be [t] or [1, t], got {tuple(input_ids.shape)}")
+    t = input_ids.shape[-1]
+    if cu_seqlens is None:
+        cu_seqlens, longest = cu_seqlens_of_positions(position_ids)
+        return cu_seqlens, longest if max_seqlen is None else int(max_seqlen)
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
+        raise TypeError("SeqfuseLlama: cu_seqlens must be a 1-D int32 torch.Tensor")
+    if position_ids is not None:
+        if position_ids.numel() != t:
+            raise ValueError(f"SeqfuseLlama: position_ids has {position_ids.numel()} entries, input_ids {t}")
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        expected = torch.arange(t, device=cu_seqlens.device) - torch.repeat_interleave(
+            cu_seqlens[:-1].long(), lengths, output_size=t)
+        if not torch.equal(position_ids.reshape(-1).to(expected.device), expected):
+            raise ValueError("SeqfuseLlama: position_ids must count 0, 1, ... within each sequence of "
+                             "cu_seqlens (positions restart per packed sequence)")
+    if max_seqlen is None:
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
+    return cu_seqlens, int(max_seqlen)
+
+
+class Layout(NamedTuple):
+    """How one batch runs through the layers: packed (thd) or not, the
+    keyword arguments of every TransformerLayer call, the length of the RoPE
+    table, and the packed batch's cu_seqlens (None when padded)."""
+    packed: bool
+    layer_kw: dict
+    rope_len: int
+    cu_seqlens: Optional[torch.Tensor]
+
+
+def check_unsupported(unused, output_attentions, use_cache):
+    bad = sorted(k for k, v in unused.items() if v is not None)
+    if bad:
+        raise NotImplementedError(f"SeqfuseLlama: arguments {bad} are not supported")
+    if output_attentions:
+        raise NotImplementedError("SeqfuseLlama: output_attentions=True is not supported; the fused attention "
+                                  "never forms attention probabilities (convert to transformers' LlamaModel)")
+    if use_cache:
+        raise NotImplementedError("SeqfuseLlama: use_cache=True (a key/value cache) is not supported by forward")
+
+
+class SeqfuseLlamaModel(SeqfuseLlamaPreTrainedModel):
+    """The Llama decoder stack: embeddings, TransformerLayers, final RMSNorm."""
+
+    _headless_ignores = ("lm_head.",)
+
+    def __init__(self, config: SeqfuseLlamaConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id,
+                                         device=default_device())
+        self.layers = nn.ModuleList([make_layer(config, i + 1) for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, device=default_device())
+        self.rotary_emb = SeqfuseLlamaRotaryEmbedding(config, device=default_device())
+        self.activation_checkpointing = False  # set_activation_checkpointing
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def layout(self, input_ids, attention_mask=None, position_ids=None, cu_seqlens=None, max_seqlen=None):
+        """How a batch runs through the layers (a Layout), its arguments checked."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError("SeqfuseLlama: input_ids must be an int64 or int32 torch.Tensor")
+        if position_ids is not None and not isinstance(position_ids, torch.Tensor):
+            raise TypeError("SeqfuseLlama: position_ids must be a torch.Tensor")
+        # packed: cu_seqlens given, or 1-D input_ids, or one row whose positions restart
+        packed = cu_seqlens is not None or input_ids.dim() == 1 or (
+            position_ids is not None and input_ids.dim() == 2 and input_ids.shape[0] == 1
+            and is_packed_positions(position_ids.reshape(1, -1), 1))
+        if packed:
+            if attention_mask is not None:
+                raise ValueError("SeqfuseLlama: packed input (cu_seqlens / restarting position_ids) takes no "
+                                 "attention_mask: every token is real")
+            if cu_seqlens is None and position_ids is None:
+                raise ValueError("SeqfuseLlama: 1-D (packed) input_ids need cu_seqlens or position_ids")
+            cu, longest = _packed_layout(input_ids, position_ids, cu_seqlens, max_seqlen)
+            kw = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest,
+                      qkv_format="thd", self_attn_mask_type="padding_causal")
+            return Layout(True, kw, longest, cu)
+        if input_ids.dim() != 2:
+            raise ValueError(f"SeqfuseLlama: padded input_ids must be [batch, seq], got {tuple(input_ids.shape)}")
+        s = input_ids.shape[1]
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
+            raise ValueError(f"SeqfuseLlama: attention_mask {tuple(attention_mask.shape)} must match "
+                             f"input_ids {tuple(input_ids.shape)}")
+        if position_ids is not None:
+            cols = torch.arange(s, device=position_ids.device)
+            if position_ids.shape[-1] != s or not bool((position_ids == cols).all()):
+                raise NotImplementedError("SeqfuseLlama: padded input takes positions 0..seq-1 of each row (the "
+                                          "column index); other position_ids are not supported")
+        te_mask = None if attention_mask is None else ~attention_mask.bool()[:, None, None, :]
+        # One host read of the mask: whether anything is padded, and the layout the layers then reuse
+        # (right padding: the padded layout; left or both-sided: packed runs; a hole: ValueError)
+        if te_mask is not None and padding_mask_layout(te_mask).padded is not False:
+            kw = dict(attention_mask=te_mask, self_attn_mask_type="padding_causal", qkv_format="bshd")
+        else:
+            kw = dict(self_attn_mask_type="causal", qkv_format="bshd")
+        return Layout(False, kw, s, None)
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cu_seqlens=None, max_seqlen=None,
+                output_hidden_states=None, output_attentions=None, use_cache=None, return_dict=None, **unused):
+        """Padded: input_ids [b, s], attention_mask [b, s] (1 = token, 0 = pad).
+        Packed: input_ids [t] or [1, t] with cu_seqlens int32 [n+1] (and
+        max_seqlen) or restarting position_ids.  See the module note."""
+        check_unsupported(unused, output_attentions, use_cache)
+        layout = self.layout(input_ids, attention_mask, position_ids, cu_seqlens, max_seqlen)
+        out = self.run(input_ids, layout, output_hidden_states)
+        return out if return_dict is not False else out.to_tuple()
+
+    def run(self, input_ids, layout, output_hidden_states=False):
+        """The layers over ``input_ids`` laid out as ``layout`` says: BaseModelOutput."""
+        shape = input_ids.shape
+        x = self.embed_tokens(input_ids.reshape(-1) if layout.packed else input_ids)
+        freqs = self.rotary_emb(layout.rope_len)
+        hidden = [] if output_hidden_states else None
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
+        for layer in self.layers:
+            if hidden is not None:
+                hidden.append(x)
+            if recompute:
+                x = checkpoint(layer, x, rotary_pos_emb=freqs, **layout.layer_kw)
+            else:
+                x = layer(x, rotary_pos_emb=freqs, **layout.layer_kw)
+        x = self.norm(x)
+        if hidden is not None:
+            hidden.append(x)
+        if layout.packed:
+            x = x.view(*shape, -1)
+            if hidden is not None:
+                hidden = [h.view(*shape, -1) for h in hidden]
+        return BaseModelOutput(last_hidden_state=x, hidden_states=tuple(hidden) if hidden is not None else None)
+
+
+def shift_labels(labels, cu_seqlens=None):
+    """The next-token targets of ``labels`` (transformers' convention: labels
+    aligned with input_ids): out[..., i] = labels[..., i + 1], IGNORE_INDEX
+    at the last position of each row, and, when packed (labels [t] or [1, t]
+    with cu_seqlens), at the last token of every packed sequence."""
+    out = F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+    if cu_seqlens is not None:
+        out = out.reshape(-1).index_fill(0, (cu_seqlens[1:].long() - 1).clamp_min(0), IGNORE_INDEX)
+        out = out.view(labels.shape)
+    return out
+
+
+class SeqfuseLlamaForCausalLM(SeqfuseLlamaPreTrainedModel):
+    """Llama causal language model on seqfuse layers."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: SeqfuseLlamaConfig):
+        super().__init__(config)
+        self.model = SeqfuseLlamaModel(config)
+        # Plain torch: tying needs nn.Linear's weight, and a small vocabulary is not FP8-aligned.
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=default_device())
+        self.post_init()
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head = new_embeddings
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, cu_seqlens=None,
+                max_seqlen=None, num_items_in_batch=None, logits_to_keep=0, output_hidden_states=None,
+                output_attentions=None, use_cache=None, return_dict=None, **unused):
+        """As LlamaForCausalLM (labels unshifted, -100 ignored); packed input
+        via cu_seqlens / max_seqlen or restarting position_ids.
+        ``logits_to_keep`` (int): logits of the last that many positions only
+        (0: all), as in transformers; the loss needs all of them."""
+        check_unsupported(unused, output_attentions, use_cache)
+        if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+            raise ValueError(f"SeqfuseLlamaForCausalLM: logits_to_keep must be an int >= 0, got {logits_to_keep!r}")
+        if logits_to_keep and labels is not None:
+            raise ValueError("SeqfuseLlamaForCausalLM: labels need every position's logits (logits_to_keep 0)")
+        if labels is not None and (not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape):
+            raise ValueError(f"SeqfuseLlamaForCausalLM: labels {tuple(getattr(labels, 'shape', ()))} must be a "
+                             f"tensor of input_ids' shape {tuple(input_ids.shape)}")
+        layout = self.model.layout(input_ids, attention_mask, position_ids, cu_seqlens, max_seqlen)
+        out = self.model.run(input_ids, layout, output_hidden_states)
+        x = out.last_hidden_state
+        if logits_to_keep:
+            x = x[..., -logits_to_keep:, :]
+        logits = F.linear(x, self.lm_head.weight.to(x.dtype))
+        loss = None
+        if labels is not None:
+            target = shift_labels(labels, layout.cu_seqlens).reshape(-1)
+            flat = logits.reshape(-1, logits.shape[-1])
+            if num_items_in_batch is None:
+                loss = cross_entropy(flat, target, ignore_index=IGNORE_INDEX)
+            else:
+                loss = cross_entropy(flat, target, ignore_index=IGNORE_INDEX, reduction="sum") / num_items_in_batch
+        result = CausalLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
+        return result if return_dict is not False else result.to_tuple()
+
+
+def _register():
+    for auto, cls in ((AutoModel, SeqfuseLlamaModel), (AutoModelForCausalLM, SeqfuseLlamaForCausalLM)):
+        try:
+            auto.register(SeqfuseLlamaConfig, cls)
+        except ValueError:
+            pass  # already registered (module reloaded)
+
+
+_register()

@@ -1,0 +1,105 @@
+"""What every seqfuse model family in transformers' PreTrainedModel form
+shares: ``SeqfusePreTrainedModel`` (strict ``from_pretrained``, activation
+checkpointing through transformers' names), ``init_by_name`` (the usual
+N(0, std) / zeros / ones initialisation, by parameter name so that it covers
+seqfuse's fused modules) and ``default_device``.
+
+Written for the Llama family; ESM-2 (esm.py) carries an older copy of the
+same methods in SeqfuseEsmPreTrainedModel, to be switched over to this base.
+"""
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers import initialization as init
+
+
+def default_device():
+    """The default device, which is "meta" while transformers builds a model
+    to load into; seqfuse's modules would otherwise pick one themselves."""
+    return torch.get_default_device()
+
+
+@torch.no_grad()
+def init_by_name(module, std):
+    """Matrices and embeddings N(0, std), biases 0, 1-D weights (norms) 1, for
+    ``module``'s own parameters; an embedding's padding row 0.
+    transformers.initialization's functions skip tensors already loaded from
+    a checkpoint (and work on meta tensors)."""
+    for name, p in module.named_parameters(recurse=False):
+        if name.endswith("bias"):
+            init.zeros_(p)
+        elif p.dim() == 1:
+            init.ones_(p)  # norm weights (layer_norm_weight, RMSNorm.weight)
+        else:
+            init.normal_(p, mean=0.0, std=std)
+    if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+        if not getattr(module.weight, "_is_hf_initialized", False) and not module.weight.is_meta:
+            module.weight[module.padding_idx].zero_()
+
+
+class SeqfusePreTrainedModel(PreTrainedModel):
+    """Base of seqfuse's model families.  A subclass's base model (the one
+    under ``base_model_prefix``) has a ``layers``-running forward that reads
+    its ``activation_checkpointing`` flag.  ``_headless_ignores`` names the
+    key prefixes a headless class may find in a checkpoint of the full model
+    (e.g. "lm_head.")."""
+
+    supports_gradient_checkpointing = False  # transformers' own mechanism is not used: see below
+    _headless_ignores = ()
+
+    # Activation checkpointing: seqfuse's FP8-aware checkpoint around each
+    # TransformerLayer while training.  transformers' enable/disable names
+    # (the Trainer's gradient_checkpointing=True calls them) lead here:
+    # gradient_checkpointing_enable/disable are overridden, and transformers'
+    # own activation_checkpointing_enable/disable hand an overridden
+    # gradient_checkpointing_enable/disable the call.
+    def set_activation_checkpointing(self, enabled=True):
+        """Recompute each TransformerLayer's activations in the backward
+        (seqfuse.pytorch.checkpoint: the forward's FP8 settings and scales)
+        while training: less activation memory for one more layer forward."""
+        self.base_model.activation_checkpointing = bool(enabled)
+        return self
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, every_n_layers=1, offload=False):
+        """transformers' entry: every layer, non-reentrant, activations kept on the device."""
+        if (gradient_checkpointing_kwargs or {}).get("use_reentrant"):
+            raise NotImplementedError("gradient_checkpointing_kwargs: use_reentrant=True is not supported; "
+                                      "seqfuse's checkpoint is non-reentrant")
+        if every_n_layers != 1 or offload:
+            raise NotImplementedError(f"gradient_checkpointing_enable: every_n_layers={every_n_layers!r} and "
+                                      f"offload={offload!r} are not supported (every layer, on the device)")
+        self.set_activation_checkpointing(True)
+
+    def gradient_checkpointing_disable(self):
+        self.set_activation_checkpointing(False)
+
+    @property
+    def is_activation_checkpointing(self):
+        return bool(getattr(self.base_model, "activation_checkpointing", False))
+
+    @property
+    def is_gradient_checkpointing(self):
+        return self.is_activation_checkpointing
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """transformers' from_pretrained, made strict: a checkpoint with missing
+        or unexpected weights raises (KeyError / ValueError naming the keys)
+        instead of leaving randomly initialised weights behind."""
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
+                                              **kwargs)
+        where = f"{cls.__name__}.from_pretrained({pretrained_model_name_or_path!r})"
+        tied = set(getattr(cls, "_tied_weights_keys", None) or {})
+        missing = sorted(k for k in info.get("missing_keys", ()) if k not in tied)
+        if missing:
+            raise KeyError(f"{where}: the checkpoint is missing weight(s) {missing[:8]}"
+                           + (" ..." if len(missing) > 8 else ""))
+        unexpected = sorted(k for k in info.get("unexpected_keys", ()) if not k.startswith(cls._headless_ignores))
+        if unexpected:
+            raise ValueError(f"{where}: the checkpoint has unexpected weight(s) {unexpected[:8]}"
+                             + (" ..." if len(unexpected) > 8 else ""))
+        mismatched = info.get("mismatched_keys", ())
+        if mismatched:
+            raise ValueError(f"{where}: weight shapes differ from the config: {list(mismatched)[:8]}")
+        return (model, info) if want_info else model
