@@ -1,21 +1,48 @@
-"""ESM-2 training throughput: Hugging Face EsmForMaskedLM (sdpa, bf16) against
-seqfuse's ESM-2 (bf16, FP8 delayed / current / block scaling), padded and
-packed, on real UniProt proteins (max length 1024), in one process on the
-same GPU, with identical initial weights.
+"""ESM-2 training throughput on real UniProt proteins (max length 1024), in
+one process on the same GPU, with identical initial weights, against every
+peer a user would compare with:
 
-Each row runs ``--warmup`` then ``--steps`` full training steps (forward,
-backward, optimizer) on the same batches of about ``--tokens`` tokens:
-  * real length distribution: the recipe's token-budget batches of the
-    prepared data (padded BSHD for HF and the *_padded rows, packed THD with
-    cu_seqlens for *_packed rows);
-  * ``--fixed-length`` rows: every sequence exactly 1024 tokens (windows of
-    the concatenated proteins), so no layout pads anything.
+  hf_*          Hugging Face EsmForMaskedLM (sdpa, bf16), eager;
+  hfcompile_*   the same model under torch.compile (--compile-scope: each
+                EsmLayer, the default, or the whole model; dynamic shapes for
+                the real-length batches, --compile-dynamic);
+  te_*          ESM-2 on Transformer Engine's modules in BioNeMo's layout
+                (peers/te_esm2.py: te.TransformerLayer, packed thd input),
+                where transformer_engine imports (else the row is skipped and
+                says why);
+  seqfuse_*     seqfuse's ESM-2, bf16 or FP8 (delayed / current / block).
+
+Row names: <impl>_<bf16|fp8_delayed|fp8_current|fp8_block>_<layout>, layouts
+  packed    the recipe's token-budget batches, packed THD with cu_seqlens;
+  padded    the SAME samples grouped by length: shuffled pools of 50 batches'
+            worth of samples sorted by length, cut by the same token budget
+            and padded to each batch's longest (transformers' Trainer with
+            group_by_length, with a token budget instead of a fixed batch
+            size), the real-lengths reference for Hugging Face;
+  unsorted  the same samples padded in the packed batches' random order
+            (what the earlier HF row did: no length grouping);
+  fixed     (--fixed-length) every sequence exactly 1024 tokens (windows of
+            the concatenated proteins), so no layout pads anything.
+Every real-length row trains on exactly the same samples and masks (the JSON
+records the real tokens per row, and the run checks they are equal).
+
+Timing is steady state: each row first runs --warm-passes untimed passes over
+the very batches it then times (so every batch shape, cuDNN plan and
+compiled graph exists before timing starts; compile time is reported as
+warm_s), then one timed pass; a compiled row that still compiles during the
+timed pass says so in its note.  --warmup N adds N distinct warm-up batches
+before that.
+
 Reported: tokens/s (incl. padding), unpadded tokens/s (real tokens: the
-figure that matters), its ratio to HF's, MFU of the useful FLOPs
-(esm2_recipe.metrics.train_flops) against the measured bf16 ceiling
-(794 TFLOP/s) and the datasheet (989), peak memory, step time.  HF trains
-bf16 parameters with torch's fused AdamW; seqfuse bf16 parameters with
-FusedAdamW and fp32 master weights (more optimizer memory, counted).
+figure that matters), ratios against the length-grouped HF row (vs_hf), the
+best HF row eager or compiled (vs_best_hf), the best peer of any kind
+(vs_best_peer, naming it) and TE's row of the same recipe (vs_te), MFU of
+the useful FLOPs (esm2_recipe.metrics.train_flops) against the measured bf16
+ceiling (794 TFLOP/s) and the datasheet (989), peak memory, step time.  HF
+and TE train bf16 parameters with torch's fused AdamW; seqfuse bf16
+parameters with FusedAdamW and fp32 master weights (more optimizer memory,
+counted).  The JSON records the git commit, the versions of torch,
+transformers, seqfuse and the peers, and the exact command (peers/meta.py).
 
 Two GPUs: ``torchrun --nproc_per_node 2 benchmarks/esm2/bench_esm2.py --fsdp2``
 measures seqfuse under FSDP2 (fully_shard per layer) on both GPUs and, in
@@ -30,38 +57,92 @@ import gc
 import os
 import re
 import time
+import traceback
 
-from common import (build_hf, build_seqfuse, data_dir, fixed_length_sequences, fp8_recipe, forward_loss,
-                    load_train_sequences, make_batches, seq_lengths, seqfuse_config)
+from common import (batch_shape, build_hf, build_seqfuse, data_dir, fixed_length_sequences, fp8_recipe,
+                    forward_loss, load_train_sequences, make_batches, real_length_layouts, seq_lengths,
+                    seqfuse_config)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from seqfuse.distributed import end_process_group  # noqa: E402
 from esm2_recipe.metrics import H200_BF16_DATASHEET_TFLOPS, H200_BF16_MEASURED_TFLOPS, train_flops  # noqa: E402
-from harness import RESULTS, Table, plot_bars  # noqa: E402
+from harness import RESULTS, Table, allow_recompiles, plot_bars  # noqa: E402
+from peers.meta import run_metadata, skip_reason  # noqa: E402
 
-DEFAULT_ROWS = ["hf_bf16_padded", "seqfuse_bf16_padded", "seqfuse_bf16_packed", "seqfuse_fp8_delayed_padded",
-                "seqfuse_fp8_delayed_packed", "seqfuse_fp8_block_packed"]
-FIXED_ROWS = ["hf_bf16_fixed", "seqfuse_bf16_fixed", "seqfuse_fp8_delayed_fixed", "seqfuse_fp8_block_fixed"]
+IMPLS = ("hf", "hfcompile", "te", "seqfuse")
+LAYOUTS = ("packed", "padded", "unsorted", "fixed")
+PEERS = ("hf", "hfcompile", "te")
+DEFAULT_ROWS = ["hf_bf16_padded", "hfcompile_bf16_padded", "te_bf16_packed", "te_fp8_delayed_packed",
+                "seqfuse_bf16_packed", "seqfuse_fp8_delayed_packed", "seqfuse_fp8_block_packed"]
+FIXED_ROWS = ["hf_bf16_fixed", "hfcompile_bf16_fixed", "te_bf16_fixed", "te_fp8_delayed_fixed", "seqfuse_bf16_fixed",
+              "seqfuse_fp8_delayed_fixed", "seqfuse_fp8_block_fixed"]
+TE_NEEDS = "transformer_engine.pytorch"
 
 
 def parse_row(name):
     parts = name.split("_")
     impl, layout = parts[0], parts[-1]
     recipe = "_".join(parts[1:-1])
-    if impl not in ("hf", "seqfuse") or layout not in ("padded", "packed", "fixed"):
-        raise ValueError(f"row {name!r}: expected <hf|seqfuse>_<bf16|fp8_delayed|fp8_current|fp8_block>_"
-                         "<padded|packed|fixed>")
-    if impl == "hf" and (recipe != "bf16" or layout == "packed"):
-        raise ValueError(f"row {name!r}: Hugging Face runs bf16 padded (or fixed) only")
+    if impl not in IMPLS or layout not in LAYOUTS:
+        raise ValueError(f"row {name!r}: expected <{'|'.join(IMPLS)}>_<bf16|fp8_delayed|fp8_current|fp8_block>_"
+                         f"<{'|'.join(LAYOUTS)}>")
+    if impl in ("hf", "hfcompile") and (recipe != "bf16" or layout == "packed"):
+        raise ValueError(f"row {name!r}: Hugging Face runs bf16 padded, unsorted or fixed only")
     fp8_recipe(recipe)  # validates the name
     return impl, recipe, layout
 
 
-def run_row(impl, recipe_name, batches, args, device, fsdp=None, torch_adamw=False, alone=False, profile=None):
-    """One row: build, warm up, time ``--steps`` steps.  ``fsdp``: None (plain
-    module) or an FSDP2 setting dict (see fsdp2_config).  ``profile``: None or
-    (path, title): afterwards profile --profile-steps more steps into path."""
+def compile_hf(model, scope, dynamic):
+    """torch.compile a transformers EsmForMaskedLM in place: each EsmLayer
+    (scope "layers": one graph reused by every layer) or the whole model."""
+    allow_recompiles()
+    if scope == "layers":
+        for layer in model.esm.encoder.layer:
+            layer.compile(dynamic=dynamic)
+    elif scope == "model":
+        model.compile(dynamic=dynamic)
+    else:
+        raise ValueError(f"--compile-scope must be 'layers' or 'model', got {scope!r}")
+    return model
+
+
+def _compiled_graphs():
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def build_model(impl, args, device, dtype, layout):
+    """(model, optimizer, notes) for one row."""
+    notes = {}
+    if impl in ("hf", "hfcompile"):
+        model = build_hf(args.size, device, dtype)
+        if impl == "hfcompile":
+            dyn = {"auto": layout != "fixed", "true": True, "false": False}[args.compile_dynamic]
+            compile_hf(model, args.compile_scope, dyn)
+            notes["compile"] = f"torch.compile scope={args.compile_scope} dynamic={dyn}"
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    elif impl == "te":
+        from peers.te_esm2 import from_seqfuse
+
+        sf = build_seqfuse(args.size, device, dtype)
+        model = from_seqfuse(sf, "thd" if layout == "packed" else "bshd", dtype=dtype, device=device)
+        del sf
+        notes["layout"] = "te.TransformerLayer " + ("thd (packed, cu_seqlens)" if layout == "packed" else "bshd")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    else:
+        raise ValueError(f"build_model: {impl!r} (seqfuse rows are built in run_row)")
+    return model, opt, notes
+
+
+def run_row(impl, recipe_name, warm, timed, args, device, fsdp=None, torch_adamw=False, alone=False, profile=None,
+            warm_passes=0, layout="packed"):
+    """One row: build, run the ``warm`` batches, then ``warm_passes`` untimed
+    passes over ``timed``, then time one pass over ``timed``.  ``fsdp``: None
+    (plain module) or an FSDP2 setting dict (see fsdp2_config).  ``profile``:
+    None or (path, title): afterwards profile --profile-steps more steps."""
+    import contextlib
     import dataclasses
 
     from seqfuse.common.recipe import DelayedScaling
@@ -76,10 +157,8 @@ def run_row(impl, recipe_name, batches, args, device, fsdp=None, torch_adamw=Fal
         recipe = dataclasses.replace(recipe, reduce_amax=False)  # diagnostic: each rank its own scales
     elif fsdp is not None and fsdp.get("amax") == "own":
         amax_group = _own_amax_group()
-    if impl == "hf":
-        model = build_hf(args.size, device, dtype)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    else:
+    notes = {}
+    if impl == "seqfuse":
         model = build_seqfuse(args.size, device, dtype)
         if fsdp is not None and fsdp["ddp"]:  # the comparison: DDP, bucketed all-reduce hooks in C++
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -95,11 +174,25 @@ def run_row(impl, recipe_name, batches, args, device, fsdp=None, torch_adamw=Fal
             from seqfuse.optim import FusedAdamW
 
             opt = FusedAdamW(params, lr=1e-4)
+
+        def context():
+            return autocast(enabled=recipe is not None, recipe=recipe, amax_reduction_group=amax_group)
+    else:
+        model, opt, notes = build_model(impl, args, device, dtype, layout)
+        if impl == "te":
+            from peers.te_esm2 import te_autocast, te_recipe
+
+            te_r = te_recipe(recipe_name)
+
+            def context():
+                return te_autocast(te_r is not None, te_r)
+        else:
+            context = contextlib.nullcontext
     model.train()
     cfg = seqfuse_config(args.size)
 
     def step(batch):
-        with autocast(enabled=recipe is not None, recipe=recipe, amax_reduction_group=amax_group):
+        with context():
             loss = forward_loss(model, batch, device)
         loss.backward()
         opt.step()
@@ -109,10 +202,12 @@ def run_row(impl, recipe_name, batches, args, device, fsdp=None, torch_adamw=Fal
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    for b in batches[: args.warmup]:
+    t_warm = time.perf_counter()
+    for b in list(warm) + list(timed) * warm_passes:
         step(b)
     sync()
-    timed = batches[args.warmup:]
+    warm_s = time.perf_counter() - t_warm
+    graphs_before = _compiled_graphs() if impl == "hfcompile" else 0
     losses, issue = [], []
     t0 = time.perf_counter()
     for b in timed:  # no sync inside: issue time < step time means the host runs ahead of the GPU
@@ -121,6 +216,10 @@ def run_row(impl, recipe_name, batches, args, device, fsdp=None, torch_adamw=Fal
         issue.append(time.perf_counter() - ti)
     sync()
     dt = time.perf_counter() - t0
+    if impl == "hfcompile":
+        notes["graphs_compiled"] = _compiled_graphs()
+        if notes["graphs_compiled"] > graphs_before:
+            notes["recompiled_in_timed_pass"] = notes["graphs_compiled"] - graphs_before
     prof = None
     if profile is not None:
         from profile_summary import profile_steps
@@ -138,7 +237,8 @@ def run_row(impl, recipe_name, batches, args, device, fsdp=None, torch_adamw=Fal
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return dict(seconds=dt, real=real, total=total, flops=flops, peak=peak, losses=losses,
-                host_ms=1000.0 * sum(issue) / max(1, len(issue)), profile=prof)
+                host_ms=1000.0 * sum(issue) / max(1, len(issue)), profile=prof, warm_s=warm_s, notes=notes,
+                shapes=len({batch_shape(b) for b in timed}))
 
 
 _AMAX_GROUP = []
@@ -170,80 +270,192 @@ def args_steps(r):
     return len(r["losses"])
 
 
+TIMING = ("steady state: {warm} distinct warm-up batch(es), then {passes} untimed pass(es) over the very batches "
+          "that are then timed (all shapes, cuDNN plans and compiled graphs built before timing), then one timed "
+          "pass; CUDA synchronized before and after the timed pass only")
+OPTIMIZERS = ("hf, hfcompile, te: torch.optim.AdamW(fused=True) on bf16 parameters; seqfuse: seqfuse FusedAdamW with "
+              "fp32 master weights (torch AdamW foreach with --torch-adamw)")
+
+
+def length_class(row):
+    return "fixed" if row["layout"] == "fixed" else "real"
+
+
+def add_ratios(rows):
+    """Fill each measured row's ratios against the peers of its length class
+    (real lengths or fixed 1024): vs_hf (the length-grouped / fixed HF eager
+    row), vs_best_hf (the faster of HF eager and compiled), vs_best_peer (the
+    fastest of HF, compiled HF and TE, named in best_peer) and vs_te (TE's
+    row of the same recipe, same layout where measured, named in te_peer)."""
+    ok = [r for r in rows if "unpadded_tokens_per_s" in r]
+    nan = float("nan")
+
+    def tps(r):
+        return r["unpadded_tokens_per_s"]
+
+    def best(cands):
+        return max(cands, key=tps) if cands else None
+
+    for r in ok:
+        c = length_class(r)
+        mates = [p for p in ok if length_class(p) == c]
+        ref = next((p for p in mates if p["row"] == ("hf_bf16_fixed" if c == "fixed" else "hf_bf16_padded")), None)
+        r["vs_hf"] = tps(r) / tps(ref) if ref else nan
+        r["mem_vs_hf"] = r["peak_mem_gib"] / ref["peak_mem_gib"] if ref else nan
+        bh = best([p for p in mates if p["impl"] in ("hf", "hfcompile")])
+        r["vs_best_hf"], r["best_hf"] = (tps(r) / tps(bh), bh["row"]) if bh else (nan, "")
+        bp = best([p for p in mates if p["impl"] in PEERS])
+        r["vs_best_peer"], r["best_peer"] = (tps(r) / tps(bp), bp["row"]) if bp else (nan, "")
+        tes = [p for p in mates if p["impl"] == "te" and p["recipe"] == r["recipe"]]
+        te = next((p for p in tes if p["layout"] == r["layout"]), None) or best(tes)
+        r["vs_te"], r["te_peer"] = (tps(r) / tps(te), te["row"]) if te else (nan, "")
+        if r["impl"] == "hfcompile":
+            eager = next((p for p in mates if p["impl"] == "hf" and p["layout"] == r["layout"]), None)
+            if eager:
+                r["vs_hf_eager"] = tps(r) / tps(eager)
+                if r["vs_hf_eager"] < 1.0:
+                    r["note"] = (r.get("note", "") + "; " if r.get("note") else "") + (
+                        f"compiled is SLOWER than eager ({r['vs_hf_eager']:.2f}x)")
+    return rows
+
+
+def sample_check(rows):
+    """Every real-length row must have trained on the same real tokens (same samples)."""
+    real = {r["row"]: r["real_tokens"] for r in rows if "real_tokens" in r and length_class(r) == "real"}
+    fixed = {r["row"]: r["real_tokens"] for r in rows if "real_tokens" in r and length_class(r) == "fixed"}
+    same = len(set(real.values())) <= 1 and len(set(fixed.values())) <= 1
+    return {"same_samples": same, "real_tokens_real_lengths": real, "real_tokens_fixed": fixed}
+
+
+def _note(notes):
+    return "; ".join(f"{k}={v}" if not isinstance(v, str) or k != "compile" else v for k, v in notes.items())
+
+
 def single(args, device):
-    seqs = load_train_sequences(data_dir(args.data))
-    n = args.warmup + args.steps
+    data = data_dir(args.data)
+    seqs = load_train_sequences(data)
     rows = args.rows.split(",") if args.rows else DEFAULT_ROWS + (FIXED_ROWS if args.fixed_length else [])
-    cache = {}
+    parsed = [(name, *parse_row(name)) for name in rows]  # every name checked before anything runs
+    warmup = args.warmup or 0
+    pin = device.type == "cuda"
+    layouts = {}
 
     def batches_for(layout):
-        if layout not in cache:
+        if layout not in layouts:
             if layout == "fixed":
                 fx = fixed_length_sequences(seqs, args.max_length - 2)
-                cache[layout] = make_batches(fx, n, tokens=args.tokens, max_length=args.max_length, packed=False,
-                                             pin=device.type == "cuda")
+                b = make_batches(fx, warmup + args.steps, tokens=args.tokens, max_length=args.max_length,
+                                 packed=False, pin=pin)
+                layouts["fixed"] = (b[:warmup], b[warmup:])
             else:
-                cache[layout] = make_batches(seqs, n, tokens=args.tokens, max_length=args.max_length,
-                                             packed=layout == "packed", pin=device.type == "cuda")
-        return cache[layout]
+                layouts.update(real_length_layouts(seqs, args.steps, warmup, tokens=args.tokens,
+                                                   max_length=args.max_length, pin=pin, pool=args.group_pool))
+        return layouts[layout]
 
-    cols = ["row", "impl", "recipe", "layout", "tokens_per_s", "unpadded_tokens_per_s", "vs_hf", "padding_pct",
-            "mfu_measured_pct", "mfu_datasheet_pct", "peak_mem_gib", "mem_vs_hf", "step_ms", "host_issue_ms",
-            "final_loss", "error"]
-    table = Table(args.out, cols)
-    hf_ref = {}
-    for name in rows:
-        impl, recipe, layout = parse_row(name)
+    meta = run_metadata(__file__)
+    extra = {"size": args.size, "tokens_per_batch": args.tokens, "max_length": args.max_length,
+             "packed_batches": args.steps, "warmup": warmup, "warm_passes": args.warm_passes,
+             "timing": TIMING.format(warm=warmup, passes=args.warm_passes),
+             "layouts": {"packed": "the recipe's token-budget packed THD batches (the sample set of every "
+                                   "real-length row)",
+                         "padded": "the same samples grouped by length: shuffled pools of "
+                                   f"{'50 batches worth' if args.group_pool is None else args.group_pool} of samples "
+                                   "sorted by length, cut by the token budget, padded to each batch's longest "
+                                   "(multiple of 16), batches shuffled",
+                         "unsorted": "the same samples padded in the packed batches' random order",
+                         "fixed": "windows of exactly max_length tokens, no padding"},
+             "compile": {"scope": args.compile_scope, "dynamic": args.compile_dynamic},
+             "optimizers": OPTIMIZERS, "data": data, "run": meta}
+    results = []
+    path = os.path.join(RESULTS, f"{args.out}.json")
+
+    def save_partial():
+        import json
+
+        os.makedirs(RESULTS, exist_ok=True)
+        with open(path + ".tmp", "w") as fh:
+            json.dump({"name": args.out, "complete": False, "rows": add_ratios([dict(r) for r in results]), **extra},
+                      fh, indent=1, default=str)
+        os.replace(path + ".tmp", path)
+
+    for name, impl, recipe, layout in parsed:
+        base = dict(row=name, impl=impl, recipe=recipe, layout=layout)
+        why = skip_reason(TE_NEEDS, need_cuda=True) if impl == "te" else None
+        if why:
+            print(f"[esm2 bench] {name}: SKIPPED: {why}", flush=True)
+            results.append({**base, "skipped": why})
+            continue
         try:
+            warm, timed = batches_for(layout)
             prof = ((os.path.join(args.profile, f"{name}_profile.txt"), f"{name} on one GPU")
                     if args.profile else None)
-            r = run_row(impl, recipe, batches_for(layout), args, device, profile=prof)
-        except (NotImplementedError, RuntimeError, ValueError) as e:
-            print(f"[esm2 bench] {name}: FAILED: {type(e).__name__}: {e}")
-            table.add(row=name, impl=impl, recipe=recipe, layout=layout, error=f"{type(e).__name__}: {e}")
+            r = run_row(impl, recipe, warm, timed, args, device, profile=prof, warm_passes=args.warm_passes,
+                        layout=layout)
+        except Exception as e:  # noqa: BLE001 - one failing row must not lose the others; the reason is kept
+            traceback.print_exc()
+            print(f"[esm2 bench] {name}: FAILED: {type(e).__name__}: {e}", flush=True)
+            results.append({**base, "error": f"{type(e).__name__}: {str(e)[:500]}"})
             gc.collect()
             torch.cuda.empty_cache() if device.type == "cuda" else None
+            save_partial()
             continue
         f = figures(r)
-        ref_key = "fixed" if layout == "fixed" else "real"
-        if impl == "hf":
-            hf_ref[ref_key] = f
-        ref = hf_ref.get(ref_key)
-        f["vs_hf"] = f["unpadded_tokens_per_s"] / ref["unpadded_tokens_per_s"] if ref else float("nan")
-        f["mem_vs_hf"] = f["peak_mem_gib"] / ref["peak_mem_gib"] if ref else float("nan")
-        table.add(row=name, impl=impl, recipe=recipe, layout=layout, **f)  # (add prints the row)
+        f.update(steps=len(timed), real_tokens=r["real"], warm_s=r["warm_s"], batch_shapes=r["shapes"])
+        if r["notes"]:
+            f["note"] = _note(r["notes"])
+            f["notes"] = r["notes"]
+        results.append({**base, **f})
+        print(f"[esm2 bench] {name}: {f['unpadded_tokens_per_s'] / 1e3:.1f}k unpadded tok/s, {len(timed)} steps "
+              f"of {f['step_ms']:.1f} ms, padding {f['padding_pct']:.1f} %, warm-up {r['warm_s']:.1f} s"
+              + (f" ({f['note']})" if r["notes"] else ""), flush=True)
+        save_partial()
 
+    add_ratios(results)
+    check = sample_check(results)
+    if not check["same_samples"]:
+        print(f"[esm2 bench] SAMPLE MISMATCH: rows trained on different real tokens: {check}", flush=True)
+    cols = ["row", "steps", "unpadded_tokens_per_s", "padding_pct", "vs_hf", "vs_best_hf", "vs_best_peer",
+            "best_peer", "vs_te", "te_peer", "mfu_measured_pct", "peak_mem_gib", "mem_vs_hf", "step_ms",
+            "host_issue_ms", "warm_s", "final_loss", "note", "error", "skipped"]
+    table = Table(args.out, cols)
+    for r in results:
+        table.add(**r)
     goals = check_goals(table.rows)
     for g in goals:
         print(f"goal {g['goal']}: {g['value']:.3g} (need {g['need']}) -> {'PASS' if g['pass'] else 'FAIL'}")
-    table.save(extra={"size": args.size, "tokens_per_batch": args.tokens, "max_length": args.max_length,
-                      "steps": args.steps, "warmup": args.warmup, "data": data_dir(args.data), "goals": goals})
-    ok = [r for r in table.rows if "error" not in r]
-    if ok:
+    table.save(extra={**extra, "complete": True, "goals": goals, "sample_check": check})
+    ok = [r for r in table.rows if "unpadded_tokens_per_s" in r]
+    if ok and device.type == "cuda":
         png = os.path.join(RESULTS, f"{args.out}.png")
         plot_bars(png, f"ESM-2 {args.size} training on one GPU: unpadded tokens/s", [r["row"] for r in ok],
                   {"unpadded tokens/s (thousands)": [r["unpadded_tokens_per_s"] / 1e3 for r in ok]},
                   "thousand tokens/s")
         print(f"(plot {os.path.relpath(png)})")
+    if not check["same_samples"]:
+        raise SystemExit(2)
 
 
 def check_goals(rows):
-    by = {r["row"]: r for r in rows if "error" not in r}
+    """The issue's goals, each against the strongest peer measured."""
+    by = {r["row"]: r for r in rows if "unpadded_tokens_per_s" in r}
     out = []
 
-    def goal(name, row, need, key="vs_hf", le=False):
+    def goal(name, row, need, key, le=False):
         if row in by and by[row].get(key) == by[row].get(key):  # present and not NaN
             v = by[row][key]
-            out.append({"goal": name, "row": row, "value": v, "need": (f"<= {need}" if le else f">= {need}"),
-                        "pass": v <= need if le else v >= need})
+            out.append({"goal": name, "row": row, "key": key, "value": v,
+                        "need": (f"<= {need}" if le else f">= {need}"), "pass": v <= need if le else v >= need})
 
-    goal("packed FP8 delayed vs HF, real lengths", "seqfuse_fp8_delayed_packed", 3.0)
-    goal("packed FP8 block vs HF, real lengths", "seqfuse_fp8_block_packed", 3.0)
-    goal("bf16 vs HF, all 1024", "seqfuse_bf16_fixed", 1.3)
-    goal("FP8 delayed vs HF, all 1024", "seqfuse_fp8_delayed_fixed", 1.7)
-    goal("FP8 block vs HF, all 1024", "seqfuse_fp8_block_fixed", 1.7)
-    for row in by:
-        if row.startswith("seqfuse") and not row.endswith("packed"):
+    goal("packed FP8 delayed vs length-grouped HF, real lengths", "seqfuse_fp8_delayed_packed", 3.0, "vs_hf")
+    goal("packed FP8 block vs length-grouped HF, real lengths", "seqfuse_fp8_block_packed", 3.0, "vs_hf")
+    goal("bf16 vs best HF (eager or compiled), all 1024", "seqfuse_bf16_fixed", 1.3, "vs_best_hf")
+    goal("FP8 delayed vs best HF (eager or compiled), all 1024", "seqfuse_fp8_delayed_fixed", 1.7, "vs_best_hf")
+    goal("FP8 block vs best HF (eager or compiled), all 1024", "seqfuse_fp8_block_fixed", 1.7, "vs_best_hf")
+    for row, r in by.items():
+        if r["impl"] == "seqfuse" and r.get("te_peer"):
+            goal(f"{row} vs Transformer Engine ({r['te_peer']})", row, 1.0, "vs_te")
+    for row, r in by.items():
+        if r["impl"] == "seqfuse" and r["layout"] != "packed":
             goal(f"peak memory vs HF ({row})", row, 1.0, key="mem_vs_hf", le=True)
     return out
 
@@ -324,7 +536,8 @@ def fsdp2(args):
     rank, world = dist.get_rank(), dist.get_world_size()
     started = time.perf_counter()
     seqs = load_train_sequences(data_dir(args.data))
-    n = args.warmup + args.steps
+    warmup = 3 if args.warmup is None else args.warmup
+    n = warmup + args.steps
     rows = args.rows.split(",") if args.rows else ["seqfuse_bf16_packed", "seqfuse_fp8_delayed_packed"]
     configs = [fsdp2_config(c, args) for c in args.configs.split(",")]
     want_prof = set(args.profile_configs.split(",")) if args.profile else set()
@@ -369,7 +582,9 @@ def fsdp2(args):
             tag = "_bal" if bal else ""
             alone_prof = ((prof_path(f"{name}_alone{tag}"), f"{name} alone{tag} on rank {rank}")
                           if args.profile and not bal else None)
-            one = run_row(impl, recipe, batches_for(bal), args, device, fsdp=None, alone=True, profile=alone_prof)
+            bb = batches_for(bal)
+            one = run_row(impl, recipe, bb[:warmup], bb[warmup:], args, device, fsdp=None, alone=True,
+                          profile=alone_prof)
             g = gather_rows([one["real"], one["seconds"], one["host_ms"]], device)
             base = float((g[:, 0] / g[:, 1]).mean())  # mean over ranks of one GPU's unpadded tokens/s
             if rank == 0:
@@ -397,7 +612,7 @@ def fsdp2(args):
                      f"{name} FSDP2 {cfg['name']} on rank {rank} of {world}") if cfg["name"] in want_prof else None)
             base = baseline(cfg["bal"])
             mine = batches_for(cfg["bal"], 0 if cfg["same"] else rank)
-            r = run_row(impl, recipe, mine, args, device, fsdp=cfg, profile=prof)
+            r = run_row(impl, recipe, mine[:warmup], mine[warmup:], args, device, fsdp=cfg, profile=prof)
             line = fsdp2_line(table, name, cfg, r, base, world, device)
             if rank == 0 and line is not None:
                 s = line["scaling"]
@@ -408,11 +623,12 @@ def fsdp2(args):
             dist.broadcast_object_list(nb, 0)  # rank 0 decided: every rank takes the same branch
             if nb[0] is not None and nb[0] not in want_prof and not out_of_time():
                 cfg = fsdp2_config(nb[0], args)
-                run_row(impl, recipe, batches_for(cfg["bal"], 0 if cfg["same"] else rank), args, device, fsdp=cfg,
+                bb = batches_for(cfg["bal"], 0 if cfg["same"] else rank)
+                run_row(impl, recipe, bb[:warmup], bb[warmup:], args, device, fsdp=cfg,
                         profile=(prof_path(f"{name}_best_{cfg['name']}"), f"{name} FSDP2 best {cfg['name']} rank {rank}"))
     if rank == 0:
         table.save(extra={"size": args.size, "tokens_per_gpu_batch": args.tokens, "steps": args.steps,
-                          "warmup": args.warmup, "world_size": world, "configs": configs,
+                          "warmup": warmup, "world_size": world, "configs": configs, "run": run_metadata(__file__),
                           "baseline": "mean over ranks of one GPU alone on that rank's batches",
                           "optimizer": ("torch.optim.AdamW(foreach)" if args.torch_adamw else
                                         "seqfuse FusedAdamW (fp32 masters; sharded under FSDP2)") + " in all rows",
@@ -458,13 +674,25 @@ def fsdp2_line(table, name, cfg, r, base, world, device):
     return row
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", default="650M", help="8M 35M 150M 650M 3B, or tiny (CPU smoke test)")
     p.add_argument("--tokens", type=int, default=16384, help="token budget per batch (per GPU)")
     p.add_argument("--max-length", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10,
+                   help="packed batches whose samples every real-length row trains on (fixed rows: batches)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="distinct warm-up batches before the timed ones (default: 0 on one GPU, whose rows warm up "
+                        "on their timed batches, see --warm-passes; 3 under --fsdp2)")
+    p.add_argument("--warm-passes", type=int, default=1,
+                   help="one GPU: untimed passes over the very batches that are then timed (>= 1 for steady state)")
+    p.add_argument("--group-pool", type=int, default=None,
+                   help="samples per length-sorted pool of the 'padded' layout (default: 50 batches' worth, "
+                        "transformers' LengthGroupedSampler mega-batch)")
+    p.add_argument("--compile-scope", default="layers", choices=("layers", "model"),
+                   help="hfcompile rows: torch.compile each EsmLayer (one graph shared by all layers) or the model")
+    p.add_argument("--compile-dynamic", default="auto", choices=("auto", "true", "false"),
+                   help="hfcompile rows: dynamic shapes (auto: dynamic for real-length batches, static at fixed length)")
     p.add_argument("--rows", default=None, help=f"comma list; default {','.join(DEFAULT_ROWS)}")
     p.add_argument("--fixed-length", action="store_true", help=f"also the rows {','.join(FIXED_ROWS)}")
     p.add_argument("--data", default=None, help="directory with train.parquet (default: data/full, else subset)")
@@ -490,7 +718,9 @@ def main():
     p.add_argument("--profile-configs", default="default,best",
                    help="which --configs to profile (comma list; 'best': also the best-scaling one, re-run)")
     p.add_argument("--out", default="esm2")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.warm_passes < 0 or args.steps < 1:
+        p.error("--steps must be >= 1 and --warm-passes >= 0")
     if args.fsdp2:
         return fsdp2(args)
     device = torch.device(args.device)

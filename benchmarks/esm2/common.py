@@ -7,6 +7,14 @@ Batches come from seqfuse.data on the recipe's real data
 to max length 1024 like the recipe.  ``fixed_length=True`` instead cuts the
 concatenated proteins into windows of exactly max_length - 2 residues, so
 every sequence has max_length tokens and no layout pads anything.
+
+Same samples in every layout: ``real_length_layouts`` takes the recipe's
+packed batches as the definition of which (masked) samples a run trains on,
+and re-batches exactly those samples padded, either grouped by length
+(``padded``: shuffled pools sorted by length, cut by the token budget and
+padded to each batch's longest, as transformers' Trainer does with
+group_by_length) or in the packed batches' random order (``unsorted``: what
+a padded loader without length grouping gives).
 """
 import os
 import sys
@@ -66,7 +74,7 @@ def make_batches(seqs, n, *, tokens, max_length=1024, packed=True, pad_to_multip
     out = []
     while len(out) < n:
         for b in loader:
-            out.append({k: v.pin_memory() if pin and torch.is_tensor(v) else v for k, v in b.items()})
+            out.append(pin_batch(b) if pin else b)
             if len(out) == n:
                 break
     return out
@@ -145,3 +153,76 @@ def fp8_recipe(name):
 
     return {"bf16": None, "fp8_delayed": DelayedScaling(), "fp8_current": Float8CurrentScaling(),
             "fp8_block": Float8BlockScaling()}[name]
+
+
+#: transformers' LengthGroupedSampler sorts "mega-batches" of 50 batches' worth of samples.
+GROUP_POOL_BATCHES = 50
+
+
+def split_packed(batch):
+    """The samples of a packed batch, as the collators take them (the dummy
+    padding segment at the end is not a sample)."""
+    cu = batch["cu_seqlens"].tolist()
+    idx = batch.get("sample_indices")
+    out = []
+    for i in range(int(batch["num_sequences"])):
+        a, b = cu[i], cu[i + 1]
+        s = {"input_ids": batch["input_ids"][a:b].clone(), "labels": batch["labels"][a:b].clone()}
+        if idx is not None:
+            s["index"] = int(idx[i])
+        out.append(s)
+    return out
+
+
+def padded_batches(samples, *, tokens, group_by_length, pool=None, pad_to_multiple_of=16, seed=0):
+    """``samples`` re-batched padded [B, L] under the token budget B x L <= tokens.
+    ``group_by_length``: shuffle, sort pools of ``pool`` samples by length,
+    cut greedily, shuffle the batches (seqfuse's TokenBudgetBatchSampler with
+    bucket_size=pool; pool None: all samples form one pool); else the samples'
+    own order, cut greedily."""
+    from seqfuse.data import EsmTokenizer, PaddedBSHDCollator, TokenBudgetBatchSampler
+
+    if not samples:
+        raise ValueError("padded_batches: no samples")
+    lengths = [int(s["input_ids"].numel()) for s in samples]
+    sampler = TokenBudgetBatchSampler(lengths, tokens, padded=True, pad_to_multiple_of=pad_to_multiple_of,
+                                      shuffle=group_by_length,
+                                      bucket_size=(pool or len(samples)) if group_by_length else None, seed=seed)
+    collate = PaddedBSHDCollator(EsmTokenizer().pad_token_id, pad_to_multiple_of=pad_to_multiple_of)
+    return [collate([samples[i] for i in b]) for b in sampler.batches(0)]
+
+
+def real_length_layouts(seqs, n_timed, n_warm=0, *, tokens, max_length=1024, seed=0, pin=False, pool=None):
+    """{layout: (warm-up batches, timed batches)} for "packed", "padded"
+    (grouped by length) and "unsorted", all on the samples of the recipe's
+    first ``n_warm + n_timed`` packed batches: the first ``n_warm`` packed
+    batches' samples are the warm-up, the rest the timed ones, in every
+    layout.  ``pool``: samples per length-sorted pool (default: 50 packed
+    batches' worth, transformers' mega-batch of 50 batches)."""
+    packed = make_batches(seqs, n_warm + n_timed, tokens=tokens, max_length=max_length, packed=True, seed=seed)
+    warm, timed = packed[:n_warm], packed[n_warm:]
+    out = {"packed": (warm, timed)}
+    for layout, grouped in (("padded", True), ("unsorted", False)):
+        parts = []
+        for group in (warm, timed):
+            samples = [s for b in group for s in split_packed(b)]
+            if pool is None:
+                per_batch = len(samples) / max(1, len(group))
+                pool_n = max(1, int(round(GROUP_POOL_BATCHES * per_batch)))
+            else:
+                pool_n = pool
+            parts.append(padded_batches(samples, tokens=tokens, group_by_length=grouped, pool=pool_n, seed=seed)
+                         if samples else [])
+        out[layout] = tuple(parts)
+    if pin:
+        out = {k: tuple([pin_batch(b) for b in part] for part in v) for k, v in out.items()}
+    return out
+
+
+def pin_batch(batch):
+    return {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def batch_shape(batch):
+    """The shape the model sees: [B, L] padded, [T] packed."""
+    return tuple(batch["input_ids"].shape)
