@@ -50,7 +50,10 @@ def hf_model(seed=0, dtype=torch.float32, **kw):
                 p.add_(0.2 * torch.randn_like(p))
             else:
                 p.mul_(5.0)
-    return model.to(dtype)
+    model = model.to(dtype)
+    # .to() rounds the rotary inv_freq buffer too; from_pretrained(dtype=...) keeps it float32, as here
+    model.model.rotary_emb = modeling_llama.LlamaRotaryEmbedding(model.config)
+    return model
 
 
 def batch(lengths=(40, 29, 17), seed=0):
