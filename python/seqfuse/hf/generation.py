@@ -1,0 +1,252 @@
+"""Key/value-cached generation for seqfuse's decoder models (the Llama family).
+
+``InferenceParams`` is the key/value cache, with Transformer Engine's name and
+constructor arguments (max_batch_size, max_sequence_length, num_heads_kv,
+head_dim_k, dtype): per layer a key and a value buffer [max_batch_size,
+max_sequence_length, num_heads_kv, head_dim] (``key_value_memory_dict``,
+allocated on first use), and each row's cached length
+(``sequence_lengths``, int32 on the device).  Paged caches and the other
+qkv formats of TE raise NotImplementedError.
+
+``generate`` runs a prompt batch and then one token per step:
+- prefill: the prompt batch, padded (right-padded input_ids with
+  attention_mask) or packed (input_ids [t] with cu_seqlens), through every
+  layer's own fused modules (RMSNorm + QKV GEMM, RoPE, fused attention,
+  output projection, RMSNorm + SwiGLU MLP), keys and values (after RoPE)
+  written into the cache at each sequence's positions;
+- decode: the newest token of each row, rotated at its own position
+  (RoPE's start_positions), attending over the row's cached keys (the
+  kernel's padded layout with per-row key lengths), its key and value
+  appended.
+Greedy (``do_sample=False``) or sampling with temperature, top_k and top_p.
+This is the same arithmetic as the layers' forward, step by step; the tests
+check the cached logits against the full forward and the tokens against
+transformers' generate.
+
+TransformerLayer itself does not take ``inference_params`` yet (it raises);
+the cached path lives here, reading the layer's submodules, until the
+modules grow one.
+"""
+import torch
+
+from .. import ops
+from ..modules.rope import apply_rotary_pos_emb
+
+
+class InferenceParams:
+    """A key/value cache (TE's name and constructor arguments); see the module note."""
+
+    def __init__(self, max_batch_size, max_sequence_length, num_heads_kv=None, head_dim_k=None, dtype=None,
+                 head_dim_v=None, is_paged=False, total_num_pages=None, page_size=None, max_ctx_len=None,
+                 qkv_format="bshd", custom_cache_manager=None, device=None):
+        for name, value in (("max_batch_size", max_batch_size), ("max_sequence_length", max_sequence_length),
+                            ("num_heads_kv", num_heads_kv), ("head_dim_k", head_dim_k)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"InferenceParams: {name} must be a positive int, got {value!r}")
+        if head_dim_v is not None and head_dim_v != head_dim_k:
+            raise NotImplementedError(f"InferenceParams: head_dim_v ({head_dim_v}) other than head_dim_k "
+                                      f"({head_dim_k}) is not supported")
+        if is_paged or total_num_pages is not None or page_size is not None or custom_cache_manager is not None:
+            raise NotImplementedError("InferenceParams: paged caches (is_paged, total_num_pages, page_size, "
+                                      "custom_cache_manager) are not supported")
+        if qkv_format != "bshd":
+            raise NotImplementedError(f"InferenceParams: qkv_format {qkv_format!r} is not supported (bshd only)")
+        if dtype is None or not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"InferenceParams: dtype must be a floating torch.dtype, got {dtype!r}")
+        self.max_batch_size = max_batch_size
+        self.max_sequence_length = max_sequence_length
+        self.max_ctx_len = max_ctx_len
+        self.num_heads_kv = num_heads_kv
+        self.head_dim_k = head_dim_k
+        self.dtype = dtype
+        self.device = torch.device(device) if device is not None else torch.get_default_device()
+        self.key_value_memory_dict = {}
+        self.batch_size = 0
+        self.sequence_lengths = torch.zeros(max_batch_size, dtype=torch.int32, device=self.device)
+
+    def allocate_memory(self, layer_number):
+        """The (key, value) buffers of ``layer_number``, allocated on first use."""
+        if layer_number not in self.key_value_memory_dict:
+            shape = (self.max_batch_size, self.max_sequence_length, self.num_heads_kv, self.head_dim_k)
+            self.key_value_memory_dict[layer_number] = (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device))
+        return self.key_value_memory_dict[layer_number]
+
+    def reset(self):
+        """Forget every cached token (the buffers are kept)."""
+        self.sequence_lengths.zero_()
+        self.batch_size = 0
+
+    @property
+    def sequence_len_offset(self):
+        """TE's name: the longest cached length (one host read)."""
+        return int(self.sequence_lengths[:self.batch_size].max()) if self.batch_size else 0
+
+
+def _split_qkv(mixed, num_heads, num_groups, head_dim):
+    """q [..., heads, d], k and v [..., groups, d] of a fused projection in TE's
+    interleaved per-group row order (seqfuse.hf.qkv's layout)."""
+    per = num_heads // num_groups
+    grouped = mixed.view(*mixed.shape[:-1], num_groups, per + 2, head_dim)
+    q, k, v = torch.split(grouped, [per, 1, 1], dim=-2)
+    return q.reshape(*mixed.shape[:-1], num_heads, head_dim), k.squeeze(-2), v.squeeze(-2)
+
+
+def _cu(lengths):
+    return torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
+
+
+def cached_layer_step(layer, x, freqs, cache, layer_number, rows, positions, pick, attn, rope):
+    """One TransformerLayer on ``x`` with its keys and values (after RoPE)
+    written into ``cache`` at (rows, positions): those of the tokens
+    ``k[pick]`` (``pick`` None: every token of a packed call), and attention
+    as ``attn`` says: ("self", kwargs) over the call's own tokens (prefill),
+    or ("cache", kwargs) over the cached keys (decode).  ``rope``: keyword
+    arguments of apply_rotary_pos_emb (format, cu_seqlens, start_positions)."""
+    sa = layer.self_attention
+    if not (sa.fuse_qkv_params and sa.qkv_weight_interleaved and sa.input_layernorm):
+        raise NotImplementedError("cached generation needs fused, interleaved QKV parameters behind the input norm")
+    mixed = sa.layernorm_qkv(x)
+    q, k, v = _split_qkv(mixed, sa.num_attention_heads, sa.num_gqa_groups, sa.kv_channels)
+    q = apply_rotary_pos_emb(q, freqs, **rope)
+    k = apply_rotary_pos_emb(k, freqs, **rope)
+    k_cache, v_cache = cache.allocate_memory(layer_number)
+    k_cache[rows, positions] = (k if pick is None else k[pick]).to(k_cache.dtype)
+    v_cache[rows, positions] = (v if pick is None else v[pick]).to(v_cache.dtype)
+    kind, kw = attn
+    if kind == "self":
+        out = ops.attention(q, k, v, **kw)
+    else:
+        s = kw.pop("max_seqlen_kv")
+        out = ops.attention(q, k_cache[:q.shape[0], :s], v_cache[:q.shape[0], :s], max_seqlen_kv=s, **kw)
+        kw["max_seqlen_kv"] = s
+    x = x + sa.proj(out.reshape(*out.shape[:-2], -1))
+    return x + layer.layernorm_mlp(x)
+
+
+def _check_sampling(do_sample, temperature, top_k, top_p, max_new_tokens):
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if do_sample:
+        if not temperature > 0:
+            raise ValueError(f"generate: temperature must be > 0, got {temperature!r}")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+            raise ValueError(f"generate: top_k must be a positive int or None, got {top_k!r}")
+        if top_p is not None and not 0 < top_p <= 1:
+            raise ValueError(f"generate: top_p must be in (0, 1], got {top_p!r}")
+
+
+def next_tokens(logits, do_sample, temperature=1.0, top_k=None, top_p=None, generator=None):
+    """[b] token ids from last-position logits [b, V]: argmax, or a draw
+    after temperature, top-k and top-p (nucleus) filtering, as transformers'
+    logits warpers define them (top-k first, then top-p keeping at least one)."""
+    if not do_sample:
+        return logits.argmax(-1)
+    scores = logits.float() / temperature
+    if top_k is not None and top_k < scores.shape[-1]:
+        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=False, dim=-1)
+        cum = sorted_scores.softmax(-1).cumsum(-1)
+        drop_sorted = cum <= (1 - top_p)
+        drop_sorted[..., -1:] = False  # keep the most likely token
+        scores = scores.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+    return torch.multinomial(scores.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model, input_ids, attention_mask=None, cu_seqlens=None, max_new_tokens=32, do_sample=False,
+             temperature=1.0, top_k=None, top_p=None, eos_token_id=None, pad_token_id=None, generator=None,
+             inference_params=None):
+    """Tokens generated by ``model`` (a SeqfuseLlamaForCausalLM) after each prompt.
+
+    Prompts: padded ``input_ids`` [b, s] with ``attention_mask`` (right
+    padding only: each row's tokens first), or packed ``input_ids`` [t] /
+    [1, t] with ``cu_seqlens``.  Returns int64 [b, max_new_tokens]: row i
+    holds the new tokens of prompt i; after ``eos_token_id`` (default: the
+    config's; one id or a list) a row holds ``pad_token_id`` (default: the
+    config's pad, else the eos).  ``inference_params``: an InferenceParams to
+    use (reset first), else one is made for this call."""
+    _check_sampling(do_sample, temperature, top_k, top_p, max_new_tokens)
+    cfg = model.config
+    inner = model.model
+    layout = inner.layout(input_ids, attention_mask, None, cu_seqlens, None)
+    device = input_ids.device
+    if layout.packed:
+        cu = layout.cu_seqlens.to(device)
+        lengths = (cu[1:] - cu[:-1]).to(torch.int32)
+        ids = input_ids.reshape(-1)
+        rows = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths.long())
+        positions = torch.arange(ids.numel(), device=device) - cu[:-1].long()[rows]
+        rope = dict(tensor_format="thd", cu_seqlens=cu)
+        self_kw = dict(qkv_format="thd", attn_mask_type="padding_causal", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                       max_seqlen_q=layout.rope_len, max_seqlen_kv=layout.rope_len)
+        x = inner.embed_tokens(ids)
+        last, pick = cu[1:].long() - 1, None
+    else:
+        b, s = input_ids.shape
+        mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        lengths = mask.sum(-1).to(torch.int32)
+        cols = torch.arange(s, device=device)
+        if not torch.equal(mask, cols < lengths[:, None]) or bool((lengths == 0).any()):
+            raise NotImplementedError("generate: padded prompts must be right-padded (each row's tokens first) "
+                                      "and not empty")
+        rows, positions = mask.nonzero(as_tuple=True)
+        cu = _cu(lengths)
+        rope = dict(tensor_format="bshd")
+        self_kw = dict(qkv_format="bshd", attn_mask_type="padding_causal", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                       max_seqlen_q=s, max_seqlen_kv=s)
+        x = inner.embed_tokens(input_ids)
+        last, pick = None, (rows, positions)
+    b = lengths.numel()
+    longest = int(lengths.max())
+    total = longest + max_new_tokens
+    if inference_params is None:
+        inference_params = InferenceParams(b, total, cfg.num_key_value_heads, cfg.head_dim,
+                                           dtype=inner.embed_tokens.weight.dtype, device=device)
+    elif inference_params.max_batch_size < b or inference_params.max_sequence_length < total:
+        raise ValueError(f"generate: inference_params holds {inference_params.max_batch_size} rows of "
+                         f"{inference_params.max_sequence_length} tokens; this call needs {b} of {total}")
+    cache = inference_params
+    cache.reset()
+    cache.batch_size = b
+    freqs = inner.rotary_emb(total)
+
+    # prefill
+    for i, layer in enumerate(inner.layers):
+        x = cached_layer_step(layer, x, freqs, cache, i + 1, rows, positions, pick, ("self", self_kw), rope)
+    x = inner.norm(x)
+    h_last = x[last] if layout.packed else x[torch.arange(b, device=device), lengths.long() - 1]
+    cache.sequence_lengths[:b] = lengths
+
+    eos = cfg.eos_token_id if eos_token_id is None else eos_token_id
+    eos = torch.tensor([] if eos is None else ([eos] if isinstance(eos, int) else list(eos)), device=device,
+                       dtype=torch.long)
+    pad = pad_token_id if pad_token_id is not None else (cfg.pad_token_id if cfg.pad_token_id is not None
+                                                         else (int(eos[0]) if eos.numel() else 0))
+    out = torch.full((b, max_new_tokens), pad, dtype=torch.long, device=device)
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    arange_b = torch.arange(b, device=device)
+    cu_q = torch.arange(b + 1, dtype=torch.int32, device=device)
+    for step in range(max_new_tokens):
+        logits = torch.nn.functional.linear(h_last, model.lm_head.weight.to(h_last.dtype))
+        tok = next_tokens(logits, do_sample, temperature, top_k, top_p, generator)
+        tok = torch.where(done, torch.full_like(tok, pad), tok)
+        out[:, step] = tok
+        done |= torch.isin(tok, eos)
+        if step + 1 == max_new_tokens:
+            break
+        # decode: the new token at position = the row's cached length
+        pos = cache.sequence_lengths[:b].clone()
+        x = inner.embed_tokens(tok)[:, None, :]
+        kv_len = pos + 1
+        dec_kw = dict(qkv_format="bshd", attn_mask_type="padding", cu_seqlens_q=cu_q, cu_seqlens_kv=_cu(kv_len),
+                      max_seqlen_q=1, max_seqlen_kv=longest + step + 1)
+        for i, layer in enumerate(inner.layers):
+            x = cached_layer_step(layer, x, freqs, cache, i + 1, arange_b, pos.long(), (arange_b, 0), ("cache", dec_kw),
+                                  dict(tensor_format="bshd", start_positions=pos))
+        h_last = inner.norm(x)[:, 0]
+        cache.sequence_lengths[:b] = kv_len
+    return out
