@@ -217,9 +217,9 @@ def run_row(impl, recipe_name, warm, timed, args, device, fsdp=None, torch_adamw
     sync()
     dt = time.perf_counter() - t0
     if impl == "hfcompile":
-        notes["graphs_compiled"] = _compiled_graphs()
-        if notes["graphs_compiled"] > graphs_before:
-            notes["recompiled_in_timed_pass"] = notes["graphs_compiled"] - graphs_before
+        notes["dynamo_graphs_so_far"] = _compiled_graphs()
+        if notes["dynamo_graphs_so_far"] > graphs_before:
+            notes["recompiled_in_timed_pass"] = notes["dynamo_graphs_so_far"] - graphs_before
     prof = None
     if profile is not None:
         from profile_summary import profile_steps

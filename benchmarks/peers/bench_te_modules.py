@@ -1,0 +1,273 @@
+"""seqfuse's modules beside Transformer Engine's (the incumbent) in one process,
+on the same inputs, shapes, arguments and weights: Linear, LayerNormLinear,
+LayerNormMLP and TransformerLayer, forward + backward + a weight update, in
+bf16 and under FP8 delayed, current and block scaling.
+
+Each iteration is what a training step does to the module: forward under
+the library's own autocast (seqfuse.pytorch.autocast / TE's autocast, each
+with its default recipe object of that name), backward with a fixed output
+gradient (dx and the weight gradients), then an in-place weight update
+(p -= 1e-7 * grad, the same for both) that bumps each weight's version, so
+every FP8 row pays the weight cast (and, on Hopper, its transpose) every
+iteration as in training, instead of hitting a weight cache.
+
+Shapes:
+  esm2_650m  hidden 1280, FFN 5120, 20 heads of 64, LayerNorm, GELU, biases,
+             bidirectional (no mask), 8 x 1024 tokens
+  llama_1b   hidden 2048, FFN 8192, 32 heads of 64 with 8 KV groups, RMSNorm,
+             SwiGLU, no biases, causal, 2 x 4096 tokens
+  tiny       a CPU smoke size (hidden 128; seqfuse only where TE cannot run)
+Linear and LayerNormLinear have the fused QKV projection's shape
+(hidden -> (heads + 2 x groups) x 64); LayerNormMLP and TransformerLayer the
+layer's own.  Inputs are [tokens, hidden] for the first three and
+[batch, seq, hidden] (bshd, RoPE from one shared angle table) for the layer.
+
+Before timing, TE's module gets seqfuse's weights (same parameter names)
+and the bf16 forward outputs are compared (rel_diff_bf16: ||y_sf - y_te|| /
+||y_te||), so a row cannot compare two different computations unnoticed.
+
+Timing: peers/timing.interleaved_ms (queues of --iters back-to-back
+iterations, --rounds rounds alternating seqfuse and TE, median).  Reported per
+(shape, module, recipe): ms per iteration and TFLOP/s of each, and
+seqfuse_vs_te = TE ms / seqfuse ms (above 1: seqfuse faster; the goal is
+>= 1.0).  TE rows are skipped with the reason where transformer_engine does
+not import (every CPU machine).
+
+JSON: benchmarks/results/te_modules.json.  GPU: python3 bench_te_modules.py;
+CPU smoke: --device cpu --shapes tiny --iters 1 --rounds 1.
+"""
+import argparse
+import os
+import sys
+
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, BENCH)
+
+import torch  # noqa: E402
+
+import peers  # noqa: E402,F401  (seqfuse from a source checkout)
+from peers.meta import skip_reason  # noqa: E402
+from peers.timing import Results, error_text, interleaved_ms, peak_gib, rel_diff  # noqa: E402
+
+SHAPES = {
+    "esm2_650m": dict(hidden=1280, ffn=5120, heads=20, groups=20, norm="LayerNorm", act="gelu", bias=True,
+                      mask="no_mask", batch=8, seq=1024),
+    "llama_1b": dict(hidden=2048, ffn=8192, heads=32, groups=8, norm="RMSNorm", act="swiglu", bias=False,
+                     mask="causal", batch=2, seq=4096),
+    "tiny": dict(hidden=128, ffn=256, heads=4, groups=2, norm="RMSNorm", act="swiglu", bias=False, mask="causal",
+                 batch=2, seq=32),
+}
+MODULES = ("Linear", "LayerNormLinear", "LayerNormMLP", "TransformerLayer")
+RECIPES = ("bf16", "fp8_delayed", "fp8_current", "fp8_block")
+TE = "transformer_engine.pytorch"
+LR = 1e-7
+
+
+def head_dim(c):
+    return c["hidden"] // c["heads"]
+
+
+def qkv_out(c):
+    return (c["heads"] + 2 * c["groups"]) * head_dim(c)
+
+
+def build(lib, module, c, dtype, device):
+    """The module ``module`` of ``lib`` (seqfuse.pytorch or transformer_engine.pytorch) for shape ``c``."""
+    common = dict(params_dtype=dtype, device=device)
+    if module == "Linear":
+        return lib.Linear(c["hidden"], qkv_out(c), bias=c["bias"], **common)
+    if module == "LayerNormLinear":
+        return lib.LayerNormLinear(c["hidden"], qkv_out(c), eps=1e-5, bias=c["bias"], normalization=c["norm"],
+                                   **common)
+    if module == "LayerNormMLP":
+        return lib.LayerNormMLP(c["hidden"], c["ffn"], eps=1e-5, bias=c["bias"], normalization=c["norm"],
+                                activation=c["act"], **common)
+    if module == "TransformerLayer":
+        return lib.TransformerLayer(c["hidden"], c["ffn"], c["heads"], num_gqa_groups=c["groups"],
+                                    layernorm_epsilon=1e-5, hidden_dropout=0.0, attention_dropout=0.0,
+                                    self_attn_mask_type=c["mask"], normalization=c["norm"], activation=c["act"],
+                                    attn_input_format="bshd", fuse_qkv_params=True, bias=c["bias"],
+                                    layer_type="encoder", **common)
+    raise ValueError(f"--modules: unknown module {module!r}; choose from {', '.join(MODULES)}")
+
+
+def flops(module, c):
+    """Forward + backward FLOPs (3x the forward GEMMs; attention 4 b h s^2 d, halved when causal)."""
+    t, h = c["batch"] * c["seq"], c["hidden"]
+    fc1 = c["ffn"] * (2 if c["act"] == "swiglu" else 1)
+    mlp = 2 * t * (h * fc1 + c["ffn"] * h)
+    qkv = 2 * t * h * qkv_out(c)
+    if module in ("Linear", "LayerNormLinear"):
+        fwd = qkv
+    elif module == "LayerNormMLP":
+        fwd = mlp
+    else:
+        attn = 4 * c["batch"] * c["seq"] ** 2 * c["heads"] * head_dim(c) * (0.5 if c["mask"] == "causal" else 1.0)
+        fwd = qkv + 2 * t * h * h + mlp + attn
+    return 3.0 * fwd
+
+
+def train_step(forward, params, x, dy):
+    """One training iteration of a module: forward(), backward(dy), then the
+    in-place update p -= LR * grad that makes every FP8 weight cast again."""
+    y = forward()
+    y.backward(dy)
+    with torch.no_grad():
+        torch._foreach_add_(params, [p.grad for p in params], alpha=-LR)
+    for p in params:
+        p.grad = None
+    x.grad = None
+
+
+def make_inputs(module, c, device, dtype):
+    """(x, dy) for ``module`` at shape ``c``: [tokens, hidden] ([b, s, hidden] for the layer), seeded."""
+    torch.manual_seed(0)
+    if module == "TransformerLayer":
+        x = (torch.randn(c["batch"], c["seq"], c["hidden"], device=device) * 0.5).to(dtype).requires_grad_()
+        out_shape = x.shape
+    else:
+        x = (torch.randn(c["batch"] * c["seq"], c["hidden"], device=device) * 0.5).to(dtype).requires_grad_()
+        out_shape = (x.shape[0], qkv_out(c) if module in ("Linear", "LayerNormLinear") else c["hidden"])
+    return x, (torch.randn(out_shape, device=device) * 0.1).to(dtype)
+
+
+def copy_weights(src, dst):
+    """dst's parameters := src's, by name; a name missing on either side raises KeyError."""
+    s = dict(src.named_parameters())
+    d = dict(dst.named_parameters())
+    if set(s) != set(d):
+        raise KeyError(f"parameter names differ: only seqfuse {sorted(set(s) - set(d))}, "
+                       f"only TE {sorted(set(d) - set(s))}")
+    with torch.no_grad():
+        for n, p in d.items():
+            p.copy_(s[n])
+
+
+class Case:
+    """One module of one library with its inputs, autocast and training iteration."""
+
+    def __init__(self, lib_name, module, c, recipe, x, dy, freqs):
+        self.lib_name, self.module, self.x, self.dy, self.freqs = lib_name, module, x, dy, freqs
+        if lib_name == "seqfuse":
+            import seqfuse.pytorch as lib
+            from seqfuse.common import recipe as rmod
+
+            self.autocast = lambda: lib.autocast(enabled=self.recipe is not None, recipe=self.recipe)
+        else:
+            import transformer_engine.pytorch as lib
+            from transformer_engine.common import recipe as rmod
+
+            from peers.te_esm2 import te_autocast
+
+            self.autocast = lambda: te_autocast(self.recipe is not None, self.recipe)
+        self.recipe = None if recipe == "bf16" else {"fp8_delayed": rmod.DelayedScaling,
+                                                     "fp8_current": rmod.Float8CurrentScaling,
+                                                     "fp8_block": rmod.Float8BlockScaling}[recipe]()
+        self.mod = build(lib, module, c, x.dtype, x.device)
+        self.params = [p for p in self.mod.parameters() if p.requires_grad]
+
+    def forward(self):
+        with self.autocast():
+            if self.module == "TransformerLayer":
+                return self.mod(self.x, rotary_pos_emb=self.freqs)
+            return self.mod(self.x)
+
+    def step(self):
+        train_step(self.forward, self.params, self.x, self.dy)
+
+
+def run_cell(shape, c, module, recipe, args, device, results, te_why):
+    import seqfuse.pytorch as sf
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    x, dy = make_inputs(module, c, device, dtype)
+    freqs = sf.RotaryPositionEmbedding(head_dim(c), device=device)(c["seq"])
+    row = dict(shape=shape, module=module, recipe=recipe, tokens=c["batch"] * c["seq"])
+    cases, errors = {}, {}
+    for lib in ("seqfuse", "te"):
+        if lib == "te" and te_why:
+            row["te_skipped"] = te_why
+            continue
+        try:
+            cases[lib] = Case(lib, module, c, recipe, x, dy, freqs)
+        except Exception as e:  # noqa: BLE001 - reported in the row, the other library still runs
+            errors[lib] = e
+    if "seqfuse" in cases and "te" in cases:
+        try:
+            copy_weights(cases["seqfuse"].mod, cases["te"].mod)
+            with torch.no_grad():
+                if recipe == "bf16":
+                    row["rel_diff_bf16"] = rel_diff(cases["seqfuse"].forward(), cases["te"].forward())
+                else:
+                    row["rel_diff_fp8"] = rel_diff(cases["seqfuse"].forward(), cases["te"].forward())
+        except Exception as e:  # noqa: BLE001
+            row["check_error"] = error_text(e)
+    times = interleaved_ms({k: v.step for k, v in cases.items()}, device, iters=args.iters, rounds=args.rounds,
+                           warmup=args.warmup)
+    f = flops(module, c)
+    for lib in ("seqfuse", "te"):
+        t = times.get(lib, errors.get(lib))
+        if isinstance(t, Exception):
+            row[f"{lib}_error"] = error_text(t)
+        elif t is not None:
+            row[f"{lib}_ms"] = t
+            row[f"{lib}_tflops"] = f / t / 1e9
+            row[f"{lib}_peak_gib"] = peak_gib(cases[lib].step, device)
+    if "seqfuse_ms" in row and "te_ms" in row:
+        row["seqfuse_vs_te"] = row["te_ms"] / row["seqfuse_ms"]
+    results.add(**row)
+    del cases
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="esm2_650m,llama_1b", help=f"comma list of {', '.join(SHAPES)}")
+    p.add_argument("--modules", default=",".join(MODULES), help="comma list")
+    p.add_argument("--recipes", default=",".join(RECIPES), help="comma list")
+    p.add_argument("--iters", type=int, default=10, help="iterations per timed queue")
+    p.add_argument("--rounds", type=int, default=3, help="timed queues per library, alternating")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", default="te_modules")
+    args = p.parse_args(argv)
+    shapes, modules, recipes = args.shapes.split(","), args.modules.split(","), args.recipes.split(",")
+    for name, given, known in (("--shapes", shapes, SHAPES), ("--modules", modules, MODULES),
+                               ("--recipes", recipes, RECIPES)):
+        bad = [g for g in given if g not in known]
+        if bad:
+            p.error(f"{name}: unknown {bad}; choose from {', '.join(known)}")
+    if min(args.iters, args.rounds) < 1 or args.warmup < 0:
+        p.error("--iters and --rounds must be >= 1, --warmup >= 0")
+    device = torch.device(args.device)
+    te_why = skip_reason(TE, need_cuda=True) if device.type == "cuda" else f"{TE}: runs on CUDA only (--device cpu)"
+    if te_why:
+        print(f"[te_modules] Transformer Engine rows skipped: {te_why}", flush=True)
+    results = Results(args.out, __file__, extra={
+        "peer": "Transformer Engine (transformer_engine.pytorch), same process, inputs, shapes, arguments, weights",
+        "iteration": "forward under autocast + backward(dy) + in-place weight update p -= 1e-7 * grad "
+                     "(FP8 weight casts every iteration)",
+        "timing": f"median of {args.rounds} alternating rounds of {args.iters} back-to-back iterations "
+                  f"after {args.warmup} warm-up iterations, CUDA events, no L2 flush",
+        "ratio": "seqfuse_vs_te = te_ms / seqfuse_ms (> 1: seqfuse faster; goal >= 1.0)",
+        "shapes": {s: SHAPES[s] for s in shapes}, "te_skipped": te_why})
+    for shape in shapes:
+        for module in modules:
+            for recipe in recipes:
+                try:
+                    run_cell(shape, SHAPES[shape], module, recipe, args, device, results, te_why)
+                except Exception as e:  # noqa: BLE001 - one failing cell must not lose the others
+                    import traceback
+
+                    traceback.print_exc()
+                    results.add(shape=shape, module=module, recipe=recipe, error=error_text(e))
+    goals = [{"goal": f"{r['shape']} {r['module']} {r['recipe']} seqfuse >= 1.0x TE", "value": r["seqfuse_vs_te"],
+              "pass": r["seqfuse_vs_te"] >= 1.0} for r in results.rows if "seqfuse_vs_te" in r]
+    for g in goals:
+        print(f"goal {g['goal']}: {g['value']:.3f} -> {'PASS' if g['pass'] else 'FAIL'}")
+    results.save(goals=goals)
+
+
+if __name__ == "__main__":
+    main()
