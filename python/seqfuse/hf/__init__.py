@@ -11,7 +11,9 @@
 - Llama (Llama 3 included) in seqfuse layers: ``SeqfuseLlamaConfig`` (a
   LlamaConfig; the published Llama 3.x shapes via ``llama3_config``),
   ``SeqfuseLlamaModel`` / ``SeqfuseLlamaForCausalLM``, conversion both ways
-  and the export transformers loads in ``seqfuse.hf.llama_convert``.
+  and the export transformers loads in ``seqfuse.hf.llama_convert``;
+  key/value-cached generation (``InferenceParams``, TE's name) in
+  ``seqfuse.hf.generation``, reached as ``SeqfuseLlamaForCausalLM.generate``.
 
 Importing this package registers the "seqfuse_esm" and "seqfuse_llama" model types with
 transformers' Auto classes.  It needs ``transformers`` (>= 5).
@@ -32,5 +34,7 @@ __all__ += ["SeqfuseEsmForMaskedLM", "SeqfuseEsmModel"]
 
 from .llama_config import LLAMA3_SHAPES, SeqfuseLlamaConfig, llama3_config  # noqa: E402
 from .llama import SeqfuseLlamaForCausalLM, SeqfuseLlamaModel  # noqa: E402
+from .generation import InferenceParams  # noqa: E402
 
-__all__ += ["LLAMA3_SHAPES", "SeqfuseLlamaConfig", "llama3_config", "SeqfuseLlamaForCausalLM", "SeqfuseLlamaModel"]
+__all__ += ["LLAMA3_SHAPES", "SeqfuseLlamaConfig", "llama3_config", "SeqfuseLlamaForCausalLM", "SeqfuseLlamaModel",
+            "InferenceParams"]
