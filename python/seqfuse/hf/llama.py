@@ -72,11 +72,23 @@ class SeqfuseLlamaRotaryEmbedding(RotaryPositionEmbedding):
     """seqfuse's RotaryPositionEmbedding (its forward makes the angle table)
     with the config's inverse frequencies (Llama 3 scaling included).  Like
     transformers' LlamaRotaryEmbedding, inv_freq is computed from the config
-    and not saved with the weights."""
+    and not saved with the weights.  It stays float32 when the model is cast
+    (model.to(torch.bfloat16) would otherwise round the frequencies, and the
+    positions with them: transformers' own LlamaRotaryEmbedding has that
+    problem after .to(), not after from_pretrained(dtype=...))."""
 
     def __init__(self, config, device=None):
         super().__init__(config.head_dim, rotary_base=config.rope_parameters["rope_theta"], device=device)
         self.register_buffer("inv_freq", rope_inv_freq(config, device=self.inv_freq.device), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        before = self.inv_freq
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != torch.float32:
+            # a dtype cast: keep the float32 values, on the device the cast chose
+            keep = before if not before.is_meta and not self.inv_freq.is_meta else self.inv_freq
+            self.inv_freq = keep.to(device=self.inv_freq.device, dtype=torch.float32)
+        return self
 
 
 def make_layer(config, layer_number):
