@@ -89,6 +89,83 @@ def torch_model(module, c, sf_mod, dtype, device):
     return m
 
 
+def run_pair(shape, module, args, device, results, ao_why, emulate):
+    """Every implementation of ``module`` at ``shape``: timed together, one row each."""
+    import seqfuse.pytorch as sf
+    from seqfuse.common import recipe as rmod
+
+    c = SHAPES[shape]
+    sf_recipes = {"bf16": None, "fp8_current": rmod.Float8CurrentScaling(), "fp8_delayed": rmod.DelayedScaling(),
+                  "fp8_block": rmod.Float8BlockScaling()}
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    x, dy = make_inputs(module, c, device, dtype)
+    steps, ref, diffs, errors = {}, None, {}, {}
+    for r in SEQFUSE_RECIPES:
+        name = f"seqfuse_{r}"
+        try:
+            mod = build(sf, module, c, dtype, device)
+            rec = sf_recipes[r]
+
+            def fwd(mod=mod, rec=rec):
+                with sf.autocast(enabled=rec is not None, recipe=rec):
+                    return mod(x)
+            if r == "bf16":
+                with torch.no_grad():
+                    ref = fwd()
+                sf_bf16 = mod
+            steps[name] = (fwd, [q for q in mod.parameters() if q.requires_grad])
+        except Exception as e:  # noqa: BLE001 - reported in its row
+            errors[name] = e
+    if ref is None:
+        results.add(shape=shape, module=module,
+                    error=f"seqfuse bf16 failed: {error_text(errors.get('seqfuse_bf16', RuntimeError('not built')))}")
+        return
+    variants = [("torch_bf16", None)] + ([] if ao_why else [(f"torchao_{r}", r) for r in TORCHAO_RECIPES])
+    for base, ao_recipe in variants:
+        for compiled in ((False,) if args.no_compile else (False, True)):
+            name = base + ("_compile" if compiled else "")
+            try:
+                m = torch_model(module, c, sf_bf16, dtype, device)
+                if ao_recipe:
+                    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+                    cfg = Float8LinearConfig.from_recipe_name(ao_recipe)
+                    if emulate:
+                        cfg = dataclasses.replace(cfg, emulate=True)
+                    convert_to_float8_training(m, config=cfg)
+                with torch.no_grad():
+                    diffs[name] = rel_diff(m(x), ref)
+                call = torch.compile(m) if compiled else m
+                steps[name] = (lambda call=call: call(x), [q for q in m.parameters() if q.requires_grad])
+            except Exception as e:  # noqa: BLE001
+                errors[name] = e
+    fns = {k: (lambda f=f, ps=ps: train_step(f, ps, x, dy)) for k, (f, ps) in steps.items()}
+    times = interleaved_ms(fns, device, iters=args.iters, rounds=args.rounds, warmup=args.warmup)
+    fl = flops("LayerNormMLP" if module == "LayerNormMLP" else "Linear", c)
+    ok = {k: v for k, v in times.items() if not isinstance(v, Exception)}
+    ao = {k: v for k, v in ok.items() if k.startswith("torchao")}
+    best_ao = min(ao, key=ao.get) if ao else None
+    for name in list(steps) + [k for k in errors if k not in steps]:
+        row = dict(shape=shape, module=module, impl=name, tokens=c["batch"] * c["seq"])
+        t = times.get(name, errors.get(name))
+        if isinstance(t, Exception) or t is None:
+            row["error"] = error_text(t) if t is not None else "not run"
+        else:
+            row.update(ms=t, tflops=fl / t / 1e9)
+            if name in diffs:
+                row["rel_diff_vs_seqfuse_bf16"] = diffs[name]
+            if name.startswith("seqfuse_fp8") and best_ao:
+                row["vs_best_torchao"], row["best_torchao"] = ok[best_ao] / t, best_ao
+            if name.startswith("seqfuse") and "torch_bf16_compile" in ok:
+                row["vs_torch_compile_bf16"] = ok["torch_bf16_compile"] / t
+            if name.startswith("seqfuse") and "torch_bf16" in ok:
+                row["vs_torch_bf16"] = ok["torch_bf16"] / t
+        results.add(**row)
+    del steps, fns
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="esm2_650m,llama_1b", help=f"comma list of {', '.join(SHAPES)}")
@@ -124,80 +201,15 @@ def main(argv=None):
                   f"{args.warmup} warm-up iterations",
         "torchao_skipped": ao_why, "torchao_emulated": emulate and not ao_why,
         "shapes": {s: SHAPES[s] for s in shapes}})
-    import seqfuse.pytorch as sf
-    from seqfuse.common import recipe as rmod
-
-    sf_recipes = {"bf16": None, "fp8_current": rmod.Float8CurrentScaling(), "fp8_delayed": rmod.DelayedScaling(),
-                  "fp8_block": rmod.Float8BlockScaling()}
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     for shape in shapes:
-        c = SHAPES[shape]
         for module in modules:
-            x, dy = make_inputs(module, c, device, dtype)
-            steps, ref, diffs, errors = {}, None, {}, {}
-            for r in SEQFUSE_RECIPES:
-                name = f"seqfuse_{r}"
-                try:
-                    mod = build(sf, module, c, dtype, device)
-                    rec = sf_recipes[r]
+            try:
+                run_pair(shape, module, args, device, results, ao_why, emulate)
+            except Exception as e:  # noqa: BLE001 - one failing pair must not lose the others
+                import traceback
 
-                    def fwd(mod=mod, rec=rec):
-                        with sf.autocast(enabled=rec is not None, recipe=rec):
-                            return mod(x)
-                    if r == "bf16":
-                        with torch.no_grad():
-                            ref = fwd()
-                        sf_bf16 = mod
-                    steps[name] = (fwd, [q for q in mod.parameters() if q.requires_grad])
-                except Exception as e:  # noqa: BLE001 - reported in its row
-                    errors[name] = e
-            if ref is None:
-                results.add(shape=shape, module=module, error=f"seqfuse bf16 failed: {error_text(errors.get('seqfuse_bf16'))}")
-                continue
-            variants = [("torch_bf16", None)] + ([] if ao_why else [(f"torchao_{r}", r) for r in TORCHAO_RECIPES])
-            for base, ao_recipe in variants:
-                for compiled in ((False,) if args.no_compile else (False, True)):
-                    name = base + ("_compile" if compiled else "")
-                    try:
-                        m = torch_model(module, c, sf_bf16, dtype, device)
-                        if ao_recipe:
-                            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-                            cfg = Float8LinearConfig.from_recipe_name(ao_recipe)
-                            if emulate:
-                                cfg = dataclasses.replace(cfg, emulate=True)
-                            convert_to_float8_training(m, config=cfg)
-                        with torch.no_grad():
-                            diffs[name] = rel_diff(m(x), ref)
-                        call = torch.compile(m) if compiled else m
-                        steps[name] = (lambda call=call: call(x), [q for q in m.parameters() if q.requires_grad])
-                    except Exception as e:  # noqa: BLE001
-                        errors[name] = e
-            fns = {k: (lambda f=f, ps=ps: train_step(f, ps, x, dy)) for k, (f, ps) in steps.items()}
-            times = interleaved_ms(fns, device, iters=args.iters, rounds=args.rounds, warmup=args.warmup)
-            fl = flops("LayerNormMLP" if module == "LayerNormMLP" else "Linear", c)
-            ok = {k: v for k, v in times.items() if not isinstance(v, Exception)}
-            ao = {k: v for k, v in ok.items() if k.startswith("torchao")}
-            best_ao = min(ao, key=ao.get) if ao else None
-            for name in list(steps) + [k for k in errors if k not in steps]:
-                row = dict(shape=shape, module=module, impl=name, tokens=c["batch"] * c["seq"])
-                t = times.get(name, errors.get(name))
-                if isinstance(t, Exception) or t is None:
-                    row["error"] = error_text(t) if t is not None else "not run"
-                else:
-                    row.update(ms=t, tflops=fl / t / 1e9)
-                    if name in diffs:
-                        row["rel_diff_vs_seqfuse_bf16"] = diffs[name]
-                    if name.startswith("seqfuse_fp8") and best_ao:
-                        row["vs_best_torchao"], row["best_torchao"] = ok[best_ao] / t, best_ao
-                    if name.startswith("seqfuse") and "torch_bf16_compile" in ok:
-                        row["vs_torch_compile_bf16"] = ok["torch_bf16_compile"] / t
-                    if name.startswith("seqfuse") and "torch_bf16" in ok:
-                        row["vs_torch_bf16"] = ok["torch_bf16"] / t
-                results.add(**row)
-            del steps, fns
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+                traceback.print_exc()
+                results.add(shape=shape, module=module, error=error_text(e))
     goals = [{"goal": f"{r['shape']} {r['module']} {r['impl']} >= 1.0x best torchao ({r['best_torchao']})",
               "value": r["vs_best_torchao"], "pass": r["vs_best_torchao"] >= 1.0}
              for r in results.rows if "vs_best_torchao" in r]
