@@ -1,0 +1,246 @@
+"""The one-GPU ESM-2 table's pieces on the CPU (benchmarks/esm2/bench_esm2.py,
+common.py, benchmarks/peers/te_esm2.py): every real-length layout holds the
+same samples and masks, length grouping really cuts padding, the row names,
+the ratios against the strongest peer and the goals, the sample check, a
+tiny end-to-end run whose JSON carries the run metadata and a Transformer
+Engine row skipped with its reason, and the BioNeMo-layout TE model built
+on seqfuse's TE-named modules standing in for transformer_engine (same loss
+as seqfuse's ESM-2 on the same packed and padded batches)."""
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks")
+for p in (os.path.join(BENCH, "esm2"), BENCH, os.path.join(ROOT, "recipes", "esm2")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+import bench_esm2  # noqa: E402
+import common  # noqa: E402
+
+TOKENS = 2048
+
+
+@pytest.fixture(scope="module")
+def seqs():
+    return common.load_train_sequences(common.data_dir())
+
+
+@pytest.fixture(scope="module")
+def layouts(seqs):
+    return common.real_length_layouts(seqs, 4, 2, tokens=TOKENS, max_length=256, seed=3)
+
+
+def _samples(batches):
+    """{sample index: (input_ids, labels)} over batches of any layout."""
+    out = {}
+    for b in batches:
+        if "cu_seqlens" in b:
+            for s in common.split_packed(b):
+                out[s["index"]] = (s["input_ids"].tolist(), s["labels"].tolist())
+        else:
+            n = b["attention_mask"].sum(-1).tolist()
+            for row, idx in enumerate(b["sample_indices"].tolist()):
+                out[idx] = (b["input_ids"][row, : n[row]].tolist(), b["labels"][row, : n[row]].tolist())
+    return out
+
+
+def test_every_layout_trains_on_the_same_samples_and_masks(layouts):
+    for part in (0, 1):  # warm-up samples, timed samples
+        ref = _samples(layouts["packed"][part])
+        assert ref
+        for layout in ("padded", "unsorted"):
+            got = _samples(layouts[layout][part])
+            assert got == ref, f"{layout} part {part} holds other samples or masks than the packed batches"
+    timed = {i for i in _samples(layouts["packed"][1])}
+    warm = {i for i in _samples(layouts["packed"][0])}
+    assert not timed & warm  # warm-up samples are not timed
+    real = {k: sum(int(b["num_tokens"]) for b in v[1]) for k, v in layouts.items()}
+    assert len(set(real.values())) == 1, real
+
+
+def test_padded_batches_keep_the_token_budget_and_grouping_cuts_padding(layouts):
+    def padding(batches):
+        return 1 - sum(int(b["num_tokens"]) for b in batches) / sum(b["input_ids"].numel() for b in batches)
+
+    for layout in ("padded", "unsorted"):
+        for b in layouts[layout][1]:
+            assert b["input_ids"].numel() <= TOKENS and b["input_ids"].shape[1] % 16 == 0
+    grouped, unsorted = padding(layouts["padded"][1]), padding(layouts["unsorted"][1])
+    assert grouped < 0.5 * unsorted, (grouped, unsorted)
+
+
+def test_length_grouping_sorts_within_pools_only():
+    def s(n, i):
+        return {"input_ids": torch.full((n,), 5), "labels": torch.full((n,), -100), "index": i}
+
+    lengths = [30, 3, 29, 4, 28, 5, 27, 6]
+    samples = [s(n, i) for i, n in enumerate(lengths)]
+    # one pool: every batch holds neighbours in length
+    for b in common.padded_batches(samples, tokens=64, group_by_length=True, pad_to_multiple_of=1):
+        lens = b["attention_mask"].sum(-1)
+        assert int(lens.max()) - int(lens.min()) <= 3
+    # no grouping: the samples' own order, cut by the budget
+    b0 = common.padded_batches(samples, tokens=64, group_by_length=False, pad_to_multiple_of=1)[0]
+    assert b0["sample_indices"].tolist() == [0, 1]
+    # pools of two samples: a long and a short one stay together
+    mixed = common.padded_batches(samples, tokens=64, group_by_length=True, pool=2, pad_to_multiple_of=1)
+    assert sum(b["input_ids"].numel() for b in mixed) > sum(lengths) * 1.3
+    with pytest.raises(ValueError, match="no samples"):
+        common.padded_batches([], tokens=64, group_by_length=True)
+
+
+def test_split_packed_drops_the_padding_segment(layouts):
+    b = layouts["packed"][1][0]
+    parts = common.split_packed(b)
+    assert len(parts) == int(b["num_sequences"])
+    assert sum(p["input_ids"].numel() for p in parts) == int(b["num_tokens"])
+    assert torch.equal(torch.cat([p["input_ids"] for p in parts]), b["input_ids"][: int(b["num_tokens"])])
+
+
+@pytest.mark.parametrize("name,parsed", [("hfcompile_bf16_padded", ("hfcompile", "bf16", "padded")),
+                                         ("te_fp8_block_packed", ("te", "fp8_block", "packed")),
+                                         ("hf_bf16_unsorted", ("hf", "bf16", "unsorted")),
+                                         ("seqfuse_fp8_current_fixed", ("seqfuse", "fp8_current", "fixed"))])
+def test_parse_row_accepts(name, parsed):
+    assert bench_esm2.parse_row(name) == parsed
+
+
+@pytest.mark.parametrize("name,match", [("hf_fp8_delayed_padded", "Hugging Face runs bf16"),
+                                        ("hfcompile_bf16_packed", "Hugging Face runs bf16"),
+                                        ("apex_bf16_packed", "expected"), ("te_bf16_sorted", "expected")])
+def test_parse_row_rejects(name, match):
+    with pytest.raises(ValueError, match=match):
+        bench_esm2.parse_row(name)
+
+
+def _row(name, tps, mem=10.0):
+    impl, recipe, layout = bench_esm2.parse_row(name)
+    return dict(row=name, impl=impl, recipe=recipe, layout=layout, unpadded_tokens_per_s=tps, peak_mem_gib=mem)
+
+
+def test_ratios_name_the_strongest_peer():
+    rows = bench_esm2.add_ratios([
+        _row("hf_bf16_padded", 40.0), _row("hfcompile_bf16_padded", 30.0), _row("te_fp8_delayed_packed", 100.0),
+        _row("te_bf16_packed", 80.0), _row("seqfuse_fp8_delayed_packed", 120.0, mem=5.0),
+        _row("seqfuse_bf16_padded", 60.0), _row("hf_bf16_fixed", 50.0), _row("hfcompile_bf16_fixed", 70.0),
+        _row("seqfuse_fp8_delayed_fixed", 119.0), {"row": "te_fp8_block_packed", "impl": "te", "recipe": "fp8_block",
+                                                   "layout": "packed", "skipped": "no TE"}])
+    by = {r["row"]: r for r in rows}
+    s = by["seqfuse_fp8_delayed_packed"]
+    assert s["vs_hf"] == pytest.approx(3.0) and s["mem_vs_hf"] == pytest.approx(0.5)
+    assert s["vs_best_hf"] == pytest.approx(3.0) and s["best_hf"] == "hf_bf16_padded"
+    assert s["vs_best_peer"] == pytest.approx(1.2) and s["best_peer"] == "te_fp8_delayed_packed"
+    assert s["vs_te"] == pytest.approx(1.2) and s["te_peer"] == "te_fp8_delayed_packed"
+    # no TE row of the same layout: the best TE row of the recipe in the length class
+    assert by["seqfuse_bf16_padded"]["te_peer"] == "te_bf16_packed"
+    # fixed length: compiled HF is the stronger HF row; the fixed class never borrows real-length peers
+    f = by["seqfuse_fp8_delayed_fixed"]
+    assert f["vs_hf"] == pytest.approx(119 / 50) and f["vs_best_hf"] == pytest.approx(1.7)
+    assert f["best_peer"] == "hfcompile_bf16_fixed" and f["te_peer"] == ""
+    assert "SLOWER than eager" in by["hfcompile_bf16_padded"]["note"]
+    assert "note" not in by["hfcompile_bf16_fixed"]
+    assert "vs_hf" not in by["te_fp8_block_packed"]
+    goals = {g["goal"]: g for g in bench_esm2.check_goals(rows)}
+    assert goals["packed FP8 delayed vs length-grouped HF, real lengths"]["pass"]
+    g = goals["FP8 delayed vs best HF (eager or compiled), all 1024"]
+    assert g["key"] == "vs_best_hf" and g["value"] == pytest.approx(1.7) and g["pass"]
+    assert goals["seqfuse_fp8_delayed_packed vs Transformer Engine (te_fp8_delayed_packed)"]["pass"]
+    assert not goals["seqfuse_bf16_padded vs Transformer Engine (te_bf16_packed)"]["pass"]
+
+
+def test_sample_check_flags_rows_on_other_samples():
+    rows = [dict(_row("hf_bf16_padded", 1.0), real_tokens=100), dict(_row("seqfuse_bf16_packed", 1.0), real_tokens=100),
+            dict(_row("hf_bf16_fixed", 1.0), real_tokens=64)]
+    assert bench_esm2.sample_check(rows)["same_samples"]
+    rows.append(dict(_row("te_bf16_packed", 1.0), real_tokens=99))
+    assert not bench_esm2.sample_check(rows)["same_samples"]
+
+
+def test_arguments_are_checked():
+    with pytest.raises(SystemExit):
+        bench_esm2.main(["--warm-passes", "-1", "--device", "cpu"])
+    with pytest.raises(ValueError, match="expected"):
+        bench_esm2.main(["--size", "tiny", "--device", "cpu", "--rows", "hf_bf16_padded,bogus_bf16_packed"])
+
+
+def test_tiny_run_writes_metadata_and_skips_te_with_its_reason(tmp_path):
+    out = tmp_path / "esm2_tiny.json"
+    cmd = [sys.executable, os.path.join(BENCH, "esm2", "bench_esm2.py"), "--size", "tiny", "--device", "cpu",
+           "--steps", "1", "--tokens", "1024", "--max-length", "128", "--out", str(out.with_suffix("")),
+           "--rows", "hf_bf16_padded,hf_bf16_unsorted,te_bf16_packed"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    by = {row["row"]: row for row in doc["rows"]}
+    assert "needs a CUDA GPU" in by["te_bf16_packed"]["skipped"]
+    assert by["hf_bf16_padded"]["unpadded_tokens_per_s"] > 0 and by["hf_bf16_padded"]["vs_hf"] == 1.0
+    assert by["hf_bf16_padded"]["padding_pct"] <= by["hf_bf16_unsorted"]["padding_pct"]
+    assert doc["sample_check"]["same_samples"] and doc["complete"] and doc["warm_passes"] == 1
+    assert "untimed pass" in doc["timing"]
+    run = doc["run"]
+    assert run["command"].startswith("python3 ") and "--rows hf_bf16_padded,hf_bf16_unsorted,te_bf16_packed" in \
+        run["command"]
+    assert run["versions"]["torch"] != "not installed" and "transformers" in run["versions"]
+    if os.path.isdir(os.path.join(ROOT, ".git")):
+        head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        assert run["git_commit"] == head
+
+
+def _fake_transformer_engine(monkeypatch):
+    """transformer_engine's import paths served by seqfuse's TE-named modules."""
+    import seqfuse.pytorch as sfp
+    from seqfuse.common import recipe as sfr
+    from seqfuse.modules.rope import RotaryPositionEmbedding
+
+    def mod(name, **attrs):
+        m = types.ModuleType(name)
+        m.__path__ = []
+        m.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, m)
+        return m
+
+    common_ = mod("transformer_engine.common", recipe=sfr)
+    mod("transformer_engine", pytorch=sfp, common=common_)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", sfp)
+    monkeypatch.setitem(sys.modules, "transformer_engine.common.recipe", sfr)
+    mod("transformer_engine.pytorch.attention")
+    mod("transformer_engine.pytorch.attention.rope", RotaryPositionEmbedding=RotaryPositionEmbedding)
+
+
+def test_te_layout_model_matches_seqfuse_esm2(monkeypatch, layouts):
+    """BioNeMo's layout (te_esm2) on stand-in modules gives seqfuse's loss on
+    the same packed (thd) and padded (bshd) batches: the weight mapping, the
+    token-dropout rescaling, the masks and the tied, padded LM head agree."""
+    _fake_transformer_engine(monkeypatch)
+    from peers import te_esm2
+    from seqfuse.hf import SeqfuseEsmConfig
+    from seqfuse.hf.esm import SeqfuseEsmForMaskedLM
+
+    torch.manual_seed(0)
+    cfg = SeqfuseEsmConfig(**common.TINY, mlp_activation="gelu", hidden_dropout_prob=0.0,
+                           attention_probs_dropout_prob=0.0)
+    sf = SeqfuseEsmForMaskedLM(cfg).eval()
+    cpu = torch.device("cpu")
+    for layout, batch in (("thd", layouts["packed"][1][0]), ("bshd", layouts["padded"][1][0])):
+        te_model = te_esm2.from_seqfuse(sf, layout, dtype=torch.float32, device="cpu").eval()
+        assert te_model.decoder.weight is te_model.word_embeddings.weight
+        assert float(te_model.word_embeddings.weight[cfg.vocab_size:].detach().abs().sum()) == 0.0
+        with torch.no_grad():
+            ref = common.forward_loss(sf, batch, cpu)
+            got = common.forward_loss(te_model, batch, cpu)
+        assert float(got) == pytest.approx(float(ref), rel=1e-5), layout
+    with pytest.raises(ValueError, match="layout"):
+        te_esm2.TeEsmForMaskedLM(cfg, "sbhd", dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="packed input needs cu_seqlens"):
+        common.forward_loss(te_esm2.from_seqfuse(sf, "bshd", dtype=torch.float32, device="cpu"),
+                            layouts["packed"][1][0], cpu)
+    assert te_esm2.te_recipe("bf16") is None
+    assert type(te_esm2.te_recipe("fp8_block")).__name__ == "Float8BlockScaling"
