@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ for p in (os.path.join(BENCH, "esm2"), BENCH, os.path.join(ROOT, "recipes", "esm
 
 import bench_esm2  # noqa: E402
 import common  # noqa: E402
+import fake_transformer_engine  # noqa: E402
 
 TOKENS = 2048
 
@@ -194,32 +194,11 @@ def test_tiny_run_writes_metadata_and_skips_te_with_its_reason(tmp_path):
         assert run["git_commit"] == head
 
 
-def _fake_transformer_engine(monkeypatch):
-    """transformer_engine's import paths served by seqfuse's TE-named modules."""
-    import seqfuse.pytorch as sfp
-    from seqfuse.common import recipe as sfr
-    from seqfuse.modules.rope import RotaryPositionEmbedding
-
-    def mod(name, **attrs):
-        m = types.ModuleType(name)
-        m.__path__ = []
-        m.__dict__.update(attrs)
-        monkeypatch.setitem(sys.modules, name, m)
-        return m
-
-    common_ = mod("transformer_engine.common", recipe=sfr)
-    mod("transformer_engine", pytorch=sfp, common=common_)
-    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", sfp)
-    monkeypatch.setitem(sys.modules, "transformer_engine.common.recipe", sfr)
-    mod("transformer_engine.pytorch.attention")
-    mod("transformer_engine.pytorch.attention.rope", RotaryPositionEmbedding=RotaryPositionEmbedding)
-
-
 def test_te_layout_model_matches_seqfuse_esm2(monkeypatch, layouts):
     """BioNeMo's layout (te_esm2) on stand-in modules gives seqfuse's loss on
     the same packed (thd) and padded (bshd) batches: the weight mapping, the
     token-dropout rescaling, the masks and the tied, padded LM head agree."""
-    _fake_transformer_engine(monkeypatch)
+    fake_transformer_engine.install(monkeypatch)
     from peers import te_esm2
     from seqfuse.hf import SeqfuseEsmConfig
     from seqfuse.hf.esm import SeqfuseEsmForMaskedLM
