@@ -19,7 +19,10 @@ torch.compile.  Every row is timed over a queue of --iters back-to-back
 fwd+bwd calls (peers/timing.interleaved_ms), so a compiled call's fixed host
 cost does not decide a row unless the host really is the bottleneck.
 Liger's RMSNorm runs with in_place=False (its default True writes dx into the
-caller's dy, which the timing loop reuses).
+caller's dy, which the timing loop reuses).  Liger's RoPE rotates q and k in
+place (harmless in a model, where they are fresh projections; here each
+timed call rotates the same tensors again, which keeps their magnitude), so
+every output is compared before any timing.
 
 Shapes (llama_1b-like; ESM-2 650M for LayerNorm): 8192 tokens, hidden 2048
 (LayerNorm 1280), SwiGLU FFN 8192, RoPE 2 x 4096 with 32 query / 8 KV heads
@@ -192,10 +195,16 @@ def run_op(op, s, impls, args, device, results, liger_why):
             ops[impl] = make_op(op, impl, s, device, dtype)
         except Exception as e:  # noqa: BLE001 - reported in the row, the others run on
             errors[impl] = e
-    ref = None
-    if "torch" in ops:
-        with torch.no_grad():
-            ref = ops["torch"].layout(ops["torch"].run())
+    # Outputs for the comparison first, on the fresh inputs (Liger's RoPE rotates q and k in place), with
+    # autograd on: a compiled row then compiles here the training graph its timing uses, once.
+    outs = {}
+    for impl, o in ops.items():
+        try:
+            out = o.layout(o.run())
+            outs[impl] = tuple(t.detach().clone() for t in (out if isinstance(out, tuple) else (out,)))
+            del out
+        except Exception as e:  # noqa: BLE001
+            row[f"{impl}_check_error"] = error_text(e)
     times = interleaved_ms({k: o.step for k, o in ops.items()}, device, iters=args.iters, rounds=args.rounds,
                            warmup=args.warmup)
     for impl in impls:
@@ -207,14 +216,8 @@ def run_op(op, s, impls, args, device, results, liger_why):
             continue
         row[f"{impl}_ms"] = t
         row[f"{impl}_peak_gib"] = peak_gib(ops[impl].step, device)
-        if ref is not None and impl != "torch":
-            try:
-                with torch.no_grad():
-                    out = ops[impl].layout(ops[impl].run())
-                out, r = (out if isinstance(out, tuple) else (out,)), (ref if isinstance(ref, tuple) else (ref,))
-                row[f"{impl}_rel_diff"] = max(rel_diff(a, b) for a, b in zip(out, r))
-            except Exception as e:  # noqa: BLE001
-                row[f"{impl}_check_error"] = error_text(e)
+        if impl != "torch" and impl in outs and "torch" in outs:
+            row[f"{impl}_rel_diff"] = max(rel_diff(a, b) for a, b in zip(outs[impl], outs["torch"]))
     if "seqfuse_ms" in row:
         peers_ms = {k: row[f"{k}_ms"] for k in ("liger", "torch", "torch_compile") if f"{k}_ms" in row}
         for k, v in peers_ms.items():

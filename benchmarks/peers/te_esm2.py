@@ -82,7 +82,7 @@ class TeEsmForMaskedLM(nn.Module):
                 window_size=(-1, -1), params_dtype=dtype, device=device)
             for i in range(config.num_hidden_layers)])
         self.emb_layer_norm_after = te.LayerNorm(h, eps=config.layer_norm_eps, params_dtype=dtype, device=device)
-        self.rotary = Rope(h // heads)
+        self.rotary = Rope(h // heads).to(device)  # its angle table on the GPU: no host copy per step
         self.dense = te.Linear(h, h, params_dtype=dtype, device=device)
         self.decoder = te.LayerNormLinear(h, PADDED_VOCAB, bias=True, eps=config.layer_norm_eps, params_dtype=dtype,
                                           device=device)
