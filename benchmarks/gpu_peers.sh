@@ -7,7 +7,10 @@
 #   torchao     benchmarks/peers/bench_torchao.py     (torchao float8 training, torch.compile)
 #   liger       benchmarks/peers/bench_liger.py       (Liger-Kernel, torch eager and compiled)
 #   esm2        benchmarks/esm2/bench_esm2.py at 650M  (HF length-grouped and compiled, TE, seqfuse)
-# default: te_modules,torchao,liger.  Steps:
+# default: te_modules,torchao,liger.  Extra arguments per part: TE_MODULES_ARGS,
+# TORCHAO_ARGS, LIGER_ARGS, ESM_ARGS (ESM_ROWS, ESM_STEPS pick the ESM-2 rows);
+# time limits: TE_MODULES_LIMIT, TORCHAO_LIMIT, LIGER_LIMIT, ESM2_LIMIT, DEADLINE.
+# Steps:
 #   1. the carried wheels (.whl: torchao, liger-kernel) into /tmp/site (PYTHONPATH);
 #   2. where a part needs it and .te was carried: Transformer Engine 2.20 as
 #      ../shared/peers/prepare_te.py's docstring says (its PyTorch extension
@@ -114,12 +117,15 @@ python3 -c "import seqfuse; assert seqfuse.cuda_available(), 'seqfuse has no CUD
 
 # 4. the parts, in the order given
 for p in ${PARTS//,/ }; do
+    # shellcheck disable=SC2086  # the *_ARGS are word lists
     case $p in
-        te_modules) TAIL=40 run "${TE_MODULES_LIMIT:-200}" te_modules python3 benchmarks/peers/bench_te_modules.py ;;
-        torchao)    TAIL=30 run "${TORCHAO_LIMIT:-200}" torchao python3 benchmarks/peers/bench_torchao.py ;;
-        liger)      TAIL=14 run "${LIGER_LIMIT:-150}" liger python3 benchmarks/peers/bench_liger.py ;;
+        te_modules) TAIL=40 run "${TE_MODULES_LIMIT:-200}" te_modules python3 benchmarks/peers/bench_te_modules.py \
+                        ${TE_MODULES_ARGS:-} ;;
+        torchao)    TAIL=30 run "${TORCHAO_LIMIT:-240}" torchao python3 benchmarks/peers/bench_torchao.py \
+                        ${TORCHAO_ARGS:-} ;;
+        liger)      TAIL=14 run "${LIGER_LIMIT:-150}" liger python3 benchmarks/peers/bench_liger.py ${LIGER_ARGS:-} ;;
         esm2)       TAIL=45 run "${ESM2_LIMIT:-420}" esm2 python3 benchmarks/esm2/bench_esm2.py --size 650M \
-                        --steps "$ESM_STEPS" --out esm2_peers --rows "$ESM_ROWS" ;;
+                        --steps "$ESM_STEPS" --out esm2_peers --rows "$ESM_ROWS" ${ESM_ARGS:-} ;;
     esac
 done
 echo "gpu_peers status $status, $(( $(date +%s) - start )) s"
