@@ -6,6 +6,7 @@ tiny end-to-end run whose JSON carries the run metadata and a Transformer
 Engine row skipped with its reason, and the BioNeMo-layout TE model built
 on seqfuse's TE-named modules standing in for transformer_engine (same loss
 as seqfuse's ESM-2 on the same packed and padded batches)."""
+import argparse
 import json
 import os
 import subprocess
@@ -223,3 +224,22 @@ def test_te_layout_model_matches_seqfuse_esm2(monkeypatch, layouts):
                             layouts["packed"][1][0], cpu)
     assert te_esm2.te_recipe("bf16") is None
     assert type(te_esm2.te_recipe("fp8_block")).__name__ == "Float8BlockScaling"
+    # the bench's te rows: the packed layout gets thd, the others bshd, with torch's fused AdamW
+    args = argparse.Namespace(size="tiny")
+    for layout, fmt in (("packed", "thd"), ("fixed", "bshd")):
+        model, opt, notes = bench_esm2.build_model("te", args, cpu, torch.float32, layout)
+        assert model.layout == fmt and fmt in notes["layout"] and isinstance(opt, torch.optim.AdamW)
+
+
+def test_compile_hf_wraps_every_layer_or_the_model():
+    args = argparse.Namespace(size="tiny", compile_scope="layers", compile_dynamic="auto")
+    model, _, notes = bench_esm2.build_model("hfcompile", args, torch.device("cpu"), torch.float32, "padded")
+    assert notes["compile"] == "torch.compile scope=layers dynamic=True"
+    assert all(layer._compiled_call_impl is not None for layer in model.esm.encoder.layer)
+    args.compile_scope, args.compile_dynamic = "model", "auto"
+    model, _, notes = bench_esm2.build_model("hfcompile", args, torch.device("cpu"), torch.float32, "fixed")
+    assert notes["compile"].endswith("dynamic=False") and model._compiled_call_impl is not None
+    with pytest.raises(ValueError, match="compile-scope"):
+        bench_esm2.compile_hf(model, "everything", True)
+    with pytest.raises(ValueError, match="seqfuse rows"):
+        bench_esm2.build_model("seqfuse", args, torch.device("cpu"), torch.float32, "packed")
