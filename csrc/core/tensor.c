@@ -78,11 +78,52 @@ sf_status sf_check_contiguous(const char *op, const char *arg,
     return SF_OK;
 }
 
+/* Whether two elements of t share memory: a stride-0 (expanded) dimension,
+ * or strides that fold onto each other.  Dimensions of size > 1 sorted by
+ * |stride|: each stride must step past everything the smaller ones span. */
+static int sf_has_internal_overlap(const sf_tensor *t)
+{
+    int64_t size[SF_MAX_DIMS], stride[SF_MAX_DIMS];
+    int n = 0;
+    for (int i = 0; i < t->ndim; ++i) {
+        if (t->shape[i] == 0)
+            return 0; /* no elements */
+        if (t->shape[i] == 1)
+            continue;
+        int64_t s = t->strides[i] < 0 ? -t->strides[i] : t->strides[i];
+        if (s == 0)
+            return 1;
+        int j = n++;
+        for (; j > 0 && stride[j - 1] > s; --j) { /* insertion sort by stride */
+            stride[j] = stride[j - 1];
+            size[j] = size[j - 1];
+        }
+        stride[j] = s;
+        size[j] = t->shape[i];
+    }
+    int64_t span = 0; /* elements spanned by the dimensions so far, minus one */
+    for (int i = 0; i < n; ++i) {
+        if (stride[i] <= span)
+            return 1;
+        if (__builtin_mul_overflow(size[i] - 1, stride[i], &size[i]) ||
+            __builtin_add_overflow(span, size[i], &span))
+            return 1; /* cannot be a real allocation */
+    }
+    return 0;
+}
+
 sf_status sf_check_writable(const char *op, const char *arg, const sf_tensor *t)
 {
     if (t->readonly)
         return sf_fail(SF_ERR_VALUE,
                        "%s: argument '%s' is an output but its memory is read-only",
+                       op, arg);
+    if (sf_has_internal_overlap(t))
+        return sf_fail(SF_ERR_VALUE,
+                       "%s: argument '%s' is an output whose elements overlap in memory (a "
+                       "stride-0 / expanded view, or strides that fold onto each other), so "
+                       "several results would land in one place; give it memory of its own "
+                       "(torch.empty, or .contiguous())",
                        op, arg);
     return SF_OK;
 }

@@ -13,6 +13,9 @@
  *     producer only synchronizes when it differs from its own; the legacy
  *     default stream (0 in torch) is spelled 1 there.
  */
+#include <stdio.h>
+#include <string.h>
+
 #include "py_call.h"
 
 #include "dlpack_abi.h"
@@ -100,6 +103,7 @@ typedef struct {
     PyObject *is_neg;             /* the type's is_neg method (new ref), or NULL */
     PyCFunction is_neg_c;         /* its C function where it is a METH_NOARGS method
                                    * descriptor of a base of the type, else NULL */
+    PyObject *storage;            /* the type's untyped_storage method (new ref), or NULL */
 } sf_type_entry;
 
 static sf_type_entry sf_type_cache[SF_API_CACHE];
@@ -138,10 +142,10 @@ static const DLPackExchangeAPI *sf_find_exchange_api(PyTypeObject *type)
     return api;
 }
 
-/* The type's is_neg method if it has a callable one (new ref), else NULL. */
-static PyObject *sf_find_is_neg(PyTypeObject *type)
+/* The type's method `name` if it has a callable one (new ref), else NULL. */
+static PyObject *sf_find_method(PyTypeObject *type, const char *name)
 {
-    PyObject *m = PyObject_GetAttrString((PyObject *)type, "is_neg");
+    PyObject *m = PyObject_GetAttrString((PyObject *)type, name);
     if (m == NULL) {
         PyErr_Clear();
         return NULL;
@@ -159,7 +163,8 @@ static const sf_type_entry *sf_lookup_type(PyTypeObject *type, sf_type_entry *sp
     for (int i = 0; i < sf_type_cache_used; ++i)
         if (sf_type_cache[i].type == type)
             return &sf_type_cache[i];
-    sf_type_entry e = {type, sf_find_exchange_api(type), sf_find_is_neg(type), NULL};
+    sf_type_entry e = {type, sf_find_exchange_api(type), sf_find_method(type, "is_neg"), NULL,
+                       sf_find_method(type, "untyped_storage")};
     if (e.is_neg != NULL && Py_IS_TYPE(e.is_neg, &PyMethodDescr_Type)) {
         PyMethodDescrObject *d = (PyMethodDescrObject *)e.is_neg;
         if ((d->d_method->ml_flags & (METH_VARARGS | METH_FASTCALL | METH_NOARGS | METH_O |
@@ -178,8 +183,10 @@ static const sf_type_entry *sf_lookup_type(PyTypeObject *type, sf_type_entry *sp
 
 static void sf_type_entry_done(const sf_type_entry *e, sf_type_entry *spare)
 {
-    if (e == spare)
+    if (e == spare) {
         Py_CLEAR(spare->is_neg);
+        Py_CLEAR(spare->storage);
+    }
 }
 
 /* -1 with ValueError if obj carries torch's negative bit (or is_neg fails). */
@@ -206,6 +213,97 @@ static int sf_py_check_neg(sf_py_call *c, const sf_type_entry *e, PyObject *obj,
         return -1;
     }
     return 0; /* not a bool: not torch's bit */
+}
+
+/* The storage check.  DLPack carries a data pointer, a shape and strides but
+ * not how much memory lies behind them, and torch lets a storage shrink under
+ * a tensor that keeps its shape (x.untyped_storage().resize_(n), which FSDP
+ * does to resharded parameters, or a hand-made resize): the kernels would
+ * then read and write past the end of the allocation (silently wrong values,
+ * heap corruption or a segfault).  Where the tensor's type has
+ * untyped_storage() (torch's), the bytes the view spans, from its lowest to
+ * its highest element, must lie inside [storage.data_ptr(),
+ * storage.data_ptr() + storage.nbytes()).  Three C-level calls per tensor
+ * with elements; producers without the method (numpy, which cannot shrink an
+ * array in place) are trusted, as DLPack must trust them. */
+static PyObject *sf_str_nbytes, *sf_str_data_ptr;
+
+static int sf_py_storage_long(PyObject *storage, PyObject *name, long long *out)
+{
+    PyObject *v = PyObject_CallMethodNoArgs(storage, name);
+    if (v == NULL)
+        return -1;
+    *out = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    return *out == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+static int sf_py_check_storage(sf_py_call *c, const sf_type_entry *e, PyObject *obj,
+                               const char *arg, const sf_tensor *t)
+{
+    if (e->storage == NULL || t->data == NULL)
+        return 0;
+    /* lowest and highest element offsets (elements, relative to t->data) */
+    long long lo = 0, hi = 0;
+    for (int i = 0; i < t->ndim; ++i) {
+        if (t->shape[i] == 0)
+            return 0; /* no elements: nothing is read or written */
+        long long span;
+        if (__builtin_mul_overflow((long long)(t->shape[i] - 1), (long long)t->strides[i], &span) ||
+            __builtin_add_overflow(span > 0 ? hi : lo, span, span > 0 ? &hi : &lo))
+            goto too_big;
+    }
+    if (sf_str_nbytes == NULL) {
+        sf_str_nbytes = PyUnicode_InternFromString("nbytes");
+        sf_str_data_ptr = PyUnicode_InternFromString("data_ptr");
+        if (sf_str_nbytes == NULL || sf_str_data_ptr == NULL)
+            return -1;
+    }
+    PyObject *storage = PyObject_Vectorcall(e->storage, &obj, 1, NULL);
+    if (storage == NULL) {
+        /* a tensor without storage (a wrapper subclass) cannot be checked:
+         * refuse it rather than trust the pointer DLPack gave */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        PyErr_Format(PyExc_ValueError,
+                     "%s: argument '%s' has no storage seqfuse can check its extent "
+                     "against: %S",
+                     c->op, arg, value);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        return -1;
+    }
+    long long nbytes = 0, base = 0;
+    int rc = sf_py_storage_long(storage, sf_str_nbytes, &nbytes);
+    if (rc == 0)
+        rc = sf_py_storage_long(storage, sf_str_data_ptr, &base);
+    Py_DECREF(storage);
+    if (rc < 0)
+        return -1;
+    {
+        const long long item = (long long)sf_dtype_size(t->dtype);
+        const long long at = (long long)((uintptr_t)t->data - (uintptr_t)base);
+        long long first, last;
+        if (__builtin_mul_overflow(lo, item, &first) || __builtin_add_overflow(first, at, &first) ||
+            __builtin_mul_overflow(hi + 1, item, &last) || __builtin_add_overflow(last, at, &last))
+            goto too_big;
+        if (first >= 0 && last <= nbytes)
+            return 0;
+        PyErr_Format(PyExc_ValueError,
+                     "%s: argument '%s' spans bytes [%lld, %lld) of its storage (from its "
+                     "shape, strides and storage offset) but the storage holds %lld bytes; "
+                     "was the storage resized (untyped_storage().resize_()) or freed after "
+                     "the tensor was made?",
+                     c->op, arg, first, last, nbytes);
+        return -1;
+    }
+too_big:
+    PyErr_Format(PyExc_ValueError,
+                 "%s: argument '%s' has shape and strides whose extent overflows 64 bits",
+                 c->op, arg);
+    return -1;
 }
 
 /* ---- DLTensor -> sf_tensor ------------------------------------------- */
@@ -371,9 +469,31 @@ static int sf_py_tensor_exchange(sf_py_call *c, const DLPackExchangeAPI *api, Py
 {
     DLTensor dl;
     if (api->dltensor_from_py_object_no_sync(obj, &dl) != 0) {
-        if (!PyErr_Occurred())
+        if (!PyErr_Occurred()) {
             PyErr_Format(PyExc_TypeError, "%s: argument '%s' could not be exported through DLPack",
                          c->op, arg);
+        } else {
+            /* the producer's reason (torch: "Cannot pack tensors on meta", a
+             * RuntimeError that named no argument), kept and named */
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            PyErr_NormalizeException(&type, &value, &tb);
+            PyObject *text = value ? PyObject_Str(value) : NULL;
+            const char *s = text ? PyUnicode_AsUTF8(text) : NULL;
+            PyErr_Clear();
+            /* torch appends a C++ backtrace after the first line */
+            char first[256];
+            snprintf(first, sizeof first, "%s", s ? s : "");
+            first[strcspn(first, "\n")] = '\0';
+            PyErr_Format(PyExc_ValueError,
+                         "%s: argument '%s' cannot be exported through DLPack (a tensor on a "
+                         "device seqfuse cannot use, or of a kind DLPack cannot describe): %s",
+                         c->op, arg, first);
+            Py_XDECREF(text);
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+        }
         return -1;
     }
     if (sf_view_from_dl(c->op, arg, &dl, 0, out) < 0)
@@ -588,6 +708,8 @@ int sf_py_tensor(sf_py_call *c, PyObject *obj, const char *arg, sf_tensor *out)
     if (rc == 0)
         rc = sf_exchange_enabled && e->api != NULL ? sf_py_tensor_exchange(c, e->api, obj, arg, out)
                                                    : sf_py_tensor_capsule(c, obj, arg, out);
+    if (rc == 0)
+        rc = sf_py_check_storage(c, e, obj, arg, out);
     sf_type_entry_done(e, &spare);
     return rc;
 }
