@@ -98,7 +98,7 @@ sf_status sf_attn_fwd_cpu(const sf_attn_problem *p)
                         dot += load(p->dtype, &p->q, b, qs + r, h, d) *
                                load(p->dtype, &p->k, b, ks + c, hk, d);
                     s[c] = dot * p->scale;
-                    if (s[c] > m)
+                    if (s[c] > m || s[c] != s[c]) /* a NaN score makes the row NaN, as in torch */
                         m = s[c];
                 }
                 memset(acc, 0, sizeof(double) * (size_t)D);
@@ -117,8 +117,8 @@ sf_status sf_attn_fwd_cpu(const sf_attn_problem *p)
                     }
                 }
                 for (int d = 0; d < D; ++d)
-                    store(p->dtype, &p->o, b, qs + r, h, d, l > 0.0 ? acc[d] / l : 0.0);
-                p->lse[lse_index(p, b, h, qs + r)] = l > 0.0 ? (float)(m + log(l)) : INFINITY;
+                    store(p->dtype, &p->o, b, qs + r, h, d, !(l <= 0.0) ? acc[d] / l : 0.0);
+                p->lse[lse_index(p, b, h, qs + r)] = !(l <= 0.0) ? (float)(m + log(l)) : INFINITY;
             }
             if (!p->thd) /* padded rows of this batch row */
                 for (int r = sq; r < p->max_sq; ++r) {

@@ -269,7 +269,10 @@ __global__ void __launch_bounds__(32 * FwdCfg<D>::WARPS, 1) fwd_kernel(const sf_
             const float l = quad_sum(row_sum[mt][hr]);
             if (r >= rows_total)
                 continue;
-            const bool real = r < sq && l > 0.f; /* padded rows computed on zero Q: drop them */
+            /* padded rows computed on zero Q and rows that see no key (l = 0): drop
+             * them; a NaN l (a NaN or inf score) is kept, so the NaN reaches the
+             * output as torch's would */
+            const bool real = r < sq && !(l <= 0.f);
             const float inv = real ? (kDropout ? p.drop_scale : 1.f) / l : 0.f;
             T *orow = view_ptr<T>(p.o, b, qs + r, h);
 #pragma unroll

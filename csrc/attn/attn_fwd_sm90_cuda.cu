@@ -84,7 +84,7 @@ __device__ __forceinline__ void store_rows(const sf_attn_problem &p, const Block
         const float l = quad_sum(lrow[hr]);
         if (r >= bp.rows_total)
             continue;
-        const bool seen = r < bp.sq && l > 0.f;
+        const bool seen = r < bp.sq && !(l <= 0.f); /* a NaN l (NaN score) stays NaN */
         const float inv = seen ? 1.f / l : 0.f;
         T *dst = view_ptr<T>(p.o, b, bp.qs + r, h) + 2 * q4;
 #pragma unroll

@@ -21,14 +21,20 @@ sf_status sf_cross_entropy_forward_cpu(const sf_tensor *logits, const sf_tensor 
     for (int64_t i = 0; i < n; ++i) {
         int64_t row = i * logits->strides[0];
         double m = -INFINITY, s = 0.0, sum = 0.0;
-        for (int64_t j = 0; j < v; ++j)
-            m = fmax(m, load(logits, row + j));
+        int has_nan = 0;
+        for (int64_t j = 0; j < v; ++j) {
+            double x = load(logits, row + j);
+            m = fmax(m, x);
+            has_nan |= x != x;
+        }
         for (int64_t j = 0; j < v; ++j) {
             double x = load(logits, row + j);
             s += exp(x - m);
             sum += x;
         }
-        double l = m + log(s);
+        /* log-sum-exp as torch.logsumexp: NaN with a NaN logit, +inf with a
+         * +inf one, -inf where every logit is -inf (m + log(s) is NaN there) */
+        double l = has_nan ? NAN : isinf(m) ? m : m + log(s);
         ((float *)lse->data)[i] = (float)l;
         double value = 0.0;
         if (y[i] != ignore_index)

@@ -104,7 +104,9 @@ __global__ void __launch_bounds__(BLOCK) ce_forward_kernel(
     }
     block_reduce<BLOCK>(m, s, sum);
     if (threadIdx.x == 0) {
-        float l = m + logf(s);
+        /* torch.logsumexp's rule: +inf with a +inf logit (exp(inf - inf) made s
+         * NaN), NaN with a NaN one (the sum of the row carries it) */
+        float l = m == INFINITY ? (isnan(sum) ? NAN : INFINITY) : m + logf(s);
         lse[row] = l;
         int64_t y = labels[row];
         float value;
