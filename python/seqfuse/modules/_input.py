@@ -17,3 +17,20 @@ def check_input(cls, x, features=None, what=None, name="input", min_dim=1):
     if features is not None and x.shape[-1] != features:
         raise ValueError(f"{cls}: {name}'s last dimension must be {what} = {features}, got shape "
                          f"{tuple(x.shape)}")
+
+
+def check_storage(cls, name, t):
+    """Raise unless ``t``'s storage holds every element its shape, strides and
+    storage offset reach.  For tensors torch reads before anything reaches
+    seqfuse's C entry (which checks the same for every tensor it imports): a
+    storage shrunk or freed under a tensor (``untyped_storage().resize_()``)
+    makes torch read past its end or crash."""
+    if t.numel() == 0:
+        return
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    need = (last + 1) * t.element_size()
+    have = t.untyped_storage().nbytes()
+    if need > have:
+        raise ValueError(f"{cls}: {name} needs {need} bytes of storage (its shape, strides and offset) "
+                         f"but its storage holds {have}; was the storage resized "
+                         "(untyped_storage().resize_()) or freed after the tensor was made?")

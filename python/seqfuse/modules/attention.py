@@ -44,7 +44,7 @@ import torch
 
 from .. import ops
 from ..ops.attn import PerTensorCache, padding_layout
-from ._input import check_input
+from ._input import check_input, check_storage
 
 
 def _check_mask(mask, name, batch, length, side, device):
@@ -67,6 +67,7 @@ def _check_mask(mask, name, batch, length, side, device):
                          f"{side} length ({length})")
     if mask.device != device:
         raise ValueError(f"{who}: {name} is on {mask.device}, the query on {device}: they must be on one device")
+    check_storage(who, name, mask)  # torch reads the mask (it never reaches C's checks)
 
 
 def _layout_of(masks, s_q):
@@ -187,6 +188,10 @@ class DotProductAttention(torch.nn.Module):
                                           "cu_seqlens (padding between packed sequences) is not supported")
         for name, x in (("query_layer", query_layer), ("key_layer", key_layer), ("value_layer", value_layer)):
             check_input("DotProductAttention", x, name=name, min_dim=3)  # [t, h, d] or [b, s, h, d]
+            rank = 3 if qkv_format == "thd" else 4
+            if x.dim() != rank:
+                raise ValueError(f"DotProductAttention: {name} must have {rank} dimensions for qkv_format "
+                                 f"{qkv_format!r}, got shape {tuple(x.shape)}")
         heads, dim = query_layer.shape[-2], query_layer.shape[-1]
         if heads != self.num_attention_heads or dim != self.kv_channels:
             raise ValueError(f"DotProductAttention: query_layer has {heads} heads of dim {dim}; the module "

@@ -47,6 +47,10 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, tensor_format: st
     if cp_size != 1 or cp_rank != 0:
         raise NotImplementedError(
             "apply_rotary_pos_emb: context parallelism (cp_size > 1) is not supported by seqfuse yet")
+    for name, x in (("t", t), ("freqs", freqs)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"apply_rotary_pos_emb: argument '{name}' must be a torch.Tensor, "
+                            f"got {type(x).__name__}")
     return FusedRoPEFunc.apply(t, freqs, start_positions, tensor_format, interleaved, cu_seqlens)
 
 

@@ -105,6 +105,9 @@ def _bwd_args(op, dy, x, weight):
     """What both backwards start from: dy, x (contiguous, detached) and the
     weight, then dx and dgamma to fill."""
     _check_x(op, x)
+    for name, t in (("dy", dy), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):  # (.contiguous / empty_like below need one)
+            raise TypeError(f"{op}: argument '{name}' must be a torch.Tensor, got {type(t).__name__}")
     x = detached(x).contiguous()
     dy = detached(dy).contiguous()
     weight = detached(weight)

@@ -69,4 +69,7 @@ def multi_tensor_scale(tensors, scale):
     if not isinstance(scale, torch.Tensor):
         scale = torch.tensor(as_float("multi_tensor_scale", "scale", scale), dtype=torch.float32,
                              device=tensors[0].device)
+    elif scale.numel() != 1:
+        raise ValueError(f"multi_tensor_scale: argument 'scale' must have one element, got shape "
+                         f"{tuple(scale.shape)}")
     _C.multi_tensor_scale(_detached(tensors), scale.detach().reshape(()), stream_for(tensors[0]))

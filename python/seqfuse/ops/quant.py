@@ -337,9 +337,18 @@ def dequantize_block_fp8(data, scale_inv, block_rows=1, out_dtype=torch.float32)
     return out
 
 
-def _scales_arg(t, dtype):
+def _scales_arg(t, dtype, op="dequantize_mxfp8", name="scales"):
     """Scales travel as their float8 dtype where torch has it, else uint8."""
+    _check_view_source(op, name, t)
     return t.view(torch.uint8) if dtype is not None and t.dtype == dtype else t
+
+
+def _check_view_source(op, name, t):
+    """What torch's .view(dtype) would refuse with a message naming nothing."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: argument '{name}' must be a torch.Tensor, got {type(t).__name__}")
+    if t.is_neg():
+        raise ValueError(f"{op}: argument '{name}' has torch's negative bit set; call .resolve_neg() first")
 
 
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
@@ -393,6 +402,10 @@ def quantize_nvfp4(x, amax=None):
 
 def dequantize_nvfp4(data, block_scales, global_scale_inv, out_dtype=torch.float32):
     """``e2m1 * block_scale * global_scale_inv`` (layout of quantize_nvfp4)."""
+    _check_view_source("dequantize_nvfp4", "block_scales", block_scales)
+    if block_scales.dtype not in (torch.float8_e4m3fn, torch.uint8):
+        raise TypeError("dequantize_nvfp4: argument 'block_scales' must have dtype float8_e4m3fn (or its "
+                        f"uint8 bytes), got {block_scales.dtype}")
     shape = (*data.shape[:-1], data.shape[-1] * 2)
     out = torch.empty(shape, dtype=out_dtype, device=data.device)
     _C.dequantize_nvfp4(data.contiguous(), block_scales.view(torch.uint8).contiguous(),
