@@ -75,6 +75,22 @@ def test_results_are_saved_after_every_row(tmp_path):
     assert json.loads((tmp_path / "x.json").read_text())["complete"] is True
 
 
+def test_results_guard_keeps_going_and_finish_writes_goals(tmp_path):
+    r = timing.Results(str(tmp_path / "g.json"), bench_liger.__file__)
+
+    def case(name, ratio):
+        if ratio is None:
+            raise ValueError(f"{name} broke")
+        r.add(name=name, ratio=ratio)
+
+    for name, ratio in (("a", 1.2), ("b", None), ("c", 0.9)):
+        r.guard(case, name, ratio, name=name)
+    assert [row.get("error") for row in r.rows] == [None, "ValueError: b broke", None]
+    r.finish("ratio", lambda row: f"{row['name']} >= 1")
+    doc = json.loads((tmp_path / "g.json").read_text())
+    assert [(g["goal"], g["pass"]) for g in doc["goals"]] == [("a >= 1", True), ("c >= 1", False)]
+
+
 def test_te_modules_flops_and_weight_copy():
     c = bench_te_modules.SHAPES["llama_1b"]
     t = c["batch"] * c["seq"]

@@ -47,7 +47,8 @@ from torch import nn  # noqa: E402
 
 import peers  # noqa: E402,F401  (seqfuse from a source checkout)
 from peers.meta import skip_reason  # noqa: E402
-from peers.timing import Results, error_text, interleaved_ms, peak_gib, rel_diff  # noqa: E402
+from peers.timing import (Results, add_run_args, check_run_args, error_text, interleaved_ms, parse_list,  # noqa: E402
+                          peak_gib, rel_diff)
 
 OPS = ("rmsnorm", "layernorm", "swiglu", "rope", "flce")
 IMPLS = ("seqfuse", "liger", "torch", "torch_compile")
@@ -235,17 +236,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ops", default=",".join(OPS), help="comma list")
     p.add_argument("--size", default="h200", choices=sorted(SIZES))
-    p.add_argument("--iters", type=int, default=20, help="fwd+bwd calls per timed queue")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=3, help="warm-up calls (compiled rows compile in the first)")
-    p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile rows (CPU smoke)")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--out", default="liger")
+    add_run_args(p, "liger", iters=20, compile_option=True)
     args = p.parse_args(argv)
-    ops = args.ops.split(",")
-    bad = [o for o in ops if o not in OPS]
-    if bad:
-        p.error(f"--ops: unknown {bad}; choose from {', '.join(OPS)}")
+    check_run_args(p, args)
+    ops = parse_list(p, "--ops", args.ops, OPS)
     device = torch.device(args.device)
     liger_why = (skip_reason("liger_kernel.transformers", need_cuda=True) if device.type == "cuda"
                  else "liger_kernel: Triton kernels, CUDA only (--device cpu)")
@@ -263,20 +257,8 @@ def main(argv=None):
         "ratio": "seqfuse_vs_<peer> = peer ms / seqfuse ms (> 1: seqfuse faster)",
         "size": SIZES[args.size], "liger_skipped": liger_why})
     for op in ops:
-        try:
-            run_op(op, SIZES[args.size], impls, args, device, results, liger_why)
-        except Exception as e:  # noqa: BLE001 - one failing op must not lose the others
-            import traceback
-
-            traceback.print_exc()
-            results.add(op=op, size=args.size, error=error_text(e))
-    goals = [{"goal": f"{r['op']} seqfuse >= 1.0x the fastest peer ({r['best_peer']})",
-              "value": r["seqfuse_vs_best_peer"], "pass": r["seqfuse_vs_best_peer"] >= 1.0}
-             for r in results.rows if "seqfuse_vs_best_peer" in r]
-    for g in goals:
-        print(f"goal {g['goal']}: {g['value']:.3f} -> {'PASS' if g['pass'] else 'FAIL'}")
-    results.save(goals=goals)
-
+        results.guard(run_op, op, SIZES[args.size], impls, args, device, results, liger_why, op=op, size=args.size)
+    results.finish("seqfuse_vs_best_peer", lambda r: f"{r['op']} seqfuse >= 1.0x the fastest peer ({r['best_peer']})")
 
 if __name__ == "__main__":
     main()

@@ -47,7 +47,8 @@ import torch  # noqa: E402
 
 import peers  # noqa: E402,F401  (seqfuse from a source checkout)
 from peers.meta import skip_reason  # noqa: E402
-from peers.timing import Results, error_text, interleaved_ms, peak_gib, rel_diff  # noqa: E402
+from peers.timing import (Results, add_run_args, check_run_args, error_text, interleaved_ms, parse_list,  # noqa: E402
+                          peak_gib, rel_diff)
 
 SHAPES = {
     "esm2_650m": dict(hidden=1280, ffn=5120, heads=20, groups=20, norm="LayerNorm", act="gelu", bias=True,
@@ -226,20 +227,12 @@ def main(argv=None):
     p.add_argument("--shapes", default="esm2_650m,llama_1b", help=f"comma list of {', '.join(SHAPES)}")
     p.add_argument("--modules", default=",".join(MODULES), help="comma list")
     p.add_argument("--recipes", default=",".join(RECIPES), help="comma list")
-    p.add_argument("--iters", type=int, default=10, help="iterations per timed queue")
-    p.add_argument("--rounds", type=int, default=3, help="timed queues per library, alternating")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--out", default="te_modules")
+    add_run_args(p, "te_modules")
     args = p.parse_args(argv)
-    shapes, modules, recipes = args.shapes.split(","), args.modules.split(","), args.recipes.split(",")
-    for name, given, known in (("--shapes", shapes, SHAPES), ("--modules", modules, MODULES),
-                               ("--recipes", recipes, RECIPES)):
-        bad = [g for g in given if g not in known]
-        if bad:
-            p.error(f"{name}: unknown {bad}; choose from {', '.join(known)}")
-    if min(args.iters, args.rounds) < 1 or args.warmup < 0:
-        p.error("--iters and --rounds must be >= 1, --warmup >= 0")
+    shapes = parse_list(p, "--shapes", args.shapes, SHAPES)
+    modules = parse_list(p, "--modules", args.modules, MODULES)
+    recipes = parse_list(p, "--recipes", args.recipes, RECIPES)
+    check_run_args(p, args)
     device = torch.device(args.device)
     te_why = skip_reason(TE, need_cuda=True) if device.type == "cuda" else f"{TE}: runs on CUDA only (--device cpu)"
     if te_why:
@@ -255,19 +248,9 @@ def main(argv=None):
     for shape in shapes:
         for module in modules:
             for recipe in recipes:
-                try:
-                    run_cell(shape, SHAPES[shape], module, recipe, args, device, results, te_why)
-                except Exception as e:  # noqa: BLE001 - one failing cell must not lose the others
-                    import traceback
-
-                    traceback.print_exc()
-                    results.add(shape=shape, module=module, recipe=recipe, error=error_text(e))
-    goals = [{"goal": f"{r['shape']} {r['module']} {r['recipe']} seqfuse >= 1.0x TE", "value": r["seqfuse_vs_te"],
-              "pass": r["seqfuse_vs_te"] >= 1.0} for r in results.rows if "seqfuse_vs_te" in r]
-    for g in goals:
-        print(f"goal {g['goal']}: {g['value']:.3f} -> {'PASS' if g['pass'] else 'FAIL'}")
-    results.save(goals=goals)
-
+                results.guard(run_cell, shape, SHAPES[shape], module, recipe, args, device, results, te_why,
+                              shape=shape, module=module, recipe=recipe)
+    results.finish("seqfuse_vs_te", lambda r: f"{r['shape']} {r['module']} {r['recipe']} seqfuse >= 1.0x TE")
 
 if __name__ == "__main__":
     main()

@@ -39,7 +39,8 @@ from torch import nn  # noqa: E402
 import peers  # noqa: E402,F401  (seqfuse from a source checkout)
 from peers.bench_te_modules import SHAPES, build, flops, make_inputs, qkv_out, train_step  # noqa: E402
 from peers.meta import skip_reason  # noqa: E402
-from peers.timing import Results, error_text, interleaved_ms, rel_diff  # noqa: E402
+from peers.timing import (Results, add_run_args, check_run_args, error_text, interleaved_ms,  # noqa: E402
+                          parse_list, rel_diff)
 
 MODULES = ("Linear", "LayerNormMLP")
 SEQFUSE_RECIPES = ("bf16", "fp8_current", "fp8_delayed", "fp8_block")
@@ -170,18 +171,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="esm2_650m,llama_1b", help=f"comma list of {', '.join(SHAPES)}")
     p.add_argument("--modules", default=",".join(MODULES), help="comma list")
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=3, help="warm-up iterations (compiled rows compile in the first)")
-    p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile rows (CPU smoke)")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--out", default="torchao")
+    add_run_args(p, "torchao", compile_option=True)
     args = p.parse_args(argv)
-    shapes, modules = args.shapes.split(","), args.modules.split(",")
-    for name, given, known in (("--shapes", shapes, SHAPES), ("--modules", modules, MODULES)):
-        bad = [g for g in given if g not in known]
-        if bad:
-            p.error(f"{name}: unknown {bad}; choose from {', '.join(known)}")
+    check_run_args(p, args)
+    shapes = parse_list(p, "--shapes", args.shapes, SHAPES)
+    modules = parse_list(p, "--modules", args.modules, MODULES)
     device = torch.device(args.device)
     ao_why = skip_reason("torchao.float8", need_cuda=False)
     emulate = device.type != "cuda"
@@ -203,20 +197,9 @@ def main(argv=None):
         "shapes": {s: SHAPES[s] for s in shapes}})
     for shape in shapes:
         for module in modules:
-            try:
-                run_pair(shape, module, args, device, results, ao_why, emulate)
-            except Exception as e:  # noqa: BLE001 - one failing pair must not lose the others
-                import traceback
-
-                traceback.print_exc()
-                results.add(shape=shape, module=module, error=error_text(e))
-    goals = [{"goal": f"{r['shape']} {r['module']} {r['impl']} >= 1.0x best torchao ({r['best_torchao']})",
-              "value": r["vs_best_torchao"], "pass": r["vs_best_torchao"] >= 1.0}
-             for r in results.rows if "vs_best_torchao" in r]
-    for g in goals:
-        print(f"goal {g['goal']}: {g['value']:.3f} -> {'PASS' if g['pass'] else 'FAIL'}")
-    results.save(goals=goals)
-
+            results.guard(run_pair, shape, module, args, device, results, ao_why, emulate, shape=shape, module=module)
+    results.finish("vs_best_torchao",
+                   lambda r: f"{r['shape']} {r['module']} {r['impl']} >= 1.0x best torchao ({r['best_torchao']})")
 
 if __name__ == "__main__":
     main()

@@ -20,6 +20,7 @@ import json
 import os
 import statistics
 import time
+import traceback
 
 import torch
 
@@ -90,6 +91,32 @@ def rel_diff(a, b):
     return (a - b).norm().item() / den if den > 0 else float("nan")
 
 
+def add_run_args(parser, out, iters=10, compile_option=False):
+    """The options every peer benchmark takes: --iters --rounds --warmup --device --out
+    (and --no-compile where it has compiled rows)."""
+    parser.add_argument("--iters", type=int, default=iters, help="calls per timed queue")
+    parser.add_argument("--rounds", type=int, default=3, help="timed queues per implementation, alternating")
+    parser.add_argument("--warmup", type=int, default=3, help="warm-up calls (a compiled row compiles in the first)")
+    if compile_option:
+        parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile rows (CPU smoke)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", default=out, help="result name (benchmarks/results/NAME.json) or a .json path")
+
+
+def check_run_args(parser, args):
+    if min(args.iters, args.rounds) < 1 or args.warmup < 0:
+        parser.error("--iters and --rounds must be >= 1, --warmup >= 0")
+
+
+def parse_list(parser, option, value, known):
+    """The comma list ``value`` of ``option``, every item one of ``known`` (else parser.error)."""
+    given = value.split(",")
+    bad = [g for g in given if g not in known]
+    if bad:
+        parser.error(f"{option}: unknown {bad}; choose from {', '.join(known)}")
+    return given
+
+
 def error_text(e, limit=300):
     return f"{type(e).__name__}: {str(e).splitlines()[0][:limit] if str(e) else ''}"
 
@@ -109,6 +136,24 @@ class Results:
         print(f"[{self.doc['name']}] {shown}", flush=True)
         self.save(complete=False)
         return row
+
+    def guard(self, fn, *args, **keys):
+        """fn(*args); an exception becomes a row of ``keys`` and its error (printed with its
+        traceback), so one failing case does not lose the ones after it."""
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            self.add(**keys, error=error_text(e))
+
+    def finish(self, key, describe, need=1.0):
+        """Goals ``row[key] >= need`` for every row that has ``key`` (named by describe(row)),
+        printed and saved with the rows."""
+        goals = [{"goal": describe(r), "value": r[key], "need": f">= {need}", "pass": r[key] >= need}
+                 for r in self.rows if key in r]
+        for g in goals:
+            print(f"goal {g['goal']}: {g['value']:.3f} -> {'PASS' if g['pass'] else 'FAIL'}")
+        return self.save(goals=goals)
 
     def save(self, complete=True, **extra):
         self.doc.update(extra)
