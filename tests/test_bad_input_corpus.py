@@ -1,0 +1,165 @@
+"""Issue 23's held-in bad-input corpus: every case of tests/bad_input_cases.py
+(about two thousand: every public op of seqfuse.ops and module of
+seqfuse.pytorch, each argument broken one way at a time) must end in an
+exception that names the argument and the rule, or in the reference result.
+
+The cases run in worker subprocesses (bad_input_cases.py is the worker), so
+a segfault, an abort or a hang (a per-case faulthandler deadline) is caught
+and reported as the failure of the case that was running, and the next
+worker starts after it.  Two workers share the cases.  Each case is a test
+item of its own, named by device, op, argument and mutation, e.g.
+``cpu:gemm:a:neg_bit``.  The cuda-marked test runs the same corpus on the
+GPU (inputs on CUDA, plus an argument left on the CPU).
+
+    OMP_NUM_THREADS=1 python3 -m pytest -q tests/test_bad_input_corpus.py -p no:cacheprovider
+    # one case, in this process, for debugging:
+    python3 tests/bad_input_cases.py cpu <index> <index+1>
+"""
+import os
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import bad_input_cases as corpus
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "bad_input_cases.py")
+WORKERS = 2
+CASE_TIMEOUT_S = 30
+
+
+def _names(device):
+    return [c.name for c in corpus.build_cases(device)]
+
+
+def _run_range(device, names, first, last, results):
+    """Run cases [first, last) in as many worker processes as crashes need."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", SEQFUSE_CASE_TIMEOUT=str(CASE_TIMEOUT_S))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, env.get("PYTHONPATH")) if p)
+    start = first
+    while start < last:
+        try:
+            proc = subprocess.run([sys.executable, WORKER, device, str(start), str(last)],
+                                  capture_output=True, text=True, env=env,
+                                  timeout=CASE_TIMEOUT_S * 4 + (last - start) * 2)
+            out, err, rc = proc.stdout, proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            err, rc = "worker killed after its overall deadline", "timeout"
+        running = None
+        for line in out.splitlines():
+            if line.startswith("S "):
+                running = line[2:]
+            elif line.startswith("R "):
+                r = json.loads(line[2:])
+                results[r["name"]] = r
+                running = None
+        if running is None:
+            if rc != 0:
+                raise RuntimeError(f"corpus worker failed outside a case (exit {rc}):\n{err[-3000:]}")
+            return
+        hung = "Timeout" in err or rc == "timeout"
+        what = (f"hung (no answer within {CASE_TIMEOUT_S} s)" if hung else
+                f"crashed the process (exit {rc}{', signal ' + str(-rc) if isinstance(rc, int) and rc < 0 else ''})")
+        results[running] = {"ok": False, "name": running, "what": what + ": " + err[-1500:]}
+        start = names.index(running) + 1
+
+
+def run_corpus(device):
+    names = _names(device)
+    results = {}
+    t0 = time.time()
+    bounds = [len(names) * i // WORKERS for i in range(WORKERS + 1)]
+    errors = []
+
+    def one(i):
+        try:
+            _run_range(device, names, bounds[i], bounds[i + 1], results)
+        except Exception as e:  # noqa: BLE001 - raised below, in the test's thread
+            errors.append(e)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(WORKERS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    missing = [n for n in names if n not in results]
+    for n in missing:
+        results[n] = {"ok": False, "name": n, "what": "never ran (worker ended early)"}
+    print(f"corpus[{device}]: {len(names)} cases in {time.time() - t0:.1f} s")
+    return results
+
+
+_cache = {}
+
+
+def _result(device, name):
+    if device not in _cache:
+        _cache[device] = run_corpus(device)
+    return _cache[device][name]
+
+
+CPU_NAMES = _names("cpu")
+
+
+def test_corpus_is_hundreds_of_cases():
+    ops_covered = {n.split(":")[1] for n in CPU_NAMES}
+    assert len(CPU_NAMES) >= 500, len(CPU_NAMES)
+    assert len(ops_covered) >= 50, sorted(ops_covered)
+
+
+@pytest.mark.parametrize("name", CPU_NAMES)
+def test_case(name):
+    r = _result("cpu", name)
+    assert r["ok"], f"{name}: {r['what']}"
+
+
+@pytest.mark.cuda
+def test_cuda_corpus():
+    """The whole corpus on the GPU, one test (its case names in the message)."""
+    results = run_corpus("cuda")
+    bad = {n: r["what"] for n, r in results.items() if not r["ok"]}
+    assert not bad, f"{len(bad)} of {len(results)} cuda cases failed:\n" + "\n".join(
+        f"{n}: {w[:300]}" for n, w in sorted(bad.items()))
+
+
+def test_runner_reports_a_crash_by_name(tmp_path, monkeypatch):
+    """The runner must turn a worker's death into the failure of the case
+    that was running, and go on with the next ones."""
+    names = CPU_NAMES[:3]
+    victim = names[1]
+    script = tmp_path / "crashing_worker.py"
+    script.write_text(
+        "import os, sys\n"
+        f"sys.path.insert(0, {HERE!r})\n"
+        "import bad_input_cases as c\n"
+        "real = c.run_case\n"
+        "def run_case(case):\n"
+        f"    if case.name == {victim!r}:\n"
+        "        os.abort()\n"
+        "    return real(case)\n"
+        "c.run_case = run_case\n"
+        "c.main(sys.argv[1:])\n")
+    monkeypatch.setattr(sys.modules[__name__], "WORKER", str(script))
+    results = {}
+    _run_range("cpu", names, 0, 3, results)
+    assert set(results) == set(names)
+    assert not results[victim]["ok"] and "crashed" in results[victim]["what"]
+    for n in (names[0], names[2]):
+        assert "crashed" not in results[n]["what"], results[n]
+
+
+def test_a_wrong_result_fails_the_case():
+    """The comparison must be able to fail: a result off by one ulp-scale
+    step beyond the tolerance, a NaN where the reference has none."""
+    exp = torch.tensor([1.0, 2.0, float("nan")])
+    assert corpus._compare(torch.tensor([1.0, 2.0, float("nan")]), exp, 1e-6) is None
+    assert corpus._compare(torch.tensor([1.0, 2.001, float("nan")]), exp, 1e-6) is not None
+    assert corpus._compare(torch.tensor([1.0, 2.0, 0.0]), exp, 1e-6) is not None
+    assert corpus._compare(torch.tensor([1.0, float("inf"), float("nan")]), exp, 1e-6) is not None
