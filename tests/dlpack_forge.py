@@ -87,3 +87,79 @@ class ForgedTensor:
         self._keep.append((m, shape, strides))
         self.exported += 1
         return _capsule_new(ctypes.addressof(m), _NAME, None)
+
+
+# ---- any layout: the DLPack fuzz (tests/test_dlpack_fuzz.py) ----------------
+
+class DLManagedTensor(Structure):  # the legacy (unversioned) capsule's struct
+    pass
+
+
+LEGACY_DELETER = CFUNCTYPE(None, POINTER(DLManagedTensor))
+DLManagedTensor._fields_ = [
+    ("dl_tensor", DLTensor),
+    ("manager_ctx", c_void_p),
+    ("deleter", LEGACY_DELETER),
+]
+
+
+class ForgedLayout:
+    """Exports whatever DLTensor fields it is given, over memory it keeps:
+    ``data`` is an address (0: NULL), ``shape`` / ``strides`` lists (strides
+    None: a NULL strides pointer), ``code``/``bits``/``lanes`` the dtype,
+    ``device_type``/``device_id``, ``byte_offset``.  ``capsule`` is
+    "versioned" (with ``major`` and ``flags``), "legacy" (an unversioned
+    capsule even when max_version is offered) or "old" (an unversioned
+    producer whose __dlpack__ takes no max_version).  ``deleted`` counts
+    deleter calls; ``exported`` counts __dlpack__ calls that made a tensor."""
+
+    def __init__(self, keep, data, shape, strides, code, bits, lanes=1, device_type=KDL_CPU, device_id=0,
+                 byte_offset=0, capsule="versioned", major=1, flags=0, ndim=None):
+        self.keep = keep  # the buffer data points into, alive as long as this object
+        self.data, self.shape, self.strides = data, list(shape), strides
+        self.ndim = len(self.shape) if ndim is None else ndim
+        self.code, self.bits, self.lanes = code, bits, lanes
+        self.device_type, self.device_id, self.byte_offset = device_type, device_id, byte_offset
+        self.capsule, self.major, self.flags = capsule, major, flags
+        self.exported = self.deleted = 0
+        self._keep = []
+        self._vdel = VERSIONED_DELETER(self._on_delete)
+        self._ldel = LEGACY_DELETER(self._on_delete)
+        if capsule == "old":
+            self.__dlpack__ = self._old_dlpack
+
+    def _on_delete(self, ptr):
+        self.deleted += 1
+
+    def __dlpack_device__(self):
+        return (self.device_type, self.device_id)
+
+    def _dltensor(self):
+        n = len(self.shape)
+        shape = (c_int64 * max(n, 1))(*self.shape)
+        strides = None if self.strides is None else (c_int64 * max(n, 1))(*self.strides)
+        t = DLTensor(self.data or None, DLDevice(self.device_type, self.device_id), self.ndim,
+                     DLDataType(self.code, self.bits, self.lanes), shape,
+                     strides if strides is not None else None, self.byte_offset)
+        return t, shape, strides
+
+    def __dlpack__(self, stream=None, max_version=None):
+        t, shape, strides = self._dltensor()
+        if self.capsule == "versioned":
+            m = DLManagedTensorVersioned()
+            m.version = DLPackVersion(self.major, 0)
+            m.deleter = self._vdel
+            m.flags = self.flags
+            m.dl_tensor = t
+            name = b"dltensor_versioned"
+        else:
+            m = DLManagedTensor()
+            m.deleter = self._ldel
+            m.dl_tensor = t
+            name = b"dltensor"
+        self._keep.append((m, shape, strides))
+        self.exported += 1
+        return _capsule_new(ctypes.addressof(m), name, None)
+
+    def _old_dlpack(self, stream=None):
+        return ForgedLayout.__dlpack__(self, stream)

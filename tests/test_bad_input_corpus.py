@@ -37,14 +37,15 @@ def _names(device):
     return [c.name for c in corpus.build_cases(device)]
 
 
-def _run_range(device, names, first, last, results):
-    """Run cases [first, last) in as many worker processes as crashes need."""
+def _run_range(device, names, first, last, results, worker=None):
+    """Run cases [first, last) in as many worker processes as crashes need
+    (``worker``: the script, called as ``worker device first last``)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", SEQFUSE_CASE_TIMEOUT=str(CASE_TIMEOUT_S))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, env.get("PYTHONPATH")) if p)
     start = first
     while start < last:
         try:
-            proc = subprocess.run([sys.executable, WORKER, device, str(start), str(last)],
+            proc = subprocess.run([sys.executable, worker or WORKER, device, str(start), str(last)],
                                   capture_output=True, text=True, env=env,
                                   timeout=CASE_TIMEOUT_S * 4 + (last - start) * 2)
             out, err, rc = proc.stdout, proc.stderr, proc.returncode
