@@ -1,0 +1,578 @@
+"""Llama 3 on real DNA: seqfuse's Llama against transformers' LlamaForCausalLM,
+training throughput at 8,192 tokens per sequence and cached generation, in
+one process on one GPU, with identical initial weights in every row.
+
+Model: Llama 3.2 1B's shape (seqfuse.hf.llama3_config("1B"): 16 layers,
+hidden 2048, 32 query / 8 key-value heads, SwiGLU 8192, tied embeddings,
+Llama 3 RoPE scaling) with the nucleotide vocabulary (10 ids padded to 16).
+transformers' model is built with a seed (its own initialisation); seqfuse's
+is converted from it (seqfuse.hf.llama_convert.from_hf_model), so each row
+starts from the same weights, and the first step's loss of every row is
+compared with transformers' (``loss_check``: same weights, same batch).
+
+Data: real genome windows (common.py: the benchmark's windows cut by
+make_bench_data.py from the recipe's bacterial genomes, else the committed
+lambda-phage subset, said in the log and the JSON).  Every sequence is
+exactly 8,192 tokens (<bos> 8,190 bases <eos>), ``--batch-size`` sequences
+per step: nothing is padded, so the padded [B, L] and packed THD layouts
+hold the same tokens (padded == packed in samples and loss); they differ
+only in the path the model takes, and seqfuse is measured in both.
+
+Training rows (``--rows``), <impl>_<recipe>[_<layout>]:
+  hf_bf16             transformers LlamaForCausalLM, sdpa, bf16 weights,
+                      torch.optim.AdamW(fused=True);
+  hf_bf16_compiled    the same under torch.compile (--compile-scope: each
+                      LlamaDecoderLayer, the default, or the whole model;
+                      static shapes); a failure is kept with its reason, and
+                      a compiled row slower than eager says so;
+  seqfuse_bf16_{padded,packed}, seqfuse_fp8_delayed_{padded,packed},
+  seqfuse_fp8_block_{padded,packed}
+                      seqfuse's Llama (bf16 weights, FusedAdamW with fp32
+                      master weights), FP8 under seqfuse autocast with
+                      DelayedScaling / Float8BlockScaling (the LM head stays
+                      bf16).
+Timing is steady state: ``--warm-passes`` untimed passes over the very
+batches that are then timed (compiled graphs, cuBLAS/cuDNN plans and FP8
+scaling state exist before timing), then one timed pass with the GPU
+synchronized only before and after it.  Reported: unpadded tokens/s (= all
+tokens here), ratios against transformers eager and the best transformers
+row (eager or compiled), MFU of the useful FLOPs (common.train_flops, causal
+attention counted as the lower triangle) against the measured bf16 ceiling
+(794 TFLOP/s) and the datasheet (989), peak memory, step time, host issue
+time per step (the Python time to queue one step; below the step time
+means the GPU, not the host, sets the pace).
+
+Decode rows (``--decode-rows``), at ``--decode-batches`` (1 and 32) for
+``--prompt-len`` (512) token prompts of the same genome windows, greedy,
+``--new-tokens`` new tokens, eos ignored:
+  hf_static           transformers generate() with its static cache
+                      (cache_implementation="static"), eager
+                      (disable_compile=True);
+  hf_static_compiled  the same with transformers' own automatic compilation
+                      of the decode step (what transformers documents for the
+                      static cache on a GPU);
+  seqfuse_bf16        SeqfuseLlamaForCausalLM.generate with an InferenceParams
+                      cache allocated once for the row;
+  seqfuse_fp8_delayed the same under fp8_autocast (not in the default rows).
+Each decode row first runs one untimed generate of the same shapes, then
+``--decode-repeats`` timed ones (median).  tokens/s = batch x new tokens /
+time of the whole generate() (prefill of the prompt included); the tokens of
+each row are compared with transformers' (identical up to the first
+divergence, which bf16 near ties can cause: the JSON says where).
+
+Goals (the issue's): bf16 >= 1.3x and FP8 >= 1.8x the best transformers row
+in unpadded tokens/s; peak memory <= transformers'; decode at batch 1 >=
+1.5x transformers' static-cache generate (the faster of eager and compiled).
+
+JSON: benchmarks/results/llama3.json (training) and llama3_decode.json
+(decode), each with the git commit, versions and exact command
+(peers/meta.py); PNGs next to them.  CPU smoke test:
+``--size tiny --device cpu`` (float32, short sequences; compiled rows skipped
+with the reason).
+"""
+import argparse
+import gc
+import json
+import os
+import statistics
+import time
+import traceback
+
+from common import (H200_BF16_DATASHEET_TFLOPS, H200_BF16_MEASURED_TFLOPS, ROOT, build_hf, build_seqfuse, data_path,
+                    fixed_length_sequences, forward_loss, load_windows, log, make_batches, seqfuse_config,
+                    train_flops)
+
+import torch  # noqa: E402
+from harness import RESULTS, Table, allow_recompiles, plot_bars  # noqa: E402
+from peers.meta import run_metadata  # noqa: E402
+
+TRAIN_ROWS = ("hf_bf16", "hf_bf16_compiled", "seqfuse_bf16_padded", "seqfuse_bf16_packed",
+              "seqfuse_fp8_delayed_padded", "seqfuse_fp8_delayed_packed", "seqfuse_fp8_block_padded",
+              "seqfuse_fp8_block_packed")
+DEFAULT_TRAIN_ROWS = ("hf_bf16", "hf_bf16_compiled", "seqfuse_bf16_padded", "seqfuse_bf16_packed",
+                      "seqfuse_fp8_delayed_packed", "seqfuse_fp8_block_packed")
+DECODE_ROWS = ("hf_static", "hf_static_compiled", "seqfuse_bf16", "seqfuse_fp8_delayed")
+DEFAULT_DECODE_ROWS = ("hf_static", "hf_static_compiled", "seqfuse_bf16")
+HF_TRAIN = ("hf_bf16", "hf_bf16_compiled")
+HF_DECODE = ("hf_static", "hf_static_compiled")
+#: First-step losses (same weights, same batch) within this fraction of transformers'.
+LOSS_TOL = {"bf16": 2e-2, "fp8_delayed": 5e-2, "fp8_block": 5e-2, "fp32": 1e-4}
+
+
+def parse_train_row(name):
+    """(impl, recipe, layout) of a training row name, or ValueError."""
+    if name not in TRAIN_ROWS:
+        raise ValueError(f"training row {name!r}: expected one of {', '.join(TRAIN_ROWS)}")
+    if name.startswith("hf_"):
+        return ("hfcompile" if name.endswith("_compiled") else "hf"), "bf16", "padded"
+    parts = name.split("_")
+    return "seqfuse", "_".join(parts[1:-1]), parts[-1]
+
+
+def fp8_recipe(name):
+    from seqfuse.common.recipe import DelayedScaling, Float8BlockScaling
+
+    return {"bf16": None, "fp8_delayed": DelayedScaling(), "fp8_block": Float8BlockScaling()}[name]
+
+
+def compile_hf(model, scope):
+    """torch.compile transformers' LlamaForCausalLM in place: each decoder
+    layer (one graph shared by the 16 layers) or the whole model; static shapes."""
+    allow_recompiles()
+    if scope == "layers":
+        for layer in model.model.layers:
+            layer.compile(dynamic=False)
+    elif scope == "model":
+        model.compile(dynamic=False)
+    else:
+        raise ValueError(f"--compile-scope must be 'layers' or 'model', got {scope!r}")
+    return model
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_train_row(name, packed_batches, padded_batches, args, device, dtype):
+    """Build the row's model and optimizer, warm up, time one pass; returns the raw figures."""
+    from seqfuse.pytorch import autocast
+
+    impl, recipe_name, layout = parse_train_row(name)
+    notes = {}
+    if impl == "seqfuse":
+        from seqfuse.optim import FusedAdamW
+
+        model = build_seqfuse(args.size, device, dtype, seed=args.seed)
+        opt = FusedAdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        recipe = fp8_recipe(recipe_name)
+
+        def context():
+            return autocast(enabled=recipe is not None, recipe=recipe)
+    else:
+        import contextlib
+
+        model = build_hf(args.size, device, dtype, seed=args.seed)
+        if impl == "hfcompile":
+            compile_hf(model, args.compile_scope)
+            notes["compile"] = f"torch.compile scope={args.compile_scope} dynamic=False"
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+        context = contextlib.nullcontext
+    model.train()
+    packed = layout == "packed"
+    batches = packed_batches if packed else padded_batches
+
+    def step(b):
+        with context():
+            loss = forward_loss(model, b, device, packed)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t_warm = time.perf_counter()
+    first_loss = None
+    for i in range(args.warm_passes):
+        for b in batches:
+            loss = step(b)
+            if first_loss is None:
+                first_loss = float(loss.detach())  # one host read, before timing: same weights, same batch
+    _sync(device)
+    warm_s = time.perf_counter() - t_warm
+    losses, issue = [], []
+    t0 = time.perf_counter()
+    for b in batches:  # no sync inside: host issue time < step time means the GPU sets the pace
+        ti = time.perf_counter()
+        losses.append(step(b))
+        issue.append(time.perf_counter() - ti)
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    losses = [float(x.detach()) for x in losses]
+    if first_loss is None:
+        first_loss = losses[0]
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    del model, opt
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return dict(seconds=seconds, losses=losses, first_loss=first_loss, host_ms=1000 * statistics.mean(issue),
+                peak=peak, warm_s=warm_s, notes=notes)
+
+
+def train_figures(r, batches, cfg):
+    real = sum(int(b["num_tokens"]) for b in batches)
+    total = sum(b["input_ids"].numel() for b in batches)
+    lengths = [int(b["max_seqlen"]) for b in batches for _ in range(int(b["num_sequences"]))]
+    flops = train_flops(lengths, cfg)
+    s = r["seconds"]
+    return {
+        "steps": len(batches), "real_tokens": real,
+        "tokens_per_s": total / s, "unpadded_tokens_per_s": real / s,
+        "padding_pct": 100.0 * (1 - real / total),
+        "mfu_measured_pct": 100.0 * flops / s / (H200_BF16_MEASURED_TFLOPS * 1e12),
+        "mfu_datasheet_pct": 100.0 * flops / s / (H200_BF16_DATASHEET_TFLOPS * 1e12),
+        "tflops_per_s": flops / s / 1e12,
+        "peak_mem_gib": r["peak"], "step_ms": 1000.0 * s / len(batches), "host_issue_ms": r["host_ms"],
+        "warm_s": r["warm_s"], "first_loss": r["first_loss"], "final_loss": r["losses"][-1],
+    }
+
+
+def add_train_ratios(rows):
+    """vs_hf (eager transformers), vs_best_hf (the faster of eager and
+    compiled, named), mem_vs_hf; a compiled row slower than eager says so."""
+    ok = {r["row"]: r for r in rows if "unpadded_tokens_per_s" in r}
+    nan = float("nan")
+    hf = ok.get("hf_bf16")
+    hfs = [ok[n] for n in HF_TRAIN if n in ok]
+    best = max(hfs, key=lambda r: r["unpadded_tokens_per_s"]) if hfs else None
+    for r in ok.values():
+        t = r["unpadded_tokens_per_s"]
+        r["vs_hf"] = t / hf["unpadded_tokens_per_s"] if hf else nan
+        r["mem_vs_hf"] = r["peak_mem_gib"] / hf["peak_mem_gib"] if hf else nan
+        r["vs_best_hf"], r["best_hf"] = (t / best["unpadded_tokens_per_s"], best["row"]) if best else (nan, "")
+    c = ok.get("hf_bf16_compiled")
+    if c and hf and c["vs_hf"] < 1.0:
+        c["note"] = (c.get("note", "") + "; " if c.get("note") else "") + (
+            f"compiled is SLOWER than eager ({c['vs_hf']:.2f}x)")
+    return rows
+
+
+def loss_check(rows, fp32):
+    """Every row's first-step loss (same weights, same batch) against transformers' eager row."""
+    ok = {r["row"]: r for r in rows if "first_loss" in r}
+    ref = ok.get("hf_bf16")
+    out = {"reference": "hf_bf16" if ref else None, "rows": {}, "pass": True}
+    if ref is None:
+        return out
+    for name, r in ok.items():
+        tol = LOSS_TOL["fp32"] if fp32 and r["recipe"] == "bf16" else LOSS_TOL[r["recipe"]]
+        rel = abs(r["first_loss"] - ref["first_loss"]) / abs(ref["first_loss"])
+        out["rows"][name] = {"first_loss": r["first_loss"], "rel_diff": rel, "tol": tol, "pass": rel <= tol}
+        out["pass"] &= rel <= tol
+    return out
+
+
+def train_goals(rows):
+    by = {r["row"]: r for r in rows if "unpadded_tokens_per_s" in r}
+    out = []
+
+    def goal(what, row, need, key, le=False):
+        if row in by and by[row].get(key) == by[row].get(key):
+            v = by[row][key]
+            out.append({"goal": what, "row": row, "key": key, "value": v, "need": f"{'<=' if le else '>='} {need}",
+                        "pass": v <= need if le else v >= need})
+
+    for layout in ("padded", "packed"):
+        goal(f"bf16 ({layout}) vs best transformers row", f"seqfuse_bf16_{layout}", 1.3, "vs_best_hf")
+        goal(f"FP8 delayed ({layout}) vs best transformers row", f"seqfuse_fp8_delayed_{layout}", 1.8, "vs_best_hf")
+        goal(f"FP8 block ({layout}) vs best transformers row", f"seqfuse_fp8_block_{layout}", 1.8, "vs_best_hf")
+    for row, r in by.items():
+        if r["impl"] == "seqfuse":
+            goal(f"peak memory vs transformers ({row})", row, 1.0, "mem_vs_hf", le=True)
+    return out
+
+
+def train(args, device, dtype, data, data_note, seqs, meta):
+    rows = args.rows.split(",") if args.rows else list(DEFAULT_TRAIN_ROWS)
+    parsed = [(n, *parse_train_row(n)) for n in rows]  # every name checked before anything runs
+    packed_b, padded_b = make_batches(seqs, args.steps, max_length=args.seq_len, batch_size=args.batch_size,
+                                      seed=args.seed)
+    if device.type == "cuda":
+        packed_b = [{k: v.pin_memory() if torch.is_tensor(v) else v for k, v in b.items()} for b in packed_b]
+        padded_b = [{k: v.pin_memory() if torch.is_tensor(v) else v for k, v in b.items()} for b in padded_b]
+    cfg = seqfuse_config(args.size)
+    extra = {"part": "train", "size": args.size, "seq_len": args.seq_len, "batch_size": args.batch_size,
+             "tokens_per_step": args.seq_len * args.batch_size, "timed_steps": args.steps,
+             "warm_passes": args.warm_passes, "dtype": str(dtype), "data": os.path.relpath(os.path.abspath(data), ROOT),
+             "data_note": data_note,
+             "layouts": "every sequence exactly seq_len tokens: padded [B, L] (no mask) and packed THD "
+                        "(cu_seqlens) hold the same tokens; padded == packed in samples and loss",
+             "timing": (f"steady state: {args.warm_passes} untimed pass(es) over the very batches then timed, then "
+                        "one timed pass, GPU synchronized before and after it only"),
+             "optimizers": "transformers: torch.optim.AdamW(fused=True) on bf16 parameters; seqfuse: FusedAdamW "
+                           "with fp32 master weights (its optimizer memory counted)",
+             "flops": "common.train_flops: 3 x forward GEMM FLOPs + causal attention (lower triangle)",
+             "mfu_ceilings_tflops": {"measured_bf16": H200_BF16_MEASURED_TFLOPS,
+                                     "datasheet_bf16": H200_BF16_DATASHEET_TFLOPS},
+             "compile": {"scope": args.compile_scope}, "run": meta}
+    results = []
+    path = os.path.join(args.results_dir, f"{args.out}.json")
+
+    def save_partial():
+        os.makedirs(args.results_dir, exist_ok=True)
+        with open(path + ".tmp", "w") as fh:
+            json.dump({"name": args.out, "complete": False, "rows": add_train_ratios([dict(r) for r in results]),
+                       **extra}, fh, indent=1, default=str)
+        os.replace(path + ".tmp", path)
+
+    for name, impl, recipe, layout in parsed:
+        base = dict(row=name, impl=impl, recipe=recipe, layout=layout)
+        if impl == "hfcompile" and device.type != "cuda":
+            why = "torch.compile row: needs a CUDA GPU here (the CPU smoke run skips it)"
+            log(f"{name}: SKIPPED: {why}")
+            results.append({**base, "skipped": why})
+            continue
+        try:
+            r = run_train_row(name, packed_b, padded_b, args, device, dtype)
+        except Exception as e:  # noqa: BLE001 - one failing row must not lose the others; the reason is kept
+            traceback.print_exc()
+            log(f"{name}: FAILED: {type(e).__name__}: {e}")
+            results.append({**base, "error": f"{type(e).__name__}: {str(e)[:500]}"})
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            save_partial()
+            continue
+        f = train_figures(r, packed_b, cfg)
+        if r["notes"]:
+            f["note"] = "; ".join(str(v) for v in r["notes"].values())
+        results.append({**base, **f})
+        log(f"{name}: {f['unpadded_tokens_per_s'] / 1e3:.1f}k tok/s, step {f['step_ms']:.1f} ms (host issue "
+            f"{f['host_issue_ms']:.1f} ms), MFU {f['mfu_measured_pct']:.1f} % of 794, peak {f['peak_mem_gib']:.1f} GiB, "
+            f"warm-up {f['warm_s']:.1f} s, first loss {f['first_loss']:.4f}")
+        save_partial()
+    add_train_ratios(results)
+    check = loss_check(results, fp32=dtype == torch.float32)
+    if not check["pass"]:
+        log(f"LOSS MISMATCH: a row's first-step loss is off transformers': {check}")
+    goals = train_goals(results)
+    for g in goals:
+        log(f"goal {g['goal']}: {g['value']:.3g} (need {g['need']}) -> {'PASS' if g['pass'] else 'FAIL'}")
+    cols = ["row", "steps", "unpadded_tokens_per_s", "vs_hf", "vs_best_hf", "mfu_measured_pct", "mfu_datasheet_pct",
+            "peak_mem_gib", "mem_vs_hf", "step_ms", "host_issue_ms", "warm_s", "first_loss", "note", "error",
+            "skipped"]
+    table = Table(args.out, cols)
+    for r in results:
+        table.add(**r)
+    _save(table, args, {**extra, "complete": True, "goals": goals, "loss_check": check})
+    ok = [r for r in results if "unpadded_tokens_per_s" in r]
+    if ok and device.type == "cuda":
+        png = os.path.join(args.results_dir, f"{args.out}.png")
+        plot_bars(png, f"Llama 3 {args.size} on DNA, {args.seq_len} tokens/sequence, one GPU: tokens/s",
+                  [r["row"] for r in ok], {"tokens/s (thousands)": [r["unpadded_tokens_per_s"] / 1e3 for r in ok]},
+                  "thousand tokens/s")
+        log(f"plot {png}")
+    return results, check
+
+
+def _save(table, args, extra):
+    """Table.save into --results-dir (harness.RESULTS by default)."""
+    import harness
+
+    old = harness.RESULTS
+    harness.RESULTS = args.results_dir
+    try:
+        return table.save(extra=extra)
+    finally:
+        harness.RESULTS = old
+
+
+# ---------------------------------------------------------------- decoding
+def prompts_of(seqs, batch, prompt_len):
+    """[batch, prompt_len] prompt ids: <bos> and the first bases of distinct windows (cycling)."""
+    from common import tokenizer
+
+    tok = tokenizer()
+    rows = []
+    for i in range(batch):
+        s = seqs[i % len(seqs)][: prompt_len - 1]
+        if len(s) != prompt_len - 1:
+            raise ValueError(f"prompts_of: windows shorter than {prompt_len - 1} bases")
+        rows.append(torch.cat([torch.tensor([tok.bos_token_id]), tok.encode(s, add_special_tokens=False)]))
+    return torch.stack(rows).long()
+
+
+def run_decode_row(name, prompts, args, device, dtype):
+    """(tokens [b, new], median seconds of generate, notes) for one decode row."""
+    from seqfuse.hf import InferenceParams
+
+    b, plen = prompts.shape
+    new = args.new_tokens
+    ids = prompts.to(device)
+    notes = {}
+    if name in HF_DECODE:
+        model = build_hf(args.size, device, dtype, seed=args.seed).eval()
+        model.generation_config.eos_token_id = None
+        model.generation_config.pad_token_id = model.config.pad_token_id
+        kw = dict(max_new_tokens=new, do_sample=False, cache_implementation="static",
+                  attention_mask=torch.ones_like(ids), disable_compile=name == "hf_static")
+        if name == "hf_static_compiled":
+            notes["compile"] = ("transformers' automatic compilation of the static-cache decode step"
+                                + ("" if device.type == "cuda" else " (not on CPU: transformers compiles on GPUs only)"))
+
+        def gen():
+            return model.generate(ids, **kw)[:, plen:]
+    else:
+        import contextlib
+
+        model = build_seqfuse(args.size, device, dtype, seed=args.seed).eval()
+        cfg = model.config
+        cache = InferenceParams(b, plen + new, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=device)
+        fp8 = name == "seqfuse_fp8_delayed"
+        if fp8:
+            from seqfuse.common.recipe import DelayedScaling
+            from seqfuse.pytorch import fp8_autocast
+
+        def gen():
+            ctx = fp8_autocast(enabled=True, fp8_recipe=DelayedScaling()) if fp8 else contextlib.nullcontext()
+            with ctx:
+                return model.generate(ids, max_new_tokens=new, eos_token_id=[], inference_params=cache)
+    with torch.no_grad():
+        t_warm = time.perf_counter()
+        gen()
+        _sync(device)
+        notes["warm_s"] = round(time.perf_counter() - t_warm, 2)
+        times = []
+        for _ in range(args.decode_repeats):
+            t0 = time.perf_counter()
+            out = gen()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+    out = out.detach().cpu()
+    del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out, statistics.median(times), notes
+
+
+def first_divergence(a, b):
+    """Per row, the first position where two token arrays differ (None: identical)."""
+    out = []
+    for x, y in zip(a, b):
+        d = (x != y).nonzero()
+        out.append(int(d[0]) if d.numel() else None)
+    return out
+
+
+def decode(args, device, dtype, seqs, data_note, meta):
+    rows = args.decode_rows.split(",") if args.decode_rows else list(DEFAULT_DECODE_ROWS)
+    for n in rows:
+        if n not in DECODE_ROWS:
+            raise ValueError(f"decode row {n!r}: expected one of {', '.join(DECODE_ROWS)}")
+    batches = [int(x) for x in args.decode_batches.split(",")]
+    prompt_seqs = [s for s in seqs if len(s) >= args.prompt_len - 1]
+    results = []
+    for bsz in batches:
+        prompts = prompts_of(prompt_seqs, bsz, args.prompt_len)
+        tokens = {}
+        for name in rows:
+            base = dict(row=name, batch=bsz, prompt_len=args.prompt_len, new_tokens=args.new_tokens)
+            if name == "hf_static_compiled" and device.type != "cuda":
+                why = "transformers compiles the static-cache decode step on GPUs only (the CPU smoke run skips it)"
+                log(f"decode {name} b={bsz}: SKIPPED: {why}")
+                results.append({**base, "skipped": why})
+                continue
+            try:
+                out, secs, notes = run_decode_row(name, prompts, args, device, dtype)
+            except Exception as e:  # noqa: BLE001 - keep the reason, run the other rows
+                traceback.print_exc()
+                log(f"decode {name} b={bsz}: FAILED: {type(e).__name__}: {e}")
+                results.append({**base, "error": f"{type(e).__name__}: {str(e)[:500]}"})
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                continue
+            tokens[name] = out
+            r = {**base, "seconds": secs, "tokens_per_s": bsz * args.new_tokens / secs,
+                 "ms_per_token_step": 1000 * secs / args.new_tokens, "warm_s": notes.pop("warm_s")}
+            if notes:
+                r["note"] = "; ".join(notes.values())
+            results.append(r)
+            log(f"decode {name} b={bsz}: {r['tokens_per_s']:.0f} tok/s ({r['ms_per_token_step']:.2f} ms per step, "
+                f"prefill included)")
+        ref = tokens.get("hf_static")
+        for r in results:
+            if r["batch"] == bsz and r["row"] in tokens and ref is not None:
+                div = first_divergence(tokens[r["row"]], ref)
+                r["same_tokens_as_hf_static"] = all(d is None for d in div)
+                r["first_divergence"] = [d for d in div]
+    nan = float("nan")
+    for r in results:
+        if "tokens_per_s" not in r:
+            continue
+        mates = [p for p in results if p["batch"] == r["batch"] and "tokens_per_s" in p and p["row"] in HF_DECODE]
+        best = max(mates, key=lambda p: p["tokens_per_s"]) if mates else None
+        r["vs_best_hf"], r["best_hf"] = (r["tokens_per_s"] / best["tokens_per_s"], best["row"]) if best else (nan, "")
+    goals = []
+    for r in results:
+        if r["row"] == "seqfuse_bf16" and r["batch"] == 1 and r.get("vs_best_hf") == r.get("vs_best_hf") \
+                and "vs_best_hf" in r:
+            goals.append({"goal": "decode at batch 1 vs transformers' static-cache generate (best of eager/compiled)",
+                          "row": "seqfuse_bf16", "value": r["vs_best_hf"], "need": ">= 1.5",
+                          "pass": r["vs_best_hf"] >= 1.5})
+    for g in goals:
+        log(f"goal {g['goal']}: {g['value']:.3g} (need {g['need']}) -> {'PASS' if g['pass'] else 'FAIL'}")
+    cols = ["row", "batch", "prompt_len", "new_tokens", "tokens_per_s", "vs_best_hf", "best_hf", "ms_per_token_step",
+            "warm_s", "same_tokens_as_hf_static", "note", "error", "skipped"]
+    table = Table(args.out + "_decode", cols)
+    for r in results:
+        table.add(**r)
+    _save(table, args, {"part": "decode", "size": args.size, "dtype": str(dtype), "data_note": data_note,
+                        "timing": (f"one untimed generate of the same shapes, then the median of "
+                                   f"{args.decode_repeats} timed ones; tokens/s = batch x new tokens / generate "
+                                   "time, prefill of the prompt included"),
+                        "greedy": "do_sample=False, eos ignored (transformers: generation_config.eos_token_id None; seqfuse: eos_token_id=[])",
+                        "goals": goals, "run": meta})
+    ok = [r for r in results if "tokens_per_s" in r]
+    if ok and device.type == "cuda":
+        png = os.path.join(args.results_dir, f"{args.out}_decode.png")
+        plot_bars(png, f"Llama 3 {args.size} generate, {args.prompt_len}-token prompt, {args.new_tokens} new tokens",
+                  [f"{r['row']} b={r['batch']}" for r in ok], {"tokens/s": [r["tokens_per_s"] for r in ok]},
+                  "generated tokens/s")
+        log(f"plot {png}")
+    return results
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", default="1B", help="1B 3B 8B (Llama 3 shapes), or tiny (CPU smoke test)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--parts", default="train,decode", help="train, decode or both")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 8192; tiny: 128)")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per training step")
+    p.add_argument("--steps", type=int, default=3, help="timed training steps (distinct batches)")
+    p.add_argument("--warm-passes", type=int, default=1, help="untimed passes over the timed batches first")
+    p.add_argument("--rows", default=None, help=f"training rows, comma list of {','.join(TRAIN_ROWS)}; "
+                                                f"default {','.join(DEFAULT_TRAIN_ROWS)}")
+    p.add_argument("--compile-scope", default="layers", choices=("layers", "model"))
+    p.add_argument("--decode-rows", default=None, help=f"comma list of {','.join(DECODE_ROWS)}; default "
+                                                       f"{','.join(DEFAULT_DECODE_ROWS)}")
+    p.add_argument("--decode-batches", default="1,32")
+    p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 512; tiny: 32)")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--decode-repeats", type=int, default=2)
+    p.add_argument("--data", default=None, help="a genome-window Parquet file (default: common.BENCH_DATA, else "
+                                                "the committed subset)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="llama3")
+    p.add_argument("--results-dir", default=RESULTS)
+    args = p.parse_args(argv)
+    tiny = args.size == "tiny"
+    args.seq_len = args.seq_len or (128 if tiny else 8192)
+    args.prompt_len = args.prompt_len or (32 if tiny else 512)
+    if args.steps < 1 or args.warm_passes < 0 or args.batch_size < 1 or args.seq_len % 16:
+        p.error("--steps >= 1, --warm-passes >= 0, --batch-size >= 1, --seq-len a multiple of 16")
+    parts = set(args.parts.split(","))
+    if not parts <= {"train", "decode"}:
+        p.error("--parts: train and/or decode")
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the CUDA attention takes fp16/bf16
+    data, data_note = data_path(args.data)
+    seqs = fixed_length_sequences(load_windows(data), args.seq_len - 2)
+    log(f"data {data}: {len(seqs)} sequences of {args.seq_len - 2} bases ({data_note})")
+    meta = run_metadata(__file__, argv=None if argv is None else [__file__] + list(argv))
+    out = {}
+    if "train" in parts:
+        out["train"], out["loss_check"] = train(args, device, dtype, data, data_note, seqs, meta)
+    if "decode" in parts:
+        out["decode"] = decode(args, device, dtype, seqs, data_note, meta)
+    if "loss_check" in out and not out["loss_check"]["pass"]:
+        raise SystemExit(2)
+    return out
+
+
+if __name__ == "__main__":
+    main()
