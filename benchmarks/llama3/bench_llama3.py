@@ -89,8 +89,9 @@ from peers.meta import run_metadata  # noqa: E402
 TRAIN_ROWS = ("hf_bf16", "hf_bf16_compiled", "seqfuse_bf16_padded", "seqfuse_bf16_packed",
               "seqfuse_fp8_delayed_padded", "seqfuse_fp8_delayed_packed", "seqfuse_fp8_block_padded",
               "seqfuse_fp8_block_packed")
-DEFAULT_TRAIN_ROWS = ("hf_bf16", "hf_bf16_compiled", "seqfuse_bf16_padded", "seqfuse_bf16_packed",
-                      "seqfuse_fp8_delayed_packed", "seqfuse_fp8_block_packed")
+#: the compiled row last: its compile takes longest, and a run cut short keeps the others
+DEFAULT_TRAIN_ROWS = ("hf_bf16", "seqfuse_bf16_padded", "seqfuse_bf16_packed", "seqfuse_fp8_delayed_packed",
+                      "seqfuse_fp8_block_packed", "hf_bf16_compiled")
 DECODE_ROWS = ("hf_static", "hf_static_compiled", "seqfuse_bf16", "seqfuse_fp8_delayed")
 DEFAULT_DECODE_ROWS = ("hf_static", "hf_static_compiled", "seqfuse_bf16")
 HF_TRAIN = ("hf_bf16", "hf_bf16_compiled")
@@ -455,40 +456,48 @@ def decode(args, device, dtype, seqs, data_note, meta):
     batches = [int(x) for x in args.decode_batches.split(",")]
     prompt_seqs = [s for s in seqs if len(s) >= args.prompt_len - 1]
     results = []
-    for bsz in batches:
-        prompts = prompts_of(prompt_seqs, bsz, args.prompt_len)
-        tokens = {}
-        for name in rows:
-            base = dict(row=name, batch=bsz, prompt_len=args.prompt_len, new_tokens=args.new_tokens)
-            if name == "hf_static_compiled" and device.type != "cuda":
-                why = "transformers compiles the static-cache decode step on GPUs only (the CPU smoke run skips it)"
-                log(f"decode {name} b={bsz}: SKIPPED: {why}")
-                results.append({**base, "skipped": why})
-                continue
-            try:
-                out, secs, notes = run_decode_row(name, prompts, args, device, dtype)
-            except Exception as e:  # noqa: BLE001 - keep the reason, run the other rows
-                traceback.print_exc()
-                log(f"decode {name} b={bsz}: FAILED: {type(e).__name__}: {e}")
-                results.append({**base, "error": f"{type(e).__name__}: {str(e)[:500]}"})
-                gc.collect()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-                continue
-            tokens[name] = out
-            r = {**base, "seconds": secs, "tokens_per_s": bsz * args.new_tokens / secs,
-                 "ms_per_token_step": 1000 * secs / args.new_tokens, "warm_s": notes.pop("warm_s")}
-            if notes:
-                r["note"] = "; ".join(notes.values())
-            results.append(r)
-            log(f"decode {name} b={bsz}: {r['tokens_per_s']:.0f} tok/s ({r['ms_per_token_step']:.2f} ms per step, "
-                f"prefill included)")
-        ref = tokens.get("hf_static")
-        for r in results:
-            if r["batch"] == bsz and r["row"] in tokens and ref is not None:
-                div = first_divergence(tokens[r["row"]], ref)
-                r["same_tokens_as_hf_static"] = all(d is None for d in div)
-                r["first_divergence"] = [d for d in div]
+    tokens = {}
+    path = os.path.join(args.results_dir, f"{args.out}_decode.json")
+    prompts = {bsz: prompts_of(prompt_seqs, bsz, args.prompt_len) for bsz in batches}
+    # compiled rows last (their compile time is the longest): a run cut short keeps the others
+    order = [(n, b) for n in rows if n != "hf_static_compiled" for b in batches] + \
+            [(n, b) for n in rows if n == "hf_static_compiled" for b in batches]
+    for name, bsz in order:
+        base = dict(row=name, batch=bsz, prompt_len=args.prompt_len, new_tokens=args.new_tokens)
+        if name == "hf_static_compiled" and device.type != "cuda":
+            why = "transformers compiles the static-cache decode step on GPUs only (the CPU smoke run skips it)"
+            log(f"decode {name} b={bsz}: SKIPPED: {why}")
+            results.append({**base, "skipped": why})
+            continue
+        try:
+            out, secs, notes = run_decode_row(name, prompts[bsz], args, device, dtype)
+        except Exception as e:  # noqa: BLE001 - keep the reason, run the other rows
+            traceback.print_exc()
+            log(f"decode {name} b={bsz}: FAILED: {type(e).__name__}: {e}")
+            results.append({**base, "error": f"{type(e).__name__}: {str(e)[:500]}"})
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
+        tokens[(name, bsz)] = out
+        r = {**base, "seconds": secs, "tokens_per_s": bsz * args.new_tokens / secs,
+             "ms_per_token_step": 1000 * secs / args.new_tokens, "warm_s": notes.pop("warm_s")}
+        if notes:
+            r["note"] = "; ".join(notes.values())
+        ref = tokens.get(("hf_static", bsz))
+        if ref is not None:
+            div = first_divergence(out, ref)
+            r["same_tokens_as_hf_static"] = all(d is None for d in div)
+            r["first_divergence"] = div
+        results.append(r)
+        log(f"decode {name} b={bsz}: {r['tokens_per_s']:.0f} tok/s ({r['ms_per_token_step']:.2f} ms per step, "
+            f"prefill included)" + ("" if ref is None else f", same tokens as hf_static: "
+                                                           f"{r['same_tokens_as_hf_static']}"))
+        os.makedirs(args.results_dir, exist_ok=True)
+        with open(path + ".tmp", "w") as fh:
+            json.dump({"name": args.out + "_decode", "complete": False, "rows": results, "run": meta}, fh, indent=1,
+                      default=str)
+        os.replace(path + ".tmp", path)
     nan = float("nan")
     for r in results:
         if "tokens_per_s" not in r:
