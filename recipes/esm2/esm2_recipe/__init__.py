@@ -1,8 +1,16 @@
-"""Shared code of the ESM-2 training recipe (recipes/esm2/train_*.py):
-config composition (Hydra's compose API) and schema checks (config.py), the training loop
-(trainer.py), checkpoints and Hugging Face export (checkpoint.py), FLOPs,
-MFU and logging (metrics.py)."""
-from .config import Cfg, load_config, main_entry
-from .trainer import train
+"""The ESM-2 training recipe (recipes/esm2/train_*.py): its config schema
+(config.py), what is specific to ESM-2 in the training loop (trainer.py),
+its Hugging Face export (export.py) and FLOPs (metrics.py).  The loop,
+checkpoints, FSDP2 wrapping, metric logging and config machinery are shared
+with the other recipes (recipes/recipe_common, put on sys.path here)."""
+import os
+import sys
+
+_RECIPES = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if _RECIPES not in sys.path:
+    sys.path.insert(0, _RECIPES)
+
+from .config import Cfg, load_config, main_entry  # noqa: E402
+from .trainer import train  # noqa: E402
 
 __all__ = ["Cfg", "load_config", "main_entry", "train"]

@@ -1,216 +1,33 @@
-"""Recipe configuration: the YAML files of hydra_config/, composed by Hydra's
-compose API and checked against a dataclass schema before anything heavy
-starts.
+"""The ESM-2 recipe's configuration: its schema (the groups and keys of
+hydra_config/base.yaml, one dataclass per group, each field with its rule)
+and its rules between keys.  The machinery (Hydra composition, checking,
+the ConfigError that lists every bad key, path checks, the command line) is
+shared with the other recipes: recipes/recipe_common/config.py.
 
     cfg = load_config("L0_sanity", ["train.steps=100", "precision.recipe=fp8_delayed"])
 
-Composition and overrides are Hydra's own (``defaults: [base, _self_]``,
-``group.key=value``, ``+group.key=value`` to add, ``~group.key`` to
-delete; the override grammar of hydra.cc), so the files and the command line
-behave as BioNeMo's users know them.  hydra-core is a declared dependency of
-the recipes (recipes/esm2/requirements.txt); there is no second reader.
-
-The composed config is then checked against the schema below (one
-dataclass per group, hydra structured-config style; each field carries its
-rule).  Every bad key is reported, all together, in one ``ConfigError``
-(a ValueError), one line per key naming the key, the value and the rule:
+Every bad key is reported, all together, in one ``ConfigError`` (a
+ValueError), one line per key naming the key, the value and the rule:
 
     config L0_sanity: 2 bad keys
       train.steps=-5: must be an integer >= 1
       device='tpu': must be one of 'auto', 'cpu', 'cuda'
-
-Unknown keys (a typo, or a ``+key`` the recipe does not read) are errors
-too: a key nothing reads would be a silent wrong answer.  The trainer gets a
-plain nested dict (``Cfg``) with the values normalised to the schema's types
-(an integer where a float is expected becomes a float).
 """
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+from recipe_common.config import (Bool, Cfg, CheckpointConfig, Choice, ConfigError, ConfigSpec,  # noqa: F401
+                                  DistributedConfig, Float, Int, IntList, LoggingConfig, ProfilerConfig, Str,
+                                  TrainConfig, check_paths, rule)
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hydra_config")
 
 ESM2_SIZES = ("8M", "35M", "150M", "650M", "3B", "15B")  # seqfuse.hf.esm_config.ESM2_SHAPES
 MLP_ACTIVATIONS = ("gelu", "gelu_erf", "relu", "silu", "swiglu", "geglu", "reglu", "geglu_erf")
 RECIPES = ("bf16", "fp32", "fp8_delayed", "fp8_current", "fp8_block")
-
-
-class ConfigError(ValueError):
-    """A config that cannot run: one line per bad key (``.problems``)."""
-
-    def __init__(self, name, problems):
-        self.problems = list(problems)
-        n = len(self.problems)
-        super().__init__(f"config {name}: {n} bad key{'s' if n != 1 else ''}\n  " + "\n  ".join(self.problems))
-
-
-class Cfg(dict):
-    """A dict whose keys read as attributes (cfg.train.lr), recursively."""
-
-    def __getattr__(self, name):
-        try:
-            return self[name]
-        except KeyError:
-            raise AttributeError(f"config has no key {name!r} (keys: {sorted(self)})") from None
-
-    def __setattr__(self, name, value):
-        self[name] = value
-
-    @staticmethod
-    def wrap(d):
-        if isinstance(d, dict):
-            return Cfg({k: Cfg.wrap(v) for k, v in d.items()})
-        if isinstance(d, list):
-            return [Cfg.wrap(v) for v in d]
-        return d
-
-    def to_dict(self):
-        def unwrap(v):
-            if isinstance(v, dict):
-                return {k: unwrap(x) for k, x in v.items()}
-            if isinstance(v, list):
-                return [unwrap(x) for x in v]
-            return v
-        return unwrap(self)
-
-
-# ---------------------------------------------------------------- rules
-class _Bad(Exception):
-    pass
-
-
-def _is_int(v):
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v):
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-class Rule:
-    """A field's rule: ``check(value)`` returns the normalised value or
-    raises _Bad; ``text`` is what the error line says."""
-
-    text = ""
-    optional = False
-    null_means = ""
-
-    def __call__(self, v):
-        if v is None:
-            if self.optional:
-                return None
-            raise _Bad(self.describe())
-        return self.check(v)
-
-    def describe(self):
-        return self.text + (f", or null ({self.null_means})" if self.optional and self.null_means
-                            else ", or null" if self.optional else "")
-
-    def check(self, v):
-        raise NotImplementedError
-
-
-class Int(Rule):
-    def __init__(self, lo=None, hi=None, optional=False, null_means="", also=()):
-        self.lo, self.hi, self.optional, self.null_means, self.also = lo, hi, optional, null_means, tuple(also)
-        bounds = (f" >= {lo}" if hi is None else f" in [{lo}, {hi}]") if lo is not None else \
-                 (f" <= {hi}" if hi is not None else "")
-        self.text = "must be an integer" + bounds + "".join(f", or {a!r}" for a in self.also)
-
-    def check(self, v):
-        if v in self.also and isinstance(v, str):
-            return v
-        if not _is_int(v):
-            raise _Bad(self.describe())
-        if (self.lo is not None and v < self.lo) or (self.hi is not None and v > self.hi):
-            raise _Bad(self.describe())
-        return int(v)
-
-
-class Float(Rule):
-    def __init__(self, lo=None, hi=None, lo_open=False, hi_open=False, optional=False, null_means=""):
-        self.lo, self.hi, self.lo_open, self.hi_open = lo, hi, lo_open, hi_open
-        self.optional, self.null_means = optional, null_means
-        parts = []
-        if lo is not None:
-            parts.append(f"{'>' if lo_open else '>='} {lo:g}")
-        if hi is not None:
-            parts.append(f"{'<' if hi_open else '<='} {hi:g}")
-        self.text = "must be a finite number" + (" " + " and ".join(parts) if parts else "")
-
-    def check(self, v):
-        if not _is_num(v) or not math.isfinite(v):
-            raise _Bad(self.describe())
-        if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
-            raise _Bad(self.describe())
-        if self.hi is not None and (v >= self.hi if self.hi_open else v > self.hi):
-            raise _Bad(self.describe())
-        return float(v)
-
-
-class Bool(Rule):
-    text = "must be true or false"
-
-    def check(self, v):
-        if not isinstance(v, bool):
-            raise _Bad(self.describe())
-        return v
-
-
-class Choice(Rule):
-    def __init__(self, *values, optional=False, null_means=""):
-        self.values, self.optional, self.null_means = values, optional, null_means
-        self.text = "must be one of " + ", ".join(repr(x) for x in values)
-
-    def check(self, v):
-        if not isinstance(v, str) or v not in self.values:
-            raise _Bad(self.describe())
-        return v
-
-
-class Str(Rule):
-    def __init__(self, optional=False, null_means="", what="a non-empty string"):
-        self.optional, self.null_means = optional, null_means
-        self.text = f"must be {what}"
-
-    def check(self, v):
-        if not isinstance(v, str) or not v:
-            raise _Bad(self.describe())
-        return v
-
-
-class IntList(Rule):
-    text = "must be a list of integers (or one integer)"
-
-    def check(self, v):
-        if _is_int(v):
-            return [int(v)]
-        if not isinstance(v, (list, tuple)) or not all(_is_int(x) for x in v):
-            raise _Bad(self.describe())
-        return [int(x) for x in v]
-
-
-class Betas(Rule):
-    text = "must be a list of two numbers, each >= 0 and < 1"
-
-    def check(self, v):
-        if (not isinstance(v, (list, tuple)) or len(v) != 2
-                or not all(_is_num(x) and math.isfinite(x) and 0 <= x < 1 for x in v)):
-            raise _Bad(self.describe())
-        return [float(x) for x in v]
-
-
-def rule(default, r: Rule, doc=""):
-    """A schema field: its default (as base.yaml) and its rule."""
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"rule": r, "doc": doc})
-    return field(default=default, metadata={"rule": r, "doc": doc})
 
 
 # ---------------------------------------------------------------- schema
@@ -239,25 +56,6 @@ class DataConfig:
 
 
 @dataclass
-class TrainConfig:
-    steps: int = rule(1000, Int(1))
-    stop_at: Optional[int] = rule(None, Int(1, optional=True, null_means="train.steps"))
-    grad_accum: int = rule(1, Int(1))
-    activation_checkpointing: bool = rule(False, Bool())
-    lr: float = rule(4.0e-4, Float(0.0, lo_open=True))
-    warmup_steps: int = rule(100, Int(0))
-    decay: str = rule("cosine", Choice("cosine", "linear", "constant"))
-    min_lr_ratio: float = rule(0.1, Float(0.0, 1.0))
-    weight_decay: float = rule(0.01, Float(0.0))
-    betas: list = rule([0.9, 0.98], Betas())
-    eps: float = rule(1.0e-8, Float(0.0, lo_open=True))
-    clip_grad_norm: Optional[float] = rule(1.0, Float(0.0, lo_open=True, optional=True, null_means="no clipping"))
-    seed: int = rule(42, Int(0))
-    eval_interval: int = rule(100, Int(0))
-    log_interval: int = rule(10, Int(1))
-
-
-@dataclass
 class PrecisionConfig:
     recipe: str = rule("bf16", Choice(*RECIPES))
     param_dtype: str = rule("auto", Choice("auto", "bf16", "fp32"))
@@ -267,34 +65,6 @@ class PrecisionConfig:
     fp8_format: str = rule("hybrid", Choice("hybrid", "e4m3"))
     amax_history_len: int = rule(1024, Int(1))
     amax_compute_algo: str = rule("max", Choice("max", "most_recent"))
-
-
-@dataclass
-class CheckpointConfig:
-    dir: Optional[str] = rule(None, Str(optional=True, null_means="no checkpoints", what="a directory path"))
-    interval: int = rule(0, Int(0))
-    keep_last: int = rule(2, Int(1))
-    resume: bool = rule(True, Bool())
-    resume_from: Optional[str] = rule(None, Str(optional=True, null_means="the newest good one in dir",
-                                                what="a checkpoint directory path"))
-    export_dir: Optional[str] = rule(None, Str(optional=True, null_means="no export", what="a directory path"))
-
-
-@dataclass
-class LoggingConfig:
-    tensorboard_dir: Optional[str] = rule(None, Str(optional=True, null_means="no TensorBoard",
-                                                    what="a directory path"))
-    progress_bar: bool = rule(True, Bool())
-    metrics_jsonl: Optional[str] = rule(None, Str(optional=True, null_means="none", what="a file path"))
-
-
-@dataclass
-class DistributedConfig:
-    backend: str = rule("auto", Choice("auto", "nccl", "gloo"))
-    reshard_after_forward: bool = rule(False, Bool())
-    reduce_dtype: str = rule("bfloat16", Choice("bfloat16", "float32"))
-    prefetch: int = rule(0, Int(0))
-    layers_per_unit: int = rule(11, Int(1))
 
 
 @dataclass
@@ -309,55 +79,18 @@ class RecipeConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
 
 
-def _show(v):
-    return repr(v.to_dict() if isinstance(v, Cfg) else v)
-
-
-def _check_section(schema, d, prefix, problems):
-    out = {}
-    names = {f.name: f for f in dataclasses.fields(schema)}
-    for key in d:
-        if key not in names:
-            where = f"the {prefix[:-1]} group" if prefix else "the top level"
-            near = difflib.get_close_matches(str(key), list(names), n=1)
-            hint = f" (did you mean {prefix}{near[0]}?)" if near else f" (keys: {', '.join(names)})"
-            problems.append(f"{prefix}{key}={_show(d[key])}: not a key of {where}{hint}")
-    for name, f in names.items():
-        key = prefix + name
-        sub_schema = f.default_factory
-        if sub_schema is not dataclasses.MISSING and dataclasses.is_dataclass(sub_schema):
-            sub = d.get(name, {})
-            if not isinstance(sub, dict):
-                problems.append(f"{key}={_show(sub)}: must be a group of keys ({', '.join(x.name for x in dataclasses.fields(sub_schema))})")
-                continue
-            out[name] = _check_section(sub_schema, sub, key + ".", problems)
-            continue
-        if name not in d:  # not in the YAML: the schema's default
-            out[name] = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            continue
-        try:
-            out[name] = f.metadata["rule"](d[name])
-        except _Bad as e:
-            problems.append(f"{key}={_show(d[name])}: {e}")
-    return out
-
-
-def _cross_checks(c, bad, problems):
-    """Rules between keys, checked where the keys themselves are good."""
-    def ok(*keys):
-        return not any(k in bad for k in keys)
-
-    m, t, d = c["model"], c["train"], c["data"]
+def _cross_checks(c, ok, problems):
+    """Rules between keys, checked where the keys themselves are good
+    (train.stop_at against train.steps is a shared rule)."""
+    m, d = c["model"], c["data"]
     if not m["size"] and ok("model.hidden_size", "model.num_attention_heads"):
         h, a = m["hidden_size"], m["num_attention_heads"]
         if h % a or (h // a) % 2:
             problems.append(f"model.num_attention_heads={a}: must divide model.hidden_size={h} into an even "
                             f"head dim (rotary embeddings)")
-    if t["stop_at"] is not None and ok("train.stop_at", "train.steps") and t["stop_at"] > t["steps"]:
-        problems.append(f"train.stop_at={t['stop_at']}: must be <= train.steps={t['steps']} "
-                        f"(or null: run to train.steps)")
     pad = d["pad_to_multiple_of"]
     fp8 = c["precision"]["recipe"].startswith("fp8") if ok("precision.recipe") else False
     if ok("data.pad_to_multiple_of") and fp8 and pad != "auto" and (pad is None or pad % 16):
@@ -371,190 +104,36 @@ def _cross_checks(c, bad, problems):
                             f"{d['max_length']} (padded: {need}): one cropped protein must fit a micro-batch")
 
 
-def _unknown_key(dotted):
-    """Why ``dotted`` (group.key) is not a key of the schema; None if it is."""
-    schema, prefix = RecipeConfig, ""
-    parts = dotted.split(".")
-    for i, part in enumerate(parts):
-        names = {f.name: f for f in dataclasses.fields(schema)}
-        if part not in names:
-            where = f"the {prefix[:-1]} group" if prefix else "the top level"
-            near = difflib.get_close_matches(part, list(names), n=1)
-            return f"not a key of {where}" + (f" (did you mean {prefix}{near[0]}?)" if near else
-                                              f" (keys: {', '.join(names)})")
-        f = names[part]
-        sub = f.default_factory
-        if sub is not dataclasses.MISSING and dataclasses.is_dataclass(sub):
-            schema, prefix = sub, prefix + part + "."
-        elif i < len(parts) - 1:
-            return f"{prefix}{part} is a key, not a group"
-    return None
+SPEC = ConfigSpec(RecipeConfig, CONFIG_DIR, cross_checks=_cross_checks, title="the ESM-2 recipe",
+                  requirements="recipes/esm2/requirements.txt", logger="esm2")
 
 
 def validate_config(cfg, name=None) -> Cfg:
-    """Check a composed config (dict or Cfg) against the schema; return it
-    as a Cfg with normalised values, or raise ConfigError listing every bad
-    key.  Idempotent: the trainer calls it again on what it is given."""
-    d = cfg.to_dict() if isinstance(cfg, Cfg) else dict(cfg)
-    name = name or d.get("config_name") or "?"
-    d.pop("config_name", None)
-    d.pop("hydra", None)
-    problems = []
-    out = _check_section(RecipeConfig, d, "", problems)
-    bad = {p.split("=", 1)[0] for p in problems}
-    if all(isinstance(out.get(g), dict) for g in ("model", "data", "train", "precision")):
-        _cross_checks(out, bad, problems)
-    if problems:
-        raise ConfigError(name, problems)
-    out["config_name"] = name
-    return Cfg.wrap(out)
+    """Check a composed config against the schema (ConfigError naming every bad key)."""
+    return SPEC.validate(cfg, name)
 
 
 def schema_defaults() -> dict:
     """The schema's defaults as a nested dict (base.yaml must agree)."""
-    return dataclasses.asdict(RecipeConfig())
-
-
-# ---------------------------------------------------------------- paths
-def _unwritable(path):
-    """Why directory ``path`` cannot be written (None when it can): the
-    directory, or the nearest existing one it would be created in, must
-    take a new file.  Nothing is created."""
-    p = os.path.abspath(path)
-    if os.path.exists(p) and not os.path.isdir(p):
-        return "exists and is not a directory"
-    probe = p
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    if not os.path.isdir(probe):
-        return f"cannot be created: {probe} is a file"
-    try:
-        fd, tmp = tempfile.mkstemp(dir=probe, prefix=".seqfuse_write_test_")
-        os.close(fd)
-        os.remove(tmp)
-    except OSError as e:
-        return f"is not writable ({e.strerror}: {probe})"
-    return None
-
-
-def check_paths(cfg, name=None):
-    """Before anything heavy: the output directories (checkpoint.dir,
-    checkpoint.export_dir, logging.tensorboard_dir, the metrics_jsonl's
-    folder) must be writable and checkpoint.resume_from must exist.  All
-    problems in one ConfigError."""
-    problems = []
-    outs = [("checkpoint.dir", cfg.checkpoint.dir), ("checkpoint.export_dir", cfg.checkpoint.export_dir),
-            ("logging.tensorboard_dir", cfg.logging.tensorboard_dir)]
-    jl = cfg.logging.metrics_jsonl
-    if jl:
-        if os.path.isdir(jl):
-            problems.append(f"logging.metrics_jsonl={jl!r}: is a directory, must be a file path")
-        else:
-            outs.append(("logging.metrics_jsonl", os.path.dirname(os.path.abspath(jl))))
-    for key, path in outs:
-        if path:
-            why = _unwritable(path)
-            if why:
-                problems.append(f"{key}={path!r}: {why}")
-    rf = cfg.checkpoint.get("resume_from")
-    if rf and not os.path.isdir(rf):
-        problems.append(f"checkpoint.resume_from={rf!r}: is not a checkpoint directory")
-    if problems:
-        raise ConfigError(name or cfg.get("config_name", "?"), problems)
-
-
-# ---------------------------------------------------------------- loading
-def _hydra():
-    try:
-        import hydra  # noqa: F401
-        from hydra import compose, initialize_config_dir
-        from hydra.errors import HydraException, MissingConfigException
-        from omegaconf import OmegaConf
-    except ImportError as e:
-        raise ImportError(f"the ESM-2 recipe reads its configs with Hydra: pip install -r "
-                          f"recipes/esm2/requirements.txt (hydra-core, pure Python) ({e})") from None
-    return compose, initialize_config_dir, HydraException, MissingConfigException, OmegaConf
+    return SPEC.defaults()
 
 
 def compose_config(name: str = "L0_sanity", overrides=(), config_dir: str = CONFIG_DIR) -> dict:
-    """Hydra's composition of config ``name`` with ``overrides``: a plain
-    nested dict, not yet checked."""
-    compose, initialize_config_dir, HydraException, MissingConfigException, OmegaConf = _hydra()
-    overrides = [str(o) for o in overrides]
-    problems = []
-    for o in overrides:
-        if "=" not in o and not o.startswith("~"):
-            problems.append(f"override {o!r}: must be key=value (e.g. train.steps=100)")
-        elif o[0] not in "+~":  # overriding: the key must exist (adding one is checked after composition)
-            key, value = o.split("=", 1)
-            why = _unknown_key(key)
-            if why:
-                problems.append(f"{key}={value}: {why}")
-    if problems:
-        raise ConfigError(name, problems)
-    try:
-        with initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base="1.3"):
-            c = compose(config_name=name, overrides=overrides)
-    except MissingConfigException:
-        have = sorted(f[:-5] for f in os.listdir(config_dir) if f.endswith(".yaml"))
-        raise FileNotFoundError(f"config {name!r} not found in {config_dir} (have: {have})") from None
-    except HydraException as e:
-        msg = " ".join(str(e).split("\n")[:2])
-        raise ConfigError(name, [f"override: {msg}"]) from None
-    d = OmegaConf.to_container(c, resolve=True)
-    d.pop("hydra", None)
-    return d
+    """Hydra's composition of config ``name`` with ``overrides``, not yet checked."""
+    return SPEC.compose(name, overrides, config_dir)
 
 
 def load_config(name: str = "L0_sanity", overrides=(), config_dir: str = CONFIG_DIR) -> Cfg:
     """Compose config ``name`` from hydra_config/ with ``overrides`` (Hydra)
     and check it against the schema (ConfigError naming every bad key)."""
-    return validate_config(compose_config(name, overrides, config_dir), name)
+    return SPEC.load(name, overrides, config_dir)
 
 
 def parse_args(argv):
-    """``[--config NAME | --config-name NAME | -cn NAME] key=value ...`` ->
-    (name, overrides)."""
-    name, rest = "L0_sanity", []
-    i = 0
-    while i < len(argv):
-        a = argv[i]
-        flag = a.split("=", 1)[0]
-        if flag in ("--config", "--config-name", "-cn"):
-            if "=" in a:
-                name = a.split("=", 1)[1]
-                i += 1
-            else:
-                if i + 1 >= len(argv):
-                    raise SystemExit(f"usage: {flag} NAME key=value ...: {flag} needs a config name")
-                name = argv[i + 1]
-                i += 2
-            continue
-        if a.startswith("-"):
-            raise SystemExit(f"usage: [--config NAME] key=value ...: unknown option {a!r} "
-                             f"(configs: {sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith('.yaml'))})")
-        rest.append(a)
-        i += 1
-    return name, rest
+    """``[--config NAME | --config-name NAME | -cn NAME] key=value ...`` -> (name, overrides)."""
+    return SPEC.parse_args(argv)
 
 
 def main_entry(train_fn, strategy: str, argv=None):
-    """Command-line entry of a training script:
-    ``--config NAME key=value ...`` (``--config-name NAME`` works too).
-    A bad config ends the process with the list of bad keys, exit status 2,
-    before anything is built."""
-    import logging
-    import sys
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    name, rest = parse_args(argv)
-    try:
-        cfg = load_config(name, rest)
-        logging.getLogger("esm2").info("config: Hydra composed %s.yaml from %s, overrides %s", name, CONFIG_DIR,
-                                       rest)
-        return train_fn(cfg, strategy)
-    except (ConfigError, FileNotFoundError) as e:  # (the trainer's path checks raise ConfigError too)
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    """Command-line entry of a training script (see ConfigSpec.main_entry)."""
+    return SPEC.main_entry(train_fn, strategy, argv)

@@ -1,108 +1,51 @@
-"""The ESM-2 masked-LM training loop shared by train_fsdp2.py and train_ddp.py.
+"""The ESM-2 masked-LM training: what is specific to ESM-2 in the loop
+shared by the recipes (recipes/recipe_common/trainer.py, where the loop, the
+strategies "fsdp2" / "ddp", logging, validation, checkpoints and the
+profiler capture range are described).
 
-``train(cfg, strategy)`` runs one process of a job: one process alone, or
-one of many under torchrun (the process group is initialised from torchrun's
-environment).  ``strategy`` picks the data-parallel wrapping:
-  * "fsdp2": torch.distributed.fsdp.fully_shard on every TransformerLayer,
-    then on the whole model (embeddings and the tied LM head share the root
-    unit); esm2_recipe.fsdp.shard_model, with distributed.reshard_after_forward,
-    .reduce_dtype, .prefetch and .layers_per_unit.
-  * "ddp": torch DistributedDataParallel (nothing wrapped with one process).
-
-A step: ``grad_accum`` micro-batches (each a token-budget batch of real
-UniProt proteins, packed THD or padded BSHD), forward under seqfuse's
-autocast with the configured FP8 recipe (none for bf16/fp32), loss / accum
-backward (gradient sync only on the last micro-batch), clip, FusedAdamW,
-LR schedule (linear warm-up, then cosine / linear / constant decay).  Logs
-every ``log_interval`` steps; validation every ``eval_interval``;
-checkpoints every ``checkpoint.interval`` and at the end; HF export at the
-end.  Returns a summary dict (losses, throughput, paths) for tests and
-benchmarks.
+This module is the ``spec`` the shared loop reads: model building
+(SeqfuseEsmForMaskedLM of a published ESM-2 shape or the config's fields),
+per-layer precision (the first / last N layers and listed indices run
+without FP8), the UniProt loaders (MLM masking), the forward and loss,
+FLOPs, and the Hugging Face export (EsmForMaskedLM).  ``train(cfg,
+strategy)`` runs one process of a job.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
 import os
-import random
-import time
 
-import numpy as np
 import torch
-import torch.distributed as dist
+
+from recipe_common import trainer as _loop
+from recipe_common.trainer import (all_reduce_sum, build_optimizer, endless, init_distributed,  # noqa: F401
+                                   lr_lambda, no_grad_sync, param_dtype, seed_everything, to_device)
 
 from . import checkpoint as ckpt
-from .metrics import H200_BF16_DATASHEET_TFLOPS, H200_BF16_MEASURED_TFLOPS, MetricLogger, batch_seq_lengths, train_flops
+from .config import check_paths, validate_config  # noqa: F401
+from .metrics import batch_seq_lengths, train_flops
 
 log = logging.getLogger("esm2")
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 RECIPES = ("bf16", "fp32", "fp8_delayed", "fp8_current", "fp8_block")
+KEEP_PG_ENV = "ESM2_KEEP_PG"
+DATA_NOUN = "proteins"
 
 
 # ---------------------------------------------------------------- setup
-def init_distributed(cfg):
-    """(rank, world_size, local_rank, device) from torchrun's environment."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    want_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device=cuda but torch sees no CUDA device")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")
-    if want_cuda:
-        torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
-        backend = cfg.distributed.backend
-        if backend == "auto":
-            backend = "nccl" if want_cuda else "gloo"
-        dist.init_process_group(backend=backend, device_id=device if want_cuda else None)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    return rank, world, local_rank, device
-
-
-def seed_everything(seed: int, rank: int):
-    s = int(seed) + 1000003 * rank  # different per rank (dropout), same per run
-    random.seed(s)
-    np.random.seed(s % 2**32)
-    torch.manual_seed(s)
-
-
 def resolve_data_path(path: str) -> str:
-    if os.path.isabs(path) or os.path.isdir(path):
-        return path
-    alt = os.path.join(REPO_ROOT, path)
-    if os.path.isdir(alt):
-        return alt
-    hint = " (run recipes/esm2/prepare_data.py, see recipes/esm2/DATA.md)" if path.rstrip("/").endswith("full") else ""
-    raise FileNotFoundError(f"data.path {path!r} is neither under the current directory nor the repo root{hint}")
+    return _loop.resolve_data_path(path, "run recipes/esm2/prepare_data.py, see recipes/esm2/DATA.md")
+
+
+def check_run(cfg, device):
+    """Nothing of ESM-2's precision depends on the device (no FP4 / MXFP8)."""
 
 
 def fp8_recipe(cfg):
-    from seqfuse.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format
-
     name = cfg.precision.recipe
     if name not in RECIPES:
         raise ValueError(f"precision.recipe must be one of {RECIPES}, got {name!r}")
-    fmt = {"hybrid": Format.HYBRID, "e4m3": Format.E4M3}[str(cfg.precision.fp8_format).lower()]
-    if name == "fp8_delayed":
-        return DelayedScaling(fp8_format=fmt, amax_history_len=int(cfg.precision.amax_history_len),
-                              amax_compute_algo=cfg.precision.amax_compute_algo)
-    if name == "fp8_current":
-        return Float8CurrentScaling(fp8_format=fmt)
-    if name == "fp8_block":
-        return Float8BlockScaling()  # E4M3 1x128 / 128x128, as Transformer Engine
-    return None
-
-
-def param_dtype(cfg, device):
-    p = cfg.precision.param_dtype
-    if p == "auto":
-        p = "bf16" if device.type == "cuda" else "fp32"
-    if cfg.precision.recipe == "fp32":
-        p = "fp32"
-    return {"bf16": torch.bfloat16, "fp32": torch.float32}[p]
+    return _loop.fp8_recipe_named(name, cfg)
 
 
 def model_config(cfg):
@@ -136,8 +79,6 @@ def apply_layer_precision(model, cfg, recipe, rank):
     """Per-layer precision: the first / last N TransformerLayers, and those
     listed in precision.bf16_layers (indices, negative from the end), run
     their forward (and so their backward) without FP8 inside the FP8 region."""
-    from seqfuse.pytorch import autocast
-
     layers = model.esm.encoder.layers
     n = len(layers)
     first, last = int(cfg.precision.bf16_first_layers), int(cfg.precision.bf16_last_layers)
@@ -157,95 +98,11 @@ def apply_layer_precision(model, cfg, recipe, rank):
         return []
     keep = sorted(set(range(min(first, n))) | set(range(max(0, n - last), n)) | chosen)
     for i in keep:
-        layer = layers[i]
-        fwd = layer.forward
-
-        def high_precision_forward(*a, _fwd=fwd, **k):
-            with autocast(enabled=False):
-                return _fwd(*a, **k)
-
-        layer.forward = high_precision_forward
+        _loop.run_without_fp8(layers[i])
     if rank == 0:
         log.info("precision: %s on layers %s of %d; layers %s without FP8", cfg.precision.recipe,
                  [i for i in range(n) if i not in keep], n, keep)
     return keep
-
-
-def prepare_fp8_state(model, recipe, bf16_layers):
-    """Make the delayed-scaling state (amax history, scales) of every module
-    that runs FP8 now, at its initial values, so a resumed run finds a place
-    for each saved state when the checkpoint is loaded
-    (seqfuse.quantization.init_fp8_state; no forward runs).  The layers in
-    ``bf16_layers`` (apply_layer_precision) run without FP8 and get none.
-    Returns the number of states."""
-    from seqfuse.common.recipe import DelayedScaling
-    from seqfuse.quantization import init_fp8_state
-
-    if not isinstance(recipe, DelayedScaling):
-        return 0
-    layers = model.esm.encoder.layers
-    skip = {id(m) for i in bf16_layers for m in layers[i].modules()}
-    return sum(init_fp8_state(m, recipe) for m in model.modules()
-               if id(m) not in skip and getattr(type(m), "fp8_num_gemms", 0))
-
-
-def wrap_model(model, strategy, world, device, cfg):
-    if strategy == "fsdp2":
-        if world == 1 and not dist.is_initialized():
-            log.info("FSDP2: one process without a process group: model not sharded")
-            return model
-        from .fsdp import shard_model
-
-        d = cfg.distributed
-        return shard_model(model, reshard_after_forward=bool(d.reshard_after_forward),
-                           reduce_dtype=str(d.get("reduce_dtype", "float32")), prefetch=int(d.get("prefetch", 0)),
-                           layers_per_unit=int(d.get("layers_per_unit", 1)))
-    if strategy == "ddp":
-        if world == 1:
-            return model
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    raise ValueError(f"strategy must be 'fsdp2' or 'ddp', got {strategy!r}")
-
-
-def build_optimizer(model, cfg):
-    """FusedAdamW (fp32 master weights) with decay on matrices only.  Under
-    FSDP2 the parameters are DTensor shards: FusedAdamW updates the local
-    shards and keeps its state (moments, fp32 masters) sharded like them."""
-    from seqfuse.optim import FusedAdamW
-
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if p.dim() < 2 or name.endswith("bias") else decay).append(p)
-    groups = [{"params": decay, "weight_decay": float(cfg.train.weight_decay)},
-              {"params": no_decay, "weight_decay": 0.0}]
-    t = cfg.train
-    kw = dict(lr=float(t.lr), betas=tuple(float(b) for b in t.betas), eps=float(t.eps))
-    return FusedAdamW(groups, **kw)
-
-
-def lr_lambda(cfg):
-    """Multiplier of the base LR at optimizer step s (0-based): linear
-    warm-up over warmup_steps, then decay to min_lr_ratio at train.steps."""
-    t = cfg.train
-    warm, total, floor, kind = int(t.warmup_steps), int(t.steps), float(t.min_lr_ratio), t.decay
-    if kind not in ("cosine", "linear", "constant"):
-        raise ValueError(f"train.decay must be cosine, linear or constant, got {kind!r}")
-
-    def f(s):
-        if warm > 0 and s < warm:
-            return (s + 1) / warm
-        if kind == "constant" or total <= warm:
-            return 1.0
-        frac = min(1.0, (s - warm) / max(1, total - warm))
-        if kind == "linear":
-            return 1.0 - (1.0 - floor) * frac
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * frac))
-
-    return f
 
 
 def build_loaders(cfg, rank, world, recipe, pin_memory=False):
@@ -272,15 +129,6 @@ def build_loaders(cfg, rank, world, recipe, pin_memory=False):
     return train, val, len(train_seqs), len(val_seqs)
 
 
-def endless(loader):
-    while True:
-        yield from loader
-
-
-def to_device(batch, device):
-    return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
-
-
 def forward_loss(model, batch):
     if "cu_seqlens" in batch:
         out = model(input_ids=batch["input_ids"], labels=batch["labels"], cu_seqlens=batch["cu_seqlens"],
@@ -290,247 +138,48 @@ def forward_loss(model, batch):
     return out.loss
 
 
-@contextlib.contextmanager
-def no_grad_sync(model, strategy, active):
-    """Skip the gradient all-reduce / reduce-scatter of a non-final micro-batch."""
-    if not active:
-        yield
-        return
-    if strategy == "ddp" and hasattr(model, "no_sync"):
-        with model.no_sync():
-            yield
-    elif strategy == "fsdp2" and hasattr(model, "set_requires_gradient_sync"):
-        model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
-    else:
-        yield
+def model_layers(model):
+    return model.esm.encoder.layers
 
 
-def all_reduce_sum(values, device):
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(t)
-    return t.tolist()
+def prepare_fp8_state(model, recipe, bf16_layers):
+    """The delayed-scaling states of every module that runs FP8, made now
+    (recipe_common.trainer.prepare_fp8_state over the encoder layers)."""
+    return _loop.prepare_fp8_state(model, model_layers(model), recipe, bf16_layers)
+
+
+def describe(cfg, mcfg, n_params):
+    return (f"ESM-2 {cfg.model.size or 'custom'}: {n_params / 1e6:.2f}M parameters (h={mcfg.hidden_size}, "
+            f"L={mcfg.num_hidden_layers}, heads={mcfg.num_attention_heads}, ffn={mcfg.intermediate_size})")
+
+
+def step_flops(host_batch, mcfg):
+    return train_flops(batch_seq_lengths(host_batch), mcfg.hidden_size, mcfg.intermediate_size,
+                       mcfg.num_hidden_layers)
+
+
+def export(model, mcfg, out_dir, cfg, rank):
+    """Gather the whole model (every rank calls this) and write the
+    EsmForMaskedLM directory on rank 0."""
+    from .export import export_hf
+
+    sd = ckpt.full_model_state_dict(model)
+    if rank == 0:
+        export_hf(mcfg, sd, out_dir)
+        log.info("exported Hugging Face EsmForMaskedLM (safetensors) to %s", out_dir)
 
 
 @torch.no_grad()
 def evaluate(model, val_loader, cfg, recipe, device):
-    """Validation loss.  It never changes training state: under delayed
-    scaling the validation forwards record amaxes and their autocast exits
-    run the scale update (rolling the amax history), so the scaling state
-    is snapshotted before and restored after -- a run that validates trains
-    exactly as one that does not (tests/test_recipe_esm2.py)."""
-    from seqfuse.pytorch import autocast
-    from seqfuse.quantization import restore_scaling, snapshot_scaling
-
-    was = model.training
-    snapshot = snapshot_scaling(model) if recipe is not None else []
-    try:
-        return _evaluate(model, val_loader, cfg, recipe, device, autocast)
-    finally:
-        restore_scaling(snapshot)
-        model.train(was)
-
-
-def _evaluate(model, val_loader, cfg, recipe, device, autocast):
-    model.eval()
-    n = len(val_loader)
-    if cfg.data.val_batches:
-        n = min(n, int(cfg.data.val_batches))
-    total = torch.zeros(2, dtype=torch.float64, device=device)
-    for i, batch in enumerate(val_loader):
-        if i >= n:
-            break
-        batch = to_device(batch, device)
-        with autocast(enabled=recipe is not None, recipe=recipe):
-            loss = forward_loss(model, batch)
-        k = (batch["labels"] != -100).sum()
-        total[0] += loss.double() * k
-        total[1] += k
-    if dist.is_initialized():
-        dist.all_reduce(total)
-    return (total[0] / total[1].clamp(min=1)).item()
+    """Validation loss (recipe_common.trainer.evaluate: the FP8 scaling state is restored after)."""
+    return _loop.evaluate(model, val_loader, cfg, recipe, device, forward_loss)
 
 
 # ---------------------------------------------------------------- the run
 def train(cfg, strategy: str = "fsdp2") -> dict:
-    """One training run (see the module note); returns its history.  The
-    process group is torn down after the run's models are gone
-    (seqfuse.distributed.end_process_group), unless ESM2_KEEP_PG=1.
+    """One training run of ESM-2 (recipe_common.trainer.train with this
+    module as its spec); returns its history.  The config is checked
+    against the schema before anything is built."""
+    import sys
 
-    Before anything is built the config is checked against the schema
-    (config.validate_config: every bad key in one ConfigError) and the
-    output directories are checked writable (config.check_paths)."""
-    from .config import check_paths, validate_config
-
-    cfg = validate_config(cfg)
-    check_paths(cfg)
-    result = _run(cfg, strategy)
-    if os.environ.get("ESM2_KEEP_PG") != "1":  # (a no-op without a group)
-        from seqfuse.distributed import end_process_group
-
-        end_process_group()
-    return result
-
-
-def _run(cfg, strategy):
-    from seqfuse.optim import clip_grad_norm_
-    from seqfuse.pytorch import autocast
-
-    rank, world, _, device = init_distributed(cfg)
-    recipe = fp8_recipe(cfg)
-    dtype = param_dtype(cfg, device)
-    seed_everything(cfg.train.seed, 0)  # same initial weights on every rank
-    model, mcfg = build_model(cfg, device, dtype)
-    n_params = sum(p.numel() for p in model.parameters())
-    if rank == 0:
-        log.info("ESM-2 %s: %.2fM parameters (h=%d, L=%d, heads=%d, ffn=%d), %s params, recipe %s, %s, "
-                 "%d process(es) on %s, strategy %s", cfg.model.size or "custom", n_params / 1e6,
-                 mcfg.hidden_size, mcfg.num_hidden_layers, mcfg.num_attention_heads, mcfg.intermediate_size,
-                 str(dtype).replace("torch.", ""), cfg.precision.recipe,
-                 "packed THD" if cfg.data.packed else "padded BSHD", world, device.type, strategy)
-        if device.type == "cpu" and cfg.precision.recipe == "bf16" and dtype == torch.float32:
-            log.info("precision: recipe bf16 on the CPU runs fp32 parameters (precision.param_dtype=auto); "
-                     "set precision.param_dtype=bf16 to force bf16")
-    bf16_layers = apply_layer_precision(model, cfg, recipe, rank)
-    n_states = prepare_fp8_state(model, recipe, bf16_layers)
-    if rank == 0 and n_states:
-        log.info("precision: %d delayed-scaling states created (checkpointed with the model)", n_states)
-    model = wrap_model(model, strategy, world, device, cfg)
-    inner = model.module if hasattr(model, "module") and strategy == "ddp" else model
-    optimizer = build_optimizer(model, cfg)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    train_loader, val_loader, n_train, n_val = build_loaders(cfg, rank, world, recipe,
-                                                             pin_memory=device.type == "cuda")
-    if rank == 0:
-        log.info("data: %s: %d train / %d validation proteins; %d micro-batches of <= %d tokens per rank per "
-                 "epoch", cfg.data.path, n_train, n_val, len(train_loader), cfg.data.micro_batch_tokens)
-
-    seed_everything(cfg.train.seed, rank)  # training RNG (a resume restores the saved one)
-    step = 0
-    root = cfg.checkpoint.dir
-    named = cfg.checkpoint.get("resume_from")
-    total_steps = int(cfg.train.steps)
-    if named or (root and cfg.checkpoint.resume):
-        # verified (manifest sizes and CRC-32s); a damaged newest one is skipped with a warning,
-        # a damaged named one refused
-        path = ckpt.find_resume_checkpoint(root, named)
-        if path:
-            saved_step = int(ckpt.read_trainer_state(path)["step"])
-            if saved_step >= total_steps:
-                where = "the end of" if saved_step == total_steps else "beyond"
-                raise ckpt.CheckpointError(
-                    f"checkpoint {path} is at step {saved_step}, {where} train.steps={total_steps}: there is "
-                    f"nothing left to train.  Raise train.steps to continue this run, or start a new one "
-                    f"(checkpoint.resume=false or another checkpoint.dir)")
-            state = ckpt.load_checkpoint(path, model, optimizer)
-            step = int(state["step"])
-            scheduler.load_state_dict(state["scheduler"])
-            # The optimizer's saved lr is the old schedule's; this run's schedule
-            # (train.steps may have grown) sets the lr of the next step.
-            for g, base in zip(optimizer.param_groups, scheduler.base_lrs):
-                g["lr"] = base * lr_lambda(cfg)(scheduler.last_epoch)
-            train_loader.load_state_dict(state["data"])
-            if rank == 0:
-                log.info("resumed from %s at step %d (data epoch %d)", path, step, state["data"]["epoch"])
-
-    accum = int(cfg.train.grad_accum)
-    # train.stop_at: end this run after that step (checkpoint written), on
-    # train.steps' schedule; a rerun resumes and continues the same run.
-    stop_at = total_steps if cfg.train.get("stop_at") is None else min(total_steps, int(cfg.train.stop_at))
-    if step >= stop_at and rank == 0:
-        log.warning("resumed at step %d, at or past train.stop_at=%d: nothing to train in this run", step, stop_at)
-    logger = MetricLogger(cfg, rank, total_steps, step)
-    batches = endless(train_loader)
-    params = [p for p in model.parameters() if p.requires_grad]
-    h, f, L = mcfg.hidden_size, mcfg.intermediate_size, mcfg.num_hidden_layers
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    history = {"step": [], "loss": [], "val_step": [], "val_loss": []}
-    win = {"loss": [], "tokens": 0, "real": 0, "flops": 0.0, "t0": time.perf_counter(), "steps": 0}
-    summary_rates = []
-
-    def save(s):
-        trainer_state = {"step": s, "scheduler": scheduler.state_dict(), "data": train_loader.state_dict(),
-                         "config": cfg.to_dict(), "world_size": world, "strategy": strategy}
-        p = ckpt.save_checkpoint(root, s, model, optimizer, trainer_state, keep_last=int(cfg.checkpoint.keep_last))
-        if rank == 0:
-            log.info("checkpoint: %s", p)
-
-    model.train()
-    while step < stop_at:
-        for micro in range(accum):
-            host_batch = next(batches)
-            # FLOPs from the host copy: reading cu_seqlens on the GPU would sync every micro-step.
-            win["flops"] += train_flops(batch_seq_lengths(host_batch), h, f, L)
-            batch = to_device(host_batch, device)
-            with no_grad_sync(model, strategy, micro < accum - 1):
-                with autocast(enabled=recipe is not None, recipe=recipe):
-                    loss = forward_loss(model, batch)
-                (loss / accum).backward()
-            win["loss"].append(loss.detach())
-            win["tokens"] += batch["input_ids"].numel()
-            win["real"] += int(batch["num_tokens"])
-        if cfg.train.clip_grad_norm:
-            # FSDP2: the local shards' squares, one all-reduce, the global norm
-            clip_grad_norm_(params, float(cfg.train.clip_grad_norm))
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        win["steps"] += 1
-        logger.advance()
-
-        last = step == stop_at
-        if step % int(cfg.train.log_interval) == 0 or last:
-            if cuda:
-                torch.cuda.synchronize(device)
-            dt = time.perf_counter() - win["t0"]
-            local_loss = torch.stack(win["loss"]).float().mean().item()
-            loss_sum, tokens, real, flops = all_reduce_sum(
-                [local_loss, win["tokens"], win["real"], win["flops"]], device)
-            m = {"loss": loss_sum / world, "lr": scheduler.get_last_lr()[0],
-                 "tokens_per_s": tokens / dt, "unpadded_tokens_per_s": real / dt,
-                 "step_time_ms": 1000.0 * dt / win["steps"]}
-            if cuda:
-                m["mfu_measured"] = flops / dt / (H200_BF16_MEASURED_TFLOPS * 1e12 * world)
-                m["mfu_datasheet"] = flops / dt / (H200_BF16_DATASHEET_TFLOPS * 1e12 * world)
-                m["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-            else:
-                m["tflops_per_s"] = flops / dt / 1e12
-            history["step"].append(step)
-            history["loss"].append(m["loss"])
-            summary_rates.append(m)
-            logger.log(step, m)
-            win = {"loss": [], "tokens": 0, "real": 0, "flops": 0.0, "t0": time.perf_counter(), "steps": 0}
-        eval_every = int(cfg.train.eval_interval)
-        if (eval_every and step % eval_every == 0) or last:
-            vl = evaluate(model, val_loader, cfg, recipe, device)
-            history["val_step"].append(step)
-            history["val_loss"].append(vl)
-            logger.log(step, {"val_loss": vl})
-            win["t0"] = time.perf_counter()  # validation time is not training throughput
-        interval = int(cfg.checkpoint.interval)
-        if root and ((interval and step % interval == 0) or last):
-            save(step)
-            win["t0"] = time.perf_counter()
-    logger.close()
-
-    export = cfg.checkpoint.export_dir
-    if export and step < total_steps:
-        if rank == 0:
-            log.info("stopped at step %d of %d (train.stop_at): no export yet", step, total_steps)
-        export = None
-    if export:
-        sd = ckpt.full_model_state_dict(inner)
-        if rank == 0:
-            ckpt.export_hf(mcfg, sd, export)
-            log.info("exported Hugging Face EsmForMaskedLM (safetensors) to %s", export)
-        if dist.is_initialized():
-            dist.barrier()
-    return {"history": history, "rates": summary_rates, "world_size": world, "rank": rank,
-            "final_step": step, "params": n_params}
+    return _loop.train(cfg, strategy, sys.modules[__name__])

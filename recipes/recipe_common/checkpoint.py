@@ -1,0 +1,356 @@
+"""Checkpoints of a training run, shared by the recipes (recipes/esm2,
+recipes/llama3): written atomically, the last N kept, verified, resumed
+exactly.  (Each recipe's Hugging Face export is its own: esm2_recipe/export.py,
+llama3_recipe/export.py; full_model_state_dict here gathers what they write.)
+
+A checkpoint is a directory ``<dir>/step_00001000`` holding:
+  * a torch.distributed.checkpoint (DCP) of ``{"model", "optim"}`` from
+    torch.distributed.checkpoint.state_dict.get_state_dict, so the same code
+    serves one process, DDP and FSDP2 (sharded: every rank writes its
+    shards).  The model state includes each module's ``_extra_state``,
+    which is where seqfuse keeps FP8 scaling state (amax history, scales).
+  * ``rng_rank<r>.pt``: python, numpy, torch CPU and CUDA generator states
+    of each rank.
+  * ``trainer_state.json`` (rank 0): step, scheduler state, the data
+    loader's position, the config.
+  * ``manifest.json`` (rank 0, written last, atomically: a temporary file
+    renamed): every other file's relative path, size and CRC-32 (zlib.crc32;
+    a check against damage, not tampering).  The ranks checksum the files
+    between them (file i by rank i % world) and rank 0 writes the list.
+
+Verification (verify_checkpoint, on every resume): each listed file exists
+with its size and CRC-32, no file is missing from the list, and the trainer
+state's step is the directory's.  find_resume_checkpoint takes the newest
+checkpoint that passes; a damaged newer one is named in a WARNING that says
+which older one is used instead; if none passes the run stops with an error
+(a damaged directory is never silently replaced by a fresh start).  A
+checkpoint the user names (checkpoint.resume_from) that fails is refused.
+A checkpoint from before manifests existed is used with a warning that it
+could not be verified.
+
+Atomicity: everything is written into ``<dir>/.tmp_step_<n>``; after every
+rank has finished (barrier) rank 0 renames it to ``step_<n>``.  A rename
+within a directory is atomic on POSIX file systems, so a crash at any moment
+leaves either no new checkpoint or a complete one, and the previous ones
+untouched.  Every ``step_*`` directory counts as a checkpoint (and is
+verified before use); leftover ``.tmp_*`` directories from a crash are
+removed at the next save.  After the rename, all but the newest
+``keep_last`` are deleted.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import zlib
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("recipe.checkpoint")
+
+_STEP_RE = re.compile(r"^step_(\d+)$")
+TRAINER_STATE = "trainer_state.json"
+MANIFEST = "manifest.json"
+_CHUNK = 16 << 20
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used (named, with what is wrong)."""
+
+
+def _dist_on():
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank():
+    return dist.get_rank() if _dist_on() else 0
+
+
+def _barrier():
+    if _dist_on():
+        dist.barrier()
+
+
+def list_checkpoints(root: str) -> list:
+    """Checkpoints under ``root`` (``step_*`` directories: only a finished
+    save is renamed to one), oldest first, as (step, path).  Not verified."""
+    if not root or not os.path.isdir(root):
+        return []
+    out = []
+    for name in os.listdir(root):
+        m = _STEP_RE.match(name)
+        path = os.path.join(root, name)
+        if m and os.path.isdir(path):
+            out.append((int(m.group(1)), path))
+    return sorted(out)
+
+
+def latest_checkpoint(root: str):
+    """The newest checkpoint directory under ``root`` (not verified: see
+    find_resume_checkpoint)."""
+    c = list_checkpoints(root)
+    return c[-1][1] if c else None
+
+
+def _world():
+    return dist.get_world_size() if _dist_on() else 1
+
+
+def _crc32(path: str) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(_CHUNK)
+            if not b:
+                break
+            crc = zlib.crc32(b, crc)
+    return f"{crc & 0xFFFFFFFF:08x}"
+
+
+def _files(path: str) -> list:
+    out = []
+    for d, _, names in os.walk(path):
+        for n in names:
+            rel = os.path.relpath(os.path.join(d, n), path)
+            if rel != MANIFEST and not rel.startswith(MANIFEST + "."):
+                out.append(rel)
+    return sorted(out)
+
+
+def _gather(obj) -> list:
+    """Every rank's ``obj`` on every rank (one process: [obj])."""
+    if not _dist_on():
+        return [obj]
+    out = [None] * _world()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _checksum_share(path: str, files: list) -> dict:
+    """Size and CRC-32 of this rank's share of ``files`` (file i by rank i % world)."""
+    rank, world = _rank(), _world()
+    out = {}
+    for i, rel in enumerate(files):
+        if i % world == rank:
+            p = os.path.join(path, rel)
+            out[rel] = {"size": os.path.getsize(p), "crc32": _crc32(p)}
+    return out
+
+
+def _write_manifest(path: str, step: int, entries: dict) -> None:
+    """manifest.json, atomically: written to a temporary name, synced, renamed."""
+    tmp = os.path.join(path, MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"format": 1, "checksum": "crc32 (zlib)", "step": step, "files": entries}, f, indent=1,
+                  sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(path, MANIFEST))
+
+
+def verify_checkpoint(path: str) -> list:
+    """What is wrong with checkpoint ``path`` (an empty list: nothing).
+    Collective under torch.distributed (every rank checks a share of the
+    files; every rank gets the same answer)."""
+    problems = []
+    m = _STEP_RE.match(os.path.basename(os.path.normpath(path)))
+    mpath = os.path.join(path, MANIFEST)
+    manifest, entries = None, {}
+    if not os.path.isdir(path):
+        problems.append("is not a directory")
+    elif os.path.isfile(mpath):
+        try:
+            with open(mpath) as f:
+                manifest = json.load(f)
+            entries = manifest["files"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            problems.append(f"{MANIFEST} is unreadable ({e})")
+    mine = []
+    if entries:
+        names = sorted(entries)
+        rank, world = _rank(), _world()
+        for i, rel in enumerate(names):
+            if i % world != rank:
+                continue
+            p = os.path.join(path, rel)
+            want = entries[rel]
+            if not os.path.isfile(p):
+                mine.append(f"{rel} is missing")
+            elif os.path.getsize(p) != want["size"]:
+                mine.append(f"{rel} has {os.path.getsize(p)} bytes, the manifest says {want['size']}")
+            elif _crc32(p) != want["crc32"]:
+                mine.append(f"{rel} fails its CRC-32 check (contents changed since it was written)")
+    for share in _gather(mine):
+        problems.extend(share)
+    if entries and os.path.isdir(path):
+        extra = [f for f in _files(path) if f not in entries]
+        if extra:
+            problems.append(f"files not in the manifest: {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+    if os.path.isdir(path) and manifest is None and not problems:
+        if not os.path.isfile(os.path.join(path, TRAINER_STATE)):
+            problems.append(f"has no {MANIFEST} and no {TRAINER_STATE} (an incomplete save)")
+    st = os.path.join(path, TRAINER_STATE)
+    if not problems and os.path.isfile(st):
+        try:
+            with open(st) as f:
+                state_step = int(json.load(f)["step"])
+            if m and state_step != int(m.group(1)):
+                problems.append(f"{TRAINER_STATE} says step {state_step}, the directory step {int(m.group(1))}")
+            if manifest is not None and state_step != int(manifest.get("step", state_step)):
+                problems.append(f"{TRAINER_STATE} says step {state_step}, {MANIFEST} step {manifest['step']}")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            problems.append(f"{TRAINER_STATE} is unreadable ({e})")
+    return problems
+
+
+def has_manifest(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def find_resume_checkpoint(root: str, named: str = None):
+    """The checkpoint to resume from: ``named`` (checkpoint.resume_from),
+    refused with CheckpointError if it fails verification; else the newest
+    checkpoint under ``root`` that passes, each newer damaged one named in a
+    WARNING; None when ``root`` holds none.  If ``root`` holds checkpoints
+    and none passes: CheckpointError (never a silent fresh start)."""
+    if named:
+        problems = verify_checkpoint(named)
+        if problems:
+            raise CheckpointError(f"checkpoint.resume_from={named}: damaged, refused: " + "; ".join(problems))
+        return named
+    damaged = []
+    for step, path in reversed(list_checkpoints(root)):
+        problems = verify_checkpoint(path)
+        if not problems:
+            if damaged and _rank() == 0:
+                log.warning("checkpoint: %d newer checkpoint(s) skipped as damaged; resuming from %s instead",
+                            len(damaged), path)
+            if not has_manifest(path) and _rank() == 0:
+                log.warning("checkpoint %s has no %s (written before manifests): not verified", path, MANIFEST)
+            return path
+        damaged.append(path)
+        if _rank() == 0:
+            log.warning("checkpoint %s is damaged and skipped: %s", path, "; ".join(problems))
+    if damaged:
+        raise CheckpointError(f"no usable checkpoint in {root}: every one is damaged ({', '.join(damaged)}); "
+                              f"remove them, name a good one with checkpoint.resume_from=..., or start over "
+                              f"with checkpoint.resume=false")
+    return None
+
+
+def rng_state() -> dict:
+    s = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        s["cuda"] = torch.cuda.get_rng_state_all()
+    return s
+
+
+def set_rng_state(s: dict) -> None:
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
+    torch.set_rng_state(s["torch"])
+    if "cuda" in s and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+
+
+def _model_optim_state(model, optimizer):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optimizer)
+    return {"model": msd, "optim": osd}
+
+
+def save_checkpoint(root: str, step: int, model, optimizer, trainer_state: dict, keep_last: int = 2) -> str:
+    """Write checkpoint ``step`` atomically (see the module note); every rank calls it."""
+    import torch.distributed.checkpoint as dcp
+
+    rank = _rank()
+    final = os.path.join(root, f"step_{step:08d}")
+    tmp = os.path.join(root, f".tmp_step_{step:08d}")
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        for name in os.listdir(root):  # leftovers of a crashed save
+            if name.startswith(".tmp_step_"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    dcp.save(_model_optim_state(model, optimizer), checkpoint_id=tmp)
+    torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
+    if rank == 0:
+        with open(os.path.join(tmp, TRAINER_STATE), "w") as f:
+            json.dump(trainer_state, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+    _barrier()
+    # every file is complete: checksum them (shared out over the ranks), then
+    # the manifest, last, atomically; then the directory's rename
+    entries = {}
+    for share in _gather(_checksum_share(tmp, _files(tmp))):
+        entries.update(share)
+    if rank == 0:
+        _write_manifest(tmp, int(step), entries)
+        _finalize(tmp, final)
+        for _, old in list_checkpoints(root)[:-max(1, int(keep_last))]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def _finalize(tmp: str, final: str) -> None:
+    """The atomic step: the temporary directory becomes the checkpoint."""
+    if os.path.exists(final):  # the same step saved again (e.g. a rerun): replace it
+        trash = final + ".old"
+        shutil.rmtree(trash, ignore_errors=True)
+        os.rename(final, trash)
+        os.rename(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    try:  # make the rename durable
+        fd = os.open(os.path.dirname(final), os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def load_checkpoint(path: str, model, optimizer) -> dict:
+    """Restore model, optimizer and this rank's RNG from ``path``; returns
+    the trainer state (step, scheduler, data position).  Verify first
+    (find_resume_checkpoint does)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _model_optim_state(model, optimizer)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path}: loading failed: {type(e).__name__}: {e}") from e
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    rank = _rank()
+    rng_file = os.path.join(path, f"rng_rank{rank}.pt")
+    if os.path.isfile(rng_file):
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    else:
+        log.warning("checkpoint %s has no RNG state for rank %d (saved with fewer ranks); RNG not restored",
+                    path, rank)
+    with open(os.path.join(path, TRAINER_STATE)) as f:
+        return json.load(f)
+
+
+def read_trainer_state(path: str) -> dict:
+    with open(os.path.join(path, TRAINER_STATE)) as f:
+        return json.load(f)
+
+
+def full_model_state_dict(model) -> dict:
+    """The whole model's state on CPU on rank 0 (gathered from FSDP2 shards;
+    every rank must call this)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
