@@ -31,7 +31,7 @@ BENCH = os.path.join(os.path.dirname(HERE), "benchmarks", "llama3")
 sys.path.insert(0, BENCH)
 
 import bench_llama3 as B  # noqa: E402
-import common as C  # noqa: E402
+import llama3_common as C  # noqa: E402
 import make_bench_data as M  # noqa: E402
 from helpers import needs_fp8  # noqa: E402
 

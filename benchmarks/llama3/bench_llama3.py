@@ -10,7 +10,7 @@ is converted from it (seqfuse.hf.llama_convert.from_hf_model), so each row
 starts from the same weights, and the first step's loss of every row is
 compared with transformers' (``loss_check``: same weights, same batch).
 
-Data: real genome windows (common.py: the benchmark's windows cut by
+Data: real genome windows (llama3_common.py: the benchmark's windows cut by
 make_bench_data.py from the recipe's bacterial genomes, else the committed
 lambda-phage subset, said in the log and the JSON).  Every sequence is
 exactly 8,192 tokens (<bos> 8,190 bases <eos>), ``--batch-size`` sequences
@@ -36,7 +36,7 @@ batches that are then timed (compiled graphs, cuBLAS/cuDNN plans and FP8
 scaling state exist before timing), then one timed pass with the GPU
 synchronized only before and after it.  Reported: unpadded tokens/s (= all
 tokens here), ratios against transformers eager and the best transformers
-row (eager or compiled), MFU of the useful FLOPs (common.train_flops, causal
+row (eager or compiled), MFU of the useful FLOPs (llama3_common.train_flops, causal
 attention counted as the lower triangle) against the measured bf16 ceiling
 (794 TFLOP/s) and the datasheet (989), peak memory, step time, host issue
 time per step (the Python time to queue one step; below the step time
@@ -78,9 +78,9 @@ import statistics
 import time
 import traceback
 
-from common import (H200_BF16_DATASHEET_TFLOPS, H200_BF16_MEASURED_TFLOPS, ROOT, build_hf, build_seqfuse, data_path,
-                    fixed_length_sequences, forward_loss, load_windows, log, make_batches, seqfuse_config,
-                    train_flops)
+from llama3_common import (H200_BF16_DATASHEET_TFLOPS, H200_BF16_MEASURED_TFLOPS, ROOT, build_hf, build_seqfuse,
+                           data_path, fixed_length_sequences, forward_loss, load_windows, log, make_batches,
+                           seqfuse_config, train_flops)
 
 import torch  # noqa: E402
 from harness import RESULTS, Table, allow_recompiles, plot_bars  # noqa: E402
@@ -294,7 +294,7 @@ def train(args, device, dtype, data, data_note, seqs, meta):
                         "one timed pass, GPU synchronized before and after it only"),
              "optimizers": "transformers: torch.optim.AdamW(fused=True) on bf16 parameters; seqfuse: FusedAdamW "
                            "with fp32 master weights (its optimizer memory counted)",
-             "flops": "common.train_flops: 3 x forward GEMM FLOPs + causal attention (lower triangle)",
+             "flops": "llama3_common.train_flops: 3 x forward GEMM FLOPs + causal attention (lower triangle)",
              "mfu_ceilings_tflops": {"measured_bf16": H200_BF16_MEASURED_TFLOPS,
                                      "datasheet_bf16": H200_BF16_DATASHEET_TFLOPS},
              "compile": {"scope": args.compile_scope}, "run": meta}
@@ -373,7 +373,7 @@ def _save(table, args, extra):
 # ---------------------------------------------------------------- decoding
 def prompts_of(seqs, batch, prompt_len):
     """[batch, prompt_len] prompt ids: <bos> and the first bases of distinct windows (cycling)."""
-    from common import tokenizer
+    from llama3_common import tokenizer
 
     tok = tokenizer()
     rows = []
@@ -553,7 +553,7 @@ def main(argv=None):
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 512; tiny: 32)")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--decode-repeats", type=int, default=2)
-    p.add_argument("--data", default=None, help="a genome-window Parquet file (default: common.BENCH_DATA, else "
+    p.add_argument("--data", default=None, help="a genome-window Parquet file (default: llama3_common.BENCH_DATA, else "
                                                 "the committed subset)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="llama3")

@@ -19,7 +19,7 @@ import argparse
 import json
 import os
 
-from common import BENCH_DATA, FULL_DATA, ROOT, load_windows
+from llama3_common import BENCH_DATA, FULL_DATA, ROOT, load_windows
 
 
 def select(rows, window, n):

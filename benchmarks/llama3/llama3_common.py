@@ -1,4 +1,5 @@
-"""Shared pieces of the Llama 3 benchmark (bench_llama3.py, make_bench_data.py):
+"""Shared pieces of the Llama 3 benchmark (bench_llama3.py, make_bench_data.py; named llama3_common so it
+does not collide with benchmarks/esm2/common.py in one test session):
 paths, the real-genome windows, fixed-length batches, models with identical
 weights for transformers and seqfuse, and the FLOP count.
 
