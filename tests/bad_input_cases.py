@@ -988,7 +988,11 @@ def run_case(case):
         return {"ok": False, "what": f"wrong exception type {type(e).__name__}: {str(e)[:300]}"}
     if exp[0] == "raise":
         return {"ok": False, "what": "ran where it must refuse (no reference result exists)"}
-    bad = _compare(got, exp[1], case.spec.tol if exp[1] is not None else 0)
+    tol = case.spec.tol
+    if case.device == "cuda":  # bf16 attention inputs there; TF32 / other summation orders elsewhere
+        sixteen = any(k in case.spec.name for k in ("ttention", "TransformerLayer"))
+        tol = max(tol, 3e-2 if sixteen else 2e-3)
+    bad = _compare(got, exp[1], tol)
     return {"ok": bad is None, "what": bad or "result equals the reference"}
 
 
