@@ -1,0 +1,282 @@
+"""The Llama 3 DNA training recipe (recipes/llama3) on the CPU, on the
+committed lambda-phage subset: configs and the layer-wise precision rule
+(1-indexed fp8_layers / fp4_layers as BioNeMo's recipe resolves them),
+refusals before anything is built (bad layer indices, FP4 / MXFP8 off
+Blackwell, named), per-layer FP8 reaching the layers, L0_sanity training
+(the loss falls), a stop at a checkpoint and a resume that continues exactly
+as the uninterrupted run, the export that transformers' LlamaForCausalLM and
+AutoTokenizer load (same logits as seqfuse, the checkpoint's weights), 32
+generated tokens from the exported and the seqfuse model, and a two-process
+gloo FSDP2 run under torchrun (sharded checkpoint, resume, export)."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = os.path.join(ROOT, "recipes", "llama3")
+sys.path.insert(0, RECIPE)
+
+pytest.importorskip("transformers")
+pytest.importorskip("pyarrow")
+pytest.importorskip("hydra")
+
+from llama3_recipe import config as C  # noqa: E402
+from llama3_recipe import trainer  # noqa: E402
+from llama3_recipe.config import ConfigError, load_config, resolve_layer_precision  # noqa: E402
+from llama3_recipe.trainer import train  # noqa: E402
+from recipe_common import checkpoint as ckpt  # noqa: E402
+
+# L0_sanity made quicker for the tests that compare runs.
+TINY = ["data.micro_batch_tokens=512", "data.max_length=128", "data.val_batches=2", "train.log_interval=1",
+        "train.eval_interval=0", "logging.progress_bar=false", "device=cpu"]
+LN10 = math.log(10)  # an untrained model's loss over the 10-token vocabulary
+
+
+def _losses(path):
+    with open(path) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+
+
+# ------------------------------------------------------------ configs
+def test_named_configs_and_base_match_the_schema():
+    have = C.SPEC.configs()
+    assert {"base", "L0_sanity", "1B", "8B"} <= set(have)
+    for name in have:
+        assert load_config(name).config_name == name
+    assert C.compose_config("base") == C.schema_defaults()
+    one = load_config("1B")
+    assert one.model.size == "1B" and one.data.max_length == 8192
+    mcfg = trainer.model_config(one)
+    from seqfuse.hf import llama3_config
+    ref = llama3_config("1B")
+    for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+              "tie_word_embeddings", "rope_parameters"):
+        assert getattr(mcfg, k) == getattr(ref, k), k
+    assert mcfg.vocab_size == 10 and (mcfg.bos_token_id, mcfg.eos_token_id, mcfg.pad_token_id) == (2, 3, 0)
+    assert load_config("8B").model.size == "8B"
+    cfg = load_config("L0_sanity", ["precision.recipe=fp8_block", "data.packed=false", "train.grad_accum=2"])
+    assert cfg.precision.recipe == "fp8_block" and cfg.data.packed is False and cfg.train.grad_accum == 2
+
+
+def test_layer_precision_rule():
+    """BioNeMo's rule: 1-indexed lists in, one entry per layer out."""
+    assert resolve_layer_precision(4, True, False, None, None) == ["fp8"] * 4
+    assert resolve_layer_precision(4, False, False, None, None) == [None] * 4
+    assert resolve_layer_precision(4, True, False, [2, 3], None) == [None, "fp8", "fp8", None]
+    # both on, one list given: the other format takes the remaining layers
+    assert resolve_layer_precision(4, True, True, [1, 2], None) == ["fp8", "fp8", "fp4", "fp4"]
+    assert resolve_layer_precision(4, True, True, None, [4]) == ["fp8", "fp8", "fp8", "fp4"]
+    assert resolve_layer_precision(5, True, True, [1], [5]) == ["fp8", None, None, None, "fp4"]
+    with pytest.raises(ValueError, match="neither list is given"):
+        resolve_layer_precision(4, True, True, None, None)
+    with pytest.raises(ValueError, match=r"layer 2 is in both lists"):
+        resolve_layer_precision(4, True, True, [1, 2], [2, 3])
+
+
+def test_bad_layer_settings_named():
+    with pytest.raises(ConfigError) as e:
+        load_config("L0_sanity", ["precision.recipe=fp8_delayed", "precision.fp8_layers=[0,3]"])
+    msg = str(e.value)
+    assert "precision.fp8_layers=[0, 3]: layer 0 is not a layer of this 2-layer model (1-indexed: 1..2)" in msg
+    with pytest.raises(ConfigError, match=r"precision.fp8_layers=\[1\]: FP8 is off"):
+        load_config("L0_sanity", ["precision.fp8_layers=[1]"])  # recipe bf16: the list would do nothing
+    with pytest.raises(ConfigError, match=r"precision.fp4_layers=\[2\]: FP4 is off"):
+        load_config("L0_sanity", ["precision.fp4_layers=[2]"])
+    with pytest.raises(ConfigError, match="layer 1 is listed twice"):
+        load_config("L0_sanity", ["precision.recipe=fp8_current", "precision.fp8_layers=[1,1]"])
+    with pytest.raises(ConfigError, match="neither list is given"):
+        load_config("L0_sanity", ["precision.recipe=fp8_delayed", "precision.fp4=true"])
+    with pytest.raises(ConfigError, match=r"layer 17 is not a layer of this 16-layer model"):
+        load_config("1B", ["precision.recipe=fp8_delayed", "precision.fp8_layers=[1,17]"])
+    with pytest.raises(ConfigError, match="model.num_key_value_heads=3: must divide model.num_attention_heads=4"):
+        load_config("L0_sanity", ["model.num_key_value_heads=3"])
+    with pytest.raises(ConfigError, match="precision.recipe='fp4'"):
+        load_config("L0_sanity", ["precision.recipe=fp4"])
+
+
+def test_fp4_and_mxfp8_refused_before_building(monkeypatch):
+    """On the CPU and on Hopper a config asking for NVFP4 or MXFP8 layers
+    fails at the start, naming the first such layer and the hardware rule;
+    nothing is built."""
+    def no_build(*a, **k):
+        raise AssertionError("the model was built for a precision the device cannot run")
+
+    monkeypatch.setattr(trainer, "build_model", no_build)
+    cfg = load_config("L0_sanity", TINY + ["precision.recipe=fp8_delayed", "precision.fp4=true",
+                                           "precision.fp8_layers=[1]"])
+    with pytest.raises(NotImplementedError) as e:
+        train(cfg, "ddp")
+    msg = str(e.value)
+    assert "precision.fp4_layers=None: layer 2 (1-indexed) would run NVFP4 GEMMs, which need compute " \
+           "capability 10.x (Blackwell); this run is on the CPU" in msg
+    assert isinstance(e.value, ConfigError)  # the command line reports it as a bad config (exit 2)
+    cfg = load_config("L0_sanity", TINY + ["precision.recipe=mxfp8", "precision.fp8_layers=[2]"])
+    with pytest.raises(NotImplementedError, match=r"precision.fp8_layers=\[2\]: layer 2 \(1-indexed\) would run "
+                                                  r"MXFP8 GEMMs, which need compute capability 10.x"):
+        train(cfg, "ddp")
+    # a Hopper GPU, as torch would describe it
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H200")
+    hopper = load_config("L0_sanity", ["precision.fp4=true", "precision.fp4_layers=[2]"])
+    with pytest.raises(NotImplementedError, match=r"layer 2 \(1-indexed\) would run NVFP4 GEMMs, which need compute "
+                                                  r"capability 10.x \(Blackwell\); this run is on cuda:0 \(NVIDIA "
+                                                  r"H200, compute capability 9.0, Hopper\)"):
+        trainer.check_run(hopper, torch.device("cuda", 0))
+    trainer.check_run(load_config("L0_sanity", ["precision.recipe=fp8_block"]), torch.device("cuda", 0))  # fine
+
+
+def test_command_line_refuses_fp4_on_cpu_with_exit_2():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "python"), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, os.path.join(RECIPE, "train_ddp.py"), "--config", "L0_sanity", "device=cpu",
+                        "precision.fp4=true"], capture_output=True, text=True, timeout=180, cwd=ROOT, env=env)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "layer 1 (1-indexed) would run NVFP4 GEMMs" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_fp8_layers_reach_the_layers():
+    """precision.fp8_layers=[2] under fp8_delayed: layer 2 runs FP8, layer 1
+    does not (seen from inside each layer), FP8 batches are padded to 16
+    tokens, and the loss is finite."""
+    from seqfuse.quantization import is_fp8_enabled
+
+    seen = {}
+    real = trainer.build_model
+
+    def probed(cfg, device, dtype):
+        model, mcfg = real(cfg, device, dtype)
+        for i, layer in enumerate(model.model.layers):
+            layer.self_attention.register_forward_hook(
+                lambda m, a, o, i=i: seen.setdefault(i + 1, set()).add(is_fp8_enabled()))
+        return model, mcfg
+
+    trainer.build_model = probed
+    try:
+        out = train(load_config("L0_sanity", TINY + ["train.steps=2", "precision.recipe=fp8_delayed",
+                                                     "precision.fp8_layers=[2]", "data.packed=false"]), "ddp")
+    finally:
+        trainer.build_model = real
+    assert seen == {1: {False}, 2: {True}}, seen
+    assert all(math.isfinite(v) for v in out["history"]["loss"])
+
+
+def test_flops_count_the_gemm_weights():
+    from seqfuse.hf import SeqfuseLlamaForCausalLM
+
+    mcfg = trainer.model_config(load_config("L0_sanity"))
+    model = SeqfuseLlamaForCausalLM(mcfg)
+    weights = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n)
+    if mcfg.tie_word_embeddings:
+        weights += model.lm_head.weight.numel()
+    assert trainer.matmul_params(mcfg) == weights
+    s, d = 100, mcfg.num_attention_heads * mcfg.head_dim
+    assert trainer.train_flops([s], mcfg) == 3 * (2 * weights * s + 2 * d * s * s * mcfg.num_hidden_layers)
+
+
+# ------------------------------------------------------------ training, checkpoint, resume, export, generate
+def test_l0_sanity_trains_resumes_exports_and_generates(tmp_path):
+    """One story on the committed subset: (1) L0_sanity for 16 steps, the
+    loss falls far below an untrained model's ln(10); (2) the same run
+    stopped at a checkpoint at step 8 (train.stop_at) and resumed to 16
+    gives the uninterrupted run's losses exactly; (3) its export loads in
+    transformers (LlamaForCausalLM, AutoTokenizer), holds the checkpoint's
+    weights, and gives seqfuse's logits; (4) 32 greedy tokens generated by
+    transformers from the export equal seqfuse's key/value-cached generate."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from seqfuse.hf.llama_convert import from_hf_pretrained
+
+    ref, jl, d, exp = tmp_path / "ref.jsonl", tmp_path / "m.jsonl", tmp_path / "ck", tmp_path / "hf"
+    base = TINY + ["train.steps=16", "train.warmup_steps=3", "train.eval_interval=8"]
+    out = train(load_config("L0_sanity", base + [f"logging.metrics_jsonl={ref}"]), "fsdp2")
+    h = out["history"]
+    assert h["step"] == list(range(1, 17)) and h["val_step"] == [8, 16]
+    assert all(math.isfinite(v) for v in h["loss"] + h["val_loss"])
+    assert h["loss"][0] > LN10 - 0.2, h["loss"]  # starts untrained ...
+    assert max(h["loss"][-3:]) < LN10 - 0.6, h["loss"]  # ... and learns the bases
+    assert h["val_loss"][-1] < LN10 - 0.6, h["val_loss"]
+    rows = [json.loads(line) for line in open(ref)]
+    assert {"loss", "lr", "tokens_per_s", "unpadded_tokens_per_s", "step_time_ms", "tflops_per_s"} <= set(rows[0])
+
+    args = base + [f"checkpoint.dir={d}", f"logging.metrics_jsonl={jl}"]
+    first = train(load_config("L0_sanity", args + ["train.stop_at=8"]), "fsdp2")
+    assert first["final_step"] == 8 and first["export_dir"] is None
+    assert [s for s, _ in ckpt.list_checkpoints(str(d))] == [8]
+    assert ckpt.verify_checkpoint(ckpt.latest_checkpoint(str(d))) == []
+    second = train(load_config("L0_sanity", args + [f"checkpoint.export_dir={exp}"]), "fsdp2")
+    assert second["final_step"] == 16
+    got, want = _losses(jl), _losses(ref)
+    assert sorted(got) == list(range(1, 17))
+    for s in range(1, 17):
+        assert got[s] == want[s], (s, got[s], want[s])
+
+    hf = LlamaForCausalLM.from_pretrained(str(exp)).eval()
+    tok = AutoTokenizer.from_pretrained(str(exp))
+    assert hf.config.model_type == "llama" and hf.config.vocab_size == 10
+    import torch.distributed.checkpoint as dcp
+    emb = {"model": {"model.embed_tokens.weight": torch.empty_like(hf.model.embed_tokens.weight)}}
+    dcp.load(emb, checkpoint_id=ckpt.latest_checkpoint(str(d)))
+    assert torch.equal(emb["model"]["model.embed_tokens.weight"], hf.model.embed_tokens.weight)
+    prompts = ["GGGCGGCGACCTCGCGGGTTTTCGCTATTTATGAAAATTTTCCGGTTTAAGG", "acgtNNacgtTTGACA"]
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    assert enc["input_ids"][0, 0].item() == 2 and enc["input_ids"][1, 1].item() == 5  # <bos>, 'a' folded to A
+    sf = from_hf_pretrained(str(exp)).eval()
+    with torch.no_grad():
+        got_logits = sf(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits
+        want_logits = hf(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits
+    m = enc["attention_mask"].bool()
+    torch.testing.assert_close(got_logits[m], want_logits[m], atol=1e-4, rtol=1e-4)
+
+    # 32 new tokens after each prompt (without its <eos>), greedy: transformers on the export, seqfuse cached
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    ids = [[tok.bos_token_id] + x for x in ids]
+    width = max(map(len, ids))
+    input_ids = torch.tensor([x + [tok.pad_token_id] * (width - len(x)) for x in ids])
+    mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids])
+    with torch.no_grad():
+        mine = sf.generate(input_ids, attention_mask=mask, max_new_tokens=32)
+        theirs = hf.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=32, do_sample=False,
+                             pad_token_id=tok.pad_token_id)[:, width:]
+    assert mine.shape == (2, 32)
+    theirs = torch.nn.functional.pad(theirs, (0, 32 - theirs.shape[1]), value=tok.pad_token_id)  # all rows ended
+    assert torch.equal(mine, theirs), (mine, theirs)
+    text = tok.decode(mine[0], skip_special_tokens=True)
+    assert set(text) <= set("ACGTN") and len(text) > 0, text
+
+
+# ------------------------------------------------------------ two processes
+def _torchrun(script, args, timeout=300):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "python"), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(RECIPE, script)] + args
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-6000:]
+    return r
+
+
+def test_two_process_gloo_fsdp2(tmp_path):
+    """torchrun --nproc_per_node 2 train_fsdp2.py on gloo: sharded training,
+    a sharded DCP checkpoint where a 4-step run stops (train.stop_at=2; both
+    ranks' RNG saved), the resume to step 4, and the HF export."""
+    from transformers import LlamaForCausalLM
+
+    jl, d, exp = tmp_path / "m.jsonl", tmp_path / "ck", tmp_path / "hf"
+    args = ["--config", "L0_sanity", *TINY, "train.steps=4", "train.warmup_steps=1", f"checkpoint.dir={d}",
+            f"logging.metrics_jsonl={jl}"]
+    _torchrun("train_fsdp2.py", args + ["train.stop_at=2"])
+    assert [s for s, _ in ckpt.list_checkpoints(str(d))] == [2]
+    names = os.listdir(ckpt.latest_checkpoint(str(d)))
+    assert {"rng_rank0.pt", "rng_rank1.pt", ".metadata", "manifest.json"} <= set(names)
+    r = _torchrun("train_fsdp2.py", args + [f"checkpoint.export_dir={exp}"])
+    assert "resumed from" in r.stdout + r.stderr
+    losses = _losses(jl)
+    assert sorted(losses) == [1, 2, 3, 4] and all(math.isfinite(v) for v in losses.values())
+    assert LlamaForCausalLM.from_pretrained(str(exp)).config.num_hidden_layers == 2
+    assert os.path.isfile(exp / "tokenizer.json")
