@@ -280,3 +280,59 @@ def test_two_process_gloo_fsdp2(tmp_path):
     assert sorted(losses) == [1, 2, 3, 4] and all(math.isfinite(v) for v in losses.values())
     assert LlamaForCausalLM.from_pretrained(str(exp)).config.num_hidden_layers == 2
     assert os.path.isfile(exp / "tokenizer.json")
+
+
+# ------------------------------------------------------------ profiler range, GPU
+def test_profiler_capture_range(monkeypatch, caplog):
+    """profiler.start_step..end_step: cudaProfilerStart before the first
+    step of the range, an NVTX range per step and per phase inside, Stop
+    after the last, nothing outside (CUDA calls recorded, not made); on the
+    CPU it says it is off; end before start is a named config error."""
+    import logging
+    import types
+
+    from recipe_common.trainer import CaptureRange
+
+    calls = []
+    fake_rt = types.SimpleNamespace(cudaProfilerStart=lambda: calls.append("start"),
+                                    cudaProfilerStop=lambda: calls.append("stop"))
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake_rt)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda name: calls.append(f"push {name}"))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: calls.append("pop"))
+    cfg = load_config("L0_sanity", ["profiler.enabled=true", "profiler.start_step=2", "profiler.end_step=3"])
+    log = logging.getLogger("llama3")
+    cr = CaptureRange(cfg, 0, torch.device("cuda", 0), log)
+    for step in range(1, 6):
+        cr.begin_step(step)
+        with cr.phase("forward"):
+            pass
+        cr.end_step(step)
+    assert calls == ["start", "push step 2", "push forward", "pop", "pop", "push step 3", "push forward", "pop",
+                     "pop", "stop"], calls
+    calls.clear()
+    CaptureRange(cfg, 1, torch.device("cuda", 1), log).begin_step(2)  # rank 1: nothing
+    assert calls == []
+    with caplog.at_level(logging.WARNING, logger="llama3"):
+        CaptureRange(cfg, 0, torch.device("cpu"), log)
+    assert "profiler: enabled, but the run is on cpu" in caplog.text
+    with pytest.raises(ConfigError, match="profiler.end_step=2: must be >= profiler.start_step=5"):
+        load_config("L0_sanity", ["profiler.enabled=true", "profiler.start_step=5", "profiler.end_step=2"])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision", [["precision.recipe=bf16"],
+                                       ["precision.recipe=fp8_delayed", "precision.fp8_layers=[2]"],
+                                       ["precision.recipe=fp8_block"]])
+@pytest.mark.parametrize("packed", [True, False])
+def test_l0_sanity_cuda(precision, packed):
+    """L0_sanity on the GPU (bf16 parameters, FusedAdamW): bf16, layer-wise
+    FP8 delayed (layer 2 only) and FP8 block, packed and padded; the loss
+    falls well below ln(10) and MFU and peak memory are logged."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    out = train(load_config("L0_sanity", ["device=cuda", f"data.packed={packed}", "logging.progress_bar=false",
+                                          "train.eval_interval=0", *precision]), "fsdp2")
+    h = out["history"]
+    assert h["loss"][-1] < LN10 - 0.6, h["loss"]
+    assert out["rates"][-1]["peak_mem_gib"] > 0 and out["rates"][-1]["mfu_measured"] > 0
