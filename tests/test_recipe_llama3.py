@@ -112,7 +112,7 @@ def test_fp4_and_mxfp8_refused_before_building(monkeypatch):
     with pytest.raises(NotImplementedError) as e:
         train(cfg, "ddp")
     msg = str(e.value)
-    assert "precision.fp4_layers=None: layer 2 (1-indexed) would run NVFP4 GEMMs, which need compute " \
+    assert "precision.fp4=true: layer 2 (1-indexed) would run NVFP4 GEMMs, which need compute " \
            "capability 10.x (Blackwell); this run is on the CPU" in msg
     assert isinstance(e.value, ConfigError)  # the command line reports it as a bad config (exit 2)
     cfg = load_config("L0_sanity", TINY + ["precision.recipe=mxfp8", "precision.fp8_layers=[2]"])
@@ -136,7 +136,8 @@ def test_command_line_refuses_fp4_on_cpu_with_exit_2():
     r = subprocess.run([sys.executable, os.path.join(RECIPE, "train_ddp.py"), "--config", "L0_sanity", "device=cpu",
                         "precision.fp4=true"], capture_output=True, text=True, timeout=180, cwd=ROOT, env=env)
     assert r.returncode == 2, r.stdout + r.stderr
-    assert "layer 1 (1-indexed) would run NVFP4 GEMMs" in r.stderr and "Traceback" not in r.stderr
+    assert "precision.fp4=true: layer 1 (1-indexed) would run NVFP4 GEMMs, which need compute capability 10.x" \
+        in r.stderr and "Traceback" not in r.stderr
 
 
 def test_fp8_layers_reach_the_layers():

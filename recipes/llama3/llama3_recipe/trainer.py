@@ -91,7 +91,10 @@ def check_run(cfg, device):
     problems = []
     for key, layer, fmt, recipe in wants:
         listed = cfg.precision.fp8_layers if key.endswith("fp8_layers") else cfg.precision.fp4_layers
-        head = f"{key}={listed}: layer {layer} (1-indexed) would run {fmt} GEMMs"
+        # the key that put the layer there: the list, or (no list) the switch that turned the format on
+        asked = f"{key}={listed}" if listed is not None else \
+            ("precision.recipe=mxfp8" if fmt == "MXFP8" else "precision.fp4=true")
+        head = f"{asked}: layer {layer} (1-indexed) would run {fmt} GEMMs"
         if major is None or major < 10:
             problems.append(f"{head}, which need compute capability 10.x (Blackwell); this run is on {where}. "
                             f"On Hopper use precision.recipe=fp8_delayed, fp8_current or fp8_block "
