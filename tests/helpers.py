@@ -108,10 +108,10 @@ def seqfuse_attention_only(monkeypatch):
     """Pins ops.attention to seqfuse's own kernels for one test (the kernel
     tests check those; on an H200 the default sends padding-free bshd/sbhd
     calls to cuDNN): the backend choice and its cache are put back after."""
-    from seqfuse.ops import attn
+    from seqfuse.ops.attn import _routing as routing
 
-    monkeypatch.setattr(attn, "_backend", "seqfuse")
-    monkeypatch.setattr(attn, "_choices", {})
+    monkeypatch.setattr(routing, "_backend", "seqfuse")
+    monkeypatch.setattr(routing, "_choices", {})
 
 
 

@@ -1,4 +1,4 @@
-"""The attention backend choice of ops.attention (python/seqfuse/ops/attn.py):
+"""The attention backend choice of ops.attention (python/seqfuse/ops/attn/_routing.py):
 SEQFUSE_ATTN_BACKEND and set_attention_backend, every eligibility rule of
 the cuDNN route (cudnn_eligibility, a pure function, and attention_backend
 on CPU tensors), forced "cudnn" refusing ineligible calls, CPU calls in auto
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import seqfuse
 from attn_ref import cu_seqlens
 from helpers import rel_error
-from seqfuse.ops import attn as A
+from seqfuse.ops.attn import _routing as routing
 from test_attn_cuda import BWD_TOL, FWD_TOL, check, make_case, run_reference
 
 ESM_REASON = "bshd no_mask d=64 bfloat16 runs cuDNN fused attention through torch SDPA"
@@ -30,11 +30,11 @@ ESM_LOG = ("seqfuse attention: bshd no_mask d=64 bfloat16 runs cuDNN fused atten
 def restore_backend(monkeypatch):
     """Each test leaves the process's backend choice and the choice's caches
     as it found them."""
-    monkeypatch.setattr(A, "_backend", A._backend)
-    monkeypatch.setattr(A, "_choices", {})
-    monkeypatch.setattr(A, "_cudnn_failed", {})
-    monkeypatch.setattr(A, "_cudnn_logged", set())
-    monkeypatch.setattr(A, "_capabilities", {})
+    monkeypatch.setattr(routing, "_backend", routing._backend)
+    monkeypatch.setattr(routing, "_choices", {})
+    monkeypatch.setattr(routing, "_cudnn_failed", {})
+    monkeypatch.setattr(routing, "_cudnn_logged", set())
+    monkeypatch.setattr(routing, "_capabilities", {})
 
 
 @pytest.fixture
@@ -56,8 +56,8 @@ def sdpa_calls(monkeypatch):
 def emulated_h200(monkeypatch):
     """Runs the cuDNN route on the CPU: the device facts say CUDA 9.0 and SDPA
     may use its math backend (which runs on the CPU)."""
-    monkeypatch.setattr(A, "_device_facts", lambda device: ("cuda", (9, 0)))
-    monkeypatch.setattr(A, "_SDPA_BACKENDS", [A.SDPBackend.MATH])
+    monkeypatch.setattr(routing, "_device_facts", lambda device: ("cuda", (9, 0)))
+    monkeypatch.setattr(routing, "_SDPA_BACKENDS", [routing.SDPBackend.MATH])
 
 
 def layout(fmt, b, s, h, d, dtype=torch.bfloat16, device="cpu", requires_grad=False):
@@ -70,7 +70,7 @@ def layout(fmt, b, s, h, d, dtype=torch.bfloat16, device="cpu", requires_grad=Fa
 @pytest.mark.parametrize("value,expected", [(None, "auto"), ("", "auto"), ("auto", "auto"),
                                             ("seqfuse", "seqfuse"), ("cudnn", "cudnn"), (" seqfuse ", "seqfuse")])
 def test_env_values(monkeypatch, value, expected):
-    monkeypatch.setattr(A, "_backend", None)
+    monkeypatch.setattr(routing, "_backend", None)
     if value is None:
         monkeypatch.delenv("SEQFUSE_ATTN_BACKEND", raising=False)
     else:
@@ -81,7 +81,7 @@ def test_env_values(monkeypatch, value, expected):
             seqfuse.ops.attention(q, q, q)
     else:
         seqfuse.ops.attention(q, q, q)
-    assert A._backend == expected
+    assert routing._backend == expected
     if expected == "seqfuse":
         assert seqfuse.ops.attention_backend(q, q, q) == (
             "seqfuse", "backend 'seqfuse' chosen (SEQFUSE_ATTN_BACKEND or set_attention_backend)")
@@ -92,7 +92,7 @@ def test_env_values(monkeypatch, value, expected):
 
 @pytest.mark.parametrize("value", ["flash", "CUDNN", "seqfuse,cudnn", "0"])
 def test_env_bad_value_raises_at_the_first_call(monkeypatch, value):
-    monkeypatch.setattr(A, "_backend", None)
+    monkeypatch.setattr(routing, "_backend", None)
     monkeypatch.setenv("SEQFUSE_ATTN_BACKEND", value)
     q = layout("bshd", 1, 8, 2, 16)
     for _ in range(2):  # not remembered: every call says it until it is fixed
@@ -103,11 +103,11 @@ def test_env_bad_value_raises_at_the_first_call(monkeypatch, value):
         seqfuse.ops.attention_backend(q, q, q)
     monkeypatch.setenv("SEQFUSE_ATTN_BACKEND", "seqfuse")
     seqfuse.ops.attention(q, q, q)
-    assert A._backend == "seqfuse"
+    assert routing._backend == "seqfuse"
 
 
 def test_env_is_read_once(monkeypatch):
-    monkeypatch.setattr(A, "_backend", None)
+    monkeypatch.setattr(routing, "_backend", None)
     monkeypatch.setenv("SEQFUSE_ATTN_BACKEND", "seqfuse")
     q = layout("bshd", 1, 8, 2, 16)
     seqfuse.ops.attention(q, q, q)
@@ -118,16 +118,16 @@ def test_env_is_read_once(monkeypatch):
 
 @pytest.mark.parametrize("name", ["CUDNN", "flash", "", None, 1, ["cudnn"]])
 def test_set_attention_backend_rejects(name):
-    before = A._backend
+    before = routing._backend
     with pytest.raises(ValueError) as e:
         seqfuse.ops.set_attention_backend(name)
     assert str(e.value) == ("set_attention_backend: argument 'name' must be one of 'auto', 'seqfuse', 'cudnn', "
                             f"got {name!r}")
-    assert A._backend == before
+    assert routing._backend == before
 
 
 def test_set_attention_backend_overrides_the_environment(monkeypatch):
-    monkeypatch.setattr(A, "_backend", None)
+    monkeypatch.setattr(routing, "_backend", None)
     monkeypatch.setenv("SEQFUSE_ATTN_BACKEND", "seqfuse")
     seqfuse.ops.set_attention_backend("cudnn")
     q = layout("bshd", 1, 8, 2, 16)
@@ -348,15 +348,15 @@ def test_device_facts_ask_capability_once_per_device(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
     for _ in range(3):
-        assert A._device_facts(torch.device("cuda", 1)) == ("cuda", (9, 0))
-    assert A._device_facts(torch.device("cuda", 0)) == ("cuda", (9, 0))
+        assert routing._device_facts(torch.device("cuda", 1)) == ("cuda", (9, 0))
+    assert routing._device_facts(torch.device("cuda", 0)) == ("cuda", (9, 0))
     assert asked == [1, 0]
-    assert A._device_facts(torch.device("cpu")) == ("cpu", None)
+    assert routing._device_facts(torch.device("cpu")) == ("cpu", None)
 
 
 def test_choice_is_cached_per_call_key(monkeypatch):
     facts = []
-    monkeypatch.setattr(A, "_device_facts", lambda device: facts.append(device) or ("cuda", (9, 0)))
+    monkeypatch.setattr(routing, "_device_facts", lambda device: facts.append(device) or ("cuda", (9, 0)))
     seqfuse.ops.set_attention_backend("auto")
     q, k, v, _ = cpu_call("bshd", "no_mask")
     for _ in range(5):
@@ -471,7 +471,7 @@ def test_route_logs_once_per_reason(caplog, emulated_h200):
 def test_auto_falls_back_on_runtime_error_and_remembers(monkeypatch, caplog):
     # the device facts say H200, but SDPA keeps its cuDNN-only restriction: on
     # the CPU torch raises a RuntimeError ("No viable backend ...")
-    monkeypatch.setattr(A, "_device_facts", lambda device: ("cuda", (9, 0)))
+    monkeypatch.setattr(routing, "_device_facts", lambda device: ("cuda", (9, 0)))
     seqfuse.ops.set_attention_backend("auto")
     q, k, v = (layout("bshd", 2, 6, 2, 16, requires_grad=True) for _ in range(3))
     assert seqfuse.ops.attention_backend(q, k, v)[0] == "cudnn"
@@ -511,7 +511,7 @@ def test_auto_builds_no_call_key_for_packed_calls(emulated_h200):
     kw = dict(qkv_format="thd", attn_mask_type="padding", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=7,
               max_seqlen_kv=7)
     out = seqfuse.ops.attention(q, q, q, **kw)
-    assert A._choices == {}
+    assert routing._choices == {}
     assert torch.equal(out, seqfuse.ops.attention_fwd(q, q, q, **kw)[0])
     seqfuse.ops.set_attention_backend("cudnn")
     with pytest.raises(NotImplementedError, match="qkv_format"):
@@ -528,7 +528,7 @@ def test_auto_does_not_swallow_cuda_errors(monkeypatch, emulated_h200):
     q = layout("bshd", 1, 4, 2, 16)
     with pytest.raises(RuntimeError, match="illegal memory access"):
         seqfuse.ops.attention(q, q, q)
-    assert A._cudnn_failed == {}
+    assert routing._cudnn_failed == {}
 
 
 def test_route_output_dtype_ignores_torch_autocast(emulated_h200):
@@ -554,7 +554,7 @@ def test_auto_does_not_swallow_out_of_memory(monkeypatch, emulated_h200):
     q = layout("bshd", 1, 4, 2, 16)
     with pytest.raises(torch.cuda.OutOfMemoryError):
         seqfuse.ops.attention(q, q, q)
-    assert A._cudnn_failed == {}
+    assert routing._cudnn_failed == {}
 
 
 def _transformer_layer(**kw):

@@ -516,15 +516,15 @@ def test_cuda_dropout_forward_kernel_choice_logged(monkeypatch, caplog):
     """On Hopper a dropout forward runs the sm80 kernel (the wgmma kernel has
     no dropout): the kernel query says so with a reason naming dropout, and
     the first such forward logs it (logger "seqfuse")."""
-    from seqfuse.ops import attn as attn_mod
+    from seqfuse.ops.attn import _routing as routing
 
     arch, why = seqfuse.ops.attention_fwd_kernel(64, dropout=True)
     assert arch == 80
     if torch.cuda.get_device_capability() != (9, 0) or why.startswith("sm80 kernel chosen"):
         return
     assert "dropout" in why
-    monkeypatch.setattr(attn_mod, "_fwd_kernel_checked", set())
-    monkeypatch.setattr(attn_mod, "_fwd_reasons_logged", set())
+    monkeypatch.setattr(routing, "_fwd_kernel_checked", set())
+    monkeypatch.setattr(routing, "_fwd_reasons_logged", set())
     q = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
     with caplog.at_level(logging.INFO, logger="seqfuse"):
         seqfuse.ops.attention(q, q, q, dropout_p=0.1)

@@ -167,11 +167,11 @@ def test_sm90_sliding_window(window, mask, fmt, d, seed, sm90):
 def test_sm90_log_once_when_sm80_runs_on_hopper(caplog):
     if not is_hopper():
         pytest.skip("the log concerns Hopper GPUs")
-    from seqfuse.ops import attn as attn_mod
+    from seqfuse.ops.attn import _routing as routing
 
     fwd_was = seqfuse.ops.attention_fwd_kernel(64)[0]
     seqfuse.ops.set_attention_fwd_kernel(80)
-    attn_mod._fwd_reasons_logged.clear()
+    routing._fwd_reasons_logged.clear()
     q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16)
     try:
         with caplog.at_level(logging.INFO, logger="seqfuse"):
@@ -215,7 +215,7 @@ def test_fwd_kernel_query_default():
 def test_fwd_kernel_choice_asked_once_per_head_dim_and_device(monkeypatch):
     """The forward asks C for its kernel choice once per (head dim, device)
     until the choice changes, not on every call (host time per forward)."""
-    from seqfuse.ops import attn as attn_mod
+    from seqfuse.ops.attn import _routing as routing
 
     calls = []
 
@@ -229,15 +229,15 @@ def test_fwd_kernel_choice_asked_once_per_head_dim_and_device(monkeypatch):
         def attn_set_fwd_kernel(arch):
             pass
 
-    monkeypatch.setattr(attn_mod, "_C", FakeC)
-    monkeypatch.setattr(attn_mod, "_fwd_kernel_checked", set())
+    monkeypatch.setattr(routing, "_C", FakeC)
+    monkeypatch.setattr(routing, "_fwd_kernel_checked", set())
     q64, q128 = torch.empty(1, 4, 2, 64), torch.empty(1, 4, 2, 128)
     for _ in range(3):
-        attn_mod._note_fwd_kernel(q64, False)
-        attn_mod._note_fwd_kernel(q128, False)
+        routing.note_fwd_kernel(q64, False)
+        routing.note_fwd_kernel(q128, False)
     assert calls == [(64, 0), (128, 0)]
-    attn_mod.set_attention_fwd_kernel(80)  # a new choice: asked again
-    attn_mod._note_fwd_kernel(q64, False)
+    routing.set_attention_fwd_kernel(80)  # a new choice: asked again
+    routing.note_fwd_kernel(q64, False)
     assert calls == [(64, 0), (128, 0), (64, 0)]
 
 
@@ -248,7 +248,7 @@ def test_sm90_bwd_autograd_and_deterministic(seed, caplog):
     """Through seqfuse.ops.attention's autograd: the sm90 backward's gradients
     match the sm80 deterministic ones; a deterministic call takes sm80 and
     says why once (WARNING, logger "seqfuse")."""
-    from seqfuse.ops import attn as attn_mod
+    from seqfuse.ops.attn import _routing as routing
 
     if not is_hopper():
         pytest.skip("the wgmma backward needs a compute capability 9.0 GPU")
@@ -256,19 +256,19 @@ def test_sm90_bwd_autograd_and_deterministic(seed, caplog):
     seqfuse.ops.set_attention_fwd_kernel(90)
     seqfuse.ops.set_attention_bwd_kernel(90)
     try:
-        autograd_and_deterministic(seed, caplog, attn_mod)
+        autograd_and_deterministic(seed, caplog, routing)
     finally:
         seqfuse.ops.set_attention_fwd_kernel(fwd_was)
         seqfuse.ops.set_attention_bwd_kernel(bwd_was)
 
 
-def autograd_and_deterministic(seed, caplog, attn_mod):
+def autograd_and_deterministic(seed, caplog, routing):
     torch.manual_seed(seed)
     q, k, v = (torch.randn(2, 300, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     dout = torch.randn(2, 300, 4, 128, device="cuda", dtype=torch.bfloat16)
     grads = {}
-    attn_mod._bwd_reasons_logged.clear()
+    routing._bwd_reasons_logged.clear()
     with caplog.at_level(logging.INFO, logger="seqfuse"):
         for det in (False, True, True):
             for x in (q, k, v):
@@ -319,7 +319,7 @@ def test_bwd_kernel_query_default():
 def test_bwd_kernel_choice_asked_once_per_key(monkeypatch):
     """The backward asks C for its kernel choice once per (head dim, device,
     deterministic) until the choice changes, and logs a reason once."""
-    from seqfuse.ops import attn as attn_mod
+    from seqfuse.ops.attn import _routing as routing
 
     calls = []
 
@@ -333,15 +333,15 @@ def test_bwd_kernel_choice_asked_once_per_key(monkeypatch):
         def attn_set_bwd_kernel(arch):
             pass
 
-    monkeypatch.setattr(attn_mod, "_C", FakeC)
-    monkeypatch.setattr(attn_mod, "_bwd_kernel_checked", set())
-    monkeypatch.setattr(attn_mod, "_bwd_reasons_logged", set())
+    monkeypatch.setattr(routing, "_C", FakeC)
+    monkeypatch.setattr(routing, "_bwd_kernel_checked", set())
+    monkeypatch.setattr(routing, "_bwd_reasons_logged", set())
     q64 = torch.empty(1, 4, 2, 64)
     for _ in range(3):
-        attn_mod._note_bwd_kernel(q64, False)
-        attn_mod._note_bwd_kernel(q64, True)
+        routing.note_bwd_kernel(q64, False)
+        routing.note_bwd_kernel(q64, True)
     assert calls == [(64, 0, False), (64, 0, True)]
-    assert attn_mod._bwd_reasons_logged == {"deterministic backward: test"}
-    attn_mod.set_attention_bwd_kernel(90)  # a new choice: asked again
-    attn_mod._note_bwd_kernel(q64, False)
+    assert routing._bwd_reasons_logged == {"deterministic backward: test"}
+    routing.set_attention_bwd_kernel(90)  # a new choice: asked again
+    routing.note_bwd_kernel(q64, False)
     assert calls[-1] == (64, 0, False) and len(calls) == 3

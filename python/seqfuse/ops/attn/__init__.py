@@ -1,0 +1,48 @@
+"""Fused attention (csrc/attn/): softmax(scale * Q K^T + mask) V without the
+attention matrix, for padded (bshd, sbhd) and packed (thd) batches.
+
+``attention`` is the autograd-aware entry; ``attention_fwd`` and
+``attention_bwd`` are the two halves, with the log-sum-exp the forward saves
+for the backward.  Masks and layouts are spelled as in Transformer Engine:
+
+- ``qkv_format``: "bshd" [b, s, h, d], "sbhd" [s, b, h, d], "thd" [t, h, d]
+  (sequences packed back to back, delimited by ``cu_seqlens_q/kv``, int32
+  [b+1] cumulative lengths).
+- ``attn_mask_type``: "no_mask", "padding", "causal", "padding_causal"
+  (top-left aligned diagonal, as TE's "causal" and torch's ``is_causal``),
+  "causal_bottom_right", "padding_causal_bottom_right" (diagonal through the
+  last query and the last key, as flash-attn 2.1+).  In thd every mask is a
+  padding mask (sequences never see each other).
+- ``window_size`` = (left, right): query r sees keys r+off-left .. r+off+right,
+  -1 for unbounded; (-1, -1) or None means no window.  off is 0 for the
+  top-left causal masks and sk - sq otherwise (as TE).
+- GQA/MQA: k and v may have fewer heads than q (a divisor of its count).
+
+CUDA: float16/bfloat16, head dims 16, 24, 32, 64 and 128.  CPU: the reference in double
+precision, any head dim, float32 too.
+
+Dropout (``dropout_p``, ``rng_state``) and how its mask is drawn:
+_dropout.py.  Which code runs a call (the sm90/sm80 kernels on Hopper, or
+cuDNN fused attention through torch SDPA) and the environment variables that
+choose it: _routing.py.
+
+Files, one concern each:
+
+- _entry.py: ``attention``, ``attention_fwd``, ``attention_bwd``.
+- _args.py: argument checks and the C config tuple.
+- _routing.py: kernel and backend choice, SEQFUSE_ATTN_BACKEND.
+- _dropout.py: the Philox (seed, offset) state.
+- _padding.py: ``padding_layout`` and ``PerTensorCache`` for padding masks.
+"""
+from ._args import FORMATS, MASKS
+from ._dropout import dropout_rng_state
+from ._entry import attention, attention_bwd, attention_fwd
+from ._padding import PaddingLayout, PerTensorCache, padding_layout
+from ._routing import (BACKENDS, attention_backend, attention_bwd_kernel, attention_fwd_kernel,
+                       cudnn_eligibility, set_attention_backend, set_attention_bwd_kernel,
+                       set_attention_fwd_kernel)
+
+__all__ = ["attention", "attention_fwd", "attention_bwd", "attention_fwd_kernel", "attention_bwd_kernel",
+           "set_attention_fwd_kernel", "set_attention_bwd_kernel", "attention_backend", "set_attention_backend",
+           "cudnn_eligibility", "dropout_rng_state", "padding_layout", "PaddingLayout", "PerTensorCache",
+           "FORMATS", "MASKS", "BACKENDS"]

@@ -1,0 +1,417 @@
+"""Which code runs an attention call, and the environment variables that
+choose it.
+
+Kernel choice on Hopper (``attention``, ``attention_fwd`` and
+``attention_bwd`` alike).  The forward has two kernels: the wgmma one
+(``attention_fwd_kernel`` 90, csrc/attn/attn_fwd_sm90_cuda.cu) and the
+mma.sync one (80).  The choice is ``SEQFUSE_ATTN_FWD_KERNEL=sm90|sm80`` or
+``set_attention_fwd_kernel``; the wgmma kernel is the default for head dims 64
+and 128 (confirmed on an H200).  The backward has the same pair
+(``attention_bwd_kernel``, csrc/attn/attn_bwd_sm90_cuda.cu), chosen by
+``SEQFUSE_ATTN_BWD_KERNEL=sm90|sm80`` or ``set_attention_bwd_kernel``; the
+wgmma backward is the default for head dims 64 and 128 (confirmed on an
+H200), and deterministic calls always take sm80 (the wgmma backward adds dQ
+with atomics).  Dropout calls take sm80 both ways (the wgmma kernels have no
+dropout).  Wherever a Hopper device runs the slower kernel, the reason is
+logged once (logger "seqfuse").  SEQFUSE_ATTN_FWD_KERNEL and
+SEQFUSE_ATTN_BWD_KERNEL are read by the C library (csrc/attn), which owns
+that choice; this file asks it (``attention_fwd_kernel``,
+``attention_bwd_kernel``) and logs its reasons.
+
+Backend choice (``attention`` only; ``attention_fwd`` and ``attention_bwd``,
+the explicit halves that return and take the lse, always run seqfuse's
+kernels).  Two backends: "seqfuse" (the kernels above) and "cudnn" (cuDNN
+fused attention through ``torch.nn.functional.scaled_dot_product_attention``
+under ``sdpa_kernel([SDPBackend.CUDNN_ATTENTION])``, torch's autograd doing
+the backward; measured on an H200 at ESM-2 650M's shape, 16 x 1024 tokens,
+20 heads of dim 64, bf16, no mask: 23.5 ms of attention per training step
+against 57 ms for seqfuse's kernels).  The choice is ``SEQFUSE_ATTN_BACKEND=auto|seqfuse|cudnn``
+(read once, at the first attention call; unset or empty means auto; any other
+value is a ValueError naming the variable, raised there) or
+``set_attention_backend(name)``, which overrides it for the process.
+``attention_backend(q, k, v, ...)`` returns (name, reason): what a call
+would take and why.
+
+- "auto" (the default) takes cuDNN only where every rule holds, checked in
+  this order (the reason names the first one broken, as "rule: why"):
+  qkv_format "bshd" or "sbhd" (``qkv_format``); no padding mask and no
+  cu_seqlens (``padding``); attn_mask_type "no_mask", "causal" or
+  "causal_bottom_right" (``attn_mask_type``); s_q == s_kv (``lengths``:
+  SDPA's is_causal is top-left, which equals bottom-right only at equal
+  lengths), at least 2, batch and heads at most 65535 (torch's cuDNN
+  limits, also ``lengths``); window_size None or (-1, -1), or (-1, 0) with a
+  causal mask (``window``); dropout_p == 0 (``dropout``: seqfuse's dropout
+  has its own Philox mask contract); not deterministic and no
+  ``torch.use_deterministic_algorithms(True)`` (``deterministic``: torch
+  does not guarantee a deterministic cuDNN backward, and refuses cuDNN
+  then); float16 or bfloat16 (``dtype``); as many k/v heads as q heads
+  (``gqa``); head dim a multiple of 8, at most 128 (``head_dim``); CUDA
+  tensors (``device``); compute capability exactly 9.0, where it was
+  measured faster (``capability``); and
+  ``torch.backends.cuda.cudnn_sdp_enabled()`` (``cudnn_sdp_enabled``).
+  q, k and v that disagree (dtype, device, batch, head dim, k vs v shape,
+  not 4-D) run seqfuse's kernels, whose checks report them (``inputs``).
+  ``cudnn_eligibility`` is the rule check as a pure function of the call's
+  facts; its answer is cached per call key, the capability per device.
+- "cudnn": eligible calls take cuDNN, on any compute capability (the
+  capability rule is about speed and is skipped); any other broken rule is a
+  NotImplementedError naming it (no silent fallback; disagreeing inputs get
+  seqfuse's own errors), and torch's errors are raised as they come.
+- "seqfuse": always seqfuse's kernels.
+
+The first time auto sends a kind of call (layout, mask, head dim, dtype) to
+cuDNN, logger "seqfuse" says so once at INFO.  If torch raises a
+RuntimeError from the cuDNN forward in auto (e.g. "No available kernel"; an
+out-of-memory error, or a CUDA error, which leaves the context unusable, is
+raised as it is), a WARNING names the error, the call runs seqfuse's
+kernels, and every later call of the same shapes, strides, dtype, mask and
+device skips cuDNN (until ``set_attention_backend``); other shapes still try
+it.  An error in cuDNN's backward comes from torch's autograd and is not
+caught.
+Layouts: SDPA takes [b, h, s, d]; q, k and v go in as permuted views (bshd
+``permute(0, 2, 1, 3)``, sbhd ``permute(1, 2, 0, 3)``, copied only when the
+head dim is not unit-stride), with ``scale=softmax_scale`` (1/sqrt(d) when
+None) and ``is_causal``; the output is permuted back to the caller's layout
+and copied only when that view is not contiguous.  Its shape and dtype are
+the seqfuse path's: SDPA runs with torch.autocast off (seqfuse's kernels
+take no autocast cast either).  ``sdpa_kernel`` sets torch's process-wide
+SDPA backend flags for the call: another thread calling SDPA at that moment
+sees them.
+"""
+import logging
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from ... import _C
+from .._call import as_float
+from ._args import FORMATS, MASKS, PADDING, check_tensor, mask_code, window_pair
+
+_log = logging.getLogger("seqfuse")
+
+
+# ------------------------------------------------------------ kernel choice on Hopper
+_fwd_reasons_logged = set()
+_bwd_reasons_logged = set()
+# (head dim, device index[, deterministic]) keys whose kernel choice was already
+# looked at since the choice last changed: each direction asks C once per key, not per call
+_fwd_kernel_checked = set()
+_bwd_kernel_checked = set()
+
+
+def set_attention_fwd_kernel(arch):
+    """Forward kernel on Hopper: 90 (wgmma) or 80 (mma.sync), for the process."""
+    _C.attn_set_fwd_kernel(arch)
+    _fwd_kernel_checked.clear()
+
+
+def set_attention_bwd_kernel(arch):
+    """Backward kernel on Hopper: 90 (wgmma) or 80 (mma.sync), for the process."""
+    _C.attn_set_bwd_kernel(arch)
+    _bwd_kernel_checked.clear()
+
+
+def _device_index(device):
+    index = torch.cuda.current_device() if device is None else torch.device(device).index
+    return 0 if index is None else index
+
+
+def attention_fwd_kernel(head_dim, device=None, dropout=False):
+    """(arch, reason): the CUDA forward kernel a call with this head dim (and
+    dropout or not) takes on ``device`` (default: the current CUDA device);
+    reason is "" when it is 90 or when the device is not Hopper."""
+    return _C.attn_fwd_kernel_for(head_dim, _device_index(device), int(bool(dropout)))
+
+
+def attention_bwd_kernel(head_dim, device=None, deterministic=False, dropout=False):
+    """(arch, reason): the CUDA backward kernel a call with this head dim,
+    deterministic flag and dropout takes on ``device``, as ``attention_fwd_kernel``."""
+    return _C.attn_bwd_kernel_for(head_dim, _device_index(device), bool(deterministic), int(bool(dropout)))
+
+
+def _note_kernel(direction, key, kernel_for, checked, logged):
+    """Log once per reason when a Hopper device gets an sm80 kernel."""
+    if key in checked:
+        return
+    checked.add(key)
+    arch, why = kernel_for(*key)
+    if arch != 90 and why and why not in logged:
+        logged.add(why)
+        # an explicit choice (or the default) is news; anything else is a missed fast path
+        level = logging.INFO if why.startswith(("sm80 kernel chosen", "sm80 backward chosen")) else logging.WARNING
+        _log.log(level, "seqfuse attention %s: the sm80 (mma.sync) kernel runs on this Hopper GPU: %s",
+                 direction, why)
+
+
+def note_fwd_kernel(q, dropout=False):
+    _note_kernel("forward", (q.shape[-1], q.device.index or 0, int(bool(dropout))), _C.attn_fwd_kernel_for,
+                 _fwd_kernel_checked, _fwd_reasons_logged)
+
+
+def note_bwd_kernel(q, deterministic, dropout=False):
+    _note_kernel("backward", (q.shape[-1], q.device.index or 0, bool(deterministic), int(bool(dropout))),
+                 _C.attn_bwd_kernel_for, _bwd_kernel_checked, _bwd_reasons_logged)
+
+
+
+# ------------------------------------------------------------ backend choice
+BACKENDS = ("auto", "seqfuse", "cudnn")
+_ENV = "SEQFUSE_ATTN_BACKEND"
+_backend = None  # the process's choice; None until the first call reads the environment
+# what SDPA may run on the cudnn route (CPU tests point it at MATH to run the route there)
+_SDPA_BACKENDS = [SDPBackend.CUDNN_ATTENTION]
+_CUDNN_CAPABILITY = (9, 0)
+_CUDNN_DTYPES = (torch.float16, torch.bfloat16)
+_CUDNN_MASKS = ("no_mask", "causal", "causal_bottom_right")
+_CUDNN_MAX_DIM = 65535  # torch's cuDNN attention takes batch and heads up to this
+_TO_BHSD = {"bshd": (0, 2, 1, 3), "sbhd": (1, 2, 0, 3)}
+_FROM_BHSD = {"bshd": (0, 2, 1, 3), "sbhd": (2, 0, 1, 3)}
+_choices = {}         # call key -> (backend, rule, reason); emptied past _MAX_CHOICES keys
+_MAX_CHOICES = 4096
+_capabilities = {}    # CUDA device index -> (major, minor)
+_cudnn_failed = {}    # (dtype, head dim, causal, device) -> torch's error, in auto
+_cudnn_logged = set()  # reasons already logged at INFO
+
+
+def _read_backend():
+    """The process's backend: set_attention_backend's, else the environment's
+    (read once; a bad value raises here, at every call, until it is fixed)."""
+    global _backend
+    if _backend is None:
+        raw = os.environ.get(_ENV, "")
+        value = raw.strip() or "auto"
+        if value not in BACKENDS:
+            raise ValueError(f"{_ENV} must be one of 'auto', 'seqfuse', 'cudnn', got {raw!r}")
+        _backend = value
+    return _backend
+
+
+def set_attention_backend(name):
+    """Attention backend of ``attention`` for the process: "auto", "seqfuse"
+    or "cudnn" (overrides SEQFUSE_ATTN_BACKEND; see the module docstring).
+    Also forgets the shape classes whose cuDNN call failed in auto."""
+    global _backend
+    if not isinstance(name, str) or name not in BACKENDS:
+        raise ValueError(f"set_attention_backend: argument 'name' must be one of 'auto', 'seqfuse', 'cudnn', "
+                         f"got {name!r}")
+    _backend = name
+    _choices.clear()
+    _cudnn_failed.clear()
+
+
+def cudnn_eligibility(device_type, capability, qkv_format, attn_mask_type, s_q, s_kv, window_size, dropout_p,
+                      deterministic, dtype, heads_q, heads_kv, head_dim, cudnn_enabled, *,
+                      cu_seqlens=False, check_capability=True, batch=1, deterministic_algorithms=False):
+    """(rule, reason) for one call's facts: rule is "" when the call may run
+    cuDNN fused attention, else the first rule it breaks (the module
+    docstring's order), and reason says "rule: why".  Pure: no tensors, no
+    device queries.  ``capability`` is (major, minor) or None; ``window_size``
+    None or (left, right); ``cu_seqlens``: whether cu_seqlens were given;
+    ``check_capability`` False skips the capability rule (forced "cudnn");
+    ``deterministic_algorithms``: torch.use_deterministic_algorithms is on
+    (not warn-only), under which torch refuses cuDNN attention."""
+    def no(rule, why):
+        return rule, f"{rule}: {why}"
+    if qkv_format not in _TO_BHSD:
+        return no("qkv_format", f"qkv_format {qkv_format!r}; the cuDNN route takes padded bshd or sbhd only")
+    if attn_mask_type in MASKS and MASKS[attn_mask_type] in PADDING:
+        return no("padding", f"attn_mask_type {attn_mask_type!r} is a padding mask")
+    if cu_seqlens:
+        return no("padding", "cu_seqlens given (padded sequences)")
+    if attn_mask_type not in _CUDNN_MASKS:
+        return no("attn_mask_type", f"attn_mask_type {attn_mask_type!r} is not one of {list(_CUDNN_MASKS)}")
+    causal = attn_mask_type != "no_mask"
+    if s_q != s_kv:
+        return no("lengths", f"s_q {s_q} != s_kv {s_kv} (SDPA's is_causal is top-left; only equal lengths "
+                             "are taken)")
+    if s_kv < 2:
+        return no("lengths", f"sequence length {s_kv} (torch's cuDNN attention takes key lengths >= 2)")
+    if batch > _CUDNN_MAX_DIM or heads_q > _CUDNN_MAX_DIM:
+        return no("lengths", f"batch {batch} or {heads_q} heads above {_CUDNN_MAX_DIM} (torch's cuDNN limit)")
+    window = (-1, -1) if window_size is None else tuple(window_size)
+    if window != (-1, -1) and not (causal and window == (-1, 0)):
+        return no("window", f"window_size {window_size!r} (only None, (-1, -1), or (-1, 0) with a causal mask)")
+    if dropout_p != 0.0:
+        return no("dropout", f"dropout_p {dropout_p} > 0 (seqfuse's dropout has its own Philox mask contract)")
+    if deterministic:
+        return no("deterministic", "deterministic=True (torch does not guarantee a deterministic cuDNN backward)")
+    if deterministic_algorithms:
+        return no("deterministic", "torch.use_deterministic_algorithms(True) (torch refuses cuDNN attention)")
+    if dtype not in _CUDNN_DTYPES:
+        return no("dtype", f"dtype {dtype} (cuDNN takes float16 and bfloat16)")
+    if heads_q != heads_kv:
+        return no("gqa", f"{heads_q} q heads and {heads_kv} k/v heads (GQA/MQA)")
+    if head_dim % 8 or not 0 < head_dim <= 128:
+        return no("head_dim", f"head dim {head_dim} (a multiple of 8, at most 128)")
+    if device_type != "cuda":
+        return no("device", f"{device_type} tensors (cuDNN fused attention is CUDA only)")
+    if check_capability and tuple(capability or ()) != _CUDNN_CAPABILITY:
+        cap = "unknown" if capability is None else "%d.%d" % tuple(capability)
+        return no("capability", f"compute capability {cap} (cuDNN attention is taken in auto only on 9.0, "
+                                "where it was measured faster)")
+    if not cudnn_enabled:
+        return no("cudnn_sdp_enabled", "torch.backends.cuda.cudnn_sdp_enabled() is False")
+    return "", ""
+
+
+def _device_facts(device):
+    """(device type, capability or None), the capability asked once per device."""
+    if device.type != "cuda":
+        return device.type, None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cap = _capabilities.get(index)
+    if cap is None:
+        cap = _capabilities[index] = tuple(torch.cuda.get_device_capability(index))
+    return "cuda", cap
+
+
+def _decide(mode, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, deterministic, cu_seqlens,
+            cudnn_enabled, deterministic_algorithms):
+    """(backend, rule, reason) of one call key; bad argument values raise as
+    the seqfuse path would."""
+    if qkv_format not in FORMATS:
+        raise ValueError(f"attention: qkv_format must be 'bshd', 'sbhd' or 'thd', got {qkv_format!r}")
+    mask_code(attn_mask_type, qkv_format)
+    window = window_pair(window_size)
+    p = as_float("attention", "dropout_p", dropout_p)
+    if qkv_format in _TO_BHSD:
+        bad = None
+        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+            bad = "q, k and v are not all 4-D"
+        elif not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+            bad = "q, k and v differ in dtype or device"
+        elif k.shape != v.shape or q.shape[-1] != k.shape[-1]:
+            bad = "k and v differ in shape, or q and k in head dim"
+        elif q.shape[qkv_format == "sbhd"] != k.shape[qkv_format == "sbhd"]:
+            bad = "q and k differ in batch size"
+        if bad is not None:
+            return "seqfuse", "inputs", f"inputs: {bad} (seqfuse's checks report it)"
+        s_dim = 1 if qkv_format == "bshd" else 0
+        s_q, s_kv, batch = q.shape[s_dim], k.shape[s_dim], q.shape[1 - s_dim]
+    else:
+        s_q = s_kv = batch = None
+    device_type, capability = _device_facts(q.device)
+    rule, reason = cudnn_eligibility(device_type, capability, qkv_format, attn_mask_type, s_q, s_kv, window, p,
+                                     bool(deterministic), q.dtype, q.shape[-2], k.shape[-2], q.shape[-1],
+                                     cudnn_enabled, cu_seqlens=cu_seqlens, check_capability=mode == "auto",
+                                     batch=batch, deterministic_algorithms=deterministic_algorithms)
+    if rule:
+        return "seqfuse", rule, reason
+    return "cudnn", "", (f"{qkv_format} {attn_mask_type} d={q.shape[-1]} {str(q.dtype).replace('torch.', '')} "
+                         "runs cuDNN fused attention through torch SDPA")
+
+
+def _choose(mode, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, deterministic, cu_seqlens_q,
+            cu_seqlens_kv):
+    """(backend, rule, reason) of one call under ``mode``; forced "cudnn"
+    raises NotImplementedError where a rule (other than "inputs") is broken."""
+    if mode == "seqfuse":
+        return "seqfuse", "", f"backend 'seqfuse' chosen ({_ENV} or set_attention_backend)"
+    enabled = torch.backends.cuda.cudnn_sdp_enabled()
+    det_algos = torch.are_deterministic_algorithms_enabled() and \
+        not torch.is_deterministic_algorithms_warn_only_enabled()
+    cu = cu_seqlens_q is not None or cu_seqlens_kv is not None
+    window = tuple(window_size) if isinstance(window_size, list) else window_size
+    key = (mode, q.device, qkv_format, attn_mask_type, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
+           window, dropout_p, bool(deterministic), cu, enabled, det_algos)
+    try:
+        hit = _choices.get(key)
+    except TypeError:  # an unhashable argument: _decide names it
+        hit, key = None, None
+    if hit is None:
+        hit = _decide(mode, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, deterministic, cu,
+                      enabled, det_algos)
+        if key is not None:
+            if len(_choices) >= _MAX_CHOICES:
+                _choices.clear()
+            _choices[key] = hit
+    name, rule, reason = hit
+    if mode == "cudnn":
+        if name != "cudnn" and rule != "inputs":
+            raise NotImplementedError(f"attention: backend 'cudnn' was chosen ({_ENV} or set_attention_backend) "
+                                      f"but this call cannot run cuDNN fused attention: {reason}")
+    elif name == "cudnn" and _cudnn_failed:
+        error = _cudnn_failed.get(_failure_key(q, k, attn_mask_type))
+        if error is not None:
+            return "seqfuse", "cudnn_failed", f"cudnn_failed: cuDNN failed earlier on these shapes, strides, " \
+                                              f"dtype, mask and device: {error}"
+    return hit
+
+
+def _failure_key(q, k, attn_mask_type):
+    """What a cuDNN failure in auto is remembered by: the call's shapes,
+    strides, dtype, mask and device (one odd call does not turn the route
+    off for every other shape)."""
+    return (q.dtype, tuple(q.shape), tuple(k.shape), q.stride(), k.stride(), attn_mask_type, q.device)
+
+
+def attention_backend(q, k, v, qkv_format="bshd", attn_mask_type="no_mask", window_size=None, dropout_p=0.0,
+                      deterministic=False, cu_seqlens_q=None, cu_seqlens_kv=None):
+    """(name, reason): the backend ("seqfuse" or "cudnn") an ``attention``
+    call with these arguments takes under the process's choice, and why (for
+    a call that stays on seqfuse, "rule: why" naming the first rule broken).
+    Raises what the call would: ValueError for a bad SEQFUSE_ATTN_BACKEND
+    or argument value, NotImplementedError for a call the forced "cudnn"
+    backend cannot run."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, x)
+    name, _, reason = _choose(_read_backend(), q, k, v, qkv_format, attn_mask_type, window_size, dropout_p,
+                              deterministic, cu_seqlens_q, cu_seqlens_kv)
+    return name, reason
+
+
+def _sdpa(q, k, v, qkv_format, causal, scale):
+    """SDPA on the permuted views, restricted to _SDPA_BACKENDS; the output
+    back in the caller's layout."""
+    to = _TO_BHSD[qkv_format]
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    with sdpa_kernel(_SDPA_BACKENDS), torch.autocast(q.device.type, enabled=False):
+        out = F.scaled_dot_product_attention(q.permute(to), k.permute(to), v.permute(to), is_causal=causal,
+                                             scale=scale)
+    out = out.permute(_FROM_BHSD[qkv_format])
+    return out if out.is_contiguous() else out.contiguous()
+
+
+def _cudnn_attention(mode, reason, q, k, v, qkv_format, attn_mask_type, softmax_scale):
+    """The cudnn route of one call; None where auto falls back to seqfuse."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else \
+        as_float("attention", "softmax_scale", softmax_scale)
+    if mode == "auto" and reason not in _cudnn_logged:
+        _cudnn_logged.add(reason)
+        _log.info("seqfuse attention: %s (set %s=seqfuse for seqfuse's kernels)", reason, _ENV)
+    if mode != "auto":
+        return _sdpa(q, k, v, qkv_format, attn_mask_type != "no_mask", scale)
+    try:
+        return _sdpa(q, k, v, qkv_format, attn_mask_type != "no_mask", scale)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except RuntimeError as e:
+        error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "CUDA error" in error or "cudaError" in error:  # the context is broken: nothing to fall back to
+            raise
+        _cudnn_failed[_failure_key(q, k, attn_mask_type)] = error
+        _log.warning("seqfuse attention: cuDNN fused attention (torch SDPA) failed on %s %s d=%d %s: %s; this "
+                     "call and later ones of these shapes, strides, dtype, mask and device run on seqfuse's "
+                     "kernels",
+                     qkv_format, attn_mask_type, q.shape[-1], str(q.dtype).replace("torch.", ""), error)
+        return None
+
+
+
+def cudnn_attention_or_none(q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, deterministic,
+                            cu_seqlens_q, cu_seqlens_kv, softmax_scale):
+    """``attention``'s backend step: the output of cuDNN fused attention when
+    the process's backend choice sends this call there, else None (seqfuse's
+    kernels run it).  Forced "cudnn" raises for a call it cannot run."""
+    mode = _read_backend()
+    # auto looks at bshd/sbhd calls only (thd, the packed hot path, is never
+    # eligible: no call key to build); forced cudnn looks at every call, to refuse
+    if mode == "cudnn" or (mode == "auto" and qkv_format in _TO_BHSD):
+        name, _, reason = _choose(mode, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p,
+                                  deterministic, cu_seqlens_q, cu_seqlens_kv)
+        if name == "cudnn":
+            return _cudnn_attention(mode, reason, q, k, v, qkv_format, attn_mask_type, softmax_scale)
+    return None
