@@ -9,7 +9,7 @@ from seqfuse import _C
 from seqfuse.modules.activation import activation, bias_dropout_add
 from seqfuse.ops import act as A
 
-from helpers import assert_close_rel, fp8_steps, needs_fp8, poisoned_like
+from helpers import assert_close_rel, fp8_steps, needs_fp8, poisoned_like, rel_tol
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 NAMES = list(A.ACTIVATIONS)
@@ -259,12 +259,8 @@ def test_act_cuda_matches_cpu_and_float64(name, dtype, shape, seed):
     assert_close_rel(y, cy.double(), dtype)
     assert_close_rel(dx, cdx.double(), dtype)
     assert amax_y.item() == y.float().abs().max().item() or dtype != torch.float32
-    assert amax_y.item() == pytest.approx(ry.abs().max().item(), rel=REL(dtype))
-    assert amax_dx.item() == pytest.approx(rdx.abs().max().item(), rel=REL(dtype))
-
-
-def REL(dtype):
-    return {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    assert amax_y.item() == pytest.approx(ry.abs().max().item(), rel=rel_tol(dtype))
+    assert amax_dx.item() == pytest.approx(rdx.abs().max().item(), rel=rel_tol(dtype))
 
 
 @pytest.mark.cuda
@@ -289,7 +285,7 @@ def test_act_cuda_fp8_output(name, fmt, dtype, seed):
     cpu8 = A.act_fwd(x.cpu(), name, out_dtype=fmt, scale=scale.cpu())
     diff = fp8_steps(y8.cpu(), cpu8)
     assert diff.max().item() <= 1 and (diff > 0).float().mean().item() < 0.01
-    assert amax_y.item() == pytest.approx(y_hp.float().abs().max().item(), rel=REL(dtype))
+    assert amax_y.item() == pytest.approx(y_hp.float().abs().max().item(), rel=rel_tol(dtype))
 
 
 @pytest.mark.cuda

@@ -9,7 +9,7 @@ import torch
 
 import seqfuse
 from gemm_helpers import E4M3, E5M2, QUANTIZERS, dgelu_tanh, op, reference
-from helpers import REL_TOL, assert_close_rel, needs_fp8, rel_error
+from helpers import assert_close_rel, needs_fp8, pair_tol, rel_error
 
 gemm = seqfuse.ops.gemm
 gemm_mod = importlib.import_module("seqfuse.ops.gemm")  # the module; seqfuse.ops.gemm is the op
@@ -308,7 +308,7 @@ def poisoned(shape, dtype, device="cuda"):
 def check_cuda_vs_cpu(out_gpu, out_cpu, ref, dtype, factor=1.0):
     assert_close_rel(out_gpu, ref, dtype, factor=factor)
     # the GPU and the CPU reference agree about as well as each with float64
-    tol = REL_TOL[dtype] * factor * 2
+    tol = pair_tol(dtype, factor)
     assert rel_error(out_gpu, out_cpu.double()) <= tol
 
 
@@ -328,9 +328,9 @@ def test_cuda_layouts(mnk, dtype, layout, seed):
     factor = 300.0 if dtype == torch.float32 else 1.0
     assert_close_rel(out, ref, dtype, factor=factor)
     if cpu is not None:
-        assert rel_error(out, cpu.double()) <= REL_TOL[dtype] * factor * 2
+        assert rel_error(out, cpu.double()) <= pair_tol(dtype, factor)
     torch_out = op(a, ta) @ op(b, tb)
-    assert rel_error(out, torch_out.double()) <= REL_TOL[dtype] * factor * 2
+    assert rel_error(out, torch_out.double()) <= pair_tol(dtype, factor)
 
 
 @pytest.mark.cuda

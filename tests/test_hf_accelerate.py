@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 import seqfuse.pytorch  # noqa: E402
 from seqfuse.hf import accelerate  # noqa: E402
-from helpers import rel_error  # noqa: E402
+from helpers import rel_error, rel_tol  # noqa: E402
 
 # The module (the package exports the function under the same name).
 accelerate_mod = importlib.import_module("seqfuse.hf.accelerate")
@@ -744,7 +744,7 @@ def test_model_rmsnorm_classes_swapped_only_when_the_probe_agrees(dtype):
     assert "does not compute what seqfuse's RMSNorm computes" in report.reason("2")
     assert "holds parameter(s) ['weight', 'bias']" in report.reason("3")
     x = torch.randn(4, 7, 64).to(dtype)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    tol = rel_tol(dtype)
     assert rel_error(model[0](x), ref[0](x)) <= tol
     assert rel_error(model(x), ref(x)) <= tol
 
