@@ -6,6 +6,7 @@
 # time limit so one slow step cannot eat the others; logs and result JSON
 # are packed into $OUT/fp8_run.tgz (and the JSONs copied to $OUT).
 #   bash benchmarks/gpu_fp8.sh
+# PARTS (default tests,fp8_rows,fp8_host,esm2,graphs) picks the steps; TESTS the test files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -29,15 +30,17 @@ start=$(date +%s)
 MAX_JOBS=16 python3 -m pip install -q --no-build-isolation --no-deps --no-index -e . > "$LOG/build.log" 2>&1 \
     || { tail -30 "$LOG/build.log"; echo BUILD FAILED; exit 1; }
 echo "build $(( $(date +%s) - start )) s"
-TAIL=12 run ${TEST_LIMIT:-140} pytest python3 -m pytest -q -m cuda -p no:cacheprovider -n 8 --timeout 180 \
+PARTS=${PARTS:-tests,fp8_rows,fp8_host,esm2,graphs}
+want() { [[ ",$PARTS," == *",$1,"* ]]; }
+want tests && TAIL=12 run ${TEST_LIMIT:-140} pytest python3 -m pytest -q -m cuda -p no:cacheprovider -n 8 --timeout 180 \
     ${TESTS:-tests/test_fp8_any_rows.py tests/test_linear.py tests/test_layernorm_modules.py \
      tests/test_transformer_layer.py tests/test_quant_cast.py tests/test_attn_masks.py \
      tests/test_silent_wrong.py tests/test_act.py}
 cd benchmarks
-TAIL=40 run 100 fp8_rows python3 bench_fp8_rows.py --rows 4097,16383
-TAIL=12 run 50 fp8_host env OMP_NUM_THREADS=1 python3 bench_fp8_host.py --iters 200
-TAIL=14 run 150 esm2 python3 esm2/bench_esm2.py --size 650M --steps 10 --warmup 3 --out esm2_s7 \
+want fp8_rows && TAIL=40 run 100 fp8_rows python3 bench_fp8_rows.py --rows 4097,16383
+want fp8_host && TAIL=12 run 50 fp8_host env OMP_NUM_THREADS=1 python3 bench_fp8_host.py --iters 200
+want esm2 && TAIL=14 run 150 esm2 python3 esm2/bench_esm2.py --size 650M --steps 10 --warmup 3 --out esm2_s7 \
     --rows hf_bf16_fixed,seqfuse_bf16_fixed,seqfuse_fp8_delayed_fixed,seqfuse_fp8_delayed_packed
-TAIL=12 run 60 graphs python3 bench_graphs.py
+want graphs && TAIL=12 run 60 graphs python3 bench_graphs.py
 echo "gpu_fp8 status $status, $(( $(date +%s) - start )) s"
 exit $status

@@ -78,6 +78,10 @@ def test_any_row_count_equals_aligned(kind, recipe, rows, device, seed):
     # A TransformerLayer's pad tokens stop being zero after attention (they
     # attend to the real ones), so the hand-padded run's amaxes (and current
     # or delayed scales) take them in: equal within FP8 rounding only.
+    # Two independent FP8 roundings (E4M3: up to 6.25 % per element) under
+    # different scales differ by several percent in norm, so the bound is 10 %
+    # (seed 677809110 gives 6.2 % on a value-weight gradient at rows=1); a
+    # wrong padding or a lost row is off by O(1).
     # The error floor is relative to the largest gradient of the run: with one
     # real token its query and key weight gradients are 0 in exact arithmetic
     # (softmax over one key), so GPU rounding noise is all there is to compare.
@@ -90,7 +94,7 @@ def test_any_row_count_equals_aligned(kind, recipe, rows, device, seed):
             assert torch.equal(got, want), f"{kind} {recipe} rows={rows}: {what} differs from the aligned run"
         else:
             err = (got.double() - want.double()).norm().item()
-            assert err <= 0.05 * want.double().norm().item() + 1e-2 * floor, what
+            assert err <= 0.1 * want.double().norm().item() + 1e-2 * floor, what
     if recipe == "delayed" and exact:  # the same forward amaxes were recorded, so the same scales follow
         assert torch.equal(_forward_scales(m), _forward_scales(twin))
 

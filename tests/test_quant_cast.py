@@ -289,7 +289,7 @@ def test_cast_errors():
         ops.cast_fp8(x, torch.ones(2), None, E4M3)
     with pytest.raises(ValueError, match="cast_fp8: argument 'amax' must have 1 element"):
         ops.cast_fp8(x, one(1.0), torch.zeros(3), E4M3)
-    with pytest.raises(ValueError, match=r"cast_fp8: argument 'out_t' must have shape \[8, 4\]"):
+    with pytest.raises(ValueError, match=r"cast_fp8: argument 'out_t' must have shape \[8, Mp\] with Mp >= 4"):
         ops.cast_transpose_fp8(x, one(1.0), None, E4M3, out_t=torch.empty(4, 8, dtype=E4M3))
     with pytest.raises(TypeError, match="cast_fp8: argument 'out' must have dtype float8_e4m3fn or float8_e5m2, got float32"):
         seqfuse._C.cast_fp8(x, one(1.0), None, torch.empty(4, 8), None, None)
@@ -464,3 +464,169 @@ def test_cuda_cast_graph_capturable_and_on_current_stream():
     ref, ref_t = ops.cast_transpose_fp8(x.cpu(), one(2.0), None, E4M3)
     assert torch.equal(bits(out).cpu(), bits(ref)) and torch.equal(bits(out_t).cpu(), bits(ref_t))
     assert amax.item() == x.float().abs().max().item()
+
+
+# ---- padded token rows (rows=): the FP8 GEMMs' zero padding written by the cast ----
+
+def padded_reference(x, rows, fp8, scale=1.5, dbias=False):
+    """The cast of x padded by hand with zero rows: what rows= must equal bit for bit."""
+    x2 = x.reshape(-1, x.shape[-1])
+    xp = torch.cat((x2, x2.new_zeros(rows - x2.shape[0], x2.shape[1])))
+    return ops.cast_transpose_fp8(xp, one(scale, x.device), None, fp8, dbias=dbias)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("shape,rows", [((7, 13), 16), ((1, 16), 16), ((20, 24), 32), ((130, 264), 144),
+                                        ((3, 5, 16), 16), ((0, 8), 16), ((16, 8), 48)])
+def test_cast_rows_pads_with_zeros_cpu(shape, rows, dtype, fp8, seed):
+    x = (torch.randn(shape) * 30).to(dtype)
+    k, m = shape[-1], x.numel() // shape[-1]
+    amax, si = one(0.0), one(float("nan"))
+    data, data_t = ops.cast_transpose_fp8(x, one(1.5), amax, fp8, scale_inv=si, rows=rows)
+    ref, ref_t = padded_reference(x, rows, fp8)
+    assert data.shape == (rows, k) and data_t.shape == (k, rows)
+    assert torch.equal(bits(data), bits(ref)) and torch.equal(bits(data_t), bits(ref_t))
+    assert not bits(data)[m:].any() and not bits(data_t)[:, m:].any()
+    assert amax.item() == (x.float().abs().max().item() if x.numel() else 0.0)
+    assert si.item() == (1 / torch.tensor(1.5)).item()
+    plain = ops.cast_fp8(x, one(1.5), None, fp8, rows=rows)  # the row-wise copy alone
+    assert plain.shape == (rows, k) and torch.equal(bits(plain), bits(ref))
+    cur, cur_t = ops.quant.cast_fp8_current(x, fp8, amax=one(0.0), scale=one(0.0), scale_inv=one(0.0),
+                                            transpose=True, rows=rows)
+    assert cur.shape == (rows, k) and cur_t.shape == (k, rows) and not bits(cur_t)[:, m:].any()
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape,rows", [((7, 8), 16), ((130, 24), 144), ((100, 64), 112), ((1, 8), 16)])
+def test_cast_rows_dbias_cpu(shape, rows, dtype, seed):
+    x = (torch.randn(shape) * 3).to(dtype)
+    assert ops.quant.dbias_fusable(x, rows=rows) and not ops.quant.dbias_fusable(x)
+    data, data_t, db = ops.cast_transpose_fp8(x, one(1.5), None, E5M2, dbias=True, rows=rows)
+    ref, ref_t, ref_db = padded_reference(x, rows, E5M2, dbias=True)
+    assert torch.equal(bits(data), bits(ref)) and torch.equal(bits(data_t), bits(ref_t))
+    assert torch.equal(db, ref_db)
+
+
+def test_cast_rows_errors():
+    x = torch.randn(20, 16)
+    with pytest.raises(ValueError, match=r"cast_transpose_fp8: argument 'rows' \(16\) must be at least x's row count 20"):
+        ops.cast_transpose_fp8(x, one(1.0), None, E4M3, rows=16)
+    with pytest.raises(ValueError, match=r"argument 'rows' \(8\) must be at least"):
+        ops.cast_fp8(x, one(1.0), None, E4M3, rows=8)
+    with pytest.raises(ValueError, match="cast_fp8: argument 'rows' must be a whole number, got 16.5"):
+        ops.cast_fp8(x, one(1.0), None, E4M3, rows=16.5)
+    with pytest.raises(ValueError, match=r"'out_t' must have shape \[16, Mp\] with Mp >= 20"):
+        seqfuse._C.cast_fp8(x, one(1.0), None, None, torch.empty(16, 19, dtype=E4M3), None, None)
+    with pytest.raises(ValueError, match=r"'out' must have x's 320 elements or shape \[32, 16\]"):
+        seqfuse._C.cast_fp8(x, one(1.0), None, torch.empty(48, 16, dtype=E4M3),
+                            torch.empty(16, 32, dtype=E4M3), None, None)
+    with pytest.raises(ValueError, match=r"M % 16 == 0, M counting the outputs' 24 padded rows"):
+        ops.cast_transpose_fp8(x, one(1.0), None, E4M3, dbias=True, rows=24)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape,rows", [((7, 16), 16), ((1, 64), 16), ((4097, 1280), 4112), ((1000, 8), 1008),
+                                        ((33, 17), 48), ((130, 264), 144), ((2, 9, 96), 32), ((16, 128), 64),
+                                        ((0, 32), 16)])
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("fp8", FP8)
+def test_cuda_cast_rows_bit_identical(shape, rows, dtype, fp8, seed):
+    """Padded outputs (poisoned first) against the CPU backend and against
+    the cast of a hand-padded x: the tiled, the plain and the generic kernels."""
+    x = (torch.randn(shape, device="cuda") * 200).to(dtype)
+    k, m = shape[-1], x.numel() // shape[-1]
+    out, out_t = poisoned((rows, k), fp8), poisoned((k, rows), fp8)
+    amax = one(0.0, "cuda")
+    ops.cast_transpose_fp8(x, one(1.7, "cuda"), amax, fp8, out=out, out_t=out_t, rows=rows)
+    amax_c = one(0.0)
+    ref, ref_t = ops.cast_transpose_fp8(x.cpu(), one(1.7), amax_c, fp8, rows=rows)
+    assert torch.equal(bits(out).cpu(), bits(ref)) and torch.equal(bits(out_t).cpu(), bits(ref_t))
+    assert amax.item() == amax_c.item()
+    hand, hand_t = padded_reference(x, rows, fp8, scale=1.7)
+    assert torch.equal(bits(out), bits(hand)) and torch.equal(bits(out_t), bits(hand_t))
+    plain = poisoned((rows, k), fp8)
+    ops.cast_fp8(x, one(1.7, "cuda"), None, fp8, out=plain, rows=rows)
+    assert torch.equal(bits(plain).cpu(), bits(ref))
+    if k % 8 == 0 and rows % 16 == 0:
+        data, data_t, db = ops.cast_transpose_fp8(x, one(1.7, "cuda"), None, fp8, dbias=True, rows=rows)
+        _, _, db_c = ops.cast_transpose_fp8(x.cpu(), one(1.7), None, fp8, dbias=True, rows=rows)
+        assert torch.equal(bits(data_t).cpu(), bits(ref_t)) and torch.equal(db.cpu(), db_c)
+
+
+# ---- current scaling in one call (ops.quant.cast_fp8_current; one cooperative launch on CUDA) ----
+
+def current_reference(x, fp8, margin=0, rows=None):
+    """amax, scale, cast in turn through the separate ops: what the one call must equal."""
+    amax, scale, si = one(0.0), one(0.0), one(0.0)
+    ops.amax(x.cpu(), out=amax)
+    ops.quant.fp8_compute_scale(amax, scale, si, ops.quant.FP8_MAX[fp8], margin)
+    data, data_t = ops.cast_transpose_fp8(x.cpu(), scale, None, fp8, rows=rows)
+    return amax, scale, si, data, data_t
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("shape,rows,margin", [((64, 32), None, 0), ((7, 16), 16, 1), ((130, 264), 144, 0),
+                                               ((0, 16), None, 0), ((33, 17), 48, 2)])
+def test_cast_fp8_current_equals_the_three_ops_cpu(shape, rows, margin, dtype, fp8, seed):
+    x = (torch.randn(shape) * 40).to(dtype)
+    amax, scale, si = one(1e9), one(float("nan")), one(float("nan"))  # amax is written, not folded
+    data, data_t = ops.quant.cast_fp8_current(x, fp8, amax=amax, scale=scale, scale_inv=si, transpose=True,
+                                              margin=margin, rows=rows)
+    r_amax, r_scale, r_si, r_data, r_t = current_reference(x, fp8, margin, rows)
+    assert amax.item() == r_amax.item() and scale.item() == r_scale.item() and si.item() == r_si.item()
+    assert torch.equal(bits(data), bits(r_data)) and torch.equal(bits(data_t), bits(r_t))
+
+
+def test_cast_fp8_current_errors():
+    x = torch.randn(32, 16)
+    with pytest.raises(ValueError, match=r"cast_fp8_current: argument 'margin' must be in \[-64, 64\], got 99"):
+        ops.quant.cast_fp8_current(x, E4M3, amax=one(0.0), scale=one(0.0), scale_inv=one(0.0), margin=99)
+    with pytest.raises(TypeError, match="cast_fp8_current: argument 'amax' must have dtype float32"):
+        ops.quant.cast_fp8_current(x, E4M3, amax=torch.zeros(1, dtype=torch.float16), scale=one(0.0),
+                                   scale_inv=one(0.0))
+    with pytest.raises(ValueError, match="cast_fp8_current: argument 'scale' must have 1 element"):
+        ops.quant.cast_fp8_current(x, E4M3, amax=one(0.0), scale=torch.zeros(2), scale_inv=one(0.0))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape,rows", [((5120, 1280), None), ((1280, 5120), None), ((3840, 1280), None),
+                                        ((4097, 1280), 4112), ((16, 16), None), ((7, 16), 16),
+                                        ((33, 17), 48), ((100, 12), None), ((1, 128), 16)])
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("fp8", FP8)
+def test_cuda_cast_fp8_current_bit_identical(shape, rows, dtype, fp8, seed):
+    """The one-launch current cast (and the three-kernel path for the shapes
+    it does not take) against the CPU's amax, scale and cast, outputs poisoned."""
+    x = (torch.randn(shape, device="cuda") * 40).to(dtype)
+    k = shape[-1]
+    mp = rows or x.numel() // k
+    out, out_t = poisoned((mp, k), fp8), poisoned((k, mp), fp8)
+    amax, scale, si = one(1e9, "cuda"), one(float("nan"), "cuda"), one(float("nan"), "cuda")
+    for margin in (0, 1):
+        ops.quant.cast_fp8_current(x, fp8, amax=amax, scale=scale, scale_inv=si, out=out, out_t=out_t,
+                                   transpose=True, margin=margin, rows=rows)
+        r_amax, r_scale, r_si, r_data, r_t = current_reference(x, fp8, margin, rows)
+        assert amax.item() == r_amax.item() and scale.item() == r_scale.item() and si.item() == r_si.item()
+        assert torch.equal(bits(out).cpu(), bits(r_data)) and torch.equal(bits(out_t).cpu(), bits(r_t))
+    only_t = poisoned((k, mp), fp8)
+    ops.quant.cast_fp8_current(x, fp8, amax=amax, scale=scale, scale_inv=si, out_t=only_t, rowwise=False,
+                               rows=rows)
+    assert torch.equal(bits(only_t).cpu(), bits(current_reference(x, fp8, 0, rows)[4]))
+
+
+@pytest.mark.cuda
+def test_cuda_cast_fp8_current_nan_and_zero():
+    """NaN anywhere: amax NaN, the scale falls back to 1 (as fp8_compute_scale); all zeros: scale 1."""
+    for fill in (float("nan"), 0.0):
+        x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+        x[17, 3] = fill
+        if fill == 0.0:
+            x.zero_()
+        amax, scale, si = one(5.0, "cuda"), one(0.0, "cuda"), one(0.0, "cuda")
+        data, data_t = ops.quant.cast_fp8_current(x, E4M3, amax=amax, scale=scale, scale_inv=si, transpose=True)
+        r_amax, r_scale, r_si, r_data, r_t = current_reference(x, E4M3)
+        assert (amax.isnan().item() and r_amax.isnan().item()) or amax.item() == r_amax.item()
+        assert scale.item() == r_scale.item() == 1.0
+        assert torch.equal(bits(data).cpu(), bits(r_data)) and torch.equal(bits(data_t).cpu(), bits(r_t))

@@ -31,28 +31,50 @@ sf_status sf_amax(const sf_tensor *x, sf_tensor *out, sf_stream stream);
  *           max(amax[0], max |x|) (NaN wins).  Zero it first for a fresh max.
  *           A start with its sign bit set (-0.0, a negative value) counts as
  *           0 (fp8.h's sf_amax_fold); an empty x leaves amax as it was.
- *   out:    optional FP8, same number of elements as x, contiguous [M, K].
- *   out_t:  optional FP8, contiguous [K, M]: the transposed copy.
+ *   out:    optional FP8, contiguous: x's number of elements, or [Mp, K]
+ *           with Mp >= M rows.
+ *   out_t:  optional FP8, contiguous [K, Mp] with Mp >= M: the transposed
+ *           copy.
+ *           Rows M..Mp-1 of out (columns of out_t) are written as zeros: the
+ *           token padding FP8 GEMMs need, made by the cast's own pass
+ *           instead of a padded copy of x.  out and out_t agree on Mp.
  *   scale_inv: optional float32, 1 element: receives 1 / scale[0], so the
  *           quantized tensor carries the inverse of the scale it was made
  *           with even after the scale moves on.
  * At least one of out, out_t.  The fast CUDA path takes K % 8 == 0,
- * M % 16 == 0 (when out_t is given) and 16-byte aligned pointers; other
+ * Mp % 16 == 0 (when out_t is given) and 16-byte aligned pointers; other
  * shapes run a plain per-element kernel (correct, slower). */
 sf_status sf_cast_fp8(const sf_tensor *x, const sf_tensor *scale, sf_tensor *amax,
                       sf_tensor *out, sf_tensor *out_t, sf_tensor *scale_inv,
                       sf_stream stream);
 
 /* sf_cast_fp8 with out_t required, plus x's column sums per block of 128
- * rows: col_sums float32 [ceil(M / 128), K], row b holding the sums of rows
- * 128b .. 128b+127 (the bias gradient, once the rows are added, when x is
- * an output gradient: the cast's read of x serves both).  Summed in float32
- * in the CUDA kernel's fixed order, which the CPU backend repeats: the two
- * agree bit for bit.  Needs K % 8 == 0, M % 16 == 0 and, on CUDA, 16-byte
- * aligned x and out_t and an 8-byte aligned out (when given). */
+ * rows: col_sums float32 [ceil(Mp / 128), K], row b holding the sums of rows
+ * 128b .. 128b+127 (padding rows count as zeros; the bias gradient, once
+ * the rows are added, when x is an output gradient: the cast's read of x
+ * serves both).  Summed in float32 in the CUDA kernel's fixed order, which
+ * the CPU backend repeats: the two agree bit for bit.  Needs K % 8 == 0,
+ * Mp % 16 == 0 and, on CUDA, 16-byte aligned x and out_t and an 8-byte
+ * aligned out (when given). */
 sf_status sf_cast_fp8_dbias(const sf_tensor *x, const sf_tensor *scale, sf_tensor *amax,
                             sf_tensor *out, sf_tensor *out_t, sf_tensor *scale_inv,
                             sf_tensor *col_sums, sf_stream stream);
+
+/* Current scaling of x and its cast in one call: amax[0] = max |x| (written,
+ * not accumulated), scale[0] = fp8_max / amax / 2^margin (1 where amax is 0
+ * or not finite; fp8_max of the outputs' format), scale_inv[0] = 1 / scale,
+ * then out / out_t as sf_cast_fp8 makes them (Mp padding rows included).
+ * The result is sf_amax, sf_fp8_compute_scale and sf_cast_fp8 in turn, bit
+ * for bit (the CPU backend runs exactly that).  On CUDA, where the tiled
+ * cast+transpose takes the shapes (out_t given, K % 8 == 0, Mp % 16 == 0,
+ * M > 0, 16-byte aligned x and out_t, 8-byte aligned out), it is one
+ * cooperative launch: every block folds its part of max |x|, the blocks meet
+ * at a grid barrier, each derives the scale, and they cast their tiles;
+ * other shapes run the three kernels (three launches, same results).
+ * amax, scale, scale_inv: float32, 1 element each, on x's device. */
+sf_status sf_cast_fp8_current(const sf_tensor *x, sf_tensor *amax, sf_tensor *scale,
+                              sf_tensor *scale_inv, sf_tensor *out, sf_tensor *out_t,
+                              int margin, sf_stream stream);
 
 /* out_t = data^T: data an FP8 tensor viewed as [M, K] (K its last
  * dimension, contiguous), out_t [K, M] contiguous with data's dtype.  The

@@ -57,6 +57,29 @@ static PyObject *py_cast_fp8(PyObject *self, PyObject *const *args, Py_ssize_t n
     return sf_py_finish(&a.call, st);
 }
 
+/* cast_fp8_current(x, amax, scale, scale_inv, out, out_t, margin, stream=None) */
+static PyObject *py_cast_fp8_current(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    static const char op[] = "cast_fp8_current";
+    static const sf_py_tensor_arg spec[] = {{0, "x", 0},   {1, "amax", 0},  {2, "scale", 0},
+                                            {3, "scale_inv", 0}, {4, "out", 1}, {5, "out_t", 1}};
+    enum { X, AMAX, SCALE, SCALE_INV, OUT, OUT_T };
+    if (sf_py_check_nargs(op, nargs, 7, 8) < 0)
+        return NULL;
+    int margin;
+    sf_py_args a;
+    if (int_arg(op, args[6], "margin", &margin) < 0 ||
+        sf_py_begin(&a, op, args, nargs, 7, spec, SF_PY_NARGS(spec)) < 0)
+        return NULL;
+    sf_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = sf_cast_fp8_current(a.t[X], a.t[AMAX], a.t[SCALE], a.t[SCALE_INV], a.t[OUT], a.t[OUT_T],
+                             margin, sf_py_call_stream(&a.call));
+    Py_END_ALLOW_THREADS
+    return sf_py_finish(&a.call, st);
+}
+
 /* cast_fp8_dbias(x, scale, amax, out, out_t, scale_inv, col_sums, stream=None) */
 static PyObject *py_cast_fp8_dbias(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -294,6 +317,10 @@ PyMethodDef sf_py_quant_methods[] = {
     {"cast_fp8_dbias", SF_PY_FASTCALL(py_cast_fp8_dbias),
      "cast_fp8_dbias(x, scale, amax, out, out_t, scale_inv, col_sums, stream=None): cast_fp8 with "
      "the transposed copy and x's column sums per block of 128 rows."},
+    {"cast_fp8_current", SF_PY_FASTCALL(py_cast_fp8_current),
+     "cast_fp8_current(x, amax, scale, scale_inv, out, out_t, margin, stream=None): amax = max|x|, "
+     "the current-scaling scale and its inverse, then cast_fp8 (one launch on CUDA where the tiled "
+     "kernel takes the shapes)."},
     {"transpose_fp8", SF_PY_FASTCALL(py_transpose_fp8),
      "transpose_fp8(data, out_t, stream=None): out_t = data viewed as [M, K], transposed (FP8 bytes)."},
     {"dequantize_fp8", SF_PY_FASTCALL(py_dequantize_fp8),

@@ -39,11 +39,11 @@ static sf_status no_cuda(const char *op)
 }
 #endif
 
-/* The checks and the dispatch of sf_cast_fp8 and sf_cast_fp8_dbias
- * (col_sums NULL for the former). */
-static sf_status cast_entry(const char *op, const sf_tensor *x, const sf_tensor *scale,
-                            sf_tensor *amax, sf_tensor *out, sf_tensor *out_t,
-                            sf_tensor *scale_inv, sf_tensor *col_sums, sf_stream stream)
+/* The checks of sf_cast_fp8, sf_cast_fp8_dbias (col_sums NULL for the
+ * others) and sf_cast_fp8_current, and the problem they describe. */
+static sf_status cast_prepare(const char *op, const sf_tensor *x, const sf_tensor *scale,
+                              sf_tensor *amax, sf_tensor *out, sf_tensor *out_t,
+                              sf_tensor *scale_inv, sf_tensor *col_sums, sf_cast_args *args)
 {
     SF_TRY(sf_check_float_input(op, "x", x));
     SF_TRY(sf_check_contiguous(op, "x", x));
@@ -58,22 +58,35 @@ static sf_status cast_entry(const char *op, const sf_tensor *x, const sf_tensor 
     int64_t n = sf_numel(x);
     int64_t k = x->ndim == 0 ? 1 : x->shape[x->ndim - 1];
     int64_t m = k == 0 ? 0 : n / k;
+    /* the outputs' rows: M, or Mp > M (token padding, written as zeros) */
+    int64_t mp = m;
+    if (out_t && out_t->ndim == 2 && out_t->shape[0] == k && out_t->shape[1] > m)
+        mp = out_t->shape[1];
+    else if (!out_t && out && out->ndim == 2 && x->ndim >= 1 && out->shape[1] == k && out->shape[0] > m)
+        mp = out->shape[0];
     if (out) {
         SF_TRY(sf_quant_check_fp8(op, "out", out));
         SF_TRY(sf_check_contiguous(op, "out", out));
         SF_TRY(sf_check_writable(op, "out", out));
         SF_TRY(sf_check_same_device(op, "x", x, "out", out));
-        SF_TRY(sf_check_numel(op, "out", out, n));
+        if (mp == m)
+            SF_TRY(sf_check_numel(op, "out", out, n));
+        else if (out->ndim != 2 || out->shape[0] != mp || out->shape[1] != k)
+            return sf_fail(SF_ERR_VALUE,
+                           "%s: argument 'out' must have x's %lld elements or shape [%lld, %lld] "
+                           "(the padded rows of out_t), got %lld elements",
+                           op, (long long)n, (long long)mp, (long long)k, (long long)sf_numel(out));
     }
     if (out_t) {
         SF_TRY(sf_quant_check_fp8(op, "out_t", out_t));
         if (x->ndim < 1)
             return sf_fail(SF_ERR_VALUE, "%s: argument 'x' must have at least 1 dimension "
                            "for a transposed output", op);
-        if (out_t->ndim != 2 || out_t->shape[0] != k || out_t->shape[1] != m)
+        if (out_t->ndim != 2 || out_t->shape[0] != k || out_t->shape[1] < m)
             return sf_fail(SF_ERR_VALUE,
-                           "%s: argument 'out_t' must have shape [%lld, %lld] (x viewed as "
-                           "[M, K] = [%lld, %lld], transposed)",
+                           "%s: argument 'out_t' must have shape [%lld, Mp] with Mp >= %lld (x "
+                           "viewed as [M, K] = [%lld, %lld], transposed; columns M.. are zero "
+                           "padding)",
                            op, (long long)k, (long long)m, (long long)m, (long long)k);
         SF_TRY(sf_check_contiguous(op, "out_t", out_t));
         SF_TRY(sf_check_writable(op, "out_t", out_t));
@@ -87,10 +100,11 @@ static sf_status cast_entry(const char *op, const sf_tensor *x, const sf_tensor 
         if (!out_t)
             return sf_fail(SF_ERR_VALUE, "%s: argument 'out_t' must be given (the column sums "
                            "come from the cast+transpose kernel)", op);
-        if (k % 8 || m % 16)
+        if (k % 8 || mp % 16)
             return sf_fail(SF_ERR_VALUE, "%s: argument 'x' viewed as [M, K] = [%lld, %lld] must "
-                           "have K %% 8 == 0 and M %% 16 == 0 (the tiled kernel's rule)",
-                           op, (long long)m, (long long)k);
+                           "have K %% 8 == 0 and M %% 16 == 0, M counting the outputs' %lld "
+                           "padded rows (the tiled kernel's rule)",
+                           op, (long long)m, (long long)k, (long long)mp);
         if (x->device != SF_CPU && (uintptr_t)x->data % 16)
             return sf_fail(SF_ERR_VALUE, "%s: argument 'x' must be 16-byte aligned", op);
         if (x->device != SF_CPU && (uintptr_t)out_t->data % 16)
@@ -98,34 +112,51 @@ static sf_status cast_entry(const char *op, const sf_tensor *x, const sf_tensor 
         if (x->device != SF_CPU && out && (uintptr_t)out->data % 8)
             return sf_fail(SF_ERR_VALUE, "%s: argument 'out' must be 8-byte aligned", op);
         SF_TRY(sf_check_dtype(op, "col_sums", col_sums, SF_FLOAT32));
-        int64_t blocks = (m + 127) / 128;
+        int64_t blocks = (mp + 127) / 128;
         if (col_sums->ndim != 2 || col_sums->shape[0] != blocks || col_sums->shape[1] != k)
             return sf_fail(SF_ERR_VALUE, "%s: argument 'col_sums' must have shape [%lld, %lld] "
-                           "(one row per 128 rows of x)", op, (long long)blocks, (long long)k);
+                           "(one row per 128 rows of the outputs)", op, (long long)blocks,
+                           (long long)k);
         SF_TRY(sf_check_contiguous(op, "col_sums", col_sums));
         SF_TRY(sf_check_writable(op, "col_sums", col_sums));
         SF_TRY(sf_check_same_device(op, "x", x, "col_sums", col_sums));
     }
-    sf_cast_args a;
-    a.x = x->data;
-    a.x_dtype = x->dtype;
-    a.m = m;
-    a.k = k;
-    a.scale = (const float *)scale->data;
-    a.amax = amax ? (float *)amax->data : NULL;
-    a.out = out ? (uint8_t *)out->data : NULL;
-    a.out_t = out_t ? (uint8_t *)out_t->data : NULL;
-    a.scale_inv = scale_inv ? (float *)scale_inv->data : NULL;
-    a.e5m2 = (out ? out->dtype : out_t->dtype) == SF_FLOAT8_E5M2;
-    a.col_sums = col_sums ? (float *)col_sums->data : NULL;
+    sf_cast_args *a = args;
+    a->x = x->data;
+    a->x_dtype = x->dtype;
+    a->m = m;
+    a->k = k;
+    a->mp = mp;
+    a->scale = (const float *)scale->data;
+    a->amax = amax ? (float *)amax->data : NULL;
+    a->out = out ? (uint8_t *)out->data : NULL;
+    a->out_t = out_t ? (uint8_t *)out_t->data : NULL;
+    a->scale_inv = scale_inv ? (float *)scale_inv->data : NULL;
+    a->e5m2 = (out ? out->dtype : out_t->dtype) == SF_FLOAT8_E5M2;
+    a->col_sums = col_sums ? (float *)col_sums->data : NULL;
+    return SF_OK;
+}
+
+static sf_status cast_run(const char *op, const sf_cast_args *a, const sf_tensor *x,
+                          sf_stream stream)
+{
     if (x->device == SF_CPU)
-        return sf_cast_fp8_cpu(&a);
+        return sf_cast_fp8_cpu(a);
 #ifdef SF_WITH_CUDA
-    return sf_cast_fp8_cuda(&a, x->device_id, stream);
+    return sf_cast_fp8_cuda(a, x->device_id, stream);
 #else
     (void)stream;
     return no_cuda(op);
 #endif
+}
+
+static sf_status cast_entry(const char *op, const sf_tensor *x, const sf_tensor *scale,
+                            sf_tensor *amax, sf_tensor *out, sf_tensor *out_t,
+                            sf_tensor *scale_inv, sf_tensor *col_sums, sf_stream stream)
+{
+    sf_cast_args a;
+    SF_TRY(cast_prepare(op, x, scale, amax, out, out_t, scale_inv, col_sums, &a));
+    return cast_run(op, &a, x, stream);
 }
 
 sf_status sf_cast_fp8(const sf_tensor *x, const sf_tensor *scale, sf_tensor *amax,
@@ -316,4 +347,35 @@ sf_status sf_fp8_compute_scale(const sf_tensor *amax, sf_tensor *scale,
     (void)stream;
     return no_cuda(op);
 #endif
+}
+
+sf_status sf_cast_fp8_current(const sf_tensor *x, sf_tensor *amax, sf_tensor *scale,
+                              sf_tensor *scale_inv, sf_tensor *out, sf_tensor *out_t,
+                              int margin, sf_stream stream)
+{
+    static const char op[] = "cast_fp8_current";
+    SF_TRY(sf_check_float_input(op, "x", x));
+    SF_TRY(sf_quant_check_scalar(op, "amax", amax, x, 1));
+    SF_TRY(sf_quant_check_scalar(op, "scale", scale, x, 1));
+    SF_TRY(sf_quant_check_scalar(op, "scale_inv", scale_inv, x, 1));
+    float pow2_neg_margin;
+    SF_TRY(check_margin(op, margin, &pow2_neg_margin));
+    sf_cast_args a;
+    SF_TRY(cast_prepare(op, x, scale, NULL, out, out_t, scale_inv, NULL, &a));
+    float fp8_max = a.e5m2 ? 57344.0f : 448.0f;
+#ifdef SF_WITH_CUDA
+    if (x->device != SF_CPU) {
+        /* the one-launch path: amax, scale and the cast with a grid barrier between */
+        int launched = 0;
+        a.amax = (float *)amax->data;
+        SF_TRY(sf_cast_fp8_current_cuda(&a, fp8_max, pow2_neg_margin, x->device_id,
+                                        stream, &launched));
+        if (launched)
+            return SF_OK;
+        a.amax = NULL; /* shapes the fused kernel does not take: the three kernels */
+    }
+#endif
+    SF_TRY(sf_amax(x, amax, stream));
+    SF_TRY(sf_fp8_compute_scale(amax, scale, scale_inv, fp8_max, margin, stream));
+    return cast_run(op, &a, x, stream);
 }

@@ -21,22 +21,31 @@ sf_status sf_quant_check_scalar(const char *op, const char *arg, const sf_tensor
                                 const sf_tensor *x, int written);
 
 /* A cast problem after validation: x is [m, k] contiguous; pointers may be
- * NULL where the output is not wanted. */
+ * NULL where the output is not wanted.  The outputs have mp >= m rows (out
+ * [mp, k], out_t [k, mp]); rows m.. are written as zeros (the FP8 GEMMs'
+ * token padding, made by the cast instead of a padded copy of x). */
 typedef struct {
     const void *x;
     sf_dtype x_dtype;
     int64_t m, k;
+    int64_t mp;       /* output rows, >= m */
     const float *scale;
     float *amax;      /* accumulated into, or NULL */
     uint8_t *out;     /* [m, k] or NULL */
     uint8_t *out_t;   /* [k, m] or NULL */
     float *scale_inv; /* or NULL */
     int e5m2;
-    float *col_sums;  /* [ceil(m / 128), k] per-128-row-block column sums, or NULL */
+    float *col_sums;  /* [ceil(mp / 128), k] per-128-row-block column sums, or NULL */
 } sf_cast_args;
 
 sf_status sf_cast_fp8_cpu(const sf_cast_args *a);
 sf_status sf_cast_fp8_cuda(const sf_cast_args *a, int device, sf_stream stream);
+
+/* sf_cast_fp8_current's one-launch CUDA path: a->amax receives max |x|,
+ * a->scale (written) the scale, then the cast.  *launched = 0 (and nothing
+ * runs) where the shapes need the three-kernel path. */
+sf_status sf_cast_fp8_current_cuda(const sf_cast_args *a, float fp8_max, float pow2_neg_margin,
+                                   int device, sf_stream stream, int *launched);
 
 /* A byte transpose: in [m, k] -> out [k, m], both contiguous. */
 typedef struct {

@@ -24,9 +24,16 @@ sf_status sf_cast_fp8_cpu(const sf_cast_args *a)
             if (a->out)
                 a->out[r * a->k + c] = q;
             if (a->out_t)
-                a->out_t[c * a->m + r] = q;
+                a->out_t[c * a->mp + r] = q;
         }
     }
+    for (int64_t r = a->m; r < a->mp; ++r) /* token padding */
+        for (int64_t c = 0; c < a->k; ++c) {
+            if (a->out)
+                a->out[r * a->k + c] = 0;
+            if (a->out_t)
+                a->out_t[c * a->mp + r] = 0;
+        }
     if (a->amax && a->m * a->k > 0) /* the GPU's fold (fp8.h); no element, no fold */
         a->amax[0] = sf_bits_f32(sf_amax_fold(sf_f32_bits(a->amax[0]), m));
     if (a->scale_inv)
@@ -38,10 +45,11 @@ sf_status sf_cast_fp8_cpu(const sf_cast_args *a)
 
 /* col_sums in the CUDA kernel's order (cast_cuda.cu): in each block of 128
  * rows, thread (warp w, half h) adds its rows 2w+h, 2w+h+16, ... in turn;
- * the halves are added, then the 8 warps in order. */
+ * the halves are added, then the 8 warps in order.  Padding rows (m..mp)
+ * add nothing, as in the kernel. */
 static void column_sums(const sf_cast_args *a)
 {
-    for (int64_t b = 0; b * 128 < a->m; ++b)
+    for (int64_t b = 0; b * 128 < a->mp; ++b)
         for (int64_t c = 0; c < a->k; ++c) {
             float total = 0.0f;
             for (int w = 0; w < 8; ++w) {

@@ -14,6 +14,14 @@
  *     and kept as raw bytes (80 registers, 3 CTAs per SM for 16-bit inputs,
  *     ~96 KB of loads in flight per SM).  One CTA per tile, one amax atomic
  *     per CTA.
+ *     Outputs may have more rows than x (mp >= m): the extra rows are the
+ *     zero token padding of the FP8 GEMMs, written in the same pass.
+ *   cast_current: current scaling and cast_transpose in one cooperative
+ *     launch: each block folds max |x| over its share of x into amax, the
+ *     grid meets at a barrier, every block derives the same scale from amax
+ *     (fp8.h's sf_scale_from_amax), then the blocks run cast_transpose's
+ *     tile loop.  The weight cast of per-tensor recipes: one launch instead
+ *     of the amax, scale and cast kernels.
  *   cast (no transpose): 8 values per thread per step, 16-byte loads.
  *   transpose: FP8 bytes [M, K] -> [K, M] (the weight gradient's operand
  *     under delayed scaling, whose norm/activation kernels write FP8
@@ -22,6 +30,8 @@
  *   generic: one element per thread, any shape or alignment.
  *   dequantize, and the scaling-state updates (one thread per tensor).
  */
+#include <cooperative_groups.h>
+
 #include "../core/cuda_util.h"
 #include "cast_backend.h"
 #include "fp8_cuda.cuh"
@@ -78,21 +88,17 @@ __device__ __forceinline__ void store_tile_transposed(const uint32_t (*tile)[kWo
  * repeats: per thread its 8 rows (lr, lr+16, ...), then the two threads of a
  * warp that share the columns (rows 2w.. and 2w+1..), then the 8 warps in
  * order. */
-template <typename T, bool E5M2, bool SUMS = false>
-__global__ void __launch_bounds__(kThreads, SUMS || sizeof(T) == 4 ? 2 : 3)
-cast_transpose_kernel(const T *__restrict__ x, int64_t m, int64_t k,
-                      const float *__restrict__ scale_p, float *__restrict__ amax,
-                      uint8_t *__restrict__ out, uint8_t *__restrict__ out_t,
-                      float *__restrict__ scale_inv, float *__restrict__ col_sums = nullptr)
+/* The tile loop of cast_transpose (and of cast_current after its barrier):
+ * the block casts tiles blockIdx.x, blockIdx.x + gridDim.x, ... with `scale`
+ * and returns its max |x| bits. */
+template <typename T, bool E5M2, bool SUMS>
+__device__ __forceinline__ uint32_t cast_transpose_tiles(
+    const T *__restrict__ x, int64_t m, int64_t mp, int64_t k, float scale,
+    uint8_t *__restrict__ out, uint8_t *__restrict__ out_t, float *__restrict__ col_sums,
+    uint32_t (*tile)[kWords], float (*red)[kTile])
 {
-    __shared__ __align__(16) uint32_t tile[kTile][kWords]; /* 8- and 16-byte stores */
-    __shared__ float red[SUMS ? kThreads / 32 : 1][kTile];
-    const float scale = *scale_p;
-    if (scale_inv && blockIdx.x == 0 && threadIdx.x == 0)
-        *scale_inv = __fdiv_rn(1.0f, scale);
-
     const int64_t tiles_k = (k + kTile - 1) / kTile;
-    const int64_t tiles = ((m + kTile - 1) / kTile) * tiles_k;
+    const int64_t tiles = ((mp + kTile - 1) / kTile) * tiles_k;
     const int t = threadIdx.x;
     /* load phase: 16 vectors of 8 per row, 16 rows per pass, 8 passes */
     const int lj = t & 15, lr = t >> 4;
@@ -117,7 +123,7 @@ cast_transpose_kernel(const T *__restrict__ x, int64_t m, int64_t k,
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             int row = lr + 16 * i;
-            uint2 w = make_uint2(0u, 0u);
+            uint2 w = make_uint2(0u, 0u); /* rows m..mp-1: zero padding */
             if (ok[i]) {
                 float v[8], s[8];
                 sf_unpack8(raw[i], v);
@@ -130,9 +136,9 @@ cast_transpose_kernel(const T *__restrict__ x, int64_t m, int64_t k,
                 }
                 w.x = sf_cvt4<E5M2>(s);
                 w.y = sf_cvt4<E5M2>(s + 4);
-                if (out)
-                    *reinterpret_cast<uint2 *>(out + (m0 + row) * k + kc) = w;
             }
+            if (out && m0 + row < mp && kc < k)
+                *reinterpret_cast<uint2 *>(out + (m0 + row) * k + kc) = w;
             /* words 2lj and 2lj+1 stay adjacent under the swizzle */
             *reinterpret_cast<uint2 *>(&tile[row][swz(row, 2 * lj)]) = w;
         }
@@ -148,7 +154,7 @@ cast_transpose_kernel(const T *__restrict__ x, int64_t m, int64_t k,
         }
         __syncthreads();
         if (out_t)
-            store_tile_transposed(tile, m0, k0, m, k, kw, mg, out_t);
+            store_tile_transposed(tile, m0, k0, mp, k, kw, mg, out_t);
         if constexpr (SUMS) {
             if (t < kTile && k0 + t < k) {
                 float sum = red[0][t];
@@ -160,13 +166,65 @@ cast_transpose_kernel(const T *__restrict__ x, int64_t m, int64_t k,
         }
         __syncthreads();
     }
+    return local_max;
+}
+
+template <typename T, bool E5M2, bool SUMS = false>
+__global__ void __launch_bounds__(kThreads, SUMS || sizeof(T) == 4 ? 2 : 3)
+cast_transpose_kernel(const T *__restrict__ x, int64_t m, int64_t mp, int64_t k,
+                      const float *__restrict__ scale_p, float *__restrict__ amax,
+                      uint8_t *__restrict__ out, uint8_t *__restrict__ out_t,
+                      float *__restrict__ scale_inv, float *__restrict__ col_sums = nullptr)
+{
+    __shared__ __align__(16) uint32_t tile[kTile][kWords]; /* 8- and 16-byte stores */
+    __shared__ float red[SUMS ? kThreads / 32 : 1][kTile];
+    const float scale = *scale_p;
+    if (scale_inv && blockIdx.x == 0 && threadIdx.x == 0)
+        *scale_inv = __fdiv_rn(1.0f, scale);
+    uint32_t local_max = cast_transpose_tiles<T, E5M2, SUMS>(x, m, mp, k, scale, out, out_t, col_sums,
+                                                            tile, red);
     if (amax)
         sf_block_atomic_max<kThreads>(local_max, amax);
 }
 
+/* Current scaling and cast_transpose in one cooperative launch (module note).
+ * x is 16-byte aligned with k % 8 == 0, so it is read as vectors of 8. */
+template <typename T, bool E5M2>
+__global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? 2 : 3)
+cast_current_kernel(const T *__restrict__ x, int64_t m, int64_t mp, int64_t k, float fp8_max,
+                    float pow2_neg_margin, float *__restrict__ amax, float *__restrict__ scale_out,
+                    uint8_t *__restrict__ out, uint8_t *__restrict__ out_t,
+                    float *__restrict__ scale_inv)
+{
+    __shared__ __align__(16) uint32_t tile[kTile][kWords];
+    __shared__ float red[1][kTile];
+    cooperative_groups::grid_group grid = cooperative_groups::this_grid();
+    uint32_t local_max = 0;
+    const int64_t nvec = m * k / 8, stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < nvec; i += stride) {
+        float v[8];
+        sf_load8(x + i * 8, v);
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+            local_max = max(local_max, sf_abs_bits(v[e]));
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+        *reinterpret_cast<unsigned *>(amax) = 0u; /* written, not accumulated */
+    grid.sync();
+    sf_block_atomic_max<kThreads>(local_max, amax);
+    grid.sync();
+    const float a = *reinterpret_cast<volatile float *>(amax);
+    const float scale = sf_scale_from_amax(a, fp8_max, pow2_neg_margin, 1.0f);
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        *scale_out = scale;
+        *scale_inv = __fdiv_rn(1.0f, scale);
+    }
+    cast_transpose_tiles<T, E5M2, false>(x, m, mp, k, scale, out, out_t, nullptr, tile, red);
+}
+
 template <typename T, bool E5M2>
 __global__ void __launch_bounds__(kThreads)
-cast_kernel(const T *__restrict__ x, int64_t n, const float *__restrict__ scale_p,
+cast_kernel(const T *__restrict__ x, int64_t n, int64_t n_out, const float *__restrict__ scale_p,
             float *__restrict__ amax, uint8_t *__restrict__ out, float *__restrict__ scale_inv)
 {
     const float scale = *scale_p;
@@ -190,6 +248,8 @@ cast_kernel(const T *__restrict__ x, int64_t n, const float *__restrict__ scale_
         local_max = max(local_max, sf_abs_bits(v));
         out[i] = (uint8_t)sf_cvt2<E5M2>(__fmul_rn(v, scale), 0.0f);
     }
+    for (int64_t i = n + tid; i < n_out; i += stride) /* token padding rows */
+        out[i] = 0;
     if (amax)
         sf_block_atomic_max<kThreads>(local_max, amax);
 }
@@ -197,7 +257,8 @@ cast_kernel(const T *__restrict__ x, int64_t n, const float *__restrict__ scale_
 /* Any shape and alignment: one element per thread per step. */
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-cast_generic_kernel(const T *__restrict__ x, int64_t m, int64_t k, const float *__restrict__ scale_p,
+cast_generic_kernel(const T *__restrict__ x, int64_t m, int64_t mp, int64_t k,
+                    const float *__restrict__ scale_p,
                     float *__restrict__ amax, uint8_t *__restrict__ out,
                     uint8_t *__restrict__ out_t, float *__restrict__ scale_inv, int e5m2)
 {
@@ -214,7 +275,13 @@ cast_generic_kernel(const T *__restrict__ x, int64_t m, int64_t k, const float *
         if (out)
             out[i] = q;
         if (out_t)
-            out_t[(i % k) * m + i / k] = q;
+            out_t[(i % k) * mp + i / k] = q;
+    }
+    for (int64_t i = n + (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < mp * k; i += stride) {
+        if (out) /* token padding rows */
+            out[i] = 0;
+        if (out_t)
+            out_t[(i % k) * mp + i / k] = 0;
     }
     if (amax)
         sf_block_atomic_max<kThreads>(local_max, amax);
@@ -279,26 +346,26 @@ sf_status launch_cast(const sf_cast_args *a, cudaStream_t stream)
     const T *x = (const T *)a->x;
     const int64_t n = a->m * a->k;
     if (a->out_t) {
-        bool fast = a->k % 8 == 0 && a->m % 16 == 0 && aligned(x, 16) && aligned(a->out_t, 16) &&
+        bool fast = a->k % 8 == 0 && a->mp % 16 == 0 && aligned(x, 16) && aligned(a->out_t, 16) &&
                     (!a->out || aligned(a->out, 8));
         if (fast) {
             /* one tile per CTA: the hardware hands tiles out as CTAs finish,
              * which balances better than a fixed persistent split; the amax
              * atomics (one per CTA) are far below what L2 absorbs */
-            int64_t tiles = ((a->m + kTile - 1) / kTile) * ((a->k + kTile - 1) / kTile);
+            int64_t tiles = ((a->mp + kTile - 1) / kTile) * ((a->k + kTile - 1) / kTile);
             int grid = (int)(tiles < 0x7fffffff ? tiles : 0x7fffffff);
             if (a->col_sums && a->e5m2)
                 cast_transpose_kernel<T, true, true><<<grid, kThreads, 0, stream>>>(
-                    x, a->m, a->k, a->scale, a->amax, a->out, a->out_t, a->scale_inv, a->col_sums);
+                    x, a->m, a->mp, a->k, a->scale, a->amax, a->out, a->out_t, a->scale_inv, a->col_sums);
             else if (a->col_sums)
                 cast_transpose_kernel<T, false, true><<<grid, kThreads, 0, stream>>>(
-                    x, a->m, a->k, a->scale, a->amax, a->out, a->out_t, a->scale_inv, a->col_sums);
+                    x, a->m, a->mp, a->k, a->scale, a->amax, a->out, a->out_t, a->scale_inv, a->col_sums);
             else if (a->e5m2)
                 cast_transpose_kernel<T, true><<<grid, kThreads, 0, stream>>>(
-                    x, a->m, a->k, a->scale, a->amax, a->out, a->out_t, a->scale_inv);
+                    x, a->m, a->mp, a->k, a->scale, a->amax, a->out, a->out_t, a->scale_inv);
             else
                 cast_transpose_kernel<T, false><<<grid, kThreads, 0, stream>>>(
-                    x, a->m, a->k, a->scale, a->amax, a->out, a->out_t, a->scale_inv);
+                    x, a->m, a->mp, a->k, a->scale, a->amax, a->out, a->out_t, a->scale_inv);
             SF_CUDA_CHECK_LAUNCH(op);
             return SF_OK;
         }
@@ -307,17 +374,18 @@ sf_status launch_cast(const sf_cast_args *a, cudaStream_t stream)
                            "M %% 16 == 0, aligned x and outputs)", op);
     } else if (aligned(x, 16) && aligned(a->out, 8)) {
         int grid = sf_grid_size(n / 8 + 1, kThreads, sms * 8);
+        const int64_t n_out = a->mp * a->k;
         if (a->e5m2)
-            cast_kernel<T, true><<<grid, kThreads, 0, stream>>>(x, n, a->scale, a->amax, a->out,
+            cast_kernel<T, true><<<grid, kThreads, 0, stream>>>(x, n, n_out, a->scale, a->amax, a->out,
                                                                a->scale_inv);
         else
-            cast_kernel<T, false><<<grid, kThreads, 0, stream>>>(x, n, a->scale, a->amax, a->out,
+            cast_kernel<T, false><<<grid, kThreads, 0, stream>>>(x, n, n_out, a->scale, a->amax, a->out,
                                                                 a->scale_inv);
         SF_CUDA_CHECK_LAUNCH(op);
         return SF_OK;
     }
-    int grid = sf_grid_size(n, kThreads, sms * 8);
-    cast_generic_kernel<T><<<grid, kThreads, 0, stream>>>(x, a->m, a->k, a->scale, a->amax,
+    int grid = sf_grid_size(a->mp * a->k, kThreads, sms * 8);
+    cast_generic_kernel<T><<<grid, kThreads, 0, stream>>>(x, a->m, a->mp, a->k, a->scale, a->amax,
                                                           a->out, a->out_t, a->scale_inv, a->e5m2);
     SF_CUDA_CHECK_LAUNCH(op);
     return SF_OK;
@@ -369,16 +437,16 @@ __global__ void compute_scale_kernel(sf_scale_args a)
 
 extern "C" sf_status sf_cast_fp8_cuda(const sf_cast_args *a, int device, sf_stream s)
 {
-    if (a->m * a->k == 0 && !a->scale_inv)
+    if (a->mp * a->k == 0 && !a->scale_inv)
         return SF_OK;
     cudaStream_t stream = sf_cuda_stream(s);
     sf_cuda_device_guard guard;
     SF_TRY(sf_cuda_device_enter("cast_fp8", device, &guard));
     sf_status st;
-    if (a->m * a->k == 0) {
+    if (a->mp * a->k == 0) {
         /* nothing to cast, but scale_inv must still follow scale */
         sf_cast_args b = *a;
-        b.m = 1;
+        b.m = b.mp = 1;
         b.k = 0;
         b.col_sums = NULL; /* no rows: no sums to write */
         st = launch_cast<float>(&b, stream);
@@ -388,6 +456,65 @@ extern "C" sf_status sf_cast_fp8_cuda(const sf_cast_args *a, int device, sf_stre
         case SF_FLOAT16: st = launch_cast<__half>(a, stream); break;
         default:         st = launch_cast<__nv_bfloat16>(a, stream); break;
         }
+    }
+    sf_cuda_device_restore(&guard);
+    return st;
+}
+
+namespace {
+
+/* cast_current_kernel<T, E5M2> on as many CTAs as fit on the GPU at once
+ * (a grid barrier needs every CTA resident), at most one per tile. */
+template <typename T, bool E5M2>
+sf_status launch_cast_current(const sf_cast_args *a, float fp8_max, float pow2_neg_margin,
+                              cudaStream_t stream)
+{
+    static const char op[] = "cast_fp8_current";
+    static int per_sm = 0; /* resident CTAs per SM: a property of the kernel, asked once */
+    if (per_sm == 0)
+        SF_CUDA_TRY(op, cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                            &per_sm, cast_current_kernel<T, E5M2>, kThreads, 0));
+    int sms = 0;
+    SF_TRY(device_sms(op, &sms));
+    int64_t tiles = ((a->mp + kTile - 1) / kTile) * ((a->k + kTile - 1) / kTile);
+    int64_t resident = (int64_t)per_sm * sms;
+    int grid = (int)(tiles < resident ? tiles : resident);
+    const T *x = (const T *)a->x;
+    int64_t m = a->m, mp = a->mp, k = a->k;
+    float *amax = a->amax, *scale = (float *)a->scale, *scale_inv = a->scale_inv;
+    uint8_t *out = a->out, *out_t = a->out_t;
+    void *args[] = {(void *)&x, &m, &mp, &k, &fp8_max, &pow2_neg_margin, &amax, &scale, &out, &out_t,
+                    &scale_inv};
+    SF_CUDA_TRY(op, cudaLaunchCooperativeKernel((const void *)cast_current_kernel<T, E5M2>, grid,
+                                                kThreads, args, 0, stream));
+    return SF_OK;
+}
+
+template <typename T>
+sf_status launch_cast_current_fmt(const sf_cast_args *a, float fp8_max, float p, cudaStream_t stream)
+{
+    return a->e5m2 ? launch_cast_current<T, true>(a, fp8_max, p, stream)
+                   : launch_cast_current<T, false>(a, fp8_max, p, stream);
+}
+
+} // namespace
+
+extern "C" sf_status sf_cast_fp8_current_cuda(const sf_cast_args *a, float fp8_max,
+                                              float pow2_neg_margin, int device, sf_stream s,
+                                              int *launched)
+{
+    *launched = a->out_t && a->m > 0 && a->k % 8 == 0 && a->mp % 16 == 0 && aligned(a->x, 16) &&
+                aligned(a->out_t, 16) && (!a->out || aligned(a->out, 8)) && a->scale_inv;
+    if (!*launched)
+        return SF_OK; /* the caller runs the three kernels */
+    cudaStream_t stream = sf_cuda_stream(s);
+    sf_cuda_device_guard guard;
+    SF_TRY(sf_cuda_device_enter("cast_fp8_current", device, &guard));
+    sf_status st;
+    switch (a->x_dtype) {
+    case SF_FLOAT32: st = launch_cast_current_fmt<float>(a, fp8_max, pow2_neg_margin, stream); break;
+    case SF_FLOAT16: st = launch_cast_current_fmt<__half>(a, fp8_max, pow2_neg_margin, stream); break;
+    default:         st = launch_cast_current_fmt<__nv_bfloat16>(a, fp8_max, pow2_neg_margin, stream); break;
     }
     sf_cuda_device_restore(&guard);
     return st;

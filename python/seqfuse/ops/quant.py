@@ -73,7 +73,7 @@ def _check_scalar(op, name, t, device):
     return t
 
 
-def cast_fp8(x, scale, amax, fp8_dtype, *, out=None, scale_inv=None):
+def cast_fp8(x, scale, amax, fp8_dtype, *, out=None, scale_inv=None, rows=None):
     """Scale and cast ``x`` to FP8: ``out = saturate(x * scale[0])``, rounding
     to nearest even and saturating at the format's max (448 for E4M3, 57344
     for E5M2).  One pass over ``x`` on the current stream, no host sync.
@@ -86,14 +86,16 @@ def cast_fp8(x, scale, amax, fp8_dtype, *, out=None, scale_inv=None):
     max on the float bits); NaN, in the buffer or in x, wins.
     ``scale_inv``: optional float32 tensor of one element that receives
     ``1 / scale[0]`` (the inverse that goes with this data).
-    Returns the FP8 tensor (``out`` if given), shaped like ``x``.
+    ``rows``: x viewed as [M, K], the output as [rows, K] with rows >= M,
+    rows M.. zero (the FP8 GEMMs' token padding, written in the same pass).
+    Returns the FP8 tensor (``out`` if given), shaped like ``x`` (or [rows, K]).
     """
     op = "cast_fp8"
     require_fp8_dlpack(op)
     x = _check_input(op, x)
     fp8_dtype = fp8_dtype_of(fp8_dtype, op)
     if out is None:
-        out = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+        out = torch.empty(_padded_shape(op, x, rows), dtype=fp8_dtype, device=x.device)
     elif out.dtype != fp8_dtype:
         raise TypeError(f"{op}: argument 'out' must have dtype {fp8_dtype}, got {out.dtype}")
     _C.cast_fp8(x, _check_scalar(op, "scale", scale, x.device), amax, out, None, scale_inv,
@@ -102,7 +104,7 @@ def cast_fp8(x, scale, amax, fp8_dtype, *, out=None, scale_inv=None):
 
 
 def cast_transpose_fp8(x, scale, amax, fp8_dtype, *, out=None, out_t=None, scale_inv=None,
-                       rowwise=True, dbias=False):
+                       rowwise=True, dbias=False, rows=None):
     """Scale, cast and transpose in one pass: ``x`` is viewed as [M, K] (K the
     last dimension), and the result is ``(data, data_t)`` with ``data`` the
     FP8 copy shaped like ``x`` and ``data_t`` the [K, M] transposed copy that
@@ -112,6 +114,11 @@ def cast_transpose_fp8(x, scale, amax, fp8_dtype, *, out=None, out_t=None, scale
 
     The fast GPU kernel needs K % 8 == 0 and M % 16 == 0 (FP8 GEMMs need 16
     anyway); other shapes run a plain per-element kernel.
+
+    ``rows`` (>= M): both copies carry ``rows`` token rows, data [rows, K]
+    and data_t [K, rows], rows M.. zero: an unaligned token count padded to
+    what the GEMMs take, in the cast's own pass (the fast kernel then needs
+    rows % 16 == 0 instead of M's).
 
     ``dbias=True`` also sums x's columns in the same pass (the bias gradient
     when x is an output gradient) and returns ``(data, data_t, dbias)``,
@@ -128,8 +135,10 @@ def cast_transpose_fp8(x, scale, amax, fp8_dtype, *, out=None, out_t=None, scale
     fp8_dtype = fp8_dtype_of(fp8_dtype, op)
     k = x.shape[-1]
     m = x.numel() // k if k else 0
+    if rows is not None:
+        m = _check_rows(op, rows, m)
     if rowwise and out is None:
-        out = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+        out = torch.empty(_padded_shape(op, x, rows), dtype=fp8_dtype, device=x.device)
     if out_t is None:
         out_t = torch.empty((k, m), dtype=fp8_dtype, device=x.device)
     for name, t in (("out", out), ("out_t", out_t)):
@@ -144,12 +153,34 @@ def cast_transpose_fp8(x, scale, amax, fp8_dtype, *, out=None, out_t=None, scale
     return (out if rowwise else None), out_t
 
 
-def dbias_fusable(x):
-    """Whether ``cast_transpose_fp8(x, ..., dbias=True)`` takes x: viewed as
-    [M, K], K % 8 == 0 and M % 16 == 0, contiguous and, on CUDA, 16-byte
-    aligned (its tiled kernel's rules)."""
+def _check_rows(op, rows, m):
+    """``rows`` as an int >= m (x's rows), or an error naming it."""
+    rows = as_int(op, "rows", rows)
+    if rows < m:
+        raise ValueError(f"{op}: argument 'rows' ({rows}) must be at least x's row count {m} "
+                         f"(x viewed as [M, K]; rows M.. are zero padding)")
+    return rows
+
+
+def _padded_shape(op, x, rows):
+    """x's shape, or [rows, K] when ``rows`` pads x viewed as [M, K]."""
+    if rows is None:
+        return x.shape
     k = x.shape[-1] if x.dim() else 1
     m = x.numel() // k if k else 0
+    rows = _check_rows(op, rows, m)
+    return x.shape if rows == m else (rows, k)
+
+
+def dbias_fusable(x, rows=None):
+    """Whether ``cast_transpose_fp8(x, ..., dbias=True, rows=rows)`` takes x:
+    viewed as [M, K], K % 8 == 0 and the outputs' rows (``rows``, else M) a
+    multiple of 16, contiguous and, on CUDA, 16-byte aligned (its tiled
+    kernel's rules)."""
+    k = x.shape[-1] if x.dim() else 1
+    m = x.numel() // k if k else 0
+    if rows is not None:
+        m = rows
     return (x.dim() >= 1 and x.is_contiguous() and k % 8 == 0 and m % 16 == 0
             and (not x.is_cuda or x.data_ptr() % 16 == 0))
 
@@ -218,30 +249,35 @@ def fp8_compute_scale(amax, scale, scale_inv, fp8_max, margin=0):
 
 
 def cast_fp8_current(x, fp8_dtype, *, amax, scale, scale_inv, out=None, out_t=None, rowwise=True,
-                     transpose=False, margin=0):
+                     transpose=False, margin=0, rows=None):
     """Current scaling of ``x`` in one call: ``amax = max|x|``, ``scale =
     fp8_max / amax / 2**margin`` (1 where amax is 0 or not finite),
     ``scale_inv = 1 / scale``, then the cast (and, with ``transpose``, the
-    transposed copy [K, M]; ``rowwise=False`` makes only that one).  Three kernels on the
-    current stream, no host sync; ``amax``, ``scale`` and ``scale_inv`` are
+    transposed copy [K, M]; ``rowwise=False`` makes only that one).  One C call on the
+    current stream, no host sync: on CUDA one cooperative launch where the
+    tiled cast+transpose takes the shapes (transpose wanted, K % 8 == 0,
+    padded rows % 16 == 0, aligned), else the amax, scale and cast kernels
+    (same results, three launches).  ``amax``, ``scale`` and ``scale_inv`` are
     one-element float32 buffers the caller keeps (a weight re-cast each step
-    allocates nothing when ``out`` / ``out_t`` are given too).  Returns
+    allocates nothing when ``out`` / ``out_t`` are given too).  ``rows``:
+    the outputs' token rows, padded as in :func:`cast_transpose_fp8`.  Returns
     ``(data or None, data_t or None)``.  Arguments are checked by the C
     entries (this is the quantizers' hot path)."""
     op = "cast_fp8_current"
     require_fp8_dlpack(op)
     x = _check_input(op, x)
     fp8_dtype = fp8_dtype_of(fp8_dtype, op)
-    stream = stream_for(x)
-    _C.amax(x, amax, stream)
-    _C.fp8_compute_scale(amax, scale, scale_inv, FP8_MAX[fp8_dtype], as_int(op, "margin", margin), stream)
     transpose = transpose or not rowwise
     if rowwise and out is None:
-        out = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+        out = torch.empty(_padded_shape(op, x, rows), dtype=fp8_dtype, device=x.device)
     if transpose and out_t is None:
         k = x.shape[-1] if x.dim() else 1
-        out_t = torch.empty((k, x.numel() // k if k else 0), dtype=fp8_dtype, device=x.device)
-    _C.cast_fp8(x, scale, None, out if rowwise else None, out_t, None, stream)
+        mp = x.numel() // k if k else 0
+        if rows is not None:
+            mp = _check_rows(op, rows, mp)
+        out_t = torch.empty((k, mp), dtype=fp8_dtype, device=x.device)
+    _C.cast_fp8_current(x, amax, scale, scale_inv, out if rowwise else None, out_t if transpose else None,
+                        as_int(op, "margin", margin), stream_for(x))
     return (out if rowwise else None), out_t
 
 

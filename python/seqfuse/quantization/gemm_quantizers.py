@@ -21,10 +21,10 @@ stride is a multiple of 16 bytes, so the weight gradient (dW = dy^T x, a
 reduction over the tokens) needs the transposed copies of x and dy with a
 token count that is a multiple of 16.  The quantizers pad the token rows of
 every FP8 operand they make to the next multiple of 16 with zeros (the
-row-wise copy [Mp, K], the transposed copy [K, Mp]: a padded copy of the
-high-precision input goes through the usual one-pass cast, or, where no
-transposed copy is wanted and for the norm's and activation's own FP8
-outputs, the FP8 rows are copied into a padded buffer); the forward and input-
+row-wise copy [Mp, K], the transposed copy [K, Mp]: per-tensor casts write
+the zero rows in their own pass over x; block scaling pads a copy of x;
+the norm's and activation's own FP8 outputs are copied into a padded
+buffer, one byte per element); the forward and input-
 gradient GEMMs then run on Mp rows and their outputs are cut back to the M
 real rows (``row_prefix``: the same storage, no copy, not an autograd
 view).  Zero rows add nothing to the weight and bias gradients, and the
@@ -164,38 +164,31 @@ class _Role:
         fmt = o.recipe.fp8_format
         return fmt.bwd_dtype if self.index % 3 == 2 else fmt.fwd_dtype
 
-    def _cast(self, x, transpose, dbias=False):
-        """Per-tensor cast of x [M, K] (M aligned) under the owner's recipe."""
+    def _cast(self, x, transpose, dbias=False, rows=None):
+        """Per-tensor cast of x [M, K] under the owner's recipe, the copies
+        padded to ``rows`` token rows (None: M)."""
         o = self.owner
         if o.kind == "delayed":
-            return quantize_with_state(x, o.state, self.index, transpose=transpose, dbias=dbias)
-        return quantize_current(x, self.fp8_dtype, margin=o.margin, transpose=transpose, dbias=dbias)
+            return quantize_with_state(x, o.state, self.index, transpose=transpose, dbias=dbias, rows=rows)
+        return quantize_current(x, self.fp8_dtype, margin=o.margin, transpose=transpose, dbias=dbias,
+                                rows=rows)
 
 
     def quantize(self, x, transpose=True):
         """x [M, K] -> Float8Tensor whose data (and data_t) carry
         ``padded_rows(M)`` token rows, the extra ones zero; ``shape`` stays
         x's.  Block scaling: a Float8BlockTensor with the row-wise and (if
-        ``transpose``) column-wise 1x128 copies, rows padded likewise.
-        Unaligned rows with a transposed copy are padded in x's precision
-        first (a copy of x), so the one-pass cast+transpose runs as for an
-        aligned x and the results are the hand-padded computation's bit for
-        bit; without a transposed copy the FP8 rows are padded after the cast."""
+        ``transpose``) column-wise 1x128 copies, rows padded likewise (from
+        a padded copy of x).  Per-tensor casts write the zero rows in their
+        own pass, so the results are the hand-padded computation's bit for
+        bit at no extra pass."""
         o = self.owner
         m = x.shape[0]
         mp = padded_rows(m)
         if o.kind == "block":
             xp = x if mp == m else _pad_rows(x, mp)
             return quantize_block(xp, 1, self.fp8_dtype, columnwise=transpose)
-        if mp == m:
-            return self._cast(x, transpose)
-        if transpose:
-            q = self._cast(_pad_rows(x, mp), True)
-            q.shape = x.shape
-            return q
-        q = self._cast(x, False)
-        return Float8Tensor(_pad_rows(q.data, mp), q.scale_inv, q.fp8_dtype, dtype=x.dtype,
-                            shape=x.shape)
+        return self._cast(x, transpose, rows=None if mp == m else mp)
 
     def fp8_output(self, data, scale_inv, dtype):
         """A producer kernel's FP8 output [M, K] (norm, activation: delayed
@@ -246,10 +239,9 @@ class GradQuantizer(_Role):
         if not need_wgrad:
             g = self.quantize(dy, transpose=False)
         elif want_db:
-            dyp = dy if padded_rows(m) == m else _pad_rows(dy, padded_rows(m))
-            if qops.dbias_fusable(dyp):
-                g, db = self._cast(dyp, True, dbias=True)
-                g.shape = dy.shape
+            mp = padded_rows(m)
+            if qops.dbias_fusable(dy, rows=mp):
+                g, db = self._cast(dy, True, dbias=True, rows=None if mp == m else mp)
             else:
                 g = self.quantize(dy, transpose=True)
         else:

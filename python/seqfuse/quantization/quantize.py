@@ -9,14 +9,16 @@ from .tensor import Float8BlockTensor, Float8Tensor, MXFP8Tensor, NVFP4Tensor
 
 
 def quantize(x, scale, amax, fp8_dtype, *, transpose=False, rowwise=True, dbias=False, out=None,
-             out_t=None, scale_inv=None):
+             out_t=None, scale_inv=None, rows=None):
     """x -> Float8Tensor with ``scale`` (float32 one-element tensor), folding
     max|x| into ``amax`` (accumulates; None to skip).  ``transpose`` also
     makes the [K, M] copy (x viewed as [M, K]); ``rowwise=False`` makes only
     that copy.  ``dbias`` (with ``transpose``, where
     ``ops.quant.dbias_fusable(x)``): also x's float32 column sums from the same
     pass, returned as ``(Float8Tensor, dbias)``.  ``out``, ``out_t`` and
-    ``scale_inv`` (optional) are written instead of new tensors."""
+    ``scale_inv`` (optional) are written instead of new tensors.  ``rows``
+    (>= M): the copies carry that many token rows, the extra ones zero
+    (the FP8 GEMMs' padding, written by the cast); ``shape`` stays x's."""
     fp8_dtype = qops.fp8_dtype_of(fp8_dtype, "quantize")
     if dbias and not transpose:
         raise ValueError("quantize: dbias=True needs transpose=True (the sums come from the "
@@ -25,16 +27,17 @@ def quantize(x, scale, amax, fp8_dtype, *, transpose=False, rowwise=True, dbias=
         scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
     if transpose:
         data, data_t, *db = qops.cast_transpose_fp8(x, scale, amax, fp8_dtype, scale_inv=scale_inv,
-                                                    rowwise=rowwise, dbias=dbias, out=out, out_t=out_t)
+                                                    rowwise=rowwise, dbias=dbias, out=out, out_t=out_t,
+                                                    rows=rows)
     else:
         if not rowwise:
             raise ValueError("quantize: rowwise=False needs transpose=True (no copy asked for)")
-        data, data_t = qops.cast_fp8(x, scale, amax, fp8_dtype, scale_inv=scale_inv, out=out), None
+        data, data_t = qops.cast_fp8(x, scale, amax, fp8_dtype, scale_inv=scale_inv, out=out, rows=rows), None
     q = Float8Tensor(data, scale_inv, fp8_dtype, data_t=data_t, dtype=x.dtype, shape=x.shape)
     return (q, db[0]) if dbias else q
 
 
-def quantize_with_state(x, state, index, *, transpose=False, rowwise=True, dbias=False):
+def quantize_with_state(x, state, index, *, transpose=False, rowwise=True, dbias=False, rows=None):
     """Quantize ``x`` as tensor ``index`` of a ScalingState (delayed
     scaling): its scale, its amax slot for this step, its FP8 dtype."""
     state.ensure_pooled()
@@ -43,17 +46,18 @@ def quantize_with_state(x, state, index, *, transpose=False, rowwise=True, dbias
     if stats.recording() and not recompute.replaying():  # a recompute's casts were the forward's
         stats.record_cast(state, index, x.detach(), scale, fp8_dtype)
     return quantize(x, scale, state.amax_of(index), fp8_dtype, transpose=transpose,
-                    rowwise=rowwise, dbias=dbias)
+                    rowwise=rowwise, dbias=dbias, rows=rows)
 
 
 def quantize_current(x, fp8_dtype, *, margin=0, transpose=False, rowwise=True, amax=None,
-                     amax_reduction_group=None, dbias=False, into=None, scale=None):
+                     amax_reduction_group=None, dbias=False, into=None, scale=None, rows=None):
     """Current scaling: scale = fp8_max / max|x| / 2**margin from x itself
     (an amax pass, an optional all-reduce of that amax, a scale kernel, then
     the cast).  ``amax`` (optional one-element float32) receives max|x|.
     ``into`` (a Float8Tensor of x's shape and format) and ``scale`` (a
     one-element float32 buffer): written instead of new tensors (a weight
-    re-cast each step allocates nothing)."""
+    re-cast each step allocates nothing).  ``rows``: padded token rows, as
+    in :func:`quantize`."""
     fp8_dtype = qops.fp8_dtype_of(fp8_dtype, "quantize_current")
     dev = x.device
     if amax is None:
@@ -69,7 +73,8 @@ def quantize_current(x, fp8_dtype, *, margin=0, transpose=False, rowwise=True, a
         # the common path (weights, current-scaling activations): one op call
         data, data_t = qops.cast_fp8_current(x, fp8_dtype, amax=amax.reshape(1), scale=scale,
                                              scale_inv=scale_inv, out=out, out_t=out_t,
-                                             rowwise=rowwise, transpose=transpose, margin=margin)
+                                             rowwise=rowwise, transpose=transpose, margin=margin,
+                                             rows=rows)
         return Float8Tensor(data, scale_inv, fp8_dtype, data_t=data_t, dtype=x.dtype, shape=x.shape)
     amax = qops.amax(x, out=amax)
     if amax_reduction_group is not None:
@@ -78,7 +83,7 @@ def quantize_current(x, fp8_dtype, *, margin=0, transpose=False, rowwise=True, a
     amax = amax.reshape(1)
     qops.fp8_compute_scale(amax, scale, scale_inv, qops.FP8_MAX[fp8_dtype], margin)
     return quantize(x, scale, None, fp8_dtype, transpose=transpose, rowwise=rowwise, dbias=dbias,
-                    out=out, out_t=out_t, scale_inv=scale_inv)
+                    out=out, out_t=out_t, scale_inv=scale_inv, rows=rows)
 
 
 def quantize_block(x, block_rows=1, fp8_dtype=torch.float8_e4m3fn, *, columnwise=False,
