@@ -3,6 +3,7 @@ error-bound policy for float kernels (below, at REL_TOL), the skip conditions
 of tests that need float8 DLPack or CPU FSDP2, and small references."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 from seqfuse.ops._call import FP8_DLPACK
 
@@ -75,6 +76,26 @@ def torch_bound(torch_error, factor=TORCH_FACTOR, floor=0.0):
     return max(factor * torch_error, floor)
 
 POISON = float("nan")
+
+
+def act_reference(name, x):
+    """The activation ``name`` of seqfuse's LayerNormMLP (Transformer Engine's
+    names; its "gelu" is the tanh approximation) in plain torch."""
+    if name == "gelu":
+        return F.gelu(x, approximate="tanh")
+    if name == "gelu_erf":
+        return F.gelu(x)
+    if name == "relu":
+        return F.relu(x)
+    if name == "silu":
+        return F.silu(x)
+    if name == "swiglu":
+        a, g = x.chunk(2, dim=-1)
+        return F.silu(a) * g
+    if name == "geglu":
+        a, g = x.chunk(2, dim=-1)
+        return F.gelu(a, approximate="tanh") * g
+    raise ValueError(name)
 
 
 def rel_error(out, ref):

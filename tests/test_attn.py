@@ -268,7 +268,7 @@ def test_c_entry_checks_outputs():
         seqfuse._C.attn_fwd(q, k, v, None, None, torch.empty_like(q), lse, cfg[:9] + (0, 2**64))
 
 
-@pytest.mark.skipif(not seqfuse.cuda_available(), reason="needs a GPU")
+@pytest.mark.cuda
 def test_cuda_unsupported_inputs_raise():
     q, k, v = (torch.randn(1, 8, 2, 64, device="cuda") for _ in range(3))
     with pytest.raises(NotImplementedError, match="takes float16 or bfloat16 inputs, got float32"):

@@ -558,11 +558,7 @@ def test_auto_does_not_swallow_out_of_memory(monkeypatch, emulated_h200):
 
 
 def _transformer_layer(**kw):
-    """A TransformerLayer without dropout and with fused QKV, or a skip when a
-    seqfuse.pytorch module family is missing."""
-    import te_stand_ins
-    if te_stand_ins.missing():
-        pytest.skip("a seqfuse.pytorch module family is missing")
+    """A TransformerLayer without dropout and with fused QKV."""
     import seqfuse.pytorch as te
     return te.TransformerLayer(hidden_dropout=0.0, attention_dropout=0.0, fuse_qkv_params=True, **kw)
 

@@ -319,7 +319,6 @@ def test_esm_left_padding_matches_transformers(esm, side, monkeypatch):
     """SeqfuseEsmForMaskedLM against transformers' EsmForMaskedLM (converted
     with seqfuse.hf.convert): logits at the tokens, loss and every gradient
     with right, left and both-sided padding (left was 0.1-1.2 off before)."""
-    esm.te_stand_ins.install_missing(monkeypatch)
     act = esm.MLP_ACTIVATION[esm.SeqfuseEsmConfig().mlp_activation]
     monkeypatch.setattr(esm.modeling_esm.EsmIntermediate, "forward", lambda self, x: act(self.dense(x)))
     hf = esm.hf_model("8M", seed=4)
@@ -338,7 +337,6 @@ def test_esm_left_padding_matches_transformers(esm, side, monkeypatch):
 
 
 def test_esm_hole_in_attention_mask_is_refused(esm, monkeypatch):
-    esm.te_stand_ins.install_missing(monkeypatch)
     sf = esm.from_hf_model(esm.hf_model("8M")).eval()
     b = _esm_batch(esm, "left")
     b["attention_mask"][2, 30] = 0

@@ -23,9 +23,6 @@ from helpers import rel_error, rel_tol  # noqa: E402
 # The module (the package exports the function under the same name).
 accelerate_mod = importlib.import_module("seqfuse.hf.accelerate")
 
-HAVE_MODULES = hasattr(seqfuse.pytorch, "Linear") and hasattr(seqfuse.pytorch, "LayerNorm")
-needs_modules = pytest.mark.skipif(not HAVE_MODULES, reason="seqfuse.pytorch.Linear/LayerNorm not built yet")
-
 
 class StandInLinear(nn.Module):
     def __init__(self, in_features, out_features, bias=True, params_dtype=None, device=None, init_method=None):
@@ -175,7 +172,6 @@ def test_accelerate_logic_with_stand_ins(name, stand_ins):
     assert "swapped" in text and "left" in text
 
 
-@needs_modules
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_accelerate_real_modules(name):
     make, check = MODELS[name]
@@ -238,12 +234,6 @@ def test_edge_cases_are_left_with_reasons(stand_ins, monkeypatch):
 def test_accelerate_bad_input():
     with pytest.raises(TypeError, match="nn.Module"):
         accelerate("not a model")
-
-
-@pytest.mark.skipif(HAVE_MODULES, reason="only where seqfuse.pytorch.Linear is missing")
-def test_accelerate_without_modules_says_so():
-    with pytest.raises(NotImplementedError, match="seqfuse.pytorch.Linear"):
-        accelerate(nn.Linear(4, 4))
 
 
 def test_recipe_runs_forward_under_autocast(stand_ins):
@@ -343,8 +333,6 @@ def test_accelerate_cuda_bf16_llama(family):
     as Mistral with a 64-token sliding window over 256 tokens: every Linear,
     and attention, through seqfuse; logits and loss against the untouched model
     with right padding, then left padding and a decode step on its key cache."""
-    if not HAVE_MODULES:
-        pytest.skip("seqfuse.pytorch.Linear/LayerNorm not built")
     torch.manual_seed(0)
     shape = dict(vocab_size=512, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
                  num_attention_heads=16, num_key_value_heads=4)
@@ -408,7 +396,6 @@ def test_attention_function_dropout_while_training_only():
         seqfuse_attention_forward(M().train(), q, k, v, mask, dropout=1.5)
 
 
-@needs_modules
 def test_accelerate_bert_with_attention_dropout():
     """BERT's default attention dropout (0.1) no longer keeps its attention in
     torch: accelerate switches it; in eval the model matches the original,
@@ -477,7 +464,6 @@ def mistral():
     return transformers.MistralForCausalLM(cfg).eval()
 
 
-@needs_modules
 def test_accelerate_mistral_sliding_window():
     """A sliding-window model (Mistral, window 4 over 11 tokens, so the window
     matters) is switched to seqfuse's attention and matches the original in
@@ -546,7 +532,6 @@ def test_attention_function_packed_refusals():
     assert torch.equal(one, plain)
 
 
-@needs_modules
 def test_accelerate_llama_packed_batch_matches_sequences_alone():
     """A tiny Llama after accelerate(), fed three sequences packed into one
     row with restarting position ids (DataCollatorWithFlattening's format):
@@ -603,7 +588,6 @@ def test_attention_function_left_and_both_sided_padding(causal):
             assert rel_error(out[r][real], ref.transpose(1, 2)[0][real]) <= 1e-5, (r, window)
 
 
-@needs_modules
 def test_accelerate_llama_left_padded_batch():
     """A tiny Llama after accelerate() on a left-padded batch (how decoder
     tokenizers often pad): logits of the real tokens, loss and gradients as
@@ -663,7 +647,6 @@ def test_attention_function_padded_queries_against_a_key_cache(window):
             assert rel_error(out[r][real], ref.transpose(1, 2)[0][real]) <= 1e-5, (s_q, r)
 
 
-@needs_modules
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 def test_accelerate_generate_left_padded_batch(family):
     """model.generate on a left-padded batch (one row padded on 6 of 7
@@ -726,7 +709,6 @@ class BiasedNorm(nn.Module):
         return x * self.weight + self.bias
 
 
-@needs_modules
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_model_rmsnorm_classes_swapped_only_when_the_probe_agrees(dtype):
     """Gemma-style zero-centred RMSNorm becomes seqfuse's RMSNorm with
@@ -749,7 +731,6 @@ def test_model_rmsnorm_classes_swapped_only_when_the_probe_agrees(dtype):
     assert rel_error(model(x), ref(x)) <= tol
 
 
-@needs_modules
 def test_accelerate_gemma_zero_centered_rmsnorm():
     """Gemma (RMSNorm with 1 + weight, GQA): every GemmaRMSNorm becomes
     seqfuse's RMSNorm with zero-centred gamma, and the model matches the
@@ -808,7 +789,6 @@ def test_attention_function_reads_a_mask_once_per_tensor(monkeypatch):
     assert len(calls) == 3
 
 
-@needs_modules
 @pytest.mark.parametrize("order", ["before", "after"])
 def test_accelerate_fp8_with_transformers_gradient_checkpointing(order, caplog):
     """accelerate(model, recipe=DelayedScaling()) with transformers' gradient
@@ -902,7 +882,6 @@ class FailingNorm(NoEpsRMSNorm):
         raise ValueError("only takes 2-D input")
 
 
-@needs_modules
 def test_model_norms_without_eps_or_failing_the_probe_are_left():
     model = nn.Sequential(NoEpsRMSNorm(16), FailingNorm(16))
     report = accelerate(model, attention=False)

@@ -14,10 +14,6 @@ packed thd against padded bshd at every shape, FP8 delayed scaling at every
 shape (current and block scaling at 650M); the bounds are stated in each
 test.
 
-Where seqfuse.pytorch lacks a module family in this checkout, plain-torch
-stand-ins with TE's names take its place (tests/te_stand_ins.py); the CUDA
-tests need the real ones.
-
 About GELU: ESM-2 uses erf-GELU, and so does seqfuse's ESM by default
 (LayerNormMLP's "gelu_erf").  The golden tests compare twice: against
 transformers with its MLP activation replaced by the torch function of the
@@ -35,7 +31,6 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 import seqfuse  # noqa: E402
-import te_stand_ins  # noqa: E402
 from helpers import rel_error  # noqa: E402
 from seqfuse.hf import ESM2_SHAPES, SeqfuseEsmConfig, SeqfuseEsmForMaskedLM, esm2_config  # noqa: E402
 from seqfuse.hf.convert import (from_hf_model, from_hf_pretrained, hf_to_seqfuse_state_dict,  # noqa: E402
@@ -137,11 +132,6 @@ def hf_model(size="8M", seed=0, **kw):
     return model
 
 
-@pytest.fixture
-def modules(monkeypatch):
-    return te_stand_ins.install_missing(monkeypatch)
-
-
 #: What seqfuse's LayerNormMLP computes for each activation name, in torch.
 MLP_ACTIVATION = {"gelu": lambda x: F.gelu(x, approximate="tanh"), "gelu_erf": F.gelu}
 #: Bound on logits' relative error against unmodified transformers, by activation.
@@ -161,7 +151,7 @@ def real_rows(t, mask):
 
 
 # ------------------------------------------------------------------ golden
-def test_golden_8m_logits_loss_grads(modules, hf_same_activation):
+def test_golden_8m_logits_loss_grads(hf_same_activation):
     hf = hf_model("8M")
     sf = from_hf_model(hf).eval()
     b, _, _ = batch()
@@ -184,7 +174,7 @@ def test_golden_8m_logits_loss_grads(modules, hf_same_activation):
     assert checked == len(list(sf.parameters())) - 2
 
 
-def test_golden_8m_against_unmodified_transformers(modules):
+def test_golden_8m_against_unmodified_transformers():
     """Same weights, transformers' own erf-GELU."""
     hf = hf_model("8M", seed=1)
     sf = from_hf_model(hf).eval()
@@ -198,7 +188,7 @@ def test_golden_8m_against_unmodified_transformers(modules):
     assert abs(out.loss.item() - exp.loss.item()) <= tol * exp.loss.item()
 
 
-def test_token_dropout_matches_transformers_exactly(modules):
+def test_token_dropout_matches_transformers_exactly():
     """Embeddings alone (no activation involved): bit-for-bit the same formula."""
     hf = hf_model("8M", seed=2)
     sf = from_hf_model(hf)
@@ -214,7 +204,7 @@ def test_token_dropout_matches_transformers_exactly(modules):
     assert torch.equal(out, exp)
 
 
-def test_packed_thd_matches_padded_bshd(modules):
+def test_packed_thd_matches_padded_bshd():
     hf = hf_model("8M", seed=3)
     sf = from_hf_model(hf).eval()
     b, ids, labels = batch(n=3, seed=3)
@@ -232,7 +222,7 @@ def test_packed_thd_matches_padded_bshd(modules):
     assert all(p.grad is not None for n, p in sf.named_parameters() if "contact_head" not in n)
 
 
-def test_hidden_states_and_bad_inputs(modules):
+def test_hidden_states_and_bad_inputs():
     sf = SeqfuseEsmForMaskedLM(esm2_config("8M", num_hidden_layers=2)).eval()
     ids = torch.tensor([[0, 5, 6, 7, 2]])
     out = sf(input_ids=ids, output_hidden_states=True)
@@ -275,7 +265,7 @@ def varied_batch(lengths, seed):
 
 
 @pytest.mark.parametrize("size", ["8M", "35M", "150M", "650M"])
-def test_golden_every_shape_cpu_bshd_and_thd(size, modules):
+def test_golden_every_shape_cpu_bshd_and_thd(size):
     """Each ESM-2 shape (depth per CPU_LAYERS), float32, on real proteins:
     seqfuse's padded bshd and packed thd forward against transformers'
     EsmForMaskedLM in float64 with the same weights.  Bounds: logits'
@@ -316,7 +306,7 @@ def test_golden_every_shape_cpu_bshd_and_thd(size, modules):
 
 # -------------------------------------------------------------- conversion
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_round_trip_hf_seqfuse_hf_bit_identical(modules, dtype):
+def test_round_trip_hf_seqfuse_hf_bit_identical(dtype):
     hf = hf_model("8M", seed=4).to(dtype)
     sf = from_hf_model(hf)
     assert next(sf.parameters()).dtype == dtype
@@ -336,7 +326,7 @@ def test_round_trip_hf_seqfuse_hf_bit_identical(modules, dtype):
         assert torch.equal(back(input_ids=ids).logits, hf(input_ids=ids).logits)
 
 
-def test_unrepresentable_model_is_refused(modules):
+def test_unrepresentable_model_is_refused():
     hf = transformers.EsmForMaskedLM(hf_config(num_hidden_layers=1, position_embedding_type="absolute"))
     with pytest.raises(NotImplementedError, match="position_embedding_type"):
         from_hf_model(hf)
@@ -345,7 +335,7 @@ def test_unrepresentable_model_is_refused(modules):
             vocab_size=30, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16)))
 
 
-def test_hf_checkpoint_directory_strict(modules, tmp_path):
+def test_hf_checkpoint_directory_strict(tmp_path):
     from safetensors.torch import load_file, save_file
 
     hf = hf_model("8M", seed=5, num_hidden_layers=2)
@@ -372,7 +362,7 @@ def test_hf_checkpoint_directory_strict(modules, tmp_path):
 
 
 # ----------------------------------------------------------- save and load
-def test_save_pretrained_from_pretrained(modules, tmp_path):
+def test_save_pretrained_from_pretrained(tmp_path):
     import json
 
     torch.manual_seed(6)
@@ -393,7 +383,7 @@ def test_save_pretrained_from_pretrained(modules, tmp_path):
     assert type(base).__name__ == "SeqfuseEsmModel"
 
 
-def test_from_pretrained_missing_and_unexpected_keys(modules, tmp_path):
+def test_from_pretrained_missing_and_unexpected_keys(tmp_path):
     from safetensors.torch import load_file, save_file
 
     SeqfuseEsmForMaskedLM(esm2_config("8M", num_hidden_layers=2)).save_pretrained(tmp_path)
@@ -417,7 +407,7 @@ PUBLISHED_M = {"8M": 7.5, "35M": 33.5, "150M": 148, "650M": 651}
 
 
 @pytest.mark.parametrize("size", ["8M", "35M", "150M", "650M"])
-def test_shapes_config_and_parameter_counts(size, modules):
+def test_shapes_config_and_parameter_counts(size):
     hf_cfg = hf_config(size)
     with torch.device("meta"):
         hf = transformers.EsmForMaskedLM(hf_cfg)
@@ -434,10 +424,6 @@ def test_shapes_config_and_parameter_counts(size, modules):
 
 
 # -------------------------------------------------------------------- CUDA
-def _cuda_ready():
-    return seqfuse.cuda_available() and torch.cuda.is_available() and not te_stand_ins.missing()
-
-
 def cuda_batch(n, max_len, seed=0):
     b, ids, labels = batch(n=n, max_len=max_len, seed=seed)
     return {k: v.cuda() for k, v in b.items()}, ids, labels
@@ -457,8 +443,6 @@ def test_cuda_bf16_golden(size):
     transformers in float32.  Bounds: seqfuse's logits' relative error vs
     float32 <= max(2 x transformers' own bf16 error, 1e-2) (transformers'
     bf16 lands near 1e-2 through 33 layers), loss within 1 % of float32's."""
-    if not _cuda_ready():
-        pytest.skip("needs every seqfuse.pytorch module and a CUDA build")
     hf = hf_model(size, seed=7).cuda()
     b, ids, labels = cuda_batch(8, 512, seed=7)
     with torch.no_grad():
@@ -485,8 +469,6 @@ def test_cuda_thd_matches_bshd(size):
     different shapes through every layer), loss within 0.5 %; and the packed
     logits against transformers in float32 within the bf16 golden bound
     (max(2 x transformers' bf16 error, 1e-2))."""
-    if not _cuda_ready():
-        pytest.skip("needs every seqfuse.pytorch module and a CUDA build")
     hf = hf_model(size, seed=8).cuda()
     b, ids, labels = cuda_batch(8, 512, seed=8)
     with torch.no_grad():
@@ -529,8 +511,6 @@ def test_cuda_fp8_loss_close_to_bf16(size, recipe_name):
     FP8_LOGITS_REL of the bf16 forward, and its gradients are finite.
     DelayedScaling must run at every shape; the other recipes may say they
     are not supported yet (a skip naming the recipe)."""
-    if not _cuda_ready():
-        pytest.skip("needs every seqfuse.pytorch module and a CUDA build")
     import seqfuse.pytorch as te
     from seqfuse.common import recipe as recipes
     if not hasattr(recipes, recipe_name):
@@ -566,12 +546,10 @@ def test_cuda_fp8_loss_close_to_bf16(size, recipe_name):
     assert all(torch.isfinite(p.grad).all() for n, p in sf.named_parameters() if p.grad is not None)
 
 
-def test_fp8_delayed_scaling_cpu(modules):
+def test_fp8_delayed_scaling_cpu():
     """ESM-2 8M shape (2 layers), bf16, packed thd padded to 16 tokens, under
     DelayedScaling on the CPU backends: the loss stays within 2 % of the bf16
     loss and a training step's gradients are finite."""
-    if modules:
-        pytest.skip(f"needs the real {modules}")
     import seqfuse.pytorch as te
     from seqfuse.common.recipe import DelayedScaling
 
@@ -595,7 +573,7 @@ def test_fp8_delayed_scaling_cpu(modules):
     assert all(torch.isfinite(p.grad).all() for n, p in sf.named_parameters() if p.grad is not None)
 
 
-def test_activation_checkpointing_names_take_transformers_keywords(modules):
+def test_activation_checkpointing_names_take_transformers_keywords():
     """transformers' activation_checkpointing_enable/disable (the names that
     replace the deprecated gradient_checkpointing_*) reach seqfuse's
     checkpointing with their own keyword, activation_checkpointing_kwargs;

@@ -3,9 +3,7 @@ plain torch (float64, from the module's own parameters): encoder and
 decoder, LayerNorm and RMSNorm, GQA, RoPE, padding and causal masks, bshd /
 sbhd / packed thd, gradients; TE's parameter names; bad arguments.
 
-On CPU the layers run seqfuse's CPU backends; modules of seqfuse.pytorch a
-checkout lacks are replaced by plain-torch stand-ins (tests/te_stand_ins.py)
-so the composition is tested before every family lands.  CUDA tests compare
+On CPU the layers run seqfuse's CPU backends.  CUDA tests compare
 the CUDA layer in bf16 (and under FP8) with the same float64 reference."""
 import math
 
@@ -15,13 +13,7 @@ import torch.nn.functional as F
 
 import seqfuse
 import seqfuse.pytorch as te
-import te_stand_ins
-from helpers import needs_fp8, rel_error
-
-
-@pytest.fixture
-def modules(monkeypatch):
-    return te_stand_ins.install_missing(monkeypatch)
+from helpers import act_reference, needs_fp8, rel_error
 
 
 # ---------------------------------------------------------------- reference
@@ -114,7 +106,7 @@ def reference_layer(layer, x, lengths, causal, freqs, activation, normalization,
         x = x + F.linear(a, P["inter_attention.proj.weight"], P.get("inter_attention.proj.bias"))
     ln = rnd(_norm(f32(x), f32(P["layernorm_mlp.layer_norm_weight"]), f32(P.get("layernorm_mlp.layer_norm_bias")),
                    eps, normalization))
-    hmid = rnd(te_stand_ins.act(activation, f32(F.linear(ln, P["layernorm_mlp.fc1_weight"],
+    hmid = rnd(act_reference(activation, f32(F.linear(ln, P["layernorm_mlp.fc1_weight"],
                                                          P.get("layernorm_mlp.fc1_bias")))))
     return x + F.linear(hmid, P["layernorm_mlp.fc2_weight"], P.get("layernorm_mlp.fc2_bias"))
 
@@ -151,7 +143,7 @@ def rope_freqs(s, d):
 
 
 # -------------------------------------------------------------------- tests
-def test_parameter_names_are_te(modules):
+def test_parameter_names_are_te():
     layer = make_layer(groups=2)
     names = {n for n, _ in layer.named_parameters()}
     assert names == {
@@ -175,7 +167,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
 @pytest.mark.parametrize("with_rope", [True, False])
-def test_layer_matches_torch_bshd(case, with_rope, modules):
+def test_layer_matches_torch_bshd(case, with_rope):
     torch.manual_seed(0)
     layer = make_layer(**case)
     b, s = 3, 10
@@ -224,7 +216,7 @@ def _ref_param_grads(layer, x, w, lengths, causal, freqs, activation, normalizat
     return {n: p.grad for n, p in params64.items()}
 
 
-def test_layer_parameter_grads_match_torch(modules):
+def test_layer_parameter_grads_match_torch():
     torch.manual_seed(1)
     layer = make_layer(groups=2)
     b, s, lengths = 2, 9, [9, 5]
@@ -239,7 +231,7 @@ def test_layer_parameter_grads_match_torch(modules):
         assert rel_error(p.grad, ref[n]) <= 1e-4, n
 
 
-def test_thd_matches_bshd(modules):
+def test_thd_matches_bshd():
     torch.manual_seed(2)
     layer = make_layer(groups=2, mask="padding")
     b, s, lengths = 3, 12, [12, 5, 8]
@@ -262,7 +254,7 @@ def test_thd_matches_bshd(modules):
     assert packed_in.grad is not None and torch.isfinite(packed_in.grad).all()
 
 
-def test_sbhd_matches_bshd(modules):
+def test_sbhd_matches_bshd():
     torch.manual_seed(3)
     layer = make_layer(mask="causal", fmt="sbhd")
     x = torch.randn(2, 7, 64)
@@ -273,7 +265,7 @@ def test_sbhd_matches_bshd(modules):
 
 
 @pytest.mark.parametrize("window", [(3, 0), (2, 2)])
-def test_sliding_window(window, modules):
+def test_sliding_window(window):
     torch.manual_seed(8)
     layer = te.TransformerLayer(64, 96, 4, hidden_dropout=0.0, attention_dropout=0.0,
                                 self_attn_mask_type="causal" if window[1] == 0 else "no_mask",
@@ -287,7 +279,7 @@ def test_sliding_window(window, modules):
     assert rel_error(out, ref) <= 1e-5
 
 
-def test_decoder_layer_cross_attention(modules):
+def test_decoder_layer_cross_attention():
     torch.manual_seed(4)
     layer = make_layer(layer_type="decoder", mask="causal", groups=2)
     names = {n for n, _ in layer.named_parameters()}
@@ -301,7 +293,7 @@ def test_decoder_layer_cross_attention(modules):
         layer(x)
 
 
-def test_multihead_attention_alone(modules):
+def test_multihead_attention_alone():
     torch.manual_seed(5)
     mha = te.MultiheadAttention(64, 4, attention_dropout=0.0, input_layernorm=False, fuse_qkv_params=True,
                                 qkv_format="bshd", attn_mask_type="causal", device="cpu")
@@ -369,7 +361,7 @@ def _same_params_unfused(fused, unfused, split_modules):
 
 
 @pytest.mark.parametrize("layer_type", ["encoder", "decoder"])
-def test_unfused_qkv_params_match_fused(layer_type, modules):
+def test_unfused_qkv_params_match_fused(layer_type):
     """fuse_qkv_params=False (TE's default): query/key/value weights and
     biases are separate parameters with TE's names, the layer computes what
     the fused layer with qkv_weight_interleaved=False computes, and each
@@ -458,7 +450,7 @@ def test_qkv_split_backward_cats_at_most_4d(interleaved):
 
 
 
-def test_linear_parameters_split(modules):
+def test_linear_parameters_split():
     """TE's parameters_split on Linear and LayerNormLinear: names from a
     tuple (equal rows, trailing underscores stripped) or a dict; one GEMM;
     the same initial values as the unsplit module from the same seed; bad
@@ -490,7 +482,7 @@ def test_linear_parameters_split(modules):
         split(x)
 
 
-def test_bad_arguments(modules):
+def test_bad_arguments():
     with pytest.raises(NotImplementedError, match="output_layernorm"):
         te.TransformerLayer(64, 96, 4, fuse_qkv_params=True, output_layernorm=True, device="cpu")
     with pytest.raises(ValueError, match="layer_type"):
@@ -513,16 +505,10 @@ def test_bad_arguments(modules):
 
 
 # ------------------------------------------------------------------- CUDA
-def _cuda_ready():
-    return seqfuse.cuda_available() and torch.cuda.is_available() and not te_stand_ins.missing()
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("shape", ["esm2_650m", "llama_like"])
 @pytest.mark.parametrize("fmt", ["bshd", "thd"])
 def test_cuda_bf16_layer_matches_torch(shape, fmt):
-    if not _cuda_ready():
-        pytest.skip("needs every seqfuse.pytorch module and a CUDA build")
     torch.manual_seed(6)
     if shape == "esm2_650m":
         kw = dict(hidden=1280, ffn=5120, heads=20, mask="padding", activation="gelu")
@@ -562,8 +548,6 @@ def test_cuda_bf16_layer_matches_torch(shape, fmt):
 @needs_fp8
 @pytest.mark.cuda
 def test_cuda_fp8_layer_close_to_bf16():
-    if not _cuda_ready() or not hasattr(te, "fp8_autocast"):
-        pytest.skip("needs every seqfuse.pytorch module, autocast and a CUDA build")
     from seqfuse.common.recipe import DelayedScaling, Format
     torch.manual_seed(7)
     layer = make_layer(hidden=1280, ffn=5120, heads=20, mask="padding", dtype=torch.bfloat16, device="cuda")
@@ -602,13 +586,11 @@ def _fp8_recipes():
 
 @needs_fp8
 @pytest.mark.parametrize("recipe", _fp8_recipes(), ids=lambda r: type(r).__name__)
-def test_fp8_layer_cpu(recipe, modules):
+def test_fp8_layer_cpu(recipe):
     """Under an FP8 recipe (CPU backends): the layer's update (out - x) and the
     gradients stay within FP8's precision of the bf16 layer (E4M3 keeps 3
     mantissa bits: ~4 % rms per quantized operand, a few operands chained), or
     the recipe is refused by name -- never silently run in another precision."""
-    if modules:
-        pytest.skip(f"needs the real {modules}")
     torch.manual_seed(9)
     # block scaling takes features in whole 128-wide blocks (head dim 16 either way)
     hidden, ffn, heads = (128, 256, 8) if type(recipe).__name__ == "Float8BlockScaling" else (64, 128, 4)

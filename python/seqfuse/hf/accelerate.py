@@ -59,6 +59,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..pytorch import LayerNorm, Linear, RMSNorm, autocast
+
 _log = logging.getLogger("seqfuse")
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -119,18 +121,13 @@ class AccelerateReport:
 
 
 def _seqfuse_modules():
-    try:
-        from seqfuse.pytorch import LayerNorm, Linear
-    except ImportError as e:
-        raise NotImplementedError(
-            "seqfuse.hf.accelerate needs seqfuse.pytorch.Linear and seqfuse.pytorch.LayerNorm, "
-            f"which this build of seqfuse does not provide ({e})") from e
+    """The classes a swap puts in: (Linear, LayerNorm).  A function so the
+    tests can run the walk with plain-torch modules in their place."""
     return Linear, LayerNorm
 
 
 def _seqfuse_rmsnorm():
-    from seqfuse.pytorch import RMSNorm
-
+    """The RMSNorm class a swap puts in (a function for the same reason)."""
     return RMSNorm
 
 
@@ -333,12 +330,6 @@ def _wrap_method(model, name, wrap):
 
 
 def _wrap_forward(model, recipe):
-    try:
-        from seqfuse.pytorch import autocast
-    except ImportError as e:
-        raise NotImplementedError(
-            f"accelerate: a recipe was given but seqfuse.pytorch.autocast is not available ({e})") from e
-
     def wrap(inner):
         def forward(self, *args, **kwargs):
             with autocast(enabled=True, recipe=recipe):

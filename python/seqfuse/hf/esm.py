@@ -34,6 +34,8 @@ from transformers import initialization as init
 from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput
 
 from ..modules.attention import padding_mask_layout
+from ..modules.linear import Linear
+from ..modules.norm import LayerNorm
 from ..modules.rope import RotaryPositionEmbedding
 from ..quantization.recompute import checkpoint
 from ..modules.transformer_layer import TransformerLayer
@@ -41,11 +43,6 @@ from .esm_config import SeqfuseEsmConfig
 
 #: ESM's token-dropout training mask ratio (15 % selected x 80 % replaced by <mask>).
 MASK_RATIO_TRAIN = 0.15 * 0.8
-
-
-def _seqfuse_modules():
-    from seqfuse.pytorch import LayerNorm, Linear
-    return LayerNorm, Linear
 
 
 def _device():
@@ -65,7 +62,6 @@ class SeqfuseEsmEmbeddings(nn.Module):
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size,
                                             padding_idx=config.pad_token_id, device=_device())
         if config.emb_layer_norm_before:
-            LayerNorm, _ = _seqfuse_modules()
             self.layer_norm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps, device=_device())
         else:
             self.layer_norm = None
@@ -101,7 +97,6 @@ class SeqfuseEsmEmbeddings(nn.Module):
 class SeqfuseEsmEncoder(nn.Module):
     def __init__(self, config):
         super().__init__()
-        LayerNorm, _ = _seqfuse_modules()
         self.layers = nn.ModuleList([
             TransformerLayer(
                 config.hidden_size, config.intermediate_size, config.num_attention_heads,
@@ -321,7 +316,6 @@ class SeqfuseEsmLMHead(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        LayerNorm, Linear = _seqfuse_modules()
         self.dense = Linear(config.hidden_size, config.hidden_size, bias=True, device=_device())
         self.layer_norm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps, device=_device())
         # Plain torch: the vocabulary (33) is not FP8-aligned, and tying needs nn.Linear's weight.
