@@ -139,14 +139,14 @@ def test_runner_reports_a_crash_by_name(tmp_path, monkeypatch):
     script.write_text(
         "import os, sys\n"
         f"sys.path.insert(0, {HERE!r})\n"
-        "import bad_input_cases as c\n"
-        "real = c.run_case\n"
+        "import bad_input_cases\n"
+        "real = bad_input_cases.run_case\n"
         "def run_case(case):\n"
         f"    if case.name == {victim!r}:\n"
         "        os.abort()\n"
         "    return real(case)\n"
-        "c.run_case = run_case\n"
-        "c.main(sys.argv[1:])\n")
+        "bad_input_cases.run_case = run_case\n"
+        "bad_input_cases.main(sys.argv[1:])\n")
     monkeypatch.setattr(sys.modules[__name__], "WORKER", str(script))
     results = {}
     _run_range("cpu", names, 0, 3, results)

@@ -32,7 +32,7 @@ sys.path.insert(0, BENCH)
 
 import bench_llama3 as B  # noqa: E402
 import llama3_common as C  # noqa: E402
-import make_bench_data as M  # noqa: E402
+import make_bench_data  # noqa: E402
 from helpers import needs_fp8  # noqa: E402
 
 
@@ -69,14 +69,14 @@ def test_bench_selection_round_robin_exact_windows():
         for i in range(n):
             rows.append(dict(genome=g, start=i * 8, end=i * 8 + 8, sequence="A" * 8, id=f"{g}{i}"))
     rows.append(dict(genome="c", start=100, end=105, sequence="A" * 5, id="short"))
-    got = M.select(rows, 8, 9)
+    got = make_bench_data.select(rows, 8, 9)
     assert len(got) == 9 and all(r["end"] - r["start"] == 8 for r in got)
     by = {g: [r["id"] for r in got if r["genome"] == g] for g in "abc"}
     assert {g: len(v) for g, v in by.items()} == {"a": 3, "b": 3, "c": 3}
     assert by["a"] == ["a0", "a3", "a6"]  # evenly spaced along the genome
-    assert len(M.select(rows, 8, 100)) == 19  # all exact windows, never more than there are
+    assert len(make_bench_data.select(rows, 8, 100)) == 19  # all exact windows, never more than there are
     with pytest.raises(ValueError, match="exactly 7"):
-        M.select(rows, 7, 3)
+        make_bench_data.select(rows, 7, 3)
 
 
 def test_batches_fixed_length_padded_equals_packed():

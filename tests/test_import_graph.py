@@ -45,8 +45,8 @@ module file may be used by that file only; a ``_``-prefixed module
 (``modules/_base.py``, ``modules/_fp8.py``, ``ops/_call.py``) is a helper of
 its package: files inside that package may import it and its public names,
 files outside may not.  Checked for ``from M import _x`` and for attribute
-reads through an imported module (``N._x`` after ``from ..ops import norm as
-N``).
+reads through an imported module (``norm_ops._x`` after ``from ..ops import
+norm as norm_ops``).
 """
 import ast
 import pathlib
@@ -355,7 +355,7 @@ def test_the_reader_sees_the_package():
     ({"seqfuse.ops.x": "def f():\n    from seqfuse.pytorch import Linear"}, False, True, False),
     # a private name from a sibling file, and through a module alias
     ({"seqfuse.modules.x": "from .norm import _hidden"}, False, False, True),
-    ({"seqfuse.modules.x": "from ..ops import norm as N\nN._workspace(1)"}, False, False, True),
+    ({"seqfuse.modules.x": "from ..ops import norm as norm_ops\nnorm_ops._workspace(1)"}, False, False, True),
     # a private helper module of another package
     ({"seqfuse.modules.x": "from ..ops._call import stream_for"}, False, False, True),
     # allowed: a private helper module of one's own package, and its public names

@@ -294,7 +294,7 @@ def m_copy(m):
 
 # ---- FP8 ---------------------------------------------------------------------
 
-from seqfuse import quantization as Q  # noqa: E402
+from seqfuse import quantization  # noqa: E402
 from seqfuse.common.recipe import (DelayedScaling, Float8BlockScaling,  # noqa: E402
                                    Float8CurrentScaling, Format, MXFP8BlockScaling)
 
@@ -320,14 +320,14 @@ def quantized_reference(kind, x, w, b, dy):
         dev = x.device
         return ((xq @ wq.t()).to(dev) + b.double(), (gq @ wq).to(dev), (gq_t.t() @ xq_t).to(dev),
                 dy.double().sum(0))
-    wq = Q.quantize_current(w, f.fwd_dtype).dequantize(torch.float32).double()
+    wq = quantization.quantize_current(w, f.fwd_dtype).dequantize(torch.float32).double()
     if kind == "current":
-        xq = Q.quantize_current(x, f.fwd_dtype).dequantize(torch.float32).double()
-        gq = Q.quantize_current(dy, f.bwd_dtype).dequantize(torch.float32).double()
+        xq = quantization.quantize_current(x, f.fwd_dtype).dequantize(torch.float32).double()
+        gq = quantization.quantize_current(dy, f.bwd_dtype).dequantize(torch.float32).double()
     else:  # delayed, first step: the state's scales are 1
         one = torch.ones(1, device=x.device)
-        xq = Q.quantize(x, one, None, f.fwd_dtype).dequantize(torch.float32).double()
-        gq = Q.quantize(dy, one, None, f.bwd_dtype).dequantize(torch.float32).double()
+        xq = quantization.quantize(x, one, None, f.fwd_dtype).dequantize(torch.float32).double()
+        gq = quantization.quantize(dy, one, None, f.bwd_dtype).dequantize(torch.float32).double()
     return xq @ wq.t() + b.double(), gq @ wq, gq.t() @ xq, dy.double().sum(0)
 
 
@@ -377,8 +377,8 @@ def test_block_weight_transposed_is_quantized_transpose(shape, seed):
     from seqfuse.quantization.gemm_quantizers import block_weight_transposed
 
     w = (torch.randn(shape) * torch.logspace(-2, 2, shape[1])).bfloat16()
-    got = block_weight_transposed(Q.quantize_block(w, 128))
-    want = Q.quantize_block(w.t().contiguous(), 128)
+    got = block_weight_transposed(quantization.quantize_block(w, 128))
+    want = quantization.quantize_block(w.t().contiguous(), 128)
     assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
     assert torch.equal(got.scale_inv, want.scale_inv)
 

@@ -8,7 +8,7 @@ import torch
 
 import seqfuse
 from seqfuse import _C
-from seqfuse.ops import norm as N
+from seqfuse.ops import norm as norm_ops
 
 from helpers import assert_close_rel, fp8_steps, needs_fp8, poisoned_like
 
@@ -49,11 +49,11 @@ def reference(rms, x, w, b, dy, eps, zc):
 
 def run_ops(rms, x, w, b, dy, eps, zc):
     if rms:
-        y, rstd = N.rmsnorm_fwd(x, w, eps, zc)
-        dx, dg = N.rmsnorm_bwd(dy, x, rstd, w, zc)
+        y, rstd = norm_ops.rmsnorm_fwd(x, w, eps, zc)
+        dx, dg = norm_ops.rmsnorm_bwd(dy, x, rstd, w, zc)
         return y, None, rstd, dx, dg, None
-    y, mean, rstd = N.layernorm_fwd(x, w, b, eps, zc)
-    dx, dg, db = N.layernorm_bwd(dy, x, mean, rstd, w, zc, b is not None)
+    y, mean, rstd = norm_ops.layernorm_fwd(x, w, b, eps, zc)
+    dx, dg, db = norm_ops.layernorm_bwd(dy, x, mean, rstd, w, zc, b is not None)
     return y, mean, rstd, dx, dg, db
 
 
@@ -100,7 +100,7 @@ def test_layernorm_cpu_without_bias(seed):
 def test_norm_cpu_large_eps_and_constant_rows():
     x = torch.full((4, 32), 3.0)
     w = torch.ones(32)
-    y, mean, rstd = N.layernorm_fwd(x, w, torch.zeros(32), eps=0.25)
+    y, mean, rstd = norm_ops.layernorm_fwd(x, w, torch.zeros(32), eps=0.25)
     assert torch.equal(y, torch.zeros_like(y))
     assert torch.allclose(mean, torch.full((4,), 3.0)) and torch.allclose(rstd, torch.full((4,), 2.0))
 
@@ -108,9 +108,9 @@ def test_norm_cpu_large_eps_and_constant_rows():
 def test_norm_cpu_empty_rows():
     x = torch.empty(0, 64)
     w = torch.ones(64)
-    y, mean, rstd = N.layernorm_fwd(x, w, torch.zeros(64))
+    y, mean, rstd = norm_ops.layernorm_fwd(x, w, torch.zeros(64))
     assert y.shape == (0, 64)
-    dx, dg, db = N.layernorm_bwd(torch.empty(0, 64), x, mean, rstd, w)
+    dx, dg, db = norm_ops.layernorm_bwd(torch.empty(0, 64), x, mean, rstd, w)
     assert torch.equal(dg, torch.zeros(64)) and torch.equal(db, torch.zeros(64))
 
 
@@ -123,11 +123,11 @@ def test_norm_cpu_fp8_output(rms, fmt, seed):
     amax = torch.zeros(1)
     scale_inv = torch.zeros(1)
     if rms:
-        y_hp, _ = N.rmsnorm_fwd(x, w, 1e-5)
-        y8, _ = N.rmsnorm_fwd(x, w, 1e-5, out_dtype=fmt, scale=scale, amax=amax, scale_inv=scale_inv)
+        y_hp, _ = norm_ops.rmsnorm_fwd(x, w, 1e-5)
+        y8, _ = norm_ops.rmsnorm_fwd(x, w, 1e-5, out_dtype=fmt, scale=scale, amax=amax, scale_inv=scale_inv)
     else:
-        y_hp, _, _ = N.layernorm_fwd(x, w, b, 1e-5)
-        y8, _, _ = N.layernorm_fwd(x, w, b, 1e-5, out_dtype=fmt, scale=scale, amax=amax,
+        y_hp, _, _ = norm_ops.layernorm_fwd(x, w, b, 1e-5)
+        y8, _, _ = norm_ops.layernorm_fwd(x, w, b, 1e-5, out_dtype=fmt, scale=scale, amax=amax,
                                    scale_inv=scale_inv)
     assert y8.dtype == fmt
     fmax = torch.finfo(fmt).max
@@ -141,7 +141,7 @@ def test_norm_cpu_fp8_output(rms, fmt, seed):
 @needs_fp8
 def test_norm_cpu_fp8_saturates():
     x = torch.tensor([[1.0, -1.0, 1.0, -1.0]])
-    y, _, _ = N.layernorm_fwd(x, torch.ones(4), torch.zeros(4), 0.0,
+    y, _, _ = norm_ops.layernorm_fwd(x, torch.ones(4), torch.zeros(4), 0.0,
                               out_dtype=torch.float8_e4m3fn, scale=torch.tensor([1e6]))
     assert y.float().abs().max().item() == 448.0
 
@@ -150,49 +150,49 @@ def test_norm_cpu_fp8_saturates():
 
 def test_norm_error_int_input():
     with pytest.raises(TypeError, match="layernorm_fwd: argument 'x' must have dtype float32, float16 or bfloat16"):
-        N.layernorm_fwd(torch.ones(2, 4, dtype=torch.int32), torch.ones(4))
+        norm_ops.layernorm_fwd(torch.ones(2, 4, dtype=torch.int32), torch.ones(4))
 
 
 def test_norm_error_gamma_numel():
     with pytest.raises(ValueError, match="layernorm_fwd: argument 'gamma' must have 8 element\\(s\\), got 7"):
-        N.layernorm_fwd(torch.ones(2, 8), torch.ones(7), torch.zeros(8))
+        norm_ops.layernorm_fwd(torch.ones(2, 8), torch.ones(7), torch.zeros(8))
 
 
 def test_norm_error_gamma_dtype():
     with pytest.raises(TypeError, match="rmsnorm_fwd: argument 'gamma' must have dtype bfloat16 \\(the input's\\) or float32, got float16"):
-        N.rmsnorm_fwd(torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(8, dtype=torch.float16))
+        norm_ops.rmsnorm_fwd(torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(8, dtype=torch.float16))
 
 
 def test_norm_error_beta_dtype():
     with pytest.raises(TypeError, match="argument 'beta' must have gamma's dtype float32, got bfloat16"):
-        N.layernorm_fwd(torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(8),
+        norm_ops.layernorm_fwd(torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(8),
                         torch.zeros(8, dtype=torch.bfloat16))
 
 
 def test_norm_error_hidden_too_large():
     with pytest.raises(ValueError, match="hidden size \\(last dimension\\) 16385; it must be between 1 and 16384"):
-        N.rmsnorm_fwd(torch.ones(1, 16385), torch.ones(16385))
+        norm_ops.rmsnorm_fwd(torch.ones(1, 16385), torch.ones(16385))
 
 
 def test_norm_error_bad_eps():
     with pytest.raises(ValueError, match="argument 'eps' must be finite and >= 0"):
-        N.layernorm_fwd(torch.ones(2, 8), torch.ones(8), None, eps=-1.0)
+        norm_ops.layernorm_fwd(torch.ones(2, 8), torch.ones(8), None, eps=-1.0)
 
 
 @needs_fp8
 def test_norm_error_fp8_without_scale():
     with pytest.raises(ValueError, match="argument 'scale' is required when 'y' is float8_e4m3fn"):
-        N.layernorm_fwd(torch.ones(2, 8), torch.ones(8), None, out_dtype=torch.float8_e4m3fn)
+        norm_ops.layernorm_fwd(torch.ones(2, 8), torch.ones(8), None, out_dtype=torch.float8_e4m3fn)
 
 
 def test_norm_error_scale_without_fp8():
     with pytest.raises(ValueError, match="apply only to an FP8 'y'"):
-        N.rmsnorm_fwd(torch.ones(2, 8), torch.ones(8), scale=torch.ones(1))
+        norm_ops.rmsnorm_fwd(torch.ones(2, 8), torch.ones(8), scale=torch.ones(1))
 
 
 def test_norm_error_bad_out_dtype():
     with pytest.raises(TypeError, match="argument 'out_dtype'"):
-        N.rmsnorm_fwd(torch.ones(2, 8), torch.ones(8), out_dtype=torch.float16)
+        norm_ops.rmsnorm_fwd(torch.ones(2, 8), torch.ones(8), out_dtype=torch.float16)
 
 
 def test_norm_error_from_c_y_shape():
@@ -230,7 +230,7 @@ def test_norm_error_non_contiguous_from_c():
 
 def test_norm_op_makes_input_contiguous(seed):
     x = torch.randn(16, 8).t()
-    y, _ = N.rmsnorm_fwd(x, torch.ones(16))
+    y, _ = norm_ops.rmsnorm_fwd(x, torch.ones(16))
     ref = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-5)
     assert_close_rel(y, ref, torch.float32)
 
@@ -325,8 +325,8 @@ def test_norm_cuda_fp8_output(rms, fmt, dtype, shape, seed):
     assert diff.max().item() <= 1
     assert (diff > 0).float().mean().item() < 0.02
     assert amax.item() == pytest.approx(y_hp.abs().max().item(), rel=1e-5)
-    cpu8, _, _ = (N.rmsnorm_fwd(x.cpu(), w.cpu(), 1e-5, out_dtype=fmt, scale=scale.cpu()) + (None,)
-                  if rms else N.layernorm_fwd(x.cpu(), w.cpu(), b.cpu(), 1e-5, out_dtype=fmt,
+    cpu8, _, _ = (norm_ops.rmsnorm_fwd(x.cpu(), w.cpu(), 1e-5, out_dtype=fmt, scale=scale.cpu()) + (None,)
+                  if rms else norm_ops.layernorm_fwd(x.cpu(), w.cpu(), b.cpu(), 1e-5, out_dtype=fmt,
                                               scale=scale.cpu()))
     diff = fp8_steps(y8.cpu(), cpu8)
     assert diff.max().item() <= 1 and (diff > 0).float().mean().item() < 0.02
@@ -389,8 +389,8 @@ def test_norm_cuda_workspace_too_small():
 def test_norm_cuda_empty_rows():
     x = torch.empty(0, 512, device="cuda")
     w = torch.ones(512, device="cuda")
-    y, mean, rstd = N.layernorm_fwd(x, w, torch.zeros(512, device="cuda"))
-    dx, dg, db = N.layernorm_bwd(torch.empty_like(x), x, mean, rstd, w)
+    y, mean, rstd = norm_ops.layernorm_fwd(x, w, torch.zeros(512, device="cuda"))
+    dx, dg, db = norm_ops.layernorm_bwd(torch.empty_like(x), x, mean, rstd, w)
     assert y.shape == (0, 512) and torch.equal(dg, torch.zeros_like(dg)) and torch.equal(db, torch.zeros_like(db))
 
 
@@ -401,13 +401,13 @@ def test_norm_cuda_graph_capture_and_stream(seed):
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        y, rstd = N.rmsnorm_fwd(x, w)  # warm up (and fills the workspace-size cache)
-        dx, dg = N.rmsnorm_bwd(y, x, rstd, w)
+        y, rstd = norm_ops.rmsnorm_fwd(x, w)  # warm up (and fills the workspace-size cache)
+        dx, dg = norm_ops.rmsnorm_bwd(y, x, rstd, w)
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        y, rstd = N.rmsnorm_fwd(x, w)
-        dx, dg = N.rmsnorm_bwd(y, x, rstd, w)
+        y, rstd = norm_ops.rmsnorm_fwd(x, w)
+        dx, dg = norm_ops.rmsnorm_bwd(y, x, rstd, w)
     x.copy_(torch.randn_like(x))
     g.replay()
     torch.cuda.synchronize()
@@ -420,12 +420,12 @@ def test_norm_cuda_graph_capture_and_stream(seed):
 def test_norm_amax_accumulates(device, seed):
     x = torch.randn(64, 256, device=device)
     w = torch.ones(256, device=device)
-    y, _ = N.rmsnorm_fwd(x, w)
+    y, _ = norm_ops.rmsnorm_fwd(x, w)
     big = torch.full((1,), 1e4, device=device)
-    N.rmsnorm_fwd(x, w, amax=big)
+    norm_ops.rmsnorm_fwd(x, w, amax=big)
     assert big.item() == 1e4  # a larger earlier amax stays
     small = torch.full((1,), 1e-3, device=device)
-    N.rmsnorm_fwd(x, w, out_dtype=torch.float8_e4m3fn, scale=torch.ones(1, device=device), amax=small)
+    norm_ops.rmsnorm_fwd(x, w, out_dtype=torch.float8_e4m3fn, scale=torch.ones(1, device=device), amax=small)
     assert small.item() == y.abs().max().item()
 
 
@@ -440,11 +440,11 @@ def test_norm_amax_of_16bit_output_is_before_rounding(device, rms, dtype, seed):
     x, w, b, _ = make_inputs((48, 1000), dtype, device, bias=not rms)
     amax = torch.zeros(1, device=device)
     if rms:
-        N.rmsnorm_fwd(x, w, 1e-5, amax=amax)
-        y32, _ = N.rmsnorm_fwd(x.cpu().float(), w.cpu().float(), 1e-5)
+        norm_ops.rmsnorm_fwd(x, w, 1e-5, amax=amax)
+        y32, _ = norm_ops.rmsnorm_fwd(x.cpu().float(), w.cpu().float(), 1e-5)
     else:
-        N.layernorm_fwd(x, w, b, 1e-5, amax=amax)
-        y32, _, _ = N.layernorm_fwd(x.cpu().float(), w.cpu().float(), b.cpu().float(), 1e-5)
+        norm_ops.layernorm_fwd(x, w, b, 1e-5, amax=amax)
+        y32, _, _ = norm_ops.layernorm_fwd(x.cpu().float(), w.cpu().float(), b.cpu().float(), 1e-5)
     if device == "cpu":
         assert amax.item() == y32.abs().max().item()
     else:

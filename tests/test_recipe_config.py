@@ -15,7 +15,7 @@ sys.path.insert(0, RECIPE)
 
 pytest.importorskip("hydra")
 
-from esm2_recipe import config as C  # noqa: E402
+from esm2_recipe import config as recipe_config  # noqa: E402
 from esm2_recipe.config import ConfigError, load_config  # noqa: E402
 
 BAD = {  # override -> what its line must say
@@ -74,12 +74,12 @@ def test_cross_key_rules():
 
 
 def test_every_named_config_is_valid_and_base_matches_the_schema():
-    have = sorted(f[:-5] for f in os.listdir(C.CONFIG_DIR) if f.endswith(".yaml"))
+    have = sorted(f[:-5] for f in os.listdir(recipe_config.CONFIG_DIR) if f.endswith(".yaml"))
     assert "L0_sanity" in have and "base" in have
     for name in have:
         cfg = load_config(name)
         assert cfg.config_name == name
-    assert C.compose_config("base") == C.schema_defaults()
+    assert recipe_config.compose_config("base") == recipe_config.schema_defaults()
     cfg = load_config("35M", ["train.lr=1", "checkpoint.dir=/tmp/x y/ck"])
     assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float) and cfg.checkpoint.dir == "/tmp/x y/ck"
 
@@ -123,7 +123,7 @@ def test_output_dirs_checked_writable_at_start(tmp_path, monkeypatch):
     assert "logging.metrics_jsonl=" in msg and "checkpoint.resume_from=" in msg
     assert not (tmp_path / "ck").exists()
     # a writable one that does not exist yet passes, and nothing is created by the check
-    C.check_paths(load_config("L0_sanity", [f"checkpoint.dir={tmp_path}/new/ck"]))
+    recipe_config.check_paths(load_config("L0_sanity", [f"checkpoint.dir={tmp_path}/new/ck"]))
     assert not (tmp_path / "new").exists()
 
 
@@ -133,7 +133,7 @@ def test_command_line_reports_bad_keys_and_exits_2():
     assert r.returncode == 2, r.stdout + r.stderr
     assert "train.steps=-5: must be an integer >= 1" in r.stderr and "device='tpu'" in r.stderr
     assert "Traceback" not in r.stderr
-    assert C.parse_args(["--config-name=35M", "train.steps=3"]) == ("35M", ["train.steps=3"])
-    assert C.parse_args(["--config", "8M"]) == ("8M", [])
+    assert recipe_config.parse_args(["--config-name=35M", "train.steps=3"]) == ("35M", ["train.steps=3"])
+    assert recipe_config.parse_args(["--config", "8M"]) == ("8M", [])
     with pytest.raises(SystemExit, match="unknown option"):
-        C.parse_args(["--steps", "3"])
+        recipe_config.parse_args(["--steps", "3"])

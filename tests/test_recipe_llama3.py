@@ -25,7 +25,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("pyarrow")
 pytest.importorskip("hydra")
 
-from llama3_recipe import config as C  # noqa: E402
+from llama3_recipe import config as recipe_config  # noqa: E402
 from llama3_recipe import trainer  # noqa: E402
 from llama3_recipe.config import ConfigError, load_config, resolve_layer_precision  # noqa: E402
 from llama3_recipe.trainer import train  # noqa: E402
@@ -44,11 +44,11 @@ def _losses(path):
 
 # ------------------------------------------------------------ configs
 def test_named_configs_and_base_match_the_schema():
-    have = C.SPEC.configs()
+    have = recipe_config.SPEC.configs()
     assert {"base", "L0_sanity", "1B", "8B"} <= set(have)
     for name in have:
         assert load_config(name).config_name == name
-    assert C.compose_config("base") == C.schema_defaults()
+    assert recipe_config.compose_config("base") == recipe_config.schema_defaults()
     one = load_config("1B")
     assert one.model.size == "1B" and one.data.max_length == 8192
     mcfg = trainer.model_config(one)

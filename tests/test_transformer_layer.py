@@ -579,9 +579,9 @@ def test_cuda_fp8_layer_close_to_bf16():
 
 
 def _fp8_recipes():
-    from seqfuse.common import recipe as r
-    return [r.DelayedScaling(amax_history_len=4), r.Float8CurrentScaling(), r.Float8BlockScaling(),
-            r.MXFP8BlockScaling()]
+    from seqfuse.common import recipe
+    return [recipe.DelayedScaling(amax_history_len=4), recipe.Float8CurrentScaling(), recipe.Float8BlockScaling(),
+            recipe.MXFP8BlockScaling()]
 
 
 @needs_fp8

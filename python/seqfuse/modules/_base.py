@@ -8,9 +8,9 @@ import numbers
 import torch
 
 from .. import ops
-from .. import quantization as _q
+from .. import quantization
 from .._runtime import cuda_available
-from ..quantization import gemm_quantizers as _gq
+from ..quantization import gemm_quantizers
 
 
 def default_device(device):
@@ -87,9 +87,9 @@ def as_dtype(t, dtype):
 def fp8_quantizers(module, x):
     """The module's GemmQuantizers under the active FP8 autocast recipe, or
     None outside FP8 autocast (recipes it cannot run raise, naming it)."""
-    if not _q.is_fp8_enabled():
+    if not quantization.is_fp8_enabled():
         return None
-    return _gq.quantizers_for(module, _q.get_recipe(), x.device)
+    return gemm_quantizers.quantizers_for(module, quantization.get_recipe(), x.device)
 
 
 def fp8_norm(q, x2, lnw, lnb, eps, rms, zc, need_col):

@@ -6,7 +6,7 @@ seqfuse.ops.act (autograd Functions; the MLP modules and users call these).
 """
 import torch
 
-from ..ops import act as A
+from ..ops import act as act_ops
 
 
 class _ActivationFn(torch.autograd.Function):
@@ -14,32 +14,32 @@ class _ActivationFn(torch.autograd.Function):
     def forward(ctx, x, name):
         ctx.save_for_backward(x)
         ctx.name = name
-        return A.act_fwd(x, name)
+        return act_ops.act_fwd(x, name)
 
     @staticmethod
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
-        return A.act_bwd(dy, x, ctx.name), None
+        return act_ops.act_bwd(dy, x, ctx.name), None
 
 
 def activation(x, name):
     """One of seqfuse.ops.act.ACTIVATIONS applied to x, with autograd."""
-    if name not in A.ACTIVATIONS:
-        raise ValueError(f"activation: argument 'name' must be one of {', '.join(A.ACTIVATIONS)}, got {name!r}")
+    if name not in act_ops.ACTIVATIONS:
+        raise ValueError(f"activation: argument 'name' must be one of {', '.join(act_ops.ACTIVATIONS)}, got {name!r}")
     return _ActivationFn.apply(x, name)
 
 
 class _BiasDropoutAddFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, residual, p):
-        out, seed, offset = A.bias_dropout_add(x, bias, residual, p)
+        out, seed, offset = act_ops.bias_dropout_add(x, bias, residual, p)
         ctx.p, ctx.seed, ctx.offset = p, seed, offset
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        dx, dbias = A.dropout_bwd(dout, ctx.p, ctx.seed, ctx.offset, ctx.bias_dtype)
+        dx, dbias = act_ops.dropout_bwd(dout, ctx.p, ctx.seed, ctx.offset, ctx.bias_dtype)
         return dx, dbias, dout, None
 
 
