@@ -18,7 +18,7 @@ BENCH = os.path.join(ROOT, "benchmarks", "esm2")
 sys.path.insert(0, BENCH)
 sys.path.insert(0, os.path.join(ROOT, "recipes", "esm2"))
 
-import profile_summary as ps  # noqa: E402
+import profile_summary  # noqa: E402
 
 
 def _k(name, ts, dur, stream, cat="kernel"):
@@ -35,7 +35,7 @@ def test_summary_idle_and_exposed_communication():
         {"ph": "X", "cat": "user_annotation", "name": "FSDP::pre_forward (esm.encoder.layers.4)", "ts": 50, "dur": 60},
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5},
     ]
-    text, n = ps.summarize(ev, 2, host_ms=[3.0, 5.0], cpu_ms=[1.0, 1.0], title="t")
+    text, n = profile_summary.summarize(ev, 2, host_ms=[3.0, 5.0], cpu_ms=[1.0, 1.0], title="t")
     # window 0..470; busy [0,250] [300,400] [420,450] [460,470] -> idle 50 + 20 + 10 = 80 us
     assert n["gpu_window_ms_per_step"] == pytest.approx(0.470 / 2)
     assert n["gpu_idle_ms_per_step"] == pytest.approx(0.080 / 2)
@@ -53,15 +53,16 @@ def test_summary_idle_and_exposed_communication():
 
 
 def test_summary_without_gpu_events():
-    text, n = ps.summarize([{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5}], 1, [2.0], [1.0])
+    text, n = profile_summary.summarize([{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5}],
+                                        1, [2.0], [1.0])
     assert "no GPU kernels recorded" in text and "gpu_idle_ms_per_step" not in n
 
 
 def test_interval_helpers():
-    u = ps.union([[5, 7], [0, 2], [1, 3], [7, 8], [9, 9]])
+    u = profile_summary.union([[5, 7], [0, 2], [1, 3], [7, 8], [9, 9]])
     assert u == [[0, 3], [5, 8]]
-    assert ps.intersect(u, ps.union([[2, 6]])) == 2
-    assert ps.gaps(u) == [(2, 3)]
+    assert profile_summary.intersect(u, profile_summary.union([[2, 6]])) == 2
+    assert profile_summary.gaps(u) == [(2, 3)]
 
 
 def test_fsdp2_config_parser():
