@@ -22,7 +22,10 @@ status=0
 run() {  # run LIMIT NAME CMD...: log to $LOG/NAME.log, print its tail
     local limit=$1 name=$2; shift 2
     echo "===== $name"
-    timeout "$limit" "$@" > "$LOG/$name.log" 2>&1 || { status=1; echo "($name: exit $?)"; }
+    # SIGINT first: pytest then prints its summary of failures before it stops
+    local rc=0
+    timeout -s INT -k 15 "$limit" "$@" > "$LOG/$name.log" 2>&1 || rc=$?
+    [ $rc -eq 0 ] || { status=1; echo "($name: exit $rc)"; }
     tail -n "${TAIL:-25}" "$LOG/$name.log"
 }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
@@ -32,7 +35,7 @@ MAX_JOBS=16 python3 -m pip install -q --no-build-isolation --no-deps --no-index 
 echo "build $(( $(date +%s) - start )) s"
 PARTS=${PARTS:-tests,fp8_rows,fp8_host,esm2,graphs}
 want() { [[ ",$PARTS," == *",$1,"* ]]; }
-want tests && TAIL=12 run ${TEST_LIMIT:-140} pytest python3 -m pytest -q -m cuda -p no:cacheprovider -n 8 --timeout 180 \
+want tests && TAIL=12 run ${TEST_LIMIT:-140} pytest python3 -m pytest -q -rfE -m cuda -p no:cacheprovider -n 8 --timeout 180 \
     ${TESTS:-tests/test_fp8_any_rows.py tests/test_linear.py tests/test_layernorm_modules.py \
      tests/test_transformer_layer.py tests/test_quant_cast.py tests/test_attn_masks.py \
      tests/test_silent_wrong.py tests/test_act.py}
