@@ -98,6 +98,13 @@ if need te_modules || need esm2; then
               .te/transformer_engine_torch-*.tar.gz; } > "$LOG/te_install.log" 2>&1 \
             || { status=1; echo "(Transformer Engine install FAILED: its rows will be skipped)"; tail -30 "$LOG/te_install.log"; }
         echo "Transformer Engine install $(( $(date +%s) - t0 )) s"
+        # One cuDNN per process: a benchmark that ran torch's cuDNN attention
+        # before importing TE (torch's own cuDNN loaded) then failed in TE's
+        # import on the system libcudnn_cnn.so.9 (undefined symbol, version
+        # libcudnn_graph.so.9).  Put torch's cuDNN first for every process.
+        CUDNN_LIB=$(python3 -c "import os, nvidia.cudnn as c; print(os.path.join(list(c.__path__)[0], 'lib'))" 2>/dev/null)
+        [ -n "$CUDNN_LIB" ] && [ -d "$CUDNN_LIB" ] && export LD_LIBRARY_PATH=$CUDNN_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
+            && echo "LD_LIBRARY_PATH starts with torch's cuDNN: $CUDNN_LIB"
         python3 -c "import transformer_engine.pytorch as te, transformer_engine as t; print('transformer_engine', getattr(t, '__version__', '?'), 'imports')" \
             2>&1 | tail -3 | tee -a "$LOG/te_install.log"
     else

@@ -378,9 +378,12 @@ def single(args, device):
                       fh, indent=1, default=str)
         os.replace(path + ".tmp", path)
 
+    # TE before any row runs: once torch's cuDNN attention has loaded torch's
+    # cuDNN, TE's import can pick up another libcudnn_cnn and fail on a symbol
+    te_why = skip_reason(TE_NEEDS, need_cuda=True) if any(p[1] == "te" for p in parsed) else None
     for name, impl, recipe, layout in parsed:
         base = dict(row=name, impl=impl, recipe=recipe, layout=layout)
-        why = skip_reason(TE_NEEDS, need_cuda=True) if impl == "te" else None
+        why = te_why if impl == "te" else None
         if why:
             print(f"[esm2 bench] {name}: SKIPPED: {why}", flush=True)
             results.append({**base, "skipped": why})
