@@ -120,10 +120,10 @@ sf_status sf_check_writable(const char *op, const char *arg, const sf_tensor *t)
                        op, arg);
     if (sf_has_internal_overlap(t))
         return sf_fail(SF_ERR_VALUE,
-                       "%s: argument '%s' is an output whose elements overlap in memory (a "
-                       "stride-0 / expanded view, or strides that fold onto each other), so "
-                       "several results would land in one place; give it memory of its own "
-                       "(torch.empty, or .contiguous())",
+                       "%s: argument '%s' is an output whose elements may overlap in memory (a "
+                       "stride-0 / expanded view, or strides that fold onto each other: seqfuse "
+                       "cannot show each result has a place of its own); give it memory of its "
+                       "own (torch.empty, or .contiguous())",
                        op, arg);
     return SF_OK;
 }

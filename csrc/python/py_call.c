@@ -223,8 +223,9 @@ static int sf_py_check_neg(sf_py_call *c, const sf_type_entry *e, PyObject *obj,
  * heap corruption or a segfault).  Where the tensor's type has
  * untyped_storage() (torch's), the bytes the view spans, from its lowest to
  * its highest element, must lie inside [storage.data_ptr(),
- * storage.data_ptr() + storage.nbytes()).  Three C-level calls per tensor
- * with elements; producers without the method (numpy, which cannot shrink an
+ * storage.data_ptr() + storage.nbytes()).  Three Python method calls per
+ * tensor with elements (untyped_storage, nbytes, data_ptr): about 0.6 us per
+ * tensor on the H200 machine; producers without the method (numpy, which cannot shrink an
  * array in place) are trusted, as DLPack must trust them. */
 static PyObject *sf_str_nbytes, *sf_str_data_ptr;
 
@@ -253,11 +254,16 @@ static int sf_py_check_storage(sf_py_call *c, const sf_type_entry *e, PyObject *
             __builtin_add_overflow(span > 0 ? hi : lo, span, span > 0 ? &hi : &lo))
             goto too_big;
     }
-    if (sf_str_nbytes == NULL) {
-        sf_str_nbytes = PyUnicode_InternFromString("nbytes");
-        sf_str_data_ptr = PyUnicode_InternFromString("data_ptr");
-        if (sf_str_nbytes == NULL || sf_str_data_ptr == NULL)
+    if (sf_str_nbytes == NULL || sf_str_data_ptr == NULL) {
+        PyObject *nbytes = PyUnicode_InternFromString("nbytes");
+        PyObject *data_ptr = PyUnicode_InternFromString("data_ptr");
+        if (nbytes == NULL || data_ptr == NULL) {
+            Py_XDECREF(nbytes);
+            Py_XDECREF(data_ptr);
             return -1;
+        }
+        Py_XSETREF(sf_str_nbytes, nbytes);
+        Py_XSETREF(sf_str_data_ptr, data_ptr);
     }
     PyObject *storage = PyObject_Vectorcall(e->storage, &obj, 1, NULL);
     if (storage == NULL) {

@@ -358,6 +358,9 @@ sf_status sf_cast_fp8_current(const sf_tensor *x, sf_tensor *amax, sf_tensor *sc
     SF_TRY(sf_quant_check_scalar(op, "amax", amax, x, 1));
     SF_TRY(sf_quant_check_scalar(op, "scale", scale, x, 1));
     SF_TRY(sf_quant_check_scalar(op, "scale_inv", scale_inv, x, 1));
+    if (amax->data == scale->data || amax->data == scale_inv->data || scale->data == scale_inv->data)
+        return sf_fail(SF_ERR_VALUE, "%s: arguments 'amax', 'scale' and 'scale_inv' must be three "
+                       "different buffers (each is written: amax, then the scale from it)", op);
     float pow2_neg_margin;
     SF_TRY(check_margin(op, margin, &pow2_neg_margin));
     sf_cast_args a;

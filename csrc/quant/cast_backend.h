@@ -30,9 +30,9 @@ typedef struct {
     int64_t m, k;
     int64_t mp;       /* output rows, >= m */
     const float *scale;
-    float *amax;      /* accumulated into, or NULL */
-    uint8_t *out;     /* [m, k] or NULL */
-    uint8_t *out_t;   /* [k, m] or NULL */
+    float *amax;      /* accumulated into (sf_cast_fp8_current_cuda: written), or NULL */
+    uint8_t *out;     /* [mp, k] or NULL */
+    uint8_t *out_t;   /* [k, mp] or NULL */
     float *scale_inv; /* or NULL */
     int e5m2;
     float *col_sums;  /* [ceil(mp / 128), k] per-128-row-block column sums, or NULL */

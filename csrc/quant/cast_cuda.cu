@@ -476,6 +476,8 @@ sf_status launch_cast_current(const sf_cast_args *a, float fp8_max, float pow2_n
                             &per_sm, cast_current_kernel<T, E5M2>, kThreads, 0));
     int sms = 0;
     SF_TRY(device_sms(op, &sms));
+    if (per_sm < 1)
+        return sf_fail(SF_ERR_NOT_IMPLEMENTED, "%s: the cooperative kernel fits no CTA on an SM", op);
     int64_t tiles = ((a->mp + kTile - 1) / kTile) * ((a->k + kTile - 1) / kTile);
     int64_t resident = (int64_t)per_sm * sms;
     int grid = (int)(tiles < resident ? tiles : resident);
@@ -485,8 +487,14 @@ sf_status launch_cast_current(const sf_cast_args *a, float fp8_max, float pow2_n
     uint8_t *out = a->out, *out_t = a->out_t;
     void *args[] = {(void *)&x, &m, &mp, &k, &fp8_max, &pow2_neg_margin, &amax, &scale, &out, &out_t,
                     &scale_inv};
-    SF_CUDA_TRY(op, cudaLaunchCooperativeKernel((const void *)cast_current_kernel<T, E5M2>, grid,
-                                                kThreads, args, 0, stream));
+    cudaError_t e = cudaLaunchCooperativeKernel((const void *)cast_current_kernel<T, E5M2>, grid,
+                                                kThreads, args, 0, stream);
+    if (e == cudaErrorCooperativeLaunchTooLarge || e == cudaErrorNotSupported) {
+        (void)cudaGetLastError(); /* e.g. fewer SMs than the device has (MPS, green contexts) */
+        return sf_fail(SF_ERR_NOT_IMPLEMENTED, "%s: cooperative launch refused (%s)", op,
+                       cudaGetErrorName(e));
+    }
+    SF_CUDA_TRY(op, e);
     return SF_OK;
 }
 
@@ -505,6 +513,13 @@ extern "C" sf_status sf_cast_fp8_current_cuda(const sf_cast_args *a, float fp8_m
 {
     *launched = a->out_t && a->m > 0 && a->k % 8 == 0 && a->mp % 16 == 0 && aligned(a->x, 16) &&
                 aligned(a->out_t, 16) && (!a->out || aligned(a->out, 8)) && a->scale_inv;
+    if (*launched) {
+        int coop = 0; /* cooperative launches on this device (every recent GPU: yes) */
+        if (cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device) != cudaSuccess || !coop) {
+            (void)cudaGetLastError();
+            *launched = 0;
+        }
+    }
     if (!*launched)
         return SF_OK; /* the caller runs the three kernels */
     cudaStream_t stream = sf_cuda_stream(s);
@@ -517,6 +532,10 @@ extern "C" sf_status sf_cast_fp8_current_cuda(const sf_cast_args *a, float fp8_m
     default:         st = launch_cast_current_fmt<__nv_bfloat16>(a, fp8_max, pow2_neg_margin, stream); break;
     }
     sf_cuda_device_restore(&guard);
+    if (st == SF_ERR_NOT_IMPLEMENTED) { /* no cooperative launch here: the three kernels instead */
+        *launched = 0;
+        return SF_OK;
+    }
     return st;
 }
 

@@ -94,10 +94,9 @@ def cast_fp8(x, scale, amax, fp8_dtype, *, out=None, scale_inv=None, rows=None):
     require_fp8_dlpack(op)
     x = _check_input(op, x)
     fp8_dtype = fp8_dtype_of(fp8_dtype, op)
-    if out is None:
-        out = torch.empty(_padded_shape(op, x, rows), dtype=fp8_dtype, device=x.device)
-    elif out.dtype != fp8_dtype:
+    if out is not None and out.dtype != fp8_dtype:
         raise TypeError(f"{op}: argument 'out' must have dtype {fp8_dtype}, got {out.dtype}")
+    out, _, _ = _row_outputs(op, x, fp8_dtype, rows, out, None, True, False)
     _C.cast_fp8(x, _check_scalar(op, "scale", scale, x.device), amax, out, None, scale_inv,
                 stream_for(x))
     return out
@@ -134,13 +133,7 @@ def cast_transpose_fp8(x, scale, amax, fp8_dtype, *, out=None, out_t=None, scale
         raise ValueError(f"{op}: argument 'x' must have at least 1 dimension")
     fp8_dtype = fp8_dtype_of(fp8_dtype, op)
     k = x.shape[-1]
-    m = x.numel() // k if k else 0
-    if rows is not None:
-        m = _check_rows(op, rows, m)
-    if rowwise and out is None:
-        out = torch.empty(_padded_shape(op, x, rows), dtype=fp8_dtype, device=x.device)
-    if out_t is None:
-        out_t = torch.empty((k, m), dtype=fp8_dtype, device=x.device)
+    out, out_t, m = _row_outputs(op, x, fp8_dtype, rows, out, out_t, rowwise, True)
     for name, t in (("out", out), ("out_t", out_t)):
         if t is not None and t.dtype != fp8_dtype:
             raise TypeError(f"{op}: argument '{name}' must have dtype {fp8_dtype}, got {t.dtype}")
@@ -162,14 +155,27 @@ def _check_rows(op, rows, m):
     return rows
 
 
-def _padded_shape(op, x, rows):
-    """x's shape, or [rows, K] when ``rows`` pads x viewed as [M, K]."""
-    if rows is None:
-        return x.shape
+def _row_outputs(op, x, fp8_dtype, rows, out, out_t, want_out, want_t):
+    """The FP8 outputs of a cast of x viewed as [M, K] with ``rows`` token
+    rows (None: M): ``out`` [rows, K] (x's shape when rows == M) and
+    ``out_t`` [K, rows], made where wanted and not given, and checked
+    against ``rows`` where given.  Returns (out, out_t, rows)."""
     k = x.shape[-1] if x.dim() else 1
     m = x.numel() // k if k else 0
-    rows = _check_rows(op, rows, m)
-    return x.shape if rows == m else (rows, k)
+    mp = m if rows is None else _check_rows(op, rows, m)
+    if want_out:
+        if out is None:
+            out = torch.empty(x.shape if mp == m else (mp, k), dtype=fp8_dtype, device=x.device)
+        elif rows is not None and tuple(out.shape) != (mp, k) and not (mp == m and out.numel() == x.numel()):
+            raise ValueError(f"{op}: argument 'out' must have shape [{mp}, {k}] for rows={mp}, got "
+                             f"{tuple(out.shape)}")
+    if want_t:
+        if out_t is None:
+            out_t = torch.empty((k, mp), dtype=fp8_dtype, device=x.device)
+        elif rows is not None and tuple(out_t.shape) != (k, mp):
+            raise ValueError(f"{op}: argument 'out_t' must have shape [{k}, {mp}] for rows={mp}, got "
+                             f"{tuple(out_t.shape)}")
+    return out, out_t, mp
 
 
 def dbias_fusable(x, rows=None):
@@ -268,14 +274,7 @@ def cast_fp8_current(x, fp8_dtype, *, amax, scale, scale_inv, out=None, out_t=No
     x = _check_input(op, x)
     fp8_dtype = fp8_dtype_of(fp8_dtype, op)
     transpose = transpose or not rowwise
-    if rowwise and out is None:
-        out = torch.empty(_padded_shape(op, x, rows), dtype=fp8_dtype, device=x.device)
-    if transpose and out_t is None:
-        k = x.shape[-1] if x.dim() else 1
-        mp = x.numel() // k if k else 0
-        if rows is not None:
-            mp = _check_rows(op, rows, mp)
-        out_t = torch.empty((k, mp), dtype=fp8_dtype, device=x.device)
+    out, out_t, _ = _row_outputs(op, x, fp8_dtype, rows, out, out_t, rowwise, transpose)
     _C.cast_fp8_current(x, amax, scale, scale_inv, out if rowwise else None, out_t if transpose else None,
                         as_int(op, "margin", margin), stream_for(x))
     return (out if rowwise else None), out_t
