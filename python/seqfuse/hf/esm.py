@@ -29,7 +29,7 @@ never forms: ``predict_contacts`` raises and says to convert to HF.
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoModel, AutoModelForMaskedLM, PreTrainedModel
+from transformers import AutoModel, AutoModelForMaskedLM
 from transformers import initialization as init
 from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput
 
@@ -40,15 +40,10 @@ from ..modules.rope import RotaryPositionEmbedding
 from ..quantization.recompute import checkpoint
 from ..modules.transformer_layer import TransformerLayer
 from .esm_config import SeqfuseEsmConfig
+from .pretrained import SeqfusePreTrainedModel, default_device, init_by_name
 
 #: ESM's token-dropout training mask ratio (15 % selected x 80 % replaced by <mask>).
 MASK_RATIO_TRAIN = 0.15 * 0.8
-
-
-def _device():
-    # The default device, which is "meta" while transformers builds a model
-    # to load into; seqfuse's modules would otherwise pick one themselves.
-    return torch.get_default_device()
 
 
 def erf_gelu(x):
@@ -60,9 +55,9 @@ class SeqfuseEsmEmbeddings(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size,
-                                            padding_idx=config.pad_token_id, device=_device())
+                                            padding_idx=config.pad_token_id, device=default_device())
         if config.emb_layer_norm_before:
-            self.layer_norm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps, device=_device())
+            self.layer_norm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps, device=default_device())
         else:
             self.layer_norm = None
         self.token_dropout = config.token_dropout
@@ -104,9 +99,9 @@ class SeqfuseEsmEncoder(nn.Module):
                 attention_dropout=config.attention_probs_dropout_prob, layer_number=i + 1,
                 self_attn_mask_type="padding", layer_type="encoder", normalization="LayerNorm",
                 activation=config.mlp_activation, attn_input_format=config.attn_input_format,
-                fuse_qkv_params=True, qkv_weight_interleaved=True, bias=True, device=_device())
+                fuse_qkv_params=True, qkv_weight_interleaved=True, bias=True, device=default_device())
             for i in range(config.num_hidden_layers)])
-        self.emb_layer_norm_after = LayerNorm(config.hidden_size, eps=config.layer_norm_eps, device=_device())
+        self.emb_layer_norm_after = LayerNorm(config.hidden_size, eps=config.layer_norm_eps, device=default_device())
 
 
 class SeqfuseEsmContactPredictionHead(nn.Module):
@@ -115,101 +110,23 @@ class SeqfuseEsmContactPredictionHead(nn.Module):
 
     def __init__(self, in_features):
         super().__init__()
-        self.regression = nn.Linear(in_features, 1, device=_device())
+        self.regression = nn.Linear(in_features, 1, device=default_device())
 
 
-class SeqfuseEsmPreTrainedModel(PreTrainedModel):
+class SeqfuseEsmPreTrainedModel(SeqfusePreTrainedModel):
+    """ESM-2's base: strict from_pretrained and activation checkpointing
+    come from SeqfusePreTrainedModel (seqfuse.hf.pretrained), the
+    initialisation is ESM's (N(0, initializer_range), biases 0, norm weights
+    1, the rotary frequencies from rope_theta)."""
     config_class = SeqfuseEsmConfig
     config: SeqfuseEsmConfig
     base_model_prefix = "esm"
     main_input_name = "input_ids"
     _no_split_modules = ["TransformerLayer", "SeqfuseEsmEmbeddings"]
-    supports_gradient_checkpointing = False  # transformers' own mechanism is not used: see below
-
-    # Activation checkpointing: seqfuse's FP8-aware checkpoint around each
-    # TransformerLayer while training.  transformers' enable/disable names
-    # (the Trainer's gradient_checkpointing=True calls them) lead here:
-    # gradient_checkpointing_enable/disable are overridden, and transformers'
-    # own activation_checkpointing_enable/disable hand an overridden
-    # gradient_checkpointing_enable/disable the call (its keyword
-    # activation_checkpointing_kwargs becomes gradient_checkpointing_kwargs),
-    # so they are not aliased here: an alias would take the wrong keyword.
-    def set_activation_checkpointing(self, enabled=True):
-        """Recompute each TransformerLayer's activations in the backward
-        (seqfuse.pytorch.checkpoint: the forward's FP8 settings and scales)
-        while training: less activation memory for one more layer forward."""
-        # the encoder (SeqfuseEsmModel) is the base model: self.esm, or self itself
-        self.base_model.activation_checkpointing = bool(enabled)
-        return self
-
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, every_n_layers=1, offload=False):
-        """transformers' entry (also reached through transformers'
-        activation_checkpointing_enable): every layer, non-reentrant,
-        activations kept on the device."""
-        if (gradient_checkpointing_kwargs or {}).get("use_reentrant"):
-            raise NotImplementedError("gradient_checkpointing_kwargs: use_reentrant=True is not supported; "
-                                      "seqfuse's checkpoint is non-reentrant")
-        if every_n_layers != 1 or offload:
-            raise NotImplementedError(f"gradient_checkpointing_enable: every_n_layers={every_n_layers!r} and "
-                                      f"offload={offload!r} are not supported (every layer, on the device)")
-        self.set_activation_checkpointing(True)
-
-    def gradient_checkpointing_disable(self):
-        self.set_activation_checkpointing(False)
-
-    @property
-    def is_activation_checkpointing(self):
-        # transformers' own looks for modules' gradient_checkpointing flags,
-        # which seqfuse's layers do not carry (False while the encoder is not built yet)
-        return bool(getattr(self.base_model, "activation_checkpointing", False))
-
-    @property
-    def is_gradient_checkpointing(self):
-        return self.is_activation_checkpointing
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """transformers' from_pretrained, made strict: a checkpoint with missing
-        or unexpected weights raises (KeyError / ValueError naming the keys)
-        instead of leaving randomly initialised weights behind."""
-        want_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
-                                              **kwargs)
-        tied = set(getattr(cls, "_tied_weights_keys", None) or {})
-        missing = sorted(k for k in info.get("missing_keys", ()) if k not in tied)
-        if missing:
-            raise KeyError(f"{cls.__name__}.from_pretrained({pretrained_model_name_or_path!r}): the checkpoint "
-                           f"is missing weight(s) {missing[:8]}" + (" ..." if len(missing) > 8 else ""))
-        unexpected = sorted(info.get("unexpected_keys", ()))
-        if cls is SeqfuseEsmModel:  # the encoder alone, from a masked-LM checkpoint
-            unexpected = [k for k in unexpected if not k.startswith("lm_head.")]
-        if unexpected:
-            raise ValueError(f"{cls.__name__}.from_pretrained({pretrained_model_name_or_path!r}): the checkpoint "
-                             f"has unexpected weight(s) {unexpected[:8]}" + (" ..." if len(unexpected) > 8 else ""))
-        mismatched = info.get("mismatched_keys", ())
-        if mismatched:
-            raise ValueError(f"{cls.__name__}.from_pretrained({pretrained_model_name_or_path!r}): weight shapes "
-                             f"differ from the config: {list(mismatched)[:8]}")
-        return (model, info) if want_info else model
 
     @torch.no_grad()
     def _init_weights(self, module):
-        """ESM's initialisation: matrices and embeddings N(0, initializer_range),
-        biases 0, norm weights 1 (by parameter name, so it covers the fused
-        seqfuse modules too)."""
-        # transformers.initialization's functions skip tensors already loaded
-        # from a checkpoint (and work on meta tensors).
-        std = self.config.initializer_range
-        for name, p in module.named_parameters(recurse=False):
-            if name.endswith("bias"):
-                init.zeros_(p)
-            elif p.dim() == 1:
-                init.ones_(p)  # norm weights (layer_norm_weight, LayerNorm.weight)
-            else:
-                init.normal_(p, mean=0.0, std=std)
-        if isinstance(module, nn.Embedding) and module.padding_idx is not None:
-            if not getattr(module.weight, "_is_hf_initialized", False) and not module.weight.is_meta:
-                module.weight[module.padding_idx].zero_()
+        init_by_name(module, self.config.initializer_range)
         if isinstance(module, RotaryPositionEmbedding):
             d = module.inv_freq.numel() * 2
             init.copy_(module.inv_freq, 1.0 / (self.config.rope_theta ** (
@@ -240,13 +157,15 @@ def _check_inputs(input_ids, attention_mask, cu_seqlens, output_attentions):
 class SeqfuseEsmModel(SeqfuseEsmPreTrainedModel):
     """The ESM-2 encoder: embeddings, TransformerLayers, final LayerNorm."""
 
+    _headless_ignores = ("lm_head.",)  # the encoder alone, from a masked-LM checkpoint
+
     def __init__(self, config: SeqfuseEsmConfig, add_pooling_layer=False):
         super().__init__(config)
         if add_pooling_layer:
             raise NotImplementedError("SeqfuseEsmModel: the pooling layer is not implemented (ESM-2 MLM has none)")
         self.embeddings = SeqfuseEsmEmbeddings(config)
         self.rotary_embeddings = RotaryPositionEmbedding(config.head_dim, rotary_base=config.rope_theta,
-                                                         device=_device())
+                                                         device=default_device())
         self.encoder = SeqfuseEsmEncoder(config)
         self.contact_head = SeqfuseEsmContactPredictionHead(config.num_hidden_layers * config.num_attention_heads)
         self.activation_checkpointing = False  # set_activation_checkpointing
@@ -316,11 +235,11 @@ class SeqfuseEsmLMHead(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.dense = Linear(config.hidden_size, config.hidden_size, bias=True, device=_device())
-        self.layer_norm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps, device=_device())
+        self.dense = Linear(config.hidden_size, config.hidden_size, bias=True, device=default_device())
+        self.layer_norm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps, device=default_device())
         # Plain torch: the vocabulary (33) is not FP8-aligned, and tying needs nn.Linear's weight.
-        self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=_device())
-        self.bias = nn.Parameter(torch.zeros(config.vocab_size, device=_device()))
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=default_device())
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size, device=default_device()))
 
     def forward(self, x):
         x = self.layer_norm(erf_gelu(self.dense(x)))

@@ -4,8 +4,7 @@ checkpointing through transformers' names), ``init_by_name`` (the usual
 N(0, std) / zeros / ones initialisation, by parameter name so that it covers
 seqfuse's fused modules) and ``default_device``.
 
-Written for the Llama family; ESM-2 (esm.py) carries an older copy of the
-same methods in SeqfuseEsmPreTrainedModel, to be switched over to this base.
+The Llama (llama.py) and ESM-2 (esm.py) families derive from it.
 """
 import torch
 from torch import nn
