@@ -75,6 +75,7 @@ __global__ void __launch_bounds__(BLOCK) ce_forward_kernel(
     int64_t row = blockIdx.x;
     const T *x = logits + row * row_stride;
     float m = -INFINITY, s = 0.0f, sum = 0.0f;
+    int has_nan = 0; /* a NaN logit in the row (the sum cannot tell: +inf + -inf is NaN too) */
     int64_t nvec = v / VEC;
     for (int64_t i = threadIdx.x; i < nvec; i += BLOCK) {
         Vec<T, VEC> r = reinterpret_cast<const Vec<T, VEC> *>(x)[i];
@@ -85,6 +86,7 @@ __global__ void __launch_bounds__(BLOCK) ce_forward_kernel(
             f[k] = to_f(r.v[k]);
             vm = fmaxf(vm, f[k]);
             sum += f[k];
+            has_nan |= isnan(f[k]);
         }
         if (vm > m) {
             s *= exp2f((m - vm) * kLog2e);
@@ -100,13 +102,15 @@ __global__ void __launch_bounds__(BLOCK) ce_forward_kernel(
     for (int64_t j = nvec * VEC + threadIdx.x; j < v; j += BLOCK) { /* tail when V % VEC != 0 */
         float f = to_f(x[j]);
         sum += f;
+        has_nan |= isnan(f);
         merge(m, s, f, 1.0f);
     }
     block_reduce<BLOCK>(m, s, sum);
+    const int any_nan = __syncthreads_or(has_nan);
     if (threadIdx.x == 0) {
         /* torch.logsumexp's rule: +inf with a +inf logit (exp(inf - inf) made s
-         * NaN), NaN with a NaN one (the sum of the row carries it) */
-        float l = m == INFINITY ? (isnan(sum) ? NAN : INFINITY) : m + logf(s);
+         * NaN), NaN with a NaN one */
+        float l = m == INFINITY ? (any_nan ? NAN : INFINITY) : m + logf(s);
         lse[row] = l;
         int64_t y = labels[row];
         float value;
