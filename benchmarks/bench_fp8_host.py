@@ -11,7 +11,8 @@ What remains is what the host does around the kernels: Python, torch's
 tensor allocations and autograd.  Kernel launch costs are not in it.
 
 Rows: bf16, FP8 delayed, FP8 current, FP8 block; microseconds per layer
-(best of 5 runs of --iters iterations), and the ratio to bf16.  Tiny shapes
+(best of 5 rounds of --iters iterations, the rows interleaved within each
+round), and the ratio to bf16.  Tiny shapes
 (16 tokens, hidden 128, FFN 512) keep torch's own remaining ops cheap.
 ``--device cuda`` allocates on the GPU (the caching allocator's cost
 included; no kernel of seqfuse runs).  JSON: results/fp8_host.json.
@@ -53,11 +54,12 @@ def layer_modules(device, hidden=128, ffn=512):
             Linear(hidden, hidden, **kw))
 
 
-def host_us(recipe, device, iters, update=True):
-    """Best of 5: microseconds per layer fwd+bwd (autocast enter/exit included).
-    ``update``: every weight's version moves between iterations, as an
-    optimizer step moves it (the FP8 rows then pay their once-per-step weight
-    casts; the same in-place bump runs in every row)."""
+def layer_runner(recipe, device, update=True):
+    """A function ``run(n)``: n iterations of one layer's GEMM modules fwd+bwd
+    under ``recipe`` (autocast enter/exit included).  ``update``: every
+    weight's version moves between iterations, as an optimizer step moves it
+    (the FP8 rows then pay their once-per-step weight casts; the same
+    in-place bump runs in every row)."""
     from seqfuse.pytorch import autocast
 
     torch.manual_seed(0)
@@ -77,13 +79,22 @@ def host_us(recipe, device, iters, update=True):
                     for w in weights:
                         w.mul_(1.0)  # a torch op (not stubbed): bumps the version
 
+    return run
+
+
+def host_us(runners, iters, rounds=5):
+    """Microseconds per iteration of each runner: ``rounds`` rounds that time
+    every runner once in turn (interleaved, so a slower stretch of the host
+    touches every row alike), the best round of each."""
+    best = [float("inf")] * len(runners)
     with stubbed_kernels():
-        run(max(10, iters // 10))
-        best = float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter()
-            run(iters)
-            best = min(best, (time.perf_counter() - t0) / iters * 1e6)
+        for run in runners:
+            run(max(10, iters // 10))
+        for _ in range(rounds):
+            for i, run in enumerate(runners):
+                t0 = time.perf_counter()
+                run(iters)
+                best[i] = min(best[i], (time.perf_counter() - t0) / iters * 1e6)
     return best
 
 
@@ -96,14 +107,15 @@ def main():
     args = p.parse_args()
     device = torch.device(args.device)
     table = Table("fp8_host", ["precision", "weights", "device", "us_per_layer", "vs_bf16"])
-    for update in (True, False):
-        base = None
-        for name, recipe in (("bf16", None), ("fp8_delayed", DelayedScaling()),
-                             ("fp8_current", Float8CurrentScaling()), ("fp8_block", Float8BlockScaling())):
-            us = host_us(recipe, device, args.iters, update)
-            base = us if base is None else base
-            table.add(precision=name, weights="updated every step" if update else "unchanged (accumulation)",
-                      device=str(device), us_per_layer=us, vs_bf16=us / base)
+    rows = [(name, recipe, update) for update in (True, False)
+            for name, recipe in (("bf16", None), ("fp8_delayed", DelayedScaling()),
+                                 ("fp8_current", Float8CurrentScaling()), ("fp8_block", Float8BlockScaling()))]
+    times = host_us([layer_runner(recipe, device, update) for _, recipe, update in rows], args.iters)
+    base = {}
+    for (name, _, update), us in zip(rows, times):
+        base.setdefault(update, us)  # bf16 comes first for each setting
+        table.add(precision=name, weights="updated every step" if update else "unchanged (accumulation)",
+                  device=str(device), us_per_layer=us, vs_bf16=us / base[update])
     table.save({"note": "LayerNormLinear(128->384) + LayerNormMLP(128->512 gelu) + Linear(128->128) fwd+bwd, "
                         "16 tokens, seqfuse's compute kernels stubbed out: host work only; 'updated every "
                         "step' bumps each weight's version in place after the backward (an optimizer "

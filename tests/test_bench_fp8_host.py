@@ -29,6 +29,7 @@ def test_stubs_restored_even_on_error():
 def test_host_time_per_recipe():
     from seqfuse.common.recipe import DelayedScaling, Float8BlockScaling
 
-    for recipe in (None, DelayedScaling(), Float8BlockScaling()):
-        us = bench_fp8_host.host_us(recipe, torch.device("cpu"), iters=3)
-        assert 0 < us < 1e6
+    runners = [bench_fp8_host.layer_runner(recipe, torch.device("cpu"), update)
+               for recipe in (None, DelayedScaling(), Float8BlockScaling()) for update in (True, False)]
+    times = bench_fp8_host.host_us(runners, iters=3, rounds=2)
+    assert len(times) == 6 and all(0 < us < 1e6 for us in times)
