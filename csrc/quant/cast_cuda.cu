@@ -514,11 +514,19 @@ extern "C" sf_status sf_cast_fp8_current_cuda(const sf_cast_args *a, float fp8_m
     *launched = a->out_t && a->m > 0 && a->k % 8 == 0 && a->mp % 16 == 0 && aligned(a->x, 16) &&
                 aligned(a->out_t, 16) && (!a->out || aligned(a->out, 8)) && a->scale_inv;
     if (*launched) {
-        int coop = 0; /* cooperative launches on this device (every recent GPU: yes) */
-        if (cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device) != cudaSuccess || !coop) {
-            (void)cudaGetLastError();
-            *launched = 0;
+        /* cooperative launches on this device (every recent GPU: yes), asked
+         * once per device: this is the weight cast's per-call path */
+        static int coop[64]; /* 0 not asked yet, 1 yes, -1 no */
+        int known = device >= 0 && device < 64 ? coop[device] : 0;
+        if (known == 0) {
+            int yes = 0;
+            if (cudaDeviceGetAttribute(&yes, cudaDevAttrCooperativeLaunch, device) != cudaSuccess)
+                (void)cudaGetLastError();
+            known = yes ? 1 : -1;
+            if (device >= 0 && device < 64)
+                coop[device] = known;
         }
+        *launched = known > 0;
     }
     if (!*launched)
         return SF_OK; /* the caller runs the three kernels */

@@ -39,6 +39,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
 
+from seqfuse.data.debian import sha256_file  # noqa: E402
 from seqfuse.data.fasta import SequenceRecord, read_fasta  # noqa: E402
 from seqfuse.data.parquet import write_parquet  # noqa: E402
 
@@ -95,14 +96,6 @@ def find_example_dir(root: str) -> str:
     if not hits:
         raise PrepareError(f"no example-data/{SOURCE_FILES[0]} under {root}")
     return os.path.dirname(sorted(hits)[0])
-
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def id_bucket(seq_id: str) -> int:

@@ -108,32 +108,10 @@ SPEC = ConfigSpec(RecipeConfig, CONFIG_DIR, cross_checks=_cross_checks, title="t
                   requirements="recipes/esm2/requirements.txt", logger="esm2")
 
 
-def validate_config(cfg, name=None) -> Cfg:
-    """Check a composed config against the schema (ConfigError naming every bad key)."""
-    return SPEC.validate(cfg, name)
-
-
-def schema_defaults() -> dict:
-    """The schema's defaults as a nested dict (base.yaml must agree)."""
-    return SPEC.defaults()
-
-
-def compose_config(name: str = "L0_sanity", overrides=(), config_dir: str = CONFIG_DIR) -> dict:
-    """Hydra's composition of config ``name`` with ``overrides``, not yet checked."""
-    return SPEC.compose(name, overrides, config_dir)
-
-
-def load_config(name: str = "L0_sanity", overrides=(), config_dir: str = CONFIG_DIR) -> Cfg:
-    """Compose config ``name`` from hydra_config/ with ``overrides`` (Hydra)
-    and check it against the schema (ConfigError naming every bad key)."""
-    return SPEC.load(name, overrides, config_dir)
-
-
-def parse_args(argv):
-    """``[--config NAME | --config-name NAME | -cn NAME] key=value ...`` -> (name, overrides)."""
-    return SPEC.parse_args(argv)
-
-
-def main_entry(train_fn, strategy: str, argv=None):
-    """Command-line entry of a training script (see ConfigSpec.main_entry)."""
-    return SPEC.main_entry(train_fn, strategy, argv)
+# The recipe's entry points: the spec's methods (signatures and notes in recipe_common.config.ConfigSpec).
+validate_config = SPEC.validate  # (cfg, name=None) -> Cfg: ConfigError naming every bad key
+schema_defaults = SPEC.defaults  # () -> dict: the schema's defaults (base.yaml must agree)
+compose_config = SPEC.compose  # (name="L0_sanity", overrides=(), config_dir=None) -> dict, not yet checked
+load_config = SPEC.load  # (name="L0_sanity", overrides=(), config_dir=None) -> Cfg, composed and checked
+parse_args = SPEC.parse_args  # argv -> (name, overrides)
+main_entry = SPEC.main_entry  # (train_fn, strategy, argv=None): a training script's command line
