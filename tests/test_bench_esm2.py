@@ -108,14 +108,16 @@ def test_split_packed_drops_the_padding_segment(layouts):
 @pytest.mark.parametrize("name,parsed", [("hfcompile_bf16_padded", ("hfcompile", "bf16", "padded")),
                                          ("te_fp8_block_packed", ("te", "fp8_block", "packed")),
                                          ("hf_bf16_unsorted", ("hf", "bf16", "unsorted")),
-                                         ("seqfuse_fp8_current_fixed", ("seqfuse", "fp8_current", "fixed"))])
+                                         ("seqfuse_fp8_current_fixed", ("seqfuse", "fp8_current", "fixed")),
+                                         ("seqfusegraph_fp8_delayed_fixed", ("seqfusegraph", "fp8_delayed", "fixed"))])
 def test_parse_row_accepts(name, parsed):
     assert bench_esm2.parse_row(name) == parsed
 
 
 @pytest.mark.parametrize("name,match", [("hf_fp8_delayed_padded", "Hugging Face runs bf16"),
                                         ("hfcompile_bf16_packed", "Hugging Face runs bf16"),
-                                        ("apex_bf16_packed", "expected"), ("te_bf16_sorted", "expected")])
+                                        ("apex_bf16_packed", "expected"), ("te_bf16_sorted", "expected"),
+                                        ("seqfusegraph_bf16_packed", "graphed layers take one batch shape")])
 def test_parse_row_rejects(name, match):
     with pytest.raises(ValueError, match=match):
         bench_esm2.parse_row(name)

@@ -11,6 +11,8 @@ peer a user would compare with:
                 where transformer_engine imports (else the row is skipped and
                 says why);
   seqfuse_*     seqfuse's ESM-2, bf16 or FP8 (delayed / current / block).
+  seqfusegraph_* the same with every encoder layer run as CUDA graphs
+                (SeqfuseEsmModel.graph_layers; fixed layout only).
 
 Row names: <impl>_<bf16|fp8_delayed|fp8_current|fp8_block>_<layout>, layouts
   packed    the recipe's token-budget batches, packed THD with cu_seqlens;
@@ -70,13 +72,15 @@ from esm2_recipe.metrics import H200_BF16_DATASHEET_TFLOPS, H200_BF16_MEASURED_T
 from harness import RESULTS, Table, allow_recompiles, plot_bars  # noqa: E402
 from peers.meta import run_metadata, skip_reason  # noqa: E402
 
-IMPLS = ("hf", "hfcompile", "te", "seqfuse")
+IMPLS = ("hf", "hfcompile", "te", "seqfuse", "seqfusegraph")
+OURS = ("seqfuse", "seqfusegraph")
 LAYOUTS = ("packed", "padded", "unsorted", "fixed")
 PEERS = ("hf", "hfcompile", "te")
 DEFAULT_ROWS = ["hf_bf16_padded", "hfcompile_bf16_padded", "te_bf16_packed", "te_fp8_delayed_packed",
                 "seqfuse_bf16_packed", "seqfuse_fp8_delayed_packed", "seqfuse_fp8_block_packed"]
 FIXED_ROWS = ["hf_bf16_fixed", "hfcompile_bf16_fixed", "te_bf16_fixed", "te_fp8_delayed_fixed", "seqfuse_bf16_fixed",
-              "seqfuse_fp8_delayed_fixed", "seqfuse_fp8_block_fixed"]
+              "seqfuse_fp8_delayed_fixed", "seqfuse_fp8_block_fixed", "seqfusegraph_bf16_fixed",
+              "seqfusegraph_fp8_delayed_fixed", "seqfusegraph_fp8_block_fixed"]
 TE_NEEDS = "transformer_engine.pytorch"
 
 
@@ -89,6 +93,8 @@ def parse_row(name):
                          f"<{'|'.join(LAYOUTS)}>")
     if impl in ("hf", "hfcompile") and (recipe != "bf16" or layout == "packed"):
         raise ValueError(f"row {name!r}: Hugging Face runs bf16 padded, unsorted or fixed only")
+    if impl == "seqfusegraph" and layout != "fixed":
+        raise ValueError(f"row {name!r}: graphed layers take one batch shape: the fixed layout only")
     fp8_recipe(recipe)  # validates the name
     return impl, recipe, layout
 
@@ -158,7 +164,7 @@ def run_row(impl, recipe_name, warm, timed, args, device, fsdp=None, torch_adamw
     elif fsdp is not None and fsdp.get("amax") == "own":
         amax_group = _own_amax_group()
     notes = {}
-    if impl == "seqfuse":
+    if impl in OURS:
         model = build_seqfuse(args.size, device, dtype)
         if fsdp is not None and fsdp["ddp"]:  # the comparison: DDP, bucketed all-reduce hooks in C++
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -189,6 +195,10 @@ def run_row(impl, recipe_name, warm, timed, args, device, fsdp=None, torch_adamw
         else:
             context = contextlib.nullcontext
     model.train()
+    if impl == "seqfusegraph":  # every encoder layer's forward and backward as CUDA graphs, one batch shape
+        shape = tuple((warm or timed)[0]["input_ids"].shape)
+        model.esm.graph_layers(*shape, fp8_recipe=recipe)
+        notes["graphs"] = f"encoder layers graphed for input_ids {shape} (SeqfuseEsmModel.graph_layers)"
     cfg = seqfuse_config(args.size)
 
     def step(batch):
@@ -454,11 +464,13 @@ def check_goals(rows):
     goal("bf16 vs best HF (eager or compiled), all 1024", "seqfuse_bf16_fixed", 1.3, "vs_best_hf")
     goal("FP8 delayed vs best HF (eager or compiled), all 1024", "seqfuse_fp8_delayed_fixed", 1.7, "vs_best_hf")
     goal("FP8 block vs best HF (eager or compiled), all 1024", "seqfuse_fp8_block_fixed", 1.7, "vs_best_hf")
+    for rec, need in (("bf16", 1.3), ("fp8_delayed", 1.7), ("fp8_block", 1.7)):
+        goal(f"{rec} graphed vs best HF (eager or compiled), all 1024", f"seqfusegraph_{rec}_fixed", need, "vs_best_hf")
     for row, r in by.items():
-        if r["impl"] == "seqfuse" and r.get("te_peer"):
+        if r["impl"] in OURS and r.get("te_peer"):
             goal(f"{row} vs Transformer Engine ({r['te_peer']})", row, 1.0, "vs_te")
     for row, r in by.items():
-        if r["impl"] == "seqfuse" and r["layout"] != "packed":
+        if r["impl"] in OURS and r["layout"] != "packed":
             goal(f"peak memory vs HF ({row})", row, 1.0, key="mem_vs_hf", le=True)
     return out
 

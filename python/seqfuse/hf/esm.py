@@ -23,9 +23,18 @@ packed ``input_ids`` [t] / [1, t] with ``cu_seqlens`` (int32 [n+1]) and
 FP8 recipe the layers' GEMMs run in FP8; the vocabulary projection (33 rows,
 not FP8-aligned) stays in the model's dtype.
 
+Graphed layers (``graph_layers``): for training at one fixed unpadded
+batch shape (b, s), each encoder layer's forward and backward can be
+captured as CUDA graphs (seqfuse.pytorch.make_graphed_callables), which
+removes the layers' host work from the step; calls of any other shape,
+masked or packed calls, and eval run the layers eagerly (logged once per
+reason).
+
 Contact prediction needs attention probabilities, which the fused attention
 never forms: ``predict_contacts`` raises and says to convert to HF.
 """
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,10 +46,14 @@ from ..modules.attention import padding_mask_layout
 from ..modules.linear import Linear
 from ..modules.norm import LayerNorm
 from ..modules.rope import RotaryPositionEmbedding
+from ..quantization.autocast import get_recipe, is_fp8_enabled
+from ..quantization.graphs import make_graphed_callables
 from ..quantization.recompute import checkpoint
 from ..modules.transformer_layer import TransformerLayer
 from .esm_config import SeqfuseEsmConfig
 from .pretrained import SeqfusePreTrainedModel, default_device, init_by_name
+
+logger = logging.getLogger(__name__)
 
 #: ESM's token-dropout training mask ratio (15 % selected x 80 % replaced by <mask>).
 MASK_RATIO_TRAIN = 0.15 * 0.8
@@ -102,6 +115,20 @@ class SeqfuseEsmEncoder(nn.Module):
                 fuse_qkv_params=True, qkv_weight_interleaved=True, bias=True, device=default_device())
             for i in range(config.num_hidden_layers)])
         self.emb_layer_norm_after = LayerNorm(config.hidden_size, eps=config.layer_norm_eps, device=default_device())
+
+
+class _UnmaskedLayer(nn.Module):
+    """One encoder layer called on an unmasked bshd batch with its inputs
+    positional (hidden states, rotary frequencies): the form CUDA graph
+    capture takes.  Holds the layer; the model does not register it, so
+    state_dict keys are unchanged."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x, freqs):
+        return self.layer(x, rotary_pos_emb=freqs, self_attn_mask_type="no_mask", qkv_format="bshd")
 
 
 class SeqfuseEsmContactPredictionHead(nn.Module):
@@ -169,7 +196,73 @@ class SeqfuseEsmModel(SeqfuseEsmPreTrainedModel):
         self.encoder = SeqfuseEsmEncoder(config)
         self.contact_head = SeqfuseEsmContactPredictionHead(config.num_hidden_layers * config.num_attention_heads)
         self.activation_checkpointing = False  # set_activation_checkpointing
+        self._graphed = None  # graph_layers: ((b, s), fp8 recipe or None, graphed layer callables)
+        self._graph_skips = set()  # reasons already logged for running the layers eagerly
         self.post_init()
+
+    def graph_layers(self, batch_size, seq_len, fp8_recipe=None, num_warmup_iters=3):
+        """Capture every encoder layer's forward and backward as CUDA graphs
+        for unpadded bshd batches of exactly [batch_size, seq_len] in
+        training mode, with FP8 under ``fp8_recipe`` (None: the model's
+        dtype).  Afterwards such calls replay the graphs; run them under
+        ``seqfuse.pytorch.autocast`` with the same recipe (checked).
+        Needs CUDA, no dropout, no activation checkpointing, parameters on
+        one device (not FSDP-sharded).  The layers' weights stay the same
+        Parameters: optimizer steps are seen by the next replay."""
+        cfg = self.config
+        if not torch.cuda.is_available() or self.embeddings.word_embeddings.weight.device.type != "cuda":
+            raise RuntimeError("SeqfuseEsmModel.graph_layers: CUDA graphs need the model on a CUDA device")
+        if cfg.hidden_dropout_prob or cfg.attention_probs_dropout_prob:
+            raise ValueError(f"SeqfuseEsmModel.graph_layers: dropout must be 0 to graph the layers (a graph "
+                             f"replays one random mask), got hidden_dropout_prob={cfg.hidden_dropout_prob}, "
+                             f"attention_probs_dropout_prob={cfg.attention_probs_dropout_prob}")
+        if self.activation_checkpointing:
+            raise ValueError("SeqfuseEsmModel.graph_layers: activation checkpointing is on; graphed layers keep "
+                             "their activations in the graphs' memory (turn one of them off)")
+        for name, v in (("batch_size", batch_size), ("seq_len", seq_len)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"SeqfuseEsmModel.graph_layers: argument '{name}' must be a positive int, got {v!r}")
+        if not self.training:
+            raise ValueError("SeqfuseEsmModel.graph_layers: call it in training mode (model.train()); "
+                             "eval calls run eagerly")
+        w = self.embeddings.word_embeddings.weight
+        x = torch.randn(batch_size, seq_len, cfg.hidden_size, device=w.device, dtype=w.dtype, requires_grad=True)
+        freqs = self.rotary_embeddings(seq_len)
+        layers = tuple(_UnmaskedLayer(layer) for layer in self.encoder.layers)
+        sample = tuple((x.detach().clone().requires_grad_(True), freqs) for _ in layers)
+        graphed = make_graphed_callables(layers, sample, num_warmup_iters=num_warmup_iters,
+                                         fp8_enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe)
+        self._graphed = ((batch_size, seq_len), fp8_recipe, tuple(graphed))
+        self._graph_skips.clear()
+        return self
+
+    def _graphs_for(self, input_ids, attention_mask, packed, output_hidden_states):
+        """The graphed layers when this call may replay them, else None (the
+        reason logged once)."""
+        if self._graphed is None:
+            return None
+        shape, recipe, graphed = self._graphed
+        reason = None
+        if not (self.training and torch.is_grad_enabled()):
+            reason = "not training (eval mode or no grad)"
+        elif packed:
+            reason = "packed (thd) call"
+        elif tuple(input_ids.shape) != shape:
+            reason = f"input_ids {tuple(input_ids.shape)}, graphed for {shape}"
+        elif attention_mask is not None and not bool(attention_mask.all()):
+            reason = "padded call (attention_mask has zeros)"
+        elif output_hidden_states:
+            reason = "output_hidden_states"
+        if reason is None:
+            active = get_recipe() if is_fp8_enabled() else None
+            if (active is None) != (recipe is None) or (recipe is not None and type(active) is not type(recipe)):
+                raise ValueError(f"SeqfuseEsmModel: the layers were graphed with fp8_recipe={recipe!r} but this "
+                                 f"call runs under {active!r}: call graph_layers again with this recipe")
+            return graphed
+        if reason not in self._graph_skips:
+            self._graph_skips.add(reason)
+            logger.warning("SeqfuseEsmModel: graphed layers not used, layers run eagerly: %s", reason)
+        return None
 
     def get_input_embeddings(self):
         return self.embeddings.word_embeddings
@@ -206,6 +299,11 @@ class SeqfuseEsmModel(SeqfuseEsmPreTrainedModel):
             else:
                 layer_kw = dict(self_attn_mask_type="no_mask", qkv_format="bshd")
         hidden = [] if output_hidden_states else None
+        graphed = self._graphs_for(input_ids, attention_mask, packed, output_hidden_states)
+        if graphed is not None:
+            for layer in graphed:
+                x = layer(x, freqs)
+            return self._finish(x, hidden, packed, None, return_dict)
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.encoder.layers:
             if hidden is not None:
@@ -214,6 +312,9 @@ class SeqfuseEsmModel(SeqfuseEsmPreTrainedModel):
                 x = checkpoint(layer, x, rotary_pos_emb=freqs, **layer_kw)
             else:
                 x = layer(x, rotary_pos_emb=freqs, **layer_kw)
+        return self._finish(x, hidden, packed, shape if packed else None, return_dict)
+
+    def _finish(self, x, hidden, packed, shape, return_dict):
         x = self.encoder.emb_layer_norm_after(x)
         if hidden is not None:
             hidden.append(x)
