@@ -148,10 +148,10 @@ def test_layernorm_modules_errors():
         te.LayerNormMLP(8, 8, activation="tanh", device="cpu")
     with pytest.raises(ValueError, match="'normalization' must be 'LayerNorm' or 'RMSNorm'"):
         te.LayerNormLinear(8, 8, normalization="BatchNorm", device="cpu")
-    with pytest.raises(NotImplementedError, match="tp_size=2 is not supported"):
+    with pytest.raises(NotImplementedError, match="LayerNormLinear: argument 'tp_size'=2 is not supported"):
         te.LayerNormLinear(8, 8, tp_size=2, device="cpu")
-    with pytest.raises(NotImplementedError, match="return_bias=True"):
-        te.LayerNormMLP(8, 8, return_bias=True, device="cpu")
+    with pytest.raises(NotImplementedError, match="LayerNormMLP: argument 'set_parallel_mode'=True"):
+        te.LayerNormMLP(8, 8, set_parallel_mode=True, device="cpu")
     with pytest.raises(TypeError, match="unexpected argument 'foo'"):
         te.LayerNormMLP(8, 8, foo=1, device="cpu")
     with pytest.raises(ValueError, match=r"LayerNormLinear: input's last dimension must be in_features = 8, "

@@ -28,17 +28,22 @@ precision and cast it (block scaling: row-wise and column-wise 1x128 copies
 in one pass; features multiples of 128).  MXFP8 and NVFP4 recipes raise
 NotImplementedError (their GEMMs need compute capability 10.x).
 
-Unsupported TE arguments (tensor/sequence parallelism, return_bias,
-fuse_wgrad_accumulation, userbuffers) raise
-NotImplementedError when set to anything but their default.
+Unsupported TE arguments (tensor/sequence parallelism,
+fuse_wgrad_accumulation, userbuffers: seqfuse.modules._te_compat.REFUSED)
+raise NotImplementedError naming them when set to anything but their
+default.  ``return_bias=True`` returns (out, bias) with the bias not added
+(TE: out, bias, norm output when return_layernorm_output is also set).
+``device="meta"`` defers initialisation to reset_parameters(), which
+materialises the parameters on the current CUDA device (CPU without one).
 """
 import torch
 
 from .. import ops
 from . import _fp8 as F8
-from ._base import (TE_DEFAULTS, as_dtype, check_normalization, default_device, fp8_norm,  # noqa: F401
+from ._base import (as_dtype, check_normalization, default_device, fp8_norm,  # noqa: F401
                     fp8_quantizers, hidden_dim, init_weight, make_norm_params, norm_backward,
-                    norm_forward, norm_param, reject_unsupported, reset_norm_params)
+                    norm_forward, norm_param, reset_norm_params)
+from ._te_compat import materialize, rng_fork, take_refused
 from ._input import check_input
 from ._split import fused_params, install_split, parse_split, reset_split, weight_sources
 
@@ -108,9 +113,12 @@ class LayerNormLinear(torch.nn.Module):
 
     def __init__(self, in_features, out_features, eps=1e-5, bias=True, normalization="LayerNorm",
                  zero_centered_gamma=False, return_layernorm_output=False, params_dtype=None,
-                 device=None, init_method=None, parameters_split=None, **te_kwargs):
+                 device=None, init_method=None, parameters_split=None, return_bias=False,
+                 get_rng_state_tracker=None, name=None, **te_refused):
         super().__init__()
-        reject_unsupported("LayerNormLinear", te_kwargs, TE_DEFAULTS)
+        take_refused("LayerNormLinear", te_refused)
+        self.return_bias = bool(return_bias)
+        self.get_rng_state_tracker, self.name = get_rng_state_tracker, name
         check_normalization(normalization)
         self.in_features = hidden_dim(in_features)
         self.out_features = int(out_features)
@@ -129,10 +137,13 @@ class LayerNormLinear(torch.nn.Module):
         split = parse_split("LayerNormLinear", parameters_split, self.out_features)
         if split:  # TE's split of the weight rows into parameters; still one GEMM
             install_split(self, split)
-        self.reset_parameters()
+        if device.type != "meta":  # meta: deferred to reset_parameters()
+            self.reset_parameters()
 
     def reset_parameters(self):
-        with torch.no_grad():
+        """(Re)initialise; materialises meta parameters first (module note)."""
+        materialize(self)
+        with torch.no_grad(), rng_fork(self.get_rng_state_tracker):
             reset_norm_params(self)
             if getattr(self, "parameters_split", None):
                 reset_split(self, lambda w: init_weight(w, self.init_method))
@@ -145,10 +156,16 @@ class LayerNormLinear(torch.nn.Module):
         check_input("LayerNormLinear", x, self.in_features, "in_features")
         q = fp8_quantizers(self, x)
         weight, bias = fused_params(self, "LayerNormLinear")
-        return _LayerNormLinearFn.apply(x, self.layer_norm_weight, self.layer_norm_bias, weight,
-                                        bias, self.eps, self.normalization == "RMSNorm",
-                                        self.zero_centered_gamma, self.return_layernorm_output, q,
-                                        weight_sources(self) if q is not None else None)
+        out = _LayerNormLinearFn.apply(x, self.layer_norm_weight, self.layer_norm_bias, weight,
+                                       None if self.return_bias else bias, self.eps,
+                                       self.normalization == "RMSNorm", self.zero_centered_gamma,
+                                       self.return_layernorm_output, q,
+                                       weight_sources(self) if q is not None else None)
+        if not self.return_bias:
+            return out
+        if self.return_layernorm_output:  # TE's order: output, bias, norm output
+            return out[0], bias, out[1]
+        return out, bias
 
     fp8_num_gemms = 1
 

@@ -30,26 +30,45 @@ with their bias gradients summed in the same pass.  Float8CurrentScaling
 and Float8BlockScaling make the norm and activation outputs in high
 precision and cast them (block: hidden and ffn sizes multiples of 128).
 The activation gradient is computed in the input's dtype.
+
+``checkpoint=True`` (TE's selective activation recomputation): the forward
+keeps only its input, the norm statistics and the (cast) weights; the
+backward runs the norm, FC1 and the activation again (not FC2, whose output
+the backward does not need) before the usual gradients.  Under FP8 autocast
+the whole module is recomputed by seqfuse.quantization.checkpoint instead
+(FC2 included, with the forward's scales; said once in a log line).
+``return_layernorm_output=True`` also returns the norm's output (a second
+output whose gradient flows back through the norm); ``return_bias=True``
+returns FC2's bias instead of adding it (TE's order: output, bias, norm
+output).  seqfuse.modules._te_compat.REFUSED lists the refused arguments.  ``seq_length`` and ``micro_batch_size`` only size buffers in TE
+(JIT warm-up); they are kept as attributes and change nothing here.
+``device="meta"`` defers initialisation: reset_parameters() materialises the
+parameters on the current CUDA device (CPU without one) with the
+initialisation of direct construction.
 """
+import logging
+
 import torch
 
 from .. import ops
 from ..ops import act as A
 from . import _fp8 as F8
-from ._base import (TE_DEFAULTS, as_dtype, check_normalization, default_device, fp8_norm,
+from ._base import (as_dtype, check_normalization, default_device, fp8_norm,
                     fp8_quantizers, hidden_dim, init_weight, make_norm_params, norm_backward,
-                    norm_forward, norm_param, reject_unsupported, reset_norm_params)
+                    norm_forward, norm_param, reset_norm_params)
 from ._input import check_input
+from ._te_compat import materialize, rng_fork, take_refused
+
+_log = logging.getLogger("seqfuse")
+_logged_fp8_checkpoint = False
 
 ACTIVATIONS = ("gelu", "gelu_erf", "relu", "silu", "swiglu", "geglu", "reglu", "geglu_erf")
 
-MLP_TE_DEFAULTS = dict(TE_DEFAULTS, return_layernorm_output=False, seq_length=None,
-                       micro_batch_size=None, ub_overlap_rs_dgrad=False, delay_wgrad_compute=False)
 
 
 class _LayerNormMLPFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, ln_w, ln_b, w1, b1, w2, b2, eps, rms, zc, activation, q):
+    def forward(ctx, x, ln_w, ln_b, w1, b1, w2, b2, eps, rms, zc, activation, q, ckpt=False, ret_ln=False):
         hidden = x.shape[-1]
         x2 = x.reshape(-1, hidden)
         lnw, lnb = norm_param(ln_w, x2), norm_param(ln_b, x2)
@@ -69,22 +88,27 @@ class _LayerNormMLPFn(torch.autograd.Function):
             ctx.save_for_backward(x2, lnw, mean, rstd, h, *ln_col, *a_col,
                                   *F8.saved(F8.weight_dgrad(p1, kind)), *F8.saved(F8.weight_dgrad(p2, kind)))
             ctx.q, ctx.kind = q, kind
+            ln = None
         else:
-            ln, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc)
-            w1c, w2c = as_dtype(w1, dt), as_dtype(w2, dt)
-            if activation == "gelu":  # GELU in FC1's epilogue, pre-activation kept as aux
-                a, h = ops.gemm(ln, w1c, transb=True, bias=as_dtype(b1, dt), epilogue="gelu_aux")
-            else:
-                h = ops.gemm(ln, w1c, transb=True, bias=as_dtype(b1, dt))
-                a = A.act_fwd(h, activation)
+            w1c, w2c, b1c = as_dtype(w1, dt), as_dtype(w2, dt), as_dtype(b1, dt)
+            ln, mean, rstd, h, a = _fc1_act(x2, lnw, lnb, eps, rms, zc, w1c, b1c, activation)
             out = ops.gemm(a, w2c, transb=True, bias=as_dtype(b2, dt))
-            ctx.save_for_backward(x2, lnw, mean, rstd, ln, h, a, w1c, w2c)
+            if ckpt:  # keep what the recompute needs, not the [tokens, ffn] activations
+                ctx.save_for_backward(x2, lnw, lnb, mean, rstd, b1c, w1c, w2c)
+            else:
+                ctx.save_for_backward(x2, lnw, mean, rstd, ln, h, a, w1c, w2c)
+        ctx.ckpt, ctx.eps = ckpt, eps
         ctx.meta = (x.shape, rms, zc, activation, ln_b is not None, ln_w.dtype, w1.dtype, w2.dtype,
                     None if b1 is None else b1.dtype, None if b2 is None else b2.dtype)
-        return out.view(*x.shape[:-1], out.shape[-1])
+        out = out.view(*x.shape[:-1], out.shape[-1])
+        if ret_ln:
+            if ln is None:  # FP8: the norm output was written in FP8; return it in x's dtype
+                ln, _, _ = norm_forward(x2, lnw, lnb, eps, rms, zc)
+            return out, ln.view(x.shape)
+        return out
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, dln_extra=None):
         x_shape, rms, zc, activation, has_ln_bias, lnw_dt, w1_dt, w2_dt, b1_dt, b2_dt = ctx.meta
         dout2 = dout.reshape(-1, dout.shape[-1]).contiguous()
         db1 = db2 = None
@@ -102,7 +126,11 @@ class _LayerNormMLPFn(torch.autograd.Function):
             dln, dw1 = F8.backward(g1, F8.restore(ln_t, ln_si, kind), F8.restore(w1_t, w1_si, kind, True),
                                    kind, dt, rows, True, need_w1, w1_dt)
         else:
-            x2, lnw, mean, rstd, ln, h, a, w1c, w2c = ctx.saved_tensors
+            if ctx.ckpt:  # recompute the norm, FC1 and the activation
+                x2, lnw, lnb, mean, rstd, b1c, w1c, w2c = ctx.saved_tensors
+                ln, _, _, h, a = _fc1_act(x2, lnw, lnb, ctx.eps, rms, zc, w1c, b1c, activation)
+            else:
+                x2, lnw, mean, rstd, ln, h, a, w1c, w2c = ctx.saved_tensors
             dw2, db2 = _wgrad(dout2, a, b2_dt)
             if activation == "gelu":  # GELU' (and FC1's bias gradient) in the dgrad epilogue
                 if b1_dt is not None:
@@ -116,10 +144,24 @@ class _LayerNormMLPFn(torch.autograd.Function):
                 dh = A.act_bwd(da, h, activation)
                 dln = ops.gemm(dh, w1c)
                 dw1, db1 = _wgrad(dh, ln, b1_dt)
+        if dln_extra is not None:  # gradient of the returned norm output
+            dln = dln + dln_extra.reshape(dln.shape).to(dln.dtype)
         dx, dg, db = norm_backward(dln, x2, mean, rstd, lnw, rms, zc, has_ln_bias)
         return (dx.view(x_shape), as_dtype(dg, lnw_dt), as_dtype(db, lnw_dt), as_dtype(dw1, w1_dt),
                 as_dtype(db1, b1_dt), as_dtype(dw2, w2_dt), as_dtype(db2, b2_dt),
-                None, None, None, None, None)
+                None, None, None, None, None, None, None)
+
+
+def _fc1_act(x2, lnw, lnb, eps, rms, zc, w1c, b1c, activation):
+    """(norm output, mean, rstd, FC1 output h, activation a) of the
+    high-precision forward, also its recompute under checkpoint=True."""
+    ln, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc)
+    if activation == "gelu":  # GELU in FC1's epilogue, pre-activation kept as aux
+        a, h = ops.gemm(ln, w1c, transb=True, bias=b1c, epilogue="gelu_aux")
+    else:
+        h = ops.gemm(ln, w1c, transb=True, bias=b1c)
+        a = A.act_fwd(h, activation)
+    return ln, mean, rstd, h, a
 
 
 def _fp8_act(q, h, activation, need_col):
@@ -146,9 +188,16 @@ class LayerNormMLP(torch.nn.Module):
 
     def __init__(self, hidden_size, ffn_hidden_size, eps=1e-5, bias=True, normalization="LayerNorm",
                  activation="gelu", zero_centered_gamma=False, params_dtype=None, device=None,
-                 init_method=None, output_layer_init_method=None, **te_kwargs):
+                 init_method=None, output_layer_init_method=None, return_layernorm_output=False,
+                 checkpoint=False, seq_length=None, micro_batch_size=None, get_rng_state_tracker=None,
+                 name=None, return_bias=False, **te_refused):
         super().__init__()
-        reject_unsupported("LayerNormMLP", te_kwargs, MLP_TE_DEFAULTS)
+        take_refused("LayerNormMLP", te_refused)
+        self.return_layernorm_output = bool(return_layernorm_output)
+        self.return_bias = bool(return_bias)
+        self.checkpoint = bool(checkpoint)
+        self.seq_length, self.micro_batch_size = seq_length, micro_batch_size
+        self.get_rng_state_tracker, self.name = get_rng_state_tracker, name
         check_normalization(normalization)
         if activation not in ACTIVATIONS:
             raise ValueError(f"LayerNormMLP: argument 'activation' must be one of {', '.join(ACTIVATIONS)}, "
@@ -170,10 +219,13 @@ class LayerNormMLP(torch.nn.Module):
         self.fc2_bias = torch.nn.Parameter(torch.empty(self.hidden_size, **kw)) if bias else None
         self.init_method = init_method
         self.output_layer_init_method = output_layer_init_method
-        self.reset_parameters()
+        if kw["device"].type != "meta":  # meta: deferred to reset_parameters()
+            self.reset_parameters()
 
     def reset_parameters(self):
-        with torch.no_grad():
+        """(Re)initialise; materialises meta parameters first (module note)."""
+        materialize(self)
+        with torch.no_grad(), rng_fork(self.get_rng_state_tracker):
             reset_norm_params(self)
             init_weight(self.fc1_weight, self.init_method)
             init_weight(self.fc2_weight, self.output_layer_init_method)
@@ -184,10 +236,26 @@ class LayerNormMLP(torch.nn.Module):
     def forward(self, x):
         check_input("LayerNormMLP", x, self.hidden_size, "hidden_size")
         q = fp8_quantizers(self, x)
-        return _LayerNormMLPFn.apply(x, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight,
-                                     self.fc1_bias, self.fc2_weight, self.fc2_bias, self.eps,
-                                     self.normalization == "RMSNorm", self.zero_centered_gamma,
-                                     self.activation, q)
+        args = (x, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight, self.fc1_bias,
+                self.fc2_weight, None if self.return_bias else self.fc2_bias, self.eps,
+                self.normalization == "RMSNorm", self.zero_centered_gamma, self.activation, q)
+        ret_ln = self.return_layernorm_output
+        out = self._run(args, q, ret_ln)
+        if not self.return_bias:
+            return out
+        bias = self.fc2_bias.to(x.dtype) if self.fc2_bias is not None else None
+        return (out[0], bias, out[1]) if ret_ln else (out, bias)
+
+    def _run(self, args, q, ret_ln):
+        if self.checkpoint and q is not None and torch.is_grad_enabled():
+            global _logged_fp8_checkpoint
+            if not _logged_fp8_checkpoint:
+                _log.info("LayerNormMLP: checkpoint=True under FP8 autocast recomputes the whole module "
+                          "(FC2 included) through seqfuse.quantization.checkpoint")
+                _logged_fp8_checkpoint = True
+            from ..quantization import checkpoint as fp8_checkpoint
+            return fp8_checkpoint(_LayerNormMLPFn.apply, *args, False, ret_ln)
+        return _LayerNormMLPFn.apply(*args, self.checkpoint, ret_ln)
 
     fp8_num_gemms = 2
 

@@ -59,6 +59,7 @@ from ..quantization import gemm_quantizers as _gq
 from . import _fp8 as F8
 from ._input import check_input
 from ._split import fused_params, install_split, parse_split, reset_split, weight_sources
+from ._te_compat import materialize, rng_fork, take_refused
 
 __all__ = ["Linear", "LinearFunction", "Fp8LinearFunction"]
 
@@ -74,16 +75,6 @@ def _compute_dtype(x, weight):
     if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
         return torch.get_autocast_dtype(dev)
     return weight.dtype
-
-
-#: TE arguments accepted with only their default value (parallelism, overlap).
-_TE_DEFAULTS = {"sequence_parallel": False, "tp_group": None, "tp_size": 1, "parallel_mode": None,
-                "ub_overlap_ag": False, "ub_overlap_rs": False,
-                "ub_overlap_rs_dgrad": False, "ub_bulk_dgrad": False, "ub_bulk_wgrad": False,
-                "ub_name": None, "symmetric_ar_type": None, "delay_wgrad_compute": False,
-                "save_original_input": False}
-#: TE arguments that change nothing here (names, RNG trackers for TP init).
-_TE_IGNORED = ("name", "get_rng_state_tracker", "rng_tracker_name")
 
 
 class LinearFunction(torch.autograd.Function):
@@ -145,20 +136,20 @@ class Linear(torch.nn.Module):
     ``weight.main_grad`` happens whenever the weight carries one.
     parameters_split: TE's split of the weight's rows into several
     parameters (see seqfuse.modules._split); still one GEMM.
+    get_rng_state_tracker, rng_tracker_name: the weight is drawn inside
+    ``get_rng_state_tracker().fork(rng_tracker_name)`` (TE's model-parallel
+    RNG tracker), else from torch's generator.  name: kept as ``self.name``
+    (TE's debug name).  TE's parallelism and overlap arguments raise
+    NotImplementedError unless off (seqfuse.modules._te_compat.REFUSED).
     """
 
     def __init__(self, in_features, out_features, bias=True, params_dtype=None, device=None,
                  init_method=None, return_bias=False, fuse_wgrad_accumulation=False, parameters_split=None,
-                 **unsupported):
+                 get_rng_state_tracker=None, rng_tracker_name=None, name=None, **te_refused):
         super().__init__()
-        for name, value in unsupported.items():
-            if name in _TE_IGNORED:
-                continue
-            if name not in _TE_DEFAULTS:
-                raise TypeError(f"Linear: unexpected argument {name!r}")
-            if value != _TE_DEFAULTS[name]:
-                raise NotImplementedError(f"Linear: argument '{name}'={value!r} is not supported "
-                                          "(no tensor/sequence parallelism or comm overlap here)")
+        take_refused("Linear", te_refused)
+        self.get_rng_state_tracker, self.rng_tracker_name, self.name = (get_rng_state_tracker,
+                                                                        rng_tracker_name, name)
         if in_features <= 0 or out_features <= 0:
             raise ValueError(f"Linear: in_features and out_features must be positive, got "
                              f"{in_features} and {out_features}")
@@ -195,10 +186,16 @@ class Linear(torch.nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self):
-        if getattr(self, "parameters_split", None):
-            reset_split(self, self._init_weight)
-            return
-        self._init_weight(self.weight)
+        """(Re)initialise the parameters; on a module built with
+        device="meta", first materialise them on the current CUDA device
+        (the CPU without one), with the initialisation of direct
+        construction."""
+        materialize(self)
+        with rng_fork(self.get_rng_state_tracker, self.rng_tracker_name):
+            if getattr(self, "parameters_split", None):
+                reset_split(self, self._init_weight)
+                return
+            self._init_weight(self.weight)
         if self.bias is not None:
             self.bias.zero_()
 

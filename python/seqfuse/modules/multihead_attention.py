@@ -22,16 +22,47 @@ the layout is then [all Q; all K; all V] (qkv_weight_interleaved is set to
 False, as in TE).  The projection is still one GEMM over the concatenated
 pieces (seqfuse.modules._split).
 
-Differences from TE, each raising NotImplementedError rather than doing
-something else: ``return_bias``, tensor/sequence/context parallelism, KV
-caches.
+QK-norm (``qk_norm_type``, TE's): "RMSNorm" or "LayerNorm" modules
+``q_norm`` and ``k_norm`` over each head's channels (eps ``qk_norm_eps``),
+or parameter-free "L2Normalization" (x / sqrt(sum x^2 + eps), run as an
+RMSNorm with eps / d and weight 1 / sqrt(d)); applied after RoPE, or before
+it with ``qk_norm_before_rope=True``.  ``seq_length`` and
+``micro_batch_size`` only size buffers in TE and change nothing here.
+``device="meta"`` defers initialisation: reset_parameters() materialises
+the submodules in construction order, with the initialisation (and random
+draws) of direct construction.
+
+Differences from TE, each raising NotImplementedError naming the argument
+rather than doing something else (seqfuse.modules._te_compat.REFUSED):
+``return_bias``, tensor/sequence/context parallelism and userbuffers,
+interleaved RoPE, non-vanilla softmax, KV caches (``inference_params``).
 """
+import math
+
 import torch
 
 from .attention import DotProductAttention
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear
+from .norm import LayerNorm, RMSNorm, rms_norm
 from .rope import apply_rotary_pos_emb
+from ._te_compat import take_refused
+
+QK_NORM_TYPES = ("RMSNorm", "LayerNorm", "L2Normalization")
+
+
+class L2Normalization(torch.nn.Module):
+    """y = x / sqrt(sum(x^2) + eps) over the last dimension (TE's
+    parameter-free QK-norm): RMSNorm's kernel with eps / d and a constant
+    weight 1 / sqrt(d), which is the same function."""
+
+    def __init__(self, size, eps=1e-6):
+        super().__init__()
+        self.size, self.eps = int(size), float(eps)
+
+    def forward(self, x):
+        scale = torch.full((self.size,), 1.0 / math.sqrt(self.size), dtype=x.dtype, device=x.device)
+        return rms_norm(x, scale, self.eps / self.size)
 
 
 def given(**kw):
@@ -50,20 +81,20 @@ class MultiheadAttention(torch.nn.Module):
     def __init__(self, hidden_size, num_attention_heads, kv_channels=None, attention_dropout=0.1,
                  layernorm_epsilon=1e-5, init_method=None, output_layer_init_method=None,
                  layer_number=None, attn_mask_type="causal", window_size=None, tp_group=None, tp_size=1,
-                 num_gqa_groups=None, fuse_wgrad_accumulation=False, get_rng_state_tracker=None,
-                 sequence_parallel=False, params_dtype=None, return_bias=False,
+                 num_gqa_groups=None, get_rng_state_tracker=None, params_dtype=None,
                  return_layernorm_output=False, input_layernorm=False, attention_type="self",
-                 set_parallel_mode=False, fuse_qkv_params=False, zero_centered_gamma=False,
+                 fuse_qkv_params=False, zero_centered_gamma=False,
                  qkv_weight_interleaved=True, bias=True, normalization="LayerNorm", device=None,
-                 qkv_format="sbhd", softmax_scale=None, **unsupported):
+                 qkv_format="sbhd", softmax_scale=None, name=None, qk_norm_type=None, qk_norm_eps=1e-6,
+                 qk_norm_before_rope=False, seq_length=None, micro_batch_size=None, **te_refused):
         super().__init__()
-        if unsupported:
-            raise NotImplementedError(f"MultiheadAttention: arguments {sorted(unsupported)} are not supported")
-        if tp_size != 1 or sequence_parallel or set_parallel_mode or tp_group is not None:
-            raise NotImplementedError("MultiheadAttention: tensor/sequence parallelism is not supported")
-        if return_bias:
-            raise NotImplementedError("MultiheadAttention: return_bias=True is not supported "
-                                      "(the bias is added inside the projection)")
+        take_refused("MultiheadAttention", te_refused, unknown=NotImplementedError)
+        if qk_norm_type is not None and qk_norm_type not in QK_NORM_TYPES:
+            raise ValueError(f"MultiheadAttention: qk_norm_type must be None or one of {', '.join(QK_NORM_TYPES)}, "
+                             f"got {qk_norm_type!r}")
+        self.name, self.seq_length, self.micro_batch_size = name, seq_length, micro_batch_size
+        self.qk_norm_type, self.qk_norm_eps = qk_norm_type, float(qk_norm_eps)
+        self.qk_norm_before_rope = bool(qk_norm_before_rope)
         if attention_type not in ("self", "cross"):
             raise ValueError(f"MultiheadAttention: attention_type must be 'self' or 'cross', got {attention_type!r}")
         if normalization not in ("LayerNorm", "RMSNorm"):
@@ -96,6 +127,7 @@ class MultiheadAttention(torch.nn.Module):
 
         hn, np_, ng = self.kv_channels, self.num_attention_heads, self.num_gqa_groups
         kw = _kw(init_method, params_dtype, device)
+        kw.update(given(get_rng_state_tracker=get_rng_state_tracker))
         ln_kw = dict(eps=layernorm_epsilon, bias=bias, normalization=normalization,
                      zero_centered_gamma=zero_centered_gamma,
                      return_layernorm_output=self.return_layernorm_output, **kw)
@@ -119,7 +151,25 @@ class MultiheadAttention(torch.nn.Module):
             attn_mask_type=attn_mask_type, window_size=window_size, layer_number=layer_number,
             attention_type=attention_type, softmax_scale=softmax_scale)
         self.proj = Linear(np_ * hn, self.hidden_size, bias=bias,
-                           **_kw(output_layer_init_method, params_dtype, device))
+                           **_kw(output_layer_init_method, params_dtype, device),
+                           **given(get_rng_state_tracker=get_rng_state_tracker))
+        if qk_norm_type == "L2Normalization":  # parameter-free: one module serves both, as in TE
+            self.q_norm = self.k_norm = L2Normalization(hn, qk_norm_eps)
+        elif qk_norm_type is not None:
+            norm = RMSNorm if qk_norm_type == "RMSNorm" else LayerNorm
+            self.q_norm = norm(hn, eps=qk_norm_eps, **given(params_dtype=params_dtype, device=device))
+            self.k_norm = norm(hn, eps=qk_norm_eps, **given(params_dtype=params_dtype, device=device))
+        else:
+            self.q_norm = self.k_norm = None
+
+    def reset_parameters(self):
+        """Initialise every submodule in construction order (deferred
+        initialisation: a module built with device="meta" is materialised on
+        the current CUDA device, the CPU without one, with the values direct
+        construction gives under the same seed)."""
+        for module in self.children():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
 
     # -- projections -------------------------------------------------------
     # The splits below are torch.split / unbind on purpose: their backward
@@ -202,6 +252,8 @@ class MultiheadAttention(torch.nn.Module):
             q = mixed_q.view(*mixed_q.shape[:-1], self.num_attention_heads, self.kv_channels)
             k, v = self._split_kv(self.key_value(encoder_output))
 
+        if self.q_norm is not None and self.qk_norm_before_rope:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rotary_pos_emb is not None:
             q_freqs, k_freqs = (rotary_pos_emb if isinstance(rotary_pos_emb, (tuple, list))
                                 else (rotary_pos_emb, rotary_pos_emb))
@@ -209,6 +261,8 @@ class MultiheadAttention(torch.nn.Module):
             q = apply_rotary_pos_emb(q, q_freqs, fmt, cu_seqlens=cu_seqlens_q if thd else None)
             kv_cu = (cu_seqlens_kv if cu_seqlens_kv is not None else cu_seqlens_q) if thd else None
             k = apply_rotary_pos_emb(k, k_freqs, fmt, cu_seqlens=kv_cu)
+        if self.q_norm is not None and not self.qk_norm_before_rope:
+            q, k = self.q_norm(q), self.k_norm(k)
 
         context = self.core_attention(
             q, k, v, attention_mask=attention_mask, qkv_format=fmt, attn_mask_type=attn_mask_type,

@@ -1,10 +1,18 @@
 """LayerNorm and RMSNorm modules (Transformer Engine's names and arguments)
 and the autograd functions under them, over seqfuse.ops.norm.
 
-    LayerNorm(hidden_size, eps=1e-5, sequence_parallel=None, params_dtype=None,
-              zero_centered_gamma=False, device=None)
-    RMSNorm(hidden_size, eps=1e-5, sequence_parallel=None, params_dtype=None,
-            zero_centered_gamma=False, device=None)
+    LayerNorm(normalized_shape, eps=1e-5, sequence_parallel=None, params_dtype=None,
+              zero_centered_gamma=False, hidden_size=None, device=None, dtype=None,
+              sm_margin=0)
+    RMSNorm(...the same arguments)
+
+``hidden_size`` is TE's deprecated name of ``normalized_shape`` and
+``params_dtype`` its deprecated name of ``dtype``: one of each pair may be
+given.  ``sequence_parallel`` (TE's legacy Megatron flag) is set as an
+attribute on the parameters.  ``sm_margin`` other than 0 raises
+NotImplementedError (seqfuse.modules._te_compat.REFUSED).  ``device="meta"``
+defers initialisation to reset_parameters(), which materialises the
+parameters on the current CUDA device (CPU without one).
 
 The output has the input's dtype.  Parameters are ``weight`` (and ``bias`` for
 LayerNorm) in ``params_dtype`` (default: torch's default dtype); with
@@ -17,6 +25,7 @@ import torch
 from .. import ops
 from ._base import default_device, hidden_dim, norm_param
 from ._input import check_input
+from ._te_compat import materialize, refuse
 
 # The autograd functions call seqfuse.ops' norm functions (the kernels'
 # only path from Python); x is made contiguous here once, so that the tensor
@@ -70,16 +79,28 @@ def rms_norm(x, weight, eps=1e-5, zero_centered_gamma=False):
     return _RMSNormFn.apply(x, norm_param(weight, x), float(eps), bool(zero_centered_gamma))
 
 
+def _one_of(cls, new, new_value, old, old_value):
+    """TE's argument ``new`` or its deprecated name ``old``, not both."""
+    if new_value is not None and old_value is not None:
+        raise ValueError(f"{cls}: give '{new}' or its deprecated name '{old}', not both")
+    return new_value if new_value is not None else old_value
+
+
 class _Norm(torch.nn.Module):
-    def __init__(self, hidden_size, eps, sequence_parallel, params_dtype, zero_centered_gamma,
-                 device, has_bias):
+    def __init__(self, cls, normalized_shape, eps, sequence_parallel, params_dtype, zero_centered_gamma,
+                 hidden_size, device, dtype, sm_margin, has_bias):
         super().__init__()
-        self.hidden_size = hidden_dim(hidden_size)
+        refuse(cls, {"sm_margin": sm_margin})
+        normalized_shape = _one_of(cls, "normalized_shape", normalized_shape, "hidden_size", hidden_size)
+        if normalized_shape is None:
+            raise TypeError(f"{cls}: argument 'normalized_shape' (or 'hidden_size') is required")
+        params_dtype = _one_of(cls, "dtype", dtype, "params_dtype", params_dtype)
+        self.hidden_size = hidden_dim(normalized_shape)
         if self.hidden_size < 1:
             raise ValueError(f"argument 'hidden_size' must be >= 1, got {self.hidden_size}")
         self.eps = float(eps)
         self.zero_centered_gamma = bool(zero_centered_gamma)
-        self.sequence_parallel = bool(sequence_parallel)
+        self.sequence_parallel = sequence_parallel
         dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
         device = default_device(device)
         self.weight = torch.nn.Parameter(torch.empty(self.hidden_size, dtype=dtype, device=device))
@@ -87,9 +108,15 @@ class _Norm(torch.nn.Module):
             self.bias = torch.nn.Parameter(torch.empty(self.hidden_size, dtype=dtype, device=device))
         else:
             self.register_parameter("bias", None)
-        self.reset_parameters()
+        if device.type != "meta":  # meta: deferred to reset_parameters()
+            self.reset_parameters()
 
     def reset_parameters(self):
+        """(Re)initialise; materialises meta parameters first (module note)."""
+        materialize(self)
+        for p in self.parameters(recurse=False):
+            if self.sequence_parallel is not None:  # TE's legacy Megatron flag
+                p.sequence_parallel = bool(self.sequence_parallel)
         with torch.no_grad():
             if self.zero_centered_gamma:
                 self.weight.zero_()
@@ -105,10 +132,10 @@ class _Norm(torch.nn.Module):
 class LayerNorm(_Norm):
     """y = (x - mean) / sqrt(var + eps) * weight + bias over the last dimension."""
 
-    def __init__(self, hidden_size, eps=1e-5, sequence_parallel=None, params_dtype=None,
-                 zero_centered_gamma=False, device=None):
-        super().__init__(hidden_size, eps, sequence_parallel, params_dtype, zero_centered_gamma,
-                         device, has_bias=True)
+    def __init__(self, normalized_shape=None, eps=1e-5, sequence_parallel=None, params_dtype=None,
+                 zero_centered_gamma=False, hidden_size=None, device=None, dtype=None, sm_margin=0):
+        super().__init__("LayerNorm", normalized_shape, eps, sequence_parallel, params_dtype,
+                         zero_centered_gamma, hidden_size, device, dtype, sm_margin, has_bias=True)
 
     def forward(self, x):
         return layer_norm(x, self.weight, self.bias, self.eps, self.zero_centered_gamma)
@@ -117,10 +144,10 @@ class LayerNorm(_Norm):
 class RMSNorm(_Norm):
     """y = x / sqrt(mean(x^2) + eps) * weight over the last dimension."""
 
-    def __init__(self, hidden_size, eps=1e-5, sequence_parallel=None, params_dtype=None,
-                 zero_centered_gamma=False, device=None):
-        super().__init__(hidden_size, eps, sequence_parallel, params_dtype, zero_centered_gamma,
-                         device, has_bias=False)
+    def __init__(self, normalized_shape=None, eps=1e-5, sequence_parallel=None, params_dtype=None,
+                 zero_centered_gamma=False, hidden_size=None, device=None, dtype=None, sm_margin=0):
+        super().__init__("RMSNorm", normalized_shape, eps, sequence_parallel, params_dtype,
+                         zero_centered_gamma, hidden_size, device, dtype, sm_margin, has_bias=False)
 
     def forward(self, x):
         return rms_norm(x, self.weight, self.eps, self.zero_centered_gamma)

@@ -13,7 +13,14 @@ TE's cross-attention over ``encoder_output`` (causality is the
 [s, b, h] ("sbhd", TE's default), [b, s, h] ("bshd") or packed [t, h]
 ("thd", with cu_seqlens_q/kv and max_seqlen_q/kv).
 
-Differences from TE, each raising NotImplementedError: post-LN variants
+QK-norm (``qk_norm_type``, ``qk_norm_eps``, ``qk_norm_before_rope``) is
+MultiheadAttention's, applied in self- and cross-attention as in TE.
+``seq_length`` and ``micro_batch_size`` only size buffers in TE and change
+nothing here.  ``device="meta"`` defers initialisation to
+reset_parameters() (MultiheadAttention's note).
+
+Differences from TE, each raising NotImplementedError naming the argument
+(seqfuse.modules._te_compat.REFUSED): post-LN variants
 (``apply_residual_connection_post_layernorm``, ``output_layernorm``),
 ``parallel_attention_mlp``, ``drop_path_rate`` > 0, tensor/sequence/context
 parallelism, KV caches.  ``fuse_qkv_params=False`` (TE's default) gives
@@ -25,6 +32,7 @@ import torch
 
 from .layernorm_mlp import LayerNormMLP
 from .multihead_attention import MultiheadAttention, given
+from ._te_compat import take_refused
 
 
 class TransformerLayer(torch.nn.Module):
@@ -34,27 +42,16 @@ class TransformerLayer(torch.nn.Module):
                  layernorm_epsilon=1e-5, hidden_dropout=0.1, attention_dropout=0.1, init_method=None,
                  output_layer_init_method=None, layer_number=None, kv_channels=None,
                  self_attn_mask_type="causal", window_size=None, enc_dec_attn_mask_type="no_mask",
-                 enc_dec_window_size=None, tp_group=None, tp_size=1, params_dtype=None,
-                 get_rng_state_tracker=None, fuse_wgrad_accumulation=False, seq_length=None,
-                 micro_batch_size=None, sequence_parallel=False,
-                 apply_residual_connection_post_layernorm=False, output_layernorm=False,
-                 parallel_attention_mlp=False, layer_type="encoder", drop_path_rate=0.0,
-                 set_parallel_mode=False, fuse_qkv_params=False, rotary_pos_interleaved=False,
-                 zero_centered_gamma=False, qkv_weight_interleaved=True, bias=True, activation="gelu",
-                 normalization="LayerNorm", device=None, attn_input_format="sbhd", name=None,
-                 softmax_scale=None, **unsupported):
+                 enc_dec_window_size=None, params_dtype=None, get_rng_state_tracker=None, seq_length=None,
+                 micro_batch_size=None, layer_type="encoder", fuse_qkv_params=False, zero_centered_gamma=False,
+                 qkv_weight_interleaved=True, bias=True, activation="gelu", normalization="LayerNorm",
+                 device=None, attn_input_format="sbhd", name=None, softmax_scale=None, qk_norm_type=None,
+                 qk_norm_eps=1e-6, qk_norm_before_rope=False, ub_overlap_ag=True, ub_overlap_rs=True,
+                 ub_overlap_rs_dgrad=False, ub_bulk_dgrad=True, ub_bulk_wgrad=True, **te_refused):
         super().__init__()
-        if unsupported:
-            raise NotImplementedError(f"TransformerLayer: arguments {sorted(unsupported)} are not supported")
-        for flag, value in (("apply_residual_connection_post_layernorm", apply_residual_connection_post_layernorm),
-                            ("output_layernorm", output_layernorm),
-                            ("parallel_attention_mlp", parallel_attention_mlp)):
-            if value:
-                raise NotImplementedError(f"TransformerLayer: {flag}=True is not supported (pre-LN layers only)")
-        if drop_path_rate:
-            raise NotImplementedError(f"TransformerLayer: drop_path_rate={drop_path_rate} is not supported")
-        if rotary_pos_interleaved:
-            raise NotImplementedError("TransformerLayer: rotary_pos_interleaved=True is not supported")
+        # the ub_* flags: TE reads them only with ub_tp_comm_overlap=True (refused), so any value is taken
+        take_refused("TransformerLayer", te_refused, unknown=NotImplementedError)
+        self.seq_length, self.micro_batch_size = seq_length, micro_batch_size
         if layer_type not in ("encoder", "decoder"):
             raise ValueError(f"TransformerLayer: layer_type must be 'encoder' or 'decoder', got {layer_type!r}")
         if attn_input_format not in ("sbhd", "bshd", "thd"):
@@ -75,13 +72,14 @@ class TransformerLayer(torch.nn.Module):
         common = dict(kv_channels=kv_channels, attention_dropout=attention_dropout,
                       layernorm_epsilon=layernorm_epsilon, init_method=init_method,
                       output_layer_init_method=output_layer_init_method, layer_number=layer_number,
-                      tp_group=tp_group, tp_size=tp_size, num_gqa_groups=num_gqa_groups,
-                      sequence_parallel=sequence_parallel, params_dtype=params_dtype,
-                      input_layernorm=True, set_parallel_mode=set_parallel_mode,
+                      num_gqa_groups=num_gqa_groups, params_dtype=params_dtype,
+                      input_layernorm=True, get_rng_state_tracker=get_rng_state_tracker,
                       fuse_qkv_params=fuse_qkv_params, zero_centered_gamma=zero_centered_gamma,
                       qkv_weight_interleaved=qkv_weight_interleaved, bias=bias,
                       normalization=normalization, device=device, qkv_format=attn_input_format,
-                      softmax_scale=softmax_scale)
+                      softmax_scale=softmax_scale, qk_norm_type=qk_norm_type, qk_norm_eps=qk_norm_eps,
+                      qk_norm_before_rope=qk_norm_before_rope, seq_length=seq_length,
+                      micro_batch_size=micro_batch_size)
         self.self_attention = MultiheadAttention(
             hidden_size, num_attention_heads, attn_mask_type=self_attn_mask_type, window_size=window_size,
             attention_type="self", **common)
@@ -90,10 +88,18 @@ class TransformerLayer(torch.nn.Module):
                 hidden_size, num_attention_heads, attn_mask_type=enc_dec_attn_mask_type,
                 window_size=enc_dec_window_size, attention_type="cross", **common)
         mlp_kw = dict(eps=layernorm_epsilon, bias=bias, normalization=normalization, activation=activation,
-                      zero_centered_gamma=zero_centered_gamma, device=device,
+                      zero_centered_gamma=zero_centered_gamma, device=device, seq_length=seq_length,
+                      micro_batch_size=micro_batch_size,
                       **given(params_dtype=params_dtype, init_method=init_method,
-                              output_layer_init_method=output_layer_init_method))
+                              output_layer_init_method=output_layer_init_method,
+                              get_rng_state_tracker=get_rng_state_tracker))
         self.layernorm_mlp = LayerNormMLP(hidden_size, ffn_hidden_size, **mlp_kw)
+
+    def reset_parameters(self):
+        """Initialise every submodule in construction order (deferred
+        initialisation from device="meta"; see MultiheadAttention)."""
+        for module in self.children():
+            module.reset_parameters()
 
     def _residual(self, residual, x):
         return residual + torch.nn.functional.dropout(x, p=self.hidden_dropout, training=self.training)
