@@ -7,7 +7,8 @@ with SDPA's math backend standing in for cuDNN (permutations, scale,
 is_causal, the copy made only when needed, the INFO line, the fallback on a
 RuntimeError and its memory).  CUDA tests (H200): the cuDNN route against
 seqfuse's kernels and the float64 reference, auto's pick at ESM-2's shape,
-the cases that stay on seqfuse, and a TransformerLayer under both backends."""
+where the calls cuDNN refuses go, and a TransformerLayer under both
+backends.  The flash and torch_fp32 routes: tests/test_attn_routes*.py."""
 import logging
 import random
 
@@ -32,8 +33,8 @@ def restore_backend(monkeypatch):
     as it found them."""
     monkeypatch.setattr(routing, "_backend", routing._backend)
     monkeypatch.setattr(routing, "_choices", {})
-    monkeypatch.setattr(routing, "_cudnn_failed", {})
-    monkeypatch.setattr(routing, "_cudnn_logged", set())
+    monkeypatch.setattr(routing, "_route_failed", {})
+    monkeypatch.setattr(routing, "_logged", set())
     monkeypatch.setattr(routing, "_capabilities", {})
 
 
@@ -87,10 +88,11 @@ def test_env_values(monkeypatch, value, expected):
             "seqfuse", "backend 'seqfuse' chosen (SEQFUSE_ATTN_BACKEND or set_attention_backend)")
     elif expected == "auto":
         assert seqfuse.ops.attention_backend(q, q, q) == (
-            "seqfuse", "device: cpu tensors (cuDNN fused attention is CUDA only)")
+            "seqfuse", "device: cpu tensors (cuDNN fused attention is CUDA only); flash route: device: cpu tensors "
+                       "(FlashAttention is CUDA only)")
 
 
-@pytest.mark.parametrize("value", ["flash", "CUDNN", "seqfuse,cudnn", "0"])
+@pytest.mark.parametrize("value", ["FLASH", "CUDNN", "seqfuse,cudnn", "0", "torch_fp32"])
 def test_env_bad_value_raises_at_the_first_call(monkeypatch, value):
     monkeypatch.setattr(routing, "_backend", None)
     monkeypatch.setenv("SEQFUSE_ATTN_BACKEND", value)
@@ -98,7 +100,7 @@ def test_env_bad_value_raises_at_the_first_call(monkeypatch, value):
     for _ in range(2):  # not remembered: every call says it until it is fixed
         with pytest.raises(ValueError) as e:
             seqfuse.ops.attention(q, q, q)
-        assert str(e.value) == f"SEQFUSE_ATTN_BACKEND must be one of 'auto', 'seqfuse', 'cudnn', got {value!r}"
+        assert str(e.value) == f"SEQFUSE_ATTN_BACKEND must be one of 'auto', 'seqfuse', 'cudnn', 'flash', got {value!r}"
     with pytest.raises(ValueError, match="SEQFUSE_ATTN_BACKEND must be one of"):
         seqfuse.ops.attention_backend(q, q, q)
     monkeypatch.setenv("SEQFUSE_ATTN_BACKEND", "seqfuse")
@@ -116,13 +118,13 @@ def test_env_is_read_once(monkeypatch):
     assert seqfuse.ops.attention_backend(q, q, q)[0] == "seqfuse"
 
 
-@pytest.mark.parametrize("name", ["CUDNN", "flash", "", None, 1, ["cudnn"]])
+@pytest.mark.parametrize("name", ["CUDNN", "Flash", "torch_fp32", "", None, 1, ["cudnn"]])
 def test_set_attention_backend_rejects(name):
     before = routing._backend
     with pytest.raises(ValueError) as e:
         seqfuse.ops.set_attention_backend(name)
     assert str(e.value) == ("set_attention_backend: argument 'name' must be one of 'auto', 'seqfuse', 'cudnn', "
-                            f"got {name!r}")
+                            f"'flash', got {name!r}")
     assert routing._backend == before
 
 
@@ -365,10 +367,15 @@ def test_choice_is_cached_per_call_key(monkeypatch):
     seqfuse.ops.attention_backend(q, k, v, attn_mask_type="causal")  # a new key
     assert len(facts) == 2
     torch.backends.cuda.enable_cudnn_sdp(False)
-    try:  # the global switches are read at every call
-        assert seqfuse.ops.attention_backend(q, k, v)[1].startswith("cudnn_sdp_enabled: ")
+    try:  # the global switches are read at every call: without cuDNN the call takes the flash route
+        assert seqfuse.ops.attention_backend(q, k, v)[0] == "flash"
+        torch.backends.cuda.enable_flash_sdp(False)
+        name, reason = seqfuse.ops.attention_backend(q, k, v)
+        assert name == "seqfuse" and reason.startswith("cudnn_sdp_enabled: ") and \
+            "; flash route: flash_sdp_enabled: " in reason
     finally:
         torch.backends.cuda.enable_cudnn_sdp(True)
+        torch.backends.cuda.enable_flash_sdp(True)
     assert seqfuse.ops.attention_backend(q, k, v)[0] == "cudnn"
     torch.use_deterministic_algorithms(True)
     try:
@@ -502,17 +509,13 @@ def test_auto_falls_back_on_runtime_error_and_remembers(monkeypatch, caplog):
     assert seqfuse.ops.attention_backend(q, k, v)[0] == "cudnn"
 
 
-def test_auto_builds_no_call_key_for_packed_calls(emulated_h200):
-    """thd (the packed hot path) is never eligible: auto does not look it up,
-    while forced cudnn still refuses it with the rule."""
-    seqfuse.ops.set_attention_backend("auto")
+def test_forced_cudnn_refuses_packed_calls(emulated_h200):
+    """thd goes to the flash route in auto (tests/test_attn_routes.py); forced
+    cudnn refuses it with the rule."""
     q = torch.randn(12, 2, 16).bfloat16()
     cu = cu_seqlens([5, 7])
     kw = dict(qkv_format="thd", attn_mask_type="padding", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=7,
               max_seqlen_kv=7)
-    out = seqfuse.ops.attention(q, q, q, **kw)
-    assert routing._choices == {}
-    assert torch.equal(out, seqfuse.ops.attention_fwd(q, q, q, **kw)[0])
     seqfuse.ops.set_attention_backend("cudnn")
     with pytest.raises(NotImplementedError, match="qkv_format"):
         seqfuse.ops.attention(q, q, q, **kw)
@@ -528,7 +531,7 @@ def test_auto_does_not_swallow_cuda_errors(monkeypatch, emulated_h200):
     q = layout("bshd", 1, 4, 2, 16)
     with pytest.raises(RuntimeError, match="illegal memory access"):
         seqfuse.ops.attention(q, q, q)
-    assert routing._cudnn_failed == {}
+    assert routing._route_failed == {}
 
 
 def test_route_output_dtype_ignores_torch_autocast(emulated_h200):
@@ -554,7 +557,7 @@ def test_auto_does_not_swallow_out_of_memory(monkeypatch, emulated_h200):
     q = layout("bshd", 1, 4, 2, 16)
     with pytest.raises(torch.cuda.OutOfMemoryError):
         seqfuse.ops.attention(q, q, q)
-    assert routing._cudnn_failed == {}
+    assert routing._route_failed == {}
 
 
 def _transformer_layer(**kw):
@@ -665,17 +668,26 @@ def test_cuda_auto_picks_cudnn_for_esm2_on_h200(sdpa_calls, caplog):
     _assert_finite(out, q.grad, k.grad, v.grad)
 
 
+ROUTE_OF_RULE = {"dropout": "flash", "padding": "flash", "gqa": "flash", "window": "flash",
+                 "deterministic": "seqfuse", "head_dim": "seqfuse", "dtype": "torch_fp32"}
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("rule", ["dropout", "padding", "deterministic", "gqa", "window", "head_dim", "dtype"])
-def test_cuda_auto_keeps_seqfuse(rule, sdpa_calls):
+@pytest.mark.parametrize("rule", list(ROUTE_OF_RULE))
+def test_cuda_auto_route_of_calls_cudnn_refuses(rule, sdpa_calls):
+    """Calls the cuDNN route refuses: the flash route takes dropout, padding,
+    GQA and windows on an H200, float32 goes to torch_fp32, the rest stays
+    on seqfuse's kernels with cuDNN's rule named first."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("auto takes the torch routes on compute capability 9.0 only")
     seqfuse.ops.set_attention_backend("auto")
     b, s, h, hk, d, dtype = 2, 128, 4, 4, 64, torch.bfloat16
     kw = dict(qkv_format="bshd", attn_mask_type="no_mask")
     if rule == "dropout":
         kw["dropout_p"] = 0.1
     elif rule == "padding":
-        kw.update(attn_mask_type="padding", cu_seqlens_q=cu_seqlens([128, 77], "cuda"),
-                  cu_seqlens_kv=cu_seqlens([128, 77], "cuda"))
+        kw.update(attn_mask_type="padding", cu_seqlens_q=cu_seqlens([128, 77], "cuda"))
+        kw["cu_seqlens_kv"] = kw["cu_seqlens_q"]
     elif rule == "deterministic":
         kw["deterministic"] = True
     elif rule == "gqa":
@@ -688,15 +700,15 @@ def test_cuda_auto_keeps_seqfuse(rule, sdpa_calls):
         dtype = torch.float32
     q = torch.randn(b, s, h, d, device="cuda").to(dtype).requires_grad_()
     k, v = (torch.randn(b, s, hk, d, device="cuda").to(dtype).requires_grad_() for _ in range(2))
-    choice = {x: kw[x] for x in ("qkv_format", "attn_mask_type", "window_size", "dropout_p", "deterministic",
-                                 "cu_seqlens_q") if x in kw}
-    name, reason = seqfuse.ops.attention_backend(q, k, v, **choice)
-    assert name == "seqfuse" and reason.split(":")[0] == rule, reason
-    if rule in ("dtype", "head_dim"):
-        return  # seqfuse's CUDA kernels do not take these either: the choice is what is tested
+    name, reason = seqfuse.ops.attention_backend(q, k, v, **kw)
+    assert name == ROUTE_OF_RULE[rule], reason
+    if name == "seqfuse":
+        assert reason.split(":")[0] == rule, reason
+    if rule == "head_dim":
+        return  # seqfuse's CUDA kernels do not take it either: the choice is what is tested
     out = seqfuse.ops.attention(q, k, v, **kw)
     out.backward(torch.ones_like(out))
-    assert sdpa_calls == []
+    assert len(sdpa_calls) == (1 if name == "torch_fp32" else 0)
     _assert_finite(out, q.grad, k.grad, v.grad)
 
 

@@ -18,19 +18,22 @@ for the backward.  Masks and layouts are spelled as in Transformer Engine:
   top-left causal masks and sk - sq otherwise (as TE).
 - GQA/MQA: k and v may have fewer heads than q (a divisor of its count).
 
-CUDA: float16/bfloat16, head dims 16, 24, 32, 64 and 128.  CPU: the reference in double
-precision, any head dim, float32 too.
+CUDA: float16/bfloat16, head dims 16, 24, 32, 64 and 128 (float32 and other
+head dims through torch's kernels, _torch_routes.py).  CPU: the reference in
+double precision, any head dim, float32 too.
 
 Dropout (``dropout_p``, ``rng_state``) and how its mask is drawn:
 _dropout.py.  Which code runs a call (the sm90/sm80 kernels on Hopper, or
 cuDNN fused attention through torch SDPA) and the environment variables that
-choose it: _routing.py.
+choose it: _routing.py; the routes through torch's FlashAttention-2 and
+float32 SDPA: _torch_routes.py.
 
 Files, one concern each:
 
 - _entry.py: ``attention``, ``attention_fwd``, ``attention_bwd``.
 - _args.py: argument checks and the C config tuple.
 - _routing.py: kernel and backend choice, SEQFUSE_ATTN_BACKEND.
+- _torch_routes.py: the "flash" and "torch_fp32" routes: rules, layouts, calls.
 - _dropout.py: the Philox (seed, offset) state.
 - _padding.py: ``padding_layout`` and ``PerTensorCache`` for padding masks.
 """
@@ -41,8 +44,9 @@ from ._padding import PaddingLayout, PerTensorCache, padding_layout
 from ._routing import (BACKENDS, attention_backend, attention_bwd_kernel, attention_fwd_kernel,
                        cudnn_eligibility, set_attention_backend, set_attention_bwd_kernel,
                        set_attention_fwd_kernel)
+from ._torch_routes import flash_eligibility, fp32_eligibility
 
 __all__ = ["attention", "attention_fwd", "attention_bwd", "attention_fwd_kernel", "attention_bwd_kernel",
            "set_attention_fwd_kernel", "set_attention_bwd_kernel", "attention_backend", "set_attention_backend",
-           "cudnn_eligibility", "dropout_rng_state", "padding_layout", "PaddingLayout", "PerTensorCache",
+           "cudnn_eligibility", "flash_eligibility", "fp32_eligibility", "dropout_rng_state", "padding_layout", "PaddingLayout", "PerTensorCache",
            "FORMATS", "MASKS", "BACKENDS"]

@@ -11,7 +11,7 @@ from ... import _C
 from .._call import stream_for
 from ._args import check_tensor, config, max_seqlen
 from ._dropout import dropout_rng_state, wants_rng
-from ._routing import cudnn_attention_or_none, note_bwd_kernel, note_fwd_kernel
+from ._routing import note_bwd_kernel, note_fwd_kernel, routed_attention_or_none
 
 
 def _last_dim_contiguous(x):
@@ -115,12 +115,16 @@ def attention(q, k, v, *, qkv_format="bshd", attn_mask_type="no_mask", cu_seqlen
     """Fused attention with autograd: returns out (q's shape and dtype).
     ``dropout_p``: attention dropout (the caller decides training vs eval);
     ``rng_state``: its (seed, offset), drawn from torch's generator when None.
-    Runs seqfuse's kernels or cuDNN fused attention through torch SDPA, as
-    the backend choice says (_routing.py, ``attention_backend``)."""
+    Runs seqfuse's kernels or one of torch's fused kernels (cuDNN through
+    SDPA, FlashAttention-2, or SDPA in float32 on CUDA), as the backend
+    choice says (_routing.py, ``attention_backend``).  On a torch route
+    dropout draws torch's mask, not seqfuse's Philox mask (_torch_routes.py);
+    an explicit ``rng_state`` keeps the call on seqfuse's kernels."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, x)
-    out = cudnn_attention_or_none(q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, deterministic,
-                                  cu_seqlens_q, cu_seqlens_kv, softmax_scale)
+    out = routed_attention_or_none(q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, deterministic,
+                                   cu_seqlens_q, cu_seqlens_kv, softmax_scale, max_seqlen_q, max_seqlen_kv,
+                                   rng_state)
     if out is not None:
         return out
     if rng_state is None and wants_rng(dropout_p):

@@ -20,17 +20,25 @@ that choice; this file asks it (``attention_fwd_kernel``,
 
 Backend choice (``attention`` only; ``attention_fwd`` and ``attention_bwd``,
 the explicit halves that return and take the lse, always run seqfuse's
-kernels).  Two backends: "seqfuse" (the kernels above) and "cudnn" (cuDNN
-fused attention through ``torch.nn.functional.scaled_dot_product_attention``
+kernels).  Routes: "seqfuse" (the kernels above); "cudnn" (cuDNN fused
+attention through ``torch.nn.functional.scaled_dot_product_attention``
 under ``sdpa_kernel([SDPBackend.CUDNN_ATTENTION])``, torch's autograd doing
 the backward; measured on an H200 at ESM-2 650M's shape, 16 x 1024 tokens,
 20 heads of dim 64, bf16, no mask: 23.5 ms of attention per training step
-against 57 ms for seqfuse's kernels).  The choice is ``SEQFUSE_ATTN_BACKEND=auto|seqfuse|cudnn``
+against 57 ms for seqfuse's kernels); "flash" (torch's FlashAttention-2 for
+what cuDNN's route cannot take: packed thd, padded batches, GQA, windows,
+dropout; rules ``flash_eligibility`` and layouts in _torch_routes.py; on
+an H200, torch 2.11, forward+backward at 16k packed tokens it measured
+96-257 TFLOP/s against seqfuse's thd kernel's 91-196, see
+benchmarks/attn/bench_routes.py); and "torch_fp32" (float32 on CUDA, which
+seqfuse's CUDA kernels do not take: torch SDPA's memory-efficient or math
+kernels with an explicit mask, _torch_routes.py).  The choice is
+``SEQFUSE_ATTN_BACKEND=auto|seqfuse|cudnn|flash``
 (read once, at the first attention call; unset or empty means auto; any other
 value is a ValueError naming the variable, raised there) or
 ``set_attention_backend(name)``, which overrides it for the process.
-``attention_backend(q, k, v, ...)`` returns (name, reason): what a call
-would take and why.
+``attention_backend(q, k, v, ...)`` returns (name, reason): the route a call
+takes ("seqfuse", "cudnn", "flash" or "torch_fp32") and why.
 
 - "auto" (the default) takes cuDNN only where every rule holds, checked in
   this order (the reason names the first one broken, as "rule: why"):
@@ -53,21 +61,38 @@ would take and why.
   not 4-D) run seqfuse's kernels, whose checks report them (``inputs``).
   ``cudnn_eligibility`` is the rule check as a pure function of the call's
   facts; its answer is cached per call key, the capability per device.
+- then, in auto, a call cuDNN does not take goes to "flash" where every
+  rule of ``flash_eligibility`` holds (_torch_routes.py: ``alignment``,
+  ``rng_state``, ``deterministic``, ``dtype``, ``gqa``, ``head_dim``,
+  ``lengths``, ``device``, ``capability`` (9.0 in auto), and
+  ``flash_sdp_enabled``), then float32 CUDA calls to "torch_fp32" (rules
+  ``fp32_eligibility``: ``rng_state``, ``graph_capture``); a float32 CUDA
+  call that breaks those raises NotImplementedError naming the rule (no
+  seqfuse kernel takes it).  A call that stays on seqfuse has the reason
+  "<cuDNN's rule>: why; flash route: <flash's rule>: why".  thd and padded
+  calls also need their cu_seqlens as seqfuse's kernels take them (int32,
+  1-D, on q's device, b+1 long for padded rows, as long as each other in
+  thd); anything else runs seqfuse's kernels, whose checks report it
+  (``inputs``).
+- "flash": eligible calls take torch's FlashAttention on any compute
+  capability; any other broken rule is a NotImplementedError naming it.
 - "cudnn": eligible calls take cuDNN, on any compute capability (the
   capability rule is about speed and is skipped); any other broken rule is a
   NotImplementedError naming it (no silent fallback; disagreeing inputs get
   seqfuse's own errors), and torch's errors are raised as they come.
 - "seqfuse": always seqfuse's kernels.
 
-The first time auto sends a kind of call (layout, mask, head dim, dtype) to
-cuDNN, logger "seqfuse" says so once at INFO.  If torch raises a
-RuntimeError from the cuDNN forward in auto (e.g. "No available kernel"; an
+The first time auto sends a kind of call (route, layout, mask, head dim,
+dtype, and for flash GQA / dropout) to a torch route, logger "seqfuse" says
+so once at INFO.  If torch raises a RuntimeError from the cuDNN or flash
+forward in auto (e.g. "No available kernel"; an
 out-of-memory error, or a CUDA error, which leaves the context unusable, is
 raised as it is), a WARNING names the error, the call runs seqfuse's
-kernels, and every later call of the same shapes, strides, dtype, mask and
-device skips cuDNN (until ``set_attention_backend``); other shapes still try
-it.  An error in cuDNN's backward comes from torch's autograd and is not
-caught.
+kernels, and every later call of the same route, shapes, strides, dtype,
+mask and device skips that route (until ``set_attention_backend``); other
+shapes still try it.  An error in a route's backward comes from torch's
+autograd and is not caught; nor is one of "torch_fp32" (nothing to fall
+back to).
 Layouts: SDPA takes [b, h, s, d]; q, k and v go in as permuted views (bshd
 ``permute(0, 2, 1, 3)``, sbhd ``permute(1, 2, 0, 3)``, copied only when the
 head dim is not unit-stride), with ``scale=softmax_scale`` (1/sqrt(d) when
@@ -79,7 +104,6 @@ SDPA backend flags for the call: another thread calling SDPA at that moment
 sees them.
 """
 import logging
-import math
 import os
 
 import torch
@@ -88,6 +112,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ... import _C
 from .._call import as_float
+from . import _torch_routes as routes
 from ._args import FORMATS, MASKS, PADDING, check_tensor, mask_code, window_pair
 
 _log = logging.getLogger("seqfuse")
@@ -158,7 +183,7 @@ def note_bwd_kernel(q, deterministic, dropout=False):
 
 
 # ------------------------------------------------------------ backend choice
-BACKENDS = ("auto", "seqfuse", "cudnn")
+BACKENDS = ("auto", "seqfuse", "cudnn", "flash")
 _ENV = "SEQFUSE_ATTN_BACKEND"
 _backend = None  # the process's choice; None until the first call reads the environment
 # what SDPA may run on the cudnn route (CPU tests point it at MATH to run the route there)
@@ -172,8 +197,8 @@ _FROM_BHSD = {"bshd": (0, 2, 1, 3), "sbhd": (2, 0, 1, 3)}
 _choices = {}         # call key -> (backend, rule, reason); emptied past _MAX_CHOICES keys
 _MAX_CHOICES = 4096
 _capabilities = {}    # CUDA device index -> (major, minor)
-_cudnn_failed = {}    # (dtype, head dim, causal, device) -> torch's error, in auto
-_cudnn_logged = set()  # reasons already logged at INFO
+_route_failed = {}    # (route, shapes, strides, dtype, mask, device) -> torch's error, in auto
+_logged = set()       # reasons already logged at INFO
 
 
 def _read_backend():
@@ -184,22 +209,22 @@ def _read_backend():
         raw = os.environ.get(_ENV, "")
         value = raw.strip() or "auto"
         if value not in BACKENDS:
-            raise ValueError(f"{_ENV} must be one of 'auto', 'seqfuse', 'cudnn', got {raw!r}")
+            raise ValueError(f"{_ENV} must be one of 'auto', 'seqfuse', 'cudnn', 'flash', got {raw!r}")
         _backend = value
     return _backend
 
 
 def set_attention_backend(name):
-    """Attention backend of ``attention`` for the process: "auto", "seqfuse"
-    or "cudnn" (overrides SEQFUSE_ATTN_BACKEND; see the module docstring).
-    Also forgets the shape classes whose cuDNN call failed in auto."""
+    """Attention backend of ``attention`` for the process: "auto", "seqfuse",
+    "cudnn" or "flash" (overrides SEQFUSE_ATTN_BACKEND; see the module
+    docstring).  Also forgets the calls whose torch route failed in auto."""
     global _backend
     if not isinstance(name, str) or name not in BACKENDS:
         raise ValueError(f"set_attention_backend: argument 'name' must be one of 'auto', 'seqfuse', 'cudnn', "
-                         f"got {name!r}")
+                         f"'flash', got {name!r}")
     _backend = name
     _choices.clear()
-    _cudnn_failed.clear()
+    _route_failed.clear()
 
 
 def cudnn_eligibility(device_type, capability, qkv_format, attn_mask_type, s_q, s_kv, window_size, dropout_p,
@@ -268,98 +293,155 @@ def _device_facts(device):
     return "cuda", cap
 
 
-def _decide(mode, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, deterministic, cu_seqlens,
-            cudnn_enabled, deterministic_algorithms):
+def _inputs_problem(q, k, v, qkv_format, code, cu_q, cu_k):
+    """Why q, k, v and the cu_seqlens cannot go to a torch route as given
+    (seqfuse's checks then report it), or None."""
+    rank = 3 if qkv_format == "thd" else 4
+    if q.dim() != rank or k.dim() != rank or v.dim() != rank:
+        return f"q, k and v are not all {rank}-D"
+    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        return "q, k and v differ in dtype or device"
+    if k.shape != v.shape or q.shape[-1] != k.shape[-1]:
+        return "k and v differ in shape, or q and k in head dim"
+    if qkv_format != "thd" and q.shape[qkv_format == "sbhd"] != k.shape[qkv_format == "sbhd"]:
+        return "q and k differ in batch size"
+    if qkv_format == "thd" or code in PADDING:
+        if cu_q is None or cu_k is None:
+            return "cu_seqlens_q and cu_seqlens_kv are needed"
+        for cu in (cu_q, cu_k):
+            if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or \
+                    cu.device != q.device or cu.numel() < 2:
+                return "cu_seqlens must be int32 1-D tensors of at least 2 elements on q's device"
+        if cu_q.numel() != cu_k.numel():
+            return "cu_seqlens_q and cu_seqlens_kv differ in length"
+        if qkv_format != "thd" and cu_q.numel() != q.shape[qkv_format == "sbhd"] + 1:
+            return "cu_seqlens must have b+1 elements"
+    return None
+
+
+def _decide(mode, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, deterministic, cu_q, cu_k,
+            explicit_rng, switches):
     """(backend, rule, reason) of one call key; bad argument values raise as
-    the seqfuse path would."""
+    the seqfuse path would.  ``switches``: (cudnn_sdp_enabled,
+    flash_sdp_enabled, deterministic algorithms on, capturing)."""
+    cudnn_enabled, flash_enabled, det_algos, capturing = switches
     if qkv_format not in FORMATS:
         raise ValueError(f"attention: qkv_format must be 'bshd', 'sbhd' or 'thd', got {qkv_format!r}")
-    mask_code(attn_mask_type, qkv_format)
+    code = mask_code(attn_mask_type, qkv_format)
     window = window_pair(window_size)
     p = as_float("attention", "dropout_p", dropout_p)
+    bad = _inputs_problem(q, k, v, qkv_format, MASKS[attn_mask_type], cu_q, cu_k)
+    if bad is not None:
+        return "seqfuse", "inputs", f"inputs: {bad} (seqfuse's checks report it)"
     if qkv_format in _TO_BHSD:
-        bad = None
-        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-            bad = "q, k and v are not all 4-D"
-        elif not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
-            bad = "q, k and v differ in dtype or device"
-        elif k.shape != v.shape or q.shape[-1] != k.shape[-1]:
-            bad = "k and v differ in shape, or q and k in head dim"
-        elif q.shape[qkv_format == "sbhd"] != k.shape[qkv_format == "sbhd"]:
-            bad = "q and k differ in batch size"
-        if bad is not None:
-            return "seqfuse", "inputs", f"inputs: {bad} (seqfuse's checks report it)"
         s_dim = 1 if qkv_format == "bshd" else 0
         s_q, s_kv, batch = q.shape[s_dim], k.shape[s_dim], q.shape[1 - s_dim]
     else:
         s_q = s_kv = batch = None
     device_type, capability = _device_facts(q.device)
+    d, hq, hk = q.shape[-1], q.shape[-2], k.shape[-2]
+    dtype = str(q.dtype).replace("torch.", "")
     rule, reason = cudnn_eligibility(device_type, capability, qkv_format, attn_mask_type, s_q, s_kv, window, p,
-                                     bool(deterministic), q.dtype, q.shape[-2], k.shape[-2], q.shape[-1],
-                                     cudnn_enabled, cu_seqlens=cu_seqlens, check_capability=mode == "auto",
-                                     batch=batch, deterministic_algorithms=deterministic_algorithms)
-    if rule:
-        return "seqfuse", rule, reason
-    return "cudnn", "", (f"{qkv_format} {attn_mask_type} d={q.shape[-1]} {str(q.dtype).replace('torch.', '')} "
-                         "runs cuDNN fused attention through torch SDPA")
+                                     bool(deterministic), q.dtype, hq, hk, d, cudnn_enabled,
+                                     cu_seqlens=cu_q is not None or cu_k is not None,
+                                     check_capability=mode == "auto", batch=batch,
+                                     deterministic_algorithms=det_algos)
+    if mode in ("auto", "cudnn"):
+        if not rule:
+            return "cudnn", "", f"{qkv_format} {attn_mask_type} d={d} {dtype} runs cuDNN fused attention through " \
+                                "torch SDPA"
+        if mode == "cudnn":
+            return "seqfuse", rule, reason
+    same_cu = cu_q is not None and cu_q is cu_k
+    f_rule, f_reason = routes.flash_eligibility(
+        device_type, capability, qkv_format, attn_mask_type, p, bool(deterministic), q.dtype, hq, hk, d,
+        flash_enabled, s_q=s_q, s_kv=s_kv, same_cu=same_cu, explicit_rng=explicit_rng,
+        check_capability=mode == "auto", deterministic_algorithms=det_algos)
+    if not f_rule:
+        extra = "".join(x for x, on in ((" gqa", hq != hk), (" window", window != (-1, -1)),
+                                        (" dropout", 0.0 < p)) if on)
+        return "flash", "", f"{qkv_format} {attn_mask_type} d={d} {dtype}{extra} runs torch's FlashAttention-2"
+    if mode == "flash":
+        return "seqfuse", f_rule, f_reason
+    reason = f"{reason}; flash route: {f_reason}"
+    if q.dtype == torch.float32 and device_type == "cuda":
+        p_rule, p_reason = routes.fp32_eligibility(device_type, qkv_format, q.dtype, p,
+                                                   explicit_rng=explicit_rng, capturing=capturing)
+        if not p_rule:
+            return "torch_fp32", "", f"{qkv_format} {attn_mask_type} d={d} float32 on CUDA runs torch SDPA " \
+                                     "(memory-efficient or math kernels)"
+        return "seqfuse", "torch_fp32", f"torch_fp32: float32 on CUDA runs only on torch's kernels, and this " \
+                                        f"call cannot: {p_reason}"
+    return "seqfuse", rule, reason
 
 
 def _choose(mode, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, deterministic, cu_seqlens_q,
-            cu_seqlens_kv):
-    """(backend, rule, reason) of one call under ``mode``; forced "cudnn"
-    raises NotImplementedError where a rule (other than "inputs") is broken."""
+            cu_seqlens_kv, rng_state=None):
+    """(backend, rule, reason) of one call under ``mode``; forced "cudnn" or
+    "flash" raises NotImplementedError where a rule (other than "inputs")
+    is broken, as does a float32 CUDA call no route takes."""
     if mode == "seqfuse":
         return "seqfuse", "", f"backend 'seqfuse' chosen ({_ENV} or set_attention_backend)"
-    enabled = torch.backends.cuda.cudnn_sdp_enabled()
+    cudnn_enabled = torch.backends.cuda.cudnn_sdp_enabled()
+    flash_enabled = torch.backends.cuda.flash_sdp_enabled()
     det_algos = torch.are_deterministic_algorithms_enabled() and \
         not torch.is_deterministic_algorithms_warn_only_enabled()
-    cu = cu_seqlens_q is not None or cu_seqlens_kv is not None
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    switches = (cudnn_enabled, flash_enabled, det_algos, capturing)
+    explicit_rng = rng_state is not None
     window = tuple(window_size) if isinstance(window_size, list) else window_size
+    cus = tuple(None if c is None else (c.dtype, tuple(c.shape), c.device) if isinstance(c, torch.Tensor)
+                else type(c) for c in (cu_seqlens_q, cu_seqlens_kv))
     key = (mode, q.device, qkv_format, attn_mask_type, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
-           window, dropout_p, bool(deterministic), cu, enabled, det_algos)
+           window, dropout_p, bool(deterministic), cus, cu_seqlens_q is not None and cu_seqlens_q is cu_seqlens_kv,
+           explicit_rng, switches)
     try:
         hit = _choices.get(key)
     except TypeError:  # an unhashable argument: _decide names it
         hit, key = None, None
     if hit is None:
-        hit = _decide(mode, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, deterministic, cu,
-                      enabled, det_algos)
+        hit = _decide(mode, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, deterministic,
+                      cu_seqlens_q, cu_seqlens_kv, explicit_rng, switches)
         if key is not None:
             if len(_choices) >= _MAX_CHOICES:
                 _choices.clear()
             _choices[key] = hit
     name, rule, reason = hit
-    if mode == "cudnn":
-        if name != "cudnn" and rule != "inputs":
-            raise NotImplementedError(f"attention: backend 'cudnn' was chosen ({_ENV} or set_attention_backend) "
-                                      f"but this call cannot run cuDNN fused attention: {reason}")
-    elif name == "cudnn" and _cudnn_failed:
-        error = _cudnn_failed.get(_failure_key(q, k, attn_mask_type))
+    if mode in ("cudnn", "flash"):
+        if name != mode and rule != "inputs":
+            route = "cuDNN fused attention" if mode == "cudnn" else "torch's FlashAttention"
+            raise NotImplementedError(f"attention: backend {mode!r} was chosen ({_ENV} or set_attention_backend) "
+                                      f"but this call cannot run {route}: {reason}")
+    elif rule == "torch_fp32":
+        raise NotImplementedError(f"attention: {reason}")
+    elif name in ("cudnn", "flash") and _route_failed:
+        error = _route_failed.get(_failure_key(name, q, k, attn_mask_type))
         if error is not None:
-            return "seqfuse", "cudnn_failed", f"cudnn_failed: cuDNN failed earlier on these shapes, strides, " \
-                                              f"dtype, mask and device: {error}"
+            return "seqfuse", f"{name}_failed", f"{name}_failed: {name} failed earlier on these shapes, strides, " \
+                                                f"dtype, mask and device: {error}"
     return hit
 
 
-def _failure_key(q, k, attn_mask_type):
-    """What a cuDNN failure in auto is remembered by: the call's shapes,
-    strides, dtype, mask and device (one odd call does not turn the route
-    off for every other shape)."""
-    return (q.dtype, tuple(q.shape), tuple(k.shape), q.stride(), k.stride(), attn_mask_type, q.device)
+def _failure_key(route, q, k, attn_mask_type):
+    """What a torch route's failure in auto is remembered by: the route and
+    the call's shapes, strides, dtype, mask and device (one odd call does
+    not turn the route off for every other shape)."""
+    return (route, q.dtype, tuple(q.shape), tuple(k.shape), q.stride(), k.stride(), attn_mask_type, q.device)
 
 
 def attention_backend(q, k, v, qkv_format="bshd", attn_mask_type="no_mask", window_size=None, dropout_p=0.0,
-                      deterministic=False, cu_seqlens_q=None, cu_seqlens_kv=None):
-    """(name, reason): the backend ("seqfuse" or "cudnn") an ``attention``
-    call with these arguments takes under the process's choice, and why (for
-    a call that stays on seqfuse, "rule: why" naming the first rule broken).
-    Raises what the call would: ValueError for a bad SEQFUSE_ATTN_BACKEND
-    or argument value, NotImplementedError for a call the forced "cudnn"
-    backend cannot run."""
+                      deterministic=False, cu_seqlens_q=None, cu_seqlens_kv=None, rng_state=None):
+    """(name, reason): the route ("seqfuse", "cudnn", "flash" or
+    "torch_fp32") an ``attention`` call with these arguments takes under the
+    process's choice, and why (for a call that stays on seqfuse, "rule: why"
+    naming the first rule broken of each torch route looked at).  Raises
+    what the call would: ValueError for a bad SEQFUSE_ATTN_BACKEND or
+    argument value, NotImplementedError for a call the forced backend cannot
+    run, or a float32 CUDA call no route takes."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, x)
     name, _, reason = _choose(_read_backend(), q, k, v, qkv_format, attn_mask_type, window_size, dropout_p,
-                              deterministic, cu_seqlens_q, cu_seqlens_kv)
+                              deterministic, cu_seqlens_q, cu_seqlens_kv, rng_state)
     return name, reason
 
 
@@ -375,43 +457,54 @@ def _sdpa(q, k, v, qkv_format, causal, scale):
     return out if out.is_contiguous() else out.contiguous()
 
 
-def _cudnn_attention(mode, reason, q, k, v, qkv_format, attn_mask_type, softmax_scale):
-    """The cudnn route of one call; None where auto falls back to seqfuse."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else \
-        as_float("attention", "softmax_scale", softmax_scale)
-    if mode == "auto" and reason not in _cudnn_logged:
-        _cudnn_logged.add(reason)
+def _run_route(name, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, deterministic, cu_q, cu_k,
+               max_q, max_k, scale):
+    if name == "cudnn":
+        return _sdpa(q, k, v, qkv_format, attn_mask_type != "no_mask", scale)
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    window = window_pair(window_size)
+    p = as_float("attention", "dropout_p", dropout_p)
+    if name == "flash":
+        with torch.autocast(q.device.type, enabled=False):
+            return routes.run_flash(q, k, v, qkv_format, attn_mask_type, window, p, scale, cu_q, cu_k, max_q,
+                                    max_k)
+    return routes.run_fp32(q, k, v, qkv_format, attn_mask_type, window, p, scale, cu_q, cu_k, bool(deterministic))
+
+
+def routed_attention_or_none(q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, deterministic,
+                             cu_seqlens_q, cu_seqlens_kv, softmax_scale, max_seqlen_q=None, max_seqlen_kv=None,
+                             rng_state=None):
+    """``attention``'s backend step: the output of the torch route the
+    process's backend choice sends this call to, else None (seqfuse's
+    kernels run it).  Forced "cudnn"/"flash" raise for a call they cannot
+    run; in auto a RuntimeError of the cudnn or flash forward falls back to
+    seqfuse, logged and remembered (see the module docstring)."""
+    mode = _read_backend()
+    if mode == "seqfuse":
+        return None
+    name, _, reason = _choose(mode, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, deterministic,
+                              cu_seqlens_q, cu_seqlens_kv, rng_state)
+    if name == "seqfuse":
+        return None
+    scale = routes.softmax_scale_of(q, softmax_scale)
+    args = (name, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, deterministic, cu_seqlens_q,
+            cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, scale)
+    if mode == "auto" and reason not in _logged:
+        _logged.add(reason)
         _log.info("seqfuse attention: %s (set %s=seqfuse for seqfuse's kernels)", reason, _ENV)
-    if mode != "auto":
-        return _sdpa(q, k, v, qkv_format, attn_mask_type != "no_mask", scale)
+    if mode != "auto" or name == "torch_fp32":
+        return _run_route(*args)
     try:
-        return _sdpa(q, k, v, qkv_format, attn_mask_type != "no_mask", scale)
+        return _run_route(*args)
     except torch.cuda.OutOfMemoryError:
         raise
     except RuntimeError as e:
         error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if "CUDA error" in error or "cudaError" in error:  # the context is broken: nothing to fall back to
             raise
-        _cudnn_failed[_failure_key(q, k, attn_mask_type)] = error
-        _log.warning("seqfuse attention: cuDNN fused attention (torch SDPA) failed on %s %s d=%d %s: %s; this "
-                     "call and later ones of these shapes, strides, dtype, mask and device run on seqfuse's "
-                     "kernels",
-                     qkv_format, attn_mask_type, q.shape[-1], str(q.dtype).replace("torch.", ""), error)
+        _route_failed[_failure_key(name, q, k, attn_mask_type)] = error
+        what = "cuDNN fused attention (torch SDPA)" if name == "cudnn" else "torch's FlashAttention"
+        _log.warning("seqfuse attention: %s failed on %s %s d=%d %s: %s; this call and later ones of these "
+                     "shapes, strides, dtype, mask and device run on seqfuse's kernels",
+                     what, qkv_format, attn_mask_type, q.shape[-1], str(q.dtype).replace("torch.", ""), error)
         return None
-
-
-
-def cudnn_attention_or_none(q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, deterministic,
-                            cu_seqlens_q, cu_seqlens_kv, softmax_scale):
-    """``attention``'s backend step: the output of cuDNN fused attention when
-    the process's backend choice sends this call there, else None (seqfuse's
-    kernels run it).  Forced "cudnn" raises for a call it cannot run."""
-    mode = _read_backend()
-    # auto looks at bshd/sbhd calls only (thd, the packed hot path, is never
-    # eligible: no call key to build); forced cudnn looks at every call, to refuse
-    if mode == "cudnn" or (mode == "auto" and qkv_format in _TO_BHSD):
-        name, _, reason = _choose(mode, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p,
-                                  deterministic, cu_seqlens_q, cu_seqlens_kv)
-        if name == "cudnn":
-            return _cudnn_attention(mode, reason, q, k, v, qkv_format, attn_mask_type, softmax_scale)
-    return None
