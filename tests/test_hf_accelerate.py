@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 import seqfuse.pytorch  # noqa: E402
 from seqfuse.hf import accelerate  # noqa: E402
+from seqfuse.hf.fuse_layers import hf_named_tensors  # noqa: E402
 from helpers import rel_error, rel_tol  # noqa: E402
 
 # The module (the package exports the function under the same name).
@@ -129,7 +130,8 @@ def run_and_compare(make, check, Linear, LayerNorm, tol):
     model = make()
     ref = copy.deepcopy(model)
     params_before = {id(p) for p in model.parameters()}
-    report = accelerate(model)
+    # the module-by-module walk (whole-layer fusion and the fused loss: test_hf_accelerate_fused.py)
+    report = accelerate(model, fuse_layers=False, fused_loss=False)
     # Attention goes through seqfuse's fused kernel too.
     assert "config._attn_implementation" in report.swapped_names()
     assert model.config._attn_implementation == "seqfuse"
@@ -281,7 +283,7 @@ def test_checkpoint_still_loads_into_original_class(name, stand_ins, tmp_path):
 
 def test_dtype_and_training_mode_kept(stand_ins):
     model = llama().to(torch.bfloat16).train()
-    accelerate(model)
+    accelerate(model, fuse_layers=False)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     q = model.model.layers[0].self_attn.q_proj
     assert type(q) is stand_ins[0] and q.training
@@ -607,14 +609,17 @@ def test_accelerate_llama_left_padded_batch():
     labels[0, 5] = labels[2, 1] = -100  # predicted from a padding position
     out = model(input_ids=ids, attention_mask=mask, labels=labels)
     exp = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    assert out.logits is None  # the fused loss makes no logits; a call without labels does
     real = mask.bool()
-    assert rel_error(out.logits[real], exp.logits[real]) <= 1e-5
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    assert rel_error(logits[real], exp.logits[real]) <= 1e-5
     assert abs(out.loss.item() - exp.loss.item()) <= 1e-5 * exp.loss.item()
     out.loss.backward()
     exp.loss.backward()
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+    grads = hf_named_tensors(model)  # the fused layers' gradients under transformers' names
+    for name, q in ref.named_parameters():
         if q.grad is not None and q.grad.norm() > 0:
-            assert rel_error(p.grad, q.grad) <= 1e-4, name
+            assert rel_error(grads[name], q.grad) <= 1e-4, name
 
 
 @pytest.mark.parametrize("window", [None, 3])

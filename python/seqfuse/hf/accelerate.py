@@ -82,12 +82,28 @@ class Left:
 
 
 @dataclass
+class Fused:
+    """A whole layer replaced by a fused one: its name, class, and notes
+    (what inside it is not fused, e.g. RoPE in torch, and why)."""
+    name: str
+    original: str
+    replacement: str
+    notes: list = field(default_factory=list)
+
+
+@dataclass
 class AccelerateReport:
-    """What ``accelerate`` did: ``swapped`` and ``left`` lists, and the recipe."""
+    """What ``accelerate`` did: ``fused`` (whole layers), ``swapped`` and
+    ``left`` lists (module by module), the loss path, and the recipe."""
 
     swapped: list = field(default_factory=list)
     left: list = field(default_factory=list)
     recipe: object = None
+    fused: list = field(default_factory=list)
+    loss: str = "transformers' own LM head and loss"
+
+    def fused_names(self):
+        return [f.name for f in self.fused]
 
     def swapped_names(self):
         return [s.name for s in self.swapped]
@@ -110,7 +126,12 @@ class AccelerateReport:
         return out
 
     def __str__(self):
-        lines = [f"seqfuse.hf.accelerate: swapped {len(self.swapped)} module(s), left {len(self.left)}"]
+        lines = [f"seqfuse.hf.accelerate: fused {len(self.fused)} layer(s), swapped {len(self.swapped)} module(s), "
+                 f"left {len(self.left)}"]
+        for f in self.fused:
+            extra = f" ({'; '.join(f.notes)})" if f.notes else ""
+            lines.append(f"  fused {f.name} ({f.original} -> {f.replacement}){extra}")
+        lines.append(f"  loss with labels: {self.loss}")
         if self.recipe is not None:
             lines.append(f"  forward runs under seqfuse autocast with recipe {self.recipe!r}")
         for k, n in self.counts().items():
@@ -164,11 +185,11 @@ def _forward_extra_inputs(module):
             for p in params[2:]]
 
 
-def _rmsnorm_plan(RMSNorm, module):
-    """(factory, None) when ``module`` (a model's own norm class) computes what
-    seqfuse's RMSNorm computes, with or without zero-centred gamma; else
-    (None, reason).  Decided by running both on probe inputs, with the
-    module's weights and with random ones (on a copy of the module)."""
+def _rmsnorm_match(RMSNorm, module):
+    """((eps, zero_centered), None) when ``module`` (a model's own norm class)
+    computes what seqfuse's RMSNorm computes, with or without zero-centred
+    gamma; else (None, reason).  Decided by running both on probe inputs,
+    with the module's weights and with random ones (on a copy of the module)."""
     cls = type(module).__name__
     names = [n for n, _ in module.named_parameters(recurse=False)]
     if names != ["weight"] or module.weight.dim() != 1:
@@ -215,9 +236,18 @@ def _rmsnorm_plan(RMSNorm, module):
                     same = False
                     break
             if same:
-                return functools.partial(_make_rmsnorm, RMSNorm, eps, zero_centered), None
+                return (eps, zero_centered), None
     return None, (f"{cls} does not compute what seqfuse's RMSNorm computes (with or without zero-centred "
                   "gamma) on probe inputs; left as it is")
+
+
+def _rmsnorm_plan(RMSNorm, module):
+    """(factory, None) when ``module`` can become seqfuse's RMSNorm
+    (``_rmsnorm_match``), else (None, reason)."""
+    match, why = _rmsnorm_match(RMSNorm, module)
+    if match is None:
+        return None, why
+    return functools.partial(_make_rmsnorm, RMSNorm, *match), None
 
 
 def _common_refusal(module):
@@ -410,26 +440,111 @@ def _switch_attention(model, report):
     report.swapped.append(Swapped(ATTN_SLOT, str(current), NAME))
 
 
-def accelerate(model, recipe=None, attention=True):
-    """Swap model's nn.Linear -> seqfuse.pytorch.Linear, nn.LayerNorm ->
-    seqfuse.pytorch.LayerNorm and its own RMSNorm classes (where a probe shows
-    the same function) -> seqfuse.pytorch.RMSNorm in place; return an
-    AccelerateReport.
+def _fusion_alignment(recipe):
+    """The multiple that a fused layer's GEMM features must be under ``recipe``
+    (block scaling's 128-wide blocks, else the GEMM alignment); None without one."""
+    align = _gemm_alignment(recipe)
+    if align is not None and recipe.float8_block_scaling():
+        return 128
+    return align
+
+
+def _layer_rotaries(model):
+    """{id(decoder layer): the rotary_emb module of the model that holds it}."""
+    out = {}
+    for m in model.modules():
+        layers, rotary = getattr(m, "layers", None), getattr(m, "rotary_emb", None)
+        if isinstance(layers, nn.ModuleList) and isinstance(rotary, nn.Module):
+            for layer in layers:
+                out[id(layer)] = rotary
+    return out
+
+
+def _fuse_layers(model, recipe, report, slots):
+    """Replace every decoder layer of a known family (seqfuse.hf.fuse_layers)
+    by its fused layer; the others are reported and left to the module walk.
+    Returns the names of the fused layers."""
+    from . import fuse_layers as FL
+
+    RMSNorm = _seqfuse_rmsnorm()
+    match = functools.partial(_rmsnorm_match, RMSNorm)
+    align = _fusion_alignment(recipe)
+    rotaries = _layer_rotaries(model)
+    done = []
+    for name, module in list(model.named_modules()):
+        if type(module).__name__ not in FL.FAMILIES or isinstance(module, FL.SeqfuseDecoderLayer):
+            continue
+        why = FL.layer_fusion_plan(module, match, align)
+        if why is None and id(module) not in rotaries:
+            why = "not found in a model's `layers` list beside its rotary_emb"
+        if why is not None:
+            report.left.append(Left(name, type(module).__name__, f"whole-layer fusion: {why}; its modules are "
+                                                                  "swapped one by one where exact"))
+            _log.info("seqfuse.hf.accelerate: layer %s not fused: %s", name, why)
+            continue
+        new, notes = FL.fuse_layer(module, match, rotaries[id(module)])
+        for parent, child_name in slots[id(module)]:
+            setattr(parent, child_name, new)
+        report.fused.append(Fused(name, type(module).__name__, type(new).__name__, notes))
+        done.append(name)
+    return done
+
+
+def _module_slots(model):
+    """Every (parent, attribute) slot holding each module, by id: a module
+    shared by two parents is replaced in both."""
+    slots = {}
+    for _, parent in model.named_modules(remove_duplicate=False):
+        for child_name, child in parent.named_children():
+            slots.setdefault(id(child), []).append((parent, child_name))
+    return slots
+
+
+def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=True):
+    """Accelerate a transformers model in place; return an AccelerateReport.
+
+    - ``fuse_layers``: decoder layers of the Llama family (Llama, Mistral,
+      Qwen2, Qwen3) become whole fused layers (seqfuse.hf.fuse_layers: norm +
+      QKV in one GEMM, fused RoPE, seqfuse attention, norm + gate/up + SwiGLU
+      + down in one module); needs the attention switched (``attention``).
+    - Every other nn.Linear -> seqfuse.pytorch.Linear, nn.LayerNorm ->
+      seqfuse.pytorch.LayerNorm, the model's own RMSNorm classes (where a
+      probe shows the same function) -> seqfuse.pytorch.RMSNorm.
+    - ``fused_loss``: a causal LM of those families called with ``labels``
+      computes its LM head and cross-entropy as seqfuse's chunked
+      linear_cross_entropy (no full logits; ``logits`` is then None in the
+      output, as with Liger-Kernel's fused loss).
 
     ``recipe`` (a seqfuse.common.recipe recipe, e.g. DelayedScaling()) makes
     the model's forward run under seqfuse autocast with it, and leaves the
-    Linears whose shapes its GEMMs cannot take (listed in the report).
-    ``attention`` switches a transformers model's attention to seqfuse's
-    fused kernel where it can (see the module note).
+    Linears (and layers) whose shapes its GEMMs cannot take (listed in the
+    report).  ``attention`` switches a transformers model's attention to
+    seqfuse's fused kernel where it can (see the module note).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"accelerate: model must be a torch.nn.Module, got {type(model).__name__}")
+    for name, flag in (("attention", attention), ("fuse_layers", fuse_layers), ("fused_loss", fused_loss)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"accelerate: argument '{name}' must be a bool, got {type(flag).__name__}")
     Linear, LayerNorm = _seqfuse_modules()
     RMSNorm = _seqfuse_rmsnorm()
     align = _gemm_alignment(recipe)
     report = AccelerateReport(recipe=recipe)
-    plan = []  # (parent, child name, full name, new-module factory)
+    if attention:
+        _switch_attention(model, report)
+    fused = []
+    if fuse_layers:
+        from .attention import NAME
+
+        if getattr(getattr(model, "config", None), "_attn_implementation", None) == NAME:
+            fused = _fuse_layers(model, recipe, report, _module_slots(model))
+        else:
+            _log.info("seqfuse.hf.accelerate: no whole-layer fusion: the model's attention is not seqfuse's")
+    inside_fused = tuple(n + "." for n in fused)
+    plan = []  # (full name, module, new-module factory)
     for name, module in model.named_modules():
+        if name in fused or name.startswith(inside_fused):
+            continue
         if isinstance(module, (Linear, LayerNorm, RMSNorm)):
             continue
         if isinstance(module, nn.Linear):
@@ -453,12 +568,7 @@ def accelerate(model, recipe=None, attention=True):
                 plan.append((name, module, make))
             else:
                 report.left.append(Left(name, type(module).__name__, why))
-    # Every (parent, attribute) slot holding each module: a module shared by
-    # two parents is replaced by one new module in both slots.
-    slots = {}
-    for _, parent in model.named_modules(remove_duplicate=False):
-        for child_name, child in parent.named_children():
-            slots.setdefault(id(child), []).append((parent, child_name))
+    slots = _module_slots(model)
     for name, module, make in plan:
         if not name:
             raise ValueError("accelerate: the model itself is an nn.Linear/nn.LayerNorm; "
@@ -468,8 +578,10 @@ def accelerate(model, recipe=None, attention=True):
         for parent, child_name in slots[id(module)]:
             setattr(parent, child_name, new)
         report.swapped.append(Swapped(name, type(module).__name__, type(new).__name__))
-    if attention:
-        _switch_attention(model, report)
+    if fused_loss:
+        from .fused_loss import wrap_causal_lm_loss
+
+        report.loss = wrap_causal_lm_loss(model)
     if recipe is not None:
         _wrap_forward(model, recipe)
     _route_checkpointing(model)

@@ -20,7 +20,9 @@ grouped-query attention as the shapes say; attention
 dropout with the probability the layer passes, while the module is training
 (inside the kernel: the mask is drawn from torch's generator as a Philox
 seed/offset and regenerated in the backward, see seqfuse.ops.attn; in eval
-mode none); sliding-window attention as transformers' flash-attention path
+mode none); a static key cache (transformers' StaticCache: keys past the mask's
+length are unfilled slots and are left out, as its flash-attention path
+does); sliding-window attention as transformers' flash-attention path
 defines it (``sliding_window`` W: each query sees the W keys up to and
 including its own position when causal, W - 1 either side when not), inside
 the kernel's window_size; transformers' padding-free packed batches (batch
@@ -150,6 +152,11 @@ def seqfuse_attention_forward(module, query, key, value, attention_mask, dropout
         fmt = "thd"
         mask_type = "padding_causal" if is_causal else "padding"
     elif attention_mask is not None:
+        if s_q <= attention_mask.shape[-1] < s_kv:
+            # a static cache: the keys past the mask are unfilled slots (transformers' mask covers the
+            # filled ones, the queries last), so they are left out
+            k, v = k[:, :attention_mask.shape[-1]], v[:, :attention_mask.shape[-1]]
+            s_kv = k.shape[1]
         if attention_mask.shape[-1] != s_kv or s_q > s_kv:
             raise ValueError(f"seqfuse attention: the attention mask covers {attention_mask.shape[-1]} keys; "
                              f"the call has {s_kv} keys and {s_q} queries")

@@ -1,0 +1,476 @@
+"""Whole-layer fusion for Llama-family decoder layers, used by
+``seqfuse.hf.accelerate``.
+
+transformers' Llama, Mistral, Qwen2 and Qwen3 decoder layers compute
+
+    x = x + o_proj(attention(rope(q_proj(n1(x))), rope(k_proj(n1(x))), v_proj(n1(x))))
+    x = x + down_proj(silu(gate_proj(n2(x))) * up_proj(n2(x)))
+
+with RMSNorms n1, n2 (Qwen3 also normalises each query and key head: q_norm,
+k_norm).  Swapping these modules one by one leaves nine kernels per layer
+and their intermediates in memory, and two GEMMs where one would do.  Here
+each such layer is replaced by a ``SeqfuseDecoderLayer`` that runs
+
+- n1 + Q/K/V as one seqfuse LayerNormLinear (the norm fused into one GEMM
+  over a fused [Q; K; V] weight, Qwen2's biases in its epilogue; under FP8
+  the norm writes the FP8 input),
+- RoPE in seqfuse's fused kernel (angles from the model's own rotary
+  inv_freq and the call's position ids, so per-row positions of a padded
+  generate batch work too); rope types whose cos/sin are not
+  cos(position * inv_freq) (dynamic, yarn, longrope: a scaling factor or
+  frequencies that change per call) rotate with the model's cos/sin in torch
+  instead, as the report says,
+- attention through seqfuse's transformers attention function
+  (seqfuse.hf.attention: padding, packed sequences, sliding windows, key
+  caches), the o_proj as seqfuse's Linear,
+- n2 + gate/up + SwiGLU + down as one LayerNormMLP (gate and up as one
+  GEMM over a fused [gate; up] weight).
+
+The new layer is an instance of a subclass of the original layer class, so
+transformers' isinstance checks (hidden-state capture, gradient
+checkpointing through GradientCheckpointingLayer) keep working; its forward
+takes the original's call signature (hidden_states, attention_mask,
+position_ids, past_key_values / cache, use_cache, position_embeddings and
+transformers' keyword arguments).  output_attentions is refused (the fused
+attention never forms attention probabilities).
+
+Parameters: the norm weights and o_proj / down_proj weights (and biases) are
+the original Parameter objects, moved; the fused QKV and gate/up weights are
+new Parameters (an optimizer built before accelerate() must be rebuilt).
+``state_dict()`` gives transformers' own keys (the fused weights split back,
+as copies), so ``save_pretrained`` writes a checkpoint plain transformers
+loads; ``load_state_dict`` takes transformers' keys and fuses them.
+
+``layer_fusion_plan(layer, ...)`` says whether a layer can be fused (or why
+not); ``fuse_layer`` builds the replacement.
+"""
+import logging
+
+import torch
+from torch import nn
+
+from ..modules.rope import apply_rotary_pos_emb
+from ..ops.attn import PerTensorCache
+from ..pytorch import LayerNormLinear, LayerNormMLP, Linear, RMSNorm
+from .attention import seqfuse_attention_forward
+
+_log = logging.getLogger("seqfuse")
+
+try:  # transformers' "silu" activation class (F.silu); nn.SiLU is its "swish"
+    from transformers.activations import SiLUActivation as _SiLUActivation
+except ImportError:
+    _SiLUActivation = None
+
+#: decoder-layer class name -> where its sliding window comes from, and whether it has QK norms
+FAMILIES = {
+    "LlamaDecoderLayer": dict(window="none", qk_norm=False),
+    "MistralDecoderLayer": dict(window="config", qk_norm=False),
+    "Qwen2DecoderLayer": dict(window="attention", qk_norm=False),
+    "Qwen3DecoderLayer": dict(window="attention", qk_norm=True),
+}
+
+#: rope types whose cos/sin are exactly cos/sin(position * inv_freq) with inv_freq fixed at build time
+_PLAIN_ROPE = ("default", "linear", "llama3")
+
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+class FusionRefused(Exception):
+    """A layer that cannot be fused, with the reason (becomes a report entry)."""
+
+
+def _hooks(module):
+    return bool(module._forward_hooks or module._forward_pre_hooks or getattr(module, "_backward_hooks", None)
+                or module._state_dict_hooks or module._load_state_dict_pre_hooks)
+
+
+def _check_linear(mod, name):
+    if type(mod) is not nn.Linear:
+        raise FusionRefused(f"{name} is a {type(mod).__name__}, not a plain nn.Linear (an adapter or a "
+                            "quantized layer?); the fused weight would drop what it adds")
+
+
+def _sliding_window(layer, spec):
+    if spec["window"] == "config":
+        return getattr(layer.self_attn.config, "sliding_window", None)
+    if spec["window"] == "attention":
+        return getattr(layer.self_attn, "sliding_window", None)
+    return None
+
+
+def rope_mode(rotary, head_dim):
+    """("fused", None) when the model's rotary embedding is cos/sin of
+    position * inv_freq over the whole head (seqfuse's kernel computes it);
+    else ("torch", why): the layer rotates with the model's cos/sin."""
+    if rotary is None:
+        return "torch", "the model has no rotary_emb module to read inv_freq from"
+    rope_type = getattr(rotary, "rope_type", "default")
+    inv = getattr(rotary, "inv_freq", None)
+    if rope_type not in _PLAIN_ROPE:
+        return "torch", f"rope_type {rope_type!r} (frequencies or scaling beyond cos(position * inv_freq))"
+    if float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
+        return "torch", f"rotary attention_scaling {rotary.attention_scaling} != 1"
+    if not isinstance(inv, torch.Tensor) or inv.dim() != 1 or 2 * inv.numel() != head_dim:
+        return "torch", "inv_freq does not cover the whole head dim (partial rotary)"
+    return "fused", None
+
+
+def layer_fusion_plan(layer, rmsnorm_match, align):
+    """None when ``layer`` can be fused, else the reason (a string).
+    ``rmsnorm_match(module)`` -> ((eps, zero_centered), None) or (None, why);
+    ``align``: the multiple the GEMM features must be under the recipe (None: any)."""
+    try:
+        _check_layer(layer, rmsnorm_match, align)
+    except FusionRefused as e:
+        return str(e)
+    return None
+
+
+def _check_layer(layer, rmsnorm_match, align):
+    cls = type(layer)
+    spec = FAMILIES.get(cls.__name__)
+    if spec is None or not cls.__module__.startswith("transformers.models."):
+        raise FusionRefused(f"{cls.__name__} is not a known decoder-layer family ({', '.join(FAMILIES)})")
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if attn is None or mlp is None:
+        raise FusionRefused("the layer has no self_attn / mlp")
+    expected = {"", "self_attn", "mlp", "input_layernorm", "post_attention_layernorm", "mlp.act_fn"}
+    expected |= {f"self_attn.{n}" for n in _ATTN} | {f"mlp.{n}" for n in _MLP}
+    if spec["qk_norm"]:
+        expected |= {"self_attn.q_norm", "self_attn.k_norm"}
+    names = {n for n, _ in layer.named_modules()}
+    extra = sorted(names - expected)
+    missing = sorted(expected - names - {"mlp.act_fn"})
+    if extra or missing:
+        raise FusionRefused(f"the layer's modules differ from {cls.__name__}'s (extra {extra}, missing {missing}): "
+                            "adapters or a modified layer; the fused layer would drop what they add")
+    for name, m in layer.named_modules():
+        if _hooks(m):
+            raise FusionRefused(f"module {name or '<layer>'} has hooks, which the fused layer would not carry")
+        if hasattr(m, "parametrizations"):
+            raise FusionRefused(f"module {name or '<layer>'} has parametrizations")
+    params = list(layer.parameters())
+    dtypes, devices = {p.dtype for p in params}, {p.device for p in params}
+    if len(dtypes) != 1 or len(devices) != 1:
+        raise FusionRefused(f"the layer's parameters mix dtypes {sorted(map(str, dtypes))} or devices "
+                            f"{sorted(map(str, devices))}")
+    dtype = params[0].dtype
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16) or params[0].is_meta:
+        raise FusionRefused(f"parameters are {dtype} on {params[0].device}; fusion takes materialised float32, "
+                            "float16 or bfloat16 weights")
+    if any(p.layout != torch.strided for p in params):
+        raise FusionRefused("a parameter is not a dense tensor")
+    for n in _ATTN:
+        _check_linear(getattr(attn, n), f"self_attn.{n}")
+    for n in _MLP:
+        _check_linear(getattr(mlp, n), f"mlp.{n}")
+    act = getattr(mlp.config if hasattr(mlp, "config") else attn.config, "hidden_act", None)
+    silu_types = (nn.SiLU,) + ((_SiLUActivation,) if _SiLUActivation is not None else ())
+    if act not in ("silu", "swish") or type(mlp.act_fn) not in silu_types:
+        raise FusionRefused(f"MLP activation {act!r} ({type(mlp.act_fn).__name__}); the fused MLP computes "
+                            "SwiGLU (silu)")
+    q, k, v, o = (getattr(attn, n) for n in _ATTN)
+    head_dim = int(getattr(attn, "head_dim", 0) or 0)
+    if head_dim <= 0 or q.out_features % head_dim or k.out_features % head_dim or k.out_features != v.out_features:
+        raise FusionRefused(f"projection shapes q {q.out_features}, k {k.out_features}, v {v.out_features} do not "
+                            f"split into heads of {head_dim}")
+    heads, groups = q.out_features // head_dim, k.out_features // head_dim
+    if heads % groups:
+        raise FusionRefused(f"{heads} query heads do not group over {groups} key/value heads")
+    if len({q.bias is None, k.bias is None, v.bias is None}) != 1:
+        raise FusionRefused("q/k/v projections mix biased and unbiased; the fused QKV has one bias or none")
+    if (mlp.gate_proj.bias is None) != (mlp.up_proj.bias is None) or \
+            (mlp.gate_proj.bias is None) != (mlp.down_proj.bias is None):
+        raise FusionRefused("gate/up/down projections mix biased and unbiased; LayerNormMLP has biases on both "
+                            "GEMMs or neither")
+    groups_rg = [{p.requires_grad for p in (q.weight, k.weight, v.weight)},
+                 {p.requires_grad for p in (mlp.gate_proj.weight, mlp.up_proj.weight)}]
+    if any(len(g) != 1 for g in groups_rg):
+        raise FusionRefused("some of the weights to fuse are frozen and others not (requires_grad differs)")
+    for norm_name in ("input_layernorm", "post_attention_layernorm"):
+        _, why = rmsnorm_match(getattr(layer, norm_name))
+        if why is not None:
+            raise FusionRefused(f"{norm_name}: {why}")
+    if o.in_features != q.out_features or o.out_features != q.in_features:
+        raise FusionRefused(f"o_proj {o.in_features}->{o.out_features} does not invert q_proj")
+    if align:
+        hidden, ffn = q.in_features, mlp.gate_proj.out_features
+        feats = {"hidden": hidden, "q rows": q.out_features, "qkv rows": q.out_features + 2 * k.out_features,
+                 "ffn": ffn}
+        bad = {n: f for n, f in feats.items() if f % align}
+        if bad:
+            raise FusionRefused(f"the recipe's GEMMs need features divisible by {align}, got {bad}")
+
+
+def _fused_param(tensors, requires_grad):
+    with torch.no_grad():
+        return nn.Parameter(torch.cat([t.detach() for t in tensors], dim=0), requires_grad=requires_grad)
+
+
+_FUSED_CLASSES = {}
+
+
+def fused_class(orig_cls):
+    """SeqfuseDecoderLayer's subclass of ``orig_cls`` (made once per class)."""
+    cls = _FUSED_CLASSES.get(orig_cls)
+    if cls is None:
+        cls = type(f"Seqfuse{orig_cls.__name__}", (SeqfuseDecoderLayer, orig_cls),
+                   {"__module__": __name__, "__qualname__": f"Seqfuse{orig_cls.__name__}"})
+        _FUSED_CLASSES[orig_cls] = cls
+    return cls
+
+
+def fuse_layer(layer, rmsnorm_match, rotary):
+    """A SeqfuseDecoderLayer computing what ``layer`` computes (checked by
+    ``layer_fusion_plan`` first), and a list of notes for the report."""
+    attn, mlp = layer.self_attn, layer.mlp
+    spec = FAMILIES[type(layer).__name__]
+    q, k, v, o = (getattr(attn, n) for n in _ATTN)
+    w = q.weight
+    head_dim = int(attn.head_dim)
+    heads, groups = q.out_features // head_dim, k.out_features // head_dim
+    hidden, ffn = q.in_features, mlp.gate_proj.out_features
+    kw = dict(params_dtype=w.dtype, device=w.device)
+    (eps1, zc1), _ = rmsnorm_match(layer.input_layernorm)
+    (eps2, zc2), _ = rmsnorm_match(layer.post_attention_layernorm)
+    new = fused_class(type(layer)).__new__(fused_class(type(layer)))
+    nn.Module.__init__(new)
+    new.train(layer.training)
+    for attr in ("hidden_size", "attention_type", "layer_idx", "layer_type"):  # what the model reads off its layers
+        if attr in layer.__dict__:
+            setattr(new, attr, layer.__dict__[attr])
+    for attr in ("gradient_checkpointing", "_gradient_checkpointing_func"):
+        if attr in layer.__dict__:
+            setattr(new, attr, layer.__dict__[attr])
+    new.config = attn.config
+    new.layer_idx = attn.layer_idx
+    new.head_dim, new.num_heads, new.num_groups = head_dim, heads, groups
+    new.scaling = float(attn.scaling)
+    new.attention_dropout = float(getattr(attn, "attention_dropout", 0.0) or 0.0)
+    new.is_causal = bool(getattr(attn, "is_causal", True))
+    new.sliding_window = _sliding_window(layer, spec)
+    notes = []
+    with torch.no_grad():
+        new.qkv = LayerNormLinear(hidden, q.out_features + 2 * k.out_features, eps=eps1, bias=q.bias is not None,
+                                  normalization="RMSNorm", zero_centered_gamma=zc1, **kw)
+        new.qkv.layer_norm_weight = layer.input_layernorm.weight
+        new.qkv.weight = _fused_param((q.weight, k.weight, v.weight), q.weight.requires_grad)
+        if q.bias is not None:
+            new.qkv.bias = _fused_param((q.bias, k.bias, v.bias), q.bias.requires_grad)
+        new.proj = Linear(o.in_features, o.out_features, bias=o.bias is not None, **kw)
+        new.proj.weight = o.weight
+        if o.bias is not None:
+            new.proj.bias = o.bias
+        new.mlp_fused = LayerNormMLP(hidden, ffn, eps=eps2, bias=mlp.gate_proj.bias is not None,
+                                     normalization="RMSNorm", activation="swiglu", zero_centered_gamma=zc2, **kw)
+        new.mlp_fused.layer_norm_weight = layer.post_attention_layernorm.weight
+        # TE's SwiGLU layout: the activated (gate) half first, then the up half
+        new.mlp_fused.fc1_weight = _fused_param((mlp.gate_proj.weight, mlp.up_proj.weight),
+                                                mlp.gate_proj.weight.requires_grad)
+        new.mlp_fused.fc2_weight = mlp.down_proj.weight
+        if mlp.gate_proj.bias is not None:
+            new.mlp_fused.fc1_bias = _fused_param((mlp.gate_proj.bias, mlp.up_proj.bias),
+                                                  mlp.gate_proj.bias.requires_grad)
+            new.mlp_fused.fc2_bias = mlp.down_proj.bias
+    if spec["qk_norm"]:
+        for name in ("q_norm", "k_norm"):
+            m = getattr(attn, name)
+            match, why = rmsnorm_match(m)
+            if match is None:
+                setattr(new, name, m)
+                notes.append(f"{name} kept as {type(m).__name__} ({why})")
+            else:
+                eps, zc = match
+                rms = RMSNorm(m.weight.shape[0], eps=eps, zero_centered_gamma=zc, **kw)
+                rms.weight = m.weight
+                setattr(new, name, rms)
+    mode, why = rope_mode(rotary, head_dim)
+    new._rotary = (rotary,)  # not a submodule: the model owns it
+    new.rope_fused = mode == "fused"
+    if not new.rope_fused:
+        notes.append(f"RoPE rotates with transformers' cos/sin in torch: {why}")
+    new._split_sizes = (heads * head_dim, groups * head_dim, groups * head_dim)
+    new._hf_keys = list(layer.state_dict().keys())
+    new._has_qkv_bias = q.bias is not None
+    new._has_mlp_bias = mlp.gate_proj.bias is not None
+    new._register_hooks()
+    return new, notes
+
+
+def _angles(tensors):
+    """float32 [rows, s, d] angles position * inv_freq (each frequency for
+    both halves) of ``tensors`` = (position_ids [..., s], inv_freq [d / 2])."""
+    position_ids, inv_freq = tensors
+    pos = position_ids.reshape(-1, position_ids.shape[-1]).to(torch.float32)
+    ang = pos[..., None] * inv_freq.to(torch.float32)
+    return torch.cat((ang, ang), dim=-1)
+
+
+_angles_cached = PerTensorCache(_angles)
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class SeqfuseDecoderLayer(nn.Module):
+    """The fused decoder layer (a mix-in placed before the original layer
+    class by ``fused_class``); see the module note."""
+
+    # -- state dict: transformers' keys ---------------------------------
+    def _key_map(self):
+        """(fused local key, [transformers local keys]) pairs; one key means a rename."""
+        pairs = [("qkv.layer_norm_weight", ["input_layernorm.weight"]),
+                 ("qkv.weight", [f"self_attn.{n}.weight" for n in _ATTN[:3]]),
+                 ("proj.weight", ["self_attn.o_proj.weight"]),
+                 ("mlp_fused.layer_norm_weight", ["post_attention_layernorm.weight"]),
+                 ("mlp_fused.fc1_weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
+                 ("mlp_fused.fc2_weight", ["mlp.down_proj.weight"])]
+        if self._has_qkv_bias:
+            pairs.append(("qkv.bias", [f"self_attn.{n}.bias" for n in _ATTN[:3]]))
+        if self.proj.bias is not None:
+            pairs.append(("proj.bias", ["self_attn.o_proj.bias"]))
+        if self._has_mlp_bias:
+            pairs += [("mlp_fused.fc1_bias", ["mlp.gate_proj.bias", "mlp.up_proj.bias"]),
+                      ("mlp_fused.fc2_bias", ["mlp.down_proj.bias"])]
+        for name in ("q_norm", "k_norm"):
+            if name in self._modules:
+                pairs.append((f"{name}.weight", [f"self_attn.{name}.weight"]))
+        return pairs
+
+    def _split_sizes_of(self, fused_key):
+        if fused_key.startswith("qkv."):
+            return list(self._split_sizes)
+        half = self.mlp_fused.ffn_hidden_size
+        return [half, half]
+
+    def _register_hooks(self):
+        self._register_state_dict_hook(_to_hf_state_dict)
+        self._register_load_state_dict_pre_hook(_from_hf_state_dict, with_module=True)
+
+    # -- forward -----------------------------------------------------------
+    def _rope(self, q, k, position_ids, position_embeddings):
+        if self.rope_fused and position_ids is not None:
+            rotary = self._rotary[0]
+            b, s = q.shape[:2]
+            capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+            # every layer gets the same position_ids tensor: the angles are made once per forward
+            ang = (_angles if capturing else _angles_cached)((position_ids, rotary.inv_freq))
+            if ang.shape[0] == 1:  # one row of positions for the whole batch (training, no padding)
+                freqs = ang[0][:, None, None, :]
+                return (apply_rotary_pos_emb(q, freqs, "bshd"), apply_rotary_pos_emb(k, freqs, "bshd"))
+            if ang.shape[0] != b or ang.shape[1] != s:
+                raise ValueError(f"seqfuse fused layer: position_ids {tuple(position_ids.shape)} must be [1, {s}] "
+                                 f"or [{b}, {s}]")
+            # per-row positions (a left-padded generate batch): the rows laid end to end as one sequence,
+            # each token with its own angle
+            freqs = ang.reshape(b * s, 1, 1, -1)
+            return tuple(apply_rotary_pos_emb(t.reshape(1, b * s, *t.shape[2:]), freqs, "bshd").view(t.shape)
+                         for t in (q, k))
+        if position_embeddings is None:
+            raise ValueError("seqfuse fused layer: needs position_ids (fused RoPE) or position_embeddings (cos, sin)")
+        cos, sin = position_embeddings  # [b or 1, s, d] in the activations' dtype, as transformers rotates
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+                use_cache=False, position_embeddings=None, cache=None, **kwargs):
+        """transformers' decoder-layer call (either cache keyword: past_key_values
+        before transformers 5.2x, cache after); returns the hidden states."""
+        if kwargs.get("output_attentions", getattr(self.config, "output_attentions", False)):
+            raise NotImplementedError("seqfuse fused decoder layer: output_attentions=True is not supported (the "
+                                      "fused attention never forms attention probabilities); accelerate the model "
+                                      "with fuse_layers=False and attention=False to get them")
+        cache = cache if cache is not None else past_key_values
+        b, s, _ = hidden_states.shape
+        d = self.head_dim
+        mixed = self.qkv(hidden_states)
+        q, k, v = torch.split(mixed, self._split_sizes, dim=-1)
+        q, k, v = q.view(b, s, -1, d), k.view(b, s, -1, d), v.view(b, s, -1, d)
+        if "q_norm" in self._modules:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self._rope(q, k, position_ids, position_embeddings)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # transformers' [b, heads, s, d]
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+            if attention_mask is None and k.shape[2] > s:
+                k, v = _filled_static_keys(cache, self.layer_idx, k, v)
+        out, _ = seqfuse_attention_forward(
+            self, q, k, v, attention_mask, dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.scaling, sliding_window=self.sliding_window, position_ids=position_ids, **kwargs)
+        x = hidden_states + self.proj(out.reshape(b, s, -1))
+        return x + self.mlp_fused(x)
+
+
+def _filled_static_keys(cache, layer_idx, k, v):
+    """The filled part of a static cache layer's keys and values when no
+    mask says it (transformers' mask covers only the filled keys when there
+    is one): its cumulative length, read on the host."""
+    layers = getattr(cache, "layers", None)
+    layer = layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
+    if layer is None or getattr(layer, "max_cache_len", None) != k.shape[2] or getattr(layer, "is_sliding", False):
+        return k, v  # a dynamic cache: every key is filled
+    filled = int(layer.get_seq_length())
+    return k[:, :, :filled], v[:, :, :filled]
+
+
+def _to_hf_state_dict(module, state_dict, prefix, local_metadata):
+    """state_dict hook: the fused entries become transformers' keys (split
+    copies), in the original layer's key order."""
+    mine = {}
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        mine[key[len(prefix):]] = state_dict.pop(key)
+    out = {}
+    for fused, hf in module._key_map():
+        t = mine.pop(fused)
+        if len(hf) == 1:
+            out[hf[0]] = t
+        else:
+            parts = torch.split(t.detach(), module._split_sizes_of(fused), dim=0)
+            out.update({name: part.clone() for name, part in zip(hf, parts)})
+    if mine:
+        raise RuntimeError(f"seqfuse fused layer {prefix!r}: state dict entries {sorted(mine)} have no "
+                           "transformers name")
+    order = [k for k in module._hf_keys if k in out] + [k for k in out if k not in module._hf_keys]
+    for key in order:
+        state_dict[prefix + key] = out[key]
+    return state_dict
+
+
+def _from_hf_state_dict(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                        error_msgs):
+    """load_state_dict pre-hook: transformers' keys are fused (or renamed)
+    into the fused layer's; a state dict already in fused keys passes."""
+    for fused, hf in module._key_map():
+        names = [prefix + n for n in hf]
+        if not all(n in state_dict for n in names):
+            continue  # absent (or partly: the missing ones are reported by load_state_dict as missing)
+        parts = [state_dict.pop(n) for n in names]
+        state_dict[prefix + fused] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def hf_named_tensors(model, what="grad"):
+    """{transformers parameter name: tensor} of an accelerated model, the
+    fused weights split back: ``what`` "grad" (each parameter's .grad, None
+    where it has none) or "data" (the values).  What a test or a gradient
+    check compares against the plain model's named_parameters()."""
+    if what not in ("grad", "data"):
+        raise ValueError(f"hf_named_tensors: argument 'what' must be 'grad' or 'data', got {what!r}")
+    fused = {name: m for name, m in model.named_modules() if isinstance(m, SeqfuseDecoderLayer)}
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.grad if what == "grad" else p.detach()
+        owner = next((n for n in fused if name.startswith(n + ".")), None)
+        if owner is None:
+            out[name] = t
+            continue
+        layer, local = fused[owner], name[len(owner) + 1:]
+        hf = dict(layer._key_map())[local]
+        if len(hf) == 1:
+            out[f"{owner}.{hf[0]}"] = t
+        else:
+            parts = [None] * len(hf) if t is None else torch.split(t, layer._split_sizes_of(local), dim=0)
+            out.update({f"{owner}.{n}": part for n, part in zip(hf, parts)})
+    return out

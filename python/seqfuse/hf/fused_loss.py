@@ -1,0 +1,136 @@
+"""The LM head and cross-entropy of a transformers causal LM as one chunked
+fused linear cross-entropy, used by ``seqfuse.hf.accelerate``.
+
+transformers' ``LlamaForCausalLM.forward(labels=...)`` (Mistral, Qwen2 and
+Qwen3 alike) computes the logits of every position ([tokens, vocabulary]:
+gigabytes at a 128k vocabulary), upcasts them to float32 and then takes the
+cross-entropy.  After ``wrap_causal_lm_loss(model)``, a call with ``labels``
+runs the base model, then seqfuse.modules.cross_entropy.linear_cross_entropy
+over the final hidden states and the LM head's weight: a chunk of tokens at a
+time, the gradients made in the forward, so no full logits ever exist.  The
+loss is transformers' ForCausalLMLoss: labels shifted by one (or
+``shift_labels`` as given), -100 (or ``ignore_index``) ignored, the mean over
+the predicted tokens, or the sum divided by ``num_items_in_batch`` when given.
+
+What changes for the caller: ``logits`` in the output is None when labels
+are given (as with Liger-Kernel's fused loss); calls without labels run
+transformers' own forward, logits included.  A labels call with
+``logits_to_keep`` other than 0 runs transformers' own forward too (logged).
+
+Not wrapped (the report's ``loss`` line says why): models other than these
+causal LMs, an LM head that is not a linear layer, a final logit
+soft-capping, or a loss function other than transformers' ForCausalLM loss.
+"""
+import inspect
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..modules.cross_entropy import linear_cross_entropy
+
+_log = logging.getLogger("seqfuse")
+
+#: causal-LM classes whose forward is base model -> lm_head -> ForCausalLMLoss
+CAUSAL_LMS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+OWN = "transformers' own LM head and loss"
+
+
+def _refusal(model):
+    cls = type(model).__name__
+    if cls not in CAUSAL_LMS or not type(model).__module__.startswith("transformers.models."):
+        return f"{cls} is not one of {', '.join(CAUSAL_LMS)}"
+    head = getattr(model, "lm_head", None)
+    w = getattr(head, "weight", None)
+    if not isinstance(head, nn.Module) or not isinstance(w, torch.Tensor) or w.dim() != 2:
+        return "the model has no linear lm_head"
+    if head._forward_hooks or head._forward_pre_hooks or hasattr(head, "parametrizations"):
+        return "lm_head has hooks or parametrizations, which the fused loss would skip"
+    if type(head).__name__ not in ("Linear",):
+        return f"lm_head is a {type(head).__name__}, not a linear layer"
+    if getattr(model.config, "final_logit_softcapping", None):
+        return "the model soft-caps its logits (final_logit_softcapping)"
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING
+    except ImportError:
+        return "transformers' loss mapping (transformers.loss.loss_utils) is not importable"
+    if model.loss_function is not LOSS_MAPPING.get("ForCausalLM"):
+        return "the model's loss_function is not transformers' ForCausalLMLoss"
+    return None
+
+
+def _output_cache_field(output_cls):
+    fields = getattr(output_cls, "__dataclass_fields__", {})
+    return "cache" if "cache" in fields else "past_key_values"
+
+
+def fused_causal_lm_loss(model, hidden, labels, num_items_in_batch=None, ignore_index=-100, shift_labels=None):
+    """transformers' ForCausalLMLoss of ``model.lm_head(hidden)`` against
+    ``labels``, without the logits (linear_cross_entropy in chunks)."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    target = shift_labels.reshape(-1).to(device=hidden.device, dtype=torch.int64)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    if target.shape[0] != flat.shape[0]:
+        raise ValueError(f"seqfuse fused loss: labels give {target.shape[0]} targets for {flat.shape[0]} hidden "
+                         "states; labels must have input_ids' shape")
+    head = model.lm_head
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    loss = linear_cross_entropy(flat, head.weight, target, bias=head.bias, ignore_index=ignore_index,
+                                reduction=reduction)
+    if num_items_in_batch is not None:
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss
+
+
+def wrap_causal_lm_loss(model):
+    """Wrap ``model.forward`` so labels calls use the fused loss; returns the
+    report's line (what the loss path is, or why it is transformers' own)."""
+    from .accelerate import _wrap_method
+
+    why = _refusal(model)
+    if why is not None:
+        _log.info("seqfuse.hf.accelerate: labels keep %s: %s", OWN, why)
+        return f"{OWN} ({why})"
+    sig = inspect.signature(type(model).forward)
+    var_kw = next((p.name for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+    if var_kw is None or "labels" not in sig.parameters:
+        why = "its forward takes no labels / **kwargs"
+        return f"{OWN} ({why})"
+
+    def wrap(inner):
+        def forward(self, *args, **kwargs):
+            bound = sig.bind_partial(self, *args, **kwargs)
+            call = dict(bound.arguments)
+            call.pop("self", None)
+            call.update(call.pop(var_kw, {}))
+            labels = call.pop("labels", None)
+            keep = call.pop("logits_to_keep", 0)
+            if labels is None:
+                return inner(self, *args, **kwargs)
+            if not (isinstance(keep, int) and keep == 0):
+                _log.info("seqfuse fused loss: logits_to_keep=%r with labels runs transformers' own head and loss",
+                          keep)
+                return inner(self, *args, **kwargs)
+            return_dict = call.pop("return_dict", None)
+            loss_kw = {k: call.pop(k) for k in ("ignore_index", "shift_labels") if k in call}
+            outputs = self.model(**call)  # num_items_in_batch and the rest go on, as transformers passes them
+            loss = fused_causal_lm_loss(self, outputs.last_hidden_state, labels,
+                                        num_items_in_batch=call.get("num_items_in_batch"), **loss_kw)
+            from transformers.modeling_outputs import CausalLMOutputWithPast
+
+            cache_field = _output_cache_field(CausalLMOutputWithPast)
+            result = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
+                                            attentions=outputs.attentions,
+                                            **{cache_field: getattr(outputs, cache_field, None)})
+            return result.to_tuple() if return_dict is False else result
+
+        return forward
+
+    _wrap_method(model, "forward", wrap)
+    return ("seqfuse linear_cross_entropy over lm_head in token chunks (no full logits; logits=None in the "
+            "output when labels are given)")
