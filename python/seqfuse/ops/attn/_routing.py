@@ -430,14 +430,17 @@ def _failure_key(route, q, k, attn_mask_type):
 
 
 def attention_backend(q, k, v, qkv_format="bshd", attn_mask_type="no_mask", window_size=None, dropout_p=0.0,
-                      deterministic=False, cu_seqlens_q=None, cu_seqlens_kv=None, rng_state=None):
+                      deterministic=False, cu_seqlens_q=None, cu_seqlens_kv=None, rng_state=None, *,
+                      max_seqlen_q=None, max_seqlen_kv=None, softmax_scale=None):
     """(name, reason): the route ("seqfuse", "cudnn", "flash" or
     "torch_fp32") an ``attention`` call with these arguments takes under the
     process's choice, and why (for a call that stays on seqfuse, "rule: why"
     naming the first rule broken of each torch route looked at).  Raises
     what the call would: ValueError for a bad SEQFUSE_ATTN_BACKEND or
     argument value, NotImplementedError for a call the forced backend cannot
-    run, or a float32 CUDA call no route takes."""
+    run, or a float32 CUDA call no route takes.  ``max_seqlen_q``,
+    ``max_seqlen_kv`` and ``softmax_scale`` do not change the choice; they are
+    taken so that an ``attention`` call's keywords can be passed as they are."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, x)
     name, _, reason = _choose(_read_backend(), q, k, v, qkv_format, attn_mask_type, window_size, dropout_p,

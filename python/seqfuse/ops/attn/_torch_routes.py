@@ -146,13 +146,17 @@ def fp32_eligibility(device_type, qkv_format, dtype, dropout_p, *, explicit_rng=
 
 # ------------------------------------------------------------------ layouts
 def _constant(what, device, n, step):
-    """int32 [n] = arange(n) * step on device, made once per (device, n, step)."""
+    """int32 [n] = arange(n) * step on device, made once per (device, n, step)
+    (not kept when made under CUDA graph capture: its memory is the graph's)."""
     key = (what, device, n, step)
     t = _constants.get(key)
     if t is None:
+        t = torch.arange(n, dtype=torch.int32, device=device) * step
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return t
         if len(_constants) > 256:
             _constants.clear()
-        t = _constants[key] = torch.arange(n, dtype=torch.int32, device=device) * step
+        _constants[key] = t
     return t
 
 
