@@ -37,11 +37,16 @@ cu_seqlens tensor for q and kv (rule ``alignment``).
 
 Dropout on this route is torch's: the keep mask comes from torch's CUDA
 generator through FlashAttention's own Philox stream, not seqfuse's
-(seed, offset) scheme (_dropout.py).  The kept elements are scaled by
-1 / (1 - p) and drawn independently with probability 1 - p, as in seqfuse's
-kernels, so the results are distributed the same but are not the same
-elements; a call that passes an explicit ``rng_state`` asks for seqfuse's
-mask and stays on seqfuse's kernels (rule ``rng_state``).
+(seed, offset) scheme (_dropout.py).  Each attention weight is dropped
+independently and the kept ones are scaled by 1 / (1 - p), as in seqfuse's
+kernels, so the results are distributed alike but are not the same
+elements; one difference: FlashAttention keeps a weight when an 8-bit draw
+is at most floor((1 - p) * 255), a keep rate within 1/256 of 1 - p (0.8984
+for p = 0.1), while the scale stays 1 / (1 - p).  torch's autograd saves
+the forward's RNG state, so the backward drops the same elements (checked in
+tests/test_attn_routes_cuda.py).  A call that passes an explicit
+``rng_state`` asks for seqfuse's mask and stays on seqfuse's kernels (rule
+``rng_state``).
 
 "torch_fp32": float32 on CUDA, which seqfuse's CUDA kernels do not take.
 torch SDPA with its memory-efficient or math backend (math only when
