@@ -29,7 +29,7 @@ in one pass; features multiples of 128).  MXFP8 and NVFP4 recipes raise
 NotImplementedError (their GEMMs need compute capability 10.x).
 
 Unsupported TE arguments (tensor/sequence parallelism,
-fuse_wgrad_accumulation, userbuffers: seqfuse.modules._te_compat.REFUSED)
+fuse_wgrad_accumulation, userbuffers: seqfuse.modules.te_compat.REFUSED)
 raise NotImplementedError naming them when set to anything but their
 default.  ``return_bias=True`` returns (out, bias) with the bias not added
 (TE: out, bias, norm output when return_layernorm_output is also set).
@@ -43,7 +43,7 @@ from . import _fp8 as F8
 from ._base import (as_dtype, check_normalization, default_device, fp8_norm,  # noqa: F401
                     fp8_quantizers, hidden_dim, init_weight, make_norm_params, norm_backward,
                     norm_forward, norm_param, reset_norm_params)
-from ._te_compat import materialize, rng_fork, take_refused
+from .te_compat import materialize, rng_fork, take_refused
 from ._input import check_input
 from ._split import fused_params, install_split, parse_split, reset_split, weight_sources
 

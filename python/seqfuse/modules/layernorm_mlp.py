@@ -40,7 +40,7 @@ the whole module is recomputed by seqfuse.quantization.checkpoint instead
 ``return_layernorm_output=True`` also returns the norm's output (a second
 output whose gradient flows back through the norm); ``return_bias=True``
 returns FC2's bias instead of adding it (TE's order: output, bias, norm
-output).  seqfuse.modules._te_compat.REFUSED lists the refused arguments.  ``seq_length`` and ``micro_batch_size`` only size buffers in TE
+output).  seqfuse.modules.te_compat.REFUSED lists the refused arguments.  ``seq_length`` and ``micro_batch_size`` only size buffers in TE
 (JIT warm-up); they are kept as attributes and change nothing here.
 ``device="meta"`` defers initialisation: reset_parameters() materialises the
 parameters on the current CUDA device (CPU without one) with the
@@ -57,7 +57,7 @@ from ._base import (as_dtype, check_normalization, default_device, fp8_norm,
                     fp8_quantizers, hidden_dim, init_weight, make_norm_params, norm_backward,
                     norm_forward, norm_param, reset_norm_params)
 from ._input import check_input
-from ._te_compat import materialize, rng_fork, take_refused
+from .te_compat import materialize, rng_fork, take_refused
 
 _log = logging.getLogger("seqfuse")
 _logged_fp8_checkpoint = False

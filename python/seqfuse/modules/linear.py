@@ -59,7 +59,7 @@ from ..quantization import gemm_quantizers as _gq
 from . import _fp8 as F8
 from ._input import check_input
 from ._split import fused_params, install_split, parse_split, reset_split, weight_sources
-from ._te_compat import materialize, rng_fork, take_refused
+from .te_compat import materialize, rng_fork, take_refused
 
 __all__ = ["Linear", "LinearFunction", "Fp8LinearFunction"]
 
@@ -140,7 +140,7 @@ class Linear(torch.nn.Module):
     ``get_rng_state_tracker().fork(rng_tracker_name)`` (TE's model-parallel
     RNG tracker), else from torch's generator.  name: kept as ``self.name``
     (TE's debug name).  TE's parallelism and overlap arguments raise
-    NotImplementedError unless off (seqfuse.modules._te_compat.REFUSED).
+    NotImplementedError unless off (seqfuse.modules.te_compat.REFUSED).
     """
 
     def __init__(self, in_features, out_features, bias=True, params_dtype=None, device=None,

@@ -33,7 +33,7 @@ the submodules in construction order, with the initialisation (and random
 draws) of direct construction.
 
 Differences from TE, each raising NotImplementedError naming the argument
-rather than doing something else (seqfuse.modules._te_compat.REFUSED):
+rather than doing something else (seqfuse.modules.te_compat.REFUSED):
 ``return_bias``, tensor/sequence/context parallelism and userbuffers,
 interleaved RoPE, non-vanilla softmax, KV caches (``inference_params``).
 """
@@ -46,7 +46,7 @@ from .layernorm_linear import LayerNormLinear
 from .linear import Linear
 from .norm import LayerNorm, RMSNorm, rms_norm
 from .rope import apply_rotary_pos_emb
-from ._te_compat import take_refused
+from .te_compat import take_refused
 
 QK_NORM_TYPES = ("RMSNorm", "LayerNorm", "L2Normalization")
 

@@ -10,7 +10,7 @@ and the autograd functions under them, over seqfuse.ops.norm.
 ``params_dtype`` its deprecated name of ``dtype``: one of each pair may be
 given.  ``sequence_parallel`` (TE's legacy Megatron flag) is set as an
 attribute on the parameters.  ``sm_margin`` other than 0 raises
-NotImplementedError (seqfuse.modules._te_compat.REFUSED).  ``device="meta"``
+NotImplementedError (seqfuse.modules.te_compat.REFUSED).  ``device="meta"``
 defers initialisation to reset_parameters(), which materialises the
 parameters on the current CUDA device (CPU without one).
 
@@ -25,7 +25,7 @@ import torch
 from .. import ops
 from ._base import default_device, hidden_dim, norm_param
 from ._input import check_input
-from ._te_compat import materialize, refuse
+from .te_compat import materialize, refuse
 
 # The autograd functions call seqfuse.ops' norm functions (the kernels'
 # only path from Python); x is made contiguous here once, so that the tensor

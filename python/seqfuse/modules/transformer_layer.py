@@ -20,7 +20,7 @@ nothing here.  ``device="meta"`` defers initialisation to
 reset_parameters() (MultiheadAttention's note).
 
 Differences from TE, each raising NotImplementedError naming the argument
-(seqfuse.modules._te_compat.REFUSED): post-LN variants
+(seqfuse.modules.te_compat.REFUSED): post-LN variants
 (``apply_residual_connection_post_layernorm``, ``output_layernorm``),
 ``parallel_attention_mlp``, ``drop_path_rate`` > 0, tensor/sequence/context
 parallelism, KV caches.  ``fuse_qkv_params=False`` (TE's default) gives
@@ -32,7 +32,7 @@ import torch
 
 from .layernorm_mlp import LayerNormMLP
 from .multihead_attention import MultiheadAttention, given
-from ._te_compat import take_refused
+from .te_compat import take_refused
 
 
 class TransformerLayer(torch.nn.Module):

@@ -13,7 +13,7 @@ from ..modules.rope import RotaryPositionEmbedding, apply_rotary_pos_emb
 
 __all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb"]
 
-from ..modules.attention import DotProductAttention  # noqa: E402
+from .attention import DotProductAttention  # noqa: E402  (TE's full constructor; see attention.py)
 
 __all__ += ["DotProductAttention"]
 
@@ -44,3 +44,16 @@ __all__ += ["LayerNormLinear", "LayerNormMLP"]
 from ..modules.linear import Linear  # noqa: E402
 
 __all__ += ["Linear"]
+
+# capability and version queries (TE's names and return conventions)
+from .utils import (get_cudnn_version, get_default_recipe, get_device_compute_capability,  # noqa: E402
+                    is_bf16_available, is_fp8_available, is_fp8_block_scaling_available, is_mxfp8_available,
+                    is_nvfp4_available)
+
+__all__ += ["get_cudnn_version", "get_default_recipe", "get_device_compute_capability", "is_bf16_available",
+            "is_fp8_available", "is_fp8_block_scaling_available", "is_mxfp8_available", "is_nvfp4_available"]
+
+# te.ops (fusible operations) and te.optimizers
+from . import ops, optimizers  # noqa: E402
+
+__all__ += ["ops", "optimizers"]

@@ -3,10 +3,10 @@ conventions (transformer_engine.pytorch's is_fp8_available and siblings).
 
 TE scripts call these at import time to decide whether to turn FP8 or bf16
 on, so they must be cheap: they read the device's compute capability
-through seqfuse._C (a driver attribute query: no CUDA context, no torch
-CUDA initialisation unless torch has already initialised it, in which case
-torch's current device is the one asked about) and cache nothing that can
-change (the current device can).
+through seqfuse._runtime (seqfuse._C's driver attribute queries: no CUDA
+context, no torch CUDA initialisation unless torch has already initialised
+it, in which case torch's current device is the one asked about) and cache
+nothing that can change (the current device can).
 
 Conventions, as TE 2.20's source has them:
 - ``is_*_available(return_reason=False)`` returns a bool; with
@@ -30,7 +30,7 @@ from typing import Tuple, Union
 
 import torch
 
-from .. import _C
+from .. import _runtime
 
 __all__ = ["get_device_compute_capability", "get_cudnn_version", "is_bf16_available",
            "is_fp8_available", "is_fp8_block_scaling_available", "is_mxfp8_available",
@@ -38,7 +38,7 @@ __all__ = ["get_device_compute_capability", "get_cudnn_version", "is_bf16_availa
 
 
 def _cuda_compiled():
-    return bool(_C.build_info()["cuda"])
+    return bool(_runtime.build_info()["cuda"])
 
 
 def _current_index():
@@ -54,9 +54,11 @@ def _capability_or_reason():
     """((major, minor), "") of the current device, or (None, why there is none)."""
     if not _cuda_compiled():
         return None, "seqfuse was built without its CUDA backend (CPU-only build)"
-    if _C.cuda_device_count() == 0:
+    devices = _runtime.device_info()
+    if not devices:
         return None, "no CUDA device is visible"
-    return tuple(_C.cuda_capability(_current_index())), ""
+    major, minor = devices[_current_index()]["capability"].split(".")
+    return (int(major), int(minor)), ""
 
 
 def get_device_compute_capability() -> Tuple[int, int]:
@@ -111,7 +113,7 @@ def is_fp8_block_scaling_available(return_reason: bool = False) -> Union[bool, T
     cap, why = _capability_or_reason()
     if cap is None:
         return _answer(False, f"FP8 block scaling needs a CUDA device: {why}", return_reason)
-    cublaslt = _C.build_info()["cublaslt"]
+    cublaslt = _runtime.build_info()["cublaslt"]
     if cublaslt < 120900:
         return _answer(False, f"FP8 block scaling needs cuBLASLt 12.9 or newer; seqfuse was built "
                               f"against {cublaslt}", return_reason)

@@ -1,0 +1,427 @@
+"""te.ops: Transformer Engine's fusible operations (``te.ops.Sequential`` of
+basic operations), run on seqfuse's modules.
+
+Each basic operation holds its parameters under TE's names (BasicLinear
+``weight``, Bias ``bias``, Linear ``weight`` and ``bias``, LayerNorm
+``weight`` and ``bias``, RMSNorm ``weight``) and initialises them as TE
+does (linear weights Kaiming-uniform with a = sqrt(5), biases 0, norm
+weights 1, or 0 with zero_centered_gamma).
+
+``Sequential(*ops)`` groups adjacent operations, at construction, where one
+of seqfuse's fused modules computes the group, left to right:
+
+  norm, linear, activation, linear     LayerNormMLP (norm kernel, FC1, the
+                                       activation, FC2; both linears with a
+                                       bias or both without)
+  norm, linear                         LayerNormLinear
+  BasicLinear, Bias                    Linear (bias in the GEMM epilogue)
+
+where "norm" is LayerNorm or RMSNorm, "linear" is Linear or BasicLinear
+(followed by a Bias, which then joins it), and "activation" one of GELU
+(tanh), ReLU, SiLU, GEGLU, ReGLU, SwiGLU.  Every other operation runs on
+its own (seqfuse's norm, activation and linear functions; a Bias is an add;
+any torch.nn.Module in the list is called as is).  The construction logs
+one line saying which groups are fused and which operations run one by one.
+
+A fused group runs a seqfuse module built once on the meta device (no
+memory) whose parameters are set, at every call, to the operations' own
+parameter objects: the gradients land on the operations' parameters, and a
+parameter swapped by FSDP2's fully_shard is the one read.  Under FP8
+autocast these modules keep their FP8 scaling state themselves (it is not in
+the Sequential's state_dict).
+
+Quantize: outside FP8 autocast the identity (as in TE); under FP8 autocast
+it raises NotImplementedError (seqfuse's GEMMs quantize their own inputs:
+drop the Quantize operation).  Not here (names TE has that seqfuse.pytorch.ops
+lacks): GroupedLinear, ScaledSwiGLU and the other scaled/clamped GLUs, the
+communication operations, Reshape, Dropout, and the fusion registration
+functions.
+"""
+import logging
+import math
+
+import torch
+
+from ..modules import LayerNormLinear, LayerNormMLP, Linear as _LinearModule, activation, layer_norm, rms_norm
+from ..modules.te_compat import materialize_device, rng_fork
+from ..quantization import is_fp8_enabled
+
+__all__ = ["BasicOperation", "BasicLinear", "Bias", "Linear", "LayerNorm", "RMSNorm", "GELU", "ReLU", "SiLU",
+           "GEGLU", "ReGLU", "SwiGLU", "Quantize", "Sequential"]
+
+_log = logging.getLogger("seqfuse")
+
+
+def _refuse(cls, name, value, why):
+    raise NotImplementedError(f"te.ops.{cls}: argument '{name}'={value!r} is not supported: {why}")
+
+
+_TP = "tensor parallelism is not implemented; shard with FSDP2 (torch.distributed.fsdp.fully_shard)"
+
+
+def _check_parallel(cls, tensor_parallel_mode=None, tensor_parallel_group=None, sequence_parallel=False,
+                    userbuffers_options=None):
+    for name, value, off in (("tensor_parallel_mode", tensor_parallel_mode, None),
+                             ("tensor_parallel_group", tensor_parallel_group, None),
+                             ("userbuffers_options", userbuffers_options, None)):
+        if value is not off:
+            _refuse(cls, name, value, _TP)
+    if sequence_parallel:
+        _refuse(cls, "sequence_parallel", sequence_parallel, _TP)
+
+
+def _device(device):
+    """TE's default device: the current CUDA device (seqfuse: the CPU where no
+    CUDA device is usable)."""
+    return materialize_device() if device is None else torch.device(device)
+
+
+class BasicOperation(torch.nn.Module):
+    """A fusible operation: ``forward(x)`` runs it on its own."""
+
+
+class BasicLinear(BasicOperation):
+    """y = x W^T (no bias).  accumulate_into_main_grad: the weight gradient
+    goes into ``weight.main_grad`` where the weight carries one (seqfuse's
+    Linear does so whenever it is there)."""
+
+    def __init__(self, in_features, out_features, *, device=None, dtype=None, tensor_parallel_mode=None,
+                 tensor_parallel_group=None, sequence_parallel=False, rng_state_tracker_function=None,
+                 accumulate_into_main_grad=False, userbuffers_options=None):
+        super().__init__()
+        _check_parallel(type(self).__name__, tensor_parallel_mode, tensor_parallel_group, sequence_parallel,
+                        userbuffers_options)
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.accumulate_into_main_grad = bool(accumulate_into_main_grad)
+        self._rng_state_tracker_function = rng_state_tracker_function
+        self.weight = torch.nn.Parameter(torch.empty(self.out_features, self.in_features,
+                                                     dtype=dtype or torch.get_default_dtype(),
+                                                     device=_device(device)))
+        if self.weight.device.type != "meta":
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        if self.weight.is_meta:
+            self.weight = torch.nn.Parameter(torch.empty_like(self.weight, device=materialize_device()))
+        with rng_fork(self._rng_state_tracker_function):
+            torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+
+    def forward(self, x):
+        return _run(_linear_runner(self, False), x, weight=self.weight, bias=None)
+
+
+class Bias(BasicOperation):
+    """y = x + b."""
+
+    def __init__(self, size, *, device=None, dtype=None, tensor_parallel=False, tensor_parallel_group=None):
+        super().__init__()
+        if tensor_parallel:
+            _refuse("Bias", "tensor_parallel", tensor_parallel, _TP)
+        if tensor_parallel_group is not None:
+            _refuse("Bias", "tensor_parallel_group", tensor_parallel_group, _TP)
+        self.bias = torch.nn.Parameter(torch.zeros(int(size), dtype=dtype or torch.get_default_dtype(),
+                                                   device=_device(device)))
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        if self.bias.is_meta:
+            self.bias = torch.nn.Parameter(torch.empty_like(self.bias, device=materialize_device()))
+        self.bias.zero_()
+
+    def forward(self, x):
+        return x + self.bias.to(x.dtype)
+
+
+class Linear(BasicOperation):
+    """y = x W^T + b: BasicLinear and Bias in one operation."""
+
+    def __init__(self, in_features, out_features, *, bias=True, device=None, dtype=None,
+                 tensor_parallel_mode=None, tensor_parallel_group=None, sequence_parallel=False,
+                 rng_state_tracker_function=None, accumulate_into_main_grad=False):
+        super().__init__()
+        _check_parallel("Linear", tensor_parallel_mode, tensor_parallel_group, sequence_parallel)
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.accumulate_into_main_grad = bool(accumulate_into_main_grad)
+        self._rng_state_tracker_function = rng_state_tracker_function
+        kw = dict(dtype=dtype or torch.get_default_dtype(), device=_device(device))
+        self.weight = torch.nn.Parameter(torch.empty(self.out_features, self.in_features, **kw))
+        self.bias = torch.nn.Parameter(torch.empty(self.out_features, **kw)) if bias else None
+        if self.weight.device.type != "meta":
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        for name in ("weight", "bias"):
+            p = getattr(self, name)
+            if p is not None and p.is_meta:
+                setattr(self, name, torch.nn.Parameter(torch.empty_like(p, device=materialize_device())))
+        with rng_fork(self._rng_state_tracker_function):
+            torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            self.bias.zero_()
+
+    def forward(self, x):
+        return _run(_linear_runner(self, self.bias is not None), x, weight=self.weight, bias=self.bias)
+
+
+class _Norm(BasicOperation):
+    rms = False
+
+    def __init__(self, normalized_shape, *, eps=1e-5, device=None, dtype=None, zero_centered_gamma=False,
+                 sm_margin=0):
+        super().__init__()
+        cls = type(self).__name__
+        if sm_margin != 0:
+            _refuse(cls, "sm_margin", sm_margin, "SM reservation for communication kernels is not implemented")
+        shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+        if len(shape) != 1:
+            raise NotImplementedError(f"te.ops.{cls}: normalization over the last dimension only; got "
+                                      f"normalized_shape {shape}")
+        self.normalized_shape, self.eps = shape, float(eps)
+        self.zero_centered_gamma = bool(zero_centered_gamma)
+        kw = dict(dtype=dtype or torch.get_default_dtype(), device=_device(device))
+        self.weight = torch.nn.Parameter(torch.empty(shape, **kw))
+        self.bias = None if self.rms else torch.nn.Parameter(torch.empty(shape, **kw))
+        if self.weight.device.type != "meta":
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        for name in ("weight", "bias"):
+            p = getattr(self, name)
+            if p is not None and p.is_meta:
+                setattr(self, name, torch.nn.Parameter(torch.empty_like(p, device=materialize_device())))
+        self.weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
+        if self.bias is not None:
+            self.bias.zero_()
+
+    def forward(self, x):
+        if self.rms:
+            return rms_norm(x, self.weight, self.eps, self.zero_centered_gamma)
+        return layer_norm(x, self.weight, self.bias, self.eps, self.zero_centered_gamma)
+
+
+class LayerNorm(_Norm):
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last dimension."""
+    rms = False
+
+
+class RMSNorm(_Norm):
+    """x / sqrt(mean(x^2) + eps) * weight over the last dimension."""
+    rms = True
+
+
+class _Activation(BasicOperation):
+    name = None  # seqfuse.ops.act's name
+
+    def __init__(self, *, cache_quantized_input=False):
+        super().__init__()
+        if cache_quantized_input:
+            _refuse(type(self).__name__, "cache_quantized_input", cache_quantized_input,
+                    "the activation keeps its input in high precision for the backward")
+
+    def forward(self, x):
+        return activation(x, self.name)
+
+
+class GELU(_Activation):
+    """GELU, tanh approximation (TE's)."""
+    name = "gelu"
+
+
+class ReLU(_Activation):
+    name = "relu"
+
+
+class SiLU(_Activation):
+    name = "silu"
+
+
+class GEGLU(_Activation):
+    """gelu(x[..., :n]) * x[..., n:] (TE's order: the gated half first)."""
+    name = "geglu"
+
+
+class ReGLU(_Activation):
+    """relu(x[..., :n]) * x[..., n:]."""
+    name = "reglu"
+
+
+class SwiGLU(_Activation):
+    """silu(x[..., :n]) * x[..., n:]."""
+    name = "swiglu"
+
+    def __init__(self, *, cache_quantized_input=False, glu_interleave_size=None):
+        super().__init__(cache_quantized_input=cache_quantized_input)
+        if glu_interleave_size is not None:
+            _refuse("SwiGLU", "glu_interleave_size", glu_interleave_size, "block-interleaved GLU layouts are "
+                    "not implemented; keep [gated half; linear half] (TE's deinterleave_glu_tensor converts)")
+
+
+class Quantize(BasicOperation):
+    """Identity outside FP8 autocast; refused inside (see the module note)."""
+
+    def __init__(self, forward=True, backward=False):
+        super().__init__()
+        self.quantize_forward, self.quantize_backward = bool(forward), bool(backward)
+
+    def forward(self, x):
+        if is_fp8_enabled() and (self.quantize_forward or self.quantize_backward):
+            raise NotImplementedError("te.ops.Quantize under FP8 autocast is not supported: seqfuse's GEMM "
+                                      "operations quantize their own inputs and output gradients; drop the "
+                                      "Quantize operation")
+        return x
+
+
+# ---- fused groups -----------------------------------------------------------
+
+_ACT_NAMES = {GELU: "gelu", ReLU: "relu", SiLU: "silu", GEGLU: "geglu", ReGLU: "reglu", SwiGLU: "swiglu"}
+_GATED = ("geglu", "reglu", "swiglu")
+
+
+def _linear_runner(op, bias):
+    """The operation's own seqfuse Linear, made on the meta device at its
+    first call and kept outside the module tree (it holds no parameters of
+    its own, only FP8 scaling state under FP8 autocast)."""
+    runner = op.__dict__.get("_runner")
+    if runner is None:
+        runner = op.__dict__["_runner"] = _LinearModule(op.in_features, op.out_features, bias=bias,
+                                                        device="meta")
+    return runner
+
+
+def _run(runner, x, **params):
+    """Run a seqfuse module on the operations' own parameters."""
+    for name, p in params.items():
+        runner._parameters[name] = p
+    return runner(x)
+
+
+def _linear_at(ops, i):
+    """(weight op, bias op or None, in, out, consumed) of a linear starting at
+    ops[i] (Linear, or BasicLinear with an optional following Bias), else None."""
+    op = ops[i] if i < len(ops) else None
+    if isinstance(op, Linear):
+        return op, op if op.bias is not None else None, op.in_features, op.out_features, 1
+    if isinstance(op, BasicLinear):
+        nxt = ops[i + 1] if i + 1 < len(ops) else None
+        if isinstance(nxt, Bias) and nxt.bias.shape[0] == op.out_features:
+            return op, nxt, op.in_features, op.out_features, 2
+        return op, None, op.in_features, op.out_features, 1
+    return None
+
+
+def _bias_of(bias_op):
+    return None if bias_op is None else bias_op.bias
+
+
+class _Step:
+    """One step of a Sequential's plan: a fused group or a single operation."""
+
+    def __init__(self, label, ops, run):
+        self.label, self.ops, self.run = label, ops, run
+
+
+def _plan(ops):
+    steps, i = [], 0
+    while i < len(ops):
+        op = ops[i]
+        if isinstance(op, _Norm):
+            lin1 = _linear_at(ops, i + 1)
+            if lin1 is not None and lin1[2] == op.normalized_shape[0]:
+                j = i + 1 + lin1[4]
+                act = ops[j] if j < len(ops) else None
+                lin2 = _linear_at(ops, j + 1) if type(act) in _ACT_NAMES else None
+                if lin2 is not None:
+                    name = _ACT_NAMES[type(act)]
+                    ffn = lin1[3] // 2 if name in _GATED else lin1[3]
+                    same_bias = (lin1[1] is None) == (lin2[1] is None)
+                    fc1_out = ffn * (2 if name in _GATED else 1)
+                    if same_bias and lin2[2] == ffn and lin2[3] == lin1[2] and fc1_out == lin1[3]:
+                        steps.append(_mlp_step(op, lin1, name, lin2, ffn, ops[i:j + 1 + lin2[4]]))
+                        i = j + 1 + lin2[4]
+                        continue
+                steps.append(_norm_linear_step(op, lin1, ops[i:i + 1 + lin1[4]]))
+                i += 1 + lin1[4]
+                continue
+        if isinstance(op, BasicLinear):
+            lin = _linear_at(ops, i)
+            if lin[1] is not None:
+                runner = _LinearModule(lin[2], lin[3], bias=True, device="meta")
+                w, b = lin[0], lin[1]
+                steps.append(_Step("Linear", ops[i:i + 2],
+                                   lambda x, r=runner, w=w, b=b: _run(r, x, weight=w.weight, bias=b.bias)))
+                i += 2
+                continue
+        steps.append(_Step(None, [op], op))
+        i += 1
+    return steps
+
+
+def _norm_linear_step(norm, lin, group):
+    w, b, fin, fout, _ = lin
+    runner = LayerNormLinear(fin, fout, eps=norm.eps, bias=b is not None,
+                             normalization="RMSNorm" if norm.rms else "LayerNorm",
+                             zero_centered_gamma=norm.zero_centered_gamma, device="meta")
+
+    def run(x):
+        return _run(runner, x, layer_norm_weight=norm.weight, layer_norm_bias=norm.bias, weight=w.weight,
+                    bias=_bias_of(b))
+    return _Step("LayerNormLinear", group, run)
+
+
+def _mlp_step(norm, lin1, name, lin2, ffn, group):
+    w1, b1, hidden = lin1[0], lin1[1], lin1[2]
+    w2, b2 = lin2[0], lin2[1]
+    runner = LayerNormMLP(hidden, ffn, eps=norm.eps, bias=b1 is not None, activation=name,
+                          normalization="RMSNorm" if norm.rms else "LayerNorm",
+                          zero_centered_gamma=norm.zero_centered_gamma, device="meta")
+
+    def run(x):
+        return _run(runner, x, layer_norm_weight=norm.weight, layer_norm_bias=norm.bias, fc1_weight=w1.weight,
+                    fc1_bias=_bias_of(b1), fc2_weight=w2.weight, fc2_bias=_bias_of(b2))
+    return _Step("LayerNormMLP", group, run)
+
+
+class Sequential(torch.nn.Module):
+    """TE's te.ops.Sequential: operations applied in order, adjacent ones
+    fused where a seqfuse module computes them together (module note)."""
+
+    def __init__(self, *args):
+        super().__init__()
+        ops = []
+        for i, op in enumerate(args):
+            if isinstance(op, Sequential):
+                ops.extend(op._ops)
+            elif isinstance(op, torch.nn.Module):
+                ops.append(op)
+            else:
+                raise TypeError(f"te.ops.Sequential: argument {i} must be a torch.nn.Module (a te.ops "
+                                f"operation), got {type(op).__name__}")
+        self._ops = torch.nn.ModuleList(ops)
+        self._steps = _plan(list(ops))
+        fused = [f"{'+'.join(type(o).__name__ for o in s.ops)} as seqfuse {s.label}"
+                 for s in self._steps if s.label]
+        alone = [type(s.ops[0]).__name__ for s in self._steps if not s.label]
+        _log.info("te.ops.Sequential: fused %s; op by op (no fused seqfuse kernel for them here): %s",
+                  ", ".join(fused) or "nothing", ", ".join(alone) or "nothing")
+
+    def plan(self):
+        """[(fused module name or None, [operation class names])] of the steps."""
+        return [(s.label, [type(o).__name__ for o in s.ops]) for s in self._steps]
+
+    def __len__(self):
+        return len(self._ops)
+
+    def __getitem__(self, i):
+        return self._ops[i]
+
+    def forward(self, input, *extra_inputs):
+        if extra_inputs:
+            raise NotImplementedError("te.ops.Sequential: extra inputs are not supported (no operation here "
+                                      "takes one)")
+        x = input
+        for step in self._steps:
+            x = step.run(x)
+        return x
