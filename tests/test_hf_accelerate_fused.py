@@ -1,0 +1,334 @@
+"""seqfuse.hf.accelerate's whole-layer fusion (seqfuse.hf.fuse_layers) and
+fused linear cross-entropy (seqfuse.hf.fused_loss) on small random Llama,
+Mistral (sliding window), Qwen2 (q/k/v biases) and Qwen3 (QK norms) models,
+against the untouched model: logits, loss and gradients (float32 to
+float32 rounding; bfloat16 within twice plain transformers' own bf16 error
+against its float32 self, tests/helpers.py's torch_bound), several training
+steps, state dicts and save_pretrained in transformers' own keys, greedy
+generation with the dynamic and the static cache, gradient checkpointing,
+and what is refused."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+from seqfuse.hf import accelerate  # noqa: E402
+from seqfuse.hf.fuse_layers import SeqfuseDecoderLayer, hf_named_tensors  # noqa: E402
+from helpers import rel_error, rel_tol, torch_bound  # noqa: E402
+
+V = 96
+
+
+def _common(**kw):
+    return dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, **kw)
+
+
+def llama():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**_common()))
+
+
+def mistral():
+    return transformers.MistralForCausalLM(transformers.MistralConfig(**_common(sliding_window=5)))
+
+
+def qwen2():
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**_common()))
+
+
+def qwen3():
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**_common(head_dim=16)))
+
+
+FAMILIES = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3}
+
+
+def make(name, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    model = FAMILIES[name]().to(dtype)
+    with torch.no_grad():  # biases and norm weights away from their 0 / 1 init, so a mix-up shows
+        for n, p in model.named_parameters():
+            if n.endswith("bias") or "norm" in n:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def batch(seed=1, b=2, s=13):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, V, (b, s), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, s - 4:] = 0  # right padding in row 1
+    labels = ids.masked_fill(mask == 0, -100)
+    return ids, mask, labels
+
+
+def accelerated(name, dtype=torch.float32, **kw):
+    ref = make(name, dtype)
+    model = copy.deepcopy(ref)
+    report = accelerate(model, **kw)
+    return ref, model, report
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_every_layer_fused_and_report(name):
+    ref, model, report = accelerated(name)
+    assert report.fused_names() == ["model.layers.0", "model.layers.1"]
+    for layer in model.model.layers:
+        assert isinstance(layer, SeqfuseDecoderLayer)
+        assert isinstance(layer, type(ref.model.layers[0]))  # transformers' isinstance checks still hold
+    # the norms and o_proj / down_proj weights are the model's own Parameter objects
+    assert model.model.layers[0].qkv.layer_norm_weight is not None
+    assert "linear_cross_entropy" in report.loss
+    text = str(report)
+    assert "fused model.layers.1" in text and "loss with labels" in text
+    if name == "qwen3":
+        assert type(model.model.layers[0].q_norm).__name__ == "RMSNorm"
+
+
+def _grads_close(model, ref, tol):
+    grads = hf_named_tensors(model)
+    scale = max(q.grad.double().norm().item() for q in ref.parameters() if q.grad is not None)
+    for n, q in ref.named_parameters():
+        g = grads[n]
+        assert (g is None) == (q.grad is None), n
+        if q.grad is None:
+            continue
+        if q.grad.double().norm().item() <= 1e-9 * scale:
+            assert g.double().norm().item() <= 1e-6 * scale, n
+        else:
+            assert rel_error(g, q.grad) <= tol, (n, rel_error(g, q.grad))
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_fp32_logits_loss_gradients_and_training(name):
+    ref, model, _ = accelerated(name)
+    ids, mask, labels = batch()
+    real = mask.bool()
+    with torch.no_grad():
+        got, want = model(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
+    assert rel_error(got[real], want[real]) <= rel_tol(torch.float32, 10)
+    opt_a = torch.optim.AdamW(model.parameters(), lr=1e-2)  # built after accelerate(): the fused weights
+    opt_b = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(3):
+        out = model(ids, attention_mask=mask, labels=labels)
+        exp = ref(ids, attention_mask=mask, labels=labels)
+        assert out.logits is None
+        assert abs(out.loss.item() - exp.loss.item()) <= rel_tol(torch.float32, 100) * exp.loss.item(), step
+        out.loss.backward()
+        exp.loss.backward()
+        if step == 0:
+            _grads_close(model, ref, rel_tol(torch.float32, 100))
+        opt_a.step(), opt_b.step()
+        opt_a.zero_grad(), opt_b.zero_grad()
+    # after three AdamW steps the weights still agree, under transformers' names.  AdamW divides each
+    # gradient element by its own magnitude, so an element whose gradient is near 0 moves by up to lr
+    # whichever way rounding tips it: the bound is looser than the gradients'
+    values = hf_named_tensors(model, "data")
+    for n, q in ref.named_parameters():
+        assert rel_error(values[n], q.detach()) <= 1e-3, n
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+def test_bf16_within_twice_plain_transformers_error(name):
+    """bf16 accelerate()d against the fp32 model, bounded by twice plain
+    transformers' bf16 error against the same fp32 model (at least bf16's
+    REL_TOL): logits, loss and every gradient."""
+    ref32 = make(name)
+    ref16 = copy.deepcopy(ref32).to(torch.bfloat16)
+    model = copy.deepcopy(ref16)
+    report = accelerate(model)
+    assert len(report.fused) == 2
+    ids, mask, labels = batch(s=16)
+    real = mask.bool()
+    with torch.no_grad():
+        want = ref32(ids, attention_mask=mask).logits[real]
+        e_plain = rel_error(ref16(ids, attention_mask=mask).logits[real].float(), want)
+        e_sf = rel_error(model(ids, attention_mask=mask).logits[real].float(), want)
+    assert e_sf <= torch_bound(e_plain, floor=rel_tol(torch.bfloat16)), (e_sf, e_plain)
+    outs = [m(ids, attention_mask=mask, labels=labels) for m in (ref32, ref16, model)]
+    l32, l16, lsf = (o.loss.float() for o in outs)
+    assert abs(lsf - l32) <= torch_bound(abs(l16 - l32).item(), floor=rel_tol(torch.bfloat16) * l32.item())
+    for o in outs:
+        o.loss.backward()
+    g_sf = hf_named_tensors(model)
+    g16 = dict((n, p.grad) for n, p in ref16.named_parameters())
+    for n, p in ref32.named_parameters():
+        if p.grad is None or p.grad.norm() == 0:
+            continue
+        e_plain = rel_error(g16[n].float(), p.grad)
+        e = rel_error(g_sf[n].float(), p.grad)
+        assert e <= torch_bound(e_plain, floor=rel_tol(torch.bfloat16, 3)), (n, e, e_plain)
+
+
+def test_state_dict_save_pretrained_and_load(tmp_path):
+    ref, model, _ = accelerated("qwen2")  # biases: every kind of split
+    sd, want = model.state_dict(), ref.state_dict()
+    assert list(sd) == list(want)  # transformers' keys, transformers' order
+    for k in want:
+        assert torch.equal(sd[k], want[k]), k
+    # one training step so the saved weights are not the originals
+    ids, mask, labels = batch()
+    model(ids, attention_mask=mask, labels=labels).loss.backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(loaded) is transformers.Qwen2ForCausalLM
+    values = hf_named_tensors(model, "data")
+    lsd = loaded.state_dict()
+    assert set(lsd) == set(values)
+    for k, t in values.items():
+        assert torch.equal(lsd[k], t), k
+    # and back: a plain transformers state dict loads (strictly) into the fused model
+    fresh = copy.deepcopy(ref)
+    accelerate(fresh)
+    fresh.load_state_dict(lsd)
+    after = hf_named_tensors(fresh, "data")
+    for k, t in values.items():
+        assert torch.equal(after[k], t), k
+    with torch.no_grad():
+        assert torch.equal(fresh(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_greedy_generate_matches_plain(name, cache):
+    ref, model, _ = accelerated(name)
+    ref.eval(), model.eval()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, V, (2, 7), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # a left-padded row, as decoder tokenizers pad for generation
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    if cache == "static":
+        kw["cache_implementation"] = "static"
+    want = ref.generate(ids, **kw)
+    got = model.generate(ids, **kw)
+    assert torch.equal(got, want)
+
+
+def test_static_cache_forward_without_mask():
+    """A StaticCache and no attention mask: the keys are the filled slots."""
+    ref, model, _ = accelerated("llama")
+    ids = torch.randint(1, V, (1, 6))
+    outs = []
+    for m in (ref, model):
+        cache = transformers.StaticCache(config=m.config, max_cache_len=16)
+        with torch.no_grad():
+            first = m(ids, past_key_values=cache, use_cache=True).logits
+            nxt = m(ids[:, :1], past_key_values=cache, use_cache=True,
+                    position_ids=torch.tensor([[6]])).logits
+        outs.append((first, nxt))
+    assert rel_error(outs[1][0], outs[0][0]) <= rel_tol(torch.float32, 10)
+    assert rel_error(outs[1][1], outs[0][1]) <= rel_tol(torch.float32, 10)
+
+
+def test_gradient_checkpointing_and_hidden_states():
+    ref, model, _ = accelerated("llama")
+    model.train(), ref.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids, mask, labels = batch()
+    out = model(ids, attention_mask=mask, labels=labels)
+    exp = ref(ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    exp.loss.backward()
+    _grads_close(model, ref, rel_tol(torch.float32, 100))
+    with torch.no_grad():
+        hs = model(ids, output_hidden_states=True).hidden_states
+        hs_ref = ref(ids, output_hidden_states=True).hidden_states
+    assert len(hs) == len(hs_ref) == 3
+    assert rel_error(hs[1], hs_ref[1]) <= rel_tol(torch.float32, 10)
+
+
+def test_fused_loss_arguments():
+    ref, model, _ = accelerated("llama")
+    ids, mask, labels = batch()
+    # positional input_ids, num_items_in_batch (transformers' gradient accumulation), tuple output
+    n = torch.tensor(7)
+    got = model(ids, None, labels=labels, num_items_in_batch=n, return_dict=False)
+    want = ref(ids, labels=labels, num_items_in_batch=n)
+    assert abs(got[0].item() - want.loss.item()) <= rel_tol(torch.float32, 100) * want.loss.item()
+    # without labels, logits as transformers makes them (logits_to_keep included)
+    assert model(ids, logits_to_keep=3).logits.shape == (2, 3, V)
+    # fused_loss=False keeps transformers' head and loss (logits returned)
+    _, plain_loss, _ = accelerated("llama", fused_loss=False)
+    assert plain_loss(ids, labels=labels).logits is not None
+
+
+def test_output_attentions_refused():
+    _, model, _ = accelerated("llama")
+    with pytest.raises(NotImplementedError, match="output_attentions"):
+        model(torch.randint(1, V, (1, 5)), output_attentions=True)
+
+
+def test_layers_left_with_reasons():
+    # an adapter-like extra module in one layer, a forward hook on another
+    ref = make("llama")
+    model = copy.deepcopy(ref)
+    model.model.layers[0].self_attn.q_proj = nn.Sequential(ref.model.layers[0].self_attn.q_proj)
+    model.model.layers[1].register_forward_hook(lambda m, i, o: o)
+    report = accelerate(model)
+    assert report.fused == []
+    assert "modules differ" in report.reason("model.layers.0")
+    assert "hooks" in report.reason("model.layers.1")
+    # no attention switch: no fusion (the layers need seqfuse's mask format)
+    model = make("llama")
+    report = accelerate(model, attention=False)
+    assert report.fused == []
+    # a recipe whose GEMMs the shapes do not fit: left, naming the sizes
+    from seqfuse.common.recipe import Float8BlockScaling
+
+    model = make("llama")
+    report = accelerate(model, recipe=Float8BlockScaling())
+    assert "divisible by 128" in report.reason("model.layers.0")
+    with pytest.raises(TypeError, match="fuse_layers"):
+        accelerate(make("llama"), fuse_layers="yes")
+
+
+def test_dynamic_rope_rotates_in_torch():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**_common(rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                              "rope_theta": 10000.0}))
+    ref = transformers.LlamaForCausalLM(cfg)
+    model = copy.deepcopy(ref)
+    report = accelerate(model)
+    assert len(report.fused) == 2 and "rope_type 'dynamic'" in report.fused[0].notes[0]
+    ids = torch.randint(1, V, (2, 9))
+    with torch.no_grad():
+        assert rel_error(model(ids).logits, ref(ids).logits) <= rel_tol(torch.float32, 10)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("recipe_name", [None, "delayed", "block"])
+def test_cuda_llama_bf16_and_fp8(recipe_name):
+    """On the GPU: bf16 and FP8 (delayed, block) accelerate()d Llama trains:
+    the loss is finite and near plain bf16 transformers' (FP8: within 5 %),
+    gradients flow to every weight, and the fused layers ran."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from seqfuse.common.recipe import DelayedScaling, Float8BlockScaling
+
+    recipe = {None: None, "delayed": DelayedScaling(), "block": Float8BlockScaling()}[recipe_name]
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    ref = transformers.LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
+    model = copy.deepcopy(ref)
+    report = accelerate(model, recipe=recipe)
+    assert len(report.fused) == 2, str(report)
+    ids = torch.randint(0, 512, (2, 256), device="cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        out = model(ids, labels=ids)
+        want = ref(ids, labels=ids).loss.float()
+        assert torch.isfinite(out.loss)
+        bound = 0.05 if recipe is not None else 0.01
+        assert abs(out.loss.float() - want) <= bound * want
+        out.loss.backward()
+        for n, p in model.named_parameters():
+            assert p.grad is not None and torch.isfinite(p.grad).all(), n
+        opt.step()
+        opt.zero_grad()
+        ref.load_state_dict(model.state_dict())  # follow the trained weights (transformers' keys)
