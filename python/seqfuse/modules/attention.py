@@ -34,6 +34,15 @@ regenerated in the backward from a Philox seed/offset drawn from torch's
 generator, see seqfuse.ops.attn).  On CUDA, dropout runs in the sm80
 kernels (on Hopper too, logged once: the wgmma kernels have no dropout yet).
 
+Context parallelism (Transformer Engine's set_context_parallel_group, or the
+cp_* constructor arguments): the sequence spread over the ranks of a process
+group, each rank passing its load-balanced share of the tokens (chunks r and
+2cp-1-r of 2*cp; seqfuse.parallel.split_batch_for_cp_rank picks them; for
+thd, cu_seqlens and max_seqlen of the full batch), with cp_comm_type "p2p"
+(ring) or "all_gather"; causal or no mask, bshd / sbhd / thd, GQA.  Not with
+attention dropout in training, an attention_mask or a sliding window (each
+raises).  seqfuse.parallel.context_parallel has the details.
+
 Not supported (each raises NotImplementedError, never falls back silently):
 attention biases (ALiBi, post-scale bias), the "arbitrary" mask, and
 cu_seqlens_*_padded different from cu_seqlens_*.
@@ -44,6 +53,7 @@ import torch
 
 from .. import ops
 from ..ops.attn import PerTensorCache, padding_layout
+from ..parallel.context_parallel import check_comm_type, context_parallel_attention, group_ranks
 from ._input import check_input, check_storage
 
 
@@ -146,8 +156,8 @@ class DotProductAttention(torch.nn.Module):
                 raise NotImplementedError("DotProductAttention: different key and value head dims "
                                           f"{tuple(kv_channels)} are not supported")
             kv_channels = kv_channels[0]
-        if tp_size != 1 or cp_group is not None:
-            raise NotImplementedError("DotProductAttention: tensor and context parallelism are not supported")
+        if tp_size != 1:
+            raise NotImplementedError("DotProductAttention: tensor parallelism (tp_size > 1) is not supported")
         self.num_attention_heads = int(num_attention_heads)
         self.num_gqa_groups = int(num_gqa_groups or num_attention_heads)
         if self.num_attention_heads % self.num_gqa_groups != 0:
@@ -162,6 +172,33 @@ class DotProductAttention(torch.nn.Module):
         self.layer_number = layer_number
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.kv_channels)
         self.deterministic = deterministic
+        self.cp_group = None
+        self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+
+    def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream, cp_comm_type="p2p"):
+        """Transformer Engine's call: run this module's attention with context
+        parallelism over ``cp_group`` (a torch.distributed ProcessGroup; None,
+        or a group of one rank, turns it off).  ``cp_global_ranks``: the
+        group's global ranks in group order (checked against the group; None
+        reads them from it).  ``cp_stream``: a CUDA stream the ring's
+        transfers are issued from (None: the current stream).
+        ``cp_comm_type``: "p2p" (ring exchange of K/V, overlapped with the
+        attention of the block in hand) or "all_gather" (one all-gather of
+        K/V).  Each rank then passes its share of the tokens (the
+        load-balanced split of seqfuse.parallel.split_batch_for_cp_rank; for
+        thd, cu_seqlens and max_seqlen of the full batch).  See
+        seqfuse.parallel.context_parallel for the layout and its rules."""
+        check_comm_type(cp_comm_type, "DotProductAttention")
+        if isinstance(cp_group, (list, tuple)):
+            raise NotImplementedError("DotProductAttention: a list of CP groups (cp_comm_type 'a2a+p2p') is not "
+                                      "supported; pass one ProcessGroup")
+        if cp_group is not None:
+            group_ranks(cp_group, cp_global_ranks, "DotProductAttention")  # checks the group and the ranks
+        self.cp_group, self.cp_global_ranks = cp_group, cp_global_ranks
+        self.cp_stream, self.cp_comm_type = cp_stream, cp_comm_type
+
+    def _cp_size(self):
+        return 1 if self.cp_group is None else torch.distributed.get_world_size(self.cp_group)
 
     def extra_repr(self):
         return (f"heads={self.num_attention_heads}, gqa_groups={self.num_gqa_groups}, "
@@ -204,6 +241,10 @@ class DotProductAttention(torch.nn.Module):
             raise ValueError(f"DotProductAttention: attention_mask is taken only with a padding attn_mask_type "
                              f"in bshd/sbhd (it would be ignored); got attn_mask_type {attn_mask_type!r}, "
                              f"qkv_format {qkv_format!r}")
+        if self._cp_size() > 1:
+            return self._context_parallel(query_layer, key_layer, value_layer, attention_mask, qkv_format,
+                                          attn_mask_type, window_size, cu_seqlens_q, cu_seqlens_kv,
+                                          max_seqlen_q, max_seqlen_kv)
         if "padding" in attn_mask_type and qkv_format != "thd" and cu_seqlens_q is None:
             if attention_mask is None:
                 raise ValueError(f"DotProductAttention: attn_mask_type {attn_mask_type!r} needs an "
@@ -229,6 +270,27 @@ class DotProductAttention(torch.nn.Module):
                             softmax_scale=self.softmax_scale, deterministic=self.deterministic,
                             dropout_p=self.attention_dropout if self.training else 0.0)
         return out.reshape(out.shape[:-2] + (heads * dim,))
+
+    def _context_parallel(self, q, k, v, attention_mask, qkv_format, attn_mask_type, window_size,
+                          cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv):
+        """This rank's share of the attention under context parallelism
+        (seqfuse.parallel.context_parallel_attention), heads flattened."""
+        who = "DotProductAttention"
+        if self.training and self.attention_dropout > 0:
+            raise NotImplementedError(f"{who}: attention_dropout ({self.attention_dropout}) with context "
+                                      "parallelism is not supported (set it to 0, or run in eval mode)")
+        if attention_mask is not None:
+            raise NotImplementedError(f"{who}: attention_mask with context parallelism is not supported (pack "
+                                      "the sequences as thd with cu_seqlens instead)")
+        if qkv_format == "thd" and cu_seqlens_kv is None:
+            cu_seqlens_kv = cu_seqlens_q
+        out = context_parallel_attention(
+            q, k, v, cp_group=self.cp_group, cp_global_ranks=self.cp_global_ranks, cp_stream=self.cp_stream,
+            cp_comm_type=self.cp_comm_type, qkv_format=qkv_format, attn_mask_type=attn_mask_type,
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
+            max_seqlen_kv=max_seqlen_kv, window_size=window_size, softmax_scale=self.softmax_scale,
+            deterministic=self.deterministic)
+        return out.reshape(out.shape[:-2] + (out.shape[-2] * out.shape[-1],))
 
     def _packed_rows(self, q, k, v, qkv_format, attn_mask_type, window_size, layout):
         """Left or both-sided padding: the rows end to end as thd sequences

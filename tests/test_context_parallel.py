@@ -1,0 +1,285 @@
+"""Context parallelism (seqfuse.parallel) on the CPU over gloo.
+
+The claim: attention run with context parallelism over cp ranks (each
+holding its load-balanced share of the tokens) gives, on every rank, the
+rows of the output and of dq, dk, dv that single-process attention over the
+whole sequence gives for those tokens, within float32 rounding; for bshd,
+sbhd and packed thd, causal and full masks, GQA, cp_comm_type p2p and
+all_gather, at cp = 2 and 4; through DotProductAttention too.  Bad
+arguments raise naming the argument.
+
+Each world size is one start of worker processes (forkserver with torch and
+seqfuse preloaded, so a start costs one import, not one per process) that
+runs every case and saves its errors; the tests read them.  Shapes are tiny:
+the whole file takes seconds beyond the starts.
+"""
+import multiprocessing
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import seqfuse.ops as ops
+from helpers import BWD_FACTOR, REL_TOL, free_port, rel_error, run_workers
+from seqfuse.modules.attention import DotProductAttention
+from seqfuse.parallel import (context_parallel_attention, local_token_index, pad_thd_sequences_for_cp,
+                              split_batch_for_cp_rank)
+
+FORMATS = ("bshd", "sbhd", "thd")
+MASKS = ("causal", "no_mask")
+COMMS = ("p2p", "all_gather")
+CASES = [(f, m, c, g) for f in FORMATS for m in MASKS for c in COMMS for g in (False, True)]
+WORLDS = (2, 4)
+HEADS, DIM = 4, 16
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+
+def case_id(case):
+    f, m, c, g = case
+    return f"{f}-{m}-{c}" + ("-gqa" if g else "")
+
+
+# ---- the reference and the CP run of one case (inside a worker) -------------
+
+def _lengths(fmt, world):
+    """Sequence lengths of the full batch: thd packs unequal ones (one empty)."""
+    m = 2 * world
+    return [3 * m, m, 0, 2 * m] if fmt == "thd" else [4 * m]
+
+
+def _full_inputs(fmt, world, gqa, seed):
+    """Full q, k, v, dout of the case (same on every rank: one seed), and
+    the thd cu_seqlens (None otherwise)."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = _lengths(fmt, world)
+    kv_heads = 2 if gqa else HEADS
+    batch = 2
+    if fmt == "thd":
+        t = sum(lens)
+        shapes = [(t, HEADS, DIM), (t, kv_heads, DIM)]
+        cu = torch.tensor([0] + list(torch.cumsum(torch.tensor(lens), 0)), dtype=torch.int32)
+    else:
+        s = lens[0]
+        shapes = [(batch, s, HEADS, DIM), (batch, s, kv_heads, DIM)] if fmt == "bshd" else \
+            [(s, batch, HEADS, DIM), (s, batch, kv_heads, DIM)]
+        cu = None
+    q = torch.randn(shapes[0], generator=gen)
+    k = torch.randn(shapes[1], generator=gen)
+    v = torch.randn(shapes[1], generator=gen)
+    dout = torch.randn(shapes[0], generator=gen)
+    return q, k, v, dout, cu
+
+
+def _local(x, fmt, world, rank, cu):
+    """This rank's tokens of a full tensor (the load-balanced split)."""
+    if fmt == "thd":
+        lengths = (cu[1:] - cu[:-1]).long()
+        return x.index_select(0, local_token_index(lengths, world, rank))
+    s_dim = 1 if fmt == "bshd" else 0
+    index = local_token_index(torch.tensor([x.shape[s_dim]]), world, rank)
+    return x.index_select(s_dim, index)
+
+
+def _reference(q, k, v, dout, fmt, mask, cu):
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    kw = dict(qkv_format=fmt, attn_mask_type=mask)
+    if fmt == "thd":
+        kw.update(cu_seqlens_q=cu, cu_seqlens_kv=cu, attn_mask_type="padding_causal" if mask == "causal" else "padding")
+    out = ops.attention(q, k, v, **kw)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _run_case(case, world, rank, group, seed, through_module=False):
+    fmt, mask, comm, gqa = case
+    q, k, v, dout, cu = _full_inputs(fmt, world, gqa, seed)
+    ref = _reference(q, k, v, dout, fmt, mask, cu)
+    ql, kl, vl, dl = (_local(x, fmt, world, rank, cu).requires_grad_(x is not dout) for x in (q, k, v, dout))
+    if through_module:
+        dpa = DotProductAttention(HEADS, DIM, num_gqa_groups=k.shape[-2], qkv_format=fmt, attn_mask_type=mask)
+        dpa.set_context_parallel_group(group, dist.get_process_group_ranks(group), None, comm)
+        out = dpa(ql, kl, vl, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+        out = out.view(ql.shape)
+    else:
+        out = context_parallel_attention(ql, kl, vl, cp_group=group, cp_comm_type=comm, qkv_format=fmt,
+                                         attn_mask_type=mask, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    out.backward(dl)
+    got = (out.detach(), ql.grad, kl.grad, vl.grad)
+    return [rel_error(g, _local(r, fmt, world, rank, cu)) for g, r in zip(got, ref)]
+
+
+def _raises(fn):
+    """(exception type name, message) of fn(), or ("none", "") if it returned."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test asserts on the type and the message
+        return type(e).__name__, str(e)
+    return "none", ""
+
+
+def _bad_arguments(world, group):
+    q = torch.randn(2, 2 * world + 1, HEADS, DIM)  # odd local length: the sequence is no multiple of 2*cp
+    good = torch.randn(2, 4, HEADS, DIM)
+    cu_bad = torch.tensor([0, 4 * world + 2], dtype=torch.int32)  # a thd sequence no multiple of 2*cp
+    t_bad = torch.randn((4 * world + 2) // world, HEADS, DIM)
+    dpa = DotProductAttention(HEADS, DIM, attention_dropout=0.1, qkv_format="bshd", attn_mask_type="causal")
+    dpa.set_context_parallel_group(group, None, None, "p2p")
+    return {
+        "comm_type": _raises(lambda: context_parallel_attention(good, good, good, cp_group=group,
+                                                                cp_comm_type="ring")),
+        "bshd_length": _raises(lambda: context_parallel_attention(q, q, q, cp_group=group)),
+        "thd_length": _raises(lambda: context_parallel_attention(t_bad, t_bad, t_bad, cp_group=group,
+                                                                 qkv_format="thd", cu_seqlens_q=cu_bad)),
+        "dropout": _raises(lambda: context_parallel_attention(good, good, good, cp_group=group, dropout_p=0.1)),
+        "module_dropout": _raises(lambda: dpa(good, good, good)),
+        "global_ranks": _raises(lambda: context_parallel_attention(good, good, good, cp_group=group,
+                                                                   cp_global_ranks=list(range(world + 1)))),
+        "padding_bshd": _raises(lambda: context_parallel_attention(good, good, good, cp_group=group,
+                                                                   attn_mask_type="padding")),
+    }
+
+
+def _worker(rank, world, init_file, out_dir, seed):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    ok = False
+    try:
+        group = dist.new_group(list(range(world)))  # CP over a group that is not the default one
+        results = {case_id(c): _run_case(c, world, rank, group, seed + i) for i, c in enumerate(CASES)}
+        for i, c in enumerate([("bshd", "causal", "p2p", True), ("thd", "causal", "all_gather", False)]):
+            results["module-" + case_id(c)] = _run_case(c, world, rank, group, seed + 100 + i, through_module=True)
+        results["bad"] = _bad_arguments(world, group)
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        ok = True
+    finally:
+        if ok:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def cp_results(tmp_path_factory):
+    """{world: [per-rank result dicts]}: one start of `world` processes each."""
+    # forkserver: the children are forked from one server that imported torch and seqfuse once
+    # (spawn re-imports per process, ~10 s each here; fork after many tests can inherit a held lock)
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "seqfuse"])
+    seed = int(os.environ.get("SEQFUSE_TEST_SEED", torch.randint(0, 2**31 - 1, ()).item()))
+    print(f"seed={seed}")
+    out = {}
+    for world in WORLDS:
+        d = tmp_path_factory.mktemp(f"cp{world}")
+        run_workers(_worker, (world, str(d / "init"), str(d), seed), world, "forkserver",
+                    f"context-parallel workers (world size {world})", timeout=240)
+        out[world] = [torch.load(d / f"rank{r}.pt") for r in range(world)]
+    return out
+
+
+# ---- the tests ----------------------------------------------------------------
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_cp_equals_full_attention(cp_results, world, case):
+    """Every rank's out, dq, dk, dv equal the full-sequence attention's rows
+    of its tokens (float32 on the CPU)."""
+    for rank, res in enumerate(cp_results[world]):
+        e_out, e_dq, e_dk, e_dv = res[case_id(case)]
+        assert e_out <= REL_TOL[torch.float32], (rank, "out", e_out)
+        for name, e in (("dq", e_dq), ("dk", e_dk), ("dv", e_dv)):
+            assert e <= REL_TOL[torch.float32] * BWD_FACTOR, (rank, name, e)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("name", ["module-bshd-causal-p2p-gqa", "module-thd-causal-all_gather"])
+def test_dot_product_attention_with_cp(cp_results, world, name):
+    """DotProductAttention.set_context_parallel_group runs the same CP
+    attention (output flattened to [.., h*d] as without CP)."""
+    for rank, res in enumerate(cp_results[world]):
+        errs = res[name]
+        assert errs[0] <= REL_TOL[torch.float32], (rank, errs)
+        assert max(errs[1:]) <= REL_TOL[torch.float32] * BWD_FACTOR, (rank, errs)
+
+
+BAD = {
+    "comm_type": ("ValueError", "cp_comm_type"),
+    "bshd_length": ("ValueError", "multiple of 2*cp"),
+    "thd_length": ("ValueError", "cu_seqlens_q"),
+    "dropout": ("NotImplementedError", "dropout_p"),
+    "module_dropout": ("NotImplementedError", "attention_dropout"),
+    "global_ranks": ("ValueError", "cp_global_ranks"),
+    "padding_bshd": ("NotImplementedError", "attn_mask_type"),
+}
+
+
+@pytest.mark.parametrize("which", sorted(BAD))
+def test_cp_bad_arguments(cp_results, which):
+    kind, word = BAD[which]
+    for res in cp_results[2]:
+        got_kind, msg = res["bad"][which]
+        assert got_kind == kind and word in msg, (which, got_kind, msg)
+
+
+def test_set_context_parallel_group_refuses_unknown_comm_type():
+    dpa = DotProductAttention(HEADS, DIM)
+    with pytest.raises(ValueError, match="cp_comm_type"):
+        dpa.set_context_parallel_group(None, None, None, "ring")
+    with pytest.raises(NotImplementedError, match="a2a"):
+        dpa.set_context_parallel_group(None, None, None, "a2a")
+    with pytest.raises(ValueError, match="cp_comm_type"):
+        DotProductAttention(HEADS, DIM, cp_comm_type="bogus")
+    dpa.set_context_parallel_group(None, None, None, "all_gather")  # None: CP off, accepted
+    assert dpa.cp_group is None and dpa.cp_comm_type == "all_gather"
+
+
+# ---- the batch split (no process group needed) ---------------------------------
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_split_batch_thd_covers_every_token_once(cp):
+    lens = [4 * cp, 2 * cp, 0, 6 * cp]
+    cu = torch.tensor([0] + list(torch.cumsum(torch.tensor(lens), 0)), dtype=torch.int32)
+    t = sum(lens)
+    ids = torch.arange(t).view(1, t) + 1000
+    labels = torch.arange(t).view(1, t) + 5000
+    parts = [split_batch_for_cp_rank(ids, labels, None, cu, cp_size=cp, cp_rank=r) for r in range(cp)]
+    got = torch.cat([p.input_ids.flatten() for p in parts]) - 1000
+    assert sorted(got.tolist()) == list(range(t))
+    for r, p in enumerate(parts):
+        assert torch.equal(p.labels - 5000, p.input_ids - 1000)  # labels follow their tokens
+        assert p.cu_seqlens is cu and p.max_seqlen == max(lens)
+        # rank r holds, per sequence, chunk r then chunk 2cp-1-r; position ids are full-sequence positions
+        start, off = 0, 0
+        for n in lens:
+            c = n // (2 * cp)
+            want_pos = list(range(r * c, (r + 1) * c)) + list(range((2 * cp - 1 - r) * c, (2 * cp - r) * c))
+            assert p.position_ids.flatten()[off:off + 2 * c].tolist() == want_pos
+            assert (p.input_ids.flatten()[off:off + 2 * c] - 1000 - start).tolist() == want_pos
+            start, off = start + n, off + 2 * c
+
+
+def test_split_batch_bshd_and_refusals():
+    ids = torch.arange(2 * 16).view(2, 16)
+    p = split_batch_for_cp_rank(ids, ids + 1, cp_size=2, cp_rank=1)
+    assert p.input_ids.tolist() == [[4, 5, 6, 7, 8, 9, 10, 11], [20, 21, 22, 23, 24, 25, 26, 27]]
+    assert p.position_ids.tolist() == [[4, 5, 6, 7, 8, 9, 10, 11]] * 2 and p.cu_seqlens is None
+    with pytest.raises(ValueError, match="multiple of 2\\*cp_size = 4; the row length is 14"):
+        split_batch_for_cp_rank(ids[:, :14], cp_size=2, cp_rank=0)
+    cu = torch.tensor([0, 8, 14], dtype=torch.int32)
+    with pytest.raises(ValueError, match="sequence 1's length is 6"):
+        split_batch_for_cp_rank(torch.arange(14), cu_seqlens=cu, cp_size=2, cp_rank=0)
+    with pytest.raises(ValueError, match="cp_rank"):
+        split_batch_for_cp_rank(ids, cp_size=2, cp_rank=2)
+    with pytest.raises(ValueError, match="labels"):
+        split_batch_for_cp_rank(ids, ids[:, :8], cp_size=2, cp_rank=0)
+
+
+def test_pad_thd_sequences_for_cp():
+    cu = torch.tensor([0, 5, 8, 8, 16], dtype=torch.int32)
+    ids = torch.arange(16) + 1
+    out_ids, out_labels, out_cu = pad_thd_sequences_for_cp(ids, ids + 100, cu, cp_size=2)
+    assert out_cu.tolist() == [0, 8, 12, 12, 20] and out_cu.dtype == torch.int32
+    assert out_ids.tolist() == [1, 2, 3, 4, 5, 0, 0, 0, 6, 7, 8, 0, 9, 10, 11, 12, 13, 14, 15, 16]
+    assert out_labels.tolist()[5:8] == [-100] * 3 and out_labels.tolist()[:5] == [101, 102, 103, 104, 105]
+    # the padded batch splits
+    split_batch_for_cp_rank(out_ids, out_labels, None, out_cu, cp_size=2, cp_rank=1)
