@@ -1,0 +1,277 @@
+"""The routes of ops.attention for the calls the cuDNN route cannot take
+(packed thd, padded batches, dropout), timed side by side in one process on
+the same inputs: seqfuse's own kernels (SEQFUSE_ATTN_BACKEND=seqfuse), the
+flash route (torch's FlashAttention-2 through seqfuse.ops.attention, forced
+with set_attention_backend("flash"); python/seqfuse/ops/attn/_torch_routes.py),
+and, as the peer ceiling, torch SDPA on cuDNN on the equivalent padding-free
+bshd call (the same number of tokens cut into equal sequences of the
+token-weighted mean length, sum(len^2) / sum(len), so the same attention
+FLOPs per token; where the call has GQA, k and v repeated to q's heads).  Extra rows,
+labelled: cuDNN's own ragged (thd) attention reached through
+torch.ops.aten._cudnn_attention_forward with cum_seq (a candidate route, not
+routed today: recorded with its error where this torch refuses it), and the
+peer a Hugging Face user runs on padded batches (SDPA with a key-padding
+mask, torch's choice of kernel).
+
+Cases (bf16, forward and forward+backward):
+- ESM-2 650M packed: 20 heads x 64, real UniProt lengths (recipes/esm2/data/
+  subset, +2 special tokens, clamped to 50..1024; a lognormal fit where the
+  data is missing) up to 16k tokens, bidirectional; and the same with
+  attention dropout 0.1 (TE's default).
+- Llama 3 genomic packed: GQA 32/8 x 128, causal, one 8,192-token window;
+  and 4 x 2,048-token windows in one 8,192-token pack.
+- ESM-2 padded bshd: 16 rows of the real lengths right-padded to 1024,
+  key-padding mask ("padding"); useful FLOPs over the real tokens only.
+- Dropout: bshd 16 x 1024, 20 x 64, no mask, p = 0.1; torch's peer also
+  runs SDPA with dropout_p = 0.1 (its own choice of kernel).
+
+TFLOP/s = 4 * h * d * sum(len^2) (halved when causal), x3.5 with the
+backward, over the tokens each call really attends; per_token_ns = time /
+tokens; vs_ceiling = TFLOP/s / the cuDNN ceiling's TFLOP/s (the issue's goal
+is >= 0.95), vs_seqfuse = seqfuse's time / this time.  Timing: harness.
+cuda_time_ms (CUDA events, L2 flushed, median of 20 after 5 warm-ups).
+
+Run on the GPU machine after the build:
+    python3 benchmarks/attn/bench_routes.py [--json PATH]
+(about 40-60 s on an H200; JSON to benchmarks/results/bench_routes.json and,
+with --json, a copy at PATH).
+"""
+import argparse
+import itertools
+import math
+import os
+import random
+import shutil
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # benchmarks/: the shared harness
+
+import seqfuse  # noqa: E402
+from harness import Table, cuda_time_ms  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(HERE))
+TOKENS = 16384
+DT = torch.bfloat16
+
+
+def protein_lengths(rng, tokens=TOKENS, low=50, high=1024):
+    """Real UniProt lengths (+2 special tokens, clamped to [low, high]) up to
+    ``tokens``, else a lognormal fit (median 345, p90 872); and the source."""
+    path = os.path.join(ROOT, "recipes", "esm2", "data", "subset", "train.parquet")
+    try:
+        import pyarrow.parquet as pq
+
+        seqs = pq.read_table(path, columns=["sequence"]).column("sequence").to_pylist()
+        pool = [min(max(len(s) + 2, low), high) for s in seqs]
+        source = f"UniProt ({os.path.relpath(path, ROOT)}, {len(pool)} proteins)"
+    except Exception as e:  # pyarrow or the data missing: say so, use the fit
+        mu, sigma = math.log(345), (math.log(872) - math.log(345)) / 1.2816
+        pool = [min(max(int(rng.lognormvariate(mu, sigma)), low), high) for _ in range(20000)]
+        source = f"lognormal fit (median 345, p90 872; real data unavailable: {type(e).__name__})"
+    lengths = []
+    while True:
+        n = rng.choice(pool)
+        if sum(lengths) + n > tokens:
+            return lengths, source
+        lengths.append(n)
+
+
+def flops(lengths, h, d, causal, backward):
+    return 4.0 * h * d * sum(n * n for n in lengths) * (0.5 if causal else 1.0) * (3.5 if backward else 1.0)
+
+
+def timed(fn, inputs, dout, backward):
+    """Median ms of fn(*inputs) (no grad), or of its forward + backward
+    (torch.autograd.grad, so nothing accumulates between repeats)."""
+    if not backward:
+        def step():
+            with torch.no_grad():
+                fn(*inputs)
+    else:
+        xs = [x.detach().requires_grad_() for x in inputs]
+
+        def step():
+            out = fn(*xs)
+            torch.autograd.grad(out, xs, dout)
+    return cuda_time_ms(step)
+
+
+def via_ops(**kw):
+    """seqfuse.ops.attention with these keywords (run_case sets the backend)."""
+    def call(q, k, v):
+        return seqfuse.ops.attention(q, k, v, **kw)
+    return call
+
+
+def cudnn_ceiling(causal, repeat_kv):
+    """torch SDPA restricted to cuDNN on [b, s, h, d] tensors (bshd views)."""
+    def call(q, k, v):
+        if repeat_kv > 1:
+            k, v = k.repeat_interleave(repeat_kv, dim=2), v.repeat_interleave(repeat_kv, dim=2)
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                  is_causal=causal).transpose(1, 2)
+    return call
+
+
+def cudnn_ragged(cu, max_len, causal):
+    """cuDNN's ragged attention through torch's private op (a candidate)."""
+    def call(q, k, v):
+        return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, max_len, max_len, True, 0.0, causal,
+                                                       False)[0]
+    return call
+
+
+def sdpa_padded_mask(keep):
+    """torch SDPA with a key-padding mask, torch's choice of kernel (how
+    Hugging Face's sdpa attention runs a padded batch)."""
+    mask = keep[:, None, None, :]
+
+    def call(q, k, v):
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              attn_mask=mask).transpose(1, 2)
+    return call
+
+
+def sdpa_dropout(p):
+    def call(q, k, v):
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              dropout_p=p).transpose(1, 2)
+    return call
+
+
+class Case:
+    """One problem: its name, its rows' callables and inputs, and the FLOPs
+    and tokens each row really computes."""
+
+    def __init__(self, name, lengths, h, hk, d, causal):
+        self.name, self.lengths, self.h, self.hk, self.d, self.causal = name, lengths, h, hk, d, causal
+        self.rows = []  # (label, callable or None, inputs, dout, flop lengths, error)
+
+    def add(self, label, fn, inputs, flop_lengths, error=None):
+        dout = torch.randn_like(inputs[0]) if fn is not None else None
+        self.rows.append((label, fn, inputs, dout, flop_lengths, error))
+
+
+def _rand(*shape):
+    return torch.randn(*shape, device="cuda", dtype=DT)
+
+
+def packed_case(name, lengths, h, hk, d, causal, dropout=0.0):
+    case = Case(name, lengths, h, hk, d, causal)
+    t = sum(lengths)
+    q, k, v = _rand(t, h, d), _rand(t, hk, d), _rand(t, hk, d)
+    cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device="cuda")
+    mask = "padding_causal" if causal else "padding"
+    kw = dict(qkv_format="thd", attn_mask_type=mask, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
+              max_seqlen_kv=max(lengths), dropout_p=dropout)
+    for backend in ("seqfuse", "flash"):
+        case.add(f"{backend} thd", via_ops(**kw), (q, k, v), lengths)
+    if dropout == 0.0:
+        case.add("cuDNN ragged thd (candidate, aten._cudnn_attention_forward)", cudnn_ragged(cu, max(lengths), causal),
+                 (q, k, v), lengths)
+    # the ceiling: the same tokens as padding-free bshd in equal sequences of the token-weighted mean
+    # length sum(len^2) / sum(len) (so the same attention FLOPs per token), rounded to 64; without
+    # dropout (a dropout row's ceiling is the call it would be without it)
+    s = max(64, round(sum(n * n for n in lengths) / t / 64) * 64)
+    b = max(1, t // s)
+    qc, kc, vc = _rand(b, s, h, d), _rand(b, s, hk, d), _rand(b, s, hk, d)
+    case.add(f"ceiling: cuDNN SDPA bshd {b} x {s}" + (" (k/v repeated)" if hk != h else ""),
+             cudnn_ceiling(causal, h // hk), (qc, kc, vc), [s] * b)
+    return case
+
+
+def padded_case(name, lengths, s, h, d):
+    case = Case(name, lengths, h, h, d, False)
+    b = len(lengths)
+    q, k, v = _rand(b, s, h, d), _rand(b, s, h, d), _rand(b, s, h, d)
+    cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device="cuda")
+    kw = dict(qkv_format="bshd", attn_mask_type="padding", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    for backend in ("seqfuse", "flash"):
+        case.add(f"{backend} bshd padding", via_ops(**kw), (q, k, v), lengths)
+    keep = torch.arange(s, device="cuda")[None, :] < torch.tensor(lengths, device="cuda")[:, None]
+    case.add("peer: SDPA with a key-padding mask (torch's kernel choice)", sdpa_padded_mask(keep), (q, k, v),
+             lengths)
+    case.add(f"ceiling: cuDNN SDPA bshd {b} x {s} (no padding)", cudnn_ceiling(False, 1), (q, k, v), [s] * b)
+    return case
+
+
+def dropout_case(name, b, s, h, d, p):
+    case = Case(name, [s] * b, h, h, d, False)
+    q, k, v = _rand(b, s, h, d), _rand(b, s, h, d), _rand(b, s, h, d)
+    for backend in ("seqfuse", "flash"):
+        case.add(f"{backend} bshd dropout {p}", via_ops(dropout_p=p), (q, k, v), [s] * b)
+    case.add(f"peer: SDPA dropout_p={p} (torch's kernel choice)", sdpa_dropout(p), (q, k, v), [s] * b)
+    case.add(f"ceiling: cuDNN SDPA bshd {b} x {s} (no dropout)", cudnn_ceiling(False, 1), (q, k, v), [s] * b)
+    return case
+
+
+def run_case(table, case):
+    backend_was = seqfuse.ops.attn._routing._backend
+    for backward in (False, True):
+        figures = {}
+        for label, fn, inputs, dout, flop_lengths, error in case.rows:
+            backend = label.split(" ")[0]
+            if backend in ("seqfuse", "flash"):
+                seqfuse.ops.set_attention_backend(backend)
+            row = dict(case=case.name, direction="fwd+bwd" if backward else "fwd", route=label,
+                       heads=f"{case.h}/{case.hk}", head_dim=case.d, causal=case.causal,
+                       tokens=sum(flop_lengths), sequences=len(flop_lengths))
+            try:
+                ms = timed(fn, inputs, dout, backward)
+            except (RuntimeError, NotImplementedError) as e:  # recorded, not hidden
+                row["error"] = str(e).strip().splitlines()[0][:300]
+                table.add(**row)
+                continue
+            finally:
+                seqfuse.ops.set_attention_backend(backend_was or "auto")
+            tflops = flops(flop_lengths, case.h, case.d, case.causal, backward) / ms / 1e9
+            figures[label] = (ms, tflops)
+            row.update(ms=ms, tflops=tflops, per_token_ns=ms * 1e6 / sum(flop_lengths))
+            table.add(**row)
+        ceiling = next((v for k, v in figures.items() if k.startswith("ceiling")), None)
+        ours = next((v for k, v in figures.items() if k.startswith("seqfuse")), None)
+        for row in table.rows[-len(case.rows):]:
+            if "tflops" in row and ceiling:
+                row["vs_ceiling"] = row["tflops"] / ceiling[1]
+            if "ms" in row and ours:
+                row["vs_seqfuse"] = ours[0] / row["ms"]
+    torch.cuda.empty_cache()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="also copy the JSON here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_routes: needs a CUDA GPU")
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    lengths, source = protein_lengths(rng)
+    table = Table("bench_routes", ["case", "direction", "route", "ms", "tflops", "per_token_ns", "vs_ceiling",
+                                   "vs_seqfuse", "error"])
+    cases = [
+        lambda: packed_case("ESM-2 650M packed", lengths, 20, 20, 64, False),
+        lambda: packed_case("ESM-2 650M packed, dropout 0.1", lengths, 20, 20, 64, False, dropout=0.1),
+        lambda: packed_case("Llama GQA 32/8 x 128 causal, 1 x 8192", [8192], 32, 8, 128, True),
+        lambda: packed_case("Llama GQA 32/8 x 128 causal, 4 x 2048", [2048] * 4, 32, 8, 128, True),
+        lambda: padded_case("ESM-2 650M padded bshd 16 x 1024", lengths[:16], 1024, 20, 64),
+        lambda: dropout_case("ESM-2 650M bshd dropout", 16, 1024, 20, 64, 0.1),
+    ]
+    for make in cases:
+        run_case(table, make())
+    extra = {"protein_lengths_source": source, "protein_sequences": len(lengths), "protein_tokens": sum(lengths),
+             "protein_max_len": max(lengths), "command": " ".join([sys.executable] + sys.argv),
+             "flash_route": "seqfuse.ops.attention with set_attention_backend('flash')"}
+    path = table.save(extra)
+    if args.json:
+        shutil.copyfile(path, args.json)
+
+
+if __name__ == "__main__":
+    main()
