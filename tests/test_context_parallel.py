@@ -283,3 +283,31 @@ def test_pad_thd_sequences_for_cp():
     assert out_labels.tolist()[5:8] == [-100] * 3 and out_labels.tolist()[:5] == [101, 102, 103, 104, 105]
     # the padded batch splits
     split_batch_for_cp_rank(out_ids, out_labels, None, out_cu, cp_size=2, cp_rank=1)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_freqs_for_cp_rank_rotates_like_the_full_sequence(cp):
+    """Rotating a rank's tokens with freqs_for_cp_rank's rows equals the
+    rank's rows of the full sequence rotated (bshd, and thd through the sbhd
+    view of the packed tokens)."""
+    from seqfuse.modules.rope import RotaryPositionEmbedding, apply_rotary_pos_emb
+    from seqfuse.parallel import freqs_for_cp_rank
+
+    s = 4 * cp
+    freqs = RotaryPositionEmbedding(DIM)(s)
+    x = torch.randn(2, s, HEADS, DIM)
+    full = apply_rotary_pos_emb(x, freqs, "bshd")
+    lens = [2 * cp, 0, 4 * cp]
+    cu = torch.tensor([0] + list(torch.cumsum(torch.tensor(lens), 0)), dtype=torch.int32)
+    xt = torch.randn(sum(lens), HEADS, DIM)
+    full_t = apply_rotary_pos_emb(xt, freqs, "thd", cu_seqlens=cu)
+    for r in range(cp):
+        idx = local_token_index(torch.tensor([s]), cp, r)
+        got = apply_rotary_pos_emb(x.index_select(1, idx), freqs_for_cp_rank(freqs, cp, r), "bshd")
+        assert torch.allclose(got, full.index_select(1, idx), rtol=1e-6, atol=1e-6)
+        idx_t = local_token_index(torch.tensor(lens), cp, r)
+        local = freqs_for_cp_rank(freqs, cp, r, cu)
+        got_t = apply_rotary_pos_emb(xt.index_select(0, idx_t).unsqueeze(1), local, "sbhd").squeeze(1)
+        assert torch.allclose(got_t, full_t.index_select(0, idx_t), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="multiple of 2\\*cp_size"):
+        freqs_for_cp_rank(freqs[:s - 1], cp, 0)

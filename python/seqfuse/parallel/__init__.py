@@ -4,7 +4,8 @@ the per-rank batch split it needs (split_batch.py).  Modules reach the
 attention through DotProductAttention.set_context_parallel_group, with
 Transformer Engine's arguments."""
 from .context_parallel import COMM_TYPES, context_parallel_attention, local_token_index, merge_partial
-from .split_batch import CPBatch, get_batch_on_this_cp_rank, pad_thd_sequences_for_cp, split_batch_for_cp_rank
+from .split_batch import (CPBatch, freqs_for_cp_rank, get_batch_on_this_cp_rank, pad_thd_sequences_for_cp,
+                          split_batch_for_cp_rank)
 
 __all__ = ["COMM_TYPES", "context_parallel_attention", "local_token_index", "merge_partial", "CPBatch",
-           "split_batch_for_cp_rank", "get_batch_on_this_cp_rank", "pad_thd_sequences_for_cp"]
+           "split_batch_for_cp_rank", "freqs_for_cp_rank", "get_batch_on_this_cp_rank", "pad_thd_sequences_for_cp"]

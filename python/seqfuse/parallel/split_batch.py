@@ -9,6 +9,8 @@ BioNeMo's Llama 3 recipe do; position ids keep the tokens' positions in
 their full sequences (made here when not given), which is what rotary
 embeddings must be computed from.  ``cu_seqlens`` come back unchanged: the
 attention under CP takes the full batch's (TE's convention).
+``freqs_for_cp_rank`` picks the rows of a rotary angle table for a rank's
+tokens, which is what TE's apply_rotary_pos_emb(cp_size, cp_rank) does.
 
 Padding rule: every sequence length must be a multiple of 2*cp (bshd: the
 padded row length; thd: each packed sequence).  ``pad_thd_sequences_for_cp``
@@ -154,3 +156,37 @@ def pad_thd_sequences_for_cp(input_ids, labels, cu_seqlens, cp_size, padding_tok
     shape = (1, -1) if input_ids.dim() == 2 else (-1,)
     cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(padded, 0)]).to(cu_seqlens.device, torch.int32)
     return out_ids.view(shape), (out_labels.view(shape) if out_labels is not None else None), cu
+
+
+def freqs_for_cp_rank(freqs, cp_size, cp_rank, cu_seqlens=None):
+    """The rows of a rotary angle table ``freqs`` ([s, 1, 1, d], as
+    RotaryPositionEmbedding makes it, covering the full sequence) for this
+    rank's tokens: [s / cp, 1, 1, d] for bshd/sbhd (row i: the position of
+    local token i; rotate the local tensor with it as usual), or with
+    ``cu_seqlens`` (thd, the full batch's) one row per local packed token,
+    [t / cp, 1, 1, d]: rotate the local [t, h, d] tensor viewed as sbhd
+    [t, 1, h, d], each token then getting its own row."""
+    who = "freqs_for_cp_rank"
+    _check_cp(cp_size, cp_rank, who)
+    if not isinstance(freqs, torch.Tensor) or freqs.dim() != 4:
+        raise ValueError(f"{who}: freqs must be a [s, 1, 1, d] tensor, got "
+                         f"{tuple(freqs.shape) if isinstance(freqs, torch.Tensor) else type(freqs).__name__}")
+    if cu_seqlens is None:
+        lengths = torch.tensor([freqs.shape[0]])
+        position = local_token_index(lengths, cp_size, cp_rank) if freqs.shape[0] % (2 * cp_size) == 0 else None
+        if position is None:
+            raise ValueError(f"{who}: the table's length {freqs.shape[0]} must be the full sequence length, a "
+                             f"multiple of 2*cp_size = {2 * cp_size}")
+    else:
+        lengths = _lengths(cu_seqlens, who)
+        bad = (lengths % (2 * cp_size)) != 0
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ValueError(f"{who}: sequence {i}'s length {int(lengths[i])} in cu_seqlens is not a multiple of "
+                             f"2*cp_size = {2 * cp_size}")
+        if len(lengths) and int(lengths.max()) > freqs.shape[0]:
+            raise ValueError(f"{who}: freqs has {freqs.shape[0]} rows, the longest sequence {int(lengths.max())}")
+        starts = torch.cumsum(lengths, 0) - lengths
+        in_seq = torch.arange(int(lengths.sum())) - torch.repeat_interleave(starts, lengths)
+        position = in_seq[local_token_index(lengths, cp_size, cp_rank)]
+    return freqs.index_select(0, position.to(freqs.device))
