@@ -27,10 +27,12 @@ the backward; measured on an H200 at ESM-2 650M's shape, 16 x 1024 tokens,
 20 heads of dim 64, bf16, no mask: 23.5 ms of attention per training step
 against 57 ms for seqfuse's kernels); "flash" (torch's FlashAttention-2 for
 what cuDNN's route cannot take: packed thd, padded batches, GQA, windows,
-dropout; rules ``flash_eligibility`` and layouts in _torch_routes.py; on
-an H200, torch 2.11, forward+backward at 16k packed tokens it measured
-96-257 TFLOP/s against seqfuse's thd kernel's 91-196, see
-benchmarks/attn/bench_routes.py); and "torch_fp32" (float32 on CUDA, which
+dropout; rules ``flash_eligibility`` and layouts in _torch_routes.py;
+torch.nn.attention.varlen.varlen_attn, the same kernel, measured on an
+H200 with torch 2.11 at 16k packed tokens (bf16, /shared/DESIGN.md)
+96-257 TFLOP/s forward+backward against seqfuse's thd kernel's 91-196,
+and 118-268 forward against 121-303: auto takes it for training's sake,
+benchmarks/attn/bench_routes.py re-measures); and "torch_fp32" (float32 on CUDA, which
 seqfuse's CUDA kernels do not take: torch SDPA's memory-efficient or math
 kernels with an explicit mask, _torch_routes.py).  The choice is
 ``SEQFUSE_ATTN_BACKEND=auto|seqfuse|cudnn|flash``
