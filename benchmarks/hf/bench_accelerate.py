@@ -1,0 +1,263 @@
+"""seqfuse.hf.accelerate() against plain transformers and its peers, in one
+process on the same weights and the same batch (issue 21).
+
+Rows (``--rows``, in this order; Liger-Kernel last because its patch of
+transformers' module-level rotary function is global):
+
+  hf_eager             transformers as loaded (sdpa attention), bf16
+  hf_compile           the same with every decoder layer torch.compile'd
+                       (module.compile(): one graph reused by the layers)
+  seqfuse_bf16         seqfuse.hf.accelerate(model): fused layers and fused
+                       linear cross-entropy, bf16
+  seqfuse_fp8_delayed  accelerate(model, recipe=DelayedScaling())
+  seqfuse_fp8_block    accelerate(model, recipe=Float8BlockScaling())
+  liger                liger_kernel's apply_liger_kernel_to_<family>(model=...)
+                       (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy)
+
+Each row copies one base model (built once with a fixed seed, bf16 on the
+GPU), builds torch's fused AdamW over its parameters, runs ``--warmup`` steps
+(a compiled row compiles in the first) and times ``--steps`` training steps
+(forward with labels, backward, optimizer step) between two CUDA events:
+tokens/s = batch x seq x steps / time.  Peak memory is the most allocated
+during the warm-up and timed steps beyond what was allocated before the
+row's model copy was made (so: the row's weights, gradients, optimizer state
+and activations).  ``loss0`` is each row's first loss (same weights and
+batch: the rows must agree to bf16/FP8 rounding; a row that does not is a
+bug, not a speed-up).  ``--mode prefill`` times generation's prefill
+instead: a no-grad forward over the prompt with a key cache, logits of the
+last position only.
+
+Shapes (``--shape``): llama1b (Llama 3.2 1B: hidden 2048, FFN 8192, 16
+layers, 32 heads, 8 KV heads, vocabulary 128256, tied embeddings), qwen2_1.5b,
+mistral (Mistral 7B's layer at fewer layers: --layers), tiny (CPU smoke).
+``--layers`` overrides the layer count, ``--batch`` / ``--seq`` the tokens.
+
+Output: a table on stdout and benchmarks/results/<--out>.json with the run
+metadata (commit, versions, command), one row per implementation with
+tokens/s, ms per step, peak GiB, loss0, speed-up over hf_eager, and the
+issue's goals (seqfuse bf16 >= 1.3x and FP8 delayed >= 1.7x hf_eager, ahead
+of Liger's speed-up, peak memory at most hf_eager's and Liger's).
+"""
+import argparse
+import copy
+import gc
+import os
+import sys
+import time
+
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, BENCH)
+
+import torch  # noqa: E402
+
+import peers  # noqa: E402,F401  (seqfuse from a source checkout)
+from peers.meta import try_import  # noqa: E402
+from peers.timing import Results, error_text, parse_list  # noqa: E402
+
+ROWS = ("hf_eager", "hf_compile", "seqfuse_bf16", "seqfuse_fp8_delayed", "seqfuse_fp8_block", "liger")
+
+SHAPES = {
+    "llama1b": dict(family="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                    num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True,
+                    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 8192},
+                    max_position_embeddings=131072, rms_norm_eps=1e-5),
+    "qwen2_1.5b": dict(family="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                       num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+                       max_position_embeddings=32768, rms_norm_eps=1e-6),
+    "mistral": dict(family="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=4,
+                    num_attention_heads=32, num_key_value_heads=8, vocab_size=32768, tie_word_embeddings=False,
+                    max_position_embeddings=32768, rms_norm_eps=1e-5, sliding_window=None),
+    "tiny": dict(family="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True, max_position_embeddings=512),
+}
+
+FAMILY = {"llama": ("LlamaConfig", "LlamaForCausalLM", "apply_liger_kernel_to_llama"),
+          "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "apply_liger_kernel_to_qwen2"),
+          "mistral": ("MistralConfig", "MistralForCausalLM", "apply_liger_kernel_to_mistral")}
+
+
+def build_base(shape, layers, device):
+    import transformers
+
+    spec = dict(SHAPES[shape])
+    family = spec.pop("family")
+    if layers:
+        spec["num_hidden_layers"] = layers
+    cfg_cls, model_cls, _ = FAMILY[family]
+    cfg = getattr(transformers, cfg_cls)(**spec)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = getattr(transformers, model_cls)(cfg)
+    return model.to(torch.bfloat16), family
+
+
+def prepare(row, base, family):
+    """The row's model (a copy of base) and a note on what was done to it."""
+    model = copy.deepcopy(base)
+    if row == "hf_eager":
+        return model, "transformers, attn_implementation=" + model.config._attn_implementation
+    if row == "hf_compile":
+        for layer in model.model.layers:
+            layer.compile()
+        return model, "every decoder layer torch.compile'd (module.compile)"
+    if row.startswith("seqfuse"):
+        from seqfuse.common.recipe import DelayedScaling, Float8BlockScaling
+        from seqfuse.hf import accelerate
+
+        recipe = {"seqfuse_bf16": None, "seqfuse_fp8_delayed": DelayedScaling(),
+                  "seqfuse_fp8_block": Float8BlockScaling()}[row]
+        report = accelerate(model, recipe=recipe)
+        print(report, flush=True)
+        if len(report.fused) != model.config.num_hidden_layers:
+            raise RuntimeError(f"accelerate fused {len(report.fused)} of {model.config.num_hidden_layers} layers:\n"
+                               f"{report}")
+        return model, f"fused {len(report.fused)} layers; loss: {report.loss}"
+    if row == "liger":
+        mod, why = try_import("liger_kernel.transformers")
+        if mod is None:
+            raise RuntimeError(why)
+        getattr(mod, FAMILY[family][2])(model=model)
+        return model, f"liger_kernel {FAMILY[family][2]}(model=...) (rope, rms_norm, swiglu, fused linear CE)"
+    raise ValueError(row)
+
+
+def train_row(model, ids, warmup, steps, device):
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    loss0 = float(step().detach())
+    for _ in range(max(0, warmup - 1)):
+        step()
+    return loss0, _timed(step, steps, device)
+
+
+def prefill_row(model, ids, warmup, steps, device):
+    model.eval()
+
+    @torch.no_grad()
+    def step():
+        return model(input_ids=ids, use_cache=True, logits_to_keep=1).logits
+
+    first = step()
+    loss0 = float(first.float().logsumexp(-1).mean())  # a fingerprint of the last position's logits
+    for _ in range(max(0, warmup - 1)):
+        step()
+    return loss0, _timed(step, steps, device)
+
+
+def _timed(step, steps, device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / steps
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - t0) * 1e3 / steps
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="llama1b", choices=sorted(SHAPES))
+    p.add_argument("--layers", type=int, default=0, help="override the shape's layer count (0: the shape's)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {', '.join(ROWS)}")
+    p.add_argument("--mode", default="train", choices=("train", "prefill"))
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (a compiled row compiles in these)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", default=None, help="result name (benchmarks/results/NAME.json); default from the shape")
+    args = p.parse_args(argv)
+    rows = parse_list(p, "--rows", args.rows, ROWS)
+    rows = [r for r in ROWS if r in rows]  # Liger last: its rotary patch is module-wide
+    if min(args.batch, args.seq, args.steps) < 1 or args.warmup < 1:
+        p.error("--batch, --seq, --steps and --warmup must be >= 1")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA GPU here (use --device cpu --shape tiny for a smoke run)")
+    tokens = args.batch * args.seq
+    out = args.out or f"hf_accelerate_{args.shape}{'_prefill' if args.mode == 'prefill' else ''}_{tokens}"
+    base, family = build_base(args.shape, args.layers, device)
+    cfg = base.config
+    res = Results(out, __file__, extra=dict(
+        shape=args.shape, mode=args.mode, batch=args.batch, seq=args.seq, tokens=tokens,
+        layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, ffn=cfg.intermediate_size,
+        heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, vocab=cfg.vocab_size,
+        warmup=args.warmup, steps=args.steps, optimizer="torch.optim.AdamW(fused=True), bf16 weights"))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g).to(device)
+    run = train_row if args.mode == "train" else prefill_row
+    for row in rows:
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        model = None
+        try:
+            model, note = prepare(row, base, family)
+            loss0, ms = run(model, ids, args.warmup, args.steps, device)
+        except Exception as e:  # noqa: BLE001 - a failing row is recorded, the others still run
+            import traceback
+
+            traceback.print_exc()
+            res.add(row=row, error=error_text(e))
+            del model
+            continue
+        peak = (torch.cuda.max_memory_allocated() - before) / 2**30 if device.type == "cuda" else float("nan")
+        res.add(row=row, tokens_per_s=tokens / (ms / 1e3), ms_per_step=ms, peak_gib=peak, loss0=loss0,
+                wall_s=time.perf_counter() - t0, note=note)
+        del model
+    by = {r["row"]: r for r in res.rows if "tokens_per_s" in r}
+    base_row = by.get("hf_eager")
+    if base_row:
+        for r in by.values():
+            r["vs_hf_eager"] = r["tokens_per_s"] / base_row["tokens_per_s"]
+    print(f"\n{args.mode} {args.shape} ({cfg.num_hidden_layers} layers), {args.batch} x {args.seq} tokens")
+    print(f"{'row':22s} {'tokens/s':>12s} {'ms/step':>9s} {'peak GiB':>9s} {'vs eager':>9s} {'loss0':>9s}")
+    for r in res.rows:
+        if "error" in r:
+            print(f"{r['row']:22s} ERROR {r['error']}")
+        else:
+            print(f"{r['row']:22s} {r['tokens_per_s']:12.0f} {r['ms_per_step']:9.2f} {r['peak_gib']:9.2f} "
+                  f"{r.get('vs_hf_eager', float('nan')):9.3f} {r['loss0']:9.4f}")
+    goals = []
+    if base_row and args.mode == "train":
+        liger = by.get("liger")
+        for row, need in (("seqfuse_bf16", 1.3), ("seqfuse_fp8_delayed", 1.7)):
+            r = by.get(row)
+            if r is None:
+                continue
+            goals.append({"goal": f"{row} >= {need}x hf_eager", "value": r["vs_hf_eager"],
+                          "pass": r["vs_hf_eager"] >= need})
+            if liger:
+                goals.append({"goal": f"{row} ahead of liger", "value": r["vs_hf_eager"] / liger["vs_hf_eager"],
+                              "pass": r["vs_hf_eager"] > liger["vs_hf_eager"]})
+            for peer in ("hf_eager", "liger"):
+                if peer in by and device.type == "cuda":
+                    goals.append({"goal": f"{row} peak memory <= {peer}'s", "value": r["peak_gib"] / by[peer]["peak_gib"],
+                                  "pass": r["peak_gib"] <= by[peer]["peak_gib"]})
+    for gl in goals:
+        print(f"goal {gl['goal']}: {gl['value']:.3f} -> {'PASS' if gl['pass'] else 'FAIL'}")
+    res.save(goals=goals)
+
+
+if __name__ == "__main__":
+    main()
