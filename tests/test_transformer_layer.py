@@ -483,16 +483,16 @@ def test_linear_parameters_split():
 
 
 def test_bad_arguments():
-    with pytest.raises(NotImplementedError, match="output_layernorm"):
-        te.TransformerLayer(64, 96, 4, fuse_qkv_params=True, output_layernorm=True, device="cpu")
+    with pytest.raises(NotImplementedError, match="rotary_pos_interleaved"):
+        te.TransformerLayer(64, 96, 4, fuse_qkv_params=True, rotary_pos_interleaved=True, device="cpu")
     with pytest.raises(ValueError, match="layer_type"):
         te.TransformerLayer(64, 96, 4, fuse_qkv_params=True, layer_type="cross", device="cpu")
     with pytest.raises(ValueError, match="attn_input_format"):
         te.TransformerLayer(64, 96, 4, fuse_qkv_params=True, attn_input_format="bhsd", device="cpu")
     with pytest.raises(ValueError, match="num_gqa_groups"):
         te.TransformerLayer(64, 96, 4, num_gqa_groups=3, fuse_qkv_params=True, device="cpu")
-    with pytest.raises(NotImplementedError, match="drop_path_rate"):
-        te.TransformerLayer(64, 96, 4, fuse_qkv_params=True, drop_path_rate=0.1, device="cpu")
+    with pytest.raises(NotImplementedError, match="softmax_type"):
+        te.TransformerLayer(64, 96, 4, fuse_qkv_params=True, softmax_type="off-by-one", device="cpu")
     with pytest.raises(NotImplementedError, match="not_an_arg"):
         te.TransformerLayer(64, 96, 4, fuse_qkv_params=True, not_an_arg=1, device="cpu")
     layer = make_layer(fmt="bshd")

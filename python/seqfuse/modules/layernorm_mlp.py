@@ -68,7 +68,8 @@ ACTIVATIONS = ("gelu", "gelu_erf", "relu", "silu", "swiglu", "geglu", "reglu", "
 
 class _LayerNormMLPFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, ln_w, ln_b, w1, b1, w2, b2, eps, rms, zc, activation, q, ckpt=False, ret_ln=False):
+    def forward(ctx, x, ln_w, ln_b, w1, b1, w2, b2, eps, rms, zc, activation, q, ckpt=False, ret_ln=False,
+                first_mb=None):
         hidden = x.shape[-1]
         x2 = x.reshape(-1, hidden)
         lnw, lnb = norm_param(ln_w, x2), norm_param(ln_b, x2)
@@ -78,10 +79,10 @@ class _LayerNormMLPFn(torch.autograd.Function):
             kind, rows = q.kind, x2.shape[0]
             need_w1, need_w2 = ctx.needs_input_grad[3], ctx.needs_input_grad[5]
             lnq, mean, rstd = fp8_norm(q, x2, lnw, lnb, eps, rms, zc, need_w1)
-            p1 = q.weights[0].get(w1)
+            p1 = q.weights[0].get(w1, first_mb)
             h = F8.forward(lnq, p1, kind, dt, as_dtype(b1, dt), rows)
             aq = _fp8_act(q, h, activation, need_w2)
-            p2 = q.weights[1].get(w2)
+            p2 = q.weights[1].get(w2, first_mb)
             out = F8.forward(aq, p2, kind, dt, as_dtype(b2, dt), rows)
             ln_col = F8.saved(F8.columnwise(lnq, kind)) if need_w1 else (None, None)
             a_col = F8.saved(F8.columnwise(aq, kind)) if need_w2 else (None, None)
@@ -149,7 +150,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
         dx, dg, db = norm_backward(dln, x2, mean, rstd, lnw, rms, zc, has_ln_bias)
         return (dx.view(x_shape), as_dtype(dg, lnw_dt), as_dtype(db, lnw_dt), as_dtype(dw1, w1_dt),
                 as_dtype(db1, b1_dt), as_dtype(dw2, w2_dt), as_dtype(db2, b2_dt),
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)
 
 
 def _fc1_act(x2, lnw, lnb, eps, rms, zc, w1c, b1c, activation):
@@ -233,20 +234,21 @@ class LayerNormMLP(torch.nn.Module):
                 if b is not None:
                     b.zero_()
 
-    def forward(self, x):
+    def forward(self, x, is_first_microbatch=None):
+        """is_first_microbatch (TE): as LayerNormLinear's, for both weights."""
         check_input("LayerNormMLP", x, self.hidden_size, "hidden_size")
         q = fp8_quantizers(self, x)
         args = (x, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight, self.fc1_bias,
                 self.fc2_weight, None if self.return_bias else self.fc2_bias, self.eps,
                 self.normalization == "RMSNorm", self.zero_centered_gamma, self.activation, q)
         ret_ln = self.return_layernorm_output
-        out = self._run(args, q, ret_ln)
+        out = self._run(args, q, ret_ln, is_first_microbatch)
         if not self.return_bias:
             return out
         bias = self.fc2_bias.to(x.dtype) if self.fc2_bias is not None else None
         return (out[0], bias, out[1]) if ret_ln else (out, bias)
 
-    def _run(self, args, q, ret_ln):
+    def _run(self, args, q, ret_ln, first_mb):
         if self.checkpoint and q is not None and torch.is_grad_enabled():
             global _logged_fp8_checkpoint
             if not _logged_fp8_checkpoint:
@@ -254,8 +256,8 @@ class LayerNormMLP(torch.nn.Module):
                           "(FC2 included) through seqfuse.quantization.checkpoint")
                 _logged_fp8_checkpoint = True
             from ..quantization import checkpoint as fp8_checkpoint
-            return fp8_checkpoint(_LayerNormMLPFn.apply, *args, False, ret_ln)
-        return _LayerNormMLPFn.apply(*args, self.checkpoint, ret_ln)
+            return fp8_checkpoint(_LayerNormMLPFn.apply, *args, False, ret_ln, first_mb)
+        return _LayerNormMLPFn.apply(*args, self.checkpoint, ret_ln, first_mb)
 
     fp8_num_gemms = 2
 

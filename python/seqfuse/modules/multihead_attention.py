@@ -34,7 +34,7 @@ draws) of direct construction.
 
 Differences from TE, each raising NotImplementedError naming the argument
 rather than doing something else (seqfuse.modules.te_compat.REFUSED):
-``return_bias``, tensor/sequence/context parallelism and userbuffers,
+tensor/sequence/context parallelism and userbuffers,
 interleaved RoPE, non-vanilla softmax, KV caches (``inference_params``).
 """
 import math
@@ -86,13 +86,15 @@ class MultiheadAttention(torch.nn.Module):
                  fuse_qkv_params=False, zero_centered_gamma=False,
                  qkv_weight_interleaved=True, bias=True, normalization="LayerNorm", device=None,
                  qkv_format="sbhd", softmax_scale=None, name=None, qk_norm_type=None, qk_norm_eps=1e-6,
-                 qk_norm_before_rope=False, seq_length=None, micro_batch_size=None, **te_refused):
+                 qk_norm_before_rope=False, seq_length=None, micro_batch_size=None, return_bias=False,
+                 **te_refused):
         super().__init__()
         take_refused("MultiheadAttention", te_refused, unknown=NotImplementedError)
         if qk_norm_type is not None and qk_norm_type not in QK_NORM_TYPES:
             raise ValueError(f"MultiheadAttention: qk_norm_type must be None or one of {', '.join(QK_NORM_TYPES)}, "
                              f"got {qk_norm_type!r}")
         self.name, self.seq_length, self.micro_batch_size = name, seq_length, micro_batch_size
+        self.return_bias = bool(return_bias)  # the projection's bias returned, not added (TE)
         self.qk_norm_type, self.qk_norm_eps = qk_norm_type, float(qk_norm_eps)
         self.qk_norm_before_rope = bool(qk_norm_before_rope)
         if attention_type not in ("self", "cross"):
@@ -150,7 +152,7 @@ class MultiheadAttention(torch.nn.Module):
             np_, hn, num_gqa_groups=ng, attention_dropout=attention_dropout, qkv_format=qkv_format,
             attn_mask_type=attn_mask_type, window_size=window_size, layer_number=layer_number,
             attention_type=attention_type, softmax_scale=softmax_scale)
-        self.proj = Linear(np_ * hn, self.hidden_size, bias=bias,
+        self.proj = Linear(np_ * hn, self.hidden_size, bias=bias, return_bias=self.return_bias,
                            **_kw(output_layer_init_method, params_dtype, device),
                            **given(get_rng_state_tracker=get_rng_state_tracker))
         if qk_norm_type == "L2Normalization":  # parameter-free: one module serves both, as in TE
@@ -206,8 +208,8 @@ class MultiheadAttention(torch.nn.Module):
         k, v = torch.split(mixed, [ng * hn, ng * hn], dim=-1)
         return k.view(*lead, ng, hn), v.view(*lead, ng, hn)
 
-    def _norm_proj(self, module, x):
-        out = module(x)
+    def _norm_proj(self, module, x, is_first_microbatch=None):
+        out = module(x, is_first_microbatch=is_first_microbatch)
         if self.return_layernorm_output and self.input_layernorm:
             return out[0], out[1]
         return out, None
@@ -238,19 +240,19 @@ class MultiheadAttention(torch.nn.Module):
         ln_out = None
         if self.attention_type == "self":
             if self.input_layernorm:
-                mixed, ln_out = self._norm_proj(self.layernorm_qkv, hidden_states)
+                mixed, ln_out = self._norm_proj(self.layernorm_qkv, hidden_states, is_first_microbatch)
             else:
-                mixed = self.qkv(hidden_states)
+                mixed = self.qkv(hidden_states, is_first_microbatch=is_first_microbatch)
             q, k, v = self._split_qkv(mixed)
         else:
             if encoder_output is None:
                 raise ValueError("MultiheadAttention: attention_type 'cross' needs encoder_output")
             if self.input_layernorm:
-                mixed_q, ln_out = self._norm_proj(self.layernorm_query, hidden_states)
+                mixed_q, ln_out = self._norm_proj(self.layernorm_query, hidden_states, is_first_microbatch)
             else:
-                mixed_q = self.query_layer(hidden_states)
+                mixed_q = self.query_layer(hidden_states, is_first_microbatch=is_first_microbatch)
             q = mixed_q.view(*mixed_q.shape[:-1], self.num_attention_heads, self.kv_channels)
-            k, v = self._split_kv(self.key_value(encoder_output))
+            k, v = self._split_kv(self.key_value(encoder_output, is_first_microbatch=is_first_microbatch))
 
         if self.q_norm is not None and self.qk_norm_before_rope:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -270,10 +272,11 @@ class MultiheadAttention(torch.nn.Module):
             max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
             core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
             alibi_slopes=alibi_slopes)
-        out = self.proj(context)
+        out = self.proj(context, is_first_microbatch=is_first_microbatch)  # (output, bias) with return_bias
+        outputs = list(out) if self.return_bias else [out]
         if self.return_layernorm_output and self.input_layernorm:
-            return out, ln_out
-        return out
+            outputs.append(ln_out)  # TE's order: output, bias, norm output
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     def extra_repr(self):
         return (f"hidden_size={self.hidden_size}, heads={self.num_attention_heads}, "

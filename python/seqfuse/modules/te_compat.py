@@ -92,8 +92,6 @@ REFUSED = {
     "MultiheadAttention": {
         **_parallel(_UB_ARGS), "set_parallel_mode": _entry(True, (False,), _TP),
         "bottom_right_diagonal": _BOTTOM_RIGHT, "softmax_type": _SOFTMAX,
-        "return_bias": _entry(True, (False,), "the output projection's bias is added inside its GEMM; use "
-                              "bias=False and add your own"),
         "rotary_pos_interleaved": _INTERLEAVED_ROPE,
         "fuse_wgrad_accumulation": _WGRAD_ACC,
     },
@@ -103,13 +101,6 @@ REFUSED = {
         "bottom_right_diagonal": _BOTTOM_RIGHT, "enc_dec_bottom_right_diagonal": _BOTTOM_RIGHT,
         "softmax_type": _SOFTMAX, "rotary_pos_interleaved": _INTERLEAVED_ROPE,
         "fuse_wgrad_accumulation": _WGRAD_ACC, "activation_params": _ACT_PARAMS,
-        "apply_residual_connection_post_layernorm": _entry(True, (False,), "post-LN residuals are not "
-                                                           "implemented (pre-LN layers only)"),
-        "output_layernorm": _entry(True, (False,), "a final LayerNorm inside the layer is not implemented; "
-                                   "add a seqfuse.pytorch.LayerNorm after the layer"),
-        "parallel_attention_mlp": _entry(True, (False,), "parallel attention + MLP blocks are not "
-                                         "implemented (sequential pre-LN layers only)"),
-        "drop_path_rate": _entry(0.1, (0.0, 0), "stochastic depth (drop path) is not implemented"),
     },
 }
 

@@ -19,11 +19,20 @@ MultiheadAttention's, applied in self- and cross-attention as in TE.
 nothing here.  ``device="meta"`` defers initialisation to
 reset_parameters() (MultiheadAttention's note).
 
+TE's layer variants, as TE computes them:
+``apply_residual_connection_post_layernorm`` (the residual of each block is
+its norm's output, not its input), ``output_layernorm`` (no norm in front of
+self-attention, a norm after the MLP's residual: BERT's post-LN layer),
+``parallel_attention_mlp`` (x + dropout(attention(x) + mlp(x)); not with
+the two post-LN flags, as in TE, nor with layer_type "decoder"), and
+``drop_path_rate`` (stochastic depth on the self-attention and MLP branches
+in training: each slice along the input's first dimension kept with
+probability 1 - rate and scaled by 1 / (1 - rate), TE's DropPath).
+
 Differences from TE, each raising NotImplementedError naming the argument
-(seqfuse.modules.te_compat.REFUSED): post-LN variants
-(``apply_residual_connection_post_layernorm``, ``output_layernorm``),
-``parallel_attention_mlp``, ``drop_path_rate`` > 0, tensor/sequence/context
-parallelism, KV caches.  ``fuse_qkv_params=False`` (TE's default) gives
+(seqfuse.modules.te_compat.REFUSED): tensor/sequence/context parallelism,
+interleaved RoPE, non-vanilla softmax, fused weight-gradient accumulation,
+activation parameters, KV caches.  ``fuse_qkv_params=False`` (TE's default) gives
 separate query/key/value parameters, still one QKV GEMM (see
 MultiheadAttention).  Unlike TE, ``device``
 defaults to the GPU only where seqfuse can use one (else the CPU).
@@ -32,6 +41,7 @@ import torch
 
 from .layernorm_mlp import LayerNormMLP
 from .multihead_attention import MultiheadAttention, given
+from .norm import LayerNorm, RMSNorm
 from .te_compat import take_refused
 
 
@@ -47,11 +57,23 @@ class TransformerLayer(torch.nn.Module):
                  qkv_weight_interleaved=True, bias=True, activation="gelu", normalization="LayerNorm",
                  device=None, attn_input_format="sbhd", name=None, softmax_scale=None, qk_norm_type=None,
                  qk_norm_eps=1e-6, qk_norm_before_rope=False, ub_overlap_ag=True, ub_overlap_rs=True,
-                 ub_overlap_rs_dgrad=False, ub_bulk_dgrad=True, ub_bulk_wgrad=True, **te_refused):
+                 ub_overlap_rs_dgrad=False, ub_bulk_dgrad=True, ub_bulk_wgrad=True,
+                 apply_residual_connection_post_layernorm=False, output_layernorm=False,
+                 parallel_attention_mlp=False, drop_path_rate=0.0, **te_refused):
         super().__init__()
         # the ub_* flags: TE reads them only with ub_tp_comm_overlap=True (refused), so any value is taken
         take_refused("TransformerLayer", te_refused, unknown=NotImplementedError)
         self.seq_length, self.micro_batch_size = seq_length, micro_batch_size
+        self.apply_residual_connection_post_layernorm = post_ln = bool(apply_residual_connection_post_layernorm)
+        self.output_layernorm = bool(output_layernorm)
+        self.parallel_attention_mlp = bool(parallel_attention_mlp)
+        if self.parallel_attention_mlp and (post_ln or self.output_layernorm or layer_type == "decoder"):
+            raise NotImplementedError("TransformerLayer: parallel_attention_mlp=True is not supported together "
+                                      "with apply_residual_connection_post_layernorm, output_layernorm or "
+                                      "layer_type 'decoder' (TE refuses the first two as well)")
+        if not 0.0 <= drop_path_rate < 1.0:
+            raise ValueError(f"TransformerLayer: drop_path_rate must be in [0, 1), got {drop_path_rate}")
+        self.drop_path_rate = float(drop_path_rate)
         if layer_type not in ("encoder", "decoder"):
             raise ValueError(f"TransformerLayer: layer_type must be 'encoder' or 'decoder', got {layer_type!r}")
         if attn_input_format not in ("sbhd", "bshd", "thd"):
@@ -71,9 +93,10 @@ class TransformerLayer(torch.nn.Module):
         self.name = name
         common = dict(kv_channels=kv_channels, attention_dropout=attention_dropout,
                       layernorm_epsilon=layernorm_epsilon, init_method=init_method,
+                      return_layernorm_output=post_ln,
                       output_layer_init_method=output_layer_init_method, layer_number=layer_number,
                       num_gqa_groups=num_gqa_groups, params_dtype=params_dtype,
-                      input_layernorm=True, get_rng_state_tracker=get_rng_state_tracker,
+                      get_rng_state_tracker=get_rng_state_tracker,
                       fuse_qkv_params=fuse_qkv_params, zero_centered_gamma=zero_centered_gamma,
                       qkv_weight_interleaved=qkv_weight_interleaved, bias=bias,
                       normalization=normalization, device=device, qkv_format=attn_input_format,
@@ -82,18 +105,22 @@ class TransformerLayer(torch.nn.Module):
                       micro_batch_size=micro_batch_size)
         self.self_attention = MultiheadAttention(
             hidden_size, num_attention_heads, attn_mask_type=self_attn_mask_type, window_size=window_size,
-            attention_type="self", **common)
+            attention_type="self", input_layernorm=not self.output_layernorm, **common)
         if layer_type == "decoder":
             self.inter_attention = MultiheadAttention(
                 hidden_size, num_attention_heads, attn_mask_type=enc_dec_attn_mask_type,
-                window_size=enc_dec_window_size, attention_type="cross", **common)
+                window_size=enc_dec_window_size, attention_type="cross", input_layernorm=True, **common)
         mlp_kw = dict(eps=layernorm_epsilon, bias=bias, normalization=normalization, activation=activation,
                       zero_centered_gamma=zero_centered_gamma, device=device, seq_length=seq_length,
-                      micro_batch_size=micro_batch_size,
+                      micro_batch_size=micro_batch_size, return_layernorm_output=post_ln,
                       **given(params_dtype=params_dtype, init_method=init_method,
                               output_layer_init_method=output_layer_init_method,
                               get_rng_state_tracker=get_rng_state_tracker))
         self.layernorm_mlp = LayerNormMLP(hidden_size, ffn_hidden_size, **mlp_kw)
+        if self.output_layernorm:  # BERT's post-LN: a norm after the MLP's residual
+            norm = LayerNorm if normalization == "LayerNorm" else RMSNorm
+            self.layernorm = norm(hidden_size, eps=layernorm_epsilon, zero_centered_gamma=zero_centered_gamma,
+                                  **given(params_dtype=params_dtype, device=device))
 
     def reset_parameters(self):
         """Initialise every submodule in construction order (deferred
@@ -101,8 +128,16 @@ class TransformerLayer(torch.nn.Module):
         for module in self.children():
             module.reset_parameters()
 
-    def _residual(self, residual, x):
-        return residual + torch.nn.functional.dropout(x, p=self.hidden_dropout, training=self.training)
+    def _residual(self, residual, x, drop_path=False):
+        """residual + dropout(x), x's slices along dim 0 also dropped with
+        drop_path_rate (training only) where ``drop_path`` (TE's DropPath)."""
+        out = torch.nn.functional.dropout(x, p=self.hidden_dropout, training=self.training)
+        if drop_path and self.drop_path_rate > 0.0 and self.training:
+            keep = 1.0 - self.drop_path_rate
+            mask = (keep + torch.rand((out.shape[0],) + (1,) * (out.dim() - 1), dtype=out.dtype,
+                                      device=out.device)).floor_()
+            out = out.div(keep) * mask
+        return residual + out
 
     def forward(self, hidden_states, attention_mask=None, self_attn_mask_type=None, window_size=None,
                 encoder_output=None, enc_dec_attn_mask=None, enc_dec_attn_mask_type=None,
@@ -123,8 +158,16 @@ class TransformerLayer(torch.nn.Module):
             rotary_pos_emb=rotary_pos_emb, core_attention_bias_type=core_attention_bias_type,
             core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes,
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
-            max_seqlen_kv=max_seqlen_kv, qkv_format=qkv_format)
-        x = self._residual(hidden_states, attn_out)
+            max_seqlen_kv=max_seqlen_kv, qkv_format=qkv_format, is_first_microbatch=is_first_microbatch)
+        post_ln = self.apply_residual_connection_post_layernorm
+        if post_ln and not self.output_layernorm:  # the residual is the norm's output
+            attn_out, residual = attn_out
+        else:
+            residual = hidden_states
+        if self.parallel_attention_mlp:  # attention and MLP both read the layer's input
+            mlp_out = self.layernorm_mlp(hidden_states, is_first_microbatch=is_first_microbatch)
+            return self._residual(hidden_states, attn_out + mlp_out, drop_path=True)
+        x = self._residual(residual, attn_out, drop_path=True)
         if self.layer_type == "decoder":
             if encoder_output is None:
                 raise ValueError("TransformerLayer: layer_type 'decoder' needs encoder_output")
@@ -134,9 +177,13 @@ class TransformerLayer(torch.nn.Module):
             cross = self.inter_attention(
                 x, attention_mask=enc_dec_attn_mask, encoder_output=encoder_output,
                 attn_mask_type=enc_dec_attn_mask_type, window_size=enc_dec_window_size,
-                qkv_format=qkv_format)
-            x = self._residual(x, cross)
-        return self._residual(x, self.layernorm_mlp(x))
+                qkv_format=qkv_format, is_first_microbatch=is_first_microbatch)
+            cross, residual = cross if post_ln else (cross, x)
+            x = self._residual(residual, cross)
+        mlp_out = self.layernorm_mlp(x, is_first_microbatch=is_first_microbatch)
+        mlp_out, residual = mlp_out if post_ln else (mlp_out, x)
+        out = self._residual(residual, mlp_out, drop_path=True)
+        return self.layernorm(out) if self.output_layernorm else out
 
     def extra_repr(self):
         return (f"hidden_size={self.hidden_size}, layer_type={self.layer_type}, "
