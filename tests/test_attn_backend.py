@@ -367,10 +367,11 @@ def test_choice_is_cached_per_call_key(monkeypatch):
     seqfuse.ops.attention_backend(q, k, v, attn_mask_type="causal")  # a new key
     assert len(facts) == 2
     torch.backends.cuda.enable_cudnn_sdp(False)
-    try:  # the global switches are read at every call: without cuDNN the call takes the flash route
-        assert seqfuse.ops.attention_backend(q, k, v)[0] == "flash"
+    try:  # the global switches are read at every call: without cuDNN a training call takes the flash route
+        qg = q.detach().requires_grad_()
+        assert seqfuse.ops.attention_backend(qg, k, v)[0] == "flash"
         torch.backends.cuda.enable_flash_sdp(False)
-        name, reason = seqfuse.ops.attention_backend(q, k, v)
+        name, reason = seqfuse.ops.attention_backend(qg, k, v)
         assert name == "seqfuse" and reason.startswith("cudnn_sdp_enabled: ") and \
             "; flash route: flash_sdp_enabled: " in reason
     finally:

@@ -136,6 +136,8 @@ FLASH_BROKEN = [
     ("capability", dict(capability=(10, 0))),
     ("capability", dict(capability=None)),
     ("flash_sdp_enabled", dict(flash_enabled=False)),
+    ("forward_only", dict(needs_grad=False)),
+    ("forward_only", dict(needs_grad=False, head_dim=128, heads_kv=5)),
 ]
 
 FLASH_STILL_OK = [
@@ -152,6 +154,9 @@ FLASH_STILL_OK = [
     dict(head_dim=8), dict(head_dim=16), dict(head_dim=24), dict(head_dim=96), dict(head_dim=256),
     dict(dropout_p=0.1), dict(dropout_p=0.0, explicit_rng=True), dict(dtype=torch.float16),
     dict(capability=(8, 0), check_capability=False),
+    dict(needs_grad=False, dropout_p=0.1),  # seqfuse's dropout forward is the slower sm80 kernel
+    dict(needs_grad=False, head_dim=256), dict(needs_grad=False, head_dim=96),  # head dims seqfuse's CUDA lacks
+    dict(needs_grad=False, check_capability=False),  # forced flash
 ]
 
 
@@ -173,13 +178,15 @@ def test_flash_still_eligible(change):
 
 def test_flash_rules_are_checked_in_order():
     order = ["alignment", "rng_state", "deterministic", "dtype", "gqa", "head_dim", "device", "capability",
-             "flash_sdp_enabled"]
-    facts = {**FLASH_OK, **dict(attn_mask_type="padding_causal", dropout_p=0.2, explicit_rng=True,
+             "forward_only", "flash_sdp_enabled"]
+    facts = {**FLASH_OK, **dict(attn_mask_type="padding_causal", dropout_p=0.0, explicit_rng=True,
                                 deterministic=True, dtype=torch.float32, heads_kv=3, head_dim=12, device_type="cpu",
-                                capability=(8, 0), flash_enabled=False)}
-    fixes = [dict(same_cu=True), dict(explicit_rng=False), dict(deterministic=False), dict(dtype=torch.float16),
+                                capability=(8, 0), flash_enabled=False, needs_grad=False)}
+    fixes = [dict(same_cu=True), dict(dropout_p=0.2), dict(deterministic=False), dict(dtype=torch.float16),
              dict(heads_kv=4), dict(head_dim=64), dict(device_type="cuda"), dict(capability=(9, 0)),
-             dict(flash_enabled=True)]
+             dict(needs_grad=True), dict(flash_enabled=True)]
+    facts["dropout_p"] = 0.2  # with explicit_rng: the rng_state rule; fixed by dropping explicit_rng below
+    fixes[1] = dict(explicit_rng=False, dropout_p=0.0)
     for rule, fix in zip(order, fixes):
         assert FLASH(**facts)[0] == rule
         facts.update(fix)
@@ -267,14 +274,30 @@ CHOICES = [  # (what, the call, expected route, the reason's start)
 @pytest.mark.parametrize("what,make,kw,route,start", CHOICES, ids=[c[0] for c in CHOICES])
 def test_choice_on_an_h200(what, make, kw, route, start, emulated_h200):
     q, k, v, base = make()
+    q.requires_grad_()  # a training call (without gradients auto keeps seqfuse's faster forward: forward_only)
     name, reason = seqfuse.ops.attention_backend(q, k, v, **{**base, **kw})
     assert (name, reason[:len(start)]) == (route, start), reason
     if name == "seqfuse" and not start.startswith("inputs"):
         assert "; flash route: " in reason
 
 
+def test_forward_only_calls_keep_seqfuses_forward(emulated_h200):
+    q, k, v, kw = thd_case([5, 7], d=64)
+    name, reason = seqfuse.ops.attention_backend(q, k, v, **kw)
+    assert name == "seqfuse" and reason.startswith("qkv_format: ") and "; flash route: forward_only: " in reason
+    assert seqfuse.ops.attention_backend(q, k, v, **kw, dropout_p=0.1)[0] == "flash"
+    q.requires_grad_()
+    assert seqfuse.ops.attention_backend(q, k, v, **kw)[0] == "flash"
+    with torch.no_grad():
+        assert seqfuse.ops.attention_backend(q, k, v, **kw)[1].endswith(
+            "forward_only: no gradient is needed and seqfuse's forward measured faster than FlashAttention's")
+    q96, k96, v96, kw96 = thd_case([5, 7], d=96)  # seqfuse's CUDA kernels lack head dim 96
+    assert seqfuse.ops.attention_backend(q96, k96, v96, **kw96)[0] == "flash"
+
+
 def test_stays_on_seqfuse_names_both_rules(emulated_h200):
     q, k, v, kw = thd_case([5, 7])
+    q.requires_grad_()
     name, reason = seqfuse.ops.attention_backend(q, k, v, **kw, dropout_p=0.1, rng_state=(1, 0))
     assert name == "seqfuse"
     assert reason.startswith("qkv_format: qkv_format 'thd'") and \
@@ -326,6 +349,7 @@ def test_float32_cuda_call_no_route_takes_raises(emulated_h200):
 
 def test_choice_key_tells_one_cu_from_two(emulated_h200):
     q, k, v, kw = thd_case([5, 7])
+    q.requires_grad_()
     causal = dict(kw, attn_mask_type="padding_causal")
     assert seqfuse.ops.attention_backend(q, k, v, **causal)[0] == "flash"
     two = dict(causal, cu_seqlens_kv=causal["cu_seqlens_q"].clone())
@@ -376,7 +400,7 @@ THD_RUNS = [
 def test_flash_route_thd(what, case, extra, flash_calls):
     q, k, v, kw = thd_case(**case)
     kw.update(extra)
-    assert seqfuse.ops.attention_backend(q, k, v, **kw)[0] == "flash"
+    assert seqfuse.ops.attention_backend(q.detach().requires_grad_(), k, v, **kw)[0] == "flash"
     ours, ref = _both(q, k, v, kw)
     assert len(flash_calls) == 1
     call = flash_calls[0]
@@ -415,7 +439,7 @@ def test_flash_route_padded(what, fmt, b, s_q, s_kv, lq, lk, extra, flash_calls)
     hk = 2 if "gqa" in what else 4
     q, k, v, kw = padded_case(fmt, b, s_q, s_kv, lq, lk, hk=hk)
     kw.update(extra)
-    assert seqfuse.ops.attention_backend(q, k, v, **kw)[0] == "flash"
+    assert seqfuse.ops.attention_backend(q.detach().requires_grad_(), k, v, **kw)[0] == "flash"
     ours, ref = _both(q, k, v, kw)
     call = flash_calls[0]
     assert call["q"].shape == (b * s_q, 4, 16) and call["cu_q"].numel() == 3 * b + 1
@@ -441,7 +465,7 @@ DENSE_RUNS = [
 @pytest.mark.parametrize("what,fmt,s_q,s_kv,hk,extra", DENSE_RUNS, ids=[r[0] for r in DENSE_RUNS])
 def test_flash_route_dense(what, fmt, s_q, s_kv, hk, extra, flash_calls):
     q, k, v, _ = padded_case(fmt, 2, s_q, s_kv, [s_q, s_q], hk=hk)
-    assert seqfuse.ops.attention_backend(q, k, v, qkv_format=fmt, **extra)[0] == "flash"
+    assert seqfuse.ops.attention_backend(q.detach().requires_grad_(), k, v, qkv_format=fmt, **extra)[0] == "flash"
     ours, ref = _both(q, k, v, dict(qkv_format=fmt, **extra))
     call = flash_calls[0]
     assert call["cu_q"] is None and call["q"].shape == (2, s_q, 4, 16)
@@ -452,13 +476,13 @@ def test_flash_route_dense(what, fmt, s_q, s_kv, hk, extra, flash_calls):
 
 def test_flash_route_dropout_reaches_the_kernel_and_rng_state_stays(flash_calls):
     q, k, v, kw = thd_case([6, 5])
-    out = seqfuse.ops.attention(q, k, v, **kw, dropout_p=0.25)
+    out = seqfuse.ops.attention(q, k, v, **kw, dropout_p=0.25)  # no gradient, but dropout: the flash route
     assert len(flash_calls) == 1 and flash_calls[0]["dropout_p"] == 0.25
-    no_drop = seqfuse.ops.attention(q, k, v, **kw)
-    assert not torch.equal(out, no_drop)
+    no_drop = seqfuse.ops.attention(q, k, v, **kw)  # forward_only: seqfuse's kernels
+    assert len(flash_calls) == 1 and not torch.equal(out, no_drop)
     # an explicit (seed, offset): seqfuse's Philox mask, seqfuse's kernels
     pinned = seqfuse.ops.attention(q, k, v, **kw, dropout_p=0.25, rng_state=(11, 0))
-    assert len(flash_calls) == 2
+    assert len(flash_calls) == 1
     assert torch.equal(pinned, seqfuse.ops.attention_fwd(q, k, v, **kw, dropout_p=0.25, rng_state=(11, 0))[0])
 
 
@@ -469,9 +493,10 @@ def test_flash_route_logs_once_and_falls_back_on_runtime_error(monkeypatch, emul
         raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.")
 
     monkeypatch.setattr(routes, "_flash_forward", broken)
+    q.requires_grad_()
     with caplog.at_level(logging.INFO, logger="seqfuse"):
-        out = seqfuse.ops.attention(q, k, v, **kw)
-        again = seqfuse.ops.attention(q, k, v, **kw)
+        out = seqfuse.ops.attention(q, k, v, **kw).detach()
+        again = seqfuse.ops.attention(q, k, v, **kw).detach()
     infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert infos == ["seqfuse attention: thd no_mask d=16 bfloat16 runs torch's FlashAttention-2 (set "
@@ -493,6 +518,7 @@ def test_flash_route_does_not_swallow_cuda_errors(monkeypatch, emulated_h200):
 
     monkeypatch.setattr(routes, "_flash_forward", broken)
     q, k, v, kw = thd_case([6, 5])
+    q.requires_grad_()
     with pytest.raises(RuntimeError, match="illegal memory access"):
         seqfuse.ops.attention(q, k, v, **kw)
     assert routing._route_failed == {}

@@ -194,13 +194,16 @@ def test_cuda_auto_sends_packed_padded_gqa_dropout_to_flash(flash_calls):
     seqfuse.ops.set_attention_backend("auto")
     rng = random.Random(0)
     q, k, v, dout, _, _, kw = _thd(rng, 3, 128, 128, 4, 4, 64, torch.bfloat16, "padding")
-    assert seqfuse.ops.attention_backend(q, k, v, **kw)[0] == "flash"
+    assert seqfuse.ops.attention_backend(q.requires_grad_(), k, v, **kw)[0] == "flash"
+    with torch.no_grad():  # forward only: seqfuse's forward (measured faster)
+        assert seqfuse.ops.attention_backend(q, k, v, **kw)[0] == "seqfuse"
     q, k, v, dout, _, _, kw = _padded(rng, "bshd", 3, 128, 128, 4, 4, 64, torch.bfloat16, "padding_causal")
-    assert seqfuse.ops.attention_backend(q, k, v, **kw)[0] == "flash"
+    assert seqfuse.ops.attention_backend(q.requires_grad_(), k, v, **kw)[0] == "flash"
     x = _randn((2, 128, 4, 64), torch.bfloat16)
     assert seqfuse.ops.attention_backend(x, x, x, dropout_p=0.1)[0] == "flash"
-    assert seqfuse.ops.attention_backend(x, x[:, :, :2], x[:, :, :2])[0] == "flash"
-    assert seqfuse.ops.attention_backend(x, x, x)[0] == "cudnn"  # padding-free MHA stays on cuDNN
+    xg = x.detach().requires_grad_()
+    assert seqfuse.ops.attention_backend(xg, x[:, :, :2], x[:, :, :2])[0] == "flash"
+    assert seqfuse.ops.attention_backend(xg, x, x)[0] == "cudnn"  # padding-free MHA stays on cuDNN
 
 
 def test_cuda_flash_thd_in_a_cuda_graph(seed):

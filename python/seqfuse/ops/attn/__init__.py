@@ -48,5 +48,5 @@ from ._torch_routes import flash_eligibility, fp32_eligibility
 
 __all__ = ["attention", "attention_fwd", "attention_bwd", "attention_fwd_kernel", "attention_bwd_kernel",
            "set_attention_fwd_kernel", "set_attention_bwd_kernel", "attention_backend", "set_attention_backend",
-           "cudnn_eligibility", "flash_eligibility", "fp32_eligibility", "dropout_rng_state", "padding_layout", "PaddingLayout", "PerTensorCache",
-           "FORMATS", "MASKS", "BACKENDS"]
+           "cudnn_eligibility", "flash_eligibility", "fp32_eligibility", "dropout_rng_state", "padding_layout",
+           "PaddingLayout", "PerTensorCache", "FORMATS", "MASKS", "BACKENDS"]

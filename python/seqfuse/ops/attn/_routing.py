@@ -66,7 +66,9 @@ takes ("seqfuse", "cudnn", "flash" or "torch_fp32") and why.
 - then, in auto, a call cuDNN does not take goes to "flash" where every
   rule of ``flash_eligibility`` holds (_torch_routes.py: ``alignment``,
   ``rng_state``, ``deterministic``, ``dtype``, ``gqa``, ``head_dim``,
-  ``lengths``, ``device``, ``capability`` (9.0 in auto), and
+  ``lengths``, ``device``, ``capability`` (9.0 in auto), ``forward_only``
+  (in auto a call without gradients or dropout, at a head dim seqfuse's
+  CUDA kernels take, stays on them: their forward measured faster) and
   ``flash_sdp_enabled``), then float32 CUDA calls to "torch_fp32" (rules
   ``fp32_eligibility``: ``rng_state``, ``graph_capture``); a float32 CUDA
   call that breaks those raises NotImplementedError naming the rule (no
@@ -325,8 +327,8 @@ def _decide(mode, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, d
             explicit_rng, switches):
     """(backend, rule, reason) of one call key; bad argument values raise as
     the seqfuse path would.  ``switches``: (cudnn_sdp_enabled,
-    flash_sdp_enabled, deterministic algorithms on, capturing)."""
-    cudnn_enabled, flash_enabled, det_algos, capturing = switches
+    flash_sdp_enabled, deterministic algorithms on, capturing, needs_grad)."""
+    cudnn_enabled, flash_enabled, det_algos, capturing, needs_grad = switches
     if qkv_format not in FORMATS:
         raise ValueError(f"attention: qkv_format must be 'bshd', 'sbhd' or 'thd', got {qkv_format!r}")
     code = mask_code(attn_mask_type, qkv_format)
@@ -358,7 +360,7 @@ def _decide(mode, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, d
     f_rule, f_reason = routes.flash_eligibility(
         device_type, capability, qkv_format, attn_mask_type, p, bool(deterministic), q.dtype, hq, hk, d,
         flash_enabled, s_q=s_q, s_kv=s_kv, same_cu=same_cu, explicit_rng=explicit_rng,
-        check_capability=mode == "auto", deterministic_algorithms=det_algos)
+        check_capability=mode == "auto", deterministic_algorithms=det_algos, needs_grad=needs_grad)
     if not f_rule:
         extra = "".join(x for x, on in ((" gqa", hq != hk), (" window", window != (-1, -1)),
                                         (" dropout", 0.0 < p)) if on)
@@ -389,7 +391,8 @@ def _choose(mode, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, d
     det_algos = torch.are_deterministic_algorithms_enabled() and \
         not torch.is_deterministic_algorithms_warn_only_enabled()
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-    switches = (cudnn_enabled, flash_enabled, det_algos, capturing)
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    switches = (cudnn_enabled, flash_enabled, det_algos, capturing, needs_grad)
     explicit_rng = rng_state is not None
     window = tuple(window_size) if isinstance(window_size, list) else window_size
     cus = tuple(None if c is None else (c.dtype, tuple(c.shape), c.device) if isinstance(c, torch.Tensor)
