@@ -193,9 +193,15 @@ def test_state_dict_save_pretrained_and_load(tmp_path):
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral", "llama-unfused"])
 def test_greedy_generate_matches_plain(name, cache):
-    ref, model, _ = accelerated(name)
+    """Greedy tokens equal the plain model's (fp32, CPU) with both caches;
+    Mistral's window (5) is shorter than prompt + new tokens; "llama-unfused"
+    is the module-by-module path (seqfuse's attention function alone)."""
+    if name == "llama-unfused":
+        ref, model, _ = accelerated("llama", fuse_layers=False)
+    else:
+        ref, model, _ = accelerated(name)
     ref.eval(), model.eval()
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(1, V, (2, 7), generator=g)
@@ -223,6 +229,31 @@ def test_static_cache_forward_without_mask():
         outs.append((first, nxt))
     assert rel_error(outs[1][0], outs[0][0]) <= rel_tol(torch.float32, 10)
     assert rel_error(outs[1][1], outs[0][1]) <= rel_tol(torch.float32, 10)
+
+
+def test_packed_sequences_match_plain():
+    """transformers' padding-free batches (one row, position ids restarting
+    per sequence, as DataCollatorWithFlattening makes them): no token sees
+    another sequence and RoPE restarts per sequence.  Logits, loss and
+    gradients equal the plain model's run on each sequence alone (plain
+    transformers' sdpa path itself attends across the packed sequences)."""
+    ref, model, _ = accelerated("qwen2")
+    g = torch.Generator().manual_seed(5)
+    lengths, starts = (5, 8, 3), (0, 5, 13)
+    ids = torch.randint(1, V, (1, sum(lengths)), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    labels = ids.clone()
+    labels[0, list(starts)] = -100  # the collator's rule: no label across a sequence boundary
+    out = model(ids, position_ids=pos, labels=labels)
+    sep = torch.cat([ref(ids[:, a:a + n]).logits for a, n in zip(starts, lengths)], 1)
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+    want = torch.nn.functional.cross_entropy(sep.reshape(-1, V), shifted.reshape(-1))
+    assert abs(out.loss.item() - want.item()) <= rel_tol(torch.float32, 100) * want.item()
+    with torch.no_grad():
+        assert rel_error(model(ids, position_ids=pos).logits, sep) <= rel_tol(torch.float32, 10)
+    out.loss.backward()
+    want.backward()
+    _grads_close(model, ref, rel_tol(torch.float32, 100))
 
 
 def test_gradient_checkpointing_and_hidden_states():

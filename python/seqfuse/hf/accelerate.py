@@ -1,7 +1,22 @@
-"""``seqfuse.hf.accelerate(model, recipe=None)``: swap the nn.Linear and
-nn.LayerNorm modules of any Hugging Face PreTrainedModel (any nn.Module,
-really) for seqfuse's, in place, keeping the weights, and report what was
-swapped and what was left and why.
+"""``seqfuse.hf.accelerate(model, recipe=None)``: make a Hugging Face
+PreTrainedModel (any nn.Module, really) run on seqfuse, in place, keeping
+its weights, and report what was fused, what was swapped, what was left and
+why.  In order:
+
+1. attention switched to seqfuse's fused kernel (below, "Attention");
+2. whole-layer fusion (``fuse_layers=True``): every decoder layer of the
+   Llama family (Llama, Mistral, Qwen2, Qwen3) becomes one fused layer
+   (seqfuse.hf.fuse_layers: norm + QKV as one LayerNormLinear GEMM, fused
+   RoPE, seqfuse attention, norm + gate/up + SwiGLU + down as one
+   LayerNormMLP); its state_dict keeps transformers' keys.  A layer that
+   cannot be fused is listed with the reason and goes through step 3;
+3. module by module, for everything not fused: nn.Linear and nn.LayerNorm
+   and the model's RMSNorm classes (described below);
+4. fused loss (``fused_loss=True``): those families' causal LMs compute the
+   LM head and cross-entropy of a labels call as seqfuse's chunked linear
+   cross-entropy (seqfuse.hf.fused_loss; logits are then None).
+
+Module by module (step 3):
 
 Weights are kept by moving the very Parameter objects into the new modules,
 so tied weights stay tied (e.g. an LM head tied to the word embeddings), an
