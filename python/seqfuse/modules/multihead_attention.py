@@ -80,7 +80,7 @@ class MultiheadAttention(torch.nn.Module):
 
     def __init__(self, hidden_size, num_attention_heads, kv_channels=None, attention_dropout=0.1,
                  layernorm_epsilon=1e-5, init_method=None, output_layer_init_method=None,
-                 layer_number=None, attn_mask_type="causal", window_size=None, tp_group=None, tp_size=1,
+                 layer_number=None, attn_mask_type="causal", window_size=None,
                  num_gqa_groups=None, get_rng_state_tracker=None, params_dtype=None,
                  return_layernorm_output=False, input_layernorm=False, attention_type="self",
                  fuse_qkv_params=False, zero_centered_gamma=False,

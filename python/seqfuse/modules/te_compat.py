@@ -20,8 +20,6 @@ from .._runtime import cuda_available
 
 _TP = "tensor/sequence parallelism is not implemented; shard with FSDP2 (torch.distributed.fsdp.fully_shard)"
 _UB = "userbuffers communication overlap belongs to tensor parallelism, which is not implemented"
-_CP = ("context parallelism is not implemented; run attention on whole sequences per rank (FSDP2 for the "
-       "weights)")
 
 
 def _entry(probe, off, why):
@@ -71,7 +69,8 @@ REFUSED = {
                                              "input (or the input itself without FP8)")},
     "LayerNormLinear": {**_parallel(_UB_ARGS), **_GEMM_COMMON, "return_layernorm_output_gathered": _GATHERED,
                         "fuse_wgrad_accumulation": _WGRAD_ACC},
-    "LayerNormMLP": {**_parallel(_UB_ARGS), **{k: v for k, v in _GEMM_COMMON.items() if k != "ub_name"},
+    "LayerNormMLP": {**_parallel(_UB_ARGS),
+                     **{k: v for k, v in _GEMM_COMMON.items() if k not in ("ub_name", "parallel_mode")},
                      "return_layernorm_output_gathered": _GATHERED, "fuse_wgrad_accumulation": _WGRAD_ACC,
                      "set_parallel_mode": _entry(True, (False,), _TP),
                      "activation_params": _ACT_PARAMS},
@@ -84,8 +83,6 @@ REFUSED = {
         "tp_group": _entry("group", (None,), _TP),
         "get_rng_state_tracker": _entry("tracker", (None,), "attention dropout draws from torch's generator "
                                         "(Philox seed/offset); a tensor-parallel RNG tracker is not used"),
-        "cp_group": _entry("group", (None,), _CP), "cp_global_ranks": _entry([0, 1], (None,), _CP),
-        "cp_stream": _entry("stream", (None,), _CP), "cp_comm_type": _entry("a2a", ("p2p",), _CP),
         "bottom_right_diagonal": _BOTTOM_RIGHT, "softmax_type": _SOFTMAX,
         "return_max_logit": _entry(True, (False,), "the attention kernels do not return the maximum logit"),
     },

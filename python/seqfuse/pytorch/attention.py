@@ -1,11 +1,12 @@
 """te.DotProductAttention with every constructor argument of Transformer
-Engine 2.20's: seqfuse.modules.DotProductAttention, plus TE's arguments that
-module does not take, each refused by name (NotImplementedError with the
+Engine 2.20's: seqfuse.modules.DotProductAttention (context parallelism
+included: cp_group, cp_global_ranks, cp_stream, cp_comm_type), plus TE's
+arguments that module does not take or does not use, each refused by name (NotImplementedError with the
 reason and what to use instead, from seqfuse.modules.te_compat.REFUSED)
 unless given the value that switches it off; ``name`` (TE's debug name) is
 kept as an attribute.  The refusal happens here, before the module is built,
-so the message names the argument (the module's own check of tp_size and
-cp_group speaks of "tensor and context parallelism").
+so the message names the argument (the module itself takes
+sequence_parallel, tp_group and get_rng_state_tracker without using them).
 
 MultiheadAttention builds seqfuse.modules.DotProductAttention directly: the
 arguments it passes are the ones that module takes.
@@ -21,11 +22,13 @@ class DotProductAttention(_DotProductAttention):
 
     def __init__(self, num_attention_heads, kv_channels, num_gqa_groups=None, attention_dropout=0.0,
                  qkv_format="sbhd", attn_mask_type="causal", window_size=None, layer_number=None,
-                 attention_type="self", softmax_scale=None, deterministic=False, name=None, **te_refused):
+                 attention_type="self", cp_group=None, cp_global_ranks=None, cp_stream=None,
+                 cp_comm_type="p2p", softmax_scale=None, deterministic=False, name=None, **te_refused):
         take_refused("DotProductAttention", te_refused)
         super().__init__(num_attention_heads, kv_channels, num_gqa_groups=num_gqa_groups,
                          attention_dropout=attention_dropout, qkv_format=qkv_format,
                          attn_mask_type=attn_mask_type, window_size=window_size, layer_number=layer_number,
-                         attention_type=attention_type, softmax_scale=softmax_scale,
+                         attention_type=attention_type, cp_group=cp_group, cp_global_ranks=cp_global_ranks,
+                         cp_stream=cp_stream, cp_comm_type=cp_comm_type, softmax_scale=softmax_scale,
                          deterministic=deterministic)
         self.name = name
