@@ -86,6 +86,9 @@ def test_every_layer_fused_and_report(name):
     assert "fused model.layers.1" in text and "loss with labels" in text
     if name == "qwen3":
         assert type(model.model.layers[0].q_norm).__name__ == "RMSNorm"
+    # a second call leaves the fused layers (and what is inside them) alone
+    again = accelerate(model)
+    assert again.fused == [] and not [n for n in again.left_names() if n.startswith("model.layers.")]
 
 
 def _grads_close(model, ref, tol):

@@ -555,6 +555,10 @@ def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=
             fused = _fuse_layers(model, recipe, report, _module_slots(model))
         else:
             _log.info("seqfuse.hf.accelerate: no whole-layer fusion: the model's attention is not seqfuse's")
+    from .fuse_layers import SeqfuseDecoderLayer
+
+    # the walk leaves fused layers alone: this call's and an earlier call's
+    fused = [n for n, m in model.named_modules() if isinstance(m, SeqfuseDecoderLayer)]
     inside_fused = tuple(n + "." for n in fused)
     plan = []  # (full name, module, new-module factory)
     for name, module in model.named_modules():
