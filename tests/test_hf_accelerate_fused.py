@@ -366,3 +366,40 @@ def test_cuda_llama_bf16_and_fp8(recipe_name):
         opt.step()
         opt.zero_grad()
         ref.load_state_dict(model.state_dict())  # follow the trained weights (transformers' keys)
+
+
+@pytest.mark.cuda
+def test_cuda_fused_loss_memory_is_one_chunk():
+    """The labels path's loss (seqfuse.hf.fused_loss) at 32,768 tokens and a
+    32k vocabulary (two chunks at the default 1 GiB of logits per chunk)
+    holds at most one chunk of logits: its peak beyond the inputs is bounded
+    by one chunk's bf16 logits, the float32 weight-gradient accumulator, the
+    weight gradient and the hidden-state gradient (10 % slack), and is below
+    the full bf16 logits."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from seqfuse.hf.fused_loss import fused_causal_lm_loss
+    from seqfuse.modules.cross_entropy import default_chunk_size
+
+    n, h, v = 32768, 1024, 32000
+    head = nn.Linear(h, v, bias=False, device="cuda", dtype=torch.bfloat16)
+    holder = nn.Module()
+    holder.lm_head = head
+    hidden = torch.randn(1, n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, v, (1, n), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loss = fused_causal_lm_loss(holder, hidden, labels)
+    loss.backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    chunk = default_chunk_size(n, v, 2)
+    assert chunk < n
+    bound = 1.1 * (chunk * v * 2 + v * h * 4 + v * h * 2 + n * h * 2 * 2)
+    assert peak <= bound, (peak, bound)
+    assert peak < n * v * 2  # the full bf16 logits alone
+    # and the loss is torch's
+    want = torch.nn.functional.cross_entropy(
+        (hidden.detach().float() @ head.weight.detach().float().T)[0, :-1], labels[0, 1:])
+    assert abs(loss.item() - want.item()) <= 2e-2 * want.item()
