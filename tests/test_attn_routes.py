@@ -594,3 +594,22 @@ def test_fp32_route_dropout_and_deterministic(monkeypatch, emulated_h200, sdpa_c
     assert not torch.equal(out, seqfuse.ops.attention(q, k, v))
     seqfuse.ops.attention(q, k, v, deterministic=True)
     assert seen[-1] == [routes.SDPBackend.MATH]
+
+
+def test_flash_route_layouts_made_once_per_cu_seqlens(monkeypatch, flash_calls):
+    made = []
+    real = routes._thd_cover
+    monkeypatch.setattr(routes, "_thd_cover", lambda *a: made.append(a) or real(*a))
+    monkeypatch.setattr(routes, "_thd_covers", routes.PerTensorCache(
+        lambda cus, *extra: routes._thd_cover(*cus, *extra)))
+    q, k, v, kw = thd_case([6, 5])
+    q.requires_grad_()
+    for _ in range(3):  # a model's layers: the same cu_seqlens tensor
+        seqfuse.ops.attention(q, k, v, **kw)
+    assert len(made) == 1 and len(flash_calls) == 3
+    kw["cu_seqlens_q"] = kw["cu_seqlens_kv"] = kw["cu_seqlens_q"].clone()  # the next batch
+    seqfuse.ops.attention(q, k, v, **kw)
+    assert len(made) == 2
+    kw["cu_seqlens_q"][1] = 5  # changed in place (lengths 5, 6): made again
+    seqfuse.ops.attention(q, k, v, **kw)
+    assert len(made) == 3

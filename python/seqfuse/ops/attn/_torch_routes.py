@@ -69,6 +69,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .._call import as_float
 from ._args import MASKS, PADDING, max_seqlen
+from ._padding import PerTensorCache
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MAX_HEAD_DIM = 256
@@ -175,6 +176,14 @@ def _constant(what, device, n, step):
     return t
 
 
+def _cached(cache, cus, *extra):
+    """cache(cus, *extra), computed afresh under CUDA graph capture (a
+    replay reads new contents of the same cu_seqlens tensors)."""
+    if cus[0].is_cuda and torch.cuda.is_current_stream_capturing():
+        return cache.compute(cus, *extra)
+    return cache(cus, *extra)
+
+
 def _thd_cover(cu_q, cu_k, t_q, t_k, max_q, max_k):
     """cu_seqlens extended past the last sequence (the module docstring's
     tail): int32 cu_q, cu_k over all t_q queries and t_k keys."""
@@ -205,6 +214,11 @@ def _padded_cus(cu_q, cu_k, b, s_q, s_kv):
     return cuq, cuk
 
 
+# a model's layers pass the same cu_seqlens tensors: their layouts are made once per tensor pair
+_thd_covers = PerTensorCache(lambda cus, *extra: _thd_cover(*cus, *extra))
+_padded_covers = PerTensorCache(lambda cus, *extra: _padded_cus(*cus, *extra))
+
+
 # ------------------------------------------------------------------ flash
 def _flash_forward(*args, **kwargs):
     """torch's FlashAttention forward (the CPU tests put a stand-in here)."""
@@ -225,7 +239,7 @@ def run_flash(q, k, v, qkv_format, attn_mask_type, window, dropout_p, scale, cu_
     if qkv_format == "thd":
         max_q = max_seqlen(cu_q, max_q, "max_seqlen_q")
         max_k = max_seqlen(cu_k, max_k, "max_seqlen_kv")
-        cq, ck = _thd_cover(cu_q, cu_k, q.shape[0], k.shape[0], max(max_q, 1), max(max_k, 1))
+        cq, ck = _cached(_thd_covers, (cu_q, cu_k), q.shape[0], k.shape[0], max(max_q, 1), max(max_k, 1))
         return _flash_forward(q, k, v, cq, ck, max(max_q, 1), max(max_k, 1), dropout_p, causal, False, **kw)[0]
     if qkv_format == "sbhd":
         q, k, v = (x.transpose(0, 1) for x in (q, k, v))
@@ -234,7 +248,7 @@ def run_flash(q, k, v, qkv_format, attn_mask_type, window, dropout_p, scale, cu_
     if code not in PADDING:
         out = _flash_forward(q, k, v, None, None, s_q, s_kv, dropout_p, causal, False, **kw)[0]
     else:
-        cq, ck = _padded_cus(cu_q, cu_k, b, s_q, s_kv)
+        cq, ck = _cached(_padded_covers, (cu_q, cu_k), b, s_q, s_kv)
         q2, k2, v2 = (x.reshape(x.shape[0] * x.shape[1], x.shape[2], x.shape[3]) for x in (q, k, v))
         out = _flash_forward(q2, k2, v2, cq, ck, s_q, s_kv, dropout_p, causal, False, **kw)[0]
         out = out.view(b, s_q, h, d)
