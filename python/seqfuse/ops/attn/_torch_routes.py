@@ -288,8 +288,8 @@ def _sdpa_fp32(q, k, v, code, window, dropout_p, scale, len_q, len_k, backends):
     s_q, s_kv = q.shape[2], k.shape[2]
     if s_q == 0:
         return q.new_zeros(q.shape)
-    if s_kv == 0:  # nothing to see: 0, with a gradient path to q for autograd's shape checks
-        return q * 0.0
+    if s_kv == 0:  # nothing to see: 0 (and a 0 gradient to q)
+        return torch.nan_to_num(q * 0.0, nan=0.0)
     if q.shape[1] != k.shape[1]:
         g = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
