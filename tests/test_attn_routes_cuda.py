@@ -352,3 +352,32 @@ def test_cuda_fp32_route_dropout_backward_uses_the_forwards_mask(seed):
     seqfuse.ops.set_attention_backend("auto")
     q, k, v = (_randn((2, 200, 4, 64), torch.float32) for _ in range(3))
     assert abs(_same_mask_ratio(q, k, v, dict(attn_mask_type="causal"), 0.3) - 1.0) < 1e-4
+
+
+@pytest.mark.parametrize("mask,groups", [("padding", 20), ("padding_causal", 4)])
+def test_cuda_packed_dot_product_attention_trains_on_the_flash_route(mask, groups, seed, flash_calls):
+    """A packed (thd) DotProductAttention in training: auto on an H200 takes
+    the flash route; output and gradients as seqfuse's kernels give them."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("auto takes the flash route on compute capability 9.0 only")
+    import seqfuse.pytorch as te
+    torch.manual_seed(seed)
+    lengths = [300, 17, 512, 129, 64]
+    t, h, d = sum(lengths), 20, 64
+    attn = te.DotProductAttention(h, d, num_gqa_groups=groups, qkv_format="thd", attn_mask_type=mask)
+    q = _randn((t, h, d), torch.bfloat16)
+    k, v = _randn((t, groups, d), torch.bfloat16), _randn((t, groups, d), torch.bfloat16)
+    dout = _randn((t, h * d), torch.bfloat16)
+    cu = cu_seqlens(lengths, "cuda")
+    results = {}
+    for backend in ("auto", "seqfuse"):
+        seqfuse.ops.set_attention_backend(backend)
+        xs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        out = attn(*xs, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=512, max_seqlen_kv=512)
+        out.backward(dout.view(out.shape))
+        results[backend] = (out.detach(), [x.grad for x in xs])
+    assert len(flash_calls) == 1
+    (out, grads), (ref, ref_grads) = results["auto"], results["seqfuse"]
+    assert rel_error(out, ref) <= 2 * rel_tol(torch.bfloat16)  # two bf16 results, each within rel_tol
+    for g, r in zip(grads, ref_grads):
+        assert rel_error(g, r) <= 2 * rel_tol(torch.bfloat16, BWD_FACTOR)
