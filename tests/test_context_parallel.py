@@ -142,6 +142,56 @@ def _bad_arguments(world, group):
     }
 
 
+def _small_llama(fmt, comm, world, rank, group, seed):
+    """Two Llama-shaped TransformerLayers (RMSNorm, SwiGLU, GQA, causal,
+    rotary embeddings in bshd; thd without them: the rotary kernel's thd
+    path numbers positions per local sequence): the CP run's loss, input
+    gradient (its rows) and parameter gradients (summed over the CP ranks)
+    against the full-sequence run.  Returns their relative errors."""
+    from seqfuse.modules.rope import RotaryPositionEmbedding
+    from seqfuse.modules.transformer_layer import TransformerLayer
+    from seqfuse.parallel import freqs_for_cp_rank
+
+    torch.manual_seed(seed)
+    hidden, b = 32, 2
+    layers = torch.nn.Sequential(*[TransformerLayer(
+        hidden, 64, 4, num_gqa_groups=2, hidden_dropout=0.0, attention_dropout=0.0, bias=False,
+        activation="swiglu", normalization="RMSNorm", attn_input_format=fmt, self_attn_mask_type="causal")
+        for _ in range(2)])
+    lens = _lengths(fmt, world)
+    cu = torch.tensor([0] + list(torch.cumsum(torch.tensor(lens), 0)), dtype=torch.int32) if fmt == "thd" else None
+    shape = (sum(lens), hidden) if fmt == "thd" else (b, lens[0], hidden)
+    x = torch.randn(shape)
+    target = torch.randn(shape)
+    freqs = RotaryPositionEmbedding(hidden // 4)(lens[0]) if fmt == "bshd" else None
+    kw = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu) if fmt == "thd" else {}
+
+    def run(x, target, rope):
+        x = x.clone().requires_grad_()
+        h = x
+        for layer in layers:
+            h = layer(h, rotary_pos_emb=rope, **kw)
+        # a sum of squares (no cancellation that would make the loss's relative error meaningless),
+        # over the full batch's token count so the ranks' losses add up to the full one
+        loss = ((h - target) ** 2).sum() / target.new_tensor(float(sum(lens) * (1 if fmt == "thd" else b)))
+        layers.zero_grad()
+        loss.backward()
+        return loss.detach(), x.grad, [p.grad.clone() for p in layers.parameters()]
+
+    full = run(x, target, freqs)
+    for layer in layers:  # what TransformerLayer.set_context_parallel_group forwards to
+        layer.self_attention.core_attention.set_context_parallel_group(group, None, None, comm)
+    local = run(_local(x, fmt, world, rank, cu), _local(target, fmt, world, rank, cu),
+                freqs_for_cp_rank(freqs, world, rank) if freqs is not None else None)
+    loss = local[0].clone()
+    dist.all_reduce(loss, group=group)
+    grads = [g.clone() for g in local[2]]
+    for g in grads:
+        dist.all_reduce(g, group=group)
+    return [rel_error(loss, full[0]), rel_error(local[1], _local(full[1], fmt, world, rank, cu)),
+            max(rel_error(g, r) for g, r in zip(grads, full[2]))]
+
+
 def _worker(rank, world, init_file, out_dir, seed):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -151,6 +201,9 @@ def _worker(rank, world, init_file, out_dir, seed):
         results = {case_id(c): _run_case(c, world, rank, group, seed + i) for i, c in enumerate(CASES)}
         for i, c in enumerate([("bshd", "causal", "p2p", True), ("thd", "causal", "all_gather", False)]):
             results["module-" + case_id(c)] = _run_case(c, world, rank, group, seed + 100 + i, through_module=True)
+        for fmt in ("bshd", "thd"):
+            for comm in COMMS:
+                results[f"llama-{fmt}-{comm}"] = _small_llama(fmt, comm, world, rank, group, seed + 200)
         results["bad"] = _bad_arguments(world, group)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         ok = True
@@ -200,6 +253,19 @@ def test_dot_product_attention_with_cp(cp_results, world, name):
         errs = res[name]
         assert errs[0] <= REL_TOL[torch.float32], (rank, errs)
         assert max(errs[1:]) <= REL_TOL[torch.float32] * BWD_FACTOR, (rank, errs)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("name", [f"llama-{f}-{c}" for f in ("bshd", "thd") for c in COMMS])
+def test_small_llama_with_cp_equals_full(cp_results, world, name):
+    """Two Llama-shaped TransformerLayers under CP: the loss (summed over the
+    ranks), the input gradient rows and the parameter gradients (summed over
+    the ranks) equal the full-sequence run's (float32)."""
+    for rank, res in enumerate(cp_results[world]):
+        e_loss, e_dx, e_params = res[name]
+        assert e_loss <= REL_TOL[torch.float32], (rank, "loss", e_loss)
+        assert e_dx <= REL_TOL[torch.float32] * BWD_FACTOR, (rank, "input grad", e_dx)
+        assert e_params <= REL_TOL[torch.float32] * BWD_FACTOR, (rank, "parameter grads", e_params)
 
 
 BAD = {
