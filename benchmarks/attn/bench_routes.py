@@ -6,7 +6,8 @@ with set_attention_backend("flash"); python/seqfuse/ops/attn/_torch_routes.py),
 and, as the peer ceiling, torch SDPA on cuDNN on the equivalent padding-free
 bshd call (the same number of tokens cut into equal sequences of the
 token-weighted mean length, sum(len^2) / sum(len), so the same attention
-FLOPs per token; where the call has GQA, k and v repeated to q's heads).  Extra rows,
+FLOPs per token; where the call has GQA, the MHA call with as many k/v
+heads as q heads: the same FLOPs).  Extra rows,
 labelled: cuDNN's own ragged (thd) attention reached through
 torch.ops.aten._cudnn_attention_forward with cum_seq (a candidate route, not
 routed today: recorded with its error where this torch refuses it), and the
@@ -108,11 +109,9 @@ def via_ops(**kw):
     return call
 
 
-def cudnn_ceiling(causal, repeat_kv):
+def cudnn_ceiling(causal):
     """torch SDPA restricted to cuDNN on [b, s, h, d] tensors (bshd views)."""
     def call(q, k, v):
-        if repeat_kv > 1:
-            k, v = k.repeat_interleave(repeat_kv, dim=2), v.repeat_interleave(repeat_kv, dim=2)
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                   is_causal=causal).transpose(1, 2)
@@ -180,9 +179,9 @@ def packed_case(name, lengths, h, hk, d, causal, dropout=0.0):
     # dropout (a dropout row's ceiling is the call it would be without it)
     s = max(64, round(sum(n * n for n in lengths) / t / 64) * 64)
     b = max(1, t // s)
-    qc, kc, vc = _rand(b, s, h, d), _rand(b, s, hk, d), _rand(b, s, hk, d)
-    case.add(f"ceiling: cuDNN SDPA bshd {b} x {s}" + (" (k/v repeated)" if hk != h else ""),
-             cudnn_ceiling(causal, h // hk), (qc, kc, vc), [s] * b)
+    qc, kc, vc = _rand(b, s, h, d), _rand(b, s, h, d), _rand(b, s, h, d)  # GQA's FLOPs are MHA's
+    case.add(f"ceiling: cuDNN SDPA bshd {b} x {s}" + (f" (MHA, {h} k/v heads)" if hk != h else ""),
+             cudnn_ceiling(causal), (qc, kc, vc), [s] * b)
     return case
 
 
@@ -197,7 +196,7 @@ def padded_case(name, lengths, s, h, d):
     keep = torch.arange(s, device="cuda")[None, :] < torch.tensor(lengths, device="cuda")[:, None]
     case.add("peer: SDPA with a key-padding mask (torch's kernel choice)", sdpa_padded_mask(keep), (q, k, v),
              lengths)
-    case.add(f"ceiling: cuDNN SDPA bshd {b} x {s} (no padding)", cudnn_ceiling(False, 1), (q, k, v), [s] * b)
+    case.add(f"ceiling: cuDNN SDPA bshd {b} x {s} (no padding)", cudnn_ceiling(False), (q, k, v), [s] * b)
     return case
 
 
@@ -207,7 +206,7 @@ def dropout_case(name, b, s, h, d, p):
     for backend in ("seqfuse", "flash"):
         case.add(f"{backend} bshd dropout {p}", via_ops(dropout_p=p), (q, k, v), [s] * b)
     case.add(f"peer: SDPA dropout_p={p} (torch's kernel choice)", sdpa_dropout(p), (q, k, v), [s] * b)
-    case.add(f"ceiling: cuDNN SDPA bshd {b} x {s} (no dropout)", cudnn_ceiling(False, 1), (q, k, v), [s] * b)
+    case.add(f"ceiling: cuDNN SDPA bshd {b} x {s} (no dropout)", cudnn_ceiling(False), (q, k, v), [s] * b)
     return case
 
 
