@@ -377,3 +377,34 @@ def test_freqs_for_cp_rank_rotates_like_the_full_sequence(cp):
         assert torch.allclose(got_t, full_t.index_select(0, idx_t), rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="multiple of 2\\*cp_size"):
         freqs_for_cp_rank(freqs[:s - 1], cp, 0)
+
+
+def test_merge_partial_is_exact_and_skips_rows_without_keys():
+    """Attention over two disjoint key sets merged with their lse equals
+    attention over all keys; a part where a row sees no key (lse +inf, the
+    kernel's convention) weighs nothing."""
+    from seqfuse.parallel import merge_partial
+
+    q = torch.randn(2, 6, HEADS, DIM)
+    k = torch.randn(2, 10, HEADS, DIM)
+    v = torch.randn(2, 10, HEADS, DIM)
+    full, full_lse = ops.attention_fwd(q, k, v)
+    out_a, lse_a = ops.attention_fwd(q, k[:, :3], v[:, :3])
+    out_b, lse_b = ops.attention_fwd(q, k[:, 3:], v[:, 3:])
+    acc, acc_lse = out_a.clone(), lse_a.clone()
+    merge_partial(acc, acc_lse, out_b, lse_b, "bshd")
+    assert rel_error(acc, full) <= REL_TOL[torch.float32] and rel_error(acc_lse, full_lse) <= REL_TOL[torch.float32]
+    # thd: the second part's first sequence has no keys -> lse +inf there
+    cu_q = torch.tensor([0, 4, 6], dtype=torch.int32)
+    qt, kt, vt = q[0], k[0], v[0]
+    ref, ref_lse = ops.attention_fwd(qt, kt, vt, qkv_format="thd", attn_mask_type="padding", cu_seqlens_q=cu_q,
+                                     cu_seqlens_kv=torch.tensor([0, 7, 10], dtype=torch.int32))
+    # part A: sequence 0 gets all its 7 keys, sequence 1 its first key; part B: sequence 1's other 2 keys
+    a, la = ops.attention_fwd(qt, torch.cat([kt[:7], kt[7:8]]), torch.cat([vt[:7], vt[7:8]]), qkv_format="thd",
+                              attn_mask_type="padding", cu_seqlens_q=cu_q,
+                              cu_seqlens_kv=torch.tensor([0, 7, 8], dtype=torch.int32))
+    b, lb = ops.attention_fwd(qt, kt[8:], vt[8:], qkv_format="thd", attn_mask_type="padding", cu_seqlens_q=cu_q,
+                              cu_seqlens_kv=torch.tensor([0, 0, 2], dtype=torch.int32))
+    assert torch.isposinf(lb[:, :4]).all()  # the convention this merge relies on
+    merge_partial(a, la, b, lb, "thd")
+    assert rel_error(a, ref) <= REL_TOL[torch.float32] and rel_error(la, ref_lse) <= REL_TOL[torch.float32]

@@ -237,6 +237,7 @@ def _thd_plan(cu_seqlens, cp, rank, who):
 
 
 _thd_plans = PerTensorCache(_thd_plan)
+_dense_plans = {}  # bshd/sbhd plans by (format, cp, rank, device, local length): they hold the gather order
 
 
 # ---- the exact merge of partial attention results ---------------------------
@@ -257,13 +258,16 @@ def _no_key_to_neg_inf(lse):
 
 def merge_partial(out_acc, lse_acc, out_i, lse_i, fmt):
     """The exact softmax merge of two partial attentions over disjoint key
-    sets: returns (out, lse), float32.  lse -inf means "no key yet"."""
+    sets, in place: out_acc (float32) and lse_acc (float32, -inf meaning
+    "no key yet") become those of the union; out_i may be in a lower
+    precision.  out_acc/lse_acc may be views (a half of the local rows)."""
     lse_i = _no_key_to_neg_inf(lse_i)
     lse = torch.logaddexp(lse_acc, lse_i)
     safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)  # rows still without a key: weights 0
     w_acc = _lse_to_out(torch.exp(lse_acc - safe), fmt)
     w_i = _lse_to_out(torch.exp(lse_i - safe), fmt)
-    return out_acc * w_acc + out_i.float() * w_i, lse
+    out_acc.mul_(w_acc).addcmul_(out_i, w_i)  # two passes over the output, no float32 copy of out_i
+    lse_acc.copy_(lse)
 
 
 # ---- communication ----------------------------------------------------------
@@ -333,18 +337,20 @@ class _RingAttention(torch.autograd.Function):
                 if out_acc is None:
                     out_acc, lse_acc = o.float(), _no_key_to_neg_inf(lse)
                 else:
-                    out_acc, lse_acc = merge_partial(out_acc, lse_acc, o, lse, plan.fmt)
+                    merge_partial(out_acc, lse_acc, o, lse, plan.fmt)
             elif kind == "earlier":
                 o, lse = ops.attention_fwd(q, plan.half(kk, 0), plan.half(vv, 0), softmax_scale=scale,
                                            **plan.block_args("all", 0, "no_mask"))
-                out_acc, lse_acc = merge_partial(out_acc, lse_acc, o, lse, plan.fmt)
+                merge_partial(out_acc, lse_acc, o, lse, plan.fmt)
             else:  # later
                 o, lse = ops.attention_fwd(plan.half(q, 1), kk, vv, softmax_scale=scale,
                                            **plan.block_args(1, "all", "no_mask"))
-                o2, l2 = merge_partial(plan.half(out_acc, 1), plan.half_lse(lse_acc, 1).contiguous(), o, lse,
-                                       plan.fmt)
-                plan.put_half(out_acc, 1, o2)
-                plan.put_half_lse(lse_acc, 1, l2)
+                # bshd/sbhd: the halves are views, merged in place; thd: gathered rows, merged, put back
+                o_half, l_half = plan.half(out_acc, 1), plan.half_lse(lse_acc, 1)
+                merge_partial(o_half, l_half, o, lse, plan.fmt)
+                if plan.fmt == "thd":
+                    plan.put_half(out_acc, 1, o_half)
+                    plan.put_half_lse(lse_acc, 1, l_half)
             if step + 1 < comm.size:
                 comm.wait(works)
                 kv = nxt
@@ -541,7 +547,12 @@ def context_parallel_attention(q, k, v, *, cp_group, cp_global_ranks=None, cp_st
         if s_local % 2:
             raise ValueError(f"{who}: the local sequence length {s_local} must be even (the sequence length "
                              f"{s_local * size} a multiple of 2*cp = {2 * size}): each rank holds two chunks")
-        plan = _Plan(qkv_format, size, rank, q.device, s_local=s_local)
+        key = (qkv_format, size, rank, q.device, s_local)
+        plan = _dense_plans.get(key)
+        if plan is None:
+            if len(_dense_plans) > 64:
+                _dense_plans.clear()
+            plan = _dense_plans[key] = _Plan(qkv_format, size, rank, q.device, s_local=s_local)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     comm = _Comm(cp_group, members, size, rank, cp_stream, q.device)
     fn = _RingAttention if cp_comm_type == "p2p" else _AllGatherAttention
