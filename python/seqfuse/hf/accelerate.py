@@ -387,8 +387,10 @@ def _wrap_forward(model, recipe):
 
 def _gemm_alignment(recipe):
     """The multiple that in/out features must be under ``recipe``: 16 for
-    FP8 (per-tensor and 128-block scaling), 32 for the 32-element block
-    formats (MXFP8, NVFP4); None without a recipe (bf16/fp32 GEMMs take any shape)."""
+    per-tensor FP8 (delayed, current), 128 for Float8BlockScaling (its
+    1x128 / 128x128 blocks: the modules refuse other sizes when they run),
+    32 for the 32-element block formats (MXFP8, NVFP4); None without a
+    recipe (bf16/fp32 GEMMs take any shape)."""
     if recipe is None:
         return None
     from seqfuse.common.recipe import Recipe
@@ -396,6 +398,8 @@ def _gemm_alignment(recipe):
     if not isinstance(recipe, Recipe):
         raise TypeError(f"accelerate: recipe must be a seqfuse.common.recipe recipe (e.g. DelayedScaling()), "
                         f"got {type(recipe).__name__}")
+    if recipe.float8_block_scaling():
+        return 128
     return 32 if (recipe.mxfp8() or recipe.nvfp4()) else FP8_ALIGN
 
 
@@ -455,15 +459,6 @@ def _switch_attention(model, report):
     report.swapped.append(Swapped(ATTN_SLOT, str(current), NAME))
 
 
-def _fusion_alignment(recipe):
-    """The multiple that a fused layer's GEMM features must be under ``recipe``
-    (block scaling's 128-wide blocks, else the GEMM alignment); None without one."""
-    align = _gemm_alignment(recipe)
-    if align is not None and recipe.float8_block_scaling():
-        return 128
-    return align
-
-
 def _layer_rotaries(model):
     """{id(decoder layer): the rotary_emb module of the model that holds it}."""
     out = {}
@@ -483,7 +478,7 @@ def _fuse_layers(model, recipe, report, slots):
 
     RMSNorm = _seqfuse_rmsnorm()
     match = functools.partial(_rmsnorm_match, RMSNorm)
-    align = _fusion_alignment(recipe)
+    align = _gemm_alignment(recipe)
     rotaries = _layer_rotaries(model)
     done = []
     for name, module in list(model.named_modules()):
