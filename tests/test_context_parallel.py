@@ -201,6 +201,10 @@ def _worker(rank, world, init_file, out_dir, seed):
         results = {case_id(c): _run_case(c, world, rank, group, seed + i) for i, c in enumerate(CASES)}
         for i, c in enumerate([("bshd", "causal", "p2p", True), ("thd", "causal", "all_gather", False)]):
             results["module-" + case_id(c)] = _run_case(c, world, rank, group, seed + 100 + i, through_module=True)
+        singles = [dist.new_group([r]) for r in range(world)]  # every rank takes part in every new_group
+        for i, c in enumerate([("bshd", "causal", "p2p", True), ("thd", "causal", "all_gather", False),
+                               ("sbhd", "no_mask", "p2p", False)]):
+            results["cp1-" + case_id(c)] = _run_case(c, 1, 0, singles[rank], seed + 300 + i)
         for fmt in ("bshd", "thd"):
             for comm in COMMS:
                 results[f"llama-{fmt}-{comm}"] = _small_llama(fmt, comm, world, rank, group, seed + 200)
@@ -266,6 +270,14 @@ def test_small_llama_with_cp_equals_full(cp_results, world, name):
         assert e_loss <= REL_TOL[torch.float32], (rank, "loss", e_loss)
         assert e_dx <= REL_TOL[torch.float32] * BWD_FACTOR, (rank, "input grad", e_dx)
         assert e_params <= REL_TOL[torch.float32] * BWD_FACTOR, (rank, "parameter grads", e_params)
+
+
+@pytest.mark.parametrize("name", ["cp1-bshd-causal-p2p-gqa", "cp1-thd-causal-all_gather", "cp1-sbhd-no_mask-p2p"])
+def test_cp_group_of_one_rank(cp_results, name):
+    """A CP group of one rank is plain attention (nothing sent to itself)."""
+    for res in cp_results[2]:
+        errs = res[name]
+        assert errs[0] <= REL_TOL[torch.float32] and max(errs[1:]) <= REL_TOL[torch.float32] * BWD_FACTOR, errs
 
 
 BAD = {

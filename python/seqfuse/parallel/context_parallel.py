@@ -402,6 +402,9 @@ class _RingAttention(torch.autograd.Function):
             if step > 0:
                 comm.wait(dkv_works)
                 dkv.add_(dkv_in)
+            if comm.size == 1:  # a group of one: the block is the rank's own, nothing to send
+                dkv_in, dkv_works = dkv, []
+                break
             dkv_in = torch.empty_like(dkv)
             dkv_works = comm.exchange([(dkv, dkv_in, _TAG_DKV)])
             if step + 1 < comm.size:
@@ -498,9 +501,12 @@ def context_parallel_attention(q, k, v, *, cp_group, cp_global_ranks=None, cp_st
     """Attention of this rank's tokens (the load-balanced split above) over
     the whole sequence held by ``cp_group``; returns out in q's layout and
     dtype, with autograd.  Arguments as seqfuse.ops.attention, plus TE's CP
-    arguments; for thd, ``cu_seqlens_q``/``cu_seqlens_kv`` and the max
-    lengths describe the FULL batch (TE's convention), and the local
-    tensors hold 1/cp of each sequence's tokens."""
+    arguments; for thd, ``cu_seqlens_q``/``cu_seqlens_kv`` describe the
+    FULL batch (TE's convention) and the local tensors hold 1/cp of each
+    sequence's tokens.  The split's lengths and indices are derived from
+    cu_seqlens_q once per tensor (one host read, cached while that tensor
+    lives unmodified), so ``max_seqlen_q``/``max_seqlen_kv`` are not read.
+    A group of one rank is plain attention."""
     who = "context_parallel_attention"
     check_comm_type(cp_comm_type, who)
     if dropout_p:
