@@ -85,11 +85,6 @@ def group_ranks(cp_group, cp_global_ranks, who):
 
 # ---- where each token lives -------------------------------------------------
 
-def chunk_owner(chunk, cp):
-    """(rank, local half) holding chunk ``chunk`` of 2*cp."""
-    return (chunk, 0) if chunk < cp else (2 * cp - 1 - chunk, 1)
-
-
 def local_token_index(lengths, cp, rank):
     """For rank ``rank`` of ``cp``: the position in the full packed batch of
     each of its tokens, in its local order (per sequence, chunk rank then
@@ -144,6 +139,7 @@ class _Plan:
             self.t_local = s_local
         self.device = device
         self._gather_order = None
+        self._chunk_keys = {}
 
     # halves of the local tokens (0: chunk rank, 1: chunk 2cp-1-rank)
     def half(self, x, h):
@@ -200,8 +196,16 @@ class _Plan:
     def chunk_keys(self, h):
         """The keys local half h sees under a causal mask, in sequence
         order: each sequence's chunks 0..c (c = its global chunk).  Returns
-        (index into the sequence-ordered full tensor or None for a plain
-        prefix, attention keywords)."""
+        (index of those keys in the sequence-ordered full tensor, or None
+        for bshd/sbhd, where they are a prefix; that prefix's length, or
+        None for thd; the attention keywords: bottom-right causal, which
+        aligns the chunk's last query with its last key).  Built once per
+        plan and half."""
+        if h not in self._chunk_keys:
+            self._chunk_keys[h] = self._make_chunk_keys(h)
+        return self._chunk_keys[h]
+
+    def _make_chunk_keys(self, h):
         c = self.rank if h == 0 else 2 * self.cp - 1 - self.rank
         kw = dict(qkv_format=self.fmt, attn_mask_type="causal_bottom_right")
         if self.fmt != "thd":
