@@ -441,3 +441,30 @@ def test_cuda_fused_loss_memory_is_one_chunk():
     want = torch.nn.functional.cross_entropy(
         (hidden.detach().float() @ head.weight.detach().float().T)[0, :-1], labels[0, 1:])
     assert abs(loss.item() - want.item()) <= 2e-2 * want.item()
+
+
+@pytest.mark.cuda
+def test_cuda_generate_static_cache():
+    """On the GPU transformers compiles the decoding step of a static-cache
+    generate() (mode reduce-overhead); the fused layers run uncompiled inside
+    it.  bf16 greedy tokens: static cache (compiled), static cache with
+    compilation off, and the dynamic cache all equal (the same kernels on the
+    same keys), and the first new token equals plain transformers'."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    ref = transformers.LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    model = copy.deepcopy(ref)
+    assert len(accelerate(model).fused) == 2
+    ids = torch.randint(1, 512, (2, 40), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    dyn = model.generate(ids, **kw)
+    static = model.generate(ids, cache_implementation="static", **kw)
+    static_eager = model.generate(ids, cache_implementation="static", disable_compile=True, **kw)
+    assert torch.equal(static, dyn) and torch.equal(static_eager, dyn)
+    plain = ref.generate(ids, **kw)
+    assert torch.equal(dyn[:, 40], plain[:, 40])

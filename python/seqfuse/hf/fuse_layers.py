@@ -32,7 +32,9 @@ checkpointing through GradientCheckpointingLayer) keep working; its forward
 takes the original's call signature (hidden_states, attention_mask,
 position_ids, past_key_values / cache, use_cache, position_embeddings and
 transformers' keyword arguments).  output_attentions is refused (the fused
-attention never forms attention probabilities).
+attention never forms attention probabilities).  Under torch.compile the
+fused layer runs uncompiled (torch.compiler.disable: its kernels are C calls
+dynamo cannot trace); the code around it compiles as usual.
 
 Parameters: the norm weights and o_proj / down_proj weights (and biases) are
 the original Parameter objects, moved; the fused QKV and gate/up weights are
@@ -375,6 +377,10 @@ class SeqfuseDecoderLayer(nn.Module):
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
+    # torch.compile (transformers' generate() compiles the decoding step on a GPU with a static cache) runs
+    # this layer as it is, uncompiled: its work is seqfuse's C kernels, which dynamo cannot trace, and it
+    # keeps per-tensor caches (RoPE angles, mask layouts) that tracing would turn into a guard per step
+    @torch.compiler.disable
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
                 use_cache=False, position_embeddings=None, cache=None, **kwargs):
         """transformers' decoder-layer call (either cache keyword: past_key_values
