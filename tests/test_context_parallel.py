@@ -383,12 +383,18 @@ def test_freqs_for_cp_rank_rotates_like_the_full_sequence(cp):
         idx = local_token_index(torch.tensor([s]), cp, r)
         got = apply_rotary_pos_emb(x.index_select(1, idx), freqs_for_cp_rank(freqs, cp, r), "bshd")
         assert torch.allclose(got, full.index_select(1, idx), rtol=1e-6, atol=1e-6)
+        # a model's table is often longer than the sequence: seq_len names the full length
+        longer = RotaryPositionEmbedding(DIM)(s + 5)
+        got = apply_rotary_pos_emb(x.index_select(1, idx), freqs_for_cp_rank(longer, cp, r, seq_len=s), "bshd")
+        assert torch.allclose(got, full.index_select(1, idx), rtol=1e-6, atol=1e-6)
         idx_t = local_token_index(torch.tensor(lens), cp, r)
         local = freqs_for_cp_rank(freqs, cp, r, cu)
         got_t = apply_rotary_pos_emb(xt.index_select(0, idx_t).unsqueeze(1), local, "sbhd").squeeze(1)
         assert torch.allclose(got_t, full_t.index_select(0, idx_t), rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="multiple of 2\\*cp_size"):
         freqs_for_cp_rank(freqs[:s - 1], cp, 0)
+    with pytest.raises(ValueError, match="at most the table's"):
+        freqs_for_cp_rank(freqs, cp, 0, seq_len=2 * s)
 
 
 def test_merge_partial_is_exact_and_skips_rows_without_keys():

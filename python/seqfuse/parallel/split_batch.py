@@ -158,11 +158,12 @@ def pad_thd_sequences_for_cp(input_ids, labels, cu_seqlens, cp_size, padding_tok
     return out_ids.view(shape), (out_labels.view(shape) if out_labels is not None else None), cu
 
 
-def freqs_for_cp_rank(freqs, cp_size, cp_rank, cu_seqlens=None):
-    """The rows of a rotary angle table ``freqs`` ([s, 1, 1, d], as
+def freqs_for_cp_rank(freqs, cp_size, cp_rank, cu_seqlens=None, seq_len=None):
+    """The rows of a rotary angle table ``freqs`` ([max_s, 1, 1, d], as
     RotaryPositionEmbedding makes it, covering the full sequence) for this
-    rank's tokens: [s / cp, 1, 1, d] for bshd/sbhd (row i: the position of
-    local token i; rotate the local tensor with it as usual), or with
+    rank's tokens: [seq_len / cp, 1, 1, d] for bshd/sbhd (``seq_len``: the
+    full sequence length, default the table's; row i is the position of
+    local token i: rotate the local tensor with it as usual), or with
     ``cu_seqlens`` (thd, the full batch's) one row per local packed token,
     [t / cp, 1, 1, d]: rotate the local [t, h, d] tensor viewed as sbhd
     [t, 1, h, d], each token then getting its own row."""
@@ -172,11 +173,11 @@ def freqs_for_cp_rank(freqs, cp_size, cp_rank, cu_seqlens=None):
         raise ValueError(f"{who}: freqs must be a [s, 1, 1, d] tensor, got "
                          f"{tuple(freqs.shape) if isinstance(freqs, torch.Tensor) else type(freqs).__name__}")
     if cu_seqlens is None:
-        lengths = torch.tensor([freqs.shape[0]])
-        position = local_token_index(lengths, cp_size, cp_rank) if freqs.shape[0] % (2 * cp_size) == 0 else None
-        if position is None:
-            raise ValueError(f"{who}: the table's length {freqs.shape[0]} must be the full sequence length, a "
-                             f"multiple of 2*cp_size = {2 * cp_size}")
+        s = freqs.shape[0] if seq_len is None else int(seq_len)
+        if s % (2 * cp_size) or s > freqs.shape[0]:
+            raise ValueError(f"{who}: the full sequence length {s} must be a multiple of 2*cp_size = "
+                             f"{2 * cp_size} and at most the table's {freqs.shape[0]} rows")
+        position = local_token_index(torch.tensor([s]), cp_size, cp_rank)
     else:
         lengths = _lengths(cu_seqlens, who)
         bad = (lengths % (2 * cp_size)) != 0
