@@ -270,14 +270,15 @@ def test_c_entry_checks_outputs():
 
 @pytest.mark.cuda
 def test_cuda_unsupported_inputs_raise(monkeypatch):
+    """seqfuse's own kernels refuse float32 and head dim 96 (in auto, the
+    float32 route and cuDNN take those calls: test_attn_routes*)."""
+    monkeypatch.setenv("SEQFUSE_ATTN_BACKEND", "seqfuse")
+    monkeypatch.setattr(seqfuse.ops.attn._routing, "_backend", None)
+    monkeypatch.setattr(seqfuse.ops.attn._routing, "_choices", {})
     q, k, v = (torch.randn(1, 8, 2, 64, device="cuda") for _ in range(3))
     with pytest.raises(NotImplementedError, match="takes float16 or bfloat16 inputs, got float32"):
         attention(q, k, v)
     q, k, v = (torch.randn(1, 8, 2, 96, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    # cuDNN takes head dim 96 in auto; seqfuse's own kernels do not
-    monkeypatch.setenv("SEQFUSE_ATTN_BACKEND", "seqfuse")
-    monkeypatch.setattr(seqfuse.ops.attn._routing, "_backend", None)
-    monkeypatch.setattr(seqfuse.ops.attn._routing, "_choices", {})
     with pytest.raises(NotImplementedError, match="supports head dims 16, 24, 32, 64 and 128, got 96"):
         attention(q, k, v)
 
