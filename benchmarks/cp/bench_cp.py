@@ -23,13 +23,16 @@ max_memory_allocated over the GPUs during the timed steps (inputs, outputs
 and gradients included).  A shape that does not fit one GPU is recorded as
 "oom", not skipped silently.
 
-Timing: CUDA events around each step, median of --repeats after one
-warm-up (long steps: 1 s at 128k on one GPU), ranks aligned by a barrier
-before every step.
+Timing: wall time of each step between device synchronizations (steps
+last tens of ms to seconds here, so the launch overhead is noise), median
+of --repeats after one warm-up, ranks aligned by a barrier before every
+step.
 
 Run on a 2-GPU machine after the build (about 40 s at the default sizes):
     python3 benchmarks/cp/bench_cp.py [--world 2] [--seqs 32768,65536,131072] [--repeats 3]
-JSON to benchmarks/results/cp.json.
+JSON to benchmarks/results/cp.json.  ``--cpu`` runs the same code on the
+CPU over gloo in float32 at tiny sizes (a smoke test of the script; its
+figures mean nothing): python3 benchmarks/cp/bench_cp.py --cpu --seqs 64
 """
 import argparse
 import os
@@ -45,39 +48,57 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # benchmarks/: the shared harness
 
 HEADS, KV_HEADS, DIM = 32, 8, 128
-DT = torch.bfloat16
+CFG = {"device": "cuda", "dtype": torch.bfloat16}  # --cpu: "cpu", float32 (the CPU kernels' dtype)
 
 
 def flops(s):
     return 4 * HEADS * s * s * DIM / 2 * 3.5
 
 
+def sync():
+    if CFG["device"] == "cuda":
+        torch.cuda.synchronize()
+
+
 def step_times(fn, repeats, group):
-    """Per-step device times (ms) of fn() on this rank, ranks aligned before
-    each step; the slowest rank's median is what all ranks return."""
+    """Median wall time (ms) of fn() on this rank, the device synchronized
+    around each step and the ranks aligned before it; with a group, the
+    slowest rank's median (all ranks return it)."""
     fn()
-    torch.cuda.synchronize()
+    sync()
     times = []
     for _ in range(repeats):
         if group is not None:
             dist.barrier(group=group)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        sync()
+        t0 = time.perf_counter()
         fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    med = torch.tensor([statistics.median(times)], device="cuda")
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    med = torch.tensor([statistics.median(times)], device=CFG["device"])
     if group is not None:
         dist.all_reduce(med, op=dist.ReduceOp.MAX, group=group)
     return med.item()
 
 
+def reset_peak():
+    if CFG["device"] == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
 def peak_gib(group):
+    """The largest peak allocation over the group's GPUs (None on the CPU)."""
+    if CFG["device"] != "cuda":
+        return None
     peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device="cuda")
     if group is not None:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
     return peak.item()
+
+
+def randn(*shape, gen):
+    return torch.randn(*shape, device=CFG["device"], generator=gen).to(CFG["dtype"])
 
 
 def single_rows(s, repeats):
@@ -86,20 +107,21 @@ def single_rows(s, repeats):
 
     rows = []
     for name in ("single_seqfuse", "single_auto"):
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+        q = k = v = dout = None
+        reset_peak()
         try:
-            g = torch.Generator(device="cuda").manual_seed(0)
-            q = torch.randn(1, s, HEADS, DIM, device="cuda", dtype=DT, generator=g)
-            k = torch.randn(1, s, KV_HEADS, DIM, device="cuda", dtype=DT, generator=g)
-            v = torch.randn_like(k)
-            dout = torch.randn_like(q)
+            g = torch.Generator(device=CFG["device"]).manual_seed(0)
+            q = randn(1, s, HEADS, DIM, gen=g)
+            k = randn(1, s, KV_HEADS, DIM, gen=g)
+            v = randn(1, s, KV_HEADS, DIM, gen=g)
+            dout = randn(1, s, HEADS, DIM, gen=g)
             if name == "single_seqfuse":
                 def fn():
                     out, lse = ops.attention_fwd(q, k, v, attn_mask_type="causal")
                     ops.attention_bwd(dout, q, k, v, out, lse, attn_mask_type="causal")
             else:
-                q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+                for t in (q, k, v):
+                    t.requires_grad_()
 
                 def fn():
                     q.grad = k.grad = v.grad = None
@@ -118,18 +140,14 @@ def cp_rows(s, repeats, group, rank, world):
     from seqfuse.parallel import context_parallel_attention, local_token_index
 
     rows = []
-    idx = local_token_index(torch.tensor([s]), world, rank).cuda()
+    idx = local_token_index(torch.tensor([s]), world, rank).to(CFG["device"])
     for comm in ("p2p", "all_gather"):
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        g = torch.Generator(device="cuda").manual_seed(0)  # the full tensors, then this rank's share
-        q = torch.randn(1, s, HEADS, DIM, device="cuda", dtype=DT, generator=g).index_select(1, idx)
-        k = torch.randn(1, s, KV_HEADS, DIM, device="cuda", dtype=DT, generator=g).index_select(1, idx)
-        v = torch.randn_like(k)
-        dout = torch.randn_like(q)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+        reset_peak()
+        g = torch.Generator(device=CFG["device"]).manual_seed(0)  # the full tensors, then this rank's share
+        q, k, v, dout = (randn(1, s, n, DIM, gen=g).index_select(1, idx) for n in (HEADS, KV_HEADS, KV_HEADS, HEADS))
+        reset_peak()
+        for t in (q, k, v):
+            t.requires_grad_()
 
         def fn():
             q.grad = k.grad = v.grad = None
@@ -140,7 +158,7 @@ def cp_rows(s, repeats, group, rank, world):
         rows.append(dict(method=f"cp_{comm}", seq=s, gpus=world, ms=ms,
                          tflops_per_gpu=flops(s) / ms / 1e9 / world, peak_gib=peak_gib(group)))
     # one ring step's K/V transfer alone
-    kv = torch.randn(2, 1, s // world, KV_HEADS, DIM, device="cuda", dtype=DT)
+    kv = torch.zeros(2, 1, s // world, KV_HEADS, DIM, device=CFG["device"], dtype=CFG["dtype"])
     recv = torch.empty_like(kv)
     members = dist.get_process_group_ranks(group)
 
@@ -153,14 +171,20 @@ def cp_rows(s, repeats, group, rank, world):
     ms = step_times(exchange, max(repeats, 10), group)
     nbytes = kv.numel() * kv.element_size()
     rows.append(dict(method="ring_exchange", seq=s, gpus=world, ms=ms, gbps=nbytes / ms / 1e6,
-                     note=f"{nbytes / 2**20:.0f} MiB per direction"))
+                     note=f"{nbytes / 2**20:.1f} MiB per direction"))
     return rows
 
 
-def worker(rank, world, port, seqs, repeats, result_path):
+def worker(rank, world, port, seqs, repeats, result_path, cpu):
+    if cpu:
+        CFG.update(device="cpu", dtype=torch.float32)
+        torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    if cpu:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    else:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
     group = dist.new_group(list(range(world)))
     rows = []
     try:
@@ -185,13 +209,14 @@ def main():
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--seqs", default="32768,65536,131072")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cpu", action="store_true", help="smoke-run on the CPU over gloo (figures meaningless)")
     args = ap.parse_args()
     seqs = [int(x) for x in args.seqs.split(",")]
     for s in seqs:
         if s % (2 * args.world):
             raise SystemExit(f"--seqs: {s} is not a multiple of 2*world = {2 * args.world}")
-    if torch.cuda.device_count() < args.world:
-        raise SystemExit(f"needs {args.world} GPUs, found {torch.cuda.device_count()}")
+    if not args.cpu and torch.cuda.device_count() < args.world:
+        raise SystemExit(f"needs {args.world} GPUs, found {torch.cuda.device_count()} (--cpu smoke-runs it)")
     import socket
 
     with socket.socket() as sock:
@@ -199,20 +224,23 @@ def main():
         port = sock.getsockname()[1]
     result_path = f"/tmp/bench_cp_{os.getpid()}.pt"
     t0 = time.time()
-    mp.spawn(worker, args=(args.world, port, seqs, args.repeats, result_path), nprocs=args.world, join=True)
+    mp.spawn(worker, args=(args.world, port, seqs, args.repeats, result_path, args.cpu), nprocs=args.world,
+             join=True)
     rows = torch.load(result_path)
+    os.remove(result_path)
     from harness import Table
 
     singles = {r["seq"]: r["ms"] for r in rows if r["method"] == "single_auto" and r.get("ms")}
     for r in rows:
         if r.get("ms") and r["method"] != "ring_exchange" and r["seq"] in singles:
             r["speedup"] = singles[r["seq"]] / r["ms"]
-    table = Table("cp", ["method", "seq", "gpus", "ms", "tflops_per_gpu", "speedup", "peak_gib", "gbps", "note"])
+    table = Table("cp_cpu_smoke" if args.cpu else "cp",
+                  ["method", "seq", "gpus", "ms", "tflops_per_gpu", "speedup", "peak_gib", "gbps", "note"])
     for r in rows:
         table.add(**r)
     table.save({"command": "python3 " + " ".join(sys.argv), "seconds": round(time.time() - t0, 1),
-                "shape": dict(batch=1, heads=HEADS, kv_heads=KV_HEADS, head_dim=DIM, dtype="bf16",
-                              mask="causal", layout="bshd"),
+                "shape": dict(batch=1, heads=HEADS, kv_heads=KV_HEADS, head_dim=DIM,
+                              dtype="float32" if args.cpu else "bf16", mask="causal", layout="bshd"),
                 "note": "TFLOP/s per GPU counts 4*h*s^2*d/2 (causal) x3.5 for fwd+bwd; speedup = single_auto "
                         "time / this time; cp rows time the slowest rank"})
 
