@@ -1,0 +1,265 @@
+"""Constructor arguments of Transformer Engine's core modules that the TE
+compatibility table calls "taken" and that no other test file exercises,
+each checked against a torch reference or its documented meaning:
+init_method / output_layer_init_method, the RNG tracker, name, layer_number,
+seq_length / micro_batch_size, the userbuffers flags TransformerLayer reads
+only under ub_tp_comm_overlap, MultiheadAttention's kv_channels,
+layernorm_epsilon, normalization, zero_centered_gamma, params_dtype and
+cross-attention, DotProductAttention's window_size and softmax_scale,
+Linear's fuse_wgrad_accumulation, TransformerLayer's decoder arguments.
+
+tests/test_te_api_table.py's coverage check names, for every taken
+argument, the test here or elsewhere that exercises it."""
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import seqfuse.pytorch as te
+from helpers import rel_error, rel_tol
+from test_te_api import _norm_ref, close, mha_reference, rope_angles
+
+F32 = rel_tol(torch.float32, 4)
+
+
+def _ramp(scale):
+    """init_method writing scale * a ramp from -1 to 1 (any shape)."""
+    def init(w):
+        with torch.no_grad():
+            w.copy_(torch.linspace(-1, 1, w.numel()).view_as(w) * scale)
+    return init
+
+
+def _is_ramp(w, scale):
+    return torch.equal(w.detach(), torch.linspace(-1, 1, w.numel()).view_as(w) * scale)
+
+
+def test_init_methods_reach_every_weight():
+    a, b = _ramp(0.1), _ramp(-0.2)
+    lnl = te.LayerNormLinear(8, 12, init_method=a, device="cpu")
+    assert _is_ramp(lnl.weight, 0.1) and not lnl.bias.any()
+    mlp = te.LayerNormMLP(8, 16, init_method=a, output_layer_init_method=b, device="cpu")
+    assert _is_ramp(mlp.fc1_weight, 0.1) and _is_ramp(mlp.fc2_weight, -0.2)
+    mha = te.MultiheadAttention(16, 2, init_method=a, output_layer_init_method=b, input_layernorm=True,
+                                device="cpu")
+    # split Q/K/V parameters: the rows of the one fused weight the init method drew
+    fused = torch.cat([mha.layernorm_qkv.query_weight, mha.layernorm_qkv.key_weight,
+                       mha.layernorm_qkv.value_weight])
+    assert _is_ramp(fused, 0.1) and _is_ramp(mha.proj.weight, -0.2)
+    layer = te.TransformerLayer(16, 32, 2, init_method=a, output_layer_init_method=b, layer_type="decoder",
+                                device="cpu")
+    assert _is_ramp(layer.self_attention.proj.weight, -0.2) and _is_ramp(layer.layernorm_mlp.fc2_weight, -0.2)
+    kv = layer.inter_attention.key_value
+    assert _is_ramp(torch.cat([kv.key_weight, kv.value_weight]), 0.1)
+    assert _is_ramp(layer.layernorm_mlp.fc1_weight, 0.1)
+    # the MLP computes with them, as torch does
+    xm = torch.randn(3, 8)
+    w1, w2 = mlp.fc1_weight.detach().double(), mlp.fc2_weight.detach().double()
+    ref = F.gelu(F.layer_norm(xm.double(), (8,), eps=1e-5) @ w1.T, approximate="tanh") @ w2.T
+    close(mlp(xm), ref)
+
+
+class _Tracker:
+    calls = []
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        _Tracker.calls.append(name)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(99)
+            yield
+
+
+def test_rng_tracker_reaches_every_weight():
+    _Tracker.calls.clear()
+    lnl = te.LayerNormLinear(8, 12, get_rng_state_tracker=_Tracker, name="lnl", device="cpu")
+    torch.manual_seed(99)
+    assert torch.equal(lnl.weight, torch.empty(12, 8).normal_(0.0, 0.02)) and lnl.name == "lnl"
+    mha = te.MultiheadAttention(16, 2, get_rng_state_tracker=_Tracker, name="attn", device="cpu")
+    torch.manual_seed(99)
+    assert torch.equal(mha.proj.weight, torch.empty(16, 16).normal_(0.0, 0.023)) and mha.name == "attn"
+    n = len(_Tracker.calls)
+    layer = te.TransformerLayer(16, 32, 2, get_rng_state_tracker=_Tracker, name="layer0", device="cpu")
+    assert len(_Tracker.calls) - n == 3 and layer.name == "layer0"  # QKV, proj and the MLP
+    torch.manual_seed(99)
+    assert torch.equal(layer.layernorm_mlp.fc1_weight, torch.empty(32, 16).normal_(0.0, 0.02))
+
+
+def test_bookkeeping_arguments_change_nothing():
+    """layer_number, name, seq_length, micro_batch_size and (without
+    ub_tp_comm_overlap) the userbuffers flags: kept, outputs unchanged."""
+    torch.manual_seed(20)
+    kw = dict(hidden_dropout=0.0, attention_dropout=0.0, attn_input_format="bshd", device="cpu")
+    base = te.TransformerLayer(16, 32, 2, **kw)
+    other = te.TransformerLayer(16, 32, 2, layer_number=3, seq_length=5, micro_batch_size=2, name="l3",
+                                ub_overlap_ag=False, ub_overlap_rs=False, ub_overlap_rs_dgrad=True,
+                                ub_bulk_dgrad=False, ub_bulk_wgrad=False, **kw)
+    other.load_state_dict(base.state_dict())
+    x = torch.randn(2, 5, 16)
+    assert torch.equal(base(x), other(x))
+    assert other.layer_number == 3 and other.self_attention.layer_number == 3
+    assert other.self_attention.core_attention.layer_number == 3
+    assert other.seq_length == 5 and other.layernorm_mlp.micro_batch_size == 2
+    mha = te.MultiheadAttention(16, 2, layer_number=2, seq_length=5, micro_batch_size=2, attention_dropout=0.0,
+                                qkv_format="bshd", device="cpu")
+    plain = te.MultiheadAttention(16, 2, attention_dropout=0.0, qkv_format="bshd", device="cpu")
+    plain.load_state_dict(mha.state_dict())
+    assert torch.equal(mha(x), plain(x)) and mha.seq_length == 5
+    dpa = te.DotProductAttention(2, 8, layer_number=4)
+    assert dpa.layer_number == 4
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_multihead_attention_norm_arguments(normalization):
+    """kv_channels (head dim not hidden / heads), layernorm_epsilon,
+    normalization and zero_centered_gamma against the float64 reference."""
+    torch.manual_seed(21)
+    m = te.MultiheadAttention(24, 4, kv_channels=8, num_gqa_groups=2, layernorm_epsilon=1e-3,
+                              normalization=normalization, zero_centered_gamma=True, input_layernorm=True,
+                              attention_dropout=0.0, qkv_format="bshd", device="cpu")
+    assert m.layernorm_qkv.zero_centered_gamma and not m.layernorm_qkv.layer_norm_weight.any()
+    with torch.no_grad():
+        m.layernorm_qkv.layer_norm_weight.uniform_(-0.5, 0.5)
+    assert m.layernorm_qkv.eps == 1e-3 and m.proj.in_features == 32
+    x = torch.randn(2, 6, 24)
+    freqs, angles = rope_angles(6, 8)
+    lq = m.layernorm_qkv
+    # the reference's norm with zero-centred gamma: weight + 1
+    with torch.no_grad():
+        saved = lq.layer_norm_weight.clone()
+        lq.layer_norm_weight.add_(1.0)
+        lq.zero_centered_gamma = False
+        ref = mha_reference(m, x, angles)
+        lq.layer_norm_weight.copy_(saved)
+        lq.zero_centered_gamma = True
+    close(m(x, rotary_pos_emb=freqs), ref)
+
+
+def test_multihead_attention_params_dtype():
+    torch.manual_seed(22)
+    m = te.MultiheadAttention(32, 4, params_dtype=torch.bfloat16, input_layernorm=True, attention_dropout=0.0,
+                              qkv_format="bshd", device="cpu")
+    assert {p.dtype for p in m.parameters()} == {torch.bfloat16}
+    x = torch.randn(2, 6, 32, dtype=torch.bfloat16)
+    out = m(x)
+    assert out.dtype == torch.bfloat16
+    assert rel_error(out.double(), mha_reference(m, x, None)) <= rel_tol(torch.bfloat16, 8)
+
+
+def test_multihead_attention_cross():
+    torch.manual_seed(23)
+    m = te.MultiheadAttention(16, 2, attention_type="cross", input_layernorm=True, attn_mask_type="no_mask",
+                              attention_dropout=0.0, qkv_format="bshd", fuse_qkv_params=False, device="cpu")
+    x, enc = torch.randn(2, 4, 16), torch.randn(2, 7, 16)
+    out = m(x, encoder_output=enc)
+    lq = m.layernorm_query
+    ln = F.layer_norm(x.double(), (16,), lq.layer_norm_weight.double(), lq.layer_norm_bias.double(), 1e-5)
+    q = (ln @ lq.weight.double().T + lq.bias.double()).view(2, 4, 2, 8)
+    kv = m.key_value
+    k = (enc.double() @ kv.key_weight.double().T + kv.key_bias.double()).view(2, 7, 2, 8)
+    v = (enc.double() @ kv.value_weight.double().T + kv.value_bias.double()).view(2, 7, 2, 8)
+    ctx = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    ref = ctx.transpose(1, 2).reshape(2, 4, 16) @ m.proj.weight.double().T + m.proj.bias.double()
+    close(out, ref)
+
+
+@pytest.mark.parametrize("window", [(2, 0), (1, 1)])
+def test_dot_product_attention_window_and_scale(window):
+    torch.manual_seed(24)
+    mask_type = "causal" if window[1] == 0 else "no_mask"
+    dpa = te.DotProductAttention(2, 8, qkv_format="bshd", attn_mask_type=mask_type, window_size=window,
+                                 softmax_scale=0.2)
+    q, k, v = (torch.randn(2, 6, 2, 8) for _ in range(3))
+    i, j = torch.arange(6)[:, None], torch.arange(6)[None, :]
+    keep = (j >= i - window[0]) & (j <= i + window[1])
+    ref = F.scaled_dot_product_attention(*(t.transpose(1, 2).double() for t in (q, k, v)), attn_mask=keep,
+                                         scale=0.2)
+    close(dpa(q, k, v), ref.transpose(1, 2).reshape(2, 6, 16))
+
+
+def test_linear_fuse_wgrad_accumulation():
+    torch.manual_seed(25)
+    lin = te.Linear(8, 4, fuse_wgrad_accumulation=True, device="cpu")
+    lin.weight.main_grad = torch.ones(4, 8)
+    x = torch.randn(5, 8)
+    lin(x).sum().backward()
+    ref = torch.ones(4, 8, dtype=torch.float64) + torch.ones(5, 4, dtype=torch.float64).T @ x.double()
+    close(lin.weight.main_grad, ref)
+    assert lin.weight.grad is None and lin.fuse_wgrad_accumulation
+
+
+def test_transformer_layer_decoder_arguments():
+    """enc_dec_attn_mask_type and enc_dec_window_size reach the cross
+    attention; kv_channels, zero_centered_gamma, normalization, activation
+    and layernorm_epsilon reach every submodule."""
+    layer = te.TransformerLayer(16, 32, 2, kv_channels=12, layer_type="decoder", enc_dec_attn_mask_type="padding",
+                                enc_dec_window_size=(3, 3), zero_centered_gamma=True, normalization="RMSNorm",
+                                activation="swiglu", layernorm_epsilon=1e-3, device="cpu")
+    cross = layer.inter_attention
+    assert cross.attn_mask_type == "padding" and cross.window_size == (3, 3) and cross.kv_channels == 12
+    assert layer.self_attention.kv_channels == 12 and layer.self_attention.proj.in_features == 24
+    mlp = layer.layernorm_mlp
+    assert mlp.activation == "swiglu" and mlp.normalization == "RMSNorm" and mlp.zero_centered_gamma
+    assert mlp.eps == 1e-3 and layer.self_attention.layernorm_qkv.eps == 1e-3
+    assert layer.self_attention.layernorm_qkv.normalization == "RMSNorm"
+    # the layer computes with them: MLP block against torch (swiglu, zero-centred RMSNorm)
+    x = torch.randn(5, 16)
+    w = mlp.layer_norm_weight.detach().double() + 1
+    ln = _norm_ref(x.double(), w, None, 1e-3, "RMSNorm")
+    h = ln @ mlp.fc1_weight.detach().double().T + mlp.fc1_bias.detach().double()
+    a, g = h.chunk(2, -1)
+    ref = (F.silu(a) * g) @ mlp.fc2_weight.detach().double().T + mlp.fc2_bias.detach().double()
+    close(mlp(x), ref)
+
+
+def test_multihead_attention_window_size():
+    torch.manual_seed(26)
+    m = te.MultiheadAttention(16, 2, window_size=(2, 0), attn_mask_type="causal", attention_dropout=0.0,
+                              qkv_format="bshd", device="cpu")
+    assert m.core_attention.window_size == (2, 0)
+    x = torch.randn(2, 6, 16)
+    q, k, v = m._split_qkv(m.qkv(x))
+    dpa = te.DotProductAttention(2, 8, qkv_format="bshd", attn_mask_type="causal", window_size=(2, 0))
+    close(m(x), m.proj(dpa(q, k, v)), rel_tol(torch.float32))
+    full = te.MultiheadAttention(16, 2, attn_mask_type="causal", attention_dropout=0.0, qkv_format="bshd",
+                                 device="cpu")
+    full.load_state_dict(m.state_dict())
+    assert rel_error(full(x), m(x)) > 1e-3  # the window changed the result
+
+
+def test_dot_product_attention_context_parallel_arguments(tmp_path):
+    """cp_group, cp_global_ranks, cp_stream and cp_comm_type reach the
+    module's context parallelism (a group of one rank: CP off, the result is
+    plain attention; seqfuse.parallel's tests run CP at 2 and 4 ranks)."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        group = dist.new_group([0])
+        dpa = te.DotProductAttention(2, 8, qkv_format="bshd", attn_mask_type="causal", cp_group=group,
+                                     cp_global_ranks=[0], cp_stream=None, cp_comm_type="all_gather")
+        assert dpa.cp_group is group and dpa.cp_global_ranks == [0] and dpa.cp_comm_type == "all_gather"
+        q, k, v = (torch.randn(1, 4, 2, 8) for _ in range(3))
+        ref = F.scaled_dot_product_attention(*(t.transpose(1, 2).double() for t in (q, k, v)), is_causal=True)
+        close(dpa(q, k, v), ref.transpose(1, 2).reshape(1, 4, 16))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_transformer_layer_without_bias():
+    torch.manual_seed(27)
+    layer = te.TransformerLayer(16, 32, 2, bias=False, hidden_dropout=0.0, attention_dropout=0.0,
+                                attn_input_format="bshd", device="cpu")
+    names = [n for n, _ in layer.named_parameters()]
+    assert not any(n.endswith(("query_bias", "key_bias", "value_bias", "proj.bias", "fc1_bias", "fc2_bias"))
+                   for n in names), names
+    x = torch.randn(2, 5, 16)
+    h = x + layer.self_attention(x)
+    mlp = layer.layernorm_mlp
+    ln = F.layer_norm(h.detach().double(), (16,), mlp.layer_norm_weight.detach().double(),
+                      mlp.layer_norm_bias.detach().double(), 1e-5)
+    ref = h.double() + F.gelu(ln @ mlp.fc1_weight.detach().double().T,
+                              approximate="tanh") @ mlp.fc2_weight.detach().double().T
+    close(layer(x), ref)
