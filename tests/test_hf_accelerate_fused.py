@@ -1,6 +1,7 @@
 """seqfuse.hf.accelerate's whole-layer fusion (seqfuse.hf.fuse_layers) and
 fused linear cross-entropy (seqfuse.hf.fused_loss) on small random Llama,
-Mistral (sliding window), Qwen2 (q/k/v biases) and Qwen3 (QK norms) models,
+Mistral (sliding window), Qwen2 (q/k/v biases), Qwen3 (QK norms) and Gemma
+(zero-centred norms, GeGLU) models,
 against the untouched model: logits, loss and gradients (float32 to
 float32 rounding; bfloat16 within twice plain transformers' own bf16 error
 against its float32 self, tests/helpers.py's torch_bound), several training
@@ -43,7 +44,11 @@ def qwen3():
     return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**_common(head_dim=16)))
 
 
-FAMILIES = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3}
+def gemma():  # RMSNorm with 1 + weight, GeGLU (tanh GELU), embeddings scaled by sqrt(hidden)
+    return transformers.GemmaForCausalLM(transformers.GemmaConfig(**_common(head_dim=16)))
+
+
+FAMILIES = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3, "gemma": gemma}
 
 
 def make(name, dtype=torch.float32, seed=0):
@@ -134,7 +139,7 @@ def test_fp32_logits_loss_gradients_and_training(name):
         assert rel_error(values[n], q.detach()) <= 1e-3, n
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma"])
 def test_bf16_within_twice_plain_transformers_error(name):
     """bf16 accelerate()d against the fp32 model, bounded by twice plain
     transformers' bf16 error against the same fp32 model (at least bf16's

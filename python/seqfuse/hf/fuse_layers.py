@@ -1,13 +1,14 @@
 """Whole-layer fusion for Llama-family decoder layers, used by
 ``seqfuse.hf.accelerate``.
 
-transformers' Llama, Mistral, Qwen2 and Qwen3 decoder layers compute
+transformers' Llama, Mistral, Qwen2, Qwen3 and Gemma (1) decoder layers compute
 
     x = x + o_proj(attention(rope(q_proj(n1(x))), rope(k_proj(n1(x))), v_proj(n1(x))))
-    x = x + down_proj(silu(gate_proj(n2(x))) * up_proj(n2(x)))
+    x = x + down_proj(act(gate_proj(n2(x))) * up_proj(n2(x)))
 
-with RMSNorms n1, n2 (Qwen3 also normalises each query and key head: q_norm,
-k_norm).  Swapping these modules one by one leaves nine kernels per layer
+with RMSNorms n1, n2 (Gemma's with 1 + weight: zero-centred gamma; Qwen3
+also normalises each query and key head: q_norm, k_norm) and act silu
+(Gemma: tanh-approximated GELU).  Swapping these modules one by one leaves nine kernels per layer
 and their intermediates in memory, and two GEMMs where one would do.  Here
 each such layer is replaced by a ``SeqfuseDecoderLayer`` that runs
 
@@ -23,8 +24,13 @@ each such layer is replaced by a ``SeqfuseDecoderLayer`` that runs
 - attention through seqfuse's transformers attention function
   (seqfuse.hf.attention: padding, packed sequences, sliding windows, key
   caches), the o_proj as seqfuse's Linear,
-- n2 + gate/up + SwiGLU + down as one LayerNormMLP (gate and up as one
-  GEMM over a fused [gate; up] weight).
+- n2 + gate/up + SwiGLU (GeGLU) + down as one LayerNormMLP (gate and up
+  as one GEMM over a fused [gate; up] weight).
+
+Gemma 2 and 3 (norms after attention and MLP, logit soft-capping), Phi-3
+(already-fused qkv_proj / gate_up_proj under other names) and encoder
+families (BERT, RoBERTa, ESM) are not matched here: their layers are
+reported and swapped module by module.
 
 The new layer is an instance of a subclass of the original layer class, so
 transformers' isinstance checks (hidden-state capture, gradient
@@ -58,10 +64,23 @@ from .attention import seqfuse_attention_forward
 
 _log = logging.getLogger("seqfuse")
 
-try:  # transformers' "silu" activation class (F.silu); nn.SiLU is its "swish"
-    from transformers.activations import SiLUActivation as _SiLUActivation
-except ImportError:
-    _SiLUActivation = None
+def _gated_activations():
+    """{activation module class: LayerNormMLP's gated activation}: act(gate) * up
+    with act silu (transformers' "silu" and "swish") or tanh-approximated GELU
+    (Gemma's "gelu_pytorch_tanh", which is TE's and seqfuse's "geglu")."""
+    out = {nn.SiLU: "swiglu"}
+    try:
+        from transformers import activations
+    except ImportError:
+        return out
+    for name, act in (("SiLUActivation", "swiglu"), ("GELUTanh", "geglu"), ("PytorchGELUTanh", "geglu")):
+        cls = getattr(activations, name, None)
+        if isinstance(cls, type):
+            out[cls] = act
+    return out
+
+
+_GATED = _gated_activations()
 
 #: decoder-layer class name -> where its sliding window comes from, and whether it has QK norms
 FAMILIES = {
@@ -69,6 +88,7 @@ FAMILIES = {
     "MistralDecoderLayer": dict(window="config", qk_norm=False),
     "Qwen2DecoderLayer": dict(window="attention", qk_norm=False),
     "Qwen3DecoderLayer": dict(window="attention", qk_norm=True),
+    "GemmaDecoderLayer": dict(window="none", qk_norm=False),
 }
 
 #: rope types whose cos/sin are exactly cos/sin(position * inv_freq) with inv_freq fixed at build time
@@ -167,11 +187,9 @@ def _check_layer(layer, rmsnorm_match, align):
         _check_linear(getattr(attn, n), f"self_attn.{n}")
     for n in _MLP:
         _check_linear(getattr(mlp, n), f"mlp.{n}")
-    act = getattr(mlp.config if hasattr(mlp, "config") else attn.config, "hidden_act", None)
-    silu_types = (nn.SiLU,) + ((_SiLUActivation,) if _SiLUActivation is not None else ())
-    if act not in ("silu", "swish") or type(mlp.act_fn) not in silu_types:
-        raise FusionRefused(f"MLP activation {act!r} ({type(mlp.act_fn).__name__}); the fused MLP computes "
-                            "SwiGLU (silu)")
+    if type(mlp.act_fn) not in _GATED:
+        raise FusionRefused(f"MLP activation {type(mlp.act_fn).__name__}; the fused MLP computes SwiGLU (silu) or "
+                            "GeGLU (tanh-approximated GELU)")
     q, k, v, o = (getattr(attn, n) for n in _ATTN)
     head_dim = int(getattr(attn, "head_dim", 0) or 0)
     if head_dim <= 0 or q.out_features % head_dim or k.out_features % head_dim or k.out_features != v.out_features:
@@ -265,9 +283,10 @@ def fuse_layer(layer, rmsnorm_match, rotary):
         if o.bias is not None:
             new.proj.bias = o.bias
         new.mlp_fused = LayerNormMLP(hidden, ffn, eps=eps2, bias=mlp.gate_proj.bias is not None,
-                                     normalization="RMSNorm", activation="swiglu", zero_centered_gamma=zc2, **kw)
+                                     normalization="RMSNorm", activation=_GATED[type(mlp.act_fn)],
+                                     zero_centered_gamma=zc2, **kw)
         new.mlp_fused.layer_norm_weight = layer.post_attention_layernorm.weight
-        # TE's SwiGLU layout: the activated (gate) half first, then the up half
+        # TE's gated layout: the activated (gate) half first, then the up half
         new.mlp_fused.fc1_weight = _fused_param((mlp.gate_proj.weight, mlp.up_proj.weight),
                                                 mlp.gate_proj.weight.requires_grad)
         new.mlp_fused.fc2_weight = mlp.down_proj.weight

@@ -1,8 +1,8 @@
 """The LM head and cross-entropy of a transformers causal LM as one chunked
 fused linear cross-entropy, used by ``seqfuse.hf.accelerate``.
 
-transformers' ``LlamaForCausalLM.forward(labels=...)`` (Mistral, Qwen2 and
-Qwen3 alike) computes the logits of every position ([tokens, vocabulary]:
+transformers' ``LlamaForCausalLM.forward(labels=...)`` (Mistral, Qwen2,
+Qwen3 and Gemma alike) computes the logits of every position ([tokens, vocabulary]:
 gigabytes at a 128k vocabulary), upcasts them to float32 and then takes the
 cross-entropy.  After ``wrap_causal_lm_loss(model)``, a call with ``labels``
 runs the base model, then seqfuse.modules.cross_entropy.linear_cross_entropy
@@ -33,7 +33,7 @@ from ..modules.cross_entropy import linear_cross_entropy
 _log = logging.getLogger("seqfuse")
 
 #: causal-LM classes whose forward is base model -> lm_head -> ForCausalLMLoss
-CAUSAL_LMS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+CAUSAL_LMS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM")
 
 OWN = "transformers' own LM head and loss"
 
