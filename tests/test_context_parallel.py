@@ -5,8 +5,11 @@ holding its load-balanced share of the tokens) gives, on every rank, the
 rows of the output and of dq, dk, dv that single-process attention over the
 whole sequence gives for those tokens, within float32 rounding; for bshd,
 sbhd and packed thd, causal and full masks, GQA, cp_comm_type p2p and
-all_gather, at cp = 2 and 4; through DotProductAttention too.  Bad
-arguments raise naming the argument.
+all_gather, at cp = 2 and 4; through DotProductAttention too; and two
+Llama-shaped TransformerLayers (rotary embeddings included in bshd) give
+the full run's loss and gradients.  A group of one rank is plain attention.
+Bad arguments raise naming the argument.  The batch split, thd padding,
+rotary-table and lse-merge helpers are checked in this process.
 
 Each world size is one start of worker processes (forkserver with torch and
 seqfuse preloaded, so a start costs one import, not one per process) that
@@ -21,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import seqfuse.ops as ops
-from helpers import BWD_FACTOR, REL_TOL, free_port, rel_error, run_workers
+from helpers import BWD_FACTOR, REL_TOL, rel_error, run_workers
 from seqfuse.modules.attention import DotProductAttention
 from seqfuse.parallel import (context_parallel_attention, local_token_index, pad_thd_sequences_for_cp,
                               split_batch_for_cp_rank)
