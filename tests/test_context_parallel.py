@@ -195,6 +195,20 @@ def _small_llama(fmt, comm, world, rank, group, seed):
             max(rel_error(g, r) for g, r in zip(grads, full[2]))]
 
 
+def _te_split_matches(world, rank, group):
+    """get_batch_on_this_cp_rank (TE's name and argument order, rank and
+    size from the group) picks what split_batch_for_cp_rank picks."""
+    from seqfuse.parallel import get_batch_on_this_cp_rank
+
+    lens = _lengths("thd", world)
+    cu = torch.tensor([0] + list(torch.cumsum(torch.tensor(lens), 0)), dtype=torch.int32)
+    ids = torch.arange(sum(lens)).view(1, -1)
+    pos = torch.cat([torch.arange(n) for n in lens]).view(1, -1)
+    got = get_batch_on_this_cp_rank(cu, ids, ids + 7, pos, group)
+    want = split_batch_for_cp_rank(ids, ids + 7, None, cu, cp_size=world, cp_rank=rank)
+    return all(torch.equal(a, b) for a, b in zip(got, (want.input_ids, want.labels, want.position_ids)))
+
+
 def _worker(rank, world, init_file, out_dir, seed):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -212,6 +226,7 @@ def _worker(rank, world, init_file, out_dir, seed):
             for comm in COMMS:
                 results[f"llama-{fmt}-{comm}"] = _small_llama(fmt, comm, world, rank, group, seed + 200)
         results["bad"] = _bad_arguments(world, group)
+        results["te_split"] = _te_split_matches(world, rank, group)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         ok = True
     finally:
@@ -300,6 +315,11 @@ def test_cp_bad_arguments(cp_results, which):
     for res in cp_results[2]:
         got_kind, msg = res["bad"][which]
         assert got_kind == kind and word in msg, (which, got_kind, msg)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_get_batch_on_this_cp_rank_matches_split(cp_results, world):
+    assert all(res["te_split"] for res in cp_results[world])
 
 
 def test_set_context_parallel_group_refuses_unknown_comm_type():
