@@ -632,7 +632,6 @@ def test_ops_initialisation_and_refusals():
     meta.reset_parameters()
     assert not meta.weight.is_meta and not meta.bias.any()
     for make, name in ((lambda: te.ops.BasicLinear(4, 4, tensor_parallel_mode="row"), "tensor_parallel_mode"),
-                       (lambda: te.ops.SwiGLU(glu_interleave_size=32), "glu_interleave_size"),
                        (lambda: te.ops.LayerNorm(4, sm_margin=2), "sm_margin"),
                        (lambda: te.ops.GELU(cache_quantized_input=True), "cache_quantized_input")):
         with pytest.raises(NotImplementedError, match=f"argument '{name}'="):
@@ -685,3 +684,31 @@ def test_cuda_meta_materialises_on_the_current_device():
             assert b.is_cuda and torch.equal(a, b), k
     assert te.get_device_compute_capability() == torch.cuda.get_device_capability()
     assert te.is_bf16_available() is (torch.cuda.get_device_capability()[0] >= 8)
+
+
+def test_glu_interleave_utilities_and_interleaved_swiglu():
+    w = torch.arange(8.0)[:, None].repeat(1, 3)  # rows W0..W3 = 0..3, V0..V3 = 4..7
+    inter = te.interleave_glu_tensor(w, 2)
+    assert inter[:, 0].tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+    assert torch.equal(te.deinterleave_glu_tensor(inter, 2), w)
+    bias = torch.arange(12.0)
+    assert torch.equal(te.deinterleave_glu_tensor(te.interleave_glu_tensor(bias, 3), 3), bias)
+    with pytest.raises(ValueError, match="must be a multiple of 2 \\* interleave_size = 8"):
+        te.interleave_glu_tensor(torch.zeros(12), 4)
+    with pytest.raises(ValueError, match="'interleave_size' must be a positive int"):
+        te.deinterleave_glu_tensor(torch.zeros(12), 0)
+    # an FC1 whose rows are interleaved, then the interleaved SwiGLU: the same as the contiguous pair
+    torch.manual_seed(30)
+    plain = [te.ops.BasicLinear(8, 16, device="cpu"), te.ops.SwiGLU()]
+    inter = [te.ops.BasicLinear(8, 16, device="cpu"), te.ops.SwiGLU(glu_interleave_size=4)]
+    with torch.no_grad():
+        inter[0].weight.copy_(te.interleave_glu_tensor(plain[0].weight, 4))
+    seq_plain, seq_inter = te.ops.Sequential(*plain), te.ops.Sequential(*inter)
+    x = torch.randn(5, 8)
+    close(seq_inter(x), seq_plain(x).double(), rel_tol(torch.float32))
+    xr = x.double()
+    a, g = (xr @ plain[0].weight.detach().double().T).chunk(2, -1)
+    close(seq_inter(x), F.silu(a) * g)
+    mlp = te.ops.Sequential(te.ops.LayerNorm(8, device="cpu"), te.ops.Linear(8, 16, device="cpu"),
+                            te.ops.SwiGLU(glu_interleave_size=4), te.ops.Linear(8, 8, device="cpu"))
+    assert mlp.plan()[0] == ("LayerNormLinear", ["LayerNorm", "Linear"])  # the interleaved SwiGLU: op by op

@@ -53,8 +53,9 @@ _GATHERED = _entry(True, (False,), "return_layernorm_output_gathered gathers ove
                    "which is not implemented; use return_layernorm_output")
 _SOFTMAX = _entry("off-by-one", ("vanilla",), "only the standard softmax ('vanilla') is implemented in "
                   "seqfuse's attention kernels")
-_BOTTOM_RIGHT = _entry(True, (None,), "pass attn_mask_type='causal_bottom_right' (or "
-                       "'padding_causal_bottom_right') for bottom-right causal alignment")
+_BOTTOM_RIGHT = _entry(True, (None,), "choosing the sliding-window diagonal apart from attn_mask_type is not "
+                       "implemented; the mask type sets it (pass 'causal_bottom_right' or "
+                       "'padding_causal_bottom_right' for bottom-right alignment)")
 _ACT_PARAMS = _entry({"limit": 7.0}, (None,), "activation parameters (clamped SwiGLU) are not implemented; "
                      "activations take no parameters here")
 _INTERLEAVED_ROPE = _entry(True, (False,), "interleaved rotary embeddings (rotating adjacent pairs) are not "

@@ -46,11 +46,11 @@ from ..modules.linear import Linear  # noqa: E402
 __all__ += ["Linear"]
 
 # capability and version queries (TE's names and return conventions)
-from .utils import (get_cudnn_version, get_default_recipe, get_device_compute_capability,  # noqa: E402
-                    is_bf16_available, is_fp8_available, is_fp8_block_scaling_available, is_mxfp8_available,
-                    is_nvfp4_available)
+from .utils import (deinterleave_glu_tensor, get_cudnn_version, get_default_recipe,  # noqa: E402
+                    get_device_compute_capability, interleave_glu_tensor, is_bf16_available, is_fp8_available,
+                    is_fp8_block_scaling_available, is_mxfp8_available, is_nvfp4_available)
 
-__all__ += ["get_cudnn_version", "get_default_recipe", "get_device_compute_capability", "is_bf16_available",
+__all__ += ["deinterleave_glu_tensor", "interleave_glu_tensor", "get_cudnn_version", "get_default_recipe", "get_device_compute_capability", "is_bf16_available",
             "is_fp8_available", "is_fp8_block_scaling_available", "is_mxfp8_available", "is_nvfp4_available"]
 
 # te.ops (fusible operations) and te.optimizers

@@ -249,14 +249,30 @@ class ReGLU(_Activation):
 
 
 class SwiGLU(_Activation):
-    """silu(x[..., :n]) * x[..., n:]."""
+    """silu(x[..., :n]) * x[..., n:].  glu_interleave_size=k: the input's
+    last dimension is block-interleaved [a 0:k, b 0:k, a k:2k, ...] (TE's
+    layout for fused GLU kernels); it is put back in [a; b] order (a copy)
+    before seqfuse's kernel, so such a SwiGLU runs op by op, not fused."""
     name = "swiglu"
 
     def __init__(self, *, cache_quantized_input=False, glu_interleave_size=None):
         super().__init__(cache_quantized_input=cache_quantized_input)
-        if glu_interleave_size is not None:
-            _refuse("SwiGLU", "glu_interleave_size", glu_interleave_size, "block-interleaved GLU layouts are "
-                    "not implemented; keep [gated half; linear half] (TE's deinterleave_glu_tensor converts)")
+        if glu_interleave_size is not None and (not isinstance(glu_interleave_size, int)
+                                                or glu_interleave_size <= 0):
+            raise ValueError(f"te.ops.SwiGLU: argument 'glu_interleave_size' must be a positive int or None, "
+                             f"got {glu_interleave_size!r}")
+        self.glu_interleave_size = glu_interleave_size
+
+    def forward(self, x):
+        k = self.glu_interleave_size
+        if k is not None:
+            n = x.shape[-1]
+            if n % (2 * k):
+                raise ValueError(f"te.ops.SwiGLU: the input's last dimension ({n}) must be a multiple of "
+                                 f"2 * glu_interleave_size = {2 * k}")
+            blocks = x.reshape(*x.shape[:-1], n // (2 * k), 2, k)
+            x = blocks.transpose(-3, -2).reshape(x.shape)
+        return activation(x, self.name)
 
 
 class Quantize(BasicOperation):
@@ -332,7 +348,8 @@ def _plan(ops):
             if lin1 is not None and lin1[2] == op.normalized_shape[0]:
                 j = i + 1 + lin1[4]
                 act = ops[j] if j < len(ops) else None
-                lin2 = _linear_at(ops, j + 1) if type(act) in _ACT_NAMES else None
+                fusable = type(act) in _ACT_NAMES and getattr(act, "glu_interleave_size", None) is None
+                lin2 = _linear_at(ops, j + 1) if fusable else None
                 if lin2 is not None:
                     name = _ACT_NAMES[type(act)]
                     ffn = lin1[3] // 2 if name in _GATED else lin1[3]

@@ -21,6 +21,11 @@ The answers are about what seqfuse can run, which is not always what TE
 can: seqfuse's MXFP8 and NVFP4 GEMMs are not implemented on any device yet,
 so those queries say False with that reason even on Blackwell, and the
 default recipe is DelayedScaling everywhere (TE picks MXFP8 on Blackwell).
+Also here: TE's interleave_glu_tensor / deinterleave_glu_tensor, which move
+a gated FC1 weight (or bias) between the contiguous [gated half; linear
+half] row order and the block-interleaved order [W rows 0:k, V rows 0:k,
+W rows k:2k, ...] along dimension 0.
+
 Without a usable CUDA device the FP8 queries say False (seqfuse's CPU
 backend runs FP8 recipes as a slow reference, not as a speed-up);
 is_bf16_available says True there, because the CPU backend and torch compute
@@ -32,7 +37,8 @@ import torch
 
 from .. import _runtime
 
-__all__ = ["get_device_compute_capability", "get_cudnn_version", "is_bf16_available",
+__all__ = ["deinterleave_glu_tensor", "interleave_glu_tensor",
+           "get_device_compute_capability", "get_cudnn_version", "is_bf16_available",
            "is_fp8_available", "is_fp8_block_scaling_available", "is_mxfp8_available",
            "is_nvfp4_available", "get_default_recipe"]
 
@@ -141,3 +147,27 @@ def get_default_recipe():
     its defaults (seqfuse has no MXFP8 GEMM, TE's default on Blackwell)."""
     from ..common.recipe import DelayedScaling
     return DelayedScaling()
+
+
+def _check_glu(tensor, interleave_size, who):
+    if not isinstance(interleave_size, int) or isinstance(interleave_size, bool) or interleave_size <= 0:
+        raise ValueError(f"{who}: argument 'interleave_size' must be a positive int, got {interleave_size!r}")
+    if tensor.dim() < 1 or tensor.shape[0] % (2 * interleave_size):
+        raise ValueError(f"{who}: dimension 0 of 'tensor' ({tuple(tensor.shape)}) must be a multiple of "
+                         f"2 * interleave_size = {2 * interleave_size}")
+
+
+def interleave_glu_tensor(tensor: torch.Tensor, interleave_size: int) -> torch.Tensor:
+    """[W_all; V_all] along dimension 0 -> [W 0:k; V 0:k; W k:2k; ...] (a
+    new tensor of the same shape), k = interleave_size."""
+    _check_glu(tensor, interleave_size, "interleave_glu_tensor")
+    halves = tensor.reshape(2, -1, interleave_size, *tensor.shape[1:])  # [half, block, k, ...]
+    return halves.transpose(0, 1).reshape(tensor.shape)
+
+
+def deinterleave_glu_tensor(tensor: torch.Tensor, interleave_size: int) -> torch.Tensor:
+    """The inverse of interleave_glu_tensor: block-interleaved rows back to
+    [W_all; V_all]."""
+    _check_glu(tensor, interleave_size, "deinterleave_glu_tensor")
+    blocks = tensor.reshape(-1, 2, interleave_size, *tensor.shape[1:])  # [block, half, k, ...]
+    return blocks.transpose(0, 1).reshape(tensor.shape)
