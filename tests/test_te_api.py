@@ -712,3 +712,29 @@ def test_glu_interleave_utilities_and_interleaved_swiglu():
     mlp = te.ops.Sequential(te.ops.LayerNorm(8, device="cpu"), te.ops.Linear(8, 16, device="cpu"),
                             te.ops.SwiGLU(glu_interleave_size=4), te.ops.Linear(8, 8, device="cpu"))
     assert mlp.plan()[0] == ("LayerNormLinear", ["LayerNorm", "Linear"])  # the interleaved SwiGLU: op by op
+
+
+def test_checkpoint_core_attention_recomputes():
+    torch.manual_seed(31)
+    layer = te.TransformerLayer(32, 64, 4, hidden_dropout=0.0, attention_dropout=0.0, attn_input_format="bshd",
+                                device="cpu")
+    x = torch.randn(2, 6, 32)
+    outs, grads, saved = [], [], []
+    for ckpt in (False, True):
+        xi = x.clone().requires_grad_()
+        counter = SavedBytes()
+        with counter.counting():
+            out = layer(xi, checkpoint_core_attention=ckpt)
+        out.sum().backward()
+        outs.append(out)
+        grads.append(xi.grad)
+        saved.append(counter.nbytes)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(grads[0], grads[1])
+    assert saved[1] < saved[0]  # the attention's saved tensors (output, statistics) are not kept
+    with pytest.raises(NotImplementedError, match="'pad_between_seqs'=True"):
+        layer(x, pad_between_seqs=True)
+    with pytest.raises(NotImplementedError, match="'bottom_right_diagonal'=True"):
+        layer(x, bottom_right_diagonal=True)
+    with pytest.raises(NotImplementedError, match="'enc_dec_bottom_right_diagonal'=False"):
+        layer(x, enc_dec_bottom_right_diagonal=False)
+    close(layer(x, fast_zero_fill=False), outs[0].double(), 0.0)

@@ -232,10 +232,6 @@ def test_no_core_constructor_argument_lacks():
     assert not any(lacking.values()), lacking
 
 
-def test_grouped_linear_is_listed_as_lacking():
-    assert RESULT["names"]["GroupedLinear"] == "lacks"
-
-
 def test_refused_entries_are_te_arguments():
     for cls, table in REFUSED.items():
         te_args = {a for a, _ in SNAPSHOT["modules"][cls]["init"]}

@@ -47,6 +47,7 @@ from .linear import Linear
 from .norm import LayerNorm, RMSNorm, rms_norm
 from .rope import apply_rotary_pos_emb
 from .te_compat import take_refused
+from ..quantization import checkpoint as recompute
 
 QK_NORM_TYPES = ("RMSNorm", "LayerNorm", "L2Normalization")
 
@@ -219,10 +220,28 @@ class MultiheadAttention(torch.nn.Module):
                 window_size=None, is_first_microbatch=None, checkpoint_core_attention=False,
                 inference_params=None, rotary_pos_emb=None, core_attention_bias_type="no_bias",
                 core_attention_bias=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_kv=None,
-                max_seqlen_q=None, max_seqlen_kv=None, fast_zero_fill=True, qkv_format=None):
+                max_seqlen_q=None, max_seqlen_kv=None, fast_zero_fill=True, qkv_format=None,
+                bottom_right_diagonal=None, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
+                pad_between_seqs=None):
         """TE's forward.  seqfuse extension: ``qkv_format`` overrides the
         layout given at construction for this call (one model can take padded
-        bshd and packed thd batches)."""
+        bshd and packed thd batches).  ``checkpoint_core_attention=True``
+        recomputes the core attention in the backward
+        (seqfuse.quantization.checkpoint: FP8 settings kept, dropout's random
+        state restored).  ``fast_zero_fill`` is a speed hint of TE's (how its
+        outputs are zeroed); seqfuse's kernels write every output element, so
+        it changes nothing.  ``cu_seqlens_*_padded`` go to
+        DotProductAttention (which takes them equal to cu_seqlens_*);
+        ``bottom_right_diagonal`` and ``pad_between_seqs=True`` raise
+        NotImplementedError."""
+        if bottom_right_diagonal is not None:
+            raise NotImplementedError(f"MultiheadAttention: argument 'bottom_right_diagonal'="
+                                      f"{bottom_right_diagonal!r} is not supported: the attn_mask_type sets "
+                                      "the sliding-window diagonal ('causal_bottom_right' for bottom-right)")
+        if pad_between_seqs:
+            raise NotImplementedError("MultiheadAttention: argument 'pad_between_seqs'=True is not supported: "
+                                      "packed sequences must be contiguous (cu_seqlens_*_padded equal to "
+                                      "cu_seqlens_*)")
         if inference_params is not None:
             raise NotImplementedError("MultiheadAttention: inference_params (KV cache) is not supported")
         fmt = qkv_format or self.qkv_format
@@ -266,12 +285,16 @@ class MultiheadAttention(torch.nn.Module):
         if self.q_norm is not None and not self.qk_norm_before_rope:
             q, k = self.q_norm(q), self.k_norm(k)
 
-        context = self.core_attention(
-            q, k, v, attention_mask=attention_mask, qkv_format=fmt, attn_mask_type=attn_mask_type,
-            window_size=window_size, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
-            max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
-            core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
-            alibi_slopes=alibi_slopes)
+        attn_kw = dict(attention_mask=attention_mask, qkv_format=fmt, attn_mask_type=attn_mask_type,
+                       window_size=window_size, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+                       cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded,
+                       max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+                       core_attention_bias_type=core_attention_bias_type,
+                       core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes)
+        if checkpoint_core_attention and torch.is_grad_enabled():
+            context = recompute(self.core_attention, q, k, v, **attn_kw)
+        else:
+            context = self.core_attention(q, k, v, **attn_kw)
         out = self.proj(context, is_first_microbatch=is_first_microbatch)  # (output, bias) with return_bias
         outputs = list(out) if self.return_bias else [out]
         if self.return_layernorm_output and self.input_layernorm:

@@ -144,11 +144,19 @@ class TransformerLayer(torch.nn.Module):
                 enc_dec_window_size=None, is_first_microbatch=None, checkpoint_core_attention=False,
                 inference_params=None, rotary_pos_emb=None, core_attention_bias_type="no_bias",
                 core_attention_bias=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_kv=None,
-                max_seqlen_q=None, max_seqlen_kv=None, fast_zero_fill=True, qkv_format=None):
+                max_seqlen_q=None, max_seqlen_kv=None, fast_zero_fill=True, qkv_format=None,
+                bottom_right_diagonal=None, enc_dec_bottom_right_diagonal=None, cu_seqlens_q_padded=None,
+                cu_seqlens_kv_padded=None, pad_between_seqs=None):
         """One layer.  ``attention_mask``: TE's boolean padding mask [b, 1, 1, s]
         (True = padding) for bshd/sbhd "padding" masks; thd uses cu_seqlens.
         seqfuse extension: ``qkv_format`` overrides attn_input_format for this
-        call."""
+        call.  checkpoint_core_attention, fast_zero_fill, the *_padded
+        cu_seqlens, bottom_right_diagonal and pad_between_seqs as
+        MultiheadAttention's forward takes them."""
+        if enc_dec_bottom_right_diagonal is not None:
+            raise NotImplementedError(f"TransformerLayer: argument 'enc_dec_bottom_right_diagonal'="
+                                      f"{enc_dec_bottom_right_diagonal!r} is not supported: the "
+                                      "enc_dec_attn_mask_type sets the sliding-window diagonal")
         if inference_params is not None:
             raise NotImplementedError("TransformerLayer: inference_params (KV cache) is not supported")
         attn_out = self.self_attention(
@@ -158,7 +166,10 @@ class TransformerLayer(torch.nn.Module):
             rotary_pos_emb=rotary_pos_emb, core_attention_bias_type=core_attention_bias_type,
             core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes,
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
-            max_seqlen_kv=max_seqlen_kv, qkv_format=qkv_format, is_first_microbatch=is_first_microbatch)
+            max_seqlen_kv=max_seqlen_kv, qkv_format=qkv_format, is_first_microbatch=is_first_microbatch,
+            checkpoint_core_attention=checkpoint_core_attention, bottom_right_diagonal=bottom_right_diagonal,
+            cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded,
+            pad_between_seqs=pad_between_seqs)
         post_ln = self.apply_residual_connection_post_layernorm
         if post_ln and not self.output_layernorm:  # the residual is the norm's output
             attn_out, residual = attn_out
@@ -177,7 +188,8 @@ class TransformerLayer(torch.nn.Module):
             cross = self.inter_attention(
                 x, attention_mask=enc_dec_attn_mask, encoder_output=encoder_output,
                 attn_mask_type=enc_dec_attn_mask_type, window_size=enc_dec_window_size,
-                qkv_format=qkv_format, is_first_microbatch=is_first_microbatch)
+                qkv_format=qkv_format, is_first_microbatch=is_first_microbatch,
+                checkpoint_core_attention=checkpoint_core_attention)
             cross, residual = cross if post_ln else (cross, x)
             x = self._residual(residual, cross)
         mlp_out = self.layernorm_mlp(x, is_first_microbatch=is_first_microbatch)
