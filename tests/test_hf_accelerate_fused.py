@@ -1,7 +1,8 @@
 """seqfuse.hf.accelerate's whole-layer fusion (seqfuse.hf.fuse_layers) and
 fused linear cross-entropy (seqfuse.hf.fused_loss) on small random Llama,
 Mistral (sliding window), Qwen2 (q/k/v biases), Qwen3 (QK norms) and Gemma
-(zero-centred norms, GeGLU) models,
+(zero-centred norms, GeGLU) and Phi-3 (fused projections, partial rotary)
+models,
 against the untouched model: logits, loss and gradients (float32 to
 float32 rounding; bfloat16 within twice plain transformers' own bf16 error
 against its float32 self, tests/helpers.py's torch_bound), several training
@@ -48,7 +49,12 @@ def gemma():  # RMSNorm with 1 + weight, GeGLU (tanh GELU), embeddings scaled by
     return transformers.GemmaForCausalLM(transformers.GemmaConfig(**_common(head_dim=16)))
 
 
-FAMILIES = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3, "gemma": gemma}
+def phi3():  # qkv_proj and gate_up_proj already fused; a partial rotary (half of each head turns)
+    return transformers.Phi3ForCausalLM(transformers.Phi3Config(**_common(
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})))
+
+
+FAMILIES = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3, "gemma": gemma, "phi3": phi3}
 
 
 def make(name, dtype=torch.float32, seed=0):
@@ -79,18 +85,28 @@ def accelerated(name, dtype=torch.float32, **kw):
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_every_layer_fused_and_report(name):
-    ref, model, report = accelerated(name)
+    model = make(name)
+    ref = copy.deepcopy(model)
+    own = dict(model.named_parameters())
+    report = accelerate(model)
     assert report.fused_names() == ["model.layers.0", "model.layers.1"]
     for layer in model.model.layers:
         assert isinstance(layer, SeqfuseDecoderLayer)
         assert isinstance(layer, type(ref.model.layers[0]))  # transformers' isinstance checks still hold
     # the norms and o_proj / down_proj weights are the model's own Parameter objects
-    assert model.model.layers[0].qkv.layer_norm_weight is not None
+    layer = model.model.layers[1]
+    assert layer.qkv.layer_norm_weight is own["model.layers.1.input_layernorm.weight"]
+    assert layer.mlp_fused.layer_norm_weight is own["model.layers.1.post_attention_layernorm.weight"]
+    assert layer.proj.weight is own["model.layers.1.self_attn.o_proj.weight"]
+    assert layer.mlp_fused.fc2_weight is own["model.layers.1.mlp.down_proj.weight"]
     assert "linear_cross_entropy" in report.loss
     text = str(report)
     assert "fused model.layers.1" in text and "loss with labels" in text
     if name == "qwen3":
-        assert type(model.model.layers[0].q_norm).__name__ == "RMSNorm"
+        assert type(layer.q_norm).__name__ == "RMSNorm"
+    if name == "phi3":  # nothing to fuse: every Parameter is the model's own
+        assert {id(p) for p in model.parameters()} == {id(p) for p in own.values()}
+        assert layer.rope_fused  # the kernel turns the first half of each head
     # a second call leaves the fused layers (and what is inside them) alone
     again = accelerate(model)
     assert again.fused == [] and not [n for n in again.left_names() if n.startswith("model.layers.")]
@@ -171,8 +187,9 @@ def test_bf16_within_twice_plain_transformers_error(name):
         assert e <= torch_bound(e_plain, floor=rel_tol(torch.bfloat16, 3)), (n, e, e_plain)
 
 
-def test_state_dict_save_pretrained_and_load(tmp_path):
-    ref, model, _ = accelerated("qwen2")  # biases: every kind of split
+@pytest.mark.parametrize("name", ["qwen2", "phi3"])
+def test_state_dict_save_pretrained_and_load(tmp_path, name):
+    ref, model, _ = accelerated(name)  # qwen2: biases, every kind of split; phi3: renames only
     sd, want = model.state_dict(), ref.state_dict()
     assert list(sd) == list(want)  # transformers' keys, transformers' order
     for k in want:
@@ -183,7 +200,7 @@ def test_state_dict_save_pretrained_and_load(tmp_path):
     torch.optim.SGD(model.parameters(), lr=0.1).step()
     model.save_pretrained(tmp_path)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
-    assert type(loaded) is transformers.Qwen2ForCausalLM
+    assert type(loaded) is type(ref)
     values = hf_named_tensors(model, "data")
     lsd = loaded.state_dict()
     assert set(lsd) == set(values)
@@ -201,7 +218,7 @@ def test_state_dict_save_pretrained_and_load(tmp_path):
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral", "llama-unfused"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral", "phi3", "llama-unfused"])
 def test_greedy_generate_matches_plain(name, cache):
     """Greedy tokens equal the plain model's (fp32, CPU) with both caches;
     Mistral's window (5) is shorter than prompt + new tokens; "llama-unfused"

@@ -53,8 +53,10 @@ loads; ``load_state_dict`` takes transformers' keys and fuses them.
 not); ``fuse_layer`` builds the replacement.
 """
 import logging
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..modules.rope import apply_rotary_pos_emb
@@ -82,20 +84,78 @@ def _gated_activations():
 
 _GATED = _gated_activations()
 
-#: decoder-layer class name -> where its sliding window comes from, and whether it has QK norms
+#: decoder-layer class name -> where its sliding window comes from, whether it has QK norms, and its
+#: projections' layout: "split" (q/k/v_proj, gate/up_proj) or "fused" (Phi-3's qkv_proj, gate_up_proj)
 FAMILIES = {
-    "LlamaDecoderLayer": dict(window="none", qk_norm=False),
-    "MistralDecoderLayer": dict(window="config", qk_norm=False),
-    "Qwen2DecoderLayer": dict(window="attention", qk_norm=False),
-    "Qwen3DecoderLayer": dict(window="attention", qk_norm=True),
-    "GemmaDecoderLayer": dict(window="none", qk_norm=False),
+    "LlamaDecoderLayer": dict(window="none", qk_norm=False, layout="split"),
+    "MistralDecoderLayer": dict(window="config", qk_norm=False, layout="split"),
+    "Qwen2DecoderLayer": dict(window="attention", qk_norm=False, layout="split"),
+    "Qwen3DecoderLayer": dict(window="attention", qk_norm=True, layout="split"),
+    "GemmaDecoderLayer": dict(window="none", qk_norm=False, layout="split"),
+    "Phi3DecoderLayer": dict(window="config", qk_norm=False, layout="fused"),
 }
 
 #: rope types whose cos/sin are exactly cos/sin(position * inv_freq) with inv_freq fixed at build time
 _PLAIN_ROPE = ("default", "linear", "llama3")
 
-_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP = ("gate_proj", "up_proj", "down_proj")
+
+class _Parts(NamedTuple):
+    """A layer's projections under their transformers names (relative to the
+    layer): qkv and fc1 as lists of (name, nn.Linear) whose rows are
+    concatenated into the fused weight (one entry: already fused), o and fc2
+    as (name, nn.Linear); act the MLP's activation module; modules the
+    names every module of the layer must be among; heads, groups, head_dim."""
+    qkv: list
+    o: tuple
+    fc1: list
+    fc2: tuple
+    act: object
+    modules: set
+    heads: int
+    groups: int
+    head_dim: int
+
+
+def _parts(layer, spec):
+    attn, mlp = layer.self_attn, layer.mlp
+    modules = {"", "self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+    if spec["qk_norm"]:
+        modules |= {"self_attn.q_norm", "self_attn.k_norm"}
+    head_dim = int(getattr(attn, "head_dim", 0) or 0)
+    if head_dim <= 0:
+        raise FusionRefused("the attention module has no head_dim")
+    if spec["layout"] == "split":
+        names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+        fc1 = ["mlp.gate_proj", "mlp.up_proj"]
+        act_name = "mlp.act_fn"
+    else:
+        names, fc1, act_name = ["self_attn.qkv_proj"], ["mlp.gate_up_proj"], "mlp.activation_fn"
+        modules |= {"resid_attn_dropout", "resid_mlp_dropout"}
+    modules |= set(names) | set(fc1) | {"self_attn.o_proj", "mlp.down_proj", act_name}
+    got = dict(layer.named_modules())
+    extra, missing = sorted(set(got) - modules), sorted(modules - set(got))
+    if extra or missing:
+        raise FusionRefused(f"the layer's modules differ from {type(layer).__name__}'s (extra {extra}, missing "
+                            f"{missing}): adapters or a modified layer; the fused layer would drop what they add")
+    qkv = [(n, got[n]) for n in names]
+    for n, m in qkv + [(n, got[n]) for n in fc1 + ["self_attn.o_proj", "mlp.down_proj"]]:
+        _check_linear(m, n)
+    if spec["layout"] == "split":
+        q, k = qkv[0][1], qkv[1][1]
+        if q.out_features % head_dim or k.out_features % head_dim or k.out_features != qkv[2][1].out_features:
+            raise FusionRefused(f"projection shapes q {q.out_features}, k {k.out_features}, v "
+                                f"{qkv[2][1].out_features} do not split into heads of {head_dim}")
+        heads, groups = q.out_features // head_dim, k.out_features // head_dim
+    else:
+        heads = int(attn.config.num_attention_heads)
+        groups = int(getattr(attn, "num_key_value_heads", attn.config.num_key_value_heads))
+        if qkv[0][1].out_features != (heads + 2 * groups) * head_dim:
+            raise FusionRefused(f"qkv_proj has {qkv[0][1].out_features} rows, not ({heads} + 2 x {groups}) x "
+                                f"{head_dim}")
+    if heads % groups:
+        raise FusionRefused(f"{heads} query heads do not group over {groups} key/value heads")
+    return _Parts(qkv, ("self_attn.o_proj", got["self_attn.o_proj"]), [(n, got[n]) for n in fc1],
+                  ("mlp.down_proj", got["mlp.down_proj"]), got[act_name], modules, heads, groups, head_dim)
 
 
 class FusionRefused(Exception):
@@ -123,7 +183,8 @@ def _sliding_window(layer, spec):
 
 def rope_mode(rotary, head_dim):
     """("fused", None) when the model's rotary embedding is cos/sin of
-    position * inv_freq over the whole head (seqfuse's kernel computes it);
+    position * inv_freq over the head or its first part (seqfuse's kernel
+    computes it);
     else ("torch", why): the layer rotates with the model's cos/sin."""
     if rotary is None:
         return "torch", "the model has no rotary_emb module to read inv_freq from"
@@ -133,9 +194,9 @@ def rope_mode(rotary, head_dim):
         return "torch", f"rope_type {rope_type!r} (frequencies or scaling beyond cos(position * inv_freq))"
     if float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
         return "torch", f"rotary attention_scaling {rotary.attention_scaling} != 1"
-    if not isinstance(inv, torch.Tensor) or inv.dim() != 1 or 2 * inv.numel() != head_dim:
-        return "torch", "inv_freq does not cover the whole head dim (partial rotary)"
-    return "fused", None
+    if not isinstance(inv, torch.Tensor) or inv.dim() != 1 or 2 * inv.numel() > head_dim:
+        return "torch", "inv_freq is not one frequency per pair of at most the head dim"
+    return "fused", None  # a partial rotary (2 x frequencies < head dim) leaves the rest of the head as it is
 
 
 def layer_fusion_plan(layer, rmsnorm_match, align):
@@ -154,19 +215,9 @@ def _check_layer(layer, rmsnorm_match, align):
     spec = FAMILIES.get(cls.__name__)
     if spec is None or not cls.__module__.startswith("transformers.models."):
         raise FusionRefused(f"{cls.__name__} is not a known decoder-layer family ({', '.join(FAMILIES)})")
-    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if attn is None or mlp is None:
+    if getattr(layer, "self_attn", None) is None or getattr(layer, "mlp", None) is None:
         raise FusionRefused("the layer has no self_attn / mlp")
-    expected = {"", "self_attn", "mlp", "input_layernorm", "post_attention_layernorm", "mlp.act_fn"}
-    expected |= {f"self_attn.{n}" for n in _ATTN} | {f"mlp.{n}" for n in _MLP}
-    if spec["qk_norm"]:
-        expected |= {"self_attn.q_norm", "self_attn.k_norm"}
-    names = {n for n, _ in layer.named_modules()}
-    extra = sorted(names - expected)
-    missing = sorted(expected - names - {"mlp.act_fn"})
-    if extra or missing:
-        raise FusionRefused(f"the layer's modules differ from {cls.__name__}'s (extra {extra}, missing {missing}): "
-                            "adapters or a modified layer; the fused layer would drop what they add")
+    parts = _parts(layer, spec)
     for name, m in layer.named_modules():
         if _hooks(m):
             raise FusionRefused(f"module {name or '<layer>'} has hooks, which the fused layer would not carry")
@@ -183,40 +234,33 @@ def _check_layer(layer, rmsnorm_match, align):
                             "float16 or bfloat16 weights")
     if any(p.layout != torch.strided for p in params):
         raise FusionRefused("a parameter is not a dense tensor")
-    for n in _ATTN:
-        _check_linear(getattr(attn, n), f"self_attn.{n}")
-    for n in _MLP:
-        _check_linear(getattr(mlp, n), f"mlp.{n}")
-    if type(mlp.act_fn) not in _GATED:
-        raise FusionRefused(f"MLP activation {type(mlp.act_fn).__name__}; the fused MLP computes SwiGLU (silu) or "
+    if type(parts.act) not in _GATED:
+        raise FusionRefused(f"MLP activation {type(parts.act).__name__}; the fused MLP computes SwiGLU (silu) or "
                             "GeGLU (tanh-approximated GELU)")
-    q, k, v, o = (getattr(attn, n) for n in _ATTN)
-    head_dim = int(getattr(attn, "head_dim", 0) or 0)
-    if head_dim <= 0 or q.out_features % head_dim or k.out_features % head_dim or k.out_features != v.out_features:
-        raise FusionRefused(f"projection shapes q {q.out_features}, k {k.out_features}, v {v.out_features} do not "
-                            f"split into heads of {head_dim}")
-    heads, groups = q.out_features // head_dim, k.out_features // head_dim
-    if heads % groups:
-        raise FusionRefused(f"{heads} query heads do not group over {groups} key/value heads")
-    if len({q.bias is None, k.bias is None, v.bias is None}) != 1:
+    qkv = [m for _, m in parts.qkv]
+    fc1 = [m for _, m in parts.fc1]
+    o, fc2 = parts.o[1], parts.fc2[1]
+    if len({m.bias is None for m in qkv}) != 1:
         raise FusionRefused("q/k/v projections mix biased and unbiased; the fused QKV has one bias or none")
-    if (mlp.gate_proj.bias is None) != (mlp.up_proj.bias is None) or \
-            (mlp.gate_proj.bias is None) != (mlp.down_proj.bias is None):
+    if len({m.bias is None for m in fc1 + [fc2]}) != 1:
         raise FusionRefused("gate/up/down projections mix biased and unbiased; LayerNormMLP has biases on both "
                             "GEMMs or neither")
-    groups_rg = [{p.requires_grad for p in (q.weight, k.weight, v.weight)},
-                 {p.requires_grad for p in (mlp.gate_proj.weight, mlp.up_proj.weight)}]
-    if any(len(g) != 1 for g in groups_rg):
-        raise FusionRefused("some of the weights to fuse are frozen and others not (requires_grad differs)")
+    for group in (qkv, fc1):
+        if len({m.weight.requires_grad for m in group}) != 1:
+            raise FusionRefused("some of the weights to fuse are frozen and others not (requires_grad differs)")
     for norm_name in ("input_layernorm", "post_attention_layernorm"):
         _, why = rmsnorm_match(getattr(layer, norm_name))
         if why is not None:
             raise FusionRefused(f"{norm_name}: {why}")
-    if o.in_features != q.out_features or o.out_features != q.in_features:
-        raise FusionRefused(f"o_proj {o.in_features}->{o.out_features} does not invert q_proj")
+    hidden, q_rows = qkv[0].in_features, parts.heads * parts.head_dim
+    ffn = sum(m.out_features for m in fc1) // 2
+    if 2 * ffn != sum(m.out_features for m in fc1) or fc2.in_features != ffn or fc2.out_features != hidden:
+        raise FusionRefused(f"MLP shapes gate/up {[m.out_features for m in fc1]}, down {fc2.in_features}->"
+                            f"{fc2.out_features} are not a gated MLP of hidden {hidden}")
+    if o.in_features != q_rows or o.out_features != hidden:
+        raise FusionRefused(f"o_proj {o.in_features}->{o.out_features} does not invert the query projection")
     if align:
-        hidden, ffn = q.in_features, mlp.gate_proj.out_features
-        feats = {"hidden": hidden, "q rows": q.out_features, "qkv rows": q.out_features + 2 * k.out_features,
+        feats = {"hidden": hidden, "q rows": q_rows, "qkv rows": (parts.heads + 2 * parts.groups) * parts.head_dim,
                  "ffn": ffn}
         bad = {n: f for n, f in feats.items() if f % align}
         if bad:
@@ -241,16 +285,28 @@ def fused_class(orig_cls):
     return cls
 
 
+def _fused_or_own(pieces, part):
+    """The Parameter for a fused weight (``part`` "weight" or "bias") of
+    ``pieces`` [(name, Linear)]: the very Parameter when there is one piece
+    (Phi-3's qkv_proj, gate_up_proj), else a new one holding their rows."""
+    tensors = [getattr(m, part) for _, m in pieces]
+    if len(tensors) == 1:
+        return tensors[0]
+    return _fused_param(tensors, tensors[0].requires_grad)
+
+
 def fuse_layer(layer, rmsnorm_match, rotary):
     """A SeqfuseDecoderLayer computing what ``layer`` computes (checked by
     ``layer_fusion_plan`` first), and a list of notes for the report."""
-    attn, mlp = layer.self_attn, layer.mlp
+    attn = layer.self_attn
     spec = FAMILIES[type(layer).__name__]
-    q, k, v, o = (getattr(attn, n) for n in _ATTN)
-    w = q.weight
-    head_dim = int(attn.head_dim)
-    heads, groups = q.out_features // head_dim, k.out_features // head_dim
-    hidden, ffn = q.in_features, mlp.gate_proj.out_features
+    parts = _parts(layer, spec)
+    first = parts.qkv[0][1]
+    o, fc2 = parts.o[1], parts.fc2[1]
+    w = first.weight
+    d, heads, groups = parts.head_dim, parts.heads, parts.groups
+    hidden, ffn = first.in_features, fc2.in_features
+    has_qkv_bias, has_mlp_bias = first.bias is not None, fc2.bias is not None
     kw = dict(params_dtype=w.dtype, device=w.device)
     (eps1, zc1), _ = rmsnorm_match(layer.input_layernorm)
     (eps2, zc2), _ = rmsnorm_match(layer.post_attention_layernorm)
@@ -265,35 +321,35 @@ def fuse_layer(layer, rmsnorm_match, rotary):
             setattr(new, attr, layer.__dict__[attr])
     new.config = attn.config
     new.layer_idx = attn.layer_idx
-    new.head_dim, new.num_heads, new.num_groups = head_dim, heads, groups
+    new.head_dim, new.num_heads, new.num_groups = d, heads, groups
     new.scaling = float(attn.scaling)
     new.attention_dropout = float(getattr(attn, "attention_dropout", 0.0) or 0.0)
     new.is_causal = bool(getattr(attn, "is_causal", True))
     new.sliding_window = _sliding_window(layer, spec)
+    # Phi-3's dropout on each branch before its residual add (0 in eval)
+    new.resid_dropout = (float(layer.resid_attn_dropout.p), float(layer.resid_mlp_dropout.p)) \
+        if spec["layout"] == "fused" else (0.0, 0.0)
     notes = []
     with torch.no_grad():
-        new.qkv = LayerNormLinear(hidden, q.out_features + 2 * k.out_features, eps=eps1, bias=q.bias is not None,
+        new.qkv = LayerNormLinear(hidden, (heads + 2 * groups) * d, eps=eps1, bias=has_qkv_bias,
                                   normalization="RMSNorm", zero_centered_gamma=zc1, **kw)
         new.qkv.layer_norm_weight = layer.input_layernorm.weight
-        new.qkv.weight = _fused_param((q.weight, k.weight, v.weight), q.weight.requires_grad)
-        if q.bias is not None:
-            new.qkv.bias = _fused_param((q.bias, k.bias, v.bias), q.bias.requires_grad)
+        new.qkv.weight = _fused_or_own(parts.qkv, "weight")
+        if has_qkv_bias:
+            new.qkv.bias = _fused_or_own(parts.qkv, "bias")
         new.proj = Linear(o.in_features, o.out_features, bias=o.bias is not None, **kw)
         new.proj.weight = o.weight
         if o.bias is not None:
             new.proj.bias = o.bias
-        new.mlp_fused = LayerNormMLP(hidden, ffn, eps=eps2, bias=mlp.gate_proj.bias is not None,
-                                     normalization="RMSNorm", activation=_GATED[type(mlp.act_fn)],
-                                     zero_centered_gamma=zc2, **kw)
+        new.mlp_fused = LayerNormMLP(hidden, ffn, eps=eps2, bias=has_mlp_bias, normalization="RMSNorm",
+                                     activation=_GATED[type(parts.act)], zero_centered_gamma=zc2, **kw)
         new.mlp_fused.layer_norm_weight = layer.post_attention_layernorm.weight
-        # TE's gated layout: the activated (gate) half first, then the up half
-        new.mlp_fused.fc1_weight = _fused_param((mlp.gate_proj.weight, mlp.up_proj.weight),
-                                                mlp.gate_proj.weight.requires_grad)
-        new.mlp_fused.fc2_weight = mlp.down_proj.weight
-        if mlp.gate_proj.bias is not None:
-            new.mlp_fused.fc1_bias = _fused_param((mlp.gate_proj.bias, mlp.up_proj.bias),
-                                                  mlp.gate_proj.bias.requires_grad)
-            new.mlp_fused.fc2_bias = mlp.down_proj.bias
+        # TE's gated layout: the activated (gate) half first, then the up half (Phi-3's gate_up_proj already is)
+        new.mlp_fused.fc1_weight = _fused_or_own(parts.fc1, "weight")
+        new.mlp_fused.fc2_weight = fc2.weight
+        if has_mlp_bias:
+            new.mlp_fused.fc1_bias = _fused_or_own(parts.fc1, "bias")
+            new.mlp_fused.fc2_bias = fc2.bias
     if spec["qk_norm"]:
         for name in ("q_norm", "k_norm"):
             m = getattr(attn, name)
@@ -306,15 +362,18 @@ def fuse_layer(layer, rmsnorm_match, rotary):
                 rms = RMSNorm(m.weight.shape[0], eps=eps, zero_centered_gamma=zc, **kw)
                 rms.weight = m.weight
                 setattr(new, name, rms)
-    mode, why = rope_mode(rotary, head_dim)
+    mode, why = rope_mode(rotary, d)
     new._rotary = (rotary,)  # not a submodule: the model owns it
     new.rope_fused = mode == "fused"
     if not new.rope_fused:
         notes.append(f"RoPE rotates with transformers' cos/sin in torch: {why}")
-    new._split_sizes = (heads * head_dim, groups * head_dim, groups * head_dim)
+    if len(parts.qkv) == 1 and len(parts.fc1) == 1:
+        notes.append("the layer's own Parameter objects throughout (its QKV and gate/up weights were fused already)")
+    new._split_sizes = (heads * d, groups * d, groups * d)
     new._hf_keys = list(layer.state_dict().keys())
-    new._has_qkv_bias = q.bias is not None
-    new._has_mlp_bias = mlp.gate_proj.bias is not None
+    new._qkv_names = [n for n, _ in parts.qkv]
+    new._fc1_names = [n for n, _ in parts.fc1]
+    new._has_qkv_bias, new._has_mlp_bias = has_qkv_bias, has_mlp_bias
     new._register_hooks()
     return new, notes
 
@@ -343,18 +402,19 @@ class SeqfuseDecoderLayer(nn.Module):
     # -- state dict: transformers' keys ---------------------------------
     def _key_map(self):
         """(fused local key, [transformers local keys]) pairs; one key means a rename."""
+        qkv, fc1 = self._qkv_names, self._fc1_names
         pairs = [("qkv.layer_norm_weight", ["input_layernorm.weight"]),
-                 ("qkv.weight", [f"self_attn.{n}.weight" for n in _ATTN[:3]]),
+                 ("qkv.weight", [f"{n}.weight" for n in qkv]),
                  ("proj.weight", ["self_attn.o_proj.weight"]),
                  ("mlp_fused.layer_norm_weight", ["post_attention_layernorm.weight"]),
-                 ("mlp_fused.fc1_weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
+                 ("mlp_fused.fc1_weight", [f"{n}.weight" for n in fc1]),
                  ("mlp_fused.fc2_weight", ["mlp.down_proj.weight"])]
         if self._has_qkv_bias:
-            pairs.append(("qkv.bias", [f"self_attn.{n}.bias" for n in _ATTN[:3]]))
+            pairs.append(("qkv.bias", [f"{n}.bias" for n in qkv]))
         if self.proj.bias is not None:
             pairs.append(("proj.bias", ["self_attn.o_proj.bias"]))
         if self._has_mlp_bias:
-            pairs += [("mlp_fused.fc1_bias", ["mlp.gate_proj.bias", "mlp.up_proj.bias"]),
+            pairs += [("mlp_fused.fc1_bias", [f"{n}.bias" for n in fc1]),
                       ("mlp_fused.fc2_bias", ["mlp.down_proj.bias"])]
         for name in ("q_norm", "k_norm"):
             if name in self._modules:
@@ -392,9 +452,16 @@ class SeqfuseDecoderLayer(nn.Module):
                          for t in (q, k))
         if position_embeddings is None:
             raise ValueError("seqfuse fused layer: needs position_ids (fused RoPE) or position_embeddings (cos, sin)")
-        cos, sin = position_embeddings  # [b or 1, s, d] in the activations' dtype, as transformers rotates
+        cos, sin = position_embeddings  # [b or 1, s, rot] in the activations' dtype, as transformers rotates
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        rot = cos.shape[-1]  # partial rotary: the head's first rot features turn, the rest pass
+
+        def turn(t):
+            r = t[..., :rot]
+            r = r * cos + _rotate_half(r) * sin
+            return r if rot == t.shape[-1] else torch.cat((r, t[..., rot:]), dim=-1)
+
+        return turn(q), turn(k)
 
     # torch.compile (transformers' generate() compiles the decoding step on a GPU with a static cache) runs
     # this layer as it is, uncompiled: its work is seqfuse's C kernels, which dynamo cannot trace, and it
@@ -425,8 +492,11 @@ class SeqfuseDecoderLayer(nn.Module):
         out, _ = seqfuse_attention_forward(
             self, q, k, v, attention_mask, dropout=self.attention_dropout if self.training else 0.0,
             scaling=self.scaling, sliding_window=self.sliding_window, position_ids=position_ids, **kwargs)
-        x = hidden_states + self.proj(out.reshape(b, s, -1))
-        return x + self.mlp_fused(x)
+        x = hidden_states + self._dropout(self.proj(out.reshape(b, s, -1)), self.resid_dropout[0])
+        return x + self._dropout(self.mlp_fused(x), self.resid_dropout[1])
+
+    def _dropout(self, x, p):
+        return F.dropout(x, p, training=True) if p > 0.0 and self.training else x
 
 
 def _filled_static_keys(cache, layer_idx, k, v):

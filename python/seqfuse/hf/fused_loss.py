@@ -2,7 +2,7 @@
 fused linear cross-entropy, used by ``seqfuse.hf.accelerate``.
 
 transformers' ``LlamaForCausalLM.forward(labels=...)`` (Mistral, Qwen2,
-Qwen3 and Gemma alike) computes the logits of every position ([tokens, vocabulary]:
+Qwen3, Gemma and Phi-3 alike) computes the logits of every position ([tokens, vocabulary]:
 gigabytes at a 128k vocabulary), upcasts them to float32 and then takes the
 cross-entropy.  After ``wrap_causal_lm_loss(model)``, a call with ``labels``
 runs the base model, then seqfuse.modules.cross_entropy.linear_cross_entropy
@@ -33,7 +33,8 @@ from ..modules.cross_entropy import linear_cross_entropy
 _log = logging.getLogger("seqfuse")
 
 #: causal-LM classes whose forward is base model -> lm_head -> ForCausalLMLoss
-CAUSAL_LMS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM")
+CAUSAL_LMS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
+              "Phi3ForCausalLM")
 
 OWN = "transformers' own LM head and loss"
 
