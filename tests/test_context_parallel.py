@@ -147,10 +147,18 @@ def _bad_arguments(world, group):
 
 def _small_llama(fmt, comm, world, rank, group, seed):
     """Two Llama-shaped TransformerLayers (RMSNorm, SwiGLU, GQA, causal,
-    rotary embeddings in bshd; thd without them: the rotary kernel's thd
-    path numbers positions per local sequence): the CP run's loss, input
-    gradient (its rows) and parameter gradients (summed over the CP ranks)
-    against the full-sequence run.  Returns their relative errors."""
+    rotary embeddings): the CP run's loss, input gradient (its rows) and
+    parameter gradients (summed over the CP ranks) against the
+    full-sequence run.  Returns their relative errors.
+
+    Two states of the layer are handled, each checked for what it does.
+    With TransformerLayer.set_context_parallel_group (TE's call), the layer
+    rotates each local token by its full-sequence position itself, given
+    the full angle table, as TE does (bshd and thd).  Without it, the core
+    attention is put under CP directly and the caller passes the rank's
+    rows of the table (freqs_for_cp_rank), bshd only (the rotary kernel's
+    thd path numbers positions per local sequence, so thd runs without
+    rotary embeddings)."""
     from seqfuse.modules.rope import RotaryPositionEmbedding
     from seqfuse.modules.transformer_layer import TransformerLayer
     from seqfuse.parallel import freqs_for_cp_rank
@@ -166,7 +174,8 @@ def _small_llama(fmt, comm, world, rank, group, seed):
     shape = (sum(lens), hidden) if fmt == "thd" else (b, lens[0], hidden)
     x = torch.randn(shape)
     target = torch.randn(shape)
-    freqs = RotaryPositionEmbedding(hidden // 4)(lens[0]) if fmt == "bshd" else None
+    layer_cp = hasattr(TransformerLayer, "set_context_parallel_group")
+    freqs = RotaryPositionEmbedding(hidden // 4)(max(lens) + 6) if fmt == "bshd" or layer_cp else None
     kw = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu) if fmt == "thd" else {}
 
     def run(x, target, rope):
@@ -182,10 +191,14 @@ def _small_llama(fmt, comm, world, rank, group, seed):
         return loss.detach(), x.grad, [p.grad.clone() for p in layers.parameters()]
 
     full = run(x, target, freqs)
-    for layer in layers:  # what TransformerLayer.set_context_parallel_group forwards to
-        layer.self_attention.core_attention.set_context_parallel_group(group, None, None, comm)
-    local = run(_local(x, fmt, world, rank, cu), _local(target, fmt, world, rank, cu),
-                freqs_for_cp_rank(freqs, world, rank) if freqs is not None else None)
+    for layer in layers:
+        if layer_cp:
+            layer.set_context_parallel_group(group, None, None, comm)
+        else:
+            layer.self_attention.core_attention.set_context_parallel_group(group, None, None, comm)
+    if freqs is not None and not layer_cp:
+        freqs = freqs_for_cp_rank(freqs, world, rank, seq_len=lens[0])
+    local = run(_local(x, fmt, world, rank, cu), _local(target, fmt, world, rank, cu), freqs)
     loss = local[0].clone()
     dist.all_reduce(loss, group=group)
     grads = [g.clone() for g in local[2]]
