@@ -62,7 +62,7 @@ EXTENSIONS = {"seqfuse._C"}  # compiled modules: no .py file to parse
 LAYERS = [
     ("seqfuse", "seqfuse.__main__", "seqfuse.hf", "seqfuse.data", "seqfuse.distributed"),
     ("seqfuse.pytorch",),
-    ("seqfuse.modules", "seqfuse.optim"),
+    ("seqfuse.modules", "seqfuse.optim", "seqfuse.parallel"),
     ("seqfuse.quantization",),
     ("seqfuse.ops",),
     ("seqfuse._C", "seqfuse._runtime", "seqfuse.common"),
