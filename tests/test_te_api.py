@@ -738,3 +738,71 @@ def test_checkpoint_core_attention_recomputes():
     with pytest.raises(NotImplementedError, match="'enc_dec_bottom_right_diagonal'=False"):
         layer(x, enc_dec_bottom_right_diagonal=False)
     close(layer(x, fast_zero_fill=False), outs[0].double(), 0.0)
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_fp8_checkpoint_and_fused_ops_match_the_modules(recipe):
+    """Under FP8 autocast (CPU backend): LayerNormMLP(checkpoint=True)
+    recomputes through seqfuse.quantization.checkpoint and equals the module
+    without it; a fused te.ops MLP equals te.LayerNormMLP on the same
+    weights."""
+    from seqfuse.common.recipe import Float8CurrentScaling
+    make = (lambda: Float8CurrentScaling()) if recipe == "current" else (lambda: DelayedScaling())
+    torch.manual_seed(32)
+    plain = te.LayerNormMLP(128, 256, activation="swiglu", device="cpu", params_dtype=torch.bfloat16)
+    ckpt = te.LayerNormMLP(128, 256, activation="swiglu", checkpoint=True, device="cpu",
+                           params_dtype=torch.bfloat16)
+    initial = {k: v.clone() for k, v in plain.state_dict().items()}  # before any FP8 state exists
+    ckpt.load_state_dict(initial)
+    x = torch.randn(32, 128, dtype=torch.bfloat16)
+    results = []
+    for m in (plain, ckpt):
+        xi = x.clone().requires_grad_()
+        with te.autocast(enabled=True, recipe=make()):
+            y = m(xi)
+        y.float().sum().backward()
+        results.append((y, xi.grad, m.fc1_weight.grad))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    O = te.ops
+    ops = [O.LayerNorm(128, device="cpu", dtype=torch.bfloat16),
+           O.Linear(128, 512, device="cpu", dtype=torch.bfloat16), O.SwiGLU(),
+           O.Linear(256, 128, device="cpu", dtype=torch.bfloat16)]
+    with torch.no_grad():
+        ops[0].weight.copy_(initial["layer_norm_weight"])
+        ops[0].bias.copy_(initial["layer_norm_bias"])
+        ops[1].weight.copy_(initial["fc1_weight"])
+        ops[1].bias.copy_(initial["fc1_bias"])
+        ops[3].weight.copy_(initial["fc2_weight"])
+        ops[3].bias.copy_(initial["fc2_bias"])
+    seq = O.Sequential(*ops)
+    fresh = te.LayerNormMLP(128, 256, activation="swiglu", device="cpu", params_dtype=torch.bfloat16)
+    fresh.load_state_dict(initial)
+    with te.autocast(enabled=True, recipe=make()):
+        assert torch.equal(seq(x), fresh(x))
+
+
+def test_fused_adam_takes_dtensor_parameters(tmp_path):
+    """FSDP2's parameters are DTensors: FusedAdam updates their local shards
+    (a one-rank gloo mesh here; seqfuse.optim's tests shard over ranks)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        torch.manual_seed(33)
+        full = torch.randn(8, 4)
+        p = torch.nn.Parameter(distribute_tensor(full.clone(), mesh, [Shard(0)]))
+        p.grad = distribute_tensor(torch.ones(8, 4), mesh, [Shard(0)])
+        opt = te.optimizers.FusedAdam([p], lr=0.1, weight_decay=0.01)
+        opt.step()
+        ref = full.clone().requires_grad_()
+        ref.grad = torch.ones(8, 4)
+        torch.optim.AdamW([ref], lr=0.1, weight_decay=0.01).step()
+        assert isinstance(p.data, DTensor) and isinstance(opt.state[p]["exp_avg"], DTensor)
+        close(p.full_tensor(), ref.detach(), rel_tol(torch.float32, 4))
+    finally:
+        dist.destroy_process_group()
