@@ -68,13 +68,13 @@ import copy
 import functools
 import inspect
 import logging
-import types
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from ..pytorch import LayerNorm, Linear, RMSNorm, autocast
+from .method_wrap import wrap_method
 
 _log = logging.getLogger("seqfuse")
 
@@ -352,28 +352,6 @@ def _make_layernorm(LayerNorm, m):
     return new
 
 
-def _wrap_method(model, name, wrap):
-    """Replace ``model.<name>`` by ``wrap(inner)``, bound to the model, where
-    ``inner(self, ...)`` runs what ``model.<name>`` ran.
-
-    Both are functions of ``self`` rather than closures over this model's
-    bound method, so ``copy.deepcopy(model)`` re-binds the wrapper to the
-    copy (deepcopy copies a bound method by binding its function to the copy
-    of its object): the copy's forward runs the copy, and its checkpointing
-    setter changes the copy's layers, not the original's."""
-    current = getattr(model, name)
-    if isinstance(current, types.MethodType) and current.__self__ is model:
-        inner = current.__func__  # the class's method, or an earlier wrapper of ours: re-bound on each call
-    else:  # a callable set on the instance by someone else (not bound to model): called as it is
-
-        def inner(self, *args, **kwargs):
-            return current(*args, **kwargs)
-
-    wrapper = functools.wraps(inner)(wrap(inner))  # keeps inner's signature (Trainer reads forward's)
-    wrapper._seqfuse = True
-    setattr(model, name, types.MethodType(wrapper, model))
-
-
 def _wrap_forward(model, recipe):
     def wrap(inner):
         def forward(self, *args, **kwargs):
@@ -382,7 +360,7 @@ def _wrap_forward(model, recipe):
 
         return forward
 
-    _wrap_method(model, "forward", wrap)
+    wrap_method(model, "forward", wrap)
 
 
 def _gemm_alignment(recipe):
@@ -643,7 +621,7 @@ def _route_checkpointing(model):
 
         return _set_gradient_checkpointing
 
-    _wrap_method(model, "_set_gradient_checkpointing", wrap)
+    wrap_method(model, "_set_gradient_checkpointing", wrap)
     for m in model.modules():
         f = m.__dict__.get("_gradient_checkpointing_func")
         if f is not None:

@@ -52,7 +52,6 @@ loads; ``load_state_dict`` takes transformers' keys and fuses them.
 ``layer_fusion_plan(layer, ...)`` says whether a layer can be fused (or why
 not); ``fuse_layer`` builds the replacement.
 """
-import logging
 from typing import NamedTuple
 
 import torch
@@ -63,8 +62,6 @@ from ..modules.rope import apply_rotary_pos_emb
 from ..ops.attn import PerTensorCache
 from ..pytorch import LayerNormLinear, LayerNormMLP, Linear, RMSNorm
 from .attention import seqfuse_attention_forward
-
-_log = logging.getLogger("seqfuse")
 
 def _gated_activations():
     """{activation module class: LayerNormMLP's gated activation}: act(gate) * up

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..modules.cross_entropy import linear_cross_entropy
+from .method_wrap import wrap_method
 
 _log = logging.getLogger("seqfuse")
 
@@ -91,8 +92,6 @@ def fused_causal_lm_loss(model, hidden, labels, num_items_in_batch=None, ignore_
 def wrap_causal_lm_loss(model):
     """Wrap ``model.forward`` so labels calls use the fused loss; returns the
     report's line (what the loss path is, or why it is transformers' own)."""
-    from .accelerate import _wrap_method
-
     why = _refusal(model)
     if why is not None:
         _log.info("seqfuse.hf.accelerate: labels keep %s: %s", OWN, why)
@@ -132,6 +131,6 @@ def wrap_causal_lm_loss(model):
 
         return forward
 
-    _wrap_method(model, "forward", wrap)
+    wrap_method(model, "forward", wrap)
     return ("seqfuse linear_cross_entropy over lm_head in token chunks (no full logits; logits=None in the "
             "output when labels are given)")
