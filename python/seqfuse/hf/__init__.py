@@ -1,10 +1,14 @@
 """Hugging Face integration.
 
-- ``accelerate(model, recipe=None, attention=True)``: swap nn.Linear /
-  nn.LayerNorm (and the model's own RMSNorm classes, where a probe shows the
-  same function) of any PreTrainedModel for seqfuse's in place, and its
-  attention for seqfuse's fused kernel (transformers' AttentionInterface,
-  "seqfuse"); returns a report of what was swapped and what was left and why.
+- ``accelerate(model, recipe=None, attention=True, fuse_layers=True,
+  fused_loss=True)``: in place, switch a PreTrainedModel's attention to
+  seqfuse's fused kernel (transformers' AttentionInterface, "seqfuse"),
+  replace its Llama-family decoder layers (Llama, Mistral, Qwen2, Qwen3,
+  Gemma, Phi-3) by whole fused layers (seqfuse.hf.fuse_layers; state dicts
+  keep transformers' keys), swap the remaining nn.Linear / nn.LayerNorm /
+  RMSNorm modules for seqfuse's, and compute a causal LM's labels loss as a
+  chunked fused linear cross-entropy (seqfuse.hf.fused_loss); returns a
+  report of what was fused, swapped and left, and why.
 - ESM-2 in seqfuse layers: ``SeqfuseEsmConfig`` (and the published shapes via
   ``esm2_config``), config conversion ``from_hf_config`` / ``to_hf_config``,
   weight conversion in ``seqfuse.hf.convert``.
