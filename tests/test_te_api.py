@@ -418,16 +418,16 @@ def test_meta_model_materialises_and_trains():
                                 te.LayerNormLinear(32, 8, device="meta"))
     for m in model:
         m.reset_parameters()
-    opt = te.optimizers.FusedAdam(model.parameters(), lr=3e-3)
+    opt = te.optimizers.FusedAdam(model.parameters(), lr=1e-2)
     x, target = torch.randn(4, 6, 32), torch.randn(4, 6, 8)
     losses = []
-    for _ in range(20):
+    for _ in range(8):
         loss = F.mse_loss(model(x), target)
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    assert losses[-1] < 0.7 * losses[0], losses
+    assert losses[-1] < 0.8 * losses[0], losses
 
 
 def test_rng_tracker_draws_the_initialisation():
@@ -806,3 +806,18 @@ def test_fused_adam_takes_dtensor_parameters(tmp_path):
         close(p.full_tensor(), ref.detach(), rel_tol(torch.float32, 4))
     finally:
         dist.destroy_process_group()
+
+
+def test_ops_torch_operations():
+    O = te.ops
+    seq = O.Sequential(O.Identity(), O.ConstantScale(0.5), O.Reshape((3, -1)), O.Dropout(0.5))
+    x = torch.randn(6, 4)
+    seq.eval()
+    assert torch.equal(seq(x), (x * 0.5).reshape(3, 8))
+    seq.train()
+    torch.manual_seed(34)
+    y = seq(x)
+    torch.manual_seed(34)
+    assert torch.equal(y, F.dropout((x * 0.5).reshape(3, 8), 0.5, training=True))
+    with pytest.raises(ValueError, match="te.ops.Dropout: argument 'p' must be in"):
+        O.Dropout(1.0)

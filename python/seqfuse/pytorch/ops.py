@@ -32,9 +32,11 @@ the Sequential's state_dict).
 
 Quantize: outside FP8 autocast the identity (as in TE); under FP8 autocast
 it raises NotImplementedError (seqfuse's GEMMs quantize their own inputs:
-drop the Quantize operation).  Not here (names TE has that seqfuse.pytorch.ops
-lacks): GroupedLinear, ScaledSwiGLU and the other scaled/clamped GLUs, the
-communication operations, Reshape, Dropout, and the fusion registration
+drop the Quantize operation).  Identity, ConstantScale (x * scale), Dropout
+(torch's, training mode only) and Reshape (x.reshape(shape)) are torch
+operations.  Not here (names TE has that seqfuse.pytorch.ops lacks):
+GroupedLinear, ScaledSwiGLU and the other scaled/clamped GLUs, the
+communication operations, extra inputs/outputs, and the fusion registration
 functions.
 """
 import logging
@@ -47,7 +49,7 @@ from ..modules.te_compat import materialize_device, rng_fork
 from ..quantization import is_fp8_enabled
 
 __all__ = ["BasicOperation", "BasicLinear", "Bias", "Linear", "LayerNorm", "RMSNorm", "GELU", "ReLU", "SiLU",
-           "GEGLU", "ReGLU", "SwiGLU", "Quantize", "Sequential"]
+           "GEGLU", "ReGLU", "SwiGLU", "Quantize", "Identity", "ConstantScale", "Dropout", "Reshape", "Sequential"]
 
 _log = logging.getLogger("seqfuse")
 
@@ -288,6 +290,48 @@ class Quantize(BasicOperation):
                                       "operations quantize their own inputs and output gradients; drop the "
                                       "Quantize operation")
         return x
+
+
+class Identity(BasicOperation):
+    """y = x."""
+
+    def forward(self, x):
+        return x
+
+
+class ConstantScale(BasicOperation):
+    """y = scale * x."""
+
+    def __init__(self, scale):
+        super().__init__()
+        self.scale = float(scale)
+
+    def forward(self, x):
+        return x * self.scale
+
+
+class Dropout(BasicOperation):
+    """torch's dropout with probability p, in training mode only."""
+
+    def __init__(self, p):
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"te.ops.Dropout: argument 'p' must be in [0, 1), got {p}")
+        self.p = float(p)
+
+    def forward(self, x):
+        return torch.nn.functional.dropout(x, p=self.p, training=self.training)
+
+
+class Reshape(BasicOperation):
+    """y = x.reshape(shape)."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape = tuple(shape)
+
+    def forward(self, x):
+        return x.reshape(self.shape)
 
 
 # ---- fused groups -----------------------------------------------------------
