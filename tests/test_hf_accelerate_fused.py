@@ -313,10 +313,12 @@ def test_fused_loss_arguments():
     assert plain_loss(ids, labels=labels).logits is not None
 
 
-def test_output_attentions_refused():
+def test_output_attentions_and_bad_positions_refused():
     _, model, _ = accelerated("llama")
     with pytest.raises(NotImplementedError, match="output_attentions"):
         model(torch.randint(1, V, (1, 5)), output_attentions=True)
+    with pytest.raises(ValueError, match="position_ids"):
+        model(torch.randint(1, V, (2, 5)), position_ids=torch.arange(6)[None])
 
 
 def test_layers_left_with_reasons():

@@ -436,12 +436,12 @@ class SeqfuseDecoderLayer(nn.Module):
             capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
             # every layer gets the same position_ids tensor: the angles are made once per forward
             ang = (_angles if capturing else _angles_cached)((position_ids, rotary.inv_freq))
+            if ang.shape[0] not in (1, b) or ang.shape[1] != s:
+                raise ValueError(f"seqfuse fused layer: position_ids {tuple(position_ids.shape)} must be [1, {s}] "
+                                 f"or [{b}, {s}]")
             if ang.shape[0] == 1:  # one row of positions for the whole batch (training, no padding)
                 freqs = ang[0][:, None, None, :]
                 return (apply_rotary_pos_emb(q, freqs, "bshd"), apply_rotary_pos_emb(k, freqs, "bshd"))
-            if ang.shape[0] != b or ang.shape[1] != s:
-                raise ValueError(f"seqfuse fused layer: position_ids {tuple(position_ids.shape)} must be [1, {s}] "
-                                 f"or [{b}, {s}]")
             # per-row positions (a left-padded generate batch): the rows laid end to end as one sequence,
             # each token with its own angle
             freqs = ang.reshape(b * s, 1, 1, -1)
