@@ -821,3 +821,31 @@ def test_ops_torch_operations():
     assert torch.equal(y, F.dropout((x * 0.5).reshape(3, 8), 0.5, training=True))
     with pytest.raises(ValueError, match="te.ops.Dropout: argument 'p' must be in"):
         O.Dropout(1.0)
+
+
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
+def test_apply_fused_qkv_rotary_pos_emb(fmt):
+    from seqfuse.pytorch.attention.rope import apply_fused_qkv_rotary_pos_emb
+    torch.manual_seed(35)
+    s, b, g, d = 6, 2, 2, 8
+    shape = (s, b, g, 2 * d + d + d) if fmt == "sbhd" else (b, s, g, 2 * d + d + d)
+    qkv = torch.randn(shape, requires_grad=True)
+    q_freqs, q_angles = rope_angles(s, d)
+    k_freqs = te.RotaryPositionEmbedding(d, rotary_base=500.0)(s)
+    q, k, v = apply_fused_qkv_rotary_pos_emb(qkv, q_freqs, k_freqs, [2 * d, d, d], tensor_format=fmt)
+    x = qkv.detach().double().requires_grad_()
+    xb = x if fmt == "bshd" else x.transpose(0, 1)  # [b, s, g, *] for the reference
+    qr, kr, vr = xb.split([2 * d, d, d], dim=-1)
+    qr = _rope_ref(qr.reshape(b, s, 2 * g, d), q_angles)
+    kr = _rope_ref(kr, k_freqs[:, 0, 0, :].double())
+    back = (lambda t: t) if fmt == "bshd" else (lambda t: t.transpose(0, 1))
+    assert q.shape == back(qr).shape and k.shape == back(kr).shape and v.shape == back(vr).shape
+    for out, ref in ((q, back(qr)), (k, back(kr)), (v, back(vr))):
+        close(out, ref)
+    (q.sum() * 2 + k.pow(2).sum() + v.sum()).backward()
+    (back(qr).sum() * 2 + back(kr).pow(2).sum() + back(vr).sum()).backward()
+    close(qkv.grad, x.grad)
+    with pytest.raises(ValueError, match="'qkv_split_arg_list' must be three positive sizes"):
+        apply_fused_qkv_rotary_pos_emb(qkv, q_freqs, k_freqs, [d, d, d])
+    with pytest.raises(ValueError, match="'tensor_format' must be 'sbhd' or 'bshd'"):
+        apply_fused_qkv_rotary_pos_emb(qkv, q_freqs, k_freqs, [2 * d, d, d], tensor_format="thd")

@@ -10,11 +10,16 @@ sequence_parallel, tp_group and get_rng_state_tracker without using them).
 
 MultiheadAttention builds seqfuse.modules.DotProductAttention directly: the
 arguments it passes are the ones that module takes.
-"""
-from ..modules.attention import DotProductAttention as _DotProductAttention
-from ..modules.te_compat import take_refused
 
-__all__ = ["DotProductAttention"]
+``seqfuse.pytorch.attention.rope`` has TE's rope functions under TE's path,
+apply_fused_qkv_rotary_pos_emb among them.
+"""
+from ...modules.attention import DotProductAttention as _DotProductAttention
+from ...modules.te_compat import take_refused
+from . import rope
+from .rope import apply_fused_qkv_rotary_pos_emb
+
+__all__ = ["DotProductAttention", "apply_fused_qkv_rotary_pos_emb", "rope"]
 
 
 class DotProductAttention(_DotProductAttention):
