@@ -263,3 +263,46 @@ def test_transformer_layer_without_bias():
     ref = h.double() + F.gelu(ln @ mlp.fc1_weight.detach().double().T,
                               approximate="tanh") @ mlp.fc2_weight.detach().double().T
     close(layer(x), ref)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_fuse_wgrad_accumulation_into_main_grad(fp8):
+    """LayerNormLinear, LayerNormMLP, MultiheadAttention and TransformerLayer
+    with fuse_wgrad_accumulation: each weight carrying a float32 main_grad gets
+    dW added to it (weight.grad stays None), equal to the gradient the same
+    module computes without main_grad."""
+    from seqfuse.common.recipe import Float8CurrentScaling
+    torch.manual_seed(28)
+    dtype = torch.bfloat16 if fp8 else torch.float32
+    builders = [
+        lambda **kw: te.LayerNormLinear(128, 128, params_dtype=dtype, device="cpu", **kw),
+        lambda **kw: te.LayerNormMLP(128, 256, activation="gelu", params_dtype=dtype, device="cpu", **kw),
+        lambda **kw: te.LayerNormMLP(128, 256, activation="swiglu", params_dtype=dtype, checkpoint=not fp8,
+                                     device="cpu", **kw),
+        lambda **kw: te.MultiheadAttention(128, 4, input_layernorm=True, fuse_qkv_params=True, params_dtype=dtype,
+                                           attention_dropout=0.0, qkv_format="bshd", device="cpu", **kw),
+        lambda **kw: te.TransformerLayer(128, 256, 4, fuse_qkv_params=True, params_dtype=dtype, hidden_dropout=0.0,
+                                         attention_dropout=0.0, attn_input_format="bshd", device="cpu", **kw),
+    ]
+    x = torch.randn(2, 16, 128, dtype=dtype)
+    ctx = (lambda: te.autocast(enabled=True, recipe=Float8CurrentScaling())) if fp8 else contextlib.nullcontext
+    for build in builders:
+        plain, fused = build(), build(fuse_wgrad_accumulation=True)
+        fused.load_state_dict(plain.state_dict())
+        weights = [n for n, p in fused.named_parameters() if p.dim() == 2]
+        for n, p in fused.named_parameters():
+            if p.dim() == 2:
+                p.main_grad = torch.full(p.shape, 0.5)
+                p.grad_added_to_main_grad = False
+        for m in (plain, fused):
+            with ctx():
+                out = m(x)
+            (out[0] if isinstance(out, tuple) else out).float().pow(2).sum().backward()
+        ref = dict(plain.named_parameters())
+        for n in weights:
+            p = dict(fused.named_parameters())[n]
+            assert p.grad is None and p.grad_added_to_main_grad, (type(fused).__name__, n)
+            close(p.main_grad - 0.5, ref[n].grad.float(), rel_tol(dtype, 2))
+        for n, p in fused.named_parameters():  # biases and norm weights: ordinary gradients
+            if p.dim() == 1:
+                assert torch.equal(p.grad, ref[n].grad), n

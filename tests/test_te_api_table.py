@@ -54,6 +54,7 @@ COVERAGE = {
         'name': 'test_te_api.py::test_rng_tracker_draws_the_initialisation',
     },
     'LayerNormLinear': {
+        'fuse_wgrad_accumulation': 'test_te_api_args.py::test_fuse_wgrad_accumulation_into_main_grad',
         'in_features': 'test_te_api_args.py::test_init_methods_reach_every_weight',
         'out_features': 'test_te_api_args.py::test_init_methods_reach_every_weight',
         'eps': 'test_te_api_args.py::test_init_methods_reach_every_weight',
@@ -70,6 +71,7 @@ COVERAGE = {
         'name': 'test_te_api_args.py::test_rng_tracker_reaches_every_weight',
     },
     'LayerNormMLP': {
+        'fuse_wgrad_accumulation': 'test_te_api_args.py::test_fuse_wgrad_accumulation_into_main_grad',
         'hidden_size': 'test_te_api_args.py::test_init_methods_reach_every_weight',
         'ffn_hidden_size': 'test_te_api_args.py::test_init_methods_reach_every_weight',
         'eps': 'test_te_api_args.py::test_init_methods_reach_every_weight',
@@ -127,6 +129,7 @@ COVERAGE = {
         'name': 'test_te_api_args.py::test_bookkeeping_arguments_change_nothing',
     },
     'MultiheadAttention': {
+        'fuse_wgrad_accumulation': 'test_te_api_args.py::test_fuse_wgrad_accumulation_into_main_grad',
         'hidden_size': 'test_te_api_args.py::test_init_methods_reach_every_weight',
         'num_attention_heads': 'test_te_api_args.py::test_init_methods_reach_every_weight',
         'kv_channels': 'test_te_api_args.py::test_multihead_attention_norm_arguments',
@@ -159,6 +162,7 @@ COVERAGE = {
         'micro_batch_size': 'test_te_api_args.py::test_bookkeeping_arguments_change_nothing',
     },
     'TransformerLayer': {
+        'fuse_wgrad_accumulation': 'test_te_api_args.py::test_fuse_wgrad_accumulation_into_main_grad',
         'hidden_size': 'test_te_api_args.py::test_init_methods_reach_every_weight',
         'ffn_hidden_size': 'test_te_api_args.py::test_init_methods_reach_every_weight',
         'num_attention_heads': 'test_te_api_args.py::test_init_methods_reach_every_weight',

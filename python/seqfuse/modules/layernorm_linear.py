@@ -28,10 +28,12 @@ precision and cast it (block scaling: row-wise and column-wise 1x128 copies
 in one pass; features multiples of 128).  MXFP8 and NVFP4 recipes raise
 NotImplementedError (their GEMMs need compute capability 10.x).
 
-Unsupported TE arguments (tensor/sequence parallelism,
-fuse_wgrad_accumulation, userbuffers: seqfuse.modules.te_compat.REFUSED)
-raise NotImplementedError naming them when set to anything but their
-default.  ``return_bias=True`` returns (out, bias) with the bias not added
+Weight-gradient accumulation (TE's fuse_wgrad_accumulation): where the
+weight carries a float32 ``main_grad``, dW is accumulated into it by the
+GEMM and the weight's own gradient is left None (as Linear does).
+Unsupported TE arguments (tensor/sequence parallelism, userbuffers:
+seqfuse.modules.te_compat.REFUSED) raise NotImplementedError naming them
+when set to anything but their default.  ``return_bias=True`` returns (out, bias) with the bias not added
 (TE: out, bias, norm output when return_layernorm_output is also set).
 ``device="meta"`` defers initialisation to reset_parameters(), which
 materialises the parameters on the current CUDA device (CPU without one).
@@ -72,6 +74,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
             w = as_dtype(weight, x.dtype)
             out = ops.gemm(ln_out, w, transb=True, bias=as_dtype(bias, x.dtype))
             ctx.save_for_backward(x2, lnw, mean, rstd, ln_out, w)
+        ctx.weight = weight  # the parameter object, for its main_grad (not saved data)
         ctx.meta = (x.shape, eps, rms, zc, ln_b is not None, bias is not None, weight.dtype,
                     None if bias is None else bias.dtype, ln_w.dtype)
         out = out.view(*x.shape[:-1], out.shape[-1])
@@ -91,15 +94,21 @@ class _LayerNormLinearFn(torch.autograd.Function):
                                                    need_wgrad=need_dw)
             dln, dweight = F8.backward(g, F8.restore(ln_t, ln_si, kind),
                                        F8.restore(w_t, w_si, kind, weight=True), kind, x2.dtype,
-                                       x2.shape[0], True, need_dw, w_dtype)
+                                       x2.shape[0], True, need_dw, w_dtype,
+                                       _main_grad(ctx.weight, need_dw))
         else:
             x2, lnw, mean, rstd, ln_out, w = ctx.saved_tensors
             dln = ops.gemm(dout2, w)
-            if has_bias:
+            main_grad = _main_grad(ctx.weight, ctx.needs_input_grad[3])
+            epilogue = "bgrad" if has_bias else "none"
+            if main_grad is not None:  # dW accumulated into main_grad by the GEMM
+                res = ops.gemm(dout2, ln_out, transa=True, out=main_grad, accumulate=True, epilogue=epilogue)
+                dweight, dbias = None, (res[1] if has_bias else None)
+            elif has_bias:
                 dweight, dbias = ops.gemm(dout2, ln_out, transa=True, epilogue="bgrad")
-                dbias = as_dtype(dbias, b_dtype)
             else:
                 dweight = ops.gemm(dout2, ln_out, transa=True)
+            dbias = as_dtype(dbias, b_dtype)
             dweight = as_dtype(dweight, w_dtype)
         if dln_extra is not None:
             dln = dln + dln_extra.reshape(dln.shape)
@@ -108,16 +117,27 @@ class _LayerNormLinearFn(torch.autograd.Function):
                 None, None, None, None, None, None, None)
 
 
+def _main_grad(weight, needed):
+    """The weight's float32 ``main_grad`` where it has one and its gradient is
+    needed (TE's fuse_wgrad_accumulation: dW is accumulated there by the
+    GEMM, the weight's own gradient stays None), else None."""
+    main_grad = getattr(weight, "main_grad", None) if needed else None
+    if main_grad is not None and hasattr(weight, "grad_added_to_main_grad"):
+        weight.grad_added_to_main_grad = True
+    return main_grad
+
+
 class LayerNormLinear(torch.nn.Module):
     """Normalization + linear layer; see the module note."""
 
     def __init__(self, in_features, out_features, eps=1e-5, bias=True, normalization="LayerNorm",
                  zero_centered_gamma=False, return_layernorm_output=False, params_dtype=None,
                  device=None, init_method=None, parameters_split=None, return_bias=False,
-                 get_rng_state_tracker=None, name=None, **te_refused):
+                 get_rng_state_tracker=None, name=None, fuse_wgrad_accumulation=False, **te_refused):
         super().__init__()
         take_refused("LayerNormLinear", te_refused)
         self.return_bias = bool(return_bias)
+        self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)  # main_grad is used wherever present
         self.get_rng_state_tracker, self.name = get_rng_state_tracker, name
         check_normalization(normalization)
         self.in_features = hidden_dim(in_features)

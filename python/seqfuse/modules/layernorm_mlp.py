@@ -40,7 +40,10 @@ the whole module is recomputed by seqfuse.quantization.checkpoint instead
 ``return_layernorm_output=True`` also returns the norm's output (a second
 output whose gradient flows back through the norm); ``return_bias=True``
 returns FC2's bias instead of adding it (TE's order: output, bias, norm
-output).  seqfuse.modules.te_compat.REFUSED lists the refused arguments.  ``seq_length`` and ``micro_batch_size`` only size buffers in TE
+output).  fuse_wgrad_accumulation: where fc1_weight / fc2_weight carry a
+float32 ``main_grad``, their gradients are accumulated into it by the
+GEMMs (as Linear does).  seqfuse.modules.te_compat.REFUSED lists the
+refused arguments.  ``seq_length`` and ``micro_batch_size`` only size buffers in TE
 (JIT warm-up); they are kept as attributes and change nothing here.
 ``device="meta"`` defers initialisation: reset_parameters() materialises the
 parameters on the current CUDA device (CPU without one) with the
@@ -99,6 +102,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
             else:
                 ctx.save_for_backward(x2, lnw, mean, rstd, ln, h, a, w1c, w2c)
         ctx.ckpt, ctx.eps = ckpt, eps
+        ctx.w1, ctx.w2 = w1, w2  # the parameter objects, for their main_grad (not saved data)
         ctx.meta = (x.shape, rms, zc, activation, ln_b is not None, ln_w.dtype, w1.dtype, w2.dtype,
                     None if b1 is None else b1.dtype, None if b2 is None else b2.dtype)
         out = out.view(*x.shape[:-1], out.shape[-1])
@@ -118,33 +122,36 @@ class _LayerNormMLPFn(torch.autograd.Function):
              w2_si) = ctx.saved_tensors
             dt, kind, q, rows = x2.dtype, ctx.kind, ctx.q, x2.shape[0]
             need_w1, need_w2 = ctx.needs_input_grad[3], ctx.needs_input_grad[5]
+            mg1, mg2 = _main_grad(ctx.w1, need_w1), _main_grad(ctx.w2, need_w2)
             # the bias gradients come out of the gradients' cast passes where the kernels take them
             g2, db2 = q.grads[1].quantize_grad(dout2, b2_dt, need_wgrad=need_w2)
             da, dw2 = F8.backward(g2, F8.restore(a_t, a_si, kind), F8.restore(w2_t, w2_si, kind, True),
-                                  kind, dt, rows, True, need_w2, w2_dt)
+                                  kind, dt, rows, True, need_w2, w2_dt, mg2)
             dh = A.act_bwd(da, h, activation)
             g1, db1 = q.grads[0].quantize_grad(dh, b1_dt, need_wgrad=need_w1)
             dln, dw1 = F8.backward(g1, F8.restore(ln_t, ln_si, kind), F8.restore(w1_t, w1_si, kind, True),
-                                   kind, dt, rows, True, need_w1, w1_dt)
+                                   kind, dt, rows, True, need_w1, w1_dt, mg1)
         else:
+            mg1 = _main_grad(ctx.w1, ctx.needs_input_grad[3])
+            mg2 = _main_grad(ctx.w2, ctx.needs_input_grad[5])
             if ctx.ckpt:  # recompute the norm, FC1 and the activation
                 x2, lnw, lnb, mean, rstd, b1c, w1c, w2c = ctx.saved_tensors
                 ln, _, _, h, a = _fc1_act(x2, lnw, lnb, ctx.eps, rms, zc, w1c, b1c, activation)
             else:
                 x2, lnw, mean, rstd, ln, h, a, w1c, w2c = ctx.saved_tensors
-            dw2, db2 = _wgrad(dout2, a, b2_dt)
+            dw2, db2 = _wgrad(dout2, a, b2_dt, mg2)
             if activation == "gelu":  # GELU' (and FC1's bias gradient) in the dgrad epilogue
                 if b1_dt is not None:
                     dh, db1 = ops.gemm(dout2, w2c, aux=h, epilogue="dgelu_bgrad")
                 else:
                     dh = ops.gemm(dout2, w2c, aux=h, epilogue="dgelu")
                 dln = ops.gemm(dh, w1c)
-                dw1 = ops.gemm(dh, ln, transa=True)
+                dw1, _ = _wgrad(dh, ln, None, mg1)
             else:
                 da = ops.gemm(dout2, w2c)
                 dh = A.act_bwd(da, h, activation)
                 dln = ops.gemm(dh, w1c)
-                dw1, db1 = _wgrad(dh, ln, b1_dt)
+                dw1, db1 = _wgrad(dh, ln, b1_dt, mg1)
         if dln_extra is not None:  # gradient of the returned norm output
             dln = dln + dln_extra.reshape(dln.shape).to(dln.dtype)
         dx, dg, db = norm_backward(dln, x2, mean, rstd, lnw, rms, zc, has_ln_bias)
@@ -177,8 +184,23 @@ def _fp8_act(q, h, activation, need_col):
     return iq.quantize(A.act_fwd(h, activation), transpose=need_col)
 
 
-def _wgrad(dy, inp, bias_dtype):
-    """dW = dy^T @ inp, and the bias gradient from the same GEMM."""
+def _main_grad(weight, needed):
+    """The weight's float32 ``main_grad`` where it has one and its gradient is
+    needed (TE's fuse_wgrad_accumulation: dW is accumulated there by the
+    GEMM, the weight's own gradient stays None), else None."""
+    main_grad = getattr(weight, "main_grad", None) if needed else None
+    if main_grad is not None and hasattr(weight, "grad_added_to_main_grad"):
+        weight.grad_added_to_main_grad = True
+    return main_grad
+
+
+def _wgrad(dy, inp, bias_dtype, main_grad=None):
+    """(dW = dy^T @ inp, the bias gradient from the same GEMM); with
+    ``main_grad`` dW is accumulated into it and returned as None."""
+    epilogue = "none" if bias_dtype is None else "bgrad"
+    if main_grad is not None:
+        res = ops.gemm(dy, inp, transa=True, out=main_grad, accumulate=True, epilogue=epilogue)
+        return None, (res[1] if bias_dtype is not None else None)
     if bias_dtype is None:
         return ops.gemm(dy, inp, transa=True), None
     return ops.gemm(dy, inp, transa=True, epilogue="bgrad")
@@ -191,11 +213,12 @@ class LayerNormMLP(torch.nn.Module):
                  activation="gelu", zero_centered_gamma=False, params_dtype=None, device=None,
                  init_method=None, output_layer_init_method=None, return_layernorm_output=False,
                  checkpoint=False, seq_length=None, micro_batch_size=None, get_rng_state_tracker=None,
-                 name=None, return_bias=False, **te_refused):
+                 name=None, return_bias=False, fuse_wgrad_accumulation=False, **te_refused):
         super().__init__()
         take_refused("LayerNormMLP", te_refused)
         self.return_layernorm_output = bool(return_layernorm_output)
         self.return_bias = bool(return_bias)
+        self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)  # main_grad is used wherever present
         self.checkpoint = bool(checkpoint)
         self.seq_length, self.micro_batch_size = seq_length, micro_batch_size
         self.get_rng_state_tracker, self.name = get_rng_state_tracker, name

@@ -88,7 +88,7 @@ class MultiheadAttention(torch.nn.Module):
                  qkv_weight_interleaved=True, bias=True, normalization="LayerNorm", device=None,
                  qkv_format="sbhd", softmax_scale=None, name=None, qk_norm_type=None, qk_norm_eps=1e-6,
                  qk_norm_before_rope=False, seq_length=None, micro_batch_size=None, return_bias=False,
-                 **te_refused):
+                 fuse_wgrad_accumulation=False, **te_refused):
         super().__init__()
         take_refused("MultiheadAttention", te_refused, unknown=NotImplementedError)
         if qk_norm_type is not None and qk_norm_type not in QK_NORM_TYPES:
@@ -131,6 +131,9 @@ class MultiheadAttention(torch.nn.Module):
         hn, np_, ng = self.kv_channels, self.num_attention_heads, self.num_gqa_groups
         kw = _kw(init_method, params_dtype, device)
         kw.update(given(get_rng_state_tracker=get_rng_state_tracker))
+        # every projection accumulates into a weight's main_grad where there is one (needs fuse_qkv_params=True
+        # for the QKV weight: split parameters refuse main_grad, naming it)
+        kw["fuse_wgrad_accumulation"] = self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
         ln_kw = dict(eps=layernorm_epsilon, bias=bias, normalization=normalization,
                      zero_centered_gamma=zero_centered_gamma,
                      return_layernorm_output=self.return_layernorm_output, **kw)
@@ -155,6 +158,7 @@ class MultiheadAttention(torch.nn.Module):
             attention_type=attention_type, softmax_scale=softmax_scale)
         self.proj = Linear(np_ * hn, self.hidden_size, bias=bias, return_bias=self.return_bias,
                            **_kw(output_layer_init_method, params_dtype, device),
+                           fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
                            **given(get_rng_state_tracker=get_rng_state_tracker))
         if qk_norm_type == "L2Normalization":  # parameter-free: one module serves both, as in TE
             self.q_norm = self.k_norm = L2Normalization(hn, qk_norm_eps)

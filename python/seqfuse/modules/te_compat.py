@@ -60,19 +60,16 @@ _ACT_PARAMS = _entry({"limit": 7.0}, (None,), "activation parameters (clamped Sw
                      "activations take no parameters here")
 _INTERLEAVED_ROPE = _entry(True, (False,), "interleaved rotary embeddings (rotating adjacent pairs) are not "
                            "implemented; use the default non-interleaved RoPE layout")
-_WGRAD_ACC = _entry(True, (False,), "fused weight-gradient accumulation is implemented by Linear only "
-                    "(give its weight a float32 main_grad); the fused-norm modules accumulate into .grad")
 
 REFUSED = {
     "Linear": {**_parallel(_UB_ARGS), **_GEMM_COMMON,
                "save_original_input": _entry(True, (False,), "saving the unquantized input for the "
                                              "backward is not implemented; the backward keeps the FP8 "
                                              "input (or the input itself without FP8)")},
-    "LayerNormLinear": {**_parallel(_UB_ARGS), **_GEMM_COMMON, "return_layernorm_output_gathered": _GATHERED,
-                        "fuse_wgrad_accumulation": _WGRAD_ACC},
+    "LayerNormLinear": {**_parallel(_UB_ARGS), **_GEMM_COMMON, "return_layernorm_output_gathered": _GATHERED},
     "LayerNormMLP": {**_parallel(_UB_ARGS),
                      **{k: v for k, v in _GEMM_COMMON.items() if k not in ("ub_name", "parallel_mode")},
-                     "return_layernorm_output_gathered": _GATHERED, "fuse_wgrad_accumulation": _WGRAD_ACC,
+                     "return_layernorm_output_gathered": _GATHERED,
                      "set_parallel_mode": _entry(True, (False,), _TP),
                      "activation_params": _ACT_PARAMS},
     "LayerNorm": {"sm_margin": _entry(8, (0,), "SM reservation for overlapping communication kernels is "
@@ -91,14 +88,13 @@ REFUSED = {
         **_parallel(_UB_ARGS), "set_parallel_mode": _entry(True, (False,), _TP),
         "bottom_right_diagonal": _BOTTOM_RIGHT, "softmax_type": _SOFTMAX,
         "rotary_pos_interleaved": _INTERLEAVED_ROPE,
-        "fuse_wgrad_accumulation": _WGRAD_ACC,
     },
     "TransformerLayer": {
         **_parallel(), "set_parallel_mode": _entry(True, (False,), _TP),
         "ub_tp_comm_overlap": _entry(True, (False,), _UB),
         "bottom_right_diagonal": _BOTTOM_RIGHT, "enc_dec_bottom_right_diagonal": _BOTTOM_RIGHT,
         "softmax_type": _SOFTMAX, "rotary_pos_interleaved": _INTERLEAVED_ROPE,
-        "fuse_wgrad_accumulation": _WGRAD_ACC, "activation_params": _ACT_PARAMS,
+        "activation_params": _ACT_PARAMS,
     },
 }
 

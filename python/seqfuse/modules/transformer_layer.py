@@ -59,7 +59,7 @@ class TransformerLayer(torch.nn.Module):
                  qk_norm_eps=1e-6, qk_norm_before_rope=False, ub_overlap_ag=True, ub_overlap_rs=True,
                  ub_overlap_rs_dgrad=False, ub_bulk_dgrad=True, ub_bulk_wgrad=True,
                  apply_residual_connection_post_layernorm=False, output_layernorm=False,
-                 parallel_attention_mlp=False, drop_path_rate=0.0, **te_refused):
+                 parallel_attention_mlp=False, drop_path_rate=0.0, fuse_wgrad_accumulation=False, **te_refused):
         super().__init__()
         # the ub_* flags: TE reads them only with ub_tp_comm_overlap=True (refused), so any value is taken
         take_refused("TransformerLayer", te_refused, unknown=NotImplementedError)
@@ -93,7 +93,7 @@ class TransformerLayer(torch.nn.Module):
         self.name = name
         common = dict(kv_channels=kv_channels, attention_dropout=attention_dropout,
                       layernorm_epsilon=layernorm_epsilon, init_method=init_method,
-                      return_layernorm_output=post_ln,
+                      return_layernorm_output=post_ln, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
                       output_layer_init_method=output_layer_init_method, layer_number=layer_number,
                       num_gqa_groups=num_gqa_groups, params_dtype=params_dtype,
                       get_rng_state_tracker=get_rng_state_tracker,
@@ -113,6 +113,7 @@ class TransformerLayer(torch.nn.Module):
         mlp_kw = dict(eps=layernorm_epsilon, bias=bias, normalization=normalization, activation=activation,
                       zero_centered_gamma=zero_centered_gamma, device=device, seq_length=seq_length,
                       micro_batch_size=micro_batch_size, return_layernorm_output=post_ln,
+                      fuse_wgrad_accumulation=fuse_wgrad_accumulation,
                       **given(params_dtype=params_dtype, init_method=init_method,
                               output_layer_init_method=output_layer_init_method,
                               get_rng_state_tracker=get_rng_state_tracker))
