@@ -44,6 +44,12 @@
  * routed); without probs dinp[row] = dout[t] and no dprobs (the forward of
  * permute).  permute_probs_bwd: dprobs[t, e] = dout_probs[row_id_map[t, e]]
  * (0 where not routed or dropped).
+ *
+ * SwiGLU scaled by the routing probability, between the experts' two GEMMs:
+ * swiglu_fwd: out[r, j] = silu(x[r, j]) * x[r, F + j] * probs[r] for x
+ * [N, 2F], out [N, F] in x's dtype, probs [N] (NULL: 1).  swiglu_bwd: dx
+ * [N, 2F] from dout [N, F], and dprobs[r] = sum_j dout[r, j] * silu(x[r, j])
+ * * x[r, F + j] when probs is given (dprobs may be NULL then).
  */
 #ifndef SEQFUSE_MOE_H
 #define SEQFUSE_MOE_H
@@ -92,6 +98,11 @@ sf_status sf_moe_unpermute_bwd(const sf_tensor *dout, const sf_tensor *inp,
                                sf_tensor *dinp, sf_tensor *dprobs, sf_stream stream);
 sf_status sf_moe_permute_probs_bwd(const sf_tensor *row_id_map, const sf_tensor *dout_probs,
                                    sf_tensor *dprobs, sf_stream stream);
+
+sf_status sf_moe_swiglu_fwd(const sf_tensor *x, const sf_tensor *probs, sf_tensor *out,
+                            sf_stream stream);
+sf_status sf_moe_swiglu_bwd(const sf_tensor *dout, const sf_tensor *x, const sf_tensor *probs,
+                            sf_tensor *dx, sf_tensor *dprobs, sf_stream stream);
 
 #ifdef __cplusplus
 }

@@ -485,3 +485,66 @@ sf_status sf_moe_permute_probs_bwd(const sf_tensor *row_id_map, const sf_tensor 
         return SF_OK;
     return SF_MOE_RUN(permute_probs_bwd, row_id_map->device, &a, stream);
 }
+
+/* ---- probability-scaled SwiGLU ------------------------------------------ */
+
+/* x [N, 2F] and probs [N] (optional); returns N and F. */
+static sf_status check_swiglu_input(const char *op, const sf_tensor *x, const sf_tensor *probs,
+                                    int64_t *N, int64_t *F)
+{
+    if (!x || x->ndim != 2 || x->shape[1] % 2 != 0)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'x' must be 2-D [rows, 2 * ffn] (gate then up "
+                       "halves), with an even last dimension", op);
+    SF_TRY(sf_check_float_input(op, "x", x));
+    SF_TRY(sf_check_contiguous(op, "x", x));
+    *N = x->shape[0];
+    *F = x->shape[1] / 2;
+    if (probs) {
+        SF_TRY(sf_check_float_input(op, "probs", probs));
+        SF_TRY(check_1d(op, "probs", probs, *N, x, "x"));
+    }
+    return SF_OK;
+}
+
+sf_status sf_moe_swiglu_fwd(const sf_tensor *x, const sf_tensor *probs, sf_tensor *out,
+                            sf_stream stream)
+{
+    static const char op[] = "moe_swiglu_fwd";
+    int64_t N = 0, F = 0;
+    SF_TRY(check_swiglu_input(op, x, probs, &N, &F));
+    SF_TRY(check_2d(op, "out", out, N, F, x, "x"));
+    SF_TRY(sf_check_dtype(op, "out", out, x->dtype));
+    SF_TRY(check_out(op, "out", out));
+    sf_moe_args a;
+    memset(&a, 0, sizeof a);
+    a.N = N; a.H = F; a.inp = x; a.probs = probs; a.out = out;
+    if (N == 0 || F == 0)
+        return SF_OK;
+    return SF_MOE_RUN(swiglu_fwd, x->device, &a, stream);
+}
+
+sf_status sf_moe_swiglu_bwd(const sf_tensor *dout, const sf_tensor *x, const sf_tensor *probs,
+                            sf_tensor *dx, sf_tensor *dprobs, sf_stream stream)
+{
+    static const char op[] = "moe_swiglu_bwd";
+    int64_t N = 0, F = 0;
+    SF_TRY(check_swiglu_input(op, x, probs, &N, &F));
+    SF_TRY(check_2d(op, "dout", dout, N, F, x, "x"));
+    SF_TRY(sf_check_float_input(op, "dout", dout));
+    SF_TRY(check_2d(op, "dx", dx, N, 2 * F, x, "x"));
+    SF_TRY(sf_check_dtype(op, "dx", dx, x->dtype));
+    SF_TRY(check_out(op, "dx", dx));
+    if (dprobs) {
+        if (!probs)
+            return sf_fail(SF_ERR_VALUE, "%s: argument 'dprobs' needs 'probs'", op);
+        SF_TRY(sf_check_float_input(op, "dprobs", dprobs));
+        SF_TRY(check_1d(op, "dprobs", dprobs, N, x, "x"));
+        SF_TRY(check_out(op, "dprobs", dprobs));
+    }
+    sf_moe_args a;
+    memset(&a, 0, sizeof a);
+    a.N = N; a.H = F; a.inp = x; a.probs = probs; a.grad = dout; a.out = dx; a.out2 = dprobs;
+    if (N == 0)
+        return SF_OK;
+    return SF_MOE_RUN(swiglu_bwd, x->device, &a, stream);
+}

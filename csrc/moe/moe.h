@@ -33,7 +33,7 @@ typedef struct {
 
 #define SF_MOE_OPS(X) X(topk_fwd) X(topk_bwd) X(aux_scores_fwd) X(aux_scores_bwd) \
     X(aux_loss_fwd) X(aux_loss_bwd) X(z_loss_fwd) X(z_loss_bwd) X(row_id_map) X(permute) \
-    X(unpermute) X(unpermute_bwd) X(permute_probs_bwd)
+    X(unpermute) X(unpermute_bwd) X(permute_probs_bwd) X(swiglu_fwd) X(swiglu_bwd)
 #define SF_MOE_DECLARE(name)                                      \
     sf_status sf_moe_##name##_cpu(const sf_moe_args *a);          \
     sf_status sf_moe_##name##_cuda(const sf_moe_args *a, sf_stream stream);
@@ -227,6 +227,14 @@ static inline float sf_moe_aux_factor(float coeff, int64_t E, int topk, int64_t 
 {
     double t = (double)total;
     return (float)((double)coeff * (double)E / ((double)topk * t * t));
+}
+
+/* silu(g) and its derivative, for the probability-scaled SwiGLU. */
+SF_HD float sf_moe_silu(float g) { return g * sf_moe_sigmoid(g); }
+SF_HD float sf_moe_dsilu(float g)
+{
+    float s = sf_moe_sigmoid(g);
+    return s * (1.0f + g * (1.0f - s));
 }
 
 SF_HD float sf_moe_ld_count(const void *p, sf_dtype d, int64_t i)

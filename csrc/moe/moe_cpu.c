@@ -193,3 +193,38 @@ sf_status sf_moe_permute_probs_bwd_cpu(const sf_moe_args *a)
     }
     return SF_OK;
 }
+
+sf_status sf_moe_swiglu_fwd_cpu(const sf_moe_args *a)
+{
+    const int64_t F = a->H;
+    for (int64_t r = 0; r < a->N; ++r) {
+        float p = a->probs ? sf_moe_ld(a->probs->data, a->probs->dtype, r) : 1.0f;
+        for (int64_t j = 0; j < F; ++j) {
+            float g = sf_moe_ld(a->inp->data, a->inp->dtype, r * 2 * F + j);
+            float u = sf_moe_ld(a->inp->data, a->inp->dtype, r * 2 * F + F + j);
+            sf_moe_st(a->out->data, a->out->dtype, r * F + j, sf_moe_silu(g) * u * p);
+        }
+    }
+    return SF_OK;
+}
+
+sf_status sf_moe_swiglu_bwd_cpu(const sf_moe_args *a)
+{
+    const int64_t F = a->H;
+    for (int64_t r = 0; r < a->N; ++r) {
+        float p = a->probs ? sf_moe_ld(a->probs->data, a->probs->dtype, r) : 1.0f;
+        float dp = 0.0f;
+        for (int64_t j = 0; j < F; ++j) {
+            float g = sf_moe_ld(a->inp->data, a->inp->dtype, r * 2 * F + j);
+            float u = sf_moe_ld(a->inp->data, a->inp->dtype, r * 2 * F + F + j);
+            float d = sf_moe_ld(a->grad->data, a->grad->dtype, r * F + j);
+            float s = sf_moe_silu(g);
+            sf_moe_st(a->out->data, a->out->dtype, r * 2 * F + j, d * p * u * sf_moe_dsilu(g));
+            sf_moe_st(a->out->data, a->out->dtype, r * 2 * F + F + j, d * p * s);
+            dp += d * s * u;
+        }
+        if (a->out2)
+            sf_moe_st(a->out2->data, a->out2->dtype, r, dp);
+    }
+    return SF_OK;
+}

@@ -259,6 +259,42 @@ __global__ void permute_probs_bwd_kernel(int64_t n, int64_t N, const int32_t *id
     }
 }
 
+__global__ void swiglu_fwd_kernel(int64_t N, int64_t F, const void *x, sf_dtype xd, const void *probs,
+                                  sf_dtype pd, void *out)
+{
+    GRID_STRIDE(i, N * F) {
+        int64_t r = i / F, j = i - r * F;
+        float p = probs ? sf_moe_ld(probs, pd, r) : 1.0f;
+        float g = sf_moe_ld(x, xd, r * 2 * F + j), u = sf_moe_ld(x, xd, r * 2 * F + F + j);
+        sf_moe_st(out, xd, i, sf_moe_silu(g) * u * p);
+    }
+}
+
+/* One block per row (the probability gradient is a sum over the row). */
+__global__ void swiglu_bwd_kernel(int64_t N, int64_t F, const void *g_, sf_dtype gd, const void *x,
+                                  sf_dtype xd, const void *probs, sf_dtype pd, void *dx, void *dprobs,
+                                  sf_dtype dpd)
+{
+    __shared__ float shared[32];
+    for (int64_t r = blockIdx.x; r < N; r += gridDim.x) {
+        float p = probs ? sf_moe_ld(probs, pd, r) : 1.0f;
+        float dp = 0.0f;
+        for (int64_t j = threadIdx.x; j < F; j += blockDim.x) {
+            float g = sf_moe_ld(x, xd, r * 2 * F + j), u = sf_moe_ld(x, xd, r * 2 * F + F + j);
+            float d = sf_moe_ld(g_, gd, r * F + j);
+            float s = sf_moe_silu(g);
+            sf_moe_st(dx, xd, r * 2 * F + j, d * p * u * sf_moe_dsilu(g));
+            sf_moe_st(dx, xd, r * 2 * F + F + j, d * p * s);
+            dp += d * s * u;
+        }
+        if (dprobs) {
+            float sum = block_sum(dp, shared);
+            if (threadIdx.x == 0)
+                sf_moe_st(dprobs, dpd, r, sum);
+        }
+    }
+}
+
 /* Run `launch` on the tensor's device; report a bad launch with the op's name. */
 template <typename F>
 sf_status on_device(const char *op, int device, F launch)
@@ -421,6 +457,27 @@ extern "C" sf_status sf_moe_permute_probs_bwd_cuda(const sf_moe_args *a, sf_stre
         permute_probs_bwd_kernel<<<blocks_for(a->T * a->E, a->map->device_id), kThreads, 0, sf_cuda_stream(s)>>>(
             a->T * a->E, a->N, (const int32_t *)a->map->data, a->grad->data, a->grad->dtype,
             a->out->data, a->out->dtype);
+        return SF_OK;
+    });
+}
+
+extern "C" sf_status sf_moe_swiglu_fwd_cuda(const sf_moe_args *a, sf_stream s)
+{
+    return on_device("moe_swiglu_fwd", a->inp->device_id, [&] {
+        swiglu_fwd_kernel<<<blocks_for(a->N * a->H, a->inp->device_id), kThreads, 0, sf_cuda_stream(s)>>>(
+            a->N, a->H, a->inp->data, a->inp->dtype, a->probs ? a->probs->data : nullptr,
+            a->probs ? a->probs->dtype : SF_FLOAT32, a->out->data);
+        return SF_OK;
+    });
+}
+
+extern "C" sf_status sf_moe_swiglu_bwd_cuda(const sf_moe_args *a, sf_stream s)
+{
+    return on_device("moe_swiglu_bwd", a->inp->device_id, [&] {
+        swiglu_bwd_kernel<<<token_blocks(a->N), kThreads, 0, sf_cuda_stream(s)>>>(
+            a->N, a->H, a->grad->data, a->grad->dtype, a->inp->data, a->inp->dtype,
+            a->probs ? a->probs->data : nullptr, a->probs ? a->probs->dtype : SF_FLOAT32,
+            a->out->data, a->out2 ? a->out2->data : nullptr, a->out2 ? a->out2->dtype : SF_FLOAT32);
         return SF_OK;
     });
 }

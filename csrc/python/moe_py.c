@@ -280,7 +280,46 @@ static PyObject *py_permute_probs_bwd(PyObject *self, PyObject *const *args, Py_
     return sf_py_finish(&a.call, st);
 }
 
+/* moe_swiglu_fwd(x, probs, out, stream=None) */
+static PyObject *py_swiglu_fwd(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    static const char op[] = "moe_swiglu_fwd";
+    static const sf_py_tensor_arg spec[] = {{0, "x", 0}, {1, "probs", 1}, {2, "out", 0}};
+    if (sf_py_check_nargs(op, nargs, 3, 4) < 0)
+        return NULL;
+    sf_py_args a;
+    if (sf_py_begin(&a, op, args, nargs, 3, spec, SF_PY_NARGS(spec)) < 0)
+        return NULL;
+    sf_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = sf_moe_swiglu_fwd(a.t[0], a.t[1], a.t[2], sf_py_call_stream(&a.call));
+    Py_END_ALLOW_THREADS
+    return sf_py_finish(&a.call, st);
+}
+
+/* moe_swiglu_bwd(dout, x, probs, dx, dprobs, stream=None) */
+static PyObject *py_swiglu_bwd(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    static const char op[] = "moe_swiglu_bwd";
+    static const sf_py_tensor_arg spec[] = {
+        {0, "dout", 0}, {1, "x", 0}, {2, "probs", 1}, {3, "dx", 0}, {4, "dprobs", 1}};
+    if (sf_py_check_nargs(op, nargs, 5, 6) < 0)
+        return NULL;
+    sf_py_args a;
+    if (sf_py_begin(&a, op, args, nargs, 5, spec, SF_PY_NARGS(spec)) < 0)
+        return NULL;
+    sf_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = sf_moe_swiglu_bwd(a.t[0], a.t[1], a.t[2], a.t[3], a.t[4], sf_py_call_stream(&a.call));
+    Py_END_ALLOW_THREADS
+    return sf_py_finish(&a.call, st);
+}
+
 PyMethodDef sf_py_moe_methods[] = {
+    {"moe_swiglu_fwd", SF_PY_FASTCALL(py_swiglu_fwd), "SwiGLU scaled by routing probabilities."},
+    {"moe_swiglu_bwd", SF_PY_FASTCALL(py_swiglu_bwd), "Backward of moe_swiglu_fwd."},
     {"moe_topk_fwd", SF_PY_FASTCALL(py_topk_fwd), "Router top-k forward. See seqfuse.ops.moe."},
     {"moe_topk_bwd", SF_PY_FASTCALL(py_topk_bwd), "Router top-k backward. See seqfuse.ops.moe."},
     {"moe_aux_scores_fwd", SF_PY_FASTCALL(py_aux_scores_fwd), "Aux-loss scores forward."},
