@@ -1,0 +1,200 @@
+"""GroupedLinear and GroupedMLP (seqfuse.modules) against plain torch: a
+per-expert loop of torch linear layers, and a plain torch MoE block (router,
+top-k, SwiGLU experts, weighted sum), in outputs and in the gradients of
+the input and of every parameter; the cuda-marked tests run the modules on
+the GPU in bf16 against the same modules on the CPU in float32."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from seqfuse.quantization import fp8_autocast
+from seqfuse.common.recipe import DelayedScaling
+from seqfuse.modules import GroupedLinear, GroupedMLP
+
+from helpers import REL_TOL, rel_error
+
+
+def _grads(module):
+    return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("splits", [[5, 0, 9, 2], [16], [0, 0, 7]])
+@pytest.mark.parametrize("bias", [True, False])
+def test_grouped_linear_matches_per_expert_linear(splits, bias, seed):
+    G, fin, fout = len(splits), 12, 20
+    layer = GroupedLinear(G, fin, fout, bias=bias, device="cpu")
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_()
+    x = torch.randn(sum(splits), fin, requires_grad=True)
+    y = layer(x, splits)
+    g = torch.randn_like(y)
+    y.backward(g)
+    xr = x.detach().double().requires_grad_()
+    ws = [getattr(layer, f"weight{e}").detach().double().requires_grad_() for e in range(G)]
+    bs = [getattr(layer, f"bias{e}").detach().double().requires_grad_() for e in range(G)] if bias else [None] * G
+    outs, o = [], 0
+    for e, m in enumerate(splits):
+        outs.append(F.linear(xr[o:o + m], ws[e], bs[e]))
+        o += m
+    ref = torch.cat(outs)
+    (ref * g.double()).sum().backward()
+    assert rel_error(y, ref) <= REL_TOL[torch.float32]
+    assert rel_error(x.grad, xr.grad) <= REL_TOL[torch.float32]
+    for e in range(G):
+        w = getattr(layer, f"weight{e}")
+        assert rel_error(w.grad, ws[e].grad) <= REL_TOL[torch.float32]
+        if splits[e] == 0:
+            assert torch.equal(w.grad, torch.zeros_like(w))  # an expert with no tokens
+        if bias:
+            assert rel_error(getattr(layer, f"bias{e}").grad, bs[e].grad) <= REL_TOL[torch.float32]
+
+
+def test_grouped_linear_parameters_and_te_names():
+    layer = GroupedLinear(3, 8, 4, bias=True, device="cpu", params_dtype=torch.bfloat16)
+    names = [n for n, _ in layer.named_parameters()]
+    assert names == ["weight0", "bias0", "weight1", "bias1", "weight2", "bias2"]
+    assert layer.weight1.dtype == torch.bfloat16 and layer.weight1.shape == (4, 8)
+    meta = GroupedLinear(2, 8, 4, device="meta")
+    assert meta.weight0.is_meta
+    y, biases = GroupedLinear(2, 8, 4, device="cpu", return_bias=True)(torch.randn(3, 8), [1, 2])
+    assert y.shape == (3, 4) and len(biases) == 2
+
+
+def test_grouped_linear_accumulates_into_main_grad(seed):
+    splits = [3, 0, 4]
+    layer = GroupedLinear(3, 8, 4, bias=False, device="cpu")
+    for w in layer.parameters():
+        w.main_grad = torch.ones_like(w, dtype=torch.float32)
+        w.grad_added_to_main_grad = False
+    x = torch.randn(7, 8)
+    layer(x, splits).sum().backward()
+    o = 0
+    for e, m in enumerate(splits):
+        w = getattr(layer, f"weight{e}")
+        ref = 1 + torch.ones(4, m) @ x[o:o + m]
+        assert w.grad is None and w.grad_added_to_main_grad
+        assert torch.allclose(w.main_grad, ref, rtol=1e-6, atol=1e-6)
+        o += m
+
+
+def test_grouped_linear_refuses_what_it_lacks():
+    layer = GroupedLinear(2, 16, 16, device="cpu")
+    with pytest.raises(ValueError, match="add up to 5"):
+        layer(torch.randn(6, 16), [2, 3])
+    with pytest.raises(ValueError, match="num_gemms = 2"):
+        layer(torch.randn(6, 16), [6])
+    with pytest.raises(ValueError, match="in_features"):
+        layer(torch.randn(6, 15), [3, 3])
+    with pytest.raises(NotImplementedError, match="tensor/sequence parallelism"):
+        GroupedLinear(2, 16, 16, device="cpu", sequence_parallel=True)
+    with pytest.raises(NotImplementedError, match="FP8"):
+        with fp8_autocast(enabled=True, fp8_recipe=DelayedScaling()):
+            layer(torch.randn(6, 16), [3, 3])
+
+
+def plain_moe(x, m, bias):
+    """transformers-style MoE in float64: route, loop over experts, weighted sum."""
+    E, F_, k = m.num_experts, m.ffn_hidden_size, m.topk
+    p = {n: t.detach().double().requires_grad_() for n, t in m.named_parameters()}
+    x2 = x.reshape(-1, m.hidden_size)
+    logits = x2 @ p["router_weight"].T
+    if m.score_function == "softmax":
+        vals, idx = logits.topk(k, -1)
+        probs = torch.softmax(vals, -1)
+    else:
+        s = torch.sigmoid(logits)
+        sel = s + (m.expert_bias.double() if m.expert_bias is not None else 0)
+        idx = sel.topk(k, -1).indices
+        probs = s.gather(1, idx)
+        probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
+    out = torch.zeros_like(x2)
+    for e in range(E):
+        tok, slot = (idx == e).nonzero(as_tuple=True)
+        w1, w2 = p[f"fc1.weight{e}"], p[f"fc2.weight{e}"]
+        h = F.linear(x2[tok], w1, p[f"fc1.bias{e}"] if bias else None)
+        a = F.silu(h[:, :F_]) * h[:, F_:] * probs[tok, slot, None]
+        out = out.index_add(0, tok, F.linear(a, w2, p[f"fc2.bias{e}"] if bias else None))
+    aux = None
+    if m.aux_loss_coeff > 0:
+        scores = torch.softmax(logits, -1) if m.score_function == "softmax" else \
+            torch.sigmoid(logits) / (torch.sigmoid(logits).sum(-1, keepdim=True) + 1e-20)
+        amap = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, scores.topk(k, -1).indices, True)
+        T = x2.shape[0]
+        aux = (scores.sum(0) * amap.sum(0)).sum() * (E * m.aux_loss_coeff / (k * T * T))
+    if m.z_loss_coeff > 0:
+        z = torch.logsumexp(logits, -1).square().mean() * m.z_loss_coeff
+        aux = z if aux is None else aux + z
+    return out.view(x.shape), aux, p
+
+
+@pytest.mark.parametrize("config", [
+    dict(score_function="softmax", topk=2, bias=False, aux_loss_coeff=0.01, z_loss_coeff=1e-3),
+    dict(score_function="sigmoid", topk=3, bias=True, expert_bias=True, aux_loss_coeff=0.02),
+    dict(score_function="softmax", topk=1, bias=False),
+], ids=["mixtral", "sigmoid_bias", "top1"])
+def test_grouped_mlp_matches_plain_torch_moe(config, seed):
+    H, Fh, E = 16, 24, 6
+    m = GroupedMLP(H, Fh, E, device="cpu", **config)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.3)
+        if m.expert_bias is not None:
+            m.expert_bias.normal_(0, 0.1)
+    x = torch.randn(3, 7, H, requires_grad=True)
+    y = m(x)
+    g = torch.randn_like(y)
+    loss = (y * g).sum() + (m.aux_loss if m.aux_loss is not None else 0)
+    loss.backward()
+    xr = x.detach().double().requires_grad_()
+    ref, aux, params = plain_moe(xr, m, config.get("bias", False))
+    rloss = (ref * g.double()).sum() + (aux if aux is not None else 0)
+    rloss.backward()
+    assert y.shape == x.shape
+    assert rel_error(y, ref) <= REL_TOL[torch.float32] * 2
+    if aux is not None:
+        assert rel_error(m.aux_loss, aux) <= REL_TOL[torch.float32]
+    assert rel_error(x.grad, xr.grad) <= REL_TOL[torch.float32] * 2
+    for n, p in m.named_parameters():
+        ref_grad = params[n].grad
+        if ref_grad is None:  # an expert nobody was routed to
+            assert torch.equal(p.grad, torch.zeros_like(p))
+        else:
+            assert rel_error(p.grad, ref_grad) <= REL_TOL[torch.float32] * 2, n
+
+
+def test_grouped_mlp_eval_has_no_aux_loss():
+    m = GroupedMLP(8, 8, 4, 2, device="cpu", aux_loss_coeff=0.1).eval()
+    with torch.no_grad():
+        m(torch.randn(5, 8))
+    assert m.aux_loss is None
+
+
+@pytest.mark.cuda
+def test_grouped_mlp_cuda_bf16_matches_cpu(seed):
+    H, Fh, E = 256, 512, 8
+    cpu = GroupedMLP(H, Fh, E, 2, device="cpu", aux_loss_coeff=0.01)
+    gpu = GroupedMLP(H, Fh, E, 2, device="cuda", params_dtype=torch.bfloat16, aux_loss_coeff=0.01)
+    gpu.load_state_dict({k: v.to(torch.bfloat16) for k, v in cpu.state_dict().items()})
+    with torch.no_grad():  # the CPU copy holds the bf16-rounded weights, so both see the same ones
+        for p in cpu.parameters():
+            p.copy_(p.bfloat16().float())
+    x = torch.randn(4, 300, H).bfloat16().float()
+    g = torch.randn(4, 300, H)
+    yc = cpu(x.requires_grad_())
+    (yc * g).sum().add(cpu.aux_loss).backward()
+    xg = x.detach().cuda().bfloat16().requires_grad_()
+    yg = gpu(xg)
+    (yg.float() * g.cuda()).sum().add(gpu.aux_loss).backward()
+    # bf16 through router, two GEMMs and SwiGLU: the routing of a few tokens may flip
+    # where two logits are within bf16 rounding, so compare the tokens routed alike
+    with torch.no_grad():
+        _, map_c, _ = cpu.route(x.reshape(-1, H))
+        _, map_g, _ = gpu.route(xg.reshape(-1, H))
+    same = (map_c == map_g.cpu()).all(-1)
+    assert same.float().mean() > 0.97
+    assert rel_error(yg.float().cpu().reshape(-1, H)[same], yc.detach().reshape(-1, H)[same]) <= REL_TOL[torch.bfloat16] * 2
+    if bool(same.all()):
+        assert rel_error(xg.grad.float().cpu(), x.grad) <= REL_TOL[torch.bfloat16] * 4
+        for (n, pc), (_, pg) in zip(cpu.named_parameters(), gpu.named_parameters()):
+            assert rel_error(pg.grad.float().cpu(), pc.grad) <= REL_TOL[torch.bfloat16] * 4, n
