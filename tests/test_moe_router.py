@@ -20,6 +20,13 @@ CONFIGS = [  # (score_function, use_pre_softmax, topk, scaling, expert_bias)
 ]
 
 
+def topk_mask(values, topk):
+    """The topk largest of each row as a bool mask, ties to the lower index
+    (the kernels' rule; bfloat16 logits do tie): a stable descending sort."""
+    idx = torch.sort(values.detach(), dim=-1, descending=True, stable=True).indices[:, :topk]
+    return torch.zeros(values.shape, dtype=torch.bool).scatter_(1, idx, True)
+
+
 def topk_reference(logits, topk, score_function, pre, scaling, bias):
     """(probs, routing_map) in plain torch (differentiable in logits)."""
     if score_function == "softmax":
@@ -28,8 +35,7 @@ def topk_reference(logits, topk, score_function, pre, scaling, bias):
     else:
         scores = torch.sigmoid(logits)
         sel = scores + (bias if bias is not None else 0)
-    idx = sel.detach().topk(topk, -1).indices
-    mask = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, idx, True)
+    mask = topk_mask(sel, topk)
     if score_function == "softmax" and not pre:
         probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), -1)
     else:
@@ -75,7 +81,7 @@ def test_aux_scores_against_float64(score, seed):
     else:
         s = torch.sigmoid(ref_logits)
         rs = s / (s.sum(-1, keepdim=True) + 1e-20)
-    rmask = torch.zeros_like(rs, dtype=torch.bool).scatter_(1, rs.detach().topk(topk, -1).indices, True)
+    rmask = topk_mask(rs, topk)
     assert torch.equal(rmap, rmask) and scores.dtype == torch.float32
     assert rel_error(scores, rs) <= REL_TOL[torch.float32]
     g = torch.randn(T, E, dtype=torch.float64)
