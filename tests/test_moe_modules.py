@@ -8,10 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from seqfuse.quantization import fp8_autocast
-from seqfuse.common.recipe import DelayedScaling
-from seqfuse.modules import GroupedLinear, GroupedMLP
+from seqfuse.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format
+from seqfuse.modules import GroupedLinear, GroupedMLP, Linear
+from seqfuse.quantization.gemm_quantizers import weight_casts
 
-from helpers import REL_TOL, rel_error
+from helpers import REL_TOL, needs_fp8, pair_tol, rel_error
 
 
 def _grads(module):
@@ -88,9 +89,61 @@ def test_grouped_linear_refuses_what_it_lacks():
         layer(torch.randn(6, 15), [3, 3])
     with pytest.raises(NotImplementedError, match="tensor/sequence parallelism"):
         GroupedLinear(2, 16, 16, device="cpu", sequence_parallel=True)
-    with pytest.raises(NotImplementedError, match="FP8"):
+    with pytest.raises(NotImplementedError, match="Float8BlockScaling.*per-tensor"):
+        with fp8_autocast(enabled=True, fp8_recipe=Float8BlockScaling()):
+            GroupedLinear(2, 128, 128, device="cpu")(torch.randn(6, 128), [3, 3])
+    with pytest.raises(ValueError, match="multiple of 16"):
         with fp8_autocast(enabled=True, fp8_recipe=DelayedScaling()):
-            layer(torch.randn(6, 16), [3, 3])
+            GroupedLinear(2, 24, 16, device="cpu")(torch.randn(6, 24), [3, 3])
+
+
+@needs_fp8
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling(fp8_format=Format.HYBRID)],
+                         ids=["current", "delayed_hybrid"])
+def test_grouped_linear_fp8_equals_per_expert_fp8_linear(recipe, seed):
+    """FP8 GroupedLinear is the per-expert FP8 Linear bit for bit on the CPU:
+    the same quantizers (one scale per expert and operand, rows padded to
+    16), the same reference GEMM, over three steps with weight updates (so
+    delayed scaling runs on updated amax histories)."""
+    splits = [5, 0, 37, 16]
+    G, fin, fout = len(splits), 32, 48
+    gl = GroupedLinear(G, fin, fout, bias=True, device="cpu")
+    lins = [Linear(fin, fout, bias=True, device="cpu") for _ in range(G)]
+    with torch.no_grad():
+        for g, lin in enumerate(lins):
+            lin.weight.copy_(getattr(gl, f"weight{g}"))
+            getattr(gl, f"bias{g}").normal_()
+            lin.bias.copy_(getattr(gl, f"bias{g}"))
+    for step in range(3):
+        x = torch.randn(sum(splits), fin, requires_grad=True)
+        dy = torch.randn(sum(splits), fout)
+        with fp8_autocast(enabled=True, fp8_recipe=recipe):
+            y = gl(x, splits)
+        y.backward(dy)
+        xr = x.detach().clone().requires_grad_()
+        with fp8_autocast(enabled=True, fp8_recipe=recipe):
+            parts = [lins[g](xr[o:o + m]) for g, (o, m) in enumerate(zip([0, 5, 5, 42], splits)) if m]
+        torch.cat(parts).backward(dy)
+        assert torch.equal(y, torch.cat(parts).detach()), step
+        assert torch.equal(x.grad, xr.grad), step
+        for g in range(G):
+            w, b = getattr(gl, f"weight{g}"), getattr(gl, f"bias{g}")
+            if splits[g] == 0:
+                assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(b.grad, torch.zeros_like(b))
+            else:
+                assert torch.equal(w.grad, lins[g].weight.grad), (step, g)
+                assert torch.equal(b.grad, lins[g].bias.grad), (step, g)
+        with torch.no_grad():  # the same SGD step on both
+            for g in range(G):
+                for p, q in ((getattr(gl, f"weight{g}"), lins[g].weight), (getattr(gl, f"bias{g}"), lins[g].bias)):
+                    if q.grad is not None:
+                        p -= 0.1 * p.grad
+                        q -= 0.1 * q.grad
+                    p.grad = q.grad = None
+    if isinstance(recipe, DelayedScaling):
+        assert gl.fp8_state is not None  # TE's 3 x num_gemms slots
+        # a weight is cast again only when it changed: the idle expert's once
+        assert weight_casts(gl) == 3 * (G - 1) + 1
 
 
 def plain_moe(x, m, bias):
@@ -198,3 +251,37 @@ def test_grouped_mlp_cuda_bf16_matches_cpu(seed):
         assert rel_error(xg.grad.float().cpu(), x.grad) <= REL_TOL[torch.bfloat16] * 4
         for (n, pc), (_, pg) in zip(cpu.named_parameters(), gpu.named_parameters()):
             assert rel_error(pg.grad.float().cpu(), pc.grad) <= REL_TOL[torch.bfloat16] * 4, n
+
+
+@pytest.mark.cuda
+@needs_fp8
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling()], ids=["current", "delayed"])
+def test_grouped_linear_fp8_cuda_matches_per_expert_linear(recipe, seed):
+    splits = [100, 0, 333, 16, 1]
+    G, fin, fout = len(splits), 256, 512
+    gl = GroupedLinear(G, fin, fout, bias=True, device="cuda", params_dtype=torch.bfloat16)
+    lins = [Linear(fin, fout, bias=True, device="cuda", params_dtype=torch.bfloat16) for _ in range(G)]
+    with torch.no_grad():
+        for g, lin in enumerate(lins):
+            lin.weight.copy_(getattr(gl, f"weight{g}"))
+            getattr(gl, f"bias{g}").normal_()
+            lin.bias.copy_(getattr(gl, f"bias{g}"))
+    x = torch.randn(sum(splits), fin, device="cuda").bfloat16().requires_grad_()
+    dy = torch.randn(sum(splits), fout, device="cuda").bfloat16()
+    with fp8_autocast(enabled=True, fp8_recipe=recipe):
+        y = gl(x, splits)
+    y.backward(dy)
+    xr = x.detach().clone().requires_grad_()
+    offs = [0]
+    for m in splits:
+        offs.append(offs[-1] + m)
+    with fp8_autocast(enabled=True, fp8_recipe=recipe):
+        parts = [lins[g](xr[offs[g]:offs[g + 1]]) for g in range(G) if splits[g]]
+    ref = torch.cat(parts)
+    ref.backward(dy)
+    assert rel_error(y, ref) <= pair_tol(torch.bfloat16)
+    assert rel_error(x.grad, xr.grad) <= pair_tol(torch.bfloat16)
+    for g in range(G):
+        if splits[g]:
+            assert rel_error(getattr(gl, f"weight{g}").grad, lins[g].weight.grad) <= pair_tol(torch.bfloat16)
+            assert rel_error(getattr(gl, f"bias{g}").grad, lins[g].bias.grad) <= pair_tol(torch.bfloat16)

@@ -15,7 +15,9 @@
  * they are the inner dimension (the weight gradient dW_g = dy_g^T x_g of an
  * expert that received no tokens), out_g is zero (kept when accumulating)
  * and a bias gradient is zero.  sf_gemm takes no empty product, so these are
- * written here.
+ * written here.  Each group's m, n and k come from its views, so this holds
+ * as well when every operand is a list (the FP8 weight gradient, whose
+ * operands are the per-expert transposed copies).
  */
 #include <stdio.h>
 #include <string.h>
@@ -146,9 +148,6 @@ sf_status sf_grouped_gemm(const sf_grouped_gemm_args *args, sf_stream stream)
     SF_TRY(check_form("a", args->a, args->a_list, total));
     SF_TRY(check_form("b", args->b, args->b_list, total));
     SF_TRY(check_form("out", args->out, args->out_list, total));
-    if (!args->a && !args->b && !args->out)
-        return sf_fail(SF_ERR_VALUE, "%s: at least one of 'a', 'b' and 'out' must be a tensor split "
-                       "by m_splits (all three are lists)", OP);
     SF_TRY(check_scale("a_scale_inv", args->a_scale_inv, G));
     SF_TRY(check_scale("b_scale_inv", args->b_scale_inv, G));
     if (args->bgrad && !args->bias_list)
@@ -183,9 +182,14 @@ sf_status sf_grouped_gemm(const sf_grouped_gemm_args *args, sf_stream stream)
             bias = args->bias_list[g];
             ga.bias = &bias;
         }
-        if (rows == 0 && (m == 0 || n == 0))
-            continue; /* an expert with no tokens: out_g has no rows */
-        if (rows == 0 && k == 0) {
+        if (m == 0 || n == 0) {
+            /* an expert with no tokens: out_g has no rows (or no columns) */
+            if (args->bgrad && m > 0)
+                return sf_fail(SF_ERR_VALUE, "%s: group %d: a bias gradient over an empty output "
+                               "(n = 0) is not defined here", OP, g);
+            continue;
+        }
+        if (k == 0) { /* the empty sum: dW_g of an expert with no tokens */
             if (out.ndim != 2 || out.shape[0] != m || out.shape[1] != n)
                 return sf_fail(SF_ERR_VALUE, "%s: group %d: argument 'out' must have shape [%lld, %lld]",
                                OP, g, (long long)m, (long long)n);

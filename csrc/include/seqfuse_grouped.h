@@ -8,6 +8,8 @@
  *   split: one 2-D tensor whose dim 0 is divided, in order, into G runs of
  *          m_splits[0], ..., m_splits[G-1] rows (the tokens, expert-sorted);
  *   list:  an array of G 2-D views, one per group (the experts' weights).
+ * m_splits gives G and the split operands' row runs; when every operand is
+ * a list (allowed), each group's sizes come from its views alone.
  * Group g then computes, with sf_gemm's conventions (seqfuse_gemm.h),
  *
  *     out_g = op(a_g) @ op(b_g)  (+ bias_g, or + out_g when accumulate)

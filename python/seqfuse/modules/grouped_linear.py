@@ -24,10 +24,19 @@ tensor, as with the dense Linear.  The grouped GEMM takes the list of
 weights directly, so nothing is stacked (copied) per step.
 
 Precision: the GEMMs run in torch.autocast's dtype where it is on, else the
-parameters' dtype.  FP8 (fp8_autocast) is not built for GroupedLinear yet:
-under an FP8 autocast the forward raises NotImplementedError (the grouped
-GEMM itself takes per-tensor FP8 operands; the per-expert quantizers and
-their scaling state are what is missing).
+parameters' dtype.  Under seqfuse's FP8 autocast (fp8_autocast) with a
+per-tensor recipe (DelayedScaling, Float8CurrentScaling) the three grouped
+GEMMs run in FP8 with operands made by the same quantization layer as
+Linear (seqfuse.quantization.gemm_quantizers): a GemmQuantizers of
+num_gemms GEMMs, TE's layout of 3 x num_gemms scaling slots (expert g's
+input 3g, weight 3g + 1, output gradient 3g + 2), one scale per expert
+and operand.  Each expert's rows are quantized on their own and padded to
+a multiple of 16 (the FP8 GEMMs' granularity; zero rows), so the forward
+and input-gradient results are computed over padded row blocks and
+gathered back to the real rows (one copy of the output, where some expert's
+count is not a multiple of 16).  The weight gradient takes the experts'
+transposed copies.  Float8BlockScaling (and MXFP8 / NVFP4) raise
+NotImplementedError: the grouped GEMM has no block-scaled route yet.
 
 Weight-gradient accumulation: where every weight carries a float32
 ``main_grad``, dW_g is accumulated into it by the GEMM (beta = 1) and the
@@ -37,10 +46,12 @@ import torch
 
 from .. import quantization as _q
 from ..ops import moe as moe_ops
+from ..quantization import gemm_quantizers as _gq
+from . import _fp8 as F8
 from ._base import default_device
 from ._input import check_input
 
-__all__ = ["GroupedLinear", "GroupedLinearFunction"]
+__all__ = ["GroupedLinear", "GroupedLinearFunction", "Fp8GroupedLinearFunction"]
 
 #: TE arguments accepted with only their default value (parallelism, overlap).
 _TE_DEFAULTS = {"sequence_parallel": False, "tp_group": None, "tp_size": 1, "parallel_mode": None,
@@ -159,6 +170,8 @@ class GroupedLinear(torch.nn.Module):
                     torch.empty(self.out_features, dtype=dtype, device=device)))
             else:
                 self.register_parameter(f"bias{g}", None)
+        # FP8: the quantizers of num_gemms GEMMs (scaling state made at the first FP8 use)
+        self.__dict__["_fp8_quantizers"] = _gq.GemmQuantizers("GroupedLinear", num_gemms)
         if device.type != "meta":
             self.reset_parameters()
 
@@ -183,17 +196,36 @@ class GroupedLinear(torch.nn.Module):
                 f"out_features={self.out_features}, bias={self.use_bias}, "
                 f"params_dtype={self.weight0.dtype}")
 
+    def fp8_features(self):
+        """(name, size) of the FP8 GEMMs' feature dimensions (checked per recipe)."""
+        return (("in_features", self.in_features), ("out_features", self.out_features))
+
+    #: Marks an FP8 GEMM module for seqfuse.quantization's helpers
+    #: (init_fp8_state, quantizers_for).  The count is per instance here: the
+    #: module makes its GemmQuantizers of num_gemms GEMMs in __init__, which
+    #: quantizers_for then finds and adopts.
+    fp8_num_gemms = 1
+
+    def _quantizers(self, recipe, device):
+        """This module's GemmQuantizers under ``recipe`` (per-tensor recipes only)."""
+        q = _gq.quantizers_for(self, recipe, device)
+        if q.kind not in ("delayed", "current"):
+            raise NotImplementedError(
+                f"GroupedLinear: FP8 recipe {type(recipe).__name__} is not supported: the grouped GEMM "
+                "has per-tensor scaling only (no block-scaled route yet); use DelayedScaling or "
+                "Float8CurrentScaling, or run GroupedLinear outside the FP8 autocast")
+        return q
+
     def forward(self, inp, m_splits, is_first_microbatch=None):
+        """y for inp [sum(m_splits), in_features].  is_first_microbatch (TE):
+        under FP8, True re-quantizes the weights, False reuses the previous
+        call's, None re-quantizes a weight only when it changed."""
         check_input("GroupedLinear", inp, self.in_features, "in_features")
         splits = tuple(moe_ops.host_splits("GroupedLinear", m_splits))
         if len(splits) != self.num_gemms:
             raise ValueError(f"GroupedLinear: m_splits must hold num_gemms = {self.num_gemms} row "
                              f"counts, got {len(splits)}")
-        if _q.is_fp8_enabled():
-            raise NotImplementedError(
-                "GroupedLinear: FP8 (fp8_autocast / autocast with an FP8 recipe) is not built for "
-                "GroupedLinear yet (the per-expert quantizers and scaling state are missing); run "
-                "it outside the FP8 autocast, in bf16")
+        recipe = _q.get_recipe() if _q.is_fp8_enabled() else None
         lead = inp.shape[:-1]
         x = inp.reshape(-1, self.in_features)
         if sum(splits) != x.shape[0]:
@@ -203,9 +235,139 @@ class GroupedLinear(torch.nn.Module):
         dtype = _compute_dtype(inp, weights[0])
         use_bias = self.use_bias and not self.return_bias
         params = weights + (biases if use_bias else [])
-        y = GroupedLinearFunction.apply(x, splits, dtype, self.num_gemms, use_bias, *params)
+        if recipe is not None:
+            q = self._quantizers(recipe, x.device)
+            y = Fp8GroupedLinearFunction.apply(x, splits, dtype, self.num_gemms, use_bias,
+                                               (q, is_first_microbatch), *params)
+        else:
+            y = GroupedLinearFunction.apply(x, splits, dtype, self.num_gemms, use_bias, *params)
         if inp.dim() != 2:
             y = y.view(*lead, self.out_features)
         if self.return_bias:
             return y, biases
         return y
+
+
+# ---- FP8 ---------------------------------------------------------------------
+
+def _empty_operand(rows_t, k, fp8_dtype, device):
+    """The FP8 operands of an expert with no rows: [0, k] data, [k, 0]
+    transposed copy, scale inverse 1 (never read: the group is skipped or
+    its product is the empty sum)."""
+    data = torch.empty((0, k), dtype=fp8_dtype, device=device)
+    data_t = torch.empty((k, 0), dtype=fp8_dtype, device=device)
+    return data, data_t, torch.ones(1, dtype=torch.float32, device=device)
+
+
+def _unpad(y, splits, padded):
+    """The real rows of a result computed over padded row blocks."""
+    if tuple(splits) == tuple(padded):
+        return y
+    parts, o = [], 0
+    for m, p in zip(splits, padded):
+        if m:
+            parts.append(y[o:o + m])
+        o += p
+    if not parts:
+        return y.new_empty((0, y.shape[1]))
+    return torch.cat(parts)
+
+
+class Fp8GroupedLinearFunction(torch.autograd.Function):
+    """Autograd of y_g = x_g W_g^T + b_g with FP8 grouped GEMMs (see the module
+    note).  forward(x, m_splits, dtype, num_gemms, use_bias,
+    (quantizers, is_first_microbatch), *weights, *biases)."""
+
+    @staticmethod
+    def forward(ctx, x, m_splits, dtype, G, use_bias, qargs, *params):
+        q, first = qargs
+        weights, biases = params[:G], params[G:] if use_bias else None
+        need_w = any(ctx.needs_input_grad[6:6 + G])
+        x = x.detach()
+        K = x.shape[1]
+        padded = tuple(_gq.padded_rows(m) for m in m_splits)
+        pairs = [q.weights[g].get(weights[g], first) for g in range(G)]
+        xs = x.split(list(m_splits))
+        x_data, x_t, x_si = [], [], []
+        for g in range(G):
+            if m_splits[g] == 0:
+                d, dt, si = _empty_operand(0, K, q.inputs[g].fp8_dtype, x.device)
+            else:
+                xq = q.inputs[g].quantize(xs[g], transpose=need_w)
+                d, dt, si = xq.data, (xq.data_t if need_w else None), xq.scale_inv
+            x_data.append(d)
+            x_t.append(dt)
+            x_si.append(si.reshape(1))
+        w_si = torch.cat([p[0].scale_inv.reshape(1) for p in pairs])
+        bias = None
+        if use_bias:
+            bias = [F8._bias(b.detach(), dtype) for b in biases]
+        y = moe_ops.grouped_gemm(x_data, [p[0].data for p in pairs], padded, transb=True,
+                                 a_scale_inv=torch.cat(x_si), b_scale_inv=w_si, bias=bias,
+                                 fast_accum=True, out_dtype=dtype,
+                                 out=torch.empty((sum(padded), pairs[0][0].data.shape[0]), dtype=dtype,
+                                                 device=x.device))
+        y = _unpad(y, m_splits, padded)
+        ctx.save_for_backward(*(t for t in x_t if t is not None), *x_si, w_si,
+                              *(p[1].data_t for p in pairs))
+        ctx.has_x_t = need_w
+        ctx.q, ctx.G, ctx.dtype, ctx.m_splits, ctx.padded = q, G, dtype, m_splits, padded
+        ctx.weights = weights
+        ctx.bias_dtypes = [b.dtype for b in biases] if use_bias else None
+        ctx.K = K
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        G, q, dtype, splits, padded = ctx.G, ctx.q, ctx.dtype, ctx.m_splits, ctx.padded
+        saved = list(ctx.saved_tensors)
+        x_t = saved[:G] if ctx.has_x_t else [None] * G
+        rest = saved[G:] if ctx.has_x_t else saved
+        x_si, w_si, w_t = rest[:G], rest[G], rest[G + 1:]
+        need_dx = ctx.needs_input_grad[0]
+        need_dw = any(ctx.needs_input_grad[6:6 + G])
+        need_db = ctx.bias_dtypes is not None and any(ctx.needs_input_grad[6 + G:])
+        weights = ctx.weights
+        dy = dy.contiguous()
+        N = dy.shape[1]
+        dys = dy.split(list(splits))
+        g_data, g_t, g_si, dbs = [], [], [], []
+        for g in range(G):
+            if splits[g] == 0:
+                d, dt, si = _empty_operand(0, N, q.grads[g].fp8_dtype, dy.device)
+                db = None if not need_db else torch.zeros(N, dtype=ctx.bias_dtypes[g], device=dy.device)
+            else:
+                gq, db = q.grads[g].quantize_grad(dys[g], ctx.bias_dtypes[g] if need_db else None,
+                                                  need_dgrad=need_dx, need_wgrad=need_dw)
+                d, si = gq.data, gq.scale_inv
+                dt = _gq.transposed(gq) if need_dw else None
+            g_data.append(d)
+            g_t.append(dt)
+            g_si.append(si.reshape(1))
+            dbs.append(db)
+        g_scale = torch.cat(g_si)
+        dx = None
+        if need_dx:
+            dxp = moe_ops.grouped_gemm(g_data, list(w_t), padded, transb=True, a_scale_inv=g_scale,
+                                       b_scale_inv=w_si,
+                                       out=torch.empty((sum(padded), ctx.K), dtype=dtype, device=dy.device))
+            dx = _unpad(dxp, splits, padded)
+        dws = [None] * G
+        if need_dw:
+            mains = [getattr(w, "main_grad", None) for w in weights]
+            use_main = all(m is not None for m in mains)
+            kw = dict(transb=True, a_scale_inv=g_scale, b_scale_inv=torch.cat(x_si))
+            if use_main:
+                moe_ops.grouped_gemm(g_t, x_t, padded, out=mains, accumulate=True, **kw)
+                for w in weights:
+                    if hasattr(w, "grad_added_to_main_grad"):
+                        w.grad_added_to_main_grad = True
+            else:
+                out_dtype = F8.wgrad_dtype(weights[0].dtype)
+                res = moe_ops.grouped_gemm(g_t, x_t, padded, out_dtype=out_dtype, **kw)
+                dws = [res[g] if res.dtype == weights[g].dtype else res[g].to(weights[g].dtype)
+                       for g in range(G)]
+        grads_b = dbs if ctx.bias_dtypes is not None else []
+        if ctx.bias_dtypes is not None and not need_db:
+            grads_b = [None] * G
+        return (dx, None, None, None, None, None, *dws, *grads_b)

@@ -104,7 +104,9 @@ def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dt
 
     Each of a, b, out is one 2-D tensor split by m_splits along dim 0 (the
     tokens, sorted by expert), or the G groups themselves: a list of 2-D
-    tensors (one per expert) or a 3-D [G, rows, cols] tensor.  The three
+    tensors (one per expert) or a 3-D [G, rows, cols] tensor.  When all
+    three are groups (FP8's weight gradient over per-expert transposed
+    copies), m_splits gives G and each group's sizes come from its tensors.  The three
     products of y_g = x_g W_g^T (+ bias_g) are
 
         forward  grouped_gemm(x, weights, m_splits, transb=True, bias=biases)
