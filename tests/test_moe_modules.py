@@ -216,6 +216,37 @@ def test_grouped_mlp_matches_plain_torch_moe(config, seed):
             assert rel_error(p.grad, ref_grad) <= REL_TOL[torch.float32] * 2, n
 
 
+def test_grouped_mlp_equals_transformers_mixtral_block(seed):
+    """transformers' MixtralSparseMoeBlock (softmax, top-2, renormalised) with
+    its weights copied in (benchmarks/moe/bench_moe_layer.py's mapping)."""
+    transformers = pytest.importorskip("transformers")
+    import importlib.util
+    import sys
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    spec = importlib.util.spec_from_file_location(
+        "bench_moe_layer", __file__.replace("tests/test_moe_modules.py", "benchmarks/moe/bench_moe_layer.py"))
+    bench = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, __file__.replace("tests/test_moe_modules.py", "benchmarks"))
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.pop(0)
+    H, Fh, E = 32, 48, bench.EXPERTS
+    cfg = transformers.MixtralConfig(hidden_size=H, intermediate_size=Fh, num_local_experts=E,
+                                     num_experts_per_tok=2, router_jitter_noise=0.0)
+    cfg._experts_implementation = "eager"
+    block = MixtralSparseMoeBlock(cfg)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.3)
+    m = GroupedMLP(H, Fh, E, 2, device="cpu")
+    bench.copy_weights(block, m)
+    x = torch.randn(2, 10, H)
+    ref = block(x)
+    ref = ref[0] if isinstance(ref, tuple) else ref
+    assert rel_error(m(x), ref) <= REL_TOL[torch.float32] * 2
+
+
 def test_grouped_mlp_eval_has_no_aux_loss():
     m = GroupedMLP(8, 8, 4, 2, device="cpu", aux_loss_coeff=0.1).eval()
     with torch.no_grad():
