@@ -250,7 +250,7 @@ class GroupedLinear(torch.nn.Module):
 
 # ---- FP8 ---------------------------------------------------------------------
 
-def _empty_operand(rows_t, k, fp8_dtype, device):
+def _empty_operand(k, fp8_dtype, device):
     """The FP8 operands of an expert with no rows: [0, k] data, [k, 0]
     transposed copy, scale inverse 1 (never read: the group is skipped or
     its product is the empty sum)."""
@@ -291,7 +291,7 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         x_data, x_t, x_si = [], [], []
         for g in range(G):
             if m_splits[g] == 0:
-                d, dt, si = _empty_operand(0, K, q.inputs[g].fp8_dtype, x.device)
+                d, dt, si = _empty_operand(K, q.inputs[g].fp8_dtype, x.device)
             else:
                 xq = q.inputs[g].quantize(xs[g], transpose=need_w)
                 d, dt, si = xq.data, (xq.data_t if need_w else None), xq.scale_inv
@@ -334,7 +334,7 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         g_data, g_t, g_si, dbs = [], [], [], []
         for g in range(G):
             if splits[g] == 0:
-                d, dt, si = _empty_operand(0, N, q.grads[g].fp8_dtype, dy.device)
+                d, dt, si = _empty_operand(N, q.grads[g].fp8_dtype, dy.device)
                 db = None if not need_db else torch.zeros(N, dtype=ctx.bias_dtypes[g], device=dy.device)
             else:
                 gq, db = q.grads[g].quantize_grad(dys[g], ctx.bias_dtypes[g] if need_db else None,

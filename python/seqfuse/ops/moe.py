@@ -32,7 +32,7 @@ GEMM takes host row counts (m_splits): one cuBLASLt call per group.
 import torch
 
 from .. import _C
-from ._call import FP8_DLPACK, as_float, detached, require_fp8_dlpack, stream_for
+from ._call import as_float, detached, require_fp8_dlpack, stream_for
 from .gemm import FP8_DTYPES, workspace_for
 
 __all__ = ["grouped_gemm", "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss",
@@ -166,8 +166,6 @@ def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dt
         bias = detached(_tensor(op, "bias", bias))
     if workspace is None and first.is_cuda:
         workspace = workspace_for(first.device)
-    if not FP8_DLPACK and first.dtype in FP8_DTYPES:  # pragma: no cover - require_fp8_dlpack raised
-        raise NotImplementedError(op)
     _C.grouped_gemm(a, b, out, splits, bool(transa), bool(transb), a_scale_inv, b_scale_inv, bias,
                     bool(bgrad), bool(accumulate), bool(fast_accum), bool(allow_tf32), workspace,
                     stream_for(first))
@@ -407,12 +405,6 @@ class _Permute(torch.autograd.Function):
         return dinp, None, None, dprobs
 
 
-def _num_out(op, num_out_tokens, counts):
-    if num_out_tokens is None or int(num_out_tokens) < 0:
-        return int(counts.sum().item())  # one device-to-host copy (see the module note)
-    return int(num_out_tokens)
-
-
 def moe_permute_by_row_id_map(inp, row_id_map, num_out_tokens, probs=None):
     """The permutation given its row_id_map: (out [num_out_tokens, H],
     permuted probs [num_out_tokens] or None).  Rows past num_out_tokens are
@@ -444,7 +436,9 @@ def _permute(op, inp, routing_map, num_out_tokens, probs):
 def moe_permute(inp, routing_map, num_out_tokens=-1, max_token_num=-1, map_type="mask"):
     """Tokens into the expert-sorted buffer: (out [N, H], row_id_map).
     inp [T, H]; routing_map [T, E] bool; num_out_tokens: rows kept (-1: all
-    routed pairs; fewer drops the last rows).  Differentiable in inp."""
+    routed pairs; fewer drops the last rows).  max_token_num: TE's
+    buffer-size hint, which this implementation does not need (the result
+    does not depend on it).  Differentiable in inp."""
     op = "moe_permute"
     if map_type != "mask":
         raise NotImplementedError(f"{op}: map_type={map_type!r}: only routing masks ('mask') are "
