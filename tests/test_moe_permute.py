@@ -142,9 +142,9 @@ def test_permutation_errors_are_named():
 @pytest.mark.cuda
 @pytest.mark.parametrize("shape", [(1, 8, 2), (4099, 8, 2), (2048, 64, 6), (777, 128, 8)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_permutation_matches_cpu(shape, dtype, seed):
+@pytest.mark.parametrize("H", [136, 133], ids=["rows16B", "rows_odd"])  # 16-byte row copies, or per element
+def test_cuda_permutation_matches_cpu(shape, dtype, H, seed):
     T, E, topk = shape
-    H = 136
     rmap = random_map(T, E, topk)
     x = torch.randn(T, H).to(dtype)
     probs = torch.rand(T, E)

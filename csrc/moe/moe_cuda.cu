@@ -13,7 +13,8 @@
  * its rank and the expert's count; then each block adds the counts of the
  * experts before it (its offset in the expert-sorted buffer).  permute,
  * unpermute and unpermute_bwd give each token a block whose threads run
- * along the hidden dimension; unpermute accumulates in float32.
+ * along the hidden dimension (permute copies 16 bytes per access where the
+ * rows allow); unpermute accumulates in float32.
  * Nothing here synchronizes the host.
  */
 #include <cuda_runtime.h>
@@ -179,28 +180,33 @@ __global__ void row_offset_kernel(int64_t T, int64_t E, const int64_t *count, in
     }
 }
 
-/* Copy one row of H elements of `es` bytes. */
-__device__ void copy_row(char *dst, const char *src, int64_t H, size_t es)
+/* Copy one row of `bytes` bytes: 16 bytes per access where the caller found
+ * both rows 16-byte aligned and the length a multiple of 16 (`vec`), else
+ * one element (`es` = 2 or 4 bytes) per access. */
+__device__ void copy_row(char *dst, const char *src, int64_t bytes, size_t es, int vec)
 {
-    if (es == 4) {
-        for (int64_t h = threadIdx.x; h < H; h += blockDim.x)
-            ((float *)dst)[h] = ((const float *)src)[h];
+    if (vec) {
+        for (int64_t i = threadIdx.x; i < bytes / 16; i += blockDim.x)
+            ((uint4 *)dst)[i] = ((const uint4 *)src)[i];
+    } else if (es == 4) {
+        for (int64_t i = threadIdx.x; i < bytes / 4; i += blockDim.x)
+            ((float *)dst)[i] = ((const float *)src)[i];
     } else {
-        for (int64_t h = threadIdx.x; h < H; h += blockDim.x)
-            ((uint16_t *)dst)[h] = ((const uint16_t *)src)[h];
+        for (int64_t i = threadIdx.x; i < bytes / 2; i += blockDim.x)
+            ((uint16_t *)dst)[i] = ((const uint16_t *)src)[i];
     }
 }
 
 __global__ void permute_kernel(int64_t T, int64_t E, int64_t H, int64_t N, const int32_t *ids,
-                               const char *inp, size_t es, const void *probs, sf_dtype pd, char *out,
-                               void *out_probs, sf_dtype opd)
+                               const char *inp, size_t es, int vec, const void *probs, sf_dtype pd,
+                               char *out, void *out_probs, sf_dtype opd)
 {
     for (int64_t t = blockIdx.x; t < T; t += gridDim.x)
         for (int64_t e = 0; e < E; ++e) {
             int64_t r = ids[t * E + e];
             if (r < 0 || r >= N)
                 continue;
-            copy_row(out + r * H * (int64_t)es, inp + t * H * (int64_t)es, H, es);
+            copy_row(out + r * H * (int64_t)es, inp + t * H * (int64_t)es, H * (int64_t)es, es, vec);
             if (probs && threadIdx.x == 0)
                 sf_moe_st(out_probs, opd, r, sf_moe_ld(probs, pd, t * E + e));
         }
@@ -419,10 +425,13 @@ extern "C" sf_status sf_moe_row_id_map_cuda(const sf_moe_args *a, sf_stream s)
 
 extern "C" sf_status sf_moe_permute_cuda(const sf_moe_args *a, sf_stream s)
 {
+    const size_t es = sf_dtype_size(a->inp->dtype);
+    const int vec = (a->H * (int64_t)es) % 16 == 0 && (uintptr_t)a->inp->data % 16 == 0 &&
+                    (uintptr_t)a->out->data % 16 == 0;
     return on_device("moe_permute", a->inp->device_id, [&] {
         permute_kernel<<<token_blocks(a->T), kThreads, 0, sf_cuda_stream(s)>>>(
             a->T, a->E, a->H, a->N, (const int32_t *)a->map->data, (const char *)a->inp->data,
-            sf_dtype_size(a->inp->dtype), a->probs ? a->probs->data : nullptr,
+            es, vec, a->probs ? a->probs->data : nullptr,
             a->probs ? a->probs->dtype : SF_FLOAT32, (char *)a->out->data,
             a->out2 ? a->out2->data : nullptr, a->out2 ? a->out2->dtype : SF_FLOAT32);
         return SF_OK;
