@@ -52,16 +52,16 @@ static sf_status check_router(const char *op, int64_t E, int topk, int score)
     return SF_OK;
 }
 
+#ifdef SF_WITH_CUDA
+#define SF_MOE_RUN(name, dev, a, stream) \
+    ((dev) == SF_CPU ? sf_moe_##name##_cpu(a) : sf_moe_##name##_cuda((a), (stream)))
+#else
 static sf_status dispatch_failure(const char *op)
 {
     return sf_fail(SF_ERR_NOT_IMPLEMENTED, "%s: CUDA tensors need a seqfuse built with CUDA "
                    "(rebuild with nvcc on PATH and SEQFUSE_CUDA unset)", op);
 }
 
-#ifdef SF_WITH_CUDA
-#define SF_MOE_RUN(name, dev, a, stream) \
-    ((dev) == SF_CPU ? sf_moe_##name##_cpu(a) : sf_moe_##name##_cuda((a), (stream)))
-#else
 #define SF_MOE_RUN(name, dev, a, stream) \
     ((void)(stream), (dev) == SF_CPU ? sf_moe_##name##_cpu(a) : dispatch_failure("moe_" #name))
 #endif
