@@ -79,6 +79,32 @@ def test_grouped_linear_accumulates_into_main_grad(seed):
         o += m
 
 
+@needs_fp8
+def test_grouped_linear_fp8_accumulates_into_main_grad(seed):
+    """FP8 weight gradients accumulate into main_grad as the per-expert FP8 Linear's do."""
+    splits = [5, 0, 20]
+    gl = GroupedLinear(3, 32, 16, bias=False, device="cpu")
+    lins = [Linear(32, 16, bias=False, device="cpu") for _ in splits]
+    for g, lin in enumerate(lins):
+        with torch.no_grad():
+            lin.weight.copy_(getattr(gl, f"weight{g}"))
+        for w in (lin.weight, getattr(gl, f"weight{g}")):
+            w.main_grad = torch.ones(16, 32)
+            w.grad_added_to_main_grad = False
+    x, dy = torch.randn(25, 32), torch.randn(25, 16)
+    with fp8_autocast(enabled=True, fp8_recipe=Float8CurrentScaling()):
+        gl(x, splits).backward(dy)
+        o = 0
+        for g, m in enumerate(splits):
+            if m:
+                lins[g](x[o:o + m]).backward(dy[o:o + m])
+            o += m
+    for g in range(3):
+        w = getattr(gl, f"weight{g}")
+        assert w.grad is None and w.grad_added_to_main_grad
+        assert torch.equal(w.main_grad, lins[g].weight.main_grad)
+
+
 def test_grouped_linear_refuses_what_it_lacks():
     layer = GroupedLinear(2, 16, 16, device="cpu")
     with pytest.raises(ValueError, match="add up to 5"):
