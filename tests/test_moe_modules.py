@@ -273,6 +273,17 @@ def test_grouped_mlp_equals_transformers_mixtral_block(seed):
     assert rel_error(m(x), ref) <= REL_TOL[torch.float32] * 2
 
 
+def test_grouped_mlp_with_no_tokens():
+    """An idle rank's step: no tokens in, zero gradients out, no aux loss."""
+    m = GroupedMLP(16, 16, 4, 2, device="cpu", aux_loss_coeff=0.01, bias=True)
+    x = torch.randn(0, 16, requires_grad=True)
+    y = m(x)
+    y.sum().backward()
+    assert y.shape == (0, 16) and x.grad.shape == (0, 16) and m.aux_loss is None
+    for n, p in m.named_parameters():
+        assert torch.equal(p.grad, torch.zeros_like(p)), n
+
+
 def test_grouped_mlp_eval_has_no_aux_loss():
     m = GroupedMLP(8, 8, 4, 2, device="cpu", aux_loss_coeff=0.1).eval()
     with torch.no_grad():

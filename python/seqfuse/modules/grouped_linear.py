@@ -92,7 +92,7 @@ class GroupedLinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         xc, *wc = ctx.saved_tensors
         G, dtype, splits = ctx.G, ctx.dtype, ctx.m_splits
-        dy = (dy if dy.dtype == dtype else dy.to(dtype)).contiguous()
+        dy = moe_ops.dense(dy if dy.dtype == dtype else dy.to(dtype))
         need_dx = ctx.needs_input_grad[0]
         need_dw = any(ctx.needs_input_grad[5:5 + G])
         need_db = ctx.use_bias and any(ctx.needs_input_grad[5 + G:])
@@ -328,7 +328,7 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         need_dw = any(ctx.needs_input_grad[6:6 + G])
         need_db = ctx.bias_dtypes is not None and any(ctx.needs_input_grad[6 + G:])
         weights = ctx.weights
-        dy = dy.contiguous()
+        dy = moe_ops.dense(dy)
         N = dy.shape[1]
         dys = dy.split(list(splits))
         g_data, g_t, g_si, dbs = [], [], [], []

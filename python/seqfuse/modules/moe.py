@@ -131,7 +131,8 @@ class GroupedMLP(torch.nn.Module):
         lead = hidden_states.shape[:-1]
         x = hidden_states.reshape(-1, self.hidden_size)
         probs, routing_map, logits = self.route(x)
-        self.aux_loss = self._aux_losses(logits) if self.training else None
+        # no tokens (an idle rank): no auxiliary loss (its mean over tokens is undefined)
+        self.aux_loss = self._aux_losses(logits) if self.training and x.shape[0] else None
         row_ids, tokens_per_expert = moe_ops.moe_row_id_map(routing_map)
         m_splits = tokens_per_expert.tolist()  # the block's one host synchronization
         xp, pp = moe_ops.moe_permute_by_row_id_map(x, row_ids, sum(m_splits), probs)

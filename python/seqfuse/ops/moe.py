@@ -43,6 +43,15 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _SCORES = {"softmax": 0, "sigmoid": 1}
 
 
+def dense(t):
+    """``t`` contiguous, with row-major strides even when it has no elements
+    (torch calls an empty tensor of any strides contiguous, e.g. the expanded
+    gradient of a sum over nothing; seqfuse's C checks look at the strides)."""
+    if t.numel() == 0:
+        return t.new_empty(t.shape)
+    return t.contiguous()
+
+
 def _tensor(op, name, t):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: argument '{name}' must be a torch.Tensor, got {type(t).__name__}")
@@ -206,7 +215,7 @@ class _TopK(torch.autograd.Function):
     def backward(ctx, dprobs, _dmap):
         routing_map, saved = ctx.saved_tensors
         topk, score, pre_softmax, scaling, dtype = ctx.args
-        dprobs = dprobs.contiguous()
+        dprobs = dense(dprobs)
         dlogits = torch.empty(dprobs.shape, dtype=dtype, device=dprobs.device)
         _C.moe_topk_bwd(routing_map, saved, dprobs, topk, score, pre_softmax, scaling, dlogits,
                         stream_for(dprobs))
@@ -260,7 +269,7 @@ class _AuxScores(torch.autograd.Function):
     def backward(ctx, _dmap, dscores):
         (saved,) = ctx.saved_tensors
         score, dtype = ctx.args
-        dscores = dscores.contiguous()
+        dscores = dense(dscores)
         dlogits = torch.empty(dscores.shape, dtype=dtype, device=dscores.device)
         _C.moe_aux_scores_bwd(saved, dscores, score, dlogits, stream_for(dscores))
         return dlogits, None, None
@@ -392,7 +401,7 @@ class _Permute(torch.autograd.Function):
         shape, probs_dtype = ctx.args
         dinp = dprobs = None
         if ctx.needs_input_grad[0]:
-            dout = dout.contiguous()
+            dout = dense(dout)
             dinp = torch.empty(shape, dtype=dout.dtype, device=dout.device)
             _C.moe_unpermute(dout, row_id_map, None, dinp, stream_for(dout))
         if probs_dtype is not None and ctx.needs_input_grad[3]:
@@ -400,7 +409,7 @@ class _Permute(torch.autograd.Function):
             if dout_probs is None:
                 dprobs.zero_()
             else:
-                _C.moe_permute_probs_bwd(row_id_map, dout_probs.contiguous(), dprobs,
+                _C.moe_permute_probs_bwd(row_id_map, dense(dout_probs), dprobs,
                                          stream_for(dprobs))
         return dinp, None, None, dprobs
 
@@ -468,7 +477,7 @@ class _Unpermute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         inp, row_id_map, probs = ctx.saved_tensors
-        dout = dout.contiguous()
+        dout = dense(dout)
         dinp = torch.empty((ctx.n_rows, dout.shape[1]), dtype=dout.dtype, device=dout.device)
         dprobs = None
         if probs is not None:
@@ -508,7 +517,7 @@ class _ScaledSwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         x, probs = ctx.saved_tensors
-        dout = dout.contiguous()
+        dout = dense(dout)
         dx = torch.empty_like(x)
         dprobs = None
         if probs is not None and ctx.needs_input_grad[1]:
