@@ -301,7 +301,9 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         w_si = torch.cat([p[0].scale_inv.reshape(1) for p in pairs])
         bias = None
         if use_bias:
-            bias = [F8._bias(b.detach(), dtype) for b in biases]
+            # cuBLASLt's FP8 kernels take the bias in bfloat16 (float16 for a float16 output)
+            want = torch.float16 if dtype == torch.float16 else torch.bfloat16
+            bias = [b.detach().to(want) for b in biases]
         y = moe_ops.grouped_gemm(x_data, [p[0].data for p in pairs], padded, transb=True,
                                  a_scale_inv=torch.cat(x_si), b_scale_inv=w_si, bias=bias,
                                  fast_accum=True, out_dtype=dtype,
