@@ -273,6 +273,21 @@ def test_grouped_mlp_equals_transformers_mixtral_block(seed):
     assert rel_error(m(x), ref) <= REL_TOL[torch.float32] * 2
 
 
+@needs_fp8
+def test_grouped_mlp_fp8_current_close_to_bf16_path(seed):
+    """GroupedMLP under Float8CurrentScaling: its grouped GEMMs in FP8, within
+    FP8's error of the same block without the autocast, gradients finite."""
+    m = GroupedMLP(32, 32, 4, 2, device="cpu", aux_loss_coeff=0.01)
+    x = torch.randn(40, 32, requires_grad=True)
+    with fp8_autocast(enabled=True, fp8_recipe=Float8CurrentScaling()):
+        y = m(x)
+    (y.square().sum() + m.aux_loss).backward()
+    ref = m(x.detach())
+    assert rel_error(y, ref) <= 0.1  # E4M3 operands (3 mantissa bits) through two GEMMs
+    assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters())
+
+
 def test_grouped_mlp_with_no_tokens():
     """An idle rank's step: no tokens in, zero gradients out, no aux loss."""
     m = GroupedMLP(16, 16, 4, 2, device="cpu", aux_loss_coeff=0.01, bias=True)
