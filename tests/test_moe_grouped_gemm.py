@@ -160,6 +160,34 @@ def test_fp8_per_tensor_within_bounds(per_group, seed):
         assert rel_error(y[lo:hi], (x[lo:hi] * gx) @ (w[g] * gw).T) <= 0.1
 
 
+@needs_fp8
+def test_fp8_block_scaled_equals_per_group_gemm(seed):
+    """1x128 activations x 128x128 weights, scales given per group as lists:
+    each group is seqfuse.ops.gemm's block-scaled product, bit for bit."""
+    from seqfuse.ops import quant
+    splits = [32, 0, 64, 16]
+    G, k, n = len(splits), 256, 128
+    x = torch.randn(sum(splits), k)
+    w = torch.randn(G, n, k)
+    xq, xs, wq, ws = [], [], [], []
+    for g, (lo, hi) in enumerate(_offsets(splits)):
+        d, s = quant.quantize_block_fp8(x[lo:hi], 1) if hi > lo else (torch.empty(0, k).to(torch.float8_e4m3fn),
+                                                                      torch.ones(1))
+        xq.append(d)
+        xs.append(s)
+        d, s = quant.quantize_block_fp8(w[g], 128)
+        wq.append(d)
+        ws.append(s)
+    y = moe.grouped_gemm(xq, wq, splits, transb=True, a_scale_inv=xs, b_scale_inv=ws,
+                         a_scaling="block_1x128", b_scaling="block_128x128", out_dtype=torch.float32,
+                         out=torch.empty(sum(splits), n))
+    for g, (lo, hi) in enumerate(_offsets(splits)):
+        if hi > lo:
+            ref = ops.gemm(xq[g], wq[g], transb=True, a_scale_inv=xs[g], b_scale_inv=ws[g],
+                           a_scaling="block_1x128", b_scaling="block_128x128", out_dtype=torch.float32)
+            assert torch.equal(y[lo:hi], ref)
+
+
 def test_bad_inputs_are_named():
     x, w, dy = _inputs([4, 4], 16, 8, torch.float32)
     with pytest.raises(ValueError, match="sum\\(m_splits\\) = 7"):
@@ -170,8 +198,8 @@ def test_bad_inputs_are_named():
         moe.grouped_gemm(x, list(w.unbind(0)), [4, 4, 0], transb=True)
     with pytest.raises(ValueError, match="group 1"):
         moe.grouped_gemm(x, [w[0], torch.randn(8, 12)], [4, 4], transb=True)
-    with pytest.raises(NotImplementedError, match="block"):
-        moe.grouped_gemm(x, w, [4, 4], transb=True, scaling="block_1x128")
+    with pytest.raises(ValueError, match="block scales.*list"):
+        moe.grouped_gemm(x, w, [4, 4], transb=True, a_scale_inv=torch.ones(2), a_scaling="block_1x128")
     with pytest.raises(NotImplementedError, match="device-side split"):
         moe.grouped_gemm(x, w, torch.tensor([4, 4], device="meta"), transb=True)
     with pytest.raises(ValueError, match="accumulate"):

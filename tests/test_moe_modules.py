@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from seqfuse.quantization import fp8_autocast
-from seqfuse.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format
+from seqfuse.common.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format,
+                                   MXFP8BlockScaling)
 from seqfuse.modules import GroupedLinear, GroupedMLP, Linear
 from seqfuse.quantization.gemm_quantizers import weight_casts
 
@@ -115,24 +116,28 @@ def test_grouped_linear_refuses_what_it_lacks():
         layer(torch.randn(6, 15), [3, 3])
     with pytest.raises(NotImplementedError, match="tensor/sequence parallelism"):
         GroupedLinear(2, 16, 16, device="cpu", sequence_parallel=True)
-    with pytest.raises(NotImplementedError, match="Float8BlockScaling.*per-tensor"):
-        with fp8_autocast(enabled=True, fp8_recipe=Float8BlockScaling()):
+    with pytest.raises(NotImplementedError, match="MXFP8BlockScaling"):
+        with fp8_autocast(enabled=True, fp8_recipe=MXFP8BlockScaling()):
             GroupedLinear(2, 128, 128, device="cpu")(torch.randn(6, 128), [3, 3])
+    with pytest.raises(ValueError, match="multiple of 128"):
+        with fp8_autocast(enabled=True, fp8_recipe=Float8BlockScaling()):
+            GroupedLinear(2, 64, 128, device="cpu")(torch.randn(6, 64), [3, 3])
     with pytest.raises(ValueError, match="multiple of 16"):
         with fp8_autocast(enabled=True, fp8_recipe=DelayedScaling()):
             GroupedLinear(2, 24, 16, device="cpu")(torch.randn(6, 24), [3, 3])
 
 
 @needs_fp8
-@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling(fp8_format=Format.HYBRID)],
-                         ids=["current", "delayed_hybrid"])
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling(fp8_format=Format.HYBRID),
+                                    Float8BlockScaling()],
+                         ids=["current", "delayed_hybrid", "block"])
 def test_grouped_linear_fp8_equals_per_expert_fp8_linear(recipe, seed):
     """FP8 GroupedLinear is the per-expert FP8 Linear bit for bit on the CPU:
     the same quantizers (one scale per expert and operand, rows padded to
     16), the same reference GEMM, over three steps with weight updates (so
     delayed scaling runs on updated amax histories)."""
     splits = [5, 0, 37, 16]
-    G, fin, fout = len(splits), 32, 48
+    G, fin, fout = (len(splits), 128, 256) if isinstance(recipe, Float8BlockScaling) else (len(splits), 32, 48)
     gl = GroupedLinear(G, fin, fout, bias=True, device="cpu")
     lins = [Linear(fin, fout, bias=True, device="cpu") for _ in range(G)]
     with torch.no_grad():
@@ -338,7 +343,8 @@ def test_grouped_mlp_cuda_bf16_matches_cpu(seed):
 
 @pytest.mark.cuda
 @needs_fp8
-@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling()], ids=["current", "delayed"])
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling(), Float8BlockScaling()],
+                         ids=["current", "delayed", "block"])
 def test_grouped_linear_fp8_cuda_matches_per_expert_linear(recipe, seed):
     splits = [100, 0, 333, 16, 1]
     G, fin, fout = len(splits), 256, 512

@@ -150,6 +150,13 @@ sf_status sf_grouped_gemm(const sf_grouped_gemm_args *args, sf_stream stream)
     SF_TRY(check_form("out", args->out, args->out_list, total));
     SF_TRY(check_scale("a_scale_inv", args->a_scale_inv, G));
     SF_TRY(check_scale("b_scale_inv", args->b_scale_inv, G));
+    if ((args->a_scale_inv && args->a_scale_list) || (args->b_scale_inv && args->b_scale_list))
+        return sf_fail(SF_ERR_VALUE, "%s: give an operand's scale inverses either as one tensor "
+                       "(per-tensor scaling) or as a list of num_groups tensors, not both", OP);
+    if ((args->a_scale_list && args->a_scaling == SF_GEMM_SCALE_NONE) ||
+        (args->b_scale_list && args->b_scaling == SF_GEMM_SCALE_NONE))
+        return sf_fail(SF_ERR_VALUE, "%s: a list of scale inverses needs its scaling mode (tensor, "
+                       "block_1x128 or block_128x128)", OP);
     if (args->bgrad && !args->bias_list)
         return sf_fail(SF_ERR_VALUE, "%s: bgrad=1 needs 'bias' (the bias gradients' outputs)", OP);
 
@@ -199,15 +206,21 @@ sf_status sf_grouped_gemm(const sf_grouped_gemm_args *args, sf_stream stream)
             SF_TRY(write_empty_product(args, &out, args->bgrad ? &bias : NULL, m, n, stream));
             continue;
         }
-        if (args->a_scale_inv) {
-            scale_at(args->a_scale_inv, g, &sa);
+        if (args->a_scale_inv || args->a_scale_list) {
+            if (args->a_scale_inv)
+                scale_at(args->a_scale_inv, g, &sa);
+            else
+                sa = args->a_scale_list[g];
             ga.a_scale_inv = &sa;
-            ga.a_scaling = SF_GEMM_SCALE_TENSOR;
+            ga.a_scaling = args->a_scale_inv ? SF_GEMM_SCALE_TENSOR : args->a_scaling;
         }
-        if (args->b_scale_inv) {
-            scale_at(args->b_scale_inv, g, &sb);
+        if (args->b_scale_inv || args->b_scale_list) {
+            if (args->b_scale_inv)
+                scale_at(args->b_scale_inv, g, &sb);
+            else
+                sb = args->b_scale_list[g];
             ga.b_scale_inv = &sb;
-            ga.b_scaling = SF_GEMM_SCALE_TENSOR;
+            ga.b_scaling = args->b_scale_inv ? SF_GEMM_SCALE_TENSOR : args->b_scaling;
         }
         ga.epilogue = !ga.bias ? SF_GEMM_EPI_NONE : args->bgrad ? SF_GEMM_EPI_BGRAD : SF_GEMM_EPI_BIAS;
         sf_status st = sf_gemm(&ga, stream);

@@ -24,11 +24,14 @@
  * when they are the inner dimension (wgrad) its out_g is the empty sum: zero
  * (left as is when accumulate) and its bias gradient zero.
  *
- * FP8 (float8 operands): per-tensor scaling, a_scale_inv and b_scale_inv are
- * float32 with G elements (one scale inverse per group) or 1 (shared by all
- * groups), read on the device.  Every group obeys sf_gemm's FP8 rules
- * (K-major "TN" operands, m, n, k multiples of 16).  Block scaling is not
- * offered here yet (SF_ERR_NOT_IMPLEMENTED from the Python op).
+ * FP8 (float8 operands), each operand's scale inverses given one of two ways:
+ *   a_scale_inv: float32 with G elements (one per group) or 1 (shared),
+ *                per-tensor scaling;
+ *   a_scale_list: G float32 tensors, group g's exactly as sf_gemm takes them
+ *                for that group's operand under a_scaling (per tensor, or
+ *                1x128 / 128x128 block scales: seqfuse_gemm.h's layouts).
+ * read on the device.  Every group obeys sf_gemm's FP8 rules (K-major "TN"
+ * operands, m, n, k multiples of 16, block scaling rules).
  *
  * Route: the row offsets are computed once from the host m_splits, then one
  * sf_gemm per non-empty group (CPU: the reference GEMM; CUDA: one cuBLASLt
@@ -53,6 +56,9 @@ typedef struct sf_grouped_gemm_args {
     int transa, transb;
     const sf_tensor *a_scale_inv;  /* fp8: float32, G or 1 elements; else NULL */
     const sf_tensor *b_scale_inv;
+    const sf_tensor *a_scale_list; /* fp8: G scale tensors (instead of a_scale_inv) */
+    const sf_tensor *b_scale_list;
+    sf_gemm_scaling a_scaling, b_scaling; /* with the lists (per tensor or block) */
     const sf_tensor *bias_list;    /* G 1-D views or NULL: input [n] (forward),
                                       output [m] (bgrad) */
     int bgrad;                     /* bias_list is the wgrad's bias gradient */

@@ -87,21 +87,27 @@ static int operand_import(sf_py_call *c, PyObject *stream_obj, PyObject *obj, co
     return 0;
 }
 
-/* grouped_gemm(a, b, out, m_splits, transa, transb, a_scale_inv, b_scale_inv, bias, bgrad,
- *              accumulate, fast_accum, allow_tf32, workspace, stream=None) */
+/* grouped_gemm(a, b, out, m_splits, transa, transb, a_scale_inv, b_scale_inv, a_scaling,
+ *              b_scaling, bias, bgrad, accumulate, fast_accum, allow_tf32, workspace,
+ *              stream=None)
+ * a_scale_inv / b_scale_inv: None, one tensor (per-tensor scales: G or 1
+ * elements), or a list of G scale tensors under a_scaling / b_scaling
+ * (sf_gemm_scaling codes). */
 static PyObject *py_grouped_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
     static const char op[] = "grouped_gemm";
-    if (sf_py_check_nargs(op, nargs, 14, 15) < 0)
+    if (sf_py_check_nargs(op, nargs, 16, 17) < 0)
         return NULL;
-    long transa, transb, bgrad, accumulate, fast_accum, allow_tf32;
+    long transa, transb, a_scaling, b_scaling, bgrad, accumulate, fast_accum, allow_tf32;
     if (sf_py_arg_long(op, "transa", args[4], &transa) < 0 ||
         sf_py_arg_long(op, "transb", args[5], &transb) < 0 ||
-        sf_py_arg_long(op, "bgrad", args[9], &bgrad) < 0 ||
-        sf_py_arg_long(op, "accumulate", args[10], &accumulate) < 0 ||
-        sf_py_arg_long(op, "fast_accum", args[11], &fast_accum) < 0 ||
-        sf_py_arg_long(op, "allow_tf32", args[12], &allow_tf32) < 0)
+        sf_py_arg_long(op, "a_scaling", args[8], &a_scaling) < 0 ||
+        sf_py_arg_long(op, "b_scaling", args[9], &b_scaling) < 0 ||
+        sf_py_arg_long(op, "bgrad", args[11], &bgrad) < 0 ||
+        sf_py_arg_long(op, "accumulate", args[12], &accumulate) < 0 ||
+        sf_py_arg_long(op, "fast_accum", args[13], &fast_accum) < 0 ||
+        sf_py_arg_long(op, "allow_tf32", args[14], &allow_tf32) < 0)
         return NULL;
     PyObject *splits = PySequence_Fast(args[3], "grouped_gemm: argument 'm_splits' must be a sequence of ints");
     if (!splits)
@@ -128,7 +134,7 @@ static PyObject *py_grouped_gemm(PyObject *self, PyObject *const *args, Py_ssize
     }
     Py_DECREF(splits);
 
-    PyObject *stream_obj = nargs > 14 ? args[14] : Py_None;
+    PyObject *stream_obj = nargs > 16 ? args[16] : Py_None;
     sf_py_call c;
     if (sf_py_call_init(&c, op, stream_obj) < 0) {
         PyMem_Free(m);
@@ -139,17 +145,27 @@ static PyObject *py_grouped_gemm(PyObject *self, PyObject *const *args, Py_ssize
     memset(&b, 0, sizeof b);
     memset(&out, 0, sizeof out);
     memset(&bias, 0, sizeof bias);
+    sf_py_tensor_list sal = {0}, sbl = {0};
     sf_tensor sa, sb, ws;
     int has_sa = 0, has_sb = 0, has_ws = 0, ran = 0;
+    int list_sa = PyList_Check(args[6]) || PyTuple_Check(args[6]);
+    int list_sb = PyList_Check(args[7]) || PyTuple_Check(args[7]);
     sf_status st = SF_OK;
     if (operand_import(&c, stream_obj, args[0], "a", (int)G, 0, &a) < 0 ||
         operand_import(&c, stream_obj, args[1], "b", (int)G, 0, &b) < 0 ||
         operand_import(&c, stream_obj, args[2], "out", (int)G, 0, &out) < 0 ||
-        operand_import(&c, stream_obj, args[8], "bias", (int)G, 1, &bias) < 0 ||
-        sf_py_optional_tensor(&c, args[6], "a_scale_inv", &sa, &has_sa) < 0 ||
-        sf_py_optional_tensor(&c, args[7], "b_scale_inv", &sb, &has_sb) < 0 ||
-        sf_py_optional_tensor(&c, args[13], "workspace", &ws, &has_ws) < 0)
+        operand_import(&c, stream_obj, args[10], "bias", (int)G, 1, &bias) < 0 ||
+        (list_sa ? sf_py_list_import(&c, stream_obj, args[6], "a_scale_inv", &sal)
+                 : sf_py_optional_tensor(&c, args[6], "a_scale_inv", &sa, &has_sa)) < 0 ||
+        (list_sb ? sf_py_list_import(&c, stream_obj, args[7], "b_scale_inv", &sbl)
+                 : sf_py_optional_tensor(&c, args[7], "b_scale_inv", &sb, &has_sb)) < 0 ||
+        sf_py_optional_tensor(&c, args[15], "workspace", &ws, &has_ws) < 0)
         goto done;
+    if ((list_sa && sal.n != G) || (list_sb && sbl.n != G)) {
+        PyErr_Format(PyExc_ValueError, "%s: a list of scale inverses must hold num_groups = %zd tensors",
+                     op, G);
+        goto done;
+    }
     if (!a.given || !b.given || !out.given) {
         PyErr_Format(PyExc_ValueError, "%s: arguments 'a', 'b' and 'out' are required", op);
         goto done;
@@ -168,6 +184,10 @@ static PyObject *py_grouped_gemm(PyObject *self, PyObject *const *args, Py_ssize
     g.transb = transb != 0;
     g.a_scale_inv = has_sa ? &sa : NULL;
     g.b_scale_inv = has_sb ? &sb : NULL;
+    g.a_scale_list = list_sa ? sal.views : NULL;
+    g.b_scale_list = list_sb ? sbl.views : NULL;
+    g.a_scaling = (sf_gemm_scaling)a_scaling;
+    g.b_scaling = (sf_gemm_scaling)b_scaling;
     g.bias_list = bias.given ? bias.views : NULL;
     g.bgrad = bgrad != 0;
     g.accumulate = accumulate != 0;
@@ -179,6 +199,8 @@ static PyObject *py_grouped_gemm(PyObject *self, PyObject *const *args, Py_ssize
     Py_END_ALLOW_THREADS
     ran = 1;
 done:
+    sf_py_list_free(&sal);
+    sf_py_list_free(&sbl);
     operand_free(&a);
     operand_free(&b);
     operand_free(&out);
@@ -193,8 +215,8 @@ done:
 
 PyMethodDef sf_py_grouped_methods[] = {
     {"grouped_gemm", SF_PY_FASTCALL(py_grouped_gemm),
-     "grouped_gemm(a, b, out, m_splits, transa, transb, a_scale_inv, b_scale_inv, bias, bgrad, "
-     "accumulate, fast_accum, allow_tf32, workspace, stream=None): per group g, out_g = op(a_g) @ "
-     "op(b_g). See seqfuse.ops.moe.grouped_gemm."},
+     "grouped_gemm(a, b, out, m_splits, transa, transb, a_scale_inv, b_scale_inv, a_scaling, "
+     "b_scaling, bias, bgrad, accumulate, fast_accum, allow_tf32, workspace, stream=None): per "
+     "group g, out_g = op(a_g) @ op(b_g). See seqfuse.ops.moe.grouped_gemm."},
     {NULL, NULL, 0, NULL},
 };

@@ -24,19 +24,20 @@ tensor, as with the dense Linear.  The grouped GEMM takes the list of
 weights directly, so nothing is stacked (copied) per step.
 
 Precision: the GEMMs run in torch.autocast's dtype where it is on, else the
-parameters' dtype.  Under seqfuse's FP8 autocast (fp8_autocast) with a
-per-tensor recipe (DelayedScaling, Float8CurrentScaling) the three grouped
-GEMMs run in FP8 with operands made by the same quantization layer as
-Linear (seqfuse.quantization.gemm_quantizers): a GemmQuantizers of
-num_gemms GEMMs, TE's layout of 3 x num_gemms scaling slots (expert g's
-input 3g, weight 3g + 1, output gradient 3g + 2), one scale per expert
-and operand.  Each expert's rows are quantized on their own and padded to
-a multiple of 16 (the FP8 GEMMs' granularity; zero rows), so the forward
-and input-gradient results are computed over padded row blocks and
-gathered back to the real rows (one copy of the output, where some expert's
-count is not a multiple of 16).  The weight gradient takes the experts'
-transposed copies.  Float8BlockScaling (and MXFP8 / NVFP4) raise
-NotImplementedError: the grouped GEMM has no block-scaled route yet.
+parameters' dtype.  Under seqfuse's FP8 autocast (fp8_autocast) the three
+grouped GEMMs run in FP8 under DelayedScaling, Float8CurrentScaling or
+Float8BlockScaling, with operands made by the same quantization layer as
+Linear (seqfuse.quantization.gemm_quantizers, and the GEMM operand helpers
+of modules/_fp8.py): a GemmQuantizers of num_gemms GEMMs, TE's layout of
+3 x num_gemms scaling slots (expert g's input 3g, weight 3g + 1, output
+gradient 3g + 2), one scale (or one set of block scales) per expert and
+operand.  Each expert's rows are quantized on their own and padded to a
+multiple of 16 (the FP8 GEMMs' granularity; zero rows), so the forward and
+input-gradient results are computed over padded row blocks and gathered
+back to the real rows (one copy of the output, where some expert's count
+is not a multiple of 16).  The weight gradient takes the experts'
+transposed (column-wise) copies.  MXFP8 / NVFP4 raise NotImplementedError
+(their GEMMs need compute capability 10.x).
 
 Weight-gradient accumulation: where every weight carries a float32
 ``main_grad``, dW_g is accumulated into it by the GEMM (beta = 1) and the
@@ -209,11 +210,6 @@ class GroupedLinear(torch.nn.Module):
     def _quantizers(self, recipe, device):
         """This module's GemmQuantizers under ``recipe`` (per-tensor recipes only)."""
         q = _gq.quantizers_for(self, recipe, device)
-        if q.kind not in ("delayed", "current"):
-            raise NotImplementedError(
-                f"GroupedLinear: FP8 recipe {type(recipe).__name__} is not supported: the grouped GEMM "
-                "has per-tensor scaling only (no block-scaled route yet); use DelayedScaling or "
-                "Float8CurrentScaling, or run GroupedLinear outside the FP8 autocast")
         return q
 
     def forward(self, inp, m_splits, is_first_microbatch=None):
@@ -251,9 +247,9 @@ class GroupedLinear(torch.nn.Module):
 # ---- FP8 ---------------------------------------------------------------------
 
 def _empty_operand(k, fp8_dtype, device):
-    """The FP8 operands of an expert with no rows: [0, k] data, [k, 0]
-    transposed copy, scale inverse 1 (never read: the group is skipped or
-    its product is the empty sum)."""
+    """The FP8 operand triple of an expert with no rows: [0, k] data, its
+    [k, 0] transposed copy, a scale inverse that is never read (the group
+    is skipped, or its product is the empty sum)."""
     data = torch.empty((0, k), dtype=fp8_dtype, device=device)
     data_t = torch.empty((k, 0), dtype=fp8_dtype, device=device)
     return data, data_t, torch.ones(1, dtype=torch.float32, device=device)
@@ -273,14 +269,29 @@ def _unpad(y, splits, padded):
     return torch.cat(parts)
 
 
+def _grouped(a, b, splits, out, **kw):
+    """The grouped FP8 GEMM over lists of operand triples (data, scale_inv,
+    scaling), b given as [n, k] (transb)."""
+    return moe_ops.grouped_gemm([x[0] for x in a], [x[0] for x in b], splits, transb=True, out=out,
+                                a_scale_inv=[x[1] for x in a], b_scale_inv=[x[1] for x in b],
+                                a_scaling=_mode(a), b_scaling=_mode(b), **kw)
+
+
+def _mode(triples):
+    modes = {t[2] for t in triples if t[0].numel()}
+    return (modes.pop() if modes else None) or "tensor"
+
+
 class Fp8GroupedLinearFunction(torch.autograd.Function):
     """Autograd of y_g = x_g W_g^T + b_g with FP8 grouped GEMMs (see the module
     note).  forward(x, m_splits, dtype, num_gemms, use_bias,
-    (quantizers, is_first_microbatch), *weights, *biases)."""
+    (quantizers, is_first_microbatch), *weights, *biases).  Operands are
+    modules._fp8's triples (data, scale_inv, scaling), one per expert."""
 
     @staticmethod
     def forward(ctx, x, m_splits, dtype, G, use_bias, qargs, *params):
         q, first = qargs
+        kind = q.kind
         weights, biases = params[:G], params[G:] if use_bias else None
         need_w = any(ctx.needs_input_grad[6:6 + G])
         x = x.detach()
@@ -288,44 +299,47 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         padded = tuple(_gq.padded_rows(m) for m in m_splits)
         pairs = [q.weights[g].get(weights[g], first) for g in range(G)]
         xs = x.split(list(m_splits))
-        x_data, x_t, x_si = [], [], []
+        x_row, x_col = [], []
         for g in range(G):
             if m_splits[g] == 0:
                 d, dt, si = _empty_operand(K, q.inputs[g].fp8_dtype, x.device)
-            else:
-                xq = q.inputs[g].quantize(xs[g], transpose=need_w)
-                d, dt, si = xq.data, (xq.data_t if need_w else None), xq.scale_inv
-            x_data.append(d)
-            x_t.append(dt)
-            x_si.append(si.reshape(1))
-        w_si = torch.cat([p[0].scale_inv.reshape(1) for p in pairs])
+                x_row.append((d, si, None))
+                x_col.append((dt, si, None))
+                continue
+            xq = q.inputs[g].quantize(xs[g], transpose=need_w)
+            x_row.append(F8.rowwise(xq, kind))
+            x_col.append(F8.columnwise(xq, kind) if need_w else None)
+        w_fwd = [F8.weight_forward(p, kind) for p in pairs]
         bias = None
         if use_bias:
             # cuBLASLt's FP8 kernels take the bias in bfloat16 (float16 for a float16 output)
             want = torch.float16 if dtype == torch.float16 else torch.bfloat16
             bias = [b.detach().to(want) for b in biases]
-        y = moe_ops.grouped_gemm(x_data, [p[0].data for p in pairs], padded, transb=True,
-                                 a_scale_inv=torch.cat(x_si), b_scale_inv=w_si, bias=bias,
-                                 fast_accum=True, out_dtype=dtype,
-                                 out=torch.empty((sum(padded), pairs[0][0].data.shape[0]), dtype=dtype,
-                                                 device=x.device))
-        y = _unpad(y, m_splits, padded)
-        ctx.save_for_backward(*(t for t in x_t if t is not None), *x_si, w_si,
-                              *(p[1].data_t for p in pairs))
-        ctx.has_x_t = need_w
-        ctx.q, ctx.G, ctx.dtype, ctx.m_splits, ctx.padded = q, G, dtype, m_splits, padded
+        N = w_fwd[0][0].shape[0]
+        out = torch.empty((sum(padded), N), dtype=dtype, device=x.device)
+        y = _unpad(_grouped(x_row, w_fwd, padded, out, bias=bias, fast_accum=kind != "block"),
+                   m_splits, padded)
+        w_dg = [F8.weight_dgrad(p, kind) for p in pairs]
+        saved = [t for op in w_dg for t in op[:2]]
+        if need_w:
+            saved += [t for op in x_col for t in op[:2]]
+        ctx.save_for_backward(*saved)
+        ctx.modes = ([op[2] for op in w_dg], [op[2] for op in x_col] if need_w else None)
+        ctx.q, ctx.G, ctx.dtype, ctx.m_splits, ctx.padded, ctx.K = q, G, dtype, m_splits, padded, K
         ctx.weights = weights
         ctx.bias_dtypes = [b.dtype for b in biases] if use_bias else None
-        ctx.K = K
         return y
 
     @staticmethod
     def backward(ctx, dy):
         G, q, dtype, splits, padded = ctx.G, ctx.q, ctx.dtype, ctx.m_splits, ctx.padded
-        saved = list(ctx.saved_tensors)
-        x_t = saved[:G] if ctx.has_x_t else [None] * G
-        rest = saved[G:] if ctx.has_x_t else saved
-        x_si, w_si, w_t = rest[:G], rest[G], rest[G + 1:]
+        kind = q.kind
+        saved = ctx.saved_tensors
+        w_modes, x_modes = ctx.modes
+        w_dg = [(saved[2 * g], saved[2 * g + 1], w_modes[g]) for g in range(G)]
+        x_col = None
+        if x_modes is not None:
+            x_col = [(saved[2 * G + 2 * g], saved[2 * G + 2 * g + 1], x_modes[g]) for g in range(G)]
         need_dx = ctx.needs_input_grad[0]
         need_dw = any(ctx.needs_input_grad[6:6 + G])
         need_db = ctx.bias_dtypes is not None and any(ctx.needs_input_grad[6 + G:])
@@ -333,43 +347,36 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         dy = moe_ops.dense(dy)
         N = dy.shape[1]
         dys = dy.split(list(splits))
-        g_data, g_t, g_si, dbs = [], [], [], []
+        g_row, g_col, dbs = [], [], []
         for g in range(G):
             if splits[g] == 0:
                 d, dt, si = _empty_operand(N, q.grads[g].fp8_dtype, dy.device)
-                db = None if not need_db else torch.zeros(N, dtype=ctx.bias_dtypes[g], device=dy.device)
-            else:
-                gq, db = q.grads[g].quantize_grad(dys[g], ctx.bias_dtypes[g] if need_db else None,
-                                                  need_dgrad=need_dx, need_wgrad=need_dw)
-                d, si = gq.data, gq.scale_inv
-                dt = _gq.transposed(gq) if need_dw else None
-            g_data.append(d)
-            g_t.append(dt)
-            g_si.append(si.reshape(1))
+                g_row.append((d, si, None))
+                g_col.append((dt, si, None))
+                dbs.append(torch.zeros(N, dtype=ctx.bias_dtypes[g], device=dy.device) if need_db else None)
+                continue
+            gq, db = q.grads[g].quantize_grad(dys[g], ctx.bias_dtypes[g] if need_db else None,
+                                              need_dgrad=need_dx, need_wgrad=need_dw)
+            g_row.append(F8.rowwise(gq, kind) if need_dx else None)
+            g_col.append(F8.columnwise(gq, kind) if need_dw else None)
             dbs.append(db)
-        g_scale = torch.cat(g_si)
         dx = None
         if need_dx:
-            dxp = moe_ops.grouped_gemm(g_data, list(w_t), padded, transb=True, a_scale_inv=g_scale,
-                                       b_scale_inv=w_si,
-                                       out=torch.empty((sum(padded), ctx.K), dtype=dtype, device=dy.device))
-            dx = _unpad(dxp, splits, padded)
+            out = torch.empty((sum(padded), ctx.K), dtype=dtype, device=dy.device)
+            dx = _unpad(_grouped(g_row, w_dg, padded, out), splits, padded)
         dws = [None] * G
         if need_dw:
             mains = [getattr(w, "main_grad", None) for w in weights]
-            use_main = all(m is not None for m in mains)
-            kw = dict(transb=True, a_scale_inv=g_scale, b_scale_inv=torch.cat(x_si))
-            if use_main:
-                moe_ops.grouped_gemm(g_t, x_t, padded, out=mains, accumulate=True, **kw)
+            if all(m is not None for m in mains):
+                _grouped(g_col, x_col, padded, mains, accumulate=True)
                 for w in weights:
                     if hasattr(w, "grad_added_to_main_grad"):
                         w.grad_added_to_main_grad = True
             else:
-                out_dtype = F8.wgrad_dtype(weights[0].dtype)
-                res = moe_ops.grouped_gemm(g_t, x_t, padded, out_dtype=out_dtype, **kw)
+                res = _grouped(g_col, x_col, padded, None, out_dtype=F8.wgrad_dtype(weights[0].dtype))
                 dws = [res[g] if res.dtype == weights[g].dtype else res[g].to(weights[g].dtype)
                        for g in range(G)]
-        grads_b = dbs if ctx.bias_dtypes is not None else []
-        if ctx.bias_dtypes is not None and not need_db:
-            grads_b = [None] * G
+        grads_b = []
+        if ctx.bias_dtypes is not None:
+            grads_b = dbs if need_db else [None] * G
         return (dx, None, None, None, None, None, *dws, *grads_b)

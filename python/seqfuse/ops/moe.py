@@ -33,7 +33,7 @@ import torch
 
 from .. import _C
 from ._call import as_float, detached, require_fp8_dlpack, stream_for
-from .gemm import FP8_DTYPES, workspace_for
+from .gemm import FP8_DTYPES, SCALINGS, workspace_for
 
 __all__ = ["grouped_gemm", "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss",
            "fused_moe_aux_loss", "moe_z_loss", "moe_row_id_map", "moe_permute",
@@ -106,9 +106,31 @@ def _group_shape(op, name, x, trans):
     return (shape[1], shape[0]) if trans else shape
 
 
+def _scales(op, name, scale_inv, scaling, G):
+    """(scale argument for C, scaling code) of one operand."""
+    if scale_inv is None:
+        if scaling is not None:
+            raise ValueError(f"{op}: argument '{name.replace('scale_inv', 'scaling')}' needs "
+                             f"'{name}'")
+        return None, 0
+    mode = "tensor" if scaling is None else scaling
+    if mode not in SCALINGS:
+        raise ValueError(f"{op}: argument '{name.replace('scale_inv', 'scaling')}' must be one of "
+                         f"{sorted(SCALINGS)}, got {scaling!r}")
+    if isinstance(scale_inv, (list, tuple)):
+        if len(scale_inv) != G:
+            raise ValueError(f"{op}: argument '{name}' as a list must hold num_groups = {G} tensors, "
+                             f"got {len(scale_inv)}")
+        return [detached(t) for t in scale_inv], SCALINGS[mode]
+    if mode != "tensor":
+        raise ValueError(f"{op}: block scales ({mode}) go per group: pass '{name}' as a list of "
+                         f"num_groups tensors")
+    return detached(_tensor(op, name, scale_inv)), SCALINGS[mode]
+
+
 def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dtype=None, bias=None,
-                 bgrad=False, accumulate=False, a_scale_inv=None, b_scale_inv=None, scaling="tensor",
-                 fast_accum=False, allow_tf32=True, workspace=None):
+                 bgrad=False, accumulate=False, a_scale_inv=None, b_scale_inv=None, a_scaling=None,
+                 b_scaling=None, fast_accum=False, allow_tf32=True, workspace=None):
     """Per group g: ``out_g = op(a_g) @ op(b_g)`` (+ bias_g), G GEMMs in one call.
 
     Each of a, b, out is one 2-D tensor split by m_splits along dim 0 (the
@@ -130,18 +152,18 @@ def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dt
     bias: G bias vectors (list or [G, n]) added in the forward; with
         ``bgrad=True`` the wgrad also returns the bias gradients ([G, m],
         allocated when bias is None, or written into the given list).
-    a_scale_inv, b_scale_inv: float8 operands: float32 scale inverses, G
-        elements (one per group) or 1; ``scaling`` must be "tensor" (block
-        scaling is not built for the grouped GEMM yet).
+    a_scale_inv, b_scale_inv: float8 operands' float32 scale inverses: one
+        tensor of G elements (one per group) or 1 (per-tensor scaling), or
+        a list of G tensors, group g's as seqfuse.ops.gemm takes them under
+        a_scaling / b_scaling ("tensor", "block_1x128", "block_128x128";
+        block scales need the list form).
     Returns out, or (out, bias_grads) with bgrad.
     """
     op = "grouped_gemm"
     splits = host_splits(op, m_splits)
     G = len(splits)
-    if scaling != "tensor":
-        raise NotImplementedError(
-            f"{op}: scaling={scaling!r}: block-scaled FP8 (1x128 / 128x128) is not built for the "
-            "grouped GEMM yet; use per-tensor scales (scaling='tensor')")
+    a_scale_inv, a_code = _scales(op, "a_scale_inv", a_scale_inv, a_scaling, G)
+    b_scale_inv, b_code = _scales(op, "b_scale_inv", b_scale_inv, b_scaling, G)
     a = [detached(t) for t in a] if isinstance(a, (list, tuple)) else detached(_tensor(op, "a", a))
     b = [detached(t) for t in b] if isinstance(b, (list, tuple)) else detached(_tensor(op, "b", b))
     first = a[0] if isinstance(a, list) else a
@@ -175,9 +197,9 @@ def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dt
         bias = detached(_tensor(op, "bias", bias))
     if workspace is None and first.is_cuda:
         workspace = workspace_for(first.device)
-    _C.grouped_gemm(a, b, out, splits, bool(transa), bool(transb), a_scale_inv, b_scale_inv, bias,
-                    bool(bgrad), bool(accumulate), bool(fast_accum), bool(allow_tf32), workspace,
-                    stream_for(first))
+    _C.grouped_gemm(a, b, out, splits, bool(transa), bool(transb), a_scale_inv, b_scale_inv, a_code,
+                    b_code, bias, bool(bgrad), bool(accumulate), bool(fast_accum), bool(allow_tf32),
+                    workspace, stream_for(first))
     return out if grads is None else (out, grads)
 
 
