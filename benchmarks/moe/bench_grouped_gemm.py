@@ -17,6 +17,8 @@ multiple of 16 rows (FP8's rule).  Rows:
               fast accumulation, bf16 out; vs torch._scaled_grouped_mm with
               row-wise scales where this torch has it (a different scaling:
               labelled), and reported as a rate against seqfuse's bf16
+  fp8 block   seqfuse grouped_gemm, 1x128 activation x 128x128 weight block
+              scales per expert (no torch peer on Hopper), against seqfuse's bf16
 
 Goals (issue 18): bf16 >= 1.0x torch._grouped_mm; FP8 >= 1.6x seqfuse's bf16.
 Prints one line per row and the JSON document; writes
@@ -36,7 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "python"
 
 from harness import Table, cuda_time_ms  # noqa: E402
 
-from seqfuse.ops import moe  # noqa: E402
+from seqfuse.ops import moe, quant  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 TOKENS, TOPK, HIDDEN, FFN = 16384, 2, 1024, 3584
@@ -151,7 +153,27 @@ def main():
                 table.add(experts=experts, split=kind, gemm=gemm, precision="fp8 tensor", seqfuse_tflops=f8,
                           peer_tflops=tflops(splits, n, k, p8), vs_peer=p8 / s8, loop_tflops=float("nan"),
                           vs_loop=float("nan"), vs_seqfuse_bf16=f8 / bf, peer=name8)
-                del x, w, ws, out, xq, wq, wql
+                # FP8 block scales, per expert (the grouped GEMM takes per-group scale lists)
+                bounds_nz = [(g, lo, hi) for g, (lo, hi) in enumerate(bounds)]
+                xb, xbs, wb, wbs = [], [], [], []
+                for g, lo, hi in bounds_nz:
+                    if hi > lo:
+                        d, si = quant.quantize_block_fp8(x[lo:hi], 1)
+                    else:
+                        d, si = torch.empty(0, k, dtype=E4M3, device="cuda"), torch.ones(1, device="cuda")
+                    xb.append(d)
+                    xbs.append(si)
+                    d, si = quant.quantize_block_fp8(w[g], 128)
+                    wb.append(d)
+                    wbs.append(si)
+                sb = cuda_time_ms(lambda: moe.grouped_gemm(xb, wb, splits, transb=True, a_scale_inv=xbs,
+                                                           b_scale_inv=wbs, a_scaling="block_1x128",
+                                                           b_scaling="block_128x128", out=out))
+                fb = tflops(splits, n, k, sb)
+                table.add(experts=experts, split=kind, gemm=gemm, precision="fp8 block", seqfuse_tflops=fb,
+                          peer_tflops=float("nan"), vs_peer=float("nan"), loop_tflops=float("nan"),
+                          vs_loop=float("nan"), vs_seqfuse_bf16=fb / bf, peer="none on Hopper")
+                del x, w, ws, out, xq, wq, wql, xb, wb
                 torch.cuda.empty_cache()
         # fresh row counts on every call (25 calls per timing: 5 warm-up + 20 timed)
         gen = torch.Generator().manual_seed(experts)
@@ -189,6 +211,8 @@ def main():
         "bf16_fresh_splits_min_vs_torch_grouped_mm": min(
             r["vs_peer"] for r in table.rows if r["split"] == "fresh"),
         "fp8_min_vs_seqfuse_bf16": min(r["vs_seqfuse_bf16"] for r in f8_rows),
+        "fp8_block_min_vs_seqfuse_bf16": min(r["vs_seqfuse_bf16"] for r in table.rows
+                                             if r["precision"] == "fp8 block"),
         "goal_bf16_vs_torch": 1.0, "goal_fp8_vs_bf16": 1.6,
         "route": "one cuBLASLt call per non-empty expert from host m_splits",
         "peers_missing": sorted(notes),
