@@ -159,5 +159,7 @@ int sf_nccl_version(void);
 #include "seqfuse_loss.h"
 #include "seqfuse_optim.h"
 #include "seqfuse_attn.h"
+#include "seqfuse_grouped.h"
+#include "seqfuse_moe.h"
 
 #endif /* SEQFUSE_H */

@@ -187,6 +187,8 @@ static PyMethodDef *const sf_py_tables[] = {
     sf_py_loss_methods,
     sf_py_optim_methods,
     sf_py_attn_methods,
+    sf_py_grouped_methods,
+    sf_py_moe_methods,
 };
 
 static struct PyModuleDef sf_py_module = {

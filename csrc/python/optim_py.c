@@ -1,65 +1,10 @@
 /*
  * optim_py.c - bindings of the optim family (multi-tensor AdamW and gradient norms (csrc/optim/)).
  *
- * These take Python lists of tensors.  Each list is first copied into a tuple
- * (so the tensors stay referenced while the GIL is released), then every
- * tensor is ran through its own short sf_py_call whose DLPack borrow is
- * given back right after its view is read: a list may be far longer than the
- * per-call borrow limit, and the tuple keeps the memory alive meanwhile.
+ * These take Python lists of tensors, imported by sf_py_list_import
+ * (py_call.h): a list may be far longer than the per-call borrow limit.
  */
 #include "py_call.h"
-
-typedef struct {
-    PyObject *tuple;
-    Py_ssize_t n;
-    sf_tensor *views;
-} sf_py_tensor_list;
-
-static void list_free(sf_py_tensor_list *l)
-{
-    Py_XDECREF(l->tuple);
-    PyMem_Free(l->views);
-    l->tuple = NULL;
-    l->views = NULL;
-}
-
-static int list_import(sf_py_call *c, PyObject *stream_obj, PyObject *seq, const char *name,
-                       sf_py_tensor_list *l)
-{
-    l->views = NULL;
-    l->tuple = PySequence_Tuple(seq);
-    if (l->tuple == NULL) {
-        PyErr_Format(PyExc_TypeError, "%s: argument '%s' must be a list of tensors, got %s", c->op, name,
-                     Py_TYPE(seq)->tp_name);
-        return -1;
-    }
-    l->n = PyTuple_GET_SIZE(l->tuple);
-    l->views = PyMem_Calloc(l->n > 0 ? (size_t)l->n : 1, sizeof(sf_tensor));
-    if (l->views == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < l->n; ++i) {
-        char arg[64];
-        snprintf(arg, sizeof arg, "%s[%zd]", name, i);
-        sf_py_call one;
-        if (sf_py_call_init(&one, c->op, stream_obj) < 0)
-            return -1;
-        if (c->have_stream) {
-            one.stream = c->stream;
-            one.have_stream = 1;
-        }
-        int rc = sf_py_tensor(&one, PyTuple_GET_ITEM(l->tuple, i), arg, &l->views[i]);
-        if (rc == 0 && !c->have_stream && one.have_stream) {
-            c->stream = one.stream;
-            c->have_stream = 1;
-        }
-        sf_py_call_release(&one);
-        if (rc < 0)
-            return -1;
-    }
-    return 0;
-}
 
 static int same_length(const char *op, const sf_py_tensor_list *a, const char *an,
                        const sf_py_tensor_list *b, const char *bn)
@@ -112,11 +57,11 @@ static PyObject *py_adamw(PyObject *self, PyObject *const *args, Py_ssize_t narg
     sf_status st = SF_OK;
     int ran = 0;
     int has_master = args[4] != Py_None;
-    if (list_import(&c, stream_obj, args[0], "params", &p) < 0 ||
-        list_import(&c, stream_obj, args[1], "grads", &g) < 0 ||
-        list_import(&c, stream_obj, args[2], "exp_avg", &m) < 0 ||
-        list_import(&c, stream_obj, args[3], "exp_avg_sq", &v) < 0 ||
-        (has_master && list_import(&c, stream_obj, args[4], "master", &w) < 0))
+    if (sf_py_list_import(&c, stream_obj, args[0], "params", &p) < 0 ||
+        sf_py_list_import(&c, stream_obj, args[1], "grads", &g) < 0 ||
+        sf_py_list_import(&c, stream_obj, args[2], "exp_avg", &m) < 0 ||
+        sf_py_list_import(&c, stream_obj, args[3], "exp_avg_sq", &v) < 0 ||
+        (has_master && sf_py_list_import(&c, stream_obj, args[4], "master", &w) < 0))
         goto done;
     if (same_length(op, &p, "params", &g, "grads") < 0 || same_length(op, &p, "params", &m, "exp_avg") < 0 ||
         same_length(op, &p, "params", &v, "exp_avg_sq") < 0 ||
@@ -128,11 +73,11 @@ static PyObject *py_adamw(PyObject *self, PyObject *const *args, Py_ssize_t narg
     Py_END_ALLOW_THREADS
     ran = 1;
 done:
-    list_free(&p);
-    list_free(&g);
-    list_free(&m);
-    list_free(&v);
-    list_free(&w);
+    sf_py_list_free(&p);
+    sf_py_list_free(&g);
+    sf_py_list_free(&m);
+    sf_py_list_free(&v);
+    sf_py_list_free(&w);
     return finish_lists(&c, ran, st);
 }
 
@@ -153,7 +98,7 @@ static PyObject *list_then_tensors(PyObject *const *args, Py_ssize_t nargs, int 
     sf_py_tensor_list l = {0};
     sf_status st = SF_OK;
     int ran = 0;
-    if (list_import(&a.call, stream_obj, args[0], "tensors", &l) == 0 &&
+    if (sf_py_list_import(&a.call, stream_obj, args[0], "tensors", &l) == 0 &&
         sf_py_import(&a, args, nargs, l2norm ? l2 : sc, n_fixed - 1) == 0) {
         Py_BEGIN_ALLOW_THREADS
         const sf_stream stream = sf_py_call_stream(&a.call);
@@ -162,7 +107,7 @@ static PyObject *list_then_tensors(PyObject *const *args, Py_ssize_t nargs, int 
         Py_END_ALLOW_THREADS
         ran = 1;
     }
-    list_free(&l);
+    sf_py_list_free(&l);
     return finish_lists(&a.call, ran, st);
 }
 

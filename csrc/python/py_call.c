@@ -792,3 +792,51 @@ int sf_py_arg_long(const char *op, const char *arg, PyObject *obj, long *out)
     *out = v;
     return 0;
 }
+
+/* ---- lists of tensors (see py_call.h) ---- */
+
+void sf_py_list_free(sf_py_tensor_list *l)
+{
+    Py_XDECREF(l->tuple);
+    PyMem_Free(l->views);
+    l->tuple = NULL;
+    l->views = NULL;
+}
+
+int sf_py_list_import(sf_py_call *c, PyObject *stream_obj, PyObject *seq, const char *name,
+                       sf_py_tensor_list *l)
+{
+    l->views = NULL;
+    l->tuple = PySequence_Tuple(seq);
+    if (l->tuple == NULL) {
+        PyErr_Format(PyExc_TypeError, "%s: argument '%s' must be a list of tensors, got %s", c->op, name,
+                     Py_TYPE(seq)->tp_name);
+        return -1;
+    }
+    l->n = PyTuple_GET_SIZE(l->tuple);
+    l->views = PyMem_Calloc(l->n > 0 ? (size_t)l->n : 1, sizeof(sf_tensor));
+    if (l->views == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < l->n; ++i) {
+        char arg[64];
+        snprintf(arg, sizeof arg, "%s[%zd]", name, i);
+        sf_py_call one;
+        if (sf_py_call_init(&one, c->op, stream_obj) < 0)
+            return -1;
+        if (c->have_stream) {
+            one.stream = c->stream;
+            one.have_stream = 1;
+        }
+        int rc = sf_py_tensor(&one, PyTuple_GET_ITEM(l->tuple, i), arg, &l->views[i]);
+        if (rc == 0 && !c->have_stream && one.have_stream) {
+            c->stream = one.stream;
+            c->have_stream = 1;
+        }
+        sf_py_call_release(&one);
+        if (rc < 0)
+            return -1;
+    }
+    return 0;
+}

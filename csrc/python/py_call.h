@@ -127,6 +127,25 @@ int sf_py_check_nargs(const char *op, Py_ssize_t nargs, Py_ssize_t min_args,
 void sf_py_set_exchange_api(int enabled);
 int sf_py_exchange_api_enabled(void);
 
+/* A Python list (any sequence) of tensors imported as views.  The sequence
+ * is first copied into a tuple (so the tensors stay referenced while the GIL
+ * is released), then every tensor runs through its own short sf_py_call
+ * whose DLPack borrow is given back right after its view is read: a list may
+ * be far longer than the per-call borrow limit, and the tuple keeps the
+ * memory alive meanwhile.  The first CUDA tensor decides c's stream when it
+ * has none.  Items are named "<name>[i]" in messages. */
+typedef struct {
+    PyObject *tuple;
+    Py_ssize_t n;
+    sf_tensor *views;
+} sf_py_tensor_list;
+
+/* Import `seq` into l (zero-initialise l first); -1 with a Python exception
+ * set on failure (then still call sf_py_list_free). */
+int sf_py_list_import(sf_py_call *c, PyObject *stream_obj, PyObject *seq, const char *name,
+                      sf_py_tensor_list *l);
+void sf_py_list_free(sf_py_tensor_list *l);
+
 /* The method tables of each binding file, joined in module.c. */
 extern PyMethodDef sf_py_core_methods[];
 extern PyMethodDef sf_py_quant_methods[];
@@ -137,5 +156,7 @@ extern PyMethodDef sf_py_rope_methods[];
 extern PyMethodDef sf_py_loss_methods[];
 extern PyMethodDef sf_py_optim_methods[];
 extern PyMethodDef sf_py_attn_methods[];
+extern PyMethodDef sf_py_grouped_methods[];
+extern PyMethodDef sf_py_moe_methods[];
 
 #endif /* SF_PY_CALL_H */

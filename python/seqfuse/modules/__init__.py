@@ -35,3 +35,8 @@ __all__ += ["LayerNormLinear", "LayerNormMLP"]
 from .linear import Linear, LinearFunction  # noqa: E402
 
 __all__ += ["Linear", "LinearFunction"]
+
+from .grouped_linear import GroupedLinear, GroupedLinearFunction  # noqa: E402
+from .moe import GroupedMLP  # noqa: E402
+
+__all__ += ["GroupedLinear", "GroupedLinearFunction", "GroupedMLP"]

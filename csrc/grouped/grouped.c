@@ -1,0 +1,234 @@
+/*
+ * grouped.c - sf_grouped_gemm, the experts' GEMMs in one call.
+ *
+ * The entry checks what is the grouped call's own (the group count, the row
+ * counts, which operands are split and that their rows add up, the per-group
+ * scale inverses), computes the row offsets once, then runs one sf_gemm per
+ * group on sub-views: a split operand's group g is its rows
+ * [offset_g, offset_g + m_splits[g]) with the parent's strides, a listed
+ * operand's group g is its g-th view.  sf_gemm validates each group's
+ * product (dtypes, shapes, layouts, FP8 rules) and runs the CPU reference or
+ * cuBLASLt, so the grouped GEMM is exactly the per-group GEMM, bit for bit
+ * on the CPU.  A failing group's message is prefixed with its index.
+ *
+ * Groups with no rows: nothing to compute when the rows are out's rows; when
+ * they are the inner dimension (the weight gradient dW_g = dy_g^T x_g of an
+ * expert that received no tokens), out_g is zero (kept when accumulating)
+ * and a bias gradient is zero.  sf_gemm takes no empty product, so these are
+ * written here.  Each group's m, n and k come from its views, so this holds
+ * as well when every operand is a list (the FP8 weight gradient, whose
+ * operands are the per-expert transposed copies).
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "../core/float_io.h"
+#include "grouped.h"
+
+static const char OP[] = "grouped_gemm";
+
+void sf_grouped_gemm_args_init(sf_grouped_gemm_args *args)
+{
+    memset(args, 0, sizeof *args);
+    args->allow_tf32 = 1;
+}
+
+/* Exactly one of `split` and `list` is given; a split one is 2-D with
+ * `total` rows. */
+static sf_status check_form(const char *name, const sf_tensor *split, const sf_tensor *list,
+                            int64_t total)
+{
+    if ((split != NULL) == (list != NULL))
+        return sf_fail(SF_ERR_VALUE,
+                       "%s: argument '%s' must be given either as one tensor split by m_splits "
+                       "or as a list of num_groups tensors (exactly one of the two)",
+                       OP, name);
+    if (!split)
+        return SF_OK;
+    if (split->ndim != 2)
+        return sf_fail(SF_ERR_VALUE, "%s: argument '%s' (split by m_splits) must be 2-D, got %d "
+                       "dimension(s)", OP, name, split->ndim);
+    if (split->shape[0] != total)
+        return sf_fail(SF_ERR_VALUE,
+                       "%s: argument '%s' is split by m_splits along dim 0, so it must have "
+                       "sum(m_splits) = %lld rows, got %lld",
+                       OP, name, (long long)total, (long long)split->shape[0]);
+    return SF_OK;
+}
+
+static sf_status check_scale(const char *name, const sf_tensor *s, int groups)
+{
+    if (!s)
+        return SF_OK;
+    SF_TRY(sf_check_dtype(OP, name, s, SF_FLOAT32));
+    SF_TRY(sf_check_contiguous(OP, name, s));
+    int64_t n = sf_numel(s);
+    if (n != groups && n != 1)
+        return sf_fail(SF_ERR_VALUE,
+                       "%s: argument '%s' must hold one scale inverse per group (%d) or one "
+                       "shared by all groups, got %lld elements",
+                       OP, name, groups, (long long)n);
+    return SF_OK;
+}
+
+/* Group g's view of an operand: the listed view, or rows [off, off + rows)
+ * of the split tensor. */
+static void view_at(const sf_tensor *split, const sf_tensor *list, int g, int64_t off,
+                    int64_t rows, sf_tensor *v)
+{
+    if (!split) {
+        *v = list[g];
+        return;
+    }
+    *v = *split;
+    v->shape[0] = rows;
+    v->data = (char *)split->data + off * split->strides[0] * (int64_t)sf_dtype_size(split->dtype);
+}
+
+static void scale_at(const sf_tensor *s, int g, sf_tensor *v)
+{
+    *v = *s;
+    v->ndim = 1;
+    v->shape[0] = 1;
+    v->strides[0] = 1;
+    if (sf_numel(s) > 1)
+        v->data = (float *)s->data + g;
+}
+
+/* The empty sum: out_g [m, n] = 0 (unless accumulating), bias gradient 0. */
+static sf_status write_empty_product(const sf_grouped_gemm_args *args, sf_tensor *out,
+                                     sf_tensor *bias, int64_t m, int64_t n, sf_stream stream)
+{
+    sf_tensor *zero[2] = {args->accumulate ? NULL : out, bias};
+    for (int i = 0; i < 2; ++i) {
+        sf_tensor *t = zero[i];
+        if (!t)
+            continue;
+        int matrix = i == 0;
+        int64_t rows = matrix ? m : 1, cols = matrix ? n : m;
+        int64_t col_stride = matrix ? t->strides[1] : t->strides[0];
+        if (cols > 1 && col_stride != 1)
+            return sf_fail(SF_ERR_VALUE, "%s: argument '%s' must have unit stride along its last "
+                           "dimension", OP, matrix ? "out" : "bias");
+        SF_TRY(sf_check_writable(OP, matrix ? "out" : "bias", t));
+        size_t es = sf_dtype_size(t->dtype);
+        int64_t pitch = matrix && rows > 1 ? t->strides[0] : cols;
+        if (t->device == SF_CPU) {
+            for (int64_t r = 0; r < rows; ++r)
+                memset((char *)t->data + r * pitch * (int64_t)es, 0, (size_t)cols * es);
+            continue;
+        }
+#ifdef SF_WITH_CUDA
+        SF_TRY(sf_grouped_zero_cuda(t->data, rows, cols * (int64_t)es, pitch * (int64_t)es,
+                                    t->device_id, stream));
+#else
+        (void)stream;
+        return sf_fail(SF_ERR_NOT_IMPLEMENTED, "%s: CUDA tensors need a seqfuse built with CUDA", OP);
+#endif
+    }
+    return SF_OK;
+}
+
+sf_status sf_grouped_gemm(const sf_grouped_gemm_args *args, sf_stream stream)
+{
+    if (!args)
+        return sf_fail(SF_ERR_VALUE, "%s: arguments are required", OP);
+    int G = args->num_groups;
+    if (G < 1)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'num_groups' must be at least 1, got %d", OP, G);
+    if (!args->m_splits)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'm_splits' is required", OP);
+    int64_t total = 0;
+    for (int g = 0; g < G; ++g) {
+        if (args->m_splits[g] < 0)
+            return sf_fail(SF_ERR_VALUE, "%s: argument 'm_splits' must hold row counts >= 0, got "
+                           "m_splits[%d] = %lld", OP, g, (long long)args->m_splits[g]);
+        total += args->m_splits[g];
+    }
+    SF_TRY(check_form("a", args->a, args->a_list, total));
+    SF_TRY(check_form("b", args->b, args->b_list, total));
+    SF_TRY(check_form("out", args->out, args->out_list, total));
+    SF_TRY(check_scale("a_scale_inv", args->a_scale_inv, G));
+    SF_TRY(check_scale("b_scale_inv", args->b_scale_inv, G));
+    if ((args->a_scale_inv && args->a_scale_list) || (args->b_scale_inv && args->b_scale_list))
+        return sf_fail(SF_ERR_VALUE, "%s: give an operand's scale inverses either as one tensor "
+                       "(per-tensor scaling) or as a list of num_groups tensors, not both", OP);
+    if ((args->a_scale_list && args->a_scaling == SF_GEMM_SCALE_NONE) ||
+        (args->b_scale_list && args->b_scaling == SF_GEMM_SCALE_NONE))
+        return sf_fail(SF_ERR_VALUE, "%s: a list of scale inverses needs its scaling mode (tensor, "
+                       "block_1x128 or block_128x128)", OP);
+    if (args->bgrad && !args->bias_list)
+        return sf_fail(SF_ERR_VALUE, "%s: bgrad=1 needs 'bias' (the bias gradients' outputs)", OP);
+
+    sf_gemm_args ga;
+    sf_gemm_args_init(&ga);
+    ga.transa = args->transa;
+    ga.transb = args->transb;
+    ga.accumulate = args->accumulate;
+    ga.fast_accum = args->fast_accum;
+    ga.allow_tf32 = args->allow_tf32;
+    ga.workspace = args->workspace;
+    int64_t off = 0; /* row offset of group g in the split operands */
+    for (int g = 0; g < G; off += args->m_splits[g], ++g) {
+        int64_t rows = args->m_splits[g];
+        sf_tensor a, b, out, bias, sa, sb;
+        view_at(args->a, args->a_list, g, off, rows, &a);
+        view_at(args->b, args->b_list, g, off, rows, &b);
+        view_at(args->out, args->out_list, g, off, rows, &out);
+        if (a.ndim != 2 || b.ndim != 2 || out.ndim != 2)
+            return sf_fail(SF_ERR_VALUE, "%s: group %d: a, b and out must be 2-D (got %d, %d and %d "
+                           "dimensions)", OP, g, a.ndim, b.ndim, out.ndim);
+        int64_t m = args->transa ? a.shape[1] : a.shape[0];
+        int64_t k = args->transa ? a.shape[0] : a.shape[1];
+        int64_t n = args->transb ? b.shape[0] : b.shape[1];
+        ga.a = &a;
+        ga.b = &b;
+        ga.out = &out;
+        ga.bias = NULL;
+        if (args->bias_list) {
+            bias = args->bias_list[g];
+            ga.bias = &bias;
+        }
+        if (m == 0 || n == 0) {
+            /* an expert with no tokens: out_g has no rows (or no columns) */
+            if (args->bgrad && m > 0)
+                return sf_fail(SF_ERR_VALUE, "%s: group %d: a bias gradient over an empty output "
+                               "(n = 0) is not defined here", OP, g);
+            continue;
+        }
+        if (k == 0) { /* the empty sum: dW_g of an expert with no tokens */
+            if (out.ndim != 2 || out.shape[0] != m || out.shape[1] != n)
+                return sf_fail(SF_ERR_VALUE, "%s: group %d: argument 'out' must have shape [%lld, %lld]",
+                               OP, g, (long long)m, (long long)n);
+            if (ga.bias && (!args->bgrad || bias.ndim != 1 || bias.shape[0] != m))
+                return sf_fail(SF_ERR_VALUE, "%s: group %d has an empty inner dimension: only a bias "
+                               "gradient (bgrad=1) of length %lld can go with it", OP, g, (long long)m);
+            SF_TRY(write_empty_product(args, &out, args->bgrad ? &bias : NULL, m, n, stream));
+            continue;
+        }
+        if (args->a_scale_inv || args->a_scale_list) {
+            if (args->a_scale_inv)
+                scale_at(args->a_scale_inv, g, &sa);
+            else
+                sa = args->a_scale_list[g];
+            ga.a_scale_inv = &sa;
+            ga.a_scaling = args->a_scale_inv ? SF_GEMM_SCALE_TENSOR : args->a_scaling;
+        }
+        if (args->b_scale_inv || args->b_scale_list) {
+            if (args->b_scale_inv)
+                scale_at(args->b_scale_inv, g, &sb);
+            else
+                sb = args->b_scale_list[g];
+            ga.b_scale_inv = &sb;
+            ga.b_scaling = args->b_scale_inv ? SF_GEMM_SCALE_TENSOR : args->b_scaling;
+        }
+        ga.epilogue = !ga.bias ? SF_GEMM_EPI_NONE : args->bgrad ? SF_GEMM_EPI_BGRAD : SF_GEMM_EPI_BIAS;
+        sf_status st = sf_gemm(&ga, stream);
+        if (st != SF_OK) {
+            char why[768];
+            snprintf(why, sizeof why, "%s", sf_last_error());
+            return sf_fail(st, "%s: group %d (m_splits[%d] = %lld): %s", OP, g, g, (long long)rows, why);
+        }
+    }
+    return SF_OK;
+}

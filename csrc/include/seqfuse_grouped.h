@@ -1,0 +1,79 @@
+/*
+ * seqfuse_grouped.h - public C API of the grouped family (csrc/grouped/):
+ * G matrix products of different row counts in one call, the GEMMs of a
+ * mixture-of-experts layer (expert g multiplies the m_splits[g] tokens routed
+ * to it by its own weight).  Included by seqfuse.h; include that, not this.
+ *
+ * Each of a, b and out is given one of two ways:
+ *   split: one 2-D tensor whose dim 0 is divided, in order, into G runs of
+ *          m_splits[0], ..., m_splits[G-1] rows (the tokens, expert-sorted);
+ *   list:  an array of G 2-D views, one per group (the experts' weights).
+ * m_splits gives G and the split operands' row runs; when every operand is
+ * a list (allowed), each group's sizes come from its views alone.
+ * Group g then computes, with sf_gemm's conventions (seqfuse_gemm.h),
+ *
+ *     out_g = op(a_g) @ op(b_g)  (+ bias_g, or + out_g when accumulate)
+ *
+ * The three products of a training step of y_g = x_g W_g^T + bias_g:
+ *   forward  a = x  split, b = W list, transb=1, out = y  split (bias input)
+ *   dgrad    a = dy split, b = W list, transb=0, out = dx split
+ *   wgrad    a = dy split, transa=1, b = x split, out = dW list (bgrad=1:
+ *            bias_list receives the bias gradients, sum over the rows of dy_g)
+ *
+ * An empty group (m_splits[g] = 0) is skipped when its rows are out's rows;
+ * when they are the inner dimension (wgrad) its out_g is the empty sum: zero
+ * (left as is when accumulate) and its bias gradient zero.
+ *
+ * FP8 (float8 operands), each operand's scale inverses given one of two ways:
+ *   a_scale_inv: float32 with G elements (one per group) or 1 (shared),
+ *                per-tensor scaling;
+ *   a_scale_list: G float32 tensors, group g's exactly as sf_gemm takes them
+ *                for that group's operand under a_scaling (per tensor, or
+ *                1x128 / 128x128 block scales: seqfuse_gemm.h's layouts).
+ * read on the device.  Every group obeys sf_gemm's FP8 rules (K-major "TN"
+ * operands, m, n, k multiples of 16, block scaling rules).
+ *
+ * Route: the row offsets are computed once from the host m_splits, then one
+ * sf_gemm per non-empty group (CPU: the reference GEMM; CUDA: one cuBLASLt
+ * call per group on `stream`, with its cached plan).  Row counts held in a
+ * device tensor are not taken by this entry.
+ */
+#ifndef SEQFUSE_GROUPED_H
+#define SEQFUSE_GROUPED_H
+
+#include "seqfuse.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct sf_grouped_gemm_args {
+    int num_groups;                /* G >= 1 */
+    const int64_t *m_splits;       /* host array of G row counts >= 0 */
+    /* Per operand exactly one of: the split tensor, or the list of G views. */
+    const sf_tensor *a, *b, *out;
+    const sf_tensor *a_list, *b_list, *out_list;
+    int transa, transb;
+    const sf_tensor *a_scale_inv;  /* fp8: float32, G or 1 elements; else NULL */
+    const sf_tensor *b_scale_inv;
+    const sf_tensor *a_scale_list; /* fp8: G scale tensors (instead of a_scale_inv) */
+    const sf_tensor *b_scale_list;
+    sf_gemm_scaling a_scaling, b_scaling; /* with the lists (per tensor or block) */
+    const sf_tensor *bias_list;    /* G 1-D views or NULL: input [n] (forward),
+                                      output [m] (bgrad) */
+    int bgrad;                     /* bias_list is the wgrad's bias gradient */
+    int accumulate;                /* beta = 1 */
+    int fast_accum;                /* fp8 only */
+    int allow_tf32;
+    sf_tensor *workspace;          /* CUDA: cuBLASLt scratch, or NULL */
+} sf_grouped_gemm_args;
+
+void sf_grouped_gemm_args_init(sf_grouped_gemm_args *args);
+
+sf_status sf_grouped_gemm(const sf_grouped_gemm_args *args, sf_stream stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* SEQFUSE_GROUPED_H */

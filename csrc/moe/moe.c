@@ -1,0 +1,550 @@
+/*
+ * moe.c - the public entries of the moe family (router and token
+ * permutation, seqfuse_moe.h).  Every precondition is checked here, once,
+ * for both backends (dtypes, shapes, contiguity, devices, writability, topk
+ * and score-function rules); the validated arguments then go to the CPU
+ * reference (moe_cpu.c) or the CUDA kernels (moe_cuda.cu).
+ */
+#include <string.h>
+
+#include "moe.h"
+
+/* A contiguous 2-D tensor [rows, cols] on ref's device. */
+static sf_status check_2d(const char *op, const char *arg, const sf_tensor *t, int64_t rows,
+                          int64_t cols, const sf_tensor *ref, const char *ref_arg)
+{
+    if (!t)
+        return sf_fail(SF_ERR_VALUE, "%s: argument '%s' is required", op, arg);
+    if (t->ndim != 2 || t->shape[0] != rows || t->shape[1] != cols)
+        return sf_fail(SF_ERR_VALUE, "%s: argument '%s' must have shape [%lld, %lld]", op, arg,
+                       (long long)rows, (long long)cols);
+    SF_TRY(sf_check_contiguous(op, arg, t));
+    if (ref && t != ref)
+        SF_TRY(sf_check_same_device(op, ref_arg, ref, arg, t));
+    return SF_OK;
+}
+
+static sf_status check_1d(const char *op, const char *arg, const sf_tensor *t, int64_t len,
+                          const sf_tensor *ref, const char *ref_arg)
+{
+    if (!t)
+        return sf_fail(SF_ERR_VALUE, "%s: argument '%s' is required", op, arg);
+    if (sf_numel(t) != len || (t->ndim != 1 && !(len == 1 && t->ndim == 0)))
+        return sf_fail(SF_ERR_VALUE, "%s: argument '%s' must be 1-D of length %lld", op, arg,
+                       (long long)len);
+    SF_TRY(sf_check_contiguous(op, arg, t));
+    return sf_check_same_device(op, ref_arg, ref, arg, t);
+}
+
+static sf_status check_out(const char *op, const char *arg, const sf_tensor *t)
+{
+    return sf_check_writable(op, arg, t);
+}
+
+static sf_status check_router(const char *op, int64_t E, int topk, int score)
+{
+    if (score != SF_MOE_SOFTMAX && score != SF_MOE_SIGMOID)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'score_function' must be softmax (0) or sigmoid "
+                       "(1), got %d", op, score);
+    if (topk < 1 || topk > E)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'topk' must be in [1, num_experts = %lld], got %d",
+                       op, (long long)E, topk);
+    return SF_OK;
+}
+
+#ifdef SF_WITH_CUDA
+#define SF_MOE_RUN(name, dev, a, stream) \
+    ((dev) == SF_CPU ? sf_moe_##name##_cpu(a) : sf_moe_##name##_cuda((a), (stream)))
+#else
+static sf_status dispatch_failure(const char *op)
+{
+    return sf_fail(SF_ERR_NOT_IMPLEMENTED, "%s: CUDA tensors need a seqfuse built with CUDA "
+                   "(rebuild with nvcc on PATH and SEQFUSE_CUDA unset)", op);
+}
+
+#define SF_MOE_RUN(name, dev, a, stream) \
+    ((void)(stream), (dev) == SF_CPU ? sf_moe_##name##_cpu(a) : dispatch_failure("moe_" #name))
+#endif
+
+/* ---- router ------------------------------------------------------------ */
+
+sf_status sf_moe_topk_fwd(const sf_tensor *logits, int topk, sf_moe_score score, int pre_softmax,
+                          float scaling, const sf_tensor *expert_bias, sf_tensor *probs,
+                          sf_tensor *routing_map, sf_tensor *saved, sf_stream stream)
+{
+    static const char op[] = "moe_topk_fwd";
+    if (!logits || logits->ndim != 2)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'logits' must be 2-D [tokens, experts]", op);
+    SF_TRY(sf_check_float_input(op, "logits", logits));
+    int64_t T = logits->shape[0], E = logits->shape[1];
+    SF_TRY(check_2d(op, "logits", logits, T, E, NULL, NULL));
+    SF_TRY(check_router(op, E, topk, score));
+    if (expert_bias) {
+        if (score != SF_MOE_SIGMOID)
+            return sf_fail(SF_ERR_VALUE, "%s: argument 'expert_bias' goes with the sigmoid score "
+                           "function only (as in Transformer Engine)", op);
+        SF_TRY(sf_check_dtype(op, "expert_bias", expert_bias, SF_FLOAT32));
+        SF_TRY(check_1d(op, "expert_bias", expert_bias, E, logits, "logits"));
+    }
+    SF_TRY(check_2d(op, "probs", probs, T, E, logits, "logits"));
+    SF_TRY(sf_check_float_input(op, "probs", probs));
+    SF_TRY(check_2d(op, "routing_map", routing_map, T, E, logits, "logits"));
+    SF_TRY(sf_check_dtype(op, "routing_map", routing_map, SF_BOOL));
+    SF_TRY(check_2d(op, "saved", saved, T, E, logits, "logits"));
+    SF_TRY(sf_check_dtype(op, "saved", saved, SF_FLOAT32));
+    SF_TRY(check_out(op, "probs", probs));
+    SF_TRY(check_out(op, "routing_map", routing_map));
+    SF_TRY(check_out(op, "saved", saved));
+    sf_moe_args a;
+    memset(&a, 0, sizeof a);
+    a.T = T; a.E = E; a.topk = topk; a.score = score; a.pre_softmax = pre_softmax != 0;
+    a.scaling = scaling; a.logits = logits; a.bias = expert_bias;
+    a.out = probs; a.out2 = routing_map; a.out3 = saved;
+    if (T == 0)
+        return SF_OK;
+    return SF_MOE_RUN(topk_fwd, logits->device, &a, stream);
+}
+
+sf_status sf_moe_topk_bwd(const sf_tensor *routing_map, const sf_tensor *saved,
+                          const sf_tensor *dprobs, int topk, sf_moe_score score, int pre_softmax,
+                          float scaling, sf_tensor *dlogits, sf_stream stream)
+{
+    static const char op[] = "moe_topk_bwd";
+    if (!dprobs || dprobs->ndim != 2)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'dprobs' must be 2-D [tokens, experts]", op);
+    SF_TRY(sf_check_float_input(op, "dprobs", dprobs));
+    int64_t T = dprobs->shape[0], E = dprobs->shape[1];
+    SF_TRY(check_2d(op, "dprobs", dprobs, T, E, NULL, NULL));
+    SF_TRY(check_router(op, E, topk, score));
+    SF_TRY(check_2d(op, "routing_map", routing_map, T, E, dprobs, "dprobs"));
+    SF_TRY(sf_check_dtype(op, "routing_map", routing_map, SF_BOOL));
+    SF_TRY(check_2d(op, "saved", saved, T, E, dprobs, "dprobs"));
+    SF_TRY(sf_check_dtype(op, "saved", saved, SF_FLOAT32));
+    SF_TRY(check_2d(op, "dlogits", dlogits, T, E, dprobs, "dprobs"));
+    SF_TRY(sf_check_float_input(op, "dlogits", dlogits));
+    SF_TRY(check_out(op, "dlogits", dlogits));
+    sf_moe_args a;
+    memset(&a, 0, sizeof a);
+    a.T = T; a.E = E; a.topk = topk; a.score = score; a.pre_softmax = pre_softmax != 0;
+    a.scaling = scaling; a.map = routing_map; a.saved = saved; a.grad = dprobs; a.out = dlogits;
+    if (T == 0)
+        return SF_OK;
+    return SF_MOE_RUN(topk_bwd, dprobs->device, &a, stream);
+}
+
+sf_status sf_moe_aux_scores_fwd(const sf_tensor *logits, int topk, sf_moe_score score,
+                                sf_tensor *scores, sf_tensor *routing_map, sf_tensor *saved,
+                                sf_stream stream)
+{
+    static const char op[] = "moe_aux_scores_fwd";
+    if (!logits || logits->ndim != 2)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'logits' must be 2-D [tokens, experts]", op);
+    SF_TRY(sf_check_float_input(op, "logits", logits));
+    int64_t T = logits->shape[0], E = logits->shape[1];
+    SF_TRY(check_2d(op, "logits", logits, T, E, NULL, NULL));
+    SF_TRY(check_router(op, E, topk, score));
+    SF_TRY(check_2d(op, "scores", scores, T, E, logits, "logits"));
+    SF_TRY(sf_check_float_input(op, "scores", scores));
+    SF_TRY(check_2d(op, "routing_map", routing_map, T, E, logits, "logits"));
+    SF_TRY(sf_check_dtype(op, "routing_map", routing_map, SF_BOOL));
+    SF_TRY(check_2d(op, "saved", saved, T, E, logits, "logits"));
+    SF_TRY(sf_check_dtype(op, "saved", saved, SF_FLOAT32));
+    SF_TRY(check_out(op, "scores", scores));
+    SF_TRY(check_out(op, "routing_map", routing_map));
+    SF_TRY(check_out(op, "saved", saved));
+    sf_moe_args a;
+    memset(&a, 0, sizeof a);
+    a.T = T; a.E = E; a.topk = topk; a.score = score; a.logits = logits;
+    a.out = scores; a.out2 = routing_map; a.out3 = saved;
+    if (T == 0)
+        return SF_OK;
+    return SF_MOE_RUN(aux_scores_fwd, logits->device, &a, stream);
+}
+
+sf_status sf_moe_aux_scores_bwd(const sf_tensor *saved, const sf_tensor *dscores,
+                                sf_moe_score score, sf_tensor *dlogits, sf_stream stream)
+{
+    static const char op[] = "moe_aux_scores_bwd";
+    if (!dscores || dscores->ndim != 2)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'dscores' must be 2-D [tokens, experts]", op);
+    SF_TRY(sf_check_float_input(op, "dscores", dscores));
+    int64_t T = dscores->shape[0], E = dscores->shape[1];
+    SF_TRY(check_2d(op, "dscores", dscores, T, E, NULL, NULL));
+    SF_TRY(check_router(op, E, 1, score));
+    SF_TRY(check_2d(op, "saved", saved, T, E, dscores, "dscores"));
+    SF_TRY(sf_check_dtype(op, "saved", saved, SF_FLOAT32));
+    SF_TRY(check_2d(op, "dlogits", dlogits, T, E, dscores, "dscores"));
+    SF_TRY(sf_check_float_input(op, "dlogits", dlogits));
+    SF_TRY(check_out(op, "dlogits", dlogits));
+    sf_moe_args a;
+    memset(&a, 0, sizeof a);
+    a.T = T; a.E = E; a.score = score; a.saved = saved; a.grad = dscores; a.out = dlogits;
+    if (T == 0)
+        return SF_OK;
+    return SF_MOE_RUN(aux_scores_bwd, dscores->device, &a, stream);
+}
+
+static sf_status check_tpe(const char *op, const sf_tensor *tpe, int64_t E, const sf_tensor *ref,
+                           const char *ref_arg)
+{
+    if (!tpe)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'tokens_per_expert' is required", op);
+    if (tpe->dtype != SF_INT32 && tpe->dtype != SF_INT64)
+        return sf_fail(SF_ERR_TYPE, "%s: argument 'tokens_per_expert' must have dtype int32 or "
+                       "int64, got %s", op, sf_dtype_name(tpe->dtype));
+    return check_1d(op, "tokens_per_expert", tpe, E, ref, ref_arg);
+}
+
+static sf_status check_aux_loss_args(const char *op, int64_t E, int64_t total, int topk)
+{
+    if (total < 1)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'total_num_tokens' must be at least 1, got %lld",
+                       op, (long long)total);
+    if (topk < 1 || topk > E)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'topk' must be in [1, num_experts = %lld], got %d",
+                       op, (long long)E, topk);
+    return SF_OK;
+}
+
+static sf_status check_scalar_f32(const char *op, const char *arg, const sf_tensor *t,
+                                  const sf_tensor *ref, const char *ref_arg, int writable)
+{
+    if (!t)
+        return sf_fail(SF_ERR_VALUE, "%s: argument '%s' is required", op, arg);
+    SF_TRY(sf_check_dtype(op, arg, t, SF_FLOAT32));
+    SF_TRY(sf_check_numel(op, arg, t, 1));
+    if (writable)
+        SF_TRY(sf_check_writable(op, arg, t));
+    return sf_check_same_device(op, ref_arg, ref, arg, t);
+}
+
+sf_status sf_moe_aux_loss_fwd(const sf_tensor *probs, const sf_tensor *tokens_per_expert,
+                              int64_t total_tokens, int topk, float coeff, sf_tensor *loss,
+                              sf_stream stream)
+{
+    static const char op[] = "moe_aux_loss_fwd";
+    if (!probs || probs->ndim != 2)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'probs' must be 2-D [tokens, experts]", op);
+    SF_TRY(sf_check_float_input(op, "probs", probs));
+    int64_t T = probs->shape[0], E = probs->shape[1];
+    SF_TRY(check_2d(op, "probs", probs, T, E, NULL, NULL));
+    SF_TRY(check_tpe(op, tokens_per_expert, E, probs, "probs"));
+    SF_TRY(check_aux_loss_args(op, E, total_tokens, topk));
+    SF_TRY(check_scalar_f32(op, "loss", loss, probs, "probs", 1));
+    sf_moe_args a;
+    memset(&a, 0, sizeof a);
+    a.T = T; a.E = E; a.topk = topk; a.coeff = coeff; a.total_tokens = total_tokens;
+    a.probs = probs; a.tpe = tokens_per_expert; a.out = loss;
+    return SF_MOE_RUN(aux_loss_fwd, probs->device, &a, stream);
+}
+
+sf_status sf_moe_aux_loss_bwd(const sf_tensor *dloss, const sf_tensor *tokens_per_expert,
+                              int64_t total_tokens, int topk, float coeff, sf_tensor *dprobs,
+                              sf_stream stream)
+{
+    static const char op[] = "moe_aux_loss_bwd";
+    if (!dprobs || dprobs->ndim != 2)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'dprobs' must be 2-D [tokens, experts]", op);
+    SF_TRY(sf_check_float_input(op, "dprobs", dprobs));
+    int64_t T = dprobs->shape[0], E = dprobs->shape[1];
+    SF_TRY(check_2d(op, "dprobs", dprobs, T, E, NULL, NULL));
+    SF_TRY(check_out(op, "dprobs", dprobs));
+    SF_TRY(check_tpe(op, tokens_per_expert, E, dprobs, "dprobs"));
+    SF_TRY(check_aux_loss_args(op, E, total_tokens, topk));
+    SF_TRY(check_scalar_f32(op, "dloss", dloss, dprobs, "dprobs", 0));
+    sf_moe_args a;
+    memset(&a, 0, sizeof a);
+    a.T = T; a.E = E; a.topk = topk; a.coeff = coeff; a.total_tokens = total_tokens;
+    a.dloss = dloss; a.tpe = tokens_per_expert; a.out = dprobs;
+    if (T == 0)
+        return SF_OK;
+    return SF_MOE_RUN(aux_loss_bwd, dprobs->device, &a, stream);
+}
+
+sf_status sf_moe_z_loss_fwd(const sf_tensor *logits, float coeff, sf_tensor *loss, sf_tensor *lse,
+                            sf_stream stream)
+{
+    static const char op[] = "moe_z_loss_fwd";
+    if (!logits || logits->ndim != 2)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'logits' must be 2-D [tokens, experts]", op);
+    SF_TRY(sf_check_float_input(op, "logits", logits));
+    int64_t T = logits->shape[0], E = logits->shape[1];
+    SF_TRY(check_2d(op, "logits", logits, T, E, NULL, NULL));
+    if (T < 1 || E < 1)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'logits' must have at least one token and one "
+                       "expert (the mean over no tokens is undefined)", op);
+    SF_TRY(check_scalar_f32(op, "loss", loss, logits, "logits", 1));
+    SF_TRY(sf_check_dtype(op, "lse", lse, SF_FLOAT32));
+    SF_TRY(check_1d(op, "lse", lse, T, logits, "logits"));
+    SF_TRY(check_out(op, "lse", lse));
+    sf_moe_args a;
+    memset(&a, 0, sizeof a);
+    a.T = T; a.E = E; a.coeff = coeff; a.logits = logits; a.out = loss; a.out2 = lse;
+    return SF_MOE_RUN(z_loss_fwd, logits->device, &a, stream);
+}
+
+sf_status sf_moe_z_loss_bwd(const sf_tensor *logits, const sf_tensor *lse, const sf_tensor *dloss,
+                            float coeff, sf_tensor *dlogits, sf_stream stream)
+{
+    static const char op[] = "moe_z_loss_bwd";
+    if (!logits || logits->ndim != 2)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'logits' must be 2-D [tokens, experts]", op);
+    SF_TRY(sf_check_float_input(op, "logits", logits));
+    int64_t T = logits->shape[0], E = logits->shape[1];
+    SF_TRY(check_2d(op, "logits", logits, T, E, NULL, NULL));
+    if (T < 1)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'logits' must have at least one token", op);
+    SF_TRY(sf_check_dtype(op, "lse", lse, SF_FLOAT32));
+    SF_TRY(check_1d(op, "lse", lse, T, logits, "logits"));
+    SF_TRY(check_scalar_f32(op, "dloss", dloss, logits, "logits", 0));
+    SF_TRY(check_2d(op, "dlogits", dlogits, T, E, logits, "logits"));
+    SF_TRY(sf_check_float_input(op, "dlogits", dlogits));
+    SF_TRY(check_out(op, "dlogits", dlogits));
+    sf_moe_args a;
+    memset(&a, 0, sizeof a);
+    a.T = T; a.E = E; a.coeff = coeff; a.logits = logits; a.lse = lse; a.dloss = dloss;
+    a.out = dlogits;
+    return SF_MOE_RUN(z_loss_bwd, logits->device, &a, stream);
+}
+
+/* ---- permutation ------------------------------------------------------- */
+
+/* row_id_map: [T, E] int32 on ref's device. */
+static sf_status check_row_id_map(const char *op, const sf_tensor *m, const sf_tensor *ref,
+                                  const char *ref_arg, int64_t *T, int64_t *E)
+{
+    if (!m || m->ndim != 2)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'row_id_map' must be 2-D [tokens, experts]", op);
+    SF_TRY(sf_check_dtype(op, "row_id_map", m, SF_INT32));
+    SF_TRY(sf_check_contiguous(op, "row_id_map", m));
+    if (ref)
+        SF_TRY(sf_check_same_device(op, ref_arg, ref, "row_id_map", m));
+    *T = m->shape[0];
+    *E = m->shape[1];
+    return SF_OK;
+}
+
+/* A [rows, H] float matrix (H taken from it when *H < 0). */
+static sf_status check_rows(const char *op, const char *arg, const sf_tensor *t, int64_t rows,
+                            int64_t *H, const sf_tensor *ref, const char *ref_arg)
+{
+    if (!t || t->ndim != 2)
+        return sf_fail(SF_ERR_VALUE, "%s: argument '%s' must be 2-D [rows, hidden]", op, arg);
+    SF_TRY(sf_check_float_input(op, arg, t));
+    if (*H < 0)
+        *H = t->shape[1];
+    if (rows >= 0)
+        SF_TRY(check_2d(op, arg, t, rows, *H, ref, ref_arg));
+    else
+        SF_TRY(check_2d(op, arg, t, t->shape[0], *H, ref, ref_arg));
+    return SF_OK;
+}
+
+sf_status sf_moe_row_id_map(const sf_tensor *routing_map, sf_tensor *row_id_map,
+                            sf_tensor *tokens_per_expert, sf_stream stream)
+{
+    static const char op[] = "moe_row_id_map";
+    if (!routing_map || routing_map->ndim != 2)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'routing_map' must be 2-D [tokens, experts]", op);
+    SF_TRY(sf_check_dtype(op, "routing_map", routing_map, SF_BOOL));
+    int64_t T = routing_map->shape[0], E = routing_map->shape[1], T2 = 0, E2 = 0;
+    SF_TRY(check_2d(op, "routing_map", routing_map, T, E, NULL, NULL));
+    SF_TRY(check_row_id_map(op, row_id_map, routing_map, "routing_map", &T2, &E2));
+    if (T2 != T || E2 != E)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'row_id_map' must have routing_map's shape [%lld, "
+                       "%lld]", op, (long long)T, (long long)E);
+    if (T * E >= ((int64_t)1 << 31))
+        return sf_fail(SF_ERR_VALUE, "%s: tokens x experts = %lld exceeds what int32 row ids hold",
+                       op, (long long)(T * E));
+    SF_TRY(check_out(op, "row_id_map", row_id_map));
+    SF_TRY(sf_check_dtype(op, "tokens_per_expert", tokens_per_expert, SF_INT64));
+    SF_TRY(check_1d(op, "tokens_per_expert", tokens_per_expert, E, routing_map, "routing_map"));
+    SF_TRY(check_out(op, "tokens_per_expert", tokens_per_expert));
+    sf_moe_args a;
+    memset(&a, 0, sizeof a);
+    a.T = T; a.E = E; a.map = routing_map; a.out = row_id_map; a.out2 = tokens_per_expert;
+    if (E == 0)
+        return SF_OK;
+    return SF_MOE_RUN(row_id_map, routing_map->device, &a, stream);
+}
+
+static sf_status check_probs(const char *op, const char *arg, const sf_tensor *p, int64_t T,
+                             int64_t E, const sf_tensor *ref, const char *ref_arg)
+{
+    if (!p)
+        return SF_OK;
+    SF_TRY(sf_check_float_input(op, arg, p));
+    return check_2d(op, arg, p, T, E, ref, ref_arg);
+}
+
+sf_status sf_moe_permute(const sf_tensor *inp, const sf_tensor *row_id_map, const sf_tensor *probs,
+                         sf_tensor *out, sf_tensor *out_probs, sf_stream stream)
+{
+    static const char op[] = "moe_permute";
+    int64_t T = 0, E = 0, H = -1;
+    SF_TRY(check_row_id_map(op, row_id_map, NULL, NULL, &T, &E));
+    SF_TRY(check_rows(op, "inp", inp, T, &H, row_id_map, "row_id_map"));
+    SF_TRY(check_rows(op, "out", out, -1, &H, row_id_map, "row_id_map"));
+    if (out->dtype != inp->dtype)
+        return sf_fail(SF_ERR_TYPE, "%s: argument 'out' must have inp's dtype %s, got %s", op,
+                       sf_dtype_name(inp->dtype), sf_dtype_name(out->dtype));
+    SF_TRY(check_out(op, "out", out));
+    int64_t N = out->shape[0];
+    if ((probs != NULL) != (out_probs != NULL))
+        return sf_fail(SF_ERR_VALUE, "%s: arguments 'probs' and 'out_probs' go together", op);
+    SF_TRY(check_probs(op, "probs", probs, T, E, row_id_map, "row_id_map"));
+    if (out_probs) {
+        SF_TRY(sf_check_float_input(op, "out_probs", out_probs));
+        SF_TRY(check_1d(op, "out_probs", out_probs, N, row_id_map, "row_id_map"));
+        SF_TRY(check_out(op, "out_probs", out_probs));
+    }
+    sf_moe_args a;
+    memset(&a, 0, sizeof a);
+    a.T = T; a.E = E; a.H = H; a.N = N; a.inp = inp; a.map = row_id_map; a.probs = probs;
+    a.out = out; a.out2 = out_probs;
+    if (T == 0 || N == 0)
+        return SF_OK;
+    return SF_MOE_RUN(permute, inp->device, &a, stream);
+}
+
+sf_status sf_moe_unpermute(const sf_tensor *inp, const sf_tensor *row_id_map,
+                           const sf_tensor *probs, sf_tensor *out, sf_stream stream)
+{
+    static const char op[] = "moe_unpermute";
+    int64_t T = 0, E = 0, H = -1;
+    SF_TRY(check_row_id_map(op, row_id_map, NULL, NULL, &T, &E));
+    SF_TRY(check_rows(op, "inp", inp, -1, &H, row_id_map, "row_id_map"));
+    SF_TRY(check_rows(op, "out", out, T, &H, row_id_map, "row_id_map"));
+    if (out->dtype != inp->dtype)
+        return sf_fail(SF_ERR_TYPE, "%s: argument 'out' must have inp's dtype %s, got %s", op,
+                       sf_dtype_name(inp->dtype), sf_dtype_name(out->dtype));
+    SF_TRY(check_out(op, "out", out));
+    SF_TRY(check_probs(op, "probs", probs, T, E, row_id_map, "row_id_map"));
+    sf_moe_args a;
+    memset(&a, 0, sizeof a);
+    a.T = T; a.E = E; a.H = H; a.N = inp->shape[0]; a.inp = inp; a.map = row_id_map;
+    a.probs = probs; a.out = out;
+    if (T == 0 || H == 0)
+        return SF_OK;
+    return SF_MOE_RUN(unpermute, inp->device, &a, stream);
+}
+
+sf_status sf_moe_unpermute_bwd(const sf_tensor *dout, const sf_tensor *inp,
+                               const sf_tensor *row_id_map, const sf_tensor *probs,
+                               sf_tensor *dinp, sf_tensor *dprobs, sf_stream stream)
+{
+    static const char op[] = "moe_unpermute_bwd";
+    int64_t T = 0, E = 0, H = -1;
+    SF_TRY(check_row_id_map(op, row_id_map, NULL, NULL, &T, &E));
+    SF_TRY(check_rows(op, "dout", dout, T, &H, row_id_map, "row_id_map"));
+    SF_TRY(check_rows(op, "dinp", dinp, -1, &H, row_id_map, "row_id_map"));
+    if (dinp->dtype != dout->dtype)
+        return sf_fail(SF_ERR_TYPE, "%s: argument 'dinp' must have dout's dtype %s, got %s", op,
+                       sf_dtype_name(dout->dtype), sf_dtype_name(dinp->dtype));
+    SF_TRY(check_out(op, "dinp", dinp));
+    int64_t N = dinp->shape[0];
+    SF_TRY(check_probs(op, "probs", probs, T, E, row_id_map, "row_id_map"));
+    if (probs) {
+        if (!inp || !dprobs)
+            return sf_fail(SF_ERR_VALUE, "%s: with 'probs', arguments 'inp' (the forward's input) and "
+                           "'dprobs' are required", op);
+        SF_TRY(check_rows(op, "inp", inp, N, &H, row_id_map, "row_id_map"));
+        SF_TRY(check_probs(op, "dprobs", dprobs, T, E, row_id_map, "row_id_map"));
+        SF_TRY(check_out(op, "dprobs", dprobs));
+    } else if (dprobs) {
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'dprobs' needs 'probs'", op);
+    }
+    sf_moe_args a;
+    memset(&a, 0, sizeof a);
+    a.T = T; a.E = E; a.H = H; a.N = N; a.grad = dout; a.inp = inp; a.map = row_id_map;
+    a.probs = probs; a.out = dinp; a.out2 = dprobs;
+    if (T == 0 || (N == 0 && !dprobs))
+        return SF_OK;
+    return SF_MOE_RUN(unpermute_bwd, dout->device, &a, stream);
+}
+
+sf_status sf_moe_permute_probs_bwd(const sf_tensor *row_id_map, const sf_tensor *dout_probs,
+                                   sf_tensor *dprobs, sf_stream stream)
+{
+    static const char op[] = "moe_permute_probs_bwd";
+    int64_t T = 0, E = 0;
+    SF_TRY(check_row_id_map(op, row_id_map, NULL, NULL, &T, &E));
+    if (!dout_probs || dout_probs->ndim != 1)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'dout_probs' must be 1-D [rows]", op);
+    SF_TRY(sf_check_float_input(op, "dout_probs", dout_probs));
+    SF_TRY(check_1d(op, "dout_probs", dout_probs, dout_probs->shape[0], row_id_map, "row_id_map"));
+    SF_TRY(check_probs(op, "dprobs", dprobs, T, E, row_id_map, "row_id_map"));
+    if (!dprobs)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'dprobs' is required", op);
+    SF_TRY(check_out(op, "dprobs", dprobs));
+    sf_moe_args a;
+    memset(&a, 0, sizeof a);
+    a.T = T; a.E = E; a.N = dout_probs->shape[0]; a.map = row_id_map; a.grad = dout_probs;
+    a.out = dprobs;
+    if (T == 0 || E == 0)
+        return SF_OK;
+    return SF_MOE_RUN(permute_probs_bwd, row_id_map->device, &a, stream);
+}
+
+/* ---- probability-scaled SwiGLU ------------------------------------------ */
+
+/* x [N, 2F] and probs [N] (optional); returns N and F. */
+static sf_status check_swiglu_input(const char *op, const sf_tensor *x, const sf_tensor *probs,
+                                    int64_t *N, int64_t *F)
+{
+    if (!x || x->ndim != 2 || x->shape[1] % 2 != 0)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'x' must be 2-D [rows, 2 * ffn] (gate then up "
+                       "halves), with an even last dimension", op);
+    SF_TRY(sf_check_float_input(op, "x", x));
+    SF_TRY(sf_check_contiguous(op, "x", x));
+    *N = x->shape[0];
+    *F = x->shape[1] / 2;
+    if (probs) {
+        SF_TRY(sf_check_float_input(op, "probs", probs));
+        SF_TRY(check_1d(op, "probs", probs, *N, x, "x"));
+    }
+    return SF_OK;
+}
+
+sf_status sf_moe_swiglu_fwd(const sf_tensor *x, const sf_tensor *probs, sf_tensor *out,
+                            sf_stream stream)
+{
+    static const char op[] = "moe_swiglu_fwd";
+    int64_t N = 0, F = 0;
+    SF_TRY(check_swiglu_input(op, x, probs, &N, &F));
+    SF_TRY(check_2d(op, "out", out, N, F, x, "x"));
+    SF_TRY(sf_check_dtype(op, "out", out, x->dtype));
+    SF_TRY(check_out(op, "out", out));
+    sf_moe_args a;
+    memset(&a, 0, sizeof a);
+    a.N = N; a.H = F; a.inp = x; a.probs = probs; a.out = out;
+    if (N == 0 || F == 0)
+        return SF_OK;
+    return SF_MOE_RUN(swiglu_fwd, x->device, &a, stream);
+}
+
+sf_status sf_moe_swiglu_bwd(const sf_tensor *dout, const sf_tensor *x, const sf_tensor *probs,
+                            sf_tensor *dx, sf_tensor *dprobs, sf_stream stream)
+{
+    static const char op[] = "moe_swiglu_bwd";
+    int64_t N = 0, F = 0;
+    SF_TRY(check_swiglu_input(op, x, probs, &N, &F));
+    SF_TRY(check_2d(op, "dout", dout, N, F, x, "x"));
+    SF_TRY(sf_check_float_input(op, "dout", dout));
+    SF_TRY(check_2d(op, "dx", dx, N, 2 * F, x, "x"));
+    SF_TRY(sf_check_dtype(op, "dx", dx, x->dtype));
+    SF_TRY(check_out(op, "dx", dx));
+    if (dprobs) {
+        if (!probs)
+            return sf_fail(SF_ERR_VALUE, "%s: argument 'dprobs' needs 'probs'", op);
+        SF_TRY(sf_check_float_input(op, "dprobs", dprobs));
+        SF_TRY(check_1d(op, "dprobs", dprobs, N, x, "x"));
+        SF_TRY(check_out(op, "dprobs", dprobs));
+    }
+    sf_moe_args a;
+    memset(&a, 0, sizeof a);
+    a.N = N; a.H = F; a.inp = x; a.probs = probs; a.grad = dout; a.out = dx; a.out2 = dprobs;
+    if (N == 0)
+        return SF_OK;
+    return SF_MOE_RUN(swiglu_bwd, x->device, &a, stream);
+}

@@ -1,0 +1,382 @@
+"""GroupedLinear: Transformer Engine's GroupedLinear over seqfuse's grouped GEMM.
+
+G linear layers applied to consecutive row blocks of one input: rows
+[offset_g, offset_g + m_splits[g]) of inp go through y_g = x_g W_g^T + b_g.
+This is a mixture-of-experts layer's expert GEMM after the tokens have been
+permuted into expert order (seqfuse.ops.moe.moe_permute).  A training step
+is three grouped GEMMs (seqfuse.ops.moe.grouped_gemm), each one call over
+all experts:
+
+    forward  y_g  = x_g  @ W_g^T  (+ b_g in the epilogue)
+    dgrad    dx_g = dy_g @ W_g
+    wgrad    dW_g = dy_g^T @ x_g  (+ db_g in the epilogue; zero for an
+                                   expert that received no tokens)
+
+Parameters: one per expert, named weight0 .. weight{G-1} and bias0 ..
+bias{G-1} as TE names them, so TE / Megatron checkpoints map one to one.
+One parameter per expert rather than one stacked [G, out, in] parameter
+because (1) FSDP2's fully_shard shards each parameter along dim 0, which
+for a stacked tensor would cut across experts, while per-expert
+parameters shard each expert's own rows; (2) expert parallelism assigns
+whole experts to ranks, which is a choice of parameters, not a slice of
+one; (3) optimizers and gradient clipping see each expert as its own
+tensor, as with the dense Linear.  The grouped GEMM takes the list of
+weights directly, so nothing is stacked (copied) per step.
+
+Precision: the GEMMs run in torch.autocast's dtype where it is on, else the
+parameters' dtype.  Under seqfuse's FP8 autocast (fp8_autocast) the three
+grouped GEMMs run in FP8 under DelayedScaling, Float8CurrentScaling or
+Float8BlockScaling, with operands made by the same quantization layer as
+Linear (seqfuse.quantization.gemm_quantizers, and the GEMM operand helpers
+of modules/_fp8.py): a GemmQuantizers of num_gemms GEMMs, TE's layout of
+3 x num_gemms scaling slots (expert g's input 3g, weight 3g + 1, output
+gradient 3g + 2), one scale (or one set of block scales) per expert and
+operand.  Each expert's rows are quantized on their own and padded to a
+multiple of 16 (the FP8 GEMMs' granularity; zero rows), so the forward and
+input-gradient results are computed over padded row blocks and gathered
+back to the real rows (one copy of the output, where some expert's count
+is not a multiple of 16).  The weight gradient takes the experts'
+transposed (column-wise) copies.  MXFP8 / NVFP4 raise NotImplementedError
+(their GEMMs need compute capability 10.x).
+
+Weight-gradient accumulation: where every weight carries a float32
+``main_grad``, dW_g is accumulated into it by the GEMM (beta = 1) and the
+weight's .grad is left None (``grad_added_to_main_grad`` set where present).
+"""
+import torch
+
+from .. import quantization as _q
+from ..ops import moe as moe_ops
+from ..quantization import gemm_quantizers as _gq
+from . import _fp8 as F8
+from ._base import default_device
+from ._input import check_input
+
+__all__ = ["GroupedLinear", "GroupedLinearFunction", "Fp8GroupedLinearFunction"]
+
+#: TE arguments accepted with only their default value (parallelism, overlap).
+_TE_DEFAULTS = {"sequence_parallel": False, "tp_group": None, "tp_size": 1, "parallel_mode": None,
+                "ub_overlap_ag": False, "ub_overlap_rs": False, "ub_name": None,
+                "delay_wgrad_compute": False, "save_original_input": False}
+_TE_IGNORED = ("name", "get_rng_state_tracker", "rng_tracker_name")
+
+
+def _compute_dtype(x, weight):
+    dev = x.device.type
+    if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return weight.dtype
+
+
+class GroupedLinearFunction(torch.autograd.Function):
+    """Autograd of y_g = x_g W_g^T + b_g over host m_splits.
+
+    forward(x [sum(m_splits), in], m_splits (tuple of ints), dtype, num_gemms,
+    use_bias, *weights, *biases)."""
+
+    @staticmethod
+    def forward(ctx, x, m_splits, dtype, G, use_bias, *params):
+        weights, biases = params[:G], params[G:] if use_bias else None
+        xc = (x if x.dtype == dtype else x.to(dtype)).detach()
+        wc = [(w if w.dtype == dtype else w.to(dtype)).detach() for w in weights]
+        bc = None
+        if use_bias:
+            bc = [(b if b.dtype == dtype else b.to(dtype)).detach() for b in biases]
+        y = moe_ops.grouped_gemm(xc, wc, m_splits, transb=True, bias=bc)
+        ctx.save_for_backward(xc, *wc)
+        ctx.weights = weights  # the parameter objects, for main_grad
+        ctx.m_splits, ctx.dtype, ctx.G, ctx.use_bias = m_splits, dtype, G, use_bias
+        ctx.bias_dtypes = [b.dtype for b in biases] if use_bias else None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xc, *wc = ctx.saved_tensors
+        G, dtype, splits = ctx.G, ctx.dtype, ctx.m_splits
+        dy = moe_ops.dense(dy if dy.dtype == dtype else dy.to(dtype))
+        need_dx = ctx.needs_input_grad[0]
+        need_dw = any(ctx.needs_input_grad[5:5 + G])
+        need_db = ctx.use_bias and any(ctx.needs_input_grad[5 + G:])
+        dx = moe_ops.grouped_gemm(dy, wc, splits) if need_dx else None
+        dws = [None] * G
+        dbs = [None] * G if ctx.use_bias else []
+        if need_dw or need_db:
+            weights = ctx.weights
+            mains = [getattr(w, "main_grad", None) for w in weights] if need_dw else [None]
+            use_main = need_dw and all(m is not None for m in mains)
+            if use_main:
+                res = moe_ops.grouped_gemm(dy, xc, splits, transa=True, out=mains, accumulate=True,
+                                           bgrad=need_db)
+            else:
+                res = moe_ops.grouped_gemm(dy, xc, splits, transa=True, bgrad=need_db)
+            if need_db:
+                res, db = res
+                dbs = [db[g].to(ctx.bias_dtypes[g]) for g in range(G)]
+            if use_main:
+                for w in weights:
+                    if hasattr(w, "grad_added_to_main_grad"):
+                        w.grad_added_to_main_grad = True
+            elif need_dw:
+                dws = [res[g] if res.dtype == weights[g].dtype else res[g].to(weights[g].dtype)
+                       for g in range(G)]
+        return (dx, None, None, None, None, *dws, *dbs)
+
+
+class GroupedLinear(torch.nn.Module):
+    """G linear layers over consecutive row blocks, TE's
+    ``transformer_engine.pytorch.GroupedLinear``.
+
+    num_gemms: G (experts); in_features, out_features: sizes of each;
+    bias: learn a bias per expert; params_dtype (default torch's default
+    dtype); device ("cuda" where usable by default; "meta" defers
+    initialization: call reset_parameters()); init_method: callable(weight)
+    applied to each expert's weight in place (default normal, std 0.023, as
+    TE); return_bias: return (y, [bias0, ...]) and leave the add to the
+    caller; fuse_wgrad_accumulation: accepted (accumulation into main_grad
+    happens whenever every weight carries one).
+
+    forward(inp [sum(m_splits), in_features] (or [..., in_features] whose
+    rows add up), m_splits: G ints (host values; a CPU tensor is read)).
+    """
+
+    def __init__(self, num_gemms, in_features, out_features, bias=True, params_dtype=None, device=None,
+                 init_method=None, return_bias=False, fuse_wgrad_accumulation=False, **unsupported):
+        super().__init__()
+        for name, value in unsupported.items():
+            if name in _TE_IGNORED:
+                continue
+            if name not in _TE_DEFAULTS:
+                raise TypeError(f"GroupedLinear: unexpected argument {name!r}")
+            if value != _TE_DEFAULTS[name]:
+                raise NotImplementedError(f"GroupedLinear: argument '{name}'={value!r} is not supported "
+                                          "(no tensor/sequence parallelism or comm overlap here)")
+        if isinstance(num_gemms, bool) or not isinstance(num_gemms, int) or num_gemms < 1:
+            raise ValueError(f"GroupedLinear: num_gemms must be a positive int, got {num_gemms!r}")
+        if in_features <= 0 or out_features <= 0:
+            raise ValueError(f"GroupedLinear: in_features and out_features must be positive, got "
+                             f"{in_features} and {out_features}")
+        self.num_gemms = num_gemms
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.use_bias = bool(bias)
+        self.return_bias = bool(return_bias)
+        self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
+        self.init_method = init_method
+        dtype = params_dtype or torch.get_default_dtype()
+        device = default_device(device)
+        for g in range(num_gemms):
+            self.register_parameter(f"weight{g}", torch.nn.Parameter(
+                torch.empty(self.out_features, self.in_features, dtype=dtype, device=device)))
+            if self.use_bias:
+                self.register_parameter(f"bias{g}", torch.nn.Parameter(
+                    torch.empty(self.out_features, dtype=dtype, device=device)))
+            else:
+                self.register_parameter(f"bias{g}", None)
+        # FP8: the quantizers of num_gemms GEMMs (scaling state made at the first FP8 use)
+        self.__dict__["_fp8_quantizers"] = _gq.GemmQuantizers("GroupedLinear", num_gemms)
+        if device.type != "meta":
+            self.reset_parameters()
+
+    def weights(self):
+        return [getattr(self, f"weight{g}") for g in range(self.num_gemms)]
+
+    def biases(self):
+        return [getattr(self, f"bias{g}") for g in range(self.num_gemms)] if self.use_bias else []
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        for w in self.weights():
+            if self.init_method is not None:
+                self.init_method(w)
+            else:
+                w.normal_(0.0, 0.023)
+        for b in self.biases():
+            b.zero_()
+
+    def extra_repr(self):
+        return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, bias={self.use_bias}, "
+                f"params_dtype={self.weight0.dtype}")
+
+    def fp8_features(self):
+        """(name, size) of the FP8 GEMMs' feature dimensions (checked per recipe)."""
+        return (("in_features", self.in_features), ("out_features", self.out_features))
+
+    #: Marks an FP8 GEMM module for seqfuse.quantization's helpers
+    #: (init_fp8_state, quantizers_for).  The count is per instance here: the
+    #: module makes its GemmQuantizers of num_gemms GEMMs in __init__, which
+    #: quantizers_for then finds and adopts.
+    fp8_num_gemms = 1
+
+    def _quantizers(self, recipe, device):
+        """This module's GemmQuantizers under ``recipe`` (per-tensor recipes only)."""
+        q = _gq.quantizers_for(self, recipe, device)
+        return q
+
+    def forward(self, inp, m_splits, is_first_microbatch=None):
+        """y for inp [sum(m_splits), in_features].  is_first_microbatch (TE):
+        under FP8, True re-quantizes the weights, False reuses the previous
+        call's, None re-quantizes a weight only when it changed."""
+        check_input("GroupedLinear", inp, self.in_features, "in_features")
+        splits = tuple(moe_ops.host_splits("GroupedLinear", m_splits))
+        if len(splits) != self.num_gemms:
+            raise ValueError(f"GroupedLinear: m_splits must hold num_gemms = {self.num_gemms} row "
+                             f"counts, got {len(splits)}")
+        recipe = _q.get_recipe() if _q.is_fp8_enabled() else None
+        lead = inp.shape[:-1]
+        x = inp.reshape(-1, self.in_features)
+        if sum(splits) != x.shape[0]:
+            raise ValueError(f"GroupedLinear: m_splits add up to {sum(splits)} rows but the input has "
+                             f"{x.shape[0]}")
+        weights, biases = self.weights(), self.biases()
+        dtype = _compute_dtype(inp, weights[0])
+        use_bias = self.use_bias and not self.return_bias
+        params = weights + (biases if use_bias else [])
+        if recipe is not None:
+            q = self._quantizers(recipe, x.device)
+            y = Fp8GroupedLinearFunction.apply(x, splits, dtype, self.num_gemms, use_bias,
+                                               (q, is_first_microbatch), *params)
+        else:
+            y = GroupedLinearFunction.apply(x, splits, dtype, self.num_gemms, use_bias, *params)
+        if inp.dim() != 2:
+            y = y.view(*lead, self.out_features)
+        if self.return_bias:
+            return y, biases
+        return y
+
+
+# ---- FP8 ---------------------------------------------------------------------
+
+def _empty_operand(k, fp8_dtype, device):
+    """The FP8 operand triple of an expert with no rows: [0, k] data, its
+    [k, 0] transposed copy, a scale inverse that is never read (the group
+    is skipped, or its product is the empty sum)."""
+    data = torch.empty((0, k), dtype=fp8_dtype, device=device)
+    data_t = torch.empty((k, 0), dtype=fp8_dtype, device=device)
+    return data, data_t, torch.ones(1, dtype=torch.float32, device=device)
+
+
+def _unpad(y, splits, padded):
+    """The real rows of a result computed over padded row blocks."""
+    if tuple(splits) == tuple(padded):
+        return y
+    parts, o = [], 0
+    for m, p in zip(splits, padded):
+        if m:
+            parts.append(y[o:o + m])
+        o += p
+    if not parts:
+        return y.new_empty((0, y.shape[1]))
+    return torch.cat(parts)
+
+
+def _grouped(a, b, splits, out, **kw):
+    """The grouped FP8 GEMM over lists of operand triples (data, scale_inv,
+    scaling), b given as [n, k] (transb)."""
+    return moe_ops.grouped_gemm([x[0] for x in a], [x[0] for x in b], splits, transb=True, out=out,
+                                a_scale_inv=[x[1] for x in a], b_scale_inv=[x[1] for x in b],
+                                a_scaling=_mode(a), b_scaling=_mode(b), **kw)
+
+
+def _mode(triples):
+    modes = {t[2] for t in triples if t[0].numel()}
+    return (modes.pop() if modes else None) or "tensor"
+
+
+class Fp8GroupedLinearFunction(torch.autograd.Function):
+    """Autograd of y_g = x_g W_g^T + b_g with FP8 grouped GEMMs (see the module
+    note).  forward(x, m_splits, dtype, num_gemms, use_bias,
+    (quantizers, is_first_microbatch), *weights, *biases).  Operands are
+    modules._fp8's triples (data, scale_inv, scaling), one per expert."""
+
+    @staticmethod
+    def forward(ctx, x, m_splits, dtype, G, use_bias, qargs, *params):
+        q, first = qargs
+        kind = q.kind
+        weights, biases = params[:G], params[G:] if use_bias else None
+        need_w = any(ctx.needs_input_grad[6:6 + G])
+        x = x.detach()
+        K = x.shape[1]
+        padded = tuple(_gq.padded_rows(m) for m in m_splits)
+        pairs = [q.weights[g].get(weights[g], first) for g in range(G)]
+        xs = x.split(list(m_splits))
+        x_row, x_col = [], []
+        for g in range(G):
+            if m_splits[g] == 0:
+                d, dt, si = _empty_operand(K, q.inputs[g].fp8_dtype, x.device)
+                x_row.append((d, si, None))
+                x_col.append((dt, si, None))
+                continue
+            xq = q.inputs[g].quantize(xs[g], transpose=need_w)
+            x_row.append(F8.rowwise(xq, kind))
+            x_col.append(F8.columnwise(xq, kind) if need_w else None)
+        w_fwd = [F8.weight_forward(p, kind) for p in pairs]
+        bias = None
+        if use_bias:
+            # cuBLASLt's FP8 kernels take the bias in bfloat16 (float16 for a float16 output)
+            want = torch.float16 if dtype == torch.float16 else torch.bfloat16
+            bias = [b.detach().to(want) for b in biases]
+        N = w_fwd[0][0].shape[0]
+        out = torch.empty((sum(padded), N), dtype=dtype, device=x.device)
+        y = _unpad(_grouped(x_row, w_fwd, padded, out, bias=bias, fast_accum=kind != "block"),
+                   m_splits, padded)
+        w_dg = [F8.weight_dgrad(p, kind) for p in pairs]
+        saved = [t for op in w_dg for t in op[:2]]
+        if need_w:
+            saved += [t for op in x_col for t in op[:2]]
+        ctx.save_for_backward(*saved)
+        ctx.modes = ([op[2] for op in w_dg], [op[2] for op in x_col] if need_w else None)
+        ctx.q, ctx.G, ctx.dtype, ctx.m_splits, ctx.padded, ctx.K = q, G, dtype, m_splits, padded, K
+        ctx.weights = weights
+        ctx.bias_dtypes = [b.dtype for b in biases] if use_bias else None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        G, q, dtype, splits, padded = ctx.G, ctx.q, ctx.dtype, ctx.m_splits, ctx.padded
+        kind = q.kind
+        saved = ctx.saved_tensors
+        w_modes, x_modes = ctx.modes
+        w_dg = [(saved[2 * g], saved[2 * g + 1], w_modes[g]) for g in range(G)]
+        x_col = None
+        if x_modes is not None:
+            x_col = [(saved[2 * G + 2 * g], saved[2 * G + 2 * g + 1], x_modes[g]) for g in range(G)]
+        need_dx = ctx.needs_input_grad[0]
+        need_dw = any(ctx.needs_input_grad[6:6 + G])
+        need_db = ctx.bias_dtypes is not None and any(ctx.needs_input_grad[6 + G:])
+        weights = ctx.weights
+        dy = moe_ops.dense(dy)
+        N = dy.shape[1]
+        dys = dy.split(list(splits))
+        g_row, g_col, dbs = [], [], []
+        for g in range(G):
+            if splits[g] == 0:
+                d, dt, si = _empty_operand(N, q.grads[g].fp8_dtype, dy.device)
+                g_row.append((d, si, None))
+                g_col.append((dt, si, None))
+                dbs.append(torch.zeros(N, dtype=ctx.bias_dtypes[g], device=dy.device) if need_db else None)
+                continue
+            gq, db = q.grads[g].quantize_grad(dys[g], ctx.bias_dtypes[g] if need_db else None,
+                                              need_dgrad=need_dx, need_wgrad=need_dw)
+            g_row.append(F8.rowwise(gq, kind) if need_dx else None)
+            g_col.append(F8.columnwise(gq, kind) if need_dw else None)
+            dbs.append(db)
+        dx = None
+        if need_dx:
+            out = torch.empty((sum(padded), ctx.K), dtype=dtype, device=dy.device)
+            dx = _unpad(_grouped(g_row, w_dg, padded, out), splits, padded)
+        dws = [None] * G
+        if need_dw:
+            mains = [getattr(w, "main_grad", None) for w in weights]
+            if all(m is not None for m in mains):
+                _grouped(g_col, x_col, padded, mains, accumulate=True)
+                for w in weights:
+                    if hasattr(w, "grad_added_to_main_grad"):
+                        w.grad_added_to_main_grad = True
+            else:
+                res = _grouped(g_col, x_col, padded, None, out_dtype=F8.wgrad_dtype(weights[0].dtype))
+                dws = [res[g] if res.dtype == weights[g].dtype else res[g].to(weights[g].dtype)
+                       for g in range(G)]
+        grads_b = []
+        if ctx.bias_dtypes is not None:
+            grads_b = dbs if need_db else [None] * G
+        return (dx, None, None, None, None, None, *dws, *grads_b)

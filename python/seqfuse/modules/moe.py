@@ -1,0 +1,143 @@
+"""GroupedMLP: a Mixtral-style mixture-of-experts feed-forward block built
+from seqfuse's router, token permutation and grouped GEMMs.
+
+For tokens x [T, hidden] (any leading shape):
+
+    logits          = x @ W_router^T                       [T, E]   (Linear)
+    probs, map      = fused_topk_with_score_function(logits, topk)  (C router)
+    xp, p, row_ids  = moe_permute_with_probs(x, probs, map)  [N, hidden], N = T * topk
+    h               = fc1(xp, m_splits)                     [N, 2 * ffn]  (GroupedLinear)
+    a               = swiglu(h) * p                         [N, ffn]  (gate = first half)
+    y_e             = fc2(a, m_splits)                      [N, hidden]   (GroupedLinear)
+    out             = moe_unpermute(y_e, row_ids)           [T, hidden]  (sum over a token's experts)
+
+m_splits (tokens per expert) are read to the host once per forward (the
+grouped GEMMs take host row counts): the block's one host synchronization.
+The routing weight scales the SwiGLU output (Megatron's placement, which
+keeps nothing between the two GEMMs but the activation); mathematically
+the same as weighting the expert outputs in the un-permutation, as
+transformers' MixtralSparseMoeBlock does.
+
+Auxiliary losses: with aux_loss_coeff > 0 the load-balancing loss
+(fused_compute_score_for_moe_aux_loss + fused_moe_aux_loss, Switch /
+GShard form) and with z_loss_coeff > 0 the router z-loss are computed in
+the forward and left in ``self.aux_loss`` (a float32 scalar with autograd
+history, or None): add it to the training loss.
+
+Expert weights: fc1.weight{e} is [2 * ffn, hidden], rows [0, ffn) the gate
+projection (Mixtral's w1) and [ffn, 2 ffn) the up projection (w3);
+fc2.weight{e} is [hidden, ffn] (w2).  Under an FP8 autocast with a
+per-tensor recipe the two grouped GEMMs run in FP8 (GroupedLinear's FP8
+path); the router and the SwiGLU stay in the activation dtype (the SwiGLU
+output is quantized by fc2's input quantizer, per expert: the cast is not
+yet fused into the SwiGLU kernel).
+"""
+import torch
+
+from ..ops import moe as moe_ops
+from ._base import default_device
+from ._input import check_input
+from .grouped_linear import GroupedLinear
+
+__all__ = ["GroupedMLP"]
+
+
+class GroupedMLP(torch.nn.Module):
+    """A mixture-of-experts SwiGLU MLP: router, permutation, two grouped GEMMs.
+
+    hidden_size, ffn_hidden_size: the sizes of each expert's MLP;
+    num_experts, topk: experts and experts per token;
+    score_function: "softmax" or "sigmoid"; use_pre_softmax: softmax over
+    all experts before the top-k (else over the selected logits, Mixtral's
+    choice renormalised); scaling_factor: times the probabilities;
+    expert_bias: learnable-free selection bias [E] (sigmoid only; a buffer
+    updated by the caller, as in DeepSeek-V3's aux-loss-free balancing);
+    aux_loss_coeff, z_loss_coeff: the auxiliary losses (0: off);
+    bias: biases in the experts' GEMMs; params_dtype, device, init_method
+    as for GroupedLinear (the router is float32-initialised the same way).
+    """
+
+    def __init__(self, hidden_size, ffn_hidden_size, num_experts, topk, *, score_function="softmax",
+                 use_pre_softmax=False, scaling_factor=None, expert_bias=False, aux_loss_coeff=0.0,
+                 z_loss_coeff=0.0, bias=False, params_dtype=None, device=None, init_method=None):
+        super().__init__()
+        if num_experts < 1 or not 1 <= topk <= num_experts:
+            raise ValueError(f"GroupedMLP: need num_experts >= 1 and 1 <= topk <= num_experts, got "
+                             f"num_experts={num_experts}, topk={topk}")
+        if score_function not in ("softmax", "sigmoid"):
+            raise ValueError(f"GroupedMLP: score_function must be 'softmax' or 'sigmoid', got "
+                             f"{score_function!r}")
+        if expert_bias and score_function != "sigmoid":
+            raise ValueError("GroupedMLP: expert_bias goes with score_function='sigmoid' only")
+        self.hidden_size, self.ffn_hidden_size = int(hidden_size), int(ffn_hidden_size)
+        self.num_experts, self.topk = int(num_experts), int(topk)
+        self.score_function, self.use_pre_softmax = score_function, bool(use_pre_softmax)
+        self.scaling_factor = scaling_factor
+        self.aux_loss_coeff, self.z_loss_coeff = float(aux_loss_coeff), float(z_loss_coeff)
+        dtype = params_dtype or torch.get_default_dtype()
+        device = default_device(device)
+        self.router_weight = torch.nn.Parameter(torch.empty(self.num_experts, self.hidden_size,
+                                                            dtype=dtype, device=device))
+        if expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32,
+                                                            device=device))
+        else:
+            self.expert_bias = None
+        self.init_method = init_method
+        self.fc1 = GroupedLinear(self.num_experts, self.hidden_size, 2 * self.ffn_hidden_size, bias=bias,
+                                 params_dtype=dtype, device=device, init_method=init_method)
+        self.fc2 = GroupedLinear(self.num_experts, self.ffn_hidden_size, self.hidden_size, bias=bias,
+                                 params_dtype=dtype, device=device, init_method=init_method)
+        self.aux_loss = None
+        if device.type != "meta":
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        if self.init_method is not None:
+            self.init_method(self.router_weight)
+        else:
+            self.router_weight.normal_(0.0, 0.023)
+        self.fc1.reset_parameters()
+        self.fc2.reset_parameters()
+
+    def extra_repr(self):
+        return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
+                f"num_experts={self.num_experts}, topk={self.topk}, score_function={self.score_function}")
+
+    def route(self, x):
+        """(probs [T, E] float32, routing_map [T, E], logits [T, E] float32)."""
+        logits = torch.nn.functional.linear(x, self.router_weight.to(x.dtype)).float()
+        probs, routing_map = moe_ops.fused_topk_with_score_function(
+            logits, self.topk, use_pre_softmax=self.use_pre_softmax, scaling_factor=self.scaling_factor,
+            score_function=self.score_function, expert_bias=self.expert_bias)
+        return probs, routing_map, logits
+
+    def _aux_losses(self, logits):
+        loss = None
+        if self.aux_loss_coeff > 0:
+            aux_map, scores = moe_ops.fused_compute_score_for_moe_aux_loss(logits, self.topk,
+                                                                           self.score_function)
+            tpe = aux_map.sum(0)
+            loss = moe_ops.fused_moe_aux_loss(scores, tpe, logits.shape[0], self.num_experts, self.topk,
+                                              self.aux_loss_coeff)
+        if self.z_loss_coeff > 0:
+            z = moe_ops.moe_z_loss(logits, self.z_loss_coeff)
+            loss = z if loss is None else loss + z
+        return loss
+
+    def forward(self, hidden_states):
+        check_input("GroupedMLP", hidden_states, self.hidden_size, "hidden_size")
+        lead = hidden_states.shape[:-1]
+        x = hidden_states.reshape(-1, self.hidden_size)
+        probs, routing_map, logits = self.route(x)
+        # no tokens (an idle rank): no auxiliary loss (its mean over tokens is undefined)
+        self.aux_loss = self._aux_losses(logits) if self.training and x.shape[0] else None
+        row_ids, tokens_per_expert = moe_ops.moe_row_id_map(routing_map)
+        m_splits = tokens_per_expert.tolist()  # the block's one host synchronization
+        xp, pp = moe_ops.moe_permute_by_row_id_map(x, row_ids, sum(m_splits), probs)
+        h = self.fc1(xp, m_splits)
+        a = moe_ops.scaled_swiglu(h, pp)
+        y = self.fc2(a, m_splits)
+        out = moe_ops.moe_unpermute(y, row_ids)
+        return out.view(*lead, self.hidden_size)

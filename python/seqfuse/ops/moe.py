@@ -1,0 +1,565 @@
+"""Mixture-of-experts ops: the grouped GEMM (csrc/grouped/), the router and
+the token permutation (csrc/moe/), each one strict entry over seqfuse._C.
+
+Names and semantics follow Transformer Engine's PyTorch API where it has
+them, so MoE code written for TE ports by changing the import:
+
+    grouped_gemm(a, b, m_splits, ...)              G GEMMs, one call
+    fused_topk_with_score_function(logits, topk, ...)  -> (probs, routing_map)
+    fused_compute_score_for_moe_aux_loss(logits, topk, score_function)
+                                                   -> (routing_map, scores)
+    fused_moe_aux_loss(probs, tokens_per_expert, total_num_tokens,
+                       num_experts, topk, coeff)   -> load-balancing loss
+    moe_z_loss(logits, coeff)                      -> router z-loss
+    moe_permute(inp, routing_map, num_out_tokens)  -> (out, row_id_map)
+    moe_permute_with_probs(inp, probs, routing_map, num_out_tokens)
+                                                   -> (out, permuted_probs, row_id_map)
+    moe_unpermute(inp, row_id_map, merging_probs)  -> tokens back, weighted
+    scaled_swiglu(x, probs)                        -> silu(gate) * up * probs, one kernel
+
+The router, loss and permutation functions are differentiable (autograd
+Functions whose backward is the C kernel of each); grouped_gemm is a plain
+op (GroupedLinear holds its autograd).  seqfuse's row_id_map is [tokens,
+experts] int32: the row of each (token, expert) pair in the expert-sorted
+buffer, -1 where the token is not routed there (TE's layout differs; pass
+it back only to these functions).
+
+Host synchronization: the permutation needs the number of rows it writes
+on the host (to allocate them); with num_out_tokens=-1 it is read from the
+routing map's per-expert counts (one device-to-host copy).  The grouped
+GEMM takes host row counts (m_splits): one cuBLASLt call per group.
+"""
+import torch
+
+from .. import _C
+from ._call import as_float, detached, require_fp8_dlpack, stream_for
+from .gemm import FP8_DTYPES, SCALINGS, workspace_for
+
+__all__ = ["grouped_gemm", "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss",
+           "fused_moe_aux_loss", "moe_z_loss", "moe_row_id_map", "moe_permute",
+           "moe_permute_with_probs", "moe_permute_by_row_id_map", "moe_unpermute", "scaled_swiglu"]
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_SCORES = {"softmax": 0, "sigmoid": 1}
+
+
+def dense(t):
+    """``t`` contiguous, with row-major strides even when it has no elements
+    (torch calls an empty tensor of any strides contiguous, e.g. the expanded
+    gradient of a sum over nothing; seqfuse's C checks look at the strides)."""
+    if t.numel() == 0:
+        return t.new_empty(t.shape)
+    return t.contiguous()
+
+
+def _tensor(op, name, t):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: argument '{name}' must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _float_tensor(op, name, t, ndim=None):
+    t = _tensor(op, name, t)
+    if t.dtype not in _FLOATS:
+        raise TypeError(f"{op}: argument '{name}' must be float32, float16 or bfloat16, got {t.dtype}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{op}: argument '{name}' must be {ndim}-D, got {t.dim()}-D")
+    return t.contiguous()
+
+
+def host_splits(op, m_splits):
+    """m_splits as a list of Python ints.  A CPU tensor is read; a CUDA tensor
+    is refused (its values would need a host sync: this route runs one
+    cuBLASLt call per group, sized on the host)."""
+    if isinstance(m_splits, torch.Tensor):
+        if m_splits.device.type != "cpu":
+            raise NotImplementedError(
+                f"{op}: argument 'm_splits' is a {m_splits.device.type} tensor; the device-side split "
+                "route is not built yet (the grouped GEMM runs one cuBLASLt call per group sized on "
+                "the host): pass a list of ints, e.g. tokens_per_expert.tolist()")
+        if m_splits.dtype.is_floating_point or m_splits.dim() != 1:
+            raise TypeError(f"{op}: argument 'm_splits' as a tensor must be 1-D integer, got "
+                            f"{m_splits.dim()}-D {m_splits.dtype}")
+        return [int(v) for v in m_splits.tolist()]
+    try:
+        splits = [int(v) for v in m_splits]
+    except TypeError:
+        raise TypeError(f"{op}: argument 'm_splits' must be a sequence of ints, got "
+                        f"{type(m_splits).__name__}") from None
+    if not splits:
+        raise ValueError(f"{op}: argument 'm_splits' must hold at least one group")
+    if any(v < 0 for v in splits):
+        raise ValueError(f"{op}: argument 'm_splits' must hold row counts >= 0, got {splits}")
+    return splits
+
+
+def _group_shape(op, name, x, trans):
+    """(rows, cols) of op(x_g) for a listed or stacked operand."""
+    if isinstance(x, (list, tuple)):
+        if not x:
+            raise ValueError(f"{op}: argument '{name}' is an empty list")
+        shape = tuple(_tensor(op, f"{name}[0]", x[0]).shape)
+    else:
+        shape = tuple(x.shape[1:])
+    if len(shape) != 2:
+        raise ValueError(f"{op}: each group of argument '{name}' must be 2-D, got shape {shape}")
+    return (shape[1], shape[0]) if trans else shape
+
+
+def _scales(op, name, scale_inv, scaling, G):
+    """(scale argument for C, scaling code) of one operand."""
+    if scale_inv is None:
+        if scaling is not None:
+            raise ValueError(f"{op}: argument '{name.replace('scale_inv', 'scaling')}' needs "
+                             f"'{name}'")
+        return None, 0
+    mode = "tensor" if scaling is None else scaling
+    if mode not in SCALINGS:
+        raise ValueError(f"{op}: argument '{name.replace('scale_inv', 'scaling')}' must be one of "
+                         f"{sorted(SCALINGS)}, got {scaling!r}")
+    if isinstance(scale_inv, (list, tuple)):
+        if len(scale_inv) != G:
+            raise ValueError(f"{op}: argument '{name}' as a list must hold num_groups = {G} tensors, "
+                             f"got {len(scale_inv)}")
+        return [detached(t) for t in scale_inv], SCALINGS[mode]
+    if mode != "tensor":
+        raise ValueError(f"{op}: block scales ({mode}) go per group: pass '{name}' as a list of "
+                         f"num_groups tensors")
+    return detached(_tensor(op, name, scale_inv)), SCALINGS[mode]
+
+
+def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dtype=None, bias=None,
+                 bgrad=False, accumulate=False, a_scale_inv=None, b_scale_inv=None, a_scaling=None,
+                 b_scaling=None, fast_accum=False, allow_tf32=True, workspace=None):
+    """Per group g: ``out_g = op(a_g) @ op(b_g)`` (+ bias_g), G GEMMs in one call.
+
+    Each of a, b, out is one 2-D tensor split by m_splits along dim 0 (the
+    tokens, sorted by expert), or the G groups themselves: a list of 2-D
+    tensors (one per expert) or a 3-D [G, rows, cols] tensor.  When all
+    three are groups (FP8's weight gradient over per-expert transposed
+    copies), m_splits gives G and each group's sizes come from its tensors.  The three
+    products of y_g = x_g W_g^T (+ bias_g) are
+
+        forward  grouped_gemm(x, weights, m_splits, transb=True, bias=biases)
+        dgrad    grouped_gemm(dy, weights, m_splits)
+        wgrad    grouped_gemm(dy, x, m_splits, transa=True[, bgrad=True])
+
+    m_splits: G row counts (ints; a CPU tensor is read).  Empty groups are
+        fine: their rows do not exist, or (wgrad) their product is zero.
+    out: allocated when None: [sum(m_splits), n] when a's rows are split
+        (not transposed), else a [G, m, n] tensor; a given out may be a list
+        (``accumulate=True`` adds into it: main_grad buffers).
+    bias: G bias vectors (list or [G, n]) added in the forward; with
+        ``bgrad=True`` the wgrad also returns the bias gradients ([G, m],
+        allocated when bias is None, or written into the given list).
+    a_scale_inv, b_scale_inv: float8 operands' float32 scale inverses: one
+        tensor of G elements (one per group) or 1 (per-tensor scaling), or
+        a list of G tensors, group g's as seqfuse.ops.gemm takes them under
+        a_scaling / b_scaling ("tensor", "block_1x128", "block_128x128";
+        block scales need the list form).
+    Returns out, or (out, bias_grads) with bgrad.
+    """
+    op = "grouped_gemm"
+    splits = host_splits(op, m_splits)
+    G = len(splits)
+    a_scale_inv, a_code = _scales(op, "a_scale_inv", a_scale_inv, a_scaling, G)
+    b_scale_inv, b_code = _scales(op, "b_scale_inv", b_scale_inv, b_scaling, G)
+    a = [detached(t) for t in a] if isinstance(a, (list, tuple)) else detached(_tensor(op, "a", a))
+    b = [detached(t) for t in b] if isinstance(b, (list, tuple)) else detached(_tensor(op, "b", b))
+    first = a[0] if isinstance(a, list) else a
+    if first.dtype in FP8_DTYPES:
+        require_fp8_dlpack(op)
+    if out is None:
+        if accumulate:
+            raise ValueError(f"{op}: accumulate=True adds to the current values of 'out', so it "
+                             "requires out")
+        dtype = out_dtype or (torch.bfloat16 if first.dtype in FP8_DTYPES else first.dtype)
+        a_split = isinstance(a, torch.Tensor) and a.dim() == 2
+        b_split = isinstance(b, torch.Tensor) and b.dim() == 2
+        n = (b.shape[0] if transb else b.shape[1]) if b_split else _group_shape(op, "b", b, transb)[1]
+        if a_split and not transa:
+            out = torch.empty((a.shape[0], n), dtype=dtype, device=first.device)
+        else:
+            m = (a.shape[1] if transa else a.shape[0]) if a_split else _group_shape(op, "a", a, transa)[0]
+            out = torch.empty((G, m, n), dtype=dtype, device=first.device)
+    elif isinstance(out, (list, tuple)):
+        out = list(out)
+    grads = None
+    if bgrad:
+        if bias is None:
+            m = out[0].shape[0] if isinstance(out, list) else out.shape[-2]
+            bias = torch.empty((G, m), dtype=(out[0] if isinstance(out, list) else out).dtype,
+                               device=first.device)
+        grads = bias
+    elif isinstance(bias, (list, tuple)):
+        bias = [detached(t) for t in bias]
+    elif bias is not None:
+        bias = detached(_tensor(op, "bias", bias))
+    if workspace is None and first.is_cuda:
+        workspace = workspace_for(first.device)
+    _C.grouped_gemm(a, b, out, splits, bool(transa), bool(transb), a_scale_inv, b_scale_inv, a_code,
+                    b_code, bias, bool(bgrad), bool(accumulate), bool(fast_accum), bool(allow_tf32),
+                    workspace, stream_for(first))
+    return out if grads is None else (out, grads)
+
+
+# ---- router --------------------------------------------------------------
+
+def _score_code(op, score_function):
+    try:
+        return _SCORES[score_function]
+    except KeyError:
+        raise ValueError(f"{op}: argument 'score_function' must be 'softmax' or 'sigmoid', got "
+                         f"{score_function!r}") from None
+
+
+def _check_topk(op, topk, num_experts):
+    if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= num_experts:
+        raise ValueError(f"{op}: argument 'topk' must be an int in [1, num_experts = {num_experts}], "
+                         f"got {topk!r}")
+
+
+class _TopK(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, topk, score, pre_softmax, scaling, expert_bias):
+        logits, expert_bias = detached(logits), detached(expert_bias)
+        probs = torch.empty_like(logits)
+        routing_map = torch.empty(logits.shape, dtype=torch.bool, device=logits.device)
+        saved = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        _C.moe_topk_fwd(logits, topk, score, pre_softmax, scaling, expert_bias, probs, routing_map,
+                        saved, stream_for(logits))
+        ctx.save_for_backward(routing_map, saved)
+        ctx.args = (topk, score, pre_softmax, scaling, logits.dtype)
+        ctx.mark_non_differentiable(routing_map)
+        return probs, routing_map
+
+    @staticmethod
+    def backward(ctx, dprobs, _dmap):
+        routing_map, saved = ctx.saved_tensors
+        topk, score, pre_softmax, scaling, dtype = ctx.args
+        dprobs = dense(dprobs)
+        dlogits = torch.empty(dprobs.shape, dtype=dtype, device=dprobs.device)
+        _C.moe_topk_bwd(routing_map, saved, dprobs, topk, score, pre_softmax, scaling, dlogits,
+                        stream_for(dprobs))
+        return dlogits, None, None, None, None, None
+
+
+def fused_topk_with_score_function(logits, topk, use_pre_softmax=False, num_groups=None,
+                                   group_topk=None, scaling_factor=None, score_function="softmax",
+                                   expert_bias=None):
+    """The router's top-k: (probs [T, E], routing_map [T, E] bool).
+
+    score_function "softmax": with use_pre_softmax the probabilities are
+    softmax(logits) at the topk largest; without, the softmax of the topk
+    largest logits alone.  "sigmoid": sigmoid(logits) at the topk largest
+    of sigmoid(logits) + expert_bias (the bias steers the selection only),
+    renormalised to sum 1 over the selected when topk > 1.  Probabilities
+    are times scaling_factor (default 1), zero off the selection; ties go
+    to the lower expert index.  Differentiable in logits.
+    Group-limited routing (num_groups / group_topk) is not built.
+    """
+    op = "fused_topk_with_score_function"
+    logits = _float_tensor(op, "logits", logits, 2)
+    _check_topk(op, topk, logits.shape[1])
+    score = _score_code(op, score_function)
+    if num_groups not in (None, 1) or group_topk is not None:
+        raise NotImplementedError(f"{op}: group-limited routing (num_groups={num_groups}, "
+                                  f"group_topk={group_topk}) is not built; leave both None")
+    if expert_bias is not None:
+        if score_function != "sigmoid":
+            raise ValueError(f"{op}: argument 'expert_bias' goes with score_function='sigmoid' only "
+                             "(as in Transformer Engine)")
+        expert_bias = _tensor(op, "expert_bias", expert_bias).float().contiguous()
+    scaling = 1.0 if scaling_factor is None else as_float(op, "scaling_factor", scaling_factor)
+    return _TopK.apply(logits, topk, score, bool(use_pre_softmax), scaling, expert_bias)
+
+
+class _AuxScores(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, topk, score):
+        logits = detached(logits)
+        scores = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        routing_map = torch.empty(logits.shape, dtype=torch.bool, device=logits.device)
+        saved = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        _C.moe_aux_scores_fwd(logits, topk, score, scores, routing_map, saved, stream_for(logits))
+        ctx.save_for_backward(saved)
+        ctx.args = (score, logits.dtype)
+        ctx.mark_non_differentiable(routing_map)
+        return routing_map, scores
+
+    @staticmethod
+    def backward(ctx, _dmap, dscores):
+        (saved,) = ctx.saved_tensors
+        score, dtype = ctx.args
+        dscores = dense(dscores)
+        dlogits = torch.empty(dscores.shape, dtype=dtype, device=dscores.device)
+        _C.moe_aux_scores_bwd(saved, dscores, score, dlogits, stream_for(dscores))
+        return dlogits, None, None
+
+
+def fused_compute_score_for_moe_aux_loss(logits, topk, score_function="softmax"):
+    """The scores of the load-balancing loss: (routing_map, scores), scores
+    float32 softmax(logits) or sigmoid(logits) / (their sum + 1e-20), the
+    routing map their topk.  Differentiable in logits."""
+    op = "fused_compute_score_for_moe_aux_loss"
+    logits = _float_tensor(op, "logits", logits, 2)
+    _check_topk(op, topk, logits.shape[1])
+    return _AuxScores.apply(logits, topk, _score_code(op, score_function))
+
+
+def _counts(op, tokens_per_expert, num_experts, device):
+    t = _tensor(op, "tokens_per_expert", tokens_per_expert)
+    if t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{op}: argument 'tokens_per_expert' must be int32 or int64, got {t.dtype}")
+    if t.dim() != 1 or t.shape[0] != num_experts:
+        raise ValueError(f"{op}: argument 'tokens_per_expert' must be 1-D of length num_experts = "
+                         f"{num_experts}, got shape {tuple(t.shape)}")
+    return detached(t).to(device).contiguous()
+
+
+class _AuxLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, probs, tpe, total, topk, coeff):
+        probs = detached(probs)
+        loss = torch.empty((), dtype=torch.float32, device=probs.device)
+        _C.moe_aux_loss_fwd(probs, tpe, total, topk, coeff, loss, stream_for(probs))
+        ctx.save_for_backward(tpe)
+        ctx.args = (total, topk, coeff, probs.shape, probs.dtype)
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss):
+        (tpe,) = ctx.saved_tensors
+        total, topk, coeff, shape, dtype = ctx.args
+        dprobs = torch.empty(shape, dtype=dtype, device=tpe.device)
+        _C.moe_aux_loss_bwd(dloss.float().contiguous(), tpe, total, topk, coeff, dprobs,
+                            stream_for(dprobs))
+        return dprobs, None, None, None, None
+
+
+def fused_moe_aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff):
+    """The load-balancing loss (Switch Transformer / GShard, TE's formula):
+    coeff * E / (topk * T^2) * sum_e (sum_t probs[t, e]) * tokens_per_expert[e],
+    a float32 scalar, differentiable in probs."""
+    op = "fused_moe_aux_loss"
+    probs = _float_tensor(op, "probs", probs, 2)
+    if num_experts != probs.shape[1]:
+        raise ValueError(f"{op}: argument 'num_experts' ({num_experts}) must equal probs.shape[1] "
+                         f"({probs.shape[1]})")
+    _check_topk(op, topk, num_experts)
+    total = int(total_num_tokens)
+    if total < 1:
+        raise ValueError(f"{op}: argument 'total_num_tokens' must be at least 1, got {total}")
+    tpe = _counts(op, tokens_per_expert, num_experts, probs.device)
+    return _AuxLoss.apply(probs, tpe, total, topk, as_float(op, "coeff", coeff))
+
+
+class _ZLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, coeff):
+        logits = detached(logits)
+        loss = torch.empty((), dtype=torch.float32, device=logits.device)
+        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        _C.moe_z_loss_fwd(logits, coeff, loss, lse, stream_for(logits))
+        ctx.save_for_backward(logits, lse)
+        ctx.coeff = coeff
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss):
+        logits, lse = ctx.saved_tensors
+        dlogits = torch.empty_like(logits)
+        _C.moe_z_loss_bwd(logits, lse, dloss.float().contiguous(), ctx.coeff, dlogits,
+                          stream_for(logits))
+        return dlogits, None
+
+
+def moe_z_loss(logits, coeff):
+    """The router z-loss (ST-MoE): coeff * mean_t logsumexp(logits[t])^2, a
+    float32 scalar, differentiable in logits."""
+    op = "moe_z_loss"
+    logits = _float_tensor(op, "logits", logits, 2)
+    if logits.shape[0] == 0 or logits.shape[1] == 0:
+        raise ValueError(f"{op}: argument 'logits' must have at least one token and one expert, got "
+                         f"shape {tuple(logits.shape)}")
+    return _ZLoss.apply(logits, as_float(op, "coeff", coeff))
+
+
+# ---- permutation ---------------------------------------------------------
+
+def moe_row_id_map(routing_map):
+    """(row_id_map [T, E] int32, tokens_per_expert [E] int64) of a routing
+    map: each routed (token, expert) pair's row in the expert-sorted buffer
+    (experts in order, tokens in order within each), -1 elsewhere."""
+    op = "moe_row_id_map"
+    routing_map = detached(_tensor(op, "routing_map", routing_map))
+    if routing_map.dtype != torch.bool or routing_map.dim() != 2:
+        raise TypeError(f"{op}: argument 'routing_map' must be a 2-D bool tensor [tokens, experts], "
+                        f"got {routing_map.dim()}-D {routing_map.dtype}")
+    routing_map = routing_map.contiguous()
+    ids = torch.empty(routing_map.shape, dtype=torch.int32, device=routing_map.device)
+    counts = torch.empty(routing_map.shape[1], dtype=torch.int64, device=routing_map.device)
+    _C.moe_row_id_map(routing_map, ids, counts, stream_for(routing_map))
+    return ids, counts
+
+
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, inp, row_id_map, num_out, probs):
+        inp, probs = detached(inp), detached(probs)
+        out = torch.empty((num_out, inp.shape[1]), dtype=inp.dtype, device=inp.device)
+        out_probs = None
+        if probs is not None:
+            out_probs = torch.empty(num_out, dtype=probs.dtype, device=inp.device)
+        _C.moe_permute(inp, row_id_map, probs, out, out_probs, stream_for(inp))
+        ctx.save_for_backward(row_id_map)
+        ctx.args = (inp.shape, None if probs is None else probs.dtype)
+        ctx.mark_non_differentiable(row_id_map)
+        return out, out_probs
+
+    @staticmethod
+    def backward(ctx, dout, dout_probs):
+        (row_id_map,) = ctx.saved_tensors
+        shape, probs_dtype = ctx.args
+        dinp = dprobs = None
+        if ctx.needs_input_grad[0]:
+            dout = dense(dout)
+            dinp = torch.empty(shape, dtype=dout.dtype, device=dout.device)
+            _C.moe_unpermute(dout, row_id_map, None, dinp, stream_for(dout))
+        if probs_dtype is not None and ctx.needs_input_grad[3]:
+            dprobs = torch.empty(row_id_map.shape, dtype=probs_dtype, device=row_id_map.device)
+            if dout_probs is None:
+                dprobs.zero_()
+            else:
+                _C.moe_permute_probs_bwd(row_id_map, dense(dout_probs), dprobs,
+                                         stream_for(dprobs))
+        return dinp, None, None, dprobs
+
+
+def moe_permute_by_row_id_map(inp, row_id_map, num_out_tokens, probs=None):
+    """The permutation given its row_id_map: (out [num_out_tokens, H],
+    permuted probs [num_out_tokens] or None).  Rows past num_out_tokens are
+    dropped; num_out_tokens must not exceed the routed count (rows beyond it
+    would not be written)."""
+    op = "moe_permute"
+    inp = _float_tensor(op, "inp", inp, 2)
+    row_id_map = _tensor(op, "row_id_map", row_id_map)
+    if probs is not None:
+        probs = _float_tensor(op, "probs", probs, 2)
+    return _Permute.apply(inp, row_id_map, int(num_out_tokens), probs)
+
+
+def _permute(op, inp, routing_map, num_out_tokens, probs):
+    inp = _float_tensor(op, "inp", inp, 2)
+    ids, counts = moe_row_id_map(routing_map)
+    if ids.shape[0] != inp.shape[0]:
+        raise ValueError(f"{op}: argument 'routing_map' has {ids.shape[0]} tokens but 'inp' has "
+                         f"{inp.shape[0]} rows")
+    routed = int(counts.sum().item())
+    n = routed if num_out_tokens is None or int(num_out_tokens) < 0 else int(num_out_tokens)
+    if n > routed:
+        raise ValueError(f"{op}: argument 'num_out_tokens' ({n}) exceeds the {routed} routed "
+                         "(token, expert) pairs; rows past them would be left unwritten")
+    out, out_probs = moe_permute_by_row_id_map(inp, ids, n, probs)
+    return out, out_probs, ids
+
+
+def moe_permute(inp, routing_map, num_out_tokens=-1, max_token_num=-1, map_type="mask"):
+    """Tokens into the expert-sorted buffer: (out [N, H], row_id_map).
+    inp [T, H]; routing_map [T, E] bool; num_out_tokens: rows kept (-1: all
+    routed pairs; fewer drops the last rows).  max_token_num: TE's
+    buffer-size hint, which this implementation does not need (the result
+    does not depend on it).  Differentiable in inp."""
+    op = "moe_permute"
+    if map_type != "mask":
+        raise NotImplementedError(f"{op}: map_type={map_type!r}: only routing masks ('mask') are "
+                                  "taken; turn top-k indices into a [tokens, experts] bool mask")
+    out, _, ids = _permute(op, inp, routing_map, num_out_tokens, None)
+    return out, ids
+
+
+def moe_permute_with_probs(inp, probs, routing_map, num_out_tokens=-1):
+    """moe_permute that also carries each pair's probability:
+    (out [N, H], permuted_probs [N], row_id_map).  Differentiable in inp and
+    probs."""
+    return _permute("moe_permute_with_probs", inp, routing_map, num_out_tokens, probs)
+
+
+class _Unpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, inp, row_id_map, probs):
+        inp, probs = detached(inp), detached(probs)
+        T = row_id_map.shape[0]
+        out = torch.empty((T, inp.shape[1]), dtype=inp.dtype, device=inp.device)
+        _C.moe_unpermute(inp, row_id_map, probs, out, stream_for(inp))
+        ctx.save_for_backward(inp if probs is not None else None, row_id_map, probs)
+        ctx.n_rows = inp.shape[0]
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        inp, row_id_map, probs = ctx.saved_tensors
+        dout = dense(dout)
+        dinp = torch.empty((ctx.n_rows, dout.shape[1]), dtype=dout.dtype, device=dout.device)
+        dprobs = None
+        if probs is not None:
+            dprobs = torch.empty(probs.shape, dtype=probs.dtype, device=dout.device)
+        _C.moe_unpermute_bwd(dout, inp, row_id_map, probs, dinp, dprobs, stream_for(dout))
+        return dinp, None, dprobs
+
+
+def moe_unpermute(inp, row_id_map, merging_probs=None, restore_shape=None, map_type="mask"):
+    """Expert outputs back to their tokens: out[t] = sum_e merging_probs[t, e]
+    * inp[row_id_map[t, e]] (weight 1 without merging_probs).  inp [N, H];
+    returns [T, H] (reshaped to restore_shape when given).  Differentiable
+    in inp and merging_probs."""
+    op = "moe_unpermute"
+    if map_type != "mask":
+        raise NotImplementedError(f"{op}: map_type={map_type!r}: only the row_id_map of "
+                                  "moe_permute / moe_permute_with_probs is taken")
+    inp = _float_tensor(op, "inp", inp, 2)
+    row_id_map = _tensor(op, "row_id_map", row_id_map)
+    if merging_probs is not None:
+        merging_probs = _float_tensor(op, "merging_probs", merging_probs, 2)
+    out = _Unpermute.apply(inp, row_id_map, merging_probs)
+    return out if restore_shape is None else out.view(restore_shape)
+
+
+# ---- SwiGLU scaled by the routing probability ----------------------------
+
+class _ScaledSwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, probs):
+        x, probs = detached(x), detached(probs)
+        out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype, device=x.device)
+        _C.moe_swiglu_fwd(x, probs, out, stream_for(x))
+        ctx.save_for_backward(x, probs)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, probs = ctx.saved_tensors
+        dout = dense(dout)
+        dx = torch.empty_like(x)
+        dprobs = None
+        if probs is not None and ctx.needs_input_grad[1]:
+            dprobs = torch.empty_like(probs)
+        _C.moe_swiglu_bwd(dout, x, probs, dx, dprobs, stream_for(x))
+        return dx, dprobs
+
+
+def scaled_swiglu(x, probs=None):
+    """silu(x[:, :F]) * x[:, F:] * probs[:, None] for x [N, 2F] (the experts'
+    gate-up GEMM output) and probs [N] (each row's routing probability;
+    None: 1), one kernel each way; differentiable in x and probs."""
+    op = "scaled_swiglu"
+    x = _float_tensor(op, "x", x, 2)
+    if x.shape[1] % 2:
+        raise ValueError(f"{op}: argument 'x' must have an even last dimension (gate and up halves), "
+                         f"got {x.shape[1]}")
+    if probs is not None:
+        probs = _float_tensor(op, "probs", probs, 1)
+        if probs.shape[0] != x.shape[0]:
+            raise ValueError(f"{op}: argument 'probs' must have one entry per row of x ({x.shape[0]}), "
+                             f"got {probs.shape[0]}")
+    return _ScaledSwiGLU.apply(x, probs)

@@ -1,0 +1,254 @@
+"""seqfuse.ops.moe.grouped_gemm (csrc/grouped/): G GEMMs of different row
+counts in one call.  On the CPU the grouped GEMM is, group by group, the
+reference GEMM itself, so it must equal per-group seqfuse.ops.gemm bit for
+bit, and torch.matmul bit for bit where the products are exact (small
+integers); other dtypes and FP8 are held to the float64 reference.  The
+cuda-marked tests compare the cuBLASLt route with the CPU one, outputs
+poisoned first."""
+import pytest
+import torch
+
+from seqfuse import ops
+from seqfuse.ops import moe
+
+from helpers import REL_TOL, needs_fp8, pair_tol, poisoned_like, rel_error
+
+SPLITS = {
+    "balanced": [8, 8, 8, 8],
+    "empty_groups": [0, 5, 0, 11, 0],
+    "single": [13],
+    "unbalanced": [0, 1, 45, 0, 2, 0, 0, 1],
+}
+
+
+def _offsets(splits):
+    out, o = [], 0
+    for m in splits:
+        out.append((o, o + m))
+        o += m
+    return out
+
+
+def _inputs(splits, k, n, dtype, device="cpu", integer=False):
+    M, G = sum(splits), len(splits)
+    if integer:  # exact products and sums: any summation order gives the same float32
+        x = torch.randint(-4, 5, (M, k), device=device).to(dtype)
+        w = torch.randint(-4, 5, (G, n, k), device=device).to(dtype)
+        dy = torch.randint(-4, 5, (M, n), device=device).to(dtype)
+    else:
+        x = torch.randn(M, k, device=device).to(dtype)
+        w = torch.randn(G, n, k, device=device).to(dtype)
+        dy = torch.randn(M, n, device=device).to(dtype)
+    return x, w, dy
+
+
+@pytest.mark.parametrize("case", sorted(SPLITS))
+def test_fp32_equals_per_group_gemm_bit_for_bit(case, seed):
+    splits = SPLITS[case]
+    x, w, dy = _inputs(splits, 24, 40, torch.float32)
+    ws = list(w.unbind(0))
+    y = moe.grouped_gemm(x, ws, splits, transb=True)
+    dx = moe.grouped_gemm(dy, ws, splits)
+    dw = moe.grouped_gemm(dy, x, splits, transa=True)
+    for g, (lo, hi) in enumerate(_offsets(splits)):
+        if hi > lo:
+            assert torch.equal(y[lo:hi], ops.gemm(x[lo:hi], ws[g], transb=True))
+            assert torch.equal(dx[lo:hi], ops.gemm(dy[lo:hi], ws[g]))
+            assert torch.equal(dw[g], ops.gemm(dy[lo:hi], x[lo:hi], transa=True))
+        else:
+            assert torch.equal(dw[g], torch.zeros_like(dw[g]))  # an expert with no tokens
+    assert y.shape == (sum(splits), 40) and dx.shape == x.shape and dw.shape == w.shape
+
+
+@pytest.mark.parametrize("case", sorted(SPLITS))
+def test_fp32_equals_torch_matmul_bit_for_bit_on_exact_products(case, seed):
+    splits = SPLITS[case]
+    x, w, dy = _inputs(splits, 32, 16, torch.float32, integer=True)
+    y = moe.grouped_gemm(x, w, splits, transb=True)  # stacked [G, n, k] weights
+    dx = moe.grouped_gemm(dy, w, splits)
+    dw = moe.grouped_gemm(dy, x, splits, transa=True)
+    for g, (lo, hi) in enumerate(_offsets(splits)):
+        assert torch.equal(y[lo:hi], x[lo:hi] @ w[g].T)
+        assert torch.equal(dx[lo:hi], dy[lo:hi] @ w[g])
+        assert torch.equal(dw[g], dy[lo:hi].T @ x[lo:hi])
+
+
+def test_stacked_and_listed_weights_agree(seed):
+    splits = SPLITS["unbalanced"]
+    x, w, _ = _inputs(splits, 16, 24, torch.float32)
+    assert torch.equal(moe.grouped_gemm(x, w, splits, transb=True),
+                       moe.grouped_gemm(x, list(w.unbind(0)), splits, transb=True))
+    assert torch.equal(moe.grouped_gemm(x, w, torch.tensor(splits), transb=True),
+                       moe.grouped_gemm(x, w, tuple(splits), transb=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_against_float64(dtype, seed):
+    splits = SPLITS["empty_groups"]
+    x, w, dy = _inputs(splits, 64, 48, dtype)
+    y = moe.grouped_gemm(x, w, splits, transb=True)
+    dw = moe.grouped_gemm(dy, x, splits, transa=True, out_dtype=torch.float32)
+    assert y.dtype == dtype and dw.dtype == torch.float32
+    xd, wd, dyd = x.double(), w.double(), dy.double()
+    ry = torch.cat([xd[lo:hi] @ wd[g].T for g, (lo, hi) in enumerate(_offsets(splits))])
+    rdw = torch.stack([dyd[lo:hi].T @ xd[lo:hi] for lo, hi in _offsets(splits)])
+    assert rel_error(y, ry) <= REL_TOL[dtype]
+    assert rel_error(dw, rdw) <= REL_TOL[torch.float32] * 10  # fp32 output of exact half inputs
+
+
+def test_bias_and_bias_gradient(seed):
+    splits = SPLITS["empty_groups"]
+    x, w, dy = _inputs(splits, 16, 24, torch.float32)
+    G = len(splits)
+    bias = torch.randn(G, 24)
+    y = moe.grouped_gemm(x, w, splits, transb=True, bias=list(bias.unbind(0)))
+    y2 = moe.grouped_gemm(x, w, splits, transb=True, bias=bias)
+    assert torch.equal(y, y2)
+    dw, db = moe.grouped_gemm(dy, x, splits, transa=True, bgrad=True)
+    for g, (lo, hi) in enumerate(_offsets(splits)):
+        assert torch.equal(y[lo:hi], ops.gemm(x[lo:hi], w[g], transb=True, bias=bias[g]))
+        if hi > lo:
+            ref_dw, ref_db = ops.gemm(dy[lo:hi], x[lo:hi], transa=True, epilogue="bgrad")
+            assert torch.equal(dw[g], ref_dw) and torch.equal(db[g], ref_db)
+        else:
+            assert torch.equal(db[g], torch.zeros(24))
+
+
+def test_accumulate_into_a_list_keeps_empty_groups(seed):
+    splits = [4, 0, 9]
+    x, w, dy = _inputs(splits, 16, 8, torch.float32, integer=True)
+    main = [torch.randint(-3, 4, (8, 16)).float() for _ in splits]
+    before = [m.clone() for m in main]
+    moe.grouped_gemm(dy, x, splits, transa=True, out=main, accumulate=True)
+    for g, (lo, hi) in enumerate(_offsets(splits)):
+        assert torch.equal(main[g], before[g] + dy[lo:hi].T @ x[lo:hi])
+    assert torch.equal(main[1], before[1])
+
+
+def test_unwritten_outputs_are_caught(seed):
+    """Every element of every output is written (poisoned buffers in)."""
+    splits = SPLITS["unbalanced"]
+    x, w, dy = _inputs(splits, 16, 8, torch.float32)
+    y = poisoned_like(torch.empty(sum(splits), 8))
+    moe.grouped_gemm(x, w, splits, transb=True, out=y)
+    dw = poisoned_like(w)
+    moe.grouped_gemm(dy, x, splits, transa=True, out=dw)
+    assert not y.isnan().any() and not dw.isnan().any()
+
+
+@needs_fp8
+@pytest.mark.parametrize("per_group", [True, False])
+def test_fp8_per_tensor_within_bounds(per_group, seed):
+    splits = [16, 0, 48, 32]
+    G, k, n = len(splits), 64, 32
+    x = torch.randn(sum(splits), k)
+    w = torch.randn(G, n, k)
+    sx = torch.rand(G if per_group else 1) + 0.5  # scale inverses
+    sw = torch.rand(G if per_group else 1) + 0.5
+    xq = x.to(torch.float8_e4m3fn)
+    wq = w.to(torch.float8_e4m3fn)
+    y = moe.grouped_gemm(xq, list(wq.unbind(0)), splits, transb=True, a_scale_inv=sx, b_scale_inv=sw,
+                         out_dtype=torch.float32)
+    for g, (lo, hi) in enumerate(_offsets(splits)):
+        if hi == lo:
+            continue
+        gx, gw = (sx[g], sw[g]) if per_group else (sx[0], sw[0])
+        ref = (xq[lo:hi].double() * gx.double()) @ (wq[g].double() * gw.double()).T
+        # the CPU reference dequantizes exactly and accumulates in float32
+        assert rel_error(y[lo:hi], ref) <= REL_TOL[torch.float32]
+        # and FP8 against the unquantized product: E4M3's 3 mantissa bits
+        assert rel_error(y[lo:hi], (x[lo:hi] * gx) @ (w[g] * gw).T) <= 0.1
+
+
+@needs_fp8
+def test_fp8_block_scaled_equals_per_group_gemm(seed):
+    """1x128 activations x 128x128 weights, scales given per group as lists:
+    each group is seqfuse.ops.gemm's block-scaled product, bit for bit."""
+    from seqfuse.ops import quant
+    splits = [32, 0, 64, 16]
+    G, k, n = len(splits), 256, 128
+    x = torch.randn(sum(splits), k)
+    w = torch.randn(G, n, k)
+    xq, xs, wq, ws = [], [], [], []
+    for g, (lo, hi) in enumerate(_offsets(splits)):
+        d, s = quant.quantize_block_fp8(x[lo:hi], 1) if hi > lo else (torch.empty(0, k).to(torch.float8_e4m3fn),
+                                                                      torch.ones(1))
+        xq.append(d)
+        xs.append(s)
+        d, s = quant.quantize_block_fp8(w[g], 128)
+        wq.append(d)
+        ws.append(s)
+    y = moe.grouped_gemm(xq, wq, splits, transb=True, a_scale_inv=xs, b_scale_inv=ws,
+                         a_scaling="block_1x128", b_scaling="block_128x128", out_dtype=torch.float32,
+                         out=torch.empty(sum(splits), n))
+    for g, (lo, hi) in enumerate(_offsets(splits)):
+        if hi > lo:
+            ref = ops.gemm(xq[g], wq[g], transb=True, a_scale_inv=xs[g], b_scale_inv=ws[g],
+                           a_scaling="block_1x128", b_scaling="block_128x128", out_dtype=torch.float32)
+            assert torch.equal(y[lo:hi], ref)
+
+
+def test_bad_inputs_are_named():
+    x, w, dy = _inputs([4, 4], 16, 8, torch.float32)
+    with pytest.raises(ValueError, match="sum\\(m_splits\\) = 7"):
+        moe.grouped_gemm(x, w, [4, 3], transb=True)
+    with pytest.raises(ValueError, match="m_splits.*>= 0"):
+        moe.grouped_gemm(x, w, [10, -2], transb=True)
+    with pytest.raises(ValueError, match="num_groups = 3"):
+        moe.grouped_gemm(x, list(w.unbind(0)), [4, 4, 0], transb=True)
+    with pytest.raises(ValueError, match="group 1"):
+        moe.grouped_gemm(x, [w[0], torch.randn(8, 12)], [4, 4], transb=True)
+    with pytest.raises(ValueError, match="block scales.*list"):
+        moe.grouped_gemm(x, w, [4, 4], transb=True, a_scale_inv=torch.ones(2), a_scaling="block_1x128")
+    with pytest.raises(NotImplementedError, match="device-side split"):
+        moe.grouped_gemm(x, w, torch.tensor([4, 4], device="meta"), transb=True)
+    with pytest.raises(ValueError, match="accumulate"):
+        moe.grouped_gemm(dy, x, [4, 4], transa=True, accumulate=True)
+    with pytest.raises(TypeError, match="must have the same dtype"):
+        moe.grouped_gemm(x, w.double().float().half(), [4, 4], transb=True)
+
+
+# ---- CUDA against the CPU reference ----------------------------------------
+
+CUDA_SPLITS = [[128, 256, 64, 512], [0, 300, 0, 1, 77, 0], [1000], [0, 0, 0, 5]]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("splits", CUDA_SPLITS, ids=["balanced", "empty", "single", "mostly_empty"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_matches_cpu(splits, dtype, seed):
+    k, n = 256, 192
+    x, w, dy = _inputs(splits, k, n, dtype)
+    bias = torch.randn(len(splits), n).to(dtype)
+    xc, wc, dyc, bc = x.cuda(), w.cuda(), dy.cuda(), bias.cuda()
+    y = poisoned_like(torch.empty(sum(splits), n, dtype=dtype, device="cuda"))
+    moe.grouped_gemm(xc, list(wc.unbind(0)), splits, transb=True, bias=bc, out=y)
+    dx = poisoned_like(xc)
+    moe.grouped_gemm(dyc, wc, splits, out=dx)
+    dw = poisoned_like(torch.empty(len(splits), n, k, dtype=torch.float32, device="cuda"))
+    db = poisoned_like(torch.empty(len(splits), n, dtype=torch.float32, device="cuda"))
+    moe.grouped_gemm(dyc, xc, splits, transa=True, out=dw, bias=db, bgrad=True)
+    ry = moe.grouped_gemm(x, w, splits, transb=True, bias=bias)
+    rdx = moe.grouped_gemm(dy, w, splits)
+    rdw, rdb = moe.grouped_gemm(dy, x, splits, transa=True, bgrad=True, out_dtype=torch.float32)
+    # fp32 runs on TF32 tensor cores (allow_tf32=True, as Linear): bf16's bound
+    tol = pair_tol(torch.bfloat16 if dtype == torch.float32 else dtype)
+    assert rel_error(y, ry) <= tol
+    assert rel_error(dx, rdx) <= tol
+    assert rel_error(dw, rdw) <= tol
+    assert rel_error(db, rdb) <= tol
+
+
+@pytest.mark.cuda
+@needs_fp8
+def test_cuda_fp8_matches_cpu(seed):
+    splits = [32, 0, 128, 16]
+    G, k, n = len(splits), 256, 128
+    xq = torch.randn(sum(splits), k).to(torch.float8_e4m3fn)
+    wq = torch.randn(G, n, k).to(torch.float8_e4m3fn)
+    sx, sw = torch.rand(G) + 0.5, torch.rand(G) + 0.5
+    ref = moe.grouped_gemm(xq, wq, splits, transb=True, a_scale_inv=sx, b_scale_inv=sw)
+    out = poisoned_like(torch.empty(sum(splits), n, dtype=torch.bfloat16, device="cuda"))
+    moe.grouped_gemm(xq.cuda(), wq.cuda(), splits, transb=True, a_scale_inv=sx.cuda(),
+                     b_scale_inv=sw.cuda(), out=out)
+    assert rel_error(out, ref) <= pair_tol(torch.bfloat16)

@@ -1,0 +1,376 @@
+"""GroupedLinear and GroupedMLP (seqfuse.modules) against plain torch: a
+per-expert loop of torch linear layers, and a plain torch MoE block (router,
+top-k, SwiGLU experts, weighted sum), in outputs and in the gradients of
+the input and of every parameter; the cuda-marked tests run the modules on
+the GPU in bf16 against the same modules on the CPU in float32."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from seqfuse.quantization import fp8_autocast
+from seqfuse.common.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format,
+                                   MXFP8BlockScaling)
+from seqfuse.modules import GroupedLinear, GroupedMLP, Linear
+from seqfuse.quantization.gemm_quantizers import weight_casts
+
+from helpers import REL_TOL, needs_fp8, pair_tol, rel_error
+
+
+def _grads(module):
+    return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("splits", [[5, 0, 9, 2], [16], [0, 0, 7]])
+@pytest.mark.parametrize("bias", [True, False])
+def test_grouped_linear_matches_per_expert_linear(splits, bias, seed):
+    G, fin, fout = len(splits), 12, 20
+    layer = GroupedLinear(G, fin, fout, bias=bias, device="cpu")
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_()
+    x = torch.randn(sum(splits), fin, requires_grad=True)
+    y = layer(x, splits)
+    g = torch.randn_like(y)
+    y.backward(g)
+    xr = x.detach().double().requires_grad_()
+    ws = [getattr(layer, f"weight{e}").detach().double().requires_grad_() for e in range(G)]
+    bs = [getattr(layer, f"bias{e}").detach().double().requires_grad_() for e in range(G)] if bias else [None] * G
+    outs, o = [], 0
+    for e, m in enumerate(splits):
+        outs.append(F.linear(xr[o:o + m], ws[e], bs[e]))
+        o += m
+    ref = torch.cat(outs)
+    (ref * g.double()).sum().backward()
+    assert rel_error(y, ref) <= REL_TOL[torch.float32]
+    assert rel_error(x.grad, xr.grad) <= REL_TOL[torch.float32]
+    for e in range(G):
+        w = getattr(layer, f"weight{e}")
+        assert rel_error(w.grad, ws[e].grad) <= REL_TOL[torch.float32]
+        if splits[e] == 0:
+            assert torch.equal(w.grad, torch.zeros_like(w))  # an expert with no tokens
+        if bias:
+            assert rel_error(getattr(layer, f"bias{e}").grad, bs[e].grad) <= REL_TOL[torch.float32]
+
+
+def test_grouped_linear_parameters_and_te_names():
+    layer = GroupedLinear(3, 8, 4, bias=True, device="cpu", params_dtype=torch.bfloat16)
+    names = [n for n, _ in layer.named_parameters()]
+    assert names == ["weight0", "bias0", "weight1", "bias1", "weight2", "bias2"]
+    assert layer.weight1.dtype == torch.bfloat16 and layer.weight1.shape == (4, 8)
+    meta = GroupedLinear(2, 8, 4, device="meta")
+    assert meta.weight0.is_meta
+    y, biases = GroupedLinear(2, 8, 4, device="cpu", return_bias=True)(torch.randn(3, 8), [1, 2])
+    assert y.shape == (3, 4) and len(biases) == 2
+
+
+def test_grouped_linear_accumulates_into_main_grad(seed):
+    splits = [3, 0, 4]
+    layer = GroupedLinear(3, 8, 4, bias=False, device="cpu")
+    for w in layer.parameters():
+        w.main_grad = torch.ones_like(w, dtype=torch.float32)
+        w.grad_added_to_main_grad = False
+    x = torch.randn(7, 8)
+    layer(x, splits).sum().backward()
+    o = 0
+    for e, m in enumerate(splits):
+        w = getattr(layer, f"weight{e}")
+        ref = 1 + torch.ones(4, m) @ x[o:o + m]
+        assert w.grad is None and w.grad_added_to_main_grad
+        assert torch.allclose(w.main_grad, ref, rtol=1e-6, atol=1e-6)
+        o += m
+
+
+@needs_fp8
+def test_grouped_linear_fp8_accumulates_into_main_grad(seed):
+    """FP8 weight gradients accumulate into main_grad as the per-expert FP8 Linear's do."""
+    splits = [5, 0, 20]
+    gl = GroupedLinear(3, 32, 16, bias=False, device="cpu")
+    lins = [Linear(32, 16, bias=False, device="cpu") for _ in splits]
+    for g, lin in enumerate(lins):
+        with torch.no_grad():
+            lin.weight.copy_(getattr(gl, f"weight{g}"))
+        for w in (lin.weight, getattr(gl, f"weight{g}")):
+            w.main_grad = torch.ones(16, 32)
+            w.grad_added_to_main_grad = False
+    x, dy = torch.randn(25, 32), torch.randn(25, 16)
+    with fp8_autocast(enabled=True, fp8_recipe=Float8CurrentScaling()):
+        gl(x, splits).backward(dy)
+        o = 0
+        for g, m in enumerate(splits):
+            if m:
+                lins[g](x[o:o + m]).backward(dy[o:o + m])
+            o += m
+    for g in range(3):
+        w = getattr(gl, f"weight{g}")
+        assert w.grad is None and w.grad_added_to_main_grad
+        assert torch.equal(w.main_grad, lins[g].weight.main_grad)
+
+
+def test_grouped_linear_refuses_what_it_lacks():
+    layer = GroupedLinear(2, 16, 16, device="cpu")
+    with pytest.raises(ValueError, match="add up to 5"):
+        layer(torch.randn(6, 16), [2, 3])
+    with pytest.raises(ValueError, match="num_gemms = 2"):
+        layer(torch.randn(6, 16), [6])
+    with pytest.raises(ValueError, match="in_features"):
+        layer(torch.randn(6, 15), [3, 3])
+    with pytest.raises(NotImplementedError, match="tensor/sequence parallelism"):
+        GroupedLinear(2, 16, 16, device="cpu", sequence_parallel=True)
+    with pytest.raises(NotImplementedError, match="MXFP8BlockScaling"):
+        with fp8_autocast(enabled=True, fp8_recipe=MXFP8BlockScaling()):
+            GroupedLinear(2, 128, 128, device="cpu")(torch.randn(6, 128), [3, 3])
+    with pytest.raises(ValueError, match="multiple of 128"):
+        with fp8_autocast(enabled=True, fp8_recipe=Float8BlockScaling()):
+            GroupedLinear(2, 64, 128, device="cpu")(torch.randn(6, 64), [3, 3])
+    with pytest.raises(ValueError, match="multiple of 16"):
+        with fp8_autocast(enabled=True, fp8_recipe=DelayedScaling()):
+            GroupedLinear(2, 24, 16, device="cpu")(torch.randn(6, 24), [3, 3])
+
+
+@needs_fp8
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling(fp8_format=Format.HYBRID),
+                                    Float8BlockScaling()],
+                         ids=["current", "delayed_hybrid", "block"])
+def test_grouped_linear_fp8_equals_per_expert_fp8_linear(recipe, seed):
+    """FP8 GroupedLinear is the per-expert FP8 Linear bit for bit on the CPU:
+    the same quantizers (one scale per expert and operand, rows padded to
+    16), the same reference GEMM, over three steps with weight updates (so
+    delayed scaling runs on updated amax histories)."""
+    splits = [5, 0, 37, 16]
+    G, fin, fout = (len(splits), 128, 256) if isinstance(recipe, Float8BlockScaling) else (len(splits), 32, 48)
+    gl = GroupedLinear(G, fin, fout, bias=True, device="cpu")
+    lins = [Linear(fin, fout, bias=True, device="cpu") for _ in range(G)]
+    with torch.no_grad():
+        for g, lin in enumerate(lins):
+            lin.weight.copy_(getattr(gl, f"weight{g}"))
+            getattr(gl, f"bias{g}").normal_()
+            lin.bias.copy_(getattr(gl, f"bias{g}"))
+    for step in range(3):
+        x = torch.randn(sum(splits), fin, requires_grad=True)
+        dy = torch.randn(sum(splits), fout)
+        with fp8_autocast(enabled=True, fp8_recipe=recipe):
+            y = gl(x, splits)
+        y.backward(dy)
+        xr = x.detach().clone().requires_grad_()
+        with fp8_autocast(enabled=True, fp8_recipe=recipe):
+            parts = [lins[g](xr[o:o + m]) for g, (o, m) in enumerate(zip([0, 5, 5, 42], splits)) if m]
+        torch.cat(parts).backward(dy)
+        assert torch.equal(y, torch.cat(parts).detach()), step
+        assert torch.equal(x.grad, xr.grad), step
+        for g in range(G):
+            w, b = getattr(gl, f"weight{g}"), getattr(gl, f"bias{g}")
+            if splits[g] == 0:
+                assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(b.grad, torch.zeros_like(b))
+            else:
+                assert torch.equal(w.grad, lins[g].weight.grad), (step, g)
+                assert torch.equal(b.grad, lins[g].bias.grad), (step, g)
+        with torch.no_grad():  # the same SGD step on both
+            for g in range(G):
+                for p, q in ((getattr(gl, f"weight{g}"), lins[g].weight), (getattr(gl, f"bias{g}"), lins[g].bias)):
+                    if q.grad is not None:
+                        p -= 0.1 * p.grad
+                        q -= 0.1 * q.grad
+                    p.grad = q.grad = None
+    if isinstance(recipe, DelayedScaling):
+        assert gl.fp8_state is not None  # TE's 3 x num_gemms slots
+        # a weight is cast again only when it changed: the idle expert's once
+        assert weight_casts(gl) == 3 * (G - 1) + 1
+
+
+def plain_moe(x, m, bias):
+    """transformers-style MoE in float64: route, loop over experts, weighted sum."""
+    E, F_, k = m.num_experts, m.ffn_hidden_size, m.topk
+    p = {n: t.detach().double().requires_grad_() for n, t in m.named_parameters()}
+    x2 = x.reshape(-1, m.hidden_size)
+    logits = x2 @ p["router_weight"].T
+    if m.score_function == "softmax":
+        vals, idx = logits.topk(k, -1)
+        probs = torch.softmax(vals, -1)
+    else:
+        s = torch.sigmoid(logits)
+        sel = s + (m.expert_bias.double() if m.expert_bias is not None else 0)
+        idx = sel.topk(k, -1).indices
+        probs = s.gather(1, idx)
+        probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
+    out = torch.zeros_like(x2)
+    for e in range(E):
+        tok, slot = (idx == e).nonzero(as_tuple=True)
+        w1, w2 = p[f"fc1.weight{e}"], p[f"fc2.weight{e}"]
+        h = F.linear(x2[tok], w1, p[f"fc1.bias{e}"] if bias else None)
+        a = F.silu(h[:, :F_]) * h[:, F_:] * probs[tok, slot, None]
+        out = out.index_add(0, tok, F.linear(a, w2, p[f"fc2.bias{e}"] if bias else None))
+    aux = None
+    if m.aux_loss_coeff > 0:
+        scores = torch.softmax(logits, -1) if m.score_function == "softmax" else \
+            torch.sigmoid(logits) / (torch.sigmoid(logits).sum(-1, keepdim=True) + 1e-20)
+        amap = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, scores.topk(k, -1).indices, True)
+        T = x2.shape[0]
+        aux = (scores.sum(0) * amap.sum(0)).sum() * (E * m.aux_loss_coeff / (k * T * T))
+    if m.z_loss_coeff > 0:
+        z = torch.logsumexp(logits, -1).square().mean() * m.z_loss_coeff
+        aux = z if aux is None else aux + z
+    return out.view(x.shape), aux, p
+
+
+@pytest.mark.parametrize("config", [
+    dict(score_function="softmax", topk=2, bias=False, aux_loss_coeff=0.01, z_loss_coeff=1e-3),
+    dict(score_function="sigmoid", topk=3, bias=True, expert_bias=True, aux_loss_coeff=0.02),
+    dict(score_function="softmax", topk=1, bias=False),
+], ids=["mixtral", "sigmoid_bias", "top1"])
+def test_grouped_mlp_matches_plain_torch_moe(config, seed):
+    H, Fh, E = 16, 24, 6
+    m = GroupedMLP(H, Fh, E, device="cpu", **config)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.3)
+        if m.expert_bias is not None:
+            m.expert_bias.normal_(0, 0.1)
+    x = torch.randn(3, 7, H, requires_grad=True)
+    y = m(x)
+    g = torch.randn_like(y)
+    loss = (y * g).sum() + (m.aux_loss if m.aux_loss is not None else 0)
+    loss.backward()
+    xr = x.detach().double().requires_grad_()
+    ref, aux, params = plain_moe(xr, m, config.get("bias", False))
+    rloss = (ref * g.double()).sum() + (aux if aux is not None else 0)
+    rloss.backward()
+    assert y.shape == x.shape
+    assert rel_error(y, ref) <= REL_TOL[torch.float32] * 2
+    if aux is not None:
+        assert rel_error(m.aux_loss, aux) <= REL_TOL[torch.float32]
+    assert rel_error(x.grad, xr.grad) <= REL_TOL[torch.float32] * 2
+    for n, p in m.named_parameters():
+        ref_grad = params[n].grad
+        if ref_grad is None:  # an expert nobody was routed to
+            assert torch.equal(p.grad, torch.zeros_like(p))
+        else:
+            assert rel_error(p.grad, ref_grad) <= REL_TOL[torch.float32] * 2, n
+
+
+def test_grouped_mlp_equals_transformers_mixtral_block(seed):
+    """transformers' MixtralSparseMoeBlock (softmax, top-2, renormalised) with
+    its weights copied in (benchmarks/moe/bench_moe_layer.py's mapping)."""
+    transformers = pytest.importorskip("transformers")
+    import importlib.util
+    import sys
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    spec = importlib.util.spec_from_file_location(
+        "bench_moe_layer", __file__.replace("tests/test_moe_modules.py", "benchmarks/moe/bench_moe_layer.py"))
+    bench = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, __file__.replace("tests/test_moe_modules.py", "benchmarks"))
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.pop(0)
+    H, Fh, E = 32, 48, bench.EXPERTS
+    cfg = transformers.MixtralConfig(hidden_size=H, intermediate_size=Fh, num_local_experts=E,
+                                     num_experts_per_tok=2, router_jitter_noise=0.0)
+    cfg._experts_implementation = "eager"
+    block = MixtralSparseMoeBlock(cfg)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.3)
+    m = GroupedMLP(H, Fh, E, 2, device="cpu")
+    bench.copy_weights(block, m)
+    x = torch.randn(2, 10, H)
+    ref = block(x)
+    ref = ref[0] if isinstance(ref, tuple) else ref
+    assert rel_error(m(x), ref) <= REL_TOL[torch.float32] * 2
+
+
+@needs_fp8
+def test_grouped_mlp_fp8_current_close_to_bf16_path(seed):
+    """GroupedMLP under Float8CurrentScaling: its grouped GEMMs in FP8, within
+    FP8's error of the same block without the autocast, gradients finite."""
+    m = GroupedMLP(32, 32, 4, 2, device="cpu", aux_loss_coeff=0.01)
+    x = torch.randn(40, 32, requires_grad=True)
+    with fp8_autocast(enabled=True, fp8_recipe=Float8CurrentScaling()):
+        y = m(x)
+    (y.square().sum() + m.aux_loss).backward()
+    ref = m(x.detach())
+    assert rel_error(y, ref) <= 0.1  # E4M3 operands (3 mantissa bits) through two GEMMs
+    assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters())
+
+
+def test_grouped_mlp_with_no_tokens():
+    """An idle rank's step: no tokens in, zero gradients out, no aux loss."""
+    m = GroupedMLP(16, 16, 4, 2, device="cpu", aux_loss_coeff=0.01, bias=True)
+    x = torch.randn(0, 16, requires_grad=True)
+    y = m(x)
+    y.sum().backward()
+    assert y.shape == (0, 16) and x.grad.shape == (0, 16) and m.aux_loss is None
+    for n, p in m.named_parameters():
+        assert torch.equal(p.grad, torch.zeros_like(p)), n
+
+
+def test_grouped_mlp_eval_has_no_aux_loss():
+    m = GroupedMLP(8, 8, 4, 2, device="cpu", aux_loss_coeff=0.1).eval()
+    with torch.no_grad():
+        m(torch.randn(5, 8))
+    assert m.aux_loss is None
+
+
+@pytest.mark.cuda
+def test_grouped_mlp_cuda_bf16_matches_cpu(seed):
+    H, Fh, E = 256, 512, 8
+    cpu = GroupedMLP(H, Fh, E, 2, device="cpu", aux_loss_coeff=0.01)
+    gpu = GroupedMLP(H, Fh, E, 2, device="cuda", params_dtype=torch.bfloat16, aux_loss_coeff=0.01)
+    gpu.load_state_dict({k: v.to(torch.bfloat16) for k, v in cpu.state_dict().items()})
+    with torch.no_grad():  # the CPU copy holds the bf16-rounded weights, so both see the same ones
+        for p in cpu.parameters():
+            p.copy_(p.bfloat16().float())
+    x = torch.randn(4, 300, H).bfloat16().float()
+    g = torch.randn(4, 300, H)
+    yc = cpu(x.requires_grad_())
+    (yc * g).sum().add(cpu.aux_loss).backward()
+    xg = x.detach().cuda().bfloat16().requires_grad_()
+    yg = gpu(xg)
+    (yg.float() * g.cuda()).sum().add(gpu.aux_loss).backward()
+    # bf16 through router, two GEMMs and SwiGLU: the routing of a few tokens may flip
+    # where two logits are within bf16 rounding, so compare the tokens routed alike
+    with torch.no_grad():
+        _, map_c, _ = cpu.route(x.reshape(-1, H))
+        _, map_g, _ = gpu.route(xg.reshape(-1, H))
+    same = (map_c == map_g.cpu()).all(-1)
+    assert same.float().mean() > 0.97
+    assert rel_error(yg.float().cpu().reshape(-1, H)[same], yc.detach().reshape(-1, H)[same]) <= REL_TOL[torch.bfloat16] * 2
+    if bool(same.all()):
+        assert rel_error(xg.grad.float().cpu(), x.grad) <= REL_TOL[torch.bfloat16] * 4
+        for (n, pc), (_, pg) in zip(cpu.named_parameters(), gpu.named_parameters()):
+            assert rel_error(pg.grad.float().cpu(), pc.grad) <= REL_TOL[torch.bfloat16] * 4, n
+
+
+@pytest.mark.cuda
+@needs_fp8
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling(), Float8BlockScaling()],
+                         ids=["current", "delayed", "block"])
+def test_grouped_linear_fp8_cuda_matches_per_expert_linear(recipe, seed):
+    splits = [100, 0, 333, 16, 1]
+    G, fin, fout = len(splits), 256, 512
+    gl = GroupedLinear(G, fin, fout, bias=True, device="cuda", params_dtype=torch.bfloat16)
+    lins = [Linear(fin, fout, bias=True, device="cuda", params_dtype=torch.bfloat16) for _ in range(G)]
+    with torch.no_grad():
+        for g, lin in enumerate(lins):
+            lin.weight.copy_(getattr(gl, f"weight{g}"))
+            getattr(gl, f"bias{g}").normal_()
+            lin.bias.copy_(getattr(gl, f"bias{g}"))
+    x = torch.randn(sum(splits), fin, device="cuda").bfloat16().requires_grad_()
+    dy = torch.randn(sum(splits), fout, device="cuda").bfloat16()
+    with fp8_autocast(enabled=True, fp8_recipe=recipe):
+        y = gl(x, splits)
+    y.backward(dy)
+    xr = x.detach().clone().requires_grad_()
+    offs = [0]
+    for m in splits:
+        offs.append(offs[-1] + m)
+    with fp8_autocast(enabled=True, fp8_recipe=recipe):
+        parts = [lins[g](xr[offs[g]:offs[g + 1]]) for g in range(G) if splits[g]]
+    ref = torch.cat(parts)
+    ref.backward(dy)
+    assert rel_error(y, ref) <= pair_tol(torch.bfloat16)
+    assert rel_error(x.grad, xr.grad) <= pair_tol(torch.bfloat16)
+    for g in range(G):
+        if splits[g]:
+            assert rel_error(getattr(gl, f"weight{g}").grad, lins[g].weight.grad) <= pair_tol(torch.bfloat16)
+            assert rel_error(getattr(gl, f"bias{g}").grad, lins[g].bias.grad) <= pair_tol(torch.bfloat16)
