@@ -306,3 +306,32 @@ def test_fuse_wgrad_accumulation_into_main_grad(fp8):
         for n, p in fused.named_parameters():  # biases and norm weights: ordinary gradients
             if p.dim() == 1:
                 assert torch.equal(p.grad, ref[n].grad), n
+
+
+def test_rng_tracker_draws_attention_dropout():
+    """With a tracker, attention dropout's seed comes from its fork (TE):
+    torch's own generator is left where it was, and two calls under the
+    same tracker state drop the same elements."""
+    class Seeded:
+        @contextlib.contextmanager
+        def fork(self, name="model-parallel-rng"):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(7)
+                yield
+
+    torch.manual_seed(29)
+    dpa = te.DotProductAttention(2, 8, attention_dropout=0.5, qkv_format="bshd", get_rng_state_tracker=Seeded)
+    mha = te.MultiheadAttention(16, 2, attention_dropout=0.5, qkv_format="bshd", get_rng_state_tracker=Seeded,
+                                device="cpu")
+    q, k, v = (torch.randn(1, 5, 2, 8) for _ in range(3))
+    x = torch.randn(1, 5, 16)
+    for module, args in ((dpa, (q, k, v)), (mha, (x,))):
+        module.train()
+        state = torch.get_rng_state()
+        a, b = module(*args), module(*args)
+        assert torch.equal(a, b) and torch.equal(torch.get_rng_state(), state)
+        module.eval()
+        c = module(*args)
+        assert not torch.equal(a, c)  # dropout was on in training
+    plain = te.DotProductAttention(2, 8, attention_dropout=0.5, qkv_format="bshd")
+    assert not torch.equal(plain(q, k, v), plain(q, k, v))  # without a tracker: torch's generator moves on

@@ -112,6 +112,7 @@ COVERAGE = {
         'dtype': 'test_te_api.py::test_norm_argument_names',
     },
     'DotProductAttention': {
+        'get_rng_state_tracker': 'test_te_api_args.py::test_rng_tracker_draws_attention_dropout',
         'num_attention_heads': 'test_te_api_args.py::test_bookkeeping_arguments_change_nothing',
         'kv_channels': 'test_te_api_args.py::test_bookkeeping_arguments_change_nothing',
         'num_gqa_groups': 'test_dot_product_attention.py::test_module_matches_reference',

@@ -28,6 +28,8 @@ or parameter-free "L2Normalization" (x / sqrt(sum x^2 + eps), run as an
 RMSNorm with eps / d and weight 1 / sqrt(d)); applied after RoPE, or before
 it with ``qk_norm_before_rope=True``.  ``seq_length`` and
 ``micro_batch_size`` only size buffers in TE and change nothing here.
+``get_rng_state_tracker`` (TE's model-parallel RNG tracker): the weights are
+initialised, and the attention dropout draws its seed, inside its fork.
 ``device="meta"`` defers initialisation: reset_parameters() materialises
 the submodules in construction order, with the initialisation (and random
 draws) of direct construction.
@@ -37,6 +39,7 @@ rather than doing something else (seqfuse.modules.te_compat.REFUSED):
 tensor/sequence/context parallelism and userbuffers,
 interleaved RoPE, non-vanilla softmax, KV caches (``inference_params``).
 """
+import contextlib
 import math
 
 import torch
@@ -46,7 +49,7 @@ from .layernorm_linear import LayerNormLinear
 from .linear import Linear
 from .norm import LayerNorm, RMSNorm, rms_norm
 from .rope import apply_rotary_pos_emb
-from .te_compat import take_refused
+from .te_compat import rng_fork, take_refused
 from ..quantization import checkpoint as recompute
 
 QK_NORM_TYPES = ("RMSNorm", "LayerNorm", "L2Normalization")
@@ -131,6 +134,7 @@ class MultiheadAttention(torch.nn.Module):
         hn, np_, ng = self.kv_channels, self.num_attention_heads, self.num_gqa_groups
         kw = _kw(init_method, params_dtype, device)
         kw.update(given(get_rng_state_tracker=get_rng_state_tracker))
+        self.get_rng_state_tracker = get_rng_state_tracker  # weights' init and attention dropout (TE)
         # every projection accumulates into a weight's main_grad where there is one (needs fuse_qkv_params=True
         # for the QKV weight: split parameters refuse main_grad, naming it)
         kw["fuse_wgrad_accumulation"] = self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
@@ -295,10 +299,14 @@ class MultiheadAttention(torch.nn.Module):
                        max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
                        core_attention_bias_type=core_attention_bias_type,
                        core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes)
-        if checkpoint_core_attention and torch.is_grad_enabled():
-            context = recompute(self.core_attention, q, k, v, **attn_kw)
-        else:
-            context = self.core_attention(q, k, v, **attn_kw)
+        # attention dropout draws its seed inside the RNG tracker's fork where one is given (TE)
+        dropping = self.training and self.core_attention.attention_dropout > 0
+        dropout_rng = rng_fork(self.get_rng_state_tracker) if dropping else contextlib.nullcontext()
+        with dropout_rng:
+            if checkpoint_core_attention and torch.is_grad_enabled():
+                context = recompute(self.core_attention, q, k, v, **attn_kw)
+            else:
+                context = self.core_attention(q, k, v, **attn_kw)
         out = self.proj(context, is_first_microbatch=is_first_microbatch)  # (output, bias) with return_bias
         outputs = list(out) if self.return_bias else [out]
         if self.return_layernorm_output and self.input_layernorm:

@@ -79,8 +79,6 @@ REFUSED = {
     "DotProductAttention": {
         "sequence_parallel": _entry(True, (False,), _TP), "tp_size": _entry(2, (1,), _TP),
         "tp_group": _entry("group", (None,), _TP),
-        "get_rng_state_tracker": _entry("tracker", (None,), "attention dropout draws from torch's generator "
-                                        "(Philox seed/offset); a tensor-parallel RNG tracker is not used"),
         "bottom_right_diagonal": _BOTTOM_RIGHT, "softmax_type": _SOFTMAX,
         "return_max_logit": _entry(True, (False,), "the attention kernels do not return the maximum logit"),
     },
