@@ -496,3 +496,23 @@ def test_cuda_generate_static_cache():
         last = ref(ids, attention_mask=mask).logits[:, -1].float()
     chosen = last.gather(1, dyn[:, 40:41]).squeeze(1)
     assert (chosen >= last.max(1).values - 2e-2 * last.abs().max()).all()
+
+
+def test_pickle_round_trip():
+    """torch.save of a whole accelerated model: the fused layer classes are
+    found again by name, also where they were not made yet (a new process)."""
+    import io
+
+    import seqfuse.hf.fuse_layers as fuse_layers
+
+    ref, model, _ = accelerated("qwen3")
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    fuse_layers.__dict__.pop("SeqfuseQwen3DecoderLayer")  # as in a process that has not fused a Qwen3 yet
+    fuse_layers._FUSED_CLASSES.clear()
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    ids = torch.randint(1, V, (2, 7))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    assert type(loaded.model.layers[0]).__name__ == "SeqfuseQwen3DecoderLayer"

@@ -273,13 +273,28 @@ _FUSED_CLASSES = {}
 
 
 def fused_class(orig_cls):
-    """SeqfuseDecoderLayer's subclass of ``orig_cls`` (made once per class)."""
+    """SeqfuseDecoderLayer's subclass of ``orig_cls`` (made once per class),
+    also set as this module's attribute of its name so pickle finds it."""
     cls = _FUSED_CLASSES.get(orig_cls)
     if cls is None:
-        cls = type(f"Seqfuse{orig_cls.__name__}", (SeqfuseDecoderLayer, orig_cls),
-                   {"__module__": __name__, "__qualname__": f"Seqfuse{orig_cls.__name__}"})
+        name = f"Seqfuse{orig_cls.__name__}"
+        cls = type(name, (SeqfuseDecoderLayer, orig_cls), {"__module__": __name__, "__qualname__": name})
         _FUSED_CLASSES[orig_cls] = cls
+        globals()[name] = cls
     return cls
+
+
+def __getattr__(name):
+    """The fused class named ``name`` (e.g. SeqfuseLlamaDecoderLayer), made on
+    first use: what unpickling a fused model in a new process looks up."""
+    base = name[len("Seqfuse"):] if name.startswith("Seqfuse") else None
+    if base not in FAMILIES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    family = base[:-len("DecoderLayer")].lower()
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    return fused_class(getattr(modeling, base))
 
 
 def _fused_or_own(pieces, part):
