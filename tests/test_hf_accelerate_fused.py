@@ -516,3 +516,7 @@ def test_pickle_round_trip():
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
     assert type(loaded.model.layers[0]).__name__ == "SeqfuseQwen3DecoderLayer"
+    # the forward's wrapping comes back with it (the labels path makes no logits), bound to the loaded model
+    out = loaded(ids, labels=ids)
+    assert out.logits is None and torch.equal(out.loss, model(ids, labels=ids).loss)
+    assert loaded.forward.__self__ is loaded

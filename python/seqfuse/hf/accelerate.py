@@ -352,15 +352,16 @@ def _make_layernorm(LayerNorm, m):
     return new
 
 
+def _autocast_forward(inner, recipe):
+    def forward(self, *args, **kwargs):
+        with autocast(enabled=True, recipe=recipe):
+            return inner(self, *args, **kwargs)
+
+    return forward
+
+
 def _wrap_forward(model, recipe):
-    def wrap(inner):
-        def forward(self, *args, **kwargs):
-            with autocast(enabled=True, recipe=recipe):
-                return inner(self, *args, **kwargs)
-
-        return forward
-
-    wrap_method(model, "forward", wrap)
+    wrap_method(model, "forward", _autocast_forward, recipe)
 
 
 def _gemm_alignment(recipe):
@@ -601,6 +602,16 @@ def _seqfuse_checkpoint_like(func):
     return func
 
 
+def _checkpointing_setter(inner):
+    def _set_gradient_checkpointing(self, enable=True, gradient_checkpointing_func=None, **kwargs):
+        if gradient_checkpointing_func is None:
+            return inner(self, enable=enable, **kwargs)
+        return inner(self, enable=enable,
+                     gradient_checkpointing_func=_seqfuse_checkpoint_like(gradient_checkpointing_func), **kwargs)
+
+    return _set_gradient_checkpointing
+
+
 def _route_checkpointing(model):
     """Make transformers' gradient checkpointing use seqfuse's checkpoint: the
     model's _set_gradient_checkpointing (what every transformers version's
@@ -612,16 +623,7 @@ def _route_checkpointing(model):
     if "value" in inspect.signature(setter).parameters:  # transformers' pre-4.35 format: not routed
         return
 
-    def wrap(inner):
-        def _set_gradient_checkpointing(self, enable=True, gradient_checkpointing_func=None, **kwargs):
-            if gradient_checkpointing_func is None:
-                return inner(self, enable=enable, **kwargs)
-            return inner(self, enable=enable,
-                         gradient_checkpointing_func=_seqfuse_checkpoint_like(gradient_checkpointing_func), **kwargs)
-
-        return _set_gradient_checkpointing
-
-    wrap_method(model, "_set_gradient_checkpointing", wrap)
+    wrap_method(model, "_set_gradient_checkpointing", _checkpointing_setter)
     for m in model.modules():
         f = m.__dict__.get("_gradient_checkpointing_func")
         if f is not None:

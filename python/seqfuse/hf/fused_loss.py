@@ -21,6 +21,7 @@ Not wrapped (the report's ``loss`` line says why): models other than these
 causal LMs, an LM head that is not a linear layer, a final logit
 soft-capping, or a loss function other than transformers' ForCausalLM loss.
 """
+import functools
 import inspect
 import logging
 
@@ -89,6 +90,45 @@ def fused_causal_lm_loss(model, hidden, labels, num_items_in_batch=None, ignore_
     return loss
 
 
+@functools.lru_cache(maxsize=None)
+def _forward_signature(cls):
+    """(signature of cls.forward, the name of its **kwargs), read once per class."""
+    sig = inspect.signature(cls.forward)
+    return sig, next(p.name for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD)
+
+
+def _labels_forward(inner):
+    """The forward that sends labels calls to the fused loss (a module-level
+    maker for seqfuse.hf.method_wrap, so copies of the model keep it)."""
+
+    def forward(self, *args, **kwargs):
+        sig, var_kw = _forward_signature(type(self))
+        call = dict(sig.bind_partial(self, *args, **kwargs).arguments)
+        call.pop("self", None)
+        call.update(call.pop(var_kw, {}))
+        labels = call.pop("labels", None)
+        keep = call.pop("logits_to_keep", 0)
+        if labels is None:
+            return inner(self, *args, **kwargs)
+        if not (isinstance(keep, int) and keep == 0):
+            _log.info("seqfuse fused loss: logits_to_keep=%r with labels runs transformers' own head and loss", keep)
+            return inner(self, *args, **kwargs)
+        return_dict = call.pop("return_dict", None)
+        loss_kw = {k: call.pop(k) for k in ("ignore_index", "shift_labels") if k in call}
+        outputs = self.model(**call)  # num_items_in_batch and the rest go on, as transformers passes them
+        loss = fused_causal_lm_loss(self, outputs.last_hidden_state, labels,
+                                    num_items_in_batch=call.get("num_items_in_batch"), **loss_kw)
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        cache_field = _output_cache_field(CausalLMOutputWithPast)
+        result = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
+                                        attentions=outputs.attentions,
+                                        **{cache_field: getattr(outputs, cache_field, None)})
+        return result.to_tuple() if return_dict is False else result
+
+    return forward
+
+
 def wrap_causal_lm_loss(model):
     """Wrap ``model.forward`` so labels calls use the fused loss; returns the
     report's line (what the loss path is, or why it is transformers' own)."""
@@ -97,40 +137,9 @@ def wrap_causal_lm_loss(model):
         _log.info("seqfuse.hf.accelerate: labels keep %s: %s", OWN, why)
         return f"{OWN} ({why})"
     sig = inspect.signature(type(model).forward)
-    var_kw = next((p.name for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD), None)
-    if var_kw is None or "labels" not in sig.parameters:
+    if "labels" not in sig.parameters or not any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
         why = "its forward takes no labels / **kwargs"
         return f"{OWN} ({why})"
-
-    def wrap(inner):
-        def forward(self, *args, **kwargs):
-            bound = sig.bind_partial(self, *args, **kwargs)
-            call = dict(bound.arguments)
-            call.pop("self", None)
-            call.update(call.pop(var_kw, {}))
-            labels = call.pop("labels", None)
-            keep = call.pop("logits_to_keep", 0)
-            if labels is None:
-                return inner(self, *args, **kwargs)
-            if not (isinstance(keep, int) and keep == 0):
-                _log.info("seqfuse fused loss: logits_to_keep=%r with labels runs transformers' own head and loss",
-                          keep)
-                return inner(self, *args, **kwargs)
-            return_dict = call.pop("return_dict", None)
-            loss_kw = {k: call.pop(k) for k in ("ignore_index", "shift_labels") if k in call}
-            outputs = self.model(**call)  # num_items_in_batch and the rest go on, as transformers passes them
-            loss = fused_causal_lm_loss(self, outputs.last_hidden_state, labels,
-                                        num_items_in_batch=call.get("num_items_in_batch"), **loss_kw)
-            from transformers.modeling_outputs import CausalLMOutputWithPast
-
-            cache_field = _output_cache_field(CausalLMOutputWithPast)
-            result = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
-                                            attentions=outputs.attentions,
-                                            **{cache_field: getattr(outputs, cache_field, None)})
-            return result.to_tuple() if return_dict is False else result
-
-        return forward
-
-    wrap_method(model, "forward", wrap)
+    wrap_method(model, "forward", _labels_forward)
     return ("seqfuse linear_cross_entropy over lm_head in token chunks (no full logits; logits=None in the "
             "output when labels are given)")

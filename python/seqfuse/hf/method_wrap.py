@@ -1,28 +1,74 @@
-"""Replacing a method of one model instance by a wrapper of it, so that a
-copy of the model re-binds the wrapper to the copy (used by
+"""Replacing a method of one model instance by a wrapper of it (used by
 seqfuse.hf.accelerate for the forward under autocast and the gradient
-checkpointing setter, and by seqfuse.hf.fused_loss for the labels path)."""
-import functools
+checkpointing setter, and by seqfuse.hf.fused_loss for the labels path).
+
+``wrap_method(model, name, make, *args)`` sets ``model.<name>`` to a
+MethodWrapper that calls ``make(inner, *args)(model, ...)``, where
+``inner(self, ...)`` runs what ``model.<name>`` ran before (the class's
+method, or an earlier wrapper).  ``make`` is a module-level function and
+``args`` plain values, so the wrapper survives what copies a model:
+
+- ``copy.deepcopy(model)``: the copy's wrapper calls the copy (its forward
+  runs the copy, its checkpointing setter changes the copy's layers);
+- ``torch.save(model)`` / ``torch.load``: the wrapper is rebuilt around the
+  loaded model (a bound method would come back as the class's own method,
+  silently dropping the wrapping).
+
+``inspect.signature(model.<name>)`` is the wrapped method's (Trainer and
+generate() read forward's parameters).
+"""
+import inspect
 import types
 
 
-def wrap_method(model, name, wrap):
-    """Replace ``model.<name>`` by ``wrap(inner)``, bound to the model, where
-    ``inner(self, ...)`` runs what ``model.<name>`` ran.
+class MethodWrapper:
+    """``model.<name>`` after wrap_method (see the module note)."""
 
-    Both are functions of ``self`` rather than closures over this model's
-    bound method, so ``copy.deepcopy(model)`` re-binds the wrapper to the
-    copy (deepcopy copies a bound method by binding its function to the copy
-    of its object): the copy's forward runs the copy, and its checkpointing
-    setter changes the copy's layers, not the original's."""
-    current = getattr(model, name)
-    if isinstance(current, types.MethodType) and current.__self__ is model:
-        inner = current.__func__  # the class's method, or an earlier wrapper of ours: re-bound on each call
-    else:  # a callable set on the instance by someone else (not bound to model): called as it is
+    _seqfuse = True
 
-        def inner(self, *args, **kwargs):
-            return current(*args, **kwargs)
+    def __init__(self, model, name, make, args, previous):
+        self.model, self.name, self.make, self.args, self.previous = model, name, make, tuple(args), previous
+        if isinstance(previous, MethodWrapper):  # an earlier wrapper of ours: chain through it, re-bound
+            inner = previous.call
+        elif previous is not None:  # a callable someone else set on the instance: called as it is
+            def inner(self, *a, **kw):
+                return previous(*a, **kw)
+        else:
+            inner = getattr(type(model), name)
+        self.fn = make(inner, *self.args)
 
-    wrapper = functools.wraps(inner)(wrap(inner))  # keeps inner's signature (Trainer reads forward's)
-    wrapper._seqfuse = True
-    setattr(model, name, types.MethodType(wrapper, model))
+    def call(self, model, *args, **kwargs):
+        """The wrapped method run on ``model`` (the chain's own self)."""
+        return self.fn(model, *args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(self.model, *args, **kwargs)
+
+    @property
+    def __signature__(self):
+        return inspect.signature(types.MethodType(getattr(type(self.model), self.name), self.model))
+
+    @property
+    def __func__(self):
+        return self.fn
+
+    @property
+    def __self__(self):
+        return self.model
+
+    def __reduce__(self):
+        return MethodWrapper, (self.model, self.name, self.make, self.args, self.previous)
+
+    def __repr__(self):
+        return f"<seqfuse wrapper {self.make.__name__} of {type(self.model).__name__}.{self.name}>"
+
+
+def wrap_method(model, name, make, *args):
+    """Set ``model.<name>`` to ``make(inner, *args)`` bound to the model (see
+    the module note).  A callable someone else set on the instance is called
+    by the wrapper as it is (a copy of the model then carries that callable)."""
+    current = model.__dict__.get(name)
+    if isinstance(current, types.MethodType) and current.__self__ is model \
+            and current.__func__ is getattr(type(model), name, None):
+        current = None  # the class's own method, bound: the same as none set
+    setattr(model, name, MethodWrapper(model, name, make, args, current))
