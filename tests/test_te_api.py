@@ -10,7 +10,6 @@ Float32 on the CPU backend against float64 torch references (tolerances from
 helpers.REL_TOL); the cuda-marked tests repeat the module checks in bf16 on a
 GPU against the CPU module."""
 import contextlib
-import math
 
 import pytest
 import torch

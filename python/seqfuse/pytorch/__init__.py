@@ -50,8 +50,9 @@ from .utils import (deinterleave_glu_tensor, get_cudnn_version, get_default_reci
                     get_device_compute_capability, interleave_glu_tensor, is_bf16_available, is_fp8_available,
                     is_fp8_block_scaling_available, is_mxfp8_available, is_nvfp4_available)
 
-__all__ += ["deinterleave_glu_tensor", "interleave_glu_tensor", "get_cudnn_version", "get_default_recipe", "get_device_compute_capability", "is_bf16_available",
-            "is_fp8_available", "is_fp8_block_scaling_available", "is_mxfp8_available", "is_nvfp4_available"]
+__all__ += ["deinterleave_glu_tensor", "interleave_glu_tensor", "get_cudnn_version", "get_default_recipe",
+            "get_device_compute_capability", "is_bf16_available", "is_fp8_available",
+            "is_fp8_block_scaling_available", "is_mxfp8_available", "is_nvfp4_available"]
 
 # te.ops (fusible operations) and te.optimizers
 from . import ops, optimizers  # noqa: E402
