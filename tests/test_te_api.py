@@ -848,3 +848,41 @@ def test_apply_fused_qkv_rotary_pos_emb(fmt):
         apply_fused_qkv_rotary_pos_emb(qkv, q_freqs, k_freqs, [d, d, d])
     with pytest.raises(ValueError, match="'tensor_format' must be 'sbhd' or 'bshd'"):
         apply_fused_qkv_rotary_pos_emb(qkv, q_freqs, k_freqs, [2 * d, d, d], tensor_format="thd")
+
+
+def test_rng_states_tracker():
+    tracker = te.CudaRNGStatesTracker()
+    assert not tracker.is_initialized()
+    tracker.add("model-parallel-rng", 123)
+    assert tracker.is_initialized()
+    with pytest.raises(ValueError, match="seed 123 is already used"):
+        tracker.add("other", 123)
+    with pytest.raises(ValueError, match="already exists"):
+        tracker.add("model-parallel-rng", 5)
+    with pytest.raises(KeyError, match="no stream named 'missing'"):
+        with tracker.fork("missing"):
+            pass
+    torch.manual_seed(0)
+    outside = torch.get_rng_state()
+    with tracker.fork():
+        a = torch.rand(4)
+    with tracker.fork():
+        b = torch.rand(4)  # the stream continues
+    assert torch.equal(torch.get_rng_state(), outside)  # the caller's generator is untouched
+    torch.manual_seed(123)
+    assert torch.equal(torch.cat([a, b]), torch.rand(8))
+    saved = tracker.get_states()
+    with tracker.fork():
+        c = torch.rand(4)
+    tracker.set_states(saved)
+    with tracker.fork():
+        assert torch.equal(torch.rand(4), c)
+    # a TE layer initialised under the tracker: the same weights as a layer drawn from that seed
+    fresh = te.CudaRNGStatesTracker()
+    fresh.add("model-parallel-rng", 77)
+    layer = te.Linear(8, 8, device="cpu", get_rng_state_tracker=lambda: fresh)
+    torch.manual_seed(77)
+    assert torch.equal(layer.weight, torch.empty(8, 8).normal_(0.0, 0.023))
+    tracker.reset()
+    assert not tracker.is_initialized() and tracker.get_states() == {}
+    assert te.distributed.checkpoint is te.checkpoint

@@ -58,3 +58,9 @@ __all__ += ["deinterleave_glu_tensor", "interleave_glu_tensor", "get_cudnn_versi
 from . import ops, optimizers  # noqa: E402
 
 __all__ += ["ops", "optimizers"]
+
+# te.distributed: checkpoint (above) and the RNG tracker
+from . import distributed  # noqa: E402
+from .distributed import CudaRNGStatesTracker  # noqa: E402
+
+__all__ += ["distributed", "CudaRNGStatesTracker"]
