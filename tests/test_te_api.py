@@ -886,3 +886,20 @@ def test_rng_states_tracker():
     tracker.reset()
     assert not tracker.is_initialized() and tracker.get_states() == {}
     assert te.distributed.checkpoint is te.checkpoint
+
+
+def test_ops_torch_activations_and_l2():
+    O = te.ops
+    x = torch.randn(4, 8, requires_grad=True)
+    a, b = x.double().chunk(2, -1)
+    xd = x.double()
+    cases = [(O.GLU(), torch.sigmoid(a) * b), (O.QGELU(), xd * torch.sigmoid(1.702 * xd)),
+             (O.QGEGLU(), a * torch.sigmoid(1.702 * a) * b), (O.SReLU(), torch.relu(xd) ** 2),
+             (O.SReGLU(), torch.relu(a) ** 2 * b),
+             (O.L2Normalization(eps=1e-3), xd / torch.sqrt(xd.pow(2).sum(-1, keepdim=True) + 1e-3))]
+    for op, ref in cases:
+        seq = O.Sequential(op)
+        assert seq.plan() == [(None, [type(op).__name__])]
+        close(seq(x), ref)
+    with pytest.raises(NotImplementedError, match="argument 'cache_quantized_input'"):
+        O.SReLU(cache_quantized_input=True)

@@ -34,7 +34,11 @@ Quantize: outside FP8 autocast the identity (as in TE); under FP8 autocast
 it raises NotImplementedError (seqfuse's GEMMs quantize their own inputs:
 drop the Quantize operation).  Identity, ConstantScale (x * scale), Dropout
 (torch's, training mode only) and Reshape (x.reshape(shape)) are torch
-operations.  Not here (names TE has that seqfuse.pytorch.ops lacks):
+operations, and so are the activations seqfuse has no kernel for: GLU
+(sigmoid(a) * b), QGELU (x * sigmoid(1.702 x)), QGEGLU, SReLU (relu(x)^2),
+SReGLU; they always run op by op.  L2Normalization (x / sqrt(sum x^2 +
+eps), TE's QK-norm op) runs on seqfuse's RMSNorm kernel (MultiheadAttention's
+L2Normalization).  Not here (names TE has that seqfuse.pytorch.ops lacks):
 GroupedLinear, ScaledSwiGLU and the other scaled/clamped GLUs, the
 communication operations, extra inputs/outputs, and the fusion registration
 functions.
@@ -45,11 +49,13 @@ import math
 import torch
 
 from ..modules import LayerNormLinear, LayerNormMLP, Linear as _LinearModule, activation, layer_norm, rms_norm
+from ..modules.multihead_attention import L2Normalization as _L2Normalization
 from ..modules.te_compat import materialize_device, rng_fork
 from ..quantization import is_fp8_enabled
 
 __all__ = ["BasicOperation", "BasicLinear", "Bias", "Linear", "LayerNorm", "RMSNorm", "GELU", "ReLU", "SiLU",
-           "GEGLU", "ReGLU", "SwiGLU", "Quantize", "Identity", "ConstantScale", "Dropout", "Reshape", "Sequential"]
+           "GEGLU", "ReGLU", "SwiGLU", "GLU", "QGELU", "QGEGLU", "SReLU", "SReGLU", "L2Normalization", "Quantize",
+           "Identity", "ConstantScale", "Dropout", "Reshape", "Sequential"]
 
 _log = logging.getLogger("seqfuse")
 
@@ -275,6 +281,73 @@ class SwiGLU(_Activation):
             blocks = x.reshape(*x.shape[:-1], n // (2 * k), 2, k)
             x = blocks.transpose(-3, -2).reshape(x.shape)
         return activation(x, self.name)
+
+
+class _TorchActivation(BasicOperation):
+    """An activation seqfuse has no kernel for, written in torch (gated ones
+    split the last dimension in halves: gate first, as TE's)."""
+    gated = False
+
+    def __init__(self, *, cache_quantized_input=False):
+        super().__init__()
+        if cache_quantized_input:
+            _refuse(type(self).__name__, "cache_quantized_input", cache_quantized_input,
+                    "the activation keeps its input in high precision for the backward")
+
+    @staticmethod
+    def fn(x):
+        raise NotImplementedError
+
+    def forward(self, x):
+        if self.gated:
+            a, b = x.chunk(2, dim=-1)
+            return self.fn(a) * b
+        return self.fn(x)
+
+
+def _qgelu(x):
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _srelu(x):
+    return torch.relu(x).square()
+
+
+class GLU(_TorchActivation):
+    """sigmoid(a) * b."""
+    gated, fn = True, staticmethod(torch.sigmoid)
+
+
+class QGELU(_TorchActivation):
+    """x * sigmoid(1.702 x)."""
+    fn = staticmethod(_qgelu)
+
+
+class QGEGLU(_TorchActivation):
+    """QGELU(a) * b."""
+    gated, fn = True, staticmethod(_qgelu)
+
+
+class SReLU(_TorchActivation):
+    """relu(x)^2."""
+    fn = staticmethod(_srelu)
+
+
+class SReGLU(_TorchActivation):
+    """relu(a)^2 * b."""
+    gated, fn = True, staticmethod(_srelu)
+
+
+class L2Normalization(BasicOperation):
+    """x / sqrt(sum(x^2) + eps) over the last dimension (no parameters).
+    seq_length and micro_batch_size only warm up TE's JIT; kept, unused."""
+
+    def __init__(self, *, eps=1e-6, seq_length=None, micro_batch_size=None):
+        super().__init__()
+        self.eps, self.seq_length, self.micro_batch_size = float(eps), seq_length, micro_batch_size
+
+    def forward(self, x):
+        return _L2Normalization(x.shape[-1], self.eps)(x)
 
 
 class Quantize(BasicOperation):
