@@ -903,3 +903,17 @@ def test_ops_torch_activations_and_l2():
         close(seq(x), ref)
     with pytest.raises(NotImplementedError, match="argument 'cache_quantized_input'"):
         O.SReLU(cache_quantized_input=True)
+
+
+def test_dot_product_attention_te_forward_arguments():
+    torch.manual_seed(36)
+    dpa = te.DotProductAttention(2, 8, qkv_format="bshd", attn_mask_type="causal")
+    q, k, v = (torch.randn(1, 4, 2, 8) for _ in range(3))
+    ref = dpa(q, k, v)
+    off = dict(bottom_right_diagonal=None, pad_between_seqs=False, fp8_output=False, bf16_backward=False,
+               num_splits=1, score_mod=None, qkv_layer=None, kv_layer=None, qkv_interleave_dim=-3)
+    assert torch.equal(dpa(q, k, v, **off), ref)
+    for name, value in (("bottom_right_diagonal", True), ("pad_between_seqs", True), ("fp8_output", True),
+                        ("num_splits", 2), ("score_mod", lambda s: s), ("qkv_layer", q)):
+        with pytest.raises(NotImplementedError, match=f"DotProductAttention: argument '{name}'="):
+            dpa(q, k, v, **{name: value})

@@ -16,12 +16,35 @@ arguments it passes are the ones that module takes.
 ``seqfuse.pytorch.attention.rope`` has TE's rope functions under TE's path,
 apply_fused_qkv_rotary_pos_emb among them.
 """
+import torch
+
 from ...modules.attention import DotProductAttention as _DotProductAttention
 from ...modules.te_compat import rng_fork, take_refused
 from . import rope
 from .rope import apply_fused_qkv_rotary_pos_emb
 
 __all__ = ["DotProductAttention", "apply_fused_qkv_rotary_pos_emb", "rope"]
+
+
+#: TE 2.20 forward arguments seqfuse.modules.DotProductAttention does not take: their off values
+_TE_FORWARD_OFF = {"bottom_right_diagonal": None, "pad_between_seqs": None, "fp8_output": False,
+                   "bf16_backward": False, "num_splits": 1, "score_mod": None, "score_mod_bprop": None,
+                   "score_mod_tensors": None, "score_mod_bprop_tensors": None, "qkv_layer": None,
+                   "kv_layer": None, "qkv_interleave_dim": -3}
+_SCORE_MOD = "custom score modifiers (FlexAttention-style) are not implemented"
+_TE_FORWARD_WHY = {
+    "bottom_right_diagonal": "the attn_mask_type sets the sliding-window diagonal ('causal_bottom_right' for "
+                             "bottom-right)",
+    "pad_between_seqs": "packed sequences must be contiguous (cu_seqlens_*_padded equal to cu_seqlens_*)",
+    "fp8_output": "the attention output is in the inputs' dtype (FP8 attention is not implemented)",
+    "bf16_backward": "FP8 attention is not implemented",
+    "num_splits": "split-KV decoding is not implemented",
+    "score_mod": _SCORE_MOD, "score_mod_bprop": _SCORE_MOD, "score_mod_tensors": _SCORE_MOD,
+    "score_mod_bprop_tensors": _SCORE_MOD,
+    "qkv_layer": "pass query_layer, key_layer and value_layer (a packed QKV tensor is not taken)",
+    "kv_layer": "pass key_layer and value_layer (a packed KV tensor is not taken)",
+    "qkv_interleave_dim": "pass query_layer, key_layer and value_layer (a packed QKV tensor is not taken)",
+}
 
 
 class DotProductAttention(_DotProductAttention):
@@ -44,7 +67,17 @@ class DotProductAttention(_DotProductAttention):
 
     def forward(self, *args, **kwargs):
         """The module's forward; attention dropout draws its seed inside the
-        RNG tracker's fork where one was given (TE)."""
+        RNG tracker's fork where one was given (TE).  TE's forward arguments
+        the module does not take are accepted at their defaults and refused
+        by name otherwise (_TE_FORWARD_OFF)."""
+        for name, off in _TE_FORWARD_OFF.items():
+            if name in kwargs:
+                value = kwargs.pop(name)
+                if not (value is off or (off is None and value is False)
+                        or (type(value) is type(off) and value == off)):
+                    shown = "a tensor" if isinstance(value, torch.Tensor) else repr(value)
+                    raise NotImplementedError(f"DotProductAttention: argument '{name}'={shown} is not "
+                                              f"supported: {_TE_FORWARD_WHY[name]}")
         if self.get_rng_state_tracker is not None and self.training and self.attention_dropout:
             with rng_fork(self.get_rng_state_tracker):
                 return super().forward(*args, **kwargs)
