@@ -917,3 +917,13 @@ def test_dot_product_attention_te_forward_arguments():
                         ("num_splits", 2), ("score_mod", lambda s: s), ("qkv_layer", q)):
         with pytest.raises(NotImplementedError, match=f"DotProductAttention: argument '{name}'="):
             dpa(q, k, v, **{name: value})
+
+
+def test_fp8_output_flags_refused_by_name():
+    lin, lnl = te.Linear(8, 8, device="cpu"), te.LayerNormLinear(8, 8, device="cpu")
+    x = torch.randn(2, 8)
+    for m in (lin, lnl):
+        assert torch.equal(m(x, fp8_output=False, fp8_grad=False), m(x))
+        for name in ("fp8_output", "fp8_grad"):
+            with pytest.raises(NotImplementedError, match=f"{type(m).__name__}: argument '{name}'=True"):
+                m(x, **{name: True})

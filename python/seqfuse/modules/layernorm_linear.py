@@ -45,7 +45,7 @@ from . import _fp8 as F8
 from ._base import (as_dtype, check_normalization, default_device, fp8_norm,  # noqa: F401
                     fp8_quantizers, hidden_dim, init_weight, make_norm_params, norm_backward,
                     norm_forward, norm_param, reset_norm_params)
-from .te_compat import materialize, rng_fork, take_refused
+from .te_compat import materialize, refuse_fp8_io, rng_fork, take_refused
 from ._input import check_input
 from ._split import fused_params, install_split, parse_split, reset_split, weight_sources
 
@@ -172,10 +172,12 @@ class LayerNormLinear(torch.nn.Module):
             if self.bias is not None:
                 self.bias.zero_()
 
-    def forward(self, x, is_first_microbatch=None):
+    def forward(self, x, is_first_microbatch=None, fp8_output=False, fp8_grad=False):
         """is_first_microbatch (TE): under FP8, True re-casts the weight, False
         reuses the previous cast (gradient-accumulation micro-batches), None
-        re-casts when the weight changed."""
+        re-casts when the weight changed.  fp8_output / fp8_grad (TE): refused
+        when set."""
+        refuse_fp8_io("LayerNormLinear", fp8_output, fp8_grad)
         check_input("LayerNormLinear", x, self.in_features, "in_features")
         q = fp8_quantizers(self, x)
         weight, bias = fused_params(self, "LayerNormLinear")

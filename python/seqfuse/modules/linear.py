@@ -59,7 +59,7 @@ from ..quantization import gemm_quantizers as _gq
 from . import _fp8 as F8
 from ._input import check_input
 from ._split import fused_params, install_split, parse_split, reset_split, weight_sources
-from .te_compat import materialize, rng_fork, take_refused
+from .te_compat import materialize, refuse_fp8_io, rng_fork, take_refused
 
 __all__ = ["Linear", "LinearFunction", "Fp8LinearFunction"]
 
@@ -206,11 +206,13 @@ class Linear(torch.nn.Module):
                 f"bias={self.use_bias}, params_dtype={dtype}"
                 + (f", parameters_split={[name for name, _ in split]}" if split else ""))
 
-    def forward(self, inp, is_first_microbatch=None):
+    def forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False):
         """y for inp [..., in_features].  is_first_microbatch (TE): under
         FP8, True re-quantizes the weight, False reuses the quantized weight
         of the previous call (gradient-accumulation micro-batches), None
-        re-quantizes only when the weight changed."""
+        re-quantizes only when the weight changed.  fp8_output / fp8_grad
+        (TE): refused when set."""
+        refuse_fp8_io("Linear", fp8_output, fp8_grad)
         check_input("Linear", inp, self.in_features, "in_features")
         weight, bias = fused_params(self, "Linear")
         lead = inp.shape[:-1]

@@ -97,6 +97,16 @@ REFUSED = {
 }
 
 
+def refuse_fp8_io(cls, fp8_output, fp8_grad):
+    """TE's forward flags fp8_output / fp8_grad (an FP8 output, an FP8 input
+    gradient for the next FP8 module): refused when set."""
+    for name, value in (("fp8_output", fp8_output), ("fp8_grad", fp8_grad)):
+        if value:
+            raise NotImplementedError(f"{cls}: argument '{name}'={value!r} is not supported: outputs and input "
+                                      "gradients are in the input's dtype (the next module quantizes its own "
+                                      "operands under FP8 autocast)")
+
+
 def refuse(cls, values):
     """Raise NotImplementedError for the first argument in ``values`` (name ->
     value) that REFUSED[cls] lists and that is not switched off."""
