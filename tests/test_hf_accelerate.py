@@ -603,7 +603,7 @@ def test_accelerate_llama_left_padded_batch():
     implementation (here the padding attends among itself), so the label a
     causal LM would predict from a padding position (each row's first token)
     is masked too."""
-    model = llama()
+    model = llama().train()  # no dropout in this config: train() only selects the fused loss (training calls)
     ref = copy.deepcopy(model)
     accelerate(model)
     torch.manual_seed(7)

@@ -394,6 +394,15 @@ def test_fp8_recipes_train_on_cpu(recipe_name):
                     assert rel_error(grads[n], q.grad) <= 0.25, (n, rel_error(grads[n], q.grad))
         opt_a.step(), opt_b.step()
         opt_a.zero_grad(), opt_b.zero_grad()
+    # the state dict: transformers' keys, plus the FP8 scaling state under seqfuse's names (kept for resume)
+    sd = model.state_dict()
+    hf_keys = set(ref.state_dict())
+    extra = set(sd) - hf_keys
+    assert hf_keys <= set(sd) and all(".fp8_state." in k for k in extra), sorted(extra)[:4]
+    assert extra or recipe_name == "block"  # block scaling keeps no state between steps
+    copy.deepcopy(model).load_state_dict(sd)  # strict: every entry finds its place again
+    missing, unexpected = copy.deepcopy(ref).load_state_dict(sd, strict=False)
+    assert not missing and set(unexpected) == extra
 
 
 @pytest.mark.cuda
@@ -520,3 +529,23 @@ def test_pickle_round_trip():
     out = loaded(ids, labels=ids)
     assert out.logits is None and torch.equal(out.loss, model(ids, labels=ids).loss)
     assert loaded.forward.__self__ is loaded
+
+
+def test_fused_loss_only_in_training_and_tuple_keeps_the_logits_place():
+    """The fused loss (no logits) serves training calls with labels only:
+    evaluation with labels (metrics want the logits) runs transformers'
+    head and loss; a tuple return keeps the logits' position (None)."""
+    ref, model, _ = accelerated("llama")
+    ids, mask, labels = batch()
+    model.train(), ref.train()
+    out = model(ids, attention_mask=mask, labels=labels, return_dict=False)
+    exp = ref(ids, attention_mask=mask, labels=labels, return_dict=False)
+    assert out[1] is None and abs(out[0].item() - exp[0].item()) <= rel_tol(torch.float32, 100) * exp[0].item()
+    assert len(out) == len(exp)
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        got = model(ids, attention_mask=mask, labels=labels)
+        want = ref(ids, attention_mask=mask, labels=labels)
+    real = mask.bool()
+    assert got.logits is not None and rel_error(got.logits[real], want.logits[real]) <= rel_tol(torch.float32, 10)
+    assert abs(got.loss.item() - want.loss.item()) <= rel_tol(torch.float32, 100) * want.loss.item()

@@ -180,8 +180,8 @@ def test_cuda_scaled_swiglu_matches_cpu(dtype, seed):
     g = torch.randn(N, Fh).to(dtype)
     res = {}
     for dev in ("cpu", "cuda"):
-        hh = h.to(dev).requires_grad_()
-        pp = p.to(dev).requires_grad_()
+        hh = h.detach().to(dev, copy=True).requires_grad_()
+        pp = p.detach().to(dev, copy=True).requires_grad_()
         a = moe.scaled_swiglu(hh, pp)
         a.backward(g.to(dev))
         res[dev] = (a.detach().cpu(), hh.grad.cpu(), pp.grad.cpu())

@@ -170,7 +170,7 @@ def test_cuda_topk_matches_cpu(config, dtype, shape, seed):
     g = torch.randn(T, E).to(dtype)
     outs = {}
     for dev in ("cpu", "cuda"):
-        lg = logits.to(dev).requires_grad_()
+        lg = logits.detach().to(dev, copy=True).requires_grad_()
         probs, rmap = moe.fused_topk_with_score_function(
             lg, topk, use_pre_softmax=pre, scaling_factor=scaling, score_function=score,
             expert_bias=None if bias is None else bias.to(dev))
@@ -194,7 +194,7 @@ def test_cuda_losses_match_cpu(score, seed):
     logits = _logits(T, E, torch.float32)
     results, tpe = {}, None
     for dev in ("cpu", "cuda"):
-        lg = logits.to(dev).requires_grad_()
+        lg = logits.detach().to(dev, copy=True).requires_grad_()
         rmap, scores = moe.fused_compute_score_for_moe_aux_loss(lg, topk, score)
         if tpe is None:  # the CPU's counts on both devices: a near-tie may select differently
             tpe = rmap.sum(0)

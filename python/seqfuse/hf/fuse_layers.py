@@ -525,10 +525,15 @@ def _filled_static_keys(cache, layer_idx, k, v):
 
 def _to_hf_state_dict(module, state_dict, prefix, local_metadata):
     """state_dict hook: the fused entries become transformers' keys (split
-    copies), in the original layer's key order."""
-    mine = {}
+    copies), in the original layer's key order.  FP8 scaling state (the
+    modules' ``fp8_state.*`` buffers, present once an FP8 recipe has run)
+    has no transformers name: it stays under seqfuse's names after them, so
+    a checkpoint resumes with its scales (plain transformers reports those
+    keys as unexpected and ignores them)."""
+    mine, scaling = {}, {}
     for key in [k for k in state_dict if k.startswith(prefix)]:
-        mine[key[len(prefix):]] = state_dict.pop(key)
+        local = key[len(prefix):]
+        (scaling if ".fp8_state." in "." + local else mine)[local] = state_dict.pop(key)
     out = {}
     for fused, hf in module._key_map():
         t = mine.pop(fused)
@@ -543,6 +548,8 @@ def _to_hf_state_dict(module, state_dict, prefix, local_metadata):
     order = [k for k in module._hf_keys if k in out] + [k for k in out if k not in module._hf_keys]
     for key in order:
         state_dict[prefix + key] = out[key]
+    for key, t in scaling.items():
+        state_dict[prefix + key] = t
     return state_dict
 
 

@@ -110,6 +110,9 @@ def _labels_forward(inner):
         keep = call.pop("logits_to_keep", 0)
         if labels is None:
             return inner(self, *args, **kwargs)
+        if not (self.training and torch.is_grad_enabled()):
+            # evaluation wants the logits (metrics, generation): transformers' own head and loss
+            return inner(self, *args, **kwargs)
         if not (isinstance(keep, int) and keep == 0):
             _log.info("seqfuse fused loss: logits_to_keep=%r with labels runs transformers' own head and loss", keep)
             return inner(self, *args, **kwargs)
@@ -124,7 +127,9 @@ def _labels_forward(inner):
         result = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
                                         attentions=outputs.attentions,
                                         **{cache_field: getattr(outputs, cache_field, None)})
-        return result.to_tuple() if return_dict is False else result
+        if return_dict is False:  # keep the logits' place in the tuple (to_tuple drops None fields)
+            return (loss, None) + result.to_tuple()[1:]
+        return result
 
     return forward
 
@@ -141,5 +146,5 @@ def wrap_causal_lm_loss(model):
         why = "its forward takes no labels / **kwargs"
         return f"{OWN} ({why})"
     wrap_method(model, "forward", _labels_forward)
-    return ("seqfuse linear_cross_entropy over lm_head in token chunks (no full logits; logits=None in the "
-            "output when labels are given)")
+    return ("seqfuse linear_cross_entropy over lm_head in token chunks when training with labels (no full "
+            "logits; logits=None in the output); eval and no-grad calls keep transformers' head and loss")

@@ -175,6 +175,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                         _gemm(logits, h, transa=True, out=grad_w, accumulate=start > 0, allow_tf32=False)
                     if need_b:
                         grad_b += logits.sum(0, dtype=torch.float32)
+                del logits, loss, lse  # freed before the next chunk's logits are allocated: one chunk at a time
         if grad_w is not None and n == 0:
             grad_w.zero_()  # no chunk wrote it
         if grad_w is not None and weight_dtype != torch.float32:
