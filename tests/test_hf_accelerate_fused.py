@@ -549,3 +549,19 @@ def test_fused_loss_only_in_training_and_tuple_keeps_the_logits_place():
     real = mask.bool()
     assert got.logits is not None and rel_error(got.logits[real], want.logits[real]) <= rel_tol(torch.float32, 10)
     assert abs(got.loss.item() - want.loss.item()) <= rel_tol(torch.float32, 100) * want.loss.item()
+
+
+def test_new_fused_parameters_are_reported_and_logged(caplog):
+    """Whole-layer fusion makes new Parameters (fused QKV, gate/up): the
+    report lists them and a WARNING says to build the optimizer after."""
+    import logging
+
+    ref = make("llama", torch.float32)
+    model = copy.deepcopy(ref)
+    before = {id(p) for p in model.parameters()}
+    with caplog.at_level(logging.WARNING, logger="seqfuse"):
+        report = accelerate(model)
+    new = [n for n, p in model.named_parameters() if id(p) not in before]
+    assert new and report.new_parameters == new
+    assert "build the optimizer after accelerate()" in caplog.text
+    assert "new Parameters" in str(report)

@@ -21,7 +21,10 @@ Module by module (step 3):
 Weights are kept by moving the very Parameter objects into the new modules,
 so tied weights stay tied (e.g. an LM head tied to the word embeddings), an
 optimizer built before the swap still holds the live parameters, and dtype
-and device are unchanged.  A module is swapped only when seqfuse computes
+and device are unchanged.  Whole-layer fusion (step 2) is different: its
+fused QKV and gate/up weights are new Parameters (listed in
+``report.new_parameters`` and logged): build the optimizer after
+accelerate().  A module is swapped only when seqfuse computes
 the same function; everything else is left as it was and listed in the
 report with the reason (never a silent fallback):
 
@@ -116,6 +119,8 @@ class AccelerateReport:
     recipe: object = None
     fused: list = field(default_factory=list)
     loss: str = "transformers' own LM head and loss"
+    #: names of Parameters the fusion created (fused QKV, gate/up): an optimizer must be built after accelerate()
+    new_parameters: list = field(default_factory=list)
 
     def fused_names(self):
         return [f.name for f in self.fused]
@@ -147,6 +152,9 @@ class AccelerateReport:
             extra = f" ({'; '.join(f.notes)})" if f.notes else ""
             lines.append(f"  fused {f.name} ({f.original} -> {f.replacement}){extra}")
         lines.append(f"  loss with labels: {self.loss}")
+        if self.new_parameters:
+            lines.append(f"  new Parameters (build the optimizer after accelerate()): {len(self.new_parameters)}, "
+                         f"e.g. {self.new_parameters[0]}")
         if self.recipe is not None:
             lines.append(f"  forward runs under seqfuse autocast with recipe {self.recipe!r}")
         for k, n in self.counts().items():
@@ -459,6 +467,7 @@ def _fuse_layers(model, recipe, report, slots):
     match = functools.partial(_rmsnorm_match, RMSNorm)
     align = _gemm_alignment(recipe)
     rotaries = _layer_rotaries(model)
+    before = {id(p) for p in model.parameters()}
     done = []
     for name, module in list(model.named_modules()):
         if type(module).__name__ not in FL.FAMILIES or isinstance(module, FL.SeqfuseDecoderLayer):
@@ -476,6 +485,12 @@ def _fuse_layers(model, recipe, report, slots):
             setattr(parent, child_name, new)
         report.fused.append(Fused(name, type(module).__name__, type(new).__name__, notes))
         done.append(name)
+    report.new_parameters = [n for n, p in model.named_parameters() if id(p) not in before]
+    if report.new_parameters:
+        _log.warning("seqfuse.hf.accelerate: whole-layer fusion made %d new Parameters (fused QKV and gate/up "
+                     "weights, e.g. %s): build the optimizer after accelerate(); one built before keeps the "
+                     "unfused weights, which no longer receive gradients", len(report.new_parameters),
+                     report.new_parameters[0])
     return done
 
 
@@ -493,7 +508,8 @@ def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=
     """Accelerate a transformers model in place; return an AccelerateReport.
 
     - ``fuse_layers``: decoder layers of the Llama family (Llama, Mistral,
-      Qwen2, Qwen3) become whole fused layers (seqfuse.hf.fuse_layers: norm +
+      Qwen2, Qwen3, Gemma, Phi-3) become whole fused layers (new Parameters
+      for fused weights: build the optimizer after this call) (seqfuse.hf.fuse_layers: norm +
       QKV in one GEMM, fused RoPE, seqfuse attention, norm + gate/up + SwiGLU
       + down in one module); needs the attention switched (``attention``).
     - Every other nn.Linear -> seqfuse.pytorch.Linear, nn.LayerNorm ->
