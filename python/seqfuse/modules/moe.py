@@ -14,9 +14,12 @@ For tokens x [T, hidden] (any leading shape):
 m_splits (tokens per expert) are read to the host once per forward (the
 grouped GEMMs take host row counts): the block's one host synchronization.
 The routing weight scales the SwiGLU output (Megatron's placement, which
-keeps nothing between the two GEMMs but the activation); mathematically
-the same as weighting the expert outputs in the un-permutation, as
-transformers' MixtralSparseMoeBlock does.
+keeps nothing between the two GEMMs but the activation).  Without expert
+biases (Mixtral has none) that is the same as weighting the expert outputs
+in the un-permutation, as transformers' MixtralSparseMoeBlock does; with
+``bias=True`` fc2's bias is added unweighted, so the block computes
+out = sum_e (p_e * fc2_e(swiglu(fc1_e(x))) - p_e * b2_e + b2_e), i.e.
+sum_e p_e * W2_e a_e + b2_e, not sum_e p_e * (W2_e a_e + b2_e).
 
 Auxiliary losses: with aux_loss_coeff > 0 the load-balancing loss
 (fused_compute_score_for_moe_aux_loss + fused_moe_aux_loss, Switch /
