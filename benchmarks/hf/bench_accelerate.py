@@ -128,7 +128,9 @@ def train_row(model, ids, warmup, steps, device):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
 
     def step():
-        loss = model(input_ids=ids, labels=ids).loss
+        # use_cache=False as a training loop passes it: a key cache built in every training forward costs
+        # every row, and under torch.compile its per-layer state forces recompiles (the s9 run hit the limit)
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
