@@ -152,9 +152,10 @@ def seqfuse_attention_forward(module, query, key, value, attention_mask, dropout
         fmt = "thd"
         mask_type = "padding_causal" if is_causal else "padding"
     elif attention_mask is not None:
-        if s_q <= attention_mask.shape[-1] < s_kv:
-            # a static cache: the keys past the mask are unfilled slots (transformers' mask covers the
-            # filled ones, the queries last), so they are left out
+        if s_q <= attention_mask.shape[-1] < s_kv and not torch.is_grad_enabled():
+            # a static cache in generation (no grad): the keys past the mask are unfilled slots
+            # (transformers' mask covers the filled ones, the queries last), so they are left out; with
+            # gradients on (training) a short mask is an error below
             k, v = k[:, :attention_mask.shape[-1]], v[:, :attention_mask.shape[-1]]
             s_kv = k.shape[1]
         if attention_mask.shape[-1] != s_kv or s_q > s_kv:
