@@ -37,7 +37,6 @@ END = "<!-- te-compat:end -->"
 #: Where a TE name seqfuse lacks has a counterpart elsewhere, or is left out
 #: on purpose, the table says so.
 NAME_NOTES = {
-    "GroupedLinear": "being built on the MoE branch",
     "InferenceParams": "seqfuse.hf.generation.InferenceParams has TE's constructor; seqfuse.hf sits above "
                        "the facade in the import layers, and the modules refuse inference_params",
 }

@@ -64,3 +64,13 @@ from . import distributed  # noqa: E402
 from .distributed import CudaRNGStatesTracker  # noqa: E402
 
 __all__ += ["distributed", "CudaRNGStatesTracker"]
+
+# mixture of experts: TE's GroupedLinear and its top-level permutation functions (te.router and
+# te.permutation hold the rest under TE's module paths)
+from ..modules.grouped_linear import GroupedLinear  # noqa: E402
+from ..modules.moe import GroupedMLP  # noqa: E402
+from . import permutation, router  # noqa: E402
+from .permutation import moe_permute, moe_permute_with_probs, moe_unpermute  # noqa: E402
+
+__all__ += ["GroupedLinear", "GroupedMLP", "permutation", "router", "moe_permute", "moe_permute_with_probs",
+            "moe_unpermute"]
