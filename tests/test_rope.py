@@ -210,8 +210,8 @@ def test_rope_bad_inputs():
         rope_forward(t, f, "bshd", out=torch.empty(2, 4, 2, 9))
     with pytest.raises(TypeError, match="'out' must have dtype float32, got bfloat16"):
         rope_forward(t, f, "bshd", out=torch.empty(2, 4, 2, 8, dtype=torch.bfloat16))
-    with pytest.raises(NotImplementedError, match="context parallelism"):
-        apply_rotary_pos_emb(t, f, "bshd", cp_size=2)
+    with pytest.raises(NotImplementedError, match="start_positions with context parallelism"):
+        apply_rotary_pos_emb(t, f, "bshd", cp_size=2, start_positions=torch.tensor([0, 0], dtype=torch.int32))
 
 
 # ---- CUDA -----------------------------------------------------------------

@@ -43,6 +43,7 @@ import contextlib
 import math
 
 import torch
+import torch.distributed as dist
 
 from .attention import DotProductAttention
 from .layernorm_linear import LayerNormLinear
@@ -224,6 +225,13 @@ class MultiheadAttention(torch.nn.Module):
         return out, None
 
     # -- forward -----------------------------------------------------------
+    def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream, cp_comm_type="p2p"):
+        """TE's call: context parallelism for this block's core attention
+        (DotProductAttention.set_context_parallel_group); rotary embeddings
+        then take the full-sequence table and turn each local token by its
+        full-sequence position."""
+        self.core_attention.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+
     def forward(self, hidden_states, attention_mask=None, encoder_output=None, attn_mask_type=None,
                 window_size=None, is_first_microbatch=None, checkpoint_core_attention=False,
                 inference_params=None, rotary_pos_emb=None, core_attention_bias_type="no_bias",
@@ -287,9 +295,11 @@ class MultiheadAttention(torch.nn.Module):
             q_freqs, k_freqs = (rotary_pos_emb if isinstance(rotary_pos_emb, (tuple, list))
                                 else (rotary_pos_emb, rotary_pos_emb))
             thd = fmt == "thd"
-            q = apply_rotary_pos_emb(q, q_freqs, fmt, cu_seqlens=cu_seqlens_q if thd else None)
+            cp = self.core_attention.cp_group  # under context parallelism: turn by full-sequence positions
+            cp_kw = dict(cp_size=dist.get_world_size(cp), cp_rank=dist.get_rank(cp)) if cp is not None else {}
+            q = apply_rotary_pos_emb(q, q_freqs, fmt, cu_seqlens=cu_seqlens_q if thd else None, **cp_kw)
             kv_cu = (cu_seqlens_kv if cu_seqlens_kv is not None else cu_seqlens_q) if thd else None
-            k = apply_rotary_pos_emb(k, k_freqs, fmt, cu_seqlens=kv_cu)
+            k = apply_rotary_pos_emb(k, k_freqs, fmt, cu_seqlens=kv_cu, **cp_kw)
         if self.q_norm is not None and not self.qk_norm_before_rope:
             q, k = self.q_norm(q), self.k_norm(k)
 

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from ..ops import rope as _rope
+from ..parallel import freqs_for_cp_rank
 
 
 class FusedRoPEFunc(torch.autograd.Function):
@@ -44,13 +45,22 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, tensor_format: st
     to ``t`` ([s, b, h, d] for 'sbhd', [b, s, h, d] for 'bshd', [T, h, d] for
     'thd' with ``cu_seqlens`` int32 [batch + 1]).  Elements past rot_dim pass
     through.  Same signature as transformer_engine.pytorch's."""
-    if cp_size != 1 or cp_rank != 0:
-        raise NotImplementedError(
-            "apply_rotary_pos_emb: context parallelism (cp_size > 1) is not supported by seqfuse yet")
     for name, x in (("t", t), ("freqs", freqs)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"apply_rotary_pos_emb: argument '{name}' must be a torch.Tensor, "
                             f"got {type(x).__name__}")
+    if cp_size != 1 or cp_rank != 0:
+        # context parallelism: ``freqs`` covers the full sequence and ``t`` holds this rank's chunks
+        # (seqfuse.parallel's load-balanced split); each local token turns by its full-sequence position
+        if start_positions is not None:
+            raise NotImplementedError("apply_rotary_pos_emb: start_positions with context parallelism "
+                                      "(cp_size > 1) is not supported")
+        if tensor_format == "thd":  # one angle row per local packed token: rotate [t, 1, h, d] as sbhd
+            local = freqs_for_cp_rank(freqs, cp_size, cp_rank, cu_seqlens)
+            return FusedRoPEFunc.apply(t.unsqueeze(1), local, None, "sbhd", interleaved, None).squeeze(1)
+        seq = t.shape[1 if tensor_format == "bshd" else 0] * cp_size
+        local = freqs_for_cp_rank(freqs, cp_size, cp_rank, seq_len=seq)
+        return FusedRoPEFunc.apply(t, local, None, tensor_format, interleaved, None)
     return FusedRoPEFunc.apply(t, freqs, start_positions, tensor_format, interleaved, cu_seqlens)
 
 

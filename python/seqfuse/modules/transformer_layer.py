@@ -140,6 +140,13 @@ class TransformerLayer(torch.nn.Module):
             out = out.div(keep) * mask
         return residual + out
 
+    def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream, cp_comm_type="p2p"):
+        """TE's call: context parallelism for every attention block of the
+        layer (MultiheadAttention.set_context_parallel_group)."""
+        for child in self.children():
+            if hasattr(child, "set_context_parallel_group"):
+                child.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+
     def forward(self, hidden_states, attention_mask=None, self_attn_mask_type=None, window_size=None,
                 encoder_output=None, enc_dec_attn_mask=None, enc_dec_attn_mask_type=None,
                 enc_dec_window_size=None, is_first_microbatch=None, checkpoint_core_attention=False,
