@@ -11,6 +11,8 @@ helpers.REL_TOL); the cuda-marked tests repeat the module checks in bf16 on a
 GPU against the CPU module."""
 import contextlib
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -618,6 +620,12 @@ def test_ops_sequential_against_torch(case, caplog):
     ref.backward(g.double())
     close(x.grad, xr.grad, rel_tol(torch.float32, 8))
     assert all(p.grad is not None for p in seq.parameters())
+    # a deep copy runs on its own parameters (the fused steps are planned again over the copies)
+    twin = copy.deepcopy(seq)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+        close(twin(x.detach()), _ops_reference(twin, x.detach()))
 
 
 def test_ops_initialisation_and_refusals():
@@ -927,3 +935,14 @@ def test_fp8_output_flags_refused_by_name():
         for name in ("fp8_output", "fp8_grad"):
             with pytest.raises(NotImplementedError, match=f"{type(m).__name__}: argument '{name}'=True"):
                 m(x, **{name: True})
+
+
+def test_ops_meta_reset_keeps_requires_grad():
+    """reset_parameters() materialises a meta parameter with its
+    requires_grad: a frozen weight stays frozen."""
+    for op in (te.ops.BasicLinear(8, 4, device="meta"), te.ops.Bias(4, device="meta"),
+               te.ops.Linear(8, 4, device="meta"), te.ops.LayerNorm(8, device="meta")):
+        for p in op.parameters():
+            p.requires_grad_(False)
+        op.reset_parameters()
+        assert all(p.device.type != "meta" and not p.requires_grad for p in op.parameters()), type(op).__name__

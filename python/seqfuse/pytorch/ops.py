@@ -50,7 +50,7 @@ import torch
 
 from ..modules import LayerNormLinear, LayerNormMLP, Linear as _LinearModule, activation, layer_norm, rms_norm
 from ..modules.multihead_attention import L2Normalization as _L2Normalization
-from ..modules.te_compat import materialize_device, rng_fork
+from ..modules.te_compat import materialize, materialize_device, rng_fork
 from ..quantization import is_fp8_enabled
 
 __all__ = ["BasicOperation", "BasicLinear", "Bias", "Linear", "LayerNorm", "RMSNorm", "GELU", "ReLU", "SiLU",
@@ -110,8 +110,7 @@ class BasicLinear(BasicOperation):
 
     @torch.no_grad()
     def reset_parameters(self):
-        if self.weight.is_meta:
-            self.weight = torch.nn.Parameter(torch.empty_like(self.weight, device=materialize_device()))
+        materialize(self)
         with rng_fork(self._rng_state_tracker_function):
             torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
@@ -133,8 +132,7 @@ class Bias(BasicOperation):
 
     @torch.no_grad()
     def reset_parameters(self):
-        if self.bias.is_meta:
-            self.bias = torch.nn.Parameter(torch.empty_like(self.bias, device=materialize_device()))
+        materialize(self)
         self.bias.zero_()
 
     def forward(self, x):
@@ -160,10 +158,7 @@ class Linear(BasicOperation):
 
     @torch.no_grad()
     def reset_parameters(self):
-        for name in ("weight", "bias"):
-            p = getattr(self, name)
-            if p is not None and p.is_meta:
-                setattr(self, name, torch.nn.Parameter(torch.empty_like(p, device=materialize_device())))
+        materialize(self)
         with rng_fork(self._rng_state_tracker_function):
             torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         if self.bias is not None:
@@ -196,10 +191,7 @@ class _Norm(BasicOperation):
 
     @torch.no_grad()
     def reset_parameters(self):
-        for name in ("weight", "bias"):
-            p = getattr(self, name)
-            if p is not None and p.is_meta:
-                setattr(self, name, torch.nn.Parameter(torch.empty_like(p, device=materialize_device())))
+        materialize(self)
         self.weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
         if self.bias is not None:
             self.bias.zero_()
@@ -540,6 +532,12 @@ class Sequential(torch.nn.Module):
         alone = [type(s.ops[0]).__name__ for s in self._steps if not s.label]
         _log.info("te.ops.Sequential: fused %s; op by op (no fused seqfuse kernel for them here): %s",
                   ", ".join(fused) or "nothing", ", ".join(alone) or "nothing")
+
+    def __setstate__(self, state):
+        # deepcopy and unpickling copy the operations but not the steps' closures, which would still
+        # run on the original's parameters: plan again over the copied operations
+        super().__setstate__(state)
+        self._steps = _plan(list(self._ops))
 
     def plan(self):
         """[(fused module name or None, [operation class names])] of the steps."""
