@@ -194,6 +194,8 @@ def test_bad_inputs_are_named():
         moe.grouped_gemm(x, w, [4, 3], transb=True)
     with pytest.raises(ValueError, match="m_splits.*>= 0"):
         moe.grouped_gemm(x, w, [10, -2], transb=True)
+    with pytest.raises(ValueError, match=r"'m_splits' sums past 2\*\*63 - 1 at m_splits\[1\]"):
+        moe.grouped_gemm(x, w, [2**62, 2**62], transb=True)
     with pytest.raises(ValueError, match="num_groups = 3"):
         moe.grouped_gemm(x, list(w.unbind(0)), [4, 4, 0], transb=True)
     with pytest.raises(ValueError, match="group 1"):

@@ -143,7 +143,9 @@ sf_status sf_grouped_gemm(const sf_grouped_gemm_args *args, sf_stream stream)
         if (args->m_splits[g] < 0)
             return sf_fail(SF_ERR_VALUE, "%s: argument 'm_splits' must hold row counts >= 0, got "
                            "m_splits[%d] = %lld", OP, g, (long long)args->m_splits[g]);
-        total += args->m_splits[g];
+        if (__builtin_add_overflow(total, args->m_splits[g], &total))
+            return sf_fail(SF_ERR_VALUE, "%s: argument 'm_splits' sums past 2**63 - 1 at m_splits[%d] = %lld",
+                           OP, g, (long long)args->m_splits[g]);
     }
     SF_TRY(check_form("a", args->a, args->a_list, total));
     SF_TRY(check_form("b", args->b, args->b_list, total));

@@ -4,7 +4,9 @@
  * thin positional METH_FASTCALL doors, one per sf_moe_* function, each
  * with the argument order of the C function and an optional stream last.
  */
-#include "py_call.h"
+#include "py_call.h"  /* Python.h first, as CPython asks */
+
+#include <limits.h>
 
 /* Read the int / float arguments named in `names` at args[idx[i]]. */
 static int read_longs(const char *op, PyObject *const *args, int n, const int *idx,
@@ -13,6 +15,17 @@ static int read_longs(const char *op, PyObject *const *args, int n, const int *i
     for (int i = 0; i < n; ++i)
         if (sf_py_arg_long(op, names[i], args[idx[i]], &out[i]) < 0)
             return -1;
+    return 0;
+}
+
+/* The C entries take these as int: a value past INT_MAX / INT_MIN would wrap in the cast. */
+static int check_int_range(const char *op, const char *const *names, const long *v, int n)
+{
+    for (int i = 0; i < n; ++i)
+        if (v[i] > INT_MAX || v[i] < INT_MIN) {
+            PyErr_Format(PyExc_ValueError, "%s: argument '%s' must fit in a C int, got %ld", op, names[i], v[i]);
+            return -1;
+        }
     return 0;
 }
 
@@ -30,6 +43,8 @@ static PyObject *py_topk_fwd(PyObject *self, PyObject *const *args, Py_ssize_t n
     float scaling;
     if (sf_py_check_nargs(op, nargs, 9, 10) < 0 || read_longs(op, args, 3, idx, names, v) < 0 ||
         sf_py_arg_float(op, "scaling_factor", args[4], &scaling) < 0)
+        return NULL;
+    if (check_int_range(op, names, v, 3) < 0)
         return NULL;
     sf_py_args a;
     if (sf_py_begin(&a, op, args, nargs, 9, spec, SF_PY_NARGS(spec)) < 0)
@@ -56,6 +71,8 @@ static PyObject *py_topk_bwd(PyObject *self, PyObject *const *args, Py_ssize_t n
     float scaling;
     if (sf_py_check_nargs(op, nargs, 8, 9) < 0 || read_longs(op, args, 3, idx, names, v) < 0 ||
         sf_py_arg_float(op, "scaling_factor", args[6], &scaling) < 0)
+        return NULL;
+    if (check_int_range(op, names, v, 3) < 0)
         return NULL;
     sf_py_args a;
     if (sf_py_begin(&a, op, args, nargs, 8, spec, SF_PY_NARGS(spec)) < 0)

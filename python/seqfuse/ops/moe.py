@@ -500,7 +500,8 @@ class _Unpermute(torch.autograd.Function):
     def backward(ctx, dout):
         inp, row_id_map, probs = ctx.saved_tensors
         dout = dense(dout)
-        dinp = torch.empty((ctx.n_rows, dout.shape[1]), dtype=dout.dtype, device=dout.device)
+        # zeros: rows of inp that no token maps to (e.g. alignment padding) get a zero gradient, not garbage
+        dinp = torch.zeros((ctx.n_rows, dout.shape[1]), dtype=dout.dtype, device=dout.device)
         dprobs = None
         if probs is not None:
             dprobs = torch.empty(probs.shape, dtype=probs.dtype, device=dout.device)
