@@ -121,11 +121,34 @@ def _scales(op, name, scale_inv, scaling, G):
         if len(scale_inv) != G:
             raise ValueError(f"{op}: argument '{name}' as a list must hold num_groups = {G} tensors, "
                              f"got {len(scale_inv)}")
-        return [detached(t) for t in scale_inv], SCALINGS[mode]
+        scales = [detached(t) for t in scale_inv]
+        if mode == "tensor" and any(t.is_cuda and t.data_ptr() % _SCALE_ALIGN for t in scales):
+            scales = _aligned_scalars(torch.stack([t.reshape(()) for t in scales]))
+        return scales, SCALINGS[mode]
     if mode != "tensor":
         raise ValueError(f"{op}: block scales ({mode}) go per group: pass '{name}' as a list of "
                          f"num_groups tensors")
-    return detached(_tensor(op, name, scale_inv)), SCALINGS[mode]
+    t = detached(_tensor(op, name, scale_inv))
+    if t.is_cuda and t.numel() > 1:  # group g's scale would sit 4 g bytes into the tensor
+        return _aligned_scalars(t.reshape(-1)), SCALINGS[mode]
+    return t, SCALINGS[mode]
+
+
+#: Byte alignment of each per-tensor scale the grouped GEMM hands cuBLASLt.  On the H200
+#: (cuBLASLt 13.1) an FP8 GEMM whose scale pointer sat 4 or 8 bytes into a tensor failed with
+#: CUBLAS_STATUS_NOT_SUPPORTED, while seqfuse's Linear, whose scales are allocations of their own,
+#: runs; 256 bytes is the caching allocator's granularity, past any rule cuBLASLt may have.
+_SCALE_ALIGN = 256
+
+
+def _aligned_scalars(values):
+    """The float32 scalars ``values`` [G] as G one-element views, each at its
+    own 256-byte-aligned address (one small copy)."""
+    G = values.numel()
+    step = _SCALE_ALIGN // 4
+    buf = torch.zeros((G, step), dtype=torch.float32, device=values.device)
+    buf[:, 0] = values.reshape(G).float()
+    return [buf[g, :1] for g in range(G)]
 
 
 def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dtype=None, bias=None,
