@@ -254,3 +254,16 @@ def test_cuda_fp8_matches_cpu(seed):
     moe.grouped_gemm(xq.cuda(), wq.cuda(), splits, transb=True, a_scale_inv=sx.cuda(),
                      b_scale_inv=sw.cuda(), out=out)
     assert rel_error(out, ref) <= pair_tol(torch.bfloat16)
+
+
+def test_per_group_scales_are_laid_out_aligned():
+    """The FP8 grouped GEMM hands cuBLASLt each group's scale at its own
+    256-byte-aligned address: the views hold the values, 256 bytes apart
+    from an aligned base (the caching allocator's CUDA blocks are)."""
+    from seqfuse.ops.moe import _aligned_scalars
+
+    vals = torch.rand(5) + 0.5
+    views = _aligned_scalars(vals)
+    base = views[0].data_ptr()
+    assert [v.item() for v in views] == vals.tolist()
+    assert all(v.numel() == 1 and (v.data_ptr() - base) == 256 * g for g, v in enumerate(views))

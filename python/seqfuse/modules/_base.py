@@ -13,6 +13,23 @@ from .._runtime import cuda_available
 from ..quantization import gemm_quantizers
 
 
+def mark_main_grad(weight):
+    """Megatron's flag that dW went into ``weight.main_grad`` (set where the
+    weight carries the attribute)."""
+    if hasattr(weight, "grad_added_to_main_grad"):
+        weight.grad_added_to_main_grad = True
+
+
+def main_grad_for(weight, needed):
+    """The weight's float32 ``main_grad`` where it has one and its gradient is
+    needed (TE's fuse_wgrad_accumulation: dW is accumulated there by the
+    GEMM, the weight's own gradient stays None; the flag is set), else None."""
+    main_grad = getattr(weight, "main_grad", None) if needed else None
+    if main_grad is not None:
+        mark_main_grad(weight)
+    return main_grad
+
+
 def default_device(device):
     """TE places parameters on the GPU by default; so do we where one is
     usable by seqfuse, else on the CPU."""

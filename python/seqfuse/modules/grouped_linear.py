@@ -49,7 +49,7 @@ from .. import quantization as _q
 from ..ops import moe as moe_ops
 from ..quantization import gemm_quantizers as _gq
 from . import _fp8 as F8
-from ._base import default_device
+from ._base import default_device, mark_main_grad
 from ._input import check_input
 
 __all__ = ["GroupedLinear", "GroupedLinearFunction", "Fp8GroupedLinearFunction"]
@@ -114,8 +114,7 @@ class GroupedLinearFunction(torch.autograd.Function):
                 dbs = [db[g].to(ctx.bias_dtypes[g]) for g in range(G)]
             if use_main:
                 for w in weights:
-                    if hasattr(w, "grad_added_to_main_grad"):
-                        w.grad_added_to_main_grad = True
+                    mark_main_grad(w)
             elif need_dw:
                 dws = [res[g] if res.dtype == weights[g].dtype else res[g].to(weights[g].dtype)
                        for g in range(G)]
@@ -370,8 +369,7 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
             if all(m is not None for m in mains):
                 _grouped(g_col, x_col, padded, mains, accumulate=True)
                 for w in weights:
-                    if hasattr(w, "grad_added_to_main_grad"):
-                        w.grad_added_to_main_grad = True
+                    mark_main_grad(w)
             else:
                 res = _grouped(g_col, x_col, padded, None, out_dtype=F8.wgrad_dtype(weights[0].dtype))
                 dws = [res[g] if res.dtype == weights[g].dtype else res[g].to(weights[g].dtype)

@@ -42,7 +42,7 @@ import torch
 
 from .. import ops
 from . import _fp8 as F8
-from ._base import (as_dtype, check_normalization, default_device, fp8_norm,  # noqa: F401
+from ._base import (as_dtype, check_normalization, default_device, fp8_norm, main_grad_for,  # noqa: F401
                     fp8_quantizers, hidden_dim, init_weight, make_norm_params, norm_backward,
                     norm_forward, norm_param, reset_norm_params)
 from .te_compat import materialize, refuse_fp8_io, rng_fork, take_refused
@@ -95,11 +95,11 @@ class _LayerNormLinearFn(torch.autograd.Function):
             dln, dweight = F8.backward(g, F8.restore(ln_t, ln_si, kind),
                                        F8.restore(w_t, w_si, kind, weight=True), kind, x2.dtype,
                                        x2.shape[0], True, need_dw, w_dtype,
-                                       _main_grad(ctx.weight, need_dw))
+                                       main_grad_for(ctx.weight, need_dw))
         else:
             x2, lnw, mean, rstd, ln_out, w = ctx.saved_tensors
             dln = ops.gemm(dout2, w)
-            main_grad = _main_grad(ctx.weight, ctx.needs_input_grad[3])
+            main_grad = main_grad_for(ctx.weight, ctx.needs_input_grad[3])
             epilogue = "bgrad" if has_bias else "none"
             if main_grad is not None:  # dW accumulated into main_grad by the GEMM
                 res = ops.gemm(dout2, ln_out, transa=True, out=main_grad, accumulate=True, epilogue=epilogue)
@@ -115,16 +115,6 @@ class _LayerNormLinearFn(torch.autograd.Function):
         dx, dg, db = norm_backward(dln, x2, mean, rstd, lnw, rms, zc, has_ln_bias)
         return (dx.view(x_shape), as_dtype(dg, lnw_dtype), as_dtype(db, lnw_dtype), dweight, dbias,
                 None, None, None, None, None, None, None)
-
-
-def _main_grad(weight, needed):
-    """The weight's float32 ``main_grad`` where it has one and its gradient is
-    needed (TE's fuse_wgrad_accumulation: dW is accumulated there by the
-    GEMM, the weight's own gradient stays None), else None."""
-    main_grad = getattr(weight, "main_grad", None) if needed else None
-    if main_grad is not None and hasattr(weight, "grad_added_to_main_grad"):
-        weight.grad_added_to_main_grad = True
-    return main_grad
 
 
 class LayerNormLinear(torch.nn.Module):

@@ -56,7 +56,7 @@ import torch
 from .. import ops
 from ..ops import act as A
 from . import _fp8 as F8
-from ._base import (as_dtype, check_normalization, default_device, fp8_norm,
+from ._base import (as_dtype, check_normalization, default_device, fp8_norm, main_grad_for,
                     fp8_quantizers, hidden_dim, init_weight, make_norm_params, norm_backward,
                     norm_forward, norm_param, reset_norm_params)
 from ._input import check_input
@@ -122,7 +122,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
              w2_si) = ctx.saved_tensors
             dt, kind, q, rows = x2.dtype, ctx.kind, ctx.q, x2.shape[0]
             need_w1, need_w2 = ctx.needs_input_grad[3], ctx.needs_input_grad[5]
-            mg1, mg2 = _main_grad(ctx.w1, need_w1), _main_grad(ctx.w2, need_w2)
+            mg1, mg2 = main_grad_for(ctx.w1, need_w1), main_grad_for(ctx.w2, need_w2)
             # the bias gradients come out of the gradients' cast passes where the kernels take them
             g2, db2 = q.grads[1].quantize_grad(dout2, b2_dt, need_wgrad=need_w2)
             da, dw2 = F8.backward(g2, F8.restore(a_t, a_si, kind), F8.restore(w2_t, w2_si, kind, True),
@@ -132,8 +132,8 @@ class _LayerNormMLPFn(torch.autograd.Function):
             dln, dw1 = F8.backward(g1, F8.restore(ln_t, ln_si, kind), F8.restore(w1_t, w1_si, kind, True),
                                    kind, dt, rows, True, need_w1, w1_dt, mg1)
         else:
-            mg1 = _main_grad(ctx.w1, ctx.needs_input_grad[3])
-            mg2 = _main_grad(ctx.w2, ctx.needs_input_grad[5])
+            mg1 = main_grad_for(ctx.w1, ctx.needs_input_grad[3])
+            mg2 = main_grad_for(ctx.w2, ctx.needs_input_grad[5])
             if ctx.ckpt:  # recompute the norm, FC1 and the activation
                 x2, lnw, lnb, mean, rstd, b1c, w1c, w2c = ctx.saved_tensors
                 ln, _, _, h, a = _fc1_act(x2, lnw, lnb, ctx.eps, rms, zc, w1c, b1c, activation)
@@ -182,16 +182,6 @@ def _fp8_act(q, h, activation, need_col):
         si = torch.empty(1, dtype=torch.float32, device=h.device)
         return iq.fp8_output(A.act_fwd(h, activation, fp8_dtype, scale, amax, si), si, h.dtype)
     return iq.quantize(A.act_fwd(h, activation), transpose=need_col)
-
-
-def _main_grad(weight, needed):
-    """The weight's float32 ``main_grad`` where it has one and its gradient is
-    needed (TE's fuse_wgrad_accumulation: dW is accumulated there by the
-    GEMM, the weight's own gradient stays None), else None."""
-    main_grad = getattr(weight, "main_grad", None) if needed else None
-    if main_grad is not None and hasattr(weight, "grad_added_to_main_grad"):
-        weight.grad_added_to_main_grad = True
-    return main_grad
 
 
 def _wgrad(dy, inp, bias_dtype, main_grad=None):

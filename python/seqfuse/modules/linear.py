@@ -57,6 +57,7 @@ from .. import ops
 from .. import quantization as _q
 from ..quantization import gemm_quantizers as _gq
 from . import _fp8 as F8
+from ._base import main_grad_for
 from ._input import check_input
 from ._split import fused_params, install_split, parse_split, reset_split, weight_sources
 from .te_compat import materialize, refuse_fp8_io, rng_fork, take_refused
@@ -106,12 +107,10 @@ class LinearFunction(torch.autograd.Function):
         dw = db = None
         if need_dw or (ctx.has_bias and need_db):
             weight = ctx.weight
-            main_grad = getattr(weight, "main_grad", None) if need_dw else None
+            main_grad = main_grad_for(weight, need_dw)
             epilogue = "bgrad" if (ctx.has_bias and need_db) else "none"
             if main_grad is not None:
                 res = ops.gemm(dy, xc, transa=True, out=main_grad, accumulate=True, epilogue=epilogue)
-                if hasattr(weight, "grad_added_to_main_grad"):
-                    weight.grad_added_to_main_grad = True
             else:
                 res = ops.gemm(dy, xc, transa=True, epilogue=epilogue)
             if epilogue == "bgrad":
@@ -274,7 +273,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         need_db = need_db and ctx.bias_dtype is not None
         dy = dy.contiguous()
         weight = ctx.weight
-        main_grad = getattr(weight, "main_grad", None) if need_dw else None
+        main_grad = main_grad_for(weight, need_dw)
         dx = dw = db = None
         if need_dx or need_dw:
             g, db = ctx.q.grads[0].quantize_grad(dy, ctx.bias_dtype if need_db else None,
@@ -283,6 +282,4 @@ class Fp8LinearFunction(torch.autograd.Function):
                                  kind, ctx.dtype, ctx.rows, need_dx, need_dw, weight.dtype, main_grad)
         elif need_db:
             db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        if main_grad is not None and hasattr(weight, "grad_added_to_main_grad"):
-            weight.grad_added_to_main_grad = True
         return dx, dw, db, None, None, None
