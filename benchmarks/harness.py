@@ -6,16 +6,21 @@ no repeat reads what the previous one left in cache; the median is reported.
 Host-side timings (per-call overhead) use perf_counter over many calls.
 
 Results: `Table` prints an aligned table and writes JSON to
-benchmarks/results/<name>.json with the device, versions and shapes, so every
-figure in the README can be traced to a file.
+benchmarks/results/<name>.json with the device, versions and shapes, and the
+run record of peers/meta.run_metadata (commit, command, script hash, library
+versions), so every figure in the README can be traced to a file and a tree.
 """
 import json
 import os
 import platform
 import statistics
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from peers.meta import run_metadata  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -123,8 +128,8 @@ class Table:
     def save(self, extra=None):
         os.makedirs(RESULTS, exist_ok=True)
         path = os.path.join(RESULTS, f"{self.name}.json")
-        doc = {"name": self.name, "environment": environment(), "rows": self.rows,
-               "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+        doc = {"name": self.name, "environment": environment(), "run": run_metadata(),
+               "rows": self.rows, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
         if extra:
             doc.update(extra)
         tmp = path + ".tmp"
