@@ -107,7 +107,10 @@ class RecipeConfig:
 
 # ---------------------------------------------------------------- layer-wise precision
 def num_layers(model_cfg) -> int:
-    return LLAMA3_LAYERS[model_cfg["size"]] if model_cfg["size"] else int(model_cfg["num_hidden_layers"])
+    """Decoder layers of a model group: model.size's, else model.num_hidden_layers (a group without a size
+    key, as the Mixtral recipe's, which reuses these rules, reads the latter)."""
+    size = model_cfg.get("size")
+    return LLAMA3_LAYERS[size] if size else int(model_cfg["num_hidden_layers"])
 
 
 def resolve_layer_precision(n_layers, fp8_on, fp4_on, fp8_layers, fp4_layers):
@@ -156,10 +159,13 @@ def layer_precision(cfg):
                                    p["fp8_layers"], p["fp4_layers"])
 
 
-def _cross_checks(c, ok, problems):
-    """Rules between keys, checked where the keys themselves are good."""
+def cross_checks(c, ok, problems):
+    """Rules between keys, checked where the keys themselves are good.  The
+    Mixtral recipe (recipes/mixtral), on the same DNA with the same data and
+    precision groups, runs these too: its model group has no size key."""
     m, d, p = c["model"], c["data"], c["precision"]
-    if not m["size"] and ok("model.hidden_size", "model.num_attention_heads", "model.num_key_value_heads"):
+    size = m.get("size")
+    if not size and ok("model.hidden_size", "model.num_attention_heads", "model.num_key_value_heads"):
         h, a, g = m["hidden_size"], m["num_attention_heads"], m["num_key_value_heads"]
         if h % a or (h // a) % 2:
             problems.append(f"model.num_attention_heads={a}: must divide model.hidden_size={h} into an even "
@@ -178,7 +184,7 @@ def _cross_checks(c, ok, problems):
         if d["micro_batch_tokens"] < need:
             problems.append(f"data.micro_batch_tokens={d['micro_batch_tokens']}: must be >= data.max_length="
                             f"{d['max_length']} (padded: {need}): one cropped window must fit a micro-batch")
-    if ok("data.max_length", "model.max_position_embeddings") and not m["size"] \
+    if ok("data.max_length", "model.max_position_embeddings") and not size \
             and d["max_length"] > m["max_position_embeddings"]:
         problems.append(f"data.max_length={d['max_length']}: must be <= model.max_position_embeddings="
                         f"{m['max_position_embeddings']}")
@@ -190,7 +196,7 @@ def _cross_checks(c, ok, problems):
             problems.extend(str(e).splitlines())
 
 
-SPEC = ConfigSpec(RecipeConfig, CONFIG_DIR, cross_checks=_cross_checks, title="the Llama 3 recipe",
+SPEC = ConfigSpec(RecipeConfig, CONFIG_DIR, cross_checks=cross_checks, title="the Llama 3 recipe",
                   requirements="recipes/llama3/requirements.txt", logger="llama3")
 
 

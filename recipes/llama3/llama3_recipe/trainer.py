@@ -271,21 +271,10 @@ def export_hf(model_config, state_dict: dict, out_dir: str, model_max_length=Non
     """A SeqfuseLlamaForCausalLM holding ``state_dict`` (a full, gathered
     model state), written with seqfuse.hf.llama_convert.export_hf, and the
     NucleotideTokenizer's Hugging Face files beside it; returns ``out_dir``."""
-    from transformers.initialization import no_init_weights
-
     from seqfuse.hf import SeqfuseLlamaForCausalLM
     from seqfuse.hf.llama_convert import export_hf as write_llama
 
-    with torch.device("cpu"), no_init_weights():
-        sf = SeqfuseLlamaForCausalLM(model_config)
-    own = sf.state_dict()
-    sd = dict(state_dict)
-    for k, v in own.items():  # module bookkeeping missing from a gathered state stays as built
-        sd.setdefault(k, v)
-    sf = sf.to(sd["model.embed_tokens.weight"].dtype)
-    sf.load_state_dict(sd, strict=True)
-    if model_config.tie_word_embeddings:
-        sf.tie_weights()
+    sf = ckpt.model_from_full_state(SeqfuseLlamaForCausalLM, model_config, state_dict, "model.embed_tokens.weight")
     os.makedirs(out_dir, exist_ok=True)
     write_llama(sf.eval(), out_dir)
     tokenizer().save_pretrained(out_dir, model_max_length=model_max_length)
