@@ -19,7 +19,7 @@
   key/value-cached generation (``InferenceParams``, TE's name) in
   ``seqfuse.hf.generation``, reached as ``SeqfuseLlamaForCausalLM.generate``.
 
-Importing this package registers the "seqfuse_esm" and "seqfuse_llama" model types with
+Importing this package registers the "seqfuse_esm", "seqfuse_llama" and "seqfuse_mixtral" model types with
 transformers' Auto classes.  It needs ``transformers`` (>= 5).
 """
 from .accelerate import AccelerateReport, accelerate
@@ -42,3 +42,8 @@ from .generation import InferenceParams  # noqa: E402
 
 __all__ += ["LLAMA3_SHAPES", "SeqfuseLlamaConfig", "llama3_config", "SeqfuseLlamaForCausalLM", "SeqfuseLlamaModel",
             "InferenceParams"]
+
+from .mixtral_config import SeqfuseMixtralConfig  # noqa: E402
+from .mixtral import SeqfuseMixtralForCausalLM, SeqfuseMixtralModel  # noqa: E402
+
+__all__ += ["SeqfuseMixtralConfig", "SeqfuseMixtralForCausalLM", "SeqfuseMixtralModel"]

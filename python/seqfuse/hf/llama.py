@@ -121,24 +121,24 @@ class SeqfuseLlamaPreTrainedModel(SeqfusePreTrainedModel):
             init.copy_(module.inv_freq, rope_inv_freq(self.config, device=module.inv_freq.device))
 
 
-def _packed_layout(input_ids, position_ids, cu_seqlens, max_seqlen):
+def _packed_layout(input_ids, position_ids, cu_seqlens, max_seqlen, name="SeqfuseLlama"):
     """(cu_seqlens, max_seqlen) of a packed call, checked."""
     if input_ids.dim() == 2 and input_ids.shape[0] != 1:
-        raise ValueError(f"SeqfuseLlama: packed input_ids must be [t] or [1, t], got {tuple(input_ids.shape)}")
+        raise ValueError(f"{name}: packed input_ids must be [t] or [1, t], got {tuple(input_ids.shape)}")
     t = input_ids.shape[-1]
     if cu_seqlens is None:
         cu_seqlens, longest = cu_seqlens_of_positions(position_ids)
         return cu_seqlens, longest if max_seqlen is None else int(max_seqlen)
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
-        raise TypeError("SeqfuseLlama: cu_seqlens must be a 1-D int32 torch.Tensor")
+        raise TypeError(f"{name}: cu_seqlens must be a 1-D int32 torch.Tensor")
     if position_ids is not None:
         if position_ids.numel() != t:
-            raise ValueError(f"SeqfuseLlama: position_ids has {position_ids.numel()} entries, input_ids {t}")
+            raise ValueError(f"{name}: position_ids has {position_ids.numel()} entries, input_ids {t}")
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
         expected = torch.arange(t, device=cu_seqlens.device) - torch.repeat_interleave(
             cu_seqlens[:-1].long(), lengths, output_size=t)
         if not torch.equal(position_ids.reshape(-1).to(expected.device), expected):
-            raise ValueError("SeqfuseLlama: position_ids must count 0, 1, ... within each sequence of "
+            raise ValueError(f"{name}: position_ids must count 0, 1, ... within each sequence of "
                              "cu_seqlens (positions restart per packed sequence)")
     if max_seqlen is None:
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
@@ -155,15 +155,58 @@ class Layout(NamedTuple):
     cu_seqlens: Optional[torch.Tensor]
 
 
-def check_unsupported(unused, output_attentions, use_cache):
+def check_unsupported(unused, output_attentions, use_cache, name="SeqfuseLlama"):
     bad = sorted(k for k, v in unused.items() if v is not None)
     if bad:
-        raise NotImplementedError(f"SeqfuseLlama: arguments {bad} are not supported")
+        raise NotImplementedError(f"{name}: arguments {bad} are not supported")
     if output_attentions:
-        raise NotImplementedError("SeqfuseLlama: output_attentions=True is not supported; the fused attention "
-                                  "never forms attention probabilities (convert to transformers' LlamaModel)")
+        raise NotImplementedError(f"{name}: output_attentions=True is not supported; the fused attention "
+                                  "never forms attention probabilities (convert to transformers' model)")
     if use_cache:
-        raise NotImplementedError("SeqfuseLlama: use_cache=True (a key/value cache) is not supported by forward")
+        raise NotImplementedError(f"{name}: use_cache=True (a key/value cache) is not supported by forward")
+
+
+def batch_layout(input_ids, attention_mask=None, position_ids=None, cu_seqlens=None, max_seqlen=None,
+                 name="SeqfuseLlama"):
+    """How a batch runs through a decoder family's layers (a Layout), its
+    arguments checked; ``name`` starts the error messages."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{name}: input_ids must be an int64 or int32 torch.Tensor")
+    if position_ids is not None and not isinstance(position_ids, torch.Tensor):
+        raise TypeError(f"{name}: position_ids must be a torch.Tensor")
+    # packed: cu_seqlens given, or 1-D input_ids, or one row whose positions restart
+    packed = cu_seqlens is not None or input_ids.dim() == 1 or (
+        position_ids is not None and input_ids.dim() == 2 and input_ids.shape[0] == 1
+        and is_packed_positions(position_ids.reshape(1, -1), 1))
+    if packed:
+        if attention_mask is not None:
+            raise ValueError(f"{name}: packed input (cu_seqlens / restarting position_ids) takes no "
+                             "attention_mask: every token is real")
+        if cu_seqlens is None and position_ids is None:
+            raise ValueError(f"{name}: 1-D (packed) input_ids need cu_seqlens or position_ids")
+        cu, longest = _packed_layout(input_ids, position_ids, cu_seqlens, max_seqlen, name)
+        kw = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest,
+                  qkv_format="thd", self_attn_mask_type="padding_causal")
+        return Layout(True, kw, longest, cu)
+    if input_ids.dim() != 2:
+        raise ValueError(f"{name}: padded input_ids must be [batch, seq], got {tuple(input_ids.shape)}")
+    s = input_ids.shape[1]
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(f"{name}: attention_mask {tuple(attention_mask.shape)} must match "
+                         f"input_ids {tuple(input_ids.shape)}")
+    if position_ids is not None:
+        cols = torch.arange(s, device=position_ids.device)
+        if position_ids.shape[-1] != s or not bool((position_ids == cols).all()):
+            raise NotImplementedError(f"{name}: padded input takes positions 0..seq-1 of each row (the "
+                                      "column index); other position_ids are not supported")
+    te_mask = None if attention_mask is None else ~attention_mask.bool()[:, None, None, :]
+    # One host read of the mask: whether anything is padded, and the layout the layers then reuse
+    # (right padding: the padded layout; left or both-sided: packed runs; a hole: ValueError)
+    if te_mask is not None and padding_mask_layout(te_mask).padded is not False:
+        kw = dict(attention_mask=te_mask, self_attn_mask_type="padding_causal", qkv_format="bshd")
+    else:
+        kw = dict(self_attn_mask_type="causal", qkv_format="bshd")
+    return Layout(False, kw, s, None)
 
 
 class SeqfuseLlamaModel(SeqfuseLlamaPreTrainedModel):
@@ -189,43 +232,7 @@ class SeqfuseLlamaModel(SeqfuseLlamaPreTrainedModel):
 
     def layout(self, input_ids, attention_mask=None, position_ids=None, cu_seqlens=None, max_seqlen=None):
         """How a batch runs through the layers (a Layout), its arguments checked."""
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int64, torch.int32):
-            raise TypeError("SeqfuseLlama: input_ids must be an int64 or int32 torch.Tensor")
-        if position_ids is not None and not isinstance(position_ids, torch.Tensor):
-            raise TypeError("SeqfuseLlama: position_ids must be a torch.Tensor")
-        # packed: cu_seqlens given, or 1-D input_ids, or one row whose positions restart
-        packed = cu_seqlens is not None or input_ids.dim() == 1 or (
-            position_ids is not None and input_ids.dim() == 2 and input_ids.shape[0] == 1
-            and is_packed_positions(position_ids.reshape(1, -1), 1))
-        if packed:
-            if attention_mask is not None:
-                raise ValueError("SeqfuseLlama: packed input (cu_seqlens / restarting position_ids) takes no "
-                                 "attention_mask: every token is real")
-            if cu_seqlens is None and position_ids is None:
-                raise ValueError("SeqfuseLlama: 1-D (packed) input_ids need cu_seqlens or position_ids")
-            cu, longest = _packed_layout(input_ids, position_ids, cu_seqlens, max_seqlen)
-            kw = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest,
-                      qkv_format="thd", self_attn_mask_type="padding_causal")
-            return Layout(True, kw, longest, cu)
-        if input_ids.dim() != 2:
-            raise ValueError(f"SeqfuseLlama: padded input_ids must be [batch, seq], got {tuple(input_ids.shape)}")
-        s = input_ids.shape[1]
-        if attention_mask is not None and attention_mask.shape != input_ids.shape:
-            raise ValueError(f"SeqfuseLlama: attention_mask {tuple(attention_mask.shape)} must match "
-                             f"input_ids {tuple(input_ids.shape)}")
-        if position_ids is not None:
-            cols = torch.arange(s, device=position_ids.device)
-            if position_ids.shape[-1] != s or not bool((position_ids == cols).all()):
-                raise NotImplementedError("SeqfuseLlama: padded input takes positions 0..seq-1 of each row (the "
-                                          "column index); other position_ids are not supported")
-        te_mask = None if attention_mask is None else ~attention_mask.bool()[:, None, None, :]
-        # One host read of the mask: whether anything is padded, and the layout the layers then reuse
-        # (right padding: the padded layout; left or both-sided: packed runs; a hole: ValueError)
-        if te_mask is not None and padding_mask_layout(te_mask).padded is not False:
-            kw = dict(attention_mask=te_mask, self_attn_mask_type="padding_causal", qkv_format="bshd")
-        else:
-            kw = dict(self_attn_mask_type="causal", qkv_format="bshd")
-        return Layout(False, kw, s, None)
+        return batch_layout(input_ids, attention_mask, position_ids, cu_seqlens, max_seqlen)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cu_seqlens=None, max_seqlen=None,
                 output_hidden_states=None, output_attentions=None, use_cache=None, return_dict=None, **unused):
@@ -273,6 +280,37 @@ def shift_labels(labels, cu_seqlens=None):
     return out
 
 
+def check_lm_arguments(input_ids, labels, logits_to_keep, name="SeqfuseLlamaForCausalLM"):
+    """ValueError naming the argument: ``logits_to_keep`` not an int >= 0, or
+    given with labels; ``labels`` not of input_ids' shape."""
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+        raise ValueError(f"{name}: logits_to_keep must be an int >= 0, got {logits_to_keep!r}")
+    if logits_to_keep and labels is not None:
+        raise ValueError(f"{name}: labels need every position's logits (logits_to_keep 0)")
+    if labels is not None and (not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape):
+        raise ValueError(f"{name}: labels {tuple(getattr(labels, 'shape', ()))} must be a "
+                         f"tensor of input_ids' shape {tuple(input_ids.shape)}")
+
+
+def lm_logits_and_loss(lm_head, x, labels, cu_seqlens, num_items_in_batch, logits_to_keep):
+    """(logits, loss) of a causal LM head over the final hidden states ``x``:
+    logits of the last ``logits_to_keep`` positions (0: all); with labels,
+    the next-token cross-entropy (fused kernel, float32), mean over the
+    predicted tokens or the sum / ``num_items_in_batch``; loss None without."""
+    if logits_to_keep:
+        x = x[..., -logits_to_keep:, :]
+    logits = F.linear(x, lm_head.weight.to(x.dtype))
+    loss = None
+    if labels is not None:
+        target = shift_labels(labels, cu_seqlens).reshape(-1)
+        flat = logits.reshape(-1, logits.shape[-1])
+        if num_items_in_batch is None:
+            loss = cross_entropy(flat, target, ignore_index=IGNORE_INDEX)
+        else:
+            loss = cross_entropy(flat, target, ignore_index=IGNORE_INDEX, reduction="sum") / num_items_in_batch
+    return logits, loss
+
+
 class SeqfuseLlamaForCausalLM(SeqfuseLlamaPreTrainedModel):
     """Llama causal language model on seqfuse layers."""
 
@@ -299,27 +337,11 @@ class SeqfuseLlamaForCausalLM(SeqfuseLlamaPreTrainedModel):
         ``logits_to_keep`` (int): logits of the last that many positions only
         (0: all), as in transformers; the loss needs all of them."""
         check_unsupported(unused, output_attentions, use_cache)
-        if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
-            raise ValueError(f"SeqfuseLlamaForCausalLM: logits_to_keep must be an int >= 0, got {logits_to_keep!r}")
-        if logits_to_keep and labels is not None:
-            raise ValueError("SeqfuseLlamaForCausalLM: labels need every position's logits (logits_to_keep 0)")
-        if labels is not None and (not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape):
-            raise ValueError(f"SeqfuseLlamaForCausalLM: labels {tuple(getattr(labels, 'shape', ()))} must be a "
-                             f"tensor of input_ids' shape {tuple(input_ids.shape)}")
+        check_lm_arguments(input_ids, labels, logits_to_keep)
         layout = self.model.layout(input_ids, attention_mask, position_ids, cu_seqlens, max_seqlen)
         out = self.model.run(input_ids, layout, output_hidden_states)
-        x = out.last_hidden_state
-        if logits_to_keep:
-            x = x[..., -logits_to_keep:, :]
-        logits = F.linear(x, self.lm_head.weight.to(x.dtype))
-        loss = None
-        if labels is not None:
-            target = shift_labels(labels, layout.cu_seqlens).reshape(-1)
-            flat = logits.reshape(-1, logits.shape[-1])
-            if num_items_in_batch is None:
-                loss = cross_entropy(flat, target, ignore_index=IGNORE_INDEX)
-            else:
-                loss = cross_entropy(flat, target, ignore_index=IGNORE_INDEX, reduction="sum") / num_items_in_batch
+        logits, loss = lm_logits_and_loss(self.lm_head, out.last_hidden_state, labels, layout.cu_seqlens,
+                                          num_items_in_batch, logits_to_keep)
         result = CausalLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
         return result if return_dict is not False else result.to_tuple()
 

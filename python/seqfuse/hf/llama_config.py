@@ -65,34 +65,42 @@ class SeqfuseLlamaConfig(LlamaConfig):
         """Raise ValueError (a bad value) or NotImplementedError (a model
         seqfuse does not compute), naming the field."""
         name = type(self).__name__
-        if self.attn_input_format not in ("bshd", "thd"):
-            raise ValueError(f"{name}: attn_input_format must be 'bshd' or 'thd', got {self.attn_input_format!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"{name}: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                             f"num_key_value_heads ({self.num_key_value_heads})")
-        if self.head_dim % 2:
-            raise ValueError(f"{name}: head_dim ({self.head_dim}) must be even for rotary embeddings")
-        if self.hidden_act != "silu":
-            raise NotImplementedError(f"{name}: hidden_act={self.hidden_act!r} cannot be represented: seqfuse's "
-                                      "Llama MLP is SwiGLU (silu)")
+        check_decoder_fields(self, name)
         for field in ("attention_bias", "mlp_bias"):
             if getattr(self, field):
                 raise NotImplementedError(f"{name}: {field}=True cannot be represented: seqfuse's Llama has no "
                                           "biases (as Llama 3)")
-        rope = self.rope_parameters or {}
-        if rope.get("rope_type", "default") not in ROPE_TYPES:
-            raise NotImplementedError(f"{name}: rope_parameters rope_type={rope.get('rope_type')!r} cannot be "
-                                      f"represented: seqfuse computes {ROPE_TYPES}")
-        if rope.get("partial_rotary_factor", 1.0) != 1.0:
-            raise NotImplementedError(f"{name}: rope_parameters partial_rotary_factor="
-                                      f"{rope['partial_rotary_factor']!r} cannot be represented (full rotary only)")
-        if rope.get("rope_type") == "llama3":
-            missing = [k for k in LLAMA3_ROPE_KEYS if rope.get(k) is None]
-            if missing:
-                raise ValueError(f"{name}: rope_parameters of rope_type 'llama3' need {missing}")
-            if rope["high_freq_factor"] <= rope["low_freq_factor"]:
-                raise ValueError(f"{name}: rope_parameters high_freq_factor ({rope['high_freq_factor']}) must "
-                                 f"exceed low_freq_factor ({rope['low_freq_factor']})")
+
+
+def check_decoder_fields(config, name):
+    """The checks every seqfuse decoder family's config shares (Llama,
+    Mixtral): the input layout, grouped-query heads, an even head_dim, SiLU
+    (SwiGLU) and the RoPE types seqfuse computes.  ValueError (a bad value)
+    or NotImplementedError (a model seqfuse does not compute), naming the field."""
+    if config.attn_input_format not in ("bshd", "thd"):
+        raise ValueError(f"{name}: attn_input_format must be 'bshd' or 'thd', got {config.attn_input_format!r}")
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise ValueError(f"{name}: num_attention_heads ({config.num_attention_heads}) must be a multiple of "
+                         f"num_key_value_heads ({config.num_key_value_heads})")
+    if config.head_dim % 2:
+        raise ValueError(f"{name}: head_dim ({config.head_dim}) must be even for rotary embeddings")
+    if config.hidden_act != "silu":
+        raise NotImplementedError(f"{name}: hidden_act={config.hidden_act!r} cannot be represented: seqfuse's "
+                                  "MLP is SwiGLU (silu)")
+    rope = config.rope_parameters or {}
+    if rope.get("rope_type", "default") not in ROPE_TYPES:
+        raise NotImplementedError(f"{name}: rope_parameters rope_type={rope.get('rope_type')!r} cannot be "
+                                  f"represented: seqfuse computes {ROPE_TYPES}")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise NotImplementedError(f"{name}: rope_parameters partial_rotary_factor="
+                                  f"{rope['partial_rotary_factor']!r} cannot be represented (full rotary only)")
+    if rope.get("rope_type") == "llama3":
+        missing = [k for k in LLAMA3_ROPE_KEYS if rope.get(k) is None]
+        if missing:
+            raise ValueError(f"{name}: rope_parameters of rope_type 'llama3' need {missing}")
+        if rope["high_freq_factor"] <= rope["low_freq_factor"]:
+            raise ValueError(f"{name}: rope_parameters high_freq_factor ({rope['high_freq_factor']}) must "
+                             f"exceed low_freq_factor ({rope['low_freq_factor']})")
 
 
 def rope_inv_freq(config, device=None):
@@ -149,8 +157,38 @@ def _base_config_fields():
     return set(PreTrainedConfig().to_dict().keys())
 
 
-def _llama_fields():
-    return set(LlamaConfig().to_dict().keys())
+def config_from_hf(hf_config, hf_cls, sf_cls, seqfuse_fields):
+    """``sf_cls`` (a seqfuse subclass of ``hf_cls``) from transformers' config
+    ``hf_config``: every field copied, a field unknown to ``hf_cls`` refused
+    (NotImplementedError naming it), the seqfuse config's own checks run."""
+    if not isinstance(hf_config, hf_cls):
+        raise TypeError(f"from_hf_config: expected transformers.{hf_cls.__name__}, got {type(hf_config).__name__}")
+    d = hf_config.to_dict()
+    known = set(hf_cls().to_dict().keys()) | _base_config_fields() | set(seqfuse_fields)
+    unknown = sorted(k for k in d if k not in known and not k.startswith("_"))
+    if unknown:
+        # A field transformers added after this code was written (or a
+        # hand-written config.json): refuse rather than guess.
+        raise NotImplementedError(
+            f"from_hf_config: {hf_cls.__name__} field(s) {unknown} are not known to seqfuse; "
+            "cannot tell whether the converted model would compute the same thing")
+    kw = {k: v for k, v in d.items() if k not in ("model_type", "transformers_version", "architectures")
+          and not k.startswith("_")}
+    if kw.get("rope_parameters") is not None:
+        kw["rope_parameters"] = dict(kw["rope_parameters"])
+    return sf_cls(**kw)
+
+
+def config_to_hf(config, sf_cls, hf_cls, seqfuse_fields):
+    """transformers' ``hf_cls`` with the same model as ``config`` (an ``sf_cls``):
+    every field but seqfuse's own copied."""
+    if not isinstance(config, sf_cls):
+        raise TypeError(f"to_hf_config: expected {sf_cls.__name__}, got {type(config).__name__}")
+    d = config.to_dict()
+    kw = {k: v for k, v in d.items() if k not in ("model_type", "transformers_version", "architectures")
+          and k not in seqfuse_fields and not k.startswith("_")}
+    kw["rope_parameters"] = dict(kw["rope_parameters"])
+    return hf_cls(**kw)
 
 
 def from_hf_config(hf_config):
@@ -159,33 +197,12 @@ def from_hf_config(hf_config):
     Raises NotImplementedError naming the field when the LlamaConfig describes
     a model seqfuse cannot compute exactly, ValueError when a value is
     invalid, TypeError when ``hf_config`` is not a LlamaConfig."""
-    if not isinstance(hf_config, LlamaConfig):
-        raise TypeError(f"from_hf_config: expected transformers.LlamaConfig, got {type(hf_config).__name__}")
-    d = hf_config.to_dict()
-    known = _llama_fields() | _base_config_fields() | set(SEQFUSE_FIELDS)
-    unknown = sorted(k for k in d if k not in known and not k.startswith("_"))
-    if unknown:
-        # A field transformers added after this code was written (or a
-        # hand-written config.json): refuse rather than guess.
-        raise NotImplementedError(
-            f"from_hf_config: LlamaConfig field(s) {unknown} are not known to seqfuse; "
-            "cannot tell whether the converted model would compute the same thing")
-    kw = {k: v for k, v in d.items() if k not in ("model_type", "transformers_version", "architectures")
-          and not k.startswith("_")}
-    if kw.get("rope_parameters") is not None:
-        kw["rope_parameters"] = dict(kw["rope_parameters"])
-    return SeqfuseLlamaConfig(**kw)
+    return config_from_hf(hf_config, LlamaConfig, SeqfuseLlamaConfig, SEQFUSE_FIELDS)
 
 
 def to_hf_config(config):
     """transformers' LlamaConfig with the same model as a SeqfuseLlamaConfig."""
-    if not isinstance(config, SeqfuseLlamaConfig):
-        raise TypeError(f"to_hf_config: expected SeqfuseLlamaConfig, got {type(config).__name__}")
-    d = config.to_dict()
-    kw = {k: v for k, v in d.items() if k not in ("model_type", "transformers_version", "architectures")
-          and k not in SEQFUSE_FIELDS and not k.startswith("_")}
-    kw["rope_parameters"] = dict(kw["rope_parameters"])
-    return LlamaConfig(**kw)
+    return config_to_hf(config, SeqfuseLlamaConfig, LlamaConfig, SEQFUSE_FIELDS)
 
 
 def _register():
