@@ -40,3 +40,7 @@ from .grouped_linear import GroupedLinear, GroupedLinearFunction  # noqa: E402
 from .moe import GroupedMLP  # noqa: E402
 
 __all__ += ["GroupedLinear", "GroupedLinearFunction", "GroupedMLP"]
+
+from .moe_expert_parallel import ExpertParallelGroupedMLP  # noqa: E402
+
+__all__ += ["ExpertParallelGroupedMLP"]
