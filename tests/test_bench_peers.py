@@ -31,7 +31,7 @@ def test_run_metadata_names_commit_versions_and_command():
     assert m["script"] == "benchmarks/peers/bench_liger.py" and len(m["script_sha256"]) == 64
     assert m["versions"]["torch"] != "not installed"
     assert set(meta.DISTRIBUTIONS) <= set(m["versions"])
-    if os.path.isdir(os.path.join(ROOT, ".git")):
+    if os.path.isdir(os.path.join(ROOT, ".git")) and not os.environ.get("SEQFUSE_GIT_COMMIT"):
         head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
         assert m["git_commit"] == head and m["git_commit_source"] == "git"
 
@@ -42,6 +42,15 @@ def test_commit_without_git_comes_from_the_environment(tmp_path, monkeypatch):
     assert (sha, dirty) == ("abc123", None) and "SEQFUSE_GIT_COMMIT" in source
     monkeypatch.delenv("SEQFUSE_GIT_COMMIT")
     assert meta.git_commit(str(tmp_path))[0].startswith("unknown")
+
+
+def test_commit_from_the_environment_wins_over_a_git_directory(monkeypatch):
+    """The GPU machine's copy of .git can lag the tree sent with it: the
+    caller's SEQFUSE_GIT_COMMIT is recorded instead of what that .git says."""
+    if not os.path.isdir(os.path.join(ROOT, ".git")):
+        pytest.skip("needs the checkout's .git")
+    monkeypatch.setenv("SEQFUSE_GIT_COMMIT", "abc123")
+    assert meta.git_commit(ROOT)[0] == "abc123"
 
 
 def test_skip_reasons():

@@ -1,10 +1,9 @@
 """What every peer benchmark records beside its figures, and how it finds out
 whether a peer library can run here.
 
-``run_metadata()`` gives the git commit (from ``git`` when the checkout has
-its .git; the GPU machine gets a copy of the working tree without one, so
-there the commit comes from the environment variable SEQFUSE_GIT_COMMIT that
-benchmarks/gpu_peers.sh is started with), the versions of torch,
+``run_metadata()`` gives the git commit (the environment variable
+SEQFUSE_GIT_COMMIT when set: the GPU machine's copy of the tree may carry a
+.git that lags it; else ``git`` when the checkout has its .git), the versions of torch,
 transformers, seqfuse and each peer (from the installed distributions: no
 peer is imported for this), the exact command line and the SHA-256 of the
 script that ran, so a figure can be traced to the code that made it.
@@ -40,8 +39,13 @@ def _dist_version(name):
 
 
 def git_commit(root):
-    """(commit, dirty, source): from git where ``root`` has a .git, else from
-    $SEQFUSE_GIT_COMMIT; dirty is None where it cannot be known."""
+    """(commit, dirty, source): $SEQFUSE_GIT_COMMIT when set (the GPU machine's
+    copy of .git can lag the tree it is sent with, so the caller's word wins),
+    else from git where ``root`` has a .git; dirty is None where it cannot be
+    known."""
+    env = os.environ.get("SEQFUSE_GIT_COMMIT")
+    if env:
+        return env, None, "SEQFUSE_GIT_COMMIT (set by the caller)"
     if os.path.exists(os.path.join(root, ".git")):
         try:
             sha = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
@@ -51,9 +55,6 @@ def git_commit(root):
             return sha, bool(status.strip()), "git"
         except (OSError, subprocess.SubprocessError) as e:
             return f"unknown (git failed: {type(e).__name__}: {e})", None, "git"
-    env = os.environ.get("SEQFUSE_GIT_COMMIT")
-    if env:
-        return env, None, "SEQFUSE_GIT_COMMIT (a copy of the tree without .git)"
     return "unknown (no .git here and SEQFUSE_GIT_COMMIT unset)", None, "none"
 
 
