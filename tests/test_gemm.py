@@ -462,6 +462,32 @@ def test_cuda_misaligned_views(seed):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_plan_serves_a_size_class(seed, dtype):
+    """Row and inner counts that differ within one size class (the next power
+    of two above 128: 257..512 here) reuse one plan, its layouts resized: one
+    heuristic query for the class, and every product still exact to the
+    reference (cuBLASLt confirms the kept algorithm for each size).  A count
+    in another class is a new plan."""
+    b = make((448, 320), dtype, "cuda")
+    gemm_mod.plan_cache_clear()
+    q = gemm_mod.heuristic_queries()
+    for m in (300, 511, 257, 384, 512, 301):
+        a = make((m, 448), dtype, "cuda")
+        assert_close_rel(gemm(a, b), reference(a, b)[0], dtype)
+    assert gemm_mod.heuristic_queries() == q + 1 and gemm_mod.plan_cache_size() == 1
+    a_all, b_all = make((300, 512), dtype, "cuda"), make((512, 320), dtype, "cuda")
+    for k in (260, 300, 500):  # the inner dimension (a weight gradient's token count) likewise,
+        a, bk = a_all[:, :k], b_all[:k]  # with the leading dimensions fixed as a split operand's are
+        assert_close_rel(gemm(a, bk), reference(a, bk)[0], dtype)
+    assert gemm_mod.heuristic_queries() == q + 2
+    for m in (100, 1000):  # exact below 129; 1000 is the class 1024
+        a = make((m, 448), dtype, "cuda")
+        assert_close_rel(gemm(a, b), reference(a, b)[0], dtype)
+    assert gemm_mod.heuristic_queries() == q + 4
+
+
+@pytest.mark.cuda
 def test_cuda_plan_cache_queries_once(seed):
     a, b = make((192, 320), torch.bfloat16, "cuda"), make((320, 448), torch.bfloat16, "cuda")
     gemm(a, b)

@@ -14,10 +14,18 @@
  * Plans: the matmul descriptor, the three layouts and the algorithm chosen by
  * cublasLtMatmulAlgoGetHeuristic are built once per problem and kept in a
  * small open-addressing hash table keyed by everything the heuristic sees
- * (device, dtypes, m/n/k, leading dimensions, op flags, epilogue, scaling
- * modes, fast accumulation, compute type, pointer alignments, workspace
- * size).  Per call only the data pointers of the descriptor (scales, bias,
- * aux) are rewritten, then the matmul is enqueued.  cuBLASLt reads the
+ * (device, dtypes, n, leading dimensions, op flags, epilogue, scaling modes,
+ * fast accumulation, compute type, pointer alignments, workspace size) with
+ * our m and k (the dimensions a token count lands in) rounded up to a power
+ * of two above 128.  Token counts change every step in MoE experts (each
+ * expert's share of the batch) and packed batches; keyed exactly, each new
+ * count cost a heuristic query (tens of microseconds) and filled the table.
+ * A plan hit with other exact m or k resizes the plan's layouts, and
+ * cublasLtMatmulAlgoCheck confirms the kept algorithm for the new size (and
+ * that it fits the workspace); only where it does not is the heuristic asked
+ * again for the exact problem (counted like any query).  Per call the data
+ * pointers of the descriptor (scales, bias, aux) are rewritten, then the
+ * matmul is enqueued.  cuBLASLt reads the
  * descriptor during cublasLtMatmul, so one mutex around "set pointers +
  * enqueue" makes the cache safe for any number of host threads.  Nothing
  * here synchronizes the host or allocates device memory, so the call is
@@ -53,6 +61,7 @@ struct Plan {
     int used;
     uint64_t hash;
     PlanKey key;
+    int64_t m, k; /* our exact m and k the layouts describe now */
     cublasLtMatmulDesc_t desc;
     cublasLtMatrixLayout_t la, lb, ld;
     cublasLtMatmulAlgo_t algo;
@@ -191,6 +200,18 @@ sf_status set_pointers(Plan *plan, const sf_gemm_problem *p)
     return SF_OK;
 }
 
+/* The key's value for a dimension a token count may land in: exact up to
+ * 128, else the next power of two. */
+int64_t size_class(int64_t x)
+{
+    if (x <= 128)
+        return x;
+    int64_t c = 256;
+    while (c < x)
+        c <<= 1;
+    return c;
+}
+
 void make_key(const sf_gemm_problem *p, PlanKey *k)
 {
     memset(k, 0, sizeof *k); /* padding bytes take part in the hash */
@@ -204,8 +225,8 @@ void make_key(const sf_gemm_problem *p, PlanKey *k)
     k->op_a = p->b.trans ? CUBLAS_OP_T : CUBLAS_OP_N;
     k->op_b = p->a.trans ? CUBLAS_OP_T : CUBLAS_OP_N;
     k->m = p->n;
-    k->n = p->m;
-    k->k = p->k;
+    k->n = size_class(p->m);
+    k->k = size_class(p->k);
     k->lda = p->b.ld;
     k->ldb = p->a.ld;
     k->ldd = p->ld_out;
@@ -240,17 +261,15 @@ sf_status describe_no_algo(const sf_gemm_problem *p, cublasStatus_t s)
                    p->fast_accum, p->workspace_bytes);
 }
 
+sf_status choose_algo(cublasLtHandle_t h, const sf_gemm_problem *p, Plan *plan);
+
 /* Build a plan into `plan` (zeroed); on failure everything made is freed. */
 sf_status build_plan(cublasLtHandle_t h, const sf_gemm_problem *p, const PlanKey *k,
                      Plan *plan)
 {
     plan->key = *k;
     sf_status st = SF_OK;
-    cublasLtMatmulPreference_t pref = NULL;
     cublasStatus_t s;
-    int returned = 0;
-    cublasLtMatmulHeuristicResult_t result;
-    memset(&result, 0, sizeof result);
 
 #define BP_TRY(what, call)                  \
     do {                                    \
@@ -303,39 +322,93 @@ sf_status build_plan(cublasLtHandle_t h, const sf_gemm_problem *p, const PlanKey
     BP_TRY("MatrixLayoutCreate(D)", cublasLtMatrixLayoutCreate(&plan->ld, (cudaDataType_t)k->d_type,
                                                                (uint64_t)p->n, (uint64_t)p->m, p->ld_out));
 
-    BP_TRY("MatmulPreferenceCreate", cublasLtMatmulPreferenceCreate(&pref));
+    plan->m = p->m;
+    plan->k = p->k;
+    st = choose_algo(h, p, plan);
+    if (st != SF_OK)
+        goto fail;
+    return SF_OK;
+#undef BP_TRY
+fail:
+    destroy_plan(plan);
+    return st;
+}
+
+/* Ask the heuristic for the best algorithm for p with plan's descriptor and
+ * layouts (which describe p). */
+sf_status choose_algo(cublasLtHandle_t h, const sf_gemm_problem *p, Plan *plan)
+{
+    const PlanKey *k = &plan->key;
+    sf_status st = SF_OK;
+    cublasLtMatmulPreference_t pref = NULL;
+    cublasStatus_t s;
+    int returned = 0;
+    cublasLtMatmulHeuristicResult_t result;
+    memset(&result, 0, sizeof result);
+
+#define CA_TRY(what, call)                  \
+    do {                                    \
+        s = (call);                         \
+        if (s != CUBLAS_STATUS_SUCCESS) {   \
+            st = lt_fail(s, what);          \
+            goto done;                      \
+        }                                   \
+    } while (0)
+
+    CA_TRY("MatmulPreferenceCreate", cublasLtMatmulPreferenceCreate(&pref));
     {
         uint64_t ws = k->workspace_bytes;
-        BP_TRY("setting MAX_WORKSPACE_BYTES",
+        CA_TRY("setting MAX_WORKSPACE_BYTES",
                cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
         uint32_t al[4] = {k->align_a, k->align_b, k->align_d, k->align_d};
         cublasLtMatmulPreferenceAttributes_t which[4] = {
             CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
             CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
         for (int i = 0; i < 4; ++i)
-            BP_TRY("setting MIN_ALIGNMENT",
+            CA_TRY("setting MIN_ALIGNMENT",
                    cublasLtMatmulPreferenceSetAttribute(pref, which[i], &al[i], sizeof al[i]));
     }
     g_queries++;
     s = cublasLtMatmulAlgoGetHeuristic(h, plan->desc, plan->la, plan->lb, plan->ld, plan->ld, pref, 1,
                                        &result, &returned);
-    if (s == CUBLAS_STATUS_NOT_SUPPORTED || (s == CUBLAS_STATUS_SUCCESS && returned == 0)) {
+    if (s == CUBLAS_STATUS_NOT_SUPPORTED || (s == CUBLAS_STATUS_SUCCESS && returned == 0))
         st = describe_no_algo(p, s);
-        goto fail;
-    }
-    if (s != CUBLAS_STATUS_SUCCESS) {
+    else if (s != CUBLAS_STATUS_SUCCESS)
         st = lt_fail(s, "MatmulAlgoGetHeuristic");
-        goto fail;
-    }
-    plan->algo = result.algo;
-    cublasLtMatmulPreferenceDestroy(pref);
-    return SF_OK;
-#undef BP_TRY
-fail:
+    else
+        plan->algo = result.algo;
+#undef CA_TRY
+done:
     if (pref)
         cublasLtMatmulPreferenceDestroy(pref);
-    destroy_plan(plan);
     return st;
+}
+
+/* A plan of p's size class made for another exact m or k: describe p in its
+ * layouts, keep its algorithm where cuBLASLt confirms it for p within the
+ * workspace, else choose again for p. */
+sf_status resize_plan(cublasLtHandle_t h, const sf_gemm_problem *p, Plan *plan)
+{
+    const uint64_t dims[3][2] = {{(uint64_t)p->b.cols, (uint64_t)p->b.rows},
+                                 {(uint64_t)p->a.cols, (uint64_t)p->a.rows},
+                                 {(uint64_t)p->n, (uint64_t)p->m}};
+    cublasLtMatrixLayout_t layouts[3] = {plan->la, plan->lb, plan->ld};
+    for (int i = 0; i < 3; ++i) {
+        LT_TRY("setting layout ROWS", cublasLtMatrixLayoutSetAttribute(
+                                          layouts[i], CUBLASLT_MATRIX_LAYOUT_ROWS, &dims[i][0], sizeof(uint64_t)));
+        LT_TRY("setting layout COLS", cublasLtMatrixLayoutSetAttribute(
+                                          layouts[i], CUBLASLT_MATRIX_LAYOUT_COLS, &dims[i][1], sizeof(uint64_t)));
+    }
+    plan->m = p->m;
+    plan->k = p->k;
+    cublasLtMatmulHeuristicResult_t check;
+    memset(&check, 0, sizeof check);
+    cublasStatus_t s = cublasLtMatmulAlgoCheck(h, plan->desc, plan->la, plan->lb, plan->ld, plan->ld,
+                                               &plan->algo, &check);
+    if (s == CUBLAS_STATUS_SUCCESS && check.state == CUBLAS_STATUS_SUCCESS &&
+        check.workspaceSize <= plan->key.workspace_bytes)
+        return SF_OK;
+    return choose_algo(h, p, plan);
 }
 
 /* Find or build the plan for p; the caller holds g_lock. */
@@ -350,6 +423,8 @@ sf_status lookup_locked(cublasLtHandle_t h, const sf_gemm_problem *p, Plan **out
         if (!e->used)
             break;
         if (e->hash == hash && memcmp(&e->key, &key, sizeof key) == 0) {
+            if (e->m != p->m || e->k != p->k)
+                SF_TRY(resize_plan(h, p, e));
             *out = e;
             return set_pointers(e, p);
         }
