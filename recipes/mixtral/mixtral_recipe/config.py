@@ -1,0 +1,133 @@
+"""The Mixtral recipe's configuration: its schema (the groups and keys of
+hydra_config/base.yaml), its rules between keys, and its command line.
+
+The recipe trains on the Llama 3 recipe's DNA (recipes/llama3/data, the
+same Parquet windows, NucleotideTokenizer and loaders), so the groups that
+describe data, optimisation and precision are the Llama 3 recipe's own
+dataclasses (llama3_recipe.config), imported, and so are its rules between
+keys (``llama3_recipe.config.cross_checks``: attention heads, padding under
+FP8, the micro-batch budget, the 1-indexed layer-wise precision rule).
+What is new here:
+
+  * the model group: a Mixtral decoder (no published-size key; the named
+    configs set the fields): attention as Llama's, and per layer a
+    mixture of ``num_local_experts`` SwiGLU experts of width
+    ``intermediate_size`` of which the router picks
+    ``num_experts_per_tok`` per token, with the load-balancing loss
+    weighted by ``router_aux_loss_coef`` (transformers' MixtralConfig
+    names);
+  * precision.recipe: bf16, fp32 and the FP8 recipes the experts' grouped
+    GEMMs run (fp8_delayed, fp8_current, fp8_block).  MXFP8 and NVFP4 are
+    refused by name: seqfuse's GroupedLinear has no path for them
+    (precision.fp4 is kept, as a key that must stay false, so the Llama 3
+    recipe's precision rules read the same group);
+  * distributed.expert_parallel_size: experts sharded over that many ranks.
+    Only 1 runs in this recipe (see EXPERT_PARALLEL_NOTE); another value is
+    a ConfigError naming the key.
+
+    cfg = load_config("L0_sanity", ["train.steps=100", "precision.recipe=fp8_delayed"])
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+from llama3_recipe.config import DataConfig
+from llama3_recipe.config import LlamaDistributedConfig, LlamaTrainConfig
+from llama3_recipe.config import PrecisionConfig as LlamaPrecisionConfig
+from llama3_recipe.config import cross_checks as causal_lm_cross_checks
+from llama3_recipe.config import resolve_layer_precision
+from recipe_common.config import (Bool, Cfg, CheckpointConfig, Choice, ConfigError, ConfigSpec,  # noqa: F401
+                                  Float, Int, LoggingConfig, ProfilerConfig, Str, check_paths, rule)
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hydra_config")
+
+#: The FP8 recipes the experts' grouped GEMMs run (seqfuse.modules.GroupedLinear).
+FP8_RECIPES = ("fp8_delayed", "fp8_current", "fp8_block")
+RECIPES = ("bf16", "fp32") + FP8_RECIPES
+
+#: Why distributed.expert_parallel_size is 1 here (the ConfigError says it).
+EXPERT_PARALLEL_NOTE = ("expert parallelism is not wired into the Mixtral recipe: seqfuse.parallel has no expert-"
+                        "parallel dispatch this recipe can call yet; every rank holds every expert (FSDP2 shards "
+                        "them like the other weights). Set distributed.expert_parallel_size=1")
+
+
+# ---------------------------------------------------------------- schema
+@dataclass
+class ModelConfig:
+    hidden_size: int = rule(64, Int(1))
+    num_hidden_layers: int = rule(2, Int(1))
+    num_attention_heads: int = rule(4, Int(1))
+    num_key_value_heads: int = rule(2, Int(1))
+    intermediate_size: int = rule(128, Int(1))  # each expert's SwiGLU width
+    num_local_experts: int = rule(4, Int(1))
+    num_experts_per_tok: int = rule(2, Int(1))
+    router_aux_loss_coef: float = rule(0.02, Float(0.0))
+    tie_word_embeddings: bool = rule(False, Bool())
+    rope_theta: float = rule(1000000.0, Float(0.0, lo_open=True))
+    max_position_embeddings: int = rule(8192, Int(1))
+
+
+@dataclass
+class PrecisionConfig(LlamaPrecisionConfig):
+    recipe: str = rule("bf16", Choice(*RECIPES))
+
+
+@dataclass
+class MixtralDistributedConfig(LlamaDistributedConfig):
+    expert_parallel_size: int = rule(1, Int(1))
+
+
+@dataclass
+class RecipeConfig:
+    """The whole Mixtral recipe config; base.yaml holds the same defaults."""
+    run_name: str = rule("mixtral", Str())
+    device: str = rule("auto", Choice("auto", "cpu", "cuda"))
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: LlamaTrainConfig = field(default_factory=LlamaTrainConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    distributed: MixtralDistributedConfig = field(default_factory=MixtralDistributedConfig)
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+
+
+# ---------------------------------------------------------------- rules
+def layer_precision(cfg):
+    """Per decoder layer (0-indexed list): "fp8" or None (bf16), the Llama 3
+    recipe's 1-indexed precision.fp8_layers rule."""
+    p = cfg["precision"]
+    return resolve_layer_precision(int(cfg["model"]["num_hidden_layers"]), p["recipe"] in FP8_RECIPES,
+                                   bool(p["fp4"]), p["fp8_layers"], p["fp4_layers"])
+
+
+def _cross_checks(c, ok, problems):
+    """The Llama 3 recipe's rules (same data, precision and attention keys),
+    then Mixtral's own: the router's top-k, no FP4, expert parallelism."""
+    causal_lm_cross_checks(c, ok, problems)
+    m, p, dist = c["model"], c["precision"], c["distributed"]
+    if ok("model.num_experts_per_tok", "model.num_local_experts") \
+            and m["num_experts_per_tok"] > m["num_local_experts"]:
+        problems.append(f"model.num_experts_per_tok={m['num_experts_per_tok']}: must be <= "
+                        f"model.num_local_experts={m['num_local_experts']} (the router picks that many experts "
+                        f"per token)")
+    if ok("precision.fp4") and p["fp4"]:
+        problems.append("precision.fp4=true: the Mixtral recipe has no NVFP4 path (seqfuse's GroupedLinear, the "
+                        "experts' GEMMs, runs bf16 and FP8 only); set precision.fp4=false")
+    if ok("distributed.expert_parallel_size") and dist["expert_parallel_size"] != 1:
+        problems.append(f"distributed.expert_parallel_size={dist['expert_parallel_size']}: {EXPERT_PARALLEL_NOTE}")
+
+
+SPEC = ConfigSpec(RecipeConfig, CONFIG_DIR, cross_checks=_cross_checks, title="the Mixtral recipe",
+                  requirements="recipes/mixtral/requirements.txt", logger="mixtral")
+
+
+# The recipe's entry points: the spec's methods (signatures and notes in recipe_common.config.ConfigSpec).
+validate_config = SPEC.validate  # (cfg, name=None) -> Cfg: ConfigError naming every bad key
+schema_defaults = SPEC.defaults  # () -> dict: the schema's defaults (base.yaml must agree)
+compose_config = SPEC.compose  # (name="L0_sanity", overrides=(), config_dir=None) -> dict, not yet checked
+load_config = SPEC.load  # (name="L0_sanity", overrides=(), config_dir=None) -> Cfg, composed and checked
+parse_args = SPEC.parse_args  # argv -> (name, overrides)
+main_entry = SPEC.main_entry  # (train_fn, strategy, argv=None): a training script's command line

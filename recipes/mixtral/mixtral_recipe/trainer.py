@@ -1,0 +1,223 @@
+"""Mixtral (mixture-of-experts causal LM) training on real DNA: what is
+specific to Mixtral in the loop shared by the recipes
+(recipes/recipe_common/trainer.py, where the loop, the "fsdp2" strategy,
+logging, validation, checkpoints and the Nsight capture range are
+described).
+
+This module is the ``spec`` the shared loop reads:
+  * the model: SeqfuseMixtralForCausalLM (seqfuse.hf) of the config's shape
+    with the nucleotide vocabulary (10 tokens); each decoder layer is
+    attention as in seqfuse's Llama and a GroupedMLP of
+    model.num_local_experts SwiGLU experts (router, token permutation and
+    grouped GEMMs);
+  * the loss: the causal-LM cross-entropy plus, while training,
+    model.router_aux_loss_coef times the load-balancing loss (the model
+    adds it when asked for router outputs, transformers' rule).  The logged
+    ``loss`` is that training objective; validation (``val_loss``) is the
+    cross-entropy alone, comparable with the Llama 3 recipe's;
+  * layer-wise precision: the Llama 3 recipe's 1-indexed
+    precision.fp8_layers rule; a bf16 layer runs with seqfuse's autocast
+    off inside the model-wide FP8 region (its attention GEMMs and its
+    experts' grouped GEMMs alike);
+  * the data: the Llama 3 recipe's DNA windows, tokenizer and loaders,
+    imported (llama3_recipe.trainer.build_loaders);
+  * FLOPs for MFU: active parameters only (the router, and top-k of the
+    experts per token), causal attention as half the score matrix;
+  * the export: transformers' MixtralForCausalLM directory
+    (seqfuse.hf.mixtral_convert.export_hf) with the tokenizer, loadable
+    without seqfuse;
+  * expert parallelism: distributed.expert_parallel_size is 1 (the config
+    refuses another value, saying why): every rank holds every expert and
+    FSDP2 shards them with the other weights.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import torch
+
+from llama3_recipe import trainer as llama
+from recipe_common import checkpoint as ckpt
+from recipe_common import trainer as _loop
+from recipe_common.metrics import batch_seq_lengths
+from recipe_common.trainer import build_optimizer, lr_lambda  # noqa: F401
+
+from .config import FP8_RECIPES, RECIPES, ConfigError, check_paths, layer_precision, validate_config  # noqa: F401
+
+log = logging.getLogger("mixtral")
+
+KEEP_PG_ENV = "MIXTRAL_KEEP_PG"
+DATA_NOUN = llama.DATA_NOUN
+
+# The Llama 3 recipe's data: same windows, tokenizer and loaders.
+tokenizer = llama.tokenizer
+build_loaders = llama.build_loaders
+
+
+# ---------------------------------------------------------------- precision
+def fp8_recipe(cfg):
+    """The model-wide recipe (None: bf16 / fp32)."""
+    name = cfg.precision.recipe
+    if name not in RECIPES:
+        raise ValueError(f"precision.recipe must be one of {RECIPES}, got {name!r}")
+    return _loop.fp8_recipe_named(name, cfg)
+
+
+def check_run(cfg, device):
+    """Before anything is built.  Every format the config allows runs on the
+    CPU and on Hopper (MXFP8 / NVFP4 are refused by the config itself); the
+    one device-dependent rule left is the world size, which expert
+    parallelism would have to divide (it is 1 here, checked again in case a
+    config bypassed validation)."""
+    ep = int(cfg.distributed.get("expert_parallel_size", 1))
+    if ep != 1:
+        from .config import EXPERT_PARALLEL_NOTE
+
+        raise ConfigError(cfg.get("config_name", "?"), [f"distributed.expert_parallel_size={ep}: "
+                                                        f"{EXPERT_PARALLEL_NOTE}"])
+
+
+def apply_layer_precision(model, cfg, recipe, rank):
+    """Layers outside precision.fp8_layers run with autocast off (bf16 or
+    the parameters' dtype) inside the model-wide FP8 region.  Returns their
+    0-based indices (they get no delayed-scaling state)."""
+    plan = layer_precision(cfg)
+    layers = model_layers(model)
+    off = [i for i, kind in enumerate(plan) if kind != "fp8"]
+    if recipe is None:
+        return off
+    for i in off:
+        _loop.run_without_fp8(layers[i])
+    if rank == 0:
+        fp8 = [i + 1 for i, kind in enumerate(plan) if kind == "fp8"]
+        log.info("precision per layer (1-indexed): %s %s%s", cfg.precision.recipe, fp8,
+                 f"; bf16 {[i + 1 for i in off]}" if off else "")
+    return off
+
+
+# ---------------------------------------------------------------- model
+def model_config(cfg):
+    """SeqfuseMixtralConfig of the config's shape; the vocabulary and special
+    ids are the nucleotide tokenizer's."""
+    from seqfuse.hf import SeqfuseMixtralConfig
+
+    tok = tokenizer()
+    m = cfg.model
+    return SeqfuseMixtralConfig(
+        vocab_size=len(tok.vocab), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, hidden_size=int(m.hidden_size), num_hidden_layers=int(m.num_hidden_layers),
+        num_attention_heads=int(m.num_attention_heads), num_key_value_heads=int(m.num_key_value_heads),
+        intermediate_size=int(m.intermediate_size), num_local_experts=int(m.num_local_experts),
+        num_experts_per_tok=int(m.num_experts_per_tok), router_aux_loss_coef=float(m.router_aux_loss_coef),
+        tie_word_embeddings=bool(m.tie_word_embeddings), max_position_embeddings=int(m.max_position_embeddings),
+        rms_norm_eps=1e-5, rope_parameters=dict(rope_type="default", rope_theta=float(m.rope_theta)))
+
+
+def build_model(cfg, device, dtype):
+    from seqfuse.hf import SeqfuseMixtralForCausalLM
+
+    mcfg = model_config(cfg)
+    with torch.device(device):
+        model = SeqfuseMixtralForCausalLM(mcfg)
+    model = model.to(dtype)  # (the rotary inverse frequencies stay float32)
+    if cfg.train.get("activation_checkpointing", False):
+        model.set_activation_checkpointing(True)  # FP8-aware (seqfuse.pytorch.checkpoint)
+    return model, mcfg
+
+
+def model_layers(model):
+    return model.model.layers
+
+
+def describe(cfg, mcfg, n_params):
+    return (f"Mixtral {cfg.config_name}: {n_params / 1e6:.2f}M parameters, {active_params(mcfg) / 1e6:.2f}M "
+            f"active per token (h={mcfg.hidden_size}, L={mcfg.num_hidden_layers}, heads="
+            f"{mcfg.num_attention_heads}/{mcfg.num_key_value_heads} kv, {mcfg.num_local_experts} experts of "
+            f"ffn={mcfg.intermediate_size}, top-{mcfg.num_experts_per_tok}, aux loss x"
+            f"{mcfg.router_aux_loss_coef:g}, vocab={mcfg.vocab_size})")
+
+
+def forward_loss(model, batch):
+    """Training: cross-entropy + router_aux_loss_coef x load-balancing loss
+    (the model adds it when output_router_logits is on; the coefficient 0
+    turns it off).  Evaluation: the cross-entropy alone."""
+    aux = bool(model.training) and float(getattr(model, "module", model).config.router_aux_loss_coef) > 0
+    if "cu_seqlens" in batch:
+        out = model(input_ids=batch["input_ids"], labels=batch["labels"], cu_seqlens=batch["cu_seqlens"],
+                    max_seqlen=int(batch["max_seqlen"]), output_router_logits=aux)
+    else:
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
+                    output_router_logits=aux)
+    return out.loss
+
+
+# ---------------------------------------------------------------- FLOPs
+def attention_params(mcfg) -> int:
+    h, hd, a, g = mcfg.hidden_size, mcfg.head_dim, mcfg.num_attention_heads, mcfg.num_key_value_heads
+    return h * (a + 2 * g) * hd + a * hd * h
+
+
+def active_params(mcfg) -> int:
+    """Weights a token multiplies through: QKV and attention out, the router
+    (h x experts), num_experts_per_tok experts' gate + up + down (3 h f
+    each) per layer, and the LM head (h V)."""
+    h, f, e, k = mcfg.hidden_size, mcfg.intermediate_size, mcfg.num_local_experts, mcfg.num_experts_per_tok
+    per_layer = attention_params(mcfg) + h * e + k * 3 * h * f
+    return mcfg.num_hidden_layers * per_layer + h * mcfg.vocab_size
+
+
+def train_flops(seq_lengths, mcfg) -> float:
+    """Forward + backward (3 x forward) over sequences of these real
+    lengths: 2 FLOPs per active weight per token, plus causal attention
+    (QK^T and PV over the lower triangle: 2 x heads x head_dim x s^2 per
+    layer)."""
+    tokens = float(sum(seq_lengths))
+    sq = float(sum(int(s) * int(s) for s in seq_lengths))
+    attn = 2.0 * mcfg.num_attention_heads * mcfg.head_dim * mcfg.num_hidden_layers * sq
+    return 3.0 * (2.0 * active_params(mcfg) * tokens + attn)
+
+
+def step_flops(host_batch, mcfg):
+    return train_flops(batch_seq_lengths(host_batch), mcfg)
+
+
+# ---------------------------------------------------------------- export
+def export(model, mcfg, out_dir, cfg, rank):
+    """Gather the whole model (every rank calls this) and, on rank 0, write
+    transformers' MixtralForCausalLM directory with the tokenizer files."""
+    sd = ckpt.full_model_state_dict(model)
+    if rank == 0:
+        export_hf(mcfg, sd, out_dir, model_max_length=int(cfg.data.max_length))
+        log.info("exported Hugging Face MixtralForCausalLM (safetensors) and the nucleotide tokenizer to %s",
+                 out_dir)
+
+
+def export_hf(model_config, state_dict: dict, out_dir: str, model_max_length=None) -> str:
+    """A SeqfuseMixtralForCausalLM holding ``state_dict`` (a full, gathered
+    model state), written with seqfuse.hf.mixtral_convert.export_hf, and the
+    NucleotideTokenizer's Hugging Face files beside it; returns ``out_dir``."""
+    from seqfuse.hf import SeqfuseMixtralForCausalLM
+    from seqfuse.hf.mixtral_convert import export_hf as write_mixtral
+
+    sf = ckpt.model_from_full_state(SeqfuseMixtralForCausalLM, model_config, state_dict,
+                                    "model.embed_tokens.weight")
+    os.makedirs(out_dir, exist_ok=True)
+    write_mixtral(sf.eval(), out_dir)
+    tokenizer().save_pretrained(out_dir, model_max_length=model_max_length)
+    return out_dir
+
+
+# ---------------------------------------------------------------- the run
+@torch.no_grad()
+def evaluate(model, val_loader, cfg, recipe, device):
+    """Validation cross-entropy (recipe_common.trainer.evaluate: the FP8 scaling state is restored after)."""
+    return _loop.evaluate(model, val_loader, cfg, recipe, device, forward_loss)
+
+
+def train(cfg, strategy: str = "fsdp2") -> dict:
+    """One training run of Mixtral on DNA (recipe_common.trainer.train with
+    this module as its spec); returns its history.  The config is checked
+    against the schema before anything is built."""
+    return _loop.train(cfg, strategy, sys.modules[__name__])

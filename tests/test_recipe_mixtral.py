@@ -1,0 +1,266 @@
+"""The Mixtral DNA training recipe (recipes/mixtral) on the CPU, on the Llama
+3 recipe's committed lambda-phage subset: the configs (base = the schema,
+the named shapes), bad keys refused naming the key (unknown keys,
+expert_parallel_size, formats the experts cannot run; the command line's
+exit status 2), the load-balancing loss reaching the training loss and not
+the validation loss, FLOPs of the active weights, per-layer FP8 reaching
+the experts, and the L0 story: the loss falls on real DNA, a stop at a
+checkpoint and the resume give the uninterrupted run's losses bit for bit,
+and the export loads in transformers' MixtralForCausalLM and AutoTokenizer
+with the checkpoint's weights and seqfuse's logits.  A cuda-marked test
+runs L0_sanity on the GPU in bf16 and the three FP8 recipes."""
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = os.path.join(ROOT, "recipes", "mixtral")
+sys.path.insert(0, RECIPE)
+
+pytest.importorskip("transformers")
+pytest.importorskip("pyarrow")
+pytest.importorskip("hydra")
+
+from mixtral_recipe import config as recipe_config  # noqa: E402
+from mixtral_recipe import trainer  # noqa: E402
+from mixtral_recipe.config import ConfigError, load_config  # noqa: E402
+from mixtral_recipe.trainer import train  # noqa: E402
+from recipe_common import checkpoint as ckpt  # noqa: E402
+
+# L0_sanity made quicker for the tests that compare runs.
+TINY = ["data.micro_batch_tokens=512", "data.max_length=128", "data.val_batches=2", "train.log_interval=1",
+        "train.eval_interval=0", "logging.progress_bar=false", "device=cpu"]
+LN10 = math.log(10)  # an untrained model's loss over the 10-token vocabulary
+
+
+def _losses(path):
+    with open(path) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+
+
+def _batch(cfg):
+    """The first training batch of the recipe's loader (packed, real DNA)."""
+    train_loader, _, _, _ = trainer.build_loaders(cfg, 0, 1, None)
+    return next(iter(train_loader))
+
+
+# ------------------------------------------------------------ configs
+def test_named_configs_and_base_match_the_schema():
+    have = recipe_config.SPEC.configs()
+    assert {"base", "L0_sanity", "mixtral_small", "8x1B"} <= set(have)
+    for name in have:
+        assert load_config(name).config_name == name
+    assert recipe_config.compose_config("base") == recipe_config.schema_defaults()
+    small = trainer.model_config(load_config("mixtral_small"))
+    assert (small.num_hidden_layers, small.hidden_size, small.num_local_experts, small.num_experts_per_tok) == \
+        (8, 1024, 8, 2)
+    big = trainer.model_config(load_config("8x1B"))
+    from seqfuse.hf import llama3_config
+    one_b = llama3_config("1B")
+    for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        assert getattr(big, k) == getattr(one_b, k), k
+    assert (big.num_local_experts, big.num_experts_per_tok) == (8, 2)
+    assert small.vocab_size == 10 and (small.bos_token_id, small.eos_token_id, small.pad_token_id) == (2, 3, 0)
+    # the data are the Llama 3 recipe's
+    assert load_config("L0_sanity").data.path == "recipes/llama3/data/subset"
+    assert load_config("mixtral_small").data.path == "recipes/llama3/data/full"
+
+
+def test_bad_keys_refused_naming_the_key():
+    with pytest.raises(ConfigError) as e:
+        load_config("L0_sanity", ["+model.num_expert=8"])
+    assert "model.num_expert=8: not a key of the model group (did you mean model.num_local_experts" in str(e.value)
+    with pytest.raises(ConfigError, match=r"distributed.expert_parallel_size=2: expert parallelism is not wired"):
+        load_config("L0_sanity", ["distributed.expert_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"distributed.expert_parallel_size=0: must be an integer >= 1"):
+        load_config("L0_sanity", ["distributed.expert_parallel_size=0"])
+    with pytest.raises(ConfigError, match=r"precision.recipe='mxfp8': must be one of 'bf16', 'fp32', 'fp8_delayed', "
+                                          r"'fp8_current', 'fp8_block'"):
+        load_config("L0_sanity", ["precision.recipe=mxfp8"])
+    with pytest.raises(ConfigError, match=r"precision.fp4=true: the Mixtral recipe has no NVFP4 path"):
+        load_config("L0_sanity", ["precision.fp4=true", "precision.fp4_layers=[1]"])
+    with pytest.raises(ConfigError, match=r"model.num_experts_per_tok=5: must be <= model.num_local_experts=4"):
+        load_config("L0_sanity", ["model.num_experts_per_tok=5"])
+    # the Llama 3 recipe's rules, on this recipe's keys
+    with pytest.raises(ConfigError, match=r"layer 9 is not a layer of this 8-layer model"):
+        load_config("mixtral_small", ["precision.recipe=fp8_delayed", "precision.fp8_layers=[1,9]"])
+    with pytest.raises(ConfigError, match="model.num_key_value_heads=3: must divide model.num_attention_heads=4"):
+        load_config("L0_sanity", ["model.num_key_value_heads=3"])
+    with pytest.raises(ConfigError) as e:  # every bad key at once
+        load_config("L0_sanity", ["train.steps=0", "model.router_aux_loss_coef=-1"])
+    assert "train.steps=0" in str(e.value) and "model.router_aux_loss_coef=-1" in str(e.value)
+
+
+def test_command_line_refuses_a_bad_key_with_exit_2(capsys):
+    """train_fsdp2.py's entry (main_entry, in this process): a bad key ends
+    with exit status 2 and the key's line on stderr, before anything is built."""
+    def no_train(cfg, strategy):
+        raise AssertionError("a bad config reached the trainer")
+
+    for bad, line in (("model.hiden_size=8", "model.hiden_size=8: not a key of the model group (did you mean "
+                                             "model.hidden_size?)"),
+                      ("distributed.expert_parallel_size=4", "distributed.expert_parallel_size=4: expert "
+                                                             "parallelism is not wired")):
+        with pytest.raises(SystemExit) as e:
+            recipe_config.main_entry(no_train, "fsdp2", ["--config", "L0_sanity", "device=cpu", bad])
+        assert e.value.code == 2
+        assert line in capsys.readouterr().err
+
+
+# ------------------------------------------------------------ the model in the loop
+def test_aux_loss_in_training_loss_only():
+    """forward_loss in training adds router_aux_loss_coef x the model's
+    load-balancing loss to the cross-entropy; in evaluation it is the
+    cross-entropy alone; coefficient 0 turns it off."""
+    cfg = load_config("L0_sanity", TINY)
+    torch.manual_seed(0)
+    model, mcfg = trainer.build_model(cfg, torch.device("cpu"), torch.float32)
+    batch = _batch(cfg)
+    model.eval()
+    ce = trainer.forward_loss(model, batch)
+    model.train()
+    total = trainer.forward_loss(model, batch)
+    out = model(input_ids=batch["input_ids"], labels=batch["labels"], cu_seqlens=batch["cu_seqlens"],
+                max_seqlen=int(batch["max_seqlen"]), output_router_logits=True)
+    assert out.aux_loss is not None and float(out.aux_loss.detach()) > 0
+    want = ce + mcfg.router_aux_loss_coef * out.aux_loss
+    torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-6)
+    assert float((total - ce).detach()) > 1e-3  # 0.02 x about top-k: far above rounding
+    model.config.router_aux_loss_coef = 0.0
+    torch.testing.assert_close(trainer.forward_loss(model, batch), ce, rtol=1e-6, atol=1e-7)
+
+
+def test_flops_count_the_active_weights():
+    """active_params: every 2-D weight a token meets (attention, router, the
+    LM head) plus num_experts_per_tok of the num_local_experts experts."""
+    from seqfuse.hf import SeqfuseMixtralForCausalLM
+
+    mcfg = trainer.model_config(load_config("L0_sanity"))
+    model = SeqfuseMixtralForCausalLM(mcfg)
+    dense = experts = 0
+    for name, p in model.named_parameters():
+        if "embed" in name or p.dim() < 2:
+            continue
+        if ".mlp.fc1." in name or ".mlp.fc2." in name:  # the experts' grouped GEMMs (one weight per expert)
+            experts += p.numel()
+        else:
+            dense += p.numel()
+    if mcfg.tie_word_embeddings:
+        dense += model.lm_head.weight.numel()
+    h, f, L = mcfg.hidden_size, mcfg.intermediate_size, mcfg.num_hidden_layers
+    assert experts == L * mcfg.num_local_experts * 3 * h * f
+    assert trainer.active_params(mcfg) == dense + experts * mcfg.num_experts_per_tok // mcfg.num_local_experts
+    s, d = 100, mcfg.num_attention_heads * mcfg.head_dim
+    assert trainer.train_flops([s], mcfg) == 3 * (2 * trainer.active_params(mcfg) * s + 2 * d * s * s * L)
+
+
+def test_fp8_layers_reach_the_experts():
+    """precision.fp8_layers=[2] under fp8_delayed: layer 2's MoE block runs
+    under FP8, layer 1's does not (seen from inside each layer's MLP), and
+    the loss is finite."""
+    from seqfuse.modules import GroupedMLP
+    from seqfuse.quantization import is_fp8_enabled
+
+    seen = {}
+    real = trainer.build_model
+
+    def probed(cfg, device, dtype):
+        model, mcfg = real(cfg, device, dtype)
+        for i, layer in enumerate(trainer.model_layers(model)):
+            moe = [m for m in layer.modules() if isinstance(m, GroupedMLP)]
+            assert len(moe) == 1, type(layer)
+            moe[0].register_forward_hook(lambda m, a, o, i=i: seen.setdefault(i + 1, set()).add(is_fp8_enabled()))
+        return model, mcfg
+
+    trainer.build_model = probed
+    try:
+        out = train(load_config("L0_sanity", TINY + ["train.steps=2", "precision.recipe=fp8_delayed",
+                                                     "precision.fp8_layers=[2]"]), "fsdp2")
+    finally:
+        trainer.build_model = real
+    assert seen == {1: {False}, 2: {True}}, seen
+    assert all(math.isfinite(v) for v in out["history"]["loss"])
+
+
+# ------------------------------------------------------------ training, checkpoint, resume, export
+def test_l0_sanity_trains_resumes_and_exports(tmp_path):
+    """One story on the committed subset: (1) L0_sanity for 12 steps, the
+    loss falls far below an untrained model's ln(10); (2) the same run
+    stopped at a checkpoint at step 6 (train.stop_at) and resumed to 12
+    gives the uninterrupted run's losses exactly; (3) its export loads in
+    transformers (MixtralForCausalLM, AutoTokenizer), holds the checkpoint's
+    weights, and gives seqfuse's logits."""
+    from transformers import AutoTokenizer, MixtralForCausalLM
+
+    ref, jl, d, exp = tmp_path / "ref.jsonl", tmp_path / "m.jsonl", tmp_path / "ck", tmp_path / "hf"
+    base = TINY + ["train.steps=12", "train.warmup_steps=3", "train.eval_interval=6"]
+    out = train(load_config("L0_sanity", base + [f"logging.metrics_jsonl={ref}"]), "fsdp2")
+    h = out["history"]
+    assert h["step"] == list(range(1, 13)) and h["val_step"] == [6, 12]
+    assert all(math.isfinite(v) for v in h["loss"] + h["val_loss"])
+    assert h["loss"][0] > LN10 - 0.2, h["loss"]  # starts untrained ...
+    assert max(h["loss"][-3:]) < LN10 - 0.6, h["loss"]  # ... and learns the bases
+    assert h["val_loss"][-1] < LN10 - 0.6, h["val_loss"]
+    rows = [json.loads(line) for line in open(ref)]
+    assert {"loss", "lr", "tokens_per_s", "unpadded_tokens_per_s", "step_time_ms", "tflops_per_s"} <= set(rows[0])
+
+    args = base + [f"checkpoint.dir={d}", f"logging.metrics_jsonl={jl}"]
+    first = train(load_config("L0_sanity", args + ["train.stop_at=6"]), "fsdp2")
+    assert first["final_step"] == 6 and first["export_dir"] is None
+    assert [s for s, _ in ckpt.list_checkpoints(str(d))] == [6]
+    assert ckpt.verify_checkpoint(ckpt.latest_checkpoint(str(d))) == []
+    second = train(load_config("L0_sanity", args + [f"checkpoint.export_dir={exp}"]), "fsdp2")
+    assert second["final_step"] == 12
+    got, want = _losses(jl), _losses(ref)
+    assert sorted(got) == list(range(1, 13))
+    for s in range(1, 13):
+        assert got[s] == want[s], (s, got[s], want[s])
+
+    hf = MixtralForCausalLM.from_pretrained(str(exp)).eval()
+    tok = AutoTokenizer.from_pretrained(str(exp))
+    assert hf.config.model_type == "mixtral" and hf.config.vocab_size == 10
+    assert (hf.config.num_local_experts, hf.config.num_experts_per_tok) == (4, 2)
+    import torch.distributed.checkpoint as dcp
+    emb = {"model": {"model.embed_tokens.weight": torch.empty_like(hf.model.embed_tokens.weight)}}
+    dcp.load(emb, checkpoint_id=ckpt.latest_checkpoint(str(d)))
+    assert torch.equal(emb["model"]["model.embed_tokens.weight"], hf.model.embed_tokens.weight)
+    # seqfuse's model of the final checkpoint against transformers' of the export, same tokens
+    from seqfuse.hf import SeqfuseMixtralForCausalLM
+
+    sf = SeqfuseMixtralForCausalLM(trainer.model_config(load_config("L0_sanity", base)))
+    own = sf.state_dict()
+    state = {"model": {k: torch.empty_like(v) for k, v in own.items() if not k.endswith("_extra_state")}}
+    dcp.load(state, checkpoint_id=ckpt.latest_checkpoint(str(d)))
+    own.update(state["model"])
+    sf.load_state_dict(own, strict=True)
+    sf.eval()
+    prompts = ["GGGCGGCGACCTCGCGGGTTTTCGCTATTTATGAAAATTTTCCGGTTTAAGG", "acgtNNacgtTTGACA"]
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    assert enc["input_ids"][0, 0].item() == 2 and enc["input_ids"][1, 1].item() == 5  # <bos>, 'a' folded to A
+    with torch.no_grad():
+        got_logits = sf(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits
+        want_logits = hf(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits
+    m = enc["attention_mask"].bool()
+    torch.testing.assert_close(got_logits[m], want_logits[m], atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------ GPU
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision", ["bf16", "fp8_delayed", "fp8_current", "fp8_block"])
+def test_l0_sanity_cuda(precision):
+    """L0_sanity on the GPU (bf16 parameters, FusedAdamW) in bf16 and the
+    three FP8 recipes the experts run: the loss falls well below ln(10) and
+    MFU and peak memory are logged.  Hidden 128 and SwiGLU width 128 so FP8
+    block scaling's 128-wide blocks fit every GEMM."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    out = train(load_config("L0_sanity", ["device=cuda", "logging.progress_bar=false", "train.eval_interval=0",
+                                          "model.hidden_size=128", f"precision.recipe={precision}"]), "fsdp2")
+    h = out["history"]
+    assert all(math.isfinite(v) for v in h["loss"]), h["loss"]
+    assert h["loss"][-1] < LN10 - 0.6, h["loss"]
+    assert out["rates"][-1]["peak_mem_gib"] > 0 and out["rates"][-1]["mfu_measured"] > 0
