@@ -218,8 +218,9 @@ def init_expert_parallel_mesh(ep_size, dp_size=None, device_type=None):
     """A 2-D DeviceMesh ("dp", "ep") over the default process group: EP groups
     are runs of ep_size consecutive ranks (on one node where ep_size fits in
     it, so the token exchange stays on NVLink), DP groups stride across
-    them.  mesh["ep"] is the group to give ExpertParallelGroupedMLP,
-    mesh["dp"] the one to shard (FSDP2) or reduce the experts over.
+    them.  mesh.get_group("ep") is the group to give
+    ExpertParallelGroupedMLP, mesh.get_group("dp") (or mesh["dp"] for
+    FSDP2) the one to shard or reduce the experts over.
     device_type: "cuda" under NCCL, "cpu" otherwise, by default."""
     from torch.distributed.device_mesh import init_device_mesh
 
