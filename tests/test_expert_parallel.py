@@ -401,3 +401,83 @@ def test_initialisation_does_not_depend_on_the_ep_size():
     assert all(torch.equal(a, b) for a, b in zip(one.state_dict().values(), again.state_dict().values()))
     # distinct experts differ (a shared seed per rank would make them equal)
     assert not torch.equal(one.fc1.weight0, one.fc1.weight1)
+
+
+# ---- two GPUs over NCCL (cuda-marked) ---------------------------------------------------
+
+CUDA_CASES = [("fp32", torch.float32), ("bf16", torch.bfloat16)]
+
+
+def _cuda_worker(rank, world, port, out_dir, seed):
+    from seqfuse.parallel import clip_grad_norm_, reduce_expert_parallel_grads
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    ok = False
+    try:
+        dev = torch.device("cuda", rank)
+        group = dist.new_group(list(range(world)))
+        res = {}
+        for name, dtype in CUDA_CASES:
+            for uneven in (False, True):
+                torch.manual_seed(seed)
+                full = GroupedMLP(256, 512, 8, 2, params_dtype=dtype, device=dev)
+                counts = [384 + 128 * r for r in range(world)]
+                gen = torch.Generator().manual_seed(seed + 1)
+                x = torch.randn(sum(counts), 256, generator=gen)
+                if uneven:  # every token to experts 0 and 1: rank 1's experts receive nothing
+                    x = x.abs() + 0.1
+                    with torch.no_grad():
+                        v = torch.ones(256, device=dev, dtype=dtype)
+                        full.router_weight.copy_(torch.stack([3 * v, 2 * v] + [-v] * 6))
+                x = x.to(dev, dtype)
+                dout = torch.randn(sum(counts), 256, generator=gen).to(dev, dtype)
+                rows = slice(sum(counts[:rank]), sum(counts[:rank + 1]))
+                layer = ExpertParallelGroupedMLP.from_full(full, group)
+                xr = x.clone().requires_grad_()
+                ref = full(xr)
+                ref.backward(dout)
+                xl = x[rows].clone().requires_grad_()
+                out = layer(xl)
+                out.backward(dout[rows])
+                reduce_expert_parallel_grads(layer, None, average=False)
+                grads = max(rel_error(p.grad, full.get_parameter(n).grad) for n, p in layer.named_parameters())
+                ref_norm = torch.nn.utils.clip_grad_norm_(full.parameters(), 1e-3)
+                norm = clip_grad_norm_(layer, 1e-3)
+                res[f"{name}{'-uneven' if uneven else ''}"] = {
+                    "out": rel_error(out, ref[rows]), "dx": rel_error(xl.grad, xr.grad[rows]), "grads": grads,
+                    "norm": rel_error(norm, ref_norm)}
+        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+        ok = True
+    finally:
+        from seqfuse.distributed import end_process_group
+
+        end_process_group(ok)
+
+
+@pytest.mark.cuda
+def test_ep2_on_two_gpus_over_nccl(tmp_path):
+    """EP = 2 over NCCL on two GPUs equals one GPU's GroupedMLP over every
+    token (fp32 and bf16, balanced and all-on-one-rank routing): outputs,
+    input gradients, every parameter gradient, the clipped norm."""
+    from helpers import pair_tol
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+    if not dist.is_nccl_available():
+        pytest.skip("torch.distributed has no NCCL")
+    seed = int(os.environ.get("SEQFUSE_TEST_SEED", torch.randint(0, 2**31 - 1, ()).item()))
+    print(f"seed={seed}")
+    run_workers(_cuda_worker, (2, free_port(), str(tmp_path), seed), 2, "spawn", "expert-parallel NCCL workers",
+                timeout=300)
+    for rank in range(2):
+        res = torch.load(tmp_path / f"rank{rank}.pt")
+        for name, dtype in CUDA_CASES:
+            for case in (name, name + "-uneven"):
+                r = res[case]
+                # the same kernels on the same rows: within two results' error of each other; fp32
+                # GEMMs run on TF32 (grouped_gemm's allow_tf32), whose cuBLASLt algorithm may change with
+                # the row counts (EP's are half the single GPU's): 5x the fp32 pair bound
+                tol = pair_tol(dtype, 5.0 if dtype == torch.float32 else 1.0)
+                assert r["out"] <= tol and r["dx"] <= tol, (rank, case, r)
+                assert r["grads"] <= tol and r["norm"] <= tol, (rank, case, r)
