@@ -83,6 +83,18 @@ def test_bad_keys_refused_naming_the_key():
         load_config("L0_sanity", ["precision.recipe=mxfp8"])
     with pytest.raises(ConfigError, match=r"precision.fp4=true: the Mixtral recipe has no NVFP4 path"):
         load_config("L0_sanity", ["precision.fp4=true", "precision.fp4_layers=[1]"])
+    # the FP8 GEMMs' sizes, before anything is built (the modules would refuse them at the first forward)
+    with pytest.raises(ConfigError, match=r"model.hidden_size=64: must be a multiple of 128 under "
+                                          r"precision.recipe=fp8_block"):
+        load_config("L0_sanity", ["precision.recipe=fp8_block"])
+    with pytest.raises(ConfigError, match=r"model.intermediate_size=100: must be a multiple of 16 under "
+                                          r"precision.recipe=fp8_current"):
+        load_config("L0_sanity", ["precision.recipe=fp8_current", "model.intermediate_size=100"])
+    with pytest.raises(ConfigError, match=r"model.num_key_value_heads=1: the QKV GEMM's output, \(num_attention_heads "
+                                          r"\+ 2 x num_key_value_heads\) x head_dim = 160, must be a multiple of 128"):
+        load_config("L0_sanity", ["precision.recipe=fp8_block", "model.hidden_size=128", "model.num_attention_heads=8",
+                                  "model.num_key_value_heads=1"])
+    load_config("L0_sanity", ["precision.recipe=fp8_block", "model.hidden_size=128"])  # the cuda test's shape
     with pytest.raises(ConfigError, match=r"model.num_experts_per_tok=5: must be <= model.num_local_experts=4"):
         load_config("L0_sanity", ["model.num_experts_per_tok=5"])
     # the Llama 3 recipe's rules, on this recipe's keys

@@ -103,9 +103,33 @@ def layer_precision(cfg):
                                    bool(p["fp4"]), p["fp8_layers"], p["fp4_layers"])
 
 
+def fp8_shape_problems(m, recipe):
+    """The FP8 GEMMs' feature sizes (seqfuse.quantization.gemm_quantizers.
+    check_features: multiples of 16, of 128 under block scaling) of a model
+    group, as lines naming the key that sets each size.  The GEMMs: QKV
+    (hidden -> (heads + 2 kv heads) x head_dim), the attention output
+    (heads x head_dim -> hidden), the experts' fc1 (hidden -> 2 x
+    intermediate) and fc2 (intermediate -> hidden); the router and the LM
+    head are not FP8."""
+    mult = 128 if recipe == "fp8_block" else 16
+    rule = f"must be a multiple of {mult} under precision.recipe={recipe} (" + \
+        ("whole 128-wide scaling blocks" if mult == 128 else "FP8 GEMM operands") + ")"
+    h, a, g, f = m["hidden_size"], m["num_attention_heads"], m["num_key_value_heads"], m["intermediate_size"]
+    out = []
+    if h % mult:
+        out.append(f"model.hidden_size={h}: {rule}")
+    if f % mult:
+        out.append(f"model.intermediate_size={f}: {rule}")
+    if not out and (2 * g * (h // a)) % mult:
+        out.append(f"model.num_key_value_heads={g}: the QKV GEMM's output, (num_attention_heads + 2 x "
+                   f"num_key_value_heads) x head_dim = {(a + 2 * g) * (h // a)}, {rule}")
+    return out
+
+
 def _cross_checks(c, ok, problems):
     """The Llama 3 recipe's rules (same data, precision and attention keys),
-    then Mixtral's own: the router's top-k, no FP4, expert parallelism."""
+    then Mixtral's own: the router's top-k, the FP8 GEMMs' sizes, no FP4,
+    expert parallelism."""
     causal_lm_cross_checks(c, ok, problems)
     m, p, dist = c["model"], c["precision"], c["distributed"]
     if ok("model.num_experts_per_tok", "model.num_local_experts") \
@@ -113,6 +137,10 @@ def _cross_checks(c, ok, problems):
         problems.append(f"model.num_experts_per_tok={m['num_experts_per_tok']}: must be <= "
                         f"model.num_local_experts={m['num_local_experts']} (the router picks that many experts "
                         f"per token)")
+    keys = ("precision.recipe", "model.hidden_size", "model.num_attention_heads", "model.num_key_value_heads",
+            "model.intermediate_size")
+    if ok(*keys) and p["recipe"] in FP8_RECIPES and m["hidden_size"] % m["num_attention_heads"] == 0:
+        problems.extend(fp8_shape_problems(m, p["recipe"]))
     if ok("precision.fp4") and p["fp4"]:
         problems.append("precision.fp4=true: the Mixtral recipe has no NVFP4 path (seqfuse's GroupedLinear, the "
                         "experts' GEMMs, runs bf16 and FP8 only); set precision.fp4=false")

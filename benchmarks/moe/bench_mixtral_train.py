@@ -1,0 +1,233 @@
+"""Mixtral-small training on one GPU: the Mixtral recipe's model
+(recipes/mixtral, SeqfuseMixtralForCausalLM: fused router, token
+permutation, grouped GEMMs) against transformers' MixtralForCausalLM in
+bf16, eager (not compiled), on the same real-DNA batches from the same
+initial weights, in one process.
+
+Model: the recipe's ``mixtral_small`` config (8 layers, hidden 1024, 16
+heads / 4 key-value heads, 8 experts of SwiGLU 3584, top-2, nucleotide
+vocabulary; ``--config`` picks another recipe config, e.g. L0_sanity for a
+CPU smoke run).  transformers' model is built with a seed (its own
+initialisation) and seqfuse's converted from it
+(seqfuse.hf.mixtral_convert.from_hf_model), so every row starts from the
+same weights; each row's first-step loss is compared with transformers'.
+Both compute the same objective: cross-entropy + router_aux_loss_coef x
+the load-balancing loss (output_router_logits=True).
+
+Data: the Llama 3 benchmark's genome windows (benchmarks/llama3/
+llama3_common.py: make_bench_data.py's 8,192-base windows when carried,
+else the committed lambda-phage subset, said in the log and the JSON);
+every sequence exactly ``--seq-len`` tokens, ``--batch-size`` per step, so
+transformers' [B, L] batches (no mask) and seqfuse's packed THD batches
+(cu_seqlens, the recipe's layout) hold the same tokens.
+
+Rows (``--rows``):
+  hf_bf16             transformers, sdpa attention, experts_implementation
+                      "grouped_mm" (torch._grouped_mm: transformers' default
+                      where it dispatches), bf16 weights, torch AdamW(fused)
+                      with the recipe's lr, betas, eps and weight decay;
+  hf_bf16_loop        the same with experts_implementation "eager" (its
+                      Python loop over the experts);
+  seqfuse_bf16, seqfuse_fp8_delayed, seqfuse_fp8_current, seqfuse_fp8_block
+                      the recipe's model, forward_loss and optimizer
+                      (FusedAdamW, fp32 master weights), FP8 under seqfuse's
+                      autocast (the LM head and router stay bf16).
+A row that fails keeps its error and the others run.  Timing: one untimed
+warm pass over the very batches, then one timed pass, the GPU synchronized
+before and after only.  Reported: unpadded tokens/s, vs_hf (against
+hf_bf16) and vs_hf_loop, MFU of the active weights' FLOPs
+(mixtral_recipe.trainer.train_flops) against the measured bf16 ceiling (794
+TFLOP/s), peak memory and its ratio to transformers'.  Issue 18's goals:
+>= 2.2x transformers' unpadded tokens/s, peak memory <= transformers'.
+Writes benchmarks/results/moe_mixtral_train.json.  About 60-90 s on an H200:
+
+    python3 benchmarks/moe/bench_mixtral_train.py
+    python3 benchmarks/moe/bench_mixtral_train.py --config L0_sanity --device cpu --seq-len 256 --batch-size 2
+"""
+import argparse
+import contextlib
+import gc
+import os
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH = os.path.dirname(HERE)
+ROOT = os.path.dirname(BENCH)
+sys.path.insert(0, os.path.join(BENCH, "llama3"))  # llama3_common (puts benchmarks/ and python/ on the path)
+sys.path.insert(0, os.path.join(ROOT, "recipes", "mixtral"))
+
+import llama3_common as data  # noqa: E402
+import torch  # noqa: E402
+from harness import Table  # noqa: E402
+from mixtral_recipe import load_config  # noqa: E402
+from mixtral_recipe import trainer as recipe  # noqa: E402
+
+ROWS = ("hf_bf16", "hf_bf16_loop", "seqfuse_bf16", "seqfuse_fp8_delayed", "seqfuse_fp8_current", "seqfuse_fp8_block")
+DEFAULT_ROWS = ("hf_bf16", "hf_bf16_loop", "seqfuse_bf16", "seqfuse_fp8_delayed", "seqfuse_fp8_block")
+MEASURED_TFLOPS = 794.0  # the project's measured H200 bf16 ceiling (benchmarks/harness.py)
+
+
+def log(msg):
+    print(f"[mixtral bench] {msg}", flush=True)
+
+
+def build_hf(mcfg, device, dtype, experts, seed):
+    """transformers' MixtralForCausalLM of the recipe's shape, seeded, its own initialisation."""
+    from transformers import MixtralForCausalLM
+    from transformers.models.mixtral import modeling_mixtral
+
+    from seqfuse.hf.mixtral_config import to_hf_config
+
+    torch.manual_seed(seed)
+    hf_cfg = to_hf_config(mcfg)
+    hf_cfg._experts_implementation = experts  # (as benchmarks/moe/bench_moe_layer.py: transformers 5.x)
+    with torch.device(device):
+        model = MixtralForCausalLM._from_config(hf_cfg, attn_implementation="sdpa", dtype=dtype)
+    got = getattr(model.config, "_experts_implementation", None)
+    if got != experts:
+        raise RuntimeError(f"transformers built experts_implementation={got!r}, asked for {experts!r}")
+    model = model.to(device=device, dtype=dtype)
+    if model.model.rotary_emb.inv_freq.dtype != torch.float32:  # as from_pretrained(dtype=) keeps it
+        model.model.rotary_emb = modeling_mixtral.MixtralRotaryEmbedding(model.config).to(device)
+    return model
+
+
+def build_row(name, cfg, mcfg, device, dtype, seed):
+    """(model, optimizer, context, forward) of a row."""
+    from seqfuse.pytorch import autocast
+
+    if name.startswith("hf_"):
+        model = build_hf(mcfg, device, dtype, "eager" if name.endswith("_loop") else "grouped_mm", seed)
+        t = cfg.train  # the recipe's hyperparameters (every parameter decayed: transformers' plain AdamW)
+        opt = torch.optim.AdamW(model.parameters(), lr=float(t.lr), betas=tuple(t.betas), eps=float(t.eps),
+                                weight_decay=float(t.weight_decay), fused=device.type == "cuda")
+
+        def forward(b):
+            return model(input_ids=b["input_ids"].view(b["shape"]), labels=b["labels"].view(b["shape"]),
+                         output_router_logits=True).loss
+        return model, opt, contextlib.nullcontext, forward
+    from seqfuse.hf.mixtral_convert import from_hf_model
+
+    hf = build_hf(mcfg, device, dtype, "eager", seed)
+    model = from_hf_model(hf)
+    del hf
+    fp8 = name[len("seqfuse_"):]
+    rcfg = load_config(cfg.config_name, [f"precision.recipe={fp8}"])
+    fp8_recipe = recipe.fp8_recipe(rcfg)
+    opt = recipe.build_optimizer(model, rcfg)
+
+    def context():
+        return autocast(enabled=fp8_recipe is not None, recipe=fp8_recipe)
+
+    def forward(b):
+        return recipe.forward_loss(model, b)
+    return model, opt, context, forward
+
+
+def run_row(name, cfg, mcfg, batches, device, dtype, seed):
+    model, opt, context, forward = build_row(name, cfg, mcfg, device, dtype, seed)
+    model.train()
+
+    def step(b):
+        with context():
+            loss = forward(b)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    first = float(step(batches[0]))  # same weights, same batch in every row
+    for b in batches[1:]:  # the rest of the untimed warm pass
+        step(b)
+    sync()
+    t0 = time.perf_counter()
+    losses = [step(b) for b in batches]
+    sync()
+    seconds = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    final = float(losses[-1])
+    del model, opt
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return seconds, first, final, peak
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="mixtral_small", help="a recipes/mixtral config (its model shape)")
+    ap.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
+    ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the config's data.max_length)")
+    ap.add_argument("--batch-size", type=int, default=2, help="sequences per step")
+    ap.add_argument("--steps", type=int, default=4, help="timed steps (after as many untimed)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--data", default=None, help="a genome-window Parquet file (default: the benchmark's)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    rows = args.rows.split(",")
+    bad = [r for r in rows if r not in ROWS]
+    if bad:
+        raise SystemExit(f"--rows: {bad[0]!r} is not a row (rows: {', '.join(ROWS)})")
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cfg = load_config(args.config)
+    mcfg = recipe.model_config(cfg)
+    seq_len = args.seq_len or int(cfg.data.max_length)
+    path, note = data.data_path(args.data)
+    seqs = data.fixed_length_sequences(data.load_windows(path), seq_len - 2)
+    packed, _ = data.make_batches(seqs, args.steps, max_length=seq_len, batch_size=args.batch_size, seed=args.seed)
+    shape = (args.batch_size, seq_len)
+    batches = [{**{k: (v.to(device) if torch.is_tensor(v) else v) for k, v in b.items()}, "shape": shape}
+               for b in packed]
+    real = sum(int(b["num_tokens"]) for b in packed)
+    flops = sum(recipe.train_flops([seq_len] * args.batch_size, mcfg) for _ in packed)
+    log(f"{args.config}: hidden {mcfg.hidden_size}, {mcfg.num_hidden_layers} layers, {mcfg.num_local_experts} "
+        f"experts of {mcfg.intermediate_size}, top-{mcfg.num_experts_per_tok}; {args.steps} steps of "
+        f"{args.batch_size} x {seq_len} tokens, {dtype}, data {os.path.relpath(path, ROOT)} ({note})")
+    table = Table("moe_mixtral_train", ["row", "unpadded_tokens_per_s", "vs_hf", "vs_hf_loop", "mfu_pct",
+                                        "peak_gib", "mem_vs_hf", "first_loss", "final_loss", "error"])
+    done = {}
+    for name in rows:
+        try:
+            seconds, first, final, peak = run_row(name, cfg, mcfg, batches, device, dtype, args.seed)
+        except Exception as e:  # noqa: BLE001 - a failing row keeps its reason, the others run
+            traceback.print_exc()
+            table.add(row=name, error=f"{type(e).__name__}: {str(e)[:300]}")
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
+        done[name] = r = dict(row=name, unpadded_tokens_per_s=real / seconds, step_ms=1000 * seconds / len(batches),
+                              mfu_pct=100 * flops / seconds / (MEASURED_TFLOPS * 1e12), peak_gib=peak,
+                              first_loss=first, final_loss=final)
+        for ref, key in (("hf_bf16", "vs_hf"), ("hf_bf16_loop", "vs_hf_loop")):
+            if ref in done:
+                r[key] = r["unpadded_tokens_per_s"] / done[ref]["unpadded_tokens_per_s"]
+        if "hf_bf16" in done:
+            r["mem_vs_hf"] = peak / done["hf_bf16"]["peak_gib"]
+            r["first_loss_rel_diff_vs_hf"] = abs(first - done["hf_bf16"]["first_loss"]) / done["hf_bf16"]["first_loss"]
+        table.add(**r)
+    goals = [{"goal": "seqfuse >= 2.2x transformers' unpadded tokens/s", "row": n, "value": r.get("vs_hf"),
+              "pass": (r.get("vs_hf") or 0) >= 2.2} for n, r in done.items() if n.startswith("seqfuse")]
+    goals += [{"goal": "peak memory <= transformers'", "row": n, "value": r.get("mem_vs_hf"),
+               "pass": (r.get("mem_vs_hf") or 9) <= 1.0} for n, r in done.items() if n.startswith("seqfuse")]
+    table.save({"config": args.config, "seq_len": seq_len, "batch_size": args.batch_size, "timed_steps": args.steps,
+                "data": os.path.relpath(path, ROOT), "data_note": note, "dtype": str(dtype), "goals": goals,
+                "model": {k: getattr(mcfg, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                         "num_key_value_heads", "intermediate_size",
+                                                         "num_local_experts", "num_experts_per_tok", "vocab_size")},
+                "flops": "mixtral_recipe.trainer.train_flops: 3 x forward FLOPs of the active weights (router, "
+                         "top-k experts) + causal attention; MFU against 794 TFLOP/s (measured H200 bf16)",
+                "timing": "one untimed pass over the very batches, then one timed pass; GPU synchronized before "
+                          "and after the timed pass only"})
+    for g in goals:
+        log(f"goal {g['goal']} [{g['row']}]: {g['value']}: {'PASS' if g['pass'] else 'MISS'}")
+
+
+if __name__ == "__main__":
+    main()
