@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import REL_TOL, free_port, rel_error, run_workers
+from helpers import REL_TOL, free_port, needs_cpu_fsdp2, rel_error, run_workers
 from seqfuse.modules import ExpertParallelGroupedMLP, GroupedMLP
 
 WORLD = 4
@@ -115,6 +115,7 @@ def _ep_groups(world, rank):
         mesh = init_expert_parallel_mesh(ep)
         assert mesh.mesh_dim_names == ("dp", "ep") and tuple(mesh.shape) == (world // ep, ep)
         out[ep] = (mesh.get_group("ep"), mesh.get_group("dp"))
+        out[f"mesh{ep}"] = mesh
     return out
 
 
@@ -176,6 +177,46 @@ def _clip(groups, rank, seed):
                     "grads": max(rel_error(p.grad, full.get_parameter(n).grad)
                                  for n, p in layer.named_parameters())}
     return res
+
+
+class _Net(torch.nn.Module):
+    """A non-expert layer, then the MoE layer (full or EP)."""
+
+    def __init__(self, moe):
+        super().__init__()
+        self.proj = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.moe = moe
+
+    def forward(self, x):
+        return self.moe(self.proj(x))
+
+
+def _fsdp2(groups, rank, seed):
+    """FSDP2 over dp of the dp 2 x ep 2 mesh (fully_shard_expert_parallel),
+    each rank's loss a mean over its tokens: the gradients (DTensor shards,
+    gathered) equal those of the mean of the ranks' losses in one process,
+    and clip_grad_norm_ on the shards gives that process's norm."""
+    from seqfuse.parallel import clip_grad_norm_, fully_shard_expert_parallel
+
+    name, e, k, ep, extra = CONFIGS[0]
+    full = _full_layer(e, k, extra, seed + 800)
+    torch.manual_seed(seed + 801)
+    ref_net = _Net(full)
+    net = _Net(ExpertParallelGroupedMLP.from_full(full, groups[ep][0]))
+    net.proj.load_state_dict(ref_net.proj.state_dict())
+    counts = _tokens_per_rank(WORLD)
+    x, dout, offsets = _data(WORLD, seed + 800, counts)
+    scale = torch.cat([torch.full((c, 1), 1.0 / (WORLD * c)) for c in counts])
+    ref_net(x).backward(dout * scale)  # d/dW of mean over ranks of each rank's mean loss
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref_net.parameters(), 1e-3)
+    fully_shard_expert_parallel(net, groups[f"mesh{ep}"])
+    rows = slice(offsets[rank], offsets[rank + 1])
+    net(x[rows]).backward(dout[rows] / counts[rank])
+    is_dtensor = all(type(p.grad).__name__ == "DTensor" for p in net.parameters())
+    norm = clip_grad_norm_(net, 1e-3)
+    ref_names = dict(ref_net.named_parameters())
+    grads = {n: rel_error(p.grad.full_tensor(), ref_names[n].grad) for n, p in net.named_parameters()}
+    return {"dtensor": is_dtensor, "norm": rel_error(norm, ref_norm), "ref": float(ref_norm), "grads": grads}
 
 
 def _checkpoints(groups, rank, seed, out_dir):
@@ -271,7 +312,7 @@ def _worker(rank, world, port, out_dir, seed):
     try:
         groups = _ep_groups(world, rank)
         results = {"equivalence": _equivalence(groups, rank, seed), "uneven": _uneven(groups, rank, seed),
-                   "clip": _clip(groups, rank, seed), "checkpoints": _checkpoints(groups, rank, seed, out_dir),
+                   "clip": _clip(groups, rank, seed), "fsdp2": _fsdp2(groups, rank, seed), "checkpoints": _checkpoints(groups, rank, seed, out_dir),
                    "bad": _bad_arguments(groups)}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         ok = True
@@ -332,6 +373,19 @@ def test_clip_grad_norm_is_exact(ep_results, norm):
         assert r["norm"] <= TOL and r["grads"] <= TOL, (rank, r)
         if r["naive"] is not None and norm == "l2":
             assert abs(r["naive"] - r["ref"]) > 1e-3 * r["ref"], (rank, r)
+
+
+@needs_cpu_fsdp2
+def test_fsdp2_over_dp_and_clip_on_shards(ep_results):
+    """fully_shard_expert_parallel on dp 2 x ep 2 with mean losses: every
+    parameter's gradient equals the single process's gradient of the mean of
+    the ranks' losses (experts divided by dp * ep, not dp), and
+    clip_grad_norm_ over the DTensor shards returns its norm."""
+    for rank, res in enumerate(ep_results):
+        r = res["fsdp2"]
+        assert r["dtensor"], rank
+        assert r["ref"] > 1e-3 and r["norm"] <= TOL, (rank, r)
+        assert max(r["grads"].values()) <= TOL, (rank, r["grads"])
 
 
 CHECKPOINT_CLAIMS = ["files_ep2_to_ep1", "files_ep2_to_ep4", "missing_refused", "to_full", "full_keys",

@@ -185,12 +185,19 @@ class ExpertParallelGroupedMLP(torch.nn.Module):
         h = self.fc1(xr, m_splits)
         a = moe_ops.scaled_swiglu(h, pr)
         y = self.fc2(a, m_splits)
-        return combine_tokens(y, handle).view(*lead, self.hidden_size)
+        out = combine_tokens(y, handle)
+        # [T, H] input: the result itself, not a view of it (FSDP2 warns about views it hooks)
+        return out if hidden_states.dim() == 2 else out.view(*lead, self.hidden_size)
 
     def expert_parameters(self):
         """This rank's expert parameters (seqfuse.parallel's gradient
         reduction and clipping treat them as sharded over ep_group)."""
         return list(self.fc1.parameters()) + list(self.fc2.parameters())
+
+    def expert_modules(self):
+        """The submodules holding only this rank's experts (FSDP2 shards them
+        over the data-parallel ranks: seqfuse.parallel.fully_shard_expert_parallel)."""
+        return [self.fc1, self.fc2]
 
     # ---- conversion to and from the single-process layer -----------------------
 

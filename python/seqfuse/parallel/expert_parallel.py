@@ -38,9 +38,14 @@ norm: expert gradients' |g|^p summed over the EP group once, non-expert
 ones (the same on every rank) counted once, FSDP2 shards (DTensor
 gradients) summed over the mesh dimensions they are sharded on.
 
+FSDP2 (fully_shard_expert_parallel): the experts of each EP layer are
+sharded over the mesh's dp dimension (their gradients reduce-scattered over
+dp and divided by dp * ep), everything else over all dp * ep ranks.
+
 A module is an EP layer for these functions when it has an ``ep_group``
-attribute and an ``expert_parameters()`` method (the local experts'
-parameters): ExpertParallelGroupedMLP does.
+attribute and ``expert_parameters()`` / ``expert_modules()`` methods (the
+local experts' parameters, and the submodules that hold only them):
+ExpertParallelGroupedMLP does.
 """
 from typing import NamedTuple, Optional
 
@@ -50,7 +55,8 @@ import torch.distributed as dist
 from ..ops import moe as moe_ops
 
 __all__ = ["all_to_all_single_autograd", "EPDispatch", "dispatch_tokens", "combine_tokens",
-           "init_expert_parallel_mesh", "expert_parameters", "reduce_expert_parallel_grads", "clip_grad_norm_"]
+           "init_expert_parallel_mesh", "expert_parameters", "reduce_expert_parallel_grads",
+           "fully_shard_expert_parallel", "clip_grad_norm_"]
 
 
 # ---- the exchange --------------------------------------------------------------
@@ -309,6 +315,65 @@ def reduce_expert_parallel_grads(model, dp_group=None, ep_group=None, average=Tr
         n = _group_size(dp) * _group_size(ep)
         if n > 1:
             torch._foreach_div_(exp_g + rest_g, float(n))
+
+
+def _set_divide_factor(module, factor, group):
+    """FSDP2 divides the module's reduced gradients by ``factor``.  A custom
+    factor makes FSDP2 reduce with PREMUL_SUM, which gloo lacks: there FSDP2
+    is asked for plain sums and a separate scaling (force_sum_reduction)."""
+    if hasattr(module, "set_gradient_divide_factor"):
+        module.set_gradient_divide_factor(factor)
+    elif hasattr(module, "set_reduce_scatter_divide_factor"):  # the name in older torch
+        module.set_reduce_scatter_divide_factor(factor)
+    else:
+        raise NotImplementedError("fully_shard_expert_parallel: this torch's FSDP2 cannot set the gradient "
+                                  "divide factor the experts need (dp * ep)")
+    if dist.get_backend(group) != "nccl":
+        if not hasattr(module, "set_force_sum_reduction_for_comms"):
+            raise NotImplementedError(f"fully_shard_expert_parallel: the experts' divide factor needs "
+                                      f"PREMUL_SUM, which the {dist.get_backend(group)} backend lacks, and this "
+                                      "torch's FSDP2 has no set_force_sum_reduction_for_comms")
+        module.set_force_sum_reduction_for_comms(True)
+
+
+def fully_shard_expert_parallel(model, mesh, **fsdp_kwargs):
+    """FSDP2 over the data-parallel dimension of a ("dp", "ep") mesh
+    (init_expert_parallel_mesh): each EP layer's expert modules are
+    fully_shard-ed over mesh's dp groups, with their gradients divided by
+    dp * ep (each rank's loss a mean over its own tokens, the expert
+    gradients already summed over the EP group by the exchange); then
+    ``model`` itself over all dp * ep ranks (the router and every non-expert
+    parameter, averaged over every rank).  fsdp_kwargs go to every
+    fully_shard call (mp_policy, reshard_after_forward, ...).  Shard the
+    model's blocks (fully_shard(block, mesh=...)) before calling this where
+    you want per-block sharding; this function adds the experts and the
+    root.  Returns model."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch before 2.6 keeps it under _composable
+        from torch.distributed._composable.fsdp import fully_shard
+    if not isinstance(mesh, DeviceMesh) or mesh.mesh_dim_names != ("dp", "ep"):
+        raise ValueError("fully_shard_expert_parallel: argument 'mesh' must be a 2-D DeviceMesh named "
+                         "('dp', 'ep') (init_expert_parallel_mesh)")
+    dp, ep = mesh.size(0), mesh.size(1)
+    if dp * ep != dist.get_world_size():
+        raise ValueError(f"fully_shard_expert_parallel: argument 'mesh' ({dp} x {ep}) must cover the world "
+                         f"({dist.get_world_size()} ranks)")
+    # 1-D meshes from the 2-D mesh's groups (DeviceMesh slicing, mesh["dp"], is slow on some torch versions)
+    dp_mesh = DeviceMesh.from_group(mesh.get_group("dp"), mesh.device_type, mesh_dim_names=("dp",))
+    world_mesh = init_device_mesh(mesh.device_type, (dp * ep,), mesh_dim_names=("dp_ep",))
+    layers = _ep_layers(model)
+    for layer in layers:
+        if _group_size(layer.ep_group) != ep:
+            raise ValueError(f"fully_shard_expert_parallel: an EP layer's group has "
+                             f"{_group_size(layer.ep_group)} ranks but the mesh's ep dimension {ep}")
+        for sub in layer.expert_modules():
+            fully_shard(sub, mesh=dp_mesh, **fsdp_kwargs)
+            _set_divide_factor(sub, float(dp * ep), mesh.get_group("dp"))
+    fully_shard(model, mesh=world_mesh, **fsdp_kwargs)
+    return model
 
 
 def _local_part(g):
