@@ -482,7 +482,7 @@ def _cuda_worker(rank, world, port, out_dir, seed):
                 if uneven:  # every token to experts 0 and 1: rank 1's experts receive nothing
                     x = x.abs() + 0.1
                     with torch.no_grad():
-                        v = torch.ones(256, device=dev, dtype=dtype)
+                        v = torch.full((256,), 0.05, device=dev, dtype=dtype)  # logits about 35 / 23 / -12
                         full.router_weight.copy_(torch.stack([3 * v, 2 * v] + [-v] * 6))
                 x = x.to(dev, dtype)
                 dout = torch.randn(sum(counts), 256, generator=gen).to(dev, dtype)
