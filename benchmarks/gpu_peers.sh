@@ -98,13 +98,22 @@ if need te_modules || need esm2; then
               .te/transformer_engine_torch-*.tar.gz; } > "$LOG/te_install.log" 2>&1 \
             || { status=1; echo "(Transformer Engine install FAILED: its rows will be skipped)"; tail -30 "$LOG/te_install.log"; }
         echo "Transformer Engine install $(( $(date +%s) - t0 )) s"
-        # One cuDNN per process: a benchmark that ran torch's cuDNN attention
-        # before importing TE (torch's own cuDNN loaded) then failed in TE's
-        # import on the system libcudnn_cnn.so.9 (undefined symbol, version
-        # libcudnn_graph.so.9).  Put torch's cuDNN first for every process.
+        # One cuDNN per process, torch's bundled one.  TE's import loads the
+        # first libcudnn it finds under CUDNN_HOME, CUDNN_PATH, CUDA_HOME,
+        # /usr/local/cuda (the GPU machine has 9.14 there, torch runs 9.19):
+        # with torch's cuDNN loaded first, TE's import failed (undefined
+        # symbol in libcudnn_cnn.so.9); with TE's loaded first, torch refused
+        # the version; with only LD_LIBRARY_PATH set, TE still loaded 9.14 and
+        # its FusedAttention failed with CUDNN_STATUS_SUBLIBRARY_LOADING_FAILED,
+        # so TE ran unfused attention (logs/te_attention_backend_h200_s10.log).
+        # CUDNN_HOME points TE's search at torch's cuDNN; LD_LIBRARY_PATH puts
+        # the same directory first for the sub-libraries.
         CUDNN_LIB=$(python3 -c "import os, nvidia.cudnn as c; print(os.path.join(list(c.__path__)[0], 'lib'))" 2>/dev/null)
-        [ -n "$CUDNN_LIB" ] && [ -d "$CUDNN_LIB" ] && export LD_LIBRARY_PATH=$CUDNN_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
-            && echo "LD_LIBRARY_PATH starts with torch's cuDNN: $CUDNN_LIB"
+        if [ -n "$CUDNN_LIB" ] && [ -d "$CUDNN_LIB" ]; then
+            export LD_LIBRARY_PATH=$CUDNN_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+            export CUDNN_HOME=$(dirname "$CUDNN_LIB")
+            echo "TE and torch share torch's cuDNN: CUDNN_HOME=$CUDNN_HOME, LD_LIBRARY_PATH starts with $CUDNN_LIB"
+        fi
         python3 -c "import transformer_engine.pytorch as te, transformer_engine as t; print('transformer_engine', getattr(t, '__version__', '?'), 'imports')" \
             2>&1 | tail -3 | tee -a "$LOG/te_install.log"
     else
