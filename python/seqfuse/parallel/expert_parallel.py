@@ -115,6 +115,22 @@ def all_to_all_single_autograd(x, output_splits, input_splits, group):
     return _AllToAll.apply(x, output_splits, input_splits, group)
 
 
+class _RowPermute(torch.autograd.Function):
+    """out = x[index] for a permutation ``index`` of x's rows; the backward
+    gathers with the inverse permutation (index_select's own backward is a
+    scatter-add, atomics on a GPU, where a gather suffices)."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return moe_ops.dense(grad).index_select(0, inverse), None, None
+
+
 def _regroup_index(recv_counts, total):
     """Rows of the received buffer, ordered [source rank][local expert], taken
     in the order [local expert][source rank] (what the grouped GEMM needs):
@@ -135,7 +151,7 @@ class EPDispatch(NamedTuple):
     row_id_map: torch.Tensor            # [T, E] int32: each (token, expert) pair's row in the sorted buffer
     input_splits: list                  # rows sent to each EP rank
     output_splits: list                 # rows received from each EP rank
-    back: Optional[torch.Tensor]        # regrouped row -> received row order (None with one local expert)
+    back: Optional[tuple]               # (received order from regrouped, its inverse); None with one local expert
     group: object                       # the EP process group (None: no exchange)
 
 
@@ -198,7 +214,8 @@ def dispatch_tokens(x, probs, routing_map, ep_group, num_local_experts):
         n = sum(output_splits)
         index = _regroup_index(recv, n)
         back = torch.empty_like(index).scatter_(0, index, torch.arange(n, device=index.device))
-        xr, pr = xr.index_select(0, index), pr.index_select(0, index)
+        xr, pr = _RowPermute.apply(xr, index, back), _RowPermute.apply(pr, index, back)
+        back = (back, index)
     return xr, pr, m_splits, EPDispatch(row_ids, input_splits, output_splits, back, group)
 
 
@@ -214,7 +231,7 @@ def combine_tokens(y, handle):
                          f"dispatch_tokens returned), got {tuple(y.shape)}")
     if handle.group is not None:
         if handle.back is not None:
-            y = y.index_select(0, handle.back)
+            y = _RowPermute.apply(y, *handle.back)
         y = _AllToAll.apply(y, handle.input_splits, handle.output_splits, handle.group)
     return moe_ops.moe_unpermute(y, handle.row_id_map)
 
