@@ -12,8 +12,12 @@ holds every expert and sees every rank's tokens:
   sigmoid scores; EP groups taken from a dp x ep DeviceMesh.
 - Uneven routing: experts that receive no token anywhere, a rank whose
   experts receive nothing, a rank with no tokens at all.
+- Float8CurrentScaling: EP = 2 equals the single process under the recipe.
 - clip_grad_norm_ returns the reference's norm (2 and inf) and leaves the
   reference's clipped gradients; a per-rank norm (the naive one) does not.
+- FSDP2 over dp of the dp x ep mesh (fully_shard_expert_parallel) with
+  mean losses: gradients equal the single process's gradient of the mean
+  of the ranks' losses; clip_grad_norm_ on the DTensor shards is exact.
 - Checkpoints: per-rank state dicts and torch.distributed.checkpoint saved
   at EP = 2 load at EP = 1 (a GroupedMLP) and EP = 4, and back; to_full /
   full_state_dict gather the GroupedMLP.
@@ -21,7 +25,8 @@ holds every expert and sees every rank's tokens:
 
 One start of 4 worker processes (forkserver with torch and seqfuse
 preloaded) runs every case and saves its results; the tests read them.
-Shapes are tiny: the file takes seconds beyond the start.
+Shapes are tiny: the file takes seconds beyond the start.  The last test
+(cuda-marked) runs EP = 2 over NCCL on two GPUs.
 """
 import multiprocessing
 import os
@@ -129,6 +134,29 @@ def _equivalence(groups, rank, seed):
         res[name] = _compare(layer, full, x, dout, offsets, rank, dp_group)
         res[name]["local"] = list(layer.local_experts())
     return res
+
+
+def _fp8(groups, rank, seed):
+    """EP = 2 under Float8CurrentScaling against the single process under the
+    same recipe: each expert's rows (its input scale's amax) are the same
+    set in both runs, so the results agree to float32 rounding.  None where
+    this torch cannot pass float8 tensors to seqfuse."""
+    from seqfuse.common.recipe import Float8CurrentScaling
+    from seqfuse.ops._call import FP8_DLPACK
+    from seqfuse.quantization import fp8_autocast
+
+    if not FP8_DLPACK:
+        return None
+    torch.manual_seed(seed + 600)
+    full = GroupedMLP(32, 32, 4, 2, device="cpu")
+    layer = ExpertParallelGroupedMLP.from_full(full, groups[2][0])
+    counts = _tokens_per_rank(WORLD)
+    gen = torch.Generator().manual_seed(seed + 601)
+    x, dout = torch.randn(sum(counts), 32, generator=gen), torch.randn(sum(counts), 32, generator=gen)
+    offsets = [sum(counts[:r]) for r in range(WORLD + 1)]
+    with fp8_autocast(True, Float8CurrentScaling()):
+        errs = _compare(layer, full, x, dout, offsets, rank, groups[2][1])
+    return errs
 
 
 def _uneven(groups, rank, seed):
@@ -312,6 +340,7 @@ def _worker(rank, world, port, out_dir, seed):
     try:
         groups = _ep_groups(world, rank)
         results = {"equivalence": _equivalence(groups, rank, seed), "uneven": _uneven(groups, rank, seed),
+                   "fp8": _fp8(groups, rank, seed),
                    "clip": _clip(groups, rank, seed), "fsdp2": _fsdp2(groups, rank, seed), "checkpoints": _checkpoints(groups, rank, seed, out_dir),
                    "bad": _bad_arguments(groups)}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -361,6 +390,17 @@ def test_uneven_routing(ep_results):
             assert r["zero_expert_grads"] == [0.0, 0.0], (rank, r["zero_expert_grads"])
         else:
             assert min(r["zero_expert_grads"]) > 0, (rank, r["zero_expert_grads"])
+
+
+def test_fp8_current_scaling_under_ep(ep_results):
+    """Float8CurrentScaling: EP = 2 equals the single process under the same
+    recipe (outputs, input and parameter gradients)."""
+    if ep_results[0]["fp8"] is None:
+        pytest.skip(f"torch {torch.__version__} cannot export float8 tensors through DLPack")
+    for rank, res in enumerate(ep_results):
+        r = res["fp8"]
+        assert r["out"] <= TOL and r["dx"] <= TOL, (rank, r)
+        assert max(r["params"].values()) <= TOL, (rank, r["params"])
 
 
 @pytest.mark.parametrize("norm", ["l2", "inf"])
