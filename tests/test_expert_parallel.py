@@ -219,11 +219,15 @@ class _Net(torch.nn.Module):
         return self.moe(self.proj(x))
 
 
-def _fsdp2(groups, rank, seed):
+def _fsdp2(groups, rank, seed, out_dir):
     """FSDP2 over dp of the dp 2 x ep 2 mesh (fully_shard_expert_parallel),
     each rank's loss a mean over its tokens: the gradients (DTensor shards,
     gathered) equal those of the mean of the ranks' losses in one process,
-    and clip_grad_norm_ on the shards gives that process's norm."""
+    and clip_grad_norm_ on the shards gives that process's norm.  Then the
+    sharded model is saved with torch.distributed.checkpoint and loaded into
+    an FSDP2 model at EP = 4 (dp 1)."""
+    import torch.distributed.checkpoint as dcp
+
     from seqfuse.parallel import clip_grad_norm_, fully_shard_expert_parallel
 
     name, e, k, ep, extra = CONFIGS[0]
@@ -244,7 +248,18 @@ def _fsdp2(groups, rank, seed):
     norm = clip_grad_norm_(net, 1e-3)
     ref_names = dict(ref_net.named_parameters())
     grads = {n: rel_error(p.grad.full_tensor(), ref_names[n].grad) for n, p in net.named_parameters()}
-    return {"dtensor": is_dtensor, "norm": rel_error(norm, ref_norm), "ref": float(ref_norm), "grads": grads}
+    # checkpoint of the sharded EP = 2 model, loaded into a sharded EP = 4 model with other weights
+    d = os.path.join(out_dir, "dcp_fsdp2_ep2")
+    dcp.save(net.state_dict(), checkpoint_id=d)
+    torch.manual_seed(seed + 850 + rank)
+    net4 = _Net(ExpertParallelGroupedMLP(HIDDEN, FFN, e, k, groups[4][0], device="cpu", **extra))
+    fully_shard_expert_parallel(net4, groups["mesh4"])
+    sd = net4.state_dict()
+    dcp.load(sd, checkpoint_id=d)
+    net4.load_state_dict(sd)
+    loaded = all(torch.equal(p.full_tensor(), ref_names[n].detach()) for n, p in net4.named_parameters())
+    return {"dtensor": is_dtensor, "norm": rel_error(norm, ref_norm), "ref": float(ref_norm), "grads": grads,
+            "dcp_fsdp2_ep2_to_ep4": loaded}
 
 
 def _checkpoints(groups, rank, seed, out_dir):
@@ -341,7 +356,7 @@ def _worker(rank, world, port, out_dir, seed):
         groups = _ep_groups(world, rank)
         results = {"equivalence": _equivalence(groups, rank, seed), "uneven": _uneven(groups, rank, seed),
                    "fp8": _fp8(groups, rank, seed),
-                   "clip": _clip(groups, rank, seed), "fsdp2": _fsdp2(groups, rank, seed), "checkpoints": _checkpoints(groups, rank, seed, out_dir),
+                   "clip": _clip(groups, rank, seed), "fsdp2": _fsdp2(groups, rank, seed, out_dir), "checkpoints": _checkpoints(groups, rank, seed, out_dir),
                    "bad": _bad_arguments(groups)}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         ok = True
@@ -426,6 +441,14 @@ def test_fsdp2_over_dp_and_clip_on_shards(ep_results):
         assert r["dtensor"], rank
         assert r["ref"] > 1e-3 and r["norm"] <= TOL, (rank, r)
         assert max(r["grads"].values()) <= TOL, (rank, r["grads"])
+
+
+@needs_cpu_fsdp2
+def test_fsdp2_checkpoint_loads_at_another_ep_size(ep_results):
+    """torch.distributed.checkpoint of the FSDP2-sharded EP = 2 model loads
+    into an FSDP2-sharded EP = 4 model: every parameter equal."""
+    for rank, res in enumerate(ep_results):
+        assert res["fsdp2"]["dcp_fsdp2_ep2_to_ep4"] is True, rank
 
 
 CHECKPOINT_CLAIMS = ["files_ep2_to_ep1", "files_ep2_to_ep4", "missing_refused", "to_full", "full_keys",
