@@ -582,8 +582,8 @@ def mod_specs():
             "value_layer": rnd(5, 2, 2, 16, device=d, seed=2, dtype=dt)}
 
     def dpa_ref(m, a):  # sbhd -> bshd for _attn_ref, back to sbhd [s, b, h * d]
-        # (not torch's CPU SDPA: with an inf in q, torch 2.11's and 2.15's CPU kernels disagree on
-        # which rows come out NaN; the explicit softmax is the same in every version)
+        # (not torch's CPU SDPA: with an inf in q it gave 16 NaN on the GPU machine, torch 2.11, and
+        # 32 here, torch 2.15, for the same values; the explicit softmax gives 32 in both, as the kernels)
         q, k, v = (a[n].transpose(0, 1) for n in ("query_layer", "key_layer", "value_layer"))
         return _attn_ref(q, k, v).transpose(0, 1).reshape(5, 2, 32)
     S.append(ModSpec("DotProductAttention", _seeded(dpa_build),
