@@ -175,3 +175,26 @@ def test_checks_step_aside_under_graph_capture(device_path, monkeypatch, caplog)
     lines = [r.getMessage() for r in caplog.records if "captured into a CUDA graph" in r.getMessage()]
     assert len(lines) == 2, lines  # one per op and argument, not one per call
     assert any("'labels'" in m for m in lines) and any("'cu_seqlens_q'" in m for m in lines)
+
+
+@pytest.mark.parametrize("mutation", ["neg_bit", "shrunk", "freed"])
+def test_unreadable_index_tensors_are_left_to_c(mutation, device_path):
+    """A negative-bit view would be judged on other values than the caller's,
+    and a shrunk or freed storage read out of bounds: the device check leaves
+    them to the C entry, whose error names that rule."""
+    labels = torch.tensor([1, 2, -100, 9])
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    if mutation == "neg_bit":
+        labels, cu = torch._neg_view(labels.clone()), torch._neg_view(cu.clone())
+    else:
+        for t in (labels, cu):
+            t.untyped_storage().resize_(0 if mutation == "freed" else t.untyped_storage().nbytes() // 2)
+    rule = "negative bit" if mutation == "neg_bit" else "storage"
+    with pytest.raises(ValueError, match=rule):
+        ops.cross_entropy_forward(torch.randn(4, 10), labels)
+    q = torch.randn(8, 2, 16)
+    with pytest.raises(ValueError, match=rule):
+        ops.attention_fwd(q, q, q, qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=5,
+                          max_seqlen_kv=5)
+    with pytest.raises(ValueError, match=rule):
+        ops.rope_forward(torch.randn(8, 3, 8), torch.randn(16, 1, 1, 8), tensor_format="thd", cu_seqlens=cu)

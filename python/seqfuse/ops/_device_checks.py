@@ -37,6 +37,20 @@ _skips_logged = set()
 HOST_READ = ("cpu", "meta")
 
 
+def _readable(t):
+    """Whether torch may read t's values as they are: not a negative- or
+    conjugate-bit view (read resolved, a check would judge other values)
+    and a storage that holds every element the view reaches (a shrunk or
+    freed storage would be read out of bounds).  Anything else is left to
+    the C entry, which refuses it with its own rule."""
+    if t.is_neg() or t.is_conj():
+        return False
+    if t.numel() == 0:
+        return True
+    reach = t.storage_offset() + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) + 1
+    return t.untyped_storage().nbytes() >= reach * t.element_size()
+
+
 def _capturing(t):
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
@@ -106,7 +120,7 @@ def check_cu_seqlens(op, name, cu, extent=None, max_len=None, max_what=None):
     host read per new tensor (see the module docstring), none under capture."""
     if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
         return
-    if cu.device.type in HOST_READ:
+    if cu.device.type in HOST_READ or not _readable(cu):
         return
     if _capturing(cu):
         _skip_under_capture(op, name)
@@ -133,7 +147,8 @@ def check_labels(op, labels, num_classes, ignore_index, name="labels"):
     a class outside [0, num_classes) that is not ``ignore_index``.  CPU
     labels are checked by C; under CUDA graph capture the check is skipped
     (logged once) and the kernels' NaN marks the bad rows."""
-    if not isinstance(labels, torch.Tensor) or labels.dtype != torch.int64 or labels.device.type in HOST_READ:
+    if not isinstance(labels, torch.Tensor) or labels.dtype != torch.int64 or labels.device.type in HOST_READ or \
+            not _readable(labels):
         return
     if _capturing(labels):
         _skip_under_capture(op, name)
