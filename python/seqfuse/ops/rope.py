@@ -38,10 +38,11 @@ def _check(t, freqs, tensor_format, cu_seqlens, start_positions, op):
 def _run(t, freqs, tensor_format, interleaved, cu_seqlens, start_positions, backward, out):
     op = "rope_backward" if backward else "rope"
     _check(t, freqs, tensor_format, cu_seqlens, start_positions, op)
-    if tensor_format == "thd" and t.dim() == 3 and cu_seqlens.device == t.device:
+    if tensor_format == "thd" and t.dim() == 3 and freqs.dim() == 4 and freqs.shape[0] > 0 and \
+            cu_seqlens.device == t.device:  # (anything misshapen: C's error first)
         # CUDA values by C's CPU rules (start 0, non-decreasing, within t's tokens and freqs' positions):
         # one host read per new cu_seqlens tensor, none under graph capture (ops/_device_checks.py)
-        limit = freqs.shape[0] if start_positions is None and freqs.dim() >= 1 else None
+        limit = freqs.shape[0] if start_positions is None else None
         check_cu_seqlens(op, "cu_seqlens", cu_seqlens, extent=t.shape[0], max_len=limit,
                          max_what=f"the {limit} positions 'freqs' covers")
     if out is None:

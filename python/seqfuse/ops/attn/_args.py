@@ -65,13 +65,13 @@ def check_cu_values(op, q, k, qkv_format, cu_seqlens_q, cu_seqlens_kv, max_seqle
     s_dim = 1 if qkv_format == "bshd" else 0
     for name, cu, x, given in (("cu_seqlens_q", cu_seqlens_q, q, max_seqlen_q),
                                ("cu_seqlens_kv", cu_seqlens_kv, k, max_seqlen_kv)):
-        if not isinstance(x, torch.Tensor) or x.dim() < 3 or not isinstance(cu, torch.Tensor) or \
+        if not isinstance(x, torch.Tensor) or x.dim() != (3 if thd else 4) or not isinstance(cu, torch.Tensor) or \
                 cu.device != x.device:
-            continue  # C reports a missing or misplaced tensor
+            continue  # C reports a missing, misshapen or misplaced tensor first
         if thd:  # a max_seqlen that is not a plain int is left to max_seqlen()'s check
             extent, max_len = x.shape[0], given if isinstance(given, int) and not isinstance(given, bool) else None
         else:
-            extent, max_len = None, x.shape[s_dim] if x.dim() == 4 else None
+            extent, max_len = None, x.shape[s_dim]
         check_cu_seqlens(op, name, cu, extent, max_len)
 
 
