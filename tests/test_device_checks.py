@@ -198,3 +198,44 @@ def test_unreadable_index_tensors_are_left_to_c(mutation, device_path):
                           max_seqlen_kv=5)
     with pytest.raises(ValueError, match=rule):
         ops.rope_forward(torch.randn(8, 3, 8), torch.randn(16, 1, 1, 8), tensor_format="thd", cu_seqlens=cu)
+
+
+# the corpus cases of the index tensors the device path reads (cu_seqlens, labels, targets)
+_INDEX_CASES = (":cu_seqlens", ":labels:", ":target:", ":cu_", ":label_", ":target_")
+
+
+def test_corpus_index_cases_hold_on_the_device_path(tmp_path):
+    """Issue 23's corpus cases of cu_seqlens and labels (every dtype, rank,
+    layout, storage and value mutation), run with the device path on:
+    each must still end in the C entry's error or the reference result, so
+    the CUDA corpus gets the CPU's answers.  One subprocess (a crash is
+    reported by the case that was running)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script = tmp_path / "device_path_worker.py"
+    script.write_text(
+        "import json, sys\n"
+        f"sys.path.insert(0, {tests!r})\n"
+        "import seqfuse.ops._device_checks as dc\n"
+        "dc.HOST_READ = ()\n"
+        "import bad_input_cases as c\n"
+        "ops_, mods_ = c.op_specs, c.mod_specs\n"
+        "c.op_specs = lambda: [s for s in ops_() if 'cross_entropy' in s.name or s.name.endswith('_thd')]\n"
+        "c.mod_specs = lambda: [s for s in mods_() if s.name == 'CrossEntropyLoss']\n"
+        f"keys = {_INDEX_CASES!r}\n"
+        "for case in c.build_cases('cpu'):\n"
+        "    if any(k in case.name for k in keys):\n"
+        "        print('S ' + case.name, flush=True)\n"
+        "        print('R ' + json.dumps(dict(c.run_case(case), name=case.name)), flush=True)\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    lines = proc.stdout.splitlines()
+    results = [json.loads(x[2:]) for x in lines if x.startswith("R ")]
+    started = [x[2:] for x in lines if x.startswith("S ")]
+    assert proc.returncode == 0, f"crashed in {started[-1] if started else '?'}: {proc.stderr[-2000:]}"
+    assert len(results) >= 80, len(results)
+    bad = [f"{r['name']}: {r['what'][:200]}" for r in results if not r["ok"]]
+    assert not bad, "\n".join(bad)
