@@ -6,9 +6,9 @@ host cannot read them without a synchronization, and the kernels would clamp
 a bad cu_seqlens or skip a bad label: a silent wrong answer.  So the ops
 check them here, with torch on the tensor's device: a few element-wise
 kernels over the (short) index vector and ONE host read of a small result
-(one synchronization of the current stream).  The error message is the C
-entry's, word for word, so a CPU and a CUDA call of the same bad input say
-the same thing.
+(one synchronization of the current stream).  The rules are the C entry's,
+in its order, and for attention and cross-entropy so are the words, so a CPU
+and a CUDA call of the same bad input say the same thing.
 
 Cost, and how it is kept down:
 - cu_seqlens: a model's layers pass the very same cu_seqlens tensors, so a
@@ -19,12 +19,14 @@ Cost, and how it is kept down:
   the whole label tensor once, then its chunks skip it).
 Estimated at 20-60 us of host time per check plus the wait for the work
 already queued on the stream (not yet measured on a GPU;
-``.bisect_corpus.py`` in the s10-corpus worktree times it).
+benchmarks/bisect_corpus_cuda.py part 5 times it).
 
 Under CUDA graph capture no host read is allowed, so the check is skipped and
 logger "seqfuse" says so once per op and argument (WARNING).  What still
 guards a captured call: the cross-entropy kernels write NaN loss and NaN
-gradients for a row whose label is out of range and not ignore_index.
+gradients for a row whose label is out of range and not ignore_index.  A
+bad cu_seqlens in a replay is clamped by the kernels, as it always was:
+check the lengths before capture (the warning says so).
 """
 import logging
 
@@ -56,14 +58,13 @@ def _capturing(t):
 
 
 def _skip_under_capture(op, name):
-    """True (and a one-time log line) when the current stream is capturing."""
+    """The one-time log line of a check skipped under capture."""
     key = (op, name)
     if key not in _skips_logged:
         _skips_logged.add(key)
         _log.warning("seqfuse %s: argument '%s' is on the GPU and the stream is being captured into a CUDA "
                      "graph, so its values are not checked in this call (a host read is not allowed "
                      "during capture); check them before capture", op, name)
-    return True
 
 
 def _cu_problem(cu, max_len):
