@@ -164,3 +164,32 @@ def test_a_wrong_result_fails_the_case():
     assert corpus._compare(torch.tensor([1.0, 2.001, float("nan")]), exp, 1e-6) is not None
     assert corpus._compare(torch.tensor([1.0, 2.0, 0.0]), exp, 1e-6) is not None
     assert corpus._compare(torch.tensor([1.0, float("inf"), float("nan")]), exp, 1e-6) is not None
+
+
+def test_on_cpu_expectation_follows_the_calls_devices():
+    """On CUDA, moving an op's only tensor to the CPU makes a CPU call, which
+    must give the CPU result; moving one of several (the rest on CUDA) must
+    raise.  The single-tensor ops are exactly these."""
+    sole = {s.name: corpus._sole_tensor(s, "cpu") for s in corpus.op_specs()}
+    assert {n for n, p in sole.items() if p} == {
+        "amax", "transpose_fp8", "quantize_block_fp8", "quantize_block_fp8_128", "quantize_block_fp8_rowcol",
+        "quantize_mxfp8", "quantize_nvfp4", "act_fwd_gelu", "act_fwd_relu", "act_fwd_silu", "act_fwd_swiglu",
+        "dropout_bwd"}
+    assert sole["amax_out"] is None and sole["act_bwd_gelu"] is None  # an output / a second tensor
+
+
+def test_masked_key_references_differ_only_where_the_rule_says():
+    """The two exact answers a CUDA attention result with an inf in V may
+    give (README, Numerics): they differ only at the queries the causal mask
+    hides the inf from, and a result NaN everywhere matches neither."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 5, 2, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    v[1, 4, 1, 15] = float("inf")
+    a, b = corpus._attn_ref(q, k, v, True), corpus._attn_zero_weight_ref(q, k, v, True)
+    differ = a.isnan() != b.isnan()
+    assert differ.sum() == 4 and differ[1, :4, 1, 15].all()  # queries 0..3 cannot see key 4
+    fin = a.isfinite() & b.isfinite()
+    assert torch.allclose(a[fin], b[fin])
+    everything_nan = torch.full_like(a, float("nan"))
+    assert corpus._compare(everything_nan, a, 1e-4) is not None
+    assert corpus._compare(everything_nan, b, 1e-4) is not None

@@ -108,9 +108,11 @@ __global__ void __launch_bounds__(BLOCK) ce_forward_kernel(
     block_reduce<BLOCK>(m, s, sum);
     const int any_nan = __syncthreads_or(has_nan);
     if (threadIdx.x == 0) {
-        /* torch.logsumexp's rule: +inf with a +inf logit (exp(inf - inf) made s
-         * NaN), NaN with a NaN one */
-        float l = m == INFINITY ? (any_nan ? NAN : INFINITY) : m + logf(s);
+        /* torch.logsumexp's rule, as the CPU reference: NaN with a NaN logit
+         * (whatever else the row holds: a NaN can miss s, e.g. a thread whose
+         * only logit is NaN never adds to s because fmaxf skips NaN), else +inf
+         * with a +inf logit (exp(inf - inf) made s NaN), else m + log s */
+        float l = any_nan ? NAN : m == INFINITY ? INFINITY : m + logf(s);
         lse[row] = l;
         int64_t y = labels[row];
         float value;
@@ -136,6 +138,8 @@ __global__ void __launch_bounds__(BLOCK) ce_backward_kernel(
     int64_t y = labels[row];
     bool ignored = y == ignore_index;
     float scale = ignored ? 0.0f : grad_scale[per_row_scale ? row : 0];
+    if (!ignored && (y < 0 || y >= v))
+        scale = __int_as_float(0x7fc00000); /* bad label: NaN gradients, as the forward's NaN loss */
     float l2 = lse[row] * kLog2e;
     float floor_ = smoothing / (float)v;
     float on_label = 1.0f - smoothing;

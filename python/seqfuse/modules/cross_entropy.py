@@ -25,6 +25,7 @@ import logging
 import torch
 
 from ..ops import loss as _loss
+from ..ops._device_checks import check_labels as _check_labels
 from ..ops.gemm import gemm as _gemm
 
 _log = logging.getLogger("seqfuse")
@@ -68,7 +69,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         elif reduction == "none":
             scale = scale.contiguous()
         grad = _loss.cross_entropy_backward(flat, labels, lse, scale, ignore_index, label_smoothing,
-                                            out=flat if inplace else None)
+                                            out=flat if inplace else None, check_labels=False)  # forward did
         return grad.view(ctx.shape), None, None, None, None, None
 
 
@@ -148,6 +149,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         v = weight.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
+        if labels.dim() == 1 and labels.dtype == torch.int64:  # once here, not once per chunk (one host sync)
+            _check_labels("linear_cross_entropy", labels, v, ignore_index)
         count = (labels != ignore_index).sum().to(torch.float32)
         scale = (1.0 / count).reshape(1) if reduction == "mean" else torch.ones(1, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -165,10 +168,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 y = labels[start:start + chunk]
                 # logits = h @ weight.T (+ bias), fp32 accumulation, no TF32 (as torch.matmul)
                 logits = _gemm(h, weight, transb=True, bias=bias, allow_tf32=False)
-                loss, lse = _loss.cross_entropy_forward(logits, y, ignore_index, label_smoothing)
+                loss, lse = _loss.cross_entropy_forward(logits, y, ignore_index, label_smoothing, check_labels=False)
                 total += loss.sum()
                 if need_h or need_w or need_b:
-                    _loss.cross_entropy_backward(logits, y, lse, scale, ignore_index, label_smoothing, out=logits)
+                    _loss.cross_entropy_backward(logits, y, lse, scale, ignore_index, label_smoothing, out=logits,
+                                                 check_labels=False)
                     if need_h:
                         _gemm(logits, weight, out=grad_h[start:start + chunk], allow_tf32=False)
                     if need_w:  # grad_w (+)= dlogits.T @ h, accumulated in float32 by the GEMM

@@ -10,6 +10,7 @@ import math
 import torch
 
 from .._call import as_float, as_int
+from .._device_checks import check_cu_seqlens
 from ._dropout import rng_cfg
 
 FORMATS = {"bshd": 0, "sbhd": 1, "thd": 2}
@@ -55,6 +56,43 @@ def max_seqlen(cu, given, name):
 
 
 
+def check_cu_values(op, q, k, qkv_format, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q=None, max_seqlen_kv=None):
+    """The values of CUDA cu_seqlens, by the C entry's rules (which read them
+    only on the CPU): start at 0, non-decreasing, no sequence longer than the
+    max length, and in thd no end past the tokens of q / k.  One host read
+    per new cu_seqlens tensor, none under CUDA graph capture (ops/_device_checks.py)."""
+    thd = qkv_format == "thd"
+    s_dim = 1 if qkv_format == "bshd" else 0
+    for name, cu, x, given in (("cu_seqlens_q", cu_seqlens_q, q, max_seqlen_q),
+                               ("cu_seqlens_kv", cu_seqlens_kv, k, max_seqlen_kv)):
+        if not isinstance(x, torch.Tensor) or x.dim() != (3 if thd else 4) or not isinstance(cu, torch.Tensor) or \
+                cu.device != x.device:
+            continue  # C reports a missing, misshapen or misplaced tensor first
+        if thd:  # a max_seqlen that is not a plain int is left to max_seqlen()'s check
+            extent, max_len = x.shape[0], given if isinstance(given, int) and not isinstance(given, bool) else None
+        else:
+            extent, max_len = None, x.shape[s_dim]
+        check_cu_seqlens(op, name, cu, extent, max_len)
+
+
+def kernel_layout(x):
+    """x as the fused attention kernels read it, or a contiguous copy of it
+    (made once, here, and differentiable): unit stride in the head dim and,
+    on CUDA, a 16-byte aligned start and every other stride a multiple of 8
+    elements (16-byte rows in 16-bit types).  seqfuse's kernels load 16-byte
+    vectors (C refuses anything else), and so do torch's cuDNN and
+    FlashAttention kernels that the torch routes run.  Issue 23's corpus on
+    an H200 (torch 2.11) got wrong values (max error 2), not an error, for q
+    or k at a 2-byte storage offset or with 19-element rows on calls the
+    cuDNN route takes, which handed them to SDPA as they were; seqfuse's
+    route already copied them.  Every route takes its q, k, v through here."""
+    if x.stride(-1) != 1 and x.shape[-1] > 1:
+        return x.contiguous()
+    if x.is_cuda and (x.data_ptr() % 16 or any(st % 8 for st, n in zip(x.stride()[:-1], x.shape[:-1]) if n > 1)):
+        return x.contiguous()
+    return x
+
+
 def check_tensor(name, x):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"attention: argument '{name}' must be a torch.Tensor, got {type(x).__name__}")
@@ -64,7 +102,8 @@ def check_tensor(name, x):
 
 
 def config(q, k, qkv_format, attn_mask_type, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
-           max_seqlen_kv, window_size, softmax_scale, deterministic, dropout_p=0.0, rng_state=None):
+           max_seqlen_kv, window_size, softmax_scale, deterministic, dropout_p=0.0, rng_state=None,
+           op="attention"):
     if qkv_format not in FORMATS:
         raise ValueError(f"attention: qkv_format must be 'bshd', 'sbhd' or 'thd', got {qkv_format!r}")
     mask = mask_code(attn_mask_type, qkv_format)
@@ -74,6 +113,7 @@ def config(q, k, qkv_format, attn_mask_type, cu_seqlens_q, cu_seqlens_kv, max_se
     if qkv_format == "thd":
         if cu_seqlens_q is None or cu_seqlens_kv is None:
             raise ValueError("attention: qkv_format 'thd' needs cu_seqlens_q and cu_seqlens_kv")
+        check_cu_values(op, q, k, qkv_format, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv)
         msq = max_seqlen(cu_seqlens_q, max_seqlen_q, "max_seqlen_q")
         msk = max_seqlen(cu_seqlens_kv, max_seqlen_kv, "max_seqlen_kv")
     else:
@@ -84,6 +124,8 @@ def config(q, k, qkv_format, attn_mask_type, cu_seqlens_q, cu_seqlens_kv, max_se
         elif cu_seqlens_q is None or cu_seqlens_kv is None:
             raise ValueError(f"attention: attn_mask_type {attn_mask_type!r} in {qkv_format} needs "
                              "cu_seqlens_q and cu_seqlens_kv (or an attention_mask in the module)")
+        else:
+            check_cu_values(op, q, k, qkv_format, cu_seqlens_q, cu_seqlens_kv)
     cfg = (FORMATS[qkv_format], mask, left, right, as_float("attention", "softmax_scale", softmax_scale), msq, msk,
            int(bool(deterministic))) + rng_cfg(dropout_p, rng_state)
     return cfg, cu_seqlens_q, cu_seqlens_kv

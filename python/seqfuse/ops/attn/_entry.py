@@ -9,21 +9,9 @@ import torch
 
 from ... import _C
 from .._call import stream_for
-from ._args import check_tensor, config, max_seqlen
+from ._args import MASKS, PADDING, check_cu_values, check_tensor, config, kernel_layout, max_seqlen
 from ._dropout import dropout_rng_state, wants_rng
 from ._routing import note_bwd_kernel, note_fwd_kernel, routed_attention_or_none
-
-
-def _last_dim_contiguous(x):
-    """x as the kernel reads it: unit stride in the head dim and, on CUDA,
-    16-byte aligned rows (the kernel loads 16-byte vectors).  Anything else
-    (an expanded or sliced gradient, say) is copied once, here."""
-    if x.stride(-1) != 1 and x.shape[-1] > 1:
-        return x.contiguous()
-    if x.is_cuda and (x.data_ptr() % 16 or any(st % 8 for st, n in zip(x.stride()[:-1], x.shape[:-1]) if n > 1)):
-        return x.contiguous()
-    return x
-
 
 
 def _lse_shape(q, qkv_format, cfg):
@@ -45,12 +33,12 @@ def attention_fwd(q, k, v, *, qkv_format="bshd", attn_mask_type="no_mask", cu_se
     (the backend choice applies to ``attention`` only)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, x)
-    q, k, v = (_last_dim_contiguous(x.detach()) for x in (q, k, v))
+    q, k, v = (kernel_layout(x.detach()) for x in (q, k, v))
     if rng_state is None and wants_rng(dropout_p):
         rng_state = dropout_rng_state(q, qkv_format, cu_seqlens_q)
     cfg, cu_q, cu_k = config(q, k, qkv_format, attn_mask_type, cu_seqlens_q, cu_seqlens_kv,
                               max_seqlen_q, max_seqlen_kv, window_size, softmax_scale, False,
-                              dropout_p, rng_state)
+                              dropout_p, rng_state, op="attention_fwd")
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if lse is None:
@@ -75,10 +63,10 @@ def attention_bwd(dout, q, k, v, out, lse, *, qkv_format="bshd", attn_mask_type=
         check_tensor(name, x)
     if rng_state is None and wants_rng(dropout_p):
         raise ValueError("attention_bwd: dropout_p > 0 needs the forward's rng_state (seed, offset)")
-    dout, q, k, v, out = (_last_dim_contiguous(x.detach()) for x in (dout, q, k, v, out))
+    dout, q, k, v, out = (kernel_layout(x.detach()) for x in (dout, q, k, v, out))
     cfg, cu_q, cu_k = config(q, k, qkv_format, attn_mask_type, cu_seqlens_q, cu_seqlens_kv,
                               max_seqlen_q, max_seqlen_kv, window_size, softmax_scale, deterministic,
-                              dropout_p, rng_state)
+                              dropout_p, rng_state, op="attention_bwd")
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if dq is None else dq
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if dk is None else dk
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if dv is None else dv
@@ -122,6 +110,9 @@ def attention(q, k, v, *, qkv_format="bshd", attn_mask_type="no_mask", cu_seqlen
     an explicit ``rng_state`` keeps the call on seqfuse's kernels."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, x)
+    if qkv_format == "thd" or (isinstance(attn_mask_type, str) and MASKS.get(attn_mask_type) in PADDING):
+        # before any route: the torch routes would clamp bad CUDA cu_seqlens as silently as the kernels
+        check_cu_values("attention", q, k, qkv_format, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv)
     out = routed_attention_or_none(q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, deterministic,
                                    cu_seqlens_q, cu_seqlens_kv, softmax_scale, max_seqlen_q, max_seqlen_kv,
                                    rng_state)

@@ -99,7 +99,9 @@ autograd and is not caught; nor is one of "torch_fp32" (nothing to fall
 back to).
 Layouts: SDPA takes [b, h, s, d]; q, k and v go in as permuted views (bshd
 ``permute(0, 2, 1, 3)``, sbhd ``permute(1, 2, 0, 3)``, copied only when the
-head dim is not unit-stride), with ``scale=softmax_scale`` (1/sqrt(d) when
+head dim is not unit-stride or, on CUDA, the start is not 16-byte aligned or
+another stride is not a multiple of 8 elements: ``kernel_layout`` in _args.py,
+the rule of every route, seqfuse's included), with ``scale=softmax_scale`` (1/sqrt(d) when
 None) and ``is_causal``; the output is permuted back to the caller's layout
 and copied only when that view is not contiguous.  Its shape and dtype are
 the seqfuse path's: SDPA runs with torch.autocast off (seqfuse's kernels
@@ -117,7 +119,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ... import _C
 from .._call import as_float
 from . import _torch_routes as routes
-from ._args import FORMATS, MASKS, PADDING, check_tensor, mask_code, window_pair
+from ._args import FORMATS, MASKS, PADDING, check_tensor, kernel_layout, mask_code, window_pair
 
 _log = logging.getLogger("seqfuse")
 
@@ -457,7 +459,7 @@ def _sdpa(q, k, v, qkv_format, causal, scale):
     """SDPA on the permuted views, restricted to _SDPA_BACKENDS; the output
     back in the caller's layout."""
     to = _TO_BHSD[qkv_format]
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    q, k, v = (kernel_layout(x) for x in (q, k, v))  # aligned 16-byte rows, or a copy
     with sdpa_kernel(_SDPA_BACKENDS), torch.autocast(q.device.type, enabled=False):
         out = F.scaled_dot_product_attention(q.permute(to), k.permute(to), v.permute(to), is_causal=causal,
                                              scale=scale)
@@ -469,7 +471,7 @@ def _run_route(name, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p
                max_q, max_k, scale):
     if name == "cudnn":
         return _sdpa(q, k, v, qkv_format, attn_mask_type != "no_mask", scale)
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    q, k, v = (kernel_layout(x) for x in (q, k, v))  # aligned 16-byte rows, or a copy
     window = window_pair(window_size)
     p = as_float("attention", "dropout_p", dropout_p)
     if name == "flash":
