@@ -323,6 +323,9 @@ def test_save_load_export(tmp_path):
         m = b["attention_mask"]
         assert rel_error(real(want.logits, m), real(exp.logits, m)) <= 1e-5
         assert abs(exp.aux_loss.item() - want.aux_loss.item()) <= 1e-5 * want.aux_loss.item()
+    half = SeqfuseMixtralForCausalLM.from_pretrained(tmp_path / "sf", dtype=torch.bfloat16)
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+    assert half.model.rotary_emb.inv_freq.dtype == torch.float32
     back = from_hf_pretrained(tmp_path / "hf")
     for k, v in sf.state_dict().items():
         assert torch.equal(back.state_dict()[k], v), k
@@ -331,6 +334,18 @@ def test_save_load_export(tmp_path):
 
 
 # ------------------------------------------------------------------ config
+def test_mixtral_8x7b_shape_parameter_count():
+    """transformers' MixtralConfig defaults are Mixtral 8x7B's shape: built on
+    the meta device (as from_pretrained builds it), seqfuse's model has the
+    published 46.7 B parameters, the same count as transformers'."""
+    with torch.device("meta"):
+        ours = SeqfuseMixtralForCausalLM(from_hf_config(transformers.MixtralConfig()))
+        theirs = transformers.MixtralForCausalLM(transformers.MixtralConfig())
+    n = sum(p.numel() for p in ours.parameters())
+    assert n == sum(p.numel() for p in theirs.parameters())
+    assert abs(n / 1e9 - 46.70) <= 0.01, n
+
+
 @pytest.mark.parametrize("kw,err,match", [
     (dict(hidden_act="gelu"), NotImplementedError, "hidden_act"),
     (dict(sliding_window=8), NotImplementedError, "sliding_window"),
@@ -363,7 +378,7 @@ def test_config_round_trip():
 def test_generation_cached_equals_full_forward_and_transformers(tmp_path):
     model = from_hf_model(hf_model(seed=30, tie=True)).eval()
     b, seqs = batch((12, 9, 5), seed=30)
-    new = 8
+    new = 6
     ref = []
     for s in seqs:  # the whole sequence through forward at every step
         cur = s.clone()
@@ -378,7 +393,7 @@ def test_generation_cached_equals_full_forward_and_transformers(tmp_path):
     assert torch.equal(model.generate(ids, cu_seqlens=cu, max_new_tokens=new, eos_token_id=[]), ref)
     export_hf(model, tmp_path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    for s, r in zip(seqs, ref):
+    for s, r in list(zip(seqs, ref))[:2]:
         theirs = hf.generate(s[None], max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
         assert torch.equal(r, theirs[0, len(s):])
 
@@ -402,18 +417,21 @@ def test_cuda_bf16_golden(tie):
     both against transformers in float32.  Bounds: logits' relative error
     <= max(2 x transformers' own, 1e-2) (routing flips at near ties included:
     both bf16 models have them), loss and aux loss within 1 % of float32's;
-    gradients against float32 transformers' within max(2 x transformers'
-    bf16 gradients' error, 2e-2)."""
+    gradients (each layer's experts stacked, as transformers holds them)
+    against float32 transformers' within max(2 x transformers' bf16
+    gradients' error, 2e-2)."""
     kw = dict(CUDA_KW, tie=tie)
-    hf32 = cast(hf_model(seed=11, dtype=torch.bfloat16, **kw), torch.float32).cuda()
+    # the float32 reference runs on the CPU (transformers' experts path there is the one the CPU tests check)
+    hf32 = cast(hf_model(seed=11, dtype=torch.bfloat16, **kw), torch.float32)
     hf16 = hf_model(seed=11, dtype=torch.bfloat16, **kw).cuda()
     sf = from_hf_model(hf16).eval()
     assert {p.dtype for p in sf.parameters()} == {torch.bfloat16}
-    b, _ = cuda_batch(CUDA_LENGTHS, seed=11)
-    ref, base, out = hf32(**b), hf16(**b), sf(**b)
+    b, _ = batch(CUDA_LENGTHS, seed=11)
+    bd = {k: v.cuda() for k, v in b.items()}
+    ref, base, out = hf32(**b), hf16(**bd), sf(**bd)
     m = b["attention_mask"]
-    err_sf = rel_error(real(out.logits, m), real(ref.logits, m))
-    err_hf = rel_error(real(base.logits, m), real(ref.logits, m))
+    err_sf = rel_error(real(out.logits, m.cuda()), real(ref.logits, m))
+    err_hf = rel_error(real(base.logits, m.cuda()), real(ref.logits, m))
     print(f"bf16 logits rel. error vs fp32: seqfuse {err_sf:.2e}, transformers {err_hf:.2e}; aux "
           f"{out.aux_loss.item():.5f} / {base.aux_loss.item():.5f} / fp32 {ref.aux_loss.item():.5f}")
     assert err_sf <= max(2 * err_hf, 1e-2)
@@ -421,12 +439,14 @@ def test_cuda_bf16_golden(tie):
     assert abs(out.aux_loss.item() - ref.aux_loss.item()) <= 1e-2 * ref.aux_loss.item()
     for loss in (ref.loss, base.loss, out.loss):
         loss.backward()
-    mapped = hf_grads_in_seqfuse_names(hf32, sf.config)
-    mapped16 = hf_grads_in_seqfuse_names(hf16, sf.config)
-    worst = {}
-    for name, p in sf.named_parameters():
-        err_sf, err_hf = rel_error(p.grad, mapped[name]), rel_error(mapped16[name], mapped[name])
-        worst[name] = (err_sf, err_hf)
+    # Compared in transformers' names: each layer's experts as one stacked
+    # tensor.  One expert's gradient alone moves by a whole token's share
+    # wherever a near tie routes a token differently (bf16 flips some, in
+    # both models, not the same ones); over all experts that averages out.
+    ours = seqfuse_to_hf_state_dict({n: p.grad for n, p in sf.named_parameters()}, sf.config)
+    for name, p in hf32.named_parameters():
+        g16 = dict(hf16.named_parameters())[name].grad
+        err_sf, err_hf = rel_error(ours[name], p.grad), rel_error(g16, p.grad)
         assert err_sf <= max(2 * err_hf, 2e-2), (name, err_sf, err_hf)
 
 
@@ -487,3 +507,22 @@ def test_cuda_fp8_trains_near_bf16(recipe_name):
             assert p.grad is not None and p.grad.dtype == torch.bfloat16 and torch.isfinite(p.grad).all(), n
         opt.step()
         opt.zero_grad()
+
+
+@pytest.mark.cuda
+def test_cuda_cached_greedy_equals_full_forward():
+    """bf16 on the GPU: cached greedy tokens (padded and packed prompts,
+    uneven lengths) are, position by position, the argmax of the same
+    model's full forward on the same tokens (a near tie within bf16 rounding
+    excepted, test_hf_llama_generate's rule, and at least 3 in 4 exactly)."""
+    from test_hf_llama_generate import greedy_tokens_check
+
+    m = from_hf_model(hf_model(seed=14, dtype=torch.bfloat16, **CUDA_KW).cuda()).eval()
+    b, seqs = cuda_batch((40, 33, 17), seed=14)
+    padded = m.generate(b["input_ids"], attention_mask=b["attention_mask"], max_new_tokens=16, eos_token_id=[])
+    ids, cu, _ = packed(seqs)
+    packed_gen = m.generate(ids, cu_seqlens=cu.cuda(), max_new_tokens=16, eos_token_id=[])
+    assert padded.shape == packed_gen.shape == (3, 16)
+    for gen in (padded, packed_gen):
+        exact, total = greedy_tokens_check(gen, seqs, lambda x: m(input_ids=x).logits)
+        assert exact >= 0.75 * total, (exact, total)
