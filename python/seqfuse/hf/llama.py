@@ -44,6 +44,12 @@ rule).  The cross-entropy is seqfuse's fused kernel
 Under seqfuse autocast with an FP8 recipe the layers' GEMMs run in FP8; the
 LM head (plain torch, so it can be tied to the embedding) stays in the
 model's dtype.
+
+The Mixtral family (mixtral.py) reuses this module's pieces rather than
+copies of them: the batch layout and its checks (``batch_layout``,
+``check_unsupported``, messages named after the family), the LM head and
+its loss (``check_lm_arguments``, ``lm_logits_and_loss``) and the rotary
+embedding.
 """
 from typing import NamedTuple, Optional
 
@@ -222,16 +228,31 @@ class SeqfuseLlamaModel(SeqfuseLlamaPreTrainedModel):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, device=default_device())
         self.rotary_emb = SeqfuseLlamaRotaryEmbedding(config, device=default_device())
         self.activation_checkpointing = False  # set_activation_checkpointing
+        self.cp_group = None  # set_context_parallel_group
         self.post_init()
 
     def get_input_embeddings(self):
         return self.embed_tokens
+
+    def set_context_parallel_group(self, cp_group, cp_global_ranks=None, cp_stream=None, cp_comm_type="p2p"):
+        """Context parallelism over ``cp_group`` (None: off) for every layer
+        (TransformerLayer.set_context_parallel_group, Transformer Engine's
+        arguments; cp_comm_type "p2p" or "all_gather").  The model then takes
+        a rank's share of each batch, with the full batch's cu_seqlens, and
+        its loss is reduced over the group: seqfuse.hf.context_parallel."""
+        for layer in self.layers:
+            layer.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+        self.cp_group = cp_group
 
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
     def layout(self, input_ids, attention_mask=None, position_ids=None, cu_seqlens=None, max_seqlen=None):
         """How a batch runs through the layers (a Layout), its arguments checked."""
+        if self.cp_group is not None:
+            from .context_parallel import cp_layout
+
+            return cp_layout(input_ids, self.cp_group, attention_mask, position_ids, cu_seqlens, max_seqlen)
         return batch_layout(input_ids, attention_mask, position_ids, cu_seqlens, max_seqlen)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cu_seqlens=None, max_seqlen=None,
@@ -329,19 +350,43 @@ class SeqfuseLlamaForCausalLM(SeqfuseLlamaPreTrainedModel):
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
 
+    def set_context_parallel_group(self, cp_group, cp_global_ranks=None, cp_stream=None, cp_comm_type="p2p"):
+        """SeqfuseLlamaModel.set_context_parallel_group; under CP the loss
+        takes ``shift_labels`` and is reduced over the group
+        (seqfuse.hf.context_parallel)."""
+        self.model.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, cu_seqlens=None,
                 max_seqlen=None, num_items_in_batch=None, logits_to_keep=0, output_hidden_states=None,
-                output_attentions=None, use_cache=None, return_dict=None, **unused):
+                output_attentions=None, use_cache=None, return_dict=None, shift_labels=None, **unused):
         """As LlamaForCausalLM (labels unshifted, -100 ignored); packed input
         via cu_seqlens / max_seqlen or restarting position_ids.
         ``logits_to_keep`` (int): logits of the last that many positions only
-        (0: all), as in transformers; the loss needs all of them."""
+        (0: all), as in transformers; the loss needs all of them.
+        ``shift_labels`` (instead of labels): targets already shifted, as in
+        transformers (position i's target; -100 ignored); the only targets
+        taken under context parallelism, where the loss is the whole
+        sequences' on every CP rank (seqfuse.hf.context_parallel)."""
         check_unsupported(unused, output_attentions, use_cache)
-        check_lm_arguments(input_ids, labels, logits_to_keep)
+        if shift_labels is not None and labels is not None:
+            raise ValueError("SeqfuseLlamaForCausalLM: give labels or shift_labels, not both")
+        cp = self.model.cp_group
+        if cp is not None and labels is not None:
+            raise ValueError("SeqfuseLlamaForCausalLM: under context parallelism pass shift_labels (the targets "
+                             "shifted over the full sequences before the split: seqfuse.hf.llama.shift_labels), "
+                             "not labels: a rank does not hold the token after its chunks")
+        check_lm_arguments(input_ids, labels if shift_labels is None else shift_labels, logits_to_keep)
         layout = self.model.layout(input_ids, attention_mask, position_ids, cu_seqlens, max_seqlen)
         out = self.model.run(input_ids, layout, output_hidden_states)
-        logits, loss = lm_logits_and_loss(self.lm_head, out.last_hidden_state, labels, layout.cu_seqlens,
-                                          num_items_in_batch, logits_to_keep)
+        if shift_labels is None:
+            logits, loss = lm_logits_and_loss(self.lm_head, out.last_hidden_state, labels, layout.cu_seqlens,
+                                              num_items_in_batch, logits_to_keep)
+        else:
+            from .context_parallel import context_parallel_lm_loss
+
+            logits, _ = lm_logits_and_loss(self.lm_head, out.last_hidden_state, None, None, None, 0)
+            # (without CP: the plain mean, or the sum / num_items_in_batch)
+            loss = context_parallel_lm_loss(logits, shift_labels, cp, num_items_in_batch)
         result = CausalLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
         return result if return_dict is not False else result.to_tuple()
 

@@ -4,7 +4,8 @@ checkpointing through transformers' names), ``init_by_name`` (the usual
 N(0, std) / zeros / ones initialisation, by parameter name so that it covers
 seqfuse's fused modules) and ``default_device``.
 
-The Llama (llama.py) and ESM-2 (esm.py) families derive from it.
+The Llama (llama.py), Mixtral (mixtral.py) and ESM-2 (esm.py) families
+derive from it.
 """
 import torch
 from torch import nn
