@@ -214,6 +214,7 @@ def test_model_outputs_and_bad_inputs():
         quiet = base(input_ids=b["input_ids"], output_router_logits=False)
     assert out.last_hidden_state.shape == (3, 40, 64) and len(out.hidden_states) == 3
     assert len(out.router_logits) == 2 and quiet.router_logits is None
+    assert len(base(input_ids=b["input_ids"], output_router_logits=False, return_dict=False)) == 1
     with pytest.raises(NotImplementedError, match="SeqfuseMixtralForCausalLM: output_attentions"):
         sf(**b, output_attentions=True)
     with pytest.raises(NotImplementedError, match="use_cache"):

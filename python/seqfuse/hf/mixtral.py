@@ -198,7 +198,7 @@ class SeqfuseMixtralModel(SeqfuseMixtralPreTrainedModel):
         layout = self.layout(input_ids, attention_mask, position_ids, cu_seqlens, max_seqlen)
         out = self.run(input_ids, layout, output_hidden_states)
         if not (self.config.output_router_logits if output_router_logits is None else output_router_logits):
-            out.router_logits = None
+            out = MoeModelOutputWithPast(last_hidden_state=out.last_hidden_state, hidden_states=out.hidden_states)
         return out if return_dict is not False else out.to_tuple()
 
     def run(self, input_ids, layout, output_hidden_states=False):
