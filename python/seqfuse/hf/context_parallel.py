@@ -79,6 +79,25 @@ def cp_layout(input_ids, group, attention_mask=None, position_ids=None, cu_seqle
     return Layout(False, dict(self_attn_mask_type="causal", qkv_format="bshd"), input_ids.shape[1] * cp, None)
 
 
+class _AllReduceSum(torch.autograd.Function):
+    """dist.all_reduce (sum) over ``group`` with its gradient: every rank's
+    output depends on every rank's input, so the backward sums the ranks'
+    incoming gradients the same way."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        out = tensor.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 def context_parallel_lm_loss(logits, targets, group, num_items_in_batch=None):
     """The next-token cross-entropy of the whole sequences, from this rank's
     ``logits`` [..., V] and its already shifted ``targets`` (-100 ignored),
@@ -86,15 +105,13 @@ def context_parallel_lm_loss(logits, targets, group, num_items_in_batch=None):
     for its gradient); ``group`` None or of one rank: no reduction.  Mean over the predicted tokens of the group, or the
     group's sum / ``num_items_in_batch`` when given (the caller's count of
     the whole batch's predicted tokens)."""
-    from torch.distributed.nn.functional import all_reduce as all_reduce_autograd
-
     flat, target = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
     if target.shape[0] != flat.shape[0]:
         raise ValueError(f"context_parallel_lm_loss: targets hold {target.shape[0]} tokens, logits "
                          f"{flat.shape[0]}")
     local = cross_entropy(flat, target, ignore_index=IGNORE_INDEX, reduction="sum")
     reduce = group is not None and cp_size_of(group) > 1
-    total = all_reduce_autograd(local, group=group) if reduce else local  # backward: the group's gradients added
+    total = _AllReduceSum.apply(local, group) if reduce else local  # backward: the group's gradients added
     if num_items_in_batch is not None:
         return total / num_items_in_batch
     count = (target != IGNORE_INDEX).sum().to(torch.float32)

@@ -95,6 +95,9 @@ class RecipeConfig:
     """The whole Llama 3 recipe config; base.yaml holds the same defaults."""
     run_name: str = rule("llama3", Str())
     device: str = rule("auto", Choice("auto", "cpu", "cuda"))
+    # context parallelism (train_fsdp2_cp.py; the other scripts refuse cp_size > 1)
+    cp_size: int = rule(1, Int(1))
+    cp_comm_type: str = rule("p2p", Choice("p2p", "all_gather"))
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: LlamaTrainConfig = field(default_factory=LlamaTrainConfig)

@@ -68,8 +68,10 @@ def _device_words(device):
     return f"{device} ({name}, compute capability {major}.{minor}{', ' + gen if gen else ''})", major
 
 
-def check_run(cfg, device):
-    """Before anything is built: every layer's format must run here.  MXFP8
+def check_run(cfg, device, context_parallel=False):
+    """Before anything is built: cp_size > 1 only where the script runs
+    context parallelism (train_fsdp2_cp.py, ``context_parallel``), and
+    every layer's format must run here.  MXFP8
     (precision.recipe=mxfp8) and NVFP4 (precision.fp4) GEMMs need compute
     capability 10.x (Blackwell) in cuBLASLt; on Hopper and on the CPU a
     config asking for them is refused, naming the first layer that would
@@ -79,6 +81,10 @@ def check_run(cfg, device):
     from seqfuse.common.recipe import MXFP8BlockScaling, NVFP4BlockScaling
     from seqfuse.quantization.gemm_quantizers import recipe_kind
 
+    if int(cfg.get("cp_size", 1)) > 1 and not context_parallel:
+        raise ConfigError(cfg.get("config_name", "?"), [
+            f"cp_size={cfg.cp_size}: context parallelism runs in train_fsdp2_cp.py; train_fsdp2.py and "
+            f"train_ddp.py take cp_size=1"])
     plan = layer_precision(cfg)
     wants = []
     if cfg.precision.recipe == "mxfp8" and "fp8" in plan:
