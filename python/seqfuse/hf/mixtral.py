@@ -92,7 +92,10 @@ class SeqfuseMixtralDecoderLayer(nn.Module):
     """One Mixtral decoder layer: seqfuse's attention block (RMSNorm fused
     into the QKV GEMM, RoPE, grouped-query causal attention, no biases),
     then RMSNorm and the mixture of experts, each with its residual.
-    forward returns (hidden states, router logits float32 [tokens, experts])."""
+    forward returns (hidden states, router logits float32 [tokens, experts]);
+    the logits are those ``self.mlp`` left in its ``router_logits`` during
+    the call (what SeqfuseMixtralSparseMoE does: a replacement MoE block,
+    e.g. an expert-parallel one, must do the same)."""
 
     def __init__(self, config, layer_number):
         super().__init__()
