@@ -207,12 +207,17 @@ def _clip(groups, rank, seed):
     return res
 
 
+def _full(t):
+    """The whole tensor of a DTensor (a collective), a plain tensor as is."""
+    return t.full_tensor() if type(t).__name__ == "DTensor" else t
+
+
 class _Net(torch.nn.Module):
     """A non-expert layer, then the MoE layer (full or EP)."""
 
-    def __init__(self, moe):
+    def __init__(self, moe, hidden=HIDDEN):
         super().__init__()
-        self.proj = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.proj = torch.nn.Linear(hidden, hidden, device=moe.router_weight.device)
         self.moe = moe
 
     def forward(self, x):
@@ -257,9 +262,16 @@ def _fsdp2(groups, rank, seed, out_dir):
     sd = net4.state_dict()
     dcp.load(sd, checkpoint_id=d)
     net4.load_state_dict(sd)
-    loaded = all(torch.equal(p.full_tensor(), ref_names[n].detach()) for n, p in net4.named_parameters())
+    loaded = all(torch.equal(_full(p), ref_names[n].detach()) for n, p in net4.named_parameters())
+    # the loaded dp 1 x ep 4 model trains as the reference (experts unsharded, scaled by 1 / ep)
+    net4(x[rows]).backward(dout[rows] / counts[rank])
+    ref_net.zero_grad()
+    ref_net(x).backward(dout * scale)
+    ref_norm4 = torch.nn.utils.clip_grad_norm_(ref_net.parameters(), 1e-3)
+    norm4 = clip_grad_norm_(net4, 1e-3)
+    grads4 = {n: rel_error(_full(p.grad), ref_names[n].grad) for n, p in net4.named_parameters()}
     return {"dtensor": is_dtensor, "norm": rel_error(norm, ref_norm), "ref": float(ref_norm), "grads": grads,
-            "dcp_fsdp2_ep2_to_ep4": loaded}
+            "dcp_fsdp2_ep2_to_ep4": loaded, "dp1_grads": grads4, "dp1_norm": rel_error(norm4, ref_norm4)}
 
 
 def _checkpoints(groups, rank, seed, out_dir):
@@ -451,6 +463,16 @@ def test_fsdp2_checkpoint_loads_at_another_ep_size(ep_results):
         assert res["fsdp2"]["dcp_fsdp2_ep2_to_ep4"] is True, rank
 
 
+@needs_cpu_fsdp2
+def test_fsdp2_with_one_dp_rank(ep_results):
+    """dp 1 x ep 4: the experts stay unsharded (scaled by 1 / ep), the rest
+    sharded over the 4 ranks: gradients and the clipped norm as the single
+    process's."""
+    for rank, res in enumerate(ep_results):
+        r = res["fsdp2"]
+        assert max(r["dp1_grads"].values()) <= TOL and r["dp1_norm"] <= TOL, (rank, r["dp1_grads"], r["dp1_norm"])
+
+
 CHECKPOINT_CLAIMS = ["files_ep2_to_ep1", "files_ep2_to_ep4", "missing_refused", "to_full", "full_keys",
                      "dcp_ep2_to_ep1", "dcp_ep2_to_ep4", "dcp_ep1_to_ep2"]
 
@@ -564,6 +586,7 @@ def _cuda_worker(rank, world, port, out_dir, seed):
                 res[f"{name}{'-uneven' if uneven else ''}"] = {
                     "out": rel_error(out, ref[rows]), "dx": rel_error(xl.grad, xr.grad[rows]), "grads": grads,
                     "norm": rel_error(norm, ref_norm)}
+        res["fsdp2"] = _cuda_fsdp2(rank, world, dev, seed)
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
         ok = True
     finally:
@@ -572,11 +595,40 @@ def _cuda_worker(rank, world, port, out_dir, seed):
         end_process_group(ok)
 
 
+def _cuda_fsdp2(rank, world, dev, seed):
+    """fully_shard_expert_parallel on a dp 1 x ep 2 mesh over NCCL (the
+    experts' divide factor through NCCL's PREMUL_SUM), mean losses: the
+    gradients and the clipped norm against one GPU (float32)."""
+    from seqfuse.parallel import clip_grad_norm_, fully_shard_expert_parallel, init_expert_parallel_mesh
+
+    mesh = init_expert_parallel_mesh(2)
+    torch.manual_seed(seed + 5)
+    full = GroupedMLP(256, 512, 8, 2, device=dev)
+    ref_net = _Net(full, 256)
+    net = _Net(ExpertParallelGroupedMLP.from_full(full, mesh.get_group("ep")), 256)
+    net.proj.load_state_dict(ref_net.proj.state_dict())
+    counts = [384 + 128 * r for r in range(world)]
+    gen = torch.Generator().manual_seed(seed + 6)
+    x = torch.randn(sum(counts), 256, generator=gen).to(dev)
+    dout = torch.randn(sum(counts), 256, generator=gen).to(dev)
+    scale = torch.cat([torch.full((c, 1), 1.0 / (world * c)) for c in counts]).to(dev)
+    ref_net(x).backward(dout * scale)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref_net.parameters(), 1e-4)
+    fully_shard_expert_parallel(net, mesh)
+    rows = slice(sum(counts[:rank]), sum(counts[:rank + 1]))
+    net(x[rows]).backward(dout[rows] / counts[rank])
+    norm = clip_grad_norm_(net, 1e-4)
+    ref_names = dict(ref_net.named_parameters())
+    grads = max(rel_error(_full(p.grad), ref_names[n].grad) for n, p in net.named_parameters())
+    return {"grads": grads, "norm": rel_error(norm, ref_norm), "ref": float(ref_norm)}
+
+
 @pytest.mark.cuda
 def test_ep2_on_two_gpus_over_nccl(tmp_path):
     """EP = 2 over NCCL on two GPUs equals one GPU's GroupedMLP over every
     token (fp32 and bf16, balanced and all-on-one-rank routing): outputs,
-    input gradients, every parameter gradient, the clipped norm."""
+    input gradients, every parameter gradient, the clipped norm; and under
+    FSDP2 (fully_shard_expert_parallel, dp 1 x ep 2)."""
     from helpers import pair_tol
 
     if torch.cuda.device_count() < 2:
@@ -598,3 +650,6 @@ def test_ep2_on_two_gpus_over_nccl(tmp_path):
                 tol = pair_tol(dtype, 5.0 if dtype == torch.float32 else 1.0)
                 assert r["out"] <= tol and r["dx"] <= tol, (rank, case, r)
                 assert r["grads"] <= tol and r["norm"] <= tol, (rank, case, r)
+        r = res["fsdp2"]
+        tol = pair_tol(torch.float32, 5.0)
+        assert r["ref"] > 1e-4 and r["grads"] <= tol and r["norm"] <= tol, (rank, "fsdp2", r)

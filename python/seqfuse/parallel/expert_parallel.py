@@ -40,7 +40,8 @@ gradients) summed over the mesh dimensions they are sharded on.
 
 FSDP2 (fully_shard_expert_parallel): the experts of each EP layer are
 sharded over the mesh's dp dimension (their gradients reduce-scattered over
-dp and divided by dp * ep), everything else over all dp * ep ranks.
+dp and divided by dp * ep; with dp = 1 left unsharded, scaled by 1 / ep),
+everything else over all dp * ep ranks.
 
 A module is an EP layer for these functions when it has an ``ep_group``
 attribute and ``expert_parameters()`` / ``expert_modules()`` methods (the
@@ -353,18 +354,33 @@ def _set_divide_factor(module, factor, group):
         module.set_force_sum_reduction_for_comms(True)
 
 
+def _scale_grad_hook(factor):
+    def hook(grad):
+        return grad * factor
+    return hook
+
+
 def fully_shard_expert_parallel(model, mesh, **fsdp_kwargs):
     """FSDP2 over the data-parallel dimension of a ("dp", "ep") mesh
-    (init_expert_parallel_mesh): each EP layer's expert modules are
-    fully_shard-ed over mesh's dp groups, with their gradients divided by
-    dp * ep (each rank's loss a mean over its own tokens, the expert
-    gradients already summed over the EP group by the exchange); then
-    ``model`` itself over all dp * ep ranks (the router and every non-expert
-    parameter, averaged over every rank).  fsdp_kwargs go to every
-    fully_shard call (mp_policy, reshard_after_forward, ...).  Shard the
-    model's blocks (fully_shard(block, mesh=...)) before calling this where
-    you want per-block sharding; this function adds the experts and the
-    root.  Returns model."""
+    (init_expert_parallel_mesh), for losses that are each rank's mean over
+    its own tokens.  ``model`` itself is fully_shard-ed over all dp * ep
+    ranks (the router and every non-expert parameter, averaged over every
+    rank).  Each EP layer's expert modules:
+
+    - dp > 1: fully_shard-ed over the mesh's dp groups, their gradients
+      divided by dp * ep rather than dp (the exchange has already summed
+      them over the EP group);
+    - dp = 1: nothing to shard; they stay plain parameters, left out of the
+      root's FSDP2 (ignored_params), their gradients scaled by 1 / ep by a
+      gradient hook (FSDP2's divide factor on a one-rank mesh is applied
+      twice or not at all, depending on the torch version and backend).
+
+    fsdp_kwargs go to every fully_shard call (mp_policy,
+    reshard_after_forward, ...).  Shard the model's blocks (fully_shard(block,
+    mesh=...)) before calling this where you want per-block sharding; this
+    function adds the experts and the root.  Returns model."""
+    import inspect
+
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     try:
@@ -378,18 +394,32 @@ def fully_shard_expert_parallel(model, mesh, **fsdp_kwargs):
     if dp * ep != dist.get_world_size():
         raise ValueError(f"fully_shard_expert_parallel: argument 'mesh' ({dp} x {ep}) must cover the world "
                          f"({dist.get_world_size()} ranks)")
-    # 1-D meshes from the 2-D mesh's groups (DeviceMesh slicing, mesh["dp"], is slow on some torch versions)
-    dp_mesh = DeviceMesh.from_group(mesh.get_group("dp"), mesh.device_type, mesh_dim_names=("dp",))
-    world_mesh = init_device_mesh(mesh.device_type, (dp * ep,), mesh_dim_names=("dp_ep",))
+    if "ignored_params" in fsdp_kwargs:
+        raise ValueError("fully_shard_expert_parallel: argument 'ignored_params' is set by this function")
     layers = _ep_layers(model)
     for layer in layers:
         if _group_size(layer.ep_group) != ep:
             raise ValueError(f"fully_shard_expert_parallel: an EP layer's group has "
                              f"{_group_size(layer.ep_group)} ranks but the mesh's ep dimension {ep}")
-        for sub in layer.expert_modules():
-            fully_shard(sub, mesh=dp_mesh, **fsdp_kwargs)
-            _set_divide_factor(sub, float(dp * ep), mesh.get_group("dp"))
-    fully_shard(model, mesh=world_mesh, **fsdp_kwargs)
+    root_kwargs = dict(fsdp_kwargs)
+    if dp > 1:
+        # a 1-D mesh from the 2-D mesh's group (DeviceMesh slicing, mesh["dp"], is slow on some torch versions)
+        dp_mesh = DeviceMesh.from_group(mesh.get_group("dp"), mesh.device_type, mesh_dim_names=("dp",))
+        for layer in layers:
+            for sub in layer.expert_modules():
+                fully_shard(sub, mesh=dp_mesh, **fsdp_kwargs)
+                _set_divide_factor(sub, float(dp * ep), mesh.get_group("dp"))
+    elif layers:
+        if "ignored_params" not in inspect.signature(fully_shard).parameters:
+            raise NotImplementedError("fully_shard_expert_parallel: with dp = 1 the experts must be left out "
+                                      "of FSDP2, and this torch's fully_shard has no 'ignored_params'")
+        experts = expert_parameters(model)
+        for p in experts:
+            if ep > 1:
+                p.register_hook(_scale_grad_hook(1.0 / ep))
+        root_kwargs["ignored_params"] = set(experts)
+    world_mesh = init_device_mesh(mesh.device_type, (dp * ep,), mesh_dim_names=("dp_ep",))
+    fully_shard(model, mesh=world_mesh, **root_kwargs)
     return model
 
 
