@@ -86,15 +86,16 @@ def _reference(full, x, dout):
     return out.detach(), x.grad, {k: p.grad.clone() for k, p in full.named_parameters()}
 
 
-def _run_ep(layer, x, dout, rows, dp_group):
-    """The EP layer on this rank's rows; returns errors against the reference."""
+def _run_ep(layer, x, dout, rows, dp_group, average=False):
+    """The EP layer on this rank's rows, its gradients reduced; returns
+    (out, input gradient)."""
     from seqfuse.parallel import reduce_expert_parallel_grads
 
     xl = x[rows].clone().requires_grad_()
     layer.zero_grad()
     out = layer(xl)
     out.backward(dout[rows])
-    reduce_expert_parallel_grads(layer, dp_group, average=False)
+    reduce_expert_parallel_grads(layer, dp_group, average=average)
     return out.detach(), xl.grad
 
 
@@ -157,6 +158,18 @@ def _fp8(groups, rank, seed):
     with fp8_autocast(True, Float8CurrentScaling()):
         errs = _compare(layer, full, x, dout, offsets, rank, groups[2][1])
     return errs
+
+
+def _averaged(groups, rank, seed):
+    """reduce_expert_parallel_grads(average=True): every gradient is the
+    summed one divided by dp * ep (= 4), experts included."""
+    name, e, k, ep, extra = CONFIGS[0]
+    full = _full_layer(e, k, extra, seed + 400)
+    layer = ExpertParallelGroupedMLP.from_full(full, groups[ep][0])
+    x, dout, offsets = _data(WORLD, seed + 400, _tokens_per_rank(WORLD))
+    _, _, ref_grads = _reference(full, x, dout)
+    _run_ep(layer, x, dout, slice(offsets[rank], offsets[rank + 1]), groups[ep][1], average=True)
+    return max(rel_error(p.grad * WORLD, ref_grads[n]) for n, p in layer.named_parameters())
 
 
 def _uneven(groups, rank, seed):
@@ -367,6 +380,7 @@ def _worker(rank, world, port, out_dir, seed):
     try:
         groups = _ep_groups(world, rank)
         results = {"equivalence": _equivalence(groups, rank, seed), "uneven": _uneven(groups, rank, seed),
+                   "averaged": _averaged(groups, rank, seed),
                    "fp8": _fp8(groups, rank, seed),
                    "clip": _clip(groups, rank, seed), "fsdp2": _fsdp2(groups, rank, seed, out_dir), "checkpoints": _checkpoints(groups, rank, seed, out_dir),
                    "bad": _bad_arguments(groups)}
@@ -403,6 +417,11 @@ def test_ep_equals_single_process(ep_results, name):
         assert r["local"] == list(range((rank % ep) * e // ep, (rank % ep + 1) * e // ep)), (rank, r["local"])
         assert r["out"] <= TOL and r["dx"] <= TOL, (rank, r["out"], r["dx"])
         assert r["params"] and max(r["params"].values()) <= TOL, (rank, r["params"])
+
+
+def test_reduce_with_average_divides_by_dp_times_ep(ep_results):
+    for rank, res in enumerate(ep_results):
+        assert res["averaged"] <= TOL, (rank, res["averaged"])
 
 
 def test_uneven_routing(ep_results):
