@@ -1,4 +1,5 @@
-"""Process-group helpers for runs that use seqfuse under torch.distributed.
+"""Process-group helpers for runs that use seqfuse under torch.distributed,
+and FSDP2's FP8 weight all-gather (fp8_allgather.py: enable_fp8_all_gather).
 
 end_process_group: FSDP2 models, device meshes and DTensors keep the process
 group alive through reference cycles.  Left to the interpreter's exit, gloo's
@@ -11,7 +12,11 @@ import gc
 
 import torch.distributed as dist
 
-__all__ = ["end_process_group"]
+from .fp8_allgather import (FP8ShardWeight, GatheredFP8Weight, enable_fp8_all_gather,  # noqa: E402
+                            fp8_all_gather_params, gathered_bytes)
+
+__all__ = ["end_process_group", "enable_fp8_all_gather", "fp8_all_gather_params", "gathered_bytes",
+           "FP8ShardWeight", "GatheredFP8Weight"]
 
 
 def end_process_group(ok=True):

@@ -98,6 +98,8 @@ def norm_param(p, x):
 
 
 def as_dtype(t, dtype):
+    if t is not None and hasattr(type(t), "sf_fp8_pair"):  # an FP8-gathered weight off the FP8 path
+        t = t.dequantized()
     return None if t is None else (t if t.dtype == dtype else t.to(dtype))
 
 

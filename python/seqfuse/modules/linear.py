@@ -87,7 +87,8 @@ class LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, dtype):
         xc = x if x.dtype == dtype else x.to(dtype)
-        wc = weight if weight.dtype == dtype else weight.to(dtype)
+        wc = _gq.high_precision(weight)  # (an FP8-gathered weight outside FP8 autocast)
+        wc = wc if wc.dtype == dtype else wc.to(dtype)
         bc = None if bias is None else (bias if bias.dtype == dtype else bias.to(dtype))
         y = ops.gemm(xc, wc, transb=True, bias=bc)
         ctx.save_for_backward(xc, wc)

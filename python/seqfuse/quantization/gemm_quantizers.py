@@ -42,6 +42,9 @@ gradient-accumulation contract: True re-casts, False reuses, None re-casts
 when the version moved.  While a CUDA graph is captured the cast is always
 captured, so every replay re-casts from the weight's current values.
 ``weight_casts(module)`` counts the casts (tests read it).
+A weight FSDP2 all-gathered in FP8 (seqfuse.distributed.fp8_allgather)
+brings its own FP8 bytes: ``get`` takes them (and makes the transposed
+copy) instead of casting, and caches nothing.
 """
 import enum
 import logging
@@ -296,6 +299,12 @@ class WeightQuantizer(_Role):
         parameter itself (TE's parameters_split concatenates its pieces on
         every call): the cache follows their versions."""
         o = self.owner
+        if sources is None and hasattr(type(weight), "sf_fp8_pair"):
+            # FSDP2 gathered this weight in FP8 (seqfuse.distributed.fp8_allgather):
+            # its bytes are the cast of the current weight; nothing is cached
+            # here, so no later call can reuse an operand of an older gather
+            self.key = self.param = self.pair = None
+            return weight.sf_fp8_pair(self)
         if sources is None:
             src, versions = (weight,), ((weight.data_ptr(), weight._version),)
         else:
@@ -330,6 +339,12 @@ class WeightQuantizer(_Role):
         q = quantize_current(w, self.fp8_dtype, margin=o.margin, transpose=True, amax=amax,
                              scale=self.scratch[1])
         return q, q
+
+
+def high_precision(t):
+    """``t``, or its dequantized values when it is a weight FSDP2 gathered in
+    FP8 (seqfuse.distributed.fp8_allgather) and read by a non-FP8 GEMM path."""
+    return t.dequantized() if hasattr(type(t), "sf_fp8_pair") else t
 
 
 def _fsdp2_in_use():
