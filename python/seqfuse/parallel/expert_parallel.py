@@ -165,7 +165,7 @@ def group_size_rank(ep_group, what="ep_group"):
 
     if isinstance(ep_group, DeviceMesh):
         if ep_group.ndim != 1:
-            raise ValueError(f"argument '{what}' as a DeviceMesh must be 1-D (e.g. mesh['ep']), got "
+            raise ValueError(f"argument '{what}' as a DeviceMesh must be 1-D, got "
                              f"{ep_group.ndim}-D")
         ep_group = ep_group.get_group()
     if not isinstance(ep_group, dist.ProcessGroup):
@@ -236,6 +236,7 @@ def combine_tokens(y, handle):
         y = _AllToAll.apply(y, handle.input_splits, handle.output_splits, handle.group)
     return moe_ops.moe_unpermute(y, handle.row_id_map)
 
+
 # ---- meshes, gradient reduction and clipping ---------------------------------------
 
 def init_expert_parallel_mesh(ep_size, dp_size=None, device_type=None):
@@ -243,8 +244,9 @@ def init_expert_parallel_mesh(ep_size, dp_size=None, device_type=None):
     are runs of ep_size consecutive ranks (on one node where ep_size fits in
     it, so the token exchange stays on NVLink), DP groups stride across
     them.  mesh.get_group("ep") is the group to give
-    ExpertParallelGroupedMLP, mesh.get_group("dp") (or mesh["dp"] for
-    FSDP2) the one to shard or reduce the experts over.
+    ExpertParallelGroupedMLP, mesh.get_group("dp") the one to reduce the
+    experts over (reduce_expert_parallel_grads); fully_shard_expert_parallel
+    takes the mesh itself.
     device_type: "cuda" under NCCL, "cpu" otherwise, by default."""
     from torch.distributed.device_mesh import init_device_mesh
 
