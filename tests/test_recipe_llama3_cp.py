@@ -9,8 +9,10 @@ hold every token once, with the next-token targets of the full sequences
 the run trains (the loss falls well below an untrained model's ln 10), a run
 resumed from its step-4 checkpoint logs the uninterrupted run's losses
 bit for bit, and the Hugging Face export (gathered from the FSDP2 shards)
-loads in transformers' LlamaForCausalLM with the checkpoint's weights;
-(3) the other scripts refuse cp_size > 1, and a world that is not a
+loads in transformers' LlamaForCausalLM with the checkpoint's weights, and
+the same run without CP (cp_size=1, one process, the same batches) logs
+the same losses (step 1 within float32 rounding, later steps within 1e-3
+after Adam updates); (3) the other scripts refuse cp_size > 1, and a world that is not a
 multiple of cp_size is refused naming cp_size.
 
 The two-process runs are one start of forkserver workers (torch, seqfuse and
@@ -179,6 +181,16 @@ def test_l0_sanity_cp_trains_resumes_bit_equal_and_exports(cp_runs):
     assert sorted(resumed) == [5, 6, 7, 8], resumed
     for s in (5, 6, 7, 8):
         assert resumed[s] == full[s], (s, resumed[s], full[s])  # bit for bit
+
+    # the same run without CP on one process (cp_size=1: the same batches, the loader's dp rank 0 of 1)
+    from llama3_recipe.context_parallel import train
+
+    one = d / "one.jsonl"
+    train(load_config("L0_sanity_cp", TINY + ["train.steps=8", "cp_size=1", f"logging.metrics_jsonl={one}"]))
+    plain = _losses(one)
+    assert abs(plain[1] - full[1]) <= 1e-5 * full[1], (plain[1], full[1])  # before any update: rounding only
+    for s in range(2, 9):
+        assert abs(plain[s] - full[s]) <= 1e-3 * full[s], (s, plain[s], full[s])
 
     hf = LlamaForCausalLM.from_pretrained(str(d / "hf")).eval()
     assert hf.config.num_hidden_layers == 2 and hf.config.vocab_size == 10
