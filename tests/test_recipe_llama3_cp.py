@@ -11,7 +11,7 @@ resumed from its step-4 checkpoint logs the uninterrupted run's losses
 bit for bit, and the Hugging Face export (gathered from the FSDP2 shards)
 loads in transformers' LlamaForCausalLM with the checkpoint's weights, and
 the same run without CP (cp_size=1, one process, the same batches) logs
-the same losses (step 1 within float32 rounding, later steps within 1e-3
+the same losses (step 1 within float32 rounding, later steps within 1e-4
 after Adam updates); (3) the other scripts refuse cp_size > 1, and a world that is not a
 multiple of cp_size is refused naming cp_size.
 
@@ -190,7 +190,7 @@ def test_l0_sanity_cp_trains_resumes_bit_equal_and_exports(cp_runs):
     plain = _losses(one)
     assert abs(plain[1] - full[1]) <= 1e-5 * full[1], (plain[1], full[1])  # before any update: rounding only
     for s in range(2, 9):
-        assert abs(plain[s] - full[s]) <= 1e-3 * full[s], (s, plain[s], full[s])
+        assert abs(plain[s] - full[s]) <= 1e-4 * full[s], (s, plain[s], full[s])  # (seen: <= 1e-5)
 
     hf = LlamaForCausalLM.from_pretrained(str(d / "hf")).eval()
     assert hf.config.num_hidden_layers == 2 and hf.config.vocab_size == 10
