@@ -8,8 +8,12 @@
 # the last window's tokens/s is the steady state), then prints tokens/s,
 # step time, MFU and peak memory per GPU from the metrics JSONL.
 # WITH_CP1=1 adds the same run on one GPU (cp_size=1) for comparison;
-# COMM=all_gather switches the K/V exchange; LEN=32768 with data made by
-# make_cp_data.py --window 32768.  About 40 s per run on an H200 pair.
+# COMM=all_gather switches the K/V exchange; PACKED=true runs the packed
+# (thd) layout instead of [1, LEN] rows (every window is exactly LEN tokens,
+# so the rows carry no padding; under CP the thd rotary path reads
+# cu_seqlens on the host in every layer, which the rows avoid); LEN=32768
+# with data made by make_cp_data.py --window 32768.  About 40 s per run on
+# an H200 pair.
 #   bash benchmarks/cp/gpu_cp_recipe.sh          (carry benchmarks/cp/data)
 # Knobs for a CPU smoke: DEVICE=cpu MODEL="model.size=null" LEN=1024.
 set -uo pipefail
@@ -24,7 +28,8 @@ fi
 LEN=${LEN:-16384}
 COMMON=(${MODEL:-model.size=1B} data.path=benchmarks/cp/data data.max_length=$LEN data.micro_batch_tokens=$LEN
         data.val_batches=1 train.steps=${STEPS:-12} train.warmup_steps=2 train.lr=3e-4 train.log_interval=4
-        train.eval_interval=0 logging.progress_bar=false device=${DEVICE:-cuda} cp_comm_type=${COMM:-p2p})
+        train.eval_interval=0 logging.progress_bar=false device=${DEVICE:-cuda} cp_comm_type=${COMM:-p2p}
+        data.packed=${PACKED:-false})
 status=0
 run() {  # run NAME NPROC overrides...
     local name=$1 n=$2; shift 2
