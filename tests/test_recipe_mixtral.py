@@ -7,11 +7,15 @@ the validation loss, FLOPs of the active weights, per-layer FP8 reaching
 the experts, and the L0 story: the loss falls on real DNA, a stop at a
 checkpoint and the resume give the uninterrupted run's losses bit for bit,
 and the export loads in transformers' MixtralForCausalLM and AutoTokenizer
-with the checkpoint's weights and seqfuse's logits.  A cuda-marked test
+with the checkpoint's weights and seqfuse's logits.  Expert parallelism:
+refused in one process; two gloo processes (slow-marked) with the experts
+spread over them train as two data-parallel ranks with every expert, and
+stop, resume and export.  A cuda-marked test
 runs L0_sanity on the GPU in bf16 and the three FP8 recipes."""
 import json
 import math
 import os
+import subprocess
 import sys
 
 import pytest
@@ -74,8 +78,9 @@ def test_bad_keys_refused_naming_the_key():
     with pytest.raises(ConfigError) as e:
         load_config("L0_sanity", ["+model.num_expert=8"])
     assert "model.num_expert=8: not a key of the model group (did you mean model.num_local_experts" in str(e.value)
-    with pytest.raises(ConfigError, match=r"distributed.expert_parallel_size=2: expert parallelism is not wired"):
-        load_config("L0_sanity", ["distributed.expert_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"distributed.expert_parallel_size=3: must divide "
+                                          r"model.num_local_experts=4"):
+        load_config("L0_sanity", ["distributed.expert_parallel_size=3"])
     with pytest.raises(ConfigError, match=r"distributed.expert_parallel_size=0: must be an integer >= 1"):
         load_config("L0_sanity", ["distributed.expert_parallel_size=0"])
     with pytest.raises(ConfigError, match=r"precision.recipe='mxfp8': must be one of 'bf16', 'fp32', 'fp8_delayed', "
@@ -115,8 +120,8 @@ def test_command_line_refuses_a_bad_key_with_exit_2(capsys):
 
     for bad, line in (("model.hiden_size=8", "model.hiden_size=8: not a key of the model group (did you mean "
                                              "model.hidden_size?)"),
-                      ("distributed.expert_parallel_size=4", "distributed.expert_parallel_size=4: expert "
-                                                             "parallelism is not wired")):
+                      ("distributed.expert_parallel_size=3", "distributed.expert_parallel_size=3: must divide "
+                                                             "model.num_local_experts=4")):
         with pytest.raises(SystemExit) as e:
             recipe_config.main_entry(no_train, "fsdp2", ["--config", "L0_sanity", "device=cpu", bad])
         assert e.value.code == 2
@@ -258,6 +263,73 @@ def test_l0_sanity_trains_resumes_and_exports(tmp_path):
         want_logits = hf(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits
     m = enc["attention_mask"].bool()
     torch.testing.assert_close(got_logits[m], want_logits[m], atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------ expert parallelism (two processes)
+def test_expert_parallel_needs_as_many_processes():
+    """distributed.expert_parallel_size=2 in one process: refused at the
+    start, naming the key and the rule, before the model is built."""
+    real = trainer.build_model
+
+    def no_build(*a, **k):
+        raise AssertionError("the model was built for an expert-parallel size the run cannot have")
+
+    trainer.build_model = no_build
+    try:
+        with pytest.raises(ConfigError, match=r"distributed.expert_parallel_size=2: must divide the number of "
+                                              r"processes \(1; run under torchrun"):
+            train(load_config("L0_sanity", TINY + ["distributed.expert_parallel_size=2"]), "fsdp2")
+    finally:
+        trainer.build_model = real
+
+
+def _torchrun(args, timeout=400):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "python"), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(RECIPE, "train_fsdp2.py"), "--config", "L0_sanity", *TINY, "train.steps=3",
+           "train.warmup_steps=1", *args]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-6000:]
+    return r.stdout + r.stderr
+
+
+@pytest.mark.slow
+def test_expert_parallel_two_processes_equal_data_parallel(tmp_path):
+    """torchrun --nproc_per_node 2 on gloo: experts spread over the two
+    ranks (distributed.expert_parallel_size=2: 2 of the 4 experts each,
+    tokens exchanged all-to-all) train as the same two ranks with every
+    expert each (FSDP2 over 2 data-parallel ranks): same losses to float32
+    rounding (the weights are not compared: Adam's first steps turn
+    rounding-level gradients into whole steps); the EP run stops at a
+    checkpoint at step 2 and resumes, and its export (every expert gathered
+    to rank 0) holds exactly the weights of its final sharded checkpoint."""
+    from transformers import MixtralForCausalLM
+
+    dp, ep, ck = tmp_path / "dp.jsonl", tmp_path / "ep.jsonl", tmp_path / "ck"
+    _torchrun([f"logging.metrics_jsonl={dp}"])
+    args = ["distributed.expert_parallel_size=2", f"logging.metrics_jsonl={ep}", f"checkpoint.dir={ck}"]
+    out = _torchrun(args + ["train.stop_at=2"])
+    assert "expert parallelism: 4 experts per layer over 2 ranks (2 on each)" in out
+    assert [s for s, _ in ckpt.list_checkpoints(str(ck))] == [2]
+    out = _torchrun(args + [f"checkpoint.export_dir={tmp_path / 'hf_ep'}"])
+    assert "resumed from" in out
+    want, got = _losses(dp), _losses(ep)
+    assert sorted(got) == sorted(want) == [1, 2, 3]
+    for s in want:
+        assert got[s] == pytest.approx(want[s], rel=1e-5), (s, got[s], want[s])
+    # the export holds every expert, each exactly as the final (sharded, EP) checkpoint has it
+    import torch.distributed.checkpoint as dcp
+
+    from seqfuse.hf.mixtral_convert import from_hf_pretrained
+
+    assert MixtralForCausalLM.from_pretrained(str(tmp_path / "hf_ep")).config.num_local_experts == 4
+    exported = from_hf_pretrained(str(tmp_path / "hf_ep")).state_dict()
+    saved = {"model": {k: torch.empty_like(v) for k, v in exported.items() if not k.endswith("_extra_state")}}
+    assert "model.layers.1.mlp.fc2.weight3" in saved["model"]
+    dcp.load(saved, checkpoint_id=ckpt.latest_checkpoint(str(ck)))
+    for k, v in saved["model"].items():
+        assert torch.equal(exported[k], v), k
 
 
 # ------------------------------------------------------------ GPU

@@ -6,8 +6,12 @@ Overrides:              ... train.steps=500 precision.recipe=fp8_block model.rou
 
 Every decoder layer and then the whole model go through
 torch.distributed.fsdp.fully_shard (parameters, gradients and optimizer
-state sharded across ranks; each rank holds a shard of every expert:
-distributed.expert_parallel_size is 1, see mixtral_recipe/config.py).
+state sharded across ranks; each rank holds a shard of every expert).
+With distributed.expert_parallel_size=EP > 1 each rank holds 1/EP of every
+layer's experts instead, tokens travel to their experts' ranks and back,
+and FSDP2 shards the experts over the data-parallel ranks
+(mixtral_recipe/trainer.py):
+    torchrun --nproc_per_node 8 recipes/mixtral/train_fsdp2.py --config 8x1B distributed.expert_parallel_size=8
 Configs are composed by Hydra's compose API (``--config NAME`` or
 ``--config-name NAME``) and checked against the schema in
 mixtral_recipe/config.py before anything is built.  The loop is

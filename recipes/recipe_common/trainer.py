@@ -22,7 +22,10 @@ that depend on the device, before anything is built), ``fp8_recipe(cfg)``,
 run without FP8, ``build_optimizer(model, cfg)``, ``build_loaders(cfg, rank,
 world, recipe, pin_memory)``, ``DATA_NOUN``, ``forward_loss(model, batch)``,
 ``step_flops(host_batch, model_config)`` and ``export(model, model_config,
-out_dir, cfg, rank)``.
+out_dir, cfg, rank)``.  Optional: ``wrap_model`` (same arguments as this
+module's; the recipe's own data-parallel wrapping, e.g. Mixtral's expert
+parallelism) and ``clip_grad_norm(model, params, max_norm)``; without them
+this module's wrap_model and seqfuse.optim.clip_grad_norm_ run.
 
 A step: ``grad_accum`` micro-batches (token-budget batches, packed THD or
 padded BSHD), forward under seqfuse's autocast with the configured FP8
@@ -414,7 +417,7 @@ def _run(cfg, strategy, spec):
     n_states = prepare_fp8_state(model, layers, recipe, bf16_layers)
     if rank == 0 and n_states:
         log.info("precision: %d delayed-scaling states created (checkpointed with the model)", n_states)
-    model = wrap_model(model, layers, strategy, world, device, cfg, log)
+    model = getattr(spec, "wrap_model", wrap_model)(model, layers, strategy, world, device, cfg, log)
     inner = model.module if hasattr(model, "module") and strategy == "ddp" else model
     optimizer = spec.build_optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
@@ -440,6 +443,7 @@ def _run(cfg, strategy, spec):
     profiler = CaptureRange(cfg, rank, device, log)
     batches = endless(train_loader)
     params = [p for p in model.parameters() if p.requires_grad]
+    clip = getattr(spec, "clip_grad_norm", None) or (lambda _model, ps, max_norm: clip_grad_norm_(ps, max_norm))
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -473,7 +477,7 @@ def _run(cfg, strategy, spec):
         with profiler.phase("optimizer"):
             if cfg.train.clip_grad_norm:
                 # FSDP2: the local shards' squares, one all-reduce, the global norm
-                clip_grad_norm_(params, float(cfg.train.clip_grad_norm))
+                clip(model, params, float(cfg.train.clip_grad_norm))
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)

@@ -21,9 +21,10 @@ What is new here:
     refused by name: seqfuse's GroupedLinear has no path for them
     (precision.fp4 is kept, as a key that must stay false, so the Llama 3
     recipe's precision rules read the same group);
-  * distributed.expert_parallel_size: experts sharded over that many ranks.
-    Only 1 runs in this recipe (see EXPERT_PARALLEL_NOTE); another value is
-    a ConfigError naming the key.
+  * distributed.expert_parallel_size: experts sharded over that many ranks
+    (seqfuse.parallel's expert parallelism, mixtral_recipe/trainer.py); it
+    must divide model.num_local_experts here, and the world size at the
+    start of the run.
 
     cfg = load_config("L0_sanity", ["train.steps=100", "precision.recipe=fp8_delayed"])
 """
@@ -46,12 +47,6 @@ CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 #: The FP8 recipes the experts' grouped GEMMs run (seqfuse.modules.GroupedLinear).
 FP8_RECIPES = ("fp8_delayed", "fp8_current", "fp8_block")
 RECIPES = ("bf16", "fp32") + FP8_RECIPES
-
-#: Why distributed.expert_parallel_size is 1 here (the ConfigError says it).
-EXPERT_PARALLEL_NOTE = ("expert parallelism is not wired into the Mixtral recipe: seqfuse.parallel has no expert-"
-                        "parallel dispatch this recipe can call yet; every rank holds every expert (FSDP2 shards "
-                        "them like the other weights). Set distributed.expert_parallel_size=1")
-
 
 # ---------------------------------------------------------------- schema
 @dataclass
@@ -144,8 +139,10 @@ def _cross_checks(c, ok, problems):
     if ok("precision.fp4") and p["fp4"]:
         problems.append("precision.fp4=true: the Mixtral recipe has no NVFP4 path (seqfuse's GroupedLinear, the "
                         "experts' GEMMs, runs bf16 and FP8 only); set precision.fp4=false")
-    if ok("distributed.expert_parallel_size") and dist["expert_parallel_size"] != 1:
-        problems.append(f"distributed.expert_parallel_size={dist['expert_parallel_size']}: {EXPERT_PARALLEL_NOTE}")
+    ep = dist["expert_parallel_size"] if ok("distributed.expert_parallel_size") else None
+    if ep and ok("model.num_local_experts") and m["num_local_experts"] % ep:
+        problems.append(f"distributed.expert_parallel_size={ep}: must divide model.num_local_experts="
+                        f"{m['num_local_experts']} (each rank of an expert-parallel group holds as many experts)")
 
 
 SPEC = ConfigSpec(RecipeConfig, CONFIG_DIR, cross_checks=_cross_checks, title="the Mixtral recipe",

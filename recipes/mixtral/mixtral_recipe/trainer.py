@@ -26,9 +26,19 @@ This module is the ``spec`` the shared loop reads:
   * the export: transformers' MixtralForCausalLM directory
     (seqfuse.hf.mixtral_convert.export_hf) with the tokenizer, loadable
     without seqfuse;
-  * expert parallelism: distributed.expert_parallel_size is 1 (the config
-    refuses another value, saying why): every rank holds every expert and
-    FSDP2 shards them with the other weights.
+  * expert parallelism (distributed.expert_parallel_size = ep > 1, under
+    torchrun with a multiple of ep processes): seqfuse.parallel's ("dp",
+    "ep") mesh; each layer's mixture of experts becomes this rank's share
+    of it (seqfuse.modules.ExpertParallelGroupedMLP: the router on every
+    rank, num_local_experts / ep experts here, tokens dispatched to their
+    experts' ranks and back with all_to_all_single); FSDP2 shards each
+    expert module over its dp group and the rest of the model over every
+    rank (fully_shard_expert_parallel); the gradient-norm clip is exact
+    over EP and DP (seqfuse.parallel.clip_grad_norm_).  Expert parameters
+    keep their global names (fc1.weight5 is expert 5 on whichever rank
+    holds it), so checkpoints are keyed like the single-process model's;
+    the export gathers every expert to rank 0.  With ep = 1 every rank
+    holds every expert and FSDP2 shards them with the other weights.
 """
 from __future__ import annotations
 
@@ -37,6 +47,7 @@ import os
 import sys
 
 import torch
+import torch.distributed
 
 from llama3_recipe import trainer as llama
 from recipe_common import checkpoint as ckpt
@@ -65,18 +76,24 @@ def fp8_recipe(cfg):
     return _loop.fp8_recipe_named(name, cfg)
 
 
+def expert_parallel_size(cfg) -> int:
+    return int(cfg.distributed.get("expert_parallel_size", 1))
+
+
 def check_run(cfg, device):
     """Before anything is built.  Every format the config allows runs on the
     CPU and on Hopper (MXFP8 / NVFP4 are refused by the config itself); the
-    one device-dependent rule left is the world size, which expert
-    parallelism would have to divide (it is 1 here, checked again in case a
-    config bypassed validation)."""
-    ep = int(cfg.distributed.get("expert_parallel_size", 1))
-    if ep != 1:
-        from .config import EXPERT_PARALLEL_NOTE
+    device-dependent rule left is expert parallelism's: its size must
+    divide the number of processes (the config has checked it divides the
+    experts)."""
+    import torch.distributed as dist
 
-        raise ConfigError(cfg.get("config_name", "?"), [f"distributed.expert_parallel_size={ep}: "
-                                                        f"{EXPERT_PARALLEL_NOTE}"])
+    ep = expert_parallel_size(cfg)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if ep > 1 and world % ep:
+        raise ConfigError(cfg.get("config_name", "?"), [
+            f"distributed.expert_parallel_size={ep}: must divide the number of processes ({world}; run under "
+            f"torchrun --nproc_per_node N with N a multiple of {ep})"])
 
 
 def apply_layer_precision(model, cfg, recipe, rank):
@@ -116,6 +133,10 @@ def model_config(cfg):
 
 
 def build_model(cfg, device, dtype):
+    """The whole model (the same initial weights on every rank: the loop
+    seeds every rank alike before this); with expert parallelism each
+    layer's mixture of experts is then replaced by this rank's share of it
+    (expert_parallel_moe)."""
     from seqfuse.hf import SeqfuseMixtralForCausalLM
 
     mcfg = model_config(cfg)
@@ -124,7 +145,72 @@ def build_model(cfg, device, dtype):
     model = model.to(dtype)  # (the rotary inverse frequencies stay float32)
     if cfg.train.get("activation_checkpointing", False):
         model.set_activation_checkpointing(True)  # FP8-aware (seqfuse.pytorch.checkpoint)
+    ep = expert_parallel_size(cfg)
+    if ep > 1:
+        from seqfuse.parallel import init_expert_parallel_mesh
+
+        model.ep_mesh = init_expert_parallel_mesh(ep)  # ("dp", "ep"): EP groups of ep consecutive ranks
+        group = model.ep_mesh.get_group("ep")
+        cls = expert_parallel_moe()
+        for layer in model_layers(model):
+            layer.mlp = cls.from_full(layer.mlp, group)
+        if torch.distributed.get_rank() == 0:
+            log.info("expert parallelism: %d experts per layer over %d ranks (%d on each), %d data-parallel "
+                     "groups", mcfg.num_local_experts, ep, mcfg.num_local_experts // ep, model.ep_mesh.size(0))
     return model, mcfg
+
+
+def expert_parallel_moe():
+    """seqfuse's ExpertParallelGroupedMLP that, like the model's own
+    SeqfuseMixtralSparseMoE, hands its decoder layer the router logits of
+    the last forward (the model's load-balancing loss reads them; on each
+    rank it covers that rank's tokens, as the cross-entropy does)."""
+    from seqfuse.modules.moe_expert_parallel import ExpertParallelGroupedMLP
+
+    class MixtralExpertParallelMoE(ExpertParallelGroupedMLP):
+        router_logits = None
+
+        def route(self, x):
+            probs, routing_map, logits = super().route(x)
+            self.router_logits = logits
+            return probs, routing_map, logits
+
+    return MixtralExpertParallelMoE
+
+
+def wrap_model(model, layers, strategy, world, device, cfg, log_):
+    """Data-parallel wrapping.  Without expert parallelism: the shared
+    loop's (FSDP2 per decoder layer, then the root).  With it
+    (seqfuse.parallel.fully_shard_expert_parallel over the model's
+    ("dp", "ep") mesh): every expert module sharded over its dp group, its
+    gradients divided by dp x ep (the token exchange has summed them over
+    the EP group), then the rest of the model as one unit over every rank."""
+    if getattr(model, "ep_mesh", None) is None:
+        return _loop.wrap_model(model, layers, strategy, world, device, cfg, log_)
+    if strategy != "fsdp2":
+        raise ValueError(f"distributed.expert_parallel_size > 1 runs under FSDP2 (train_fsdp2.py), not {strategy}")
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from recipe_common.fsdp import REDUCE_DTYPES
+    from seqfuse.parallel import fully_shard_expert_parallel
+
+    d = cfg.distributed
+    mp = MixedPrecisionPolicy(reduce_dtype=REDUCE_DTYPES[str(d.reduce_dtype)])
+    return fully_shard_expert_parallel(model, model.ep_mesh, mp_policy=mp,
+                                       reshard_after_forward=bool(d.reshard_after_forward))
+
+
+def clip_grad_norm(model, params, max_norm):
+    """The gradient norm clip: seqfuse.parallel.clip_grad_norm_ (exact over
+    the EP and DP ranks: each expert counted once) with expert parallelism,
+    seqfuse.optim.clip_grad_norm_ without."""
+    if getattr(model, "ep_mesh", None) is not None:
+        from seqfuse.parallel import clip_grad_norm_ as clip_ep
+
+        return clip_ep(model, max_norm)
+    from seqfuse.optim import clip_grad_norm_
+
+    return clip_grad_norm_(params, max_norm)
 
 
 def model_layers(model):
@@ -188,10 +274,35 @@ def export(model, mcfg, out_dir, cfg, rank):
     """Gather the whole model (every rank calls this) and, on rank 0, write
     transformers' MixtralForCausalLM directory with the tokenizer files."""
     sd = ckpt.full_model_state_dict(model)
+    if getattr(model, "ep_mesh", None) is not None:
+        sd.update(gather_experts(model, rank))
     if rank == 0:
         export_hf(mcfg, sd, out_dir, model_max_length=int(cfg.data.max_length))
         log.info("exported Hugging Face MixtralForCausalLM (safetensors) and the nucleotide tokenizer to %s",
                  out_dir)
+
+
+@torch.no_grad()
+def gather_experts(model, rank) -> dict:
+    """Every expert's full weight (a collective: every rank calls it), on
+    rank 0 (CPU; other ranks get {}): each local expert's FSDP2 shards
+    gathered over its dp group, then the experts of the EP group's ranks
+    gathered over it, under the single-process model's keys
+    (model.layers.<i>.mlp.fc1.weight<e>)."""
+    import torch.distributed as dist
+
+    out = {}
+    for i, layer in enumerate(model_layers(model)):
+        moe = layer.mlp
+        for fc_name in ("fc1", "fc2"):
+            for g, w in enumerate(getattr(moe, fc_name).weights()):
+                full = w.full_tensor() if hasattr(w, "full_tensor") else w.detach()
+                parts = [torch.empty_like(full) for _ in range(moe.ep_size)]
+                dist.all_gather(parts, full.contiguous(), group=moe.ep_group)
+                if rank == 0:
+                    for r, part in enumerate(parts):
+                        out[f"model.layers.{i}.mlp.{fc_name}.weight{r * moe.num_local_experts + g}"] = part.cpu()
+    return out
 
 
 def export_hf(model_config, state_dict: dict, out_dir: str, model_max_length=None) -> str:
