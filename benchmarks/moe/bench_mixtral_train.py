@@ -162,7 +162,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="mixtral_small", help="a recipes/mixtral config (its model shape)")
     ap.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
-    ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the config's data.max_length)")
+    ap.add_argument("--seq-len", type=int, default=None,
+                    help="tokens per sequence (default: the config's data.max_length)")
     ap.add_argument("--batch-size", type=int, default=2, help="sequences per step")
     ap.add_argument("--steps", type=int, default=4, help="timed steps (after as many untimed)")
     ap.add_argument("--device", default="cuda")

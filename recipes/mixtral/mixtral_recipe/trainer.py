@@ -47,7 +47,7 @@ import os
 import sys
 
 import torch
-import torch.distributed
+import torch.distributed as dist
 
 from llama3_recipe import trainer as llama
 from recipe_common import checkpoint as ckpt
@@ -86,8 +86,6 @@ def check_run(cfg, device):
     device-dependent rule left is expert parallelism's: its size must
     divide the number of processes (the config has checked it divides the
     experts)."""
-    import torch.distributed as dist
-
     ep = expert_parallel_size(cfg)
     world = dist.get_world_size() if dist.is_initialized() else 1
     if ep > 1 and world % ep:
@@ -154,7 +152,7 @@ def build_model(cfg, device, dtype):
         cls = expert_parallel_moe()
         for layer in model_layers(model):
             layer.mlp = cls.from_full(layer.mlp, group)
-        if torch.distributed.get_rank() == 0:
+        if dist.get_rank() == 0:
             log.info("expert parallelism: %d experts per layer over %d ranks (%d on each), %d data-parallel "
                      "groups", mcfg.num_local_experts, ep, mcfg.num_local_experts // ep, model.ep_mesh.size(0))
     return model, mcfg
@@ -289,8 +287,6 @@ def gather_experts(model, rank) -> dict:
     gathered over its dp group, then the experts of the EP group's ranks
     gathered over it, under the single-process model's keys
     (model.layers.<i>.mlp.fc1.weight<e>)."""
-    import torch.distributed as dist
-
     out = {}
     for i, layer in enumerate(model_layers(model)):
         moe = layer.mlp
