@@ -14,12 +14,30 @@
 # cu_seqlens on the host in every layer, which the rows avoid); LEN=32768
 # with data made by make_cp_data.py --window 32768.  About 40 s per run on
 # an H200 pair.
-#   bash benchmarks/cp/gpu_cp_recipe.sh          (carry benchmarks/cp/data)
-# Knobs for a CPU smoke: DEVICE=cpu MODEL="model.size=null" LEN=1024.
+# Before the runs, on a bare machine: hydra from the carried wheels (.whl),
+# the build (BUILD=0 skips it) and the CP cuda tests on two GPUs (TESTS=0
+# skips them; about 2-3 minutes).
+#   bash benchmarks/cp/gpu_cp_recipe.sh          (carry benchmarks/cp/data and .whl)
+# Knobs for a CPU smoke: BUILD=0 TESTS=0 DEVICE=cpu MODEL="model.size=null" LEN=1024.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/seqfuse-cp}
 mkdir -p "$OUT"
+python3 -c "import hydra" 2>/dev/null || python3 -m pip install -q --no-index --no-deps .whl/hydra_core-*.whl \
+    .whl/omegaconf-*.whl .whl/antlr4_python3_runtime-*.whl || { echo "hydra wheels missing: carry .whl"; exit 1; }
+if [ "${BUILD:-1}" != 0 ]; then
+    start=$(date +%s)
+    MAX_JOBS=16 python3 -m pip install -q --no-build-isolation --no-deps --no-index -e . > "$OUT/build.log" 2>&1 \
+        || { tail -30 "$OUT/build.log"; echo BUILD FAILED; exit 1; }
+    echo "build $(( $(date +%s) - start )) s"
+fi
+if [ "${TESTS:-1}" != 0 ]; then
+    echo "===== cuda tests (two GPUs)"
+    timeout "${TEST_LIMIT:-300}" python3 -m pytest -q -m cuda -p no:cacheprovider -rfEs \
+        tests/test_llama_context_parallel.py tests/test_recipe_llama3_cp.py > "$OUT/cuda_tests.log" 2>&1 \
+        || echo "(cuda tests: exit $?)"
+    tail -n 12 "$OUT/cuda_tests.log"
+fi
 if [ ! -f benchmarks/cp/data/train.parquet ]; then
     echo "benchmarks/cp/data is missing: run python3 benchmarks/cp/make_cp_data.py where recipes/llama3/data/full" \
          "is prepared, then carry benchmarks/cp/data"
