@@ -175,7 +175,7 @@ def part5():
     a = timed(lambda: ops.cross_entropy_forward(small, sl))
     b = timed(lambda: ops.cross_entropy_forward(small, sl, check_labels=False))
     print(f"  cross_entropy_forward 64 x 128: {a:.1f} us checked, {b:.1f} unchecked ({a - b:+.1f})")
-    from seqfuse.ops import _device_checks as checks
+    from seqfuse.ops import device_checks as checks
     cu = torch.tensor([0, 1000, 4000, 8192], dtype=torch.int32, device="cuda")
 
     def fresh():

@@ -2,7 +2,7 @@
 cu_seqlens of attention and RoPE, cross-entropy labels.  On the CPU the C
 entries read them; on CUDA the kernels clamp a bad cu_seqlens or skip a bad
 label, so the ops check the values with torch on the device
-(seqfuse/ops/_device_checks.py).  These CPU tests run that device path on
+(seqfuse/ops/device_checks.py).  These CPU tests run that device path on
 CPU tensors (``HOST_READ`` emptied) with the C call replaced by a tripwire:
 the check must raise, with the C entry's own message, before any kernel
 runs, and under CUDA graph capture it must step aside with a log line.  The
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from seqfuse import ops
-from seqfuse.ops import _device_checks as checks
+from seqfuse.ops import device_checks as checks
 from seqfuse.ops import loss as loss_ops
 from seqfuse.ops import rope as rope_ops
 from seqfuse.ops.attn import _entry as attn_entry
@@ -219,7 +219,7 @@ def test_corpus_index_cases_hold_on_the_device_path(tmp_path):
     script.write_text(
         "import json, sys\n"
         f"sys.path.insert(0, {tests!r})\n"
-        "import seqfuse.ops._device_checks as dc\n"
+        "import seqfuse.ops.device_checks as dc\n"
         "dc.HOST_READ = ()\n"
         "import bad_input_cases as c\n"
         "ops_, mods_ = c.op_specs, c.mod_specs\n"

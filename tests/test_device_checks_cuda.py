@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from seqfuse import ops
-from seqfuse.ops import _device_checks as checks
+from seqfuse.ops import device_checks as checks
 from seqfuse.ops.attn import _routing as routing
 
 from helpers import pair_tol

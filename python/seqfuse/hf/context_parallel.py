@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from ..modules.cross_entropy import cross_entropy
-from .llama import IGNORE_INDEX, Layout
+from .lm_layout import IGNORE_INDEX, Layout
 
 
 def cp_size_of(group) -> int:

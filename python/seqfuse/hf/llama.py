@@ -51,7 +51,6 @@ copies of them: the batch layout and its checks (``batch_layout``,
 its loss (``check_lm_arguments``, ``lm_logits_and_loss``) and the rotary
 embedding.
 """
-from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -69,9 +68,8 @@ from ..quantization.recompute import checkpoint
 from .attention import cu_seqlens_of_positions, is_packed_positions
 from .generation import generate
 from .llama_config import SeqfuseLlamaConfig, rope_inv_freq
+from .lm_layout import IGNORE_INDEX, Layout
 from .pretrained import SeqfusePreTrainedModel, default_device, init_by_name
-
-IGNORE_INDEX = -100
 
 
 class SeqfuseLlamaRotaryEmbedding(RotaryPositionEmbedding):
@@ -149,16 +147,6 @@ def _packed_layout(input_ids, position_ids, cu_seqlens, max_seqlen, name="Seqfus
     if max_seqlen is None:
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
     return cu_seqlens, int(max_seqlen)
-
-
-class Layout(NamedTuple):
-    """How one batch runs through the layers: packed (thd) or not, the
-    keyword arguments of every TransformerLayer call, the length of the RoPE
-    table, and the packed batch's cu_seqlens (None when padded)."""
-    packed: bool
-    layer_kw: dict
-    rope_len: int
-    cu_seqlens: Optional[torch.Tensor]
 
 
 def check_unsupported(unused, output_attentions, use_cache, name="SeqfuseLlama"):

@@ -25,7 +25,7 @@ import logging
 import torch
 
 from ..ops import loss as _loss
-from ..ops._device_checks import check_labels as _check_labels
+from ..ops.device_checks import check_labels as _check_labels
 from ..ops.gemm import gemm as _gemm
 
 _log = logging.getLogger("seqfuse")

@@ -10,7 +10,7 @@ import torch
 
 from .. import _C
 from ._call import as_float, as_int, stream_for
-from ._device_checks import check_labels as _check_label_values
+from .device_checks import check_labels as _check_label_values
 
 _FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 

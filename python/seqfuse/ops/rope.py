@@ -10,7 +10,7 @@ import torch
 
 from .. import _C
 from ._call import stream_for
-from ._device_checks import check_cu_seqlens
+from .device_checks import check_cu_seqlens
 
 _FORMATS = {"sbhd": 0, "bshd": 1, "thd": 2}
 _FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
@@ -41,7 +41,7 @@ def _run(t, freqs, tensor_format, interleaved, cu_seqlens, start_positions, back
     if tensor_format == "thd" and t.dim() == 3 and freqs.dim() == 4 and freqs.shape[0] > 0 and \
             cu_seqlens.device == t.device:  # (anything misshapen: C's error first)
         # CUDA values by C's CPU rules (start 0, non-decreasing, within t's tokens and freqs' positions):
-        # one host read per new cu_seqlens tensor, none under graph capture (ops/_device_checks.py)
+        # one host read per new cu_seqlens tensor, none under graph capture (ops/device_checks.py)
         limit = freqs.shape[0] if start_positions is None else None
         check_cu_seqlens(op, "cu_seqlens", cu_seqlens, extent=t.shape[0], max_len=limit,
                          max_what=f"the {limit} positions 'freqs' covers")

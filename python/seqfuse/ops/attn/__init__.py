@@ -35,12 +35,13 @@ Files, one concern each:
 - _routing.py: kernel and backend choice, SEQFUSE_ATTN_BACKEND.
 - _torch_routes.py: the "flash" and "torch_fp32" routes: rules, layouts, calls.
 - _dropout.py: the Philox (seed, offset) state.
-- _padding.py: ``padding_layout`` and ``PerTensorCache`` for padding masks.
+- _padding.py: ``padding_layout`` for padding masks (``PerTensorCache``, re-exported here, lives in ops/tensor_cache.py).
 """
 from ._args import FORMATS, MASKS
 from ._dropout import dropout_rng_state
 from ._entry import attention, attention_bwd, attention_fwd
-from ._padding import PaddingLayout, PerTensorCache, padding_layout
+from ..tensor_cache import PerTensorCache
+from ._padding import PaddingLayout, padding_layout
 from ._routing import (BACKENDS, attention_backend, attention_bwd_kernel, attention_fwd_kernel,
                        cudnn_eligibility, set_attention_backend, set_attention_bwd_kernel,
                        set_attention_fwd_kernel)

@@ -10,7 +10,7 @@ import math
 import torch
 
 from .._call import as_float, as_int
-from .._device_checks import check_cu_seqlens
+from ..device_checks import check_cu_seqlens
 from ._dropout import rng_cfg
 
 FORMATS = {"bshd": 0, "sbhd": 1, "thd": 2}
@@ -60,7 +60,7 @@ def check_cu_values(op, q, k, qkv_format, cu_seqlens_q, cu_seqlens_kv, max_seqle
     """The values of CUDA cu_seqlens, by the C entry's rules (which read them
     only on the CPU): start at 0, non-decreasing, no sequence longer than the
     max length, and in thd no end past the tokens of q / k.  One host read
-    per new cu_seqlens tensor, none under CUDA graph capture (ops/_device_checks.py)."""
+    per new cu_seqlens tensor, none under CUDA graph capture (ops/device_checks.py)."""
     thd = qkv_format == "thd"
     s_dim = 1 if qkv_format == "bshd" else 0
     for name, cu, x, given in (("cu_seqlens_q", cu_seqlens_q, q, max_seqlen_q),

@@ -69,7 +69,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .._call import as_float
 from ._args import MASKS, PADDING, max_seqlen
-from ._padding import PerTensorCache
+from ..tensor_cache import PerTensorCache
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MAX_HEAD_DIM = 256

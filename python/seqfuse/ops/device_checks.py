@@ -32,6 +32,8 @@ import logging
 
 import torch
 
+from .tensor_cache import PerTensorCache
+
 _log = logging.getLogger("seqfuse")
 _skips_logged = set()
 # device types whose index values the C entries read and check themselves
@@ -105,8 +107,7 @@ _cu_facts = None  # PerTensorCache of _cu_problem: the cu_seqlens tensors seen l
 
 def _facts(cu, max_len):
     global _cu_facts
-    if _cu_facts is None:  # imported here: ops.attn imports this module
-        from .attn._padding import PerTensorCache
+    if _cu_facts is None:  # made on first use; tests set it back to None to forget
         _cu_facts = PerTensorCache(_cu_problem)
     return _cu_facts(cu, max_len)
 
