@@ -10,13 +10,17 @@ why.  In order:
    RoPE, seqfuse attention, norm + gate/up + SwiGLU + down as one
    LayerNormMLP); its state_dict keeps transformers' keys.  A layer that
    cannot be fused is listed with the reason and goes through step 3;
-3. module by module, for everything not fused: nn.Linear and nn.LayerNorm
+3. mixture-of-experts experts (``fuse_experts=True``): transformers' stacked
+   experts of Mixtral, Qwen2-MoE and Qwen3-MoE (MixtralExperts, ...) become
+   seqfuse.hf.fuse_experts.SeqfuseExperts (permutation, grouped GEMMs,
+   scaled SwiGLU), keeping their Parameters and the block's router;
+4. module by module, for everything not fused: nn.Linear and nn.LayerNorm
    and the model's RMSNorm classes (described below);
-4. fused loss (``fused_loss=True``): those families' causal LMs compute the
+5. fused loss (``fused_loss=True``): those families' causal LMs compute the
    LM head and cross-entropy of a labels call as seqfuse's chunked linear
    cross-entropy (seqfuse.hf.fused_loss; logits are then None).
 
-Module by module (step 3):
+Module by module (step 4):
 
 Weights are kept by moving the very Parameter objects into the new modules,
 so tied weights stay tied (e.g. an LM head tied to the word embeddings), an
@@ -504,7 +508,7 @@ def _module_slots(model):
     return slots
 
 
-def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=True):
+def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=True, fuse_experts=True):
     """Accelerate a transformers model in place; return an AccelerateReport.
 
     - ``fuse_layers``: decoder layers of the Llama family (Llama, Mistral,
@@ -512,6 +516,9 @@ def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=
       for fused weights: build the optimizer after this call) (seqfuse.hf.fuse_layers: norm +
       QKV in one GEMM, fused RoPE, seqfuse attention, norm + gate/up + SwiGLU
       + down in one module); needs the attention switched (``attention``).
+    - ``fuse_experts``: transformers' stacked MoE experts (Mixtral,
+      Qwen2-MoE, Qwen3-MoE) -> seqfuse.hf.fuse_experts.SeqfuseExperts, the
+      same Parameters, the router left as it is.
     - Every other nn.Linear -> seqfuse.pytorch.Linear, nn.LayerNorm ->
       seqfuse.pytorch.LayerNorm, the model's own RMSNorm classes (where a
       probe shows the same function) -> seqfuse.pytorch.RMSNorm.
@@ -528,7 +535,8 @@ def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"accelerate: model must be a torch.nn.Module, got {type(model).__name__}")
-    for name, flag in (("attention", attention), ("fuse_layers", fuse_layers), ("fused_loss", fused_loss)):
+    for name, flag in (("attention", attention), ("fuse_layers", fuse_layers), ("fused_loss", fused_loss),
+                       ("fuse_experts", fuse_experts)):
         if not isinstance(flag, bool):
             raise TypeError(f"accelerate: argument '{name}' must be a bool, got {type(flag).__name__}")
     Linear, LayerNorm = _seqfuse_modules()
@@ -545,7 +553,11 @@ def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=
             fused = _fuse_layers(model, recipe, report, _module_slots(model))
         else:
             _log.info("seqfuse.hf.accelerate: no whole-layer fusion: the model's attention is not seqfuse's")
+    from .fuse_experts import SeqfuseExperts, swap_experts
     from .fuse_layers import SeqfuseDecoderLayer
+
+    if fuse_experts:
+        swap_experts(model, report, recipe, _module_slots(model), Swapped, Left)
 
     # the walk leaves fused layers alone: this call's and an earlier call's
     fused = [n for n, m in model.named_modules() if isinstance(m, SeqfuseDecoderLayer)]
@@ -554,7 +566,7 @@ def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=
     for name, module in model.named_modules():
         if name in fused or name.startswith(inside_fused):
             continue
-        if isinstance(module, (Linear, LayerNorm, RMSNorm)):
+        if isinstance(module, (Linear, LayerNorm, RMSNorm, SeqfuseExperts)):
             continue
         if isinstance(module, nn.Linear):
             why = _linear_refusal(module, align)
