@@ -289,11 +289,10 @@ def test_bad_state_dicts_are_named():
     sd["model.layers.1.mlp.extra"] = gone
     with pytest.raises(ValueError, match="unexpected.*mlp.extra"):
         hf_to_seqfuse_state_dict(sd, cfg)
-    sf_sd = seqfuse_to_hf_state_dict  # the other direction names seqfuse's keys
-    own = dict(from_hf_model(hf).state_dict())
+    own = dict(from_hf_model(hf).state_dict())  # the other direction names seqfuse's keys
     own.pop("model.layers.0.mlp.fc2.weight1")
     with pytest.raises(KeyError, match="model.layers.0.mlp.fc2.weight1"):
-        sf_sd(own, cfg)
+        seqfuse_to_hf_state_dict(own, cfg)
     with pytest.raises(TypeError, match="MixtralForCausalLM"):
         from_hf_model(transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=16, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)))
