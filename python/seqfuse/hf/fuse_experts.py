@@ -37,20 +37,13 @@ import logging
 import torch
 from torch import nn
 
-from ..modules.grouped_linear import GroupedLinearFunction
+from ..modules.grouped_linear import GroupedLinearFunction, compute_dtype
 from ..ops import moe as moe_ops
 
 _log = logging.getLogger("seqfuse")
 
 #: Relative error a probe may show, by parameter dtype (two GEMMs and a SwiGLU in that dtype).
 _PROBE_TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
-
-
-def _compute_dtype(x, weight):
-    dev = x.device.type
-    if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
-        return torch.get_autocast_dtype(dev)
-    return weight.dtype
 
 
 class SeqfuseExperts(nn.Module):
@@ -81,7 +74,7 @@ class SeqfuseExperts(nn.Module):
         routing_map = torch.zeros(T, E + 1, dtype=torch.bool, device=x.device).scatter_(1, idx, True)[:, :E]
         row_ids, tokens_per_expert = moe_ops.moe_row_id_map(routing_map)
         splits = tuple(tokens_per_expert.tolist())  # one host synchronization per block, as GroupedMLP
-        dtype = _compute_dtype(x, self.gate_up_proj)
+        dtype = compute_dtype(x, self.gate_up_proj)
         xp, pp = moe_ops.moe_permute_by_row_id_map(x.to(dtype), row_ids, sum(splits), probs)
         h = GroupedLinearFunction.apply(xp, splits, dtype, E, False, *self.gate_up_proj.unbind(0))
         a = moe_ops.scaled_swiglu(h, pp)

@@ -13,6 +13,15 @@ from .._runtime import cuda_available
 from ..quantization import gemm_quantizers
 
 
+def compute_dtype(x, weight):
+    """The dtype a module's GEMMs run in: torch.autocast's where it is on for
+    x's device type, else the weight's."""
+    dev = x.device.type
+    if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return weight.dtype
+
+
 def mark_main_grad(weight):
     """Megatron's flag that dW went into ``weight.main_grad`` (set where the
     weight carries the attribute)."""

@@ -49,7 +49,7 @@ from .. import quantization as _q
 from ..ops import moe as moe_ops
 from ..quantization import gemm_quantizers as _gq
 from . import _fp8 as F8
-from ._base import default_device, mark_main_grad
+from ._base import compute_dtype, default_device, mark_main_grad
 from ._input import check_input
 
 __all__ = ["GroupedLinear", "GroupedLinearFunction", "Fp8GroupedLinearFunction"]
@@ -59,13 +59,6 @@ _TE_DEFAULTS = {"sequence_parallel": False, "tp_group": None, "tp_size": 1, "par
                 "ub_overlap_ag": False, "ub_overlap_rs": False, "ub_name": None,
                 "delay_wgrad_compute": False, "save_original_input": False}
 _TE_IGNORED = ("name", "get_rng_state_tracker", "rng_tracker_name")
-
-
-def _compute_dtype(x, weight):
-    dev = x.device.type
-    if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
-        return torch.get_autocast_dtype(dev)
-    return weight.dtype
 
 
 class GroupedLinearFunction(torch.autograd.Function):
@@ -227,7 +220,7 @@ class GroupedLinear(torch.nn.Module):
             raise ValueError(f"GroupedLinear: m_splits add up to {sum(splits)} rows but the input has "
                              f"{x.shape[0]}")
         weights, biases = self.weights(), self.biases()
-        dtype = _compute_dtype(inp, weights[0])
+        dtype = compute_dtype(inp, weights[0])
         use_bias = self.use_bias and not self.return_bias
         params = weights + (biases if use_bias else [])
         if recipe is not None:

@@ -57,7 +57,7 @@ from .. import ops
 from .. import quantization as _q
 from ..quantization import gemm_quantizers as _gq
 from . import _fp8 as F8
-from ._base import main_grad_for
+from ._base import compute_dtype, main_grad_for
 from ._input import check_input
 from ._split import fused_params, install_split, parse_split, reset_split, weight_sources
 from .te_compat import materialize, refuse_fp8_io, rng_fork, take_refused
@@ -67,15 +67,6 @@ __all__ = ["Linear", "LinearFunction", "Fp8LinearFunction"]
 
 def _default_device():
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
-def _compute_dtype(x, weight):
-    """The dtype the GEMMs run in: torch.autocast's where it is on for x's
-    device type, else the weight's."""
-    dev = x.device.type
-    if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
-        return torch.get_autocast_dtype(dev)
-    return weight.dtype
 
 
 class LinearFunction(torch.autograd.Function):
@@ -217,7 +208,7 @@ class Linear(torch.nn.Module):
         weight, bias = fused_params(self, "Linear")
         lead = inp.shape[:-1]
         x = inp.reshape(-1, self.in_features)
-        dtype = _compute_dtype(inp, weight)
+        dtype = compute_dtype(inp, weight)
         use_bias = None if self.return_bias else bias
         recipe = _active_fp8_recipe()
         if recipe is not None:
