@@ -287,6 +287,11 @@ def test_enable_fp8_all_gather_bad_arguments():
     assert names == ["0.fc1_weight", "0.fc2_weight", "1.weight"]
     assert torch.equal(model[1].weight, w) and model[1].weight.requires_grad
     assert enable_fp8_all_gather(model, DelayedScaling()) == []  # already converted: nothing to do
+    # a model built under quantized_model_init (seqfuse keeps its weights in high
+    # precision and casts them per update) converts the same way
+    with te.quantized_model_init(enabled=True, recipe=Float8CurrentScaling()):
+        qmodel = _build("cpu", torch.bfloat16)
+    assert enable_fp8_all_gather(qmodel, Float8CurrentScaling()) == ["0.fc1_weight", "0.fc2_weight", "1.weight"]
 
 
 @pytest.mark.cuda
