@@ -27,6 +27,7 @@ from seqfuse.modules.te_compat import REFUSED
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
                                 "te_compat"))
 import compat_table  # noqa: E402
+from seqfuse.pytorch.refused import REFUSED_NAMES  # noqa: E402
 
 SNAPSHOT = compat_table.load_snapshot()
 RESULT = compat_table.classify(SNAPSHOT)
@@ -249,6 +250,22 @@ def test_refused_argument_raises_naming_it(cls, arg):
     with pytest.raises(NotImplementedError, match=rf"{cls}: argument '{arg}'=.* is not supported: "):
         build(cls, **{arg: entry["probe"]})
     build(cls, **{arg: entry["off"][0]})  # its "off" value (TE's default) is taken
+
+
+@pytest.mark.parametrize("name", list(REFUSED_NAMES))
+def test_refused_name_raises_naming_itself(name):
+    """Every TE name the table calls refused is a TE name, exported, and
+    raises NotImplementedError naming itself and its reason when called
+    with its probe (its "on" setting, or any call)."""
+    assert name in SNAPSHOT["names"] and RESULT["names"][name] == "refused"
+    args, kwargs = REFUSED_NAMES[name]["probe"]
+    fn = getattr(te, name)
+    with pytest.raises(NotImplementedError, match=rf"^{name}: .* is not supported: "):
+        result = fn(*args, **kwargs)
+        if hasattr(result, "__enter__"):  # a context manager refuses on entry
+            with result:
+                pass
+    assert REFUSED_NAMES[name]["why"] in compat_table.render(SNAPSHOT, RESULT)
 
 
 @pytest.mark.parametrize("cls", list(REQUIRED))

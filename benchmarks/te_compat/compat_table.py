@@ -65,7 +65,9 @@ def classify(snapshot):
     "modules": {cls: [(arg, status, reason or None)]}}."""
     import seqfuse.pytorch as te
     from seqfuse.modules.te_compat import REFUSED
-    out = {"names": {n: ("has" if hasattr(te, n) else "lacks") for n in snapshot["names"]}}
+    from seqfuse.pytorch.refused import REFUSED_NAMES
+    out = {"names": {n: ("refused" if n in REFUSED_NAMES else "has" if hasattr(te, n) else "lacks")
+                     for n in snapshot["names"]}}
     for sub in ("ops", "optimizers"):
         module = getattr(te, sub, None)
         out[sub] = {n: ("has" if module is not None and hasattr(module, n) else "lacks")
@@ -90,7 +92,7 @@ def counts(result):
     """{"names": {status: n}, "ops": ..., "optimizers": ..., "arguments": {status: n}}."""
     c = {}
     for key in ("names", "ops", "optimizers"):
-        c[key] = {s: sum(1 for v in result[key].values() if v == s) for s in ("has", "lacks")}
+        c[key] = {s: sum(1 for v in result[key].values() if v == s) for s in ("has", "refused", "lacks")}
     rows = [r for rows in result["modules"].values() for r in rows]
     c["arguments"] = {s: sum(1 for r in rows if r[1] == s) for s in ("has", "refused", "lacks")}
     return c
@@ -101,11 +103,12 @@ def _code(names):
 
 
 def render(snapshot, result):
+    from seqfuse.pytorch.refused import REFUSED_NAMES
     c = counts(result)
     lines = [f"Against Transformer Engine {snapshot['te_version']} ({snapshot['repository']} at "
              f"`{snapshot['commit'][:12]}`), by introspection of seqfuse.pytorch.  "
              f"Public names of `transformer_engine.pytorch`: {c['names']['has']} of "
-             f"{len(result['names'])} present; te.ops {c['ops']['has']} of {len(result['ops'])}; "
+             f"{len(result['names'])} present, {c['names']['refused']} refused with a reason; te.ops {c['ops']['has']} of {len(result['ops'])}; "
              f"te.optimizers {c['optimizers']['has']} of {len(result['optimizers'])}.  Constructor arguments "
              f"of the eight core modules: {c['arguments']['has']} taken, {c['arguments']['refused']} refused "
              f"with a reason (NotImplementedError naming the argument unless it is off), "
@@ -114,9 +117,13 @@ def render(snapshot, result):
                        ("te.optimizers", "optimizers")):
         has = [n for n, s in result[key].items() if s == "has"]
         lacks = [n for n, s in result[key].items() if s == "lacks"]
+        refused = [n for n, s in result[key].items() if s == "refused"]
         lacks_txt = ", ".join(f"`{n}`" + (f" ({NAME_NOTES[n]})" if n in NAME_NOTES else "") for n in lacks)
-        lines += [f"**{title}**", "", "| seqfuse | names |", "|---|---|", f"| has | {_code(has)} |",
-                  f"| lacks | {lacks_txt or 'none'} |", ""]
+        refused_txt = ", ".join(f"`{n}` ({REFUSED_NAMES[n]['why']})" for n in refused)
+        lines += [f"**{title}**", "", "| seqfuse | names |", "|---|---|", f"| has | {_code(has)} |"]
+        if key == "names":
+            lines += [f"| refused | {refused_txt or 'none'} |"]
+        lines += [f"| lacks | {lacks_txt or 'none'} |", ""]
     reasons = []
     for cls_name, rows in result["modules"].items():
         has = [a for a, s, _ in rows if s == "has"]
