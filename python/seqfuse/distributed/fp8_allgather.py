@@ -63,11 +63,16 @@ either way.  FSDP2 packs a unit's parameters of several dtypes into one
 uint8 all-gather, so one collective per unit remains.
 
 Costs.  One extra all-reduce of one float per weight per gather (per-tensor
-recipes): a few microseconds each on NVLink, against the gathered bytes
-halved.  The sharded tensors pass their ops through a Python
-__torch_function__ (to keep the subclass through FSDP2's sharding and
-resharding), which adds host time to optimizer code that runs torch ops per
-parameter; seqfuse's FusedAdamW runs one C call over all shards.
+recipes), issued on FSDP2's copy-in stream before the cast: a few
+microseconds each on NVLink, against the gathered bytes halved.  (torchao
+can batch these into one all-reduce after the optimizer step; here that
+would need a reliable sign that the weights changed, and seqfuse's fused
+AdamW writes them through DLPack without moving their version counters.)
+The sharded tensors carry a Python __torch_dispatch__ (to keep the subclass
+through FSDP2's sharding and DTensor's ops), which adds host time to each
+torch op on them: torch optimizers' per-parameter ops pay it, seqfuse's
+FusedAdamW reaches their storage in one C call.  The per-forward cast of
+each weight becomes a byte transpose (the input-gradient operand).
 """
 import logging
 
