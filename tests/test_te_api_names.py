@@ -2,6 +2,7 @@
 torch references: Fp8Padding / Fp8Unpadding (each split padded to a
 multiple of the alignment with zero rows, the alignment from the recipe
 when not given), moe_sort_chunks_by_index(_with_probs) (chunks reordered),
+moe_permute_and_pad_with_probs with moe_unpermute(pad_offsets=...),
 and the refused names' "off" settings (onnx_export, get_cpu_offload_context
 with enabled=False behave as TE's).  The refusals themselves are checked in
 test_te_api_table.py against REFUSED_NAMES.  CPU only: these are row copies
@@ -121,3 +122,70 @@ def test_refused_names_off_settings_are_tes():
         te.get_cpu_offload_context(enabled=1)
     with pytest.raises(TypeError, match="enabled"), te.onnx_export(enabled="yes"):
         pass
+
+
+def _padded_permutation_reference(x, probs, routing_map, align):
+    """Expert by expert: the tokens routed there in token order, then zero rows up to the alignment."""
+    rows, prows = [], []
+    for e in range(routing_map.shape[1]):
+        tok = routing_map[:, e].nonzero().flatten()
+        n = tok.numel()
+        pad = (n + align - 1) // align * align - n
+        rows += [x[tok], x.new_zeros((pad, x.shape[1]))]
+        prows += [probs[tok, e], probs.new_zeros(pad)]
+    return torch.cat(rows), torch.cat(prows)
+
+
+@pytest.mark.parametrize("align", [1, 4, 16])
+def test_permute_and_pad_with_probs_against_torch(align):
+    torch.manual_seed(2)
+    T, E, H = 9, 4, 6
+    routing_map = torch.rand(T, E) < 0.4
+    routing_map[:, 3] = False  # an expert with no tokens
+    x = torch.randn(T, H, requires_grad=True)
+    probs = torch.rand(T, E, requires_grad=True)
+    out, pprobs, row_id_map, pad_offsets, target = te.moe_permute_and_pad_with_probs(
+        x, probs, routing_map, routing_map.sum(0), align)
+    ref, pref = _padded_permutation_reference(x.detach(), probs.detach(), routing_map, align)
+    assert torch.equal(out, ref) and torch.equal(pprobs, pref)
+    counts = routing_map.sum(0)
+    assert torch.equal(target, (counts + align - 1) // align * align)
+    if align == 1:
+        assert pad_offsets is None
+    else:
+        pad = target - counts
+        assert torch.equal(pad_offsets, torch.cat([pad.new_zeros(1), torch.cumsum(pad, 0)[:-1]]))
+    # expert outputs back to tokens, weighted: the same as without padding
+    merging = (probs * routing_map).detach().requires_grad_(True)
+    back = te.moe_unpermute(out * pprobs[:, None], row_id_map, merging, pad_offsets=pad_offsets)
+    # token t's single-expert terms: sum_e m[t,e] * p[t,e] * x[t]
+    ref_back = x.detach() * (merging.detach() * probs.detach() * routing_map).sum(1, keepdim=True)
+    assert torch.allclose(back, ref_back, rtol=1e-6, atol=1e-6)
+    g = torch.randn_like(back)
+    back.backward(g)
+    w = (merging.detach() * probs.detach() * routing_map).sum(1, keepdim=True)
+    assert torch.allclose(x.grad, g * w, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(probs.grad, (g * x.detach()).sum(1, keepdim=True) * merging.detach() * routing_map,
+                          rtol=1e-6, atol=1e-6)
+
+
+def test_permute_and_pad_refusals_and_bad_input():
+    torch.manual_seed(3)
+    routing_map = torch.rand(5, 2) < 0.5
+    routing_map[0] = True
+    x, probs = torch.randn(5, 3), torch.rand(5, 2)
+    with pytest.raises(ValueError, match="tokens_per_expert"):
+        te.moe_permute_and_pad_with_probs(x, probs, routing_map, routing_map.sum(0) + 1, 4)
+    with pytest.raises(ValueError, match="tokens_per_expert"):
+        te.moe_permute_and_pad_with_probs(x, probs, routing_map, None, 4)
+    with pytest.raises(ValueError, match="align_size"):
+        te.moe_permute_and_pad_with_probs(x, probs, routing_map, routing_map.sum(0), 0)
+    out, _, ids = te.moe_permute_with_probs(x, probs, routing_map)
+    with pytest.raises(NotImplementedError, match="moe_unpermute: argument 'pad_offsets'"):
+        te.moe_unpermute(out, ids, pad_offsets=torch.zeros(2, dtype=torch.long))
+    # TE's deprecated 'probs' name of merging_probs
+    with pytest.warns(DeprecationWarning, match="probs"):
+        a = te.moe_unpermute(out, ids, probs=probs * routing_map)
+    assert torch.equal(a, te.moe_unpermute(out, ids, probs * routing_map))
+    with pytest.raises(ValueError, match="merging_probs"):
+        te.moe_unpermute(out, ids, probs * routing_map, probs=probs * routing_map)

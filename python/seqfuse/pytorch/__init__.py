@@ -74,10 +74,11 @@ from .permutation import moe_permute, moe_permute_with_probs, moe_unpermute  # n
 
 __all__ += ["GroupedLinear", "GroupedMLP", "permutation", "router", "moe_permute", "moe_permute_with_probs",
             "moe_unpermute"]
-from .permutation import moe_sort_chunks_by_index, moe_sort_chunks_by_index_with_probs  # noqa: E402
+from .permutation import (moe_permute_and_pad_with_probs, moe_sort_chunks_by_index,  # noqa: E402
+                          moe_sort_chunks_by_index_with_probs, moe_unpermute)
 from .fp8_padding import Fp8Padding, Fp8Unpadding  # noqa: E402
 
-__all__ += ["moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs", "Fp8Padding", "Fp8Unpadding"]
+__all__ += ["moe_permute_and_pad_with_probs", "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs", "Fp8Padding", "Fp8Unpadding"]
 
 # TE names seqfuse refuses (NotImplementedError naming the name and what to use instead; see refused.py)
 from .refused import destroy_ub, get_cpu_offload_context, initialize_ub, onnx_export  # noqa: E402

@@ -8,15 +8,86 @@ moe_sort_chunks_by_index(_with_probs) reorders contiguous chunks of rows
 regrouped by local expert).  It is an exact row gather (index_select, so
 autograd scatters the gradient back); it reads split_sizes and
 sorted_index on the host (one device-to-host copy each when they are CUDA
-tensors), where TE's kernel reads them on the device."""
-from typing import Tuple
+tensors), where TE's kernel reads them on the device.
+
+moe_permute_and_pad_with_probs is moe_permute_with_probs with each
+expert's block of rows padded with zero rows to a multiple of align_size
+(the FP8 grouped GEMM's row alignment).  Its row_id_map already points at
+the padded rows, so moe_unpermute needs no offsets to undo it; it takes
+TE's pad_offsets argument and checks that the map came from this function
+(a map from moe_permute_with_probs with pad_offsets is refused: seqfuse
+would not apply them)."""
+import warnings
+from typing import Optional, Tuple
 
 import torch
 
-from ..ops.moe import moe_permute, moe_permute_with_probs, moe_unpermute  # noqa: F401
+from ..ops import moe as _moe
+from ..ops.moe import moe_permute, moe_permute_with_probs  # noqa: F401
 
-__all__ = ["moe_permute", "moe_permute_with_probs", "moe_unpermute", "moe_sort_chunks_by_index",
-           "moe_sort_chunks_by_index_with_probs"]
+__all__ = ["moe_permute", "moe_permute_with_probs", "moe_permute_and_pad_with_probs", "moe_unpermute",
+           "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs"]
+
+#: attribute set on the row_id_map moe_permute_and_pad_with_probs returns (its rows include the padding)
+_PADDED = "_seqfuse_padded_row_id_map"
+
+
+def moe_permute_and_pad_with_probs(inp: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+                                   tokens_per_expert: torch.Tensor, align_size: int):
+    """TE's padded permutation: (output [sum(target), H], permuted_probs,
+    row_id_map, pad_offsets or None, target_tokens_per_expert), where
+    target = tokens_per_expert rounded up to a multiple of align_size, each
+    expert's rows followed by zero rows (probability 0) up to its target,
+    and pad_offsets[e] the padding rows before expert e (None when nothing
+    is padded).  tokens_per_expert must be the routing map's per-expert
+    counts.  Differentiable in inp and probs."""
+    op = "moe_permute_and_pad_with_probs"
+    if tokens_per_expert is None:
+        raise ValueError(f"{op}: argument 'tokens_per_expert' must be given (the routing map's per-expert counts)")
+    if isinstance(align_size, bool) or not isinstance(align_size, int) or align_size <= 0:
+        raise ValueError(f"{op}: argument 'align_size' must be a positive int, got {align_size!r}")
+    out, permuted_probs, ids = moe_permute_with_probs(inp, probs, routing_map)
+    counts = (ids >= 0).sum(0)
+    tokens_per_expert = torch.as_tensor(tokens_per_expert, device=counts.device)
+    if tokens_per_expert.shape != counts.shape or not torch.equal(tokens_per_expert.long(), counts.long()):
+        raise ValueError(f"{op}: argument 'tokens_per_expert' ({tokens_per_expert.tolist()}) must be the routing "
+                         f"map's per-expert counts ({counts.tolist()})")
+    counts = counts.long()
+    target = (counts + align_size - 1) // align_size * align_size
+    if torch.equal(target, counts):
+        pad_offsets = None
+        row_id_map = ids
+    else:
+        pad = target - counts
+        pad_offsets = torch.cumsum(pad, 0) - pad  # padding rows before each expert
+        row_id_map = torch.where(ids >= 0, ids + pad_offsets.to(ids.dtype)[None, :], ids)
+        # each unpadded row's padded row: expert e's rows shift by pad_offsets[e]
+        dest = torch.repeat_interleave(pad_offsets, counts) + torch.arange(out.shape[0], device=out.device)
+        total = int(target.sum().item())
+        out = out.new_zeros((total, out.shape[1])).index_copy(0, dest, out)
+        permuted_probs = permuted_probs.new_zeros(total).index_copy(0, dest, permuted_probs)
+    setattr(row_id_map, _PADDED, True)
+    return out, permuted_probs, row_id_map, pad_offsets, target
+
+
+def moe_unpermute(inp: torch.Tensor, row_id_map: torch.Tensor, merging_probs: Optional[torch.Tensor] = None,
+                  restore_shape: Optional[torch.Size] = None, map_type: str = "mask",
+                  probs: Optional[torch.Tensor] = None, pad_offsets: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """TE's moe_unpermute (seqfuse.ops.moe.moe_unpermute with TE's full
+    signature): probs is TE's deprecated name of merging_probs; pad_offsets
+    is taken with the row_id_map of moe_permute_and_pad_with_probs (which
+    already points at the padded rows)."""
+    op = "moe_unpermute"
+    if probs is not None:
+        if merging_probs is not None:
+            raise ValueError(f"{op}: both 'merging_probs' and its deprecated name 'probs' are given")
+        warnings.warn(f"{op}: argument 'probs' is deprecated (as in TE); use 'merging_probs'", DeprecationWarning)
+        merging_probs = probs
+    if pad_offsets is not None and not getattr(row_id_map, _PADDED, False):
+        raise NotImplementedError(f"{op}: argument 'pad_offsets' is not supported with this row_id_map: seqfuse "
+                                  "takes it only with the row_id_map returned by moe_permute_and_pad_with_probs "
+                                  "(pass that tensor itself, not a copy), whose rows already include the padding")
+    return _moe.moe_unpermute(inp, row_id_map, merging_probs, restore_shape, map_type)
 
 
 def _host_ints(op, name, t):
