@@ -119,10 +119,12 @@ def _config_of(args, kwargs):
     return None
 
 
-#: aten ops whose results stay FP8ShardWeight (views, copies, like-shaped new tensors)
+#: aten ops whose results stay FP8ShardWeight: views, detach, device / dtype
+#: copies and the new_zeros FSDP2 pads a shard with.  (zeros_like and
+#: empty_like are left out: optimizer states made like a weight stay plain.)
 _KEEP = {"detach", "alias", "view", "_unsafe_view", "slice", "narrow", "as_strided", "split",
-         "split_with_sizes", "chunk", "new_zeros", "new_empty", "empty_like", "zeros_like", "clone",
-         "_to_copy", "contiguous", "_pin_memory", "reshape", "t", "transpose"}
+         "split_with_sizes", "chunk", "new_zeros", "new_empty", "_to_copy", "contiguous",
+         "_pin_memory", "reshape", "t", "transpose"}
 
 
 def plain_tensor(t):
@@ -355,7 +357,11 @@ def enable_fp8_all_gather(model, recipe):
     depth) in FP8 under ``recipe``.  Call it before fully_shard, on
     materialized (not meta) parameters; run the model under FP8 autocast
     with the same recipe.  Returns the names of the parameters converted;
-    weights it leaves in high precision are logged with the reason."""
+    weights it leaves in high precision are logged with the reason.
+    Build the model on the device FSDP2 shards on: a parameter FSDP2 has to
+    move (``param.data = param.to(device)``) loses the extension, and its
+    weight is gathered in high precision; ``fp8_all_gather_params(model)``
+    after fully_shard lists the weights that kept it."""
     if not isinstance(recipe, Recipe):
         raise TypeError(f"enable_fp8_all_gather: argument 'recipe' must be a seqfuse.common.recipe "
                         f"recipe, got {type(recipe).__name__}")
