@@ -189,3 +189,52 @@ def test_permute_and_pad_refusals_and_bad_input():
     assert torch.equal(a, te.moe_unpermute(out, ids, probs * routing_map))
     with pytest.raises(ValueError, match="merging_probs"):
         te.moe_unpermute(out, ids, probs * routing_map, probs=probs * routing_map)
+
+
+# ---------------------------------------------------------------- te.optimizers multi-tensor entry points
+def test_multi_tensor_l2norm_and_scale_against_torch():
+    """Megatron-LM's gradient clipping, as it calls TE: the total and
+    per-tensor norms, then every gradient scaled in place."""
+    from seqfuse.pytorch import optimizers as opt
+    torch.manual_seed(4)
+    grads = [torch.randn(7, 3), torch.randn(0), torch.randn(11).to(torch.bfloat16), torch.randn(2, 2, 2)]
+    flag = torch.zeros(1, dtype=torch.int32)
+    total, per = opt.multi_tensor_applier(opt.multi_tensor_l2norm, flag, [grads], True)
+    kept = [g for g in grads if g.numel()]  # the applier drops empty tensors, as TE's
+    ref_per = torch.stack([g.double().norm() for g in kept])
+    assert total.dtype == torch.float32 and total.shape == (1,)
+    assert torch.allclose(total.double(), ref_per.norm().reshape(1), rtol=1e-6)
+    assert torch.allclose(per.double(), ref_per, rtol=1e-6)
+    total2, per2 = opt.multi_tensor_applier(opt.multi_tensor_l2norm, flag, [grads], False)
+    assert torch.equal(total2, total) and per2.numel() == 0 and flag.item() == 0
+    inv = torch.tensor([0.5])
+    t3, p3 = opt.multi_tensor_unscale_l2norm(2048, flag, [kept], inv, True)
+    assert torch.allclose(t3.double(), 0.5 * ref_per.norm().reshape(1), rtol=1e-6)
+    refs = [g.float() * 0.25 for g in kept]
+    opt.multi_tensor_applier(opt.multi_tensor_scale, flag, [grads, grads], 0.25)
+    for g, r in zip(kept, refs):
+        assert torch.equal(g, r.to(g.dtype))
+    opt.multi_tensor_scale_tensor(2048, flag, [kept, kept], torch.tensor([4.0]))
+    for g, r in zip(kept, refs):
+        assert torch.equal(g, (r * 4).to(g.dtype))
+    assert flag.item() == 0
+    assert opt.multi_tensor_applier(opt.multi_tensor_l2norm, flag, [[torch.randn(0)]], False) is None
+
+
+def test_multi_tensor_flags_non_finite_values():
+    from seqfuse.pytorch import optimizers as opt
+    flag = torch.zeros(1, dtype=torch.int32)
+    src, dst = [torch.tensor([1.0, float("inf")])], [torch.zeros(2)]
+    opt.multi_tensor_scale(2048, flag, [src, dst], 2.0)
+    assert flag.item() == 1 and dst[0][0].item() == 2.0
+    flag.zero_()
+    opt.multi_tensor_l2norm(2048, flag, [[torch.tensor([float("nan")])]])
+    assert flag.item() == 1
+    with pytest.raises(ValueError, match="tensor_lists"):
+        opt.multi_tensor_scale(2048, flag, [src], 2.0)
+    with pytest.raises(ValueError, match="one size"):
+        opt.multi_tensor_scale(2048, flag, [src, [torch.zeros(3)]], 2.0)
+    with pytest.raises(TypeError, match="inv_scale"):
+        opt.multi_tensor_unscale_l2norm(2048, flag, [src], 0.5)
+    with pytest.raises(RuntimeError, match="one length"):
+        opt.multi_tensor_applier(opt.multi_tensor_scale, flag, [src, []], 2.0)

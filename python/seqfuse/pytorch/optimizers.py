@@ -27,6 +27,9 @@ multi-tensor (foreach) kernels, which is what TE's fused SGD does too (one
 launch per operation for many tensors); construction says so once in a log
 line.  TE's wd_after_momentum=True and materialize_master_grads=False are
 refused.
+
+The multi-tensor entry points TE exports here (multi_tensor_applier,
+multi_tensor_scale, multi_tensor_l2norm, ...) come from multi_tensor.py.
 """
 import logging
 
@@ -35,8 +38,11 @@ import torch
 from torch.optim.optimizer import required as _required
 
 from ..optim import FusedAdamW
+from .multi_tensor import (MultiTensorApply, multi_tensor_applier, multi_tensor_l2norm,  # noqa: F401
+                           multi_tensor_scale, multi_tensor_scale_tensor, multi_tensor_unscale_l2norm)
 
-__all__ = ["FusedAdam", "FusedSGD"]
+__all__ = ["FusedAdam", "FusedSGD", "MultiTensorApply", "multi_tensor_applier", "multi_tensor_l2norm",
+           "multi_tensor_scale", "multi_tensor_scale_tensor", "multi_tensor_unscale_l2norm"]
 
 _log = logging.getLogger("seqfuse")
 _sgd_logged = False

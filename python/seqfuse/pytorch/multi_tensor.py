@@ -1,0 +1,141 @@
+"""Transformer Engine's multi-tensor entry points of te.optimizers that
+training code calls directly (Megatron-LM's gradient clipping imports
+multi_tensor_applier, multi_tensor_l2norm and multi_tensor_scale from
+transformer_engine.pytorch.optimizers at import time):
+
+    multi_tensor_applier(op, noop_flag, tensor_lists, *args)
+        = MultiTensorApply(2048 * 32): unwraps DTensors to their local
+          shards, drops empty tensors, calls op(chunk_size, noop_flag,
+          tensor_lists, *args)
+    multi_tensor_scale(chunk_size, noop_flag, [src, dst], scale)
+        dst = src * scale (in fp32, stored in dst's dtype); noop_flag set
+        to 1 when a value of src is not finite
+    multi_tensor_scale_tensor(...)  the same with scale a one-element tensor
+    multi_tensor_l2norm(chunk_size, noop_flag, [tensors], per_tensor=False)
+        -> (total norm [1] fp32, per-tensor norms [n] fp32, or [0] when
+            per_tensor is False); noop_flag set to 1 when the total is not
+            finite
+    multi_tensor_unscale_l2norm(chunk_size, noop_flag, [tensors], inv_scale,
+                                per_tensor=False)
+        -> the same for tensors * inv_scale (inv_scale: one-element tensor)
+
+Same arguments and results as TE's kernels; computed with torch's
+multi-tensor (foreach) operations in fp32, so they run on the CPU too and
+take no host synchronisation (the flag is written on the device).
+chunk_size only sizes TE's kernel launches and changes no result here.
+"""
+from typing import List, Optional, Tuple
+
+import torch
+
+__all__ = ["MultiTensorApply", "multi_tensor_applier", "multi_tensor_scale", "multi_tensor_scale_tensor",
+           "multi_tensor_l2norm", "multi_tensor_unscale_l2norm"]
+
+
+def _local(t):
+    from torch.distributed.tensor import DTensor
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+class MultiTensorApply:
+    """TE's multi-tensor apply entry: op(chunk_size, noop_flag, lists, *args)
+    over the non-empty slots of aligned tensor lists (None when none is
+    left)."""
+
+    def __init__(self, chunk_size: int):
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"MultiTensorApply: argument 'chunk_size' must be a positive int, got {chunk_size!r}")
+        self.chunk_size = chunk_size
+
+    def __call__(self, op, noop_flag_buffer, tensor_lists, *args):
+        lists = [[_local(t) for t in ts] for ts in tensor_lists]
+        if any(len(ts) != len(lists[0]) for ts in lists):
+            raise RuntimeError("multi_tensor_applier: argument 'tensor_lists' must hold lists of one length "
+                               f"(got lengths {[len(ts) for ts in lists]})")
+        keep = [t.numel() > 0 for t in lists[0]]
+        lists = [[t for t, k in zip(ts, keep) if k] for ts in lists]
+        if not lists[0]:
+            return None
+        return op(self.chunk_size, noop_flag_buffer, lists, *args)
+
+
+multi_tensor_applier = MultiTensorApply(2048 * 32)
+
+
+def _check(op, noop_flag, tensor_lists, n_lists):
+    if not torch.is_tensor(noop_flag) or noop_flag.numel() != 1:
+        raise TypeError(f"{op}: argument 'noop_flag' must be a one-element tensor")
+    if len(tensor_lists) != n_lists:
+        raise ValueError(f"{op}: argument 'tensor_lists' must hold {n_lists} list(s), got {len(tensor_lists)}")
+    lists = [[_local(t) for t in ts] for ts in tensor_lists]
+    if any(len(ts) != len(lists[0]) for ts in lists):
+        raise ValueError(f"{op}: the lists of 'tensor_lists' must have one length")
+    for ts in lists[1:]:
+        for a, b in zip(lists[0], ts):
+            if a.numel() != b.numel():
+                raise ValueError(f"{op}: tensors paired across 'tensor_lists' must have one size, "
+                                 f"got {tuple(a.shape)} and {tuple(b.shape)}")
+    return lists
+
+
+def _flag_if(noop_flag, bad):
+    """noop_flag = 1 where bad (a one-element bool tensor), on the device."""
+    noop_flag.masked_fill_(bad.to(noop_flag.device).view(noop_flag.shape), 1)
+
+
+def _scale(op, noop_flag, tensor_lists, scale):
+    src, dst = _check(op, noop_flag, tensor_lists, 2)
+    if not src:
+        return
+    f32 = [s.float() for s in src]
+    finite = torch.stack([torch.isfinite(s).all() for s in f32]).all()
+    _flag_if(noop_flag, ~finite)
+    out = torch._foreach_mul(f32, scale)
+    for d, o in zip(dst, out):
+        d.copy_(o.view_as(d))
+
+
+def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: List[List[torch.Tensor]],
+                       scale: float) -> None:
+    """tensor_lists = [src, dst]: dst = src * scale; noop_flag = 1 when src
+    holds a value that is not finite."""
+    _scale("multi_tensor_scale", noop_flag, tensor_lists, float(scale))
+
+
+def multi_tensor_scale_tensor(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: List[List[torch.Tensor]],
+                              scale: torch.Tensor) -> None:
+    """multi_tensor_scale with scale a one-element tensor (read on the device)."""
+    op = "multi_tensor_scale_tensor"
+    if not torch.is_tensor(scale) or scale.numel() != 1:
+        raise TypeError(f"{op}: argument 'scale' must be a one-element tensor")
+    _scale(op, noop_flag, tensor_lists, scale.float().reshape(()))
+
+
+def _l2norm(op, noop_flag, tensor_lists, inv_scale, per_tensor):
+    (ts,) = _check(op, noop_flag, tensor_lists, 1)
+    if not ts:
+        raise ValueError(f"{op}: argument 'tensor_lists' holds no tensor")
+    f32 = [t.float() for t in ts]
+    if inv_scale is not None:
+        f32 = torch._foreach_mul(f32, inv_scale)
+    norms = torch.stack(list(torch._foreach_norm(f32))).float()
+    total = torch.linalg.vector_norm(norms).reshape(1)
+    _flag_if(noop_flag, ~torch.isfinite(total))
+    return total, (norms if per_tensor else torch.empty(0, dtype=torch.float32, device=total.device))
+
+
+def multi_tensor_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: List[List[torch.Tensor]],
+                        per_tensor: Optional[bool] = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(L2 norm of all tensors together [1], per-tensor norms [n] or [0])."""
+    return _l2norm("multi_tensor_l2norm", noop_flag, tensor_lists, None, bool(per_tensor))
+
+
+def multi_tensor_unscale_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: List[List[torch.Tensor]],
+                                inv_scale: torch.Tensor, per_tensor: Optional[bool] = False
+                                ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """multi_tensor_l2norm of the tensors multiplied by inv_scale (a
+    one-element tensor)."""
+    op = "multi_tensor_unscale_l2norm"
+    if not torch.is_tensor(inv_scale) or inv_scale.numel() != 1:
+        raise TypeError(f"{op}: argument 'inv_scale' must be a one-element tensor")
+    return _l2norm(op, noop_flag, tensor_lists, inv_scale.float().reshape(()), bool(per_tensor))
