@@ -238,3 +238,38 @@ def test_multi_tensor_flags_non_finite_values():
         opt.multi_tensor_unscale_l2norm(2048, flag, [src], 0.5)
     with pytest.raises(RuntimeError, match="one length"):
         opt.multi_tensor_applier(opt.multi_tensor_scale, flag, [src, []], 2.0)
+
+
+@pytest.mark.cuda
+def test_cuda_padded_permutation_and_multi_tensor_match_cpu():
+    """On the GPU (seqfuse's permutation kernels, torch's CUDA foreach ops):
+    the same results as the CPU backend, exactly for the row copies and to
+    fp32 rounding for the norms."""
+    from seqfuse.pytorch import optimizers as opt
+    torch.manual_seed(5)
+    T, E, H = 64, 8, 32
+    routing_map = torch.rand(T, E) < 0.3
+    x, probs = torch.randn(T, H), torch.rand(T, E)
+    cpu = te.moe_permute_and_pad_with_probs(x, probs, routing_map, routing_map.sum(0), 16)
+    xg = x.cuda().requires_grad_(True)
+    gpu = te.moe_permute_and_pad_with_probs(xg, probs.cuda(), routing_map.cuda(), routing_map.sum(0).cuda(), 16)
+    for a, b in zip(cpu, gpu):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.equal(a, b.cpu())
+    back = te.moe_unpermute(gpu[0], gpu[2], (probs * routing_map).cuda(), pad_offsets=gpu[3])
+    ref = te.moe_unpermute(cpu[0], cpu[2], probs * routing_map, pad_offsets=cpu[3])
+    assert torch.allclose(back.cpu(), ref, rtol=1e-6, atol=1e-6)
+    back.sum().backward()
+    assert torch.isfinite(xg.grad).all()
+    pad, unpad = te.Fp8Padding(E), te.Fp8Unpadding(E)
+    splits = routing_map.sum(0).tolist()
+    rows = torch.randn(sum(splits), H, device="cuda")
+    padded, _ = pad(rows, splits)
+    assert torch.equal(unpad(padded, splits), rows)
+    grads = [torch.randn(100, 7), torch.randn(33).to(torch.bfloat16)]
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    tg, pg = opt.multi_tensor_applier(opt.multi_tensor_l2norm, flag, [[g.cuda() for g in grads]], True)
+    tc, pc = opt.multi_tensor_l2norm(2048, torch.zeros(1, dtype=torch.int32), [grads], True)
+    assert torch.allclose(tg.cpu(), tc, rtol=1e-5) and torch.allclose(pg.cpu(), pc, rtol=1e-5)
+    assert flag.item() == 0
