@@ -273,3 +273,34 @@ def test_cuda_padded_permutation_and_multi_tensor_match_cpu():
     tc, pc = opt.multi_tensor_l2norm(2048, torch.zeros(1, dtype=torch.int32), [grads], True)
     assert torch.allclose(tg.cpu(), tc, rtol=1e-5) and torch.allclose(pg.cpu(), pc, rtol=1e-5)
     assert flag.item() == 0
+
+
+# ---------------------------------------------------------------- te.ops.ClampedSwiGLU
+@pytest.mark.parametrize("kwargs", [{}, {"limit": 0.5, "alpha": 1.0, "glu_linear_offset": 0.0},
+                                    {"glu_interleave_size": 2}])
+def test_ops_clamped_swiglu_against_torch(kwargs):
+    """GPT-OSS's formula in float64, values on both sides of the limits."""
+    torch.manual_seed(6)
+    limit, alpha = kwargs.get("limit", 7.0), kwargs.get("alpha", 1.702)
+    offset, k = kwargs.get("glu_linear_offset", 1.0), kwargs.get("glu_interleave_size")
+    x = (torch.randn(3, 5, 8) * 6).requires_grad_(True)
+    op = te.ops.ClampedSwiGLU(**kwargs)
+    out = op(x)
+    xd = x.detach().double().requires_grad_(True)
+    xr = xd if k is None else xd.reshape(3, 5, 8 // (2 * k), 2, k).transpose(-3, -2).reshape(3, 5, 8)
+    a, b = xr[..., :4], xr[..., 4:]
+    ac = torch.minimum(a, torch.tensor(limit, dtype=a.dtype))
+    ref = ac * torch.sigmoid(alpha * ac) * (torch.maximum(torch.minimum(b, torch.tensor(limit, dtype=b.dtype)),
+                                                          torch.tensor(-limit, dtype=b.dtype)) + offset)
+    assert torch.allclose(out.double(), ref, rtol=1e-6, atol=1e-6)
+    g = torch.randn_like(out)
+    out.backward(g)
+    ref.backward(g.double())
+    assert torch.allclose(x.grad.double(), xd.grad, rtol=1e-5, atol=1e-6)
+    assert bool((x.abs() > limit).any())  # the clamps were exercised
+    seq = te.ops.Sequential(te.ops.Linear(8, 8, device="cpu"), op)
+    assert seq.plan()[-1] == (None, ["ClampedSwiGLU"]) and seq(x.detach()).shape == (3, 5, 4)
+    with pytest.raises(NotImplementedError, match="cache_quantized_input"):
+        te.ops.ClampedSwiGLU(cache_quantized_input=True)
+    with pytest.raises(ValueError, match="multiple of"):
+        op(torch.randn(2, 6) if k else torch.randn(2, 7))

@@ -54,7 +54,7 @@ from ..modules.te_compat import materialize, materialize_device, rng_fork
 from ..quantization import is_fp8_enabled
 
 __all__ = ["BasicOperation", "BasicLinear", "Bias", "Linear", "LayerNorm", "RMSNorm", "GELU", "ReLU", "SiLU",
-           "GEGLU", "ReGLU", "SwiGLU", "GLU", "QGELU", "QGEGLU", "SReLU", "SReGLU", "L2Normalization", "Quantize",
+           "GEGLU", "ReGLU", "SwiGLU", "GLU", "QGELU", "QGEGLU", "SReLU", "SReGLU", "ClampedSwiGLU", "L2Normalization", "Quantize",
            "Identity", "ConstantScale", "Dropout", "Reshape", "Sequential"]
 
 _log = logging.getLogger("seqfuse")
@@ -328,6 +328,42 @@ class SReLU(_TorchActivation):
 class SReGLU(_TorchActivation):
     """relu(a)^2 * b."""
     gated, fn = True, staticmethod(_srelu)
+
+
+class ClampedSwiGLU(BasicOperation):
+    """GPT-OSS's SwiGLU as TE computes it, in torch (seqfuse has no kernel
+    for it): with a, b the two halves of the last dimension,
+    min(a, limit) * sigmoid(alpha * min(a, limit)) * (clamp(b, -limit, limit)
+    + glu_linear_offset).  glu_interleave_size=k: the input is
+    block-interleaved as for SwiGLU and put back in [a; b] order first."""
+
+    def __init__(self, *, limit=7.0, alpha=1.702, glu_linear_offset=1.0, cache_quantized_input=False,
+                 glu_interleave_size=None):
+        super().__init__()
+        if cache_quantized_input:
+            _refuse("ClampedSwiGLU", "cache_quantized_input", cache_quantized_input,
+                    "the activation keeps its input in high precision for the backward")
+        for name, v in (("limit", limit), ("alpha", alpha), ("glu_linear_offset", glu_linear_offset)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError(f"te.ops.ClampedSwiGLU: argument '{name}' must be a number, got {v!r}")
+        if glu_interleave_size is not None and (isinstance(glu_interleave_size, bool)
+                                                or not isinstance(glu_interleave_size, int)
+                                                or glu_interleave_size <= 0):
+            raise ValueError("te.ops.ClampedSwiGLU: argument 'glu_interleave_size' must be a positive int or "
+                             f"None, got {glu_interleave_size!r}")
+        self.limit, self.alpha, self.glu_linear_offset = float(limit), float(alpha), float(glu_linear_offset)
+        self.glu_interleave_size = glu_interleave_size
+
+    def forward(self, x):
+        n, k = x.shape[-1], self.glu_interleave_size
+        if n % (2 * (k or 1)):
+            raise ValueError(f"te.ops.ClampedSwiGLU: the input's last dimension ({n}) must be a multiple of "
+                             f"{2 * (k or 1)}")
+        if k is not None:
+            x = x.reshape(*x.shape[:-1], n // (2 * k), 2, k).transpose(-3, -2).reshape(x.shape)
+        a, b = x.chunk(2, dim=-1)
+        a = a.clamp(max=self.limit)
+        return a * torch.sigmoid(self.alpha * a) * (b.clamp(-self.limit, self.limit) + self.glu_linear_offset)
 
 
 class L2Normalization(BasicOperation):
