@@ -304,3 +304,59 @@ def test_ops_clamped_swiglu_against_torch(kwargs):
         te.ops.ClampedSwiGLU(cache_quantized_input=True)
     with pytest.raises(ValueError, match="multiple of"):
         op(torch.randn(2, 6) if k else torch.randn(2, 7))
+
+
+# ---------------------------------------------------------------- te.ops extra inputs and outputs
+@pytest.mark.parametrize("k", [None, 2])
+def test_ops_scaled_swiglu_against_torch(k):
+    torch.manual_seed(7)
+    x = torch.randn(3, 5, 8, requires_grad=True)
+    scales = torch.rand(3, 5, requires_grad=True)
+    out = te.ops.ScaledSwiGLU(glu_interleave_size=k)(x, scales)
+    xd = x.detach().double().requires_grad_(True)
+    sd = scales.detach().double().requires_grad_(True)
+    xr = xd if k is None else xd.reshape(3, 5, 8 // (2 * k), 2, k).transpose(-3, -2).reshape(3, 5, 8)
+    ref = torch.nn.functional.silu(xr[..., :4]) * xr[..., 4:] * sd[..., None]
+    assert torch.allclose(out.double(), ref, rtol=1e-6, atol=1e-6)
+    g = torch.randn_like(out)
+    out.backward(g)
+    ref.backward(g.double())
+    assert torch.allclose(x.grad.double(), xd.grad, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(scales.grad.double(), sd.grad, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="scales"):
+        te.ops.ScaledSwiGLU()(x, scales[:, :4])
+    with pytest.raises(NotImplementedError, match="activation_recompute_in_mlp"):
+        te.ops.ScaledSwiGLU(activation_recompute_in_mlp=True)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_ops_sequential_routes_extra_inputs_and_outputs(in_place):
+    """An MoE expert block the way TE writes it with te.ops: Linear,
+    MakeExtraOutput (the pre-activation also returned), ScaledSwiGLU with
+    the routing probabilities, Linear, AddExtraInput (the residual); against
+    the same computation in torch, gradients included."""
+    torch.manual_seed(8)
+    fc1, fc2 = te.ops.Linear(6, 8, device="cpu"), te.ops.Linear(4, 6, device="cpu")
+    seq = te.ops.Sequential(fc1, te.ops.MakeExtraOutput(in_place=in_place), te.ops.ScaledSwiGLU(), fc2,
+                            te.ops.AddExtraInput(in_place=in_place))
+    x = torch.randn(5, 6, requires_grad=True)
+    probs = torch.rand(5, requires_grad=True)
+    residual = torch.randn(5, 6)
+    out, pre = seq(x, probs, residual.clone())
+    w1, b1 = fc1.weight.detach().double(), fc1.bias.detach().double()
+    w2, b2 = fc2.weight.detach().double(), fc2.bias.detach().double()
+    xd = x.detach().double().requires_grad_(True)
+    pd = probs.detach().double().requires_grad_(True)
+    h = xd @ w1.T + b1
+    ref = (torch.nn.functional.silu(h[:, :4]) * h[:, 4:] * pd[:, None]) @ w2.T + b2 + residual.double()
+    assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(pre.double(), h, rtol=1e-5, atol=1e-5)
+    g, gp = torch.randn_like(out), torch.randn_like(pre)
+    torch.autograd.backward([out, pre], [g, gp])  # the extra output's gradient adds to the main path's
+    torch.autograd.backward([ref, h], [g.double(), gp.double()])
+    assert torch.allclose(x.grad.double(), xd.grad, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(probs.grad.double(), pd.grad, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="extra input"):
+        seq(x, probs)
+    with pytest.raises(NotImplementedError, match="op_kwargs"):
+        seq(x, probs, residual, op_kwargs={0: {}})

@@ -54,7 +54,8 @@ from ..modules.te_compat import materialize, materialize_device, rng_fork
 from ..quantization import is_fp8_enabled
 
 __all__ = ["BasicOperation", "BasicLinear", "Bias", "Linear", "LayerNorm", "RMSNorm", "GELU", "ReLU", "SiLU",
-           "GEGLU", "ReGLU", "SwiGLU", "GLU", "QGELU", "QGEGLU", "SReLU", "SReGLU", "ClampedSwiGLU", "L2Normalization", "Quantize",
+           "GEGLU", "ReGLU", "SwiGLU", "GLU", "QGELU", "QGEGLU", "SReLU", "SReGLU", "ClampedSwiGLU", "ScaledSwiGLU", "AddExtraInput",
+           "MakeExtraOutput", "L2Normalization", "Quantize",
            "Identity", "ConstantScale", "Dropout", "Reshape", "Sequential"]
 
 _log = logging.getLogger("seqfuse")
@@ -85,7 +86,12 @@ def _device(device):
 
 
 class BasicOperation(torch.nn.Module):
-    """A fusible operation: ``forward(x)`` runs it on its own."""
+    """A fusible operation: ``forward(x, *extra_inputs)`` runs it on its own
+    and returns its output, or (output, *extra_outputs) when it makes extra
+    outputs.  num_extra_inputs / num_extra_outputs: how many extra tensors
+    it takes from / gives to Sequential (TE's attributes)."""
+    num_extra_inputs = 0
+    num_extra_outputs = 0
 
 
 class BasicLinear(BasicOperation):
@@ -355,15 +361,82 @@ class ClampedSwiGLU(BasicOperation):
         self.glu_interleave_size = glu_interleave_size
 
     def forward(self, x):
-        n, k = x.shape[-1], self.glu_interleave_size
-        if n % (2 * (k or 1)):
-            raise ValueError(f"te.ops.ClampedSwiGLU: the input's last dimension ({n}) must be a multiple of "
-                             f"{2 * (k or 1)}")
-        if k is not None:
-            x = x.reshape(*x.shape[:-1], n // (2 * k), 2, k).transpose(-3, -2).reshape(x.shape)
+        x = _deinterleave("ClampedSwiGLU", x, self.glu_interleave_size)
         a, b = x.chunk(2, dim=-1)
         a = a.clamp(max=self.limit)
         return a * torch.sigmoid(self.alpha * a) * (b.clamp(-self.limit, self.limit) + self.glu_linear_offset)
+
+
+def _deinterleave(who, x, k):
+    """[a 0:k, b 0:k, a k:2k, ...] -> [a; b] along the last dimension (TE's block-interleaved GLU layout)."""
+    n = x.shape[-1]
+    if n % (2 * (k or 1)):
+        raise ValueError(f"te.ops.{who}: the input's last dimension ({n}) must be a multiple of {2 * (k or 1)}")
+    if k is None:
+        return x
+    return x.reshape(*x.shape[:-1], n // (2 * k), 2, k).transpose(-3, -2).reshape(x.shape)
+
+
+class ScaledSwiGLU(BasicOperation):
+    """SwiGLU scaled row by row by an extra input: forward(x, scales) =
+    silu(a) * b * scales[..., None] for x [..., 2F] (halves a, b) and
+    scales of x's shape less its last dimension; seqfuse's scaled_swiglu
+    kernel (the MoE experts' activation times the routing probability),
+    differentiable in x and scales.  glu_interleave_size as for SwiGLU."""
+    num_extra_inputs = 1
+
+    def __init__(self, glu_interleave_size=None, *, activation_recompute_in_mlp=False):
+        super().__init__()
+        if glu_interleave_size is not None and (isinstance(glu_interleave_size, bool)
+                                                or not isinstance(glu_interleave_size, int)
+                                                or glu_interleave_size <= 0):
+            raise ValueError("te.ops.ScaledSwiGLU: argument 'glu_interleave_size' must be a positive int or "
+                             f"None, got {glu_interleave_size!r}")
+        if activation_recompute_in_mlp:  # TE refuses it too (its fused grouped MLP only)
+            _refuse("ScaledSwiGLU", "activation_recompute_in_mlp", activation_recompute_in_mlp,
+                    "TE's fused grouped-MLP recomputation; recompute with te.checkpoint around the block")
+        self.glu_interleave_size = glu_interleave_size
+        self.activation_recompute_in_mlp = False
+
+    def forward(self, x, scales):
+        from ..ops.moe import scaled_swiglu
+        x = _deinterleave("ScaledSwiGLU", x, self.glu_interleave_size)
+        if not torch.is_tensor(scales) or tuple(scales.shape) != tuple(x.shape[:-1]):
+            raise ValueError(f"te.ops.ScaledSwiGLU: the extra input 'scales' must have the input's shape less its "
+                             f"last dimension {tuple(x.shape[:-1])}, got "
+                             f"{tuple(scales.shape) if torch.is_tensor(scales) else type(scales).__name__}")
+        out = scaled_swiglu(x.reshape(-1, x.shape[-1]), scales.reshape(-1).to(x.dtype))
+        return out.reshape(*x.shape[:-1], x.shape[-1] // 2)
+
+
+class AddExtraInput(BasicOperation):
+    """forward(x, extra) = extra + x; in_place=True adds x into extra (TE's
+    advanced option: extra is modified and returned)."""
+    num_extra_inputs = 1
+
+    def __init__(self, *, in_place=False):
+        super().__init__()
+        self._in_place = bool(in_place)
+
+    def forward(self, x, extra):
+        if self._in_place:
+            return extra.add_(x)
+        return extra + x
+
+
+class MakeExtraOutput(BasicOperation):
+    """Passes x on and gives it to Sequential as an extra output: forward(x)
+    = (x, x); the gradients of both sum in backward (autograd).  in_place
+    only lets TE accumulate that sum into the extra output's gradient
+    buffer; the gradient is the same."""
+    num_extra_outputs = 1
+
+    def __init__(self, *, in_place=False):
+        super().__init__()
+        self._in_place = bool(in_place)
+
+    def forward(self, x):
+        return x, x
 
 
 class L2Normalization(BasicOperation):
@@ -585,11 +658,31 @@ class Sequential(torch.nn.Module):
     def __getitem__(self, i):
         return self._ops[i]
 
-    def forward(self, input, *extra_inputs):
-        if extra_inputs:
-            raise NotImplementedError("te.ops.Sequential: extra inputs are not supported (no operation here "
-                                      "takes one)")
-        x = input
+    def forward(self, input, *extra_inputs, op_kwargs=None):
+        """The operations in order: (output, *extra outputs) when an operation
+        makes extra outputs, else output.  extra_inputs go to the operations
+        that take them (num_extra_inputs), in order."""
+        if op_kwargs:
+            raise NotImplementedError("te.ops.Sequential: argument 'op_kwargs' is not supported: it passes "
+                                      "buffers to TE's grouped linear / grouped MLP operations, which seqfuse's "
+                                      "te.ops does not have")
+        need = sum(op.num_extra_inputs for op in self._ops if isinstance(op, BasicOperation))
+        if len(extra_inputs) != need:
+            raise ValueError(f"te.ops.Sequential: {len(extra_inputs)} extra input(s) given, but its operations "
+                             f"take {need}")
+        x, rest, extra_outputs = input, list(extra_inputs), []
         for step in self._steps:
-            x = step.run(x)
-        return x
+            op = step.ops[0]
+            n_in = getattr(op, "num_extra_inputs", 0) if step.label is None else 0
+            n_out = getattr(op, "num_extra_outputs", 0) if step.label is None else 0
+            if n_in or n_out:
+                args, rest = rest[:n_in], rest[n_in:]
+                y = op(x, *args)
+                if n_out:
+                    x, ys = y[0], y[1:]
+                    extra_outputs.extend(ys)
+                else:
+                    x = y
+            else:
+                x = step.run(x)
+        return (x, *extra_outputs) if extra_outputs else x
