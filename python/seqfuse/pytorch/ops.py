@@ -36,12 +36,19 @@ drop the Quantize operation).  Identity, ConstantScale (x * scale), Dropout
 (torch's, training mode only) and Reshape (x.reshape(shape)) are torch
 operations, and so are the activations seqfuse has no kernel for: GLU
 (sigmoid(a) * b), QGELU (x * sigmoid(1.702 x)), QGEGLU, SReLU (relu(x)^2),
-SReGLU; they always run op by op.  L2Normalization (x / sqrt(sum x^2 +
-eps), TE's QK-norm op) runs on seqfuse's RMSNorm kernel (MultiheadAttention's
-L2Normalization).  Not here (names TE has that seqfuse.pytorch.ops lacks):
-GroupedLinear, ScaledSwiGLU and the other scaled/clamped GLUs, the
-communication operations, extra inputs/outputs, and the fusion registration
-functions.
+SReGLU, ClampedSwiGLU (GPT-OSS's); they always run op by op.
+L2Normalization (x / sqrt(sum x^2 + eps), TE's QK-norm op) runs on
+seqfuse's RMSNorm kernel (MultiheadAttention's L2Normalization).
+
+Extra inputs and outputs, as TE's: ``Sequential.forward(input,
+*extra_inputs)`` hands the extra inputs, in order, to the operations that
+take them (num_extra_inputs: ScaledSwiGLU's row scales, on seqfuse's
+scaled_swiglu kernel; AddExtraInput's addend), and returns (output,
+*extra_outputs) when an operation makes one (MakeExtraOutput); these
+operations run on their own.  Not here (names TE has that
+seqfuse.pytorch.ops lacks): GroupedLinear, the other scaled GLUs (SiTU,
+SReLU, clamped QGeGLU), the communication operations, and the fusion
+registration functions.
 """
 import logging
 import math
