@@ -360,3 +360,47 @@ def test_ops_sequential_routes_extra_inputs_and_outputs(in_place):
         seq(x, probs)
     with pytest.raises(NotImplementedError, match="op_kwargs"):
         seq(x, probs, residual, op_kwargs={0: {}})
+
+
+def _situ_ref(a, b, beta1=4.0, beta2=25.0):
+    return beta1 * torch.tanh(a / beta1) * torch.sigmoid(a) * beta2 * torch.tanh(b / beta2)
+
+
+def _clamped_ref(a, b, limit=7.0, alpha=1.702, offset=1.0):
+    ac = torch.clamp(a, max=limit)
+    return ac * torch.sigmoid(alpha * ac) * (torch.clamp(b, -limit, limit) + offset)
+
+
+@pytest.mark.parametrize("name,kwargs,ref", [
+    ("SiTUGLU", {}, lambda x, s: _situ_ref(x[..., :4], x[..., 4:])),
+    ("SiTUGLU", {"beta1": 1.5, "beta2": 2.0}, lambda x, s: _situ_ref(x[..., :4], x[..., 4:], 1.5, 2.0)),
+    ("ScaledSiTUGLU", {"beta1": 2.0}, lambda x, s: _situ_ref(x[..., :4], x[..., 4:], 2.0) * s[..., None]),
+    ("ScaledClampedQGeGLU", {"limit": 3.0},
+     lambda x, s: _clamped_ref(x[..., :4], x[..., 4:], limit=3.0) * s[..., None]),
+    ("ScaledSReLU", {}, lambda x, s: torch.relu(x) ** 2 * s[..., None]),
+])
+def test_ops_soft_capped_and_scaled_activations_against_torch(name, kwargs, ref):
+    """The GLU variants seqfuse has no kernel for (torch, op by op), with
+    TE's formulas (transformer_engine/common/util/math.h) in float64."""
+    torch.manual_seed(9)
+    op = getattr(te.ops, name)(**kwargs)
+    x = (torch.randn(2, 3, 8) * 5).requires_grad_(True)
+    s = torch.rand(2, 3, requires_grad=True)
+    args = (x, s) if op.num_extra_inputs else (x,)
+    out = op(*args)
+    xd, sd = x.detach().double().requires_grad_(True), s.detach().double().requires_grad_(True)
+    r = ref(xd, sd)
+    assert torch.allclose(out.double(), r, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(out)
+    out.backward(g)
+    r.backward(g.double())
+    assert torch.allclose(x.grad.double(), xd.grad, rtol=1e-5, atol=1e-5)
+    if op.num_extra_inputs:
+        assert torch.allclose(s.grad.double(), sd.grad, rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match="scales"):
+            op(x, s[:1])
+        with pytest.raises(NotImplementedError, match="activation_recompute_in_mlp"):
+            getattr(te.ops, name)(activation_recompute_in_mlp=True)
+    if "SiTU" in name:
+        with pytest.raises(ValueError, match="beta1"):
+            getattr(te.ops, name)(beta1=0.0)

@@ -36,19 +36,20 @@ drop the Quantize operation).  Identity, ConstantScale (x * scale), Dropout
 (torch's, training mode only) and Reshape (x.reshape(shape)) are torch
 operations, and so are the activations seqfuse has no kernel for: GLU
 (sigmoid(a) * b), QGELU (x * sigmoid(1.702 x)), QGEGLU, SReLU (relu(x)^2),
-SReGLU, ClampedSwiGLU (GPT-OSS's); they always run op by op.
+SReGLU, ClampedSwiGLU (GPT-OSS's), SiTUGLU (Kimi K3's soft-capped
+SiLU GLU); they always run op by op.
 L2Normalization (x / sqrt(sum x^2 + eps), TE's QK-norm op) runs on
 seqfuse's RMSNorm kernel (MultiheadAttention's L2Normalization).
 
 Extra inputs and outputs, as TE's: ``Sequential.forward(input,
 *extra_inputs)`` hands the extra inputs, in order, to the operations that
 take them (num_extra_inputs: ScaledSwiGLU's row scales, on seqfuse's
-scaled_swiglu kernel; AddExtraInput's addend), and returns (output,
+scaled_swiglu kernel; ScaledSiTUGLU's, ScaledClampedQGeGLU's and
+ScaledSReLU's, in torch; AddExtraInput's addend), and returns (output,
 *extra_outputs) when an operation makes one (MakeExtraOutput); these
 operations run on their own.  Not here (names TE has that
-seqfuse.pytorch.ops lacks): GroupedLinear, the other scaled GLUs (SiTU,
-SReLU, clamped QGeGLU), the communication operations, and the fusion
-registration functions.
+seqfuse.pytorch.ops lacks): GroupedLinear, the communication operations,
+and the fusion registration functions.
 """
 import logging
 import math
@@ -61,7 +62,8 @@ from ..modules.te_compat import materialize, materialize_device, rng_fork
 from ..quantization import is_fp8_enabled
 
 __all__ = ["BasicOperation", "BasicLinear", "Bias", "Linear", "LayerNorm", "RMSNorm", "GELU", "ReLU", "SiLU",
-           "GEGLU", "ReGLU", "SwiGLU", "GLU", "QGELU", "QGEGLU", "SReLU", "SReGLU", "ClampedSwiGLU", "ScaledSwiGLU", "AddExtraInput",
+           "GEGLU", "ReGLU", "SwiGLU", "GLU", "QGELU", "QGEGLU", "SReLU", "SReGLU", "ClampedSwiGLU", "SiTUGLU", "ScaledSwiGLU", "ScaledSiTUGLU",
+           "ScaledClampedQGeGLU", "ScaledSReLU", "AddExtraInput",
            "MakeExtraOutput", "L2Normalization", "Quantize",
            "Identity", "ConstantScale", "Dropout", "Reshape", "Sequential"]
 
@@ -359,19 +361,61 @@ class ClampedSwiGLU(BasicOperation):
         for name, v in (("limit", limit), ("alpha", alpha), ("glu_linear_offset", glu_linear_offset)):
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise TypeError(f"te.ops.ClampedSwiGLU: argument '{name}' must be a number, got {v!r}")
-        if glu_interleave_size is not None and (isinstance(glu_interleave_size, bool)
-                                                or not isinstance(glu_interleave_size, int)
-                                                or glu_interleave_size <= 0):
-            raise ValueError("te.ops.ClampedSwiGLU: argument 'glu_interleave_size' must be a positive int or "
-                             f"None, got {glu_interleave_size!r}")
+        _interleave_arg("ClampedSwiGLU", glu_interleave_size)
         self.limit, self.alpha, self.glu_linear_offset = float(limit), float(alpha), float(glu_linear_offset)
         self.glu_interleave_size = glu_interleave_size
 
     def forward(self, x):
         x = _deinterleave("ClampedSwiGLU", x, self.glu_interleave_size)
-        a, b = x.chunk(2, dim=-1)
-        a = a.clamp(max=self.limit)
-        return a * torch.sigmoid(self.alpha * a) * (b.clamp(-self.limit, self.limit) + self.glu_linear_offset)
+        return _clamped_glu(x, self.limit, self.alpha, self.glu_linear_offset)
+
+
+def _clamped_glu(x, limit, alpha, offset):
+    a, b = x.chunk(2, dim=-1)
+    a = a.clamp(max=limit)
+    return a * torch.sigmoid(alpha * a) * (b.clamp(-limit, limit) + offset)
+
+
+def _situ_glu(x, beta1, beta2):
+    a, b = x.chunk(2, dim=-1)
+    return beta1 * torch.tanh(a / beta1) * torch.sigmoid(a) * (beta2 * torch.tanh(b / beta2))
+
+
+def _check_betas(who, beta1, beta2):
+    for name, v in (("beta1", beta1), ("beta2", beta2)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"te.ops.{who}: argument '{name}' must be a finite positive number, got {v!r}")
+    return float(beta1), float(beta2)
+
+
+class SiTUGLU(BasicOperation):
+    """Kimi K3's soft-capped SiLU GLU as TE computes it, in torch (op by
+    op): beta1 tanh(a / beta1) sigmoid(a) * beta2 tanh(b / beta2) for the
+    halves a, b of the last dimension.  glu_interleave_size as for SwiGLU."""
+
+    def __init__(self, *, beta1=4.0, beta2=25.0, cache_quantized_input=False, glu_interleave_size=None):
+        super().__init__()
+        if cache_quantized_input:
+            _refuse("SiTUGLU", "cache_quantized_input", cache_quantized_input,
+                    "the activation keeps its input in high precision for the backward")
+        self.beta1, self.beta2 = _check_betas("SiTUGLU", beta1, beta2)
+        self.glu_interleave_size = _interleave_arg("SiTUGLU", glu_interleave_size)
+
+    def forward(self, x):
+        return _situ_glu(_deinterleave("SiTUGLU", x, self.glu_interleave_size), self.beta1, self.beta2)
+
+
+def _interleave_arg(who, k):
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k <= 0):
+        raise ValueError(f"te.ops.{who}: argument 'glu_interleave_size' must be a positive int or None, got {k!r}")
+    return k
+
+
+def _scales_for(who, x_rows_shape, scales):
+    if not torch.is_tensor(scales) or tuple(scales.shape) != tuple(x_rows_shape):
+        raise ValueError(f"te.ops.{who}: the extra input 'scales' must have the input's shape less its last "
+                         f"dimension {tuple(x_rows_shape)}, got "
+                         f"{tuple(scales.shape) if torch.is_tensor(scales) else type(scales).__name__}")
 
 
 def _deinterleave(who, x, k):
@@ -414,6 +458,68 @@ class ScaledSwiGLU(BasicOperation):
                              f"{tuple(scales.shape) if torch.is_tensor(scales) else type(scales).__name__}")
         out = scaled_swiglu(x.reshape(-1, x.shape[-1]), scales.reshape(-1).to(x.dtype))
         return out.reshape(*x.shape[:-1], x.shape[-1] // 2)
+
+
+class _ScaledTorch(BasicOperation):
+    """An activation times per-row scales (an extra input) in torch, op by op:
+    forward(x, scales) = f(x) * scales[..., None], scales rounded to x's
+    dtype (TE computes in the input's dtype)."""
+    num_extra_inputs = 1
+    gated = True
+
+    def __init__(self, glu_interleave_size=None, activation_recompute_in_mlp=False):
+        super().__init__()
+        who = type(self).__name__
+        if activation_recompute_in_mlp:  # TE refuses it too (its fused grouped MLP only)
+            _refuse(who, "activation_recompute_in_mlp", activation_recompute_in_mlp,
+                    "TE's fused grouped-MLP recomputation; recompute with te.checkpoint around the block")
+        self.glu_interleave_size = _interleave_arg(who, glu_interleave_size)
+        self.activation_recompute_in_mlp = False
+
+    def fn(self, x):
+        raise NotImplementedError
+
+    def forward(self, x, scales):
+        who = type(self).__name__
+        if self.gated:
+            x = _deinterleave(who, x, self.glu_interleave_size)
+        _scales_for(who, x.shape[:-1], scales)
+        return self.fn(x) * scales.to(x.dtype)[..., None]
+
+
+class ScaledSiTUGLU(_ScaledTorch):
+    """SiTUGLU times per-row scales (TE's ScaledSiTUGLU)."""
+
+    def __init__(self, glu_interleave_size=None, *, activation_recompute_in_mlp=False, beta1=4.0, beta2=25.0):
+        super().__init__(glu_interleave_size, activation_recompute_in_mlp)
+        self.beta1, self.beta2 = _check_betas("ScaledSiTUGLU", beta1, beta2)
+
+    def fn(self, x):
+        return _situ_glu(x, self.beta1, self.beta2)
+
+
+class ScaledClampedQGeGLU(_ScaledTorch):
+    """ClampedSwiGLU's formula times per-row scales (TE's ScaledClampedQGeGLU)."""
+
+    def __init__(self, glu_interleave_size=None, *, activation_recompute_in_mlp=False, limit=7.0, alpha=1.702,
+                 glu_linear_offset=1.0):
+        super().__init__(glu_interleave_size, activation_recompute_in_mlp)
+        ref = ClampedSwiGLU(limit=limit, alpha=alpha, glu_linear_offset=glu_linear_offset)  # checks the numbers
+        self.limit, self.alpha, self.glu_linear_offset = ref.limit, ref.alpha, ref.glu_linear_offset
+
+    def fn(self, x):
+        return _clamped_glu(x, self.limit, self.alpha, self.glu_linear_offset)
+
+
+class ScaledSReLU(_ScaledTorch):
+    """relu(x)^2 times per-row scales (TE's ScaledSReLU; not gated)."""
+    gated = False
+
+    def __init__(self, *, activation_recompute_in_mlp=False):
+        super().__init__(None, activation_recompute_in_mlp)
+
+    def fn(self, x):
+        return _srelu(x)
 
 
 class AddExtraInput(BasicOperation):
