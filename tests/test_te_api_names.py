@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import seqfuse.pytorch as te
+from helpers import rel_error, rel_tol
 from seqfuse.common.recipe import DelayedScaling, MXFP8BlockScaling, NVFP4BlockScaling
-from seqfuse.quantization import _autocast_state
+from seqfuse import quantization
 
 
 def _pad_reference(x, m_splits, align):
@@ -54,7 +55,7 @@ def test_fp8_padding_returns_input_when_aligned():
 @pytest.mark.parametrize("recipe,align", [(DelayedScaling(), 16), (MXFP8BlockScaling(), 32),
                                           (NVFP4BlockScaling(), 128)])
 def test_fp8_padding_alignment_follows_the_recipe(monkeypatch, recipe, align):
-    monkeypatch.setattr(_autocast_state.autocast_state(), "recipe", recipe)
+    monkeypatch.setattr(quantization.autocast_state(), "recipe", recipe)
     pad = te.Fp8Padding(1)
     assert pad.align_size is None  # decided at the first forward, as TE
     _, padded = pad(torch.randn(3, 4), [3])
@@ -273,6 +274,11 @@ def test_cuda_padded_permutation_and_multi_tensor_match_cpu():
     tc, pc = opt.multi_tensor_l2norm(2048, torch.zeros(1, dtype=torch.int32), [grads], True)
     assert torch.allclose(tg.cpu(), tc, rtol=1e-5) and torch.allclose(pg.cpu(), pc, rtol=1e-5)
     assert flag.item() == 0
+    # te.ops.ScaledSwiGLU on seqfuse's CUDA scaled_swiglu kernel, bf16, against the CPU backend in fp32
+    xs, sc = torch.randn(4, 16, 64), torch.rand(4, 16)
+    ref = te.ops.ScaledSwiGLU()(xs, sc)
+    out = te.ops.ScaledSwiGLU()(xs.cuda().bfloat16(), sc.cuda())
+    assert rel_error(out.float().cpu(), ref) <= rel_tol(torch.bfloat16, 4)
 
 
 # ---------------------------------------------------------------- te.ops.ClampedSwiGLU

@@ -20,7 +20,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ..quantization._autocast_state import get_recipe
+from ..quantization import get_recipe
 
 __all__ = ["Fp8Padding", "Fp8Unpadding"]
 
