@@ -779,7 +779,7 @@ class Sequential(torch.nn.Module):
             raise NotImplementedError("te.ops.Sequential: argument 'op_kwargs' is not supported: it passes "
                                       "buffers to TE's grouped linear / grouped MLP operations, which seqfuse's "
                                       "te.ops does not have")
-        need = sum(op.num_extra_inputs for op in self._ops if isinstance(op, BasicOperation))
+        need = sum(getattr(op, "num_extra_inputs", 0) for op in self._ops)
         if len(extra_inputs) != need:
             raise ValueError(f"te.ops.Sequential: {len(extra_inputs)} extra input(s) given, but its operations "
                              f"take {need}")
