@@ -410,3 +410,37 @@ def test_ops_soft_capped_and_scaled_activations_against_torch(name, kwargs, ref)
     if "SiTU" in name:
         with pytest.raises(ValueError, match="beta1"):
             getattr(te.ops, name)(beta1=0.0)
+
+
+@pytest.mark.parametrize("mode,masters", [(1, False), (0, False), (1, True)])
+def test_multi_tensor_adam_against_torch(mode, masters):
+    """TE's multi_tensor_adam, two steps, against torch.optim.AdamW (mode 1)
+    / Adam with L2 (mode 0) in float64; with fp32 masters the bf16 params
+    are the masters rounded."""
+    from seqfuse.pytorch import optimizers as opt
+    torch.manual_seed(10)
+    shapes = [(4, 3), (7,)]
+    params = [torch.randn(s).to(torch.bfloat16 if masters else torch.float32) for s in shapes]
+    master = [p.float() for p in params]  # used with masters=True: fp32 copies of the bf16 params
+    ref = [p.double().requires_grad_(True) for p in params]
+    m = [torch.zeros(s) for s in shapes]
+    v = [torch.zeros(s) for s in shapes]
+    torch_opt = (torch.optim.AdamW if mode == 1 else torch.optim.Adam)(ref, lr=1e-2, betas=(0.9, 0.99), eps=1e-8,
+                                                                       weight_decay=0.1)
+    flag = torch.zeros(1, dtype=torch.int32)
+    for step in (1, 2):
+        grads = [torch.randn(s) for s in shapes]
+        for r, g in zip(ref, grads):
+            r.grad = g.double()
+        torch_opt.step()
+        lists = [grads, params, m, v] + ([master] if masters else [])
+        opt.multi_tensor_applier(opt.multi_tensor_adam, flag, lists, 1e-2, 0.9, 0.99, 1e-8, step, mode, 1, 0.1)
+    for p, r in zip(master if masters else params, ref):
+        assert torch.allclose(p.double(), r.detach(), rtol=1e-5, atol=1e-6)
+    if masters:
+        for p, mp in zip(params, master):
+            assert torch.equal(p, mp.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="mode"):
+        opt.multi_tensor_adam(2048, flag, [grads, params, m, v], 1e-2, 0.9, 0.99, 1e-8, 1, 2, 1, 0.0)
+    with pytest.raises(ValueError, match="4 or 5"):
+        opt.multi_tensor_adam(2048, flag, [grads, params, m], 1e-2, 0.9, 0.99, 1e-8, 1, 1, 1, 0.0)

@@ -18,6 +18,13 @@ transformer_engine.pytorch.optimizers at import time):
     multi_tensor_unscale_l2norm(chunk_size, noop_flag, [tensors], inv_scale,
                                 per_tensor=False)
         -> the same for tensors * inv_scale (inv_scale: one-element tensor)
+    multi_tensor_adam(chunk_size, noop_flag, [g, p, m, v] or [g, p, m, v,
+                      p_master], lr, beta1, beta2, epsilon, step, mode,
+                      bias_correction, weight_decay)
+        one Adam step in place, TE's kernel's arithmetic in fp32: mode 0
+        L2 (g + wd p), mode 1 decoupled (AdamW); bias_correction 1 divides
+        the moments by 1 - beta^step; with p_master the step runs on the
+        fp32 masters and p receives them in its dtype
 
 Same arguments and results as TE's kernels; computed with torch's
 multi-tensor (foreach) operations in fp32, so they run on the CPU too and
@@ -29,7 +36,7 @@ from typing import List, Optional, Tuple
 import torch
 
 __all__ = ["MultiTensorApply", "multi_tensor_applier", "multi_tensor_scale", "multi_tensor_scale_tensor",
-           "multi_tensor_l2norm", "multi_tensor_unscale_l2norm"]
+           "multi_tensor_l2norm", "multi_tensor_unscale_l2norm", "multi_tensor_adam"]
 
 
 def _local(t):
@@ -65,8 +72,10 @@ multi_tensor_applier = MultiTensorApply(2048 * 32)
 def _check(op, noop_flag, tensor_lists, n_lists):
     if not torch.is_tensor(noop_flag) or noop_flag.numel() != 1:
         raise TypeError(f"{op}: argument 'noop_flag' must be a one-element tensor")
-    if len(tensor_lists) != n_lists:
-        raise ValueError(f"{op}: argument 'tensor_lists' must hold {n_lists} list(s), got {len(tensor_lists)}")
+    allowed = n_lists if isinstance(n_lists, tuple) else (n_lists,)
+    if len(tensor_lists) not in allowed:
+        raise ValueError(f"{op}: argument 'tensor_lists' must hold {' or '.join(map(str, allowed))} list(s), "
+                         f"got {len(tensor_lists)}")
     lists = [[_local(t) for t in ts] for ts in tensor_lists]
     if any(len(ts) != len(lists[0]) for ts in lists):
         raise ValueError(f"{op}: the lists of 'tensor_lists' must have one length")
@@ -139,3 +148,34 @@ def multi_tensor_unscale_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor
     if not torch.is_tensor(inv_scale) or inv_scale.numel() != 1:
         raise TypeError(f"{op}: argument 'inv_scale' must be a one-element tensor")
     return _l2norm(op, noop_flag, tensor_lists, inv_scale.float().reshape(()), bool(per_tensor))
+
+
+def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: List[List[torch.Tensor]], lr: float,
+                      beta1: float, beta2: float, epsilon: float, step: int, mode: int, bias_correction: int,
+                      weight_decay: float) -> None:
+    """One Adam step in place over tensor_lists = [grads, params, exp_avgs,
+    exp_avg_sqs] (+ [fp32 master params]); see the module note."""
+    op = "multi_tensor_adam"
+    lists = _check(op, noop_flag, tensor_lists, (4, 5))
+    if mode not in (0, 1):
+        raise ValueError(f"{op}: argument 'mode' must be 0 (L2) or 1 (decoupled weight decay), got {mode!r}")
+    if bias_correction not in (0, 1, True, False):
+        raise ValueError(f"{op}: argument 'bias_correction' must be 0 or 1, got {bias_correction!r}")
+    bc1, bc2 = (1 - beta1 ** step, 1 - beta2 ** step) if bias_correction else (1.0, 1.0)
+    masters = lists[4] if len(lists) == 5 else [None] * len(lists[0])
+    for g, p, m, v, pm in zip(lists[0], lists[1], lists[2], lists[3], masters):
+        g32 = g.float()
+        p32 = (pm if pm is not None else p).float()
+        if mode == 0:
+            g32 = g32 + weight_decay * p32
+        m32 = beta1 * m.float() + (1 - beta1) * g32
+        v32 = beta2 * v.float() + (1 - beta2) * g32 * g32
+        update = (m32 / bc1) / (torch.sqrt(v32 / bc2) + epsilon)
+        if mode == 1:
+            update = update + weight_decay * p32
+        p32 = p32 - lr * update
+        m.copy_(m32)
+        v.copy_(v32)
+        if pm is not None:
+            pm.copy_(p32)
+        p.copy_(p32)
