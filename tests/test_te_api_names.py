@@ -444,3 +444,41 @@ def test_multi_tensor_adam_against_torch(mode, masters):
         opt.multi_tensor_adam(2048, flag, [grads, params, m, v], 1e-2, 0.9, 0.99, 1e-8, 1, 2, 1, 0.0)
     with pytest.raises(ValueError, match="4 or 5"):
         opt.multi_tensor_adam(2048, flag, [grads, params, m], 1e-2, 0.9, 0.99, 1e-8, 1, 1, 1, 0.0)
+
+
+@pytest.mark.parametrize("nesterov,wd_after", [(False, False), (True, False), (False, True)])
+def test_multi_tensor_sgd_against_torch(nesterov, wd_after):
+    """TE's multi_tensor_sgd, three steps (the first with first_run=True),
+    against torch.optim.SGD in float64 (wd_after_momentum against the
+    formula: torch has no such mode); a set noop_flag changes nothing."""
+    from seqfuse.pytorch import optimizers as opt
+    torch.manual_seed(11)
+    shapes = [(5, 2), (3,)]
+    w = [torch.randn(s) for s in shapes]
+    copies = [x.to(torch.bfloat16) for x in w]
+    mom = [torch.zeros(s) for s in shapes]
+    ref = [x.double().requires_grad_(True) for x in w]
+    ref_mom = [torch.zeros(s, dtype=torch.float64) for s in shapes]
+    torch_opt = torch.optim.SGD(ref, lr=0.1, momentum=0.9, dampening=0.0, nesterov=nesterov,
+                                weight_decay=0.0 if wd_after else 0.01)
+    flag = torch.zeros(1, dtype=torch.int32)
+    for step in range(3):
+        grads = [torch.randn(s) for s in shapes]
+        if wd_after:
+            with torch.no_grad():
+                for r, g, mb in zip(ref, grads, ref_mom):
+                    mb.copy_(g.double() * 0.5 if step == 0 else mb * 0.9 + g.double() * 0.5)
+                    r -= 0.1 * (mb + 0.01 * r)
+        else:
+            for r, g in zip(ref, grads):
+                r.grad = g.double() * 0.5
+            torch_opt.step()
+        opt.multi_tensor_applier(opt.multi_tensor_sgd, flag, [grads, w, mom, copies], 0.01, 0.9, 0.0, 0.1,
+                                 nesterov, step == 0, wd_after, 0.5)
+    for x, r, c in zip(w, ref, copies):
+        assert torch.allclose(x.double(), r.detach(), rtol=1e-5, atol=1e-6)
+        assert torch.equal(c, x.to(torch.bfloat16))
+    before = [x.clone() for x in w]
+    flag.fill_(1)
+    opt.multi_tensor_sgd(2048, flag, [grads, w, mom], 0.01, 0.9, 0.0, 0.1, nesterov, False, wd_after, 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(before, w))

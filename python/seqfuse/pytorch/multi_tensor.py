@@ -25,6 +25,13 @@ transformer_engine.pytorch.optimizers at import time):
         L2 (g + wd p), mode 1 decoupled (AdamW); bias_correction 1 divides
         the moments by 1 - beta^step; with p_master the step runs on the
         fp32 masters and p receives them in its dtype
+    multi_tensor_sgd(chunk_size, noop_flag, [g, w, mom] or [g, w, mom,
+                     w_copy], wd, momentum, dampening, lr, nesterov,
+                     first_run, wd_after_momentum, scale)
+        one SGD step in place, TE's kernel's arithmetic in fp32 (g * scale;
+        weight decay before or after momentum; first_run sets mom = g;
+        w_copy receives w in its dtype); nothing changes when noop_flag
+        is set (decided on the device: no host synchronisation)
 
 Same arguments and results as TE's kernels; computed with torch's
 multi-tensor (foreach) operations in fp32, so they run on the CPU too and
@@ -36,7 +43,8 @@ from typing import List, Optional, Tuple
 import torch
 
 __all__ = ["MultiTensorApply", "multi_tensor_applier", "multi_tensor_scale", "multi_tensor_scale_tensor",
-           "multi_tensor_l2norm", "multi_tensor_unscale_l2norm", "multi_tensor_adam"]
+           "multi_tensor_l2norm", "multi_tensor_unscale_l2norm", "multi_tensor_adam",
+           "multi_tensor_sgd"]
 
 
 def _local(t):
@@ -179,3 +187,29 @@ def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: Li
         if pm is not None:
             pm.copy_(p32)
         p.copy_(p32)
+
+
+def multi_tensor_sgd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: List[List[torch.Tensor]], wd: float,
+                     momentum: float, dampening: float, lr: float, nesterov: bool, first_run: bool,
+                     wd_after_momentum: bool, scale: float) -> None:
+    """One SGD step in place over tensor_lists = [grads, weights, momentums]
+    (+ [weight copies]); see the module note."""
+    op = "multi_tensor_sgd"
+    lists = _check(op, noop_flag, tensor_lists, (3, 4))
+    skip = noop_flag.reshape(()) != 0
+    copies = lists[3] if len(lists) == 4 else [None] * len(lists[0])
+    for g, w, mom, out in zip(lists[0], lists[1], lists[2], copies):
+        g32, w32, m32 = g.float() * scale, w.float(), mom.float()
+        if wd != 0 and not wd_after_momentum:
+            g32 = g32 + wd * w32
+        if momentum != 0:
+            m32 = g32 if first_run else m32 * momentum + (1 - dampening) * g32
+            g32 = g32 + momentum * m32 if nesterov else m32
+        if wd != 0 and wd_after_momentum:
+            g32 = g32 + wd * w32
+        new_w = torch.where(skip, w32, w32 + (-lr * g32))
+        w.copy_(new_w)
+        if out is not None:
+            out.copy_(torch.where(skip, out.float(), new_w))
+        if momentum != 0:
+            mom.copy_(torch.where(skip, mom.float(), m32))
