@@ -482,3 +482,29 @@ def test_multi_tensor_sgd_against_torch(nesterov, wd_after):
     flag.fill_(1)
     opt.multi_tensor_sgd(2048, flag, [grads, w, mom], 0.01, 0.9, 0.0, 0.1, nesterov, False, wd_after, 1.0)
     assert all(torch.equal(a, b) for a, b in zip(before, w))
+
+
+# ---------------------------------------------------------------- te.checkpoint's legacy positional form
+def test_checkpoint_legacy_positional_form():
+    """TE's deprecated checkpoint(fn, distribute_saved_activations,
+    get_rng_state_tracker, tp_group, *tensors): recognised (not passed on
+    to fn as arguments), warned about, and its values judged as keywords
+    (the RNG tracker it always carries is refused by name, where passing
+    it on to fn would have been a silent wrong call)."""
+    torch.manual_seed(12)
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+    y = torch.randn(3, 4)
+
+    def fn(a, b, c):
+        return torch.tanh(lin(a)) * b + c
+
+    ref = fn(x, y, y)
+    g_ref, = torch.autograd.grad(ref.sum(), x)
+    with pytest.warns(DeprecationWarning, match="positionally"), pytest.raises(NotImplementedError,
+                                                                               match="get_rng_state_tracker"):
+        te.checkpoint(fn, False, te.CudaRNGStatesTracker, None, x, y, y)
+    # the plain form runs, values and gradients as without checkpointing
+    out = te.checkpoint(fn, x, y, y)
+    g, = torch.autograd.grad(out.sum(), x)
+    assert torch.equal(out, ref) and torch.equal(g, g_ref)

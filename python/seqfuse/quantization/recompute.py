@@ -26,6 +26,7 @@ generator, whose state torch's checkpoint restores (preserve_rng_state).
 """
 import contextlib
 import threading
+import warnings
 
 import torch
 
@@ -120,12 +121,32 @@ def _replaying(settings, casts):
         s.restore(before)
 
 
+def _none_or_group(x):
+    if x is None:
+        return True
+    dist = getattr(torch, "distributed", None)
+    group = getattr(dist, "ProcessGroup", None) if dist is not None and dist.is_available() else None
+    return group is not None and isinstance(x, group)
+
+
 def checkpoint(function, *args, use_reentrant=False, distribute_saved_activations=False,
                get_rng_state_tracker=None, tp_group=None, **kwargs):
     """Run ``function(*args, **kwargs)`` without keeping its activations;
     recompute them in the backward with the forward's FP8 settings and
     scales.  Transformer Engine's signature; only the non-reentrant form (no
-    tensor parallelism: the remaining arguments must keep their defaults)."""
+    tensor parallelism: the remaining arguments must keep their defaults).
+
+    TE's deprecated positional form, checkpoint(function,
+    distribute_saved_activations, get_rng_state_tracker, tp_group, *args)
+    (older Megatron-LM), is recognised as TE recognises it (a bool, a
+    callable, then None or a process group, before the tensors) and its
+    three values taken as those keywords, with TE's DeprecationWarning."""
+    if len(args) > 3 and isinstance(args[0], bool) and callable(args[1]) and _none_or_group(args[2]):
+        warnings.warn("checkpoint: passing distribute_saved_activations, get_rng_state_tracker and tp_group "
+                      "positionally is deprecated (as in Transformer Engine); pass them as keywords",
+                      DeprecationWarning, stacklevel=2)
+        distribute_saved_activations, get_rng_state_tracker, tp_group = args[:3]
+        args = args[3:]
     if use_reentrant:
         raise NotImplementedError("checkpoint: use_reentrant=True is not supported; seqfuse's checkpoint is "
                                   "torch's non-reentrant one (use_reentrant=False)")
