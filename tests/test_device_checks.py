@@ -164,6 +164,24 @@ def test_cross_entropy_label_check_can_be_skipped(device_path, monkeypatch):
     assert torch.isfinite(loss).all()
 
 
+def test_label_checks_switched_off_for_the_process(device_path, monkeypatch, caplog):
+    """set_label_checks(False): no host read in any loss call, a WARNING once,
+    the previous setting returned; a non-bool is refused."""
+    monkeypatch.setattr(checks, "label_problem", Tripwire())
+    monkeypatch.setattr(checks, "_label_checks_off_logged", False)
+    previous = checks.set_label_checks(False)
+    try:
+        assert previous is True
+        with caplog.at_level(logging.WARNING, logger="seqfuse"):
+            for _ in range(2):
+                ops.cross_entropy_forward(torch.randn(4, 10), torch.tensor([1, 2, -100, 9]))
+        assert sum("labels are not checked" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        checks.set_label_checks(previous)
+    with pytest.raises(TypeError, match="'enabled' must be a bool"):
+        checks.set_label_checks(0)
+
+
 def test_checks_step_aside_under_graph_capture(device_path, monkeypatch, caplog):
     """No host read during capture: the check is skipped, and logged once."""
     monkeypatch.setattr(checks, "_capturing", lambda t: True)

@@ -303,3 +303,18 @@ def test_fp8_allgather_nccl_two_gpus(tmp_path):
     run_workers(_worker, (2, free_port(), result, "nccl"), 2, "spawn", "FP8 all-gather NCCL workers",
                 timeout=300)
     _check(torch.load(result, weights_only=False))
+
+
+def test_gathered_weight_makes_new_tensors_shaped_like_it():
+    """zeros_like / empty_like / ones_like / new_zeros / new_empty of an
+    FP8-gathered weight read no values: plain tensors of the weight's shape,
+    dtype and device (they raised on an expanded empty tensor)."""
+    from seqfuse.distributed.fp8_allgather import GatheredFP8Weight
+
+    w = GatheredFP8Weight(torch.zeros(4, 8, dtype=torch.uint8), torch.ones(1), torch.ones(1), None, torch.bfloat16)
+    for make in (torch.zeros_like, torch.empty_like, torch.ones_like):
+        t = make(w)
+        assert type(t) is torch.Tensor and t.shape == (4, 8) and t.dtype == torch.bfloat16
+    assert torch.equal(torch.ones_like(w), torch.ones(4, 8, dtype=torch.bfloat16))
+    assert torch.equal(w.new_zeros((2, 3)), torch.zeros(2, 3, dtype=torch.bfloat16))
+    assert w.new_empty((5,)).shape == (5,)

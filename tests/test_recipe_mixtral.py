@@ -83,6 +83,10 @@ def test_bad_keys_refused_naming_the_key():
         load_config("L0_sanity", ["distributed.expert_parallel_size=3"])
     with pytest.raises(ConfigError, match=r"distributed.expert_parallel_size=0: must be an integer >= 1"):
         load_config("L0_sanity", ["distributed.expert_parallel_size=0"])
+    with pytest.raises(ConfigError, match=r"expert_parallel_size=2 with precision.recipe=fp8_delayed: delayed "
+                                          r"scaling's amax histories"):
+        load_config("L0_sanity", ["distributed.expert_parallel_size=2", "precision.recipe=fp8_delayed"])
+    load_config("L0_sanity", ["distributed.expert_parallel_size=2", "precision.recipe=fp8_current"])
     with pytest.raises(ConfigError, match=r"precision.recipe='mxfp8': must be one of 'bf16', 'fp32', 'fp8_delayed', "
                                           r"'fp8_current', 'fp8_block'"):
         load_config("L0_sanity", ["precision.recipe=mxfp8"])

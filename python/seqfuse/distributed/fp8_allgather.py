@@ -299,7 +299,7 @@ class GatheredFP8Weight(torch.Tensor):
                 return cls._alias(t)
         if func in _LIKE:  # a new tensor shaped like the weight: no values read
             t = args[0]
-            plain = torch.empty((0,), dtype=t.dtype, device=t.device).expand(t.shape)
+            plain = torch.empty((), dtype=t.dtype, device=t.device).expand(t.shape)
             return func(plain, *args[1:], **kwargs)
         if func not in _dequant_logged:
             _dequant_logged.add(func)
@@ -426,7 +426,8 @@ def gathered_bytes(model):
         if isinstance(t, FP8ShardWeight):
             total += n
             if t._sf_cfg.kind == "block":
-                total += (p.shape[0] // 128) * (-(-(p.shape[1] // 128) // 4) * 4) * 4
+                # float32 block scales: ceil(N / 128) rows of ceil(K / 128) columns padded to a multiple of 4
+                total += -(-p.shape[0] // 128) * (-(-(-(-p.shape[1] // 128)) // 4) * 4) * 4
         else:
             total += n * p.element_size()
     return total

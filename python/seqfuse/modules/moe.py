@@ -116,7 +116,9 @@ class GroupedMLP(torch.nn.Module):
             score_function=self.score_function, expert_bias=self.expert_bias)
         return probs, routing_map, logits
 
-    def _aux_losses(self, logits):
+    def aux_losses(self, logits):
+        """The load-balancing and z-losses of router ``logits`` [T, E] with
+        this block's coefficients (None when both are 0)."""
         loss = None
         if self.aux_loss_coeff > 0:
             aux_map, scores = moe_ops.fused_compute_score_for_moe_aux_loss(logits, self.topk,
@@ -135,7 +137,7 @@ class GroupedMLP(torch.nn.Module):
         x = hidden_states.reshape(-1, self.hidden_size)
         probs, routing_map, logits = self.route(x)
         # no tokens (an idle rank): no auxiliary loss (its mean over tokens is undefined)
-        self.aux_loss = self._aux_losses(logits) if self.training and x.shape[0] else None
+        self.aux_loss = self.aux_losses(logits) if self.training and x.shape[0] else None
         row_ids, tokens_per_expert = moe_ops.moe_row_id_map(routing_map)
         m_splits = tokens_per_expert.tolist()  # the block's one host synchronization
         xp, pp = moe_ops.moe_permute_by_row_id_map(x, row_ids, sum(m_splits), probs)

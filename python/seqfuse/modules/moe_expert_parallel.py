@@ -37,7 +37,9 @@ import torch
 import torch.distributed as dist
 
 from ..ops import moe as moe_ops
+from ..common.recipe import DelayedScaling
 from ..parallel.expert_parallel import combine_tokens, dispatch_tokens, group_size_rank
+from ..quantization import get_amax_reduction_group, get_recipe, is_fp8_enabled
 from ._base import default_device
 from ._input import check_input
 from .grouped_linear import GroupedLinear
@@ -172,14 +174,32 @@ class ExpertParallelGroupedMLP(torch.nn.Module):
 
     # the router and its losses are GroupedMLP's own code (this module has the attributes they read)
     route = GroupedMLP.route
-    _aux_losses = GroupedMLP._aux_losses
+    aux_losses = GroupedMLP.aux_losses
+
+    def _refuse_delayed_scaling(self):
+        """Delayed scaling keeps amax histories per expert GEMM slot and
+        reduces them at the end of the step over the amax reduction group
+        (the world by default): a group holding two ranks of ep_group would
+        join different experts' histories (slot g is expert r * L + g on EP
+        rank r), so that combination is refused."""
+        if self.ep_size == 1 or not is_fp8_enabled() or not isinstance(get_recipe(), DelayedScaling):
+            return
+        group = get_amax_reduction_group()
+        amax_ranks = set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+        if len(amax_ranks & set(dist.get_process_group_ranks(self.ep_group))) > 1:
+            raise NotImplementedError(
+                "ExpertParallelGroupedMLP: DelayedScaling with expert parallelism (ep_size "
+                f"{self.ep_size}): the amax reduction group spans several expert-parallel ranks, which hold "
+                "different experts, so their amax histories would be joined; use Float8CurrentScaling or "
+                "Float8BlockScaling")
 
     def forward(self, hidden_states):
         check_input("ExpertParallelGroupedMLP", hidden_states, self.hidden_size, "hidden_size")
+        self._refuse_delayed_scaling()
         lead = hidden_states.shape[:-1]
         x = hidden_states.reshape(-1, self.hidden_size)
         probs, routing_map, logits = self.route(x)
-        self.aux_loss = self._aux_losses(logits) if self.training and x.shape[0] else None
+        self.aux_loss = self.aux_losses(logits) if self.training and x.shape[0] else None
         xr, pr, m_splits, handle = dispatch_tokens(x, probs, routing_map, self.ep_group,
                                                    self.num_local_experts)
         h = self.fc1(xr, m_splits)

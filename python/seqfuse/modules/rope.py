@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from ..ops import rope as _rope
+from ..ops.tensor_cache import PerTensorCache
 from ..parallel import freqs_for_cp_rank
 
 
@@ -56,12 +57,17 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, tensor_format: st
             raise NotImplementedError("apply_rotary_pos_emb: start_positions with context parallelism "
                                       "(cp_size > 1) is not supported")
         if tensor_format == "thd":  # one angle row per local packed token: rotate [t, 1, h, d] as sbhd
-            local = freqs_for_cp_rank(freqs, cp_size, cp_rank, cu_seqlens)
+            # the rows follow from cu_seqlens read on the host: kept per (freqs, cu_seqlens) tensor pair,
+            # so a model's layers (q and k of each) read them once per batch
+            local = _thd_cp_rows((freqs, cu_seqlens), cp_size, cp_rank)
             return FusedRoPEFunc.apply(t.unsqueeze(1), local, None, "sbhd", interleaved, None).squeeze(1)
         seq = t.shape[1 if tensor_format == "bshd" else 0] * cp_size
         local = freqs_for_cp_rank(freqs, cp_size, cp_rank, seq_len=seq)
         return FusedRoPEFunc.apply(t, local, None, tensor_format, interleaved, None)
     return FusedRoPEFunc.apply(t, freqs, start_positions, tensor_format, interleaved, cu_seqlens)
+
+
+_thd_cp_rows = PerTensorCache(lambda ts, cp_size, cp_rank: freqs_for_cp_rank(ts[0], cp_size, cp_rank, ts[1]))
 
 
 class RotaryPositionEmbedding(torch.nn.Module):

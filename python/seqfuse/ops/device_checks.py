@@ -16,7 +16,11 @@ Cost, and how it is kept down:
   counter, ``PerTensorCache``) and not checked again: one synchronization
   per new cu_seqlens tensor, i.e. per batch, not per layer.
 - labels: one check per loss call (the chunked linear cross-entropy checks
-  the whole label tensor once, then its chunks skip it).
+  the whole label tensor once, then its chunks skip it).  That is one
+  synchronization per training step's loss; a loop that must not wait there
+  turns it off with ``set_label_checks(False)`` or SEQFUSE_CHECK_LABELS=0 in
+  the environment (logged once), leaving the kernels' NaN loss and gradients
+  for a bad label as the guard.
 Estimated at 20-60 us of host time per check plus the wait for the work
 already queued on the stream (not yet measured on a GPU;
 benchmarks/bisect_corpus_cuda.py part 5 times it).
@@ -29,6 +33,7 @@ bad cu_seqlens in a replay is clamped by the kernels, as it always was:
 check the lengths before capture (the warning says so).
 """
 import logging
+import os
 
 import torch
 
@@ -144,6 +149,21 @@ def label_problem(labels, num_classes, ignore_index):
     return row, int(labels[row])
 
 
+_label_checks = os.environ.get("SEQFUSE_CHECK_LABELS", "1") != "0"
+_label_checks_off_logged = False
+
+
+def set_label_checks(enabled):
+    """Turn the host check of CUDA cross-entropy labels on (the default) or
+    off; returns the previous setting.  Off: no synchronization in the loss,
+    and a bad label shows only as NaN loss and gradients of its row."""
+    global _label_checks
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_label_checks: argument 'enabled' must be a bool, got {type(enabled).__name__}")
+    previous, _label_checks = _label_checks, enabled
+    return previous
+
+
 def check_labels(op, labels, num_classes, ignore_index, name="labels"):
     """Raise ValueError (the C entry's message) when a CUDA ``labels`` holds
     a class outside [0, num_classes) that is not ``ignore_index``.  CPU
@@ -154,6 +174,14 @@ def check_labels(op, labels, num_classes, ignore_index, name="labels"):
         return
     if _capturing(labels):
         _skip_under_capture(op, name)
+        return
+    if not _label_checks:
+        global _label_checks_off_logged
+        if not _label_checks_off_logged:
+            _label_checks_off_logged = True
+            _log.warning("seqfuse: CUDA cross-entropy labels are not checked (set_label_checks(False) or "
+                         "SEQFUSE_CHECK_LABELS=0): a label outside [0, classes) shows only as NaN loss and "
+                         "gradients of its row")
         return
     found = label_problem(labels, num_classes, ignore_index)
     if found is not None:

@@ -84,6 +84,12 @@ def autocast(enabled=True, recipe=None, amax_reduction_group=None, calibrating=F
     if recipe is not None and not isinstance(recipe, Recipe):
         raise TypeError(f"autocast: argument 'recipe' must be a seqfuse.common.recipe recipe, "
                         f"got {type(recipe).__name__}")
+    for name, flag in (("enabled", enabled), ("calibrating", calibrating)):
+        # fp8_autocast(True, SomeRecipe()) puts the recipe in 'calibrating' (TE's second argument)
+        if isinstance(flag, Recipe) or not isinstance(flag, (bool, int)):
+            raise TypeError(f"autocast: argument '{name}' must be a bool, got {type(flag).__name__}"
+                            + (" (a recipe goes in 'recipe', fp8_autocast's 'fp8_recipe')"
+                               if isinstance(flag, Recipe) else ""))
     s = autocast_state()
     saved = s.settings()
     s.enabled = bool(enabled)

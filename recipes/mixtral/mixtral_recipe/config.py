@@ -143,6 +143,10 @@ def _cross_checks(c, ok, problems):
     if ep and ok("model.num_local_experts") and m["num_local_experts"] % ep:
         problems.append(f"distributed.expert_parallel_size={ep}: must divide model.num_local_experts="
                         f"{m['num_local_experts']} (each rank of an expert-parallel group holds as many experts)")
+    if ep and ep > 1 and ok("precision.recipe") and p["recipe"] == "fp8_delayed":
+        problems.append(f"distributed.expert_parallel_size={ep} with precision.recipe=fp8_delayed: delayed "
+                        "scaling's amax histories are reduced over all ranks, where each expert-parallel rank "
+                        "holds other experts (their histories would be joined); use fp8_current or fp8_block")
 
 
 SPEC = ConfigSpec(RecipeConfig, CONFIG_DIR, cross_checks=_cross_checks, title="the Mixtral recipe",
