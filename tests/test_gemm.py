@@ -464,11 +464,13 @@ def test_cuda_misaligned_views(seed):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_plan_serves_a_size_class(seed, dtype):
-    """Row and inner counts that differ within one size class (the next power
-    of two above 128: 257..512 here) reuse one plan, its layouts resized: one
-    heuristic query for the class, and every product still exact to the
-    reference (cuBLASLt confirms the kept algorithm for each size).  A count
-    in another class is a new plan."""
+    """Token counts that differ within one size class (the next power of two
+    above 128: 257..512 here) reuse one plan, its layouts resized: one
+    heuristic query for the class (at its upper bound, whatever the order of
+    the calls), and every product still exact to the reference (cuBLASLt
+    confirms the class algorithm for each size).  The token count is m of
+    the forward (a not transposed) and k of the weight gradient (a
+    transposed, b not).  A count in another class is a new plan."""
     b = make((448, 320), dtype, "cuda")
     gemm_mod.plan_cache_clear()
     q = gemm_mod.heuristic_queries()
@@ -476,10 +478,10 @@ def test_cuda_plan_serves_a_size_class(seed, dtype):
         a = make((m, 448), dtype, "cuda")
         assert_close_rel(gemm(a, b), reference(a, b)[0], dtype)
     assert gemm_mod.heuristic_queries() == q + 1 and gemm_mod.plan_cache_size() == 1
-    a_all, b_all = make((300, 512), dtype, "cuda"), make((512, 320), dtype, "cuda")
-    for k in (260, 300, 500):  # the inner dimension (a weight gradient's token count) likewise,
-        a, bk = a_all[:, :k], b_all[:k]  # with the leading dimensions fixed as a split operand's are
-        assert_close_rel(gemm(a, bk), reference(a, bk)[0], dtype)
+    a_all, b_all = make((300, 512), dtype, "cuda", trans=True), make((512, 320), dtype, "cuda")
+    for k in (260, 300, 500):  # the weight gradient's k: rows of both stored operands, as split operands are
+        a, bk = a_all[:k], b_all[:k]
+        assert_close_rel(gemm(a, bk, transa=True), reference(a, bk, True)[0], dtype)
     assert gemm_mod.heuristic_queries() == q + 2
     for m in (100, 1000):  # exact below 129; 1000 is the class 1024
         a = make((m, 448), dtype, "cuda")

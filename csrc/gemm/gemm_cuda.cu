@@ -15,17 +15,25 @@
  * cublasLtMatmulAlgoGetHeuristic are built once per problem and kept in a
  * small open-addressing hash table keyed by everything the heuristic sees
  * (device, dtypes, n, leading dimensions, op flags, epilogue, scaling modes,
- * fast accumulation, compute type, pointer alignments, workspace size) with
- * our m and k (the dimensions a token count lands in) rounded up to a power
- * of two above 128.  Token counts change every step in MoE experts (each
- * expert's share of the batch) and packed batches; keyed exactly, each new
- * count cost a heuristic query (tens of microseconds) and filled the table.
- * A plan hit with other exact m or k resizes the plan's layouts, and
- * cublasLtMatmulAlgoCheck confirms the kept algorithm for the new size (and
- * that it fits the workspace); only where it does not is the heuristic asked
- * again for the exact problem (counted like any query).  Per call the data
- * pointers of the descriptor (scales, bias, aux) are rewritten, then the
- * matmul is enqueued.  cuBLASLt reads the
+ * fast accumulation, compute type, pointer alignments, workspace size), with
+ * a token-count dimension keyed by its size class (exact up to 128, else
+ * the next power of two): m when a is not transposed (forward, input
+ * gradient), k when a is transposed and b is not (weight gradient) -- the
+ * dimensions that are never an operand's contiguous one, so the layouts'
+ * leading dimensions stay valid at any size in the class.  Token counts
+ * change every step in MoE experts (each expert's share of the batch) and
+ * packed batches; keyed exactly, each new count cost a heuristic query
+ * (tens of microseconds) and filled the table.
+ *
+ * A plan's class algorithm is chosen by the heuristic for the class's upper
+ * bound (a function of the key alone, so the same for every call order: a
+ * run and its resume pick the same kernels).  A call of an exact size in the
+ * class describes that size in the plan's layouts and uses the class
+ * algorithm where cublasLtMatmulAlgoCheck confirms it for that size within
+ * the workspace; where it does not, the heuristic's choice for the exact
+ * size (also a function of the problem alone), counted like any query.  Per
+ * call the data pointers of the descriptor (scales, bias, aux) are
+ * rewritten, then the matmul is enqueued.  cuBLASLt reads the
  * descriptor during cublasLtMatmul, so one mutex around "set pointers +
  * enqueue" makes the cache safe for any number of host threads.  Nothing
  * here synchronizes the host or allocates device memory, so the call is
@@ -61,7 +69,8 @@ struct Plan {
     int used;
     uint64_t hash;
     PlanKey key;
-    int64_t m, k; /* our exact m and k the layouts describe now */
+    int64_t m, k;                    /* our exact m and k the layouts describe now; -1: none */
+    cublasLtMatmulAlgo_t class_algo; /* the heuristic's choice at the class's upper bound */
     cublasLtMatmulDesc_t desc;
     cublasLtMatrixLayout_t la, lb, ld;
     cublasLtMatmulAlgo_t algo;
@@ -212,6 +221,23 @@ int64_t size_class(int64_t x)
     return c;
 }
 
+/* Which of our m and k take part in the key by size class (see the note). */
+int class_m(const sf_gemm_problem *p) { return !p->a.trans; }
+int class_k(const sf_gemm_problem *p) { return p->a.trans && !p->b.trans; }
+
+/* The three layouts' (rows, cols) for our m = M and k = K: cuBLASLt's A is
+ * our b, column-major [cols, rows] of its row-major storage; B is our a. */
+void layout_dims(const sf_gemm_problem *p, int64_t M, int64_t K, uint64_t dims[3][2])
+{
+    const uint64_t n = (uint64_t)p->n;
+    dims[0][0] = p->b.trans ? (uint64_t)K : n;
+    dims[0][1] = p->b.trans ? n : (uint64_t)K;
+    dims[1][0] = p->a.trans ? (uint64_t)M : (uint64_t)K;
+    dims[1][1] = p->a.trans ? (uint64_t)K : (uint64_t)M;
+    dims[2][0] = n;
+    dims[2][1] = (uint64_t)M;
+}
+
 void make_key(const sf_gemm_problem *p, PlanKey *k)
 {
     memset(k, 0, sizeof *k); /* padding bytes take part in the hash */
@@ -225,8 +251,8 @@ void make_key(const sf_gemm_problem *p, PlanKey *k)
     k->op_a = p->b.trans ? CUBLAS_OP_T : CUBLAS_OP_N;
     k->op_b = p->a.trans ? CUBLAS_OP_T : CUBLAS_OP_N;
     k->m = p->n;
-    k->n = size_class(p->m);
-    k->k = size_class(p->k);
+    k->n = class_m(p) ? size_class(p->m) : p->m;
+    k->k = class_k(p) ? size_class(p->k) : p->k;
     k->lda = p->b.ld;
     k->ldb = p->a.ld;
     k->ldd = p->ld_out;
@@ -261,7 +287,8 @@ sf_status describe_no_algo(const sf_gemm_problem *p, cublasStatus_t s)
                    p->fast_accum, p->workspace_bytes);
 }
 
-sf_status choose_algo(cublasLtHandle_t h, const sf_gemm_problem *p, Plan *plan);
+sf_status choose_algo(cublasLtHandle_t h, const sf_gemm_problem *p, Plan *plan, cublasLtMatmulAlgo_t *algo);
+sf_status resize_plan(cublasLtHandle_t h, const sf_gemm_problem *p, Plan *plan);
 
 /* Build a plan into `plan` (zeroed); on failure everything made is freed. */
 sf_status build_plan(cublasLtHandle_t h, const sf_gemm_problem *p, const PlanKey *k,
@@ -314,17 +341,24 @@ sf_status build_plan(cublasLtHandle_t h, const sf_gemm_problem *p, const PlanKey
     if (st != SF_OK)
         goto fail;
 
-    /* cuBLASLt's A = our b: column-major [cols, rows] of b's row-major storage. */
-    BP_TRY("MatrixLayoutCreate(A)", cublasLtMatrixLayoutCreate(&plan->la, (cudaDataType_t)k->a_type,
-                                                               (uint64_t)p->b.cols, (uint64_t)p->b.rows, p->b.ld));
-    BP_TRY("MatrixLayoutCreate(B)", cublasLtMatrixLayoutCreate(&plan->lb, (cudaDataType_t)k->b_type,
-                                                               (uint64_t)p->a.cols, (uint64_t)p->a.rows, p->a.ld));
-    BP_TRY("MatrixLayoutCreate(D)", cublasLtMatrixLayoutCreate(&plan->ld, (cudaDataType_t)k->d_type,
-                                                               (uint64_t)p->n, (uint64_t)p->m, p->ld_out));
-
-    plan->m = p->m;
-    plan->k = p->k;
-    st = choose_algo(h, p, plan);
+    {
+        /* the layouts at the class's upper bound, for the class algorithm; then p's own sizes */
+        uint64_t d[3][2];
+        layout_dims(p, k->n, k->k, d);
+        BP_TRY("MatrixLayoutCreate(A)", cublasLtMatrixLayoutCreate(&plan->la, (cudaDataType_t)k->a_type,
+                                                                   d[0][0], d[0][1], p->b.ld));
+        BP_TRY("MatrixLayoutCreate(B)", cublasLtMatrixLayoutCreate(&plan->lb, (cudaDataType_t)k->b_type,
+                                                                   d[1][0], d[1][1], p->a.ld));
+        BP_TRY("MatrixLayoutCreate(D)", cublasLtMatrixLayoutCreate(&plan->ld, (cudaDataType_t)k->d_type,
+                                                                   d[2][0], d[2][1], p->ld_out));
+    }
+    st = choose_algo(h, p, plan, &plan->class_algo);
+    if (st == SF_OK) {
+        plan->m = k->n; /* the layouts describe the class's upper bound now */
+        plan->k = k->k;
+        plan->algo = plan->class_algo;
+        st = resize_plan(h, p, plan);
+    }
     if (st != SF_OK)
         goto fail;
     return SF_OK;
@@ -334,9 +368,9 @@ fail:
     return st;
 }
 
-/* Ask the heuristic for the best algorithm for p with plan's descriptor and
- * layouts (which describe p). */
-sf_status choose_algo(cublasLtHandle_t h, const sf_gemm_problem *p, Plan *plan)
+/* Ask the heuristic for the best algorithm for the problem plan's
+ * descriptor and layouts describe now (p for the messages), into *algo. */
+sf_status choose_algo(cublasLtHandle_t h, const sf_gemm_problem *p, Plan *plan, cublasLtMatmulAlgo_t *algo)
 {
     const PlanKey *k = &plan->key;
     sf_status st = SF_OK;
@@ -376,7 +410,7 @@ sf_status choose_algo(cublasLtHandle_t h, const sf_gemm_problem *p, Plan *plan)
     else if (s != CUBLAS_STATUS_SUCCESS)
         st = lt_fail(s, "MatmulAlgoGetHeuristic");
     else
-        plan->algo = result.algo;
+        *algo = result.algo;
 #undef CA_TRY
 done:
     if (pref)
@@ -384,31 +418,37 @@ done:
     return st;
 }
 
-/* A plan of p's size class made for another exact m or k: describe p in its
- * layouts, keep its algorithm where cuBLASLt confirms it for p within the
- * workspace, else choose again for p. */
+/* Describe p's exact sizes in the plan's layouts and pick its algorithm:
+ * the class algorithm where cuBLASLt confirms it for p within the
+ * workspace (or p is the class's upper bound), else the heuristic's choice
+ * for p.  On failure the plan describes no size (the next call redoes it). */
 sf_status resize_plan(cublasLtHandle_t h, const sf_gemm_problem *p, Plan *plan)
 {
-    const uint64_t dims[3][2] = {{(uint64_t)p->b.cols, (uint64_t)p->b.rows},
-                                 {(uint64_t)p->a.cols, (uint64_t)p->a.rows},
-                                 {(uint64_t)p->n, (uint64_t)p->m}};
+    if (plan->m == p->m && plan->k == p->k)
+        return SF_OK;
+    uint64_t dims[3][2];
+    layout_dims(p, p->m, p->k, dims);
     cublasLtMatrixLayout_t layouts[3] = {plan->la, plan->lb, plan->ld};
+    plan->m = plan->k = -1;
     for (int i = 0; i < 3; ++i) {
         LT_TRY("setting layout ROWS", cublasLtMatrixLayoutSetAttribute(
                                           layouts[i], CUBLASLT_MATRIX_LAYOUT_ROWS, &dims[i][0], sizeof(uint64_t)));
         LT_TRY("setting layout COLS", cublasLtMatrixLayoutSetAttribute(
                                           layouts[i], CUBLASLT_MATRIX_LAYOUT_COLS, &dims[i][1], sizeof(uint64_t)));
     }
+    plan->algo = plan->class_algo;
+    if (p->m != plan->key.n || p->k != plan->key.k) {
+        cublasLtMatmulHeuristicResult_t check;
+        memset(&check, 0, sizeof check);
+        cublasStatus_t s = cublasLtMatmulAlgoCheck(h, plan->desc, plan->la, plan->lb, plan->ld, plan->ld,
+                                                   &plan->class_algo, &check);
+        if (!(s == CUBLAS_STATUS_SUCCESS && check.state == CUBLAS_STATUS_SUCCESS &&
+              check.workspaceSize <= plan->key.workspace_bytes))
+            SF_TRY(choose_algo(h, p, plan, &plan->algo));
+    }
     plan->m = p->m;
     plan->k = p->k;
-    cublasLtMatmulHeuristicResult_t check;
-    memset(&check, 0, sizeof check);
-    cublasStatus_t s = cublasLtMatmulAlgoCheck(h, plan->desc, plan->la, plan->lb, plan->ld, plan->ld,
-                                               &plan->algo, &check);
-    if (s == CUBLAS_STATUS_SUCCESS && check.state == CUBLAS_STATUS_SUCCESS &&
-        check.workspaceSize <= plan->key.workspace_bytes)
-        return SF_OK;
-    return choose_algo(h, p, plan);
+    return SF_OK;
 }
 
 /* Find or build the plan for p; the caller holds g_lock. */
@@ -423,8 +463,7 @@ sf_status lookup_locked(cublasLtHandle_t h, const sf_gemm_problem *p, Plan **out
         if (!e->used)
             break;
         if (e->hash == hash && memcmp(&e->key, &key, sizeof key) == 0) {
-            if (e->m != p->m || e->k != p->k)
-                SF_TRY(resize_plan(h, p, e));
+            SF_TRY(resize_plan(h, p, e));
             *out = e;
             return set_pointers(e, p);
         }
