@@ -5,6 +5,9 @@
  *   cfg = (format, mask, window_left, window_right, softmax_scale,
  *          max_seqlen_q, max_seqlen_kv, deterministic,
  *          dropout_p, dropout_seed, dropout_offset)
+ * Each binding is an argument table and a thunk calling the C entry; the
+ * config tuple is parsed by the prepare hook, the rest by the driver in
+ * py_call.c.
  */
 #include <limits.h>
 

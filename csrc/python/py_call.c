@@ -1,6 +1,8 @@
 /*
- * py_call.c - DLPack import into sf_tensor views, stream resolution, and the
- * status -> exception mapping.  See py_call.h for the two import paths.
+ * py_call.c - DLPack import into sf_tensor views, stream resolution, the
+ * status -> exception mapping, and the one driver every declared binding runs
+ * through (sf_py_drive).  See py_call.h for the two import paths and the
+ * binding tables.
  *
  * DLPack rules followed here:
  *   - a capsule named "dltensor_versioned" / "dltensor" is consumed by

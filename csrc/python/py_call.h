@@ -2,10 +2,10 @@
  * py_call.h - what every binding in the extension uses to turn Python
  * arguments into sf_tensor views and to report failures.
  *
- * One sf_py_call lives on the stack of each binding.  It holds the op's name
- * (for messages), the CUDA stream the op will run on, and every DLPack
- * tensor borrowed during the call, so one sf_py_call_release() at the single
- * cleanup label gives each of them back exactly once.
+ * One sf_py_call lives in the frame of each call (sf_py_drive, below).  It
+ * holds the op's name (for messages), the CUDA stream the op will run on, and
+ * every DLPack tensor borrowed during the call, so one sf_py_call_release()
+ * at the end gives each of them back exactly once.
  *
  * Two import paths, chosen per tensor type:
  *   fast:   the type publishes DLPack's C exchange API; C fills a DLTensor in
