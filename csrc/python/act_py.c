@@ -2,147 +2,57 @@
  * act_py.c - bindings of the act family (activations and their gradients,
  * bias + dropout + residual, csrc/act/).  Optional tensors are passed as
  * None; the activation is its sf_activation number (seqfuse.ops.act names
- * them).
+ * them).  Each binding is an argument table and a thunk calling the C entry;
+ * the driver in py_call.c does the parsing, importing and error mapping.
  */
 #include "py_call.h"
 
-static int arg_u64(const char *op, const char *name, PyObject *o, uint64_t *out)
+static const sf_py_arg act_fwd_args[] = {SF_INT(activation), SF_T(x),      SF_T(y),
+                                         SF_OT(scale),       SF_OT(amax),  SF_OT(scale_inv),
+                                         SF_STREAM};
+static sf_status act_fwd(sf_py_value *v, sf_stream s)
 {
-    unsigned long long v = PyLong_AsUnsignedLongLong(o);
-    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_ValueError, "%s: argument '%s' must be an int in [0, 2**64), got %R", op,
-                     name, o);
-        return -1;
-    }
-    *out = (uint64_t)v;
-    return 0;
+    return sf_act_fwd((sf_activation)v[0].i, v[1].t, v[2].t, v[3].t, v[4].t, v[5].t, s);
 }
+SF_PY_BINDING(act_fwd, act_fwd_args, act_fwd, "y = activation(x), optionally cast to FP8.");
 
-/* act_fwd(activation, x, y, scale, amax, scale_inv, stream=None)
- * act_bwd(activation, dy, x, dx, scale, amax, scale_inv, stream=None) */
-static PyObject *act_call(PyObject *const *args, Py_ssize_t nargs, int backward)
+static const sf_py_arg act_bwd_args[] = {SF_INT(activation), SF_T(dy),    SF_T(x),
+                                         SF_T(dx),           SF_OT(scale), SF_OT(amax),
+                                         SF_OT(scale_inv),   SF_STREAM};
+static sf_status act_bwd(sf_py_value *v, sf_stream s)
 {
-    static const sf_py_tensor_arg fwd[] = {
-        {1, "x", 0}, {2, "y", 0}, {3, "scale", 1}, {4, "amax", 1}, {5, "scale_inv", 1}};
-    static const sf_py_tensor_arg bwd[] = {{1, "dy", 0},    {2, "x", 0},    {3, "dx", 0},
-                                           {4, "scale", 1}, {5, "amax", 1}, {6, "scale_inv", 1}};
-    const char *op = backward ? "act_bwd" : "act_fwd";
-    const int n_fixed = backward ? 7 : 6;
-    /* the tensors after dy (absent forward) stand at the same places in a.t */
-    const int k = backward ? 1 : 0;
-    enum { X, OUT, SCALE, AMAX, SCALE_INV };
-    if (sf_py_check_nargs(op, nargs, n_fixed, n_fixed + 1) < 0)
-        return NULL;
-    long act;
-    sf_py_args a;
-    if (sf_py_arg_long(op, "activation", args[0], &act) < 0 ||
-        sf_py_begin(&a, op, args, nargs, n_fixed, backward ? bwd : fwd,
-                    backward ? SF_PY_NARGS(bwd) : SF_PY_NARGS(fwd)) < 0)
-        return NULL;
-    sf_tensor *const *t = a.t + k;
-    sf_status st;
-    Py_BEGIN_ALLOW_THREADS
-    if (backward)
-        st = sf_act_bwd((sf_activation)act, a.t[0], t[X], t[OUT], t[SCALE], t[AMAX], t[SCALE_INV],
-                        sf_py_call_stream(&a.call));
-    else
-        st = sf_act_fwd((sf_activation)act, t[X], t[OUT], t[SCALE], t[AMAX], t[SCALE_INV],
-                        sf_py_call_stream(&a.call));
-    Py_END_ALLOW_THREADS
-    return sf_py_finish(&a.call, st);
+    return sf_act_bwd((sf_activation)v[0].i, v[1].t, v[2].t, v[3].t, v[4].t, v[5].t, v[6].t, s);
 }
+SF_PY_BINDING(act_bwd, act_bwd_args, act_bwd, "dx = dy * activation'(x), optionally cast to FP8.");
 
-static PyObject *py_act_fwd(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static const sf_py_arg bda_args[] = {SF_T(x),     SF_OT(bias),    SF_T(residual), SF_FLOAT(p),
+                                     SF_U64(seed), SF_U64(offset), SF_T(out),      SF_STREAM};
+static sf_status bda(sf_py_value *v, sf_stream s)
 {
-    (void)self;
-    return act_call(args, nargs, 0);
+    return sf_bias_dropout_add_fwd(v[0].t, v[1].t, v[2].t, (float)v[3].f, v[4].u64, v[5].u64,
+                                   v[6].t, s);
 }
+SF_PY_BINDING(bias_dropout_add, bda_args, bda, "out = residual + dropout(x + bias).");
 
-static PyObject *py_act_bwd(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static const sf_py_arg dropout_bwd_args[] = {SF_T(dy), SF_FLOAT(p),  SF_U64(seed),
+                                             SF_U64(offset), SF_T(dx), SF_OT(dbias),
+                                             SF_OT(workspace), SF_STREAM};
+static sf_status dropout_bwd(sf_py_value *v, sf_stream s)
 {
-    (void)self;
-    return act_call(args, nargs, 1);
+    return sf_dropout_bwd(v[0].t, (float)v[1].f, v[2].u64, v[3].u64, v[4].t, v[5].t, v[6].t, s);
 }
+SF_PY_BINDING(dropout_bwd, dropout_bwd_args, dropout_bwd,
+              "dx = the dropout mask applied to dy; dbias = column sums of dx.");
 
-/* The scalars of the dropout bindings: p, seed and offset from args[at],
- * args[at + 1], args[at + 2], after the argument count check (7, then the
- * optional stream). */
-static int dropout_scalars(const char *op, PyObject *const *args, Py_ssize_t nargs, int at,
-                           float *p, uint64_t *seed, uint64_t *offset)
+static const sf_py_arg dy_args[] = {SF_T(dy), SF_STREAM};
+static sf_status dropout_ws(sf_py_value *v, sf_stream s)
 {
-    if (sf_py_check_nargs(op, nargs, 7, 8) < 0)
-        return -1;
-    return sf_py_arg_float(op, "p", args[at], p) < 0 ||
-                   arg_u64(op, "seed", args[at + 1], seed) < 0 ||
-                   arg_u64(op, "offset", args[at + 2], offset) < 0
-               ? -1
-               : 0;
+    (void)s;
+    return sf_dropout_bwd_workspace_numel(v[0].t, &v[2].i64); /* the slot after the arguments */
 }
+SF_PY_BINDING_FULL(dropout_bwd_workspace_numel, "dropout_bwd_workspace_numel", dy_args, dropout_ws,
+                   NULL, NULL, sf_py_result_i64, "-> int: float32 elements of dbias workspace.");
 
-/* bias_dropout_add(x, bias, residual, p, seed, offset, out, stream=None) */
-static PyObject *py_bias_dropout_add(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    (void)self;
-    static const char op[] = "bias_dropout_add";
-    static const sf_py_tensor_arg spec[] = {
-        {0, "x", 0}, {1, "bias", 1}, {2, "residual", 0}, {6, "out", 0}};
-    enum { X, BIAS, RESIDUAL, OUT };
-    float p;
-    uint64_t seed, offset;
-    sf_py_args a;
-    if (dropout_scalars(op, args, nargs, 3, &p, &seed, &offset) < 0 ||
-        sf_py_begin(&a, op, args, nargs, 7, spec, SF_PY_NARGS(spec)) < 0)
-        return NULL;
-    sf_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = sf_bias_dropout_add_fwd(a.t[X], a.t[BIAS], a.t[RESIDUAL], p, seed, offset, a.t[OUT],
-                                 sf_py_call_stream(&a.call));
-    Py_END_ALLOW_THREADS
-    return sf_py_finish(&a.call, st);
-}
-
-/* dropout_bwd(dy, p, seed, offset, dx, dbias, workspace, stream=None) */
-static PyObject *py_dropout_bwd(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    (void)self;
-    static const char op[] = "dropout_bwd";
-    static const sf_py_tensor_arg spec[] = {
-        {0, "dy", 0}, {4, "dx", 0}, {5, "dbias", 1}, {6, "workspace", 1}};
-    enum { DY, DX, DBIAS, WS };
-    float p;
-    uint64_t seed, offset;
-    sf_py_args a;
-    if (dropout_scalars(op, args, nargs, 1, &p, &seed, &offset) < 0 ||
-        sf_py_begin(&a, op, args, nargs, 7, spec, SF_PY_NARGS(spec)) < 0)
-        return NULL;
-    sf_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = sf_dropout_bwd(a.t[DY], p, seed, offset, a.t[DX], a.t[DBIAS], a.t[WS],
-                        sf_py_call_stream(&a.call));
-    Py_END_ALLOW_THREADS
-    return sf_py_finish(&a.call, st);
-}
-
-/* dropout_bwd_workspace_numel(dy) -> int */
-static PyObject *py_dropout_bwd_workspace_numel(PyObject *self, PyObject *const *args,
-                                                Py_ssize_t nargs)
-{
-    (void)self;
-    return sf_py_numel_query("dropout_bwd_workspace_numel", "dy", args, nargs,
-                             sf_dropout_bwd_workspace_numel);
-}
-
-PyMethodDef sf_py_act_methods[] = {
-    {"act_fwd", SF_PY_FASTCALL(py_act_fwd),
-     "act_fwd(activation, x, y, scale, amax, scale_inv, stream=None)"},
-    {"act_bwd", SF_PY_FASTCALL(py_act_bwd),
-     "act_bwd(activation, dy, x, dx, scale, amax, scale_inv, stream=None)"},
-    {"bias_dropout_add", SF_PY_FASTCALL(py_bias_dropout_add),
-     "bias_dropout_add(x, bias, residual, p, seed, offset, out, stream=None)"},
-    {"dropout_bwd", SF_PY_FASTCALL(py_dropout_bwd),
-     "dropout_bwd(dy, p, seed, offset, dx, dbias, workspace, stream=None)"},
-    {"dropout_bwd_workspace_numel", SF_PY_FASTCALL(py_dropout_bwd_workspace_numel),
-     "dropout_bwd_workspace_numel(dy) -> int: float32 elements of dbias workspace."},
-    {NULL, NULL, 0, NULL},
-};
+const sf_py_binding *const sf_py_act_bindings[] = {
+    &act_fwd_binding,     &act_bwd_binding, &bias_dropout_add_binding,
+    &dropout_bwd_binding, &dropout_bwd_workspace_numel_binding, NULL};

@@ -5,6 +5,9 @@
  *   cfg = (format, mask, window_left, window_right, softmax_scale,
  *          max_seqlen_q, max_seqlen_kv, deterministic,
  *          dropout_p, dropout_seed, dropout_offset)
+ * Each binding is an argument table and a thunk calling the C entry; the
+ * config tuple is parsed by the prepare hook, the rest by the driver in
+ * py_call.c.
  */
 #include <limits.h>
 
@@ -77,111 +80,85 @@ static int parse_config(const char *op, PyObject *obj, sf_attn_config *cfg)
     return 0;
 }
 
-/* The common opening: nargs (the config at position cfg_at, the stream
- * after it), the config, then the call and every tensor of spec
- * (sf_py_begin).  0 on success (end with sf_py_finish), -1 with an exception
- * set and nothing borrowed. */
-static int begin_call(const char *op, PyObject *const *args, Py_ssize_t nargs, int cfg_at,
-                      const sf_py_tensor_arg *spec, int n, sf_attn_config *cfg, sf_py_args *a)
+/* The prepare hook of both calls: the config tuple at args[at] parsed into
+ * the frame's scratch, its address left in v[at].p for the thunk. */
+static int prepare_config(sf_py_frame *f, int at)
 {
-    if (sf_py_check_nargs(op, nargs, cfg_at + 1, cfg_at + 2) < 0 || parse_config(op, args[cfg_at], cfg) < 0)
+    _Static_assert(sizeof(sf_attn_config) <= sizeof f->scratch, "frame scratch too small");
+    sf_attn_config *cfg = (sf_attn_config *)f->scratch;
+    if (parse_config(f->b->op, f->v[at].o, cfg) < 0)
         return -1;
-    return sf_py_begin(a, op, args, nargs, cfg_at + 1, spec, n);
+    f->v[at].p = cfg;
+    return 0;
 }
 
-/* attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, out, lse, cfg, stream=None) */
-static PyObject *py_attn_fwd(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static const sf_py_arg fwd_args[] = {SF_T(q),   SF_T(k),   SF_T(v), SF_OT(cu_seqlens_q),
+                                     SF_OT(cu_seqlens_kv), SF_T(out), SF_T(lse), SF_OBJ(cfg),
+                                     SF_STREAM};
+static int fwd_prepare(sf_py_frame *f) { return prepare_config(f, 7); }
+static sf_status fwd(sf_py_value *v, sf_stream s)
 {
-    (void)self;
-    static const char op[] = "attention_fwd";
-    static const sf_py_tensor_arg spec[] = {
-        {0, "q", 0}, {1, "k", 0}, {2, "v", 0}, {3, "cu_seqlens_q", 1}, {4, "cu_seqlens_kv", 1},
-        {5, "out", 0}, {6, "lse", 0},
-    };
-    enum { Q, K, V, CUQ, CUK, OUT, LSE };
-    sf_attn_config cfg;
-    sf_py_args a;
-    if (begin_call(op, args, nargs, 7, spec, SF_PY_NARGS(spec), &cfg, &a) < 0)
-        return NULL;
-    sf_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = sf_attn_fwd(a.t[Q], a.t[K], a.t[V], a.t[CUQ], a.t[CUK], &cfg, a.t[OUT], a.t[LSE],
-                     sf_py_call_stream(&a.call));
-    Py_END_ALLOW_THREADS
-    return sf_py_finish(&a.call, st);
+    return sf_attn_fwd(v[0].t, v[1].t, v[2].t, v[3].t, v[4].t, v[7].p, v[5].t, v[6].t, s);
 }
+SF_PY_BINDING_FULL(attn_fwd, "attention_fwd", fwd_args, fwd, fwd_prepare, NULL, NULL,
+                   "Fused attention forward into out and lse (float32).");
 
-/* attn_bwd(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_kv, dq, dk, dv,
- *          dq_accum, delta, cfg, stream=None) */
-static PyObject *py_attn_bwd(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static const sf_py_arg bwd_args[] = {
+    SF_T(q),  SF_T(k),  SF_T(v),  SF_T(out), SF_T(dout), SF_T(lse), SF_OT(cu_seqlens_q),
+    SF_OT(cu_seqlens_kv), SF_T(dq), SF_T(dk), SF_T(dv), SF_T(dq_accum), SF_T(delta), SF_OBJ(cfg),
+    SF_STREAM};
+static int bwd_prepare(sf_py_frame *f) { return prepare_config(f, 13); }
+static sf_status bwd(sf_py_value *v, sf_stream s)
 {
-    (void)self;
-    static const char op[] = "attention_bwd";
-    static const sf_py_tensor_arg spec[] = {
-        {0, "q", 0}, {1, "k", 0}, {2, "v", 0}, {3, "out", 0}, {4, "dout", 0}, {5, "lse", 0},
-        {6, "cu_seqlens_q", 1}, {7, "cu_seqlens_kv", 1}, {8, "dq", 0}, {9, "dk", 0}, {10, "dv", 0},
-        {11, "dq_accum", 0}, {12, "delta", 0},
-    };
-    enum { Q, K, V, OUT, DOUT, LSE, CUQ, CUK, DQ, DK, DV, ACC, DELTA };
-    sf_attn_config cfg;
-    sf_py_args a;
-    if (begin_call(op, args, nargs, 13, spec, SF_PY_NARGS(spec), &cfg, &a) < 0)
-        return NULL;
-    sf_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = sf_attn_bwd(a.t[Q], a.t[K], a.t[V], a.t[OUT], a.t[DOUT], a.t[LSE], a.t[CUQ], a.t[CUK], &cfg,
-                     a.t[DQ], a.t[DK], a.t[DV], a.t[ACC], a.t[DELTA], sf_py_call_stream(&a.call));
-    Py_END_ALLOW_THREADS
-    return sf_py_finish(&a.call, st);
+    return sf_attn_bwd(v[0].t, v[1].t, v[2].t, v[3].t, v[4].t, v[5].t, v[6].t, v[7].t, v[13].p,
+                       v[8].t, v[9].t, v[10].t, v[11].t, v[12].t, s);
 }
+SF_PY_BINDING_FULL(attn_bwd, "attention_bwd", bwd_args, bwd, bwd_prepare, NULL, NULL,
+                   "Fused attention backward.");
 
 /* attn_set_fwd_kernel(arch) / attn_set_bwd_kernel(arch): the CUDA forward
  * / backward on Hopper, 90 (wgmma) or 80 (mma.sync);
- * attn_set_fwd_sm90_variant(v): the wgmma forward's schedule;
- * attn_fwd_kernel_for(head_dim, device, dropout=0) and
- * attn_bwd_kernel_for(head_dim, device, deterministic, dropout=0) ->
- * (arch, reason): which kernel a call takes (attn_sm90.h).  Tests,
- * benchmarks and the once-per-reason log of ops/attn.py. */
-static PyObject *py_attn_set_int(const char *op, const char *name, PyObject *arg, sf_status (*set)(int))
-{
-    long v;
-    if (sf_py_arg_long(op, name, arg, &v) < 0)
-        return NULL;
+ * attn_set_fwd_sm90_variant(variant): the wgmma forward's schedule. */
 #ifdef SF_WITH_CUDA
-    sf_status st = set((int)v);
+#define SET_KERNEL(setter, value) setter(value)
 #else
-    (void)set;
-    sf_status st = sf_fail(SF_ERR_NOT_IMPLEMENTED, "attention: the kernel choice exists only in a CUDA build");
+#define SET_KERNEL(setter, value) \
+    ((void)(value), sf_fail(SF_ERR_NOT_IMPLEMENTED, "attention: the kernel choice exists only in a CUDA build"))
 #endif
-    if (st != SF_OK)
-        return sf_py_raise(st);
-    Py_RETURN_NONE;
-}
-
-#ifndef SF_WITH_CUDA
-#define sf_attn_set_fwd_kernel NULL
-#define sf_attn_set_fwd_sm90_variant NULL
-#define sf_attn_set_bwd_kernel NULL
-#endif
-
-static PyObject *py_attn_set_fwd_kernel(PyObject *self, PyObject *arg)
+static const sf_py_arg arch_args[] = {SF_INT(arch)};
+static const sf_py_arg variant_args[] = {SF_INT(variant)};
+static sf_status set_fwd(sf_py_value *v, sf_stream s)
 {
-    (void)self;
-    return py_attn_set_int("attn_set_fwd_kernel", "arch", arg, sf_attn_set_fwd_kernel);
+    (void)s;
+    return SET_KERNEL(sf_attn_set_fwd_kernel, v[0].i);
 }
-
-static PyObject *py_attn_set_fwd_sm90_variant(PyObject *self, PyObject *arg)
+static sf_status set_variant(sf_py_value *v, sf_stream s)
 {
-    (void)self;
-    return py_attn_set_int("attn_set_fwd_sm90_variant", "variant", arg, sf_attn_set_fwd_sm90_variant);
+    (void)s;
+    return SET_KERNEL(sf_attn_set_fwd_sm90_variant, v[0].i);
 }
-
-static PyObject *py_attn_set_bwd_kernel(PyObject *self, PyObject *arg)
+static sf_status set_bwd(sf_py_value *v, sf_stream s)
 {
-    (void)self;
-    return py_attn_set_int("attn_set_bwd_kernel", "arch", arg, sf_attn_set_bwd_kernel);
+    (void)s;
+    return SET_KERNEL(sf_attn_set_bwd_kernel, v[0].i);
 }
+SF_PY_BINDING(attn_set_fwd_kernel, arch_args, set_fwd,
+              "CUDA forward kernel on Hopper, 90 (wgmma) or 80 (mma.sync).");
+SF_PY_BINDING(attn_set_fwd_sm90_variant, variant_args, set_variant,
+              "wgmma forward schedule, 0 (in order), 1 (softmax overlapped with P V), 2 (1 "
+              "warp-specialized: producer warpgroup, mbarrier pipeline), 3 (2 + consumer "
+              "ping-pong) or 4 (3 with three consumer warpgroups of 192 rows at head dim 64).");
+SF_PY_BINDING(attn_set_bwd_kernel, arch_args, set_bwd,
+              "CUDA backward kernel on Hopper, 90 (wgmma) or 80 (mma.sync).");
 
+const sf_py_binding *const sf_py_attn_bindings[] = {
+    &attn_fwd_binding,          &attn_bwd_binding,         &attn_set_fwd_kernel_binding,
+    &attn_set_fwd_sm90_variant_binding, &attn_set_bwd_kernel_binding, NULL};
+
+/* attn_fwd_kernel_for(head_dim, device, dropout=0) and
+ * attn_bwd_kernel_for(head_dim, device, deterministic, dropout=0) ->
+ * (arch, reason): which kernel a call takes (attn_sm90.h), for tests,
+ * benchmarks and the once-per-reason log of ops/attn.py. */
 /* (arch, reason) of the forward (bwd 0; args head_dim, device[, dropout])
  * or the backward (bwd 1; head_dim, device, deterministic[, dropout]). */
 static PyObject *kernel_for(PyObject *args, int bwd)
@@ -215,24 +192,10 @@ static PyObject *py_attn_bwd_kernel_for(PyObject *self, PyObject *args)
 }
 
 PyMethodDef sf_py_attn_methods[] = {
-    {"attn_set_fwd_kernel", py_attn_set_fwd_kernel, METH_O,
-     "attn_set_fwd_kernel(arch): CUDA forward kernel on Hopper, 90 (wgmma) or 80 (mma.sync)."},
-    {"attn_set_fwd_sm90_variant", py_attn_set_fwd_sm90_variant, METH_O,
-     "attn_set_fwd_sm90_variant(v): wgmma forward schedule, 0 (in order), 1 (softmax overlapped with P V), "
-     "2 (1 warp-specialized: producer warpgroup, mbarrier pipeline), 3 (2 + consumer ping-pong) "
-     "or 4 (3 with three consumer warpgroups of 192 rows at head dim 64)."},
     {"attn_fwd_kernel_for", py_attn_fwd_kernel_for, METH_VARARGS,
      "attn_fwd_kernel_for(head_dim, device, dropout=0) -> (arch, reason): the forward kernel a call takes."},
-    {"attn_set_bwd_kernel", py_attn_set_bwd_kernel, METH_O,
-     "attn_set_bwd_kernel(arch): CUDA backward kernel on Hopper, 90 (wgmma) or 80 (mma.sync)."},
     {"attn_bwd_kernel_for", py_attn_bwd_kernel_for, METH_VARARGS,
      "attn_bwd_kernel_for(head_dim, device, deterministic, dropout=0) -> (arch, reason): the backward kernel a "
      "call takes."},
-    {"attn_fwd", SF_PY_FASTCALL(py_attn_fwd),
-     "attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, out, lse, cfg, stream=None): "
-     "fused attention forward into out and lse (float32)."},
-    {"attn_bwd", SF_PY_FASTCALL(py_attn_bwd),
-     "attn_bwd(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_kv, dq, dk, dv, dq_accum, "
-     "delta, cfg, stream=None): fused attention backward."},
     {NULL, NULL, 0, NULL},
 };

@@ -87,136 +87,147 @@ static int operand_import(sf_py_call *c, PyObject *stream_obj, PyObject *obj, co
     return 0;
 }
 
-/* grouped_gemm(a, b, out, m_splits, transa, transb, a_scale_inv, b_scale_inv, a_scaling,
- *              b_scaling, bias, bgrad, accumulate, fast_accum, allow_tf32, workspace,
- *              stream=None)
- * a_scale_inv / b_scale_inv: None, one tensor (per-tensor scales: G or 1
- * elements), or a list of G scale tensors under a_scaling / b_scaling
- * (sf_gemm_scaling codes). */
-static PyObject *py_grouped_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* What the prepare hook builds in the frame's scratch. */
+typedef struct {
+    int64_t *m; /* m_splits, G host ints */
+    grouped_operand a, b, out, bias;
+    sf_py_tensor_list scale_list[2];
+    sf_tensor scale[2];
+    sf_grouped_gemm_args g;
+} grouped_state;
+
+/* m_splits: a sequence of 1 to 2^20 ints; fills st->m, returns G or -1. */
+static Py_ssize_t read_splits(const char *op, PyObject *obj, grouped_state *st)
 {
-    (void)self;
-    static const char op[] = "grouped_gemm";
-    if (sf_py_check_nargs(op, nargs, 16, 17) < 0)
-        return NULL;
-    long transa, transb, a_scaling, b_scaling, bgrad, accumulate, fast_accum, allow_tf32;
-    if (sf_py_arg_long(op, "transa", args[4], &transa) < 0 ||
-        sf_py_arg_long(op, "transb", args[5], &transb) < 0 ||
-        sf_py_arg_long(op, "a_scaling", args[8], &a_scaling) < 0 ||
-        sf_py_arg_long(op, "b_scaling", args[9], &b_scaling) < 0 ||
-        sf_py_arg_long(op, "bgrad", args[11], &bgrad) < 0 ||
-        sf_py_arg_long(op, "accumulate", args[12], &accumulate) < 0 ||
-        sf_py_arg_long(op, "fast_accum", args[13], &fast_accum) < 0 ||
-        sf_py_arg_long(op, "allow_tf32", args[14], &allow_tf32) < 0)
-        return NULL;
-    PyObject *splits = PySequence_Fast(args[3], "grouped_gemm: argument 'm_splits' must be a sequence of ints");
+    PyObject *splits = PySequence_Fast(obj, "grouped_gemm: argument 'm_splits' must be a sequence of ints");
     if (!splits)
-        return NULL;
+        return -1;
     Py_ssize_t G = PySequence_Fast_GET_SIZE(splits);
     if (G < 1 || G > (1 << 20)) {
-        Py_DECREF(splits);
-        return PyErr_Format(PyExc_ValueError, "%s: argument 'm_splits' must hold 1 to 2^20 row counts, "
-                            "got %zd", op, G);
+        PyErr_Format(PyExc_ValueError, "%s: argument 'm_splits' must hold 1 to 2^20 row counts, "
+                     "got %zd", op, G);
+        G = -1;
+    } else if ((st->m = PyMem_Malloc((size_t)G * sizeof(int64_t))) == NULL) {
+        PyErr_NoMemory();
+        G = -1;
     }
-    int64_t *m = PyMem_Malloc((size_t)G * sizeof(int64_t));
-    if (!m) {
-        Py_DECREF(splits);
-        return PyErr_NoMemory();
-    }
-    for (Py_ssize_t g = 0; g < G; ++g) {
+    for (Py_ssize_t g = 0; G > 0 && g < G; ++g) {
         long v;
-        if (sf_py_arg_long(op, "m_splits", PySequence_Fast_GET_ITEM(splits, g), &v) < 0) {
-            Py_DECREF(splits);
-            PyMem_Free(m);
-            return NULL;
-        }
-        m[g] = v;
+        if (sf_py_arg_long(op, "m_splits", PySequence_Fast_GET_ITEM(splits, g), &v) < 0)
+            G = -1;
+        else
+            st->m[g] = v;
     }
     Py_DECREF(splits);
-
-    PyObject *stream_obj = nargs > 16 ? args[16] : Py_None;
-    sf_py_call c;
-    if (sf_py_call_init(&c, op, stream_obj) < 0) {
-        PyMem_Free(m);
-        return NULL;
-    }
-    grouped_operand a, b, out, bias;
-    memset(&a, 0, sizeof a);
-    memset(&b, 0, sizeof b);
-    memset(&out, 0, sizeof out);
-    memset(&bias, 0, sizeof bias);
-    sf_py_tensor_list sal = {0}, sbl = {0};
-    sf_tensor sa, sb, ws;
-    int has_sa = 0, has_sb = 0, has_ws = 0, ran = 0;
-    int list_sa = PyList_Check(args[6]) || PyTuple_Check(args[6]);
-    int list_sb = PyList_Check(args[7]) || PyTuple_Check(args[7]);
-    sf_status st = SF_OK;
-    if (operand_import(&c, stream_obj, args[0], "a", (int)G, 0, &a) < 0 ||
-        operand_import(&c, stream_obj, args[1], "b", (int)G, 0, &b) < 0 ||
-        operand_import(&c, stream_obj, args[2], "out", (int)G, 0, &out) < 0 ||
-        operand_import(&c, stream_obj, args[10], "bias", (int)G, 1, &bias) < 0 ||
-        (list_sa ? sf_py_list_import(&c, stream_obj, args[6], "a_scale_inv", &sal)
-                 : sf_py_optional_tensor(&c, args[6], "a_scale_inv", &sa, &has_sa)) < 0 ||
-        (list_sb ? sf_py_list_import(&c, stream_obj, args[7], "b_scale_inv", &sbl)
-                 : sf_py_optional_tensor(&c, args[7], "b_scale_inv", &sb, &has_sb)) < 0 ||
-        sf_py_optional_tensor(&c, args[15], "workspace", &ws, &has_ws) < 0)
-        goto done;
-    if ((list_sa && sal.n != G) || (list_sb && sbl.n != G)) {
-        PyErr_Format(PyExc_ValueError, "%s: a list of scale inverses must hold num_groups = %zd tensors",
-                     op, G);
-        goto done;
-    }
-    if (!a.given || !b.given || !out.given) {
-        PyErr_Format(PyExc_ValueError, "%s: arguments 'a', 'b' and 'out' are required", op);
-        goto done;
-    }
-    sf_grouped_gemm_args g;
-    sf_grouped_gemm_args_init(&g);
-    g.num_groups = (int)G;
-    g.m_splits = m;
-    g.a = a.split ? &a.whole : NULL;
-    g.a_list = a.split ? NULL : a.views;
-    g.b = b.split ? &b.whole : NULL;
-    g.b_list = b.split ? NULL : b.views;
-    g.out = out.split ? &out.whole : NULL;
-    g.out_list = out.split ? NULL : out.views;
-    g.transa = transa != 0;
-    g.transb = transb != 0;
-    g.a_scale_inv = has_sa ? &sa : NULL;
-    g.b_scale_inv = has_sb ? &sb : NULL;
-    g.a_scale_list = list_sa ? sal.views : NULL;
-    g.b_scale_list = list_sb ? sbl.views : NULL;
-    g.a_scaling = (sf_gemm_scaling)a_scaling;
-    g.b_scaling = (sf_gemm_scaling)b_scaling;
-    g.bias_list = bias.given ? bias.views : NULL;
-    g.bgrad = bgrad != 0;
-    g.accumulate = accumulate != 0;
-    g.fast_accum = fast_accum != 0;
-    g.allow_tf32 = allow_tf32 != 0;
-    g.workspace = has_ws ? &ws : NULL;
-    Py_BEGIN_ALLOW_THREADS
-    st = sf_grouped_gemm(&g, sf_py_call_stream(&c));
-    Py_END_ALLOW_THREADS
-    ran = 1;
-done:
-    sf_py_list_free(&sal);
-    sf_py_list_free(&sbl);
-    operand_free(&a);
-    operand_free(&b);
-    operand_free(&out);
-    operand_free(&bias);
-    PyMem_Free(m);
-    if (!ran) {
-        sf_py_call_release(&c);
-        return NULL;
-    }
-    return sf_py_finish(&c, st);
+    return G;
 }
 
-PyMethodDef sf_py_grouped_methods[] = {
-    {"grouped_gemm", SF_PY_FASTCALL(py_grouped_gemm),
-     "grouped_gemm(a, b, out, m_splits, transa, transb, a_scale_inv, b_scale_inv, a_scaling, "
-     "b_scaling, bias, bgrad, accumulate, fast_accum, allow_tf32, workspace, stream=None): per "
-     "group g, out_g = op(a_g) @ op(b_g). See seqfuse.ops.moe.grouped_gemm."},
-    {NULL, NULL, 0, NULL},
-};
+/* a_scale_inv / b_scale_inv: None, one tensor (per-tensor scales: G or 1
+ * elements), or a list of G scale tensors. */
+static int scale_import(sf_py_frame *f, PyObject *obj, const char *name, Py_ssize_t G,
+                        sf_py_tensor_list *list, sf_tensor *one, const sf_tensor **t,
+                        const sf_tensor **t_list)
+{
+    if (PyList_Check(obj) || PyTuple_Check(obj)) {
+        if (sf_py_list_import(&f->call, f->stream_obj, obj, name, list) < 0)
+            return -1;
+        if (list->n != G) {
+            PyErr_Format(PyExc_ValueError, "%s: a list of scale inverses must hold num_groups = "
+                         "%zd tensors", f->b->op, G);
+            return -1;
+        }
+        *t_list = list->views;
+        return 0;
+    }
+    if (obj == Py_None)
+        return 0;
+    *t = one;
+    return sf_py_tensor(&f->call, obj, name, one);
+}
+
+/* Argument positions in grouped_args. */
+enum { A, B, OUT, SPLITS, TRANSA, TRANSB, SA, SB, A_SCALING, B_SCALING, BIAS, BGRAD, ACCUMULATE,
+       FAST_ACCUM, ALLOW_TF32, WORKSPACE };
+static const sf_py_arg grouped_args[] = {
+    SF_OBJ(a),          SF_OBJ(b),          SF_OBJ(out),         SF_OBJ(m_splits),
+    SF_INT(transa),     SF_INT(transb),     SF_OBJ(a_scale_inv), SF_OBJ(b_scale_inv),
+    SF_INT(a_scaling),  SF_INT(b_scaling),  SF_OBJ(bias),        SF_INT(bgrad),
+    SF_INT(accumulate), SF_INT(fast_accum), SF_INT(allow_tf32),  SF_OT(workspace),
+    SF_STREAM};
+
+/* The state lives on the heap (the frame's scratch holds its address): it
+ * is larger than the small frame every call carries. */
+static int grouped_prepare(sf_py_frame *f)
+{
+    grouped_state *st = PyMem_Calloc(1, sizeof *st);
+    memcpy(f->scratch, &st, sizeof st);
+    if (st == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    sf_py_value *v = f->v;
+    const Py_ssize_t G = read_splits(f->b->op, v[SPLITS].o, st);
+    if (G < 0)
+        return -1;
+    sf_grouped_gemm_args *g = &st->g;
+    sf_grouped_gemm_args_init(g);
+    if (operand_import(&f->call, f->stream_obj, v[A].o, "a", (int)G, 0, &st->a) < 0 ||
+        operand_import(&f->call, f->stream_obj, v[B].o, "b", (int)G, 0, &st->b) < 0 ||
+        operand_import(&f->call, f->stream_obj, v[OUT].o, "out", (int)G, 0, &st->out) < 0 ||
+        operand_import(&f->call, f->stream_obj, v[BIAS].o, "bias", (int)G, 1, &st->bias) < 0 ||
+        scale_import(f, v[SA].o, "a_scale_inv", G, &st->scale_list[0], &st->scale[0],
+                     &g->a_scale_inv, &g->a_scale_list) < 0 ||
+        scale_import(f, v[SB].o, "b_scale_inv", G, &st->scale_list[1], &st->scale[1],
+                     &g->b_scale_inv, &g->b_scale_list) < 0)
+        return -1;
+    if (!st->a.given || !st->b.given || !st->out.given) {
+        PyErr_Format(PyExc_ValueError, "%s: arguments 'a', 'b' and 'out' are required", f->b->op);
+        return -1;
+    }
+    g->num_groups = (int)G;
+    g->m_splits = st->m;
+    g->a = st->a.split ? &st->a.whole : NULL;
+    g->a_list = st->a.split ? NULL : st->a.views;
+    g->b = st->b.split ? &st->b.whole : NULL;
+    g->b_list = st->b.split ? NULL : st->b.views;
+    g->out = st->out.split ? &st->out.whole : NULL;
+    g->out_list = st->out.split ? NULL : st->out.views;
+    g->transa = v[TRANSA].i != 0;
+    g->transb = v[TRANSB].i != 0;
+    g->a_scaling = (sf_gemm_scaling)v[A_SCALING].i;
+    g->b_scaling = (sf_gemm_scaling)v[B_SCALING].i;
+    g->bias_list = st->bias.given ? st->bias.views : NULL;
+    g->bgrad = v[BGRAD].i != 0;
+    g->accumulate = v[ACCUMULATE].i != 0;
+    g->fast_accum = v[FAST_ACCUM].i != 0;
+    g->allow_tf32 = v[ALLOW_TF32].i != 0;
+    g->workspace = v[WORKSPACE].t;
+    v[SPLITS].p = g;
+    return 0;
+}
+
+static void grouped_cleanup(sf_py_frame *f)
+{
+    grouped_state *st;
+    memcpy(&st, f->scratch, sizeof st);
+    if (st == NULL)
+        return;
+    sf_py_list_free(&st->scale_list[0]);
+    sf_py_list_free(&st->scale_list[1]);
+    operand_free(&st->a);
+    operand_free(&st->b);
+    operand_free(&st->out);
+    operand_free(&st->bias);
+    PyMem_Free(st->m);
+    PyMem_Free(st);
+}
+
+static sf_status grouped_call(sf_py_value *v, sf_stream s)
+{
+    return sf_grouped_gemm(v[SPLITS].p, s);
+}
+SF_PY_BINDING_FULL(grouped_gemm, "grouped_gemm", grouped_args, grouped_call, grouped_prepare,
+                   grouped_cleanup, NULL,
+                   "Per group g, out_g = op(a_g) @ op(b_g). See seqfuse.ops.moe.grouped_gemm.");
+
+const sf_py_binding *const sf_py_grouped_bindings[] = {&grouped_gemm_binding, NULL};

@@ -3,10 +3,10 @@
  * binding files (one per kernel family) and holds the core bindings: build
  * and device information, the exchange-API switch, and the overhead probe.
  *
- * Only this folder includes Python.h.  Each binding checks its arguments'
- * count, imports tensors through py_call.c, calls one sf_* function with the
- * GIL released, maps a failing status to an exception and releases every
- * borrowed tensor at one cleanup label.
+ * Only this folder includes Python.h.  Each op binding is declared once in
+ * its family file (an argument table and a thunk, see py_call.h); the one
+ * driver in py_call.c parses, imports through DLPack, calls the C entry with
+ * the GIL released and maps a failing status to an exception.
  */
 #include "py_call.h"
 
@@ -81,64 +81,39 @@ static PyObject *py_exchange_api_enabled(PyObject *self, PyObject *unused)
 
 /* probe(a, b, c, stream=None): import three tensors and give them back,
  * launching nothing.  Its time is the host overhead every op pays. */
-static PyObject *py_probe(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    (void)self;
-    static const char op[] = "probe";
-    if (sf_py_check_nargs(op, nargs, 3, 4) < 0)
-        return NULL;
-    sf_py_call c;
-    if (sf_py_call_init(&c, op, nargs > 3 ? args[3] : Py_None) < 0)
-        return NULL;
-    PyObject *result = NULL;
-    sf_tensor a, b, t;
-    if (sf_py_tensor(&c, args[0], "a", &a) < 0 ||
-        sf_py_tensor(&c, args[1], "b", &b) < 0 ||
-        sf_py_tensor(&c, args[2], "c", &t) < 0)
-        goto done;
-    result = Py_NewRef(Py_None);
-done:
-    sf_py_call_release(&c);
-    return result;
-}
+static const sf_py_arg probe_args[] = {SF_T(a), SF_T(b), SF_T(c), SF_STREAM};
+SF_PY_BINDING(probe, probe_args, NULL, "Import three tensors and release them.");
 
-/* describe(x): the view seqfuse reads from x, for tests of the DLPack path. */
-static PyObject *py_describe(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* describe(x, stream=None): the view seqfuse reads from x, for tests of the
+ * DLPack path. */
+static PyObject *describe_result(sf_py_frame *f)
 {
-    (void)self;
-    static const char op[] = "describe";
-    if (sf_py_check_nargs(op, nargs, 1, 2) < 0)
-        return NULL;
-    sf_py_call c;
-    if (sf_py_call_init(&c, op, nargs > 1 ? args[1] : Py_None) < 0)
-        return NULL;
-    PyObject *result = NULL, *shape = NULL, *strides = NULL;
-    sf_tensor x;
-    if (sf_py_tensor(&c, args[0], "x", &x) < 0)
-        goto done;
-    shape = PyTuple_New(x.ndim);
-    strides = PyTuple_New(x.ndim);
-    if (shape == NULL || strides == NULL)
-        goto done;
-    for (int i = 0; i < x.ndim; ++i) {
-        PyTuple_SET_ITEM(shape, i, PyLong_FromLongLong(x.shape[i]));
-        PyTuple_SET_ITEM(strides, i, PyLong_FromLongLong(x.strides[i]));
+    const sf_tensor *x = f->v[0].t;
+    PyObject *shape = PyTuple_New(x->ndim), *strides = PyTuple_New(x->ndim), *result = NULL;
+    if (shape != NULL && strides != NULL) {
+        for (int i = 0; i < x->ndim; ++i) {
+            PyTuple_SET_ITEM(shape, i, PyLong_FromLongLong(x->shape[i]));
+            PyTuple_SET_ITEM(strides, i, PyLong_FromLongLong(x->strides[i]));
+        }
+        result = Py_BuildValue("{s:s,s:O,s:O,s:s,s:i,s:K,s:O,s:O}",
+                               "dtype", sf_dtype_name(x->dtype),
+                               "shape", shape,
+                               "strides", strides,
+                               "device", x->device == SF_CUDA ? "cuda" : "cpu",
+                               "device_id", x->device_id,
+                               "data", (unsigned long long)(uintptr_t)x->data,
+                               "readonly", x->readonly ? Py_True : Py_False,
+                               "contiguous", sf_is_contiguous(x) ? Py_True : Py_False);
     }
-    result = Py_BuildValue("{s:s,s:O,s:O,s:s,s:i,s:K,s:O,s:O}",
-                           "dtype", sf_dtype_name(x.dtype),
-                           "shape", shape,
-                           "strides", strides,
-                           "device", x.device == SF_CUDA ? "cuda" : "cpu",
-                           "device_id", x.device_id,
-                           "data", (unsigned long long)(uintptr_t)x.data,
-                           "readonly", x.readonly ? Py_True : Py_False,
-                           "contiguous", sf_is_contiguous(&x) ? Py_True : Py_False);
-done:
     Py_XDECREF(shape);
     Py_XDECREF(strides);
-    sf_py_call_release(&c);
     return result;
 }
+static const sf_py_arg describe_args[] = {SF_T(x), SF_STREAM};
+SF_PY_BINDING_FULL(describe, "describe", describe_args, NULL, NULL, NULL, describe_result,
+                   "-> dict: the view seqfuse reads from x.");
+
+const sf_py_binding *const sf_py_core_bindings[] = {&probe_binding, &describe_binding, NULL};
 
 /* raise_status(code, message): exercise the status -> exception mapping. */
 static PyObject *py_raise_status(PyObject *self, PyObject *args)
@@ -168,27 +143,19 @@ PyMethodDef sf_py_core_methods[] = {
      "tensor type offers it; returns the previous setting."},
     {"exchange_api_enabled", py_exchange_api_enabled, METH_NOARGS,
      "exchange_api_enabled() -> bool: whether the C exchange API path is on."},
-    {"probe", SF_PY_FASTCALL(py_probe),
-     "probe(a, b, c, stream=None): import three tensors and release them."},
-    {"describe", SF_PY_FASTCALL(py_describe),
-     "describe(x, stream=None) -> dict: the view seqfuse reads from x."},
     {"raise_status", py_raise_status, METH_VARARGS,
      "raise_status(code, message): raise the exception a C status maps to."},
     {NULL, NULL, 0, NULL},
 };
 
 static PyMethodDef *const sf_py_tables[] = {
-    sf_py_core_methods,
-    sf_py_quant_methods,
-    sf_py_gemm_methods,
-    sf_py_norm_methods,
-    sf_py_act_methods,
-    sf_py_rope_methods,
-    sf_py_loss_methods,
-    sf_py_optim_methods,
-    sf_py_attn_methods,
-    sf_py_grouped_methods,
-    sf_py_moe_methods,
+    sf_py_core_methods, sf_py_gemm_methods, sf_py_optim_methods, sf_py_attn_methods,
+};
+
+static const sf_py_binding *const *const sf_py_binding_tables[] = {
+    sf_py_core_bindings, sf_py_quant_bindings, sf_py_gemm_bindings,  sf_py_norm_bindings,
+    sf_py_act_bindings,  sf_py_rope_bindings,  sf_py_loss_bindings,  sf_py_optim_bindings,
+    sf_py_attn_bindings, sf_py_grouped_bindings, sf_py_moe_bindings,
 };
 
 static struct PyModuleDef sf_py_module = {
@@ -206,6 +173,12 @@ PyMODINIT_FUNC PyInit__C(void)
         return NULL;
     for (size_t i = 0; i < sizeof sf_py_tables / sizeof sf_py_tables[0]; ++i) {
         if (PyModule_AddFunctions(m, sf_py_tables[i]) < 0) {
+            Py_DECREF(m);
+            return NULL;
+        }
+    }
+    for (size_t i = 0; i < sizeof sf_py_binding_tables / sizeof sf_py_binding_tables[0]; ++i) {
+        if (sf_py_add_bindings(m, sf_py_binding_tables[i]) < 0) {
             Py_DECREF(m);
             return NULL;
         }

@@ -1,145 +1,60 @@
 /*
  * norm_py.c - bindings of the norm family (LayerNorm and RMSNorm, forward and
  * backward, csrc/norm/).  Optional tensors are passed as None.  Each binding
- * imports its tensors, calls one sf_* function with the GIL released and
- * turns a failing status into the matching Python exception.
+ * is an argument table and a thunk calling the C entry; the driver in
+ * py_call.c does the parsing, importing and error mapping.
  */
 #include "py_call.h"
 
-static int arg_bool(PyObject *o, int *out)
+static const sf_py_arg ln_fwd_args[] = {
+    SF_T(x),     SF_T(gamma),  SF_OT(beta),  SF_FLOAT(eps),    SF_BOOL(zero_centered_gamma),
+    SF_T(y),     SF_OT(mean),  SF_OT(rstd),  SF_OT(scale),     SF_OT(amax),
+    SF_OT(scale_inv), SF_STREAM};
+static sf_status ln_fwd(sf_py_value *v, sf_stream s)
 {
-    int v = PyObject_IsTrue(o);
-    if (v < 0)
-        return -1;
-    *out = v;
-    return 0;
+    return sf_layernorm_fwd(v[0].t, v[1].t, v[2].t, (float)v[3].f, v[4].b, v[5].t, v[6].t, v[7].t,
+                            v[8].t, v[9].t, v[10].t, s);
 }
+SF_PY_BINDING(layernorm_fwd, ln_fwd_args, ln_fwd, "LayerNorm forward, optionally cast to FP8.");
 
-/* layernorm_fwd(x, gamma, beta, eps, zero_centered_gamma, y, mean, rstd,
- *               scale, amax, scale_inv, stream=None) */
-static PyObject *py_layernorm_fwd(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static const sf_py_arg rms_fwd_args[] = {
+    SF_T(x),    SF_T(gamma), SF_FLOAT(eps), SF_BOOL(zero_centered_gamma), SF_T(y),
+    SF_OT(rstd), SF_OT(scale), SF_OT(amax), SF_OT(scale_inv), SF_STREAM};
+static sf_status rms_fwd(sf_py_value *v, sf_stream s)
 {
-    (void)self;
-    static const char op[] = "layernorm_fwd";
-    static const sf_py_tensor_arg spec[] = {
-        {0, "x", 0},    {1, "gamma", 0}, {2, "beta", 1},  {5, "y", 0},         {6, "mean", 1},
-        {7, "rstd", 1}, {8, "scale", 1}, {9, "amax", 1}, {10, "scale_inv", 1}};
-    enum { X, GAMMA, BETA, Y, MEAN, RSTD, SCALE, AMAX, SCALE_INV };
-    if (sf_py_check_nargs(op, nargs, 11, 12) < 0)
-        return NULL;
-    float eps;
-    int zc;
-    sf_py_args a;
-    if (sf_py_arg_float(op, "eps", args[3], &eps) < 0 || arg_bool(args[4], &zc) < 0 ||
-        sf_py_begin(&a, op, args, nargs, 11, spec, SF_PY_NARGS(spec)) < 0)
-        return NULL;
-    sf_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = sf_layernorm_fwd(a.t[X], a.t[GAMMA], a.t[BETA], eps, zc, a.t[Y], a.t[MEAN], a.t[RSTD],
-                          a.t[SCALE], a.t[AMAX], a.t[SCALE_INV], sf_py_call_stream(&a.call));
-    Py_END_ALLOW_THREADS
-    return sf_py_finish(&a.call, st);
+    return sf_rmsnorm_fwd(v[0].t, v[1].t, (float)v[2].f, v[3].b, v[4].t, v[5].t, v[6].t, v[7].t,
+                          v[8].t, s);
 }
+SF_PY_BINDING(rmsnorm_fwd, rms_fwd_args, rms_fwd, "RMSNorm forward, optionally cast to FP8.");
 
-/* rmsnorm_fwd(x, gamma, eps, zero_centered_gamma, y, rstd, scale, amax,
- *             scale_inv, stream=None) */
-static PyObject *py_rmsnorm_fwd(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static const sf_py_arg ln_bwd_args[] = {
+    SF_T(dy), SF_T(x),      SF_T(mean),   SF_T(rstd),       SF_T(gamma), SF_BOOL(zero_centered_gamma),
+    SF_T(dx), SF_T(dgamma), SF_OT(dbeta), SF_OT(workspace), SF_STREAM};
+static sf_status ln_bwd(sf_py_value *v, sf_stream s)
 {
-    (void)self;
-    static const char op[] = "rmsnorm_fwd";
-    static const sf_py_tensor_arg spec[] = {{0, "x", 0},     {1, "gamma", 0}, {4, "y", 0},
-                                            {5, "rstd", 1},  {6, "scale", 1}, {7, "amax", 1},
-                                            {8, "scale_inv", 1}};
-    enum { X, GAMMA, Y, RSTD, SCALE, AMAX, SCALE_INV };
-    if (sf_py_check_nargs(op, nargs, 9, 10) < 0)
-        return NULL;
-    float eps;
-    int zc;
-    sf_py_args a;
-    if (sf_py_arg_float(op, "eps", args[2], &eps) < 0 || arg_bool(args[3], &zc) < 0 ||
-        sf_py_begin(&a, op, args, nargs, 9, spec, SF_PY_NARGS(spec)) < 0)
-        return NULL;
-    sf_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = sf_rmsnorm_fwd(a.t[X], a.t[GAMMA], eps, zc, a.t[Y], a.t[RSTD], a.t[SCALE], a.t[AMAX],
-                        a.t[SCALE_INV], sf_py_call_stream(&a.call));
-    Py_END_ALLOW_THREADS
-    return sf_py_finish(&a.call, st);
+    return sf_layernorm_bwd(v[0].t, v[1].t, v[2].t, v[3].t, v[4].t, v[5].b, v[6].t, v[7].t, v[8].t,
+                            v[9].t, s);
 }
+SF_PY_BINDING(layernorm_bwd, ln_bwd_args, ln_bwd, "LayerNorm backward.");
 
-/* layernorm_bwd(dy, x, mean, rstd, gamma, zero_centered_gamma, dx, dgamma,
- *               dbeta, workspace, stream=None) */
-static PyObject *py_layernorm_bwd(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static const sf_py_arg rms_bwd_args[] = {
+    SF_T(dy), SF_T(x),      SF_T(rstd),       SF_T(gamma), SF_BOOL(zero_centered_gamma),
+    SF_T(dx), SF_T(dgamma), SF_OT(workspace), SF_STREAM};
+static sf_status rms_bwd(sf_py_value *v, sf_stream s)
 {
-    (void)self;
-    static const char op[] = "layernorm_bwd";
-    static const sf_py_tensor_arg spec[] = {
-        {0, "dy", 0}, {1, "x", 0},      {2, "mean", 0},  {3, "rstd", 0},      {4, "gamma", 0},
-        {6, "dx", 0}, {7, "dgamma", 0}, {8, "dbeta", 1}, {9, "workspace", 1}};
-    enum { DY, X, MEAN, RSTD, GAMMA, DX, DGAMMA, DBETA, WS };
-    if (sf_py_check_nargs(op, nargs, 10, 11) < 0)
-        return NULL;
-    int zc;
-    sf_py_args a;
-    if (arg_bool(args[5], &zc) < 0 ||
-        sf_py_begin(&a, op, args, nargs, 10, spec, SF_PY_NARGS(spec)) < 0)
-        return NULL;
-    sf_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = sf_layernorm_bwd(a.t[DY], a.t[X], a.t[MEAN], a.t[RSTD], a.t[GAMMA], zc, a.t[DX],
-                          a.t[DGAMMA], a.t[DBETA], a.t[WS], sf_py_call_stream(&a.call));
-    Py_END_ALLOW_THREADS
-    return sf_py_finish(&a.call, st);
+    return sf_rmsnorm_bwd(v[0].t, v[1].t, v[2].t, v[3].t, v[4].b, v[5].t, v[6].t, v[7].t, s);
 }
+SF_PY_BINDING(rmsnorm_bwd, rms_bwd_args, rms_bwd, "RMSNorm backward.");
 
-/* rmsnorm_bwd(dy, x, rstd, gamma, zero_centered_gamma, dx, dgamma, workspace,
- *             stream=None) */
-static PyObject *py_rmsnorm_bwd(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static const sf_py_arg x_args[] = {SF_T(x), SF_STREAM};
+static sf_status norm_ws(sf_py_value *v, sf_stream s)
 {
-    (void)self;
-    static const char op[] = "rmsnorm_bwd";
-    static const sf_py_tensor_arg spec[] = {{0, "dy", 0},    {1, "x", 0},  {2, "rstd", 0},
-                                            {3, "gamma", 0}, {5, "dx", 0}, {6, "dgamma", 0},
-                                            {7, "workspace", 1}};
-    enum { DY, X, RSTD, GAMMA, DX, DGAMMA, WS };
-    if (sf_py_check_nargs(op, nargs, 8, 9) < 0)
-        return NULL;
-    int zc;
-    sf_py_args a;
-    if (arg_bool(args[4], &zc) < 0 ||
-        sf_py_begin(&a, op, args, nargs, 8, spec, SF_PY_NARGS(spec)) < 0)
-        return NULL;
-    sf_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = sf_rmsnorm_bwd(a.t[DY], a.t[X], a.t[RSTD], a.t[GAMMA], zc, a.t[DX], a.t[DGAMMA], a.t[WS],
-                        sf_py_call_stream(&a.call));
-    Py_END_ALLOW_THREADS
-    return sf_py_finish(&a.call, st);
+    (void)s;
+    return sf_norm_bwd_workspace_numel(v[0].t, &v[2].i64); /* the slot after the arguments */
 }
+SF_PY_BINDING_FULL(norm_bwd_workspace_numel, "norm_bwd_workspace_numel", x_args, norm_ws, NULL,
+                   NULL, sf_py_result_i64, "-> int: float32 elements of backward workspace.");
 
-/* norm_bwd_workspace_numel(x) -> int */
-static PyObject *py_norm_bwd_workspace_numel(PyObject *self, PyObject *const *args,
-                                             Py_ssize_t nargs)
-{
-    (void)self;
-    return sf_py_numel_query("norm_bwd_workspace_numel", "x", args, nargs,
-                             sf_norm_bwd_workspace_numel);
-}
-
-PyMethodDef sf_py_norm_methods[] = {
-    {"layernorm_fwd", SF_PY_FASTCALL(py_layernorm_fwd),
-     "layernorm_fwd(x, gamma, beta, eps, zero_centered_gamma, y, mean, rstd, scale, amax, "
-     "scale_inv, stream=None)"},
-    {"rmsnorm_fwd", SF_PY_FASTCALL(py_rmsnorm_fwd),
-     "rmsnorm_fwd(x, gamma, eps, zero_centered_gamma, y, rstd, scale, amax, scale_inv, "
-     "stream=None)"},
-    {"layernorm_bwd", SF_PY_FASTCALL(py_layernorm_bwd),
-     "layernorm_bwd(dy, x, mean, rstd, gamma, zero_centered_gamma, dx, dgamma, dbeta, "
-     "workspace, stream=None)"},
-    {"rmsnorm_bwd", SF_PY_FASTCALL(py_rmsnorm_bwd),
-     "rmsnorm_bwd(dy, x, rstd, gamma, zero_centered_gamma, dx, dgamma, workspace, "
-     "stream=None)"},
-    {"norm_bwd_workspace_numel", SF_PY_FASTCALL(py_norm_bwd_workspace_numel),
-     "norm_bwd_workspace_numel(x) -> int: float32 elements of backward workspace."},
-    {NULL, NULL, 0, NULL},
-};
+const sf_py_binding *const sf_py_norm_bindings[] = {
+    &layernorm_fwd_binding, &rmsnorm_fwd_binding, &layernorm_bwd_binding, &rmsnorm_bwd_binding,
+    &norm_bwd_workspace_numel_binding, NULL};

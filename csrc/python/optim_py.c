@@ -1,8 +1,11 @@
 /*
  * optim_py.c - bindings of the optim family (multi-tensor AdamW and gradient norms (csrc/optim/)).
  *
- * These take Python lists of tensors, imported by sf_py_list_import
- * (py_call.h): a list may be far longer than the per-call borrow limit.
+ * These take Python lists of tensors (the driver imports them with
+ * sf_py_list_import, py_call.h: a list may be far longer than the per-call
+ * borrow limit).  Each binding is an argument table and a thunk calling the
+ * C entry; the driver in py_call.c does the parsing, importing and error
+ * mapping.
  */
 #include "py_call.h"
 
@@ -17,111 +20,49 @@ static int same_length(const char *op, const sf_py_tensor_list *a, const char *a
     return 0;
 }
 
-/* The common end of a list binding, once its lists are freed: where the
- * kernel did not run, an import or check failed and set the Python error
- * (release the call, return NULL); otherwise sf_py_finish turns the
- * kernel's status into None or a raise. */
-static PyObject *finish_lists(sf_py_call *c, int ran, sf_status st)
+/* multi_tensor_adamw: master is None or a list of fp32 copies. */
+static const sf_py_arg adamw_args[] = {
+    SF_TL(params),   SF_TL(grads),    SF_TL(exp_avg),   SF_TL(exp_avg_sq),
+    SF_OTL(master),  SF_FLOAT(lr),    SF_FLOAT(beta1),  SF_FLOAT(beta2),
+    SF_FLOAT(eps),   SF_FLOAT(weight_decay), SF_INT64(step), SF_STREAM};
+
+static int adamw_prepare(sf_py_frame *f)
 {
-    if (!ran) {
-        sf_py_call_release(c);
-        return NULL;
-    }
-    return sf_py_finish(c, st);
+    const sf_py_tensor_list *p = f->v[0].list;
+    for (int i = 1; i < 5; ++i)
+        if (f->v[i].list != NULL &&
+            same_length(f->b->op, p, "params", f->v[i].list, adamw_args[i].name) < 0)
+            return -1;
+    return 0;
 }
 
-/* multi_tensor_adamw(params, grads, exp_avg, exp_avg_sq, master, lr, beta1, beta2, eps,
- *                    weight_decay, step, stream=None); master: None or a list */
-static PyObject *py_adamw(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static sf_status adamw(sf_py_value *v, sf_stream s)
 {
-    (void)self;
-    static const char op[] = "multi_tensor_adamw";
-    if (sf_py_check_nargs(op, nargs, 11, 12) < 0)
-        return NULL;
-    sf_adamw_config cfg;
-    double *fields[5] = {&cfg.lr, &cfg.beta1, &cfg.beta2, &cfg.eps, &cfg.weight_decay};
-    for (int i = 0; i < 5; ++i) {
-        *fields[i] = PyFloat_AsDouble(args[5 + i]);
-        if (*fields[i] == -1.0 && PyErr_Occurred())
-            return NULL;
-    }
-    long long step = PyLong_AsLongLong(args[10]);
-    if (step == -1 && PyErr_Occurred())
-        return NULL;
-    cfg.step = step;
-    PyObject *stream_obj = nargs > 11 ? args[11] : Py_None;
-    sf_py_call c;
-    if (sf_py_call_init(&c, op, stream_obj) < 0)
-        return NULL;
-    sf_py_tensor_list p = {0}, g = {0}, m = {0}, v = {0}, w = {0};
-    sf_status st = SF_OK;
-    int ran = 0;
-    int has_master = args[4] != Py_None;
-    if (sf_py_list_import(&c, stream_obj, args[0], "params", &p) < 0 ||
-        sf_py_list_import(&c, stream_obj, args[1], "grads", &g) < 0 ||
-        sf_py_list_import(&c, stream_obj, args[2], "exp_avg", &m) < 0 ||
-        sf_py_list_import(&c, stream_obj, args[3], "exp_avg_sq", &v) < 0 ||
-        (has_master && sf_py_list_import(&c, stream_obj, args[4], "master", &w) < 0))
-        goto done;
-    if (same_length(op, &p, "params", &g, "grads") < 0 || same_length(op, &p, "params", &m, "exp_avg") < 0 ||
-        same_length(op, &p, "params", &v, "exp_avg_sq") < 0 ||
-        (has_master && same_length(op, &p, "params", &w, "master") < 0))
-        goto done;
-    Py_BEGIN_ALLOW_THREADS
-    st = sf_multi_tensor_adamw(p.n, p.views, g.views, m.views, v.views, has_master ? w.views : NULL, &cfg,
-                               sf_py_call_stream(&c));
-    Py_END_ALLOW_THREADS
-    ran = 1;
-done:
-    sf_py_list_free(&p);
-    sf_py_list_free(&g);
-    sf_py_list_free(&m);
-    sf_py_list_free(&v);
-    sf_py_list_free(&w);
-    return finish_lists(&c, ran, st);
+    const sf_adamw_config cfg = {.lr = v[5].f, .beta1 = v[6].f, .beta2 = v[7].f, .eps = v[8].f,
+                                 .weight_decay = v[9].f, .step = v[10].i64};
+    return sf_multi_tensor_adamw(v[0].list->n, v[0].list->views, v[1].list->views,
+                                 v[2].list->views, v[3].list->views,
+                                 v[4].list != NULL ? v[4].list->views : NULL, &cfg, s);
 }
+SF_PY_BINDING_FULL(multi_tensor_adamw, "multi_tensor_adamw", adamw_args, adamw, adamw_prepare,
+                   NULL, NULL, "One AdamW update of every tensor in the lists.");
 
-/* multi_tensor_l2norm(tensors, workspace, out, stream=None)
- * multi_tensor_scale(tensors, scale, stream=None): one list, then plain tensors. */
-static PyObject *list_then_tensors(PyObject *const *args, Py_ssize_t nargs, int l2norm)
+static const sf_py_arg l2norm_args[] = {SF_TL(tensors), SF_T(workspace), SF_T(out), SF_STREAM};
+static sf_status l2norm(sf_py_value *v, sf_stream s)
 {
-    static const sf_py_tensor_arg l2[] = {{1, "workspace", 0}, {2, "out", 0}};
-    static const sf_py_tensor_arg sc[] = {{1, "scale", 0}};
-    const char *op = l2norm ? "multi_tensor_l2norm" : "multi_tensor_scale";
-    const int n_fixed = l2norm ? 3 : 2;
-    if (sf_py_check_nargs(op, nargs, n_fixed, n_fixed + 1) < 0)
-        return NULL;
-    PyObject *stream_obj = nargs > n_fixed ? args[n_fixed] : Py_None;
-    sf_py_args a;
-    if (sf_py_call_init(&a.call, op, stream_obj) < 0)
-        return NULL;
-    sf_py_tensor_list l = {0};
-    sf_status st = SF_OK;
-    int ran = 0;
-    if (sf_py_list_import(&a.call, stream_obj, args[0], "tensors", &l) == 0 &&
-        sf_py_import(&a, args, nargs, l2norm ? l2 : sc, n_fixed - 1) == 0) {
-        Py_BEGIN_ALLOW_THREADS
-        const sf_stream stream = sf_py_call_stream(&a.call);
-        st = l2norm ? sf_multi_tensor_l2norm(l.n, l.views, a.t[0], a.t[1], stream)
-                    : sf_multi_tensor_scale(l.n, l.views, a.t[0], stream);
-        Py_END_ALLOW_THREADS
-        ran = 1;
-    }
-    sf_py_list_free(&l);
-    return finish_lists(&a.call, ran, st);
+    return sf_multi_tensor_l2norm(v[0].list->n, v[0].list->views, v[1].t, v[2].t, s);
 }
+SF_PY_BINDING(multi_tensor_l2norm, l2norm_args, l2norm, "out[0] = sqrt(sum x^2) over all tensors.");
 
-static PyObject *py_l2norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static const sf_py_arg scale_args[] = {SF_TL(tensors), SF_T(scale), SF_STREAM};
+static sf_status scale(sf_py_value *v, sf_stream s)
 {
-    (void)self;
-    return list_then_tensors(args, nargs, 1);
+    return sf_multi_tensor_scale(v[0].list->n, v[0].list->views, v[1].t, s);
 }
+SF_PY_BINDING(multi_tensor_scale, scale_args, scale, "x *= scale[0] for every tensor.");
 
-static PyObject *py_scale(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    (void)self;
-    return list_then_tensors(args, nargs, 0);
-}
+const sf_py_binding *const sf_py_optim_bindings[] = {
+    &multi_tensor_adamw_binding, &multi_tensor_l2norm_binding, &multi_tensor_scale_binding, NULL};
 
 static PyObject *py_chunk_size(PyObject *self, PyObject *unused)
 {
@@ -131,13 +72,6 @@ static PyObject *py_chunk_size(PyObject *self, PyObject *unused)
 }
 
 PyMethodDef sf_py_optim_methods[] = {
-    {"multi_tensor_adamw", SF_PY_FASTCALL(py_adamw),
-     "multi_tensor_adamw(params, grads, exp_avg, exp_avg_sq, master, lr, beta1, beta2, eps, weight_decay, "
-     "step, stream=None): one AdamW update of every tensor in the lists (master: None or fp32 copies)."},
-    {"multi_tensor_l2norm", SF_PY_FASTCALL(py_l2norm),
-     "multi_tensor_l2norm(tensors, workspace, out, stream=None): out[0] = sqrt(sum x^2) over all tensors."},
-    {"multi_tensor_scale", SF_PY_FASTCALL(py_scale),
-     "multi_tensor_scale(tensors, scale, stream=None): x *= scale[0] for every tensor."},
     {"multi_tensor_chunk_size", py_chunk_size, METH_NOARGS,
      "Elements per chunk of the multi-tensor kernels (one workspace float per chunk for l2norm)."},
     {NULL, NULL, 0, NULL},

@@ -1,6 +1,8 @@
 /*
- * py_call.c - DLPack import into sf_tensor views, stream resolution, and the
- * status -> exception mapping.  See py_call.h for the two import paths.
+ * py_call.c - DLPack import into sf_tensor views, stream resolution, the
+ * status -> exception mapping, and the one driver every declared binding runs
+ * through (sf_py_drive).  See py_call.h for the two import paths and the
+ * binding tables.
  *
  * DLPack rules followed here:
  *   - a capsule named "dltensor_versioned" / "dltensor" is consumed by
@@ -13,6 +15,7 @@
  *     producer only synchronizes when it differs from its own; the legacy
  *     default stream (0 in torch) is spelled 1 there.
  */
+#include <limits.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -34,50 +37,6 @@ PyObject *sf_py_raise(sf_status status)
     const char *msg = sf_last_error();
     PyErr_SetString(type, msg[0] ? msg : "seqfuse: unknown error");
     return NULL;
-}
-
-PyObject *sf_py_finish(sf_py_call *c, sf_status status)
-{
-    sf_py_call_release(c);
-    if (status != SF_OK)
-        return sf_py_raise(status);
-    Py_RETURN_NONE;
-}
-
-int sf_py_check_nargs(const char *op, Py_ssize_t nargs, Py_ssize_t min_args,
-                      Py_ssize_t max_args)
-{
-    if (nargs < min_args || nargs > max_args) {
-        if (min_args == max_args)
-            PyErr_Format(PyExc_TypeError, "%s() takes %zd positional arguments (%zd given)",
-                         op, min_args, nargs);
-        else
-            PyErr_Format(PyExc_TypeError,
-                         "%s() takes from %zd to %zd positional arguments (%zd given)",
-                         op, min_args, max_args, nargs);
-        return -1;
-    }
-    return 0;
-}
-
-PyObject *sf_py_numel_query(const char *op, const char *arg, PyObject *const *args,
-                            Py_ssize_t nargs,
-                            sf_status (*query)(const sf_tensor *, int64_t *))
-{
-    if (sf_py_check_nargs(op, nargs, 1, 2) < 0)
-        return NULL;
-    sf_py_call c;
-    if (sf_py_call_init(&c, op, nargs > 1 ? args[1] : Py_None) < 0)
-        return NULL;
-    sf_tensor t;
-    PyObject *result = NULL;
-    int64_t numel = 0;
-    if (sf_py_tensor(&c, args[0], arg, &t) == 0) {
-        sf_status st = query(&t, &numel);
-        result = st == SF_OK ? PyLong_FromLongLong(numel) : sf_py_raise(st);
-    }
-    sf_py_call_release(&c);
-    return result;
 }
 
 /* ---- the per-type cache ------------------------------------------------ *
@@ -720,79 +679,6 @@ int sf_py_tensor(sf_py_call *c, PyObject *obj, const char *arg, sf_tensor *out)
     return rc;
 }
 
-int sf_py_optional_tensor(sf_py_call *c, PyObject *obj, const char *arg, sf_tensor *out,
-                          int *has)
-{
-    *has = obj != Py_None;
-    return *has ? sf_py_tensor(c, obj, arg, out) : 0;
-}
-
-int sf_py_import(sf_py_args *a, PyObject *const *args, Py_ssize_t nargs,
-                 const sf_py_tensor_arg *spec, int n)
-{
-    if (n > SF_PY_MAX_BORROWS) { /* cannot happen with the bindings as written */
-        PyErr_Format(PyExc_RuntimeError, "%s: more than %d tensor arguments", a->call.op,
-                     SF_PY_MAX_BORROWS);
-        sf_py_call_release(&a->call);
-        return -1;
-    }
-    for (int i = 0; i < n; ++i) {
-        PyObject *obj = spec[i].index < nargs ? args[spec[i].index] : NULL;
-        a->t[i] = NULL;
-        if (spec[i].optional && (obj == NULL || obj == Py_None))
-            continue;
-        if (obj == NULL) /* a table naming a required argument past nargs */
-            PyErr_Format(PyExc_TypeError, "%s: argument '%s' is missing", a->call.op,
-                         spec[i].name);
-        if (obj == NULL || sf_py_tensor(&a->call, obj, spec[i].name, &a->views[i]) < 0) {
-            sf_py_call_release(&a->call);
-            return -1;
-        }
-        a->t[i] = &a->views[i];
-    }
-    return 0;
-}
-
-int sf_py_begin(sf_py_args *a, const char *op, PyObject *const *args, Py_ssize_t nargs,
-                int stream_at, const sf_py_tensor_arg *spec, int n)
-{
-    if (sf_py_call_init(&a->call, op, stream_at < nargs ? args[stream_at] : Py_None) < 0)
-        return -1;
-    return sf_py_import(a, args, nargs, spec, n);
-}
-
-/* The number readers' one failure path: a value of the right kind too
- * large for C (OverflowError) is a ValueError, anything else a TypeError. */
-static int arg_fail(const char *op, const char *arg, PyObject *obj, const char *kind)
-{
-    const int overflow = PyErr_ExceptionMatches(PyExc_OverflowError);
-    PyErr_Clear();
-    if (overflow)
-        PyErr_Format(PyExc_ValueError, "%s: argument '%s' is out of range, got %R", op, arg, obj);
-    else
-        PyErr_Format(PyExc_TypeError, "%s: argument '%s' must be %s, got %s", op, arg, kind,
-                     Py_TYPE(obj)->tp_name);
-    return -1;
-}
-
-int sf_py_arg_float(const char *op, const char *arg, PyObject *obj, float *out)
-{
-    double v = PyFloat_AsDouble(obj);
-    if (v == -1.0 && PyErr_Occurred())
-        return arg_fail(op, arg, obj, "a float");
-    *out = (float)v;
-    return 0;
-}
-
-int sf_py_arg_long(const char *op, const char *arg, PyObject *obj, long *out)
-{
-    long v = PyLong_AsLong(obj);
-    if (v == -1 && PyErr_Occurred())
-        return arg_fail(op, arg, obj, "an int");
-    *out = v;
-    return 0;
-}
-
 /* ---- lists of tensors (see py_call.h) ---- */
 
 void sf_py_list_free(sf_py_tensor_list *l)
@@ -839,4 +725,296 @@ int sf_py_list_import(sf_py_call *c, PyObject *stream_obj, PyObject *seq, const 
             return -1;
     }
     return 0;
+}
+
+/* ---- the binding driver (see py_call.h) --------------------------------- */
+
+/* The argument-count TypeError, worded as CPython words it. */
+static int count_error(const sf_py_binding *b, Py_ssize_t given)
+{
+    const int min = b->plan->min_args;
+    if (min == b->n_args)
+        PyErr_Format(PyExc_TypeError, "%s() takes %d positional arguments (%zd given)", b->op, min,
+                     given);
+    else
+        PyErr_Format(PyExc_TypeError, "%s() takes from %d to %d positional arguments (%zd given)",
+                     b->op, min, b->n_args, given);
+    return -1;
+}
+
+/* obj[i]: the object given for argument i, positionally or by keyword, or
+ * NULL where it was left out (allowed only for an optional argument). */
+static int gather(const sf_py_binding *b, PyObject *const *args, Py_ssize_t nargs,
+                  PyObject *kwnames, PyObject **obj)
+{
+    const int n = b->n_args;
+    if (nargs > n)
+        return count_error(b, nargs);
+    for (int i = 0; i < n; ++i)
+        obj[i] = i < nargs ? args[i] : NULL;
+    if (kwnames == NULL && nargs >= b->plan->min_args)
+        return 0; /* the usual call: every required argument in place */
+    const Py_ssize_t nkw = kwnames != NULL ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t k = 0; k < nkw; ++k) {
+        PyObject *key = PyTuple_GET_ITEM(kwnames, k);
+        int i = 0;
+        while (i < n && PyUnicode_CompareWithASCIIString(key, b->args[i].name) != 0)
+            ++i;
+        if (i == n) {
+            PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument '%U'", b->op, key);
+            return -1;
+        }
+        if (obj[i] != NULL) {
+            PyErr_Format(PyExc_TypeError, "%s() got multiple values for argument '%s'", b->op,
+                         b->args[i].name);
+            return -1;
+        }
+        obj[i] = args[nargs + k];
+    }
+    for (int i = (int)nargs; i < n; ++i) {
+        if (obj[i] != NULL || b->args[i].optional)
+            continue;
+        if (nkw == 0) /* positional only: CPython's wording, as before keywords */
+            return count_error(b, nargs);
+        PyErr_Format(PyExc_TypeError, "%s: argument '%s' is missing", b->op, b->args[i].name);
+        return -1;
+    }
+    return 0;
+}
+
+/* The number readers' one failure path: a value of the right kind too
+ * large for C (OverflowError) is a ValueError, anything else a TypeError. */
+static int arg_fail(const char *op, const char *arg, PyObject *obj, const char *kind)
+{
+    const int overflow = PyErr_ExceptionMatches(PyExc_OverflowError);
+    PyErr_Clear();
+    if (overflow)
+        PyErr_Format(PyExc_ValueError, "%s: argument '%s' is out of range, got %R", op, arg, obj);
+    else
+        PyErr_Format(PyExc_TypeError, "%s: argument '%s' must be %s, got %s", op, arg, kind,
+                     Py_TYPE(obj)->tp_name);
+    return -1;
+}
+
+int sf_py_arg_long(const char *op, const char *arg, PyObject *obj, long *out)
+{
+    long v = PyLong_AsLong(obj);
+    if (v == -1 && PyErr_Occurred())
+        return arg_fail(op, arg, obj, "an int");
+    *out = v;
+    return 0;
+}
+
+/* Step 2: a number, flag, object or the stream (o NULL: left out). */
+static int read_scalar(sf_py_frame *f, const sf_py_arg *a, PyObject *o, sf_py_value *v)
+{
+    const char *op = f->b->op;
+    switch (a->kind) {
+    case SF_PY_INT: {
+        long x = (long)a->dflt;
+        if (o != NULL && sf_py_arg_long(op, a->name, o, &x) < 0)
+            return -1;
+        if (x < INT_MIN || x > INT_MAX) {
+            PyErr_Format(PyExc_ValueError, "%s: argument '%s' must fit in a C int, got %ld", op,
+                         a->name, x);
+            return -1;
+        }
+        v->i = (int)x;
+        return 0;
+    }
+    case SF_PY_INT64:
+        v->i64 = o != NULL ? PyLong_AsLongLong(o) : (int64_t)a->dflt;
+        return v->i64 == -1 && PyErr_Occurred() ? arg_fail(op, a->name, o, "an int") : 0;
+    case SF_PY_U64:
+        v->u64 = o != NULL ? PyLong_AsUnsignedLongLong(o) : (uint64_t)a->dflt;
+        if (v->u64 == (uint64_t)-1 && PyErr_Occurred()) {
+            const int overflow = PyErr_ExceptionMatches(PyExc_OverflowError);
+            PyErr_Clear();
+            if (overflow) /* negative or past 2**64 */
+                PyErr_Format(PyExc_ValueError, "%s: argument '%s' must be an int in [0, 2**64), got %R",
+                             op, a->name, o);
+            else
+                PyErr_Format(PyExc_TypeError, "%s: argument '%s' must be an int in [0, 2**64), got %s",
+                             op, a->name, Py_TYPE(o)->tp_name);
+            return -1;
+        }
+        return 0;
+    case SF_PY_FLOAT:
+        v->f = o != NULL ? PyFloat_AsDouble(o) : a->dflt;
+        return v->f == -1.0 && PyErr_Occurred() ? arg_fail(op, a->name, o, "a float") : 0;
+    case SF_PY_BOOL:
+        v->b = o != NULL ? PyObject_IsTrue(o) : a->dflt != 0;
+        return v->b < 0 ? -1 : 0;
+    case SF_PY_OBJECT:
+        v->o = o != NULL ? o : Py_None;
+        return 0;
+    default: /* tensors and lists (step 3) and the stream are not scalars */
+        return 0;
+    }
+}
+
+/* Step 3: a tensor or list argument (o NULL: left out). */
+static int import_arg(sf_py_frame *f, const sf_py_arg *a, PyObject *o, int *n_views,
+                      sf_py_value *v)
+{
+    const int opt = a->kind == SF_PY_OPT_TENSOR || a->kind == SF_PY_OPT_TENSOR_LIST;
+    if (opt && (o == NULL || o == Py_None)) {
+        v->t = NULL;
+        v->list = NULL;
+        return 0;
+    }
+    if (a->kind == SF_PY_TENSOR || a->kind == SF_PY_OPT_TENSOR) {
+        v->t = &f->views[(*n_views)++];
+        return sf_py_tensor(&f->call, o, a->name, v->t);
+    }
+    sf_py_tensor_list *l = &f->lists[f->n_lists++];
+    memset(l, 0, sizeof *l);
+    v->list = l;
+    return sf_py_list_import(&f->call, f->stream_obj, o, a->name, l);
+}
+
+PyObject *sf_py_drive(const sf_py_binding *b, PyObject *const *args, Py_ssize_t nargs,
+                      PyObject *kwnames)
+{
+    PyObject *obj[SF_PY_MAX_ARGS];
+    if (gather(b, args, nargs, kwnames, obj) < 0)
+        return NULL;
+    sf_py_frame f;
+    f.b = b;
+    f.stream_obj = Py_None;
+    f.n_lists = 0;
+    const sf_py_arg *spec = b->args;
+    const sf_py_plan *plan = b->plan;
+    for (int k = 0; k < plan->n_scalars; ++k) {
+        const int i = plan->scalars[k];
+        if (read_scalar(&f, &spec[i], obj[i], &f.v[i]) < 0)
+            return NULL;
+    }
+    if (plan->stream_at >= 0 && obj[plan->stream_at] != NULL)
+        f.stream_obj = obj[plan->stream_at];
+    if (sf_py_call_init(&f.call, b->op, f.stream_obj) < 0)
+        return NULL;
+
+    int ok = 1, n_views = 0, prepared = 0;
+    for (int k = 0; ok && k < plan->n_tensors; ++k) {
+        const int i = plan->tensors[k];
+        ok = import_arg(&f, &spec[i], obj[i], &n_views, &f.v[i]) == 0;
+    }
+    if (ok && b->prepare != NULL) {
+        prepared = 1;
+        ok = b->prepare(&f) == 0;
+    }
+    sf_status st = SF_OK;
+    PyObject *result = NULL;
+    if (ok && b->call != NULL) {
+        Py_BEGIN_ALLOW_THREADS
+        st = b->call(f.v, f.call.stream);
+        Py_END_ALLOW_THREADS
+    }
+    if (ok && st == SF_OK)
+        result = b->result != NULL ? b->result(&f) : Py_NewRef(Py_None);
+
+    if (prepared && b->cleanup != NULL)
+        b->cleanup(&f);
+    for (int i = 0; i < f.n_lists; ++i)
+        sf_py_list_free(&f.lists[i]);
+    sf_py_call_release(&f.call);
+    if (ok && st != SF_OK)
+        return sf_py_raise(st);
+    return result;
+}
+
+PyObject *sf_py_result_i64(sf_py_frame *f)
+{
+    return PyLong_FromLongLong(f->v[f->b->n_args].i64);
+}
+
+/* ---- adding bindings to the module -------------------------------------- */
+
+/* Fill b's plan.  A table mistake (too many arguments, tensors or lists,
+ * two streams) is found when the module loads, not in the middle of a call. */
+static int plan_binding(const sf_py_binding *b)
+{
+    int tensors = 0, lists = 0, streams = 0;
+    sf_py_plan *p = b->plan;
+    memset(p, 0, sizeof *p);
+    p->stream_at = -1;
+    for (int i = 0; i < b->n_args && b->n_args <= SF_PY_MAX_ARGS; ++i) {
+        const sf_py_kind k = b->args[i].kind;
+        tensors += k == SF_PY_TENSOR || k == SF_PY_OPT_TENSOR;
+        lists += k == SF_PY_TENSOR_LIST || k == SF_PY_OPT_TENSOR_LIST;
+        streams += k == SF_PY_STREAM;
+        p->min_args += !b->args[i].optional;
+        if (k == SF_PY_STREAM)
+            p->stream_at = i;
+        else if (k <= SF_PY_OPT_TENSOR_LIST) /* the four tensor kinds come first */
+            p->tensors[p->n_tensors++] = (unsigned char)i;
+        else
+            p->scalars[p->n_scalars++] = (unsigned char)i;
+    }
+    if (b->n_args > SF_PY_MAX_ARGS || tensors > SF_PY_MAX_BORROWS || lists > SF_PY_MAX_LISTS ||
+        streams > 1) {
+        PyErr_Format(PyExc_SystemError, "seqfuse._C: binding %s declares %d arguments, %d tensors, "
+                     "%d lists and %d streams (at most %d, %d, %d and 1)", b->name, b->n_args,
+                     tensors, lists, streams, SF_PY_MAX_ARGS, SF_PY_MAX_BORROWS, SF_PY_MAX_LISTS);
+        return -1;
+    }
+    return 0;
+}
+
+/* "name($module, a, b, stream=None)\n--\n\n<doc>": CPython's text-signature
+ * form, which inspect.signature and help() read. */
+static char *make_doc(const sf_py_binding *b)
+{
+    size_t size = strlen(b->name) + strlen(b->doc) + 32;
+    for (int i = 0; i < b->n_args; ++i)
+        size += strlen(b->args[i].name) + 32;
+    char *doc = PyMem_RawMalloc(size);
+    if (doc == NULL)
+        return NULL;
+    size_t at = (size_t)snprintf(doc, size, "%s($module", b->name);
+    for (int i = 0; i < b->n_args; ++i) {
+        const sf_py_arg *a = &b->args[i];
+        at += (size_t)snprintf(doc + at, size - at, ", %s", a->name);
+        if (!a->optional)
+            continue;
+        if (a->kind == SF_PY_INT || a->kind == SF_PY_INT64 || a->kind == SF_PY_U64 ||
+            a->kind == SF_PY_FLOAT)
+            at += (size_t)snprintf(doc + at, size - at, "=%g", a->dflt);
+        else if (a->kind == SF_PY_BOOL)
+            at += (size_t)snprintf(doc + at, size - at, "=%s", a->dflt != 0 ? "True" : "False");
+        else
+            at += (size_t)snprintf(doc + at, size - at, "=None");
+    }
+    snprintf(doc + at, size - at, ")\n--\n\n%s", b->doc);
+    return doc;
+}
+
+int sf_py_add_bindings(PyObject *m, const sf_py_binding *const *table)
+{
+    int n = 0;
+    while (table[n] != NULL)
+        ++n;
+    /* the method definitions and docstrings live as long as the process:
+     * the functions made from them point into them */
+    PyMethodDef *defs = PyMem_RawCalloc((size_t)n + 1, sizeof(PyMethodDef));
+    if (defs == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (int i = 0; i < n; ++i) {
+        const sf_py_binding *b = table[i];
+        if (plan_binding(b) < 0)
+            return -1;
+        char *doc = make_doc(b);
+        if (doc == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        defs[i].ml_name = b->name;
+        defs[i].ml_meth = (PyCFunction)(void (*)(void))b->entry;
+        defs[i].ml_flags = METH_FASTCALL | METH_KEYWORDS;
+        defs[i].ml_doc = doc;
+    }
+    return PyModule_AddFunctions(m, defs);
 }

@@ -2,10 +2,10 @@
  * py_call.h - what every binding in the extension uses to turn Python
  * arguments into sf_tensor views and to report failures.
  *
- * One sf_py_call lives on the stack of each binding.  It holds the op's name
- * (for messages), the CUDA stream the op will run on, and every DLPack
- * tensor borrowed during the call, so one sf_py_call_release() at the single
- * cleanup label gives each of them back exactly once.
+ * One sf_py_call lives in the frame of each call (sf_py_drive, below).  It
+ * holds the op's name (for messages), the CUDA stream the op will run on, and
+ * every DLPack tensor borrowed during the call, so one sf_py_call_release()
+ * at the end gives each of them back exactly once.
  *
  * Two import paths, chosen per tensor type:
  *   fast:   the type publishes DLPack's C exchange API; C fills a DLTensor in
@@ -48,80 +48,18 @@ int sf_py_call_init(sf_py_call *c, const char *op, PyObject *stream_obj);
  * a Python exception set on failure. */
 int sf_py_tensor(sf_py_call *c, PyObject *obj, const char *arg, sf_tensor *out);
 
-/* Same, but None gives has=0 and leaves out untouched. */
-int sf_py_optional_tensor(sf_py_call *c, PyObject *obj, const char *arg,
-                          sf_tensor *out, int *has);
-
-/* One tensor argument of a binding: its position in args, its name in
- * messages, and whether None may stand for it (or, past nargs, nothing). */
-typedef struct {
-    int index;
-    const char *name;
-    int optional;
-} sf_py_tensor_arg;
-
-/* The number of entries of a binding's sf_py_tensor_arg table. */
-#define SF_PY_NARGS(table) ((int)(sizeof(table) / sizeof((table)[0])))
-
-/* A binding's call and the tensors it imported, in its table's order:
- * t[i] points at views[i], or is NULL for an optional argument given None
- * or left out. */
-typedef struct {
-    sf_py_call call;
-    sf_tensor *t[SF_PY_MAX_BORROWS];
-    sf_tensor views[SF_PY_MAX_BORROWS];
-} sf_py_args;
-
-/* The opening every tensor binding shares: start the call with args[stream_at]
- * as its stream (None where nargs stops before it), then import the n tensors
- * that spec names, in its order (the first CUDA tensor decides the stream when
- * none was given; the first bad one is the one named).  On failure gives back
- * every borrowed tensor and returns -1 with a Python exception set, so the
- * binding simply returns NULL; on success it ends with
- * sf_py_finish(&a->call, status). */
-int sf_py_begin(sf_py_args *a, const char *op, PyObject *const *args, Py_ssize_t nargs,
-                int stream_at, const sf_py_tensor_arg *spec, int n);
-
-/* The import half of sf_py_begin, for a binding that started a->call itself
- * (and imported other arguments first): same table, same failure rule. */
-int sf_py_import(sf_py_args *a, PyObject *const *args, Py_ssize_t nargs,
-                 const sf_py_tensor_arg *spec, int n);
-
-/* Read a float positional argument as float; a non-number raises TypeError
- * naming op and arg. */
-int sf_py_arg_float(const char *op, const char *arg, PyObject *obj, float *out);
-
-/* Read an int (or bool) positional argument as long; a non-integer raises
- * TypeError, one past a C long ValueError, naming op and arg (as
- * sf_py_arg_float does for floats). */
-int sf_py_arg_long(const char *op, const char *arg, PyObject *obj, long *out);
-
 /* The stream for CUDA work (resolved by the tensors imported so far). */
 sf_stream sf_py_call_stream(const sf_py_call *c);
 
 /* Give back every borrowed tensor (calls each DLPack deleter once). */
 void sf_py_call_release(sf_py_call *c);
 
-/* The common tail of a binding whose op returns nothing: release every
- * borrowed tensor, then None on SF_OK or the status's exception. */
-PyObject *sf_py_finish(sf_py_call *c, sf_status status);
-
-/* A METH_FASTCALL entry of a method table: the cast and the flag. */
-#define SF_PY_FASTCALL(f) (PyCFunction)(void (*)(void))(f), METH_FASTCALL
-
 /* Raise the Python exception for a failing status, with sf_last_error(). */
 PyObject *sf_py_raise(sf_status status);
 
-/* The body of a `<op>(tensor, stream=None) -> int` size query binding (the
- * workspace_numel entries): import the one tensor as `arg`, ask `query`,
- * return the count or raise. */
-PyObject *sf_py_numel_query(const char *op, const char *arg, PyObject *const *args,
-                            Py_ssize_t nargs,
-                            sf_status (*query)(const sf_tensor *, int64_t *));
-
-/* Check the positional argument count of a METH_FASTCALL binding. */
-int sf_py_check_nargs(const char *op, Py_ssize_t nargs, Py_ssize_t min_args,
-                      Py_ssize_t max_args);
+/* Read an int (or bool) argument as long; a non-integer raises TypeError,
+ * one past a C long ValueError, both naming op and arg. */
+int sf_py_arg_long(const char *op, const char *arg, PyObject *obj, long *out);
 
 /* Turn the fast exchange path on or off (benchmarks compare the two). */
 void sf_py_set_exchange_api(int enabled);
@@ -146,17 +84,178 @@ int sf_py_list_import(sf_py_call *c, PyObject *stream_obj, PyObject *seq, const 
                       sf_py_tensor_list *l);
 void sf_py_list_free(sf_py_tensor_list *l);
 
-/* The method tables of each binding file, joined in module.c. */
+/* ---- declared bindings ------------------------------------------------- *
+ * Every op binding is one declaration: its Python name, the name its
+ * messages use, its argument table (name, kind, default) and a small typed
+ * thunk that calls the C entry.  One driver, sf_py_drive, does the rest:
+ *
+ *   1. match positional and keyword arguments to the table (METH_FASTCALL |
+ *      METH_KEYWORDS); an argument left out takes its default or is an error;
+ *   2. read the numbers and flags, in table order;
+ *   3. start the call on the stream argument, then import every tensor and
+ *      tensor list through DLPack, in table order (the first bad one is named);
+ *   4. run the binding's prepare hook, if any (checks and conversions that
+ *      need the GIL: an attention config tuple, the grouped GEMM's operands);
+ *   5. call the thunk with the GIL released, give every tensor back, and
+ *      return None (or the result hook's value) or the status's exception.
+ *
+ * A family file declares each binding with SF_PY_BINDING and lists them in
+ * one NULL-terminated table; module.c adds the tables to the module, with a
+ * signature generated from each argument table (inspect.signature reads it).
+ */
+
+typedef enum {
+    SF_PY_TENSOR,          /* a tensor (anything DLPack exports) */
+    SF_PY_OPT_TENSOR,      /* a tensor or None (value NULL) */
+    SF_PY_TENSOR_LIST,     /* a sequence of tensors (sf_py_tensor_list) */
+    SF_PY_OPT_TENSOR_LIST, /* the same or None (value NULL) */
+    SF_PY_INT,             /* a Python int that fits a C int */
+    SF_PY_INT64,           /* a Python int that fits int64_t */
+    SF_PY_U64,             /* a Python int in [0, 2**64) */
+    SF_PY_FLOAT,           /* a Python number, read as a double */
+    SF_PY_BOOL,            /* any object, read as its truth value */
+    SF_PY_OBJECT,          /* any object, left to the prepare hook */
+    SF_PY_STREAM,          /* None or an int holding a cudaStream_t; at most one */
+} sf_py_kind;
+
+/* One argument of a binding.  `optional`: it may be left out, standing for
+ * None (tensors, lists, objects, the stream) or for `dflt` (numbers). */
+typedef struct {
+    const char *name;
+    sf_py_kind kind;
+    int optional;
+    double dflt;
+} sf_py_arg;
+
+/* Table rows, in the binding's positional order (SF_OT: a tensor or None,
+ * to be passed; SF_OT_NONE: the same, and left out means None). */
+#define SF_T(name) {#name, SF_PY_TENSOR, 0, 0}
+#define SF_OT(name) {#name, SF_PY_OPT_TENSOR, 0, 0}
+#define SF_OT_NONE(name) {#name, SF_PY_OPT_TENSOR, 1, 0}
+#define SF_TL(name) {#name, SF_PY_TENSOR_LIST, 0, 0}
+#define SF_OTL(name) {#name, SF_PY_OPT_TENSOR_LIST, 0, 0}
+#define SF_INT(name) {#name, SF_PY_INT, 0, 0}
+#define SF_INT64(name) {#name, SF_PY_INT64, 0, 0}
+#define SF_U64(name) {#name, SF_PY_U64, 0, 0}
+#define SF_FLOAT(name) {#name, SF_PY_FLOAT, 0, 0}
+#define SF_BOOL(name) {#name, SF_PY_BOOL, 0, 0}
+#define SF_OBJ(name) {#name, SF_PY_OBJECT, 0, 0}
+#define SF_STREAM {"stream", SF_PY_STREAM, 1, 0}
+
+/* One argument's value, by kind: t (tensors; NULL for None), list (lists;
+ * NULL for None), i, i64, u64, f, b, o (the borrowed object; None when left
+ * out); p: what a prepare hook made of an object (in the frame's scratch). */
+typedef union {
+    sf_tensor *t;
+    sf_py_tensor_list *list;
+    int i;
+    int64_t i64;
+    uint64_t u64;
+    double f;
+    int b;
+    PyObject *o;
+    void *p;
+} sf_py_value;
+
+#define SF_PY_MAX_ARGS 24
+#define SF_PY_MAX_LISTS 6
+
+typedef struct sf_py_binding sf_py_binding;
+
+/* What the driver precomputes from a binding's table when the module loads,
+ * so a call touches only the arguments each step needs. */
+typedef struct {
+    int min_args;  /* arguments with no default */
+    int stream_at; /* position of the stream argument, -1 if none */
+    int n_scalars, n_tensors;
+    unsigned char scalars[SF_PY_MAX_ARGS]; /* positions of numbers, flags, objects */
+    unsigned char tensors[SF_PY_MAX_ARGS]; /* positions of tensors and lists */
+} sf_py_plan;
+
+/* What the driver holds during one call; the hooks see it.  v[i] is argument
+ * i's value; v[n_args] is a spare slot a thunk may write a result into
+ * (sf_py_result_i64 returns it).  scratch: room for what a prepare hook
+ * builds (an attention config; the grouped GEMM keeps a pointer to its
+ * operands there).  The frame stays small: it lives on the stack of every
+ * call. */
+typedef struct sf_py_frame {
+    const sf_py_binding *b;
+    sf_py_call call;
+    PyObject *stream_obj; /* the stream argument (None when left out) */
+    sf_py_value v[SF_PY_MAX_ARGS + 1];
+    sf_tensor views[SF_PY_MAX_BORROWS];
+    sf_py_tensor_list lists[SF_PY_MAX_LISTS];
+    int n_lists;
+    _Alignas(16) unsigned char scratch[256];
+} sf_py_frame;
+
+/* A typed thunk: the C entry called with the values, GIL released. */
+typedef sf_status (*sf_py_thunk)(sf_py_value *v, sf_stream stream);
+
+struct sf_py_binding {
+    const char *name; /* the Python name */
+    const char *op;   /* the name in messages */
+    const sf_py_arg *args;
+    int n_args;
+    sf_py_thunk call; /* NULL: nothing to run (probe, describe) */
+    int (*prepare)(sf_py_frame *f);      /* GIL held, after the imports; -1 with an exception */
+    void (*cleanup)(sf_py_frame *f);     /* GIL held, last; also after prepare failed */
+    PyObject *(*result)(sf_py_frame *f); /* after success; NULL hook: return None */
+    PyObject *(*entry)(PyObject *, PyObject *const *, Py_ssize_t, PyObject *);
+    const char *doc; /* what it does; the signature comes from args */
+    sf_py_plan *plan; /* filled by sf_py_add_bindings */
+};
+
+/* The one driver every declared binding runs through. */
+PyObject *sf_py_drive(const sf_py_binding *b, PyObject *const *args, Py_ssize_t nargs,
+                      PyObject *kwnames);
+
+/* Result hook: v[n_args].i64 as a Python int (the workspace size queries). */
+PyObject *sf_py_result_i64(sf_py_frame *f);
+
+/* Declare binding `pyname` (opname: its name in messages) with argument
+ * table `argtab`, thunk `thunk` and hooks (NULL where unused); defines
+ * pyname##_binding for the family's table. */
+#define SF_PY_BINDING_FULL(pyname, opname, argtab, thunk, prep, clean, res, docstr)           \
+    static const sf_py_binding pyname##_binding;                                               \
+    static sf_py_plan pyname##_plan;                                                           \
+    static PyObject *pyname##_entry(PyObject *self, PyObject *const *args, Py_ssize_t nargs,   \
+                                    PyObject *kwnames)                                         \
+    {                                                                                          \
+        (void)self;                                                                            \
+        return sf_py_drive(&pyname##_binding, args, nargs, kwnames);                           \
+    }                                                                                          \
+    static const sf_py_binding pyname##_binding = {                                            \
+        #pyname, opname, argtab, (int)(sizeof(argtab) / sizeof((argtab)[0])), thunk, prep,      \
+        clean, res, pyname##_entry, docstr, &pyname##_plan}
+
+/* The common case: the op is named as the binding, no hooks. */
+#define SF_PY_BINDING(pyname, argtab, thunk, docstr) \
+    SF_PY_BINDING_FULL(pyname, #pyname, argtab, thunk, NULL, NULL, NULL, docstr)
+
+/* Add a NULL-terminated table of bindings to module m as functions whose
+ * docstrings open with the signature made from each argument table; -1 with
+ * an exception set on failure. */
+int sf_py_add_bindings(PyObject *m, const sf_py_binding *const *table);
+
+/* Each family file's table of bindings, added in module.c. */
+extern const sf_py_binding *const sf_py_core_bindings[];
+extern const sf_py_binding *const sf_py_quant_bindings[];
+extern const sf_py_binding *const sf_py_gemm_bindings[];
+extern const sf_py_binding *const sf_py_norm_bindings[];
+extern const sf_py_binding *const sf_py_act_bindings[];
+extern const sf_py_binding *const sf_py_rope_bindings[];
+extern const sf_py_binding *const sf_py_loss_bindings[];
+extern const sf_py_binding *const sf_py_optim_bindings[];
+extern const sf_py_binding *const sf_py_attn_bindings[];
+extern const sf_py_binding *const sf_py_grouped_bindings[];
+extern const sf_py_binding *const sf_py_moe_bindings[];
+
+/* Functions that are no op binding (build information, switches) stay
+ * plain method tables. */
 extern PyMethodDef sf_py_core_methods[];
-extern PyMethodDef sf_py_quant_methods[];
 extern PyMethodDef sf_py_gemm_methods[];
-extern PyMethodDef sf_py_norm_methods[];
-extern PyMethodDef sf_py_act_methods[];
-extern PyMethodDef sf_py_rope_methods[];
-extern PyMethodDef sf_py_loss_methods[];
 extern PyMethodDef sf_py_optim_methods[];
 extern PyMethodDef sf_py_attn_methods[];
-extern PyMethodDef sf_py_grouped_methods[];
-extern PyMethodDef sf_py_moe_methods[];
 
 #endif /* SF_PY_CALL_H */

@@ -1,43 +1,19 @@
 /*
- * rope_py.c - bindings of the rope family (rotary position embeddings on bshd, sbhd and packed thd (csrc/rope/)).
+ * rope_py.c - binding of the rope family (rotary position embeddings on
+ * bshd, sbhd and packed thd, csrc/rope/): an argument table and a thunk; the
+ * driver in py_call.c does the rest.
  */
 #include "py_call.h"
 
-/* rope(t, freqs, cu_seqlens, start_positions, tensor_format, interleaved,
- *      backward, out, stream=None) */
-static PyObject *py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static const sf_py_arg rope_args[] = {SF_T(t),          SF_T(freqs),          SF_OT(cu_seqlens),
+                                      SF_OT(start_positions), SF_INT(format), SF_BOOL(interleaved),
+                                      SF_BOOL(backward), SF_T(out),           SF_STREAM};
+static sf_status rope_call(sf_py_value *v, sf_stream s)
 {
-    (void)self;
-    static const char op[] = "rope";
-    static const sf_py_tensor_arg spec[] = {{0, "t", 0},
-                                            {1, "freqs", 0},
-                                            {2, "cu_seqlens", 1},
-                                            {3, "start_positions", 1},
-                                            {7, "out", 0}};
-    enum { T, FREQS, CU, START, OUT };
-    if (sf_py_check_nargs(op, nargs, 8, 9) < 0)
-        return NULL;
-    long format;
-    if (sf_py_arg_long(op, "format", args[4], &format) < 0)
-        return NULL;
-    int interleaved = PyObject_IsTrue(args[5]);
-    int backward = PyObject_IsTrue(args[6]);
-    if (interleaved < 0 || backward < 0)
-        return NULL;
-    sf_py_args a;
-    if (sf_py_begin(&a, op, args, nargs, 8, spec, SF_PY_NARGS(spec)) < 0)
-        return NULL;
-    sf_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = sf_rope(a.t[T], a.t[FREQS], a.t[CU], a.t[START], (sf_rope_format)format, interleaved,
-                 backward, a.t[OUT], sf_py_call_stream(&a.call));
-    Py_END_ALLOW_THREADS
-    return sf_py_finish(&a.call, st);
+    return sf_rope(v[0].t, v[1].t, v[2].t, v[3].t, (sf_rope_format)v[4].i, v[5].b, v[6].b, v[7].t,
+                   s);
 }
+SF_PY_BINDING(rope, rope_args, rope_call,
+              "Rotary position embedding (format 0 sbhd, 1 bshd, 2 thd).");
 
-PyMethodDef sf_py_rope_methods[] = {
-    {"rope", SF_PY_FASTCALL(py_rope),
-     "rope(t, freqs, cu_seqlens, start_positions, tensor_format, interleaved, backward, out, "
-     "stream=None): rotary position embedding (tensor_format 0 sbhd, 1 bshd, 2 thd)."},
-    {NULL, NULL, 0, NULL},
-};
+const sf_py_binding *const sf_py_rope_bindings[] = {&rope_binding, NULL};
