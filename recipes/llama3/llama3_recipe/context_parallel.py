@@ -44,11 +44,11 @@ import logging
 
 import torch
 import torch.distributed as dist
+from seqfuse.hf.lm_layout import IGNORE_INDEX
 
 from . import trainer as _llama
 
 log = logging.getLogger("llama3")
-IGNORE_INDEX = -100
 
 
 class CPBatches:
