@@ -171,3 +171,20 @@ def test_device_checks_step_aside_under_graph_capture(caplog):
     graph.replay()
     torch.cuda.synchronize()
     assert loss[3].isnan() and torch.isfinite(loss[:2]).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_kernel_layout_gives_aligned_rows(layout):
+    """What every attention route reads: unit head-dim stride, a 16-byte
+    aligned start and 16-byte rows, the values unchanged.  An offset view is
+    contiguous, so contiguous() returned it unmoved (misaligned): the H200
+    run of session 10 faulted with a misaligned address in torch's kernels."""
+    from seqfuse.ops.attn._args import kernel_layout
+
+    x = torch.randn(2, 5, 3, 16, device="cuda").bfloat16()
+    view = LAYOUTS[layout](x)
+    got = kernel_layout(view)
+    assert got.data_ptr() % 16 == 0 and got.stride(-1) == 1
+    assert all(st % 8 == 0 for st, n in zip(got.stride()[:-1], got.shape[:-1]) if n > 1)
+    assert torch.equal(got, x)

@@ -7,11 +7,13 @@
  */
 #include "cast_backend.h"
 
+/* t (argument `arg`) is contiguous, numel elements, on the device of x
+ * (argument `x_name`: the input the entry works from), writable if written. */
 static sf_status check_out(const char *op, const char *arg, const sf_tensor *t,
-                           const sf_tensor *x, int64_t numel, int written)
+                           const char *x_name, const sf_tensor *x, int64_t numel, int written)
 {
     SF_TRY(sf_check_contiguous(op, arg, t));
-    SF_TRY(sf_check_same_device(op, "x", x, arg, t));
+    SF_TRY(sf_check_same_device(op, x_name, x, arg, t));
     SF_TRY(sf_check_numel(op, arg, t, numel));
     if (written)
         SF_TRY(sf_check_writable(op, arg, t));
@@ -39,7 +41,7 @@ static int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; 
 
 /* The fp32 block-scale tensor of block_rows 1 or 128 (see seqfuse_quant.h). */
 static sf_status check_block_scales_named(const char *op, const char *name, const sf_tensor *s,
-                                          const sf_tensor *x, int block_rows, int64_t m,
+                                          const char *x_name, const sf_tensor *x, int block_rows, int64_t m,
                                           int64_t k, int written, int64_t *ld)
 {
     int64_t rows, cols;
@@ -59,16 +61,16 @@ static sf_status check_block_scales_named(const char *op, const char *name, cons
                        (long long)m, (long long)k,
                        block_rows == 1 ? "[K/128, round_up(M, 4)], M fastest"
                                        : "[ceil(M/128), round_up(K/128, 4)]");
-    SF_TRY(check_out(op, name, s, x, rows * cols, written));
+    SF_TRY(check_out(op, name, s, x_name, x, rows * cols, written));
     *ld = cols;
     return SF_OK;
 }
 
-static sf_status check_block_scales(const char *op, const sf_tensor *s, const sf_tensor *x,
-                                    int block_rows, int64_t m, int64_t k, int written,
-                                    int64_t *ld)
+static sf_status check_block_scales(const char *op, const sf_tensor *s, const char *x_name,
+                                    const sf_tensor *x, int block_rows, int64_t m, int64_t k,
+                                    int written, int64_t *ld)
 {
-    return check_block_scales_named(op, "scale_inv", s, x, block_rows, m, k, written, ld);
+    return check_block_scales_named(op, "scale_inv", s, x_name, x, block_rows, m, k, written, ld);
 }
 
 static sf_status dispatch(const char *op, const sf_tensor *on, sf_block_args *a, int quantize,
@@ -121,9 +123,9 @@ sf_status sf_quantize_block_fp8(const sf_tensor *x, sf_tensor *out, sf_tensor *s
     SF_TRY(matrix_view(op, "x", x, 128, block_rows == 1 ? "1x128 blocks" : "128x128 blocks",
                        &a.m, &a.k));
     SF_TRY(sf_quant_check_fp8(op, "out", out));
-    SF_TRY(check_out(op, "out", out, x, a.m * a.k, 1));
+    SF_TRY(check_out(op, "out", out, "x", x, a.m * a.k, 1));
     SF_TRY(sf_check_aligned(op, "out", out, 8));
-    SF_TRY(check_block_scales(op, scale_inv, x, block_rows, a.m, a.k, 1, &a.scale_ld));
+    SF_TRY(check_block_scales(op, scale_inv, "x", x, block_rows, a.m, a.k, 1, &a.scale_ld));
     a.format = block_rows == 1 ? SF_BLOCK_FP8_1X128 : SF_BLOCK_FP8_128X128;
     fp8_quantize_fields(&a, x, out, scale_inv);
     return dispatch(op, x, &a, 1, stream);
@@ -147,9 +149,9 @@ sf_status sf_quantize_block_fp8_rowcol(const sf_tensor *x, sf_tensor *out, sf_te
                        "'scale_inv_t'", op);
     if (out) {
         SF_TRY(sf_quant_check_fp8(op, "out", out));
-        SF_TRY(check_out(op, "out", out, x, a.m * a.k, 1));
+        SF_TRY(check_out(op, "out", out, "x", x, a.m * a.k, 1));
         SF_TRY(sf_check_aligned(op, "out", out, 16));
-        SF_TRY(check_block_scales(op, scale_inv, x, 1, a.m, a.k, 1, &a.scale_ld));
+        SF_TRY(check_block_scales(op, scale_inv, "x", x, 1, a.m, a.k, 1, &a.scale_ld));
         a.e5m2 = out->dtype == SF_FLOAT8_E5M2;
     }
     if (out_t) {
@@ -158,13 +160,13 @@ sf_status sf_quantize_block_fp8_rowcol(const sf_tensor *x, sf_tensor *out, sf_te
             return sf_fail(SF_ERR_VALUE,
                            "%s: argument 'out_t' must have shape [K, round_up(M, 128)] = "
                            "[%lld, %lld]", op, (long long)a.k, (long long)mt);
-        SF_TRY(check_out(op, "out_t", out_t, x, mt * a.k, 1));
+        SF_TRY(check_out(op, "out_t", out_t, "x", x, mt * a.k, 1));
         SF_TRY(sf_check_aligned(op, "out_t", out_t, 16));
         if (out && out->dtype != out_t->dtype)
             return sf_fail(SF_ERR_TYPE, "%s: arguments 'out' and 'out_t' must have the same "
                            "FP8 dtype", op);
         /* the transposed [K, mt] matrix's 1x128 layout: [mt/128, round_up(K, 4)] */
-        SF_TRY(check_block_scales_named(op, "scale_inv_t", scale_inv_t, x, 1, a.k, mt, 1,
+        SF_TRY(check_block_scales_named(op, "scale_inv_t", scale_inv_t, "x", x, 1, a.k, mt, 1,
                                         &a.scale_ld_t));
         a.e5m2 = out_t->dtype == SF_FLOAT8_E5M2;
     }
@@ -177,7 +179,7 @@ sf_status sf_quantize_block_fp8_rowcol(const sf_tensor *x, sf_tensor *out, sf_te
             return sf_fail(SF_ERR_VALUE,
                            "%s: argument 'col_sums' must have shape [round_up(M, 128)/128, K] = "
                            "[%lld, %lld]", op, (long long)(mt / 128), (long long)a.k);
-        SF_TRY(check_out(op, "col_sums", col_sums, x, mt / 128 * a.k, 1));
+        SF_TRY(check_out(op, "col_sums", col_sums, "x", x, mt / 128 * a.k, 1));
     }
     a.format = SF_BLOCK_FP8_ROWCOL;
     a.x = x->data;
@@ -202,8 +204,8 @@ sf_status sf_dequantize_block_fp8(const sf_tensor *data, const sf_tensor *scale_
     SF_TRY(matrix_view(op, "data", data, 128, block_rows == 1 ? "1x128 blocks" : "128x128 blocks",
                        &a.m, &a.k));
     SF_TRY(sf_check_float_input(op, "out", out));
-    SF_TRY(check_out(op, "out", out, data, a.m * a.k, 1));
-    SF_TRY(check_block_scales(op, scale_inv, data, block_rows, a.m, a.k, 0, &a.scale_ld));
+    SF_TRY(check_out(op, "out", out, "data", data, a.m * a.k, 1));
+    SF_TRY(check_block_scales(op, scale_inv, "data", data, block_rows, a.m, a.k, 0, &a.scale_ld));
     a.format = block_rows == 1 ? SF_BLOCK_FP8_1X128 : SF_BLOCK_FP8_128X128;
     fp8_dequantize_fields(&a, data, scale_inv, out);
     return dispatch(op, data, &a, 0, stream);
@@ -226,9 +228,9 @@ sf_status sf_quantize_mxfp8(const sf_tensor *x, sf_tensor *out, sf_tensor *scale
     sf_block_args a = {0};
     SF_TRY(matrix_view(op, "x", x, 32, "MXFP8 (1x32 blocks)", &a.m, &a.k));
     SF_TRY(sf_quant_check_fp8(op, "out", out));
-    SF_TRY(check_out(op, "out", out, x, a.m * a.k, 1));
+    SF_TRY(check_out(op, "out", out, "x", x, a.m * a.k, 1));
     SF_TRY(check_byte_scales(op, "scales", scales, SF_FLOAT8_E8M0));
-    SF_TRY(check_out(op, "scales", scales, x, a.m * a.k / 32, 1));
+    SF_TRY(check_out(op, "scales", scales, "x", x, a.m * a.k / 32, 1));
     a.format = SF_BLOCK_MXFP8;
     fp8_quantize_fields(&a, x, out, scales);
     return dispatch(op, x, &a, 1, stream);
@@ -242,9 +244,9 @@ sf_status sf_dequantize_mxfp8(const sf_tensor *data, const sf_tensor *scales, sf
     sf_block_args a = {0};
     SF_TRY(matrix_view(op, "data", data, 32, "MXFP8 (1x32 blocks)", &a.m, &a.k));
     SF_TRY(check_byte_scales(op, "scales", scales, SF_FLOAT8_E8M0));
-    SF_TRY(check_out(op, "scales", scales, data, a.m * a.k / 32, 0));
+    SF_TRY(check_out(op, "scales", scales, "data", data, a.m * a.k / 32, 0));
     SF_TRY(sf_check_float_input(op, "out", out));
-    SF_TRY(check_out(op, "out", out, data, a.m * a.k, 1));
+    SF_TRY(check_out(op, "out", out, "data", data, a.m * a.k, 1));
     a.format = SF_BLOCK_MXFP8;
     fp8_dequantize_fields(&a, data, scales, out);
     return dispatch(op, data, &a, 0, stream);
@@ -260,9 +262,9 @@ sf_status sf_quantize_nvfp4(const sf_tensor *x, const sf_tensor *amax, sf_tensor
     SF_TRY(matrix_view(op, "x", x, 16, "NVFP4 (16-element blocks)", &a.m, &a.k));
     SF_TRY(sf_quant_check_scalar(op, "amax", amax, x, 0));
     SF_TRY(sf_check_dtype(op, "out", out, SF_UINT8));
-    SF_TRY(check_out(op, "out", out, x, a.m * a.k / 2, 1));
+    SF_TRY(check_out(op, "out", out, "x", x, a.m * a.k / 2, 1));
     SF_TRY(check_byte_scales(op, "block_scales", block_scales, SF_FLOAT8_E4M3));
-    SF_TRY(check_out(op, "block_scales", block_scales, x, a.m * a.k / 16, 1));
+    SF_TRY(check_out(op, "block_scales", block_scales, "x", x, a.m * a.k / 16, 1));
     SF_TRY(sf_quant_check_scalar(op, "global_scale_inv", global_scale_inv, x, 1));
     a.format = SF_BLOCK_NVFP4;
     a.x = x->data;
@@ -284,9 +286,9 @@ sf_status sf_dequantize_nvfp4(const sf_tensor *data, const sf_tensor *block_scal
     sf_block_args a = {0};
     SF_TRY(matrix_view(op, "out", out, 16, "NVFP4 (16-element blocks)", &a.m, &a.k));
     SF_TRY(sf_check_writable(op, "out", out));
-    SF_TRY(check_out(op, "data", data, out, a.m * a.k / 2, 0));
+    SF_TRY(check_out(op, "data", data, "out", out, a.m * a.k / 2, 0));
     SF_TRY(check_byte_scales(op, "block_scales", block_scales, SF_FLOAT8_E4M3));
-    SF_TRY(check_out(op, "block_scales", block_scales, out, a.m * a.k / 16, 0));
+    SF_TRY(check_out(op, "block_scales", block_scales, "data", data, a.m * a.k / 16, 0));
     SF_TRY(sf_quant_check_scalar(op, "global_scale_inv", global_scale_inv, out, 0));
     a.format = SF_BLOCK_NVFP4;
     a.data = (uint8_t *)data->data;

@@ -89,7 +89,9 @@ def kernel_layout(x):
     if x.stride(-1) != 1 and x.shape[-1] > 1:
         return x.contiguous()
     if x.is_cuda and (x.data_ptr() % 16 or any(st % 8 for st, n in zip(x.stride()[:-1], x.shape[:-1]) if n > 1)):
-        return x.contiguous()
+        # a fresh allocation: contiguous() returns a contiguous view as it is, misaligned start included
+        # (the H200 run that found this: torch's kernels faulted with a misaligned address)
+        return x.clone(memory_format=torch.contiguous_format)
     return x
 
 
