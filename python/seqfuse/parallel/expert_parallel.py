@@ -471,15 +471,18 @@ def clip_grad_norm_(model, max_norm, norm_type=2.0, ep_group=None, error_if_nonf
     device = _local_part(grads[0])[0].device if grads else next(model.parameters()).device
     if device.type == "meta":
         raise ValueError("clip_grad_norm_: the model's parameters are on the meta device")
-    # partial sums keyed by (expert?, mesh, sharded dims)
+    # partial sums keyed by (expert?, mesh, sharded dims), the keys taken from the parameters (a
+    # parameter without a gradient adds 0): every rank then issues the same collectives in the same
+    # order even where one rank's set of gradients differs from another's
     parts, meshes = {}, {}
     for p in model.parameters():
+        local, mesh, dims = _local_part(p.grad if p.grad is not None else p.detach())
         if p.grad is None:
-            continue
-        local, mesh, dims = _local_part(p.grad)
-        v = local.detach().float()
-        s = v.abs().max() if inf and v.numel() else (torch.zeros((), device=device) if inf else
-                                                      v.abs().pow(norm_type).sum())
+            s = torch.zeros((), device=device)
+        else:
+            v = local.detach().float()
+            s = v.abs().max() if inf and v.numel() else (torch.zeros((), device=device) if inf else
+                                                          v.abs().pow(norm_type).sum())
         key = (id(p) in experts, id(mesh), dims)
         meshes[id(mesh)] = mesh
         parts[key] = s if key not in parts else (torch.maximum(parts[key], s) if inf else parts[key] + s)
