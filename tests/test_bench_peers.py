@@ -50,7 +50,8 @@ def test_commit_from_the_environment_wins_over_a_git_directory(monkeypatch):
     if not os.path.isdir(os.path.join(ROOT, ".git")):
         pytest.skip("needs the checkout's .git")
     monkeypatch.setenv("SEQFUSE_GIT_COMMIT", "abc123")
-    assert meta.git_commit(ROOT)[0] == "abc123"
+    sha, _, source = meta.git_commit(ROOT)
+    assert sha == "abc123" and "the checkout's .git says" in source  # both views recorded
 
 
 def test_skip_reasons():

@@ -38,6 +38,17 @@ def _dist_version(name):
     return "not installed"
 
 
+def _git_head(root):
+    """HEAD of the checkout's .git, or None (no .git, or git failed)."""
+    if not os.path.exists(os.path.join(root, ".git")):
+        return None
+    try:
+        return subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def git_commit(root):
     """(commit, dirty, source): $SEQFUSE_GIT_COMMIT when set (the GPU machine's
     copy of .git can lag the tree it is sent with, so the caller's word wins),
@@ -45,7 +56,9 @@ def git_commit(root):
     known."""
     env = os.environ.get("SEQFUSE_GIT_COMMIT")
     if env:
-        return env, None, "SEQFUSE_GIT_COMMIT (set by the caller)"
+        seen = _git_head(root)
+        note = "" if seen is None or seen.startswith(env) else f"; the checkout's .git says {seen}"
+        return env, None, "SEQFUSE_GIT_COMMIT (set by the caller)" + note
     if os.path.exists(os.path.join(root, ".git")):
         try:
             sha = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
