@@ -51,7 +51,7 @@ from ..quantization.graphs import make_graphed_callables
 from ..quantization.recompute import checkpoint
 from ..modules.transformer_layer import TransformerLayer
 from .esm_config import SeqfuseEsmConfig
-from .pretrained import SeqfusePreTrainedModel, default_device, init_by_name
+from .pretrained import SeqfusePreTrainedModel, default_device, init_by_name, register_auto
 
 logger = logging.getLogger(__name__)
 
@@ -386,12 +386,5 @@ class SeqfuseEsmForMaskedLM(SeqfuseEsmPreTrainedModel):
         return self.esm.predict_contacts(tokens, attention_mask)
 
 
-def _register():
-    for auto, cls in ((AutoModel, SeqfuseEsmModel), (AutoModelForMaskedLM, SeqfuseEsmForMaskedLM)):
-        try:
-            auto.register(SeqfuseEsmConfig, cls)
-        except ValueError:
-            pass  # already registered (module reloaded)
-
-
-_register()
+register_auto(SeqfuseEsmConfig, (AutoModel, SeqfuseEsmModel),
+              (AutoModelForMaskedLM, SeqfuseEsmForMaskedLM))

@@ -69,7 +69,7 @@ from .attention import cu_seqlens_of_positions, is_packed_positions
 from .generation import generate
 from .llama_config import SeqfuseLlamaConfig, rope_inv_freq
 from .lm_layout import IGNORE_INDEX, Layout
-from .pretrained import SeqfusePreTrainedModel, default_device, init_by_name
+from .pretrained import SeqfusePreTrainedModel, default_device, init_by_name, register_auto
 
 
 class SeqfuseLlamaRotaryEmbedding(RotaryPositionEmbedding):
@@ -386,12 +386,5 @@ class SeqfuseLlamaForCausalLM(SeqfuseLlamaPreTrainedModel):
                         max_new_tokens=max_new_tokens, **kwargs)
 
 
-def _register():
-    for auto, cls in ((AutoModel, SeqfuseLlamaModel), (AutoModelForCausalLM, SeqfuseLlamaForCausalLM)):
-        try:
-            auto.register(SeqfuseLlamaConfig, cls)
-        except ValueError:
-            pass  # already registered (module reloaded)
-
-
-_register()
+register_auto(SeqfuseLlamaConfig, (AutoModel, SeqfuseLlamaModel),
+              (AutoModelForCausalLM, SeqfuseLlamaForCausalLM))

@@ -64,7 +64,7 @@ from .llama import (SeqfuseLlamaRotaryEmbedding, batch_layout, check_lm_argument
                     lm_logits_and_loss)
 from .llama_config import rope_inv_freq
 from .mixtral_config import SeqfuseMixtralConfig
-from .pretrained import SeqfusePreTrainedModel, default_device, init_by_name
+from .pretrained import SeqfusePreTrainedModel, default_device, init_by_name, register_auto
 
 NAME = "SeqfuseMixtral"
 
@@ -286,12 +286,5 @@ class SeqfuseMixtralForCausalLM(SeqfuseMixtralPreTrainedModel):
                         max_new_tokens=max_new_tokens, **kwargs)
 
 
-def _register():
-    for auto, cls in ((AutoModel, SeqfuseMixtralModel), (AutoModelForCausalLM, SeqfuseMixtralForCausalLM)):
-        try:
-            auto.register(SeqfuseMixtralConfig, cls)
-        except ValueError:
-            pass  # already registered (module reloaded)
-
-
-_register()
+register_auto(SeqfuseMixtralConfig, (AutoModel, SeqfuseMixtralModel),
+              (AutoModelForCausalLM, SeqfuseMixtralForCausalLM))

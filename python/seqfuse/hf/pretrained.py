@@ -13,6 +13,17 @@ from transformers import PreTrainedModel
 from transformers import initialization as init
 
 
+def register_auto(config_cls, *pairs):
+    """Register each (transformers Auto class, model class) pair for
+    ``config_cls``, so AutoModel / AutoModelForCausalLM / ... load a family's
+    saved directory; a pair already registered (the module reloaded) is kept."""
+    for auto, cls in pairs:
+        try:
+            auto.register(config_cls, cls)
+        except ValueError:
+            pass  # already registered (module reloaded)
+
+
 def default_device():
     """The default device, which is "meta" while transformers builds a model
     to load into; seqfuse's modules would otherwise pick one themselves."""
