@@ -6,8 +6,9 @@
 # Steps (PARTS, comma list; default build,memcheck,racecheck):
 #   build      pip install -e . (skip with BUILD=0 where the tree is built)
 #   memcheck   a sample of the cuda tests of attention (sm80 and sm90),
-#              gemm, FP8 quantization (cast, amax), norms, cross-entropy and
-#              RoPE (PER ids per file, default 10), in two processes under
+#              gemm, FP8 quantization (cast, amax), norms, cross-entropy,
+#              RoPE, activations, AdamW and the MoE kernels (grouped GEMM,
+#              router, permutation) (PER ids per file, default 10), in three processes under
 #              compute-sanitizer --tool memcheck (leak check on), with torch's
 #              caching allocator off (PYTORCH_NO_CUDA_MEMORY_CACHING=1) so
 #              every tensor is its own cudaMalloc and an access past a
@@ -87,12 +88,17 @@ if want memcheck; then
     pick ${PER:-10} tests/test_attn_cuda.py tests/test_attn_sm90_cuda.py > "$OUT/selected_attention.txt"
     pick ${PER:-10} tests/test_gemm.py tests/test_quant_cast.py tests/test_amax.py tests/test_norm.py \
         tests/test_cross_entropy.py tests/test_rope.py > "$OUT/selected_kernels.txt"
-    echo "memcheck sample: $(wc -l < "$OUT/selected_attention.txt") attention, $(wc -l < "$OUT/selected_kernels.txt") other tests"
+    pick ${PER:-10} tests/test_act.py tests/test_adamw.py tests/test_moe_grouped_gemm.py tests/test_moe_permute.py \
+        tests/test_moe_router.py > "$OUT/selected_act_optim_moe.txt"
+    echo "memcheck sample: $(wc -l < "$OUT/selected_attention.txt") attention, $(wc -l < "$OUT/selected_kernels.txt")" \
+         "gemm/quant/norm/loss/rope, $(wc -l < "$OUT/selected_act_optim_moe.txt") act/optim/moe tests"
     export PYTORCH_NO_CUDA_MEMORY_CACHING=1
     # shellcheck disable=SC2046
     san ${MEM_LIMIT:-90} memcheck_attention memcheck "${PYT[@]}" $(cat "$OUT/selected_attention.txt")
     # shellcheck disable=SC2046
     san ${MEM_LIMIT:-90} memcheck_gemm_quant_norm_loss_rope memcheck "${PYT[@]}" $(cat "$OUT/selected_kernels.txt")
+    # shellcheck disable=SC2046
+    san ${MEM_LIMIT:-90} memcheck_act_optim_moe memcheck "${PYT[@]}" $(cat "$OUT/selected_act_optim_moe.txt")
     unset PYTORCH_NO_CUDA_MEMORY_CACHING
 fi
 pick 2 tests/test_attn_cuda.py tests/test_attn_sm90_cuda.py > "$OUT/selected_race.txt"
