@@ -43,13 +43,14 @@ seqfuse's RMSNorm kernel (MultiheadAttention's L2Normalization).
 
 Extra inputs and outputs, as TE's: ``Sequential.forward(input,
 *extra_inputs)`` hands the extra inputs, in order, to the operations that
-take them (num_extra_inputs: ScaledSwiGLU's row scales, on seqfuse's
-scaled_swiglu kernel; ScaledSiTUGLU's, ScaledClampedQGeGLU's and
-ScaledSReLU's, in torch; AddExtraInput's addend), and returns (output,
-*extra_outputs) when an operation makes one (MakeExtraOutput); these
-operations run on their own.  Not here (names TE has that
-seqfuse.pytorch.ops lacks): GroupedLinear, the communication operations,
-and the fusion registration functions.
+take them (num_extra_inputs: GroupedLinear's split sizes, and its bias
+scales with scale_bias=True, on seqfuse's grouped GEMM; ScaledSwiGLU's row
+scales, on seqfuse's scaled_swiglu kernel; ScaledSiTUGLU's,
+ScaledClampedQGeGLU's and ScaledSReLU's, in torch; AddExtraInput's addend),
+and returns (output, *extra_outputs) when an operation makes one
+(MakeExtraOutput); these operations run on their own.  Not here (names TE
+has that seqfuse.pytorch.ops lacks): the communication operations and the
+fusion registration functions.
 """
 import logging
 import math
@@ -57,11 +58,12 @@ import math
 import torch
 
 from ..modules import LayerNormLinear, LayerNormMLP, Linear as _LinearModule, activation, layer_norm, rms_norm
+from ..modules.grouped_linear import GroupedLinear as _GroupedLinearModule
 from ..modules.multihead_attention import L2Normalization as _L2Normalization
 from ..modules.te_compat import materialize, materialize_device, rng_fork
 from ..quantization import is_fp8_enabled
 
-__all__ = ["BasicOperation", "BasicLinear", "Bias", "Linear", "LayerNorm", "RMSNorm", "GELU", "ReLU", "SiLU",
+__all__ = ["BasicOperation", "BasicLinear", "Bias", "Linear", "GroupedLinear", "LayerNorm", "RMSNorm", "GELU", "ReLU", "SiLU",
            "GEGLU", "ReGLU", "SwiGLU", "GLU", "QGELU", "QGEGLU", "SReLU", "SReGLU", "ClampedSwiGLU", "SiTUGLU", "ScaledSwiGLU", "ScaledSiTUGLU",
            "ScaledClampedQGeGLU", "ScaledSReLU", "AddExtraInput",
            "MakeExtraOutput", "L2Normalization", "Quantize",
@@ -181,6 +183,166 @@ class Linear(BasicOperation):
 
     def forward(self, x):
         return _run(_linear_runner(self, self.bias is not None), x, weight=self.weight, bias=self.bias)
+
+
+class GroupedLinear(BasicOperation):
+    """TE's te.ops.GroupedLinear: num_groups linear layers over consecutive
+    blocks of the input's first dimension, y_i = x_i W_i^T + b_i, the blocks
+    sized by the extra input ``split_sizes`` (num_groups integers, a tensor
+    as TE passes it, or a sequence of ints).  Equivalent to torch.split along
+    dim 0, one torch.nn.Linear per block, torch.cat.
+
+    forward(x, split_sizes) or, with scale_bias=True, forward(x, split_sizes,
+    scales): the bias of group i is added scaled row by row, b_i *
+    scales[row] (scales: one value per row of x's first dimension).
+
+    Parameters under TE's names weight0 .. weight{G-1}, bias0 .. bias{G-1},
+    initialised as TE does (Kaiming-uniform with a = sqrt(5), biases 0).  The
+    GEMMs run on seqfuse's grouped GEMM through seqfuse's GroupedLinear
+    module (three grouped GEMMs a step; FP8 under fp8_autocast with the
+    module's recipes), built once on the meta device and run on this
+    operation's own parameter objects.  seqfuse's grouped GEMM sizes its
+    groups on the host: split sizes on a CUDA device are read back (one
+    device synchronisation per call, logged once), as TE's own split-quantize
+    path does.
+
+    accumulate_into_main_grad: the weight gradient goes into each weight's
+    ``main_grad`` (which must then be set, as TE requires); seqfuse also does
+    so whenever every weight carries one.  Refused when switched on
+    (NotImplementedError naming the argument): single_grouped_weight and
+    single_grouped_bias (seqfuse keeps one parameter per group, see
+    seqfuse.modules.grouped_linear) and delay_wgrad_compute."""
+    num_extra_inputs = 1
+
+    def __init__(self, num_groups, in_features, out_features, *, bias=True, device=None, dtype=None,
+                 rng_state_tracker_function=None, accumulate_into_main_grad=False, single_grouped_weight=False,
+                 single_grouped_bias=False, delay_wgrad_compute=False, scale_bias=False):
+        super().__init__()
+        for name, value, why in (
+                ("single_grouped_weight", single_grouped_weight, "seqfuse keeps one weight parameter per group "
+                 "(weight0 .. weight{G-1}) and its grouped GEMM takes them as a list"),
+                ("single_grouped_bias", single_grouped_bias, "seqfuse keeps one bias parameter per group "
+                 "(bias0 .. bias{G-1})"),
+                ("delay_wgrad_compute", delay_wgrad_compute, "deferred weight-gradient GEMMs are not "
+                 "implemented; the weight gradient is computed in the backward")):
+            if value:
+                _refuse("GroupedLinear", name, value, why)
+        for name, value in (("num_groups", num_groups), ("in_features", in_features),
+                            ("out_features", out_features)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"te.ops.GroupedLinear: argument '{name}' must be a positive int, got {value!r}")
+        dtype = dtype or torch.get_default_dtype()
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"te.ops.GroupedLinear: argument 'dtype' must be float32, float16 or bfloat16, "
+                             f"got {dtype}")
+        self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
+        self.use_bias = bool(bias)
+        self._scale_bias = bool(scale_bias) and self.use_bias
+        if self._scale_bias:
+            self.num_extra_inputs = 2  # split sizes and the bias scales (TE's count)
+        self.accumulate_into_main_grad = bool(accumulate_into_main_grad)
+        self._rng_state_tracker_function = rng_state_tracker_function
+        kw = dict(dtype=dtype, device=_device(device))
+        for g in range(num_groups):
+            self.register_parameter(f"weight{g}", torch.nn.Parameter(torch.empty(out_features, in_features, **kw)))
+            self.register_parameter(f"bias{g}", torch.nn.Parameter(torch.empty(out_features, **kw))
+                                    if self.use_bias else None)
+        if self.weight0.device.type != "meta":
+            self.reset_parameters()
+
+    @property
+    def has_bias(self):
+        """Whether an additive bias is applied (TE's property)."""
+        return self.use_bias
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        materialize(self)
+        for g in range(self.num_groups):
+            with rng_fork(self._rng_state_tracker_function):
+                torch.nn.init.kaiming_uniform_(getattr(self, f"weight{g}"), a=math.sqrt(5))
+            if self.use_bias:
+                getattr(self, f"bias{g}").zero_()
+
+    def _runner(self):
+        """seqfuse's GroupedLinear module for this operation, made on the meta
+        device at the first call and kept outside the module tree (it holds
+        FP8 scaling state only).  Its bias is fused in the GEMM unless the
+        bias is scaled, which is added here."""
+        runner = self.__dict__.get("_grouped_runner")
+        if runner is None:
+            runner = self.__dict__["_grouped_runner"] = _GroupedLinearModule(
+                self.num_groups, self.in_features, self.out_features, bias=self.use_bias and not self._scale_bias,
+                device="meta")
+        return runner
+
+    def _splits(self, split_sizes, rows):
+        who = "te.ops.GroupedLinear"
+        if isinstance(split_sizes, torch.Tensor):
+            if split_sizes.dtype.is_floating_point or split_sizes.dtype.is_complex or split_sizes.dim() > 1:
+                raise TypeError(f"{who}: extra input 'split_sizes' must be a 1-D integer tensor, got "
+                                f"{split_sizes.dim()}-D {split_sizes.dtype}")
+            if split_sizes.device.type != "cpu":
+                if not _logged_host_splits:
+                    _logged_host_splits.append(True)
+                    _log.info("%s: split sizes on %s are read to the host (one device synchronisation per "
+                              "call): seqfuse's grouped GEMM sizes its groups on the host", who,
+                              split_sizes.device)
+                split_sizes = split_sizes.cpu()
+            splits = [int(v) for v in split_sizes.reshape(-1).tolist()]
+        else:
+            try:
+                splits = [int(v) for v in split_sizes]
+            except TypeError:
+                raise TypeError(f"{who}: extra input 'split_sizes' must be an integer tensor or a sequence of "
+                                f"ints, got {type(split_sizes).__name__}") from None
+        if len(splits) != self.num_groups:
+            raise ValueError(f"{who}: extra input 'split_sizes' must hold num_groups = {self.num_groups} "
+                             f"sizes, got {len(splits)}")
+        if any(s < 0 for s in splits):
+            raise ValueError(f"{who}: extra input 'split_sizes' must hold sizes >= 0, got {splits}")
+        if sum(splits) != rows:
+            raise ValueError(f"{who}: extra input 'split_sizes' adds up to {sum(splits)}, but the input's first "
+                             f"dimension is {rows}")
+        return splits
+
+    def forward(self, x, split_sizes, scales=None):
+        who = "te.ops.GroupedLinear"
+        if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[-1] != self.in_features:
+            raise ValueError(f"{who}: the input must be a tensor of at least 2 dimensions whose last is "
+                             f"in_features = {self.in_features}, got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if (scales is not None) != self._scale_bias:
+            raise ValueError(f"{who}: the extra input 'scales' is taken exactly when scale_bias=True and "
+                             f"bias=True (got scale_bias={self._scale_bias}, scales "
+                             f"{'given' if scales is not None else 'missing'})")
+        if self.accumulate_into_main_grad:
+            for g in range(self.num_groups):
+                if getattr(getattr(self, f"weight{g}"), "main_grad", None) is None:
+                    raise RuntimeError(f"{who}: accumulate_into_main_grad=True but weight{g} has no main_grad "
+                                       "(set it before the forward, as for TE)")
+        splits = self._splits(split_sizes, x.shape[0])
+        per_row = math.prod(x.shape[1:-1])  # rows of the flattened input per index of the first dimension
+        runner = self._runner()
+        params = {f"weight{g}": getattr(self, f"weight{g}") for g in range(self.num_groups)}
+        if self.use_bias and not self._scale_bias:
+            params.update({f"bias{g}": getattr(self, f"bias{g}") for g in range(self.num_groups)})
+        for name, p in params.items():
+            runner._parameters[name] = p
+        y = runner(x.reshape(-1, self.in_features), [s * per_row for s in splits])
+        if self._scale_bias:
+            if not isinstance(scales, torch.Tensor) or scales.numel() != x.shape[0] * per_row:
+                raise ValueError(f"{who}: extra input 'scales' must be a tensor with one value per row "
+                                 f"({x.shape[0] * per_row}), got "
+                                 f"{tuple(scales.shape) if isinstance(scales, torch.Tensor) else type(scales).__name__}")
+            bias = torch.stack([getattr(self, f"bias{g}") for g in range(self.num_groups)])
+            index = torch.repeat_interleave(torch.arange(self.num_groups, device=y.device),
+                                            torch.tensor([s * per_row for s in splits], device=y.device))
+            y = y + bias.to(y.dtype)[index] * scales.reshape(-1, 1).to(y.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+_logged_host_splits = []
 
 
 class _Norm(BasicOperation):
@@ -777,8 +939,9 @@ class Sequential(torch.nn.Module):
         that take them (num_extra_inputs), in order."""
         if op_kwargs:
             raise NotImplementedError("te.ops.Sequential: argument 'op_kwargs' is not supported: it passes "
-                                      "buffers to TE's grouped linear / grouped MLP operations, which seqfuse's "
-                                      "te.ops does not have")
+                                      "caller-allocated output / grad-input buffers to TE's grouped linear and "
+                                      "grouped MLP operations; seqfuse's GroupedLinear allocates its own "
+                                      "(leave op_kwargs out)")
         need = sum(getattr(op, "num_extra_inputs", 0) for op in self._ops)
         if len(extra_inputs) != need:
             raise ValueError(f"te.ops.Sequential: {len(extra_inputs)} extra input(s) given, but its operations "
