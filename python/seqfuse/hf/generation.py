@@ -28,10 +28,13 @@ TransformerLayer itself does not take ``inference_params`` yet (it raises);
 the cached path lives here, reading the layer's submodules, until the
 modules grow one.
 """
+import logging
+
 import torch
 
 from .. import ops
 from ..modules.rope import apply_rotary_pos_emb
+from ..quantization import is_fp8_enabled
 
 
 class InferenceParams:
@@ -64,6 +67,9 @@ class InferenceParams:
         self.key_value_memory_dict = {}
         self.batch_size = 0
         self.sequence_lengths = torch.zeros(max_batch_size, dtype=torch.int32, device=self.device)
+        # generate's CUDA graphs of the decode step over these buffers, one per batch size (DecodeGraph)
+        self.decode_graphs = {}
+        self.graph_captures = 0
 
     def allocate_memory(self, layer_number):
         """The (key, value) buffers of ``layer_number``, allocated on first use."""
@@ -105,8 +111,14 @@ def cached_layer_step(layer, x, freqs, cache, layer_number, rows, positions, pic
     positions): those of the tokens
     ``k[pick]`` (``pick`` None: every token of a packed call), and attention
     as ``attn`` says: ("self", kwargs) over the call's own tokens (prefill),
-    or ("cache", kwargs) over the cached keys (decode).  ``rope``: keyword
-    arguments of apply_rotary_pos_emb (format, cu_seqlens, start_positions)."""
+    or ("cache", kwargs) over the first ``len(x)`` rows of the cache, at
+    their full length (decode: the per-row key lengths come from
+    kwargs' cu_seqlens_kv, a device tensor, so the call's arguments are the
+    same at every step and it can be captured in a CUDA graph).  ``rope``:
+    keyword arguments of apply_rotary_pos_emb (format, cu_seqlens,
+    start_positions).  A decode step asks the feed-forward block for its
+    capture-safe form (``feed_forward(x, capture_safe=True)``: the Mixtral
+    family's experts without a host read)."""
     sa = layer.self_attention
     if not (sa.fuse_qkv_params and sa.qkv_weight_interleaved and sa.input_layernorm):
         raise NotImplementedError("cached generation needs fused, interleaved QKV parameters behind the input norm")
@@ -121,14 +133,47 @@ def cached_layer_step(layer, x, freqs, cache, layer_number, rows, positions, pic
     if kind == "self":
         out = ops.attention(q, k, v, **kw)
     else:
-        s = kw.pop("max_seqlen_kv")
-        out = ops.attention(q, k_cache[:q.shape[0], :s], v_cache[:q.shape[0], :s], max_seqlen_kv=s, **kw)
-        kw["max_seqlen_kv"] = s
+        b = q.shape[0]
+        out = ops.attention(q, k_cache[:b], v_cache[:b], **kw)
     x = x + sa.proj(out.reshape(*out.shape[:-2], -1))
     # a layer whose feed-forward block is not TransformerLayer's LayerNormMLP
     # (the Mixtral family's mixture of experts) says how to run it
     feed_forward = getattr(layer, "feed_forward", None)
-    return feed_forward(x) if feed_forward is not None else x + layer.layernorm_mlp(x)
+    if feed_forward is None:
+        return x + layer.layernorm_mlp(x)
+    return feed_forward(x, capture_safe=True) if kind == "cache" else feed_forward(x)
+
+
+def decode_step(model, cache, tokens, freqs, rows, cu_q):
+    """One decode step of every row of ``tokens`` ([b] int64, the newest
+    token of each row): each token at position = its row's cached length
+    (``cache.sequence_lengths[:b]``, on the device), its key and value
+    appended, attention over the row's cached keys; the lengths advanced
+    by one (on the device).  Returns the next-token logits [b, vocab].
+
+    Every value that changes from step to step is read from a device
+    tensor (the tokens, the lengths) and every kernel argument is fixed
+    (the cache's full length as the keys' extent, the row lengths as
+    cu_seqlens_kv, RoPE's start positions as a tensor): no host read, no
+    allocation whose size varies.  So the same function runs eagerly or
+    under CUDA graph capture (DecodeGraph) and both give the same numbers.
+    ``freqs``: RoPE angles covering the cache's length; ``rows``: arange(b);
+    ``cu_q``: arange(b + 1) int32 (one query per row)."""
+    inner = model.model
+    b = tokens.shape[0]
+    lens = cache.sequence_lengths[:b]
+    start = lens.clone()
+    pos = start.long()
+    dec_kw = dict(qkv_format="bshd", attn_mask_type="padding", cu_seqlens_q=cu_q, cu_seqlens_kv=_cu(start + 1),
+                  max_seqlen_q=1, max_seqlen_kv=cache.max_sequence_length)
+    rope = dict(tensor_format="bshd", start_positions=start)
+    x = inner.embed_tokens(tokens)[:, None, :]
+    for i, layer in enumerate(inner.layers):
+        x = cached_layer_step(layer, x, freqs, cache, i + 1, rows, pos, (rows, 0), ("cache", dec_kw), rope)
+    h = inner.norm(x)[:, 0]
+    logits = torch.nn.functional.linear(h, model.lm_head.weight.to(h.dtype))
+    lens.add_(1)
+    return logits
 
 
 def _check_sampling(do_sample, temperature, top_k, top_p, max_new_tokens):
@@ -162,10 +207,153 @@ def next_tokens(logits, do_sample, temperature=1.0, top_k=None, top_p=None, gene
     return torch.multinomial(scores.softmax(-1), 1, generator=generator).squeeze(-1)
 
 
+# ------------------------------------------------------------ CUDA graphs of the decode step
+_log = logging.getLogger("seqfuse")
+_logged = set()
+#: one side stream per CUDA device for warm-up and capture (torch's advice: warm up on the stream that
+#: captures, so lazily made state, e.g. a GEMM workspace cached per stream, exists before capture)
+_capture_streams = {}
+#: model caches made by generate are rounded up to this many positions, so that calls of slightly
+#: different prompt lengths or token counts reuse one cache and its graphs
+CACHE_LENGTH_STEP = 256
+
+
+def _log_once(level, message):
+    if message not in _logged:
+        _logged.add(message)
+        _log.log(level, message)
+
+
+def weights_signature(model):
+    """Where and how the model's parameters and buffers are stored (address,
+    dtype, device of each): a captured graph reads exactly those addresses,
+    so a graph is valid only while this is unchanged.  A dtype or device
+    move, or loading weights into new tensors, changes it; an in-place
+    update (an optimizer step, load_state_dict's copy) does not, and a
+    replay reads the new values."""
+    return tuple((t.data_ptr(), t.dtype, t.device) for t in (*model.parameters(), *model.buffers()))
+
+
+class DecodeGraph:
+    """The decode step (``decode_step``) of batch size ``b`` over ``cache``,
+    captured once as a CUDA graph: a static token buffer [b] in, the logits
+    buffer [b, vocab] out; the cache's buffers, its lengths
+    (``sequence_lengths``, advanced by the step itself) and the RoPE angles
+    are fixed addresses.  ``run(tokens)`` copies the tokens in and replays.
+    Kept in ``cache.decode_graphs[b]``; ``replays`` counts the replays."""
+
+    def __init__(self, model, cache, b, signature):
+        dev = cache.device
+        self.b, self.cache, self.signature = b, cache, signature
+        self.tokens = torch.zeros(b, dtype=torch.long, device=dev)
+        self.freqs = model.model.rotary_emb(cache.max_sequence_length)
+        self.rows = torch.arange(b, device=dev)
+        self.cu_q = torch.arange(b + 1, dtype=torch.int32, device=dev)
+        self.replays = 0
+        stream = _capture_streams.get(dev.index)
+        if stream is None:
+            stream = _capture_streams[dev.index] = torch.cuda.Stream(dev)
+        lens = cache.sequence_lengths[:b]
+        saved = lens.clone()
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            # warm-up: one real step (it writes the key/value slot that the first replay rewrites); the
+            # lengths it advanced are put back
+            decode_step(model, cache, self.tokens, self.freqs, self.rows, self.cu_q)
+            lens.copy_(saved)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, stream=stream):
+            self.logits = decode_step(model, cache, self.tokens, self.freqs, self.rows, self.cu_q)
+
+    def run(self, tokens):
+        """Logits [b, vocab] of the step after ``tokens`` [b] (the buffer is
+        overwritten by the next run)."""
+        self.tokens.copy_(tokens)
+        self.graph.replay()
+        self.replays += 1
+        return self.logits
+
+
+def _graph_refusal(model, device, b):
+    """Why the decode step of this call cannot be captured, or None."""
+    if device.type != "cuda":
+        return f"the model runs on {device.type}, not CUDA"
+    if not hasattr(torch.cuda, "CUDAGraph"):
+        return "this torch has no torch.cuda.CUDAGraph"
+    if is_fp8_enabled():
+        return ("FP8 autocast is on: its scaling state (amax history, scale update) changes between steps "
+                "and is not captured here; the FP8 decode step runs eagerly")
+    for name, p in model.named_parameters():
+        if type(p.data) is not torch.Tensor:
+            return f"parameter {name} is a {type(p.data).__name__} (quantized weights are not captured)"
+    for layer in model.model.layers:
+        mlp = getattr(layer, "mlp", None)
+        if getattr(layer, "feed_forward", None) is not None and not hasattr(mlp, "forward_every_expert"):
+            return (f"layer {type(layer).__name__}'s feed-forward block {type(mlp).__name__} has no capture-safe "
+                    "form (forward_every_expert)")
+    return None
+
+
+def _model_cache(model, b, total, dtype, device):
+    """generate's own cache for batch size ``b`` when graphs are on: kept on
+    the model (one per batch size, with its graphs) and reused while it is
+    long enough and of the weights' dtype and device; its length is
+    ``total`` rounded up to CACHE_LENGTH_STEP."""
+    caches = model.__dict__.setdefault("_seqfuse_decode_caches", {})
+    cache = caches.get(b)
+    if cache is not None and cache.max_sequence_length >= total and cache.dtype == dtype and \
+            cache.device == device:
+        return cache
+    if cache is not None:
+        _log.info("seqfuse generate: batch %d needs a new key/value cache (%d positions, %s on %s; the kept one: "
+                  "%d, %s on %s): its decode graph is captured again", b, total, dtype, device,
+                  cache.max_sequence_length, cache.dtype, cache.device)
+    length = -(-total // CACHE_LENGTH_STEP) * CACHE_LENGTH_STEP
+    cfg = model.config
+    caches[b] = InferenceParams(b, length, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=device)
+    return caches[b]
+
+
+def release_decode_graphs(model):
+    """Forget the key/value caches and decode graphs that generate kept on
+    ``model`` (their GPU memory is freed when nothing else holds them)."""
+    model.__dict__.pop("_seqfuse_decode_caches", None)
+
+
+def decode_graph_stats(model):
+    """{batch size: (captures, replays)} of the decode graphs of the caches
+    generate kept on ``model`` (caches passed as inference_params keep their
+    own: ``cache.decode_graphs``)."""
+    caches = model.__dict__.get("_seqfuse_decode_caches", {})
+    return {b: (c.graph_captures, sum(g.replays for g in c.decode_graphs.values())) for b, c in caches.items()}
+
+
+def _decode_runner(model, cache, b, freqs, use_graphs, device):
+    """A function tokens [b] -> logits [b, vocab] of the next decode step:
+    the cache's captured graph (captured now when missing or stale) when
+    ``use_graphs``, else decode_step run eagerly."""
+    if use_graphs:
+        signature = weights_signature(model)
+        graph = cache.decode_graphs.get(b)
+        if graph is not None and graph.signature != signature:
+            _log.info("seqfuse generate: the model's weights moved (dtype, device or storage) since batch %d's "
+                      "decode graph was captured: capturing it again", b)
+            graph = None
+        if graph is None:
+            cache.decode_graphs.pop(b, None)
+            graph = cache.decode_graphs[b] = DecodeGraph(model, cache, b, signature)
+            cache.graph_captures += 1
+        return graph.run
+    rows = torch.arange(b, device=device)
+    cu_q = torch.arange(b + 1, dtype=torch.int32, device=device)
+    return lambda tokens: decode_step(model, cache, tokens, freqs, rows, cu_q)
+
+
 @torch.no_grad()
 def generate(model, input_ids, attention_mask=None, cu_seqlens=None, max_new_tokens=32, do_sample=False,
              temperature=1.0, top_k=None, top_p=None, eos_token_id=None, pad_token_id=None, generator=None,
-             inference_params=None):
+             inference_params=None, decode_graphs=None):
     """Tokens generated by ``model`` (a SeqfuseLlamaForCausalLM or
     SeqfuseMixtralForCausalLM) after each prompt.
 
@@ -175,12 +363,27 @@ def generate(model, input_ids, attention_mask=None, cu_seqlens=None, max_new_tok
     holds the new tokens of prompt i; after ``eos_token_id`` (default: the
     config's; one id or a list) a row holds ``pad_token_id`` (default: the
     config's pad, else the eos).  ``inference_params``: an InferenceParams to
-    use (reset first), else one is made for this call."""
+    use (reset first), else one is made for this call (with decode graphs:
+    kept on the model for the next call of this batch size).
+
+    ``decode_graphs``: replay the decode step as a CUDA graph (DecodeGraph),
+    captured once per batch size and cache and replayed by later calls.
+    None (default): on for CUDA models where the step can be captured;
+    where it cannot (FP8 autocast, quantized weights, an MoE block without a
+    capture-safe form) the decode runs eagerly and logger "seqfuse" says
+    why (once per reason).  True: the same, except a CPU model is a
+    ValueError.  False: eager.  Both give the same tokens: the eager step is
+    the function the graph captures."""
     _check_sampling(do_sample, temperature, top_k, top_p, max_new_tokens)
+    if decode_graphs not in (None, True, False):
+        raise ValueError(f"generate: decode_graphs must be None (auto), True or False, got {decode_graphs!r}")
     cfg = model.config
     inner = model.model
     layout = inner.layout(input_ids, attention_mask, None, cu_seqlens, None)
     device = input_ids.device
+    if decode_graphs and device.type != "cuda":
+        raise ValueError(f"generate: decode_graphs=True needs a CUDA model and input_ids, got {device.type} "
+                         "(CUDA graphs)")
     if layout.packed:
         cu = layout.cu_seqlens.to(device)
         lengths = (cu[1:] - cu[:-1]).to(torch.int32)
@@ -208,18 +411,29 @@ def generate(model, input_ids, attention_mask=None, cu_seqlens=None, max_new_tok
         x = inner.embed_tokens(input_ids)
         last, pick = None, (rows, positions)
     b = lengths.numel()
-    longest = int(lengths.max())
-    total = longest + max_new_tokens
+    total = int(lengths.max()) + max_new_tokens
+    use_graphs = decode_graphs is not False and max_new_tokens > 1
+    if use_graphs:
+        why = _graph_refusal(model, device, b)
+        if why is not None:
+            use_graphs = False
+            if device.type == "cuda":  # (on the CPU eager is the only way, not a fallback)
+                _log_once(logging.WARNING if decode_graphs else logging.INFO,
+                          f"seqfuse generate: the decode step runs eagerly, not as a CUDA graph: {why}")
+    dtype = inner.embed_tokens.weight.dtype
     if inference_params is None:
-        inference_params = InferenceParams(b, total, cfg.num_key_value_heads, cfg.head_dim,
-                                           dtype=inner.embed_tokens.weight.dtype, device=device)
+        if use_graphs:
+            inference_params = _model_cache(model, b, total, dtype, device)
+        else:
+            inference_params = InferenceParams(b, total, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype,
+                                               device=device)
     elif inference_params.max_batch_size < b or inference_params.max_sequence_length < total:
         raise ValueError(f"generate: inference_params holds {inference_params.max_batch_size} rows of "
                          f"{inference_params.max_sequence_length} tokens; this call needs {b} of {total}")
     cache = inference_params
     cache.reset()
     cache.batch_size = b
-    freqs = inner.rotary_emb(total)
+    freqs = inner.rotary_emb(cache.max_sequence_length)
 
     # prefill
     for i, layer in enumerate(inner.layers):
@@ -235,25 +449,35 @@ def generate(model, input_ids, attention_mask=None, cu_seqlens=None, max_new_tok
                                                          else (int(eos[0]) if eos.numel() else 0))
     out = torch.full((b, max_new_tokens), pad, dtype=torch.long, device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
-    arange_b = torch.arange(b, device=device)
-    cu_q = torch.arange(b + 1, dtype=torch.int32, device=device)
+    logits = torch.nn.functional.linear(h_last, model.lm_head.weight.to(h_last.dtype))
+    step_fn = _decode_runner(model, cache, b, freqs, use_graphs, device) if max_new_tokens > 1 else None
     for step in range(max_new_tokens):
-        logits = torch.nn.functional.linear(h_last, model.lm_head.weight.to(h_last.dtype))
         tok = next_tokens(logits, do_sample, temperature, top_k, top_p, generator)
         tok = torch.where(done, torch.full_like(tok, pad), tok)
         out[:, step] = tok
         done |= torch.isin(tok, eos)
         if step + 1 == max_new_tokens:
             break
-        # decode: the new token at position = the row's cached length
-        pos = cache.sequence_lengths[:b].clone()
-        x = inner.embed_tokens(tok)[:, None, :]
-        kv_len = pos + 1
-        dec_kw = dict(qkv_format="bshd", attn_mask_type="padding", cu_seqlens_q=cu_q, cu_seqlens_kv=_cu(kv_len),
-                      max_seqlen_q=1, max_seqlen_kv=longest + step + 1)
-        for i, layer in enumerate(inner.layers):
-            x = cached_layer_step(layer, x, freqs, cache, i + 1, arange_b, pos.long(), (arange_b, 0), ("cache", dec_kw),
-                                  dict(tensor_format="bshd", start_positions=pos))
-        h_last = inner.norm(x)[:, 0]
-        cache.sequence_lengths[:b] = kv_len
+        logits = step_fn(tok)
     return out
+
+
+class CachedGenerationMixin:
+    """``generate`` (this module's) for the seqfuse causal-LM families
+    (Llama, Mixtral): placed before the PreTrainedModel base, it takes the
+    place of transformers' GenerationMixin.generate on these classes
+    (transformers' own generate() runs on the exported model)."""
+
+    def generate(self, input_ids, attention_mask=None, cu_seqlens=None, max_new_tokens=32, **kwargs):
+        """New tokens after each prompt, with a key/value cache: greedy, or
+        sampling (do_sample, temperature, top_k, top_p, generator); the
+        decode step replayed as a CUDA graph on CUDA (``decode_graphs``);
+        see seqfuse.hf.generation.generate.  Returns int64 [batch,
+        max_new_tokens]."""
+        return generate(self, input_ids, attention_mask=attention_mask, cu_seqlens=cu_seqlens,
+                        max_new_tokens=max_new_tokens, **kwargs)
+
+    def release_decode_graphs(self):
+        """Forget the key/value caches and decode graphs generate kept on
+        this model (seqfuse.hf.generation.release_decode_graphs)."""
+        release_decode_graphs(self)

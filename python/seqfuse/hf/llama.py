@@ -66,7 +66,7 @@ from ..modules.rope import RotaryPositionEmbedding
 from ..modules.transformer_layer import TransformerLayer
 from ..quantization.recompute import checkpoint
 from .attention import cu_seqlens_of_positions, is_packed_positions
-from .generation import generate
+from .generation import CachedGenerationMixin
 from .llama_config import SeqfuseLlamaConfig, rope_inv_freq
 from .lm_layout import IGNORE_INDEX, Layout
 from .pretrained import SeqfusePreTrainedModel, default_device, init_by_name, register_auto
@@ -320,7 +320,7 @@ def lm_logits_and_loss(lm_head, x, labels, cu_seqlens, num_items_in_batch, logit
     return logits, loss
 
 
-class SeqfuseLlamaForCausalLM(SeqfuseLlamaPreTrainedModel):
+class SeqfuseLlamaForCausalLM(CachedGenerationMixin, SeqfuseLlamaPreTrainedModel):
     """Llama causal language model on seqfuse layers."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -377,13 +377,6 @@ class SeqfuseLlamaForCausalLM(SeqfuseLlamaPreTrainedModel):
             loss = context_parallel_lm_loss(logits, shift_labels, cp, num_items_in_batch)
         result = CausalLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
         return result if return_dict is not False else result.to_tuple()
-
-    def generate(self, input_ids, attention_mask=None, cu_seqlens=None, max_new_tokens=32, **kwargs):
-        """New tokens after each prompt, with a key/value cache: greedy, or
-        sampling (do_sample, temperature, top_k, top_p, generator); see
-        seqfuse.hf.generation.generate.  Returns int64 [batch, max_new_tokens]."""
-        return generate(self, input_ids, attention_mask=attention_mask, cu_seqlens=cu_seqlens,
-                        max_new_tokens=max_new_tokens, **kwargs)
 
 
 register_auto(SeqfuseLlamaConfig, (AutoModel, SeqfuseLlamaModel),

@@ -54,12 +54,13 @@ from transformers import AutoModel, AutoModelForCausalLM
 from transformers import initialization as init
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 
-from ..modules.moe import GroupedMLP
 from ..modules.multihead_attention import MultiheadAttention
 from ..modules.norm import RMSNorm
+from ..modules.moe import GroupedMLP
+from ..ops import moe as moe_ops
 from ..ops.moe import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss
 from ..quantization.recompute import checkpoint
-from .generation import generate
+from .generation import CachedGenerationMixin
 from .llama import (SeqfuseLlamaRotaryEmbedding, batch_layout, check_lm_arguments, check_unsupported,
                     lm_logits_and_loss)
 from .llama_config import rope_inv_freq
@@ -86,6 +87,31 @@ class SeqfuseMixtralSparseMoE(GroupedMLP):
         probs, routing_map, logits = super().route(x)
         self.router_logits = logits
         return probs, routing_map, logits
+
+    def forward_every_expert(self, hidden_states):
+        """The block's output without a host read, for a decode step captured
+        in a CUDA graph (seqfuse.hf.generation): every expert takes every
+        token, with routing weight 0 where the router did not pick it, so
+        the grouped GEMMs' row counts are fixed ([tokens] * experts) and no
+        tokens-per-expert count is read.  The picked experts' terms are the
+        routed forward's (same router, same SwiGLU scaling, float32 sum of
+        the picked experts' outputs); the others add exact zeros.  The cost
+        is reading every expert's weights at every step (at batch 1 with
+        top-2 of 8 experts, four times the routed bytes).  No biases (with
+        an fc2 bias an unpicked expert would add it)."""
+        if self.fc1.use_bias or self.fc2.use_bias:
+            raise NotImplementedError("forward_every_expert: experts with biases are not supported (an unpicked "
+                                      "expert would add its fc2 bias)")
+        lead = hidden_states.shape[:-1]
+        x = hidden_states.reshape(-1, self.hidden_size)
+        t, e = x.shape[0], self.num_experts
+        probs, _, _ = GroupedMLP.route(self, x)  # (not kept in router_logits: no load-balancing loss here)
+        splits = [t] * e
+        xp = x.repeat(e, 1)  # expert-major: rows [g * t, (g + 1) * t) are expert g's copy of the tokens
+        h = self.fc1(xp, splits)
+        a = moe_ops.scaled_swiglu(h, probs.t().contiguous().reshape(-1))
+        y = self.fc2(a, splits).view(e, t, self.hidden_size)
+        return y.sum(0, dtype=torch.float32).to(y.dtype).view(*lead, self.hidden_size)
 
 
 class SeqfuseMixtralDecoderLayer(nn.Module):
@@ -124,8 +150,13 @@ class SeqfuseMixtralDecoderLayer(nn.Module):
         logits, self.mlp.router_logits = self.mlp.router_logits, None
         return x, logits
 
-    def feed_forward(self, x):
-        """x + moe(RMSNorm(x)) (also the cached generation's step)."""
+    def feed_forward(self, x, capture_safe=False):
+        """x + moe(RMSNorm(x)) (also the cached generation's step).
+        ``capture_safe``: the experts without a host read
+        (SeqfuseMixtralSparseMoE.forward_every_expert), as generation's
+        decode step runs them, eagerly or in a CUDA graph."""
+        if capture_safe:
+            return x + self.mlp.forward_every_expert(self.pre_mlp_layernorm(x))
         return x + self.mlp(self.pre_mlp_layernorm(x))
 
 
@@ -232,7 +263,7 @@ class SeqfuseMixtralModel(SeqfuseMixtralPreTrainedModel):
                                       hidden_states=tuple(hidden) if hidden is not None else None)
 
 
-class SeqfuseMixtralForCausalLM(SeqfuseMixtralPreTrainedModel):
+class SeqfuseMixtralForCausalLM(CachedGenerationMixin, SeqfuseMixtralPreTrainedModel):
     """Mixtral causal language model on seqfuse layers."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -277,13 +308,6 @@ class SeqfuseMixtralForCausalLM(SeqfuseMixtralPreTrainedModel):
                                            hidden_states=out.hidden_states,
                                            router_logits=out.router_logits if want_router else None)
         return result if return_dict is not False else result.to_tuple()
-
-    def generate(self, input_ids, attention_mask=None, cu_seqlens=None, max_new_tokens=32, **kwargs):
-        """New tokens after each prompt, with a key/value cache: greedy, or
-        sampling (do_sample, temperature, top_k, top_p, generator); see
-        seqfuse.hf.generation.generate.  Returns int64 [batch, max_new_tokens]."""
-        return generate(self, input_ids, attention_mask=attention_mask, cu_seqlens=cu_seqlens,
-                        max_new_tokens=max_new_tokens, **kwargs)
 
 
 register_auto(SeqfuseMixtralConfig, (AutoModel, SeqfuseMixtralModel),
