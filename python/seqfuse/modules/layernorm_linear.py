@@ -162,16 +162,16 @@ class LayerNormLinear(torch.nn.Module):
             if self.bias is not None:
                 self.bias.zero_()
 
-    def forward(self, x, is_first_microbatch=None, fp8_output=False, fp8_grad=False):
+    def forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False):
         """is_first_microbatch (TE): under FP8, True re-casts the weight, False
         reuses the previous cast (gradient-accumulation micro-batches), None
         re-casts when the weight changed.  fp8_output / fp8_grad (TE): refused
         when set."""
         refuse_fp8_io("LayerNormLinear", fp8_output, fp8_grad)
-        check_input("LayerNormLinear", x, self.in_features, "in_features")
-        q = fp8_quantizers(self, x)
+        check_input("LayerNormLinear", inp, self.in_features, "in_features")
+        q = fp8_quantizers(self, inp)
         weight, bias = fused_params(self, "LayerNormLinear")
-        out = _LayerNormLinearFn.apply(x, self.layer_norm_weight, self.layer_norm_bias, weight,
+        out = _LayerNormLinearFn.apply(inp, self.layer_norm_weight, self.layer_norm_bias, weight,
                                        None if self.return_bias else bias, self.eps,
                                        self.normalization == "RMSNorm", self.zero_centered_gamma,
                                        self.return_layernorm_output, q,

@@ -247,18 +247,18 @@ class LayerNormMLP(torch.nn.Module):
                 if b is not None:
                     b.zero_()
 
-    def forward(self, x, is_first_microbatch=None):
+    def forward(self, inp, is_first_microbatch=None):
         """is_first_microbatch (TE): as LayerNormLinear's, for both weights."""
-        check_input("LayerNormMLP", x, self.hidden_size, "hidden_size")
-        q = fp8_quantizers(self, x)
-        args = (x, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight, self.fc1_bias,
+        check_input("LayerNormMLP", inp, self.hidden_size, "hidden_size")
+        q = fp8_quantizers(self, inp)
+        args = (inp, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight, self.fc1_bias,
                 self.fc2_weight, None if self.return_bias else self.fc2_bias, self.eps,
                 self.normalization == "RMSNorm", self.zero_centered_gamma, self.activation, q)
         ret_ln = self.return_layernorm_output
         out = self._run(args, q, ret_ln, is_first_microbatch)
         if not self.return_bias:
             return out
-        bias = self.fc2_bias.to(x.dtype) if self.fc2_bias is not None else None
+        bias = self.fc2_bias.to(inp.dtype) if self.fc2_bias is not None else None
         return (out[0], bias, out[1]) if ret_ln else (out, bias)
 
     def _run(self, args, q, ret_ln, first_mb):

@@ -137,8 +137,8 @@ class LayerNorm(_Norm):
         super().__init__("LayerNorm", normalized_shape, eps, sequence_parallel, params_dtype,
                          zero_centered_gamma, hidden_size, device, dtype, sm_margin, has_bias=True)
 
-    def forward(self, x):
-        return layer_norm(x, self.weight, self.bias, self.eps, self.zero_centered_gamma)
+    def forward(self, input):
+        return layer_norm(input, self.weight, self.bias, self.eps, self.zero_centered_gamma)
 
 
 class RMSNorm(_Norm):
@@ -149,5 +149,5 @@ class RMSNorm(_Norm):
         super().__init__("RMSNorm", normalized_shape, eps, sequence_parallel, params_dtype,
                          zero_centered_gamma, hidden_size, device, dtype, sm_margin, has_bias=False)
 
-    def forward(self, x):
-        return rms_norm(x, self.weight, self.eps, self.zero_centered_gamma)
+    def forward(self, input):
+        return rms_norm(input, self.weight, self.eps, self.zero_centered_gamma)
