@@ -27,10 +27,10 @@ Only tensors are moved, never recomputed, so HF -> seqfuse -> HF is
 bit-identical.  Missing keys raise KeyError naming them, unexpected keys and
 wrong shapes raise ValueError naming them.
 """
-import os
+import functools
 
 from .qkv import fuse_qkv, split_qkv
-from .state_dict import build_and_load, check_keys, check_shapes, load_hf_checkpoint, strip_extra_state
+from .state_dict import ModelFamily, check_keys, check_shapes
 
 HF_LAYER = "esm.encoder.layer.{}."
 SF_LAYER = "esm.encoder.layers.{}."
@@ -157,35 +157,33 @@ def seqfuse_to_hf_state_dict(sf_sd, config, lm_head=True):
 
 
 # ------------------------------------------------------------ model level
+@functools.cache
+def family():
+    """The ESM-2 ModelFamily (state_dict.py): transformers' EsmForMaskedLM and
+    SeqfuseEsmForMaskedLM, with this module's mappings.  A checkpoint may
+    lack the tied decoder weight."""
+    from transformers import EsmConfig, EsmForMaskedLM
+
+    from .esm import SeqfuseEsmForMaskedLM
+    from .esm_config import from_hf_config, to_hf_config
+
+    return ModelFamily(hf_model=EsmForMaskedLM, hf_config=EsmConfig, seqfuse_model=SeqfuseEsmForMaskedLM,
+                       config_from_hf=from_hf_config, config_to_hf=to_hf_config,
+                       to_seqfuse=hf_to_seqfuse_state_dict, to_hf=seqfuse_to_hf_state_dict,
+                       checkpoint_optional=lambda config: (_TIED_DECODER,))
+
+
 def from_hf_model(hf_model):
     """SeqfuseEsmForMaskedLM holding copies of the weights of transformers'
     EsmForMaskedLM, each tensor in its dtype, on the same device.  The config
     must be representable (see seqfuse.hf.from_hf_config)."""
-    from transformers import EsmForMaskedLM
-
-    from .esm import SeqfuseEsmForMaskedLM
-    from .esm_config import from_hf_config
-
-    if not isinstance(hf_model, EsmForMaskedLM):
-        raise TypeError(f"from_hf_model: expected transformers.EsmForMaskedLM, got {type(hf_model).__name__}")
-    config = from_hf_config(hf_model.config)
-    sd = hf_to_seqfuse_state_dict(hf_model.state_dict(), config)
-    return build_and_load(SeqfuseEsmForMaskedLM, config, sd, hf_model)
+    return family().from_hf_model(hf_model)
 
 
 def to_hf_model(model):
     """transformers' EsmForMaskedLM holding copies of the weights of a
     SeqfuseEsmForMaskedLM."""
-    from transformers import EsmForMaskedLM
-
-    from .esm import SeqfuseEsmForMaskedLM
-    from .esm_config import to_hf_config
-
-    if not isinstance(model, SeqfuseEsmForMaskedLM):
-        raise TypeError(f"to_hf_model: expected SeqfuseEsmForMaskedLM, got {type(model).__name__}")
-    sd = seqfuse_to_hf_state_dict(strip_extra_state(model.state_dict()), model.config)
-    hf = build_and_load(EsmForMaskedLM, to_hf_config(model.config), sd, model)
-    return hf
+    return family().to_hf_model(model)
 
 
 def from_hf_pretrained(path, dtype=None, device=None):
@@ -195,13 +193,4 @@ def from_hf_pretrained(path, dtype=None, device=None):
     rotary inv_freq, ...); unlike transformers, a weight missing from the
     checkpoint raises KeyError naming it instead of being initialised at
     random, and the config is checked before any weight is read."""
-    from transformers import EsmConfig, EsmForMaskedLM
-
-    from .esm_config import from_hf_config
-
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"from_hf_pretrained: {path!r} is not a local directory")
-    from_hf_config(EsmConfig.from_pretrained(path))  # refuses unrepresentable configs up front
-    hf = load_hf_checkpoint(EsmForMaskedLM, path, dtype, optional=(_TIED_DECODER,))
-    model = from_hf_model(hf)
-    return model if device is None else model.to(device)
+    return family().from_hf_pretrained(path, dtype, device)

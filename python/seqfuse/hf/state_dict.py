@@ -1,12 +1,21 @@
 """The model-family-independent half of weight conversion: checking a state
 dict's keys (missing: KeyError, unexpected: ValueError, each naming the
-keys), dropping module bookkeeping that is not a weight, and building the
-other side's model around a converted state dict.
+keys), dropping module bookkeeping that is not a weight, building the
+other side's model around a converted state dict, and (``ModelFamily``)
+the model-level conversions every family offers: from_hf_model,
+to_hf_model, export_hf and from_hf_pretrained.
 
-Each family's conversion (convert.py for ESM-2, llama_convert.py for Llama)
-defines its key mapping and calls these.  Only tensors are moved, never
-recomputed, so a round trip through a family's mapping is bit-identical.
+Each family's conversion (convert.py for ESM-2, llama_convert.py for Llama,
+mixtral_convert.py for Mixtral) defines its key mapping as two state-dict
+functions and names its classes in a ``ModelFamily``; the model-level
+steps, the same for every family, live here once.  Only tensors are moved,
+never recomputed, so a round trip through a family's mapping is
+bit-identical.
 """
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional
+
 import torch
 
 #: The suffix of module bookkeeping entries (e.g. FP8 scaling state) in a state dict.
@@ -93,3 +102,69 @@ def load_hf_checkpoint(hf_cls, path, dtype=None, optional=(), ignore_unexpected=
     if mismatched:
         raise ValueError(f"{where}: weight shapes differ from the config: {list(mismatched)[:8]}")
     return hf.eval()
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One model family's two sides and the functions between them; its
+    methods are the model-level conversions, the same for every family.
+
+    hf_model / hf_config: transformers' model and config classes (e.g.
+    LlamaForCausalLM, LlamaConfig); seqfuse_model: seqfuse's model class.
+    config_from_hf / config_to_hf: the config converters (from_hf_config
+    refuses what seqfuse cannot compute exactly).  to_seqfuse / to_hf: the
+    state-dict mappings, each called as f(state_dict, seqfuse_config).
+    checkpoint_optional(config): the keys a transformers checkpoint may
+    lack (a tied LM head).  ignore_unexpected: see load_hf_checkpoint.
+
+    A family module builds its ModelFamily in a function, on first use,
+    because the classes live in modules that import transformers' model
+    code and the family's model module (which must not import the
+    conversion module back)."""
+
+    hf_model: type
+    hf_config: type
+    seqfuse_model: type
+    config_from_hf: Callable
+    config_to_hf: Callable
+    to_seqfuse: Callable
+    to_hf: Callable
+    checkpoint_optional: Callable = lambda config: ()
+    ignore_unexpected: Optional[Callable] = None
+
+    def from_hf_model(self, hf_model):
+        """The seqfuse model holding copies of the weights of ``hf_model``
+        (an instance of hf_model), each tensor in its dtype, on the same
+        device; its config converted with config_from_hf."""
+        if not isinstance(hf_model, self.hf_model):
+            raise TypeError(f"from_hf_model: expected transformers.{self.hf_model.__name__}, "
+                            f"got {type(hf_model).__name__}")
+        config = self.config_from_hf(hf_model.config)
+        sd = self.to_seqfuse(hf_model.state_dict(), config)
+        return build_and_load(self.seqfuse_model, config, sd, hf_model)
+
+    def to_hf_model(self, model):
+        """transformers' model holding copies of the weights of ``model`` (an
+        instance of seqfuse_model); FP8 bookkeeping is not a weight and is dropped."""
+        if not isinstance(model, self.seqfuse_model):
+            raise TypeError(f"to_hf_model: expected {self.seqfuse_model.__name__}, got {type(model).__name__}")
+        sd = self.to_hf(strip_extra_state(model.state_dict()), model.config)
+        return build_and_load(self.hf_model, self.config_to_hf(model.config), sd, model)
+
+    def export_hf(self, model, path, **save_kwargs):
+        """to_hf_model(model).save_pretrained(path, **save_kwargs): a checkpoint
+        transformers loads with no seqfuse installed.  Returns ``path``."""
+        self.to_hf_model(model).save_pretrained(path, **save_kwargs)
+        return path
+
+    def from_hf_pretrained(self, path, dtype=None, device=None):
+        """The seqfuse model from a local transformers checkpoint directory,
+        the config checked (config_from_hf) before any weight is read, a
+        missing weight a KeyError naming it (see load_hf_checkpoint)."""
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"from_hf_pretrained: {path!r} is not a local directory")
+        config = self.config_from_hf(self.hf_config.from_pretrained(path))  # refuses unrepresentable configs
+        hf = load_hf_checkpoint(self.hf_model, path, dtype, optional=self.checkpoint_optional(config),
+                                ignore_unexpected=self.ignore_unexpected)
+        model = self.from_hf_model(hf)
+        return model if device is None else model.to(device)
