@@ -53,6 +53,13 @@ class DataConfig:
     num_workers: int = rule(0, Int(0))
     mask_prob: float = rule(0.15, Float(0.0, 1.0, lo_open=True))
     val_batches: Optional[int] = rule(16, Int(1, optional=True, null_means="the whole split"))
+    fixed_length: bool = rule(False, Bool())  # every sample exactly max_length tokens (esm2_recipe.trainer)
+
+
+@dataclass
+class Esm2TrainConfig(TrainConfig):
+    """The shared train group plus ESM-2's graphed layers (esm2_recipe/graphs.py)."""
+    cuda_graphs: bool = rule(False, Bool())
 
 
 @dataclass
@@ -74,7 +81,7 @@ class RecipeConfig:
     device: str = rule("auto", Choice("auto", "cpu", "cuda"))
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+    train: Esm2TrainConfig = field(default_factory=Esm2TrainConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -102,6 +109,33 @@ def _cross_checks(c, ok, problems):
         if d["micro_batch_tokens"] < need:
             problems.append(f"data.micro_batch_tokens={d['micro_batch_tokens']}: must be >= data.max_length="
                             f"{d['max_length']} (padded: {need}): one cropped protein must fit a micro-batch")
+        if ok("data.fixed_length") and d["fixed_length"] and d["max_length"] % mult:
+            problems.append(f"data.max_length={d['max_length']}: must be a multiple of {mult} with "
+                            f"data.fixed_length=true (the token multiple of data.pad_to_multiple_of, 16 under "
+                            f"FP8): fixed-length batches would be padded")
+    _graph_checks(c, ok, problems)
+
+
+def _graph_checks(c, ok, problems):
+    """train.cuda_graphs: each encoder layer's forward and backward replay a
+    CUDA graph captured for one batch shape (esm2_recipe/graphs.py), so
+    every training batch must have that shape and no padding.  Packed THD
+    batches change their token count and cu_seqlens every step: refused,
+    not run eagerly behind the user's back."""
+    t, d = c["train"], c["data"]
+    if not (ok("train.cuda_graphs") and t["cuda_graphs"]):
+        return
+    if ok("data.packed") and d["packed"]:
+        problems.append("train.cuda_graphs=true: needs data.packed=false (packed THD batches change their token "
+                        "count and cu_seqlens every step; a CUDA graph replays one batch shape)")
+    if ok("data.fixed_length") and not d["fixed_length"]:
+        problems.append("train.cuda_graphs=true: needs data.fixed_length=true (every batch [B, data.max_length] "
+                        "without padding; real-length batches change shape every step)")
+    if ok("train.activation_checkpointing") and t["activation_checkpointing"]:
+        problems.append("train.cuda_graphs=true: needs train.activation_checkpointing=false (graphed layers keep "
+                        "their activations in the graphs' memory; recomputation has nothing to save)")
+    if ok("device") and c["device"] == "cpu":
+        problems.append("train.cuda_graphs=true: needs a CUDA device, got device='cpu'")
 
 
 SPEC = ConfigSpec(RecipeConfig, CONFIG_DIR, cross_checks=_cross_checks, title="the ESM-2 recipe",

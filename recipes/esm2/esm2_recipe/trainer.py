@@ -38,7 +38,13 @@ def resolve_data_path(path: str) -> str:
 
 
 def check_run(cfg, device):
-    """Nothing of ESM-2's precision depends on the device (no FP4 / MXFP8)."""
+    """Nothing of ESM-2's precision depends on the device (no FP4 / MXFP8);
+    train.cuda_graphs needs one CUDA process (graphs.check_graphs_run)."""
+    import torch.distributed as dist
+
+    from .graphs import check_graphs_run
+
+    check_graphs_run(cfg, device, dist.get_world_size() if dist.is_initialized() else 1)
 
 
 def fp8_recipe(cfg):
@@ -105,6 +111,24 @@ def apply_layer_precision(model, cfg, recipe, rank):
     return keep
 
 
+def fixed_length_windows(seqs, max_length, per_batch, split):
+    """data.fixed_length: windows of exactly ``max_length - 2`` residues
+    (``max_length`` tokens with <cls> and <eos>) cut in order from the
+    concatenated proteins of a split, so no sample is cropped or padded
+    (a window may span the end of one protein and the start of the next, as
+    benchmarks/esm2's fixed layout does).  Cut to a whole number of
+    ``per_batch``-sample batches, so every batch has the same shape."""
+    residues = max_length - 2
+    cat = "".join(seqs)
+    windows = [cat[i:i + residues] for i in range(0, len(cat) - residues + 1, residues)]
+    keep = len(windows) // per_batch * per_batch
+    if keep == 0:
+        raise ValueError(f"data.fixed_length=true: the {split} split gives {len(windows)} windows of "
+                         f"{max_length} tokens, fewer than one batch of {per_batch} (data.micro_batch_tokens // "
+                         f"data.max_length): use more data or a smaller data.micro_batch_tokens")
+    return windows[:keep]
+
+
 def build_loaders(cfg, rank, world, recipe, pin_memory=False):
     from seqfuse.data import EsmTokenizer, TokenizedSequences, build_mlm_loader, load_sequences
 
@@ -117,6 +141,12 @@ def build_loaders(cfg, rank, world, recipe, pin_memory=False):
         pad = 16 if recipe is not None else None
     elif recipe is not None and (not pad or int(pad) % 16):
         raise ValueError(f"data.pad_to_multiple_of={pad}: FP8 GEMMs need the token count a multiple of 16")
+    if cfg.data.get("fixed_length"):
+        length = int(cfg.data.max_length)  # a multiple of the token multiple (a config rule)
+        # the padded sampler fits B samples of L tokens while B * L <= the budget; packed, any whole number
+        per_batch = int(cfg.data.micro_batch_tokens) // length
+        train_seqs = fixed_length_windows(train_seqs, length, per_batch * world, "train")
+        val_seqs = fixed_length_windows(val_seqs, length, per_batch, "validation")
     # page-locked batches on CUDA: their non_blocking copies then run behind the
     # GPU's queue instead of making the host wait for it to drain every step
     common = dict(max_tokens=int(cfg.data.micro_batch_tokens), max_length=int(cfg.data.max_length),
@@ -134,12 +164,30 @@ def forward_loss(model, batch):
         out = model(input_ids=batch["input_ids"], labels=batch["labels"], cu_seqlens=batch["cu_seqlens"],
                     max_seqlen=int(batch["max_seqlen"]))
     else:
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+        # A batch whose real tokens fill every row has no padding: pass no mask, which is exact (the
+        # embeddings and layers treat an all-ones mask as none) and spares the model reading the mask on
+        # the host (a synchronization); graphed layers take only such calls.  num_tokens is a host int.
+        full = int(batch["num_tokens"]) == batch["input_ids"].numel()
+        out = model(input_ids=batch["input_ids"], attention_mask=None if full else batch["attention_mask"],
+                    labels=batch["labels"])
     return out.loss
 
 
 def model_layers(model):
     return model.esm.encoder.layers
+
+
+def wrap_model(model, layers, strategy, world, device, cfg, log):
+    """The shared data-parallel wrapping (recipe_common.trainer.wrap_model),
+    then, with train.cuda_graphs, the encoder layers captured as CUDA graphs
+    (esm2_recipe/graphs.py; one process, checked in check_run)."""
+    model = _loop.wrap_model(model, layers, strategy, world, device, cfg, log)
+    if cfg.train.get("cuda_graphs"):
+        from .graphs import capture_layers
+
+        inner = model.module if strategy == "ddp" and hasattr(model, "module") else model
+        capture_layers(inner, cfg, fp8_recipe(cfg))
+    return model
 
 
 def prepare_fp8_state(model, recipe, bf16_layers):

@@ -1,0 +1,251 @@
+"""The ESM-2 recipe's train.cuda_graphs option (recipes/esm2/esm2_recipe/graphs.py)
+and the fixed-length data it needs (data.fixed_length).
+
+On the CPU: the keys parse with their defaults; every combination the option
+cannot serve is refused with one line naming the keys and the rule (packed
+THD batches, real-length batches, activation checkpointing, the CPU, more
+than one process), before anything is built; fixed-length batches of the
+real UniProt subset all have one shape and no padding; a batch without
+padding runs without a mask and gives the masked call's loss exactly.
+
+On CUDA: the recipe run with graphed layers gives the eager run's losses and
+gradients over several steps (bf16 and FP8 delayed scaling, gradient
+accumulation, a validation in between), the graphs are really replayed
+(counted), and a graphed run stopped and resumed from its checkpoint gives
+the uninterrupted graphed run's losses (the checkpoint is loaded into the
+tensors the graphs read)."""
+import json
+import logging
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+from helpers import REL_TOL, pair_tol
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = os.path.join(ROOT, "recipes", "esm2")
+sys.path.insert(0, RECIPE)
+
+pytest.importorskip("transformers")
+pytest.importorskip("pyarrow")
+pytest.importorskip("hydra")
+
+from esm2_recipe.config import ConfigError, load_config  # noqa: E402
+from esm2_recipe import trainer  # noqa: E402
+
+# fixed-length batches of the committed subset: [8, 128] (L0_sanity's 2 layers, hidden 64, 4 heads)
+FIXED = ["data.fixed_length=true", "data.packed=false", "data.max_length=128", "data.micro_batch_tokens=1024",
+         "data.val_batches=2", "logging.progress_bar=false", "train.log_interval=1"]
+GRAPHED = FIXED + ["train.cuda_graphs=true", "device=cuda"]
+
+
+# ------------------------------------------------------------ config (CPU)
+def test_keys_parse_with_their_defaults():
+    cfg = load_config("L0_sanity")
+    assert cfg.train.cuda_graphs is False and cfg.data.fixed_length is False
+    cfg = load_config("L0_sanity", GRAPHED)
+    assert cfg.train.cuda_graphs is True and cfg.data.fixed_length is True and cfg.data.packed is False
+    cfg = load_config("650M", ["train.cuda_graphs=true", "data.fixed_length=true", "data.packed=false",
+                               "precision.recipe=fp8_delayed"])
+    assert cfg.train.cuda_graphs is True
+    with pytest.raises(ConfigError, match=r"train.cuda_graphs='yes': must be true or false"):
+        load_config("L0_sanity", ["train.cuda_graphs=yes"])
+
+
+def test_refusals_name_the_keys_and_the_rule():
+    with pytest.raises(ConfigError) as e:
+        load_config("L0_sanity", ["train.cuda_graphs=true", "train.activation_checkpointing=true", "device=cpu"])
+    msg = str(e.value)
+    assert msg.splitlines()[0] == "config L0_sanity: 4 bad keys", msg
+    assert ("train.cuda_graphs=true: needs data.packed=false (packed THD batches change their token count and "
+            "cu_seqlens every step; a CUDA graph replays one batch shape)") in msg
+    assert "train.cuda_graphs=true: needs data.fixed_length=true" in msg
+    assert "train.cuda_graphs=true: needs train.activation_checkpointing=false" in msg
+    assert "train.cuda_graphs=true: needs a CUDA device, got device='cpu'" in msg
+    # packed alone (fixed-length THD batches still change cu_seqlens' tensor and are refused the same way)
+    with pytest.raises(ConfigError, match=r"1 bad key\n  train.cuda_graphs=true: needs data.packed=false"):
+        load_config("L0_sanity", ["train.cuda_graphs=true", "data.fixed_length=true"])
+    # fixed length under FP8 needs whole 16-token multiples, else every batch would be padded
+    with pytest.raises(ConfigError, match=r"data.max_length=120: must be a multiple of 16 with "
+                                          r"data.fixed_length=true"):
+        load_config("L0_sanity", ["data.fixed_length=true", "data.max_length=120", "precision.recipe=fp8_delayed"])
+    load_config("L0_sanity", ["data.fixed_length=true", "data.max_length=120"])  # bf16: no multiple
+
+
+def test_run_refusals_before_anything_is_built(monkeypatch):
+    """What the config cannot know: the device device=auto resolves to, and
+    the number of processes."""
+    from esm2_recipe.graphs import check_graphs_run
+
+    cfg = load_config("L0_sanity", FIXED + ["train.cuda_graphs=true"])
+    with pytest.raises(ValueError, match=r"train.cuda_graphs=true: one process only, this job has 2"):
+        check_graphs_run(cfg, torch.device("cuda", 0), 2)
+    with pytest.raises(ValueError, match=r"train.cuda_graphs=true: needs a CUDA device, the run is on cpu "
+                                         r"\(device='auto'\)"):
+        check_graphs_run(cfg, torch.device("cpu"), 1)
+    check_graphs_run(cfg, torch.device("cuda", 0), 1)
+    check_graphs_run(load_config("L0_sanity"), torch.device("cpu"), 4)  # the option off: nothing to refuse
+    if torch.cuda.is_available():
+        return  # device=auto would be CUDA here
+
+    def no_build(*a, **k):
+        raise AssertionError("the model was built for a run train.cuda_graphs cannot serve")
+
+    monkeypatch.setattr(trainer, "build_model", no_build)
+    with pytest.raises(ValueError, match=r"needs a CUDA device, the run is on cpu"):
+        trainer.train(cfg, "fsdp2")
+
+
+# ------------------------------------------------------------ fixed-length data (CPU)
+def test_fixed_length_batches_have_one_shape_and_no_padding():
+    cfg = load_config("L0_sanity", FIXED + ["device=cpu"])
+    train_loader, val_loader, n_train, n_val = trainer.build_loaders(cfg, 0, 1, None)
+    assert n_train % 8 == 0 and n_val % 8 == 0 and n_train > 100
+    for loader in (train_loader, val_loader):
+        shapes = set()
+        for batch in loader:
+            shapes.add(tuple(batch["input_ids"].shape))
+            assert batch["num_tokens"] == batch["input_ids"].numel()
+            assert bool(batch["attention_mask"].all())
+        assert shapes == {(8, 128)}, shapes
+    # the windows are the concatenated proteins, cut in order, each 126 residues
+    from esm2_recipe.trainer import fixed_length_windows
+    w = fixed_length_windows(["ABCDE", "FGH", "IJ"], 5, 2, "train")
+    assert w == ["ABC", "DEF"]  # ("GHI" would start a third batch of 2: cut)
+    with pytest.raises(ValueError, match=r"data.fixed_length=true: the validation split gives 1 windows of 5 "
+                                         r"tokens, fewer than one batch of 2"):
+        fixed_length_windows(["ABCD"], 5, 2, "validation")
+
+
+def test_a_batch_without_padding_runs_without_a_mask_exactly():
+    """forward_loss passes no attention_mask when the real tokens fill every
+    row (no host read of the mask in the model): the same loss, bit for bit,
+    as the masked call; a padded batch keeps its mask."""
+    from seqfuse.hf import SeqfuseEsmConfig, SeqfuseEsmForMaskedLM
+
+    cfg = load_config("L0_sanity", FIXED + ["device=cpu"])
+    loader, _, _, _ = trainer.build_loaders(cfg, 0, 1, None)
+    batch = next(iter(loader))
+    torch.manual_seed(0)
+    model = SeqfuseEsmForMaskedLM(SeqfuseEsmConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                                   intermediate_size=128)).train()
+    seen = []
+    model.esm.register_forward_pre_hook(lambda m, a, k: seen.append(k.get("attention_mask")), with_kwargs=True)
+    loss = trainer.forward_loss(model, batch)
+    ref = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+    assert seen[0] is None
+    assert torch.equal(loss, ref), (loss, ref)
+    padded = dict(batch, num_tokens=batch["num_tokens"] - 5)
+    padded["attention_mask"] = batch["attention_mask"].clone()
+    padded["attention_mask"][0, -5:] = 0
+    trainer.forward_loss(model, padded)
+    assert seen[-1] is padded["attention_mask"]
+
+
+def test_fixed_length_trains_on_the_cpu(tmp_path):
+    """data.fixed_length on its own (no graphs) is an ordinary run: the loss
+    is finite and falls over a few steps."""
+    out = trainer.train(load_config("L0_sanity", FIXED + ["device=cpu", "train.steps=8", "train.eval_interval=0",
+                                                          "train.warmup_steps=2"]), "fsdp2")
+    h = out["history"]["loss"]
+    assert len(h) == 8 and all(math.isfinite(v) for v in h) and h[-1] < h[0], h
+
+
+# ------------------------------------------------------------ CUDA: graphed equals eager
+def _run(overrides, monkeypatch=None, record_grads=None):
+    """One recipe run on the GPU; the gradients of each optimizer step go
+    to ``record_grads`` (a list) when given."""
+    real_build = trainer.build_optimizer
+    if record_grads is not None:
+        def recording(model, cfg):
+            opt = real_build(model, cfg)
+
+            def keep(o, args, kwargs):
+                record_grads.append({i: p.grad.detach().float().cpu().clone()
+                                     for i, p in enumerate(q for g in o.param_groups for q in g["params"])
+                                     if p.grad is not None})
+            opt.register_step_pre_hook(keep)
+            return opt
+        monkeypatch.setattr(trainer, "build_optimizer", recording)
+    try:
+        return trainer.train(load_config("L0_sanity", overrides), "fsdp2")
+    finally:
+        if record_grads is not None:
+            monkeypatch.setattr(trainer, "build_optimizer", real_build)
+
+
+def _grad_error(a, b):
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).norm() / a[k].norm().clamp_min(1e-12)) for k in a)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_delayed"])
+def test_cuda_graphed_recipe_trains_as_eager(recipe, monkeypatch, caplog):
+    """Six optimizer steps of two micro-batches each, validation after step
+    3: the graphed run's losses and gradients equal the eager run's (the
+    same kernels in the same order; they may differ only by the order of
+    atomic additions in the backward, whose rounding FP8 and several Adam
+    steps can carry forward), every training micro-batch replays the graphs
+    (2 graphs per layer: forward and backward) and only validation runs
+    eagerly, saying so."""
+    base = FIXED + ["device=cuda", f"precision.recipe={recipe}", "train.steps=6", "train.grad_accum=2",
+                    "train.eval_interval=3", "train.warmup_steps=2", "precision.amax_history_len=4"]
+    eager_grads, graph_grads = [], []
+    eager = _run(base, monkeypatch, eager_grads)
+    replays = []
+    real_replay = torch.cuda.CUDAGraph.replay
+
+    def counting(self):
+        replays.append(1)
+        return real_replay(self)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", counting)
+    with caplog.at_level(logging.INFO):
+        graphed = _run(base + ["train.cuda_graphs=true"], monkeypatch, graph_grads)
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", real_replay)
+    assert "2 encoder layers captured as CUDA graphs (forward and backward) for batches [8, 128]" in caplog.text
+    assert len(replays) == 6 * 2 * 2 * 2, len(replays)  # steps x micro-batches x layers x (fwd, bwd)
+    skipped = [r.getMessage() for r in caplog.records if "graphed layers not used" in r.getMessage()]
+    assert skipped == ["SeqfuseEsmModel: graphed layers not used, layers run eagerly: not training (eval mode "
+                       "or no grad)"], skipped
+    le, lg = eager["history"]["loss"], graphed["history"]["loss"]
+    assert len(le) == len(lg) == 6
+    for a, b in zip(le, lg):
+        assert abs(a - b) <= REL_TOL[torch.bfloat16] * abs(a), (le, lg)
+    assert le[-1] < le[0] and lg[-1] < lg[0]  # the optimizer's updates were seen by the graphs
+    ve, vg = eager["history"]["val_loss"], graphed["history"]["val_loss"]
+    assert len(ve) == len(vg) == 2 and all(abs(a - b) <= REL_TOL[torch.bfloat16] * abs(a) for a, b in zip(ve, vg))
+    assert len(eager_grads) == len(graph_grads) == 6
+    # step 1: the same weights, so only the backward's atomics differ (two bf16 results: pair_tol)
+    assert _grad_error(eager_grads[0], graph_grads[0]) <= pair_tol(torch.bfloat16)
+    # step 6: after five Adam steps from those gradients; FP8 can round a carried difference to the next code
+    assert _grad_error(eager_grads[-1], graph_grads[-1]) <= 5 * pair_tol(torch.bfloat16)
+
+
+@pytest.mark.cuda
+def test_cuda_graphed_recipe_resumes_exactly(tmp_path):
+    """A graphed FP8 run stopped after step 3 (checkpoint) and resumed gives
+    the uninterrupted graphed run's losses for steps 4-6: the checkpoint is
+    loaded in place into the weights and scaling state the graphs read (a
+    load into new tensors would leave the graphs on the initial weights)."""
+    base = GRAPHED + ["precision.recipe=fp8_delayed", "train.steps=6", "train.eval_interval=0",
+                      "train.warmup_steps=2", "precision.amax_history_len=4"]
+    a, b, d = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "ck"
+    trainer.train(load_config("L0_sanity", base + [f"logging.metrics_jsonl={a}"]), "fsdp2")
+    run = base + [f"checkpoint.dir={d}", f"logging.metrics_jsonl={b}"]
+    trainer.train(load_config("L0_sanity", run + ["train.stop_at=3"]), "fsdp2")
+    out = trainer.train(load_config("L0_sanity", run), "fsdp2")
+    assert out["final_step"] == 6
+
+    def losses(path):
+        return {r["step"]: r["loss"] for r in map(json.loads, open(path)) if "loss" in r}
+
+    la, lb = losses(a), losses(b)
+    assert sorted(lb) == list(range(1, 7))
+    for s in range(1, 7):
+        assert abs(la[s] - lb[s]) <= REL_TOL[torch.bfloat16] * abs(la[s]), (s, la, lb)
+    assert lb[6] < lb[1]
