@@ -214,10 +214,24 @@ class DotProductAttention(torch.nn.Module):
         qkv_format = qkv_format or self.qkv_format
         attn_mask_type = attn_mask_type or self.attn_mask_type
         window_size = window_size if window_size is not None else self.window_size
-        if core_attention_bias_type != "no_bias" or core_attention_bias is not None or alibi_slopes is not None:
-            raise NotImplementedError("DotProductAttention: attention biases (ALiBi, post-scale bias) are not supported")
+        for name, value, off in (("core_attention_bias_type", core_attention_bias_type, "no_bias"),
+                                 ("core_attention_bias", core_attention_bias, None),
+                                 ("alibi_slopes", alibi_slopes, None)):
+            if not (value is off or (isinstance(value, str) and value == off)):
+                shown = "a tensor" if isinstance(value, torch.Tensor) else repr(value)
+                raise NotImplementedError(f"DotProductAttention: argument '{name}'={shown} is not supported: "
+                                          "attention biases (ALiBi, pre/post-scale bias) are not implemented")
         if inference_params is not None:
             raise NotImplementedError("DotProductAttention: inference_params (KV cache) is not supported")
+        if checkpoint_core_attention and torch.is_grad_enabled():
+            # recompute this call in the backward instead of keeping its saved tensors (TE's meaning);
+            # seqfuse.quantization.checkpoint keeps the FP8 settings and restores dropout's random state
+            from ..quantization import checkpoint as recompute
+            return recompute(self.forward, query_layer, key_layer, value_layer, attention_mask=attention_mask,
+                             qkv_format=qkv_format, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+                             cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded,
+                             max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+                             attn_mask_type=attn_mask_type, window_size=window_size)
         for name, padded, plain in (("cu_seqlens_q_padded", cu_seqlens_q_padded, cu_seqlens_q),
                                     ("cu_seqlens_kv_padded", cu_seqlens_kv_padded, cu_seqlens_kv)):
             if padded is not None and not (padded is plain or torch.equal(padded, plain)):
