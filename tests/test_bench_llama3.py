@@ -166,7 +166,10 @@ def test_tiny_cpu_run(tmp_path):
     dec = json.load(open(tmp_path / "l3_decode.json"))
     drows = [r for r in dec["rows"] if "tokens_per_s" in r]
     assert {(r["row"], r["batch"]) for r in drows} == {("hf_static", 1), ("hf_static", 3), ("seqfuse_bf16", 1),
-                                                        ("seqfuse_bf16", 3)}
+                                                        ("seqfuse_bf16", 3), ("seqfuse_bf16_eager", 1),
+                                                        ("seqfuse_bf16_eager", 3)}
+    # (on the CPU no decode graph: both seqfuse rows run the same eager step)
+    assert all("run eagerly" in r["note"] for r in drows if r["row"].startswith("seqfuse"))
     assert all(r["same_tokens_as_hf_static"] for r in drows)  # float32 greedy: transformers' tokens
     assert all("GPUs only" in r["skipped"] for r in dec["rows"] if r["row"] == "hf_static_compiled")
     assert any(g["row"] == "seqfuse_bf16" for g in dec["goals"])

@@ -52,8 +52,14 @@ Decode rows (``--decode-rows``), at ``--decode-batches`` (1 and 32) for
                       of the decode step (what transformers documents for the
                       static cache on a GPU);
   seqfuse_bf16        SeqfuseLlamaForCausalLM.generate with an InferenceParams
-                      cache allocated once for the row;
-  seqfuse_fp8_delayed the same under fp8_autocast (not in the default rows).
+                      cache allocated once for the row; on CUDA its decode
+                      step is replayed as a CUDA graph (generate's default,
+                      captured once, in the untimed generate; the row's note
+                      gives captures and replays);
+  seqfuse_bf16_eager  the same with decode_graphs=False: every layer's kernels
+                      launched from Python at every step;
+  seqfuse_fp8_delayed seqfuse_bf16 under fp8_autocast (not in the default
+                      rows; FP8 decode is not graphed: generate logs why).
 Each decode row first runs one untimed generate of the same shapes, then
 ``--decode-repeats`` timed ones (median).  tokens/s = batch x new tokens /
 time of the whole generate() (prefill of the prompt included); the tokens of
@@ -92,8 +98,8 @@ TRAIN_ROWS = ("hf_bf16", "hf_bf16_compiled", "seqfuse_bf16_padded", "seqfuse_bf1
 #: the compiled row last: its compile takes longest, and a run cut short keeps the others
 DEFAULT_TRAIN_ROWS = ("hf_bf16", "seqfuse_bf16_padded", "seqfuse_bf16_packed", "seqfuse_fp8_delayed_packed",
                       "seqfuse_fp8_block_packed", "hf_bf16_compiled")
-DECODE_ROWS = ("hf_static", "hf_static_compiled", "seqfuse_bf16", "seqfuse_fp8_delayed")
-DEFAULT_DECODE_ROWS = ("hf_static", "hf_static_compiled", "seqfuse_bf16")
+DECODE_ROWS = ("hf_static", "hf_static_compiled", "seqfuse_bf16", "seqfuse_bf16_eager", "seqfuse_fp8_delayed")
+DEFAULT_DECODE_ROWS = ("hf_static", "hf_static_compiled", "seqfuse_bf16", "seqfuse_bf16_eager")
 HF_TRAIN = ("hf_bf16", "hf_bf16_compiled")
 HF_DECODE = ("hf_static", "hf_static_compiled")
 #: First-step losses (same weights, same batch) within this fraction of transformers'.
@@ -416,10 +422,14 @@ def run_decode_row(name, prompts, args, device, dtype):
             from seqfuse.common.recipe import DelayedScaling
             from seqfuse.pytorch import fp8_autocast
 
+        # seqfuse_bf16 and the FP8 row: generate's default (the decode step as a CUDA graph where it can be)
+        graphs = False if name == "seqfuse_bf16_eager" else None
+
         def gen():
             ctx = fp8_autocast(enabled=True, fp8_recipe=DelayedScaling()) if fp8 else contextlib.nullcontext()
             with ctx:
-                return model.generate(ids, max_new_tokens=new, eos_token_id=[], inference_params=cache)
+                return model.generate(ids, max_new_tokens=new, eos_token_id=[], inference_params=cache,
+                                      decode_graphs=graphs)
     with torch.no_grad():
         t_warm = time.perf_counter()
         gen()
@@ -431,6 +441,11 @@ def run_decode_row(name, prompts, args, device, dtype):
             out = gen()
             _sync(device)
             times.append(time.perf_counter() - t0)
+    if name not in HF_DECODE:
+        captures = cache.graph_captures
+        replays = sum(g.replays for g in cache.decode_graphs.values())
+        notes["decode_step"] = (f"decode step replayed as a CUDA graph (captured {captures}x in the untimed "
+                                f"generate, {replays} replays in all)" if captures else "decode step run eagerly")
     out = out.detach().cpu()
     del model
     gc.collect()
