@@ -1,7 +1,7 @@
 """Checkpoints of a training run, shared by the recipes (recipes/esm2,
 recipes/llama3): written atomically, the last N kept, verified, resumed
-exactly.  (Each recipe's Hugging Face export is its own: esm2_recipe/export.py,
-llama3_recipe/export.py; full_model_state_dict here gathers what they write.)
+exactly.  (The Hugging Face exports are recipe_common/export.py's;
+full_model_state_dict here gathers what they write.)
 
 A checkpoint is a directory ``<dir>/step_00001000`` holding:
   * a torch.distributed.checkpoint (DCP) of ``{"model", "optim"}`` from
@@ -354,25 +354,3 @@ def full_model_state_dict(model) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def model_from_full_state(model_class, model_config, state_dict: dict, embedding_key: str):
-    """A fresh ``model_class(model_config)`` on the CPU holding ``state_dict``
-    (a full, gathered model state, e.g. full_model_state_dict's), in that
-    state's dtype (``embedding_key`` names the tensor that gives it), tied
-    where the config says so.  Module bookkeeping a gathered state lacks
-    stays as built; a key the model does not have is an error (strict load).
-    What the recipes' Hugging Face exports (llama3_recipe, mixtral_recipe)
-    convert from."""
-    from transformers.initialization import no_init_weights
-
-    with torch.device("cpu"), no_init_weights():
-        model = model_class(model_config)
-    sd = dict(state_dict)
-    for k, v in model.state_dict().items():
-        sd.setdefault(k, v)
-    model = model.to(sd[embedding_key].dtype)
-    model.load_state_dict(sd, strict=True)
-    if getattr(model_config, "tie_word_embeddings", False):
-        model.tie_weights()
-    return model

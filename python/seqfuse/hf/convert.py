@@ -1,5 +1,6 @@
 """Weight conversion between transformers' EsmForMaskedLM and seqfuse's
-SeqfuseEsmForMaskedLM, both ways.
+SeqfuseEsmForMaskedLM, both ways, and the export of a seqfuse ESM-2 as a
+directory transformers' own EsmForMaskedLM loads.
 
 The state-dict functions are the definition of the mapping; the model-level
 functions build the other side's model around them.  Mapping (per layer i;
@@ -184,6 +185,16 @@ def to_hf_model(model):
     """transformers' EsmForMaskedLM holding copies of the weights of a
     SeqfuseEsmForMaskedLM."""
     return family().to_hf_model(model)
+
+
+def export_hf(model, path, **save_kwargs):
+    """Write ``model`` (a SeqfuseEsmForMaskedLM) to directory ``path`` as a
+    transformers EsmForMaskedLM checkpoint (config.json with model_type
+    "esm", safetensors weights in the model's dtype), which
+    ``transformers.EsmForMaskedLM.from_pretrained`` loads with no seqfuse
+    installed.  ``save_kwargs`` go to transformers' save_pretrained.
+    Returns ``path``."""
+    return family().export_hf(model, path, **save_kwargs)
 
 
 def from_hf_pretrained(path, dtype=None, device=None):

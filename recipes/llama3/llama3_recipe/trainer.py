@@ -33,6 +33,7 @@ import torch
 
 from recipe_common import checkpoint as ckpt
 from recipe_common import trainer as _loop
+from recipe_common.export import write_hf_export
 from recipe_common.metrics import batch_seq_lengths
 from recipe_common.trainer import build_optimizer, lr_lambda  # noqa: F401
 
@@ -280,11 +281,8 @@ def export_hf(model_config, state_dict: dict, out_dir: str, model_max_length=Non
     from seqfuse.hf import SeqfuseLlamaForCausalLM
     from seqfuse.hf.llama_convert import export_hf as write_llama
 
-    sf = ckpt.model_from_full_state(SeqfuseLlamaForCausalLM, model_config, state_dict, "model.embed_tokens.weight")
-    os.makedirs(out_dir, exist_ok=True)
-    write_llama(sf.eval(), out_dir)
-    tokenizer().save_pretrained(out_dir, model_max_length=model_max_length)
-    return out_dir
+    return write_hf_export(SeqfuseLlamaForCausalLM, write_llama, model_config, state_dict, "model.embed_tokens.weight",
+                           out_dir, lambda d: tokenizer().save_pretrained(d, model_max_length=model_max_length))
 
 
 # ---------------------------------------------------------------- the run

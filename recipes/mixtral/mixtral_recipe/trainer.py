@@ -43,7 +43,6 @@ This module is the ``spec`` the shared loop reads:
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 import torch
@@ -52,6 +51,7 @@ import torch.distributed as dist
 from llama3_recipe import trainer as llama
 from recipe_common import checkpoint as ckpt
 from recipe_common import trainer as _loop
+from recipe_common.export import write_hf_export
 from recipe_common.metrics import batch_seq_lengths
 from recipe_common.trainer import build_optimizer, lr_lambda  # noqa: F401
 
@@ -308,12 +308,8 @@ def export_hf(model_config, state_dict: dict, out_dir: str, model_max_length=Non
     from seqfuse.hf import SeqfuseMixtralForCausalLM
     from seqfuse.hf.mixtral_convert import export_hf as write_mixtral
 
-    sf = ckpt.model_from_full_state(SeqfuseMixtralForCausalLM, model_config, state_dict,
-                                    "model.embed_tokens.weight")
-    os.makedirs(out_dir, exist_ok=True)
-    write_mixtral(sf.eval(), out_dir)
-    tokenizer().save_pretrained(out_dir, model_max_length=model_max_length)
-    return out_dir
+    return write_hf_export(SeqfuseMixtralForCausalLM, write_mixtral, model_config, state_dict, "model.embed_tokens.weight",
+                           out_dir, lambda d: tokenizer().save_pretrained(d, model_max_length=model_max_length))
 
 
 # ---------------------------------------------------------------- the run
