@@ -1,0 +1,261 @@
+"""Forward arguments of Transformer Engine 2.20's eight core modules, passed
+by keyword under TE's names, against float64 torch references: Linear /
+LayerNormLinear (inp, is_first_microbatch), LayerNormMLP, LayerNorm /
+RMSNorm (input); DotProductAttention (query/key/value_layer, per-call
+qkv_format, attn_mask_type, window_size, attention_mask, packed thd with
+cu_seqlens / their *_padded twins / max_seqlen, checkpoint_core_attention,
+fast_zero_fill); MultiheadAttention and TransformerLayer (hidden_states,
+attention_mask, encoder_output, enc_dec_attn_mask and its mask type and
+window, rotary_pos_emb, packed thd, checkpoint_core_attention,
+fast_zero_fill, is_first_microbatch, including its meaning under FP8:
+False reuses the weights' FP8 cast, True makes it again).
+
+tests/test_te_api_table.py holds the audit: every TE forward argument is
+either named in its FORWARD_COVERAGE (a test that passes it by keyword and
+checks the result) or in FORWARD_REFUSED (the module raises
+NotImplementedError naming it when it is switched on), and checks those
+refusals."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import seqfuse.pytorch as te
+from helpers import needs_fp8, rel_tol
+from seqfuse.common.recipe import Float8CurrentScaling
+from test_te_api import SavedBytes, _norm_ref, close, mha_reference, rope_angles
+from test_transformer_layer import _attention, make_layer, pad_mask, reference_layer, rope_freqs
+
+F32 = rel_tol(torch.float32, 4)
+
+
+def _leaf(x):
+    return x.detach().double().requires_grad_()
+
+
+def _cu(lengths):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+
+
+# ---------------------------------------------------------------- GEMM modules and norms
+def test_gemm_and_norm_forward_keywords_against_torch():
+    torch.manual_seed(40)
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    lin = te.Linear(16, 12, device="cpu")
+    lnl = te.LayerNormLinear(16, 12, normalization="RMSNorm", device="cpu")
+    mlp = te.LayerNormMLP(16, 24, activation="gelu", device="cpu")
+    ln, rms = te.LayerNorm(16, device="cpu"), te.RMSNorm(16, device="cpu")
+    for m in (lin, lnl, mlp, ln, rms):
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(torch.rand_like(p) * 0.3)
+    P = lambda t: t.detach().double()  # noqa: E731
+    refs = {
+        "Linear": (lambda: lin(inp=x, is_first_microbatch=True),
+                   lambda xr: F.linear(xr, P(lin.weight), P(lin.bias))),
+        "LayerNormLinear": (lambda: lnl(inp=x, is_first_microbatch=False),
+                            lambda xr: F.linear(_norm_ref(xr, P(lnl.layer_norm_weight), None, lnl.eps, "RMSNorm"),
+                                                P(lnl.weight), P(lnl.bias))),
+        "LayerNormMLP": (lambda: mlp(inp=x, is_first_microbatch=None),
+                         lambda xr: F.linear(F.gelu(F.linear(
+                             _norm_ref(xr, P(mlp.layer_norm_weight), P(mlp.layer_norm_bias), mlp.eps, "LayerNorm"),
+                             P(mlp.fc1_weight), P(mlp.fc1_bias)), approximate="tanh"), P(mlp.fc2_weight),
+                             P(mlp.fc2_bias))),
+        "LayerNorm": (lambda: ln(input=x), lambda xr: _norm_ref(xr, P(ln.weight), P(ln.bias), ln.eps, "LayerNorm")),
+        "RMSNorm": (lambda: rms(input=x), lambda xr: _norm_ref(xr, P(rms.weight), None, rms.eps, "RMSNorm")),
+    }
+    for name, (run, ref_fn) in refs.items():
+        x.grad = None
+        out = run()
+        xr = _leaf(x)
+        ref = ref_fn(xr)
+        close(out, ref)
+        g = torch.randn_like(out)
+        out.backward(g)
+        ref.backward(g.double())
+        close(x.grad, xr.grad, rel_tol(torch.float32, 8))
+
+
+@needs_fp8
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP", "MultiheadAttention",
+                                  "TransformerLayer"])
+def test_is_first_microbatch_under_fp8(kind):
+    """TE's meaning: under FP8, False reuses the weights' FP8 cast made by the
+    previous call (gradient-accumulation micro-batches), True casts again."""
+    torch.manual_seed(41)
+    build = {"Linear": lambda: te.Linear(32, 32, device="cpu"),
+             "LayerNormLinear": lambda: te.LayerNormLinear(32, 32, device="cpu"),
+             "LayerNormMLP": lambda: te.LayerNormMLP(32, 64, device="cpu"),
+             "MultiheadAttention": lambda: te.MultiheadAttention(32, 2, attention_dropout=0.0, qkv_format="bshd",
+                                                                 device="cpu"),
+             "TransformerLayer": lambda: te.TransformerLayer(32, 64, 2, hidden_dropout=0.0, attention_dropout=0.0,
+                                                             attn_input_format="bshd", device="cpu")}
+    m = build[kind]()
+    x = torch.randn(2, 16, 32)
+    recipe = Float8CurrentScaling()  # the input's scale comes from the input alone: only the weights can differ
+    with te.autocast(recipe=recipe):
+        first = m(x, is_first_microbatch=True)
+    with torch.no_grad():  # a new weight the next micro-batch must not see
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.add_(torch.randn_like(p) * 0.05)
+    fresh = build[kind]()
+    fresh.load_state_dict(m.state_dict())
+    with te.autocast(recipe=recipe):
+        reused = m(x, is_first_microbatch=False)
+        recast = m(x, is_first_microbatch=True)
+        expect = fresh(x)  # the new weights, cast for the first time
+    assert torch.equal(reused, first)
+    assert torch.equal(recast, expect) and not torch.allclose(recast, first)
+
+
+# ---------------------------------------------------------------- DotProductAttention
+def test_dot_product_attention_forward_keywords_against_torch():
+    """A module built sbhd / causal, called with TE's per-call overrides and
+    the tensors by keyword; checkpoint_core_attention=True keeps fewer
+    saved tensors and gives the same values and gradients."""
+    torch.manual_seed(42)
+    dpa = te.DotProductAttention(4, 8, num_gqa_groups=2, attention_dropout=0.0)
+    q = torch.randn(2, 7, 4, 8, requires_grad=True)
+    k, v = (torch.randn(2, 7, 2, 8, requires_grad=True) for _ in range(2))
+    results = []
+    g = torch.randn(2, 7, 32)
+    for ckpt in (False, True):
+        for t in (q, k, v):
+            t.grad = None
+        counter = SavedBytes()
+        with counter.counting():
+            out = dpa(query_layer=q, key_layer=k, value_layer=v, qkv_format="bshd", attn_mask_type="causal",
+                      window_size=(2, 0), checkpoint_core_attention=ckpt, fast_zero_fill=ckpt)
+        qr, kr, vr = (_leaf(t) for t in (q, k, v))
+        ref = _attention(qr, kr, vr, [7, 7], [7, 7], True, 1 / math.sqrt(8), window=(2, 0))
+        close(out, ref)
+        out.backward(g)
+        ref.backward(g.double())
+        for t, tr in ((q, qr), (k, kr), (v, vr)):
+            close(t.grad, tr.grad, rel_tol(torch.float32, 12))
+        results.append((out.detach(), q.grad.clone(), counter.nbytes))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert results[1][2] < results[0][2]
+
+
+def test_dot_product_attention_padding_and_packed_keywords_against_torch():
+    torch.manual_seed(43)
+    dpa = te.DotProductAttention(2, 8, attention_dropout=0.0, qkv_format="bshd", attn_mask_type="causal")
+    lengths, s = [6, 3, 5], 6
+    q, k, v = (torch.randn(3, s, 2, 8) for _ in range(3))
+    scale = 1 / math.sqrt(8)
+    # padding: TE's boolean mask (True = padding), the mask type given per call
+    out = dpa(q, k, v, attention_mask=pad_mask(lengths, s), attn_mask_type="padding")
+    ref = _attention(q.double(), k.double(), v.double(), lengths, lengths, False, scale)
+    for i, n in enumerate(lengths):
+        close(out[i, :n], ref[i, :n])
+    # packed thd: cu_seqlens, their *_padded twins equal to them (no padding between sequences), max_seqlen
+    cu = _cu(lengths)
+    pq, pk, pv = (torch.cat([t[i, :n] for i, n in enumerate(lengths)]).requires_grad_() for t in (q, k, v))
+    out = dpa(pq, pk, pv, qkv_format="thd", attn_mask_type="padding_causal", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+              cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu, max_seqlen_q=max(lengths),
+              max_seqlen_kv=max(lengths))
+    qr, kr, vr = (_leaf(t) for t in (q, k, v))
+    ref = _attention(qr, kr, vr, lengths, lengths, True, scale)
+    ref = torch.cat([ref[i, :n] for i, n in enumerate(lengths)])
+    close(out, ref)
+    out.sum().backward()
+    ref.sum().backward()
+    close(pq.grad, torch.cat([qr.grad[i, :n] for i, n in enumerate(lengths)]), rel_tol(torch.float32, 12))
+    # *_padded different from cu_seqlens (padding between sequences): refused by name
+    with pytest.raises(NotImplementedError, match="cu_seqlens_q_padded"):
+        dpa(pq, pk, pv, qkv_format="thd", attn_mask_type="padding_causal", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+            cu_seqlens_q_padded=cu * 2, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+
+
+# ---------------------------------------------------------------- MultiheadAttention
+def _mha(seed):
+    torch.manual_seed(seed)
+    m = te.MultiheadAttention(32, 4, num_gqa_groups=2, attention_dropout=0.0, input_layernorm=True,
+                              qkv_format="bshd", device="cpu")
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.rand_like(p) * 0.1)
+    return m
+
+
+def test_multihead_attention_forward_keywords_against_torch():
+    m = _mha(44)
+    x = torch.randn(2, 6, 32, requires_grad=True)
+    freqs, angles = rope_angles(6, 8)
+    out = m(hidden_states=x, attention_mask=None, encoder_output=None, attn_mask_type="causal",
+            window_size=(-1, 0), is_first_microbatch=True, checkpoint_core_attention=True, rotary_pos_emb=freqs,
+            fast_zero_fill=False, inference_params=None, pad_between_seqs=False)
+    xr = _leaf(x)
+    ref = mha_reference(m, xr, angles, causal=True)
+    close(out, ref)
+    g = torch.randn_like(out)
+    out.backward(g)
+    ref.backward(g.double())
+    close(x.grad, xr.grad, rel_tol(torch.float32, 12))
+
+
+def test_multihead_attention_padding_and_packed_keywords_against_torch():
+    m = _mha(45)
+    lengths, s = [6, 2, 4], 6
+    x = torch.randn(3, s, 32)
+    freqs, angles = rope_angles(s, 8)
+    refs = [mha_reference(m, x[i:i + 1, :n], angles[:n], causal=True)[0] for i, n in enumerate(lengths)]
+    out = m(hidden_states=x, attention_mask=pad_mask(lengths, s), attn_mask_type="padding_causal",
+            rotary_pos_emb=freqs)
+    for i, n in enumerate(lengths):
+        close(out[i, :n], refs[i])
+    cu = _cu(lengths)
+    packed = torch.cat([x[i, :n] for i, n in enumerate(lengths)])
+    out = m(hidden_states=packed, qkv_format="thd", attn_mask_type="padding_causal", rotary_pos_emb=freqs,
+            cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
+            max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+    close(out, torch.cat(refs))
+
+
+# ---------------------------------------------------------------- TransformerLayer
+def test_transformer_layer_decoder_forward_keywords_against_torch():
+    """A decoder layer: the self-attention padding mask and type, the
+    encoder output with its own padding mask (enc_dec_attn_mask) and
+    per-call enc_dec_attn_mask_type / enc_dec_window_size, RoPE,
+    checkpoint_core_attention, fast_zero_fill, is_first_microbatch."""
+    torch.manual_seed(46)
+    layer = make_layer(hidden=32, ffn=48, heads=2, layer_type="decoder", mask="causal")
+    lengths, enc_lengths, s, s_enc = [5, 3], [7, 4], 5, 7
+    x = torch.randn(2, s, 32, requires_grad=True)
+    enc = torch.randn(2, s_enc, 32)
+    freqs = rope_freqs(s, 16)
+    out = layer(hidden_states=x, attention_mask=pad_mask(lengths, s), self_attn_mask_type="padding_causal",
+                window_size=(-1, 0), encoder_output=enc, enc_dec_attn_mask=(pad_mask(lengths, s), pad_mask(enc_lengths, s_enc)),
+                enc_dec_attn_mask_type="padding", enc_dec_window_size=(-1, -1), is_first_microbatch=True,
+                checkpoint_core_attention=True, rotary_pos_emb=freqs, fast_zero_fill=False,
+                inference_params=None, pad_between_seqs=False)
+    xr = _leaf(x)
+    ref = reference_layer(layer, xr, lengths, True, freqs[:, 0, 0, :], "gelu", "LayerNorm", 1e-5,
+                          encoder=enc, enc_lengths=enc_lengths)
+    for i, n in enumerate(lengths):
+        close(out[i, :n], ref[i, :n])
+    g = torch.randn_like(out)
+    for i, n in enumerate(lengths):
+        g[i, n:] = 0  # padded rows' outputs are not compared
+    out.backward(g)
+    ref.backward(g.double())
+    for i, n in enumerate(lengths):
+        close(x.grad[i, :n], xr.grad[i, :n], rel_tol(torch.float32, 12))
+
+
+def test_transformer_layer_packed_keywords_against_torch():
+    torch.manual_seed(47)
+    layer = make_layer(hidden=32, ffn=48, heads=2, groups=1, mask="padding_causal")
+    lengths, s = [4, 6, 1], 6
+    x = torch.randn(3, s, 32)
+    freqs = rope_freqs(s, 16)
+    ref = reference_layer(layer, x, lengths, True, freqs[:, 0, 0, :], "gelu", "LayerNorm", 1e-5)
+    cu = _cu(lengths)
+    packed = torch.cat([x[i, :n] for i, n in enumerate(lengths)])
+    out = layer(hidden_states=packed, qkv_format="thd", self_attn_mask_type="padding_causal", rotary_pos_emb=freqs,
+                cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
+                max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+    close(out, torch.cat([ref[i, :n] for i, n in enumerate(lengths)]))
