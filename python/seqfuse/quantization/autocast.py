@@ -30,6 +30,7 @@ to keep their weights quantized only (no high-precision copy); the modules
 read ``quantized_model_init_state()``.
 """
 import contextlib
+import logging
 import threading
 
 import torch
@@ -136,10 +137,23 @@ def quantized_model_init_state():
     return s
 
 
+_logged_high_precision_weights = False
+
+
 @contextlib.contextmanager
 def quantized_model_init(enabled=True, recipe=None, preserve_high_precision_init_val=False):
-    """Modules constructed inside keep their weights only in quantized form
-    (the recipe's format), saving the high-precision copy's memory."""
+    """TE's context for building modules whose weights live only in FP8.
+    seqfuse's modules keep their weights in high precision and cast them to
+    FP8 once per weight update under autocast (the same forward values as
+    FP8 weights cast from them; the high-precision copy's memory is not
+    saved): with enabled=True this says so in a log line, once per process,
+    and records the setting (quantized_model_init_state())."""
+    global _logged_high_precision_weights
+    if enabled and not _logged_high_precision_weights:
+        _logged_high_precision_weights = True
+        logging.getLogger("seqfuse").info(
+            "quantized_model_init: seqfuse keeps module weights in high precision and casts them to FP8 once per "
+            "weight update under autocast (the weights' memory is not reduced to FP8)")
     s = quantized_model_init_state()
     saved = (s.enabled, s.recipe, s.preserve_high_precision_init_val)
     s.enabled = bool(enabled)

@@ -1,0 +1,101 @@
+"""Transformer Engine names seqfuse.pytorch has that no other test checked
+against a torch reference (found by the name audit in
+test_te_api_table.py): te.ops.BasicOperation as the base of user-written
+operations inside te.ops.Sequential, te.optimizers.MultiTensorApply called
+directly, and quantized_model_init / fp8_model_init (modules built inside
+compute what modules built outside do, under FP8 autocast and without it,
+and the context says in a log line that weights stay in high precision)."""
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import seqfuse.pytorch as te
+from helpers import needs_fp8, rel_error, rel_tol
+from seqfuse.common.recipe import Float8CurrentScaling
+
+autocast_module = importlib.import_module("seqfuse.quantization.autocast")  # the module, not the function
+
+
+class _ScaleBy(te.ops.BasicOperation):
+    """A user-written operation: x * extra (an extra input, as TE's)."""
+    num_extra_inputs = 1
+
+    def forward(self, x, extra):
+        return x * extra
+
+
+def test_basic_operation_subclass_runs_in_sequential_against_torch():
+    torch.manual_seed(50)
+    lin = te.ops.Linear(8, 6, device="cpu")
+    seq = te.ops.Sequential(lin, _ScaleBy(), te.ops.ReLU())
+    assert seq.plan()[1] == (None, ["_ScaleBy"])
+    x = torch.randn(4, 8, requires_grad=True)
+    s = torch.rand(4, 6, requires_grad=True)
+    out = seq(x, s)
+    xr, sr = x.detach().double().requires_grad_(), s.detach().double().requires_grad_()
+    ref = F.relu(F.linear(xr, lin.weight.double(), lin.bias.double()) * sr)
+    assert rel_error(out, ref) <= rel_tol(torch.float32, 4)
+    out.sum().backward()
+    ref.sum().backward()
+    assert rel_error(x.grad, xr.grad) <= rel_tol(torch.float32, 4)
+    assert rel_error(s.grad, sr.grad) <= rel_tol(torch.float32, 4)
+    ops = [getattr(te.ops, n) for n in te.ops.__all__ if n != "Sequential"]
+    assert all(issubclass(op, te.ops.BasicOperation) for op in ops)
+
+
+def test_multi_tensor_apply_against_torch():
+    torch.manual_seed(51)
+    apply = te.optimizers.MultiTensorApply(1024)
+    assert apply.chunk_size == 1024
+    src = [torch.randn(5, 3), torch.randn(0), torch.randn(7)]
+    dst = [torch.empty_like(t) for t in src]
+    flag = torch.zeros(1, dtype=torch.int32)
+    apply(te.optimizers.multi_tensor_scale, flag, [src, dst], 0.5)
+    for a, b in zip(src, dst):
+        assert torch.equal(b, a * 0.5)
+    total, per = apply(te.optimizers.multi_tensor_l2norm, flag, [src], True)
+    ref = torch.cat([t.double().reshape(-1) for t in src]).norm()
+    assert rel_error(total, ref.reshape(1)) <= rel_tol(torch.float32)
+    assert flag.item() == 0
+    with pytest.raises(ValueError, match="'chunk_size' must be a positive int"):
+        te.optimizers.MultiTensorApply(0)
+
+
+@pytest.mark.parametrize("name", ["quantized_model_init", "fp8_model_init"])
+def test_quantized_model_init_builds_the_same_model(name, monkeypatch, caplog):
+    monkeypatch.setattr(autocast_module, "_logged_high_precision_weights", False)
+    recipe = Float8CurrentScaling()
+    torch.manual_seed(52)
+    outside = te.LayerNormMLP(32, 64, device="cpu")
+    torch.manual_seed(52)
+    with caplog.at_level("INFO", logger="seqfuse"):
+        with getattr(te, name)(enabled=True, recipe=recipe):
+            inside = te.LayerNormMLP(32, 64, device="cpu")
+    assert "weights in high precision" in caplog.text
+    x = torch.randn(4, 32)
+    for a, b in zip(inside.state_dict().values(), outside.state_dict().values()):
+        assert torch.equal(a, b)
+    # without FP8: the module against torch
+    h = F.layer_norm(x.double(), (32,), inside.layer_norm_weight.double(), inside.layer_norm_bias.double(),
+                     inside.eps)
+    ref = F.linear(F.gelu(F.linear(h, inside.fc1_weight.double(), inside.fc1_bias.double()), approximate="tanh"),
+                   inside.fc2_weight.double(), inside.fc2_bias.double())
+    assert rel_error(inside(x), ref) <= rel_tol(torch.float32, 4)
+
+
+@needs_fp8
+def test_quantized_model_init_under_fp8_matches_outside():
+    recipe = Float8CurrentScaling()
+    torch.manual_seed(53)
+    outside = te.Linear(32, 32, device="cpu")
+    torch.manual_seed(53)
+    with te.quantized_model_init(enabled=True, recipe=recipe):
+        inside = te.Linear(32, 32, device="cpu")
+    x = torch.randn(16, 32)
+    with te.autocast(recipe=recipe):
+        a, b = inside(x), outside(x)
+    assert torch.equal(a, b)
+    ref = F.linear(x.double(), inside.weight.double(), inside.bias.double())
+    assert rel_error(a, ref) <= 0.1  # E4M3 operands: a few per cent
