@@ -5,6 +5,10 @@ flushed between repeats (a 256 MB write, larger than the H200's 60 MB L2) so
 no repeat reads what the previous one left in cache; the median is reported.
 Host-side timings (per-call overhead) use perf_counter over many calls.
 
+Multi-GPU scripts under torchrun: `init_torchrun` joins the process group
+(NCCL on this rank's GPU, gloo for a CPU smoke run) and `ranks_step_ms`
+times a step on every rank and keeps the slowest rank's time.
+
 Results: `Table` prints an aligned table and writes JSON to
 benchmarks/results/<name>.json with the device, versions and shapes, and the
 run record of peers/meta.run_metadata (commit, command, script hash, library
@@ -54,6 +58,61 @@ def cuda_time_ms(fn, warmup=5, repeats=20, flush=True):
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def init_torchrun(script, cpu=False, world=None):
+    """Join the torchrun job's process group: NCCL with this process on GPU
+    LOCAL_RANK (set as the current device), or gloo on the CPU when ``cpu``
+    (the scripts' smoke runs).  SystemExit naming ``script`` when not under
+    torchrun or, with ``world``, when the job has another number of
+    processes.  Returns (rank, world size, device)."""
+    import torch.distributed as dist
+
+    if "LOCAL_RANK" not in os.environ:
+        raise SystemExit(f"{script}: run under torchrun --nproc-per-node {world or 'N'}")
+    if cpu:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    else:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    if world is not None and size != world:
+        raise SystemExit(f"{script}: needs {world} processes (one per GPU), got {size}")
+    return rank, size, device
+
+
+def ranks_step_ms(fn, steps, rounds, warmup=5):
+    """Milliseconds per fn() on the slowest rank: per round, ``steps``
+    back-to-back calls between CUDA events after a barrier, the per-step
+    time MAX-all-reduced over the ranks; the median over ``rounds`` rounds,
+    after ``warmup`` calls.  On a CPU process group (a smoke run) one call
+    timed with perf_counter after one untimed call: it shows the script
+    runs, the figure means nothing for speed."""
+    import torch.distributed as dist
+
+    if not torch.cuda.is_available() or dist.get_backend() == "gloo":
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            fn()
+        end.record()
+        end.synchronize()
+        t = torch.tensor([start.elapsed_time(end) / steps], device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times.append(t.item())
     return statistics.median(times)
 
 

@@ -69,7 +69,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from seqfuse.distributed import end_process_group  # noqa: E402
 from esm2_recipe.metrics import H200_BF16_DATASHEET_TFLOPS, H200_BF16_MEASURED_TFLOPS, train_flops  # noqa: E402
-from harness import RESULTS, Table, allow_recompiles, plot_bars  # noqa: E402
+from harness import RESULTS, Table, allow_recompiles, init_torchrun, plot_bars  # noqa: E402
 from peers.meta import run_metadata, skip_reason  # noqa: E402
 
 IMPLS = ("hf", "hfcompile", "te", "seqfuse", "seqfusegraph")
@@ -540,15 +540,7 @@ def fsdp2(args):
     of the alone unpadded tokens/s (each rank's batches differ a little);
     FSDP2 = the unpadded tokens of all ranks / the slowest rank's time.
     Warm-up steps are excluded from both."""
-    local = int(os.environ["LOCAL_RANK"])
-    if args.device == "cpu":  # smoke test of this path (gloo)
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    else:
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=device)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world, device = init_torchrun("bench_esm2.py --fsdp2", cpu=args.device == "cpu")  # cpu: a gloo smoke test
     started = time.perf_counter()
     seqs = load_train_sequences(data_dir(args.data))
     warmup = 3 if args.warmup is None else args.warmup

@@ -31,7 +31,6 @@ on two H200s after the build with the defaults.
 """
 import argparse
 import os
-import statistics
 import sys
 
 import torch
@@ -43,7 +42,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # benchmarks/: harness
 sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, os.path.join(ROOT, "recipes"))
 
-from harness import Table  # noqa: E402
+from harness import Table, init_torchrun, ranks_step_ms  # noqa: E402
 
 import seqfuse.pytorch as te  # noqa: E402
 from seqfuse.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling  # noqa: E402
@@ -113,31 +112,6 @@ class Wire:
             setattr(dist, name, fn)
 
 
-def step_ms(fn, steps, rounds, warmup=5):
-    if DEVICE == "cpu":  # --smoke: one untimed-quality wall-clock step
-        import time
-        fn()
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            fn()
-        end.record()
-        end.synchronize()
-        t = torch.tensor([start.elapsed_time(end) / steps], device="cuda")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        times.append(t.item())
-    return statistics.median(times)
-
-
 def run(shape_name, mode, recipe_name, args, world):
     s = SHAPES[shape_name]
     torch.manual_seed(0)
@@ -169,7 +143,7 @@ def run(shape_name, mode, recipe_name, args, world):
             torch.cuda.synchronize()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    ms = step_ms(step, args.steps, args.rounds)
+    ms = ranks_step_ms(step, args.steps, args.rounds)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     tokens = s["batch"] * s["seq"] * world
     row = dict(shape=shape_name, mode=mode if mode == "bf16" else f"fp8 {recipe_name}" + (" +ag" if mode == "fp8+ag" else ""),
@@ -196,16 +170,12 @@ def main():
                          "script runs")
     args = ap.parse_args()
     global DEVICE
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if args.smoke:
         DEVICE = "cpu"
         args.layers = 1
         for s in SHAPES.values():  # the layer's structure at a size the CPU reference runs in seconds
             s.update(hidden=256, ffn=512, heads=4, groups=4 if s["groups"] == s["heads"] else 2, batch=1, seq=64)
-        dist.init_process_group("gloo")
-    else:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    rank, world, _ = init_torchrun("bench_fp8_allgather.py", cpu=args.smoke)
     table = Table("fsdp_fp8_allgather", ["shape", "mode", "layers", "ms_per_step", "tokens_per_s",
                                          "gathered_mb_per_step", "gather_dtypes", "reduce_mb_per_step",
                                          "reduce_dtypes", "peak_gib"])

@@ -24,7 +24,6 @@ H200s after the build.
 """
 import argparse
 import os
-import statistics
 import sys
 
 import torch
@@ -34,33 +33,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # benchmarks/: harness
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "python"))
 
-from harness import Table  # noqa: E402
+from harness import Table, init_torchrun, ranks_step_ms  # noqa: E402
 
 from seqfuse.modules import ExpertParallelGroupedMLP, GroupedMLP  # noqa: E402
 from seqfuse.parallel import combine_tokens, dispatch_tokens  # noqa: E402
 
 HIDDEN, FFN, EXPERTS, TOPK = 1024, 3584, 8, 2
-
-
-def step_ms(fn, steps, rounds, warmup=5):
-    """Median over rounds of the per-step ms of `steps` back-to-back fn(),
-    the slowest rank's (a MAX all-reduce)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            fn()
-        end.record()
-        end.synchronize()
-        t = torch.tensor([start.elapsed_time(end) / steps], device="cuda")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        times.append(t.item())
-    return statistics.median(times)
 
 
 def train_step(layer, x, dout):
@@ -90,15 +68,7 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
-    if "LOCAL_RANK" not in os.environ:
-        raise SystemExit("bench_ep.py: run under torchrun --nproc-per-node 2")
-    rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl")
-    world = dist.get_world_size()
-    if world != 2:
-        raise SystemExit(f"bench_ep.py: needs 2 processes (one per GPU), got {world}")
-    dev = torch.device("cuda", rank)
+    rank, world, dev = init_torchrun("bench_ep.py", world=2)
     torch.manual_seed(0)
     full = GroupedMLP(HIDDEN, FFN, EXPERTS, TOPK, params_dtype=torch.bfloat16, device=dev)
     group = dist.new_group([0, 1])
@@ -119,7 +89,7 @@ def main():
                                ("EP=2 exchange only (router, dispatch, combine)", exchange_step(ep, x, dout),
                                 world * args.tokens)):
         torch.cuda.reset_peak_memory_stats()
-        ms = step_ms(fn, args.steps, args.rounds)
+        ms = ranks_step_ms(fn, args.steps, args.rounds)
         peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device=dev)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         rows[name] = (ms, n_tokens / ms * 1e3, peak.item())
