@@ -295,6 +295,16 @@ class DecodeGraph:
             decode_step(model, cache, self.tokens, self.freqs, self.rows, self.cu_q)
             lens.copy_(saved)
         torch.cuda.current_stream(dev).wait_stream(stream)
+        # the decode attention's route, named once per kind of call (every route takes this call capture-safely:
+        # seqfuse's kernel in auto, or the flash / float32 routes' device-side padded layouts)
+        sa = model.model.layers[0].self_attention
+        k_cache, v_cache = cache.allocate_memory(1)
+        q = torch.empty(b, 1, sa.num_attention_heads, sa.kv_channels, dtype=k_cache.dtype, device=dev)
+        route, why = ops.attention_backend(q, k_cache[:b], v_cache[:b], "bshd", "padding", cu_seqlens_q=self.cu_q,
+                                           cu_seqlens_kv=self.cu_q)
+        _log_once(logging.INFO, f"seqfuse generate: the decode step is captured as a CUDA graph; its attention "
+                                f"({str(k_cache.dtype).replace('torch.', '')}, head dim {sa.kv_channels}) runs "
+                                f"the {route} route: {why}")
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, stream=stream):
             self.logits = decode_step(model, cache, self.tokens, self.freqs, self.rows, self.cu_q)
