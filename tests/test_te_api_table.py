@@ -12,10 +12,19 @@
   builds the module with it and checks the result against torch or the
   argument's documented meaning; the named test exists and passes the
   argument by name (required positional arguments excepted).
+- Every name the table says seqfuse has (transformer_engine.pytorch, te.ops,
+  te.optimizers) names (NAME_COVERAGE) a test that checks it against torch
+  or its documented result, and that test names it.
+- Every forward argument of TE 2.20's eight core modules (te_snapshot.json)
+  is either taken, naming a test that passes it by keyword and checks the
+  result against torch (FORWARD_COVERAGE), or refused (FORWARD_REFUSED):
+  NotImplementedError naming it when switched on, the plain result at TE's
+  default.
 """
 import ast
 import inspect
 import os
+import re
 import sys
 
 import pytest
@@ -210,6 +219,181 @@ COVERAGE = {
 }
 
 
+#: every public name the table says seqfuse has -> "file::test" that checks it against a torch
+#: reference (or, for a query or a context, against its documented result); the test's source
+#: (decorators included) names it
+NAME_COVERAGE = {
+    "names": {
+        "LayerNormLinear": "test_layernorm_modules.py::test_layernorm_linear_cpu",
+        "Linear": "test_linear.py::test_cpu_float64_reference_is_tight",
+        "LayerNormMLP": "test_layernorm_modules.py::test_layernorm_mlp_cpu",
+        "LayerNorm": "test_norm_modules.py::test_layernorm_matches_torch_nn_layernorm",
+        "RMSNorm": "test_norm_modules.py::test_rmsnorm_matches_torch_nn_rmsnorm",
+        "GroupedLinear": "test_moe_modules.py::test_grouped_linear_matches_per_expert_linear",
+        "Fp8Padding": "test_te_api_names.py::test_fp8_padding_round_trip_against_torch",
+        "Fp8Unpadding": "test_te_api_names.py::test_fp8_padding_round_trip_against_torch",
+        "DotProductAttention": "test_te_api_forward.py::test_dot_product_attention_forward_keywords_against_torch",
+        "MultiheadAttention": "test_te_api.py::test_qk_norm_against_torch",
+        "RotaryPositionEmbedding": "test_rope.py::test_rotary_position_embedding_table",
+        "TransformerLayer": "test_transformer_layer.py::test_sliding_window",
+        "moe_permute": "test_moe_permute.py::test_row_id_map_and_permute_bit_for_bit",
+        "moe_permute_with_probs": "test_moe_permute.py::test_permute_backward_against_torch",
+        "moe_permute_and_pad_with_probs": "test_te_api_names.py::test_permute_and_pad_with_probs_against_torch",
+        "moe_unpermute": "test_te_api_names.py::test_permute_and_pad_with_probs_against_torch",
+        "moe_sort_chunks_by_index": "test_te_api_names.py::test_sort_chunks_by_index_against_torch",
+        "moe_sort_chunks_by_index_with_probs": "test_te_api_names.py::test_sort_chunks_by_index_against_torch",
+        "fp8_autocast": "test_linear.py::test_cpu_fp8_weight_quantized_once_per_update",
+        "fp8_model_init": "test_te_api_names_ref.py::test_quantized_model_init_builds_the_same_model",
+        "autocast": "test_te_api_forward.py::test_is_first_microbatch_under_fp8",
+        "quantized_model_init": "test_te_api_names_ref.py::test_quantized_model_init_under_fp8_matches_outside",
+        "is_fp8_available": "test_te_api.py::test_capability_queries_follow_the_device",
+        "is_mxfp8_available": "test_te_api.py::test_capability_queries_follow_the_device",
+        "is_fp8_block_scaling_available": "test_te_api.py::test_capability_queries_follow_the_device",
+        "is_nvfp4_available": "test_te_api.py::test_capability_queries_follow_the_device",
+        "get_default_recipe": "test_te_api.py::test_cudnn_version_and_default_recipe",
+        "get_cudnn_version": "test_te_api.py::test_cudnn_version_and_default_recipe",
+        "get_device_compute_capability": "test_te_api.py::test_capability_queries_follow_the_device",
+        "is_bf16_available": "test_te_api.py::test_capability_queries_follow_the_device",
+        "deinterleave_glu_tensor": "test_te_api.py::test_glu_interleave_utilities_and_interleaved_swiglu",
+        "interleave_glu_tensor": "test_te_api.py::test_glu_interleave_utilities_and_interleaved_swiglu",
+        "make_graphed_callables": "test_fp8_any_rows.py::test_graphed_layer_equals_eager",
+        "checkpoint": "test_te_api_names.py::test_checkpoint_legacy_positional_form",
+        "CudaRNGStatesTracker": "test_te_api.py::test_rng_states_tracker",
+        "ops": "test_te_api.py::test_ops_sequential_against_torch",
+        "optimizers": "test_te_api.py::test_fused_adam_matches_torch",
+        "parallel_cross_entropy": "test_cross_entropy.py::test_parallel_cross_entropy_te_signature",
+        "Float8Tensor": "test_scaling.py::test_quantize_current_and_float8tensor",
+    },
+    "ops": {
+        "AddExtraInput": "test_te_api_names.py::test_ops_sequential_routes_extra_inputs_and_outputs",
+        "BasicLinear": "test_te_api.py::test_ops_sequential_against_torch",
+        "BasicOperation": "test_te_api_names_ref.py::test_basic_operation_subclass_runs_in_sequential_against_torch",
+        "Bias": "test_te_api.py::test_ops_sequential_against_torch",
+        "ClampedSwiGLU": "test_te_api_names.py::test_ops_clamped_swiglu_against_torch",
+        "ConstantScale": "test_te_api.py::test_ops_torch_operations",
+        "Dropout": "test_te_api.py::test_ops_torch_operations",
+        "GEGLU": "test_te_api.py::test_ops_sequential_against_torch",
+        "GELU": "test_te_api.py::test_ops_sequential_against_torch",
+        "GLU": "test_te_api.py::test_ops_torch_activations_and_l2",
+        "GroupedLinear": "test_te_ops_grouped_linear.py::test_grouped_linear_against_torch",
+        "Identity": "test_te_api.py::test_ops_torch_operations",
+        "L2Normalization": "test_te_api.py::test_ops_torch_activations_and_l2",
+        "LayerNorm": "test_te_api.py::test_ops_sequential_against_torch",
+        "Linear": "test_te_api.py::test_ops_sequential_against_torch",
+        "MakeExtraOutput": "test_te_api_names.py::test_ops_sequential_routes_extra_inputs_and_outputs",
+        "QGEGLU": "test_te_api.py::test_ops_torch_activations_and_l2",
+        "QGELU": "test_te_api.py::test_ops_torch_activations_and_l2",
+        "Quantize": "test_te_api.py::test_ops_sequential_against_torch",
+        "RMSNorm": "test_te_api.py::test_ops_sequential_against_torch",
+        "ReGLU": "test_te_api.py::test_ops_sequential_against_torch",
+        "ReLU": "test_te_api.py::test_ops_sequential_against_torch",
+        "Reshape": "test_te_api.py::test_ops_torch_operations",
+        "SReGLU": "test_te_api.py::test_ops_torch_activations_and_l2",
+        "SReLU": "test_te_api.py::test_ops_torch_activations_and_l2",
+        "ScaledClampedQGeGLU": "test_te_api_names.py::test_ops_soft_capped_and_scaled_activations_against_torch",
+        "ScaledSReLU": "test_te_api_names.py::test_ops_soft_capped_and_scaled_activations_against_torch",
+        "ScaledSiTUGLU": "test_te_api_names.py::test_ops_soft_capped_and_scaled_activations_against_torch",
+        "ScaledSwiGLU": "test_te_api_names.py::test_ops_scaled_swiglu_against_torch",
+        "Sequential": "test_te_api.py::test_ops_sequential_against_torch",
+        "SiLU": "test_te_api.py::test_ops_sequential_against_torch",
+        "SiTUGLU": "test_te_api_names.py::test_ops_soft_capped_and_scaled_activations_against_torch",
+        "SwiGLU": "test_te_api.py::test_ops_sequential_against_torch",
+    },
+    "optimizers": {
+        "FusedAdam": "test_te_api.py::test_fused_adam_matches_torch",
+        "FusedSGD": "test_te_api.py::test_fused_sgd_matches_torch",
+        "MultiTensorApply": "test_te_api_names_ref.py::test_multi_tensor_apply_against_torch",
+        "multi_tensor_adam": "test_te_api_names.py::test_multi_tensor_adam_against_torch",
+        "multi_tensor_applier": "test_te_api_names.py::test_multi_tensor_l2norm_and_scale_against_torch",
+        "multi_tensor_l2norm": "test_te_api_names.py::test_multi_tensor_l2norm_and_scale_against_torch",
+        "multi_tensor_scale": "test_te_api_names.py::test_multi_tensor_l2norm_and_scale_against_torch",
+        "multi_tensor_scale_tensor": "test_te_api_names.py::test_multi_tensor_l2norm_and_scale_against_torch",
+        "multi_tensor_sgd": "test_te_api_names.py::test_multi_tensor_sgd_against_torch",
+        "multi_tensor_unscale_l2norm": "test_te_api_names.py::test_multi_tensor_l2norm_and_scale_against_torch",
+    },
+}
+
+_FWD = "test_te_api_forward.py::"
+_DPA_BSHD = _FWD + "test_dot_product_attention_forward_keywords_against_torch"
+_DPA_PACKED = _FWD + "test_dot_product_attention_padding_and_packed_keywords_against_torch"
+_MHA = _FWD + "test_multihead_attention_forward_keywords_against_torch"
+_MHA_PACKED = _FWD + "test_multihead_attention_padding_and_packed_keywords_against_torch"
+_TL_DEC = _FWD + "test_transformer_layer_decoder_forward_keywords_against_torch"
+_TL_PACKED = _FWD + "test_transformer_layer_packed_keywords_against_torch"
+_FP8_MB = _FWD + "test_is_first_microbatch_under_fp8"
+_PACKED_ARGS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "max_seqlen_q",
+                "max_seqlen_kv")
+
+#: every TE 2.20 forward argument of the core modules that seqfuse takes -> "file::test" passing it
+#: by keyword and checking the result against torch (the *_padded cu_seqlens are taken equal to
+#: cu_seqlens; different ones, padding between sequences, raise naming them)
+FORWARD_COVERAGE = {
+    "Linear": {"inp": _FWD + "test_gemm_and_norm_forward_keywords_against_torch", "is_first_microbatch": _FP8_MB},
+    "LayerNormLinear": {"inp": _FWD + "test_gemm_and_norm_forward_keywords_against_torch",
+                        "is_first_microbatch": _FP8_MB},
+    "LayerNormMLP": {"inp": _FWD + "test_gemm_and_norm_forward_keywords_against_torch",
+                     "is_first_microbatch": _FP8_MB},
+    "LayerNorm": {"input": _FWD + "test_gemm_and_norm_forward_keywords_against_torch"},
+    "RMSNorm": {"input": _FWD + "test_gemm_and_norm_forward_keywords_against_torch"},
+    "DotProductAttention": {
+        **{a: _DPA_BSHD for a in ("query_layer", "key_layer", "value_layer", "qkv_format", "attn_mask_type",
+                                  "window_size", "checkpoint_core_attention", "fast_zero_fill")},
+        **{a: _DPA_PACKED for a in ("attention_mask",) + _PACKED_ARGS},
+    },
+    "MultiheadAttention": {
+        **{a: _MHA for a in ("hidden_states", "attn_mask_type", "window_size", "is_first_microbatch",
+                             "checkpoint_core_attention", "rotary_pos_emb", "fast_zero_fill")},
+        **{a: _MHA_PACKED for a in ("attention_mask",) + _PACKED_ARGS},
+        "encoder_output": "test_te_api_args.py::test_multihead_attention_cross",
+    },
+    "TransformerLayer": {
+        **{a: _TL_DEC for a in ("hidden_states", "attention_mask", "self_attn_mask_type", "window_size",
+                                "encoder_output", "enc_dec_attn_mask", "enc_dec_attn_mask_type",
+                                "enc_dec_window_size", "is_first_microbatch", "checkpoint_core_attention",
+                                "rotary_pos_emb", "fast_zero_fill")},
+        **{a: _TL_PACKED for a in _PACKED_ARGS},
+    },
+}
+
+_BIAS = {"core_attention_bias_type": "post_scale_bias", "core_attention_bias": torch.zeros(1, 2, 4, 4),
+         "alibi_slopes": torch.ones(2)}
+#: every TE 2.20 forward argument of the core modules that seqfuse refuses -> a value that switches
+#: it on (the call raises NotImplementedError naming it); at TE's default it is taken
+FORWARD_REFUSED = {
+    "Linear": {"fp8_output": True, "fp8_grad": True},
+    "LayerNormLinear": {"fp8_output": True, "fp8_grad": True},
+    "LayerNormMLP": {},
+    "LayerNorm": {},
+    "RMSNorm": {},
+    "DotProductAttention": {
+        **_BIAS, "bottom_right_diagonal": True, "inference_params": object(), "pad_between_seqs": True,
+        "fp8_output": True, "bf16_backward": True, "num_splits": 2, "score_mod": lambda s: s,
+        "score_mod_bprop": lambda s: s, "score_mod_tensors": {"t": torch.ones(1)},
+        "score_mod_bprop_tensors": {"t": torch.ones(1)}, "qkv_layer": torch.zeros(1, 4, 3, 2, 8),
+        "kv_layer": torch.zeros(1, 4, 2, 2, 8), "qkv_interleave_dim": -2,
+    },
+    "MultiheadAttention": {**_BIAS, "bottom_right_diagonal": True, "inference_params": object(),
+                           "pad_between_seqs": True},
+    "TransformerLayer": {**_BIAS, "bottom_right_diagonal": True, "enc_dec_bottom_right_diagonal": True,
+                         "inference_params": object(), "pad_between_seqs": True},
+}
+
+#: a small module of each class and the positional inputs of its forward
+FORWARD_CALLS = {
+    "Linear": (lambda: te.Linear(16, 16, device="cpu"), lambda: (torch.randn(2, 16),)),
+    "LayerNormLinear": (lambda: te.LayerNormLinear(16, 16, device="cpu"), lambda: (torch.randn(2, 16),)),
+    "LayerNormMLP": (lambda: te.LayerNormMLP(16, 32, device="cpu"), lambda: (torch.randn(2, 16),)),
+    "LayerNorm": (lambda: te.LayerNorm(16, device="cpu"), lambda: (torch.randn(2, 16),)),
+    "RMSNorm": (lambda: te.RMSNorm(16, device="cpu"), lambda: (torch.randn(2, 16),)),
+    "DotProductAttention": (lambda: te.DotProductAttention(2, 8, qkv_format="bshd", attn_mask_type="causal"),
+                            lambda: tuple(torch.randn(1, 4, 2, 8) for _ in range(3))),
+    "MultiheadAttention": (lambda: te.MultiheadAttention(16, 2, attention_dropout=0.0, qkv_format="bshd",
+                                                         device="cpu"), lambda: (torch.randn(1, 4, 16),)),
+    "TransformerLayer": (lambda: te.TransformerLayer(16, 32, 2, hidden_dropout=0.0, attention_dropout=0.0,
+                                                     attn_input_format="bshd", device="cpu"),
+                         lambda: (torch.randn(1, 4, 16),)),
+}
+
 def build(cls, **kwargs):
     if cls != "DotProductAttention":
         kwargs.setdefault("device", "cpu")
@@ -283,16 +467,22 @@ def test_taken_arguments_are_accepted_at_te_defaults(cls):
 
 
 def _test_sources():
+    """{file: {test name: its source, decorators included}} of every file the
+    coverage maps name."""
     here = os.path.dirname(os.path.abspath(__file__))
+    refs = [r for m in (COVERAGE, NAME_COVERAGE, FORWARD_COVERAGE) for sub in m.values() for r in sub.values()]
     sources = {}
-    for cls_map in COVERAGE.values():
-        for ref in cls_map.values():
-            path, name = ref.split("::")
-            if path not in sources:
-                with open(os.path.join(here, path)) as f:
-                    text = f.read()
-                sources[path] = {node.name: ast.get_source_segment(text, node) for node in ast.parse(text).body
-                                 if isinstance(node, ast.FunctionDef)}
+    for ref in refs:
+        path, name = ref.split("::")
+        if path not in sources:
+            with open(os.path.join(here, path)) as f:
+                text = f.read()
+            lines = text.splitlines()
+            sources[path] = {}
+            for node in ast.parse(text).body:
+                if isinstance(node, ast.FunctionDef):
+                    first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                    sources[path][node.name] = "\n".join(lines[first - 1:node.end_lineno])
     return sources
 
 
@@ -308,3 +498,66 @@ def test_every_taken_argument_names_a_test_that_exercises_it():
             assert name in sources[path], f"{cls}.{arg}: {ref} does not exist"
             if arg not in required and arg != "device":
                 assert f"{arg}=" in sources[path][name], f"{cls}.{arg}: {ref} does not pass {arg}"
+
+
+def test_every_present_name_names_a_test_that_checks_it():
+    """The name audit: each name of transformer_engine.pytorch, te.ops and
+    te.optimizers the table says seqfuse has maps to a test (NAME_COVERAGE)
+    that exists and names it; a name added without such a test fails here."""
+    sources = _test_sources()
+    for key in ("names", "ops", "optimizers"):
+        present = {n for n, s in RESULT[key].items() if s == "has"}
+        assert set(NAME_COVERAGE[key]) == present, (key, sorted(present ^ set(NAME_COVERAGE[key])))
+        for name, ref in NAME_COVERAGE[key].items():
+            path, test = ref.split("::")
+            assert test in sources[path], f"{key} {name}: {ref} does not exist"
+            assert re.search(rf"\b{re.escape(name)}\b", sources[path][test]), f"{key} {name}: {ref} does not name it"
+
+
+def _forward_parameters(cls):
+    """The parameters of cls's forward, or of the first base class's forward
+    where cls's passes *args / **kwargs on (te.DotProductAttention's)."""
+    for klass in cls.__mro__:
+        if "forward" in vars(klass):
+            params = inspect.signature(vars(klass)["forward"]).parameters
+            if not any(p.kind == p.VAR_POSITIONAL for p in params.values()):
+                return params
+    raise AssertionError(f"{cls.__name__} has no forward with named parameters")
+
+
+def test_every_forward_argument_is_taken_with_a_test_or_refused():
+    """Each TE 2.20 forward argument of the eight core modules is either
+    taken, with a test passing it by keyword (FORWARD_COVERAGE), or refused
+    (FORWARD_REFUSED, checked below); seqfuse's forward takes each taken one
+    by name."""
+    sources = _test_sources()
+    for cls, spec in SNAPSHOT["modules"].items():
+        te_args = [a for a, _ in spec["forward"]]
+        taken, refused = set(FORWARD_COVERAGE[cls]), set(FORWARD_REFUSED[cls])
+        assert not taken & refused, (cls, taken & refused)
+        assert taken | refused == set(te_args), (cls, sorted(set(te_args) ^ (taken | refused)))
+        params = _forward_parameters(getattr(te, cls))
+        for arg, ref in FORWARD_COVERAGE[cls].items():
+            assert arg in params, f"{cls}.forward does not take {arg!r}"
+            path, test = ref.split("::")
+            assert test in sources[path], f"{cls}.forward {arg}: {ref} does not exist"
+            assert f"{arg}=" in sources[path][test], f"{cls}.forward {arg}: {ref} does not pass {arg}"
+
+
+@pytest.mark.parametrize("cls,arg", [(c, a) for c, t in FORWARD_REFUSED.items() for a in t])
+def test_refused_forward_argument_raises_naming_it(cls, arg):
+    make, inputs = FORWARD_CALLS[cls]
+    with pytest.raises(NotImplementedError, match=rf"\b{arg}\b"):
+        make()(*inputs(), **{arg: FORWARD_REFUSED[cls][arg]})
+
+
+@pytest.mark.parametrize("cls", list(FORWARD_CALLS))
+def test_refused_forward_arguments_are_taken_at_te_defaults(cls):
+    """All refused forward arguments at once at TE's defaults: the result is
+    the plain call's."""
+    make, inputs = FORWARD_CALLS[cls]
+    torch.manual_seed(0)
+    m, args = make(), inputs()
+    defaults = {a: eval(d, {"torch": torch}) for a, d in SNAPSHOT["modules"][cls]["forward"]
+                if a in FORWARD_REFUSED[cls]}
+    assert torch.equal(m(*args, **defaults), m(*args))
