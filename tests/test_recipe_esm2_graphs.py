@@ -99,6 +99,27 @@ def test_run_refusals_before_anything_is_built(monkeypatch):
         trainer.train(cfg, "fsdp2")
 
 
+def test_the_trainer_captures_after_wrapping_for_the_batch_shape(monkeypatch):
+    """The recipe's wrap_model captures the (unwrapped) model's layers under
+    the run's FP8 recipe when train.cuda_graphs is on, and only then; the
+    graphed shape is the fixed-length batch's."""
+    from esm2_recipe import graphs
+
+    from seqfuse.common.recipe import DelayedScaling
+
+    seen = []
+    monkeypatch.setattr(graphs, "capture_layers", lambda model, cfg, recipe: seen.append((model, recipe)))
+    model = torch.nn.Linear(2, 2)
+    log = logging.getLogger("esm2")
+    cfg = load_config("L0_sanity", GRAPHED + ["precision.recipe=fp8_delayed", "precision.amax_history_len=8"])
+    assert trainer.wrap_model(model, [], "ddp", 1, torch.device("cuda", 0), cfg, log) is model
+    assert len(seen) == 1 and seen[0][0] is model
+    assert seen[0][1] == DelayedScaling(amax_history_len=8)
+    assert graphs.graphed_batch_shape(cfg) == (8, 128)
+    trainer.wrap_model(model, [], "fsdp2", 1, torch.device("cpu"), load_config("L0_sanity", FIXED), log)
+    assert len(seen) == 1
+
+
 # ------------------------------------------------------------ fixed-length data (CPU)
 def test_fixed_length_batches_have_one_shape_and_no_padding():
     cfg = load_config("L0_sanity", FIXED + ["device=cpu"])
