@@ -154,6 +154,76 @@ def test_model_cache_kept_and_rounded():
     assert decode_graph_stats(m) == {}
 
 
+class _FakeStream:
+    def wait_stream(self, other):
+        pass
+
+
+@pytest.fixture
+def fake_graphs(monkeypatch):
+    """DecodeGraph's bookkeeping on the CPU: capture and replay stand-ins
+    that behave as a CUDA graph does for this step (capture runs nothing
+    that lasts: the lengths it would advance are put back; a replay runs the
+    step again into the same output buffer).  What this cannot check (the
+    capture itself) is the cuda tests' job."""
+    import contextlib
+
+    def capture(self, step, stream):
+        lens = self.cache.sequence_lengths
+        saved = lens.clone()
+        out = step().clone()
+        lens.copy_(saved)
+        self._fake_step = step
+        return out
+
+    def replay(self):
+        self.logits.copy_(self._fake_step())
+
+    monkeypatch.setattr(generation.DecodeGraph, "_capture", capture)
+    monkeypatch.setattr(generation.DecodeGraph, "_replay", replay)
+    monkeypatch.setattr(generation, "_capture_stream", lambda device: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(generation, "_graph_refusal", lambda model, device, b: None)
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_graph_bookkeeping_with_stand_ins(family, fake_graphs):
+    """With capture/replay stand-ins: graphed tokens equal eager ones (padded
+    and packed), one capture per batch size and cache, later calls replay,
+    in-place updates keep the graph, moved weights are captured again, a
+    caller's cache keeps its own graph."""
+    m = llama() if family == "llama" else mixtral()
+    b, seqs = L.batch((11, 7, 4), seed=5)
+    kw = dict(attention_mask=b["attention_mask"], max_new_tokens=8, eos_token_id=[])
+    eager = m.generate(b["input_ids"], decode_graphs=False, **kw)
+    assert decode_graph_stats(m) == {}
+    assert torch.equal(m.generate(b["input_ids"], **kw), eager)
+    assert decode_graph_stats(m) == {3: (1, 7)}
+    assert torch.equal(m.generate(b["input_ids"], **kw), eager)
+    ids, cu, _ = L.packed(seqs)
+    assert torch.equal(m.generate(ids, cu_seqlens=cu, max_new_tokens=8, eos_token_id=[]), eager)
+    assert decode_graph_stats(m) == {3: (1, 21)}
+    one = m.generate(b["input_ids"][:1, :11], max_new_tokens=8, eos_token_id=[])
+    assert torch.equal(one, eager[:1]) and decode_graph_stats(m) == {3: (1, 21), 1: (1, 7)}
+    with torch.no_grad():
+        m.lm_head.weight.mul_(-1.0)
+    flipped = m.generate(b["input_ids"], decode_graphs=False, **kw)
+    assert not torch.equal(flipped, eager)
+    assert torch.equal(m.generate(b["input_ids"], **kw), flipped)
+    assert decode_graph_stats(m)[3] == (1, 28)
+    m.to(torch.float64).to(torch.float32)  # new storage, same dtype: the kept cache fits, its graph does not
+    assert torch.equal(m.generate(b["input_ids"], **kw), flipped)
+    assert decode_graph_stats(m)[3] == (2, 7)
+    cache = InferenceParams(4, 40, m.config.num_key_value_heads, m.config.head_dim, dtype=torch.float32)
+    assert torch.equal(m.generate(b["input_ids"], inference_params=cache, **kw), flipped)
+    assert cache.graph_captures == 1 and cache.decode_graphs[3].replays == 7
+    assert decode_graph_stats(m)[3] == (2, 7)
+    # one new token: no decode step, nothing captured
+    assert torch.equal(m.generate(b["input_ids"], attention_mask=b["attention_mask"], max_new_tokens=1,
+                                  eos_token_id=[]), flipped[:, :1])
+
+
 # ---------------------------------------------------------------- CUDA
 LLAMA_CUDA = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512)
 NEW = 24

@@ -283,16 +283,18 @@ class DecodeGraph:
         self.rows = torch.arange(b, device=dev)
         self.cu_q = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self.replays = 0
-        stream = _capture_streams.get(dev.index)
-        if stream is None:
-            stream = _capture_streams[dev.index] = torch.cuda.Stream(dev)
+        stream = _capture_stream(dev)
+
+        def step():
+            return decode_step(model, cache, self.tokens, self.freqs, self.rows, self.cu_q)
+
         lens = cache.sequence_lengths[:b]
         saved = lens.clone()
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
             # warm-up: one real step (it writes the key/value slot that the first replay rewrites); the
             # lengths it advanced are put back
-            decode_step(model, cache, self.tokens, self.freqs, self.rows, self.cu_q)
+            step()
             lens.copy_(saved)
         torch.cuda.current_stream(dev).wait_stream(stream)
         # the decode attention's route, named once per kind of call (every route takes this call capture-safely:
@@ -305,17 +307,33 @@ class DecodeGraph:
         _log_once(logging.INFO, f"seqfuse generate: the decode step is captured as a CUDA graph; its attention "
                                 f"({str(k_cache.dtype).replace('torch.', '')}, head dim {sa.kv_channels}) runs "
                                 f"the {route} route: {why}")
+        self.logits = self._capture(step, stream)
+
+    def _capture(self, step, stream):
+        """``step`` captured into ``self.graph`` on ``stream`` (nothing runs);
+        returns the output buffer its replays write."""
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, stream=stream):
-            self.logits = decode_step(model, cache, self.tokens, self.freqs, self.rows, self.cu_q)
+            return step()
+
+    def _replay(self):
+        self.graph.replay()
 
     def run(self, tokens):
         """Logits [b, vocab] of the step after ``tokens`` [b] (the buffer is
         overwritten by the next run)."""
         self.tokens.copy_(tokens)
-        self.graph.replay()
+        self._replay()
         self.replays += 1
         return self.logits
+
+
+def _capture_stream(device):
+    """The side stream that warms up and captures decode graphs on ``device``."""
+    stream = _capture_streams.get(device.index)
+    if stream is None:
+        stream = _capture_streams[device.index] = torch.cuda.Stream(device)
+    return stream
 
 
 def _graph_refusal(model, device, b):
