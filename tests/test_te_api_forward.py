@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import seqfuse.pytorch as te
-from helpers import needs_fp8, rel_tol
+from helpers import BWD_FACTOR, needs_fp8, pair_tol, rel_error, rel_tol
 from seqfuse.common.recipe import Float8CurrentScaling
 from test_te_api import SavedBytes, _norm_ref, close, mha_reference, rope_angles
 from test_transformer_layer import _attention, make_layer, pad_mask, reference_layer, rope_freqs
@@ -259,3 +259,74 @@ def test_transformer_layer_packed_keywords_against_torch():
                 cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
                 max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
     close(out, torch.cat([ref[i, :n] for i, n in enumerate(lengths)]))
+
+
+# ---------------------------------------------------------------- GPU
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt,mask", [("bshd", "causal"), ("sbhd", "no_mask"), ("bshd", "padding"),
+                                      ("thd", "padding_causal")])
+def test_cuda_float32_attention_matches_the_cpu_module(fmt, mask):
+    """te.DotProductAttention in float32 on CUDA (TE computes it; seqfuse's
+    exact torch route) against the same module on the CPU backend, forward
+    and backward, GQA included."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    torch.manual_seed(48)
+    dpa = te.DotProductAttention(4, 64, num_gqa_groups=2, attention_dropout=0.0, qkv_format=fmt,
+                                 attn_mask_type=mask)
+    lengths = [37, 64, 5]
+    kw = {}
+    if fmt == "thd":
+        t = sum(lengths)
+        q, k, v = torch.randn(t, 4, 64), torch.randn(t, 2, 64), torch.randn(t, 2, 64)
+        cu = _cu(lengths)
+        kw = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+    else:
+        shape = (lambda n: (3, 64, n, 64)) if fmt == "bshd" else (lambda n: (64, 3, n, 64))
+        q, k, v = torch.randn(shape(4)), torch.randn(shape(2)), torch.randn(shape(2))
+        if mask == "padding":
+            kw = dict(attention_mask=pad_mask(lengths, 64))
+    outs, grads = [], []
+    for device in ("cpu", "cuda"):
+        ts = [x.to(device).requires_grad_() for x in (q, k, v)]
+        kwd = {n: (x.to(device) if torch.is_tensor(x) else x) for n, x in kw.items()}
+        out = dpa(*ts, **kwd)
+        assert out.dtype == torch.float32 and out.device.type == device
+        g = torch.ones_like(out) * torch.linspace(-1, 1, out.shape[-1], device=device)
+        out.backward(g)
+        outs.append(out.detach().cpu())
+        grads.append([x.grad.cpu() for x in ts])
+    if mask == "padding":  # padded query rows are not compared
+        rows = torch.stack([torch.arange(64) < n for n in lengths])
+        outs = [o[rows] for o in outs]
+        grads = [[gr[rows] for gr in gs] for gs in grads]
+    assert rel_error(outs[1], outs[0]) <= pair_tol(torch.float32)
+    for a, b in zip(grads[1], grads[0]):
+        assert rel_error(a, b) <= pair_tol(torch.float32, BWD_FACTOR)
+
+
+@pytest.mark.cuda
+def test_cuda_meta_model_materialises_and_trains():
+    """A model built on the meta device, materialised by reset_parameters()
+    on the current CUDA device, trains (bf16 parameters, FusedAdam)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    torch.manual_seed(49)
+    model = torch.nn.Sequential(te.TransformerLayer(64, 128, 4, hidden_dropout=0.0, attention_dropout=0.0,
+                                                    attn_input_format="bshd", device="meta",
+                                                    params_dtype=torch.bfloat16),
+                                te.LayerNormLinear(64, 16, device="meta", params_dtype=torch.bfloat16))
+    for m in model:
+        m.reset_parameters()
+    assert all(p.is_cuda for p in model.parameters())
+    opt = te.optimizers.FusedAdam(model.parameters(), lr=1e-2, master_weights=True)
+    x = torch.randn(4, 32, 64, device="cuda", dtype=torch.bfloat16)
+    target = torch.randn(4, 32, 16, device="cuda")
+    losses = []
+    for _ in range(10):
+        loss = F.mse_loss(model(x).float(), target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0], losses
