@@ -21,6 +21,7 @@ versions, command).
 """
 import argparse
 import gc
+import logging
 import os
 import sys
 
@@ -67,6 +68,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_recipe_graphs: needs a CUDA GPU")
+    # the recipe's own log lines (capture time, each window's rates), as its command line shows them
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     path = args.data
     table = Table("esm2_recipe_graphs", ["size", "recipe", "graphs", "step_ms", "tokens_per_s", "mfu",
                                          "peak_mem_gib", "vs_eager", "windows", "final_loss"])
