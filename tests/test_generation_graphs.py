@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 import seqfuse  # noqa: E402,F401
 from helpers import REL_TOL, needs_fp8, rel_error  # noqa: E402
 from seqfuse.hf import generation  # noqa: E402
-from seqfuse.hf.generation import (CachedGenerationMixin, InferenceParams, decode_graph_stats,  # noqa: E402
+from seqfuse.hf.generation import (CachedGenerate, InferenceParams, decode_graph_stats,  # noqa: E402
                                    decode_step, weights_signature)
 from seqfuse.hf.llama import SeqfuseLlamaForCausalLM  # noqa: E402
 from seqfuse.hf.mixtral import SeqfuseMixtralForCausalLM  # noqa: E402
@@ -46,8 +46,10 @@ def mixtral(seed=41, dtype=torch.float32, **kw):
 
 # ---------------------------------------------------------------- CPU
 def test_one_generate_serves_both_families():
-    assert SeqfuseLlamaForCausalLM.generate is CachedGenerationMixin.generate
-    assert SeqfuseMixtralForCausalLM.generate is CachedGenerationMixin.generate
+    assert SeqfuseLlamaForCausalLM.generate is CachedGenerate.generate
+    assert SeqfuseMixtralForCausalLM.generate is CachedGenerate.generate
+    # not transformers' GenerationMixin interface (no generation_config is made or saved for them)
+    assert not SeqfuseLlamaForCausalLM.can_generate() and not SeqfuseMixtralForCausalLM.can_generate()
 
 
 def test_decode_graphs_argument():

@@ -523,11 +523,13 @@ def generate(model, input_ids, attention_mask=None, cu_seqlens=None, max_new_tok
     return out
 
 
-class CachedGenerationMixin:
+class CachedGenerate:
     """``generate`` (this module's) for the seqfuse causal-LM families
-    (Llama, Mixtral): placed before the PreTrainedModel base, it takes the
-    place of transformers' GenerationMixin.generate on these classes
-    (transformers' own generate() runs on the exported model)."""
+    (Llama, Mixtral), a base class placed before their PreTrainedModel base
+    (transformers' own generate() runs on the exported model).  Its name
+    must not end in "GenerationMixin": transformers' can_generate() looks
+    for that text in a class's bases, and these models do not implement
+    GenerationMixin's interface (generation_config and the rest)."""
 
     def generate(self, input_ids, attention_mask=None, cu_seqlens=None, max_new_tokens=32, **kwargs):
         """New tokens after each prompt, with a key/value cache: greedy, or

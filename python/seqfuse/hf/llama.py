@@ -66,7 +66,7 @@ from ..modules.rope import RotaryPositionEmbedding
 from ..modules.transformer_layer import TransformerLayer
 from ..quantization.recompute import checkpoint
 from .attention import cu_seqlens_of_positions, is_packed_positions
-from .generation import CachedGenerationMixin
+from .generation import CachedGenerate
 from .llama_config import SeqfuseLlamaConfig, rope_inv_freq
 from .lm_layout import IGNORE_INDEX, Layout
 from .pretrained import SeqfusePreTrainedModel, default_device, init_by_name, register_auto
@@ -320,7 +320,7 @@ def lm_logits_and_loss(lm_head, x, labels, cu_seqlens, num_items_in_batch, logit
     return logits, loss
 
 
-class SeqfuseLlamaForCausalLM(CachedGenerationMixin, SeqfuseLlamaPreTrainedModel):
+class SeqfuseLlamaForCausalLM(CachedGenerate, SeqfuseLlamaPreTrainedModel):
     """Llama causal language model on seqfuse layers."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}

@@ -60,7 +60,7 @@ from ..modules.moe import GroupedMLP
 from ..ops import moe as moe_ops
 from ..ops.moe import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss
 from ..quantization.recompute import checkpoint
-from .generation import CachedGenerationMixin
+from .generation import CachedGenerate
 from .llama import (SeqfuseLlamaRotaryEmbedding, batch_layout, check_lm_arguments, check_unsupported,
                     lm_logits_and_loss)
 from .llama_config import rope_inv_freq
@@ -263,7 +263,7 @@ class SeqfuseMixtralModel(SeqfuseMixtralPreTrainedModel):
                                       hidden_states=tuple(hidden) if hidden is not None else None)
 
 
-class SeqfuseMixtralForCausalLM(CachedGenerationMixin, SeqfuseMixtralPreTrainedModel):
+class SeqfuseMixtralForCausalLM(CachedGenerate, SeqfuseMixtralPreTrainedModel):
     """Mixtral causal language model on seqfuse layers."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
