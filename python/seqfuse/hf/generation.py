@@ -202,7 +202,8 @@ def decode_step(model, cache, tokens, freqs, rows, cu_q):
     rope = dict(tensor_format="bshd", start_positions=start)
     x = inner.embed_tokens(tokens)[:, None, :]
     for i, layer in enumerate(inner.layers):
-        x = cached_layer_step(layer, x, freqs, cache, i + 1, rows, pos, (rows, 0), ("cache", dec_kw), rope)
+        # (slice(None), 0): each row's one new key, a view (no gather kernel)
+        x = cached_layer_step(layer, x, freqs, cache, i + 1, rows, pos, (slice(None), 0), ("cache", dec_kw), rope)
     h = inner.norm(x)[:, 0]
     logits = torch.nn.functional.linear(h, model.lm_head.weight.to(h.dtype))
     lens.add_(1)
