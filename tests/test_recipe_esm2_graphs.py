@@ -145,11 +145,15 @@ def test_a_batch_without_padding_runs_without_a_mask_exactly():
     """forward_loss passes no attention_mask when the real tokens fill every
     row (no host read of the mask in the model): the same loss, bit for bit,
     as the masked call; a padded batch keeps its mask."""
+    from seqfuse.data import EsmTokenizer, build_mlm_loader, load_sequences
     from seqfuse.hf import SeqfuseEsmConfig, SeqfuseEsmForMaskedLM
 
-    cfg = load_config("L0_sanity", FIXED + ["device=cpu"])
-    loader, _, _, _ = trainer.build_loaders(cfg, 0, 1, None)
-    batch = next(iter(loader))
+    # the recipe's fixed-length samples of the first 40 proteins, collated as its loader does
+    _, seqs = load_sequences(os.path.join(RECIPE, "data", "subset", "train.parquet"))
+    windows = trainer.fixed_length_windows(seqs[:40], 128, 8, "train")
+    tok = EsmTokenizer()
+    batch = next(iter(build_mlm_loader(windows, tok, max_tokens=1024, max_length=128, packed=False)))
+    assert tuple(batch["input_ids"].shape) == (8, 128)
     torch.manual_seed(0)
     model = SeqfuseEsmForMaskedLM(SeqfuseEsmConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                                    intermediate_size=128)).train()
@@ -169,10 +173,10 @@ def test_a_batch_without_padding_runs_without_a_mask_exactly():
 def test_fixed_length_trains_on_the_cpu(tmp_path):
     """data.fixed_length on its own (no graphs) is an ordinary run: the loss
     is finite and falls over a few steps."""
-    out = trainer.train(load_config("L0_sanity", FIXED + ["device=cpu", "train.steps=8", "train.eval_interval=0",
+    out = trainer.train(load_config("L0_sanity", FIXED + ["device=cpu", "train.steps=6", "train.eval_interval=0",
                                                           "train.warmup_steps=2"]), "fsdp2")
     h = out["history"]["loss"]
-    assert len(h) == 8 and all(math.isfinite(v) for v in h) and h[-1] < h[0], h
+    assert len(h) == 6 and all(math.isfinite(v) for v in h) and h[-1] < h[0], h
 
 
 # ------------------------------------------------------------ CUDA: graphed equals eager
