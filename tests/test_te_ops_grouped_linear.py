@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 
 import seqfuse.pytorch as te
-from helpers import pair_tol, rel_error, rel_tol
+from helpers import needs_fp8, pair_tol, rel_error, rel_tol
+from seqfuse.common.recipe import DelayedScaling, Float8CurrentScaling
+from seqfuse.modules.grouped_linear import GroupedLinear as GroupedLinearModule
 
 F32 = rel_tol(torch.float32, 4)
 
@@ -258,6 +260,32 @@ def test_grouped_linear_deepcopy_runs_on_its_own_parameters():
     assert not torch.allclose(op(x, [2, 3]), twin(x, [2, 3]))
 
 
+@needs_fp8
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling, DelayedScaling], ids=["current", "delayed"])
+def test_grouped_linear_under_fp8_autocast(recipe):
+    """Under FP8 autocast the operation runs seqfuse's FP8 grouped GEMMs: the
+    same values as seqfuse's GroupedLinear module on the same parameters,
+    within FP8's error of float64 torch, and gradients reach every weight
+    that got rows."""
+    torch.manual_seed(9)
+    splits = [10, 0, 30]
+    op = te.ops.GroupedLinear(3, 32, 48, device="cpu", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for g in range(3):
+            op.get_parameter(f"bias{g}").normal_()
+    module = GroupedLinearModule(3, 32, 48, device="cpu", params_dtype=torch.bfloat16)
+    module.load_state_dict(op.state_dict())
+    x = torch.randn(40, 32, dtype=torch.bfloat16)
+    with te.autocast(recipe=recipe()):
+        y = op(x, torch.tensor(splits))
+        y_module = module(x, splits)
+    assert torch.equal(y, y_module)
+    ref, *_ = reference(op, x, splits)
+    assert rel_error(y, ref) <= 0.08  # E4M3 operands: a few per cent
+    y.float().sum().backward()
+    assert op.weight0.grad is not None and op.weight2.grad is not None and not op.weight1.grad.any()
+
+
 # ---------------------------------------------------------------- GPU
 @pytest.mark.cuda
 @pytest.mark.parametrize("scale_bias", [False, True])
@@ -290,3 +318,27 @@ def test_cuda_grouped_linear_matches_cpu(scale_bias):
         if splits[g]:
             assert rel_error(gpu.get_parameter(f"weight{g}").grad, cpu.get_parameter(f"weight{g}").grad) <= tol
             assert rel_error(gpu.get_parameter(f"bias{g}").grad, cpu.get_parameter(f"bias{g}").grad) <= tol
+
+
+@pytest.mark.cuda
+@needs_fp8
+def test_cuda_grouped_linear_under_fp8_matches_the_module():
+    """FP8 current scaling on the GPU: the operation equals seqfuse's
+    GroupedLinear module on the same parameters, within FP8's error of the
+    float32 CPU operation."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    torch.manual_seed(10)
+    splits = [64, 0, 200, 16]
+    cpu = te.ops.GroupedLinear(4, 256, 128, device="cpu")
+    gpu = copy.deepcopy(cpu).to("cuda", torch.bfloat16)
+    module = GroupedLinearModule(4, 256, 128, device="cuda", params_dtype=torch.bfloat16)
+    module.load_state_dict(gpu.state_dict())
+    x = torch.randn(sum(splits), 256)
+    ref = cpu(x, splits)
+    xg = x.to("cuda", torch.bfloat16)
+    with te.autocast(recipe=Float8CurrentScaling()):
+        y = gpu(xg, torch.tensor(splits, device="cuda"))
+        y_module = module(xg, splits)
+    assert torch.equal(y, y_module)
+    assert rel_error(y, ref) <= 0.08
