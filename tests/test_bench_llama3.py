@@ -170,6 +170,7 @@ def test_tiny_cpu_run(tmp_path):
                                                         ("seqfuse_bf16_eager", 3)}
     # (on the CPU no decode graph: both seqfuse rows run the same eager step)
     assert all("run eagerly" in r["note"] for r in drows if r["row"].startswith("seqfuse"))
+    assert all(r["same_tokens_as_seqfuse_bf16"] for r in drows if r["row"] == "seqfuse_bf16_eager")
     assert all(r["same_tokens_as_hf_static"] for r in drows)  # float32 greedy: transformers' tokens
     assert all("GPUs only" in r["skipped"] for r in dec["rows"] if r["row"] == "hf_static_compiled")
     assert any(g["row"] == "seqfuse_bf16" for g in dec["goals"])

@@ -504,6 +504,9 @@ def decode(args, device, dtype, seqs, data_note, meta):
             div = first_divergence(out, ref)
             r["same_tokens_as_hf_static"] = all(d is None for d in div)
             r["first_divergence"] = div
+        graphed = tokens.get(("seqfuse_bf16", bsz)) if name == "seqfuse_bf16_eager" else None
+        if graphed is not None:  # the graphed step is the eager step captured: the same tokens
+            r["same_tokens_as_seqfuse_bf16"] = torch.equal(out, graphed)
         results.append(r)
         log(f"decode {name} b={bsz}: {r['tokens_per_s']:.0f} tok/s ({r['ms_per_token_step']:.2f} ms per step, "
             f"prefill included)" + ("" if ref is None else f", same tokens as hf_static: "
@@ -530,7 +533,7 @@ def decode(args, device, dtype, seqs, data_note, meta):
     for g in goals:
         log(f"goal {g['goal']}: {g['value']:.3g} (need {g['need']}) -> {'PASS' if g['pass'] else 'FAIL'}")
     cols = ["row", "batch", "prompt_len", "new_tokens", "tokens_per_s", "vs_best_hf", "best_hf", "ms_per_token_step",
-            "warm_s", "same_tokens_as_hf_static", "note", "error", "skipped"]
+            "warm_s", "same_tokens_as_hf_static", "same_tokens_as_seqfuse_bf16", "note", "error", "skipped"]
     table = Table(args.out + "_decode", cols)
     for r in results:
         table.add(**r)
