@@ -1,6 +1,7 @@
 """The ESM-2 training recipe (recipes/esm2/train_*.py): its config schema
 (config.py), what is specific to ESM-2 in the training loop (trainer.py),
-its Hugging Face export (export.py) and FLOPs (metrics.py).  The loop,
+its Hugging Face export (export.py), FLOPs (metrics.py) and the encoder
+layers run as CUDA graphs (graphs.py, train.cuda_graphs).  The loop,
 checkpoints, FSDP2 wrapping, metric logging and config machinery are shared
 with the other recipes (recipes/recipe_common, put on sys.path here)."""
 import os

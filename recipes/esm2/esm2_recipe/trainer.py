@@ -6,8 +6,10 @@ profiler capture range are described).
 This module is the ``spec`` the shared loop reads: model building
 (SeqfuseEsmForMaskedLM of a published ESM-2 shape or the config's fields),
 per-layer precision (the first / last N layers and listed indices run
-without FP8), the UniProt loaders (MLM masking), the forward and loss,
-FLOPs, and the Hugging Face export (EsmForMaskedLM).  ``train(cfg,
+without FP8), the UniProt loaders (MLM masking; data.fixed_length cuts
+windows of exactly max_length tokens), the forward and loss, FLOPs, the
+wrapping that captures the encoder layers as CUDA graphs (train.cuda_graphs,
+graphs.py), and the Hugging Face export (EsmForMaskedLM).  ``train(cfg,
 strategy)`` runs one process of a job.
 """
 from __future__ import annotations
