@@ -1,7 +1,8 @@
 """Transformer Engine names seqfuse.pytorch has that no other test checked
 against a torch reference (found by the name audit in
-test_te_api_table.py): te.ops.BasicOperation as the base of user-written
-operations inside te.ops.Sequential, te.optimizers.MultiTensorApply called
+test_te_api_table.py): te.ops.BasicOperation (and TE's base class
+FusibleOperation) as the base of user-written operations inside
+te.ops.Sequential, te.ops.is_op_fuser_grouped_tensor_path_supported, te.optimizers.MultiTensorApply called
 directly, and quantized_model_init / fp8_model_init (modules built inside
 compute what modules built outside do, under FP8 autocast and without it,
 and the context says in a log line that weights stay in high precision)."""
@@ -41,8 +42,28 @@ def test_basic_operation_subclass_runs_in_sequential_against_torch():
     ref.sum().backward()
     assert rel_error(x.grad, xr.grad) <= rel_tol(torch.float32, 4)
     assert rel_error(s.grad, sr.grad) <= rel_tol(torch.float32, 4)
-    ops = [getattr(te.ops, n) for n in te.ops.__all__ if n != "Sequential"]
+    ops = [getattr(te.ops, n) for n in te.ops.__all__ if isinstance(getattr(te.ops, n), type)]
+    ops = [op for op in ops if op not in (te.ops.Sequential, te.ops.FusibleOperation)]
     assert all(issubclass(op, te.ops.BasicOperation) for op in ops)
+    # TE's base class of every operation; a basic operation is not a fused one
+    assert issubclass(te.ops.BasicOperation, te.ops.FusibleOperation)
+    assert isinstance(seq[1], te.ops.FusibleOperation) and not seq[1].is_fused_op
+
+
+def test_grouped_tensor_path_query():
+    """TE's is_op_fuser_grouped_tensor_path_supported: False for every recipe
+    and dtype (seqfuse's GroupedLinear has one parameter per group and
+    refuses single grouped parameters, which TE asks for only after True)."""
+    from seqfuse.common.recipe import DelayedScaling
+    for recipe in (None, Float8CurrentScaling(), DelayedScaling()):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            assert te.ops.is_op_fuser_grouped_tensor_path_supported(recipe, dtype) is False
+    with pytest.raises(NotImplementedError, match="single_grouped_weight"):
+        te.ops.GroupedLinear(2, 8, 8, single_grouped_weight=True, device="cpu")
+    with pytest.raises(TypeError, match="argument 'dtype' must be a torch.dtype"):
+        te.ops.is_op_fuser_grouped_tensor_path_supported(None, "bf16")
+    with pytest.raises(TypeError, match="argument 'recipe' must be a Recipe or None"):
+        te.ops.is_op_fuser_grouped_tensor_path_supported("delayed", torch.bfloat16)
 
 
 def test_multi_tensor_apply_against_torch():

@@ -268,6 +268,8 @@ NAME_COVERAGE = {
         "AddExtraInput": "test_te_api_names.py::test_ops_sequential_routes_extra_inputs_and_outputs",
         "BasicLinear": "test_te_api.py::test_ops_sequential_against_torch",
         "BasicOperation": "test_te_api_names_ref.py::test_basic_operation_subclass_runs_in_sequential_against_torch",
+        "FusibleOperation": "test_te_api_names_ref.py::test_basic_operation_subclass_runs_in_sequential_against_torch",
+        "is_op_fuser_grouped_tensor_path_supported": "test_te_api_names_ref.py::test_grouped_tensor_path_query",
         "Bias": "test_te_api.py::test_ops_sequential_against_torch",
         "ClampedSwiGLU": "test_te_api_names.py::test_ops_clamped_swiglu_against_torch",
         "ConstantScale": "test_te_api.py::test_ops_torch_operations",

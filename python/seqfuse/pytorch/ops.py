@@ -48,9 +48,12 @@ scales with scale_bias=True, on seqfuse's grouped GEMM; ScaledSwiGLU's row
 scales, on seqfuse's scaled_swiglu kernel; ScaledSiTUGLU's,
 ScaledClampedQGeGLU's and ScaledSReLU's, in torch; AddExtraInput's addend),
 and returns (output, *extra_outputs) when an operation makes one
-(MakeExtraOutput); these operations run on their own.  Not here (names TE
-has that seqfuse.pytorch.ops lacks): the communication operations and the
-fusion registration functions.
+(MakeExtraOutput); these operations run on their own.  FusibleOperation
+is the operations' base class (isinstance checks);
+is_op_fuser_grouped_tensor_path_supported answers False (GroupedLinear keeps
+one parameter per group).  Not here (names TE has that seqfuse.pytorch.ops
+lacks): the communication operations, FusedOperation and the fusion
+registration functions (fused groups are planned inside Sequential).
 """
 import logging
 import math
@@ -63,7 +66,7 @@ from ..modules.multihead_attention import L2Normalization as _L2Normalization
 from ..modules.te_compat import materialize, materialize_device, rng_fork
 from ..quantization import is_fp8_enabled
 
-__all__ = ["BasicOperation", "BasicLinear", "Bias", "Linear", "GroupedLinear", "LayerNorm", "RMSNorm", "GELU", "ReLU", "SiLU",
+__all__ = ["FusibleOperation", "BasicOperation", "is_op_fuser_grouped_tensor_path_supported", "BasicLinear", "Bias", "Linear", "GroupedLinear", "LayerNorm", "RMSNorm", "GELU", "ReLU", "SiLU",
            "GEGLU", "ReGLU", "SwiGLU", "GLU", "QGELU", "QGEGLU", "SReLU", "SReGLU", "ClampedSwiGLU", "SiTUGLU", "ScaledSwiGLU", "ScaledSiTUGLU",
            "ScaledClampedQGeGLU", "ScaledSReLU", "AddExtraInput",
            "MakeExtraOutput", "L2Normalization", "Quantize",
@@ -96,14 +99,40 @@ def _device(device):
     return materialize_device() if device is None else torch.device(device)
 
 
-class BasicOperation(torch.nn.Module):
-    """A fusible operation: ``forward(x, *extra_inputs)`` runs it on its own
-    and returns its output, or (output, *extra_outputs) when it makes extra
-    outputs.  num_extra_inputs / num_extra_outputs: how many extra tensors
-    it takes from / gives to Sequential (TE's attributes)."""
+class FusibleOperation(torch.nn.Module):
+    """TE's base class of the operations Sequential takes (for isinstance
+    checks).  num_extra_inputs / num_extra_outputs: how many extra tensors
+    an operation takes from / gives to Sequential (TE's attributes);
+    is_fused_op: False for a basic operation (seqfuse's fused groups are
+    planned inside Sequential, not exposed as operations)."""
     num_extra_inputs = 0
     num_extra_outputs = 0
 
+    @property
+    def is_fused_op(self):
+        return False
+
+
+class BasicOperation(FusibleOperation):
+    """A fusible operation: ``forward(x, *extra_inputs)`` runs it on its own
+    and returns its output, or (output, *extra_outputs) when it makes extra
+    outputs."""
+
+
+def is_op_fuser_grouped_tensor_path_supported(recipe, dtype):
+    """TE's query: whether GroupedLinear can run its grouped-tensor path
+    (single grouped weight / bias parameters) for this recipe and dtype.
+    Always False in seqfuse: its GroupedLinear keeps one parameter per group
+    and refuses single_grouped_weight / single_grouped_bias (TE's rule for a
+    False answer: callers must not ask for single grouped parameters)."""
+    from ..common.recipe import Recipe
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise TypeError(f"is_op_fuser_grouped_tensor_path_supported: argument 'recipe' must be a Recipe or None, "
+                        f"got {type(recipe).__name__}")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"is_op_fuser_grouped_tensor_path_supported: argument 'dtype' must be a torch.dtype, "
+                        f"got {type(dtype).__name__}")
+    return False
 
 class BasicLinear(BasicOperation):
     """y = x W^T (no bias).  accumulate_into_main_grad: the weight gradient
