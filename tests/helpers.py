@@ -1,6 +1,10 @@
 """Tolerances and checks shared by the tests (device METHOD.md): the one
 error-bound policy for float kernels (below, at REL_TOL), the skip conditions
-of tests that need float8 DLPack or CPU FSDP2, and small references."""
+of tests that need float8 DLPack or CPU FSDP2, small references, and the
+multi-process scaffolding of the distributed tests (run_ranks: a process
+group of N workers, each computing its results, collected by the test)."""
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -186,6 +190,71 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_seed():
+    """The seed of a randomised multi-process test: SEQFUSE_TEST_SEED when
+    set, else a fresh one; printed, so a failure can be replayed."""
+    seed = int(os.environ.get("SEQFUSE_TEST_SEED", torch.randint(0, 2**31 - 1, ()).item()))
+    print(f"seed={seed}")
+    return seed
+
+
+def _rank_main(rank, world, backend, init_method, out_dir, body, args):
+    """One worker of run_ranks: join the process group, save
+    ``body(rank, world, *args)`` as <out_dir>/rank<rank>.pt, leave the group
+    (with a barrier only when the body succeeded: a failed rank must not
+    wait for the others, nor they for it)."""
+    import torch.distributed as dist
+
+    from seqfuse.distributed import end_process_group
+
+    kw = {}
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        kw["device_id"] = torch.device("cuda", rank)
+    else:
+        torch.set_num_threads(1)  # N workers on a few cores
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, **kw)
+    ok = False
+    try:
+        results = body(rank, world, *args)
+        if backend == "nccl":
+            torch.cuda.synchronize()
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        ok = True
+    finally:
+        end_process_group(ok)
+
+
+def run_ranks(body, args, world, out_dir, what, backend="gloo", store="file", timeout=240,
+              preload=("torch", "seqfuse")):
+    """Run ``body(rank, world, *args)`` in ``world`` processes joined in one
+    process group (``backend`` "gloo" on the CPU, or "nccl" with rank r on
+    GPU r) and return their results, a list in rank order.
+
+    ``body`` must be a module-level function of the test module (the workers
+    import it by name) and return something torch.save can write; the
+    assertions run in the test, on the returned results.  The rendezvous is
+    a file in ``out_dir`` (``store="file"``) or a TCP port on 127.0.0.1
+    (``store="tcp"``: much faster when the body makes many groups, e.g.
+    device meshes).  gloo workers are forked from a forkserver that imported
+    ``preload`` once (spawn re-imports torch per process, ~10 s each on the
+    CI machine; a plain fork after many tests can inherit a held lock);
+    NCCL workers are spawned (CUDA cannot be forked).  Past ``timeout``
+    seconds the workers are killed and the test fails naming ``what``."""
+    import multiprocessing
+
+    if backend not in ("gloo", "nccl") or store not in ("file", "tcp"):
+        raise ValueError(f"run_ranks: backend must be 'gloo' or 'nccl' and store 'file' or 'tcp', "
+                         f"got {backend!r}, {store!r}")
+    out_dir = str(out_dir)
+    init = f"tcp://127.0.0.1:{free_port()}" if store == "tcp" else f"file://{os.path.join(out_dir, 'init')}"
+    if backend == "gloo":
+        multiprocessing.get_context("forkserver").set_forkserver_preload(list(preload))
+    start = "forkserver" if backend == "gloo" else "spawn"
+    run_workers(_rank_main, (world, backend, init, out_dir, body, args), world, start, what, timeout=timeout)
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
 
 
 def run_workers(fn, args, nprocs, start_method, what, timeout=180):

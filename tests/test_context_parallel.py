@@ -16,15 +16,13 @@ seqfuse preloaded, so a start costs one import, not one per process) that
 runs every case and saves its errors; the tests read them.  Shapes are tiny:
 the whole file takes seconds beyond the starts.
 """
-import multiprocessing
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import seqfuse.ops as ops
-from helpers import BWD_FACTOR, REL_TOL, rel_error, run_workers
+from helpers import BWD_FACTOR, REL_TOL, rel_error, run_ranks, run_seed
 from seqfuse.modules.attention import DotProductAttention
 from seqfuse.parallel import (context_parallel_attention, local_token_index, pad_thd_sequences_for_cp,
                               split_batch_for_cp_rank)
@@ -222,47 +220,31 @@ def _te_split_matches(world, rank, group):
     return all(torch.equal(a, b) for a, b in zip(got, (want.input_ids, want.labels, want.position_ids)))
 
 
-def _worker(rank, world, init_file, out_dir, seed):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    ok = False
-    try:
-        group = dist.new_group(list(range(world)))  # CP over a group that is not the default one
-        results = {case_id(c): _run_case(c, world, rank, group, seed + i) for i, c in enumerate(CASES)}
-        for i, c in enumerate([("bshd", "causal", "p2p", True), ("thd", "causal", "all_gather", False)]):
-            results["module-" + case_id(c)] = _run_case(c, world, rank, group, seed + 100 + i, through_module=True)
-        singles = [dist.new_group([r]) for r in range(world)]  # every rank takes part in every new_group
-        for i, c in enumerate([("bshd", "causal", "p2p", True), ("thd", "causal", "all_gather", False),
-                               ("sbhd", "no_mask", "p2p", False)]):
-            results["cp1-" + case_id(c)] = _run_case(c, 1, 0, singles[rank], seed + 300 + i)
-        for fmt in ("bshd", "thd"):
-            for comm in COMMS:
-                results[f"llama-{fmt}-{comm}"] = _small_llama(fmt, comm, world, rank, group, seed + 200)
-        results["bad"] = _bad_arguments(world, group)
-        results["te_split"] = _te_split_matches(world, rank, group)
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        ok = True
-    finally:
-        if ok:
-            dist.barrier()
-        dist.destroy_process_group()
+def _ranks_body(rank, world, seed):
+    """Every CP case on this rank (run_ranks' body)."""
+    group = dist.new_group(list(range(world)))  # CP over a group that is not the default one
+    results = {case_id(c): _run_case(c, world, rank, group, seed + i) for i, c in enumerate(CASES)}
+    for i, c in enumerate([("bshd", "causal", "p2p", True), ("thd", "causal", "all_gather", False)]):
+        results["module-" + case_id(c)] = _run_case(c, world, rank, group, seed + 100 + i, through_module=True)
+    singles = [dist.new_group([r]) for r in range(world)]  # every rank takes part in every new_group
+    for i, c in enumerate([("bshd", "causal", "p2p", True), ("thd", "causal", "all_gather", False),
+                           ("sbhd", "no_mask", "p2p", False)]):
+        results["cp1-" + case_id(c)] = _run_case(c, 1, 0, singles[rank], seed + 300 + i)
+    for fmt in ("bshd", "thd"):
+        for comm in COMMS:
+            results[f"llama-{fmt}-{comm}"] = _small_llama(fmt, comm, world, rank, group, seed + 200)
+    results["bad"] = _bad_arguments(world, group)
+    results["te_split"] = _te_split_matches(world, rank, group)
+    return results
 
 
 @pytest.fixture(scope="module")
 def cp_results(tmp_path_factory):
     """{world: [per-rank result dicts]}: one start of `world` processes each."""
-    # forkserver: the children are forked from one server that imported torch and seqfuse once
-    # (spawn re-imports per process, ~10 s each here; fork after many tests can inherit a held lock)
-    multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "seqfuse"])
-    seed = int(os.environ.get("SEQFUSE_TEST_SEED", torch.randint(0, 2**31 - 1, ()).item()))
-    print(f"seed={seed}")
-    out = {}
-    for world in WORLDS:
-        d = tmp_path_factory.mktemp(f"cp{world}")
-        run_workers(_worker, (world, str(d / "init"), str(d), seed), world, "forkserver",
-                    f"context-parallel workers (world size {world})", timeout=240)
-        out[world] = [torch.load(d / f"rank{r}.pt") for r in range(world)]
-    return out
+    seed = run_seed()
+    return {world: run_ranks(_ranks_body, (seed,), world, tmp_path_factory.mktemp(f"cp{world}"),
+                             f"context-parallel workers (world size {world})")
+            for world in WORLDS}
 
 
 # ---- the tests ----------------------------------------------------------------

@@ -9,14 +9,13 @@ sequence gets.  World sizes 2 and, where the machine has 4 GPUs, 4.
 
 One spawn of `world` processes (NCCL, one GPU each) runs every case.
 """
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import seqfuse.ops as ops
-from helpers import BWD_FACTOR, REL_TOL, free_port, rel_error, run_workers
+from helpers import BWD_FACTOR, REL_TOL, rel_error, run_ranks, run_seed
 from seqfuse.modules.attention import DotProductAttention
 from seqfuse.parallel import context_parallel_attention, local_token_index
 
@@ -93,66 +92,50 @@ def _single_gpu(q, k, v, dout, fmt, causal, cu):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _worker(rank, world, port, out_dir, seed):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
-    ok = False
-    try:
-        group = dist.new_group(list(range(world)))
-        device = torch.device("cuda", rank)
-        stream = torch.cuda.Stream(device)
-        results = {}
-        for i, (fmt, mask, comm) in enumerate(CASES):
-            for dim in (64, 128):
-                q, k, v, dout, cu = _inputs(fmt, world, dim, seed + i, device)
-                causal = mask == "causal"
-                ref = _reference64(q, k, v, dout, fmt, causal, cu)
-                single = _single_gpu(q, k, v, dout, fmt, causal, cu)
-                ql, kl, vl, dl = (_local(x, fmt, world, rank, cu) for x in (q, k, v, dout))
-                ql, kl, vl = (x.requires_grad_() for x in (ql, kl, vl))
-                if comm == "p2p" and fmt == "bshd" and dim == 64:  # once through the module
-                    dpa = DotProductAttention(HEADS, dim, num_gqa_groups=KV_HEADS, qkv_format=fmt,
-                                              attn_mask_type=mask)
-                    dpa.set_context_parallel_group(group, dist.get_process_group_ranks(group), None, "p2p")
-                    out = dpa(ql, kl, vl).view(ql.shape)
-                else:
-                    out = context_parallel_attention(
-                        ql, kl, vl, cp_group=group, cp_stream=stream if comm == "p2p_stream" else None,
-                        cp_comm_type="all_gather" if comm == "all_gather" else "p2p", qkv_format=fmt,
-                        attn_mask_type=mask, cu_seqlens_q=cu, cu_seqlens_kv=cu)
-                out.backward(dl)
-                got = (out.detach(), ql.grad, kl.grad, vl.grad)
-                key = f"{fmt}-{mask}-{comm}-d{dim}"
-                results[key] = {
-                    "cp": [rel_error(g, _local(r, fmt, world, rank, cu)) for g, r in zip(got, ref)],
-                    "single": [rel_error(_local(s, fmt, world, rank, cu), _local(r, fmt, world, rank, cu))
-                               for s, r in zip(single, ref)],
-                }
-        torch.cuda.synchronize()
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        ok = True
-    finally:
-        if ok:
-            dist.barrier()
-        dist.destroy_process_group()
+def _ranks_body(rank, world, seed):
+    """Every case on GPU ``rank`` (run_ranks' body)."""
+    group = dist.new_group(list(range(world)))
+    device = torch.device("cuda", rank)
+    stream = torch.cuda.Stream(device)
+    results = {}
+    for i, (fmt, mask, comm) in enumerate(CASES):
+        for dim in (64, 128):
+            q, k, v, dout, cu = _inputs(fmt, world, dim, seed + i, device)
+            causal = mask == "causal"
+            ref = _reference64(q, k, v, dout, fmt, causal, cu)
+            single = _single_gpu(q, k, v, dout, fmt, causal, cu)
+            ql, kl, vl, dl = (_local(x, fmt, world, rank, cu) for x in (q, k, v, dout))
+            ql, kl, vl = (x.requires_grad_() for x in (ql, kl, vl))
+            if comm == "p2p" and fmt == "bshd" and dim == 64:  # once through the module
+                dpa = DotProductAttention(HEADS, dim, num_gqa_groups=KV_HEADS, qkv_format=fmt,
+                                          attn_mask_type=mask)
+                dpa.set_context_parallel_group(group, dist.get_process_group_ranks(group), None, "p2p")
+                out = dpa(ql, kl, vl).view(ql.shape)
+            else:
+                out = context_parallel_attention(
+                    ql, kl, vl, cp_group=group, cp_stream=stream if comm == "p2p_stream" else None,
+                    cp_comm_type="all_gather" if comm == "all_gather" else "p2p", qkv_format=fmt,
+                    attn_mask_type=mask, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+            out.backward(dl)
+            got = (out.detach(), ql.grad, kl.grad, vl.grad)
+            key = f"{fmt}-{mask}-{comm}-d{dim}"
+            results[key] = {
+                "cp": [rel_error(g, _local(r, fmt, world, rank, cu)) for g, r in zip(got, ref)],
+                "single": [rel_error(_local(s, fmt, world, rank, cu), _local(r, fmt, world, rank, cu))
+                           for s, r in zip(single, ref)],
+            }
+    return results
 
 
 @pytest.fixture(scope="module")
 def cuda_cp_results(tmp_path_factory):
     if _gpus() < 2:
         pytest.skip("context parallelism over NCCL needs at least 2 GPUs")
-    seed = int(os.environ.get("SEQFUSE_TEST_SEED", torch.randint(0, 2**31 - 1, ()).item()))
-    print(f"seed={seed}")
-    out = {}
-    for world in (2, 4):
-        if _gpus() < world:
-            continue
-        d = tmp_path_factory.mktemp(f"cpcuda{world}")
-        run_workers(_worker, (world, free_port(), str(d), seed), world, "spawn",
-                    f"NCCL context-parallel workers (world size {world})", timeout=300)
-        out[world] = [torch.load(d / f"rank{r}.pt") for r in range(world)]
-    return out
+    seed = run_seed()
+    return {world: run_ranks(_ranks_body, (seed,), world, tmp_path_factory.mktemp(f"cpcuda{world}"),
+                             f"NCCL context-parallel workers (world size {world})", backend="nccl", store="tcp",
+                             timeout=300)
+            for world in (2, 4) if _gpus() >= world}
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -28,14 +28,13 @@ preloaded) runs every case and saves its results; the tests read them.
 Shapes are tiny: the file takes seconds beyond the start.  The last test
 (cuda-marked) runs EP = 2 over NCCL on two GPUs.
 """
-import multiprocessing
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import REL_TOL, free_port, needs_cpu_fsdp2, rel_error, run_workers
+from helpers import REL_TOL, needs_cpu_fsdp2, rel_error, run_ranks, run_seed
 from seqfuse.modules import ExpertParallelGroupedMLP, GroupedMLP
 
 WORLD = 4
@@ -384,36 +383,23 @@ def _bad_arguments(groups):
     }
 
 
-def _worker(rank, world, port, out_dir, seed):
-    torch.set_num_threads(1)
-    # a TCP store: the meshes make several groups, each a rendezvous, much slower over a file store
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    ok = False
-    try:
-        groups = _ep_groups(world, rank)
-        results = {"equivalence": _equivalence(groups, rank, seed), "uneven": _uneven(groups, rank, seed),
-                   "averaged": _averaged(groups, rank, seed),
-                   "fp8": _fp8(groups, rank, seed),
-                   "clip": _clip(groups, rank, seed), "fsdp2": _fsdp2(groups, rank, seed, out_dir), "checkpoints": _checkpoints(groups, rank, seed, out_dir),
-                   "bad": _bad_arguments(groups)}
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        ok = True
-    finally:
-        from seqfuse.distributed import end_process_group
-
-        end_process_group(ok)
+def _ranks_body(rank, world, out_dir, seed):
+    """Every EP claim on this rank (run_ranks' body)."""
+    groups = _ep_groups(world, rank)
+    return {"equivalence": _equivalence(groups, rank, seed), "uneven": _uneven(groups, rank, seed),
+            "averaged": _averaged(groups, rank, seed), "fp8": _fp8(groups, rank, seed),
+            "clip": _clip(groups, rank, seed), "fsdp2": _fsdp2(groups, rank, seed, out_dir),
+            "checkpoints": _checkpoints(groups, rank, seed, out_dir), "bad": _bad_arguments(groups)}
 
 
 @pytest.fixture(scope="module")
 def ep_results(tmp_path_factory):
-    """[per-rank result dicts] of one start of WORLD processes."""
-    multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "seqfuse"])
-    seed = int(os.environ.get("SEQFUSE_TEST_SEED", torch.randint(0, 2**31 - 1, ()).item()))
-    print(f"seed={seed}")
+    """[per-rank result dicts] of one start of WORLD processes (a TCP store:
+    the meshes make several groups, each a rendezvous, much slower over a
+    file store)."""
     d = tmp_path_factory.mktemp("ep")
-    run_workers(_worker, (WORLD, free_port(), str(d), seed), WORLD, "forkserver",
-                f"expert-parallel workers (world size {WORLD})", timeout=240)
-    return [torch.load(d / f"rank{r}.pt") for r in range(WORLD)]
+    return run_ranks(_ranks_body, (str(d), run_seed()), WORLD, d, f"expert-parallel workers (world size {WORLD})",
+                     store="tcp")
 
 
 # ---- the tests ----------------------------------------------------------------------
@@ -580,52 +566,44 @@ def test_initialisation_does_not_depend_on_the_ep_size():
 CUDA_CASES = [("fp32", torch.float32), ("bf16", torch.bfloat16)]
 
 
-def _cuda_worker(rank, world, port, out_dir, seed):
+def _cuda_body(rank, world, seed):
+    """EP = 2 over NCCL against one GPU (run_ranks' body)."""
     from seqfuse.parallel import clip_grad_norm_, reduce_expert_parallel_grads
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    ok = False
-    try:
-        dev = torch.device("cuda", rank)
-        group = dist.new_group(list(range(world)))
-        res = {}
-        for name, dtype in CUDA_CASES:
-            for uneven in (False, True):
-                torch.manual_seed(seed)
-                full = GroupedMLP(256, 512, 8, 2, params_dtype=dtype, device=dev)
-                counts = [384 + 128 * r for r in range(world)]
-                gen = torch.Generator().manual_seed(seed + 1)
-                x = torch.randn(sum(counts), 256, generator=gen)
-                if uneven:  # every token to experts 0 and 1: rank 1's experts receive nothing
-                    x = x.abs() + 0.1
-                    with torch.no_grad():
-                        v = torch.full((256,), 0.05, device=dev, dtype=dtype)  # logits about 35 / 23 / -12
-                        full.router_weight.copy_(torch.stack([3 * v, 2 * v] + [-v] * 6))
-                x = x.to(dev, dtype)
-                dout = torch.randn(sum(counts), 256, generator=gen).to(dev, dtype)
-                rows = slice(sum(counts[:rank]), sum(counts[:rank + 1]))
-                layer = ExpertParallelGroupedMLP.from_full(full, group)
-                xr = x.clone().requires_grad_()
-                ref = full(xr)
-                ref.backward(dout)
-                xl = x[rows].clone().requires_grad_()
-                out = layer(xl)
-                out.backward(dout[rows])
-                reduce_expert_parallel_grads(layer, None, average=False)
-                grads = max(rel_error(p.grad, full.get_parameter(n).grad) for n, p in layer.named_parameters())
-                ref_norm = torch.nn.utils.clip_grad_norm_(full.parameters(), 1e-3)
-                norm = clip_grad_norm_(layer, 1e-3)
-                res[f"{name}{'-uneven' if uneven else ''}"] = {
-                    "out": rel_error(out, ref[rows]), "dx": rel_error(xl.grad, xr.grad[rows]), "grads": grads,
-                    "norm": rel_error(norm, ref_norm)}
-        res["fsdp2"] = _cuda_fsdp2(rank, world, dev, seed)
-        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-        ok = True
-    finally:
-        from seqfuse.distributed import end_process_group
-
-        end_process_group(ok)
+    dev = torch.device("cuda", rank)
+    group = dist.new_group(list(range(world)))
+    res = {}
+    for name, dtype in CUDA_CASES:
+        for uneven in (False, True):
+            torch.manual_seed(seed)
+            full = GroupedMLP(256, 512, 8, 2, params_dtype=dtype, device=dev)
+            counts = [384 + 128 * r for r in range(world)]
+            gen = torch.Generator().manual_seed(seed + 1)
+            x = torch.randn(sum(counts), 256, generator=gen)
+            if uneven:  # every token to experts 0 and 1: rank 1's experts receive nothing
+                x = x.abs() + 0.1
+                with torch.no_grad():
+                    v = torch.full((256,), 0.05, device=dev, dtype=dtype)  # logits about 35 / 23 / -12
+                    full.router_weight.copy_(torch.stack([3 * v, 2 * v] + [-v] * 6))
+            x = x.to(dev, dtype)
+            dout = torch.randn(sum(counts), 256, generator=gen).to(dev, dtype)
+            rows = slice(sum(counts[:rank]), sum(counts[:rank + 1]))
+            layer = ExpertParallelGroupedMLP.from_full(full, group)
+            xr = x.clone().requires_grad_()
+            ref = full(xr)
+            ref.backward(dout)
+            xl = x[rows].clone().requires_grad_()
+            out = layer(xl)
+            out.backward(dout[rows])
+            reduce_expert_parallel_grads(layer, None, average=False)
+            grads = max(rel_error(p.grad, full.get_parameter(n).grad) for n, p in layer.named_parameters())
+            ref_norm = torch.nn.utils.clip_grad_norm_(full.parameters(), 1e-3)
+            norm = clip_grad_norm_(layer, 1e-3)
+            res[f"{name}{'-uneven' if uneven else ''}"] = {
+                "out": rel_error(out, ref[rows]), "dx": rel_error(xl.grad, xr.grad[rows]), "grads": grads,
+                "norm": rel_error(norm, ref_norm)}
+    res["fsdp2"] = _cuda_fsdp2(rank, world, dev, seed)
+    return res
 
 
 def _cuda_fsdp2(rank, world, dev, seed):
@@ -668,12 +646,9 @@ def test_ep2_on_two_gpus_over_nccl(tmp_path):
         pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
     if not dist.is_nccl_available():
         pytest.skip("torch.distributed has no NCCL")
-    seed = int(os.environ.get("SEQFUSE_TEST_SEED", torch.randint(0, 2**31 - 1, ()).item()))
-    print(f"seed={seed}")
-    run_workers(_cuda_worker, (2, free_port(), str(tmp_path), seed), 2, "spawn", "expert-parallel NCCL workers",
-                timeout=300)
-    for rank in range(2):
-        res = torch.load(tmp_path / f"rank{rank}.pt")
+    results = run_ranks(_cuda_body, (run_seed(),), 2, tmp_path, "expert-parallel NCCL workers", backend="nccl",
+                        store="tcp", timeout=300)
+    for rank, res in enumerate(results):
         for name, dtype in CUDA_CASES:
             for case in (name, name + "-uneven"):
                 r = res[case]

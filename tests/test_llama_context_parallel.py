@@ -19,14 +19,12 @@ preloaded) runs every case; the tests read the saved errors.  A cuda-marked
 test does the same over NCCL on two GPUs (float32) against the same model
 on one GPU.
 """
-import multiprocessing
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import BWD_FACTOR, REL_TOL, rel_error, run_workers
+from helpers import BWD_FACTOR, REL_TOL, rel_error, run_ranks, run_seed
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -134,31 +132,20 @@ def _refusals(group, rank):
     return out
 
 
-def _worker(rank, world, init_file, out_dir, seed):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    ok = False
-    try:
-        group = dist.new_group(list(range(world)))
-        res = {f"{f}-{c}": _compare(f, c, group, rank, seed + i) for i, (f, c) in enumerate(CASES)}
+def _ranks_body(rank, world, seed, device="cpu"):
+    """Every case on this rank (run_ranks' body); ``device`` "cuda" runs on GPU ``rank``."""
+    group = dist.new_group(list(range(world)))
+    dev = f"cuda:{rank}" if device == "cuda" else device
+    res = {f"{f}-{c}": _compare(f, c, group, rank, seed + i, device=dev) for i, (f, c) in enumerate(CASES)}
+    if device == "cpu":
         res["refusals"] = _refusals(group, rank)
-        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-        ok = True
-    finally:
-        if ok:
-            dist.barrier()
-        dist.destroy_process_group()
+    return res
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "seqfuse", "seqfuse.hf"])
-    seed = int(os.environ.get("SEQFUSE_TEST_SEED", torch.randint(0, 2**31 - 1, ()).item()))
-    print(f"seed={seed}")
-    d = tmp_path_factory.mktemp("llama_cp")
-    run_workers(_worker, (WORLD, str(d / "init"), str(d), seed), WORLD, "forkserver",
-                "Llama context-parallel workers", timeout=180)
-    return [torch.load(d / f"rank{r}.pt") for r in range(WORLD)]
+    return run_ranks(_ranks_body, (run_seed(),), WORLD, tmp_path_factory.mktemp("llama_cp"),
+                     "Llama context-parallel workers", timeout=180, preload=("torch", "seqfuse", "seqfuse.hf"))
 
 
 @pytest.mark.parametrize("case", [f"{f}-{c}" for f, c in CASES])
@@ -184,20 +171,6 @@ def test_llama_cp_refusals_and_shift_labels(results):
 
 # ---- two GPUs over NCCL ----------------------------------------------------------
 
-def _cuda_worker(rank, world, init_file, out_dir, seed):
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
-    try:
-        group = dist.new_group(list(range(world)))
-        res = {f"{f}-{c}": _compare(f, c, group, rank, seed + i, device=f"cuda:{rank}") for i, (f, c) in
-               enumerate(CASES)}
-        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_llama_cp2_equals_cp1_nccl(tmp_path):
@@ -206,11 +179,9 @@ def test_llama_cp2_equals_cp1_nccl(tmp_path):
     GPU, within 1e-4 (loss) and 2e-3 (gradients), which leaves room for
     TF32 in the GPU's float32 GEMMs (the two runs' attention differs in its
     merge order, and the difference passes through them)."""
-    seed = 1234
-    run_workers(_cuda_worker, (2, str(tmp_path / "init"), str(tmp_path), seed), 2, "spawn",
-                "Llama context-parallel NCCL workers", timeout=300)
-    for r in range(2):
-        res = torch.load(tmp_path / f"rank{r}.pt")
+    results = run_ranks(_ranks_body, (1234, "cuda"), 2, tmp_path, "Llama context-parallel NCCL workers",
+                        backend="nccl", timeout=300)
+    for r, res in enumerate(results):
         for case, (e_loss, e_grad, worst, e_again, _) in res.items():
             assert e_loss <= 1e-4, (r, case, e_loss)
             assert e_grad <= 2e-3, (r, case, worst, e_grad)
