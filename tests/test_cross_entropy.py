@@ -252,8 +252,19 @@ def test_cuda_autograd_vs_torch(reduction, seed):
 
 @pytest.mark.cuda
 def test_cuda_bad_label_gives_nan():
+    """With the host label check off (set_label_checks(False), no sync), a
+    label out of range marks its row NaN; with it on (the default), the call
+    raises naming the label (tests/test_device_checks_cuda.py)."""
+    from seqfuse.ops.device_checks import set_label_checks
     logits = torch.randn(3, 10, device="cuda")
-    loss, _ = cross_entropy_forward(logits, torch.tensor([1, 10, -100], device="cuda"))
+    labels = torch.tensor([1, 10, -100], device="cuda")
+    with pytest.raises(ValueError, match="'labels' holds 10 at row 1"):
+        cross_entropy_forward(logits, labels)
+    previous = set_label_checks(False)
+    try:
+        loss, _ = cross_entropy_forward(logits, labels)
+    finally:
+        set_label_checks(previous)
     assert torch.isfinite(loss[0]) and torch.isnan(loss[1]) and loss[2] == 0
 
 

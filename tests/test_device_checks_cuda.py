@@ -129,7 +129,7 @@ def test_bad_cu_seqlens_raise_on_cuda():
     with pytest.raises(ValueError, match="'cu_seqlens_q' must start at 0"):
         _thd(good + 2, good)
     with pytest.raises(ValueError, match="'cu_seqlens_kv' must be non-decreasing"):
-        _thd(good, torch.tensor([0, 6, 3], dtype=torch.int32, device="cuda"))
+        _thd(good, torch.tensor([0, 4, 3], dtype=torch.int32, device="cuda"))  # lengths within max_seqlen 5
     with pytest.raises(ValueError, match="'cu_seqlens_q' ends at 10, beyond the 8 tokens"):
         _thd(torch.tensor([0, 5, 10], dtype=torch.int32, device="cuda"), good)
     q = torch.randn(8, 2, 16, device="cuda").bfloat16()

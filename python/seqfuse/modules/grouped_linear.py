@@ -65,20 +65,23 @@ class GroupedLinearFunction(torch.autograd.Function):
     """Autograd of y_g = x_g W_g^T + b_g over host m_splits.
 
     forward(x [sum(m_splits), in], m_splits (tuple of ints), dtype, num_gemms,
-    use_bias, *weights, *biases)."""
+    use_bias, allow_tf32, *weights, *biases).  allow_tf32: float32 operands
+    on TF32 tensor cores (the modules' default, as TE's GEMMs; accelerate()'s
+    expert swap passes torch.backends.cuda.matmul.allow_tf32 instead, the
+    setting the replaced transformers module computed under)."""
 
     @staticmethod
-    def forward(ctx, x, m_splits, dtype, G, use_bias, *params):
+    def forward(ctx, x, m_splits, dtype, G, use_bias, allow_tf32, *params):
         weights, biases = params[:G], params[G:] if use_bias else None
         xc = (x if x.dtype == dtype else x.to(dtype)).detach()
         wc = [(w if w.dtype == dtype else w.to(dtype)).detach() for w in weights]
         bc = None
         if use_bias:
             bc = [(b if b.dtype == dtype else b.to(dtype)).detach() for b in biases]
-        y = moe_ops.grouped_gemm(xc, wc, m_splits, transb=True, bias=bc)
+        y = moe_ops.grouped_gemm(xc, wc, m_splits, transb=True, bias=bc, allow_tf32=allow_tf32)
         ctx.save_for_backward(xc, *wc)
         ctx.weights = weights  # the parameter objects, for main_grad
-        ctx.m_splits, ctx.dtype, ctx.G, ctx.use_bias = m_splits, dtype, G, use_bias
+        ctx.m_splits, ctx.dtype, ctx.G, ctx.use_bias, ctx.tf32 = m_splits, dtype, G, use_bias, allow_tf32
         ctx.bias_dtypes = [b.dtype for b in biases] if use_bias else None
         return y
 
@@ -88,9 +91,10 @@ class GroupedLinearFunction(torch.autograd.Function):
         G, dtype, splits = ctx.G, ctx.dtype, ctx.m_splits
         dy = moe_ops.dense(dy if dy.dtype == dtype else dy.to(dtype))
         need_dx = ctx.needs_input_grad[0]
-        need_dw = any(ctx.needs_input_grad[5:5 + G])
-        need_db = ctx.use_bias and any(ctx.needs_input_grad[5 + G:])
-        dx = moe_ops.grouped_gemm(dy, wc, splits) if need_dx else None
+        need_dw = any(ctx.needs_input_grad[6:6 + G])
+        need_db = ctx.use_bias and any(ctx.needs_input_grad[6 + G:])
+        tf32 = ctx.tf32
+        dx = moe_ops.grouped_gemm(dy, wc, splits, allow_tf32=tf32) if need_dx else None
         dws = [None] * G
         dbs = [None] * G if ctx.use_bias else []
         if need_dw or need_db:
@@ -99,9 +103,9 @@ class GroupedLinearFunction(torch.autograd.Function):
             use_main = need_dw and all(m is not None for m in mains)
             if use_main:
                 res = moe_ops.grouped_gemm(dy, xc, splits, transa=True, out=mains, accumulate=True,
-                                           bgrad=need_db)
+                                           bgrad=need_db, allow_tf32=tf32)
             else:
-                res = moe_ops.grouped_gemm(dy, xc, splits, transa=True, bgrad=need_db)
+                res = moe_ops.grouped_gemm(dy, xc, splits, transa=True, bgrad=need_db, allow_tf32=tf32)
             if need_db:
                 res, db = res
                 dbs = [db[g].to(ctx.bias_dtypes[g]) for g in range(G)]
@@ -111,7 +115,7 @@ class GroupedLinearFunction(torch.autograd.Function):
             elif need_dw:
                 dws = [res[g] if res.dtype == weights[g].dtype else res[g].to(weights[g].dtype)
                        for g in range(G)]
-        return (dx, None, None, None, None, *dws, *dbs)
+        return (dx, None, None, None, None, None, *dws, *dbs)
 
 
 class GroupedLinear(torch.nn.Module):
@@ -228,7 +232,7 @@ class GroupedLinear(torch.nn.Module):
             y = Fp8GroupedLinearFunction.apply(x, splits, dtype, self.num_gemms, use_bias,
                                                (q, is_first_microbatch), *params)
         else:
-            y = GroupedLinearFunction.apply(x, splits, dtype, self.num_gemms, use_bias, *params)
+            y = GroupedLinearFunction.apply(x, splits, dtype, self.num_gemms, use_bias, True, *params)
         if inp.dim() != 2:
             y = y.view(*lead, self.out_features)
         if self.return_bias:
