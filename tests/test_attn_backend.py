@@ -168,8 +168,8 @@ BROKEN = [
     ("deterministic", dict(deterministic_algorithms=True)),
     ("dtype", dict(dtype=torch.float32)),
     ("dtype", dict(dtype=torch.float64)),
-    ("gqa", dict(heads_kv=4)),
-    ("gqa", dict(heads_kv=1)),
+    ("gqa", dict(heads_kv=3)),  # 20 q heads: not a multiple of 3
+    ("gqa", dict(heads_kv=0)),
     ("head_dim", dict(head_dim=60)),
     ("head_dim", dict(head_dim=136)),
     ("head_dim", dict(head_dim=256)),
@@ -187,6 +187,7 @@ STILL_ELIGIBLE = [
     dict(window_size=(-1, -1)), dict(window_size=[-1, -1]), dict(window_size=(-1, 0), attn_mask_type="causal"),
     dict(window_size=(-1, 0), attn_mask_type="causal_bottom_right"), dict(dtype=torch.float16),
     dict(head_dim=8), dict(head_dim=72), dict(head_dim=128), dict(s_q=2, s_kv=2), dict(heads_q=1, heads_kv=1),
+    dict(heads_kv=4), dict(heads_kv=1),  # GQA and MQA: SDPA's enable_gqa
     dict(batch=65535, heads_q=65535, heads_kv=65535),
     dict(capability=(8, 0), check_capability=False),  # forced cudnn skips the speed rule
 ]
@@ -213,7 +214,7 @@ def test_rules_are_checked_in_the_documented_order():
     order = ["qkv_format", "padding", "lengths", "window", "dropout", "deterministic", "dtype", "gqa",
              "head_dim", "device", "capability", "cudnn_sdp_enabled"]
     broken = dict(qkv_format="thd", cu_seqlens=True, s_kv=3, window_size=(4, 4), dropout_p=0.5,
-                  deterministic=True, dtype=torch.float32, heads_kv=2, head_dim=12, device_type="cpu",
+                  deterministic=True, dtype=torch.float32, heads_kv=3, head_dim=12, device_type="cpu",
                   capability=(8, 0), cudnn_enabled=False)
     fixes = dict(qkv_format="bshd", cu_seqlens=False, s_kv=1024, window_size=None, dropout_p=0.0,
                  deterministic=False, dtype=torch.bfloat16, heads_kv=20, head_dim=64, device_type="cuda",
@@ -247,7 +248,7 @@ CPU_CASES = [
     ("dropout", "bshd", "no_mask", dict(dropout_p=0.1)),
     ("deterministic", "bshd", "causal", dict(deterministic=True)),
     ("dtype", "bshd", "no_mask", dict(dtype=torch.float32)),
-    ("gqa", "sbhd", "no_mask", dict(hk=1)),
+    ("gqa", "sbhd", "no_mask", dict(hk=3)),  # 2 q heads
     ("head_dim", "bshd", "no_mask", dict(d=20)),
     ("inputs", "bshd", "no_mask", dict(v_dtype=torch.float16)),
     ("device", "bshd", "no_mask", {}),
@@ -522,6 +523,74 @@ def test_forced_cudnn_refuses_packed_calls(emulated_h200):
         seqfuse.ops.attention(q, q, q, **kw)
 
 
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
+@pytest.mark.parametrize("hk", [1, 2])
+def test_route_gqa(fmt, hk, sdpa_calls, emulated_h200):
+    """Fewer k/v heads (a divisor of the q heads) take the cuDNN route with
+    SDPA's enable_gqa; out and gradients equal seqfuse's kernels'."""
+    b, s, h, d = 2, 7, 4, 16
+    seqfuse.ops.set_attention_backend("auto")
+    q = layout(fmt, b, s, h, d, requires_grad=True)
+    k, v = (layout(fmt, b, s, hk, d, requires_grad=True) for _ in range(2))
+    assert seqfuse.ops.attention_backend(q, k, v, qkv_format=fmt, attn_mask_type="causal") == \
+        ("cudnn", f"{fmt} causal d={d} bfloat16 gqa runs cuDNN fused attention through torch SDPA")
+    def run(a, b_, c):
+        return seqfuse.ops.attention(a, b_, c, qkv_format=fmt, attn_mask_type="causal")
+    dout = torch.randn(q.shape).bfloat16()
+    ours = _grads_of(run, (q, k, v), dout)
+    assert len(sdpa_calls) == 1 and sdpa_calls[0][1]["enable_gqa"] is True
+    assert sdpa_calls[0][0][1].shape == (b, hk, s, d)  # k as it is, not expanded
+    seqfuse.ops.set_attention_backend("seqfuse")
+    ref = _grads_of(run, (q, k, v), dout)
+    assert rel_error(ours[0], ref[0]) <= rel_tol(torch.bfloat16)
+    for g, r in zip(ours[1], ref[1]):
+        assert rel_error(g, r) <= rel_tol(torch.bfloat16, BWD_FACTOR)
+
+
+def _grads_of(fn, tensors, dout):
+    xs = [t.detach().clone().requires_grad_() for t in tensors]
+    out = fn(*xs)
+    out.backward(dout)
+    return out.detach(), [x.grad for x in xs]
+
+
+@pytest.mark.parametrize("mask,as_mask", [("padding", "no_mask"), ("padding_causal", "causal"),
+                                          ("causal", "causal"), ("no_mask", "no_mask")])
+@pytest.mark.parametrize("hk", [2, 1])
+def test_route_thd_of_equal_lengths(mask, as_mask, hk, sdpa_calls, emulated_h200):
+    """Packed sequences all of one length L, under one cu_seqlens tensor,
+    run the cuDNN route on the [b, L] view, equal to seqfuse's thd kernels;
+    unequal lengths, a tail past the last sequence, or two cu_seqlens
+    tensors do not (the call key holds L, so the same shapes can differ)."""
+    h, d, lengths = 2, 16, [6, 6, 6]
+    q = torch.randn(18, h, d).bfloat16()
+    k, v = torch.randn(18, hk, d).bfloat16(), torch.randn(18, hk, d).bfloat16()
+    cu = cu_seqlens(lengths)
+    kw = dict(qkv_format="thd", attn_mask_type=mask, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=6,
+              max_seqlen_kv=6)
+    seqfuse.ops.set_attention_backend("auto")
+    name, reason = seqfuse.ops.attention_backend(q, k, v, **kw)
+    assert name == "cudnn" and "every sequence 6 tokens long" in reason and "as bshd [3, 6]" in reason, reason
+    dout = torch.randn(q.shape).bfloat16()
+    ours = _grads_of(lambda a, b_, c: seqfuse.ops.attention(a, b_, c, **kw), (q, k, v), dout)
+    assert len(sdpa_calls) == 1
+    args, kwargs, _ = sdpa_calls[0]
+    assert args[0].shape == (3, h, 6, d) and kwargs["is_causal"] == (as_mask == "causal")
+    assert ours[0].shape == q.shape
+    seqfuse.ops.set_attention_backend("seqfuse")
+    ref = _grads_of(lambda a, b_, c: seqfuse.ops.attention(a, b_, c, **kw), (q, k, v), dout)
+    assert rel_error(ours[0], ref[0]) <= rel_tol(torch.bfloat16)
+    for g, r in zip(ours[1], ref[1]):
+        assert rel_error(g, r) <= rel_tol(torch.bfloat16, BWD_FACTOR)
+    seqfuse.ops.set_attention_backend("auto")
+    for other in (cu_seqlens([5, 7, 6]), cu_seqlens([6, 6])):  # unequal; a tail of 6 tokens
+        kw2 = dict(kw, cu_seqlens_q=other, cu_seqlens_kv=other, max_seqlen_q=7, max_seqlen_kv=7)
+        name, reason = seqfuse.ops.attention_backend(q, k, v, **kw2)
+        assert name != "cudnn" and reason.startswith("qkv_format"), reason
+    assert seqfuse.ops.attention_backend(q, k, v, **dict(kw, cu_seqlens_kv=cu.clone()))[0] != "cudnn"
+    assert seqfuse.ops.attention_backend(q, k, v, **kw)[0] == "cudnn"
+
+
 def test_auto_does_not_swallow_cuda_errors(monkeypatch, emulated_h200):
     """A CUDA error leaves the context broken: re-raised, not remembered."""
     def broken(*args, **kwargs):
@@ -669,8 +738,80 @@ def test_cuda_auto_picks_cudnn_for_esm2_on_h200(sdpa_calls, caplog):
     _assert_finite(out, q.grad, k.grad, v.grad)
 
 
-ROUTE_OF_RULE = {"dropout": "flash", "padding": "flash", "gqa": "flash", "window": "flash",
+ROUTE_OF_RULE = {"dropout": "flash", "padding": "flash", "window": "flash",
                  "deterministic": "seqfuse", "head_dim": "seqfuse", "dtype": "torch_fp32"}
+
+
+def _thd_case(lengths, h, hk, d, dtype, rng):
+    """q, k, v, dout packed [t, h, d] with no tail, and the lengths."""
+    t = sum(lengths)
+    q = torch.randn(t, h, d, device="cuda").to(dtype)
+    k, v = (torch.randn(t, hk, d, device="cuda").to(dtype) for _ in range(2))
+    return q, k, v, torch.randn(t, h, d, device="cuda").to(dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mask", ["no_mask", "causal"])
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
+@pytest.mark.parametrize("h,hk,d", [(8, 2, 64), (4, 1, 128), (6, 3, 64)])
+def test_cuda_cudnn_route_gqa(h, hk, d, fmt, mask, seed, sdpa_calls):
+    """GQA/MQA on the cuDNN route (SDPA's enable_gqa): auto picks it on an
+    H200, and out and gradients match the float64 reference as the seqfuse
+    kernels do."""
+    rng = random.Random(seed)
+    dtype = torch.bfloat16
+    q, k, v, dout, _, _ = make_case(fmt, mask, 2, 300, 300, h, hk, d, dtype, rng)
+    if torch.cuda.get_device_capability() == (9, 0):
+        seqfuse.ops.set_attention_backend("auto")
+        name, reason = seqfuse.ops.attention_backend(q, k, v, qkv_format=fmt, attn_mask_type=mask)
+        assert name == "cudnn" and " gqa " in reason, reason
+    seqfuse.ops.set_attention_backend("cudnn")
+    out, grads = _run(q, k, v, dout, fmt, mask)
+    assert len(sdpa_calls) == 1 and sdpa_calls[0][1].get("enable_gqa") is True
+    seqfuse.ops.set_attention_backend("seqfuse")
+    out_s, grads_s = _run(q, k, v, dout, fmt, mask)
+    ref, ref_grads = run_reference(q, k, v, dout, fmt, mask, None, None)
+    what = f"gqa {h}/{hk} {fmt} {mask} d={d}"
+    check(out, grads, ref, ref_grads, dtype, "cudnn " + what)
+    check(out_s, grads_s, ref, ref_grads, dtype, "seqfuse " + what)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mask", ["padding", "padding_causal", "causal"])
+@pytest.mark.parametrize("h,hk", [(4, 4), (8, 2)])
+def test_cuda_thd_of_equal_lengths_runs_cudnn_as_bshd(h, hk, mask, seed, sdpa_calls):
+    """A packed batch whose one cu_seqlens splits every token into sequences
+    of the same length runs cuDNN on the [b, L] view (no extra sync: the
+    cu_seqlens check's facts), matching the reference; the same shapes with
+    unequal lengths stay off it (the call key holds the length)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("auto takes the torch routes on compute capability 9.0 only")
+    rng = random.Random(seed)
+    dtype, d, lengths = torch.bfloat16, 64, [256] * 3
+    q, k, v, dout = _thd_case(lengths, h, hk, d, dtype, rng)
+    cu = cu_seqlens(lengths, "cuda")
+    kw = dict(qkv_format="thd", attn_mask_type=mask, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=256,
+              max_seqlen_kv=256)
+    seqfuse.ops.set_attention_backend("auto")
+    name, reason = seqfuse.ops.attention_backend(q, k, v, **kw)
+    assert name == "cudnn" and "as bshd [3, 256]" in reason, reason
+    qf, kf, vf = (_fresh(x) for x in (q, k, v))
+    out = seqfuse.ops.attention(qf, kf, vf, **kw)
+    out.backward(dout)
+    assert len(sdpa_calls) == 1 and sdpa_calls[0][0][0].shape == (3, h, 256, d)
+    ref, ref_grads = run_reference(q, k, v, dout, "thd", mask, lengths, lengths)
+    check(out, (qf.grad, kf.grad, vf.grad), ref, ref_grads, dtype, f"uniform thd {mask} {h}/{hk}")
+    # the same shapes, unequal lengths: not the bshd view
+    other = cu_seqlens([200, 312, 256], "cuda")
+    kw2 = dict(kw, cu_seqlens_q=other, cu_seqlens_kv=other, max_seqlen_q=312, max_seqlen_kv=312)
+    assert seqfuse.ops.attention_backend(q, k, v, **kw2)[0] != "cudnn"
+    out2 = seqfuse.ops.attention(q, k, v, **kw2)
+    assert len(sdpa_calls) == 1
+    ref2, _ = run_reference(q, k, v, dout, "thd", mask, [200, 312, 256], [200, 312, 256])
+    assert rel_error(out2, ref2) <= rel_tol(dtype)
+    # two cu_seqlens tensors (even equal ones) are not taken as one batch of equal lengths
+    kw3 = dict(kw, cu_seqlens_kv=cu.clone())
+    assert seqfuse.ops.attention_backend(q, k, v, **kw3)[0] != "cudnn"
 
 
 @pytest.mark.cuda

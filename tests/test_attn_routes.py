@@ -258,8 +258,12 @@ CHOICES = [  # (what, the call, expected route, the reason's start)
     ("bshd padding, cu of b", lambda: padded_case("bshd", 3, 6, 6, [6, 3]), dict(attn_mask_type="padding"),
      "seqfuse", "inputs: cu_seqlens must have b+1 elements"),
     ("bshd no_mask", lambda: padded_case("bshd", 2, 6, 6, [6, 3])[:3] + ({},), dict(), "cudnn", "bshd no_mask"),
-    ("bshd gqa", lambda: padded_case("bshd", 2, 6, 6, [6, 3], hk=2)[:3] + ({},), dict(), "flash",
-     "bshd no_mask d=16 bfloat16 gqa"),
+    ("bshd gqa", lambda: padded_case("bshd", 2, 6, 6, [6, 3], hk=2)[:3] + ({},), dict(), "cudnn",
+     "bshd no_mask d=16 bfloat16 gqa runs cuDNN"),
+    ("bshd gqa, window", lambda: padded_case("bshd", 2, 6, 6, [6, 3], hk=2)[:3] + ({},), dict(window_size=(2, 1)),
+     "flash", "bshd no_mask d=16 bfloat16 gqa window"),
+    ("thd, equal lengths", lambda: thd_case([6, 6], h=4, hk=2), dict(attn_mask_type="padding_causal"), "cudnn",
+     "thd padding_causal d=16 bfloat16 gqa, every sequence 6 tokens long"),
     ("bshd window", lambda: padded_case("bshd", 2, 6, 6, [6, 3])[:3] + ({},), dict(window_size=(2, 1)), "flash",
      "bshd no_mask d=16 bfloat16 window"),
     ("sbhd causal s_q != s_kv", lambda: padded_case("sbhd", 2, 6, 8, [6, 3])[:3] + ({"qkv_format": "sbhd"},),
@@ -455,7 +459,7 @@ def test_flash_route_padded(what, fmt, b, s_q, s_kv, lq, lk, extra, flash_calls)
 
 
 DENSE_RUNS = [
-    ("bshd gqa causal", "bshd", 6, 6, 2, dict(attn_mask_type="causal")),
+    ("bshd gqa causal window", "bshd", 6, 6, 2, dict(attn_mask_type="causal", window_size=(2, 0))),  # GQA alone: cuDNN
     ("sbhd mqa bottom-right s_q > s_kv", "sbhd", 7, 4, 1, dict(attn_mask_type="causal_bottom_right")),
     ("bshd window", "bshd", 9, 9, 4, dict(window_size=(1, 2))),
     ("sbhd window causal", "sbhd", 9, 9, 4, dict(attn_mask_type="causal", window_size=(3, 0))),

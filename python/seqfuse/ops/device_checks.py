@@ -79,12 +79,13 @@ def _cu_problem(cu, max_len):
     check_cu_seqlens, csrc/rope/rope.c), as Python ints read in one host
     transfer: the first element; the first i where sequence i is negative
     (a decrease) or longer than ``max_len`` (-1 if none) and its length; the
-    last element."""
+    last element; and, read in the same transfer for the attention router
+    (``uniform_length``), the shortest and the longest sequence."""
     c = cu.to(torch.int64)
     d = c[1:] - c[:-1]
     bad = d < 0 if max_len is None else (d < 0) | (d > max_len)
     i = torch.where(bad.any(), bad.to(torch.int8).argmax(), torch.full_like(d[0], -1))
-    vals = torch.stack((c[0], i, d[i.clamp(min=0)], c[-1]))
+    vals = torch.stack((c[0], i, d[i.clamp(min=0)], c[-1], d.min(), d.max()))
     return tuple(int(x) for x in vals.tolist())  # the one synchronization
 
 
@@ -92,7 +93,7 @@ def _cu_message(op, name, cu, facts, extent, max_len, max_what):
     """The C entry's message for the first rule the facts break (C's order:
     the start, then sequence by sequence a decrease or a length, then the
     end), or None."""
-    first, i, length, last = facts
+    first, i, length, last = facts[:4]
     if first != 0:
         return f"{op}: argument '{name}' must start at 0, got {first}"
     if i >= 0 and length < 0:
@@ -115,6 +116,26 @@ def _facts(cu, max_len):
     if _cu_facts is None:  # made on first use; tests set it back to None to forget
         _cu_facts = PerTensorCache(_cu_problem)
     return _cu_facts(cu, max_len)
+
+
+def uniform_length(cu, extent, max_len=None):
+    """L when the valid int32 cu_seqlens ``cu`` splits exactly ``extent``
+    tokens into sequences all of length L (starts at 0, ends at ``extent``,
+    every length L >= 1), else None.  On CUDA it reuses the facts
+    ``check_cu_seqlens`` read for the same tensor and ``max_len`` (no second
+    synchronization; ``attention`` checks before it routes) and answers None
+    under CUDA graph capture (a replay may hold other lengths); CPU tensors
+    are read directly.  The attention router runs such a packed batch as the
+    padding-free [b, L] batch it is."""
+    if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
+        return None
+    if _capturing(cu) or not _readable(cu):
+        return None
+    facts = _cu_problem(cu, max_len) if cu.device.type in HOST_READ else _facts(cu, max_len)
+    first, i, _, last, shortest, longest = facts
+    if first != 0 or i >= 0 or last != extent or shortest != longest or shortest < 1:
+        return None
+    return shortest
 
 
 def check_cu_seqlens(op, name, cu, extent=None, max_len=None, max_what=None):
