@@ -54,7 +54,6 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "esm2"))  # common: the ESM-2 benchmarks' batches and model
 
@@ -138,7 +137,8 @@ def run_pair(table, case, make_fn, iters, warmup, note):
         ms, host = res[on]
         table.add(case=case, checks="on" if on else "off", ms_per_call=ms, host_us_per_call=host,
                   cost_us=(ms_on - ms_off) * 1e3 if on else 0.0,
-                  cost_pct=100.0 * (ms_on - ms_off) / ms_off if on else 0.0, iters=iters, note=note)
+                  cost_pct=100.0 * (ms_on - ms_off) / ms_off if on else 0.0,
+                  host_cost_us=host_on - host_off if on else 0.0, iters=iters, note=note)
 
 
 def bench_ce(table, args):
@@ -270,7 +270,7 @@ def main(argv=None):
     if bad:
         raise SystemExit(f"bench_device_checks: --only {bad}: not among {list(parts)}")
     table = Table("device_checks", ["case", "checks", "ms_per_call", "host_us_per_call", "cost_us", "cost_pct",
-                                    "iters", "note"])
+                                    "host_cost_us", "iters", "note"])
     for name in chosen:
         parts[name](table, args)
         torch.cuda.empty_cache()
