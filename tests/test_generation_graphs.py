@@ -133,6 +133,28 @@ def test_graph_refusal_reasons():
     assert "RoutedOnly" in generation._graph_refusal(mx, cuda, 1)
 
 
+@needs_fp8
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_fp8_decode_casts_each_weight_once(family):
+    """Under FP8 autocast (eager decode: graphs are refused there) a
+    weight is cast to FP8 once per generate, in the prefill: the decode
+    steps reuse the cast (the weight's version has not moved)."""
+    from seqfuse.common.recipe import DelayedScaling
+    from seqfuse.pytorch import fp8_autocast
+    from seqfuse.quantization import weight_casts
+
+    _, seqs = L.batch((16,), seed=6)
+    counts = []
+    for new in (1, 8):
+        m = llama() if family == "llama" else mixtral()  # (a fresh model: no cast cached yet)
+        before = weight_casts(m)
+        with fp8_autocast(enabled=True, fp8_recipe=DelayedScaling()):
+            out = m.generate(seqs[0][None], max_new_tokens=new, eos_token_id=[])
+        assert out.shape == (1, new)
+        counts.append(weight_casts(m) - before)
+    assert counts[0] > 0 and counts[1] == counts[0], counts
+
+
 def test_weights_signature():
     m = llama()
     sig = weights_signature(m)
