@@ -207,9 +207,14 @@ def _grad_error(a, b):
     return max(float((a[k] - b[k]).norm() / a[k].norm().clamp_min(1e-12)) for k in a)
 
 
+PRECISIONS = {"bf16": ["precision.recipe=bf16"], "fp8_delayed": ["precision.recipe=fp8_delayed"],
+              # per-layer precision: layer 0 runs without FP8 inside the FP8 region, in its graph too
+              "fp8_delayed_bf16_layer0": ["precision.recipe=fp8_delayed", "precision.bf16_first_layers=1"]}
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("recipe", ["bf16", "fp8_delayed"])
-def test_cuda_graphed_recipe_trains_as_eager(recipe, monkeypatch, caplog):
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_cuda_graphed_recipe_trains_as_eager(precision, monkeypatch, caplog):
     """Six optimizer steps of two micro-batches each, validation after step
     3: the graphed run's losses and gradients equal the eager run's (the
     same kernels in the same order; they may differ only by the order of
@@ -217,8 +222,9 @@ def test_cuda_graphed_recipe_trains_as_eager(recipe, monkeypatch, caplog):
     steps can carry forward), every training micro-batch replays the graphs
     (2 graphs per layer: forward and backward) and only validation runs
     eagerly, saying so."""
-    base = FIXED + ["device=cuda", f"precision.recipe={recipe}", "train.steps=6", "train.grad_accum=2",
-                    "train.eval_interval=3", "train.warmup_steps=2", "precision.amax_history_len=4"]
+    base = FIXED + PRECISIONS[precision] + ["device=cuda", "train.steps=6", "train.grad_accum=2",
+                                            "train.eval_interval=3", "train.warmup_steps=2",
+                                            "precision.amax_history_len=4"]
     eager_grads, graph_grads = [], []
     eager = _run(base, monkeypatch, eager_grads)
     replays = []
