@@ -330,3 +330,79 @@ def test_cuda_meta_model_materialises_and_trains():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+def _cross_attention(q, k, v, lengths_k, scale, window):
+    """Non-causal attention of q [b, s, h, d] over k, v [b, s_k, g, d] with
+    key padding (lengths_k) and TE's sliding window for non-causal masks
+    (bottom_right_diagonal's default, True there): query i of a sequence
+    keeps keys [i + len_k - len_q - window[0], i + len_k - len_q + window[1]]."""
+    b, s, h, d = q.shape
+    k, v = (t.repeat_interleave(h // t.shape[2], dim=2) for t in (k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    qi, ki = torch.arange(s)[:, None], torch.arange(k.shape[1])[None, :]
+    keep = torch.zeros(b, 1, s, k.shape[1], dtype=torch.bool)
+    for n in range(b):
+        row = ki < lengths_k[n]
+        if window is not None:
+            shift = lengths_k[n] - s
+            row = row & (ki >= qi + shift - window[0]) & (ki <= qi + shift + window[1])
+        keep[n, 0] = row
+    p = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhqk,bkhd->bqhd", p, v).reshape(b, s, h * d)
+
+
+def _decoder_reference(layer, x, enc, enc_lengths, cross_window):
+    """A decoder TransformerLayer (causal self-attention, RoPE off, cross
+    attention over the encoder output with a key padding mask and a
+    sliding window) in float64 torch from its own parameters."""
+    P = {n: p.detach().double() for n, p in layer.named_parameters()}
+    sa = layer.self_attention
+    h, g, d = sa.num_attention_heads, sa.num_gqa_groups, sa.kv_channels
+    b, s, _ = x.shape
+    eps, scale = layer.layernorm_mlp.eps, 1 / math.sqrt(d)
+    x = x.double()
+    ln = _norm_ref(x, P["self_attention.layernorm_qkv.layer_norm_weight"],
+                   P["self_attention.layernorm_qkv.layer_norm_bias"], eps, "LayerNorm")
+    mixed = F.linear(ln, P["self_attention.layernorm_qkv.weight"], P["self_attention.layernorm_qkv.bias"])
+    grouped = mixed.view(b, s, g, h // g + 2, d)  # TE's interleaved QKV rows
+    q, k, v = grouped[..., :h // g, :].reshape(b, s, h, d), grouped[..., h // g, :], grouped[..., h // g + 1, :]
+    a = _attention(q, k, v, [s] * b, [s] * b, True, scale)
+    x = x + F.linear(a, P["self_attention.proj.weight"], P["self_attention.proj.bias"])
+    ln = _norm_ref(x, P["inter_attention.layernorm_query.layer_norm_weight"],
+                   P["inter_attention.layernorm_query.layer_norm_bias"], eps, "LayerNorm")
+    q = F.linear(ln, P["inter_attention.layernorm_query.weight"], P["inter_attention.layernorm_query.bias"])
+    kv = F.linear(enc.double(), P["inter_attention.key_value.weight"], P["inter_attention.key_value.bias"])
+    kv = kv.view(b, enc.shape[1], g, 2, d)
+    a = _cross_attention(q.view(b, s, h, d), kv[..., 0, :], kv[..., 1, :], enc_lengths, scale, cross_window)
+    x = x + F.linear(a, P["inter_attention.proj.weight"], P["inter_attention.proj.bias"])
+    ln = _norm_ref(x, P["layernorm_mlp.layer_norm_weight"], P["layernorm_mlp.layer_norm_bias"], eps, "LayerNorm")
+    hid = F.gelu(F.linear(ln, P["layernorm_mlp.fc1_weight"], P["layernorm_mlp.fc1_bias"]), approximate="tanh")
+    return x + F.linear(hid, P["layernorm_mlp.fc2_weight"], P["layernorm_mlp.fc2_bias"])
+
+
+def test_transformer_layer_cross_attention_arguments_against_torch():
+    """kv_channels (apart from hidden / heads), enc_dec_attn_mask_type with
+    enc_dec_attn_mask, and enc_dec_window_size, given to the constructor and
+    per call, compute what torch computes: the cross attention masks the
+    encoder's padding and keeps keys within the window (aligned to the
+    bottom right of each sequence's scores, TE's rule for non-causal
+    masks)."""
+    from test_transformer_layer import randomize
+    torch.manual_seed(54)
+    kw = dict(kv_channels=12, layer_type="decoder", self_attn_mask_type="causal", hidden_dropout=0.0,
+              attention_dropout=0.0, attn_input_format="bshd", fuse_qkv_params=True, device="cpu")
+    built = te.TransformerLayer(32, 48, 2, enc_dec_attn_mask_type="padding", enc_dec_window_size=(1, 1), **kw)
+    randomize(built)
+    per_call = te.TransformerLayer(32, 48, 2, **kw)
+    per_call.load_state_dict(built.state_dict())
+    s, enc_lengths = 6, [6, 3]
+    x, enc = torch.randn(2, s, 32), torch.randn(2, s, 32)
+    masks = (pad_mask([s, s], s), pad_mask(enc_lengths, s))
+    ref = _decoder_reference(built, x, enc, enc_lengths, (1, 1))
+    close(built(x, encoder_output=enc, enc_dec_attn_mask=masks), ref)
+    close(per_call(x, encoder_output=enc, enc_dec_attn_mask=masks, enc_dec_attn_mask_type="padding",
+                   enc_dec_window_size=(1, 1)), ref)
+    # the window and the padding each change the result (the test can fail)
+    assert not torch.allclose(ref, _decoder_reference(built, x, enc, enc_lengths, None))
+    assert not torch.allclose(ref, _decoder_reference(built, x, enc, [s, s], (1, 1)))

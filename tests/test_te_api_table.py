@@ -184,11 +184,11 @@ COVERAGE = {
         'init_method': 'test_te_api_args.py::test_init_methods_reach_every_weight',
         'output_layer_init_method': 'test_te_api_args.py::test_init_methods_reach_every_weight',
         'layer_number': 'test_te_api_args.py::test_bookkeeping_arguments_change_nothing',
-        'kv_channels': 'test_te_api_args.py::test_transformer_layer_decoder_arguments',
+        'kv_channels': 'test_te_api_forward.py::test_transformer_layer_cross_attention_arguments_against_torch',
         'self_attn_mask_type': 'test_transformer_layer.py::test_sliding_window',
         'window_size': 'test_te_api_args.py::test_transformer_layer_decoder_arguments',
-        'enc_dec_attn_mask_type': 'test_te_api_args.py::test_transformer_layer_decoder_arguments',
-        'enc_dec_window_size': 'test_te_api_args.py::test_transformer_layer_decoder_arguments',
+        'enc_dec_attn_mask_type': 'test_te_api_forward.py::test_transformer_layer_cross_attention_arguments_against_torch',
+        'enc_dec_window_size': 'test_te_api_forward.py::test_transformer_layer_cross_attention_arguments_against_torch',
         'params_dtype': 'test_dot_product_attention.py::test_transformer_layer_default_attention_dropout_trains',
         'get_rng_state_tracker': 'test_te_api_args.py::test_rng_tracker_reaches_every_weight',
         'seq_length': 'test_te_api_args.py::test_bookkeeping_arguments_change_nothing',
@@ -350,9 +350,10 @@ FORWARD_COVERAGE = {
     },
     "TransformerLayer": {
         **{a: _TL_DEC for a in ("hidden_states", "attention_mask", "self_attn_mask_type", "window_size",
-                                "encoder_output", "enc_dec_attn_mask", "enc_dec_attn_mask_type",
-                                "enc_dec_window_size", "is_first_microbatch", "checkpoint_core_attention",
-                                "rotary_pos_emb", "fast_zero_fill")},
+                                "encoder_output", "enc_dec_attn_mask", "is_first_microbatch",
+                                "checkpoint_core_attention", "rotary_pos_emb", "fast_zero_fill")},
+        **{a: _FWD + "test_transformer_layer_cross_attention_arguments_against_torch"
+           for a in ("enc_dec_attn_mask_type", "enc_dec_window_size")},
         **{a: _TL_PACKED for a in _PACKED_ARGS},
     },
 }
