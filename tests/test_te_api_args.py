@@ -335,3 +335,32 @@ def test_rng_tracker_draws_attention_dropout():
         assert not torch.equal(a, c)  # dropout was on in training
     plain = te.DotProductAttention(2, 8, attention_dropout=0.5, qkv_format="bshd")
     assert not torch.equal(plain(q, k, v), plain(q, k, v))  # without a tracker: torch's generator moves on
+
+
+def test_norm_arguments_of_both_classes_against_torch():
+    """Each TE argument of LayerNorm and of RMSNorm given to that class:
+    normalized_shape / hidden_size, eps, params_dtype / dtype,
+    sequence_parallel (an attribute on the weights, as TE marks them for
+    Megatron's gradient all-reduce), zero_centered_gamma, device; results
+    against torch."""
+    torch.manual_seed(56)
+    x = torch.randn(3, 12)
+    xd = x.double()
+    for cls in (te.LayerNorm, te.RMSNorm):
+        by_new = cls(normalized_shape=12, eps=1e-3, dtype=torch.float32, sequence_parallel=True,
+                     zero_centered_gamma=True, device="cpu")
+        by_old = cls(hidden_size=12, eps=1e-3, params_dtype=torch.float32, sequence_parallel=False,
+                     zero_centered_gamma=True, device="cpu")
+        assert all(getattr(w, "sequence_parallel", None) is True for w in by_new.parameters())
+        with torch.no_grad():
+            for m in (by_new, by_old):
+                for w in m.parameters():
+                    w.copy_(torch.linspace(-0.5, 0.5, 12))
+        gamma = torch.linspace(-0.5, 0.5, 12).double() + 1  # zero-centred: weight + 1
+        if cls is te.LayerNorm:
+            ref = F.layer_norm(xd, (12,), gamma, torch.linspace(-0.5, 0.5, 12).double(), 1e-3)
+        else:
+            ref = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-3) * gamma
+        for m in (by_new, by_old):
+            assert m.weight.dtype == torch.float32
+            close(m(x), ref)

@@ -142,7 +142,9 @@ def test_dot_product_attention_forward_keywords_against_torch():
 
 def test_dot_product_attention_padding_and_packed_keywords_against_torch():
     torch.manual_seed(43)
-    dpa = te.DotProductAttention(2, 8, attention_dropout=0.0, qkv_format="bshd", attn_mask_type="causal")
+    dpa = te.DotProductAttention(2, 8, attention_dropout=0.0, qkv_format="bshd", attn_mask_type="causal",
+                                 layer_number=3, name="core")
+    assert dpa.name == "core" and dpa.layer_number == 3  # bookkeeping: kept, the results below unchanged
     lengths, s = [6, 3, 5], 6
     q, k, v = (torch.randn(3, s, 2, 8) for _ in range(3))
     scale = 1 / math.sqrt(8)
@@ -406,3 +408,26 @@ def test_transformer_layer_cross_attention_arguments_against_torch():
     # the window and the padding each change the result (the test can fail)
     assert not torch.allclose(ref, _decoder_reference(built, x, enc, enc_lengths, None))
     assert not torch.allclose(ref, _decoder_reference(built, x, enc, [s, s], (1, 1)))
+
+
+def test_transformer_layer_hidden_dropout_against_its_formula():
+    """hidden_dropout (TE's bias-dropout-add): in training each element of
+    the attention branch is kept with probability 1 - p and scaled by
+    1 / (1 - p), or dropped; in eval the layer is the plain one.  The MLP
+    branch is zeroed so the attention branch shows alone."""
+    torch.manual_seed(55)
+    p = 0.25
+    layer = te.TransformerLayer(32, 48, 2, hidden_dropout=p, attention_dropout=0.0, attn_input_format="bshd",
+                                device="cpu")
+    with torch.no_grad():
+        layer.layernorm_mlp.fc2_weight.zero_()
+        layer.layernorm_mlp.fc2_bias.zero_()
+    x = torch.randn(4, 16, 32)
+    layer.eval()
+    branch = layer(x) - x  # the attention branch, no dropout
+    layer.train()
+    dropped = layer(x) - x
+    kept = dropped != 0
+    close(dropped[kept], branch[kept].double() / (1 - p))
+    frac = 1 - kept.double().mean().item()  # 2048 elements: p +- 4.5 standard deviations
+    assert abs(frac - p) < 4.5 * (p * (1 - p) / kept.numel()) ** 0.5, frac
