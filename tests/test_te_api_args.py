@@ -364,3 +364,19 @@ def test_norm_arguments_of_both_classes_against_torch():
         for m in (by_new, by_old):
             assert m.weight.dtype == torch.float32
             close(m(x), ref)
+
+
+def test_multihead_attention_without_bias_against_torch():
+    """bias=False: no bias parameters anywhere, and the block computes
+    softmax(q k^T / sqrt(d)) v W_proj^T from bias-free projections."""
+    from test_transformer_layer import _split
+    torch.manual_seed(57)
+    m = te.MultiheadAttention(16, 2, bias=False, input_layernorm=False, fuse_qkv_params=True,
+                              attention_dropout=0.0, qkv_format="bshd", attn_mask_type="causal", device="cpu")
+    assert not [n for n, _ in m.named_parameters() if "bias" in n]
+    x = torch.randn(2, 5, 16)
+    xd = x.double()
+    q, k, v = _split(xd @ m.qkv.weight.double().T, 2, 2, 8, m.qkv_weight_interleaved)
+    ctx = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+    ref = ctx.transpose(1, 2).reshape(2, 5, 16) @ m.proj.weight.double().T
+    close(m(x), ref)

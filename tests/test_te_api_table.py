@@ -70,7 +70,7 @@ COVERAGE = {
         'eps': 'test_te_api_args.py::test_init_methods_reach_every_weight',
         'get_rng_state_tracker': 'test_te_api_args.py::test_rng_tracker_reaches_every_weight',
         'init_method': 'test_te_api_args.py::test_init_methods_reach_every_weight',
-        'bias': 'test_te_api.py::test_layernorm_linear_return_bias',
+        'bias': 'test_layernorm_modules.py::test_layernorm_linear_cpu',
         'normalization': 'test_layernorm_modules.py::test_layernorm_linear_cpu',
         'return_bias': 'test_te_api.py::test_layernorm_linear_return_bias',
         'params_dtype': 'test_layernorm_modules.py::test_layernorm_linear_cuda_bf16',
@@ -88,7 +88,7 @@ COVERAGE = {
         'return_bias': 'test_te_api.py::test_layernorm_mlp_return_layernorm_output_and_bias',
         'get_rng_state_tracker': 'test_te_api.py::test_rng_tracker_draws_the_initialisation',
         'init_method': 'test_te_api_args.py::test_init_methods_reach_every_weight',
-        'bias': 'test_te_api.py::test_layernorm_mlp_return_layernorm_output_and_bias',
+        'bias': 'test_layernorm_modules.py::test_layernorm_mlp_cpu',
         'normalization': 'test_te_api.py::test_layernorm_mlp_checkpoint_recomputes',
         'activation': 'test_te_api.py::test_layernorm_mlp_checkpoint_recomputes',
         'output_layer_init_method': 'test_te_api_args.py::test_init_methods_reach_every_weight',
@@ -161,7 +161,7 @@ COVERAGE = {
         'fuse_qkv_params': 'test_te_api_args.py::test_multihead_attention_cross',
         'zero_centered_gamma': 'test_te_api_args.py::test_multihead_attention_norm_arguments',
         'qkv_weight_interleaved': 'test_transformer_layer.py::test_qkv_split_backward_writes_the_fused_gradient_once',
-        'bias': 'test_te_api.py::test_multihead_attention_return_bias',
+        'bias': 'test_te_api_args.py::test_multihead_attention_without_bias_against_torch',
         'normalization': 'test_te_api_args.py::test_multihead_attention_norm_arguments',
         'device': 'test_te_api_args.py::test_init_methods_reach_every_weight',
         'qkv_format': 'test_te_api_args.py::test_bookkeeping_arguments_change_nothing',
@@ -500,7 +500,7 @@ def test_every_taken_argument_names_a_test_that_exercises_it():
             path, name = ref.split("::")
             assert name in sources[path], f"{cls}.{arg}: {ref} does not exist"
             if arg not in required and arg != "device":
-                assert f"{arg}=" in sources[path][name], f"{cls}.{arg}: {ref} does not pass {arg}"
+                assert re.search(rf"\b{arg}=", sources[path][name]), f"{cls}.{arg}: {ref} does not pass {arg}"
 
 
 def test_every_present_name_names_a_test_that_checks_it():
@@ -544,7 +544,7 @@ def test_every_forward_argument_is_taken_with_a_test_or_refused():
             assert arg in params, f"{cls}.forward does not take {arg!r}"
             path, test = ref.split("::")
             assert test in sources[path], f"{cls}.forward {arg}: {ref} does not exist"
-            assert f"{arg}=" in sources[path][test], f"{cls}.forward {arg}: {ref} does not pass {arg}"
+            assert re.search(rf"\b{arg}=", sources[path][test]), f"{cls}.forward {arg}: {ref} does not pass {arg}"
 
 
 @pytest.mark.parametrize("cls,arg", [(c, a) for c, t in FORWARD_REFUSED.items() for a in t])
