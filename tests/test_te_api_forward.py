@@ -42,7 +42,8 @@ def _cu(lengths):
 def test_gemm_and_norm_forward_keywords_against_torch():
     torch.manual_seed(40)
     x = torch.randn(3, 5, 16, requires_grad=True)
-    lin = te.Linear(16, 12, device="cpu")
+    lin = te.Linear(16, 12, name="fc", device="cpu")  # name: TE's debug name, kept
+    assert lin.name == "fc"
     lnl = te.LayerNormLinear(16, 12, normalization="RMSNorm", device="cpu")
     mlp = te.LayerNormMLP(16, 24, activation="gelu", device="cpu")
     ln, rms = te.LayerNorm(16, device="cpu"), te.RMSNorm(16, device="cpu")

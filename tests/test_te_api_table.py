@@ -61,7 +61,7 @@ COVERAGE = {
         'params_dtype': 'test_linear.py::test_cpu_float64_reference_is_tight',
         'parameters_split': 'test_transformer_layer.py::test_linear_parameters_split',
         'device': 'test_te_api_args.py::test_linear_fuse_wgrad_accumulation',
-        'name': 'test_te_api.py::test_rng_tracker_draws_the_initialisation',
+        'name': 'test_te_api_forward.py::test_gemm_and_norm_forward_keywords_against_torch',
     },
     'LayerNormLinear': {
         'fuse_wgrad_accumulation': 'test_te_api_args.py::test_fuse_wgrad_accumulation_into_main_grad',
