@@ -188,7 +188,7 @@ def test_cuda_flash_dense_gqa(fmt, mask, window, sq, sk, d, seed):
     _check(out, grads, ref, ref_grads, dtype, f"{fmt} {mask} {window} d={d}")
 
 
-def test_cuda_auto_sends_packed_padded_gqa_dropout_to_flash(flash_calls):
+def test_cuda_auto_sends_packed_padded_windowed_dropout_to_flash(flash_calls):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("auto takes the flash route on compute capability 9.0 only")
     seqfuse.ops.set_attention_backend("auto")
@@ -202,7 +202,9 @@ def test_cuda_auto_sends_packed_padded_gqa_dropout_to_flash(flash_calls):
     x = _randn((2, 128, 4, 64), torch.bfloat16)
     assert seqfuse.ops.attention_backend(x, x, x, dropout_p=0.1)[0] == "flash"
     xg = x.detach().requires_grad_()
-    assert seqfuse.ops.attention_backend(xg, x[:, :, :2], x[:, :, :2])[0] == "flash"
+    assert seqfuse.ops.attention_backend(xg, x[:, :, :2], x[:, :, :2], window_size=(16, 0),
+                                         attn_mask_type="causal")[0] == "flash"  # GQA with a window
+    assert seqfuse.ops.attention_backend(xg, x[:, :, :2], x[:, :, :2])[0] == "cudnn"  # GQA alone: cuDNN
     assert seqfuse.ops.attention_backend(xg, x, x)[0] == "cudnn"  # padding-free MHA stays on cuDNN
 
 

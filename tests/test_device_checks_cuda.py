@@ -141,7 +141,8 @@ def test_bad_cu_seqlens_raise_on_cuda():
     with pytest.raises(ValueError, match="'cu_seqlens' must start at 0"):
         ops.rope_forward(t, freqs, tensor_format="thd", cu_seqlens=good + 1)
     with pytest.raises(ValueError, match="'cu_seqlens' must be non-decreasing"):
-        ops.rope_forward(t, freqs, tensor_format="thd", cu_seqlens=good.flip(0))
+        ops.rope_forward(t, freqs, tensor_format="thd",
+                         cu_seqlens=torch.tensor([0, 5, 3], dtype=torch.int32, device="cuda"))
     _thd(good, good)  # and the good ones still run
 
 
