@@ -15,9 +15,10 @@
 - Every name the table says seqfuse has (transformer_engine.pytorch, te.ops,
   te.optimizers) names (NAME_COVERAGE) a test that checks it against torch
   or its documented result, and that test names it.
-- Every forward argument of TE 2.20's eight core modules (te_snapshot.json)
-  is either taken, naming a test that passes it by keyword and checks the
-  result against torch (FORWARD_COVERAGE), or refused (FORWARD_REFUSED):
+- Every forward argument of TE 2.20's eight core modules (te_snapshot.json;
+  in the table too) is either taken, naming a test that passes it by keyword
+  and checks the result against torch (FORWARD_COVERAGE), or refused
+  (seqfuse.pytorch.refused.REFUSED_FORWARD, probed by FORWARD_REFUSED):
   NotImplementedError naming it when switched on, the plain result at TE's
   default.
 """
@@ -37,7 +38,7 @@ from seqfuse.modules.te_compat import REFUSED
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
                                 "te_compat"))
 import compat_table  # noqa: E402
-from seqfuse.pytorch.refused import REFUSED_NAMES  # noqa: E402
+from seqfuse.pytorch.refused import REFUSED_FORWARD, REFUSED_NAMES  # noqa: E402
 
 SNAPSHOT = compat_table.load_snapshot()
 RESULT = compat_table.classify(SNAPSHOT)
@@ -549,11 +550,14 @@ def test_every_forward_argument_is_taken_with_a_test_or_refused():
     (FORWARD_REFUSED, checked below); seqfuse's forward takes each taken one
     by name."""
     sources = _test_sources()
-    for cls, spec in SNAPSHOT["modules"].items():
-        te_args = [a for a, _ in spec["forward"]]
-        taken, refused = set(FORWARD_COVERAGE[cls]), set(FORWARD_REFUSED[cls])
-        assert not taken & refused, (cls, taken & refused)
-        assert taken | refused == set(te_args), (cls, sorted(set(te_args) ^ (taken | refused)))
+    for cls, rows in RESULT["forward"].items():
+        assert not [a for a, s, _ in rows if s == "lacks"], (cls, "lacking forward arguments")
+        taken = {a for a, s, _ in rows if s == "has"}
+        refused = {a for a, s, _ in rows if s == "refused"}
+        assert set(FORWARD_COVERAGE[cls]) == taken, (cls, sorted(taken ^ set(FORWARD_COVERAGE[cls])))
+        assert set(FORWARD_REFUSED[cls]) == refused == set(REFUSED_FORWARD[cls]), (cls, sorted(
+            refused ^ set(FORWARD_REFUSED[cls])))
+        assert taken | refused == {a for a, _ in SNAPSHOT["modules"][cls]["forward"]}
         params = _forward_parameters(getattr(te, cls))
         for arg, ref in FORWARD_COVERAGE[cls].items():
             assert arg in params, f"{cls}.forward does not take {arg!r}"

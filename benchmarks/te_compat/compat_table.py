@@ -12,7 +12,11 @@ in it), with seqfuse's, found by introspection:
   raises NotImplementedError naming it, with the reason shown in the
   table, unless it is given the value that switches it off; the test
   tests/test_te_api_table.py checks every entry really raises), "has" where
-  the seqfuse class's ``__init__`` takes it by name, else "lacks".
+  the seqfuse class's ``__init__`` takes it by name, else "lacks";
+- a forward argument likewise, refused where
+  seqfuse.pytorch.refused.REFUSED_FORWARD lists it, "has" where the
+  class's forward (or, where that passes ``*args`` on, its base class's)
+  takes it by name.
 
     python3 benchmarks/te_compat/compat_table.py            # print the table
     python3 benchmarks/te_compat/compat_table.py --write     # put it in README.md
@@ -60,12 +64,25 @@ def named_parameters_of(cls):
     return {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)} - {"self"}
 
 
+def forward_parameters_of(cls):
+    """The argument names cls.forward takes by name; where it passes *args on
+    (te.DotProductAttention), those of the first base class's forward that
+    names them."""
+    for klass in cls.__mro__:
+        if "forward" in vars(klass):
+            params = inspect.signature(vars(klass)["forward"]).parameters.values()
+            if not any(p.kind == p.VAR_POSITIONAL for p in params):
+                return {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)} - {"self"}
+    return set()
+
+
 def classify(snapshot):
     """{"names": {name: status}, "ops": ..., "optimizers": ...,
-    "modules": {cls: [(arg, status, reason or None)]}}."""
+    "modules": {cls: [(arg, status, reason or None)]},
+    "forward": {cls: [(arg, status, reason or None)]}}."""
     import seqfuse.pytorch as te
     from seqfuse.modules.te_compat import REFUSED
-    from seqfuse.pytorch.refused import REFUSED_NAMES
+    from seqfuse.pytorch.refused import REFUSED_FORWARD, REFUSED_NAMES
     out = {"names": {n: ("refused" if n in REFUSED_NAMES else "has" if hasattr(te, n) else "lacks")
                      for n in snapshot["names"]}}
     for sub in ("ops", "optimizers"):
@@ -85,6 +102,14 @@ def classify(snapshot):
                 rows.append((arg, "lacks", None))
         modules[cls_name] = rows
     out["modules"] = modules
+    forward = {}
+    for cls_name, cls in seqfuse_classes().items():
+        taken = forward_parameters_of(cls)
+        refused = REFUSED_FORWARD.get(cls_name, {})
+        forward[cls_name] = [(arg, "refused", refused[arg]) if arg in refused else
+                             (arg, "has" if arg in taken else "lacks", None)
+                             for arg, _default in snapshot["modules"][cls_name]["forward"]]
+    out["forward"] = forward
     return out
 
 
@@ -93,8 +118,9 @@ def counts(result):
     c = {}
     for key in ("names", "ops", "optimizers"):
         c[key] = {s: sum(1 for v in result[key].values() if v == s) for s in ("has", "refused", "lacks")}
-    rows = [r for rows in result["modules"].values() for r in rows]
-    c["arguments"] = {s: sum(1 for r in rows if r[1] == s) for s in ("has", "refused", "lacks")}
+    for key, out_key in (("modules", "arguments"), ("forward", "forward_arguments")):
+        rows = [r for rows in result[key].values() for r in rows]
+        c[out_key] = {s: sum(1 for r in rows if r[1] == s) for s in ("has", "refused", "lacks")}
     return c
 
 
@@ -112,7 +138,9 @@ def render(snapshot, result):
              f"te.optimizers {c['optimizers']['has']} of {len(result['optimizers'])}.  Constructor arguments "
              f"of the eight core modules: {c['arguments']['has']} taken, {c['arguments']['refused']} refused "
              f"with a reason (NotImplementedError naming the argument unless it is off), "
-             f"{c['arguments']['lacks']} lacking.", ""]
+             f"{c['arguments']['lacks']} lacking; forward arguments: {c['forward_arguments']['has']} taken, "
+             f"{c['forward_arguments']['refused']} refused with a reason, {c['forward_arguments']['lacks']} "
+             f"lacking.", ""]
     for title, key in (("transformer_engine.pytorch", "names"), ("te.ops", "ops"),
                        ("te.optimizers", "optimizers")):
         has = [n for n, s in result[key].items() if s == "has"]
@@ -125,7 +153,7 @@ def render(snapshot, result):
             lines += [f"| refused | {refused_txt or 'none'} |"]
         lines += [f"| lacks | {lacks_txt or 'none'} |", ""]
     reasons = []
-    for cls_name, rows in result["modules"].items():
+    def split(rows):
         has = [a for a, s, _ in rows if s == "has"]
         lacks = [a for a, s, _ in rows if s == "lacks"]
         refused = []
@@ -134,10 +162,18 @@ def render(snapshot, result):
                 if why not in reasons:
                     reasons.append(why)
                 refused.append(f"`{a}` [{reasons.index(why) + 1}]")
+        return has, refused, lacks
+
+    for cls_name, rows in result["modules"].items():
+        has, refused, lacks = split(rows)
+        f_has, f_refused, f_lacks = split(result["forward"][cls_name])
         lines += [f"**{cls_name}** ({len(rows)} arguments: {len(has)} taken, {len(refused)} refused, "
-                  f"{len(lacks)} lacking)", "", "| seqfuse | arguments |", "|---|---|",
+                  f"{len(lacks)} lacking; forward: {len(f_has)} taken, {len(f_refused)} refused, "
+                  f"{len(f_lacks)} lacking)", "", "| seqfuse | arguments |", "|---|---|",
                   f"| taken | {_code(has)} |", f"| refused | {', '.join(refused) or 'none'} |",
-                  f"| lacks | {_code(lacks)} |", ""]
+                  f"| lacks | {_code(lacks)} |", f"| forward: taken | {_code(f_has)} |",
+                  f"| forward: refused | {', '.join(f_refused) or 'none'} |",
+                  f"| forward: lacks | {_code(f_lacks)} |", ""]
     lines += ["Reasons for the refusals:", ""]
     lines += [f"{i}. {why}" for i, why in enumerate(reasons, 1)]
     return "\n".join(lines) + "\n"

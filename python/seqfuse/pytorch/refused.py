@@ -11,13 +11,16 @@ convention as the refused module arguments (seqfuse.modules.te_compat).
 REFUSED_NAMES maps each name to the reason shown in the README's
 compatibility table (benchmarks/te_compat/compat_table.py reads it) and a
 probe call that must raise (tests/test_te_api_table.py makes it).
+REFUSED_FORWARD does the same for the forward arguments of the eight core
+modules that the modules refuse (the refusals themselves are raised by the
+modules' forwards).
 """
 import contextlib
 from typing import Optional
 
 import torch
 
-__all__ = ["initialize_ub", "destroy_ub", "get_cpu_offload_context", "onnx_export", "REFUSED_NAMES"]
+__all__ = ["initialize_ub", "destroy_ub", "get_cpu_offload_context", "onnx_export", "REFUSED_NAMES", "REFUSED_FORWARD"]
 
 _UB = ("seqfuse has no Userbuffers (communication overlapped with the tensor-parallel GEMMs); drop the call "
        "and leave the modules' ub_* arguments off")
@@ -79,3 +82,31 @@ def onnx_export(enabled: bool = False):
     if enabled:
         _refuse("onnx_export", "enabled=True")
     yield
+
+
+# ---- forward arguments ------------------------------------------------------------------------------
+# TE 2.20 forward arguments of the eight core modules that seqfuse's modules refuse: each raises
+# NotImplementedError naming the argument when switched on and is taken at TE's default (off).  The
+# compatibility table shows these reasons; tests/test_te_api_table.py switches each one on (its
+# FORWARD_REFUSED probes, whose keys must be these) and checks the refusal.
+def _forward_refusals():
+    from .attention import FORWARD_REFUSED_WHY as dpa_why  # the facade's own messages
+    fp8_io = ("outputs and input gradients are in the input's dtype (the next module quantizes its own "
+              "operands under FP8 autocast)")
+    bias = "attention biases (ALiBi, pre/post-scale bias) are not implemented"
+    kv_cache = "KV caches (incremental decoding) are not implemented in the modules"
+    attention = {"bottom_right_diagonal": dpa_why["bottom_right_diagonal"], "core_attention_bias_type": bias,
+                 "core_attention_bias": bias, "alibi_slopes": bias, "inference_params": kv_cache,
+                 "pad_between_seqs": dpa_why["pad_between_seqs"]}
+    return {
+        "Linear": {"fp8_output": fp8_io, "fp8_grad": fp8_io},
+        "LayerNormLinear": {"fp8_output": fp8_io, "fp8_grad": fp8_io},
+        "LayerNormMLP": {}, "LayerNorm": {}, "RMSNorm": {},
+        "DotProductAttention": {**attention, **dpa_why},
+        "MultiheadAttention": dict(attention),
+        "TransformerLayer": {**attention, "enc_dec_bottom_right_diagonal": dpa_why["bottom_right_diagonal"]},
+    }
+
+
+#: class -> {forward argument: reason}
+REFUSED_FORWARD = _forward_refusals()

@@ -32,7 +32,8 @@ _TE_FORWARD_OFF = {"bottom_right_diagonal": None, "pad_between_seqs": None, "fp8
                    "score_mod_tensors": None, "score_mod_bprop_tensors": None, "qkv_layer": None,
                    "kv_layer": None, "qkv_interleave_dim": -3}
 _SCORE_MOD = "custom score modifiers (FlexAttention-style) are not implemented"
-_TE_FORWARD_WHY = {
+#: why each of _TE_FORWARD_OFF is refused when switched on (also the compatibility table's reasons)
+FORWARD_REFUSED_WHY = {
     "bottom_right_diagonal": "the attn_mask_type sets the sliding-window diagonal ('causal_bottom_right' for "
                              "bottom-right)",
     "pad_between_seqs": "packed sequences must be contiguous (cu_seqlens_*_padded equal to cu_seqlens_*)",
@@ -77,7 +78,7 @@ class DotProductAttention(_DotProductAttention):
                         or (type(value) is type(off) and value == off)):
                     shown = "a tensor" if isinstance(value, torch.Tensor) else repr(value)
                     raise NotImplementedError(f"DotProductAttention: argument '{name}'={shown} is not "
-                                              f"supported: {_TE_FORWARD_WHY[name]}")
+                                              f"supported: {FORWARD_REFUSED_WHY[name]}")
         if self.get_rng_state_tracker is not None and self.training and self.attention_dropout:
             with rng_fork(self.get_rng_state_tracker):
                 return super().forward(*args, **kwargs)
