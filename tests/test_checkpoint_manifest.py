@@ -17,9 +17,10 @@ import textwrap
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECIPE = os.path.join(ROOT, "recipes", "esm2")
-sys.path.insert(0, RECIPE)
+from recipe_checks import ROOT, recipe_path  # noqa: E402
+from recipe_checks import losses as _losses  # noqa: E402
+
+RECIPE = recipe_path("esm2")
 
 pytest.importorskip("transformers")
 pytest.importorskip("pyarrow")
@@ -32,11 +33,6 @@ from esm2_recipe.trainer import train  # noqa: E402
 TINY = ["data.micro_batch_tokens=512", "data.max_length=64", "data.val_batches=2", "train.log_interval=1",
         "train.eval_interval=0", "train.warmup_steps=2", "logging.progress_bar=false", "device=cpu",
         "train.steps=6", "checkpoint.interval=2", "checkpoint.keep_last=3"]
-
-
-def _losses(path):
-    with open(path) as f:
-        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
 
 
 @pytest.fixture(scope="module")

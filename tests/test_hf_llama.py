@@ -16,6 +16,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import seqfuse  # noqa: E402
+from causal_lm_checks import (VOCAB, batch, check_activation_checkpointing,  # noqa: E402,F401 (batch, packed: test_hf_llama_generate's)
+                              check_bf16_within_bf16_rounding, check_grads, check_left_padding_matches_transformers,
+                              check_packed_thd_matches_padded_bshd, hf_grads_in_seqfuse_names, packed, real)
 from helpers import needs_fp8, rel_error  # noqa: E402
 from seqfuse.hf import SeqfuseLlamaConfig, SeqfuseLlamaForCausalLM, llama3_config  # noqa: E402
 from seqfuse.hf.llama import shift_labels  # noqa: E402
@@ -23,7 +26,6 @@ from seqfuse.hf.llama_config import from_hf_config, rope_inv_freq, to_hf_config 
 from seqfuse.hf.llama_convert import from_hf_model, hf_to_seqfuse_state_dict  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 
-VOCAB = 16
 #: Llama 3 scaling over 64 original positions: with head dim 16 and theta
 #: 500000, the 8 frequencies fall in all three bands (kept, interpolated, divided).
 LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
@@ -59,35 +61,6 @@ def cast(model, dtype):
     model = model.to(dtype)
     model.model.rotary_emb = modeling_llama.LlamaRotaryEmbedding(model.config).to(next(model.parameters()).device)
     return model
-
-
-def batch(lengths=(40, 29, 17), seed=0):
-    """Right-padded ids (pad 0), mask, labels (-100 on padding) and the
-    sequences themselves."""
-    g = torch.Generator().manual_seed(seed)
-    seqs = [torch.randint(1, VOCAB, (n,), generator=g) for n in lengths]
-    s = max(lengths)
-    ids = torch.zeros(len(seqs), s, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, x in enumerate(seqs):
-        ids[i, :len(x)] = x
-        mask[i, :len(x)] = 1
-    return dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)), seqs
-
-
-def packed(seqs):
-    cu = torch.tensor([0] + [len(x) for x in seqs]).cumsum(0).to(torch.int32)
-    pos = torch.cat([torch.arange(len(x)) for x in seqs])
-    return torch.cat(seqs), cu, pos
-
-
-def real(t, mask):
-    return t[mask.bool()]
-
-
-def hf_grads_in_seqfuse_names(hf, config):
-    grads = {k: p.grad for k, p in hf.named_parameters() if p.grad is not None}
-    return hf_to_seqfuse_state_dict(grads, config)
 
 
 # ------------------------------------------------------------------ RoPE
@@ -127,10 +100,7 @@ def test_golden_fp32_logits_loss_grads(tie, rope):
     assert abs(out.loss.item() - exp.loss.item()) <= 1e-5 * exp.loss.item()
     exp.loss.backward()
     out.loss.backward()
-    mapped = hf_grads_in_seqfuse_names(hf, sf.config)
-    for name, p in sf.named_parameters():
-        assert p.grad is not None, name
-        assert rel_error(p.grad, mapped[name]) <= 1e-4, name
+    check_grads(sf, hf, hf_to_seqfuse_state_dict, 1e-4)
 
 
 def test_rope_scaling_changes_the_logits():
@@ -154,37 +124,13 @@ def test_bf16_within_bf16_rounding_of_transformers():
     Bound: seqfuse's error <= max(2 x transformers' own, 1e-2); loss within 1 %."""
     hf16 = hf_model(seed=3, dtype=torch.bfloat16)
     hf32 = cast(hf_model(seed=3, dtype=torch.bfloat16), torch.float32)
-    sf = from_hf_model(hf16).eval()
-    b, _ = batch(seed=3)
-    with torch.no_grad():
-        ref, base, out = hf32(**b), hf16(**b), sf(**b)
-    assert out.logits.dtype == torch.bfloat16
-    m = b["attention_mask"]
-    err_sf = rel_error(real(out.logits, m), real(ref.logits, m))
-    err_hf = rel_error(real(base.logits, m), real(ref.logits, m))
-    assert err_sf <= max(2 * err_hf, 1e-2), (err_sf, err_hf)
-    assert abs(out.loss.item() - ref.loss.item()) <= 1e-2 * ref.loss.item()
+    check_bf16_within_bf16_rounding(hf16, hf32, from_hf_model(hf16).eval(), batch(seed=3)[0])
 
 
 # ---------------------------------------------------------------- layouts
 def test_packed_thd_matches_padded_bshd():
-    hf = hf_model(seed=4)
-    sf = from_hf_model(hf).eval()
-    b, seqs = batch(seed=4)
-    padded = sf(**b)
-    ids, cu, pos = packed(seqs)
-    by_cu = sf(input_ids=ids[None], labels=ids[None], cu_seqlens=cu, max_seqlen=max(len(x) for x in seqs))
-    assert by_cu.logits.shape == (1, ids.numel(), VOCAB)
-    assert rel_error(by_cu.logits[0], real(padded.logits, b["attention_mask"])) <= 1e-6
-    # every sequence's last token predicts nothing: the same loss as padded rows
-    assert abs(by_cu.loss.item() - padded.loss.item()) <= 1e-6 * padded.loss.item()
-    # restarting position ids alone (transformers' padding-free layout), 1-D input, both together
-    by_pos = sf(input_ids=ids[None], labels=ids[None], position_ids=pos[None])
-    assert torch.equal(by_pos.logits, by_cu.logits) and by_pos.loss.item() == by_cu.loss.item()
-    flat = sf(input_ids=ids, labels=ids, cu_seqlens=cu, position_ids=pos)
-    assert torch.equal(flat.logits, by_cu.logits[0])
-    by_cu.loss.backward()
-    assert all(p.grad is not None for p in sf.parameters())
+    sf = from_hf_model(hf_model(seed=4)).eval()
+    check_packed_thd_matches_padded_bshd(sf, *batch(seed=4))
 
 
 def test_packed_with_collator_padding_segment():
@@ -208,14 +154,7 @@ def test_left_padding_matches_transformers():
     """transformers' forward without position_ids takes the column index as
     position; so does seqfuse's, and left padding is computed exactly."""
     hf = hf_model(seed=6)
-    sf = from_hf_model(hf).eval()
-    b, _ = batch(seed=6)
-    left = {k: torch.stack([torch.roll(r, int((b["attention_mask"][i] == 0).sum())) for i, r in enumerate(v)])
-            for k, v in b.items()}
-    with torch.no_grad():
-        exp, out = hf(**left), sf(**left)
-    m = left["attention_mask"]
-    assert rel_error(real(out.logits, m), real(exp.logits, m)) <= 1e-5
+    check_left_padding_matches_transformers(hf, from_hf_model(hf).eval(), batch(seed=6)[0])
 
 
 def test_cast_keeps_rope_frequencies_float32():
@@ -253,16 +192,7 @@ def test_num_items_in_batch_and_hidden_states():
 
 
 def test_activation_checkpointing_same_loss_and_grads():
-    sf = from_hf_model(hf_model(seed=8)).train()
-    b, _ = batch(seed=8)
-    sf(**b).loss.backward()
-    ref = {n: p.grad.clone() for n, p in sf.named_parameters()}
-    sf.zero_grad()
-    sf.gradient_checkpointing_enable()
-    assert sf.is_gradient_checkpointing
-    sf(**b).loss.backward()
-    for n, p in sf.named_parameters():
-        assert torch.equal(p.grad, ref[n]), n
+    check_activation_checkpointing(from_hf_model(hf_model(seed=8)).train(), batch(seed=8)[0])
 
 
 # ------------------------------------------------------------ bad inputs
@@ -385,8 +315,8 @@ def test_cuda_bf16_golden(tie):
     assert abs(out.loss.item() - ref.loss.item()) <= 1e-2 * ref.loss.item()
     for loss in (ref.loss, base.loss, out.loss):
         loss.backward()
-    mapped = hf_grads_in_seqfuse_names(hf32, sf.config)
-    mapped16 = hf_grads_in_seqfuse_names(hf16, sf.config)
+    mapped = hf_grads_in_seqfuse_names(hf32, hf_to_seqfuse_state_dict, sf.config)
+    mapped16 = hf_grads_in_seqfuse_names(hf16, hf_to_seqfuse_state_dict, sf.config)
     for name, p in sf.named_parameters():
         err_sf, err_hf = rel_error(p.grad, mapped[name]), rel_error(mapped16[name], mapped[name])
         assert err_sf <= max(2 * err_hf, 2e-2), (name, err_sf, err_hf)

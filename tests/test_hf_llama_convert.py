@@ -19,7 +19,8 @@ from seqfuse.hf.llama_config import from_hf_config, rope_inv_freq  # noqa: E402
 from seqfuse.hf.llama_convert import (export_hf, from_hf_model, from_hf_pretrained, hf_keys,  # noqa: E402
                                       hf_to_seqfuse_state_dict, seqfuse_keys, seqfuse_to_hf_state_dict,
                                       to_hf_model)
-from test_hf_llama import batch, hf_model, real, tiny_config  # noqa: E402
+from causal_lm_checks import batch, check_keys_match, check_round_trip, real  # noqa: E402
+from test_hf_llama import hf_model, tiny_config  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -27,14 +28,7 @@ from test_hf_llama import batch, hf_model, real, tiny_config  # noqa: E402
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
 def test_round_trip_bit_identical(dtype, tie, kv_heads):
     hf = hf_model(seed=20, dtype=dtype, tie=tie, num_key_value_heads=kv_heads)
-    sf = from_hf_model(hf)
-    assert next(sf.parameters()).dtype == dtype
-    back = to_hf_model(sf)
-    a, b = hf.state_dict(), back.state_dict()
-    assert set(a) == set(b)
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
-    assert (back.lm_head.weight is back.model.embed_tokens.weight) == tie
+    sf, back = check_round_trip(hf, from_hf_model, to_hf_model, dtype, tie)
     # The converted model is a copy, not a view of the original.
     with torch.no_grad():
         sf.model.embed_tokens.weight.add_(1)
@@ -45,13 +39,8 @@ def test_round_trip_bit_identical(dtype, tie, kv_heads):
 
 
 def test_keys_match_both_models():
-    for tie in (False, True):
-        cfg = tiny_config(tie=tie)
-        hf = transformers.LlamaForCausalLM(cfg)
-        sf = SeqfuseLlamaForCausalLM(from_hf_config(cfg))
-        optional = {"lm_head.weight"} if tie else set()
-        assert set(hf.state_dict()) - optional == set(hf_keys(sf.config))
-        assert set(sf.state_dict()) - optional == set(seqfuse_keys(sf.config))
+    check_keys_match(transformers.LlamaForCausalLM, SeqfuseLlamaForCausalLM, tiny_config, from_hf_config, hf_keys,
+                     seqfuse_keys)
 
 
 def test_fused_layouts():

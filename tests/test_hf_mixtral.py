@@ -22,6 +22,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import seqfuse  # noqa: E402,F401
+from causal_lm_checks import (VOCAB, batch, check_activation_checkpointing,  # noqa: E402
+                              check_bf16_within_bf16_rounding, check_grads, check_keys_match,
+                              check_left_padding_matches_transformers, check_packed_thd_matches_padded_bshd,
+                              check_round_trip, packed, real)
 from helpers import needs_fp8, rel_error  # noqa: E402
 from seqfuse.hf import SeqfuseMixtralConfig, SeqfuseMixtralForCausalLM, SeqfuseMixtralModel  # noqa: E402
 from seqfuse.hf.mixtral import load_balancing_loss  # noqa: E402
@@ -29,10 +33,8 @@ from seqfuse.hf.mixtral_config import from_hf_config, to_hf_config  # noqa: E402
 from seqfuse.hf.mixtral_convert import (export_hf, from_hf_model, from_hf_pretrained, hf_keys,  # noqa: E402
                                         hf_to_seqfuse_state_dict, seqfuse_keys, seqfuse_to_hf_state_dict,
                                         to_hf_model)
-from test_hf_llama import batch, packed, real  # noqa: E402
 from transformers.models.mixtral import modeling_mixtral  # noqa: E402
 
-VOCAB = 16
 
 
 def tiny_config(tie=False, experts=4, topk=2, theta=10000.0, **kw):
@@ -69,18 +71,6 @@ def cast(model, dtype):
     return model
 
 
-def hf_grads_in_seqfuse_names(hf, config):
-    grads = {k: p.grad for k, p in hf.named_parameters() if p.grad is not None}
-    return hf_to_seqfuse_state_dict(grads, config)
-
-
-def check_grads(sf, hf, tol):
-    mapped = hf_grads_in_seqfuse_names(hf, sf.config)
-    for name, p in sf.named_parameters():
-        assert p.grad is not None, name
-        assert rel_error(p.grad, mapped[name]) <= tol, (name, rel_error(p.grad, mapped[name]))
-
-
 # ---------------------------------------------------------------- golden
 @pytest.mark.parametrize("seed,tie,experts,topk,lengths", [
     (1, False, 4, 2, (40, 29, 17)),
@@ -101,7 +91,7 @@ def test_golden_fp32_logits_loss_aux_grads(seed, tie, experts, topk, lengths):
     assert len(out.router_logits) == 2 and out.router_logits[0].shape == (m.numel(), experts)
     exp.loss.backward()
     out.loss.backward()
-    check_grads(sf, hf, 1e-4)
+    check_grads(sf, hf, hf_to_seqfuse_state_dict, 1e-4)
 
 
 def test_aux_loss_on_off_and_alone():
@@ -144,64 +134,25 @@ def test_bf16_within_bf16_rounding_of_transformers():
     loss within 1 %."""
     hf16 = hf_model(seed=5, dtype=torch.bfloat16)
     hf32 = cast(hf_model(seed=5, dtype=torch.bfloat16), torch.float32)
-    sf = from_hf_model(hf16).eval()
-    b, _ = batch(seed=5)
-    with torch.no_grad():
-        ref, base, out = hf32(**b), hf16(**b), sf(**b)
-    assert out.logits.dtype == torch.bfloat16
-    m = b["attention_mask"]
-    err_sf = rel_error(real(out.logits, m), real(ref.logits, m))
-    err_hf = rel_error(real(base.logits, m), real(ref.logits, m))
-    assert err_sf <= max(2 * err_hf, 1e-2), (err_sf, err_hf)
-    assert abs(out.loss.item() - ref.loss.item()) <= 1e-2 * ref.loss.item()
-    assert abs(out.aux_loss.item() - ref.aux_loss.item()) <= 1e-2 * ref.aux_loss.item()
+    check_bf16_within_bf16_rounding(hf16, hf32, from_hf_model(hf16).eval(), batch(seed=5)[0],
+                                    losses=("loss", "aux_loss"))
 
 
 # ---------------------------------------------------------------- layouts
 def test_packed_thd_matches_padded_bshd():
-    hf = hf_model(seed=6)
-    sf = from_hf_model(hf).eval()
-    b, seqs = batch(seed=6)
-    padded = sf(**b)
-    ids, cu, pos = packed(seqs)
-    by_cu = sf(input_ids=ids[None], labels=ids[None], cu_seqlens=cu, max_seqlen=max(len(x) for x in seqs))
-    assert by_cu.logits.shape == (1, ids.numel(), VOCAB)
-    assert rel_error(by_cu.logits[0], real(padded.logits, b["attention_mask"])) <= 1e-6
-    # the same real tokens in the aux loss (padding excluded), so the same losses
-    assert abs(by_cu.aux_loss.item() - padded.aux_loss.item()) <= 1e-6 * padded.aux_loss.item()
-    assert abs(by_cu.loss.item() - padded.loss.item()) <= 1e-6 * padded.loss.item()
-    by_pos = sf(input_ids=ids[None], labels=ids[None], position_ids=pos[None])
-    assert torch.equal(by_pos.logits, by_cu.logits) and by_pos.loss.item() == by_cu.loss.item()
-    flat = sf(input_ids=ids, labels=ids, cu_seqlens=cu, position_ids=pos)
-    assert torch.equal(flat.logits, by_cu.logits[0])
-    by_cu.loss.backward()
-    assert all(p.grad is not None for p in sf.parameters())
+    """As Llama's, and the same real tokens in the aux loss (padding
+    excluded), so the same aux loss."""
+    sf = from_hf_model(hf_model(seed=6)).eval()
+    check_packed_thd_matches_padded_bshd(sf, *batch(seed=6), losses=("loss", "aux_loss"))
 
 
 def test_left_padding_matches_transformers():
     hf = hf_model(seed=7)
-    sf = from_hf_model(hf).eval()
-    b, _ = batch(seed=7)
-    left = {k: torch.stack([torch.roll(r, int((b["attention_mask"][i] == 0).sum())) for i, r in enumerate(v)])
-            for k, v in b.items()}
-    with torch.no_grad():
-        exp, out = hf(**left), sf(**left)
-    m = left["attention_mask"]
-    assert rel_error(real(out.logits, m), real(exp.logits, m)) <= 1e-5
-    assert abs(out.loss.item() - exp.loss.item()) <= 1e-5 * exp.loss.item()
+    check_left_padding_matches_transformers(hf, from_hf_model(hf).eval(), batch(seed=7)[0], losses=("loss",))
 
 
 def test_activation_checkpointing_same_loss_and_grads():
-    sf = from_hf_model(hf_model(seed=8)).train()
-    b, _ = batch(seed=8)
-    sf(**b).loss.backward()
-    ref = {n: p.grad.clone() for n, p in sf.named_parameters()}
-    sf.zero_grad()
-    sf.gradient_checkpointing_enable()
-    assert sf.is_gradient_checkpointing
-    sf(**b).loss.backward()
-    for n, p in sf.named_parameters():
-        assert torch.equal(p.grad, ref[n]), n
+    check_activation_checkpointing(from_hf_model(hf_model(seed=8)).train(), batch(seed=8)[0])
 
 
 def test_model_outputs_and_bad_inputs():
@@ -241,14 +192,7 @@ def test_model_outputs_and_bad_inputs():
 @pytest.mark.parametrize("tie", [False, True])
 def test_round_trip_bit_identical(dtype, tie):
     hf = hf_model(seed=20, dtype=dtype, tie=tie, experts=5, topk=2)
-    sf = from_hf_model(hf)
-    assert {p.dtype for p in sf.parameters()} == {dtype}
-    back = to_hf_model(sf)
-    a, b = hf.state_dict(), back.state_dict()
-    assert set(a) == set(b)
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
-    assert (back.lm_head.weight is back.model.embed_tokens.weight) == tie
+    sf, back = check_round_trip(hf, from_hf_model, to_hf_model, dtype, tie)
     # seqfuse -> transformers -> seqfuse is bit-identical too
     again = from_hf_model(back).state_dict()
     for k, v in sf.state_dict().items():
@@ -260,13 +204,8 @@ def test_round_trip_bit_identical(dtype, tie):
 
 
 def test_keys_and_expert_layout():
-    for tie in (False, True):
-        cfg = tiny_config(tie=tie)
-        hf = transformers.MixtralForCausalLM(cfg)
-        sf = SeqfuseMixtralForCausalLM(from_hf_config(cfg))
-        optional = {"lm_head.weight"} if tie else set()
-        assert set(hf.state_dict()) - optional == set(hf_keys(sf.config))
-        assert set(sf.state_dict()) - optional == set(seqfuse_keys(sf.config))
+    check_keys_match(transformers.MixtralForCausalLM, SeqfuseMixtralForCausalLM, tiny_config, from_hf_config,
+                     hf_keys, seqfuse_keys)
     hf = hf_model(seed=21)
     sd = hf_to_seqfuse_state_dict(hf.state_dict(), from_hf_config(hf.config))
     stacked = hf.model.layers[1].mlp.experts

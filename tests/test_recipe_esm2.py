@@ -6,15 +6,14 @@ torchrun (sharded DCP checkpoint, resume and export included)."""
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECIPE = os.path.join(ROOT, "recipes", "esm2")
-sys.path.insert(0, RECIPE)
+from recipe_checks import losses as _losses  # noqa: E402
+from recipe_checks import recipe_path, torchrun  # noqa: E402
+
+RECIPE = recipe_path("esm2")
 
 pytest.importorskip("transformers")
 pytest.importorskip("pyarrow")
@@ -27,12 +26,6 @@ from esm2_recipe.trainer import lr_lambda, train  # noqa: E402
 TINY = ["data.micro_batch_tokens=512", "data.max_length=64", "data.val_batches=2", "train.log_interval=1", "train.eval_interval=0",
         "train.warmup_steps=2", "logging.progress_bar=false",
         "device=cpu"]
-
-
-def _losses(path):
-    with open(path) as f:
-        rows = [json.loads(line) for line in f]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
 # ------------------------------------------------------------ config
@@ -234,15 +227,7 @@ def test_export_loads_in_transformers(tmp_path):
 
 # ------------------------------------------------------------ two processes
 def _torchrun(script, args, env_extra=None, timeout=240):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "python"), env.get("PYTHONPATH", "")])
-    env["OMP_NUM_THREADS"] = "1"
-    env.update(env_extra or {})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(RECIPE, script)] + args
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-6000:]
-    return r
+    return torchrun(os.path.join(RECIPE, script), args, env_extra=env_extra, timeout=timeout)
 
 
 def test_two_process_gloo_fsdp2(tmp_path):

@@ -21,23 +21,20 @@ environment variables set, so the runs pay no interpreter start.  The real
 command line (torchrun train_fsdp2_cp.py --config-name L0_sanity_cp
 cp_size=2) runs in the cuda-marked test on two GPUs.
 """
-import json
 import math
 import multiprocessing
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import run_workers
+from helpers import free_port, run_workers
+from recipe_checks import CAUSAL_TINY, LN10, recipe_path  # noqa: E402
+from recipe_checks import losses as _losses  # noqa: E402
+from recipe_checks import torchrun  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECIPE = os.path.join(ROOT, "recipes", "llama3")
-sys.path.insert(0, RECIPE)
+RECIPE = recipe_path("llama3")
 
 pytest.importorskip("transformers")
 pytest.importorskip("pyarrow")
@@ -48,14 +45,7 @@ from llama3_recipe.config import ConfigError, load_config  # noqa: E402
 from llama3_recipe.context_parallel import CPBatches  # noqa: E402
 from recipe_common import checkpoint as ckpt  # noqa: E402
 
-TINY = ["data.micro_batch_tokens=512", "data.max_length=128", "data.val_batches=2", "train.log_interval=1",
-        "train.eval_interval=0", "logging.progress_bar=false", "device=cpu", "train.warmup_steps=2"]
-LN10 = math.log(10)
-
-
-def _losses(path):
-    with open(path) as f:
-        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+TINY = CAUSAL_TINY + ["train.warmup_steps=2"]
 
 
 # ------------------------------------------------------------ the batch cut, in this process
@@ -127,12 +117,6 @@ def test_other_scripts_refuse_cp_and_the_schema_takes_it():
 
 
 # ------------------------------------------------------------ two processes
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank, world, port, out_dir):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), LLAMA3_KEEP_PG="1", OMP_NUM_THREADS="1")
@@ -160,7 +144,7 @@ def cp_runs(tmp_path_factory):
     multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "seqfuse", "seqfuse.hf",
                                                                       "transformers"])
     d = tmp_path_factory.mktemp("llama3_cp")
-    run_workers(_worker, (2, _free_port(), str(d)), 2, "forkserver", "L0_sanity_cp workers (2 processes)",
+    run_workers(_worker, (2, free_port(), str(d)), 2, "forkserver", "L0_sanity_cp workers (2 processes)",
                 timeout=300)
     return d
 
@@ -211,16 +195,11 @@ def test_l0_sanity_cp_two_gpus_nccl(tmp_path, comm):
     falls), checkpoints, and exports a model transformers loads."""
     from transformers import LlamaForCausalLM
 
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "python"), env.get("PYTHONPATH", "")])
     jl = tmp_path / "m.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(RECIPE, "train_fsdp2_cp.py"), "--config-name", "L0_sanity_cp", "cp_size=2",
-           f"cp_comm_type={comm}", "device=cuda", "logging.progress_bar=false", "train.log_interval=5",
-           f"logging.metrics_jsonl={jl}", f"checkpoint.dir={tmp_path / 'ck'}",
-           f"checkpoint.export_dir={tmp_path / 'hf'}"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-6000:]
+    torchrun(os.path.join(RECIPE, "train_fsdp2_cp.py"),
+             ["--config-name", "L0_sanity_cp", "cp_size=2", f"cp_comm_type={comm}", "device=cuda",
+              "logging.progress_bar=false", "train.log_interval=5", f"logging.metrics_jsonl={jl}",
+              f"checkpoint.dir={tmp_path / 'ck'}", f"checkpoint.export_dir={tmp_path / 'hf'}"])
     losses = _losses(jl)
     steps = sorted(losses)
     assert losses[steps[-1]] < losses[steps[0]] - 0.3, losses

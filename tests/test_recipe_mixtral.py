@@ -12,18 +12,17 @@ refused in one process; two gloo processes (slow-marked) with the experts
 spread over them train as two data-parallel ranks with every expert, and
 stop, resume and export.  A cuda-marked test
 runs L0_sanity on the GPU in bf16 and the three FP8 recipes."""
-import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECIPE = os.path.join(ROOT, "recipes", "mixtral")
-sys.path.insert(0, RECIPE)
+from recipe_checks import CAUSAL_TINY as TINY  # noqa: E402
+from recipe_checks import LN10, check_export, check_l0_trains_and_resumes, recipe_path, torchrun  # noqa: E402
+from recipe_checks import losses as _losses  # noqa: E402
+
+RECIPE = recipe_path("mixtral")
 
 pytest.importorskip("transformers")
 pytest.importorskip("pyarrow")
@@ -34,17 +33,6 @@ from mixtral_recipe import trainer  # noqa: E402
 from mixtral_recipe.config import ConfigError, load_config  # noqa: E402
 from mixtral_recipe.trainer import train  # noqa: E402
 from recipe_common import checkpoint as ckpt  # noqa: E402
-
-# L0_sanity made quicker for the tests that compare runs.
-TINY = ["data.micro_batch_tokens=512", "data.max_length=128", "data.val_batches=2", "train.log_interval=1",
-        "train.eval_interval=0", "logging.progress_bar=false", "device=cpu"]
-LN10 = math.log(10)  # an untrained model's loss over the 10-token vocabulary
-
-
-def _losses(path):
-    with open(path) as f:
-        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
-
 
 def _batch(cfg):
     """The first training batch of the recipe's loader (packed, real DNA)."""
@@ -215,58 +203,26 @@ def test_l0_sanity_trains_resumes_and_exports(tmp_path):
     gives the uninterrupted run's losses exactly; (3) its export loads in
     transformers (MixtralForCausalLM, AutoTokenizer), holds the checkpoint's
     weights, and gives seqfuse's logits."""
-    from transformers import AutoTokenizer, MixtralForCausalLM
+    from transformers import MixtralForCausalLM
 
-    ref, jl, d, exp = tmp_path / "ref.jsonl", tmp_path / "m.jsonl", tmp_path / "ck", tmp_path / "hf"
-    base = TINY + ["train.steps=12", "train.warmup_steps=3", "train.eval_interval=6"]
-    out = train(load_config("L0_sanity", base + [f"logging.metrics_jsonl={ref}"]), "fsdp2")
-    h = out["history"]
-    assert h["step"] == list(range(1, 13)) and h["val_step"] == [6, 12]
-    assert all(math.isfinite(v) for v in h["loss"] + h["val_loss"])
-    assert h["loss"][0] > LN10 - 0.2, h["loss"]  # starts untrained ...
-    assert max(h["loss"][-3:]) < LN10 - 0.6, h["loss"]  # ... and learns the bases
-    assert h["val_loss"][-1] < LN10 - 0.6, h["val_loss"]
-    rows = [json.loads(line) for line in open(ref)]
-    assert {"loss", "lr", "tokens_per_s", "unpadded_tokens_per_s", "step_time_ms", "tflops_per_s"} <= set(rows[0])
-
-    args = base + [f"checkpoint.dir={d}", f"logging.metrics_jsonl={jl}"]
-    first = train(load_config("L0_sanity", args + ["train.stop_at=6"]), "fsdp2")
-    assert first["final_step"] == 6 and first["export_dir"] is None
-    assert [s for s, _ in ckpt.list_checkpoints(str(d))] == [6]
-    assert ckpt.verify_checkpoint(ckpt.latest_checkpoint(str(d))) == []
-    second = train(load_config("L0_sanity", args + [f"checkpoint.export_dir={exp}"]), "fsdp2")
-    assert second["final_step"] == 12
-    got, want = _losses(jl), _losses(ref)
-    assert sorted(got) == list(range(1, 13))
-    for s in range(1, 13):
-        assert got[s] == want[s], (s, got[s], want[s])
-
-    hf = MixtralForCausalLM.from_pretrained(str(exp)).eval()
-    tok = AutoTokenizer.from_pretrained(str(exp))
-    assert hf.config.model_type == "mixtral" and hf.config.vocab_size == 10
-    assert (hf.config.num_local_experts, hf.config.num_experts_per_tok) == (4, 2)
     import torch.distributed.checkpoint as dcp
-    emb = {"model": {"model.embed_tokens.weight": torch.empty_like(hf.model.embed_tokens.weight)}}
-    dcp.load(emb, checkpoint_id=ckpt.latest_checkpoint(str(d)))
-    assert torch.equal(emb["model"]["model.embed_tokens.weight"], hf.model.embed_tokens.weight)
-    # seqfuse's model of the final checkpoint against transformers' of the export, same tokens
+
     from seqfuse.hf import SeqfuseMixtralForCausalLM
 
-    sf = SeqfuseMixtralForCausalLM(trainer.model_config(load_config("L0_sanity", base)))
-    own = sf.state_dict()
-    state = {"model": {k: torch.empty_like(v) for k, v in own.items() if not k.endswith("_extra_state")}}
-    dcp.load(state, checkpoint_id=ckpt.latest_checkpoint(str(d)))
-    own.update(state["model"])
-    sf.load_state_dict(own, strict=True)
-    sf.eval()
-    prompts = ["GGGCGGCGACCTCGCGGGTTTTCGCTATTTATGAAAATTTTCCGGTTTAAGG", "acgtNNacgtTTGACA"]
-    enc = tok(prompts, return_tensors="pt", padding=True)
-    assert enc["input_ids"][0, 0].item() == 2 and enc["input_ids"][1, 1].item() == 5  # <bos>, 'a' folded to A
-    with torch.no_grad():
-        got_logits = sf(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits
-        want_logits = hf(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits
-    m = enc["attention_mask"].bool()
-    torch.testing.assert_close(got_logits[m], want_logits[m], atol=1e-4, rtol=1e-4)
+    base, d, exp = check_l0_trains_and_resumes(train, load_config, tmp_path, steps=12)
+
+    def trained():
+        """seqfuse's model of the final checkpoint (compared with transformers' of the export)."""
+        sf = SeqfuseMixtralForCausalLM(trainer.model_config(load_config("L0_sanity", base)))
+        own = sf.state_dict()
+        state = {"model": {k: torch.empty_like(v) for k, v in own.items() if not k.endswith("_extra_state")}}
+        dcp.load(state, checkpoint_id=ckpt.latest_checkpoint(str(d)))
+        own.update(state["model"])
+        sf.load_state_dict(own, strict=True)
+        return sf
+
+    hf, _, _ = check_export(MixtralForCausalLM, "mixtral", exp, d, trained)
+    assert (hf.config.num_local_experts, hf.config.num_experts_per_tok) == (4, 2)
 
 
 # ------------------------------------------------------------ expert parallelism (two processes)
@@ -288,13 +244,8 @@ def test_expert_parallel_needs_as_many_processes():
 
 
 def _torchrun(args, timeout=400):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "python"), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(RECIPE, "train_fsdp2.py"), "--config", "L0_sanity", *TINY, "train.steps=3",
-           "train.warmup_steps=1", *args]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-6000:]
+    r = torchrun(os.path.join(RECIPE, "train_fsdp2.py"), ["--config", "L0_sanity", *TINY, "train.steps=3",
+                                                          "train.warmup_steps=1", *args], timeout=timeout)
     return r.stdout + r.stderr
 
 
