@@ -251,6 +251,28 @@ def test_graphed_layer_equals_eager(recipe, seed):
         opt_e.zero_grad(), opt_g.zero_grad()
 
 
+@pytest.mark.cuda
+def test_graphed_layer_accumulates_gradients_over_micro_batches(seed):
+    """Two backward passes before the optimizer step: the graphed layer's
+    gradients are the sum of both, as the eager layer's (torch's graphed
+    backward hands out views of its static buffers; a later replay must not
+    overwrite the first micro-batch's gradient)."""
+    torch.manual_seed(seed)
+    eager = _module("TransformerLayer", "cuda", h=256, f=512)
+    graphed_mod = copy.deepcopy(eager)
+    sample = torch.randn(64, 2, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    graphed = te.make_graphed_callables(graphed_mod, (sample,))
+    for step in range(2):
+        xs = [torch.randn(64, 2, 256, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+        for model in (eager, graphed):
+            for x in xs:
+                model(x.requires_grad_(True)).float().square().mean().backward()
+        for (n, p), q in zip(eager.named_parameters(), graphed_mod.parameters()):
+            assert rel_error(q.grad, p.grad) < 1e-3, (step, n)
+        for p in list(eager.parameters()) + list(graphed_mod.parameters()):
+            p.grad = None
+
+
 @needs_fp8
 def test_recast_never_overwrites_a_weight_a_pending_backward_holds(seed):
     """Forward, change the weight, forward again, then the first backward:

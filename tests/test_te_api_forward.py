@@ -291,7 +291,7 @@ def test_cuda_float32_attention_matches_the_cpu_module(fmt, mask):
             kw = dict(attention_mask=pad_mask(lengths, 64))
     outs, grads = [], []
     for device in ("cpu", "cuda"):
-        ts = [x.to(device).requires_grad_() for x in (q, k, v)]
+        ts = [x.detach().to(device).requires_grad_() for x in (q, k, v)]  # a leaf on each device
         kwd = {n: (x.to(device) if torch.is_tensor(x) else x) for n, x in kw.items()}
         out = dpa(*ts, **kwd)
         assert out.dtype == torch.float32 and out.device.type == device

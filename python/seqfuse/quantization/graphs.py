@@ -21,6 +21,17 @@ region's exit exactly as in eager mode.
 Warm-up and capture run the callables a few times; the FP8 scaling state
 (amax history, scales) is put back afterwards, so graphing leaves training
 where it was.
+
+Gradient accumulation: torch's graphed backward hands each parameter's
+gradient out as a detached view of the graph's static output buffer, and
+autograd, finding the parameter's .grad empty, keeps that very tensor as
+.grad (it "steals" a gradient nobody else references).  The next replay
+then overwrites the buffer, so a second micro-batch's backward would
+replace the first one's gradient and add itself to it (found on an H200:
+the ESM-2 recipe with two micro-batches per step, graphed against eager,
+gradients 63 % apart).  So every parameter of a graphed module gets a hook
+that hands autograd a copy when .grad is still empty (the first
+micro-batch of a step; later ones add in place and need none).
 """
 import torch
 
@@ -77,4 +88,17 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters=3, allow_unuse
                 allow_unused_input=allow_unused_input, pool=pool)
     finally:
         restore_scaling(saved)  # in place: the graphs hold these addresses
+    for p in modules_in.parameters():
+        if p.requires_grad and not getattr(p, "_seqfuse_graph_grad_copy", False):
+            p.register_hook(_grad_copy_hook(p))
+            p._seqfuse_graph_grad_copy = True
     return graphed[0] if single else graphed
+
+
+def _grad_copy_hook(param):
+    """The hook of the module note's "gradient accumulation": a copy of the
+    incoming gradient while ``param.grad`` is empty (autograd would keep the
+    graph's buffer itself), the gradient as it is otherwise."""
+    def hook(grad):
+        return grad.clone() if param.grad is None else grad
+    return hook
