@@ -2,7 +2,8 @@
 against a torch reference (found by the name audit in
 test_te_api_table.py): te.ops.BasicOperation (and TE's base class
 FusibleOperation) as the base of user-written operations inside
-te.ops.Sequential, te.ops.is_op_fuser_grouped_tensor_path_supported, te.optimizers.MultiTensorApply called
+te.ops.Sequential, te.ops.is_op_fuser_grouped_tensor_path_supported,
+te.optimizers.multi_tensor_adam_capturable(_master) against torch's Adam, te.optimizers.MultiTensorApply called
 directly, and quantized_model_init / fp8_model_init (modules built inside
 compute what modules built outside do, under FP8 autocast and without it,
 and the context says in a log line that weights stay in high precision)."""
@@ -120,3 +121,48 @@ def test_quantized_model_init_under_fp8_matches_outside():
     assert torch.equal(a, b)
     ref = F.linear(x.double(), inside.weight.double(), inside.bias.double())
     assert rel_error(a, ref) <= 0.1  # E4M3 operands: a few per cent
+
+
+@pytest.mark.parametrize("mode,masters", [(1, False), (0, False), (1, True)])
+def test_multi_tensor_adam_capturable_against_torch(mode, masters):
+    """TE's capturable Adam (lr, step, inv_scale as tensors), two steps on
+    gradients scaled by 4 with inv_scale 0.25, against torch.optim.AdamW
+    (mode 1) / Adam with L2 (mode 0) in float64; the gradients are left
+    unscaled (as TE's kernel writes them); with noop_flag set nothing
+    changes."""
+    opt = te.optimizers
+    torch.manual_seed(58)
+    shapes = [(4, 3), (7,)]
+    params = [torch.randn(s).to(torch.bfloat16 if masters else torch.float32) for s in shapes]
+    master = [p.float() for p in params]
+    ref = [p.double().requires_grad_(True) for p in params]
+    m, v = [torch.zeros(s) for s in shapes], [torch.zeros(s) for s in shapes]
+    torch_opt = (torch.optim.AdamW if mode == 1 else torch.optim.Adam)(ref, lr=1e-2, betas=(0.9, 0.99), eps=1e-8,
+                                                                       weight_decay=0.1)
+    fn = opt.multi_tensor_adam_capturable_master if masters else opt.multi_tensor_adam_capturable
+    flag = torch.zeros(1, dtype=torch.int32)
+    lr, inv_scale = torch.tensor([1e-2]), torch.tensor([0.25])
+    for step in (1, 2):
+        grads = [torch.randn(s) for s in shapes]
+        for r, g in zip(ref, grads):
+            r.grad = g.double()
+        torch_opt.step()
+        scaled = [g * 4 for g in grads]
+        lists = [scaled, params, m, v] + ([master] if masters else [])
+        opt.multi_tensor_applier(fn, flag, lists, lr, 0.9, 0.99, 1e-8, torch.tensor([step], dtype=torch.int32),
+                                 mode, 1, 0.1, inv_scale)
+        for a, b in zip(scaled, grads):
+            assert torch.equal(a, b)
+    for p, r in zip(master if masters else params, ref):
+        assert torch.allclose(p.double(), r.detach(), rtol=1e-5, atol=1e-6)
+    if masters:
+        for p, mp in zip(params, master):
+            assert torch.equal(p, mp.to(torch.bfloat16))
+    before = [t.clone() for t in params + m + v]
+    flag.fill_(1)
+    opt.multi_tensor_applier(fn, flag, lists, lr, 0.9, 0.99, 1e-8, torch.tensor([3]), mode, 1, 0.1, inv_scale)
+    assert all(torch.equal(a, b) for a, b in zip(before, params + m + v))
+    with pytest.raises(TypeError, match="argument 'lr' must be a one-element tensor"):
+        fn(2048, flag, lists, 1e-2, 0.9, 0.99, 1e-8, torch.tensor([1]), mode, 1, 0.1, inv_scale)
+    with pytest.raises(ValueError, match=f"must hold {5 if masters else 4} list"):
+        fn(2048, flag, lists[:3], lr, 0.9, 0.99, 1e-8, torch.tensor([1]), mode, 1, 0.1, inv_scale)

@@ -308,6 +308,9 @@ NAME_COVERAGE = {
         "FusedSGD": "test_te_api.py::test_fused_sgd_matches_torch",
         "MultiTensorApply": "test_te_api_names_ref.py::test_multi_tensor_apply_against_torch",
         "multi_tensor_adam": "test_te_api_names.py::test_multi_tensor_adam_against_torch",
+        "multi_tensor_adam_capturable": "test_te_api_names_ref.py::test_multi_tensor_adam_capturable_against_torch",
+        "multi_tensor_adam_capturable_master":
+            "test_te_api_names_ref.py::test_multi_tensor_adam_capturable_against_torch",
         "multi_tensor_applier": "test_te_api_names.py::test_multi_tensor_l2norm_and_scale_against_torch",
         "multi_tensor_l2norm": "test_te_api_names.py::test_multi_tensor_l2norm_and_scale_against_torch",
         "multi_tensor_scale": "test_te_api_names.py::test_multi_tensor_l2norm_and_scale_against_torch",

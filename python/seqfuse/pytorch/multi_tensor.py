@@ -25,6 +25,13 @@ transformer_engine.pytorch.optimizers at import time):
         L2 (g + wd p), mode 1 decoupled (AdamW); bias_correction 1 divides
         the moments by 1 - beta^step; with p_master the step runs on the
         fp32 masters and p receives them in its dtype
+    multi_tensor_adam_capturable(chunk_size, noop_flag, [g, p, m, v], lr,
+                                 beta1, beta2, epsilon, step, mode,
+                                 bias_correction, weight_decay, inv_scale)
+    multi_tensor_adam_capturable_master(..., [g, p, m, v, p_master], ...)
+        the same step for CUDA graphs: lr, step and inv_scale one-element
+        tensors read on the device, g multiplied by inv_scale first (and
+        left so), nothing changed when noop_flag is set
     multi_tensor_sgd(chunk_size, noop_flag, [g, w, mom] or [g, w, mom,
                      w_copy], wd, momentum, dampening, lr, nesterov,
                      first_run, wd_after_momentum, scale)
@@ -44,7 +51,7 @@ import torch
 
 __all__ = ["MultiTensorApply", "multi_tensor_applier", "multi_tensor_scale", "multi_tensor_scale_tensor",
            "multi_tensor_l2norm", "multi_tensor_unscale_l2norm", "multi_tensor_adam",
-           "multi_tensor_sgd"]
+           "multi_tensor_adam_capturable", "multi_tensor_adam_capturable_master", "multi_tensor_sgd"]
 
 
 def _local(t):
@@ -172,21 +179,80 @@ def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: Li
     bc1, bc2 = (1 - beta1 ** step, 1 - beta2 ** step) if bias_correction else (1.0, 1.0)
     masters = lists[4] if len(lists) == 5 else [None] * len(lists[0])
     for g, p, m, v, pm in zip(lists[0], lists[1], lists[2], lists[3], masters):
-        g32 = g.float()
-        p32 = (pm if pm is not None else p).float()
-        if mode == 0:
-            g32 = g32 + weight_decay * p32
-        m32 = beta1 * m.float() + (1 - beta1) * g32
-        v32 = beta2 * v.float() + (1 - beta2) * g32 * g32
-        update = (m32 / bc1) / (torch.sqrt(v32 / bc2) + epsilon)
-        if mode == 1:
-            update = update + weight_decay * p32
-        p32 = p32 - lr * update
+        p32, m32, v32 = _adam_math(g.float(), (pm if pm is not None else p).float(), m, v, lr, beta1, beta2,
+                                   epsilon, bc1, bc2, mode, weight_decay)
         m.copy_(m32)
         v.copy_(v32)
         if pm is not None:
             pm.copy_(p32)
         p.copy_(p32)
+
+
+def _adam_math(g32, p32, m, v, lr, beta1, beta2, epsilon, bc1, bc2, mode, weight_decay):
+    """TE's Adam kernel arithmetic in fp32: (new p, new m, new v); lr, bc1,
+    bc2 numbers or one-element tensors."""
+    if mode == 0:
+        g32 = g32 + weight_decay * p32
+    m32 = beta1 * m.float() + (1 - beta1) * g32
+    v32 = beta2 * v.float() + (1 - beta2) * g32 * g32
+    update = (m32 / bc1) / (torch.sqrt(v32 / bc2) + epsilon)
+    if mode == 1:
+        update = update + weight_decay * p32
+    return p32 - lr * update, m32, v32
+
+
+def _one_element(op, name, t):
+    if not torch.is_tensor(t) or t.numel() != 1:
+        raise TypeError(f"{op}: argument '{name}' must be a one-element tensor (capturable: read on the device)")
+    return t.reshape(())
+
+
+def _adam_capturable(op, noop_flag, tensor_lists, n_lists, lr, beta1, beta2, epsilon, step, mode,
+                     bias_correction, weight_decay, inv_scale):
+    lists = _check(op, noop_flag, tensor_lists, n_lists)
+    if mode not in (0, 1):
+        raise ValueError(f"{op}: argument 'mode' must be 0 (L2) or 1 (decoupled weight decay), got {mode!r}")
+    if bias_correction not in (0, 1, True, False):
+        raise ValueError(f"{op}: argument 'bias_correction' must be 0 or 1, got {bias_correction!r}")
+    lr, step, inv_scale = (_one_element(op, n, t).float() for n, t in (("lr", lr), ("step", step),
+                                                                        ("inv_scale", inv_scale)))
+    if bias_correction:
+        bc1, bc2 = 1 - torch.pow(beta1, step), 1 - torch.pow(beta2, step)
+    else:
+        bc1 = bc2 = 1.0
+    skip = noop_flag.reshape(()) != 0  # TE's capturable kernels return at once when the flag is set
+    masters = lists[4] if len(lists) == 5 else [None] * len(lists[0])
+    for g, p, m, v, pm in zip(lists[0], lists[1], lists[2], lists[3], masters):
+        g32 = g.float() * inv_scale
+        p32, m32, v32 = _adam_math(g32, (pm if pm is not None else p).float(), m, v, lr, beta1, beta2, epsilon,
+                                   bc1, bc2, mode, weight_decay)
+        for dst, new in ((g, g32), (m, m32), (v, v32), (pm, p32), (p, p32)):  # g receives g * inv_scale, as in TE
+            if dst is not None:
+                dst.copy_(torch.where(skip, dst, new.to(dst.dtype)))
+
+
+def multi_tensor_adam_capturable(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: List[List[torch.Tensor]],
+                                 lr: torch.Tensor, beta1: float, beta2: float, epsilon: float, step: torch.Tensor,
+                                 mode: int, bias_correction: int, weight_decay: float,
+                                 inv_scale: torch.Tensor) -> None:
+    """multi_tensor_adam for CUDA graphs (TE's capturable kernel): lr, step
+    and inv_scale are one-element tensors read on the device; the gradients
+    are multiplied by inv_scale (and keep that value); nothing changes when
+    noop_flag is set.  tensor_lists = [grads, params, exp_avgs, exp_avg_sqs]."""
+    _adam_capturable("multi_tensor_adam_capturable", noop_flag, tensor_lists, 4, lr, beta1, beta2, epsilon, step,
+                     mode, bias_correction, weight_decay, inv_scale)
+
+
+def multi_tensor_adam_capturable_master(chunk_size: int, noop_flag: torch.Tensor,
+                                        tensor_lists: List[List[torch.Tensor]], lr: torch.Tensor, beta1: float,
+                                        beta2: float, epsilon: float, step: torch.Tensor, mode: int,
+                                        bias_correction: int, weight_decay: float,
+                                        inv_scale: torch.Tensor) -> None:
+    """multi_tensor_adam_capturable with fp32 master params: tensor_lists =
+    [grads, params, exp_avgs, exp_avg_sqs, masters]; the step runs on the
+    masters and params receive them in their dtype."""
+    _adam_capturable("multi_tensor_adam_capturable_master", noop_flag, tensor_lists, 5, lr, beta1, beta2, epsilon,
+                     step, mode, bias_correction, weight_decay, inv_scale)
 
 
 def multi_tensor_sgd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: List[List[torch.Tensor]], wd: float,

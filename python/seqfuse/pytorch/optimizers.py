@@ -38,13 +38,14 @@ import torch
 from torch.optim.optimizer import required as _required
 
 from ..optim import FusedAdamW
-from .multi_tensor import (MultiTensorApply, multi_tensor_adam, multi_tensor_applier,  # noqa: F401
-                           multi_tensor_l2norm, multi_tensor_scale, multi_tensor_scale_tensor, multi_tensor_sgd,
+from .multi_tensor import (MultiTensorApply, multi_tensor_adam, multi_tensor_adam_capturable,  # noqa: F401
+                           multi_tensor_adam_capturable_master, multi_tensor_applier, multi_tensor_l2norm,
+                           multi_tensor_scale, multi_tensor_scale_tensor, multi_tensor_sgd,
                            multi_tensor_unscale_l2norm)
 
 __all__ = ["FusedAdam", "FusedSGD", "MultiTensorApply", "multi_tensor_applier", "multi_tensor_l2norm",
            "multi_tensor_scale", "multi_tensor_scale_tensor", "multi_tensor_unscale_l2norm", "multi_tensor_adam",
-           "multi_tensor_sgd"]
+           "multi_tensor_adam_capturable", "multi_tensor_adam_capturable_master", "multi_tensor_sgd"]
 
 _log = logging.getLogger("seqfuse")
 _sgd_logged = False
