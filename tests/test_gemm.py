@@ -324,13 +324,41 @@ def test_cuda_layouts(mnk, dtype, layout, seed):
     gemm(a, b, transa=ta, transb=tb, out=out)
     cpu = gemm(a.cpu(), b.cpu(), transa=ta, transb=tb) if m * n * k <= 1 << 24 else None
     ref, _ = reference(a, b, ta, tb)
-    # float32 runs on TF32 tensor cores: 10-bit mantissa products
+    # float32 may run on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32): 10-bit mantissa products
     factor = 300.0 if dtype == torch.float32 else 1.0
     assert_close_rel(out, ref, dtype, factor=factor)
     if cpu is not None:
         assert rel_error(out, cpu.double()) <= pair_tol(dtype, factor)
     torch_out = op(a, ta) @ op(b, tb)
     assert rel_error(out, torch_out.double()) <= pair_tol(dtype, factor)
+
+
+def test_tf32_follows_torchs_switch_unless_given():
+    from seqfuse.ops.gemm import tf32_of
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for flag in (False, True):
+            torch.backends.cuda.matmul.allow_tf32 = flag
+            assert tf32_of(None) is flag
+            assert tf32_of(True) is True and tf32_of(False) is False
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+@pytest.mark.cuda
+def test_cuda_fp32_default_is_torchs_switch(seed):
+    """allow_tf32=None (the default): exact float32 while torch's switch is
+    off (its default), TF32 once it is on."""
+    a, b = make((300, 200), torch.float32, "cuda"), make((200, 100), torch.float32, "cuda")
+    ref = reference(a, b)[0]
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert_close_rel(gemm(a, b), ref, torch.float32)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert torch.equal(gemm(a, b), gemm(a, b, allow_tf32=True))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
 
 
 @pytest.mark.cuda

@@ -233,7 +233,7 @@ def test_cuda_matches_cpu(splits, dtype, seed):
     ry = moe.grouped_gemm(x, w, splits, transb=True, bias=bias)
     rdx = moe.grouped_gemm(dy, w, splits)
     rdw, rdb = moe.grouped_gemm(dy, x, splits, transa=True, bgrad=True, out_dtype=torch.float32)
-    # fp32 runs on TF32 tensor cores (allow_tf32=True, as Linear): bf16's bound
+    # fp32 may run on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32): bf16's bound
     tol = pair_tol(torch.bfloat16 if dtype == torch.float32 else dtype)
     assert rel_error(y, ry) <= tol
     assert rel_error(dx, rdx) <= tol

@@ -76,10 +76,10 @@ class SeqfuseExperts(nn.Module):
         splits = tuple(tokens_per_expert.tolist())  # one host synchronization per block, as GroupedMLP
         dtype = compute_dtype(x, self.gate_up_proj)
         xp, pp = moe_ops.moe_permute_by_row_id_map(x.to(dtype), row_ids, sum(splits), probs)
-        tf32 = torch.backends.cuda.matmul.allow_tf32  # what the replaced transformers module computed under
-        h = GroupedLinearFunction.apply(xp, splits, dtype, E, False, tf32, *self.gate_up_proj.unbind(0))
+        # float32: TF32 as torch's switch says (None), as the replaced transformers module computed
+        h = GroupedLinearFunction.apply(xp, splits, dtype, E, False, None, *self.gate_up_proj.unbind(0))
         a = moe_ops.scaled_swiglu(h, pp)
-        y = GroupedLinearFunction.apply(a, splits, dtype, E, False, tf32, *self.down_proj.unbind(0))
+        y = GroupedLinearFunction.apply(a, splits, dtype, E, False, None, *self.down_proj.unbind(0))
         out = moe_ops.moe_unpermute(y, row_ids)
         return out.to(hidden_states.dtype).reshape(hidden_states.shape)
 

@@ -66,9 +66,8 @@ class GroupedLinearFunction(torch.autograd.Function):
 
     forward(x [sum(m_splits), in], m_splits (tuple of ints), dtype, num_gemms,
     use_bias, allow_tf32, *weights, *biases).  allow_tf32: float32 operands
-    on TF32 tensor cores (the modules' default, as TE's GEMMs; accelerate()'s
-    expert swap passes torch.backends.cuda.matmul.allow_tf32 instead, the
-    setting the replaced transformers module computed under)."""
+    on TF32 tensor cores; None follows torch.backends.cuda.matmul.allow_tf32
+    (ops.gemm's rule, what every module passes)."""
 
     @staticmethod
     def forward(ctx, x, m_splits, dtype, G, use_bias, allow_tf32, *params):
@@ -232,7 +231,7 @@ class GroupedLinear(torch.nn.Module):
             y = Fp8GroupedLinearFunction.apply(x, splits, dtype, self.num_gemms, use_bias,
                                                (q, is_first_microbatch), *params)
         else:
-            y = GroupedLinearFunction.apply(x, splits, dtype, self.num_gemms, use_bias, True, *params)
+            y = GroupedLinearFunction.apply(x, splits, dtype, self.num_gemms, use_bias, None, *params)
         if inp.dim() != 2:
             y = y.view(*lead, self.out_features)
         if self.return_bias:

@@ -19,6 +19,12 @@ import torch
 from .. import _C
 from ._call import FP8_DLPACK, as_float, detached, stream_for
 
+
+def tf32_of(allow_tf32):
+    """A GEMM's TF32 choice: the caller's bool, or torch's matmul switch for None."""
+    return bool(torch.backends.cuda.matmul.allow_tf32 if allow_tf32 is None else allow_tf32)
+
+
 EPILOGUES = ("none", "bias", "gelu", "bias_gelu", "gelu_aux", "bias_gelu_aux",
              "dgelu", "dgelu_bgrad", "bgrad")
 _EPI = {name: i for i, name in enumerate(EPILOGUES)}
@@ -73,7 +79,7 @@ def _scaling_code(name, scale_inv, arg):
 
 def gemm(a, b, *, transa=False, transb=False, out=None, out_dtype=None, bias=None,
          epilogue="none", aux=None, accumulate=False, a_scale_inv=None, b_scale_inv=None,
-         a_scaling=None, b_scaling=None, fast_accum=False, allow_tf32=True, alpha=1.0,
+         a_scaling=None, b_scaling=None, fast_accum=False, allow_tf32=None, alpha=1.0,
          workspace=None):
     """``epilogue(alpha * op(a) @ op(b) [+ out])`` as one cuBLASLt call.
 
@@ -101,7 +107,10 @@ def gemm(a, b, *, transa=False, transb=False, out=None, out_dtype=None, bias=Non
     fast_accum: float8 only: skip the periodic float32 promotion inside
         the tensor-core accumulation (faster; the forward GEMM uses it,
         gradient GEMMs should not).
-    allow_tf32: float32 operands on TF32 tensor cores.
+    allow_tf32: float32 operands on TF32 tensor cores; None (the default)
+        follows torch.backends.cuda.matmul.allow_tf32, torch's own switch
+        for float32 matmuls (off unless the user turns it on), so a module
+        swapped into a torch model computes float32 as the model did.
 
     Returns ``out``; with "gelu_aux" ``(out, aux)``; with "bgrad" /
     "dgelu_bgrad" ``(out, bias_grad)``.
@@ -154,7 +163,8 @@ def gemm(a, b, *, transa=False, transb=False, out=None, out_dtype=None, bias=Non
             a_fmt, b_fmt = _FP8_CODE[a.dtype], _FP8_CODE.get(b.dtype, 0)
             a, b = a.view(torch.uint8), b.view(torch.uint8) if b_fmt else b
         _C.gemm(a, b, out, transa, transb, a_scale_inv, b_scale_inv, a_code, b_code, bias, aux,
-                _EPI[epilogue], accumulate, fast_accum, allow_tf32, as_float("gemm", "alpha", alpha), workspace,
+                _EPI[epilogue], accumulate, fast_accum, tf32_of(allow_tf32), as_float("gemm", "alpha", alpha),
+                workspace,
                 a_fmt, b_fmt, stream_for(a))
     return out if extra is None else (out, extra)
 

@@ -33,7 +33,7 @@ import torch
 
 from .. import _C
 from ._call import as_float, detached, require_fp8_dlpack, stream_for
-from .gemm import FP8_DTYPES, SCALINGS, workspace_for
+from .gemm import FP8_DTYPES, SCALINGS, tf32_of, workspace_for
 
 __all__ = ["grouped_gemm", "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss",
            "fused_moe_aux_loss", "moe_z_loss", "moe_row_id_map", "moe_permute",
@@ -153,7 +153,7 @@ def _aligned_scalars(values):
 
 def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dtype=None, bias=None,
                  bgrad=False, accumulate=False, a_scale_inv=None, b_scale_inv=None, a_scaling=None,
-                 b_scaling=None, fast_accum=False, allow_tf32=True, workspace=None):
+                 b_scaling=None, fast_accum=False, allow_tf32=None, workspace=None):
     """Per group g: ``out_g = op(a_g) @ op(b_g)`` (+ bias_g), G GEMMs in one call.
 
     Each of a, b, out is one 2-D tensor split by m_splits along dim 0 (the
@@ -175,6 +175,8 @@ def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dt
     bias: G bias vectors (list or [G, n]) added in the forward; with
         ``bgrad=True`` the wgrad also returns the bias gradients ([G, m],
         allocated when bias is None, or written into the given list).
+    allow_tf32: float32 operands on TF32 tensor cores; None follows
+        torch.backends.cuda.matmul.allow_tf32 (as ops.gemm).
     a_scale_inv, b_scale_inv: float8 operands' float32 scale inverses: one
         tensor of G elements (one per group) or 1 (per-tensor scaling), or
         a list of G tensors, group g's as seqfuse.ops.gemm takes them under
@@ -221,7 +223,7 @@ def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dt
     if workspace is None and first.is_cuda:
         workspace = workspace_for(first.device)
     _C.grouped_gemm(a, b, out, splits, bool(transa), bool(transb), a_scale_inv, b_scale_inv, a_code,
-                    b_code, bias, bool(bgrad), bool(accumulate), bool(fast_accum), bool(allow_tf32),
+                    b_code, bias, bool(bgrad), bool(accumulate), bool(fast_accum), tf32_of(allow_tf32),
                     workspace, stream_for(first))
     return out if grads is None else (out, grads)
 
