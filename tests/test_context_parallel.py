@@ -1,4 +1,4 @@
-"""Context parallelism (seqfuse.parallel) on the CPU over gloo.
+"""Context parallelism (seqfuse.distributed) on the CPU over gloo.
 
 The claim: attention run with context parallelism over cp ranks (each
 holding its load-balanced share of the tokens) gives, on every rank, the
@@ -24,7 +24,7 @@ import torch.distributed as dist
 import seqfuse.ops as ops
 from helpers import BWD_FACTOR, REL_TOL, rel_error, run_ranks, run_seed
 from seqfuse.modules.attention import DotProductAttention
-from seqfuse.parallel import (context_parallel_attention, local_token_index, pad_thd_sequences_for_cp,
+from seqfuse.distributed import (context_parallel_attention, local_token_index, pad_thd_sequences_for_cp,
                               split_batch_for_cp_rank)
 
 FORMATS = ("bshd", "sbhd", "thd")
@@ -159,7 +159,7 @@ def _small_llama(fmt, comm, world, rank, group, seed):
     rotary embeddings)."""
     from seqfuse.modules.rope import RotaryPositionEmbedding
     from seqfuse.modules.transformer_layer import TransformerLayer
-    from seqfuse.parallel import freqs_for_cp_rank
+    from seqfuse.distributed import freqs_for_cp_rank
 
     torch.manual_seed(seed)
     hidden, b = 32, 2
@@ -209,7 +209,7 @@ def _small_llama(fmt, comm, world, rank, group, seed):
 def _te_split_matches(world, rank, group):
     """get_batch_on_this_cp_rank (TE's name and argument order, rank and
     size from the group) picks what split_batch_for_cp_rank picks."""
-    from seqfuse.parallel import get_batch_on_this_cp_rank
+    from seqfuse.distributed import get_batch_on_this_cp_rank
 
     lens = _lengths("thd", world)
     cu = torch.tensor([0] + list(torch.cumsum(torch.tensor(lens), 0)), dtype=torch.int32)
@@ -387,7 +387,7 @@ def test_freqs_for_cp_rank_rotates_like_the_full_sequence(cp):
     rank's rows of the full sequence rotated (bshd, and thd through the sbhd
     view of the packed tokens)."""
     from seqfuse.modules.rope import RotaryPositionEmbedding, apply_rotary_pos_emb
-    from seqfuse.parallel import freqs_for_cp_rank
+    from seqfuse.distributed import freqs_for_cp_rank
 
     s = 4 * cp
     freqs = RotaryPositionEmbedding(DIM)(s)
@@ -419,7 +419,7 @@ def test_merge_partial_is_exact_and_skips_rows_without_keys():
     """Attention over two disjoint key sets merged with their lse equals
     attention over all keys; a part where a row sees no key (lse +inf, the
     kernel's convention) weighs nothing."""
-    from seqfuse.parallel import merge_partial
+    from seqfuse.distributed import merge_partial
 
     q = torch.randn(2, 6, HEADS, DIM)
     k = torch.randn(2, 10, HEADS, DIM)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import seqfuse.ops as ops
 from helpers import BWD_FACTOR, REL_TOL, rel_error, run_ranks, run_seed
 from seqfuse.modules.attention import DotProductAttention
-from seqfuse.parallel import context_parallel_attention, local_token_index
+from seqfuse.distributed import context_parallel_attention, local_token_index
 
 pytestmark = pytest.mark.cuda
 

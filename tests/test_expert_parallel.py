@@ -1,4 +1,4 @@
-"""Expert parallelism (seqfuse.parallel.expert_parallel and
+"""Expert parallelism (seqfuse.distributed.expert_parallel and
 seqfuse.modules.ExpertParallelGroupedMLP) on the CPU over gloo.
 
 The claims, checked in float32 against a single-process GroupedMLP that
@@ -88,7 +88,7 @@ def _reference(full, x, dout):
 def _run_ep(layer, x, dout, rows, dp_group, average=False):
     """The EP layer on this rank's rows, its gradients reduced; returns
     (out, input gradient)."""
-    from seqfuse.parallel import reduce_expert_parallel_grads
+    from seqfuse.distributed import reduce_expert_parallel_grads
 
     xl = x[rows].clone().requires_grad_()
     layer.zero_grad()
@@ -113,7 +113,7 @@ def _ep_groups(world, rank):
     """{ep_size: (EP group, DP group)} for EP 2 (dp 2) and 4 (dp 1), from
     the meshes' get_group (slicing a mesh, mesh["ep"], takes about 20 s per
     slice on torch 2.15 with gloo on these CPUs)."""
-    from seqfuse.parallel import init_expert_parallel_mesh
+    from seqfuse.distributed import init_expert_parallel_mesh
 
     out = {}
     for ep in (2, 4):
@@ -206,7 +206,7 @@ def _uneven(groups, rank, seed):
 
 def _clip(groups, rank, seed):
     """clip_grad_norm_ over dp 2 x ep 2 against torch's on the reference."""
-    from seqfuse.parallel import clip_grad_norm_
+    from seqfuse.distributed import clip_grad_norm_
 
     res = {}
     name, e, k, ep, extra = CONFIGS[1]
@@ -257,7 +257,7 @@ def _fsdp2(groups, rank, seed, out_dir):
     an FSDP2 model at EP = 4 (dp 1)."""
     import torch.distributed.checkpoint as dcp
 
-    from seqfuse.parallel import clip_grad_norm_, fully_shard_expert_parallel
+    from seqfuse.distributed import clip_grad_norm_, fully_shard_expert_parallel
 
     name, e, k, ep, extra = CONFIGS[0]
     full = _full_layer(e, k, extra, seed + 800)
@@ -366,7 +366,7 @@ def _raises(fn):
 
 
 def _bad_arguments(groups):
-    from seqfuse.parallel import all_to_all_single_autograd, clip_grad_norm_, dispatch_tokens
+    from seqfuse.distributed import all_to_all_single_autograd, clip_grad_norm_, dispatch_tokens
 
     g = groups[2][0]
     layer = ExpertParallelGroupedMLP(HIDDEN, FFN, 4, 2, g, device="cpu")
@@ -568,7 +568,7 @@ CUDA_CASES = [("fp32", torch.float32), ("bf16", torch.bfloat16)]
 
 def _cuda_body(rank, world, seed):
     """EP = 2 over NCCL against one GPU (run_ranks' body)."""
-    from seqfuse.parallel import clip_grad_norm_, reduce_expert_parallel_grads
+    from seqfuse.distributed import clip_grad_norm_, reduce_expert_parallel_grads
 
     dev = torch.device("cuda", rank)
     group = dist.new_group(list(range(world)))
@@ -610,7 +610,7 @@ def _cuda_fsdp2(rank, world, dev, seed):
     """fully_shard_expert_parallel on a dp 1 x ep 2 mesh over NCCL (the
     experts' divide factor through NCCL's PREMUL_SUM), mean losses: the
     gradients and the clipped norm against one GPU (float32)."""
-    from seqfuse.parallel import clip_grad_norm_, fully_shard_expert_parallel, init_expert_parallel_mesh
+    from seqfuse.distributed import clip_grad_norm_, fully_shard_expert_parallel, init_expert_parallel_mesh
 
     mesh = init_expert_parallel_mesh(2)
     torch.manual_seed(seed + 5)

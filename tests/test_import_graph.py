@@ -20,21 +20,24 @@ namespace.
 Layers, top to bottom (a module may import its own layer or any layer below
 it, never one above):
 
-    seqfuse (the top-level __init__, __main__), seqfuse.hf, seqfuse.data,
-        seqfuse.distributed              what scripts and recipes import
+    seqfuse (the top-level __init__, __main__), seqfuse.hf, seqfuse.data
+                                         what scripts and recipes import
     seqfuse.pytorch                      the Transformer Engine facade
-    seqfuse.modules, seqfuse.optim       nn.Modules + autograd; optimizers
+    seqfuse.modules, seqfuse.optim,      nn.Modules + autograd; optimizers;
+        seqfuse.distributed              context / expert parallelism, FSDP2's
+                                         FP8 all-gather, process-group teardown
     seqfuse.quantization                 recipes' state, autocast, FP8 tensors
     seqfuse.ops                          functional ops over _C
     seqfuse._C, seqfuse._runtime, seqfuse.common
                                          the extension, build info, recipes'
                                          framework-neutral dataclasses
 
-seqfuse.data (collators, readers, tokenizers) and seqfuse.distributed
-(process-group teardown) are used by training scripts and depend on nothing
-of seqfuse's, so they sit in the top layer beside seqfuse.hf: nothing below
-may depend on them.  seqfuse.optim uses ops only, like the modules, and sits
-beside them.  Within a layer, cross-package edges are allowed as long as they
+seqfuse.data (collators, readers, tokenizers) is used by training scripts
+and depends on nothing of seqfuse's, so it sits in the top layer beside
+seqfuse.hf: nothing below may depend on it.  seqfuse.optim uses ops only,
+like the modules, and sits beside them; so does seqfuse.distributed (it
+uses ops, quantization and common), which the modules use for context and
+expert parallelism.  Within a layer, cross-package edges are allowed as long as they
 make no circle.  Besides the order: only seqfuse.ops (and ``_runtime`` /
 the top-level ``__init__``, which load it and report the build) import
 ``_C`` (DESIGN.md: "Only python/seqfuse/ops/ calls _C").
@@ -60,14 +63,14 @@ EXTENSIONS = {"seqfuse._C"}  # compiled modules: no .py file to parse
 #: top to bottom; an entry names a package (with its submodules) or, for
 #: the top-level package, the modules themselves
 LAYERS = [
-    ("seqfuse", "seqfuse.__main__", "seqfuse.hf", "seqfuse.data", "seqfuse.distributed"),
+    ("seqfuse", "seqfuse.__main__", "seqfuse.hf", "seqfuse.data"),
     ("seqfuse.pytorch",),
-    ("seqfuse.modules", "seqfuse.optim", "seqfuse.parallel"),
+    ("seqfuse.modules", "seqfuse.optim", "seqfuse.distributed"),
     ("seqfuse.quantization",),
     ("seqfuse.ops",),
     ("seqfuse._C", "seqfuse._runtime", "seqfuse.common"),
 ]
-LAYER_NAMES = ["hf/data/distributed/top", "pytorch", "modules/optim", "quantization", "ops", "_C/common"]
+LAYER_NAMES = ["hf/data/top", "pytorch", "modules/optim/distributed", "quantization", "ops", "_C/common"]
 
 #: the modules that may import seqfuse._C
 C_IMPORTERS = ("seqfuse", "seqfuse._runtime", "seqfuse.ops")

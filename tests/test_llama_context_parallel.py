@@ -70,7 +70,7 @@ def _cp_share(batch, fmt, cp, rank):
     sequences padded for CP, the load-balanced split (what the recipe's
     loader does before the model)."""
     from seqfuse.hf.llama import shift_labels
-    from seqfuse.parallel import pad_thd_sequences_for_cp, split_batch_for_cp_rank
+    from seqfuse.distributed import pad_thd_sequences_for_cp, split_batch_for_cp_rank
 
     ids, cu = batch["input_ids"], batch.get("cu_seqlens")
     targets = shift_labels(batch["labels"], cu)

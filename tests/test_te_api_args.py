@@ -231,7 +231,7 @@ def test_multihead_attention_window_size():
 def test_dot_product_attention_context_parallel_arguments(tmp_path):
     """cp_group, cp_global_ranks, cp_stream and cp_comm_type reach the
     module's context parallelism (a group of one rank: CP off, the result is
-    plain attention; seqfuse.parallel's tests run CP at 2 and 4 ranks)."""
+    plain attention; seqfuse.distributed's tests run CP at 2 and 4 ranks)."""
     import torch.distributed as dist
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")

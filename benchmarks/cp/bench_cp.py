@@ -1,7 +1,7 @@
 """Context-parallel attention on 2 GPUs against one GPU, at long sequences.
 
 What it answers: how fast one causal attention layer (forward + backward)
-runs when its sequence is spread over cp GPUs (seqfuse.parallel.
+runs when its sequence is spread over cp GPUs (seqfuse.distributed.
 context_parallel_attention, cp_comm_type p2p and all_gather), against the
 same attention on one GPU over the whole sequence, and how much memory each
 GPU then holds.  Shapes: Llama 3 8B heads (32 query heads, 8 KV heads, head
@@ -137,7 +137,7 @@ def single_rows(s, repeats):
 
 
 def cp_rows(s, repeats, group, rank, world):
-    from seqfuse.parallel import context_parallel_attention, local_token_index
+    from seqfuse.distributed import context_parallel_attention, local_token_index
 
     rows = []
     idx = local_token_index(torch.tensor([s]), world, rank).to(CFG["device"])

@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "python"
 from harness import Table, init_torchrun, ranks_step_ms  # noqa: E402
 
 from seqfuse.modules import ExpertParallelGroupedMLP, GroupedMLP  # noqa: E402
-from seqfuse.parallel import combine_tokens, dispatch_tokens  # noqa: E402
+from seqfuse.distributed import combine_tokens, dispatch_tokens  # noqa: E402
 
 HIDDEN, FFN, EXPERTS, TOPK = 1024, 3584, 8, 2
 

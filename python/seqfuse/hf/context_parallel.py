@@ -1,10 +1,10 @@
 """Context parallelism (CP) for seqfuse's decoder families (Llama): how a
 model whose attention runs under CP (TransformerLayer.set_context_parallel_group,
-seqfuse.parallel) lays out a batch and reduces its loss.
+seqfuse.distributed) lays out a batch and reduces its loss.
 
 Under CP every rank of the CP group holds its share of every sequence: the
 2*cp chunks of the load-balanced split, chunks r and 2cp-1-r for rank r
-(seqfuse.parallel.split_batch_for_cp_rank picks them before the model).
+(seqfuse.distributed.split_batch_for_cp_rank picks them before the model).
 What changes for the model:
 
 - Layout (``cp_layout``).  Packed (thd): ``input_ids`` hold the rank's
@@ -61,7 +61,7 @@ def cp_layout(input_ids, group, attention_mask=None, position_ids=None, cu_seqle
                          "pack the sequences with cu_seqlens")
     if position_ids is not None:
         raise ValueError(f"{name}: under context parallelism position_ids must be None: each local token's "
-                         "position follows from the load-balanced split (seqfuse.parallel.split_batch_for_cp_rank)")
+                         "position follows from the load-balanced split (seqfuse.distributed.split_batch_for_cp_rank)")
     if cu_seqlens is not None:
         if input_ids.dim() == 2 and input_ids.shape[0] != 1 or input_ids.dim() not in (1, 2):
             raise ValueError(f"{name}: packed input_ids must be [t] or [1, t], got {tuple(input_ids.shape)}")

@@ -37,11 +37,11 @@ kernels (on Hopper too, logged once: the wgmma kernels have no dropout yet).
 Context parallelism (Transformer Engine's set_context_parallel_group, or the
 cp_* constructor arguments): the sequence spread over the ranks of a process
 group, each rank passing its load-balanced share of the tokens (chunks r and
-2cp-1-r of 2*cp; seqfuse.parallel.split_batch_for_cp_rank picks them; for
+2cp-1-r of 2*cp; seqfuse.distributed.split_batch_for_cp_rank picks them; for
 thd, cu_seqlens and max_seqlen of the full batch), with cp_comm_type "p2p"
 (ring) or "all_gather"; causal or no mask, bshd / sbhd / thd, GQA.  Not with
 attention dropout in training, an attention_mask or a sliding window (each
-raises).  seqfuse.parallel.context_parallel has the details.
+raises).  seqfuse.distributed.context_parallel has the details.
 
 Not supported (each raises NotImplementedError, never falls back silently):
 attention biases (ALiBi, post-scale bias), the "arbitrary" mask, and
@@ -53,7 +53,7 @@ import torch
 
 from .. import ops
 from ..ops.attn import PerTensorCache, padding_layout
-from ..parallel.context_parallel import check_comm_type, context_parallel_attention, group_ranks
+from ..distributed.context_parallel import check_comm_type, context_parallel_attention, group_ranks
 from ._input import check_input, check_storage
 
 
@@ -185,9 +185,9 @@ class DotProductAttention(torch.nn.Module):
         ``cp_comm_type``: "p2p" (ring exchange of K/V, overlapped with the
         attention of the block in hand) or "all_gather" (one all-gather of
         K/V).  Each rank then passes its share of the tokens (the
-        load-balanced split of seqfuse.parallel.split_batch_for_cp_rank; for
+        load-balanced split of seqfuse.distributed.split_batch_for_cp_rank; for
         thd, cu_seqlens and max_seqlen of the full batch).  See
-        seqfuse.parallel.context_parallel for the layout and its rules."""
+        seqfuse.distributed.context_parallel for the layout and its rules."""
         check_comm_type(cp_comm_type, "DotProductAttention")
         if isinstance(cp_group, (list, tuple)):
             raise NotImplementedError("DotProductAttention: a list of CP groups (cp_comm_type 'a2a+p2p') is not "
@@ -288,7 +288,7 @@ class DotProductAttention(torch.nn.Module):
     def _context_parallel(self, q, k, v, attention_mask, qkv_format, attn_mask_type, window_size,
                           cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv):
         """This rank's share of the attention under context parallelism
-        (seqfuse.parallel.context_parallel_attention), heads flattened."""
+        (seqfuse.distributed.context_parallel_attention), heads flattened."""
         who = "DotProductAttention"
         if self.training and self.attention_dropout > 0:
             raise NotImplementedError(f"{who}: attention_dropout ({self.attention_dropout}) with context "

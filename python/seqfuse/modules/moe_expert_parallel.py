@@ -3,11 +3,11 @@ expert-parallel (EP) process group.
 
 Each of ep_size ranks holds L = num_experts / ep_size experts (experts
 [ep_rank * L, (ep_rank + 1) * L)) and the whole router; every rank routes
-its own tokens, seqfuse.parallel.dispatch_tokens sends each routed row to
+its own tokens, seqfuse.distributed.dispatch_tokens sends each routed row to
 the rank of its expert (all_to_all of the counts, then all_to_all_single
 of the rows and their probabilities), the local experts run as in
 GroupedMLP (gate-up GroupedLinear, SwiGLU scaled by the probability, down
-GroupedLinear), and seqfuse.parallel.combine_tokens sends the results home
+GroupedLinear), and seqfuse.distributed.combine_tokens sends the results home
 and sums each token's experts.  With one rank (ep_group None) it is
 GroupedMLP.  Forward and backward: the exchanges are autograd Functions.
 
@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from ..ops import moe as moe_ops
 from ..common.recipe import DelayedScaling
-from ..parallel.expert_parallel import combine_tokens, dispatch_tokens, group_size_rank
+from ..distributed.expert_parallel import combine_tokens, dispatch_tokens, group_size_rank
 from ..quantization import get_amax_reduction_group, get_recipe, is_fp8_enabled
 from ._base import default_device
 from ._input import check_input
@@ -210,13 +210,13 @@ class ExpertParallelGroupedMLP(torch.nn.Module):
         return out if hidden_states.dim() == 2 else out.view(*lead, self.hidden_size)
 
     def expert_parameters(self):
-        """This rank's expert parameters (seqfuse.parallel's gradient
+        """This rank's expert parameters (seqfuse.distributed's gradient
         reduction and clipping treat them as sharded over ep_group)."""
         return list(self.fc1.parameters()) + list(self.fc2.parameters())
 
     def expert_modules(self):
         """The submodules holding only this rank's experts (FSDP2 shards them
-        over the data-parallel ranks: seqfuse.parallel.fully_shard_expert_parallel)."""
+        over the data-parallel ranks: seqfuse.distributed.fully_shard_expert_parallel)."""
         return [self.fc1, self.fc2]
 
     # ---- conversion to and from the single-process layer -----------------------

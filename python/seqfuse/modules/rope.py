@@ -14,7 +14,7 @@ import torch
 
 from ..ops import rope as _rope
 from ..ops.tensor_cache import PerTensorCache
-from ..parallel import freqs_for_cp_rank
+from ..distributed.split_batch import freqs_for_cp_rank
 
 
 class FusedRoPEFunc(torch.autograd.Function):
@@ -52,7 +52,7 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, tensor_format: st
                             f"got {type(x).__name__}")
     if cp_size != 1 or cp_rank != 0:
         # context parallelism: ``freqs`` covers the full sequence and ``t`` holds this rank's chunks
-        # (seqfuse.parallel's load-balanced split); each local token turns by its full-sequence position
+        # (seqfuse.distributed's load-balanced split); each local token turns by its full-sequence position
         if start_positions is not None:
             raise NotImplementedError("apply_rotary_pos_emb: start_positions with context parallelism "
                                       "(cp_size > 1) is not supported")

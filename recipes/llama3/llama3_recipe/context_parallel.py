@@ -15,7 +15,7 @@ CP group's ranks are neighbours: on one node they share NVLink).
     recipe does): the next-token targets shifted over the full sequences,
     every packed sequence padded at its end to a multiple of 2*cp (padded
     rows: the row length), and the load-balanced split
-    (seqfuse.parallel.split_batch_for_cp_rank's rule: chunks r and 2cp-1-r).
+    (seqfuse.distributed.split_batch_for_cp_rank's rule: chunks r and 2cp-1-r).
     Under FP8 / FP4 the rank's token count is kept a multiple of
     data.pad_to_multiple_of (one dummy packed segment, or longer rows).
   * FSDP2: fully_shard over all dp x cp ranks (the mesh flattened, which is
@@ -93,7 +93,7 @@ class CPBatches:
         return [t.index_select(dim, index) for t in tensors]
 
     def _packed(self, batch, targets):
-        from seqfuse.parallel import local_token_index, pad_thd_sequences_for_cp
+        from seqfuse.distributed import local_token_index, pad_thd_sequences_for_cp
 
         cu, n_real = batch["cu_seqlens"], int(batch["num_sequences"])
         lengths = (cu[1:] - cu[:-1]).long()
@@ -118,7 +118,7 @@ class CPBatches:
                 "num_tokens": int(real.sum()), "num_sequences": n_real, "seq_lengths": real_lengths}
 
     def _padded(self, batch, targets):
-        from seqfuse.parallel import local_token_index
+        from seqfuse.distributed import local_token_index
 
         ids, mask = batch["input_ids"], batch["attention_mask"]
         s = ids.shape[1]

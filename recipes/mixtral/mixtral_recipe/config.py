@@ -22,7 +22,7 @@ What is new here:
     (precision.fp4 is kept, as a key that must stay false, so the Llama 3
     recipe's precision rules read the same group);
   * distributed.expert_parallel_size: experts sharded over that many ranks
-    (seqfuse.parallel's expert parallelism, mixtral_recipe/trainer.py); it
+    (seqfuse.distributed's expert parallelism, mixtral_recipe/trainer.py); it
     must divide model.num_local_experts here, and the world size at the
     start of the run.
 

@@ -27,14 +27,14 @@ This module is the ``spec`` the shared loop reads:
     (seqfuse.hf.mixtral_convert.export_hf) with the tokenizer, loadable
     without seqfuse;
   * expert parallelism (distributed.expert_parallel_size = ep > 1, under
-    torchrun with a multiple of ep processes): seqfuse.parallel's ("dp",
+    torchrun with a multiple of ep processes): seqfuse.distributed's ("dp",
     "ep") mesh; each layer's mixture of experts becomes this rank's share
     of it (seqfuse.modules.ExpertParallelGroupedMLP: the router on every
     rank, num_local_experts / ep experts here, tokens dispatched to their
     experts' ranks and back with all_to_all_single); FSDP2 shards each
     expert module over its dp group and the rest of the model over every
     rank (fully_shard_expert_parallel); the gradient-norm clip is exact
-    over EP and DP (seqfuse.parallel.clip_grad_norm_).  Expert parameters
+    over EP and DP (seqfuse.distributed.clip_grad_norm_).  Expert parameters
     keep their global names (fc1.weight5 is expert 5 on whichever rank
     holds it), so checkpoints are keyed like the single-process model's;
     the export gathers every expert to rank 0.  With ep = 1 every rank
@@ -145,7 +145,7 @@ def build_model(cfg, device, dtype):
         model.set_activation_checkpointing(True)  # FP8-aware (seqfuse.pytorch.checkpoint)
     ep = expert_parallel_size(cfg)
     if ep > 1:
-        from seqfuse.parallel import init_expert_parallel_mesh
+        from seqfuse.distributed import init_expert_parallel_mesh
 
         model.ep_mesh = init_expert_parallel_mesh(ep)  # ("dp", "ep"): EP groups of ep consecutive ranks
         group = model.ep_mesh.get_group("ep")
@@ -179,7 +179,7 @@ def expert_parallel_moe():
 def wrap_model(model, layers, strategy, world, device, cfg, log_):
     """Data-parallel wrapping.  Without expert parallelism: the shared
     loop's (FSDP2 per decoder layer, then the root).  With it
-    (seqfuse.parallel.fully_shard_expert_parallel over the model's
+    (seqfuse.distributed.fully_shard_expert_parallel over the model's
     ("dp", "ep") mesh): every expert module sharded over its dp group, its
     gradients divided by dp x ep (the token exchange has summed them over
     the EP group), then the rest of the model as one unit over every rank."""
@@ -190,7 +190,7 @@ def wrap_model(model, layers, strategy, world, device, cfg, log_):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from recipe_common.fsdp import REDUCE_DTYPES
-    from seqfuse.parallel import fully_shard_expert_parallel
+    from seqfuse.distributed import fully_shard_expert_parallel
 
     d = cfg.distributed
     mp = MixedPrecisionPolicy(reduce_dtype=REDUCE_DTYPES[str(d.reduce_dtype)])
@@ -199,11 +199,11 @@ def wrap_model(model, layers, strategy, world, device, cfg, log_):
 
 
 def clip_grad_norm(model, params, max_norm):
-    """The gradient norm clip: seqfuse.parallel.clip_grad_norm_ (exact over
+    """The gradient norm clip: seqfuse.distributed.clip_grad_norm_ (exact over
     the EP and DP ranks: each expert counted once) with expert parallelism,
     seqfuse.optim.clip_grad_norm_ without."""
     if getattr(model, "ep_mesh", None) is not None:
-        from seqfuse.parallel import clip_grad_norm_ as clip_ep
+        from seqfuse.distributed import clip_grad_norm_ as clip_ep
 
         return clip_ep(model, max_norm)
     from seqfuse.optim import clip_grad_norm_
