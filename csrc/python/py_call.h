@@ -99,9 +99,16 @@ void sf_py_list_free(sf_py_tensor_list *l);
  *   5. call the thunk with the GIL released, give every tensor back, and
  *      return None (or the result hook's value) or the status's exception.
  *
- * A family file declares each binding with SF_PY_BINDING and lists them in
- * one NULL-terminated table; module.c adds the tables to the module, with a
+ * A family file declares each binding in one SF_PY_OP line where the C
+ * entry takes the arguments in table order (the table and the thunk are
+ * generated from the (KIND, name) list), else with SF_PY_BINDING(_FULL)
+ * over a written-out table, thunk and hooks; it lists them in one
+ * NULL-terminated table.  module.c adds the tables to the module, with a
  * signature generated from each argument table (inspect.signature reads it).
+ *
+ *   SF_PY_OP(amax, sf_amax, "out[0] = max |x| (float32).", (T, x), (T, out));
+ *
+ * is the binding amax(x, out, stream=None) calling sf_amax(x, out, stream).
  */
 
 typedef enum {
