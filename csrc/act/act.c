@@ -6,6 +6,7 @@
  */
 #include <math.h>
 
+#include "../core/dispatch.h"
 #include "act.h"
 #include "act_backend.h"
 
@@ -23,16 +24,6 @@ const char *sf_activation_name(sf_activation act)
 }
 
 static int is_fp8(sf_dtype d) { return d == SF_FLOAT8_E4M3 || d == SF_FLOAT8_E5M2; }
-
-static sf_status check_f32_scalar(const char *op, const char *arg, const sf_tensor *t,
-                                  const sf_tensor *x, int writable)
-{
-    SF_TRY(sf_check_dtype(op, arg, t, SF_FLOAT32));
-    SF_TRY(sf_check_numel(op, arg, t, 1));
-    if (writable)
-        SF_TRY(sf_check_writable(op, arg, t));
-    return sf_check_same_device(op, "x", x, arg, t);
-}
 
 /* out: contiguous, on x's device, with x's shape except a last dimension of
  * `last`. */
@@ -65,11 +56,11 @@ static sf_status check_fp8_out(const char *op, const char *arg, sf_act_args *a, 
         return sf_fail(SF_ERR_VALUE, "%s: arguments 'scale' and 'scale_inv' apply only to an FP8 "
                        "'%s', which is %s", op, arg, sf_dtype_name(a->out->dtype));
     if (a->scale)
-        SF_TRY(check_f32_scalar(op, "scale", a->scale, x, 0));
+        SF_TRY(sf_check_vector(op, "scale", a->scale, SF_FLOAT32, 1, "x", x, 0));
     if (a->amax)
-        SF_TRY(check_f32_scalar(op, "amax", a->amax, x, 1));
+        SF_TRY(sf_check_vector(op, "amax", a->amax, SF_FLOAT32, 1, "x", x, 1));
     if (a->scale_inv)
-        SF_TRY(check_f32_scalar(op, "scale_inv", a->scale_inv, x, 1));
+        SF_TRY(sf_check_vector(op, "scale_inv", a->scale_inv, SF_FLOAT32, 1, "x", x, 1));
     return SF_OK;
 }
 
@@ -102,23 +93,15 @@ static sf_status check_act_input(const char *op, sf_activation act, const sf_ten
 
 static sf_status dispatch_act(const char *op, const sf_act_args *a, int backward, sf_stream stream)
 {
-    if (a->x->device == SF_CPU)
-        return backward ? sf_act_bwd_cpu(a) : sf_act_fwd_cpu(a);
-#ifdef SF_WITH_CUDA
-    (void)op;
-    return backward ? sf_act_bwd_cuda(a, stream) : sf_act_fwd_cuda(a, stream);
-#else
-    (void)stream;
-    return sf_fail(SF_ERR_NOT_IMPLEMENTED, "%s: argument 'x' is a CUDA tensor but seqfuse was built "
-                   "without CUDA", op);
-#endif
+    return SF_DISPATCH(op, "x", a->x, backward ? sf_act_bwd_cpu(a) : sf_act_fwd_cpu(a),
+                       backward ? sf_act_bwd_cuda(a, stream) : sf_act_fwd_cuda(a, stream));
 }
 
 sf_status sf_act_fwd(sf_activation act, const sf_tensor *x, sf_tensor *y, const sf_tensor *scale,
                      sf_tensor *amax, sf_tensor *scale_inv, sf_stream stream)
 {
     static const char op[] = "act_fwd";
-    sf_act_args a = {0, 0, 0, 0, x, NULL, y, scale, amax, scale_inv};
+    sf_act_args a = {.x = x, .out = y, .scale = scale, .amax = amax, .scale_inv = scale_inv};
     SF_TRY(check_act_input(op, act, x, &a));
     const int64_t last = x->shape[x->ndim - 1];
     SF_TRY(check_out_shape(op, "y", y, x, a.gated ? last / 2 : last));
@@ -131,7 +114,8 @@ sf_status sf_act_bwd(sf_activation act, const sf_tensor *dy, const sf_tensor *x,
                      sf_stream stream)
 {
     static const char op[] = "act_bwd";
-    sf_act_args a = {0, 0, 0, 0, x, dy, dx, scale, amax, scale_inv};
+    sf_act_args a = {.x = x, .dy = dy, .out = dx, .scale = scale, .amax = amax,
+                     .scale_inv = scale_inv};
     SF_TRY(check_act_input(op, act, x, &a));
     const int64_t last = x->shape[x->ndim - 1];
     SF_TRY(sf_check_dtype(op, "dy", dy, x->dtype));
@@ -199,30 +183,14 @@ sf_status sf_bias_dropout_add_fwd(const sf_tensor *x, const sf_tensor *bias,
     a.bias = bias;
     a.residual = residual;
     a.out = out;
-    if (x->device == SF_CPU)
-        return sf_bias_dropout_add_cpu(&a);
-#ifdef SF_WITH_CUDA
-    return sf_bias_dropout_add_cuda(&a, stream);
-#else
-    (void)stream;
-    return sf_fail(SF_ERR_NOT_IMPLEMENTED, "%s: argument 'x' is a CUDA tensor but seqfuse was built "
-                   "without CUDA", op);
-#endif
+    return SF_DISPATCH(op, "x", x, sf_bias_dropout_add_cpu(&a), sf_bias_dropout_add_cuda(&a, stream));
 }
 
 static sf_status dropout_ws_numel(const sf_tensor *dy, int64_t rows, int64_t n, int64_t *numel)
 {
     *numel = 0;
-    if (dy->device == SF_CPU)
-        return SF_OK;
-#ifdef SF_WITH_CUDA
-    return sf_dropout_bwd_workspace_numel_cuda(rows, n, dy->device_id, numel);
-#else
-    (void)rows;
-    (void)n;
-    return sf_fail(SF_ERR_NOT_IMPLEMENTED, "dropout_bwd: argument 'dy' is a CUDA tensor but seqfuse "
-                   "was built without CUDA");
-#endif
+    return SF_DISPATCH("dropout_bwd", "dy", dy, SF_OK,
+                       sf_dropout_bwd_workspace_numel_cuda(rows, n, dy->device_id, numel));
 }
 
 sf_status sf_dropout_bwd_workspace_numel(const sf_tensor *dy, int64_t *numel)
@@ -272,13 +240,5 @@ sf_status sf_dropout_bwd(const sf_tensor *dy, float p, uint64_t seed, uint64_t o
     a.out = dx;
     a.dbias = dbias;
     a.workspace = dbias ? workspace : NULL;
-    if (dy->device == SF_CPU)
-        return sf_dropout_bwd_cpu(&a);
-#ifdef SF_WITH_CUDA
-    return sf_dropout_bwd_cuda(&a, stream);
-#else
-    (void)stream;
-    return sf_fail(SF_ERR_NOT_IMPLEMENTED, "%s: argument 'dy' is a CUDA tensor but seqfuse was built "
-                   "without CUDA", op);
-#endif
+    return SF_DISPATCH(op, "dy", dy, sf_dropout_bwd_cpu(&a), sf_dropout_bwd_cuda(&a, stream));
 }

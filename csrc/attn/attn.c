@@ -8,6 +8,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "../core/dispatch.h"
 #include "attn.h"
 
 static const char *format_name(sf_attn_format f)
@@ -320,26 +321,6 @@ static sf_status check_output(const char *op, const char *arg, const sf_tensor *
     return check_like(op, arg, t, ref_arg, ref, fmt, view);
 }
 
-typedef sf_status (*cpu_backend)(const sf_attn_problem *p);
-typedef sf_status (*cuda_backend)(const sf_attn_problem *p, sf_stream stream, int device);
-#ifdef SF_WITH_CUDA
-#define CUDA_BACKEND(fn) (fn)
-#else
-#define CUDA_BACKEND(fn) ((cuda_backend)NULL)
-#endif
-
-/* The validated problem to the backend of q's device. */
-static sf_status run_backend(const char *op, const sf_tensor *q, const sf_attn_problem *p,
-                             sf_stream stream, cpu_backend cpu, cuda_backend cuda)
-{
-    if (q->device == SF_CPU)
-        return cpu(p);
-    if (!cuda)
-        return sf_fail(SF_ERR_NOT_IMPLEMENTED,
-                       "%s: argument 'q' is a CUDA tensor but seqfuse was built without CUDA", op);
-    return cuda(p, stream, q->device_id);
-}
-
 sf_status sf_attn_fwd(const sf_tensor *q, const sf_tensor *k, const sf_tensor *v,
                       const sf_tensor *cu_seqlens_q, const sf_tensor *cu_seqlens_kv,
                       const sf_attn_config *cfg, sf_tensor *out, sf_tensor *lse,
@@ -352,7 +333,7 @@ sf_status sf_attn_fwd(const sf_tensor *q, const sf_tensor *k, const sf_tensor *v
     SF_TRY(check_rowstat(op, "lse", lse, q, &p));
     SF_TRY(sf_check_writable(op, "lse", lse));
     p.lse = (float *)lse->data;
-    return run_backend(op, q, &p, stream, sf_attn_fwd_cpu, CUDA_BACKEND(sf_attn_fwd_cuda));
+    return SF_DISPATCH(op, "q", q, sf_attn_fwd_cpu(&p), sf_attn_fwd_cuda(&p, stream, q->device_id));
 }
 
 sf_status sf_attn_bwd(const sf_tensor *q, const sf_tensor *k, const sf_tensor *v,
@@ -384,5 +365,5 @@ sf_status sf_attn_bwd(const sf_tensor *q, const sf_tensor *k, const sf_tensor *v
         SF_TRY(sf_check_writable(op, "delta", delta));
         p.delta = (float *)delta->data;
     }
-    return run_backend(op, q, &p, stream, sf_attn_bwd_cpu, CUDA_BACKEND(sf_attn_bwd_cuda));
+    return SF_DISPATCH(op, "q", q, sf_attn_bwd_cpu(&p), sf_attn_bwd_cuda(&p, stream, q->device_id));
 }

@@ -9,7 +9,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 
-#include "seqfuse.h"
+#include "dispatch.h"
 
 #define SF_ERROR_CAPACITY 1024
 
@@ -24,4 +24,12 @@ sf_status sf_fail(sf_status status, const char *fmt, ...)
     vsnprintf(sf_error_message, sizeof sf_error_message, fmt, args);
     va_end(args);
     return status;
+}
+
+sf_status sf_fail_no_cuda(const char *op, const char *arg)
+{
+    return sf_fail(SF_ERR_NOT_IMPLEMENTED,
+                   "%s: argument '%s' is a CUDA tensor but seqfuse was built without CUDA "
+                   "(rebuild with nvcc on PATH and SEQFUSE_CUDA unset)",
+                   op, arg);
 }

@@ -180,3 +180,14 @@ sf_status sf_check_same_shape(const char *op, const char *arg_a,
                        op, arg_a, arg_b);
     return SF_OK;
 }
+
+sf_status sf_check_vector(const char *op, const char *arg, const sf_tensor *t,
+                          sf_dtype dtype, int64_t n, const char *ref_arg,
+                          const sf_tensor *ref, int writable)
+{
+    SF_TRY(sf_check_dtype(op, arg, t, dtype));
+    SF_TRY(sf_check_numel(op, arg, t, n));
+    SF_TRY(sf_check_contiguous(op, arg, t));
+    SF_TRY(sf_check_same_device(op, ref_arg, ref, arg, t));
+    return writable ? sf_check_writable(op, arg, t) : SF_OK;
+}

@@ -7,6 +7,7 @@
  */
 #include <string.h>
 
+#include "../core/dispatch.h"
 #include "gemm.h"
 
 static const char OP[] = "gemm";
@@ -336,17 +337,7 @@ sf_status sf_gemm(const sf_gemm_args *g, sf_stream stream)
         p.workspace_bytes = (size_t)g->workspace->shape[0];
     }
 
-    if (g->a->device == SF_CPU)
-        return sf_gemm_cpu(&p);
-#ifdef SF_WITH_CUDA
-    return sf_gemm_cuda(&p, stream);
-#else
-    (void)stream;
-    return sf_fail(SF_ERR_NOT_IMPLEMENTED,
-                   "%s: argument 'a' is a CUDA tensor but seqfuse was built without CUDA "
-                   "(rebuild with nvcc on PATH and SEQFUSE_CUDA unset)",
-                   OP);
-#endif
+    return SF_DISPATCH(OP, "a", g->a, sf_gemm_cpu(&p), sf_gemm_cuda(&p, stream));
 }
 
 #ifndef SF_WITH_CUDA

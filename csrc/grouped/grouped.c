@@ -22,6 +22,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "../core/dispatch.h"
 #include "../core/float_io.h"
 #include "grouped.h"
 
@@ -118,13 +119,9 @@ static sf_status write_empty_product(const sf_grouped_gemm_args *args, sf_tensor
                 memset((char *)t->data + r * pitch * (int64_t)es, 0, (size_t)cols * es);
             continue;
         }
-#ifdef SF_WITH_CUDA
-        SF_TRY(sf_grouped_zero_cuda(t->data, rows, cols * (int64_t)es, pitch * (int64_t)es,
-                                    t->device_id, stream));
-#else
-        (void)stream;
-        return sf_fail(SF_ERR_NOT_IMPLEMENTED, "%s: CUDA tensors need a seqfuse built with CUDA", OP);
-#endif
+        SF_TRY(SF_IF_CUDA(OP, matrix ? "out" : "bias",
+                          sf_grouped_zero_cuda(t->data, rows, cols * (int64_t)es,
+                                               pitch * (int64_t)es, t->device_id, stream)));
     }
     return SF_OK;
 }

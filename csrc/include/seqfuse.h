@@ -131,6 +131,13 @@ sf_status sf_check_aligned(const char *op, const char *arg, const sf_tensor *t,
 sf_status sf_check_same_shape(const char *op, const char *arg_a,
                               const sf_tensor *a, const char *arg_b,
                               const sf_tensor *b);
+/* A vector argument: dtype `dtype`, n elements in contiguous memory (any
+ * shape holding them, e.g. [n], [1, n], or 0-d for n = 1), on the device of
+ * `ref` (named ref_arg); `writable`: an output.  The checks above, in the
+ * order dtype, numel, contiguous, device, writable, with their messages. */
+sf_status sf_check_vector(const char *op, const char *arg, const sf_tensor *t,
+                          sf_dtype dtype, int64_t n, const char *ref_arg,
+                          const sf_tensor *ref, int writable);
 
 /* ---- build and runtime information -------------------------------------- */
 

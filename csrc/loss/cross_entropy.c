@@ -3,6 +3,7 @@
  * every argument once (shared by both backends), then dispatch to the CPU
  * reference (cross_entropy_cpu.c) or the CUDA kernels (cross_entropy_cuda.cu).
  */
+#include "../core/dispatch.h"
 #include "cross_entropy_backend.h"
 
 static sf_status check_logits(const char *op, const char *arg, const sf_tensor *x)
@@ -30,9 +31,7 @@ static sf_status check_row_vector(const char *op, const char *arg, const sf_tens
     if (v->ndim != 1)
         return sf_fail(SF_ERR_VALUE, "%s: argument '%s' must be 1-D [N], got %d dimensions", op, arg,
                        v->ndim);
-    SF_TRY(sf_check_numel(op, arg, v, n));
-    SF_TRY(sf_check_contiguous(op, arg, v));
-    return sf_check_same_device(op, "logits", logits, arg, v);
+    return sf_check_vector(op, arg, v, dtype, n, "logits", logits, 0);
 }
 
 static sf_status check_common(const char *op, const sf_tensor *logits, const sf_tensor *labels,
@@ -54,14 +53,6 @@ static sf_status check_common(const char *op, const sf_tensor *logits, const sf_
     return SF_OK;
 }
 
-#ifndef SF_WITH_CUDA
-static sf_status no_cuda(const char *op)
-{
-    return sf_fail(SF_ERR_NOT_IMPLEMENTED,
-                   "%s: argument 'logits' is a CUDA tensor but seqfuse was built without CUDA", op);
-}
-#endif
-
 sf_status sf_cross_entropy_forward(const sf_tensor *logits, const sf_tensor *labels,
                                    int64_t ignore_index, float label_smoothing, sf_tensor *loss,
                                    sf_tensor *lse, sf_stream stream)
@@ -73,14 +64,11 @@ sf_status sf_cross_entropy_forward(const sf_tensor *logits, const sf_tensor *lab
     SF_TRY(check_row_vector(op, "lse", lse, SF_FLOAT32, n, logits));
     SF_TRY(sf_check_writable(op, "loss", loss));
     SF_TRY(sf_check_writable(op, "lse", lse));
-    if (logits->device == SF_CPU)
-        return sf_cross_entropy_forward_cpu(logits, labels, ignore_index, label_smoothing, loss, lse);
-#ifdef SF_WITH_CUDA
-    return sf_cross_entropy_forward_cuda(logits, labels, ignore_index, label_smoothing, loss, lse, stream);
-#else
-    (void)stream;
-    return no_cuda(op);
-#endif
+    return SF_DISPATCH(op, "logits", logits,
+                       sf_cross_entropy_forward_cpu(logits, labels, ignore_index, label_smoothing,
+                                                    loss, lse),
+                       sf_cross_entropy_forward_cuda(logits, labels, ignore_index, label_smoothing,
+                                                     loss, lse, stream));
 }
 
 sf_status sf_cross_entropy_backward(const sf_tensor *logits, const sf_tensor *labels,
@@ -107,14 +95,10 @@ sf_status sf_cross_entropy_backward(const sf_tensor *logits, const sf_tensor *la
     if (dlogits->data == logits->data && n > 1 && dlogits->strides[0] != logits->strides[0])
         return sf_fail(SF_ERR_VALUE, "%s: argument 'dlogits' shares memory with 'logits' but not its "
                        "row stride; in place, both must be the same view", op);
-    if (logits->device == SF_CPU)
-        return sf_cross_entropy_backward_cpu(logits, labels, lse, grad_scale, ignore_index,
-                                             label_smoothing, dlogits);
-#ifdef SF_WITH_CUDA
-    return sf_cross_entropy_backward_cuda(logits, labels, lse, grad_scale, ignore_index,
-                                          label_smoothing, dlogits, stream);
-#else
-    (void)stream;
-    return no_cuda(op);
-#endif
+    return SF_DISPATCH(op, "logits", logits,
+                       sf_cross_entropy_backward_cpu(logits, labels, lse, grad_scale, ignore_index,
+                                                     label_smoothing, dlogits),
+                       sf_cross_entropy_backward_cuda(logits, labels, lse, grad_scale,
+                                                      ignore_index, label_smoothing, dlogits,
+                                                      stream));
 }

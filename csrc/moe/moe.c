@@ -5,8 +5,7 @@
  * and score-function rules); the validated arguments then go to the CPU
  * reference (moe_cpu.c) or the CUDA kernels (moe_cuda.cu).
  */
-#include <string.h>
-
+#include "../core/dispatch.h"
 #include "moe.h"
 
 /* A contiguous 2-D tensor [rows, cols] on ref's device. */
@@ -52,19 +51,10 @@ static sf_status check_router(const char *op, int64_t E, int topk, int score)
     return SF_OK;
 }
 
-#ifdef SF_WITH_CUDA
-#define SF_MOE_RUN(name, dev, a, stream) \
-    ((dev) == SF_CPU ? sf_moe_##name##_cpu(a) : sf_moe_##name##_cuda((a), (stream)))
-#else
-static sf_status dispatch_failure(const char *op)
-{
-    return sf_fail(SF_ERR_NOT_IMPLEMENTED, "%s: CUDA tensors need a seqfuse built with CUDA "
-                   "(rebuild with nvcc on PATH and SEQFUSE_CUDA unset)", op);
-}
-
-#define SF_MOE_RUN(name, dev, a, stream) \
-    ((void)(stream), (dev) == SF_CPU ? sf_moe_##name##_cpu(a) : dispatch_failure("moe_" #name))
-#endif
+/* The validated arguments `a` to sf_moe_<name>_cpu or _cuda by the device of
+ * tensor `on` (named as its variable is). */
+#define SF_MOE_RUN(name, on, a, stream)                                                       \
+    SF_DISPATCH(op, #on, on, sf_moe_##name##_cpu(a), sf_moe_##name##_cuda((a), (stream)))
 
 /* ---- router ------------------------------------------------------------ */
 
@@ -95,14 +85,12 @@ sf_status sf_moe_topk_fwd(const sf_tensor *logits, int topk, sf_moe_score score,
     SF_TRY(check_out(op, "probs", probs));
     SF_TRY(check_out(op, "routing_map", routing_map));
     SF_TRY(check_out(op, "saved", saved));
-    sf_moe_args a;
-    memset(&a, 0, sizeof a);
-    a.T = T; a.E = E; a.topk = topk; a.score = score; a.pre_softmax = pre_softmax != 0;
-    a.scaling = scaling; a.logits = logits; a.bias = expert_bias;
-    a.out = probs; a.out2 = routing_map; a.out3 = saved;
+    const sf_moe_args a = {.T = T, .E = E, .topk = topk, .score = score,
+                           .pre_softmax = pre_softmax != 0, .scaling = scaling, .logits = logits,
+                           .bias = expert_bias, .out = probs, .out2 = routing_map, .out3 = saved};
     if (T == 0)
         return SF_OK;
-    return SF_MOE_RUN(topk_fwd, logits->device, &a, stream);
+    return SF_MOE_RUN(topk_fwd, logits, &a, stream);
 }
 
 sf_status sf_moe_topk_bwd(const sf_tensor *routing_map, const sf_tensor *saved,
@@ -123,13 +111,12 @@ sf_status sf_moe_topk_bwd(const sf_tensor *routing_map, const sf_tensor *saved,
     SF_TRY(check_2d(op, "dlogits", dlogits, T, E, dprobs, "dprobs"));
     SF_TRY(sf_check_float_input(op, "dlogits", dlogits));
     SF_TRY(check_out(op, "dlogits", dlogits));
-    sf_moe_args a;
-    memset(&a, 0, sizeof a);
-    a.T = T; a.E = E; a.topk = topk; a.score = score; a.pre_softmax = pre_softmax != 0;
-    a.scaling = scaling; a.map = routing_map; a.saved = saved; a.grad = dprobs; a.out = dlogits;
+    const sf_moe_args a = {.T = T, .E = E, .topk = topk, .score = score,
+                           .pre_softmax = pre_softmax != 0, .scaling = scaling, .map = routing_map,
+                           .saved = saved, .grad = dprobs, .out = dlogits};
     if (T == 0)
         return SF_OK;
-    return SF_MOE_RUN(topk_bwd, dprobs->device, &a, stream);
+    return SF_MOE_RUN(topk_bwd, dprobs, &a, stream);
 }
 
 sf_status sf_moe_aux_scores_fwd(const sf_tensor *logits, int topk, sf_moe_score score,
@@ -152,13 +139,11 @@ sf_status sf_moe_aux_scores_fwd(const sf_tensor *logits, int topk, sf_moe_score 
     SF_TRY(check_out(op, "scores", scores));
     SF_TRY(check_out(op, "routing_map", routing_map));
     SF_TRY(check_out(op, "saved", saved));
-    sf_moe_args a;
-    memset(&a, 0, sizeof a);
-    a.T = T; a.E = E; a.topk = topk; a.score = score; a.logits = logits;
-    a.out = scores; a.out2 = routing_map; a.out3 = saved;
+    const sf_moe_args a = {.T = T, .E = E, .topk = topk, .score = score, .logits = logits,
+                           .out = scores, .out2 = routing_map, .out3 = saved};
     if (T == 0)
         return SF_OK;
-    return SF_MOE_RUN(aux_scores_fwd, logits->device, &a, stream);
+    return SF_MOE_RUN(aux_scores_fwd, logits, &a, stream);
 }
 
 sf_status sf_moe_aux_scores_bwd(const sf_tensor *saved, const sf_tensor *dscores,
@@ -176,12 +161,11 @@ sf_status sf_moe_aux_scores_bwd(const sf_tensor *saved, const sf_tensor *dscores
     SF_TRY(check_2d(op, "dlogits", dlogits, T, E, dscores, "dscores"));
     SF_TRY(sf_check_float_input(op, "dlogits", dlogits));
     SF_TRY(check_out(op, "dlogits", dlogits));
-    sf_moe_args a;
-    memset(&a, 0, sizeof a);
-    a.T = T; a.E = E; a.score = score; a.saved = saved; a.grad = dscores; a.out = dlogits;
+    const sf_moe_args a = {.T = T, .E = E, .score = score, .saved = saved, .grad = dscores,
+                           .out = dlogits};
     if (T == 0)
         return SF_OK;
-    return SF_MOE_RUN(aux_scores_bwd, dscores->device, &a, stream);
+    return SF_MOE_RUN(aux_scores_bwd, dscores, &a, stream);
 }
 
 static sf_status check_tpe(const char *op, const sf_tensor *tpe, int64_t E, const sf_tensor *ref,
@@ -211,11 +195,7 @@ static sf_status check_scalar_f32(const char *op, const char *arg, const sf_tens
 {
     if (!t)
         return sf_fail(SF_ERR_VALUE, "%s: argument '%s' is required", op, arg);
-    SF_TRY(sf_check_dtype(op, arg, t, SF_FLOAT32));
-    SF_TRY(sf_check_numel(op, arg, t, 1));
-    if (writable)
-        SF_TRY(sf_check_writable(op, arg, t));
-    return sf_check_same_device(op, ref_arg, ref, arg, t);
+    return sf_check_vector(op, arg, t, SF_FLOAT32, 1, ref_arg, ref, writable);
 }
 
 sf_status sf_moe_aux_loss_fwd(const sf_tensor *probs, const sf_tensor *tokens_per_expert,
@@ -231,11 +211,10 @@ sf_status sf_moe_aux_loss_fwd(const sf_tensor *probs, const sf_tensor *tokens_pe
     SF_TRY(check_tpe(op, tokens_per_expert, E, probs, "probs"));
     SF_TRY(check_aux_loss_args(op, E, total_tokens, topk));
     SF_TRY(check_scalar_f32(op, "loss", loss, probs, "probs", 1));
-    sf_moe_args a;
-    memset(&a, 0, sizeof a);
-    a.T = T; a.E = E; a.topk = topk; a.coeff = coeff; a.total_tokens = total_tokens;
-    a.probs = probs; a.tpe = tokens_per_expert; a.out = loss;
-    return SF_MOE_RUN(aux_loss_fwd, probs->device, &a, stream);
+    const sf_moe_args a = {.T = T, .E = E, .topk = topk, .coeff = coeff,
+                           .total_tokens = total_tokens, .probs = probs, .tpe = tokens_per_expert,
+                           .out = loss};
+    return SF_MOE_RUN(aux_loss_fwd, probs, &a, stream);
 }
 
 sf_status sf_moe_aux_loss_bwd(const sf_tensor *dloss, const sf_tensor *tokens_per_expert,
@@ -252,13 +231,12 @@ sf_status sf_moe_aux_loss_bwd(const sf_tensor *dloss, const sf_tensor *tokens_pe
     SF_TRY(check_tpe(op, tokens_per_expert, E, dprobs, "dprobs"));
     SF_TRY(check_aux_loss_args(op, E, total_tokens, topk));
     SF_TRY(check_scalar_f32(op, "dloss", dloss, dprobs, "dprobs", 0));
-    sf_moe_args a;
-    memset(&a, 0, sizeof a);
-    a.T = T; a.E = E; a.topk = topk; a.coeff = coeff; a.total_tokens = total_tokens;
-    a.dloss = dloss; a.tpe = tokens_per_expert; a.out = dprobs;
+    const sf_moe_args a = {.T = T, .E = E, .topk = topk, .coeff = coeff,
+                           .total_tokens = total_tokens, .dloss = dloss, .tpe = tokens_per_expert,
+                           .out = dprobs};
     if (T == 0)
         return SF_OK;
-    return SF_MOE_RUN(aux_loss_bwd, dprobs->device, &a, stream);
+    return SF_MOE_RUN(aux_loss_bwd, dprobs, &a, stream);
 }
 
 sf_status sf_moe_z_loss_fwd(const sf_tensor *logits, float coeff, sf_tensor *loss, sf_tensor *lse,
@@ -277,10 +255,9 @@ sf_status sf_moe_z_loss_fwd(const sf_tensor *logits, float coeff, sf_tensor *los
     SF_TRY(sf_check_dtype(op, "lse", lse, SF_FLOAT32));
     SF_TRY(check_1d(op, "lse", lse, T, logits, "logits"));
     SF_TRY(check_out(op, "lse", lse));
-    sf_moe_args a;
-    memset(&a, 0, sizeof a);
-    a.T = T; a.E = E; a.coeff = coeff; a.logits = logits; a.out = loss; a.out2 = lse;
-    return SF_MOE_RUN(z_loss_fwd, logits->device, &a, stream);
+    const sf_moe_args a = {.T = T, .E = E, .coeff = coeff, .logits = logits, .out = loss,
+                           .out2 = lse};
+    return SF_MOE_RUN(z_loss_fwd, logits, &a, stream);
 }
 
 sf_status sf_moe_z_loss_bwd(const sf_tensor *logits, const sf_tensor *lse, const sf_tensor *dloss,
@@ -300,11 +277,9 @@ sf_status sf_moe_z_loss_bwd(const sf_tensor *logits, const sf_tensor *lse, const
     SF_TRY(check_2d(op, "dlogits", dlogits, T, E, logits, "logits"));
     SF_TRY(sf_check_float_input(op, "dlogits", dlogits));
     SF_TRY(check_out(op, "dlogits", dlogits));
-    sf_moe_args a;
-    memset(&a, 0, sizeof a);
-    a.T = T; a.E = E; a.coeff = coeff; a.logits = logits; a.lse = lse; a.dloss = dloss;
-    a.out = dlogits;
-    return SF_MOE_RUN(z_loss_bwd, logits->device, &a, stream);
+    const sf_moe_args a = {.T = T, .E = E, .coeff = coeff, .logits = logits, .lse = lse,
+                           .dloss = dloss, .out = dlogits};
+    return SF_MOE_RUN(z_loss_bwd, logits, &a, stream);
 }
 
 /* ---- permutation ------------------------------------------------------- */
@@ -360,12 +335,11 @@ sf_status sf_moe_row_id_map(const sf_tensor *routing_map, sf_tensor *row_id_map,
     SF_TRY(sf_check_dtype(op, "tokens_per_expert", tokens_per_expert, SF_INT64));
     SF_TRY(check_1d(op, "tokens_per_expert", tokens_per_expert, E, routing_map, "routing_map"));
     SF_TRY(check_out(op, "tokens_per_expert", tokens_per_expert));
-    sf_moe_args a;
-    memset(&a, 0, sizeof a);
-    a.T = T; a.E = E; a.map = routing_map; a.out = row_id_map; a.out2 = tokens_per_expert;
+    const sf_moe_args a = {.T = T, .E = E, .map = routing_map, .out = row_id_map,
+                           .out2 = tokens_per_expert};
     if (E == 0)
         return SF_OK;
-    return SF_MOE_RUN(row_id_map, routing_map->device, &a, stream);
+    return SF_MOE_RUN(row_id_map, routing_map, &a, stream);
 }
 
 static sf_status check_probs(const char *op, const char *arg, const sf_tensor *p, int64_t T,
@@ -398,13 +372,11 @@ sf_status sf_moe_permute(const sf_tensor *inp, const sf_tensor *row_id_map, cons
         SF_TRY(check_1d(op, "out_probs", out_probs, N, row_id_map, "row_id_map"));
         SF_TRY(check_out(op, "out_probs", out_probs));
     }
-    sf_moe_args a;
-    memset(&a, 0, sizeof a);
-    a.T = T; a.E = E; a.H = H; a.N = N; a.inp = inp; a.map = row_id_map; a.probs = probs;
-    a.out = out; a.out2 = out_probs;
+    const sf_moe_args a = {.T = T, .E = E, .H = H, .N = N, .inp = inp, .map = row_id_map,
+                           .probs = probs, .out = out, .out2 = out_probs};
     if (T == 0 || N == 0)
         return SF_OK;
-    return SF_MOE_RUN(permute, inp->device, &a, stream);
+    return SF_MOE_RUN(permute, inp, &a, stream);
 }
 
 sf_status sf_moe_unpermute(const sf_tensor *inp, const sf_tensor *row_id_map,
@@ -420,13 +392,11 @@ sf_status sf_moe_unpermute(const sf_tensor *inp, const sf_tensor *row_id_map,
                        sf_dtype_name(inp->dtype), sf_dtype_name(out->dtype));
     SF_TRY(check_out(op, "out", out));
     SF_TRY(check_probs(op, "probs", probs, T, E, row_id_map, "row_id_map"));
-    sf_moe_args a;
-    memset(&a, 0, sizeof a);
-    a.T = T; a.E = E; a.H = H; a.N = inp->shape[0]; a.inp = inp; a.map = row_id_map;
-    a.probs = probs; a.out = out;
+    const sf_moe_args a = {.T = T, .E = E, .H = H, .N = inp->shape[0], .inp = inp,
+                           .map = row_id_map, .probs = probs, .out = out};
     if (T == 0 || H == 0)
         return SF_OK;
-    return SF_MOE_RUN(unpermute, inp->device, &a, stream);
+    return SF_MOE_RUN(unpermute, inp, &a, stream);
 }
 
 sf_status sf_moe_unpermute_bwd(const sf_tensor *dout, const sf_tensor *inp,
@@ -454,13 +424,11 @@ sf_status sf_moe_unpermute_bwd(const sf_tensor *dout, const sf_tensor *inp,
     } else if (dprobs) {
         return sf_fail(SF_ERR_VALUE, "%s: argument 'dprobs' needs 'probs'", op);
     }
-    sf_moe_args a;
-    memset(&a, 0, sizeof a);
-    a.T = T; a.E = E; a.H = H; a.N = N; a.grad = dout; a.inp = inp; a.map = row_id_map;
-    a.probs = probs; a.out = dinp; a.out2 = dprobs;
+    const sf_moe_args a = {.T = T, .E = E, .H = H, .N = N, .grad = dout, .inp = inp,
+                           .map = row_id_map, .probs = probs, .out = dinp, .out2 = dprobs};
     if (T == 0 || (N == 0 && !dprobs))
         return SF_OK;
-    return SF_MOE_RUN(unpermute_bwd, dout->device, &a, stream);
+    return SF_MOE_RUN(unpermute_bwd, dout, &a, stream);
 }
 
 sf_status sf_moe_permute_probs_bwd(const sf_tensor *row_id_map, const sf_tensor *dout_probs,
@@ -477,13 +445,11 @@ sf_status sf_moe_permute_probs_bwd(const sf_tensor *row_id_map, const sf_tensor 
     if (!dprobs)
         return sf_fail(SF_ERR_VALUE, "%s: argument 'dprobs' is required", op);
     SF_TRY(check_out(op, "dprobs", dprobs));
-    sf_moe_args a;
-    memset(&a, 0, sizeof a);
-    a.T = T; a.E = E; a.N = dout_probs->shape[0]; a.map = row_id_map; a.grad = dout_probs;
-    a.out = dprobs;
+    const sf_moe_args a = {.T = T, .E = E, .N = dout_probs->shape[0], .map = row_id_map,
+                           .grad = dout_probs, .out = dprobs};
     if (T == 0 || E == 0)
         return SF_OK;
-    return SF_MOE_RUN(permute_probs_bwd, row_id_map->device, &a, stream);
+    return SF_MOE_RUN(permute_probs_bwd, row_id_map, &a, stream);
 }
 
 /* ---- probability-scaled SwiGLU ------------------------------------------ */
@@ -515,12 +481,10 @@ sf_status sf_moe_swiglu_fwd(const sf_tensor *x, const sf_tensor *probs, sf_tenso
     SF_TRY(check_2d(op, "out", out, N, F, x, "x"));
     SF_TRY(sf_check_dtype(op, "out", out, x->dtype));
     SF_TRY(check_out(op, "out", out));
-    sf_moe_args a;
-    memset(&a, 0, sizeof a);
-    a.N = N; a.H = F; a.inp = x; a.probs = probs; a.out = out;
+    const sf_moe_args a = {.N = N, .H = F, .inp = x, .probs = probs, .out = out};
     if (N == 0 || F == 0)
         return SF_OK;
-    return SF_MOE_RUN(swiglu_fwd, x->device, &a, stream);
+    return SF_MOE_RUN(swiglu_fwd, x, &a, stream);
 }
 
 sf_status sf_moe_swiglu_bwd(const sf_tensor *dout, const sf_tensor *x, const sf_tensor *probs,
@@ -541,10 +505,9 @@ sf_status sf_moe_swiglu_bwd(const sf_tensor *dout, const sf_tensor *x, const sf_
         SF_TRY(check_1d(op, "dprobs", dprobs, N, x, "x"));
         SF_TRY(check_out(op, "dprobs", dprobs));
     }
-    sf_moe_args a;
-    memset(&a, 0, sizeof a);
-    a.N = N; a.H = F; a.inp = x; a.probs = probs; a.grad = dout; a.out = dx; a.out2 = dprobs;
+    const sf_moe_args a = {.N = N, .H = F, .inp = x, .probs = probs, .grad = dout, .out = dx,
+                           .out2 = dprobs};
     if (N == 0)
         return SF_OK;
-    return SF_MOE_RUN(swiglu_bwd, x->device, &a, stream);
+    return SF_MOE_RUN(swiglu_bwd, x, &a, stream);
 }

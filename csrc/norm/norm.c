@@ -6,6 +6,7 @@
  */
 #include <math.h>
 
+#include "../core/dispatch.h"
 #include "norm_backend.h"
 
 static int is_fp8(sf_dtype d) { return d == SF_FLOAT8_E4M3 || d == SF_FLOAT8_E5M2; }
@@ -41,18 +42,6 @@ static sf_status check_param(const char *op, const char *arg, const sf_tensor *p
     return sf_check_same_device(op, "x", x, arg, p);
 }
 
-/* A float32 tensor of `n` elements on x's device (statistics, amax, scale). */
-static sf_status check_f32(const char *op, const char *arg, const sf_tensor *t,
-                           const sf_tensor *x, int64_t n, int writable)
-{
-    SF_TRY(sf_check_dtype(op, arg, t, SF_FLOAT32));
-    SF_TRY(sf_check_contiguous(op, arg, t));
-    SF_TRY(sf_check_numel(op, arg, t, n));
-    if (writable)
-        SF_TRY(sf_check_writable(op, arg, t));
-    return sf_check_same_device(op, "x", x, arg, t);
-}
-
 /* An output shaped like x. */
 static sf_status check_like_x(const char *op, const char *arg, const sf_tensor *t,
                               const sf_tensor *x)
@@ -84,9 +73,9 @@ static sf_status norm_fwd(const char *op, sf_norm_fwd_args *a, sf_stream stream)
     SF_TRY(check_like_x(op, "y", y, x));
     SF_TRY(sf_check_writable(op, "y", y));
     if (a->mean)
-        SF_TRY(check_f32(op, "mean", a->mean, x, a->rows, 1));
+        SF_TRY(sf_check_vector(op, "mean", a->mean, SF_FLOAT32, a->rows, "x", x, 1));
     if (a->rstd)
-        SF_TRY(check_f32(op, "rstd", a->rstd, x, a->rows, 1));
+        SF_TRY(sf_check_vector(op, "rstd", a->rstd, SF_FLOAT32, a->rows, "x", x, 1));
     if (is_fp8(y->dtype) && !a->scale)
         return sf_fail(SF_ERR_VALUE, "%s: argument 'scale' is required when 'y' is %s", op,
                        sf_dtype_name(y->dtype));
@@ -94,21 +83,13 @@ static sf_status norm_fwd(const char *op, sf_norm_fwd_args *a, sf_stream stream)
         return sf_fail(SF_ERR_VALUE, "%s: arguments 'scale' and 'scale_inv' apply only to an "
                        "FP8 'y', which is %s", op, sf_dtype_name(y->dtype));
     if (a->scale)
-        SF_TRY(check_f32(op, "scale", a->scale, x, 1, 0));
+        SF_TRY(sf_check_vector(op, "scale", a->scale, SF_FLOAT32, 1, "x", x, 0));
     if (a->amax)
-        SF_TRY(check_f32(op, "amax", a->amax, x, 1, 1));
+        SF_TRY(sf_check_vector(op, "amax", a->amax, SF_FLOAT32, 1, "x", x, 1));
     if (a->scale_inv)
-        SF_TRY(check_f32(op, "scale_inv", a->scale_inv, x, 1, 1));
+        SF_TRY(sf_check_vector(op, "scale_inv", a->scale_inv, SF_FLOAT32, 1, "x", x, 1));
 
-    if (x->device == SF_CPU)
-        return sf_norm_fwd_cpu(a);
-#ifdef SF_WITH_CUDA
-    return sf_norm_fwd_cuda(a, stream);
-#else
-    (void)stream;
-    return sf_fail(SF_ERR_NOT_IMPLEMENTED, "%s: argument 'x' is a CUDA tensor but seqfuse was "
-                   "built without CUDA", op);
-#endif
+    return SF_DISPATCH(op, "x", x, sf_norm_fwd_cpu(a), sf_norm_fwd_cuda(a, stream));
 }
 
 sf_status sf_layernorm_fwd(const sf_tensor *x, const sf_tensor *gamma,
@@ -117,8 +98,9 @@ sf_status sf_layernorm_fwd(const sf_tensor *x, const sf_tensor *gamma,
                            const sf_tensor *scale, sf_tensor *amax,
                            sf_tensor *scale_inv, sf_stream stream)
 {
-    sf_norm_fwd_args a = {0, zero_centered_gamma != 0, eps, 0, 0, x, gamma, beta,
-                          y, mean, rstd, scale, amax, scale_inv};
+    sf_norm_fwd_args a = {.rms = 0, .zero_centered_gamma = zero_centered_gamma != 0, .eps = eps,
+                          .x = x, .gamma = gamma, .beta = beta, .y = y, .mean = mean,
+                          .rstd = rstd, .scale = scale, .amax = amax, .scale_inv = scale_inv};
     return norm_fwd("layernorm_fwd", &a, stream);
 }
 
@@ -127,8 +109,9 @@ sf_status sf_rmsnorm_fwd(const sf_tensor *x, const sf_tensor *gamma, float eps,
                          const sf_tensor *scale, sf_tensor *amax,
                          sf_tensor *scale_inv, sf_stream stream)
 {
-    sf_norm_fwd_args a = {1, zero_centered_gamma != 0, eps, 0, 0, x, gamma, NULL,
-                          y, NULL, rstd, scale, amax, scale_inv};
+    sf_norm_fwd_args a = {.rms = 1, .zero_centered_gamma = zero_centered_gamma != 0, .eps = eps,
+                          .x = x, .gamma = gamma, .y = y, .rstd = rstd, .scale = scale,
+                          .amax = amax, .scale_inv = scale_inv};
     return norm_fwd("rmsnorm_fwd", &a, stream);
 }
 
@@ -136,16 +119,9 @@ static sf_status workspace_numel(const sf_tensor *x, int64_t rows, int64_t hidde
                                  int64_t *numel)
 {
     *numel = 0;
-    if (x->device == SF_CPU)
-        return SF_OK;
-#ifdef SF_WITH_CUDA
-    return sf_norm_bwd_workspace_numel_cuda(rows, hidden, x->dtype, x->device_id, numel);
-#else
-    (void)rows;
-    (void)hidden;
-    return sf_fail(SF_ERR_NOT_IMPLEMENTED, "norm_bwd_workspace_numel: argument 'x' is a CUDA "
-                   "tensor but seqfuse was built without CUDA");
-#endif
+    return SF_DISPATCH("norm_bwd_workspace_numel", "x", x, SF_OK,
+                       sf_norm_bwd_workspace_numel_cuda(rows, hidden, x->dtype, x->device_id,
+                                                        numel));
 }
 
 sf_status sf_norm_bwd_workspace_numel(const sf_tensor *x, int64_t *numel)
@@ -165,8 +141,8 @@ static sf_status norm_bwd(const char *op, sf_norm_bwd_args *a, sf_stream stream)
     SF_TRY(check_like_x(op, "dx", a->dx, x));
     SF_TRY(sf_check_writable(op, "dx", a->dx));
     if (a->mean)
-        SF_TRY(check_f32(op, "mean", a->mean, x, a->rows, 0));
-    SF_TRY(check_f32(op, "rstd", a->rstd, x, a->rows, 0));
+        SF_TRY(sf_check_vector(op, "mean", a->mean, SF_FLOAT32, a->rows, "x", x, 0));
+    SF_TRY(sf_check_vector(op, "rstd", a->rstd, SF_FLOAT32, a->rows, "x", x, 0));
     SF_TRY(check_param(op, "gamma", a->gamma, x, a->hidden));
     SF_TRY(sf_check_dtype(op, "dgamma", a->dgamma, a->gamma->dtype));
     SF_TRY(check_param(op, "dgamma", a->dgamma, x, a->hidden));
@@ -192,15 +168,7 @@ static sf_status norm_bwd(const char *op, sf_norm_bwd_args *a, sf_stream stream)
                            (long long)sf_numel(a->workspace));
     }
 
-    if (x->device == SF_CPU)
-        return sf_norm_bwd_cpu(a);
-#ifdef SF_WITH_CUDA
-    return sf_norm_bwd_cuda(a, stream);
-#else
-    (void)stream;
-    return sf_fail(SF_ERR_NOT_IMPLEMENTED, "%s: argument 'x' is a CUDA tensor but seqfuse was "
-                   "built without CUDA", op);
-#endif
+    return SF_DISPATCH(op, "x", x, sf_norm_bwd_cpu(a), sf_norm_bwd_cuda(a, stream));
 }
 
 sf_status sf_layernorm_bwd(const sf_tensor *dy, const sf_tensor *x,
@@ -212,8 +180,9 @@ sf_status sf_layernorm_bwd(const sf_tensor *dy, const sf_tensor *x,
     static const char op[] = "layernorm_bwd";
     if (!mean)
         return sf_fail(SF_ERR_VALUE, "%s: argument 'mean' is required", op);
-    sf_norm_bwd_args a = {0, zero_centered_gamma != 0, 0, 0, dy, x, mean, rstd, gamma,
-                          dx, dgamma, dbeta, workspace};
+    sf_norm_bwd_args a = {.rms = 0, .zero_centered_gamma = zero_centered_gamma != 0, .dy = dy,
+                          .x = x, .mean = mean, .rstd = rstd, .gamma = gamma, .dx = dx,
+                          .dgamma = dgamma, .dbeta = dbeta, .workspace = workspace};
     return norm_bwd(op, &a, stream);
 }
 
@@ -222,7 +191,8 @@ sf_status sf_rmsnorm_bwd(const sf_tensor *dy, const sf_tensor *x,
                          int zero_centered_gamma, sf_tensor *dx, sf_tensor *dgamma,
                          sf_tensor *workspace, sf_stream stream)
 {
-    sf_norm_bwd_args a = {1, zero_centered_gamma != 0, 0, 0, dy, x, NULL, rstd, gamma,
-                          dx, dgamma, NULL, workspace};
+    sf_norm_bwd_args a = {.rms = 1, .zero_centered_gamma = zero_centered_gamma != 0, .dy = dy,
+                          .x = x, .rstd = rstd, .gamma = gamma, .dx = dx, .dgamma = dgamma,
+                          .workspace = workspace};
     return norm_bwd("rmsnorm_bwd", &a, stream);
 }

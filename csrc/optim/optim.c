@@ -7,6 +7,7 @@
  */
 #include <stdio.h>
 
+#include "../core/dispatch.h"
 #include "optim_backend.h"
 
 /* "params[3]" style names for messages. */
@@ -33,14 +34,6 @@ static sf_status check_count(const char *op, int64_t n)
         return sf_fail(SF_ERR_VALUE, "%s: the tensor count must be >= 0, got %lld", op, (long long)n);
     return SF_OK;
 }
-
-#ifndef SF_WITH_CUDA
-static sf_status no_cuda(const char *op)
-{
-    return sf_fail(SF_ERR_NOT_IMPLEMENTED, "%s: the tensors are on a CUDA device but seqfuse was "
-                   "built without CUDA", op);
-}
-#endif
 
 sf_status sf_multi_tensor_adamw(int64_t n, sf_tensor *params, const sf_tensor *grads,
                                 sf_tensor *exp_avg, sf_tensor *exp_avg_sq, sf_tensor *master,
@@ -93,14 +86,10 @@ sf_status sf_multi_tensor_adamw(int64_t n, sf_tensor *params, const sf_tensor *g
         }
     }
     sf_adamw_consts k = sf_adamw_derive(cfg);
-    if (params[0].device == SF_CPU)
-        return sf_multi_tensor_adamw_cpu(n, params, grads, exp_avg, exp_avg_sq, master, &k);
-#ifdef SF_WITH_CUDA
-    return sf_multi_tensor_adamw_cuda(n, params, grads, exp_avg, exp_avg_sq, master, &k, stream);
-#else
-    (void)stream;
-    return no_cuda(op);
-#endif
+    return SF_DISPATCH(op, "params", &params[0],
+                       sf_multi_tensor_adamw_cpu(n, params, grads, exp_avg, exp_avg_sq, master, &k),
+                       sf_multi_tensor_adamw_cuda(n, params, grads, exp_avg, exp_avg_sq, master,
+                                                  &k, stream));
 }
 
 int64_t sf_multi_tensor_l2norm_workspace(int64_t n, const sf_tensor *tensors)
@@ -149,12 +138,7 @@ sf_status sf_multi_tensor_l2norm(int64_t n, const sf_tensor *tensors, sf_tensor 
         return sf_fail(SF_ERR_VALUE, "%s: argument 'workspace' must hold at least %lld floats (one per "
                        "%d-element chunk), got %lld", op, (long long)need, SF_MT_CHUNK,
                        (long long)sf_numel(workspace));
-#ifdef SF_WITH_CUDA
-    return sf_multi_tensor_l2norm_cuda(n, tensors, workspace, out, stream);
-#else
-    (void)stream;
-    return no_cuda(op);
-#endif
+    return SF_IF_CUDA(op, "out", sf_multi_tensor_l2norm_cuda(n, tensors, workspace, out, stream));
 }
 
 sf_status sf_multi_tensor_scale(int64_t n, sf_tensor *tensors, const sf_tensor *scale,
@@ -168,12 +152,6 @@ sf_status sf_multi_tensor_scale(int64_t n, sf_tensor *tensors, const sf_tensor *
     if (n == 0)
         return SF_OK;
     SF_TRY(sf_check_same_device(op, "tensors[0]", &tensors[0], "scale", scale));
-    if (scale->device == SF_CPU)
-        return sf_multi_tensor_scale_cpu(n, tensors, scale);
-#ifdef SF_WITH_CUDA
-    return sf_multi_tensor_scale_cuda(n, tensors, scale, stream);
-#else
-    (void)stream;
-    return no_cuda(op);
-#endif
+    return SF_DISPATCH(op, "scale", scale, sf_multi_tensor_scale_cpu(n, tensors, scale),
+                       sf_multi_tensor_scale_cuda(n, tensors, scale, stream));
 }

@@ -9,12 +9,23 @@
  * config tuple is parsed by the prepare hook, the rest by the driver in
  * py_call.c.
  */
-#include <limits.h>
-
 #include "py_call.h"
 #include "attn/attn_sm90.h"
 
-enum { kCfgLen = 11, kCfgScale = 4, kCfgDropout = 8, kCfgSeed = 9, kCfgOffset = 10 };
+/* The config tuple's entries in order, named as the Python API names them:
+ * 'i' an int the kernels count in a C int (from `low`: window sizes take -1
+ * for unbounded), 'f' a float, 'u' a dropout rng word in [0, 2**64). */
+static const struct {
+    const char *name;
+    char kind;
+    int low;
+} cfg_entries[] = {
+    {"qkv_format", 'i', 0},      {"attn_mask_type", 'i', 0},   {"window_size[0]", 'i', -1},
+    {"window_size[1]", 'i', -1}, {"softmax_scale", 'f', 0},    {"max_seqlen_q", 'i', 0},
+    {"max_seqlen_kv", 'i', 0},   {"deterministic", 'i', 0},    {"dropout_p", 'f', 0},
+    {"dropout_seed", 'u', 0},    {"dropout_offset", 'u', 0},
+};
+enum { kCfgLen = sizeof cfg_entries / sizeof cfg_entries[0] };
 
 static int parse_config(const char *op, PyObject *obj, sf_attn_config *cfg)
 {
@@ -22,61 +33,46 @@ static int parse_config(const char *op, PyObject *obj, sf_attn_config *cfg)
         PyErr_Format(PyExc_TypeError, "%s: argument 'cfg' must be a tuple of %d numbers", op, kCfgLen);
         return -1;
     }
-    /* the integer entries, named as the Python API names them; each must fit
-     * the C int the kernels take (window sizes: -1 for unbounded) */
-    static const char *const names[kCfgScale + 4] = {
-        "qkv_format", "attn_mask_type", "window_size[0]", "window_size[1]", NULL,
-        "max_seqlen_q", "max_seqlen_kv", "deterministic"};
-    long v[kCfgScale + 4];
-    for (int i = 0; i < kCfgScale + 4; ++i) {
-        if (i == kCfgScale)
-            continue;
-        PyObject *item = PyTuple_GET_ITEM(obj, i);
-        v[i] = PyLong_AsLong(item);
-        if (v[i] == -1 && PyErr_Occurred()) {
-            if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+    union { long i; double f; unsigned long long u; } e[kCfgLen];
+    for (int k = 0; k < kCfgLen; ++k) {
+        PyObject *item = PyTuple_GET_ITEM(obj, k);
+        const char kind = cfg_entries[k].kind;
+        int failed;
+        if (kind == 'f') {
+            e[k].f = PyFloat_AsDouble(item);
+            failed = e[k].f == -1.0;
+        } else if (kind == 'i') {
+            e[k].i = PyLong_AsLong(item);
+            failed = e[k].i == -1;
+        } else {
+            e[k].u = PyLong_AsUnsignedLongLong(item);
+            failed = e[k].u == (unsigned long long)-1;
+        }
+        /* out of range (OverflowError) is reported below, anything else as raised */
+        int overflow = 0;
+        if (failed && PyErr_Occurred()) {
+            if (kind == 'f' || !PyErr_ExceptionMatches(PyExc_OverflowError))
                 return -1;
             PyErr_Clear();
-            v[i] = LONG_MAX; /* reported below with the value itself */
+            overflow = 1;
         }
-        const long low = (i == 2 || i == 3) ? -1 : 0;
-        if (v[i] < low || v[i] > 0x7fffffffL) {
-            PyErr_Format(PyExc_ValueError, "%s: argument '%s' must be in [%ld, 2**31 - 1] (the "
+        if (kind == 'u' && overflow) {
+            PyErr_Format(PyExc_ValueError, "%s: config entry %d (%s) must be in [0, 2**64)", op, k,
+                         cfg_entries[k].name);
+            return -1;
+        }
+        if (kind == 'i' && (overflow || e[k].i < cfg_entries[k].low || e[k].i > 0x7fffffffL)) {
+            PyErr_Format(PyExc_ValueError, "%s: argument '%s' must be in [%d, 2**31 - 1] (the "
                          "kernels count in 32-bit ints), got %S",
-                         op, names[i], low, item);
+                         op, cfg_entries[k].name, cfg_entries[k].low, item);
             return -1;
         }
     }
-    double scale = PyFloat_AsDouble(PyTuple_GET_ITEM(obj, kCfgScale));
-    if (scale == -1.0 && PyErr_Occurred())
-        return -1;
-    double dropout = PyFloat_AsDouble(PyTuple_GET_ITEM(obj, kCfgDropout));
-    if (dropout == -1.0 && PyErr_Occurred())
-        return -1;
-    unsigned long long rng[2];
-    static const char *const rng_names[2] = {"dropout_seed", "dropout_offset"};
-    for (int i = 0; i < 2; ++i) {
-        rng[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(obj, kCfgSeed + i));
-        if (rng[i] == (unsigned long long)-1 && PyErr_Occurred()) {
-            if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
-                PyErr_Clear();
-                PyErr_Format(PyExc_ValueError, "%s: config entry %d (%s) must be in [0, 2**64)", op,
-                             kCfgSeed + i, rng_names[i]);
-            }
-            return -1;
-        }
-    }
-    cfg->format = (sf_attn_format)v[0];
-    cfg->mask = (sf_attn_mask)v[1];
-    cfg->window_left = (int)v[2];
-    cfg->window_right = (int)v[3];
-    cfg->softmax_scale = (float)scale;
-    cfg->max_seqlen_q = (int)v[5];
-    cfg->max_seqlen_kv = (int)v[6];
-    cfg->deterministic = (int)v[7];
-    cfg->dropout_p = dropout;
-    cfg->dropout_seed = (uint64_t)rng[0];
-    cfg->dropout_offset = (uint64_t)rng[1];
+    *cfg = (sf_attn_config){.format = (sf_attn_format)e[0].i, .mask = (sf_attn_mask)e[1].i,
+                            .window_left = (int)e[2].i, .window_right = (int)e[3].i,
+                            .softmax_scale = (float)e[4].f, .max_seqlen_q = (int)e[5].i,
+                            .max_seqlen_kv = (int)e[6].i, .deterministic = (int)e[7].i,
+                            .dropout_p = e[8].f, .dropout_seed = e[9].u, .dropout_offset = e[10].u};
     return 0;
 }
 
@@ -118,38 +114,29 @@ SF_PY_BINDING_FULL(attn_bwd, "attention_bwd", bwd_args, bwd, bwd_prepare, NULL, 
 
 /* attn_set_fwd_kernel(arch) / attn_set_bwd_kernel(arch): the CUDA forward
  * / backward on Hopper, 90 (wgmma) or 80 (mma.sync);
- * attn_set_fwd_sm90_variant(variant): the wgmma forward's schedule. */
+ * attn_set_fwd_sm90_variant(variant): the wgmma forward's schedule.  They
+ * launch nothing, so they take no stream. */
 #ifdef SF_WITH_CUDA
 #define SET_KERNEL(setter, value) setter(value)
 #else
 #define SET_KERNEL(setter, value) \
     ((void)(value), sf_fail(SF_ERR_NOT_IMPLEMENTED, "attention: the kernel choice exists only in a CUDA build"))
 #endif
-static const sf_py_arg arch_args[] = {SF_INT(arch)};
-static const sf_py_arg variant_args[] = {SF_INT(variant)};
-static sf_status set_fwd(sf_py_value *v, sf_stream s)
-{
-    (void)s;
-    return SET_KERNEL(sf_attn_set_fwd_kernel, v[0].i);
-}
-static sf_status set_variant(sf_py_value *v, sf_stream s)
-{
-    (void)s;
-    return SET_KERNEL(sf_attn_set_fwd_sm90_variant, v[0].i);
-}
-static sf_status set_bwd(sf_py_value *v, sf_stream s)
-{
-    (void)s;
-    return SET_KERNEL(sf_attn_set_bwd_kernel, v[0].i);
-}
-SF_PY_BINDING(attn_set_fwd_kernel, arch_args, set_fwd,
-              "CUDA forward kernel on Hopper, 90 (wgmma) or 80 (mma.sync).");
-SF_PY_BINDING(attn_set_fwd_sm90_variant, variant_args, set_variant,
-              "wgmma forward schedule, 0 (in order), 1 (softmax overlapped with P V), 2 (1 "
-              "warp-specialized: producer warpgroup, mbarrier pipeline), 3 (2 + consumer "
-              "ping-pong) or 4 (3 with three consumer warpgroups of 192 rows at head dim 64).");
-SF_PY_BINDING(attn_set_bwd_kernel, arch_args, set_bwd,
-              "CUDA backward kernel on Hopper, 90 (wgmma) or 80 (mma.sync).");
+#define SETTER(pyname, setter, arg, docstr)                                                   \
+    static const sf_py_arg pyname##_args[] = {SF_INT(arg)};                                    \
+    static sf_status pyname##_thunk(sf_py_value *v, sf_stream s)                               \
+    {                                                                                          \
+        return SET_KERNEL(setter, v[0].i);                                                     \
+    }                                                                                          \
+    SF_PY_BINDING(pyname, pyname##_args, pyname##_thunk, docstr)
+SETTER(attn_set_fwd_kernel, sf_attn_set_fwd_kernel, arch,
+       "CUDA forward kernel on Hopper, 90 (wgmma) or 80 (mma.sync).");
+SETTER(attn_set_fwd_sm90_variant, sf_attn_set_fwd_sm90_variant, variant,
+       "wgmma forward schedule, 0 (in order), 1 (softmax overlapped with P V), 2 (1 "
+       "warp-specialized: producer warpgroup, mbarrier pipeline), 3 (2 + consumer ping-pong) or 4 "
+       "(3 with three consumer warpgroups of 192 rows at head dim 64).");
+SETTER(attn_set_bwd_kernel, sf_attn_set_bwd_kernel, arch,
+       "CUDA backward kernel on Hopper, 90 (wgmma) or 80 (mma.sync).");
 
 const sf_py_binding *const sf_py_attn_bindings[] = {
     &attn_fwd_binding,          &attn_bwd_binding,         &attn_set_fwd_kernel_binding,
@@ -158,9 +145,8 @@ const sf_py_binding *const sf_py_attn_bindings[] = {
 /* attn_fwd_kernel_for(head_dim, device, dropout=0) and
  * attn_bwd_kernel_for(head_dim, device, deterministic, dropout=0) ->
  * (arch, reason): which kernel a call takes (attn_sm90.h), for tests,
- * benchmarks and the once-per-reason log of ops/attn.py. */
-/* (arch, reason) of the forward (bwd 0; args head_dim, device[, dropout])
- * or the backward (bwd 1; head_dim, device, deterministic[, dropout]). */
+ * benchmarks and the once-per-reason log of ops/attn.py.  bwd: 0 forward,
+ * 1 backward. */
 static PyObject *kernel_for(PyObject *args, int bwd)
 {
     int head_dim, device, deterministic = 0, dropout = 0;
@@ -172,24 +158,11 @@ static PyObject *kernel_for(PyObject *args, int bwd)
 #ifdef SF_WITH_CUDA
     arch = bwd ? sf_attn_bwd_kernel_for(head_dim, deterministic, dropout, device, &why)
                : sf_attn_fwd_kernel_for(head_dim, dropout, device, &why);
-#else
-    (void)head_dim;
-    (void)device;
 #endif
     return Py_BuildValue("(is)", arch, why ? why : "");
 }
-
-static PyObject *py_attn_fwd_kernel_for(PyObject *self, PyObject *args)
-{
-    (void)self;
-    return kernel_for(args, 0);
-}
-
-static PyObject *py_attn_bwd_kernel_for(PyObject *self, PyObject *args)
-{
-    (void)self;
-    return kernel_for(args, 1);
-}
+static PyObject *py_attn_fwd_kernel_for(PyObject *self, PyObject *args) { return kernel_for(args, 0); }
+static PyObject *py_attn_bwd_kernel_for(PyObject *self, PyObject *args) { return kernel_for(args, 1); }
 
 PyMethodDef sf_py_attn_methods[] = {
     {"attn_fwd_kernel_for", py_attn_fwd_kernel_for, METH_VARARGS,

@@ -42,25 +42,13 @@ static int gemm_prepare(sf_py_frame *f)
 
 static sf_status gemm_call(sf_py_value *v, sf_stream s)
 {
-    sf_gemm_args g;
-    sf_gemm_args_init(&g);
-    g.a = v[0].t;
-    g.b = v[1].t;
-    g.out = v[2].t;
-    g.transa = v[3].i != 0;
-    g.transb = v[4].i != 0;
-    g.a_scale_inv = v[5].t;
-    g.b_scale_inv = v[6].t;
-    g.a_scaling = (sf_gemm_scaling)v[7].i;
-    g.b_scaling = (sf_gemm_scaling)v[8].i;
-    g.bias = v[9].t;
-    g.aux = v[10].t;
-    g.epilogue = (sf_gemm_epilogue)v[11].i;
-    g.accumulate = v[12].i != 0;
-    g.fast_accum = v[13].i != 0;
-    g.allow_tf32 = v[14].i != 0;
-    g.alpha = (float)v[15].f;
-    g.workspace = v[16].t;
+    const sf_gemm_args g = {
+        .a = v[0].t, .b = v[1].t, .out = v[2].t, .transa = v[3].i != 0, .transb = v[4].i != 0,
+        .a_scale_inv = v[5].t, .b_scale_inv = v[6].t, .a_scaling = (sf_gemm_scaling)v[7].i,
+        .b_scaling = (sf_gemm_scaling)v[8].i, .bias = v[9].t, .aux = v[10].t,
+        .epilogue = (sf_gemm_epilogue)v[11].i, .accumulate = v[12].i != 0,
+        .fast_accum = v[13].i != 0, .allow_tf32 = v[14].i != 0, .alpha = (float)v[15].f,
+        .workspace = v[16].t};
     return sf_gemm(&g, s);
 }
 SF_PY_BINDING_FULL(gemm, "gemm", gemm_args, gemm_call, gemm_prepare, NULL, NULL,
@@ -68,27 +56,9 @@ SF_PY_BINDING_FULL(gemm, "gemm", gemm_args, gemm_call, gemm_prepare, NULL, NULL,
 
 const sf_py_binding *const sf_py_gemm_bindings[] = {&gemm_binding, NULL};
 
-static PyObject *py_gemm_plan_cache_size(PyObject *self, PyObject *unused)
-{
-    (void)self;
-    (void)unused;
-    return PyLong_FromLong(sf_gemm_plan_cache_size());
-}
-
-static PyObject *py_gemm_plan_cache_clear(PyObject *self, PyObject *unused)
-{
-    (void)self;
-    (void)unused;
-    sf_gemm_plan_cache_clear();
-    Py_RETURN_NONE;
-}
-
-static PyObject *py_gemm_heuristic_queries(PyObject *self, PyObject *unused)
-{
-    (void)self;
-    (void)unused;
-    return PyLong_FromLongLong((long long)sf_gemm_heuristic_queries());
-}
+SF_PY_NOARGS(py_gemm_plan_cache_size, PyLong_FromLong(sf_gemm_plan_cache_size()))
+SF_PY_NOARGS(py_gemm_plan_cache_clear, (sf_gemm_plan_cache_clear(), Py_NewRef(Py_None)))
+SF_PY_NOARGS(py_gemm_heuristic_queries, PyLong_FromLongLong((long long)sf_gemm_heuristic_queries()))
 
 PyMethodDef sf_py_gemm_methods[] = {
     {"gemm_plan_cache_size", py_gemm_plan_cache_size, METH_NOARGS,

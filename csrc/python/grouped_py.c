@@ -12,50 +12,64 @@
  */
 #include "py_call.h"
 
+/* One list-or-tensor argument (a, b, out, bias, a_scale_inv, b_scale_inv). */
 typedef struct {
     int given;            /* not None */
-    int split;            /* one 2-D tensor split by m_splits */
-    sf_tensor whole;      /* the imported tensor (split or stacked) */
-    sf_tensor *views;     /* G views (stacked or listed), else NULL */
+    sf_tensor whole;      /* the one tensor given (split, stacked or per-tensor scales) */
+    sf_tensor *views;     /* G views (listed or stacked), else NULL */
     int own_views;        /* views allocated here (stacked) */
     sf_py_tensor_list list;
 } grouped_operand;
 
-static void operand_free(grouped_operand *o)
-{
-    if (o->own_views)
-        PyMem_Free(o->views);
-    o->views = NULL;
-    sf_py_list_free(&o->list);
-}
+/* Argument positions in grouped_args. */
+enum { A, B, OUT, SPLITS, TRANSA, TRANSB, SA, SB, A_SCALING, B_SCALING, BIAS, BGRAD, ACCUMULATE,
+       FAST_ACCUM, ALLOW_TF32, WORKSPACE };
 
-/* `vec`: the operand is a bias (G vectors): a 2-D tensor is G stacked rows. */
-static int operand_import(sf_py_call *c, PyObject *stream_obj, PyObject *obj, const char *name,
-                          int G, int vec, grouped_operand *o)
+/* The list-or-tensor arguments, in the order they are imported. */
+enum { OP_A, OP_B, OP_OUT, OP_BIAS, OP_SA, OP_SB, N_OPERANDS };
+static const struct {
+    int at;
+    const char *name;
+} operands[N_OPERANDS] = {{A, "a"},       {B, "b"},           {OUT, "out"},
+                          {BIAS, "bias"}, {SA, "a_scale_inv"}, {SB, "b_scale_inv"}};
+
+/* What the prepare hook builds: m_splits (G host ints), the operands and the
+ * C argument block. */
+typedef struct {
+    int64_t *m;
+    grouped_operand op[N_OPERANDS];
+    sf_grouped_gemm_args g;
+} grouped_state;
+
+/* None, a list / tuple of G tensors (imported as views), or one tensor. */
+static int operand_import(sf_py_frame *f, PyObject *obj, const char *name, Py_ssize_t G,
+                          grouped_operand *o)
 {
     if (obj == Py_None)
         return 0;
     o->given = 1;
-    if (PyList_Check(obj) || PyTuple_Check(obj)) {
-        if (sf_py_list_import(c, stream_obj, obj, name, &o->list) < 0)
-            return -1;
-        if (o->list.n != G) {
-            PyErr_Format(PyExc_ValueError, "%s: argument '%s' must hold num_groups = %d tensors "
-                         "(one per group), got %zd", c->op, name, G, o->list.n);
-            return -1;
-        }
-        o->views = o->list.views;
-        return 0;
-    }
-    if (sf_py_tensor(c, obj, name, &o->whole) < 0)
+    if (!PyList_Check(obj) && !PyTuple_Check(obj))
+        return sf_py_tensor(&f->call, obj, name, &o->whole);
+    if (sf_py_list_import(&f->call, f->stream_obj, obj, name, &o->list) < 0)
         return -1;
-    int stacked_ndim = vec ? 2 : 3;
-    if (!vec && o->whole.ndim == 2) {
-        o->split = 1;
-        return 0;
+    if (o->list.n != G) {
+        PyErr_Format(PyExc_ValueError, "%s: argument '%s' must hold num_groups = %zd tensors "
+                     "(one per group), got %zd", f->b->op, name, G, o->list.n);
+        return -1;
     }
-    if (o->whole.ndim != stacked_ndim) {
-        PyErr_Format(PyExc_ValueError, "%s: argument '%s' must be %s, got a %d-D tensor", c->op, name,
+    o->views = o->list.views;
+    return 0;
+}
+
+/* a, b and out given as one tensor: 2-D is split by m_splits (no views), 3-D
+ * [G, rows, cols] is G stacked matrices; bias (`vec`) as one tensor is G
+ * stacked rows [G, n].  Makes the stacked ones' G views. */
+static int operand_unstack(const char *op, const char *name, int G, int vec, grouped_operand *o)
+{
+    if (!o->given || o->views != NULL || (!vec && o->whole.ndim == 2))
+        return 0;
+    if (o->whole.ndim != (vec ? 2 : 3)) {
+        PyErr_Format(PyExc_ValueError, "%s: argument '%s' must be %s, got a %d-D tensor", op, name,
                      vec ? "a list of num_groups 1-D tensors or one 2-D [num_groups, n] tensor"
                          : "a 2-D tensor (split by m_splits), a 3-D [num_groups, rows, cols] tensor "
                            "or a list of num_groups 2-D tensors",
@@ -64,7 +78,7 @@ static int operand_import(sf_py_call *c, PyObject *stream_obj, PyObject *obj, co
     }
     if (o->whole.shape[0] != G) {
         PyErr_Format(PyExc_ValueError, "%s: argument '%s' stacks %lld matrices along dim 0 but "
-                     "num_groups = len(m_splits) = %d", c->op, name, (long long)o->whole.shape[0], G);
+                     "num_groups = len(m_splits) = %d", op, name, (long long)o->whole.shape[0], G);
         return -1;
     }
     o->views = PyMem_Calloc((size_t)G, sizeof(sf_tensor));
@@ -87,14 +101,12 @@ static int operand_import(sf_py_call *c, PyObject *stream_obj, PyObject *obj, co
     return 0;
 }
 
-/* What the prepare hook builds in the frame's scratch. */
-typedef struct {
-    int64_t *m; /* m_splits, G host ints */
-    grouped_operand a, b, out, bias;
-    sf_py_tensor_list scale_list[2];
-    sf_tensor scale[2];
-    sf_grouped_gemm_args g;
-} grouped_state;
+/* The operand's one tensor where it came as one and was not unstacked (a
+ * split operand, per-tensor scales), else NULL. */
+static const sf_tensor *whole_of(const grouped_operand *o)
+{
+    return o->given && o->views == NULL ? &o->whole : NULL;
+}
 
 /* m_splits: a sequence of 1 to 2^20 ints; fills st->m, returns G or -1. */
 static Py_ssize_t read_splits(const char *op, PyObject *obj, grouped_state *st)
@@ -124,30 +136,6 @@ static Py_ssize_t read_splits(const char *op, PyObject *obj, grouped_state *st)
 
 /* a_scale_inv / b_scale_inv: None, one tensor (per-tensor scales: G or 1
  * elements), or a list of G scale tensors. */
-static int scale_import(sf_py_frame *f, PyObject *obj, const char *name, Py_ssize_t G,
-                        sf_py_tensor_list *list, sf_tensor *one, const sf_tensor **t,
-                        const sf_tensor **t_list)
-{
-    if (PyList_Check(obj) || PyTuple_Check(obj)) {
-        if (sf_py_list_import(&f->call, f->stream_obj, obj, name, list) < 0)
-            return -1;
-        if (list->n != G) {
-            PyErr_Format(PyExc_ValueError, "%s: a list of scale inverses must hold num_groups = "
-                         "%zd tensors", f->b->op, G);
-            return -1;
-        }
-        *t_list = list->views;
-        return 0;
-    }
-    if (obj == Py_None)
-        return 0;
-    *t = one;
-    return sf_py_tensor(&f->call, obj, name, one);
-}
-
-/* Argument positions in grouped_args. */
-enum { A, B, OUT, SPLITS, TRANSA, TRANSB, SA, SB, A_SCALING, B_SCALING, BIAS, BGRAD, ACCUMULATE,
-       FAST_ACCUM, ALLOW_TF32, WORKSPACE };
 static const sf_py_arg grouped_args[] = {
     SF_OBJ(a),          SF_OBJ(b),          SF_OBJ(out),         SF_OBJ(m_splits),
     SF_INT(transa),     SF_INT(transb),     SF_OBJ(a_scale_inv), SF_OBJ(b_scale_inv),
@@ -169,40 +157,29 @@ static int grouped_prepare(sf_py_frame *f)
     const Py_ssize_t G = read_splits(f->b->op, v[SPLITS].o, st);
     if (G < 0)
         return -1;
-    sf_grouped_gemm_args *g = &st->g;
-    sf_grouped_gemm_args_init(g);
-    if (operand_import(&f->call, f->stream_obj, v[A].o, "a", (int)G, 0, &st->a) < 0 ||
-        operand_import(&f->call, f->stream_obj, v[B].o, "b", (int)G, 0, &st->b) < 0 ||
-        operand_import(&f->call, f->stream_obj, v[OUT].o, "out", (int)G, 0, &st->out) < 0 ||
-        operand_import(&f->call, f->stream_obj, v[BIAS].o, "bias", (int)G, 1, &st->bias) < 0 ||
-        scale_import(f, v[SA].o, "a_scale_inv", G, &st->scale_list[0], &st->scale[0],
-                     &g->a_scale_inv, &g->a_scale_list) < 0 ||
-        scale_import(f, v[SB].o, "b_scale_inv", G, &st->scale_list[1], &st->scale[1],
-                     &g->b_scale_inv, &g->b_scale_list) < 0)
-        return -1;
-    if (!st->a.given || !st->b.given || !st->out.given) {
+    grouped_operand *op = st->op;
+    for (int k = 0; k < N_OPERANDS; ++k)
+        if (operand_import(f, v[operands[k].at].o, operands[k].name, G, &op[k]) < 0 ||
+            (k <= OP_BIAS &&
+             operand_unstack(f->b->op, operands[k].name, (int)G, k == OP_BIAS, &op[k]) < 0))
+            return -1;
+    if (!op[OP_A].given || !op[OP_B].given || !op[OP_OUT].given) {
         PyErr_Format(PyExc_ValueError, "%s: arguments 'a', 'b' and 'out' are required", f->b->op);
         return -1;
     }
-    g->num_groups = (int)G;
-    g->m_splits = st->m;
-    g->a = st->a.split ? &st->a.whole : NULL;
-    g->a_list = st->a.split ? NULL : st->a.views;
-    g->b = st->b.split ? &st->b.whole : NULL;
-    g->b_list = st->b.split ? NULL : st->b.views;
-    g->out = st->out.split ? &st->out.whole : NULL;
-    g->out_list = st->out.split ? NULL : st->out.views;
-    g->transa = v[TRANSA].i != 0;
-    g->transb = v[TRANSB].i != 0;
-    g->a_scaling = (sf_gemm_scaling)v[A_SCALING].i;
-    g->b_scaling = (sf_gemm_scaling)v[B_SCALING].i;
-    g->bias_list = st->bias.given ? st->bias.views : NULL;
-    g->bgrad = v[BGRAD].i != 0;
-    g->accumulate = v[ACCUMULATE].i != 0;
-    g->fast_accum = v[FAST_ACCUM].i != 0;
-    g->allow_tf32 = v[ALLOW_TF32].i != 0;
-    g->workspace = v[WORKSPACE].t;
-    v[SPLITS].p = g;
+    st->g = (sf_grouped_gemm_args){
+        .num_groups = (int)G, .m_splits = st->m,
+        .a = whole_of(&op[OP_A]), .a_list = op[OP_A].views,
+        .b = whole_of(&op[OP_B]), .b_list = op[OP_B].views,
+        .out = whole_of(&op[OP_OUT]), .out_list = op[OP_OUT].views,
+        .transa = v[TRANSA].i != 0, .transb = v[TRANSB].i != 0,
+        .a_scale_inv = whole_of(&op[OP_SA]), .a_scale_list = op[OP_SA].views,
+        .b_scale_inv = whole_of(&op[OP_SB]), .b_scale_list = op[OP_SB].views,
+        .a_scaling = (sf_gemm_scaling)v[A_SCALING].i, .b_scaling = (sf_gemm_scaling)v[B_SCALING].i,
+        .bias_list = op[OP_BIAS].views, .bgrad = v[BGRAD].i != 0,
+        .accumulate = v[ACCUMULATE].i != 0, .fast_accum = v[FAST_ACCUM].i != 0,
+        .allow_tf32 = v[ALLOW_TF32].i != 0, .workspace = v[WORKSPACE].t};
+    v[SPLITS].p = &st->g;
     return 0;
 }
 
@@ -212,12 +189,11 @@ static void grouped_cleanup(sf_py_frame *f)
     memcpy(&st, f->scratch, sizeof st);
     if (st == NULL)
         return;
-    sf_py_list_free(&st->scale_list[0]);
-    sf_py_list_free(&st->scale_list[1]);
-    operand_free(&st->a);
-    operand_free(&st->b);
-    operand_free(&st->out);
-    operand_free(&st->bias);
+    for (int k = 0; k < N_OPERANDS; ++k) {
+        if (st->op[k].own_views)
+            PyMem_Free(st->op[k].views);
+        sf_py_list_free(&st->op[k].list);
+    }
     PyMem_Free(st->m);
     PyMem_Free(st);
 }

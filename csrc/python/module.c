@@ -19,38 +19,22 @@
 
 static PyObject *py_build_info(PyObject *self, PyObject *unused)
 {
-    (void)self;
-    (void)unused;
-    size_t lt = sf_cublaslt_version();
-    int nccl = sf_nccl_version();
-    int rt = sf_cuda_runtime_version();
     return Py_BuildValue("{s:O,s:s,s:i,s:n,s:i,s:s,s:s}",
                          "cuda", sf_built_with_cuda() ? Py_True : Py_False,
                          "cuda_archs", SF_CUDA_ARCHS,
-                         "cuda_runtime", rt,
-                         "cublaslt", (Py_ssize_t)lt,
-                         "nccl", nccl,
+                         "cuda_runtime", sf_cuda_runtime_version(),
+                         "cublaslt", (Py_ssize_t)sf_cublaslt_version(),
+                         "nccl", sf_nccl_version(),
                          "compiler", SF_COMPILER_DESC,
                          "python", PY_VERSION);
 }
 
-static PyObject *py_cuda_device_count(PyObject *self, PyObject *unused)
-{
-    (void)self;
-    (void)unused;
-    return PyLong_FromLong(sf_cuda_device_count());
-}
-
-static PyObject *py_cuda_driver_version(PyObject *self, PyObject *unused)
-{
-    (void)self;
-    (void)unused;
-    return PyLong_FromLong(sf_cuda_driver_version());
-}
+SF_PY_NOARGS(py_cuda_device_count, PyLong_FromLong(sf_cuda_device_count()))
+SF_PY_NOARGS(py_cuda_driver_version, PyLong_FromLong(sf_cuda_driver_version()))
+SF_PY_NOARGS(py_exchange_api_enabled, PyBool_FromLong(sf_py_exchange_api_enabled()))
 
 static PyObject *py_cuda_capability(PyObject *self, PyObject *arg)
 {
-    (void)self;
     long device;
     if (sf_py_arg_long("cuda_capability", "device", arg, &device) < 0)
         return NULL;
@@ -63,20 +47,12 @@ static PyObject *py_cuda_capability(PyObject *self, PyObject *arg)
 
 static PyObject *py_set_exchange_api(PyObject *self, PyObject *arg)
 {
-    (void)self;
     int enabled = PyObject_IsTrue(arg);
     if (enabled < 0)
         return NULL;
     int previous = sf_py_exchange_api_enabled();
     sf_py_set_exchange_api(enabled);
     return PyBool_FromLong(previous);
-}
-
-static PyObject *py_exchange_api_enabled(PyObject *self, PyObject *unused)
-{
-    (void)self;
-    (void)unused;
-    return PyBool_FromLong(sf_py_exchange_api_enabled());
 }
 
 /* probe(a, b, c, stream=None): import three tensors and give them back,
@@ -118,7 +94,6 @@ const sf_py_binding *const sf_py_core_bindings[] = {&probe_binding, &describe_bi
 /* raise_status(code, message): exercise the status -> exception mapping. */
 static PyObject *py_raise_status(PyObject *self, PyObject *args)
 {
-    (void)self;
     int code;
     const char *message;
     if (!PyArg_ParseTuple(args, "is", &code, &message))

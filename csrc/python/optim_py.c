@@ -1,26 +1,13 @@
 /*
- * optim_py.c - bindings of the optim family (multi-tensor AdamW and gradient norms (csrc/optim/)).
- *
- * These take Python lists of tensors (the driver imports them with
- * sf_py_list_import, py_call.h: a list may be far longer than the per-call
- * borrow limit).  Each binding is an argument table and a thunk calling the
- * C entry; the driver in py_call.c does the parsing, importing and error
- * mapping.
+ * optim_py.c - bindings of the optim family (multi-tensor AdamW and gradient
+ * norms, csrc/optim/).  They take Python lists of tensors (the driver imports
+ * them with sf_py_list_import, py_call.h: a list may be far longer than the
+ * per-call borrow limit).
  */
 #include "py_call.h"
 
-static int same_length(const char *op, const sf_py_tensor_list *a, const char *an,
-                       const sf_py_tensor_list *b, const char *bn)
-{
-    if (a->n != b->n) {
-        PyErr_Format(PyExc_ValueError, "%s: arguments '%s' (%zd tensors) and '%s' (%zd tensors) must have "
-                     "the same length", op, an, a->n, bn, b->n);
-        return -1;
-    }
-    return 0;
-}
-
-/* multi_tensor_adamw: master is None or a list of fp32 copies. */
+/* multi_tensor_adamw: master is None or a list of fp32 copies; every list
+ * as long as params. */
 static const sf_py_arg adamw_args[] = {
     SF_TL(params),   SF_TL(grads),    SF_TL(exp_avg),   SF_TL(exp_avg_sq),
     SF_OTL(master),  SF_FLOAT(lr),    SF_FLOAT(beta1),  SF_FLOAT(beta2),
@@ -30,9 +17,12 @@ static int adamw_prepare(sf_py_frame *f)
 {
     const sf_py_tensor_list *p = f->v[0].list;
     for (int i = 1; i < 5; ++i)
-        if (f->v[i].list != NULL &&
-            same_length(f->b->op, p, "params", f->v[i].list, adamw_args[i].name) < 0)
+        if (f->v[i].list != NULL && f->v[i].list->n != p->n) {
+            PyErr_Format(PyExc_ValueError, "%s: arguments 'params' (%zd tensors) and '%s' (%zd "
+                         "tensors) must have the same length", f->b->op, p->n, adamw_args[i].name,
+                         f->v[i].list->n);
             return -1;
+        }
     return 0;
 }
 
@@ -47,29 +37,15 @@ static sf_status adamw(sf_py_value *v, sf_stream s)
 SF_PY_BINDING_FULL(multi_tensor_adamw, "multi_tensor_adamw", adamw_args, adamw, adamw_prepare,
                    NULL, NULL, "One AdamW update of every tensor in the lists.");
 
-static const sf_py_arg l2norm_args[] = {SF_TL(tensors), SF_T(workspace), SF_T(out), SF_STREAM};
-static sf_status l2norm(sf_py_value *v, sf_stream s)
-{
-    return sf_multi_tensor_l2norm(v[0].list->n, v[0].list->views, v[1].t, v[2].t, s);
-}
-SF_PY_BINDING(multi_tensor_l2norm, l2norm_args, l2norm, "out[0] = sqrt(sum x^2) over all tensors.");
-
-static const sf_py_arg scale_args[] = {SF_TL(tensors), SF_T(scale), SF_STREAM};
-static sf_status scale(sf_py_value *v, sf_stream s)
-{
-    return sf_multi_tensor_scale(v[0].list->n, v[0].list->views, v[1].t, s);
-}
-SF_PY_BINDING(multi_tensor_scale, scale_args, scale, "x *= scale[0] for every tensor.");
+SF_PY_OP(multi_tensor_l2norm, sf_multi_tensor_l2norm, "out[0] = sqrt(sum x^2) over all tensors.",
+         (TL, tensors), (T, workspace), (T, out));
+SF_PY_OP(multi_tensor_scale, sf_multi_tensor_scale, "x *= scale[0] for every tensor.",
+         (TL, tensors), (T, scale));
 
 const sf_py_binding *const sf_py_optim_bindings[] = {
     &multi_tensor_adamw_binding, &multi_tensor_l2norm_binding, &multi_tensor_scale_binding, NULL};
 
-static PyObject *py_chunk_size(PyObject *self, PyObject *unused)
-{
-    (void)self;
-    (void)unused;
-    return PyLong_FromLong(SF_MT_CHUNK);
-}
+SF_PY_NOARGS(py_chunk_size, PyLong_FromLong(SF_MT_CHUNK))
 
 PyMethodDef sf_py_optim_methods[] = {
     {"multi_tensor_chunk_size", py_chunk_size, METH_NOARGS,

@@ -99,9 +99,16 @@ void sf_py_list_free(sf_py_tensor_list *l);
  *   5. call the thunk with the GIL released, give every tensor back, and
  *      return None (or the result hook's value) or the status's exception.
  *
- * A family file declares each binding with SF_PY_BINDING and lists them in
- * one NULL-terminated table; module.c adds the tables to the module, with a
+ * A family file declares each binding in one SF_PY_OP line where the C
+ * entry takes the arguments in table order (the table and the thunk are
+ * generated from the (KIND, name) list), else with SF_PY_BINDING(_FULL)
+ * over a written-out table, thunk and hooks; it lists them in one
+ * NULL-terminated table.  module.c adds the tables to the module, with a
  * signature generated from each argument table (inspect.signature reads it).
+ *
+ *   SF_PY_OP(amax, sf_amax, "out[0] = max |x| (float32).", (T, x), (T, out));
+ *
+ * is the binding amax(x, out, stream=None) calling sf_amax(x, out, stream).
  */
 
 typedef enum {
@@ -213,6 +220,56 @@ PyObject *sf_py_drive(const sf_py_binding *b, PyObject *const *args, Py_ssize_t 
 /* Result hook: v[n_args].i64 as a Python int (the workspace size queries). */
 PyObject *sf_py_result_i64(sf_py_frame *f);
 
+/* The common case in one line per binding: SF_PY_OP(pyname, entry, doc,
+ * (KIND, name)...) declares binding `pyname` whose table is the listed
+ * arguments then the stream, and whose thunk calls
+ * entry(<each argument's value, in order>, stream).  KIND is T, OT, TL, INT,
+ * INT64, U64, FLOAT or BOOL (the SF_T... rows above); a TL argument passes two
+ * values, the list's length and its views.  Up to 12 arguments; a binding
+ * whose C entry takes its arguments in another order, or which needs a hook,
+ * writes its table and thunk out (SF_PY_BINDING_FULL). */
+#define SF_PY_OP(pyname, entry, docstr, ...)                                                  \
+    static const sf_py_arg pyname##_args[] = {SF_PY_EACH(SF_PY_ROW, __VA_ARGS__) SF_STREAM};  \
+    static sf_status pyname##_thunk(sf_py_value *v, sf_stream s)                              \
+    {                                                                                          \
+        return entry(SF_PY_EACH(SF_PY_VALUE, __VA_ARGS__) s);                                  \
+    }                                                                                          \
+    SF_PY_BINDING(pyname, pyname##_args, pyname##_thunk, docstr)
+
+/* SF_PY_OP's machinery: SF_PY_EACH(f, a0, a1, ...) is f(0, a0) f(1, a1) ...;
+ * a (KIND, name) pair becomes the row SF_KIND(name) and the value
+ * SF_PY_V_KIND(v[i]). */
+#define SF_PY_ROW(i, pair) SF_PY_ROW_ pair,
+#define SF_PY_ROW_(kind, name) SF_##kind(name)
+#define SF_PY_VALUE(i, pair) SF_PY_VALUE_(i, SF_PY_KIND_ pair)
+#define SF_PY_KIND_(kind, name) kind
+#define SF_PY_VALUE_(i, kind) SF_PY_VALUE__(i, kind)
+#define SF_PY_VALUE__(i, kind) SF_PY_V_##kind(v[i]),
+#define SF_PY_V_T(x) x.t
+#define SF_PY_V_OT(x) x.t
+#define SF_PY_V_TL(x) x.list->n, x.list->views
+#define SF_PY_V_INT(x) x.i
+#define SF_PY_V_INT64(x) x.i64
+#define SF_PY_V_U64(x) x.u64
+#define SF_PY_V_FLOAT(x) x.f
+#define SF_PY_V_BOOL(x) x.b
+#define SF_PY_E1(f, i, a) f(i, a)
+#define SF_PY_E2(f, i, a, ...) f(i, a) SF_PY_E1(f, i + 1, __VA_ARGS__)
+#define SF_PY_E3(f, i, a, ...) f(i, a) SF_PY_E2(f, i + 1, __VA_ARGS__)
+#define SF_PY_E4(f, i, a, ...) f(i, a) SF_PY_E3(f, i + 1, __VA_ARGS__)
+#define SF_PY_E5(f, i, a, ...) f(i, a) SF_PY_E4(f, i + 1, __VA_ARGS__)
+#define SF_PY_E6(f, i, a, ...) f(i, a) SF_PY_E5(f, i + 1, __VA_ARGS__)
+#define SF_PY_E7(f, i, a, ...) f(i, a) SF_PY_E6(f, i + 1, __VA_ARGS__)
+#define SF_PY_E8(f, i, a, ...) f(i, a) SF_PY_E7(f, i + 1, __VA_ARGS__)
+#define SF_PY_E9(f, i, a, ...) f(i, a) SF_PY_E8(f, i + 1, __VA_ARGS__)
+#define SF_PY_E10(f, i, a, ...) f(i, a) SF_PY_E9(f, i + 1, __VA_ARGS__)
+#define SF_PY_E11(f, i, a, ...) f(i, a) SF_PY_E10(f, i + 1, __VA_ARGS__)
+#define SF_PY_E12(f, i, a, ...) f(i, a) SF_PY_E11(f, i + 1, __VA_ARGS__)
+#define SF_PY_NTH(_1, _2, _3, _4, _5, _6, _7, _8, _9, _10, _11, _12, n, ...) n
+#define SF_PY_EACH(f, ...)                                                                     \
+    SF_PY_NTH(__VA_ARGS__, SF_PY_E12, SF_PY_E11, SF_PY_E10, SF_PY_E9, SF_PY_E8, SF_PY_E7,     \
+              SF_PY_E6, SF_PY_E5, SF_PY_E4, SF_PY_E3, SF_PY_E2, SF_PY_E1, _)(f, 0, __VA_ARGS__)
+
 /* Declare binding `pyname` (opname: its name in messages) with argument
  * table `argtab`, thunk `thunk` and hooks (NULL where unused); defines
  * pyname##_binding for the family's table. */
@@ -252,7 +309,10 @@ extern const sf_py_binding *const sf_py_grouped_bindings[];
 extern const sf_py_binding *const sf_py_moe_bindings[];
 
 /* Functions that are no op binding (build information, switches) stay
- * plain method tables. */
+ * plain method tables.  SF_PY_NOARGS defines such a function of no
+ * arguments whose result is `expr` (a new reference). */
+#define SF_PY_NOARGS(fname, expr) \
+    static PyObject *fname(PyObject *self, PyObject *unused) { return expr; }
 extern PyMethodDef sf_py_core_methods[];
 extern PyMethodDef sf_py_gemm_methods[];
 extern PyMethodDef sf_py_optim_methods[];

@@ -5,6 +5,7 @@
  * per tensor), quantize and dequantize.  Every precondition is checked here
  * once, including the multiple each format needs of the last dimension.
  */
+#include "../core/dispatch.h"
 #include "cast_backend.h"
 
 /* t (argument `arg`) is contiguous, numel elements, on the device of x
@@ -73,20 +74,14 @@ static sf_status check_block_scales(const char *op, const sf_tensor *s, const ch
     return check_block_scales_named(op, "scale_inv", s, x_name, x, block_rows, m, k, written, ld);
 }
 
-static sf_status dispatch(const char *op, const sf_tensor *on, sf_block_args *a, int quantize,
-                          sf_stream stream)
+/* `on` (named on_arg): the tensor whose device runs the op. */
+static sf_status dispatch(const char *op, const char *on_arg, const sf_tensor *on,
+                          sf_block_args *a, int quantize, sf_stream stream)
 {
-    if (on->device == SF_CPU)
-        return quantize ? sf_block_quantize_cpu(a) : sf_block_dequantize_cpu(a);
-#ifdef SF_WITH_CUDA
-    (void)op;
-    return quantize ? sf_block_quantize_cuda(a, on->device_id, stream)
-                    : sf_block_dequantize_cuda(a, on->device_id, stream);
-#else
-    (void)stream;
-    return sf_fail(SF_ERR_NOT_IMPLEMENTED,
-                   "%s: the tensors are on a CUDA device but seqfuse was built without CUDA", op);
-#endif
+    return SF_DISPATCH(op, on_arg, on,
+                       quantize ? sf_block_quantize_cpu(a) : sf_block_dequantize_cpu(a),
+                       quantize ? sf_block_quantize_cuda(a, on->device_id, stream)
+                                : sf_block_dequantize_cuda(a, on->device_id, stream));
 }
 
 /* The pointers and dtypes of a validated FP8 block quantization (x -> out,
@@ -128,7 +123,7 @@ sf_status sf_quantize_block_fp8(const sf_tensor *x, sf_tensor *out, sf_tensor *s
     SF_TRY(check_block_scales(op, scale_inv, "x", x, block_rows, a.m, a.k, 1, &a.scale_ld));
     a.format = block_rows == 1 ? SF_BLOCK_FP8_1X128 : SF_BLOCK_FP8_128X128;
     fp8_quantize_fields(&a, x, out, scale_inv);
-    return dispatch(op, x, &a, 1, stream);
+    return dispatch(op, "x", x, &a, 1, stream);
 }
 
 sf_status sf_quantize_block_fp8_rowcol(const sf_tensor *x, sf_tensor *out, sf_tensor *scale_inv,
@@ -189,7 +184,7 @@ sf_status sf_quantize_block_fp8_rowcol(const sf_tensor *x, sf_tensor *out, sf_te
     a.data_t = out_t ? (uint8_t *)out_t->data : NULL;
     a.scales_t = scale_inv_t ? (float *)scale_inv_t->data : NULL;
     a.col_sums = col_sums ? (float *)col_sums->data : NULL;
-    return dispatch(op, x, &a, 1, stream);
+    return dispatch(op, "x", x, &a, 1, stream);
 }
 
 sf_status sf_dequantize_block_fp8(const sf_tensor *data, const sf_tensor *scale_inv,
@@ -208,7 +203,7 @@ sf_status sf_dequantize_block_fp8(const sf_tensor *data, const sf_tensor *scale_
     SF_TRY(check_block_scales(op, scale_inv, "data", data, block_rows, a.m, a.k, 0, &a.scale_ld));
     a.format = block_rows == 1 ? SF_BLOCK_FP8_1X128 : SF_BLOCK_FP8_128X128;
     fp8_dequantize_fields(&a, data, scale_inv, out);
-    return dispatch(op, data, &a, 0, stream);
+    return dispatch(op, "data", data, &a, 0, stream);
 }
 
 static sf_status check_byte_scales(const char *op, const char *arg, const sf_tensor *s,
@@ -233,7 +228,7 @@ sf_status sf_quantize_mxfp8(const sf_tensor *x, sf_tensor *out, sf_tensor *scale
     SF_TRY(check_out(op, "scales", scales, "x", x, a.m * a.k / 32, 1));
     a.format = SF_BLOCK_MXFP8;
     fp8_quantize_fields(&a, x, out, scales);
-    return dispatch(op, x, &a, 1, stream);
+    return dispatch(op, "x", x, &a, 1, stream);
 }
 
 sf_status sf_dequantize_mxfp8(const sf_tensor *data, const sf_tensor *scales, sf_tensor *out,
@@ -249,7 +244,7 @@ sf_status sf_dequantize_mxfp8(const sf_tensor *data, const sf_tensor *scales, sf
     SF_TRY(check_out(op, "out", out, "data", data, a.m * a.k, 1));
     a.format = SF_BLOCK_MXFP8;
     fp8_dequantize_fields(&a, data, scales, out);
-    return dispatch(op, data, &a, 0, stream);
+    return dispatch(op, "data", data, &a, 0, stream);
 }
 
 sf_status sf_quantize_nvfp4(const sf_tensor *x, const sf_tensor *amax, sf_tensor *out,
@@ -273,7 +268,7 @@ sf_status sf_quantize_nvfp4(const sf_tensor *x, const sf_tensor *amax, sf_tensor
     a.scales = block_scales->data;
     a.amax = (const float *)amax->data;
     a.global_scale_inv = (float *)global_scale_inv->data;
-    return dispatch(op, x, &a, 1, stream);
+    return dispatch(op, "x", x, &a, 1, stream);
 }
 
 sf_status sf_dequantize_nvfp4(const sf_tensor *data, const sf_tensor *block_scales,
@@ -296,5 +291,5 @@ sf_status sf_dequantize_nvfp4(const sf_tensor *data, const sf_tensor *block_scal
     a.global_scale_inv = (float *)global_scale_inv->data;
     a.y = out->data;
     a.x_dtype = out->dtype;
-    return dispatch(op, out, &a, 0, stream);
+    return dispatch(op, "out", out, &a, 0, stream);
 }

@@ -7,6 +7,7 @@
  */
 #include <math.h>
 
+#include "../core/dispatch.h"
 #include "cast_backend.h"
 
 sf_status sf_quant_check_fp8(const char *op, const char *arg, const sf_tensor *t)
@@ -21,23 +22,8 @@ sf_status sf_quant_check_fp8(const char *op, const char *arg, const sf_tensor *t
 sf_status sf_quant_check_scalar(const char *op, const char *arg, const sf_tensor *t,
                                 const sf_tensor *x, int written)
 {
-    SF_TRY(sf_check_dtype(op, arg, t, SF_FLOAT32));
-    SF_TRY(sf_check_numel(op, arg, t, 1));
-    SF_TRY(sf_check_same_device(op, "x", x, arg, t));
-    if (written)
-        SF_TRY(sf_check_writable(op, arg, t));
-    return SF_OK;
+    return sf_check_vector(op, arg, t, SF_FLOAT32, 1, "x", x, written);
 }
-
-#ifndef SF_WITH_CUDA
-static sf_status no_cuda(const char *op)
-{
-    return sf_fail(SF_ERR_NOT_IMPLEMENTED,
-                   "%s: the tensors are on a CUDA device but seqfuse was built without "
-                   "CUDA (rebuild with nvcc on PATH and SEQFUSE_CUDA unset)",
-                   op);
-}
-#endif
 
 /* The checks of sf_cast_fp8, sf_cast_fp8_dbias (col_sums NULL for the
  * others) and sf_cast_fp8_current, and the problem they describe. */
@@ -140,14 +126,7 @@ static sf_status cast_prepare(const char *op, const sf_tensor *x, const sf_tenso
 static sf_status cast_run(const char *op, const sf_cast_args *a, const sf_tensor *x,
                           sf_stream stream)
 {
-    if (x->device == SF_CPU)
-        return sf_cast_fp8_cpu(a);
-#ifdef SF_WITH_CUDA
-    return sf_cast_fp8_cuda(a, x->device_id, stream);
-#else
-    (void)stream;
-    return no_cuda(op);
-#endif
+    return SF_DISPATCH(op, "x", x, sf_cast_fp8_cpu(a), sf_cast_fp8_cuda(a, x->device_id, stream));
 }
 
 static sf_status cast_entry(const char *op, const sf_tensor *x, const sf_tensor *scale,
@@ -197,21 +176,12 @@ sf_status sf_transpose_fp8(const sf_tensor *data, sf_tensor *out_t, sf_stream st
     SF_TRY(sf_check_contiguous(op, "out_t", out_t));
     SF_TRY(sf_check_writable(op, "out_t", out_t));
     SF_TRY(sf_check_same_device(op, "data", data, "out_t", out_t));
-    sf_transpose_args a;
-    a.in = (const uint8_t *)data->data;
-    a.out = (uint8_t *)out_t->data;
-    a.m = m;
-    a.k = k;
+    const sf_transpose_args a = {.in = (const uint8_t *)data->data,
+                                 .out = (uint8_t *)out_t->data, .m = m, .k = k};
     if (n == 0)
         return SF_OK;
-    if (data->device == SF_CPU)
-        return sf_transpose_fp8_cpu(&a);
-#ifdef SF_WITH_CUDA
-    return sf_transpose_fp8_cuda(&a, data->device_id, stream);
-#else
-    (void)stream;
-    return no_cuda(op);
-#endif
+    return SF_DISPATCH(op, "data", data, sf_transpose_fp8_cpu(&a),
+                       sf_transpose_fp8_cuda(&a, data->device_id, stream));
 }
 
 sf_status sf_dequantize_fp8(const sf_tensor *data, const sf_tensor *scale_inv,
@@ -225,40 +195,24 @@ sf_status sf_dequantize_fp8(const sf_tensor *data, const sf_tensor *scale_inv,
     SF_TRY(sf_check_writable(op, "out", out));
     SF_TRY(sf_check_same_device(op, "data", data, "out", out));
     SF_TRY(sf_check_numel(op, "out", out, sf_numel(data)));
-    SF_TRY(sf_check_dtype(op, "scale_inv", scale_inv, SF_FLOAT32));
-    SF_TRY(sf_check_numel(op, "scale_inv", scale_inv, 1));
-    SF_TRY(sf_check_same_device(op, "data", data, "scale_inv", scale_inv));
-    sf_dequant_args a;
-    a.data = (const uint8_t *)data->data;
-    a.e5m2 = data->dtype == SF_FLOAT8_E5M2;
-    a.n = sf_numel(data);
-    a.scale_inv = (const float *)scale_inv->data;
-    a.out = out->data;
-    a.out_dtype = out->dtype;
-    if (data->device == SF_CPU)
-        return sf_dequantize_fp8_cpu(&a);
-#ifdef SF_WITH_CUDA
-    return sf_dequantize_fp8_cuda(&a, data->device_id, stream);
-#else
-    (void)stream;
-    return no_cuda(op);
-#endif
+    SF_TRY(sf_check_vector(op, "scale_inv", scale_inv, SF_FLOAT32, 1, "data", data, 0));
+    const sf_dequant_args a = {.data = (const uint8_t *)data->data,
+                               .e5m2 = data->dtype == SF_FLOAT8_E5M2, .n = sf_numel(data),
+                               .scale_inv = (const float *)scale_inv->data, .out = out->data,
+                               .out_dtype = out->dtype};
+    return SF_DISPATCH(op, "data", data, sf_dequantize_fp8_cpu(&a),
+                       sf_dequantize_fp8_cuda(&a, data->device_id, stream));
 }
 
-/* A float32 vector of n elements, contiguous, on `ref`'s device. */
+/* A float32 vector of n elements, 1-D (or 0-d), contiguous, on `ref`'s device. */
 static sf_status check_vector(const char *op, const char *arg, const sf_tensor *t,
                               int64_t n, const char *ref_name, const sf_tensor *ref,
                               int written)
 {
-    SF_TRY(sf_check_dtype(op, arg, t, SF_FLOAT32));
-    SF_TRY(sf_check_numel(op, arg, t, n));
-    if (t->ndim > 1 || (t->ndim == 1 && t->strides[0] != 1 && n > 1))
+    if (t->ndim > 1)
         return sf_fail(SF_ERR_VALUE, "%s: argument '%s' must be a contiguous 1-D tensor",
                        op, arg);
-    SF_TRY(sf_check_same_device(op, ref_name, ref, arg, t));
-    if (written)
-        SF_TRY(sf_check_writable(op, arg, t));
-    return SF_OK;
+    return sf_check_vector(op, arg, t, SF_FLOAT32, n, ref_name, ref, written);
 }
 
 static sf_status check_margin(const char *op, int margin, float *pow2)
@@ -296,26 +250,16 @@ sf_status sf_fp8_scale_update(sf_tensor *amax_history, sf_tensor *scale,
     if (algo != 0 && algo != 1)
         return sf_fail(SF_ERR_VALUE, "%s: argument 'algo' must be 0 (max) or 1 (most_recent), "
                        "got %d", op, algo);
-    sf_scale_args a = {0};
-    SF_TRY(check_margin(op, margin, &a.pow2_neg_margin));
-    a.history = (float *)amax_history->data;
-    a.h = h;
-    a.n = n;
-    a.ld = ld;
-    a.scale = (float *)scale->data;
-    a.scale_inv = (float *)scale_inv->data;
-    a.fp8_max = (const float *)fp8_max->data;
-    a.algo = algo;
+    float pow2_neg_margin = 1.0f; /* check_margin sets it */
+    SF_TRY(check_margin(op, margin, &pow2_neg_margin));
+    const sf_scale_args a = {.history = (float *)amax_history->data, .h = h, .n = n, .ld = ld,
+                             .scale = (float *)scale->data, .scale_inv = (float *)scale_inv->data,
+                             .fp8_max = (const float *)fp8_max->data, .algo = algo,
+                             .pow2_neg_margin = pow2_neg_margin};
     if (n == 0)
         return SF_OK;
-    if (amax_history->device == SF_CPU)
-        return sf_fp8_scale_update_cpu(&a);
-#ifdef SF_WITH_CUDA
-    return sf_fp8_scale_update_cuda(&a, amax_history->device_id, stream);
-#else
-    (void)stream;
-    return no_cuda(op);
-#endif
+    return SF_DISPATCH(op, "amax_history", amax_history, sf_fp8_scale_update_cpu(&a),
+                       sf_fp8_scale_update_cuda(&a, amax_history->device_id, stream));
 }
 
 sf_status sf_fp8_compute_scale(const sf_tensor *amax, sf_tensor *scale,
@@ -330,23 +274,15 @@ sf_status sf_fp8_compute_scale(const sf_tensor *amax, sf_tensor *scale,
     if (!(fp8_max > 0.0f) || isinf(fp8_max))
         return sf_fail(SF_ERR_VALUE, "%s: argument 'fp8_max' must be a positive finite number",
                        op);
-    sf_scale_args a = {0};
-    SF_TRY(check_margin(op, margin, &a.pow2_neg_margin));
-    a.n = n;
-    a.amax = (const float *)amax->data;
-    a.scale = (float *)scale->data;
-    a.scale_inv = (float *)scale_inv->data;
-    a.fp8_max_all = fp8_max;
+    float pow2_neg_margin = 1.0f; /* check_margin sets it */
+    SF_TRY(check_margin(op, margin, &pow2_neg_margin));
+    const sf_scale_args a = {.n = n, .amax = (const float *)amax->data,
+                             .scale = (float *)scale->data, .scale_inv = (float *)scale_inv->data,
+                             .fp8_max_all = fp8_max, .pow2_neg_margin = pow2_neg_margin};
     if (n == 0)
         return SF_OK;
-    if (amax->device == SF_CPU)
-        return sf_fp8_compute_scale_cpu(&a);
-#ifdef SF_WITH_CUDA
-    return sf_fp8_compute_scale_cuda(&a, amax->device_id, stream);
-#else
-    (void)stream;
-    return no_cuda(op);
-#endif
+    return SF_DISPATCH(op, "amax", amax, sf_fp8_compute_scale_cpu(&a),
+                       sf_fp8_compute_scale_cuda(&a, amax->device_id, stream));
 }
 
 sf_status sf_cast_fp8_current(const sf_tensor *x, sf_tensor *amax, sf_tensor *scale,
@@ -361,7 +297,7 @@ sf_status sf_cast_fp8_current(const sf_tensor *x, sf_tensor *amax, sf_tensor *sc
     if (amax->data == scale->data || amax->data == scale_inv->data || scale->data == scale_inv->data)
         return sf_fail(SF_ERR_VALUE, "%s: arguments 'amax', 'scale' and 'scale_inv' must be three "
                        "different buffers (each is written: amax, then the scale from it)", op);
-    float pow2_neg_margin;
+    float pow2_neg_margin = 1.0f; /* check_margin sets it */
     SF_TRY(check_margin(op, margin, &pow2_neg_margin));
     sf_cast_args a;
     SF_TRY(cast_prepare(op, x, scale, NULL, out, out_t, scale_inv, NULL, &a));

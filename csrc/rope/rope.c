@@ -4,6 +4,7 @@
  * sf_rope_problem (token grid, strides, rotary width) and dispatches to the
  * CPU reference (rope_cpu.c) or the CUDA kernel (rope_cuda.cu).
  */
+#include "../core/dispatch.h"
 #include "rope_backend.h"
 
 static const char *format_name(sf_rope_format f)
@@ -138,11 +139,5 @@ sf_status sf_rope(const sf_tensor *t, const sf_tensor *freqs, const sf_tensor *c
         }
         return sf_rope_cpu(&p, t, freqs, cu, start, out);
     }
-#ifdef SF_WITH_CUDA
-    return sf_rope_cuda(&p, t, freqs, cu, start, out, stream);
-#else
-    (void)stream;
-    return sf_fail(SF_ERR_NOT_IMPLEMENTED,
-                   "%s: argument 't' is a CUDA tensor but seqfuse was built without CUDA", op);
-#endif
+    return SF_IF_CUDA(op, "t", sf_rope_cuda(&p, t, freqs, cu, start, out, stream));
 }
