@@ -33,9 +33,18 @@ rank has finished (barrier) rank 0 renames it to ``step_<n>``.  A rename
 within a directory is atomic on POSIX file systems, so a crash at any moment
 leaves either no new checkpoint or a complete one, and the previous ones
 untouched.  Every ``step_*`` directory counts as a checkpoint (and is
-verified before use); leftover ``.tmp_*`` directories from a crash are
-removed at the next save.  After the rename, all but the newest
-``keep_last`` are deleted.
+verified before use); a ``.tmp_step_*`` directory is an interrupted save
+and never one: resume names each in a WARNING (left in place, not used),
+verify_checkpoint refuses one named with checkpoint.resume_from, and the
+next save removes them, naming each in a WARNING (its own step may need
+the name again).  After the rename, all but the newest ``keep_last`` are
+deleted.
+
+Under torch.distributed every collective of a save (DCP's gather of write
+results, the barriers, the checksum gather) needs every rank, so a rank
+killed at any moment of a save leaves the others failing or blocked in a
+collective before rank 0's rename: the launcher (torchrun) ends them, and
+no ``step_*`` directory is written.
 """
 from __future__ import annotations
 
@@ -54,6 +63,7 @@ import torch.distributed as dist
 log = logging.getLogger("recipe.checkpoint")
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
+_TMP_PREFIX = ".tmp_step_"
 TRAINER_STATE = "trainer_state.json"
 MANIFEST = "manifest.json"
 _CHUNK = 16 << 20
@@ -88,6 +98,15 @@ def list_checkpoints(root: str) -> list:
         if m and os.path.isdir(path):
             out.append((int(m.group(1)), path))
     return sorted(out)
+
+
+def interrupted_saves(root: str) -> list:
+    """The ``.tmp_step_*`` directories under ``root``: saves that never
+    finished (a crash or a kill before the rename), sorted by name."""
+    if not root or not os.path.isdir(root):
+        return []
+    return sorted(os.path.join(root, n) for n in os.listdir(root)
+                  if n.startswith(_TMP_PREFIX) and os.path.isdir(os.path.join(root, n)))
 
 
 def latest_checkpoint(root: str):
@@ -161,6 +180,11 @@ def verify_checkpoint(path: str) -> list:
     m = _STEP_RE.match(os.path.basename(os.path.normpath(path)))
     mpath = os.path.join(path, MANIFEST)
     manifest, entries = None, {}
+    if os.path.basename(os.path.normpath(path)).startswith(_TMP_PREFIX):
+        # whatever it holds, the save did not reach its rename: a rank may have
+        # died before writing its shards, its RNG state or the manifest
+        problems.append(f"is an interrupted save (a {_TMP_PREFIX}* directory is renamed to step_* only "
+                        f"when every rank has finished writing it)")
     if not os.path.isdir(path):
         problems.append("is not a directory")
     elif os.path.isfile(mpath):
@@ -223,6 +247,10 @@ def find_resume_checkpoint(root: str, named: str = None):
         if problems:
             raise CheckpointError(f"checkpoint.resume_from={named}: damaged, refused: " + "; ".join(problems))
         return named
+    if _rank() == 0:
+        for tmp in interrupted_saves(root):
+            log.warning("checkpoint: %s is an interrupted save (never completed): not used, left in place "
+                        "until the next save removes it", tmp)
     damaged = []
     for step, path in reversed(list_checkpoints(root)):
         problems = verify_checkpoint(path)
@@ -274,9 +302,9 @@ def save_checkpoint(root: str, step: int, model, optimizer, trainer_state: dict,
     tmp = os.path.join(root, f".tmp_step_{step:08d}")
     if rank == 0:
         os.makedirs(root, exist_ok=True)
-        for name in os.listdir(root):  # leftovers of a crashed save
-            if name.startswith(".tmp_step_"):
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        for left in interrupted_saves(root):  # leftovers of a crashed save (tmp may be one of them)
+            log.warning("checkpoint: removing %s, an interrupted save", left)
+            shutil.rmtree(left)
         os.makedirs(tmp)
     _barrier()
     dcp.save(_model_optim_state(model, optimizer), checkpoint_id=tmp)
