@@ -4,6 +4,9 @@
 #   csrc/<family>/check_<name>.cu  ->  bin/check_<family>_<name>
 # Each check links its family's C files (API entry and CPU reference), its
 # *_cuda.cu kernels and the core, and compares CUDA against the CPU backend.
+# The kernels are compiled here with SF_WORKBENCH: that adds what only the
+# checks use (the attention forward's other schedules, the norm split's
+# tuning), which the library build (setup.py) leaves out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NVCC=${NVCC:-nvcc}
@@ -12,10 +15,11 @@ CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v "$NVCC")")")}
 OBJ=build/checks
 mkdir -p "$OBJ" bin
 INC="-Icsrc/include -Icsrc -I$CUDA_HOME/include"
-# An object is rebuilt when its source or ANY header under csrc is newer than
-# it: conservative (a header edit rebuilds every object), never stale.
+# An object is rebuilt when its source, ANY header under csrc or this script
+# (its flags) is newer than it: conservative (a header edit rebuilds every
+# object), never stale.
 newest_header=$(ls -t $(find csrc -name '*.h' -o -name '*.cuh') | head -1)
-stale() { [ ! -f "$2" ] || [ "$1" -nt "$2" ] || [ "$newest_header" -nt "$2" ]; }
+stale() { [ ! -f "$2" ] || [ "$1" -nt "$2" ] || [ "$newest_header" -nt "$2" ] || [ "$0" -nt "$2" ]; }
 cc_obj() { # gcc-compile a C file once
     local o="$OBJ/$(echo "$1" | tr / _).o"
     if stale "$1" "$o"; then
@@ -26,7 +30,7 @@ cc_obj() { # gcc-compile a C file once
 cu_obj() {
     local o="$OBJ/$(echo "$1" | tr / _).o"
     if stale "$1" "$o"; then
-        "$NVCC" -O3 -std=c++17 --expt-relaxed-constexpr $ARCH -DSF_WITH_CUDA=1 $INC -c "$1" -o "$o"
+        "$NVCC" -O3 -std=c++17 --expt-relaxed-constexpr $ARCH -DSF_WITH_CUDA=1 -DSF_WORKBENCH=1 $INC -c "$1" -o "$o"
     fi
     echo "$o"
 }
@@ -40,6 +44,6 @@ for check in csrc/*/check_*.cu; do
     for f in "$dir"/*_cuda.cu; do [ -e "$f" ] && objs="$objs $(cu_obj "$f")"; done
     out="bin/${name/check_/check_${family}_}"
     echo "nvcc $check -> $out"
-    "$NVCC" -O3 -std=c++17 $ARCH -DSF_WITH_CUDA=1 $INC "$check" $objs -o "$out" \
+    "$NVCC" -O3 -std=c++17 $ARCH -DSF_WITH_CUDA=1 -DSF_WORKBENCH=1 $INC "$check" $objs -o "$out" \
         -L"$CUDA_HOME/lib64" -lcublasLt -ldl
 done

@@ -117,8 +117,7 @@ SF_PY_BINDING_FULL(attn_bwd, "attention_bwd", bwd_args, bwd, bwd_prepare, NULL, 
                    "Fused attention backward.");
 
 /* attn_set_fwd_kernel(arch) / attn_set_bwd_kernel(arch): the CUDA forward
- * / backward on Hopper, 90 (wgmma) or 80 (mma.sync);
- * attn_set_fwd_sm90_variant(variant): the wgmma forward's schedule. */
+ * / backward on Hopper, 90 (wgmma) or 80 (mma.sync). */
 #ifdef SF_WITH_CUDA
 #define SET_KERNEL(setter, value) setter(value)
 #else
@@ -126,16 +125,10 @@ SF_PY_BINDING_FULL(attn_bwd, "attention_bwd", bwd_args, bwd, bwd_prepare, NULL, 
     ((void)(value), sf_fail(SF_ERR_NOT_IMPLEMENTED, "attention: the kernel choice exists only in a CUDA build"))
 #endif
 static const sf_py_arg arch_args[] = {SF_INT(arch)};
-static const sf_py_arg variant_args[] = {SF_INT(variant)};
 static sf_status set_fwd(sf_py_value *v, sf_stream s)
 {
     (void)s;
     return SET_KERNEL(sf_attn_set_fwd_kernel, v[0].i);
-}
-static sf_status set_variant(sf_py_value *v, sf_stream s)
-{
-    (void)s;
-    return SET_KERNEL(sf_attn_set_fwd_sm90_variant, v[0].i);
 }
 static sf_status set_bwd(sf_py_value *v, sf_stream s)
 {
@@ -144,16 +137,11 @@ static sf_status set_bwd(sf_py_value *v, sf_stream s)
 }
 SF_PY_BINDING(attn_set_fwd_kernel, arch_args, set_fwd,
               "CUDA forward kernel on Hopper, 90 (wgmma) or 80 (mma.sync).");
-SF_PY_BINDING(attn_set_fwd_sm90_variant, variant_args, set_variant,
-              "wgmma forward schedule, 0 (in order), 1 (softmax overlapped with P V), 2 (1 "
-              "warp-specialized: producer warpgroup, mbarrier pipeline), 3 (2 + consumer "
-              "ping-pong) or 4 (3 with three consumer warpgroups of 192 rows at head dim 64).");
 SF_PY_BINDING(attn_set_bwd_kernel, arch_args, set_bwd,
               "CUDA backward kernel on Hopper, 90 (wgmma) or 80 (mma.sync).");
 
 const sf_py_binding *const sf_py_attn_bindings[] = {
-    &attn_fwd_binding,          &attn_bwd_binding,         &attn_set_fwd_kernel_binding,
-    &attn_set_fwd_sm90_variant_binding, &attn_set_bwd_kernel_binding, NULL};
+    &attn_fwd_binding, &attn_bwd_binding, &attn_set_fwd_kernel_binding, &attn_set_bwd_kernel_binding, NULL};
 
 /* attn_fwd_kernel_for(head_dim, device, dropout=0) and
  * attn_bwd_kernel_for(head_dim, device, deterministic, dropout=0) ->
