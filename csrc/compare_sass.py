@@ -10,7 +10,9 @@ its resource usage (registers, shared memory, stack) are identical.
 Names of kernels in an anonymous namespace carry a hash of their file
 (``_GLOBAL__N__7ad38020_11_act_cuda_cu_e47fb106``); they are compared with
 that part replaced by ``(anon)``, so a kernel that moved to another file
-still pairs with itself.
+still pairs with itself.  ``--same-as-anon NS`` does the same for a named
+namespace NS that replaced an anonymous one (in names and in the code's
+references alike).
 
     csrc/compare_sass.py --old OLD.o [OLD2.o ...] --new NEW.o [NEW2.o ...]
 
@@ -26,6 +28,7 @@ import shutil
 import subprocess
 import sys
 
+INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/")
 ANON = re.compile(r"\d+_GLOBAL__N__[0-9a-f]{8}_\d+_[A-Za-z0-9_]+?_[0-9a-f]{8}(?=\d|E|I)")
 
 
@@ -36,11 +39,14 @@ def cuobjdump():
     return tool
 
 
-def normalize(text):
-    return ANON.sub("(anon)", text)
+def normalize(text, same_as_anon=()):
+    text = ANON.sub("(anon)", text)
+    for ns in same_as_anon:  # a named namespace that took over from an anonymous one
+        text = re.sub(rf"(?<!\d){len(ns)}{ns}(?=\d|E|I)", "(anon)", text)
+    return text
 
 
-def sass_by_kernel(obj):
+def sass_by_kernel(obj, same_as_anon):
     """{kernel: (instruction lines, resource line)} of one object."""
     tool = cuobjdump()
     sass = subprocess.run([tool, "-sass", obj], check=True, capture_output=True, text=True).stdout
@@ -48,26 +54,26 @@ def sass_by_kernel(obj):
     for line in sass.splitlines():
         m = re.match(r"\s*Function : (\S+)", line)
         if m:
-            name = normalize(m.group(1))
+            name = normalize(m.group(1), same_as_anon)
             if name in kernels:
                 sys.exit(f"compare_sass: {name} twice in {obj}")
             kernels[name] = []
         elif name is not None and line.strip().startswith(("/*", ".headerflags")):
-            kernels[name].append(normalize(line.strip()))
+            kernels[name].append(normalize(line.strip(), same_as_anon))
     res = subprocess.run([tool, "-res-usage", obj], check=True, capture_output=True, text=True).stdout
     usage = {}
     lines = res.splitlines()
     for i, line in enumerate(lines):
         m = re.match(r"\s*Function (\S+):", line)
         if m and i + 1 < len(lines):
-            usage[normalize(m.group(1))] = lines[i + 1].strip()
+            usage[normalize(m.group(1), same_as_anon)] = lines[i + 1].strip()
     return {k: (v, usage.get(k, "")) for k, v in kernels.items()}
 
 
-def pooled(objs):
+def pooled(objs, same_as_anon):
     out = {}
     for obj in objs:
-        for k, v in sass_by_kernel(obj).items():
+        for k, v in sass_by_kernel(obj, same_as_anon).items():
             if k in out:
                 sys.exit(f"compare_sass: {k} in two objects of one side")
             out[k] = (v[0], v[1], obj)
@@ -80,8 +86,10 @@ def main():
     ap.add_argument("--new", nargs="+", required=True)
     ap.add_argument("--only-new", action="store_true",
                     help="compare only the kernels of the new side (the old may hold more: code left out)")
+    ap.add_argument("--same-as-anon", nargs="*", default=[], metavar="NAMESPACE",
+                    help="named namespaces compared as the anonymous one (kernels moved out of it)")
     args = ap.parse_args()
-    old, new = pooled(args.old), pooled(args.new)
+    old, new = pooled(args.old, args.same_as_anon), pooled(args.new, args.same_as_anon)
     same = differ = 0
     missing = []
     for k in sorted(set(old) | set(new)):
@@ -97,7 +105,7 @@ def main():
         (oi, ou, _), (ni, nu, _) = old[k], new[k]
         if oi == ni and ou == nu:
             same += 1
-            print(f"same      {k}  ({sum(1 for l in oi if l.startswith('/*0'))} instructions; {nu})")
+            print(f"same      {k}  ({sum(1 for l in oi if INSTRUCTION.match(l))} instructions; {nu})")
         else:
             differ += 1
             what = "instructions" if oi != ni else "resource usage"
