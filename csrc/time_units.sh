@@ -28,6 +28,7 @@ fi
 printf '%8s %8s  %s\n' cpu_s wall_s unit
 tcpu=0
 twall=0
+: > "$out/.cpu"
 for src in "${units[@]}"; do
     obj="$out/$(basename "$src" .cu).o"
     /usr/bin/time -f '%U %S %e' -o "$out/.time" \
@@ -38,5 +39,19 @@ for src in "${units[@]}"; do
     tcpu=$(echo "$tcpu + $cpu" | bc)
     twall=$(echo "$twall + $wall" | bc)
     printf '%8.1f %8.1f  %s\n' "$cpu" "$wall" "$src"
+    echo "$src $cpu" >> "$out/.cpu"
 done
 printf '%8.1f %8.1f  total (%d units, one at a time)\n' "$tcpu" "$twall" "${#units[@]}"
+# What a build of JOBS parallel jobs (default 2) would take for these units,
+# from their CPU seconds: setup.py hands the units to its pool in name order,
+# each job taking the next unit when it is free.
+python3 - "$out/.cpu" "${JOBS:-2}" <<'PY'
+import sys
+rows = [l.split() for l in open(sys.argv[1])]
+jobs = int(sys.argv[2])
+free = [0.0] * jobs
+for unit, cpu in sorted(rows):
+    i = free.index(min(free))
+    free[i] += float(cpu)
+print(f"{max(free):8.1f} {'':8}  {jobs} jobs in setup.py's order (CPU seconds, the units above only)")
+PY

@@ -1,0 +1,14 @@
+/*
+ * attn_bwd_d64_cuda.cu - the sm80 backward's main pass at tile width 64
+ * (attn_bwd_tiles.cuh), bf16 and fp16, with and without
+ * dropout: a unit of its own so that a parallel build compiles the tile
+ * widths side by side.
+ */
+#include "attn_bwd_tiles.cuh"
+
+namespace sf_attn {
+template sf_status launch_bwd_tiles<__nv_bfloat16, 64, false>(const sf_attn_problem &p, cudaStream_t stream);
+template sf_status launch_bwd_tiles<__nv_bfloat16, 64, true>(const sf_attn_problem &p, cudaStream_t stream);
+template sf_status launch_bwd_tiles<__half, 64, false>(const sf_attn_problem &p, cudaStream_t stream);
+template sf_status launch_bwd_tiles<__half, 64, true>(const sf_attn_problem &p, cudaStream_t stream);
+} // namespace sf_attn
