@@ -36,19 +36,24 @@
  * the 32-wide kernels with its last 8 columns zero-filled on load (they add
  * nothing to S, dP, dV, dK or dQ) and not stored.
  *
- * Files: this one holds the entry, steps 1, 3 and 4; step 2's kernels are in
- * attn_bwd_tiles.cuh, compiled one tile width per unit
- * (attn_bwd_d<D>_cuda.cu).
+ * Files: step 2's kernels are in attn_bwd_tiles.cuh; this unit compiles
+ * them for tile widths 16 and 32 besides the entry and steps 1, 3 and 4,
+ * attn_bwd_wide_cuda.cu for 64 and 128.
  */
 #include "../core/cuda_util.h"
-#include "../core/cuda_util.h"
-#include "attn_sm90.cuh"
+#include "attn_bwd_tiles.cuh"
 
 namespace sf_attn {
 
-/* Step 2 for one (dtype, tile width, dropout): attn_bwd_tiles.cuh, compiled
- * in attn_bwd_d<D>_cuda.cu. */
-template <typename T, int D, bool kDropout> sf_status launch_bwd_tiles(const sf_attn_problem &p, cudaStream_t stream);
+/* Step 2 at tile widths 64 and 128: compiled in attn_bwd_wide_cuda.cu. */
+extern template sf_status launch_bwd_tiles<__nv_bfloat16, 64, false>(const sf_attn_problem &p, cudaStream_t stream);
+extern template sf_status launch_bwd_tiles<__nv_bfloat16, 64, true>(const sf_attn_problem &p, cudaStream_t stream);
+extern template sf_status launch_bwd_tiles<__half, 64, false>(const sf_attn_problem &p, cudaStream_t stream);
+extern template sf_status launch_bwd_tiles<__half, 64, true>(const sf_attn_problem &p, cudaStream_t stream);
+extern template sf_status launch_bwd_tiles<__nv_bfloat16, 128, false>(const sf_attn_problem &p, cudaStream_t stream);
+extern template sf_status launch_bwd_tiles<__nv_bfloat16, 128, true>(const sf_attn_problem &p, cudaStream_t stream);
+extern template sf_status launch_bwd_tiles<__half, 128, false>(const sf_attn_problem &p, cudaStream_t stream);
+extern template sf_status launch_bwd_tiles<__half, 128, true>(const sf_attn_problem &p, cudaStream_t stream);
 
 template <typename T>
 __global__ void delta_kernel(const sf_attn_problem p)

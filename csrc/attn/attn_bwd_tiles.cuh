@@ -3,10 +3,10 @@
  * kernel (dQ added with atomics, or not in deterministic mode) and the
  * deterministic dQ kernel, with launch_bwd_tiles, which runs them for one
  * (dtype, tile width, dropout).  attn_bwd_cuda.cu (the entry, delta and the
- * dQ conversion) calls launch_bwd_tiles; its instantiations are compiled one
- * tile width per unit (attn_bwd_d16/d32/d64/d128_cuda.cu) so that a
- * parallel build compiles them side by side (the backward was the build's
- * slowest unit).  The scheme: attn_bwd_cuda.cu's top comment.
+ * dQ conversion) calls launch_bwd_tiles and compiles it for tile widths 16
+ * and 32; attn_bwd_wide_cuda.cu compiles it for 64 and 128, so that a
+ * parallel build compiles the two halves side by side.  The scheme:
+ * attn_bwd_cuda.cu's top comment.
  */
 #ifndef SF_ATTN_BWD_TILES_CUH
 #define SF_ATTN_BWD_TILES_CUH

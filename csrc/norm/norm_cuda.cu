@@ -1,11 +1,19 @@
 /*
  * norm_cuda.cu - the CUDA norm's entry points (norm_backend.h): the argument
  * blocks turned into the kernels' parameters, the launch of the dtype's
- * forward or backward (norm_fwd_cuda.cu, norm_bwd_<dtype>_cuda.cu), the
- * column sums that finish dgamma / dbeta, and the backward's workspace
- * size.  The kernels and their design: norm_kernels.cuh.
+ * forward or backward, the column sums that finish dgamma / dbeta, and the
+ * backward's workspace size.  This unit compiles the forward kernels of
+ * every dtype and the float32 backward; norm_bwd_16bit_cuda.cu the float16
+ * and bfloat16 backward.  The kernels and their design: norm_kernels.cuh.
  */
-#include "norm_cuda.cuh"
+#include "norm_kernels.cuh"
+
+/* compiled in norm_bwd_16bit_cuda.cu */
+extern template sf_status sf_norm::launch_bwd<__half>(const BwdParams &p, const Config &c, bool vec, int device,
+                                                      int64_t bound, cudaStream_t stream, int64_t *grid);
+extern template sf_status sf_norm::launch_bwd<__nv_bfloat16>(const BwdParams &p, const Config &c, bool vec,
+                                                             int device, int64_t bound, cudaStream_t stream,
+                                                             int64_t *grid);
 
 namespace sf_norm {
 

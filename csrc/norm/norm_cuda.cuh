@@ -3,14 +3,13 @@
  * blocks, the split of a row over threads (Config, pick_config and its
  * defaults) and the per-dtype launchers' declarations.
  *
- * The CUDA norm is five compilation units, so a parallel build compiles its
- * kernel instantiations side by side (it was the build's slowest unit):
- *   norm_cuda.cu             entry points, workspace size, the dgamma / dbeta
- *                            column sums, the checks-only tuning knob;
- *   norm_fwd_cuda.cu         launch_fwd<T> for float32, float16, bfloat16;
- *   norm_bwd_{fp32,fp16,bf16}_cuda.cu   launch_bwd<T>, one dtype each.
- * The kernels and their launch code are in norm_kernels.cuh, which only the
- * launcher units include.
+ * The CUDA norm is two compilation units of about the same size, so that a
+ * parallel build compiles its kernels side by side:
+ *   norm_cuda.cu            entry points, workspace size, the dgamma / dbeta
+ *                           column sums, the checks-only tuning knob, the
+ *                           forward of every dtype and the float32 backward;
+ *   norm_bwd_16bit_cuda.cu  the float16 and bfloat16 backward.
+ * Both include the kernels and their launch code, norm_kernels.cuh.
  */
 #ifndef SF_NORM_CUDA_CUH
 #define SF_NORM_CUDA_CUH
@@ -168,9 +167,8 @@ inline Config bwd_config(int64_t hidden, int vec, int rms)
 }
 
 /* The launchers of one dtype T (float, __half, __nv_bfloat16), defined in
- * norm_kernels.cuh and instantiated in norm_fwd_cuda.cu and
- * norm_bwd_<dtype>_cuda.cu.  vec: the 16-byte vector path (else one element
- * per "vector"). */
+ * norm_kernels.cuh.  vec: the 16-byte vector path (else one element per
+ * "vector"). */
 template <typename T> sf_status launch_fwd(const FwdParams &p, bool vec, int device, cudaStream_t stream);
 /* Backward over split c; the grid is capped at `bound` (the workspace's
  * partial rows) and returned in *grid for the column sums. */

@@ -1,6 +1,7 @@
 /*
  * norm_kernels.cuh - the LayerNorm and RMSNorm kernels and their launch
- * code, included by the launcher units (norm_cuda.cuh lists them).
+ * code, included by the two CUDA norm units (norm_cuda.cuh says which
+ * instantiations each compiles).
  *
  * LayerNorm and RMSNorm on the GPU: each direction reads its
  * inputs from memory once and writes its outputs once, on the caller's

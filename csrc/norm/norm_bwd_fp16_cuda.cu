@@ -1,9 +1,0 @@
-/*
- * norm_bwd_fp16_cuda.cu - the LayerNorm / RMSNorm backward kernels for
- * float16 rows (norm_kernels.cuh), a unit of their own so that a parallel
- * build compiles the dtypes side by side (norm_cuda.cuh).
- */
-#include "norm_kernels.cuh"
-
-template sf_status sf_norm::launch_bwd<__half>(const BwdParams &p, const Config &c, bool vec, int device,
-                                            int64_t bound, cudaStream_t stream, int64_t *grid);
