@@ -2,6 +2,9 @@
 # Build the standalone kernel checks (llm.c style: C + CUDA, no Python) for
 # sm_90a on this machine, to be carried to the GPU machine and run there.
 #   csrc/<family>/check_<name>.cu  ->  bin/check_<family>_<name>
+#   csrc/build_checks.sh [family ...]   only those families' checks (e.g. attn norm)
+# The families' kernel units are compiled in parallel (JOBS at a time,
+# default the CPU count), then each check is linked.
 # Each check links its family's C files (API entry and CPU reference), its
 # *_cuda.cu kernels and the core, and compares CUDA against the CPU backend.
 # The kernels are compiled here with SF_WORKBENCH: that adds what only the
@@ -19,7 +22,7 @@ INC="-Icsrc/include -Icsrc -I$CUDA_HOME/include"
 # (its flags) is newer than it: conservative (a header edit rebuilds every
 # object), never stale.
 newest_header=$(ls -t $(find csrc -name '*.h' -o -name '*.cuh') | head -1)
-stale() { [ ! -f "$2" ] || [ "$1" -nt "$2" ] || [ "$newest_header" -nt "$2" ] || [ "$0" -nt "$2" ]; }
+stale() { [ ! -f "$2" ] || [ "$1" -nt "$2" ] || [ "$newest_header" -nt "$2" ] || [ csrc/build_checks.sh -nt "$2" ]; }
 cc_obj() { # gcc-compile a C file once
     local o="$OBJ/$(echo "$1" | tr / _).o"
     if stale "$1" "$o"; then
@@ -34,10 +37,35 @@ cu_obj() {
     fi
     echo "$o"
 }
-core=""
-for f in csrc/core/*.c; do core="$core $(cc_obj "$f")"; done
+want() { # is this check's family asked for (all when none is named)?
+    [ $# -gt 0 ] || return 1
+    local family=$1
+    shift
+    [ $# -eq 0 ] && return 0
+    for f in "$@"; do [ "$f" = "$family" ] && return 0; done
+    return 1
+}
+checks=()
 for check in csrc/*/check_*.cu; do
     [ -e "$check" ] || continue
+    want "$(basename "$(dirname "$check")")" "$@" && checks+=("$check")
+done
+[ ${#checks[@]} -gt 0 ] || { echo "build_checks: no check of the families: $*" >&2; exit 2; }
+# the kernel units of those families, JOBS at a time (each job's status is waited for)
+JOBS=${JOBS:-$(nproc)}
+pids=()
+for dir in $(for c in "${checks[@]}"; do dirname "$c"; done | sort -u); do
+    for f in "$dir"/*_cuda.cu; do
+        [ -e "$f" ] || continue
+        cu_obj "$f" > /dev/null &
+        pids+=($!)
+        if [ ${#pids[@]} -ge "$JOBS" ]; then wait "${pids[0]}"; pids=("${pids[@]:1}"); fi
+    done
+done
+for p in "${pids[@]}"; do wait "$p"; done
+core=""
+for f in csrc/core/*.c; do core="$core $(cc_obj "$f")"; done
+for check in "${checks[@]}"; do
     dir=$(dirname "$check"); family=$(basename "$dir"); name=$(basename "$check" .cu)
     objs="$core"
     for f in "$dir"/*.c; do [ -e "$f" ] && objs="$objs $(cc_obj "$f")"; done
