@@ -7,10 +7,11 @@ Part 1, padded (bshd), 16k tokens per batch: seqlens 1024, 4096, 8192, head
 dims 64 (32 heads) and 128 (16 heads), causal and not, forward and
 forward+backward, bf16.  TFLOP/s = 4*b*h*s^2*d (halved when causal), x3.5
 with the backward; ratio = seqfuse / torch (goal >= 1.0).  On Hopper,
-sm90v0..sm90v4 TFLOP/s and sm90_ratio (best of them; forward rows) time the
-same call with the wgmma forward (attn_fwd_sm90_cuda.cu, schedules 0-4) selected,
-whatever the default is, so the sm90 and sm80 forwards and torch stand side
-by side.  sm80bwd_tflops and sm80bwd_ratio (forward+backward rows) time the
+sm90_tflops and sm90_ratio (forward rows) time the same call with the wgmma
+forward (attn_fwd_sm90_cuda.cu) selected, whatever the default is, so the
+sm90 and sm80 forwards and torch stand side by side.  The wgmma forward's
+other schedules are timed by the check program (csrc/attn/check_attn_sm90.cu,
+part (d)): the library builds only its own.  sm80bwd_tflops and sm80bwd_ratio (forward+backward rows) time the
 same call with the sm80 (mma.sync) backward selected instead of the default
 wgmma one (attn_bwd_sm90_cuda.cu).
 
@@ -51,26 +52,24 @@ def sdpa_flops(b, h, s, d, causal, backward):
     return 4.0 * b * h * s * s * d * (0.5 if causal else 1.0) * (3.5 if backward else 1.0)
 
 
-def _hopper_time(fn, fwd_variant=None, bwd_kernel=None):
-    """cuda_time_ms(fn) with the wgmma forward of schedule ``fwd_variant``
-    and / or the backward kernel ``bwd_kernel`` (90 or 80) selected; None off
-    Hopper.  The process's kernel choices (SEQFUSE_ATTN_FWD_KERNEL /
+def _hopper_time(fn, fwd_kernel=None, bwd_kernel=None):
+    """cuda_time_ms(fn) with the forward kernel ``fwd_kernel`` and / or the
+    backward kernel ``bwd_kernel`` (90 or 80) selected; None off Hopper.  The
+    process's kernel choices (SEQFUSE_ATTN_FWD_KERNEL /
     SEQFUSE_ATTN_BWD_KERNEL or an earlier set_attention_*_kernel) are put
-    back after, and the forward schedule returns to 4, the default."""
+    back after."""
     if torch.cuda.get_device_capability() != (9, 0):
         return None
     fwd_was = seqfuse.ops.attention_fwd_kernel(64)[0]
     bwd_was = seqfuse.ops.attention_bwd_kernel(64)[0]
-    if fwd_variant is not None:
-        seqfuse.ops.set_attention_fwd_kernel(90)
-        seqfuse._C.attn_set_fwd_sm90_variant(fwd_variant)
+    if fwd_kernel is not None:
+        seqfuse.ops.set_attention_fwd_kernel(fwd_kernel)
     if bwd_kernel is not None:
         seqfuse.ops.set_attention_bwd_kernel(bwd_kernel)
     try:
         return cuda_time_ms(fn)
     finally:
         seqfuse.ops.set_attention_fwd_kernel(fwd_was)
-        seqfuse._C.attn_set_fwd_sm90_variant(4)
         seqfuse.ops.set_attention_bwd_kernel(bwd_was)
 
 
@@ -116,7 +115,7 @@ def padded_rows(table):
                 for backward in (False, True):
                     ours, peer = bshd_pair(q, k, v, dout, backward, dict(attn_mask_type=mask), dict(is_causal=causal))
                     t_ours, t_peer = cuda_time_ms(ours), cuda_time_ms(peer)
-                    t90 = [None] * 5 if backward else [_hopper_time(ours, fwd_variant=v) for v in range(5)]
+                    t90 = None if backward else _hopper_time(ours, fwd_kernel=90)
                     t80b = _hopper_time(ours, bwd_kernel=80) if backward else None
                     fl = sdpa_flops(b, h, s, d, causal, backward)
                     table.add(case=f"s{s} d{d}{' causal' if causal else ''} {'fwd+bwd' if backward else 'fwd'}",
@@ -125,12 +124,8 @@ def padded_rows(table):
                               seqfuse_ms=t_ours, torch_ms=t_peer,
                               seqfuse_tflops=fl / t_ours / 1e9, torch_tflops=fl / t_peer / 1e9,
                               ratio=t_peer / t_ours,
-                              sm90v0_tflops=fl / t90[0] / 1e9 if t90[0] else None,
-                              sm90v1_tflops=fl / t90[1] / 1e9 if t90[1] else None,
-                              sm90v2_tflops=fl / t90[2] / 1e9 if t90[2] else None,
-                              sm90v3_tflops=fl / t90[3] / 1e9 if t90[3] else None,
-                              sm90v4_tflops=fl / t90[4] / 1e9 if t90[4] else None,
-                              sm90_ratio=t_peer / min(t90) if t90[0] else None,
+                              sm90_tflops=fl / t90 / 1e9 if t90 else None,
+                              sm90_ratio=t_peer / t90 if t90 else None,
                               sm80bwd_tflops=fl / t80b / 1e9 if t80b else None,
                               sm80bwd_ratio=t_peer / t80b if t80b else None)
                 del q, k, v, dout
@@ -230,8 +225,7 @@ def main():
     # padded rows' autograd calls to cuDNN (the same kernels torch runs)
     seqfuse.ops.set_attention_backend("seqfuse")
     table = Table("attn", ["case", "seqfuse_tflops", "torch_tflops", "ratio", "seqfuse_ms", "torch_ms",
-                           "sm90v0_tflops", "sm90v1_tflops", "sm90v2_tflops", "sm90v3_tflops", "sm90v4_tflops",
-                           "sm90_ratio", "sm80bwd_tflops", "sm80bwd_ratio"])
+                           "sm90_tflops", "sm90_ratio", "sm80bwd_tflops", "sm80bwd_ratio"])
     if "--dropout" in sys.argv[1:]:
         table = Table("attn_dropout", ["case", "seqfuse_tflops", "torch_tflops", "ratio", "seqfuse_ms",
                                        "torch_ms"])

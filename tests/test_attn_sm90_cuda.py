@@ -32,19 +32,16 @@ def is_hopper():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-SM90_VARIANTS = [0, 1, 2, 3, 4]
-
-
-@pytest.fixture(params=SM90_VARIANTS + ["bwd"], ids=[f"sm90v{v}" for v in SM90_VARIANTS] + ["sm90bwd"])
+@pytest.fixture(params=["fwd", "bwd"], ids=["sm90fwd", "sm90bwd"])
 def sm90(request):
     """A checker of one case, check(q, k, v, dout, fmt, mask, lq, lk, window,
-    what), for each wgmma kernel: the forward's schedules (0: in order, 1:
-    softmax overlapped with P V, 2: 1 warp-specialized with a producer
-    warpgroup and an mbarrier K/V pipeline, 3: 2 with the consumers in
-    ping-pong, 4: 3 with three consumer warpgroups of 192 rows at head dim
-    64), checked on out and lse, and the backward ("bwd", after the default
-    forward), checked on dq, dk, dv.  Skipped off Hopper; afterwards the
-    process's kernel choices come back and the forward schedule is 4."""
+    what), for each wgmma kernel: the forward ("fwd", the library's schedule:
+    warp-specialized, ping-pong consumers, 192 rows at head dim 64 and 128 at
+    128), checked on out and lse, and the backward ("bwd", after that
+    forward), checked on dq, dk, dv.  The forward's other schedules build
+    into check_attn_sm90 only, which runs every case of its part (c) through
+    each of them.  Skipped off Hopper; afterwards the process's kernel
+    choices come back."""
     if not is_hopper():
         pytest.skip("the wgmma kernels need a compute capability 9.0 GPU")
     fwd_was, bwd_was = seqfuse.ops.attention_fwd_kernel(64)[0], seqfuse.ops.attention_bwd_kernel(64)[0]
@@ -53,9 +50,7 @@ def sm90(request):
         seqfuse.ops.set_attention_bwd_kernel(90)
         yield check_bwd
     else:
-        seqfuse._C.attn_set_fwd_sm90_variant(request.param)
         yield lambda q, k, v, dout, *case: check(q, k, v, *case)
-        seqfuse._C.attn_set_fwd_sm90_variant(4)
     seqfuse.ops.set_attention_fwd_kernel(fwd_was)  # the process's choices (an env override) again
     seqfuse.ops.set_attention_bwd_kernel(bwd_was)
 
@@ -135,8 +130,8 @@ def test_sm90_dtypes_and_longer(dtype, d, mask, sq, sk, seed, sm90):
 @pytest.mark.parametrize("mask", ["padding", "padding_causal"])
 def test_sm90_packed_many_tiles(d, mask, seed, sm90):
     """Packed sequences of very different lengths, up to 23 key tiles: the
-    K/V stages (two or three) wrap around many times and blocks of one launch
-    run different numbers of tiles (the mbarrier phases of schedules 2 and 3)."""
+    K/V stages wrap around many times and blocks of one launch run different
+    numbers of tiles (the forward's mbarrier phases)."""
     lq = [1500, 37, 2900, 640, 129]
     lk = list(lq)
     h, hk = 4, 2
@@ -185,10 +180,8 @@ def test_fwd_kernel_choice_rejects_other_values():
     expected = ValueError if seqfuse.build_info()["cuda"] else NotImplementedError
     with pytest.raises(expected):
         seqfuse.ops.set_attention_fwd_kernel(75)
-    with pytest.raises(expected):
-        seqfuse._C.attn_set_fwd_sm90_variant(5)
-    with pytest.raises(expected):
-        seqfuse._C.attn_set_fwd_sm90_variant(-1)
+    # the forward's other schedules are the check programs' (csrc/build_checks.sh), not the library's
+    assert not hasattr(seqfuse._C, "attn_set_fwd_sm90_variant")
 
 
 def test_fwd_kernel_query_default():
@@ -236,6 +229,85 @@ def test_fwd_kernel_choice_asked_once_per_head_dim_and_device(monkeypatch):
     routing.set_attention_fwd_kernel(80)  # a new choice: asked again
     routing.note_fwd_kernel(q64, False)
     assert calls == [(64, 0), (128, 0), (64, 0)]
+
+
+class _FakeKernelC:
+    """_C's kernel-choice functions, recording what the routing layer hands them."""
+
+    def __init__(self):
+        self.set = []
+
+    def attn_set_fwd_kernel(self, arch):
+        self.set.append(("forward", arch))
+
+    def attn_set_bwd_kernel(self, arch):
+        self.set.append(("backward", arch))
+
+    def attn_fwd_kernel_for(self, d, dev, dropout=0):
+        return 90, ""
+
+    def attn_bwd_kernel_for(self, d, dev, deterministic, dropout=0):
+        return 90, ""
+
+
+@pytest.fixture
+def kernel_env(monkeypatch):
+    """The routing layer with a fake _C and its environment not read yet."""
+    from seqfuse.ops.attn import _routing as routing
+
+    fake = _FakeKernelC()
+    monkeypatch.setattr(routing, "_C", fake)
+    monkeypatch.setattr(routing, "_kernel_env_pending", {"forward", "backward"})
+    monkeypatch.setattr(routing, "_fwd_kernel_checked", set())
+    monkeypatch.setattr(routing, "_bwd_kernel_checked", set())
+    monkeypatch.delenv("SEQFUSE_ATTN_FWD_KERNEL", raising=False)
+    monkeypatch.delenv("SEQFUSE_ATTN_BWD_KERNEL", raising=False)
+    return routing, fake
+
+
+def test_kernel_env_read_once_by_the_routing_layer(kernel_env, monkeypatch):
+    """SEQFUSE_ATTN_FWD_KERNEL / SEQFUSE_ATTN_BWD_KERNEL are read in Python
+    (the C library reads no environment) at the first question about that
+    direction, and handed to _C's setter once."""
+    routing, fake = kernel_env
+    monkeypatch.setenv("SEQFUSE_ATTN_FWD_KERNEL", "sm80")
+    monkeypatch.setenv("SEQFUSE_ATTN_BWD_KERNEL", " sm90 ")
+    q = torch.empty(1, 4, 2, 64)
+    for _ in range(3):
+        routing.note_fwd_kernel(q, False)
+    assert fake.set == [("forward", 80)]
+    routing.attention_bwd_kernel(64, device=0)
+    routing.note_bwd_kernel(q, False)
+    assert fake.set == [("forward", 80), ("backward", 90)]
+    monkeypatch.setenv("SEQFUSE_ATTN_FWD_KERNEL", "sm90")  # read once: a later change is not seen
+    routing.attention_fwd_kernel(64, device=0)
+    assert fake.set == [("forward", 80), ("backward", 90)]
+
+
+def test_kernel_env_unset_keeps_default_and_setter_wins(kernel_env, monkeypatch):
+    routing, fake = kernel_env
+    monkeypatch.setenv("SEQFUSE_ATTN_BWD_KERNEL", "")
+    routing.attention_fwd_kernel(64, device=0)
+    routing.attention_bwd_kernel(64, device=0)
+    assert fake.set == []  # unset or empty: the C default (90) stays
+    routing._kernel_env_pending.add("forward")
+    monkeypatch.setenv("SEQFUSE_ATTN_FWD_KERNEL", "sm80")
+    routing.set_attention_fwd_kernel(90)  # an explicit choice overrides the environment
+    routing.attention_fwd_kernel(64, device=0)
+    assert fake.set == [("forward", 90)]
+
+
+def test_kernel_env_bad_value_names_the_variable(kernel_env, monkeypatch):
+    routing, fake = kernel_env
+    monkeypatch.setenv("SEQFUSE_ATTN_BWD_KERNEL", "hopper")
+    q = torch.empty(1, 4, 2, 64)
+    for _ in range(2):  # raised at every question until fixed
+        with pytest.raises(ValueError, match="SEQFUSE_ATTN_BWD_KERNEL must be 'sm90' or 'sm80', got 'hopper'"):
+            routing.note_bwd_kernel(q, False)
+    assert fake.set == []
+    monkeypatch.setenv("SEQFUSE_ATTN_BWD_KERNEL", "sm80")
+    routing.note_bwd_kernel(q, False)
+    assert fake.set == [("backward", 80)]
 
 
 # ---- the wgmma backward (csrc/attn/attn_bwd_sm90_cuda.cu): also through the sm90 fixture above ----

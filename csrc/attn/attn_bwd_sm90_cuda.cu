@@ -247,18 +247,16 @@ template <typename T, int D> static sf_status launch(const sf_attn_problem &p, c
     return SF_OK;
 }
 
-/* -1: not chosen yet (read SEQFUSE_ATTN_BWD_KERNEL once), else 80 or 90. */
-static int g_bwd_kernel = -1;
-
-/* The selection point: wgmma by default where the device is Hopper (see the
- * top of this file), sm80 on SEQFUSE_ATTN_BWD_KERNEL=sm80 or
- * sf_attn_set_bwd_kernel(80). */
-static int chosen_bwd_kernel() { return kernel_choice(&g_bwd_kernel, "SEQFUSE_ATTN_BWD_KERNEL"); }
+/* The backward kernel chosen for Hopper: 90 (this file's, the default; see
+ * the top of this file) or 80 (sf_attn_set_bwd_kernel; Python's
+ * set_attention_bwd_kernel and SEQFUSE_ATTN_BWD_KERNEL, which seqfuse.ops
+ * reads, end there). */
+static int g_bwd_kernel = 90;
 
 static int bwd_selected(int head_dim, int deterministic, int dropout, int device, const char **why)
 {
     const char *w = "";
-    int ok = pick_kernel(chosen_bwd_kernel(),
+    int ok = pick_kernel(g_bwd_kernel,
                          "sm80 backward chosen (SEQFUSE_ATTN_BWD_KERNEL=sm80 or sf_attn_set_bwd_kernel(80))",
                          head_dim, device, &w);
     if (ok && deterministic) {

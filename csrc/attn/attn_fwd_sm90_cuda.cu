@@ -4,26 +4,29 @@
  * (attn_fwd_cuda.cu) supports: layouts through the problem's strides and
  * cu_seqlens, every mask and window, GQA/MQA, the same lse for the backward.
  *
- * A block of two warpgroups owns BM = 128 query rows of one (sequence,
- * head), 64 rows per warpgroup.  Q is copied once into shared memory, K and
- * V tiles of BN = 128 keys go through two shared-memory stages: all threads
- * issue cp.async for tile n + 1 while tile n is consumed.  Per tile each
- * warpgroup computes S = Q K^T (wgmma m64n128k16, A and B K-major from the
- * 128-byte swizzled tiles, attn_sm90.cuh), masks only tiles that cross a
- * boundary, runs the online softmax in base 2 on the accumulator registers,
- * packs P to 16-bit pairs in registers and accumulates O += P V (wgmma
- * m64nDk16, A from registers, V MN-major).  Epilogue: O / l and
- * lse = ln(sum exp(scale * s)) (float32, natural log), exactly as the sm80
- * forward writes them.
+ * One block owns the query rows of one (sequence, head): a producer
+ * warpgroup copies Q once and K and V tiles of BN = 128 keys through three
+ * shared-memory stages (cp.async completing on mbarriers), and NC consumer
+ * warpgroups of 64 rows each take them.  Per tile a consumer computes
+ * S = Q K^T (wgmma m64n128k16, A and B K-major from the 128-byte swizzled
+ * tiles, attn_sm90.cuh), masks only tiles that cross a boundary, runs the
+ * online softmax in base 2 on the accumulator registers, packs P to 16-bit
+ * pairs in registers and accumulates O += P V (wgmma m64nDk16, A from
+ * registers, V MN-major); S of the next tile is issued together with P V
+ * of this one, and the consumers take turns on the tensor cores
+ * (ping-pong), so one's softmax runs under the other's products.
+ * Epilogue: O / l and lse = ln(sum exp(scale * s)) (float32, natural log),
+ * exactly as the sm80 forward writes them.
  *
- * Five schedules (kVariants): 0 in order, 1 softmax beside P V, 2 a producer
- * warpgroup feeding the consumers through an mbarrier K/V pipeline
- * (cp.async, not TMA yet), 3 = 2 with the consumers in ping-pong, 4 = 3 with
- * three consumer warpgroups at head dim 64 (the default).  The kernel is selected by
- * fwd_sm90_selected() (SEQFUSE_ATTN_FWD_KERNEL=sm90|sm80, default sm90 on
- * Hopper) from sf_attn_fwd_cuda.
+ * The schedule is fwd_schedule(head dim): three consumers (192 rows) at
+ * head dim 64, where the exponentials weigh as much as the products, two
+ * (128 rows) at 128, where three would not hold S, P and O in registers.
+ * The other schedules measured against it live in
+ * attn_fwd_sm90_workbench.cuh and build into the check programs only
+ * (SF_WORKBENCH).  Whether a call takes this kernel or the sm80 one is
+ * fwd_sm90_selected (the kernel choice 90 or 80, sf_attn_set_fwd_kernel,
+ * default 90; the device; the head dim; dropout).
  */
-#include <stdlib.h>
 #include <string.h>
 
 #include "../core/cuda_util.h"
@@ -32,7 +35,7 @@
 namespace sf_attn {
 namespace sm90 {
 
-constexpr int kWarpgroups = 2, kBM = 64 * kWarpgroups, kBN = 128, kThreads = 128 * kWarpgroups;
+constexpr int kBN = 128; /* keys per K/V tile */
 
 /* The body of a wgmma kernel in a build without sm_90a: the host never
  * launches it (fwd_sm90_selected checks for this marker through the kernel's
@@ -51,7 +54,7 @@ struct BlockPlan {
     int m0, off, nb_lo, nb_hi;
 };
 
-template <int BM = kBM>
+template <int BM>
 __device__ __forceinline__ bool plan_block(const sf_attn_problem &p, int b, int m_block, BlockPlan &bp)
 {
     sf_attn_seq_q(&p, b, &bp.qs, &bp.sq);
@@ -96,20 +99,11 @@ __device__ __forceinline__ void store_rows(const sf_attn_problem &p, const Block
     }
 }
 
-/* ---- the steps of one key tile, shared by the two schedules ---- */
-
-template <typename T, int D>
-__device__ __forceinline__ void load_kv(const sf_attn_problem &p, const BlockPlan &bp, const T *kbase,
-                                        const T *vbase, uint32_t kt, uint32_t vt, int nb, int tid)
-{
-    const int n0 = nb * kBN, valid = min(kBN, bp.sk - n0);
-    load_tile_sw128<T, kBN, D, kThreads>(kt, kbase + (int64_t)n0 * p.k.ss, p.k.ss, valid, tid);
-    load_tile_sw128<T, kBN, D, kThreads>(vt, vbase + (int64_t)n0 * p.v.ss, p.v.ss, valid, tid);
-}
+/* ---- the steps of one key tile, shared by every schedule ---- */
 
 /* Masks the scores of key tile n0 where the tile crosses the sequence end or
  * the window (other tiles are wholly inside).  r0: the thread's first row. */
-template <int BM = kBM>
+template <int BM>
 __device__ __forceinline__ void mask_tile(float (&s)[kBN / 2], const BlockPlan &bp, int n0, int r0, int q4, int left,
                                           int right)
 {
@@ -166,7 +160,7 @@ template <int NO> __device__ __forceinline__ void rescale_o(float (&o)[NO], cons
 
 #ifdef SF_SM90A
 /* S = Q K^T for this warpgroup's 64 rows, issued and committed (not waited). */
-template <typename T, int D, int BM = kBM>
+template <typename T, int D, int BM>
 __device__ __forceinline__ void issue_qk(float (&s)[kBN / 2], uint32_t sQ, uint32_t kt, int wg)
 {
     wg_pin(s);
@@ -188,166 +182,29 @@ __device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&pa)
 }
 #endif
 
-/* Schedules (PIPE):
- *  0  two K/V stages; per tile: S = Q K^T, wait, softmax, O += P V, wait.
- *  1  three K/V stages, tile n+2 loading while tile n is consumed; per tile
- *     S(n+1) = Q K(n+1)^T and O += P(n) V(n) are issued together and the
- *     softmax of tile n+1 is meant to run while O += P(n) V(n) is still on
- *     the tensor cores (FlashAttention-3's intra-warpgroup overlap); O is
- *     rescaled once that product has landed.  ptxas 13.0 keeps only the
- *     masking and row max ahead of the wait for P(n) V(n) (it moves the
- *     wait above the in-place exponentials); writing P to separate
- *     registers instead made it serialize every wgmma (C7513). */
-template <int PIPE> constexpr int kStages = PIPE ? 3 : 2;
-
-template <int D, int PIPE> constexpr int smem_bytes()
-{
-    /* + 1024: the tiles are placed at the next 1024-byte boundary */
-    return 1024 + (kBM + 2 * kStages<PIPE> * kBN) * D * 2;
-}
-
-template <typename T, int D, int PIPE>
-__global__ void __launch_bounds__(kThreads, 1) fwd_sm90_kernel(const sf_attn_problem p)
-{
-#ifdef SF_SM90A
-    constexpr int NO = D / 2, ST = kStages<PIPE>;
-    constexpr int QBYTES = kBM * D * 2, KVBYTES = kBN * D * 2;
-    extern __shared__ unsigned char smem_raw[];
-    const uint32_t sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;
-    const uint32_t sK = sQ + QBYTES;         /* stage s at sK + s * KVBYTES */
-    const uint32_t sV = sK + ST * KVBYTES;   /* stage s at sV + s * KVBYTES */
-
-    const int h = blockIdx.y, b = blockIdx.z;
-    BlockPlan bp;
-    if (!plan_block(p, b, gridDim.x - 1 - blockIdx.x, bp)) /* heavy causal blocks first */
-        return;
-    const int hk = h / (p.heads / p.heads_kv);
-    const int left = p.window_left, right = p.window_right;
-    const float sl2 = p.scale * kLog2e;
-    const int tid = threadIdx.x, wg = tid / 128;
-    const int q4 = tid % 4;
-    const int wrow = wg * 64 + (tid % 128) / 32 * 16 + (tid % 32) / 4; /* first row in the block; +8 the second */
-    const int r0 = bp.m0 + wrow;
-
-    const T *qbase = view_ptr<const T>(p.q, b, bp.qs + bp.m0, h);
-    const T *kbase = view_ptr<const T>(p.k, b, bp.ks, hk);
-    const T *vbase = view_ptr<const T>(p.v, b, bp.ks, hk);
-
-    float o[NO];
-#pragma unroll
-    for (int i = 0; i < NO; ++i)
-        o[i] = 0.f;
-    float mrow[2] = {-INFINITY, -INFINITY}, lrow[2] = {0.f, 0.f}, corr[2];
-    const int lo = bp.nb_lo, hi = bp.nb_hi;
-
-    if (lo < hi) {
-        load_tile_sw128<T, kBM, D, kThreads>(sQ, qbase, p.q.ss, min(kBM, bp.sq - bp.m0), tid);
-        load_kv<T, D>(p, bp, kbase, vbase, sK, sV, lo, tid);
-        cp_async_commit();
-        float s[kBN / 2];
-        uint32_t pa[kBN / 16][4];
-        if constexpr (PIPE == 0) {
-            for (int nb = lo; nb < hi; ++nb) {
-                const uint32_t cur = ((nb - lo) & 1) * KVBYTES;
-                if (nb + 1 < hi) { /* next tile into the other stage, freed by the last barrier */
-                    load_kv<T, D>(p, bp, kbase, vbase, sK + (KVBYTES - cur), sV + (KVBYTES - cur), nb + 1, tid);
-                    cp_async_commit();
-                    cp_async_wait<1>();
-                } else {
-                    cp_async_wait<0>();
-                }
-                fence_proxy_async(); /* cp.async wrote through the generic proxy; wgmma reads the async one */
-                __syncthreads();
-                issue_qk<T, D>(s, sQ, sK + cur, wg);
-                wg_wait<0>();
-                wg_pin(s);
-                mask_tile(s, bp, nb * kBN, r0, q4, left, right);
-                softmax_tile(s, mrow, lrow, sl2, corr);
-                rescale_o(o, corr);
-                pack_acc<T>(pa, s);
-                issue_pv<T, D>(o, pa, sV + cur);
-                wg_wait<0>();
-                wg_pin(o);
-                __syncthreads(); /* every warpgroup is done with this stage before it is refilled */
-            }
-        } else {
-            if (lo + 1 < hi) {
-                load_kv<T, D>(p, bp, kbase, vbase, sK + KVBYTES, sV + KVBYTES, lo + 1, tid);
-                cp_async_commit();
-                cp_async_wait<1>();
-            } else {
-                cp_async_wait<0>();
-            }
-            fence_proxy_async();
-            __syncthreads();
-            issue_qk<T, D>(s, sQ, sK, wg);
-            wg_wait<0>();
-            wg_pin(s);
-            mask_tile(s, bp, lo * kBN, r0, q4, left, right);
-            softmax_tile(s, mrow, lrow, sl2, corr); /* O is still zero: no rescale */
-            pack_acc<T>(pa, s);
-            for (int nb = lo; nb + 1 < hi; ++nb) { /* every step but the last: S(nb + 1) and P(nb) V(nb) together */
-                const int i = nb - lo;
-                cp_async_wait<0>(); /* tile nb + 1 */
-                fence_proxy_async();
-                __syncthreads(); /* tile nb + 1 visible; everyone is past tile nb - 1, its stage is free */
-                if (nb + 2 < hi) {
-                    const uint32_t fr = ((i + 2) % ST) * KVBYTES;
-                    load_kv<T, D>(p, bp, kbase, vbase, sK + fr, sV + fr, nb + 2, tid);
-                    cp_async_commit();
-                }
-                issue_qk<T, D>(s, sQ, sK + ((i + 1) % ST) * KVBYTES, wg);
-                issue_pv<T, D>(o, pa, sV + (i % ST) * KVBYTES);
-                wg_wait<1>(); /* S of tile nb + 1; P(nb) V(nb) may still run */
-                wg_pin(s);
-                mask_tile(s, bp, (nb + 1) * kBN, r0, q4, left, right);
-                softmax_tile(s, mrow, lrow, sl2, corr);
-                wg_pin(s);
-                wg_wait<0>(); /* note: ptxas 13.0 hoists this above the exponentials (SASS), so only the
-                               * max and the mask overlap P(nb) V(nb) so far; see the report */
-                wg_pin(o);
-                rescale_o(o, corr);
-                pack_acc<T>(pa, s); /* the registers of P(nb) are free now */
-            }
-            issue_pv<T, D>(o, pa, sV + ((hi - 1 - lo) % ST) * KVBYTES); /* the last tile */
-            wg_wait<0>();
-            wg_pin(o);
-        }
-    }
-
-    store_rows<T>(p, bp, b, h, r0, q4, o, mrow, lrow, sl2);
-#else
-    SF_SM90_NOT_BUILT();
-#endif
-}
-
-/* ---- warp-specialized schedules (variants 2 and 3) ----
+/* ---- the warp-specialized kernel ----
  *
- * Three warpgroups: warpgroup 0 is the producer, 1 and 2 the consumers
- * (64 query rows each, the same 128-row block as above).  The producer
- * keeps 40 registers (setmaxnreg.dec) and copies Q once and the K/V tiles
- * through kWsStages shared-memory stages with cp.async; each thread's
- * copies complete on the stage's "full" mbarrier (cp.async.mbarrier.arrive
- * .noinc, 128 arrivals).  The consumers take 232 registers
- * (setmaxnreg.inc), wait on "full", run variant 1's per-tile schedule
- * (S(n+1) = Q K(n+1)^T issued with O += P(n) V(n)) and, once P(n) V(n)
- * has landed, arrive on the stage's "empty" mbarrier (256 arrivals) so the
- * producer refills it.  No __syncthreads after the split: the two
- * consumers no longer wait for each other nor for the loads of a tile they
- * do not need yet.
- *   2  as above.
- *   3  + ping-pong: named barriers (ids 1, 2; 256 threads) hand the tensor
- *      cores from one consumer to the other, so that a consumer issues its
- *      two products only after the other has issued its own, and its
- *      softmax runs while the other's products are on the tensor cores
- *      (FlashAttention-3's inter-warpgroup overlap).
- *   4  3 with three consumer warpgroups (192 rows, producer 32 registers,
- *      consumers 160) at head dim 64, where the exponentials weigh as much
- *      as the products; the turn passes round-robin.  At head dim 128 the
- *      registers would not hold S, P and O: 4 runs 3 there.
+ * NC + 1 warpgroups: warpgroup 0 is the producer, 1 .. NC the consumers
+ * (64 query rows each).  The producer drops to few registers
+ * (setmaxnreg.dec) and copies Q once and the K/V tiles through kWsStages
+ * shared-memory stages with cp.async; each thread's copies complete on the
+ * stage's "full" mbarrier (cp.async.mbarrier.arrive.noinc, 128 arrivals).
+ * The consumers take the registers freed (setmaxnreg.inc), wait on "full",
+ * issue S(n+1) = Q K(n+1)^T together with O += P(n) V(n), run the softmax
+ * of tile n + 1 and, once P(n) V(n) has landed, arrive on the stage's
+ * "empty" mbarrier (128 NC arrivals) so the producer refills it.  No
+ * __syncthreads after the split: a consumer waits neither for the others
+ * nor for the loads of a tile it does not need yet.
+ * With PINGPONG, named barriers 1 .. NC hand the tensor cores from one
+ * consumer to the next (round-robin): a consumer issues its two products
+ * only after the previous one has issued its own, and its softmax runs while
+ * the other's products are on the tensor cores (FlashAttention-3's
+ * inter-warpgroup overlap).  The library runs PINGPONG with NC from
+ * fwd_schedule; the workbench (attn_fwd_sm90_workbench.cuh) also runs it
+ * without ping-pong.
  */
 constexpr int kWsStages = 3;
-/* NC consumer warpgroups (2, or 3 at head dim 64: schedule 4) of 64 rows */
+/* NC consumer warpgroups of 64 rows: 2, or 3 at head dim 64 (fwd_schedule) */
 template <int NC> constexpr int ws_threads() { return 128 * (NC + 1); }
 /* registers: 128 * 40 + 256 * 232 <= 65536; 128 * 32 + 384 * 160 = 65536 (at 3 consumers the producer
  * spills a few 64-bit addresses at 32; consumers at 152 made ptxas serialize the wgmma, C7512) */
@@ -531,56 +388,37 @@ static sf_status launch_ws(const sf_attn_problem &p, cudaStream_t stream)
     return SF_OK;
 }
 
-template <typename T, int D, int PIPE> static sf_status launch(const sf_attn_problem &p, cudaStream_t stream)
+/* The library's schedule, a function of the head dim: the warp-specialized
+ * kernel with ping-pong consumers, three of them (192 rows) at head dim 64,
+ * two (128 rows) at 128.  It was the fastest of the five schedules
+ * check_attn_sm90 times, or within 2 % of it, at every shape it measures
+ * (benchmarks/results and the README hold the figures). */
+struct FwdSchedule {
+    bool pingpong;
+    int consumers;
+};
+constexpr FwdSchedule fwd_schedule(int head_dim) { return {true, head_dim == 64 ? 3 : 2}; }
+
+template <typename T, int D> static sf_status launch_chosen(const sf_attn_problem &p, cudaStream_t stream)
 {
-    constexpr int smem = smem_bytes<D, PIPE>();
-    SF_CUDA_TRY("attention_fwd", allow_smem((const void *)fwd_sm90_kernel<T, D, PIPE>, smem));
-    dim3 grid((p.max_sq + kBM - 1) / kBM, p.heads, p.batch);
-    fwd_sm90_kernel<T, D, PIPE><<<grid, kThreads, smem, stream>>>(p);
-    SF_CUDA_CHECK_LAUNCH("attention_fwd");
-    return SF_OK;
+    constexpr FwdSchedule s = fwd_schedule(D);
+    return launch_ws<T, D, s.pingpong, s.consumers>(p, stream);
 }
 
-/* Schedule of the wgmma kernel: 0 (two stages, in order) unless
- * SEQFUSE_ATTN_SM90_VARIANT=1|2|3 or sf_attn_set_fwd_sm90_variant(v):
- * 1 three stages, softmax overlapped with P V; 2 the same per-tile schedule
- * warp-specialized (producer warpgroup, mbarrier pipeline, setmaxnreg);
- * 3 = 2 + ping-pong of the two consumer warpgroups; 4 = 3 with three
- * consumer warpgroups (192 rows) at head dim 64 (3 itself at 128).  All are checked and
- * timed by check_attn_sm90 until the fastest is confirmed; the default is
- * the 0 below (g_variant's fallback in launch_variant). */
-static int g_variant = -1;
-constexpr int kVariants = 5;
-/* The schedule when SEQFUSE_ATTN_SM90_VARIANT is unset: 4 (producer warpgroup,
- * ping-pong consumers, 192-row blocks at head dim 64; = 3 at 128) was the
- * fastest or within 2 % of it at 16k tokens on an H200 (2026-11-29), and all
- * five schedules passed check_attn_sm90 there (289 checks). */
-constexpr int kDefaultVariant = 4;
+} // namespace sm90
+} // namespace sf_attn
 
-template <typename T, int D> static sf_status launch_variant(const sf_attn_problem &p, cudaStream_t stream)
-{
-    if (g_variant < 0) {
-        const char *v = getenv("SEQFUSE_ATTN_SM90_VARIANT");
-        g_variant = v && v[0] >= '0' && v[0] < '0' + kVariants && !v[1] ? v[0] - '0' : kDefaultVariant;
-    }
-    switch (g_variant) {
-    case 1: return launch<T, D, 1>(p, stream);
-    case 2: return launch_ws<T, D, false>(p, stream);
-    case 3: return launch_ws<T, D, true>(p, stream);
-    /* 4: three consumer warpgroups (192 rows) at head dim 64, where the softmax
-     * weighs as much as the products; at 128 their registers would not hold
-     * S, P and O, so schedule 4 is schedule 3 there */
-    case 4:
-        if constexpr (D == 64)
-            return launch_ws<T, D, true, 3>(p, stream);
-        else
-            return launch_ws<T, D, true>(p, stream);
-    default: return launch<T, D, 0>(p, stream);
-    }
-}
+#ifdef SF_WORKBENCH
+#include "attn_fwd_sm90_workbench.cuh"
+#endif
 
-/* -1: not chosen yet (read SEQFUSE_ATTN_FWD_KERNEL once), else 80 or 90. */
-static int g_kernel = -1;
+namespace sf_attn {
+namespace sm90 {
+
+/* The forward kernel chosen for Hopper: 90 (this file's, the default) or
+ * 80 (sf_attn_set_fwd_kernel; Python's set_attention_fwd_kernel and
+ * SEQFUSE_ATTN_FWD_KERNEL, which seqfuse.ops reads, end there). */
+static int g_kernel = 90;
 
 /* Per device: -1 unknown, 0 no (not cc 9.0 or not built for sm_90a), 1 yes. */
 constexpr int kMaxDevices = 64;
@@ -598,6 +436,8 @@ static int device_ok(int device, const char **why)
         int major = 0, minor = 0;
         cudaFuncAttributes attr;
         memset(&attr, 0, sizeof attr);
+        /* a kernel compiled without sm_90a has the static shared marker of SF_SM90_NOT_BUILT */
+        constexpr FwdSchedule s = fwd_schedule(64);
         if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
             cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
             (void)cudaGetLastError();
@@ -606,7 +446,8 @@ static int device_ok(int device, const char **why)
         } else if (major != 9 || minor != 0) {
             g_device_ok[device] = 0;
             g_device_why[device] = ""; /* not Hopper: the sm80 kernel is the one for it */
-        } else if (cudaFuncGetAttributes(&attr, (const void *)fwd_sm90_kernel<__nv_bfloat16, 64, 0>) != cudaSuccess ||
+        } else if (cudaFuncGetAttributes(&attr, (const void *)fwd_sm90_ws_kernel<__nv_bfloat16, 64, s.pingpong,
+                                                                                 s.consumers>) != cudaSuccess ||
                    attr.sharedSizeBytes != 0) {
             (void)cudaGetLastError();
             g_device_ok[device] = 0;
@@ -620,17 +461,6 @@ static int device_ok(int device, const char **why)
     *why = g_device_why[device];
     return g_device_ok[device];
 }
-
-int kernel_choice(int *choice, const char *env)
-{
-    if (*choice < 0) {
-        const char *v = getenv(env);
-        *choice = v && !strcmp(v, "sm80") ? 80 : 90;
-    }
-    return *choice;
-}
-
-static int chosen_kernel() { return kernel_choice(&g_kernel, "SEQFUSE_ATTN_FWD_KERNEL"); }
 
 int pick_kernel(int choice, const char *not_chosen, int head_dim, int device, const char **why)
 {
@@ -660,7 +490,7 @@ int pick_kernel_no_dropout(int ok, int dropout, const char **why)
 
 static int selected(int head_dim, int dropout, int device, const char **why)
 {
-    const int ok = pick_kernel(chosen_kernel(),
+    const int ok = pick_kernel(g_kernel,
                                "sm80 kernel chosen (SEQFUSE_ATTN_FWD_KERNEL=sm80 or sf_attn_set_fwd_kernel(80))",
                                head_dim, device, why);
     return pick_kernel_no_dropout(ok, dropout, why);
@@ -675,8 +505,14 @@ int fwd_sm90_selected(const sf_attn_problem &p, int device, const char **why)
 
 sf_status launch_fwd_sm90(const sf_attn_problem &p, cudaStream_t stream)
 {
+#ifdef SF_WORKBENCH
+    if (sm90::g_schedule >= 0)
+        return with_sm90_shape(p, [&](auto t, auto w) {
+            return sm90::launch_schedule<decltype(t), decltype(w)::value>(sm90::g_schedule, p, stream);
+        });
+#endif
     return with_sm90_shape(
-        p, [&](auto t, auto w) { return sm90::launch_variant<decltype(t), decltype(w)::value>(p, stream); });
+        p, [&](auto t, auto w) { return sm90::launch_chosen<decltype(t), decltype(w)::value>(p, stream); });
 }
 
 } // namespace sf_attn
@@ -692,14 +528,6 @@ sf_status sf_attn::sm90::set_kernel_choice(const char *op, int arch, int *choice
 extern "C" sf_status sf_attn_set_fwd_kernel(int arch)
 {
     return sf_attn::sm90::set_kernel_choice("attention_fwd", arch, &sf_attn::sm90::g_kernel);
-}
-
-extern "C" sf_status sf_attn_set_fwd_sm90_variant(int variant)
-{
-    if (variant < 0 || variant >= sf_attn::sm90::kVariants)
-        return sf_fail(SF_ERR_VALUE, "attention_fwd: sm90 variant must be 0 to 4, got %d", variant);
-    sf_attn::sm90::g_variant = variant;
-    return SF_OK;
 }
 
 extern "C" int sf_attn_fwd_kernel_for(int head_dim, int dropout, int device, const char **why)

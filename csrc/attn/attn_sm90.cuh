@@ -231,10 +231,6 @@ int pick_kernel(int choice, const char *not_chosen, int head_dim, int device, co
 int pick_kernel_no_dropout(int ok, int dropout, const char **why);
 /* *choice = arch where arch is 80 or 90, else an SF_ERR_VALUE naming op (the setters of attn_sm90.h). */
 sf_status set_kernel_choice(const char *op, int arch, int *choice);
-/* *choice, read from the environment variable `env` the first time (-1:
- * not read yet): 80 where it says sm80, else 90 (wgmma, the default where
- * the device is Hopper). */
-int kernel_choice(int *choice, const char *env);
 } // namespace sm90
 
 /* fn(T{}, TileWidth<D>{}) for the wgmma kernels' element type and head dim
@@ -249,16 +245,14 @@ template <typename Fn> inline sf_status with_sm90_shape(const sf_attn_problem &p
 
 /* Host side (attn_fwd_sm90_cuda.cu). */
 /* 1 when this problem's forward runs on the wgmma kernel on `device`
- * (sm90::pick_kernel with SEQFUSE_ATTN_FWD_KERNEL=sm90|sm80 or
- * sf_attn_set_fwd_kernel; the default is sm90), never with dropout.  *why as
- * pick_kernel's. */
+ * (sm90::pick_kernel with the choice of sf_attn_set_fwd_kernel, default
+ * 90), never with dropout.  *why as pick_kernel's. */
 int fwd_sm90_selected(const sf_attn_problem &p, int device, const char **why);
 sf_status launch_fwd_sm90(const sf_attn_problem &p, cudaStream_t stream);
 
 /* Host side (attn_bwd_sm90_cuda.cu). */
 /* 1 when this problem's backward runs its dK/dV/dQ pass on the wgmma kernel:
- * pick_kernel with SEQFUSE_ATTN_BWD_KERNEL=sm90|sm80 or
- * sf_attn_set_bwd_kernel (default sm80 until confirmed on a GPU), not
+ * pick_kernel with the choice of sf_attn_set_bwd_kernel (default 90), not
  * deterministic (the wgmma kernel adds dQ with atomics) and without dropout. */
 int bwd_sm90_selected(const sf_attn_problem &p, int device, const char **why);
 /* The dK, dV and atomic dQ pass (into the zeroed p.dq_accum) of the wgmma

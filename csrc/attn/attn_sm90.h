@@ -4,7 +4,9 @@
  * attn_fwd_sm90_cuda.cu; 80: mma.sync, attn_fwd_cuda.cu) and which backward
  * kernel (90: wgmma, attn_bwd_sm90_cuda.cu; 80: mma.sync, attn_bwd_cuda.cu)
  * a call takes, and switches between them.  Defined in attn_fwd_sm90_cuda.cu
- * and attn_bwd_sm90_cuda.cu (CUDA builds only).
+ * and attn_bwd_sm90_cuda.cu (CUDA builds only).  The C library reads no
+ * environment: SEQFUSE_ATTN_FWD_KERNEL / SEQFUSE_ATTN_BWD_KERNEL are read by
+ * seqfuse.ops (python/seqfuse/ops/attn/_routing.py), which calls the setters.
  */
 #ifndef SF_ATTN_SM90_H
 #define SF_ATTN_SM90_H
@@ -15,18 +17,16 @@
 extern "C" {
 #endif
 
-/* Pick the forward kernel: 90 (wgmma, where supported) or 80 (mma.sync);
- * overrides SEQFUSE_ATTN_FWD_KERNEL=sm90|sm80 (read once; default sm90,
- * confirmed on an H200). */
+/* Pick the forward kernel for the process: 90 (wgmma, where supported; the
+ * default) or 80 (mma.sync). */
 sf_status sf_attn_set_fwd_kernel(int arch);
 
-/* Schedule of the wgmma forward: 0 (two K/V stages, in order), 1 (three
- * stages, softmax overlapped with P V), 2 (1 warp-specialized: a producer
- * warpgroup feeds three K/V stages through mbarriers, consumers at 232
- * registers), 3 (2 with the two consumer warpgroups in ping-pong) or 4 (3
- * with three consumer warpgroups, 192 rows, at head dim 64; 3 at 128; the
- * default); overrides SEQFUSE_ATTN_SM90_VARIANT. */
-sf_status sf_attn_set_fwd_sm90_variant(int variant);
+#ifdef SF_WORKBENCH
+/* Check programs only (built with SF_WORKBENCH, csrc/build_checks.sh): the
+ * wgmma forward's schedule, 0 to 4 (attn_fwd_sm90_workbench.cuh), or -1 for
+ * the library's own (fwd_schedule in attn_fwd_sm90_cuda.cu). */
+sf_status sf_attn_set_fwd_sm90_schedule(int schedule);
+#endif
 
 /* The kernel a forward with this head dim, with dropout (1) or not (0), takes
  * on `device` now: 90 or 80 (dropout runs in the sm80 kernel).
@@ -35,9 +35,8 @@ sf_status sf_attn_set_fwd_sm90_variant(int variant);
  * Hopper device gets the slower kernel (choice, head dim, build). */
 int sf_attn_fwd_kernel_for(int head_dim, int dropout, int device, const char **why);
 
-/* Pick the backward kernel: 90 (wgmma, where supported) or 80 (mma.sync);
- * overrides SEQFUSE_ATTN_BWD_KERNEL=sm90|sm80 (read once; default sm90,
- * the wgmma backward, confirmed on an H200). */
+/* Pick the backward kernel for the process: 90 (wgmma, where supported; the
+ * default) or 80 (mma.sync). */
 sf_status sf_attn_set_bwd_kernel(int arch);
 
 /* The kernel a backward with this head dim, deterministic flag and dropout

@@ -22,10 +22,13 @@
  *      v1 softmax overlapped with P V, v2 = v1 warp-specialized with a
  *      producer warpgroup and an mbarrier K/V pipeline, v3 = v2 with the
  *      two consumer warpgroups in ping-pong, v4 = v3 with three consumer
- *      warpgroups, 192 rows, at head dim 64) and the sm80 forward at 16k
- *      tokens per batch, seqlens 1024/4096/8192, head dims 64/128, causal
- *      and not; "best" names the fastest sm90 schedule.
+ *      warpgroups, 192 rows, at head dim 64: the library's) and the sm80
+ *      forward at 16k tokens per batch, seqlens 1024/4096/8192, head dims
+ *      64/128, causal and not; "best" names the fastest sm90 schedule.
  *  (c) runs every sm90 schedule too (lines "sm90v0" .. "sm90v4").
+ * Schedules other than the library's exist only in this program's build:
+ * csrc/build_checks.sh compiles the kernels with SF_WORKBENCH
+ * (attn_fwd_sm90_workbench.cuh, sf_attn_set_fwd_sm90_schedule).
  *
  * The wgmma backward (attn_bwd_sm90_cuda.cu):
  *  (a') gemm-tt: C = A B with A and B both MN-major in shared memory
@@ -43,6 +46,9 @@
  * Run: bash csrc/build_checks.sh && bin/check_attn_attn_sm90 [--fwd | --bwd] [--no-bench]
  * (--fwd: forward parts only, --bwd: backward parts only.)
  */
+#ifndef SF_WORKBENCH
+#error "check_attn_sm90 picks the forward's schedules: build it with -DSF_WORKBENCH=1 (csrc/build_checks.sh)"
+#endif
 #include "core/check_util.h"
 #include "core/float_bits.h"
 #include "seqfuse.h"
@@ -232,7 +238,7 @@ template <typename T, int N> static void check_gemm(sf_dtype dt, int mode)
 
 /* ---------- (c): the attention forward ---------- */
 
-constexpr int kCheckVariants = 5; /* sm90 schedules 0..4 (attn_fwd_sm90_cuda.cu) */
+constexpr int kCheckSchedules = 5; /* sm90 schedules 0..4 (attn_fwd_sm90_workbench.cuh; 4 is the library's) */
 
 struct Dev {
     void *p = nullptr;
@@ -260,8 +266,8 @@ static void dims(sf_attn_format f, int b, int s, int h, int d, int64_t tokens, i
     else { *nd = 4; sh[0] = s; sh[1] = b; sh[2] = h; sh[3] = d; }
 }
 
-/* PASS/FAIL of one sm90 variant against the CPU reference, the sm80 kernel's error beside it. */
-static void compare_attn(const AttnCase &c, int variant, int64_t nq, int64_t nl, const std::vector<uint16_t> &ref_o,
+/* PASS/FAIL of one sm90 schedule against the CPU reference, the sm80 kernel's error beside it. */
+static void compare_attn(const AttnCase &c, int schedule, int64_t nq, int64_t nl, const std::vector<uint16_t> &ref_o,
                          const std::vector<float> &ref_l, const std::vector<uint16_t> &o80,
                          const std::vector<float> &l80, const std::vector<uint16_t> &o90,
                          const std::vector<float> &l90)
@@ -288,7 +294,7 @@ static void compare_attn(const AttnCase &c, int variant, int64_t nq, int64_t nl,
     const bool ok = nan == 0 && e90 <= tol && lfirst < 0;
     printf("%s (c) attn sm90v%d %s %s d=%d mask=%d b=%d sq=%d sk=%d h=%d hk=%d win=(%d,%d): out rel %.2e (sm80 %.2e)%s, "
            "lse max abs %.2e%s\n",
-           ok ? "PASS" : "FAIL", variant, sf_dtype_name(c.dt), fmt_name(c.fmt), c.d, (int)c.mask, c.b, c.sq, c.sk, c.h, c.hk,
+           ok ? "PASS" : "FAIL", schedule, sf_dtype_name(c.dt), fmt_name(c.fmt), c.d, (int)c.mask, c.b, c.sq, c.sk, c.h, c.hk,
            c.left, c.right, e90, e80, nan ? " NaN" : "", el, lfirst >= 0 ? " lse WRONG" : "");
     g_checks++;
     if (ok)
@@ -396,9 +402,9 @@ static void check_attn_case(const AttnCase &c)
     q = su.view(dq.p, c.dt, kQ, true); k = su.view(dk.p, c.dt, kK, true); v = su.view(dv.p, c.dt, kK, true);
     o = su.view(dout.p, c.dt, kQ, true); l = su.view(dl.p, SF_FLOAT32, kL, true);
     cq = su.cu(dcq.p, true); ck = su.cu(dck.p, true);
-    auto run = [&](int arch, int variant, std::vector<uint16_t> &oh, std::vector<float> &lh) {
+    auto run = [&](int arch, int schedule, std::vector<uint16_t> &oh, std::vector<float> &lh) {
         CHECK_SF(sf_attn_set_fwd_kernel(arch));
-        CHECK_SF(sf_attn_set_fwd_sm90_variant(variant));
+        CHECK_SF(sf_attn_set_fwd_sm90_schedule(schedule));
         CHECK_CUDA(cudaMemset(dout.p, 0xff, dout.n));
         CHECK_CUDA(cudaMemset(dl.p, 0xff, dl.n));
         CHECK_SF(sf_attn_fwd(&q, &k, &v, pad ? &cq : NULL, pad ? &ck : NULL, &cfg, &o, &l, NULL));
@@ -407,12 +413,12 @@ static void check_attn_case(const AttnCase &c)
         dl.get(lh.data());
     };
     run(80, 0, o80, l80);
-    for (int variant = 0; variant < kCheckVariants; ++variant) {
-        run(90, variant, o90, l90);
-        compare_attn(c, variant, nq, nl, ref_o, ref_l, o80, l80, o90, l90);
+    for (int schedule = 0; schedule < kCheckSchedules; ++schedule) {
+        run(90, schedule, o90, l90);
+        compare_attn(c, schedule, nq, nl, ref_o, ref_l, o80, l80, o90, l90);
     }
     CHECK_SF(sf_attn_set_fwd_kernel(80));
-    CHECK_SF(sf_attn_set_fwd_sm90_variant(0));
+    CHECK_SF(sf_attn_set_fwd_sm90_schedule(-1));
 }
 
 /* The cases the forward (c) and backward (e) checks share, per head dim
@@ -586,11 +592,11 @@ struct BenchProblem {
     }
 };
 
-static double fwd_tflops(int arch, int variant, int b, int s, int h, int d, bool causal)
+static double fwd_tflops(int arch, int schedule, int b, int s, int h, int d, bool causal)
 {
     BenchProblem bp(b, s, h, d, causal);
     CHECK_SF(sf_attn_set_fwd_kernel(arch));
-    CHECK_SF(sf_attn_set_fwd_sm90_variant(variant));
+    CHECK_SF(sf_attn_set_fwd_sm90_schedule(schedule));
     const float ms = time_ms([&] { bp.fwd(); });
     CHECK_SF(sf_attn_set_fwd_kernel(80));
     return bp.fwd_flops() / (ms * 1e-3) / 1e12;
@@ -714,9 +720,9 @@ int main(int argc, char **argv)
         for (int s : {1024, 4096, 8192})
             for (int causal = 0; causal < 2; ++causal) {
                 const int b = 16384 / s, h = d == 64 ? 32 : 16;
-                double v[kCheckVariants];
+                double v[kCheckSchedules];
                 int best = 0;
-                for (int i = 0; i < kCheckVariants; ++i) {
+                for (int i = 0; i < kCheckSchedules; ++i) {
                     v[i] = fwd_tflops(90, i, b, s, h, d, causal);
                     if (v[i] > v[best])
                         best = i;
@@ -725,6 +731,6 @@ int main(int argc, char **argv)
                 printf("%-6d %-4d %-6s %8.1f %8.1f %8.1f %8.1f %8.1f %8.1f %4s%d %10.2f\n", s, d, causal ? "yes" : "no",
                        v[0], v[1], v[2], v[3], v[4], t80, "v", best, v[best] / t80);
             }
-    CHECK_SF(sf_attn_set_fwd_sm90_variant(0));
+    CHECK_SF(sf_attn_set_fwd_sm90_schedule(-1));
     return check_finish("check_attn_sm90");
 }

@@ -14,11 +14,15 @@
  *
  * --sweep: only the bandwidth part, once per alternative split (elements
  * per thread 8 / 16 / 32, threads per block) of each direction, through
- * sf_norm_cuda_tune: the measurements the defaults in norm_cuda.cu are
- * chosen from.  Every alternative's output is checked against the
+ * sf_norm_cuda_tune (a knob of the check programs' build only,
+ * SF_WORKBENCH): the measurements the defaults in norm_cuda.cuh are chosen
+ * from.  Every alternative's output is checked against the
  * defaults' on fresh random rows (outputs poisoned first; the split
  * changes the order of a row's sums, so within bf16 rounding).
  */
+#ifndef SF_WORKBENCH
+#error "check_norm --sweep tunes the split: build it with -DSF_WORKBENCH=1 (csrc/build_checks.sh)"
+#endif
 #include <cuda_fp8.h>
 
 #include <string>
@@ -257,7 +261,7 @@ static void sweep_shape(int rms, int64_t rows, int64_t hidden)
         bwd();
         CHECK_CUDA(cudaDeviceSynchronize());
     };
-    CHECK_SF(sf_norm_cuda_tune(0, 0, 0, 0)); /* the defaults of norm_cuda.cu */
+    CHECK_SF(sf_norm_cuda_tune(0, 0, 0, 0)); /* the defaults of norm_cuda.cuh */
     run_checked();
     std::vector<uint8_t> ref[4];
     for (int i = 0; i < 4; ++i)
@@ -305,7 +309,7 @@ int main(int argc, char **argv)
     check_report(sf_norm_cuda_tune(16, 100, 16, 256) == SF_ERR_VALUE, "sf_norm_cuda_tune accepted a 100-thread block");
     check_report(sf_norm_cuda_tune(16, 256, 16, 2048) == SF_ERR_VALUE, "sf_norm_cuda_tune accepted a 2048-thread block");
     const sf_dtype dts[3] = {SF_FLOAT32, SF_FLOAT16, SF_BFLOAT16};
-    /* every launch shape of norm_cuda.cu: a warp per row, several warps with
+    /* every launch shape of norm_kernels.cuh: a warp per row, several warps with
      * idle slots, exact splits, long rows, the element-wide path (37, 1001,
      * 16383), and more rows than the persistent grid walks at once */
     const int64_t shapes[][2] = {{1, 8}, {3, 37}, {64, 1280}, {300, 4096}, {17, 16384}, {129, 1000},

@@ -2,7 +2,8 @@
  * norm_backend.h - what the norm entry points (norm.c) hand to a backend:
  * one argument block per direction, already validated, with LayerNorm and
  * RMSNorm told apart by `rms`.  The CPU reference (norm_cpu.c) and the CUDA
- * kernels (norm_cuda.cu) implement the same four functions.
+ * kernels (norm_cuda.cu and its units, norm_cuda.cuh) implement the same
+ * four functions.
  */
 #ifndef SF_NORM_BACKEND_H
 #define SF_NORM_BACKEND_H
@@ -37,12 +38,15 @@ sf_status sf_norm_fwd_cpu(const sf_norm_fwd_args *a);
 sf_status sf_norm_bwd_cpu(const sf_norm_bwd_args *a);
 sf_status sf_norm_fwd_cuda(const sf_norm_fwd_args *a, sf_stream stream);
 sf_status sf_norm_bwd_cuda(const sf_norm_bwd_args *a, sf_stream stream);
-/* The CUDA split's knobs (elements per thread: 8, 16 or 32; threads per
- * block), forward and backward: for check_norm --sweep, which times the
- * alternatives; the library never calls it (its defaults are norm_cuda.cu's
- * constants; all four 0 restores them).  Set it before asking for a
- * workspace size. */
+#ifdef SF_WORKBENCH
+/* Check programs only (built with SF_WORKBENCH, csrc/build_checks.sh): the
+ * CUDA split's knobs (elements per thread: 8, 16 or 32; threads per block),
+ * forward and backward, for check_norm --sweep, which times the
+ * alternatives.  The library has no such knob: it runs the defaults
+ * (norm_cuda.cuh's constants; all four 0 restores them here).  Set it
+ * before asking for a workspace size. */
 sf_status sf_norm_cuda_tune(int fwd_elems, int fwd_block, int bwd_elems, int bwd_block);
+#endif
 /* Float32 elements of workspace the CUDA backward wants for rows x hidden. */
 sf_status sf_norm_bwd_workspace_numel_cuda(int64_t rows, int64_t hidden, sf_dtype dtype,
                                            int device_id, int64_t *numel);

@@ -113,9 +113,7 @@ SF_PY_BINDING_FULL(attn_bwd, "attention_bwd", bwd_args, bwd, bwd_prepare, NULL, 
                    "Fused attention backward.");
 
 /* attn_set_fwd_kernel(arch) / attn_set_bwd_kernel(arch): the CUDA forward
- * / backward on Hopper, 90 (wgmma) or 80 (mma.sync);
- * attn_set_fwd_sm90_variant(variant): the wgmma forward's schedule.  They
- * launch nothing, so they take no stream. */
+ * / backward on Hopper, 90 (wgmma) or 80 (mma.sync). */
 #ifdef SF_WITH_CUDA
 #define SET_KERNEL(setter, value) setter(value)
 #else
@@ -131,16 +129,11 @@ SF_PY_BINDING_FULL(attn_bwd, "attention_bwd", bwd_args, bwd, bwd_prepare, NULL, 
     SF_PY_BINDING(pyname, pyname##_args, pyname##_thunk, docstr)
 SETTER(attn_set_fwd_kernel, sf_attn_set_fwd_kernel, arch,
        "CUDA forward kernel on Hopper, 90 (wgmma) or 80 (mma.sync).");
-SETTER(attn_set_fwd_sm90_variant, sf_attn_set_fwd_sm90_variant, variant,
-       "wgmma forward schedule, 0 (in order), 1 (softmax overlapped with P V), 2 (1 "
-       "warp-specialized: producer warpgroup, mbarrier pipeline), 3 (2 + consumer ping-pong) or 4 "
-       "(3 with three consumer warpgroups of 192 rows at head dim 64).");
 SETTER(attn_set_bwd_kernel, sf_attn_set_bwd_kernel, arch,
        "CUDA backward kernel on Hopper, 90 (wgmma) or 80 (mma.sync).");
 
 const sf_py_binding *const sf_py_attn_bindings[] = {
-    &attn_fwd_binding,          &attn_bwd_binding,         &attn_set_fwd_kernel_binding,
-    &attn_set_fwd_sm90_variant_binding, &attn_set_bwd_kernel_binding, NULL};
+    &attn_fwd_binding, &attn_bwd_binding, &attn_set_fwd_kernel_binding, &attn_set_bwd_kernel_binding, NULL};
 
 /* attn_fwd_kernel_for(head_dim, device, dropout=0) and
  * attn_bwd_kernel_for(head_dim, device, deterministic, dropout=0) ->

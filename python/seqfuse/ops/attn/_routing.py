@@ -14,9 +14,14 @@ H200), and deterministic calls always take sm80 (the wgmma backward adds dQ
 with atomics).  Dropout calls take sm80 both ways (the wgmma kernels have no
 dropout).  Wherever a Hopper device runs the slower kernel, the reason is
 logged once (logger "seqfuse").  SEQFUSE_ATTN_FWD_KERNEL and
-SEQFUSE_ATTN_BWD_KERNEL are read by the C library (csrc/attn), which owns
-that choice; this file asks it (``attention_fwd_kernel``,
-``attention_bwd_kernel``) and logs its reasons.
+SEQFUSE_ATTN_BWD_KERNEL are read here, like SEQFUSE_ATTN_BACKEND (the C
+library reads no environment): once, at the first question about that
+direction's kernel (every CUDA forward / backward asks), unless a
+``set_attention_*_kernel`` came first; unset or empty keeps the default, any
+value other than sm90 or sm80 is a ValueError naming the variable.  The
+choice itself lives in the C library (``_C.attn_set_fwd_kernel``), which
+this file asks (``attention_fwd_kernel``, ``attention_bwd_kernel``) and
+whose reasons it logs.
 
 Backend choice (``attention`` only; ``attention_fwd`` and ``attention_bwd``,
 the explicit halves that return and take the lse, always run seqfuse's
@@ -143,15 +148,42 @@ _fwd_kernel_checked = set()
 _bwd_kernel_checked = set()
 
 
+# direction -> (environment variable, _C setter name); a direction leaves
+# _kernel_env_pending once its variable was applied or a setter overrode it
+_KERNEL_ENV = {"forward": ("SEQFUSE_ATTN_FWD_KERNEL", "attn_set_fwd_kernel"),
+               "backward": ("SEQFUSE_ATTN_BWD_KERNEL", "attn_set_bwd_kernel")}
+_KERNEL_ENV_VALUES = {"sm90": 90, "sm80": 80}
+_kernel_env_pending = set(_KERNEL_ENV)
+
+
+def _apply_kernel_env(direction):
+    """Hands the direction's environment variable to the C library, once
+    (a bad value raises here, at every question, until it is fixed)."""
+    if direction not in _kernel_env_pending:
+        return
+    name, setter = _KERNEL_ENV[direction]
+    raw = os.environ.get(name, "")
+    value = raw.strip()
+    if value:
+        if value not in _KERNEL_ENV_VALUES:
+            raise ValueError(f"{name} must be 'sm90' or 'sm80', got {raw!r}")
+        getattr(_C, setter)(_KERNEL_ENV_VALUES[value])
+    _kernel_env_pending.discard(direction)
+
+
 def set_attention_fwd_kernel(arch):
-    """Forward kernel on Hopper: 90 (wgmma) or 80 (mma.sync), for the process."""
+    """Forward kernel on Hopper: 90 (wgmma) or 80 (mma.sync), for the process
+    (overrides SEQFUSE_ATTN_FWD_KERNEL)."""
     _C.attn_set_fwd_kernel(arch)
+    _kernel_env_pending.discard("forward")
     _fwd_kernel_checked.clear()
 
 
 def set_attention_bwd_kernel(arch):
-    """Backward kernel on Hopper: 90 (wgmma) or 80 (mma.sync), for the process."""
+    """Backward kernel on Hopper: 90 (wgmma) or 80 (mma.sync), for the process
+    (overrides SEQFUSE_ATTN_BWD_KERNEL)."""
     _C.attn_set_bwd_kernel(arch)
+    _kernel_env_pending.discard("backward")
     _bwd_kernel_checked.clear()
 
 
@@ -164,17 +196,20 @@ def attention_fwd_kernel(head_dim, device=None, dropout=False):
     """(arch, reason): the CUDA forward kernel a call with this head dim (and
     dropout or not) takes on ``device`` (default: the current CUDA device);
     reason is "" when it is 90 or when the device is not Hopper."""
+    _apply_kernel_env("forward")
     return _C.attn_fwd_kernel_for(head_dim, _device_index(device), int(bool(dropout)))
 
 
 def attention_bwd_kernel(head_dim, device=None, deterministic=False, dropout=False):
     """(arch, reason): the CUDA backward kernel a call with this head dim,
     deterministic flag and dropout takes on ``device``, as ``attention_fwd_kernel``."""
+    _apply_kernel_env("backward")
     return _C.attn_bwd_kernel_for(head_dim, _device_index(device), bool(deterministic), int(bool(dropout)))
 
 
 def _note_kernel(direction, key, kernel_for, checked, logged):
     """Log once per reason when a Hopper device gets an sm80 kernel."""
+    _apply_kernel_env(direction)
     if key in checked:
         return
     checked.add(key)
