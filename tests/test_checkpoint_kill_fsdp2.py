@@ -67,6 +67,8 @@ _WRAPPER = textwrap.dedent("""
     with open(os.path.join({out!r}, f"pid{{rank}}"), "w") as f:
         f.write(str(os.getpid()))
     where, kill_rank = os.environ["KILL_AT"], int(os.environ["KILL_RANK"])
+    if where not in ("shards", "manifest"):
+        raise SystemExit(f"KILL_AT={{where!r}}: this wrapper arms 'shards' or 'manifest'")
     tmp_name = ".tmp_step_{kill_step:08d}"
 
     def die(what):
@@ -100,8 +102,6 @@ _WRAPPER = textwrap.dedent("""
             return real_manifest(path, step, entries)
 
         ckpt._write_manifest = write_then_die
-    elif where != "none":
-        raise SystemExit(f"KILL_AT={{where!r}} KILL_RANK={{kill_rank}}: not a kill this wrapper arms")
     main_entry(train, "fsdp2")
 """)
 
