@@ -55,8 +55,13 @@ KILL_STEP = 4
 #: A killed job must be over well within this (torchrun ends the survivor at once).
 JOB_TIMEOUT = 240
 
-# torchrun runs this in place of train_fsdp2.py: it records its pid, arms
-# the kill on one rank (KILL_AT names the moment) and runs the recipe.
+# torchrun runs this in place of train_fsdp2.py (every run of the test, so
+# all run the same code): it records its pid in PID_DIR, arms the kill on
+# rank KILL_RANK at the moment KILL_AT names ("none": no kill), makes the
+# attention backward deterministic where DETERMINISTIC_ATTENTION=1 (the GPU
+# runs: the default CUDA backward adds dQ with atomics, so two uninterrupted
+# runs could differ in the last bits and "resumes exactly" would test the
+# kernel, not the checkpoint), and runs the recipe.
 _WRAPPER = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {recipe!r})
@@ -64,12 +69,22 @@ _WRAPPER = textwrap.dedent("""
     from esm2_recipe import checkpoint as ckpt, main_entry, train
 
     rank = int(os.environ["RANK"])
-    with open(os.path.join({out!r}, f"pid{{rank}}"), "w") as f:
+    with open(os.path.join(os.environ["PID_DIR"], f"pid{{rank}}"), "w") as f:
         f.write(str(os.getpid()))
     where, kill_rank = os.environ["KILL_AT"], int(os.environ["KILL_RANK"])
-    if where not in ("shards", "manifest"):
-        raise SystemExit(f"KILL_AT={{where!r}}: this wrapper arms 'shards' or 'manifest'")
+    if where not in ("none", "shards", "manifest"):
+        raise SystemExit(f"KILL_AT={{where!r}}: this wrapper arms 'none', 'shards' or 'manifest'")
     tmp_name = ".tmp_step_{kill_step:08d}"
+
+    if os.environ.get("DETERMINISTIC_ATTENTION") == "1":
+        from seqfuse.modules.attention import DotProductAttention
+        real_init = DotProductAttention.__init__
+
+        def deterministic_init(self, *args, **kwargs):
+            real_init(self, *args, **kwargs)
+            self.deterministic = True
+
+        DotProductAttention.__init__ = deterministic_init
 
     def die(what):
         print(f"KILL: rank {{rank}} sends itself SIGKILL {{what}}", file=sys.stderr, flush=True)
@@ -106,6 +121,18 @@ _WRAPPER = textwrap.dedent("""
 """)
 
 
+def _wrapper(d):
+    """The wrapper script, written into folder ``d``; its path."""
+    w = d / "train_with_kill.py"
+    w.write_text(_WRAPPER.format(recipe=RECIPE, kill_step=KILL_STEP))
+    return str(w)
+
+
+def _run_env(backend, pid_dir, kill_at="none", kill_rank=-1):
+    return {"PID_DIR": str(pid_dir), "KILL_AT": kill_at, "KILL_RANK": str(kill_rank),
+            "DETERMINISTIC_ATTENTION": "1" if backend == "nccl" else "0"}
+
+
 def _env():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "python"), env.get("PYTHONPATH", "")])
@@ -128,9 +155,10 @@ def _alive(pid):
 def reference(request, tmp_path_factory):
     """(backend, the uninterrupted two-process run's losses by step)."""
     backend = request.param
-    jl = tmp_path_factory.mktemp(f"ref_{backend}") / "ref.jsonl"
-    torchrun(os.path.join(RECIPE, "train_fsdp2.py"),
-             ["--config", "L0_sanity", *TINY, *DEVICE[backend], f"logging.metrics_jsonl={jl}"], timeout=JOB_TIMEOUT)
+    d = tmp_path_factory.mktemp(f"ref_{backend}")
+    jl = d / "ref.jsonl"
+    torchrun(_wrapper(d), ["--config", "L0_sanity", *TINY, *DEVICE[backend], f"logging.metrics_jsonl={jl}"],
+             env_extra=_run_env(backend, d), timeout=JOB_TIMEOUT)
     got = _losses(jl)
     assert sorted(got) == list(range(1, 7)), got
     return backend, got
@@ -140,13 +168,12 @@ def reference(request, tmp_path_factory):
 def test_sigkill_of_one_rank_mid_save_resumes_exactly(reference, where, kill_rank, tmp_path):
     backend, want = reference
     d, killed_jl, resumed_jl = tmp_path / "ck", tmp_path / "killed.jsonl", tmp_path / "resumed.jsonl"
-    wrapper = tmp_path / "train_with_kill.py"
-    wrapper.write_text(_WRAPPER.format(recipe=RECIPE, out=str(tmp_path), kill_step=KILL_STEP))
+    wrapper = _wrapper(tmp_path)
     args = ["--config", "L0_sanity", *TINY, *DEVICE[backend], f"checkpoint.dir={d}"]
 
     # the killed job: it must end, non-zero, with no process left behind
-    env = dict(_env(), KILL_AT=where, KILL_RANK=str(kill_rank))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(wrapper),
+    env = dict(_env(), **_run_env(backend, tmp_path, where, kill_rank))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", wrapper,
            *args, f"logging.metrics_jsonl={killed_jl}"]
     t0 = time.time()
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT, cwd=ROOT)
@@ -174,7 +201,7 @@ def test_sigkill_of_one_rank_mid_save_resumes_exactly(reference, where, kill_ran
     assert any("interrupted save" in p for p in ckpt.verify_checkpoint(str(tmp)))
 
     # a fresh two-process run: resumes from step 2, names the interrupted save, equals the reference
-    r = torchrun(os.path.join(RECIPE, "train_fsdp2.py"), args + [f"logging.metrics_jsonl={resumed_jl}"],
+    r = torchrun(wrapper, args + [f"logging.metrics_jsonl={resumed_jl}"], env_extra=_run_env(backend, tmp_path),
                  timeout=JOB_TIMEOUT)
     out = r.stdout + r.stderr
     assert f"checkpoint: {tmp} is an interrupted save (never completed): not used" in out, out[-4000:]
