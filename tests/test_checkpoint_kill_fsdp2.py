@@ -223,7 +223,8 @@ def test_interrupted_save_is_named_refused_and_removed_with_warnings(tmp_path, c
     leaves ``.tmp_step_2``: resume takes step 1 and names the leftover in a
     WARNING; named with checkpoint.resume_from it is refused (before the
     fix: no problem found, taken as good); the next save removes it with a
-    WARNING."""
+    WARNING, and a later save of the same step replaces step_2 with a
+    WARNING (before: all three silent)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -262,3 +263,9 @@ def test_interrupted_save_is_named_refused_and_removed_with_warnings(tmp_path, c
     assert ckpt.interrupted_saves(root) == []
     assert [s for s, _ in ckpt.list_checkpoints(root)] == [1, 2]
     assert ckpt.verify_checkpoint(os.path.join(root, "step_00000002")) == []
+    # a step saved again (a rerun past a damaged step_2) replaces the old directory, saying so
+    with caplog.at_level(logging.WARNING, logger="recipe.checkpoint"):
+        caplog.clear()
+        ckpt.save_checkpoint(root, 2, model, opt, {"step": 2}, keep_last=3)
+        assert f"checkpoint: replacing {os.path.join(root, 'step_00000002')} (an earlier save" in caplog.text
+    assert [s for s, _ in ckpt.list_checkpoints(root)] == [1, 2] and "step_00000002.old" not in os.listdir(root)

@@ -332,6 +332,8 @@ def save_checkpoint(root: str, step: int, model, optimizer, trainer_state: dict,
 def _finalize(tmp: str, final: str) -> None:
     """The atomic step: the temporary directory becomes the checkpoint."""
     if os.path.exists(final):  # the same step saved again (e.g. a rerun): replace it
+        log.warning("checkpoint: replacing %s (an earlier save of the same step, damaged or not) with the "
+                    "new save", final)
         trash = final + ".old"
         shutil.rmtree(trash, ignore_errors=True)
         os.rename(final, trash)
