@@ -18,8 +18,11 @@ Then the job must end (torchrun ends the survivor: nothing hangs), no
 ``step_4`` checkpoint exists, and a fresh two-process run resumes from
 step 2, names the interrupted save in a WARNING, and its losses equal an
 uninterrupted two-process run's exactly (gloo on the CPU: the same
-reductions in the same order).  The same test on two GPUs over NCCL is
-cuda-marked.
+reductions in the same order; steps 1-2 are the killed run's, 3-6 the
+resumed run's).  The gloo cases are slow-marked: five torchrun jobs of
+two processes, about 2-3 minutes on two CPU cores, most of it process
+start-up.  The same test on two GPUs over NCCL is cuda-marked (skipped
+without two GPUs).
 
 The fast test at the end holds the defect this work found: an interrupted
 save named with checkpoint.resume_from passed verification (a
