@@ -272,3 +272,22 @@ def test_interrupted_save_is_named_refused_and_removed_with_warnings(tmp_path, c
         ckpt.save_checkpoint(root, 2, model, opt, {"step": 2}, keep_last=3)
         assert f"checkpoint: replacing {os.path.join(root, 'step_00000002')} (an earlier save" in caplog.text
     assert [s for s, _ in ckpt.list_checkpoints(root)] == [1, 2] and "step_00000002.old" not in os.listdir(root)
+
+
+def test_a_save_rank_0_cannot_prepare_raises_on_every_rank(tmp_path, monkeypatch):
+    """Rank 0 failing to clear an interrupted save (an NFS busy file, a
+    permission) raises a RuntimeError naming the directory and the cause,
+    through the same collective every rank passes (so no rank waits at a
+    barrier for a rank that has left); single process here."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    root = str(tmp_path / "ck")
+    os.makedirs(os.path.join(root, ".tmp_step_00000001"))
+
+    def busy(path, *a, **k):
+        raise OSError(16, "Device or resource busy", path)
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", busy)
+    with pytest.raises(RuntimeError, match=r"checkpoint: cannot prepare .*\.tmp_step_00000002 for step 2: .*busy"):
+        ckpt.save_checkpoint(root, 2, model, opt, {"step": 2}, keep_last=3)

@@ -86,6 +86,19 @@ def _barrier():
         dist.barrier()
 
 
+def _fail_together(error):
+    """A barrier that also carries rank 0's error: every rank raises it
+    (RuntimeError) when rank 0 failed, instead of the others waiting at the
+    next barrier for a rank that has left (a hang until the process group's
+    timeout)."""
+    if _dist_on():
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise RuntimeError(error)
+
+
 def list_checkpoints(root: str) -> list:
     """Checkpoints under ``root`` (``step_*`` directories: only a finished
     save is renamed to one), oldest first, as (step, path).  Not verified."""
@@ -300,13 +313,17 @@ def save_checkpoint(root: str, step: int, model, optimizer, trainer_state: dict,
     rank = _rank()
     final = os.path.join(root, f"step_{step:08d}")
     tmp = os.path.join(root, f".tmp_step_{step:08d}")
+    error = None
     if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        for left in interrupted_saves(root):  # leftovers of a crashed save (tmp may be one of them)
-            log.warning("checkpoint: removing %s, an interrupted save", left)
-            shutil.rmtree(left)
-        os.makedirs(tmp)
-    _barrier()
+        try:
+            os.makedirs(root, exist_ok=True)
+            for left in interrupted_saves(root):  # leftovers of a crashed save (tmp may be one of them)
+                log.warning("checkpoint: removing %s, an interrupted save", left)
+                shutil.rmtree(left)
+            os.makedirs(tmp)
+        except OSError as e:
+            error = f"checkpoint: cannot prepare {tmp} for step {step}: {e}"
+    _fail_together(error)
     dcp.save(_model_optim_state(model, optimizer), checkpoint_id=tmp)
     torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
     if rank == 0:
