@@ -35,9 +35,10 @@ the whole cache buffer with the per-row key lengths bounding each row (a
 fixed kernel argument: the kernel walks only a row's own key tiles), the
 lengths advance on the device, and nothing is read on the host (the cu_seqlens
 value check is skipped under capture with its own log line, and made in
-the uncaptured warm-up step instead).  Mixtral's experts run in their
-capture-safe form (every expert on every token, weight 0 where not routed:
-fixed grouped-GEMM row counts, no tokens-per-expert read).  The decode call
+the uncaptured warm-up step instead).  In the captured step Mixtral's
+experts run in their capture-safe form (every expert on every token, weight
+0 where not routed: fixed grouped-GEMM row counts, no tokens-per-expert
+read); an eager step runs the routed block.  The decode call
 (bshd, one query per row, "padding" mask, no gradient) runs seqfuse's own
 attention kernel in the automatic backend choice (the flash route leaves
 forward-only calls to it; the cuDNN route takes no padding mask); the
@@ -149,9 +150,10 @@ def cached_layer_step(layer, x, freqs, cache, layer_number, rows, positions, pic
     kwargs' cu_seqlens_kv, a device tensor, so the call's arguments are the
     same at every step and it can be captured in a CUDA graph).  ``rope``:
     keyword arguments of apply_rotary_pos_emb (format, cu_seqlens,
-    start_positions).  A decode step asks the feed-forward block for its
-    capture-safe form (``feed_forward(x, capture_safe=True)``: the Mixtral
-    family's experts without a host read)."""
+    start_positions).  A decode step being captured into a CUDA graph asks
+    the feed-forward block for its capture-safe form (``feed_forward(x,
+    capture_safe=True)``: the Mixtral family's experts without a host read,
+    every expert on every token); run eagerly it takes the routed block."""
     sa = layer.self_attention
     if not (sa.fuse_qkv_params and sa.qkv_weight_interleaved and sa.input_layernorm):
         raise NotImplementedError("cached generation needs fused, interleaved QKV parameters behind the input norm")
@@ -174,7 +176,9 @@ def cached_layer_step(layer, x, freqs, cache, layer_number, rows, positions, pic
     feed_forward = getattr(layer, "feed_forward", None)
     if feed_forward is None:
         return x + layer.layernorm_mlp(x)
-    return feed_forward(x, capture_safe=True) if kind == "cache" else feed_forward(x)
+    if kind == "cache" and x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return feed_forward(x, capture_safe=True)  # being captured: no host read (every expert runs)
+    return feed_forward(x)  # eager: the routed block, its experts' work only
 
 
 def decode_step(model, cache, tokens, freqs, rows, cu_q):

@@ -154,7 +154,7 @@ class SeqfuseMixtralDecoderLayer(nn.Module):
         """x + moe(RMSNorm(x)) (also the cached generation's step).
         ``capture_safe``: the experts without a host read
         (SeqfuseMixtralSparseMoE.forward_every_expert), as generation's
-        decode step runs them, eagerly or in a CUDA graph."""
+        decode step runs them while it is captured into a CUDA graph."""
         if capture_safe:
             return x + self.mlp.forward_every_expert(self.pre_mlp_layernorm(x))
         return x + self.mlp(self.pre_mlp_layernorm(x))
