@@ -77,7 +77,8 @@ with matching settings is updated at each exit, including states of
 modules that did not run that step (they record amax 0 for it).
 Outside autocast, call reduce_and_update(recipe, group) yourself.
 quantized_model_init(enabled, recipe, preserve_high_precision_init_val)
-(alias fp8_model_init) + quantized_model_init_state() for module constructors.
+(alias fp8_model_init) + quantized_model_init_state(): TE's context, recorded;
+the modules keep high-precision weights (a WARNING says so, once).
 
 GEMM operands (gemm_quantizers.py)
 ----------------------------------

@@ -25,9 +25,10 @@ what Transformer Engine's end-of-backward update gives -- with one update
 launch and one collective per step instead of two, and no hook on autograd.
 Nothing here synchronizes the host.
 
-quantized_model_init (alias fp8_model_init) marks modules created inside it
-to keep their weights quantized only (no high-precision copy); the modules
-read ``quantized_model_init_state()``.
+quantized_model_init (alias fp8_model_init) is TE's context for FP8-only
+weights; seqfuse's modules keep their weights in high precision and cast them
+once per weight update, so it records its setting
+(``quantized_model_init_state()``) and says so in a WARNING, once.
 """
 import contextlib
 import logging
@@ -151,7 +152,7 @@ def quantized_model_init(enabled=True, recipe=None, preserve_high_precision_init
     global _logged_high_precision_weights
     if enabled and not _logged_high_precision_weights:
         _logged_high_precision_weights = True
-        logging.getLogger("seqfuse").info(
+        logging.getLogger("seqfuse").warning(
             "quantized_model_init: seqfuse keeps module weights in high precision and casts them to FP8 once per "
             "weight update under autocast (the weights' memory is not reduced to FP8)")
     s = quantized_model_init_state()
