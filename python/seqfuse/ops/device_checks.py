@@ -25,6 +25,15 @@ Estimated at 20-60 us of host time per check plus the wait for the work
 already queued on the stream (not yet measured on a GPU;
 benchmarks/bisect_corpus_cuda.py part 5 times it).
 
+The attention router also reads these cached facts (``uniform_length``): a
+packed batch whose sequences all have one length runs as the padded batch it
+is.  The cache knows a tensor by identity and torch's version counter, which
+every torch in-place op moves; a write that bypasses it (another framework
+writing the memory through DLPack, a ``.data`` swap) is not seen, and a
+cu_seqlens tensor so rewritten must be passed as a new tensor (or
+``PerTensorCache`` emptied) -- otherwise the router could take the old
+lengths.
+
 Under CUDA graph capture no host read is allowed, so the check is skipped and
 logger "seqfuse" says so once per op and argument (WARNING).  What still
 guards a captured call: the cross-entropy kernels write NaN loss and NaN
