@@ -27,9 +27,7 @@ gradient out as a detached view of the graph's static output buffer, and
 autograd, finding the parameter's .grad empty, keeps that very tensor as
 .grad (it "steals" a gradient nobody else references).  The next replay
 then overwrites the buffer, so a second micro-batch's backward would
-replace the first one's gradient and add itself to it (found on an H200:
-the ESM-2 recipe with two micro-batches per step, graphed against eager,
-gradients 63 % apart).  So every parameter of a graphed module gets a hook
+replace the first one's gradient and add itself to it.  So every parameter of a graphed module gets a hook
 that hands autograd a copy when .grad is still empty (the first
 micro-batch of a step; later ones add in place and need none).
 """
