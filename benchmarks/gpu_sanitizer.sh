@@ -42,8 +42,8 @@ trap 'printf "%s\n" "${verdicts[@]}" > "$OUT/verdicts.txt"' EXIT
 san() {
     local limit=$1 name=$2 tool=$3; shift 3
     local extra=()
-    # leak reports are opt-in (LEAKS=1): at exit torch's own tensors still alive are reported as
-    # leaks (session 11: every memcheck "error" was one), which says nothing about seqfuse's kernels
+    # leak reports are opt-in (LEAKS=1): torch tensors still alive at exit are reported as leaks,
+    # which says nothing about seqfuse's kernels
     [ "$tool" = memcheck ] && [ "${LEAKS:-0}" = 1 ] && extra=(--leak-check full)
     echo "===== $name ($tool, limit ${limit}s)"
     timeout "$limit" "$SAN" --tool "$tool" "${extra[@]}" --target-processes all --print-limit 30 \
