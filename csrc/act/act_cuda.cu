@@ -33,6 +33,7 @@
  */
 #include "../core/cuda_util.h"
 #include "../core/vec_io.cuh"
+#include "../core/visit.cuh"
 #include "act.h"
 #include "act_backend.h"
 
@@ -477,11 +478,9 @@ sf_status act(const sf_act_args *a, bool bwd, cudaStream_t stream)
     const bool vec = (!a->gated || a->n % ve == 0) && aligned16(p.x) && aligned16(p.out) &&
                      (!p.dy || aligned16(p.dy));
     const int device = a->x->device_id;
-    switch (a->x->dtype) {
-    case SF_FLOAT32: return launch_act<float>(op, p, device, vec, bwd, stream);
-    case SF_FLOAT16: return launch_act<__half>(op, p, device, vec, bwd, stream);
-    default:         return launch_act<__nv_bfloat16>(op, p, device, vec, bwd, stream);
-    }
+    return sf_visit_float(op, "x", a->x->dtype, [&](auto tag) {
+        return launch_act<typename decltype(tag)::type>(op, p, device, vec, bwd, stream);
+    });
 }
 
 /* The dropout kernels' shape: one thread per column vector across x, row
@@ -592,11 +591,9 @@ extern "C" sf_status sf_bias_dropout_add_cuda(const sf_dropout_args *a, sf_strea
     sf_status st = drop_shape(op, a->x->device_id, a->rows, a->n, a->x->dtype, aligned, &shape);
     if (st == SF_OK) {
         cudaStream_t stream = sf_cuda_stream(s);
-        switch (a->x->dtype) {
-        case SF_FLOAT32: st = launch_drop_fwd<float>(p, shape, stream); break;
-        case SF_FLOAT16: st = launch_drop_fwd<__half>(p, shape, stream); break;
-        default:         st = launch_drop_fwd<__nv_bfloat16>(p, shape, stream); break;
-        }
+        st = sf_visit_float(op, "x", a->x->dtype, [&](auto tag) {
+            return launch_drop_fwd<typename decltype(tag)::type>(p, shape, stream);
+        });
     }
     sf_cuda_device_restore(&guard);
     return st;
@@ -642,19 +639,15 @@ extern "C" sf_status sf_dropout_bwd_cuda(const sf_dropout_args *a, sf_stream s)
     const bool aligned = aligned16(p.dy) && aligned16(p.out) && (!p.ws || aligned16(p.ws));
     st = drop_shape(op, a->dy->device_id, a->rows, a->n, a->dy->dtype, aligned, &shape);
     if (st == SF_OK) {
-        switch (a->dy->dtype) {
-        case SF_FLOAT32: st = launch_drop_bwd<float>(p, shape, stream); break;
-        case SF_FLOAT16: st = launch_drop_bwd<__half>(p, shape, stream); break;
-        default:         st = launch_drop_bwd<__nv_bfloat16>(p, shape, stream); break;
-        }
+        st = sf_visit_float(op, "dy", a->dy->dtype, [&](auto tag) {
+            return launch_drop_bwd<typename decltype(tag)::type>(p, shape, stream);
+        });
     }
     if (st == SF_OK && a->dbias) {
         const int parts = (int)shape.grid.y;
-        switch (a->dbias->dtype) {
-        case SF_FLOAT32: st = launch_col_sum<float>(p.ws, parts, a->n, a->dbias->data, stream); break;
-        case SF_FLOAT16: st = launch_col_sum<__half>(p.ws, parts, a->n, a->dbias->data, stream); break;
-        default: st = launch_col_sum<__nv_bfloat16>(p.ws, parts, a->n, a->dbias->data, stream); break;
-        }
+        st = sf_visit_float(op, "dbias", a->dbias->dtype, [&](auto tag) {
+            return launch_col_sum<typename decltype(tag)::type>(p.ws, parts, a->n, a->dbias->data, stream);
+        });
     }
     sf_cuda_device_restore(&guard);
     return st;
