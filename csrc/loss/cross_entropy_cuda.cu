@@ -15,6 +15,7 @@
  */
 #include "../core/cuda_util.h"
 #include "../core/vec_io.cuh"
+#include "../core/visit.cuh"
 #include "cross_entropy_backend.h"
 
 namespace {
@@ -229,11 +230,9 @@ sf_status on_rows(const char *op, const sf_tensor *logits, Run run)
     sf_cuda_device_guard guard;
     SF_TRY(sf_cuda_device_enter(op, logits->device_id, &guard));
     sf_status st;
-    switch (logits->dtype) {
-    case SF_FLOAT32: st = run(float{}); break;
-    case SF_FLOAT16: st = run(__half{}); break;
-    default:         st = run(__nv_bfloat16{}); break;
-    }
+    st = sf_visit_float(op, "logits", logits->dtype, [&](auto tag) {
+        return run(typename decltype(tag)::type{});
+    });
     sf_cuda_device_restore(&guard);
     return st;
 }

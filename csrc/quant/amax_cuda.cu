@@ -13,6 +13,7 @@
 #include <cuda_fp16.h>
 
 #include "../core/cuda_util.h"
+#include "../core/visit.cuh"
 #include "amax_backend.h"
 #include "fp8_cuda.cuh"
 
@@ -113,11 +114,9 @@ extern "C" sf_status sf_amax_cuda(const sf_tensor *x, sf_tensor *out, sf_stream 
                      cudaGetErrorName(e), cudaGetErrorString(e));
     } else if (sf_numel(x) > 0) {
         unsigned *o = (unsigned *)out->data;
-        switch (x->dtype) {
-        case SF_FLOAT32: st = launch<float>(x, o, stream); break;
-        case SF_FLOAT16: st = launch<__half>(x, o, stream); break;
-        default:         st = launch<__nv_bfloat16>(x, o, stream); break;
-        }
+        st = sf_visit_float("amax", "x", x->dtype, [&](auto tag) {
+            return launch<typename decltype(tag)::type>(x, o, stream);
+        });
     }
     sf_cuda_device_restore(&guard);
     return st;

@@ -27,6 +27,7 @@
 
 #include "../core/cuda_util.h"
 #include "../core/vec_io.cuh"
+#include "../core/visit.cuh"
 #include "rope_backend.h"
 
 namespace {
@@ -284,11 +285,9 @@ extern "C" sf_status sf_rope_cuda(const sf_rope_problem *p, const sf_tensor *t, 
     SF_TRY(sf_cuda_device_enter("rope", t->device_id, &guard));
     cudaStream_t stream = sf_cuda_stream(s);
     sf_status st;
-    switch (t->dtype) {
-    case SF_FLOAT32: st = launch<float>(a, vec, stream); break;
-    case SF_FLOAT16: st = launch<__half>(a, vec, stream); break;
-    default:         st = launch<__nv_bfloat16>(a, vec, stream); break;
-    }
+    st = sf_visit_float("rope", "t", t->dtype, [&](auto tag) {
+        return launch<typename decltype(tag)::type>(a, vec, stream);
+    });
     sf_cuda_device_restore(&guard);
     return st;
 }
