@@ -339,8 +339,9 @@ def test_tf32_follows_torchs_switch_unless_given():
     try:
         for flag in (False, True):
             torch.backends.cuda.matmul.allow_tf32 = flag
-            assert tf32_of(None) is flag
-            assert tf32_of(True) is True and tf32_of(False) is False
+            assert tf32_of(None, torch.float32) is flag
+            assert tf32_of(None, torch.bfloat16) is False  # only float32 operands read the switch
+            assert tf32_of(True, torch.float32) is True and tf32_of(False, torch.float32) is False
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
 

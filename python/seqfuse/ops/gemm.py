@@ -20,9 +20,13 @@ from .. import _C
 from ._call import FP8_DLPACK, as_float, detached, stream_for
 
 
-def tf32_of(allow_tf32):
-    """A GEMM's TF32 choice: the caller's bool, or torch's matmul switch for None."""
-    return bool(torch.backends.cuda.matmul.allow_tf32 if allow_tf32 is None else allow_tf32)
+def tf32_of(allow_tf32, dtype):
+    """A GEMM's TF32 choice: the caller's bool, or for None torch's matmul
+    switch -- read only for float32 operands (other dtypes never use TF32,
+    so the bf16 and FP8 paths skip the query on every call)."""
+    if allow_tf32 is None:
+        return dtype == torch.float32 and bool(torch.backends.cuda.matmul.allow_tf32)
+    return bool(allow_tf32)
 
 
 EPILOGUES = ("none", "bias", "gelu", "bias_gelu", "gelu_aux", "bias_gelu_aux",
@@ -163,9 +167,8 @@ def gemm(a, b, *, transa=False, transb=False, out=None, out_dtype=None, bias=Non
             a_fmt, b_fmt = _FP8_CODE[a.dtype], _FP8_CODE.get(b.dtype, 0)
             a, b = a.view(torch.uint8), b.view(torch.uint8) if b_fmt else b
         _C.gemm(a, b, out, transa, transb, a_scale_inv, b_scale_inv, a_code, b_code, bias, aux,
-                _EPI[epilogue], accumulate, fast_accum, tf32_of(allow_tf32), as_float("gemm", "alpha", alpha),
-                workspace,
-                a_fmt, b_fmt, stream_for(a))
+                _EPI[epilogue], accumulate, fast_accum, tf32_of(allow_tf32, a.dtype),
+                as_float("gemm", "alpha", alpha), workspace, a_fmt, b_fmt, stream_for(a))
     return out if extra is None else (out, extra)
 
 

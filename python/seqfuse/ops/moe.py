@@ -223,7 +223,7 @@ def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dt
     if workspace is None and first.is_cuda:
         workspace = workspace_for(first.device)
     _C.grouped_gemm(a, b, out, splits, bool(transa), bool(transb), a_scale_inv, b_scale_inv, a_code,
-                    b_code, bias, bool(bgrad), bool(accumulate), bool(fast_accum), tf32_of(allow_tf32),
+                    b_code, bias, bool(bgrad), bool(accumulate), bool(fast_accum), tf32_of(allow_tf32, first.dtype),
                     workspace, stream_for(first))
     return out if grads is None else (out, grads)
 
