@@ -50,6 +50,10 @@ REQUIRED = {"Linear": (16, 16), "LayerNormLinear": (16, 16), "LayerNormMLP": (16
 
 
 #: argument -> "file::test" exercising it, for every argument the table calls taken
+# LayerNorm and RMSNorm take the same constructor arguments, checked by one test for both classes
+_NORM_TEST = 'test_te_api_args.py::test_norm_arguments_of_both_classes_against_torch'
+_NORM_ARGUMENTS = {name: _NORM_TEST for name in ('normalized_shape', 'eps', 'sequence_parallel', 'params_dtype',
+                                                 'zero_centered_gamma', 'hidden_size', 'device', 'dtype')}
 COVERAGE = {
     'Linear': {
         'in_features': 'test_te_api_args.py::test_linear_fuse_wgrad_accumulation',
@@ -103,26 +107,8 @@ COVERAGE = {
         'name': 'test_te_api.py::test_layernorm_mlp_seq_length_changes_nothing',
         'checkpoint': 'test_te_api.py::test_layernorm_mlp_checkpoint_recomputes',
     },
-    'LayerNorm': {
-        'normalized_shape': 'test_te_api_args.py::test_norm_arguments_of_both_classes_against_torch',
-        'eps': 'test_te_api_args.py::test_norm_arguments_of_both_classes_against_torch',
-        'sequence_parallel': 'test_te_api_args.py::test_norm_arguments_of_both_classes_against_torch',
-        'params_dtype': 'test_te_api_args.py::test_norm_arguments_of_both_classes_against_torch',
-        'zero_centered_gamma': 'test_te_api_args.py::test_norm_arguments_of_both_classes_against_torch',
-        'hidden_size': 'test_te_api_args.py::test_norm_arguments_of_both_classes_against_torch',
-        'device': 'test_te_api_args.py::test_norm_arguments_of_both_classes_against_torch',
-        'dtype': 'test_te_api_args.py::test_norm_arguments_of_both_classes_against_torch',
-    },
-    'RMSNorm': {
-        'normalized_shape': 'test_te_api_args.py::test_norm_arguments_of_both_classes_against_torch',
-        'eps': 'test_te_api_args.py::test_norm_arguments_of_both_classes_against_torch',
-        'sequence_parallel': 'test_te_api_args.py::test_norm_arguments_of_both_classes_against_torch',
-        'params_dtype': 'test_te_api_args.py::test_norm_arguments_of_both_classes_against_torch',
-        'zero_centered_gamma': 'test_te_api_args.py::test_norm_arguments_of_both_classes_against_torch',
-        'hidden_size': 'test_te_api_args.py::test_norm_arguments_of_both_classes_against_torch',
-        'device': 'test_te_api_args.py::test_norm_arguments_of_both_classes_against_torch',
-        'dtype': 'test_te_api_args.py::test_norm_arguments_of_both_classes_against_torch',
-    },
+    'LayerNorm': _NORM_ARGUMENTS,
+    'RMSNorm': _NORM_ARGUMENTS,
     'DotProductAttention': {
         'get_rng_state_tracker': 'test_te_api_args.py::test_rng_tracker_draws_attention_dropout',
         'num_attention_heads': 'test_te_api_forward.py::test_dot_product_attention_forward_keywords_against_torch',
