@@ -25,6 +25,12 @@ CAUSAL_TINY = ["data.micro_batch_tokens=512", "data.max_length=128", "data.val_b
 #: An untrained model's loss over the nucleotide tokenizer's 10 tokens.
 LN10 = math.log(10)
 #: Two DNA prompts: a phage window, and one with lower case and N (folded, kept).
+#: The ESM-2 recipe's six-step run with a checkpoint every two steps (the
+#: checkpoint tests; each adds its device).
+ESM2_CHECKPOINT_RUN = ["data.micro_batch_tokens=512", "data.max_length=64", "data.val_batches=2",
+                       "train.log_interval=1", "train.eval_interval=0", "train.warmup_steps=2",
+                       "logging.progress_bar=false", "train.steps=6", "checkpoint.interval=2",
+                       "checkpoint.keep_last=3"]
 PROMPTS = ["GGGCGGCGACCTCGCGGGTTTTCGCTATTTATGAAAATTTTCCGGTTTAAGG", "acgtNNacgtTTGACA"]
 
 
@@ -118,3 +124,23 @@ def check_export(hf_cls, model_type, exp, ckpt_dir, seqfuse_model):
     m = enc["attention_mask"].bool()
     torch.testing.assert_close(got_logits[m], want_logits[m], atol=1e-4, rtol=1e-4)
     return hf, tok, sf
+
+
+def save_dying_in(ckpt, stage, root, step, model, optimizer, keep_last):
+    """ckpt.save_checkpoint(step) with ckpt.<stage> (a function of the save,
+    e.g. "_write_manifest" or "_finalize") raising OSError: what that stage
+    had not written stays undone (a save killed there); asserts the save
+    raised, and puts the stage back."""
+    import pytest
+
+    real = getattr(ckpt, stage)
+
+    def dies(*args, **kwargs):
+        raise OSError(f"simulated death in {stage}")
+
+    setattr(ckpt, stage, dies)
+    try:
+        with pytest.raises(OSError, match="simulated death"):
+            ckpt.save_checkpoint(root, step, model, optimizer, {"step": step}, keep_last=keep_last)
+    finally:
+        setattr(ckpt, stage, real)

@@ -39,7 +39,7 @@ import time
 import pytest
 import torch
 
-from recipe_checks import ROOT, recipe_path, torchrun  # noqa: E402
+from recipe_checks import ESM2_CHECKPOINT_RUN, ROOT, recipe_path, save_dying_in, torchrun  # noqa: E402
 from recipe_checks import losses as _losses  # noqa: E402
 
 RECIPE = recipe_path("esm2")
@@ -50,9 +50,7 @@ pytest.importorskip("hydra")
 
 from esm2_recipe import checkpoint as ckpt  # noqa: E402
 
-TINY = ["data.micro_batch_tokens=512", "data.max_length=64", "data.val_batches=2", "train.log_interval=1",
-        "train.eval_interval=0", "train.warmup_steps=2", "logging.progress_bar=false", "train.steps=6",
-        "checkpoint.interval=2", "checkpoint.keep_last=3"]
+TINY = ESM2_CHECKPOINT_RUN
 DEVICE = {"gloo": ["device=cpu", "distributed.backend=gloo"], "nccl": ["device=cuda", "distributed.backend=nccl"]}
 KILL_STEP = 4
 #: A killed job must be over well within this (torchrun ends the survivor at once).
@@ -235,17 +233,7 @@ def test_interrupted_save_is_named_refused_and_removed_with_warnings(tmp_path, c
     opt.step()
     root = str(tmp_path / "ck")
     ckpt.save_checkpoint(root, 1, model, opt, {"step": 1}, keep_last=3)
-    real = ckpt._write_manifest
-
-    def dies(path, step, entries):
-        raise OSError("simulated death while writing the manifest")
-
-    ckpt._write_manifest = dies
-    try:
-        with pytest.raises(OSError, match="simulated"):
-            ckpt.save_checkpoint(root, 2, model, opt, {"step": 2}, keep_last=3)
-    finally:
-        ckpt._write_manifest = real
+    save_dying_in(ckpt, "_write_manifest", root, 2, model, opt, keep_last=3)
     tmp = os.path.join(root, ".tmp_step_00000002")
     assert {".metadata", "trainer_state.json", "rng_rank0.pt"} <= set(os.listdir(tmp))
     assert ckpt.interrupted_saves(root) == [tmp]

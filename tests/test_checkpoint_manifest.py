@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from recipe_checks import ROOT, recipe_path  # noqa: E402
+from recipe_checks import ESM2_CHECKPOINT_RUN, ROOT, recipe_path  # noqa: E402
 from recipe_checks import losses as _losses  # noqa: E402
 
 RECIPE = recipe_path("esm2")
@@ -30,9 +30,7 @@ from esm2_recipe import checkpoint as ckpt  # noqa: E402
 from esm2_recipe.config import load_config  # noqa: E402
 from esm2_recipe.trainer import train  # noqa: E402
 
-TINY = ["data.micro_batch_tokens=512", "data.max_length=64", "data.val_batches=2", "train.log_interval=1",
-        "train.eval_interval=0", "train.warmup_steps=2", "logging.progress_bar=false", "device=cpu",
-        "train.steps=6", "checkpoint.interval=2", "checkpoint.keep_last=3"]
+TINY = ESM2_CHECKPOINT_RUN + ["device=cpu"]
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from recipe_checks import losses as _losses  # noqa: E402
-from recipe_checks import recipe_path, torchrun  # noqa: E402
+from recipe_checks import recipe_path, save_dying_in, torchrun  # noqa: E402
 
 RECIPE = recipe_path("esm2")
 
@@ -172,17 +172,7 @@ def test_checkpoint_atomic_and_keep_last(tmp_path):
     ckpt.save_checkpoint(root, 1, model, opt, {"step": 1}, keep_last=2)
     saved = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
     one_step()
-    real = ckpt._finalize
-
-    def crash(tmp, final):
-        raise OSError("simulated crash before the rename")
-
-    ckpt._finalize = crash
-    try:
-        with pytest.raises(OSError, match="simulated"):
-            ckpt.save_checkpoint(root, 2, model, opt, {"step": 2}, keep_last=2)
-    finally:
-        ckpt._finalize = real
+    save_dying_in(ckpt, "_finalize", root, 2, model, opt, keep_last=2)  # a crash before the rename
     assert os.path.isdir(os.path.join(root, ".tmp_step_00000002"))  # the half-written one
     assert [s for s, _ in ckpt.list_checkpoints(root)] == [1]
     state = ckpt.load_checkpoint(ckpt.latest_checkpoint(root), model, opt)
