@@ -10,6 +10,8 @@ not need a GPU, and a tiny end-to-end run.
 - the FLOP count against the GEMM weights of a built model (an independent
   count) plus the causal attention term;
 - ratios, goals and the first-step loss check (which fails on a wrong loss);
+  the Liger-patched transformers row counts among the peers, and its
+  patches of transformers' Llama module last only as long as its row;
 - ``--size tiny --device cpu``: training rows (transformers, seqfuse bf16
   padded/packed, FP8 delayed) start from the same weights (first losses equal
   in float32), the compiled rows are skipped with their reason, the decode
@@ -145,7 +147,7 @@ def test_row_names_ratios_goals_and_loss_check():
 def test_tiny_cpu_run(tmp_path):
     out = B.main(["--size", "tiny", "--device", "cpu", "--steps", "2", "--batch-size", "2", "--seq-len", "64",
                   "--rows", "hf_bf16,seqfuse_bf16_padded,seqfuse_bf16_packed,seqfuse_fp8_delayed_packed,"
-                            "hf_bf16_compiled",
+                            "hf_bf16_compiled,hf_bf16_liger",
                   "--decode-batches", "1,3", "--prompt-len", "24", "--new-tokens", "6", "--decode-repeats", "1",
                   "--data", C.SUBSET_DATA, "--results-dir", str(tmp_path), "--out", "l3"])
     doc = json.load(open(tmp_path / "l3.json"))
@@ -154,6 +156,7 @@ def test_tiny_cpu_run(tmp_path):
     assert "git_commit" in doc["run"] and "transformers" in doc["run"]["versions"]
     rows = {r["row"]: r for r in doc["rows"]}
     assert "needs a CUDA GPU" in rows["hf_bf16_compiled"]["skipped"]
+    assert "Liger-Kernel (Triton) row: needs a CUDA GPU" in rows["hf_bf16_liger"]["skipped"]
     measured = [r for r in rows.values() if "unpadded_tokens_per_s" in r]
     assert len(measured) == 4 and all(r["unpadded_tokens_per_s"] > 0 and r["steps"] == 2 for r in measured)
     assert len({r["real_tokens"] for r in measured}) == 1 and measured[0]["real_tokens"] == 2 * 128
@@ -174,3 +177,50 @@ def test_tiny_cpu_run(tmp_path):
     assert all(r["same_tokens_as_hf_static"] for r in drows)  # float32 greedy: transformers' tokens
     assert all("GPUs only" in r["skipped"] for r in dec["rows"] if r["row"] == "hf_static_compiled")
     assert any(g["row"] == "seqfuse_bf16" for g in dec["goals"])
+
+
+def test_liger_row_is_a_peer_and_its_patches_end_with_the_row(monkeypatch):
+    """hf_bf16_liger parses as the Liger impl, counts as a transformers peer
+    (the best one when fastest; a Liger row slower than eager says so), and
+    liger_patched undoes apply_liger_kernel_to_llama's module-level patches
+    of transformers' Llama code when its block ends, error or not."""
+    import types
+
+    from transformers.models.llama import modeling_llama
+
+    from peers import meta
+
+    assert B.parse_train_row("hf_bf16_liger") == ("liger", "bf16", "padded")
+    rows = [dict(row="hf_bf16", impl="hf", recipe="bf16", unpadded_tokens_per_s=100.0, peak_mem_gib=50.0),
+            dict(row="hf_bf16_liger", impl="liger", recipe="bf16", unpadded_tokens_per_s=120.0, peak_mem_gib=40.0),
+            dict(row="seqfuse_bf16_packed", impl="seqfuse", recipe="bf16", unpadded_tokens_per_s=150.0,
+                 peak_mem_gib=45.0)]
+    by = {r["row"]: r for r in B.add_train_ratios(rows)}
+    assert by["seqfuse_bf16_packed"]["best_hf"] == "hf_bf16_liger"
+    assert by["seqfuse_bf16_packed"]["vs_best_hf"] == pytest.approx(1.25)
+    rows[1]["unpadded_tokens_per_s"] = 90.0
+    by = {r["row"]: r for r in B.add_train_ratios(rows)}
+    assert by["seqfuse_bf16_packed"]["best_hf"] == "hf_bf16" and "Liger is SLOWER than eager" in by["hf_bf16_liger"]["note"]
+
+    names = ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")
+    before = {n: getattr(modeling_llama, n) for n in names}
+    seen = {}
+
+    def apply_liger_kernel_to_llama(model=None):  # what Liger does to the module, with stand-ins
+        for n in names:
+            setattr(modeling_llama, n, f"liger {n}")
+        model.patched = True
+
+    fake = types.SimpleNamespace(apply_liger_kernel_to_llama=apply_liger_kernel_to_llama)
+    monkeypatch.setitem(meta._IMPORTS, "liger_kernel.transformers", (fake, None))
+    model = types.SimpleNamespace()
+    with pytest.raises(RuntimeError, match="row broke"):
+        with B.liger_patched(model):
+            seen.update({n: getattr(modeling_llama, n) for n in names})
+            raise RuntimeError("row broke")
+    assert model.patched and seen == {n: f"liger {n}" for n in names}
+    assert {n: getattr(modeling_llama, n) for n in names} == before
+    monkeypatch.setitem(meta._IMPORTS, "liger_kernel.transformers", (None, "liger_kernel not importable here: X"))
+    with pytest.raises(RuntimeError, match="not importable"):
+        with B.liger_patched(model):
+            pass

@@ -25,12 +25,22 @@ Training rows (``--rows``), <impl>_<recipe>[_<layout>]:
                       LlamaDecoderLayer, the default, or the whole model;
                       static shapes); a failure is kept with its reason, and
                       a compiled row slower than eager says so;
+  hf_bf16_liger       the same model patched by Liger-Kernel
+                      (liger_kernel.transformers.apply_liger_kernel_to_llama
+                      on the instance: RoPE, RMSNorm, SwiGLU MLP and fused
+                      linear cross-entropy), eager; its module-level patches
+                      of transformers' Llama code are undone after the row,
+                      so rows after it run transformers' own code; skipped
+                      with the reason where liger_kernel does not import or
+                      no GPU is here (its kernels are Triton's);
   seqfuse_bf16_{padded,packed}, seqfuse_fp8_delayed_{padded,packed},
   seqfuse_fp8_block_{padded,packed}
                       seqfuse's Llama (bf16 weights, FusedAdamW with fp32
                       master weights), FP8 under seqfuse autocast with
                       DelayedScaling / Float8BlockScaling (the LM head stays
                       bf16).
+The transformers rows (eager, compiled, Liger) are the peers: "best
+transformers row" below is the fastest of them.
 Timing is steady state: ``--warm-passes`` untimed passes over the very
 batches that are then timed (compiled graphs, cuBLAS/cuDNN plans and FP8
 scaling state exist before timing), then one timed pass with the GPU
@@ -67,8 +77,9 @@ each row are compared with transformers' (identical up to the first
 divergence, which bf16 near ties can cause: the JSON says where).
 
 Goals (the issue's): bf16 >= 1.3x and FP8 >= 1.8x the best transformers row
-in unpadded tokens/s; peak memory <= transformers'; decode at batch 1 >=
-1.5x transformers' static-cache generate (the faster of eager and compiled).
+(eager, compiled or Liger, whichever of them ran) in unpadded tokens/s;
+peak memory <= transformers'; decode at batch 1 >= 1.5x transformers'
+static-cache generate (the faster of eager and compiled).
 
 JSON: benchmarks/results/llama3.json (training) and llama3_decode.json
 (decode), each with the git commit, versions and exact command
@@ -77,6 +88,7 @@ JSON: benchmarks/results/llama3.json (training) and llama3_decode.json
 with the reason).
 """
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -92,7 +104,7 @@ import torch  # noqa: E402
 from harness import RESULTS, Table, allow_recompiles, plot_bars  # noqa: E402
 from peers.meta import run_metadata  # noqa: E402
 
-TRAIN_ROWS = ("hf_bf16", "hf_bf16_compiled", "seqfuse_bf16_padded", "seqfuse_bf16_packed",
+TRAIN_ROWS = ("hf_bf16", "hf_bf16_compiled", "hf_bf16_liger", "seqfuse_bf16_padded", "seqfuse_bf16_packed",
               "seqfuse_fp8_delayed_padded", "seqfuse_fp8_delayed_packed", "seqfuse_fp8_block_padded",
               "seqfuse_fp8_block_packed")
 #: the compiled row last: its compile takes longest, and a run cut short keeps the others
@@ -100,7 +112,7 @@ DEFAULT_TRAIN_ROWS = ("hf_bf16", "seqfuse_bf16_padded", "seqfuse_bf16_packed", "
                       "seqfuse_fp8_block_packed", "hf_bf16_compiled")
 DECODE_ROWS = ("hf_static", "hf_static_compiled", "seqfuse_bf16", "seqfuse_bf16_eager", "seqfuse_fp8_delayed")
 DEFAULT_DECODE_ROWS = ("hf_static", "hf_static_compiled", "seqfuse_bf16", "seqfuse_bf16_eager")
-HF_TRAIN = ("hf_bf16", "hf_bf16_compiled")
+HF_TRAIN = ("hf_bf16", "hf_bf16_compiled", "hf_bf16_liger")
 HF_DECODE = ("hf_static", "hf_static_compiled")
 #: First-step losses (same weights, same batch) within this fraction of transformers'.
 LOSS_TOL = {"bf16": 2e-2, "fp8_delayed": 5e-2, "fp8_block": 5e-2, "fp32": 1e-4}
@@ -111,7 +123,8 @@ def parse_train_row(name):
     if name not in TRAIN_ROWS:
         raise ValueError(f"training row {name!r}: expected one of {', '.join(TRAIN_ROWS)}")
     if name.startswith("hf_"):
-        return ("hfcompile" if name.endswith("_compiled") else "hf"), "bf16", "padded"
+        impl = {"hf_bf16_compiled": "hfcompile", "hf_bf16_liger": "liger"}.get(name, "hf")
+        return impl, "bf16", "padded"
     parts = name.split("_")
     return "seqfuse", "_".join(parts[1:-1]), parts[-1]
 
@@ -136,6 +149,34 @@ def compile_hf(model, scope):
     return model
 
 
+@contextlib.contextmanager
+def liger_patched(model):
+    """Liger-Kernel's Llama kernels on ``model`` for the duration of the
+    block.  apply_liger_kernel_to_llama(model=...) patches the instance (its
+    RMSNorm and MLP modules, its forward: fused linear cross-entropy) and
+    also transformers' modeling_llama module (apply_rotary_pos_emb, read at
+    call time, and the LlamaRMSNorm / LlamaMLP classes that later models
+    would be built from); the module's names are put back on exit, so only
+    this row runs Liger's code.  ImportError-free: raises RuntimeError with
+    the reason where liger_kernel does not import."""
+    from transformers.models.llama import modeling_llama
+
+    from peers.meta import try_import
+
+    mod, why = try_import("liger_kernel.transformers")
+    if mod is None:
+        raise RuntimeError(why)
+    names = ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")
+    saved = {n: getattr(modeling_llama, n) for n in names}
+    try:
+        mod.apply_liger_kernel_to_llama(model=model)
+        del model  # the row owns its model: this frame keeps no reference until the block ends
+        yield
+    finally:
+        for n, v in saved.items():
+            setattr(modeling_llama, n, v)
+
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -157,55 +198,58 @@ def run_train_row(name, packed_batches, padded_batches, args, device, dtype):
         def context():
             return autocast(enabled=recipe is not None, recipe=recipe)
     else:
-        import contextlib
-
         model = build_hf(args.size, device, dtype, seed=args.seed)
         if impl == "hfcompile":
             compile_hf(model, args.compile_scope)
             notes["compile"] = f"torch.compile scope={args.compile_scope} dynamic=False"
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
         context = contextlib.nullcontext
-    model.train()
-    packed = layout == "packed"
-    batches = packed_batches if packed else padded_batches
+    with contextlib.ExitStack() as row_scope:
+        if impl == "liger":  # Liger's patches live as long as this row, no longer
+            row_scope.enter_context(liger_patched(model))
+            notes["liger"] = ("liger_kernel apply_liger_kernel_to_llama(model=...): RoPE, RMSNorm, SwiGLU MLP, "
+                              "fused linear cross-entropy")
+        model.train()
+        packed = layout == "packed"
+        batches = packed_batches if packed else padded_batches
 
-    def step(b):
-        with context():
-            loss = forward_loss(model, b, device, packed)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
+        def step(b):
+            with context():
+                loss = forward_loss(model, b, device, packed)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
 
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    t_warm = time.perf_counter()
-    first_loss = None
-    for i in range(args.warm_passes):
-        for b in batches:
-            loss = step(b)
-            if first_loss is None:
-                first_loss = float(loss.detach())  # one host read, before timing: same weights, same batch
-    _sync(device)
-    warm_s = time.perf_counter() - t_warm
-    losses, issue = [], []
-    t0 = time.perf_counter()
-    for b in batches:  # no sync inside: host issue time < step time means the GPU sets the pace
-        ti = time.perf_counter()
-        losses.append(step(b))
-        issue.append(time.perf_counter() - ti)
-    _sync(device)
-    seconds = time.perf_counter() - t0
-    losses = [float(x.detach()) for x in losses]
-    if first_loss is None:
-        first_loss = losses[0]
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-    del model, opt
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return dict(seconds=seconds, losses=losses, first_loss=first_loss, host_ms=1000 * statistics.mean(issue),
-                peak=peak, warm_s=warm_s, notes=notes)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        t_warm = time.perf_counter()
+        first_loss = None
+        for i in range(args.warm_passes):
+            for b in batches:
+                loss = step(b)
+                if first_loss is None:
+                    first_loss = float(loss.detach())  # one host read, before timing: same weights, same batch
+        _sync(device)
+        warm_s = time.perf_counter() - t_warm
+        losses, issue = [], []
+        t0 = time.perf_counter()
+        for b in batches:  # no sync inside: host issue time < step time means the GPU sets the pace
+            ti = time.perf_counter()
+            losses.append(step(b))
+            issue.append(time.perf_counter() - ti)
+        _sync(device)
+        seconds = time.perf_counter() - t0
+        losses = [float(x.detach()) for x in losses]
+        if first_loss is None:
+            first_loss = losses[0]
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+        del model, opt
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return dict(seconds=seconds, losses=losses, first_loss=first_loss, host_ms=1000 * statistics.mean(issue),
+                    peak=peak, warm_s=warm_s, notes=notes)
 
 
 def train_figures(r, batches, cfg):
@@ -227,8 +271,9 @@ def train_figures(r, batches, cfg):
 
 
 def add_train_ratios(rows):
-    """vs_hf (eager transformers), vs_best_hf (the faster of eager and
-    compiled, named), mem_vs_hf; a compiled row slower than eager says so."""
+    """vs_hf (eager transformers), vs_best_hf (the fastest of eager,
+    compiled and Liger-patched, named in best_hf), mem_vs_hf; a compiled or
+    Liger row slower than eager says so."""
     ok = {r["row"]: r for r in rows if "unpadded_tokens_per_s" in r}
     nan = float("nan")
     hf = ok.get("hf_bf16")
@@ -239,10 +284,11 @@ def add_train_ratios(rows):
         r["vs_hf"] = t / hf["unpadded_tokens_per_s"] if hf else nan
         r["mem_vs_hf"] = r["peak_mem_gib"] / hf["peak_mem_gib"] if hf else nan
         r["vs_best_hf"], r["best_hf"] = (t / best["unpadded_tokens_per_s"], best["row"]) if best else (nan, "")
-    c = ok.get("hf_bf16_compiled")
-    if c and hf and c["vs_hf"] < 1.0:
-        c["note"] = (c.get("note", "") + "; " if c.get("note") else "") + (
-            f"compiled is SLOWER than eager ({c['vs_hf']:.2f}x)")
+    for name, what in (("hf_bf16_compiled", "compiled"), ("hf_bf16_liger", "Liger")):
+        c = ok.get(name)
+        if c and hf and c["vs_hf"] < 1.0:
+            c["note"] = (c.get("note", "") + "; " if c.get("note") else "") + (
+                f"{what} is SLOWER than eager ({c['vs_hf']:.2f}x)")
     return rows
 
 
@@ -316,8 +362,9 @@ def train(args, device, dtype, data, data_note, seqs, meta):
 
     for name, impl, recipe, layout in parsed:
         base = dict(row=name, impl=impl, recipe=recipe, layout=layout)
-        if impl == "hfcompile" and device.type != "cuda":
-            why = "torch.compile row: needs a CUDA GPU here (the CPU smoke run skips it)"
+        if impl in ("hfcompile", "liger") and device.type != "cuda":
+            why = (f"{'torch.compile' if impl == 'hfcompile' else 'Liger-Kernel (Triton)'} row: needs a CUDA GPU "
+                   "here (the CPU smoke run skips it)")
             log(f"{name}: SKIPPED: {why}")
             results.append({**base, "skipped": why})
             continue
