@@ -5,7 +5,10 @@ failure reporting, and tiny runs of bench_te_modules / bench_liger /
 bench_torchao: each writes its JSON with the skipped peers' reasons, and
 each torch-side or TE-side twin computes what seqfuse computes (the
 comparisons compare one computation; Transformer Engine played by seqfuse's
-TE-named modules, tests/fake_transformer_engine.py)."""
+TE-named modules, tests/fake_transformer_engine.py); which attention backend
+a TE row names (te_esm2.te_attention_backend, from TE's own record) and the
+attention probe that reads it (te_probe.py); the one-line-per-row summary
+of the result JSONs (summary.py)."""
 import json
 import os
 import subprocess
@@ -20,7 +23,7 @@ if BENCH not in sys.path:
     sys.path.insert(0, BENCH)
 
 import fake_transformer_engine  # noqa: E402
-from peers import bench_liger, bench_te_modules, bench_torchao, meta, timing  # noqa: E402
+from peers import bench_liger, bench_te_modules, bench_torchao, meta, summary, te_esm2, te_probe, timing  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -122,6 +125,10 @@ def test_te_modules_cell_compares_one_computation(module, monkeypatch, tmp_path)
     row = res.rows[0]
     assert "te_error" not in row and "check_error" not in row, row
     assert row["rel_diff_bf16"] < 1e-6 and row["seqfuse_vs_te"] > 0
+    # a layer row names the attention TE ran (the stand-in keeps no TE record: "unknown" with the reason)
+    assert ("te_attention" in row) == (module == "TransformerLayer")
+    if module == "TransformerLayer":
+        assert row["te_attention"].startswith("unknown (")
 
 
 def test_te_modules_cpu_smoke_skips_te_with_its_reason(tmp_path):
@@ -165,3 +172,100 @@ def test_torchao_cpu_smoke(tmp_path):
     else:  # torchao importable here: its emulated FP8 rows ran, and the seqfuse FP8 rows carry the ratio
         assert doc["torchao_emulated"] and impls[("Linear", "torchao_tensorwise")]["ms"] > 0
         assert "vs_best_torchao" in impls[("Linear", "seqfuse_fp8_current")]
+
+
+def _fake_backend_record(monkeypatch, **selection):
+    """TE's record of its last attention selection (dot_product_attention._attention_backends), faked."""
+    import types
+
+    record = {"attention_params": None, "use_flash_attention": False, "flash_attention_backend": None,
+              "use_fused_attention": False, "fused_attention_backend": None, "use_unfused_attention": False,
+              "backend_selection_requires_update": False, **selection}
+    inner = types.ModuleType("transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention")
+    inner._attention_backends = record
+    pkg = types.ModuleType("transformer_engine.pytorch.attention.dot_product_attention")
+    pkg.__path__ = []
+    pkg.dot_product_attention = inner
+    monkeypatch.setitem(sys.modules, pkg.__name__, pkg)
+    monkeypatch.setitem(sys.modules, inner.__name__, inner)
+    return record
+
+
+def test_te_attention_backend_names_what_te_chose(monkeypatch):
+    fake_transformer_engine.install(monkeypatch)
+    assert te_esm2.te_attention_backend().startswith("unknown (TE's backend record not importable")
+    record = _fake_backend_record(monkeypatch)
+    assert te_esm2.te_attention_backend() == "unknown (no attention selection recorded yet)"
+    record.update(use_unfused_attention=True)
+    assert te_esm2.te_attention_backend() == "UnfusedDotProductAttention"
+    record.update(use_fused_attention=True, fused_attention_backend="NVTE_F16_arbitrary_seqlen")
+    assert te_esm2.te_attention_backend() == "FusedAttention (NVTE_F16_arbitrary_seqlen)"
+    record.update(use_flash_attention=True, flash_attention_backend="2.8.3")
+    assert te_esm2.te_attention_backend() == "FlashAttention (2.8.3)"
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_te_probe_runs_every_case_and_says_whether_all_were_fused(fused, monkeypatch, tmp_path, capsys):
+    """The probe runs TE's DotProductAttention (seqfuse's standing in) on the
+    bshd, thd and causal GQA cases and prints one TE_PROBE line per case and
+    the verdict gpu_peers.sh greps for."""
+    fake_transformer_engine.install(monkeypatch)
+    monkeypatch.setattr(meta, "_IMPORTS", {})  # the stand-in's import must not stay cached for later tests
+    _fake_backend_record(monkeypatch, use_fused_attention=fused, use_unfused_attention=not fused,
+                         fused_attention_backend="NVTE_F16_arbitrary_seqlen" if fused else None)
+    out = tmp_path / "probe.json"
+    te_probe.main(["--device", "cpu", "--out", str(out)])
+    printed = capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert [r["case"] for r in doc["rows"]] == list(te_probe.CASES) and doc["complete"]
+    want = "FusedAttention (NVTE_F16_arbitrary_seqlen)" if fused else "UnfusedDotProductAttention"
+    assert all(r["backend"] == want for r in doc["rows"]), doc["rows"]
+    assert f"TE_PROBE fused_all={'yes' if fused else 'no'}" in printed and doc["fused_all"] is fused
+    assert f"TE_PROBE esm2_thd backend={want}" in printed
+    assert "git_commit" in doc["run"] and "mapped_libcudnn" in doc
+    with pytest.raises(SystemExit):
+        te_probe.main(["--device", "cpu", "--cases", "esm2_sbhd"])
+
+
+def test_te_probe_without_te_says_why(tmp_path, capsys):
+    """Where transformer_engine does not import, the verdict is 'no' with the reason (no case runs)."""
+    if meta.try_import("transformer_engine.pytorch")[0] is not None:
+        pytest.skip("transformer_engine imports here")
+    out = tmp_path / "probe.json"
+    te_probe.main(["--device", "cpu", "--out", str(out)])
+    assert "TE_PROBE fused_all=no (Transformer Engine not usable here" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["rows"] == [] and "not importable" in doc["te_skipped"]
+
+
+def test_te_probe_thd_lengths_vary_within_the_sequence_length():
+    lengths = te_probe.thd_lengths(8, 1024)
+    assert len(lengths) == 8 and len(set(lengths)) == 8 and max(lengths) <= 1024 and min(lengths) >= 256
+    assert all(n % 8 == 0 for n in lengths)
+
+
+def test_summary_prints_one_line_per_row_with_the_comparison(tmp_path):
+    esm = {"name": "esm2_peers", "complete": True, "run": {"git_commit": "abcdef1234567890"},
+           "rows": [{"row": "te_bf16_packed", "unpadded_tokens_per_s": 80000.0, "vs_best_peer": 0.9,
+                     "best_peer": "hfcompile_bf16_padded", "vs_te": 1.0, "vs_hf": 2.0, "warm_s": 3.0,
+                     "notes": {"te_attention": "FusedAttention (x)"}},
+                    {"row": "te_fp8_delayed_packed", "error": "OutOfMemoryError: no room"}],
+           "goals": [{"goal": "g1", "value": 0.5, "need": ">= 1.0", "pass": False},
+                     {"goal": "g2", "value": 2.0, "need": ">= 1.0", "pass": True}]}
+    te = {"name": "te_modules", "complete": False, "run": {"git_commit": "1234"},
+          "rows": [{"shape": "llama_1b", "module": "TransformerLayer", "recipe": "bf16", "seqfuse_ms": 7.0,
+                    "te_ms": 8.0, "seqfuse_vs_te": 8 / 7, "rel_diff_bf16": 0.004, "te_attention": "FusedAttention (x)"}]}
+    (tmp_path / "esm2_peers.json").write_text(json.dumps(esm))
+    (tmp_path / "te_modules.json").write_text(json.dumps(te))
+    lines = []
+    summary.summarize(str(tmp_path / "esm2_peers.json"), out=lines.append)
+    summary.summarize(str(tmp_path / "te_modules.json"), out=lines.append)
+    summary.summarize(str(tmp_path / "torchao.json"), out=lines.append)
+    text = "\n".join(lines)
+    assert "== " in lines[0] and "commit abcdef123456, complete, 2 rows" in lines[0]
+    assert "te_bf16_packed: 80.0k tok/s, vs_best_peer 0.9 (hfcompile_bf16_padded)" in text
+    assert "attn FusedAttention (x)" in text and "te_fp8_delayed_packed: error: OutOfMemoryError" in text
+    assert "goals: 1 of 2 pass; failed:" in text and "g1: 0.5 (need >= 1.0)" in text and "g2" not in text
+    assert "INCOMPLETE" in text and "seqfuse_vs_te 1.14" in text and "TE attn FusedAttention (x)" in text
+    assert "torchao.json: no result file" in text or "== " + str(tmp_path / "torchao.json") + ": no result" in text
+    assert all(len(line) <= summary.WIDTH + 4 for line in lines)

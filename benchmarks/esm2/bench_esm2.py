@@ -9,7 +9,9 @@ peer a user would compare with:
   te_*          ESM-2 on Transformer Engine's modules in BioNeMo's layout
                 (peers/te_esm2.py: te.TransformerLayer, packed thd input),
                 where transformer_engine imports (else the row is skipped and
-                says why);
+                says why); the row's note names the attention TE ran
+                (te_attention: cuDNN's FusedAttention, or the slow
+                UnfusedDotProductAttention fallback);
   seqfuse_*     seqfuse's ESM-2, bf16 or FP8 (delayed / current / block).
   seqfusegraph_* the same with every encoder layer run as CUDA graphs
                 (SeqfuseEsmModel.graph_layers; fixed layout only).
@@ -226,6 +228,10 @@ def run_row(impl, recipe_name, warm, timed, args, device, fsdp=None, torch_adamw
         issue.append(time.perf_counter() - ti)
     sync()
     dt = time.perf_counter() - t0
+    if impl == "te":  # which attention TE ran (its unfused fallback is a handicapped peer: the row must say)
+        from peers.te_esm2 import te_attention_backend
+
+        notes["te_attention"] = te_attention_backend()
     if impl == "hfcompile":
         notes["dynamo_graphs_so_far"] = _compiled_graphs()
         if notes["dynamo_graphs_so_far"] > graphs_before:

@@ -30,7 +30,9 @@ Timing: peers/timing.interleaved_ms (queues of --iters back-to-back
 iterations, --rounds rounds alternating seqfuse and TE, median).  Reported per
 (shape, module, recipe): ms per iteration and TFLOP/s of each, and
 seqfuse_vs_te = TE ms / seqfuse ms (above 1: seqfuse faster; the goal is
->= 1.0).  TE rows are skipped with the reason where transformer_engine does
+>= 1.0); TransformerLayer rows name the attention TE ran (te_attention:
+FusedAttention is cuDNN's, UnfusedDotProductAttention its slow fallback).
+TE rows are skipped with the reason where transformer_engine does
 not import (every CPU machine).
 
 JSON: benchmarks/results/te_modules.json.  GPU: python3 bench_te_modules.py;
@@ -205,6 +207,10 @@ def run_cell(shape, c, module, recipe, args, device, results, te_why):
             row["check_error"] = error_text(e)
     times = interleaved_ms({k: v.step for k, v in cases.items()}, device, iters=args.iters, rounds=args.rounds,
                            warmup=args.warmup)
+    if module == "TransformerLayer" and "te" in cases:  # TE's unfused attention fallback must show in the row
+        from peers.te_esm2 import te_attention_backend
+
+        row["te_attention"] = te_attention_backend()
     f = flops(module, c)
     for lib in ("seqfuse", "te"):
         t = times.get(lib, errors.get(lib))

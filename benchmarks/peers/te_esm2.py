@@ -49,6 +49,30 @@ def te_autocast(enabled, recipe):
     return te.fp8_autocast(enabled=enabled, fp8_recipe=recipe)
 
 
+def te_attention_backend():
+    """Which attention TE's DotProductAttention last chose in this process:
+    "FusedAttention (<cuDNN sub-backend>)", "FlashAttention (<version>)" or
+    "UnfusedDotProductAttention" (the slow fallback, which a TE row must name:
+    it is what the session-10 rows ran when TE loaded another cuDNN than
+    torch's), else "unknown (<why>)".  Read from TE's own record of its last
+    selection (dot_product_attention._attention_backends, TE 2.x), right after
+    the row's attention ran."""
+    try:
+        from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa
+    except ImportError as e:
+        return f"unknown (TE's backend record not importable: {type(e).__name__}: {e})"
+    b = getattr(dpa, "_attention_backends", None)
+    if not isinstance(b, dict):
+        return "unknown (this TE keeps no _attention_backends record)"
+    if b.get("use_flash_attention"):
+        return f"FlashAttention ({b.get('flash_attention_backend')})"
+    if b.get("use_fused_attention"):
+        return f"FusedAttention ({b.get('fused_attention_backend')})"
+    if b.get("use_unfused_attention"):
+        return "UnfusedDotProductAttention"
+    return "unknown (no attention selection recorded yet)"
+
+
 def te_recipe(name):
     """TE's recipe object for a bench recipe name (None for bf16), each with TE's defaults."""
     if name == "bf16":
