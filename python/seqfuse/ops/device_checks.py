@@ -25,9 +25,10 @@ Estimated at 20-60 us of host time per check plus the wait for the work
 already queued on the stream (not yet measured on a GPU;
 benchmarks/bisect_corpus_cuda.py part 5 times it).
 
-The attention router also reads these cached facts (``uniform_length``): a
+The attention router also reads these cached facts (``uniform_length``: a
 packed batch whose sequences all have one length runs as the padded batch it
-is.  The cache knows a tensor by identity and torch's version counter, which
+is; ``sequence_facts``: where the last sequence ends and the longest length,
+for the opt-in cudnn_ragged route).  The cache knows a tensor by identity and torch's version counter, which
 every torch in-place op moves; a write that bypasses it (another framework
 writing the memory through DLPack, a ``.data`` swap) is not seen, and a
 cu_seqlens tensor so rewritten must be passed as a new tensor (or
@@ -145,6 +146,26 @@ def uniform_length(cu, extent, max_len=None):
     if first != 0 or i >= 0 or last != extent or shortest != longest or shortest < 1:
         return None
     return shortest
+
+
+def sequence_facts(cu, max_len=None):
+    """(end, shortest, longest) of the valid int32 cu_seqlens ``cu``: where
+    its last sequence ends and its shortest and longest sequence lengths,
+    else None (not a valid cu_seqlens, under CUDA graph capture, or not
+    readable).  Like ``uniform_length`` it reuses on CUDA the facts
+    ``check_cu_seqlens`` read for the same tensor and ``max_len`` (no
+    second synchronization) and reads CPU tensors directly.  The attention
+    router's cudnn_ragged route needs every token inside a sequence (cuDNN
+    leaves the others unwritten) and the longest length (no host read)."""
+    if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
+        return None
+    if _capturing(cu) or not _readable(cu):
+        return None
+    facts = _cu_problem(cu, max_len) if cu.device.type in HOST_READ else _facts(cu, max_len)
+    first, i, _, last, shortest, longest = facts
+    if first != 0 or i >= 0 or shortest < 0:
+        return None
+    return last, shortest, longest
 
 
 def check_cu_seqlens(op, name, cu, extent=None, max_len=None, max_what=None):

@@ -34,6 +34,8 @@ Files, one concern each:
 - _args.py: argument checks and the C config tuple.
 - _routing.py: kernel and backend choice, SEQFUSE_ATTN_BACKEND.
 - _torch_routes.py: the "flash" and "torch_fp32" routes: rules, layouts, calls.
+- _cudnn_ragged.py: the opt-in "cudnn_ragged" route (cuDNN's variable-length
+  attention through torch's private op) and what torch 2.11 offers for it.
 - _dropout.py: the Philox (seed, offset) state.
 - _padding.py: ``padding_layout`` for padding masks (``PerTensorCache``, re-exported here, lives in ops/tensor_cache.py).
 """
@@ -42,12 +44,14 @@ from ._dropout import dropout_rng_state
 from ._entry import attention, attention_bwd, attention_fwd
 from ..tensor_cache import PerTensorCache
 from ._padding import PaddingLayout, padding_layout
+from ._cudnn_ragged import ragged_eligibility
 from ._routing import (BACKENDS, attention_backend, attention_bwd_kernel, attention_fwd_kernel,
                        cudnn_eligibility, set_attention_backend, set_attention_bwd_kernel,
-                       set_attention_fwd_kernel)
+                       set_attention_cudnn_ragged, set_attention_fwd_kernel)
 from ._torch_routes import flash_eligibility, fp32_eligibility
 
 __all__ = ["attention", "attention_fwd", "attention_bwd", "attention_fwd_kernel", "attention_bwd_kernel",
            "set_attention_fwd_kernel", "set_attention_bwd_kernel", "attention_backend", "set_attention_backend",
-           "cudnn_eligibility", "flash_eligibility", "fp32_eligibility", "dropout_rng_state", "padding_layout",
+           "cudnn_eligibility", "flash_eligibility", "fp32_eligibility", "ragged_eligibility",
+           "set_attention_cudnn_ragged", "dropout_rng_state", "padding_layout",
            "PaddingLayout", "PerTensorCache", "FORMATS", "MASKS", "BACKENDS"]

@@ -37,15 +37,25 @@ torch.nn.attention.varlen.varlen_attn, the same kernel, measured on an
 H200 with torch 2.11 at 16k packed tokens (bf16, /shared/DESIGN.md)
 96-257 TFLOP/s forward+backward against seqfuse's thd kernel's 91-196,
 and 118-268 forward against 121-303: auto takes it for training's sake,
-benchmarks/attn/bench_routes.py re-measures); and "torch_fp32" (float32 on CUDA, which
-seqfuse's CUDA kernels do not take: torch SDPA's memory-efficient or math
-kernels with an explicit mask, _torch_routes.py).  The choice is
-``SEQFUSE_ATTN_BACKEND=auto|seqfuse|cudnn|flash``
+benchmarks/attn/bench_routes.py re-measures); "cudnn_ragged" (packed thd
+batches of unequal lengths on cuDNN's variable-length attention through
+``torch.ops.aten._cudnn_attention_forward`` with cu_seqlens; rules
+``ragged_eligibility`` and torch 2.11's facts in _cudnn_ragged.py; OFF by
+default: auto tries it, after cuDNN and before flash, only with
+``SEQFUSE_ATTN_CUDNN_RAGGED=1`` or ``set_attention_cudnn_ragged(True)``,
+until a GPU run (benchmarks/attn/ragged_probe.py) shows it equal and faster;
+in torch 2.11 every call rebuilds its cuDNN graph, about 45 ms, and calls
+that want gradients are refused, rule ``torch_backward``); and "torch_fp32"
+(float32 on CUDA, which seqfuse's CUDA kernels do not take: torch SDPA's
+memory-efficient or math kernels with an explicit mask, _torch_routes.py).
+The choice is ``SEQFUSE_ATTN_BACKEND=auto|seqfuse|cudnn|flash|cudnn_ragged``
 (read once, at the first attention call; unset or empty means auto; any other
 value is a ValueError naming the variable, raised there) or
 ``set_attention_backend(name)``, which overrides it for the process.
+``SEQFUSE_ATTN_CUDNN_RAGGED`` ("0" or "1", read once at the first question
+that needs it; anything else is a ValueError naming it) is auto's opt-in.
 ``attention_backend(q, k, v, ...)`` returns (name, reason): the route a call
-takes ("seqfuse", "cudnn", "flash" or "torch_fp32") and why.
+takes ("seqfuse", "cudnn", "flash", "cudnn_ragged" or "torch_fp32") and why.
 
 - "auto" (the default) takes cuDNN only where every rule holds, checked in
   this order (the reason names the first one broken, as "rule: why"):
@@ -77,6 +87,12 @@ takes ("seqfuse", "cudnn", "flash" or "torch_fp32") and why.
   call key, and sends the call to cuDNN by the rules above applied to
   [b, L] (its padding mask read as no mask, or causal); the reason names
   both views.
+- then, in auto with the cudnn_ragged opt-in on, a call cuDNN does not take
+  goes to "cudnn_ragged" where every rule of ``ragged_eligibility`` holds
+  (the lengths facts come from the cu_seqlens check's cached host read, as
+  for the uniform case: no extra synchronization, none under capture); a
+  call it does not take adds "cudnn_ragged route: <rule>: why" to its
+  reason.
 - then, in auto, a call cuDNN does not take goes to "flash" where every
   rule of ``flash_eligibility`` holds (_torch_routes.py: ``alignment``,
   ``rng_state``, ``deterministic``, ``dtype``, ``gqa``, ``head_dim``,
@@ -94,6 +110,9 @@ takes ("seqfuse", "cudnn", "flash" or "torch_fp32") and why.
   (``inputs``).
 - "flash": eligible calls take torch's FlashAttention on any compute
   capability; any other broken rule is a NotImplementedError naming it.
+- "cudnn_ragged": eligible calls take cuDNN's ragged attention on any
+  compute capability (the capability rule is skipped); any other broken
+  rule is a NotImplementedError naming it.
 - "cudnn": eligible calls take cuDNN, on any compute capability (the
   capability rule is about speed and is skipped); any other broken rule is a
   NotImplementedError naming it (no silent fallback; disagreeing inputs get
@@ -102,8 +121,8 @@ takes ("seqfuse", "cudnn", "flash" or "torch_fp32") and why.
 
 The first time auto sends a kind of call (route, layout, mask, head dim,
 dtype, and for flash GQA / dropout) to a torch route, logger "seqfuse" says
-so once at INFO.  If torch raises a RuntimeError from the cuDNN or flash
-forward in auto (e.g. "No available kernel"; an
+so once at INFO.  If torch raises a RuntimeError from the cuDNN, cudnn_ragged
+or flash forward in auto (e.g. "No available kernel"; an
 out-of-memory error, or a CUDA error, which leaves the context unusable, is
 raised as it is), a WARNING names the error, the call runs seqfuse's
 kernels, and every later call of the same route, shapes, strides, dtype,
@@ -132,8 +151,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ... import _C
 from .._call import as_float
+from . import _cudnn_ragged as ragged
 from . import _torch_routes as routes
-from ..device_checks import uniform_length
+from ..device_checks import sequence_facts, uniform_length
 from ._args import FORMATS, MASKS, PADDING, check_tensor, kernel_layout, mask_code, window_pair
 
 _log = logging.getLogger("seqfuse")
@@ -234,9 +254,16 @@ def note_bwd_kernel(q, deterministic, dropout=False):
 
 
 # ------------------------------------------------------------ backend choice
-BACKENDS = ("auto", "seqfuse", "cudnn", "flash")
+BACKENDS = ("auto", "seqfuse", "cudnn", "flash", "cudnn_ragged")
+_BACKEND_LIST = ", ".join(repr(b) for b in BACKENDS)
 _ENV = "SEQFUSE_ATTN_BACKEND"
 _backend = None  # the process's choice; None until the first call reads the environment
+# whether auto may try the cudnn_ragged route (_cudnn_ragged.py): off unless switched on
+_RAGGED_ENV = "SEQFUSE_ATTN_CUDNN_RAGGED"
+_ragged_on = None  # None until the first question reads the environment
+_ROUTE_WORDS = {"cudnn": "cuDNN fused attention", "flash": "torch's FlashAttention",
+                "cudnn_ragged": "cuDNN's ragged fused attention"}
+_ragged_support = {}  # "op" -> torch has the op, "cudnn" -> torch's cuDNN version: asked once
 # what SDPA may run on the cudnn route (CPU tests point it at MATH to run the route there)
 _SDPA_BACKENDS = [SDPBackend.CUDNN_ATTENTION]
 _CUDNN_CAPABILITY = (9, 0)
@@ -262,22 +289,102 @@ def _read_backend():
         raw = os.environ.get(_ENV, "")
         value = raw.strip() or "auto"
         if value not in BACKENDS:
-            raise ValueError(f"{_ENV} must be one of 'auto', 'seqfuse', 'cudnn', 'flash', got {raw!r}")
+            raise ValueError(f"{_ENV} must be one of {_BACKEND_LIST}, got {raw!r}")
         _backend = value
     return _backend
 
 
 def set_attention_backend(name):
     """Attention backend of ``attention`` for the process: "auto", "seqfuse",
-    "cudnn" or "flash" (overrides SEQFUSE_ATTN_BACKEND; see the module
-    docstring).  Also forgets the calls whose torch route failed in auto."""
+    "cudnn", "flash" or "cudnn_ragged" (overrides SEQFUSE_ATTN_BACKEND; see
+    the module docstring).  Also forgets the calls whose torch route failed
+    in auto."""
     global _backend
     if not isinstance(name, str) or name not in BACKENDS:
-        raise ValueError(f"set_attention_backend: argument 'name' must be one of 'auto', 'seqfuse', 'cudnn', "
-                         f"'flash', got {name!r}")
+        raise ValueError(f"set_attention_backend: argument 'name' must be one of {_BACKEND_LIST}, got {name!r}")
     _backend = name
     _choices.clear()
     _route_failed.clear()
+
+
+def _read_ragged():
+    """Whether auto may try the cudnn_ragged route: set_attention_cudnn_ragged's
+    choice, else SEQFUSE_ATTN_CUDNN_RAGGED (read once; unset, empty or "0"
+    is off, "1" on; any other value raises here, at every question, until
+    it is fixed)."""
+    global _ragged_on
+    if _ragged_on is None:
+        raw = os.environ.get(_RAGGED_ENV, "")
+        value = raw.strip() or "0"
+        if value not in ("0", "1"):
+            raise ValueError(f"{_RAGGED_ENV} must be '0' or '1', got {raw!r}")
+        _ragged_on = value == "1"
+    return _ragged_on
+
+
+def set_attention_cudnn_ragged(enabled):
+    """Let auto try the cudnn_ragged route (cuDNN's variable-length attention
+    for packed thd batches, _cudnn_ragged.py) before the flash route:
+    True or False, for the process (overrides SEQFUSE_ATTN_CUDNN_RAGGED);
+    returns the previous setting.  Off by default: see the module docstring."""
+    global _ragged_on
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_attention_cudnn_ragged: argument 'enabled' must be a bool, got "
+                        f"{type(enabled).__name__}")
+    try:
+        previous = _read_ragged()
+    except ValueError:  # a bad SEQFUSE_ATTN_CUDNN_RAGGED: this call overrides it
+        previous = False
+    _ragged_on = enabled
+    _choices.clear()
+    _route_failed.clear()
+    return previous
+
+
+def _ragged_supported():
+    """(torch has the ragged op, torch's cuDNN version or None), asked once."""
+    if not _ragged_support:
+        _ragged_support["op"] = ragged.op_available()
+        try:
+            _ragged_support["cudnn"] = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() \
+                else None
+        except RuntimeError:  # a torch whose cuDNN cannot be loaded
+            _ragged_support["cudnn"] = None
+    return _ragged_support["op"], _ragged_support["cudnn"]
+
+
+def _ragged_facts(q, k, qkv_format, cu_q, cu_k, max_seqlen_q, max_seqlen_kv):
+    """(covered, longest q sequence, longest k/v sequence) of a CUDA thd
+    call from the cu_seqlens facts the check already read (no extra
+    synchronization; device_checks.sequence_facts), else None.  covered:
+    every q and k/v token lies inside a sequence, there is at least one,
+    and, with separate cu_seqlens for q and kv, no key sequence is empty."""
+    if qkv_format != "thd" or not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor) or \
+            q.dim() != 3 or k.dim() != 3 or cu_q is None or cu_k is None:
+        return None
+    if _device_facts(q.device)[0] != "cuda":
+        return None  # no cuDNN there: not worth reading the lengths
+    given = [m if isinstance(m, int) and not isinstance(m, bool) else None for m in (max_seqlen_q, max_seqlen_kv)]
+    fq = sequence_facts(cu_q, given[0])
+    fk = fq if cu_k is cu_q and given[1] == given[0] else sequence_facts(cu_k, given[1])
+    if fq is None or fk is None:
+        return None
+    covered = fq[0] == q.shape[0] and fk[0] == k.shape[0] and q.shape[0] >= 1 and (cu_k is cu_q or fk[1] >= 1)
+    return covered, fq[2], fk[2]
+
+
+def _ragged_rule(mode, q, k, qkv_format, attn_mask_type, window, p, deterministic, switches, same_cu, facts):
+    """(rule, reason) of the cudnn_ragged route for one call (ragged_eligibility
+    with the facts of this process's torch)."""
+    cudnn_enabled, _, det_algos, capturing, needs_grad = switches
+    device_type, capability = _device_facts(q.device)
+    op_present, cudnn_version = _ragged_supported()
+    return ragged.ragged_eligibility(
+        device_type, capability, qkv_format, attn_mask_type, window, p, bool(deterministic), q.dtype,
+        q.shape[-2], k.shape[-2], q.shape[-1], cudnn_enabled, same_cu=same_cu,
+        covered=None if facts is None else facts[0], needs_grad=needs_grad, capturing=capturing,
+        cudnn_version=cudnn_version, op_present=op_present, backward_trusted=ragged.ragged_backward_trusted(),
+        check_capability=mode == "auto", deterministic_algorithms=det_algos)
 
 
 def cudnn_eligibility(device_type, capability, qkv_format, attn_mask_type, s_q, s_kv, window_size, dropout_p,
@@ -373,12 +480,14 @@ def _inputs_problem(q, k, v, qkv_format, code, cu_q, cu_k):
 
 
 def _decide(mode, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, deterministic, cu_q, cu_k,
-            explicit_rng, switches, uniform=None):
+            explicit_rng, switches, uniform=None, ragged_on=False, ragged_facts=None):
     """(backend, rule, reason) of one call key; bad argument values raise as
     the seqfuse path would.  ``switches``: (cudnn_sdp_enabled,
     flash_sdp_enabled, deterministic algorithms on, capturing, needs_grad);
     ``uniform``: L when the call is thd and its one cu_seqlens splits every
-    token into sequences of length L (``_uniform``), else None."""
+    token into sequences of length L (``_uniform``), else None;
+    ``ragged_on``: auto may try the cudnn_ragged route; ``ragged_facts``:
+    ``_ragged_facts`` of the call (None: not known)."""
     cudnn_enabled, flash_enabled, det_algos, capturing, needs_grad = switches
     if qkv_format not in FORMATS:
         raise ValueError(f"attention: qkv_format must be 'bshd', 'sbhd' or 'thd', got {qkv_format!r}")
@@ -396,6 +505,13 @@ def _decide(mode, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, d
     device_type, capability = _device_facts(q.device)
     d, hq, hk = q.shape[-1], q.shape[-2], k.shape[-2]
     dtype = str(q.dtype).replace("torch.", "")
+    same_cu = cu_q is not None and cu_q is cu_k
+    ragged_why = f"thd {attn_mask_type} d={d} {dtype}{' gqa' if hq != hk else ''} runs cuDNN's ragged fused " \
+                 "attention through torch.ops.aten._cudnn_attention_forward"
+    if mode == "cudnn_ragged":
+        r_rule, r_reason = _ragged_rule(mode, q, k, qkv_format, attn_mask_type, window, p, deterministic, switches,
+                                        same_cu, ragged_facts)
+        return ("cudnn_ragged", "", ragged_why) if not r_rule else ("seqfuse", r_rule, r_reason)
     rule, reason = cudnn_eligibility(device_type, capability, qkv_format, attn_mask_type, s_q, s_kv, window, p,
                                      bool(deterministic), q.dtype, hq, hk, d, cudnn_enabled,
                                      cu_seqlens=cu_q is not None or cu_k is not None,
@@ -419,7 +535,12 @@ def _decide(mode, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, d
                                 "fused attention through torch SDPA"
         if mode == "cudnn":
             return "seqfuse", rule, reason
-    same_cu = cu_q is not None and cu_q is cu_k
+    if mode == "auto" and ragged_on:
+        r_rule, r_reason = _ragged_rule(mode, q, k, qkv_format, attn_mask_type, window, p, deterministic, switches,
+                                        same_cu, ragged_facts)
+        if not r_rule:
+            return "cudnn_ragged", "", ragged_why
+        reason = f"{reason}; cudnn_ragged route: {r_reason}"
     f_rule, f_reason = routes.flash_eligibility(
         device_type, capability, qkv_format, attn_mask_type, p, bool(deterministic), q.dtype, hq, hk, d,
         flash_enabled, s_q=s_q, s_kv=s_kv, same_cu=same_cu, explicit_rng=explicit_rng,
@@ -457,10 +578,10 @@ def _uniform(q, k, qkv_format, cu_q, cu_k, max_seqlen_q):
 
 
 def _choose(mode, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, deterministic, cu_seqlens_q,
-            cu_seqlens_kv, rng_state=None, max_seqlen_q=None):
-    """(backend, rule, reason) of one call under ``mode``; forced "cudnn" or
-    "flash" raises NotImplementedError where a rule (other than "inputs")
-    is broken, as does a float32 CUDA call no route takes."""
+            cu_seqlens_kv, rng_state=None, max_seqlen_q=None, max_seqlen_kv=None):
+    """(backend, rule, reason) of one call under ``mode``; forced "cudnn",
+    "flash" or "cudnn_ragged" raises NotImplementedError where a rule (other
+    than "inputs") is broken, as does a float32 CUDA call no route takes."""
     if mode == "seqfuse":
         return "seqfuse", "", f"backend 'seqfuse' chosen ({_ENV} or set_attention_backend)"
     cudnn_enabled = torch.backends.cuda.cudnn_sdp_enabled()
@@ -475,29 +596,32 @@ def _choose(mode, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, d
     cus = tuple(None if c is None else (c.dtype, tuple(c.shape), c.device) if isinstance(c, torch.Tensor)
                 else type(c) for c in (cu_seqlens_q, cu_seqlens_kv))
     uniform = _uniform(q, k, qkv_format, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q)
+    ragged_on = mode == "cudnn_ragged" or (mode == "auto" and _read_ragged())
+    facts = _ragged_facts(q, k, qkv_format, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv) \
+        if ragged_on else None
     key = (mode, q.device, qkv_format, attn_mask_type, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
            window, dropout_p, bool(deterministic), cus, cu_seqlens_q is not None and cu_seqlens_q is cu_seqlens_kv,
-           explicit_rng, switches, uniform)
+           explicit_rng, switches, uniform, ragged_on, facts)
     try:
         hit = _choices.get(key)
     except TypeError:  # an unhashable argument: _decide names it
         hit, key = None, None
     if hit is None:
         hit = _decide(mode, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, deterministic,
-                      cu_seqlens_q, cu_seqlens_kv, explicit_rng, switches, uniform)
+                      cu_seqlens_q, cu_seqlens_kv, explicit_rng, switches, uniform, ragged_on, facts)
         if key is not None:
             if len(_choices) >= _MAX_CHOICES:
                 _choices.clear()
             _choices[key] = hit
     name, rule, reason = hit
-    if mode in ("cudnn", "flash"):
+    if mode in _ROUTE_WORDS:
         if name != mode and rule != "inputs":
-            route = "cuDNN fused attention" if mode == "cudnn" else "torch's FlashAttention"
+            route = _ROUTE_WORDS[mode]
             raise NotImplementedError(f"attention: backend {mode!r} was chosen ({_ENV} or set_attention_backend) "
                                       f"but this call cannot run {route}: {reason}")
     elif rule == "torch_fp32":
         raise NotImplementedError(f"attention: {reason}")
-    elif name in ("cudnn", "flash") and _route_failed:
+    elif name in _ROUTE_WORDS and _route_failed:
         error = _route_failed.get(_failure_key(name, q, k, attn_mask_type))
         if error is not None:
             return "seqfuse", f"{name}_failed", f"{name}_failed: {name} failed earlier on these shapes, strides, " \
@@ -515,19 +639,21 @@ def _failure_key(route, q, k, attn_mask_type):
 def attention_backend(q, k, v, qkv_format="bshd", attn_mask_type="no_mask", window_size=None, dropout_p=0.0,
                       deterministic=False, cu_seqlens_q=None, cu_seqlens_kv=None, rng_state=None, *,
                       max_seqlen_q=None, max_seqlen_kv=None, softmax_scale=None):
-    """(name, reason): the route ("seqfuse", "cudnn", "flash" or
-    "torch_fp32") an ``attention`` call with these arguments takes under the
+    """(name, reason): the route ("seqfuse", "cudnn", "flash",
+    "cudnn_ragged" or "torch_fp32") an ``attention`` call with these
+    arguments takes under the
     process's choice, and why (for a call that stays on seqfuse, "rule: why"
     naming the first rule broken of each torch route looked at).  Raises
     what the call would: ValueError for a bad SEQFUSE_ATTN_BACKEND or
     argument value, NotImplementedError for a call the forced backend cannot
-    run, or a float32 CUDA call no route takes.  ``max_seqlen_q``,
-    ``max_seqlen_kv`` and ``softmax_scale`` do not change the choice; they are
-    taken so that an ``attention`` call's keywords can be passed as they are."""
+    run, or a float32 CUDA call no route takes.  ``max_seqlen_q`` and
+    ``max_seqlen_kv`` change the choice only as keys of the cached
+    cu_seqlens facts; ``softmax_scale`` does not change it; they are taken so
+    that an ``attention`` call's keywords can be passed as they are."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, x)
     name, _, reason = _choose(_read_backend(), q, k, v, qkv_format, attn_mask_type, window_size, dropout_p,
-                              deterministic, cu_seqlens_q, cu_seqlens_kv, rng_state, max_seqlen_q)
+                              deterministic, cu_seqlens_q, cu_seqlens_kv, rng_state, max_seqlen_q, max_seqlen_kv)
     return name, reason
 
 
@@ -560,6 +686,13 @@ def _run_route(name, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p
     if name == "cudnn":
         return _sdpa(q, k, v, qkv_format, attn_mask_type != "no_mask", scale)
     q, k, v = (kernel_layout(x) for x in (q, k, v))  # aligned 16-byte rows, or a copy
+    if name == "cudnn_ragged":
+        # the longest lengths from the facts the router read (no host read); a given max is kept
+        _, longest_q, longest_k = _ragged_facts(q, k, qkv_format, cu_q, cu_k, max_q, max_k)
+        max_q = max_q if isinstance(max_q, int) and not isinstance(max_q, bool) else longest_q
+        max_k = max_k if isinstance(max_k, int) and not isinstance(max_k, bool) else longest_k
+        with torch.autocast(q.device.type, enabled=False):
+            return ragged.run_cudnn_ragged(q, k, v, attn_mask_type, scale, cu_q, cu_k, max_q, max_k)
     window = window_pair(window_size)
     p = as_float("attention", "dropout_p", dropout_p)
     if name == "flash":
@@ -574,14 +707,15 @@ def routed_attention_or_none(q, k, v, qkv_format, attn_mask_type, window_size, d
                              rng_state=None):
     """``attention``'s backend step: the output of the torch route the
     process's backend choice sends this call to, else None (seqfuse's
-    kernels run it).  Forced "cudnn"/"flash" raise for a call they cannot
-    run; in auto a RuntimeError of the cudnn or flash forward falls back to
-    seqfuse, logged and remembered (see the module docstring)."""
+    kernels run it).  Forced "cudnn"/"flash"/"cudnn_ragged" raise for a call
+    they cannot run; in auto a RuntimeError of the cudnn, cudnn_ragged or
+    flash forward falls back to seqfuse, logged and remembered (see the
+    module docstring)."""
     mode = _read_backend()
     if mode == "seqfuse":
         return None
     name, _, reason = _choose(mode, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, deterministic,
-                              cu_seqlens_q, cu_seqlens_kv, rng_state, max_seqlen_q)
+                              cu_seqlens_q, cu_seqlens_kv, rng_state, max_seqlen_q, max_seqlen_kv)
     if name == "seqfuse":
         return None
     scale = routes.softmax_scale_of(q, softmax_scale)
@@ -601,7 +735,7 @@ def routed_attention_or_none(q, k, v, qkv_format, attn_mask_type, window_size, d
         if "CUDA error" in error or "cudaError" in error:  # the context is broken: nothing to fall back to
             raise
         _route_failed[_failure_key(name, q, k, attn_mask_type)] = error
-        what = "cuDNN fused attention (torch SDPA)" if name == "cudnn" else "torch's FlashAttention"
+        what = {"cudnn": "cuDNN fused attention (torch SDPA)"}.get(name, _ROUTE_WORDS[name])
         _log.warning("seqfuse attention: %s failed on %s %s d=%d %s: %s; this call and later ones of these "
                      "shapes, strides, dtype, mask and device run on seqfuse's kernels",
                      what, qkv_format, attn_mask_type, q.shape[-1], str(q.dtype).replace("torch.", ""), error)

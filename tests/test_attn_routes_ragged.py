@@ -1,0 +1,375 @@
+"""The opt-in "cudnn_ragged" route of ops.attention (python/seqfuse/ops/attn/
+_cudnn_ragged.py: packed thd batches on cuDNN's variable-length attention
+through torch.ops.aten._cudnn_attention_forward), on the CPU:
+
+- each rule of ragged_eligibility as a pure function, and their order;
+- device_checks.sequence_facts, the lengths facts the route reads;
+- the choice (attention_backend) on CPU tensors with an H200's device facts
+  and a torch that has the op with cuDNN 9.19: off by default, taken in auto
+  only with SEQFUSE_ATTN_CUDNN_RAGGED=1 or set_attention_cudnn_ragged(True),
+  after the uniform-length cuDNN route and before flash, refused for calls
+  that want gradients (rule torch_backward), forced by
+  SEQFUSE_ATTN_BACKEND=cudnn_ragged with NotImplementedError naming the rule;
+- the route's plumbing run on the CPU: the op is CUDA only, so a stand-in
+  with its documented semantics (3-D packed q/k/v, top-left causal within
+  each sequence, tokens outside every sequence left unwritten: NaN here)
+  takes its place, and the route's output is checked against seqfuse's CPU
+  kernels; a RuntimeError from it falls back to seqfuse in auto, logged.
+The CUDA tests: tests/test_attn_ragged_cuda.py."""
+import logging
+
+import pytest
+import torch
+
+import seqfuse
+from attn_ref import attend, cu_seqlens
+from helpers import pair_tol, rel_error
+from seqfuse.ops import device_checks
+from seqfuse.ops.attn import _cudnn_ragged as ragged
+from seqfuse.ops.attn import _routing as routing
+
+RAGGED = seqfuse.ops.attn.ragged_eligibility
+
+
+@pytest.fixture(autouse=True)
+def restore_backend(monkeypatch):
+    monkeypatch.setattr(routing, "_backend", "auto")
+    monkeypatch.setattr(routing, "_ragged_on", False)
+    monkeypatch.setattr(routing, "_choices", {})
+    monkeypatch.setattr(routing, "_route_failed", {})
+    monkeypatch.setattr(routing, "_logged", set())
+    monkeypatch.setattr(routing, "_capabilities", {})
+
+
+@pytest.fixture
+def emulated_h200(monkeypatch):
+    """CPU tensors routed as if on an H200 whose torch has the op and cuDNN 9.19."""
+    monkeypatch.setattr(routing, "_device_facts", lambda device: ("cuda", (9, 0)))
+    monkeypatch.setattr(routing, "_SDPA_BACKENDS", [routing.SDPBackend.MATH])
+    monkeypatch.setattr(routing, "_ragged_support", {"op": True, "cudnn": 91900})
+
+
+def thd_case(lengths_q, lengths_k=None, h=4, hk=4, d=16, dtype=torch.bfloat16, tail=(0, 0), same=True):
+    lengths_k = lengths_q if lengths_k is None else lengths_k
+    q = torch.randn(sum(lengths_q) + tail[0], h, d).to(dtype)
+    k = torch.randn(sum(lengths_k) + tail[1], hk, d).to(dtype)
+    v = torch.randn(k.shape).to(dtype)
+    cu_q = cu_seqlens(lengths_q)
+    cu_k = cu_q if same and lengths_k == lengths_q else cu_seqlens(lengths_k)
+    return q, k, v, dict(qkv_format="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k, max_seqlen_q=max(lengths_q),
+                         max_seqlen_kv=max(lengths_k))
+
+
+# ------------------------------------------------------------ the rules, pure
+OK = dict(device_type="cuda", capability=(9, 0), qkv_format="thd", attn_mask_type="padding", window=(-1, -1),
+          dropout_p=0.0, deterministic=False, dtype=torch.bfloat16, heads_q=20, heads_kv=20, head_dim=64,
+          cudnn_enabled=True, covered=True, cudnn_version=91900)
+
+BROKEN = [
+    ("qkv_format", dict(qkv_format="bshd")),
+    ("alignment", dict(attn_mask_type="padding_causal_bottom_right")),
+    ("alignment", dict(attn_mask_type="causal_bottom_right")),
+    ("window", dict(window=(8, 0))),
+    ("dropout", dict(dropout_p=0.1)),
+    ("deterministic", dict(deterministic=True)),
+    ("deterministic", dict(deterministic_algorithms=True)),
+    ("dtype", dict(dtype=torch.float32)),
+    ("gqa", dict(heads_kv=3)),
+    ("gqa", dict(heads_kv=5, cudnn_version=90500)),
+    ("gqa", dict(heads_kv=5, cudnn_version=None)),
+    ("head_dim", dict(head_dim=20)),
+    ("head_dim", dict(head_dim=256)),
+    ("device", dict(device_type="cpu")),
+    ("torch_op", dict(op_present=False)),
+    ("graph_capture", dict(capturing=True)),
+    ("lengths", dict(covered=None)),
+    ("lengths", dict(covered=False)),
+    ("torch_backward", dict(needs_grad=True)),
+    ("capability", dict(capability=(8, 0))),
+    ("capability", dict(capability=None)),
+    ("cudnn_sdp_enabled", dict(cudnn_enabled=False)),
+]
+
+
+def test_eligible_call_passes():
+    assert RAGGED(**OK) == ("", "")
+    # what it also takes: top-left causal with separate cu_seqlens, bottom-right with one tensor, GQA, fp16,
+    # head dims 8 to 128, gradients where the torch's backward is trusted, any capability when forced
+    for extra in (dict(attn_mask_type="padding_causal"), dict(attn_mask_type="causal"),
+                  dict(attn_mask_type="causal_bottom_right", same_cu=True), dict(heads_kv=5),
+                  dict(dtype=torch.float16), dict(head_dim=8), dict(head_dim=128),
+                  dict(needs_grad=True, backward_trusted=True), dict(capability=(8, 0), check_capability=False)):
+        assert RAGGED(**{**OK, **extra}) == ("", ""), extra
+
+
+@pytest.mark.parametrize("rule,change", BROKEN, ids=[f"{r}-{i}" for i, (r, _) in enumerate(BROKEN)])
+def test_each_rule(rule, change):
+    got, reason = RAGGED(**{**OK, **change})
+    assert got == rule and reason.startswith(rule + ": ")
+
+
+def test_rules_are_checked_in_order():
+    # every later change of BROKEN stacked on an earlier one: the earliest rule is named
+    for i, (rule, change) in enumerate(BROKEN):
+        stacked = dict(OK)
+        for _, later in BROKEN[i:]:
+            stacked.update(later)
+        stacked.update(change)
+        assert RAGGED(**stacked)[0] == rule, (rule, change)
+
+
+def test_reasons_name_the_torch_bugs():
+    assert "PyTorch PR #186142" in RAGGED(**{**OK, "needs_grad": True})[1]
+    assert "needs cuDNN 9.6 or later, this torch has 90500" in RAGGED(**{**OK, "heads_kv": 5,
+                                                                         "cudnn_version": 90500})[1]
+
+
+def test_torch_release_and_backward_trust(monkeypatch):
+    assert ragged.torch_release("2.11.0+cu130") == (2, 11)
+    assert ragged.torch_release("2.13.0a0+git1234") == (2, 13)
+    assert ragged.torch_release("3.0.1") == (3, 0)
+    assert ragged.RAGGED_BACKWARD_FROM is None and not ragged.ragged_backward_trusted("9.9.0")
+    monkeypatch.setattr(ragged, "RAGGED_BACKWARD_FROM", (2, 13))
+    assert not ragged.ragged_backward_trusted("2.12.1") and ragged.ragged_backward_trusted("2.13.0")
+
+
+# ------------------------------------------------------------ the lengths facts
+def test_sequence_facts():
+    cu = cu_seqlens([5, 0, 9, 2])
+    assert device_checks.sequence_facts(cu) == (16, 0, 9)
+    assert device_checks.sequence_facts(cu, 9) == (16, 0, 9)
+    assert device_checks.sequence_facts(cu, 8) is None  # a sequence longer than the max given
+    assert device_checks.sequence_facts(torch.tensor([1, 4], dtype=torch.int32)) is None  # not from 0
+    assert device_checks.sequence_facts(torch.tensor([0, 4, 3], dtype=torch.int32)) is None  # decreasing
+    assert device_checks.sequence_facts(cu.long()) is None
+    assert device_checks.sequence_facts(cu[:1]) is None
+    assert device_checks.sequence_facts(None) is None
+
+
+# ------------------------------------------------------------ the choice
+def test_off_by_default(emulated_h200, monkeypatch):
+    monkeypatch.setattr(routing, "_ragged_on", None)
+    monkeypatch.delenv("SEQFUSE_ATTN_CUDNN_RAGGED", raising=False)
+    q, k, v, kw = thd_case([5, 7, 3])
+    name, reason = seqfuse.ops.attention_backend(q, k, v, **kw)
+    assert name == "seqfuse" and "cudnn_ragged" not in reason  # forward only: seqfuse's kernels, as before
+    q.requires_grad_()
+    assert seqfuse.ops.attention_backend(q, k, v, **kw)[0] == "flash"
+
+
+def test_opt_in_takes_forward_calls_and_refuses_gradients(emulated_h200):
+    assert seqfuse.ops.attn.set_attention_cudnn_ragged(True) is False
+    q, k, v, kw = thd_case([5, 7, 3])
+    assert seqfuse.ops.attention_backend(q, k, v, **kw) == (
+        "cudnn_ragged", "thd no_mask d=16 bfloat16 runs cuDNN's ragged fused attention through "
+                        "torch.ops.aten._cudnn_attention_forward")
+    q.requires_grad_()
+    name, reason = seqfuse.ops.attention_backend(q, k, v, **kw)
+    assert name == "flash"
+    with torch.no_grad():
+        assert seqfuse.ops.attention_backend(q, k, v, **kw)[0] == "cudnn_ragged"
+    # a call flash does not take either names all three rules
+    name, reason = seqfuse.ops.attention_backend(q, k, v, **kw, rng_state=(1, 0), dropout_p=0.1)
+    assert name == "seqfuse" and "; cudnn_ragged route: dropout: " in reason and "; flash route: rng_state" in reason
+    assert seqfuse.ops.attn.set_attention_cudnn_ragged(False) is True
+    with torch.no_grad():
+        assert seqfuse.ops.attention_backend(q, k, v, **kw)[0] == "seqfuse"
+
+
+def test_opt_in_keeps_uniform_batches_on_cudnn_bshd(emulated_h200):
+    seqfuse.ops.attn.set_attention_cudnn_ragged(True)
+    q, k, v, kw = thd_case([6, 6, 6])
+    name, reason = seqfuse.ops.attention_backend(q, k, v, **kw)
+    assert name == "cudnn" and "as bshd [3, 6]" in reason
+
+
+@pytest.mark.parametrize("case,rule", [
+    (lambda: thd_case([5, 7], tail=(3, 3)), "lengths"),  # tokens past the last sequence
+    (lambda: thd_case([5, 7], [4, 0], same=False), "lengths"),  # a query sequence with no keys
+    (lambda: thd_case([5, 7], d=20), "head_dim"),
+    (lambda: thd_case([5, 7], h=4, hk=3), None),  # q heads not a multiple: seqfuse's own checks ("inputs")
+    (lambda: thd_case([5, 7], dtype=torch.float32), None),  # float32 on CUDA: the torch_fp32 route
+])
+def test_opt_in_refusals_name_the_rule(emulated_h200, case, rule):
+    seqfuse.ops.attn.set_attention_cudnn_ragged(True)
+    q, k, v, kw = case()
+    name, reason = seqfuse.ops.attention_backend(q, k, v, **kw)
+    assert name != "cudnn_ragged"
+    if rule is not None:
+        assert f"cudnn_ragged route: {rule}: " in reason
+
+
+def test_opt_in_gqa_needs_cudnn_9_6(emulated_h200, monkeypatch):
+    seqfuse.ops.attn.set_attention_cudnn_ragged(True)
+    q, k, v, kw = thd_case([5, 7], h=4, hk=2)
+    assert seqfuse.ops.attention_backend(q, k, v, **kw)[0] == "cudnn_ragged"
+    monkeypatch.setattr(routing, "_ragged_support", {"op": True, "cudnn": 90500})
+    seqfuse.ops.attn.set_attention_cudnn_ragged(True)  # forgets the cached choices
+    assert "cudnn_ragged route: gqa: " in seqfuse.ops.attention_backend(q, k, v, **kw)[1]
+
+
+def test_env_opt_in(emulated_h200, monkeypatch):
+    q, k, v, kw = thd_case([5, 7])
+    monkeypatch.setattr(routing, "_ragged_on", None)
+    monkeypatch.setenv("SEQFUSE_ATTN_CUDNN_RAGGED", "1")
+    assert seqfuse.ops.attention_backend(q, k, v, **kw)[0] == "cudnn_ragged"
+    monkeypatch.setattr(routing, "_ragged_on", None)
+    monkeypatch.setattr(routing, "_choices", {})
+    monkeypatch.setenv("SEQFUSE_ATTN_CUDNN_RAGGED", " 0 ")
+    assert seqfuse.ops.attention_backend(q, k, v, **kw)[0] == "seqfuse"
+    for bad in ("yes", "true", "2"):
+        monkeypatch.setattr(routing, "_ragged_on", None)
+        monkeypatch.setenv("SEQFUSE_ATTN_CUDNN_RAGGED", bad)
+        for _ in range(2):  # every call says it until it is fixed
+            with pytest.raises(ValueError) as e:
+                seqfuse.ops.attention_backend(q, k, v, **kw)
+            assert str(e.value) == f"SEQFUSE_ATTN_CUDNN_RAGGED must be '0' or '1', got {bad!r}"
+    # the setter overrides a bad variable
+    seqfuse.ops.attn.set_attention_cudnn_ragged(True)
+    assert seqfuse.ops.attention_backend(q, k, v, **kw)[0] == "cudnn_ragged"
+
+
+@pytest.mark.parametrize("value", [1, "1", None, "on"])
+def test_setter_takes_bools_only(value):
+    with pytest.raises(TypeError) as e:
+        seqfuse.ops.attn.set_attention_cudnn_ragged(value)
+    assert str(e.value) == f"set_attention_cudnn_ragged: argument 'enabled' must be a bool, got " \
+                           f"{type(value).__name__}"
+
+
+def test_forced_route(emulated_h200, monkeypatch):
+    monkeypatch.setattr(routing, "_backend", None)
+    monkeypatch.setenv("SEQFUSE_ATTN_BACKEND", "cudnn_ragged")
+    q, k, v, kw = thd_case([5, 7, 3])
+    assert seqfuse.ops.attention_backend(q, k, v, **kw)[0] == "cudnn_ragged"
+    q.requires_grad_()
+    with pytest.raises(NotImplementedError, match=r"backend 'cudnn_ragged' was chosen .* cannot run cuDNN's "
+                                                  r"ragged fused attention: torch_backward: "):
+        seqfuse.ops.attention(q, k, v, **kw)
+    x = torch.randn(2, 6, 4, 16).bfloat16()
+    with pytest.raises(NotImplementedError, match="qkv_format: qkv_format 'bshd'; the cudnn_ragged route takes "
+                                                  "packed thd only"):
+        seqfuse.ops.attention_backend(x, x, x)
+
+
+def test_forced_route_skips_capability_and_keeps_device(monkeypatch):
+    monkeypatch.setattr(routing, "_ragged_support", {"op": True, "cudnn": 91900})
+    seqfuse.ops.set_attention_backend("cudnn_ragged")
+    q, k, v, kw = thd_case([5, 7])
+    with pytest.raises(NotImplementedError, match="device: cpu tensors"):
+        seqfuse.ops.attention(q, k, v, **kw)
+    monkeypatch.setattr(routing, "_device_facts", lambda device: ("cuda", (10, 0)))
+    assert seqfuse.ops.attention_backend(q, k, v, **kw)[0] == "cudnn_ragged"
+    seqfuse.ops.set_attention_backend("auto")
+    seqfuse.ops.attn.set_attention_cudnn_ragged(True)
+    assert "cudnn_ragged route: capability: compute capability 10.0" in seqfuse.ops.attention_backend(q, k, v,
+                                                                                                     **kw)[1]
+
+
+# ------------------------------------------------------------ the route's plumbing, with a stand-in
+def ragged_standin_for(calls):
+    """A CPU stand-in for torch.ops.aten._cudnn_attention_forward's ragged
+    path: the float64 reference per sequence (top-left causal when
+    is_causal), tokens outside every sequence left NaN (cuDNN does not
+    write them); checks what the route hands it."""
+    def standin(q, k, v, attn_bias, cu_q, cu_k, max_q, max_k, compute_log_sumexp, dropout_p, is_causal,
+                return_debug_mask, *, scale=None):
+        calls.append(dict(max_q=max_q, max_k=max_k, lse=compute_log_sumexp, causal=is_causal, scale=scale,
+                          strides=(q.stride(), k.stride(), v.stride())))
+        assert q.dim() == 3 and k.dim() == 3 and attn_bias is None and dropout_p == 0.0 and not return_debug_mask
+        assert cu_q.dtype == torch.int32 and cu_k.dtype == torch.int32 and cu_q.numel() == cu_k.numel()
+        bq, bk = cu_q.tolist(), cu_k.tolist()
+        assert all(0 <= b - a <= max_q for a, b in zip(bq, bq[1:])), (bq, max_q)
+        assert all(0 <= b - a <= max_k for a, b in zip(bk, bk[1:])), (bk, max_k)
+        mask = "causal" if is_causal else "no_mask"
+        out = torch.full(q.shape[:2] + v.shape[2:], float("nan"), dtype=q.dtype)
+        for a, b, c, e in zip(bq, bq[1:], bk, bk[1:]):
+            if b > a:
+                out[a:b] = attend(q[a:b].double(), k[c:e].double(), v[c:e].double(), mask, None, scale).to(q.dtype)
+        return out, None, cu_q, cu_k, max_q, max_k, None, None, None
+    return standin
+
+
+@pytest.fixture
+def ragged_calls(monkeypatch, emulated_h200):
+    calls = []
+    monkeypatch.setattr(ragged, "_ragged_forward", ragged_standin_for(calls))
+    return calls
+
+
+@pytest.mark.parametrize("mask", ["no_mask", "padding", "causal", "padding_causal", "causal_bottom_right",
+                                  "padding_causal_bottom_right"])
+@pytest.mark.parametrize("lengths,hk", [([5, 11, 1, 7], 4), ([9, 0, 6], 2)])
+def test_route_matches_seqfuse_cpu(ragged_calls, mask, lengths, hk):
+    seqfuse.ops.set_attention_backend("cudnn_ragged")
+    q, k, v, kw = thd_case(lengths, hk=hk)
+    out = seqfuse.ops.attention(q, k, v, attn_mask_type=mask, softmax_scale=0.3, **kw)
+    assert len(ragged_calls) == 1
+    call = ragged_calls[0]
+    assert call["causal"] == ("causal" in mask) and call["scale"] == 0.3 and not call["lse"]
+    assert call["max_q"] == max(lengths) and call["max_k"] == max(lengths)
+    seqfuse.ops.set_attention_backend("seqfuse")
+    ref = seqfuse.ops.attention(q, k, v, attn_mask_type=mask, softmax_scale=0.3, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert rel_error(out, ref) <= pair_tol(torch.bfloat16)
+
+
+def test_route_top_left_causal_with_separate_lengths(ragged_calls):
+    seqfuse.ops.set_attention_backend("cudnn_ragged")
+    q, k, v, kw = thd_case([4, 9, 6], [7, 3, 6], same=False)
+    out = seqfuse.ops.attention(q, k, v, attn_mask_type="padding_causal", **kw)
+    assert ragged_calls[-1]["causal"] and ragged_calls[-1]["max_k"] == 7
+    seqfuse.ops.set_attention_backend("seqfuse")
+    ref = seqfuse.ops.attention(q, k, v, attn_mask_type="padding_causal", **kw)
+    assert rel_error(out, ref) <= pair_tol(torch.bfloat16)
+
+
+def test_route_reads_no_max_length_from_the_device(ragged_calls, monkeypatch):
+    """Without max_seqlen the route takes the longest lengths from the cached
+    facts; a given max is passed as it is."""
+    seqfuse.ops.set_attention_backend("cudnn_ragged")
+    q, k, v, kw = thd_case([5, 11, 2])
+    kw.pop("max_seqlen_q"), kw.pop("max_seqlen_kv")
+    seqfuse.ops.attention(q, k, v, **kw)
+    assert (ragged_calls[-1]["max_q"], ragged_calls[-1]["max_k"]) == (11, 11)
+    seqfuse.ops.attention(q, k, v, max_seqlen_q=16, max_seqlen_kv=16, **kw)
+    assert (ragged_calls[-1]["max_q"], ragged_calls[-1]["max_k"]) == (16, 16)
+
+
+def test_route_hands_aligned_rows(ragged_calls):
+    """q, k, v go through kernel_layout: a head-dim-strided view is copied to unit stride."""
+    seqfuse.ops.set_attention_backend("cudnn_ragged")
+    q, k, v, kw = thd_case([5, 7], d=16)
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # head dim stride != 1
+    out = seqfuse.ops.attention(qt, k, v, **kw)
+    assert ragged_calls[-1]["strides"][0][-1] == 1
+    seqfuse.ops.set_attention_backend("seqfuse")
+    assert rel_error(out, seqfuse.ops.attention(q, k, v, **kw)) <= pair_tol(torch.bfloat16)
+
+
+def test_route_logs_once_and_falls_back_on_runtime_error(monkeypatch, emulated_h200, caplog):
+    seqfuse.ops.attn.set_attention_cudnn_ragged(True)
+    q, k, v, kw = thd_case([6, 5])
+    calls = []
+    monkeypatch.setattr(ragged, "_ragged_forward", ragged_standin_for(calls))
+    with caplog.at_level(logging.INFO, logger="seqfuse"):
+        seqfuse.ops.attention(q, k, v, **kw)
+        seqfuse.ops.attention(q, k, v, **kw)
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert infos == ["seqfuse attention: thd no_mask d=16 bfloat16 runs cuDNN's ragged fused attention through "
+                     "torch.ops.aten._cudnn_attention_forward (set SEQFUSE_ATTN_BACKEND=seqfuse for seqfuse's "
+                     "kernels)"] and len(calls) == 2
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cuDNN Frontend error: [cudnn_frontend] Error: No valid execution plans built.")
+
+    monkeypatch.setattr(ragged, "_ragged_forward", broken)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="seqfuse"):
+        out = seqfuse.ops.attention(q, k, v, **kw)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "cuDNN's ragged fused attention failed on thd no_mask d=16 bfloat16: cuDNN " \
+                                  "Frontend error" in warnings[0]
+    assert torch.equal(out, seqfuse.ops.attention_fwd(q, k, v, **kw)[0])
+    name, reason = seqfuse.ops.attention_backend(q, k, v, **kw)
+    assert name == "seqfuse" and reason.startswith("cudnn_ragged_failed: ")
