@@ -1,0 +1,448 @@
+"""Does torch expose cuDNN's variable-length (ragged) attention in a form
+seqfuse can route packed thd batches to, and is it equal to and faster than
+seqfuse's current thd route?  One GPU script (about 60 s on an H200), one
+line per route and case.
+
+Cases (bf16, forward and forward+backward):
+- "ESM-2 650M packed": 20 heads x 64, bidirectional, real UniProt lengths
+  (recipes/esm2/data/subset, as benchmarks/attn/bench_routes.py draws them:
+  +2 special tokens, clamped to 50..1024) up to 16,384 tokens;
+- "Llama 1B GQA causal packed": 32 q / 8 k/v heads x 64, top-left causal,
+  eight genomic windows of 512 to 4,096 tokens, 16,384 in all.
+
+Routes:
+- current: seqfuse.ops.attention in auto, the reference of every check (a
+  training call takes the flash route, torch's FlashAttention-2; a
+  forward-only call seqfuse's own kernels; the line names both);
+- seqfuse kernels: SEQFUSE_ATTN_BACKEND=seqfuse;
+- torch varlen_attn: torch.nn.attention.varlen.varlen_attn (FlashAttention-2
+  in torch 2.11, whose cuDNN branch is switched off);
+- cudnn_ragged (seqfuse route, forced): the opt-in route of
+  python/seqfuse/ops/attn/_cudnn_ragged.py; forward only where it refuses
+  gradients (the line says so and why);
+- torch cuDNN ragged op, direct: torch.ops.aten._cudnn_attention_forward
+  with cum_seq_q/k, backward through torch's autograd
+  (_cudnn_attention_backward), run in a child process: torch 2.11's ragged
+  backward is reported (PyTorch PR #186142) to size its dQ accumulator from
+  the head dim, which can fault the CUDA context;
+- nested jagged SDPA on cuDNN: scaled_dot_product_attention on
+  torch.nested jagged tensors under SDPBackend.CUDNN_ATTENTION with
+  TORCH_CUDNN_SDPA_NESTED_TENSOR_ENABLED=1, in a child process too (k/v heads
+  expanded for GQA: nested SDPA does not broadcast heads in training);
+- ceiling: cuDNN SDPA on the equivalent padding-free bshd call (the same
+  tokens cut into equal sequences of the token-weighted mean length, the
+  same FLOPs; timing only, not the same problem).
+
+Checks: each candidate's output and gradients (dq, dk, dv) against the
+current route's, within tests/helpers.py's pair_tol for bfloat16 (x
+BWD_FACTOR for gradients: both carry their own error); err64 columns give
+each route's error against a float64 reference on the GPU, for context.
+Timing: CUDA events, median after warm-up on the very shapes (fewer repeats
+for calls slower than 20 ms).  A route that is absent, refuses the call,
+raises, or crashes its child prints one line with the reason instead.
+
+Run on the GPU machine after the build:
+    python3 benchmarks/attn/ragged_probe.py [--json PATH]
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # the shared tolerance policy
+sys.path.insert(0, HERE)
+
+from helpers import BWD_FACTOR, pair_tol  # noqa: E402
+
+DT = torch.bfloat16
+TOKENS = 16384
+CHILD_TIMEOUT_S = 60
+LLAMA_WINDOWS = [4096, 1536, 2048, 512, 3072, 1024, 2560, 1536]  # 16,384 tokens
+
+
+def log(msg):
+    print(f"[ragged_probe] {msg}", flush=True)
+
+
+# ------------------------------------------------------------------ problems
+def esm2_lengths():
+    """Real protein lengths as bench_routes.py draws them (seeded), and the source."""
+    import random
+
+    from bench_routes import protein_lengths
+    return protein_lengths(random.Random(0), tokens=TOKENS)
+
+
+def cases():
+    lengths, source = esm2_lengths()
+    return [dict(name="ESM-2 650M packed", lengths=lengths, h=20, hk=20, d=64, causal=False, seed=1, source=source),
+            dict(name="Llama 1B GQA causal packed", lengths=LLAMA_WINDOWS, h=32, hk=8, d=64, causal=True, seed=2,
+                 source="fixed genomic windows")]
+
+
+def make_inputs(spec):
+    """q, k, v, dout (bf16, CUDA, seeded: the same in the parent and the children), cu_seqlens, max length."""
+    g = torch.Generator(device="cuda").manual_seed(spec["seed"])
+    t = sum(spec["lengths"])
+    q = torch.randn(t, spec["h"], spec["d"], device="cuda", generator=g).to(DT)
+    k = torch.randn(t, spec["hk"], spec["d"], device="cuda", generator=g).to(DT)
+    v = torch.randn(t, spec["hk"], spec["d"], device="cuda", generator=g).to(DT)
+    dout = torch.randn(t, spec["h"], spec["d"], device="cuda", generator=g).to(DT)
+    bounds = [0]
+    for n in spec["lengths"]:
+        bounds.append(bounds[-1] + n)
+    cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
+    return q, k, v, dout, cu, max(spec["lengths"])
+
+
+def flops(spec, backward):
+    f = 4.0 * spec["h"] * spec["d"] * sum(n * n for n in spec["lengths"]) * (0.5 if spec["causal"] else 1.0)
+    return f * (3.5 if backward else 1.0)
+
+
+def float64_reference(spec, q, k, v, dout):
+    """out and (dq, dk, dv) in float64 on the GPU, sequence by sequence."""
+    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
+    g = spec["h"] // spec["hk"]
+    scale = spec["d"] ** -0.5
+    outs, start = [], 0
+    for n in spec["lengths"]:
+        qs, ks, vs = (x[start:start + n] for x in (q64, k64, v64))
+        ks, vs = ks.repeat_interleave(g, dim=1), vs.repeat_interleave(g, dim=1)
+        s = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+        if spec["causal"]:
+            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vs))
+        start += n
+    out = torch.cat(outs)
+    grads = torch.autograd.grad(out, (q64, k64, v64), dout.double())
+    return out.detach(), grads
+
+
+def rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    if torch.isnan(a).any():
+        return float("nan")
+    return ((a - b).norm() / b.norm()).item()
+
+
+# ------------------------------------------------------------------ timing
+def time_ms(step):
+    """Median ms of step() by CUDA events after warm-up; 10 repeats, or 3
+    when a call takes longer than 20 ms (the cuDNN ragged op of torch 2.11
+    takes about 50 ms: it rebuilds its graph every call)."""
+    t0 = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    slow = time.perf_counter() - t0 > 0.02
+    for _ in range(1 if slow else 3):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(3 if slow else 10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def outputs(fn, q, k, v, dout):
+    """out and (dq, dk, dv) of fn(q, k, v) for the cotangent dout."""
+    xs = [x.detach().requires_grad_() for x in (q, k, v)]
+    out = fn(*xs)
+    return out.detach(), torch.autograd.grad(out, xs, dout)
+
+
+def measure(fn, q, k, v, dout, backward):
+    """(out, grads or None, fwd ms, fwd+bwd ms or None) of fn(q, k, v) -> [t, h, d]."""
+    with torch.no_grad():
+        fwd_ms = time_ms(lambda: fn(q, k, v))
+    if not backward:
+        with torch.no_grad():
+            return fn(q, k, v), None, fwd_ms, None
+    xs = [x.detach().requires_grad_() for x in (q, k, v)]
+
+    def step():
+        out = fn(*xs)
+        torch.autograd.grad(out, xs, dout)
+    both_ms = time_ms(step)
+    return (*outputs(fn, q, k, v, dout), fwd_ms, both_ms)
+
+
+# ------------------------------------------------------------------ the routes
+def seqfuse_call(spec, cu, max_len, backend):
+    """seqfuse.ops.attention on the case, under ``backend`` (set here, once:
+    setting it forgets the cached route choices); and its keywords."""
+    import seqfuse
+
+    mask = "padding_causal" if spec["causal"] else "padding"
+    kw = dict(qkv_format="thd", attn_mask_type=mask, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len,
+              max_seqlen_kv=max_len)
+    seqfuse.ops.set_attention_backend(backend)
+
+    def call(q, k, v):
+        return seqfuse.ops.attention(q, k, v, **kw)
+    return call, kw
+
+
+def varlen_call(spec, cu, max_len):
+    from torch.nn.attention.varlen import varlen_attn  # ImportError: absent
+
+    window = (-1, 0) if spec["causal"] else (-1, -1)
+
+    def call(q, k, v):
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=window)
+    return call
+
+
+def cudnn_direct_call(spec, cu, max_len):
+    def call(q, k, v):
+        wants = torch.is_grad_enabled() and q.requires_grad
+        return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, max_len, max_len, wants, 0.0,
+                                                       spec["causal"], False)[0]
+    return call
+
+
+def nested_call(spec, cu):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    offsets = cu.long()
+    g = spec["h"] // spec["hk"]
+
+    def call(q, k, v):
+        if g > 1:
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        nq, nk, nv = (torch.nested.nested_tensor_from_jagged(x, offsets).transpose(1, 2) for x in (q, k, v))
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            out = F.scaled_dot_product_attention(nq, nk, nv, is_causal=spec["causal"])
+        return out.transpose(1, 2).values()
+    return call
+
+
+def ceiling_call(spec):
+    """cuDNN SDPA on [b, s] bshd tensors with the case's tokens and FLOPs."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    t = sum(spec["lengths"])
+    s = min(t, max(64, round(sum(n * n for n in spec["lengths"]) / t / 64) * 64))
+    b = max(1, t // s)
+    gqa = {"enable_gqa": True} if spec["h"] != spec["hk"] else {}
+
+    def call(q, k, v):
+        qb, kb, vb = (x[:b * s].view(b, s, x.shape[1], x.shape[2]).transpose(1, 2) for x in (q, k, v))
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=spec["causal"], **gqa)
+        return out.transpose(1, 2).reshape(b * s, q.shape[1], q.shape[2])
+    return call, f"{b} x {s}", b * s
+
+
+# ------------------------------------------------------------------ reporting
+def row(spec, route, status, fwd_ms=None, both_ms=None, err=None, err_grad=None, err64=None, err64_grad=None,
+        tokens=None, note=""):
+    r = dict(case=spec["name"], route=route, status=status, fwd_ms=fwd_ms, fwd_bwd_ms=both_ms, err_fwd=err,
+             err_grad=err_grad, err64_fwd=err64, err64_grad=err64_grad, note=note)
+    scale = (tokens or sum(spec["lengths"])) / sum(spec["lengths"])
+    r["tflops_fwd"] = None if fwd_ms is None else flops(spec, False) * scale / fwd_ms / 1e9
+    r["tflops_fwd_bwd"] = None if both_ms is None else flops(spec, True) * scale / both_ms / 1e9
+    if err is not None:
+        ok = err <= pair_tol(DT) and (err_grad is None or err_grad <= pair_tol(DT, BWD_FACTOR))
+        r["within_tol"] = bool(ok)
+    fields = [f"case={spec['name']}", f"route={route}", f"status={status}"]
+    for key, fmt in (("fwd_ms", "{:.3f}"), ("tflops_fwd", "{:.1f}"), ("fwd_bwd_ms", "{:.3f}"),
+                     ("tflops_fwd_bwd", "{:.1f}"), ("err_fwd", "{:.2e}"), ("err_grad", "{:.2e}"),
+                     ("err64_fwd", "{:.2e}"), ("err64_grad", "{:.2e}")):
+        if r.get(key) is not None:
+            fields.append(f"{key}=" + fmt.format(r[key]))
+    if "within_tol" in r:
+        fields.append(f"equal_to_current={'yes' if r['within_tol'] else 'NO'} (pair_tol bf16 "
+                      f"{pair_tol(DT):.0e}, grads {pair_tol(DT, BWD_FACTOR):.0e})")
+    if note:
+        fields.append(f"note={note}")
+    log("  ".join(fields))
+    return r
+
+
+def compare(out, grads, ref_out, ref_grads, exact_out, exact_grads):
+    err = rel(out, ref_out)
+    err64 = rel(out, exact_out)
+    if grads is None:
+        return err, None, err64, None
+    err_grad = max(rel(g, r) for g, r in zip(grads, ref_grads))
+    err64_grad = max(rel(g, r) for g, r in zip(grads, exact_grads))
+    return err, err_grad, err64, err64_grad
+
+
+def why(e):
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+# ------------------------------------------------------------------ child processes
+def child(mode, spec):
+    """Runs one risky route in this (child) process; prints one JSON line."""
+    q, k, v, dout, cu, max_len = make_inputs(spec)
+    current, _ = seqfuse_call(spec, cu, max_len, "auto")
+    ref = outputs(current, q, k, v, dout)
+    fn = cudnn_direct_call(spec, cu, max_len) if mode == "direct" else nested_call(spec, cu)
+    result = {}
+    try:
+        with torch.no_grad():
+            out = fn(q, k, v)
+        torch.cuda.synchronize()
+        result["err_fwd"] = rel(out, ref[0])
+        with torch.no_grad():
+            result["fwd_ms"] = time_ms(lambda: fn(q, k, v))
+    except Exception as e:  # the route refuses the call: say how
+        result["error"] = "forward: " + why(e)
+        print(json.dumps(result), flush=True)
+        return
+    try:
+        out, grads, _, both_ms = measure(fn, q, k, v, dout, True)
+        torch.cuda.synchronize()
+        result["fwd_bwd_ms"] = both_ms
+        result["err_grad"] = max(rel(g, r) for g, r in zip(grads, ref[1]))
+    except Exception as e:
+        result["error"] = "backward: " + why(e)
+    print(json.dumps(result), flush=True)
+
+
+def run_child(mode, spec):
+    """(result dict, None) or (None, why the child failed)."""
+    env = dict(os.environ)
+    if mode == "nested":
+        env["TORCH_CUDNN_SDPA_NESTED_TENSOR_ENABLED"] = "1"
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--spec", json.dumps(spec)]
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return None, f"child timed out after {CHILD_TIMEOUT_S} s"
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode != 0 or not lines:
+        tail = [ln for ln in p.stderr.strip().splitlines() if ln.strip()][-3:]
+        return None, f"child exited {p.returncode}: " + " | ".join(tail)[:400]
+    return json.loads(lines[-1]), None
+
+
+# ------------------------------------------------------------------ main
+def probe_case(spec):
+    import seqfuse
+    from seqfuse.ops.attn import _cudnn_ragged as ragged
+
+    q, k, v, dout, cu, max_len = make_inputs(spec)
+    t = sum(spec["lengths"])
+    log(f"case={spec['name']}  sequences={len(spec['lengths'])}  tokens={t}  max_len={max_len}  heads={spec['h']}/"
+        f"{spec['hk']}  d={spec['d']}  causal={spec['causal']}  lengths from {spec['source']}")
+    exact_out, exact_grads = float64_reference(spec, q, k, v, dout)
+    rows = []
+
+    current, kw = seqfuse_call(spec, cu, max_len, "auto")
+    with torch.no_grad():
+        fwd_route = seqfuse.ops.attention_backend(q, k, v, **kw)[0]
+    train_route = seqfuse.ops.attention_backend(q.detach().requires_grad_(), k, v, **kw)[0]
+    ref_out, ref_grads, fwd_ms, both_ms = measure(current, q, k, v, dout, True)
+    _, _, e64, e64g = compare(ref_out, ref_grads, ref_out, ref_grads, exact_out, exact_grads)
+    rows.append(row(spec, "current (seqfuse auto)", "ok", fwd_ms, both_ms, err64=e64, err64_grad=e64g,
+                    note=f"forward-only calls take {fwd_route}, training calls {train_route}"))
+
+    def add(route, make, backward=True, note=""):
+        try:
+            fn = make()
+            out, grads, f_ms, b_ms = measure(fn, q, k, v, dout, backward)
+        except Exception as e:  # absent or refused: say why, go on
+            status = "absent" if isinstance(e, (ImportError, AttributeError)) else "refused"
+            rows.append(row(spec, route, f"{status}: {why(e)}"))
+            return
+        err, err_g, e64, e64g = compare(out, grads, ref_out, ref_grads, exact_out, exact_grads)
+        rows.append(row(spec, route, "ok", f_ms, b_ms, err, err_g, e64, e64g, note=note))
+
+    add("seqfuse kernels", lambda: seqfuse_call(spec, cu, max_len, "seqfuse")[0])
+    add("torch varlen_attn", lambda: varlen_call(spec, cu, max_len),
+        note="FlashAttention-2 (torch 2.11's varlen_attn has its cuDNN branch switched off)")
+
+    # the seqfuse route, forced; forward only where it refuses gradients
+    fn = seqfuse_call(spec, cu, max_len, "cudnn_ragged")[0]
+    train_refusal = ""
+    try:
+        seqfuse.ops.attention_backend(q.detach().requires_grad_(), k, v, **kw)
+    except NotImplementedError as e:
+        train_refusal = str(e).split("cannot run cuDNN's ragged fused attention: ")[-1][:200]
+    add("cudnn_ragged (seqfuse route, forced)", lambda: fn, backward=not train_refusal,
+        note=f"training calls refused: {train_refusal}" if train_refusal else "")
+    seqfuse.ops.set_attention_backend("auto")
+
+    for mode, route in (("direct", "torch aten._cudnn_attention_forward ragged + autograd backward (child)"),
+                        ("nested", "nested jagged SDPA on CUDNN_ATTENTION (child, "
+                                   "TORCH_CUDNN_SDPA_NESTED_TENSOR_ENABLED=1)")):
+        if mode == "direct" and not ragged.op_available():
+            rows.append(row(spec, route, f"absent: torch {torch.__version__} has no aten._cudnn_attention_forward"))
+            continue
+        torch.cuda.empty_cache()  # give the child the memory this process's allocator keeps
+        result, failure = run_child(mode, spec)
+        if failure:
+            rows.append(row(spec, route, f"crashed: {failure}"))
+            continue
+        status = "ok" if "error" not in result else f"refused: {result['error']}"
+        rows.append(row(spec, route, status, result.get("fwd_ms"), result.get("fwd_bwd_ms"), result.get("err_fwd"),
+                        result.get("err_grad"), note="k/v heads expanded" if mode == "nested" and
+                        spec["h"] != spec["hk"] else ""))
+
+    try:
+        fn, shape, tokens = ceiling_call(spec)
+        _, _, f_ms, b_ms = measure(fn, q, k, v, dout, True)
+        rows.append(row(spec, f"ceiling: cuDNN SDPA bshd {shape} (not the same problem)", "ok", f_ms, b_ms,
+                        tokens=tokens))
+    except Exception as e:
+        rows.append(row(spec, "ceiling: cuDNN SDPA bshd", f"refused: {why(e)}"))
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", help="write the rows and facts here")
+    ap.add_argument("--child", choices=("direct", "nested"), help=argparse.SUPPRESS)
+    ap.add_argument("--spec", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("ragged_probe.py needs a CUDA GPU")
+    if args.child:
+        return child(args.child, json.loads(args.spec))
+    import seqfuse  # noqa: F401  (fails here, not in a child, when the build is missing)
+    from seqfuse.ops.attn import _cudnn_ragged as ragged
+
+    start = time.perf_counter()
+    facts = dict(torch=torch.__version__, cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(),
+                 device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
+                 cudnn_attention_forward=ragged.op_available(),
+                 ragged_backward_trusted_from=ragged.RAGGED_BACKWARD_FROM)
+    try:
+        from torch.nn.attention import varlen
+        facts["varlen_should_use_cudnn"] = bool(varlen._should_use_cudnn(torch.cuda.current_device()))
+    except Exception as e:  # absent in this torch
+        facts["varlen_should_use_cudnn"] = f"absent: {why(e)}"
+    log("  ".join(f"{k}={v}" for k, v in facts.items()))
+    rows = []
+    for spec in cases():
+        try:
+            rows += probe_case(spec)
+        except Exception:  # one case failing must not hide the other
+            log(f"case={spec['name']} failed:\n{traceback.format_exc()}")
+    log(f"done in {time.perf_counter() - start:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(facts=facts, rows=rows, command=" ".join(sys.argv)), f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
