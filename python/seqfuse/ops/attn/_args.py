@@ -115,6 +115,9 @@ def config(q, k, qkv_format, attn_mask_type, cu_seqlens_q, cu_seqlens_kv, max_se
     if qkv_format == "thd":
         if cu_seqlens_q is None or cu_seqlens_kv is None:
             raise ValueError("attention: qkv_format 'thd' needs cu_seqlens_q and cu_seqlens_kv")
+        for name, given in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_kv", max_seqlen_kv)):
+            if given is not None:  # its own rule first: the cu_seqlens check below measures against it
+                as_int("attention", name, given, 0)
         check_cu_values(op, q, k, qkv_format, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv)
         msq = max_seqlen(cu_seqlens_q, max_seqlen_q, "max_seqlen_q")
         msk = max_seqlen(cu_seqlens_kv, max_seqlen_kv, "max_seqlen_kv")
