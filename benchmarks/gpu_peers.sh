@@ -33,8 +33,10 @@
 #   4. each part under its own time limit, all inside DEADLINE seconds (570)
 #      of the start; after every part its JSON is copied to $OUT and the logs
 #      packed, so a run cut short still brings back what it measured.
-#   5. benchmarks/peers/summary.py: one short line per result row (the
-#      reply's output tail is short; the full logs are in the tarball).
+#   5. benchmarks/peers/summary.py: one short line per result row of the
+#      JSONs this run wrote (the results folder also holds earlier sessions'
+#      files, which are neither summarized nor sent back; the reply's output
+#      tail is short, the full logs are in the tarball).
 # Every step fails loudly (its log's tail and "(... FAILED)" in the output,
 # exit status 1 at the end) but the later parts still run: a peer that does
 # not install or import leaves its rows skipped with the reason, not the run
@@ -51,7 +53,7 @@ ROOT=$(pwd)
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/seqfuse-peers}
 LOG=$(mktemp -d /tmp/peers_run.XXXX)
-SITE=/tmp/site
+SITE=${SITE:-/tmp/site}
 PARTS=${1:-te_modules,torchao,liger}
 DEADLINE=${DEADLINE:-570}
 DRY=${DRY_RUN:-0}
@@ -66,11 +68,18 @@ mkdir -p "$OUT"
 start=$(date +%s)
 status=0
 
-pack() {
+touch "$LOG/.start"
+fresh() {  # the result names whose JSON this run wrote (older ones in the tree are earlier sessions' records)
+    local n
     for n in $RESULT_NAMES; do
-        f="$ROOT/benchmarks/results/$n.json"
-        [ -f "$f" ] && cp "$f" "$LOG/" && cp "$f" "$OUT/"
-        [ -f "$ROOT/benchmarks/results/$n.png" ] && cp "$ROOT/benchmarks/results/$n.png" "$LOG/"
+        [ "$ROOT/benchmarks/results/$n.json" -nt "$LOG/.start" ] && echo "$n"
+    done
+}
+
+pack() {
+    for n in $(fresh); do
+        cp "$ROOT/benchmarks/results/$n.json" "$LOG/" && cp "$ROOT/benchmarks/results/$n.json" "$OUT/"
+        [ "$ROOT/benchmarks/results/$n.png" -nt "$LOG/.start" ] && cp "$ROOT/benchmarks/results/$n.png" "$LOG/"
     done
     tar czf "$OUT/peers_run.tgz" -C "$LOG" . 2>/dev/null
     echo "(packed $(ls "$LOG" | wc -l) files into \$OUT/peers_run.tgz at $(( $(date +%s) - start )) s)"
@@ -234,8 +243,9 @@ done
 if (( DRY )); then
     echo "would summarize: python3 benchmarks/peers/summary.py $RESULT_NAMES"
 else
-    echo "===== summary (at $(( $(date +%s) - start )) s)"
-    python3 benchmarks/peers/summary.py $RESULT_NAMES 2>&1
+    written=$(fresh | tr '\n' ' ')
+    echo "===== summary (at $(( $(date +%s) - start )) s): results written by this run: ${written:-none}"
+    [ -n "$written" ] && python3 benchmarks/peers/summary.py $written 2>&1
 fi
 echo "gpu_peers status $status, $(( $(date +%s) - start )) s"
 exit $status
