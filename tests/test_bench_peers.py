@@ -266,6 +266,7 @@ def test_summary_prints_one_line_per_row_with_the_comparison(tmp_path):
     assert "te_bf16_packed: 80.0k tok/s, vs_best_peer 0.9 (hfcompile_bf16_padded)" in text
     assert "attn FusedAttention (x)" in text and "te_fp8_delayed_packed: error: OutOfMemoryError" in text
     assert "goals: 1 of 2 pass; failed:" in text and "g1: 0.5 (need >= 1.0)" in text and "g2" not in text
-    assert "INCOMPLETE" in text and "seqfuse_vs_te 1.14" in text and "TE attn FusedAttention (x)" in text
+    assert "INCOMPLETE" in text and "seqfuse 7 / TE 8 ms, seqfuse_vs_te 1.14" in text
+    assert "TE attn FusedAttention (x)" in text
     assert "torchao.json: no result file" in text or "== " + str(tmp_path / "torchao.json") + ": no result" in text
     assert all(len(line) <= summary.WIDTH + 4 for line in lines)

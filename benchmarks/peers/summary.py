@@ -34,6 +34,11 @@ def _k(v):
     return f"{v / 1e3:.1f}k" if isinstance(v, (int, float)) else str(v)
 
 
+def _attn(name):
+    """TE's backend name without its enum's class prefix (FusedAttention (NVTE_F16_arbitrary_seqlen))."""
+    return str(name).replace("NVTE_Fused_Attn_Backend.", "")
+
+
 def _why(r):
     for key in ("error", "skipped", "te_skipped", "check_error", "seqfuse_error", "te_error"):
         if r.get(key):
@@ -49,7 +54,7 @@ def esm2_line(r):
              f"vs_best_peer {_f(r.get('vs_best_peer'))} ({r.get('best_peer', '')})",
              f"vs_te {_f(r.get('vs_te'))}", f"vs_hf {_f(r.get('vs_hf'))}", f"warm {_f(r.get('warm_s'), '.1f')} s"]
     if "te_attention" in notes:
-        parts.append(f"attn {notes['te_attention']}")
+        parts.append(f"attn {_attn(notes['te_attention'])}")
     if "recompiled_in_timed_pass" in notes:
         parts.append(f"RECOMPILED {notes['recompiled_in_timed_pass']}x in the timed pass")
     return ", ".join(parts)
@@ -59,10 +64,10 @@ def te_modules_line(r):
     head = f"{r.get('shape')} {r.get('module')} {r.get('recipe')}"
     if "seqfuse_vs_te" not in r:
         return f"{head}: seqfuse {_f(r.get('seqfuse_ms'))} ms; {_why(r)}"
-    out = (f"{head}: seqfuse {_f(r['seqfuse_ms'])} ms, TE {_f(r['te_ms'])} ms, seqfuse_vs_te {_f(r['seqfuse_vs_te'])}"
+    out = (f"{head}: seqfuse {_f(r['seqfuse_ms'])} / TE {_f(r['te_ms'])} ms, seqfuse_vs_te {_f(r['seqfuse_vs_te'])}"
            f", rel_diff {_f(r.get('rel_diff_bf16', r.get('rel_diff_fp8')))}")
     if "te_attention" in r:
-        out += f", TE attn {r['te_attention']}"
+        out += f", TE attn {_attn(r['te_attention'])}"
     return out
 
 
@@ -93,7 +98,7 @@ def liger_line(r):
 
 
 def probe_line(r):
-    return f"{r.get('case')}: {r.get('backend') or r.get('error')}"
+    return f"{r.get('case')}: {_attn(r.get('backend') or r.get('error'))}"
 
 
 def generic_line(r):
