@@ -1,7 +1,7 @@
 """Does torch expose cuDNN's variable-length (ragged) attention in a form
 seqfuse can route packed thd batches to, and is it equal to and faster than
-seqfuse's current thd route?  One GPU script (about 60 s on an H200), one
-line per route and case.
+seqfuse's current thd route?  One GPU script (60-90 s on an H200), one line
+per route and case.
 
 Cases (bf16, forward and forward+backward):
 - "ESM-2 650M packed": 20 heads x 64, bidirectional, real UniProt lengths
@@ -29,6 +29,15 @@ Routes:
   torch.nested jagged tensors under SDPBackend.CUDNN_ATTENTION with
   TORCH_CUDNN_SDPA_NESTED_TENSOR_ENABLED=1, in a child process too (k/v heads
   expanded for GQA: nested SDPA does not broadcast heads in training);
+- cuDNN frontend torch op: cudnn.sdpa_torch of the nvidia-cudnn-frontend
+  package (PyPI; 1.32 registers torch.ops.cudnn.sdpa_fwd/sdpa_bwd with THD
+  cu_seqlens, autograd, and a graph cache keyed by batch size and
+  max_seqlen, not by total tokens), in a child; absent unless installed
+  (on the GPU machine: python3 -m pip install -q --no-index --no-deps
+  .te/nvidia_cudnn_frontend-*.whl, from shared/peers/prepare_te.py); and
+  the same with the batch size bucketed (rounded up to a multiple of 16
+  with empty sequences) and max_seqlen rounded up to a power of two, so
+  that another batch reuses the graph;
 - ceiling: cuDNN SDPA on the equivalent padding-free bshd call (the same
   tokens cut into equal sequences of the token-weighted mean length, the
   same FLOPs; timing only, not the same problem).
@@ -38,8 +47,11 @@ current route's, within tests/helpers.py's pair_tol for bfloat16 (x
 BWD_FACTOR for gradients: both carry their own error); err64 columns give
 each route's error against a float64 reference on the GPU, for context.
 Timing: CUDA events, median after warm-up on the very shapes (fewer repeats
-for calls slower than 20 ms).  A route that is absent, refuses the call,
-raises, or crashes its child prints one line with the reason instead.
+for calls slower than 20 ms).  The child routes also report the wall time
+of their first forward, first forward+backward, and the first
+forward+backward of a second batch with one sequence fewer (the cost of a
+graph build per new batch shape).  A route that is absent, refuses the
+call, raises, or crashes its child prints one line with the reason instead.
 
 Run on the GPU machine after the build:
     python3 benchmarks/attn/ragged_probe.py [--json PATH]
@@ -65,7 +77,7 @@ from helpers import BWD_FACTOR, pair_tol  # noqa: E402
 
 DT = torch.bfloat16
 TOKENS = 16384
-CHILD_TIMEOUT_S = 60
+CHILD_TIMEOUT_S = 45
 LLAMA_WINDOWS = [4096, 1536, 2048, 512, 3072, 1024, 2560, 1536]  # 16,384 tokens
 
 
@@ -231,6 +243,42 @@ def nested_call(spec, cu):
     return call
 
 
+def frontend_call(spec, cu, max_len, bucketed):
+    """cuDNN's own torch op from the nvidia-cudnn-frontend package
+    (cudnn.sdpa_torch: torch.ops.cudnn.sdpa_fwd / sdpa_bwd, THD with
+    cu_seqlens, its graphs cached by batch size and max_seqlen, autograd
+    with return_lse=True).  ``bucketed``: the batch size rounded up to a
+    multiple of 16 with empty sequences and max_seqlen to a power of two, so
+    that batches of other lengths reuse one graph."""
+    import cudnn  # ImportError: absent
+
+    sdpa = cudnn.sdpa_torch
+    if bucketed:
+        b = cu.numel() - 1
+        extra = -(-b // 16) * 16 - b
+        cu = torch.cat((cu, cu[-1:].expand(extra))) if extra else cu
+        max_len = 1 << (max_len - 1).bit_length()
+
+    def call(q, k, v):
+        wants = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        out = sdpa(q, k, v, is_causal=spec["causal"], cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len,
+                   max_seqlen_kv=max_len, return_lse=wants)
+        return out[0] if wants else out
+    return call
+
+
+def second_batch(spec, cu):
+    """cu_seqlens of another batch of the same tokens: the two shortest
+    neighbouring sequences merged (one sequence fewer, the same max length)."""
+    lengths = list(spec["lengths"])
+    i = min(range(len(lengths) - 1), key=lambda j: lengths[j] + lengths[j + 1])
+    lengths[i:i + 2] = [lengths[i] + lengths[i + 1]]
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    return torch.tensor(bounds, dtype=torch.int32, device=cu.device), max(lengths)
+
+
 def ceiling_call(spec):
     """cuDNN SDPA on [b, s] bshd tensors with the case's tokens and FLOPs."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -290,53 +338,91 @@ def why(e):
 
 
 # ------------------------------------------------------------------ child processes
-def child(mode, spec):
-    """Runs one risky route in this (child) process; prints one JSON line."""
+CHILD_ROUTES = {
+    "direct": lambda spec, cu, max_len: cudnn_direct_call(spec, cu, max_len),
+    "nested": lambda spec, cu, max_len: nested_call(spec, cu),
+    "frontend": lambda spec, cu, max_len: frontend_call(spec, cu, max_len, False),
+    "frontend_bucketed": lambda spec, cu, max_len: frontend_call(spec, cu, max_len, True),
+}
+
+
+def child(mode, specs):
+    """Runs one risky route in this (child) process on each case; prints one
+    JSON line per case as soon as it is done (a fault in a later case keeps
+    the earlier lines)."""
+    for spec in specs:
+        print(json.dumps(child_case(mode, spec)), flush=True)
+
+
+def child_case(mode, spec):
+    """One case of a child route: errors against the current route, steady
+    times, and the wall time of the first (cold) forward call, of the first
+    forward+backward, and of the first forward+backward of a second batch
+    with one sequence fewer (what a new batch pays where graphs are built
+    per batch shape)."""
     q, k, v, dout, cu, max_len = make_inputs(spec)
     current, _ = seqfuse_call(spec, cu, max_len, "auto")
     ref = outputs(current, q, k, v, dout)
-    fn = cudnn_direct_call(spec, cu, max_len) if mode == "direct" else nested_call(spec, cu)
     result = {}
     try:
+        fn = CHILD_ROUTES[mode](spec, cu, max_len)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
         with torch.no_grad():
             out = fn(q, k, v)
         torch.cuda.synchronize()
+        result["cold_fwd_ms"] = (time.perf_counter() - t0) * 1e3
         result["err_fwd"] = rel(out, ref[0])
         with torch.no_grad():
             result["fwd_ms"] = time_ms(lambda: fn(q, k, v))
     except Exception as e:  # the route refuses the call: say how
         result["error"] = "forward: " + why(e)
-        print(json.dumps(result), flush=True)
-        return
+        return result
     try:
+        t0 = time.perf_counter()
+        outputs(fn, q, k, v, dout)
+        torch.cuda.synchronize()
+        result["cold_fwd_bwd_ms"] = (time.perf_counter() - t0) * 1e3
         out, grads, _, both_ms = measure(fn, q, k, v, dout, True)
         torch.cuda.synchronize()
         result["fwd_bwd_ms"] = both_ms
         result["err_grad"] = max(rel(g, r) for g, r in zip(grads, ref[1]))
+        cu2, max2 = second_batch(spec, cu)
+        fn2 = CHILD_ROUTES[mode](spec, cu2, max2)
+        t0 = time.perf_counter()
+        outputs(fn2, q, k, v, dout)
+        torch.cuda.synchronize()
+        result["second_batch_cold_fwd_bwd_ms"] = (time.perf_counter() - t0) * 1e3
     except Exception as e:
         result["error"] = "backward: " + why(e)
-    print(json.dumps(result), flush=True)
+    return result
 
 
-def run_child(mode, spec):
-    """(result dict, None) or (None, why the child failed)."""
+def run_child(mode, specs):
+    """[(result dict, None) or (None, why the child failed)] per case: one
+    child process runs every case of the route."""
     env = dict(os.environ)
     if mode == "nested":
         env["TORCH_CUDNN_SDPA_NESTED_TENSOR_ENABLED"] = "1"
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--spec", json.dumps(spec)]
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--spec", json.dumps(specs)]
     try:
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return None, f"child timed out after {CHILD_TIMEOUT_S} s"
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-    if p.returncode != 0 or not lines:
-        tail = [ln for ln in p.stderr.strip().splitlines() if ln.strip()][-3:]
-        return None, f"child exited {p.returncode}: " + " | ".join(tail)[:400]
-    return json.loads(lines[-1]), None
+        stdout, failure = p.stdout, None
+        if p.returncode != 0:
+            tail = [ln for ln in p.stderr.strip().splitlines() if ln.strip()][-3:]
+            failure = f"child exited {p.returncode}: " + " | ".join(tail)[:400]
+    except subprocess.TimeoutExpired as e:
+        stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        failure = f"child timed out after {CHILD_TIMEOUT_S} s"
+    done = [json.loads(ln) for ln in stdout.splitlines() if ln.startswith("{")]
+    return [(done[i], None) if i < len(done) else (None, failure or "child printed no result")
+            for i in range(len(specs))]
 
 
 # ------------------------------------------------------------------ main
-def probe_case(spec):
+def probe_case(spec, children):
+    """The rows of one case; ``children``: {mode: (result, failure)} of the
+    child routes for this case, run before."""
     import seqfuse
     from seqfuse.ops.attn import _cudnn_ragged as ragged
 
@@ -384,19 +470,25 @@ def probe_case(spec):
 
     for mode, route in (("direct", "torch aten._cudnn_attention_forward ragged + autograd backward (child)"),
                         ("nested", "nested jagged SDPA on CUDNN_ATTENTION (child, "
-                                   "TORCH_CUDNN_SDPA_NESTED_TENSOR_ENABLED=1)")):
+                                   "TORCH_CUDNN_SDPA_NESTED_TENSOR_ENABLED=1)"),
+                        ("frontend", "cuDNN frontend torch op cudnn.sdpa_torch (child, nvidia-cudnn-frontend)"),
+                        ("frontend_bucketed", "cuDNN frontend torch op, batch size and max_seqlen bucketed (child)")):
         if mode == "direct" and not ragged.op_available():
             rows.append(row(spec, route, f"absent: torch {torch.__version__} has no aten._cudnn_attention_forward"))
             continue
-        torch.cuda.empty_cache()  # give the child the memory this process's allocator keeps
-        result, failure = run_child(mode, spec)
+        result, failure = children[mode]
         if failure:
             rows.append(row(spec, route, f"crashed: {failure}"))
             continue
-        status = "ok" if "error" not in result else f"refused: {result['error']}"
+        error = result.get("error", "")
+        status = "ok" if not error else (
+            f"absent: {error}" if "ModuleNotFoundError" in error or "ImportError" in error else f"refused: {error}")
+        notes = ["k/v heads expanded"] if mode == "nested" and spec["h"] != spec["hk"] else []
+        notes += [f"{name} {result[key]:.1f} ms" for name, key in (
+            ("first forward", "cold_fwd_ms"), ("first fwd+bwd", "cold_fwd_bwd_ms"),
+            ("a new batch's first fwd+bwd", "second_batch_cold_fwd_bwd_ms")) if key in result]
         rows.append(row(spec, route, status, result.get("fwd_ms"), result.get("fwd_bwd_ms"), result.get("err_fwd"),
-                        result.get("err_grad"), note="k/v heads expanded" if mode == "nested" and
-                        spec["h"] != spec["hk"] else ""))
+                        result.get("err_grad"), note="; ".join(notes)))
 
     try:
         fn, shape, tokens = ceiling_call(spec)
@@ -411,7 +503,7 @@ def probe_case(spec):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="write the rows and facts here")
-    ap.add_argument("--child", choices=("direct", "nested"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=tuple(CHILD_ROUTES), help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -433,9 +525,15 @@ def main():
         facts["varlen_should_use_cudnn"] = f"absent: {why(e)}"
     log("  ".join(f"{k}={v}" for k, v in facts.items()))
     rows = []
-    for spec in cases():
+    specs = cases()
+    # the child routes first, while this process holds no GPU memory, one child per route for every case
+    children = [{} for _ in specs]
+    for mode in CHILD_ROUTES:
+        for i, got in enumerate(run_child(mode, specs)):
+            children[i][mode] = got
+    for spec, got in zip(specs, children):
         try:
-            rows += probe_case(spec)
+            rows += probe_case(spec, got)
         except Exception:  # one case failing must not hide the other
             log(f"case={spec['name']} failed:\n{traceback.format_exc()}")
     log(f"done in {time.perf_counter() - start:.0f} s")
