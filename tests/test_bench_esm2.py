@@ -5,7 +5,8 @@ the ratios against the strongest peer and the goals, the sample check, a
 tiny end-to-end run whose JSON carries the run metadata and a Transformer
 Engine row skipped with its reason, and the BioNeMo-layout TE model built
 on seqfuse's TE-named modules standing in for transformer_engine (same loss
-as seqfuse's ESM-2 on the same packed and padded batches)."""
+as seqfuse's ESM-2 on the same packed and padded batches; a TE row names
+the attention backend TE ran)."""
 import argparse
 import json
 import os
@@ -245,3 +246,29 @@ def test_compile_hf_wraps_every_layer_or_the_model():
         bench_esm2.compile_hf(model, "everything", True)
     with pytest.raises(ValueError, match="seqfuse rows"):
         bench_esm2.build_model("seqfuse", args, torch.device("cpu"), torch.float32, "packed")
+
+
+def test_te_row_names_the_attention_te_ran(monkeypatch, layouts):
+    """A TE row's notes carry te_attention, read from TE's own record of its
+    last attention selection after the timed pass (here TE is played by
+    seqfuse's modules and the record is faked: fused, then unfused)."""
+    import types
+
+    fake_transformer_engine.install(monkeypatch)
+    record = {"use_flash_attention": False, "use_fused_attention": True, "use_unfused_attention": False,
+              "fused_attention_backend": "NVTE_Fused_Attn_Backend.NVTE_F16_arbitrary_seqlen"}
+    inner = types.ModuleType("transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention")
+    inner._attention_backends = record
+    pkg = types.ModuleType("transformer_engine.pytorch.attention.dot_product_attention")
+    pkg.__path__, pkg.dot_product_attention = [], inner
+    monkeypatch.setitem(sys.modules, pkg.__name__, pkg)
+    monkeypatch.setitem(sys.modules, inner.__name__, inner)
+    args = argparse.Namespace(size="tiny", torch_adamw=False, profile_steps=1)
+    timed = layouts["packed"][1][:1]
+    r = bench_esm2.run_row("te", "bf16", [], timed, args, torch.device("cpu"), layout="packed")
+    assert r["notes"]["te_attention"] == "FusedAttention (NVTE_Fused_Attn_Backend.NVTE_F16_arbitrary_seqlen)"
+    assert "thd" in r["notes"]["layout"] and r["real"] == int(timed[0]["num_tokens"])
+    record.update(use_fused_attention=False, use_unfused_attention=True)
+    r = bench_esm2.run_row("te", "bf16", [], timed, args, torch.device("cpu"), layout="packed")
+    assert r["notes"]["te_attention"] == "UnfusedDotProductAttention"
+    assert "te_attention" in bench_esm2._note(r["notes"])
