@@ -85,7 +85,8 @@ def test_plan_orders_parts_and_every_command_parses(tmp_path, monkeypatch):
     from peers import bench_te_modules, bench_torchao
 
     rc, out = dry_run(tmp_path, DEADLINE=560, ESM2_LIMIT=150, TE_MODULES_LIMIT=90, TORCHAO_LIMIT=100,
-                      LIGER_LLAMA_LIMIT=90, TE_PROBE="fused")
+                      LIGER_LLAMA_LIMIT=90, TE_PROBE="fused", TORCHAO_ARGS="--shapes llama_1b",
+                      TE_MODULES_ARGS="--modules TransformerLayer,LayerNormMLP,Linear,LayerNormLinear")
     assert rc == 0, out
     assert "DRY RUN: nothing runs" in out and "would build Transformer Engine" in out and "would build seqfuse" in out
     assert "would point CUDNN_HOME at torch's cuDNN" in out and "WARNING" not in out
@@ -109,6 +110,7 @@ def test_plan_orders_parts_and_every_command_parses(tmp_path, monkeypatch):
         bench_llama3.parse_train_row(r)
     assert "hf_bf16_liger" in llama_rows and spaces["liger_llama"].out == "llama3_liger"
     assert spaces["liger_llama"].parts == "train" and spaces["liger_llama"].size == "1B"
+    assert spaces["te_modules"].modules.startswith("TransformerLayer,") and spaces["torchao"].shapes == "llama_1b"
 
 
 def test_plan_without_fused_te_attention_leaves_out_the_packed_te_rows(tmp_path):

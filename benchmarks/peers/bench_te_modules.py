@@ -35,6 +35,10 @@ FusedAttention is cuDNN's, UnfusedDotProductAttention its slow fallback).
 TE rows are skipped with the reason where transformer_engine does
 not import (every CPU machine).
 
+Cells run module by module (each module at every shape, then the next
+module, in the --modules order), so a run under a time limit can put the
+module it most needs first.
+
 JSON: benchmarks/results/te_modules.json.  GPU: python3 bench_te_modules.py;
 CPU smoke: --device cpu --shapes tiny --iters 1 --rounds 1.
 """
@@ -251,8 +255,8 @@ def main(argv=None):
                   f"after {args.warmup} warm-up iterations, CUDA events, no L2 flush",
         "ratio": "seqfuse_vs_te = te_ms / seqfuse_ms (> 1: seqfuse faster; goal >= 1.0)",
         "shapes": {s: SHAPES[s] for s in shapes}, "te_skipped": te_why})
-    for shape in shapes:
-        for module in modules:
+    for module in modules:  # module outermost: a run cut short keeps the first-listed module at every shape
+        for shape in shapes:
             for recipe in recipes:
                 results.guard(run_cell, shape, SHAPES[shape], module, recipe, args, device, results, te_why,
                               shape=shape, module=module, recipe=recipe)
