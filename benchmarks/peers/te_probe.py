@@ -13,7 +13,8 @@ benchmarks spend their time.
 
 It prints torch's cuDNN version, TE's (transformer_engine_torch
 .get_cudnn_version), every libcudnn*.so file mapped into the process (two
-different libcudnn.so files = the mix above), then runs DotProductAttention
+different libcudnn.so files = the mix above, then also ``TE_PROBE
+cudnn_mix=yes``), then runs DotProductAttention
 forward + backward on the shapes the benchmarks use:
   esm2_bshd   ESM-2 650M heads (20 x 64), 2 x 1024 tokens, bshd, no mask;
   esm2_thd    the same heads on packed sequences (thd, cu_seqlens, padding);
@@ -142,9 +143,12 @@ def main(argv=None):
     if res.doc["mapped_libcudnn_after"] != info["mapped_libcudnn"]:
         for path in res.doc["mapped_libcudnn_after"]:
             print(f"TE_PROBE mapped_after {path}", flush=True)
+    dirs = sorted({os.path.dirname(p) for p in res.doc["mapped_libcudnn_after"]})
+    if len(dirs) > 1:  # two cuDNN installs in one process: the failure this probe exists to catch
+        print(f"TE_PROBE cudnn_mix=yes: libcudnn mapped from {', '.join(dirs)}", flush=True)
     ok = bool(fused) and all(fused)
     print(f"TE_PROBE fused_all={'yes' if ok else 'no'}", flush=True)
-    res.save(fused_all=ok)
+    res.save(fused_all=ok, cudnn_dirs=dirs)
     return res
 
 
