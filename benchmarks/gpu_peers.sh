@@ -202,7 +202,9 @@ print(maps[0] if maps else '')" 2>/dev/null)
     else
         echo "WARNING: torch's cuDNN not found: TE may load another cuDNN and run unfused attention"
     fi
-    KEEP="^TE_PROBE|Error" TAIL=14 run "${TE_PROBE_LIMIT:-60}" te_probe python3 benchmarks/peers/te_probe.py
+    # with TE's attention debug log: where a backend is disabled, TE says why ("Disabling FusedAttention: ...")
+    KEEP="^TE_PROBE|Error|Disabling (FusedAttention|UnfusedDot)|Selected backend" TAIL=24 WIDTH=300 run "${TE_PROBE_LIMIT:-60}" te_probe \
+        env NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 python3 benchmarks/peers/te_probe.py
     grep -q "^TE_PROBE fused_all=yes" "$LOG/te_probe.log" && te_fused=1
 elif (( te_ok )); then
     echo "would point CUDNN_HOME at torch's cuDNN, then run benchmarks/peers/te_probe.py (TE_PROBE=${TE_PROBE:-fused})"
