@@ -373,3 +373,71 @@ def test_route_logs_once_and_falls_back_on_runtime_error(monkeypatch, emulated_h
     assert torch.equal(out, seqfuse.ops.attention_fwd(q, k, v, **kw)[0])
     name, reason = seqfuse.ops.attention_backend(q, k, v, **kw)
     assert name == "seqfuse" and reason.startswith("cudnn_ragged_failed: ")
+
+
+# ------------------------------------------------------------ benchmarks/attn/ragged_probe.py's own pieces
+@pytest.fixture(scope="module")
+def probe():
+    """The probe script as a module (its GPU-only parts are not run here)."""
+    import importlib.util
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(root, "benchmarks", "attn", "ragged_probe.py")
+    sys.path.insert(0, os.path.dirname(path))
+    try:
+        spec = importlib.util.spec_from_file_location("ragged_probe", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(os.path.dirname(path))
+    return module
+
+
+@pytest.mark.parametrize("causal,hk", [(False, 4), (True, 2)])
+def test_probe_float64_reference_matches_seqfuse_cpu(probe, causal, hk):
+    """The probe's float64 reference (its err64 columns) agrees with seqfuse's
+    CPU backend, gradients too: top-left causal, GQA head grouping."""
+    spec = dict(name="t", lengths=[5, 17, 1, 9], h=4, hk=hk, d=16, causal=causal, seed=3)
+    q, k, v, dout, cu, max_len = probe.make_inputs(spec, device="cpu")
+    exact, exact_grads = probe.float64_reference(spec, q, k, v, dout)
+    seqfuse.ops.set_attention_backend("seqfuse")
+    out, grads = probe.outputs(probe.seqfuse_call(spec, cu, max_len, "seqfuse")[0], q, k, v, dout)
+    err, err_grad, err64, err64_grad = probe.compare(out, grads, out, grads, exact, exact_grads)
+    assert err == 0 and err_grad == 0
+    assert err64 <= pair_tol(torch.bfloat16) and err64_grad <= pair_tol(torch.bfloat16, 3)
+
+
+def test_probe_second_batch_and_cases(probe):
+    spec = dict(lengths=[5, 17, 9, 3, 20])
+    cu2, max2 = probe.second_batch(spec, cu_seqlens(spec["lengths"]))
+    assert cu2.tolist() == [0, 5, 22, 34, 54] and max2 == 20  # 9 and 3, the shortest neighbours, merged
+    esm, llama = probe.cases()
+    assert sum(esm["lengths"]) <= probe.TOKENS and max(esm["lengths"]) <= 1024 and min(esm["lengths"]) >= 50
+    assert sum(llama["lengths"]) == probe.TOKENS and (llama["h"], llama["hk"], llama["causal"]) == (32, 8, True)
+
+
+def test_probe_child_results_survive_a_crash(probe, monkeypatch):
+    """A child that faults after its first case keeps that case's result and
+    names the fault for the rest; a timeout likewise."""
+    import json
+    import subprocess
+    import types
+
+    specs = [dict(a=1), dict(b=2)]
+
+    def crashed(cmd, **kw):
+        assert json.loads(cmd[cmd.index("--spec") + 1]) == specs
+        return types.SimpleNamespace(stdout='{"fwd_ms": 1.0}\n', returncode=-6,
+                                     stderr="x\nRuntimeError: CUDA error: an illegal memory access was encountered\n")
+    monkeypatch.setattr(probe.subprocess, "run", crashed)
+    assert probe.run_child("direct", specs) == [
+        ({"fwd_ms": 1.0}, None),
+        (None, "child exited -6: x | RuntimeError: CUDA error: an illegal memory access was encountered")]
+
+    def timed_out(cmd, **kw):
+        raise subprocess.TimeoutExpired(cmd, 1, output=b'{"fwd_ms": 2.0}\n')
+    monkeypatch.setattr(probe.subprocess, "run", timed_out)
+    assert probe.run_child("nested", specs) == [({"fwd_ms": 2.0}, None),
+                                                (None, f"child timed out after {probe.CHILD_TIMEOUT_S} s")]

@@ -101,18 +101,18 @@ def cases():
                  source="fixed genomic windows")]
 
 
-def make_inputs(spec):
-    """q, k, v, dout (bf16, CUDA, seeded: the same in the parent and the children), cu_seqlens, max length."""
-    g = torch.Generator(device="cuda").manual_seed(spec["seed"])
+def make_inputs(spec, device="cuda"):
+    """q, k, v, dout (bf16, seeded: the same in the parent and the children), cu_seqlens, max length."""
+    g = torch.Generator(device=device).manual_seed(spec["seed"])
     t = sum(spec["lengths"])
-    q = torch.randn(t, spec["h"], spec["d"], device="cuda", generator=g).to(DT)
-    k = torch.randn(t, spec["hk"], spec["d"], device="cuda", generator=g).to(DT)
-    v = torch.randn(t, spec["hk"], spec["d"], device="cuda", generator=g).to(DT)
-    dout = torch.randn(t, spec["h"], spec["d"], device="cuda", generator=g).to(DT)
+    q = torch.randn(t, spec["h"], spec["d"], device=device, generator=g).to(DT)
+    k = torch.randn(t, spec["hk"], spec["d"], device=device, generator=g).to(DT)
+    v = torch.randn(t, spec["hk"], spec["d"], device=device, generator=g).to(DT)
+    dout = torch.randn(t, spec["h"], spec["d"], device=device, generator=g).to(DT)
     bounds = [0]
     for n in spec["lengths"]:
         bounds.append(bounds[-1] + n)
-    cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
     return q, k, v, dout, cu, max(spec["lengths"])
 
 
@@ -122,7 +122,7 @@ def flops(spec, backward):
 
 
 def float64_reference(spec, q, k, v, dout):
-    """out and (dq, dk, dv) in float64 on the GPU, sequence by sequence."""
+    """out and (dq, dk, dv) in float64 on q's device, sequence by sequence."""
     q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
     g = spec["h"] // spec["hk"]
     scale = spec["d"] ** -0.5

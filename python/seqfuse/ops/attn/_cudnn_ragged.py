@@ -46,20 +46,23 @@ padded.  What torch 2.11 (the GPU machine's torch, 2.11.0+cu130, git
   run, benchmarks/results/logs/attn_routes_s9.log: 46-51 ms per forward
   against 0.24-1.8 ms for FlashAttention-2); (2) the backward reads the
   maximum sequence lengths from query.size(2), which on 3-D input is the
-  head dim, and sizes cuDNN's dQ accumulator from it (PyTorch PR #186142,
-  June 2026, after 2.11): out-of-bounds writes for any sequence longer than
-  the head dim.  So this route never runs a backward on a torch not yet
-  checked to be free of (2) (rule ``torch_backward``; ``RAGGED_BACKWARD_FROM``
-  is the first such torch, None until a GPU run checks one), and the probe
-  times (1).  (3) torch.nn.attention.varlen.varlen_attn has a cuDNN branch
+  head dim, and sizes cuDNN's dQ accumulator from it: out-of-bounds writes
+  for any sequence longer than the head dim (PyTorch PR #186142, June 2026,
+  three months after 2.11's wheel was built; the same H200 run's forward+
+  backward through this op did not raise, but its gradients were not
+  checked).  So this route never runs a backward on a torch not checked to
+  be free of (2) (rule ``torch_backward``; ``RAGGED_BACKWARD_FROM`` is the
+  first such torch, None until benchmarks/attn/ragged_probe.py's child run
+  of the op's backward shows correct gradients on one), and the probe times
+  (1).  (3) torch.nn.attention.varlen.varlen_attn has a cuDNN branch
   whose switch ``_should_use_cudnn`` returns False in 2.11 (varlen.py:29-32;
   its backward call, varlen.py:307-323, passes cu_seq_q/cu_seq_k where the
   schema has philox_seed/philox_offset): varlen_attn is FlashAttention-2
   only.  (4) SDPA on nested jagged tensors reaches the same nested path,
   only with TORCH_CUDNN_SDPA_NESTED_TENSOR_ENABLED=1, on compute capability
   9.0 or 10.0, head dims multiples of 8 up to 128 (torch/nested/_internal/
-  sdpa.py:115-137), and tried after FlashAttention, memory-efficient and
-  math (sdpa.py:303-308).
+  sdpa.py:115-138), and tried after FlashAttention, memory-efficient and
+  math (sdpa.py:302-307).
 - Alignment: cuDNN's ragged kernels need 16-byte aligned base pointers and
   row strides; PyTorch PR #194818 (after 2.11) found unaligned q/k/v giving
   silently wrong values.  The route takes q, k, v through ``kernel_layout``
@@ -180,8 +183,8 @@ def ragged_eligibility(device_type, capability, qkv_format, attn_mask_type, wind
                               "seqfuse's thd contract makes them 0, as it does a query that sees no key)")
     if needs_grad and not backward_trusted:
         return _no("torch_backward", f"gradients wanted, and torch {torch.__version__}'s ragged cuDNN backward is "
-                                     "not trusted: torch 2.11's sizes cuDNN's dQ accumulator from the head dim "
-                                     "instead of max_seqlen (out-of-bounds writes; PyTorch PR #186142)")
+                                     "not trusted: torch releases before PyTorch PR #186142 size cuDNN's dQ "
+                                     "accumulator from the head dim instead of max_seqlen (out-of-bounds writes)")
     if check_capability and tuple(capability or ()) != RAGGED_CAPABILITY:
         cap = "unknown" if capability is None else "%d.%d" % tuple(capability)
         return _no("capability", f"compute capability {cap} (the cudnn_ragged route is taken in auto only on "
