@@ -183,6 +183,14 @@ def test_opt_in_keeps_uniform_batches_on_cudnn_bshd(emulated_h200):
     assert name == "cudnn" and "as bshd [3, 6]" in reason
 
 
+def test_opt_in_leaves_padded_layouts_alone(emulated_h200):
+    """bshd/sbhd calls are not the route's: their reasons do not mention it."""
+    seqfuse.ops.attn.set_attention_cudnn_ragged(True)
+    x = torch.randn(2, 6, 4, 20).bfloat16()  # head dim 20: neither cuDNN nor flash
+    name, reason = seqfuse.ops.attention_backend(x, x, x)
+    assert name == "seqfuse" and reason.startswith("head_dim: ") and "cudnn_ragged" not in reason
+
+
 @pytest.mark.parametrize("case,rule", [
     (lambda: thd_case([5, 7], tail=(3, 3)), "lengths"),  # tokens past the last sequence
     (lambda: thd_case([5, 7], [4, 0], same=False), "lengths"),  # a query sequence with no keys

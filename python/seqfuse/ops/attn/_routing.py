@@ -87,8 +87,8 @@ takes ("seqfuse", "cudnn", "flash", "cudnn_ragged" or "torch_fp32") and why.
   call key, and sends the call to cuDNN by the rules above applied to
   [b, L] (its padding mask read as no mask, or causal); the reason names
   both views.
-- then, in auto with the cudnn_ragged opt-in on, a call cuDNN does not take
-  goes to "cudnn_ragged" where every rule of ``ragged_eligibility`` holds
+- then, in auto with the cudnn_ragged opt-in on, a thd call cuDNN does not
+  take goes to "cudnn_ragged" where every rule of ``ragged_eligibility`` holds
   (the lengths facts come from the cu_seqlens check's cached host read, as
   for the uniform case: no extra synchronization, none under capture); a
   call it does not take adds "cudnn_ragged route: <rule>: why" to its
@@ -535,7 +535,7 @@ def _decide(mode, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, d
                                 "fused attention through torch SDPA"
         if mode == "cudnn":
             return "seqfuse", rule, reason
-    if mode == "auto" and ragged_on:
+    if mode == "auto" and ragged_on and qkv_format == "thd":
         r_rule, r_reason = _ragged_rule(mode, q, k, qkv_format, attn_mask_type, window, p, deterministic, switches,
                                         same_cu, ragged_facts)
         if not r_rule:
@@ -641,8 +641,7 @@ def attention_backend(q, k, v, qkv_format="bshd", attn_mask_type="no_mask", wind
                       max_seqlen_q=None, max_seqlen_kv=None, softmax_scale=None):
     """(name, reason): the route ("seqfuse", "cudnn", "flash",
     "cudnn_ragged" or "torch_fp32") an ``attention`` call with these
-    arguments takes under the
-    process's choice, and why (for a call that stays on seqfuse, "rule: why"
+    arguments takes under the process's choice, and why (for a call that stays on seqfuse, "rule: why"
     naming the first rule broken of each torch route looked at).  Raises
     what the call would: ValueError for a bad SEQFUSE_ATTN_BACKEND or
     argument value, NotImplementedError for a call the forced backend cannot
