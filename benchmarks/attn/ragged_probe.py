@@ -196,12 +196,15 @@ def measure(fn, q, k, v, dout, backward):
 # ------------------------------------------------------------------ the routes
 def seqfuse_call(spec, cu, max_len, backend):
     """seqfuse.ops.attention on the case, under ``backend`` (set here, once:
-    setting it forgets the cached route choices); and its keywords."""
+    setting it forgets the cached route choices; auto with the cudnn_ragged
+    opt-in off, whatever SEQFUSE_ATTN_CUDNN_RAGGED says: the current route);
+    and its keywords."""
     import seqfuse
 
     mask = "padding_causal" if spec["causal"] else "padding"
     kw = dict(qkv_format="thd", attn_mask_type=mask, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len,
               max_seqlen_kv=max_len)
+    seqfuse.ops.attn.set_attention_cudnn_ragged(False)
     seqfuse.ops.set_attention_backend(backend)
 
     def call(q, k, v):
