@@ -24,7 +24,8 @@
 #      ../shared/peers/prepare_te.py's docstring says; its PyTorch extension
 #      builds here in about 2 minutes), where a part compares with it, in the
 #      background, and seqfuse (pip install -e; SEQFUSE_CUDA_ARCHS passes
-#      through, e.g. "90a" for the H200 alone), then waits for both;
+#      through, e.g. "90a" for the H200 alone; at nice 10 beside TE's build,
+#      the longer one), then waits for both;
 #   3. where TE built: TE and torch share torch's cuDNN (CUDNN_HOME, see
 #      below), and benchmarks/peers/te_probe.py says which attention TE runs
 #      (TE_PROBE lines).  Where it is not cuDNN's fused attention, the ESM-2
@@ -155,7 +156,10 @@ t0=$(date +%s)
 if (( DRY )); then
     echo "would build seqfuse (pip install -e ., SEQFUSE_CUDA_ARCHS=${SEQFUSE_CUDA_ARCHS:-setup.py default}, MAX_JOBS ${SEQFUSE_JOBS:-16})"
 elif [ "${SKIP_BUILD:-0}" != 1 ]; then  # SKIP_BUILD=1: use the seqfuse already importable
-    MAX_JOBS=${SEQFUSE_JOBS:-16} python3 -m pip install -q --no-build-isolation --no-deps --no-index -e . \
+    # beside TE's build (the longer one, about 2 minutes) seqfuse's runs at a lower priority: TE's
+    # compile jobs get the cores first and seqfuse's fill the rest, so both end about when TE alone would
+    nice_cmd=(); [ -n "$te_pid" ] && nice_cmd=(nice -n 10)
+    MAX_JOBS=${SEQFUSE_JOBS:-16} "${nice_cmd[@]}" python3 -m pip install -q --no-build-isolation --no-deps --no-index -e . \
         > "$LOG/build.log" 2>&1 || { tail -30 "$LOG/build.log"; echo "seqfuse BUILD FAILED"; exit 1; }
     echo "seqfuse build $(( $(date +%s) - t0 )) s (SEQFUSE_CUDA_ARCHS=${SEQFUSE_CUDA_ARCHS:-setup.py default})"
 fi
