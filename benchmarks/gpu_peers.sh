@@ -86,7 +86,7 @@ pack() {
     tar czf "$OUT/peers_run.tgz" -C "$LOG" . 2>/dev/null
     echo "(packed $(ls "$LOG" | wc -l) files into \$OUT/peers_run.tgz at $(( $(date +%s) - start )) s)"
 }
-(( DRY )) || trap pack EXIT
+if (( DRY )); then trap 'rm -rf "$LOG"' EXIT; else trap pack EXIT; fi
 trap "exit 143" TERM
 
 need() { [[ ",$PARTS," == *",$1,"* ]]; }
