@@ -9,30 +9,13 @@
 # PARTS (default tests,fp8_rows,fp8_host,esm2,graphs) picks the steps; TESTS the test files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-ROOT=$(pwd)
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/seqfuse-fp8}
-LOG=$(mktemp -d /tmp/fp8_run.XXXX)
-mkdir -p "$OUT"
 pack() { cp "$ROOT"/benchmarks/results/{fp8_rows,graphs,fp8_host,esm2_s7}.json "$LOG/" 2>/dev/null
          tar czf "$OUT/fp8_run.tgz" -C "$LOG" .; cp "$LOG"/*.json "$OUT/" 2>/dev/null; }
-trap pack EXIT
-trap "exit 143" TERM
-status=0
-run() {  # run LIMIT NAME CMD...: log to $LOG/NAME.log, print its tail
-    local limit=$1 name=$2; shift 2
-    echo "===== $name"
-    # SIGINT first: pytest then prints its summary of failures before it stops
-    local rc=0
-    timeout -s INT -k 15 "$limit" "$@" > "$LOG/$name.log" 2>&1 || rc=$?
-    [ $rc -eq 0 ] || { status=1; echo "($name: exit $rc)"; }
-    tail -n "${TAIL:-25}" "$LOG/$name.log"
-}
+source benchmarks/gpu_lib.sh  # gpu_setup, gpu_build, run
+gpu_setup fp8
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 start=$(date +%s)
-MAX_JOBS=16 python3 -m pip install -q --no-build-isolation --no-deps --no-index -e . > "$LOG/build.log" 2>&1 \
-    || { tail -30 "$LOG/build.log"; echo BUILD FAILED; exit 1; }
-echo "build $(( $(date +%s) - start )) s"
+gpu_build
 PARTS=${PARTS:-tests,fp8_rows,fp8_host,esm2,graphs}
 want() { [[ ",$PARTS," == *",$1,"* ]]; }
 want tests && TAIL=12 run ${TEST_LIMIT:-140} pytest python3 -m pytest -q -rfE -m cuda -p no:cacheprovider -n 8 --timeout 180 \

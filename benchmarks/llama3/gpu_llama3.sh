@@ -20,28 +20,15 @@
 # DECODE_ARGS (extra bench_llama3.py arguments, e.g. --rows ... / --decode-rows ...).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-ROOT=$(pwd)
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/seqfuse-llama3}
-LOG=$(mktemp -d /tmp/llama3_run.XXXX)
-mkdir -p "$OUT"
 pack() { cp "$ROOT"/benchmarks/results/llama3{,_decode}.{json,png} "$LOG/" 2>/dev/null
          tar czf "$OUT/llama3_run.tgz" -C "$LOG" .; cp "$LOG"/*.json "$OUT/" 2>/dev/null; }
-trap pack EXIT
-trap "exit 143" TERM
-status=0
-run() {  # run LIMIT NAME CMD...: log to $LOG/NAME.log, print its tail
-    local limit=$1 name=$2; shift 2
-    echo "===== $name"
-    timeout "$limit" "$@" > "$LOG/$name.log" 2>&1 || { status=1; echo "($name: exit $?)"; }
-    tail -n "${TAIL:-25}" "$LOG/$name.log"
-}
+source benchmarks/gpu_lib.sh  # gpu_setup, gpu_build, run
+gpu_setup llama3
+STOP_SIGNAL=TERM  # a step at its limit is stopped at once
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 ls -la benchmarks/llama3/data 2>/dev/null || echo "benchmarks/llama3/data not carried: the benchmark falls back to the committed subset"
 start=$(date +%s)
-MAX_JOBS=16 python3 -m pip install -q --no-build-isolation --no-deps --no-index -e . > "$LOG/build.log" 2>&1 \
-    || { tail -30 "$LOG/build.log"; echo BUILD FAILED; exit 1; }
-echo "build $(( $(date +%s) - start )) s"
+gpu_build
 TAIL=15 run ${TEST_LIMIT:-90} pytest python3 -m pytest -q -m cuda -p no:cacheprovider -n 3 --timeout 80 -rfEs \
     tests/test_hf_llama.py tests/test_hf_llama_generate.py
 TAIL=30 run ${TRAIN_LIMIT:-170} train python3 benchmarks/llama3/bench_llama3.py --size 1B --parts train \

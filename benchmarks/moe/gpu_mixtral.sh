@@ -17,31 +17,17 @@
 # Knobs: TEST_LIMIT RUN_LIMIT BENCH_LIMIT (seconds), RUN_STEPS, BENCH_ARGS.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-ROOT=$(pwd)
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/seqfuse-mixtral}
-LOG=$(mktemp -d /tmp/mixtral_run.XXXX)
-mkdir -p "$OUT"
 pack() { cp "$ROOT"/benchmarks/results/moe_mixtral_train.json "$LOG/" 2>/dev/null
          tar czf "$OUT/mixtral_run.tgz" -C "$LOG" .; cp "$LOG"/*.json "$OUT/" 2>/dev/null; }
-trap pack EXIT
-trap "exit 143" TERM
-status=0
-run() {  # run LIMIT NAME CMD...: log to $LOG/NAME.log, print its tail
-    local limit=$1 name=$2; shift 2
-    echo "===== $name"
-    timeout "$limit" "$@" > "$LOG/$name.log" 2>&1 || { status=1; echo "($name: exit $?)"; }
-    tail -n "${TAIL:-12}" "$LOG/$name.log"
-}
+source benchmarks/gpu_lib.sh  # gpu_setup, gpu_build, run
+gpu_setup mixtral
+STOP_SIGNAL=TERM  # a step at its limit is stopped at once
+TAIL=${TAIL:-12}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 start=$(date +%s)
 python3 -c "import hydra" 2>/dev/null || python3 -m pip install -q --no-index --no-deps .whl/hydra_core-*.whl \
     .whl/omegaconf-*.whl .whl/antlr4_python3_runtime-*.whl || { echo "hydra wheels missing: carry .whl"; exit 1; }
-if [ "${BUILD:-1}" != 0 ]; then
-    MAX_JOBS=16 python3 -m pip install -q --no-build-isolation --no-deps --no-index -e . > "$LOG/build.log" 2>&1 \
-        || { tail -30 "$LOG/build.log"; echo BUILD FAILED; exit 1; }
-    echo "build $(( $(date +%s) - start )) s"
-fi
+[ "${BUILD:-1}" = 0 ] || gpu_build
 DATA=recipes/llama3/data/full
 [ -f "$DATA/train.parquet" ] || { echo "$DATA not carried: the recipe runs use the committed subset (1,026-token windows)"
                                   DATA=recipes/llama3/data/subset; }
