@@ -17,7 +17,11 @@ helpers.py:
   backward sizes its dQ accumulator from the head dim) and run the flash
   route, a batch with tail tokens (rule lengths) runs elsewhere and its tail
   is 0, CUDA graph capture is refused (rule graph_capture);
-- off by default: auto never takes it.
+- off by default: auto never takes it;
+- the frontend provider (SEQFUSE_ATTN_CUDNN_RAGGED=frontend: NVIDIA's
+  nvidia-cudnn-frontend package, skipped where it is not installed):
+  forward and gradients against the float64 reference, bidirectional and
+  causal, GQA 4:1, head dims 32 to 128, and auto taking training calls.
 Speed is not tested here: benchmarks/attn/ragged_probe.py times it (torch
 2.11 rebuilds the cuDNN graph in every call).
 Run on an H200: `python3 -m pytest -q tests/test_attn_ragged_cuda.py`."""
@@ -26,7 +30,7 @@ import torch
 
 import seqfuse
 from attn_ref import cu_seqlens, reference
-from helpers import pair_tol, rel_error, rel_tol
+from helpers import BWD_FACTOR, pair_tol, rel_error, rel_tol
 from seqfuse.ops.attn import _cudnn_ragged as ragged
 from seqfuse.ops.attn import _routing as routing
 
@@ -169,3 +173,51 @@ def test_graph_capture_is_refused():
             x.add_(1)
             name, reason = seqfuse.ops.attention_backend(q, k, v, **kw)
     assert name != "cudnn_ragged" and "cudnn_ragged route: graph_capture: " in reason
+
+
+# ------------------------------------------------------------ the frontend provider (nvidia-cudnn-frontend)
+needs_frontend = pytest.mark.skipif(ragged.frontend_sdpa() is None,
+                                    reason="nvidia-cudnn-frontend (cudnn.sdpa_torch) is not installed")
+
+
+def _reference_with_grads(q, k, v, dout, lq, lk, mask, scale=None):
+    q64, k64, v64 = (x.detach().cpu().double().requires_grad_() for x in (q, k, v))
+    out = reference(q64, k64, v64, qkv_format="thd", attn_mask_type=mask, seqlens_q=lq, seqlens_kv=lk,
+                    softmax_scale=scale)
+    return out.detach(), torch.autograd.grad(out, (q64, k64, v64), dout.cpu().double())
+
+
+@needs_frontend
+@pytest.mark.parametrize("mask", ["padding", "padding_causal"])
+@pytest.mark.parametrize("h,hk,d", [(4, 4, 64), (8, 2, 128), (4, 4, 32)])
+def test_frontend_provider_forward_and_gradients(mask, h, hk, d):
+    """The frontend provider takes training calls: output and dq, dk, dv
+    against the float64 reference (BWD_FACTOR for gradients)."""
+    q, k, v, kw, lq, lk = _case(PROTEINS, h=h, hk=hk, d=d, seed=h + d)
+    seqfuse.ops.set_attention_backend("cudnn_ragged")
+    seqfuse.ops.attn.set_attention_cudnn_ragged(True, "frontend")
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    assert seqfuse.ops.attention_backend(q, k, v, attn_mask_type=mask, **kw)[0] == "cudnn_ragged"
+    out = seqfuse.ops.attention(q, k, v, attn_mask_type=mask, **kw)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref, ref_grads = _reference_with_grads(q, k, v, dout, lq, lk, mask)
+    assert rel_error(out, ref) <= rel_tol(torch.bfloat16)
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert rel_error(g, r) <= rel_tol(torch.bfloat16, BWD_FACTOR), f"d{name}"
+
+
+@needs_frontend
+def test_frontend_provider_in_auto_takes_training_calls():
+    q, k, v, kw, lq, lk = _case([77, 512, 3, 129], [77, 512, 3, 129])
+    seqfuse.ops.set_attention_backend("auto")
+    seqfuse.ops.attn.set_attention_cudnn_ragged(True, "frontend")
+    q.requires_grad_()
+    name, reason = seqfuse.ops.attention_backend(q, k, v, **kw)
+    assert name == "cudnn_ragged" and reason.endswith("nvidia-cudnn-frontend's cudnn.sdpa_torch")
+    out = seqfuse.ops.attention(q, k, v, **kw)
+    dout = torch.randn_like(out)
+    (dq,) = torch.autograd.grad(out, (q,), dout)
+    ref, ref_grads = _reference_with_grads(q, k, v, dout, lq, lk, "padding")
+    assert rel_error(out, ref) <= rel_tol(torch.bfloat16)
+    assert rel_error(dq, ref_grads[0]) <= rel_tol(torch.bfloat16, BWD_FACTOR)

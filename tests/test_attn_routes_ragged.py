@@ -14,7 +14,12 @@ through torch.ops.aten._cudnn_attention_forward), on the CPU:
   with its documented semantics (3-D packed q/k/v, top-left causal within
   each sequence, tokens outside every sequence left unwritten: NaN here)
   takes its place, and the route's output is checked against seqfuse's CPU
-  kernels; a RuntimeError from it falls back to seqfuse in auto, logged.
+  kernels; a RuntimeError from it falls back to seqfuse in auto, logged;
+- the frontend provider (nvidia-cudnn-frontend's cudnn.sdpa_torch) with a
+  differentiable stand-in: batch size bucketed to a multiple of 16 with
+  empty sequences, max lengths to powers of two, training calls taken,
+  forward and gradients against seqfuse's CPU kernels; its absence named;
+- benchmarks/attn/ragged_probe.py's own pieces that run without a GPU.
 The CUDA tests: tests/test_attn_ragged_cuda.py."""
 import logging
 
@@ -23,7 +28,7 @@ import torch
 
 import seqfuse
 from attn_ref import attend, cu_seqlens
-from helpers import pair_tol, rel_error
+from helpers import BWD_FACTOR, pair_tol, rel_error
 from seqfuse.ops import device_checks
 from seqfuse.ops.attn import _cudnn_ragged as ragged
 from seqfuse.ops.attn import _routing as routing
@@ -46,7 +51,7 @@ def emulated_h200(monkeypatch):
     """CPU tensors routed as if on an H200 whose torch has the op and cuDNN 9.19."""
     monkeypatch.setattr(routing, "_device_facts", lambda device: ("cuda", (9, 0)))
     monkeypatch.setattr(routing, "_SDPA_BACKENDS", [routing.SDPBackend.MATH])
-    monkeypatch.setattr(routing, "_ragged_support", {"op": True, "cudnn": 91900})
+    monkeypatch.setattr(routing, "_ragged_support", {"torch": True, "frontend": False, "cudnn": 91900})
 
 
 def thd_case(lengths_q, lengths_k=None, h=4, hk=4, d=16, dtype=torch.bfloat16, tail=(0, 0), same=True):
@@ -118,6 +123,22 @@ def test_rules_are_checked_in_order():
         assert RAGGED(**stacked)[0] == rule, (rule, change)
 
 
+def test_frontend_provider_rules():
+    """The frontend provider takes gradients (no torch_backward rule) and
+    names its own absence."""
+    fe = dict(OK, provider="frontend")
+    assert RAGGED(**fe) == ("", "") and RAGGED(**{**fe, "needs_grad": True}) == ("", "")
+    rule, reason = RAGGED(**{**fe, "op_present": False})
+    assert rule == "frontend" and "pip install nvidia-cudnn-frontend" in reason
+    assert RAGGED(**{**fe, "covered": False})[0] == "lengths"  # the same unwritten-token rule
+
+
+@pytest.mark.parametrize("given,bucketed", [((46, 1024, 1024), (48, 1024, 1024)), ((7, 300, 65), (16, 512, 128)),
+                                            ((16, 1, 1), (16, 64, 64)), ((17, 4096, 2000), (32, 4096, 2048))])
+def test_frontend_bucketing(given, bucketed):
+    assert ragged.bucket_lengths(*given) == bucketed
+
+
 def test_reasons_name_the_torch_bugs():
     assert "PyTorch PR #186142" in RAGGED(**{**OK, "needs_grad": True})[1]
     assert "needs cuDNN 9.6 or later, this torch has 90500" in RAGGED(**{**OK, "heads_kv": 5,
@@ -158,7 +179,7 @@ def test_off_by_default(emulated_h200, monkeypatch):
 
 
 def test_opt_in_takes_forward_calls_and_refuses_gradients(emulated_h200):
-    assert seqfuse.ops.attn.set_attention_cudnn_ragged(True) is False
+    assert seqfuse.ops.attn.set_attention_cudnn_ragged(True) is None
     q, k, v, kw = thd_case([5, 7, 3])
     assert seqfuse.ops.attention_backend(q, k, v, **kw) == (
         "cudnn_ragged", "thd no_mask d=16 bfloat16 runs cuDNN's ragged fused attention through "
@@ -171,7 +192,7 @@ def test_opt_in_takes_forward_calls_and_refuses_gradients(emulated_h200):
     # a call flash does not take either names all three rules
     name, reason = seqfuse.ops.attention_backend(q, k, v, **kw, rng_state=(1, 0), dropout_p=0.1)
     assert name == "seqfuse" and "; cudnn_ragged route: dropout: " in reason and "; flash route: rng_state" in reason
-    assert seqfuse.ops.attn.set_attention_cudnn_ragged(False) is True
+    assert seqfuse.ops.attn.set_attention_cudnn_ragged(False) == "torch"
     with torch.no_grad():
         assert seqfuse.ops.attention_backend(q, k, v, **kw)[0] == "seqfuse"
 
@@ -211,7 +232,7 @@ def test_opt_in_gqa_needs_cudnn_9_6(emulated_h200, monkeypatch):
     seqfuse.ops.attn.set_attention_cudnn_ragged(True)
     q, k, v, kw = thd_case([5, 7], h=4, hk=2)
     assert seqfuse.ops.attention_backend(q, k, v, **kw)[0] == "cudnn_ragged"
-    monkeypatch.setattr(routing, "_ragged_support", {"op": True, "cudnn": 90500})
+    monkeypatch.setattr(routing, "_ragged_support", {"torch": True, "cudnn": 90500})
     seqfuse.ops.attn.set_attention_cudnn_ragged(True)  # forgets the cached choices
     assert "cudnn_ragged route: gqa: " in seqfuse.ops.attention_backend(q, k, v, **kw)[1]
 
@@ -225,13 +246,13 @@ def test_env_opt_in(emulated_h200, monkeypatch):
     monkeypatch.setattr(routing, "_choices", {})
     monkeypatch.setenv("SEQFUSE_ATTN_CUDNN_RAGGED", " 0 ")
     assert seqfuse.ops.attention_backend(q, k, v, **kw)[0] == "seqfuse"
-    for bad in ("yes", "true", "2"):
+    for bad in ("yes", "true", "2", "Frontend"):
         monkeypatch.setattr(routing, "_ragged_on", None)
         monkeypatch.setenv("SEQFUSE_ATTN_CUDNN_RAGGED", bad)
         for _ in range(2):  # every call says it until it is fixed
             with pytest.raises(ValueError) as e:
                 seqfuse.ops.attention_backend(q, k, v, **kw)
-            assert str(e.value) == f"SEQFUSE_ATTN_CUDNN_RAGGED must be '0' or '1', got {bad!r}"
+            assert str(e.value) == f"SEQFUSE_ATTN_CUDNN_RAGGED must be '0', '1', 'torch' or 'frontend', got {bad!r}"
     # the setter overrides a bad variable
     seqfuse.ops.attn.set_attention_cudnn_ragged(True)
     assert seqfuse.ops.attention_backend(q, k, v, **kw)[0] == "cudnn_ragged"
@@ -243,6 +264,14 @@ def test_setter_takes_bools_only(value):
         seqfuse.ops.attn.set_attention_cudnn_ragged(value)
     assert str(e.value) == f"set_attention_cudnn_ragged: argument 'enabled' must be a bool, got " \
                            f"{type(value).__name__}"
+
+
+@pytest.mark.parametrize("provider", ["gpu", "Torch", None, 1])  # ("cuda" would be skipped as a marker)
+def test_setter_names_the_providers(provider):
+    with pytest.raises(ValueError) as e:
+        seqfuse.ops.attn.set_attention_cudnn_ragged(True, provider)
+    assert str(e.value) == f"set_attention_cudnn_ragged: argument 'provider' must be 'torch' or 'frontend', got " \
+                           f"{provider!r}"
 
 
 def test_forced_route(emulated_h200, monkeypatch):
@@ -261,7 +290,7 @@ def test_forced_route(emulated_h200, monkeypatch):
 
 
 def test_forced_route_skips_capability_and_keeps_device(monkeypatch):
-    monkeypatch.setattr(routing, "_ragged_support", {"op": True, "cudnn": 91900})
+    monkeypatch.setattr(routing, "_ragged_support", {"torch": True, "frontend": False, "cudnn": 91900})
     seqfuse.ops.set_attention_backend("cudnn_ragged")
     q, k, v, kw = thd_case([5, 7])
     with pytest.raises(NotImplementedError, match="device: cpu tensors"):
@@ -449,3 +478,89 @@ def test_probe_child_results_survive_a_crash(probe, monkeypatch):
     monkeypatch.setattr(probe.subprocess, "run", timed_out)
     assert probe.run_child("nested", specs) == [({"fwd_ms": 2.0}, None),
                                                 (None, f"child timed out after {probe.CHILD_TIMEOUT_S} s")]
+
+
+# ------------------------------------------------------------ the frontend provider, with a stand-in
+def frontend_standin_for(calls):
+    """A CPU stand-in for nvidia-cudnn-frontend's cudnn.sdpa_torch on the
+    THD path: differentiable float64 attention per sequence (top-left
+    causal), tokens outside every sequence NaN; checks the route's bucketing."""
+    def standin(q, k, v, *, scale=None, is_causal=False, cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=0,
+                max_seqlen_kv=0, return_lse=False):
+        calls.append(dict(cu_q=cu_seqlens_q.tolist(), cu_k=cu_seqlens_kv.tolist(), max_q=max_seqlen_q,
+                          max_k=max_seqlen_kv, lse=return_lse, causal=is_causal, scale=scale))
+        bq, bk = cu_seqlens_q.tolist(), cu_seqlens_kv.tolist()
+        assert len(bq) == len(bk) and (len(bq) - 1) % ragged.BUCKET_BATCH == 0
+        assert all(0 <= b - a <= max_seqlen_q for a, b in zip(bq, bq[1:]))
+        mask = "causal" if is_causal else "no_mask"
+        pieces = []
+        for a, b, c, e in zip(bq, bq[1:], bk, bk[1:]):
+            if b > a:
+                pieces.append(attend(q[a:b].double(), k[c:e].double(), v[c:e].double(), mask, None, scale))
+        out = torch.cat(pieces + [torch.full((q.shape[0] - bq[-1],) + q.shape[1:], float("nan"),
+                                             dtype=torch.float64)]).to(q.dtype)
+        return (out, torch.zeros(q.shape[0], q.shape[1], 1)) if return_lse else out
+    return standin
+
+
+@pytest.fixture
+def frontend_calls(monkeypatch, emulated_h200):
+    calls = []
+    monkeypatch.setattr(routing, "_ragged_support", {"torch": True, "frontend": True, "cudnn": 91900})
+    monkeypatch.setattr(ragged, "_frontend_forward", frontend_standin_for(calls))
+    return calls
+
+
+@pytest.mark.parametrize("mask,lengths,hk", [("padding", [5, 11, 1, 7], 4), ("padding_causal", [9, 0, 6], 2)])
+def test_frontend_route_trains_and_matches_seqfuse_cpu(frontend_calls, mask, lengths, hk):
+    """Forward and gradients through the frontend provider (bucketed
+    cu_seqlens, rounded max lengths) against seqfuse's CPU kernels."""
+    seqfuse.ops.attn.set_attention_cudnn_ragged(True, "frontend")
+    q, k, v, kw = thd_case(lengths, hk=hk)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    name, reason = seqfuse.ops.attention_backend(q, k, v, attn_mask_type=mask, **kw)
+    assert name == "cudnn_ragged" and reason.endswith("through nvidia-cudnn-frontend's cudnn.sdpa_torch")
+    out = seqfuse.ops.attention(q, k, v, attn_mask_type=mask, softmax_scale=0.3, **kw)
+    call = frontend_calls[-1]
+    bounds = cu_seqlens(lengths).tolist()
+    assert call["cu_q"] == bounds + [bounds[-1]] * (16 - len(lengths)) and call["cu_k"] == call["cu_q"]
+    assert (call["max_q"], call["max_k"], call["lse"], call["causal"], call["scale"]) == (64, 64, True,
+                                                                                          "causal" in mask, 0.3)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    seqfuse.ops.set_attention_backend("seqfuse")
+    ref = seqfuse.ops.attention(q, k, v, attn_mask_type=mask, softmax_scale=0.3, **kw)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+    assert rel_error(out, ref) <= pair_tol(torch.bfloat16)
+    for g, r in zip(grads, ref_grads):
+        assert rel_error(g, r) <= pair_tol(torch.bfloat16, BWD_FACTOR)
+
+
+def test_frontend_provider_forced_and_absent(frontend_calls, monkeypatch):
+    monkeypatch.setattr(routing, "_backend", None)
+    monkeypatch.setenv("SEQFUSE_ATTN_BACKEND", "cudnn_ragged")
+    monkeypatch.setattr(routing, "_ragged_on", None)
+    monkeypatch.setenv("SEQFUSE_ATTN_CUDNN_RAGGED", "frontend")
+    q, k, v, kw = thd_case([5, 7, 3])
+    q.requires_grad_()
+    assert seqfuse.ops.attention_backend(q, k, v, **kw)[0] == "cudnn_ragged"  # gradients too
+    monkeypatch.setattr(routing, "_ragged_support", {"torch": True, "frontend": False, "cudnn": 91900})
+    monkeypatch.setattr(routing, "_choices", {})
+    with pytest.raises(NotImplementedError, match="frontend: the nvidia-cudnn-frontend package"):
+        seqfuse.ops.attention(q, k, v, **kw)
+
+
+def test_frontend_sdpa_absent(monkeypatch):
+    """Without the package (or with one lacking sdpa_torch) the provider is
+    reported absent instead of raising."""
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "cudnn", None)  # import cudnn raises ImportError
+    assert ragged.frontend_sdpa() is None
+    monkeypatch.setitem(sys.modules, "cudnn", types.ModuleType("cudnn"))  # an old frontend without sdpa_torch
+    assert ragged.frontend_sdpa() is None
+    fake = types.ModuleType("cudnn")
+    fake.sdpa_torch = print
+    monkeypatch.setitem(sys.modules, "cudnn", fake)
+    assert ragged.frontend_sdpa() is print

@@ -37,7 +37,9 @@ Routes:
   .te/nvidia_cudnn_frontend-*.whl, from shared/peers/prepare_te.py); and
   the same with the batch size bucketed (rounded up to a multiple of 16
   with empty sequences) and max_seqlen rounded up to a power of two, so
-  that another batch reuses the graph;
+  that another batch reuses the graph; and seqfuse's cudnn_ragged route
+  with that op as its provider (SEQFUSE_ATTN_CUDNN_RAGGED=frontend: the
+  same bucketing, training calls taken);
 - ceiling: cuDNN SDPA on the equivalent padding-free bshd call (the same
   tokens cut into equal sequences of the token-weighted mean length, the
   same FLOPs; timing only, not the same problem).
@@ -77,7 +79,8 @@ from helpers import BWD_FACTOR, pair_tol  # noqa: E402
 
 DT = torch.bfloat16
 TOKENS = 16384
-CHILD_TIMEOUT_S = 45
+CHILD_TIMEOUT_S = 30
+CHILD_BUDGET_S = 55  # no child route starts after this many seconds (the whole probe stays near 90 s)
 LLAMA_WINDOWS = [4096, 1536, 2048, 512, 3072, 1024, 2560, 1536]  # 16,384 tokens
 
 
@@ -270,6 +273,17 @@ def frontend_call(spec, cu, max_len, bucketed):
     return call
 
 
+def seqfuse_frontend_call(spec, cu, max_len):
+    """seqfuse's cudnn_ragged route, forced, with the frontend provider
+    (batch size and max lengths bucketed by the route)."""
+    import cudnn  # noqa: F401  (ImportError: absent)
+    import seqfuse
+
+    call, _ = seqfuse_call(spec, cu, max_len, "cudnn_ragged")
+    seqfuse.ops.attn.set_attention_cudnn_ragged(True, "frontend")
+    return call
+
+
 def second_batch(spec, cu):
     """cu_seqlens of another batch of the same tokens: the two shortest
     neighbouring sequences merged (one sequence fewer, the same max length)."""
@@ -346,6 +360,7 @@ CHILD_ROUTES = {
     "nested": lambda spec, cu, max_len: nested_call(spec, cu),
     "frontend": lambda spec, cu, max_len: frontend_call(spec, cu, max_len, False),
     "frontend_bucketed": lambda spec, cu, max_len: frontend_call(spec, cu, max_len, True),
+    "seqfuse_frontend": seqfuse_frontend_call,
 }
 
 
@@ -475,13 +490,14 @@ def probe_case(spec, children):
                         ("nested", "nested jagged SDPA on CUDNN_ATTENTION (child, "
                                    "TORCH_CUDNN_SDPA_NESTED_TENSOR_ENABLED=1)"),
                         ("frontend", "cuDNN frontend torch op cudnn.sdpa_torch (child, nvidia-cudnn-frontend)"),
-                        ("frontend_bucketed", "cuDNN frontend torch op, batch size and max_seqlen bucketed (child)")):
+                        ("frontend_bucketed", "cuDNN frontend torch op, batch size and max_seqlen bucketed (child)"),
+                        ("seqfuse_frontend", "cudnn_ragged (seqfuse route, forced, frontend provider; child)")):
         if mode == "direct" and not ragged.op_available():
             rows.append(row(spec, route, f"absent: torch {torch.__version__} has no aten._cudnn_attention_forward"))
             continue
         result, failure = children[mode]
         if failure:
-            rows.append(row(spec, route, f"crashed: {failure}"))
+            rows.append(row(spec, route, failure if failure.startswith("not run") else f"crashed: {failure}"))
             continue
         error = result.get("error", "")
         status = "ok" if not error else (
@@ -526,14 +542,22 @@ def main():
         facts["varlen_should_use_cudnn"] = bool(varlen._should_use_cudnn(torch.cuda.current_device()))
     except Exception as e:  # absent in this torch
         facts["varlen_should_use_cudnn"] = f"absent: {why(e)}"
+    try:
+        import cudnn
+        facts["cudnn_frontend"] = f"{cudnn.__version__} (backend {cudnn.backend_version()})"
+    except Exception as e:  # not installed: its rows say absent
+        facts["cudnn_frontend"] = f"absent: {why(e)}"
     log("  ".join(f"{k}={v}" for k, v in facts.items()))
     rows = []
     specs = cases()
     # the child routes first, while this process holds no GPU memory, one child per route for every case
     children = [{} for _ in specs]
     for mode in CHILD_ROUTES:
-        for i, got in enumerate(run_child(mode, specs)):
-            children[i][mode] = got
+        late = time.perf_counter() - start > CHILD_BUDGET_S
+        got = [(None, f"not run: the probe's {CHILD_BUDGET_S} s budget for child routes is spent")] * len(specs) \
+            if late else run_child(mode, specs)
+        for i, one in enumerate(got):
+            children[i][mode] = one
     for spec, got in zip(specs, children):
         try:
             rows += probe_case(spec, got)

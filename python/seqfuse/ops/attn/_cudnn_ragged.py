@@ -9,6 +9,22 @@ cudnn_ragged`` forces it): it stays off until a GPU run
 faster.  _routing.py decides when a call takes it; this file holds its rules
 (a pure function of the call's facts) and the code that runs it.
 
+Two providers of the same cuDNN graph: "torch" (the default; torch's private
+op, below) and "frontend" (``SEQFUSE_ATTN_CUDNN_RAGGED=frontend`` or
+``set_attention_cudnn_ragged(True, "frontend")``): ``cudnn.sdpa_torch`` of
+NVIDIA's nvidia-cudnn-frontend package (PyPI; not a seqfuse dependency, used
+only where installed), whose 1.32 release registers torch.ops.cudnn.sdpa_fwd /
+sdpa_bwd for packed (T, H, D) tensors with cu_seqlens, differentiable
+(return_lse=True), and caches its cuDNN graphs by batch size, heads, max
+sequence lengths, strides and flags -- not by the token count.  seqfuse
+rounds the batch size up to a multiple of 16 (appending empty sequences to
+the cu_seqlens, on the device) and the max lengths up to a power of two, so
+that the batches of a training run share a few graphs instead of building
+one per batch.  It has neither of torch 2.11's problems (1) and (2) below,
+so it takes calls that want gradients; its forward allocates the output
+like torch's op (tokens outside every sequence unwritten: the same lengths
+rule).
+
 Why a separate route: cuDNN's padding-free bshd attention runs at 1.3-2.3x
 the speed of the FlashAttention-2 kernels that take packed batches today
 (README attention table), and cuDNN's graph API describes packed layouts
@@ -75,18 +91,20 @@ cuDNN's diagonal is top-left); ``window`` (none); ``dropout`` (p == 0);
 ``deterministic``; ``dtype`` (float16, bfloat16); ``gqa`` (q heads a
 multiple of the k/v heads, and grouped-query only with cuDNN 9.6 or later);
 ``head_dim`` (a multiple of 8, at most 128, torch's nested cuDNN limit);
-``device`` (CUDA); ``torch_op`` (torch has the op); ``graph_capture`` (the
+``device`` (CUDA); ``torch_op`` (torch has the op; with the frontend
+provider, rule ``frontend``: the package imports); ``graph_capture`` (the
 op builds and frees a cuDNN graph on the host in every call, and the tail
 check below reads cached host facts: not under CUDA graph capture);
 ``lengths`` (the cached cu_seqlens facts of ops/device_checks.py show every
 q and k/v token inside a sequence, since cuDNN leaves the others unwritten,
 at least one token, and, where q and k/v have separate cu_seqlens, no empty
-key sequence: a query that sees no key must come out 0); ``torch_backward`` (no gradient wanted, see (2));
+key sequence: a query that sees no key must come out 0); ``torch_backward`` (torch provider: no gradient wanted, see (2));
 ``capability`` (auto only: 9.0, the GPU it is meant for); and
 ``cudnn_sdp_enabled``.
 """
 import torch
 
+from ..tensor_cache import PerTensorCache
 from ._args import MASKS
 
 RAGGED_DTYPES = (torch.float16, torch.bfloat16)
@@ -95,6 +113,8 @@ RAGGED_CAPABILITY = (9, 0)       # auto takes the route only on Hopper, where it
 RAGGED_GQA_CUDNN = 90600         # cuDNN 9.6: grouped-query attention with ragged offsets
 BOTTOM_RIGHT = {4, 5}            # mask codes of the bottom-right causal masks
 CAUSAL = {2, 3, 4, 5}
+PROVIDERS = ("torch", "frontend")
+BUCKET_BATCH = 16                # the frontend provider's batch-size rounding (empty sequences appended)
 #: The first torch release whose ragged cuDNN backward was checked on a GPU
 #: to size its buffers from max_q/max_k (PyTorch PR #186142); None: none yet,
 #: and the route refuses every call that wants gradients.
@@ -125,10 +145,21 @@ def op_available():
     return True
 
 
+def frontend_sdpa():
+    """nvidia-cudnn-frontend's torch SDPA (cudnn.sdpa_torch), or None where
+    the package is not installed or lacks it."""
+    try:
+        import cudnn
+        return cudnn.sdpa_torch
+    except (ImportError, AttributeError, OSError, RuntimeError):  # absent, or its libcudnn does not load
+        return None
+
+
 def ragged_eligibility(device_type, capability, qkv_format, attn_mask_type, window, dropout_p, deterministic,
                        dtype, heads_q, heads_kv, head_dim, cudnn_enabled, *, same_cu=False, covered=None,
                        needs_grad=False, capturing=False, cudnn_version=None, op_present=True,
-                       backward_trusted=False, check_capability=True, deterministic_algorithms=False):
+                       backward_trusted=False, check_capability=True, deterministic_algorithms=False,
+                       provider="torch"):
     """(rule, reason) of the "cudnn_ragged" route for one call's facts:
     rule "" when the call may run cuDNN's ragged attention, else the first
     rule it breaks (the module docstring's order) and reason "rule: why".
@@ -139,9 +170,11 @@ def ragged_eligibility(device_type, capability, qkv_format, attn_mask_type, wind
     False when they show otherwise, None when they are not known (CUDA
     graph capture, unreadable tensors);
     ``cudnn_version``: torch.backends.cudnn.version() (None: unknown);
-    ``op_present``: torch has the op; ``backward_trusted``: this torch's
-    ragged backward may run (``ragged_backward_trusted``);
-    ``check_capability`` False skips the capability rule (forced route)."""
+    ``op_present``: the provider's op is there (torch's aten op, or the
+    frontend package's); ``backward_trusted``: this torch's ragged backward
+    may run (``ragged_backward_trusted``; the frontend provider does not
+    need it); ``check_capability`` False skips the capability rule (forced
+    route); ``provider``: "torch" or "frontend"."""
     if qkv_format != "thd":
         return _no("qkv_format", f"qkv_format {qkv_format!r}; the cudnn_ragged route takes packed thd only")
     code = MASKS[attn_mask_type]
@@ -168,6 +201,9 @@ def ragged_eligibility(device_type, capability, qkv_format, attn_mask_type, wind
         return _no("head_dim", f"head dim {head_dim} (a multiple of 8, at most {RAGGED_MAX_HEAD_DIM})")
     if device_type != "cuda":
         return _no("device", f"{device_type} tensors (cuDNN fused attention is CUDA only)")
+    if not op_present and provider == "frontend":
+        return _no("frontend", "the nvidia-cudnn-frontend package (import cudnn; cudnn.sdpa_torch) is not "
+                               "installed here (pip install nvidia-cudnn-frontend)")
     if not op_present:
         return _no("torch_op", f"torch {torch.__version__} has no torch.ops.aten._cudnn_attention_forward")
     if capturing:
@@ -181,7 +217,7 @@ def ragged_eligibility(device_type, capability, qkv_format, attn_mask_type, wind
         return _no("lengths", "tokens past the last sequence, no token at all, or an empty key sequence beside "
                               "separate query lengths (cuDNN leaves tokens outside every sequence unwritten, and "
                               "seqfuse's thd contract makes them 0, as it does a query that sees no key)")
-    if needs_grad and not backward_trusted:
+    if needs_grad and provider == "torch" and not backward_trusted:
         return _no("torch_backward", f"gradients wanted, and torch {torch.__version__}'s ragged cuDNN backward is "
                                      "not trusted: torch releases before PyTorch PR #186142 size cuDNN's dQ "
                                      "accumulator from the head dim instead of max_seqlen (out-of-bounds writes)")
@@ -199,14 +235,50 @@ def _ragged_forward(*args, **kwargs):
     return torch.ops.aten._cudnn_attention_forward(*args, **kwargs)
 
 
-def run_cudnn_ragged(q, k, v, attn_mask_type, scale, cu_q, cu_k, max_q, max_k):
+def _bucket_cus(cus, batch):
+    """cu_seqlens_q, cu_seqlens_kv each extended with empty sequences to
+    ``batch`` sequences (device-side: no host read)."""
+    return tuple(torch.cat((cu, cu[-1:].expand(batch + 1 - cu.numel()))) for cu in cus)
+
+
+_bucketed = PerTensorCache(lambda cus, batch: _bucket_cus(cus, batch))
+
+
+def bucket_lengths(batch, max_q, max_k):
+    """(batch, max_q, max_k) as the frontend provider hands them to cuDNN:
+    the batch size rounded up to a multiple of BUCKET_BATCH, each max length
+    up to a power of two (at least 64), so that batches of other lengths
+    reuse a graph."""
+    def up(n):
+        return max(64, 1 << (max(int(n), 1) - 1).bit_length())
+    return -(-batch // BUCKET_BATCH) * BUCKET_BATCH, up(max_q), up(max_k)
+
+
+def run_cudnn_ragged(q, k, v, attn_mask_type, scale, cu_q, cu_k, max_q, max_k, provider="torch"):
     """The "cudnn_ragged" route of one call (eligible by
     ``ragged_eligibility``): q [t, h, d], k/v [t_k, h_k, d] in kernel_layout,
     int32 cu_seqlens covering every token, max_q/max_k the longest sequence
-    lengths; returns out [t, h, d] in q's dtype, differentiable through
-    torch's autograd (CudnnAttentionBackward0) where gradients are wanted."""
+    lengths; returns out [t, h, d] in q's dtype, differentiable where
+    gradients are wanted (torch's CudnnAttentionBackward0, or the frontend
+    op's registered autograd)."""
     causal = MASKS[attn_mask_type] in CAUSAL
     wants_lse = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    out = _ragged_forward(q, k, v, None, cu_q, cu_k, max(int(max_q), 1), max(int(max_k), 1), wants_lse, 0.0,
-                          causal, False, scale=scale)[0]
+    if provider == "frontend":
+        batch, bq, bk = bucket_lengths(cu_q.numel() - 1, max_q, max_k)
+        cus = (cu_q, cu_k) if batch + 1 == cu_q.numel() else _bucketed((cu_q, cu_k), batch)  # (never under capture)
+        out = _frontend_forward(q, k, v, scale=scale, is_causal=causal, cu_seqlens_q=cus[0], cu_seqlens_kv=cus[1],
+                                max_seqlen_q=bq, max_seqlen_kv=bk, return_lse=wants_lse)
+        out = out[0] if wants_lse else out
+    else:
+        out = _ragged_forward(q, k, v, None, cu_q, cu_k, max(int(max_q), 1), max(int(max_k), 1), wants_lse, 0.0,
+                              causal, False, scale=scale)[0]
     return out if out.is_contiguous() else out.contiguous()
+
+
+def _frontend_forward(*args, **kwargs):
+    """nvidia-cudnn-frontend's cudnn.sdpa_torch (the CPU tests put a stand-in here)."""
+    sdpa = frontend_sdpa()
+    if sdpa is None:  # the rules checked it: only a package removed since gets here
+        raise RuntimeError("cudnn_ragged (frontend provider): nvidia-cudnn-frontend's cudnn.sdpa_torch is not "
+                           "importable")
+    return sdpa(*args, **kwargs)

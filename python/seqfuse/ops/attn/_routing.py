@@ -44,16 +44,22 @@ batches of unequal lengths on cuDNN's variable-length attention through
 default: auto tries it, after cuDNN and before flash, only with
 ``SEQFUSE_ATTN_CUDNN_RAGGED=1`` or ``set_attention_cudnn_ragged(True)``,
 until a GPU run (benchmarks/attn/ragged_probe.py) shows it equal and faster;
-in torch 2.11 every call rebuilds its cuDNN graph, about 45 ms, and calls
-that want gradients are refused, rule ``torch_backward``); and "torch_fp32"
+through torch 2.11's op every call rebuilds its cuDNN graph, about 45 ms,
+and calls that want gradients are refused, rule ``torch_backward``; the
+"frontend" provider, NVIDIA's nvidia-cudnn-frontend package where installed,
+caches its graphs and takes training calls); and "torch_fp32"
 (float32 on CUDA, which seqfuse's CUDA kernels do not take: torch SDPA's
 memory-efficient or math kernels with an explicit mask, _torch_routes.py).
 The choice is ``SEQFUSE_ATTN_BACKEND=auto|seqfuse|cudnn|flash|cudnn_ragged``
 (read once, at the first attention call; unset or empty means auto; any other
 value is a ValueError naming the variable, raised there) or
 ``set_attention_backend(name)``, which overrides it for the process.
-``SEQFUSE_ATTN_CUDNN_RAGGED`` ("0" or "1", read once at the first question
-that needs it; anything else is a ValueError naming it) is auto's opt-in.
+``SEQFUSE_ATTN_CUDNN_RAGGED`` (read once at the first question that needs
+it: "0" or unset off; "1" or "torch" on, through torch's op; "frontend" on,
+through the nvidia-cudnn-frontend package's op where it is installed, which
+also takes calls that want gradients; anything else is a ValueError naming
+it) is auto's opt-in and the forced route's provider;
+``set_attention_cudnn_ragged(enabled, provider="torch")`` overrides it.
 ``attention_backend(q, k, v, ...)`` returns (name, reason): the route a call
 takes ("seqfuse", "cudnn", "flash", "cudnn_ragged" or "torch_fp32") and why.
 
@@ -260,10 +266,11 @@ _ENV = "SEQFUSE_ATTN_BACKEND"
 _backend = None  # the process's choice; None until the first call reads the environment
 # whether auto may try the cudnn_ragged route (_cudnn_ragged.py): off unless switched on
 _RAGGED_ENV = "SEQFUSE_ATTN_CUDNN_RAGGED"
-_ragged_on = None  # None until the first question reads the environment
+_ragged_on = None  # the provider auto may use ("torch", "frontend"), False: off; None until the environment is read
 _ROUTE_WORDS = {"cudnn": "cuDNN fused attention", "flash": "torch's FlashAttention",
                 "cudnn_ragged": "cuDNN's ragged fused attention"}
-_ragged_support = {}  # "op" -> torch has the op, "cudnn" -> torch's cuDNN version: asked once
+_ragged_support = {}  # provider -> its op is there, "cudnn" -> torch's cuDNN version: each asked once
+_RAGGED_VALUES = {"0": False, "1": "torch", "torch": "torch", "frontend": "frontend"}
 # what SDPA may run on the cudnn route (CPU tests point it at MATH to run the route there)
 _SDPA_BACKENDS = [SDPBackend.CUDNN_ATTENTION]
 _CUDNN_CAPABILITY = (9, 0)
@@ -308,49 +315,66 @@ def set_attention_backend(name):
 
 
 def _read_ragged():
-    """Whether auto may try the cudnn_ragged route: set_attention_cudnn_ragged's
-    choice, else SEQFUSE_ATTN_CUDNN_RAGGED (read once; unset, empty or "0"
-    is off, "1" on; any other value raises here, at every question, until
-    it is fixed)."""
+    """The provider auto may take the cudnn_ragged route with ("torch" or
+    "frontend"), or None (off): set_attention_cudnn_ragged's choice, else
+    SEQFUSE_ATTN_CUDNN_RAGGED (read once; unset, empty or "0" is off, "1"
+    or "torch" torch's op, "frontend" nvidia-cudnn-frontend's; any other
+    value raises here, at every question, until it is fixed)."""
     global _ragged_on
     if _ragged_on is None:
         raw = os.environ.get(_RAGGED_ENV, "")
         value = raw.strip() or "0"
-        if value not in ("0", "1"):
-            raise ValueError(f"{_RAGGED_ENV} must be '0' or '1', got {raw!r}")
-        _ragged_on = value == "1"
-    return _ragged_on
+        if value not in _RAGGED_VALUES:
+            raise ValueError(f"{_RAGGED_ENV} must be '0', '1', 'torch' or 'frontend', got {raw!r}")
+        _ragged_on = _RAGGED_VALUES[value]
+    return _ragged_on or None
 
 
-def set_attention_cudnn_ragged(enabled):
+def _ragged_provider(mode):
+    """The provider of a call routed to cudnn_ragged under ``mode``: the
+    opt-in's, or torch's op when the route is forced without one."""
+    return _read_ragged() or "torch" if mode == "cudnn_ragged" else _read_ragged()
+
+
+def set_attention_cudnn_ragged(enabled, provider="torch"):
     """Let auto try the cudnn_ragged route (cuDNN's variable-length attention
     for packed thd batches, _cudnn_ragged.py) before the flash route:
-    True or False, for the process (overrides SEQFUSE_ATTN_CUDNN_RAGGED);
-    returns the previous setting.  Off by default: see the module docstring."""
+    ``enabled`` True or False, for the process (overrides
+    SEQFUSE_ATTN_CUDNN_RAGGED); ``provider`` "torch" (torch's private op)
+    or "frontend" (the nvidia-cudnn-frontend package's op, where installed),
+    also the provider a forced cudnn_ragged backend uses.  Returns the
+    previous provider, or None when the route was off.  Off by default: see
+    the module docstring."""
     global _ragged_on
     if not isinstance(enabled, bool):
         raise TypeError(f"set_attention_cudnn_ragged: argument 'enabled' must be a bool, got "
                         f"{type(enabled).__name__}")
+    if not isinstance(provider, str) or provider not in ragged.PROVIDERS:
+        raise ValueError(f"set_attention_cudnn_ragged: argument 'provider' must be 'torch' or 'frontend', got "
+                         f"{provider!r}")
     try:
         previous = _read_ragged()
     except ValueError:  # a bad SEQFUSE_ATTN_CUDNN_RAGGED: this call overrides it
-        previous = False
-    _ragged_on = enabled
+        previous = None
+    _ragged_on = provider if enabled else False
     _choices.clear()
     _route_failed.clear()
     return previous
 
 
-def _ragged_supported():
-    """(torch has the ragged op, torch's cuDNN version or None), asked once."""
-    if not _ragged_support:
-        _ragged_support["op"] = ragged.op_available()
+def _ragged_supported(provider):
+    """(the provider's op is there, torch's cuDNN version or None), each
+    asked once (the frontend package is imported only when asked for)."""
+    if provider not in _ragged_support:
+        _ragged_support[provider] = ragged.op_available() if provider == "torch" else \
+            ragged.frontend_sdpa() is not None
+    if "cudnn" not in _ragged_support:
         try:
             _ragged_support["cudnn"] = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() \
                 else None
         except RuntimeError:  # a torch whose cuDNN cannot be loaded
             _ragged_support["cudnn"] = None
-    return _ragged_support["op"], _ragged_support["cudnn"]
+    return _ragged_support[provider], _ragged_support["cudnn"]
 
 
 def _ragged_facts(q, k, qkv_format, cu_q, cu_k, max_seqlen_q, max_seqlen_kv):
@@ -373,18 +397,19 @@ def _ragged_facts(q, k, qkv_format, cu_q, cu_k, max_seqlen_q, max_seqlen_kv):
     return covered, fq[2], fk[2]
 
 
-def _ragged_rule(mode, q, k, qkv_format, attn_mask_type, window, p, deterministic, switches, same_cu, facts):
+def _ragged_rule(mode, provider, q, k, qkv_format, attn_mask_type, window, p, deterministic, switches, same_cu,
+                 facts):
     """(rule, reason) of the cudnn_ragged route for one call (ragged_eligibility
-    with the facts of this process's torch)."""
+    with the facts of this process's torch and the provider's)."""
     cudnn_enabled, _, det_algos, capturing, needs_grad = switches
     device_type, capability = _device_facts(q.device)
-    op_present, cudnn_version = _ragged_supported()
+    op_present, cudnn_version = _ragged_supported(provider)
     return ragged.ragged_eligibility(
         device_type, capability, qkv_format, attn_mask_type, window, p, bool(deterministic), q.dtype,
         q.shape[-2], k.shape[-2], q.shape[-1], cudnn_enabled, same_cu=same_cu,
         covered=None if facts is None else facts[0], needs_grad=needs_grad, capturing=capturing,
         cudnn_version=cudnn_version, op_present=op_present, backward_trusted=ragged.ragged_backward_trusted(),
-        check_capability=mode == "auto", deterministic_algorithms=det_algos)
+        check_capability=mode == "auto", deterministic_algorithms=det_algos, provider=provider)
 
 
 def cudnn_eligibility(device_type, capability, qkv_format, attn_mask_type, s_q, s_kv, window_size, dropout_p,
@@ -480,13 +505,14 @@ def _inputs_problem(q, k, v, qkv_format, code, cu_q, cu_k):
 
 
 def _decide(mode, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, deterministic, cu_q, cu_k,
-            explicit_rng, switches, uniform=None, ragged_on=False, ragged_facts=None):
+            explicit_rng, switches, uniform=None, ragged_provider=None, ragged_facts=None):
     """(backend, rule, reason) of one call key; bad argument values raise as
     the seqfuse path would.  ``switches``: (cudnn_sdp_enabled,
     flash_sdp_enabled, deterministic algorithms on, capturing, needs_grad);
     ``uniform``: L when the call is thd and its one cu_seqlens splits every
     token into sequences of length L (``_uniform``), else None;
-    ``ragged_on``: auto may try the cudnn_ragged route; ``ragged_facts``:
+    ``ragged_provider``: the cudnn_ragged route's provider where the mode
+    may take it ("torch", "frontend"), else None; ``ragged_facts``:
     ``_ragged_facts`` of the call (None: not known)."""
     cudnn_enabled, flash_enabled, det_algos, capturing, needs_grad = switches
     if qkv_format not in FORMATS:
@@ -507,10 +533,11 @@ def _decide(mode, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, d
     dtype = str(q.dtype).replace("torch.", "")
     same_cu = cu_q is not None and cu_q is cu_k
     ragged_why = f"thd {attn_mask_type} d={d} {dtype}{' gqa' if hq != hk else ''} runs cuDNN's ragged fused " \
-                 "attention through torch.ops.aten._cudnn_attention_forward"
+                 "attention through " + ("torch.ops.aten._cudnn_attention_forward" if ragged_provider == "torch"
+                                         else "nvidia-cudnn-frontend's cudnn.sdpa_torch")
     if mode == "cudnn_ragged":
-        r_rule, r_reason = _ragged_rule(mode, q, k, qkv_format, attn_mask_type, window, p, deterministic, switches,
-                                        same_cu, ragged_facts)
+        r_rule, r_reason = _ragged_rule(mode, ragged_provider, q, k, qkv_format, attn_mask_type, window, p,
+                                        deterministic, switches, same_cu, ragged_facts)
         return ("cudnn_ragged", "", ragged_why) if not r_rule else ("seqfuse", r_rule, r_reason)
     rule, reason = cudnn_eligibility(device_type, capability, qkv_format, attn_mask_type, s_q, s_kv, window, p,
                                      bool(deterministic), q.dtype, hq, hk, d, cudnn_enabled,
@@ -535,9 +562,9 @@ def _decide(mode, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, d
                                 "fused attention through torch SDPA"
         if mode == "cudnn":
             return "seqfuse", rule, reason
-    if mode == "auto" and ragged_on and qkv_format == "thd":
-        r_rule, r_reason = _ragged_rule(mode, q, k, qkv_format, attn_mask_type, window, p, deterministic, switches,
-                                        same_cu, ragged_facts)
+    if mode == "auto" and ragged_provider and qkv_format == "thd":
+        r_rule, r_reason = _ragged_rule(mode, ragged_provider, q, k, qkv_format, attn_mask_type, window, p,
+                                        deterministic, switches, same_cu, ragged_facts)
         if not r_rule:
             return "cudnn_ragged", "", ragged_why
         reason = f"{reason}; cudnn_ragged route: {r_reason}"
@@ -596,19 +623,19 @@ def _choose(mode, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, d
     cus = tuple(None if c is None else (c.dtype, tuple(c.shape), c.device) if isinstance(c, torch.Tensor)
                 else type(c) for c in (cu_seqlens_q, cu_seqlens_kv))
     uniform = _uniform(q, k, qkv_format, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q)
-    ragged_on = mode == "cudnn_ragged" or (mode == "auto" and _read_ragged())
+    provider = _ragged_provider(mode) if mode in ("auto", "cudnn_ragged") else None
     facts = _ragged_facts(q, k, qkv_format, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv) \
-        if ragged_on else None
+        if provider else None
     key = (mode, q.device, qkv_format, attn_mask_type, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
            window, dropout_p, bool(deterministic), cus, cu_seqlens_q is not None and cu_seqlens_q is cu_seqlens_kv,
-           explicit_rng, switches, uniform, ragged_on, facts)
+           explicit_rng, switches, uniform, provider, facts)
     try:
         hit = _choices.get(key)
     except TypeError:  # an unhashable argument: _decide names it
         hit, key = None, None
     if hit is None:
         hit = _decide(mode, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, deterministic,
-                      cu_seqlens_q, cu_seqlens_kv, explicit_rng, switches, uniform, ragged_on, facts)
+                      cu_seqlens_q, cu_seqlens_kv, explicit_rng, switches, uniform, provider, facts)
         if key is not None:
             if len(_choices) >= _MAX_CHOICES:
                 _choices.clear()
@@ -674,7 +701,7 @@ def _sdpa(q, k, v, qkv_format, causal, scale):
 
 
 def _run_route(name, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, deterministic, cu_q, cu_k,
-               max_q, max_k, scale):
+               max_q, max_k, scale, provider=None):
     if name == "cudnn" and qkv_format == "thd":
         # every sequence L tokens long (_uniform): the [t, h, d] tensors viewed as [t / L, L, h, d]
         length = _uniform(q, k, qkv_format, cu_q, cu_k, max_q)
@@ -691,7 +718,7 @@ def _run_route(name, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p
         max_q = max_q if isinstance(max_q, int) and not isinstance(max_q, bool) else longest_q
         max_k = max_k if isinstance(max_k, int) and not isinstance(max_k, bool) else longest_k
         with torch.autocast(q.device.type, enabled=False):
-            return ragged.run_cudnn_ragged(q, k, v, attn_mask_type, scale, cu_q, cu_k, max_q, max_k)
+            return ragged.run_cudnn_ragged(q, k, v, attn_mask_type, scale, cu_q, cu_k, max_q, max_k, provider)
     window = window_pair(window_size)
     p = as_float("attention", "dropout_p", dropout_p)
     if name == "flash":
@@ -719,7 +746,8 @@ def routed_attention_or_none(q, k, v, qkv_format, attn_mask_type, window_size, d
         return None
     scale = routes.softmax_scale_of(q, softmax_scale)
     args = (name, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, deterministic, cu_seqlens_q,
-            cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, scale)
+            cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, scale,
+            _ragged_provider(mode) if name == "cudnn_ragged" else None)
     if mode == "auto" and reason not in _logged:
         _logged.add(reason)
         _log.info("seqfuse attention: %s (set %s=seqfuse for seqfuse's kernels)", reason, _ENV)
