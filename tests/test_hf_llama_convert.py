@@ -177,3 +177,17 @@ def test_from_hf_pretrained_strict(tmp_path):
     tiny_config(hidden_act="gelu").save_pretrained(tmp_path)
     with pytest.raises(NotImplementedError, match="hidden_act"):
         from_hf_pretrained(str(tmp_path))
+
+
+def test_family_functions_name_their_module_and_classes():
+    # state_dict.family_functions builds each family module's model-level
+    # functions; they belong to the module that asked and name its classes.
+    import seqfuse.hf.convert as esm_convert
+    import seqfuse.hf.mixtral_convert as mixtral_convert
+    for module, sf, hf in ((esm_convert, "SeqfuseEsmForMaskedLM", "EsmForMaskedLM"),
+                           (mixtral_convert, "SeqfuseMixtralForCausalLM", "MixtralForCausalLM")):
+        for name in ("from_hf_model", "to_hf_model", "export_hf", "from_hf_pretrained"):
+            f = getattr(module, name)
+            assert (f.__module__, f.__qualname__) == (module.__name__, name)
+            assert sf in f.__doc__ and hf in f.__doc__
+    assert export_hf.__module__ == "seqfuse.hf.llama_convert" and "SeqfuseLlamaForCausalLM" in export_hf.__doc__

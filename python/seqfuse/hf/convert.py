@@ -31,7 +31,7 @@ wrong shapes raise ValueError naming them.
 import functools
 
 from .qkv import fuse_qkv, split_qkv
-from .state_dict import ModelFamily, check_keys, check_shapes
+from .state_dict import ModelFamily, check_keys, check_shapes, family_functions
 
 HF_LAYER = "esm.encoder.layer.{}."
 SF_LAYER = "esm.encoder.layers.{}."
@@ -174,34 +174,5 @@ def family():
                        checkpoint_optional=lambda config: (_TIED_DECODER,))
 
 
-def from_hf_model(hf_model):
-    """SeqfuseEsmForMaskedLM holding copies of the weights of transformers'
-    EsmForMaskedLM, each tensor in its dtype, on the same device.  The config
-    must be representable (see seqfuse.hf.from_hf_config)."""
-    return family().from_hf_model(hf_model)
-
-
-def to_hf_model(model):
-    """transformers' EsmForMaskedLM holding copies of the weights of a
-    SeqfuseEsmForMaskedLM."""
-    return family().to_hf_model(model)
-
-
-def export_hf(model, path, **save_kwargs):
-    """Write ``model`` (a SeqfuseEsmForMaskedLM) to directory ``path`` as a
-    transformers EsmForMaskedLM checkpoint (config.json with model_type
-    "esm", safetensors weights in the model's dtype), which
-    ``transformers.EsmForMaskedLM.from_pretrained`` loads with no seqfuse
-    installed.  ``save_kwargs`` go to transformers' save_pretrained.
-    Returns ``path``."""
-    return family().export_hf(model, path, **save_kwargs)
-
-
-def from_hf_pretrained(path, dtype=None, device=None):
-    """SeqfuseEsmForMaskedLM from a local transformers EsmForMaskedLM
-    checkpoint directory.  transformers reads the files (it knows every
-    on-disk naming its versions wrote: legacy LayerNorm gamma/beta, per-layer
-    rotary inv_freq, ...); unlike transformers, a weight missing from the
-    checkpoint raises KeyError naming it instead of being initialised at
-    random, and the config is checked before any weight is read."""
-    return family().from_hf_pretrained(path, dtype, device)
+from_hf_model, to_hf_model, export_hf, from_hf_pretrained = family_functions(
+    family, seqfuse_model="SeqfuseEsmForMaskedLM", hf_model="EsmForMaskedLM")

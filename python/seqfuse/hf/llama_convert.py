@@ -28,7 +28,7 @@ import functools
 import torch
 
 from .qkv import fuse_qkv, split_qkv
-from .state_dict import ModelFamily, check_keys, check_shapes
+from .state_dict import ModelFamily, check_keys, check_shapes, family_functions
 
 LAYER = "model.layers.{}."
 #: seqfuse's fused QKV follows TE's default (interleaved per key/value group).
@@ -58,44 +58,102 @@ def shared_keys(config):
     return keys
 
 
+def layer_keys(config, suffixes):
+    """shared_keys(config), then for every layer its prefix joined to each of ``suffixes``."""
+    keys = shared_keys(config)
+    for i in range(config.num_hidden_layers):
+        keys += [LAYER.format(i) + s for s in suffixes]
+    return keys
+
+
 def hf_keys(config):
     """Every key a transformers LlamaForCausalLM state dict must hold for
     ``config`` (lm_head.weight may be absent when tied)."""
-    keys = shared_keys(config)
-    for i in range(config.num_hidden_layers):
-        p = LAYER.format(i)
-        keys += [p + h for h, _ in _LAYER_RENAMES] + [p + k for k in HF_QKV + _GATE_UP]
-    return keys
+    return layer_keys(config, [h for h, _ in _LAYER_RENAMES] + list(HF_QKV + _GATE_UP))
 
 
 def seqfuse_keys(config):
     """Every key a SeqfuseLlamaForCausalLM state dict holds for ``config``
     (lm_head.weight may be absent when tied)."""
-    keys = shared_keys(config)
-    for i in range(config.num_hidden_layers):
-        p = LAYER.format(i)
-        keys += [p + s for _, s in _LAYER_RENAMES] + [p + SF_QKV, p + _SF_FC1]
-    return keys
+    return layer_keys(config, [s for _, s in _LAYER_RENAMES] + [SF_QKV, _SF_FC1])
 
 
-def _check_shapes(sd, config, side):
-    h, f, v, d = config.hidden_size, config.intermediate_size, config.vocab_size, config.head_dim
-    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+def outer_shapes(sd, config):
+    """{key: shape} of the keys outside the layers (embeddings, final norm,
+    and the LM head when ``sd`` holds it), the same on both sides."""
+    h, v = config.hidden_size, config.vocab_size
     want = {EMBED: (v, h), "model.norm.weight": (h,)}
     if LM_HEAD in sd:
         want[LM_HEAD] = (v, h)
+    return want
+
+
+def attention_shapes(p, config, side):
+    """{key: shape} of the attention half of the layer with key prefix ``p``
+    (its input norm, QKV and output projection) on ``side`` ("transformers"
+    or "seqfuse"), in Llama's layout (Mixtral's too)."""
+    h, d = config.hidden_size, config.head_dim
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    if side == "transformers":
+        return {p + "input_layernorm.weight": (h,), p + HF_QKV[0]: (q, h), p + HF_QKV[1]: (kv, h),
+                p + HF_QKV[2]: (kv, h), p + "self_attn.o_proj.weight": (h, q)}
+    return {p + "self_attention.layernorm_qkv.layer_norm_weight": (h,), p + SF_QKV: (q + 2 * kv, h),
+            p + "self_attention.proj.weight": (h, q)}
+
+
+def _check_shapes(sd, config, side):
+    h, f = config.hidden_size, config.intermediate_size
+    want = outer_shapes(sd, config)
     for i in range(config.num_hidden_layers):
         p = LAYER.format(i)
-        want[p + "input_layernorm.weight" if side == "transformers" else p + _LAYER_RENAMES[0][1]] = (h,)
+        want.update(attention_shapes(p, config, side))
         if side == "transformers":
-            want.update({p + HF_QKV[0]: (q, h), p + HF_QKV[1]: (kv, h), p + HF_QKV[2]: (kv, h),
-                         p + _GATE_UP[0]: (f, h), p + _GATE_UP[1]: (f, h), p + "self_attn.o_proj.weight": (h, q),
-                         p + "post_attention_layernorm.weight": (h,), p + "mlp.down_proj.weight": (h, f)})
+            want.update({p + "post_attention_layernorm.weight": (h,), p + _GATE_UP[0]: (f, h),
+                         p + _GATE_UP[1]: (f, h), p + "mlp.down_proj.weight": (h, f)})
         else:
-            want.update({p + SF_QKV: (q + 2 * kv, h), p + _SF_FC1: (2 * f, h),
-                         p + "self_attention.proj.weight": (h, q), p + "layernorm_mlp.layer_norm_weight": (h,),
+            want.update({p + "layernorm_mlp.layer_norm_weight": (h,), p + _SF_FC1: (2 * f, h),
                          p + "layernorm_mlp.fc2_weight": (h, f)})
     check_shapes(sd, want, side)
+
+
+def attention_to_seqfuse(hf_sd, config, renames):
+    """The part of a seqfuse state dict that Llama's layout shares with
+    Mixtral's, from a transformers state dict whose keys and shapes are
+    checked already: the keys outside the layers, per layer the keys renamed
+    one to one (``renames``: (HF suffix, seqfuse suffix) pairs) and the QKV
+    fused in TE's order, and the LM head tied to the embedding when the
+    config ties them and ``hf_sd`` holds it.  The family adds its MLP."""
+    out = {k: hf_sd[k] for k in shared_keys(config)}
+    for i in range(config.num_hidden_layers):
+        p = LAYER.format(i)
+        for h, s in renames:
+            out[p + s] = hf_sd[p + h]
+        q, k, v = (hf_sd[p + n] for n in HF_QKV)
+        out[p + SF_QKV] = fuse_qkv(q, k, v, config.num_attention_heads, config.num_key_value_heads,
+                                    interleaved=QKV_INTERLEAVED)
+    if config.tie_word_embeddings and LM_HEAD in hf_sd:
+        out[LM_HEAD] = out[EMBED]
+    return out
+
+
+def attention_to_hf(sf_sd, config, renames):
+    """attention_to_seqfuse's way back: the part of a transformers state
+    dict that Llama's layout shares with Mixtral's, from a checked seqfuse
+    state dict (the QKV split back into q, k and v; the LM head always
+    written, as the embedding, when the config ties them).  The family adds
+    its MLP."""
+    out = {k: sf_sd[k] for k in shared_keys(config)}
+    for i in range(config.num_hidden_layers):
+        p = LAYER.format(i)
+        for h, s in renames:
+            out[p + h] = sf_sd[p + s]
+        q, k, v = split_qkv(sf_sd[p + SF_QKV], config.num_attention_heads, config.num_key_value_heads,
+                            interleaved=QKV_INTERLEAVED)
+        for n, t in zip(HF_QKV, (q, k, v)):
+            out[p + n] = t
+    if config.tie_word_embeddings:
+        out[LM_HEAD] = out[EMBED]
+    return out
 
 
 def hf_to_seqfuse_state_dict(hf_sd, config):
@@ -103,17 +161,10 @@ def hf_to_seqfuse_state_dict(hf_sd, config):
     (``config``: the SeqfuseLlamaConfig)."""
     check_keys(hf_sd, hf_keys(config), "transformers", optional=(LM_HEAD,))
     _check_shapes(hf_sd, config, "transformers")
-    out = {k: hf_sd[k] for k in shared_keys(config)}
+    out = attention_to_seqfuse(hf_sd, config, _LAYER_RENAMES)
     for i in range(config.num_hidden_layers):
         p = LAYER.format(i)
-        for h, s in _LAYER_RENAMES:
-            out[p + s] = hf_sd[p + h]
-        q, k, v = (hf_sd[p + n] for n in HF_QKV)
-        out[p + SF_QKV] = fuse_qkv(q, k, v, config.num_attention_heads, config.num_key_value_heads,
-                                    interleaved=QKV_INTERLEAVED)
         out[p + _SF_FC1] = torch.cat([hf_sd[p + n] for n in _GATE_UP], dim=0)
-    if config.tie_word_embeddings and LM_HEAD in hf_sd:
-        out[LM_HEAD] = out[EMBED]
     return out
 
 
@@ -121,19 +172,11 @@ def seqfuse_to_hf_state_dict(sf_sd, config):
     """transformers LlamaForCausalLM state dict from a seqfuse one."""
     check_keys(sf_sd, seqfuse_keys(config), "seqfuse", optional=(LM_HEAD,))
     _check_shapes(sf_sd, config, "seqfuse")
-    out = {k: sf_sd[k] for k in shared_keys(config)}
+    out = attention_to_hf(sf_sd, config, _LAYER_RENAMES)
     for i in range(config.num_hidden_layers):
         p = LAYER.format(i)
-        for h, s in _LAYER_RENAMES:
-            out[p + h] = sf_sd[p + s]
-        q, k, v = split_qkv(sf_sd[p + SF_QKV], config.num_attention_heads, config.num_key_value_heads,
-                            interleaved=QKV_INTERLEAVED)
-        for n, t in zip(HF_QKV, (q, k, v)):
-            out[p + n] = t
         gate, up = sf_sd[p + _SF_FC1].chunk(2, dim=0)
         out[p + _GATE_UP[0]], out[p + _GATE_UP[1]] = gate.clone(), up.clone()
-    if config.tie_word_embeddings:
-        out[LM_HEAD] = out[EMBED]
     return out
 
 
@@ -166,33 +209,5 @@ def family():
                             hf_to_seqfuse_state_dict, seqfuse_to_hf_state_dict)
 
 
-def from_hf_model(hf_model):
-    """SeqfuseLlamaForCausalLM holding copies of the weights of transformers'
-    LlamaForCausalLM, each tensor in its dtype, on the same device.  The
-    config must be representable (see seqfuse.hf.llama_config.from_hf_config)."""
-    return family().from_hf_model(hf_model)
-
-
-def to_hf_model(model):
-    """transformers' LlamaForCausalLM holding copies of the weights of a
-    SeqfuseLlamaForCausalLM."""
-    return family().to_hf_model(model)
-
-
-def export_hf(model, path, **save_kwargs):
-    """Write ``model`` (a SeqfuseLlamaForCausalLM) to directory ``path`` as a
-    transformers LlamaForCausalLM checkpoint (config.json with model_type
-    "llama", safetensors weights in the model's dtype), which
-    ``transformers.LlamaForCausalLM.from_pretrained`` and
-    ``AutoModelForCausalLM.from_pretrained`` load with no seqfuse installed.
-    ``save_kwargs`` go to transformers' save_pretrained.  Returns ``path``."""
-    return family().export_hf(model, path, **save_kwargs)
-
-
-def from_hf_pretrained(path, dtype=None, device=None):
-    """SeqfuseLlamaForCausalLM from a local transformers LlamaForCausalLM
-    checkpoint directory.  Unlike transformers, a weight missing from
-    the checkpoint raises KeyError naming it instead of being initialised at
-    random, and the config is checked (from_hf_config) before any weight is
-    read."""
-    return family().from_hf_pretrained(path, dtype, device)
+from_hf_model, to_hf_model, export_hf, from_hf_pretrained = family_functions(
+    family, seqfuse_model="SeqfuseLlamaForCausalLM", hf_model="LlamaForCausalLM")

@@ -30,12 +30,13 @@ import functools
 
 import torch
 
-from .llama_convert import EMBED, HF_QKV, LAYER, LM_HEAD, QKV_INTERLEAVED, SF_QKV, causal_lm_family, shared_keys
-from .qkv import fuse_qkv, split_qkv
-from .state_dict import check_keys, check_shapes
+from .llama_convert import (HF_QKV, LAYER, LM_HEAD, SF_QKV, attention_shapes, attention_to_hf, attention_to_seqfuse,
+                            causal_lm_family, layer_keys, outer_shapes)
+from .state_dict import check_keys, check_shapes, family_functions
 
 # Llama's layout (llama_convert) gives the layer prefix, the fused QKV, the
-# embeddings, final norm and LM head; (HF suffix, seqfuse suffix) inside one
+# embeddings, final norm and LM head, and converts them (attention_to_seqfuse,
+# attention_to_hf); (HF suffix, seqfuse suffix) inside one
 # layer, besides the fused QKV and the experts:
 _LAYER_RENAMES = (
     ("input_layernorm.weight", "self_attention.layernorm_qkv.layer_norm_weight"),
@@ -52,43 +53,28 @@ _SF_FC2 = "mlp.fc2.weight{}"
 def hf_keys(config):
     """Every key a transformers MixtralForCausalLM state dict must hold for
     ``config`` (lm_head.weight may be absent when tied)."""
-    keys = shared_keys(config)
-    for i in range(config.num_hidden_layers):
-        p = LAYER.format(i)
-        keys += [p + h for h, _ in _LAYER_RENAMES] + [p + k for k in HF_QKV + (_GATE_UP, _DOWN)]
-    return keys
+    return layer_keys(config, [h for h, _ in _LAYER_RENAMES] + list(HF_QKV + (_GATE_UP, _DOWN)))
 
 
 def seqfuse_keys(config):
     """Every key a SeqfuseMixtralForCausalLM state dict holds for ``config``
     (lm_head.weight may be absent when tied)."""
-    keys = shared_keys(config)
-    for i in range(config.num_hidden_layers):
-        p = LAYER.format(i)
-        keys += [p + s for _, s in _LAYER_RENAMES] + [p + SF_QKV]
-        keys += [p + _SF_FC1.format(e) for e in range(config.num_local_experts)]
-        keys += [p + _SF_FC2.format(e) for e in range(config.num_local_experts)]
-    return keys
+    experts = range(config.num_local_experts)
+    return layer_keys(config, [s for _, s in _LAYER_RENAMES] + [SF_QKV] + [_SF_FC1.format(e) for e in experts]
+                      + [_SF_FC2.format(e) for e in experts])
 
 
 def _check_shapes(sd, config, side):
-    h, f, v, d = config.hidden_size, config.intermediate_size, config.vocab_size, config.head_dim
-    n = config.num_local_experts
-    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
-    want = {EMBED: (v, h), "model.norm.weight": (h,)}
-    if LM_HEAD in sd:
-        want[LM_HEAD] = (v, h)
+    h, f, n = config.hidden_size, config.intermediate_size, config.num_local_experts
+    want = outer_shapes(sd, config)
     for i in range(config.num_hidden_layers):
         p = LAYER.format(i)
+        want.update(attention_shapes(p, config, side))
         if side == "transformers":
-            want.update({p + "input_layernorm.weight": (h,), p + HF_QKV[0]: (q, h), p + HF_QKV[1]: (kv, h),
-                         p + HF_QKV[2]: (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                         p + "post_attention_layernorm.weight": (h,), p + "mlp.gate.weight": (n, h),
+            want.update({p + "post_attention_layernorm.weight": (h,), p + "mlp.gate.weight": (n, h),
                          p + _GATE_UP: (n, 2 * f, h), p + _DOWN: (n, h, f)})
         else:
-            want.update({p + _LAYER_RENAMES[0][1]: (h,), p + SF_QKV: (q + 2 * kv, h),
-                         p + "self_attention.proj.weight": (h, q), p + "pre_mlp_layernorm.weight": (h,),
-                         p + "mlp.router_weight": (n, h)})
+            want.update({p + "pre_mlp_layernorm.weight": (h,), p + "mlp.router_weight": (n, h)})
             want.update({p + _SF_FC1.format(e): (2 * f, h) for e in range(n)})
             want.update({p + _SF_FC2.format(e): (h, f) for e in range(n)})
     check_shapes(sd, want, side)
@@ -100,19 +86,12 @@ def hf_to_seqfuse_state_dict(hf_sd, config):
     of the stacked ones (build_and_load copies them)."""
     check_keys(hf_sd, hf_keys(config), "transformers", optional=(LM_HEAD,))
     _check_shapes(hf_sd, config, "transformers")
-    out = {k: hf_sd[k] for k in shared_keys(config)}
+    out = attention_to_seqfuse(hf_sd, config, _LAYER_RENAMES)
     for i in range(config.num_hidden_layers):
         p = LAYER.format(i)
-        for h, s in _LAYER_RENAMES:
-            out[p + s] = hf_sd[p + h]
-        q, k, v = (hf_sd[p + n] for n in HF_QKV)
-        out[p + SF_QKV] = fuse_qkv(q, k, v, config.num_attention_heads, config.num_key_value_heads,
-                                    interleaved=QKV_INTERLEAVED)
         for e in range(config.num_local_experts):
             out[p + _SF_FC1.format(e)] = hf_sd[p + _GATE_UP][e]
             out[p + _SF_FC2.format(e)] = hf_sd[p + _DOWN][e]
-    if config.tie_word_embeddings and LM_HEAD in hf_sd:
-        out[LM_HEAD] = out[EMBED]
     return out
 
 
@@ -120,20 +99,12 @@ def seqfuse_to_hf_state_dict(sf_sd, config):
     """transformers MixtralForCausalLM state dict from a seqfuse one."""
     check_keys(sf_sd, seqfuse_keys(config), "seqfuse", optional=(LM_HEAD,))
     _check_shapes(sf_sd, config, "seqfuse")
-    out = {k: sf_sd[k] for k in shared_keys(config)}
+    out = attention_to_hf(sf_sd, config, _LAYER_RENAMES)
     experts = range(config.num_local_experts)
     for i in range(config.num_hidden_layers):
         p = LAYER.format(i)
-        for h, s in _LAYER_RENAMES:
-            out[p + h] = sf_sd[p + s]
-        q, k, v = split_qkv(sf_sd[p + SF_QKV], config.num_attention_heads, config.num_key_value_heads,
-                            interleaved=QKV_INTERLEAVED)
-        for n, t in zip(HF_QKV, (q, k, v)):
-            out[p + n] = t
         out[p + _GATE_UP] = torch.stack([sf_sd[p + _SF_FC1.format(e)] for e in experts])
         out[p + _DOWN] = torch.stack([sf_sd[p + _SF_FC2.format(e)] for e in experts])
-    if config.tie_word_embeddings:
-        out[LM_HEAD] = out[EMBED]
     return out
 
 
@@ -152,33 +123,5 @@ def family():
                             to_hf_config, hf_to_seqfuse_state_dict, seqfuse_to_hf_state_dict)
 
 
-def from_hf_model(hf_model):
-    """SeqfuseMixtralForCausalLM holding copies of the weights of transformers'
-    MixtralForCausalLM, each tensor in its dtype, on the same device.  The
-    config must be representable (see seqfuse.hf.mixtral_config.from_hf_config)."""
-    return family().from_hf_model(hf_model)
-
-
-def to_hf_model(model):
-    """transformers' MixtralForCausalLM holding copies of the weights of a
-    SeqfuseMixtralForCausalLM."""
-    return family().to_hf_model(model)
-
-
-def export_hf(model, path, **save_kwargs):
-    """Write ``model`` (a SeqfuseMixtralForCausalLM) to directory ``path`` as a
-    transformers MixtralForCausalLM checkpoint (config.json with model_type
-    "mixtral", safetensors weights in the model's dtype), which
-    ``transformers.MixtralForCausalLM.from_pretrained`` and
-    ``AutoModelForCausalLM.from_pretrained`` load with no seqfuse installed.
-    ``save_kwargs`` go to transformers' save_pretrained.  Returns ``path``."""
-    return family().export_hf(model, path, **save_kwargs)
-
-
-def from_hf_pretrained(path, dtype=None, device=None):
-    """SeqfuseMixtralForCausalLM from a local transformers MixtralForCausalLM
-    checkpoint directory (transformers converts per-expert checkpoints to its stacked experts when it reads them).  Unlike transformers, a weight missing from
-    the checkpoint raises KeyError naming it instead of being initialised at
-    random, and the config is checked (from_hf_config) before any weight is
-    read."""
-    return family().from_hf_pretrained(path, dtype, device)
+from_hf_model, to_hf_model, export_hf, from_hf_pretrained = family_functions(
+    family, seqfuse_model="SeqfuseMixtralForCausalLM", hf_model="MixtralForCausalLM")

@@ -3,7 +3,8 @@ dict's keys (missing: KeyError, unexpected: ValueError, each naming the
 keys), dropping module bookkeeping that is not a weight, building the
 other side's model around a converted state dict, and (``ModelFamily``)
 the model-level conversions every family offers: from_hf_model,
-to_hf_model, export_hf and from_hf_pretrained.
+to_hf_model, export_hf and from_hf_pretrained (``family_functions`` gives a
+family module these four as module-level functions).
 
 Each family's conversion (convert.py for ESM-2, llama_convert.py for Llama,
 mixtral_convert.py for Mixtral) defines its key mapping as two state-dict
@@ -168,3 +169,49 @@ class ModelFamily:
                                 ignore_unexpected=self.ignore_unexpected)
         model = self.from_hf_model(hf)
         return model if device is None else model.to(device)
+
+
+def family_functions(family, seqfuse_model, hf_model):
+    """A family module's four model-level functions, from_hf_model,
+    to_hf_model, export_hf and from_hf_pretrained, in that order: each calls
+    the ModelFamily method of its name on ``family()``, the function that
+    builds the module's ModelFamily on first use (importing the module
+    imports no model code).  ``seqfuse_model`` and ``hf_model`` name the two
+    classes in the functions' docstrings."""
+    names = {"sf": seqfuse_model, "hf": hf_model}
+
+    def from_hf_model(hf_model):
+        return family().from_hf_model(hf_model)
+
+    def to_hf_model(model):
+        return family().to_hf_model(model)
+
+    def export_hf(model, path, **save_kwargs):
+        return family().export_hf(model, path, **save_kwargs)
+
+    def from_hf_pretrained(path, dtype=None, device=None):
+        return family().from_hf_pretrained(path, dtype, device)
+
+    from_hf_model.__doc__ = """{sf} holding copies of the weights of transformers'
+    {hf}, each tensor in its dtype, on the same device.  The config must be
+    representable (the family's from_hf_config refuses what seqfuse cannot
+    compute exactly).""".format(**names)
+    to_hf_model.__doc__ = """transformers' {hf} holding copies of the weights of a
+    {sf}; FP8 bookkeeping is not a weight and is dropped.""".format(**names)
+    export_hf.__doc__ = """Write ``model`` (a {sf}) to directory ``path`` as a
+    transformers {hf} checkpoint (config.json with transformers' own
+    model_type, safetensors weights in the model's dtype), which
+    ``transformers.{hf}.from_pretrained`` loads with no seqfuse installed.
+    ``save_kwargs`` go to transformers' save_pretrained.  Returns ``path``.""".format(**names)
+    from_hf_pretrained.__doc__ = """{sf} from a local transformers {hf}
+    checkpoint directory.  transformers reads the files (it knows the
+    on-disk namings its versions wrote); unlike transformers, a weight
+    missing from the checkpoint raises KeyError naming it instead of being
+    initialised at random, and the config is checked (from_hf_config)
+    before any weight is read.  ``dtype``: the dtype to load in (None: the
+    checkpoint's); ``device``: where to move the model (None: left where
+    transformers loaded it).""".format(**names)
+    functions = (from_hf_model, to_hf_model, export_hf, from_hf_pretrained)
+    for f in functions:  # help() and tracebacks name the family module
+        f.__module__, f.__qualname__ = family.__module__, f.__name__
+    return functions
