@@ -48,8 +48,8 @@ model's dtype.
 The Mixtral family (mixtral.py) reuses this module's pieces rather than
 copies of them: the batch layout and its checks (``batch_layout``,
 ``check_unsupported``, messages named after the family), the LM head and
-its loss (``check_lm_arguments``, ``lm_logits_and_loss``) and the rotary
-embedding.
+its loss (``check_lm_arguments``, ``lm_logits_and_loss``), the run through
+the decoder stack (``run_layers``) and the rotary embedding.
 """
 
 import torch
@@ -255,26 +255,45 @@ class SeqfuseLlamaModel(SeqfuseLlamaPreTrainedModel):
 
     def run(self, input_ids, layout, output_hidden_states=False):
         """The layers over ``input_ids`` laid out as ``layout`` says: BaseModelOutput."""
-        shape = input_ids.shape
-        x = self.embed_tokens(input_ids.reshape(-1) if layout.packed else input_ids)
-        freqs = self.rotary_emb(layout.rope_len)
-        hidden = [] if output_hidden_states else None
-        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
-        for layer in self.layers:
-            if hidden is not None:
-                hidden.append(x)
-            if recompute:
-                x = checkpoint(layer, x, rotary_pos_emb=freqs, **layout.layer_kw)
-            else:
-                x = layer(x, rotary_pos_emb=freqs, **layout.layer_kw)
-        x = self.norm(x)
+        x, hidden, _ = run_layers(self, input_ids, layout, output_hidden_states)
+        return BaseModelOutput(last_hidden_state=x, hidden_states=hidden)
+
+
+def run_layers(model, input_ids, layout, output_hidden_states=False, layer_extras=False):
+    """A decoder family's stack over ``input_ids`` laid out as ``layout``
+    says: ``model``'s embed_tokens, then its layers (each given the rotary
+    table of rotary_emb and layout.layer_kw, recomputed in the backward when
+    model.activation_checkpointing while training), then its final norm.
+    Returns (last hidden state, the hidden states before every layer and
+    after the norm as a tuple when ``output_hidden_states`` else None,
+    extras): with ``layer_extras`` every layer returns (hidden states,
+    extra) and extras lists the layers' extras (Mixtral's router logits),
+    else extras is empty.  Packed outputs take input_ids' shape ([t] or
+    [1, t]) back."""
+    shape = input_ids.shape
+    x = model.embed_tokens(input_ids.reshape(-1) if layout.packed else input_ids)
+    freqs = model.rotary_emb(layout.rope_len)
+    hidden = [] if output_hidden_states else None
+    extras = []
+    recompute = model.activation_checkpointing and model.training and torch.is_grad_enabled()
+    for layer in model.layers:
         if hidden is not None:
             hidden.append(x)
-        if layout.packed:
-            x = x.view(*shape, -1)
-            if hidden is not None:
-                hidden = [h.view(*shape, -1) for h in hidden]
-        return BaseModelOutput(last_hidden_state=x, hidden_states=tuple(hidden) if hidden is not None else None)
+        if recompute:
+            x = checkpoint(layer, x, rotary_pos_emb=freqs, **layout.layer_kw)
+        else:
+            x = layer(x, rotary_pos_emb=freqs, **layout.layer_kw)
+        if layer_extras:
+            x, extra = x
+            extras.append(extra)
+    x = model.norm(x)
+    if hidden is not None:
+        hidden.append(x)
+    if layout.packed:
+        x = x.view(*shape, -1)
+        if hidden is not None:
+            hidden = [h.view(*shape, -1) for h in hidden]
+    return x, tuple(hidden) if hidden is not None else None, extras
 
 
 def shift_labels(labels, cu_seqlens=None):

@@ -59,10 +59,9 @@ from ..modules.norm import RMSNorm
 from ..modules.moe import GroupedMLP
 from ..ops import moe as moe_ops
 from ..ops.moe import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss
-from ..quantization.recompute import checkpoint
 from .generation import CachedGenerate
 from .llama import (SeqfuseLlamaRotaryEmbedding, batch_layout, check_lm_arguments, check_unsupported,
-                    lm_logits_and_loss)
+                    lm_logits_and_loss, run_layers)
 from .llama_config import rope_inv_freq
 from .mixtral_config import SeqfuseMixtralConfig
 from .pretrained import SeqfusePreTrainedModel, default_device, init_by_name, register_auto
@@ -238,29 +237,8 @@ class SeqfuseMixtralModel(SeqfuseMixtralPreTrainedModel):
     def run(self, input_ids, layout, output_hidden_states=False):
         """The layers over ``input_ids`` laid out as ``layout`` says:
         MoeModelOutputWithPast with every layer's router logits."""
-        shape = input_ids.shape
-        x = self.embed_tokens(input_ids.reshape(-1) if layout.packed else input_ids)
-        freqs = self.rotary_emb(layout.rope_len)
-        hidden = [] if output_hidden_states else None
-        router = []
-        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
-        for layer in self.layers:
-            if hidden is not None:
-                hidden.append(x)
-            if recompute:
-                x, logits = checkpoint(layer, x, rotary_pos_emb=freqs, **layout.layer_kw)
-            else:
-                x, logits = layer(x, rotary_pos_emb=freqs, **layout.layer_kw)
-            router.append(logits)
-        x = self.norm(x)
-        if hidden is not None:
-            hidden.append(x)
-        if layout.packed:
-            x = x.view(*shape, -1)
-            if hidden is not None:
-                hidden = [h.view(*shape, -1) for h in hidden]
-        return MoeModelOutputWithPast(last_hidden_state=x, router_logits=tuple(router),
-                                      hidden_states=tuple(hidden) if hidden is not None else None)
+        x, hidden, router = run_layers(self, input_ids, layout, output_hidden_states, layer_extras=True)
+        return MoeModelOutputWithPast(last_hidden_state=x, router_logits=tuple(router), hidden_states=hidden)
 
 
 class SeqfuseMixtralForCausalLM(CachedGenerate, SeqfuseMixtralPreTrainedModel):
