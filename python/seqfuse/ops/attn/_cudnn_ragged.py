@@ -92,14 +92,15 @@ cuDNN's diagonal is top-left); ``window`` (none); ``dropout`` (p == 0);
 multiple of the k/v heads, and grouped-query only with cuDNN 9.6 or later);
 ``head_dim`` (a multiple of 8, at most 128, torch's nested cuDNN limit);
 ``device`` (CUDA); ``torch_op`` (torch has the op; with the frontend
-provider, rule ``frontend``: the package imports); ``graph_capture`` (the
-op builds and frees a cuDNN graph on the host in every call, and the tail
-check below reads cached host facts: not under CUDA graph capture);
-``lengths`` (the cached cu_seqlens facts of ops/device_checks.py show every
-q and k/v token inside a sequence, since cuDNN leaves the others unwritten,
-at least one token, and, where q and k/v have separate cu_seqlens, no empty
-key sequence: a query that sees no key must come out 0); ``torch_backward`` (torch provider: no gradient wanted, see (2));
-``capability`` (auto only: 9.0, the GPU it is meant for); and
+provider, rule ``frontend``: the package imports); ``graph_capture`` (torch's
+op builds and frees a cuDNN graph on the host in every call, the frontend's
+one per new shape, and the lengths rule reads cached host facts: not under
+CUDA graph capture); ``lengths`` (the cached cu_seqlens facts of
+ops/device_checks.py show every q and k/v token inside a sequence, since
+cuDNN leaves the others unwritten, at least one token, and, where q and k/v
+have separate cu_seqlens, no empty key sequence: a query that sees no key
+must come out 0); ``torch_backward`` (torch provider: no gradient wanted,
+see (2)); ``capability`` (auto only: 9.0, the GPU it is meant for); and
 ``cudnn_sdp_enabled``.
 """
 import torch
@@ -207,7 +208,7 @@ def ragged_eligibility(device_type, capability, qkv_format, attn_mask_type, wind
     if not op_present:
         return _no("torch_op", f"torch {torch.__version__} has no torch.ops.aten._cudnn_attention_forward")
     if capturing:
-        return _no("graph_capture", "the op builds and frees a cuDNN graph on the host in every call, and the "
+        return _no("graph_capture", "the op builds cuDNN graphs on the host (torch's in every call), and the "
                                     "route reads the sequence lengths' cached host facts: not under CUDA graph "
                                     "capture")
     if covered is None:
