@@ -42,36 +42,28 @@ from ._base import default_device
 from ._input import check_input
 from .grouped_linear import GroupedLinear
 
-__all__ = ["GroupedMLP"]
+__all__ = ["GroupedMLP", "RoutedExperts"]
 
 
-class GroupedMLP(torch.nn.Module):
-    """A mixture-of-experts SwiGLU MLP: router, permutation, two grouped GEMMs.
+class RoutedExperts(torch.nn.Module):
+    """The router half of a mixture-of-experts block, shared by GroupedMLP
+    and ExpertParallelGroupedMLP (moe_expert_parallel.py): the checks of the
+    routing arguments (ValueError starting with the block's ``name``), the
+    router weight [E, hidden] (drawn by ``reset_router``), the optional
+    expert_bias buffer, ``route`` and ``aux_losses``.  The subclass adds its
+    experts (fc1, fc2) and its forward.  Arguments as GroupedMLP's."""
 
-    hidden_size, ffn_hidden_size: the sizes of each expert's MLP;
-    num_experts, topk: experts and experts per token;
-    score_function: "softmax" or "sigmoid"; use_pre_softmax: softmax over
-    all experts before the top-k (else over the selected logits, Mixtral's
-    choice renormalised); scaling_factor: times the probabilities;
-    expert_bias: learnable-free selection bias [E] (sigmoid only; a buffer
-    updated by the caller, as in DeepSeek-V3's aux-loss-free balancing);
-    aux_loss_coeff, z_loss_coeff: the auxiliary losses (0: off);
-    bias: biases in the experts' GEMMs; params_dtype, device, init_method
-    as for GroupedLinear (the router is float32-initialised the same way).
-    """
-
-    def __init__(self, hidden_size, ffn_hidden_size, num_experts, topk, *, score_function="softmax",
-                 use_pre_softmax=False, scaling_factor=None, expert_bias=False, aux_loss_coeff=0.0,
-                 z_loss_coeff=0.0, bias=False, params_dtype=None, device=None, init_method=None):
+    def __init__(self, name, hidden_size, ffn_hidden_size, num_experts, topk, score_function, use_pre_softmax,
+                 scaling_factor, expert_bias, aux_loss_coeff, z_loss_coeff, params_dtype, device, init_method):
         super().__init__()
         if num_experts < 1 or not 1 <= topk <= num_experts:
-            raise ValueError(f"GroupedMLP: need num_experts >= 1 and 1 <= topk <= num_experts, got "
+            raise ValueError(f"{name}: need num_experts >= 1 and 1 <= topk <= num_experts, got "
                              f"num_experts={num_experts}, topk={topk}")
         if score_function not in ("softmax", "sigmoid"):
-            raise ValueError(f"GroupedMLP: score_function must be 'softmax' or 'sigmoid', got "
+            raise ValueError(f"{name}: score_function must be 'softmax' or 'sigmoid', got "
                              f"{score_function!r}")
         if expert_bias and score_function != "sigmoid":
-            raise ValueError("GroupedMLP: expert_bias goes with score_function='sigmoid' only")
+            raise ValueError(f"{name}: expert_bias goes with score_function='sigmoid' only")
         self.hidden_size, self.ffn_hidden_size = int(hidden_size), int(ffn_hidden_size)
         self.num_experts, self.topk = int(num_experts), int(topk)
         self.score_function, self.use_pre_softmax = score_function, bool(use_pre_softmax)
@@ -87,26 +79,15 @@ class GroupedMLP(torch.nn.Module):
         else:
             self.expert_bias = None
         self.init_method = init_method
-        self.fc1 = GroupedLinear(self.num_experts, self.hidden_size, 2 * self.ffn_hidden_size, bias=bias,
-                                 params_dtype=dtype, device=device, init_method=init_method)
-        self.fc2 = GroupedLinear(self.num_experts, self.ffn_hidden_size, self.hidden_size, bias=bias,
-                                 params_dtype=dtype, device=device, init_method=init_method)
         self.aux_loss = None
-        if device.type != "meta":
-            self.reset_parameters()
 
     @torch.no_grad()
-    def reset_parameters(self):
+    def reset_router(self):
+        """The router weight from init_method, else N(0, 0.023)."""
         if self.init_method is not None:
             self.init_method(self.router_weight)
         else:
             self.router_weight.normal_(0.0, 0.023)
-        self.fc1.reset_parameters()
-        self.fc2.reset_parameters()
-
-    def extra_repr(self):
-        return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
-                f"num_experts={self.num_experts}, topk={self.topk}, score_function={self.score_function}")
 
     def route(self, x):
         """(probs [T, E] float32, routing_map [T, E], logits [T, E] float32)."""
@@ -130,6 +111,47 @@ class GroupedMLP(torch.nn.Module):
             z = moe_ops.moe_z_loss(logits, self.z_loss_coeff)
             loss = z if loss is None else loss + z
         return loss
+
+
+class GroupedMLP(RoutedExperts):
+    """A mixture-of-experts SwiGLU MLP: router, permutation, two grouped GEMMs.
+
+    hidden_size, ffn_hidden_size: the sizes of each expert's MLP;
+    num_experts, topk: experts and experts per token;
+    score_function: "softmax" or "sigmoid"; use_pre_softmax: softmax over
+    all experts before the top-k (else over the selected logits, Mixtral's
+    choice renormalised); scaling_factor: times the probabilities;
+    expert_bias: learnable-free selection bias [E] (sigmoid only; a buffer
+    updated by the caller, as in DeepSeek-V3's aux-loss-free balancing);
+    aux_loss_coeff, z_loss_coeff: the auxiliary losses (0: off);
+    bias: biases in the experts' GEMMs; params_dtype, device, init_method
+    as for GroupedLinear (the router is float32-initialised the same way).
+    """
+
+    def __init__(self, hidden_size, ffn_hidden_size, num_experts, topk, *, score_function="softmax",
+                 use_pre_softmax=False, scaling_factor=None, expert_bias=False, aux_loss_coeff=0.0,
+                 z_loss_coeff=0.0, bias=False, params_dtype=None, device=None, init_method=None):
+        super().__init__("GroupedMLP", hidden_size, ffn_hidden_size, num_experts, topk, score_function,
+                         use_pre_softmax, scaling_factor, expert_bias, aux_loss_coeff, z_loss_coeff, params_dtype,
+                         device, init_method)
+        dtype = params_dtype or torch.get_default_dtype()
+        device = default_device(device)
+        self.fc1 = GroupedLinear(self.num_experts, self.hidden_size, 2 * self.ffn_hidden_size, bias=bias,
+                                 params_dtype=dtype, device=device, init_method=init_method)
+        self.fc2 = GroupedLinear(self.num_experts, self.ffn_hidden_size, self.hidden_size, bias=bias,
+                                 params_dtype=dtype, device=device, init_method=init_method)
+        if device.type != "meta":
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        self.reset_router()
+        self.fc1.reset_parameters()
+        self.fc2.reset_parameters()
+
+    def extra_repr(self):
+        return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
+                f"num_experts={self.num_experts}, topk={self.topk}, score_function={self.score_function}")
 
     def forward(self, hidden_states):
         check_input("GroupedMLP", hidden_states, self.hidden_size, "hidden_size")

@@ -43,7 +43,7 @@ from ..quantization import get_amax_reduction_group, get_recipe, is_fp8_enabled
 from ._base import default_device
 from ._input import check_input
 from .grouped_linear import GroupedLinear
-from .moe import GroupedMLP
+from .moe import GroupedMLP, RoutedExperts
 
 __all__ = ["ExpertParallelGroupedMLP"]
 
@@ -82,7 +82,7 @@ class _LocalExperts(GroupedLinear):
                 f"in_features={self.in_features}, out_features={self.out_features}, bias={self.use_bias}")
 
 
-class ExpertParallelGroupedMLP(torch.nn.Module):
+class ExpertParallelGroupedMLP(RoutedExperts):
     """GroupedMLP with its experts sharded over ``ep_group``.
 
     Arguments as GroupedMLP's (hidden_size, ffn_hidden_size, num_experts,
@@ -101,43 +101,23 @@ class ExpertParallelGroupedMLP(torch.nn.Module):
                  score_function="softmax", use_pre_softmax=False, scaling_factor=None, expert_bias=False,
                  aux_loss_coeff=0.0, z_loss_coeff=0.0, bias=False, params_dtype=None, device=None,
                  init_method=None):
-        super().__init__()
-        if num_experts < 1 or not 1 <= topk <= num_experts:
-            raise ValueError(f"ExpertParallelGroupedMLP: need num_experts >= 1 and 1 <= topk <= num_experts, "
-                             f"got num_experts={num_experts}, topk={topk}")
-        if score_function not in ("softmax", "sigmoid"):
-            raise ValueError(f"ExpertParallelGroupedMLP: score_function must be 'softmax' or 'sigmoid', got "
-                             f"{score_function!r}")
-        if expert_bias and score_function != "sigmoid":
-            raise ValueError("ExpertParallelGroupedMLP: expert_bias goes with score_function='sigmoid' only")
+        super().__init__("ExpertParallelGroupedMLP", hidden_size, ffn_hidden_size, num_experts, topk,
+                         score_function, use_pre_softmax, scaling_factor, expert_bias, aux_loss_coeff,
+                         z_loss_coeff, params_dtype, device, init_method)
         self.ep_group, self.ep_size, self.ep_rank = group_size_rank(ep_group)
         if num_experts % self.ep_size:
             raise ValueError(f"ExpertParallelGroupedMLP: num_experts ({num_experts}) must be a multiple of "
                              f"the EP group's size ({self.ep_size})")
-        self.hidden_size, self.ffn_hidden_size = int(hidden_size), int(ffn_hidden_size)
-        self.num_experts, self.topk = int(num_experts), int(topk)
         self.num_local_experts = self.num_experts // self.ep_size
         self.first_expert = self.ep_rank * self.num_local_experts
-        self.score_function, self.use_pre_softmax = score_function, bool(use_pre_softmax)
-        self.scaling_factor = scaling_factor
-        self.aux_loss_coeff, self.z_loss_coeff = float(aux_loss_coeff), float(z_loss_coeff)
         self.use_bias = bool(bias)
         dtype = params_dtype or torch.get_default_dtype()
         device = default_device(device)
-        self.router_weight = torch.nn.Parameter(torch.empty(self.num_experts, self.hidden_size, dtype=dtype,
-                                                            device=device))
-        if expert_bias:
-            self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32,
-                                                            device=device))
-        else:
-            self.expert_bias = None
-        self.init_method = init_method
         L, first = self.num_local_experts, self.first_expert
         self.fc1 = _LocalExperts(first, L, self.hidden_size, 2 * self.ffn_hidden_size, bias, dtype, device,
                                  init_method)
         self.fc2 = _LocalExperts(first, L, self.ffn_hidden_size, self.hidden_size, bias, dtype, device,
                                  init_method)
-        self.aux_loss = None
         self.register_load_state_dict_pre_hook(_drop_other_experts)
         if device.type != "meta":
             self.reset_parameters()
@@ -153,10 +133,7 @@ class ExpertParallelGroupedMLP(torch.nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self):
-        if self.init_method is not None:
-            self.init_method(self.router_weight)
-        else:
-            self.router_weight.normal_(0.0, 0.023)
+        self.reset_router()
         base = int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
         device = self.router_weight.device
         devices = [device] if device.type == "cuda" else []
@@ -171,10 +148,6 @@ class ExpertParallelGroupedMLP(torch.nn.Module):
                         w.normal_(0.0, 0.023)
                     if fc.use_bias:
                         fc.biases()[g].zero_()
-
-    # the router and its losses are GroupedMLP's own code (this module has the attributes they read)
-    route = GroupedMLP.route
-    aux_losses = GroupedMLP.aux_losses
 
     def _refuse_delayed_scaling(self):
         """Delayed scaling keeps amax histories per expert GEMM slot and
