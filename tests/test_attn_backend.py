@@ -100,7 +100,7 @@ def test_env_bad_value_raises_at_the_first_call(monkeypatch, value):
     for _ in range(2):  # not remembered: every call says it until it is fixed
         with pytest.raises(ValueError) as e:
             seqfuse.ops.attention(q, q, q)
-        assert str(e.value) == f"SEQFUSE_ATTN_BACKEND must be one of 'auto', 'seqfuse', 'cudnn', 'flash', got {value!r}"
+        assert str(e.value) == f"SEQFUSE_ATTN_BACKEND must be one of 'auto', 'seqfuse', 'cudnn', 'flash', 'cudnn_ragged', got {value!r}"
     with pytest.raises(ValueError, match="SEQFUSE_ATTN_BACKEND must be one of"):
         seqfuse.ops.attention_backend(q, q, q)
     monkeypatch.setenv("SEQFUSE_ATTN_BACKEND", "seqfuse")
@@ -124,7 +124,7 @@ def test_set_attention_backend_rejects(name):
     with pytest.raises(ValueError) as e:
         seqfuse.ops.set_attention_backend(name)
     assert str(e.value) == ("set_attention_backend: argument 'name' must be one of 'auto', 'seqfuse', 'cudnn', "
-                            f"'flash', got {name!r}")
+                            f"'flash', 'cudnn_ragged', got {name!r}")
     assert routing._backend == before
 
 
