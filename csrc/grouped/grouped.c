@@ -24,7 +24,7 @@
 
 #include "../core/dispatch.h"
 #include "../core/float_io.h"
-#include "grouped.h"
+#include "grouped_backend.h"
 
 static const char OP[] = "grouped_gemm";
 
