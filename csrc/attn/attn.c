@@ -10,6 +10,7 @@
 
 #include "../core/dispatch.h"
 #include "attn.h"
+#include "attn_backend.h"
 
 static const char *format_name(sf_attn_format f)
 {

@@ -9,6 +9,7 @@
 
 #include "../core/dispatch.h"
 #include "gemm.h"
+#include "gemm_backend.h"
 
 static const char OP[] = "gemm";
 
