@@ -26,7 +26,7 @@ MATH = {("optim", "optim"): "adamw.h", ("quant", "amax"): "fp8.h", ("quant", "ca
         ("quant", "block"): "fp8.h", ("grouped", "grouped"): None}
 BACKEND = {("quant", "block"): "cast_backend.h"}
 CHECK = {("gemm", "gemm"): "check_cublaslt.cu", ("optim", "optim"): "check_adamw.cu",
-         ("quant", "block"): None, ("grouped", "grouped"): None}
+         ("grouped", "grouped"): None}
 CPU = {("grouped", "grouped"): None}
 # The entry file whose first comment documents a family's departures.
 NOTE_IN = {"quant": "cast.c"}

@@ -11,9 +11,8 @@
  * fp8.h (E4M3, E5M2, E8M0, E2M1, scale computation, amax folding);
  * fp8_cuda.cuh adds the device-only pieces (16-byte loads, the hardware FP8
  * conversion, the block-wide max).  The backend entry points of cast and block are cast_backend.h's,
- * amax's amax_backend.h's.  Standalone checks: check_cast.cu and
- * check_amax.cu; the block formats have none (tests/test_quant_block.py
- * compares their CUDA kernels with the CPU reference).
+ * amax's amax_backend.h's.  Standalone checks: check_amax.cu,
+ * check_cast.cu and check_block.cu.
  */
 #include <math.h>
 
