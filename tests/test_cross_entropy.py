@@ -311,13 +311,15 @@ def test_cuda_graph_capture(seed):
 @pytest.mark.parametrize("v", [8, 1003])  # the vector loop and the tail
 def test_lse_of_infinite_and_nan_rows_follows_torch(device, v):
     """torch.logsumexp: +inf with a +inf logit, also beside -inf (the row's sum
-    is NaN there, which must not read as a NaN logit); NaN with a NaN logit."""
-    logits = torch.zeros(4, v, device=device)
+    is NaN there, which must not read as a NaN logit); NaN with a NaN logit;
+    -inf when every logit is -inf."""
+    logits = torch.zeros(5, v, device=device)
     logits[0, 3], logits[0, 5] = float("inf"), -float("inf")
     logits[1, 2] = float("inf")
     logits[2, 1], logits[2, 6] = float("nan"), float("inf")
     logits[3, 7] = -float("inf")
-    labels = torch.zeros(4, dtype=torch.int64, device=device)
+    logits[4] = -float("inf")
+    labels = torch.zeros(5, dtype=torch.int64, device=device)
     _, lse = cross_entropy_forward(logits, labels)
     want = torch.logsumexp(logits.cpu().double(), -1).float()
     assert torch.equal(lse.cpu().isnan(), want.isnan())

@@ -3,13 +3,29 @@
  * attention: every precondition is checked here, once, for both backends,
  * and the call is resolved into an sf_attn_problem (pointers, strides,
  * lengths, mask parameters) that the CPU reference (attn_cpu.c) and the CUDA
- * kernels (attn_cuda.cu) read the same way.
+ * kernels read the same way.
+ *
+ * File shape (README, Layout): the family's, with the CUDA side in several
+ * units.  attn_fwd_cuda.cu and attn_bwd_cuda.cu hold the mma.sync (sm80)
+ * kernels and the CUDA entry points, which hand Hopper's calls to the wgmma
+ * kernels of attn_fwd_sm90_cuda.cu and attn_bwd_sm90_cuda.cu;
+ * attn_bwd_wide_cuda.cu compiles the sm80 backward's wider tiles beside
+ * attn_bwd_cuda.cu (build time).  The kernels' shared building blocks are
+ * headers: attn_cuda.cuh (mma.sync, ldmatrix, cp.async), attn_sm90.cuh
+ * (wgmma, swizzled tiles), attn_bwd_tiles.cuh.  attn.h holds the problem and
+ * the sequence and mask rules both backends apply, attn_philox.h the dropout
+ * generator (bit for bit the CPU reference's), attn_sm90.h the C face of the
+ * Hopper kernel choice, attn_backend.h the backend entry points.  Two check
+ * programs: check_attn.cu (the CUDA kernels against the CPU reference,
+ * through sf_attn_*) and check_attn_sm90.cu (the wgmma building blocks, then
+ * the Hopper forward).
  */
 #include <math.h>
 #include <string.h>
 
 #include "../core/dispatch.h"
 #include "attn.h"
+#include "attn_backend.h"
 
 static const char *format_name(sf_attn_format f)
 {

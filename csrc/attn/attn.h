@@ -3,7 +3,8 @@
  * (attn.c) resolves it once (pointers, strides in elements, lengths, mask
  * parameters), and the static inline rules every backend must agree on:
  * where sequence b starts and how long it is, and which (query, key) pairs
- * the mask lets through.  Usable from host C and CUDA device code.
+ * the mask lets through.  Usable from host C and CUDA device code.  The
+ * backend entry points are attn_backend.h's.
  */
 #ifndef SF_ATTN_INTERNAL_H
 #define SF_ATTN_INTERNAL_H
@@ -154,12 +155,6 @@ SF_ATTN_HD void sf_attn_query_range(int c0, int c1, int off, int left, int right
     *lo = a;
     *hi = b > a ? b : a;
 }
-
-/* Backend entry points: the problem has been validated by attn.c. */
-sf_status sf_attn_fwd_cpu(const sf_attn_problem *p);
-sf_status sf_attn_bwd_cpu(const sf_attn_problem *p);
-sf_status sf_attn_fwd_cuda(const sf_attn_problem *p, sf_stream stream, int device);
-sf_status sf_attn_bwd_cuda(const sf_attn_problem *p, sf_stream stream, int device);
 
 #ifdef __cplusplus
 }

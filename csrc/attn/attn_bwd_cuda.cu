@@ -41,6 +41,7 @@
  * attn_bwd_wide_cuda.cu for 64 and 128.
  */
 #include "../core/cuda_util.h"
+#include "attn_backend.h"
 #include "attn_bwd_tiles.cuh"
 
 namespace sf_attn {

@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "attn.h"
+#include "attn_backend.h"
 #include "attn_philox.h"
 #include "core/float_io.h"
 

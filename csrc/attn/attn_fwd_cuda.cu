@@ -30,6 +30,7 @@
  * columns add nothing to Q K^T nor to P V) and not stored.
  */
 #include "../core/cuda_util.h"
+#include "attn_backend.h"
 #include "attn_cuda.cuh"
 #include "attn_sm90.cuh"
 

@@ -4,11 +4,19 @@
  * the operands into row-major storage + transpose flags (sf_gemm_problem),
  * then dispatches to the CPU reference or cuBLASLt.  Both backends therefore
  * accept and reject exactly the same calls with the same messages.
+ *
+ * File shape (README, Layout): the family's, except that gemm has no
+ * kernels of its own: gemm_cuda.cu is host code that plans and runs
+ * cuBLASLt, and gemm.h's math is the epilogue cuBLASLt applies (tanh-GELU
+ * and its derivative) and the FP8 decoders, there so that the CPU
+ * reference (gemm_cpu.c) computes what cuBLASLt does.  The standalone check
+ * is named after the library it exercises: check_cublaslt.cu.
  */
 #include <string.h>
 
 #include "../core/dispatch.h"
 #include "gemm.h"
+#include "gemm_backend.h"
 
 static const char OP[] = "gemm";
 

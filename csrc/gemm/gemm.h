@@ -8,6 +8,7 @@
  *   - the epilogue math (tanh-GELU and its derivative, as cuBLASLt computes
  *     them) and the FP8 decoders, as static inline functions usable from
  *     host C and device code.
+ * The backend entry points are gemm_backend.h's.
  */
 #ifndef SF_GEMM_INTERNAL_H
 #define SF_GEMM_INTERNAL_H
@@ -57,9 +58,6 @@ typedef struct {
     size_t workspace_bytes;
     int device_id;
 } sf_gemm_problem;
-
-sf_status sf_gemm_cpu(const sf_gemm_problem *p);
-sf_status sf_gemm_cuda(const sf_gemm_problem *p, sf_stream stream);
 
 /* Does the epilogue read bias (1), write it (2), or neither (0)? */
 static inline int sf_gemm_epi_bias_use(sf_gemm_epilogue e)

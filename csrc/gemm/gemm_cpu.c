@@ -15,6 +15,7 @@
 
 #include "../core/float_io.h"
 #include "gemm.h"
+#include "gemm_backend.h"
 
 static float load_elem(const void *base, sf_dtype dtype, int64_t index)
 {

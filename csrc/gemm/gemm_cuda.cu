@@ -47,6 +47,7 @@
 
 #include "../core/cuda_util.h"
 #include "gemm.h"
+#include "gemm_backend.h"
 
 namespace {
 

@@ -18,13 +18,21 @@
  * written here.  Each group's m, n and k come from its views, so this holds
  * as well when every operand is a list (the FP8 weight gradient, whose
  * operands are the per-expert transposed copies).
+ *
+ * File shape (README, Layout): the grouped family has no math header, no
+ * CPU reference file and no check program of its own, because it computes
+ * nothing itself: each group's product is an sf_gemm call (the gemm
+ * family's CPU reference, cuBLASLt, and check_cublaslt.cu), and the empty
+ * groups are cleared here with memset on the CPU and by grouped_cuda.cu
+ * (cudaMemset2DAsync, declared in grouped_backend.h) on the GPU.
+ * tests/test_moe_grouped_gemm.py compares the two backends.
  */
 #include <stdio.h>
 #include <string.h>
 
 #include "../core/dispatch.h"
 #include "../core/float_io.h"
-#include "grouped.h"
+#include "grouped_backend.h"
 
 static const char OP[] = "grouped_gemm";
 

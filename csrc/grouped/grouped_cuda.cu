@@ -7,7 +7,7 @@
 #include <cuda_runtime.h>
 
 #include "../core/cuda_util.h"
-#include "grouped.h"
+#include "grouped_backend.h"
 
 extern "C" sf_status sf_grouped_zero_cuda(void *data, int64_t rows, int64_t row_bytes,
                                           int64_t pitch_bytes, int device_id, sf_stream stream)

@@ -2,6 +2,8 @@
  * cross_entropy.c - the public entries of the fused cross-entropy: validate
  * every argument once (shared by both backends), then dispatch to the CPU
  * reference (cross_entropy_cpu.c) or the CUDA kernels (cross_entropy_cuda.cu).
+ * The loss family's files are named after its one op: cross_entropy.h is
+ * its math header, check_cross_entropy.cu its standalone check.
  */
 #include "../core/dispatch.h"
 #include "cross_entropy_backend.h"

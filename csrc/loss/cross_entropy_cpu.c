@@ -1,11 +1,14 @@
 /*
  * cross_entropy_cpu.c - the reference cross-entropy: plain loops per row,
  * accumulated in double (max, then sum of exp, then the loss), the
- * definition of correct the CUDA kernels are tested against.
+ * definition of correct the CUDA kernels are tested against.  The formulas
+ * (special values of lse, the smoothed loss, the gradient) are
+ * cross_entropy.h's, evaluated in double.
  */
 #include <math.h>
 
 #include "../core/float_io.h"
+#include "cross_entropy.h"
 #include "cross_entropy_backend.h"
 
 /* Read as double: the sums here run in double. */
@@ -32,13 +35,11 @@ sf_status sf_cross_entropy_forward_cpu(const sf_tensor *logits, const sf_tensor 
             s += exp(x - m);
             sum += x;
         }
-        /* log-sum-exp as torch.logsumexp: NaN with a NaN logit, +inf with a
-         * +inf one, -inf where every logit is -inf (m + log(s) is NaN there) */
-        double l = has_nan ? NAN : isinf(m) ? m : m + log(s);
+        double l = sf_ce_lse(has_nan, m, s);
         ((float *)lse->data)[i] = (float)l;
         double value = 0.0;
         if (y[i] != ignore_index)
-            value = l - (1.0 - e) * load(logits, row + y[i]) - (e > 0.0 ? e / (double)v * sum : 0.0);
+            value = sf_ce_loss(l, 1.0 - e, load(logits, row + y[i]), sum, e, v);
         ((float *)loss->data)[i] = (float)value;
     }
     return SF_OK;
@@ -57,13 +58,13 @@ sf_status sf_cross_entropy_backward_cpu(const sf_tensor *logits, const sf_tensor
     for (int64_t i = 0; i < n; ++i) {
         int64_t in_row = i * logits->strides[0], out_row = i * dlogits->strides[0];
         double scale = scales[per_row ? i : 0];
-        double l = ((const float *)lse->data)[i];
+        double off = sf_ce_prob_offset(((const float *)lse->data)[i]);
         int ignored = y[i] == ignore_index;
         for (int64_t j = 0; j < v; ++j) {
             double g = 0.0;
             if (!ignored)
-                g = scale * (exp(load(logits, in_row + j) - l) - e / (double)v -
-                             (j == y[i] ? 1.0 - e : 0.0));
+                g = scale * sf_ce_grad(sf_ce_prob(load(logits, in_row + j), off), e / (double)v, 1.0 - e,
+                                       j == y[i]);
             sf_tensor_store(dlogits, out_row + j, (float)g);
         }
     }

@@ -16,6 +16,7 @@
 #include "../core/cuda_util.h"
 #include "../core/vec_io.cuh"
 #include "../core/visit.cuh"
+#include "cross_entropy.h"
 #include "cross_entropy_backend.h"
 
 namespace {
@@ -26,7 +27,7 @@ using sf_vec::to_f;
 /* V elements as one 16-byte access (the kernels take V = 16 / sizeof(T)). */
 template <typename T, int V> using Vec = sf_vec::Pack<T, V>;
 
-constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLog2e = SF_CE_LOG2E;
 
 /* Merge online-softmax state (m2, s2) into (m, s). */
 __device__ __forceinline__ void merge(float &m, float &s, float m2, float s2)
@@ -109,11 +110,9 @@ __global__ void __launch_bounds__(BLOCK) ce_forward_kernel(
     block_reduce<BLOCK>(m, s, sum);
     const int any_nan = __syncthreads_or(has_nan);
     if (threadIdx.x == 0) {
-        /* torch.logsumexp's rule, as the CPU reference: NaN with a NaN logit
-         * (whatever else the row holds: a NaN can miss s, e.g. a thread whose
-         * only logit is NaN never adds to s because fmaxf skips NaN), else +inf
-         * with a +inf logit (exp(inf - inf) made s NaN), else m + log s */
-        float l = any_nan ? NAN : m == INFINITY ? INFINITY : m + logf(s);
+        /* any_nan, not s: a NaN can miss s (a thread whose only logit is
+         * NaN never adds to s because fmaxf skips NaN) */
+        float l = sf_ce_lse(any_nan, m, s);
         lse[row] = l;
         int64_t y = labels[row];
         float value;
@@ -122,7 +121,7 @@ __global__ void __launch_bounds__(BLOCK) ce_forward_kernel(
         else if (y < 0 || y >= v)
             value = __int_as_float(0x7fc00000); /* bad label: NaN, documented */
         else
-            value = l - (1.0f - smoothing) * to_f(x[y]) - (smoothing > 0.0f ? smoothing / (float)v * sum : 0.0f);
+            value = sf_ce_loss(l, 1.0f - smoothing, to_f(x[y]), sum, smoothing, v);
         loss[row] = value;
     }
 }
@@ -141,7 +140,7 @@ __global__ void __launch_bounds__(BLOCK) ce_backward_kernel(
     float scale = ignored ? 0.0f : grad_scale[per_row_scale ? row : 0];
     if (!ignored && (y < 0 || y >= v))
         scale = __int_as_float(0x7fc00000); /* bad label: NaN gradients, as the forward's NaN loss */
-    float l2 = lse[row] * kLog2e;
+    float off = sf_ce_prob_offset(lse[row]);
     float floor_ = smoothing / (float)v;
     float on_label = 1.0f - smoothing;
     int64_t nvec = v / VEC;
@@ -151,15 +150,13 @@ __global__ void __launch_bounds__(BLOCK) ce_backward_kernel(
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
             int64_t j = i * VEC + k;
-            float p = exp2f(fmaf(to_f(r.v[k]), kLog2e, -l2));
-            float g = p - floor_ - (j == y ? on_label : 0.0f);
+            float g = sf_ce_grad(sf_ce_prob(to_f(r.v[k]), off), floor_, on_label, j == y);
             o.v[k] = from_f<T>(ignored ? 0.0f : g * scale);
         }
         reinterpret_cast<Vec<T, VEC> *>(dx)[i] = o;
     }
     for (int64_t j = nvec * VEC + threadIdx.x; j < v; j += BLOCK) {
-        float p = exp2f(fmaf(to_f(x[j]), kLog2e, -l2));
-        float g = p - floor_ - (j == y ? on_label : 0.0f);
+        float g = sf_ce_grad(sf_ce_prob(to_f(x[j]), off), floor_, on_label, j == y);
         dx[j] = from_f<T>(ignored ? 0.0f : g * scale);
     }
 }

@@ -6,7 +6,7 @@
  * reference (moe_cpu.c) or the CUDA kernels (moe_cuda.cu).
  */
 #include "../core/dispatch.h"
-#include "moe.h"
+#include "moe_backend.h"
 
 /* A contiguous 2-D tensor [rows, cols] on ref's device. */
 static sf_status check_2d(const char *op, const char *arg, const sf_tensor *t, int64_t rows,

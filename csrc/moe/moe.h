@@ -1,14 +1,15 @@
 /*
- * moe.h - what the moe family's entry (moe.c), CPU reference (moe_cpu.c) and
- * CUDA kernels (moe_cuda.cu) share: the validated arguments (sf_moe_args),
- * the backend entry points, and the per-token router math as host/device
- * functions.  The router works one token (one row of E experts) at a time,
- * the same function on both backends: the CPU loops over tokens, the GPU
- * gives each token a thread.  The permutation kernels are plain gathers and
- * scatters, written separately per backend.
+ * moe.h - the arithmetic of the moe family, shared by the CPU reference
+ * (moe_cpu.c) and the CUDA kernels (moe_cuda.cu): element access by dtype
+ * and the per-token router math as host/device functions.  The router works
+ * one token (one row of E experts) at a time, the same function on both
+ * backends: the CPU loops over tokens, the GPU gives each token a thread.
+ * The permutation kernels are plain gathers and scatters, written
+ * separately per backend.  The validated arguments and the backend entry
+ * points are moe_backend.h's.
  */
-#ifndef SF_MOE_INTERNAL_H
-#define SF_MOE_INTERNAL_H
+#ifndef SF_MOE_H
+#define SF_MOE_H
 
 #include <math.h>
 #include <stdint.h>
@@ -19,26 +20,6 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-/* The arguments of any moe op after moe.c validated them; an op reads the
- * fields its public function documents. */
-typedef struct {
-    int64_t T, E, H, N;                /* tokens, experts, hidden, permuted rows */
-    int topk, score, pre_softmax;
-    float scaling, coeff;
-    int64_t total_tokens;
-    const sf_tensor *logits, *bias, *map, *saved, *grad, *inp, *probs, *tpe, *lse, *dloss;
-    sf_tensor *out, *out2, *out3;
-} sf_moe_args;
-
-#define SF_MOE_OPS(X) X(topk_fwd) X(topk_bwd) X(aux_scores_fwd) X(aux_scores_bwd) \
-    X(aux_loss_fwd) X(aux_loss_bwd) X(z_loss_fwd) X(z_loss_bwd) X(row_id_map) X(permute) \
-    X(unpermute) X(unpermute_bwd) X(permute_probs_bwd) X(swiglu_fwd) X(swiglu_bwd)
-#define SF_MOE_DECLARE(name)                                      \
-    sf_status sf_moe_##name##_cpu(const sf_moe_args *a);          \
-    sf_status sf_moe_##name##_cuda(const sf_moe_args *a, sf_stream stream);
-SF_MOE_OPS(SF_MOE_DECLARE)
-#undef SF_MOE_DECLARE
 
 /* ---- element access (float32 / float16 / bfloat16, validated before) ---- */
 
@@ -246,4 +227,4 @@ SF_HD float sf_moe_ld_count(const void *p, sf_dtype d, int64_t i)
 }
 #endif
 
-#endif /* SF_MOE_INTERNAL_H */
+#endif /* SF_MOE_H */

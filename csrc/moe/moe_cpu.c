@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "moe.h"
+#include "moe_backend.h"
 
 sf_status sf_moe_topk_fwd_cpu(const sf_moe_args *a)
 {

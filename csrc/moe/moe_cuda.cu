@@ -21,6 +21,7 @@
 
 #include "../core/cuda_util.h"
 #include "moe.h"
+#include "moe_backend.h"
 
 namespace {
 

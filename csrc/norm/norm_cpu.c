@@ -1,7 +1,8 @@
 /*
  * norm_cpu.c - the reference LayerNorm / RMSNorm: plain loops, statistics and
  * gradient sums in double, every output rounded once to its dtype.  This is
- * the definition the CUDA kernels are tested against.
+ * the definition the CUDA kernels are tested against.  The per-element
+ * formulas are norm.h's, evaluated in double.
  *
  * The forward computes v = xhat * w + beta in double, rounds it to float32
  * (the value the CUDA kernel holds), then to y's dtype; an FP8 y gets
@@ -45,14 +46,14 @@ sf_status sf_norm_fwd_cpu(const sf_norm_fwd_args *a)
             var += d * d;
         }
         var /= (double)H;
-        double rstd = 1.0 / sqrt(var + (double)a->eps);
+        double rstd = sf_norm_rstd(var, a->eps);
         if (a->mean)
             ((float *)a->mean->data)[r] = (float)mean;
         if (a->rstd)
             ((float *)a->rstd->data)[r] = (float)rstd;
         for (int64_t j = 0; j < H; ++j) {
             double w = sf_norm_weight((float)load(a->gamma, j), a->zero_centered_gamma);
-            double v = (load(a->x, base + j) - mean) * rstd * w;
+            double v = sf_norm_xhat(load(a->x, base + j), mean, rstd) * w;
             if (a->beta)
                 v += load(a->beta, j);
             float vf = (float)v;
@@ -99,7 +100,7 @@ sf_status sf_norm_bwd_cpu(const sf_norm_bwd_args *a)
         for (int64_t j = 0; j < H; ++j) {
             double w = sf_norm_weight((float)load(a->gamma, j), a->zero_centered_gamma);
             double g = load(a->dy, base + j) * w;
-            double xhat = (load(a->x, base + j) - mean) * rstd;
+            double xhat = sf_norm_xhat(load(a->x, base + j), mean, rstd);
             sum_g += g;
             sum_gx += g * xhat;
         }
@@ -107,8 +108,8 @@ sf_status sf_norm_bwd_cpu(const sf_norm_bwd_args *a)
         for (int64_t j = 0; j < H; ++j) {
             double w = sf_norm_weight((float)load(a->gamma, j), a->zero_centered_gamma);
             double g = load(a->dy, base + j) * w;
-            double xhat = (load(a->x, base + j) - mean) * rstd;
-            sf_tensor_store(a->dx, base + j, (float)(rstd * (g - m1 - xhat * m2)));
+            double xhat = sf_norm_xhat(load(a->x, base + j), mean, rstd);
+            sf_tensor_store(a->dx, base + j, (float)sf_norm_dx(rstd, g, xhat, m1, m2));
         }
     }
     return SF_OK;

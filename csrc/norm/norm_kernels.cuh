@@ -232,7 +232,7 @@ __global__ void __launch_bounds__(NV * VEC <= kFwdElems ? 1024 : 512) norm_fwd_k
                 }
         }
         row_sum<1>(q, red, phase);
-        const float rstd = rsqrtf(q[0] * inv_h + p.eps);
+        const float rstd = sf_norm_rstd(q[0] * inv_h, p.eps);
         if (active && threadIdx.x == 0) {
             if (p.mean)
                 p.mean[row] = mean;
@@ -252,13 +252,13 @@ __global__ void __launch_bounds__(NV * VEC <= kFwdElems ? 1024 : 512) norm_fwd_k
             if (p.rms) {
 #pragma unroll
                 for (int e = 0; e < VEC; ++e)
-                    o[e] = to_f(cur[k].v[e]) * rstd * w[e];
+                    o[e] = sf_norm_xhat(to_f(cur[k].v[e]), 0.0f, rstd) * w[e];
             } else {
                 float b[VEC];
                 load_staged<VEC>(bsm, c, nvec, b);
 #pragma unroll
                 for (int e = 0; e < VEC; ++e)
-                    o[e] = (to_f(cur[k].v[e]) - mean) * rstd * w[e] + b[e];
+                    o[e] = sf_norm_xhat(to_f(cur[k].v[e]), mean, rstd) * w[e] + b[e];
             }
 #pragma unroll
             for (int e = 0; e < VEC; ++e)
@@ -372,7 +372,7 @@ __global__ void __launch_bounds__(NV * VEC <= kBwdElems ? 1024 : 512) norm_bwd_k
             load_row<T, VEC, NV>(DY, row, p.rows, p.hidden, cdy);
             load_stats(row, mean, rstd);
         }
-        const float nmr = -mean * rstd; /* xhat = x * rstd + nmr */
+        const float nmr = -mean * rstd; /* xhat = x * rstd + nmr, one fma (norm.h) */
 
         float s[2] = {0.0f, 0.0f}; /* sum g, sum g * xhat; g = dy * w */
 #pragma unroll
@@ -411,7 +411,7 @@ __global__ void __launch_bounds__(NV * VEC <= kBwdElems ? 1024 : 512) norm_bwd_k
             for (int e = 0; e < VEC; ++e) {
                 const float xhat = fmaf(to_f(cx[k].v[e]), rstd, nmr);
                 const float g = to_f(cdy[k].v[e]) * w[e];
-                dxv[e] = rstd * (g - m1 - xhat * m2);
+                dxv[e] = sf_norm_dx(rstd, g, xhat, m1, m2);
             }
             store_f<T, VEC>((T *)p.dx + roff + (int64_t)c * VEC, dxv);
         }

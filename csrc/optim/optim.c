@@ -4,6 +4,11 @@
  * contiguity, device, writability), with the list and the index named in the
  * message, then the CPU reference (optim_cpu.c) or the CUDA kernels
  * (optim_cuda.cu) run.
+ *
+ * File shape (README, Layout): the family's, with the math header named
+ * after the one op that has arithmetic to share: adamw.h (the AdamW element
+ * update and its per-step constants; the l2 norm and the scale are a sum of
+ * squares and a multiply).  The standalone check is check_adamw.cu.
  */
 #include <stdio.h>
 

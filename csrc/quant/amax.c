@@ -2,6 +2,7 @@
  * amax.c - sf_amax, the public entry: checks every precondition once, then
  * dispatches to the CPU reference (amax_cpu.c) or the CUDA kernel
  * (amax_cuda.cu).  amax = max |x| is the statistic FP8 scaling is built on.
+ * The quant family's file shape: cast.c's first comment.
  */
 #include "../core/dispatch.h"
 #include "amax_backend.h"

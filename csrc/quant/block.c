@@ -4,6 +4,7 @@
  * on Hopper), MXFP8 (E8M0 per 32) and NVFP4 (E2M1 values, E4M3 per 16, fp32
  * per tensor), quantize and dequantize.  Every precondition is checked here
  * once, including the multiple each format needs of the last dimension.
+ * The quant family's file shape: cast.c's first comment.
  */
 #include "../core/dispatch.h"
 #include "cast_backend.h"

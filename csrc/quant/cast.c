@@ -4,6 +4,15 @@
  * sf_fp8_scale_update (delayed scaling) and sf_fp8_compute_scale (current
  * scaling).  Every precondition is checked here once; the CPU reference
  * (cast_cpu.c) and the CUDA kernels (cast_cuda.cu) trust what they get.
+ *
+ * File shape (README, Layout): the quant family has three entries, each
+ * with its _cpu.c reference and _cuda.cu kernels: amax.c, cast.c (this
+ * file) and block.c.  Their shared math is the number formats' arithmetic,
+ * fp8.h (E4M3, E5M2, E8M0, E2M1, scale computation, amax folding);
+ * fp8_cuda.cuh adds the device-only pieces (16-byte loads, the hardware FP8
+ * conversion, the block-wide max).  The backend entry points of cast and block are cast_backend.h's,
+ * amax's amax_backend.h's.  Standalone checks: check_amax.cu,
+ * check_cast.cu and check_block.cu.
  */
 #include <math.h>
 

@@ -1,0 +1,26 @@
+/*
+ * attn_backend.h - the backend entry points behind sf_attn_fwd / sf_attn_bwd:
+ * the CPU reference (attn_cpu.c) and the CUDA kernels (attn_fwd_cuda.cu and
+ * attn_bwd_cuda.cu, which hand Hopper's calls to the sm90 kernels).  attn.c
+ * has validated the call and resolved it into an sf_attn_problem (attn.h)
+ * before either is called.
+ */
+#ifndef SF_ATTN_BACKEND_H
+#define SF_ATTN_BACKEND_H
+
+#include "attn.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+sf_status sf_attn_fwd_cpu(const sf_attn_problem *p);
+sf_status sf_attn_bwd_cpu(const sf_attn_problem *p);
+sf_status sf_attn_fwd_cuda(const sf_attn_problem *p, sf_stream stream, int device);
+sf_status sf_attn_bwd_cuda(const sf_attn_problem *p, sf_stream stream, int device);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* SF_ATTN_BACKEND_H */
