@@ -144,3 +144,29 @@ def save_dying_in(ckpt, stage, root, step, model, optimizer, keep_last):
             ckpt.save_checkpoint(root, step, model, optimizer, {"step": step}, keep_last=keep_last)
     finally:
         setattr(ckpt, stage, real)
+
+
+def fp8_seen_by_layer(trainer, probed_modules, run):
+    """Where FP8 was on: ``run()`` (a training run of ``trainer``'s recipe)
+    with trainer.build_model wrapped so that a forward hook on each module
+    that ``probed_modules(model)`` yields as (layer key, module) records
+    whether seqfuse's FP8 autocast was on inside it.  Returns ({layer key:
+    the set of is_fp8_enabled() values seen}, run()'s result); build_model
+    is put back after."""
+    from seqfuse.quantization import is_fp8_enabled
+
+    seen = {}
+    real = trainer.build_model
+
+    def probed(cfg, device, dtype):
+        model, mcfg = real(cfg, device, dtype)
+        for key, module in probed_modules(model):
+            module.register_forward_hook(lambda m, a, o, key=key: seen.setdefault(key, set()).add(is_fp8_enabled()))
+        return model, mcfg
+
+    trainer.build_model = probed
+    try:
+        out = run()
+    finally:
+        trainer.build_model = real
+    return seen, out

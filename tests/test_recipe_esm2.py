@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from recipe_checks import losses as _losses  # noqa: E402
-from recipe_checks import recipe_path, save_dying_in, torchrun  # noqa: E402
+from recipe_checks import fp8_seen_by_layer, recipe_path, save_dying_in, torchrun  # noqa: E402
 
 RECIPE = recipe_path("esm2")
 
@@ -251,24 +251,10 @@ def test_fp8_delayed_with_bf16_first_layer(tmp_path):
     FP8 batches are padded to a multiple of 16 tokens, and the loss is finite."""
     from esm2_recipe import trainer
 
-    from seqfuse.quantization import is_fp8_enabled
-
-    seen = {}
-    real_build = trainer.build_model
-
-    def build_with_probes(cfg, device, dtype):
-        model, mcfg = real_build(cfg, device, dtype)
-        for i, layer in enumerate(model.esm.encoder.layers):
-            layer.self_attention.register_forward_hook(
-                lambda m, a, o, i=i: seen.setdefault(i, set()).add(is_fp8_enabled()))
-        return model, mcfg
-
-    trainer.build_model = build_with_probes
-    try:
-        out = train(load_config("L0_sanity", TINY + ["train.steps=2", "precision.recipe=fp8_delayed",
-                                                     "precision.bf16_first_layers=1"]), "ddp")
-    finally:
-        trainer.build_model = real_build
+    seen, out = fp8_seen_by_layer(
+        trainer, lambda model: enumerate(layer.self_attention for layer in model.esm.encoder.layers),
+        lambda: train(load_config("L0_sanity", TINY + ["train.steps=2", "precision.recipe=fp8_delayed",
+                                                       "precision.bf16_first_layers=1"]), "ddp"))
     assert seen[0] == {False} and seen[1] == {True}, seen
     assert all(math.isfinite(v) for v in out["history"]["loss"])
 

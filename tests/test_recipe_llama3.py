@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from recipe_checks import CAUSAL_TINY as TINY  # noqa: E402
-from recipe_checks import (LN10, PROMPTS, ROOT, check_export, check_l0_trains_and_resumes, recipe_path,  # noqa: E402
-                           torchrun)
+from recipe_checks import (LN10, PROMPTS, ROOT, check_export, check_l0_trains_and_resumes, fp8_seen_by_layer,  # noqa: E402
+                           recipe_path, torchrun)
 from recipe_checks import losses as read_losses  # noqa: E402
 
 RECIPE = recipe_path("llama3")
@@ -135,24 +135,10 @@ def test_fp8_layers_reach_the_layers():
     """precision.fp8_layers=[2] under fp8_delayed: layer 2 runs FP8, layer 1
     does not (seen from inside each layer), FP8 batches are padded to 16
     tokens, and the loss is finite."""
-    from seqfuse.quantization import is_fp8_enabled
-
-    seen = {}
-    real = trainer.build_model
-
-    def probed(cfg, device, dtype):
-        model, mcfg = real(cfg, device, dtype)
-        for i, layer in enumerate(model.model.layers):
-            layer.self_attention.register_forward_hook(
-                lambda m, a, o, i=i: seen.setdefault(i + 1, set()).add(is_fp8_enabled()))
-        return model, mcfg
-
-    trainer.build_model = probed
-    try:
-        out = train(load_config("L0_sanity", TINY + ["train.steps=2", "precision.recipe=fp8_delayed",
-                                                     "precision.fp8_layers=[2]", "data.packed=false"]), "ddp")
-    finally:
-        trainer.build_model = real
+    seen, out = fp8_seen_by_layer(
+        trainer, lambda model: ((i + 1, layer.self_attention) for i, layer in enumerate(model.model.layers)),
+        lambda: train(load_config("L0_sanity", TINY + ["train.steps=2", "precision.recipe=fp8_delayed",
+                                                       "precision.fp8_layers=[2]", "data.packed=false"]), "ddp"))
     assert seen == {1: {False}, 2: {True}}, seen
     assert all(math.isfinite(v) for v in out["history"]["loss"])
 

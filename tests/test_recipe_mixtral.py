@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from recipe_checks import CAUSAL_TINY as TINY  # noqa: E402
-from recipe_checks import LN10, check_export, check_l0_trains_and_resumes, recipe_path, torchrun  # noqa: E402
+from recipe_checks import (LN10, check_export, check_l0_trains_and_resumes, fp8_seen_by_layer, recipe_path,  # noqa: E402
+                           torchrun)
 from recipe_checks import losses as _losses  # noqa: E402
 
 RECIPE = recipe_path("mixtral")
@@ -172,25 +173,15 @@ def test_fp8_layers_reach_the_experts():
     under FP8, layer 1's does not (seen from inside each layer's MLP), and
     the loss is finite."""
     from seqfuse.modules import GroupedMLP
-    from seqfuse.quantization import is_fp8_enabled
 
-    seen = {}
-    real = trainer.build_model
-
-    def probed(cfg, device, dtype):
-        model, mcfg = real(cfg, device, dtype)
+    def moe_blocks(model):
         for i, layer in enumerate(trainer.model_layers(model)):
             moe = [m for m in layer.modules() if isinstance(m, GroupedMLP)]
             assert len(moe) == 1, type(layer)
-            moe[0].register_forward_hook(lambda m, a, o, i=i: seen.setdefault(i + 1, set()).add(is_fp8_enabled()))
-        return model, mcfg
+            yield i + 1, moe[0]
 
-    trainer.build_model = probed
-    try:
-        out = train(load_config("L0_sanity", TINY + ["train.steps=2", "precision.recipe=fp8_delayed",
-                                                     "precision.fp8_layers=[2]"]), "fsdp2")
-    finally:
-        trainer.build_model = real
+    seen, out = fp8_seen_by_layer(trainer, moe_blocks, lambda: train(load_config(
+        "L0_sanity", TINY + ["train.steps=2", "precision.recipe=fp8_delayed", "precision.fp8_layers=[2]"]), "fsdp2"))
     assert seen == {1: {False}, 2: {True}}, seen
     assert all(math.isfinite(v) for v in out["history"]["loss"])
 
