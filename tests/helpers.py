@@ -183,6 +183,26 @@ def seqfuse_attention_only(monkeypatch):
 
 
 
+def check_strict_from_pretrained(model_cls, path, extra_key, extra_tensor, missing_key):
+    """``model_cls.from_pretrained(path)``, ``path`` a directory a seqfuse
+    model was saved to (save_pretrained, one model.safetensors), is strict:
+    with ``extra_key`` (holding ``extra_tensor``) added to the weights a
+    ValueError names it, with ``missing_key`` taken out a KeyError names it."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    weights = os.path.join(path, "model.safetensors")
+    sd = load_file(weights)
+    save_file({**sd, extra_key: extra_tensor}, weights, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=re.escape(extra_key)):
+        model_cls.from_pretrained(path)
+    del sd[missing_key]
+    save_file(sd, weights, metadata={"format": "pt"})
+    with pytest.raises(KeyError, match=re.escape(missing_key)):
+        model_cls.from_pretrained(path)
+
+
 def free_port():
     """A TCP port free on 127.0.0.1 now (for a gloo process group's rendezvous)."""
     import socket

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 import seqfuse  # noqa: E402
-from helpers import rel_error  # noqa: E402
+from helpers import check_strict_from_pretrained, rel_error  # noqa: E402
 from seqfuse.hf import ESM2_SHAPES, SeqfuseEsmConfig, SeqfuseEsmForMaskedLM, esm2_config  # noqa: E402
 from seqfuse.hf.convert import (from_hf_model, from_hf_pretrained, hf_to_seqfuse_state_dict,  # noqa: E402
                                 to_hf_model)
@@ -384,20 +384,9 @@ def test_save_pretrained_from_pretrained(tmp_path):
 
 
 def test_from_pretrained_missing_and_unexpected_keys(tmp_path):
-    from safetensors.torch import load_file, save_file
-
     SeqfuseEsmForMaskedLM(esm2_config("8M", num_hidden_layers=2)).save_pretrained(tmp_path)
-    path = tmp_path / "model.safetensors"
-    sd = load_file(path)
-    extra = dict(sd)
-    extra["esm.encoder.layers.5.layernorm_mlp.fc1_bias"] = torch.zeros(1280)
-    save_file(extra, path, metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"layers\.5\.layernorm_mlp\.fc1_bias"):
-        SeqfuseEsmForMaskedLM.from_pretrained(tmp_path)
-    del sd["esm.encoder.layers.1.self_attention.proj.weight"]
-    save_file(sd, path, metadata={"format": "pt"})
-    with pytest.raises(KeyError, match=r"layers\.1\.self_attention\.proj\.weight"):
-        SeqfuseEsmForMaskedLM.from_pretrained(tmp_path)
+    check_strict_from_pretrained(SeqfuseEsmForMaskedLM, tmp_path, "esm.encoder.layers.5.layernorm_mlp.fc1_bias",
+                                 torch.zeros(1280), "esm.encoder.layers.1.self_attention.proj.weight")
 
 
 # ------------------------------------------------------ the larger shapes

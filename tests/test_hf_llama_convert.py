@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import pair_tol, rel_error, rel_tol  # noqa: E402
+from helpers import check_strict_from_pretrained, pair_tol, rel_error, rel_tol  # noqa: E402
 from seqfuse.hf import SeqfuseLlamaForCausalLM, SeqfuseLlamaModel  # noqa: E402
 from seqfuse.hf.llama_config import from_hf_config, rope_inv_freq  # noqa: E402
 from seqfuse.hf.llama_convert import (export_hf, from_hf_model, from_hf_pretrained, hf_keys,  # noqa: E402
@@ -104,20 +104,9 @@ def test_save_pretrained_from_pretrained(tmp_path, tie):
 
 
 def test_from_pretrained_missing_and_unexpected_keys(tmp_path):
-    from safetensors.torch import load_file, save_file
-
     from_hf_model(hf_model(seed=24)).save_pretrained(tmp_path)
-    path = tmp_path / "model.safetensors"
-    sd = load_file(path)
-    extra = dict(sd)
-    extra["model.layers.5.layernorm_mlp.fc1_weight"] = torch.zeros(192, 64)
-    save_file(extra, path, metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"layers\.5\.layernorm_mlp\.fc1_weight"):
-        SeqfuseLlamaForCausalLM.from_pretrained(tmp_path)
-    del sd["model.layers.1.self_attention.proj.weight"]
-    save_file(sd, path, metadata={"format": "pt"})
-    with pytest.raises(KeyError, match=r"layers\.1\.self_attention\.proj\.weight"):
-        SeqfuseLlamaForCausalLM.from_pretrained(tmp_path)
+    check_strict_from_pretrained(SeqfuseLlamaForCausalLM, tmp_path, "model.layers.5.layernorm_mlp.fc1_weight",
+                                 torch.zeros(192, 64), "model.layers.1.self_attention.proj.weight")
 
 
 # ------------------------------------------------------------------ export
