@@ -134,6 +134,15 @@ def is_op_fuser_grouped_tensor_path_supported(recipe, dtype):
                         f"got {type(dtype).__name__}")
     return False
 
+
+def _draw_weight(op, weight):
+    """The linear operations' weight initialisation (BasicLinear, Linear,
+    GroupedLinear; torch's nn.Linear rule, Kaiming uniform with a=sqrt(5)),
+    drawn under ``op``'s rng_state_tracker_function."""
+    with rng_fork(op._rng_state_tracker_function):
+        torch.nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+
+
 class BasicLinear(BasicOperation):
     """y = x W^T (no bias).  accumulate_into_main_grad: the weight gradient
     goes into ``weight.main_grad`` where the weight carries one (seqfuse's
@@ -157,8 +166,7 @@ class BasicLinear(BasicOperation):
     @torch.no_grad()
     def reset_parameters(self):
         materialize(self)
-        with rng_fork(self._rng_state_tracker_function):
-            torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        _draw_weight(self, self.weight)
 
     def forward(self, x):
         return _run(_linear_runner(self, False), x, weight=self.weight, bias=None)
@@ -205,8 +213,7 @@ class Linear(BasicOperation):
     @torch.no_grad()
     def reset_parameters(self):
         materialize(self)
-        with rng_fork(self._rng_state_tracker_function):
-            torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        _draw_weight(self, self.weight)
         if self.bias is not None:
             self.bias.zero_()
 
@@ -288,8 +295,7 @@ class GroupedLinear(BasicOperation):
     def reset_parameters(self):
         materialize(self)
         for g in range(self.num_groups):
-            with rng_fork(self._rng_state_tracker_function):
-                torch.nn.init.kaiming_uniform_(getattr(self, f"weight{g}"), a=math.sqrt(5))
+            _draw_weight(self, getattr(self, f"weight{g}"))
             if self.use_bias:
                 getattr(self, f"bias{g}").zero_()
 
