@@ -252,6 +252,18 @@ def run_train_row(name, packed_batches, padded_batches, args, device, dtype):
                     peak=peak, warm_s=warm_s, notes=notes)
 
 
+def row_failed(results, base, label, error, device):
+    """A row (train or decode) that raised: its traceback printed and
+    ``label: FAILED`` logged, the row kept in ``results`` with the error, and
+    the device's cached memory released so the next rows can still run."""
+    traceback.print_exc()
+    log(f"{label}: FAILED: {type(error).__name__}: {error}")
+    results.append({**base, "error": f"{type(error).__name__}: {str(error)[:500]}"})
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def train_figures(r, batches, cfg):
     real = sum(int(b["num_tokens"]) for b in batches)
     total = sum(b["input_ids"].numel() for b in batches)
@@ -371,12 +383,7 @@ def train(args, device, dtype, data, data_note, seqs, meta):
         try:
             r = run_train_row(name, packed_b, padded_b, args, device, dtype)
         except Exception as e:  # noqa: BLE001 - one failing row must not lose the others; the reason is kept
-            traceback.print_exc()
-            log(f"{name}: FAILED: {type(e).__name__}: {e}")
-            results.append({**base, "error": f"{type(e).__name__}: {str(e)[:500]}"})
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            row_failed(results, base, name, e, device)
             save_partial()
             continue
         f = train_figures(r, packed_b, cfg)
@@ -534,12 +541,7 @@ def decode(args, device, dtype, seqs, data_note, meta):
         try:
             out, secs, notes = run_decode_row(name, prompts[bsz], args, device, dtype)
         except Exception as e:  # noqa: BLE001 - keep the reason, run the other rows
-            traceback.print_exc()
-            log(f"decode {name} b={bsz}: FAILED: {type(e).__name__}: {e}")
-            results.append({**base, "error": f"{type(e).__name__}: {str(e)[:500]}"})
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            row_failed(results, base, f"decode {name} b={bsz}", e, device)
             continue
         tokens[(name, bsz)] = out
         r = {**base, "seconds": secs, "tokens_per_s": bsz * args.new_tokens / secs,
