@@ -26,9 +26,10 @@ too: a key nothing reads would be a silent wrong answer.  The trainer gets a
 plain nested dict (``Cfg``) with the values normalised to the schema's types
 (an integer where a float is expected becomes a float).
 
-The groups every recipe has with the same keys (train, checkpoint, logging,
-distributed, profiler) are defined here; a recipe subclasses one to change a
-default (a dataclass field redefined keeps its place).
+The groups every recipe has with the same keys (train, data, checkpoint,
+logging, distributed, profiler) are defined here; a recipe subclasses one to
+change a default or add keys (a dataclass field redefined keeps its place;
+a new one comes after the shared ones).
 """
 from __future__ import annotations
 
@@ -237,6 +238,21 @@ class TrainConfig:
     seed: int = rule(42, Int(0))
     eval_interval: int = rule(100, Int(0))
     log_interval: int = rule(10, Int(1))
+
+
+@dataclass
+class DataConfig:
+    """The data keys every recipe reads (seqfuse.data's loaders); a recipe
+    sets its own path and max_length defaults and adds its keys."""
+    path: str = rule("data/subset", Str())
+    max_length: int = rule(1024, Int(3))
+    micro_batch_tokens: int = rule(16384, Int(1))
+    packed: bool = rule(True, Bool())
+    pad_to_multiple_of: Any = rule("auto", Int(1, optional=True, null_means="no padding", also=("auto",)))
+    bucket_size: Optional[int] = rule(None, Int(1, optional=True, null_means="no bucketing"))
+    balance_ranks: bool = rule(True, Bool())
+    num_workers: int = rule(0, Int(0))
+    val_batches: Optional[int] = rule(16, Int(1, optional=True, null_means="the whole split"))
 
 
 @dataclass

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
+from recipe_common.config import DataConfig as CommonDataConfig
 from recipe_common.config import (Bool, Cfg, CheckpointConfig, Choice, ConfigError, ConfigSpec,  # noqa: F401
                                   DistributedConfig, Float, Int, IntList, LoggingConfig, ProfilerConfig, Str,
                                   TrainConfig, check_paths, rule)
@@ -42,17 +43,10 @@ class ModelConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(CommonDataConfig):
     path: str = rule("recipes/esm2/data/subset", Str())
     max_length: int = rule(1024, Int(3))  # <cls>, one residue, <eos>
-    micro_batch_tokens: int = rule(16384, Int(1))
-    packed: bool = rule(True, Bool())
-    pad_to_multiple_of: Any = rule("auto", Int(1, optional=True, null_means="no padding", also=("auto",)))
-    bucket_size: Optional[int] = rule(None, Int(1, optional=True, null_means="no bucketing"))
-    balance_ranks: bool = rule(True, Bool())
-    num_workers: int = rule(0, Int(0))
     mask_prob: float = rule(0.15, Float(0.0, 1.0, lo_open=True))
-    val_batches: Optional[int] = rule(16, Int(1, optional=True, null_means="the whole split"))
     fixed_length: bool = rule(False, Bool())  # every sample exactly max_length tokens (esm2_recipe.trainer)
 
 
