@@ -137,3 +137,20 @@ def test_command_line_reports_bad_keys_and_exits_2():
     assert recipe_config.parse_args(["--config", "8M"]) == ("8M", [])
     with pytest.raises(SystemExit, match="unknown option"):
         recipe_config.parse_args(["--steps", "3"])
+
+
+def test_fp8_recipe_of_takes_only_the_recipes_named():
+    # recipe_common.trainer.fp8_recipe_of: each recipe passes the names it runs
+    from recipe_common.trainer import fp8_recipe_of
+
+    from seqfuse.common.recipe import DelayedScaling, MXFP8BlockScaling
+
+    cfg = load_config("L0_sanity", ["precision.recipe=fp8_delayed"])
+    assert isinstance(fp8_recipe_of(cfg, ("bf16", "fp8_delayed")), DelayedScaling)
+    with pytest.raises(ValueError, match=r"precision.recipe must be one of \('bf16', 'fp8_current'\), "
+                                         r"got 'fp8_delayed'"):
+        fp8_recipe_of(cfg, ("bf16", "fp8_current"))
+    cfg.precision.recipe = "mxfp8"  # outside the ESM-2 schema's choices, inside this list
+    assert isinstance(fp8_recipe_of(cfg, ("mxfp8",)), MXFP8BlockScaling)
+    cfg.precision.recipe = "bf16"
+    assert fp8_recipe_of(cfg, ("bf16",)) is None

@@ -100,6 +100,40 @@ def resolve_data_path(path: str, prepare_hint: str = "") -> str:
     raise FileNotFoundError(f"data.path {path!r} is neither under the current directory nor the repo root{hint}")
 
 
+def load_splits(path):
+    """(training sequences, validation sequences) of the prepared data folder
+    ``path`` (its train.parquet and validation.parquet)."""
+    from seqfuse.data import load_sequences
+
+    _, train_seqs = load_sequences(os.path.join(path, "train.parquet"))
+    _, val_seqs = load_sequences(os.path.join(path, "validation.parquet"))
+    return train_seqs, val_seqs
+
+
+def train_val_loaders(build, tok, train_seqs, val_seqs, cfg, pad, rank, world, pin_memory=False, **extra):
+    """A recipe's (training loader, validation loader, training sequences,
+    validation sequences) from seqfuse.data's ``build`` (build_mlm_loader
+    or build_causal_lm_loader) with tokenizer ``tok``: both take the data
+    group's token budget, max_length and layout (packed), the token
+    multiple ``pad``, train.seed, this rank's place among ``world`` ranks,
+    ``pin_memory`` and ``extra`` (the builder's own arguments, e.g.
+    mask_prob); the training loader reads the sequences encoded once
+    (TokenizedSequences) with the data group's workers, bucketing and rank
+    balancing, the validation loader runs in evaluation mode (file order,
+    crops from the start, one fixed epoch)."""
+    from seqfuse.data import TokenizedSequences
+
+    # page-locked batches on CUDA: their non_blocking copies then run behind the
+    # GPU's queue instead of making the host wait for it to drain every step
+    common = dict(max_tokens=int(cfg.data.micro_batch_tokens), max_length=int(cfg.data.max_length),
+                  packed=bool(cfg.data.packed), pad_to_multiple_of=pad, seed=int(cfg.train.seed), rank=rank,
+                  world_size=world, pin_memory=pin_memory, **extra)
+    train = build(TokenizedSequences(train_seqs, tok), tok, num_workers=int(cfg.data.num_workers),
+                  bucket_size=cfg.data.bucket_size, balance_ranks=bool(cfg.data.get("balance_ranks", False)), **common)
+    val = build(val_seqs, tok, evaluation=True, **common)
+    return train, val, len(train_seqs), len(val_seqs)
+
+
 def fp8_recipe_named(name, cfg):
     """The seqfuse recipe object of precision.recipe ``name`` (None: no FP8)."""
     from seqfuse.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, MXFP8BlockScaling
@@ -117,6 +151,16 @@ def fp8_recipe_named(name, cfg):
     if name in ("bf16", "fp32"):
         return None
     raise ValueError(f"precision.recipe: no recipe named {name!r}")
+
+
+def fp8_recipe_of(cfg, recipes):
+    """The seqfuse recipe object of cfg.precision.recipe (None: no FP8),
+    which must be one of ``recipes`` (the names the calling recipe runs):
+    ValueError naming precision.recipe and the list otherwise."""
+    name = cfg.precision.recipe
+    if name not in recipes:
+        raise ValueError(f"precision.recipe must be one of {recipes}, got {name!r}")
+    return fp8_recipe_named(name, cfg)
 
 
 def param_dtype(cfg, device):

@@ -15,7 +15,6 @@ strategy)`` runs one process of a job.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -50,10 +49,7 @@ def check_run(cfg, device):
 
 
 def fp8_recipe(cfg):
-    name = cfg.precision.recipe
-    if name not in RECIPES:
-        raise ValueError(f"precision.recipe must be one of {RECIPES}, got {name!r}")
-    return _loop.fp8_recipe_named(name, cfg)
+    return _loop.fp8_recipe_of(cfg, RECIPES)
 
 
 def model_config(cfg):
@@ -132,12 +128,9 @@ def fixed_length_windows(seqs, max_length, per_batch, split):
 
 
 def build_loaders(cfg, rank, world, recipe, pin_memory=False):
-    from seqfuse.data import EsmTokenizer, TokenizedSequences, build_mlm_loader, load_sequences
+    from seqfuse.data import EsmTokenizer, build_mlm_loader
 
-    path = resolve_data_path(cfg.data.path)
-    tok = EsmTokenizer()
-    _, train_seqs = load_sequences(os.path.join(path, "train.parquet"))
-    _, val_seqs = load_sequences(os.path.join(path, "validation.parquet"))
+    train_seqs, val_seqs = _loop.load_splits(resolve_data_path(cfg.data.path))
     pad = cfg.data.pad_to_multiple_of
     if pad == "auto":
         pad = 16 if recipe is not None else None
@@ -149,16 +142,8 @@ def build_loaders(cfg, rank, world, recipe, pin_memory=False):
         per_batch = int(cfg.data.micro_batch_tokens) // length
         train_seqs = fixed_length_windows(train_seqs, length, per_batch * world, "train")
         val_seqs = fixed_length_windows(val_seqs, length, per_batch, "validation")
-    # page-locked batches on CUDA: their non_blocking copies then run behind the
-    # GPU's queue instead of making the host wait for it to drain every step
-    common = dict(max_tokens=int(cfg.data.micro_batch_tokens), max_length=int(cfg.data.max_length),
-                  packed=bool(cfg.data.packed), pad_to_multiple_of=pad, mask_prob=float(cfg.data.mask_prob),
-                  seed=int(cfg.train.seed), rank=rank, world_size=world, pin_memory=pin_memory)
-    train = build_mlm_loader(TokenizedSequences(train_seqs, tok), tok, num_workers=int(cfg.data.num_workers),
-                             bucket_size=cfg.data.bucket_size, balance_ranks=bool(cfg.data.get("balance_ranks", False)),
-                             **common)
-    val = build_mlm_loader(val_seqs, tok, evaluation=True, **common)
-    return train, val, len(train_seqs), len(val_seqs)
+    return _loop.train_val_loaders(build_mlm_loader, EsmTokenizer(), train_seqs, val_seqs, cfg, pad, rank, world,
+                                   pin_memory, mask_prob=float(cfg.data.mask_prob))
 
 
 def forward_loss(model, batch):

@@ -26,7 +26,6 @@ This module is the ``spec`` the shared loop reads:
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 import torch
@@ -54,10 +53,7 @@ class HardwareError(ConfigError, NotImplementedError):
 # ---------------------------------------------------------------- precision
 def fp8_recipe(cfg):
     """The model-wide recipe (None: no FP8; FP4 layers bring their own)."""
-    name = cfg.precision.recipe
-    if name not in RECIPES:
-        raise ValueError(f"precision.recipe must be one of {RECIPES}, got {name!r}")
-    return _loop.fp8_recipe_named(name, cfg)
+    return _loop.fp8_recipe_of(cfg, RECIPES)
 
 
 def _device_words(device):
@@ -210,24 +206,15 @@ def resolve_data_path(path: str) -> str:
 
 
 def build_loaders(cfg, rank, world, recipe, pin_memory=False):
-    from seqfuse.data import TokenizedSequences, build_causal_lm_loader, load_sequences
+    from seqfuse.data import build_causal_lm_loader
 
-    path = resolve_data_path(cfg.data.path)
-    tok = tokenizer()
-    _, train_seqs = load_sequences(os.path.join(path, "train.parquet"))
-    _, val_seqs = load_sequences(os.path.join(path, "validation.parquet"))
+    train_seqs, val_seqs = _loop.load_splits(resolve_data_path(cfg.data.path))
     quantized = recipe is not None or bool(cfg.precision.fp4)
     pad = cfg.data.pad_to_multiple_of
     if pad == "auto":
         pad = 16 if quantized else None
-    common = dict(max_tokens=int(cfg.data.micro_batch_tokens), max_length=int(cfg.data.max_length),
-                  packed=bool(cfg.data.packed), pad_to_multiple_of=pad, seed=int(cfg.train.seed), rank=rank,
-                  world_size=world, pin_memory=pin_memory)
-    train = build_causal_lm_loader(TokenizedSequences(train_seqs, tok), tok, num_workers=int(cfg.data.num_workers),
-                                   bucket_size=cfg.data.bucket_size, balance_ranks=bool(cfg.data.balance_ranks),
-                                   **common)
-    val = build_causal_lm_loader(val_seqs, tok, evaluation=True, **common)
-    return train, val, len(train_seqs), len(val_seqs)
+    return _loop.train_val_loaders(build_causal_lm_loader, tokenizer(), train_seqs, val_seqs, cfg, pad, rank, world,
+                                   pin_memory)
 
 
 def forward_loss(model, batch):

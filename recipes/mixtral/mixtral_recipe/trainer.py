@@ -70,10 +70,7 @@ build_loaders = llama.build_loaders
 # ---------------------------------------------------------------- precision
 def fp8_recipe(cfg):
     """The model-wide recipe (None: bf16 / fp32)."""
-    name = cfg.precision.recipe
-    if name not in RECIPES:
-        raise ValueError(f"precision.recipe must be one of {RECIPES}, got {name!r}")
-    return _loop.fp8_recipe_named(name, cfg)
+    return _loop.fp8_recipe_of(cfg, RECIPES)
 
 
 def expert_parallel_size(cfg) -> int:
