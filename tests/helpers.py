@@ -277,6 +277,27 @@ def run_ranks(body, args, world, out_dir, what, backend="gloo", store="file", ti
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
 
 
+def raised(fn):
+    """(exception class name, message) of fn(), or ("none", "") if it
+    returned: what a run_ranks worker records of a call that must fail, for
+    the test to check with check_raised."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test asserts on the type and the message
+        return type(e).__name__, str(e)
+    return "none", ""
+
+
+def check_raised(rank_results, which, expected):
+    """Every rank's ``results["bad"][which]`` (a ``raised`` record) is the
+    exception class named ``expected[which][0]`` with a message containing
+    ``expected[which][1]``."""
+    kind, word = expected[which]
+    for res in rank_results:
+        got_kind, msg = res["bad"][which]
+        assert got_kind == kind and word in msg, (which, got_kind, msg)
+
+
 def run_workers(fn, args, nprocs, start_method, what, timeout=180):
     """torch.multiprocessing.start_processes(fn, args, nprocs) joined with a
     deadline: past ``timeout`` seconds the workers are killed and the test
