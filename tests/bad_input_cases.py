@@ -641,8 +641,8 @@ def _rope_args(d):
 
 # ---- mutations ------------------------------------------------------------
 
-def _strided(t):
-    """Same shape and values, last dimension at stride 2."""
+def strided_view(t):
+    """Same shape and values, last dimension at stride 2 (None for a 0-d tensor)."""
     if t.dim() == 0:
         return None
     big = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
@@ -650,8 +650,8 @@ def _strided(t):
     return big[..., ::2]
 
 
-def _rowpad(t):
-    """Same shape and values, rows padded (last dimension contiguous)."""
+def row_padded_view(t):
+    """Same shape and values, rows padded (last dimension contiguous; None below 2 dimensions)."""
     if t.dim() < 2:
         return None
     big = torch.zeros(*t.shape[:-1], t.shape[-1] + 3, dtype=t.dtype, device=t.device)
@@ -659,7 +659,7 @@ def _rowpad(t):
     return big[..., :t.shape[-1]]
 
 
-def _offset(t):
+def offset_view(t):
     """Same values at storage offset 1 (misaligned by one element)."""
     flat = torch.zeros(t.numel() + 1, dtype=t.dtype, device=t.device)
     v = flat[1:].view(t.shape)
@@ -723,9 +723,9 @@ INPUT_MUTATIONS = {
     "rank_plus": (lambda t: t.unsqueeze(0), ("rank", "shape"), "canon"),
     "rank_minus": (lambda t: t.reshape(-1) if t.dim() > 1 else t.reshape(-1)[0].clone() if t.numel() else None,
                    ("rank", "shape"), "canon"),
-    "strided": (_strided, ("contig",), "canon"),
-    "rowpad": (_rowpad, ("contig",), "canon"),
-    "offset": (_offset, ("align",), "canon"),
+    "strided": (strided_view, ("contig",), "canon"),
+    "rowpad": (row_padded_view, ("contig",), "canon"),
+    "offset": (offset_view, ("align",), "canon"),
     "expanded": (_expanded, ("contig", "overlap"), "canon"),
     "neg_bit": (_neg, ("neg",), "canon"),
     "requires_grad": (lambda t: t.clone().requires_grad_(True) if t.is_floating_point() and
@@ -755,7 +755,7 @@ OUT_MUTATIONS = {
     "out_int32": (lambda t: torch.zeros(t.shape, dtype=torch.int32, device=t.device), ("dtype",), "canon"),
     "out_wrong_shape": (lambda t: torch.zeros(t.numel() + 1, dtype=t.dtype, device=t.device), ("shape", "rank"),
                         "canon"),
-    "out_strided": (_strided, ("contig",), "canon"),
+    "out_strided": (strided_view, ("contig",), "canon"),
     "out_expanded": (lambda t: t.reshape(-1)[:1].expand(t.reshape(-1).shape).view(t.shape) if t.numel() > 1
                      else None, ("overlap", "contig"), None),
     "out_neg_bit": (_neg, ("neg",), None),

@@ -20,31 +20,14 @@ from seqfuse import ops
 from seqfuse.ops import device_checks as checks
 from seqfuse.ops.attn import _routing as routing
 
+from bad_input_cases import offset_view, row_padded_view, strided_view
 from helpers import pair_tol
 
 pytestmark = pytest.mark.cuda
 
 
-def _rowpad(t):
-    big = torch.zeros(*t.shape[:-1], t.shape[-1] + 3, dtype=t.dtype, device=t.device)
-    big[..., :t.shape[-1]] = t
-    return big[..., :t.shape[-1]]
-
-
-def _offset(t):
-    flat = torch.zeros(t.numel() + 1, dtype=t.dtype, device=t.device)
-    v = flat[1:].view(t.shape)
-    v.copy_(t)
-    return v
-
-
-def _strided(t):
-    big = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
-    big[..., ::2] = t
-    return big[..., ::2]
-
-
-LAYOUTS = {"rowpad": _rowpad, "offset": _offset, "strided": _strided}
+# q, k or v as a view of a larger buffer (the corpus's mutations)
+LAYOUTS = {"rowpad": row_padded_view, "offset": offset_view, "strided": strided_view}
 SHAPES = {"bshd": (2, 5, 2, 16), "sbhd": (5, 2, 2, 16), "bshd_64": (2, 128, 4, 64)}
 
 
