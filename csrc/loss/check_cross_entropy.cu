@@ -59,9 +59,9 @@ static void run_case(sf_dtype dtype, int64_t n, int64_t v, float smoothing, int 
     sf_tensor_init(&hl, loss.data(), SF_FLOAT32, 1, s1, SF_CPU, 0);
     sf_tensor_init(&hlse, lse.data(), SF_FLOAT32, 1, s1, SF_CPU, 0);
     sf_tensor_init(&hs, scale.data(), SF_FLOAT32, 1, one, SF_CPU, 0);
-    CHECK_SF(sf_cross_entropy_forward(&tx, &ty, -100, smoothing, &tl, &tlse, NULL));
+    CHECK_SF(sf_cross_entropy_forward(&tx, &ty, -100, smoothing, &tl, &tlse, NULL, NULL, NULL));
     CHECK_SF(sf_cross_entropy_backward(&tx, &ty, &tlse, &ts, -100, smoothing, &tg, NULL));
-    CHECK_SF(sf_cross_entropy_forward(&hx, &hy, -100, smoothing, &hl, &hlse, NULL));
+    CHECK_SF(sf_cross_entropy_forward(&hx, &hy, -100, smoothing, &hl, &hlse, NULL, NULL, NULL));
     CHECK_SF(sf_cross_entropy_backward(&hx, &hy, &hlse, &hs, -100, smoothing, &hg, NULL));
     CHECK_CUDA(cudaMemcpy(gloss.data(), dloss, n * 4, cudaMemcpyDeviceToHost));
     CHECK_CUDA(cudaMemcpy(glse.data(), dlse, n * 4, cudaMemcpyDeviceToHost));
@@ -115,7 +115,7 @@ int main(void)
         sf_tensor_init(&tl, dloss, SF_FLOAT32, 1, s1, SF_CUDA, 0);
         sf_tensor_init(&tlse, dlse, SF_FLOAT32, 1, s1, SF_CUDA, 0);
         sf_tensor_init(&ts, dscale, SF_FLOAT32, 1, one, SF_CUDA, 0);
-        float fwd = time_ms([&] { CHECK_SF(sf_cross_entropy_forward(&tx, &ty, -100, 0.0f, &tl, &tlse, NULL)); });
+        float fwd = time_ms([&] { CHECK_SF(sf_cross_entropy_forward(&tx, &ty, -100, 0.0f, &tl, &tlse, NULL, NULL, NULL)); });
         float bwd = time_ms([&] { CHECK_SF(sf_cross_entropy_backward(&tx, &ty, &tlse, &ts, -100, 0.0f, &tg, NULL)); });
         float copy = time_ms([&] { CHECK_CUDA(cudaMemcpyAsync(dcopy, dx, n * v * 2, cudaMemcpyDeviceToDevice)); });
         double bytes = (double)n * v * 2;
