@@ -274,11 +274,16 @@ sf_status on_rows(const char *op, const sf_tensor *logits, Run run)
 
 /* The device address of the label record: the driver must know it as
  * page-locked host memory mapped into the GPU's address space (torch's
- * pinned memory is, under unified addressing); anything else is refused. */
+ * pinned memory is, under unified addressing); anything else is refused.
+ * The query is no stream work, so it is made in relaxed capture mode: a
+ * call under CUDA graph capture may ask it too. */
 static sf_status mapped_record(const char *op, const sf_tensor *record, long long **out)
 {
     cudaPointerAttributes a;
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    SF_CUDA_TRY(op, cudaThreadExchangeStreamCaptureMode(&mode));
     cudaError_t e = cudaPointerGetAttributes(&a, record->data);
+    SF_CUDA_TRY(op, cudaThreadExchangeStreamCaptureMode(&mode)); /* the caller's mode back */
     if (e != cudaSuccess) {
         (void)cudaGetLastError(); /* the failed query set the last error: clear it */
         return sf_fail(SF_ERR_VALUE, "%s: argument 'label_record' must be page-locked host memory the GPU "
