@@ -76,13 +76,20 @@ def test_attention_reads_any_layout(backend, layout, which, shape, mask):
 
 
 def test_cross_entropy_bad_labels_raise_on_cuda():
+    """The synchronous mode raises at the call (the deferred default:
+    test_label_record_cuda.py)."""
     logits = torch.randn(4, 10, device="cuda")
-    for labels in (torch.tensor([1, 2, -100, 10]), torch.tensor([1, -7, -100, 9])):
-        labels = labels.cuda()
-        with pytest.raises(ValueError, match="argument 'labels' holds .* at row 1|argument 'labels' holds 10 at row 3"):
-            ops.cross_entropy_forward(logits, labels)
-        with pytest.raises(ValueError, match="argument 'labels' holds"):
-            ops.cross_entropy_backward(logits, labels, torch.zeros(4, device="cuda"), torch.ones(1, device="cuda"))
+    previous = checks.set_label_checks("sync")
+    try:
+        for labels in (torch.tensor([1, 2, -100, 10]), torch.tensor([1, -7, -100, 9])):
+            labels = labels.cuda()
+            with pytest.raises(ValueError, match="argument 'labels' holds .* at row 1|argument 'labels' holds 10 at row 3"):
+                ops.cross_entropy_forward(logits, labels)
+            with pytest.raises(ValueError, match="argument 'labels' holds"):
+                ops.cross_entropy_backward(logits, labels, torch.zeros(4, device="cuda"),
+                                           torch.ones(1, device="cuda"))
+    finally:
+        checks.set_label_checks(previous)
 
 
 @pytest.mark.parametrize("v", [10, 16, 1000])
