@@ -189,7 +189,7 @@ def test_capture_without_a_sink_is_logged_and_with_one_records(kernel, monkeypat
     lines = [r.getMessage() for r in caplog.records if "not recorded in this CUDA graph capture" in r.getMessage()]
     assert len(lines) == 1 and "run one loss call before capturing" in lines[0]
     assert kernel.records_passed == [False, False]
-    pe._sinks[torch.device("cpu")] = pe._make_sink("cpu")
+    pe._sinks[-1] = pe._make_sink(torch.device("cpu"))  # keyed by get_device(): -1 on the CPU
     checks.set_label_checks("sync")  # sync cannot read during a capture: the kernel records instead
     ops.cross_entropy_forward(_logits(4, 10).detach(), torch.tensor([1, 2, -100, 10]))
     assert kernel.records_passed[-1] is True

@@ -189,5 +189,5 @@ def test_a_record_in_pageable_memory_is_refused():
 def test_sink_record_is_pinned_and_claim_on_the_device():
     logits, labels = _data(4, 10, [], 0)
     ops.cross_entropy_forward(logits, labels)
-    sink = pe._sinks[logits.device]
+    sink = pe._sinks[logits.get_device()]
     assert sink.record.is_pinned() and sink.claim.device == logits.device

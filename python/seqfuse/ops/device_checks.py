@@ -245,11 +245,18 @@ def defers_label_check(labels):
     """Whether the loss kernel itself checks ``labels`` (recording a bad one
     for later, pending_errors.py) rather than the host at the call: CUDA
     int64 labels in "deferred" mode, and in "sync" mode too while the stream
-    is being captured (no host read is allowed then)."""
-    if not isinstance(labels, torch.Tensor) or labels.device.type not in DEFERRED_DEVICES or \
-            labels.dtype != torch.int64 or labels.device.type in HOST_READ or not _readable(labels):
+    is being captured (no host read is allowed then).  Cheap on purpose (it
+    runs on every loss call): no torch op reads the labels on this path, so
+    a view C would refuse (negative bit, short storage) is left to C."""
+    if not isinstance(labels, torch.Tensor):
         return False
-    mode = label_mode()
+    if not labels.is_cuda:
+        kind = labels.device.type
+        if kind not in DEFERRED_DEVICES or kind in HOST_READ:
+            return False
+    if labels.dtype != torch.int64:
+        return False
+    mode = _label_mode if _label_mode is not None else label_mode()
     return mode == "deferred" or (mode == "sync" and _capturing(labels))
 
 

@@ -40,8 +40,8 @@ def _label_record(op, logits, labels, ignore_index, check_labels, labels_of):
     """Check the labels as the mode says; return the (claim, record) pair the
     kernel records a bad label into (deferred), or (None, None) when the
     check happened here or is not wanted."""
-    if not check_labels or labels.device != logits.device:
-        return None, None
+    if not check_labels or labels.get_device() != logits.get_device():
+        return None, None  # different devices: the C entry refuses them
     if not _checks.defers_label_check(labels):
         _labels_in_range(op, logits, labels, ignore_index, True)
         return None, None

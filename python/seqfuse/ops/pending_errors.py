@@ -88,7 +88,7 @@ def _make_sink(device):
     return Sink(device, claim, record)
 
 
-_sinks = {}  # torch.device -> Sink
+_sinks = {}  # device index (Tensor.get_device(): -1 for the CPU tests' stand-in) -> Sink
 _no_sink_logged = set()
 # (first byte, last byte + 1, op, argument) of recent calls' label tensors, newest last
 _origins = collections.deque(maxlen=64)
@@ -101,9 +101,10 @@ def _capturing():
 def sink_for(op, labels):
     """The sink of ``labels``' device, made on first use; None (logged once
     per device) when none exists yet and the stream is being captured."""
-    device = labels.device
-    sink = _sinks.get(device)
+    index = labels.get_device()
+    sink = _sinks.get(index)
     if sink is None:
+        device = labels.device
         if _capturing():
             if device not in _no_sink_logged:
                 _no_sink_logged.add(device)
@@ -112,7 +113,7 @@ def sink_for(op, labels):
                              "label outside [0, classes) shows only as NaN loss and gradients of its row",
                              op, device)
             return None
-        sink = _sinks[device] = _make_sink(device)
+        sink = _sinks[index] = _make_sink(device)
     return sink
 
 
@@ -161,7 +162,7 @@ def check_pending_errors(wait=True):
         raise RuntimeError("check_pending_errors: the current stream is being captured into a CUDA graph; "
                            "call it after the capture (a capture cannot wait for results)")
     if wait:
-        for device in list(_sinks):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+        for sink in list(_sinks.values()):
+            if sink.device.type == "cuda":
+                torch.cuda.synchronize(sink.device)
     raise_pending()
