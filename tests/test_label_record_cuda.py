@@ -57,6 +57,7 @@ def _data(n, v, bad_rows, value, seed=0):
 def test_bad_label_is_nan_at_the_call_and_raised_at_the_backward(v, dtype):
     logits, labels = _data(64, v, [37], v + 3)
     logits = logits.to(dtype).requires_grad_()
+    te.CrossEntropyLoss()(logits.detach(), labels.clamp(0, v - 1))  # warm-up: the device's sink exists
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # the call must not wait for the GPU
     try:

@@ -11,9 +11,10 @@ How (the "deferred" label check, SEQFUSE_CHECK_LABELS's default):
   word in GPU memory (int32, 0 while free) and a record of six int64 in
   page-locked host memory that the GPU writes directly (torch pinned memory
   is mapped into the GPU's address space).  Layout and protocol are
-  csrc/include/seqfuse_loss.h's: the first bad row claims the word, writes
-  row, value, V, ignore_index and the label's address into the record, then
-  STATE = 1 after a system-wide fence.  Its loss row is NaN regardless, so
+  csrc/include/seqfuse_loss.h's: the first bad row to get there (in time:
+  not always the lowest row, which the "sync" mode names) claims the word,
+  writes row, value, V, ignore_index and the label's address into the
+  record, then STATE = 1 after a system-wide fence.  Its loss row is NaN regardless, so
   nothing downstream is silently wrong before the error surfaces.
 - The host reads STATE, a plain memory read, at the next points that cost
   nothing: the start of every cross-entropy call and of its backward.  If the
