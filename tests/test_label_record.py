@@ -137,6 +137,20 @@ def test_linear_cross_entropy_chunks_name_the_whole_label_tensor(kernel):
         loss.backward()
 
 
+@pytest.mark.parametrize("mode", ["deferred", "sync"])
+def test_parallel_cross_entropy_names_its_target(kernel, mode):
+    """Transformer Engine's parallel_cross_entropy calls the labels
+    ``target``: both modes name that argument and its row."""
+    checks.set_label_checks(mode)
+    inp = _logits(2, 3, 10)
+    target = torch.tensor([1, 2, 3, 4, 12, 6])
+    want = r"parallel_cross_entropy: argument 'target' holds 12 at row 4, outside \[0, 10\)"
+    with pytest.raises(ValueError, match=want):
+        te.parallel_cross_entropy(inp, target, reduce_loss=True)
+        kernel.finish()
+        ops.check_pending_errors()
+
+
 def test_an_untracked_call_gives_its_own_row(kernel):
     ops.cross_entropy_forward(_logits(4, 10).detach(), torch.tensor([1, 2, -100, 10]))
     pe._origins.clear()

@@ -192,3 +192,14 @@ def test_sink_record_is_pinned_and_claim_on_the_device():
     ops.cross_entropy_forward(logits, labels)
     sink = pe._sinks[logits.get_device()]
     assert sink.record.is_pinned() and sink.claim.device == logits.device
+
+
+def test_parallel_cross_entropy_names_its_target():
+    inp = torch.randn(2, 8, 50, device="cuda", requires_grad=True)
+    target = torch.randint(0, 50, (16,), device="cuda")
+    target[9] = 50
+    loss = te.parallel_cross_entropy(inp, target, reduce_loss=True)
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match=r"parallel_cross_entropy: argument 'target' holds 50 at row 9, "
+                                         r"outside \[0, 50\)"):
+        loss.backward()

@@ -43,11 +43,13 @@ class CrossEntropyFunction(torch.autograd.Function):
     """Autograd Function over seqfuse.ops.cross_entropy_forward / _backward."""
 
     @staticmethod
-    def forward(ctx, logits, labels, ignore_index, label_smoothing, reduction, inplace_backward):
+    def forward(ctx, logits, labels, ignore_index, label_smoothing, reduction, inplace_backward, named=None):
+        # named: (op, argument) a bad label's error names, default the op's own ("labels")
         v = logits.shape[-1]
         flat = logits.reshape(-1, v)
         flat_labels = labels.reshape(-1)
-        loss, lse = _loss.cross_entropy_forward(flat, flat_labels, ignore_index, label_smoothing)
+        loss, lse = _loss.cross_entropy_forward(flat, flat_labels, ignore_index, label_smoothing,
+                                                labels_of=named and (named[0], named[1], flat_labels))
         count = None
         if reduction == "mean":
             count = (flat_labels != ignore_index).sum().to(torch.float32)
@@ -73,7 +75,7 @@ class CrossEntropyFunction(torch.autograd.Function):
             scale = scale.contiguous()
         grad = _loss.cross_entropy_backward(flat, labels, lse, scale, ignore_index, label_smoothing,
                                             out=flat if inplace else None, check_labels=False)  # forward did
-        return grad.view(ctx.shape), None, None, None, None, None
+        return grad.view(ctx.shape), None, None, None, None, None, None
 
 
 def cross_entropy(logits, labels, ignore_index=-100, label_smoothing=0.0, reduction="mean",
@@ -118,8 +120,10 @@ def parallel_cross_entropy(inp, target, label_smoothing=0.0, reduce_loss=False, 
         raise NotImplementedError("parallel_cross_entropy: vocab-parallel loss over a process group "
                                   "is not supported by seqfuse yet")
     labels = target.reshape(inp.shape[:-1])
-    return cross_entropy(inp, labels, ignore_idx, label_smoothing, "mean" if reduce_loss else "none",
-                         overwrite_input)
+    _check_reduction("mean" if reduce_loss else "none")
+    return CrossEntropyFunction.apply(inp, labels, int(ignore_idx), float(label_smoothing),
+                                      "mean" if reduce_loss else "none", bool(overwrite_input),
+                                      ("parallel_cross_entropy", "target"))
 
 
 _gemm_logged = False

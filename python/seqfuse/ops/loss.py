@@ -40,16 +40,25 @@ def _label_record(op, logits, labels, ignore_index, check_labels, labels_of):
     """Check the labels as the mode says; return the (claim, record) pair the
     kernel records a bad label into (deferred), or (None, None) when the
     check happened here or is not wanted."""
-    if not check_labels or labels.get_device() != logits.get_device():
-        return None, None  # different devices: the C entry refuses them
+    if not check_labels:
+        return None, None
+    if labels.is_cuda:  # (is_cuda and get_device are cheaper than building torch.device objects)
+        same_device = logits.is_cuda and labels.get_device() == logits.get_device()
+    else:
+        same_device = labels.device == logits.device
+    if not same_device:
+        return None, None  # the C entry refuses them
+    origin_op, name, rows = labels_of if labels_of is not None else (op, "labels", labels)
     if not _checks.defers_label_check(labels):
-        _labels_in_range(op, logits, labels, ignore_index, True)
+        if rows is labels:  # checked here, named as the caller's argument
+            _checks.check_labels(origin_op, labels, logits.shape[1], as_int(op, "ignore_index", ignore_index), name)
+        else:  # a slice of the caller's tensor: the caller checks the whole tensor
+            _labels_in_range(op, logits, labels, ignore_index, True)
         return None, None
     _pending.raise_pending()  # what earlier calls recorded, now that the host passes by
     sink = _pending.sink_for(op, labels)
     if sink is None:
         return None, None
-    origin_op, name, rows = labels_of if labels_of is not None else (op, "labels", labels)
     _pending.note_labels(origin_op, name, rows)
     return sink.claim, sink.record
 
