@@ -259,3 +259,14 @@ def test_c_entry_checks_the_record_arguments():
         _C.cross_entropy_forward(logits, labels, -100, 0.0, loss, lse, claim, torch.zeros(12, dtype=torch.int64)[::2])
     _C.cross_entropy_forward(logits, labels, -100, 0.0, loss, lse, claim, record)  # the CPU ignores a good pair
     assert torch.isfinite(loss).all() and int(record[0]) == 0
+
+
+def test_an_error_unread_at_exit_is_logged(kernel, caplog):
+    ops.cross_entropy_forward(_logits(4, 10).detach(), torch.tensor([1, 2, -100, 10]))
+    kernel.finish()
+    with caplog.at_level(logging.ERROR, logger="seqfuse"):
+        pe._report_at_exit()
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(lines) == 1 and "pending at exit" in lines[0] and "holds 10 at row 3" in lines[0], lines
+    pe._report_at_exit()  # read once: nothing more
+    assert len([r for r in caplog.records if r.levelno == logging.ERROR]) == 1

@@ -28,6 +28,10 @@ How (the "deferred" label check, SEQFUSE_CHECK_LABELS's default):
   call notes which label tensor (and which op) its rows belong to, and the
   recorded address is looked up among the latest 64 such notes; the chunks
   of linear_cross_entropy name the whole label tensor and its row.
+- A record still unread when the process exits (a loop that never called
+  ``check_pending_errors`` after its last loss) is logged at ERROR level by
+  an exit handler, which waits for the devices first: the error is never
+  dropped without a word.
 - After an error is raised the sink is cleared (STATE on the host, the claim
   by a zero kernel on the current stream) and records again.  Bad labels in
   calls that were already queued when the first one claimed the word are not
@@ -39,6 +43,7 @@ How (the "deferred" label check, SEQFUSE_CHECK_LABELS's default):
   does): a capture on a device without one runs with the kernel's NaN as
   its only guard, and logger "seqfuse" says so once.
 """
+import atexit
 import collections
 import ctypes
 import logging
@@ -114,6 +119,8 @@ def sink_for(op, labels):
                              "label outside [0, classes) shows only as NaN loss and gradients of its row",
                              op, device)
             return None
+        if not _sinks:
+            atexit.register(_report_at_exit)
         sink = _sinks[index] = _make_sink(device)
     return sink
 
@@ -167,3 +174,13 @@ def check_pending_errors(wait=True):
             if sink.device.type == "cuda":
                 torch.cuda.synchronize(sink.device)
     raise_pending()
+
+
+def _report_at_exit():
+    """At interpreter exit: log (ERROR) a bad label no one has read yet."""
+    try:
+        check_pending_errors()
+    except ValueError as e:
+        _log.error("seqfuse: a cross-entropy label error was pending at exit: %s", e)
+    except Exception as e:  # noqa: BLE001 - a torn-down CUDA context at exit: say so, do not raise
+        _log.error("seqfuse: could not read the pending cross-entropy label errors at exit: %s", e)
