@@ -14,8 +14,11 @@ How (the "deferred" label check, SEQFUSE_CHECK_LABELS's default):
   csrc/include/seqfuse_loss.h's: the first bad row to get there (in time:
   not always the lowest row, which the "sync" mode names) claims the word,
   writes row, value, V, ignore_index and the label's address into the
-  record, then STATE = 1 after a system-wide fence.  Its loss row is NaN regardless, so
-  nothing downstream is silently wrong before the error surfaces.
+  record, then STATE = 1 after a system-wide fence.  Its loss row is NaN
+  regardless, so nothing downstream is silently wrong before the error
+  surfaces.  No copy and no event: the kernel writes host memory itself, so
+  a loss call adds nothing to the stream, and STATE == 1 already says the
+  fields have arrived.
 - The host reads STATE, a plain memory read, at the next points that cost
   nothing: the start of every cross-entropy call and of its backward.  If the
   kernel has finished by then, the error is raised there; otherwise at the
