@@ -270,3 +270,13 @@ def test_an_error_unread_at_exit_is_logged(kernel, caplog):
     assert len(lines) == 1 and "pending at exit" in lines[0] and "holds 10 at row 3" in lines[0], lines
     pe._report_at_exit()  # read once: nothing more
     assert len([r for r in caplog.records if r.levelno == logging.ERROR]) == 1
+
+
+def test_exit_handler_leaves_forked_children_alone(kernel, caplog):
+    ops.cross_entropy_forward(_logits(4, 10).detach(), torch.tensor([1, 2, -100, 10]))
+    kernel.finish()
+    with caplog.at_level(logging.ERROR, logger="seqfuse"):
+        pe._report_at_exit(pid=-1)  # registered by another process
+    assert not [r for r in caplog.records if r.levelno == logging.ERROR]
+    with pytest.raises(ValueError, match="holds 10 at row 3"):
+        ops.check_pending_errors()  # still there for its own process

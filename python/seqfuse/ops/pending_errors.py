@@ -50,6 +50,7 @@ import atexit
 import collections
 import ctypes
 import logging
+import os
 import threading
 
 import torch
@@ -123,7 +124,7 @@ def sink_for(op, labels):
                              op, device)
             return None
         if not _sinks:
-            atexit.register(_report_at_exit)
+            atexit.register(_report_at_exit, os.getpid())
         sink = _sinks[index] = _make_sink(device)
     return sink
 
@@ -179,8 +180,12 @@ def check_pending_errors(wait=True):
     raise_pending()
 
 
-def _report_at_exit():
-    """At interpreter exit: log (ERROR) a bad label no one has read yet."""
+def _report_at_exit(pid=None):
+    """At interpreter exit: log (ERROR) a bad label no one has read yet.
+    Only in the process that made the sinks (``pid``): a forked child that
+    exits normally inherits the handler but not the CUDA context."""
+    if pid is not None and pid != os.getpid():
+        return
     try:
         check_pending_errors()
     except ValueError as e:
