@@ -2,13 +2,14 @@
 RoPE) and cross-entropy labels.
 
 On the CPU the C entries read these values and refuse bad ones.  On CUDA the
-host cannot read them without a synchronization, and the kernels would clamp
-a bad cu_seqlens or skip a bad label: a silent wrong answer.  So the ops
-check them here, with torch on the tensor's device: a few element-wise
-kernels over the (short) index vector and ONE host read of a small result
-(one synchronization of the current stream).  The rules are the C entry's,
-in its order, and for attention and cross-entropy so are the words, so a CPU
-and a CUDA call of the same bad input say the same thing.
+host cannot read them without a synchronization; the kernels would clamp a
+bad cu_seqlens (a silent wrong answer) and give a bad label's row a NaN loss
+(no error).  So the ops check them here, with torch on the tensor's device:
+a few element-wise kernels over the (short) index vector and ONE host read
+of a small result (one synchronization of the current stream) -- or, for
+labels by default, let the loss kernel record them (below).  The rules are
+the C entry's, in its order, and for attention and cross-entropy so are the
+words, so a CPU and a CUDA call of the same bad input say the same thing.
 
 Cost, and how it is kept down:
 - cu_seqlens: a model's layers pass the very same cu_seqlens tensors, so a
