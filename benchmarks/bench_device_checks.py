@@ -1,21 +1,24 @@
 """What the device-side index checks cost (python/seqfuse/ops/device_checks.py).
 
-On CUDA, seqfuse checks cross-entropy labels and attention / RoPE cu_seqlens
-with a few torch kernels and one host read each (a synchronization of the
-current stream), so a bad label or sequence boundary is an exception naming
-it instead of a silent wrong answer.  The read makes the host wait for the
-work already queued; the GPU then idles while the host launches what comes
-next.  This script times that, checks on against checks off, at realistic
-sizes, in steady state (warm-up on the very inputs that are timed), with
-CUDA events around a loop of back-to-back calls (what a training loop does),
-plus the host time per call:
+On CUDA, seqfuse checks attention / RoPE cu_seqlens with a few torch
+kernels and one host read each (a synchronization of the current stream),
+and cross-entropy labels either the same way (SEQFUSE_CHECK_LABELS=sync) or,
+by default ("deferred"), inside the loss kernel, which records a bad label in
+pinned host memory for the host to raise later without waiting
+(python/seqfuse/ops/pending_errors.py).  So a bad label or sequence boundary
+is an exception naming it instead of a silent wrong answer.  A host read
+makes the host wait for the work already queued; the GPU then idles while
+the host launches what comes next.  This script times that, each check mode
+against checks off, at realistic sizes, in steady state (warm-up on the very
+inputs that are timed), with CUDA events around a loop of back-to-back calls
+(what a training loop does), plus the host time per call:
 
   ce          cross_entropy forward + backward, logits [32768, 128256] bf16
-              (Llama 3 1B's vocabulary at 32k tokens; the default labels
-              check, one per call);
+              (Llama 3 1B's vocabulary at 32k tokens; labels checked
+              "sync", "deferred" and "off");
   linear_ce   linear_cross_entropy forward + backward, hidden [32768, 2048]
               x weight [128256, 2048] bf16 (the chunked LM head + loss of the
-              Llama recipe; one labels check per call);
+              Llama recipe; the same three label modes);
   attn        packed (thd) attention forward + backward at ESM-2 650M's heads
               (20 x 64, bf16), 16,384 tokens of real UniProt protein lengths
               (the recipe's committed subset), a NEW cu_seqlens tensor each
@@ -31,8 +34,9 @@ plus the host time per call:
               cross-entropy, so only the cu_seqlens checks of attention and
               RoPE run).
 
-"on" is the default.  "off" for labels is the user's switch
-(seqfuse.ops.device_checks.set_label_checks(False), = SEQFUSE_CHECK_LABELS=0);
+"on" is the default of cu_seqlens; for labels the rows are the three modes
+of seqfuse.ops.device_checks.set_label_checks (= SEQFUSE_CHECK_LABELS), the
+default being "deferred".  "off" for labels is the user's switch (= SEQFUSE_CHECK_LABELS=0);
 cu_seqlens checks have no switch, so "off" here replaces check_cu_seqlens by
 a no-op in the seqfuse modules that call it: a benchmark-only setting,
 undone after each row.  Off removes the checks only: a host read that other
@@ -67,16 +71,19 @@ def _no_check(*args, **kwargs):
 
 
 @contextlib.contextmanager
-def checks(on):
-    """Device checks on (the default) or off inside the region; both put
-    back at its exit.  Off: set_label_checks(False) for labels (the user's
-    switch) and, for cu_seqlens (no switch exists), check_cu_seqlens
-    replaced by a no-op in every seqfuse module that holds it (found, not
-    listed, so a module that imports it later is covered too)."""
-    previous = device_checks.set_label_checks(bool(on))
+def checks(mode):
+    """Device checks in ``mode`` inside the region, put back at its exit:
+    "sync" or "deferred" (labels checked that way, cu_seqlens checked), or
+    "off"; True means "sync", False "off".  Off: set_label_checks("off") for
+    labels (the user's switch) and, for cu_seqlens (no switch exists),
+    check_cu_seqlens replaced by a no-op in every seqfuse module that holds
+    it (found, not listed, so a module that imports it later is covered
+    too)."""
+    mode = {True: "sync", False: "off"}.get(mode, mode)
+    previous = device_checks.set_label_checks(mode)
     real = device_checks.check_cu_seqlens
     patched = []
-    if not on:
+    if mode == "off":
         for name, mod in list(sys.modules.items()):
             if (name == "seqfuse" or name.startswith("seqfuse.")) and getattr(mod, "check_cu_seqlens", None) is real:
                 setattr(mod, "check_cu_seqlens", _no_check)
@@ -124,21 +131,22 @@ def protein_cu_seqlens(tokens, max_length=1024):
     return cu, max(lens)
 
 
-def run_pair(table, case, make_fn, iters, warmup, note):
-    """The same calls with checks on, then off; one row each (the cost is
-    on minus off)."""
+def run_pair(table, case, make_fn, iters, warmup, note, modes=("sync", "off")):
+    """The same calls in each check mode (the last one "off"); one row each
+    (the cost of a mode is its time minus off's).  A row named "on" is the
+    "sync" mode of a case without labels."""
     res = {}
-    for on in (True, False):
-        with checks(on):
+    for mode in modes:
+        with checks(mode):
             fn = make_fn()
-            res[on] = loop_time(fn, iters, warmup)
-    (ms_on, host_on), (ms_off, host_off) = res[True], res[False]
-    for on in (True, False):
-        ms, host = res[on]
-        table.add(case=case, checks="on" if on else "off", ms_per_call=ms, host_us_per_call=host,
-                  cost_us=(ms_on - ms_off) * 1e3 if on else 0.0,
-                  cost_pct=100.0 * (ms_on - ms_off) / ms_off if on else 0.0,
-                  host_cost_us=host_on - host_off if on else 0.0, iters=iters, note=note)
+            res[mode] = loop_time(fn, iters, warmup)
+    ms_off, host_off = res["off"]
+    for mode in modes:
+        ms, host = res[mode]
+        name = "on" if mode == "sync" and len(modes) == 2 else mode
+        table.add(case=case, checks=name, ms_per_call=ms, host_us_per_call=host,
+                  cost_us=(ms - ms_off) * 1e3, cost_pct=100.0 * (ms - ms_off) / ms_off,
+                  host_cost_us=host - host_off, iters=iters, note=note)
 
 
 def bench_ce(table, args):
@@ -157,7 +165,8 @@ def bench_ce(table, args):
         return call
 
     run_pair(table, f"ce fwd+bwd logits [{n}, {v}] bf16", make, args.iters, args.warmup,
-             "one labels check per call (1 host read)")
+             "labels: sync = 1 host read per call; deferred = recorded by the kernel, no host read",
+             modes=("sync", "deferred", "off"))
     del x
 
 
@@ -178,7 +187,8 @@ def bench_linear_ce(table, args):
         return call
 
     run_pair(table, f"linear_ce fwd+bwd [{n}, {h}] x [{v}, {h}] bf16", make, max(3, args.iters // 4),
-             max(2, args.warmup // 2), "one labels check per call (1 host read)")
+             max(2, args.warmup // 2), "labels: sync = 1 host read per call; deferred = recorded by the kernel",
+             modes=("sync", "deferred", "off"))
     del hid, w
 
 
@@ -277,8 +287,8 @@ def main(argv=None):
     table.save(extra={"args": vars(args), "method": (
         "CUDA events around a loop of back-to-back calls after warm-up on the same inputs (ms_per_call: the "
         "GPU clock, bubbles included); host_us_per_call: perf_counter over the same loop until the last call "
-        "returned; cost = on - off.  off: set_label_checks(False) and check_cu_seqlens a no-op in the seqfuse "
-        "modules that call it; other reads of cu_seqlens (routing) stay")})
+        "returned; cost = mode - off.  off: set_label_checks('off') and check_cu_seqlens a no-op in the seqfuse "
+        "modules that call it; other reads of cu_seqlens (routing) stay; sync / deferred: the label modes")})
 
 
 if __name__ == "__main__":

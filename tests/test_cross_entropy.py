@@ -252,20 +252,26 @@ def test_cuda_autograd_vs_torch(reduction, seed):
 
 @pytest.mark.cuda
 def test_cuda_bad_label_gives_nan():
-    """With the host label check off (set_label_checks(False), no sync), a
-    label out of range marks its row NaN; with it on (the default), the call
-    raises naming the label (tests/test_device_checks_cuda.py)."""
+    """A label out of range marks its row NaN in every mode: "off" (no
+    check), "deferred" (the default: raised later, here by
+    check_pending_errors) and "sync" raises at the call
+    (tests/test_label_record_cuda.py has the rest)."""
+    from seqfuse.ops import check_pending_errors
     from seqfuse.ops.device_checks import set_label_checks
     logits = torch.randn(3, 10, device="cuda")
     labels = torch.tensor([1, 10, -100], device="cuda")
-    with pytest.raises(ValueError, match="'labels' holds 10 at row 1"):
-        cross_entropy_forward(logits, labels)
-    previous = set_label_checks(False)
+    previous = set_label_checks("sync")
     try:
-        loss, _ = cross_entropy_forward(logits, labels)
+        with pytest.raises(ValueError, match="'labels' holds 10 at row 1"):
+            cross_entropy_forward(logits, labels)
+        for mode in ("off", "deferred"):
+            set_label_checks(mode)
+            loss, _ = cross_entropy_forward(logits, labels)
+            assert torch.isfinite(loss[0]) and torch.isnan(loss[1]) and loss[2] == 0
+        with pytest.raises(ValueError, match="'labels' holds 10 at row 1"):
+            check_pending_errors()
     finally:
         set_label_checks(previous)
-    assert torch.isfinite(loss[0]) and torch.isnan(loss[1]) and loss[2] == 0
 
 
 @pytest.mark.cuda

@@ -165,21 +165,25 @@ def test_cross_entropy_label_check_can_be_skipped(device_path, monkeypatch):
 
 
 def test_label_checks_switched_off_for_the_process(device_path, monkeypatch, caplog):
-    """set_label_checks(False): no host read in any loss call, a WARNING once,
-    the previous setting returned; a non-bool is refused."""
+    """set_label_checks(False) = "off": no host read in any loss call, a
+    WARNING once, the previous mode returned; anything but a mode name or a
+    bool is refused."""
     monkeypatch.setattr(checks, "label_problem", Tripwire())
     monkeypatch.setattr(checks, "_label_checks_off_logged", False)
     previous = checks.set_label_checks(False)
     try:
-        assert previous is True
+        assert previous == "deferred" and checks.label_mode() == "off"
         with caplog.at_level(logging.WARNING, logger="seqfuse"):
             for _ in range(2):
                 ops.cross_entropy_forward(torch.randn(4, 10), torch.tensor([1, 2, -100, 9]))
         assert sum("labels are not checked" in r.getMessage() for r in caplog.records) == 1
     finally:
         checks.set_label_checks(previous)
-    with pytest.raises(TypeError, match="'enabled' must be a bool"):
+    assert checks.label_mode() == "deferred"
+    with pytest.raises(TypeError, match="argument 'mode' must be one of"):
         checks.set_label_checks(0)
+    with pytest.raises(ValueError, match="argument 'mode' must be one of .*got 'later'"):
+        checks.set_label_checks("later")
 
 
 def test_checks_step_aside_under_graph_capture(device_path, monkeypatch, caplog):

@@ -59,13 +59,20 @@ def test_attention_reads_any_layout(backend, layout, which, shape, mask):
 
 
 def test_cross_entropy_bad_labels_raise_on_cuda():
+    """The synchronous mode raises at the call (the deferred default:
+    test_label_record_cuda.py)."""
     logits = torch.randn(4, 10, device="cuda")
-    for labels in (torch.tensor([1, 2, -100, 10]), torch.tensor([1, -7, -100, 9])):
-        labels = labels.cuda()
-        with pytest.raises(ValueError, match="argument 'labels' holds .* at row 1|argument 'labels' holds 10 at row 3"):
-            ops.cross_entropy_forward(logits, labels)
-        with pytest.raises(ValueError, match="argument 'labels' holds"):
-            ops.cross_entropy_backward(logits, labels, torch.zeros(4, device="cuda"), torch.ones(1, device="cuda"))
+    previous = checks.set_label_checks("sync")
+    try:
+        for labels in (torch.tensor([1, 2, -100, 10]), torch.tensor([1, -7, -100, 9])):
+            labels = labels.cuda()
+            with pytest.raises(ValueError, match="argument 'labels' holds .* at row 1|argument 'labels' holds 10 at row 3"):
+                ops.cross_entropy_forward(logits, labels)
+            with pytest.raises(ValueError, match="argument 'labels' holds"):
+                ops.cross_entropy_backward(logits, labels, torch.zeros(4, device="cuda"),
+                                           torch.ones(1, device="cuda"))
+    finally:
+        checks.set_label_checks(previous)
 
 
 @pytest.mark.parametrize("v", [10, 16, 1000])
@@ -130,7 +137,9 @@ def test_bad_cu_seqlens_raise_on_cuda():
 
 
 def test_device_checks_step_aside_under_graph_capture(caplog):
-    """Capture must still work (no host read), and the skip is logged."""
+    """Capture must still work (no host read): the cu_seqlens check is
+    skipped and logged; the labels are recorded by the kernel on each replay
+    and raised after it (the deferred label check)."""
     checks._skips_logged.clear()
     cu = torch.tensor([0, 3, 8], dtype=torch.int32, device="cuda")
     q = torch.randn(8, 2, 16, device="cuda").bfloat16()
@@ -150,11 +159,14 @@ def test_device_checks_step_aside_under_graph_capture(caplog):
     graph.replay()
     torch.cuda.synchronize()
     msgs = [r.getMessage() for r in caplog.records if "captured into a CUDA graph" in r.getMessage()]
-    assert any("'cu_seqlens_q'" in m for m in msgs) and any("'labels'" in m for m in msgs), msgs
-    labels.copy_(torch.tensor([1, 2, -100, 10]))  # a bad label in the replay: NaN, not a number
+    assert any("'cu_seqlens_q'" in m for m in msgs) and not any("'labels'" in m for m in msgs), msgs
+    ops.check_pending_errors()
+    labels.copy_(torch.tensor([1, 2, -100, 10]))  # a bad label in the replay: NaN, not a number, and an error
     graph.replay()
     torch.cuda.synchronize()
     assert loss[3].isnan() and torch.isfinite(loss[:2]).all()
+    with pytest.raises(ValueError, match="argument 'labels' holds 10 at row 3"):
+        ops.check_pending_errors()
 
 
 @pytest.mark.cuda

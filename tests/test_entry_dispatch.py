@@ -66,7 +66,7 @@ CASES = {
     "rope": (lambda: _C.rope(gpu((4, 1, 2, 8)), gpu((4, 1, 1, 8)), None, None, 0, False, False,
                              gpu((4, 1, 2, 8)), 0), "t"),
     "cross_entropy_forward": (lambda: _C.cross_entropy_forward(gpu((2, 8)), gpu(2, np.int64), -100, 0.0, gpu(2),
-                                                               gpu(2), 0), "logits"),
+                                                               gpu(2), None, None, 0), "logits"),
     "multi_tensor_scale": (lambda: _C.multi_tensor_scale([gpu(4)], gpu(1), 0), "scale"),
     "multi_tensor_adamw": (lambda: _C.multi_tensor_adamw([gpu(4)], [gpu(4)], [gpu(4)], [gpu(4)], None, 1e-3, 0.9,
                                                          0.99, 1e-8, 0.0, 1, 0), "params"),

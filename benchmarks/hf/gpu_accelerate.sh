@@ -8,6 +8,9 @@
 #   train8k   the same at 1 x 8192 tokens
 #   prefill   generation's prefill at 1 x 4096 tokens (hf_eager, seqfuse_bf16, seqfuse_fp8_delayed, liger)
 #   qwen2     Qwen2 1.5B shape, 1 x 4096 tokens (hf_eager, seqfuse_bf16, seqfuse_fp8_delayed, liger)
+#   labels    the cross-entropy label check's cost: seqfuse_bf16 and seqfuse_fp8_delayed at 1 x 4096
+#             tokens (10 timed steps) once per SEQFUSE_CHECK_LABELS mode, deferred (the default),
+#             sync and 0 (off), one process each -> hf_accelerate_labels_<mode>.json
 # default: tests,train.  BENCH_ARGS is added to every bench call (e.g. "--steps 3").
 # Steps: the carried wheels (.whl: liger-kernel) into /tmp/site (PYTHONPATH),
 # seqfuse built in place unless SKIP_BUILD=1 (pip install -e, about a
@@ -63,7 +66,11 @@ for p in ${PARTS//,/ }; do
                      --rows hf_eager,seqfuse_bf16,seqfuse_fp8_delayed,liger ;;
         qwen2)   TAIL=16 run 200 qwen2 $B --shape qwen2_1.5b --seq 4096 \
                      --rows hf_eager,seqfuse_bf16,seqfuse_fp8_delayed,liger ;;
-        *) echo "unknown part '$p' (tests, train, train8k, prefill, qwen2)"; status=1 ;;
+        labels)  for m in deferred sync 0; do
+                     TAIL=8 run 100 "labels_$m" env SEQFUSE_CHECK_LABELS=$m $B --shape llama1b --seq 4096 \
+                         --rows seqfuse_bf16,seqfuse_fp8_delayed --steps 10 --out "hf_accelerate_labels_$m"
+                 done ;;
+        *) echo "unknown part '$p' (tests, train, train8k, prefill, qwen2, labels)"; status=1 ;;
     esac
 done
 cp benchmarks/results/hf_accelerate_*.json "$OUT/" 2>/dev/null

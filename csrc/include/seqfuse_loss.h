@@ -25,13 +25,36 @@ extern "C" {
  *   logits  fp32 / fp16 / bf16 [N, V], unit stride along V, any row stride
  *   labels  int64 [N]; a label outside [0, V) other than ignore_index is an
  *           error on the CPU and gives a NaN loss on the GPU (the host never
- *           reads device labels)
+ *           reads device labels), recorded in label_record when one is given
  *   loss    fp32 [N] (written; 0 for ignored rows)
  *   lse     fp32 [N] (written; what the backward needs)
+ *   label_claim, label_record  both NULL, or both given (CUDA only; the CPU
+ *           refuses a bad label at the call and ignores them):
+ *           label_claim   int32, 1 element, on the logits' device, 0 while
+ *                         nothing is recorded: the first bad row sets it to 1
+ *                         and owns the record; later ones leave it alone
+ *           label_record  int64, SF_LABEL_RECORD_LEN elements, in page-locked
+ *                         host memory the GPU can write (torch pin_memory):
+ *                         the kernel writes the fields below, then (after a
+ *                         system-wide fence) STATE = 1, so a host that reads
+ *                         STATE == 1 may read the rest without waiting
+ *           The caller zeroes both after reading a record (the claim with a
+ *           kernel or copy on the stream, STATE on the host).
  */
+enum {
+    SF_LABEL_STATE = 0,   /* 0: nothing recorded; 1: the fields below are written */
+    SF_LABEL_ROW = 1,     /* the bad row, counted in this call's logits */
+    SF_LABEL_VALUE = 2,   /* its label */
+    SF_LABEL_CLASSES = 3, /* V of the call */
+    SF_LABEL_IGNORE = 4,  /* ignore_index of the call */
+    SF_LABEL_ADDRESS = 5, /* the bad label's address (labels' data + row) */
+    SF_LABEL_RECORD_LEN = 6
+};
+
 sf_status sf_cross_entropy_forward(const sf_tensor *logits, const sf_tensor *labels,
                                    int64_t ignore_index, float label_smoothing,
-                                   sf_tensor *loss, sf_tensor *lse, sf_stream stream);
+                                   sf_tensor *loss, sf_tensor *lse, sf_tensor *label_claim,
+                                   sf_tensor *label_record, sf_stream stream);
 
 /*
  * sf_cross_entropy_backward: dlogits = scale * d loss / d logits, row by row.

@@ -55,9 +55,33 @@ static sf_status check_common(const char *op, const sf_tensor *logits, const sf_
     return SF_OK;
 }
 
+/* The bad-label record of a CUDA call (seqfuse_loss.h): both or neither; the
+ * claim a writable int32 word on the logits' device, the record a writable
+ * contiguous int64 [SF_LABEL_RECORD_LEN] in host memory (that the GPU can
+ * write it is checked by the CUDA backend, which asks the driver). */
+static sf_status check_label_record(const char *op, const sf_tensor *logits, const sf_tensor *claim,
+                                    const sf_tensor *record)
+{
+    if (!claim != !record)
+        return sf_fail(SF_ERR_VALUE, "%s: arguments 'label_claim' and 'label_record' go together: give "
+                       "both or neither (got only '%s')", op, claim ? "label_claim" : "label_record");
+    if (!claim)
+        return SF_OK;
+    SF_TRY(sf_check_vector(op, "label_claim", claim, SF_INT32, 1, "logits", logits, 1));
+    SF_TRY(sf_check_dtype(op, "label_record", record, SF_INT64));
+    SF_TRY(sf_check_numel(op, "label_record", record, SF_LABEL_RECORD_LEN));
+    SF_TRY(sf_check_contiguous(op, "label_record", record));
+    SF_TRY(sf_check_writable(op, "label_record", record));
+    if (record->device != SF_CPU)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'label_record' must be in page-locked host memory "
+                       "(torch pin_memory=True), got a tensor on a GPU", op);
+    return SF_OK;
+}
+
 sf_status sf_cross_entropy_forward(const sf_tensor *logits, const sf_tensor *labels,
                                    int64_t ignore_index, float label_smoothing, sf_tensor *loss,
-                                   sf_tensor *lse, sf_stream stream)
+                                   sf_tensor *lse, sf_tensor *label_claim, sf_tensor *label_record,
+                                   sf_stream stream)
 {
     static const char op[] = "cross_entropy_forward";
     SF_TRY(check_common(op, logits, labels, ignore_index, label_smoothing));
@@ -66,11 +90,12 @@ sf_status sf_cross_entropy_forward(const sf_tensor *logits, const sf_tensor *lab
     SF_TRY(check_row_vector(op, "lse", lse, SF_FLOAT32, n, logits));
     SF_TRY(sf_check_writable(op, "loss", loss));
     SF_TRY(sf_check_writable(op, "lse", lse));
+    SF_TRY(check_label_record(op, logits, label_claim, label_record));
     return SF_DISPATCH(op, "logits", logits,
                        sf_cross_entropy_forward_cpu(logits, labels, ignore_index, label_smoothing,
                                                     loss, lse),
                        sf_cross_entropy_forward_cuda(logits, labels, ignore_index, label_smoothing,
-                                                     loss, lse, stream));
+                                                     loss, lse, label_claim, label_record, stream));
 }
 
 sf_status sf_cross_entropy_backward(const sf_tensor *logits, const sf_tensor *labels,

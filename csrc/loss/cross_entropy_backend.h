@@ -21,7 +21,8 @@ sf_status sf_cross_entropy_backward_cpu(const sf_tensor *logits, const sf_tensor
                                         sf_tensor *dlogits);
 sf_status sf_cross_entropy_forward_cuda(const sf_tensor *logits, const sf_tensor *labels,
                                         int64_t ignore_index, float label_smoothing,
-                                        sf_tensor *loss, sf_tensor *lse, sf_stream stream);
+                                        sf_tensor *loss, sf_tensor *lse, sf_tensor *label_claim,
+                                        sf_tensor *label_record, sf_stream stream);
 sf_status sf_cross_entropy_backward_cuda(const sf_tensor *logits, const sf_tensor *labels,
                                          const sf_tensor *lse, const sf_tensor *grad_scale,
                                          int64_t ignore_index, float label_smoothing,

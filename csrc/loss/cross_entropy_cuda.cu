@@ -12,6 +12,11 @@
  * before writing the same vector, so dlogits may be the logits buffer itself.
  * The upstream scale stays in device memory: no host synchronization, and
  * both launches are capturable in a CUDA graph.
+ * Bad labels: a row whose label is outside [0, V) and not ignore_index gets a
+ * NaN loss (and NaN gradients); when the caller passes a label record
+ * (seqfuse_loss.h), the forward also writes the first such row it meets into
+ * page-locked host memory, which the host reads later without a
+ * synchronization (python/seqfuse/ops/pending_errors.py).
  */
 #include "../core/cuda_util.h"
 #include "../core/vec_io.cuh"
@@ -69,10 +74,36 @@ __device__ __forceinline__ void block_reduce(float &m, float &s, float &sum)
     }
 }
 
+/* Where the forward records a bad label: a claim word in device memory (0
+ * while free) and the device address of the host record; both NULL when
+ * the caller keeps no record. */
+struct LabelSink {
+    int *claim;
+    long long *record;
+};
+
+/* One thread of a bad row: win the claim or leave the record to the row
+ * that won it; the winner writes the fields, fences, then publishes STATE. */
+__device__ __noinline__ void record_bad_label(LabelSink sink, int64_t row, int64_t y, int64_t v,
+                                              int64_t ignore_index, const int64_t *where)
+{
+    if (atomicCAS(sink.claim, 0, 1) != 0)
+        return;
+    volatile long long *r = sink.record;
+    r[SF_LABEL_ROW] = row;
+    r[SF_LABEL_VALUE] = y;
+    r[SF_LABEL_CLASSES] = v;
+    r[SF_LABEL_IGNORE] = ignore_index;
+    r[SF_LABEL_ADDRESS] = (long long)(uintptr_t)where;
+    __threadfence_system(); /* the fields reach the host before STATE does */
+    r[SF_LABEL_STATE] = 1;
+}
+
 template <typename T, int VEC, int BLOCK>
 __global__ void __launch_bounds__(BLOCK) ce_forward_kernel(
     const T *__restrict__ logits, int64_t row_stride, int64_t v, const int64_t *__restrict__ labels,
-    int64_t ignore_index, float smoothing, float *__restrict__ loss, float *__restrict__ lse)
+    int64_t ignore_index, float smoothing, float *__restrict__ loss, float *__restrict__ lse,
+    LabelSink sink)
 {
     int64_t row = blockIdx.x;
     const T *x = logits + row * row_stride;
@@ -123,6 +154,8 @@ __global__ void __launch_bounds__(BLOCK) ce_forward_kernel(
         else
             value = sf_ce_loss(l, 1.0f - smoothing, to_f(x[y]), sum, smoothing, v);
         loss[row] = value;
+        if (sink.claim != nullptr && y != ignore_index && (y < 0 || y >= v))
+            record_bad_label(sink, row, y, v, ignore_index, labels + row);
     }
 }
 
@@ -172,17 +205,17 @@ constexpr int kBlock = 512;
 
 template <typename T>
 sf_status forward(const sf_tensor *logits, const int64_t *labels, int64_t ignore_index, float smoothing,
-                  float *loss, float *lse, cudaStream_t stream)
+                  float *loss, float *lse, LabelSink sink, cudaStream_t stream)
 {
     int64_t n = logits->shape[0], v = logits->shape[1];
     const T *x = (const T *)logits->data;
     dim3 grid((unsigned)n);
     if (rows_aligned(logits))
         ce_forward_kernel<T, 16 / sizeof(T), kBlock><<<grid, kBlock, 0, stream>>>(
-            x, logits->strides[0], v, labels, ignore_index, smoothing, loss, lse);
+            x, logits->strides[0], v, labels, ignore_index, smoothing, loss, lse, sink);
     else
         ce_forward_kernel<T, 1, kBlock><<<grid, kBlock, 0, stream>>>(
-            x, logits->strides[0], v, labels, ignore_index, smoothing, loss, lse);
+            x, logits->strides[0], v, labels, ignore_index, smoothing, loss, lse, sink);
     SF_CUDA_CHECK_LAUNCH("cross_entropy_forward");
     return SF_OK;
 }
@@ -236,14 +269,49 @@ sf_status on_rows(const char *op, const sf_tensor *logits, Run run)
 
 } // namespace
 
+/* The device address of the label record: the driver must know it as
+ * page-locked host memory mapped into the GPU's address space (torch's
+ * pinned memory is, under unified addressing); anything else is refused.
+ * The query is no stream work, so it is made in relaxed capture mode: a
+ * call under CUDA graph capture may ask it too. */
+static sf_status mapped_record(const char *op, const sf_tensor *record, long long **out)
+{
+    cudaPointerAttributes a;
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    SF_CUDA_TRY(op, cudaThreadExchangeStreamCaptureMode(&mode));
+    cudaError_t e = cudaPointerGetAttributes(&a, record->data);
+    SF_CUDA_TRY(op, cudaThreadExchangeStreamCaptureMode(&mode)); /* the caller's mode back */
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError(); /* the failed query set the last error: clear it */
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'label_record' must be page-locked host memory the GPU "
+                       "can write (torch pin_memory=True); the driver does not know its address (%s)", op,
+                       cudaGetErrorString(e));
+    }
+    if (a.type != cudaMemoryTypeHost || a.devicePointer == nullptr)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'label_record' must be page-locked host memory the GPU "
+                       "can write (torch pin_memory=True), got %s memory", op,
+                       a.type == cudaMemoryTypeHost ? "page-locked but unmapped host" :
+                       a.type == cudaMemoryTypeDevice ? "device" :
+                       a.type == cudaMemoryTypeManaged ? "managed" : "pageable host");
+    *out = (long long *)a.devicePointer;
+    return SF_OK;
+}
+
 extern "C" sf_status sf_cross_entropy_forward_cuda(const sf_tensor *logits, const sf_tensor *labels,
                                                    int64_t ignore_index, float smoothing, sf_tensor *loss,
-                                                   sf_tensor *lse, sf_stream s)
+                                                   sf_tensor *lse, sf_tensor *label_claim,
+                                                   sf_tensor *label_record, sf_stream s)
 {
+    static const char op[] = "cross_entropy_forward";
     const int64_t *y = (const int64_t *)labels->data;
     float *lo = (float *)loss->data, *ls = (float *)lse->data;
-    return on_rows("cross_entropy_forward", logits, [&](auto t) {
-        return forward<decltype(t)>(logits, y, ignore_index, smoothing, lo, ls, sf_cuda_stream(s));
+    return on_rows(op, logits, [&](auto t) {
+        LabelSink sink = {nullptr, nullptr};
+        if (label_claim != nullptr) {
+            SF_TRY(mapped_record(op, label_record, &sink.record));
+            sink.claim = (int *)label_claim->data;
+        }
+        return forward<decltype(t)>(logits, y, ignore_index, smoothing, lo, ls, sink, sf_cuda_stream(s));
     });
 }
 

@@ -6,7 +6,7 @@
 
 SF_PY_OP(cross_entropy_forward, sf_cross_entropy_forward, "Per-row loss and log-sum-exp (float32).",
          (T, logits), (T, labels), (INT64, ignore_index), (FLOAT, label_smoothing), (T, loss),
-         (T, lse));
+         (T, lse), (OT, label_claim), (OT, label_record));
 SF_PY_OP(cross_entropy_backward, sf_cross_entropy_backward,
          "dlogits = grad_scale * d loss / d logits (dlogits may be logits).", (T, logits),
          (T, labels), (T, lse), (T, grad_scale), (INT64, ignore_index), (FLOAT, label_smoothing),

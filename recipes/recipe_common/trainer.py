@@ -34,7 +34,11 @@ autocast off inside it), loss / accum backward (gradient sync only on the
 last micro-batch), clip, FusedAdamW, LR schedule (linear warm-up, then
 cosine / linear / constant decay).  Logs every ``log_interval`` steps (loss,
 LR, tokens/s, unpadded tokens/s, step time, MFU and peak memory on CUDA);
-validation every ``eval_interval``; checkpoints every
+validation every ``eval_interval``; a bad label that seqfuse's CUDA loss
+recorded without stopping the host (its deferred label check) is raised at
+the latest at each logging step and after each validation
+(seqfuse.ops.check_pending_errors, after the synchronization those make
+anyway); checkpoints every
 ``checkpoint.interval`` and at the end; HF export at the end; an Nsight
 Systems capture range (``profiler``: cudaProfilerStart before
 profiler.start_step, cudaProfilerStop after profiler.end_step, an NVTX range
@@ -305,6 +309,7 @@ def evaluate(model, val_loader, cfg, recipe, device, forward_loss):
     (rolling the amax history), so the scaling state is snapshotted before
     and restored after -- a run that validates trains exactly as one that
     does not (tests/test_recipe_esm2.py)."""
+    from seqfuse.ops import check_pending_errors
     from seqfuse.pytorch import autocast
     from seqfuse.quantization import restore_scaling, snapshot_scaling
 
@@ -327,7 +332,9 @@ def evaluate(model, val_loader, cfg, recipe, device, forward_loss):
             total[1] += k
         if dist.is_initialized():
             dist.all_reduce(total)
-        return (total[0] / total[1].clamp(min=1)).item()
+        value = (total[0] / total[1].clamp(min=1)).item()  # synchronizes: every loss kernel has run
+        check_pending_errors(wait=False)
+        return value
     finally:
         restore_scaling(snapshot)
         model.train(was)
@@ -439,6 +446,7 @@ def _resume(cfg, spec, model, optimizer, scheduler, train_loader, rank):
 
 def _run(cfg, strategy, spec):
     from seqfuse.optim import clip_grad_norm_
+    from seqfuse.ops import check_pending_errors
     from seqfuse.pytorch import autocast
 
     log = spec.log
@@ -534,6 +542,7 @@ def _run(cfg, strategy, spec):
         if step % int(cfg.train.log_interval) == 0 or last:
             if cuda:
                 torch.cuda.synchronize(device)
+                check_pending_errors(wait=False)  # a bad label recorded by a loss kernel of this window
             dt = time.perf_counter() - win["t0"]
             local_loss = torch.stack(win["loss"]).float().mean().item()
             loss_sum, tokens, real, flops = all_reduce_sum(

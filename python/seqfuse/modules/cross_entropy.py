@@ -25,7 +25,9 @@ import logging
 import torch
 
 from ..ops import loss as _loss
+from ..ops import pending_errors as _pending
 from ..ops.device_checks import check_labels as _check_labels
+from ..ops.device_checks import defers_label_check as _defers_label_check
 from ..ops.gemm import gemm as _gemm
 
 _log = logging.getLogger("seqfuse")
@@ -41,11 +43,13 @@ class CrossEntropyFunction(torch.autograd.Function):
     """Autograd Function over seqfuse.ops.cross_entropy_forward / _backward."""
 
     @staticmethod
-    def forward(ctx, logits, labels, ignore_index, label_smoothing, reduction, inplace_backward):
+    def forward(ctx, logits, labels, ignore_index, label_smoothing, reduction, inplace_backward, named=None):
+        # named: (op, argument) a bad label's error names, default the op's own ("labels")
         v = logits.shape[-1]
         flat = logits.reshape(-1, v)
         flat_labels = labels.reshape(-1)
-        loss, lse = _loss.cross_entropy_forward(flat, flat_labels, ignore_index, label_smoothing)
+        loss, lse = _loss.cross_entropy_forward(flat, flat_labels, ignore_index, label_smoothing,
+                                                labels_of=named and (named[0], named[1], flat_labels))
         count = None
         if reduction == "mean":
             count = (flat_labels != ignore_index).sum().to(torch.float32)
@@ -61,6 +65,7 @@ class CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        _pending.raise_pending()  # a bad label the forward's kernel recorded, if it has finished
         flat, labels, lse, count = ctx.saved_tensors
         ignore_index, label_smoothing, reduction, inplace = ctx.args
         scale = grad_out.detach().to(torch.float32).reshape(-1)
@@ -70,7 +75,7 @@ class CrossEntropyFunction(torch.autograd.Function):
             scale = scale.contiguous()
         grad = _loss.cross_entropy_backward(flat, labels, lse, scale, ignore_index, label_smoothing,
                                             out=flat if inplace else None, check_labels=False)  # forward did
-        return grad.view(ctx.shape), None, None, None, None, None
+        return grad.view(ctx.shape), None, None, None, None, None, None
 
 
 def cross_entropy(logits, labels, ignore_index=-100, label_smoothing=0.0, reduction="mean",
@@ -115,8 +120,10 @@ def parallel_cross_entropy(inp, target, label_smoothing=0.0, reduce_loss=False, 
         raise NotImplementedError("parallel_cross_entropy: vocab-parallel loss over a process group "
                                   "is not supported by seqfuse yet")
     labels = target.reshape(inp.shape[:-1])
-    return cross_entropy(inp, labels, ignore_idx, label_smoothing, "mean" if reduce_loss else "none",
-                         overwrite_input)
+    _check_reduction("mean" if reduce_loss else "none")
+    return CrossEntropyFunction.apply(inp, labels, int(ignore_idx), float(label_smoothing),
+                                      "mean" if reduce_loss else "none", bool(overwrite_input),
+                                      ("parallel_cross_entropy", "target"))
 
 
 _gemm_logged = False
@@ -149,8 +156,14 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         v = weight.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
-        if labels.dim() == 1 and labels.dtype == torch.int64:  # once here, not once per chunk (one host sync)
-            _check_labels("linear_cross_entropy", labels, v, ignore_index)
+        # labels: each chunk's kernel records a bad one under its row in the whole tensor (deferred
+        # mode), or the whole tensor is checked once here, not once per chunk ("sync": one host sync)
+        chunk_check, labels_of = False, None
+        if labels.dim() == 1 and labels.dtype == torch.int64:
+            if _defers_label_check(labels):
+                chunk_check, labels_of = True, ("linear_cross_entropy", "labels", labels)
+            else:
+                _check_labels("linear_cross_entropy", labels, v, ignore_index)
         count = (labels != ignore_index).sum().to(torch.float32)
         scale = (1.0 / count).reshape(1) if reduction == "mean" else torch.ones(1, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -168,7 +181,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 y = labels[start:start + chunk]
                 # logits = h @ weight.T (+ bias), fp32 accumulation, no TF32 (as torch.matmul)
                 logits = _gemm(h, weight, transb=True, bias=bias, allow_tf32=False)
-                loss, lse = _loss.cross_entropy_forward(logits, y, ignore_index, label_smoothing, check_labels=False)
+                loss, lse = _loss.cross_entropy_forward(logits, y, ignore_index, label_smoothing,
+                                                        check_labels=chunk_check, labels_of=labels_of)
                 total += loss.sum()
                 if need_h or need_w or need_b:
                     _loss.cross_entropy_backward(logits, y, lse, scale, ignore_index, label_smoothing, out=logits,
@@ -191,6 +205,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        _pending.raise_pending()  # a bad label a chunk's kernel recorded, if it has finished
         grad_h, grad_w, grad_b = ctx.saved_tensors
         g = grad_out.detach()
         if grad_h is not None:

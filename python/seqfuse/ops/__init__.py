@@ -23,6 +23,10 @@ __all__ += ["attention_backend", "set_attention_backend", "cudnn_eligibility"]
 
 __all__ += ["cross_entropy_forward", "cross_entropy_backward"]
 
+from .pending_errors import check_pending_errors  # noqa: E402
+
+__all__ += ["check_pending_errors"]
+
 from .quant import (cast_fp8, cast_transpose_fp8, dequantize_block_fp8,  # noqa: E402
                     dequantize_fp8, dequantize_mxfp8, dequantize_nvfp4, fp8_compute_scale,
                     fp8_scale_update, quantize_block_fp8, quantize_block_fp8_rowcol,

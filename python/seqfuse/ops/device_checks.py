@@ -2,28 +2,35 @@
 RoPE) and cross-entropy labels.
 
 On the CPU the C entries read these values and refuse bad ones.  On CUDA the
-host cannot read them without a synchronization, and the kernels would clamp
-a bad cu_seqlens or skip a bad label: a silent wrong answer.  So the ops
-check them here, with torch on the tensor's device: a few element-wise
-kernels over the (short) index vector and ONE host read of a small result
-(one synchronization of the current stream).  The rules are the C entry's,
-in its order, and for attention and cross-entropy so are the words, so a CPU
-and a CUDA call of the same bad input say the same thing.
+host cannot read them without a synchronization; the kernels would clamp a
+bad cu_seqlens (a silent wrong answer) and give a bad label's row a NaN loss
+(no error).  So the ops check them here, with torch on the tensor's device:
+a few element-wise kernels over the (short) index vector and ONE host read
+of a small result (one synchronization of the current stream) -- or, for
+labels by default, let the loss kernel record them (below).  The rules are
+the C entry's, in its order, and for attention and cross-entropy so are the
+words, so a CPU and a CUDA call of the same bad input say the same thing.
 
 Cost, and how it is kept down:
 - cu_seqlens: a model's layers pass the very same cu_seqlens tensors, so a
   tensor whose check passed is remembered (by identity and torch's version
   counter, ``PerTensorCache``) and not checked again: one synchronization
   per new cu_seqlens tensor, i.e. per batch, not per layer.
-- labels: one check per loss call (the chunked linear cross-entropy checks
-  the whole label tensor once, then its chunks skip it).  That is one
-  synchronization per training step's loss; a loop that must not wait there
-  turns it off with ``set_label_checks(False)`` or SEQFUSE_CHECK_LABELS=0 in
-  the environment (logged once), leaving the kernels' NaN loss and gradients
-  for a bad label as the guard.
-Estimated at 20-60 us of host time per check plus the wait for the work
-already queued on the stream (not yet measured on a GPU;
-benchmarks/bisect_corpus_cuda.py part 5 times it).
+- labels: three modes (SEQFUSE_CHECK_LABELS in the environment, or
+  ``set_label_checks``):
+  "deferred" (the default; also "1"): no host read in the call.  The CUDA
+    forward kernel records a bad label in pinned host memory and the error
+    is raised at the next point the host can read it without waiting (the
+    backward, the next loss call, ``seqfuse.ops.check_pending_errors()``):
+    pending_errors.py.
+  "sync": the check here, at the call: one synchronization per loss (the
+    chunked linear cross-entropy checks the whole label tensor once, then
+    its chunks skip it).  It cost an FP8 Llama 1B step 11 % on the H200.
+  "off" (also "0"): nothing recorded or read (logged once); the kernels'
+    NaN loss and gradients of a bad row are the only guard.
+  A value of SEQFUSE_CHECK_LABELS outside these is a ValueError at the first
+  loss call.  The backward op called alone (``cross_entropy_backward`` with
+  ``check_labels=True``) has no recording kernel: it checks here, as "sync".
 
 The attention router also reads these cached facts (``uniform_length``: a
 packed batch whose sequences all have one length runs as the padded batch it
@@ -35,12 +42,12 @@ cu_seqlens tensor so rewritten must be passed as a new tensor (or
 ``PerTensorCache`` emptied) -- otherwise the router could take the old
 lengths.
 
-Under CUDA graph capture no host read is allowed, so the check is skipped and
-logger "seqfuse" says so once per op and argument (WARNING).  What still
-guards a captured call: the cross-entropy kernels write NaN loss and NaN
-gradients for a row whose label is out of range and not ignore_index.  A
-bad cu_seqlens in a replay is clamped by the kernels, as it always was:
-check the lengths before capture (the warning says so).
+Under CUDA graph capture no host read is allowed.  Labels are then recorded
+by the kernel (deferred, whatever the mode but "off") and judged after the
+capture.  A cu_seqlens check is skipped and logger "seqfuse" says so once
+per op and argument (WARNING): a bad cu_seqlens in a replay is clamped by
+the kernels, as it always was; check the lengths before capture (the
+warning says so).
 """
 import logging
 import os
@@ -54,6 +61,9 @@ _skips_logged = set()
 # device types whose index values the C entries read and check themselves
 # (tests empty it to run the device path on CPU tensors)
 HOST_READ = ("cpu", "meta")
+# device types whose loss kernel records bad labels (tests add "cpu", with a
+# stand-in kernel, to run the deferred path on CPU tensors)
+DEFERRED_DEVICES = ("cuda",)
 
 
 def _readable(t):
@@ -200,39 +210,93 @@ def label_problem(labels, num_classes, ignore_index):
     return row, int(labels[row])
 
 
-_label_checks = os.environ.get("SEQFUSE_CHECK_LABELS", "1") != "0"
+LABEL_MODES = ("deferred", "sync", "off")
+_MODE_SPELLINGS = {"deferred": "deferred", "1": "deferred", "sync": "sync", "off": "off", "0": "off"}
+
+
+def _mode_from_env():
+    """(mode, None) from SEQFUSE_CHECK_LABELS, or (None, the error's text)."""
+    raw = os.environ.get("SEQFUSE_CHECK_LABELS", "deferred")
+    mode = _MODE_SPELLINGS.get(raw.strip().lower())
+    if mode is None:
+        return None, (f"seqfuse: environment variable SEQFUSE_CHECK_LABELS must be one of 'deferred' (or 1), "
+                      f"'sync' or 'off' (or 0), got {raw!r}")
+    return mode, None
+
+
+_label_mode, _label_mode_error = _mode_from_env()
 _label_checks_off_logged = False
 
 
-def set_label_checks(enabled):
-    """Turn the host check of CUDA cross-entropy labels on (the default) or
-    off; returns the previous setting.  Off: no synchronization in the loss,
-    and a bad label shows only as NaN loss and gradients of its row."""
-    global _label_checks
-    if not isinstance(enabled, bool):
-        raise TypeError(f"set_label_checks: argument 'enabled' must be a bool, got {type(enabled).__name__}")
-    previous, _label_checks = _label_checks, enabled
+def label_mode():
+    """The label-check mode now in force: "deferred", "sync" or "off"
+    (module docstring); a bad SEQFUSE_CHECK_LABELS is a ValueError here."""
+    if _label_mode is None:
+        raise ValueError(_label_mode_error)
+    return _label_mode
+
+
+def set_label_checks(mode):
+    """Set how CUDA cross-entropy labels are checked: "deferred" (the
+    default; True means it), "sync" (a host synchronization per loss) or
+    "off" (False means it; a bad label shows only as NaN loss and gradients
+    of its row).  Returns the previous mode (a string this function takes)."""
+    global _label_mode, _label_mode_error
+    if mode is True or mode is False:
+        mode = "deferred" if mode else "off"
+    if not isinstance(mode, str):
+        raise TypeError(f"set_label_checks: argument 'mode' must be one of {LABEL_MODES} or a bool, got "
+                        f"{type(mode).__name__}")
+    if mode not in LABEL_MODES:
+        raise ValueError(f"set_label_checks: argument 'mode' must be one of {LABEL_MODES} or a bool, got {mode!r}")
+    previous = _label_mode if _label_mode is not None else "deferred"
+    _label_mode, _label_mode_error = mode, None
     return previous
 
 
+def _log_off_once():
+    global _label_checks_off_logged
+    if not _label_checks_off_logged:
+        _label_checks_off_logged = True
+        _log.warning("seqfuse: CUDA cross-entropy labels are not checked (set_label_checks('off') or "
+                     "SEQFUSE_CHECK_LABELS=0): a label outside [0, classes) shows only as NaN loss and "
+                     "gradients of its row")
+
+
+def defers_label_check(labels):
+    """Whether the loss kernel itself checks ``labels`` (recording a bad one
+    for later, pending_errors.py) rather than the host at the call: CUDA
+    int64 labels in "deferred" mode, and in "sync" mode too while the stream
+    is being captured (no host read is allowed then).  Cheap on purpose (it
+    runs on every loss call): no torch op reads the labels on this path, so
+    a view C would refuse (negative bit, short storage) is left to C."""
+    if not isinstance(labels, torch.Tensor):
+        return False
+    if not labels.is_cuda:
+        kind = labels.device.type
+        if kind not in DEFERRED_DEVICES or kind in HOST_READ:
+            return False
+    if labels.dtype != torch.int64:
+        return False
+    mode = _label_mode if _label_mode is not None else label_mode()
+    return mode == "deferred" or (mode == "sync" and _capturing(labels))
+
+
 def check_labels(op, labels, num_classes, ignore_index, name="labels"):
-    """Raise ValueError (the C entry's message) when a CUDA ``labels`` holds
-    a class outside [0, num_classes) that is not ``ignore_index``.  CPU
-    labels are checked by C; under CUDA graph capture the check is skipped
-    (logged once) and the kernels' NaN marks the bad rows."""
+    """The synchronous check: raise ValueError (the C entry's message) when
+    a CUDA ``labels`` holds a class outside [0, num_classes) that is not
+    ``ignore_index``, with one host read.  CPU labels are checked by C; in
+    "off" mode nothing is read (logged once); under CUDA graph capture the
+    check is skipped (logged once: callers that can, record instead,
+    ``defers_label_check``)."""
     if not isinstance(labels, torch.Tensor) or labels.dtype != torch.int64 or labels.device.type in HOST_READ or \
             not _readable(labels):
         return
+    if label_mode() == "off":
+        _log_off_once()
+        return
     if _capturing(labels):
         _skip_under_capture(op, name)
-        return
-    if not _label_checks:
-        global _label_checks_off_logged
-        if not _label_checks_off_logged:
-            _label_checks_off_logged = True
-            _log.warning("seqfuse: CUDA cross-entropy labels are not checked (set_label_checks(False) or "
-                         "SEQFUSE_CHECK_LABELS=0): a label outside [0, classes) shows only as NaN loss and "
-                         "gradients of its row")
         return
     found = label_problem(labels, num_classes, ignore_index)
     if found is not None:
