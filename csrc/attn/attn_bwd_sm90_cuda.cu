@@ -277,7 +277,9 @@ int bwd_sm90_selected(const sf_attn_problem &p, int device, const char **why)
 
 sf_status launch_bwd_sm90(const sf_attn_problem &p, cudaStream_t stream)
 {
-    return with_sm90_shape(p, [&](auto t, auto w) { return sm90::launch<decltype(t), decltype(w)::value>(p, stream); });
+    return with_sm90_shape("attention_bwd", p, [&](auto t, auto w) {
+        return sm90::launch<decltype(t), decltype(w)::value>(p, stream);
+    });
 }
 
 } // namespace sf_attn

@@ -24,6 +24,7 @@
 #include <type_traits>
 
 #include "../core/cuda_util.h"
+#include "../core/visit.cuh"
 #include "attn.h"
 #include "attn_philox.h"
 
@@ -173,22 +174,17 @@ inline sf_status with_tile_width(const char *op, int head_dim, Fn &&fn)
     }
 }
 
-template <typename T> struct TypeTag {
-    using type = T;
-};
-
-/* fn(TypeTag<T>{}, TileWidth<D>{}, std::bool_constant<kDropout>{}) for the
- * problem's dtype, head dim and dropout: the instantiation an sm80 kernel
- * family launches (dropout kernels are separate instantiations, so the
- * p = 0 ones carry none of it). */
+/* fn(sf_type_tag<T>{}, TileWidth<D>{}, std::bool_constant<kDropout>{}) for
+ * the problem's dtype (q's: k and v share it), head dim and dropout: the
+ * instantiation an sm80 kernel family launches (dropout kernels are separate
+ * instantiations, so the p = 0 ones carry none of it). */
 template <typename Fn>
 inline sf_status with_kernel_params(const char *op, const sf_attn_problem &p, Fn &&fn)
 {
     return with_tile_width(op, p.head_dim, [&](auto w) -> sf_status {
-        auto drop = [&](auto t) {
+        return sf_visit_half(op, "q", p.dtype, [&](auto t) {
             return p.dropout ? fn(t, w, std::true_type{}) : fn(t, w, std::false_type{});
-        };
-        return p.dtype == SF_BFLOAT16 ? drop(TypeTag<__nv_bfloat16>{}) : drop(TypeTag<__half>{});
+        });
     });
 }
 

@@ -507,12 +507,13 @@ sf_status launch_fwd_sm90(const sf_attn_problem &p, cudaStream_t stream)
 {
 #ifdef SF_WORKBENCH
     if (sm90::g_schedule >= 0)
-        return with_sm90_shape(p, [&](auto t, auto w) {
+        return with_sm90_shape("attention_fwd", p, [&](auto t, auto w) {
             return sm90::launch_schedule<decltype(t), decltype(w)::value>(sm90::g_schedule, p, stream);
         });
 #endif
-    return with_sm90_shape(
-        p, [&](auto t, auto w) { return sm90::launch_chosen<decltype(t), decltype(w)::value>(p, stream); });
+    return with_sm90_shape("attention_fwd", p, [&](auto t, auto w) {
+        return sm90::launch_chosen<decltype(t), decltype(w)::value>(p, stream);
+    });
 }
 
 } // namespace sf_attn

@@ -233,14 +233,20 @@ int pick_kernel_no_dropout(int ok, int dropout, const char **why);
 sf_status set_kernel_choice(const char *op, int arch, int *choice);
 } // namespace sm90
 
-/* fn(T{}, TileWidth<D>{}) for the wgmma kernels' element type and head dim
- * (64 or 128; the callers have checked): the launchers' one dispatch. */
-template <typename Fn> inline sf_status with_sm90_shape(const sf_attn_problem &p, Fn &&fn)
+/* fn(T{}, TileWidth<D>{}) for the wgmma kernels' element type (q's dtype:
+ * k and v share it) and head dim (64 or 128; the callers have checked, any
+ * other is refused here too): the launchers' one dispatch. */
+template <typename Fn> inline sf_status with_sm90_shape(const char *op, const sf_attn_problem &p, Fn &&fn)
 {
-    const bool bf = p.dtype == SF_BFLOAT16;
-    if (p.head_dim == 64)
-        return bf ? fn(__nv_bfloat16{}, TileWidth<64>{}) : fn(__half{}, TileWidth<64>{});
-    return bf ? fn(__nv_bfloat16{}, TileWidth<128>{}) : fn(__half{}, TileWidth<128>{});
+    return sf_visit_half(op, "q", p.dtype, [&](auto tag) -> sf_status {
+        using T = typename decltype(tag)::type;
+        switch (p.head_dim) {
+        case 64: return fn(T{}, TileWidth<64>{});
+        case 128: return fn(T{}, TileWidth<128>{});
+        default:
+            return sf_fail(SF_ERR_NOT_IMPLEMENTED, "%s: no wgmma kernel for head dim %d", op, p.head_dim);
+        }
+    });
 }
 
 /* Host side (attn_fwd_sm90_cuda.cu). */

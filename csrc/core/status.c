@@ -8,8 +8,10 @@
  */
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 
 #include "dispatch.h"
+#include "float_io.h"
 
 #define SF_ERROR_CAPACITY 1024
 
@@ -32,4 +34,13 @@ sf_status sf_fail_no_cuda(const char *op, const char *arg)
                    "%s: argument '%s' is a CUDA tensor but seqfuse was built without CUDA "
                    "(rebuild with nvcc on PATH and SEQFUSE_CUDA unset)",
                    op, arg);
+}
+
+void sf_float_io_abort(const char *what, sf_dtype dtype)
+{
+    fprintf(stderr,
+            "seqfuse: float_io.h got %s of an element of dtype %s; it reads and writes only "
+            "float32, float16 and bfloat16 (an entry let this dtype through unchecked)\n",
+            what, sf_dtype_name(dtype));
+    abort();
 }

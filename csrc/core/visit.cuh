@@ -3,7 +3,7 @@
  *
  *   sf_visit_float / sf_visit_half / sf_visit_fp8: the one switch from a
  *     runtime sf_dtype to a compile-time element type (flash-attention's
- *     static-switch idea, attention's TypeTag): fn(sf_type_tag<T>{}) runs
+ *     static-switch idea): fn(sf_type_tag<T>{}) runs
  *     with T the element type of `dtype`.  A dtype outside the set is a
  *     TypeError naming the op and the argument, never a silent default (a
  *     `default:` that reads an unknown dtype as bfloat16 would compute on

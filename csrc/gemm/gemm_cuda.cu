@@ -46,6 +46,7 @@
 #include <string.h>
 
 #include "../core/cuda_util.h"
+#include "../core/visit.cuh"
 #include "gemm.h"
 #include "gemm_backend.h"
 
@@ -98,14 +99,18 @@ sf_status lt_fail(cublasStatus_t s, const char *what)
             return lt_fail(lt_s_, what);         \
     } while (0)
 
-cudaDataType_t cuda_type(sf_dtype d)
+/* *t = cuBLASLt's type of argument `arg`'s dtype; any dtype without one is a
+ * TypeError naming the argument (the entry admits none, but a plan keyed on
+ * a wrong type would run a matmul on misread memory). */
+sf_status cuda_type(const char *arg, sf_dtype d, int32_t *t)
 {
     switch (d) {
-    case SF_FLOAT32: return CUDA_R_32F;
-    case SF_FLOAT16: return CUDA_R_16F;
-    case SF_BFLOAT16: return CUDA_R_16BF;
-    case SF_FLOAT8_E4M3: return CUDA_R_8F_E4M3;
-    default: return CUDA_R_8F_E5M2;
+    case SF_FLOAT32: *t = CUDA_R_32F; return SF_OK;
+    case SF_FLOAT16: *t = CUDA_R_16F; return SF_OK;
+    case SF_BFLOAT16: *t = CUDA_R_16BF; return SF_OK;
+    case SF_FLOAT8_E4M3: *t = CUDA_R_8F_E4M3; return SF_OK;
+    case SF_FLOAT8_E5M2: *t = CUDA_R_8F_E5M2; return SF_OK;
+    default: return sf_visit_refuse(op_name, arg, d, "float32, float16, bfloat16, float8_e4m3fn or float8_e5m2");
     }
 }
 
@@ -239,16 +244,20 @@ void layout_dims(const sf_gemm_problem *p, int64_t M, int64_t K, uint64_t dims[3
     dims[2][1] = (uint64_t)M;
 }
 
-void make_key(const sf_gemm_problem *p, PlanKey *k)
+sf_status make_key(const sf_gemm_problem *p, PlanKey *k)
 {
     memset(k, 0, sizeof *k); /* padding bytes take part in the hash */
     int fp8 = sf_gemm_is_fp8(p->a.dtype);
     k->device = p->device_id;
-    k->a_type = cuda_type(p->b.dtype);
-    k->b_type = cuda_type(p->a.dtype);
-    k->d_type = cuda_type(p->out_dtype);
-    k->bias_type = p->bias ? (int32_t)cuda_type(p->bias_dtype) : -1;
-    k->aux_type = p->aux ? (int32_t)cuda_type(p->aux_dtype) : -1;
+    SF_TRY(cuda_type("b", p->b.dtype, &k->a_type));
+    SF_TRY(cuda_type("a", p->a.dtype, &k->b_type));
+    SF_TRY(cuda_type("out", p->out_dtype, &k->d_type));
+    k->bias_type = -1;
+    if (p->bias)
+        SF_TRY(cuda_type("bias", p->bias_dtype, &k->bias_type));
+    k->aux_type = -1;
+    if (p->aux)
+        SF_TRY(cuda_type("aux", p->aux_dtype, &k->aux_type));
     k->op_a = p->b.trans ? CUBLAS_OP_T : CUBLAS_OP_N;
     k->op_b = p->a.trans ? CUBLAS_OP_T : CUBLAS_OP_N;
     k->m = p->n;
@@ -269,6 +278,7 @@ void make_key(const sf_gemm_problem *p, PlanKey *k)
     k->align_b = alignment(p->a.data);
     k->align_d = alignment(p->out);
     k->workspace_bytes = p->workspace_bytes;
+    return SF_OK;
 }
 
 sf_status describe_no_algo(const sf_gemm_problem *p, cublasStatus_t s)
@@ -456,7 +466,7 @@ sf_status resize_plan(cublasLtHandle_t h, const sf_gemm_problem *p, Plan *plan)
 sf_status lookup_locked(cublasLtHandle_t h, const sf_gemm_problem *p, Plan **out)
 {
     PlanKey key;
-    make_key(p, &key);
+    SF_TRY(make_key(p, &key));
     uint64_t hash = hash_key(&key);
     unsigned slot = (unsigned)hash & (kTableSize - 1);
     for (int probe = 0; probe < kTableSize; ++probe, slot = (slot + 1) & (kTableSize - 1)) {

@@ -15,28 +15,41 @@
 #include <stdint.h>
 
 #include "../core/float_bits.h"
+#include "../core/float_io.h"
 #include "seqfuse.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-/* ---- element access (float32 / float16 / bfloat16, validated before) ---- */
+/* ---- element access (float32 / float16 / bfloat16, validated before) ----
+ * On the host (the CPU reference) float_io.h's access, which stops on any
+ * other dtype.  On the device the dtype's last branch reads bfloat16: the
+ * CUDA launchers visit every float dtype they hand a kernel first
+ * (moe_cuda.cu's on_device), so it never sees another one. */
 
 SF_HD float sf_moe_ld(const void *p, sf_dtype d, int64_t i)
 {
+#ifndef __CUDA_ARCH__
+    return sf_load_float(p, d, i);
+#else
     if (d == SF_FLOAT32)
         return ((const float *)p)[i];
     uint16_t h = ((const uint16_t *)p)[i];
     return d == SF_FLOAT16 ? sf_f16_to_f32(h) : sf_bf16_to_f32(h);
+#endif
 }
 
 SF_HD void sf_moe_st(void *p, sf_dtype d, int64_t i, float v)
 {
+#ifndef __CUDA_ARCH__
+    sf_store_float(p, d, i, v);
+#else
     if (d == SF_FLOAT32)
         ((float *)p)[i] = v;
     else
         ((uint16_t *)p)[i] = d == SF_FLOAT16 ? sf_f32_to_f16(v) : sf_f32_to_bf16(v);
+#endif
 }
 
 #define SF_MOE_EPS 1e-20f

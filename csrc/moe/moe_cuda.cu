@@ -19,7 +19,10 @@
  */
 #include <cuda_runtime.h>
 
+#include <initializer_list>
+
 #include "../core/cuda_util.h"
+#include "../core/visit.cuh"
 #include "moe.h"
 #include "moe_backend.h"
 
@@ -302,10 +305,25 @@ __global__ void swiglu_bwd_kernel(int64_t N, int64_t F, const void *g_, sf_dtype
     }
 }
 
-/* Run `launch` on the tensor's device; report a bad launch with the op's name. */
+/* A float tensor a kernel reads or writes through moe.h's sf_moe_ld /
+ * sf_moe_st, by its argument name in the op (t NULL: an optional one left
+ * out). */
+struct FloatArg {
+    const char *name;
+    const sf_tensor *t;
+};
+
+/* Run `launch` on the tensor's device; report a bad launch with the op's
+ * name.  The kernels take each float tensor's dtype at run time, and
+ * sf_moe_ld / sf_moe_st read any dtype but float32 and float16 as bfloat16:
+ * `floats` are visited first, on the host, so that branch never sees
+ * another one. */
 template <typename F>
-sf_status on_device(const char *op, int device, F launch)
+sf_status on_device(const char *op, int device, std::initializer_list<FloatArg> floats, F launch)
 {
+    for (const FloatArg &f : floats)
+        if (f.t)
+            SF_TRY(sf_visit_float(op, f.name, f.t->dtype, [](auto) { return SF_OK; }));
     sf_cuda_device_guard guard;
     SF_TRY(sf_cuda_device_enter(op, device, &guard));
     sf_status st = launch();
@@ -323,7 +341,7 @@ sf_status on_device(const char *op, int device, F launch)
 
 extern "C" sf_status sf_moe_topk_fwd_cuda(const sf_moe_args *a, sf_stream s)
 {
-    return on_device("moe_topk_fwd", a->logits->device_id, [&] {
+    return on_device("moe_topk_fwd", a->logits->device_id, {{"logits", a->logits}, {"probs", a->out}}, [&] {
         topk_fwd_kernel<<<blocks_for(a->T, a->logits->device_id), kThreads, 0, sf_cuda_stream(s)>>>(
             a->T, a->E, a->topk, a->score, a->pre_softmax, a->scaling, a->logits->data,
             a->logits->dtype, a->bias ? (const float *)a->bias->data : nullptr, a->out->data,
@@ -334,7 +352,7 @@ extern "C" sf_status sf_moe_topk_fwd_cuda(const sf_moe_args *a, sf_stream s)
 
 extern "C" sf_status sf_moe_topk_bwd_cuda(const sf_moe_args *a, sf_stream s)
 {
-    return on_device("moe_topk_bwd", a->grad->device_id, [&] {
+    return on_device("moe_topk_bwd", a->grad->device_id, {{"dprobs", a->grad}, {"dlogits", a->out}}, [&] {
         topk_bwd_kernel<<<blocks_for(a->T, a->grad->device_id), kThreads, 0, sf_cuda_stream(s)>>>(
             a->T, a->E, a->topk, a->score, a->pre_softmax, a->scaling, (const uint8_t *)a->map->data,
             (const float *)a->saved->data, a->grad->data, a->grad->dtype, a->out->data, a->out->dtype);
@@ -344,7 +362,8 @@ extern "C" sf_status sf_moe_topk_bwd_cuda(const sf_moe_args *a, sf_stream s)
 
 extern "C" sf_status sf_moe_aux_scores_fwd_cuda(const sf_moe_args *a, sf_stream s)
 {
-    return on_device("moe_aux_scores_fwd", a->logits->device_id, [&] {
+    return on_device("moe_aux_scores_fwd", a->logits->device_id,
+                     {{"logits", a->logits}, {"scores", a->out}}, [&] {
         aux_scores_fwd_kernel<<<blocks_for(a->T, a->logits->device_id), kThreads, 0, sf_cuda_stream(s)>>>(
             a->T, a->E, a->topk, a->score, a->logits->data, a->logits->dtype, a->out->data,
             a->out->dtype, (uint8_t *)a->out2->data, (float *)a->out3->data);
@@ -354,7 +373,8 @@ extern "C" sf_status sf_moe_aux_scores_fwd_cuda(const sf_moe_args *a, sf_stream 
 
 extern "C" sf_status sf_moe_aux_scores_bwd_cuda(const sf_moe_args *a, sf_stream s)
 {
-    return on_device("moe_aux_scores_bwd", a->grad->device_id, [&] {
+    return on_device("moe_aux_scores_bwd", a->grad->device_id,
+                     {{"dscores", a->grad}, {"dlogits", a->out}}, [&] {
         aux_scores_bwd_kernel<<<blocks_for(a->T, a->grad->device_id), kThreads, 0, sf_cuda_stream(s)>>>(
             a->T, a->E, a->score, (const float *)a->saved->data, a->grad->data, a->grad->dtype,
             a->out->data, a->out->dtype);
@@ -365,7 +385,7 @@ extern "C" sf_status sf_moe_aux_scores_bwd_cuda(const sf_moe_args *a, sf_stream 
 extern "C" sf_status sf_moe_aux_loss_fwd_cuda(const sf_moe_args *a, sf_stream s)
 {
     const char *op = "moe_aux_loss_fwd";
-    return on_device(op, a->probs->device_id, [&]() -> sf_status {
+    return on_device(op, a->probs->device_id, {{"probs", a->probs}}, [&]() -> sf_status {
         cudaStream_t st = sf_cuda_stream(s);
         SF_CUDA_TRY(op, cudaMemsetAsync(a->out->data, 0, sizeof(float), st));
         if (a->T == 0 || a->E == 0)
@@ -380,7 +400,7 @@ extern "C" sf_status sf_moe_aux_loss_fwd_cuda(const sf_moe_args *a, sf_stream s)
 
 extern "C" sf_status sf_moe_aux_loss_bwd_cuda(const sf_moe_args *a, sf_stream s)
 {
-    return on_device("moe_aux_loss_bwd", a->out->device_id, [&] {
+    return on_device("moe_aux_loss_bwd", a->out->device_id, {{"dprobs", a->out}}, [&] {
         float c = sf_moe_aux_factor(a->coeff, a->E, a->topk, a->total_tokens);
         aux_loss_bwd_kernel<<<blocks_for(a->T * a->E, a->out->device_id), kThreads, 0, sf_cuda_stream(s)>>>(
             a->T, a->E, (const float *)a->dloss->data, a->tpe->data, a->tpe->dtype, c, a->out->data,
@@ -392,7 +412,7 @@ extern "C" sf_status sf_moe_aux_loss_bwd_cuda(const sf_moe_args *a, sf_stream s)
 extern "C" sf_status sf_moe_z_loss_fwd_cuda(const sf_moe_args *a, sf_stream s)
 {
     const char *op = "moe_z_loss_fwd";
-    return on_device(op, a->logits->device_id, [&]() -> sf_status {
+    return on_device(op, a->logits->device_id, {{"logits", a->logits}}, [&]() -> sf_status {
         cudaStream_t st = sf_cuda_stream(s);
         SF_CUDA_TRY(op, cudaMemsetAsync(a->out->data, 0, sizeof(float), st));
         z_loss_fwd_kernel<<<blocks_for(a->T, a->logits->device_id), kThreads, 0, st>>>(
@@ -404,7 +424,8 @@ extern "C" sf_status sf_moe_z_loss_fwd_cuda(const sf_moe_args *a, sf_stream s)
 
 extern "C" sf_status sf_moe_z_loss_bwd_cuda(const sf_moe_args *a, sf_stream s)
 {
-    return on_device("moe_z_loss_bwd", a->logits->device_id, [&] {
+    return on_device("moe_z_loss_bwd", a->logits->device_id,
+                     {{"logits", a->logits}, {"dlogits", a->out}}, [&] {
         z_loss_bwd_kernel<<<blocks_for(a->T * a->E, a->logits->device_id), kThreads, 0, sf_cuda_stream(s)>>>(
             a->T, a->E, a->logits->data, a->logits->dtype, (const float *)a->lse->data,
             (const float *)a->dloss->data, a->coeff * 2.0f / (float)a->T, a->out->data, a->out->dtype);
@@ -414,7 +435,7 @@ extern "C" sf_status sf_moe_z_loss_bwd_cuda(const sf_moe_args *a, sf_stream s)
 
 extern "C" sf_status sf_moe_row_id_map_cuda(const sf_moe_args *a, sf_stream s)
 {
-    return on_device("moe_row_id_map", a->map->device_id, [&] {
+    return on_device("moe_row_id_map", a->map->device_id, {}, [&] {
         cudaStream_t st = sf_cuda_stream(s);
         row_rank_kernel<<<(unsigned)a->E, 1024, 0, st>>>(a->T, a->E, (const uint8_t *)a->map->data,
                                                          (int32_t *)a->out->data, (int64_t *)a->out2->data);
@@ -429,7 +450,7 @@ extern "C" sf_status sf_moe_permute_cuda(const sf_moe_args *a, sf_stream s)
     const size_t es = sf_dtype_size(a->inp->dtype);
     const int vec = (a->H * (int64_t)es) % 16 == 0 && (uintptr_t)a->inp->data % 16 == 0 &&
                     (uintptr_t)a->out->data % 16 == 0;
-    return on_device("moe_permute", a->inp->device_id, [&] {
+    return on_device("moe_permute", a->inp->device_id, {{"probs", a->probs}, {"out_probs", a->out2}}, [&] {
         permute_kernel<<<token_blocks(a->T), kThreads, 0, sf_cuda_stream(s)>>>(
             a->T, a->E, a->H, a->N, (const int32_t *)a->map->data, (const char *)a->inp->data,
             es, vec, a->probs ? a->probs->data : nullptr,
@@ -441,7 +462,7 @@ extern "C" sf_status sf_moe_permute_cuda(const sf_moe_args *a, sf_stream s)
 
 extern "C" sf_status sf_moe_unpermute_cuda(const sf_moe_args *a, sf_stream s)
 {
-    return on_device("moe_unpermute", a->inp->device_id, [&] {
+    return on_device("moe_unpermute", a->inp->device_id, {{"inp", a->inp}, {"probs", a->probs}}, [&] {
         unpermute_kernel<<<token_blocks(a->T), kThreads, 0, sf_cuda_stream(s)>>>(
             a->T, a->E, a->H, a->N, (const int32_t *)a->map->data, a->inp->data, a->inp->dtype,
             a->probs ? a->probs->data : nullptr, a->probs ? a->probs->dtype : SF_FLOAT32, a->out->data);
@@ -451,7 +472,8 @@ extern "C" sf_status sf_moe_unpermute_cuda(const sf_moe_args *a, sf_stream s)
 
 extern "C" sf_status sf_moe_unpermute_bwd_cuda(const sf_moe_args *a, sf_stream s)
 {
-    return on_device("moe_unpermute_bwd", a->grad->device_id, [&] {
+    return on_device("moe_unpermute_bwd", a->grad->device_id,
+                     {{"dout", a->grad}, {"inp", a->inp}, {"probs", a->probs}, {"dprobs", a->out2}}, [&] {
         unpermute_bwd_kernel<<<token_blocks(a->T), kThreads, 0, sf_cuda_stream(s)>>>(
             a->T, a->E, a->H, a->N, (const int32_t *)a->map->data, a->grad->data, a->grad->dtype,
             a->inp ? a->inp->data : nullptr, a->inp ? a->inp->dtype : SF_FLOAT32,
@@ -463,7 +485,8 @@ extern "C" sf_status sf_moe_unpermute_bwd_cuda(const sf_moe_args *a, sf_stream s
 
 extern "C" sf_status sf_moe_permute_probs_bwd_cuda(const sf_moe_args *a, sf_stream s)
 {
-    return on_device("moe_permute_probs_bwd", a->map->device_id, [&] {
+    return on_device("moe_permute_probs_bwd", a->map->device_id,
+                     {{"dout_probs", a->grad}, {"dprobs", a->out}}, [&] {
         permute_probs_bwd_kernel<<<blocks_for(a->T * a->E, a->map->device_id), kThreads, 0, sf_cuda_stream(s)>>>(
             a->T * a->E, a->N, (const int32_t *)a->map->data, a->grad->data, a->grad->dtype,
             a->out->data, a->out->dtype);
@@ -473,7 +496,7 @@ extern "C" sf_status sf_moe_permute_probs_bwd_cuda(const sf_moe_args *a, sf_stre
 
 extern "C" sf_status sf_moe_swiglu_fwd_cuda(const sf_moe_args *a, sf_stream s)
 {
-    return on_device("moe_swiglu_fwd", a->inp->device_id, [&] {
+    return on_device("moe_swiglu_fwd", a->inp->device_id, {{"x", a->inp}, {"probs", a->probs}}, [&] {
         swiglu_fwd_kernel<<<blocks_for(a->N * a->H, a->inp->device_id), kThreads, 0, sf_cuda_stream(s)>>>(
             a->N, a->H, a->inp->data, a->inp->dtype, a->probs ? a->probs->data : nullptr,
             a->probs ? a->probs->dtype : SF_FLOAT32, a->out->data);
@@ -483,7 +506,8 @@ extern "C" sf_status sf_moe_swiglu_fwd_cuda(const sf_moe_args *a, sf_stream s)
 
 extern "C" sf_status sf_moe_swiglu_bwd_cuda(const sf_moe_args *a, sf_stream s)
 {
-    return on_device("moe_swiglu_bwd", a->inp->device_id, [&] {
+    return on_device("moe_swiglu_bwd", a->inp->device_id,
+                     {{"dout", a->grad}, {"x", a->inp}, {"probs", a->probs}, {"dprobs", a->out2}}, [&] {
         swiglu_bwd_kernel<<<token_blocks(a->N), kThreads, 0, sf_cuda_stream(s)>>>(
             a->N, a->H, a->grad->data, a->grad->dtype, a->inp->data, a->inp->dtype,
             a->probs ? a->probs->data : nullptr, a->probs ? a->probs->dtype : SF_FLOAT32,

@@ -6,6 +6,7 @@
  * every dtype and the float32 backward; norm_bwd_16bit_cuda.cu the float16
  * and bfloat16 backward.  The kernels and their design: norm_kernels.cuh.
  */
+#include "../core/visit.cuh"
 #include "norm_kernels.cuh"
 
 /* compiled in norm_bwd_16bit_cuda.cu */
@@ -69,6 +70,8 @@ sf_status fwd(const sf_norm_fwd_args *a, cudaStream_t stream)
     p.gamma_f32 = a->gamma->dtype == SF_FLOAT32;
     p.out_kind = a->y->dtype == SF_FLOAT8_E4M3 ? kOutE4M3
                  : a->y->dtype == SF_FLOAT8_E5M2 ? kOutE5M2 : kOutSame;
+    if (p.out_kind == kOutSame && a->y->dtype != a->x->dtype) /* kOutSame writes y as x's type */
+        return sf_visit_refuse(op, "y", a->y->dtype, "y in x's dtype, float8_e4m3fn or float8_e5m2");
 
     if (a->rows == 0) {
         if (p.scale_inv) { /* nothing to normalize, but the contract still holds */
@@ -84,11 +87,9 @@ sf_status fwd(const sf_norm_fwd_args *a, cudaStream_t stream)
     const bool vec = a->hidden % ve == 0 && aligned16(p.x) &&
                      ((uintptr_t)p.y % (uintptr_t)(ve * ysize)) == 0;
     const int device = a->x->device_id;
-    switch (a->x->dtype) {
-    case SF_FLOAT32: return launch_fwd<float>(p, vec, device, stream);
-    case SF_FLOAT16: return launch_fwd<__half>(p, vec, device, stream);
-    default:         return launch_fwd<__nv_bfloat16>(p, vec, device, stream);
-    }
+    return sf_visit_float(op, "x", a->x->dtype, [&](auto tag) {
+        return launch_fwd<typename decltype(tag)::type>(p, vec, device, stream);
+    });
 }
 
 /* The vector path: rows of whole 16-byte vectors, every row tensor aligned. */
@@ -133,18 +134,15 @@ sf_status bwd(const sf_norm_bwd_args *a, cudaStream_t stream)
     p.want_dbeta = a->dbeta != NULL;
 
     int64_t grid = 0;
-    switch (a->x->dtype) {
-    case SF_FLOAT32: SF_TRY(launch_bwd<float>(p, c, vec, device, bound, stream, &grid)); break;
-    case SF_FLOAT16: SF_TRY(launch_bwd<__half>(p, c, vec, device, bound, stream, &grid)); break;
-    default:         SF_TRY(launch_bwd<__nv_bfloat16>(p, c, vec, device, bound, stream, &grid)); break;
-    }
+    SF_TRY(sf_visit_float(op, "x", a->x->dtype, [&](auto tag) {
+        return launch_bwd<typename decltype(tag)::type>(p, c, vec, device, bound, stream, &grid);
+    }));
     void *dbeta = a->dbeta ? a->dbeta->data : NULL;
     const int parts = (int)grid;
-    switch (a->gamma->dtype) {
-    case SF_FLOAT32: return launch_reduce<float>(p.ws, parts, p.hidden, a->dgamma->data, dbeta, stream);
-    case SF_FLOAT16: return launch_reduce<__half>(p.ws, parts, p.hidden, a->dgamma->data, dbeta, stream);
-    default: return launch_reduce<__nv_bfloat16>(p.ws, parts, p.hidden, a->dgamma->data, dbeta, stream);
-    }
+    return sf_visit_float(op, "gamma", a->gamma->dtype, [&](auto tag) {
+        using G = typename decltype(tag)::type;
+        return launch_reduce<G>(p.ws, parts, p.hidden, a->dgamma->data, dbeta, stream);
+    });
 }
 
 } // namespace sf_norm

@@ -16,8 +16,11 @@
  * single-block kernel adds them in a fixed order (deterministic) and takes the
  * square root.  Nothing is read back to the host.
  */
+#include <type_traits>
+
 #include "../core/cuda_util.h"
 #include "../core/vec_io.cuh"
+#include "../core/visit.cuh"
 #include "optim_backend.h"
 
 namespace {
@@ -317,6 +320,17 @@ struct DeviceScope {
     }
 };
 
+/* The l2 norm and scale kernels read each tensor's dtype on the device (one
+ * launch holds tensors of mixed dtypes), where the branch after float32 and
+ * float16 reads bfloat16.  The host visits every dtype first, so that branch
+ * never sees another one. */
+sf_status visit_list(const char *op, int64_t n, const sf_tensor *tensors)
+{
+    for (int64_t i = 0; i < n; ++i)
+        SF_TRY(sf_visit_float(op, "tensors", tensors[i].dtype, [](auto) { return SF_OK; }));
+    return SF_OK;
+}
+
 } // namespace
 
 extern "C" sf_status sf_multi_tensor_adamw_cuda(int64_t n, sf_tensor *params, const sf_tensor *grads,
@@ -333,36 +347,34 @@ extern "C" sf_status sf_multi_tensor_adamw_cuda(int64_t n, sf_tensor *params, co
     sf_dtype dt = params[0].dtype;
     bool with_master = master != NULL;
     bool fp32_grads = grads[0].dtype == SF_FLOAT32 && dt != SF_FLOAT32;
-    auto launch = [&](const MTMeta<5, kAdamTensors> &meta, int chunks) -> sf_status {
-        int grid = grid_for(chunks, device);
-        if (dt == SF_FLOAT32)
-            adamw_kernel<float, float, false><<<grid, kBlock, 0, stream>>>(meta, kk);
-        else if (dt == SF_BFLOAT16 && fp32_grads && with_master)
-            adamw_kernel<__nv_bfloat16, float, true><<<grid, kBlock, 0, stream>>>(meta, kk);
-        else if (dt == SF_BFLOAT16 && fp32_grads)
-            adamw_kernel<__nv_bfloat16, float, false><<<grid, kBlock, 0, stream>>>(meta, kk);
-        else if (dt == SF_BFLOAT16 && with_master)
-            adamw_kernel<__nv_bfloat16, __nv_bfloat16, true><<<grid, kBlock, 0, stream>>>(meta, kk);
-        else if (dt == SF_BFLOAT16)
-            adamw_kernel<__nv_bfloat16, __nv_bfloat16, false><<<grid, kBlock, 0, stream>>>(meta, kk);
-        else if (fp32_grads && with_master)
-            adamw_kernel<__half, float, true><<<grid, kBlock, 0, stream>>>(meta, kk);
-        else if (fp32_grads)
-            adamw_kernel<__half, float, false><<<grid, kBlock, 0, stream>>>(meta, kk);
-        else if (with_master)
-            adamw_kernel<__half, __half, true><<<grid, kBlock, 0, stream>>>(meta, kk);
-        else
-            adamw_kernel<__half, __half, false><<<grid, kBlock, 0, stream>>>(meta, kk);
-        SF_CUDA_CHECK_LAUNCH(op);
-        return SF_OK;
-    };
-    return plan<5, kAdamTensors>(n, lists, launch);
+    /* float32 params: float32 grads, no master copy (the entry refuses one);
+     * 16-bit params P: grads in P or float32, with or without master */
+    return sf_visit_float(op, "params", dt, [&](auto tag) {
+        using P = typename decltype(tag)::type;
+        auto launch = [&](const MTMeta<5, kAdamTensors> &meta, int chunks) -> sf_status {
+            int grid = grid_for(chunks, device);
+            if constexpr (std::is_same<P, float>::value)
+                adamw_kernel<float, float, false><<<grid, kBlock, 0, stream>>>(meta, kk);
+            else if (fp32_grads && with_master)
+                adamw_kernel<P, float, true><<<grid, kBlock, 0, stream>>>(meta, kk);
+            else if (fp32_grads)
+                adamw_kernel<P, float, false><<<grid, kBlock, 0, stream>>>(meta, kk);
+            else if (with_master)
+                adamw_kernel<P, P, true><<<grid, kBlock, 0, stream>>>(meta, kk);
+            else
+                adamw_kernel<P, P, false><<<grid, kBlock, 0, stream>>>(meta, kk);
+            SF_CUDA_CHECK_LAUNCH(op);
+            return SF_OK;
+        };
+        return plan<5, kAdamTensors>(n, lists, launch);
+    });
 }
 
 extern "C" sf_status sf_multi_tensor_l2norm_cuda(int64_t n, const sf_tensor *tensors, sf_tensor *workspace,
                                                  sf_tensor *out, sf_stream s)
 {
     static const char op[] = "multi_tensor_l2norm";
+    SF_TRY(visit_list(op, n, tensors));
     int device = out->device_id;
     DeviceScope scope;
     SF_TRY(scope.enter(op, device));
@@ -387,6 +399,7 @@ extern "C" sf_status sf_multi_tensor_scale_cuda(int64_t n, sf_tensor *tensors, c
                                                 sf_stream s)
 {
     static const char op[] = "multi_tensor_scale";
+    SF_TRY(visit_list(op, n, tensors));
     int device = scale->device_id;
     DeviceScope scope;
     SF_TRY(scope.enter(op, device));

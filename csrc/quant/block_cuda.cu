@@ -12,6 +12,7 @@
  * clarity and coalesced access, not tuned like cast_transpose.
  */
 #include "../core/cuda_util.h"
+#include "../core/visit.cuh"
 #include "cast_backend.h"
 #include "fp8_cuda.cuh"
 
@@ -430,13 +431,12 @@ extern "C" sf_status sf_block_quantize_cuda(const sf_block_args *a, int device, 
     /* an empty matrix has no blocks and no scales, but NVFP4 still owes its
      * per-tensor scale */
     if (st == SF_OK && (a->m * a->k != 0 || a->format == SF_BLOCK_NVFP4)) {
-        switch (a->x_dtype) {
-        case SF_FLOAT32: launch_quantize<float>(a, sms, stream); break;
-        case SF_FLOAT16: launch_quantize<__half>(a, sms, stream); break;
-        default:         launch_quantize<__nv_bfloat16>(a, sms, stream); break;
-        }
+        st = sf_visit_float("block quantize", "x", a->x_dtype, [&](auto tag) {
+            launch_quantize<typename decltype(tag)::type>(a, sms, stream);
+            return SF_OK;
+        });
         cudaError_t e = cudaGetLastError();
-        if (e != cudaSuccess)
+        if (st == SF_OK && e != cudaSuccess)
             st = sf_fail(SF_ERR_RUNTIME, "block quantize: CUDA error %s: %s", cudaGetErrorName(e),
                          cudaGetErrorString(e));
     }
@@ -455,13 +455,14 @@ extern "C" sf_status sf_block_dequantize_cuda(const sf_block_args *a, int device
     sf_status st = sms_of_current(&sms);
     if (st == SF_OK) {
         int grid = sf_grid_size(a->m * a->k, kThreads, sms * 16);
-        switch (a->x_dtype) {
-        case SF_FLOAT32: dequant_kernel<float><<<grid, kThreads, 0, stream>>>(*a, (float *)a->y); break;
-        case SF_FLOAT16: dequant_kernel<__half><<<grid, kThreads, 0, stream>>>(*a, (__half *)a->y); break;
-        default: dequant_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(*a, (__nv_bfloat16 *)a->y); break;
-        }
+        /* x_dtype holds the dtype of the dequantized output here */
+        st = sf_visit_float("block dequantize", "out", a->x_dtype, [&](auto tag) {
+            using T = typename decltype(tag)::type;
+            dequant_kernel<T><<<grid, kThreads, 0, stream>>>(*a, (T *)a->y);
+            return SF_OK;
+        });
         cudaError_t e = cudaGetLastError();
-        if (e != cudaSuccess)
+        if (st == SF_OK && e != cudaSuccess)
             st = sf_fail(SF_ERR_RUNTIME, "block dequantize: CUDA error %s: %s", cudaGetErrorName(e),
                          cudaGetErrorString(e));
     }

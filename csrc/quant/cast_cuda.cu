@@ -33,6 +33,7 @@
 #include <cooperative_groups.h>
 
 #include "../core/cuda_util.h"
+#include "../core/visit.cuh"
 #include "cast_backend.h"
 #include "fp8_cuda.cuh"
 
@@ -451,11 +452,9 @@ extern "C" sf_status sf_cast_fp8_cuda(const sf_cast_args *a, int device, sf_stre
         b.col_sums = NULL; /* no rows: no sums to write */
         st = launch_cast<float>(&b, stream);
     } else {
-        switch (a->x_dtype) {
-        case SF_FLOAT32: st = launch_cast<float>(a, stream); break;
-        case SF_FLOAT16: st = launch_cast<__half>(a, stream); break;
-        default:         st = launch_cast<__nv_bfloat16>(a, stream); break;
-        }
+        st = sf_visit_float("cast_fp8", "x", a->x_dtype, [&](auto tag) {
+            return launch_cast<typename decltype(tag)::type>(a, stream);
+        });
     }
     sf_cuda_device_restore(&guard);
     return st;
@@ -534,11 +533,9 @@ extern "C" sf_status sf_cast_fp8_current_cuda(const sf_cast_args *a, float fp8_m
     sf_cuda_device_guard guard;
     SF_TRY(sf_cuda_device_enter("cast_fp8_current", device, &guard));
     sf_status st;
-    switch (a->x_dtype) {
-    case SF_FLOAT32: st = launch_cast_current_fmt<float>(a, fp8_max, pow2_neg_margin, stream); break;
-    case SF_FLOAT16: st = launch_cast_current_fmt<__half>(a, fp8_max, pow2_neg_margin, stream); break;
-    default:         st = launch_cast_current_fmt<__nv_bfloat16>(a, fp8_max, pow2_neg_margin, stream); break;
-    }
+    st = sf_visit_float("cast_fp8_current", "x", a->x_dtype, [&](auto tag) {
+        return launch_cast_current_fmt<typename decltype(tag)::type>(a, fp8_max, pow2_neg_margin, stream);
+    });
     sf_cuda_device_restore(&guard);
     if (st == SF_ERR_NOT_IMPLEMENTED) { /* no cooperative launch here: the three kernels instead */
         *launched = 0;
@@ -589,22 +586,14 @@ extern "C" sf_status sf_dequantize_fp8_cuda(const sf_dequant_args *a, int device
     sf_status st = device_sms("dequantize_fp8", &sms);
     if (st == SF_OK) {
         int grid = sf_grid_size(a->n, kThreads, sms * 8);
-        switch (a->out_dtype) {
-        case SF_FLOAT32:
-            dequantize_kernel<float><<<grid, kThreads, 0, stream>>>(a->data, a->n, a->e5m2,
-                                                                     a->scale_inv, (float *)a->out);
-            break;
-        case SF_FLOAT16:
-            dequantize_kernel<__half><<<grid, kThreads, 0, stream>>>(a->data, a->n, a->e5m2,
-                                                                      a->scale_inv, (__half *)a->out);
-            break;
-        default:
-            dequantize_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(
-                a->data, a->n, a->e5m2, a->scale_inv, (__nv_bfloat16 *)a->out);
-            break;
-        }
+        st = sf_visit_float("dequantize_fp8", "out", a->out_dtype, [&](auto tag) {
+            using T = typename decltype(tag)::type;
+            dequantize_kernel<T><<<grid, kThreads, 0, stream>>>(a->data, a->n, a->e5m2, a->scale_inv,
+                                                                (T *)a->out);
+            return SF_OK;
+        });
         cudaError_t e = cudaGetLastError();
-        if (e != cudaSuccess)
+        if (st == SF_OK && e != cudaSuccess)
             st = sf_fail(SF_ERR_RUNTIME, "dequantize_fp8: CUDA error %s: %s", cudaGetErrorName(e),
                          cudaGetErrorString(e));
     }
