@@ -8,12 +8,25 @@ import torch
 import seqfuse
 
 
-def _sample(config, items):
+@pytest.hookimpl(trylast=True)  # after -m / -k deselection: the count is of the tests that would run
+def pytest_collection_modifyitems(config, items):
     """SEQFUSE_TEST_SAMPLE=N keeps every N-th test of each file that holds
     more than 100 (a GPU call that cannot afford the thousands of attention
-    cases runs an even sample of them); the rest are reported as deselected."""
-    n = int(os.environ.get("SEQFUSE_TEST_SAMPLE", "1"))
-    if n <= 1:
+    cases runs an even sample of them); the rest are reported as deselected.
+    Then the `cuda` marker's skip where no GPU can be used."""
+    sample(config, items)
+    skip_cuda_without_gpu(items)
+
+
+def sample(config, items):
+    value = os.environ.get("SEQFUSE_TEST_SAMPLE", "1")
+    try:
+        n = int(value)
+    except ValueError:
+        raise pytest.UsageError(f"SEQFUSE_TEST_SAMPLE must be a positive integer, got {value!r}") from None
+    if n < 1:
+        raise pytest.UsageError(f"SEQFUSE_TEST_SAMPLE must be a positive integer, got {value!r}")
+    if n == 1:
         return
     by_file = {}
     for item in items:
@@ -25,8 +38,7 @@ def _sample(config, items):
         items[:] = [item for item in items if id(item) not in dropped]
 
 
-def pytest_collection_modifyitems(config, items):
-    _sample(config, items)
+def skip_cuda_without_gpu(items):
     if seqfuse.cuda_available() and torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU and a CUDA build of seqfuse")

@@ -71,7 +71,7 @@ def test_visitors_compile_for_every_element_type(tmp_path):
 
 LAUNCHERS = r"""
 #include <stdio.h>
-#include "moe/moe.h"
+#include "moe/moe_backend.h"
 #include "optim/optim_backend.h"
 
 static void report(const char *what, sf_status st)

@@ -5,7 +5,7 @@
  * tensors a backend reads this way; any other dtype reaching here is a
  * missing check, and stops the process with the dtype named
  * (sf_float_io_abort) instead of reading its bytes as another format.  The
- * three valid cases are the same conversions as ever; the abort is a cold
+ * three valid cases convert as float_bits.h does; the abort is a cold
  * call out of line, one more compare on the dispatch.
  */
 #ifndef SF_FLOAT_IO_H

@@ -36,9 +36,11 @@ cosine / linear / constant decay).  Logs every ``log_interval`` steps (loss,
 LR, tokens/s, unpadded tokens/s, step time, MFU and peak memory on CUDA);
 validation every ``eval_interval``; a bad label that seqfuse's CUDA loss
 recorded without stopping the host (its deferred label check) is raised at
-the latest at each logging step and after each validation
-(seqfuse.ops.check_pending_errors, after the synchronization those make
-anyway); checkpoints every
+the latest at each logging step, after each validation and before each
+checkpoint (seqfuse.check_pending_errors on every rank together; in the
+steps between a bad label and its error the NaN gradients of its rows have
+already reached the weights, so no checkpoint is written from them);
+checkpoints every
 ``checkpoint.interval`` and at the end; HF export at the end; an Nsight
 Systems capture range (``profiler``: cudaProfilerStart before
 profiler.start_step, cudaProfilerStop after profiler.end_step, an NVTX range
@@ -294,6 +296,30 @@ def no_grad_sync(model, strategy, active):
         yield
 
 
+def labels_checked_together(device, wait):
+    """seqfuse.check_pending_errors on every rank at once: the rank whose
+    loss kernels recorded a bad label raises that ValueError and every other
+    rank a RuntimeError naming it, instead of waiting in the next collective
+    for a rank that has left (a hang until the process group's timeout)."""
+    from seqfuse import check_pending_errors
+
+    error = None
+    try:
+        check_pending_errors(wait=wait)
+    except ValueError as e:
+        error = e
+    bad = [0] if error is not None else []
+    if dist.is_initialized():
+        flags = torch.zeros(dist.get_world_size(), device=device)
+        flags[dist.get_rank()] = float(error is not None)
+        dist.all_reduce(flags)
+        bad = [i for i, f in enumerate(flags.tolist()) if f]
+    if error is not None:
+        raise error
+    if bad:
+        raise RuntimeError(f"a bad label was recorded on rank {', '.join(map(str, bad))} (its ValueError names it)")
+
+
 def all_reduce_sum(values, device):
     t = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized():
@@ -309,7 +335,6 @@ def evaluate(model, val_loader, cfg, recipe, device, forward_loss):
     (rolling the amax history), so the scaling state is snapshotted before
     and restored after -- a run that validates trains exactly as one that
     does not (tests/test_recipe_esm2.py)."""
-    from seqfuse.ops import check_pending_errors
     from seqfuse.pytorch import autocast
     from seqfuse.quantization import restore_scaling, snapshot_scaling
 
@@ -333,7 +358,8 @@ def evaluate(model, val_loader, cfg, recipe, device, forward_loss):
         if dist.is_initialized():
             dist.all_reduce(total)
         value = (total[0] / total[1].clamp(min=1)).item()  # synchronizes: every loss kernel has run
-        check_pending_errors(wait=False)
+        if device.type == "cuda":
+            labels_checked_together(device, wait=False)
         return value
     finally:
         restore_scaling(snapshot)
@@ -446,7 +472,6 @@ def _resume(cfg, spec, model, optimizer, scheduler, train_loader, rank):
 
 def _run(cfg, strategy, spec):
     from seqfuse.optim import clip_grad_norm_
-    from seqfuse.ops import check_pending_errors
     from seqfuse.pytorch import autocast
 
     log = spec.log
@@ -504,6 +529,8 @@ def _run(cfg, strategy, spec):
     summary_rates = []
 
     def save(s):
+        if cuda:  # a bad label of the steps since the last check: its NaN gradients are in the weights
+            labels_checked_together(device, wait=True)
         trainer_state = {"step": s, "scheduler": scheduler.state_dict(), "data": train_loader.state_dict(),
                          "config": cfg.to_dict(), "world_size": world, "strategy": strategy}
         p = ckpt.save_checkpoint(root, s, model, optimizer, trainer_state, keep_last=int(cfg.checkpoint.keep_last))
@@ -542,7 +569,7 @@ def _run(cfg, strategy, spec):
         if step % int(cfg.train.log_interval) == 0 or last:
             if cuda:
                 torch.cuda.synchronize(device)
-                check_pending_errors(wait=False)  # a bad label recorded by a loss kernel of this window
+                labels_checked_together(device, wait=False)  # a bad label recorded by a loss kernel of this window
             dt = time.perf_counter() - win["t0"]
             local_loss = torch.stack(win["loss"]).float().mean().item()
             loss_sum, tokens, real, flops = all_reduce_sum(

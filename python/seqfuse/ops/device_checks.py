@@ -46,7 +46,7 @@ Under CUDA graph capture no host read is allowed.  Labels are then recorded
 by the kernel (deferred, whatever the mode but "off") and judged after the
 capture.  A cu_seqlens check is skipped and logger "seqfuse" says so once
 per op and argument (WARNING): a bad cu_seqlens in a replay is clamped by
-the kernels, as it always was; check the lengths before capture (the
+the kernels; check the lengths before capture (the
 warning says so).
 """
 import logging

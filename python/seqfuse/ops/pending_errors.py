@@ -24,7 +24,13 @@ How (the "deferred" label check, SEQFUSE_CHECK_LABELS's default):
   kernel has finished by then, the error is raised there; otherwise at the
   next such point, and at the latest at :func:`check_pending_errors`, which
   waits for the devices first (training loops call it at their logging step,
-  where they synchronize already).
+  where they synchronize already).  What this costs: the steps run between
+  a bad label and its error have trained on its NaN gradients (up to one
+  logging window in a training loop), so a loop checks before it saves a
+  checkpoint; SEQFUSE_CHECK_LABELS=sync raises before the loss returns.
+- One stream per device: the sink's claim is cleared on the current stream,
+  so losses launched on a side stream concurrently with that clear could
+  claim it twice.
 - The error is the ValueError a synchronous check gives ("<op>: argument
   'labels' holds <value> at row <row>, outside [0, V) and not ignore_index
   <i>"), followed by where it was found.  Op and row are the caller's: each
