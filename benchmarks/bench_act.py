@@ -63,15 +63,15 @@ def main():
         peer = torch_act(name)
         impls = {"seqfuse": lambda t, n=name: activation(t, n), "eager": peer, "compile": torch.compile(peer, dynamic=False)}
         dy = torch.randn(ROWS, COLS // 2 if gated else COLS, device="cuda", dtype=torch.bfloat16)
-        for pss, traffic in (("fwd", (1.5 if gated else 2.0) * nb),
-                             ("fwd+bwd", (4.0 if gated else 5.0) * nb),
-                             ("fwd+bwd x4 queued", (4.0 if gated else 5.0) * nb)):
+        for pss, traffic in (("forward", (1.5 if gated else 2.0) * nb),
+                             ("forward+backward", (4.0 if gated else 5.0) * nb),
+                             ("forward+backward x4 queued", (4.0 if gated else 5.0) * nb)):
             times = {}
             for impl, fn in impls.items():
-                if pss == "fwd":
+                if pss == "forward":
                     with torch.no_grad():
                         times[impl] = cuda_time_ms(lambda: fn(x))
-                elif pss == "fwd+bwd":
+                elif pss == "forward+backward":
                     times[impl] = cuda_time_ms(lambda: torch.autograd.grad(fn(xg), (xg,), dy))
                 else:  # per pass, host running ahead as in a training step
                     times[impl] = cuda_time_ms(
@@ -96,10 +96,10 @@ def main():
     compiled = torch.compile(torch_bda, dynamic=False)
     impls = {"seqfuse": lambda a, bb, rr: bias_dropout_add(a, bb, rr, 0.1), "eager": torch_bda,
              "compile": compiled}
-    for pss, traffic in (("fwd", 3 * nb), ("fwd+bwd", 5 * nb)):
+    for pss, traffic in (("forward", 3 * nb), ("forward+backward", 5 * nb)):
         times = {}
         for impl, fn in impls.items():
-            if pss == "fwd":
+            if pss == "forward":
                 with torch.no_grad():
                     times[impl] = cuda_time_ms(lambda: fn(xs, b, r))
             else:
@@ -114,7 +114,7 @@ def main():
         series["vs compile"].append(times["compile"] / times["seqfuse"])
         series["fraction of copy"].append(traffic / times["seqfuse"] / 1e9 / ceiling)
     table.add(op="copy", shape=f"{ROWS}x{COLS}", impl="torch copy_", TB_s=ceiling, pct_copy=100.0)
-    table.save({"dtype": "bfloat16", "note": "bias_dropout_add fwd+bwd bytes: x, b, r read + out write; "
+    table.save({"dtype": "bfloat16", "note": "bias_dropout_add forward+backward bytes: x, b, r read + out write; "
                 "dout read + dx write (dresidual is dout itself)"})
     plot_bars(os.path.join(RESULTS, "act.png"), "seqfuse activations (bf16, H200)", labels, series,
               "x (speedup) / fraction of copy")

@@ -8,12 +8,12 @@ dims 64 (32 heads) and 128 (16 heads), causal and not, forward and
 forward+backward, bf16.  TFLOP/s = 4*b*h*s^2*d (halved when causal), x3.5
 with the backward; ratio = seqfuse / torch (goal >= 1.0).  On Hopper,
 sm90_tflops and sm90_ratio (forward rows) time the same call with the wgmma
-forward (attn_fwd_sm90_cuda.cu) selected, whatever the default is, so the
+forward (attn_forward_sm90_cuda.cu) selected, whatever the default is, so the
 sm90 and sm80 forwards and torch stand side by side.  The wgmma forward's
 other schedules are timed by the check program (csrc/attn/check_attn_sm90.cu,
-part (d)): the library builds only its own.  sm80bwd_tflops and sm80bwd_ratio (forward+backward rows) time the
+part (d)): the library builds only its own.  sm80backward_tflops and sm80backward_ratio (forward+backward rows) time the
 same call with the sm80 (mma.sync) backward selected instead of the default
-wgmma one (attn_bwd_sm90_cuda.cu).
+wgmma one (attn_backward_sm90_cuda.cu).
 
 Part 2, packed (thd) proteins: ESM-2 attention, 20 heads of 64 (650M), 32
 (150M), 24 (35M; the kernel runs it as a 32-wide tile) and 16 (8M), 16k
@@ -52,25 +52,25 @@ def sdpa_flops(b, h, s, d, causal, backward):
     return 4.0 * b * h * s * s * d * (0.5 if causal else 1.0) * (3.5 if backward else 1.0)
 
 
-def _hopper_time(fn, fwd_kernel=None, bwd_kernel=None):
-    """cuda_time_ms(fn) with the forward kernel ``fwd_kernel`` and / or the
-    backward kernel ``bwd_kernel`` (90 or 80) selected; None off Hopper.  The
-    process's kernel choices (SEQFUSE_ATTN_FWD_KERNEL /
-    SEQFUSE_ATTN_BWD_KERNEL or an earlier set_attention_*_kernel) are put
+def _hopper_time(fn, forward_kernel=None, backward_kernel=None):
+    """cuda_time_ms(fn) with the forward kernel ``forward_kernel`` and / or the
+    backward kernel ``backward_kernel`` (90 or 80) selected; None off Hopper.  The
+    process's kernel choices (SEQFUSE_ATTN_FORWARD_KERNEL /
+    SEQFUSE_ATTN_BACKWARD_KERNEL or an earlier set_attention_*_kernel) are put
     back after."""
     if torch.cuda.get_device_capability() != (9, 0):
         return None
-    fwd_was = seqfuse.ops.attention_fwd_kernel(64)[0]
-    bwd_was = seqfuse.ops.attention_bwd_kernel(64)[0]
-    if fwd_kernel is not None:
-        seqfuse.ops.set_attention_fwd_kernel(fwd_kernel)
-    if bwd_kernel is not None:
-        seqfuse.ops.set_attention_bwd_kernel(bwd_kernel)
+    forward_was = seqfuse.ops.attention_forward_kernel(64)[0]
+    backward_was = seqfuse.ops.attention_backward_kernel(64)[0]
+    if forward_kernel is not None:
+        seqfuse.ops.set_attention_forward_kernel(forward_kernel)
+    if backward_kernel is not None:
+        seqfuse.ops.set_attention_backward_kernel(backward_kernel)
     try:
         return cuda_time_ms(fn)
     finally:
-        seqfuse.ops.set_attention_fwd_kernel(fwd_was)
-        seqfuse.ops.set_attention_bwd_kernel(bwd_was)
+        seqfuse.ops.set_attention_forward_kernel(forward_was)
+        seqfuse.ops.set_attention_backward_kernel(backward_was)
 
 
 def sdpa_pair(ours_in, peer_in, backward, ours_kw, peer_kw):
@@ -91,7 +91,7 @@ def sdpa_pair(ours_in, peer_in, backward, ours_kw, peer_kw):
             F.scaled_dot_product_attention(qg, kg, vg, **peer_kw).backward(dt)
     else:
         def ours():
-            seqfuse.ops.attention_fwd(q, k, v, **ours_kw)
+            seqfuse.ops.attention_forward(q, k, v, **ours_kw)
 
         def peer():
             with torch.no_grad():
@@ -115,19 +115,19 @@ def padded_rows(table):
                 for backward in (False, True):
                     ours, peer = bshd_pair(q, k, v, dout, backward, dict(attn_mask_type=mask), dict(is_causal=causal))
                     t_ours, t_peer = cuda_time_ms(ours), cuda_time_ms(peer)
-                    t90 = None if backward else _hopper_time(ours, fwd_kernel=90)
-                    t80b = _hopper_time(ours, bwd_kernel=80) if backward else None
+                    t90 = None if backward else _hopper_time(ours, forward_kernel=90)
+                    t80b = _hopper_time(ours, backward_kernel=80) if backward else None
                     fl = sdpa_flops(b, h, s, d, causal, backward)
-                    table.add(case=f"s{s} d{d}{' causal' if causal else ''} {'fwd+bwd' if backward else 'fwd'}",
+                    table.add(case=f"s{s} d{d}{' causal' if causal else ''} {'forward+backward' if backward else 'forward'}",
                               seqlen=s, head_dim=d, heads=h, batch=b, causal=causal,
-                              passes="fwd+bwd" if backward else "fwd",
+                              passes="forward+backward" if backward else "forward",
                               seqfuse_ms=t_ours, torch_ms=t_peer,
                               seqfuse_tflops=fl / t_ours / 1e9, torch_tflops=fl / t_peer / 1e9,
                               ratio=t_peer / t_ours,
                               sm90_tflops=fl / t90 / 1e9 if t90 else None,
                               sm90_ratio=t_peer / t90 if t90 else None,
-                              sm80bwd_tflops=fl / t80b / 1e9 if t80b else None,
-                              sm80bwd_ratio=t_peer / t80b if t80b else None)
+                              sm80backward_tflops=fl / t80b / 1e9 if t80b else None,
+                              sm80backward_ratio=t_peer / t80b if t80b else None)
                 del q, k, v, dout
                 torch.cuda.empty_cache()
 
@@ -141,9 +141,9 @@ def dropout_rows(table, p=0.1):
             ours, peer = bshd_pair(q, k, v, dout, backward, dict(dropout_p=p), dict(dropout_p=p))
             t_ours, t_peer = cuda_time_ms(ours), cuda_time_ms(peer)
             fl = sdpa_flops(b, h, s, d, False, backward)
-            table.add(case=f"s{s} d{d} dropout {p} {'fwd+bwd' if backward else 'fwd'}",
+            table.add(case=f"s{s} d{d} dropout {p} {'forward+backward' if backward else 'forward'}",
                       seqlen=s, head_dim=d, heads=h, batch=b, causal=False, dropout=p,
-                      passes="fwd+bwd" if backward else "fwd",
+                      passes="forward+backward" if backward else "forward",
                       seqfuse_ms=t_ours, torch_ms=t_peer,
                       seqfuse_tflops=fl / t_ours / 1e9, torch_tflops=fl / t_peer / 1e9,
                       ratio=t_peer / t_ours)
@@ -207,9 +207,9 @@ def packed_model_rows(table, lengths, h, d, model):
         ours, peer = sdpa_pair((q, k, v, dout), (qp, kp, vp, dp), backward, kw, dict(attn_mask=keep))
         t_ours, t_peer = cuda_time_ms(ours), cuda_time_ms(peer)
         fl = useful * (3.5 if backward else 1.0)
-        table.add(case=f"proteins thd d{d} ({model}) {'fwd+bwd' if backward else 'fwd'}",
+        table.add(case=f"proteins thd d{d} ({model}) {'forward+backward' if backward else 'forward'}",
                   seqlen=f"{b} seqs, max {smax}",
-                  head_dim=d, heads=h, batch=b, causal=False, passes="fwd+bwd" if backward else "fwd",
+                  head_dim=d, heads=h, batch=b, causal=False, passes="forward+backward" if backward else "forward",
                   seqfuse_ms=t_ours, torch_ms=t_peer, seqfuse_tflops=fl / t_ours / 1e9,
                   torch_tflops=fl / t_peer / 1e9, ratio=t_peer / t_ours)
     del q, k, v, dout, qp, kp, vp, dp
@@ -225,7 +225,7 @@ def main():
     # padded rows' autograd calls to cuDNN (the same kernels torch runs)
     seqfuse.ops.set_attention_backend("seqfuse")
     table = Table("attn", ["case", "seqfuse_tflops", "torch_tflops", "ratio", "seqfuse_ms", "torch_ms",
-                           "sm90_tflops", "sm90_ratio", "sm80bwd_tflops", "sm80bwd_ratio"])
+                           "sm90_tflops", "sm90_ratio", "sm80backward_tflops", "sm80backward_ratio"])
     if "--dropout" in sys.argv[1:]:
         table = Table("attn_dropout", ["case", "seqfuse_tflops", "torch_tflops", "ratio", "seqfuse_ms",
                                        "torch_ms"])

@@ -61,7 +61,7 @@ def main():
             torch.cuda.synchronize()
             peaks[k] = torch.cuda.max_memory_allocated() / 1e9
         bytes_min = 3 * n * v * 2
-        case = f"CE fwd+bwd N={n} V={v} bf16"
+        case = f"CE forward+backward N={n} V={v} bf16"
         for k, ms in times.items():
             table.add(case=case, impl=k, ms=ms, TB_s=bytes_min / ms / 1e9, pct_copy=100 * bytes_min / ms / 1e9 / H200_COPY_TBS,
                       vs_eager=times["torch eager"] / ms, vs_compile=times["torch.compile"] / ms, peak_GB=peaks[k])
@@ -70,11 +70,11 @@ def main():
             series[k].append(bytes_min / times[k] / 1e9)
         print(f"{case}: |seqfuse - torch| loss = {err:.3g}")
         # forward alone
-        fwd = {"seqfuse": lambda: cross_entropy(x.detach(), y), "torch eager": lambda: torch_ce(x.detach(), y),
+        forward = {"seqfuse": lambda: cross_entropy(x.detach(), y), "torch eager": lambda: torch_ce(x.detach(), y),
                "torch.compile": lambda: compiled(x.detach(), y)}
-        ft = {k: cuda_time_ms(f) for k, f in fwd.items()}
+        ft = {k: cuda_time_ms(f) for k, f in forward.items()}
         for k, ms in ft.items():
-            table.add(case=f"CE fwd N={n} V={v} bf16", impl=k, ms=ms, TB_s=n * v * 2 / ms / 1e9,
+            table.add(case=f"CE forward N={n} V={v} bf16", impl=k, ms=ms, TB_s=n * v * 2 / ms / 1e9,
                       pct_copy=100 * n * v * 2 / ms / 1e9 / H200_COPY_TBS,
                       vs_eager=ft["torch eager"] / ms, vs_compile=ft["torch.compile"] / ms)
         del x, base, scratch
@@ -104,13 +104,13 @@ def main():
         base_mem = torch.cuda.memory_allocated()
         f()
         torch.cuda.synchronize()
-        table.add(case=f"linear+CE fwd+bwd N={n} H={h} V={v} bf16", impl=k, ms=times[k],
+        table.add(case=f"linear+CE forward+backward N={n} H={h} V={v} bf16", impl=k, ms=times[k],
                   vs_eager=times["torch eager"] / times[k], vs_compile=times["torch.compile"] / times[k],
                   peak_GB=(torch.cuda.max_memory_allocated() - base_mem) / 1e9)
     table.save({"copy_ceiling_TBs": H200_COPY_TBS,
                 "note": "linear_cross_entropy chunk GEMMs run on seqfuse.ops.gemm (cuBLASLt), weight grad accumulated in fp32; "
                         "peak_GB for linear+CE is memory above what the inputs already held"})
-    plot_bars(f"{RESULTS}/cross_entropy.png", "Cross-entropy fwd+bwd, bf16 logits, H200 (TB/s of 3 N V bytes)",
+    plot_bars(f"{RESULTS}/cross_entropy.png", "Cross-entropy forward+backward, bf16 logits, H200 (TB/s of 3 N V bytes)",
               labels, series, "TB/s")
 
 

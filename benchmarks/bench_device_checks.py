@@ -164,7 +164,7 @@ def bench_ce(table, args):
             torch.autograd.grad(loss, x)
         return call
 
-    run_pair(table, f"ce fwd+bwd logits [{n}, {v}] bf16", make, args.iters, args.warmup,
+    run_pair(table, f"ce forward+backward logits [{n}, {v}] bf16", make, args.iters, args.warmup,
              "labels: sync = 1 host read per call; deferred = recorded by the kernel, no host read",
              modes=("sync", "deferred", "off"))
     del x
@@ -186,7 +186,7 @@ def bench_linear_ce(table, args):
             torch.autograd.grad(loss, (hid, w))
         return call
 
-    run_pair(table, f"linear_ce fwd+bwd [{n}, {h}] x [{v}, {h}] bf16", make, max(3, args.iters // 4),
+    run_pair(table, f"linear_ce forward+backward [{n}, {h}] x [{v}, {h}] bf16", make, max(3, args.iters // 4),
              max(2, args.warmup // 2), "labels: sync = 1 host read per call; deferred = recorded by the kernel",
              modes=("sync", "deferred", "off"))
     del hid, w
@@ -213,9 +213,9 @@ def bench_attn(table, args):
         return call
 
     what = f"{t} tokens, {seqs} proteins, max {max_len}"
-    run_pair(table, f"attn thd fwd+bwd ESM-2 650M heads 20x64, {what}", lambda: make(1), args.iters, args.warmup,
+    run_pair(table, f"attn thd forward+backward ESM-2 650M heads 20x64, {what}", lambda: make(1), args.iters, args.warmup,
              "new cu_seqlens each call: one check (1 host read) per call")
-    run_pair(table, f"attn_x33 thd fwd+bwd, 33 calls sharing one cu_seqlens, {what}", lambda: make(33),
+    run_pair(table, f"attn_x33 thd forward+backward, 33 calls sharing one cu_seqlens, {what}", lambda: make(33),
              max(3, args.iters // 4), max(2, args.warmup // 2),
              "one check per 33 calls (the rest hit the cache): one ESM-2 650M step's attention")
     del q, k, v, dout

@@ -25,9 +25,9 @@ import torch
 
 from harness import Table
 
-STUBBED = ("act_bwd", "act_fwd", "amax", "cast_fp8", "cast_fp8_current", "cast_fp8_dbias", "fp8_compute_scale",
+STUBBED = ("act_backward", "act_forward", "amax", "cast_fp8", "cast_fp8_current", "cast_fp8_dbias", "fp8_compute_scale",
            "fp8_scale_update",
-           "gemm", "layernorm_bwd", "layernorm_fwd", "rmsnorm_bwd", "rmsnorm_fwd", "transpose_fp8",
+           "gemm", "layernorm_backward", "layernorm_forward", "rmsnorm_backward", "rmsnorm_forward", "transpose_fp8",
            "quantize_block_fp8", "quantize_block_fp8_rowcol")
 
 
@@ -55,7 +55,7 @@ def layer_modules(device, hidden=128, ffn=512):
 
 
 def layer_runner(recipe, device, update=True):
-    """A function ``run(n)``: n iterations of one layer's GEMM modules fwd+bwd
+    """A function ``run(n)``: n iterations of one layer's GEMM modules forward+backward
     under ``recipe`` (autocast enter/exit included).  ``update``: every
     weight's version moves between iterations, as an optimizer step moves it
     (the FP8 rows then pay their once-per-step weight casts; the same
@@ -116,7 +116,7 @@ def main():
         base.setdefault(update, us)  # bf16 comes first for each setting
         table.add(precision=name, weights="updated every step" if update else "unchanged (accumulation)",
                   device=str(device), us_per_layer=us, vs_bf16=us / base[update])
-    table.save({"note": "LayerNormLinear(128->384) + LayerNormMLP(128->512 gelu) + Linear(128->128) fwd+bwd, "
+    table.save({"note": "LayerNormLinear(128->384) + LayerNormMLP(128->512 gelu) + Linear(128->128) forward+backward, "
                         "16 tokens, seqfuse's compute kernels stubbed out: host work only; 'updated every "
                         "step' bumps each weight's version in place after the backward (an optimizer "
                         "step's effect), so FP8 rows cast every weight once per iteration"})

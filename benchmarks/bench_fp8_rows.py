@@ -67,7 +67,7 @@ def main():
                           aligned_ms=ta, ratio=t / ta, bf16_ms=bf16)
         del m
         torch.cuda.empty_cache()
-    table.save({"note": "fwd+bwd per step, weights bumped after each step (casts paid every step), "
+    table.save({"note": "forward+backward per step, weights bumped after each step (casts paid every step), "
                         "median of 25 after 5 warm-up steps on the same shapes, L2 flushed; ratio = "
                         "unaligned rows / next multiple of 16"})
 

@@ -69,7 +69,7 @@ def main():
             table.add(tokens=f"{b}x{s}", precision=name, eager_ms=eager, graphed_ms=g, speedup=eager / g)
             del layers, graphed
             torch.cuda.empty_cache()
-    table.save({"note": f"{args.layers} TransformerLayers (ESM-2 650M width), fwd+bwd per step, weights bumped "
+    table.save({"note": f"{args.layers} TransformerLayers (ESM-2 650M width), forward+backward per step, weights bumped "
                         "after each step, median of 30 CUDA-event timings after 5 warm-up steps"})
 
 

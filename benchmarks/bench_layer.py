@@ -168,13 +168,13 @@ def main():
     for name, c in SHAPES.items():
         run_shape(name, c, table, checks)
     table.save({"output_rel_error_vs_torch_bf16": checks,
-                "note": "one layer fwd+bwd, same inputs and weights; torch = plain torch eager bf16 with "
+                "note": "one layer forward+backward, same inputs and weights; torch = plain torch eager bf16 with "
                         "scaled_dot_product_attention; TFLOP/s = 3 x (GEMM + attention) FLOPs / time"})
     labels = sorted({r["shape"] for r in table.rows})
     impls = [i for i in dict.fromkeys(r["impl"] for r in table.rows)]
     series = {i: [next((r.get("tflops", 0.0) for r in table.rows if r["shape"] == sh and r["impl"] == i), 0.0)
                   for sh in labels] for i in impls}
-    plot_bars(os.path.join(RESULTS, "layer.png"), "TransformerLayer fwd+bwd, H200 (TFLOP/s)", labels, series,
+    plot_bars(os.path.join(RESULTS, "layer.png"), "TransformerLayer forward+backward, H200 (TFLOP/s)", labels, series,
               "TFLOP/s")
 
 

@@ -5,7 +5,7 @@ activation, F.linear) eager and under torch.compile; same process, same
 inputs and weights (bf16 parameters everywhere).
 
 Throughput counts the GEMM FLOPs only: forward 2 x N x H x F x (1 + fc1
-width factor), backward twice that.  Goal (issue 5): FP8 fwd+bwd >= 1.5x the
+width factor), backward twice that.  Goal (issue 5): FP8 forward+backward >= 1.5x the
 torch bf16 block.
 """
 import os
@@ -101,7 +101,7 @@ def main():
                 "recipe": "seqfuse fp8: DelayedScaling(HYBRID, amax_history_len=16, max); "
                           "seqfuse fp8 block: Float8BlockScaling() (E4M3, 1x128 / 128x128)"})
     plot_bars(os.path.join(RESULTS, "layernorm_mlp.png"),
-              "LayerNormMLP fwd+bwd 16384x4096x16384 (H200): speedup over torch bf16", labels, series,
+              "LayerNormMLP forward+backward 16384x4096x16384 (H200): speedup over torch bf16", labels, series,
               "x speedup")
 
 

@@ -154,7 +154,7 @@ def main():
     table.save({"goal_fp8_delayed_vs_torch_bf16": 1.5,
                 "fp8_delayed_vs_torch_bf16_4096": fp8_delayed["speedup_vs_torch_bf16"],
                 "host_us": {r["call"]: r["us_per_call"] for r in host.rows}})
-    plot_bars(os.path.join(RESULTS, "linear.png"), "Linear fwd+bwd speedup over torch.nn.Linear bf16",
+    plot_bars(os.path.join(RESULTS, "linear.png"), "Linear forward+backward speedup over torch.nn.Linear bf16",
               labels, speed, "x torch bf16")
     block_breakdown()  # last: the tables above are saved whatever happens here
 

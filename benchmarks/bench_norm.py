@@ -14,9 +14,9 @@ twice (dx kernel, then a separate gamma/beta kernel), so eager moves ~7 x n x 2
 bytes for forward+backward against seqfuse's 5: at equal bandwidth 1.4x, more
 only where eager runs further from the copy ceiling than seqfuse does.
 
-Passes: "fwd" (no autograd), "bwd" (autograd.grad over a kept graph: the
-backward kernels plus autograd's own host work), "fwd+bwd" (one isolated pass
-after an L2 flush: host overhead exposed), "fwd+bwd xN queued" (N passes back
+Passes: "forward" (no autograd), "backward" (autograd.grad over a kept graph: the
+backward kernels plus autograd's own host work), "forward+backward" (one isolated pass
+after an L2 flush: host overhead exposed), "forward+backward xN queued" (N passes back
 to back, per pass: host overhead hidden behind the GPU, as in a training step).
 """
 import os
@@ -33,7 +33,7 @@ from harness import RESULTS, Table, allow_recompiles, cuda_time_ms, plot_bars
 # tokens), an FFN-wide 16384.  (check_norm covers 640 and 2560 too; each
 # shape here costs two torch.compile runs per op.)
 SHAPES = [(16384, 4096), (16384, 1280), (16384, 5120), (65536, 320), (8192, 8192), (4096, 16384)]
-#: The "queued" rows time this many fwd+bwd passes back to back (per pass):
+#: The "queued" rows time this many forward+backward passes back to back (per pass):
 #: a single isolated pass also measures the host's Python and autograd time,
 #: which a training step overlaps with earlier GPU work.
 BACK_TO_BACK = 8
@@ -58,7 +58,7 @@ def ours_rms(x, w, b):
     return rms_norm(x, w, EPS)
 
 
-def fwd_bwd(fn, x, w, b, dy):
+def forward_backward(fn, x, w, b, dy):
     inputs = (x, w) if b is None else (x, w, b)
 
     def run():
@@ -67,7 +67,7 @@ def fwd_bwd(fn, x, w, b, dy):
     return run
 
 
-def bwd_only(fn, x, w, b, dy):
+def backward_only(fn, x, w, b, dy):
     """The backward alone: one forward builds the graph, each call runs
     autograd over it again (retain_graph)."""
     inputs = (x, w) if b is None else (x, w, b)
@@ -104,23 +104,23 @@ def main():
             xg = x.clone().requires_grad_()
             compiled = torch.compile(peer, dynamic=False)  # specialized to the shape, as in a fixed-size step
             impls = {"seqfuse": ours, "eager": peer, "compile": compiled}
-            for pss, traffic in (("fwd", 2 * n_bytes), ("bwd", 3 * n_bytes), ("fwd+bwd", 5 * n_bytes),
-                                 (f"fwd+bwd x{BACK_TO_BACK} queued", 5 * n_bytes)):
+            for pss, traffic in (("forward", 2 * n_bytes), ("backward", 3 * n_bytes), ("forward+backward", 5 * n_bytes),
+                                 (f"forward+backward x{BACK_TO_BACK} queued", 5 * n_bytes)):
                 times = {}
                 for impl, fn in impls.items():
-                    if pss == "fwd":
+                    if pss == "forward":
                         with torch.no_grad():
                             times[impl] = cuda_time_ms(lambda: fn(x, w, b))
-                    elif pss == "bwd":
+                    elif pss == "backward":
                         try:
-                            times[impl] = cuda_time_ms(bwd_only(fn, xg, w, b, dy))
+                            times[impl] = cuda_time_ms(backward_only(fn, xg, w, b, dy))
                         except RuntimeError as e:  # a peer that cannot re-run its backward
-                            print(f"bench_norm: {name} {impl} bwd alone not timed: {e}")
+                            print(f"bench_norm: {name} {impl} backward alone not timed: {e}")
                             times[impl] = float("nan")
-                    elif pss == "fwd+bwd":
-                        times[impl] = cuda_time_ms(fwd_bwd(fn, xg, w, b, dy))
+                    elif pss == "forward+backward":
+                        times[impl] = cuda_time_ms(forward_backward(fn, xg, w, b, dy))
                     else:  # per pass, with the host running ahead as in a training step
-                        run = fwd_bwd(fn, xg, w, b, dy)
+                        run = forward_backward(fn, xg, w, b, dy)
                         times[impl] = cuda_time_ms(lambda: [run() for _ in range(BACK_TO_BACK)]) / BACK_TO_BACK
                 for impl, ms in times.items():
                     tbs = traffic / ms / 1e9

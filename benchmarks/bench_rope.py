@@ -63,11 +63,11 @@ def main():
             err = (rope_forward(t, freqs, "bshd", interleaved).float() - ref).abs().max().item()
             for pass_name in ("forward", "forward+backward"):
                 times = {}
-                for name, (fwd, bwd) in impls.items():
+                for name, (forward, backward) in impls.items():
                     if pass_name == "forward":
-                        fn = fwd
-                    elif bwd is not None:
-                        fn = lambda fwd=fwd, bwd=bwd: (fwd(), bwd())
+                        fn = forward
+                    elif backward is not None:
+                        fn = lambda forward=forward, backward=backward: (forward(), backward())
                     else:
                         eager = torch_rope if name == "torch eager" else compiled
                         fn = lambda eager=eager: torch.autograd.grad(eager(tr, freqs, interleaved), tr, dy)

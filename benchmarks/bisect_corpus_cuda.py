@@ -139,7 +139,7 @@ def part4():
     good = torch.tensor([0, 3, 8], dtype=torch.int32, device="cuda")
     for name, cq, ck in (("cu_past_end", good + 2, good), ("cu_unsorted", good, good.new_tensor([0, 6, 3]))):
         try:
-            ops.attention_fwd(q, q, q, qkv_format="thd", cu_seqlens_q=cq, cu_seqlens_kv=ck, max_seqlen_q=5,
+            ops.attention_forward(q, q, q, qkv_format="thd", cu_seqlens_q=cq, cu_seqlens_kv=ck, max_seqlen_q=5,
                               max_seqlen_kv=5)
             print(f"  attention_thd {name}: RAN (wrong)")
         except ValueError as e:
@@ -180,9 +180,9 @@ def part5():
 
     def fresh():
         checks._cu_facts = None
-        checks.check_cu_seqlens("attention_fwd", "cu_seqlens_q", cu, 8192, 8192)
+        checks.check_cu_seqlens("attention_forward", "cu_seqlens_q", cu, 8192, 8192)
     a = timed(fresh)
-    c = timed(lambda: checks.check_cu_seqlens("attention_fwd", "cu_seqlens_q", cu, 8192, 8192))
+    c = timed(lambda: checks.check_cu_seqlens("attention_forward", "cu_seqlens_q", cu, 8192, 8192))
     print(f"  cu_seqlens check: {a:.1f} us for a new tensor (one host read), {c:.1f} us for one seen before")
 
 

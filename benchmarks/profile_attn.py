@@ -143,7 +143,7 @@ def main():
         s, h, d = CASES[case]
         rows = [summarize(k) for k in kernels]
         out["cases"][case] = {"seqlen": s, "heads": h, "head_dim": d, "batch": 16384 // s, "kernels": rows}
-        print(f"\n== {case}: bshd bf16 {16384 // s}x{s}x{h}x{d}, fwd+bwd (seqfuse first, then SDPA)")
+        print(f"\n== {case}: bshd bf16 {16384 // s}x{s}x{h}x{d}, forward+backward (seqfuse first, then SDPA)")
         for k in rows:
             tp = ", ".join(f"{n} {v:.0f}%" for n, v in k["tensor_pipe_active_pct"].items() if v)
             st = ", ".join(f"{n} {v:.1f}" for n, v in k["stall_cycles_per_issue_top"][:3])

@@ -305,15 +305,15 @@ def op_specs():
     # norms
     def ln_build(d):
         return {"x": r(4, 8, device=d), "weight": r(8, device=d, seed=1), "bias": r(8, device=d, seed=2)}
-    S.append(OpSpec("layernorm_fwd", ln_build,
-                    lambda a: ops.layernorm_fwd(a["x"], a["weight"], a["bias"]),
+    S.append(OpSpec("layernorm_forward", ln_build,
+                    lambda a: ops.layernorm_forward(a["x"], a["weight"], a["bias"]),
                     ref=lambda a: (_ln_ref(a["x"], a["weight"], a["bias"]), a["x"].mean(-1).reshape(-1),
                                    torch.rsqrt(a["x"].var(-1, unbiased=False) + 1e-5).reshape(-1)),
                     tensors=["x", "weight", "bias"], tol=1e-4,
                     extra=[("hidden_mismatch", lambda a: dict(a, weight=a["weight"][:6]), "shape", ("weight",)),
                            ("zero_rows", lambda a: dict(a, x=a["x"][:0]), None, ("x",))]))
-    S.append(OpSpec("rmsnorm_fwd", lambda d: {"x": r(4, 8, device=d), "weight": r(8, device=d, seed=1)},
-                    lambda a: ops.rmsnorm_fwd(a["x"], a["weight"]),
+    S.append(OpSpec("rmsnorm_forward", lambda d: {"x": r(4, 8, device=d), "weight": r(8, device=d, seed=1)},
+                    lambda a: ops.rmsnorm_forward(a["x"], a["weight"]),
                     ref=lambda a: (_rms_ref(a["x"], a["weight"]),
                                    torch.rsqrt(a["x"].pow(2).mean(-1) + 1e-5).reshape(-1)),
                     tensors=["x", "weight"], tol=1e-4,
@@ -321,34 +321,34 @@ def op_specs():
 
     def lnb_build(d):
         x, w = r(4, 8), r(8, seed=1)
-        _, mean, rstd = ops.layernorm_fwd(x, w, r(8, seed=2))
+        _, mean, rstd = ops.layernorm_forward(x, w, r(8, seed=2))
         return {"dy": r(4, 8, seed=3, device=d), "x": x.to(d), "mean": mean.to(d), "rstd": rstd.to(d),
                 "weight": w.to(d)}
-    S.append(OpSpec("layernorm_bwd", lnb_build,
-                    lambda a: ops.layernorm_bwd(a["dy"], a["x"], a["mean"], a["rstd"], a["weight"]),
+    S.append(OpSpec("layernorm_backward", lnb_build,
+                    lambda a: ops.layernorm_backward(a["dy"], a["x"], a["mean"], a["rstd"], a["weight"]),
                     tensors=["dy", "x", "mean", "rstd", "weight"], tol=1e-4))
 
     def rmsb_build(d):
         x, w = r(4, 8), r(8, seed=1)
-        _, rstd = ops.rmsnorm_fwd(x, w)
+        _, rstd = ops.rmsnorm_forward(x, w)
         return {"dy": r(4, 8, seed=3, device=d), "x": x.to(d), "rstd": rstd.to(d), "weight": w.to(d)}
-    S.append(OpSpec("rmsnorm_bwd", rmsb_build,
-                    lambda a: ops.rmsnorm_bwd(a["dy"], a["x"], a["rstd"], a["weight"]),
+    S.append(OpSpec("rmsnorm_backward", rmsb_build,
+                    lambda a: ops.rmsnorm_backward(a["dy"], a["x"], a["rstd"], a["weight"]),
                     ref=_rmsb_ref,
                     tensors=["dy", "x", "rstd", "weight"], tol=1e-4,
                     nan_args=("dy", "x", "weight")))  # an inf rstd no forward can give
 
     # activations and dropout
     for act in ("gelu", "relu", "silu", "swiglu"):
-        S.append(OpSpec(f"act_fwd_{act}", lambda d: {"x": r(4, 8, device=d)},
-                        (lambda act: lambda a: ops.act_fwd(a["x"], act))(act),
+        S.append(OpSpec(f"act_forward_{act}", lambda d: {"x": r(4, 8, device=d)},
+                        (lambda act: lambda a: ops.act_forward(a["x"], act))(act),
                         ref=(lambda act: lambda a: _act_ref(act)(a["x"]))(act), tensors=["x"], tol=1e-5))
-    S.append(OpSpec("act_bwd_gelu", lambda d: {"dy": r(4, 8, device=d, seed=1), "x": r(4, 8, device=d)},
-                    lambda a: ops.act_bwd(a["dy"], a["x"], "gelu"),
+    S.append(OpSpec("act_backward_gelu", lambda d: {"dy": r(4, 8, device=d, seed=1), "x": r(4, 8, device=d)},
+                    lambda a: ops.act_backward(a["dy"], a["x"], "gelu"),
                     ref=lambda a: _grad(_act_ref("gelu"), a["x"], dy=a["dy"])[0], tensors=["dy", "x"],
                     extra=[("shape_mismatch", lambda a: dict(a, dy=a["dy"][:2]), "shape", ("dy", "x"))]))
-    S.append(OpSpec("act_bwd_swiglu", lambda d: {"dy": r(4, 4, device=d, seed=1), "x": r(4, 8, device=d)},
-                    lambda a: ops.act_bwd(a["dy"], a["x"], "swiglu"),
+    S.append(OpSpec("act_backward_swiglu", lambda d: {"dy": r(4, 4, device=d, seed=1), "x": r(4, 8, device=d)},
+                    lambda a: ops.act_backward(a["dy"], a["x"], "swiglu"),
                     ref=lambda a: _grad(_act_ref("swiglu"), a["x"], dy=a["dy"])[0], tensors=["dy", "x"]))
     S.append(OpSpec("bias_dropout_add",
                     lambda d: {"x": r(4, 8, device=d), "bias": r(8, device=d, seed=1),
@@ -357,8 +357,8 @@ def op_specs():
                     ref=lambda a: a["x"] + a["bias"] + a["residual"], tensors=["x", "bias", "residual"],
                     extra=[("residual_shape", lambda a: dict(a, residual=a["residual"][:2]), "shape",
                             ("residual", "x"))]))
-    S.append(OpSpec("dropout_bwd", lambda d: {"dy": r(4, 8, device=d)},
-                    lambda a: ops.dropout_bwd(a["dy"], 0.0, 1, dbias_dtype=torch.float32),
+    S.append(OpSpec("dropout_backward", lambda d: {"dy": r(4, 8, device=d)},
+                    lambda a: ops.dropout_backward(a["dy"], 0.0, 1, dbias_dtype=torch.float32),
                     ref=lambda a: (a["dy"], a["dy"].reshape(-1, a["dy"].shape[-1]).sum(0)), tensors=["dy"],
                     tol=1e-5))
 
@@ -465,7 +465,7 @@ def op_specs():
 
     def sdpa_ref(a, causal=False):
         return _attn_ref(a["q"], a["k"], a["v"], causal)
-    S.append(OpSpec("attention_fwd", attn_build, lambda a: ops.attention_fwd(a["q"], a["k"], a["v"])[0],
+    S.append(OpSpec("attention_forward", attn_build, lambda a: ops.attention_forward(a["q"], a["k"], a["v"])[0],
                     ref=sdpa_ref, tensors=["q", "k", "v"], tol=1e-4,
                     extra=[("head_dim_mismatch", lambda a: dict(a, k=a["k"][..., :8]), "shape", ("k", "q")),
                            ("batch_mismatch", lambda a: dict(a, v=a["v"][:1]), "shape", ("v", "q", "k"))]))
@@ -474,14 +474,14 @@ def op_specs():
                     ref=lambda a: sdpa_ref(a, True), tensors=["q", "k", "v"], tol=1e-4,
                     cuda_nan_ref=lambda a: _attn_zero_weight_ref(a["q"], a["k"], a["v"], True)))
 
-    def attn_bwd_build(d):
+    def attn_backward_build(d):
         a = attn_build("cpu")
-        out, lse = ops.attention_fwd(a["q"], a["k"], a["v"])
+        out, lse = ops.attention_forward(a["q"], a["k"], a["v"])
         b = dict(a, dout=r(2, 5, 2, 16, seed=3), out=out, lse=lse)
         dt = torch.bfloat16 if d == "cuda" else torch.float32
         return {k: (v.to(d, dt) if k != "lse" else v.to(d)) for k, v in b.items()}
-    S.append(OpSpec("attention_bwd", attn_bwd_build,
-                    lambda a: ops.attention_bwd(a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"]),
+    S.append(OpSpec("attention_backward", attn_backward_build,
+                    lambda a: ops.attention_backward(a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"]),
                     tensors=["dout", "q", "k", "v", "out", "lse"], tol=1e-4))
 
     def attn_thd_build(d):
@@ -490,7 +490,7 @@ def op_specs():
         return {"q": r(8, 2, 16, device=d, dtype=dt), "k": r(8, 2, 16, device=d, seed=1, dtype=dt),
                 "v": r(8, 2, 16, device=d, seed=2, dtype=dt), "cu_seqlens_q": cu, "cu_seqlens_kv": cu.clone()}
     S.append(OpSpec("attention_thd", attn_thd_build,
-                    lambda a: ops.attention_fwd(a["q"], a["k"], a["v"], qkv_format="thd",
+                    lambda a: ops.attention_forward(a["q"], a["k"], a["v"], qkv_format="thd",
                                                 cu_seqlens_q=a["cu_seqlens_q"], cu_seqlens_kv=a["cu_seqlens_kv"],
                                                 max_seqlen_q=5, max_seqlen_kv=5)[0],
                     tensors=["q", "k", "v", "cu_seqlens_q", "cu_seqlens_kv"], tol=1e-4,

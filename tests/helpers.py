@@ -39,7 +39,7 @@ needs_cpu_fsdp2 = pytest.mark.skipif(
 #   - pair_tol: two results that each carry REL_TOL of error (the CUDA kernel
 #     against the CPU backend, two kernels, seqfuse against torch in the same
 #     dtype) may differ by twice it;
-#   - BWD_FACTOR: attention's gradients pass through two more matmuls and the
+#   - BACKWARD_FACTOR: attention's gradients pass through two more matmuls and the
 #     softmax's backward than its output, and get three times the table.
 # A test may assert tighter than these; one that needs looser says why where
 # it passes a factor (TF32 GEMMs, say).  The C check programs
@@ -55,7 +55,7 @@ REL_TOL = {
 }
 
 #: attention gradients (dq, dk, dv): this many times REL_TOL
-BWD_FACTOR = 3
+BACKWARD_FACTOR = 3
 
 #: flash-attention's rule: at most this many times torch's own error
 TORCH_FACTOR = 2.0

@@ -50,8 +50,8 @@ def inputs(name, shape, dtype, device):
 @pytest.mark.parametrize("shape", [(8,), (3, 5, 34), (16, 256)])
 def test_act_cpu_matches_float64(name, dtype, shape, seed):
     x, dy = inputs(name, shape, dtype, "cpu")
-    y = act_ops.act_fwd(x, name)
-    dx = act_ops.act_bwd(dy, x, name)
+    y = act_ops.act_forward(x, name)
+    dx = act_ops.act_backward(dy, x, name)
     ry, rdx = reference(name, x, dy)
     assert y.dtype == dtype and y.shape == ry.shape and dx.shape == x.shape
     assert_close_rel(y, ry, dtype)
@@ -72,15 +72,15 @@ def test_activation_autograd_cpu(name, seed):
 def test_gated_convention_first_half_is_activated():
     # TE: act(first half) * second half
     x = torch.tensor([[2.0, -1.0, 3.0, 5.0]])  # a = [2, -1], gate = [3, 5]
-    y = act_ops.act_fwd(x, "reglu")
+    y = act_ops.act_forward(x, "reglu")
     assert torch.equal(y, torch.tensor([[6.0, 0.0]]))
 
 
 def test_act_saturating_inputs():
     x = torch.tensor([-1e4, -100.0, -20.0, 0.0, 20.0, 100.0, 1e4])
     for name in ("gelu", "gelu_erf", "silu"):
-        y = act_ops.act_fwd(x, name)
-        dx = act_ops.act_bwd(torch.ones_like(x), x, name)
+        y = act_ops.act_forward(x, name)
+        dx = act_ops.act_backward(torch.ones_like(x), x, name)
         assert torch.isfinite(y).all() and torch.isfinite(dx).all(), name
         assert_close_rel(y, BASE[name](x.double()), torch.float32)
 
@@ -92,51 +92,51 @@ def test_act_cpu_fp8_output(name, fmt, seed):
     x, dy = inputs(name, (12, 64), torch.float32, "cpu")
     scale = torch.tensor([11.0])
     amax, scale_inv = torch.zeros(1), torch.zeros(1)
-    y_hp = act_ops.act_fwd(x, name)
-    y8 = act_ops.act_fwd(x, name, out_dtype=fmt, scale=scale, amax=amax, scale_inv=scale_inv)
+    y_hp = act_ops.act_forward(x, name)
+    y8 = act_ops.act_forward(x, name, out_dtype=fmt, scale=scale, amax=amax, scale_inv=scale_inv)
     fmax = torch.finfo(fmt).max
     assert torch.equal(y8.view(torch.uint8), (y_hp * scale).clamp(-fmax, fmax).to(fmt).view(torch.uint8))
     assert amax.item() == y_hp.abs().max().item()
     assert scale_inv.item() == pytest.approx(1 / 11.0, rel=1e-7)
-    dx_hp = act_ops.act_bwd(dy, x, name)
+    dx_hp = act_ops.act_backward(dy, x, name)
     amax.zero_()
-    dx8 = act_ops.act_bwd(dy, x, name, out_dtype=fmt, scale=scale, amax=amax)
+    dx8 = act_ops.act_backward(dy, x, name, out_dtype=fmt, scale=scale, amax=amax)
     assert torch.equal(dx8.view(torch.uint8), (dx_hp * scale).clamp(-fmax, fmax).to(fmt).view(torch.uint8))
     assert amax.item() == dx_hp.abs().max().item()
 
 
 def test_act_error_unknown_name():
-    with pytest.raises(ValueError, match="act_fwd: argument 'activation' must be one of gelu"):
-        act_ops.act_fwd(torch.ones(4), "tanh")
+    with pytest.raises(ValueError, match="act_forward: argument 'activation' must be one of gelu"):
+        act_ops.act_forward(torch.ones(4), "tanh")
 
 
 def test_act_error_odd_gated_width():
     with pytest.raises(ValueError, match="gated activation swiglu must have an even last dimension"):
-        act_ops.act_fwd(torch.ones(3, 5), "swiglu")
+        act_ops.act_forward(torch.ones(3, 5), "swiglu")
 
 
 def test_act_error_int_input():
-    with pytest.raises(TypeError, match="act_fwd: argument 'x' must have dtype float32"):
-        act_ops.act_fwd(torch.ones(4, dtype=torch.int64), "relu")
+    with pytest.raises(TypeError, match="act_forward: argument 'x' must have dtype float32"):
+        act_ops.act_forward(torch.ones(4, dtype=torch.int64), "relu")
 
 
 def test_act_error_from_c_shapes():
     x = torch.ones(3, 8)
-    with pytest.raises(ValueError, match="act_fwd: argument 'y' must have x's shape with a last dimension of 4"):
-        _C.act_fwd(act_ops.ACTIVATIONS["swiglu"], x, torch.empty(3, 8), None, None, None)
-    with pytest.raises(ValueError, match="act_bwd: argument 'dy' must have x's shape with a last dimension of 4"):
-        _C.act_bwd(act_ops.ACTIVATIONS["geglu"], torch.ones(3, 8), x, torch.empty(3, 8), None, None, None)
-    with pytest.raises(TypeError, match="act_bwd: argument 'dy' must have dtype float32, got bfloat16"):
-        _C.act_bwd(act_ops.ACTIVATIONS["gelu"], torch.ones(3, 8, dtype=torch.bfloat16), x, torch.empty(3, 8),
+    with pytest.raises(ValueError, match="act_forward: argument 'y' must have x's shape with a last dimension of 4"):
+        _C.act_forward(act_ops.ACTIVATIONS["swiglu"], x, torch.empty(3, 8), None, None, None)
+    with pytest.raises(ValueError, match="act_backward: argument 'dy' must have x's shape with a last dimension of 4"):
+        _C.act_backward(act_ops.ACTIVATIONS["geglu"], torch.ones(3, 8), x, torch.empty(3, 8), None, None, None)
+    with pytest.raises(TypeError, match="act_backward: argument 'dy' must have dtype float32, got bfloat16"):
+        _C.act_backward(act_ops.ACTIVATIONS["gelu"], torch.ones(3, 8, dtype=torch.bfloat16), x, torch.empty(3, 8),
                    None, None, None)
 
 
 @needs_fp8
 def test_act_error_from_c_bad_code_and_fp8_scale():
-    with pytest.raises(ValueError, match="act_fwd: argument 'activation' must be one of 0..7, got 9"):
-        _C.act_fwd(9, torch.ones(2), torch.empty(2), None, None, None)
-    with pytest.raises(ValueError, match="act_fwd: argument 'scale' is required when 'y' is float8_e5m2"):
-        act_ops.act_fwd(torch.ones(2), "relu", out_dtype=torch.float8_e5m2)
+    with pytest.raises(ValueError, match="act_forward: argument 'activation' must be one of 0..7, got 9"):
+        _C.act_forward(9, torch.ones(2), torch.empty(2), None, None, None)
+    with pytest.raises(ValueError, match="act_forward: argument 'scale' is required when 'y' is float8_e5m2"):
+        act_ops.act_forward(torch.ones(2), "relu", out_dtype=torch.float8_e5m2)
 
 
 # ---- bias + dropout + residual ---------------------------------------------------
@@ -174,7 +174,7 @@ def test_bias_dropout_add_cpu(dtype, p, seed):
     assert not torch.equal(out, out3)
     # backward regenerates the mask
     dy = torch.randn_like(x)
-    dx, db = act_ops.dropout_bwd(dy, p, s, off, dbias_dtype=b.dtype)
+    dx, db = act_ops.dropout_backward(dy, p, s, off, dbias_dtype=b.dtype)
     rdx = torch.where(kept, dy.double() / (1 - p), torch.zeros((), dtype=torch.float64))
     assert_close_rel(dx, rdx, dtype)
     assert_close_rel(db, rdx.sum(0), dtype)
@@ -186,7 +186,7 @@ def test_bias_dropout_add_p0_and_p1():
     assert torch.equal(out, r + (x + b))
     out, s, o = act_ops.bias_dropout_add(x, None, r, 1.0)
     assert torch.equal(out, r)
-    dx, db = act_ops.dropout_bwd(torch.ones_like(x), 1.0, s, o, dbias_dtype=torch.float32)
+    dx, db = act_ops.dropout_backward(torch.ones_like(x), 1.0, s, o, dbias_dtype=torch.float32)
     assert torch.equal(dx, torch.zeros_like(x)) and torch.equal(db, torch.zeros(16))
 
 
@@ -236,8 +236,8 @@ def run_c(name, x, dy, out_dtype=None, scale=None):
     dx = poisoned_like(torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device))
     amax_y = torch.zeros(1, device=x.device)  # amax accumulates: starts at 0
     amax_dx = torch.zeros(1, device=x.device)
-    _C.act_fwd(code, x, y, scale, amax_y, None)
-    _C.act_bwd(code, dy, x, dx, scale, amax_dx, None)
+    _C.act_forward(code, x, y, scale, amax_y, None)
+    _C.act_backward(code, dy, x, dx, scale, amax_dx, None)
     return y, dx, amax_y, amax_dx
 
 
@@ -255,7 +255,7 @@ def test_act_cuda_matches_cpu_and_float64(name, dtype, shape, seed):
     # single gelu(x < -5) ~ 1e-9 is the whole norm, and float16 cannot hold it
     assert_close_rel(y, ry.to(dtype).double(), dtype)
     assert_close_rel(dx, rdx.to(dtype).double(), dtype)
-    cy, cdx = act_ops.act_fwd(x.cpu(), name), act_ops.act_bwd(dy.cpu(), x.cpu(), name)
+    cy, cdx = act_ops.act_forward(x.cpu(), name), act_ops.act_backward(dy.cpu(), x.cpu(), name)
     assert_close_rel(y, cy.double(), dtype)
     assert_close_rel(dx, cdx.double(), dtype)
     assert amax_y.item() == y.float().abs().max().item() or dtype != torch.float32
@@ -282,7 +282,7 @@ def test_act_cuda_fp8_output(name, fmt, dtype, seed):
             ref = (hp.float() * scale).clamp(-fmax, fmax).to(fmt)
             diff = fp8_steps(got, ref)
             assert diff.max().item() <= 1
-    cpu8 = act_ops.act_fwd(x.cpu(), name, out_dtype=fmt, scale=scale.cpu())
+    cpu8 = act_ops.act_forward(x.cpu(), name, out_dtype=fmt, scale=scale.cpu())
     diff = fp8_steps(y8.cpu(), cpu8)
     assert diff.max().item() <= 1 and (diff > 0).float().mean().item() < 0.01
     assert amax_y.item() == pytest.approx(y_hp.float().abs().max().item(), rel=rel_tol(dtype))
@@ -304,16 +304,16 @@ def test_bias_dropout_add_cuda_matches_cpu(dtype, shape, bias_f32, seed):
     dy = torch.randn_like(x)
     dx = poisoned_like(x)
     db = poisoned_like(b)
-    n = _C.dropout_bwd_workspace_numel(dy)
+    n = _C.dropout_backward_workspace_numel(dy)
     ws = poisoned_like(torch.empty(max(n, 1), device="cuda"))
-    _C.dropout_bwd(dy, p, 99 + seed, 5, dx, db, ws)
-    cdx, cdb = act_ops.dropout_bwd(dy.cpu(), p, 99 + seed, 5, dbias_dtype=b.dtype)
+    _C.dropout_backward(dy, p, 99 + seed, 5, dx, db, ws)
+    cdx, cdb = act_ops.dropout_backward(dy.cpu(), p, 99 + seed, 5, dbias_dtype=b.dtype)
     assert torch.equal(dx.cpu() == 0, cdx == 0)
     assert_close_rel(dx, cdx.double(), dtype)
     assert_close_rel(db, cdb.double(), dtype if not bias_f32 else torch.float32, factor=10)
     # deterministic dbias
-    dx2, db2 = act_ops.dropout_bwd(dy, p, 99 + seed, 5, dbias_dtype=b.dtype)
-    _, db3 = act_ops.dropout_bwd(dy, p, 99 + seed, 5, dbias_dtype=b.dtype)
+    dx2, db2 = act_ops.dropout_backward(dy, p, 99 + seed, 5, dbias_dtype=b.dtype)
+    _, db3 = act_ops.dropout_backward(dy, p, 99 + seed, 5, dbias_dtype=b.dtype)
     assert torch.equal(db2, db3) and torch.equal(dx2, dx)
 
 
@@ -323,27 +323,27 @@ def test_act_cuda_graph_capture(seed):
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        act_ops.act_fwd(x, "swiglu")
+        act_ops.act_forward(x, "swiglu")
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        y = act_ops.act_fwd(x, "swiglu")
+        y = act_ops.act_forward(x, "swiglu")
     x.copy_(torch.randn_like(x))
     g.replay()
     torch.cuda.synchronize()
-    assert torch.equal(y, act_ops.act_fwd(x, "swiglu"))
+    assert torch.equal(y, act_ops.act_forward(x, "swiglu"))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_act_amax_accumulates(device, seed):
     x = torch.randn(64, 256, device=device)
-    y = act_ops.act_fwd(x, "gelu")
+    y = act_ops.act_forward(x, "gelu")
     big = torch.full((1,), 1e4, device=device)
-    act_ops.act_fwd(x, "gelu", amax=big)
+    act_ops.act_forward(x, "gelu", amax=big)
     assert big.item() == 1e4
     small = torch.zeros(1, device=device)
-    act_ops.act_fwd(x, "gelu", amax=small)
-    act_ops.act_fwd(x * 0.5, "gelu", amax=small)
+    act_ops.act_forward(x, "gelu", amax=small)
+    act_ops.act_forward(x * 0.5, "gelu", amax=small)
     assert small.item() == y.abs().max().item()
 
 
@@ -353,8 +353,8 @@ def test_act_negative_tail_accuracy(name, device):
     # 0.5 x (1 + tanh/erf(...)) cancels to 0 for x well below 0 in float32;
     # the kernels use sigmoid / erfc forms that keep the tiny negative values
     x = torch.linspace(-6.0, -2.0, 97, device=device)
-    y = act_ops.act_fwd(x, name)
-    dx = act_ops.act_bwd(torch.ones_like(x), x, name)
+    y = act_ops.act_forward(x, name)
+    dx = act_ops.act_backward(torch.ones_like(x), x, name)
     xd = x.double().cpu().requires_grad_()
     ref = BASE[name](xd)
     (rdx,) = torch.autograd.grad(ref.sum(), xd)

@@ -160,7 +160,7 @@ def test_lse_and_empty_rows():
     """lse = logsumexp of the scaled scores; a row that sees no key gets
     out 0 and lse +inf; padded rows too."""
     q, k, v = make((1, 6, 1, 8), (1, 4, 1, 8), torch.float32)
-    out, lse = seqfuse.ops.attention_fwd(q, k, v, attn_mask_type="padding_causal",
+    out, lse = seqfuse.ops.attention_forward(q, k, v, attn_mask_type="padding_causal",
                                          cu_seqlens_q=cu_seqlens([5]), cu_seqlens_kv=cu_seqlens([3]),
                                          window_size=(0, 0))
     assert lse.shape == (1, 1, 6)
@@ -191,7 +191,7 @@ def test_no_grad_path_returns_plain_tensor():
 
 def test_bad_dtype():
     q, k, v = make((1, 4, 2, 8), (1, 4, 2, 8), torch.float32)
-    with pytest.raises(TypeError, match="attention_fwd: argument 'k' must have dtype float32, got bfloat16"):
+    with pytest.raises(TypeError, match="attention_forward: argument 'k' must have dtype float32, got bfloat16"):
         attention(q, k.bfloat16(), v)
     with pytest.raises(TypeError, match="argument 'q' must have dtype float32, float16 or bfloat16, got int32"):
         attention(q.int(), k.int(), v.int())
@@ -252,20 +252,20 @@ def test_c_entry_checks_outputs():
     q, k, v = make((1, 4, 2, 8), (1, 4, 2, 8), torch.float32)
     cfg = (0, 0, -1, -1, 0.35, 4, 4, 0, 0.0, 0, 0)
     lse = torch.empty(1, 2, 4)
-    with pytest.raises(ValueError, match=r"attention_fwd: argument 'lse' must have shape \[b, h, s_q\] = \[1, 2, 4\]"):
-        seqfuse._C.attn_fwd(q, k, v, None, None, torch.empty_like(q), torch.empty(1, 2, 5), cfg)
-    with pytest.raises(TypeError, match="attention_fwd: argument 'out' must have dtype float32, got bfloat16"):
-        seqfuse._C.attn_fwd(q, k, v, None, None, torch.empty_like(q, dtype=torch.bfloat16), lse, cfg)
+    with pytest.raises(ValueError, match=r"attention_forward: argument 'lse' must have shape \[b, h, s_q\] = \[1, 2, 4\]"):
+        seqfuse._C.attn_forward(q, k, v, None, None, torch.empty_like(q), torch.empty(1, 2, 5), cfg)
+    with pytest.raises(TypeError, match="attention_forward: argument 'out' must have dtype float32, got bfloat16"):
+        seqfuse._C.attn_forward(q, k, v, None, None, torch.empty_like(q, dtype=torch.bfloat16), lse, cfg)
     with pytest.raises(ValueError, match="must be contiguous in its last \\(head\\) dimension"):
-        seqfuse._C.attn_fwd(q, k, v, None, None, torch.empty(1, 4, 8, 2).transpose(2, 3), lse, cfg)
+        seqfuse._C.attn_forward(q, k, v, None, None, torch.empty(1, 4, 8, 2).transpose(2, 3), lse, cfg)
     with pytest.raises(ValueError, match="cu_seqlens are only taken with qkv_format thd or a padding mask"):
-        seqfuse._C.attn_fwd(q, k, v, cu_seqlens([4]), cu_seqlens([4]), torch.empty_like(q), lse, cfg)
+        seqfuse._C.attn_forward(q, k, v, cu_seqlens([4]), cu_seqlens([4]), torch.empty_like(q), lse, cfg)
     with pytest.raises(TypeError, match="argument 'cfg' must be a tuple of 11 numbers"):
-        seqfuse._C.attn_fwd(q, k, v, None, None, torch.empty_like(q), lse, cfg[:8])
+        seqfuse._C.attn_forward(q, k, v, None, None, torch.empty_like(q), lse, cfg[:8])
     with pytest.raises(ValueError, match=r"config entry 9 \(dropout_seed\) must be in \[0, 2\*\*64\)"):
-        seqfuse._C.attn_fwd(q, k, v, None, None, torch.empty_like(q), lse, cfg[:9] + (-1, 0))
+        seqfuse._C.attn_forward(q, k, v, None, None, torch.empty_like(q), lse, cfg[:9] + (-1, 0))
     with pytest.raises(ValueError, match=r"config entry 10 \(dropout_offset\) must be in \[0, 2\*\*64\)"):
-        seqfuse._C.attn_fwd(q, k, v, None, None, torch.empty_like(q), lse, cfg[:9] + (0, 2**64))
+        seqfuse._C.attn_forward(q, k, v, None, None, torch.empty_like(q), lse, cfg[:9] + (0, 2**64))
 
 
 @pytest.mark.cuda
@@ -325,11 +325,11 @@ def test_cuda_entry_head_dims(d):
     cfg = (0, 0, -1, -1, d ** -0.5, 8, 8, 0, 0.0, 0, 0)
     if d in (16, 24, 32, 64, 128):
         with pytest.raises(ValueError, match=r"argument 'lse' must have shape \[b, h, s_q\] = \[1, 2, 8\]"):
-            seqfuse._C.attn_fwd(q, k, v, None, None, out, bad_lse, cfg, 0)
+            seqfuse._C.attn_forward(q, k, v, None, None, out, bad_lse, cfg, 0)
     else:
         with pytest.raises(NotImplementedError,
-                           match=f"attention_fwd: the CUDA kernel supports head dims 16, 24, 32, 64 and 128, got {d}"):
-            seqfuse._C.attn_fwd(q, k, v, None, None, out, bad_lse, cfg, 0)
+                           match=f"attention_forward: the CUDA kernel supports head dims 16, 24, 32, 64 and 128, got {d}"):
+            seqfuse._C.attn_forward(q, k, v, None, None, out, bad_lse, cfg, 0)
 
 
 def test_cuda_entry_head_dim_24_alignment():
@@ -348,7 +348,7 @@ def test_cuda_entry_head_dim_24_alignment():
 
     odd = Strided((1, 8, 2, 24))
     with pytest.raises(ValueError, match="argument 'k' must have strides that are multiples of 8 elements"):
-        seqfuse._C.attn_fwd(q, odd, q, None, None, q, bad_lse, cfg, 0)
+        seqfuse._C.attn_forward(q, odd, q, None, None, q, bad_lse, cfg, 0)
 
 
 def test_strided_qkv_views_cpu(seed):
@@ -511,13 +511,13 @@ def test_dropout_zero_is_plain_attention():
 @pytest.mark.parametrize("p", [-0.1, 1.0, 1.5, float("nan")])
 def test_dropout_bad_probability(p):
     q, k, v = make((1, 4, 2, 8), (1, 4, 2, 8), torch.float32)
-    with pytest.raises(ValueError, match=r"attention_fwd: dropout_p must be in \[0, 1\)"):
+    with pytest.raises(ValueError, match=r"attention_forward: dropout_p must be in \[0, 1\)"):
         attention(q, k, v, dropout_p=p)
-    out, lse = seqfuse.ops.attention_fwd(q, k, v)
-    with pytest.raises(ValueError, match=r"attention_bwd: dropout_p must be in \[0, 1\)"):
-        seqfuse.ops.attention_bwd(out, q, k, v, out, lse, dropout_p=p, rng_state=(1, 0))
+    out, lse = seqfuse.ops.attention_forward(q, k, v)
+    with pytest.raises(ValueError, match=r"attention_backward: dropout_p must be in \[0, 1\)"):
+        seqfuse.ops.attention_backward(out, q, k, v, out, lse, dropout_p=p, rng_state=(1, 0))
     with pytest.raises(ValueError, match="needs the forward's rng_state"):
-        seqfuse.ops.attention_bwd(out, q, k, v, out, lse, dropout_p=0.5)
+        seqfuse.ops.attention_backward(out, q, k, v, out, lse, dropout_p=0.5)
     with pytest.raises(ValueError, match=r"rng_state must be two integers in \[0, 2\*\*64\)"):
         attention(q, k, v, dropout_p=0.5, rng_state=(-1, 0))
 
@@ -531,4 +531,4 @@ def test_cuda_dropout_reaches_the_shape_checks_at_the_c_entry():
     bad_lse = _ForgedCuda16((1, 2, 9), dtype_code=2, bits=32)
     cfg = (0, 0, -1, -1, 0.125, 8, 8, 0, 0.1, 1, 0)
     with pytest.raises(ValueError, match=r"argument 'lse' must have shape"):
-        seqfuse._C.attn_fwd(q, q, q, None, None, out, bad_lse, cfg, 0)
+        seqfuse._C.attn_forward(q, q, q, None, None, out, bad_lse, cfg, 0)

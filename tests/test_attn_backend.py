@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import seqfuse
 from attn_ref import cu_seqlens
-from helpers import BWD_FACTOR, rel_error, rel_tol
+from helpers import BACKWARD_FACTOR, rel_error, rel_tol
 from seqfuse.ops.attn import _routing as routing
 from test_attn_cuda import check, make_case, run_reference
 
@@ -320,8 +320,8 @@ def test_explicit_halves_never_dispatch(sdpa_calls, emulated_h200):
     seqfuse.ops.set_attention_backend("cudnn")
     q, k, v, _ = cpu_call("bshd", "no_mask")
     assert seqfuse.ops.attention_backend(q, k, v)[0] == "cudnn"
-    out, lse = seqfuse.ops.attention_fwd(q, k, v)
-    seqfuse.ops.attention_bwd(torch.randn_like(out), q, k, v, out, lse)
+    out, lse = seqfuse.ops.attention_forward(q, k, v)
+    seqfuse.ops.attention_backward(torch.randn_like(out), q, k, v, out, lse)
     assert sdpa_calls == []
 
 
@@ -334,8 +334,8 @@ def test_auto_on_cpu_runs_seqfuse_cpu_path_unchanged(fmt, mask, dtype, sdpa_call
     out = seqfuse.ops.attention(q, k, v, qkv_format=fmt, attn_mask_type=mask)
     out.backward(dout)
     kw = dict(qkv_format=fmt, attn_mask_type=mask)
-    out_ref, lse = seqfuse.ops.attention_fwd(q, k, v, **kw)
-    grads_ref = seqfuse.ops.attention_bwd(dout, q, k, v, out_ref, lse, **kw)
+    out_ref, lse = seqfuse.ops.attention_forward(q, k, v, **kw)
+    grads_ref = seqfuse.ops.attention_backward(dout, q, k, v, out_ref, lse, **kw)
     assert torch.equal(out, out_ref)
     for g, r in zip((q.grad, k.grad, v.grad), grads_ref):
         assert torch.equal(g, r)
@@ -416,7 +416,7 @@ def test_route_layouts_scale_and_causal(fmt, mask, scale, sdpa_calls, emulated_h
     assert len(sdpa_calls) == 1
     assert rel_error(out, ref) <= rel_tol(torch.bfloat16)
     for g, r in zip(grads, (qs.grad, ks.grad, vs.grad)):
-        assert rel_error(g, r) <= rel_tol(torch.bfloat16, BWD_FACTOR)
+        assert rel_error(g, r) <= rel_tol(torch.bfloat16, BACKWARD_FACTOR)
 
 
 def test_route_without_grad(sdpa_calls, emulated_h200):
@@ -491,7 +491,7 @@ def test_auto_falls_back_on_runtime_error_and_remembers(monkeypatch, caplog):
     assert len(warnings) == 1, warnings
     assert "cuDNN fused attention (torch SDPA) failed on bshd no_mask d=16 bfloat16: " in warnings[0]
     assert "No viable backend" in warnings[0] and "run on seqfuse's kernels" in warnings[0]
-    out_ref, _ = seqfuse.ops.attention_fwd(q, k, v)
+    out_ref, _ = seqfuse.ops.attention_forward(q, k, v)
     assert torch.equal(out, out_ref) and torch.equal(again, out_ref)
     out.sum().backward()  # seqfuse's autograd function
     assert q.grad is not None and torch.isfinite(q.grad.float()).all()
@@ -544,7 +544,7 @@ def test_route_gqa(fmt, hk, sdpa_calls, emulated_h200):
     ref = _grads_of(run, (q, k, v), dout)
     assert rel_error(ours[0], ref[0]) <= rel_tol(torch.bfloat16)
     for g, r in zip(ours[1], ref[1]):
-        assert rel_error(g, r) <= rel_tol(torch.bfloat16, BWD_FACTOR)
+        assert rel_error(g, r) <= rel_tol(torch.bfloat16, BACKWARD_FACTOR)
 
 
 def _grads_of(fn, tensors, dout):
@@ -581,7 +581,7 @@ def test_route_thd_of_equal_lengths(mask, as_mask, hk, sdpa_calls, emulated_h200
     ref = _grads_of(lambda a, b_, c: seqfuse.ops.attention(a, b_, c, **kw), (q, k, v), dout)
     assert rel_error(ours[0], ref[0]) <= rel_tol(torch.bfloat16)
     for g, r in zip(ours[1], ref[1]):
-        assert rel_error(g, r) <= rel_tol(torch.bfloat16, BWD_FACTOR)
+        assert rel_error(g, r) <= rel_tol(torch.bfloat16, BACKWARD_FACTOR)
     seqfuse.ops.set_attention_backend("auto")
     for other in (cu_seqlens([5, 7, 6]), cu_seqlens([6, 6])):  # unequal; a tail of 6 tokens
         kw2 = dict(kw, cu_seqlens_q=other, cu_seqlens_kv=other, max_seqlen_q=7, max_seqlen_kv=7)
@@ -661,7 +661,7 @@ def test_transformer_layer_through_the_route_on_cpu(fmt, sdpa_calls, emulated_h2
     results = _layer_under_backends(layer, x0, None, ("seqfuse", "auto"), sdpa_calls)
     assert len(sdpa_calls) == 1
     results = {name: r[:3] for name, r in results.items()}
-    for ours, ref, factor in zip(results["auto"], results["seqfuse"], (1, BWD_FACTOR, BWD_FACTOR)):
+    for ours, ref, factor in zip(results["auto"], results["seqfuse"], (1, BACKWARD_FACTOR, BACKWARD_FACTOR)):
         assert ours.shape == ref.shape and rel_error(ours, ref) <= rel_tol(torch.bfloat16, factor)
 
 
@@ -888,5 +888,5 @@ def test_cuda_transformer_layer_same_under_both_backends(dtype, seed, sdpa_calls
     (y_s, dx_s, dw_s, _), (y_c, dx_c, dw_c, _) = results["seqfuse"], results["cudnn"]
     assert y_c.shape == y_s.shape and y_c.dtype == y_s.dtype
     assert rel_error(y_c, y_s) <= rel_tol(dtype)
-    assert rel_error(dx_c, dx_s) <= rel_tol(dtype, BWD_FACTOR)
-    assert rel_error(dw_c, dw_s) <= rel_tol(dtype, BWD_FACTOR)
+    assert rel_error(dx_c, dx_s) <= rel_tol(dtype, BACKWARD_FACTOR)
+    assert rel_error(dw_c, dw_s) <= rel_tol(dtype, BACKWARD_FACTOR)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import seqfuse
 from attn_ref import PADDING, cu_seqlens, pack, reference, unpack
-from helpers import BWD_FACTOR, rel_error, rel_tol, seqfuse_attention_only, torch_bound
+from helpers import BACKWARD_FACTOR, rel_error, rel_tol, seqfuse_attention_only, torch_bound
 
 pytestmark = pytest.mark.cuda
 
@@ -70,7 +70,7 @@ def make_case(fmt, mask, b, sq, sk, h, hk, d, dtype, rng):
 
 
 def attention_kwargs(fmt, mask, lq, lk, window=None, device="cuda"):
-    """The keyword arguments of ops.attention_fwd / _bwd for one case."""
+    """The keyword arguments of ops.attention_forward / _backward for one case."""
     kw = dict(qkv_format=fmt, attn_mask_type=mask, window_size=window)
     if lq is not None:
         kw.update(cu_seqlens_q=cu_seqlens(lq, device), cu_seqlens_kv=cu_seqlens(lk, device))
@@ -79,19 +79,19 @@ def attention_kwargs(fmt, mask, lq, lk, window=None, device="cuda"):
     return kw
 
 
-def run_fwd(q, k, v, fmt, mask, lq, lk, window=None):
-    """ops.attention_fwd into NaN-poisoned out and lse."""
+def run_forward(q, k, v, fmt, mask, lq, lk, window=None):
+    """ops.attention_forward into NaN-poisoned out and lse."""
     lse_shape = (q.shape[1], q.shape[0]) if fmt == "thd" else \
         ((q.shape[0], q.shape[2], q.shape[1]) if fmt == "bshd" else (q.shape[1], q.shape[2], q.shape[0]))
-    return seqfuse.ops.attention_fwd(q, k, v, out=poisoned(q.shape, q.dtype),
+    return seqfuse.ops.attention_forward(q, k, v, out=poisoned(q.shape, q.dtype),
                                      lse=poisoned(lse_shape, torch.float32),
                                      **attention_kwargs(fmt, mask, lq, lk, window))
 
 
 def run_ours(q, k, v, dout, fmt, mask, lq, lk, window=None, deterministic=False):
     kw = attention_kwargs(fmt, mask, lq, lk, window)
-    out, lse = run_fwd(q, k, v, fmt, mask, lq, lk, window)
-    dq, dk, dv = seqfuse.ops.attention_bwd(dout, q, k, v, out, lse, deterministic=deterministic,
+    out, lse = run_forward(q, k, v, fmt, mask, lq, lk, window)
+    dq, dk, dv = seqfuse.ops.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic,
                                            dq=poisoned(q.shape, q.dtype), dk=poisoned(k.shape, k.dtype),
                                            dv=poisoned(v.shape, v.dtype), **kw)
     return out, lse, (dq, dk, dv)
@@ -110,7 +110,7 @@ def check(out, grads, ref, ref_grads, dtype, what):
     assert e <= rel_tol(dtype), f"{what}: out rel error {e:.2e}"
     for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
         e = rel_error(g, r)
-        assert e <= rel_tol(dtype, BWD_FACTOR), f"{what}: {name} rel error {e:.2e}"
+        assert e <= rel_tol(dtype, BACKWARD_FACTOR), f"{what}: {name} rel error {e:.2e}"
 
 
 @pytest.mark.parametrize(
@@ -162,14 +162,14 @@ def test_cuda_matches_c_reference_and_lse(d, mask, seed):
     q, k, v, dout, lq, lk = make_case("bshd", mask, 2, 70, 90, 2, 1, d, torch.bfloat16, rng)
     out, lse, grads = run_ours(q, k, v, dout, "bshd", mask, lq, lk)
     kw = dict(qkv_format="bshd", attn_mask_type=mask, cu_seqlens_q=cu_seqlens(lq), cu_seqlens_kv=cu_seqlens(lk))
-    out_c, lse_c = seqfuse.ops.attention_fwd(q.cpu(), k.cpu(), v.cpu(), **kw)
-    grads_c = seqfuse.ops.attention_bwd(dout.cpu(), q.cpu(), k.cpu(), v.cpu(), out_c, lse_c, **kw)
+    out_c, lse_c = seqfuse.ops.attention_forward(q.cpu(), k.cpu(), v.cpu(), **kw)
+    grads_c = seqfuse.ops.attention_backward(dout.cpu(), q.cpu(), k.cpu(), v.cpu(), out_c, lse_c, **kw)
     assert rel_error(out, out_c) <= rel_tol(torch.bfloat16)
     finite = torch.isfinite(lse_c)
     assert torch.equal(finite, torch.isfinite(lse.cpu()))
     assert (lse.cpu()[finite] - lse_c[finite]).abs().max().item() < 2e-3
     for g, gc in zip(grads, grads_c):
-        assert rel_error(g, gc) <= rel_tol(torch.bfloat16, BWD_FACTOR)
+        assert rel_error(g, gc) <= rel_tol(torch.bfloat16, BACKWARD_FACTOR)
 
 
 @pytest.mark.parametrize("d", [24, 32, 64, 128])
@@ -206,26 +206,26 @@ def test_cuda_thd_equals_bshd(mask, d, seed):
     qp, kp, vp, dp = (torch.randn(b, s, n, d, device="cuda").to(torch.bfloat16) for n in (h, hk, hk, h))
     cq, ck = cu_seqlens(lq, "cuda"), cu_seqlens(lk, "cuda")
     kw = dict(attn_mask_type=mask, cu_seqlens_q=cq, cu_seqlens_kv=ck)
-    out_p, lse_p = seqfuse.ops.attention_fwd(qp, kp, vp, qkv_format="bshd", **kw)
-    g_p = seqfuse.ops.attention_bwd(dp, qp, kp, vp, out_p, lse_p, qkv_format="bshd", deterministic=True, **kw)
+    out_p, lse_p = seqfuse.ops.attention_forward(qp, kp, vp, qkv_format="bshd", **kw)
+    g_p = seqfuse.ops.attention_backward(dp, qp, kp, vp, out_p, lse_p, qkv_format="bshd", deterministic=True, **kw)
     qt, kt, vt, dt = pack(qp, lq), pack(kp, lk), pack(vp, lk), pack(dp, lq)
     kw_t = dict(kw, max_seqlen_q=max(lq), max_seqlen_kv=max(lk))
-    out_t, lse_t = seqfuse.ops.attention_fwd(qt, kt, vt, qkv_format="thd", **kw_t)
-    g_t = seqfuse.ops.attention_bwd(dt, qt, kt, vt, out_t, lse_t, qkv_format="thd", deterministic=True, **kw_t)
+    out_t, lse_t = seqfuse.ops.attention_forward(qt, kt, vt, qkv_format="thd", **kw_t)
+    g_t = seqfuse.ops.attention_backward(dt, qt, kt, vt, out_t, lse_t, qkv_format="thd", deterministic=True, **kw_t)
     assert torch.equal(unpack(out_t, lq, s), out_p)
     assert torch.equal(unpack(g_t[0], lq, s), g_p[0])
     assert torch.equal(unpack(g_t[1], lk, s), g_p[1])
     assert torch.equal(unpack(g_t[2], lk, s), g_p[2])
     # atomic-dQ path: equal up to the order of float additions
-    g_a = seqfuse.ops.attention_bwd(dt, qt, kt, vt, out_t, lse_t, qkv_format="thd", **kw_t)
+    g_a = seqfuse.ops.attention_backward(dt, qt, kt, vt, out_t, lse_t, qkv_format="thd", **kw_t)
     assert rel_error(g_a[0], g_t[0]) < 1e-2
     assert torch.equal(g_a[1], g_t[1]) and torch.equal(g_a[2], g_t[2])
 
 
 def test_cuda_deterministic_backward_is_reproducible(seed):
     q, k, v, dout = (torch.randn(2, 700, 8, 128, device="cuda").to(torch.bfloat16) for _ in range(4))
-    out, lse = seqfuse.ops.attention_fwd(q, k, v, attn_mask_type="causal")
-    runs = [seqfuse.ops.attention_bwd(dout, q, k, v, out, lse, attn_mask_type="causal", deterministic=True)
+    out, lse = seqfuse.ops.attention_forward(q, k, v, attn_mask_type="causal")
+    runs = [seqfuse.ops.attention_backward(dout, q, k, v, out, lse, attn_mask_type="causal", deterministic=True)
             for _ in range(3)]
     for r in runs[1:]:
         for a, b in zip(runs[0], r):
@@ -249,29 +249,29 @@ def test_cuda_module_matches_cpu_module(seed):
 
 def test_cuda_runs_on_current_stream_and_in_graph(seed):
     q, k, v, dout = (torch.randn(2, 256, 4, 64, device="cuda").to(torch.bfloat16) for _ in range(4))
-    ref_out, ref_lse = seqfuse.ops.attention_fwd(q, k, v, attn_mask_type="causal")
-    ref_g = seqfuse.ops.attention_bwd(dout, q, k, v, ref_out, ref_lse, attn_mask_type="causal", deterministic=True)
+    ref_out, ref_lse = seqfuse.ops.attention_forward(q, k, v, attn_mask_type="causal")
+    ref_g = seqfuse.ops.attention_backward(dout, q, k, v, ref_out, ref_lse, attn_mask_type="causal", deterministic=True)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        out, lse = seqfuse.ops.attention_fwd(q, k, v, attn_mask_type="causal")
-        g = seqfuse.ops.attention_bwd(dout, q, k, v, out, lse, attn_mask_type="causal", deterministic=True)
-        seqfuse.ops.attention_bwd(dout, q, k, v, out, lse, attn_mask_type="causal")  # warm-up before capture
+        out, lse = seqfuse.ops.attention_forward(q, k, v, attn_mask_type="causal")
+        g = seqfuse.ops.attention_backward(dout, q, k, v, out, lse, attn_mask_type="causal", deterministic=True)
+        seqfuse.ops.attention_backward(dout, q, k, v, out, lse, attn_mask_type="causal")  # warm-up before capture
     torch.cuda.current_stream().wait_stream(s)
     assert torch.equal(out, ref_out) and all(torch.equal(a, b) for a, b in zip(g, ref_g))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out_g, lse_g = seqfuse.ops.attention_fwd(q, k, v, attn_mask_type="causal")
-        g_g = seqfuse.ops.attention_bwd(dout, q, k, v, out_g, lse_g, attn_mask_type="causal")
+        out_g, lse_g = seqfuse.ops.attention_forward(q, k, v, attn_mask_type="causal")
+        g_g = seqfuse.ops.attention_backward(dout, q, k, v, out_g, lse_g, attn_mask_type="causal")
     q.copy_(torch.randn_like(q))
     graph.replay()
     torch.cuda.synchronize()
-    new_out, new_lse = seqfuse.ops.attention_fwd(q, k, v, attn_mask_type="causal")
+    new_out, new_lse = seqfuse.ops.attention_forward(q, k, v, attn_mask_type="causal")
     assert torch.equal(out_g, new_out)
     # the replayed backward too (dQ by atomics: equal within the backward's tolerance, not bitwise)
-    new_g = seqfuse.ops.attention_bwd(dout, q, k, v, new_out, new_lse, attn_mask_type="causal")
+    new_g = seqfuse.ops.attention_backward(dout, q, k, v, new_out, new_lse, attn_mask_type="causal")
     for name, a, b in zip(("dq", "dk", "dv"), g_g, new_g):
-        assert rel_error(a, b) <= rel_tol(q.dtype, BWD_FACTOR), name
+        assert rel_error(a, b) <= rel_tol(q.dtype, BACKWARD_FACTOR), name
 
 
 def test_cuda_bad_inputs():
@@ -286,10 +286,10 @@ def test_cuda_bad_inputs():
     cfg = (0, 0, -1, -1, 0.125, 8, 8, 0, 0.0, 0, 0)
     lse = torch.empty(1, 2, 8, device="cuda")
     with pytest.raises(ValueError, match="argument 'q' must have strides that are multiples of 8 elements"):
-        seqfuse._C.attn_fwd(big, q, q, None, None, torch.empty_like(q), lse, cfg)
+        seqfuse._C.attn_forward(big, q, q, None, None, torch.empty_like(q), lse, cfg)
     with pytest.raises(ValueError, match="argument 'k' must start at a 16-byte aligned address"):
         shifted = torch.randn(2049, device="cuda", dtype=torch.bfloat16)[1:].view(1, 8, 4, 64)[:, :, :2]
-        seqfuse._C.attn_fwd(q, shifted, q, None, None, torch.empty_like(q), lse, cfg)
+        seqfuse._C.attn_forward(q, shifted, q, None, None, torch.empty_like(q), lse, cfg)
     # the op copies such views once instead of failing
     out = seqfuse.ops.attention(big, big, big)
     assert torch.equal(out, seqfuse.ops.attention(big.contiguous(), big.contiguous(), big.contiguous()))
@@ -313,11 +313,11 @@ def test_cuda_strided_qkv_views(fmt, d, seed):
         cu = cu_seqlens([100, 130, 70], "cuda")
         kw.update(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=130, max_seqlen_kv=130)
     dout = torch.randn(q.shape, device="cuda").to(torch.bfloat16)
-    out, lse = seqfuse.ops.attention_fwd(q, k, v, **kw)
-    out_c, lse_c = seqfuse.ops.attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(), **kw)
+    out, lse = seqfuse.ops.attention_forward(q, k, v, **kw)
+    out_c, lse_c = seqfuse.ops.attention_forward(q.contiguous(), k.contiguous(), v.contiguous(), **kw)
     assert torch.equal(out, out_c) and torch.equal(lse, lse_c)
-    g = seqfuse.ops.attention_bwd(dout, q, k, v, out, lse, deterministic=True, **kw)
-    g_c = seqfuse.ops.attention_bwd(dout, q.contiguous(), k.contiguous(), v.contiguous(), out_c, lse_c,
+    g = seqfuse.ops.attention_backward(dout, q, k, v, out, lse, deterministic=True, **kw)
+    g_c = seqfuse.ops.attention_backward(dout, q.contiguous(), k.contiguous(), v.contiguous(), out_c, lse_c,
                                     deterministic=True, **kw)
     assert all(torch.equal(a, b) for a, b in zip(g, g_c))
 
@@ -346,22 +346,22 @@ def test_cuda_head_dim_24_stays_in_its_columns(fmt, deterministic, seed):
     if fmt == "thd":
         kw.update(cu_seqlens_q=cu_seqlens(lq, "cuda"), cu_seqlens_kv=cu_seqlens(lk, "cuda"),
                   max_seqlen_q=max(lq), max_seqlen_kv=max(lk))
-    out, lse = seqfuse.ops.attention_fwd(q, k, v, out=outs["out"][..., :24], **kw)
-    grads = seqfuse.ops.attention_bwd(dout, q, k, v, out, lse, deterministic=deterministic,
+    out, lse = seqfuse.ops.attention_forward(q, k, v, out=outs["out"][..., :24], **kw)
+    grads = seqfuse.ops.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic,
                                       dq=outs["dq"][..., :24], dk=outs["dk"][..., :24],
                                       dv=outs["dv"][..., :24], **kw)
     assert out.data_ptr() == outs["out"].data_ptr()  # written in place, not copied
     for name, buf in outs.items():
         assert torch.all(buf[..., 24:] == 7.0), f"{name}: columns 24..31 were written"
-    out_c, lse_c = seqfuse.ops.attention_fwd(q0, k0, v0, **kw)
-    g_c = seqfuse.ops.attention_bwd(dout0, q0, k0, v0, out_c, lse_c, deterministic=True, **kw)
+    out_c, lse_c = seqfuse.ops.attention_forward(q0, k0, v0, **kw)
+    g_c = seqfuse.ops.attention_backward(dout0, q0, k0, v0, out_c, lse_c, deterministic=True, **kw)
     assert torch.equal(out, out_c) and torch.equal(lse, lse_c)
     if deterministic:
         assert all(torch.equal(a, b) for a, b in zip(grads, g_c))
     ref, ref_grads = run_reference(q0, k0, v0, dout0, fmt, mask, lq, lk)
     check(out, grads, ref, ref_grads, torch.bfloat16, f"{fmt} d=24 views")
     # a scale of 1/sqrt(32) (the tile's width) would be a different function
-    out_32, _ = seqfuse.ops.attention_fwd(q0, k0, v0, softmax_scale=32 ** -0.5, **kw)
+    out_32, _ = seqfuse.ops.attention_forward(q0, k0, v0, softmax_scale=32 ** -0.5, **kw)
     assert rel_error(out_32, ref) > 2 * rel_tol(torch.bfloat16)
 
 
@@ -388,10 +388,10 @@ def run_ours_dropout(q, k, v, dout, fmt, mask, lq, lk, p, rng_state, determinist
     kw = attention_kwargs(fmt, mask, lq, lk, device=dev)
     lse_shape = (q.shape[1], q.shape[0]) if fmt == "thd" else \
         ((q.shape[0], q.shape[2], q.shape[1]) if fmt == "bshd" else (q.shape[1], q.shape[2], q.shape[0]))
-    out, lse = seqfuse.ops.attention_fwd(q, k, v, out=poisoned(q.shape, q.dtype, dev),
+    out, lse = seqfuse.ops.attention_forward(q, k, v, out=poisoned(q.shape, q.dtype, dev),
                                          lse=poisoned(lse_shape, torch.float32, dev),
                                          dropout_p=p, rng_state=rng_state, **kw)
-    grads = seqfuse.ops.attention_bwd(dout, q, k, v, out, lse, deterministic=deterministic, dropout_p=p,
+    grads = seqfuse.ops.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, dropout_p=p,
                                       rng_state=rng_state, dq=poisoned(q.shape, q.dtype, dev),
                                       dk=poisoned(k.shape, k.dtype, dev), dv=poisoned(v.shape, v.dtype, dev), **kw)
     return out, lse, grads
@@ -417,10 +417,10 @@ def test_cuda_dropout_matches_cpu_backend_and_reference(fmt, mask, d, h, hk, sq,
     ref = reference(qr, kr, vr, **ref_kw)
     ref.backward(dout.double())
     check(out, grads, ref, (qr.grad, kr.grad, vr.grad), dtype, what + " vs float64 reference")
-    _, lse_plain = run_fwd(q, k, v, fmt, mask, lq, lk)
+    _, lse_plain = run_forward(q, k, v, fmt, mask, lq, lk)
     # dropout leaves the log-sum-exp alone: to 1e-6 against the same (sm80) kernel without dropout;
     # where the plain call takes the wgmma forward (Hopper), test_attn_sm90_cuda's bound between the two
-    same_kernel = seqfuse.ops.attention_fwd_kernel(d, q.device)[0] == 80
+    same_kernel = seqfuse.ops.attention_forward_kernel(d, q.device)[0] == 80
     torch.testing.assert_close(lse, lse_plain, rtol=0, atol=1e-6 if same_kernel else 2e-3)
 
 
@@ -437,8 +437,8 @@ def test_cuda_dropout_mask_elementwise(d, p):
     k = torch.randn(b, sk, hk, d, device="cuda").half()
     v = torch.eye(sk, device="cuda").half().expand(b, hk, sk, sk).permute(0, 2, 1, 3).contiguous()
     rng_state = (0xDEADBEEF12345678, 4 * 37)
-    out, _ = seqfuse.ops.attention_fwd(q, k, v, dropout_p=p, rng_state=rng_state)
-    plain, _ = seqfuse.ops.attention_fwd(q, k, v)
+    out, _ = seqfuse.ops.attention_forward(q, k, v, dropout_p=p, rng_state=rng_state)
+    plain, _ = seqfuse.ops.attention_forward(q, k, v)
     out, plain = out.float().cpu(), plain.float().cpu()
     for i in range(b):
         keep = keep_mask(*rng_state, i, h, sq, sk, p).permute(1, 0, 2)  # [sq, h, sk]
@@ -456,7 +456,7 @@ def test_cuda_dropout_keep_rate(p):
     q = torch.zeros(b, s, h, d, device="cuda", dtype=torch.float16)
     k = torch.randn(b, s, h, d, device="cuda", dtype=torch.float16)
     v = torch.ones(b, s, h, d, device="cuda", dtype=torch.float16)
-    out, _ = seqfuse.ops.attention_fwd(q, k, v, dropout_p=p, rng_state=(2024, 0))
+    out, _ = seqfuse.ops.attention_forward(q, k, v, dropout_p=p, rng_state=(2024, 0))
     kept = out[..., 0].double().mean().item() * (1 - p)
     assert abs(kept - (1 - p)) < 1e-3, (kept, 1 - p)
 
@@ -484,7 +484,7 @@ def test_cuda_dropout_determinism_and_generator():
     assert not torch.equal(x, y)
     torch.manual_seed(11)
     assert torch.equal(x, seqfuse.ops.attention(q, k, v, attn_mask_type="causal", dropout_p=0.2))
-    assert torch.equal(x, seqfuse.ops.attention_fwd(q, k, v, attn_mask_type="causal", dropout_p=0.2,
+    assert torch.equal(x, seqfuse.ops.attention_forward(q, k, v, attn_mask_type="causal", dropout_p=0.2,
                                                     rng_state=(gen.initial_seed(), start))[0])
 
 
@@ -517,13 +517,13 @@ def test_cuda_dropout_forward_kernel_choice_logged(monkeypatch, caplog):
     the first such forward logs it (logger "seqfuse")."""
     from seqfuse.ops.attn import _routing as routing
 
-    arch, why = seqfuse.ops.attention_fwd_kernel(64, dropout=True)
+    arch, why = seqfuse.ops.attention_forward_kernel(64, dropout=True)
     assert arch == 80
     if torch.cuda.get_device_capability() != (9, 0) or why.startswith("sm80 kernel chosen"):
         return
     assert "dropout" in why
-    monkeypatch.setattr(routing, "_fwd_kernel_checked", set())
-    monkeypatch.setattr(routing, "_fwd_reasons_logged", set())
+    monkeypatch.setattr(routing, "_forward_kernel_checked", set())
+    monkeypatch.setattr(routing, "_forward_reasons_logged", set())
     q = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
     with caplog.at_level(logging.INFO, logger="seqfuse"):
         seqfuse.ops.attention(q, q, q, dropout_p=0.1)

@@ -30,7 +30,7 @@ import torch
 
 import seqfuse
 from attn_ref import cu_seqlens, reference
-from helpers import BWD_FACTOR, pair_tol, rel_error, rel_tol
+from helpers import BACKWARD_FACTOR, pair_tol, rel_error, rel_tol
 from seqfuse.ops.attn import _cudnn_ragged as ragged
 from seqfuse.ops.attn import _routing as routing
 
@@ -192,7 +192,7 @@ def _reference_with_grads(q, k, v, dout, lq, lk, mask, scale=None):
 @pytest.mark.parametrize("h,hk,d", [(4, 4, 64), (8, 2, 128), (4, 4, 32)])
 def test_frontend_provider_forward_and_gradients(mask, h, hk, d):
     """The frontend provider takes training calls: output and dq, dk, dv
-    against the float64 reference (BWD_FACTOR for gradients)."""
+    against the float64 reference (BACKWARD_FACTOR for gradients)."""
     q, k, v, kw, lq, lk = _case(PROTEINS, h=h, hk=hk, d=d, seed=h + d)
     seqfuse.ops.set_attention_backend("cudnn_ragged")
     seqfuse.ops.attn.set_attention_cudnn_ragged(True, "frontend")
@@ -204,7 +204,7 @@ def test_frontend_provider_forward_and_gradients(mask, h, hk, d):
     ref, ref_grads = _reference_with_grads(q, k, v, dout, lq, lk, mask)
     assert rel_error(out, ref) <= rel_tol(torch.bfloat16)
     for name, g, r in zip("qkv", grads, ref_grads):
-        assert rel_error(g, r) <= rel_tol(torch.bfloat16, BWD_FACTOR), f"d{name}"
+        assert rel_error(g, r) <= rel_tol(torch.bfloat16, BACKWARD_FACTOR), f"d{name}"
 
 
 @needs_frontend
@@ -220,4 +220,4 @@ def test_frontend_provider_in_auto_takes_training_calls():
     (dq,) = torch.autograd.grad(out, (q,), dout)
     ref, ref_grads = _reference_with_grads(q, k, v, dout, lq, lk, "padding")
     assert rel_error(out, ref) <= rel_tol(torch.bfloat16)
-    assert rel_error(dq, ref_grads[0]) <= rel_tol(torch.bfloat16, BWD_FACTOR)
+    assert rel_error(dq, ref_grads[0]) <= rel_tol(torch.bfloat16, BACKWARD_FACTOR)

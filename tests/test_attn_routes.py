@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 import seqfuse
 from attn_ref import attend, cu_seqlens
-from helpers import BWD_FACTOR, rel_error, rel_tol
+from helpers import BACKWARD_FACTOR, rel_error, rel_tol
 from seqfuse.ops.attn import _routing as routing
 from seqfuse.ops.attn import _torch_routes as routes
 
@@ -384,7 +384,7 @@ def _assert_same(ours, ref, dtype, what):
     assert out.shape == rout.shape and out.dtype == rout.dtype
     assert rel_error(out, rout) <= rel_tol(dtype), what
     for name, g, r in zip("qkv", grads, rgrads):
-        assert g.shape == r.shape and rel_error(g, r) <= rel_tol(dtype, BWD_FACTOR), f"{what}: d{name}"
+        assert g.shape == r.shape and rel_error(g, r) <= rel_tol(dtype, BACKWARD_FACTOR), f"{what}: d{name}"
 
 
 THD_RUNS = [
@@ -487,7 +487,7 @@ def test_flash_route_dropout_reaches_the_kernel_and_rng_state_stays(flash_calls)
     # an explicit (seed, offset): seqfuse's Philox mask, seqfuse's kernels
     pinned = seqfuse.ops.attention(q, k, v, **kw, dropout_p=0.25, rng_state=(11, 0))
     assert len(flash_calls) == 1
-    assert torch.equal(pinned, seqfuse.ops.attention_fwd(q, k, v, **kw, dropout_p=0.25, rng_state=(11, 0))[0])
+    assert torch.equal(pinned, seqfuse.ops.attention_forward(q, k, v, **kw, dropout_p=0.25, rng_state=(11, 0))[0])
 
 
 def test_flash_route_logs_once_and_falls_back_on_runtime_error(monkeypatch, emulated_h200, caplog):
@@ -507,7 +507,7 @@ def test_flash_route_logs_once_and_falls_back_on_runtime_error(monkeypatch, emul
                      "SEQFUSE_ATTN_BACKEND=seqfuse for seqfuse's kernels)"]
     assert len(warnings) == 1 and "torch's FlashAttention failed on thd no_mask d=16 bfloat16: FlashAttention " \
                                   "only supports Ampere" in warnings[0]
-    ref = seqfuse.ops.attention_fwd(q, k, v, **kw)[0]
+    ref = seqfuse.ops.attention_forward(q, k, v, **kw)[0]
     assert torch.equal(out, ref) and torch.equal(again, ref)
     name, reason = seqfuse.ops.attention_backend(q, k, v, **kw)
     assert name == "seqfuse" and reason.startswith("flash_failed: ")

@@ -28,7 +28,7 @@ import torch
 
 import seqfuse
 from attn_ref import cu_seqlens, reference
-from helpers import BWD_FACTOR, rel_error, rel_tol
+from helpers import BACKWARD_FACTOR, rel_error, rel_tol
 from seqfuse.ops.attn import _routing as routing
 from seqfuse.ops.attn import _torch_routes as routes
 
@@ -83,7 +83,7 @@ def _check(out, grads, ref, ref_grads, dtype, what):
     for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert torch.isfinite(g.float()).all(), f"{what}: {name}"
         e = rel_error(g, r)
-        assert e <= rel_tol(dtype, BWD_FACTOR), f"{what}: {name} rel error {e:.2e}"
+        assert e <= rel_tol(dtype, BACKWARD_FACTOR), f"{what}: {name} rel error {e:.2e}"
 
 
 def _thd(rng, b, sq, sk, h, hk, d, dtype, mask):
@@ -382,4 +382,4 @@ def test_cuda_packed_dot_product_attention_trains_on_the_flash_route(mask, group
     (out, grads), (ref, ref_grads) = results["auto"], results["seqfuse"]
     assert rel_error(out, ref) <= 2 * rel_tol(torch.bfloat16)  # two bf16 results, each within rel_tol
     for g, r in zip(grads, ref_grads):
-        assert rel_error(g, r) <= 2 * rel_tol(torch.bfloat16, BWD_FACTOR)
+        assert rel_error(g, r) <= 2 * rel_tol(torch.bfloat16, BACKWARD_FACTOR)

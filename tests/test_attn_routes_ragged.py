@@ -28,7 +28,7 @@ import torch
 
 import seqfuse
 from attn_ref import attend, cu_seqlens
-from helpers import BWD_FACTOR, pair_tol, rel_error
+from helpers import BACKWARD_FACTOR, pair_tol, rel_error
 from seqfuse.ops import device_checks
 from seqfuse.ops.attn import _cudnn_ragged as ragged
 from seqfuse.ops.attn import _routing as routing
@@ -407,7 +407,7 @@ def test_route_logs_once_and_falls_back_on_runtime_error(monkeypatch, emulated_h
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "cuDNN's ragged fused attention failed on thd no_mask d=16 bfloat16: cuDNN " \
                                   "Frontend error" in warnings[0]
-    assert torch.equal(out, seqfuse.ops.attention_fwd(q, k, v, **kw)[0])
+    assert torch.equal(out, seqfuse.ops.attention_forward(q, k, v, **kw)[0])
     name, reason = seqfuse.ops.attention_backend(q, k, v, **kw)
     assert name == "seqfuse" and reason.startswith("cudnn_ragged_failed: ")
 
@@ -466,17 +466,17 @@ def test_probe_child_results_survive_a_crash(probe, monkeypatch):
 
     def crashed(cmd, **kw):
         assert json.loads(cmd[cmd.index("--spec") + 1]) == specs
-        return types.SimpleNamespace(stdout='{"fwd_ms": 1.0}\n', returncode=-6,
+        return types.SimpleNamespace(stdout='{"forward_ms": 1.0}\n', returncode=-6,
                                      stderr="x\nRuntimeError: CUDA error: an illegal memory access was encountered\n")
     monkeypatch.setattr(probe.subprocess, "run", crashed)
     assert probe.run_child("direct", specs) == [
-        ({"fwd_ms": 1.0}, None),
+        ({"forward_ms": 1.0}, None),
         (None, "child exited -6: x | RuntimeError: CUDA error: an illegal memory access was encountered")]
 
     def timed_out(cmd, **kw):
-        raise subprocess.TimeoutExpired(cmd, 1, output=b'{"fwd_ms": 2.0}\n')
+        raise subprocess.TimeoutExpired(cmd, 1, output=b'{"forward_ms": 2.0}\n')
     monkeypatch.setattr(probe.subprocess, "run", timed_out)
-    assert probe.run_child("nested", specs) == [({"fwd_ms": 2.0}, None),
+    assert probe.run_child("nested", specs) == [({"forward_ms": 2.0}, None),
                                                 (None, f"child timed out after {probe.CHILD_TIMEOUT_S} s")]
 
 
@@ -533,7 +533,7 @@ def test_frontend_route_trains_and_matches_seqfuse_cpu(frontend_calls, mask, len
     ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
     assert rel_error(out, ref) <= pair_tol(torch.bfloat16)
     for g, r in zip(grads, ref_grads):
-        assert rel_error(g, r) <= pair_tol(torch.bfloat16, BWD_FACTOR)
+        assert rel_error(g, r) <= pair_tol(torch.bfloat16, BACKWARD_FACTOR)
 
 
 def test_frontend_provider_forced_and_absent(frontend_calls, monkeypatch):

@@ -1,11 +1,11 @@
-"""The Hopper (wgmma) attention forward, csrc/attn/attn_fwd_sm90_cuda.cu:
+"""The Hopper (wgmma) attention forward, csrc/attn/attn_forward_sm90_cuda.cu:
 against the float64 reference (attn_ref.py) and against the sm80 forward
 (same out, same lse meaning) for every layout, mask, window, GQA ratio, head
 dim 64/128 and dtype, at lengths that are and are not multiples of the
 128-row / 128-key tiles, outputs poisoned (NaN) before each run.  Also the
-kernel choice (SEQFUSE_ATTN_FWD_KERNEL / set_attention_fwd_kernel), its
+kernel choice (SEQFUSE_ATTN_FORWARD_KERNEL / set_attention_forward_kernel), its
 query and the once-per-reason log when a Hopper GPU runs the sm80 kernel.
-The wgmma backward (attn_bwd_sm90_cuda.cu) likewise: dq, dk, dv against the
+The wgmma backward (attn_backward_sm90_cuda.cu) likewise: dq, dk, dv against the
 reference and the sm80 backward, its choice (default wgmma on Hopper for head
 dims 64 and 128; deterministic calls always sm80), query and log.  The choice and
 query tests run on CPU-only machines too."""
@@ -18,8 +18,8 @@ import torch
 
 import seqfuse
 from attn_ref import PADDING, reference
-from helpers import BWD_FACTOR, rel_error, rel_tol, seqfuse_attention_only
-from test_attn_cuda import make_case, run_fwd as forward, run_ours, run_reference
+from helpers import BACKWARD_FACTOR, rel_error, rel_tol, seqfuse_attention_only
+from test_attn_cuda import make_case, run_forward as forward, run_ours, run_reference
 
 
 @pytest.fixture(autouse=True)
@@ -32,34 +32,34 @@ def is_hopper():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-@pytest.fixture(params=["fwd", "bwd"], ids=["sm90fwd", "sm90bwd"])
+@pytest.fixture(params=["forward", "backward"], ids=["sm90forward", "sm90backward"])
 def sm90(request):
     """A checker of one case, check(q, k, v, dout, fmt, mask, lq, lk, window,
-    what), for each wgmma kernel: the forward ("fwd", the library's schedule:
+    what), for each wgmma kernel: the forward ("forward", the library's schedule:
     warp-specialized, ping-pong consumers, 192 rows at head dim 64 and 128 at
-    128), checked on out and lse, and the backward ("bwd", after that
+    128), checked on out and lse, and the backward ("backward", after that
     forward), checked on dq, dk, dv.  The forward's other schedules build
     into check_attn_sm90 only, which runs every case of its part (c) through
     each of them.  Skipped off Hopper; afterwards the process's kernel
     choices come back."""
     if not is_hopper():
         pytest.skip("the wgmma kernels need a compute capability 9.0 GPU")
-    fwd_was, bwd_was = seqfuse.ops.attention_fwd_kernel(64)[0], seqfuse.ops.attention_bwd_kernel(64)[0]
-    seqfuse.ops.set_attention_fwd_kernel(90)
-    if request.param == "bwd":
-        seqfuse.ops.set_attention_bwd_kernel(90)
-        yield check_bwd
+    forward_was, backward_was = seqfuse.ops.attention_forward_kernel(64)[0], seqfuse.ops.attention_backward_kernel(64)[0]
+    seqfuse.ops.set_attention_forward_kernel(90)
+    if request.param == "backward":
+        seqfuse.ops.set_attention_backward_kernel(90)
+        yield check_backward
     else:
         yield lambda q, k, v, dout, *case: check(q, k, v, *case)
-    seqfuse.ops.set_attention_fwd_kernel(fwd_was)  # the process's choices (an env override) again
-    seqfuse.ops.set_attention_bwd_kernel(bwd_was)
+    seqfuse.ops.set_attention_forward_kernel(forward_was)  # the process's choices (an env override) again
+    seqfuse.ops.set_attention_backward_kernel(backward_was)
 
 
 def both_kernels(q, k, v, fmt, mask, lq, lk, window=None):
-    seqfuse.ops.set_attention_fwd_kernel(80)
+    seqfuse.ops.set_attention_forward_kernel(80)
     o80, l80 = forward(q, k, v, fmt, mask, lq, lk, window)
-    seqfuse.ops.set_attention_fwd_kernel(90)
-    assert seqfuse.ops.attention_fwd_kernel(q.shape[-1], q.device)[0] == 90
+    seqfuse.ops.set_attention_forward_kernel(90)
+    assert seqfuse.ops.attention_forward_kernel(q.shape[-1], q.device)[0] == 90
     o90, l90 = forward(q, k, v, fmt, mask, lq, lk, window)
     return o90, l90, o80, l80
 
@@ -79,21 +79,21 @@ def check(q, k, v, fmt, mask, lq, lk, window, what):
     assert err <= 2e-3, f"{what}: lse differs from the sm80 kernel's by {err:.2e}"
 
 
-def check_bwd(q, k, v, dout, fmt, mask, lq, lk, window, what):
+def check_backward(q, k, v, dout, fmt, mask, lq, lk, window, what):
     """dq, dk, dv of the sm90 backward against the float64 reference (the
     tolerances of test_attn_cuda) and against the sm80 backward."""
-    seqfuse.ops.set_attention_bwd_kernel(80)
+    seqfuse.ops.set_attention_backward_kernel(80)
     _, _, g80 = run_ours(q, k, v, dout, fmt, mask, lq, lk, window)
-    seqfuse.ops.set_attention_bwd_kernel(90)
-    assert seqfuse.ops.attention_bwd_kernel(q.shape[-1], q.device)[0] == 90
+    seqfuse.ops.set_attention_backward_kernel(90)
+    assert seqfuse.ops.attention_backward_kernel(q.shape[-1], q.device)[0] == 90
     _, _, g90 = run_ours(q, k, v, dout, fmt, mask, lq, lk, window)
     ref, ref_grads = run_reference(q, k, v, dout, fmt, mask, lq, lk, window)
     for name, g, g8, r in zip(("dq", "dk", "dv"), g90, g80, ref_grads):
         assert not torch.isnan(g).any(), f"{what}: NaN in {name}"
         e, e80 = rel_error(g, r), rel_error(g8, r)
-        assert e <= rel_tol(q.dtype, BWD_FACTOR), f"{what}: {name} rel error {e:.2e} (sm80: {e80:.2e})"
+        assert e <= rel_tol(q.dtype, BACKWARD_FACTOR), f"{what}: {name} rel error {e:.2e} (sm80: {e80:.2e})"
         d = rel_error(g, g8)
-        assert d <= rel_tol(q.dtype, BWD_FACTOR), f"{what}: {name} differs from the sm80 backward's by {d:.2e}"
+        assert d <= rel_tol(q.dtype, BACKWARD_FACTOR), f"{what}: {name} differs from the sm80 backward's by {d:.2e}"
 
 
 MASKS = ["no_mask", "padding", "causal", "padding_causal", "causal_bottom_right",
@@ -161,48 +161,48 @@ def test_sm90_log_once_when_sm80_runs_on_hopper(caplog):
         pytest.skip("the log concerns Hopper GPUs")
     from seqfuse.ops.attn import _routing as routing
 
-    fwd_was = seqfuse.ops.attention_fwd_kernel(64)[0]
-    seqfuse.ops.set_attention_fwd_kernel(80)
-    routing._fwd_reasons_logged.clear()
+    forward_was = seqfuse.ops.attention_forward_kernel(64)[0]
+    seqfuse.ops.set_attention_forward_kernel(80)
+    routing._forward_reasons_logged.clear()
     q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16)
     try:
         with caplog.at_level(logging.INFO, logger="seqfuse"):
             for _ in range(3):
-                seqfuse.ops.attention_fwd(q, q, q)
+                seqfuse.ops.attention_forward(q, q, q)
     finally:
-        seqfuse.ops.set_attention_fwd_kernel(fwd_was)
+        seqfuse.ops.set_attention_forward_kernel(forward_was)
     hits = [r for r in caplog.records if "sm80 (mma.sync) kernel runs" in r.getMessage()]
     assert len(hits) == 1, [r.getMessage() for r in caplog.records]
     assert "sm80 kernel chosen" in hits[0].getMessage()
 
 
-def test_fwd_kernel_choice_rejects_other_values():
+def test_forward_kernel_choice_rejects_other_values():
     expected = ValueError if seqfuse.build_info()["cuda"] else NotImplementedError
     with pytest.raises(expected):
-        seqfuse.ops.set_attention_fwd_kernel(75)
+        seqfuse.ops.set_attention_forward_kernel(75)
     # the forward's other schedules are the check programs' (csrc/build_checks.sh), not the library's
-    assert not hasattr(seqfuse._C, "attn_set_fwd_sm90_variant")
+    assert not hasattr(seqfuse._C, "attn_set_forward_sm90_variant")
 
 
-def test_fwd_kernel_query_default():
+def test_forward_kernel_query_default():
     """The wgmma kernel is the default on Hopper for head dims 64 and 128 (it
     passed every check on an H200); elsewhere, and for other head dims, the
     sm80 kernel runs and the query says why where the device is Hopper."""
-    if os.environ.get("SEQFUSE_ATTN_FWD_KERNEL"):
-        pytest.skip("SEQFUSE_ATTN_FWD_KERNEL overrides the default")
-    arch, why = seqfuse._C.attn_fwd_kernel_for(128, 0)
+    if os.environ.get("SEQFUSE_ATTN_FORWARD_KERNEL"):
+        pytest.skip("SEQFUSE_ATTN_FORWARD_KERNEL overrides the default")
+    arch, why = seqfuse._C.attn_forward_kernel_for(128, 0)
     assert isinstance(why, str)
     if is_hopper():
         assert arch == 90 and why == ""
     else:
         assert arch == 80
-    arch, why = seqfuse._C.attn_fwd_kernel_for(32, 0)
+    arch, why = seqfuse._C.attn_forward_kernel_for(32, 0)
     assert arch == 80
     if is_hopper():
         assert "head dims 64 and 128" in why
 
 
-def test_fwd_kernel_choice_asked_once_per_head_dim_and_device(monkeypatch):
+def test_forward_kernel_choice_asked_once_per_head_dim_and_device(monkeypatch):
     """The forward asks C for its kernel choice once per (head dim, device)
     until the choice changes, not on every call (host time per forward)."""
     from seqfuse.ops.attn import _routing as routing
@@ -211,23 +211,23 @@ def test_fwd_kernel_choice_asked_once_per_head_dim_and_device(monkeypatch):
 
     class FakeC:
         @staticmethod
-        def attn_fwd_kernel_for(d, dev, dropout=0):
+        def attn_forward_kernel_for(d, dev, dropout=0):
             calls.append((d, dev))
             return 90, ""
 
         @staticmethod
-        def attn_set_fwd_kernel(arch):
+        def attn_set_forward_kernel(arch):
             pass
 
     monkeypatch.setattr(routing, "_C", FakeC)
-    monkeypatch.setattr(routing, "_fwd_kernel_checked", set())
+    monkeypatch.setattr(routing, "_forward_kernel_checked", set())
     q64, q128 = torch.empty(1, 4, 2, 64), torch.empty(1, 4, 2, 128)
     for _ in range(3):
-        routing.note_fwd_kernel(q64, False)
-        routing.note_fwd_kernel(q128, False)
+        routing.note_forward_kernel(q64, False)
+        routing.note_forward_kernel(q128, False)
     assert calls == [(64, 0), (128, 0)]
-    routing.set_attention_fwd_kernel(80)  # a new choice: asked again
-    routing.note_fwd_kernel(q64, False)
+    routing.set_attention_forward_kernel(80)  # a new choice: asked again
+    routing.note_forward_kernel(q64, False)
     assert calls == [(64, 0), (128, 0), (64, 0)]
 
 
@@ -237,16 +237,16 @@ class _FakeKernelC:
     def __init__(self):
         self.set = []
 
-    def attn_set_fwd_kernel(self, arch):
+    def attn_set_forward_kernel(self, arch):
         self.set.append(("forward", arch))
 
-    def attn_set_bwd_kernel(self, arch):
+    def attn_set_backward_kernel(self, arch):
         self.set.append(("backward", arch))
 
-    def attn_fwd_kernel_for(self, d, dev, dropout=0):
+    def attn_forward_kernel_for(self, d, dev, dropout=0):
         return 90, ""
 
-    def attn_bwd_kernel_for(self, d, dev, deterministic, dropout=0):
+    def attn_backward_kernel_for(self, d, dev, deterministic, dropout=0):
         return 90, ""
 
 
@@ -258,62 +258,62 @@ def kernel_env(monkeypatch):
     fake = _FakeKernelC()
     monkeypatch.setattr(routing, "_C", fake)
     monkeypatch.setattr(routing, "_kernel_env_pending", {"forward", "backward"})
-    monkeypatch.setattr(routing, "_fwd_kernel_checked", set())
-    monkeypatch.setattr(routing, "_bwd_kernel_checked", set())
-    monkeypatch.delenv("SEQFUSE_ATTN_FWD_KERNEL", raising=False)
-    monkeypatch.delenv("SEQFUSE_ATTN_BWD_KERNEL", raising=False)
+    monkeypatch.setattr(routing, "_forward_kernel_checked", set())
+    monkeypatch.setattr(routing, "_backward_kernel_checked", set())
+    monkeypatch.delenv("SEQFUSE_ATTN_FORWARD_KERNEL", raising=False)
+    monkeypatch.delenv("SEQFUSE_ATTN_BACKWARD_KERNEL", raising=False)
     return routing, fake
 
 
 def test_kernel_env_read_once_by_the_routing_layer(kernel_env, monkeypatch):
-    """SEQFUSE_ATTN_FWD_KERNEL / SEQFUSE_ATTN_BWD_KERNEL are read in Python
+    """SEQFUSE_ATTN_FORWARD_KERNEL / SEQFUSE_ATTN_BACKWARD_KERNEL are read in Python
     (the C library reads no environment) at the first question about that
     direction, and handed to _C's setter once."""
     routing, fake = kernel_env
-    monkeypatch.setenv("SEQFUSE_ATTN_FWD_KERNEL", "sm80")
-    monkeypatch.setenv("SEQFUSE_ATTN_BWD_KERNEL", " sm90 ")
+    monkeypatch.setenv("SEQFUSE_ATTN_FORWARD_KERNEL", "sm80")
+    monkeypatch.setenv("SEQFUSE_ATTN_BACKWARD_KERNEL", " sm90 ")
     q = torch.empty(1, 4, 2, 64)
     for _ in range(3):
-        routing.note_fwd_kernel(q, False)
+        routing.note_forward_kernel(q, False)
     assert fake.set == [("forward", 80)]
-    routing.attention_bwd_kernel(64, device=0)
-    routing.note_bwd_kernel(q, False)
+    routing.attention_backward_kernel(64, device=0)
+    routing.note_backward_kernel(q, False)
     assert fake.set == [("forward", 80), ("backward", 90)]
-    monkeypatch.setenv("SEQFUSE_ATTN_FWD_KERNEL", "sm90")  # read once: a later change is not seen
-    routing.attention_fwd_kernel(64, device=0)
+    monkeypatch.setenv("SEQFUSE_ATTN_FORWARD_KERNEL", "sm90")  # read once: a later change is not seen
+    routing.attention_forward_kernel(64, device=0)
     assert fake.set == [("forward", 80), ("backward", 90)]
 
 
 def test_kernel_env_unset_keeps_default_and_setter_wins(kernel_env, monkeypatch):
     routing, fake = kernel_env
-    monkeypatch.setenv("SEQFUSE_ATTN_BWD_KERNEL", "")
-    routing.attention_fwd_kernel(64, device=0)
-    routing.attention_bwd_kernel(64, device=0)
+    monkeypatch.setenv("SEQFUSE_ATTN_BACKWARD_KERNEL", "")
+    routing.attention_forward_kernel(64, device=0)
+    routing.attention_backward_kernel(64, device=0)
     assert fake.set == []  # unset or empty: the C default (90) stays
     routing._kernel_env_pending.add("forward")
-    monkeypatch.setenv("SEQFUSE_ATTN_FWD_KERNEL", "sm80")
-    routing.set_attention_fwd_kernel(90)  # an explicit choice overrides the environment
-    routing.attention_fwd_kernel(64, device=0)
+    monkeypatch.setenv("SEQFUSE_ATTN_FORWARD_KERNEL", "sm80")
+    routing.set_attention_forward_kernel(90)  # an explicit choice overrides the environment
+    routing.attention_forward_kernel(64, device=0)
     assert fake.set == [("forward", 90)]
 
 
 def test_kernel_env_bad_value_names_the_variable(kernel_env, monkeypatch):
     routing, fake = kernel_env
-    monkeypatch.setenv("SEQFUSE_ATTN_BWD_KERNEL", "hopper")
+    monkeypatch.setenv("SEQFUSE_ATTN_BACKWARD_KERNEL", "hopper")
     q = torch.empty(1, 4, 2, 64)
     for _ in range(2):  # raised at every question until fixed
-        with pytest.raises(ValueError, match="SEQFUSE_ATTN_BWD_KERNEL must be 'sm90' or 'sm80', got 'hopper'"):
-            routing.note_bwd_kernel(q, False)
+        with pytest.raises(ValueError, match="SEQFUSE_ATTN_BACKWARD_KERNEL must be 'sm90' or 'sm80', got 'hopper'"):
+            routing.note_backward_kernel(q, False)
     assert fake.set == []
-    monkeypatch.setenv("SEQFUSE_ATTN_BWD_KERNEL", "sm80")
-    routing.note_bwd_kernel(q, False)
+    monkeypatch.setenv("SEQFUSE_ATTN_BACKWARD_KERNEL", "sm80")
+    routing.note_backward_kernel(q, False)
     assert fake.set == [("backward", 80)]
 
 
-# ---- the wgmma backward (csrc/attn/attn_bwd_sm90_cuda.cu): also through the sm90 fixture above ----
+# ---- the wgmma backward (csrc/attn/attn_backward_sm90_cuda.cu): also through the sm90 fixture above ----
 
 @pytest.mark.cuda
-def test_sm90_bwd_autograd_and_deterministic(seed, caplog):
+def test_sm90_backward_autograd_and_deterministic(seed, caplog):
     """Through seqfuse.ops.attention's autograd: the sm90 backward's gradients
     match the sm80 deterministic ones; a deterministic call takes sm80 and
     says why once (WARNING, logger "seqfuse")."""
@@ -321,14 +321,14 @@ def test_sm90_bwd_autograd_and_deterministic(seed, caplog):
 
     if not is_hopper():
         pytest.skip("the wgmma backward needs a compute capability 9.0 GPU")
-    fwd_was, bwd_was = seqfuse.ops.attention_fwd_kernel(64)[0], seqfuse.ops.attention_bwd_kernel(64)[0]
-    seqfuse.ops.set_attention_fwd_kernel(90)
-    seqfuse.ops.set_attention_bwd_kernel(90)
+    forward_was, backward_was = seqfuse.ops.attention_forward_kernel(64)[0], seqfuse.ops.attention_backward_kernel(64)[0]
+    seqfuse.ops.set_attention_forward_kernel(90)
+    seqfuse.ops.set_attention_backward_kernel(90)
     try:
         autograd_and_deterministic(seed, caplog, routing)
     finally:
-        seqfuse.ops.set_attention_fwd_kernel(fwd_was)
-        seqfuse.ops.set_attention_bwd_kernel(bwd_was)
+        seqfuse.ops.set_attention_forward_kernel(forward_was)
+        seqfuse.ops.set_attention_backward_kernel(backward_was)
 
 
 def autograd_and_deterministic(seed, caplog, routing):
@@ -337,40 +337,40 @@ def autograd_and_deterministic(seed, caplog, routing):
                for _ in range(3))
     dout = torch.randn(2, 300, 4, 128, device="cuda", dtype=torch.bfloat16)
     grads = {}
-    routing._bwd_reasons_logged.clear()
+    routing._backward_reasons_logged.clear()
     with caplog.at_level(logging.INFO, logger="seqfuse"):
         for det in (False, True, True):
             for x in (q, k, v):
                 x.grad = None
             seqfuse.ops.attention(q, k, v, attn_mask_type="causal", deterministic=det).backward(dout)
             grads[det] = [x.grad.clone() for x in (q, k, v)]
-    arch, why = seqfuse.ops.attention_bwd_kernel(128, q.device, deterministic=True)
+    arch, why = seqfuse.ops.attention_backward_kernel(128, q.device, deterministic=True)
     assert arch == 80 and "deterministic" in why
-    assert seqfuse.ops.attention_bwd_kernel(128, q.device)[0] == 90
+    assert seqfuse.ops.attention_backward_kernel(128, q.device)[0] == 90
     for name, a, b in zip(("dq", "dk", "dv"), grads[False], grads[True]):
-        assert rel_error(a, b) <= rel_tol(torch.bfloat16, BWD_FACTOR), f"{name}: sm90 vs deterministic sm80"
+        assert rel_error(a, b) <= rel_tol(torch.bfloat16, BACKWARD_FACTOR), f"{name}: sm90 vs deterministic sm80"
     hits = [r for r in caplog.records if "attention backward" in r.getMessage()]
     assert len(hits) == 1 and "deterministic" in hits[0].getMessage(), [r.getMessage() for r in caplog.records]
     assert hits[0].levelno == logging.WARNING
 
 
-def test_bwd_kernel_choice_rejects_other_values():
+def test_backward_kernel_choice_rejects_other_values():
     expected = ValueError if seqfuse.build_info()["cuda"] else NotImplementedError
     with pytest.raises(expected):
-        seqfuse.ops.set_attention_bwd_kernel(75)
+        seqfuse.ops.set_attention_backward_kernel(75)
     with pytest.raises(expected):
-        seqfuse.ops.set_attention_bwd_kernel(-1)
+        seqfuse.ops.set_attention_backward_kernel(-1)
 
 
-def test_bwd_kernel_query_default():
+def test_backward_kernel_query_default():
     """The wgmma backward is the default on Hopper for head dims 64 and 128
     (it passed every check on an H200); deterministic calls and other head
     dims get sm80 with the reason; elsewhere 80 with no reason."""
-    if os.environ.get("SEQFUSE_ATTN_BWD_KERNEL"):
-        pytest.skip("SEQFUSE_ATTN_BWD_KERNEL overrides the default")
+    if os.environ.get("SEQFUSE_ATTN_BACKWARD_KERNEL"):
+        pytest.skip("SEQFUSE_ATTN_BACKWARD_KERNEL overrides the default")
     for d in (64, 128, 32):
         for det in (False, True):
-            arch, why = seqfuse._C.attn_bwd_kernel_for(d, 0, det)
+            arch, why = seqfuse._C.attn_backward_kernel_for(d, 0, det)
             assert isinstance(why, str)
             if is_hopper():
                 if d != 32 and not det:
@@ -385,7 +385,7 @@ def test_bwd_kernel_query_default():
                     assert why == ""
 
 
-def test_bwd_kernel_choice_asked_once_per_key(monkeypatch):
+def test_backward_kernel_choice_asked_once_per_key(monkeypatch):
     """The backward asks C for its kernel choice once per (head dim, device,
     deterministic) until the choice changes, and logs a reason once."""
     from seqfuse.ops.attn import _routing as routing
@@ -394,23 +394,23 @@ def test_bwd_kernel_choice_asked_once_per_key(monkeypatch):
 
     class FakeC:
         @staticmethod
-        def attn_bwd_kernel_for(d, dev, det, dropout=0):
+        def attn_backward_kernel_for(d, dev, det, dropout=0):
             calls.append((d, dev, det))
             return (80, "deterministic backward: test") if det else (90, "")
 
         @staticmethod
-        def attn_set_bwd_kernel(arch):
+        def attn_set_backward_kernel(arch):
             pass
 
     monkeypatch.setattr(routing, "_C", FakeC)
-    monkeypatch.setattr(routing, "_bwd_kernel_checked", set())
-    monkeypatch.setattr(routing, "_bwd_reasons_logged", set())
+    monkeypatch.setattr(routing, "_backward_kernel_checked", set())
+    monkeypatch.setattr(routing, "_backward_reasons_logged", set())
     q64 = torch.empty(1, 4, 2, 64)
     for _ in range(3):
-        routing.note_bwd_kernel(q64, False)
-        routing.note_bwd_kernel(q64, True)
+        routing.note_backward_kernel(q64, False)
+        routing.note_backward_kernel(q64, True)
     assert calls == [(64, 0, False), (64, 0, True)]
-    assert routing._bwd_reasons_logged == {"deterministic backward: test"}
-    routing.set_attention_bwd_kernel(90)  # a new choice: asked again
-    routing.note_bwd_kernel(q64, False)
+    assert routing._backward_reasons_logged == {"deterministic backward: test"}
+    routing.set_attention_backward_kernel(90)  # a new choice: asked again
+    routing.note_backward_kernel(q64, False)
     assert calls[-1] == (64, 0, False) and len(calls) == 3

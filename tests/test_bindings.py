@@ -20,8 +20,8 @@ def test_keywords_match_positional():
     x = torch.randn(3, 8)
     gamma = torch.rand(8) + 0.5
     y_pos, y_kw = torch.empty_like(x), torch.empty_like(x)
-    _C.rmsnorm_fwd(x, gamma, 1e-5, False, y_pos, None, None, None, None)
-    _C.rmsnorm_fwd(x, gamma, eps=1e-5, zero_centered_gamma=False, y=y_kw, rstd=None, scale=None,
+    _C.rmsnorm_forward(x, gamma, 1e-5, False, y_pos, None, None, None, None)
+    _C.rmsnorm_forward(x, gamma, eps=1e-5, zero_centered_gamma=False, y=y_kw, rstd=None, scale=None,
                    amax=None, scale_inv=None, stream=None)
     assert torch.equal(y_pos, y_kw)
 
@@ -36,8 +36,8 @@ def test_argument_errors_name_the_binding_and_the_argument():
         _C.amax(x, out, x=x)
     with pytest.raises(TypeError, match="amax: argument 'x' is missing"):
         _C.amax(out=out)
-    with pytest.raises(TypeError, match="rmsnorm_fwd: argument 'eps' must be a float, got str"):
-        _C.rmsnorm_fwd(x, x, eps="1", zero_centered_gamma=False, y=x, rstd=None, scale=None,
+    with pytest.raises(TypeError, match="rmsnorm_forward: argument 'eps' must be a float, got str"):
+        _C.rmsnorm_forward(x, x, eps="1", zero_centered_gamma=False, y=x, rstd=None, scale=None,
                        amax=None, scale_inv=None)
     with pytest.raises(ValueError, match="fp8_compute_scale: argument 'margin' must fit in a C int"):
         _C.fp8_compute_scale(torch.ones(1), torch.ones(1), torch.ones(1), 448.0, 2**40)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import seqfuse.ops as ops
-from helpers import BWD_FACTOR, REL_TOL, check_raised, raised, rel_error, run_ranks, run_seed
+from helpers import BACKWARD_FACTOR, REL_TOL, check_raised, raised, rel_error, run_ranks, run_seed
 from seqfuse.modules.attention import DotProductAttention
 from seqfuse.distributed import (context_parallel_attention, local_token_index, pad_thd_sequences_for_cp,
                               split_batch_for_cp_rank)
@@ -249,7 +249,7 @@ def test_cp_equals_full_attention(cp_results, world, case):
         e_out, e_dq, e_dk, e_dv = res[case_id(case)]
         assert e_out <= REL_TOL[torch.float32], (rank, "out", e_out)
         for name, e in (("dq", e_dq), ("dk", e_dk), ("dv", e_dv)):
-            assert e <= REL_TOL[torch.float32] * BWD_FACTOR, (rank, name, e)
+            assert e <= REL_TOL[torch.float32] * BACKWARD_FACTOR, (rank, name, e)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -260,7 +260,7 @@ def test_dot_product_attention_with_cp(cp_results, world, name):
     for rank, res in enumerate(cp_results[world]):
         errs = res[name]
         assert errs[0] <= REL_TOL[torch.float32], (rank, errs)
-        assert max(errs[1:]) <= REL_TOL[torch.float32] * BWD_FACTOR, (rank, errs)
+        assert max(errs[1:]) <= REL_TOL[torch.float32] * BACKWARD_FACTOR, (rank, errs)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -272,8 +272,8 @@ def test_small_llama_with_cp_equals_full(cp_results, world, name):
     for rank, res in enumerate(cp_results[world]):
         e_loss, e_dx, e_params = res[name]
         assert e_loss <= REL_TOL[torch.float32], (rank, "loss", e_loss)
-        assert e_dx <= REL_TOL[torch.float32] * BWD_FACTOR, (rank, "input grad", e_dx)
-        assert e_params <= REL_TOL[torch.float32] * BWD_FACTOR, (rank, "parameter grads", e_params)
+        assert e_dx <= REL_TOL[torch.float32] * BACKWARD_FACTOR, (rank, "input grad", e_dx)
+        assert e_params <= REL_TOL[torch.float32] * BACKWARD_FACTOR, (rank, "parameter grads", e_params)
 
 
 @pytest.mark.parametrize("name", ["cp1-bshd-causal-p2p-gqa", "cp1-thd-causal-all_gather", "cp1-sbhd-no_mask-p2p"])
@@ -281,7 +281,7 @@ def test_cp_group_of_one_rank(cp_results, name):
     """A CP group of one rank is plain attention (nothing sent to itself)."""
     for res in cp_results[2]:
         errs = res[name]
-        assert errs[0] <= REL_TOL[torch.float32] and max(errs[1:]) <= REL_TOL[torch.float32] * BWD_FACTOR, errs
+        assert errs[0] <= REL_TOL[torch.float32] and max(errs[1:]) <= REL_TOL[torch.float32] * BACKWARD_FACTOR, errs
 
 
 BAD = {
@@ -412,22 +412,22 @@ def test_merge_partial_is_exact_and_skips_rows_without_keys():
     q = torch.randn(2, 6, HEADS, DIM)
     k = torch.randn(2, 10, HEADS, DIM)
     v = torch.randn(2, 10, HEADS, DIM)
-    full, full_lse = ops.attention_fwd(q, k, v)
-    out_a, lse_a = ops.attention_fwd(q, k[:, :3], v[:, :3])
-    out_b, lse_b = ops.attention_fwd(q, k[:, 3:], v[:, 3:])
+    full, full_lse = ops.attention_forward(q, k, v)
+    out_a, lse_a = ops.attention_forward(q, k[:, :3], v[:, :3])
+    out_b, lse_b = ops.attention_forward(q, k[:, 3:], v[:, 3:])
     acc, acc_lse = out_a.clone(), lse_a.clone()
     merge_partial(acc, acc_lse, out_b, lse_b, "bshd")
     assert rel_error(acc, full) <= REL_TOL[torch.float32] and rel_error(acc_lse, full_lse) <= REL_TOL[torch.float32]
     # thd: the second part's first sequence has no keys -> lse +inf there
     cu_q = torch.tensor([0, 4, 6], dtype=torch.int32)
     qt, kt, vt = q[0], k[0], v[0]
-    ref, ref_lse = ops.attention_fwd(qt, kt, vt, qkv_format="thd", attn_mask_type="padding", cu_seqlens_q=cu_q,
+    ref, ref_lse = ops.attention_forward(qt, kt, vt, qkv_format="thd", attn_mask_type="padding", cu_seqlens_q=cu_q,
                                      cu_seqlens_kv=torch.tensor([0, 7, 10], dtype=torch.int32))
     # part A: sequence 0 gets all its 7 keys, sequence 1 its first key; part B: sequence 1's other 2 keys
-    a, la = ops.attention_fwd(qt, torch.cat([kt[:7], kt[7:8]]), torch.cat([vt[:7], vt[7:8]]), qkv_format="thd",
+    a, la = ops.attention_forward(qt, torch.cat([kt[:7], kt[7:8]]), torch.cat([vt[:7], vt[7:8]]), qkv_format="thd",
                               attn_mask_type="padding", cu_seqlens_q=cu_q,
                               cu_seqlens_kv=torch.tensor([0, 7, 8], dtype=torch.int32))
-    b, lb = ops.attention_fwd(qt, kt[8:], vt[8:], qkv_format="thd", attn_mask_type="padding", cu_seqlens_q=cu_q,
+    b, lb = ops.attention_forward(qt, kt[8:], vt[8:], qkv_format="thd", attn_mask_type="padding", cu_seqlens_q=cu_q,
                               cu_seqlens_kv=torch.tensor([0, 0, 2], dtype=torch.int32))
     assert torch.isposinf(lb[:, :4]).all()  # the convention this merge relies on
     merge_partial(a, la, b, lb, "thd")

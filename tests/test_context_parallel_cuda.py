@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import seqfuse.ops as ops
-from helpers import BWD_FACTOR, REL_TOL, rel_error, run_ranks, run_seed
+from helpers import BACKWARD_FACTOR, REL_TOL, rel_error, run_ranks, run_seed
 from seqfuse.modules.attention import DotProductAttention
 from seqfuse.distributed import context_parallel_attention, local_token_index
 
@@ -149,5 +149,5 @@ def test_cuda_cp_matches_float64_reference(cuda_cp_results, world, case, dim):
         cp, single = res[key]["cp"], res[key]["single"]
         names = ("out", "dq", "dk", "dv")
         for i, name in enumerate(names):
-            tol = REL_TOL[torch.bfloat16] * (1 if i == 0 else BWD_FACTOR)
+            tol = REL_TOL[torch.bfloat16] * (1 if i == 0 else BACKWARD_FACTOR)
             assert cp[i] <= tol, (rank, name, cp[i], "single GPU:", single[i])

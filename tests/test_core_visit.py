@@ -94,10 +94,10 @@ int main()
     a.out = &floats;
     a.out2 = &floats;
     a.out3 = &floats;
-    report("moe_topk_fwd", sf_moe_topk_fwd_cuda(&a, NULL));
+    report("moe_topk_forward", sf_moe_topk_forward_cuda(&a, NULL));
     a.logits = &floats;
     a.out = &ints;
-    report("moe_topk_fwd", sf_moe_topk_fwd_cuda(&a, NULL));
+    report("moe_topk_forward", sf_moe_topk_forward_cuda(&a, NULL));
     sf_tensor list[2] = {floats, ints};
     report("multi_tensor_scale", sf_multi_tensor_scale_cuda(2, list, &floats, NULL));
     return 0;
@@ -131,8 +131,8 @@ def test_cuda_launchers_refuse_a_dtype_outside_the_visitor(tmp_path):
     rows = [line.split("|") for line in ran.stdout.splitlines()]
     takes = "the CUDA kernel takes float32, float16 or bfloat16"
     assert rows == [
-        ["moe_topk_fwd", "TypeError", f"moe_topk_fwd: argument 'logits' has dtype int32; {takes}"],
-        ["moe_topk_fwd", "TypeError", f"moe_topk_fwd: argument 'probs' has dtype int32; {takes}"],
+        ["moe_topk_forward", "TypeError", f"moe_topk_forward: argument 'logits' has dtype int32; {takes}"],
+        ["moe_topk_forward", "TypeError", f"moe_topk_forward: argument 'probs' has dtype int32; {takes}"],
         ["multi_tensor_scale", "TypeError", f"multi_tensor_scale: argument 'tensors' has dtype int32; {takes}"],
     ]
 

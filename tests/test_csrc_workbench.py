@@ -45,9 +45,9 @@ def test_workbench_define_only_in_the_checks_build():
 def test_workbench_code_is_guarded():
     """The attention forward's other schedules and the norm split's tuning
     knob exist only under SF_WORKBENCH."""
-    fwd = open(os.path.join(CSRC, "attn", "attn_fwd_sm90_cuda.cu"), encoding="utf-8").read()
-    assert re.search(r"#ifdef SF_WORKBENCH\s*\n#include \"attn_fwd_sm90_workbench.cuh\"", fwd)
-    bench = open(os.path.join(CSRC, "attn", "attn_fwd_sm90_workbench.cuh"), encoding="utf-8").read()
+    forward = open(os.path.join(CSRC, "attn", "attn_forward_sm90_cuda.cu"), encoding="utf-8").read()
+    assert re.search(r"#ifdef SF_WORKBENCH\s*\n#include \"attn_forward_sm90_workbench.cuh\"", forward)
+    bench = open(os.path.join(CSRC, "attn", "attn_forward_sm90_workbench.cuh"), encoding="utf-8").read()
     assert "#ifndef SF_WORKBENCH\n#error" in bench
     norm = open(os.path.join(CSRC, "norm", "norm_cuda.cu"), encoding="utf-8").read()
     tune = norm.index('extern "C" sf_status sf_norm_cuda_tune(')

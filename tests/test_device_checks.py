@@ -44,7 +44,7 @@ def _c_message(fn):
 
 def _thd_call(cu_q, cu_kv, max_q=5, q=None):
     q = torch.randn(8, 2, 16) if q is None else q
-    return lambda: ops.attention_fwd(q, q, q, qkv_format="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
+    return lambda: ops.attention_forward(q, q, q, qkv_format="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
                                      max_seqlen_q=max_q, max_seqlen_kv=5)
 
 
@@ -66,7 +66,7 @@ def test_attention_cu_seqlens_checked_before_the_kernel(what, side, device_path,
     expected = _c_message(_thd_call(*args))
     monkeypatch.setattr(checks, "HOST_READ", ())
     wire = Tripwire()
-    monkeypatch.setattr(attn_entry._C, "attn_fwd", wire)
+    monkeypatch.setattr(attn_entry._C, "attn_forward", wire)
     with pytest.raises(ValueError) as e:
         _thd_call(*args)()
     assert wire.calls == 0
@@ -193,7 +193,7 @@ def test_checks_step_aside_under_graph_capture(device_path, monkeypatch, caplog)
     with caplog.at_level(logging.WARNING, logger="seqfuse"):
         for _ in range(2):
             checks.check_labels("cross_entropy_forward", torch.tensor([1, 99]), 10, -100)
-            checks.check_cu_seqlens("attention_fwd", "cu_seqlens_q", BAD_CU["unsorted"], 8)
+            checks.check_cu_seqlens("attention_forward", "cu_seqlens_q", BAD_CU["unsorted"], 8)
     lines = [r.getMessage() for r in caplog.records if "captured into a CUDA graph" in r.getMessage()]
     assert len(lines) == 2, lines  # one per op and argument, not one per call
     assert any("'labels'" in m for m in lines) and any("'cu_seqlens_q'" in m for m in lines)
@@ -216,7 +216,7 @@ def test_unreadable_index_tensors_are_left_to_c(mutation, device_path):
         ops.cross_entropy_forward(torch.randn(4, 10), labels)
     q = torch.randn(8, 2, 16)
     with pytest.raises(ValueError, match=rule):
-        ops.attention_fwd(q, q, q, qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=5,
+        ops.attention_forward(q, q, q, qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=5,
                           max_seqlen_kv=5)
     with pytest.raises(ValueError, match=rule):
         ops.rope_forward(torch.randn(8, 3, 8), torch.randn(16, 1, 1, 8), tensor_format="thd", cu_seqlens=cu)

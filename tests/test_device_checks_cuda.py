@@ -110,7 +110,7 @@ def test_cross_entropy_nan_and_inf_logits_as_the_cpu(v, dtype):
 
 def _thd(cu_q, cu_kv):
     q = torch.randn(8, 2, 16, device="cuda").bfloat16()
-    return ops.attention_fwd(q, q, q, qkv_format="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=5,
+    return ops.attention_forward(q, q, q, qkv_format="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=5,
                              max_seqlen_kv=5)
 
 
@@ -149,12 +149,12 @@ def test_device_checks_step_aside_under_graph_capture(caplog):
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):  # warm-up outside capture
-        ops.attention_fwd(q, q, q, **kw)
+        ops.attention_forward(q, q, q, **kw)
         ops.cross_entropy_forward(logits, labels)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with caplog.at_level(logging.WARNING, logger="seqfuse"), torch.cuda.graph(graph):
-        out, _ = ops.attention_fwd(q, q, q, **kw)
+        out, _ = ops.attention_forward(q, q, q, **kw)
         loss, _ = ops.cross_entropy_forward(logits, labels)
     graph.replay()
     torch.cuda.synchronize()

@@ -53,14 +53,14 @@ CASES = {
                          "amax_history"),
     "quantize_block_fp8": (lambda: _C.quantize_block_fp8(gpu((128, 128)), fp8((128, 128)), gpu((1, 128)), 1, 0),
                            "x"),
-    "attention_fwd": (lambda: _C.attn_fwd(bf16((1, 4, 2, 64)), bf16((1, 4, 2, 64)), bf16((1, 4, 2, 64)), None,
+    "attention_forward": (lambda: _C.attn_forward(bf16((1, 4, 2, 64)), bf16((1, 4, 2, 64)), bf16((1, 4, 2, 64)), None,
                                           None, bf16((1, 4, 2, 64)), gpu((1, 2, 4)), _CFG, 0), "q"),
     "quantize_mxfp8": (lambda: _C.quantize_mxfp8(gpu((2, 32)), fp8((2, 32)), gpu((2, 1), np.uint8), 0), "x"),
     "gemm": (lambda: _C.gemm(gpu((4, 4)), gpu((4, 4)), gpu((4, 4)), 0, 0, None, None, 0, 0, None, None, 0, 0,
                              0, 1, 1.0, None, 0, 0, 0), "a"),
-    "rmsnorm_fwd": (lambda: _C.rmsnorm_fwd(gpu((2, 8)), gpu(8), 1e-5, False, gpu((2, 8)), None, None, None,
+    "rmsnorm_forward": (lambda: _C.rmsnorm_forward(gpu((2, 8)), gpu(8), 1e-5, False, gpu((2, 8)), None, None, None,
                                            None, 0), "x"),
-    "act_fwd": (lambda: _C.act_fwd(0, gpu((2, 8)), gpu((2, 8)), None, None, None, 0), "x"),
+    "act_forward": (lambda: _C.act_forward(0, gpu((2, 8)), gpu((2, 8)), None, None, None, 0), "x"),
     "bias_dropout_add": (lambda: _C.bias_dropout_add(gpu((2, 8)), None, gpu((2, 8)), 0.1, 1, 2, gpu((2, 8)),
                                                      0), "x"),
     "rope": (lambda: _C.rope(gpu((4, 1, 2, 8)), gpu((4, 1, 1, 8)), None, None, 0, False, False,
@@ -70,7 +70,7 @@ CASES = {
     "multi_tensor_scale": (lambda: _C.multi_tensor_scale([gpu(4)], gpu(1), 0), "scale"),
     "multi_tensor_adamw": (lambda: _C.multi_tensor_adamw([gpu(4)], [gpu(4)], [gpu(4)], [gpu(4)], None, 1e-3, 0.9,
                                                          0.99, 1e-8, 0.0, 1, 0), "params"),
-    "moe_swiglu_fwd": (lambda: _C.moe_swiglu_fwd(gpu((2, 8)), None, gpu((2, 4)), 0), "x"),
+    "moe_swiglu_forward": (lambda: _C.moe_swiglu_forward(gpu((2, 8)), None, gpu((2, 4)), 0), "x"),
 }
 
 

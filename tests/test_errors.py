@@ -54,10 +54,10 @@ def test_number_arguments_name_the_argument_and_the_rule():
     import torch
 
     x = torch.ones(4)
-    with pytest.raises(TypeError, match="act_fwd: argument 'activation' must be an int, got str"):
-        _C.act_fwd("gelu", x, torch.empty(4), None, None, None)
-    with pytest.raises(ValueError, match="act_fwd: argument 'activation' is out of range"):
-        _C.act_fwd(2**70, x, torch.empty(4), None, None, None)
+    with pytest.raises(TypeError, match="act_forward: argument 'activation' must be an int, got str"):
+        _C.act_forward("gelu", x, torch.empty(4), None, None, None)
+    with pytest.raises(ValueError, match="act_forward: argument 'activation' is out of range"):
+        _C.act_forward(2**70, x, torch.empty(4), None, None, None)
     a, b = torch.ones(3, 4), torch.ones(4, 2)
     with pytest.raises(TypeError, match="gemm: argument 'transa' must be an int, got str"):
         _C.gemm(a, b, torch.empty(3, 2), "x", 0, None, None, 0, 0, None, None, 0, 0, 0, 1, 1.0, None, 0, 0)
@@ -68,7 +68,7 @@ def test_number_arguments_name_the_argument_and_the_rule():
     t = torch.ones(1, 2, 1, 4)
     with pytest.raises(TypeError, match="rope: argument 'format' must be an int, got str"):
         _C.rope(t, torch.ones(2, 1, 1, 4), None, None, "bshd", False, False, torch.empty_like(t))
-    with pytest.raises(TypeError, match="attn_set_fwd_kernel: argument 'arch' must be an int, got str"):
-        _C.attn_set_fwd_kernel("sm90")
+    with pytest.raises(TypeError, match="attn_set_forward_kernel: argument 'arch' must be an int, got str"):
+        _C.attn_set_forward_kernel("sm90")
     with pytest.raises(TypeError, match="cuda_capability: argument 'device' must be an int, got str"):
         _C.cuda_capability("0")

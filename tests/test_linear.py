@@ -26,7 +26,7 @@ def twin(in_f, out_f, bias, dtype, device):
     return ours, ref
 
 
-def fwd_bwd(module, x, dy):
+def forward_backward(module, x, dy):
     x = x.detach().clone().requires_grad_(True)
     y = module(x)
     y.backward(dy)
@@ -35,8 +35,8 @@ def fwd_bwd(module, x, dy):
 
 
 def check_against_torch(ours, ref, x, dy, dtype, factor=1.0):
-    y, g = fwd_bwd(ours, x, dy)
-    y_ref, g_ref = fwd_bwd(ref, x.double() if dtype == torch.float64 else x, dy)
+    y, g = forward_backward(ours, x, dy)
+    y_ref, g_ref = forward_backward(ref, x.double() if dtype == torch.float64 else x, dy)
     tol = REL_TOL[dtype] * factor
     assert y.dtype == y_ref.dtype and y.shape == y_ref.shape
     assert rel_error(y, y_ref) <= tol, "forward"
@@ -64,7 +64,7 @@ def test_cpu_float64_reference_is_tight(seed):
     with torch.no_grad():
         ours.bias.normal_()
     x, dy = torch.randn(3, 7, 40), torch.randn(3, 7, 24)
-    y, (dx, dw, db) = fwd_bwd(ours, x, dy)
+    y, (dx, dw, db) = forward_backward(ours, x, dy)
     w, b = ours.weight.double(), ours.bias.double()
     xd, dyd = x.double().reshape(-1, 40), dy.double().reshape(-1, 24)
     assert rel_error(y.reshape(-1, 24), xd @ w.t() + b) < 1e-6
@@ -77,8 +77,8 @@ def test_cpu_autocast_bf16_with_fp32_params(seed):
     ours, ref = twin(32, 16, True, torch.float32, "cpu")
     x, dy = torch.randn(8, 32), torch.randn(8, 16).bfloat16()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        y, (dx, dw, db) = fwd_bwd(ours, x, dy)
-        y_ref, (dx_r, dw_r, db_r) = fwd_bwd(ref, x, dy)
+        y, (dx, dw, db) = forward_backward(ours, x, dy)
+        y_ref, (dx_r, dw_r, db_r) = forward_backward(ref, x, dy)
     assert y.dtype == torch.bfloat16 and dw.dtype == torch.float32 and db.dtype == torch.float32
     for a, b in [(y, y_ref), (dx, dx_r), (dw, dw_r), (db, db_r)]:
         assert rel_error(a, b) <= 2e-2
@@ -92,7 +92,7 @@ def test_cpu_main_grad_accumulation(bias, seed):
     dws, dbs = [], []
     for _ in range(3):  # three micro-batches
         x, dy = torch.randn(10, 24).bfloat16(), torch.randn(10, 40).bfloat16()
-        fwd_bwd(ours, x, dy)
+        forward_backward(ours, x, dy)
         dws.append(dy.double().t() @ x.double())
         dbs.append(dy.double().sum(0))
     assert ours.weight.grad is None and ours.weight.grad_added_to_main_grad
@@ -244,14 +244,14 @@ def test_cuda_main_grad(seed):
     for _ in range(4):
         x = torch.randn(512, 1024, device="cuda").bfloat16()
         dy = torch.randn(512, 2048, device="cuda").bfloat16()
-        fwd_bwd(ours, x, dy)
+        forward_backward(ours, x, dy)
         total += dy.double().t() @ x.double()
     assert ours.weight.grad is None
     assert rel_error(ours.weight.main_grad, total) < 1e-5
 
 
 @pytest.mark.cuda
-def test_cuda_graph_capture_fwd_bwd(seed):
+def test_cuda_graph_capture_forward_backward(seed):
     torch.manual_seed(0)
     m = te.Linear(512, 1024, params_dtype=torch.bfloat16, device="cuda")
     static_x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -278,7 +278,7 @@ def test_cuda_graph_capture_fwd_bwd(seed):
         static_dy.copy_(dy)
         g.replay()
         torch.cuda.synchronize()
-        y_eager, (dx, dw, db) = fwd_bwd(m_copy(m), x, dy)
+        y_eager, (dx, dw, db) = forward_backward(m_copy(m), x, dy)
         # the same plans on another stream and workspace: equal up to reduction order
         for got, want in ((static_y, y_eager), (static_x.grad, dx), (m.weight.grad, dw),
                           (m.bias.grad, db)):
@@ -321,14 +321,14 @@ def quantized_reference(kind, x, w, b, dy):
         dev = x.device
         return ((xq @ wq.t()).to(dev) + b.double(), (gq @ wq).to(dev), (gq_t.t() @ xq_t).to(dev),
                 dy.double().sum(0))
-    wq = quantization.quantize_current(w, f.fwd_dtype).dequantize(torch.float32).double()
+    wq = quantization.quantize_current(w, f.forward_dtype).dequantize(torch.float32).double()
     if kind == "current":
-        xq = quantization.quantize_current(x, f.fwd_dtype).dequantize(torch.float32).double()
-        gq = quantization.quantize_current(dy, f.bwd_dtype).dequantize(torch.float32).double()
+        xq = quantization.quantize_current(x, f.forward_dtype).dequantize(torch.float32).double()
+        gq = quantization.quantize_current(dy, f.backward_dtype).dequantize(torch.float32).double()
     else:  # delayed, first step: the state's scales are 1
         one = torch.ones(1, device=x.device)
-        xq = quantization.quantize(x, one, None, f.fwd_dtype).dequantize(torch.float32).double()
-        gq = quantization.quantize(dy, one, None, f.bwd_dtype).dequantize(torch.float32).double()
+        xq = quantization.quantize(x, one, None, f.forward_dtype).dequantize(torch.float32).double()
+        gq = quantization.quantize(dy, one, None, f.backward_dtype).dequantize(torch.float32).double()
     return xq @ wq.t() + b.double(), gq @ wq, gq.t() @ xq, dy.double().sum(0)
 
 

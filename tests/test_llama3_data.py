@@ -102,8 +102,8 @@ def test_subset_is_lambda_phage_both_strands():
     for r in train + val:
         assert r["genome"] == "lambda_phage" and r["record_id"] == "gi|9626243|ref|NC_001416.1|"
         assert r["end"] - r["start"] == len(r["sequence"]) == 1024
-        fwd = genome[r["start"] : r["end"]]
-        assert r["sequence"] == (fwd if r["strand"] == "+" else reverse_complement(fwd))
+        forward = genome[r["start"] : r["end"]]
+        assert r["sequence"] == (forward if r["strand"] == "+" else reverse_complement(forward))
     assert len({r["id"] for r in train + val}) == 96
     # region split: no validation base inside a training window
     cut = min(r["start"] for r in val)

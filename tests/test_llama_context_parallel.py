@@ -7,7 +7,7 @@ fed its load-balanced share of the batch (targets shifted over the full
 sequences first, each packed sequence padded to a multiple of 2*cp) returns
 the loss of the whole batch, and the mean over the CP ranks of every
 parameter's gradient is the single-process gradient; within float32
-rounding (REL_TOL[float32] for the loss, x BWD_FACTOR for gradients), for
+rounding (REL_TOL[float32] for the loss, x BACKWARD_FACTOR for gradients), for
 padded bshd (one row right-padded: the CP run has no mask, the reference
 has) and packed thd (uneven lengths that need the CP padding), cp_comm_type
 p2p and all_gather, tied embeddings.  Also: a model whose CP group is
@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import BWD_FACTOR, REL_TOL, rel_error, run_ranks, run_seed
+from helpers import BACKWARD_FACTOR, REL_TOL, rel_error, run_ranks, run_seed
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -156,7 +156,7 @@ def test_llama_cp2_equals_cp1(results, case):
         e_loss, e_grad, worst, e_again, n_params = res[case]
         assert n_params >= 10, n_params
         assert e_loss <= REL_TOL[torch.float32], (rank, e_loss)
-        assert e_grad <= REL_TOL[torch.float32] * BWD_FACTOR, (rank, worst, e_grad)
+        assert e_grad <= REL_TOL[torch.float32] * BACKWARD_FACTOR, (rank, worst, e_grad)
         assert e_again <= REL_TOL[torch.float32], (rank, "after reset", e_again)
 
 

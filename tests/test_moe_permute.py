@@ -165,7 +165,7 @@ def test_cuda_permutation_matches_cpu(shape, dtype, H, seed):
         _C.moe_unpermute(y.to(dev), ids.to(dev), probs.to(dev), o, None)
         dy = poisoned_like(torch.empty(N, H, dtype=dtype, device=dev))
         dp = poisoned_like(torch.empty(T, E, device=dev))
-        _C.moe_unpermute_bwd(dout.to(dev), y.to(dev), ids.to(dev), probs.to(dev), dy, dp, None)
+        _C.moe_unpermute_backward(dout.to(dev), y.to(dev), ids.to(dev), probs.to(dev), dy, dp, None)
         res[dev] = (o.cpu(), dy.cpu(), dp.cpu())
     for a, b in zip(res["cuda"], res["cpu"]):
         assert rel_error(a, b.double()) <= pair_tol(dtype)

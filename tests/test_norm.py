@@ -49,11 +49,11 @@ def reference(rms, x, w, b, dy, eps, zc):
 
 def run_ops(rms, x, w, b, dy, eps, zc):
     if rms:
-        y, rstd = norm_ops.rmsnorm_fwd(x, w, eps, zc)
-        dx, dg = norm_ops.rmsnorm_bwd(dy, x, rstd, w, zc)
+        y, rstd = norm_ops.rmsnorm_forward(x, w, eps, zc)
+        dx, dg = norm_ops.rmsnorm_backward(dy, x, rstd, w, zc)
         return y, None, rstd, dx, dg, None
-    y, mean, rstd = norm_ops.layernorm_fwd(x, w, b, eps, zc)
-    dx, dg, db = norm_ops.layernorm_bwd(dy, x, mean, rstd, w, zc, b is not None)
+    y, mean, rstd = norm_ops.layernorm_forward(x, w, b, eps, zc)
+    dx, dg, db = norm_ops.layernorm_backward(dy, x, mean, rstd, w, zc, b is not None)
     return y, mean, rstd, dx, dg, db
 
 
@@ -100,7 +100,7 @@ def test_layernorm_cpu_without_bias(seed):
 def test_norm_cpu_large_eps_and_constant_rows():
     x = torch.full((4, 32), 3.0)
     w = torch.ones(32)
-    y, mean, rstd = norm_ops.layernorm_fwd(x, w, torch.zeros(32), eps=0.25)
+    y, mean, rstd = norm_ops.layernorm_forward(x, w, torch.zeros(32), eps=0.25)
     assert torch.equal(y, torch.zeros_like(y))
     assert torch.allclose(mean, torch.full((4,), 3.0)) and torch.allclose(rstd, torch.full((4,), 2.0))
 
@@ -108,9 +108,9 @@ def test_norm_cpu_large_eps_and_constant_rows():
 def test_norm_cpu_empty_rows():
     x = torch.empty(0, 64)
     w = torch.ones(64)
-    y, mean, rstd = norm_ops.layernorm_fwd(x, w, torch.zeros(64))
+    y, mean, rstd = norm_ops.layernorm_forward(x, w, torch.zeros(64))
     assert y.shape == (0, 64)
-    dx, dg, db = norm_ops.layernorm_bwd(torch.empty(0, 64), x, mean, rstd, w)
+    dx, dg, db = norm_ops.layernorm_backward(torch.empty(0, 64), x, mean, rstd, w)
     assert torch.equal(dg, torch.zeros(64)) and torch.equal(db, torch.zeros(64))
 
 
@@ -123,11 +123,11 @@ def test_norm_cpu_fp8_output(rms, fmt, seed):
     amax = torch.zeros(1)
     scale_inv = torch.zeros(1)
     if rms:
-        y_hp, _ = norm_ops.rmsnorm_fwd(x, w, 1e-5)
-        y8, _ = norm_ops.rmsnorm_fwd(x, w, 1e-5, out_dtype=fmt, scale=scale, amax=amax, scale_inv=scale_inv)
+        y_hp, _ = norm_ops.rmsnorm_forward(x, w, 1e-5)
+        y8, _ = norm_ops.rmsnorm_forward(x, w, 1e-5, out_dtype=fmt, scale=scale, amax=amax, scale_inv=scale_inv)
     else:
-        y_hp, _, _ = norm_ops.layernorm_fwd(x, w, b, 1e-5)
-        y8, _, _ = norm_ops.layernorm_fwd(x, w, b, 1e-5, out_dtype=fmt, scale=scale, amax=amax,
+        y_hp, _, _ = norm_ops.layernorm_forward(x, w, b, 1e-5)
+        y8, _, _ = norm_ops.layernorm_forward(x, w, b, 1e-5, out_dtype=fmt, scale=scale, amax=amax,
                                    scale_inv=scale_inv)
     assert y8.dtype == fmt
     fmax = torch.finfo(fmt).max
@@ -141,7 +141,7 @@ def test_norm_cpu_fp8_output(rms, fmt, seed):
 @needs_fp8
 def test_norm_cpu_fp8_saturates():
     x = torch.tensor([[1.0, -1.0, 1.0, -1.0]])
-    y, _, _ = norm_ops.layernorm_fwd(x, torch.ones(4), torch.zeros(4), 0.0,
+    y, _, _ = norm_ops.layernorm_forward(x, torch.ones(4), torch.zeros(4), 0.0,
                               out_dtype=torch.float8_e4m3fn, scale=torch.tensor([1e6]))
     assert y.float().abs().max().item() == 448.0
 
@@ -149,88 +149,88 @@ def test_norm_cpu_fp8_saturates():
 # ---- errors ------------------------------------------------------------------
 
 def test_norm_error_int_input():
-    with pytest.raises(TypeError, match="layernorm_fwd: argument 'x' must have dtype float32, float16 or bfloat16"):
-        norm_ops.layernorm_fwd(torch.ones(2, 4, dtype=torch.int32), torch.ones(4))
+    with pytest.raises(TypeError, match="layernorm_forward: argument 'x' must have dtype float32, float16 or bfloat16"):
+        norm_ops.layernorm_forward(torch.ones(2, 4, dtype=torch.int32), torch.ones(4))
 
 
 def test_norm_error_gamma_numel():
-    with pytest.raises(ValueError, match="layernorm_fwd: argument 'gamma' must have 8 element\\(s\\), got 7"):
-        norm_ops.layernorm_fwd(torch.ones(2, 8), torch.ones(7), torch.zeros(8))
+    with pytest.raises(ValueError, match="layernorm_forward: argument 'gamma' must have 8 element\\(s\\), got 7"):
+        norm_ops.layernorm_forward(torch.ones(2, 8), torch.ones(7), torch.zeros(8))
 
 
 def test_norm_error_gamma_dtype():
-    with pytest.raises(TypeError, match="rmsnorm_fwd: argument 'gamma' must have dtype bfloat16 \\(the input's\\) or float32, got float16"):
-        norm_ops.rmsnorm_fwd(torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(8, dtype=torch.float16))
+    with pytest.raises(TypeError, match="rmsnorm_forward: argument 'gamma' must have dtype bfloat16 \\(the input's\\) or float32, got float16"):
+        norm_ops.rmsnorm_forward(torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(8, dtype=torch.float16))
 
 
 def test_norm_error_beta_dtype():
     with pytest.raises(TypeError, match="argument 'beta' must have gamma's dtype float32, got bfloat16"):
-        norm_ops.layernorm_fwd(torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(8),
+        norm_ops.layernorm_forward(torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(8),
                         torch.zeros(8, dtype=torch.bfloat16))
 
 
 def test_norm_error_hidden_too_large():
     with pytest.raises(ValueError, match="hidden size \\(last dimension\\) 16385; it must be between 1 and 16384"):
-        norm_ops.rmsnorm_fwd(torch.ones(1, 16385), torch.ones(16385))
+        norm_ops.rmsnorm_forward(torch.ones(1, 16385), torch.ones(16385))
 
 
 def test_norm_error_bad_eps():
     with pytest.raises(ValueError, match="argument 'eps' must be finite and >= 0"):
-        norm_ops.layernorm_fwd(torch.ones(2, 8), torch.ones(8), None, eps=-1.0)
+        norm_ops.layernorm_forward(torch.ones(2, 8), torch.ones(8), None, eps=-1.0)
 
 
 @needs_fp8
 def test_norm_error_fp8_without_scale():
     with pytest.raises(ValueError, match="argument 'scale' is required when 'y' is float8_e4m3fn"):
-        norm_ops.layernorm_fwd(torch.ones(2, 8), torch.ones(8), None, out_dtype=torch.float8_e4m3fn)
+        norm_ops.layernorm_forward(torch.ones(2, 8), torch.ones(8), None, out_dtype=torch.float8_e4m3fn)
 
 
 def test_norm_error_scale_without_fp8():
     with pytest.raises(ValueError, match="apply only to an FP8 'y'"):
-        norm_ops.rmsnorm_fwd(torch.ones(2, 8), torch.ones(8), scale=torch.ones(1))
+        norm_ops.rmsnorm_forward(torch.ones(2, 8), torch.ones(8), scale=torch.ones(1))
 
 
 def test_norm_error_bad_out_dtype():
     with pytest.raises(TypeError, match="argument 'out_dtype'"):
-        norm_ops.rmsnorm_fwd(torch.ones(2, 8), torch.ones(8), out_dtype=torch.float16)
+        norm_ops.rmsnorm_forward(torch.ones(2, 8), torch.ones(8), out_dtype=torch.float16)
 
 
 def test_norm_error_from_c_y_shape():
     x = torch.ones(2, 8)
-    with pytest.raises(ValueError, match="layernorm_fwd: arguments 'x' and 'y' must have the same shape"):
-        _C.layernorm_fwd(x, torch.ones(8), None, 1e-5, False, torch.empty(2, 9), None, None,
+    with pytest.raises(ValueError, match="layernorm_forward: arguments 'x' and 'y' must have the same shape"):
+        _C.layernorm_forward(x, torch.ones(8), None, 1e-5, False, torch.empty(2, 9), None, None,
                          None, None, None)
 
 
 def test_norm_error_from_c_rstd_size():
     x = torch.ones(3, 8)
-    with pytest.raises(ValueError, match="rmsnorm_fwd: argument 'rstd' must have 3 element\\(s\\), got 2"):
-        _C.rmsnorm_fwd(x, torch.ones(8), 1e-5, False, torch.empty(3, 8), torch.empty(2), None,
+    with pytest.raises(ValueError, match="rmsnorm_forward: argument 'rstd' must have 3 element\\(s\\), got 2"):
+        _C.rmsnorm_forward(x, torch.ones(8), 1e-5, False, torch.empty(3, 8), torch.empty(2), None,
                        None, None)
 
 
 def test_norm_error_from_c_dy_dtype():
     x = torch.ones(3, 8)
-    with pytest.raises(TypeError, match="layernorm_bwd: argument 'dy' must have dtype float32, got bfloat16"):
-        _C.layernorm_bwd(x.bfloat16(), x, torch.zeros(3), torch.ones(3), torch.ones(8), False,
+    with pytest.raises(TypeError, match="layernorm_backward: argument 'dy' must have dtype float32, got bfloat16"):
+        _C.layernorm_backward(x.bfloat16(), x, torch.zeros(3), torch.ones(3), torch.ones(8), False,
                          torch.empty(3, 8), torch.empty(8), None, None)
 
 
 def test_norm_error_from_c_eps_type():
-    with pytest.raises(TypeError, match="rmsnorm_fwd: argument 'eps' must be a float"):
-        _C.rmsnorm_fwd(torch.ones(1, 8), torch.ones(8), "x", False, torch.empty(1, 8), None,
+    with pytest.raises(TypeError, match="rmsnorm_forward: argument 'eps' must be a float"):
+        _C.rmsnorm_forward(torch.ones(1, 8), torch.ones(8), "x", False, torch.empty(1, 8), None,
                        None, None, None)
 
 
 def test_norm_error_non_contiguous_from_c():
     x = torch.ones(8, 4).t()
     with pytest.raises(ValueError, match="argument 'x' must be contiguous"):
-        _C.rmsnorm_fwd(x, torch.ones(8), 1e-5, False, torch.empty(4, 8), None, None, None, None)
+        _C.rmsnorm_forward(x, torch.ones(8), 1e-5, False, torch.empty(4, 8), None, None, None, None)
 
 
 def test_norm_op_makes_input_contiguous(seed):
     x = torch.randn(16, 8).t()
-    y, _ = norm_ops.rmsnorm_fwd(x, torch.ones(16))
+    y, _ = norm_ops.rmsnorm_forward(x, torch.ones(16))
     ref = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-5)
     assert_close_rel(y, ref, torch.float32)
 
@@ -257,15 +257,15 @@ def run_c_poisoned(rms, x, w, b, dy, eps, zc, out_dtype=None, scale=None):
     dx = poisoned_like(x)
     dg = poisoned_like(w)
     db = poisoned_like(w) if b is not None else None
-    n = _C.norm_bwd_workspace_numel(x)
+    n = _C.norm_backward_workspace_numel(x)
     ws = poisoned_like(torch.empty(n, device=x.device)) if n else None
     if rms:
-        _C.rmsnorm_fwd(x, w, eps, zc, y, rstd, scale, amax, None)
-        _C.rmsnorm_bwd(dy, x, rstd, w, zc, dx, dg, ws)
+        _C.rmsnorm_forward(x, w, eps, zc, y, rstd, scale, amax, None)
+        _C.rmsnorm_backward(dy, x, rstd, w, zc, dx, dg, ws)
         mean = None
     else:
-        _C.layernorm_fwd(x, w, b, eps, zc, y, mean, rstd, scale, amax, None)
-        _C.layernorm_bwd(dy, x, mean, rstd, w, zc, dx, dg, db, ws)
+        _C.layernorm_forward(x, w, b, eps, zc, y, mean, rstd, scale, amax, None)
+        _C.layernorm_backward(dy, x, mean, rstd, w, zc, dx, dg, db, ws)
     return (y, mean, rstd, dx, dg, db), amax
 
 
@@ -325,8 +325,8 @@ def test_norm_cuda_fp8_output(rms, fmt, dtype, shape, seed):
     assert diff.max().item() <= 1
     assert (diff > 0).float().mean().item() < 0.02
     assert amax.item() == pytest.approx(y_hp.abs().max().item(), rel=1e-5)
-    cpu8, _, _ = (norm_ops.rmsnorm_fwd(x.cpu(), w.cpu(), 1e-5, out_dtype=fmt, scale=scale.cpu()) + (None,)
-                  if rms else norm_ops.layernorm_fwd(x.cpu(), w.cpu(), b.cpu(), 1e-5, out_dtype=fmt,
+    cpu8, _, _ = (norm_ops.rmsnorm_forward(x.cpu(), w.cpu(), 1e-5, out_dtype=fmt, scale=scale.cpu()) + (None,)
+                  if rms else norm_ops.layernorm_forward(x.cpu(), w.cpu(), b.cpu(), 1e-5, out_dtype=fmt,
                                               scale=scale.cpu()))
     diff = fp8_steps(y8.cpu(), cpu8)
     assert diff.max().item() <= 1 and (diff > 0).float().mean().item() < 0.02
@@ -377,10 +377,10 @@ def test_norm_cuda_threads_share_launch_caches(rms, seed):
 @pytest.mark.cuda
 def test_norm_cuda_workspace_too_small():
     x = torch.randn(1024, 256, device="cuda")
-    n = _C.norm_bwd_workspace_numel(x)
+    n = _C.norm_backward_workspace_numel(x)
     assert n > 0
-    with pytest.raises(ValueError, match=f"layernorm_bwd: argument 'workspace' must have at least {n}"):
-        _C.layernorm_bwd(x, x, torch.zeros(1024, device="cuda"), torch.ones(1024, device="cuda"),
+    with pytest.raises(ValueError, match=f"layernorm_backward: argument 'workspace' must have at least {n}"):
+        _C.layernorm_backward(x, x, torch.zeros(1024, device="cuda"), torch.ones(1024, device="cuda"),
                          torch.ones(256, device="cuda"), False, torch.empty_like(x),
                          torch.empty(256, device="cuda"), None, torch.empty(n - 1, device="cuda"))
 
@@ -389,8 +389,8 @@ def test_norm_cuda_workspace_too_small():
 def test_norm_cuda_empty_rows():
     x = torch.empty(0, 512, device="cuda")
     w = torch.ones(512, device="cuda")
-    y, mean, rstd = norm_ops.layernorm_fwd(x, w, torch.zeros(512, device="cuda"))
-    dx, dg, db = norm_ops.layernorm_bwd(torch.empty_like(x), x, mean, rstd, w)
+    y, mean, rstd = norm_ops.layernorm_forward(x, w, torch.zeros(512, device="cuda"))
+    dx, dg, db = norm_ops.layernorm_backward(torch.empty_like(x), x, mean, rstd, w)
     assert y.shape == (0, 512) and torch.equal(dg, torch.zeros_like(dg)) and torch.equal(db, torch.zeros_like(db))
 
 
@@ -401,13 +401,13 @@ def test_norm_cuda_graph_capture_and_stream(seed):
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        y, rstd = norm_ops.rmsnorm_fwd(x, w)  # warm up (and fills the workspace-size cache)
-        dx, dg = norm_ops.rmsnorm_bwd(y, x, rstd, w)
+        y, rstd = norm_ops.rmsnorm_forward(x, w)  # warm up (and fills the workspace-size cache)
+        dx, dg = norm_ops.rmsnorm_backward(y, x, rstd, w)
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        y, rstd = norm_ops.rmsnorm_fwd(x, w)
-        dx, dg = norm_ops.rmsnorm_bwd(y, x, rstd, w)
+        y, rstd = norm_ops.rmsnorm_forward(x, w)
+        dx, dg = norm_ops.rmsnorm_backward(y, x, rstd, w)
     x.copy_(torch.randn_like(x))
     g.replay()
     torch.cuda.synchronize()
@@ -420,12 +420,12 @@ def test_norm_cuda_graph_capture_and_stream(seed):
 def test_norm_amax_accumulates(device, seed):
     x = torch.randn(64, 256, device=device)
     w = torch.ones(256, device=device)
-    y, _ = norm_ops.rmsnorm_fwd(x, w)
+    y, _ = norm_ops.rmsnorm_forward(x, w)
     big = torch.full((1,), 1e4, device=device)
-    norm_ops.rmsnorm_fwd(x, w, amax=big)
+    norm_ops.rmsnorm_forward(x, w, amax=big)
     assert big.item() == 1e4  # a larger earlier amax stays
     small = torch.full((1,), 1e-3, device=device)
-    norm_ops.rmsnorm_fwd(x, w, out_dtype=torch.float8_e4m3fn, scale=torch.ones(1, device=device), amax=small)
+    norm_ops.rmsnorm_forward(x, w, out_dtype=torch.float8_e4m3fn, scale=torch.ones(1, device=device), amax=small)
     assert small.item() == y.abs().max().item()
 
 
@@ -440,11 +440,11 @@ def test_norm_amax_of_16bit_output_is_before_rounding(device, rms, dtype, seed):
     x, w, b, _ = make_inputs((48, 1000), dtype, device, bias=not rms)
     amax = torch.zeros(1, device=device)
     if rms:
-        norm_ops.rmsnorm_fwd(x, w, 1e-5, amax=amax)
-        y32, _ = norm_ops.rmsnorm_fwd(x.cpu().float(), w.cpu().float(), 1e-5)
+        norm_ops.rmsnorm_forward(x, w, 1e-5, amax=amax)
+        y32, _ = norm_ops.rmsnorm_forward(x.cpu().float(), w.cpu().float(), 1e-5)
     else:
-        norm_ops.layernorm_fwd(x, w, b, 1e-5, amax=amax)
-        y32, _, _ = norm_ops.layernorm_fwd(x.cpu().float(), w.cpu().float(), b.cpu().float(), 1e-5)
+        norm_ops.layernorm_forward(x, w, b, 1e-5, amax=amax)
+        y32, _, _ = norm_ops.layernorm_forward(x.cpu().float(), w.cpu().float(), b.cpu().float(), 1e-5)
     if device == "cpu":
         assert amax.item() == y32.abs().max().item()
     else:

@@ -239,7 +239,7 @@ def test_cuda_graphed_recipe_trains_as_eager(precision, monkeypatch, caplog):
         graphed = _run(base + ["train.cuda_graphs=true"], monkeypatch, graph_grads)
     monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", real_replay)
     assert "2 encoder layers captured as CUDA graphs (forward and backward) for batches [8, 128]" in caplog.text
-    assert len(replays) == 6 * 2 * 2 * 2, len(replays)  # steps x micro-batches x layers x (fwd, bwd)
+    assert len(replays) == 6 * 2 * 2 * 2, len(replays)  # steps x micro-batches x layers x (forward, backward)
     skipped = [r.getMessage() for r in caplog.records if "graphed layers not used" in r.getMessage()]
     assert skipped == ["SeqfuseEsmModel: graphed layers not used, layers run eagerly: not training (eval mode "
                        "or no grad)"], skipped

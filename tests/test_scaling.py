@@ -127,7 +127,7 @@ def test_compute_scale_current():
 def test_recipes_named_as_transformer_engine():
     r = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16, amax_compute_algo="max", margin=1)
     assert r.delayed() and not r.float8_current_scaling()
-    assert Format.HYBRID.fwd_dtype == torch.float8_e4m3fn and Format.HYBRID.bwd_dtype == torch.float8_e5m2
+    assert Format.HYBRID.forward_dtype == torch.float8_e4m3fn and Format.HYBRID.backward_dtype == torch.float8_e5m2
     assert Format.E4M3.max_fwd == 448 and Format.E5M2.max_bwd == 57344
     assert Float8CurrentScaling().float8_current_scaling()
     assert Float8BlockScaling().w_block_scaling_dim == 2

@@ -72,12 +72,12 @@ def _neg_cases():
     b = torch.randn(8)
     n = torch._neg_view
     return {
-        "act_fwd": (lambda: ops.act_fwd(n(x), "relu"), F.relu(-x)),
+        "act_forward": (lambda: ops.act_forward(n(x), "relu"), F.relu(-x)),
         "gemm_a": (lambda: ops.gemm(n(x), x.t().contiguous()), (-x) @ x.t()),
         "gemm_b": (lambda: ops.gemm(x, n(x.t().contiguous())), x @ (-x.t())),
-        "layernorm_fwd": (lambda: ops.layernorm_fwd(n(x), w, b)[0],
+        "layernorm_forward": (lambda: ops.layernorm_forward(n(x), w, b)[0],
                           F.layer_norm(-x, (8,), w, b)),
-        "layernorm_weight": (lambda: ops.layernorm_fwd(x, n(w), b)[0],
+        "layernorm_weight": (lambda: ops.layernorm_forward(x, n(w), b)[0],
                              F.layer_norm(x, (8,), -w, b)),
     }
 
@@ -143,8 +143,8 @@ def test_freed_storage_input_refused(exchange):
 x = torch.randn(64, 64)
 x.untyped_storage().resize_(0)
 assert x.data_ptr() == 0 and x.numel() > 0
-expect(lambda: ops.act_fwd(x, "gelu"), "act_fwd")
-expect(lambda: ops.layernorm_fwd(x, torch.ones(64), torch.zeros(64)), "layernorm_fwd")
+expect(lambda: ops.act_forward(x, "gelu"), "act_forward")
+expect(lambda: ops.layernorm_forward(x, torch.ones(64), torch.zeros(64)), "layernorm_forward")
 expect(lambda: _C.describe(x), "describe")
 """)
     assert out.count("refused") == 3
@@ -167,7 +167,7 @@ from dlpack_forge import ForgedTensor
 t = ForgedTensor(np.ones((16, 16), dtype=np.float32), data=0)
 y = torch.empty(16, 16)
 expect(lambda: _C.describe(t), "describe")
-expect(lambda: _C.act_fwd(0, t, y, None, None, None, None), "act_fwd")
+expect(lambda: _C.act_forward(0, t, y, None, None, None, None), "act_forward")
 assert t.deleted == t.exported, (t.deleted, t.exported)  # given back, refused or not
 """)
     assert out.count("refused") == 2
@@ -178,7 +178,7 @@ def test_null_data_of_an_empty_tensor_is_fine(path):
     assert _C.describe(t)["shape"] == (0, 4)
     x = torch.empty(0, 4)
     x.untyped_storage().resize_(0)
-    assert ops.act_fwd(x, "relu").shape == (0, 4)
+    assert ops.act_forward(x, "relu").shape == (0, 4)
 
 
 # ---- 6d. a __dlpack__ that cannot be called ---------------------------------
@@ -250,16 +250,16 @@ def test_activation_nan_inf_like_torch(name):
     xr = x.clone().requires_grad_(True)
     yr = _torch_act(name, xr)  # float32, as seqfuse computes
     (dxr,) = torch.autograd.grad(yr, xr, dy)
-    _assert_same_specials(ops.act_fwd(x, name), yr.detach(), f"{name} forward")
-    _assert_same_specials(ops.act_bwd(dy, x, name), dxr, f"{name} backward")
+    _assert_same_specials(ops.act_forward(x, name), yr.detach(), f"{name} forward")
+    _assert_same_specials(ops.act_backward(dy, x, name), dxr, f"{name} backward")
 
 
 def test_relu_propagates_nan():
     x = torch.tensor([[math.nan, -1.0, 2.0]])
-    y = ops.act_fwd(x, "relu")
+    y = ops.act_forward(x, "relu")
     assert y[0, 0].isnan() and y[0, 1] == 0 and y[0, 2] == 2
     # torch's backward: dy passes where x is NaN; 0 (not dy * 0) where x <= 0
-    dx = ops.act_bwd(torch.tensor([[5.0, math.inf, 3.0]]), x, "relu")
+    dx = ops.act_backward(torch.tensor([[5.0, math.inf, 3.0]]), x, "relu")
     assert dx.tolist() == [[5.0, 0.0, 3.0]]
 
 
@@ -318,9 +318,9 @@ def test_fused_amax_from_negative_start():
     # the activation and norm kernels fold the same way
     x = torch.randn(8, 32)
     for run, v in (
-        (lambda amax: ops.act_fwd(x, "gelu", out_dtype=torch.float8_e4m3fn, scale=torch.ones(1),
+        (lambda amax: ops.act_forward(x, "gelu", out_dtype=torch.float8_e4m3fn, scale=torch.ones(1),
                                   amax=amax), F.gelu(x, approximate="tanh")),
-        (lambda amax: ops.layernorm_fwd(x, torch.ones(32), torch.zeros(32), out_dtype=torch.float8_e4m3fn,
+        (lambda amax: ops.layernorm_forward(x, torch.ones(32), torch.zeros(32), out_dtype=torch.float8_e4m3fn,
                                         scale=torch.ones(1), amax=amax),
          F.layer_norm(x, (32,), torch.ones(32), torch.zeros(32))),
     ):
@@ -347,14 +347,14 @@ def test_attention_max_seqlen_beyond_32_bits_named():
     cu = torch.tensor([0, 6], dtype=torch.int32)
     for name in ("max_seqlen_q", "max_seqlen_kv"):
         with pytest.raises(ValueError, match=rf"argument '{name}' must be in \[0, 2\*\*31 - 1\].*got 4294967296"):
-            ops.attention_fwd(q, q, q, qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+            ops.attention_forward(q, q, q, qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                               **{"max_seqlen_q": 6, "max_seqlen_kv": 6, name: 2**32})
 
 
 def test_attention_window_beyond_32_bits_named():
     q = torch.randn(1, 4, 2, 8)
     with pytest.raises(ValueError, match=r"argument 'window_size\[0\]' must be in \[-1, 2\*\*31 - 1\]"):
-        ops.attention_fwd(q, q, q, window_size=(2**40, 0))
+        ops.attention_forward(q, q, q, window_size=(2**40, 0))
 
 
 @pytest.mark.parametrize("kw,exc,rule", [
@@ -438,7 +438,7 @@ def test_cuda_activation_nan_inf_like_cpu(name, cols):
     else:
         pad = -x.shape[1] % cols
         x, dy = F.pad(x, (0, pad)).reshape(-1, cols), F.pad(dy, (0, pad)).reshape(-1, cols)
-    for fn, args in ((ops.act_fwd, (x, name)), (ops.act_bwd, (dy, x, name))):
+    for fn, args in ((ops.act_forward, (x, name)), (ops.act_backward, (dy, x, name))):
         want = fn(*args)
         got = fn(*(t.cuda() if isinstance(t, torch.Tensor) else t for t in args)).cpu()
         _assert_same_specials(got, want, f"{name} {fn.__name__} cuda")
@@ -457,9 +457,9 @@ def test_cuda_amax_folds_like_cpu(start):
             if kind == "cast":
                 ops.cast_fp8(xd, one, amax, torch.float8_e4m3fn)
             elif kind == "act":
-                ops.act_fwd(xd, "relu", out_dtype=torch.float8_e4m3fn, scale=one, amax=amax)
+                ops.act_forward(xd, "relu", out_dtype=torch.float8_e4m3fn, scale=one, amax=amax)
             else:
-                ops.layernorm_fwd(xd, torch.ones(128, device=dev), torch.zeros(128, device=dev),
+                ops.layernorm_forward(xd, torch.ones(128, device=dev), torch.zeros(128, device=dev),
                                   out_dtype=torch.float8_e4m3fn, scale=one, amax=amax)
             amaxes.append(amax.cpu())
         assert amaxes[0].item() >= 0 and amaxes[1].item() >= 0, (kind, amaxes)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import seqfuse.pytorch as te
-from helpers import BWD_FACTOR, needs_fp8, pair_tol, rel_error, rel_tol
+from helpers import BACKWARD_FACTOR, needs_fp8, pair_tol, rel_error, rel_tol
 from seqfuse.common.recipe import Float8CurrentScaling
 from test_te_api import SavedBytes, _norm_ref, close, mha_reference, rope_angles
 from test_transformer_layer import _attention, make_layer, pad_mask, reference_layer, rope_freqs
@@ -305,7 +305,7 @@ def test_cuda_float32_attention_matches_the_cpu_module(fmt, mask):
         grads = [[gr[rows] for gr in gs] for gs in grads]
     assert rel_error(outs[1], outs[0]) <= pair_tol(torch.float32)
     for a, b in zip(grads[1], grads[0]):
-        assert rel_error(a, b) <= pair_tol(torch.float32, BWD_FACTOR)
+        assert rel_error(a, b) <= pair_tol(torch.float32, BACKWARD_FACTOR)
 
 
 @pytest.mark.cuda

@@ -306,14 +306,14 @@ NAME_COVERAGE = {
     },
 }
 
-_FWD = "test_te_api_forward.py::"
-_DPA_BSHD = _FWD + "test_dot_product_attention_forward_keywords_against_torch"
-_DPA_PACKED = _FWD + "test_dot_product_attention_padding_and_packed_keywords_against_torch"
-_MHA = _FWD + "test_multihead_attention_forward_keywords_against_torch"
-_MHA_PACKED = _FWD + "test_multihead_attention_padding_and_packed_keywords_against_torch"
-_TL_DEC = _FWD + "test_transformer_layer_decoder_forward_keywords_against_torch"
-_TL_PACKED = _FWD + "test_transformer_layer_packed_keywords_against_torch"
-_FP8_MB = _FWD + "test_is_first_microbatch_under_fp8"
+_FORWARD = "test_te_api_forward.py::"
+_DPA_BSHD = _FORWARD + "test_dot_product_attention_forward_keywords_against_torch"
+_DPA_PACKED = _FORWARD + "test_dot_product_attention_padding_and_packed_keywords_against_torch"
+_MHA = _FORWARD + "test_multihead_attention_forward_keywords_against_torch"
+_MHA_PACKED = _FORWARD + "test_multihead_attention_padding_and_packed_keywords_against_torch"
+_TL_DEC = _FORWARD + "test_transformer_layer_decoder_forward_keywords_against_torch"
+_TL_PACKED = _FORWARD + "test_transformer_layer_packed_keywords_against_torch"
+_FP8_MB = _FORWARD + "test_is_first_microbatch_under_fp8"
 _PACKED_ARGS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "max_seqlen_q",
                 "max_seqlen_kv")
 
@@ -321,13 +321,13 @@ _PACKED_ARGS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seql
 #: by keyword and checking the result against torch (the *_padded cu_seqlens are taken equal to
 #: cu_seqlens; different ones, padding between sequences, raise naming them)
 FORWARD_COVERAGE = {
-    "Linear": {"inp": _FWD + "test_gemm_and_norm_forward_keywords_against_torch", "is_first_microbatch": _FP8_MB},
-    "LayerNormLinear": {"inp": _FWD + "test_gemm_and_norm_forward_keywords_against_torch",
+    "Linear": {"inp": _FORWARD + "test_gemm_and_norm_forward_keywords_against_torch", "is_first_microbatch": _FP8_MB},
+    "LayerNormLinear": {"inp": _FORWARD + "test_gemm_and_norm_forward_keywords_against_torch",
                         "is_first_microbatch": _FP8_MB},
-    "LayerNormMLP": {"inp": _FWD + "test_gemm_and_norm_forward_keywords_against_torch",
+    "LayerNormMLP": {"inp": _FORWARD + "test_gemm_and_norm_forward_keywords_against_torch",
                      "is_first_microbatch": _FP8_MB},
-    "LayerNorm": {"input": _FWD + "test_gemm_and_norm_forward_keywords_against_torch"},
-    "RMSNorm": {"input": _FWD + "test_gemm_and_norm_forward_keywords_against_torch"},
+    "LayerNorm": {"input": _FORWARD + "test_gemm_and_norm_forward_keywords_against_torch"},
+    "RMSNorm": {"input": _FORWARD + "test_gemm_and_norm_forward_keywords_against_torch"},
     "DotProductAttention": {
         **{a: _DPA_BSHD for a in ("query_layer", "key_layer", "value_layer", "qkv_format", "attn_mask_type",
                                   "window_size", "checkpoint_core_attention", "fast_zero_fill")},
@@ -343,7 +343,7 @@ FORWARD_COVERAGE = {
         **{a: _TL_DEC for a in ("hidden_states", "attention_mask", "self_attn_mask_type", "window_size",
                                 "encoder_output", "enc_dec_attn_mask", "is_first_microbatch",
                                 "checkpoint_core_attention", "rotary_pos_emb", "fast_zero_fill")},
-        **{a: _FWD + "test_transformer_layer_cross_attention_arguments_against_torch"
+        **{a: _FORWARD + "test_transformer_layer_cross_attention_arguments_against_torch"
            for a in ("enc_dec_attn_mask_type", "enc_dec_window_size")},
         **{a: _TL_PACKED for a in _PACKED_ARGS},
     },

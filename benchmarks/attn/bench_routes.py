@@ -218,7 +218,7 @@ def run_case(table, case):
             backend = label.split(" ")[0]
             if backend in ("seqfuse", "flash"):
                 seqfuse.ops.set_attention_backend(backend)
-            row = dict(case=case.name, direction="fwd+bwd" if backward else "fwd", route=label,
+            row = dict(case=case.name, direction="forward+backward" if backward else "forward", route=label,
                        heads=f"{case.h}/{case.hk}", head_dim=case.d, causal=case.causal,
                        tokens=sum(flop_lengths), sequences=len(flop_lengths))
             try:

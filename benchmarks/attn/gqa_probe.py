@@ -38,6 +38,6 @@ for name, backend, expand in (("flash gqa", SDPBackend.FLASH_ATTENTION, False),
         for _ in range(10): f()
         en.record(); torch.cuda.synchronize()
         ms = st.elapsed_time(en) / 10
-        print(f"{name}: {ms:.2f} ms fwd+bwd, {flops / ms / 1e9:.0f} TFLOP/s, grad rel diff vs flash {err:.2e}")
+        print(f"{name}: {ms:.2f} ms forward+backward, {flops / ms / 1e9:.0f} TFLOP/s, grad rel diff vs flash {err:.2e}")
     except Exception as e:
         print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}")

@@ -30,7 +30,7 @@ Routes:
   TORCH_CUDNN_SDPA_NESTED_TENSOR_ENABLED=1, in a child process too (k/v heads
   expanded for GQA: nested SDPA does not broadcast heads in training);
 - cuDNN frontend torch op: cudnn.sdpa_torch of the nvidia-cudnn-frontend
-  package (PyPI; 1.32 registers torch.ops.cudnn.sdpa_fwd/sdpa_bwd with THD
+  package (PyPI; 1.32 registers torch.ops.cudnn.sdpa_forward/sdpa_backward with THD
   cu_seqlens, autograd, and a graph cache keyed by batch size and
   max_seqlen, not by total tokens), in a child; absent unless installed
   (on the GPU machine: python3 -m pip install -q --no-index --no-deps
@@ -46,7 +46,7 @@ Routes:
 
 Checks: each candidate's output and gradients (dq, dk, dv) against the
 current route's, within tests/helpers.py's pair_tol for bfloat16 (x
-BWD_FACTOR for gradients: both carry their own error); err64 columns give
+BACKWARD_FACTOR for gradients: both carry their own error); err64 columns give
 each route's error against a float64 reference on the GPU, for context.
 Timing: CUDA events, median after warm-up on the very shapes (fewer repeats
 for calls slower than 20 ms).  The child routes also report the wall time
@@ -75,7 +75,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(ROOT, "tests"))  # the shared tolerance policy
 sys.path.insert(0, HERE)
 
-from helpers import BWD_FACTOR, pair_tol  # noqa: E402
+from helpers import BACKWARD_FACTOR, pair_tol  # noqa: E402
 
 DT = torch.bfloat16
 TOKENS = 16384
@@ -181,19 +181,19 @@ def outputs(fn, q, k, v, dout):
 
 
 def measure(fn, q, k, v, dout, backward):
-    """(out, grads or None, fwd ms, fwd+bwd ms or None) of fn(q, k, v) -> [t, h, d]."""
+    """(out, grads or None, forward ms, forward+backward ms or None) of fn(q, k, v) -> [t, h, d]."""
     with torch.no_grad():
-        fwd_ms = time_ms(lambda: fn(q, k, v))
+        forward_ms = time_ms(lambda: fn(q, k, v))
     if not backward:
         with torch.no_grad():
-            return fn(q, k, v), None, fwd_ms, None
+            return fn(q, k, v), None, forward_ms, None
     xs = [x.detach().requires_grad_() for x in (q, k, v)]
 
     def step():
         out = fn(*xs)
         torch.autograd.grad(out, xs, dout)
     both_ms = time_ms(step)
-    return (*outputs(fn, q, k, v, dout), fwd_ms, both_ms)
+    return (*outputs(fn, q, k, v, dout), forward_ms, both_ms)
 
 
 # ------------------------------------------------------------------ the routes
@@ -251,7 +251,7 @@ def nested_call(spec, cu):
 
 def frontend_call(spec, cu, max_len, bucketed):
     """cuDNN's own torch op from the nvidia-cudnn-frontend package
-    (cudnn.sdpa_torch: torch.ops.cudnn.sdpa_fwd / sdpa_bwd, THD with
+    (cudnn.sdpa_torch: torch.ops.cudnn.sdpa_forward / sdpa_backward, THD with
     cu_seqlens, its graphs cached by batch size and max_seqlen, autograd
     with return_lse=True).  ``bucketed``: the batch size rounded up to a
     multiple of 16 with empty sequences and max_seqlen to a power of two, so
@@ -314,25 +314,25 @@ def ceiling_call(spec):
 
 
 # ------------------------------------------------------------------ reporting
-def row(spec, route, status, fwd_ms=None, both_ms=None, err=None, err_grad=None, err64=None, err64_grad=None,
+def row(spec, route, status, forward_ms=None, both_ms=None, err=None, err_grad=None, err64=None, err64_grad=None,
         tokens=None, note=""):
-    r = dict(case=spec["name"], route=route, status=status, fwd_ms=fwd_ms, fwd_bwd_ms=both_ms, err_fwd=err,
-             err_grad=err_grad, err64_fwd=err64, err64_grad=err64_grad, note=note)
+    r = dict(case=spec["name"], route=route, status=status, forward_ms=forward_ms, forward_backward_ms=both_ms, err_forward=err,
+             err_grad=err_grad, err64_forward=err64, err64_grad=err64_grad, note=note)
     scale = (tokens or sum(spec["lengths"])) / sum(spec["lengths"])
-    r["tflops_fwd"] = None if fwd_ms is None else flops(spec, False) * scale / fwd_ms / 1e9
-    r["tflops_fwd_bwd"] = None if both_ms is None else flops(spec, True) * scale / both_ms / 1e9
+    r["tflops_forward"] = None if forward_ms is None else flops(spec, False) * scale / forward_ms / 1e9
+    r["tflops_forward_backward"] = None if both_ms is None else flops(spec, True) * scale / both_ms / 1e9
     if err is not None:
-        ok = err <= pair_tol(DT) and (err_grad is None or err_grad <= pair_tol(DT, BWD_FACTOR))
+        ok = err <= pair_tol(DT) and (err_grad is None or err_grad <= pair_tol(DT, BACKWARD_FACTOR))
         r["within_tol"] = bool(ok)
     fields = [f"case={spec['name']}", f"route={route}", f"status={status}"]
-    for key, fmt in (("fwd_ms", "{:.3f}"), ("tflops_fwd", "{:.1f}"), ("fwd_bwd_ms", "{:.3f}"),
-                     ("tflops_fwd_bwd", "{:.1f}"), ("err_fwd", "{:.2e}"), ("err_grad", "{:.2e}"),
-                     ("err64_fwd", "{:.2e}"), ("err64_grad", "{:.2e}")):
+    for key, fmt in (("forward_ms", "{:.3f}"), ("tflops_forward", "{:.1f}"), ("forward_backward_ms", "{:.3f}"),
+                     ("tflops_forward_backward", "{:.1f}"), ("err_forward", "{:.2e}"), ("err_grad", "{:.2e}"),
+                     ("err64_forward", "{:.2e}"), ("err64_grad", "{:.2e}")):
         if r.get(key) is not None:
             fields.append(f"{key}=" + fmt.format(r[key]))
     if "within_tol" in r:
         fields.append(f"equal_to_current={'yes' if r['within_tol'] else 'NO'} (pair_tol bf16 "
-                      f"{pair_tol(DT):.0e}, grads {pair_tol(DT, BWD_FACTOR):.0e})")
+                      f"{pair_tol(DT):.0e}, grads {pair_tol(DT, BACKWARD_FACTOR):.0e})")
     if note:
         fields.append(f"note={note}")
     log("  ".join(fields))
@@ -389,10 +389,10 @@ def child_case(mode, spec):
         with torch.no_grad():
             out = fn(q, k, v)
         torch.cuda.synchronize()
-        result["cold_fwd_ms"] = (time.perf_counter() - t0) * 1e3
-        result["err_fwd"] = rel(out, ref[0])
+        result["cold_forward_ms"] = (time.perf_counter() - t0) * 1e3
+        result["err_forward"] = rel(out, ref[0])
         with torch.no_grad():
-            result["fwd_ms"] = time_ms(lambda: fn(q, k, v))
+            result["forward_ms"] = time_ms(lambda: fn(q, k, v))
     except Exception as e:  # the route refuses the call: say how
         result["error"] = "forward: " + why(e)
         return result
@@ -400,17 +400,17 @@ def child_case(mode, spec):
         t0 = time.perf_counter()
         outputs(fn, q, k, v, dout)
         torch.cuda.synchronize()
-        result["cold_fwd_bwd_ms"] = (time.perf_counter() - t0) * 1e3
+        result["cold_forward_backward_ms"] = (time.perf_counter() - t0) * 1e3
         out, grads, _, both_ms = measure(fn, q, k, v, dout, True)
         torch.cuda.synchronize()
-        result["fwd_bwd_ms"] = both_ms
+        result["forward_backward_ms"] = both_ms
         result["err_grad"] = max(rel(g, r) for g, r in zip(grads, ref[1]))
         cu2, max2 = second_batch(spec, cu)
         fn2 = CHILD_ROUTES[mode](spec, cu2, max2)
         t0 = time.perf_counter()
         outputs(fn2, q, k, v, dout)
         torch.cuda.synchronize()
-        result["second_batch_cold_fwd_bwd_ms"] = (time.perf_counter() - t0) * 1e3
+        result["second_batch_cold_forward_backward_ms"] = (time.perf_counter() - t0) * 1e3
     except Exception as e:
         result["error"] = "backward: " + why(e)
     return result
@@ -453,12 +453,12 @@ def probe_case(spec, children):
 
     current, kw = seqfuse_call(spec, cu, max_len, "auto")
     with torch.no_grad():
-        fwd_route = seqfuse.ops.attention_backend(q, k, v, **kw)[0]
+        forward_route = seqfuse.ops.attention_backend(q, k, v, **kw)[0]
     train_route = seqfuse.ops.attention_backend(q.detach().requires_grad_(), k, v, **kw)[0]
-    ref_out, ref_grads, fwd_ms, both_ms = measure(current, q, k, v, dout, True)
+    ref_out, ref_grads, forward_ms, both_ms = measure(current, q, k, v, dout, True)
     _, _, e64, e64g = compare(ref_out, ref_grads, ref_out, ref_grads, exact_out, exact_grads)
-    rows.append(row(spec, "current (seqfuse auto)", "ok", fwd_ms, both_ms, err64=e64, err64_grad=e64g,
-                    note=f"forward-only calls take {fwd_route}, training calls {train_route}"))
+    rows.append(row(spec, "current (seqfuse auto)", "ok", forward_ms, both_ms, err64=e64, err64_grad=e64g,
+                    note=f"forward-only calls take {forward_route}, training calls {train_route}"))
 
     def add(route, make, backward=True, note=""):
         try:
@@ -504,9 +504,9 @@ def probe_case(spec, children):
             f"absent: {error}" if "ModuleNotFoundError" in error or "ImportError" in error else f"refused: {error}")
         notes = ["k/v heads expanded"] if mode == "nested" and spec["h"] != spec["hk"] else []
         notes += [f"{name} {result[key]:.1f} ms" for name, key in (
-            ("first forward", "cold_fwd_ms"), ("first fwd+bwd", "cold_fwd_bwd_ms"),
-            ("a new batch's first fwd+bwd", "second_batch_cold_fwd_bwd_ms")) if key in result]
-        rows.append(row(spec, route, status, result.get("fwd_ms"), result.get("fwd_bwd_ms"), result.get("err_fwd"),
+            ("first forward", "cold_forward_ms"), ("first forward+backward", "cold_forward_backward_ms"),
+            ("a new batch's first forward+backward", "second_batch_cold_forward_backward_ms")) if key in result]
+        rows.append(row(spec, route, status, result.get("forward_ms"), result.get("forward_backward_ms"), result.get("err_forward"),
                         result.get("err_grad"), note="; ".join(notes)))
 
     try:

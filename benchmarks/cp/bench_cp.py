@@ -8,7 +8,7 @@ GPU then holds.  Shapes: Llama 3 8B heads (32 query heads, 8 KV heads, head
 dim 128), batch 1, bf16, causal, sequences of 32k, 64k and 128k tokens.
 
 Rows (one per sequence length and method):
-- single_seqfuse: one GPU, seqfuse's kernels (attention_fwd + attention_bwd,
+- single_seqfuse: one GPU, seqfuse's kernels (attention_forward + attention_backward,
   the kernels the CP blocks run);
 - single_auto: one GPU, seqfuse.ops.attention with its default backend
   choice (cuDNN fused attention on Hopper for this call): the strongest
@@ -17,7 +17,7 @@ Rows (one per sequence length and method):
   tokens (load-balanced split); time is the slowest rank's median.
 - ring_exchange: one ring step's K/V transfer alone (isend/irecv of the
   [2, 1, s/cp, 8, 128] bf16 block), giving the link's GB/s per direction.
-TFLOP/s per GPU = 4 * h * s^2 * d / 2 (causal) * 3.5 (fwd + bwd) / time /
+TFLOP/s per GPU = 4 * h * s^2 * d / 2 (causal) * 3.5 (forward + backward) / time /
 GPUs; speedup = single_auto time / this time; peak_gib = the largest
 max_memory_allocated over the GPUs during the timed steps (inputs, outputs
 and gradients included).  A shape that does not fit one GPU is recorded as
@@ -117,8 +117,8 @@ def single_rows(s, repeats):
             dout = randn(1, s, HEADS, DIM, gen=g)
             if name == "single_seqfuse":
                 def fn():
-                    out, lse = ops.attention_fwd(q, k, v, attn_mask_type="causal")
-                    ops.attention_bwd(dout, q, k, v, out, lse, attn_mask_type="causal")
+                    out, lse = ops.attention_forward(q, k, v, attn_mask_type="causal")
+                    ops.attention_backward(dout, q, k, v, out, lse, attn_mask_type="causal")
             else:
                 for t in (q, k, v):
                     t.requires_grad_()
@@ -241,7 +241,7 @@ def main():
     table.save({"command": "python3 " + " ".join(sys.argv), "seconds": round(time.time() - t0, 1),
                 "shape": dict(batch=1, heads=HEADS, kv_heads=KV_HEADS, head_dim=DIM,
                               dtype="float32" if args.cpu else "bf16", mask="causal", layout="bshd"),
-                "note": "TFLOP/s per GPU counts 4*h*s^2*d/2 (causal) x3.5 for fwd+bwd; speedup = single_auto "
+                "note": "TFLOP/s per GPU counts 4*h*s^2*d/2 (causal) x3.5 for forward+backward; speedup = single_auto "
                         "time / this time; cp rows time the slowest rank"})
 
 

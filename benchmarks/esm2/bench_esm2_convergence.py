@@ -94,11 +94,11 @@ def run(name, train_batches, val_batches, args, device, max_steps, deadline):
         clip = torch.nn.utils.clip_grad_norm_
         padded_val = [packed_to_padded(b) for b in val_batches]
 
-        def fwd(b):
+        def forward(b):
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
                 return forward_loss(model, packed_to_padded(b), device)
 
-        def fwd_val(i):
+        def forward_val(i):
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
                 return forward_loss(model, padded_val[i], device)
     elif impl == "seqfuse":
@@ -109,12 +109,12 @@ def run(name, train_batches, val_batches, args, device, max_steps, deadline):
         opt = FusedAdamW(params, lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
         clip = clip_grad_norm_
 
-        def fwd(b):
+        def forward(b):
             with autocast(enabled=recipe is not None, recipe=recipe):
                 return forward_loss(model, b, device)
 
-        def fwd_val(i):
-            return fwd(val_batches[i])
+        def forward_val(i):
+            return forward(val_batches[i])
     else:
         raise ValueError(f"run {name!r}: expected hf_bf16 or seqfuse_<bf16|fp8_delayed|fp8_current|fp8_block>")
 
@@ -125,7 +125,7 @@ def run(name, train_batches, val_batches, args, device, max_steps, deadline):
         with torch.no_grad():
             for i, b in enumerate(val_batches):
                 k = int((b["labels"] != -100).sum())
-                tot += fwd_val(i).double() * k
+                tot += forward_val(i).double() * k
                 n += k
         model.train()
         return float(tot) / max(n, 1)
@@ -141,7 +141,7 @@ def run(name, train_batches, val_batches, args, device, max_steps, deadline):
             break
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args)
-        loss = fwd(b)
+        loss = forward(b)
         loss.backward()
         clip(params, 1.0)
         opt.step()

@@ -92,12 +92,12 @@ def main():
             t3 = time.perf_counter()
             if i >= args.warmup:
                 times[c].append((t1 - t0, t2 - t1, t3 - t2, t3 - t0))
-    table = Table(args.out, ["config", "fwd_ms", "bwd_ms", "opt_ms", "step_ms", "vs_plain"])
+    table = Table(args.out, ["config", "forward_ms", "backward_ms", "opt_ms", "step_ms", "vs_plain"])
     ref = None
     for c in configs:
         med = [1e3 * statistics.median(x[k] for x in times[c]) for k in range(4)]
         ref = med[3] if c == "plain" else ref
-        table.add(config=c, fwd_ms=med[0], bwd_ms=med[1], opt_ms=med[2], step_ms=med[3],
+        table.add(config=c, forward_ms=med[0], backward_ms=med[1], opt_ms=med[2], step_ms=med[3],
                   vs_plain=med[3] / ref if ref else float("nan"))
     table.save(extra={"layers": args.layers, "hidden": args.hidden, "tokens": args.tokens, "steps": args.steps,
                       "recipe": args.recipe,

@@ -100,7 +100,7 @@ def main():
         table.save(extra={"shape": dict(hidden=HIDDEN, ffn=FFN, experts=EXPERTS, topk=TOPK,
                                         tokens_per_gpu=args.tokens, dtype="bf16", gpus=world),
                           "ep_vs_one_gpu_output_rel_error_bf16": err.item(),
-                          "timing": f"median of {args.rounds} rounds of {args.steps} fwd+bwd steps, slowest rank"})
+                          "timing": f"median of {args.rounds} rounds of {args.steps} forward+backward steps, slowest rank"})
     from seqfuse.distributed import end_process_group
 
     del full, ep

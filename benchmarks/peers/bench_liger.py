@@ -16,7 +16,7 @@ process on the same inputs and weights:
 
 "torch" is the plain torch code, "torch_compile" the same code through
 torch.compile.  Every row is timed over a queue of --iters back-to-back
-fwd+bwd calls (peers/timing.interleaved_ms), so a compiled call's fixed host
+forward+backward calls (peers/timing.interleaved_ms), so a compiled call's fixed host
 cost does not decide a row unless the host really is the bottleneck.
 Liger's RMSNorm runs with in_place=False (its default True writes dx into the
 caller's dy, which the timing loop reuses).  Liger's RoPE rotates q and k in
@@ -252,7 +252,7 @@ def main(argv=None):
         allow_recompiles()
     results = Results(args.out, __file__, extra={
         "peers": "Liger-Kernel, torch eager, torch.compile of the same torch code; same inputs and weights",
-        "timing": f"fwd+bwd through autograd, median of {args.rounds} alternating rounds of {args.iters} "
+        "timing": f"forward+backward through autograd, median of {args.rounds} alternating rounds of {args.iters} "
                   f"back-to-back calls after {args.warmup} warm-up calls",
         "ratio": "seqfuse_vs_<peer> = peer ms / seqfuse ms (> 1: seqfuse faster)",
         "size": SIZES[args.size], "liger_skipped": liger_why})

@@ -105,13 +105,13 @@ def flops(module, c):
     mlp = 2 * t * (h * fc1 + c["ffn"] * h)
     qkv = 2 * t * h * qkv_out(c)
     if module in ("Linear", "LayerNormLinear"):
-        fwd = qkv
+        forward_flops = qkv
     elif module == "LayerNormMLP":
-        fwd = mlp
+        forward_flops = mlp
     else:
         attn = 4 * c["batch"] * c["seq"] ** 2 * c["heads"] * head_dim(c) * (0.5 if c["mask"] == "causal" else 1.0)
-        fwd = qkv + 2 * t * h * h + mlp + attn
-    return 3.0 * fwd
+        forward_flops = qkv + 2 * t * h * h + mlp + attn
+    return 3.0 * forward_flops
 
 
 def train_step(forward, params, x, dy):

@@ -107,14 +107,14 @@ def run_pair(shape, module, args, device, results, ao_why, emulate):
             mod = build(sf, module, c, dtype, device)
             rec = sf_recipes[r]
 
-            def fwd(mod=mod, rec=rec):
+            def forward_step(mod=mod, rec=rec):
                 with sf.autocast(enabled=rec is not None, recipe=rec):
                     return mod(x)
             if r == "bf16":
                 with torch.no_grad():
-                    ref = fwd()
+                    ref = forward_step()
                 sf_bf16 = mod
-            steps[name] = (fwd, [q for q in mod.parameters() if q.requires_grad])
+            steps[name] = (forward_step, [q for q in mod.parameters() if q.requires_grad])
         except Exception as e:  # noqa: BLE001 - reported in its row
             errors[name] = e
     if ref is None:

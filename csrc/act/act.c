@@ -93,14 +93,14 @@ static sf_status check_act_input(const char *op, sf_activation act, const sf_ten
 
 static sf_status dispatch_act(const char *op, const sf_act_args *a, int backward, sf_stream stream)
 {
-    return SF_DISPATCH(op, "x", a->x, backward ? sf_act_bwd_cpu(a) : sf_act_fwd_cpu(a),
-                       backward ? sf_act_bwd_cuda(a, stream) : sf_act_fwd_cuda(a, stream));
+    return SF_DISPATCH(op, "x", a->x, backward ? sf_act_backward_cpu(a) : sf_act_forward_cpu(a),
+                       backward ? sf_act_backward_cuda(a, stream) : sf_act_forward_cuda(a, stream));
 }
 
-sf_status sf_act_fwd(sf_activation act, const sf_tensor *x, sf_tensor *y, const sf_tensor *scale,
+sf_status sf_act_forward(sf_activation act, const sf_tensor *x, sf_tensor *y, const sf_tensor *scale,
                      sf_tensor *amax, sf_tensor *scale_inv, sf_stream stream)
 {
-    static const char op[] = "act_fwd";
+    static const char op[] = "act_forward";
     sf_act_args a = {.x = x, .out = y, .scale = scale, .amax = amax, .scale_inv = scale_inv};
     SF_TRY(check_act_input(op, act, x, &a));
     const int64_t last = x->shape[x->ndim - 1];
@@ -109,11 +109,11 @@ sf_status sf_act_fwd(sf_activation act, const sf_tensor *x, sf_tensor *y, const 
     return dispatch_act(op, &a, 0, stream);
 }
 
-sf_status sf_act_bwd(sf_activation act, const sf_tensor *dy, const sf_tensor *x, sf_tensor *dx,
+sf_status sf_act_backward(sf_activation act, const sf_tensor *dy, const sf_tensor *x, sf_tensor *dx,
                      const sf_tensor *scale, sf_tensor *amax, sf_tensor *scale_inv,
                      sf_stream stream)
 {
-    static const char op[] = "act_bwd";
+    static const char op[] = "act_backward";
     sf_act_args a = {.x = x, .dy = dy, .out = dx, .scale = scale, .amax = amax,
                      .scale_inv = scale_inv};
     SF_TRY(check_act_input(op, act, x, &a));
@@ -156,7 +156,7 @@ static sf_status rows_cols(const char *op, const char *arg, const sf_tensor *x, 
     return SF_OK;
 }
 
-sf_status sf_bias_dropout_add_fwd(const sf_tensor *x, const sf_tensor *bias,
+sf_status sf_bias_dropout_add_forward(const sf_tensor *x, const sf_tensor *bias,
                                   const sf_tensor *residual, float p, uint64_t seed,
                                   uint64_t offset, sf_tensor *out, sf_stream stream)
 {
@@ -189,21 +189,21 @@ sf_status sf_bias_dropout_add_fwd(const sf_tensor *x, const sf_tensor *bias,
 static sf_status dropout_ws_numel(const sf_tensor *dy, int64_t rows, int64_t n, int64_t *numel)
 {
     *numel = 0;
-    return SF_DISPATCH("dropout_bwd", "dy", dy, SF_OK,
-                       sf_dropout_bwd_workspace_numel_cuda(rows, n, dy->device_id, numel));
+    return SF_DISPATCH("dropout_backward", "dy", dy, SF_OK,
+                       sf_dropout_backward_workspace_numel_cuda(rows, n, dy->device_id, numel));
 }
 
-sf_status sf_dropout_bwd_workspace_numel(const sf_tensor *dy, int64_t *numel)
+sf_status sf_dropout_backward_workspace_numel(const sf_tensor *dy, int64_t *numel)
 {
     sf_dropout_args a = {0};
-    SF_TRY(rows_cols("dropout_bwd_workspace_numel", "dy", dy, &a));
+    SF_TRY(rows_cols("dropout_backward_workspace_numel", "dy", dy, &a));
     return dropout_ws_numel(dy, a.rows, a.n, numel);
 }
 
-sf_status sf_dropout_bwd(const sf_tensor *dy, float p, uint64_t seed, uint64_t offset,
+sf_status sf_dropout_backward(const sf_tensor *dy, float p, uint64_t seed, uint64_t offset,
                          sf_tensor *dx, sf_tensor *dbias, sf_tensor *workspace, sf_stream stream)
 {
-    static const char op[] = "dropout_bwd";
+    static const char op[] = "dropout_backward";
     sf_dropout_args a = {0};
     SF_TRY(rows_cols(op, "dy", dy, &a));
     SF_TRY(check_p(op, p));
@@ -220,7 +220,7 @@ sf_status sf_dropout_bwd(const sf_tensor *dy, float p, uint64_t seed, uint64_t o
         if (need > 0) {
             if (!workspace)
                 return sf_fail(SF_ERR_VALUE, "%s: argument 'workspace' is required with 'dbias': "
-                               "%lld float32 elements (dropout_bwd_workspace_numel)", op,
+                               "%lld float32 elements (dropout_backward_workspace_numel)", op,
                                (long long)need);
             SF_TRY(sf_check_dtype(op, "workspace", workspace, SF_FLOAT32));
             SF_TRY(sf_check_contiguous(op, "workspace", workspace));
@@ -240,5 +240,5 @@ sf_status sf_dropout_bwd(const sf_tensor *dy, float p, uint64_t seed, uint64_t o
     a.out = dx;
     a.dbias = dbias;
     a.workspace = dbias ? workspace : NULL;
-    return SF_DISPATCH(op, "dy", dy, sf_dropout_bwd_cpu(&a), sf_dropout_bwd_cuda(&a, stream));
+    return SF_DISPATCH(op, "dy", dy, sf_dropout_backward_cpu(&a), sf_dropout_backward_cuda(&a, stream));
 }

@@ -38,16 +38,16 @@ typedef struct {
     sf_tensor *dbias, *workspace;         /* backward, may be NULL */
 } sf_dropout_args;
 
-sf_status sf_act_fwd_cpu(const sf_act_args *a);
-sf_status sf_act_bwd_cpu(const sf_act_args *a);
+sf_status sf_act_forward_cpu(const sf_act_args *a);
+sf_status sf_act_backward_cpu(const sf_act_args *a);
 sf_status sf_bias_dropout_add_cpu(const sf_dropout_args *a);
-sf_status sf_dropout_bwd_cpu(const sf_dropout_args *a);
+sf_status sf_dropout_backward_cpu(const sf_dropout_args *a);
 
-sf_status sf_act_fwd_cuda(const sf_act_args *a, sf_stream stream);
-sf_status sf_act_bwd_cuda(const sf_act_args *a, sf_stream stream);
+sf_status sf_act_forward_cuda(const sf_act_args *a, sf_stream stream);
+sf_status sf_act_backward_cuda(const sf_act_args *a, sf_stream stream);
 sf_status sf_bias_dropout_add_cuda(const sf_dropout_args *a, sf_stream stream);
-sf_status sf_dropout_bwd_cuda(const sf_dropout_args *a, sf_stream stream);
-sf_status sf_dropout_bwd_workspace_numel_cuda(int64_t rows, int64_t n, int device_id,
+sf_status sf_dropout_backward_cuda(const sf_dropout_args *a, sf_stream stream);
+sf_status sf_dropout_backward_workspace_numel_cuda(int64_t rows, int64_t n, int device_id,
                                               int64_t *numel);
 
 #ifdef __cplusplus

@@ -38,7 +38,7 @@ static void finish_fp8(const sf_act_args *a, uint32_t amax, float scale)
         *(float *)a->scale_inv->data = 1.0f / scale;
 }
 
-sf_status sf_act_fwd_cpu(const sf_act_args *a)
+sf_status sf_act_forward_cpu(const sf_act_args *a)
 {
     const float scale = a->scale ? *(const float *)a->scale->data : 1.0f;
     const int64_t in_cols = a->gated ? 2 * a->n : a->n;
@@ -55,7 +55,7 @@ sf_status sf_act_fwd_cpu(const sf_act_args *a)
     return SF_OK;
 }
 
-sf_status sf_act_bwd_cpu(const sf_act_args *a)
+sf_status sf_act_backward_cpu(const sf_act_args *a)
 {
     const float scale = a->scale ? *(const float *)a->scale->data : 1.0f;
     const int64_t in_cols = a->gated ? 2 * a->n : a->n;
@@ -105,7 +105,7 @@ sf_status sf_bias_dropout_add_cpu(const sf_dropout_args *a)
     return SF_OK;
 }
 
-sf_status sf_dropout_bwd_cpu(const sf_dropout_args *a)
+sf_status sf_dropout_backward_cpu(const sf_dropout_args *a)
 {
     const float keep_scale = sf_dropout_scale(a->p);
     for (int64_t r = 0; r < a->rows; ++r)

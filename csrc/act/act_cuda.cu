@@ -97,19 +97,19 @@ struct Raw {
     Pack<T, VEC> a, b, dy;
 };
 
-template <typename T, int VEC, bool BWD>
+template <typename T, int VEC, bool BACKWARD>
 __device__ __forceinline__ void load_vec(const ActParams &p, int64_t r, int64_t c, Raw<T, VEC> &raw)
 {
     const T *xr = (const T *)p.x + r * p.in_cols;
     raw.a = load_raw<T, VEC>(xr + c);
     if (p.gated)
         raw.b = load_raw<T, VEC>(xr + p.n + c);
-    if (BWD)
+    if (BACKWARD)
         raw.dy = load_raw<T, VEC>((const T *)p.dy + r * p.n + c);
 }
 
 /* Compute and store one vector; returns the running max of |output| bits. */
-template <typename T, int VEC, bool BWD>
+template <typename T, int VEC, bool BACKWARD>
 __device__ __forceinline__ unsigned compute_vec(const ActParams &p, int base, int64_t r, int64_t c,
                                                 const Raw<T, VEC> &raw, float scale, unsigned m)
 {
@@ -117,7 +117,7 @@ __device__ __forceinline__ unsigned compute_vec(const ActParams &p, int base, in
     unpack<T, VEC>(raw.a, a);
     if (p.gated)
         unpack<T, VEC>(raw.b, b);
-    if (!BWD) {
+    if (!BACKWARD) {
 #pragma unroll
         for (int e = 0; e < VEC; ++e)
             o[e] = p.gated ? sf_act_base(base, a[e]) * b[e] : sf_act_base(base, a[e]);
@@ -147,12 +147,12 @@ __device__ __forceinline__ unsigned compute_vec(const ActParams &p, int base, in
 }
 
 /* The element-wise fallback (rows not in 16-byte vectors: VEC = 1), any
- * activation (p.base read at run time): forward (BWD false) or backward over
+ * activation (p.base read at run time): forward (BACKWARD false) or backward over
  * every row, U elements loaded before any is computed. */
-template <typename T, int VEC, bool BWD>
+template <typename T, int VEC, bool BACKWARD>
 __global__ void __launch_bounds__(kThreads) act_kernel(ActParams p)
 {
-    constexpr int U = BWD ? 2 : 4;
+    constexpr int U = BACKWARD ? 2 : 4;
     __shared__ unsigned red[kThreads / 32];
     const int base = p.base;
     const float scale = p.out_kind != kOutSame ? *p.scale : 1.0f;
@@ -166,11 +166,11 @@ __global__ void __launch_bounds__(kThreads) act_kernel(ActParams p)
 #pragma unroll
             for (int u = 0; u < U; ++u)
                 if (v0 + u * stride < nv)
-                    load_vec<T, VEC, BWD>(p, r, (v0 + u * stride) * VEC, raw[u]);
+                    load_vec<T, VEC, BACKWARD>(p, r, (v0 + u * stride) * VEC, raw[u]);
 #pragma unroll
             for (int u = 0; u < U; ++u)
                 if (v0 + u * stride < nv)
-                    m = compute_vec<T, VEC, BWD>(p, base, r, (v0 + u * stride) * VEC, raw[u], scale, m);
+                    m = compute_vec<T, VEC, BACKWARD>(p, base, r, (v0 + u * stride) * VEC, raw[u], scale, m);
         }
     }
     if (p.amax)
@@ -182,9 +182,9 @@ __global__ void __launch_bounds__(kThreads) act_kernel(ActParams p)
 /* Vectors a thread loads per input before computing: 64 bytes of input in
  * flight per thread (48 for the gated backward's three inputs), within 64
  * registers. */
-__host__ __device__ constexpr int vec_unroll(bool gated, bool bwd)
+__host__ __device__ constexpr int vec_unroll(bool gated, bool backward)
 {
-    return bwd ? (gated ? 1 : 2) : (gated ? 2 : 4);
+    return backward ? (gated ? 1 : 2) : (gated ? 2 : 4);
 }
 
 /* The vector path: BASE (0 gelu-tanh, 1 gelu-erf, 2 silu, 3 relu), GATED
@@ -194,11 +194,11 @@ __host__ __device__ constexpr int vec_unroll(bool gated, bool bwd)
  * computes and stores any.  Element-wise activations are one flat row; its
  * tail (numel not a multiple of V) is done element by element by the first
  * threads of block (0, 0). */
-template <typename T, int BASE, bool GATED, bool BWD>
+template <typename T, int BASE, bool GATED, bool BACKWARD>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) act_vec_kernel(ActParams p)
 {
     constexpr int V = 16 / sizeof(T);
-    constexpr int U = vec_unroll(GATED, BWD);
+    constexpr int U = vec_unroll(GATED, BACKWARD);
     __shared__ unsigned red[kThreads / 32];
     const float scale = p.out_kind != kOutSame ? *p.scale : 1.0f;
     const int64_t nv = p.n / V;
@@ -206,8 +206,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) act_vec_kernel(ActParams
     unsigned m = 0u;
     for (int64_t r = blockIdx.y; r < p.rows; r += gridDim.y) {
         const T *ar = (const T *)p.x + r * p.in_cols;
-        const T *dyr = BWD ? (const T *)p.dy + r * p.n : NULL;
-        const int64_t orow = r * (BWD ? p.in_cols : p.n); /* element offset of the output row */
+        const T *dyr = BACKWARD ? (const T *)p.dy + r * p.n : NULL;
+        const int64_t orow = r * (BACKWARD ? p.in_cols : p.n); /* element offset of the output row */
         for (int64_t v0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; v0 < nv; v0 += stride * U) {
             Pack<T, V> ra[U], rb[U], rd[U];
 #pragma unroll
@@ -217,7 +217,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) act_vec_kernel(ActParams
                     ra[u] = *reinterpret_cast<const Pack<T, V> *>(ar + v * V);
                     if (GATED)
                         rb[u] = *reinterpret_cast<const Pack<T, V> *>(ar + p.n + v * V);
-                    if (BWD)
+                    if (BACKWARD)
                         rd[u] = *reinterpret_cast<const Pack<T, V> *>(dyr + v * V);
                 }
             }
@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) act_vec_kernel(ActParams
 #pragma unroll
                 for (int e = 0; e < V; ++e)
                     a[e] = to_f(ra[u].v[e]);
-                if (!BWD) {
+                if (!BACKWARD) {
 #pragma unroll
                     for (int e = 0; e < V; ++e)
                         o[e] = GATED ? sf_act_base(BASE, a[e]) * to_f(rb[u].v[e]) : sf_act_base(BASE, a[e]);
@@ -260,8 +260,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) act_vec_kernel(ActParams
         const int64_t c = nv * V + threadIdx.x;
         if (c < p.n) {
             Raw<T, 1> raw;
-            load_vec<T, 1, BWD>(p, 0, c, raw);
-            m = compute_vec<T, 1, BWD>(p, BASE, 0, c, raw, scale, m);
+            load_vec<T, 1, BACKWARD>(p, 0, c, raw);
+            m = compute_vec<T, 1, BACKWARD>(p, BASE, 0, c, raw, scale, m);
         }
     }
     if (p.amax)
@@ -339,7 +339,7 @@ __global__ void __launch_bounds__(kThreads) bias_dropout_add_kernel(DropParams p
  * the row exactly once, so each thread owns one column vector and sums it
  * over this block's rows into ws[blockIdx.y]. */
 template <typename T, int VEC>
-__global__ void __launch_bounds__(kThreads) dropout_bwd_kernel(DropParams p)
+__global__ void __launch_bounds__(kThreads) dropout_backward_kernel(DropParams p)
 {
     const int64_t nv = p.n / VEC;
     const int64_t v = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -414,43 +414,43 @@ sf_status launch_with(const char *op, K kernel, const ActParams &p, int device, 
     return SF_OK;
 }
 
-template <typename T, int BASE, bool BWD>
+template <typename T, int BASE, bool BACKWARD>
 sf_status launch_vec(const char *op, const ActParams &p, int device, cudaStream_t stream)
 {
     const int64_t vecs = p.n / (16 / (int64_t)sizeof(T)) + 1;
     if (p.gated)
-        return launch_with(op, act_vec_kernel<T, BASE, true, BWD>, p, device, vecs,
-                           vec_unroll(true, BWD), stream);
-    return launch_with(op, act_vec_kernel<T, BASE, false, BWD>, p, device, vecs,
-                       vec_unroll(false, BWD), stream);
+        return launch_with(op, act_vec_kernel<T, BASE, true, BACKWARD>, p, device, vecs,
+                           vec_unroll(true, BACKWARD), stream);
+    return launch_with(op, act_vec_kernel<T, BASE, false, BACKWARD>, p, device, vecs,
+                       vec_unroll(false, BACKWARD), stream);
 }
 
-template <typename T, bool BWD>
+template <typename T, bool BACKWARD>
 sf_status launch_act_dir(const char *op, const ActParams &p, int device, bool vec, cudaStream_t stream)
 {
     if (!vec)
-        return launch_with(op, act_kernel<T, 1, BWD>, p, device, p.n, BWD ? 2 : 4, stream);
+        return launch_with(op, act_kernel<T, 1, BACKWARD>, p, device, p.n, BACKWARD ? 2 : 4, stream);
     switch (p.base) {
-    case 0:  return launch_vec<T, 0, BWD>(op, p, device, stream);
-    case 1:  return launch_vec<T, 1, BWD>(op, p, device, stream);
-    case 2:  return launch_vec<T, 2, BWD>(op, p, device, stream);
-    default: return launch_vec<T, 3, BWD>(op, p, device, stream);
+    case 0:  return launch_vec<T, 0, BACKWARD>(op, p, device, stream);
+    case 1:  return launch_vec<T, 1, BACKWARD>(op, p, device, stream);
+    case 2:  return launch_vec<T, 2, BACKWARD>(op, p, device, stream);
+    default: return launch_vec<T, 3, BACKWARD>(op, p, device, stream);
     }
 }
 
 template <typename T>
-sf_status launch_act(const char *op, const ActParams &p, int device, bool vec, bool bwd,
+sf_status launch_act(const char *op, const ActParams &p, int device, bool vec, bool backward,
                      cudaStream_t stream)
 {
-    return bwd ? launch_act_dir<T, true>(op, p, device, vec, stream)
+    return backward ? launch_act_dir<T, true>(op, p, device, vec, stream)
                : launch_act_dir<T, false>(op, p, device, vec, stream);
 }
 
 __global__ void write_scale_inv_kernel(const float *scale, float *scale_inv) { *scale_inv = 1.0f / *scale; }
 
-sf_status act(const sf_act_args *a, bool bwd, cudaStream_t stream)
+sf_status act(const sf_act_args *a, bool backward, cudaStream_t stream)
 {
-    const char *op = bwd ? "act_bwd" : "act_fwd";
+    const char *op = backward ? "act_backward" : "act_forward";
     ActParams p;
     p.x = a->x->data;
     p.dy = a->dy ? a->dy->data : NULL;
@@ -479,7 +479,7 @@ sf_status act(const sf_act_args *a, bool bwd, cudaStream_t stream)
                      (!p.dy || aligned16(p.dy));
     const int device = a->x->device_id;
     return sf_visit_float(op, "x", a->x->dtype, [&](auto tag) {
-        return launch_act<typename decltype(tag)::type>(op, p, device, vec, bwd, stream);
+        return launch_act<typename decltype(tag)::type>(op, p, device, vec, backward, stream);
     });
 }
 
@@ -527,7 +527,7 @@ DropParams drop_params(const sf_dropout_args *a)
 }
 
 template <typename T>
-sf_status launch_drop_fwd(const DropParams &p, const DropShape &s, cudaStream_t stream)
+sf_status launch_drop_forward(const DropParams &p, const DropShape &s, cudaStream_t stream)
 {
     if (s.vec)
         bias_dropout_add_kernel<T, 16 / sizeof(T)><<<s.grid, kThreads, 0, stream>>>(p);
@@ -538,13 +538,13 @@ sf_status launch_drop_fwd(const DropParams &p, const DropShape &s, cudaStream_t 
 }
 
 template <typename T>
-sf_status launch_drop_bwd(const DropParams &p, const DropShape &s, cudaStream_t stream)
+sf_status launch_drop_backward(const DropParams &p, const DropShape &s, cudaStream_t stream)
 {
     if (s.vec)
-        dropout_bwd_kernel<T, 16 / sizeof(T)><<<s.grid, kThreads, 0, stream>>>(p);
+        dropout_backward_kernel<T, 16 / sizeof(T)><<<s.grid, kThreads, 0, stream>>>(p);
     else
-        dropout_bwd_kernel<T, 1><<<s.grid, kThreads, 0, stream>>>(p);
-    SF_CUDA_CHECK_LAUNCH("dropout_bwd");
+        dropout_backward_kernel<T, 1><<<s.grid, kThreads, 0, stream>>>(p);
+    SF_CUDA_CHECK_LAUNCH("dropout_backward");
     return SF_OK;
 }
 
@@ -553,25 +553,25 @@ sf_status launch_col_sum(const float *ws, int parts, int64_t n, void *out, cudaS
 {
     dim3 grid((unsigned)((n + 31) / 32), 1);
     column_sum_kernel<G><<<grid, dim3(32, 8), 0, stream>>>(ws, parts, (int)n, (G *)out, (G *)NULL);
-    SF_CUDA_CHECK_LAUNCH("dropout_bwd");
+    SF_CUDA_CHECK_LAUNCH("dropout_backward");
     return SF_OK;
 }
 
 } // namespace
 
-extern "C" sf_status sf_act_fwd_cuda(const sf_act_args *a, sf_stream s)
+extern "C" sf_status sf_act_forward_cuda(const sf_act_args *a, sf_stream s)
 {
     sf_cuda_device_guard guard;
-    SF_TRY(sf_cuda_device_enter("act_fwd", a->x->device_id, &guard));
+    SF_TRY(sf_cuda_device_enter("act_forward", a->x->device_id, &guard));
     sf_status st = act(a, false, sf_cuda_stream(s));
     sf_cuda_device_restore(&guard);
     return st;
 }
 
-extern "C" sf_status sf_act_bwd_cuda(const sf_act_args *a, sf_stream s)
+extern "C" sf_status sf_act_backward_cuda(const sf_act_args *a, sf_stream s)
 {
     sf_cuda_device_guard guard;
-    SF_TRY(sf_cuda_device_enter("act_bwd", a->x->device_id, &guard));
+    SF_TRY(sf_cuda_device_enter("act_backward", a->x->device_id, &guard));
     sf_status st = act(a, true, sf_cuda_stream(s));
     sf_cuda_device_restore(&guard);
     return st;
@@ -592,14 +592,14 @@ extern "C" sf_status sf_bias_dropout_add_cuda(const sf_dropout_args *a, sf_strea
     if (st == SF_OK) {
         cudaStream_t stream = sf_cuda_stream(s);
         st = sf_visit_float(op, "x", a->x->dtype, [&](auto tag) {
-            return launch_drop_fwd<typename decltype(tag)::type>(p, shape, stream);
+            return launch_drop_forward<typename decltype(tag)::type>(p, shape, stream);
         });
     }
     sf_cuda_device_restore(&guard);
     return st;
 }
 
-extern "C" sf_status sf_dropout_bwd_workspace_numel_cuda(int64_t rows, int64_t n, int device_id,
+extern "C" sf_status sf_dropout_backward_workspace_numel_cuda(int64_t rows, int64_t n, int device_id,
                                                          int64_t *numel)
 {
     *numel = 0;
@@ -608,7 +608,7 @@ extern "C" sf_status sf_dropout_bwd_workspace_numel_cuda(int64_t rows, int64_t n
     /* an upper bound of gridDim.y for any vector width: one partial row
      * per y block */
     int sms;
-    SF_TRY(sm_count("dropout_bwd_workspace_numel", device_id, &sms));
+    SF_TRY(sm_count("dropout_backward_workspace_numel", device_id, &sms));
     int64_t gy = (int64_t)sms * 8;
     gy = gy > rows ? rows : gy;
     gy = gy > 65535 ? 65535 : gy;
@@ -616,9 +616,9 @@ extern "C" sf_status sf_dropout_bwd_workspace_numel_cuda(int64_t rows, int64_t n
     return SF_OK;
 }
 
-extern "C" sf_status sf_dropout_bwd_cuda(const sf_dropout_args *a, sf_stream s)
+extern "C" sf_status sf_dropout_backward_cuda(const sf_dropout_args *a, sf_stream s)
 {
-    static const char op[] = "dropout_bwd";
+    static const char op[] = "dropout_backward";
     cudaStream_t stream = sf_cuda_stream(s);
     sf_cuda_device_guard guard;
     SF_TRY(sf_cuda_device_enter(op, a->dy->device_id, &guard));
@@ -640,7 +640,7 @@ extern "C" sf_status sf_dropout_bwd_cuda(const sf_dropout_args *a, sf_stream s)
     st = drop_shape(op, a->dy->device_id, a->rows, a->n, a->dy->dtype, aligned, &shape);
     if (st == SF_OK) {
         st = sf_visit_float(op, "dy", a->dy->dtype, [&](auto tag) {
-            return launch_drop_bwd<typename decltype(tag)::type>(p, shape, stream);
+            return launch_drop_backward<typename decltype(tag)::type>(p, shape, stream);
         });
     }
     if (st == SF_OK && a->dbias) {

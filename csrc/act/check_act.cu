@@ -30,8 +30,8 @@ static void run_act(sf_activation act, sf_dtype dt, int64_t rows, int64_t cols, 
     for (int cuda = 1; cuda >= 0; --cuda) {
         sf_tensor X = x.view(2, xs, cuda), DY = dy.view(2, ys, cuda), Y = y.view(2, ys, cuda),
                   DX = dx.view(2, xs, cuda), S = sc.view(1, one, cuda);
-        CHECK_SF(sf_act_fwd(act, &X, &Y, fp8 ? &S : NULL, NULL, NULL, NULL));
-        CHECK_SF(sf_act_bwd(act, &DY, &X, &DX, fp8 ? &S : NULL, NULL, NULL, NULL));
+        CHECK_SF(sf_act_forward(act, &X, &Y, fp8 ? &S : NULL, NULL, NULL, NULL));
+        CHECK_SF(sf_act_backward(act, &DY, &X, &DX, fp8 ? &S : NULL, NULL, NULL, NULL));
     }
     CHECK_CUDA(cudaDeviceSynchronize());
     char what[200];
@@ -62,7 +62,7 @@ static void run_dropout(sf_dtype dt, int64_t rows, int64_t cols)
     x.up(); r.up(); b.up(); dy.up();
     sf_tensor D = dy.view(2, xs, 1);
     int64_t wsn = 0;
-    CHECK_SF(sf_dropout_bwd_workspace_numel(&D, &wsn));
+    CHECK_SF(sf_dropout_backward_workspace_numel(&D, &wsn));
     CheckBuf ws(SF_FLOAT32, wsn > 0 ? wsn : 1);
     int64_t wshape[1] = {wsn};
     const uint64_t seed = rng_next(), offset = rng_next() >> 40;
@@ -70,8 +70,8 @@ static void run_dropout(sf_dtype dt, int64_t rows, int64_t cols)
         sf_tensor X = x.view(2, xs, cuda), R = r.view(2, xs, cuda), B = b.view(1, bs, cuda),
                   O = out.view(2, xs, cuda), DY = dy.view(2, xs, cuda), DX = dx.view(2, xs, cuda),
                   DB = db.view(1, bs, cuda), W = ws.view(1, wshape, cuda);
-        CHECK_SF(sf_bias_dropout_add_fwd(&X, &B, &R, 0.3f, seed, offset, &O, NULL));
-        CHECK_SF(sf_dropout_bwd(&DY, 0.3f, seed, offset, &DX, &DB, cuda ? &W : NULL, NULL));
+        CHECK_SF(sf_bias_dropout_add_forward(&X, &B, &R, 0.3f, seed, offset, &O, NULL));
+        CHECK_SF(sf_dropout_backward(&DY, 0.3f, seed, offset, &DX, &DB, cuda ? &W : NULL, NULL));
     }
     std::vector<uint8_t> gdx = dx.down();
     int64_t mismatched = 0;
@@ -120,20 +120,20 @@ static void bandwidth(void)
     const sf_activation acts[] = {SF_ACT_GELU, SF_ACT_GELU_ERF, SF_ACT_SILU, SF_ACT_RELU, SF_ACT_SWIGLU, SF_ACT_GEGLU};
     for (sf_activation a : acts) {
         const int g = sf_activation_is_gated(a);
-        float f = time_ms([&] { CHECK_SF(sf_act_fwd(a, &X, g ? &Yh : &Y, NULL, NULL, NULL, NULL)); });
-        float b = time_ms([&] { CHECK_SF(sf_act_bwd(a, g ? &DYh : &DY, &X, &DX, NULL, NULL, NULL, NULL)); });
+        float f = time_ms([&] { CHECK_SF(sf_act_forward(a, &X, g ? &Yh : &Y, NULL, NULL, NULL, NULL)); });
+        float b = time_ms([&] { CHECK_SF(sf_act_backward(a, g ? &DYh : &DY, &X, &DX, NULL, NULL, NULL, NULL)); });
         double fb = (g ? 1.5 : 2.0) * n * 2, bb = (g ? 2.5 : 3.0) * n * 2;
-        printf("%-9s bf16 16384x16384: fwd %.3f ms %.2f TB/s (%.0f%% of copy), bwd %.3f ms %.2f TB/s (%.0f%%)\n",
+        printf("%-9s bf16 16384x16384: forward %.3f ms %.2f TB/s (%.0f%% of copy), backward %.3f ms %.2f TB/s (%.0f%%)\n",
                sf_activation_name(a), f, fb / f / 1e9, 100 * fb / f / 1e9 / copy_tbs, b, bb / b / 1e9,
                100 * bb / b / 1e9 / copy_tbs);
     }
-    float d = time_ms([&] { CHECK_SF(sf_bias_dropout_add_fwd(&X, &B, &R, 0.1f, 1, 0, &Y, NULL)); });
+    float d = time_ms([&] { CHECK_SF(sf_bias_dropout_add_forward(&X, &B, &R, 0.1f, 1, 0, &Y, NULL)); });
     printf("bias_dropout_add bf16 16384x16384: %.3f ms %.2f TB/s (%.0f%% of copy)\n", d, 3.0 * n * 2 / d / 1e9,
            100 * 3.0 * n * 2 / d / 1e9 / copy_tbs);
     /* dropout backward with dbias: dy read, dx written (the float32 partials
      * of dbias are not counted) */
     int64_t wsn = 0;
-    CHECK_SF(sf_dropout_bwd_workspace_numel(&DY, &wsn));
+    CHECK_SF(sf_dropout_backward_workspace_numel(&DY, &wsn));
     void *ws, *dbias;
     CHECK_CUDA(cudaMalloc(&ws, (wsn > 0 ? wsn : 1) * 4));
     CHECK_CUDA(cudaMalloc(&dbias, cols * 2));
@@ -141,8 +141,8 @@ static void bandwidth(void)
     sf_tensor WS, DB;
     sf_tensor_init(&WS, ws, SF_FLOAT32, 1, wshape, SF_CUDA, 0);
     sf_tensor_init(&DB, dbias, SF_BFLOAT16, 1, bs, SF_CUDA, 0);
-    float db = time_ms([&] { CHECK_SF(sf_dropout_bwd(&DY, 0.1f, 1, 0, &DX, &DB, &WS, NULL)); });
-    printf("dropout_bwd+dbias bf16 16384x16384: %.3f ms %.2f TB/s (%.0f%% of copy)\n", db, 2.0 * n * 2 / db / 1e9,
+    float db = time_ms([&] { CHECK_SF(sf_dropout_backward(&DY, 0.1f, 1, 0, &DX, &DB, &WS, NULL)); });
+    printf("dropout_backward+dbias bf16 16384x16384: %.3f ms %.2f TB/s (%.0f%% of copy)\n", db, 2.0 * n * 2 / db / 1e9,
            100 * 2.0 * n * 2 / db / 1e9 / copy_tbs);
     cudaFree(ws);
     cudaFree(dbias);

@@ -1,18 +1,18 @@
 /*
- * attn.c - sf_attn_fwd and sf_attn_bwd, the public entries of fused
+ * attn.c - sf_attn_forward and sf_attn_backward, the public entries of fused
  * attention: every precondition is checked here, once, for both backends,
  * and the call is resolved into an sf_attn_problem (pointers, strides,
  * lengths, mask parameters) that the CPU reference (attn_cpu.c) and the CUDA
  * kernels read the same way.
  *
  * File shape (README, Layout): the family's, with the CUDA side in several
- * units.  attn_fwd_cuda.cu and attn_bwd_cuda.cu hold the mma.sync (sm80)
+ * units.  attn_forward_cuda.cu and attn_backward_cuda.cu hold the mma.sync (sm80)
  * kernels and the CUDA entry points, which hand Hopper's calls to the wgmma
- * kernels of attn_fwd_sm90_cuda.cu and attn_bwd_sm90_cuda.cu;
- * attn_bwd_wide_cuda.cu compiles the sm80 backward's wider tiles beside
- * attn_bwd_cuda.cu (build time).  The kernels' shared building blocks are
+ * kernels of attn_forward_sm90_cuda.cu and attn_backward_sm90_cuda.cu;
+ * attn_backward_wide_cuda.cu compiles the sm80 backward's wider tiles beside
+ * attn_backward_cuda.cu (build time).  The kernels' shared building blocks are
  * headers: attn_cuda.cuh (mma.sync, ldmatrix, cp.async), attn_sm90.cuh
- * (wgmma, swizzled tiles), attn_bwd_tiles.cuh.  attn.h holds the problem and
+ * (wgmma, swizzled tiles), attn_backward_tiles.cuh.  attn.h holds the problem and
  * the sequence and mask rules both backends apply, attn_philox.h the dropout
  * generator (bit for bit the CPU reference's), attn_sm90.h the C face of the
  * Hopper kernel choice, attn_backend.h the backend entry points.  Two check
@@ -337,29 +337,29 @@ static sf_status check_output(const char *op, const char *arg, const sf_tensor *
     return check_like(op, arg, t, ref_arg, ref, fmt, view);
 }
 
-sf_status sf_attn_fwd(const sf_tensor *q, const sf_tensor *k, const sf_tensor *v,
+sf_status sf_attn_forward(const sf_tensor *q, const sf_tensor *k, const sf_tensor *v,
                       const sf_tensor *cu_seqlens_q, const sf_tensor *cu_seqlens_kv,
                       const sf_attn_config *cfg, sf_tensor *out, sf_tensor *lse,
                       sf_stream stream)
 {
-    static const char op[] = "attention_fwd";
+    static const char op[] = "attention_forward";
     sf_attn_problem p;
     SF_TRY(resolve(op, q, k, v, cu_seqlens_q, cu_seqlens_kv, cfg, &p));
     SF_TRY(check_output(op, "out", out, "q", q, cfg->format, &p.o));
     SF_TRY(check_rowstat(op, "lse", lse, q, &p));
     SF_TRY(sf_check_writable(op, "lse", lse));
     p.lse = (float *)lse->data;
-    return SF_DISPATCH(op, "q", q, sf_attn_fwd_cpu(&p), sf_attn_fwd_cuda(&p, stream, q->device_id));
+    return SF_DISPATCH(op, "q", q, sf_attn_forward_cpu(&p), sf_attn_forward_cuda(&p, stream, q->device_id));
 }
 
-sf_status sf_attn_bwd(const sf_tensor *q, const sf_tensor *k, const sf_tensor *v,
+sf_status sf_attn_backward(const sf_tensor *q, const sf_tensor *k, const sf_tensor *v,
                       const sf_tensor *out, const sf_tensor *dout,
                       const sf_tensor *lse, const sf_tensor *cu_seqlens_q,
                       const sf_tensor *cu_seqlens_kv, const sf_attn_config *cfg,
                       sf_tensor *dq, sf_tensor *dk, sf_tensor *dv,
                       sf_tensor *dq_accum, sf_tensor *delta, sf_stream stream)
 {
-    static const char op[] = "attention_bwd";
+    static const char op[] = "attention_backward";
     sf_attn_problem p;
     SF_TRY(resolve(op, q, k, v, cu_seqlens_q, cu_seqlens_kv, cfg, &p));
     SF_TRY(check_like(op, "out", out, "q", q, cfg->format, &p.o));
@@ -381,5 +381,5 @@ sf_status sf_attn_bwd(const sf_tensor *q, const sf_tensor *k, const sf_tensor *v
         SF_TRY(sf_check_writable(op, "delta", delta));
         p.delta = (float *)delta->data;
     }
-    return SF_DISPATCH(op, "q", q, sf_attn_bwd_cpu(&p), sf_attn_bwd_cuda(&p, stream, q->device_id));
+    return SF_DISPATCH(op, "q", q, sf_attn_backward_cpu(&p), sf_attn_backward_cuda(&p, stream, q->device_id));
 }

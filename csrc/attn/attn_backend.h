@@ -1,7 +1,7 @@
 /*
- * attn_backend.h - the backend entry points behind sf_attn_fwd / sf_attn_bwd:
- * the CPU reference (attn_cpu.c) and the CUDA kernels (attn_fwd_cuda.cu and
- * attn_bwd_cuda.cu, which hand Hopper's calls to the sm90 kernels).  attn.c
+ * attn_backend.h - the backend entry points behind sf_attn_forward / sf_attn_backward:
+ * the CPU reference (attn_cpu.c) and the CUDA kernels (attn_forward_cuda.cu and
+ * attn_backward_cuda.cu, which hand Hopper's calls to the sm90 kernels).  attn.c
  * has validated the call and resolved it into an sf_attn_problem (attn.h)
  * before either is called.
  */
@@ -14,10 +14,10 @@
 extern "C" {
 #endif
 
-sf_status sf_attn_fwd_cpu(const sf_attn_problem *p);
-sf_status sf_attn_bwd_cpu(const sf_attn_problem *p);
-sf_status sf_attn_fwd_cuda(const sf_attn_problem *p, sf_stream stream, int device);
-sf_status sf_attn_bwd_cuda(const sf_attn_problem *p, sf_stream stream, int device);
+sf_status sf_attn_forward_cpu(const sf_attn_problem *p);
+sf_status sf_attn_backward_cpu(const sf_attn_problem *p);
+sf_status sf_attn_forward_cuda(const sf_attn_problem *p, sf_stream stream, int device);
+sf_status sf_attn_backward_cuda(const sf_attn_problem *p, sf_stream stream, int device);
 
 #ifdef __cplusplus
 }

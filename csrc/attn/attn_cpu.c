@@ -71,7 +71,7 @@ static int64_t tail_start(const int32_t *cu, int batch, int64_t extent)
     return e < 0 ? 0 : (e > extent ? extent : e);
 }
 
-sf_status sf_attn_fwd_cpu(const sf_attn_problem *p)
+sf_status sf_attn_forward_cpu(const sf_attn_problem *p)
 {
     const int D = p->head_dim, G = p->heads / p->heads_kv;
     double *s = (double *)malloc(sizeof(double) * (size_t)(p->max_sk > 0 ? p->max_sk : 1));
@@ -79,7 +79,7 @@ sf_status sf_attn_fwd_cpu(const sf_attn_problem *p)
     if (!s || !acc) {
         free(s);
         free(acc);
-        return sf_fail(SF_ERR_RUNTIME, "attention_fwd: out of host memory");
+        return sf_fail(SF_ERR_RUNTIME, "attention_forward: out of host memory");
     }
     for (int b = 0; b < p->batch; ++b) {
         const sf_attn_seqs sb = sf_attn_seqs_of(p, b);
@@ -140,7 +140,7 @@ sf_status sf_attn_fwd_cpu(const sf_attn_problem *p)
     return SF_OK;
 }
 
-sf_status sf_attn_bwd_cpu(const sf_attn_problem *p)
+sf_status sf_attn_backward_cpu(const sf_attn_problem *p)
 {
     const int D = p->head_dim, G = p->heads / p->heads_kv;
     const int64_t maxk = p->max_sk > 0 ? p->max_sk : 1;
@@ -151,7 +151,7 @@ sf_status sf_attn_bwd_cpu(const sf_attn_problem *p)
     double *pr = (double *)malloc(sizeof(double) * (size_t)maxk);  /* P_rc */
     if (!dk || !dv || !dq || !dov || !pr) {
         free(dk); free(dv); free(dq); free(dov); free(pr);
-        return sf_fail(SF_ERR_RUNTIME, "attention_bwd: out of host memory");
+        return sf_fail(SF_ERR_RUNTIME, "attention_backward: out of host memory");
     }
     for (int b = 0; b < p->batch; ++b) {
         const sf_attn_seqs sb = sf_attn_seqs_of(p, b);

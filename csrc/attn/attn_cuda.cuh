@@ -229,11 +229,11 @@ __device__ __forceinline__ int64_t lse_at(const sf_attn_problem &p, int b, int h
  * The kernels copy the fields into locals of the old names (qs, sq, off,
  * ...), so their bodies read as before.
  *
- * dkdv_kernel and dq_kernel use them; fwd_kernel still spells its prologue
+ * dkdv_kernel and dq_kernel use them; forward_kernel still spells its prologue
  * out (as QueryBlock its dropout kernels' code changes: the compiler orders
  * two thread-index values differently), as do the wgmma kernels, which
  * read the mask in another order (plan_key_block below, plan_block in
- * attn_fwd_sm90_cuda.cu).  Checked by comparing cubins (cuobjdump -sass),
+ * attn_forward_sm90_cuda.cu).  Checked by comparing cubins (cuobjdump -sass),
  * with no GPU at hand: switch them when they can be rechecked on one. */
 
 /* What a block of either kind knows of its sequence and the mask. */
@@ -317,7 +317,7 @@ __device__ __forceinline__ void find_query_tiles(const sf_attn_problem &p, int G
     kb.steps = kb.nmb > 0 ? G * kb.nmb : 0;
 }
 
-/* Where a key block of the wgmma dK/dV kernel (attn_bwd_sm90_cuda.cu)
+/* Where a key block of the wgmma dK/dV kernel (attn_backward_sm90_cuda.cu)
  * stands: KeyBlock's plan in one step (bounds, exit, diagonal offset, query
  * tiles), the window and the scale read by the kernel after it, in the
  * order of that kernel's verified machine code (as enter_key_block +
@@ -490,7 +490,7 @@ __device__ __forceinline__ uint32_t keep_cols(const sf_attn_problem &p, int64_t 
 
 /* THD: zero the rows of `view` (heads x head_dim) past the last sequence,
  * tokens cu[batch] .. extent-1, and set lse there to +inf when lse != NULL.
- * Defined in attn_fwd_cuda.cu. */
+ * Defined in attn_forward_cuda.cu. */
 void launch_zero_tail(const sf_attn_problem &p, const sf_attn_view &view, int heads,
                       const int32_t *cu, int64_t extent, float *lse, cudaStream_t stream);
 /* Opt a kernel into more than 48 KiB of dynamic shared memory (once per device). */

@@ -1,6 +1,6 @@
 /*
  * attn_sm90.cuh - Hopper (sm_90a) building blocks of the wgmma attention
- * forward (attn_fwd_sm90_cuda.cu) and its standalone check: shared-memory
+ * forward (attn_forward_sm90_cuda.cu) and its standalone check: shared-memory
  * tiles in the 128-byte swizzled layout the tensor cores read, the 64-bit
  * matrix descriptors that point wgmma at them, the wgmma instructions for
  * the two products of attention, and the warpgroup / async-proxy fences.
@@ -224,7 +224,7 @@ __device__ __forceinline__ void issue_tt(float (&d)[N / 2], uint32_t a, uint32_t
  * library was built for sm_90a and the head dim is 64 or 128.  *why (may be
  * NULL) gets the reason when 0: "" where the device is not Hopper (80 is
  * its kernel), `not_chosen` where choice is 80, else the head dim or build
- * (attn_fwd_sm90_cuda.cu; the forward and the backward choose through it). */
+ * (attn_forward_sm90_cuda.cu; the forward and the backward choose through it). */
 int pick_kernel(int choice, const char *not_chosen, int head_dim, int device, const char **why);
 /* ok, or 0 with *why (may be NULL) naming attention dropout when dropout is
  * set: the wgmma kernels have none, dropout calls take the sm80 kernels. */
@@ -249,21 +249,21 @@ template <typename Fn> inline sf_status with_sm90_shape(const char *op, const sf
     });
 }
 
-/* Host side (attn_fwd_sm90_cuda.cu). */
+/* Host side (attn_forward_sm90_cuda.cu). */
 /* 1 when this problem's forward runs on the wgmma kernel on `device`
- * (sm90::pick_kernel with the choice of sf_attn_set_fwd_kernel, default
+ * (sm90::pick_kernel with the choice of sf_attn_set_forward_kernel, default
  * 90), never with dropout.  *why as pick_kernel's. */
-int fwd_sm90_selected(const sf_attn_problem &p, int device, const char **why);
-sf_status launch_fwd_sm90(const sf_attn_problem &p, cudaStream_t stream);
+int forward_sm90_selected(const sf_attn_problem &p, int device, const char **why);
+sf_status launch_forward_sm90(const sf_attn_problem &p, cudaStream_t stream);
 
-/* Host side (attn_bwd_sm90_cuda.cu). */
+/* Host side (attn_backward_sm90_cuda.cu). */
 /* 1 when this problem's backward runs its dK/dV/dQ pass on the wgmma kernel:
- * pick_kernel with the choice of sf_attn_set_bwd_kernel (default 90), not
+ * pick_kernel with the choice of sf_attn_set_backward_kernel (default 90), not
  * deterministic (the wgmma kernel adds dQ with atomics) and without dropout. */
-int bwd_sm90_selected(const sf_attn_problem &p, int device, const char **why);
+int backward_sm90_selected(const sf_attn_problem &p, int device, const char **why);
 /* The dK, dV and atomic dQ pass (into the zeroed p.dq_accum) of the wgmma
- * backward; delta before and the dQ conversion after are attn_bwd_cuda.cu's. */
-sf_status launch_bwd_sm90(const sf_attn_problem &p, cudaStream_t stream);
+ * backward; delta before and the dQ conversion after are attn_backward_cuda.cu's. */
+sf_status launch_backward_sm90(const sf_attn_problem &p, cudaStream_t stream);
 
 } // namespace sf_attn
 

@@ -7,7 +7,7 @@
  * and 128 on the full grid; 16, 24 and 32, ESM-2's small models, on a few
  * shapes), with lengths that are and are not multiples of the tiles; device
  * outputs are poisoned (0xFF bytes = NaN) before each run.  The forward's
- * out and lse are compared with the CPU reference (sf_attn_fwd on host
+ * out and lse are compared with the CPU reference (sf_attn_forward on host
  * tensors); the backward gets the reference's out and lse on both sides and
  * dq, dk, dv are compared, in the default (atomic dQ) and deterministic
  * modes, the latter also checked bitwise reproducible.  Dropout cases
@@ -17,7 +17,7 @@
  *
  * Speed: 16k tokens per batch, seqlens 1024/4096/8192, head dims 64 (32
  * heads) and 128 (16 heads), causal and not: forward and forward+backward
- * TFLOP/s (fwd 4*b*h*s*s*d, halved when causal; bwd 2.5x the forward).
+ * TFLOP/s (forward 4*b*h*s*s*d, halved when causal; backward 2.5x the forward).
  */
 #include "core/check_util.h"
 #include "core/float_bits.h"
@@ -145,8 +145,8 @@ static void run_case(const Case &c)
     T(&hdo, dout, false, c.dtype, nd, sh_q);
     T(&hdq, dq, false, c.dtype, nd, sh_q); T(&hdk, dk, false, c.dtype, nd, sh_k); T(&hdv, dv, false, c.dtype, nd, sh_k);
     T(&hacc, acc, false, SF_FLOAT32, nd, sh_q); T(&hdelta, delta, false, SF_FLOAT32, lse_nd, sh_l);
-    CHECK_SF(sf_attn_fwd(&hq, &hk_, &hv, with_cu ? &hcq : NULL, with_cu ? &hck : NULL, &cfg, &hout, &hlse, NULL));
-    CHECK_SF(sf_attn_bwd(&hq, &hk_, &hv, &hout, &hdo, &hlse, with_cu ? &hcq : NULL, with_cu ? &hck : NULL, &cfg,
+    CHECK_SF(sf_attn_forward(&hq, &hk_, &hv, with_cu ? &hcq : NULL, with_cu ? &hck : NULL, &cfg, &hout, &hlse, NULL));
+    CHECK_SF(sf_attn_backward(&hq, &hk_, &hv, &hout, &hdo, &hlse, with_cu ? &hcq : NULL, with_cu ? &hck : NULL, &cfg,
                          &hdq, &hdk, &hdv, &hacc, &hdelta, NULL));
     std::vector<uint8_t> ref_out = out.host, ref_lse = lse.host, ref_dq = dq.host, ref_dk = dk.host, ref_dv = dv.host;
 
@@ -164,7 +164,7 @@ static void run_case(const Case &c)
                      sf_dtype_name(c.dtype), c.fmt == SF_ATTN_BSHD ? "bshd" : c.fmt == SF_ATTN_SBHD ? "sbhd" : "thd",
                      (int)c.mask, c.b, c.sq, c.sk, c.h, c.hk, c.d, c.left, c.right, c.dropout);
     out.poison(); lse.poison();
-    CHECK_SF(sf_attn_fwd(&gq, &gk, &gv, with_cu ? &gcq : NULL, with_cu ? &gck : NULL, &cfg, &gout, &glse, NULL));
+    CHECK_SF(sf_attn_forward(&gq, &gk, &gv, with_cu ? &gcq : NULL, with_cu ? &gck : NULL, &cfg, &gout, &glse, NULL));
     CHECK_CUDA(cudaDeviceSynchronize());
     bool nan = false;
     double e_out = rel_err16(c.dtype, out.download(), ref_out, &nan);
@@ -177,7 +177,7 @@ static void run_case(const Case &c)
         if (a != a) { lse_bad = true; continue; }
         e_lse = fmax(e_lse, fabs(a - r));
     }
-    snprintf(what + n, sizeof what - n, " fwd: out rel %.2e lse max abs %.2e%s%s", e_out, e_lse,
+    snprintf(what + n, sizeof what - n, " forward: out rel %.2e lse max abs %.2e%s%s", e_out, e_lse,
              nan ? " NaN" : "", lse_bad ? " lse-inf-mismatch" : "");
     check_report(!nan && !lse_bad && e_out <= tol && e_lse <= 2e-3, what);
     if (getenv("CHECK_VERBOSE"))
@@ -192,7 +192,7 @@ static void run_case(const Case &c)
         const int det = run;
         cfg.deterministic = det > 0;
         dq.poison(); dk.poison(); dv.poison(); acc.poison(); delta.poison();
-        CHECK_SF(sf_attn_bwd(&gq, &gk, &gv, &gout, &gdo, &glse, with_cu ? &gcq : NULL, with_cu ? &gck : NULL, &cfg,
+        CHECK_SF(sf_attn_backward(&gq, &gk, &gv, &gout, &gdo, &glse, with_cu ? &gcq : NULL, with_cu ? &gck : NULL, &cfg,
                              &gdq, &gdk, &gdv, &gacc, &gdelta, NULL));
         CHECK_CUDA(cudaDeviceSynchronize());
         bool bnan = false;
@@ -203,7 +203,7 @@ static void run_case(const Case &c)
         bool repro = true;
         if (det == 1) det_dq = gdq_h;
         if (det == 2) repro = det_dq == gdq_h;
-        snprintf(what + n, sizeof what - n, " bwd%s: dq %.2e dk %.2e dv %.2e%s%s", det ? "(det)" : "", e_dq, e_dk, e_dv, bnan ? " NaN" : "", repro ? "" : " NOT-REPRODUCIBLE");
+        snprintf(what + n, sizeof what - n, " backward%s: dq %.2e dk %.2e dv %.2e%s%s", det ? "(det)" : "", e_dq, e_dk, e_dv, bnan ? " NaN" : "", repro ? "" : " NOT-REPRODUCIBLE");
         check_report(!bnan && repro && e_dq <= 2 * tol && e_dk <= 2 * tol && e_dv <= 2 * tol, what);
     }
     if (getenv("CHECK_VERBOSE"))
@@ -226,7 +226,7 @@ static Case mk(sf_attn_format fmt, sf_attn_mask mask, int b, int sq, int sk, int
     return c;
 }
 
-static double time_fwd_bwd(sf_attn_format fmt, sf_attn_mask mask, int b, int s, int h, int d, bool bwd,
+static double time_forward_backward(sf_attn_format fmt, sf_attn_mask mask, int b, int s, int h, int d, bool backward,
                            double dropout = 0.0)
 {
     int64_t shape[4] = {b, s, h, d}, lshape[3] = {b, h, s};
@@ -258,12 +258,12 @@ static double time_fwd_bwd(sf_attn_format fmt, sf_attn_mask mask, int b, int s, 
     cfg.dropout_p = dropout;
     cfg.dropout_seed = 42;
     float ms = time_ms([&] {
-        CHECK_SF(sf_attn_fwd(&tq, &tk, &tv, NULL, NULL, &cfg, &to, &tl, NULL));
-        if (bwd)
-            CHECK_SF(sf_attn_bwd(&tq, &tk, &tv, &to, &tdo, &tl, NULL, NULL, &cfg, &tdq, &tdk, &tdv, &tacc, &tdl, NULL));
+        CHECK_SF(sf_attn_forward(&tq, &tk, &tv, NULL, NULL, &cfg, &to, &tl, NULL));
+        if (backward)
+            CHECK_SF(sf_attn_backward(&tq, &tk, &tv, &to, &tdo, &tl, NULL, NULL, &cfg, &tdq, &tdk, &tdv, &tacc, &tdl, NULL));
     });
     for (void *p : {q, k, v, o, dout, dq, dk, dv, acc, lse, delta}) cudaFree(p);
-    double flops = 4.0 * b * h * (double)s * s * d * (mask == SF_ATTN_CAUSAL ? 0.5 : 1.0) * (bwd ? 3.5 : 1.0);
+    double flops = 4.0 * b * h * (double)s * s * d * (mask == SF_ATTN_CAUSAL ? 0.5 : 1.0) * (backward ? 3.5 : 1.0);
     return flops / (ms * 1e-3) / 1e12;
 }
 
@@ -315,21 +315,21 @@ int main(int argc, char **argv)
     if (argc > 1 && !strcmp(argv[1], "--no-bench"))
         return check_finish("check_attn");
     printf("\nspeed: 16k tokens per batch, bf16, bshd (TFLOP/s)\n");
-    printf("%-6s %-4s %-7s %10s %12s\n", "seqlen", "hd", "causal", "fwd", "fwd+bwd");
+    printf("%-6s %-4s %-7s %10s %12s\n", "seqlen", "hd", "causal", "forward", "forward+backward");
     for (int d : {64, 128})
         for (int s : {1024, 4096, 8192})
             for (int causal = 0; causal < 2; ++causal) {
                 int b = 16384 / s, h = d == 64 ? 32 : 16;
                 sf_attn_mask m = causal ? SF_ATTN_CAUSAL : SF_ATTN_NO_MASK;
-                double f = time_fwd_bwd(SF_ATTN_BSHD, m, b, s, h, d, false);
-                double fb = time_fwd_bwd(SF_ATTN_BSHD, m, b, s, h, d, true);
+                double f = time_forward_backward(SF_ATTN_BSHD, m, b, s, h, d, false);
+                double fb = time_forward_backward(SF_ATTN_BSHD, m, b, s, h, d, true);
                 printf("%-6d %-4d %-7s %10.1f %12.1f TFLOP/s\n", s, d, causal ? "yes" : "no", f, fb);
             }
     printf("\ndropout p=0.1 (same shapes, head dim 64, not causal; sm80 kernels)\n");
     for (int s : {1024, 4096}) {
         const int b = 16384 / s, h = 32;
-        double f = time_fwd_bwd(SF_ATTN_BSHD, SF_ATTN_NO_MASK, b, s, h, 64, false, 0.1);
-        double fb = time_fwd_bwd(SF_ATTN_BSHD, SF_ATTN_NO_MASK, b, s, h, 64, true, 0.1);
+        double f = time_forward_backward(SF_ATTN_BSHD, SF_ATTN_NO_MASK, b, s, h, 64, false, 0.1);
+        double fb = time_forward_backward(SF_ATTN_BSHD, SF_ATTN_NO_MASK, b, s, h, 64, true, 0.1);
         printf("%-6d %-4d %-7s %10.1f %12.1f TFLOP/s\n", s, 64, "no", f, fb);
     }
     return check_finish("check_attn");

@@ -13,7 +13,7 @@
  *      which part (column block >= 64: leading byte offset / second column
  *      block; rows >= 64: the second warpgroup's row offset; everything:
  *      swizzle or descriptor encoding).
- *  (c) the attention forward (sf_attn_fwd with the sm90 kernel selected)
+ *  (c) the attention forward (sf_attn_forward with the sm90 kernel selected)
  *      against the CPU reference and the sm80 kernel: head dims 64/128,
  *      bf16/fp16, bshd/sbhd/thd, masks, windows, GQA, lengths that are and
  *      are not multiples of 128.  lse right but out wrong points at P V;
@@ -28,13 +28,13 @@
  *  (c) runs every sm90 schedule too (lines "sm90v0" .. "sm90v4").
  * Schedules other than the library's exist only in this program's build:
  * csrc/build_checks.sh compiles the kernels with SF_WORKBENCH
- * (attn_fwd_sm90_workbench.cuh, sf_attn_set_fwd_sm90_schedule).
+ * (attn_forward_sm90_workbench.cuh, sf_attn_set_forward_sm90_schedule).
  *
- * The wgmma backward (attn_bwd_sm90_cuda.cu):
+ * The wgmma backward (attn_backward_sm90_cuda.cu):
  *  (a') gemm-tt: C = A B with A and B both MN-major in shared memory
  *      (A given as A^T), each of two warpgroups taking N = 32 or 64 of the
  *      columns - the dQ = dS K step with dS^T [key][query] and K [key][dim].
- *  (e) the backward (sf_attn_bwd with the sm90 kernel selected) against the
+ *  (e) the backward (sf_attn_backward with the sm90 kernel selected) against the
  *      CPU reference and the sm80 backward, both given the reference's out
  *      and lse, outputs poisoned (NaN): dq, dk, dv relative errors, head
  *      dims 64/128, bf16/fp16, lengths 1..513 around the 64-row / 128-key
@@ -43,8 +43,8 @@
  *  (f) speed: TFLOP/s of the sm90 and sm80 backward (delta + main pass +
  *      dQ conversion, 2.5x the forward's flops) at the (d) shapes.
  *
- * Run: bash csrc/build_checks.sh && bin/check_attn_attn_sm90 [--fwd | --bwd] [--no-bench]
- * (--fwd: forward parts only, --bwd: backward parts only.)
+ * Run: bash csrc/build_checks.sh && bin/check_attn_attn_sm90 [--forward | --backward] [--no-bench]
+ * (--forward: forward parts only, --backward: backward parts only.)
  */
 #ifndef SF_WORKBENCH
 #error "check_attn_sm90 picks the forward's schedules: build it with -DSF_WORKBENCH=1 (csrc/build_checks.sh)"
@@ -238,7 +238,7 @@ template <typename T, int N> static void check_gemm(sf_dtype dt, int mode)
 
 /* ---------- (c): the attention forward ---------- */
 
-constexpr int kCheckSchedules = 5; /* sm90 schedules 0..4 (attn_fwd_sm90_workbench.cuh; 4 is the library's) */
+constexpr int kCheckSchedules = 5; /* sm90 schedules 0..4 (attn_forward_sm90_workbench.cuh; 4 is the library's) */
 
 struct Dev {
     void *p = nullptr;
@@ -395,7 +395,7 @@ static void check_attn_case(const AttnCase &c)
               v = su.view((void *)su.hv.data(), c.dt, kK, false), o = su.view(ref_o.data(), c.dt, kQ, false),
               l = su.view(ref_l.data(), SF_FLOAT32, kL, false), cq = su.cu(su.cuq.data(), false),
               ck = su.cu(su.cuk.data(), false);
-    CHECK_SF(sf_attn_fwd(&q, &k, &v, pad ? &cq : NULL, pad ? &ck : NULL, &cfg, &o, &l, NULL));
+    CHECK_SF(sf_attn_forward(&q, &k, &v, pad ? &cq : NULL, pad ? &ck : NULL, &cfg, &o, &l, NULL));
 
     Dev dq(nq * 2), dk(nk * 2), dv(nk * 2), dout(nq * 2), dl(nl * 4), dcq(ncu * 4), dck(ncu * 4);
     dq.put(su.hq.data()); dk.put(su.hk.data()); dv.put(su.hv.data()); dcq.put(su.cuq.data()); dck.put(su.cuk.data());
@@ -403,11 +403,11 @@ static void check_attn_case(const AttnCase &c)
     o = su.view(dout.p, c.dt, kQ, true); l = su.view(dl.p, SF_FLOAT32, kL, true);
     cq = su.cu(dcq.p, true); ck = su.cu(dck.p, true);
     auto run = [&](int arch, int schedule, std::vector<uint16_t> &oh, std::vector<float> &lh) {
-        CHECK_SF(sf_attn_set_fwd_kernel(arch));
-        CHECK_SF(sf_attn_set_fwd_sm90_schedule(schedule));
+        CHECK_SF(sf_attn_set_forward_kernel(arch));
+        CHECK_SF(sf_attn_set_forward_sm90_schedule(schedule));
         CHECK_CUDA(cudaMemset(dout.p, 0xff, dout.n));
         CHECK_CUDA(cudaMemset(dl.p, 0xff, dl.n));
-        CHECK_SF(sf_attn_fwd(&q, &k, &v, pad ? &cq : NULL, pad ? &ck : NULL, &cfg, &o, &l, NULL));
+        CHECK_SF(sf_attn_forward(&q, &k, &v, pad ? &cq : NULL, pad ? &ck : NULL, &cfg, &o, &l, NULL));
         CHECK_CUDA(cudaDeviceSynchronize());
         dout.get(oh.data());
         dl.get(lh.data());
@@ -417,8 +417,8 @@ static void check_attn_case(const AttnCase &c)
         run(90, schedule, o90, l90);
         compare_attn(c, schedule, nq, nl, ref_o, ref_l, o80, l80, o90, l90);
     }
-    CHECK_SF(sf_attn_set_fwd_kernel(80));
-    CHECK_SF(sf_attn_set_fwd_sm90_schedule(-1));
+    CHECK_SF(sf_attn_set_forward_kernel(80));
+    CHECK_SF(sf_attn_set_forward_sm90_schedule(-1));
 }
 
 /* The cases the forward (c) and backward (e) checks share, per head dim
@@ -468,7 +468,7 @@ static Err16 err16(sf_dtype dt, const std::vector<uint16_t> &x, const std::vecto
 
 /* The sm90 backward (dq, dk, dv) against the CPU reference and the sm80
  * backward, both from the reference's out and lse, outputs poisoned. */
-static void check_bwd_case(const AttnCase &c)
+static void check_backward_case(const AttnCase &c)
 {
     const AttnSetup su(c);
     const bool pad = su.pad;
@@ -485,8 +485,8 @@ static void check_bwd_case(const AttnCase &c)
                   dq = su.view(ref_dq.data(), c.dt, kQ, false), dk = su.view(ref_dk.data(), c.dt, kK, false),
                   dv = su.view(ref_dv.data(), c.dt, kK, false), ac = su.view(acc.data(), SF_FLOAT32, kQ, false),
                   de = su.view(delta.data(), SF_FLOAT32, kL, false);
-        CHECK_SF(sf_attn_fwd(&q, &k, &v, pad ? &cq : NULL, pad ? &ck : NULL, &cfg, &o, &l, NULL));
-        CHECK_SF(sf_attn_bwd(&q, &k, &v, &o, &dout, &l, pad ? &cq : NULL, pad ? &ck : NULL, &cfg, &dq, &dk, &dv, &ac,
+        CHECK_SF(sf_attn_forward(&q, &k, &v, pad ? &cq : NULL, pad ? &ck : NULL, &cfg, &o, &l, NULL));
+        CHECK_SF(sf_attn_backward(&q, &k, &v, &o, &dout, &l, pad ? &cq : NULL, pad ? &ck : NULL, &cfg, &dq, &dk, &dv, &ac,
                              &de, NULL));
     }
     Dev gq(nq * 2), gk(nk * 2), gv(nk * 2), go(nq * 2), gdo(nq * 2), gl(nl * 4), gcq(ncu * 4), gck(ncu * 4);
@@ -500,10 +500,10 @@ static void check_bwd_case(const AttnCase &c)
               ac = su.view(gacc.p, SF_FLOAT32, kQ, true), de = su.view(gdelta.p, SF_FLOAT32, kL, true);
     struct Grads { std::vector<uint16_t> dq, dk, dv; };
     auto run = [&](int arch, Grads &g) {
-        CHECK_SF(sf_attn_set_bwd_kernel(arch));
+        CHECK_SF(sf_attn_set_backward_kernel(arch));
         for (Dev *d : {&gdq, &gdk, &gdv, &gacc, &gdelta})
             CHECK_CUDA(cudaMemset(d->p, 0xff, d->n));
-        CHECK_SF(sf_attn_bwd(&q, &k, &v, &o, &dout, &l, pad ? &cq : NULL, pad ? &ck : NULL, &cfg, &dq, &dk, &dv, &ac,
+        CHECK_SF(sf_attn_backward(&q, &k, &v, &o, &dout, &l, pad ? &cq : NULL, pad ? &ck : NULL, &cfg, &dq, &dk, &dv, &ac,
                              &de, NULL));
         CHECK_CUDA(cudaDeviceSynchronize());
         g.dq.resize(nq); g.dk.resize(nk); g.dv.resize(nk);
@@ -512,7 +512,7 @@ static void check_bwd_case(const AttnCase &c)
     Grads g80, g90;
     run(80, g80);
     run(90, g90);
-    CHECK_SF(sf_attn_set_bwd_kernel(80));
+    CHECK_SF(sf_attn_set_backward_kernel(80));
 
     /* as check_attn's backward: relative L2 error within twice the forward's tolerance */
     const double tol = 2 * (c.dt == SF_BFLOAT16 ? 2e-2 : 4e-3), elt = c.dt == SF_BFLOAT16 ? 1e-1 : 2e-2;
@@ -526,7 +526,7 @@ static void check_bwd_case(const AttnCase &c)
         e80[i] = err16(c.dt, *s80[i], *ref[i], elt);
         ok = ok && e[i].nan == 0 && e[i].rel <= tol;
     }
-    printf("%s (e) attn bwd sm90 %s %s d=%d mask=%d b=%d sq=%d sk=%d h=%d hk=%d win=(%d,%d): dq %.2e dk %.2e dv %.2e "
+    printf("%s (e) attn backward sm90 %s %s d=%d mask=%d b=%d sq=%d sk=%d h=%d hk=%d win=(%d,%d): dq %.2e dk %.2e dv %.2e "
            "(sm80 %.2e %.2e %.2e)%s\n",
            ok ? "PASS" : "FAIL", sf_dtype_name(c.dt), fmt_name(c.fmt), c.d, (int)c.mask, c.b, c.sq, c.sk, c.h, c.hk,
            c.left, c.right, e[0].rel, e[1].rel, e[2].rel, e80[0].rel, e80[1].rel, e80[2].rel,
@@ -579,39 +579,39 @@ struct BenchProblem {
         cfg.window_left = cfg.window_right = -1;
         cfg.softmax_scale = 1.0f / sqrtf((float)d);
     }
-    void fwd() { CHECK_SF(sf_attn_fwd(&tq, &tk, &tv, NULL, NULL, &cfg, &to, &tl, NULL)); }
-    void bwd()
+    void forward() { CHECK_SF(sf_attn_forward(&tq, &tk, &tv, NULL, NULL, &cfg, &to, &tl, NULL)); }
+    void backward()
     {
-        CHECK_SF(sf_attn_bwd(&tq, &tk, &tv, &to, &tdo, &tl, NULL, NULL, &cfg, &tdq, &tdk, &tdv, &tacc, &tdelta, NULL));
+        CHECK_SF(sf_attn_backward(&tq, &tk, &tv, &to, &tdo, &tl, NULL, NULL, &cfg, &tdq, &tdk, &tdv, &tacc, &tdelta, NULL));
     }
     /* 4 b h s^2 d for the forward, halved when causal */
-    double fwd_flops() const
+    double forward_flops() const
     {
         return 4.0 * shape[0] * shape[2] * (double)shape[1] * shape[1] * shape[3] *
                (cfg.mask == SF_ATTN_CAUSAL ? 0.5 : 1.0);
     }
 };
 
-static double fwd_tflops(int arch, int schedule, int b, int s, int h, int d, bool causal)
+static double forward_tflops(int arch, int schedule, int b, int s, int h, int d, bool causal)
 {
     BenchProblem bp(b, s, h, d, causal);
-    CHECK_SF(sf_attn_set_fwd_kernel(arch));
-    CHECK_SF(sf_attn_set_fwd_sm90_schedule(schedule));
-    const float ms = time_ms([&] { bp.fwd(); });
-    CHECK_SF(sf_attn_set_fwd_kernel(80));
-    return bp.fwd_flops() / (ms * 1e-3) / 1e12;
+    CHECK_SF(sf_attn_set_forward_kernel(arch));
+    CHECK_SF(sf_attn_set_forward_sm90_schedule(schedule));
+    const float ms = time_ms([&] { bp.forward(); });
+    CHECK_SF(sf_attn_set_forward_kernel(80));
+    return bp.forward_flops() / (ms * 1e-3) / 1e12;
 }
 
 /* Backward alone (delta, dK/dV/dQ, dQ conversion) after one forward; 2.5x the forward's flops. */
-static double bwd_tflops(int arch, BenchProblem &bp)
+static double backward_tflops(int arch, BenchProblem &bp)
 {
-    CHECK_SF(sf_attn_set_bwd_kernel(arch));
-    const float ms = time_ms([&] { bp.bwd(); });
-    CHECK_SF(sf_attn_set_bwd_kernel(80));
-    return 2.5 * bp.fwd_flops() / (ms * 1e-3) / 1e12;
+    CHECK_SF(sf_attn_set_backward_kernel(arch));
+    const float ms = time_ms([&] { bp.backward(); });
+    CHECK_SF(sf_attn_set_backward_kernel(80));
+    return 2.5 * bp.forward_flops() / (ms * 1e-3) / 1e12;
 }
 
-static void bench_bwd()
+static void bench_backward()
 {
     printf("\n(f) backward speed: 16k tokens per batch, bf16, bshd (TFLOP/s, 10*b*h*s*s*d, halved when causal)\n");
     printf("%-6s %-4s %-5s %-6s %8s %8s %8s\n", "seqlen", "hd", "heads", "causal", "sm90", "sm80", "sm90/sm80");
@@ -620,18 +620,18 @@ static void bench_bwd()
             for (int causal = 0; causal < 2; ++causal) {
                 const int b = 16384 / s, h = d == 64 ? 32 : 16;
                 BenchProblem bp(b, s, h, d, causal);
-                CHECK_SF(sf_attn_set_fwd_kernel(90));
-                bp.fwd();
-                const double t90 = bwd_tflops(90, bp), t80 = bwd_tflops(80, bp);
+                CHECK_SF(sf_attn_set_forward_kernel(90));
+                bp.forward();
+                const double t90 = backward_tflops(90, bp), t80 = backward_tflops(80, bp);
                 printf("%-6d %-4d %-5d %-6s %8.1f %8.1f %8.2f\n", s, d, h, causal ? "yes" : "no", t90, t80, t90 / t80);
             }
 }
 
-static void check_bwd_cases()
+static void check_backward_cases()
 {
     const char *why = "";
-    CHECK_SF(sf_attn_set_bwd_kernel(90));
-    const int path = sf_attn_bwd_kernel_for(128, 0, 0, 0, &why), det = sf_attn_bwd_kernel_for(128, 1, 0, 0, &why);
+    CHECK_SF(sf_attn_set_backward_kernel(90));
+    const int path = sf_attn_backward_kernel_for(128, 0, 0, 0, &why), det = sf_attn_backward_kernel_for(128, 1, 0, 0, &why);
     printf("%s (e) sm90 backward taken when selected (%d), sm80 for deterministic calls (%d: %s)\n",
            path == 90 && det == 80 ? "PASS" : "FAIL", path, det, why);
     g_checks++;
@@ -639,43 +639,43 @@ static void check_bwd_cases()
         g_failures++;
         return;
     }
-    CHECK_SF(sf_attn_set_fwd_kernel(90));
+    CHECK_SF(sf_attn_set_forward_kernel(90));
     for (int d : {64, 128})
         for (sf_dtype dt : {SF_BFLOAT16, SF_FLOAT16}) {
             for (int s : {1, 63, 64, 65, 127, 200, 513}) /* lengths around the 64-row / 128-key tiles */
-                check_bwd_case({SF_ATTN_BSHD, SF_ATTN_NO_MASK, 2, s, s, 2, 2, d, dt, -1, -1});
+                check_backward_case({SF_ATTN_BSHD, SF_ATTN_NO_MASK, 2, s, s, 2, 2, d, dt, -1, -1});
             for (const AttnCase &c : common_cases(d, dt))
-                check_bwd_case(c);
-            check_bwd_case({SF_ATTN_BSHD, SF_ATTN_CAUSAL, 1, 513, 513, 2, 2, d, dt, -1, -1});
-            check_bwd_case({SF_ATTN_BSHD, SF_ATTN_NO_MASK, 2, 77, 150, 8, 2, d, dt, -1, -1}); /* GQA 4:1 */
-            check_bwd_case({SF_ATTN_BSHD, SF_ATTN_PADDING_CAUSAL, 3, 127, 127, 2, 2, d, dt, -1, -1});
-            check_bwd_case({SF_ATTN_BSHD, SF_ATTN_CAUSAL_BOTTOM_RIGHT, 2, 230, 100, 2, 2, d, dt, -1, -1});
-            check_bwd_case({SF_ATTN_SBHD, SF_ATTN_NO_MASK, 2, 65, 63, 2, 2, d, dt, -1, -1});
-            check_bwd_case({SF_ATTN_THD, SF_ATTN_PADDING, 3, 400, 400, 2, 2, d, dt, 64, 64}); /* window in thd */
+                check_backward_case(c);
+            check_backward_case({SF_ATTN_BSHD, SF_ATTN_CAUSAL, 1, 513, 513, 2, 2, d, dt, -1, -1});
+            check_backward_case({SF_ATTN_BSHD, SF_ATTN_NO_MASK, 2, 77, 150, 8, 2, d, dt, -1, -1}); /* GQA 4:1 */
+            check_backward_case({SF_ATTN_BSHD, SF_ATTN_PADDING_CAUSAL, 3, 127, 127, 2, 2, d, dt, -1, -1});
+            check_backward_case({SF_ATTN_BSHD, SF_ATTN_CAUSAL_BOTTOM_RIGHT, 2, 230, 100, 2, 2, d, dt, -1, -1});
+            check_backward_case({SF_ATTN_SBHD, SF_ATTN_NO_MASK, 2, 65, 63, 2, 2, d, dt, -1, -1});
+            check_backward_case({SF_ATTN_THD, SF_ATTN_PADDING, 3, 400, 400, 2, 2, d, dt, 64, 64}); /* window in thd */
         }
-    CHECK_SF(sf_attn_set_bwd_kernel(80));
+    CHECK_SF(sf_attn_set_backward_kernel(80));
 }
 
 int main(int argc, char **argv)
 {
-    bool bench = true, fwd = true, bwd = true;
+    bool bench = true, forward = true, backward = true;
     for (int i = 1; i < argc; ++i) {
         if (!strcmp(argv[i], "--no-bench"))
             bench = false;
-        else if (!strcmp(argv[i], "--bwd"))
-            fwd = false;
-        else if (!strcmp(argv[i], "--fwd"))
-            bwd = false;
+        else if (!strcmp(argv[i], "--backward"))
+            forward = false;
+        else if (!strcmp(argv[i], "--forward"))
+            backward = false;
         else {
-            fprintf(stderr, "usage: %s [--fwd | --bwd] [--no-bench]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--forward | --backward] [--no-bench]\n", argv[0]);
             return 2;
         }
     }
     rng_seed();
     const char *why = "";
-    CHECK_SF(sf_attn_set_fwd_kernel(90));
-    const int path = sf_attn_fwd_kernel_for(128, 0, 0, &why);
-    CHECK_SF(sf_attn_set_fwd_kernel(80));
+    CHECK_SF(sf_attn_set_forward_kernel(90));
+    const int path = sf_attn_forward_kernel_for(128, 0, 0, &why);
+    CHECK_SF(sf_attn_set_forward_kernel(80));
     printf("sm90 forward available on device 0: %s%s\n", path == 90 ? "yes" : "NO - ", path == 90 ? "" : why);
     g_checks++;
     if (path != 90) {
@@ -684,13 +684,13 @@ int main(int argc, char **argv)
         return check_finish("check_attn_sm90");
     }
 
-    for (int mode = 0; mode < 2 && fwd; ++mode) {
+    for (int mode = 0; mode < 2 && forward; ++mode) {
         check_gemm<__nv_bfloat16, 64>(SF_BFLOAT16, mode);
         check_gemm<__nv_bfloat16, 128>(SF_BFLOAT16, mode);
         check_gemm<__half, 64>(SF_FLOAT16, mode);
         check_gemm<__half, 128>(SF_FLOAT16, mode);
     }
-    if (bwd) { /* the backward's dQ product (and its m64n64 S^T, dP^T are gemm-ss above) */
+    if (backward) { /* the backward's dQ product (and its m64n64 S^T, dP^T are gemm-ss above) */
         check_gemm<__nv_bfloat16, 32>(SF_BFLOAT16, 2);
         check_gemm<__nv_bfloat16, 64>(SF_BFLOAT16, 2);
         check_gemm<__half, 32>(SF_FLOAT16, 2);
@@ -699,19 +699,19 @@ int main(int argc, char **argv)
 
     for (int d : {64, 128})
         for (sf_dtype dt : {SF_BFLOAT16, SF_FLOAT16}) {
-            if (!fwd)
+            if (!forward)
                 break;
             for (const AttnCase &c : common_cases(d, dt))
                 check_attn_case(c);
         }
-    if (bwd)
-        check_bwd_cases();
+    if (backward)
+        check_backward_cases();
     if (!bench)
         return check_finish("check_attn_sm90");
 
-    if (bwd)
-        bench_bwd();
-    if (!fwd)
+    if (backward)
+        bench_backward();
+    if (!forward)
         return check_finish("check_attn_sm90");
     printf("\n(d) forward speed: 16k tokens per batch, bf16, bshd (TFLOP/s, 4*b*h*s*s*d, halved when causal)\n");
     printf("%-6s %-4s %-6s %8s %8s %8s %8s %8s %8s %5s %10s\n", "seqlen", "hd", "causal", "sm90v0", "sm90v1",
@@ -723,14 +723,14 @@ int main(int argc, char **argv)
                 double v[kCheckSchedules];
                 int best = 0;
                 for (int i = 0; i < kCheckSchedules; ++i) {
-                    v[i] = fwd_tflops(90, i, b, s, h, d, causal);
+                    v[i] = forward_tflops(90, i, b, s, h, d, causal);
                     if (v[i] > v[best])
                         best = i;
                 }
-                const double t80 = fwd_tflops(80, 0, b, s, h, d, causal);
+                const double t80 = forward_tflops(80, 0, b, s, h, d, causal);
                 printf("%-6d %-4d %-6s %8.1f %8.1f %8.1f %8.1f %8.1f %8.1f %4s%d %10.2f\n", s, d, causal ? "yes" : "no",
                        v[0], v[1], v[2], v[3], v[4], t80, "v", best, v[best] / t80);
             }
-    CHECK_SF(sf_attn_set_fwd_sm90_schedule(-1));
+    CHECK_SF(sf_attn_set_forward_sm90_schedule(-1));
     return check_finish("check_attn_sm90");
 }

@@ -51,13 +51,13 @@ const char *sf_activation_name(sf_activation act);
 /* y = act(x).  x: float32/float16/bfloat16, contiguous.  y: contiguous, x's
  * shape (last dimension halved when gated), dtype x's or FP8.  scale: float32
  * one element, required iff y is FP8.  amax, scale_inv: optional. */
-sf_status sf_act_fwd(sf_activation act, const sf_tensor *x, sf_tensor *y,
+sf_status sf_act_forward(sf_activation act, const sf_tensor *x, sf_tensor *y,
                      const sf_tensor *scale, sf_tensor *amax, sf_tensor *scale_inv,
                      sf_stream stream);
 
 /* dx = dL/dx given dy = dL/dy and the forward's input x.  dy: y's shape and
  * x's dtype; dx: x's shape, dtype x's or FP8 (then scale required). */
-sf_status sf_act_bwd(sf_activation act, const sf_tensor *dy, const sf_tensor *x,
+sf_status sf_act_backward(sf_activation act, const sf_tensor *dy, const sf_tensor *x,
                      sf_tensor *dx, const sf_tensor *scale, sf_tensor *amax,
                      sf_tensor *scale_inv, sf_stream stream);
 
@@ -65,21 +65,21 @@ sf_status sf_act_bwd(sf_activation act, const sf_tensor *dy, const sf_tensor *x,
  * dtype (float32/float16/bfloat16), contiguous; bias: [last dim], x's dtype or
  * float32, may be NULL.  Kept elements are scaled by 1/(1 - p); p in [0, 1]
  * (p = 1 drops everything). */
-sf_status sf_bias_dropout_add_fwd(const sf_tensor *x, const sf_tensor *bias,
+sf_status sf_bias_dropout_add_forward(const sf_tensor *x, const sf_tensor *bias,
                                   const sf_tensor *residual, float p, uint64_t seed,
                                   uint64_t offset, sf_tensor *out, sf_stream stream);
 
 /* The gradient through dropout(x + bias): dx = dy * keep / (1 - p) with the
  * forward's (p, seed, offset); dbias (may be NULL; x's or float32 dtype,
  * [last dim]) = sum over rows of dx in float32, deterministic through
- * `workspace` (float32, sf_dropout_bwd_workspace_numel elements, may be NULL
+ * `workspace` (float32, sf_dropout_backward_workspace_numel elements, may be NULL
  * when that is 0).  The residual's gradient is dy itself. */
-sf_status sf_dropout_bwd(const sf_tensor *dy, float p, uint64_t seed, uint64_t offset,
+sf_status sf_dropout_backward(const sf_tensor *dy, float p, uint64_t seed, uint64_t offset,
                          sf_tensor *dx, sf_tensor *dbias, sf_tensor *workspace,
                          sf_stream stream);
 
-/* Float32 elements of workspace sf_dropout_bwd needs for dy (0 on the CPU). */
-sf_status sf_dropout_bwd_workspace_numel(const sf_tensor *dy, int64_t *numel);
+/* Float32 elements of workspace sf_dropout_backward needs for dy (0 on the CPU). */
+sf_status sf_dropout_backward_workspace_numel(const sf_tensor *dy, int64_t *numel);
 
 #ifdef __cplusplus
 }

@@ -95,7 +95,7 @@ typedef struct sf_attn_config {
 
 /* Forward: out (same shape as q, dtype of q) and lse (float32, see above).
  * cu_seqlens_q / cu_seqlens_kv may be NULL where the layout and mask allow. */
-sf_status sf_attn_fwd(const sf_tensor *q, const sf_tensor *k, const sf_tensor *v,
+sf_status sf_attn_forward(const sf_tensor *q, const sf_tensor *k, const sf_tensor *v,
                       const sf_tensor *cu_seqlens_q, const sf_tensor *cu_seqlens_kv,
                       const sf_attn_config *cfg, sf_tensor *out, sf_tensor *lse,
                       sf_stream stream);
@@ -106,7 +106,7 @@ sf_status sf_attn_fwd(const sf_tensor *q, const sf_tensor *k, const sf_tensor *v
  *   dq_accum  the shape of q (the CUDA kernel accumulates dQ there; the CPU
  *             backend and the deterministic CUDA path use it as scratch too)
  *   delta     the shape of lse (rowsum(dout * out)). */
-sf_status sf_attn_bwd(const sf_tensor *q, const sf_tensor *k, const sf_tensor *v,
+sf_status sf_attn_backward(const sf_tensor *q, const sf_tensor *k, const sf_tensor *v,
                       const sf_tensor *out, const sf_tensor *dout,
                       const sf_tensor *lse, const sf_tensor *cu_seqlens_q,
                       const sf_tensor *cu_seqlens_kv, const sf_attn_config *cfg,

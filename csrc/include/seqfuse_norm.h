@@ -20,7 +20,7 @@
  *
  * Backward: dgamma and dbeta are reduced in float32, deterministically: each
  * block of the CUDA kernel owns a fixed set of rows and writes its partial
- * sums to `workspace` (float32, sf_norm_bwd_workspace_numel elements, handed
+ * sums to `workspace` (float32, sf_norm_backward_workspace_numel elements, handed
  * in by the caller), then a second small kernel adds the partials in a fixed
  * order.  The CPU backend needs no workspace (numel 0).
  */
@@ -40,14 +40,14 @@ extern "C" {
  * be NULL: no bias; else its dtype is gamma's).  y: x's shape, dtype x's,
  * float8_e4m3fn or float8_e5m2.  mean, rstd: float32 [rows], each may be NULL
  * (inference).  scale: required iff y is FP8.  amax, scale_inv: may be NULL. */
-sf_status sf_layernorm_fwd(const sf_tensor *x, const sf_tensor *gamma,
+sf_status sf_layernorm_forward(const sf_tensor *x, const sf_tensor *gamma,
                            const sf_tensor *beta, float eps, int zero_centered_gamma,
                            sf_tensor *y, sf_tensor *mean, sf_tensor *rstd,
                            const sf_tensor *scale, sf_tensor *amax,
                            sf_tensor *scale_inv, sf_stream stream);
 
-/* RMSNorm forward: y = x * rstd * gamma.  Arguments as sf_layernorm_fwd. */
-sf_status sf_rmsnorm_fwd(const sf_tensor *x, const sf_tensor *gamma, float eps,
+/* RMSNorm forward: y = x * rstd * gamma.  Arguments as sf_layernorm_forward. */
+sf_status sf_rmsnorm_forward(const sf_tensor *x, const sf_tensor *gamma, float eps,
                          int zero_centered_gamma, sf_tensor *y, sf_tensor *rstd,
                          const sf_tensor *scale, sf_tensor *amax,
                          sf_tensor *scale_inv, sf_stream stream);
@@ -55,23 +55,23 @@ sf_status sf_rmsnorm_fwd(const sf_tensor *x, const sf_tensor *gamma, float eps,
 /* LayerNorm backward.  dy, x: same shape and dtype; mean, rstd: as saved by
  * the forward.  dx: x's shape and dtype.  dgamma (and dbeta, may be NULL when
  * the forward had no beta): [hidden], gamma's dtype, overwritten.
- * workspace: float32, at least sf_norm_bwd_workspace_numel(x) elements
+ * workspace: float32, at least sf_norm_backward_workspace_numel(x) elements
  * (may be NULL when that is 0). */
-sf_status sf_layernorm_bwd(const sf_tensor *dy, const sf_tensor *x,
+sf_status sf_layernorm_backward(const sf_tensor *dy, const sf_tensor *x,
                            const sf_tensor *mean, const sf_tensor *rstd,
                            const sf_tensor *gamma, int zero_centered_gamma,
                            sf_tensor *dx, sf_tensor *dgamma, sf_tensor *dbeta,
                            sf_tensor *workspace, sf_stream stream);
 
-/* RMSNorm backward.  Arguments as sf_layernorm_bwd, without mean and dbeta. */
-sf_status sf_rmsnorm_bwd(const sf_tensor *dy, const sf_tensor *x,
+/* RMSNorm backward.  Arguments as sf_layernorm_backward, without mean and dbeta. */
+sf_status sf_rmsnorm_backward(const sf_tensor *dy, const sf_tensor *x,
                          const sf_tensor *rstd, const sf_tensor *gamma,
                          int zero_centered_gamma, sf_tensor *dx, sf_tensor *dgamma,
                          sf_tensor *workspace, sf_stream stream);
 
 /* Float32 elements of backward workspace for an input shaped like x (the
  * same for LayerNorm and RMSNorm): 0 on the CPU. */
-sf_status sf_norm_bwd_workspace_numel(const sf_tensor *x, int64_t *numel);
+sf_status sf_norm_backward_workspace_numel(const sf_tensor *x, int64_t *numel);
 
 #ifdef __cplusplus
 }

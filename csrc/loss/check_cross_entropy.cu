@@ -175,13 +175,13 @@ int main(void)
         sf_tensor_init(&tl, dloss, SF_FLOAT32, 1, s1, SF_CUDA, 0);
         sf_tensor_init(&tlse, dlse, SF_FLOAT32, 1, s1, SF_CUDA, 0);
         sf_tensor_init(&ts, dscale, SF_FLOAT32, 1, one, SF_CUDA, 0);
-        float fwd = time_ms([&] { CHECK_SF(sf_cross_entropy_forward(&tx, &ty, -100, 0.0f, &tl, &tlse, NULL, NULL, NULL)); });
-        float bwd = time_ms([&] { CHECK_SF(sf_cross_entropy_backward(&tx, &ty, &tlse, &ts, -100, 0.0f, &tg, NULL)); });
+        float forward = time_ms([&] { CHECK_SF(sf_cross_entropy_forward(&tx, &ty, -100, 0.0f, &tl, &tlse, NULL, NULL, NULL)); });
+        float backward = time_ms([&] { CHECK_SF(sf_cross_entropy_backward(&tx, &ty, &tlse, &ts, -100, 0.0f, &tg, NULL)); });
         float copy = time_ms([&] { CHECK_CUDA(cudaMemcpyAsync(dcopy, dx, n * v * 2, cudaMemcpyDeviceToDevice)); });
         double bytes = (double)n * v * 2;
         printf("cross_entropy bf16 N=%lld V=%lld: forward %.3f ms = %.2f TB/s (read), backward %.3f ms = %.2f TB/s "
-               "(read+write); copy %.3f ms = %.2f TB/s (read+write)\n", (long long)n, (long long)v, fwd,
-               bytes / fwd / 1e9, bwd, 2 * bytes / bwd / 1e9, copy, 2 * bytes / copy / 1e9);
+               "(read+write); copy %.3f ms = %.2f TB/s (read+write)\n", (long long)n, (long long)v, forward,
+               bytes / forward / 1e9, backward, 2 * bytes / backward / 1e9, copy, 2 * bytes / copy / 1e9);
         cudaFree(dx); cudaFree(dg); cudaFree(dcopy); cudaFree(dy); cudaFree(dloss); cudaFree(dlse); cudaFree(dscale);
     }
     return check_finish("check_cross_entropy");

@@ -113,7 +113,7 @@ static void router_case(sf_dtype dt, int64_t T, int64_t E, int topk, sf_moe_scor
     for (int cuda = 0; cuda < 2; ++cuda) {
         sf_tensor l = logits.view(2, s2, cuda), b = bias.view(1, s1, cuda), p = probs.view(2, s2, cuda),
                   m = map.view(2, s2, cuda), s = saved.view(2, s2, cuda);
-        CHECK_SF(sf_moe_topk_fwd(&l, topk, score, pre, scaling, with_bias ? &b : NULL, &p, &m, &s, NULL));
+        CHECK_SF(sf_moe_topk_forward(&l, topk, score, pre, scaling, with_bias ? &b : NULL, &p, &m, &s, NULL));
     }
     std::vector<int> skip(T, 0);
     int64_t bad, ties;
@@ -126,7 +126,7 @@ static void router_case(sf_dtype dt, int64_t T, int64_t E, int topk, sf_moe_scor
     for (int cuda = 0; cuda < 2; ++cuda) {
         sf_tensor m = map.view(2, s2, cuda), s = saved.view(2, s2, cuda), g = dprobs.view(2, s2, cuda),
                   d = dlogits.view(2, s2, cuda);
-        CHECK_SF(sf_moe_topk_bwd(&m, &s, &g, topk, score, pre, scaling, &d, NULL));
+        CHECK_SF(sf_moe_topk_backward(&m, &s, &g, topk, score, pre, scaling, &d, NULL));
     }
     double eg = err_all(dlogits);
     const double tol = check_tol(dt);
@@ -145,7 +145,7 @@ static void router_case(sf_dtype dt, int64_t T, int64_t E, int topk, sf_moe_scor
     for (int cuda = 0; cuda < 2; ++cuda) {
         sf_tensor l = logits.view(2, s2, cuda), sc = scores.view(2, s2, cuda), m = amap.view(2, s2, cuda),
                   s = asaved.view(2, s2, cuda);
-        CHECK_SF(sf_moe_aux_scores_fwd(&l, topk, score, &sc, &m, &s, NULL));
+        CHECK_SF(sf_moe_aux_scores_forward(&l, topk, score, &sc, &m, &s, NULL));
     }
     std::vector<int> askip(T, 0);
     compare_maps(amap, logits, NULL, T, E, topk, score, askip, &bad, &ties);
@@ -153,7 +153,7 @@ static void router_case(sf_dtype dt, int64_t T, int64_t E, int topk, sf_moe_scor
     asaved.up();
     for (int cuda = 0; cuda < 2; ++cuda) {
         sf_tensor s = asaved.view(2, s2, cuda), g = dscores.view(2, s2, cuda), d = dlogits.view(2, s2, cuda);
-        CHECK_SF(sf_moe_aux_scores_bwd(&s, &g, score, &d, NULL));
+        CHECK_SF(sf_moe_aux_scores_backward(&s, &g, score, &d, NULL));
     }
     eg = err_all(dlogits);
     snprintf(what, sizeof what, "moe aux scores %s T=%lld E=%lld k=%d %s: map rows %lld differ (+%lld ties), scores %.1e, "
@@ -168,14 +168,14 @@ static void router_case(sf_dtype dt, int64_t T, int64_t E, int topk, sf_moe_scor
     dloss.up();
     for (int cuda = 0; cuda < 2; ++cuda) {
         sf_tensor l = logits.view(2, s2, cuda), o = loss.view(1, one, cuda), s = lse.view(1, sT, cuda);
-        CHECK_SF(sf_moe_z_loss_fwd(&l, 1e-3f, &o, &s, NULL));
+        CHECK_SF(sf_moe_z_loss_forward(&l, 1e-3f, &o, &s, NULL));
     }
     double ez = err_all(loss), el = err_all(lse);
     lse.up();
     for (int cuda = 0; cuda < 2; ++cuda) {
         sf_tensor l = logits.view(2, s2, cuda), s = lse.view(1, sT, cuda), g = dloss.view(1, one, cuda),
                   d = dlogits.view(2, s2, cuda);
-        CHECK_SF(sf_moe_z_loss_bwd(&l, &s, &g, 1e-3f, &d, NULL));
+        CHECK_SF(sf_moe_z_loss_backward(&l, &s, &g, 1e-3f, &d, NULL));
     }
     eg = err_all(dlogits);
     snprintf(what, sizeof what, "moe z-loss %s T=%lld E=%lld: loss %.1e, lse %.1e, dlogits %.1e", sf_dtype_name(dt),
@@ -195,8 +195,8 @@ static void router_case(sf_dtype dt, int64_t T, int64_t E, int topk, sf_moe_scor
     for (int cuda = 0; cuda < 2; ++cuda) {
         sf_tensor p = probs.view(2, s2, cuda), c = tpe.view(1, s1, cuda), o = aux.view(1, one, cuda),
                   g = dloss.view(1, one, cuda), d = dp.view(2, s2, cuda);
-        CHECK_SF(sf_moe_aux_loss_fwd(&p, &c, T, topk, 1e-2f, &o, NULL));
-        CHECK_SF(sf_moe_aux_loss_bwd(&g, &c, T, topk, 1e-2f, &d, NULL));
+        CHECK_SF(sf_moe_aux_loss_forward(&p, &c, T, topk, 1e-2f, &o, NULL));
+        CHECK_SF(sf_moe_aux_loss_backward(&g, &c, T, topk, 1e-2f, &d, NULL));
     }
     double ea = err_all(aux), ed = err_all(dp);
     snprintf(what, sizeof what, "moe aux loss %s T=%lld E=%lld k=%d: loss %.1e, dprobs %.1e", sf_dtype_name(dt),
@@ -248,7 +248,7 @@ static void permute_case(sf_dtype dt, int64_t T, int64_t E, int topk, int64_t H,
     const bool permute_ok = same_bytes(out) && same_bytes(out_probs);
 
     /* unpermute (the expert outputs back to tokens, weighted) and its
-     * backward; permute_probs_bwd */
+     * backward; permute_probs_backward */
     CheckBuf y(dt, N * H), back(dt, T * H), dout(dt, T * H), dy(dt, N * H), dprobs(SF_FLOAT32, T * E),
         dout_probs(SF_FLOAT32, N), dprobs2(SF_FLOAT32, T * E);
     fill_normal(y, 1.0f);
@@ -263,18 +263,18 @@ static void permute_case(sf_dtype dt, int64_t T, int64_t E, int topk, int64_t H,
                   dpr = dprobs.view(2, s2, cuda), gp = dout_probs.view(1, sn, cuda),
                   dpr2 = dprobs2.view(2, s2, cuda);
         CHECK_SF(sf_moe_unpermute(&yi, &r, &p, &b, NULL));
-        CHECK_SF(sf_moe_unpermute_bwd(&g, &yi, &r, &p, &d, &dpr, NULL));
-        CHECK_SF(sf_moe_permute_probs_bwd(&r, &gp, &dpr2, NULL));
+        CHECK_SF(sf_moe_unpermute_backward(&g, &yi, &r, &p, &d, &dpr, NULL));
+        CHECK_SF(sf_moe_permute_probs_backward(&r, &gp, &dpr2, NULL));
     }
     const double eb = err_all(back), ed = err_all(dy), ep = err_all(dprobs), tol = check_tol(dt);
-    const bool probs_bwd_ok = same_bytes(dprobs2);
+    const bool probs_backward_ok = same_bytes(dprobs2);
     char what[300];
     snprintf(what, sizeof what,
              "moe permutation %s T=%lld E=%lld k=%d H=%lld dropped=%lld: row ids %s, permute %s, unpermute %.1e, "
-             "dinp %.1e, dprobs %.1e (tol %.1e), permute_probs_bwd %s", sf_dtype_name(dt), (long long)T,
+             "dinp %.1e, dprobs %.1e (tol %.1e), permute_probs_backward %s", sf_dtype_name(dt), (long long)T,
              (long long)E, topk, (long long)H, (long long)drop, ids_ok ? "equal" : "DIFFER",
-             permute_ok ? "equal" : "DIFFERS", eb, ed, ep, tol, probs_bwd_ok ? "equal" : "DIFFERS");
-    check_report(ids_ok && permute_ok && probs_bwd_ok && eb <= tol && ed <= tol && ep <= check_tol(SF_FLOAT32) * 10,
+             permute_ok ? "equal" : "DIFFERS", eb, ed, ep, tol, probs_backward_ok ? "equal" : "DIFFERS");
+    check_report(ids_ok && permute_ok && probs_backward_ok && eb <= tol && ed <= tol && ep <= check_tol(SF_FLOAT32) * 10,
                  what);
 }
 
@@ -293,8 +293,8 @@ static void swiglu_case(sf_dtype dt, int64_t N, int64_t F)
     for (int cuda = 0; cuda < 2; ++cuda) {
         sf_tensor xi = x.view(2, sx, cuda), p = probs.view(1, sn, cuda), o = out.view(2, so, cuda),
                   g = dout.view(2, so, cuda), d = dx.view(2, sx, cuda), dp = dprobs.view(1, sn, cuda);
-        CHECK_SF(sf_moe_swiglu_fwd(&xi, &p, &o, NULL));
-        CHECK_SF(sf_moe_swiglu_bwd(&g, &xi, &p, &d, &dp, NULL));
+        CHECK_SF(sf_moe_swiglu_forward(&xi, &p, &o, NULL));
+        CHECK_SF(sf_moe_swiglu_backward(&g, &xi, &p, &d, &dp, NULL));
     }
     const double eo = err_all(out), ed = err_all(dx), ep = err_all(dprobs), tol = check_tol(dt);
     char what[200];
@@ -336,8 +336,8 @@ static void bench(void)
         sf_tensor l = logits.view(2, sl, 1), p = probs.view(2, sl, 1), rm = rmap.view(2, sl, 1),
                   s = saved.view(2, sl, 1);
         const int k = experts == 8 ? 2 : 8;
-        const float tr = time_ms([&] { CHECK_SF(sf_moe_topk_fwd(&l, k, SF_MOE_SOFTMAX, 1, 1.0f, NULL, &p, &rm, &s, NULL)); });
-        printf("moe topk_fwd bf16 T=%lld E=%lld top-%d softmax: %.1f us\n", (long long)T, (long long)experts, k,
+        const float tr = time_ms([&] { CHECK_SF(sf_moe_topk_forward(&l, k, SF_MOE_SOFTMAX, 1, 1.0f, NULL, &p, &rm, &s, NULL)); });
+        printf("moe topk_forward bf16 T=%lld E=%lld top-%d softmax: %.1f us\n", (long long)T, (long long)experts, k,
                1e3 * tr);
     }
 }

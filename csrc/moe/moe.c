@@ -58,11 +58,11 @@ static sf_status check_router(const char *op, int64_t E, int topk, int score)
 
 /* ---- router ------------------------------------------------------------ */
 
-sf_status sf_moe_topk_fwd(const sf_tensor *logits, int topk, sf_moe_score score, int pre_softmax,
+sf_status sf_moe_topk_forward(const sf_tensor *logits, int topk, sf_moe_score score, int pre_softmax,
                           float scaling, const sf_tensor *expert_bias, sf_tensor *probs,
                           sf_tensor *routing_map, sf_tensor *saved, sf_stream stream)
 {
-    static const char op[] = "moe_topk_fwd";
+    static const char op[] = "moe_topk_forward";
     if (!logits || logits->ndim != 2)
         return sf_fail(SF_ERR_VALUE, "%s: argument 'logits' must be 2-D [tokens, experts]", op);
     SF_TRY(sf_check_float_input(op, "logits", logits));
@@ -90,14 +90,14 @@ sf_status sf_moe_topk_fwd(const sf_tensor *logits, int topk, sf_moe_score score,
                            .bias = expert_bias, .out = probs, .out2 = routing_map, .out3 = saved};
     if (T == 0)
         return SF_OK;
-    return SF_MOE_RUN(topk_fwd, logits, &a, stream);
+    return SF_MOE_RUN(topk_forward, logits, &a, stream);
 }
 
-sf_status sf_moe_topk_bwd(const sf_tensor *routing_map, const sf_tensor *saved,
+sf_status sf_moe_topk_backward(const sf_tensor *routing_map, const sf_tensor *saved,
                           const sf_tensor *dprobs, int topk, sf_moe_score score, int pre_softmax,
                           float scaling, sf_tensor *dlogits, sf_stream stream)
 {
-    static const char op[] = "moe_topk_bwd";
+    static const char op[] = "moe_topk_backward";
     if (!dprobs || dprobs->ndim != 2)
         return sf_fail(SF_ERR_VALUE, "%s: argument 'dprobs' must be 2-D [tokens, experts]", op);
     SF_TRY(sf_check_float_input(op, "dprobs", dprobs));
@@ -116,14 +116,14 @@ sf_status sf_moe_topk_bwd(const sf_tensor *routing_map, const sf_tensor *saved,
                            .saved = saved, .grad = dprobs, .out = dlogits};
     if (T == 0)
         return SF_OK;
-    return SF_MOE_RUN(topk_bwd, dprobs, &a, stream);
+    return SF_MOE_RUN(topk_backward, dprobs, &a, stream);
 }
 
-sf_status sf_moe_aux_scores_fwd(const sf_tensor *logits, int topk, sf_moe_score score,
+sf_status sf_moe_aux_scores_forward(const sf_tensor *logits, int topk, sf_moe_score score,
                                 sf_tensor *scores, sf_tensor *routing_map, sf_tensor *saved,
                                 sf_stream stream)
 {
-    static const char op[] = "moe_aux_scores_fwd";
+    static const char op[] = "moe_aux_scores_forward";
     if (!logits || logits->ndim != 2)
         return sf_fail(SF_ERR_VALUE, "%s: argument 'logits' must be 2-D [tokens, experts]", op);
     SF_TRY(sf_check_float_input(op, "logits", logits));
@@ -143,13 +143,13 @@ sf_status sf_moe_aux_scores_fwd(const sf_tensor *logits, int topk, sf_moe_score 
                            .out = scores, .out2 = routing_map, .out3 = saved};
     if (T == 0)
         return SF_OK;
-    return SF_MOE_RUN(aux_scores_fwd, logits, &a, stream);
+    return SF_MOE_RUN(aux_scores_forward, logits, &a, stream);
 }
 
-sf_status sf_moe_aux_scores_bwd(const sf_tensor *saved, const sf_tensor *dscores,
+sf_status sf_moe_aux_scores_backward(const sf_tensor *saved, const sf_tensor *dscores,
                                 sf_moe_score score, sf_tensor *dlogits, sf_stream stream)
 {
-    static const char op[] = "moe_aux_scores_bwd";
+    static const char op[] = "moe_aux_scores_backward";
     if (!dscores || dscores->ndim != 2)
         return sf_fail(SF_ERR_VALUE, "%s: argument 'dscores' must be 2-D [tokens, experts]", op);
     SF_TRY(sf_check_float_input(op, "dscores", dscores));
@@ -165,7 +165,7 @@ sf_status sf_moe_aux_scores_bwd(const sf_tensor *saved, const sf_tensor *dscores
                            .out = dlogits};
     if (T == 0)
         return SF_OK;
-    return SF_MOE_RUN(aux_scores_bwd, dscores, &a, stream);
+    return SF_MOE_RUN(aux_scores_backward, dscores, &a, stream);
 }
 
 static sf_status check_tpe(const char *op, const sf_tensor *tpe, int64_t E, const sf_tensor *ref,
@@ -198,11 +198,11 @@ static sf_status check_scalar_f32(const char *op, const char *arg, const sf_tens
     return sf_check_vector(op, arg, t, SF_FLOAT32, 1, ref_arg, ref, writable);
 }
 
-sf_status sf_moe_aux_loss_fwd(const sf_tensor *probs, const sf_tensor *tokens_per_expert,
+sf_status sf_moe_aux_loss_forward(const sf_tensor *probs, const sf_tensor *tokens_per_expert,
                               int64_t total_tokens, int topk, float coeff, sf_tensor *loss,
                               sf_stream stream)
 {
-    static const char op[] = "moe_aux_loss_fwd";
+    static const char op[] = "moe_aux_loss_forward";
     if (!probs || probs->ndim != 2)
         return sf_fail(SF_ERR_VALUE, "%s: argument 'probs' must be 2-D [tokens, experts]", op);
     SF_TRY(sf_check_float_input(op, "probs", probs));
@@ -214,14 +214,14 @@ sf_status sf_moe_aux_loss_fwd(const sf_tensor *probs, const sf_tensor *tokens_pe
     const sf_moe_args a = {.T = T, .E = E, .topk = topk, .coeff = coeff,
                            .total_tokens = total_tokens, .probs = probs, .tpe = tokens_per_expert,
                            .out = loss};
-    return SF_MOE_RUN(aux_loss_fwd, probs, &a, stream);
+    return SF_MOE_RUN(aux_loss_forward, probs, &a, stream);
 }
 
-sf_status sf_moe_aux_loss_bwd(const sf_tensor *dloss, const sf_tensor *tokens_per_expert,
+sf_status sf_moe_aux_loss_backward(const sf_tensor *dloss, const sf_tensor *tokens_per_expert,
                               int64_t total_tokens, int topk, float coeff, sf_tensor *dprobs,
                               sf_stream stream)
 {
-    static const char op[] = "moe_aux_loss_bwd";
+    static const char op[] = "moe_aux_loss_backward";
     if (!dprobs || dprobs->ndim != 2)
         return sf_fail(SF_ERR_VALUE, "%s: argument 'dprobs' must be 2-D [tokens, experts]", op);
     SF_TRY(sf_check_float_input(op, "dprobs", dprobs));
@@ -236,13 +236,13 @@ sf_status sf_moe_aux_loss_bwd(const sf_tensor *dloss, const sf_tensor *tokens_pe
                            .out = dprobs};
     if (T == 0)
         return SF_OK;
-    return SF_MOE_RUN(aux_loss_bwd, dprobs, &a, stream);
+    return SF_MOE_RUN(aux_loss_backward, dprobs, &a, stream);
 }
 
-sf_status sf_moe_z_loss_fwd(const sf_tensor *logits, float coeff, sf_tensor *loss, sf_tensor *lse,
+sf_status sf_moe_z_loss_forward(const sf_tensor *logits, float coeff, sf_tensor *loss, sf_tensor *lse,
                             sf_stream stream)
 {
-    static const char op[] = "moe_z_loss_fwd";
+    static const char op[] = "moe_z_loss_forward";
     if (!logits || logits->ndim != 2)
         return sf_fail(SF_ERR_VALUE, "%s: argument 'logits' must be 2-D [tokens, experts]", op);
     SF_TRY(sf_check_float_input(op, "logits", logits));
@@ -257,13 +257,13 @@ sf_status sf_moe_z_loss_fwd(const sf_tensor *logits, float coeff, sf_tensor *los
     SF_TRY(check_out(op, "lse", lse));
     const sf_moe_args a = {.T = T, .E = E, .coeff = coeff, .logits = logits, .out = loss,
                            .out2 = lse};
-    return SF_MOE_RUN(z_loss_fwd, logits, &a, stream);
+    return SF_MOE_RUN(z_loss_forward, logits, &a, stream);
 }
 
-sf_status sf_moe_z_loss_bwd(const sf_tensor *logits, const sf_tensor *lse, const sf_tensor *dloss,
+sf_status sf_moe_z_loss_backward(const sf_tensor *logits, const sf_tensor *lse, const sf_tensor *dloss,
                             float coeff, sf_tensor *dlogits, sf_stream stream)
 {
-    static const char op[] = "moe_z_loss_bwd";
+    static const char op[] = "moe_z_loss_backward";
     if (!logits || logits->ndim != 2)
         return sf_fail(SF_ERR_VALUE, "%s: argument 'logits' must be 2-D [tokens, experts]", op);
     SF_TRY(sf_check_float_input(op, "logits", logits));
@@ -279,7 +279,7 @@ sf_status sf_moe_z_loss_bwd(const sf_tensor *logits, const sf_tensor *lse, const
     SF_TRY(check_out(op, "dlogits", dlogits));
     const sf_moe_args a = {.T = T, .E = E, .coeff = coeff, .logits = logits, .lse = lse,
                            .dloss = dloss, .out = dlogits};
-    return SF_MOE_RUN(z_loss_bwd, logits, &a, stream);
+    return SF_MOE_RUN(z_loss_backward, logits, &a, stream);
 }
 
 /* ---- permutation ------------------------------------------------------- */
@@ -399,11 +399,11 @@ sf_status sf_moe_unpermute(const sf_tensor *inp, const sf_tensor *row_id_map,
     return SF_MOE_RUN(unpermute, inp, &a, stream);
 }
 
-sf_status sf_moe_unpermute_bwd(const sf_tensor *dout, const sf_tensor *inp,
+sf_status sf_moe_unpermute_backward(const sf_tensor *dout, const sf_tensor *inp,
                                const sf_tensor *row_id_map, const sf_tensor *probs,
                                sf_tensor *dinp, sf_tensor *dprobs, sf_stream stream)
 {
-    static const char op[] = "moe_unpermute_bwd";
+    static const char op[] = "moe_unpermute_backward";
     int64_t T = 0, E = 0, H = -1;
     SF_TRY(check_row_id_map(op, row_id_map, NULL, NULL, &T, &E));
     SF_TRY(check_rows(op, "dout", dout, T, &H, row_id_map, "row_id_map"));
@@ -428,13 +428,13 @@ sf_status sf_moe_unpermute_bwd(const sf_tensor *dout, const sf_tensor *inp,
                            .map = row_id_map, .probs = probs, .out = dinp, .out2 = dprobs};
     if (T == 0 || (N == 0 && !dprobs))
         return SF_OK;
-    return SF_MOE_RUN(unpermute_bwd, dout, &a, stream);
+    return SF_MOE_RUN(unpermute_backward, dout, &a, stream);
 }
 
-sf_status sf_moe_permute_probs_bwd(const sf_tensor *row_id_map, const sf_tensor *dout_probs,
+sf_status sf_moe_permute_probs_backward(const sf_tensor *row_id_map, const sf_tensor *dout_probs,
                                    sf_tensor *dprobs, sf_stream stream)
 {
-    static const char op[] = "moe_permute_probs_bwd";
+    static const char op[] = "moe_permute_probs_backward";
     int64_t T = 0, E = 0;
     SF_TRY(check_row_id_map(op, row_id_map, NULL, NULL, &T, &E));
     if (!dout_probs || dout_probs->ndim != 1)
@@ -449,7 +449,7 @@ sf_status sf_moe_permute_probs_bwd(const sf_tensor *row_id_map, const sf_tensor 
                            .grad = dout_probs, .out = dprobs};
     if (T == 0 || E == 0)
         return SF_OK;
-    return SF_MOE_RUN(permute_probs_bwd, row_id_map, &a, stream);
+    return SF_MOE_RUN(permute_probs_backward, row_id_map, &a, stream);
 }
 
 /* ---- probability-scaled SwiGLU ------------------------------------------ */
@@ -472,10 +472,10 @@ static sf_status check_swiglu_input(const char *op, const sf_tensor *x, const sf
     return SF_OK;
 }
 
-sf_status sf_moe_swiglu_fwd(const sf_tensor *x, const sf_tensor *probs, sf_tensor *out,
+sf_status sf_moe_swiglu_forward(const sf_tensor *x, const sf_tensor *probs, sf_tensor *out,
                             sf_stream stream)
 {
-    static const char op[] = "moe_swiglu_fwd";
+    static const char op[] = "moe_swiglu_forward";
     int64_t N = 0, F = 0;
     SF_TRY(check_swiglu_input(op, x, probs, &N, &F));
     SF_TRY(check_2d(op, "out", out, N, F, x, "x"));
@@ -484,13 +484,13 @@ sf_status sf_moe_swiglu_fwd(const sf_tensor *x, const sf_tensor *probs, sf_tenso
     const sf_moe_args a = {.N = N, .H = F, .inp = x, .probs = probs, .out = out};
     if (N == 0 || F == 0)
         return SF_OK;
-    return SF_MOE_RUN(swiglu_fwd, x, &a, stream);
+    return SF_MOE_RUN(swiglu_forward, x, &a, stream);
 }
 
-sf_status sf_moe_swiglu_bwd(const sf_tensor *dout, const sf_tensor *x, const sf_tensor *probs,
+sf_status sf_moe_swiglu_backward(const sf_tensor *dout, const sf_tensor *x, const sf_tensor *probs,
                             sf_tensor *dx, sf_tensor *dprobs, sf_stream stream)
 {
-    static const char op[] = "moe_swiglu_bwd";
+    static const char op[] = "moe_swiglu_backward";
     int64_t N = 0, F = 0;
     SF_TRY(check_swiglu_input(op, x, probs, &N, &F));
     SF_TRY(check_2d(op, "dout", dout, N, F, x, "x"));
@@ -509,5 +509,5 @@ sf_status sf_moe_swiglu_bwd(const sf_tensor *dout, const sf_tensor *x, const sf_
                            .out2 = dprobs};
     if (N == 0)
         return SF_OK;
-    return SF_MOE_RUN(swiglu_bwd, x, &a, stream);
+    return SF_MOE_RUN(swiglu_backward, x, &a, stream);
 }

@@ -93,9 +93,9 @@ SF_HD void sf_moe_select_row(const float *s, const float *bias, int64_t E, int t
     }
 }
 
-/* One token of topk_fwd: logits row at `off`; writes probs, map and saved
+/* One token of topk_forward: logits row at `off`; writes probs, map and saved
  * (saved and map are this row's E entries). */
-SF_HD void sf_moe_topk_fwd_row(const void *logits, sf_dtype ld, int64_t off, int64_t E, int topk,
+SF_HD void sf_moe_topk_forward_row(const void *logits, sf_dtype ld, int64_t off, int64_t E, int topk,
                                int score, int pre_softmax, float scaling, const float *bias,
                                void *probs, sf_dtype pd, uint8_t *map, float *saved)
 {
@@ -132,8 +132,8 @@ SF_HD void sf_moe_topk_fwd_row(const void *logits, sf_dtype ld, int64_t off, int
         sf_moe_st(probs, pd, off + e, map[e] ? saved[e] / denom * scaling : 0.0f);
 }
 
-/* One token of topk_bwd: dlogits from dprobs, map and saved (row at off). */
-SF_HD void sf_moe_topk_bwd_row(const uint8_t *map, const float *saved, const void *dprobs,
+/* One token of topk_backward: dlogits from dprobs, map and saved (row at off). */
+SF_HD void sf_moe_topk_backward_row(const uint8_t *map, const float *saved, const void *dprobs,
                                sf_dtype gd, int64_t off, int64_t E, int topk, int score,
                                int pre_softmax, float scaling, void *dlogits, sf_dtype od)
 {
@@ -164,8 +164,8 @@ SF_HD void sf_moe_topk_bwd_row(const uint8_t *map, const float *saved, const voi
     }
 }
 
-/* One token of aux_scores_fwd. */
-SF_HD void sf_moe_aux_scores_fwd_row(const void *logits, sf_dtype ld, int64_t off, int64_t E,
+/* One token of aux_scores_forward. */
+SF_HD void sf_moe_aux_scores_forward_row(const void *logits, sf_dtype ld, int64_t off, int64_t E,
                                      int topk, int score, void *scores, sf_dtype sd, uint8_t *map,
                                      float *saved)
 {
@@ -186,8 +186,8 @@ SF_HD void sf_moe_aux_scores_fwd_row(const void *logits, sf_dtype ld, int64_t of
     sf_moe_select_row(saved, NULL, E, topk, map);
 }
 
-/* One token of aux_scores_bwd. */
-SF_HD void sf_moe_aux_scores_bwd_row(const float *saved, const void *dscores, sf_dtype gd,
+/* One token of aux_scores_backward. */
+SF_HD void sf_moe_aux_scores_backward_row(const float *saved, const void *dscores, sf_dtype gd,
                                      int64_t off, int64_t E, int score, void *dlogits, sf_dtype od)
 {
     float dot = 0.0f, sum = 0.0f;

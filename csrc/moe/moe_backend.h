@@ -25,9 +25,9 @@ typedef struct {
     sf_tensor *out, *out2, *out3;
 } sf_moe_args;
 
-#define SF_MOE_OPS(X) X(topk_fwd) X(topk_bwd) X(aux_scores_fwd) X(aux_scores_bwd) \
-    X(aux_loss_fwd) X(aux_loss_bwd) X(z_loss_fwd) X(z_loss_bwd) X(row_id_map) X(permute) \
-    X(unpermute) X(unpermute_bwd) X(permute_probs_bwd) X(swiglu_fwd) X(swiglu_bwd)
+#define SF_MOE_OPS(X) X(topk_forward) X(topk_backward) X(aux_scores_forward) X(aux_scores_backward) \
+    X(aux_loss_forward) X(aux_loss_backward) X(z_loss_forward) X(z_loss_backward) X(row_id_map) X(permute) \
+    X(unpermute) X(unpermute_backward) X(permute_probs_backward) X(swiglu_forward) X(swiglu_backward)
 #define SF_MOE_DECLARE(name)                                      \
     sf_status sf_moe_##name##_cpu(const sf_moe_args *a);          \
     sf_status sf_moe_##name##_cuda(const sf_moe_args *a, sf_stream stream);

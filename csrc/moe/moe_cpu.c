@@ -11,50 +11,50 @@
 #include "moe.h"
 #include "moe_backend.h"
 
-sf_status sf_moe_topk_fwd_cpu(const sf_moe_args *a)
+sf_status sf_moe_topk_forward_cpu(const sf_moe_args *a)
 {
     const float *bias = a->bias ? (const float *)a->bias->data : NULL;
     uint8_t *map = (uint8_t *)a->out2->data;
     float *saved = (float *)a->out3->data;
     for (int64_t t = 0; t < a->T; ++t)
-        sf_moe_topk_fwd_row(a->logits->data, a->logits->dtype, t * a->E, a->E, a->topk, a->score,
+        sf_moe_topk_forward_row(a->logits->data, a->logits->dtype, t * a->E, a->E, a->topk, a->score,
                             a->pre_softmax, a->scaling, bias, a->out->data, a->out->dtype,
                             map + t * a->E, saved + t * a->E);
     return SF_OK;
 }
 
-sf_status sf_moe_topk_bwd_cpu(const sf_moe_args *a)
+sf_status sf_moe_topk_backward_cpu(const sf_moe_args *a)
 {
     const uint8_t *map = (const uint8_t *)a->map->data;
     const float *saved = (const float *)a->saved->data;
     for (int64_t t = 0; t < a->T; ++t)
-        sf_moe_topk_bwd_row(map + t * a->E, saved + t * a->E, a->grad->data, a->grad->dtype,
+        sf_moe_topk_backward_row(map + t * a->E, saved + t * a->E, a->grad->data, a->grad->dtype,
                             t * a->E, a->E, a->topk, a->score, a->pre_softmax, a->scaling,
                             a->out->data, a->out->dtype);
     return SF_OK;
 }
 
-sf_status sf_moe_aux_scores_fwd_cpu(const sf_moe_args *a)
+sf_status sf_moe_aux_scores_forward_cpu(const sf_moe_args *a)
 {
     uint8_t *map = (uint8_t *)a->out2->data;
     float *saved = (float *)a->out3->data;
     for (int64_t t = 0; t < a->T; ++t)
-        sf_moe_aux_scores_fwd_row(a->logits->data, a->logits->dtype, t * a->E, a->E, a->topk,
+        sf_moe_aux_scores_forward_row(a->logits->data, a->logits->dtype, t * a->E, a->E, a->topk,
                                   a->score, a->out->data, a->out->dtype, map + t * a->E,
                                   saved + t * a->E);
     return SF_OK;
 }
 
-sf_status sf_moe_aux_scores_bwd_cpu(const sf_moe_args *a)
+sf_status sf_moe_aux_scores_backward_cpu(const sf_moe_args *a)
 {
     const float *saved = (const float *)a->saved->data;
     for (int64_t t = 0; t < a->T; ++t)
-        sf_moe_aux_scores_bwd_row(saved + t * a->E, a->grad->data, a->grad->dtype, t * a->E, a->E,
+        sf_moe_aux_scores_backward_row(saved + t * a->E, a->grad->data, a->grad->dtype, t * a->E, a->E,
                                   a->score, a->out->data, a->out->dtype);
     return SF_OK;
 }
 
-sf_status sf_moe_aux_loss_fwd_cpu(const sf_moe_args *a)
+sf_status sf_moe_aux_loss_forward_cpu(const sf_moe_args *a)
 {
     /* column sums first (in float32, token order), then the weighted sum */
     double total = 0.0;
@@ -69,7 +69,7 @@ sf_status sf_moe_aux_loss_fwd_cpu(const sf_moe_args *a)
     return SF_OK;
 }
 
-sf_status sf_moe_aux_loss_bwd_cpu(const sf_moe_args *a)
+sf_status sf_moe_aux_loss_backward_cpu(const sf_moe_args *a)
 {
     float g = ((const float *)a->dloss->data)[0] * sf_moe_aux_factor(a->coeff, a->E, a->topk, a->total_tokens);
     for (int64_t t = 0; t < a->T; ++t)
@@ -79,7 +79,7 @@ sf_status sf_moe_aux_loss_bwd_cpu(const sf_moe_args *a)
     return SF_OK;
 }
 
-sf_status sf_moe_z_loss_fwd_cpu(const sf_moe_args *a)
+sf_status sf_moe_z_loss_forward_cpu(const sf_moe_args *a)
 {
     float *lse = (float *)a->out2->data;
     double sum = 0.0;
@@ -91,7 +91,7 @@ sf_status sf_moe_z_loss_fwd_cpu(const sf_moe_args *a)
     return SF_OK;
 }
 
-sf_status sf_moe_z_loss_bwd_cpu(const sf_moe_args *a)
+sf_status sf_moe_z_loss_backward_cpu(const sf_moe_args *a)
 {
     const float *lse = (const float *)a->lse->data;
     float g = ((const float *)a->dloss->data)[0] * a->coeff * 2.0f / (float)a->T;
@@ -163,7 +163,7 @@ sf_status sf_moe_unpermute_cpu(const sf_moe_args *a)
     return SF_OK;
 }
 
-sf_status sf_moe_unpermute_bwd_cpu(const sf_moe_args *a)
+sf_status sf_moe_unpermute_backward_cpu(const sf_moe_args *a)
 {
     const int32_t *ids = (const int32_t *)a->map->data;
     for (int64_t t = 0; t < a->T; ++t)
@@ -184,7 +184,7 @@ sf_status sf_moe_unpermute_bwd_cpu(const sf_moe_args *a)
     return SF_OK;
 }
 
-sf_status sf_moe_permute_probs_bwd_cpu(const sf_moe_args *a)
+sf_status sf_moe_permute_probs_backward_cpu(const sf_moe_args *a)
 {
     const int32_t *ids = (const int32_t *)a->map->data;
     for (int64_t i = 0; i < a->T * a->E; ++i) {
@@ -195,7 +195,7 @@ sf_status sf_moe_permute_probs_bwd_cpu(const sf_moe_args *a)
     return SF_OK;
 }
 
-sf_status sf_moe_swiglu_fwd_cpu(const sf_moe_args *a)
+sf_status sf_moe_swiglu_forward_cpu(const sf_moe_args *a)
 {
     const int64_t F = a->H;
     for (int64_t r = 0; r < a->N; ++r) {
@@ -209,7 +209,7 @@ sf_status sf_moe_swiglu_fwd_cpu(const sf_moe_args *a)
     return SF_OK;
 }
 
-sf_status sf_moe_swiglu_bwd_cpu(const sf_moe_args *a)
+sf_status sf_moe_swiglu_backward_cpu(const sf_moe_args *a)
 {
     const int64_t F = a->H;
     for (int64_t r = 0; r < a->N; ++r) {

@@ -12,7 +12,7 @@
  * scan of the expert's column of the routing map gives each routed token
  * its rank and the expert's count; then each block adds the counts of the
  * experts before it (its offset in the expert-sorted buffer).  permute,
- * unpermute and unpermute_bwd give each token a block whose threads run
+ * unpermute and unpermute_backward give each token a block whose threads run
  * along the hidden dimension (permute copies 16 bytes per access where the
  * rows allow); unpermute accumulates in float32.
  * Nothing here synchronizes the host.
@@ -56,42 +56,42 @@ __device__ float block_sum(float v, float *shared)
     return s;
 }
 
-__global__ void topk_fwd_kernel(int64_t T, int64_t E, int topk, int score, int pre, float scaling,
+__global__ void topk_forward_kernel(int64_t T, int64_t E, int topk, int score, int pre, float scaling,
                                 const void *logits, sf_dtype ld, const float *bias, void *probs,
                                 sf_dtype pd, uint8_t *map, float *saved)
 {
     GRID_STRIDE(t, T)
-        sf_moe_topk_fwd_row(logits, ld, t * E, E, topk, score, pre, scaling, bias, probs, pd,
+        sf_moe_topk_forward_row(logits, ld, t * E, E, topk, score, pre, scaling, bias, probs, pd,
                             map + t * E, saved + t * E);
 }
 
-__global__ void topk_bwd_kernel(int64_t T, int64_t E, int topk, int score, int pre, float scaling,
+__global__ void topk_backward_kernel(int64_t T, int64_t E, int topk, int score, int pre, float scaling,
                                 const uint8_t *map, const float *saved, const void *g, sf_dtype gd,
                                 void *dl, sf_dtype od)
 {
     GRID_STRIDE(t, T)
-        sf_moe_topk_bwd_row(map + t * E, saved + t * E, g, gd, t * E, E, topk, score, pre, scaling,
+        sf_moe_topk_backward_row(map + t * E, saved + t * E, g, gd, t * E, E, topk, score, pre, scaling,
                             dl, od);
 }
 
-__global__ void aux_scores_fwd_kernel(int64_t T, int64_t E, int topk, int score, const void *logits,
+__global__ void aux_scores_forward_kernel(int64_t T, int64_t E, int topk, int score, const void *logits,
                                       sf_dtype ld, void *scores, sf_dtype sd, uint8_t *map,
                                       float *saved)
 {
     GRID_STRIDE(t, T)
-        sf_moe_aux_scores_fwd_row(logits, ld, t * E, E, topk, score, scores, sd, map + t * E,
+        sf_moe_aux_scores_forward_row(logits, ld, t * E, E, topk, score, scores, sd, map + t * E,
                                   saved + t * E);
 }
 
-__global__ void aux_scores_bwd_kernel(int64_t T, int64_t E, int score, const float *saved,
+__global__ void aux_scores_backward_kernel(int64_t T, int64_t E, int score, const float *saved,
                                       const void *g, sf_dtype gd, void *dl, sf_dtype od)
 {
     GRID_STRIDE(t, T)
-        sf_moe_aux_scores_bwd_row(saved + t * E, g, gd, t * E, E, score, dl, od);
+        sf_moe_aux_scores_backward_row(saved + t * E, g, gd, t * E, E, score, dl, od);
 }
 
 /* loss += c * sum_t sum_e probs[t, e] * tpe[e] */
-__global__ void aux_loss_fwd_kernel(int64_t T, int64_t E, const void *probs, sf_dtype pd,
+__global__ void aux_loss_forward_kernel(int64_t T, int64_t E, const void *probs, sf_dtype pd,
                                     const void *tpe, sf_dtype td, float c, float *loss)
 {
     __shared__ float shared[32];
@@ -103,7 +103,7 @@ __global__ void aux_loss_fwd_kernel(int64_t T, int64_t E, const void *probs, sf_
         atomicAdd(loss, s * c);
 }
 
-__global__ void aux_loss_bwd_kernel(int64_t T, int64_t E, const float *dloss, const void *tpe,
+__global__ void aux_loss_backward_kernel(int64_t T, int64_t E, const float *dloss, const void *tpe,
                                     sf_dtype td, float c, void *dprobs, sf_dtype od)
 {
     float g = dloss[0] * c;
@@ -111,7 +111,7 @@ __global__ void aux_loss_bwd_kernel(int64_t T, int64_t E, const float *dloss, co
         sf_moe_st(dprobs, od, i, g * sf_moe_ld_count(tpe, td, i % E));
 }
 
-__global__ void z_loss_fwd_kernel(int64_t T, int64_t E, const void *logits, sf_dtype ld, float c,
+__global__ void z_loss_forward_kernel(int64_t T, int64_t E, const void *logits, sf_dtype ld, float c,
                                   float *loss, float *lse)
 {
     __shared__ float shared[32];
@@ -126,7 +126,7 @@ __global__ void z_loss_fwd_kernel(int64_t T, int64_t E, const void *logits, sf_d
         atomicAdd(loss, s * c);
 }
 
-__global__ void z_loss_bwd_kernel(int64_t T, int64_t E, const void *logits, sf_dtype ld,
+__global__ void z_loss_backward_kernel(int64_t T, int64_t E, const void *logits, sf_dtype ld,
                                   const float *lse, const float *dloss, float c, void *dl, sf_dtype od)
 {
     float g = dloss[0] * c;
@@ -233,7 +233,7 @@ __global__ void unpermute_kernel(int64_t T, int64_t E, int64_t H, int64_t N, con
         }
 }
 
-__global__ void unpermute_bwd_kernel(int64_t T, int64_t E, int64_t H, int64_t N, const int32_t *ids,
+__global__ void unpermute_backward_kernel(int64_t T, int64_t E, int64_t H, int64_t N, const int32_t *ids,
                                      const void *g, sf_dtype gd, const void *inp, sf_dtype id,
                                      const void *probs, sf_dtype pd, void *dinp, void *dprobs,
                                      sf_dtype dpd)
@@ -260,7 +260,7 @@ __global__ void unpermute_bwd_kernel(int64_t T, int64_t E, int64_t H, int64_t N,
         }
 }
 
-__global__ void permute_probs_bwd_kernel(int64_t n, int64_t N, const int32_t *ids, const void *g,
+__global__ void permute_probs_backward_kernel(int64_t n, int64_t N, const int32_t *ids, const void *g,
                                          sf_dtype gd, void *out, sf_dtype od)
 {
     GRID_STRIDE(i, n) {
@@ -269,7 +269,7 @@ __global__ void permute_probs_bwd_kernel(int64_t n, int64_t N, const int32_t *id
     }
 }
 
-__global__ void swiglu_fwd_kernel(int64_t N, int64_t F, const void *x, sf_dtype xd, const void *probs,
+__global__ void swiglu_forward_kernel(int64_t N, int64_t F, const void *x, sf_dtype xd, const void *probs,
                                   sf_dtype pd, void *out)
 {
     GRID_STRIDE(i, N * F) {
@@ -281,7 +281,7 @@ __global__ void swiglu_fwd_kernel(int64_t N, int64_t F, const void *x, sf_dtype 
 }
 
 /* One block per row (the probability gradient is a sum over the row). */
-__global__ void swiglu_bwd_kernel(int64_t N, int64_t F, const void *g_, sf_dtype gd, const void *x,
+__global__ void swiglu_backward_kernel(int64_t N, int64_t F, const void *g_, sf_dtype gd, const void *x,
                                   sf_dtype xd, const void *probs, sf_dtype pd, void *dx, void *dprobs,
                                   sf_dtype dpd)
 {
@@ -339,10 +339,10 @@ sf_status on_device(const char *op, int device, std::initializer_list<FloatArg> 
 
 } // namespace
 
-extern "C" sf_status sf_moe_topk_fwd_cuda(const sf_moe_args *a, sf_stream s)
+extern "C" sf_status sf_moe_topk_forward_cuda(const sf_moe_args *a, sf_stream s)
 {
-    return on_device("moe_topk_fwd", a->logits->device_id, {{"logits", a->logits}, {"probs", a->out}}, [&] {
-        topk_fwd_kernel<<<blocks_for(a->T, a->logits->device_id), kThreads, 0, sf_cuda_stream(s)>>>(
+    return on_device("moe_topk_forward", a->logits->device_id, {{"logits", a->logits}, {"probs", a->out}}, [&] {
+        topk_forward_kernel<<<blocks_for(a->T, a->logits->device_id), kThreads, 0, sf_cuda_stream(s)>>>(
             a->T, a->E, a->topk, a->score, a->pre_softmax, a->scaling, a->logits->data,
             a->logits->dtype, a->bias ? (const float *)a->bias->data : nullptr, a->out->data,
             a->out->dtype, (uint8_t *)a->out2->data, (float *)a->out3->data);
@@ -350,83 +350,83 @@ extern "C" sf_status sf_moe_topk_fwd_cuda(const sf_moe_args *a, sf_stream s)
     });
 }
 
-extern "C" sf_status sf_moe_topk_bwd_cuda(const sf_moe_args *a, sf_stream s)
+extern "C" sf_status sf_moe_topk_backward_cuda(const sf_moe_args *a, sf_stream s)
 {
-    return on_device("moe_topk_bwd", a->grad->device_id, {{"dprobs", a->grad}, {"dlogits", a->out}}, [&] {
-        topk_bwd_kernel<<<blocks_for(a->T, a->grad->device_id), kThreads, 0, sf_cuda_stream(s)>>>(
+    return on_device("moe_topk_backward", a->grad->device_id, {{"dprobs", a->grad}, {"dlogits", a->out}}, [&] {
+        topk_backward_kernel<<<blocks_for(a->T, a->grad->device_id), kThreads, 0, sf_cuda_stream(s)>>>(
             a->T, a->E, a->topk, a->score, a->pre_softmax, a->scaling, (const uint8_t *)a->map->data,
             (const float *)a->saved->data, a->grad->data, a->grad->dtype, a->out->data, a->out->dtype);
         return SF_OK;
     });
 }
 
-extern "C" sf_status sf_moe_aux_scores_fwd_cuda(const sf_moe_args *a, sf_stream s)
+extern "C" sf_status sf_moe_aux_scores_forward_cuda(const sf_moe_args *a, sf_stream s)
 {
-    return on_device("moe_aux_scores_fwd", a->logits->device_id,
+    return on_device("moe_aux_scores_forward", a->logits->device_id,
                      {{"logits", a->logits}, {"scores", a->out}}, [&] {
-        aux_scores_fwd_kernel<<<blocks_for(a->T, a->logits->device_id), kThreads, 0, sf_cuda_stream(s)>>>(
+        aux_scores_forward_kernel<<<blocks_for(a->T, a->logits->device_id), kThreads, 0, sf_cuda_stream(s)>>>(
             a->T, a->E, a->topk, a->score, a->logits->data, a->logits->dtype, a->out->data,
             a->out->dtype, (uint8_t *)a->out2->data, (float *)a->out3->data);
         return SF_OK;
     });
 }
 
-extern "C" sf_status sf_moe_aux_scores_bwd_cuda(const sf_moe_args *a, sf_stream s)
+extern "C" sf_status sf_moe_aux_scores_backward_cuda(const sf_moe_args *a, sf_stream s)
 {
-    return on_device("moe_aux_scores_bwd", a->grad->device_id,
+    return on_device("moe_aux_scores_backward", a->grad->device_id,
                      {{"dscores", a->grad}, {"dlogits", a->out}}, [&] {
-        aux_scores_bwd_kernel<<<blocks_for(a->T, a->grad->device_id), kThreads, 0, sf_cuda_stream(s)>>>(
+        aux_scores_backward_kernel<<<blocks_for(a->T, a->grad->device_id), kThreads, 0, sf_cuda_stream(s)>>>(
             a->T, a->E, a->score, (const float *)a->saved->data, a->grad->data, a->grad->dtype,
             a->out->data, a->out->dtype);
         return SF_OK;
     });
 }
 
-extern "C" sf_status sf_moe_aux_loss_fwd_cuda(const sf_moe_args *a, sf_stream s)
+extern "C" sf_status sf_moe_aux_loss_forward_cuda(const sf_moe_args *a, sf_stream s)
 {
-    const char *op = "moe_aux_loss_fwd";
+    const char *op = "moe_aux_loss_forward";
     return on_device(op, a->probs->device_id, {{"probs", a->probs}}, [&]() -> sf_status {
         cudaStream_t st = sf_cuda_stream(s);
         SF_CUDA_TRY(op, cudaMemsetAsync(a->out->data, 0, sizeof(float), st));
         if (a->T == 0 || a->E == 0)
             return SF_OK;
         float c = sf_moe_aux_factor(a->coeff, a->E, a->topk, a->total_tokens);
-        aux_loss_fwd_kernel<<<blocks_for(a->T * a->E, a->probs->device_id), kThreads, 0, st>>>(
+        aux_loss_forward_kernel<<<blocks_for(a->T * a->E, a->probs->device_id), kThreads, 0, st>>>(
             a->T, a->E, a->probs->data, a->probs->dtype, a->tpe->data, a->tpe->dtype, c,
             (float *)a->out->data);
         return SF_OK;
     });
 }
 
-extern "C" sf_status sf_moe_aux_loss_bwd_cuda(const sf_moe_args *a, sf_stream s)
+extern "C" sf_status sf_moe_aux_loss_backward_cuda(const sf_moe_args *a, sf_stream s)
 {
-    return on_device("moe_aux_loss_bwd", a->out->device_id, {{"dprobs", a->out}}, [&] {
+    return on_device("moe_aux_loss_backward", a->out->device_id, {{"dprobs", a->out}}, [&] {
         float c = sf_moe_aux_factor(a->coeff, a->E, a->topk, a->total_tokens);
-        aux_loss_bwd_kernel<<<blocks_for(a->T * a->E, a->out->device_id), kThreads, 0, sf_cuda_stream(s)>>>(
+        aux_loss_backward_kernel<<<blocks_for(a->T * a->E, a->out->device_id), kThreads, 0, sf_cuda_stream(s)>>>(
             a->T, a->E, (const float *)a->dloss->data, a->tpe->data, a->tpe->dtype, c, a->out->data,
             a->out->dtype);
         return SF_OK;
     });
 }
 
-extern "C" sf_status sf_moe_z_loss_fwd_cuda(const sf_moe_args *a, sf_stream s)
+extern "C" sf_status sf_moe_z_loss_forward_cuda(const sf_moe_args *a, sf_stream s)
 {
-    const char *op = "moe_z_loss_fwd";
+    const char *op = "moe_z_loss_forward";
     return on_device(op, a->logits->device_id, {{"logits", a->logits}}, [&]() -> sf_status {
         cudaStream_t st = sf_cuda_stream(s);
         SF_CUDA_TRY(op, cudaMemsetAsync(a->out->data, 0, sizeof(float), st));
-        z_loss_fwd_kernel<<<blocks_for(a->T, a->logits->device_id), kThreads, 0, st>>>(
+        z_loss_forward_kernel<<<blocks_for(a->T, a->logits->device_id), kThreads, 0, st>>>(
             a->T, a->E, a->logits->data, a->logits->dtype, a->coeff / (float)a->T,
             (float *)a->out->data, (float *)a->out2->data);
         return SF_OK;
     });
 }
 
-extern "C" sf_status sf_moe_z_loss_bwd_cuda(const sf_moe_args *a, sf_stream s)
+extern "C" sf_status sf_moe_z_loss_backward_cuda(const sf_moe_args *a, sf_stream s)
 {
-    return on_device("moe_z_loss_bwd", a->logits->device_id,
+    return on_device("moe_z_loss_backward", a->logits->device_id,
                      {{"logits", a->logits}, {"dlogits", a->out}}, [&] {
-        z_loss_bwd_kernel<<<blocks_for(a->T * a->E, a->logits->device_id), kThreads, 0, sf_cuda_stream(s)>>>(
+        z_loss_backward_kernel<<<blocks_for(a->T * a->E, a->logits->device_id), kThreads, 0, sf_cuda_stream(s)>>>(
             a->T, a->E, a->logits->data, a->logits->dtype, (const float *)a->lse->data,
             (const float *)a->dloss->data, a->coeff * 2.0f / (float)a->T, a->out->data, a->out->dtype);
         return SF_OK;
@@ -470,11 +470,11 @@ extern "C" sf_status sf_moe_unpermute_cuda(const sf_moe_args *a, sf_stream s)
     });
 }
 
-extern "C" sf_status sf_moe_unpermute_bwd_cuda(const sf_moe_args *a, sf_stream s)
+extern "C" sf_status sf_moe_unpermute_backward_cuda(const sf_moe_args *a, sf_stream s)
 {
-    return on_device("moe_unpermute_bwd", a->grad->device_id,
+    return on_device("moe_unpermute_backward", a->grad->device_id,
                      {{"dout", a->grad}, {"inp", a->inp}, {"probs", a->probs}, {"dprobs", a->out2}}, [&] {
-        unpermute_bwd_kernel<<<token_blocks(a->T), kThreads, 0, sf_cuda_stream(s)>>>(
+        unpermute_backward_kernel<<<token_blocks(a->T), kThreads, 0, sf_cuda_stream(s)>>>(
             a->T, a->E, a->H, a->N, (const int32_t *)a->map->data, a->grad->data, a->grad->dtype,
             a->inp ? a->inp->data : nullptr, a->inp ? a->inp->dtype : SF_FLOAT32,
             a->probs ? a->probs->data : nullptr, a->probs ? a->probs->dtype : SF_FLOAT32,
@@ -483,32 +483,32 @@ extern "C" sf_status sf_moe_unpermute_bwd_cuda(const sf_moe_args *a, sf_stream s
     });
 }
 
-extern "C" sf_status sf_moe_permute_probs_bwd_cuda(const sf_moe_args *a, sf_stream s)
+extern "C" sf_status sf_moe_permute_probs_backward_cuda(const sf_moe_args *a, sf_stream s)
 {
-    return on_device("moe_permute_probs_bwd", a->map->device_id,
+    return on_device("moe_permute_probs_backward", a->map->device_id,
                      {{"dout_probs", a->grad}, {"dprobs", a->out}}, [&] {
-        permute_probs_bwd_kernel<<<blocks_for(a->T * a->E, a->map->device_id), kThreads, 0, sf_cuda_stream(s)>>>(
+        permute_probs_backward_kernel<<<blocks_for(a->T * a->E, a->map->device_id), kThreads, 0, sf_cuda_stream(s)>>>(
             a->T * a->E, a->N, (const int32_t *)a->map->data, a->grad->data, a->grad->dtype,
             a->out->data, a->out->dtype);
         return SF_OK;
     });
 }
 
-extern "C" sf_status sf_moe_swiglu_fwd_cuda(const sf_moe_args *a, sf_stream s)
+extern "C" sf_status sf_moe_swiglu_forward_cuda(const sf_moe_args *a, sf_stream s)
 {
-    return on_device("moe_swiglu_fwd", a->inp->device_id, {{"x", a->inp}, {"probs", a->probs}}, [&] {
-        swiglu_fwd_kernel<<<blocks_for(a->N * a->H, a->inp->device_id), kThreads, 0, sf_cuda_stream(s)>>>(
+    return on_device("moe_swiglu_forward", a->inp->device_id, {{"x", a->inp}, {"probs", a->probs}}, [&] {
+        swiglu_forward_kernel<<<blocks_for(a->N * a->H, a->inp->device_id), kThreads, 0, sf_cuda_stream(s)>>>(
             a->N, a->H, a->inp->data, a->inp->dtype, a->probs ? a->probs->data : nullptr,
             a->probs ? a->probs->dtype : SF_FLOAT32, a->out->data);
         return SF_OK;
     });
 }
 
-extern "C" sf_status sf_moe_swiglu_bwd_cuda(const sf_moe_args *a, sf_stream s)
+extern "C" sf_status sf_moe_swiglu_backward_cuda(const sf_moe_args *a, sf_stream s)
 {
-    return on_device("moe_swiglu_bwd", a->inp->device_id,
+    return on_device("moe_swiglu_backward", a->inp->device_id,
                      {{"dout", a->grad}, {"x", a->inp}, {"probs", a->probs}, {"dprobs", a->out2}}, [&] {
-        swiglu_bwd_kernel<<<token_blocks(a->N), kThreads, 0, sf_cuda_stream(s)>>>(
+        swiglu_backward_kernel<<<token_blocks(a->N), kThreads, 0, sf_cuda_stream(s)>>>(
             a->N, a->H, a->grad->data, a->grad->dtype, a->inp->data, a->inp->dtype,
             a->probs ? a->probs->data : nullptr, a->probs ? a->probs->dtype : SF_FLOAT32,
             a->out->data, a->out2 ? a->out2->data : nullptr, a->out2 ? a->out2->dtype : SF_FLOAT32);

@@ -54,7 +54,7 @@ static void run_case(int rms, sf_dtype dt, sf_dtype wdt, int64_t rows, int64_t h
     const int fp8 = ydt == SF_FLOAT8_E4M3 || ydt == SF_FLOAT8_E5M2;
     int64_t wsn = 0;
     sf_tensor xv = x.view(2, xs, 1);
-    CHECK_SF(sf_norm_bwd_workspace_numel(&xv, &wsn));
+    CHECK_SF(sf_norm_backward_workspace_numel(&xv, &wsn));
     CheckBuf work(SF_FLOAT32, wsn > 0 ? wsn : 1);
     for (int cuda = 1; cuda >= 0; --cuda) {
         sf_tensor X = x.view(2, xs, cuda), DY = dy.view(2, xs, cuda), W = w.view(1, ws, cuda),
@@ -65,11 +65,11 @@ static void run_case(int rms, sf_dtype dt, sf_dtype wdt, int64_t rows, int64_t h
         sf_tensor WS = work.view(1, wshape, cuda);
         const sf_tensor *sp = fp8 ? &S : NULL;
         if (rms) {
-            CHECK_SF(sf_rmsnorm_fwd(&X, &W, 1e-5f, 0, &Y, &R, sp, &A, NULL, NULL));
-            if (!fp8) CHECK_SF(sf_rmsnorm_bwd(&DY, &X, &R, &W, 0, &DX, &DG, cuda ? &WS : NULL, NULL));
+            CHECK_SF(sf_rmsnorm_forward(&X, &W, 1e-5f, 0, &Y, &R, sp, &A, NULL, NULL));
+            if (!fp8) CHECK_SF(sf_rmsnorm_backward(&DY, &X, &R, &W, 0, &DX, &DG, cuda ? &WS : NULL, NULL));
         } else {
-            CHECK_SF(sf_layernorm_fwd(&X, &W, &B, 1e-5f, 0, &Y, &M, &R, sp, &A, NULL, NULL));
-            if (!fp8) CHECK_SF(sf_layernorm_bwd(&DY, &X, &M, &R, &W, 0, &DX, &DG, &DB, cuda ? &WS : NULL, NULL));
+            CHECK_SF(sf_layernorm_forward(&X, &W, &B, 1e-5f, 0, &Y, &M, &R, sp, &A, NULL, NULL));
+            if (!fp8) CHECK_SF(sf_layernorm_backward(&DY, &X, &M, &R, &W, 0, &DX, &DG, &DB, cuda ? &WS : NULL, NULL));
         }
     }
     CHECK_CUDA(cudaDeviceSynchronize());
@@ -173,26 +173,26 @@ static void bandwidth(int rms, int64_t rows, int64_t hidden)
     sf_tensor_init(&R, r, SF_FLOAT32, 1, rs, SF_CUDA, 0);
     sf_tensor_init(&S, sc, SF_FLOAT32, 1, one, SF_CUDA, 0);
     sf_tensor_init(&A, am, SF_FLOAT32, 1, one, SF_CUDA, 0);
-    CHECK_SF(sf_norm_bwd_workspace_numel(&X, &wsn));
+    CHECK_SF(sf_norm_backward_workspace_numel(&X, &wsn));
     CHECK_CUDA(cudaMalloc(&work, wsn * 4));
     int64_t wshape[1] = {wsn};
     sf_tensor_init(&WS, work, SF_FLOAT32, 1, wshape, SF_CUDA, 0);
-    auto fwd = [&](sf_tensor *out, const sf_tensor *scale, sf_tensor *amax) {
-        if (rms) CHECK_SF(sf_rmsnorm_fwd(&X, &W, 1e-5f, 0, out, &R, scale, amax, NULL, NULL));
-        else CHECK_SF(sf_layernorm_fwd(&X, &W, &B, 1e-5f, 0, out, &M, &R, scale, amax, NULL, NULL));
+    auto forward = [&](sf_tensor *out, const sf_tensor *scale, sf_tensor *amax) {
+        if (rms) CHECK_SF(sf_rmsnorm_forward(&X, &W, 1e-5f, 0, out, &R, scale, amax, NULL, NULL));
+        else CHECK_SF(sf_layernorm_forward(&X, &W, &B, 1e-5f, 0, out, &M, &R, scale, amax, NULL, NULL));
     };
-    auto bwd = [&] {
-        if (rms) CHECK_SF(sf_rmsnorm_bwd(&DY, &X, &R, &W, 0, &DX, &DG, &WS, NULL));
-        else CHECK_SF(sf_layernorm_bwd(&DY, &X, &M, &R, &W, 0, &DX, &DG, &DB, &WS, NULL));
+    auto backward = [&] {
+        if (rms) CHECK_SF(sf_rmsnorm_backward(&DY, &X, &R, &W, 0, &DX, &DG, &WS, NULL));
+        else CHECK_SF(sf_layernorm_backward(&DY, &X, &M, &R, &W, 0, &DX, &DG, &DB, &WS, NULL));
     };
-    const float f = time_ms([&] { fwd(&Y, NULL, NULL); });
-    const float f8 = time_ms([&] { fwd(&Y8, &S, &A); });
-    const float bw = time_ms(bwd);
-    const float fb = time_ms([&] { fwd(&Y, NULL, NULL); bwd(); });
+    const float f = time_ms([&] { forward(&Y, NULL, NULL); });
+    const float f8 = time_ms([&] { forward(&Y8, &S, &A); });
+    const float bw = time_ms(backward);
+    const float fb = time_ms([&] { forward(&Y, NULL, NULL); backward(); });
     const double copy = check_copy_tbs((size_t)n * 2), e = (double)n;
     auto tbs = [](double bytes, float ms) { return bytes / ms / 1e9; };
-    printf("%-9s bf16 %5lldx%-5lld fwd %.3f ms %.2f TB/s (%3.0f%%) | fwd fp8+amax %.3f ms %.2f TB/s (%3.0f%%) | "
-           "bwd %.3f ms %.2f TB/s (%3.0f%%) | fwd+bwd %.3f ms %.2f TB/s (%3.0f%%) | copy %.2f TB/s\n",
+    printf("%-9s bf16 %5lldx%-5lld forward %.3f ms %.2f TB/s (%3.0f%%) | forward fp8+amax %.3f ms %.2f TB/s (%3.0f%%) | "
+           "backward %.3f ms %.2f TB/s (%3.0f%%) | forward+backward %.3f ms %.2f TB/s (%3.0f%%) | copy %.2f TB/s\n",
            rms ? "rmsnorm" : "layernorm", (long long)rows, (long long)hidden,
            f, tbs(4 * e, f), 100 * tbs(4 * e, f) / copy, f8, tbs(3 * e, f8), 100 * tbs(3 * e, f8) / copy,
            bw, tbs(6 * e, bw), 100 * tbs(6 * e, bw) / copy, fb, tbs(10 * e, fb), 100 * tbs(10 * e, fb) / copy,
@@ -234,19 +234,19 @@ static void sweep_shape(int rms, int64_t rows, int64_t hidden)
         for (int blk : {128, 256, 512, 1024}) {
             int64_t k;
             CHECK_SF(sf_norm_cuda_tune(16, 256, e, blk));
-            CHECK_SF(sf_norm_bwd_workspace_numel(&X, &k));
+            CHECK_SF(sf_norm_backward_workspace_numel(&X, &k));
             wsn = std::max(wsn, k);
         }
     CheckBuf work(SF_FLOAT32, wsn);
     int64_t wshape[1] = {wsn};
     sf_tensor WS = work.view(1, wshape, 1);
-    auto fwd = [&] {
-        if (rms) CHECK_SF(sf_rmsnorm_fwd(&X, &W, 1e-5f, 0, &Y, &R, NULL, NULL, NULL, NULL));
-        else CHECK_SF(sf_layernorm_fwd(&X, &W, &Bt, 1e-5f, 0, &Y, &M, &R, NULL, NULL, NULL, NULL));
+    auto forward = [&] {
+        if (rms) CHECK_SF(sf_rmsnorm_forward(&X, &W, 1e-5f, 0, &Y, &R, NULL, NULL, NULL, NULL));
+        else CHECK_SF(sf_layernorm_forward(&X, &W, &Bt, 1e-5f, 0, &Y, &M, &R, NULL, NULL, NULL, NULL));
     };
-    auto bwd = [&] {
-        if (rms) CHECK_SF(sf_rmsnorm_bwd(&DY, &X, &R, &W, 0, &DX, &DG, &WS, NULL));
-        else CHECK_SF(sf_layernorm_bwd(&DY, &X, &M, &R, &W, 0, &DX, &DG, &DB, &WS, NULL));
+    auto backward = [&] {
+        if (rms) CHECK_SF(sf_rmsnorm_backward(&DY, &X, &R, &W, 0, &DX, &DG, &WS, NULL));
+        else CHECK_SF(sf_layernorm_backward(&DY, &X, &M, &R, &W, 0, &DX, &DG, &DB, &WS, NULL));
     };
     CheckBuf *outs[4] = {&B.y, &B.dx, &B.dg, &B.db};
     /* y and dx compared over their first rows (every split treats all rows
@@ -257,8 +257,8 @@ static void sweep_shape(int rms, int64_t rows, int64_t hidden)
     auto run_checked = [&] {
         for (CheckBuf *o : outs)
             CHECK_CUDA(cudaMemset(o->d, 0xff, o->h.size()));
-        fwd();
-        bwd();
+        forward();
+        backward();
         CHECK_CUDA(cudaDeviceSynchronize());
     };
     CHECK_SF(sf_norm_cuda_tune(0, 0, 0, 0)); /* the defaults of norm_cuda.cuh */
@@ -280,12 +280,12 @@ static void sweep_shape(int rms, int64_t rows, int64_t hidden)
                     worst = std::max(worst, check_rel_err(SF_BFLOAT16, outs[i]->down(), ref[i], counts[i]));
                 char what[160];
                 snprintf(what, sizeof what, "sweep %s %lldx%lld %s elems %d block %d: rel err %.2e vs defaults",
-                         name, (long long)rows, (long long)hidden, dir ? "bwd" : "fwd", elems, blk, worst);
+                         name, (long long)rows, (long long)hidden, dir ? "backward" : "forward", elems, blk, worst);
                 check_report(worst < 1e-2, what);
-                const float ms = dir == 0 ? time_ms(fwd) : time_ms(bwd);
+                const float ms = dir == 0 ? time_ms(forward) : time_ms(backward);
                 const double bytes = (dir == 0 ? 4 : 6) * e;
                 printf("sweep %-9s %5lldx%-5lld %s elems %2d block %4d: %.4f ms %.2f TB/s (%3.0f%% of copy)\n",
-                       name, (long long)rows, (long long)hidden, dir ? "bwd" : "fwd", elems, blk, ms,
+                       name, (long long)rows, (long long)hidden, dir ? "backward" : "forward", elems, blk, ms,
                        bytes / ms / 1e9, 100 * bytes / ms / 1e9 / copy);
             }
     CHECK_SF(sf_norm_cuda_tune(0, 0, 0, 0));

@@ -2,8 +2,8 @@
  * norm.c - the public LayerNorm / RMSNorm entries: every precondition is
  * checked here, once, then the call goes to the CPU reference (norm_cpu.c) or
  * the CUDA kernels (norm_cuda.cu).  Messages name the op, the argument and
- * the rule, e.g. "layernorm_fwd: argument 'gamma' must have 4096 element(s)".
- * The CUDA side is two units, norm_cuda.cu and norm_bwd_16bit_cuda.cu,
+ * the rule, e.g. "layernorm_forward: argument 'gamma' must have 4096 element(s)".
+ * The CUDA side is two units, norm_cuda.cu and norm_backward_16bit_cuda.cu,
  * which share the kernels (norm_kernels.cuh) and are split so that a
  * parallel build compiles them side by side (norm_cuda.cuh says which
  * instantiations each holds).
@@ -55,7 +55,7 @@ static sf_status check_like_x(const char *op, const char *arg, const sf_tensor *
     return sf_check_same_device(op, "x", x, arg, t);
 }
 
-static sf_status norm_fwd(const char *op, sf_norm_fwd_args *a, sf_stream stream)
+static sf_status norm_forward(const char *op, sf_norm_forward_args *a, sf_stream stream)
 {
     const sf_tensor *x = a->x;
     SF_TRY(check_input(op, "x", x, &a->rows, &a->hidden));
@@ -93,49 +93,49 @@ static sf_status norm_fwd(const char *op, sf_norm_fwd_args *a, sf_stream stream)
     if (a->scale_inv)
         SF_TRY(sf_check_vector(op, "scale_inv", a->scale_inv, SF_FLOAT32, 1, "x", x, 1));
 
-    return SF_DISPATCH(op, "x", x, sf_norm_fwd_cpu(a), sf_norm_fwd_cuda(a, stream));
+    return SF_DISPATCH(op, "x", x, sf_norm_forward_cpu(a), sf_norm_forward_cuda(a, stream));
 }
 
-sf_status sf_layernorm_fwd(const sf_tensor *x, const sf_tensor *gamma,
+sf_status sf_layernorm_forward(const sf_tensor *x, const sf_tensor *gamma,
                            const sf_tensor *beta, float eps, int zero_centered_gamma,
                            sf_tensor *y, sf_tensor *mean, sf_tensor *rstd,
                            const sf_tensor *scale, sf_tensor *amax,
                            sf_tensor *scale_inv, sf_stream stream)
 {
-    sf_norm_fwd_args a = {.rms = 0, .zero_centered_gamma = zero_centered_gamma != 0, .eps = eps,
+    sf_norm_forward_args a = {.rms = 0, .zero_centered_gamma = zero_centered_gamma != 0, .eps = eps,
                           .x = x, .gamma = gamma, .beta = beta, .y = y, .mean = mean,
                           .rstd = rstd, .scale = scale, .amax = amax, .scale_inv = scale_inv};
-    return norm_fwd("layernorm_fwd", &a, stream);
+    return norm_forward("layernorm_forward", &a, stream);
 }
 
-sf_status sf_rmsnorm_fwd(const sf_tensor *x, const sf_tensor *gamma, float eps,
+sf_status sf_rmsnorm_forward(const sf_tensor *x, const sf_tensor *gamma, float eps,
                          int zero_centered_gamma, sf_tensor *y, sf_tensor *rstd,
                          const sf_tensor *scale, sf_tensor *amax,
                          sf_tensor *scale_inv, sf_stream stream)
 {
-    sf_norm_fwd_args a = {.rms = 1, .zero_centered_gamma = zero_centered_gamma != 0, .eps = eps,
+    sf_norm_forward_args a = {.rms = 1, .zero_centered_gamma = zero_centered_gamma != 0, .eps = eps,
                           .x = x, .gamma = gamma, .y = y, .rstd = rstd, .scale = scale,
                           .amax = amax, .scale_inv = scale_inv};
-    return norm_fwd("rmsnorm_fwd", &a, stream);
+    return norm_forward("rmsnorm_forward", &a, stream);
 }
 
 static sf_status workspace_numel(const sf_tensor *x, int64_t rows, int64_t hidden,
                                  int64_t *numel)
 {
     *numel = 0;
-    return SF_DISPATCH("norm_bwd_workspace_numel", "x", x, SF_OK,
-                       sf_norm_bwd_workspace_numel_cuda(rows, hidden, x->dtype, x->device_id,
+    return SF_DISPATCH("norm_backward_workspace_numel", "x", x, SF_OK,
+                       sf_norm_backward_workspace_numel_cuda(rows, hidden, x->dtype, x->device_id,
                                                         numel));
 }
 
-sf_status sf_norm_bwd_workspace_numel(const sf_tensor *x, int64_t *numel)
+sf_status sf_norm_backward_workspace_numel(const sf_tensor *x, int64_t *numel)
 {
     int64_t rows, hidden;
-    SF_TRY(check_input("norm_bwd_workspace_numel", "x", x, &rows, &hidden));
+    SF_TRY(check_input("norm_backward_workspace_numel", "x", x, &rows, &hidden));
     return workspace_numel(x, rows, hidden, numel);
 }
 
-static sf_status norm_bwd(const char *op, sf_norm_bwd_args *a, sf_stream stream)
+static sf_status norm_backward(const char *op, sf_norm_backward_args *a, sf_stream stream)
 {
     const sf_tensor *x = a->x;
     SF_TRY(check_input(op, "x", x, &a->rows, &a->hidden));
@@ -161,7 +161,7 @@ static sf_status norm_bwd(const char *op, sf_norm_bwd_args *a, sf_stream stream)
     if (need > 0) {
         if (!a->workspace)
             return sf_fail(SF_ERR_VALUE, "%s: argument 'workspace' is required: %lld float32 "
-                           "elements (norm_bwd_workspace_numel)", op, (long long)need);
+                           "elements (norm_backward_workspace_numel)", op, (long long)need);
         SF_TRY(sf_check_dtype(op, "workspace", a->workspace, SF_FLOAT32));
         SF_TRY(sf_check_contiguous(op, "workspace", a->workspace));
         SF_TRY(sf_check_writable(op, "workspace", a->workspace));
@@ -172,31 +172,31 @@ static sf_status norm_bwd(const char *op, sf_norm_bwd_args *a, sf_stream stream)
                            (long long)sf_numel(a->workspace));
     }
 
-    return SF_DISPATCH(op, "x", x, sf_norm_bwd_cpu(a), sf_norm_bwd_cuda(a, stream));
+    return SF_DISPATCH(op, "x", x, sf_norm_backward_cpu(a), sf_norm_backward_cuda(a, stream));
 }
 
-sf_status sf_layernorm_bwd(const sf_tensor *dy, const sf_tensor *x,
+sf_status sf_layernorm_backward(const sf_tensor *dy, const sf_tensor *x,
                            const sf_tensor *mean, const sf_tensor *rstd,
                            const sf_tensor *gamma, int zero_centered_gamma,
                            sf_tensor *dx, sf_tensor *dgamma, sf_tensor *dbeta,
                            sf_tensor *workspace, sf_stream stream)
 {
-    static const char op[] = "layernorm_bwd";
+    static const char op[] = "layernorm_backward";
     if (!mean)
         return sf_fail(SF_ERR_VALUE, "%s: argument 'mean' is required", op);
-    sf_norm_bwd_args a = {.rms = 0, .zero_centered_gamma = zero_centered_gamma != 0, .dy = dy,
+    sf_norm_backward_args a = {.rms = 0, .zero_centered_gamma = zero_centered_gamma != 0, .dy = dy,
                           .x = x, .mean = mean, .rstd = rstd, .gamma = gamma, .dx = dx,
                           .dgamma = dgamma, .dbeta = dbeta, .workspace = workspace};
-    return norm_bwd(op, &a, stream);
+    return norm_backward(op, &a, stream);
 }
 
-sf_status sf_rmsnorm_bwd(const sf_tensor *dy, const sf_tensor *x,
+sf_status sf_rmsnorm_backward(const sf_tensor *dy, const sf_tensor *x,
                          const sf_tensor *rstd, const sf_tensor *gamma,
                          int zero_centered_gamma, sf_tensor *dx, sf_tensor *dgamma,
                          sf_tensor *workspace, sf_stream stream)
 {
-    sf_norm_bwd_args a = {.rms = 1, .zero_centered_gamma = zero_centered_gamma != 0, .dy = dy,
+    sf_norm_backward_args a = {.rms = 1, .zero_centered_gamma = zero_centered_gamma != 0, .dy = dy,
                           .x = x, .rstd = rstd, .gamma = gamma, .dx = dx, .dgamma = dgamma,
                           .workspace = workspace};
-    return norm_bwd("rmsnorm_bwd", &a, stream);
+    return norm_backward("rmsnorm_backward", &a, stream);
 }

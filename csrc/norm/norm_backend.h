@@ -23,7 +23,7 @@ typedef struct {
     sf_tensor *y, *mean, *rstd;        /* mean, rstd NULL: not saved */
     const sf_tensor *scale;            /* non-NULL iff y is FP8 */
     sf_tensor *amax, *scale_inv;       /* optional */
-} sf_norm_fwd_args;
+} sf_norm_forward_args;
 
 typedef struct {
     int rms;
@@ -32,12 +32,12 @@ typedef struct {
     const sf_tensor *dy, *x, *mean, *rstd, *gamma; /* mean NULL for RMSNorm */
     sf_tensor *dx, *dgamma, *dbeta;                 /* dbeta NULL: none */
     sf_tensor *workspace;                           /* NULL when none is needed */
-} sf_norm_bwd_args;
+} sf_norm_backward_args;
 
-sf_status sf_norm_fwd_cpu(const sf_norm_fwd_args *a);
-sf_status sf_norm_bwd_cpu(const sf_norm_bwd_args *a);
-sf_status sf_norm_fwd_cuda(const sf_norm_fwd_args *a, sf_stream stream);
-sf_status sf_norm_bwd_cuda(const sf_norm_bwd_args *a, sf_stream stream);
+sf_status sf_norm_forward_cpu(const sf_norm_forward_args *a);
+sf_status sf_norm_backward_cpu(const sf_norm_backward_args *a);
+sf_status sf_norm_forward_cuda(const sf_norm_forward_args *a, sf_stream stream);
+sf_status sf_norm_backward_cuda(const sf_norm_backward_args *a, sf_stream stream);
 #ifdef SF_WORKBENCH
 /* Check programs only (built with SF_WORKBENCH, csrc/build_checks.sh): the
  * CUDA split's knobs (elements per thread: 8, 16 or 32; threads per block),
@@ -45,10 +45,10 @@ sf_status sf_norm_bwd_cuda(const sf_norm_bwd_args *a, sf_stream stream);
  * alternatives.  The library has no such knob: it runs the defaults
  * (norm_cuda.cuh's constants; all four 0 restores them here).  Set it
  * before asking for a workspace size. */
-sf_status sf_norm_cuda_tune(int fwd_elems, int fwd_block, int bwd_elems, int bwd_block);
+sf_status sf_norm_cuda_tune(int forward_elems, int forward_block, int backward_elems, int backward_block);
 #endif
 /* Float32 elements of workspace the CUDA backward wants for rows x hidden. */
-sf_status sf_norm_bwd_workspace_numel_cuda(int64_t rows, int64_t hidden, sf_dtype dtype,
+sf_status sf_norm_backward_workspace_numel_cuda(int64_t rows, int64_t hidden, sf_dtype dtype,
                                            int device_id, int64_t *numel);
 
 #ifdef __cplusplus

@@ -26,7 +26,7 @@ static uint32_t max_abs(uint32_t m, float v)
     return b > m ? b : m;
 }
 
-sf_status sf_norm_fwd_cpu(const sf_norm_fwd_args *a)
+sf_status sf_norm_forward_cpu(const sf_norm_forward_args *a)
 {
     const int64_t H = a->hidden;
     const int fp8 = a->y->dtype == SF_FLOAT8_E4M3 || a->y->dtype == SF_FLOAT8_E5M2;
@@ -75,7 +75,7 @@ sf_status sf_norm_fwd_cpu(const sf_norm_fwd_args *a)
     return SF_OK;
 }
 
-sf_status sf_norm_bwd_cpu(const sf_norm_bwd_args *a)
+sf_status sf_norm_backward_cpu(const sf_norm_backward_args *a)
 {
     const int64_t H = a->hidden;
     /* dgamma / dbeta sums in double, one per column. */

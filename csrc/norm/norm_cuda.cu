@@ -3,16 +3,16 @@
  * blocks turned into the kernels' parameters, the launch of the dtype's
  * forward or backward, the column sums that finish dgamma / dbeta, and the
  * backward's workspace size.  This unit compiles the forward kernels of
- * every dtype and the float32 backward; norm_bwd_16bit_cuda.cu the float16
+ * every dtype and the float32 backward; norm_backward_16bit_cuda.cu the float16
  * and bfloat16 backward.  The kernels and their design: norm_kernels.cuh.
  */
 #include "../core/visit.cuh"
 #include "norm_kernels.cuh"
 
-/* compiled in norm_bwd_16bit_cuda.cu */
-extern template sf_status sf_norm::launch_bwd<__half>(const BwdParams &p, const Config &c, bool vec, int device,
+/* compiled in norm_backward_16bit_cuda.cu */
+extern template sf_status sf_norm::launch_backward<__half>(const BackwardParams &p, const Config &c, bool vec, int device,
                                                       int64_t bound, cudaStream_t stream, int64_t *grid);
-extern template sf_status sf_norm::launch_bwd<__nv_bfloat16>(const BwdParams &p, const Config &c, bool vec,
+extern template sf_status sf_norm::launch_backward<__nv_bfloat16>(const BackwardParams &p, const Config &c, bool vec,
                                                              int device, int64_t bound, cudaStream_t stream,
                                                              int64_t *grid);
 
@@ -26,7 +26,7 @@ __global__ void write_scale_inv_kernel(const float *scale, float *scale_inv)
 /* An upper bound of any backward grid of split c over `rows`: blocks that
  * could be resident at once by thread count (2048 threads per SM on sm_80 /
  * sm_90), never more than the row groups.  The workspace is sized by it. */
-sf_status bwd_grid_bound(const char *op, int64_t rows, const Config &c, int device, int64_t *bound)
+sf_status backward_grid_bound(const char *op, int64_t rows, const Config &c, int device, int64_t *bound)
 {
     int sms;
     SF_TRY(sf_vec::sm_count(op, device, &sms));
@@ -45,14 +45,14 @@ sf_status launch_reduce(const float *ws, int parts, int hidden, void *dgamma, vo
     dim3 block(32, 8);
     dim3 grid((hidden + 31) / 32, dbeta ? 2 : 1);
     column_sum_kernel<G><<<grid, block, 0, stream>>>(ws, parts, hidden, (G *)dgamma, (G *)dbeta);
-    SF_CUDA_CHECK_LAUNCH("norm_bwd");
+    SF_CUDA_CHECK_LAUNCH("norm_backward");
     return SF_OK;
 }
 
-sf_status fwd(const sf_norm_fwd_args *a, cudaStream_t stream)
+sf_status forward(const sf_norm_forward_args *a, cudaStream_t stream)
 {
-    const char *op = a->rms ? "rmsnorm_fwd" : "layernorm_fwd";
-    FwdParams p;
+    const char *op = a->rms ? "rmsnorm_forward" : "layernorm_forward";
+    ForwardParams p;
     p.x = a->x->data;
     p.gamma = a->gamma->data;
     p.beta = a->beta ? a->beta->data : NULL;
@@ -88,21 +88,21 @@ sf_status fwd(const sf_norm_fwd_args *a, cudaStream_t stream)
                      ((uintptr_t)p.y % (uintptr_t)(ve * ysize)) == 0;
     const int device = a->x->device_id;
     return sf_visit_float(op, "x", a->x->dtype, [&](auto tag) {
-        return launch_fwd<typename decltype(tag)::type>(p, vec, device, stream);
+        return launch_forward<typename decltype(tag)::type>(p, vec, device, stream);
     });
 }
 
 /* The vector path: rows of whole 16-byte vectors, every row tensor aligned. */
-bool bwd_vec(const sf_norm_bwd_args *a)
+bool backward_vec(const sf_norm_backward_args *a)
 {
     const int ve = 16 / (int)sf_dtype_size(a->x->dtype);
     return a->hidden % ve == 0 && aligned16(a->x->data) && aligned16(a->dy->data) &&
            aligned16(a->dx->data);
 }
 
-sf_status bwd(const sf_norm_bwd_args *a, cudaStream_t stream)
+sf_status backward(const sf_norm_backward_args *a, cudaStream_t stream)
 {
-    const char *op = a->rms ? "rmsnorm_bwd" : "layernorm_bwd";
+    const char *op = a->rms ? "rmsnorm_backward" : "layernorm_backward";
     const size_t gsize = sf_dtype_size(a->gamma->dtype);
     if (a->rows == 0) { /* empty sums */
         SF_CUDA_TRY(op, cudaMemsetAsync(a->dgamma->data, 0, a->hidden * gsize, stream));
@@ -112,13 +112,13 @@ sf_status bwd(const sf_norm_bwd_args *a, cudaStream_t stream)
     }
     /* the partial rows are written as float32 vectors of VEC, so the vector
      * path also wants the workspace 16-byte aligned (torch's allocations are) */
-    const bool vec = bwd_vec(a) && aligned16(a->workspace->data);
+    const bool vec = backward_vec(a) && aligned16(a->workspace->data);
     const int ve = 16 / (int)sf_dtype_size(a->x->dtype);
     const int device = a->x->device_id;
     int64_t bound;
-    const Config c = bwd_config(a->hidden, vec ? ve : 1, a->rms); /* the split of both calls below */
-    SF_TRY(bwd_grid_bound(op, a->rows, c, device, &bound));
-    BwdParams p;
+    const Config c = backward_config(a->hidden, vec ? ve : 1, a->rms); /* the split of both calls below */
+    SF_TRY(backward_grid_bound(op, a->rows, c, device, &bound));
+    BackwardParams p;
     p.dy = a->dy->data;
     p.x = a->x->data;
     p.gamma = a->gamma->data;
@@ -135,7 +135,7 @@ sf_status bwd(const sf_norm_bwd_args *a, cudaStream_t stream)
 
     int64_t grid = 0;
     SF_TRY(sf_visit_float(op, "x", a->x->dtype, [&](auto tag) {
-        return launch_bwd<typename decltype(tag)::type>(p, c, vec, device, bound, stream, &grid);
+        return launch_backward<typename decltype(tag)::type>(p, c, vec, device, bound, stream, &grid);
     }));
     void *dbeta = a->dbeta ? a->dbeta->data : NULL;
     const int parts = (int)grid;
@@ -149,20 +149,20 @@ sf_status bwd(const sf_norm_bwd_args *a, cudaStream_t stream)
 
 using namespace sf_norm;
 
-extern "C" sf_status sf_norm_fwd_cuda(const sf_norm_fwd_args *a, sf_stream s)
+extern "C" sf_status sf_norm_forward_cuda(const sf_norm_forward_args *a, sf_stream s)
 {
     sf_cuda_device_guard guard;
-    SF_TRY(sf_cuda_device_enter(a->rms ? "rmsnorm_fwd" : "layernorm_fwd", a->x->device_id, &guard));
-    sf_status st = fwd(a, sf_cuda_stream(s));
+    SF_TRY(sf_cuda_device_enter(a->rms ? "rmsnorm_forward" : "layernorm_forward", a->x->device_id, &guard));
+    sf_status st = forward(a, sf_cuda_stream(s));
     sf_cuda_device_restore(&guard);
     return st;
 }
 
-extern "C" sf_status sf_norm_bwd_cuda(const sf_norm_bwd_args *a, sf_stream s)
+extern "C" sf_status sf_norm_backward_cuda(const sf_norm_backward_args *a, sf_stream s)
 {
     sf_cuda_device_guard guard;
-    SF_TRY(sf_cuda_device_enter(a->rms ? "rmsnorm_bwd" : "layernorm_bwd", a->x->device_id, &guard));
-    sf_status st = bwd(a, sf_cuda_stream(s));
+    SF_TRY(sf_cuda_device_enter(a->rms ? "rmsnorm_backward" : "layernorm_backward", a->x->device_id, &guard));
+    sf_status st = backward(a, sf_cuda_stream(s));
     sf_cuda_device_restore(&guard);
     return st;
 }
@@ -172,15 +172,15 @@ extern "C" sf_status sf_norm_bwd_cuda(const sf_norm_bwd_args *a, sf_stream s)
  * only): what tuning() returns there. */
 Tuning sf_norm::g_tuning = kDefaultTuning;
 
-extern "C" sf_status sf_norm_cuda_tune(int fwd_elems, int fwd_block, int bwd_elems, int bwd_block)
+extern "C" sf_status sf_norm_cuda_tune(int forward_elems, int forward_block, int backward_elems, int backward_block)
 {
-    if (!fwd_elems && !fwd_block && !bwd_elems && !bwd_block) { /* back to the defaults */
+    if (!forward_elems && !forward_block && !backward_elems && !backward_block) { /* back to the defaults */
         g_tuning = kDefaultTuning;
         return SF_OK;
     }
     /* at most 32 elements per thread: the kernels hold NV <= 4 vectors of
      * 16-bit rows, NV <= 8 of float32 ones */
-    const int e[2] = {fwd_elems, bwd_elems}, b[2] = {fwd_block, bwd_block};
+    const int e[2] = {forward_elems, backward_elems}, b[2] = {forward_block, backward_block};
     for (int i = 0; i < 2; ++i) {
         if (e[i] != 8 && e[i] != 16 && e[i] != 32)
             return sf_fail(SF_ERR_VALUE, "sf_norm_cuda_tune: elements per thread must be 8, 16 or 32, got %d", e[i]);
@@ -188,17 +188,17 @@ extern "C" sf_status sf_norm_cuda_tune(int fwd_elems, int fwd_block, int bwd_ele
             return sf_fail(SF_ERR_VALUE, "sf_norm_cuda_tune: block must be a multiple of 32 in [32, 1024], got %d",
                            b[i]);
     }
-    g_tuning.fwd_elems = fwd_elems;
-    g_tuning.fwd_block = fwd_block;
+    g_tuning.forward_elems = forward_elems;
+    g_tuning.forward_block = forward_block;
     for (int rms = 0; rms < 2; ++rms) {
-        g_tuning.bwd_elems[rms] = bwd_elems;
-        g_tuning.bwd_block[rms] = bwd_block;
+        g_tuning.backward_elems[rms] = backward_elems;
+        g_tuning.backward_block[rms] = backward_block;
     }
     return SF_OK;
 }
 #endif /* SF_WORKBENCH */
 
-extern "C" sf_status sf_norm_bwd_workspace_numel_cuda(int64_t rows, int64_t hidden, sf_dtype dtype,
+extern "C" sf_status sf_norm_backward_workspace_numel_cuda(int64_t rows, int64_t hidden, sf_dtype dtype,
                                                       int device_id, int64_t *numel)
 {
     /* the largest of the vector and element-wide paths' bounds, LayerNorm's
@@ -212,7 +212,7 @@ extern "C" sf_status sf_norm_bwd_workspace_numel_cuda(int64_t rows, int64_t hidd
                 if (vec > 1 && hidden % vec)
                     continue; /* no vector path for this row length */
                 int64_t b;
-                SF_TRY(bwd_grid_bound("norm_bwd_workspace_numel", rows, bwd_config(hidden, vec, rms), device_id,
+                SF_TRY(backward_grid_bound("norm_backward_workspace_numel", rows, backward_config(hidden, vec, rms), device_id,
                                       &b));
                 most = b > most ? b : most;
             }

@@ -8,7 +8,7 @@
  *   norm_cuda.cu            entry points, workspace size, the dgamma / dbeta
  *                           column sums, the checks-only tuning knob, the
  *                           forward of every dtype and the float32 backward;
- *   norm_bwd_16bit_cuda.cu  the float16 and bfloat16 backward.
+ *   norm_backward_16bit_cuda.cu  the float16 and bfloat16 backward.
  * Both include the kernels and their launch code, norm_kernels.cuh.
  */
 #ifndef SF_NORM_CUDA_CUH
@@ -30,8 +30,8 @@ constexpr int kScalarNV = 32;     /* element-wide path: 32 x 512 = SF_NORM_MAX_H
  * up to these, the "light" kernels fit 64 registers (launch bound 1024
  * threads) with the next row prefetched; beyond them they get 128 (bound
  * 512) and no prefetch. */
-constexpr int kFwdElems = 16;
-constexpr int kBwdElems = 8;
+constexpr int kForwardElems = 16;
+constexpr int kBackwardElems = 8;
 /* The default split per direction: elements per thread (the cap of NV *
  * VEC) and threads per block, chosen from check_norm --sweep on the H200
  * (bf16, 16384 rows of 1280 / 4096 / 5120, 8192 x 8192, 4096 x 16384,
@@ -48,11 +48,11 @@ constexpr int kBwdElems = 8;
  * The smaller blocks write more float32 partial rows of dgamma / dbeta for
  * the second kernel to add (4 bytes x hidden per block), which the timings
  * include. */
-constexpr int kFwdBlock = 256;
-constexpr int kBwdElemsDefault[2] = {16, 32}; /* [rms] */
-constexpr int kBwdBlockDefault[2] = {256, 256};
+constexpr int kForwardBlock = 256;
+constexpr int kBackwardElemsDefault[2] = {16, 32}; /* [rms] */
+constexpr int kBackwardBlockDefault[2] = {256, 256};
 
-struct FwdParams {
+struct ForwardParams {
     const void *x, *gamma, *beta;
     void *y;
     float *mean, *rstd;
@@ -65,7 +65,7 @@ struct FwdParams {
     int rms, zc, gamma_f32, out_kind;
 };
 
-struct BwdParams {
+struct BackwardParams {
     const void *dy, *x, *gamma;
     const float *mean, *rstd;
     void *dx;
@@ -143,10 +143,10 @@ inline Config pick_config(int64_t hidden, int vec, int elems, int block, int lig
  * sf_norm_cuda_tune (norm_cuda.cu), a process-wide setting for that
  * benchmark. */
 struct Tuning {
-    int fwd_elems, fwd_block, bwd_elems[2], bwd_block[2];
+    int forward_elems, forward_block, backward_elems[2], backward_block[2];
 };
-constexpr Tuning kDefaultTuning = {kFwdElems, kFwdBlock, {kBwdElemsDefault[0], kBwdElemsDefault[1]},
-                                   {kBwdBlockDefault[0], kBwdBlockDefault[1]}};
+constexpr Tuning kDefaultTuning = {kForwardElems, kForwardBlock, {kBackwardElemsDefault[0], kBackwardElemsDefault[1]},
+                                   {kBackwardBlockDefault[0], kBackwardBlockDefault[1]}};
 #ifdef SF_WORKBENCH
 extern Tuning g_tuning; /* norm_cuda.cu */
 inline Tuning tuning() { return g_tuning; }
@@ -154,26 +154,26 @@ inline Tuning tuning() { return g_tuning; }
 constexpr Tuning tuning() { return kDefaultTuning; }
 #endif
 
-inline Config fwd_config(int64_t hidden, int vec)
+inline Config forward_config(int64_t hidden, int vec)
 {
     const Tuning t = tuning();
-    return pick_config(hidden, vec, t.fwd_elems, t.fwd_block, kFwdElems);
+    return pick_config(hidden, vec, t.forward_elems, t.forward_block, kForwardElems);
 }
-inline Config bwd_config(int64_t hidden, int vec, int rms)
+inline Config backward_config(int64_t hidden, int vec, int rms)
 {
     const int r = rms ? 1 : 0;
     const Tuning t = tuning();
-    return pick_config(hidden, vec, t.bwd_elems[r], t.bwd_block[r], kBwdElems);
+    return pick_config(hidden, vec, t.backward_elems[r], t.backward_block[r], kBackwardElems);
 }
 
 /* The launchers of one dtype T (float, __half, __nv_bfloat16), defined in
  * norm_kernels.cuh.  vec: the 16-byte vector path (else one element per
  * "vector"). */
-template <typename T> sf_status launch_fwd(const FwdParams &p, bool vec, int device, cudaStream_t stream);
+template <typename T> sf_status launch_forward(const ForwardParams &p, bool vec, int device, cudaStream_t stream);
 /* Backward over split c; the grid is capped at `bound` (the workspace's
  * partial rows) and returned in *grid for the column sums. */
 template <typename T>
-sf_status launch_bwd(const BwdParams &p, const Config &c, bool vec, int device, int64_t bound,
+sf_status launch_backward(const BackwardParams &p, const Config &c, bool vec, int device, int64_t bound,
                      cudaStream_t stream, int64_t *grid);
 
 } // namespace sf_norm

@@ -26,7 +26,7 @@
  *   fewest idle slots); their sums cross warps through shared memory with
  *   one barrier (double-buffered, so no second barrier).  Several rows
  *   share a block (ty = block / tx).  The split's defaults come from a
- *   measured sweep (see kBwdElemsDefault).
+ *   measured sweep (see kBackwardElemsDefault).
  * - Blocks are persistent: as many as fit on the GPU at once (occupancy
  *   query, cached), with the rows dealt out so every block walks the same
  *   number of row groups (no partial last wave).  Each block stages the
@@ -170,9 +170,9 @@ __device__ __forceinline__ void load_row(const T *x, int64_t row, int64_t rows, 
 }
 
 template <typename T, int VEC, int NV>
-__global__ void __launch_bounds__(NV * VEC <= kFwdElems ? 1024 : 512) norm_fwd_kernel(FwdParams p)
+__global__ void __launch_bounds__(NV * VEC <= kForwardElems ? 1024 : 512) norm_forward_kernel(ForwardParams p)
 {
-    constexpr bool PREFETCH = NV * VEC <= kFwdElems; /* next row in flight */
+    constexpr bool PREFETCH = NV * VEC <= kForwardElems; /* next row in flight */
     __shared__ float red[2 * 32];
     __shared__ unsigned amax_red[32];
     extern __shared__ float4 smem4[];
@@ -312,9 +312,9 @@ __device__ __forceinline__ void fold_store(const float (&val)[VEC], int c, int n
  * registers).  PREFETCH: load the next row's x and dy before reducing this
  * one (off where the registers would not fit). */
 template <typename T, int VEC, int NV, bool RMS>
-__global__ void __launch_bounds__(NV * VEC <= kBwdElems ? 1024 : 512) norm_bwd_kernel(BwdParams p)
+__global__ void __launch_bounds__(NV * VEC <= kBackwardElems ? 1024 : 512) norm_backward_kernel(BackwardParams p)
 {
-    constexpr bool PREFETCH = NV * VEC <= kBwdElems; /* next row in flight */
+    constexpr bool PREFETCH = NV * VEC <= kBackwardElems; /* next row in flight */
     __shared__ float red[2 * 32 * 2];
     /* dynamic shared memory: the weight w = gamma (or 1 + gamma) as float32,
      * staged once per block (the block is persistent), then the fold buffer
@@ -491,78 +491,78 @@ sf_status persistent_grid(const char *op, K kernel, const Config &c, size_t smem
 }
 
 template <typename T, int VEC, int NV>
-sf_status launch_fwd_nv(const FwdParams &p, const Config &c, int device, cudaStream_t stream)
+sf_status launch_forward_nv(const ForwardParams &p, const Config &c, int device, cudaStream_t stream)
 {
     const size_t smem = (p.rms ? 1 : 2) * (size_t)((p.hidden + 3) & ~3) * sizeof(float);
-    auto kernel = norm_fwd_kernel<T, VEC, NV>;
-    SF_TRY(allow_smem("norm_fwd", kernel, smem, device));
+    auto kernel = norm_forward_kernel<T, VEC, NV>;
+    SF_TRY(allow_smem("norm_forward", kernel, smem, device));
     int64_t grid;
-    SF_TRY(persistent_grid("norm_fwd", kernel, c, smem, p.rows, device, &grid));
+    SF_TRY(persistent_grid("norm_forward", kernel, c, smem, p.rows, device, &grid));
     kernel<<<(unsigned)grid, dim3(c.tx, c.ty), smem, stream>>>(p);
-    SF_CUDA_CHECK_LAUNCH("norm_fwd");
+    SF_CUDA_CHECK_LAUNCH("norm_forward");
     return SF_OK;
 }
 
 template <typename T>
-sf_status launch_fwd(const FwdParams &p, bool vec, int device, cudaStream_t stream)
+sf_status launch_forward(const ForwardParams &p, bool vec, int device, cudaStream_t stream)
 {
     constexpr int V = 16 / sizeof(T);
-    const Config c = fwd_config(p.hidden, vec ? V : 1);
+    const Config c = forward_config(p.hidden, vec ? V : 1);
     if (!vec)
-        return launch_fwd_nv<T, 1, kScalarNV>(p, c, device, stream);
+        return launch_forward_nv<T, 1, kScalarNV>(p, c, device, stream);
     switch (c.nv) {
-    case 1: return launch_fwd_nv<T, V, 1>(p, c, device, stream);
-    case 2: return launch_fwd_nv<T, V, 2>(p, c, device, stream);
-    case 4: return launch_fwd_nv<T, V, 4>(p, c, device, stream);
+    case 1: return launch_forward_nv<T, V, 1>(p, c, device, stream);
+    case 2: return launch_forward_nv<T, V, 2>(p, c, device, stream);
+    case 4: return launch_forward_nv<T, V, 4>(p, c, device, stream);
     case 8: /* fp32 rows > 8192 */
         if constexpr (V == 4)
-            return launch_fwd_nv<T, V, 8>(p, c, device, stream);
+            return launch_forward_nv<T, V, 8>(p, c, device, stream);
     }
-    return sf_fail(SF_ERR_RUNTIME, "norm_fwd: no kernel holds %d vectors per thread (hidden %d)", c.nv,
+    return sf_fail(SF_ERR_RUNTIME, "norm_forward: no kernel holds %d vectors per thread (hidden %d)", c.nv,
                    p.hidden);
 }
 
 template <typename T, int VEC, int NV, bool RMS>
-sf_status launch_bwd_nv(const BwdParams &p, const Config &c, int device, int64_t bound,
+sf_status launch_backward_nv(const BackwardParams &p, const Config &c, int device, int64_t bound,
                         cudaStream_t stream, int64_t *grid)
 {
     const size_t smem = (size_t)((p.hidden + 3) & ~3) * sizeof(float) +
                         (c.ty > 1 ? (size_t)c.tx * c.ty * VEC * sizeof(float) : 0);
-    auto kernel = norm_bwd_kernel<T, VEC, NV, RMS>;
-    SF_TRY(allow_smem("norm_bwd", kernel, smem, device));
-    SF_TRY(persistent_grid("norm_bwd", kernel, c, smem, p.rows, device, grid));
+    auto kernel = norm_backward_kernel<T, VEC, NV, RMS>;
+    SF_TRY(allow_smem("norm_backward", kernel, smem, device));
+    SF_TRY(persistent_grid("norm_backward", kernel, c, smem, p.rows, device, grid));
     if (*grid > bound)
         *grid = bound; /* the workspace holds `bound` partial rows */
     kernel<<<(unsigned)*grid, dim3(c.tx, c.ty), smem, stream>>>(p);
-    SF_CUDA_CHECK_LAUNCH("norm_bwd");
+    SF_CUDA_CHECK_LAUNCH("norm_backward");
     return SF_OK;
 }
 
 template <typename T, int VEC, int NV>
-sf_status launch_bwd_rms(const BwdParams &p, const Config &c, int device, int64_t bound,
+sf_status launch_backward_rms(const BackwardParams &p, const Config &c, int device, int64_t bound,
                          cudaStream_t stream, int64_t *grid)
 {
     if (p.rms)
-        return launch_bwd_nv<T, VEC, NV, true>(p, c, device, bound, stream, grid);
-    return launch_bwd_nv<T, VEC, NV, false>(p, c, device, bound, stream, grid);
+        return launch_backward_nv<T, VEC, NV, true>(p, c, device, bound, stream, grid);
+    return launch_backward_nv<T, VEC, NV, false>(p, c, device, bound, stream, grid);
 }
 
 template <typename T>
-sf_status launch_bwd(const BwdParams &p, const Config &c, bool vec, int device, int64_t bound,
+sf_status launch_backward(const BackwardParams &p, const Config &c, bool vec, int device, int64_t bound,
                      cudaStream_t stream, int64_t *grid)
 {
     constexpr int V = 16 / sizeof(T);
     if (!vec)
-        return launch_bwd_rms<T, 1, kScalarNV>(p, c, device, bound, stream, grid);
+        return launch_backward_rms<T, 1, kScalarNV>(p, c, device, bound, stream, grid);
     switch (c.nv) {
-    case 1: return launch_bwd_rms<T, V, 1>(p, c, device, bound, stream, grid);
-    case 2: return launch_bwd_rms<T, V, 2>(p, c, device, bound, stream, grid);
-    case 4: return launch_bwd_rms<T, V, 4>(p, c, device, bound, stream, grid);
+    case 1: return launch_backward_rms<T, V, 1>(p, c, device, bound, stream, grid);
+    case 2: return launch_backward_rms<T, V, 2>(p, c, device, bound, stream, grid);
+    case 4: return launch_backward_rms<T, V, 4>(p, c, device, bound, stream, grid);
     case 8:
         if constexpr (V == 4)
-            return launch_bwd_rms<T, V, 8>(p, c, device, bound, stream, grid);
+            return launch_backward_rms<T, V, 8>(p, c, device, bound, stream, grid);
     }
-    return sf_fail(SF_ERR_RUNTIME, "norm_bwd: no kernel holds %d vectors per thread (hidden %d)", c.nv,
+    return sf_fail(SF_ERR_RUNTIME, "norm_backward: no kernel holds %d vectors per thread (hidden %d)", c.nv,
                    p.hidden);
 }
 

@@ -88,31 +88,31 @@ static int prepare_config(sf_py_frame *f, int at)
     return 0;
 }
 
-static const sf_py_arg fwd_args[] = {SF_T(q),   SF_T(k),   SF_T(v), SF_OT(cu_seqlens_q),
+static const sf_py_arg forward_args[] = {SF_T(q),   SF_T(k),   SF_T(v), SF_OT(cu_seqlens_q),
                                      SF_OT(cu_seqlens_kv), SF_T(out), SF_T(lse), SF_OBJ(cfg),
                                      SF_STREAM};
-static int fwd_prepare(sf_py_frame *f) { return prepare_config(f, 7); }
-static sf_status fwd(sf_py_value *v, sf_stream s)
+static int forward_prepare(sf_py_frame *f) { return prepare_config(f, 7); }
+static sf_status forward(sf_py_value *v, sf_stream s)
 {
-    return sf_attn_fwd(v[0].t, v[1].t, v[2].t, v[3].t, v[4].t, v[7].p, v[5].t, v[6].t, s);
+    return sf_attn_forward(v[0].t, v[1].t, v[2].t, v[3].t, v[4].t, v[7].p, v[5].t, v[6].t, s);
 }
-SF_PY_BINDING_FULL(attn_fwd, "attention_fwd", fwd_args, fwd, fwd_prepare, NULL, NULL,
+SF_PY_BINDING_FULL(attn_forward, "attention_forward", forward_args, forward, forward_prepare, NULL, NULL,
                    "Fused attention forward into out and lse (float32).");
 
-static const sf_py_arg bwd_args[] = {
+static const sf_py_arg backward_args[] = {
     SF_T(q),  SF_T(k),  SF_T(v),  SF_T(out), SF_T(dout), SF_T(lse), SF_OT(cu_seqlens_q),
     SF_OT(cu_seqlens_kv), SF_T(dq), SF_T(dk), SF_T(dv), SF_T(dq_accum), SF_T(delta), SF_OBJ(cfg),
     SF_STREAM};
-static int bwd_prepare(sf_py_frame *f) { return prepare_config(f, 13); }
-static sf_status bwd(sf_py_value *v, sf_stream s)
+static int backward_prepare(sf_py_frame *f) { return prepare_config(f, 13); }
+static sf_status backward(sf_py_value *v, sf_stream s)
 {
-    return sf_attn_bwd(v[0].t, v[1].t, v[2].t, v[3].t, v[4].t, v[5].t, v[6].t, v[7].t, v[13].p,
+    return sf_attn_backward(v[0].t, v[1].t, v[2].t, v[3].t, v[4].t, v[5].t, v[6].t, v[7].t, v[13].p,
                        v[8].t, v[9].t, v[10].t, v[11].t, v[12].t, s);
 }
-SF_PY_BINDING_FULL(attn_bwd, "attention_bwd", bwd_args, bwd, bwd_prepare, NULL, NULL,
+SF_PY_BINDING_FULL(attn_backward, "attention_backward", backward_args, backward, backward_prepare, NULL, NULL,
                    "Fused attention backward.");
 
-/* attn_set_fwd_kernel(arch) / attn_set_bwd_kernel(arch): the CUDA forward
+/* attn_set_forward_kernel(arch) / attn_set_backward_kernel(arch): the CUDA forward
  * / backward on Hopper, 90 (wgmma) or 80 (mma.sync). */
 #ifdef SF_WITH_CUDA
 #define SET_KERNEL(setter, value) setter(value)
@@ -127,41 +127,41 @@ SF_PY_BINDING_FULL(attn_bwd, "attention_bwd", bwd_args, bwd, bwd_prepare, NULL, 
         return SET_KERNEL(setter, v[0].i);                                                     \
     }                                                                                          \
     SF_PY_BINDING(pyname, pyname##_args, pyname##_thunk, docstr)
-SETTER(attn_set_fwd_kernel, sf_attn_set_fwd_kernel, arch,
+SETTER(attn_set_forward_kernel, sf_attn_set_forward_kernel, arch,
        "CUDA forward kernel on Hopper, 90 (wgmma) or 80 (mma.sync).");
-SETTER(attn_set_bwd_kernel, sf_attn_set_bwd_kernel, arch,
+SETTER(attn_set_backward_kernel, sf_attn_set_backward_kernel, arch,
        "CUDA backward kernel on Hopper, 90 (wgmma) or 80 (mma.sync).");
 
 const sf_py_binding *const sf_py_attn_bindings[] = {
-    &attn_fwd_binding, &attn_bwd_binding, &attn_set_fwd_kernel_binding, &attn_set_bwd_kernel_binding, NULL};
+    &attn_forward_binding, &attn_backward_binding, &attn_set_forward_kernel_binding, &attn_set_backward_kernel_binding, NULL};
 
-/* attn_fwd_kernel_for(head_dim, device, dropout=0) and
- * attn_bwd_kernel_for(head_dim, device, deterministic, dropout=0) ->
+/* attn_forward_kernel_for(head_dim, device, dropout=0) and
+ * attn_backward_kernel_for(head_dim, device, deterministic, dropout=0) ->
  * (arch, reason): which kernel a call takes (attn_sm90.h), for tests,
- * benchmarks and the once-per-reason log of ops/attn.py.  bwd: 0 forward,
+ * benchmarks and the once-per-reason log of ops/attn.py.  backward: 0 forward,
  * 1 backward. */
-static PyObject *kernel_for(PyObject *args, int bwd)
+static PyObject *kernel_for(PyObject *args, int backward)
 {
     int head_dim, device, deterministic = 0, dropout = 0;
-    if (bwd ? !PyArg_ParseTuple(args, "iip|i", &head_dim, &device, &deterministic, &dropout)
+    if (backward ? !PyArg_ParseTuple(args, "iip|i", &head_dim, &device, &deterministic, &dropout)
             : !PyArg_ParseTuple(args, "ii|i", &head_dim, &device, &dropout))
         return NULL;
     const char *why = "";
     int arch = 80;
 #ifdef SF_WITH_CUDA
-    arch = bwd ? sf_attn_bwd_kernel_for(head_dim, deterministic, dropout, device, &why)
-               : sf_attn_fwd_kernel_for(head_dim, dropout, device, &why);
+    arch = backward ? sf_attn_backward_kernel_for(head_dim, deterministic, dropout, device, &why)
+               : sf_attn_forward_kernel_for(head_dim, dropout, device, &why);
 #endif
     return Py_BuildValue("(is)", arch, why ? why : "");
 }
-static PyObject *py_attn_fwd_kernel_for(PyObject *self, PyObject *args) { return kernel_for(args, 0); }
-static PyObject *py_attn_bwd_kernel_for(PyObject *self, PyObject *args) { return kernel_for(args, 1); }
+static PyObject *py_attn_forward_kernel_for(PyObject *self, PyObject *args) { return kernel_for(args, 0); }
+static PyObject *py_attn_backward_kernel_for(PyObject *self, PyObject *args) { return kernel_for(args, 1); }
 
 PyMethodDef sf_py_attn_methods[] = {
-    {"attn_fwd_kernel_for", py_attn_fwd_kernel_for, METH_VARARGS,
-     "attn_fwd_kernel_for(head_dim, device, dropout=0) -> (arch, reason): the forward kernel a call takes."},
-    {"attn_bwd_kernel_for", py_attn_bwd_kernel_for, METH_VARARGS,
-     "attn_bwd_kernel_for(head_dim, device, deterministic, dropout=0) -> (arch, reason): the backward kernel a "
+    {"attn_forward_kernel_for", py_attn_forward_kernel_for, METH_VARARGS,
+     "attn_forward_kernel_for(head_dim, device, dropout=0) -> (arch, reason): the forward kernel a call takes."},
+    {"attn_backward_kernel_for", py_attn_backward_kernel_for, METH_VARARGS,
+     "attn_backward_kernel_for(head_dim, device, deterministic, dropout=0) -> (arch, reason): the backward kernel a "
      "call takes."},
     {NULL, NULL, 0, NULL},
 };

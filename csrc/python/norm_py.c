@@ -5,26 +5,26 @@
  */
 #include "py_call.h"
 
-SF_PY_OP(layernorm_fwd, sf_layernorm_fwd, "LayerNorm forward, optionally cast to FP8.", (T, x),
+SF_PY_OP(layernorm_forward, sf_layernorm_forward, "LayerNorm forward, optionally cast to FP8.", (T, x),
          (T, gamma), (OT, beta), (FLOAT, eps), (BOOL, zero_centered_gamma), (T, y), (OT, mean),
          (OT, rstd), (OT, scale), (OT, amax), (OT, scale_inv));
-SF_PY_OP(rmsnorm_fwd, sf_rmsnorm_fwd, "RMSNorm forward, optionally cast to FP8.", (T, x),
+SF_PY_OP(rmsnorm_forward, sf_rmsnorm_forward, "RMSNorm forward, optionally cast to FP8.", (T, x),
          (T, gamma), (FLOAT, eps), (BOOL, zero_centered_gamma), (T, y), (OT, rstd), (OT, scale),
          (OT, amax), (OT, scale_inv));
-SF_PY_OP(layernorm_bwd, sf_layernorm_bwd, "LayerNorm backward.", (T, dy), (T, x), (T, mean),
+SF_PY_OP(layernorm_backward, sf_layernorm_backward, "LayerNorm backward.", (T, dy), (T, x), (T, mean),
          (T, rstd), (T, gamma), (BOOL, zero_centered_gamma), (T, dx), (T, dgamma), (OT, dbeta),
          (OT, workspace));
-SF_PY_OP(rmsnorm_bwd, sf_rmsnorm_bwd, "RMSNorm backward.", (T, dy), (T, x), (T, rstd), (T, gamma),
+SF_PY_OP(rmsnorm_backward, sf_rmsnorm_backward, "RMSNorm backward.", (T, dy), (T, x), (T, rstd), (T, gamma),
          (BOOL, zero_centered_gamma), (T, dx), (T, dgamma), (OT, workspace));
 
 static const sf_py_arg x_args[] = {SF_T(x), SF_STREAM};
 static sf_status norm_ws(sf_py_value *v, sf_stream s)
 {
-    return sf_norm_bwd_workspace_numel(v[0].t, &v[2].i64); /* the slot after the arguments */
+    return sf_norm_backward_workspace_numel(v[0].t, &v[2].i64); /* the slot after the arguments */
 }
-SF_PY_BINDING_FULL(norm_bwd_workspace_numel, "norm_bwd_workspace_numel", x_args, norm_ws, NULL,
+SF_PY_BINDING_FULL(norm_backward_workspace_numel, "norm_backward_workspace_numel", x_args, norm_ws, NULL,
                    NULL, sf_py_result_i64, "-> int: float32 elements of backward workspace.");
 
 const sf_py_binding *const sf_py_norm_bindings[] = {
-    &layernorm_fwd_binding, &rmsnorm_fwd_binding, &layernorm_bwd_binding, &rmsnorm_bwd_binding,
-    &norm_bwd_workspace_numel_binding, NULL};
+    &layernorm_forward_binding, &rmsnorm_forward_binding, &layernorm_backward_binding, &rmsnorm_backward_binding,
+    &norm_backward_workspace_numel_binding, NULL};

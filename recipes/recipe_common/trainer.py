@@ -183,11 +183,11 @@ def run_without_fp8(layer):
     autocast off, inside a model-wide FP8 region."""
     from seqfuse.pytorch import autocast
 
-    fwd = layer.forward
+    forward = layer.forward
 
-    def high_precision_forward(*a, _fwd=fwd, **k):
+    def high_precision_forward(*a, _forward=forward, **k):
         with autocast(enabled=False):
-            return _fwd(*a, **k)
+            return _forward(*a, **k)
 
     layer.forward = high_precision_forward
 

@@ -30,13 +30,13 @@ import torch
 
 
 class _FormatSpec:
-    def __init__(self, fwd, bwd):
-        self.fwd_dtype, self.bwd_dtype = fwd, bwd
-        self.max_fwd = _MAX[fwd]
-        self.max_bwd = _MAX[bwd]
+    def __init__(self, forward, backward):
+        self.forward_dtype, self.backward_dtype = forward, backward
+        self.max_fwd = _MAX[forward]
+        self.max_bwd = _MAX[backward]
 
     def __repr__(self):
-        return f"(fwd={self.fwd_dtype}, bwd={self.bwd_dtype})"
+        return f"(forward={self.forward_dtype}, backward={self.backward_dtype})"
 
 
 _MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -57,12 +57,12 @@ class Format(Enum):
         return getattr, (type(self), self.name)
 
     @property
-    def fwd_dtype(self):
-        return self.value.fwd_dtype
+    def forward_dtype(self):
+        return self.value.forward_dtype
 
     @property
-    def bwd_dtype(self):
-        return self.value.bwd_dtype
+    def backward_dtype(self):
+        return self.value.backward_dtype
 
     @property
     def max_fwd(self):

@@ -34,7 +34,7 @@ Two ways to meet the other ranks' keys and values (``cp_comm_type``):
 Partial results are merged exactly with their softmax log-sum-exp (lse):
 lse = logaddexp(lse_a, lse_b), out = out_a * exp(lse_a - lse) + out_b *
 exp(lse_b - lse), accumulated in float32.  The backward runs every block's
-seqfuse.ops.attention_bwd with the FINAL out and lse, which makes each
+seqfuse.ops.attention_backward with the FINAL out and lse, which makes each
 block's dq, dk, dv exactly its share of the full gradient (P = exp(S - lse)
 is the global probability); the ring carries float32 dK/dV accumulators with
 the K/V blocks, each returning to its owner after cp steps.
@@ -171,7 +171,7 @@ class _Plan:
             x.narrow(self.seq_dim, h * self.chunk, self.chunk).add_(value)
 
     def block_args(self, part_q, part_kv, mask):
-        """attention_fwd/bwd keywords for local queries (part_q: "all" or a
+        """attention_forward/backward keywords for local queries (part_q: "all" or a
         half) against a kv block (part_kv: "all" or half 0)."""
         kw = dict(qkv_format=self.fmt, attn_mask_type=mask)
         if self.fmt == "thd":
@@ -337,17 +337,17 @@ class _RingAttention(torch.autograd.Function):
             kk, vv = kv[0], kv[1]
             if kind == "diag" or kind == "full":
                 mask = "causal" if kind == "diag" else "no_mask"
-                o, lse = ops.attention_fwd(q, kk, vv, softmax_scale=scale, **plan.block_args("all", "all", mask))
+                o, lse = ops.attention_forward(q, kk, vv, softmax_scale=scale, **plan.block_args("all", "all", mask))
                 if out_acc is None:
                     out_acc, lse_acc = o.float(), _no_key_to_neg_inf(lse)
                 else:
                     merge_partial(out_acc, lse_acc, o, lse, plan.fmt)
             elif kind == "earlier":
-                o, lse = ops.attention_fwd(q, plan.half(kk, 0), plan.half(vv, 0), softmax_scale=scale,
+                o, lse = ops.attention_forward(q, plan.half(kk, 0), plan.half(vv, 0), softmax_scale=scale,
                                            **plan.block_args("all", 0, "no_mask"))
                 merge_partial(out_acc, lse_acc, o, lse, plan.fmt)
             else:  # later
-                o, lse = ops.attention_fwd(plan.half(q, 1), kk, vv, softmax_scale=scale,
+                o, lse = ops.attention_forward(plan.half(q, 1), kk, vv, softmax_scale=scale,
                                            **plan.block_args(1, "all", "no_mask"))
                 # bshd/sbhd: the halves are views, merged in place; thd: gathered rows, merged, put back
                 o_half, l_half = plan.half(out_acc, 1), plan.half_lse(lse_acc, 1)
@@ -372,7 +372,7 @@ class _RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         kv = torch.stack([k, v])
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        bwd = dict(softmax_scale=scale, deterministic=ctx.deterministic)
+        backward_args = dict(softmax_scale=scale, deterministic=ctx.deterministic)
         kv_works, dkv_works, nxt, dkv_in = [], [], None, None
         for step in range(comm.size):
             if step + 1 < comm.size:
@@ -383,20 +383,20 @@ class _RingAttention(torch.autograd.Function):
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # this block's dK, dV
             if kind == "diag" or kind == "full":
                 mask = "causal" if kind == "diag" else "no_mask"
-                gq, gk, gv = ops.attention_bwd(dout, q, kk, vv, out, lse, **bwd,
+                gq, gk, gv = ops.attention_backward(dout, q, kk, vv, out, lse, **backward_args,
                                                **plan.block_args("all", "all", mask))
                 dq.add_(gq)
                 dkv[0].add_(gk)
                 dkv[1].add_(gv)
             elif kind == "earlier":
-                gq, gk, gv = ops.attention_bwd(dout, q, plan.half(kk, 0), plan.half(vv, 0), out, lse, **bwd,
+                gq, gk, gv = ops.attention_backward(dout, q, plan.half(kk, 0), plan.half(vv, 0), out, lse, **backward_args,
                                                **plan.block_args("all", 0, "no_mask"))
                 dq.add_(gq)
                 plan.add_half(dkv[0], 0, gk)
                 plan.add_half(dkv[1], 0, gv)
             else:  # later
-                gq, gk, gv = ops.attention_bwd(plan.half(dout, 1), plan.half(q, 1), kk, vv, plan.half(out, 1),
-                                               plan.half_lse(lse, 1).contiguous(), **bwd,
+                gq, gk, gv = ops.attention_backward(plan.half(dout, 1), plan.half(q, 1), kk, vv, plan.half(out, 1),
+                                               plan.half_lse(lse, 1).contiguous(), **backward_args,
                                                **plan.block_args(1, "all", "no_mask"))
                 plan.add_half(dq, 1, gq)
                 dkv[0].add_(gk)
@@ -439,11 +439,11 @@ class _AllGatherAttention(torch.autograd.Function):
             lse = torch.empty(_lse_shape(q, plan), dtype=torch.float32, device=q.device)
             for h in (0, 1):
                 kk, vv, kw = _chunk_keys(kv, plan, h)
-                o, l = ops.attention_fwd(plan.half(q, h), kk, vv, softmax_scale=scale, **kw)
+                o, l = ops.attention_forward(plan.half(q, h), kk, vv, softmax_scale=scale, **kw)
                 plan.put_half(out, h, o)
                 plan.put_half_lse(lse, h, l)
         else:
-            out, lse = ops.attention_fwd(q, kv[0], kv[1], softmax_scale=scale, **plan.full_keys_args())
+            out, lse = ops.attention_forward(q, kv[0], kv[1], softmax_scale=scale, **plan.full_keys_args())
         ctx.save_for_backward(q, k, v, out, lse)  # the gathered K/V is gathered again in the backward
         ctx.plan, ctx.comm, ctx.causal, ctx.scale, ctx.deterministic = plan, comm, causal, scale, deterministic
         return out
@@ -456,13 +456,13 @@ class _AllGatherAttention(torch.autograd.Function):
         kv = _all_gather_kv(k, v, plan, comm)
         sd = plan.seq_dim + 1
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # sequence order
-        bwd = dict(softmax_scale=ctx.scale, deterministic=ctx.deterministic)
+        backward_args = dict(softmax_scale=ctx.scale, deterministic=ctx.deterministic)
         if ctx.causal:
             dq = torch.empty_like(q)
             for h in (0, 1):
                 kk, vv, kw = _chunk_keys(kv, plan, h)
-                gq, gk, gv = ops.attention_bwd(plan.half(dout, h), plan.half(q, h), kk, vv, plan.half(out, h),
-                                               plan.half_lse(lse, h).contiguous(), **bwd, **kw)
+                gq, gk, gv = ops.attention_backward(plan.half(dout, h), plan.half(q, h), kk, vv, plan.half(out, h),
+                                               plan.half_lse(lse, h).contiguous(), **backward_args, **kw)
                 plan.put_half(dq, h, gq)
                 index, prefix, _ = plan.chunk_keys(h)
                 if index is None:
@@ -470,7 +470,7 @@ class _AllGatherAttention(torch.autograd.Function):
                 else:
                     dkv.index_add_(sd, index, torch.stack([gk, gv]).float())
         else:
-            dq, gk, gv = ops.attention_bwd(dout, q, kv[0], kv[1], out, lse, **bwd, **plan.full_keys_args())
+            dq, gk, gv = ops.attention_backward(dout, q, kv[0], kv[1], out, lse, **backward_args, **plan.full_keys_args())
             dkv[0].add_(gk)
             dkv[1].add_(gv)
         # back to rank-major order, then each rank keeps the sum of its own tokens' rows

@@ -348,7 +348,7 @@ class GatheredFP8Weight(torch.Tensor):
 
 
 def _weight_dtype(recipe):
-    return recipe.fp8_format.fwd_dtype
+    return recipe.fp8_format.forward_dtype
 
 
 def enable_fp8_all_gather(model, recipe):

@@ -86,17 +86,17 @@ def norm_forward(x2, weight, bias, eps, rms, zc, out_dtype=None, scale=None, ama
                  scale_inv=None):
     """(y, mean, rstd) of the module's normalization; mean is None for RMSNorm."""
     if rms:
-        y, rstd = ops.rmsnorm_fwd(x2, weight, eps, zc, out_dtype, scale, amax, scale_inv)
+        y, rstd = ops.rmsnorm_forward(x2, weight, eps, zc, out_dtype, scale, amax, scale_inv)
         return y, None, rstd
-    return ops.layernorm_fwd(x2, weight, bias, eps, zc, out_dtype, scale, amax, scale_inv)
+    return ops.layernorm_forward(x2, weight, bias, eps, zc, out_dtype, scale, amax, scale_inv)
 
 
 def norm_backward(dy2, x2, mean, rstd, weight, rms, zc, has_bias):
     """(dx, dgamma, dbeta or None)."""
     if rms:
-        dx, dg = ops.rmsnorm_bwd(dy2, x2, rstd, weight, zc)
+        dx, dg = ops.rmsnorm_backward(dy2, x2, rstd, weight, zc)
         return dx, dg, None
-    return ops.layernorm_bwd(dy2, x2, mean, rstd, weight, zc, has_bias)
+    return ops.layernorm_backward(dy2, x2, mean, rstd, weight, zc, has_bias)
 
 
 def norm_param(p, x):

@@ -14,12 +14,12 @@ class _ActivationFn(torch.autograd.Function):
     def forward(ctx, x, name):
         ctx.save_for_backward(x)
         ctx.name = name
-        return act_ops.act_fwd(x, name)
+        return act_ops.act_forward(x, name)
 
     @staticmethod
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
-        return act_ops.act_bwd(dy, x, ctx.name), None
+        return act_ops.act_backward(dy, x, ctx.name), None
 
 
 def activation(x, name):
@@ -39,7 +39,7 @@ class _BiasDropoutAddFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        dx, dbias = act_ops.dropout_bwd(dout, ctx.p, ctx.seed, ctx.offset, ctx.bias_dtype)
+        dx, dbias = act_ops.dropout_backward(dout, ctx.p, ctx.seed, ctx.offset, ctx.bias_dtype)
         return dx, dbias, dout, None
 
 

@@ -304,15 +304,15 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
             xq = q.inputs[g].quantize(xs[g], transpose=need_w)
             x_row.append(F8.rowwise(xq, kind))
             x_col.append(F8.columnwise(xq, kind) if need_w else None)
-        w_fwd = [F8.weight_forward(p, kind) for p in pairs]
+        w_forward = [F8.weight_forward(p, kind) for p in pairs]
         bias = None
         if use_bias:
             # cuBLASLt's FP8 kernels take the bias in bfloat16 (float16 for a float16 output)
             want = torch.float16 if dtype == torch.float16 else torch.bfloat16
             bias = [b.detach().to(want) for b in biases]
-        N = w_fwd[0][0].shape[0]
+        N = w_forward[0][0].shape[0]
         out = torch.empty((sum(padded), N), dtype=dtype, device=x.device)
-        y = _unpad(_grouped(x_row, w_fwd, padded, out, bias=bias, fast_accum=kind != "block"),
+        y = _unpad(_grouped(x_row, w_forward, padded, out, bias=bias, fast_accum=kind != "block"),
                    m_splits, padded)
         w_dg = [F8.weight_dgrad(p, kind) for p in pairs]
         saved = [t for op in w_dg for t in op[:2]]

@@ -127,7 +127,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
             g2, db2 = q.grads[1].quantize_grad(dout2, b2_dt, need_wgrad=need_w2)
             da, dw2 = F8.backward(g2, F8.restore(a_t, a_si, kind), F8.restore(w2_t, w2_si, kind, True),
                                   kind, dt, rows, True, need_w2, w2_dt, mg2)
-            dh = A.act_bwd(da, h, activation)
+            dh = A.act_backward(da, h, activation)
             g1, db1 = q.grads[0].quantize_grad(dh, b1_dt, need_wgrad=need_w1)
             dln, dw1 = F8.backward(g1, F8.restore(ln_t, ln_si, kind), F8.restore(w1_t, w1_si, kind, True),
                                    kind, dt, rows, True, need_w1, w1_dt, mg1)
@@ -149,7 +149,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
                 dw1, _ = _wgrad(dh, ln, None, mg1)
             else:
                 da = ops.gemm(dout2, w2c)
-                dh = A.act_bwd(da, h, activation)
+                dh = A.act_backward(da, h, activation)
                 dln = ops.gemm(dh, w1c)
                 dw1, db1 = _wgrad(dh, ln, b1_dt, mg1)
         if dln_extra is not None:  # gradient of the returned norm output
@@ -168,7 +168,7 @@ def _fc1_act(x2, lnw, lnb, eps, rms, zc, w1c, b1c, activation):
         a, h = ops.gemm(ln, w1c, transb=True, bias=b1c, epilogue="gelu_aux")
     else:
         h = ops.gemm(ln, w1c, transb=True, bias=b1c)
-        a = A.act_fwd(h, activation)
+        a = A.act_forward(h, activation)
     return ln, mean, rstd, h, a
 
 
@@ -180,8 +180,8 @@ def _fp8_act(q, h, activation, need_col):
     if q.kind == "delayed":
         scale, amax, fp8_dtype = iq.scale
         si = torch.empty(1, dtype=torch.float32, device=h.device)
-        return iq.fp8_output(A.act_fwd(h, activation, fp8_dtype, scale, amax, si), si, h.dtype)
-    return iq.quantize(A.act_fwd(h, activation), transpose=need_col)
+        return iq.fp8_output(A.act_forward(h, activation, fp8_dtype, scale, amax, si), si, h.dtype)
+    return iq.quantize(A.act_forward(h, activation), transpose=need_col)
 
 
 def _wgrad(dy, inp, bias_dtype, main_grad=None):

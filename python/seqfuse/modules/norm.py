@@ -36,7 +36,7 @@ class _LayerNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, zero_centered_gamma):
         x = x.contiguous()
-        y, mean, rstd = ops.layernorm_fwd(x, weight, bias, eps, zero_centered_gamma)
+        y, mean, rstd = ops.layernorm_forward(x, weight, bias, eps, zero_centered_gamma)
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.zero_centered_gamma = zero_centered_gamma
         ctx.has_bias = bias is not None
@@ -45,7 +45,7 @@ class _LayerNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, mean, rstd = ctx.saved_tensors
-        dx, dgamma, dbeta = ops.layernorm_bwd(dy, x, mean, rstd, weight, ctx.zero_centered_gamma,
+        dx, dgamma, dbeta = ops.layernorm_backward(dy, x, mean, rstd, weight, ctx.zero_centered_gamma,
                                               ctx.has_bias)
         return dx, dgamma, dbeta, None, None
 
@@ -54,7 +54,7 @@ class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, zero_centered_gamma):
         x = x.contiguous()
-        y, rstd = ops.rmsnorm_fwd(x, weight, eps, zero_centered_gamma)
+        y, rstd = ops.rmsnorm_forward(x, weight, eps, zero_centered_gamma)
         ctx.save_for_backward(x, weight, rstd)
         ctx.zero_centered_gamma = zero_centered_gamma
         return y
@@ -62,7 +62,7 @@ class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
-        dx, dgamma = ops.rmsnorm_bwd(dy, x, rstd, weight, ctx.zero_centered_gamma)
+        dx, dgamma = ops.rmsnorm_backward(dy, x, rstd, weight, ctx.zero_centered_gamma)
         return dx, dgamma, None, None
 
 

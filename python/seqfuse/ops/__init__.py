@@ -11,14 +11,14 @@ from .rope import rope_backward, rope_forward
 
 __all__ = ["amax", "gemm", "rope_forward", "rope_backward"]
 
-from .attn import attention, attention_bwd, attention_fwd  # noqa: E402
-from .attn import attention_bwd_kernel, attention_fwd_kernel  # noqa: E402
-from .attn import set_attention_bwd_kernel, set_attention_fwd_kernel  # noqa: E402
+from .attn import attention, attention_backward, attention_forward  # noqa: E402
+from .attn import attention_backward_kernel, attention_forward_kernel  # noqa: E402
+from .attn import set_attention_backward_kernel, set_attention_forward_kernel  # noqa: E402
 from .attn import attention_backend, cudnn_eligibility, set_attention_backend  # noqa: E402
 
-__all__ += ["attention", "attention_fwd", "attention_bwd"]
-__all__ += ["attention_fwd_kernel", "set_attention_fwd_kernel"]
-__all__ += ["attention_bwd_kernel", "set_attention_bwd_kernel"]
+__all__ += ["attention", "attention_forward", "attention_backward"]
+__all__ += ["attention_forward_kernel", "set_attention_forward_kernel"]
+__all__ += ["attention_backward_kernel", "set_attention_backward_kernel"]
 __all__ += ["attention_backend", "set_attention_backend", "cudnn_eligibility"]
 
 __all__ += ["cross_entropy_forward", "cross_entropy_backward"]
@@ -37,17 +37,17 @@ __all__ += ["cast_fp8", "cast_transpose_fp8", "dequantize_fp8", "fp8_compute_sca
             "dequantize_mxfp8", "quantize_nvfp4", "dequantize_nvfp4",
             "quantize_block_fp8_rowcol", "transpose_fp8"]
 
-from .norm import layernorm_bwd, layernorm_fwd, rmsnorm_bwd, rmsnorm_fwd  # noqa: E402
+from .norm import layernorm_backward, layernorm_forward, rmsnorm_backward, rmsnorm_forward  # noqa: E402
 
-__all__ += ["layernorm_fwd", "layernorm_bwd", "rmsnorm_fwd", "rmsnorm_bwd"]
+__all__ += ["layernorm_forward", "layernorm_backward", "rmsnorm_forward", "rmsnorm_backward"]
 
 from .optim import multi_tensor_adamw, multi_tensor_l2norm, multi_tensor_scale  # noqa: E402
 
 __all__ += ["multi_tensor_adamw", "multi_tensor_l2norm", "multi_tensor_scale"]
 
-from .act import act_bwd, act_fwd, bias_dropout_add, dropout_bwd  # noqa: E402
+from .act import act_backward, act_forward, bias_dropout_add, dropout_backward  # noqa: E402
 
-__all__ += ["act_fwd", "act_bwd", "bias_dropout_add", "dropout_bwd"]
+__all__ += ["act_forward", "act_backward", "bias_dropout_add", "dropout_backward"]
 
 from ._call import exchange_api_in_use  # noqa: E402
 

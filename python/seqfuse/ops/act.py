@@ -55,9 +55,9 @@ def _out_dtype(op, x, out_dtype):
     return out_dtype
 
 
-def act_fwd(x, activation, out_dtype=None, scale=None, amax=None, scale_inv=None):
+def act_forward(x, activation, out_dtype=None, scale=None, amax=None, scale_inv=None):
     """y = activation(x); last dimension halved for the gated ones."""
-    op = "act_fwd"
+    op = "act_forward"
     code = _code(op, activation)
     _check_x(op, "x", x)
     x = detached(x).contiguous()
@@ -65,20 +65,20 @@ def act_fwd(x, activation, out_dtype=None, scale=None, amax=None, scale_inv=None
     if activation in GATED and x.dim() >= 1:
         shape[-1] //= 2
     y = torch.empty(shape, dtype=_out_dtype(op, x, out_dtype), device=x.device)
-    _C.act_fwd(code, x, y, scale, amax, scale_inv, stream_for(x))
+    _C.act_forward(code, x, y, scale, amax, scale_inv, stream_for(x))
     return y
 
 
-def act_bwd(dy, x, activation, out_dtype=None, scale=None, amax=None, scale_inv=None):
+def act_backward(dy, x, activation, out_dtype=None, scale=None, amax=None, scale_inv=None):
     """dx of the activation, given dy and the forward's input x."""
-    op = "act_bwd"
+    op = "act_backward"
     code = _code(op, activation)
     _check_x(op, "x", x)
     _check_x(op, "dy", dy)
     x = detached(x).contiguous()
     dy = detached(dy).contiguous()
     dx = torch.empty(x.shape, dtype=_out_dtype(op, x, out_dtype), device=x.device)
-    _C.act_bwd(code, dy, x, dx, scale, amax, scale_inv, stream_for(x))
+    _C.act_backward(code, dy, x, dx, scale, amax, scale_inv, stream_for(x))
     return dx
 
 
@@ -89,7 +89,7 @@ def new_seed():
 
 def bias_dropout_add(x, bias, residual, p, seed=None, offset=0):
     """out = residual + dropout(x + bias, p).  Returns ``(out, seed, offset)``:
-    hand seed and offset to :func:`dropout_bwd`."""
+    hand seed and offset to :func:`dropout_backward`."""
     op = "bias_dropout_add"
     _check_x(op, "x", x)
     _check_x(op, "residual", residual)
@@ -110,14 +110,14 @@ _workspace_numel = {}
 def _workspace(dy):
     if dy.numel() == 0:
         return None
-    return cached_workspace(dy, _workspace_numel, _C.dropout_bwd_workspace_numel)
+    return cached_workspace(dy, _workspace_numel, _C.dropout_backward_workspace_numel)
 
 
-def dropout_bwd(dy, p, seed, offset=0, dbias_dtype=None):
+def dropout_backward(dy, p, seed, offset=0, dbias_dtype=None):
     """Gradient through dropout(x + bias): returns ``(dx, dbias)``; dbias (the
     column sums of dx, float32-accumulated, deterministic) only when
     ``dbias_dtype`` is given, else None.  The residual's gradient is dy."""
-    op = "dropout_bwd"
+    op = "dropout_backward"
     _check_x(op, "dy", dy)
     dy = detached(dy).contiguous()
     dx = torch.empty_like(dy)
@@ -125,6 +125,6 @@ def dropout_bwd(dy, p, seed, offset=0, dbias_dtype=None):
     if dbias_dtype is not None:
         dbias = torch.empty(dy.shape[-1], dtype=dbias_dtype, device=dy.device)
         ws = _workspace(dy)
-    _C.dropout_bwd(dy, as_float(op, "p", p), as_int(op, "seed", seed), as_int(op, "offset", offset, 0),
+    _C.dropout_backward(dy, as_float(op, "p", p), as_int(op, "seed", seed), as_int(op, "offset", offset, 0),
                    dx, dbias, ws, stream_for(dy))
     return dx, dbias

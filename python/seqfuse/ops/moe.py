@@ -251,7 +251,7 @@ class _TopK(torch.autograd.Function):
         probs = torch.empty_like(logits)
         routing_map = torch.empty(logits.shape, dtype=torch.bool, device=logits.device)
         saved = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-        _C.moe_topk_fwd(logits, topk, score, pre_softmax, scaling, expert_bias, probs, routing_map,
+        _C.moe_topk_forward(logits, topk, score, pre_softmax, scaling, expert_bias, probs, routing_map,
                         saved, stream_for(logits))
         ctx.save_for_backward(routing_map, saved)
         ctx.args = (topk, score, pre_softmax, scaling, logits.dtype)
@@ -264,7 +264,7 @@ class _TopK(torch.autograd.Function):
         topk, score, pre_softmax, scaling, dtype = ctx.args
         dprobs = dense(dprobs)
         dlogits = torch.empty(dprobs.shape, dtype=dtype, device=dprobs.device)
-        _C.moe_topk_bwd(routing_map, saved, dprobs, topk, score, pre_softmax, scaling, dlogits,
+        _C.moe_topk_backward(routing_map, saved, dprobs, topk, score, pre_softmax, scaling, dlogits,
                         stream_for(dprobs))
         return dlogits, None, None, None, None, None
 
@@ -306,7 +306,7 @@ class _AuxScores(torch.autograd.Function):
         scores = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
         routing_map = torch.empty(logits.shape, dtype=torch.bool, device=logits.device)
         saved = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-        _C.moe_aux_scores_fwd(logits, topk, score, scores, routing_map, saved, stream_for(logits))
+        _C.moe_aux_scores_forward(logits, topk, score, scores, routing_map, saved, stream_for(logits))
         ctx.save_for_backward(saved)
         ctx.args = (score, logits.dtype)
         ctx.mark_non_differentiable(routing_map)
@@ -318,7 +318,7 @@ class _AuxScores(torch.autograd.Function):
         score, dtype = ctx.args
         dscores = dense(dscores)
         dlogits = torch.empty(dscores.shape, dtype=dtype, device=dscores.device)
-        _C.moe_aux_scores_bwd(saved, dscores, score, dlogits, stream_for(dscores))
+        _C.moe_aux_scores_backward(saved, dscores, score, dlogits, stream_for(dscores))
         return dlogits, None, None
 
 
@@ -347,7 +347,7 @@ class _AuxLoss(torch.autograd.Function):
     def forward(ctx, probs, tpe, total, topk, coeff):
         probs = detached(probs)
         loss = torch.empty((), dtype=torch.float32, device=probs.device)
-        _C.moe_aux_loss_fwd(probs, tpe, total, topk, coeff, loss, stream_for(probs))
+        _C.moe_aux_loss_forward(probs, tpe, total, topk, coeff, loss, stream_for(probs))
         ctx.save_for_backward(tpe)
         ctx.args = (total, topk, coeff, probs.shape, probs.dtype)
         return loss
@@ -357,7 +357,7 @@ class _AuxLoss(torch.autograd.Function):
         (tpe,) = ctx.saved_tensors
         total, topk, coeff, shape, dtype = ctx.args
         dprobs = torch.empty(shape, dtype=dtype, device=tpe.device)
-        _C.moe_aux_loss_bwd(dloss.float().contiguous(), tpe, total, topk, coeff, dprobs,
+        _C.moe_aux_loss_backward(dloss.float().contiguous(), tpe, total, topk, coeff, dprobs,
                             stream_for(dprobs))
         return dprobs, None, None, None, None
 
@@ -385,7 +385,7 @@ class _ZLoss(torch.autograd.Function):
         logits = detached(logits)
         loss = torch.empty((), dtype=torch.float32, device=logits.device)
         lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        _C.moe_z_loss_fwd(logits, coeff, loss, lse, stream_for(logits))
+        _C.moe_z_loss_forward(logits, coeff, loss, lse, stream_for(logits))
         ctx.save_for_backward(logits, lse)
         ctx.coeff = coeff
         return loss
@@ -394,7 +394,7 @@ class _ZLoss(torch.autograd.Function):
     def backward(ctx, dloss):
         logits, lse = ctx.saved_tensors
         dlogits = torch.empty_like(logits)
-        _C.moe_z_loss_bwd(logits, lse, dloss.float().contiguous(), ctx.coeff, dlogits,
+        _C.moe_z_loss_backward(logits, lse, dloss.float().contiguous(), ctx.coeff, dlogits,
                           stream_for(logits))
         return dlogits, None
 
@@ -456,7 +456,7 @@ class _Permute(torch.autograd.Function):
             if dout_probs is None:
                 dprobs.zero_()
             else:
-                _C.moe_permute_probs_bwd(row_id_map, dense(dout_probs), dprobs,
+                _C.moe_permute_probs_backward(row_id_map, dense(dout_probs), dprobs,
                                          stream_for(dprobs))
         return dinp, None, None, dprobs
 
@@ -530,7 +530,7 @@ class _Unpermute(torch.autograd.Function):
         dprobs = None
         if probs is not None:
             dprobs = torch.empty(probs.shape, dtype=probs.dtype, device=dout.device)
-        _C.moe_unpermute_bwd(dout, inp, row_id_map, probs, dinp, dprobs, stream_for(dout))
+        _C.moe_unpermute_backward(dout, inp, row_id_map, probs, dinp, dprobs, stream_for(dout))
         return dinp, None, dprobs
 
 
@@ -558,7 +558,7 @@ class _ScaledSwiGLU(torch.autograd.Function):
     def forward(ctx, x, probs):
         x, probs = detached(x), detached(probs)
         out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype, device=x.device)
-        _C.moe_swiglu_fwd(x, probs, out, stream_for(x))
+        _C.moe_swiglu_forward(x, probs, out, stream_for(x))
         ctx.save_for_backward(x, probs)
         return out
 
@@ -570,7 +570,7 @@ class _ScaledSwiGLU(torch.autograd.Function):
         dprobs = None
         if probs is not None and ctx.needs_input_grad[1]:
             dprobs = torch.empty_like(probs)
-        _C.moe_swiglu_bwd(dout, x, probs, dx, dprobs, stream_for(x))
+        _C.moe_swiglu_backward(dout, x, probs, dx, dprobs, stream_for(x))
         return dx, dprobs
 
 

@@ -57,38 +57,38 @@ def _out(x, out_dtype):
     return torch.empty(x.shape, dtype=out_dtype, device=x.device)
 
 
-def _fwd_args(op, x, out_dtype):
+def _forward_args(op, x, out_dtype):
     """What both forwards start from: x (checked, contiguous, detached), the
     output to fill and the number of rows."""
     _check_x(op, x)
     x = detached(x).contiguous()
-    _warn_if_scalar_path(op, x, stacklevel=4)  # the caller of layernorm_fwd / rmsnorm_fwd
+    _warn_if_scalar_path(op, x, stacklevel=4)  # the caller of layernorm_forward / rmsnorm_forward
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return x, _out(x, out_dtype), rows
 
 
-def layernorm_fwd(x, weight, bias=None, eps=1e-5, zero_centered_gamma=False, out_dtype=None,
+def layernorm_forward(x, weight, bias=None, eps=1e-5, zero_centered_gamma=False, out_dtype=None,
                   scale=None, amax=None, scale_inv=None, save_stats=True):
     """LayerNorm forward: returns ``(y, mean, rstd)`` (``mean``/``rstd`` are
     float32 ``[rows]``, or None with ``save_stats=False``)."""
-    op = "layernorm_fwd"
-    x, y, rows = _fwd_args(op, x, out_dtype)
+    op = "layernorm_forward"
+    x, y, rows = _forward_args(op, x, out_dtype)
     mean = rstd = None
     if save_stats:
         mean = torch.empty(rows, dtype=torch.float32, device=x.device)
         rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
-    _C.layernorm_fwd(x, detached(weight), detached(bias), as_float(op, "eps", eps), bool(zero_centered_gamma), y,
+    _C.layernorm_forward(x, detached(weight), detached(bias), as_float(op, "eps", eps), bool(zero_centered_gamma), y,
                      mean, rstd, scale, amax, scale_inv, stream_for(x))
     return y, mean, rstd
 
 
-def rmsnorm_fwd(x, weight, eps=1e-5, zero_centered_gamma=False, out_dtype=None, scale=None,
+def rmsnorm_forward(x, weight, eps=1e-5, zero_centered_gamma=False, out_dtype=None, scale=None,
                 amax=None, scale_inv=None, save_stats=True):
     """RMSNorm forward: returns ``(y, rstd)``."""
-    op = "rmsnorm_fwd"
-    x, y, rows = _fwd_args(op, x, out_dtype)
+    op = "rmsnorm_forward"
+    x, y, rows = _forward_args(op, x, out_dtype)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device) if save_stats else None
-    _C.rmsnorm_fwd(x, detached(weight), as_float(op, "eps", eps), bool(zero_centered_gamma), y, rstd, scale,
+    _C.rmsnorm_forward(x, detached(weight), as_float(op, "eps", eps), bool(zero_centered_gamma), y, rstd, scale,
                    amax, scale_inv, stream_for(x))
     return y, rstd
 
@@ -98,10 +98,10 @@ _workspace_numel = {}  # (device index, rows, hidden) -> float32 elements
 
 def _workspace(x):
     """The backward's float32 workspace (None on the CPU, which needs none)."""
-    return cached_workspace(x, _workspace_numel, _C.norm_bwd_workspace_numel)
+    return cached_workspace(x, _workspace_numel, _C.norm_backward_workspace_numel)
 
 
-def _bwd_args(op, dy, x, weight):
+def _backward_args(op, dy, x, weight):
     """What both backwards start from: dy, x (contiguous, detached) and the
     weight, then dx and dgamma to fill."""
     _check_x(op, x)
@@ -114,19 +114,19 @@ def _bwd_args(op, dy, x, weight):
     return dy, x, weight, torch.empty_like(x), torch.empty_like(weight)
 
 
-def layernorm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma=False, has_bias=True):
+def layernorm_backward(dy, x, mean, rstd, weight, zero_centered_gamma=False, has_bias=True):
     """LayerNorm backward: returns ``(dx, dgamma, dbeta)`` (dbeta None without
     a bias); dgamma/dbeta have the weight's dtype."""
-    dy, x, weight, dx, dgamma = _bwd_args("layernorm_bwd", dy, x, weight)
+    dy, x, weight, dx, dgamma = _backward_args("layernorm_backward", dy, x, weight)
     dbeta = torch.empty_like(weight) if has_bias else None
-    _C.layernorm_bwd(dy, x, mean, rstd, weight, bool(zero_centered_gamma), dx, dgamma, dbeta,
+    _C.layernorm_backward(dy, x, mean, rstd, weight, bool(zero_centered_gamma), dx, dgamma, dbeta,
                      _workspace(x), stream_for(x))
     return dx, dgamma, dbeta
 
 
-def rmsnorm_bwd(dy, x, rstd, weight, zero_centered_gamma=False):
+def rmsnorm_backward(dy, x, rstd, weight, zero_centered_gamma=False):
     """RMSNorm backward: returns ``(dx, dgamma)``."""
-    dy, x, weight, dx, dgamma = _bwd_args("rmsnorm_bwd", dy, x, weight)
-    _C.rmsnorm_bwd(dy, x, rstd, weight, bool(zero_centered_gamma), dx, dgamma, _workspace(x),
+    dy, x, weight, dx, dgamma = _backward_args("rmsnorm_backward", dy, x, weight)
+    _C.rmsnorm_backward(dy, x, rstd, weight, bool(zero_centered_gamma), dx, dgamma, _workspace(x),
                    stream_for(x))
     return dx, dgamma

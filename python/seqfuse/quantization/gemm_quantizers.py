@@ -165,7 +165,7 @@ class _Role:
     def fp8_dtype(self):
         o = self.owner
         fmt = o.recipe.fp8_format
-        return fmt.bwd_dtype if self.index % 3 == 2 else fmt.fwd_dtype
+        return fmt.backward_dtype if self.index % 3 == 2 else fmt.forward_dtype
 
     def _cast(self, x, transpose, dbias=False, rows=None):
         """Per-tensor cast of x [M, K] under the owner's recipe, the copies

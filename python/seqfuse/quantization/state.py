@@ -144,7 +144,7 @@ class ScalingState(nn.Module):
     def fp8_dtype(self, index):
         """The FP8 dtype of tensor ``index`` under the state's recipe."""
         fmt = self._format()
-        return fmt.bwd_dtype if index in self.backward_indices else fmt.fwd_dtype
+        return fmt.backward_dtype if index in self.backward_indices else fmt.forward_dtype
 
     def fp8_max(self, index):
         fmt = self._format()

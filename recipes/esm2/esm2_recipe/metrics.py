@@ -27,5 +27,5 @@ def train_flops(seq_lengths, hidden: int, ffn: int, layers: int, vocab: int = 33
     """FLOPs of forward + backward over sequences of these (real) lengths."""
     tokens = float(sum(seq_lengths))
     sq = float(sum(int(s) * int(s) for s in seq_lengths))
-    fwd = 2.0 * matmul_params(hidden, ffn, layers, vocab) * tokens + 4.0 * hidden * layers * sq
-    return 3.0 * fwd
+    forward = 2.0 * matmul_params(hidden, ffn, layers, vocab) * tokens + 4.0 * hidden * layers * sq
+    return 3.0 * forward

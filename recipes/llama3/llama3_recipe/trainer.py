@@ -130,11 +130,11 @@ def apply_layer_precision(model, cfg, recipe, rank):
         if kind is None:
             _loop.run_without_fp8(layers[i])
         else:  # "fp4" (check_run has refused it where it cannot run)
-            fwd, fp4 = layers[i].forward, NVFP4BlockScaling()
+            forward, fp4 = layers[i].forward, NVFP4BlockScaling()
 
-            def fp4_forward(*a, _fwd=fwd, _r=fp4, **k):
+            def fp4_forward(*a, _forward=forward, _r=fp4, **k):
                 with autocast(enabled=True, recipe=_r):
-                    return _fwd(*a, **k)
+                    return _forward(*a, **k)
 
             layers[i].forward = fp4_forward
     if rank == 0 and (recipe is not None or "fp4" in plan):

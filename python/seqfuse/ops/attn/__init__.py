@@ -1,8 +1,8 @@
 """Fused attention (csrc/attn/): softmax(scale * Q K^T + mask) V without the
 attention matrix, for padded (bshd, sbhd) and packed (thd) batches.
 
-``attention`` is the autograd-aware entry; ``attention_fwd`` and
-``attention_bwd`` are the two halves, with the log-sum-exp the forward saves
+``attention`` is the autograd-aware entry; ``attention_forward`` and
+``attention_backward`` are the two halves, with the log-sum-exp the forward saves
 for the backward.  Masks and layouts are spelled as in Transformer Engine:
 
 - ``qkv_format``: "bshd" [b, s, h, d], "sbhd" [s, b, h, d], "thd" [t, h, d]
@@ -30,7 +30,7 @@ float32 SDPA: _torch_routes.py.
 
 Files, one concern each:
 
-- _entry.py: ``attention``, ``attention_fwd``, ``attention_bwd``.
+- _entry.py: ``attention``, ``attention_forward``, ``attention_backward``.
 - _args.py: argument checks and the C config tuple.
 - _routing.py: kernel and backend choice, SEQFUSE_ATTN_BACKEND.
 - _torch_routes.py: the "flash" and "torch_fp32" routes: rules, layouts, calls.
@@ -41,17 +41,17 @@ Files, one concern each:
 """
 from ._args import FORMATS, MASKS
 from ._dropout import dropout_rng_state
-from ._entry import attention, attention_bwd, attention_fwd
+from ._entry import attention, attention_backward, attention_forward
 from ..tensor_cache import PerTensorCache
 from ._padding import PaddingLayout, padding_layout
 from ._cudnn_ragged import ragged_eligibility
-from ._routing import (BACKENDS, attention_backend, attention_bwd_kernel, attention_fwd_kernel,
-                       cudnn_eligibility, set_attention_backend, set_attention_bwd_kernel,
-                       set_attention_cudnn_ragged, set_attention_fwd_kernel)
+from ._routing import (BACKENDS, attention_backend, attention_backward_kernel, attention_forward_kernel,
+                       cudnn_eligibility, set_attention_backend, set_attention_backward_kernel,
+                       set_attention_cudnn_ragged, set_attention_forward_kernel)
 from ._torch_routes import flash_eligibility, fp32_eligibility
 
-__all__ = ["attention", "attention_fwd", "attention_bwd", "attention_fwd_kernel", "attention_bwd_kernel",
-           "set_attention_fwd_kernel", "set_attention_bwd_kernel", "attention_backend", "set_attention_backend",
+__all__ = ["attention", "attention_forward", "attention_backward", "attention_forward_kernel", "attention_backward_kernel",
+           "set_attention_forward_kernel", "set_attention_backward_kernel", "attention_backend", "set_attention_backend",
            "cudnn_eligibility", "flash_eligibility", "fp32_eligibility", "ragged_eligibility",
            "set_attention_cudnn_ragged", "dropout_rng_state", "padding_layout",
            "PaddingLayout", "PerTensorCache", "FORMATS", "MASKS", "BACKENDS"]

@@ -13,8 +13,8 @@ Two providers of the same cuDNN graph: "torch" (the default; torch's private
 op, below) and "frontend" (``SEQFUSE_ATTN_CUDNN_RAGGED=frontend`` or
 ``set_attention_cudnn_ragged(True, "frontend")``): ``cudnn.sdpa_torch`` of
 NVIDIA's nvidia-cudnn-frontend package (PyPI; not a seqfuse dependency, used
-only where installed), whose 1.32 release registers torch.ops.cudnn.sdpa_fwd /
-sdpa_bwd for packed (T, H, D) tensors with cu_seqlens, differentiable
+only where installed), whose 1.32 release registers torch.ops.cudnn.sdpa_forward /
+sdpa_backward for packed (T, H, D) tensors with cu_seqlens, differentiable
 (return_lse=True), and caches its cuDNN graphs by batch size, heads, max
 sequence lengths, strides and flags -- not by the token count.  seqfuse
 rounds the batch size up to a multiple of 16 (appending empty sequences to

@@ -1,6 +1,6 @@
 """The attention calls: ``attention`` (autograd-aware, routed by the
-backend choice in _routing.py) and its two halves ``attention_fwd`` and
-``attention_bwd``, which always run seqfuse's kernels and pass the forward's
+backend choice in _routing.py) and its two halves ``attention_forward`` and
+``attention_backward``, which always run seqfuse's kernels and pass the forward's
 log-sum-exp to the backward.  Each checks its tensors, builds the C config
 (_args.py), draws the dropout state when needed (_dropout.py) and calls
 seqfuse._C with destination tensors allocated by torch.
@@ -11,7 +11,7 @@ from ... import _C
 from .._call import stream_for
 from ._args import MASKS, PADDING, check_cu_values, check_tensor, config, kernel_layout, max_seqlen
 from ._dropout import dropout_rng_state, wants_rng
-from ._routing import note_bwd_kernel, note_fwd_kernel, routed_attention_or_none
+from ._routing import note_backward_kernel, note_forward_kernel, routed_attention_or_none
 
 
 def _lse_shape(q, qkv_format, cfg):
@@ -21,14 +21,14 @@ def _lse_shape(q, qkv_format, cfg):
     return (b, q.shape[-2], cfg[5])
 
 
-def attention_fwd(q, k, v, *, qkv_format="bshd", attn_mask_type="no_mask", cu_seqlens_q=None,
+def attention_forward(q, k, v, *, qkv_format="bshd", attn_mask_type="no_mask", cu_seqlens_q=None,
                   cu_seqlens_kv=None, max_seqlen_q=None, max_seqlen_kv=None, window_size=None,
                   softmax_scale=None, dropout_p=0.0, rng_state=None, out=None, lse=None):
     """Forward only: returns (out, lse).  out has q's shape and dtype; lse is
     float32 [b, h, s_q] (bshd/sbhd) or [h, t] (thd), +inf on rows that see
     no key (the undropped log-sum-exp).  With ``dropout_p`` > 0 the mask comes
     from ``rng_state`` = (seed, offset), drawn by :func:`dropout_rng_state`
-    when None (pass the same pair to :func:`attention_bwd`).
+    when None (pass the same pair to :func:`attention_backward`).
     ``out``/``lse`` may be given to write into.  Always seqfuse's kernels
     (the backend choice applies to ``attention`` only)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -38,18 +38,18 @@ def attention_fwd(q, k, v, *, qkv_format="bshd", attn_mask_type="no_mask", cu_se
         rng_state = dropout_rng_state(q, qkv_format, cu_seqlens_q)
     cfg, cu_q, cu_k = config(q, k, qkv_format, attn_mask_type, cu_seqlens_q, cu_seqlens_kv,
                               max_seqlen_q, max_seqlen_kv, window_size, softmax_scale, False,
-                              dropout_p, rng_state, op="attention_fwd")
+                              dropout_p, rng_state, op="attention_forward")
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty(_lse_shape(q, qkv_format, cfg), dtype=torch.float32, device=q.device)
     if q.is_cuda:
-        note_fwd_kernel(q, cfg[8] > 0.0)
-    _C.attn_fwd(q, k, v, cu_q, cu_k, out, lse, cfg, stream_for(q))
+        note_forward_kernel(q, cfg[8] > 0.0)
+    _C.attn_forward(q, k, v, cu_q, cu_k, out, lse, cfg, stream_for(q))
     return out, lse
 
 
-def attention_bwd(dout, q, k, v, out, lse, *, qkv_format="bshd", attn_mask_type="no_mask",
+def attention_backward(dout, q, k, v, out, lse, *, qkv_format="bshd", attn_mask_type="no_mask",
                   cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=None, max_seqlen_kv=None,
                   window_size=None, softmax_scale=None, deterministic=False, dropout_p=0.0,
                   rng_state=None, dq=None, dk=None, dv=None):
@@ -62,19 +62,19 @@ def attention_bwd(dout, q, k, v, out, lse, *, qkv_format="bshd", attn_mask_type=
     for name, x in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
         check_tensor(name, x)
     if rng_state is None and wants_rng(dropout_p):
-        raise ValueError("attention_bwd: dropout_p > 0 needs the forward's rng_state (seed, offset)")
+        raise ValueError("attention_backward: dropout_p > 0 needs the forward's rng_state (seed, offset)")
     dout, q, k, v, out = (kernel_layout(x.detach()) for x in (dout, q, k, v, out))
     cfg, cu_q, cu_k = config(q, k, qkv_format, attn_mask_type, cu_seqlens_q, cu_seqlens_kv,
                               max_seqlen_q, max_seqlen_kv, window_size, softmax_scale, deterministic,
-                              dropout_p, rng_state, op="attention_bwd")
+                              dropout_p, rng_state, op="attention_backward")
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if dq is None else dq
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if dk is None else dk
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if dv is None else dv
     dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
     if q.is_cuda:
-        note_bwd_kernel(q, deterministic, cfg[8] > 0.0)
-    _C.attn_bwd(q, k, v, out, dout, lse, cu_q, cu_k, dq, dk, dv, dq_accum, delta, cfg, stream_for(q))
+        note_backward_kernel(q, deterministic, cfg[8] > 0.0)
+    _C.attn_backward(q, k, v, out, dout, lse, cu_q, cu_k, dq, dk, dv, dq_accum, delta, cfg, stream_for(q))
     return dq, dk, dv
 
 
@@ -84,7 +84,7 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_kv, opts, deterministic):
         # opts carries dropout_p and the call's rng_state (drawn by attention()),
         # so the backward regenerates the forward's mask
-        out, lse = attention_fwd(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, **opts)
+        out, lse = attention_forward(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, **opts)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv)
         ctx.opts, ctx.deterministic = opts, deterministic
         return out
@@ -92,7 +92,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        dq, dk, dv = attention_bwd(dout, q, k, v, out, lse, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k,
+        dq, dk, dv = attention_backward(dout, q, k, v, out, lse, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k,
                                    deterministic=ctx.deterministic, **ctx.opts)
         return dq, dk, dv, None, None, None, None
 
@@ -129,4 +129,4 @@ def attention(q, k, v, *, qkv_format="bshd", attn_mask_type="no_mask", cu_seqlen
                 dropout_p=dropout_p, rng_state=rng_state)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _Attention.apply(q, k, v, cu_seqlens_q, cu_seqlens_kv, opts, bool(deterministic))
-    return attention_fwd(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, **opts)[0]
+    return attention_forward(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, **opts)[0]

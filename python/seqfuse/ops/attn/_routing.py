@@ -1,29 +1,30 @@
 """Which code runs an attention call, and the environment variables that
 choose it.
 
-Kernel choice on Hopper (``attention``, ``attention_fwd`` and
-``attention_bwd`` alike).  The forward has two kernels: the wgmma one
-(``attention_fwd_kernel`` 90, csrc/attn/attn_fwd_sm90_cuda.cu) and the
-mma.sync one (80).  The choice is ``SEQFUSE_ATTN_FWD_KERNEL=sm90|sm80`` or
-``set_attention_fwd_kernel``; the wgmma kernel is the default for head dims 64
+Kernel choice on Hopper (``attention``, ``attention_forward`` and
+``attention_backward`` alike).  The forward has two kernels: the wgmma one
+(``attention_forward_kernel`` 90, csrc/attn/attn_forward_sm90_cuda.cu) and the
+mma.sync one (80).  The choice is ``SEQFUSE_ATTN_FORWARD_KERNEL=sm90|sm80`` or
+``set_attention_forward_kernel``; the wgmma kernel is the default for head dims 64
 and 128 (confirmed on an H200).  The backward has the same pair
-(``attention_bwd_kernel``, csrc/attn/attn_bwd_sm90_cuda.cu), chosen by
-``SEQFUSE_ATTN_BWD_KERNEL=sm90|sm80`` or ``set_attention_bwd_kernel``; the
+(``attention_backward_kernel``, csrc/attn/attn_backward_sm90_cuda.cu), chosen by
+``SEQFUSE_ATTN_BACKWARD_KERNEL=sm90|sm80`` or ``set_attention_backward_kernel``; the
 wgmma backward is the default for head dims 64 and 128 (confirmed on an
 H200), and deterministic calls always take sm80 (the wgmma backward adds dQ
 with atomics).  Dropout calls take sm80 both ways (the wgmma kernels have no
 dropout).  Wherever a Hopper device runs the slower kernel, the reason is
-logged once (logger "seqfuse").  SEQFUSE_ATTN_FWD_KERNEL and
-SEQFUSE_ATTN_BWD_KERNEL are read here, like SEQFUSE_ATTN_BACKEND (the C
+logged once (logger "seqfuse").  SEQFUSE_ATTN_FORWARD_KERNEL and
+SEQFUSE_ATTN_BACKWARD_KERNEL are read here, like SEQFUSE_ATTN_BACKEND (the C
 library reads no environment): once, at the first question about that
 direction's kernel (every CUDA forward / backward asks), unless a
 ``set_attention_*_kernel`` came first; unset or empty keeps the default, any
-value other than sm90 or sm80 is a ValueError naming the variable.  The
-choice itself lives in the C library (``_C.attn_set_fwd_kernel``), which
-this file asks (``attention_fwd_kernel``, ``attention_bwd_kernel``) and
+value other than sm90 or sm80 is a ValueError naming the variable, and so is
+a variable set under its former name (_KERNEL_ENV_FORMER).  The
+choice itself lives in the C library (``_C.attn_set_forward_kernel``), which
+this file asks (``attention_forward_kernel``, ``attention_backward_kernel``) and
 whose reasons it logs.
 
-Backend choice (``attention`` only; ``attention_fwd`` and ``attention_bwd``,
+Backend choice (``attention`` only; ``attention_forward`` and ``attention_backward``,
 the explicit halves that return and take the lse, always run seqfuse's
 kernels).  Routes: "seqfuse" (the kernels above); "cudnn" (cuDNN fused
 attention through ``torch.nn.functional.scaled_dot_product_attention``
@@ -166,20 +167,24 @@ _log = logging.getLogger("seqfuse")
 
 
 # ------------------------------------------------------------ kernel choice on Hopper
-_fwd_reasons_logged = set()
-_bwd_reasons_logged = set()
+_forward_reasons_logged = set()
+_backward_reasons_logged = set()
 # (head dim, device index[, deterministic]) keys whose kernel choice was already
 # looked at since the choice last changed: each direction asks C once per key, not per call
-_fwd_kernel_checked = set()
-_bwd_kernel_checked = set()
+_forward_kernel_checked = set()
+_backward_kernel_checked = set()
 
 
 # direction -> (environment variable, _C setter name); a direction leaves
 # _kernel_env_pending once its variable was applied or a setter overrode it
-_KERNEL_ENV = {"forward": ("SEQFUSE_ATTN_FWD_KERNEL", "attn_set_fwd_kernel"),
-               "backward": ("SEQFUSE_ATTN_BWD_KERNEL", "attn_set_bwd_kernel")}
+_KERNEL_ENV = {"forward": ("SEQFUSE_ATTN_FORWARD_KERNEL", "attn_set_forward_kernel"),
+               "backward": ("SEQFUSE_ATTN_BACKWARD_KERNEL", "attn_set_backward_kernel")}
 _KERNEL_ENV_VALUES = {"sm90": 90, "sm80": 80}
 _kernel_env_pending = set(_KERNEL_ENV)
+# the variables' former names: a job script that still sets one would
+# otherwise be ignored without a word, so it is refused, naming the new one
+_KERNEL_ENV_FORMER = {"SEQFUSE_ATTN_FWD_KERNEL": "SEQFUSE_ATTN_FORWARD_KERNEL",
+                      "SEQFUSE_ATTN_BWD_KERNEL": "SEQFUSE_ATTN_BACKWARD_KERNEL"}
 
 
 def _apply_kernel_env(direction):
@@ -188,6 +193,9 @@ def _apply_kernel_env(direction):
     if direction not in _kernel_env_pending:
         return
     name, setter = _KERNEL_ENV[direction]
+    for former, now in _KERNEL_ENV_FORMER.items():
+        if now == name and former in os.environ:
+            raise ValueError(f"{former} is now spelled {now}: set {now} instead and unset {former}")
     raw = os.environ.get(name, "")
     value = raw.strip()
     if value:
@@ -197,20 +205,20 @@ def _apply_kernel_env(direction):
     _kernel_env_pending.discard(direction)
 
 
-def set_attention_fwd_kernel(arch):
+def set_attention_forward_kernel(arch):
     """Forward kernel on Hopper: 90 (wgmma) or 80 (mma.sync), for the process
-    (overrides SEQFUSE_ATTN_FWD_KERNEL)."""
-    _C.attn_set_fwd_kernel(arch)
+    (overrides SEQFUSE_ATTN_FORWARD_KERNEL)."""
+    _C.attn_set_forward_kernel(arch)
     _kernel_env_pending.discard("forward")
-    _fwd_kernel_checked.clear()
+    _forward_kernel_checked.clear()
 
 
-def set_attention_bwd_kernel(arch):
+def set_attention_backward_kernel(arch):
     """Backward kernel on Hopper: 90 (wgmma) or 80 (mma.sync), for the process
-    (overrides SEQFUSE_ATTN_BWD_KERNEL)."""
-    _C.attn_set_bwd_kernel(arch)
+    (overrides SEQFUSE_ATTN_BACKWARD_KERNEL)."""
+    _C.attn_set_backward_kernel(arch)
     _kernel_env_pending.discard("backward")
-    _bwd_kernel_checked.clear()
+    _backward_kernel_checked.clear()
 
 
 def _device_index(device):
@@ -218,19 +226,19 @@ def _device_index(device):
     return 0 if index is None else index
 
 
-def attention_fwd_kernel(head_dim, device=None, dropout=False):
+def attention_forward_kernel(head_dim, device=None, dropout=False):
     """(arch, reason): the CUDA forward kernel a call with this head dim (and
     dropout or not) takes on ``device`` (default: the current CUDA device);
     reason is "" when it is 90 or when the device is not Hopper."""
     _apply_kernel_env("forward")
-    return _C.attn_fwd_kernel_for(head_dim, _device_index(device), int(bool(dropout)))
+    return _C.attn_forward_kernel_for(head_dim, _device_index(device), int(bool(dropout)))
 
 
-def attention_bwd_kernel(head_dim, device=None, deterministic=False, dropout=False):
+def attention_backward_kernel(head_dim, device=None, deterministic=False, dropout=False):
     """(arch, reason): the CUDA backward kernel a call with this head dim,
-    deterministic flag and dropout takes on ``device``, as ``attention_fwd_kernel``."""
+    deterministic flag and dropout takes on ``device``, as ``attention_forward_kernel``."""
     _apply_kernel_env("backward")
-    return _C.attn_bwd_kernel_for(head_dim, _device_index(device), bool(deterministic), int(bool(dropout)))
+    return _C.attn_backward_kernel_for(head_dim, _device_index(device), bool(deterministic), int(bool(dropout)))
 
 
 def _note_kernel(direction, key, kernel_for, checked, logged):
@@ -248,14 +256,14 @@ def _note_kernel(direction, key, kernel_for, checked, logged):
                  direction, why)
 
 
-def note_fwd_kernel(q, dropout=False):
-    _note_kernel("forward", (q.shape[-1], q.device.index or 0, int(bool(dropout))), _C.attn_fwd_kernel_for,
-                 _fwd_kernel_checked, _fwd_reasons_logged)
+def note_forward_kernel(q, dropout=False):
+    _note_kernel("forward", (q.shape[-1], q.device.index or 0, int(bool(dropout))), _C.attn_forward_kernel_for,
+                 _forward_kernel_checked, _forward_reasons_logged)
 
 
-def note_bwd_kernel(q, deterministic, dropout=False):
+def note_backward_kernel(q, deterministic, dropout=False):
     _note_kernel("backward", (q.shape[-1], q.device.index or 0, bool(deterministic), int(bool(dropout))),
-                 _C.attn_bwd_kernel_for, _bwd_kernel_checked, _bwd_reasons_logged)
+                 _C.attn_backward_kernel_for, _backward_kernel_checked, _backward_reasons_logged)
 
 
 

@@ -1,5 +1,5 @@
 /*
- * attn_fwd_cuda.cu - the flash-attention forward on the GPU.
+ * attn_forward_cuda.cu - the flash-attention forward on the GPU.
  *
  * One block of 4 warps owns 128 query rows of one (sequence, head); each warp
  * owns 32 rows (two m16 row tiles) and keeps their Q fragments (head dims up
@@ -22,7 +22,7 @@
  * a tile has summed every probability, the dropped ones are zeroed before
  * P V (keep bits from attn_philox.h, regenerated per tile, never stored) and
  * the epilogue scales O by 1 / (1 - p); lse stays the undropped one.  On
- * Hopper a dropout call runs here, not in the wgmma kernel (fwd_sm90_selected
+ * Hopper a dropout call runs here, not in the wgmma kernel (forward_sm90_selected
  * says so, and ops/attn.py logs it once).
  *
  * Head dims: kernels for tile widths 16, 32, 64 and 128; head dim 24 runs in
@@ -47,21 +47,21 @@ namespace sf_attn {
  * Dropout kernels hold the keep bits of a tile besides: they take 64 keys
  * per step at every head dim, and one row tile per warp at head dim 128, so
  * that nothing spills (ptxas -v). */
-template <int D, bool kDropout = false> struct FwdCfg {
+template <int D, bool kDropout = false> struct ForwardCfg {
     static constexpr int WARPS = 4, MT = kDropout && D == 128 ? 1 : 2, BN = D <= 32 && !kDropout ? 128 : 64;
     static constexpr bool QREG = D <= 64;
 };
 
-template <int D, bool kDropout> constexpr int fwd_smem_bytes()
+template <int D, bool kDropout> constexpr int forward_smem_bytes()
 {
-    using C = FwdCfg<D, kDropout>;
+    using C = ForwardCfg<D, kDropout>;
     return (16 * C::MT * C::WARPS + 2 * C::BN) * (D + 8) * 2;
 }
 
 template <typename T, int D, bool kDropout>
-__global__ void __launch_bounds__(32 * FwdCfg<D>::WARPS, 1) fwd_kernel(const sf_attn_problem p)
+__global__ void __launch_bounds__(32 * ForwardCfg<D>::WARPS, 1) forward_kernel(const sf_attn_problem p)
 {
-    using C = FwdCfg<D, kDropout>;
+    using C = ForwardCfg<D, kDropout>;
     constexpr int WARPS = C::WARPS, MT = C::MT, BN = C::BN, NT = 32 * WARPS;
     constexpr int SD = D + 8, BM = 16 * MT * WARPS;
     constexpr int KD = D / 16;  /* 16-wide chunks of the head dim */
@@ -351,40 +351,40 @@ cudaError_t allow_smem(const void *kernel, int bytes)
 }
 
 template <typename T, int D, bool kDropout>
-static sf_status launch_fwd_dim(const sf_attn_problem &p, cudaStream_t stream)
+static sf_status launch_forward_dim(const sf_attn_problem &p, cudaStream_t stream)
 {
-    using C = FwdCfg<D, kDropout>;
-    constexpr int smem = fwd_smem_bytes<D, kDropout>();
+    using C = ForwardCfg<D, kDropout>;
+    constexpr int smem = forward_smem_bytes<D, kDropout>();
     constexpr int BM = 16 * C::MT * C::WARPS;
-    SF_CUDA_TRY("attention_fwd", allow_smem((const void *)fwd_kernel<T, D, kDropout>, smem));
+    SF_CUDA_TRY("attention_forward", allow_smem((const void *)forward_kernel<T, D, kDropout>, smem));
     dim3 grid((p.max_sq + BM - 1) / BM, p.heads, p.batch);
-    fwd_kernel<T, D, kDropout><<<grid, 32 * C::WARPS, smem, stream>>>(p);
-    SF_CUDA_CHECK_LAUNCH("attention_fwd");
+    forward_kernel<T, D, kDropout><<<grid, 32 * C::WARPS, smem, stream>>>(p);
+    SF_CUDA_CHECK_LAUNCH("attention_forward");
     return SF_OK;
 }
 
 /* The sm_80 (mma.sync) forward, every dtype and head dim attn.c admits. */
-static sf_status launch_fwd(const sf_attn_problem &p, cudaStream_t stream)
+static sf_status launch_forward(const sf_attn_problem &p, cudaStream_t stream)
 {
-    return with_kernel_params("attention_fwd", p, [&](auto t, auto w, auto drop) {
-        return launch_fwd_dim<typename decltype(t)::type, decltype(w)::value, decltype(drop)::value>(p, stream);
+    return with_kernel_params("attention_forward", p, [&](auto t, auto w, auto drop) {
+        return launch_forward_dim<typename decltype(t)::type, decltype(w)::value, decltype(drop)::value>(p, stream);
     });
 }
 
 } // namespace sf_attn
 
-extern "C" sf_status sf_attn_fwd_cuda(const sf_attn_problem *p, sf_stream s, int device)
+extern "C" sf_status sf_attn_forward_cuda(const sf_attn_problem *p, sf_stream s, int device)
 {
     using namespace sf_attn;
     cudaStream_t stream = sf_cuda_stream(s);
     return run_on_device(
-        "attention_fwd", *p, device,
+        "attention_forward", *p, device,
         [&]() -> sf_status {
             if (p->batch == 0 || p->max_sq == 0)
                 return SF_OK;
-            if (fwd_sm90_selected(*p, device, NULL))
-                return launch_fwd_sm90(*p, stream); /* wgmma kernel, attn_fwd_sm90_cuda.cu */
-            return launch_fwd(*p, stream);
+            if (forward_sm90_selected(*p, device, NULL))
+                return launch_forward_sm90(*p, stream); /* wgmma kernel, attn_forward_sm90_cuda.cu */
+            return launch_forward(*p, stream);
         },
         [&] { launch_zero_tail(*p, p->o, p->heads, p->cu_q, p->extent_q, p->lse, stream); });
 }

@@ -1,5 +1,5 @@
 /*
- * attn_bwd_cuda.cu - the flash-attention backward on the GPU (the
+ * attn_backward_cuda.cu - the flash-attention backward on the GPU (the
  * flash-attention 2 scheme), four launches on the caller's stream:
  *
  *  1. delta_kernel:  delta_r = dout_r . out_r (float32, one warp per row).
@@ -17,8 +17,8 @@
  *     shared memory and adds dQ = dS K into a float32 workspace with
  *     atomicAdd (as flash-attention 2 does: the order of the additions, and so
  *     the last bits of dQ, vary run to run).
- *     On Hopper, with the wgmma backward selected (bwd_sm90_selected), step 2
- *     is attn_bwd_sm90_cuda.cu's kernel instead (head dims 64 and 128, not
+ *     On Hopper, with the wgmma backward selected (backward_sm90_selected), step 2
+ *     is attn_backward_sm90_cuda.cu's kernel instead (head dims 64 and 128, not
  *     deterministic).
  *  3. dq_convert_kernel: dQ = workspace, rounded to the input dtype.
  *     Deterministic mode replaces 2's atomics and 3 by dq_kernel: one block
@@ -36,25 +36,25 @@
  * the 32-wide kernels with its last 8 columns zero-filled on load (they add
  * nothing to S, dP, dV, dK or dQ) and not stored.
  *
- * Files: step 2's kernels are in attn_bwd_tiles.cuh; this unit compiles
+ * Files: step 2's kernels are in attn_backward_tiles.cuh; this unit compiles
  * them for tile widths 16 and 32 besides the entry and steps 1, 3 and 4,
- * attn_bwd_wide_cuda.cu for 64 and 128.
+ * attn_backward_wide_cuda.cu for 64 and 128.
  */
 #include "../core/cuda_util.h"
 #include "attn_backend.h"
-#include "attn_bwd_tiles.cuh"
+#include "attn_backward_tiles.cuh"
 
 namespace sf_attn {
 
-/* Step 2 at tile widths 64 and 128: compiled in attn_bwd_wide_cuda.cu. */
-extern template sf_status launch_bwd_tiles<__nv_bfloat16, 64, false>(const sf_attn_problem &p, cudaStream_t stream);
-extern template sf_status launch_bwd_tiles<__nv_bfloat16, 64, true>(const sf_attn_problem &p, cudaStream_t stream);
-extern template sf_status launch_bwd_tiles<__half, 64, false>(const sf_attn_problem &p, cudaStream_t stream);
-extern template sf_status launch_bwd_tiles<__half, 64, true>(const sf_attn_problem &p, cudaStream_t stream);
-extern template sf_status launch_bwd_tiles<__nv_bfloat16, 128, false>(const sf_attn_problem &p, cudaStream_t stream);
-extern template sf_status launch_bwd_tiles<__nv_bfloat16, 128, true>(const sf_attn_problem &p, cudaStream_t stream);
-extern template sf_status launch_bwd_tiles<__half, 128, false>(const sf_attn_problem &p, cudaStream_t stream);
-extern template sf_status launch_bwd_tiles<__half, 128, true>(const sf_attn_problem &p, cudaStream_t stream);
+/* Step 2 at tile widths 64 and 128: compiled in attn_backward_wide_cuda.cu. */
+extern template sf_status launch_backward_tiles<__nv_bfloat16, 64, false>(const sf_attn_problem &p, cudaStream_t stream);
+extern template sf_status launch_backward_tiles<__nv_bfloat16, 64, true>(const sf_attn_problem &p, cudaStream_t stream);
+extern template sf_status launch_backward_tiles<__half, 64, false>(const sf_attn_problem &p, cudaStream_t stream);
+extern template sf_status launch_backward_tiles<__half, 64, true>(const sf_attn_problem &p, cudaStream_t stream);
+extern template sf_status launch_backward_tiles<__nv_bfloat16, 128, false>(const sf_attn_problem &p, cudaStream_t stream);
+extern template sf_status launch_backward_tiles<__nv_bfloat16, 128, true>(const sf_attn_problem &p, cudaStream_t stream);
+extern template sf_status launch_backward_tiles<__half, 128, false>(const sf_attn_problem &p, cudaStream_t stream);
+extern template sf_status launch_backward_tiles<__half, 128, true>(const sf_attn_problem &p, cudaStream_t stream);
 
 template <typename T>
 __global__ void delta_kernel(const sf_attn_problem p)
@@ -103,13 +103,13 @@ __global__ void dq_convert_kernel(const sf_attn_problem p, int64_t rows_per_batc
     }
 }
 
-/* sm90: the dK/dV/dQ pass runs on the wgmma kernel (attn_bwd_sm90_cuda.cu,
+/* sm90: the dK/dV/dQ pass runs on the wgmma kernel (attn_backward_sm90_cuda.cu,
  * head dims 64 and 128, never deterministic, never with dropout); delta and
  * the dQ conversion are these kernels either way. */
 template <typename T, int D, bool kDropout>
-static sf_status launch_bwd(const sf_attn_problem &p, bool sm90, cudaStream_t stream)
+static sf_status launch_backward(const sf_attn_problem &p, bool sm90, cudaStream_t stream)
 {
-    static const char op[] = "attention_bwd";
+    static const char op[] = "attention_backward";
     const int rows_q = p.max_sq, batch = p.batch;
     {
         dim3 grid((rows_q + 7) / 8, p.heads, batch);
@@ -117,14 +117,14 @@ static sf_status launch_bwd(const sf_attn_problem &p, bool sm90, cudaStream_t st
         SF_CUDA_CHECK_LAUNCH(op);
     }
     if (p.deterministic)
-        return launch_bwd_tiles<T, D, kDropout>(p, stream);
+        return launch_backward_tiles<T, D, kDropout>(p, stream);
     const int64_t rows_per_batch = p.thd ? p.extent_q : p.max_sq;
     const int64_t total_rows = (p.thd ? 1 : batch) * rows_per_batch * p.heads;
     SF_CUDA_TRY(op, cudaMemsetAsync(p.dq_accum.ptr, 0, (size_t)total_rows * p.head_dim * sizeof(float), stream));
-    if (sm90 && !kDropout) /* bwd_sm90_selected never picks it with dropout */
-        SF_TRY(launch_bwd_sm90(p, stream));
+    if (sm90 && !kDropout) /* backward_sm90_selected never picks it with dropout */
+        SF_TRY(launch_backward_sm90(p, stream));
     else
-        SF_TRY((launch_bwd_tiles<T, D, kDropout>(p, stream)));
+        SF_TRY((launch_backward_tiles<T, D, kDropout>(p, stream)));
     if (total_rows > 0) {
         const int grid = (int)((total_rows + 7) / 8 < 65536 ? (total_rows + 7) / 8 : 65536);
         dq_convert_kernel<T><<<grid, dim3(32, 8), 0, stream>>>(p, rows_per_batch, total_rows);
@@ -133,26 +133,26 @@ static sf_status launch_bwd(const sf_attn_problem &p, bool sm90, cudaStream_t st
     return SF_OK;
 }
 
-static sf_status launch_bwd_any(const sf_attn_problem &p, bool sm90, cudaStream_t stream)
+static sf_status launch_backward_any(const sf_attn_problem &p, bool sm90, cudaStream_t stream)
 {
-    return with_kernel_params("attention_bwd", p, [&](auto t, auto w, auto drop) {
-        return launch_bwd<typename decltype(t)::type, decltype(w)::value, decltype(drop)::value>(p, sm90, stream);
+    return with_kernel_params("attention_backward", p, [&](auto t, auto w, auto drop) {
+        return launch_backward<typename decltype(t)::type, decltype(w)::value, decltype(drop)::value>(p, sm90, stream);
     });
 }
 
 } // namespace sf_attn
 
-extern "C" sf_status sf_attn_bwd_cuda(const sf_attn_problem *p, sf_stream s, int device)
+extern "C" sf_status sf_attn_backward_cuda(const sf_attn_problem *p, sf_stream s, int device)
 {
     using namespace sf_attn;
     cudaStream_t stream = sf_cuda_stream(s);
     return run_on_device(
-        "attention_bwd", *p, device,
+        "attention_backward", *p, device,
         [&]() -> sf_status {
             if (p->batch == 0 || (p->max_sq == 0 && p->max_sk == 0))
                 return SF_OK;
-            const bool sm90 = bwd_sm90_selected(*p, device, NULL); /* wgmma kernel, attn_bwd_sm90_cuda.cu */
-            return launch_bwd_any(*p, sm90, stream);
+            const bool sm90 = backward_sm90_selected(*p, device, NULL); /* wgmma kernel, attn_backward_sm90_cuda.cu */
+            return launch_backward_any(*p, sm90, stream);
         },
         [&] {
             if (p->deterministic)

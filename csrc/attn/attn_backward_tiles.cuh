@@ -1,25 +1,25 @@
 /*
- * attn_bwd_tiles.cuh - the sm80 (mma.sync) backward's main pass: the dK / dV
+ * attn_backward_tiles.cuh - the sm80 (mma.sync) backward's main pass: the dK / dV
  * kernel (dQ added with atomics, or not in deterministic mode) and the
- * deterministic dQ kernel, with launch_bwd_tiles, which runs them for one
- * (dtype, tile width, dropout).  attn_bwd_cuda.cu (the entry, delta and the
- * dQ conversion) calls launch_bwd_tiles and compiles it for tile widths 16
- * and 32; attn_bwd_wide_cuda.cu compiles it for 64 and 128, so that a
+ * deterministic dQ kernel, with launch_backward_tiles, which runs them for one
+ * (dtype, tile width, dropout).  attn_backward_cuda.cu (the entry, delta and the
+ * dQ conversion) calls launch_backward_tiles and compiles it for tile widths 16
+ * and 32; attn_backward_wide_cuda.cu compiles it for 64 and 128, so that a
  * parallel build compiles the two halves side by side.  The scheme:
- * attn_bwd_cuda.cu's top comment.
+ * attn_backward_cuda.cu's top comment.
  */
-#ifndef SF_ATTN_BWD_TILES_CUH
-#define SF_ATTN_BWD_TILES_CUH
+#ifndef SF_ATTN_BACKWARD_TILES_CUH
+#define SF_ATTN_BACKWARD_TILES_CUH
 
 #include "../core/cuda_util.h"
 #include "attn_sm90.cuh"
 
 namespace sf_attn {
 
-/* kBwdStepM query rows per step of a dK/dV block; kBwdBN keys and kBwdBM
+/* kBackwardStepM query rows per step of a dK/dV block; kBackwardBN keys and kBackwardBM
  * query rows per deterministic dQ block. */
-constexpr int kBwdWarps = 4, kBwdThreads = 32 * kBwdWarps, kBwdBN = 16 * kBwdWarps, kBwdBM = 64;
-constexpr int kBwdStepM = 32;
+constexpr int kBackwardWarps = 4, kBackwardThreads = 32 * kBackwardWarps, kBackwardBN = 16 * kBackwardWarps, kBackwardBM = 64;
+constexpr int kBackwardStepM = 32;
 
 /* Keys of a dK/dV block: each warp owns KT m16 tiles of keys (16*KT keys).
  * Two tiles (head dims up to 64) use every Q and dO fragment read from
@@ -27,12 +27,12 @@ constexpr int kBwdStepM = 32;
  * halve the dQ atomics and the Q/dO re-reads (there are half as many key
  * blocks); head dim 128's dK and dV would not fit the registers twice. */
 template <int D> struct DkdvCfg {
-    static constexpr int KT = D <= 64 ? 2 : 1, BN = 16 * KT * kBwdWarps;
+    static constexpr int KT = D <= 64 ? 2 : 1, BN = 16 * KT * kBackwardWarps;
 };
 
 template <int D> constexpr int dq_smem_bytes()
 {
-    return (2 * kBwdBN + 2 * kBwdBM) * (D + 8) * 2;
+    return (2 * kBackwardBN + 2 * kBackwardBM) * (D + 8) * 2;
 }
 
 /* dK and dV of BN keys (DkdvCfg): 32 query rows per step, the next step's
@@ -44,14 +44,14 @@ template <int D> constexpr int dq_smem_bytes()
 template <int D> constexpr int dkdv_smem_bytes()
 {
     constexpr int BN = DkdvCfg<D>::BN;
-    return (2 * BN + 4 * kBwdStepM) * (D + 8) * 2 + BN * (kBwdStepM + 8) * 2 + 4 * kBwdStepM * 4;
+    return (2 * BN + 4 * kBackwardStepM) * (D + 8) * 2 + BN * (kBackwardStepM + 8) * 2 + 4 * kBackwardStepM * 4;
 }
 
 template <typename T, int D, bool kAtomicDq, bool kDropout>
-__global__ void __launch_bounds__(kBwdThreads) dkdv_kernel(const sf_attn_problem p)
+__global__ void __launch_bounds__(kBackwardThreads) dkdv_kernel(const sf_attn_problem p)
 {
     constexpr int KT = DkdvCfg<D>::KT, BN = DkdvCfg<D>::BN;
-    constexpr int SD = D + 8, BM = kBwdStepM, NT = kBwdThreads, SS = BM + 8;
+    constexpr int SD = D + 8, BM = kBackwardStepM, NT = kBackwardThreads, SS = BM + 8;
     constexpr int KD = D / 16, NO = D / 8, NS = BM / 8;
     constexpr int DSPLIT = D >= 32 ? 2 : 1, DH = D / DSPLIT; /* dQ columns per warp */
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -271,9 +271,9 @@ __global__ void __launch_bounds__(kBwdThreads) dkdv_kernel(const sf_attn_problem
 
 /* Deterministic dQ: one block per 64 query rows, keys walked in order. */
 template <typename T, int D, bool kDropout>
-__global__ void __launch_bounds__(kBwdThreads) dq_kernel(const sf_attn_problem p)
+__global__ void __launch_bounds__(kBackwardThreads) dq_kernel(const sf_attn_problem p)
 {
-    constexpr int SD = D + 8, BM = kBwdBM, BN = kBwdBN, NT = kBwdThreads;
+    constexpr int SD = D + 8, BM = kBackwardBM, BN = kBackwardBN, NT = kBackwardThreads;
     constexpr int KD = D / 16, NO = D / 8, NS = BN / 8;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T *sQ = reinterpret_cast<T *>(smem_raw);
@@ -397,22 +397,22 @@ __global__ void __launch_bounds__(kBwdThreads) dq_kernel(const sf_attn_problem p
 template <typename T, int D, bool kAtomicDq, bool kDropout>
 static sf_status launch_dkdv(const sf_attn_problem &p, int n_blocks_k, cudaStream_t stream)
 {
-    static const char op[] = "attention_bwd";
+    static const char op[] = "attention_backward";
     constexpr int smem = dkdv_smem_bytes<D>();
     SF_CUDA_TRY(op, allow_smem((const void *)dkdv_kernel<T, D, kAtomicDq, kDropout>, smem));
-    dkdv_kernel<T, D, kAtomicDq, kDropout><<<dim3(n_blocks_k, p.heads_kv, p.batch), kBwdThreads, smem, stream>>>(p);
+    dkdv_kernel<T, D, kAtomicDq, kDropout><<<dim3(n_blocks_k, p.heads_kv, p.batch), kBackwardThreads, smem, stream>>>(p);
     SF_CUDA_CHECK_LAUNCH(op);
     return SF_OK;
 }
 
-/* Step 2 of the backward (attn_bwd_cuda.cu's top comment) for one dtype T,
+/* Step 2 of the backward (attn_backward_cuda.cu's top comment) for one dtype T,
  * tile width D and dropout: deterministic, the dK / dV kernel without
  * atomics then the dQ kernel; otherwise the dK / dV kernel adding dQ into
- * the zeroed float32 workspace.  The wgmma pass (attn_bwd_sm90_cuda.cu) is
+ * the zeroed float32 workspace.  The wgmma pass (attn_backward_sm90_cuda.cu) is
  * the entry's choice, not this. */
-template <typename T, int D, bool kDropout> sf_status launch_bwd_tiles(const sf_attn_problem &p, cudaStream_t stream)
+template <typename T, int D, bool kDropout> sf_status launch_backward_tiles(const sf_attn_problem &p, cudaStream_t stream)
 {
-    static const char op[] = "attention_bwd";
+    static const char op[] = "attention_backward";
     const int n_blocks_k = (p.max_sk + DkdvCfg<D>::BN - 1) / DkdvCfg<D>::BN;
     if (!p.deterministic) {
         if (n_blocks_k > 0)
@@ -423,11 +423,11 @@ template <typename T, int D, bool kDropout> sf_status launch_bwd_tiles(const sf_
         SF_TRY((launch_dkdv<T, D, false, kDropout>(p, n_blocks_k, stream)));
     constexpr int smem = dq_smem_bytes<D>();
     SF_CUDA_TRY(op, allow_smem((const void *)dq_kernel<T, D, kDropout>, smem));
-    dq_kernel<T, D, kDropout><<<dim3((p.max_sq + kBwdBM - 1) / kBwdBM, p.heads, p.batch), kBwdThreads, smem, stream>>>(p);
+    dq_kernel<T, D, kDropout><<<dim3((p.max_sq + kBackwardBM - 1) / kBackwardBM, p.heads, p.batch), kBackwardThreads, smem, stream>>>(p);
     SF_CUDA_CHECK_LAUNCH(op);
     return SF_OK;
 }
 
 } // namespace sf_attn
 
-#endif /* SF_ATTN_BWD_TILES_CUH */
+#endif /* SF_ATTN_BACKWARD_TILES_CUH */

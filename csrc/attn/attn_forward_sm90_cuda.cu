@@ -1,7 +1,7 @@
 /*
- * attn_fwd_sm90_cuda.cu - the flash-attention forward on Hopper's wgmma
+ * attn_forward_sm90_cuda.cu - the flash-attention forward on Hopper's wgmma
  * (sm_90a), head dims 64 and 128, everything the mma.sync forward
- * (attn_fwd_cuda.cu) supports: layouts through the problem's strides and
+ * (attn_forward_cuda.cu) supports: layouts through the problem's strides and
  * cu_seqlens, every mask and window, GQA/MQA, the same lse for the backward.
  *
  * One block owns the query rows of one (sequence, head): a producer
@@ -18,13 +18,13 @@
  * Epilogue: O / l and lse = ln(sum exp(scale * s)) (float32, natural log),
  * exactly as the sm80 forward writes them.
  *
- * The schedule is fwd_schedule(head dim): three consumers (192 rows) at
+ * The schedule is forward_schedule(head dim): three consumers (192 rows) at
  * head dim 64, where the exponentials weigh as much as the products, two
  * (128 rows) at 128, where three would not hold S, P and O in registers.
  * The other schedules measured against it live in
- * attn_fwd_sm90_workbench.cuh and build into the check programs only
+ * attn_forward_sm90_workbench.cuh and build into the check programs only
  * (SF_WORKBENCH).  Whether a call takes this kernel or the sm80 one is
- * fwd_sm90_selected (the kernel choice 90 or 80, sf_attn_set_fwd_kernel,
+ * forward_sm90_selected (the kernel choice 90 or 80, sf_attn_set_forward_kernel,
  * default 90; the device; the head dim; dropout).
  */
 #include <string.h>
@@ -38,7 +38,7 @@ namespace sm90 {
 constexpr int kBN = 128; /* keys per K/V tile */
 
 /* The body of a wgmma kernel in a build without sm_90a: the host never
- * launches it (fwd_sm90_selected checks for this marker through the kernel's
+ * launches it (forward_sm90_selected checks for this marker through the kernel's
  * static shared size). */
 #define SF_SM90_NOT_BUILT()                                                                            \
     do {                                                                                               \
@@ -200,11 +200,11 @@ __device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&pa)
  * only after the previous one has issued its own, and its softmax runs while
  * the other's products are on the tensor cores (FlashAttention-3's
  * inter-warpgroup overlap).  The library runs PINGPONG with NC from
- * fwd_schedule; the workbench (attn_fwd_sm90_workbench.cuh) also runs it
+ * forward_schedule; the workbench (attn_forward_sm90_workbench.cuh) also runs it
  * without ping-pong.
  */
 constexpr int kWsStages = 3;
-/* NC consumer warpgroups of 64 rows: 2, or 3 at head dim 64 (fwd_schedule) */
+/* NC consumer warpgroups of 64 rows: 2, or 3 at head dim 64 (forward_schedule) */
 template <int NC> constexpr int ws_threads() { return 128 * (NC + 1); }
 /* registers: 128 * 40 + 256 * 232 <= 65536; 128 * 32 + 384 * 160 = 65536 (at 3 consumers the producer
  * spills a few 64-bit addresses at 32; consumers at 152 made ptxas serialize the wgmma, C7512) */
@@ -257,7 +257,7 @@ __device__ __forceinline__ void named_arrive(int id, int count)
 #endif
 
 template <typename T, int D, bool PINGPONG, int NC>
-__global__ void __launch_bounds__(ws_threads<NC>(), 1) fwd_sm90_ws_kernel(const sf_attn_problem p)
+__global__ void __launch_bounds__(ws_threads<NC>(), 1) forward_sm90_ws_kernel(const sf_attn_problem p)
 {
 #ifdef SF_SM90A
     constexpr int NO = D / 2, ST = kWsStages, BM = 64 * NC;
@@ -381,10 +381,10 @@ static sf_status launch_ws(const sf_attn_problem &p, cudaStream_t stream)
 {
     constexpr int smem = ws_smem_bytes<D, NC>(), BM = 64 * NC;
     static_assert(smem <= 232448, "more shared memory than a Hopper block may have");
-    SF_CUDA_TRY("attention_fwd", allow_smem((const void *)fwd_sm90_ws_kernel<T, D, PINGPONG, NC>, smem));
+    SF_CUDA_TRY("attention_forward", allow_smem((const void *)forward_sm90_ws_kernel<T, D, PINGPONG, NC>, smem));
     dim3 grid((p.max_sq + BM - 1) / BM, p.heads, p.batch);
-    fwd_sm90_ws_kernel<T, D, PINGPONG, NC><<<grid, ws_threads<NC>(), smem, stream>>>(p);
-    SF_CUDA_CHECK_LAUNCH("attention_fwd");
+    forward_sm90_ws_kernel<T, D, PINGPONG, NC><<<grid, ws_threads<NC>(), smem, stream>>>(p);
+    SF_CUDA_CHECK_LAUNCH("attention_forward");
     return SF_OK;
 }
 
@@ -393,15 +393,15 @@ static sf_status launch_ws(const sf_attn_problem &p, cudaStream_t stream)
  * two (128 rows) at 128.  It was the fastest of the five schedules
  * check_attn_sm90 times, or within 2 % of it, at every shape it measures
  * (benchmarks/results and the README hold the figures). */
-struct FwdSchedule {
+struct ForwardSchedule {
     bool pingpong;
     int consumers;
 };
-constexpr FwdSchedule fwd_schedule(int head_dim) { return {true, head_dim == 64 ? 3 : 2}; }
+constexpr ForwardSchedule forward_schedule(int head_dim) { return {true, head_dim == 64 ? 3 : 2}; }
 
 template <typename T, int D> static sf_status launch_chosen(const sf_attn_problem &p, cudaStream_t stream)
 {
-    constexpr FwdSchedule s = fwd_schedule(D);
+    constexpr ForwardSchedule s = forward_schedule(D);
     return launch_ws<T, D, s.pingpong, s.consumers>(p, stream);
 }
 
@@ -409,15 +409,15 @@ template <typename T, int D> static sf_status launch_chosen(const sf_attn_proble
 } // namespace sf_attn
 
 #ifdef SF_WORKBENCH
-#include "attn_fwd_sm90_workbench.cuh"
+#include "attn_forward_sm90_workbench.cuh"
 #endif
 
 namespace sf_attn {
 namespace sm90 {
 
 /* The forward kernel chosen for Hopper: 90 (this file's, the default) or
- * 80 (sf_attn_set_fwd_kernel; Python's set_attention_fwd_kernel and
- * SEQFUSE_ATTN_FWD_KERNEL, which seqfuse.ops reads, end there). */
+ * 80 (sf_attn_set_forward_kernel; Python's set_attention_forward_kernel and
+ * SEQFUSE_ATTN_FORWARD_KERNEL, which seqfuse.ops reads, end there). */
 static int g_kernel = 90;
 
 /* Per device: -1 unknown, 0 no (not cc 9.0 or not built for sm_90a), 1 yes. */
@@ -437,7 +437,7 @@ static int device_ok(int device, const char **why)
         cudaFuncAttributes attr;
         memset(&attr, 0, sizeof attr);
         /* a kernel compiled without sm_90a has the static shared marker of SF_SM90_NOT_BUILT */
-        constexpr FwdSchedule s = fwd_schedule(64);
+        constexpr ForwardSchedule s = forward_schedule(64);
         if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
             cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
             (void)cudaGetLastError();
@@ -446,7 +446,7 @@ static int device_ok(int device, const char **why)
         } else if (major != 9 || minor != 0) {
             g_device_ok[device] = 0;
             g_device_why[device] = ""; /* not Hopper: the sm80 kernel is the one for it */
-        } else if (cudaFuncGetAttributes(&attr, (const void *)fwd_sm90_ws_kernel<__nv_bfloat16, 64, s.pingpong,
+        } else if (cudaFuncGetAttributes(&attr, (const void *)forward_sm90_ws_kernel<__nv_bfloat16, 64, s.pingpong,
                                                                                  s.consumers>) != cudaSuccess ||
                    attr.sharedSizeBytes != 0) {
             (void)cudaGetLastError();
@@ -491,27 +491,27 @@ int pick_kernel_no_dropout(int ok, int dropout, const char **why)
 static int selected(int head_dim, int dropout, int device, const char **why)
 {
     const int ok = pick_kernel(g_kernel,
-                               "sm80 kernel chosen (SEQFUSE_ATTN_FWD_KERNEL=sm80 or sf_attn_set_fwd_kernel(80))",
+                               "sm80 kernel chosen (SEQFUSE_ATTN_FORWARD_KERNEL=sm80 or sf_attn_set_forward_kernel(80))",
                                head_dim, device, why);
     return pick_kernel_no_dropout(ok, dropout, why);
 }
 
 } // namespace sm90
 
-int fwd_sm90_selected(const sf_attn_problem &p, int device, const char **why)
+int forward_sm90_selected(const sf_attn_problem &p, int device, const char **why)
 {
     return sm90::selected(p.head_dim, p.dropout, device, why);
 }
 
-sf_status launch_fwd_sm90(const sf_attn_problem &p, cudaStream_t stream)
+sf_status launch_forward_sm90(const sf_attn_problem &p, cudaStream_t stream)
 {
 #ifdef SF_WORKBENCH
     if (sm90::g_schedule >= 0)
-        return with_sm90_shape("attention_fwd", p, [&](auto t, auto w) {
+        return with_sm90_shape("attention_forward", p, [&](auto t, auto w) {
             return sm90::launch_schedule<decltype(t), decltype(w)::value>(sm90::g_schedule, p, stream);
         });
 #endif
-    return with_sm90_shape("attention_fwd", p, [&](auto t, auto w) {
+    return with_sm90_shape("attention_forward", p, [&](auto t, auto w) {
         return sm90::launch_chosen<decltype(t), decltype(w)::value>(p, stream);
     });
 }
@@ -526,12 +526,12 @@ sf_status sf_attn::sm90::set_kernel_choice(const char *op, int arch, int *choice
     return SF_OK;
 }
 
-extern "C" sf_status sf_attn_set_fwd_kernel(int arch)
+extern "C" sf_status sf_attn_set_forward_kernel(int arch)
 {
-    return sf_attn::sm90::set_kernel_choice("attention_fwd", arch, &sf_attn::sm90::g_kernel);
+    return sf_attn::sm90::set_kernel_choice("attention_forward", arch, &sf_attn::sm90::g_kernel);
 }
 
-extern "C" int sf_attn_fwd_kernel_for(int head_dim, int dropout, int device, const char **why)
+extern "C" int sf_attn_forward_kernel_for(int head_dim, int dropout, int device, const char **why)
 {
     return sf_attn::sm90::selected(head_dim, dropout, device, why) ? 90 : 80;
 }

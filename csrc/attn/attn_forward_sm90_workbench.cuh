@@ -1,28 +1,28 @@
 /*
- * attn_fwd_sm90_workbench.cuh - the wgmma forward's other schedules, for the
- * check programs only.  attn_fwd_sm90_cuda.cu includes this file where
+ * attn_forward_sm90_workbench.cuh - the wgmma forward's other schedules, for the
+ * check programs only.  attn_forward_sm90_cuda.cu includes this file where
  * SF_WORKBENCH is defined (csrc/build_checks.sh compiles the kernels that
  * way); the library (setup.py) never defines it, so it compiles only the
- * schedule fwd_schedule() picks.
+ * schedule forward_schedule() picks.
  *
  * Schedules, each a complete forward (same masks, layouts, lse):
- *  0  two K/V stages, in order (fwd_sm90_kernel, PIPE = 0);
+ *  0  two K/V stages, in order (forward_sm90_kernel, PIPE = 0);
  *  1  three K/V stages, the softmax of tile n + 1 issued beside
  *     O += P(n) V(n) (PIPE = 1);
  *  2  1 warp-specialized: a producer warpgroup feeds the consumers through
- *     an mbarrier K/V pipeline (fwd_sm90_ws_kernel, no ping-pong);
+ *     an mbarrier K/V pipeline (forward_sm90_ws_kernel, no ping-pong);
  *  3  2 with the two consumer warpgroups in ping-pong;
  *  4  3 with three consumer warpgroups (192 rows) at head dim 64, 3 itself
- *     at 128: the library's schedule (fwd_schedule).
+ *     at 128: the library's schedule (forward_schedule).
  * check_attn_sm90 runs every schedule against the CPU reference and times
- * them (its part (d)); sf_attn_set_fwd_sm90_schedule (attn_sm90.h, checks
+ * them (its part (d)); sf_attn_set_forward_sm90_schedule (attn_sm90.h, checks
  * only) picks one for the process, -1 going back to the library's.
  */
-#ifndef SF_ATTN_FWD_SM90_WORKBENCH_CUH
-#define SF_ATTN_FWD_SM90_WORKBENCH_CUH
+#ifndef SF_ATTN_FORWARD_SM90_WORKBENCH_CUH
+#define SF_ATTN_FORWARD_SM90_WORKBENCH_CUH
 
 #ifndef SF_WORKBENCH
-#error "attn_fwd_sm90_workbench.cuh is for the check programs: build with -DSF_WORKBENCH=1 (csrc/build_checks.sh)"
+#error "attn_forward_sm90_workbench.cuh is for the check programs: build with -DSF_WORKBENCH=1 (csrc/build_checks.sh)"
 #endif
 
 namespace sf_attn {
@@ -60,7 +60,7 @@ template <int D, int PIPE> constexpr int smem_bytes()
 }
 
 template <typename T, int D, int PIPE>
-__global__ void __launch_bounds__(kThreads, 1) fwd_sm90_kernel(const sf_attn_problem p)
+__global__ void __launch_bounds__(kThreads, 1) forward_sm90_kernel(const sf_attn_problem p)
 {
 #ifdef SF_SM90A
     constexpr int NO = D / 2, ST = kStages<PIPE>;
@@ -177,14 +177,14 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_sm90_kernel(const sf_attn_pro
 template <typename T, int D, int PIPE> static sf_status launch(const sf_attn_problem &p, cudaStream_t stream)
 {
     constexpr int smem = smem_bytes<D, PIPE>();
-    SF_CUDA_TRY("attention_fwd", allow_smem((const void *)fwd_sm90_kernel<T, D, PIPE>, smem));
+    SF_CUDA_TRY("attention_forward", allow_smem((const void *)forward_sm90_kernel<T, D, PIPE>, smem));
     dim3 grid((p.max_sq + kBM - 1) / kBM, p.heads, p.batch);
-    fwd_sm90_kernel<T, D, PIPE><<<grid, kThreads, smem, stream>>>(p);
-    SF_CUDA_CHECK_LAUNCH("attention_fwd");
+    forward_sm90_kernel<T, D, PIPE><<<grid, kThreads, smem, stream>>>(p);
+    SF_CUDA_CHECK_LAUNCH("attention_forward");
     return SF_OK;
 }
 
-/* -1: the library's schedule (fwd_schedule), else 0 to 4 (the list above). */
+/* -1: the library's schedule (forward_schedule), else 0 to 4 (the list above). */
 static int g_schedule = -1;
 constexpr int kSchedules = 5;
 
@@ -203,13 +203,13 @@ template <typename T, int D> static sf_status launch_schedule(int schedule, cons
 } // namespace sm90
 } // namespace sf_attn
 
-extern "C" sf_status sf_attn_set_fwd_sm90_schedule(int schedule)
+extern "C" sf_status sf_attn_set_forward_sm90_schedule(int schedule)
 {
     if (schedule < -1 || schedule >= sf_attn::sm90::kSchedules)
-        return sf_fail(SF_ERR_VALUE, "attention_fwd: sm90 schedule must be -1 (the library's) or 0 to 4, got %d",
+        return sf_fail(SF_ERR_VALUE, "attention_forward: sm90 schedule must be -1 (the library's) or 0 to 4, got %d",
                        schedule);
     sf_attn::sm90::g_schedule = schedule;
     return SF_OK;
 }
 
-#endif /* SF_ATTN_FWD_SM90_WORKBENCH_CUH */
+#endif /* SF_ATTN_FORWARD_SM90_WORKBENCH_CUH */

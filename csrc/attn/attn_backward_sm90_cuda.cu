@@ -1,9 +1,9 @@
 /*
- * attn_bwd_sm90_cuda.cu - the flash-attention backward's main pass on
+ * attn_backward_sm90_cuda.cu - the flash-attention backward's main pass on
  * Hopper's wgmma (sm_90a), head dims 64 and 128, bf16 and fp16: dK and dV
  * of a key tile, and dQ added with atomics into the float32 workspace.
  * delta = rowsum(dO o O) before it and the dQ conversion after it are the
- * sm80 backward's kernels (attn_bwd_cuda.cu launches all three), so the
+ * sm80 backward's kernels (attn_backward_cuda.cu launches all three), so the
  * semantics (masks, windows, GQA, layouts, lse) are the sm80 backward's.
  *
  * A block of two warpgroups owns BN = 128 keys of one key/value head, 64
@@ -26,7 +26,7 @@
  * MN-major; warpgroup w takes head-dim columns w D/2 ..) and add it to the
  * workspace (red.global.add.v2.f32).  The order of those additions varies
  * run to run, so deterministic calls take the sm80 kernels
- * (bwd_sm90_selected says so).
+ * (backward_sm90_selected says so).
  *
  * Registers (head dim 128): dK and dV 128, S^T and dP^T 64, their packed
  * 16-bit copies 32, under __launch_bounds__(256, 1)'s 255 (ptxas: 255, no
@@ -34,12 +34,12 @@
  *
  * The default backward on Hopper for head dims 64 and 128 (other dims,
  * deterministic and dropout calls take sm80, with the reason logged).  It was
- * confirmed on an H200 on 2026-11-29: check_attn_sm90 --bwd (gemm-tt unit
+ * confirmed on an H200 on 2026-11-29: check_attn_sm90 --backward (gemm-tt unit
  * checks, then every mask, layout, GQA and length case against the CPU
- * reference and sm80) and the 1570 sm90bwd cases of tests/test_attn_sm90_cuda.py
+ * reference and sm80) and the 1570 sm90backward cases of tests/test_attn_sm90_cuda.py
  * passed, and bench_attn.py timed forward+backward at 1.00-1.06x the sm80
  * kernels at head dim 64 and 1.34-1.51x at 128 (16k tokens, seqlen 1k-8k).
- * SEQFUSE_ATTN_BWD_KERNEL=sm80 or sf_attn_set_bwd_kernel(80) selects sm80.
+ * SEQFUSE_ATTN_BACKWARD_KERNEL=sm80 or sf_attn_set_backward_kernel(80) selects sm80.
  */
 
 #include "../core/cuda_util.h"
@@ -48,24 +48,24 @@
 namespace sf_attn {
 namespace sm90 {
 
-constexpr int kBwdWgs = 2, kBwdBN = 64 * kBwdWgs, kBwdBM = 64, kBwdThreads = 128 * kBwdWgs;
+constexpr int kBackwardWgs = 2, kBackwardBN = 64 * kBackwardWgs, kBackwardBM = 64, kBackwardThreads = 128 * kBackwardWgs;
 
 /* K, V (BN x D), two buffers of Q and dO (BM x D), dS^T (BN x BM), then
  * lse and delta (two buffers of BM floats each); + 1024 for the alignment
  * of the tiles to the swizzle's 1024-byte period. */
-template <int D> constexpr int bwd_smem_bytes()
+template <int D> constexpr int backward_smem_bytes()
 {
-    return 1024 + (2 * kBwdBN * D + 4 * kBwdBM * D + kBwdBN * kBwdBM) * 2 + 4 * kBwdBM * 4;
+    return 1024 + (2 * kBackwardBN * D + 4 * kBackwardBM * D + kBackwardBN * kBackwardBM) * 2 + 4 * kBackwardBM * 4;
 }
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kBwdThreads, 1) bwd_sm90_kernel(const sf_attn_problem p)
+__global__ void __launch_bounds__(kBackwardThreads, 1) backward_sm90_kernel(const sf_attn_problem p)
 {
 #ifdef SF_SM90A
-    constexpr int BN = kBwdBN, BM = kBwdBM, NT = kBwdThreads;
+    constexpr int BN = kBackwardBN, BM = kBackwardBM, NT = kBackwardThreads;
     constexpr int NO = D / 2;       /* dK, dV registers: m64nD */
     constexpr int NS = BM / 2;      /* S^T, dP^T registers: m64n64 */
-    constexpr int DQN = D / kBwdWgs; /* dQ columns per warpgroup */
+    constexpr int DQN = D / kBackwardWgs; /* dQ columns per warpgroup */
     constexpr int KVBYTES = BN * D * 2, QBYTES = BM * D * 2;
     extern __shared__ unsigned char smem_raw[];
     const uint32_t raw = smem_addr(smem_raw);
@@ -236,28 +236,28 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_sm90_kernel(const sf_attn_
 
 template <typename T, int D> static sf_status launch(const sf_attn_problem &p, cudaStream_t stream)
 {
-    constexpr int smem = bwd_smem_bytes<D>();
+    constexpr int smem = backward_smem_bytes<D>();
     static_assert(smem <= 232448, "more shared memory than a Hopper block may have");
-    SF_CUDA_TRY("attention_bwd", allow_smem((const void *)bwd_sm90_kernel<T, D>, smem));
-    const dim3 grid((p.max_sk + kBwdBN - 1) / kBwdBN, p.heads_kv, p.batch);
+    SF_CUDA_TRY("attention_backward", allow_smem((const void *)backward_sm90_kernel<T, D>, smem));
+    const dim3 grid((p.max_sk + kBackwardBN - 1) / kBackwardBN, p.heads_kv, p.batch);
     if (grid.x == 0)
         return SF_OK;
-    bwd_sm90_kernel<T, D><<<grid, kBwdThreads, smem, stream>>>(p);
-    SF_CUDA_CHECK_LAUNCH("attention_bwd");
+    backward_sm90_kernel<T, D><<<grid, kBackwardThreads, smem, stream>>>(p);
+    SF_CUDA_CHECK_LAUNCH("attention_backward");
     return SF_OK;
 }
 
 /* The backward kernel chosen for Hopper: 90 (this file's, the default; see
- * the top of this file) or 80 (sf_attn_set_bwd_kernel; Python's
- * set_attention_bwd_kernel and SEQFUSE_ATTN_BWD_KERNEL, which seqfuse.ops
+ * the top of this file) or 80 (sf_attn_set_backward_kernel; Python's
+ * set_attention_backward_kernel and SEQFUSE_ATTN_BACKWARD_KERNEL, which seqfuse.ops
  * reads, end there). */
-static int g_bwd_kernel = 90;
+static int g_backward_kernel = 90;
 
-static int bwd_selected(int head_dim, int deterministic, int dropout, int device, const char **why)
+static int backward_selected(int head_dim, int deterministic, int dropout, int device, const char **why)
 {
     const char *w = "";
-    int ok = pick_kernel(g_bwd_kernel,
-                         "sm80 backward chosen (SEQFUSE_ATTN_BWD_KERNEL=sm80 or sf_attn_set_bwd_kernel(80))",
+    int ok = pick_kernel(g_backward_kernel,
+                         "sm80 backward chosen (SEQFUSE_ATTN_BACKWARD_KERNEL=sm80 or sf_attn_set_backward_kernel(80))",
                          head_dim, device, &w);
     if (ok && deterministic) {
         ok = 0;
@@ -270,26 +270,26 @@ static int bwd_selected(int head_dim, int deterministic, int dropout, int device
 
 } // namespace sm90
 
-int bwd_sm90_selected(const sf_attn_problem &p, int device, const char **why)
+int backward_sm90_selected(const sf_attn_problem &p, int device, const char **why)
 {
-    return sm90::bwd_selected(p.head_dim, p.deterministic, p.dropout, device, why);
+    return sm90::backward_selected(p.head_dim, p.deterministic, p.dropout, device, why);
 }
 
-sf_status launch_bwd_sm90(const sf_attn_problem &p, cudaStream_t stream)
+sf_status launch_backward_sm90(const sf_attn_problem &p, cudaStream_t stream)
 {
-    return with_sm90_shape("attention_bwd", p, [&](auto t, auto w) {
+    return with_sm90_shape("attention_backward", p, [&](auto t, auto w) {
         return sm90::launch<decltype(t), decltype(w)::value>(p, stream);
     });
 }
 
 } // namespace sf_attn
 
-extern "C" sf_status sf_attn_set_bwd_kernel(int arch)
+extern "C" sf_status sf_attn_set_backward_kernel(int arch)
 {
-    return sf_attn::sm90::set_kernel_choice("attention_bwd", arch, &sf_attn::sm90::g_bwd_kernel);
+    return sf_attn::sm90::set_kernel_choice("attention_backward", arch, &sf_attn::sm90::g_backward_kernel);
 }
 
-extern "C" int sf_attn_bwd_kernel_for(int head_dim, int deterministic, int dropout, int device, const char **why)
+extern "C" int sf_attn_backward_kernel_for(int head_dim, int deterministic, int dropout, int device, const char **why)
 {
-    return sf_attn::sm90::bwd_selected(head_dim, deterministic, dropout, device, why) ? 90 : 80;
+    return sf_attn::sm90::backward_selected(head_dim, deterministic, dropout, device, why) ? 90 : 80;
 }
