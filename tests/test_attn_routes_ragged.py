@@ -441,9 +441,8 @@ def test_probe_float64_reference_matches_seqfuse_cpu(probe, causal, hk):
     exact, exact_grads = probe.float64_reference(spec, q, k, v, dout)
     seqfuse.ops.set_attention_backend("seqfuse")
     out, grads = probe.outputs(probe.seqfuse_call(spec, cu, max_len, "seqfuse")[0], q, k, v, dout)
-    err, err_grad, err64, err64_grad = probe.compare(out, grads, out, grads, exact, exact_grads)
-    assert err == 0 and err_grad == 0
-    assert err64 <= pair_tol(torch.bfloat16) and err64_grad <= pair_tol(torch.bfloat16, 3)
+    _, _, err64, err64_grad = probe.compare(out, grads, out, grads, exact, exact_grads)
+    assert err64 <= pair_tol(torch.bfloat16) and err64_grad <= pair_tol(torch.bfloat16, BACKWARD_FACTOR)
 
 
 def test_probe_second_batch_and_cases(probe):
@@ -564,3 +563,21 @@ def test_frontend_sdpa_absent(monkeypatch):
     fake.sdpa_torch = print
     monkeypatch.setitem(sys.modules, "cudnn", fake)
     assert ragged.frontend_sdpa() is print
+
+
+def test_frontend_that_does_not_load_is_named(monkeypatch, caplog):
+    """An installed frontend whose library fails to load is unavailable, and
+    the log says why (once), rather than calling it not installed."""
+    import sys
+    import types
+
+    class Broken(types.ModuleType):
+        def __getattr__(self, name):
+            raise OSError("libcudnn.so.9: cannot open shared object file")
+
+    monkeypatch.setitem(sys.modules, "cudnn", Broken("cudnn"))
+    monkeypatch.setattr(ragged, "_frontend_load_error", [])
+    with caplog.at_level(logging.WARNING, logger="seqfuse"):
+        assert ragged.frontend_sdpa() is None
+        assert ragged.frontend_sdpa() is None
+    assert caplog.text.count("does not load (OSError: libcudnn.so.9") == 1

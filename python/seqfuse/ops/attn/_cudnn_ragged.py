@@ -103,6 +103,8 @@ must come out 0); ``torch_backward`` (torch provider: no gradient wanted,
 see (2)); ``capability`` (auto only: 9.0, the GPU it is meant for); and
 ``cudnn_sdp_enabled``.
 """
+import logging
+
 import torch
 
 from ..tensor_cache import PerTensorCache
@@ -146,13 +148,25 @@ def op_available():
     return True
 
 
+_frontend_load_error = []  # the one time an installed frontend failed to load, logged once
+
+
 def frontend_sdpa():
     """nvidia-cudnn-frontend's torch SDPA (cudnn.sdpa_torch), or None where
-    the package is not installed or lacks it."""
+    the package is not installed or lacks it; an installed package that
+    fails to load (its libcudnn, say) is also None, and logger "seqfuse"
+    says why once (WARNING)."""
     try:
         import cudnn
         return cudnn.sdpa_torch
-    except (ImportError, AttributeError, OSError, RuntimeError):  # absent, or its libcudnn does not load
+    except (ImportError, AttributeError):  # absent, or a version without sdpa_torch
+        return None
+    except (OSError, RuntimeError) as e:
+        if not _frontend_load_error:
+            _frontend_load_error.append(e)
+            logging.getLogger("seqfuse").warning(
+                "cudnn_ragged: nvidia-cudnn-frontend is installed but does not load (%s: %s); its provider is "
+                "unavailable", type(e).__name__, e)
         return None
 
 
