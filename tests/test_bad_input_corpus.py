@@ -26,6 +26,9 @@ import pytest
 import torch
 
 import bad_input_cases as corpus
+from seqfuse import _C, ops
+from seqfuse.ops import loss as loss_ops
+from test_label_record import FakeKernel, kernel  # noqa: F401 (kernel: the deferred path's fixture)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "bad_input_cases.py")
@@ -193,3 +196,40 @@ def test_masked_key_references_differ_only_where_the_rule_says():
     everything_nan = torch.full_like(a, float("nan"))
     assert corpus._compare(everything_nan, a, 1e-4) is not None
     assert corpus._compare(everything_nan, b, 1e-4) is not None
+
+
+class _FinishedKernel(FakeKernel):
+    """The label-record stand-in as the corpus meets the GPU: each tiny
+    kernel has finished before the host's next step, and a negative-bit
+    view is refused by the binding before any kernel runs (as both devices'
+    C entry does)."""
+
+    def cross_entropy_forward(self, logits, labels, ignore_index, smoothing, loss, lse, claim, record, stream):
+        if labels.is_neg():
+            return _C.cross_entropy_forward(logits, labels, ignore_index, smoothing, loss, lse, None, None, stream)
+        super().cross_entropy_forward(logits, labels, ignore_index, smoothing, loss, lse, claim, record, stream)
+        self.finish()
+        return None
+
+
+@pytest.mark.parametrize("name", [
+    "cpu:cross_entropy_forward:labels:neg_bit", "cpu:CrossEntropyLoss:target:neg_bit",
+    "cpu:cross_entropy_forward:label_out_of_range", "cpu:cross_entropy_forward:label_negative",
+    "cpu:CrossEntropyLoss:target_out_of_range", "cpu:cross_entropy_forward:valid", "cpu:CrossEntropyLoss:valid"])
+def test_deferred_label_cases(kernel, monkeypatch, name):  # noqa: F811 (kernel: the fixture)
+    """The cross-entropy cases as they run on CUDA, where a bad label is
+    reported after the call returns (the deferred label check, here on the
+    CPU with the stand-in kernel).  A neg_bit case's reference call (its
+    labels resolved: -1, -2, 100, -9) records a bad label: the reference
+    must count as raising, and its record must not reach the case's own call,
+    which must be refused for the negative bit, not for the reference's
+    label.  A bad label of the case's own call must surface as its error."""
+    monkeypatch.setattr(loss_ops, "_C", _FinishedKernel())
+    case = next(c for c in corpus.build_cases("cpu") if c.name == name)
+    mod, a = case.args()
+    exp = corpus._expected(case, mod, a)
+    assert (exp[0] == "raise") == (name.endswith(":neg_bit") or "range" in name or "negative" in name), exp
+    ops.check_pending_errors(wait=False)  # nothing of the reference call is left pending
+    r = corpus.run_case(case)
+    assert r["ok"], f"{name}: {r['what']}"
+    ops.check_pending_errors(wait=False)
