@@ -44,6 +44,7 @@ def restore_backend(monkeypatch):
     monkeypatch.setattr(routing, "_route_failed", {})
     monkeypatch.setattr(routing, "_logged", set())
     monkeypatch.setattr(routing, "_capabilities", {})
+    monkeypatch.setattr(routing, "_ragged_on", False)  # the opt-in cuDNN ragged route off, whatever the environment
 
 
 @pytest.fixture

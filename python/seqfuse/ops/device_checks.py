@@ -147,13 +147,11 @@ def uniform_length(cu, extent, max_len=None):
     under CUDA graph capture (a replay may hold other lengths); CPU tensors
     are read directly.  The attention router runs such a packed batch as the
     padding-free [b, L] batch it is."""
-    if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
+    facts = sequence_facts(cu, max_len)
+    if facts is None:
         return None
-    if _capturing(cu) or not _readable(cu):
-        return None
-    facts = _cu_problem(cu, max_len) if cu.device.type in HOST_READ else _facts(cu, max_len)
-    first, i, _, last, shortest, longest = facts
-    if first != 0 or i >= 0 or last != extent or shortest != longest or shortest < 1:
+    last, shortest, longest = facts
+    if last != extent or shortest != longest or shortest < 1:
         return None
     return shortest
 
