@@ -179,12 +179,12 @@ def main():
           f"one GEMM = {flop / 1e9:.1f} GFLOP")
 
     # A. the three GEMMs alone ------------------------------------------------
-    outs = {"fwd": torch.empty(T, O, dtype=torch.bfloat16, device=dev),
+    outs = {"forward": torch.empty(T, O, dtype=torch.bfloat16, device=dev),
             "dgrad": torch.empty(T, H, dtype=torch.bfloat16, device=dev),
             "wgrad": torch.empty(O, H, dtype=torch.bfloat16, device=dev)}
     small_ws = {mib: torch.empty(mib * 1024 * 1024, dtype=torch.uint8, device=dev) for mib in (1, 4)}
     gemms = {  # name: (torch matmul, seqfuse call as modules/linear.py makes it, kwargs for a given workspace)
-        "fwd   x@W^T": (lambda: xd @ W.t(), lambda **kw: ops.gemm(xd, W, transb=True, out=outs["fwd"], **kw)),
+        "forward   x@W^T": (lambda: xd @ W.t(), lambda **kw: ops.gemm(xd, W, transb=True, out=outs["forward"], **kw)),
         "dgrad dy@W": (lambda: dy @ W, lambda **kw: ops.gemm(dy, W, out=outs["dgrad"], **kw)),
         "wgrad dy^T@x": (lambda: dy.t() @ xd, lambda **kw: ops.gemm(dy, xd, transa=True, out=outs["wgrad"], **kw)),
     }
