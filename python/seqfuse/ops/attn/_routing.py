@@ -301,12 +301,19 @@ def _read_backend():
     (read once; a bad value raises here, at every call, until it is fixed)."""
     global _backend
     if _backend is None:
-        raw = os.environ.get(_ENV, "")
-        value = raw.strip() or "auto"
-        if value not in BACKENDS:
-            raise ValueError(f"{_ENV} must be one of {_BACKEND_LIST}, got {raw!r}")
-        _backend = value
+        _backend = _env_choice(_ENV, "auto", BACKENDS, f"one of {_BACKEND_LIST}")
     return _backend
+
+
+def _env_choice(name, default, allowed, rule):
+    """The environment variable ``name`` (stripped; unset or empty is
+    ``default``), or a ValueError naming it and ``rule`` when its value is
+    not in ``allowed``."""
+    raw = os.environ.get(name, "")
+    value = raw.strip() or default
+    if value not in allowed:
+        raise ValueError(f"{name} must be {rule}, got {raw!r}")
+    return value
 
 
 def set_attention_backend(name):
@@ -330,11 +337,7 @@ def _read_ragged():
     value raises here, at every question, until it is fixed)."""
     global _ragged_on
     if _ragged_on is None:
-        raw = os.environ.get(_RAGGED_ENV, "")
-        value = raw.strip() or "0"
-        if value not in _RAGGED_VALUES:
-            raise ValueError(f"{_RAGGED_ENV} must be '0', '1', 'torch' or 'frontend', got {raw!r}")
-        _ragged_on = _RAGGED_VALUES[value]
+        _ragged_on = _RAGGED_VALUES[_env_choice(_RAGGED_ENV, "0", _RAGGED_VALUES, "'0', '1', 'torch' or 'frontend'")]
     return _ragged_on or None
 
 
