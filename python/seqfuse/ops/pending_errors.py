@@ -28,6 +28,9 @@ How (the "deferred" label check, SEQFUSE_CHECK_LABELS's default):
   a bad label and its error have trained on its NaN gradients (up to one
   logging window in a training loop), so a loop checks before it saves a
   checkpoint; SEQFUSE_CHECK_LABELS=sync raises before the loss returns.
+- The first loss call on a device may wait for the GPU once: it loads the
+  kernel and allocates the sink's pinned memory, and CUDA may synchronize for
+  either.  "No wait" holds from the second call on.
 - One stream per device: the sink's claim is cleared on the current stream,
   so losses launched on a side stream concurrently with that clear could
   claim it twice.
