@@ -309,7 +309,8 @@ def ceiling_call(spec):
         qb, kb, vb = (x[:b * s].view(b, s, x.shape[1], x.shape[2]).transpose(1, 2) for x in (q, k, v))
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=spec["causal"], **gqa)
-        return out.transpose(1, 2).reshape(b * s, q.shape[1], q.shape[2])
+        out = out.transpose(1, 2).reshape(b * s, q.shape[1], q.shape[2])
+        return F.pad(out, (0, 0, 0, 0, 0, t - b * s))  # back to the case's t rows, so its dout fits (a 3 % copy)
     return call, f"{b} x {s}", b * s
 
 
