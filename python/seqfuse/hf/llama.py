@@ -69,7 +69,7 @@ from .attention import cu_seqlens_of_positions, is_packed_positions
 from .generation import CachedGenerate
 from .llama_config import SeqfuseLlamaConfig, rope_inv_freq
 from .lm_layout import IGNORE_INDEX, Layout
-from .pretrained import SeqfusePreTrainedModel, default_device, init_by_name, register_auto
+from .pretrained import SeqfusePreTrainedModel, TiedCausalLMHead, default_device, init_by_name, register_auto
 
 
 class SeqfuseLlamaRotaryEmbedding(RotaryPositionEmbedding):
@@ -339,23 +339,15 @@ def lm_logits_and_loss(lm_head, x, labels, cu_seqlens, num_items_in_batch, logit
     return logits, loss
 
 
-class SeqfuseLlamaForCausalLM(CachedGenerate, SeqfuseLlamaPreTrainedModel):
-    """Llama causal language model on seqfuse layers."""
-
-    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+class SeqfuseLlamaForCausalLM(CachedGenerate, TiedCausalLMHead, SeqfuseLlamaPreTrainedModel):
+    """Llama causal language model on seqfuse layers (the tied ``lm_head``:
+    pretrained.TiedCausalLMHead)."""
 
     def __init__(self, config: SeqfuseLlamaConfig):
         super().__init__(config)
         self.model = SeqfuseLlamaModel(config)
-        # Plain torch: tying needs nn.Linear's weight, and a small vocabulary is not FP8-aligned.
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=default_device())
+        self.build_lm_head(config)
         self.post_init()
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-    def set_output_embeddings(self, new_embeddings):
-        self.lm_head = new_embeddings
 
     def set_context_parallel_group(self, cp_group, cp_global_ranks=None, cp_stream=None, cp_comm_type="p2p"):
         """SeqfuseLlamaModel.set_context_parallel_group; under CP the loss

@@ -64,7 +64,7 @@ from .llama import (SeqfuseLlamaRotaryEmbedding, batch_layout, check_lm_argument
                     lm_logits_and_loss, run_layers)
 from .llama_config import rope_inv_freq
 from .mixtral_config import SeqfuseMixtralConfig
-from .pretrained import SeqfusePreTrainedModel, default_device, init_by_name, register_auto
+from .pretrained import SeqfusePreTrainedModel, TiedCausalLMHead, default_device, init_by_name, register_auto
 
 NAME = "SeqfuseMixtral"
 
@@ -241,23 +241,15 @@ class SeqfuseMixtralModel(SeqfuseMixtralPreTrainedModel):
         return MoeModelOutputWithPast(last_hidden_state=x, router_logits=tuple(router), hidden_states=hidden)
 
 
-class SeqfuseMixtralForCausalLM(CachedGenerate, SeqfuseMixtralPreTrainedModel):
-    """Mixtral causal language model on seqfuse layers."""
-
-    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+class SeqfuseMixtralForCausalLM(CachedGenerate, TiedCausalLMHead, SeqfuseMixtralPreTrainedModel):
+    """Mixtral causal language model on seqfuse layers (the tied ``lm_head``:
+    pretrained.TiedCausalLMHead)."""
 
     def __init__(self, config: SeqfuseMixtralConfig):
         super().__init__(config)
         self.model = SeqfuseMixtralModel(config)
-        # Plain torch: tying needs nn.Linear's weight, and a small vocabulary is not FP8-aligned.
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=default_device())
+        self.build_lm_head(config)
         self.post_init()
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-    def set_output_embeddings(self, new_embeddings):
-        self.lm_head = new_embeddings
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, cu_seqlens=None,
                 max_seqlen=None, num_items_in_batch=None, logits_to_keep=0, output_hidden_states=None,
