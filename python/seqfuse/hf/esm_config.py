@@ -13,7 +13,9 @@ scaling), instead of converting it into a different model.
 The ESM-2 shapes (8M ... 15B) are spelled out in ``ESM2_SHAPES`` so tests and
 recipes can build models of the published sizes from random weights.
 """
-from transformers import EsmConfig, PreTrainedConfig
+from transformers import AutoConfig, EsmConfig, PreTrainedConfig
+
+from .pretrained import register_auto
 
 MODEL_TYPE = "seqfuse_esm"
 
@@ -195,13 +197,4 @@ def to_hf_config(config):
     return EsmConfig(**kw)
 
 
-def _register():
-    from transformers import AutoConfig
-    try:
-        AutoConfig.register(MODEL_TYPE, SeqfuseEsmConfig)
-    except ValueError:
-        # Already registered (module reloaded): the registry holds our class.
-        pass
-
-
-_register()
+register_auto(MODEL_TYPE, (AutoConfig, SeqfuseEsmConfig))

@@ -23,7 +23,9 @@ tests can build models of those shapes from random weights.
 import math
 
 import torch
-from transformers import LlamaConfig, PreTrainedConfig
+from transformers import AutoConfig, LlamaConfig, PreTrainedConfig
+
+from .pretrained import register_auto
 
 MODEL_TYPE = "seqfuse_llama"
 
@@ -205,12 +207,4 @@ def to_hf_config(config):
     return config_to_hf(config, SeqfuseLlamaConfig, LlamaConfig, SEQFUSE_FIELDS)
 
 
-def _register():
-    from transformers import AutoConfig
-    try:
-        AutoConfig.register(MODEL_TYPE, SeqfuseLlamaConfig)
-    except ValueError:
-        pass  # already registered (module reloaded)
-
-
-_register()
+register_auto(MODEL_TYPE, (AutoConfig, SeqfuseLlamaConfig))

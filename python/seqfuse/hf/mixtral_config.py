@@ -18,9 +18,10 @@ noise (a random multiplicative noise on the router's input while training).
 ``from_hf_config`` / ``to_hf_config`` convert both ways (the shared code of
 llama_config: an unknown MixtralConfig field is refused).
 """
-from transformers import MixtralConfig
+from transformers import AutoConfig, MixtralConfig
 
 from .llama_config import check_decoder_fields, config_from_hf, config_to_hf
+from .pretrained import register_auto
 
 MODEL_TYPE = "seqfuse_mixtral"
 
@@ -81,12 +82,4 @@ def to_hf_config(config):
     return config_to_hf(config, SeqfuseMixtralConfig, MixtralConfig, SEQFUSE_FIELDS)
 
 
-def _register():
-    from transformers import AutoConfig
-    try:
-        AutoConfig.register(MODEL_TYPE, SeqfuseMixtralConfig)
-    except ValueError:
-        pass  # already registered (module reloaded)
-
-
-_register()
+register_auto(MODEL_TYPE, (AutoConfig, SeqfuseMixtralConfig))

@@ -14,13 +14,15 @@ from transformers import PreTrainedModel
 from transformers import initialization as init
 
 
-def register_auto(config_cls, *pairs):
-    """Register each (transformers Auto class, model class) pair for
-    ``config_cls``, so AutoModel / AutoModelForCausalLM / ... load a family's
-    saved directory; a pair already registered (the module reloaded) is kept."""
+def register_auto(key, *pairs):
+    """Register each (transformers Auto class, class) pair under ``key``, so
+    AutoConfig / AutoModel / AutoModelForCausalLM / ... load a family's saved
+    directory: ``key`` is the config class for the model Auto classes, the
+    ``model_type`` string for AutoConfig (transformers' ``register(key, cls)``
+    takes both).  A pair already registered (the module reloaded) is kept."""
     for auto, cls in pairs:
         try:
-            auto.register(config_cls, cls)
+            auto.register(key, cls)
         except ValueError:
             pass  # already registered (module reloaded)
 
