@@ -35,12 +35,28 @@ Training rows (``--rows``), <impl>_<recipe>[_<layout>]:
                       no GPU is here (its kernels are Triton's);
   seqfuse_bf16_{padded,packed}, seqfuse_fp8_delayed_{padded,packed},
   seqfuse_fp8_block_{padded,packed}
-                      seqfuse's Llama (bf16 weights, FusedAdamW with fp32
-                      master weights), FP8 under seqfuse autocast with
-                      DelayedScaling / Float8BlockScaling (the LM head stays
-                      bf16).
+                      seqfuse's Llama (bf16 weights, FusedAdamW without
+                      master weights unless --master-weights), FP8 under
+                      seqfuse autocast with DelayedScaling /
+                      Float8BlockScaling (the LM head stays bf16).
 The transformers rows (eager, compiled, Liger) are the peers: "best
 transformers row" below is the fastest of them.
+Every row trains the same way: the same batches in the same order, AdamW
+with the same hyper-parameters (--lr, default 1e-4; betas (0.9, 0.999), eps
+1e-8, weight decay 0.01; no schedule, no clipping, no dropout in Llama) and
+the same update: transformers' rows step torch.optim.AdamW on bf16
+parameters (fp32 math, one rounding to bf16), so seqfuse's rows use
+FusedAdamW(master_weights=False), which makes that update.  (Session 12's
+rows differed here: seqfuse kept fp32 master weights, which keep the small
+updates that bf16 parameters round away, e.g. every RMSNorm weight near
+1.0 ignores an update below 2^-9; at lr 1e-4 the 1B model's loss rises in
+every row in these first steps, and the two optimizers rose to different
+losses: 7.20 against transformers' 5.78 after six steps.)  Each row's loss
+at every step (warm-up and timed) is printed side by side with the others'
+and checked against transformers' eager row within LOSS_TOL of its recipe
+(bf16 2 %, FP8 5 %, float32 on the CPU 1e-4, relative); a row outside it
+gets no speed ratio ("ratio_withheld" in the JSON, "WITHHELD" in the log)
+and the run exits with status 2.
 Timing is steady state: ``--warm-passes`` untimed passes over the very
 batches that are then timed (compiled graphs, cuBLAS/cuDNN plans and FP8
 scaling state exist before timing), then one timed pass with the GPU
@@ -114,7 +130,8 @@ DECODE_ROWS = ("hf_static", "hf_static_compiled", "seqfuse_bf16", "seqfuse_bf16_
 DEFAULT_DECODE_ROWS = ("hf_static", "hf_static_compiled", "seqfuse_bf16", "seqfuse_bf16_eager")
 HF_TRAIN = ("hf_bf16", "hf_bf16_compiled", "hf_bf16_liger")
 HF_DECODE = ("hf_static", "hf_static_compiled")
-#: First-step losses (same weights, same batch) within this fraction of transformers'.
+#: Every step's loss (same weights, same batches, same AdamW update) within this fraction of transformers' loss at
+#: that step (bf16: the rows' kernels round differently; FP8: quantization error on top; fp32: the CPU run).
 LOSS_TOL = {"bf16": 2e-2, "fp8_delayed": 5e-2, "fp8_block": 5e-2, "fp32": 1e-4}
 
 
@@ -192,7 +209,10 @@ def run_train_row(name, packed_batches, padded_batches, args, device, dtype):
         from seqfuse.optim import FusedAdamW
 
         model = build_seqfuse(args.size, device, dtype, seed=args.seed)
-        opt = FusedAdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        # Without --master-weights: the update torch.optim.AdamW makes on the transformers rows' bf16
+        # parameters (fp32 math, one rounding to the parameter's dtype), so every row trains the same way.
+        opt = FusedAdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
+                         master_weights=args.master_weights)
         recipe = fp8_recipe(recipe_name)
 
         def context():
@@ -202,7 +222,7 @@ def run_train_row(name, packed_batches, padded_batches, args, device, dtype):
         if impl == "hfcompile":
             compile_hf(model, args.compile_scope)
             notes["compile"] = f"torch.compile scope={args.compile_scope} dynamic=False"
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=device.type == "cuda")
         context = contextlib.nullcontext
     with contextlib.ExitStack() as row_scope:
         if impl == "liger":  # Liger's patches live as long as this row, no longer
@@ -224,12 +244,11 @@ def run_train_row(name, packed_batches, padded_batches, args, device, dtype):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         t_warm = time.perf_counter()
-        first_loss = None
+        warm_losses = []
         for i in range(args.warm_passes):
             for b in batches:
-                loss = step(b)
-                if first_loss is None:
-                    first_loss = float(loss.detach())  # one host read, before timing: same weights, same batch
+                warm_losses.append(float(step(b).detach()))  # untimed: a host read per step costs nothing here
+        first_loss = warm_losses[0] if warm_losses else None  # same weights, same batch in every row
         _sync(device)
         warm_s = time.perf_counter() - t_warm
         losses, issue = [], []
@@ -248,7 +267,7 @@ def run_train_row(name, packed_batches, padded_batches, args, device, dtype):
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        return dict(seconds=seconds, losses=losses, first_loss=first_loss, host_ms=1000 * statistics.mean(issue),
+        return dict(seconds=seconds, losses=losses, warm_losses=warm_losses, first_loss=first_loss, host_ms=1000 * statistics.mean(issue),
                     peak=peak, warm_s=warm_s, notes=notes)
 
 
@@ -279,19 +298,32 @@ def train_figures(r, batches, cfg):
         "tflops_per_s": flops / s / 1e12,
         "peak_mem_gib": r["peak"], "step_ms": 1000.0 * s / len(batches), "host_issue_ms": r["host_ms"],
         "warm_s": r["warm_s"], "first_loss": r["first_loss"], "final_loss": r["losses"][-1],
+        "warm_losses": r["warm_losses"], "losses": r["losses"],
     }
 
 
-def add_train_ratios(rows):
+def add_train_ratios(rows, check=None):
     """vs_hf (eager transformers), vs_best_hf (the fastest of eager,
     compiled and Liger-patched, named in best_hf), mem_vs_hf; a compiled or
-    Liger row slower than eager says so."""
+    Liger row slower than eager says so.  With ``check`` (loss_check's
+    result), a row whose losses disagree with transformers' gets no speed
+    ratio: ``ratio_withheld`` says why (it did not train the same model the
+    same way, so its speed is not comparable), and such a transformers row
+    is not a candidate for the best one."""
     ok = {r["row"]: r for r in rows if "unpadded_tokens_per_s" in r}
     nan = float("nan")
+    bad = {n: c for n, c in (check or {}).get("rows", {}).items() if not c["pass"]}
+    for name, c in bad.items():
+        if name in ok:
+            ok[name]["ratio_withheld"] = (f"losses disagree with hf_bf16: {c['why']} (tolerance {c['tol']:g} "
+                                          "relative): no speed ratio")
     hf = ok.get("hf_bf16")
-    hfs = [ok[n] for n in HF_TRAIN if n in ok]
+    hfs = [ok[n] for n in HF_TRAIN if n in ok and n not in bad]
     best = max(hfs, key=lambda r: r["unpadded_tokens_per_s"]) if hfs else None
     for r in ok.values():
+        if r["row"] in bad:
+            r["mem_vs_hf"] = r["peak_mem_gib"] / hf["peak_mem_gib"] if hf else nan
+            continue
         t = r["unpadded_tokens_per_s"]
         r["vs_hf"] = t / hf["unpadded_tokens_per_s"] if hf else nan
         r["mem_vs_hf"] = r["peak_mem_gib"] / hf["peak_mem_gib"] if hf else nan
@@ -304,19 +336,75 @@ def add_train_ratios(rows):
     return rows
 
 
+def _rel(a, b):
+    return abs(a - b) / abs(b) if b else abs(a - b)
+
+
 def loss_check(rows, fp32):
-    """Every row's first-step loss (same weights, same batch) against transformers' eager row."""
+    """Every row's losses against transformers' eager row (hf_bf16), relative
+    difference within LOSS_TOL of the row's recipe: the first step's loss
+    (same weights, same batch) and, where the rows carry them, the loss of
+    every step after it (warm-up and timed steps: same batches, same
+    optimizer semantics, so the rows must train alike).  A row's entry gives
+    first_loss, rel_diff (first step), max_step_rel_diff and its step (over
+    all steps, "w<i>" warm-up / "t<i>" timed), tol, pass and, when it
+    fails, why."""
     ok = {r["row"]: r for r in rows if "first_loss" in r}
     ref = ok.get("hf_bf16")
-    out = {"reference": "hf_bf16" if ref else None, "rows": {}, "pass": True}
+    out = {"reference": "hf_bf16" if ref else None, "rows": {}, "pass": True,
+           "tolerances": {k: f"{v:g} relative" for k, v in LOSS_TOL.items()},
+           "rule": "every step's loss of a row within its recipe's tolerance of hf_bf16's loss at that step; "
+                   "a row outside it gets no speed ratio"}
     if ref is None:
         return out
+    ref_steps = step_losses(ref)
     for name, r in ok.items():
         tol = LOSS_TOL["fp32"] if fp32 and r["recipe"] == "bf16" else LOSS_TOL[r["recipe"]]
-        rel = abs(r["first_loss"] - ref["first_loss"]) / abs(ref["first_loss"])
-        out["rows"][name] = {"first_loss": r["first_loss"], "rel_diff": rel, "tol": tol, "pass": rel <= tol}
-        out["pass"] &= rel <= tol
+        rel = _rel(r["first_loss"], ref["first_loss"])
+        entry = {"first_loss": r["first_loss"], "rel_diff": rel, "tol": tol, "pass": rel <= tol}
+        if rel > tol:
+            entry["why"] = f"first-step loss {r['first_loss']:.5g} vs {ref['first_loss']:.5g} ({rel:.3g} relative)"
+        steps = step_losses(r)
+        if steps and ref_steps:
+            if list(steps) != list(ref_steps):
+                raise ValueError(f"loss_check: row {name} has steps {list(steps)}, hf_bf16 {list(ref_steps)}")
+            diffs = {k: _rel(steps[k], ref_steps[k]) for k in steps}
+            worst = max(diffs, key=lambda k: (diffs[k] != diffs[k], diffs[k]))  # a NaN loss is the worst
+            entry.update(max_step_rel_diff=diffs[worst], worst_step=worst)
+            if not diffs[worst] <= tol:
+                entry["pass"] = False
+                entry.setdefault("why", f"step {worst} loss {steps[worst]:.5g} vs {ref_steps[worst]:.5g} "
+                                        f"({diffs[worst]:.3g} relative)")
+        out["rows"][name] = entry
+        out["pass"] &= entry["pass"]
     return out
+
+
+def step_losses(r):
+    """A row's losses by step name: w1.. the warm-up steps, t1.. the timed steps (empty when not recorded)."""
+    steps = {f"w{i + 1}": v for i, v in enumerate(r.get("warm_losses", []))}
+    steps.update({f"t{i + 1}": v for i, v in enumerate(r.get("losses", []))})
+    return steps
+
+
+def loss_table(rows, check):
+    """The per-step losses of every row side by side (one line per step), the tolerance and each row's verdict."""
+    measured = [r for r in rows if step_losses(r)]
+    if not measured:
+        return []
+    names = [r["row"] for r in measured]
+    width = max(12, *(len(n) for n in names))
+    lines = ["per-step training loss (w: warm-up steps, t: timed steps; same batches in every row):",
+             "step  " + "  ".join(f"{n:>{width}}" for n in names)]
+    by = [step_losses(r) for r in measured]
+    for k in by[0]:
+        lines.append(f"{k:<4}  " + "  ".join(f"{s.get(k, float('nan')):>{width}.5f}" for s in by))
+    for n in names:
+        c = check["rows"].get(n)
+        if c:
+            lines.append(f"{n}: max step difference {c.get('max_step_rel_diff', c['rel_diff']):.3g} relative to "
+                         f"hf_bf16 (tolerance {c['tol']:g}) -> {'AGREES' if c['pass'] else 'DISAGREES: ' + c['why']}")
+    return lines
 
 
 def train_goals(rows):
@@ -324,7 +412,10 @@ def train_goals(rows):
     out = []
 
     def goal(what, row, need, key, le=False):
-        if row in by and by[row].get(key) == by[row].get(key):
+        if row in by and by[row].get("ratio_withheld") and key != "mem_vs_hf":
+            out.append({"goal": what, "row": row, "key": key, "value": None, "need": f"{'<=' if le else '>='} {need}",
+                        "pass": False, "withheld": by[row]["ratio_withheld"]})
+        elif row in by and key in by[row] and by[row][key] == by[row][key]:
             v = by[row][key]
             out.append({"goal": what, "row": row, "key": key, "value": v, "need": f"{'<=' if le else '>='} {need}",
                         "pass": v <= need if le else v >= need})
@@ -356,8 +447,14 @@ def train(args, device, dtype, data, data_note, seqs, meta):
                         "(cu_seqlens) hold the same tokens; padded == packed in samples and loss",
              "timing": (f"steady state: {args.warm_passes} untimed pass(es) over the very batches then timed, then "
                         "one timed pass, GPU synchronized before and after it only"),
-             "optimizers": "transformers: torch.optim.AdamW(fused=True) on bf16 parameters; seqfuse: FusedAdamW "
-                           "with fp32 master weights (its optimizer memory counted)",
+             "optimizers": (f"AdamW lr={args.lr:g}, betas (0.9, 0.999), eps 1e-8, weight decay 0.01, no schedule, "
+                            "no clipping; transformers: torch.optim.AdamW(fused=True) on the bf16 parameters; "
+                            "seqfuse: FusedAdamW " + (
+                                "with fp32 master weights (--master-weights: NOT the transformers rows' update, "
+                                "whose bf16 parameters drop updates below half a bf16 step; losses may disagree)"
+                                if args.master_weights else
+                                "without master weights (the same update: fp32 math, one rounding to bf16)")),
+             "loss_tolerances": {k: f"{v:g} relative to hf_bf16 at every step" for k, v in LOSS_TOL.items()},
              "flops": "llama3_common.train_flops: 3 x forward GEMM FLOPs + causal attention (lower triangle)",
              "mfu_ceilings_tflops": {"measured_bf16": H200_BF16_MEASURED_TFLOPS,
                                      "datasheet_bf16": H200_BF16_DATASHEET_TFLOPS},
@@ -368,7 +465,9 @@ def train(args, device, dtype, data, data_note, seqs, meta):
     def save_partial():
         os.makedirs(args.results_dir, exist_ok=True)
         with open(path + ".tmp", "w") as fh:
-            json.dump({"name": args.out, "complete": False, "rows": add_train_ratios([dict(r) for r in results]),
+            part = [dict(r) for r in results]
+            json.dump({"name": args.out, "complete": False,
+                       "rows": add_train_ratios(part, loss_check(part, fp32=dtype == torch.float32)),
                        **extra}, fh, indent=1, default=str)
         os.replace(path + ".tmp", path)
 
@@ -394,16 +493,22 @@ def train(args, device, dtype, data, data_note, seqs, meta):
             f"{f['host_issue_ms']:.1f} ms), MFU {f['mfu_measured_pct']:.1f} % of 794, peak {f['peak_mem_gib']:.1f} GiB, "
             f"warm-up {f['warm_s']:.1f} s, first loss {f['first_loss']:.4f}")
         save_partial()
-    add_train_ratios(results)
     check = loss_check(results, fp32=dtype == torch.float32)
+    add_train_ratios(results, check)
+    for line in loss_table(results, check):
+        log(line)
     if not check["pass"]:
-        log(f"LOSS MISMATCH: a row's first-step loss is off transformers': {check}")
+        log("LOSS MISMATCH: " + "; ".join(f"{n}: {c['why']}" for n, c in check["rows"].items() if not c["pass"])
+            + " -> those rows' speed ratios are WITHHELD")
     goals = train_goals(results)
     for g in goals:
-        log(f"goal {g['goal']}: {g['value']:.3g} (need {g['need']}) -> {'PASS' if g['pass'] else 'FAIL'}")
+        if g.get("withheld"):
+            log(f"goal {g['goal']}: WITHHELD ({g['withheld']})")
+        else:
+            log(f"goal {g['goal']}: {g['value']:.3g} (need {g['need']}) -> {'PASS' if g['pass'] else 'FAIL'}")
     cols = ["row", "steps", "unpadded_tokens_per_s", "vs_hf", "vs_best_hf", "mfu_measured_pct", "mfu_datasheet_pct",
-            "peak_mem_gib", "mem_vs_hf", "step_ms", "host_issue_ms", "warm_s", "first_loss", "note", "error",
-            "skipped"]
+            "peak_mem_gib", "mem_vs_hf", "step_ms", "host_issue_ms", "warm_s", "first_loss", "final_loss", "note",
+            "ratio_withheld", "error", "skipped"]
     table = Table(args.out, cols)
     for r in results:
         table.add(**r)
@@ -623,6 +728,10 @@ def main(argv=None):
     p.add_argument("--data", default=None, help="a genome-window Parquet file (default: llama3_common.BENCH_DATA, else "
                                                 "the committed subset)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate of every training row")
+    p.add_argument("--master-weights", action="store_true",
+                   help="seqfuse rows keep fp32 master weights (the transformers rows cannot: their losses then "
+                        "differ and the loss check withholds the seqfuse rows' ratios)")
     p.add_argument("--out", default="llama3")
     p.add_argument("--results-dir", default=RESULTS)
     args = p.parse_args(argv)
@@ -631,6 +740,8 @@ def main(argv=None):
     args.prompt_len = args.prompt_len or (32 if tiny else 512)
     if args.steps < 1 or args.warm_passes < 0 or args.batch_size < 1 or args.seq_len % 16:
         p.error("--steps >= 1, --warm-passes >= 0, --batch-size >= 1, --seq-len a multiple of 16")
+    if not args.lr > 0 or args.lr != args.lr or args.lr == float("inf"):
+        p.error(f"--lr must be a finite number > 0, got {args.lr}")
     parts = set(args.parts.split(","))
     if not parts <= {"train", "decode"}:
         p.error("--parts: train and/or decode")
