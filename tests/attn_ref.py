@@ -99,6 +99,20 @@ def cu_seqlens(lengths, device="cpu"):
     return torch.tensor(c, dtype=torch.int32, device=device)
 
 
+def thd_case(lengths_q, lengths_k=None, h=4, hk=4, d=16, dtype=torch.bfloat16, tail=(0, 0), same=True):
+    """A random packed (thd) problem: q, k, v with ``tail`` extra rows past
+    the last sequence, and ops.attention's thd keywords.  ``same`` shares one
+    cu_seqlens tensor between queries and keys when their lengths agree."""
+    lengths_k = lengths_q if lengths_k is None else lengths_k
+    q = torch.randn(sum(lengths_q) + tail[0], h, d).to(dtype)
+    k = torch.randn(sum(lengths_k) + tail[1], hk, d).to(dtype)
+    v = torch.randn(k.shape).to(dtype)
+    cu_q = cu_seqlens(lengths_q)
+    cu_k = cu_q if same and lengths_k == lengths_q else cu_seqlens(lengths_k)
+    return q, k, v, dict(qkv_format="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k, max_seqlen_q=max(lengths_q),
+                         max_seqlen_kv=max(lengths_k))
+
+
 def pack(x_padded, lengths):
     """[b, s, h, d] padded -> [sum(lengths), h, d] packed."""
     return torch.cat([x_padded[i, :n] for i, n in enumerate(lengths)])

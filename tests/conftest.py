@@ -56,3 +56,21 @@ def seed():
     print(f"seed={s}")
     torch.manual_seed(s)
     return s
+
+
+@pytest.fixture
+def sdpa_calls(monkeypatch):
+    """Every call of torch's scaled_dot_product_attention during the test:
+    a list of (args, kwargs, out)."""
+    import torch.nn.functional as F
+
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append((args, kwargs, out))
+        return out
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    return calls

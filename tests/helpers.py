@@ -183,6 +183,30 @@ def seqfuse_attention_only(monkeypatch):
 
 
 
+def fresh_routing(monkeypatch, backend="auto", ragged_on=False):
+    """Gives one test the attention routing state of a fresh process, put back
+    after: backend ``backend``, the opt-in cuDNN ragged route on only when
+    ``ragged_on`` (whatever SEQFUSE_ATTN_CUDNN_RAGGED says), and empty choice,
+    failure, log and capability caches (so no earlier test's choice leaks in)."""
+    from seqfuse.ops.attn import _routing as routing
+
+    monkeypatch.setattr(routing, "_backend", backend)
+    monkeypatch.setattr(routing, "_ragged_on", ragged_on)
+    monkeypatch.setattr(routing, "_choices", {})
+    monkeypatch.setattr(routing, "_route_failed", {})
+    monkeypatch.setattr(routing, "_logged", set())
+    monkeypatch.setattr(routing, "_capabilities", {})
+
+
+def grads_of(fn, tensors, dout):
+    """``fn(*tensors)`` run on detached copies and its backward from ``dout``:
+    (the output, the input gradients)."""
+    xs = [t.detach().clone().requires_grad_() for t in tensors]
+    out = fn(*xs)
+    out.backward(dout)
+    return out.detach(), [x.grad for x in xs]
+
+
 def check_strict_from_pretrained(model_cls, path, extra_key, extra_tensor, missing_key):
     """``model_cls.from_pretrained(path)``, ``path`` a directory a seqfuse
     model was saved to (save_pretrained, one model.safetensors), is strict:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import seqfuse
 from attn_ref import cu_seqlens
-from helpers import BACKWARD_FACTOR, rel_error, rel_tol
+from helpers import BACKWARD_FACTOR, fresh_routing, grads_of, rel_error, rel_tol
 from seqfuse.ops.attn import _routing as routing
 from test_attn_cuda import check, make_case, run_reference
 
@@ -30,27 +30,8 @@ ESM_LOG = ("seqfuse attention: bshd no_mask d=64 bfloat16 runs cuDNN fused atten
 @pytest.fixture(autouse=True)
 def restore_backend(monkeypatch):
     """Each test leaves the process's backend choice and the choice's caches
-    as it found them."""
-    monkeypatch.setattr(routing, "_backend", routing._backend)
-    monkeypatch.setattr(routing, "_choices", {})
-    monkeypatch.setattr(routing, "_route_failed", {})
-    monkeypatch.setattr(routing, "_logged", set())
-    monkeypatch.setattr(routing, "_capabilities", {})
-
-
-@pytest.fixture
-def sdpa_calls(monkeypatch):
-    """Every call of torch's scaled_dot_product_attention: (args, kwargs, out)."""
-    calls = []
-    real = F.scaled_dot_product_attention
-
-    def spy(*args, **kwargs):
-        out = real(*args, **kwargs)
-        calls.append((args, kwargs, out))
-        return out
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
-    return calls
+    as it found them (the backend and the ragged route as the environment set them)."""
+    fresh_routing(monkeypatch, backend=routing._backend, ragged_on=routing._ragged_on)
 
 
 @pytest.fixture
@@ -537,21 +518,14 @@ def test_route_gqa(fmt, hk, sdpa_calls, emulated_h200):
     def run(a, b_, c):
         return seqfuse.ops.attention(a, b_, c, qkv_format=fmt, attn_mask_type="causal")
     dout = torch.randn(q.shape).bfloat16()
-    ours = _grads_of(run, (q, k, v), dout)
+    ours = grads_of(run, (q, k, v), dout)
     assert len(sdpa_calls) == 1 and sdpa_calls[0][1]["enable_gqa"] is True
     assert sdpa_calls[0][0][1].shape == (b, hk, s, d)  # k as it is, not expanded
     seqfuse.ops.set_attention_backend("seqfuse")
-    ref = _grads_of(run, (q, k, v), dout)
+    ref = grads_of(run, (q, k, v), dout)
     assert rel_error(ours[0], ref[0]) <= rel_tol(torch.bfloat16)
     for g, r in zip(ours[1], ref[1]):
         assert rel_error(g, r) <= rel_tol(torch.bfloat16, BACKWARD_FACTOR)
-
-
-def _grads_of(fn, tensors, dout):
-    xs = [t.detach().clone().requires_grad_() for t in tensors]
-    out = fn(*xs)
-    out.backward(dout)
-    return out.detach(), [x.grad for x in xs]
 
 
 @pytest.mark.parametrize("mask,as_mask", [("padding", "no_mask"), ("padding_causal", "causal"),
@@ -572,13 +546,13 @@ def test_route_thd_of_equal_lengths(mask, as_mask, hk, sdpa_calls, emulated_h200
     name, reason = seqfuse.ops.attention_backend(q, k, v, **kw)
     assert name == "cudnn" and "every sequence 6 tokens long" in reason and "as bshd [3, 6]" in reason, reason
     dout = torch.randn(q.shape).bfloat16()
-    ours = _grads_of(lambda a, b_, c: seqfuse.ops.attention(a, b_, c, **kw), (q, k, v), dout)
+    ours = grads_of(lambda a, b_, c: seqfuse.ops.attention(a, b_, c, **kw), (q, k, v), dout)
     assert len(sdpa_calls) == 1
     args, kwargs, _ = sdpa_calls[0]
     assert args[0].shape == (3, h, 6, d) and kwargs["is_causal"] == (as_mask == "causal")
     assert ours[0].shape == q.shape
     seqfuse.ops.set_attention_backend("seqfuse")
-    ref = _grads_of(lambda a, b_, c: seqfuse.ops.attention(a, b_, c, **kw), (q, k, v), dout)
+    ref = grads_of(lambda a, b_, c: seqfuse.ops.attention(a, b_, c, **kw), (q, k, v), dout)
     assert rel_error(ours[0], ref[0]) <= rel_tol(torch.bfloat16)
     for g, r in zip(ours[1], ref[1]):
         assert rel_error(g, r) <= rel_tol(torch.bfloat16, BACKWARD_FACTOR)

@@ -25,11 +25,10 @@ import logging
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import seqfuse
-from attn_ref import attend, cu_seqlens
-from helpers import BACKWARD_FACTOR, rel_error, rel_tol
+from attn_ref import attend, cu_seqlens, thd_case
+from helpers import BACKWARD_FACTOR, fresh_routing, grads_of, rel_error, rel_tol
 from seqfuse.ops.attn import _routing as routing
 from seqfuse.ops.attn import _torch_routes as routes
 
@@ -39,12 +38,7 @@ FP32 = seqfuse.ops.attn.fp32_eligibility
 
 @pytest.fixture(autouse=True)
 def restore_backend(monkeypatch):
-    monkeypatch.setattr(routing, "_backend", "auto")
-    monkeypatch.setattr(routing, "_choices", {})
-    monkeypatch.setattr(routing, "_route_failed", {})
-    monkeypatch.setattr(routing, "_logged", set())
-    monkeypatch.setattr(routing, "_capabilities", {})
-    monkeypatch.setattr(routing, "_ragged_on", False)  # the opt-in cuDNN ragged route off, whatever the environment
+    fresh_routing(monkeypatch)  # backend "auto", the opt-in cuDNN ragged route off whatever the environment says
 
 
 @pytest.fixture
@@ -92,20 +86,6 @@ def flash_standin_for(calls):
 def flash_calls(monkeypatch, emulated_h200):
     calls = []
     monkeypatch.setattr(routes, "_flash_forward", flash_standin_for(calls))
-    return calls
-
-
-@pytest.fixture
-def sdpa_calls(monkeypatch):
-    calls = []
-    real = F.scaled_dot_product_attention
-
-    def spy(*args, **kwargs):
-        out = real(*args, **kwargs)
-        calls.append((args, kwargs))
-        return out
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     return calls
 
 
@@ -213,17 +193,6 @@ def test_fp32_still_eligible(change):
 
 
 # ------------------------------------------------------------ the choice
-def thd_case(lengths_q, lengths_k=None, h=4, hk=4, d=16, dtype=torch.bfloat16, tail=(0, 0), same=True):
-    lengths_k = lengths_q if lengths_k is None else lengths_k
-    q = torch.randn(sum(lengths_q) + tail[0], h, d).to(dtype)
-    k = torch.randn(sum(lengths_k) + tail[1], hk, d).to(dtype)
-    v = torch.randn(k.shape).to(dtype)
-    cu_q = cu_seqlens(lengths_q)
-    cu_k = cu_q if same and lengths_k == lengths_q else cu_seqlens(lengths_k)
-    return q, k, v, dict(qkv_format="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k, max_seqlen_q=max(lengths_q),
-                         max_seqlen_kv=max(lengths_k))
-
-
 def padded_case(fmt, b, s_q, s_kv, lengths_q, lengths_k=None, h=4, hk=4, d=16, dtype=torch.bfloat16):
     shape = (lambda s, n: (b, s, n, d)) if fmt == "bshd" else (lambda s, n: (s, b, n, d))
     q = torch.randn(shape(s_q, h)).to(dtype)
@@ -363,20 +332,13 @@ def test_choice_key_tells_one_cu_from_two(emulated_h200):
 
 
 # ------------------------------------------------------------ the flash route, run on the CPU
-def _grads_of(fn, tensors, dout):
-    xs = [t.detach().clone().requires_grad_() for t in tensors]
-    out = fn(*xs)
-    out.backward(dout)
-    return out.detach(), [x.grad for x in xs]
-
-
 def _both(q, k, v, kw, backend="auto"):
     """(route's out and grads, seqfuse's out and grads) of one call."""
     dout = torch.randn(q.shape).to(q.dtype)
     seqfuse.ops.set_attention_backend(backend)
-    ours = _grads_of(lambda a, b, c: seqfuse.ops.attention(a, b, c, **kw), (q, k, v), dout)
+    ours = grads_of(lambda a, b, c: seqfuse.ops.attention(a, b, c, **kw), (q, k, v), dout)
     seqfuse.ops.set_attention_backend("seqfuse")
-    ref = _grads_of(lambda a, b, c: seqfuse.ops.attention(a, b, c, **kw), (q, k, v), dout)
+    ref = grads_of(lambda a, b, c: seqfuse.ops.attention(a, b, c, **kw), (q, k, v), dout)
     return ours, ref
 
 

@@ -27,8 +27,8 @@ import pytest
 import torch
 
 import seqfuse
-from attn_ref import attend, cu_seqlens
-from helpers import BACKWARD_FACTOR, pair_tol, rel_error
+from attn_ref import attend, cu_seqlens, thd_case
+from helpers import BACKWARD_FACTOR, fresh_routing, pair_tol, rel_error
 from seqfuse.ops import device_checks
 from seqfuse.ops.attn import _cudnn_ragged as ragged
 from seqfuse.ops.attn import _routing as routing
@@ -38,12 +38,7 @@ RAGGED = seqfuse.ops.attn.ragged_eligibility
 
 @pytest.fixture(autouse=True)
 def restore_backend(monkeypatch):
-    monkeypatch.setattr(routing, "_backend", "auto")
-    monkeypatch.setattr(routing, "_ragged_on", False)
-    monkeypatch.setattr(routing, "_choices", {})
-    monkeypatch.setattr(routing, "_route_failed", {})
-    monkeypatch.setattr(routing, "_logged", set())
-    monkeypatch.setattr(routing, "_capabilities", {})
+    fresh_routing(monkeypatch)  # backend "auto", the ragged route off until a test turns it on
 
 
 @pytest.fixture
@@ -52,17 +47,6 @@ def emulated_h200(monkeypatch):
     monkeypatch.setattr(routing, "_device_facts", lambda device: ("cuda", (9, 0)))
     monkeypatch.setattr(routing, "_SDPA_BACKENDS", [routing.SDPBackend.MATH])
     monkeypatch.setattr(routing, "_ragged_support", {"torch": True, "frontend": False, "cudnn": 91900})
-
-
-def thd_case(lengths_q, lengths_k=None, h=4, hk=4, d=16, dtype=torch.bfloat16, tail=(0, 0), same=True):
-    lengths_k = lengths_q if lengths_k is None else lengths_k
-    q = torch.randn(sum(lengths_q) + tail[0], h, d).to(dtype)
-    k = torch.randn(sum(lengths_k) + tail[1], hk, d).to(dtype)
-    v = torch.randn(k.shape).to(dtype)
-    cu_q = cu_seqlens(lengths_q)
-    cu_k = cu_q if same and lengths_k == lengths_q else cu_seqlens(lengths_k)
-    return q, k, v, dict(qkv_format="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k, max_seqlen_q=max(lengths_q),
-                         max_seqlen_kv=max(lengths_k))
 
 
 # ------------------------------------------------------------ the rules, pure
