@@ -14,6 +14,8 @@ ops.attention on each forced backend after the fix (every error should be
 at bf16 rounding, < 0.03).
 """
 import logging
+import os
+import sys
 import time
 
 import torch
@@ -23,27 +25,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from seqfuse import ops
 from seqfuse.ops.attn import _routing as routing
 
-
-def rowpad(t):
-    big = torch.zeros(*t.shape[:-1], t.shape[-1] + 3, dtype=t.dtype, device=t.device)
-    big[..., :t.shape[-1]] = t
-    return big[..., :t.shape[-1]]
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from bad_input_cases import offset_view, row_padded_view, strided_view  # noqa: E402
 
 
-def offset(t):
-    flat = torch.zeros(t.numel() + 1, dtype=t.dtype, device=t.device)
-    v = flat[1:].view(t.shape)
-    v.copy_(t)
-    return v
-
-
-def strided(t):
-    big = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
-    big[..., ::2] = t
-    return big[..., ::2]
-
-
-LAYOUTS = {"rowpad": rowpad, "offset": offset, "strided": strided}
+# the corpus's mutations (tests/bad_input_cases.py): same values, other strides or storage offset
+LAYOUTS = {"rowpad": row_padded_view, "offset": offset_view, "strided": strided_view}
 # the corpus's two failing calls: DotProductAttention (sbhd, no mask) and ops.attention causal (bshd)
 CASES = {"DPA sbhd no_mask": ("sbhd", (5, 2, 2, 16), False), "attention bshd causal": ("bshd", (2, 5, 2, 16), True),
          "bshd causal d=64 s=128": ("bshd", (2, 128, 4, 64), True)}
@@ -53,6 +40,15 @@ TO_BHSD = {"bshd": (0, 2, 1, 3), "sbhd": (1, 2, 0, 3)}
 def inputs(shape):
     g = torch.Generator().manual_seed(0)
     return [torch.randn(shape, generator=g).bfloat16().cuda() for _ in range(3)]
+
+
+def mutated(q, k, v):
+    """(label, q, k, v) with one of q, k, v in each of the LAYOUTS in turn."""
+    for which in "qkv":
+        for lname, fn in LAYOUTS.items():
+            args = {"q": q, "k": k, "v": v}
+            args[which] = fn(args[which])
+            yield f"{which}:{lname}", args["q"], args["k"], args["v"]
 
 
 def raw_sdpa(backend, fmt, q, k, v, causal):
@@ -74,16 +70,13 @@ def part1():
                 print(f"  {name:24s} {backend.name:20s} contiguous call refused: {str(e).splitlines()[0][:80]}")
                 continue
             row = []
-            for which in "qkv":
-                for lname, fn in LAYOUTS.items():
-                    args = {"q": q, "k": k, "v": v}
-                    args[which] = fn(args[which])
-                    try:
-                        out = raw_sdpa(backend, fmt, args["q"], args["k"], args["v"], causal)
-                        torch.cuda.synchronize()
-                        row.append(f"{which}:{lname}={(out.float() - ref.float()).abs().max().item():.3g}")
-                    except RuntimeError as e:
-                        row.append(f"{which}:{lname}=refused")
+            for label, mq, mk, mv in mutated(q, k, v):
+                try:
+                    out = raw_sdpa(backend, fmt, mq, mk, mv, causal)
+                    torch.cuda.synchronize()
+                    row.append(f"{label}={(out.float() - ref.float()).abs().max().item():.3g}")
+                except RuntimeError:
+                    row.append(f"{label}=refused")
             print(f"  {name:24s} {backend.name:20s} " + " ".join(row))
 
 
@@ -101,14 +94,11 @@ def part2():
                 print(f"  {mode:8s} {name:24s} not taken: {str(e)[:90]}")
                 continue
             row = []
-            for which in "qkv":
-                for lname, fn in LAYOUTS.items():
-                    args = {"q": q, "k": k, "v": v}
-                    args[which] = fn(args[which])
-                    out = ops.attention(args["q"], args["k"], args["v"], qkv_format=fmt, attn_mask_type=mask)
-                    err = (out.float() - ref.float()).abs().max().item()
-                    worst = max(worst, err)
-                    row.append(f"{which}:{lname}={err:.3g}")
+            for label, mq, mk, mv in mutated(q, k, v):
+                out = ops.attention(mq, mk, mv, qkv_format=fmt, attn_mask_type=mask)
+                err = (out.float() - ref.float()).abs().max().item()
+                worst = max(worst, err)
+                row.append(f"{label}={err:.3g}")
             print(f"  {mode:8s} {name:24s} " + " ".join(row))
     routing.set_attention_backend("auto")
     print(f"  worst error after the fix: {worst:.3g} ({'OK' if worst < 0.03 else 'STILL WRONG'})")
