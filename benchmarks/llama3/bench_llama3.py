@@ -330,7 +330,7 @@ def add_train_ratios(rows, check=None):
         r["vs_best_hf"], r["best_hf"] = (t / best["unpadded_tokens_per_s"], best["row"]) if best else (nan, "")
     for name, what in (("hf_bf16_compiled", "compiled"), ("hf_bf16_liger", "Liger")):
         c = ok.get(name)
-        if c and hf and c["vs_hf"] < 1.0:
+        if c and hf and "vs_hf" in c and c["vs_hf"] < 1.0:  # (a withheld row has no ratio)
             c["note"] = (c.get("note", "") + "; " if c.get("note") else "") + (
                 f"{what} is SLOWER than eager ({c['vs_hf']:.2f}x)")
     return rows
