@@ -146,6 +146,20 @@ def test_errors():
         te.Linear(0, 4, device="cpu")
 
 
+@pytest.mark.parametrize("name,make", [("Linear", lambda i, o, **kw: te.Linear(i, o, **kw)),
+                                       ("GroupedLinear", lambda i, o, **kw: te.GroupedLinear(2, i, o, **kw))])
+def test_linear_options_shared(name, make):
+    """Linear and GroupedLinear take their feature checks and flags from one
+    helper (modules._base.set_linear_options): the same rule, named per class."""
+    for i, o in ((0, 4), (8, -1)):
+        with pytest.raises(ValueError, match=f"^{name}: in_features and out_features must be positive, got {i} and {o}"):
+            make(i, o, device="cpu")
+    m = make(8, 4, bias=False, return_bias=1, fuse_wgrad_accumulation=0, params_dtype=torch.bfloat16, device="cpu")
+    assert (m.in_features, m.out_features, m.use_bias, m.return_bias, m.fuse_wgrad_accumulation) == (8, 4, False,
+                                                                                                     True, False)
+    assert m.init_method is None and all(p.dtype == torch.bfloat16 for p in m.parameters())
+
+
 def test_empty_batch(seed):
     m = te.Linear(8, 4, device="cpu")
     x = torch.randn(0, 8, requires_grad=True)

@@ -47,6 +47,24 @@ def default_device(device):
     return torch.device("cuda" if torch.cuda.is_available() and cuda_available() else "cpu")
 
 
+def set_linear_options(module, cls_name, in_features, out_features, bias, return_bias, fuse_wgrad_accumulation,
+                       init_method, params_dtype):
+    """The checks and attributes Linear and GroupedLinear share: positive
+    ``in_features`` / ``out_features`` (ValueError naming ``cls_name``
+    otherwise), then ``module``'s in_features, out_features, use_bias,
+    return_bias, fuse_wgrad_accumulation and init_method.  Returns the
+    parameters' dtype: ``params_dtype``, or torch's default dtype."""
+    if in_features <= 0 or out_features <= 0:
+        raise ValueError(f"{cls_name}: in_features and out_features must be positive, got "
+                         f"{in_features} and {out_features}")
+    module.in_features, module.out_features = int(in_features), int(out_features)
+    module.use_bias = bool(bias)
+    module.return_bias = bool(return_bias)
+    module.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
+    module.init_method = init_method
+    return params_dtype or torch.get_default_dtype()
+
+
 def hidden_dim(hidden_size):
     """The normalized size: an int, or a 1-element shape (normalization over
     the last dimension only)."""

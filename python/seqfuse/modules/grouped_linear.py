@@ -49,7 +49,7 @@ from .. import quantization as _q
 from ..ops import moe as moe_ops
 from ..quantization import gemm_quantizers as _gq
 from . import _fp8 as F8
-from ._base import compute_dtype, default_device, mark_main_grad
+from ._base import compute_dtype, default_device, mark_main_grad, set_linear_options
 from ._input import check_input
 
 __all__ = ["GroupedLinear", "GroupedLinearFunction", "Fp8GroupedLinearFunction"]
@@ -147,16 +147,9 @@ class GroupedLinear(torch.nn.Module):
                                           "(no tensor/sequence parallelism or comm overlap here)")
         if isinstance(num_gemms, bool) or not isinstance(num_gemms, int) or num_gemms < 1:
             raise ValueError(f"GroupedLinear: num_gemms must be a positive int, got {num_gemms!r}")
-        if in_features <= 0 or out_features <= 0:
-            raise ValueError(f"GroupedLinear: in_features and out_features must be positive, got "
-                             f"{in_features} and {out_features}")
+        dtype = set_linear_options(self, "GroupedLinear", in_features, out_features, bias, return_bias,
+                                   fuse_wgrad_accumulation, init_method, params_dtype)
         self.num_gemms = num_gemms
-        self.in_features, self.out_features = int(in_features), int(out_features)
-        self.use_bias = bool(bias)
-        self.return_bias = bool(return_bias)
-        self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
-        self.init_method = init_method
-        dtype = params_dtype or torch.get_default_dtype()
         device = default_device(device)
         for g in range(num_gemms):
             self.register_parameter(f"weight{g}", torch.nn.Parameter(

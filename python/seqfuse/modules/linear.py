@@ -57,7 +57,7 @@ from .. import ops
 from .. import quantization as _q
 from ..quantization import gemm_quantizers as _gq
 from . import _fp8 as F8
-from ._base import compute_dtype, main_grad_for
+from ._base import compute_dtype, main_grad_for, set_linear_options
 from ._input import check_input
 from ._split import fused_params, install_split, parse_split, reset_split, weight_sources
 from .te_compat import materialize, refuse_fp8_io, rng_fork, take_refused
@@ -141,15 +141,8 @@ class Linear(torch.nn.Module):
         take_refused("Linear", te_refused)
         self.get_rng_state_tracker, self.rng_tracker_name, self.name = (get_rng_state_tracker,
                                                                         rng_tracker_name, name)
-        if in_features <= 0 or out_features <= 0:
-            raise ValueError(f"Linear: in_features and out_features must be positive, got "
-                             f"{in_features} and {out_features}")
-        self.in_features, self.out_features = int(in_features), int(out_features)
-        self.use_bias = bool(bias)
-        self.return_bias = bool(return_bias)
-        self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
-        self.init_method = init_method
-        dtype = params_dtype or torch.get_default_dtype()
+        dtype = set_linear_options(self, "Linear", in_features, out_features, bias, return_bias,
+                                   fuse_wgrad_accumulation, init_method, params_dtype)
         device = torch.device(device) if device is not None else _default_device()
         self.weight = torch.nn.Parameter(torch.empty(self.out_features, self.in_features,
                                                      dtype=dtype, device=device))
