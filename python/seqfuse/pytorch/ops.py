@@ -143,6 +143,19 @@ def _draw_weight(op, weight):
         torch.nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
 
 
+def _linear_weight(op, in_features, out_features, accumulate_into_main_grad, rng_state_tracker_function, dtype,
+                   device):
+    """What BasicLinear and Linear set up alike: the feature sizes, the
+    main_grad flag, the RNG tracker and an empty [out, in] ``weight``.
+    Returns the parameters' dtype and device keywords (for a bias)."""
+    op.in_features, op.out_features = int(in_features), int(out_features)
+    op.accumulate_into_main_grad = bool(accumulate_into_main_grad)
+    op._rng_state_tracker_function = rng_state_tracker_function
+    kw = dict(dtype=dtype or torch.get_default_dtype(), device=_device(device))
+    op.weight = torch.nn.Parameter(torch.empty(op.out_features, op.in_features, **kw))
+    return kw
+
+
 class BasicLinear(BasicOperation):
     """y = x W^T (no bias).  accumulate_into_main_grad: the weight gradient
     goes into ``weight.main_grad`` where the weight carries one (seqfuse's
@@ -154,12 +167,8 @@ class BasicLinear(BasicOperation):
         super().__init__()
         _check_parallel(type(self).__name__, tensor_parallel_mode, tensor_parallel_group, sequence_parallel,
                         userbuffers_options)
-        self.in_features, self.out_features = int(in_features), int(out_features)
-        self.accumulate_into_main_grad = bool(accumulate_into_main_grad)
-        self._rng_state_tracker_function = rng_state_tracker_function
-        self.weight = torch.nn.Parameter(torch.empty(self.out_features, self.in_features,
-                                                     dtype=dtype or torch.get_default_dtype(),
-                                                     device=_device(device)))
+        _linear_weight(self, in_features, out_features, accumulate_into_main_grad, rng_state_tracker_function,
+                       dtype, device)
         if self.weight.device.type != "meta":
             self.reset_parameters()
 
@@ -201,11 +210,8 @@ class Linear(BasicOperation):
                  rng_state_tracker_function=None, accumulate_into_main_grad=False):
         super().__init__()
         _check_parallel("Linear", tensor_parallel_mode, tensor_parallel_group, sequence_parallel)
-        self.in_features, self.out_features = int(in_features), int(out_features)
-        self.accumulate_into_main_grad = bool(accumulate_into_main_grad)
-        self._rng_state_tracker_function = rng_state_tracker_function
-        kw = dict(dtype=dtype or torch.get_default_dtype(), device=_device(device))
-        self.weight = torch.nn.Parameter(torch.empty(self.out_features, self.in_features, **kw))
+        kw = _linear_weight(self, in_features, out_features, accumulate_into_main_grad, rng_state_tracker_function,
+                            dtype, device)
         self.bias = torch.nn.Parameter(torch.empty(self.out_features, **kw)) if bias else None
         if self.weight.device.type != "meta":
             self.reset_parameters()
