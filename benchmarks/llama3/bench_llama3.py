@@ -267,7 +267,8 @@ def run_train_row(name, packed_batches, padded_batches, args, device, dtype):
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        return dict(seconds=seconds, losses=losses, warm_losses=warm_losses, first_loss=first_loss, host_ms=1000 * statistics.mean(issue),
+        return dict(seconds=seconds, losses=losses, warm_losses=warm_losses, first_loss=first_loss,
+                    host_ms=1000 * statistics.mean(issue),
                     peak=peak, warm_s=warm_s, notes=notes)
 
 
