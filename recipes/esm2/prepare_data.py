@@ -32,14 +32,13 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
 
-from seqfuse.data.debian import sha256_file  # noqa: E402
+from seqfuse.data.debian import DebianPackageError, download_deb, run_tool, sha256_file  # noqa: E402
 from seqfuse.data.fasta import SequenceRecord, read_fasta  # noqa: E402
 from seqfuse.data.parquet import write_parquet  # noqa: E402
 
@@ -52,34 +51,17 @@ class PrepareError(RuntimeError):
     pass
 
 
-def _run(cmd: list[str], cwd: str) -> None:
-    try:
-        subprocess.run(cmd, cwd=cwd, check=True, capture_output=True, text=True)
-    except FileNotFoundError:
-        raise PrepareError(f"{cmd[0]} is not installed: this step needs a Debian/Ubuntu system with apt and dpkg")
-    except subprocess.CalledProcessError as e:
-        raise PrepareError(
-            f"{' '.join(cmd)} failed (exit {e.returncode}):\n{e.stderr.strip()}\n"
-            "If apt cannot find the package, run `apt-get update` first (or pass --apt-update as root); "
-            "or download the .deb elsewhere and pass --deb PATH."
-        )
-
-
 def fetch_deb(workdir: str, apt_update: bool) -> str:
-    """Download the package's .deb into workdir with apt-get; returns its path."""
+    """Download the package's .deb into workdir with apt-get
+    (seqfuse.data.debian.download_deb, whose DebianPackageError main reports
+    like a PrepareError); returns its path."""
     if shutil.which("apt-get") is None:
         raise PrepareError(
             "apt-get is not available on this machine. The data come from Debian's "
             f"'{PACKAGE}' package: fetch it on a Debian/Ubuntu machine (apt-get download {PACKAGE}) "
             "and pass --deb PATH, or pass --example-dir with its extracted example-data folder."
         )
-    if apt_update:
-        _run(["apt-get", "update"], cwd=workdir)
-    _run(["apt-get", "download", PACKAGE], cwd=workdir)
-    debs = sorted(glob.glob(os.path.join(workdir, f"{PACKAGE}_*.deb")))
-    if not debs:
-        raise PrepareError(f"apt-get download {PACKAGE} reported success but left no .deb in {workdir}")
-    return debs[-1]
+    return download_deb(PACKAGE, workdir, apt_update)
 
 
 def extract_deb(deb: str, workdir: str) -> str:
@@ -87,7 +69,7 @@ def extract_deb(deb: str, workdir: str) -> str:
     if shutil.which("dpkg") is None:
         raise PrepareError("dpkg is not available: it is needed to unpack the .deb (or pass --example-dir)")
     dest = os.path.join(workdir, "extracted")
-    _run(["dpkg", "-x", os.path.abspath(deb), dest], cwd=workdir)
+    run_tool(["dpkg", "-x", os.path.abspath(deb), dest], cwd=workdir)
     return find_example_dir(dest)
 
 
@@ -169,7 +151,7 @@ def main(argv=None) -> int:
                 deb_name = os.path.basename(deb)
                 example_dir = extract_deb(deb, work)
             records, source_stats = read_source(example_dir)
-        except PrepareError as e:
+        except (PrepareError, DebianPackageError) as e:
             print(f"prepare_data: error: {e}", file=sys.stderr)
             return 1
 

@@ -27,7 +27,8 @@ import subprocess
 import tempfile
 from dataclasses import asdict, dataclass
 
-__all__ = ["DebianPackageError", "DebianPackage", "fetch_package", "sha256_file", "read_copyright"]
+__all__ = ["DebianPackageError", "DebianPackage", "fetch_package", "download_deb", "run_tool", "sha256_file",
+           "read_copyright"]
 
 
 class DebianPackageError(RuntimeError):
@@ -73,7 +74,9 @@ def sha256_file(path) -> str:
     return h.hexdigest()
 
 
-def _run(cmd: list[str], cwd: str) -> str:
+def run_tool(cmd: list[str], cwd: str) -> str:
+    """Run apt-get / dpkg / dpkg-deb in ``cwd``; its stdout.  A missing tool
+    or a failed run is a DebianPackageError saying what to do."""
     try:
         return subprocess.run(cmd, cwd=cwd, check=True, capture_output=True, text=True).stdout
     except FileNotFoundError:
@@ -86,7 +89,10 @@ def _run(cmd: list[str], cwd: str) -> str:
         )
 
 
-def _download(name: str, cache_dir: str, apt_update: bool) -> str:
+def download_deb(name: str, cache_dir: str, apt_update: bool) -> str:
+    """The path of package ``name``'s .deb in ``cache_dir``: the newest one
+    already there, else ``apt-get download`` (after ``apt-get update`` when
+    ``apt_update``).  DebianPackageError where apt-get is missing or fails."""
     cached = sorted(glob.glob(os.path.join(cache_dir, f"{name}_*.deb")))
     if cached:
         return cached[-1]
@@ -96,8 +102,8 @@ def _download(name: str, cache_dir: str, apt_update: bool) -> str:
             f"(apt-get download {name}) and put the .deb in {cache_dir}"
         )
     if apt_update:
-        _run(["apt-get", "update"], cwd=cache_dir)
-    _run(["apt-get", "download", name], cwd=cache_dir)
+        run_tool(["apt-get", "update"], cwd=cache_dir)
+    run_tool(["apt-get", "download", name], cwd=cache_dir)
     debs = sorted(glob.glob(os.path.join(cache_dir, f"{name}_*.deb")))
     if not debs:
         raise DebianPackageError(f"apt-get download {name} reported success but left no .deb in {cache_dir}")
@@ -112,7 +118,7 @@ def _unpack(deb: str, cache_dir: str) -> str:
         raise DebianPackageError("dpkg is not available: it is needed to unpack the .deb")
     tmp = tempfile.mkdtemp(prefix=".unpack_", dir=cache_dir)
     try:
-        _run(["dpkg", "-x", os.path.abspath(deb), tmp], cwd=cache_dir)
+        run_tool(["dpkg", "-x", os.path.abspath(deb), tmp], cwd=cache_dir)
         os.rename(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -121,7 +127,7 @@ def _unpack(deb: str, cache_dir: str) -> str:
 
 
 def _control_fields(deb: str) -> dict[str, str]:
-    out = _run(["dpkg-deb", "-f", os.path.abspath(deb), "Package", "Version", "Source"], cwd=os.path.dirname(deb) or ".")
+    out = run_tool(["dpkg-deb", "-f", os.path.abspath(deb), "Package", "Version", "Source"], cwd=os.path.dirname(deb) or ".")
     fields = {}
     for line in out.splitlines():
         if ":" in line:
@@ -172,7 +178,7 @@ def fetch_package(name: str, cache_dir, *, apt_update: bool = False, deb: str | 
         if not os.path.isfile(deb):
             raise DebianPackageError(f"fetch_package: deb={deb!r}: no such file")
     else:
-        deb = _download(name, cache_dir, apt_update)
+        deb = download_deb(name, cache_dir, apt_update)
     fields = _control_fields(deb)
     if fields["Package"] != name:
         raise DebianPackageError(f"fetch_package: {deb} is package {fields['Package']!r}, not {name!r}")
