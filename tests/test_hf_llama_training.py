@@ -16,7 +16,9 @@ without master weights makes torch.optim.AdamW's update on bf16
 parameters, and the two runs' losses stay together too.  So the benchmark's
 gap came from its rows' setup (fp32 master weights in the seqfuse rows only),
 which bench_llama3.py now makes equal and checks at every step
-(tests/test_bench_llama3_loss.py).
+(tests/test_bench_llama3_loss.py).  The cuda-marked test runs the same
+comparison through seqfuse's CUDA kernels (bf16, FP8 delayed, FP8 block)
+against transformers' sdpa model.
 """
 import os
 import sys
@@ -127,3 +129,37 @@ def test_bfloat16_same_update_same_losses(batches):
             o.zero_grad(set_to_none=True)
         assert abs(l_sf.item() - l_hf.item()) <= 2e-3 * abs(l_hf.item()), \
             f"step {step + 1}: seqfuse {l_sf.item()} vs transformers {l_hf.item()}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_delayed", "fp8_block"])
+def test_cuda_training_tracks_transformers(batches, recipe):
+    """The benchmark's rows on the GPU at the tiny size: transformers (sdpa,
+    bf16, torch.optim.AdamW fused) against seqfuse's CUDA kernels (packed,
+    FusedAdamW without master weights, FP8 under autocast), 5 steps, every
+    step's loss within bench_llama3.LOSS_TOL of the recipe."""
+    import bench_llama3 as B
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from seqfuse.pytorch import autocast
+
+    packed, padded = batches
+    dev = torch.device("cuda")
+    hf = C.build_hf("tiny", dev, torch.bfloat16)
+    sf = C.build_seqfuse("tiny", dev, torch.bfloat16)
+    opt_hf = torch.optim.AdamW(hf.parameters(), lr=LR, fused=True)
+    opt_sf = FusedAdamW([p for p in sf.parameters() if p.requires_grad], lr=LR, master_weights=False)
+    fp8 = B.fp8_recipe(recipe)
+    tol = B.LOSS_TOL[recipe]
+    for step in range(STEPS):
+        l_hf = C.forward_loss(hf, padded[step], dev, packed=False)
+        with autocast(enabled=fp8 is not None, recipe=fp8):
+            l_sf = C.forward_loss(sf, packed[step], dev, packed=True)
+        l_hf.backward()
+        l_sf.backward()
+        for o in (opt_hf, opt_sf):
+            o.step()
+            o.zero_grad(set_to_none=True)
+        a, b = l_hf.item(), l_sf.item()
+        assert abs(b - a) <= tol * abs(a), f"{recipe} step {step + 1}: seqfuse {b} vs transformers {a}"
