@@ -237,14 +237,21 @@ def matmul_params(mcfg) -> int:
     return mcfg.num_hidden_layers * per_layer + h * mcfg.vocab_size
 
 
-def train_flops(seq_lengths, mcfg) -> float:
-    """Forward + backward (3 x forward) over sequences of these real
-    lengths: 2 FLOPs per weight per token, plus causal attention (QK^T and
-    PV over the lower triangle: 2 x heads x head_dim x s^2 per layer)."""
+def causal_lm_train_flops(seq_lengths, weights_per_token, mcfg) -> float:
+    """Forward + backward (3 x forward) of a decoder over sequences of these
+    real lengths: 2 FLOPs per weight a token multiplies through
+    (``weights_per_token``), plus causal attention (QK^T and PV over the
+    lower triangle: 2 x heads x head_dim x s^2 per layer).  The Mixtral
+    recipe calls it with its active weights."""
     tokens = float(sum(seq_lengths))
     sq = float(sum(int(s) * int(s) for s in seq_lengths))
     attn = 2.0 * mcfg.num_attention_heads * mcfg.head_dim * mcfg.num_hidden_layers * sq
-    return 3.0 * (2.0 * matmul_params(mcfg) * tokens + attn)
+    return 3.0 * (2.0 * weights_per_token * tokens + attn)
+
+
+def train_flops(seq_lengths, mcfg) -> float:
+    """causal_lm_train_flops with every weight (matmul_params)."""
+    return causal_lm_train_flops(seq_lengths, matmul_params(mcfg), mcfg)
 
 
 def step_flops(host_batch, mcfg):

@@ -250,14 +250,9 @@ def active_params(mcfg) -> int:
 
 
 def train_flops(seq_lengths, mcfg) -> float:
-    """Forward + backward (3 x forward) over sequences of these real
-    lengths: 2 FLOPs per active weight per token, plus causal attention
-    (QK^T and PV over the lower triangle: 2 x heads x head_dim x s^2 per
-    layer)."""
-    tokens = float(sum(seq_lengths))
-    sq = float(sum(int(s) * int(s) for s in seq_lengths))
-    attn = 2.0 * mcfg.num_attention_heads * mcfg.head_dim * mcfg.num_hidden_layers * sq
-    return 3.0 * (2.0 * active_params(mcfg) * tokens + attn)
+    """Forward + backward over sequences of these real lengths: the Llama 3
+    recipe's causal_lm_train_flops with the active weights only."""
+    return llama.causal_lm_train_flops(seq_lengths, active_params(mcfg), mcfg)
 
 
 def step_flops(host_batch, mcfg):
