@@ -55,13 +55,7 @@ static sf_status check_fp8_out(const char *op, const char *arg, sf_act_args *a, 
     if (!is_fp8(a->out->dtype) && (a->scale || a->scale_inv))
         return sf_fail(SF_ERR_VALUE, "%s: arguments 'scale' and 'scale_inv' apply only to an FP8 "
                        "'%s', which is %s", op, arg, sf_dtype_name(a->out->dtype));
-    if (a->scale)
-        SF_TRY(sf_check_vector(op, "scale", a->scale, SF_FLOAT32, 1, "x", x, 0));
-    if (a->amax)
-        SF_TRY(sf_check_vector(op, "amax", a->amax, SF_FLOAT32, 1, "x", x, 1));
-    if (a->scale_inv)
-        SF_TRY(sf_check_vector(op, "scale_inv", a->scale_inv, SF_FLOAT32, 1, "x", x, 1));
-    return SF_OK;
+    return sf_check_fp8_scaling(op, a->scale, a->amax, a->scale_inv, "x", x);
 }
 
 static sf_status check_act_input(const char *op, sf_activation act, const sf_tensor *x,
@@ -156,29 +150,32 @@ static sf_status rows_cols(const char *op, const char *arg, const sf_tensor *x, 
     return SF_OK;
 }
 
+/* What both dropout entries check and set first: the input `arg` (rows and
+ * n from its shape), p, and the random stream (seed, offset) the mask comes
+ * from, so that the backward redraws the forward's mask. */
+static sf_status dropout_common(const char *op, const char *arg, const sf_tensor *x, float p,
+                                uint64_t seed, uint64_t offset, sf_dropout_args *a)
+{
+    SF_TRY(rows_cols(op, arg, x, a));
+    SF_TRY(check_p(op, p));
+    a->p = p;
+    a->threshold = sf_dropout_threshold(p);
+    a->seed = seed;
+    a->offset = offset;
+    return SF_OK;
+}
+
 sf_status sf_bias_dropout_add_forward(const sf_tensor *x, const sf_tensor *bias,
                                   const sf_tensor *residual, float p, uint64_t seed,
                                   uint64_t offset, sf_tensor *out, sf_stream stream)
 {
     static const char op[] = "bias_dropout_add";
     sf_dropout_args a = {0};
-    SF_TRY(rows_cols(op, "x", x, &a));
-    SF_TRY(check_p(op, p));
+    SF_TRY(dropout_common(op, "x", x, p, seed, offset, &a));
     if (bias)
         SF_TRY(check_bias(op, "bias", bias, x, a.n));
-    SF_TRY(sf_check_dtype(op, "residual", residual, x->dtype));
-    SF_TRY(sf_check_contiguous(op, "residual", residual));
-    SF_TRY(sf_check_same_shape(op, "x", x, "residual", residual));
-    SF_TRY(sf_check_same_device(op, "x", x, "residual", residual));
-    SF_TRY(sf_check_dtype(op, "out", out, x->dtype));
-    SF_TRY(sf_check_contiguous(op, "out", out));
-    SF_TRY(sf_check_same_shape(op, "x", x, "out", out));
-    SF_TRY(sf_check_same_device(op, "x", x, "out", out));
-    SF_TRY(sf_check_writable(op, "out", out));
-    a.p = p;
-    a.threshold = sf_dropout_threshold(p);
-    a.seed = seed;
-    a.offset = offset;
+    SF_TRY(sf_check_like(op, "residual", residual, "x", x, 0));
+    SF_TRY(sf_check_like(op, "out", out, "x", x, 1));
     a.x = x;
     a.bias = bias;
     a.residual = residual;
@@ -205,13 +202,8 @@ sf_status sf_dropout_backward(const sf_tensor *dy, float p, uint64_t seed, uint6
 {
     static const char op[] = "dropout_backward";
     sf_dropout_args a = {0};
-    SF_TRY(rows_cols(op, "dy", dy, &a));
-    SF_TRY(check_p(op, p));
-    SF_TRY(sf_check_dtype(op, "dx", dx, dy->dtype));
-    SF_TRY(sf_check_contiguous(op, "dx", dx));
-    SF_TRY(sf_check_same_shape(op, "dy", dy, "dx", dx));
-    SF_TRY(sf_check_same_device(op, "dy", dy, "dx", dx));
-    SF_TRY(sf_check_writable(op, "dx", dx));
+    SF_TRY(dropout_common(op, "dy", dy, p, seed, offset, &a));
+    SF_TRY(sf_check_like(op, "dx", dx, "dy", dy, 1));
     if (dbias) {
         SF_TRY(check_bias(op, "dbias", dbias, dy, a.n));
         SF_TRY(sf_check_writable(op, "dbias", dbias));
@@ -232,10 +224,6 @@ sf_status sf_dropout_backward(const sf_tensor *dy, float p, uint64_t seed, uint6
                                (long long)sf_numel(workspace));
         }
     }
-    a.p = p;
-    a.threshold = sf_dropout_threshold(p);
-    a.seed = seed;
-    a.offset = offset;
     a.dy = dy;
     a.out = dx;
     a.dbias = dbias;

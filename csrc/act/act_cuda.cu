@@ -526,25 +526,17 @@ DropParams drop_params(const sf_dropout_args *a)
     return p;
 }
 
+/* The bias + dropout + residual forward or the dropout backward, 16-byte
+ * vectors where the shape allows (s.vec), else one element per thread. */
 template <typename T>
-sf_status launch_drop_forward(const DropParams &p, const DropShape &s, cudaStream_t stream)
+sf_status launch_drop(bool backward, const DropParams &p, const DropShape &s, cudaStream_t stream)
 {
-    if (s.vec)
-        bias_dropout_add_kernel<T, 16 / sizeof(T)><<<s.grid, kThreads, 0, stream>>>(p);
-    else
-        bias_dropout_add_kernel<T, 1><<<s.grid, kThreads, 0, stream>>>(p);
-    SF_CUDA_CHECK_LAUNCH("bias_dropout_add");
-    return SF_OK;
-}
-
-template <typename T>
-sf_status launch_drop_backward(const DropParams &p, const DropShape &s, cudaStream_t stream)
-{
-    if (s.vec)
-        dropout_backward_kernel<T, 16 / sizeof(T)><<<s.grid, kThreads, 0, stream>>>(p);
-    else
-        dropout_backward_kernel<T, 1><<<s.grid, kThreads, 0, stream>>>(p);
-    SF_CUDA_CHECK_LAUNCH("dropout_backward");
+    constexpr int kVec = 16 / sizeof(T);
+    void (*kernel)(DropParams) =
+        backward ? (s.vec ? dropout_backward_kernel<T, kVec> : dropout_backward_kernel<T, 1>)
+                 : (s.vec ? bias_dropout_add_kernel<T, kVec> : bias_dropout_add_kernel<T, 1>);
+    kernel<<<s.grid, kThreads, 0, stream>>>(p);
+    SF_CUDA_CHECK_LAUNCH(backward ? "dropout_backward" : "bias_dropout_add");
     return SF_OK;
 }
 
@@ -557,24 +549,26 @@ sf_status launch_col_sum(const float *ws, int parts, int64_t n, void *out, cudaS
     return SF_OK;
 }
 
-} // namespace
-
-extern "C" sf_status sf_act_forward_cuda(const sf_act_args *a, sf_stream s)
+/* act() on x's device, the caller's device restored after. */
+sf_status act_on_device(const sf_act_args *a, bool backward, sf_stream s)
 {
     sf_cuda_device_guard guard;
-    SF_TRY(sf_cuda_device_enter("act_forward", a->x->device_id, &guard));
-    sf_status st = act(a, false, sf_cuda_stream(s));
+    SF_TRY(sf_cuda_device_enter(backward ? "act_backward" : "act_forward", a->x->device_id, &guard));
+    sf_status st = act(a, backward, sf_cuda_stream(s));
     sf_cuda_device_restore(&guard);
     return st;
 }
 
+} // namespace
+
+extern "C" sf_status sf_act_forward_cuda(const sf_act_args *a, sf_stream s)
+{
+    return act_on_device(a, false, s);
+}
+
 extern "C" sf_status sf_act_backward_cuda(const sf_act_args *a, sf_stream s)
 {
-    sf_cuda_device_guard guard;
-    SF_TRY(sf_cuda_device_enter("act_backward", a->x->device_id, &guard));
-    sf_status st = act(a, true, sf_cuda_stream(s));
-    sf_cuda_device_restore(&guard);
-    return st;
+    return act_on_device(a, true, s);
 }
 
 extern "C" sf_status sf_bias_dropout_add_cuda(const sf_dropout_args *a, sf_stream s)
@@ -592,7 +586,7 @@ extern "C" sf_status sf_bias_dropout_add_cuda(const sf_dropout_args *a, sf_strea
     if (st == SF_OK) {
         cudaStream_t stream = sf_cuda_stream(s);
         st = sf_visit_float(op, "x", a->x->dtype, [&](auto tag) {
-            return launch_drop_forward<typename decltype(tag)::type>(p, shape, stream);
+            return launch_drop<typename decltype(tag)::type>(false, p, shape, stream);
         });
     }
     sf_cuda_device_restore(&guard);
@@ -640,7 +634,7 @@ extern "C" sf_status sf_dropout_backward_cuda(const sf_dropout_args *a, sf_strea
     st = drop_shape(op, a->dy->device_id, a->rows, a->n, a->dy->dtype, aligned, &shape);
     if (st == SF_OK) {
         st = sf_visit_float(op, "dy", a->dy->dtype, [&](auto tag) {
-            return launch_drop_backward<typename decltype(tag)::type>(p, shape, stream);
+            return launch_drop<typename decltype(tag)::type>(true, p, shape, stream);
         });
     }
     if (st == SF_OK && a->dbias) {

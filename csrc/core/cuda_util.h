@@ -26,6 +26,19 @@
 /* After a <<<...>>> launch: reports bad launch configurations at once. */
 #define SF_CUDA_CHECK_LAUNCH(op) SF_CUDA_TRY(op, cudaGetLastError())
 
+/* For launches whose function must still restore the device before it
+ * returns (so SF_CUDA_CHECK_LAUNCH's early return does not fit): reads and
+ * clears the launch error, and gives st when it already failed, else the
+ * launch error as "<op>: CUDA error <name>: <text>", else SF_OK. */
+static inline sf_status sf_cuda_launch_status(const char *op, sf_status st)
+{
+    const cudaError_t e = cudaGetLastError();
+    if (st != SF_OK || e == cudaSuccess)
+        return st;
+    return sf_fail(SF_ERR_RUNTIME, "%s: CUDA error %s: %s", op, cudaGetErrorName(e),
+                   cudaGetErrorString(e));
+}
+
 /* Switch to `device` for the duration of a call; restore with
  * sf_cuda_device_restore.  Costs one cudaGetDevice when already there. */
 typedef struct {

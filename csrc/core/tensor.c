@@ -191,3 +191,26 @@ sf_status sf_check_vector(const char *op, const char *arg, const sf_tensor *t,
     SF_TRY(sf_check_same_device(op, ref_arg, ref, arg, t));
     return writable ? sf_check_writable(op, arg, t) : SF_OK;
 }
+
+sf_status sf_check_like(const char *op, const char *arg, const sf_tensor *t,
+                        const char *ref_arg, const sf_tensor *ref, int writable)
+{
+    SF_TRY(sf_check_dtype(op, arg, t, ref->dtype));
+    SF_TRY(sf_check_contiguous(op, arg, t));
+    SF_TRY(sf_check_same_shape(op, ref_arg, ref, arg, t));
+    SF_TRY(sf_check_same_device(op, ref_arg, ref, arg, t));
+    return writable ? sf_check_writable(op, arg, t) : SF_OK;
+}
+
+sf_status sf_check_fp8_scaling(const char *op, const sf_tensor *scale, const sf_tensor *amax,
+                               const sf_tensor *scale_inv, const char *ref_arg,
+                               const sf_tensor *ref)
+{
+    if (scale)
+        SF_TRY(sf_check_vector(op, "scale", scale, SF_FLOAT32, 1, ref_arg, ref, 0));
+    if (amax)
+        SF_TRY(sf_check_vector(op, "amax", amax, SF_FLOAT32, 1, ref_arg, ref, 1));
+    if (scale_inv)
+        SF_TRY(sf_check_vector(op, "scale_inv", scale_inv, SF_FLOAT32, 1, ref_arg, ref, 1));
+    return SF_OK;
+}

@@ -301,6 +301,18 @@ sf_status describe_no_algo(const sf_gemm_problem *p, cublasStatus_t s)
 sf_status choose_algo(cublasLtHandle_t h, const sf_gemm_problem *p, Plan *plan, cublasLtMatmulAlgo_t *algo);
 sf_status resize_plan(cublasLtHandle_t h, const sf_gemm_problem *p, Plan *plan);
 
+/* LT_TRY for a function that cleans up at `label` before it returns: on failure,
+ * st takes the failure (named by `what`) and control goes to the cleanup.
+ * The function declares `cublasStatus_t s` and `sf_status st`. */
+#define LT_TRY_GOTO(what, call, label)      \
+    do {                                    \
+        s = (call);                         \
+        if (s != CUBLAS_STATUS_SUCCESS) {   \
+            st = lt_fail(s, what);          \
+            goto label;                     \
+        }                                   \
+    } while (0)
+
 /* Build a plan into `plan` (zeroed); on failure everything made is freed. */
 sf_status build_plan(cublasLtHandle_t h, const sf_gemm_problem *p, const PlanKey *k,
                      Plan *plan)
@@ -309,14 +321,7 @@ sf_status build_plan(cublasLtHandle_t h, const sf_gemm_problem *p, const PlanKey
     sf_status st = SF_OK;
     cublasStatus_t s;
 
-#define BP_TRY(what, call)                  \
-    do {                                    \
-        s = (call);                         \
-        if (s != CUBLAS_STATUS_SUCCESS) {   \
-            st = lt_fail(s, what);          \
-            goto fail;                      \
-        }                                   \
-    } while (0)
+#define BP_TRY(what, call) LT_TRY_GOTO(what, call, fail)
 
     BP_TRY("MatmulDescCreate", cublasLtMatmulDescCreate(&plan->desc, (cublasComputeType_t)k->compute,
                                                         CUDA_R_32F));
@@ -391,14 +396,7 @@ sf_status choose_algo(cublasLtHandle_t h, const sf_gemm_problem *p, Plan *plan, 
     cublasLtMatmulHeuristicResult_t result;
     memset(&result, 0, sizeof result);
 
-#define CA_TRY(what, call)                  \
-    do {                                    \
-        s = (call);                         \
-        if (s != CUBLAS_STATUS_SUCCESS) {   \
-            st = lt_fail(s, what);          \
-            goto done;                      \
-        }                                   \
-    } while (0)
+#define CA_TRY(what, call) LT_TRY_GOTO(what, call, done)
 
     CA_TRY("MatmulPreferenceCreate", cublasLtMatmulPreferenceCreate(&pref));
     {
@@ -423,6 +421,7 @@ sf_status choose_algo(cublasLtHandle_t h, const sf_gemm_problem *p, Plan *plan, 
     else
         *algo = result.algo;
 #undef CA_TRY
+#undef LT_TRY_GOTO
 done:
     if (pref)
         cublasLtMatmulPreferenceDestroy(pref);

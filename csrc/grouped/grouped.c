@@ -104,6 +104,24 @@ static void scale_at(const sf_tensor *s, int g, sf_tensor *v)
         v->data = (float *)s->data + g;
 }
 
+/* Group g's scale of one operand, for its sf_gemm call: the g-th entry of the
+ * per-group float32 tensor (per-tensor scaling), or the g-th tensor of the
+ * list (under the list's scaling mode).  Nothing is set when the operand has
+ * neither (not FP8). */
+static void group_scale(const sf_tensor *per_group, const sf_tensor *list, sf_gemm_scaling list_mode,
+                        int g, sf_tensor *slot, const sf_tensor **scale_inv,
+                        sf_gemm_scaling *scaling)
+{
+    if (!per_group && !list)
+        return;
+    if (per_group)
+        scale_at(per_group, g, slot);
+    else
+        *slot = list[g];
+    *scale_inv = slot;
+    *scaling = per_group ? SF_GEMM_SCALE_TENSOR : list_mode;
+}
+
 /* The empty sum: out_g [m, n] = 0 (unless accumulating), bias gradient 0. */
 static sf_status write_empty_product(const sf_grouped_gemm_args *args, sf_tensor *out,
                                      sf_tensor *bias, int64_t m, int64_t n, sf_stream stream)
@@ -213,22 +231,10 @@ sf_status sf_grouped_gemm(const sf_grouped_gemm_args *args, sf_stream stream)
             SF_TRY(write_empty_product(args, &out, args->bgrad ? &bias : NULL, m, n, stream));
             continue;
         }
-        if (args->a_scale_inv || args->a_scale_list) {
-            if (args->a_scale_inv)
-                scale_at(args->a_scale_inv, g, &sa);
-            else
-                sa = args->a_scale_list[g];
-            ga.a_scale_inv = &sa;
-            ga.a_scaling = args->a_scale_inv ? SF_GEMM_SCALE_TENSOR : args->a_scaling;
-        }
-        if (args->b_scale_inv || args->b_scale_list) {
-            if (args->b_scale_inv)
-                scale_at(args->b_scale_inv, g, &sb);
-            else
-                sb = args->b_scale_list[g];
-            ga.b_scale_inv = &sb;
-            ga.b_scaling = args->b_scale_inv ? SF_GEMM_SCALE_TENSOR : args->b_scaling;
-        }
+        group_scale(args->a_scale_inv, args->a_scale_list, args->a_scaling, g, &sa,
+                    &ga.a_scale_inv, &ga.a_scaling);
+        group_scale(args->b_scale_inv, args->b_scale_list, args->b_scaling, g, &sb,
+                    &ga.b_scale_inv, &ga.b_scaling);
         ga.epilogue = !ga.bias ? SF_GEMM_EPI_NONE : args->bgrad ? SF_GEMM_EPI_BGRAD : SF_GEMM_EPI_BIAS;
         sf_status st = sf_gemm(&ga, stream);
         if (st != SF_OK) {

@@ -138,6 +138,16 @@ sf_status sf_check_same_shape(const char *op, const char *arg_a,
 sf_status sf_check_vector(const char *op, const char *arg, const sf_tensor *t,
                           sf_dtype dtype, int64_t n, const char *ref_arg,
                           const sf_tensor *ref, int writable);
+/* A tensor shaped like `ref` (named ref_arg): ref's dtype, contiguous, ref's
+ * shape, on ref's device, and, when `writable`, an output.  In that order. */
+sf_status sf_check_like(const char *op, const char *arg, const sf_tensor *t,
+                        const char *ref_arg, const sf_tensor *ref, int writable);
+/* The optional scaling tensors of an FP8 output, each a float32 vector of
+ * one element on the device of `ref` (named ref_arg): `scale` is read,
+ * `amax` and `scale_inv` are written.  NULL ones are skipped. */
+sf_status sf_check_fp8_scaling(const char *op, const sf_tensor *scale, const sf_tensor *amax,
+                               const sf_tensor *scale_inv, const char *ref_arg,
+                               const sf_tensor *ref);
 
 /* ---- build and runtime information -------------------------------------- */
 

@@ -25,10 +25,12 @@
 #include "core/float_bits.h"
 #include "seqfuse.h"
 
-static void fill_normal(CheckBuf &b, float scale)
+/* Normal values of standard deviation `scale` on the host, copied to the device. */
+static void fill_normal_up(CheckBuf &b, float scale)
 {
     for (int64_t i = 0; i < b.n; ++i)
         b.set(i, rng_normal() * scale);
+    b.up();
 }
 
 /* Zero the rows marked in skip (rows of `width` elements of dtype d). */
@@ -104,12 +106,9 @@ static void router_case(sf_dtype dt, int64_t T, int64_t E, int topk, sf_moe_scor
     int64_t s2[2] = {T, E}, s1[1] = {E}, one[1] = {1}, sT[1] = {T};
     CheckBuf logits(dt, T * E), bias(SF_FLOAT32, E), probs(dt, T * E), map(SF_BOOL, T * E),
         saved(SF_FLOAT32, T * E), dprobs(dt, T * E), dlogits(dt, T * E);
-    fill_normal(logits, 2.0f);
-    fill_normal(bias, 0.3f);
-    fill_normal(dprobs, 1.0f);
-    logits.up();
-    bias.up();
-    dprobs.up();
+    fill_normal_up(logits, 2.0f);
+    fill_normal_up(bias, 0.3f);
+    fill_normal_up(dprobs, 1.0f);
     for (int cuda = 0; cuda < 2; ++cuda) {
         sf_tensor l = logits.view(2, s2, cuda), b = bias.view(1, s1, cuda), p = probs.view(2, s2, cuda),
                   m = map.view(2, s2, cuda), s = saved.view(2, s2, cuda);
@@ -140,8 +139,7 @@ static void router_case(sf_dtype dt, int64_t T, int64_t E, int topk, sf_moe_scor
 
     /* the load-balancing scores and their gradient */
     CheckBuf scores(SF_FLOAT32, T * E), amap(SF_BOOL, T * E), asaved(SF_FLOAT32, T * E), dscores(SF_FLOAT32, T * E);
-    fill_normal(dscores, 1.0f);
-    dscores.up();
+    fill_normal_up(dscores, 1.0f);
     for (int cuda = 0; cuda < 2; ++cuda) {
         sf_tensor l = logits.view(2, s2, cuda), sc = scores.view(2, s2, cuda), m = amap.view(2, s2, cuda),
                   s = asaved.view(2, s2, cuda);
@@ -235,10 +233,9 @@ static void permute_case(sf_dtype dt, int64_t T, int64_t E, int topk, int64_t H,
     const int64_t N = T * topk - drop;
     int64_t sx[2] = {T, H}, sp[2] = {N, H}, sn[1] = {N};
     CheckBuf inp(dt, T * H), probs(SF_FLOAT32, T * E), out(dt, N * H), out_probs(SF_FLOAT32, N);
-    fill_normal(inp, 1.0f);
+    fill_normal_up(inp, 1.0f);
     for (int64_t i = 0; i < T * E; ++i)
         probs.set(i, map.h[i] ? rng_uniform() : 0.0f);
-    inp.up();
     probs.up();
     for (int cuda = 0; cuda < 2; ++cuda) {
         sf_tensor x = inp.view(2, sx, cuda), r = rid.view(2, s2, cuda), p = probs.view(2, s2, cuda),
@@ -251,12 +248,9 @@ static void permute_case(sf_dtype dt, int64_t T, int64_t E, int topk, int64_t H,
      * backward; permute_probs_backward */
     CheckBuf y(dt, N * H), back(dt, T * H), dout(dt, T * H), dy(dt, N * H), dprobs(SF_FLOAT32, T * E),
         dout_probs(SF_FLOAT32, N), dprobs2(SF_FLOAT32, T * E);
-    fill_normal(y, 1.0f);
-    fill_normal(dout, 1.0f);
-    fill_normal(dout_probs, 1.0f);
-    y.up();
-    dout.up();
-    dout_probs.up();
+    fill_normal_up(y, 1.0f);
+    fill_normal_up(dout, 1.0f);
+    fill_normal_up(dout_probs, 1.0f);
     for (int cuda = 0; cuda < 2; ++cuda) {
         sf_tensor yi = y.view(2, sp, cuda), r = rid.view(2, s2, cuda), p = probs.view(2, s2, cuda),
                   b = back.view(2, sx, cuda), g = dout.view(2, sx, cuda), d = dy.view(2, sp, cuda),
@@ -283,13 +277,11 @@ static void swiglu_case(sf_dtype dt, int64_t N, int64_t F)
     int64_t sx[2] = {N, 2 * F}, so[2] = {N, F}, sn[1] = {N};
     CheckBuf x(dt, N * 2 * F), probs(SF_FLOAT32, N), out(dt, N * F), dout(dt, N * F), dx(dt, N * 2 * F),
         dprobs(SF_FLOAT32, N);
-    fill_normal(x, 2.0f);
-    fill_normal(dout, 1.0f);
+    fill_normal_up(x, 2.0f);
+    fill_normal_up(dout, 1.0f);
     for (int64_t i = 0; i < N; ++i)
         probs.set(i, rng_uniform());
-    x.up();
     probs.up();
-    dout.up();
     for (int cuda = 0; cuda < 2; ++cuda) {
         sf_tensor xi = x.view(2, sx, cuda), p = probs.view(1, sn, cuda), o = out.view(2, so, cuda),
                   g = dout.view(2, so, cuda), d = dx.view(2, sx, cuda), dp = dprobs.view(1, sn, cuda);
@@ -331,8 +323,7 @@ static void bench(void)
         int64_t sl[2] = {T, experts};
         CheckBuf logits(SF_BFLOAT16, T * experts), probs(SF_BFLOAT16, T * experts), rmap(SF_BOOL, T * experts),
             saved(SF_FLOAT32, T * experts);
-        fill_normal(logits, 2.0f);
-        logits.up();
+        fill_normal_up(logits, 2.0f);
         sf_tensor l = logits.view(2, sl, 1), p = probs.view(2, sl, 1), rm = rmap.view(2, sl, 1),
                   s = saved.view(2, sl, 1);
         const int k = experts == 8 ? 2 : 8;

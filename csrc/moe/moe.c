@@ -51,6 +51,60 @@ static sf_status check_router(const char *op, int64_t E, int topk, int score)
     return SF_OK;
 }
 
+/* The leading tensor of a router entry: a contiguous float [tokens, experts]
+ * matrix whose shape gives T and E for every other argument. */
+static sf_status check_lead(const char *op, const char *arg, const sf_tensor *t, int64_t *T,
+                            int64_t *E)
+{
+    if (!t || t->ndim != 2)
+        return sf_fail(SF_ERR_VALUE, "%s: argument '%s' must be 2-D [tokens, experts]", op, arg);
+    SF_TRY(sf_check_float_input(op, arg, t));
+    *T = t->shape[0];
+    *E = t->shape[1];
+    return check_2d(op, arg, t, *T, *E, NULL, NULL);
+}
+
+/* A [rows, cols] tensor of exactly `dtype` on ref's device. */
+static sf_status check_2d_dtype(const char *op, const char *arg, const sf_tensor *t, int64_t rows,
+                                int64_t cols, sf_dtype dtype, const sf_tensor *ref,
+                                const char *ref_arg)
+{
+    SF_TRY(check_2d(op, arg, t, rows, cols, ref, ref_arg));
+    return sf_check_dtype(op, arg, t, dtype);
+}
+
+/* A [rows, cols] float tensor on ref's device (any float dtype). */
+static sf_status check_float_2d(const char *op, const char *arg, const sf_tensor *t, int64_t rows,
+                                int64_t cols, const sf_tensor *ref, const char *ref_arg)
+{
+    SF_TRY(check_2d(op, arg, t, rows, cols, ref, ref_arg));
+    return sf_check_float_input(op, arg, t);
+}
+
+/* A gradient output of the router backward: a writable float [T, E]. */
+static sf_status check_grad_out(const char *op, const char *arg, const sf_tensor *t, int64_t T,
+                                int64_t E, const sf_tensor *ref, const char *ref_arg)
+{
+    SF_TRY(check_float_2d(op, arg, t, T, E, ref, ref_arg));
+    return check_out(op, arg, t);
+}
+
+/* The three outputs of topk_forward and aux_scores_forward, all [T, E] on
+ * logits' device: the float result `out` (probs or scores), the bool
+ * routing_map and the float32 `saved` the backward reads.  Shapes and dtypes
+ * are checked before writability, as they are in every entry. */
+static sf_status check_router_outputs(const char *op, const char *out_arg, const sf_tensor *out,
+                                      const sf_tensor *routing_map, const sf_tensor *saved,
+                                      int64_t T, int64_t E, const sf_tensor *logits)
+{
+    SF_TRY(check_float_2d(op, out_arg, out, T, E, logits, "logits"));
+    SF_TRY(check_2d_dtype(op, "routing_map", routing_map, T, E, SF_BOOL, logits, "logits"));
+    SF_TRY(check_2d_dtype(op, "saved", saved, T, E, SF_FLOAT32, logits, "logits"));
+    SF_TRY(check_out(op, out_arg, out));
+    SF_TRY(check_out(op, "routing_map", routing_map));
+    return check_out(op, "saved", saved);
+}
+
 /* The validated arguments `a` to sf_moe_<name>_cpu or _cuda by the device of
  * tensor `on` (named as its variable is). */
 #define SF_MOE_RUN(name, on, a, stream)                                                       \
@@ -63,11 +117,8 @@ sf_status sf_moe_topk_forward(const sf_tensor *logits, int topk, sf_moe_score sc
                           sf_tensor *routing_map, sf_tensor *saved, sf_stream stream)
 {
     static const char op[] = "moe_topk_forward";
-    if (!logits || logits->ndim != 2)
-        return sf_fail(SF_ERR_VALUE, "%s: argument 'logits' must be 2-D [tokens, experts]", op);
-    SF_TRY(sf_check_float_input(op, "logits", logits));
-    int64_t T = logits->shape[0], E = logits->shape[1];
-    SF_TRY(check_2d(op, "logits", logits, T, E, NULL, NULL));
+    int64_t T = 0, E = 0;
+    SF_TRY(check_lead(op, "logits", logits, &T, &E));
     SF_TRY(check_router(op, E, topk, score));
     if (expert_bias) {
         if (score != SF_MOE_SIGMOID)
@@ -76,15 +127,7 @@ sf_status sf_moe_topk_forward(const sf_tensor *logits, int topk, sf_moe_score sc
         SF_TRY(sf_check_dtype(op, "expert_bias", expert_bias, SF_FLOAT32));
         SF_TRY(check_1d(op, "expert_bias", expert_bias, E, logits, "logits"));
     }
-    SF_TRY(check_2d(op, "probs", probs, T, E, logits, "logits"));
-    SF_TRY(sf_check_float_input(op, "probs", probs));
-    SF_TRY(check_2d(op, "routing_map", routing_map, T, E, logits, "logits"));
-    SF_TRY(sf_check_dtype(op, "routing_map", routing_map, SF_BOOL));
-    SF_TRY(check_2d(op, "saved", saved, T, E, logits, "logits"));
-    SF_TRY(sf_check_dtype(op, "saved", saved, SF_FLOAT32));
-    SF_TRY(check_out(op, "probs", probs));
-    SF_TRY(check_out(op, "routing_map", routing_map));
-    SF_TRY(check_out(op, "saved", saved));
+    SF_TRY(check_router_outputs(op, "probs", probs, routing_map, saved, T, E, logits));
     const sf_moe_args a = {.T = T, .E = E, .topk = topk, .score = score,
                            .pre_softmax = pre_softmax != 0, .scaling = scaling, .logits = logits,
                            .bias = expert_bias, .out = probs, .out2 = routing_map, .out3 = saved};
@@ -98,19 +141,12 @@ sf_status sf_moe_topk_backward(const sf_tensor *routing_map, const sf_tensor *sa
                           float scaling, sf_tensor *dlogits, sf_stream stream)
 {
     static const char op[] = "moe_topk_backward";
-    if (!dprobs || dprobs->ndim != 2)
-        return sf_fail(SF_ERR_VALUE, "%s: argument 'dprobs' must be 2-D [tokens, experts]", op);
-    SF_TRY(sf_check_float_input(op, "dprobs", dprobs));
-    int64_t T = dprobs->shape[0], E = dprobs->shape[1];
-    SF_TRY(check_2d(op, "dprobs", dprobs, T, E, NULL, NULL));
+    int64_t T = 0, E = 0;
+    SF_TRY(check_lead(op, "dprobs", dprobs, &T, &E));
     SF_TRY(check_router(op, E, topk, score));
-    SF_TRY(check_2d(op, "routing_map", routing_map, T, E, dprobs, "dprobs"));
-    SF_TRY(sf_check_dtype(op, "routing_map", routing_map, SF_BOOL));
-    SF_TRY(check_2d(op, "saved", saved, T, E, dprobs, "dprobs"));
-    SF_TRY(sf_check_dtype(op, "saved", saved, SF_FLOAT32));
-    SF_TRY(check_2d(op, "dlogits", dlogits, T, E, dprobs, "dprobs"));
-    SF_TRY(sf_check_float_input(op, "dlogits", dlogits));
-    SF_TRY(check_out(op, "dlogits", dlogits));
+    SF_TRY(check_2d_dtype(op, "routing_map", routing_map, T, E, SF_BOOL, dprobs, "dprobs"));
+    SF_TRY(check_2d_dtype(op, "saved", saved, T, E, SF_FLOAT32, dprobs, "dprobs"));
+    SF_TRY(check_grad_out(op, "dlogits", dlogits, T, E, dprobs, "dprobs"));
     const sf_moe_args a = {.T = T, .E = E, .topk = topk, .score = score,
                            .pre_softmax = pre_softmax != 0, .scaling = scaling, .map = routing_map,
                            .saved = saved, .grad = dprobs, .out = dlogits};
@@ -124,21 +160,10 @@ sf_status sf_moe_aux_scores_forward(const sf_tensor *logits, int topk, sf_moe_sc
                                 sf_stream stream)
 {
     static const char op[] = "moe_aux_scores_forward";
-    if (!logits || logits->ndim != 2)
-        return sf_fail(SF_ERR_VALUE, "%s: argument 'logits' must be 2-D [tokens, experts]", op);
-    SF_TRY(sf_check_float_input(op, "logits", logits));
-    int64_t T = logits->shape[0], E = logits->shape[1];
-    SF_TRY(check_2d(op, "logits", logits, T, E, NULL, NULL));
+    int64_t T = 0, E = 0;
+    SF_TRY(check_lead(op, "logits", logits, &T, &E));
     SF_TRY(check_router(op, E, topk, score));
-    SF_TRY(check_2d(op, "scores", scores, T, E, logits, "logits"));
-    SF_TRY(sf_check_float_input(op, "scores", scores));
-    SF_TRY(check_2d(op, "routing_map", routing_map, T, E, logits, "logits"));
-    SF_TRY(sf_check_dtype(op, "routing_map", routing_map, SF_BOOL));
-    SF_TRY(check_2d(op, "saved", saved, T, E, logits, "logits"));
-    SF_TRY(sf_check_dtype(op, "saved", saved, SF_FLOAT32));
-    SF_TRY(check_out(op, "scores", scores));
-    SF_TRY(check_out(op, "routing_map", routing_map));
-    SF_TRY(check_out(op, "saved", saved));
+    SF_TRY(check_router_outputs(op, "scores", scores, routing_map, saved, T, E, logits));
     const sf_moe_args a = {.T = T, .E = E, .topk = topk, .score = score, .logits = logits,
                            .out = scores, .out2 = routing_map, .out3 = saved};
     if (T == 0)
@@ -150,17 +175,11 @@ sf_status sf_moe_aux_scores_backward(const sf_tensor *saved, const sf_tensor *ds
                                 sf_moe_score score, sf_tensor *dlogits, sf_stream stream)
 {
     static const char op[] = "moe_aux_scores_backward";
-    if (!dscores || dscores->ndim != 2)
-        return sf_fail(SF_ERR_VALUE, "%s: argument 'dscores' must be 2-D [tokens, experts]", op);
-    SF_TRY(sf_check_float_input(op, "dscores", dscores));
-    int64_t T = dscores->shape[0], E = dscores->shape[1];
-    SF_TRY(check_2d(op, "dscores", dscores, T, E, NULL, NULL));
+    int64_t T = 0, E = 0;
+    SF_TRY(check_lead(op, "dscores", dscores, &T, &E));
     SF_TRY(check_router(op, E, 1, score));
-    SF_TRY(check_2d(op, "saved", saved, T, E, dscores, "dscores"));
-    SF_TRY(sf_check_dtype(op, "saved", saved, SF_FLOAT32));
-    SF_TRY(check_2d(op, "dlogits", dlogits, T, E, dscores, "dscores"));
-    SF_TRY(sf_check_float_input(op, "dlogits", dlogits));
-    SF_TRY(check_out(op, "dlogits", dlogits));
+    SF_TRY(check_2d_dtype(op, "saved", saved, T, E, SF_FLOAT32, dscores, "dscores"));
+    SF_TRY(check_grad_out(op, "dlogits", dlogits, T, E, dscores, "dscores"));
     const sf_moe_args a = {.T = T, .E = E, .score = score, .saved = saved, .grad = dscores,
                            .out = dlogits};
     if (T == 0)
@@ -179,8 +198,12 @@ static sf_status check_tpe(const char *op, const sf_tensor *tpe, int64_t E, cons
     return check_1d(op, "tokens_per_expert", tpe, E, ref, ref_arg);
 }
 
-static sf_status check_aux_loss_args(const char *op, int64_t E, int64_t total, int topk)
+/* The arguments both aux-loss entries share: tokens_per_expert [E] on ref's
+ * device, the global token count and topk. */
+static sf_status check_aux_loss_args(const char *op, const sf_tensor *tpe, int64_t E, int64_t total,
+                                     int topk, const sf_tensor *ref, const char *ref_arg)
 {
+    SF_TRY(check_tpe(op, tpe, E, ref, ref_arg));
     if (total < 1)
         return sf_fail(SF_ERR_VALUE, "%s: argument 'total_num_tokens' must be at least 1, got %lld",
                        op, (long long)total);
@@ -203,13 +226,9 @@ sf_status sf_moe_aux_loss_forward(const sf_tensor *probs, const sf_tensor *token
                               sf_stream stream)
 {
     static const char op[] = "moe_aux_loss_forward";
-    if (!probs || probs->ndim != 2)
-        return sf_fail(SF_ERR_VALUE, "%s: argument 'probs' must be 2-D [tokens, experts]", op);
-    SF_TRY(sf_check_float_input(op, "probs", probs));
-    int64_t T = probs->shape[0], E = probs->shape[1];
-    SF_TRY(check_2d(op, "probs", probs, T, E, NULL, NULL));
-    SF_TRY(check_tpe(op, tokens_per_expert, E, probs, "probs"));
-    SF_TRY(check_aux_loss_args(op, E, total_tokens, topk));
+    int64_t T = 0, E = 0;
+    SF_TRY(check_lead(op, "probs", probs, &T, &E));
+    SF_TRY(check_aux_loss_args(op, tokens_per_expert, E, total_tokens, topk, probs, "probs"));
     SF_TRY(check_scalar_f32(op, "loss", loss, probs, "probs", 1));
     const sf_moe_args a = {.T = T, .E = E, .topk = topk, .coeff = coeff,
                            .total_tokens = total_tokens, .probs = probs, .tpe = tokens_per_expert,
@@ -222,14 +241,10 @@ sf_status sf_moe_aux_loss_backward(const sf_tensor *dloss, const sf_tensor *toke
                               sf_stream stream)
 {
     static const char op[] = "moe_aux_loss_backward";
-    if (!dprobs || dprobs->ndim != 2)
-        return sf_fail(SF_ERR_VALUE, "%s: argument 'dprobs' must be 2-D [tokens, experts]", op);
-    SF_TRY(sf_check_float_input(op, "dprobs", dprobs));
-    int64_t T = dprobs->shape[0], E = dprobs->shape[1];
-    SF_TRY(check_2d(op, "dprobs", dprobs, T, E, NULL, NULL));
+    int64_t T = 0, E = 0;
+    SF_TRY(check_lead(op, "dprobs", dprobs, &T, &E));
     SF_TRY(check_out(op, "dprobs", dprobs));
-    SF_TRY(check_tpe(op, tokens_per_expert, E, dprobs, "dprobs"));
-    SF_TRY(check_aux_loss_args(op, E, total_tokens, topk));
+    SF_TRY(check_aux_loss_args(op, tokens_per_expert, E, total_tokens, topk, dprobs, "dprobs"));
     SF_TRY(check_scalar_f32(op, "dloss", dloss, dprobs, "dprobs", 0));
     const sf_moe_args a = {.T = T, .E = E, .topk = topk, .coeff = coeff,
                            .total_tokens = total_tokens, .dloss = dloss, .tpe = tokens_per_expert,
@@ -243,11 +258,8 @@ sf_status sf_moe_z_loss_forward(const sf_tensor *logits, float coeff, sf_tensor 
                             sf_stream stream)
 {
     static const char op[] = "moe_z_loss_forward";
-    if (!logits || logits->ndim != 2)
-        return sf_fail(SF_ERR_VALUE, "%s: argument 'logits' must be 2-D [tokens, experts]", op);
-    SF_TRY(sf_check_float_input(op, "logits", logits));
-    int64_t T = logits->shape[0], E = logits->shape[1];
-    SF_TRY(check_2d(op, "logits", logits, T, E, NULL, NULL));
+    int64_t T = 0, E = 0;
+    SF_TRY(check_lead(op, "logits", logits, &T, &E));
     if (T < 1 || E < 1)
         return sf_fail(SF_ERR_VALUE, "%s: argument 'logits' must have at least one token and one "
                        "expert (the mean over no tokens is undefined)", op);
@@ -264,19 +276,14 @@ sf_status sf_moe_z_loss_backward(const sf_tensor *logits, const sf_tensor *lse, 
                             float coeff, sf_tensor *dlogits, sf_stream stream)
 {
     static const char op[] = "moe_z_loss_backward";
-    if (!logits || logits->ndim != 2)
-        return sf_fail(SF_ERR_VALUE, "%s: argument 'logits' must be 2-D [tokens, experts]", op);
-    SF_TRY(sf_check_float_input(op, "logits", logits));
-    int64_t T = logits->shape[0], E = logits->shape[1];
-    SF_TRY(check_2d(op, "logits", logits, T, E, NULL, NULL));
+    int64_t T = 0, E = 0;
+    SF_TRY(check_lead(op, "logits", logits, &T, &E));
     if (T < 1)
         return sf_fail(SF_ERR_VALUE, "%s: argument 'logits' must have at least one token", op);
     SF_TRY(sf_check_dtype(op, "lse", lse, SF_FLOAT32));
     SF_TRY(check_1d(op, "lse", lse, T, logits, "logits"));
     SF_TRY(check_scalar_f32(op, "dloss", dloss, logits, "logits", 0));
-    SF_TRY(check_2d(op, "dlogits", dlogits, T, E, logits, "logits"));
-    SF_TRY(sf_check_float_input(op, "dlogits", dlogits));
-    SF_TRY(check_out(op, "dlogits", dlogits));
+    SF_TRY(check_grad_out(op, "dlogits", dlogits, T, E, logits, "logits"));
     const sf_moe_args a = {.T = T, .E = E, .coeff = coeff, .logits = logits, .lse = lse,
                            .dloss = dloss, .out = dlogits};
     return SF_MOE_RUN(z_loss_backward, logits, &a, stream);
@@ -342,6 +349,34 @@ sf_status sf_moe_row_id_map(const sf_tensor *routing_map, sf_tensor *row_id_map,
     return SF_MOE_RUN(row_id_map, routing_map, &a, stream);
 }
 
+/* The row_id_map and the source and destination row matrices of a
+ * permutation (permute, unpermute and unpermute's backward).  The side that
+ * is in token order has T rows (the source when tokens_first, else the
+ * destination); the other side's row count is free.  Both have the same
+ * hidden size and dtype, and the destination is written.  Gives T, E, H. */
+static sf_status check_moved_rows(const char *op, const sf_tensor *row_id_map, const char *src_arg,
+                                  const sf_tensor *src, const char *dst_arg, const sf_tensor *dst,
+                                  int tokens_first, int64_t *T, int64_t *E, int64_t *H)
+{
+    *H = -1;
+    SF_TRY(check_row_id_map(op, row_id_map, NULL, NULL, T, E));
+    SF_TRY(check_rows(op, src_arg, src, tokens_first ? *T : -1, H, row_id_map, "row_id_map"));
+    SF_TRY(check_rows(op, dst_arg, dst, tokens_first ? -1 : *T, H, row_id_map, "row_id_map"));
+    if (dst->dtype != src->dtype)
+        return sf_fail(SF_ERR_TYPE, "%s: argument '%s' must have %s's dtype %s, got %s", op, dst_arg,
+                       src_arg, sf_dtype_name(src->dtype), sf_dtype_name(dst->dtype));
+    return check_out(op, dst_arg, dst);
+}
+
+/* A writable float 1-D output of length n on ref's device. */
+static sf_status check_float_out_1d(const char *op, const char *arg, const sf_tensor *t, int64_t n,
+                                    const sf_tensor *ref, const char *ref_arg)
+{
+    SF_TRY(sf_check_float_input(op, arg, t));
+    SF_TRY(check_1d(op, arg, t, n, ref, ref_arg));
+    return check_out(op, arg, t);
+}
+
 static sf_status check_probs(const char *op, const char *arg, const sf_tensor *p, int64_t T,
                              int64_t E, const sf_tensor *ref, const char *ref_arg)
 {
@@ -356,21 +391,13 @@ sf_status sf_moe_permute(const sf_tensor *inp, const sf_tensor *row_id_map, cons
 {
     static const char op[] = "moe_permute";
     int64_t T = 0, E = 0, H = -1;
-    SF_TRY(check_row_id_map(op, row_id_map, NULL, NULL, &T, &E));
-    SF_TRY(check_rows(op, "inp", inp, T, &H, row_id_map, "row_id_map"));
-    SF_TRY(check_rows(op, "out", out, -1, &H, row_id_map, "row_id_map"));
-    if (out->dtype != inp->dtype)
-        return sf_fail(SF_ERR_TYPE, "%s: argument 'out' must have inp's dtype %s, got %s", op,
-                       sf_dtype_name(inp->dtype), sf_dtype_name(out->dtype));
-    SF_TRY(check_out(op, "out", out));
+    SF_TRY(check_moved_rows(op, row_id_map, "inp", inp, "out", out, 1, &T, &E, &H));
     int64_t N = out->shape[0];
     if ((probs != NULL) != (out_probs != NULL))
         return sf_fail(SF_ERR_VALUE, "%s: arguments 'probs' and 'out_probs' go together", op);
     SF_TRY(check_probs(op, "probs", probs, T, E, row_id_map, "row_id_map"));
     if (out_probs) {
-        SF_TRY(sf_check_float_input(op, "out_probs", out_probs));
-        SF_TRY(check_1d(op, "out_probs", out_probs, N, row_id_map, "row_id_map"));
-        SF_TRY(check_out(op, "out_probs", out_probs));
+        SF_TRY(check_float_out_1d(op, "out_probs", out_probs, N, row_id_map, "row_id_map"));
     }
     const sf_moe_args a = {.T = T, .E = E, .H = H, .N = N, .inp = inp, .map = row_id_map,
                            .probs = probs, .out = out, .out2 = out_probs};
@@ -384,13 +411,7 @@ sf_status sf_moe_unpermute(const sf_tensor *inp, const sf_tensor *row_id_map,
 {
     static const char op[] = "moe_unpermute";
     int64_t T = 0, E = 0, H = -1;
-    SF_TRY(check_row_id_map(op, row_id_map, NULL, NULL, &T, &E));
-    SF_TRY(check_rows(op, "inp", inp, -1, &H, row_id_map, "row_id_map"));
-    SF_TRY(check_rows(op, "out", out, T, &H, row_id_map, "row_id_map"));
-    if (out->dtype != inp->dtype)
-        return sf_fail(SF_ERR_TYPE, "%s: argument 'out' must have inp's dtype %s, got %s", op,
-                       sf_dtype_name(inp->dtype), sf_dtype_name(out->dtype));
-    SF_TRY(check_out(op, "out", out));
+    SF_TRY(check_moved_rows(op, row_id_map, "inp", inp, "out", out, 0, &T, &E, &H));
     SF_TRY(check_probs(op, "probs", probs, T, E, row_id_map, "row_id_map"));
     const sf_moe_args a = {.T = T, .E = E, .H = H, .N = inp->shape[0], .inp = inp,
                            .map = row_id_map, .probs = probs, .out = out};
@@ -405,13 +426,7 @@ sf_status sf_moe_unpermute_backward(const sf_tensor *dout, const sf_tensor *inp,
 {
     static const char op[] = "moe_unpermute_backward";
     int64_t T = 0, E = 0, H = -1;
-    SF_TRY(check_row_id_map(op, row_id_map, NULL, NULL, &T, &E));
-    SF_TRY(check_rows(op, "dout", dout, T, &H, row_id_map, "row_id_map"));
-    SF_TRY(check_rows(op, "dinp", dinp, -1, &H, row_id_map, "row_id_map"));
-    if (dinp->dtype != dout->dtype)
-        return sf_fail(SF_ERR_TYPE, "%s: argument 'dinp' must have dout's dtype %s, got %s", op,
-                       sf_dtype_name(dout->dtype), sf_dtype_name(dinp->dtype));
-    SF_TRY(check_out(op, "dinp", dinp));
+    SF_TRY(check_moved_rows(op, row_id_map, "dout", dout, "dinp", dinp, 1, &T, &E, &H));
     int64_t N = dinp->shape[0];
     SF_TRY(check_probs(op, "probs", probs, T, E, row_id_map, "row_id_map"));
     if (probs) {
@@ -501,9 +516,7 @@ sf_status sf_moe_swiglu_backward(const sf_tensor *dout, const sf_tensor *x, cons
     if (dprobs) {
         if (!probs)
             return sf_fail(SF_ERR_VALUE, "%s: argument 'dprobs' needs 'probs'", op);
-        SF_TRY(sf_check_float_input(op, "dprobs", dprobs));
-        SF_TRY(check_1d(op, "dprobs", dprobs, N, x, "x"));
-        SF_TRY(check_out(op, "dprobs", dprobs));
+        SF_TRY(check_float_out_1d(op, "dprobs", dprobs, N, x, "x"));
     }
     const sf_moe_args a = {.N = N, .H = F, .inp = x, .probs = probs, .grad = dout, .out = dx,
                            .out2 = dprobs};

@@ -331,6 +331,19 @@ sf_status visit_list(const char *op, int64_t n, const sf_tensor *tensors)
     return SF_OK;
 }
 
+/* The one-list entries (l2norm, scale): every tensor's dtype visited, `scope`
+ * entered on `device`, then `launch` over the chunks of the list.  The scope
+ * is the caller's, so that work after the list still runs on the device. */
+template <typename Launch>
+sf_status run_one_list(const char *op, int64_t n, const sf_tensor *tensors, int device,
+                       DeviceScope &scope, Launch launch)
+{
+    SF_TRY(visit_list(op, n, tensors));
+    SF_TRY(scope.enter(op, device));
+    const sf_tensor *lists[1] = {tensors};
+    return plan<1, kListTensors>(n, lists, launch);
+}
+
 } // namespace
 
 extern "C" sf_status sf_multi_tensor_adamw_cuda(int64_t n, sf_tensor *params, const sf_tensor *grads,
@@ -374,21 +387,18 @@ extern "C" sf_status sf_multi_tensor_l2norm_cuda(int64_t n, const sf_tensor *ten
                                                  sf_tensor *out, sf_stream s)
 {
     static const char op[] = "multi_tensor_l2norm";
-    SF_TRY(visit_list(op, n, tensors));
-    int device = out->device_id;
-    DeviceScope scope;
-    SF_TRY(scope.enter(op, device));
+    const int device = out->device_id;
     cudaStream_t stream = sf_cuda_stream(s);
     float *ws = (float *)workspace->data;
     int64_t total = 0;
-    const sf_tensor *lists[1] = {tensors};
-    auto launch = [&](const MTMeta<1, kListTensors> &meta, int chunks) -> sf_status {
-        l2norm_kernel<<<grid_for(chunks, device), kBlock, 0, stream>>>(meta, ws);
-        SF_CUDA_CHECK_LAUNCH(op);
-        total = meta.chunk_base + chunks;
-        return SF_OK;
-    };
-    SF_TRY((plan<1, kListTensors>(n, lists, launch)));
+    DeviceScope scope;
+    SF_TRY(run_one_list(op, n, tensors, device, scope,
+                        [&](const MTMeta<1, kListTensors> &meta, int chunks) -> sf_status {
+                            l2norm_kernel<<<grid_for(chunks, device), kBlock, 0, stream>>>(meta, ws);
+                            SF_CUDA_CHECK_LAUNCH(op);
+                            total = meta.chunk_base + chunks;
+                            return SF_OK;
+                        }));
     /* total == 0 (no elements): the finish kernel writes sqrt(0) = 0 */
     l2norm_finish_kernel<<<1, 1024, 0, stream>>>(ws, total, (float *)out->data);
     SF_CUDA_CHECK_LAUNCH(op);
@@ -399,17 +409,14 @@ extern "C" sf_status sf_multi_tensor_scale_cuda(int64_t n, sf_tensor *tensors, c
                                                 sf_stream s)
 {
     static const char op[] = "multi_tensor_scale";
-    SF_TRY(visit_list(op, n, tensors));
-    int device = scale->device_id;
-    DeviceScope scope;
-    SF_TRY(scope.enter(op, device));
+    const int device = scale->device_id;
     cudaStream_t stream = sf_cuda_stream(s);
     const float *sc = (const float *)scale->data;
-    const sf_tensor *lists[1] = {tensors};
-    auto launch = [&](const MTMeta<1, kListTensors> &meta, int chunks) -> sf_status {
-        scale_kernel<<<grid_for(chunks, device), kBlock, 0, stream>>>(meta, sc);
-        SF_CUDA_CHECK_LAUNCH(op);
-        return SF_OK;
-    };
-    return plan<1, kListTensors>(n, lists, launch);
+    DeviceScope scope;
+    return run_one_list(op, n, tensors, device, scope,
+                        [&](const MTMeta<1, kListTensors> &meta, int chunks) -> sf_status {
+                            scale_kernel<<<grid_for(chunks, device), kBlock, 0, stream>>>(meta, sc);
+                            SF_CUDA_CHECK_LAUNCH(op);
+                            return SF_OK;
+                        });
 }

@@ -435,10 +435,7 @@ extern "C" sf_status sf_block_quantize_cuda(const sf_block_args *a, int device, 
             launch_quantize<typename decltype(tag)::type>(a, sms, stream);
             return SF_OK;
         });
-        cudaError_t e = cudaGetLastError();
-        if (st == SF_OK && e != cudaSuccess)
-            st = sf_fail(SF_ERR_RUNTIME, "block quantize: CUDA error %s: %s", cudaGetErrorName(e),
-                         cudaGetErrorString(e));
+        st = sf_cuda_launch_status("block quantize", st);
     }
     sf_cuda_device_restore(&guard);
     return st;
@@ -461,10 +458,7 @@ extern "C" sf_status sf_block_dequantize_cuda(const sf_block_args *a, int device
             dequant_kernel<T><<<grid, kThreads, 0, stream>>>(*a, (T *)a->y);
             return SF_OK;
         });
-        cudaError_t e = cudaGetLastError();
-        if (st == SF_OK && e != cudaSuccess)
-            st = sf_fail(SF_ERR_RUNTIME, "block dequantize: CUDA error %s: %s", cudaGetErrorName(e),
-                         cudaGetErrorString(e));
+        st = sf_cuda_launch_status("block dequantize", st);
     }
     sf_cuda_device_restore(&guard);
     return st;

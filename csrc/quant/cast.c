@@ -36,6 +36,16 @@ sf_status sf_quant_check_scalar(const char *op, const char *arg, const sf_tensor
 
 /* The checks of sf_cast_fp8, sf_cast_fp8_dbias (col_sums NULL for the
  * others) and sf_cast_fp8_current, and the problem they describe. */
+/* Where a transposed FP8 output lives: contiguous, writable, on the device
+ * of the input `ref` (named ref_arg).  Its shape rule is the caller's. */
+static sf_status check_out_t_storage(const char *op, const sf_tensor *out_t, const char *ref_arg,
+                                     const sf_tensor *ref)
+{
+    SF_TRY(sf_check_contiguous(op, "out_t", out_t));
+    SF_TRY(sf_check_writable(op, "out_t", out_t));
+    return sf_check_same_device(op, ref_arg, ref, "out_t", out_t);
+}
+
 static sf_status cast_prepare(const char *op, const sf_tensor *x, const sf_tensor *scale,
                               sf_tensor *amax, sf_tensor *out, sf_tensor *out_t,
                               sf_tensor *scale_inv, sf_tensor *col_sums, sf_cast_args *args)
@@ -83,9 +93,7 @@ static sf_status cast_prepare(const char *op, const sf_tensor *x, const sf_tenso
                            "viewed as [M, K] = [%lld, %lld], transposed; columns M.. are zero "
                            "padding)",
                            op, (long long)k, (long long)m, (long long)m, (long long)k);
-        SF_TRY(sf_check_contiguous(op, "out_t", out_t));
-        SF_TRY(sf_check_writable(op, "out_t", out_t));
-        SF_TRY(sf_check_same_device(op, "x", x, "out_t", out_t));
+        SF_TRY(check_out_t_storage(op, out_t, "x", x));
         if (out && out->dtype != out_t->dtype)
             return sf_fail(SF_ERR_TYPE, "%s: arguments 'out' (%s) and 'out_t' (%s) must have "
                            "the same FP8 dtype",
@@ -182,9 +190,7 @@ sf_status sf_transpose_fp8(const sf_tensor *data, sf_tensor *out_t, sf_stream st
                        "%s: argument 'out_t' must have shape [%lld, %lld] (data viewed as "
                        "[M, K] = [%lld, %lld], transposed)",
                        op, (long long)k, (long long)m, (long long)m, (long long)k);
-    SF_TRY(sf_check_contiguous(op, "out_t", out_t));
-    SF_TRY(sf_check_writable(op, "out_t", out_t));
-    SF_TRY(sf_check_same_device(op, "data", data, "out_t", out_t));
+    SF_TRY(check_out_t_storage(op, out_t, "data", data));
     const sf_transpose_args a = {.in = (const uint8_t *)data->data,
                                  .out = (uint8_t *)out_t->data, .m = m, .k = k};
     if (n == 0)

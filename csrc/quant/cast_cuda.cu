@@ -565,12 +565,7 @@ extern "C" sf_status sf_transpose_fp8_cuda(const sf_transpose_args *a, int devic
             transpose_generic_kernel<<<sf_grid_size(a->m * a->k, kThreads, sms * 8), kThreads, 0, stream>>>(
                 a->in, a->m, a->k, a->out);
     }
-    if (st == SF_OK) {
-        cudaError_t e = cudaGetLastError();
-        if (e != cudaSuccess)
-            st = sf_fail(SF_ERR_RUNTIME, "%s: CUDA error %s: %s", op, cudaGetErrorName(e),
-                         cudaGetErrorString(e));
-    }
+    st = sf_cuda_launch_status(op, st);
     sf_cuda_device_restore(&guard);
     return st;
 }
@@ -592,10 +587,7 @@ extern "C" sf_status sf_dequantize_fp8_cuda(const sf_dequant_args *a, int device
                                                                 (T *)a->out);
             return SF_OK;
         });
-        cudaError_t e = cudaGetLastError();
-        if (st == SF_OK && e != cudaSuccess)
-            st = sf_fail(SF_ERR_RUNTIME, "dequantize_fp8: CUDA error %s: %s", cudaGetErrorName(e),
-                         cudaGetErrorString(e));
+        st = sf_cuda_launch_status("dequantize_fp8", st);
     }
     sf_cuda_device_restore(&guard);
     return st;
@@ -613,12 +605,9 @@ sf_status launch_scale(const char *op, Kernel kernel, const sf_scale_args *a, in
     SF_TRY(sf_cuda_device_enter(op, device, &guard));
     int grid = (int)((a->n + kThreads - 1) / kThreads);
     kernel<<<grid, kThreads, 0, stream>>>(*a);
-    cudaError_t e = cudaGetLastError();
+    const sf_status st = sf_cuda_launch_status(op, SF_OK);
     sf_cuda_device_restore(&guard);
-    if (e != cudaSuccess)
-        return sf_fail(SF_ERR_RUNTIME, "%s: CUDA error %s: %s", op, cudaGetErrorName(e),
-                       cudaGetErrorString(e));
-    return SF_OK;
+    return st;
 }
 
 } // namespace
