@@ -293,11 +293,19 @@ def _common_refusal(module):
     return None
 
 
+def _plain_refusal(module, torch_cls):
+    """Why ``module`` cannot stand in for a plain ``torch_cls`` (nn.Linear,
+    nn.LayerNorm): a subclass with its own behaviour, or _common_refusal's
+    reasons; None when it can."""
+    if type(module) is not torch_cls:
+        name = torch_cls.__name__
+        return (f"{type(module).__name__} subclasses nn.{name} with its own behaviour; "
+                f"only plain nn.{name} is swapped")
+    return _common_refusal(module)
+
+
 def _linear_refusal(module, align):
-    if type(module) is not nn.Linear:
-        return (f"{type(module).__name__} subclasses nn.Linear with its own behaviour; "
-                "only plain nn.Linear is swapped")
-    why = _common_refusal(module)
+    why = _plain_refusal(module, nn.Linear)
     if why:
         return why
     if align and (module.in_features % align or module.out_features % align):
@@ -307,10 +315,7 @@ def _linear_refusal(module, align):
 
 
 def _layernorm_refusal(module):
-    if type(module) is not nn.LayerNorm:
-        return (f"{type(module).__name__} subclasses nn.LayerNorm with its own behaviour; "
-                "only plain nn.LayerNorm is swapped")
-    why = _common_refusal(module)
+    why = _plain_refusal(module, nn.LayerNorm)
     if why:
         return why
     if len(module.normalized_shape) != 1:
