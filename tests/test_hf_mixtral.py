@@ -26,7 +26,7 @@ from causal_lm_checks import (VOCAB, batch, check_activation_checkpointing,  # n
                               check_bf16_within_bf16_rounding, check_grads, check_keys_match,
                               check_left_padding_matches_transformers, check_packed_thd_matches_padded_bshd,
                               check_round_trip, packed, real)
-from helpers import needs_fp8, rel_error  # noqa: E402
+from helpers import needs_fp8, rel_error, torch_bound  # noqa: E402
 from seqfuse.hf import SeqfuseMixtralConfig, SeqfuseMixtralForCausalLM, SeqfuseMixtralModel  # noqa: E402
 from seqfuse.hf.mixtral import load_balancing_loss  # noqa: E402
 from seqfuse.hf.mixtral_config import from_hf_config, to_hf_config  # noqa: E402
@@ -338,6 +338,48 @@ def test_generation_cached_equals_full_forward_and_transformers(tmp_path):
         assert torch.equal(r, theirs[0, len(s):])
 
 
+# ------------------------------------------------- router gradient precision
+def block_router_grad_errors(seed, device, experts=4, topk=4, tokens=512):
+    """One MoE block (layer 0 of a 1-layer model of the GPU tests' shape) in
+    bf16, seqfuse's and transformers', against transformers' float32 block
+    on the CPU with the same bf16-representable weights: the same bf16 input
+    and a random output gradient (uncorrelated over tokens, so the router
+    weight's gradient, a sum over tokens, does not cancel and its error
+    measures the per-token router gradient, not the luck of a cancelling
+    sum).  Returns the relative errors of the router weight's gradient
+    (seqfuse's, transformers')."""
+    kw = dict(CUDA_KW, num_hidden_layers=1, experts=experts, topk=topk)
+    hf16 = hf_model(seed=seed, dtype=torch.bfloat16, **kw).to(device)
+    hf32 = cast(hf_model(seed=seed, dtype=torch.bfloat16, **kw), torch.float32)
+    sf = from_hf_model(hf16)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, tokens, kw["hidden_size"], generator=g).bfloat16()
+    dy = torch.randn(1, tokens, kw["hidden_size"], generator=g)
+    grads = []
+    for model, dtype, dev in ((hf32, torch.float32, "cpu"), (hf16, torch.bfloat16, device),
+                              (sf, torch.bfloat16, device)):
+        block = model.model.layers[0].mlp
+        y = block(x.to(device=dev, dtype=dtype))
+        y = y[0] if isinstance(y, tuple) else y  # transformers' block may return (out, router logits)
+        (y.float() * dy.to(dev)).sum().backward()
+        router = block.gate.weight if model is not sf else block.router_weight
+        grads.append(router.grad)
+    return rel_error(grads[2], grads[0]), rel_error(grads[1], grads[0])
+
+
+@pytest.mark.parametrize("seed", [0, 2])
+def test_bf16_router_gradient_as_exact_as_transformers(seed):
+    """The router weight's gradient of one bf16 MoE block (every token to
+    all 4 experts, so no routing flips): seqfuse's error against float32 at
+    most 1.25 x transformers' bf16 block's own (tighter than the suite's
+    2 x: seqfuse keeps the probabilities, their gradient and the SwiGLU's
+    probability product in float32, measured at 0.88-0.91 x transformers'
+    here; a SwiGLU that rounds its product to bf16 before the probability
+    gradient, as transformers' does, gives 0.98-1.00 x)."""
+    err_sf, err_hf = block_router_grad_errors(seed, "cpu")
+    assert err_sf <= torch_bound(err_hf, factor=1.25), (err_sf, err_hf)
+
+
 # -------------------------------------------------------------------- CUDA
 #: The GPU tests' model: 4 layers, 8 experts top-2, head dim 64, weights
 #: times 2 (not 5 as on the CPU: over 4 layers at 5, bf16 rounding and the
@@ -524,3 +566,17 @@ def test_cuda_cached_greedy_equals_full_forward():
     for gen in (padded, packed_gen):
         exact, total = greedy_tokens_check(gen, seqs, lambda x: m(input_ids=x).logits)
         assert exact >= 0.75 * total, (exact, total)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("seed", [0, 2, 11])
+def test_cuda_bf16_router_gradient_within_transformers(seed):
+    """As test_bf16_router_gradient_as_exact_as_transformers on the GPU
+    (seqfuse's and transformers' bf16 blocks on CUDA, float32 on the CPU):
+    the router weight's gradient within the suite's 2 x transformers' own
+    error.  The whole-model test_cuda_bf16_golden_every_expert_routed
+    measures the same gradient through a sum over tokens that cancels to ~5 %
+    of its terms at layers 2-3; this block test isolates the router path."""
+    err_sf, err_hf = block_router_grad_errors(seed, "cuda")
+    print(f"router weight gradient rel. error: seqfuse {err_sf:.3e}, transformers {err_hf:.3e}")
+    assert err_sf <= torch_bound(err_hf), (err_sf, err_hf)
