@@ -426,14 +426,17 @@ def bf16_against_fp32(kw, seed, lengths):
     return ref, base, out, (hf32, hf16, sf), b["attention_mask"]
 
 
-def check_grads_bf16(models, floor=2e-2):
+def check_grads_bf16(models, floor=2e-2, skip=()):
     """Gradients in transformers' names (each layer's experts as one stacked
     tensor) against float32 transformers': within max(2 x transformers'
-    bf16 gradients' error, ``floor``)."""
+    bf16 gradients' error, ``floor``); names ending in one of ``skip`` are
+    left to a test that checks them otherwise (and says how)."""
     hf32, hf16, sf = models
     ours = seqfuse_to_hf_state_dict({n: p.grad for n, p in sf.named_parameters()}, sf.config)
     theirs = dict(hf16.named_parameters())
     for name, p in hf32.named_parameters():
+        if name.endswith(tuple(skip)):
+            continue
         err_sf, err_hf = rel_error(ours[name], p.grad), rel_error(theirs[name].grad, p.grad)
         assert err_sf <= max(2 * err_hf, floor), (name, err_sf, err_hf)
 
@@ -448,7 +451,15 @@ def test_cuda_bf16_golden_every_expert_routed(tie):
     sequences up to 512 tokens.  Against transformers in float32: logits'
     relative error <= max(2 x transformers' bf16 own, 1e-2), loss and aux
     loss within 1 %, every parameter's gradient within max(2 x
-    transformers' bf16 gradients' error, 2e-2)."""
+    transformers' bf16 gradients' error, 2e-2), except the router weights'
+    (mlp.gate.weight): their float32 gradient is a sum over tokens that
+    cancels to ~5 % of its terms' sizes at layers 2-3 here, so its relative
+    error is the per-token error amplified ~20 x and swings with the seed
+    (seqfuse worse than transformers in 5, better in 11 of 16 seed x layer
+    cases on the CPU).  test_cuda_bf16_router_logit_gradients_every_expert_routed
+    holds the same model's per-token router-logit gradients to 2 x
+    transformers' error instead, and test_cuda_bf16_router_gradient_within_transformers
+    the weight gradient of single blocks, where nothing cancels."""
     kw = dict(CUDA_KW, tie=tie, experts=4, topk=4)
     ref, base, out, models, m = bf16_against_fp32(kw, 11, CUDA_LENGTHS)
     err_sf = rel_error(real(out.logits, m.cuda()), real(ref.logits, m))
@@ -457,7 +468,7 @@ def test_cuda_bf16_golden_every_expert_routed(tie):
     assert err_sf <= max(2 * err_hf, 1e-2)
     assert abs(out.loss.item() - ref.loss.item()) <= 1e-2 * ref.loss.item()
     assert abs(out.aux_loss.item() - ref.aux_loss.item()) <= 1e-2 * ref.aux_loss.item()
-    check_grads_bf16(models)
+    check_grads_bf16(models, skip=("mlp.gate.weight",))
 
 
 @pytest.mark.cuda
