@@ -86,10 +86,9 @@ if CUDA_HOME:
 # order matters: the pool below starts the costliest first, so that the build
 # does not end with one core compiling a long unit while the other idles.
 UNIT_CPU_S = {
+    "csrc/attn/attn_backward_cuda.cu": 60.2,
     "csrc/norm/norm_cuda.cu": 56.2,
-    "csrc/attn/attn_backward_wide_cuda.cu": 36.8,
     "csrc/act/act_cuda.cu": 31.5,
-    "csrc/attn/attn_backward_cuda.cu": 30.6,
     "csrc/attn/attn_forward_cuda.cu": 25.9,
     "csrc/quant/cast_cuda.cu": 25.1,
     "csrc/quant/block_cuda.cu": 17.2,
