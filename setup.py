@@ -9,6 +9,7 @@ Environment:
   CUDA_HOME                toolkit root; otherwise nvcc is looked up on PATH.
   MAX_JOBS                 parallel compile jobs (default: CPU count).
 """
+import copy
 import glob
 import os
 import shutil
@@ -80,43 +81,88 @@ if CUDA_HOME:
     rpaths.append(lib64)
 
 
+# CPU seconds of each nvcc unit with the default archs (90a;80;80-ptx), from
+# csrc/time_units.sh (benchmarks/results/logs/build_units_s13.txt).  Only their
+# order matters: the pool below starts the costliest first, so that the build
+# does not end with one core compiling a long unit while the other idles.
+UNIT_CPU_S = {
+    "csrc/attn/attn_backward_cuda.cu": 60.2,
+    "csrc/norm/norm_cuda.cu": 56.2,
+    "csrc/act/act_cuda.cu": 31.5,
+    "csrc/attn/attn_forward_cuda.cu": 25.9,
+    "csrc/quant/cast_cuda.cu": 25.1,
+    "csrc/quant/block_cuda.cu": 17.2,
+    "csrc/moe/moe_cuda.cu": 8.5,
+    "csrc/optim/optim_cuda.cu": 6.9,
+    "csrc/attn/attn_forward_sm90_cuda.cu": 6.6,
+    "csrc/rope/rope_cuda.cu": 6.6,
+    "csrc/loss/cross_entropy_cuda.cu": 6.6,
+    "csrc/attn/attn_backward_sm90_cuda.cu": 6.6,
+    "csrc/gemm/gemm_cuda.cu": 4.2,
+    "csrc/quant/amax_cuda.cu": 3.2,
+    "csrc/grouped/grouped_cuda.cu": 1.5,
+}
+C_UNIT_CPU_S = 0.3  # a plain C file of the CPU backend or the bindings, -O2
+
+
+def unit_cost(src):
+    """Scheduling weight of one source file.  A .cu unit missing from
+    UNIT_CPU_S (a new one) is scheduled first, as if it were the costliest,
+    and named, so that the table gets its measurement."""
+    if not src.endswith(".cu"):
+        return C_UNIT_CPU_S
+    if src not in UNIT_CPU_S:
+        print(f"seqfuse: {src} has no measured cost in setup.py's UNIT_CPU_S; "
+              f"scheduled first (measure it with csrc/time_units.sh)", flush=True)
+        return float("inf")
+    return UNIT_CPU_S[src]
+
+
 class BuildExt(build_ext):
-    """Compiles the .cu files with nvcc on a thread pool, hands the objects to
-    the normal C link, and compiles the C files in parallel too."""
+    """Compiles the .cu files (nvcc) and the .c files (the C compiler) on one
+    pool of MAX_JOBS threads, costliest first, then hands every object to the
+    normal link.  One pool for both, not the CUDA units and then the C files:
+    distutils compiles an extension's C files one after another on one core."""
 
     def build_extension(self, ext):
         start = time.time()
-        self.parallel = JOBS
-        objects = []
-        if CU_SOURCES:
-            objects = self.compile_cuda(ext)
-        ext.extra_objects = objects
-        super().build_extension(ext)
+        units = sorted(CU_SOURCES + list(ext.sources), key=unit_cost, reverse=True)
+        with ThreadPoolExecutor(max_workers=JOBS) as pool:
+            objects = list(pool.map(lambda src: self.compile_one(ext, src), units))
+        # the link only: every object is built; the sources stay in depends so
+        # that an edited .c file still makes the extension out of date
+        link = copy.copy(ext)
+        link.sources = []
+        link.depends = list(ext.sources) + list(ext.depends)
+        link.extra_objects = list(ext.extra_objects or []) + objects
+        link.language = "c"
+        super().build_extension(link)
         print(f"seqfuse: built {ext.name} in {time.time() - start:.1f} s "
               f"({'CUDA ' + ';'.join(ARCHS) if CUDA_HOME else 'CPU only'}, {JOBS} jobs)")
 
-    def compile_cuda(self, ext):
+    def compile_one(self, ext, src):
+        if src.endswith(".cu"):
+            return self.compile_cuda(src)
+        macros = ext.define_macros[:] + [(name,) for name in ext.undef_macros]
+        (obj,) = self.compiler.compile([src], output_dir=self.build_temp, macros=macros,
+                                       include_dirs=ext.include_dirs, debug=self.debug,
+                                       extra_postargs=ext.extra_compile_args or [],
+                                       depends=ext.depends)
+        return obj
+
+    def compile_cuda(self, src):
         nvcc = os.path.join(CUDA_HOME, "bin", "nvcc")
         out_dir = os.path.join(self.build_temp, "cuda")
         os.makedirs(out_dir, exist_ok=True)
-        common = [
-            "-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo",
-            "-Xcompiler", "-fPIC", "-DSF_WITH_CUDA=1",
-            *[f"-I{i}" for i in INCLUDES], *gencode_flags(),
-        ]
-
-        def one(src):
-            obj = os.path.join(out_dir, src.replace(os.sep, "_") + ".o")
-            if (os.path.exists(obj) and not self.force
-                    and os.path.getmtime(obj) >= max(os.path.getmtime(src), newest_header())):
-                return obj
-            cmd = [nvcc, "-c", src, "-o", obj, *common]
-            print(" ".join(cmd), flush=True)
-            subprocess.check_call(cmd, cwd=ROOT)
+        obj = os.path.join(out_dir, src.replace(os.sep, "_") + ".o")
+        if (os.path.exists(obj) and not self.force
+                and os.path.getmtime(obj) >= max(os.path.getmtime(src), newest_header())):
             return obj
-
-        with ThreadPoolExecutor(max_workers=JOBS) as pool:
-            return list(pool.map(one, CU_SOURCES))
+        cmd = [nvcc, "-c", src, "-o", obj, "-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo",
+               "-Xcompiler", "-fPIC", "-DSF_WITH_CUDA=1", *[f"-I{i}" for i in INCLUDES], *gencode_flags()]
+        print(" ".join(cmd), flush=True)
+        subprocess.check_call(cmd, cwd=ROOT)
+        return obj
 
 
 def newest_header():

@@ -8,9 +8,8 @@
  * File shape (README, Layout): the family's, with the CUDA side in several
  * units.  attn_forward_cuda.cu and attn_backward_cuda.cu hold the mma.sync (sm80)
  * kernels and the CUDA entry points, which hand Hopper's calls to the wgmma
- * kernels of attn_forward_sm90_cuda.cu and attn_backward_sm90_cuda.cu;
- * attn_backward_wide_cuda.cu compiles the sm80 backward's wider tiles beside
- * attn_backward_cuda.cu (build time).  The kernels' shared building blocks are
+ * kernels of attn_forward_sm90_cuda.cu and attn_backward_sm90_cuda.cu.
+ * The kernels' shared building blocks are
  * headers: attn_cuda.cuh (mma.sync, ldmatrix, cp.async), attn_sm90.cuh
  * (wgmma, swizzled tiles), attn_backward_tiles.cuh.  attn.h holds the problem and
  * the sequence and mask rules both backends apply, attn_philox.h the dropout

@@ -37,24 +37,16 @@
  * nothing to S, dP, dV, dK or dQ) and not stored.
  *
  * Files: step 2's kernels are in attn_backward_tiles.cuh; this unit compiles
- * them for tile widths 16 and 32 besides the entry and steps 1, 3 and 4,
- * attn_backward_wide_cuda.cu for 64 and 128.
+ * them for every tile width (16, 32, 64, 128) besides the entry and steps 1,
+ * 3 and 4.  One unit, not two: split by tile width, the pair cost 11 % more
+ * CPU than the one unit, each half repeating the front end
+ * (benchmarks/results/logs/build_units_s13.txt).
  */
 #include "../core/cuda_util.h"
 #include "attn_backend.h"
 #include "attn_backward_tiles.cuh"
 
 namespace sf_attn {
-
-/* Step 2 at tile widths 64 and 128: compiled in attn_backward_wide_cuda.cu. */
-extern template sf_status launch_backward_tiles<__nv_bfloat16, 64, false>(const sf_attn_problem &p, cudaStream_t stream);
-extern template sf_status launch_backward_tiles<__nv_bfloat16, 64, true>(const sf_attn_problem &p, cudaStream_t stream);
-extern template sf_status launch_backward_tiles<__half, 64, false>(const sf_attn_problem &p, cudaStream_t stream);
-extern template sf_status launch_backward_tiles<__half, 64, true>(const sf_attn_problem &p, cudaStream_t stream);
-extern template sf_status launch_backward_tiles<__nv_bfloat16, 128, false>(const sf_attn_problem &p, cudaStream_t stream);
-extern template sf_status launch_backward_tiles<__nv_bfloat16, 128, true>(const sf_attn_problem &p, cudaStream_t stream);
-extern template sf_status launch_backward_tiles<__half, 128, false>(const sf_attn_problem &p, cudaStream_t stream);
-extern template sf_status launch_backward_tiles<__half, 128, true>(const sf_attn_problem &p, cudaStream_t stream);
 
 template <typename T>
 __global__ void delta_kernel(const sf_attn_problem p)

@@ -3,9 +3,8 @@
  * kernel (dQ added with atomics, or not in deterministic mode) and the
  * deterministic dQ kernel, with launch_backward_tiles, which runs them for one
  * (dtype, tile width, dropout).  attn_backward_cuda.cu (the entry, delta and the
- * dQ conversion) calls launch_backward_tiles and compiles it for tile widths 16
- * and 32; attn_backward_wide_cuda.cu compiles it for 64 and 128, so that a
- * parallel build compiles the two halves side by side.  The scheme:
+ * dQ conversion) calls launch_backward_tiles and compiles it for every tile
+ * width.  The scheme:
  * attn_backward_cuda.cu's top comment.
  */
 #ifndef SF_ATTN_BACKWARD_TILES_CUH

@@ -3,10 +3,8 @@
  * checked here, once, then the call goes to the CPU reference (norm_cpu.c) or
  * the CUDA kernels (norm_cuda.cu).  Messages name the op, the argument and
  * the rule, e.g. "layernorm_forward: argument 'gamma' must have 4096 element(s)".
- * The CUDA side is two units, norm_cuda.cu and norm_backward_16bit_cuda.cu,
- * which share the kernels (norm_kernels.cuh) and are split so that a
- * parallel build compiles them side by side (norm_cuda.cuh says which
- * instantiations each holds).
+ * The CUDA side is one unit, norm_cuda.cu, with its kernels in
+ * norm_kernels.cuh.
  */
 #include <math.h>
 

@@ -2,19 +2,15 @@
  * norm_cuda.cu - the CUDA norm's entry points (norm_backend.h): the argument
  * blocks turned into the kernels' parameters, the launch of the dtype's
  * forward or backward, the column sums that finish dgamma / dbeta, and the
- * backward's workspace size.  This unit compiles the forward kernels of
- * every dtype and the float32 backward; norm_backward_16bit_cuda.cu the float16
- * and bfloat16 backward.  The kernels and their design: norm_kernels.cuh.
+ * backward's workspace size.  This one unit compiles the forward and the
+ * backward kernels of every dtype: split in two (the 16-bit backward apart),
+ * the pair cost 10 % more CPU than the one unit, each half repeating the
+ * front end (benchmarks/results/logs/build_units_s13.txt), and setup.py's
+ * costliest-first order keeps the one unit from being the build's tail.
+ * The kernels and their design: norm_kernels.cuh.
  */
 #include "../core/visit.cuh"
 #include "norm_kernels.cuh"
-
-/* compiled in norm_backward_16bit_cuda.cu */
-extern template sf_status sf_norm::launch_backward<__half>(const BackwardParams &p, const Config &c, bool vec, int device,
-                                                      int64_t bound, cudaStream_t stream, int64_t *grid);
-extern template sf_status sf_norm::launch_backward<__nv_bfloat16>(const BackwardParams &p, const Config &c, bool vec,
-                                                             int device, int64_t bound, cudaStream_t stream,
-                                                             int64_t *grid);
 
 namespace sf_norm {
 

@@ -3,13 +3,10 @@
  * blocks, the split of a row over threads (Config, pick_config and its
  * defaults) and the per-dtype launchers' declarations.
  *
- * The CUDA norm is two compilation units of about the same size, so that a
- * parallel build compiles its kernels side by side:
- *   norm_cuda.cu            entry points, workspace size, the dgamma / dbeta
- *                           column sums, the checks-only tuning knob, the
- *                           forward of every dtype and the float32 backward;
- *   norm_backward_16bit_cuda.cu  the float16 and bfloat16 backward.
- * Both include the kernels and their launch code, norm_kernels.cuh.
+ * The CUDA norm is one compilation unit, norm_cuda.cu: entry points,
+ * workspace size, the dgamma / dbeta column sums, the checks-only tuning
+ * knob, and the forward and backward of every dtype.  It includes the
+ * kernels and their launch code, norm_kernels.cuh.
  */
 #ifndef SF_NORM_CUDA_CUH
 #define SF_NORM_CUDA_CUH

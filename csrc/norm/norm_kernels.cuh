@@ -1,7 +1,6 @@
 /*
  * norm_kernels.cuh - the LayerNorm and RMSNorm kernels and their launch
- * code, included by the two CUDA norm units (norm_cuda.cuh says which
- * instantiations each compiles).
+ * code, included by the CUDA norm unit, norm_cuda.cu.
  *
  * LayerNorm and RMSNorm on the GPU: each direction reads its
  * inputs from memory once and writes its outputs once, on the caller's
