@@ -542,3 +542,14 @@ class ConfigSpec:
         except (ConfigError, FileNotFoundError) as e:  # (the trainer's path checks raise ConfigError too)
             print(f"error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
+
+    def entry_points(self):
+        """The six functions a recipe's config module publishes, in this
+        order: validate_config = validate (cfg, name=None) -> Cfg, ConfigError
+        naming every bad key; schema_defaults = defaults () -> dict, the
+        schema's defaults (base.yaml must agree); compose_config = compose
+        (name="L0_sanity", overrides=(), config_dir=None) -> dict, not yet
+        checked; load_config = load (the same arguments) -> Cfg, composed and
+        checked; parse_args argv -> (name, overrides); main_entry
+        (train_fn, strategy, argv=None), a training script's command line."""
+        return self.validate, self.defaults, self.compose, self.load, self.parse_args, self.main_entry

@@ -136,10 +136,5 @@ SPEC = ConfigSpec(RecipeConfig, CONFIG_DIR, cross_checks=_cross_checks, title="t
                   requirements="recipes/esm2/requirements.txt", logger="esm2")
 
 
-# The recipe's entry points: the spec's methods (signatures and notes in recipe_common.config.ConfigSpec).
-validate_config = SPEC.validate  # (cfg, name=None) -> Cfg: ConfigError naming every bad key
-schema_defaults = SPEC.defaults  # () -> dict: the schema's defaults (base.yaml must agree)
-compose_config = SPEC.compose  # (name="L0_sanity", overrides=(), config_dir=None) -> dict, not yet checked
-load_config = SPEC.load  # (name="L0_sanity", overrides=(), config_dir=None) -> Cfg, composed and checked
-parse_args = SPEC.parse_args  # argv -> (name, overrides)
-main_entry = SPEC.main_entry  # (train_fn, strategy, argv=None): a training script's command line
+# The recipe's entry points: the spec's methods (signatures in recipe_common.config.ConfigSpec.entry_points).
+validate_config, schema_defaults, compose_config, load_config, parse_args, main_entry = SPEC.entry_points()
