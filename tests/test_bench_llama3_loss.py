@@ -94,9 +94,10 @@ def test_a_nan_step_loss_fails():
     assert check["rows"]["seqfuse_bf16_packed"]["worst_step"] == "t2"
 
 
-def test_lr_is_checked():
-    with pytest.raises(SystemExit):
+def test_lr_is_checked(capsys):
+    with pytest.raises(SystemExit) as e:
         B.main(["--size", "tiny", "--device", "cpu", "--parts", "train", "--lr", "0"])
+    assert e.value.code == 2 and "--lr must be a finite number > 0, got 0" in capsys.readouterr().err
 
 
 def test_tiny_cpu_run_records_every_step(tmp_path):

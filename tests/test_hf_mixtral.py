@@ -618,17 +618,18 @@ def router_logit_grad_errors(device, seed=11, lengths=CUDA_LENGTHS):
         outs.append([(t.detach(), t.grad.reshape(-1, t.shape[-1]).double().cpu()[keep])
                      for t in out.router_logits])
     # transformers 5.24 returns the raw logits; a version that returns the
-    # softmax instead is measured on its own kind (against its float32 run)
+    # softmax instead is skipped, by name (a different quantity)
     first = [o[0][0].reshape(-1, kw["experts"]).cpu()[keep] for o in (outs[0], outs[2])]  # layer 0, real tokens
     raw = rel_error(first[0], first[1]) <= 1e-4
-    print(f"transformers returns the router's {'raw logits' if raw else 'probabilities'}")
+    if not raw:
+        pytest.skip(f"transformers {transformers.__version__} returns the router's probabilities, not its "
+                    "logits: the per-token comparison needs the same quantity on both sides")
     outs = [[g for _, g in o] for o in outs]
     ours = seqfuse_to_hf_state_dict({n: p.grad for n, p in sf.named_parameters()}, sf.config)
     theirs = dict(hf16.named_parameters())
     rows = []
     for layer, (ref, base, sf_ref, got) in enumerate(zip(*outs)):
-        if raw:  # the same quantity on both sides: the two float32 references agree
-            assert rel_error(sf_ref, ref) <= 1e-4, (layer, rel_error(sf_ref, ref))
+        assert rel_error(sf_ref, ref) <= 1e-4, (layer, rel_error(sf_ref, ref))  # the two float32 references agree
         name = f"model.layers.{layer}.mlp.gate.weight"
         wref = dict(hf32.named_parameters())[name].grad
         rows.append(((rel_error(got, sf_ref), rel_error(base, ref)),

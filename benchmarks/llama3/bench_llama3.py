@@ -363,7 +363,7 @@ def loss_check(rows, fp32):
         tol = LOSS_TOL["fp32"] if fp32 and r["recipe"] == "bf16" else LOSS_TOL[r["recipe"]]
         rel = _rel(r["first_loss"], ref["first_loss"])
         entry = {"first_loss": r["first_loss"], "rel_diff": rel, "tol": tol, "pass": rel <= tol}
-        if rel > tol:
+        if not rel <= tol:  # NaN fails too
             entry["why"] = f"first-step loss {r['first_loss']:.5g} vs {ref['first_loss']:.5g} ({rel:.3g} relative)"
         steps = step_losses(r)
         if steps and ref_steps:

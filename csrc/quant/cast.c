@@ -34,8 +34,6 @@ sf_status sf_quant_check_scalar(const char *op, const char *arg, const sf_tensor
     return sf_check_vector(op, arg, t, SF_FLOAT32, 1, "x", x, written);
 }
 
-/* The checks of sf_cast_fp8, sf_cast_fp8_dbias (col_sums NULL for the
- * others) and sf_cast_fp8_current, and the problem they describe. */
 /* Where a transposed FP8 output lives: contiguous, writable, on the device
  * of the input `ref` (named ref_arg).  Its shape rule is the caller's. */
 static sf_status check_out_t_storage(const char *op, const sf_tensor *out_t, const char *ref_arg,
@@ -46,6 +44,8 @@ static sf_status check_out_t_storage(const char *op, const sf_tensor *out_t, con
     return sf_check_same_device(op, ref_arg, ref, "out_t", out_t);
 }
 
+/* The checks of sf_cast_fp8, sf_cast_fp8_dbias (col_sums NULL for the
+ * others) and sf_cast_fp8_current, and the problem they describe. */
 static sf_status cast_prepare(const char *op, const sf_tensor *x, const sf_tensor *scale,
                               sf_tensor *amax, sf_tensor *out, sf_tensor *out_t,
                               sf_tensor *scale_inv, sf_tensor *col_sums, sf_cast_args *args)
