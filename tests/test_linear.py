@@ -326,7 +326,8 @@ def fp8_twin(in_f, out_f, device, dtype=torch.bfloat16):
 
 def quantized_reference(kind, x, w, b, dy):
     """float64 (y, dx, dW, db) from the operands quantized the way the
-    module quantizes them on its first call (a fresh delayed state has scale 1)."""
+    module quantizes them on its first call (a fresh delayed state takes each
+    tensor's scale from its own amax, as current scaling does)."""
     f = Float8CurrentScaling().fp8_format
     if kind == "block":  # plain-torch block quantization (helpers), float64 products
         xq, gq = block_dequantized_ref(x), block_dequantized_ref(dy)
@@ -336,13 +337,8 @@ def quantized_reference(kind, x, w, b, dy):
         return ((xq @ wq.t()).to(dev) + b.double(), (gq @ wq).to(dev), (gq_t.t() @ xq_t).to(dev),
                 dy.double().sum(0))
     wq = quantization.quantize_current(w, f.forward_dtype).dequantize(torch.float32).double()
-    if kind == "current":
-        xq = quantization.quantize_current(x, f.forward_dtype).dequantize(torch.float32).double()
-        gq = quantization.quantize_current(dy, f.backward_dtype).dequantize(torch.float32).double()
-    else:  # delayed, first step: the state's scales are 1
-        one = torch.ones(1, device=x.device)
-        xq = quantization.quantize(x, one, None, f.forward_dtype).dequantize(torch.float32).double()
-        gq = quantization.quantize(dy, one, None, f.backward_dtype).dequantize(torch.float32).double()
+    xq = quantization.quantize_current(x, f.forward_dtype).dequantize(torch.float32).double()
+    gq = quantization.quantize_current(dy, f.backward_dtype).dequantize(torch.float32).double()
     return xq @ wq.t() + b.double(), gq @ wq, gq.t() @ xq, dy.double().sum(0)
 
 

@@ -19,7 +19,7 @@ from seqfuse.quantization import (GRAD_OUTPUT, INPUT, WEIGHT, ScalingState, auto
                                   reduce_and_update)
 from seqfuse.quantization import autocast as autocast_mod
 from seqfuse.quantization import stats
-from helpers import needs_fp8
+from helpers import needs_fp8, rel_error
 
 
 class ModelState:
@@ -183,13 +183,38 @@ def test_backward_amax_folds_in_at_next_exit():
     st = ScalingState.for_linear(r)
     with te.autocast(recipe=r):
         quantize_with_state(torch.full((4, 4), 2.0), st, INPUT)
-    # the "backward" of step 1: a gradient cast after the region
+    # the "backward" of step 1: a gradient cast after the region; no history yet, so its own amax
+    # gives its scale (with the initial scale 1 a step's small gradients underflow E5M2)
     quantize_with_state(torch.full((4, 4), 8.0), st, GRAD_OUTPUT)
     assert st.fp8_dtype(GRAD_OUTPUT) == torch.float8_e5m2
-    assert st.scale[GRAD_OUTPUT].item() == 1.0
+    assert st.scale[GRAD_OUTPUT].item() == 57344.0 / 8.0 / 16
     with te.autocast(recipe=r):
         pass
     assert st.scale[GRAD_OUTPUT].item() == 57344.0 / 8.0 / 16
+    # step 2's gradient: delayed scaling now; its amax folds in at the next exit
+    quantize_with_state(torch.full((4, 4), 32.0), st, GRAD_OUTPUT)
+    assert st.scale[GRAD_OUTPUT].item() == 57344.0 / 8.0 / 16
+    with te.autocast(recipe=r):
+        pass
+    assert st.scale[GRAD_OUTPUT].item() == 57344.0 / 32.0 / 16
+
+
+@needs_fp8
+def test_first_step_gradients_do_not_underflow():
+    """Delayed scaling's first step: output gradients of a mean loss over
+    many tokens (~1e-6) cast with the initial scale 1 fall under E5M2's
+    range and the weight gradient came out all zero; the first cast takes
+    its scale from its own amax instead.  Steps after it: delayed scaling."""
+    torch.manual_seed(0)
+    lin = te.Linear(256, 256, bias=False, params_dtype=torch.float32)
+    x, dy = torch.randn(64, 256), torch.randn(64, 256) * 1e-6
+    want = dy.t() @ x
+    for step in range(3):
+        lin.weight.grad = None
+        with te.fp8_autocast(fp8_recipe=DelayedScaling()):
+            y = lin(x)
+        y.backward(dy)
+        assert rel_error(lin.weight.grad, want) < 0.1, step  # E5M2 gradients: a few % off
 
 
 @needs_fp8
@@ -277,9 +302,10 @@ def test_stats_log(tmp_path):
         seqfuse.quantization.disable_stats()
     assert [rec["step"] for rec in recs] == [0, 2]
     assert recs[0]["layer"] == "layer.fp8_state" and recs[0]["index"] == INPUT
-    assert recs[0]["amax"] == 1000.0 and recs[0]["scale"] == 1.0
-    assert recs[0]["underflow"] == 0.25 and recs[0]["saturated"] == 0.25  # 1e-9 -> 0, 1000 > 448
     scale2 = np.float32(448.0) / np.float32(1000.0) / np.float32(128)
+    # step 0, no history yet: the cast's own amax (not the initial scale 1, which saturates 1000 > 448)
+    assert recs[0]["amax"] == 1000.0 and recs[0]["scale"] == pytest.approx(float(scale2), rel=1e-7)
+    assert recs[0]["underflow"] == 0.25 and recs[0]["saturated"] == 0.0  # 1e-9 -> 0
     assert recs[1]["scale"] == pytest.approx(float(scale2), rel=1e-7)
     assert len(path.read_text().splitlines()) == 2
 

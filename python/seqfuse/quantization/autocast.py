@@ -41,7 +41,7 @@ from ..ops import quant as qops
 from . import stats
 from ._autocast_state import (AutocastState, autocast_state, get_amax_reduction_group, get_recipe,
                               is_fp8_enabled)
-from .state import POOL
+from .state import POOL, STATES
 
 __all__ = ["AutocastState", "autocast_state", "is_fp8_enabled", "get_recipe", "get_amax_reduction_group",
            "reduce_and_update", "autocast", "fp8_autocast", "quantized_model_init", "fp8_model_init",
@@ -65,9 +65,11 @@ def reduce_and_update(recipe, group=None):
     if not isinstance(recipe, DelayedScaling):
         return
     group = _default_group(recipe, group)
+    updated = []
     for chunk in POOL.chunks_for(recipe.amax_compute_algo, int(recipe.margin)):
         if chunk.history.shape[0] != int(recipe.amax_history_len):
             continue
+        updated.append(chunk)
         used = chunk.used
         if group is not None:
             torch.distributed.all_reduce(chunk.history[0, :used], op=torch.distributed.ReduceOp.MAX,
@@ -75,6 +77,9 @@ def reduce_and_update(recipe, group=None):
         stats.before_update(chunk)
         qops.fp8_scale_update(chunk.history[:, :used], chunk.scale[:used], chunk.scale_inv[:used],
                               chunk.fp8_max[:used], recipe.amax_compute_algo, recipe.margin)
+    for state in list(STATES):
+        if any(state.pooled_in(c) for c in updated):
+            state.updated()
     stats.end_step()
 
 

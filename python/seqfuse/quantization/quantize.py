@@ -1,11 +1,15 @@
 """Quantizers: torch tensor in, quantized tensor (tensor.py) out.  What the
 GEMM modules call; each is a thin layer over seqfuse.ops.quant that
 allocates the outputs and fills the quantized tensor's fields."""
+import logging
+
 import torch
 
 from ..ops import quant as qops
 from . import recompute, stats
 from .tensor import Float8BlockTensor, Float8Tensor, MXFP8Tensor, NVFP4Tensor
+
+_log = logging.getLogger("seqfuse")
 
 
 def quantize(x, scale, amax, fp8_dtype, *, transpose=False, rowwise=True, dbias=False, out=None,
@@ -37,11 +41,36 @@ def quantize(x, scale, amax, fp8_dtype, *, transpose=False, rowwise=True, dbias=
     return (q, db[0]) if dbias else q
 
 
+_first_cast_logged = []
+
+
 def quantize_with_state(x, state, index, *, transpose=False, rowwise=True, dbias=False, rows=None):
     """Quantize ``x`` as tensor ``index`` of a ScalingState (delayed
-    scaling): its scale, its amax slot for this step, its FP8 dtype."""
+    scaling): its scale, its amax slot for this step, its FP8 dtype.
+
+    A tensor with no amax history yet (``state.has_history(index)`` False:
+    no delayed-scaling update has run since it was first cast) would be cast
+    with the initial scale 1, where a training step's small output gradients
+    (~1e-5 and below) fall under E5M2's range and the first weight gradients
+    come out zero.  Such a cast takes its scale from its own amax instead
+    (current scaling, written into the state's scale, so its consumers see
+    it), logged once.  Not under CUDA graph capture (a replay would repeat
+    the host's first-step choice), which keeps scale 1; a checkpoint's
+    recompute reads the scale its forward noted, as for any scale."""
     state.ensure_pooled()
     fp8_dtype = state.fp8_dtype(index)
+    if (not state.has_history(index) and not recompute.replaying()
+            and not (x.is_cuda and torch.cuda.is_current_stream_capturing())):
+        if not _first_cast_logged:
+            _first_cast_logged.append(True)
+            _log.info(
+                "seqfuse FP8 delayed scaling: tensors cast before their first amax history "
+                "(the first step) take their scale from their own amax (current scaling), not the "
+                "initial scale 1")
+        # into the live slots, before scale_of below notes the scale for a checkpoint's recompute
+        qops.fp8_compute_scale(qops.amax(x).reshape(1), *state.live_scale(index), qops.FP8_MAX[fp8_dtype],
+                               int(getattr(state.recipe, "margin", 0)))
+    state.note_cast(index)
     scale = state.scale_of(index)
     if stats.recording() and not recompute.replaying():  # a recompute's casts were the forward's
         stats.record_cast(state, index, x.detach(), scale, fp8_dtype)

@@ -122,6 +122,11 @@ class ScalingState(nn.Module):
         self._ptrs = None
         self._views = None
         self._offset = 0
+        # host-side: which tensors were cast since the last delayed-scaling
+        # update, and which have an amax history (an update ran after their
+        # first cast, or a checkpoint brought one); quantize_with_state reads it
+        self._cast_since_update = set()
+        self._with_history = set()
         STATES.add(self)
         # pooled at first use (amax_of / scale_of / ensure_pooled), so a
         # module built on the CPU and moved to the GPU never holds CPU columns
@@ -208,6 +213,33 @@ class ScalingState(nn.Module):
         v = self._pooled_views()
         scale = v[1][index] if v is not None else self.scale[index:index + 1]
         return recompute.scale_for(self, index, scale) if recompute.open_contexts else scale
+
+    def live_scale(self, index):
+        """(scale, scale_inv): one-element views of tensor ``index``'s live
+        slots, not the copies a checkpoint's recompute reads."""
+        v = self._pooled_views()
+        if v is not None:
+            return v[1][index], v[2][index]
+        return self.scale[index:index + 1], self.scale_inv[index:index + 1]
+
+    def note_cast(self, index):
+        """Tensor ``index`` was cast this step (host bookkeeping only)."""
+        self._cast_since_update.add(index)
+
+    def has_history(self, index):
+        """Whether tensor ``index`` has an amax history to take its scale
+        from (host bookkeeping: no device read)."""
+        return index in self._with_history
+
+    def pooled_in(self, chunk):
+        """Whether this state's columns live in ``chunk``."""
+        return self._chunk_ref is not None and self._chunk_ref() is chunk
+
+    def updated(self):
+        """A delayed-scaling update ran over this state's columns: the tensors
+        cast since the last one now have a history."""
+        self._with_history |= self._cast_since_update
+        self._cast_since_update = set()
 
     def scale_inv_of(self, index):
         v = self._pooled_views()
@@ -314,6 +346,10 @@ class ScalingState(nn.Module):
                 amax_compute_algo=getattr(self.recipe, "amax_compute_algo", "max")))
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+        if isinstance(hist, torch.Tensor) and hist.dim() == 2 and hist.shape[1] == self.num_tensors:
+            # a checkpoint's history: the tensors it has amaxes for keep delayed scaling from here
+            seen = hist.detach().abs().amax(dim=0).cpu()
+            self._with_history = {i for i in range(self.num_tensors) if float(seen[i]) > 0}
 
     def extra_repr(self):
         return (f"num_tensors={self.num_tensors}, history_len={self.amax_history.shape[0]}, "
