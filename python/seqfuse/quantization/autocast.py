@@ -41,7 +41,7 @@ from ..ops import quant as qops
 from . import stats
 from ._autocast_state import (AutocastState, autocast_state, get_amax_reduction_group, get_recipe,
                               is_fp8_enabled)
-from .state import POOL, STATES
+from .state import FIRST_CASTS, POOL
 
 __all__ = ["AutocastState", "autocast_state", "is_fp8_enabled", "get_recipe", "get_amax_reduction_group",
            "reduce_and_update", "autocast", "fp8_autocast", "quantized_model_init", "fp8_model_init",
@@ -77,7 +77,7 @@ def reduce_and_update(recipe, group=None):
         stats.before_update(chunk)
         qops.fp8_scale_update(chunk.history[:, :used], chunk.scale[:used], chunk.scale_inv[:used],
                               chunk.fp8_max[:used], recipe.amax_compute_algo, recipe.margin)
-    for state in list(STATES):
+    for state in list(FIRST_CASTS):  # empty in steady state
         if any(state.pooled_in(c) for c in updated):
             state.updated()
     stats.end_step()

@@ -59,18 +59,17 @@ def quantize_with_state(x, state, index, *, transpose=False, rowwise=True, dbias
     recompute reads the scale its forward noted, as for any scale."""
     state.ensure_pooled()
     fp8_dtype = state.fp8_dtype(index)
-    if (not state.has_history(index) and not recompute.replaying()
-            and not (x.is_cuda and torch.cuda.is_current_stream_capturing())):
-        if not _first_cast_logged:
-            _first_cast_logged.append(True)
-            _log.info(
-                "seqfuse FP8 delayed scaling: tensors cast before their first amax history "
-                "(the first step) take their scale from their own amax (current scaling), not the "
-                "initial scale 1")
-        # into the live slots, before scale_of below notes the scale for a checkpoint's recompute
-        qops.fp8_compute_scale(qops.amax(x).reshape(1), *state.live_scale(index), qops.FP8_MAX[fp8_dtype],
-                               int(getattr(state.recipe, "margin", 0)))
-    state.note_cast(index)
+    if not state.has_history(index) and not recompute.replaying():
+        state.note_first_cast(index)
+        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            if not _first_cast_logged:
+                _first_cast_logged.append(True)
+                _log.info("seqfuse FP8 delayed scaling: tensors cast before their first amax history "
+                          "(the first step) take their scale from their own amax (current scaling), not "
+                          "the initial scale 1")
+            # into the live slots, before scale_of below notes the scale for a checkpoint's recompute
+            qops.fp8_compute_scale(qops.amax(x).reshape(1), *state.live_scale(index), qops.FP8_MAX[fp8_dtype],
+                                   int(getattr(state.recipe, "margin", 0)))
     scale = state.scale_of(index)
     if stats.recording() and not recompute.replaying():  # a recompute's casts were the forward's
         stats.record_cast(state, index, x.detach(), scale, fp8_dtype)

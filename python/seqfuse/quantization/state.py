@@ -88,6 +88,11 @@ POOL = _Pool()
 #: Every ScalingState alive (for stats and naming), weakly.
 STATES = weakref.WeakSet()
 
+#: The states with tensors cast before they had an amax history (first
+#: steps), weakly: the delayed-scaling update visits only these, so a
+#: training step in steady state pays nothing for the first-step rule.
+FIRST_CASTS = weakref.WeakSet()
+
 #: Index convention of a Linear's state (ScalingState.for_linear).
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
 
@@ -222,9 +227,11 @@ class ScalingState(nn.Module):
             return v[1][index], v[2][index]
         return self.scale[index:index + 1], self.scale_inv[index:index + 1]
 
-    def note_cast(self, index):
-        """Tensor ``index`` was cast this step (host bookkeeping only)."""
+    def note_first_cast(self, index):
+        """Tensor ``index``, which has no amax history yet, was cast this step
+        (host bookkeeping only)."""
         self._cast_since_update.add(index)
+        FIRST_CASTS.add(self)
 
     def has_history(self, index):
         """Whether tensor ``index`` has an amax history to take its scale
@@ -237,9 +244,10 @@ class ScalingState(nn.Module):
 
     def updated(self):
         """A delayed-scaling update ran over this state's columns: the tensors
-        cast since the last one now have a history."""
+        first cast since the last one now have a history."""
         self._with_history |= self._cast_since_update
         self._cast_since_update = set()
+        FIRST_CASTS.discard(self)
 
     def scale_inv_of(self, index):
         v = self._pooled_views()
