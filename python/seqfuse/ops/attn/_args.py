@@ -95,6 +95,50 @@ def kernel_layout(x):
     return x
 
 
+def refusal(rule, why):
+    """A route's answer to a call that breaks one of its rules: (rule, "rule: why").
+    Every route's eligibility check answers ("", "") when the call may run."""
+    return rule, f"{rule}: {why}"
+
+
+def kernel_refusal(kernel, deterministic, deterministic_algorithms, dtype, heads_q, heads_kv, head_dim, *,
+                   dtypes, max_head_dim, deterministic_why, algorithms_why="", grouped_query_why=None):
+    """The rules the fused-attention libraries behind the torch routes (cuDNN,
+    FlashAttention: ``kernel`` names it in the reasons) share, checked in this
+    order: ``deterministic`` (``deterministic_why`` says why the route refuses
+    it), ``deterministic`` again for torch.use_deterministic_algorithms(True)
+    (``algorithms_why``: what torch does then, if anything), ``dtype`` (one of
+    ``dtypes``), ``gqa`` (q heads a multiple of the k/v heads; and where
+    ``grouped_query_why`` is given, why this kernel refuses grouped-query
+    attention, equal head counts only) and ``head_dim`` (a multiple of 8, at
+    most ``max_head_dim``).  The first broken rule's ``refusal``, or None
+    when all hold."""
+    if deterministic:
+        return refusal("deterministic", f"deterministic=True ({deterministic_why})")
+    if deterministic_algorithms:
+        note = f" ({algorithms_why})" if algorithms_why else ""
+        return refusal("deterministic", f"torch.use_deterministic_algorithms(True){note}")
+    if dtype not in dtypes:
+        return refusal("dtype", f"dtype {dtype} ({kernel} takes float16 and bfloat16)")
+    if heads_kv < 1 or heads_q % heads_kv:
+        return refusal("gqa", f"{heads_q} q heads are not a multiple of {heads_kv} k/v heads")
+    if grouped_query_why and heads_q != heads_kv:
+        return refusal("gqa", grouped_query_why)
+    if head_dim % 8 or not 0 < head_dim <= max_head_dim:
+        return refusal("head_dim", f"head dim {head_dim} ({kernel}: a multiple of 8, at most {max_head_dim})")
+    return None
+
+
+def capability_refusal(capability, wanted, why):
+    """The ``capability`` rule of a route that auto-selection takes only on one
+    GPU generation: its refusal (``why`` ends the reason) when ``capability``
+    ((major, minor) or None: unknown) is not ``wanted``, else None."""
+    if tuple(capability or ()) == wanted:
+        return None
+    cap = "unknown" if capability is None else "%d.%d" % tuple(capability)
+    return refusal("capability", f"compute capability {cap} ({why})")
+
+
 def check_tensor(name, x):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"attention: argument '{name}' must be a torch.Tensor, got {type(x).__name__}")

@@ -90,8 +90,9 @@ first broken one as "rule: why"): ``qkv_format`` (thd only); ``alignment``
 cuDNN's diagonal is top-left); ``window`` (none); ``dropout`` (p == 0);
 ``deterministic``; ``dtype`` (float16, bfloat16); ``gqa`` (q heads a
 multiple of the k/v heads, and grouped-query only with cuDNN 9.6 or later);
-``head_dim`` (a multiple of 8, at most 128, torch's nested cuDNN limit);
-``device`` (CUDA); ``torch_op`` (torch has the op; with the frontend
+``head_dim`` (a multiple of 8, at most 128, torch's nested cuDNN limit):
+these four as the other fused-attention routes have them
+(``kernel_refusal`` in _args.py); ``device`` (CUDA); ``torch_op`` (torch has the op; with the frontend
 provider, rule ``frontend``: the package imports); ``graph_capture`` (torch's
 op builds and frees a cuDNN graph on the host in every call, the frontend's
 one per new shape, and the lengths rule reads cached host facts: not under
@@ -108,7 +109,7 @@ import logging
 import torch
 
 from ..tensor_cache import PerTensorCache
-from ._args import MASKS
+from ._args import MASKS, capability_refusal, kernel_refusal, refusal
 
 RAGGED_DTYPES = (torch.float16, torch.bfloat16)
 RAGGED_MAX_HEAD_DIM = 128        # torch's limit for cuDNN on nested tensors (torch/nested/_internal/sdpa.py)
@@ -122,10 +123,6 @@ BUCKET_BATCH = 16                # the frontend provider's batch-size rounding (
 #: to size its buffers from max_q/max_k (PyTorch PR #186142); None: none yet,
 #: and the route refuses every call that wants gradients.
 RAGGED_BACKWARD_FROM = None
-
-
-def _no(rule, why):
-    return rule, f"{rule}: {why}"
 
 
 def torch_release(version=None):
@@ -191,57 +188,51 @@ def ragged_eligibility(device_type, capability, qkv_format, attn_mask_type, wind
     need it); ``check_capability`` False skips the capability rule (forced
     route); ``provider``: "torch" or "frontend"."""
     if qkv_format != "thd":
-        return _no("qkv_format", f"qkv_format {qkv_format!r}; the cudnn_ragged route takes packed thd only")
+        return refusal("qkv_format", f"qkv_format {qkv_format!r}; the cudnn_ragged route takes packed thd only")
     code = MASKS[attn_mask_type]
     if code in BOTTOM_RIGHT and not same_cu:
-        return _no("alignment", f"attn_mask_type {attn_mask_type!r} is bottom-right causal and cu_seqlens_q is "
-                                "not cu_seqlens_kv (cuDNN's causal diagonal is top-left; they agree only where "
-                                "every sequence has as many queries as keys)")
+        return refusal("alignment", f"attn_mask_type {attn_mask_type!r} is bottom-right causal and cu_seqlens_q is "
+                                    "not cu_seqlens_kv (cuDNN's causal diagonal is top-left; they agree only where "
+                                    "every sequence has as many queries as keys)")
     if tuple(window) != (-1, -1):
-        return _no("window", f"window_size {tuple(window)!r} (torch's ragged cuDNN op takes no window)")
+        return refusal("window", f"window_size {tuple(window)!r} (torch's ragged cuDNN op takes no window)")
     if dropout_p != 0.0:
-        return _no("dropout", f"dropout_p {dropout_p} > 0 (seqfuse's dropout has its own Philox mask contract)")
-    if deterministic:
-        return _no("deterministic", "deterministic=True (torch does not guarantee a deterministic cuDNN backward)")
-    if deterministic_algorithms:
-        return _no("deterministic", "torch.use_deterministic_algorithms(True)")
-    if dtype not in RAGGED_DTYPES:
-        return _no("dtype", f"dtype {dtype} (cuDNN takes float16 and bfloat16)")
-    if heads_kv < 1 or heads_q % heads_kv:
-        return _no("gqa", f"{heads_q} q heads are not a multiple of {heads_kv} k/v heads")
-    if heads_q != heads_kv and (cudnn_version is None or cudnn_version < RAGGED_GQA_CUDNN):
-        return _no("gqa", f"grouped-query attention ({heads_q} q / {heads_kv} k/v heads) with ragged offsets "
-                          f"needs cuDNN 9.6 or later, this torch has {cudnn_version}")
-    if head_dim % 8 or not 0 < head_dim <= RAGGED_MAX_HEAD_DIM:
-        return _no("head_dim", f"head dim {head_dim} (a multiple of 8, at most {RAGGED_MAX_HEAD_DIM})")
+        return refusal("dropout", f"dropout_p {dropout_p} > 0 (seqfuse's dropout has its own Philox mask contract)")
+    gqa_why = None
+    if cudnn_version is None or cudnn_version < RAGGED_GQA_CUDNN:
+        gqa_why = (f"grouped-query attention ({heads_q} q / {heads_kv} k/v heads) with ragged offsets needs "
+                   f"cuDNN 9.6 or later, this torch has {cudnn_version}")
+    if broken := kernel_refusal("cuDNN", deterministic, deterministic_algorithms, dtype, heads_q, heads_kv, head_dim,
+                                dtypes=RAGGED_DTYPES, max_head_dim=RAGGED_MAX_HEAD_DIM, grouped_query_why=gqa_why,
+                                deterministic_why="torch does not guarantee a deterministic cuDNN backward"):
+        return broken
     if device_type != "cuda":
-        return _no("device", f"{device_type} tensors (cuDNN fused attention is CUDA only)")
+        return refusal("device", f"{device_type} tensors (cuDNN fused attention is CUDA only)")
     if not op_present and provider == "frontend":
-        return _no("frontend", "the nvidia-cudnn-frontend package (import cudnn; cudnn.sdpa_torch) is not "
-                               "installed here (pip install nvidia-cudnn-frontend)")
+        return refusal("frontend", "the nvidia-cudnn-frontend package (import cudnn; cudnn.sdpa_torch) is not "
+                                   "installed here (pip install nvidia-cudnn-frontend)")
     if not op_present:
-        return _no("torch_op", f"torch {torch.__version__} has no torch.ops.aten._cudnn_attention_forward")
+        return refusal("torch_op", f"torch {torch.__version__} has no torch.ops.aten._cudnn_attention_forward")
     if capturing:
-        return _no("graph_capture", "the op builds cuDNN graphs on the host (torch's in every call), and the "
-                                    "route reads the sequence lengths' cached host facts: not under CUDA graph "
-                                    "capture")
+        return refusal("graph_capture", "the op builds cuDNN graphs on the host (torch's in every call), and the "
+                                        "route reads the sequence lengths' cached host facts: not under CUDA graph "
+                                        "capture")
     if covered is None:
-        return _no("lengths", "the cu_seqlens facts are not known on the host (the route needs every token "
-                              "inside a sequence: cuDNN leaves the others unwritten)")
+        return refusal("lengths", "the cu_seqlens facts are not known on the host (the route needs every token "
+                                  "inside a sequence: cuDNN leaves the others unwritten)")
     if not covered:
-        return _no("lengths", "tokens past the last sequence, no token at all, or an empty key sequence beside "
-                              "separate query lengths (cuDNN leaves tokens outside every sequence unwritten, and "
-                              "seqfuse's thd contract makes them 0, as it does a query that sees no key)")
+        return refusal("lengths", "tokens past the last sequence, no token at all, or an empty key sequence beside "
+                                  "separate query lengths (cuDNN leaves tokens outside every sequence unwritten, and "
+                                  "seqfuse's thd contract makes them 0, as it does a query that sees no key)")
     if needs_grad and provider == "torch" and not backward_trusted:
-        return _no("torch_backward", f"gradients wanted, and torch {torch.__version__}'s ragged cuDNN backward is "
-                                     "not trusted: torch releases before PyTorch PR #186142 size cuDNN's dQ "
-                                     "accumulator from the head dim instead of max_seqlen (out-of-bounds writes)")
-    if check_capability and tuple(capability or ()) != RAGGED_CAPABILITY:
-        cap = "unknown" if capability is None else "%d.%d" % tuple(capability)
-        return _no("capability", f"compute capability {cap} (the cudnn_ragged route is taken in auto only on "
-                                 "9.0)")
+        return refusal("torch_backward", f"gradients wanted, and torch {torch.__version__}'s ragged cuDNN backward is "
+                                         "not trusted: torch releases before PyTorch PR #186142 size cuDNN's dQ "
+                                         "accumulator from the head dim instead of max_seqlen (out-of-bounds writes)")
+    if check_capability and (broken := capability_refusal(capability, RAGGED_CAPABILITY,
+                                                          "the cudnn_ragged route is taken in auto only on 9.0")):
+        return broken
     if not cudnn_enabled:
-        return _no("cudnn_sdp_enabled", "torch.backends.cuda.cudnn_sdp_enabled() is False")
+        return refusal("cudnn_sdp_enabled", "torch.backends.cuda.cudnn_sdp_enabled() is False")
     return "", ""
 
 

@@ -161,7 +161,8 @@ from .._call import as_float
 from . import _cudnn_ragged as ragged
 from . import _torch_routes as routes
 from ..device_checks import sequence_facts, uniform_length
-from ._args import FORMATS, MASKS, PADDING, check_tensor, kernel_layout, mask_code, window_pair
+from ._args import (FORMATS, MASKS, PADDING, capability_refusal, check_tensor, kernel_layout, kernel_refusal,
+                    mask_code, refusal, window_pair)
 
 _log = logging.getLogger("seqfuse")
 
@@ -434,47 +435,40 @@ def cudnn_eligibility(device_type, capability, qkv_format, attn_mask_type, s_q, 
     ``check_capability`` False skips the capability rule (forced "cudnn");
     ``deterministic_algorithms``: torch.use_deterministic_algorithms is on
     (not warn-only), under which torch refuses cuDNN attention."""
-    def no(rule, why):
-        return rule, f"{rule}: {why}"
     if qkv_format not in _TO_BHSD:
-        return no("qkv_format", f"qkv_format {qkv_format!r}; the cuDNN route takes padded bshd or sbhd only")
+        return refusal("qkv_format", f"qkv_format {qkv_format!r}; the cuDNN route takes padded bshd or sbhd only")
     if attn_mask_type in MASKS and MASKS[attn_mask_type] in PADDING:
-        return no("padding", f"attn_mask_type {attn_mask_type!r} is a padding mask")
+        return refusal("padding", f"attn_mask_type {attn_mask_type!r} is a padding mask")
     if cu_seqlens:
-        return no("padding", "cu_seqlens given (padded sequences)")
+        return refusal("padding", "cu_seqlens given (padded sequences)")
     if attn_mask_type not in _CUDNN_MASKS:
-        return no("attn_mask_type", f"attn_mask_type {attn_mask_type!r} is not one of {list(_CUDNN_MASKS)}")
+        return refusal("attn_mask_type", f"attn_mask_type {attn_mask_type!r} is not one of {list(_CUDNN_MASKS)}")
     causal = attn_mask_type != "no_mask"
     if s_q != s_kv:
-        return no("lengths", f"s_q {s_q} != s_kv {s_kv} (SDPA's is_causal is top-left; only equal lengths "
-                             "are taken)")
+        return refusal("lengths", f"s_q {s_q} != s_kv {s_kv} (SDPA's is_causal is top-left; only equal lengths "
+                                  "are taken)")
     if s_kv < 2:
-        return no("lengths", f"sequence length {s_kv} (torch's cuDNN attention takes key lengths >= 2)")
+        return refusal("lengths", f"sequence length {s_kv} (torch's cuDNN attention takes key lengths >= 2)")
     if batch > _CUDNN_MAX_DIM or heads_q > _CUDNN_MAX_DIM:
-        return no("lengths", f"batch {batch} or {heads_q} heads above {_CUDNN_MAX_DIM} (torch's cuDNN limit)")
+        return refusal("lengths", f"batch {batch} or {heads_q} heads above {_CUDNN_MAX_DIM} (torch's cuDNN limit)")
     window = (-1, -1) if window_size is None else tuple(window_size)
     if window != (-1, -1) and not (causal and window == (-1, 0)):
-        return no("window", f"window_size {window_size!r} (only None, (-1, -1), or (-1, 0) with a causal mask)")
+        return refusal("window", f"window_size {window_size!r} (only None, (-1, -1), or (-1, 0) with a causal mask)")
     if dropout_p != 0.0:
-        return no("dropout", f"dropout_p {dropout_p} > 0 (seqfuse's dropout has its own Philox mask contract)")
-    if deterministic:
-        return no("deterministic", "deterministic=True (torch does not guarantee a deterministic cuDNN backward)")
-    if deterministic_algorithms:
-        return no("deterministic", "torch.use_deterministic_algorithms(True) (torch refuses cuDNN attention)")
-    if dtype not in _CUDNN_DTYPES:
-        return no("dtype", f"dtype {dtype} (cuDNN takes float16 and bfloat16)")
-    if heads_kv < 1 or heads_q % heads_kv:
-        return no("gqa", f"{heads_q} q heads are not a multiple of {heads_kv} k/v heads")
-    if head_dim % 8 or not 0 < head_dim <= 128:
-        return no("head_dim", f"head dim {head_dim} (a multiple of 8, at most 128)")
+        return refusal("dropout", f"dropout_p {dropout_p} > 0 (seqfuse's dropout has its own Philox mask contract)")
+    if broken := kernel_refusal("cuDNN", deterministic, deterministic_algorithms, dtype, heads_q, heads_kv, head_dim,
+                                dtypes=_CUDNN_DTYPES, max_head_dim=128,
+                                deterministic_why="torch does not guarantee a deterministic cuDNN backward",
+                                algorithms_why="torch refuses cuDNN attention"):
+        return broken
     if device_type != "cuda":
-        return no("device", f"{device_type} tensors (cuDNN fused attention is CUDA only)")
-    if check_capability and tuple(capability or ()) != _CUDNN_CAPABILITY:
-        cap = "unknown" if capability is None else "%d.%d" % tuple(capability)
-        return no("capability", f"compute capability {cap} (cuDNN attention is taken in auto only on 9.0, "
-                                "where it was measured faster)")
+        return refusal("device", f"{device_type} tensors (cuDNN fused attention is CUDA only)")
+    if check_capability and (broken := capability_refusal(capability, _CUDNN_CAPABILITY,
+                                                          "cuDNN attention is taken in auto only on 9.0, where "
+                                                          "it was measured faster")):
+        return broken
     if not cudnn_enabled:
-        return no("cudnn_sdp_enabled", "torch.backends.cuda.cudnn_sdp_enabled() is False")
+        return refusal("cudnn_sdp_enabled", "torch.backends.cuda.cudnn_sdp_enabled() is False")
     return "", ""
 
 

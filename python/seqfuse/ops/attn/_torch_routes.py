@@ -68,7 +68,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .._call import as_float
-from ._args import MASKS, PADDING, max_seqlen
+from ._args import MASKS, PADDING, capability_refusal, kernel_refusal, max_seqlen, refusal
 from ..tensor_cache import PerTensorCache
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -80,10 +80,6 @@ CAUSAL = {2, 3, 4, 5}
 # SDPA backends of the float32 route (CPU tests run it as it is: MATH is the CPU's)
 FP32_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _constants = {}  # (what, device, *sizes) -> int32 tensor, the layout helpers' aranges
-
-
-def _no(rule, why):
-    return rule, f"{rule}: {why}"
 
 
 def flash_eligibility(device_type, capability, qkv_format, attn_mask_type, dropout_p, deterministic, dtype,
@@ -107,38 +103,31 @@ def flash_eligibility(device_type, capability, qkv_format, attn_mask_type, dropo
     varlen = qkv_format == "thd" or code in PADDING
     if code in TOP_LEFT:
         if varlen and not same_cu:
-            return _no("alignment", f"attn_mask_type {attn_mask_type!r} is top-left causal and cu_seqlens_q is "
-                                    "not cu_seqlens_kv (FlashAttention aligns the diagonal bottom-right; they "
-                                    "agree only where every sequence has as many queries as keys)")
+            return refusal("alignment", f"attn_mask_type {attn_mask_type!r} is top-left causal and cu_seqlens_q is "
+                                        "not cu_seqlens_kv (FlashAttention aligns the diagonal bottom-right; they "
+                                        "agree only where every sequence has as many queries as keys)")
         if not varlen and s_q != s_kv:
-            return _no("alignment", f"attn_mask_type {attn_mask_type!r} is top-left causal and s_q {s_q} != "
-                                    f"s_kv {s_kv} (FlashAttention aligns the diagonal bottom-right)")
+            return refusal("alignment", f"attn_mask_type {attn_mask_type!r} is top-left causal and s_q {s_q} != "
+                                        f"s_kv {s_kv} (FlashAttention aligns the diagonal bottom-right)")
     if explicit_rng and dropout_p > 0.0:
-        return _no("rng_state", "an explicit rng_state asks for seqfuse's Philox dropout mask")
-    if deterministic:
-        return _no("deterministic", "deterministic=True (seqfuse's deterministic backward)")
-    if deterministic_algorithms:
-        return _no("deterministic", "torch.use_deterministic_algorithms(True)")
-    if dtype not in FLASH_DTYPES:
-        return _no("dtype", f"dtype {dtype} (FlashAttention takes float16 and bfloat16)")
-    if heads_kv < 1 or heads_q % heads_kv:
-        return _no("gqa", f"{heads_q} q heads are not a multiple of {heads_kv} k/v heads")
-    if head_dim % 8 or not 0 < head_dim <= FLASH_MAX_HEAD_DIM:
-        return _no("head_dim", f"head dim {head_dim} (FlashAttention: a multiple of 8, at most "
-                               f"{FLASH_MAX_HEAD_DIM})")
+        return refusal("rng_state", "an explicit rng_state asks for seqfuse's Philox dropout mask")
+    if broken := kernel_refusal("FlashAttention", deterministic, deterministic_algorithms, dtype, heads_q, heads_kv,
+                                head_dim, dtypes=FLASH_DTYPES, max_head_dim=FLASH_MAX_HEAD_DIM,
+                                deterministic_why="seqfuse's deterministic backward"):
+        return broken
     if not varlen and (s_q < 1 or s_kv < 1):
-        return _no("lengths", f"s_q {s_q}, s_kv {s_kv} (an empty call)")
+        return refusal("lengths", f"s_q {s_q}, s_kv {s_kv} (an empty call)")
     if device_type != "cuda":
-        return _no("device", f"{device_type} tensors (FlashAttention is CUDA only)")
-    if check_capability and tuple(capability or ()) != FLASH_CAPABILITY:
-        cap = "unknown" if capability is None else "%d.%d" % tuple(capability)
-        return _no("capability", f"compute capability {cap} (torch's FlashAttention is taken in auto only on "
-                                 "9.0, where it was measured)")
+        return refusal("device", f"{device_type} tensors (FlashAttention is CUDA only)")
+    if check_capability and (broken := capability_refusal(capability, FLASH_CAPABILITY,
+                                                          "torch's FlashAttention is taken in auto only on 9.0, "
+                                                          "where it was measured")):
+        return broken
     if check_capability and not needs_grad and dropout_p == 0.0 and head_dim in SEQFUSE_CUDA_HEAD_DIMS:
-        return _no("forward_only", "no gradient is needed and seqfuse's forward measured faster than "
-                                   "FlashAttention's")
+        return refusal("forward_only", "no gradient is needed and seqfuse's forward measured faster than "
+                                       "FlashAttention's")
     if not flash_enabled:
-        return _no("flash_sdp_enabled", "torch.backends.cuda.flash_sdp_enabled() is False")
+        return refusal("flash_sdp_enabled", "torch.backends.cuda.flash_sdp_enabled() is False")
     return "", ""
 
 
@@ -148,15 +137,15 @@ def fp32_eligibility(device_type, qkv_format, dtype, dropout_p, *, explicit_rng=
     (thd, whose lengths this route reads on the host) under CUDA graph
     capture (``capturing``)."""
     if dtype != torch.float32:
-        return _no("dtype", f"dtype {dtype} (this route is for float32)")
+        return refusal("dtype", f"dtype {dtype} (this route is for float32)")
     if device_type != "cuda":
-        return _no("device", f"{device_type} tensors (seqfuse's CPU backend takes float32 itself)")
+        return refusal("device", f"{device_type} tensors (seqfuse's CPU backend takes float32 itself)")
     if explicit_rng and dropout_p > 0.0:
-        return _no("rng_state", "an explicit rng_state asks for seqfuse's Philox dropout mask, which only "
-                                "seqfuse's kernels draw, and they take float32 on the CPU only")
+        return refusal("rng_state", "an explicit rng_state asks for seqfuse's Philox dropout mask, which only "
+                                    "seqfuse's kernels draw, and they take float32 on the CPU only")
     if qkv_format == "thd" and capturing:
-        return _no("graph_capture", "float32 thd reads the sequence lengths on the host, which CUDA graph "
-                                    "capture forbids")
+        return refusal("graph_capture", "float32 thd reads the sequence lengths on the host, which CUDA graph "
+                                        "capture forbids")
     return "", ""
 
 
