@@ -92,10 +92,6 @@ class NucleotideTokenizer(CharTokenizer):
         super().__init__(
             NUCLEOTIDE_VOCAB,
             bos_token="<bos>",
-            eos_token="<eos>",
-            pad_token="<pad>",
-            unk_token="<unk>",
-            mask_token="<mask>",
             random_tokens=list("ACGT"),
             unknown=unknown,
             parse_special_tokens=parse_special_tokens,

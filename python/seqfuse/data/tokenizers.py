@@ -51,17 +51,18 @@ _UNK = -1  # lookup-table code: not in the vocabulary
 class CharTokenizer:
     """One character, one token; multi-character entries of the vocabulary
     (``<...>``) are special tokens. Subclasses set the vocabulary and which
-    specials frame a sequence."""
+    specials frame a sequence; the end, padding, unknown and mask tokens
+    default to ESM's spellings, which every vocabulary here uses."""
 
     def __init__(
         self,
         vocab: Sequence[str],
         *,
         bos_token: str | None,
-        eos_token: str | None,
-        pad_token: str,
-        unk_token: str,
-        mask_token: str | None,
+        eos_token: str | None = "<eos>",
+        pad_token: str = "<pad>",
+        unk_token: str = "<unk>",
+        mask_token: str | None = "<mask>",
         random_tokens: Sequence[str],
         unknown: str = "error",
         parse_special_tokens: bool = True,
@@ -253,10 +254,6 @@ class EsmTokenizer(CharTokenizer):
         super().__init__(
             ESM2_VOCAB,
             bos_token="<cls>",
-            eos_token="<eos>",
-            pad_token="<pad>",
-            unk_token="<unk>",
-            mask_token="<mask>",
             random_tokens=list(self.STANDARD_AMINO_ACIDS),
             unknown=unknown,
             parse_special_tokens=parse_special_tokens,
