@@ -143,20 +143,43 @@ def _draw_weight(op, weight):
         torch.nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
 
 
-def _linear_weight(op, in_features, out_features, accumulate_into_main_grad, rng_state_tracker_function, dtype,
-                   device):
-    """What BasicLinear and Linear set up alike: the feature sizes, the
-    main_grad flag, the RNG tracker and an empty [out, in] ``weight``.
-    Returns the parameters' dtype and device keywords (for a bias)."""
-    op.in_features, op.out_features = int(in_features), int(out_features)
-    op.accumulate_into_main_grad = bool(accumulate_into_main_grad)
-    op._rng_state_tracker_function = rng_state_tracker_function
-    kw = dict(dtype=dtype or torch.get_default_dtype(), device=_device(device))
-    op.weight = torch.nn.Parameter(torch.empty(op.out_features, op.in_features, **kw))
-    return kw
+class _LinearOperation(BasicOperation):
+    """What BasicLinear and Linear share: the feature sizes, the main_grad
+    flag, the RNG tracker, an [out, in] ``weight`` (and Linear's ``bias``)
+    drawn as TE draws them unless on the meta device, and the forward through
+    seqfuse's Linear.  ``bias``: None for BasicLinear, which has no bias
+    attribute (as in TE), else whether Linear's ``bias`` is a Parameter
+    (zeros) or None."""
+
+    def __init__(self, in_features, out_features, bias, accumulate_into_main_grad, rng_state_tracker_function,
+                 dtype, device):
+        super().__init__()
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.accumulate_into_main_grad = bool(accumulate_into_main_grad)
+        self._rng_state_tracker_function = rng_state_tracker_function
+        kw = dict(dtype=dtype or torch.get_default_dtype(), device=_device(device))
+        self.weight = torch.nn.Parameter(torch.empty(self.out_features, self.in_features, **kw))
+        if bias is not None:
+            self.bias = torch.nn.Parameter(torch.empty(self.out_features, **kw)) if bias else None
+        if self.weight.device.type != "meta":
+            self.reset_parameters()
+
+    def _bias(self):
+        return getattr(self, "bias", None)  # BasicLinear has no bias attribute
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        materialize(self)
+        _draw_weight(self, self.weight)
+        if self._bias() is not None:
+            self.bias.zero_()
+
+    def forward(self, x):
+        bias = self._bias()
+        return _run(_linear_runner(self, bias is not None), x, weight=self.weight, bias=bias)
 
 
-class BasicLinear(BasicOperation):
+class BasicLinear(_LinearOperation):
     """y = x W^T (no bias).  accumulate_into_main_grad: the weight gradient
     goes into ``weight.main_grad`` where the weight carries one (seqfuse's
     Linear does so whenever it is there)."""
@@ -164,21 +187,10 @@ class BasicLinear(BasicOperation):
     def __init__(self, in_features, out_features, *, device=None, dtype=None, tensor_parallel_mode=None,
                  tensor_parallel_group=None, sequence_parallel=False, rng_state_tracker_function=None,
                  accumulate_into_main_grad=False, userbuffers_options=None):
-        super().__init__()
         _check_parallel(type(self).__name__, tensor_parallel_mode, tensor_parallel_group, sequence_parallel,
                         userbuffers_options)
-        _linear_weight(self, in_features, out_features, accumulate_into_main_grad, rng_state_tracker_function,
-                       dtype, device)
-        if self.weight.device.type != "meta":
-            self.reset_parameters()
-
-    @torch.no_grad()
-    def reset_parameters(self):
-        materialize(self)
-        _draw_weight(self, self.weight)
-
-    def forward(self, x):
-        return _run(_linear_runner(self, False), x, weight=self.weight, bias=None)
+        super().__init__(in_features, out_features, None, accumulate_into_main_grad, rng_state_tracker_function,
+                         dtype, device)
 
 
 class Bias(BasicOperation):
@@ -202,29 +214,15 @@ class Bias(BasicOperation):
         return x + self.bias.to(x.dtype)
 
 
-class Linear(BasicOperation):
+class Linear(_LinearOperation):
     """y = x W^T + b: BasicLinear and Bias in one operation."""
 
     def __init__(self, in_features, out_features, *, bias=True, device=None, dtype=None,
                  tensor_parallel_mode=None, tensor_parallel_group=None, sequence_parallel=False,
                  rng_state_tracker_function=None, accumulate_into_main_grad=False):
-        super().__init__()
         _check_parallel("Linear", tensor_parallel_mode, tensor_parallel_group, sequence_parallel)
-        kw = _linear_weight(self, in_features, out_features, accumulate_into_main_grad, rng_state_tracker_function,
-                            dtype, device)
-        self.bias = torch.nn.Parameter(torch.empty(self.out_features, **kw)) if bias else None
-        if self.weight.device.type != "meta":
-            self.reset_parameters()
-
-    @torch.no_grad()
-    def reset_parameters(self):
-        materialize(self)
-        _draw_weight(self, self.weight)
-        if self.bias is not None:
-            self.bias.zero_()
-
-    def forward(self, x):
-        return _run(_linear_runner(self, self.bias is not None), x, weight=self.weight, bias=self.bias)
+        super().__init__(in_features, out_features, bool(bias), accumulate_into_main_grad,
+                         rng_state_tracker_function, dtype, device)
 
 
 class GroupedLinear(BasicOperation):
