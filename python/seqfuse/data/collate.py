@@ -44,7 +44,8 @@ from .masking import IGNORE_INDEX
 __all__ = ["PackedTHDCollator", "PaddedBSHDCollator", "batch_to_device"]
 
 
-def _check_samples(name: str, samples: Sequence[dict]) -> None:
+def _check_samples(name: str, samples: Sequence[dict]) -> list[int]:
+    """Refuses an empty batch and malformed samples; the samples' token counts."""
     if len(samples) == 0:
         raise ValueError(f"{name}: got an empty batch")
     for k, s in enumerate(samples):
@@ -56,6 +57,7 @@ def _check_samples(name: str, samples: Sequence[dict]) -> None:
             )
         if ids.numel() == 0:
             raise ValueError(f"{name}: sample {k} is empty")
+    return [int(s["input_ids"].numel()) for s in samples]
 
 
 def _indices(samples) -> dict:
@@ -68,7 +70,19 @@ def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
-class PackedTHDCollator:
+class _Collator:
+    """What both collators take alike: the padding token's id and an optional
+    ``pad_to_multiple_of`` (>= 1, checked here)."""
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None):
+        if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
+            raise ValueError(f"{type(self).__name__}: argument 'pad_to_multiple_of' must be >= 1, "
+                             f"got {pad_to_multiple_of}")
+        self.pad_token_id = pad_token_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+
+class PackedTHDCollator(_Collator):
     """Concatenate samples into one THD batch (see the module note).
 
     ``max_tokens`` (optional) is a hard check: a batch whose padded total
@@ -76,15 +90,11 @@ class PackedTHDCollator:
     """
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None, max_tokens: int | None = None):
-        if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
-            raise ValueError(f"PackedTHDCollator: argument 'pad_to_multiple_of' must be >= 1, got {pad_to_multiple_of}")
-        self.pad_token_id = pad_token_id
-        self.pad_to_multiple_of = pad_to_multiple_of
+        super().__init__(pad_token_id, pad_to_multiple_of)
         self.max_tokens = max_tokens
 
     def __call__(self, samples: Sequence[dict]) -> dict:
-        _check_samples("PackedTHDCollator", samples)
-        lens = [int(s["input_ids"].numel()) for s in samples]
+        lens = _check_samples("PackedTHDCollator", samples)
         n_real = sum(lens)
         total = _round_up(n_real, self.pad_to_multiple_of) if self.pad_to_multiple_of else n_real
         if self.max_tokens is not None and total > self.max_tokens:
@@ -117,24 +127,20 @@ class PackedTHDCollator:
         }
 
 
-class PaddedBSHDCollator:
+class PaddedBSHDCollator(_Collator):
     """Right-pad samples into ``[B, L]`` tensors (see the module note)."""
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None, max_length: int | None = None):
-        if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
-            raise ValueError(f"PaddedBSHDCollator: argument 'pad_to_multiple_of' must be >= 1, got {pad_to_multiple_of}")
+        super().__init__(pad_token_id, pad_to_multiple_of)
         if max_length is not None and pad_to_multiple_of and max_length % pad_to_multiple_of:
             raise ValueError(
                 f"PaddedBSHDCollator: 'max_length' ({max_length}) must be a multiple of "
                 f"'pad_to_multiple_of' ({pad_to_multiple_of})"
             )
-        self.pad_token_id = pad_token_id
-        self.pad_to_multiple_of = pad_to_multiple_of
         self.max_length = max_length
 
     def __call__(self, samples: Sequence[dict]) -> dict:
-        _check_samples("PaddedBSHDCollator", samples)
-        lens = [int(s["input_ids"].numel()) for s in samples]
+        lens = _check_samples("PaddedBSHDCollator", samples)
         longest = max(lens)
         if self.max_length is not None:
             if longest > self.max_length:
