@@ -3,6 +3,7 @@ error-bound policy for float kernels (below, at REL_TOL), the skip conditions
 of tests that need float8 DLPack or CPU FSDP2, small references, and the
 multi-process scaffolding of the distributed tests (run_ranks: a process
 group of N workers, each computing its results, collected by the test)."""
+import contextlib
 import os
 
 import pytest
@@ -100,6 +101,44 @@ def act_reference(name, x):
         a, g = x.chunk(2, dim=-1)
         return F.gelu(a, approximate="tanh") * g
     raise ValueError(name)
+
+
+def norm_reference(x, w, b, eps, kind, zero_centered_gamma=False):
+    """LayerNorm or RMSNorm (``kind``, Transformer Engine's names) of x over its
+    last dimension in plain torch; with ``zero_centered_gamma`` the weight is
+    stored as gamma - 1 (TE's zero_centered_gamma)."""
+    w = w + 1 if zero_centered_gamma else w
+    if kind == "RMSNorm":
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+    return F.layer_norm(x, (x.shape[-1],), w, b, eps)
+
+
+def rope_reference(t, angles):
+    """Rotary embedding of t [b, s, h, d] by angles [s, d], the half-split
+    pairing (rotate_half: element i turns with element i + d/2)."""
+    cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+    d = t.shape[-1]
+    return t * cos + torch.cat([-t[..., d // 2:], t[..., :d // 2]], -1) * sin
+
+
+def seeded_rng_tracker(seed):
+    """A stand-in for Megatron's RNG state tracker as TE's
+    ``get_rng_state_tracker`` argument takes it (a callable returning the
+    tracker): a class whose ``fork(name)`` appends name to the class list
+    ``calls`` and runs its block with the CPU generator seeded ``seed``, the
+    caller's generator state restored afterwards."""
+
+    class Tracker:
+        calls = []
+
+        @contextlib.contextmanager
+        def fork(self, name="model-parallel-rng"):
+            Tracker.calls.append(name)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                yield
+
+    return Tracker
 
 
 def rel_error(out, ref):

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import seqfuse.pytorch as te
-from helpers import act_reference, rel_error, rel_tol
+from helpers import act_reference, norm_reference, rel_error, rel_tol, rope_reference, seeded_rng_tracker
 from seqfuse.common.recipe import DelayedScaling
 from seqfuse.modules.te_compat import materialize_device
 
@@ -84,24 +84,10 @@ def test_cudnn_version_and_default_recipe():
 
 
 # ---------------------------------------------------------------- references
-def _norm_ref(x, w, b, eps, kind, zc=False):
-    w = w + 1 if zc else w
-    if kind == "RMSNorm":
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-    return F.layer_norm(x, (x.shape[-1],), w, b, eps)
-
-
-def _rope_ref(t, angles):
-    # t [b, s, h, d], angles [s, d]; rotate_half pairs
-    cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
-    d = t.shape[-1]
-    return t * cos + torch.cat([-t[..., d // 2:], t[..., :d // 2]], -1) * sin
-
-
 def _qk_norm_ref(t, kind, eps, module):
     if kind == "L2Normalization":
         return t * torch.rsqrt(t.pow(2).sum(-1, keepdim=True) + eps)
-    return _norm_ref(t, module.weight.double(), None if module.bias is None else module.bias.double(), eps, kind)
+    return norm_reference(t, module.weight.double(), None if module.bias is None else module.bias.double(), eps, kind)
 
 
 def mha_reference(m, x, angles, causal=True):
@@ -109,8 +95,8 @@ def mha_reference(m, x, angles, causal=True):
     parameters) in float64 from its own parameters."""
     x = x.double()
     lq = m.layernorm_qkv
-    ln = _norm_ref(x, lq.layer_norm_weight.double(),
-                   None if lq.layer_norm_bias is None else lq.layer_norm_bias.double(), lq.eps, lq.normalization)
+    ln = norm_reference(x, lq.layer_norm_weight.double(),
+                        None if lq.layer_norm_bias is None else lq.layer_norm_bias.double(), lq.eps, lq.normalization)
     h, g, d = m.num_attention_heads, m.num_gqa_groups, m.kv_channels
     b, s, _ = x.shape
     q = (ln @ lq.query_weight.double().T + lq.query_bias.double()).view(b, s, h, d)
@@ -120,7 +106,7 @@ def mha_reference(m, x, angles, causal=True):
     if kind and m.qk_norm_before_rope:
         q, k = _qk_norm_ref(q, kind, m.qk_norm_eps, m.q_norm), _qk_norm_ref(k, kind, m.qk_norm_eps, m.k_norm)
     if angles is not None:
-        q, k = _rope_ref(q, angles), _rope_ref(k, angles)
+        q, k = rope_reference(q, angles), rope_reference(k, angles)
     if kind and not m.qk_norm_before_rope:
         q, k = _qk_norm_ref(q, kind, m.qk_norm_eps, m.q_norm), _qk_norm_ref(k, kind, m.qk_norm_eps, m.k_norm)
     k, v = k.repeat_interleave(h // g, 2), v.repeat_interleave(h // g, 2)
@@ -189,9 +175,9 @@ def mlp_reference(m, x):
     """LayerNormMLP in float64 torch from (detached copies of) its parameters."""
     m = _Detached(m)
     x = x.double()
-    ln = _norm_ref(x, m.layer_norm_weight.double(),
-                   None if m.layer_norm_bias is None else m.layer_norm_bias.double(), m.eps, m.normalization,
-                   m.zero_centered_gamma)
+    ln = norm_reference(x, m.layer_norm_weight.double(),
+                        None if m.layer_norm_bias is None else m.layer_norm_bias.double(), m.eps, m.normalization,
+                        m.zero_centered_gamma)
     h = ln @ m.fc1_weight.double().T + (0 if m.fc1_bias is None else m.fc1_bias.double())
     a = act_reference(m.activation, h)
     return a @ m.fc2_weight.double().T + (0 if m.fc2_bias is None else m.fc2_bias.double()), ln
@@ -432,16 +418,7 @@ def test_meta_model_materialises_and_trains():
 
 
 def test_rng_tracker_draws_the_initialisation():
-    class Tracker:
-        calls = []
-
-        @contextlib.contextmanager
-        def fork(self, name="model-parallel-rng"):
-            Tracker.calls.append(name)
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(1234)
-                yield
-
+    Tracker = seeded_rng_tracker(1234)
     torch.manual_seed(0)
     a = te.Linear(8, 8, device="cpu", get_rng_state_tracker=Tracker, rng_tracker_name="tp-rng")
     torch.manual_seed(1234)
@@ -567,8 +544,8 @@ def _ops_reference(seq, x):
     for op in seq:
         if isinstance(op, (te.ops.LayerNorm, te.ops.RMSNorm)):
             kind = "RMSNorm" if isinstance(op, te.ops.RMSNorm) else "LayerNorm"
-            x = _norm_ref(x, op.weight.double(), None if op.bias is None else op.bias.double(), op.eps, kind,
-                          op.zero_centered_gamma)
+            x = norm_reference(x, op.weight.double(), None if op.bias is None else op.bias.double(), op.eps, kind,
+                               op.zero_centered_gamma)
         elif isinstance(op, (te.ops.Linear, te.ops.BasicLinear)):
             x = x @ op.weight.double().T
             if getattr(op, "bias", None) is not None:
@@ -843,8 +820,8 @@ def test_apply_fused_qkv_rotary_pos_emb(fmt):
     x = qkv.detach().double().requires_grad_()
     xb = x if fmt == "bshd" else x.transpose(0, 1)  # [b, s, g, *] for the reference
     qr, kr, vr = xb.split([2 * d, d, d], dim=-1)
-    qr = _rope_ref(qr.reshape(b, s, 2 * g, d), q_angles)
-    kr = _rope_ref(kr, k_freqs[:, 0, 0, :].double())
+    qr = rope_reference(qr.reshape(b, s, 2 * g, d), q_angles)
+    kr = rope_reference(kr, k_freqs[:, 0, 0, :].double())
     back = (lambda t: t) if fmt == "bshd" else (lambda t: t.transpose(0, 1))
     assert q.shape == back(qr).shape and k.shape == back(kr).shape and v.shape == back(vr).shape
     for out, ref in ((q, back(qr)), (k, back(kr)), (v, back(vr))):

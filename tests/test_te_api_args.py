@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 import seqfuse.pytorch as te
-from helpers import rel_error, rel_tol
-from test_te_api import _norm_ref, close, mha_reference, rope_angles
+from helpers import norm_reference, rel_error, rel_tol, seeded_rng_tracker
+from test_te_api import close, mha_reference, rope_angles
 
 F32 = rel_tol(torch.float32, 4)
 
@@ -60,28 +60,17 @@ def test_init_methods_reach_every_weight():
     close(mlp(xm), ref)
 
 
-class _Tracker:
-    calls = []
-
-    @contextlib.contextmanager
-    def fork(self, name="model-parallel-rng"):
-        _Tracker.calls.append(name)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(99)
-            yield
-
-
 def test_rng_tracker_reaches_every_weight():
-    _Tracker.calls.clear()
-    lnl = te.LayerNormLinear(8, 12, get_rng_state_tracker=_Tracker, name="lnl", device="cpu")
+    tracker = seeded_rng_tracker(99)
+    lnl = te.LayerNormLinear(8, 12, get_rng_state_tracker=tracker, name="lnl", device="cpu")
     torch.manual_seed(99)
     assert torch.equal(lnl.weight, torch.empty(12, 8).normal_(0.0, 0.02)) and lnl.name == "lnl"
-    mha = te.MultiheadAttention(16, 2, get_rng_state_tracker=_Tracker, name="attn", device="cpu")
+    mha = te.MultiheadAttention(16, 2, get_rng_state_tracker=tracker, name="attn", device="cpu")
     torch.manual_seed(99)
     assert torch.equal(mha.proj.weight, torch.empty(16, 16).normal_(0.0, 0.023)) and mha.name == "attn"
-    n = len(_Tracker.calls)
-    layer = te.TransformerLayer(16, 32, 2, get_rng_state_tracker=_Tracker, name="layer0", device="cpu")
-    assert len(_Tracker.calls) - n == 3 and layer.name == "layer0"  # QKV, proj and the MLP
+    n = len(tracker.calls)
+    layer = te.TransformerLayer(16, 32, 2, get_rng_state_tracker=tracker, name="layer0", device="cpu")
+    assert len(tracker.calls) - n == 3 and layer.name == "layer0"  # QKV, proj and the MLP
     torch.manual_seed(99)
     assert torch.equal(layer.layernorm_mlp.fc1_weight, torch.empty(32, 16).normal_(0.0, 0.02))
 
@@ -206,7 +195,7 @@ def test_transformer_layer_decoder_arguments():
     # the layer computes with them: MLP block against torch (swiglu, zero-centred RMSNorm)
     x = torch.randn(5, 16)
     w = mlp.layer_norm_weight.detach().double() + 1
-    ln = _norm_ref(x.double(), w, None, 1e-3, "RMSNorm")
+    ln = norm_reference(x.double(), w, None, 1e-3, "RMSNorm")
     h = ln @ mlp.fc1_weight.detach().double().T + mlp.fc1_bias.detach().double()
     a, g = h.chunk(2, -1)
     ref = (F.silu(a) * g) @ mlp.fc2_weight.detach().double().T + mlp.fc2_bias.detach().double()

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 
 import seqfuse.pytorch as te
-from helpers import BACKWARD_FACTOR, needs_fp8, pair_tol, rel_error, rel_tol
+from helpers import BACKWARD_FACTOR, needs_fp8, norm_reference, pair_tol, rel_error, rel_tol
 from seqfuse.common.recipe import Float8CurrentScaling
-from test_te_api import SavedBytes, _norm_ref, close, mha_reference, rope_angles
+from test_te_api import SavedBytes, close, mha_reference, rope_angles
 from test_transformer_layer import _attention, make_layer, pad_mask, reference_layer, rope_freqs
 
 F32 = rel_tol(torch.float32, 4)
@@ -56,15 +56,16 @@ def test_gemm_and_norm_forward_keywords_against_torch():
         "Linear": (lambda: lin(inp=x, is_first_microbatch=True),
                    lambda xr: F.linear(xr, P(lin.weight), P(lin.bias))),
         "LayerNormLinear": (lambda: lnl(inp=x, is_first_microbatch=False),
-                            lambda xr: F.linear(_norm_ref(xr, P(lnl.layer_norm_weight), None, lnl.eps, "RMSNorm"),
+                            lambda xr: F.linear(norm_reference(xr, P(lnl.layer_norm_weight), None, lnl.eps, "RMSNorm"),
                                                 P(lnl.weight), P(lnl.bias))),
         "LayerNormMLP": (lambda: mlp(inp=x, is_first_microbatch=None),
                          lambda xr: F.linear(F.gelu(F.linear(
-                             _norm_ref(xr, P(mlp.layer_norm_weight), P(mlp.layer_norm_bias), mlp.eps, "LayerNorm"),
+                             norm_reference(xr, P(mlp.layer_norm_weight), P(mlp.layer_norm_bias), mlp.eps, "LayerNorm"),
                              P(mlp.fc1_weight), P(mlp.fc1_bias)), approximate="tanh"), P(mlp.fc2_weight),
                              P(mlp.fc2_bias))),
-        "LayerNorm": (lambda: ln(input=x), lambda xr: _norm_ref(xr, P(ln.weight), P(ln.bias), ln.eps, "LayerNorm")),
-        "RMSNorm": (lambda: rms(input=x), lambda xr: _norm_ref(xr, P(rms.weight), None, rms.eps, "RMSNorm")),
+        "LayerNorm": (lambda: ln(input=x),
+                      lambda xr: norm_reference(xr, P(ln.weight), P(ln.bias), ln.eps, "LayerNorm")),
+        "RMSNorm": (lambda: rms(input=x), lambda xr: norm_reference(xr, P(rms.weight), None, rms.eps, "RMSNorm")),
     }
     for name, (run, ref_fn) in refs.items():
         x.grad = None
@@ -365,21 +366,21 @@ def _decoder_reference(layer, x, enc, enc_lengths, cross_window):
     b, s, _ = x.shape
     eps, scale = layer.layernorm_mlp.eps, 1 / math.sqrt(d)
     x = x.double()
-    ln = _norm_ref(x, P["self_attention.layernorm_qkv.layer_norm_weight"],
-                   P["self_attention.layernorm_qkv.layer_norm_bias"], eps, "LayerNorm")
+    ln = norm_reference(x, P["self_attention.layernorm_qkv.layer_norm_weight"],
+                        P["self_attention.layernorm_qkv.layer_norm_bias"], eps, "LayerNorm")
     mixed = F.linear(ln, P["self_attention.layernorm_qkv.weight"], P["self_attention.layernorm_qkv.bias"])
     grouped = mixed.view(b, s, g, h // g + 2, d)  # TE's interleaved QKV rows
     q, k, v = grouped[..., :h // g, :].reshape(b, s, h, d), grouped[..., h // g, :], grouped[..., h // g + 1, :]
     a = _attention(q, k, v, [s] * b, [s] * b, True, scale)
     x = x + F.linear(a, P["self_attention.proj.weight"], P["self_attention.proj.bias"])
-    ln = _norm_ref(x, P["inter_attention.layernorm_query.layer_norm_weight"],
-                   P["inter_attention.layernorm_query.layer_norm_bias"], eps, "LayerNorm")
+    ln = norm_reference(x, P["inter_attention.layernorm_query.layer_norm_weight"],
+                        P["inter_attention.layernorm_query.layer_norm_bias"], eps, "LayerNorm")
     q = F.linear(ln, P["inter_attention.layernorm_query.weight"], P["inter_attention.layernorm_query.bias"])
     kv = F.linear(enc.double(), P["inter_attention.key_value.weight"], P["inter_attention.key_value.bias"])
     kv = kv.view(b, enc.shape[1], g, 2, d)
     a = _cross_attention(q.view(b, s, h, d), kv[..., 0, :], kv[..., 1, :], enc_lengths, scale, cross_window)
     x = x + F.linear(a, P["inter_attention.proj.weight"], P["inter_attention.proj.bias"])
-    ln = _norm_ref(x, P["layernorm_mlp.layer_norm_weight"], P["layernorm_mlp.layer_norm_bias"], eps, "LayerNorm")
+    ln = norm_reference(x, P["layernorm_mlp.layer_norm_weight"], P["layernorm_mlp.layer_norm_bias"], eps, "LayerNorm")
     hid = F.gelu(F.linear(ln, P["layernorm_mlp.fc1_weight"], P["layernorm_mlp.fc1_bias"]), approximate="tanh")
     return x + F.linear(hid, P["layernorm_mlp.fc2_weight"], P["layernorm_mlp.fc2_bias"])
 

@@ -13,24 +13,10 @@ import torch.nn.functional as F
 
 import seqfuse
 import seqfuse.pytorch as te
-from helpers import act_reference, needs_fp8, rel_error
+from helpers import act_reference, needs_fp8, norm_reference, rel_error, rope_reference
 
 
 # ---------------------------------------------------------------- reference
-def _norm(x, w, b, eps, normalization):
-    if normalization == "RMSNorm":
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-    return F.layer_norm(x, (x.shape[-1],), w, b, eps)
-
-
-def _rope(t, freqs):
-    # t [b, s, h, d], freqs [s, d] angles, half-split pairs (rotate_half)
-    cos, sin = freqs.cos()[None, :, None, :], freqs.sin()[None, :, None, :]
-    d = t.shape[-1]
-    rot = torch.cat([-t[..., d // 2:], t[..., :d // 2]], dim=-1)
-    return t * cos + rot * sin
-
-
 def _attention(q, k, v, lengths_q, lengths_k, causal, scale, window=None):
     # q [b, s, h, d], k/v [b, s_k, g, d]; padding by lengths, causal top-left,
     # window (left, right) around the diagonal, -1 unbounded
@@ -86,26 +72,26 @@ def reference_layer(layer, x, lengths, causal, freqs, activation, normalization,
     sa = layer.self_attention
     h, g, d = sa.num_attention_heads, sa.num_gqa_groups, sa.kv_channels
     scale = 1.0 / math.sqrt(d)
-    ln = rnd(_norm(f32(x), f32(P["self_attention.layernorm_qkv.layer_norm_weight"]),
-                   f32(P.get("self_attention.layernorm_qkv.layer_norm_bias")), eps, normalization))
+    ln = rnd(norm_reference(f32(x), f32(P["self_attention.layernorm_qkv.layer_norm_weight"]),
+                            f32(P.get("self_attention.layernorm_qkv.layer_norm_bias")), eps, normalization))
     mixed = F.linear(ln, P["self_attention.layernorm_qkv.weight"], P.get("self_attention.layernorm_qkv.bias"))
     q, k, v = _split(mixed, h, g, d, interleaved)
     if freqs is not None:
-        q, k = rnd(_rope(f32(q), f32(freqs.double()))), rnd(_rope(f32(k), f32(freqs.double())))
+        q, k = rnd(rope_reference(f32(q), f32(freqs.double()))), rnd(rope_reference(f32(k), f32(freqs.double())))
     a = rnd(_attention(f32(q), f32(k), f32(v), lengths, lengths, causal, scale, window))
     x = x + F.linear(a, P["self_attention.proj.weight"], P.get("self_attention.proj.bias"))
     if encoder is not None:
         enc = encoder.double()
-        ln = _norm(x, P["inter_attention.layernorm_query.layer_norm_weight"],
-                   P.get("inter_attention.layernorm_query.layer_norm_bias"), eps, normalization)
+        ln = norm_reference(x, P["inter_attention.layernorm_query.layer_norm_weight"],
+                            P.get("inter_attention.layernorm_query.layer_norm_bias"), eps, normalization)
         q = F.linear(ln, P["inter_attention.layernorm_query.weight"], P.get("inter_attention.layernorm_query.bias"))
         q = q.view(*q.shape[:-1], h, d)
         kv = F.linear(enc, P["inter_attention.key_value.weight"], P.get("inter_attention.key_value.bias"))
         kv = kv.view(*kv.shape[:-1], g, 2, d)
         a = _attention(q, kv[..., 0, :], kv[..., 1, :], [x.shape[1]] * x.shape[0], enc_lengths, False, scale)
         x = x + F.linear(a, P["inter_attention.proj.weight"], P.get("inter_attention.proj.bias"))
-    ln = rnd(_norm(f32(x), f32(P["layernorm_mlp.layer_norm_weight"]), f32(P.get("layernorm_mlp.layer_norm_bias")),
-                   eps, normalization))
+    ln = rnd(norm_reference(f32(x), f32(P["layernorm_mlp.layer_norm_weight"]),
+                            f32(P.get("layernorm_mlp.layer_norm_bias")), eps, normalization))
     hmid = rnd(act_reference(activation, f32(F.linear(ln, P["layernorm_mlp.fc1_weight"],
                                                          P.get("layernorm_mlp.fc1_bias")))))
     return x + F.linear(hmid, P["layernorm_mlp.fc2_weight"], P.get("layernorm_mlp.fc2_bias"))
