@@ -42,6 +42,11 @@ class _FormatSpec:
 _MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
+def _spec_field(name):
+    """A read-only Format attribute: the field ``name`` of the member's _FormatSpec."""
+    return property(lambda self: getattr(self.value, name))
+
+
 class Format(Enum):
     """The FP8 formats of forward tensors (inputs, weights) and backward
     tensors (output gradients).  HYBRID: E4M3 forward, E5M2 backward."""
@@ -56,21 +61,10 @@ class Format(Enum):
         # into a spawned process or a pickled config)
         return getattr, (type(self), self.name)
 
-    @property
-    def forward_dtype(self):
-        return self.value.forward_dtype
-
-    @property
-    def backward_dtype(self):
-        return self.value.backward_dtype
-
-    @property
-    def max_fwd(self):
-        return self.value.max_fwd
-
-    @property
-    def max_bwd(self):
-        return self.value.max_bwd
+    forward_dtype = _spec_field("forward_dtype")
+    backward_dtype = _spec_field("backward_dtype")
+    max_fwd = _spec_field("max_fwd")
+    max_bwd = _spec_field("max_bwd")
 
 
 class Recipe:
