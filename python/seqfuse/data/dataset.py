@@ -96,6 +96,17 @@ class FramedDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.store)
 
+    def fingerprint(self) -> dict:
+        """The settings a saved loader position depends on (subclasses add
+        their own)."""
+        return {
+            "num_samples": len(self.store),
+            "max_length": self.max_length,
+            "seed": self.seed,
+            "crop": self.crop,
+            "vocab_size": self.tokenizer.vocab_size,
+        }
+
     def __getstate__(self):  # workers build their own generator
         state = dict(self.__dict__)
         state["_gen"] = None
@@ -165,14 +176,10 @@ class MLMDataset(FramedDataset):
     def fingerprint(self) -> dict:
         """The settings a saved loader position depends on."""
         return {
-            "num_samples": len(self.store),
-            "max_length": self.max_length,
-            "seed": self.seed,
+            **super().fingerprint(),
             "mask_prob": self.mask_prob,
             "mask_token_frac": self.mask_token_frac,
             "random_token_frac": self.random_token_frac,
-            "crop": self.crop,
-            "vocab_size": self.tokenizer.vocab_size,
         }
 
     def __getitem__(self, key):
@@ -205,15 +212,7 @@ class CausalLMDataset(FramedDataset):
 
     def fingerprint(self) -> dict:
         """The settings a saved loader position depends on."""
-        return {
-            "objective": "causal_lm",
-            "num_samples": len(self.store),
-            "max_length": self.max_length,
-            "seed": self.seed,
-            "crop": self.crop,
-            "add_special_tokens": self.add_special_tokens,
-            "vocab_size": self.tokenizer.vocab_size,
-        }
+        return {"objective": "causal_lm", **super().fingerprint(), "add_special_tokens": self.add_special_tokens}
 
     def __getitem__(self, key):
         index, ids, _ = self.framed(key)
