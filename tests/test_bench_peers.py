@@ -131,11 +131,17 @@ def test_te_modules_cell_compares_one_computation(module, monkeypatch, tmp_path)
         assert row["te_attention"].startswith("unknown (")
 
 
+def _cpu_smoke(bench, tmp_path, *options):
+    """The JSON document of one quick CPU run of a peer benchmark's main()
+    (one iteration, one round, no warm-up) with ``options``."""
+    out = tmp_path / "smoke.json"
+    bench.main(["--device", "cpu", *options, "--iters", "1", "--rounds", "1", "--warmup", "0", "--out", str(out)])
+    return json.loads(out.read_text())
+
+
 def test_te_modules_cpu_smoke_skips_te_with_its_reason(tmp_path):
-    out = tmp_path / "te_modules.json"
-    bench_te_modules.main(["--device", "cpu", "--shapes", "tiny", "--modules", "Linear", "--recipes",
-                           "bf16,fp8_delayed", "--iters", "1", "--rounds", "1", "--warmup", "0", "--out", str(out)])
-    doc = json.loads(out.read_text())
+    doc = _cpu_smoke(bench_te_modules, tmp_path, "--shapes", "tiny", "--modules", "Linear", "--recipes",
+                     "bf16,fp8_delayed")
     assert doc["complete"] and "CUDA only" in doc["te_skipped"]
     assert [r["recipe"] for r in doc["rows"]] == ["bf16", "fp8_delayed"]
     assert all(r["seqfuse_ms"] > 0 and "CUDA only" in r["te_skipped"] for r in doc["rows"])
@@ -144,10 +150,7 @@ def test_te_modules_cpu_smoke_skips_te_with_its_reason(tmp_path):
 
 
 def test_liger_cpu_smoke_every_twin_matches_torch(tmp_path):
-    out = tmp_path / "liger.json"
-    bench_liger.main(["--device", "cpu", "--size", "tiny", "--no-compile", "--iters", "1", "--rounds", "1",
-                      "--warmup", "0", "--out", str(out)])
-    doc = json.loads(out.read_text())
+    doc = _cpu_smoke(bench_liger, tmp_path, "--size", "tiny", "--no-compile")
     assert [r["op"] for r in doc["rows"]] == list(bench_liger.OPS)
     for r in doc["rows"]:
         assert "CUDA only" in r["liger_skipped"], r
@@ -158,10 +161,7 @@ def test_liger_cpu_smoke_every_twin_matches_torch(tmp_path):
 
 
 def test_torchao_cpu_smoke(tmp_path):
-    out = tmp_path / "torchao.json"
-    bench_torchao.main(["--device", "cpu", "--shapes", "tiny", "--no-compile", "--iters", "1", "--rounds", "1",
-                        "--warmup", "0", "--out", str(out)])
-    doc = json.loads(out.read_text())
+    doc = _cpu_smoke(bench_torchao, tmp_path, "--shapes", "tiny", "--no-compile")
     impls = {(r["module"], r["impl"]): r for r in doc["rows"]}
     for module in bench_torchao.MODULES:
         assert impls[(module, "torch_bf16")]["rel_diff_vs_seqfuse_bf16"] < 1e-5  # the torch twin holds seqfuse's weights
