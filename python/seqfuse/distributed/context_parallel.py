@@ -141,34 +141,31 @@ class _Plan:
         self._gather_order = None
         self._chunk_keys = {}
 
-    # halves of the local tokens (0: chunk rank, 1: chunk 2cp-1-rank)
-    def half(self, x, h):
+    # halves of the local tokens (0: chunk rank, 1: chunk 2cp-1-rank) of a
+    # q/k/v/out-shaped tensor or, with lse=True, of a softmax statistic
+    # ([h, t] in thd, [b, h, s] otherwise)
+    def _token_dim(self, lse):
         if self.fmt == "thd":
-            return x.index_select(0, self.idx[h])
-        return x.narrow(self.seq_dim, h * self.chunk, self.chunk)
+            return 1 if lse else 0
+        return 2 if lse else self.seq_dim
 
-    def half_lse(self, lse, h):
+    def half(self, x, h, lse=False):
+        """Half h of x: a copy (index_select) in thd, a view (narrow) otherwise."""
         if self.fmt == "thd":
-            return lse.index_select(1, self.idx[h])
-        return lse.narrow(2, h * self.chunk, self.chunk)
+            return x.index_select(self._token_dim(lse), self.idx[h])
+        return x.narrow(self._token_dim(lse), h * self.chunk, self.chunk)
 
-    def put_half(self, x, h, value):
+    def put_half(self, x, h, value, lse=False):
         if self.fmt == "thd":
-            x.index_copy_(0, self.idx[h], value)
+            x.index_copy_(self._token_dim(lse), self.idx[h], value)
         else:
-            x.narrow(self.seq_dim, h * self.chunk, self.chunk).copy_(value)
-
-    def put_half_lse(self, lse, h, value):
-        if self.fmt == "thd":
-            lse.index_copy_(1, self.idx[h], value)
-        else:
-            lse.narrow(2, h * self.chunk, self.chunk).copy_(value)
+            self.half(x, h, lse).copy_(value)
 
     def add_half(self, x, h, value):
         if self.fmt == "thd":
-            x.index_add_(0, self.idx[h], value)
+            x.index_add_(self._token_dim(False), self.idx[h], value)
         else:
-            x.narrow(self.seq_dim, h * self.chunk, self.chunk).add_(value)
+            self.half(x, h).add_(value)
 
     def block_args(self, part_q, part_kv, mask):
         """attention_forward/backward keywords for local queries (part_q: "all" or a
@@ -350,11 +347,11 @@ class _RingAttention(torch.autograd.Function):
                 o, lse = ops.attention_forward(plan.half(q, 1), kk, vv, softmax_scale=scale,
                                            **plan.block_args(1, "all", "no_mask"))
                 # bshd/sbhd: the halves are views, merged in place; thd: gathered rows, merged, put back
-                o_half, l_half = plan.half(out_acc, 1), plan.half_lse(lse_acc, 1)
+                o_half, l_half = plan.half(out_acc, 1), plan.half(lse_acc, 1, lse=True)
                 merge_partial(o_half, l_half, o, lse, plan.fmt)
                 if plan.fmt == "thd":
                     plan.put_half(out_acc, 1, o_half)
-                    plan.put_half_lse(lse_acc, 1, l_half)
+                    plan.put_half(lse_acc, 1, l_half, lse=True)
             if step + 1 < comm.size:
                 comm.wait(works)
                 kv = nxt
@@ -396,7 +393,7 @@ class _RingAttention(torch.autograd.Function):
                 plan.add_half(dkv[1], 0, gv)
             else:  # later
                 gq, gk, gv = ops.attention_backward(plan.half(dout, 1), plan.half(q, 1), kk, vv, plan.half(out, 1),
-                                               plan.half_lse(lse, 1).contiguous(), **backward_args,
+                                               plan.half(lse, 1, lse=True).contiguous(), **backward_args,
                                                **plan.block_args(1, "all", "no_mask"))
                 plan.add_half(dq, 1, gq)
                 dkv[0].add_(gk)
@@ -441,7 +438,7 @@ class _AllGatherAttention(torch.autograd.Function):
                 kk, vv, kw = _chunk_keys(kv, plan, h)
                 o, l = ops.attention_forward(plan.half(q, h), kk, vv, softmax_scale=scale, **kw)
                 plan.put_half(out, h, o)
-                plan.put_half_lse(lse, h, l)
+                plan.put_half(lse, h, l, lse=True)
         else:
             out, lse = ops.attention_forward(q, kv[0], kv[1], softmax_scale=scale, **plan.full_keys_args())
         ctx.save_for_backward(q, k, v, out, lse)  # the gathered K/V is gathered again in the backward
@@ -462,7 +459,7 @@ class _AllGatherAttention(torch.autograd.Function):
             for h in (0, 1):
                 kk, vv, kw = _chunk_keys(kv, plan, h)
                 gq, gk, gv = ops.attention_backward(plan.half(dout, h), plan.half(q, h), kk, vv, plan.half(out, h),
-                                               plan.half_lse(lse, h).contiguous(), **backward_args, **kw)
+                                               plan.half(lse, h, lse=True).contiguous(), **backward_args, **kw)
                 plan.put_half(dq, h, gq)
                 index, prefix, _ = plan.chunk_keys(h)
                 if index is None:
