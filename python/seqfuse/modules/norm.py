@@ -87,9 +87,17 @@ def _one_of(cls, new, new_value, old, old_value):
 
 
 class _Norm(torch.nn.Module):
-    def __init__(self, cls, normalized_shape, eps, sequence_parallel, params_dtype, zero_centered_gamma,
-                 hidden_size, device, dtype, sm_margin, has_bias):
+    """LayerNorm's and RMSNorm's common part: TE's constructor (one signature
+    for both), the parameters and their initialisation.  A subclass names
+    itself in ``_name`` (for messages) and says in ``_has_bias`` whether it
+    has a bias."""
+    _name = None
+    _has_bias = None
+
+    def __init__(self, normalized_shape=None, eps=1e-5, sequence_parallel=None, params_dtype=None,
+                 zero_centered_gamma=False, hidden_size=None, device=None, dtype=None, sm_margin=0):
         super().__init__()
+        cls = self._name
         refuse(cls, {"sm_margin": sm_margin})
         normalized_shape = _one_of(cls, "normalized_shape", normalized_shape, "hidden_size", hidden_size)
         if normalized_shape is None:
@@ -104,7 +112,7 @@ class _Norm(torch.nn.Module):
         dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
         device = default_device(device)
         self.weight = torch.nn.Parameter(torch.empty(self.hidden_size, dtype=dtype, device=device))
-        if has_bias:
+        if self._has_bias:
             self.bias = torch.nn.Parameter(torch.empty(self.hidden_size, dtype=dtype, device=device))
         else:
             self.register_parameter("bias", None)
@@ -131,11 +139,7 @@ class _Norm(torch.nn.Module):
 
 class LayerNorm(_Norm):
     """y = (x - mean) / sqrt(var + eps) * weight + bias over the last dimension."""
-
-    def __init__(self, normalized_shape=None, eps=1e-5, sequence_parallel=None, params_dtype=None,
-                 zero_centered_gamma=False, hidden_size=None, device=None, dtype=None, sm_margin=0):
-        super().__init__("LayerNorm", normalized_shape, eps, sequence_parallel, params_dtype,
-                         zero_centered_gamma, hidden_size, device, dtype, sm_margin, has_bias=True)
+    _name, _has_bias = "LayerNorm", True
 
     def forward(self, input):
         return layer_norm(input, self.weight, self.bias, self.eps, self.zero_centered_gamma)
@@ -143,11 +147,7 @@ class LayerNorm(_Norm):
 
 class RMSNorm(_Norm):
     """y = x / sqrt(mean(x^2) + eps) * weight over the last dimension."""
-
-    def __init__(self, normalized_shape=None, eps=1e-5, sequence_parallel=None, params_dtype=None,
-                 zero_centered_gamma=False, hidden_size=None, device=None, dtype=None, sm_margin=0):
-        super().__init__("RMSNorm", normalized_shape, eps, sequence_parallel, params_dtype,
-                         zero_centered_gamma, hidden_size, device, dtype, sm_margin, has_bias=False)
+    _name, _has_bias = "RMSNorm", False
 
     def forward(self, input):
         return rms_norm(input, self.weight, self.eps, self.zero_centered_gamma)
