@@ -9,6 +9,7 @@ TE-named modules, tests/fake_transformer_engine.py); which attention backend
 a TE row names (te_esm2.te_attention_backend, from TE's own record) and the
 attention probe that reads it (te_probe.py); the one-line-per-row summary
 of the result JSONs (summary.py)."""
+import argparse
 import json
 import os
 import subprocess
@@ -119,7 +120,7 @@ def test_te_modules_cell_compares_one_computation(module, monkeypatch, tmp_path)
     """With seqfuse's modules playing Transformer Engine, the TE side of a
     cell gets seqfuse's weights and computes seqfuse's output."""
     fake_transformer_engine.install(monkeypatch)
-    args = bench_te_modules.main.__globals__["argparse"].Namespace(iters=1, rounds=1, warmup=0)
+    args = argparse.Namespace(iters=1, rounds=1, warmup=0)
     res = timing.Results(str(tmp_path / "cell.json"), bench_te_modules.__file__)
     bench_te_modules.run_cell("tiny", bench_te_modules.SHAPES["tiny"], module, "bf16", args, CPU, res, None)
     row = res.rows[0]

@@ -34,7 +34,6 @@ rel_diff of each output against torch eager, and seqfuse_vs_<peer> = peer ms
 Liger rows are skipped with the reason where liger_kernel does not import or
 no GPU is present.  JSON: benchmarks/results/liger.json.
 """
-import argparse
 import os
 import sys
 
@@ -47,8 +46,8 @@ from torch import nn  # noqa: E402
 
 import peers  # noqa: E402,F401  (seqfuse from a source checkout)
 from peers.meta import skip_reason  # noqa: E402
-from peers.timing import (Results, add_run_args, check_run_args, error_text, interleaved_ms, parse_list,  # noqa: E402
-                          peak_gib, rel_diff)
+from peers.timing import (Results, error_text, interleaved_ms, parse_run_args, peak_gib, rel_diff,  # noqa: E402
+                          release_cached_memory)
 
 OPS = ("rmsnorm", "layernorm", "swiglu", "rope", "flce")
 IMPLS = ("seqfuse", "liger", "torch", "torch_compile")
@@ -228,18 +227,14 @@ def run_op(op, s, impls, args, device, results, liger_why):
             row["best_peer"], row["seqfuse_vs_best_peer"] = best, peers_ms[best] / row["seqfuse_ms"]
     results.add(**row)
     del ops
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    release_cached_memory(device)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ops", default=",".join(OPS), help="comma list")
-    p.add_argument("--size", default="h200", choices=sorted(SIZES))
-    add_run_args(p, "liger", iters=20, compile_option=True)
-    args = p.parse_args(argv)
-    check_run_args(p, args)
-    ops = parse_list(p, "--ops", args.ops, OPS)
+    args = parse_run_args(argv, __doc__.splitlines()[0], "liger", [("--ops", ",".join(OPS), OPS)], iters=20,
+                          compile_option=True,
+                          more=lambda p: p.add_argument("--size", default="h200", choices=sorted(SIZES)))
+    ops = args.ops
     device = torch.device(args.device)
     liger_why = (skip_reason("liger_kernel.transformers", need_cuda=True) if device.type == "cuda"
                  else "liger_kernel: Triton kernels, CUDA only (--device cpu)")

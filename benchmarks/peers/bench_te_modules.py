@@ -42,7 +42,6 @@ module it most needs first.
 JSON: benchmarks/results/te_modules.json.  GPU: python3 bench_te_modules.py;
 CPU smoke: --device cpu --shapes tiny --iters 1 --rounds 1.
 """
-import argparse
 import os
 import sys
 
@@ -53,8 +52,8 @@ import torch  # noqa: E402
 
 import peers  # noqa: E402,F401  (seqfuse from a source checkout)
 from peers.meta import skip_reason  # noqa: E402
-from peers.timing import (Results, add_run_args, check_run_args, error_text, interleaved_ms, parse_list,  # noqa: E402
-                          peak_gib, rel_diff)
+from peers.timing import (Results, error_text, interleaved_ms, parse_run_args, peak_gib, rel_diff,  # noqa: E402
+                          release_cached_memory)
 
 SHAPES = {
     "esm2_650m": dict(hidden=1280, ffn=5120, heads=20, groups=20, norm="LayerNorm", act="gelu", bias=True,
@@ -228,21 +227,14 @@ def run_cell(shape, c, module, recipe, args, device, results, te_why):
         row["seqfuse_vs_te"] = row["te_ms"] / row["seqfuse_ms"]
     results.add(**row)
     del cases
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    release_cached_memory(device)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shapes", default="esm2_650m,llama_1b", help=f"comma list of {', '.join(SHAPES)}")
-    p.add_argument("--modules", default=",".join(MODULES), help="comma list")
-    p.add_argument("--recipes", default=",".join(RECIPES), help="comma list")
-    add_run_args(p, "te_modules")
-    args = p.parse_args(argv)
-    shapes = parse_list(p, "--shapes", args.shapes, SHAPES)
-    modules = parse_list(p, "--modules", args.modules, MODULES)
-    recipes = parse_list(p, "--recipes", args.recipes, RECIPES)
-    check_run_args(p, args)
+    args = parse_run_args(argv, __doc__.splitlines()[0], "te_modules",
+                          [("--shapes", "esm2_650m,llama_1b", SHAPES), ("--modules", ",".join(MODULES), MODULES),
+                           ("--recipes", ",".join(RECIPES), RECIPES)])
+    shapes, modules, recipes = args.shapes, args.modules, args.recipes
     device = torch.device(args.device)
     te_why = skip_reason(TE, need_cuda=True) if device.type == "cuda" else f"{TE}: runs on CUDA only (--device cpu)"
     if te_why:

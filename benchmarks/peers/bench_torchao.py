@@ -24,7 +24,6 @@ CPU (the smoke test) they run torchao's emulated FP8 (emulate=True) and
 --no-compile leaves the compiled rows out; the figures then mean nothing for
 speed.  JSON: benchmarks/results/torchao.json.
 """
-import argparse
 import dataclasses
 import os
 import sys
@@ -39,8 +38,8 @@ from torch import nn  # noqa: E402
 import peers  # noqa: E402,F401  (seqfuse from a source checkout)
 from peers.bench_te_modules import SHAPES, build, flops, make_inputs, qkv_out, train_step  # noqa: E402
 from peers.meta import skip_reason  # noqa: E402
-from peers.timing import (Results, add_run_args, check_run_args, error_text, interleaved_ms,  # noqa: E402
-                          parse_list, rel_diff)
+from peers.timing import (Results, error_text, interleaved_ms, parse_run_args, rel_diff,  # noqa: E402
+                          release_cached_memory)
 
 MODULES = ("Linear", "LayerNormMLP")
 SEQFUSE_RECIPES = ("bf16", "fp8_current", "fp8_delayed", "fp8_block")
@@ -163,19 +162,14 @@ def run_pair(shape, module, args, device, results, ao_why, emulate):
                 row["vs_torch_bf16"] = ok["torch_bf16"] / t
         results.add(**row)
     del steps, fns
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    release_cached_memory(device)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shapes", default="esm2_650m,llama_1b", help=f"comma list of {', '.join(SHAPES)}")
-    p.add_argument("--modules", default=",".join(MODULES), help="comma list")
-    add_run_args(p, "torchao", compile_option=True)
-    args = p.parse_args(argv)
-    check_run_args(p, args)
-    shapes = parse_list(p, "--shapes", args.shapes, SHAPES)
-    modules = parse_list(p, "--modules", args.modules, MODULES)
+    args = parse_run_args(argv, __doc__.splitlines()[0], "torchao",
+                          [("--shapes", "esm2_650m,llama_1b", SHAPES), ("--modules", ",".join(MODULES), MODULES)],
+                          compile_option=True)
+    shapes, modules = args.shapes, args.modules
     device = torch.device(args.device)
     ao_why = skip_reason("torchao.float8", need_cuda=False)
     emulate = device.type != "cuda"

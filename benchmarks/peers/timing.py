@@ -16,6 +16,7 @@ its figures in the log), and writes benchmarks/results/<name>.json with
 peers/meta.run_metadata() after every row, so a timeout loses nothing
 already measured.
 """
+import argparse
 import json
 import os
 import statistics
@@ -115,6 +116,34 @@ def parse_list(parser, option, value, known):
     if bad:
         parser.error(f"{option}: unknown {bad}; choose from {', '.join(known)}")
     return given
+
+
+def parse_run_args(argv, description, out, lists, iters=10, compile_option=False, more=None):
+    """The command line of a peer benchmark: its comma-list options ``lists``,
+    (option, default, known) triples, each returned parsed into a list of
+    items of ``known`` (anything else is the parser's error exit, as is a bad
+    --iters / --rounds / --warmup); ``more(parser)`` adds the script's other
+    options; then add_run_args's options (``out``, ``iters``,
+    ``compile_option`` as there)."""
+    p = argparse.ArgumentParser(description=description)
+    for option, default, known in lists:
+        p.add_argument(option, default=default, help=f"comma list of {', '.join(known)}")
+    if more is not None:
+        more(p)
+    add_run_args(p, out, iters=iters, compile_option=compile_option)
+    args = p.parse_args(argv)
+    check_run_args(p, args)
+    for option, _, known in lists:
+        dest = option.lstrip("-").replace("-", "_")
+        setattr(args, dest, parse_list(p, option, getattr(args, dest), known))
+    return args
+
+
+def release_cached_memory(device):
+    """Hand the caching allocator's free blocks back after a case (its tensors
+    already dropped), so the next case's peak memory starts from what it uses."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def error_text(e, limit=300):
