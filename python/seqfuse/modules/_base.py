@@ -11,6 +11,7 @@ from .. import ops
 from .. import quantization
 from .._runtime import cuda_available
 from ..quantization import gemm_quantizers
+from .te_compat import take_refused
 
 
 def compute_dtype(x, weight):
@@ -140,10 +141,11 @@ def fp8_quantizers(module, x):
 
 def fp8_norm(q, x2, lnw, lnb, eps, rms, zc, need_col):
     """(quantized norm output, mean, rstd) as GEMM 0's input.  Delayed
-    scaling: the norm kernel writes FP8 itself (scale and amax of the
-    state); other recipes: the norm in x's dtype, then the recipe's cast."""
+    scaling once the input has an amax history: the norm kernel writes FP8
+    itself (scale and amax of the state); otherwise (other recipes, the
+    first step) the norm in x's dtype, then the recipe's cast."""
     iq = q.inputs[0]
-    if q.kind == "delayed":
+    if iq.fused_cast:
         scale, amax, fp8_dtype = iq.scale
         si = torch.empty(1, dtype=torch.float32, device=x2.device)
         y, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc, fp8_dtype, scale, amax, si)
@@ -159,14 +161,38 @@ def init_weight(w, init_method):
         torch.nn.init.normal_(w, mean=0.0, std=0.02)
 
 
-def make_norm_params(module, size, normalization, kw):
-    """The fused norm's parameters, named as TE names them: layer_norm_weight,
-    and layer_norm_bias for LayerNorm (registered as None for RMSNorm)."""
+def take_norm_module_options(module, cls_name, te_refused, normalization, return_bias, fuse_wgrad_accumulation,
+                             get_rng_state_tracker, name):
+    """The first TE arguments LayerNormLinear and LayerNormMLP take alike, in
+    this order: the catch-all ``te_refused`` (take_refused), then
+    ``module``'s return_bias, fuse_wgrad_accumulation (main_grad is used
+    wherever present, whatever it says), get_rng_state_tracker and name, then
+    the ``normalization`` check."""
+    take_refused(cls_name, te_refused)
+    module.return_bias = bool(return_bias)
+    module.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
+    module.get_rng_state_tracker, module.name = get_rng_state_tracker, name
+    check_normalization(normalization)
+
+
+def make_norm_params(module, size, normalization, eps, zero_centered_gamma, params_dtype, device):
+    """The fused norm's settings (``module``'s eps, normalization,
+    zero_centered_gamma) and parameters, named as TE names them:
+    layer_norm_weight, and layer_norm_bias for LayerNorm (registered as None
+    for RMSNorm).  Returns the dtype and device keywords of the module's
+    parameters: ``params_dtype`` (default: torch's) on ``device`` (default:
+    ``default_device``)."""
+    module.eps = float(eps)
+    module.normalization = normalization
+    module.zero_centered_gamma = bool(zero_centered_gamma)
+    dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
+    kw = dict(dtype=dtype, device=default_device(device))
     module.layer_norm_weight = torch.nn.Parameter(torch.empty(size, **kw))
     if normalization == "LayerNorm":
         module.layer_norm_bias = torch.nn.Parameter(torch.empty(size, **kw))
     else:
         module.register_parameter("layer_norm_bias", None)
+    return kw
 
 
 def reset_norm_params(module):

@@ -42,10 +42,10 @@ import torch
 
 from .. import ops
 from . import _fp8 as F8
-from ._base import (as_dtype, check_normalization, default_device, fp8_norm, main_grad_for,  # noqa: F401
+from ._base import (as_dtype, fp8_norm, main_grad_for,
                     fp8_quantizers, hidden_dim, init_weight, make_norm_params, norm_backward,
-                    norm_forward, norm_param, reset_norm_params)
-from .te_compat import materialize, refuse_fp8_io, rng_fork, take_refused
+                    norm_forward, norm_param, reset_norm_params, take_norm_module_options)
+from .te_compat import materialize, refuse_fp8_io, rng_fork
 from ._input import check_input
 from ._split import fused_params, install_split, parse_split, reset_split, weight_sources
 
@@ -125,29 +125,20 @@ class LayerNormLinear(torch.nn.Module):
                  device=None, init_method=None, parameters_split=None, return_bias=False,
                  get_rng_state_tracker=None, name=None, fuse_wgrad_accumulation=False, **te_refused):
         super().__init__()
-        take_refused("LayerNormLinear", te_refused)
-        self.return_bias = bool(return_bias)
-        self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)  # main_grad is used wherever present
-        self.get_rng_state_tracker, self.name = get_rng_state_tracker, name
-        check_normalization(normalization)
+        take_norm_module_options(self, "LayerNormLinear", te_refused, normalization, return_bias,
+                                 fuse_wgrad_accumulation, get_rng_state_tracker, name)
         self.in_features = hidden_dim(in_features)
         self.out_features = int(out_features)
-        self.eps = float(eps)
-        self.normalization = normalization
-        self.zero_centered_gamma = bool(zero_centered_gamma)
+        kw = make_norm_params(self, self.in_features, normalization, eps, zero_centered_gamma, params_dtype, device)
         self.return_layernorm_output = bool(return_layernorm_output)
         self.use_bias = bool(bias)
-        dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
-        device = default_device(device)
-        kw = dict(dtype=dtype, device=device)
-        make_norm_params(self, self.in_features, normalization, kw)
         self.weight = torch.nn.Parameter(torch.empty(self.out_features, self.in_features, **kw))
         self.bias = torch.nn.Parameter(torch.empty(self.out_features, **kw)) if bias else None
         self.init_method = init_method
         split = parse_split("LayerNormLinear", parameters_split, self.out_features)
         if split:  # TE's split of the weight rows into parameters; still one GEMM
             install_split(self, split)
-        if device.type != "meta":  # meta: deferred to reset_parameters()
+        if kw["device"].type != "meta":  # meta: deferred to reset_parameters()
             self.reset_parameters()
 
     def reset_parameters(self):

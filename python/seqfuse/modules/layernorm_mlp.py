@@ -56,11 +56,11 @@ import torch
 from .. import ops
 from ..ops import act as A
 from . import _fp8 as F8
-from ._base import (as_dtype, check_normalization, default_device, fp8_norm, main_grad_for,
+from ._base import (as_dtype, fp8_norm, main_grad_for,
                     fp8_quantizers, hidden_dim, init_weight, make_norm_params, norm_backward,
-                    norm_forward, norm_param, reset_norm_params)
+                    norm_forward, norm_param, reset_norm_params, take_norm_module_options)
 from ._input import check_input
-from .te_compat import materialize, rng_fork, take_refused
+from .te_compat import materialize, rng_fork
 
 _log = logging.getLogger("seqfuse")
 _logged_fp8_checkpoint = False
@@ -174,10 +174,10 @@ def _fc1_act(x2, lnw, lnb, eps, rms, zc, w1c, b1c, activation):
 
 def _fp8_act(q, h, activation, need_col):
     """The activation of FC1's output as FC2's quantized input: written in
-    FP8 by the activation kernel under delayed scaling, else made in h's
-    dtype and cast."""
+    FP8 by the activation kernel under delayed scaling once it has an amax
+    history, else (other recipes, the first step) made in h's dtype and cast."""
     iq = q.inputs[1]
-    if q.kind == "delayed":
+    if iq.fused_cast:
         scale, amax, fp8_dtype = iq.scale
         si = torch.empty(1, dtype=torch.float32, device=h.device)
         return iq.fp8_output(A.act_forward(h, activation, fp8_dtype, scale, amax, si), si, h.dtype)
@@ -205,28 +205,20 @@ class LayerNormMLP(torch.nn.Module):
                  checkpoint=False, seq_length=None, micro_batch_size=None, get_rng_state_tracker=None,
                  name=None, return_bias=False, fuse_wgrad_accumulation=False, **te_refused):
         super().__init__()
-        take_refused("LayerNormMLP", te_refused)
+        take_norm_module_options(self, "LayerNormMLP", te_refused, normalization, return_bias,
+                                 fuse_wgrad_accumulation, get_rng_state_tracker, name)
         self.return_layernorm_output = bool(return_layernorm_output)
-        self.return_bias = bool(return_bias)
-        self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)  # main_grad is used wherever present
         self.checkpoint = bool(checkpoint)
         self.seq_length, self.micro_batch_size = seq_length, micro_batch_size
-        self.get_rng_state_tracker, self.name = get_rng_state_tracker, name
-        check_normalization(normalization)
         if activation not in ACTIVATIONS:
             raise ValueError(f"LayerNormMLP: argument 'activation' must be one of {', '.join(ACTIVATIONS)}, "
                              f"got {activation!r}")
         self.hidden_size = hidden_dim(hidden_size)
         self.ffn_hidden_size = int(ffn_hidden_size)
-        self.eps = float(eps)
-        self.normalization = normalization
+        kw = make_norm_params(self, self.hidden_size, normalization, eps, zero_centered_gamma, params_dtype, device)
         self.activation = activation
-        self.zero_centered_gamma = bool(zero_centered_gamma)
         self.use_bias = bool(bias)
         fc1_out = 2 * self.ffn_hidden_size if activation in A.GATED else self.ffn_hidden_size
-        dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
-        kw = dict(dtype=dtype, device=default_device(device))
-        make_norm_params(self, self.hidden_size, normalization, kw)
         self.fc1_weight = torch.nn.Parameter(torch.empty(fc1_out, self.hidden_size, **kw))
         self.fc1_bias = torch.nn.Parameter(torch.empty(fc1_out, **kw)) if bias else None
         self.fc2_weight = torch.nn.Parameter(torch.empty(self.hidden_size, self.ffn_hidden_size, **kw))
