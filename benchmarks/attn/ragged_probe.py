@@ -61,7 +61,6 @@ Run on the GPU machine after the build:
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -74,7 +73,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(ROOT, "tests"))  # the shared tolerance policy
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))  # benchmarks/: harness
 
+from harness import cuda_time_ms  # noqa: E402
 from helpers import BACKWARD_FACTOR, pair_tol  # noqa: E402
 
 DT = torch.bfloat16
@@ -152,25 +153,15 @@ def rel(a, b):
 
 # ------------------------------------------------------------------ timing
 def time_ms(step):
-    """Median ms of step() by CUDA events after warm-up; 10 repeats, or 3
-    when a call takes longer than 20 ms (the cuDNN ragged op of torch 2.11
-    takes about 50 ms: it rebuilds its graph every call)."""
+    """Median ms of step() by CUDA events after warm-up (harness.cuda_time_ms,
+    no L2 flush): 10 repeats after 3 warm-up calls, or 3 after 1 when a
+    call takes longer than 20 ms (the cuDNN ragged op of torch 2.11 takes
+    about 50 ms: it rebuilds its graph every call)."""
     t0 = time.perf_counter()
     step()
     torch.cuda.synchronize()
     slow = time.perf_counter() - t0 > 0.02
-    for _ in range(1 if slow else 3):
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(3 if slow else 10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return cuda_time_ms(step, warmup=1 if slow else 3, repeats=3 if slow else 10, flush=False)
 
 
 def outputs(fn, q, k, v, dout):
