@@ -38,6 +38,17 @@ def main():
     table = Table("adamw", ["case", "impl", "ms", "TB_s", "pct_copy", "vs_torch_fused", "host_us"])
     labels, series = [], {"seqfuse": [], "torch fused": []}
 
+    def add_case(case, label, bytes_per_param, torch_ms, rows):
+        """The table rows of one case, ``rows`` (impl, ms) with seqfuse's first:
+        bandwidth at ``bytes_per_param`` bytes moved per parameter, speed
+        against torch's ``torch_ms``; and the plot's seqfuse / torch pair."""
+        for impl, ms in rows:
+            table.add(case=case, impl=impl, ms=ms, TB_s=bytes_per_param * n / ms / 1e9,
+                      pct_copy=100 * bytes_per_param * n / ms / 1e9 / H200_COPY_TBS, vs_torch_fused=torch_ms / ms)
+        labels.append(label)
+        series["seqfuse"].append(rows[0][1])
+        series["torch fused"].append(torch_ms)
+
     # --- bf16 params + fp32 master vs torch fused on fp32 params
     bf16 = make(torch.bfloat16)
     ours = FusedAdamW(bf16, master_weights=True, **hyper)
@@ -49,13 +60,8 @@ def main():
     theirs = torch.optim.AdamW(fp32, fused=True, **hyper)
     theirs.step()
     t_theirs = cuda_time_ms(theirs.step)
-    case = "1B params: bf16 + fp32 master vs torch fused fp32"
-    for impl, ms in (("seqfuse FusedAdamW (bf16 + master)", t_ours), ("torch AdamW fused=True (fp32)", t_theirs)):
-        table.add(case=case, impl=impl, ms=ms, TB_s=28 * n / ms / 1e9, pct_copy=100 * 28 * n / ms / 1e9 / H200_COPY_TBS,
-                  vs_torch_fused=t_theirs / ms)
-    labels.append("bf16+master vs fp32 fused")
-    series["seqfuse"].append(t_ours)
-    series["torch fused"].append(t_theirs)
+    add_case("1B params: bf16 + fp32 master vs torch fused fp32", "bf16+master vs fp32 fused", 28, t_theirs,
+             [("seqfuse FusedAdamW (bf16 + master)", t_ours), ("torch AdamW fused=True (fp32)", t_theirs)])
 
     # --- fp32 vs fp32
     ours = FusedAdamW(fp32, **hyper)
@@ -64,26 +70,16 @@ def main():
     foreach = torch.optim.AdamW(fp32, foreach=True, **hyper)
     foreach.step()
     t_foreach = cuda_time_ms(foreach.step)
-    case = "1B params: fp32 vs fp32"
-    for impl, ms in (("seqfuse FusedAdamW", t_ours), ("torch AdamW fused=True", t_theirs),
-                     ("torch AdamW foreach=True", t_foreach)):
-        table.add(case=case, impl=impl, ms=ms, TB_s=28 * n / ms / 1e9, pct_copy=100 * 28 * n / ms / 1e9 / H200_COPY_TBS,
-                  vs_torch_fused=t_theirs / ms)
-    labels.append("fp32 vs fp32")
-    series["seqfuse"].append(t_ours)
-    series["torch fused"].append(t_theirs)
+    add_case("1B params: fp32 vs fp32", "fp32 vs fp32", 28, t_theirs,
+             [("seqfuse FusedAdamW", t_ours), ("torch AdamW fused=True", t_theirs),
+              ("torch AdamW foreach=True", t_foreach)])
     del foreach, ours, theirs
 
     # --- gradient norm + clip over 1B fp32 gradients (read + write: 8 B per element)
     t_clip = cuda_time_ms(lambda: clip_grad_norm_(fp32, 1.0))
     t_tclip = cuda_time_ms(lambda: torch.nn.utils.clip_grad_norm_(fp32, 1.0, foreach=True))
-    case = "1B fp32 grads: 2-norm + clip"
-    for impl, ms in (("seqfuse clip_grad_norm_", t_clip), ("torch clip_grad_norm_ foreach", t_tclip)):
-        table.add(case=case, impl=impl, ms=ms, TB_s=12 * n / ms / 1e9, pct_copy=100 * 12 * n / ms / 1e9 / H200_COPY_TBS,
-                  vs_torch_fused=t_tclip / ms)
-    labels.append("clip 1B fp32 grads")
-    series["seqfuse"].append(t_clip)
-    series["torch fused"].append(t_tclip)
+    add_case("1B fp32 grads: 2-norm + clip", "clip 1B fp32 grads", 12, t_tclip,
+             [("seqfuse clip_grad_norm_", t_clip), ("torch clip_grad_norm_ foreach", t_tclip)])
     del fp32
     torch.cuda.empty_cache()
 
