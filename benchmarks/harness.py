@@ -128,6 +128,23 @@ def allow_recompiles(limit=128):
             setattr(torch._dynamo.config, key, max(limit, getattr(torch._dynamo.config, key)))
 
 
+def compile_layers_or_model(model, layers, scope, dynamic):
+    """torch.compile a model in place for a compiled peer row: each module of
+    ``layers`` (scope "layers": one graph that layers of one shape share) or
+    the whole model (scope "model"), with dynamo's recompile limit lifted
+    (allow_recompiles); ValueError naming --compile-scope for another scope.
+    Returns the model."""
+    allow_recompiles()
+    if scope == "layers":
+        for layer in layers:
+            layer.compile(dynamic=dynamic)
+    elif scope == "model":
+        model.compile(dynamic=dynamic)
+    else:
+        raise ValueError(f"--compile-scope must be 'layers' or 'model', got {scope!r}")
+    return model
+
+
 def host_time_us(fn, calls=20000, rounds=7):
     """Median over rounds of the mean host time of one fn() call, in µs."""
     for _ in range(calls // 10):

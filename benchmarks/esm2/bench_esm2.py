@@ -71,7 +71,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from seqfuse.distributed import end_process_group  # noqa: E402
 from esm2_recipe.metrics import H200_BF16_DATASHEET_TFLOPS, H200_BF16_MEASURED_TFLOPS, train_flops  # noqa: E402
-from harness import RESULTS, Table, allow_recompiles, init_torchrun, plot_bars  # noqa: E402
+from harness import RESULTS, Table, compile_layers_or_model, init_torchrun, plot_bars  # noqa: E402
 from peers.meta import run_metadata, skip_reason  # noqa: E402
 
 IMPLS = ("hf", "hfcompile", "te", "seqfuse", "seqfusegraph")
@@ -104,15 +104,7 @@ def parse_row(name):
 def compile_hf(model, scope, dynamic):
     """torch.compile a transformers EsmForMaskedLM in place: each EsmLayer
     (scope "layers": one graph reused by every layer) or the whole model."""
-    allow_recompiles()
-    if scope == "layers":
-        for layer in model.esm.encoder.layer:
-            layer.compile(dynamic=dynamic)
-    elif scope == "model":
-        model.compile(dynamic=dynamic)
-    else:
-        raise ValueError(f"--compile-scope must be 'layers' or 'model', got {scope!r}")
-    return model
+    return compile_layers_or_model(model, model.esm.encoder.layer, scope, dynamic)
 
 
 def _compiled_graphs():

@@ -117,7 +117,7 @@ from llama3_common import (H200_BF16_DATASHEET_TFLOPS, H200_BF16_MEASURED_TFLOPS
                            seqfuse_config, train_flops)
 
 import torch  # noqa: E402
-from harness import RESULTS, Table, allow_recompiles, plot_bars  # noqa: E402
+from harness import RESULTS, Table, compile_layers_or_model, plot_bars  # noqa: E402
 from peers.meta import run_metadata  # noqa: E402
 
 TRAIN_ROWS = ("hf_bf16", "hf_bf16_compiled", "hf_bf16_liger", "seqfuse_bf16_padded", "seqfuse_bf16_packed",
@@ -155,15 +155,7 @@ def fp8_recipe(name):
 def compile_hf(model, scope):
     """torch.compile transformers' LlamaForCausalLM in place: each decoder
     layer (one graph shared by the 16 layers) or the whole model; static shapes."""
-    allow_recompiles()
-    if scope == "layers":
-        for layer in model.model.layers:
-            layer.compile(dynamic=False)
-    elif scope == "model":
-        model.compile(dynamic=False)
-    else:
-        raise ValueError(f"--compile-scope must be 'layers' or 'model', got {scope!r}")
-    return model
+    return compile_layers_or_model(model, model.model.layers, scope, dynamic=False)
 
 
 @contextlib.contextmanager
