@@ -222,6 +222,33 @@ def test_first_step_gradients_do_not_underflow():
         assert mine and any(m in FIRST_CASTS for m in mine) == (step == 0), step
 
 
+def test_snapshot_restore_keeps_the_first_step_rule():
+    """A pass between snapshot_scaling and restore_scaling (a validation
+    pass, a CUDA-graph warm-up) before the first training step: restoring
+    puts back the initial scales and also the note that no tensor has a
+    history, so the first training step's casts still take their scale from
+    their own amax (with the note left behind, the gradient's cast used
+    scale 1 and the weight gradient came out zero)."""
+    from seqfuse.quantization import init_fp8_state, restore_scaling, snapshot_scaling
+    torch.manual_seed(0)
+    lin = te.Linear(256, 256, bias=False, params_dtype=torch.float32)
+    x, dy = torch.randn(64, 256), torch.randn(64, 256) * 1e-6
+    assert init_fp8_state(lin, DelayedScaling()) == 1
+    saved = snapshot_scaling(lin)
+    for _ in range(2):  # passes that must not move training state (the second updates the gradient's)
+        with te.fp8_autocast(fp8_recipe=DelayedScaling()):
+            y = lin(x)
+        y.backward(dy)
+    restore_scaling(saved)
+    states = [m for m in lin.modules() if isinstance(m, ScalingState)]
+    assert states and not any(m.has_history(i) for m in states for i in range(m.num_tensors))
+    lin.weight.grad = None
+    with te.fp8_autocast(fp8_recipe=DelayedScaling()):
+        y = lin(x)
+    y.backward(dy)
+    assert rel_error(lin.weight.grad, dy.t() @ x) < 0.1
+
+
 @needs_fp8
 def test_state_dict_round_trip_continues_identically(seed):
     r = DelayedScaling(amax_history_len=5, margin=5)

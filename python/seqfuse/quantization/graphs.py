@@ -22,6 +22,15 @@ Warm-up and capture run the callables a few times; the FP8 scaling state
 (amax history, scales) is put back afterwards, so graphing leaves training
 where it was.
 
+The first step of a fresh model: under delayed scaling a tensor with no
+amax history yet takes its scale from its own amax (quantize_with_state),
+a choice the host makes per step and a replay cannot repeat (the graph
+holds the initial scale 1, where small gradients underflow E5M2).  So a
+graphed module whose FP8 tensors have no history yet runs that step
+eagerly (logged once); its graphs replay from the next step on, the
+history then in place.  A module warmed up eagerly before graphing never
+takes this route.
+
 Gradient accumulation: torch's graphed backward hands each parameter's
 gradient out as a detached view of the graph's static output buffer, and
 autograd, finding the parameter's .grad empty, keeps that very tensor as
@@ -31,12 +40,17 @@ replace the first one's gradient and add itself to it.  So every parameter of a 
 that hands autograd a copy when .grad is still empty (the first
 micro-batch of a step; later ones add in place and need none).
 """
+import logging
+
 import torch
 
 from ..common.recipe import DelayedScaling
 from .autocast import autocast
 from .gemm_quantizers import init_fp8_state
-from .state import restore_scaling, snapshot_scaling
+from .state import ScalingState, restore_scaling, snapshot_scaling
+
+_log = logging.getLogger("seqfuse")
+_first_step_logged = []
 
 __all__ = ["make_graphed_callables"]
 
@@ -78,19 +92,51 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters=3, allow_unuse
     if recipe is not None:
         init_fp8_state(modules_in, recipe)
     saved = snapshot_scaling(modules_in)
+    eager_forwards = [c.forward if isinstance(c, torch.nn.Module) else None for c in callables]
     try:
         with autocast(enabled=bool(fp8_enabled), recipe=recipe, amax_reduction_group=fp8_group,
                       calibrating=fp8_calibrating):
             graphed = torch.cuda.make_graphed_callables(
                 callables, tuple(args), num_warmup_iters=num_warmup_iters,
                 allow_unused_input=allow_unused_input, pool=pool)
+        # the tensors first cast while graphing: they have no history once the snapshot is back
+        first_cast = {id(st): st.history_note() for st, *_ in saved}
     finally:
         restore_scaling(saved)  # in place: the graphs hold these addresses
+    for c, eager_forward in zip(callables, eager_forwards):
+        if eager_forward is None:
+            continue
+        pending = []
+        for st in {id(m): m for m in c.modules() if isinstance(m, ScalingState)}.values():
+            with_history, _ = st.history_note()
+            now = set().union(*first_cast.get(id(st), (set(),)))
+            pending += [(st, i) for i in sorted(now - with_history)]
+        if pending:
+            c.forward = _eager_until_history(c.forward, eager_forward, pending)
     for p in modules_in.parameters():
         if p.requires_grad and not getattr(p, "_seqfuse_graph_grad_copy", False):
             p.register_hook(_grad_copy_hook(p))
             p._seqfuse_graph_grad_copy = True
     return graphed[0] if single else graphed
+
+
+def _eager_until_history(graphed_forward, eager_forward, pending):
+    """A graphed module's forward that runs eagerly while any of its
+    ``pending`` (state, index) FP8 tensors lacks an amax history (the first
+    step: see the module note), then replays the graphs for good."""
+    def forward(*args, **kwargs):
+        if pending:
+            if any(not st.has_history(i) for st, i in pending):
+                if not _first_step_logged:
+                    _first_step_logged.append(True)
+                    _log.info("seqfuse make_graphed_callables: a graphed module's first FP8 step runs "
+                              "eagerly (its delayed-scaling tensors have no amax history yet, and the "
+                              "first cast takes its scale from its own amax, which a replay cannot); "
+                              "its graphs replay from the next step")
+                return eager_forward(*args, **kwargs)
+            pending.clear()
+        return graphed_forward(*args, **kwargs)
+    return forward
 
 
 def _grad_copy_hook(param):

@@ -238,6 +238,23 @@ class ScalingState(nn.Module):
         from (host bookkeeping: no device read)."""
         return index in self._with_history
 
+    def history_note(self):
+        """The host bookkeeping of :meth:`has_history`, copied (for
+        :func:`snapshot_scaling`)."""
+        return frozenset(self._with_history), frozenset(self._cast_since_update)
+
+    def restore_history_note(self, note):
+        """Put a :meth:`history_note` back: a snapshot restored after a
+        validation pass or a graph warm-up leaves tensors that had no amax
+        history without one, so the next step's first casts still take their
+        scale from their own amax."""
+        with_history, cast_since_update = note
+        self._with_history, self._cast_since_update = set(with_history), set(cast_since_update)
+        if self._cast_since_update:
+            FIRST_CASTS.add(self)
+        else:
+            FIRST_CASTS.discard(self)
+
     def pooled_in(self, chunk):
         """Whether this state's columns live in ``chunk``."""
         return self._chunk_ref is not None and self._chunk_ref() is chunk
@@ -385,15 +402,16 @@ def register_scaling_state(module, name, num_tensors, recipe=None, **kwargs):
 def snapshot_scaling(model):
     """Every delayed-scaling state under ``model`` (its amax_history, scale
     and scale_inv: what the FP8 casts read and the end-of-step update
-    writes), copied, for :func:`restore_scaling`.  Work that must not move
-    training state (a validation pass, a CUDA-graph warm-up) runs between
-    the two."""
+    writes; and which of its tensors have a history, the host's note that
+    decides the first step's scaling), copied, for :func:`restore_scaling`.
+    Work that must not move training state (a validation pass, a CUDA-graph
+    warm-up) runs between the two."""
     seen, out = set(), []
     for m in model.modules():
         if isinstance(m, ScalingState) and id(m) not in seen:
             seen.add(id(m))
             out.append((m, m.amax_history.detach().clone(), m.scale.detach().clone(),
-                        m.scale_inv.detach().clone()))
+                        m.scale_inv.detach().clone(), m.history_note()))
     return out
 
 
@@ -401,7 +419,8 @@ def snapshot_scaling(model):
 def restore_scaling(snapshot):
     """Put the values of :func:`snapshot_scaling` back, in place (the buffers
     are views of the pooled chunks, and CUDA graphs hold their addresses)."""
-    for m, hist, scale, scale_inv in snapshot:
+    for m, hist, scale, scale_inv, note in snapshot:
         m.amax_history.copy_(hist)
         m.scale.copy_(scale)
         m.scale_inv.copy_(scale_inv)
+        m.restore_history_note(note)
