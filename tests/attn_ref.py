@@ -99,6 +99,17 @@ def cu_seqlens(lengths, device="cpu"):
     return torch.tensor(c, dtype=torch.int32, device=device)
 
 
+def check_route_cu_seqlens(cu_q, cu_k, max_q, max_k):
+    """What a packed attention route hands a kernel stand-in: int32
+    cu_seqlens of queries and keys for the same number of sequences, each
+    sequence within the max lengths passed with them.  Returns both as lists."""
+    assert cu_q.dtype == torch.int32 and cu_k.dtype == torch.int32 and cu_q.numel() == cu_k.numel()
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    assert all(0 <= b - a <= max_q for a, b in zip(bq, bq[1:])), (bq, max_q)
+    assert all(0 <= b - a <= max_k for a, b in zip(bk, bk[1:])), (bk, max_k)
+    return bq, bk
+
+
 def thd_case(lengths_q, lengths_k=None, h=4, hk=4, d=16, dtype=torch.bfloat16, tail=(0, 0), same=True):
     """A random packed (thd) problem: q, k, v with ``tail`` extra rows past
     the last sequence, and ops.attention's thd keywords.  ``same`` shares one

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import seqfuse
-from attn_ref import attend, cu_seqlens, thd_case
+from attn_ref import attend, check_route_cu_seqlens, cu_seqlens, thd_case
 from helpers import BACKWARD_FACTOR, fresh_routing, grads_of, rel_error, rel_tol
 from seqfuse.ops.attn import _routing as routing
 from seqfuse.ops.attn import _torch_routes as routes
@@ -71,12 +71,9 @@ def flash_standin_for(calls):
             assert q.dim() == 4 and q.shape[1] <= max_q and k.shape[1] <= max_k
             out = torch.stack([one(q[i], k[i], v[i]) for i in range(q.shape[0])])
         else:
-            assert cu_q.dtype == torch.int32 and cu_k.dtype == torch.int32 and cu_q.numel() == cu_k.numel()
-            bq, bk = cu_q.tolist(), cu_k.tolist()
-            # the route covers every token, each sequence within the max lengths it passes
+            bq, bk = check_route_cu_seqlens(cu_q, cu_k, max_q, max_k)
+            # the route covers every token
             assert bq[0] == 0 and bk[0] == 0 and bq[-1] == q.shape[0] and bk[-1] == k.shape[0], (bq, bk)
-            assert all(0 <= b - a <= max_q for a, b in zip(bq, bq[1:])), (bq, max_q)
-            assert all(0 <= b - a <= max_k for a, b in zip(bk, bk[1:])), (bk, max_k)
             out = torch.cat([one(q[a:b], k[c:e], v[c:e]) for a, b, c, e in zip(bq, bq[1:], bk, bk[1:])])
         return out, None, None, None, None
     return standin

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import seqfuse
-from attn_ref import attend, cu_seqlens, thd_case
+from attn_ref import attend, check_route_cu_seqlens, cu_seqlens, thd_case
 from helpers import BACKWARD_FACTOR, fresh_routing, pair_tol, rel_error
 from seqfuse.ops import device_checks
 from seqfuse.ops.attn import _cudnn_ragged as ragged
@@ -298,10 +298,7 @@ def ragged_standin_for(calls):
         calls.append(dict(max_q=max_q, max_k=max_k, lse=compute_log_sumexp, causal=is_causal, scale=scale,
                           strides=(q.stride(), k.stride(), v.stride())))
         assert q.dim() == 3 and k.dim() == 3 and attn_bias is None and dropout_p == 0.0 and not return_debug_mask
-        assert cu_q.dtype == torch.int32 and cu_k.dtype == torch.int32 and cu_q.numel() == cu_k.numel()
-        bq, bk = cu_q.tolist(), cu_k.tolist()
-        assert all(0 <= b - a <= max_q for a, b in zip(bq, bq[1:])), (bq, max_q)
-        assert all(0 <= b - a <= max_k for a, b in zip(bk, bk[1:])), (bk, max_k)
+        bq, bk = check_route_cu_seqlens(cu_q, cu_k, max_q, max_k)
         mask = "causal" if is_causal else "no_mask"
         out = torch.full(q.shape[:2] + v.shape[2:], float("nan"), dtype=q.dtype)
         for a, b, c, e in zip(bq, bq[1:], bk, bk[1:]):
