@@ -42,6 +42,17 @@ def recipe_path(name):
     return path
 
 
+def check_named_configs(recipe_config, expected):
+    """A recipe's named configs (its hydra_config/*.yaml, ``recipe_config``
+    being the recipe's config module): ``expected`` are among them, each
+    loads under its own name, and "base" composes to the schema's defaults."""
+    have = recipe_config.SPEC.configs()
+    assert set(expected) <= set(have), (sorted(expected), have)
+    for name in have:
+        assert recipe_config.load_config(name).config_name == name
+    assert recipe_config.compose_config("base") == recipe_config.schema_defaults()
+
+
 def losses(path):
     """{step: training loss} of a metrics JSONL file."""
     with open(path) as f:

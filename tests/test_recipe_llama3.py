@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from recipe_checks import CAUSAL_TINY as TINY  # noqa: E402
-from recipe_checks import (LN10, PROMPTS, ROOT, check_export, check_l0_trains_and_resumes, fp8_seen_by_layer,  # noqa: E402
-                           recipe_path, torchrun)
+from recipe_checks import (LN10, PROMPTS, ROOT, check_export, check_l0_trains_and_resumes, check_named_configs,  # noqa: E402
+                           fp8_seen_by_layer, recipe_path, torchrun)
 from recipe_checks import losses as read_losses  # noqa: E402
 
 RECIPE = recipe_path("llama3")
@@ -35,11 +35,7 @@ from recipe_common import checkpoint as ckpt  # noqa: E402
 
 # ------------------------------------------------------------ configs
 def test_named_configs_and_base_match_the_schema():
-    have = recipe_config.SPEC.configs()
-    assert {"base", "L0_sanity", "1B", "8B"} <= set(have)
-    for name in have:
-        assert load_config(name).config_name == name
-    assert recipe_config.compose_config("base") == recipe_config.schema_defaults()
+    check_named_configs(recipe_config, {"base", "L0_sanity", "1B", "8B"})
     one = load_config("1B")
     assert one.model.size == "1B" and one.data.max_length == 8192
     mcfg = trainer.model_config(one)

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from recipe_checks import CAUSAL_TINY as TINY  # noqa: E402
-from recipe_checks import (LN10, check_export, check_l0_trains_and_resumes, fp8_seen_by_layer, recipe_path,  # noqa: E402
-                           torchrun)
+from recipe_checks import (LN10, check_export, check_l0_trains_and_resumes, check_named_configs,  # noqa: E402
+                           fp8_seen_by_layer, recipe_path, torchrun)
 from recipe_checks import losses as _losses  # noqa: E402
 
 RECIPE = recipe_path("mixtral")
@@ -43,11 +43,7 @@ def _batch(cfg):
 
 # ------------------------------------------------------------ configs
 def test_named_configs_and_base_match_the_schema():
-    have = recipe_config.SPEC.configs()
-    assert {"base", "L0_sanity", "mixtral_small", "8x1B"} <= set(have)
-    for name in have:
-        assert load_config(name).config_name == name
-    assert recipe_config.compose_config("base") == recipe_config.schema_defaults()
+    check_named_configs(recipe_config, {"base", "L0_sanity", "mixtral_small", "8x1B"})
     small = trainer.model_config(load_config("mixtral_small"))
     assert (small.num_hidden_layers, small.hidden_size, small.num_local_experts, small.num_experts_per_tok) == \
         (8, 1024, 8, 2)
