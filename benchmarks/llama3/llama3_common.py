@@ -45,6 +45,13 @@ SUBSET_DATA = os.path.join(ROOT, "recipes", "llama3", "data", "subset", "train.p
 #: CPU smoke runs: a Llama of the same structure, tiny.
 TINY = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=256, head_dim=32, max_position_embeddings=131072)  # multiples of 128: FP8 block runs
+#: Small Llamas of the same structure (bench_llama3_convergence.py), every GEMM dimension a multiple of 128 (FP8
+#: block scaling): "small" about 25M parameters, "100M" about 75M (near the issue's ~100M convergence size).
+SMALL = {"tiny": TINY,
+         "small": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                       intermediate_size=1536, head_dim=64, max_position_embeddings=131072),
+         "100M": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                      intermediate_size=2048, head_dim=64, max_position_embeddings=131072)}
 #: The nucleotide tokenizer's 10 ids padded to 16 rows of the embedding and
 #: LM head (the extra 6 logits are never targets; a multiple of 16 keeps the
 #: head's GEMM aligned).  Same in every row.
@@ -147,8 +154,8 @@ def seqfuse_config(size):
     tok = tokenizer()
     ids = dict(vocab_size=VOCAB, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
                eos_token_id=tok.eos_token_id)
-    if size == "tiny":
-        return SeqfuseLlamaConfig(**TINY, **ids, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    if size in SMALL:
+        return SeqfuseLlamaConfig(**SMALL[size], **ids, rms_norm_eps=1e-5, tie_word_embeddings=True,
                                   rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=32.0,
                                                        low_freq_factor=1.0, high_freq_factor=4.0,
                                                        original_max_position_embeddings=8192))

@@ -210,6 +210,19 @@ class _Role:
         o = self.owner
         return o.state.scale_of(self.index), o.state.amax_of(self.index), o.state.fp8_dtype(self.index)
 
+    @property
+    def fused_cast(self):
+        """Delayed scaling: whether a producer kernel (norm, activation) may
+        write this operand in FP8 itself with the state's scale.  Not while
+        the tensor has no amax history (the first step): its scale would be
+        the initial 1, which puts small activations (a SwiGLU output of
+        ~1e-2) into E4M3's subnormals; the producer then writes high
+        precision and ``quantize`` casts it with the scale of its own amax,
+        as every other first cast (quantize_with_state), so the first step
+        is current scaling's throughout."""
+        o = self.owner
+        return o.kind == "delayed" and o.state.has_history(self.index)
+
 
 def transposed(q):
     """The [K, Mp] transposed copy of a padded Float8Tensor (made now if the
