@@ -6,6 +6,7 @@ each family keeps its test names and seeds, and a claim is written once).
 
 ``losses`` names the scalar outputs compared besides the logits ("loss",
 and "aux_loss" for a mixture of experts)."""
+import pytest
 import torch
 
 from helpers import rel_error
@@ -122,6 +123,42 @@ def check_activation_checkpointing(sf, b):
     sf(**b).loss.backward()
     for n, p in sf.named_parameters():
         assert torch.equal(p.grad, ref[n]), n
+
+
+def check_bad_inputs_named(sf, b, seqs, name):
+    """What a seqfuse causal LM refuses, each error naming the model
+    (``name``, e.g. "SeqfuseLlama", or its ForCausalLM class) and the
+    argument: attention probabilities, a key/value cache, token types,
+    labels of another shape, a packed batch with a mask, packed positions
+    that do not restart, padded positions other than the column index,
+    int64 cu_seqlens, packed ids with neither cu_seqlens nor positions,
+    float ids, labels with logits_to_keep; and logits_to_keep=1 gives the
+    last row of the full logits."""
+    ids, cu, _ = packed(seqs)
+    padded = b["input_ids"]
+    refused = [  # (error, what its message says after the model's name, the call's arguments)
+        (NotImplementedError, r"output_attentions", dict(b, output_attentions=True)),
+        (NotImplementedError, r"use_cache", dict(b, use_cache=True)),
+        (NotImplementedError, r"arguments \['token_type_ids'\]", dict(b, token_type_ids=torch.zeros_like(padded))),
+        (ValueError, r"labels", dict(input_ids=padded, labels=b["labels"][:, :5])),
+        (ValueError, r"packed input .* takes no attention_mask",
+         dict(input_ids=ids, cu_seqlens=cu, attention_mask=torch.ones_like(ids))),
+        (ValueError, r"position_ids must count",
+         dict(input_ids=ids, cu_seqlens=cu, position_ids=torch.arange(ids.numel()))),
+        (NotImplementedError, r"padded input .* position_ids",
+         dict(input_ids=padded, position_ids=torch.arange(padded.shape[1]) + 1)),
+        (TypeError, r"cu_seqlens", dict(input_ids=ids, cu_seqlens=cu.long())),
+        (ValueError, r"1-D \(packed\) input_ids need cu_seqlens or position_ids", dict(input_ids=ids)),
+        (TypeError, r"input_ids", dict(input_ids=padded.float())),
+        (ValueError, r"labels need every position's logits \(logits_to_keep", dict(b, logits_to_keep=1)),
+    ]
+    for error, rule, kwargs in refused:
+        with pytest.raises(error, match=f"{name}(ForCausalLM)?: {rule}"):
+            sf(**kwargs)
+    with torch.no_grad():
+        last = sf(input_ids=padded, logits_to_keep=1).logits
+        full = sf(input_ids=padded).logits
+    assert rel_error(last, full[:, -1:]) <= 1e-6  # one GEMM row block fewer: rounding only
 
 
 def check_round_trip(hf, from_hf_model, to_hf_model, dtype, tie):

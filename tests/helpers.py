@@ -151,6 +151,23 @@ def rel_error(out, ref):
     return ((out - ref).norm() / denom).item()
 
 
+def check_same_logits_and_losses(hf, sf, b, losses=("loss",), tol=1e-5):
+    """The batch ``b`` through transformers' model ``hf`` and seqfuse's
+    ``sf`` holding the same weights: the logits at the real tokens
+    (attention_mask 1) and each scalar output named in ``losses`` agree
+    within ``tol`` (relative); then both models' losses are backpropagated,
+    for the caller to compare the gradients.  Returns (hf's output, seqfuse's)."""
+    exp, out = hf(**b), sf(**b)
+    real = b["attention_mask"].bool()
+    assert rel_error(out.logits[real], exp.logits[real]) <= tol
+    for name in losses:
+        e, o = getattr(exp, name).item(), getattr(out, name).item()
+        assert abs(o - e) <= tol * e, (name, o, e)
+    exp.loss.backward()
+    out.loss.backward()
+    return exp, out
+
+
 def assert_close_rel(out, ref, dtype, factor=1.0):
     err = rel_error(out, ref)
     tol = REL_TOL[dtype] * factor

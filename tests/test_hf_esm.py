@@ -31,7 +31,7 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 import seqfuse  # noqa: E402
-from helpers import check_strict_from_pretrained, rel_error  # noqa: E402
+from helpers import check_same_logits_and_losses, check_strict_from_pretrained, rel_error  # noqa: E402
 from seqfuse.hf import ESM2_SHAPES, SeqfuseEsmConfig, SeqfuseEsmForMaskedLM, esm2_config  # noqa: E402
 from seqfuse.hf.convert import (from_hf_model, from_hf_pretrained, hf_to_seqfuse_state_dict,  # noqa: E402
                                 to_hf_model)
@@ -156,13 +156,7 @@ def test_golden_8m_logits_loss_grads(hf_same_activation):
     sf = from_hf_model(hf).eval()
     b, _, _ = batch()
     assert (b["input_ids"] == 32).any(), "the batch must exercise token dropout"
-    exp = hf(**b)
-    out = sf(**b)
-    m = b["attention_mask"]
-    assert rel_error(real_rows(out.logits, m), real_rows(exp.logits, m)) <= 1e-5
-    assert abs(out.loss.item() - exp.loss.item()) <= 1e-5 * exp.loss.item()
-    exp.loss.backward()
-    out.loss.backward()
+    check_same_logits_and_losses(hf, sf, b)
     mapped = hf_grads_in_seqfuse_names(hf, sf)
     checked = 0
     for name, p in sf.named_parameters():

@@ -17,9 +17,10 @@ transformers = pytest.importorskip("transformers")
 
 import seqfuse  # noqa: E402
 from causal_lm_checks import (VOCAB, batch, check_activation_checkpointing,  # noqa: E402,F401 (batch, packed: test_hf_llama_generate's)
-                              check_bf16_within_bf16_rounding, check_grads, check_left_padding_matches_transformers,
-                              check_packed_thd_matches_padded_bshd, hf_grads_in_seqfuse_names, packed, real)
-from helpers import needs_fp8, rel_error  # noqa: E402
+                              check_bad_inputs_named, check_bf16_within_bf16_rounding, check_grads,
+                              check_left_padding_matches_transformers, check_packed_thd_matches_padded_bshd,
+                              hf_grads_in_seqfuse_names, packed, real)
+from helpers import check_same_logits_and_losses, needs_fp8, rel_error  # noqa: E402
 from seqfuse.hf import SeqfuseLlamaConfig, SeqfuseLlamaForCausalLM, llama3_config  # noqa: E402
 from seqfuse.hf.llama import shift_labels  # noqa: E402
 from seqfuse.hf.llama_config import from_hf_config, rope_inv_freq, to_hf_config  # noqa: E402
@@ -93,13 +94,7 @@ def test_golden_fp32_logits_loss_grads(tie, rope):
     sf = from_hf_model(hf).eval()
     assert (sf.lm_head.weight is sf.model.embed_tokens.weight) == tie
     b, _ = batch(seed=1)
-    exp = hf(**b)
-    out = sf(**b)
-    m = b["attention_mask"]
-    assert rel_error(real(out.logits, m), real(exp.logits, m)) <= 1e-5
-    assert abs(out.loss.item() - exp.loss.item()) <= 1e-5 * exp.loss.item()
-    exp.loss.backward()
-    out.loss.backward()
+    check_same_logits_and_losses(hf, sf, b)
     check_grads(sf, hf, hf_to_seqfuse_state_dict, 1e-4)
 
 
@@ -197,35 +192,8 @@ def test_activation_checkpointing_same_loss_and_grads():
 
 # ------------------------------------------------------------ bad inputs
 def test_bad_inputs_are_named():
-    sf = from_hf_model(hf_model(seed=9)).eval()
     b, seqs = batch(seed=9)
-    ids, cu, pos = packed(seqs)
-    with pytest.raises(NotImplementedError, match="output_attentions"):
-        sf(**b, output_attentions=True)
-    with pytest.raises(NotImplementedError, match="use_cache"):
-        sf(**b, use_cache=True)
-    with pytest.raises(NotImplementedError, match="token_type_ids"):
-        sf(**b, token_type_ids=torch.zeros_like(b["input_ids"]))
-    with pytest.raises(ValueError, match="labels"):
-        sf(input_ids=b["input_ids"], labels=b["labels"][:, :5])
-    with pytest.raises(ValueError, match="attention_mask"):
-        sf(input_ids=ids, cu_seqlens=cu, attention_mask=torch.ones_like(ids))
-    with pytest.raises(ValueError, match="position_ids must count"):
-        sf(input_ids=ids, cu_seqlens=cu, position_ids=torch.arange(ids.numel()))
-    with pytest.raises(NotImplementedError, match="position_ids"):
-        sf(input_ids=b["input_ids"], position_ids=torch.arange(40) + 1)
-    with pytest.raises(TypeError, match="cu_seqlens"):
-        sf(input_ids=ids, cu_seqlens=cu.long())
-    with pytest.raises(ValueError, match="cu_seqlens or position_ids"):
-        sf(input_ids=ids)
-    with pytest.raises(TypeError, match="input_ids"):
-        sf(input_ids=b["input_ids"].float())
-    with pytest.raises(ValueError, match="logits_to_keep"):
-        sf(**b, logits_to_keep=1)
-    with torch.no_grad():
-        last = sf(input_ids=b["input_ids"], logits_to_keep=1).logits
-        full = sf(input_ids=b["input_ids"]).logits
-    assert rel_error(last, full[:, -1:]) <= 1e-6  # one GEMM row block fewer: rounding only
+    check_bad_inputs_named(from_hf_model(hf_model(seed=9)).eval(), b, seqs, "SeqfuseLlama")
 
 
 # ------------------------------------------------------------------ config

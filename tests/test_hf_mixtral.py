@@ -23,10 +23,10 @@ transformers = pytest.importorskip("transformers")
 
 import seqfuse  # noqa: E402,F401
 from causal_lm_checks import (VOCAB, batch, check_activation_checkpointing,  # noqa: E402
-                              check_bf16_within_bf16_rounding, check_grads, check_keys_match,
+                              check_bad_inputs_named, check_bf16_within_bf16_rounding, check_grads, check_keys_match,
                               check_left_padding_matches_transformers, check_packed_thd_matches_padded_bshd,
                               check_round_trip, packed, real)
-from helpers import needs_fp8, rel_error, torch_bound  # noqa: E402
+from helpers import check_same_logits_and_losses, needs_fp8, rel_error, torch_bound  # noqa: E402
 from seqfuse.hf import SeqfuseMixtralConfig, SeqfuseMixtralForCausalLM, SeqfuseMixtralModel  # noqa: E402
 from seqfuse.hf.mixtral import load_balancing_loss  # noqa: E402
 from seqfuse.hf.mixtral_config import from_hf_config, to_hf_config  # noqa: E402
@@ -82,15 +82,8 @@ def test_golden_fp32_logits_loss_aux_grads(seed, tie, experts, topk, lengths):
     sf = from_hf_model(hf).eval()
     assert (sf.lm_head.weight is sf.model.embed_tokens.weight) == tie
     b, _ = batch(lengths, seed=seed)
-    exp = hf(**b)
-    out = sf(**b)
-    m = b["attention_mask"]
-    assert rel_error(real(out.logits, m), real(exp.logits, m)) <= 1e-5
-    assert abs(out.aux_loss.item() - exp.aux_loss.item()) <= 1e-5 * exp.aux_loss.item()
-    assert abs(out.loss.item() - exp.loss.item()) <= 1e-5 * exp.loss.item()
-    assert len(out.router_logits) == 2 and out.router_logits[0].shape == (m.numel(), experts)
-    exp.loss.backward()
-    out.loss.backward()
+    _, out = check_same_logits_and_losses(hf, sf, b, losses=("aux_loss", "loss"))
+    assert len(out.router_logits) == 2 and out.router_logits[0].shape == (b["attention_mask"].numel(), experts)
     check_grads(sf, hf, hf_to_seqfuse_state_dict, 1e-4)
 
 
@@ -158,7 +151,6 @@ def test_activation_checkpointing_same_loss_and_grads():
 def test_model_outputs_and_bad_inputs():
     sf = from_hf_model(hf_model(seed=9)).eval()
     b, seqs = batch(seed=9)
-    ids, cu, _ = packed(seqs)
     base = sf.model
     assert isinstance(base, SeqfuseMixtralModel)
     with torch.no_grad():
@@ -167,24 +159,7 @@ def test_model_outputs_and_bad_inputs():
     assert out.last_hidden_state.shape == (3, 40, 64) and len(out.hidden_states) == 3
     assert len(out.router_logits) == 2 and quiet.router_logits is None
     assert len(base(input_ids=b["input_ids"], output_router_logits=False, return_dict=False)) == 1
-    with pytest.raises(NotImplementedError, match="SeqfuseMixtralForCausalLM: output_attentions"):
-        sf(**b, output_attentions=True)
-    with pytest.raises(NotImplementedError, match="use_cache"):
-        sf(**b, use_cache=True)
-    with pytest.raises(NotImplementedError, match="token_type_ids"):
-        sf(**b, token_type_ids=torch.zeros_like(b["input_ids"]))
-    with pytest.raises(ValueError, match="SeqfuseMixtralForCausalLM: labels"):
-        sf(input_ids=b["input_ids"], labels=b["labels"][:, :5])
-    with pytest.raises(ValueError, match="SeqfuseMixtral: packed input"):
-        sf(input_ids=ids, cu_seqlens=cu, attention_mask=torch.ones_like(ids))
-    with pytest.raises(TypeError, match="cu_seqlens"):
-        sf(input_ids=ids, cu_seqlens=cu.long())
-    with pytest.raises(ValueError, match="logits_to_keep"):
-        sf(**b, logits_to_keep=1)
-    with torch.no_grad():
-        last = sf(input_ids=b["input_ids"], logits_to_keep=1).logits
-        full = sf(input_ids=b["input_ids"]).logits
-    assert rel_error(last, full[:, -1:]) <= 1e-6
+    check_bad_inputs_named(sf, b, seqs, "SeqfuseMixtral")
 
 
 # ------------------------------------------------------------- conversion
