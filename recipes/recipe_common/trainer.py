@@ -25,7 +25,8 @@ world, recipe, pin_memory)``, ``DATA_NOUN``, ``forward_loss(model, batch)``,
 out_dir, cfg, rank)``.  Optional: ``wrap_model`` (same arguments as this
 module's; the recipe's own data-parallel wrapping, e.g. Mixtral's expert
 parallelism) and ``clip_grad_norm(model, params, max_norm)``; without them
-this module's wrap_model and seqfuse.optim.clip_grad_norm_ run.
+this module's wrap_model and seqfuse.optim.clip_grad_norm_ run.  The
+module publishes its ``evaluate`` and ``train`` with ``entry_points(__name__)``.
 
 A step: ``grad_accum`` micro-batches (token-budget batches, packed THD or
 padded BSHD), forward under seqfuse's autocast with the configured FP8
@@ -54,6 +55,7 @@ import logging
 import math
 import os
 import random
+import sys
 import time
 
 import numpy as np
@@ -167,6 +169,19 @@ def fp8_recipe_of(cfg, recipes):
     if name not in recipes:
         raise ValueError(f"precision.recipe must be one of {recipes}, got {name!r}")
     return fp8_recipe_named(name, cfg)
+
+
+def build_model_on(model_class, model_config, cfg, device, dtype):
+    """A recipe's model: ``model_class(model_config)`` built on ``device``,
+    cast to ``dtype``, recomputing its layers' activations in the backward
+    when train.activation_checkpointing (FP8-aware:
+    seqfuse.pytorch.checkpoint)."""
+    with torch.device(device):
+        model = model_class(model_config)
+    model = model.to(dtype)
+    if cfg.train.get("activation_checkpointing", False):
+        model.set_activation_checkpointing(True)
+    return model
 
 
 def param_dtype(cfg, device):
@@ -436,6 +451,36 @@ def train(cfg, strategy: str, spec) -> dict:
 
         end_process_group()
     return result
+
+
+def entry_points(spec_name: str):
+    """The two functions a recipe's trainer module publishes, with that
+    module (``spec_name``, its ``__name__``) as the spec, in this order:
+    evaluate(model, val_loader, cfg, recipe, device) -> the validation loss
+    (this module's evaluate with the spec's forward_loss: the FP8 scaling
+    state is restored after); train(cfg, strategy="fsdp2") -> the run's
+    history (this module's train: the config is checked against the schema,
+    and the spec's check_run refuses what the device cannot run, before
+    anything is built).  The spec is looked up when they are called, so a
+    test that replaces one of its attributes is heard.  They carry the
+    trainer module's name (``llama3_recipe.trainer.train``), so they pickle
+    as its attributes."""
+
+    def spec():
+        return sys.modules[spec_name]
+
+    def evaluate_spec(model, val_loader, cfg, recipe, device):
+        return evaluate(model, val_loader, cfg, recipe, device, spec().forward_loss)
+
+    def train_spec(cfg, strategy: str = "fsdp2") -> dict:
+        return train(cfg, strategy, spec())
+
+    for f, name, doc in ((evaluate_spec, "evaluate", "Validation loss (recipe_common.trainer.evaluate with this "
+                          "module's forward_loss: the FP8 scaling state is restored after)."),
+                         (train_spec, "train", "One training run with this module as the spec of "
+                          "recipe_common.trainer.train; returns its history.")):
+        f.__module__, f.__name__, f.__qualname__, f.__doc__ = spec_name, name, name, doc
+    return evaluate_spec, train_spec
 
 
 def _resume(cfg, spec, model, optimizer, scheduler, train_loader, rank):

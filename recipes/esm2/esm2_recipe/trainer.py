@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from recipe_common import trainer as _loop
 from recipe_common.trainer import (all_reduce_sum, build_optimizer, endless, init_distributed,  # noqa: F401
                                    lr_lambda, no_grad_sync, param_dtype, seed_everything, to_device)
@@ -67,15 +65,11 @@ def build_model(cfg, device, dtype):
     from seqfuse.hf import SeqfuseEsmForMaskedLM
 
     mcfg = model_config(cfg)
-    with torch.device(device):
-        model = SeqfuseEsmForMaskedLM(mcfg)
-    model = model.to(dtype)
+    model = _loop.build_model_on(SeqfuseEsmForMaskedLM, mcfg, cfg, device, dtype)
     model.tie_weights()
     # ESM-2's contact regression is fitted after pre-training, never by the MLM
     # loss: frozen, so it gets no optimizer state (and no zero gradients).
     model.esm.contact_head.requires_grad_(False)
-    if cfg.train.get("activation_checkpointing", False):
-        model.set_activation_checkpointing(True)  # FP8-aware (seqfuse.pytorch.checkpoint)
     return model, mcfg
 
 
@@ -204,17 +198,7 @@ def export(model, mcfg, out_dir, cfg, rank):
         log.info("exported Hugging Face EsmForMaskedLM (safetensors) to %s", out_dir)
 
 
-@torch.no_grad()
-def evaluate(model, val_loader, cfg, recipe, device):
-    """Validation loss (recipe_common.trainer.evaluate: the FP8 scaling state is restored after)."""
-    return _loop.evaluate(model, val_loader, cfg, recipe, device, forward_loss)
-
-
 # ---------------------------------------------------------------- the run
-def train(cfg, strategy: str = "fsdp2") -> dict:
-    """One training run of ESM-2 (recipe_common.trainer.train with this
-    module as its spec); returns its history.  The config is checked
-    against the schema before anything is built."""
-    import sys
-
-    return _loop.train(cfg, strategy, sys.modules[__name__])
+# evaluate(model, val_loader, cfg, recipe, device) and train(cfg, strategy="fsdp2"): one training run of ESM-2
+# with this module as the spec (recipe_common.trainer.entry_points).
+evaluate, train = _loop.entry_points(__name__)

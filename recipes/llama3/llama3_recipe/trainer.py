@@ -26,7 +26,6 @@ This module is the ``spec`` the shared loop reads:
 from __future__ import annotations
 
 import logging
-import sys
 
 import torch
 
@@ -182,12 +181,8 @@ def build_model(cfg, device, dtype):
     from seqfuse.hf import SeqfuseLlamaForCausalLM
 
     mcfg = model_config(cfg)
-    with torch.device(device):
-        model = SeqfuseLlamaForCausalLM(mcfg)
-    model = model.to(dtype)  # (the rotary inverse frequencies stay float32)
-    if cfg.train.get("activation_checkpointing", False):
-        model.set_activation_checkpointing(True)  # FP8-aware (seqfuse.pytorch.checkpoint)
-    return model, mcfg
+    # (model.to(dtype) leaves the rotary inverse frequencies float32)
+    return _loop.build_model_on(SeqfuseLlamaForCausalLM, mcfg, cfg, device, dtype), mcfg
 
 
 def model_layers(model):
@@ -268,27 +263,28 @@ def export(model, mcfg, out_dir, cfg, rank):
         log.info("exported Hugging Face LlamaForCausalLM (safetensors) and the nucleotide tokenizer to %s", out_dir)
 
 
+def export_dna_lm(model_class, write_hf, model_config, state_dict: dict, out_dir: str, model_max_length=None) -> str:
+    """The export of a causal LM trained on this recipe's DNA (Llama 3, and
+    Mixtral's recipe): a ``model_class`` (seqfuse.hf's model, embeddings
+    under model.embed_tokens) holding ``state_dict`` (a full, gathered
+    model state), written with ``write_hf`` (its family's export_hf), and
+    the NucleotideTokenizer's Hugging Face files beside it; returns
+    ``out_dir``."""
+    return write_hf_export(model_class, write_hf, model_config, state_dict, "model.embed_tokens.weight", out_dir,
+                           lambda d: tokenizer().save_pretrained(d, model_max_length=model_max_length))
+
+
 def export_hf(model_config, state_dict: dict, out_dir: str, model_max_length=None) -> str:
-    """A SeqfuseLlamaForCausalLM holding ``state_dict`` (a full, gathered
-    model state), written with seqfuse.hf.llama_convert.export_hf, and the
-    NucleotideTokenizer's Hugging Face files beside it; returns ``out_dir``."""
+    """export_dna_lm of a SeqfuseLlamaForCausalLM, written with
+    seqfuse.hf.llama_convert.export_hf; returns ``out_dir``."""
     from seqfuse.hf import SeqfuseLlamaForCausalLM
     from seqfuse.hf.llama_convert import export_hf as write_llama
 
-    return write_hf_export(SeqfuseLlamaForCausalLM, write_llama, model_config, state_dict, "model.embed_tokens.weight",
-                           out_dir, lambda d: tokenizer().save_pretrained(d, model_max_length=model_max_length))
+    return export_dna_lm(SeqfuseLlamaForCausalLM, write_llama, model_config, state_dict, out_dir, model_max_length)
 
 
 # ---------------------------------------------------------------- the run
-@torch.no_grad()
-def evaluate(model, val_loader, cfg, recipe, device):
-    """Validation loss (recipe_common.trainer.evaluate: the FP8 scaling state is restored after)."""
-    return _loop.evaluate(model, val_loader, cfg, recipe, device, forward_loss)
-
-
-def train(cfg, strategy: str = "fsdp2") -> dict:
-    """One training run of Llama 3 on DNA (recipe_common.trainer.train with
-    this module as its spec); returns its history.  The config is checked
-    against the schema, and the device against the precision plan, before
-    anything is built."""
-    return _loop.train(cfg, strategy, sys.modules[__name__])
+# evaluate(model, val_loader, cfg, recipe, device) and train(cfg, strategy="fsdp2"): one training run of
+# Llama 3 on DNA with this module as the spec (recipe_common.trainer.entry_points); check_run checks the
+# device against the precision plan before anything is built.
+evaluate, train = _loop.entry_points(__name__)

@@ -43,7 +43,6 @@ This module is the ``spec`` the shared loop reads:
 from __future__ import annotations
 
 import logging
-import sys
 
 import torch
 import torch.distributed as dist
@@ -51,7 +50,6 @@ import torch.distributed as dist
 from llama3_recipe import trainer as llama
 from recipe_common import checkpoint as ckpt
 from recipe_common import trainer as _loop
-from recipe_common.export import write_hf_export
 from recipe_common.metrics import batch_seq_lengths
 from recipe_common.trainer import build_optimizer, lr_lambda  # noqa: F401
 
@@ -135,11 +133,8 @@ def build_model(cfg, device, dtype):
     from seqfuse.hf import SeqfuseMixtralForCausalLM
 
     mcfg = model_config(cfg)
-    with torch.device(device):
-        model = SeqfuseMixtralForCausalLM(mcfg)
-    model = model.to(dtype)  # (the rotary inverse frequencies stay float32)
-    if cfg.train.get("activation_checkpointing", False):
-        model.set_activation_checkpointing(True)  # FP8-aware (seqfuse.pytorch.checkpoint)
+    # (model.to(dtype) leaves the rotary inverse frequencies float32)
+    model = _loop.build_model_on(SeqfuseMixtralForCausalLM, mcfg, cfg, device, dtype)
     ep = expert_parallel_size(cfg)
     if ep > 1:
         from seqfuse.distributed import init_expert_parallel_mesh
@@ -294,25 +289,18 @@ def gather_experts(model, rank) -> dict:
 
 
 def export_hf(model_config, state_dict: dict, out_dir: str, model_max_length=None) -> str:
-    """A SeqfuseMixtralForCausalLM holding ``state_dict`` (a full, gathered
-    model state), written with seqfuse.hf.mixtral_convert.export_hf, and the
-    NucleotideTokenizer's Hugging Face files beside it; returns ``out_dir``."""
+    """The Llama 3 recipe's export_dna_lm (the NucleotideTokenizer's files
+    beside the model) of a SeqfuseMixtralForCausalLM, written with
+    seqfuse.hf.mixtral_convert.export_hf; returns ``out_dir``."""
     from seqfuse.hf import SeqfuseMixtralForCausalLM
     from seqfuse.hf.mixtral_convert import export_hf as write_mixtral
 
-    return write_hf_export(SeqfuseMixtralForCausalLM, write_mixtral, model_config, state_dict, "model.embed_tokens.weight",
-                           out_dir, lambda d: tokenizer().save_pretrained(d, model_max_length=model_max_length))
+    return llama.export_dna_lm(SeqfuseMixtralForCausalLM, write_mixtral, model_config, state_dict, out_dir,
+                               model_max_length)
 
 
 # ---------------------------------------------------------------- the run
-@torch.no_grad()
-def evaluate(model, val_loader, cfg, recipe, device):
-    """Validation cross-entropy (recipe_common.trainer.evaluate: the FP8 scaling state is restored after)."""
-    return _loop.evaluate(model, val_loader, cfg, recipe, device, forward_loss)
-
-
-def train(cfg, strategy: str = "fsdp2") -> dict:
-    """One training run of Mixtral on DNA (recipe_common.trainer.train with
-    this module as its spec); returns its history.  The config is checked
-    against the schema before anything is built."""
-    return _loop.train(cfg, strategy, sys.modules[__name__])
+# evaluate(model, val_loader, cfg, recipe, device) -> the validation cross-entropy (forward_loss leaves out the
+# load-balancing loss in evaluation) and train(cfg, strategy="fsdp2"): one training run of Mixtral on DNA with
+# this module as the spec (recipe_common.trainer.entry_points).
+evaluate, train = _loop.entry_points(__name__)
