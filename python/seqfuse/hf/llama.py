@@ -49,7 +49,8 @@ The Mixtral family (mixtral.py) reuses this module's pieces rather than
 copies of them: the batch layout and its checks (``batch_layout``,
 ``check_unsupported``, messages named after the family), the LM head and
 its loss (``check_lm_arguments``, ``lm_logits_and_loss``), the run through
-the decoder stack (``run_layers``) and the rotary embedding.
+the decoder stack (``DecoderStack``, ``run_layers``), the rotary embedding
+and the initialisation (``DecoderPreTrainedModel``).
 """
 
 import torch
@@ -69,7 +70,7 @@ from .attention import cu_seqlens_of_positions, is_packed_positions
 from .generation import CachedGenerate
 from .llama_config import SeqfuseLlamaConfig, rope_inv_freq
 from .lm_layout import IGNORE_INDEX, Layout
-from .pretrained import SeqfusePreTrainedModel, TiedCausalLMHead, default_device, init_by_name, register_auto
+from .pretrained import SeqfusePreTrainedModel, TiedCausalLM, default_device, init_by_name, register_auto
 
 
 class SeqfuseLlamaRotaryEmbedding(RotaryPositionEmbedding):
@@ -108,21 +109,55 @@ def make_layer(config, layer_number):
         bias=False, device=default_device())
 
 
-class SeqfuseLlamaPreTrainedModel(SeqfusePreTrainedModel):
-    config_class = SeqfuseLlamaConfig
-    config: SeqfuseLlamaConfig
+class DecoderPreTrainedModel(SeqfusePreTrainedModel):
+    """The PreTrainedModel base of the families in Llama's layout (Llama,
+    Mixtral): the base model under ``model``, input_ids in, and
+    transformers' Llama initialisation: matrices and embeddings (Mixtral's
+    router and experts included) N(0, initializer_range), norm weights 1
+    (by parameter name, so it covers the fused seqfuse modules), inv_freq
+    from the config."""
     base_model_prefix = "model"
     main_input_name = "input_ids"
-    _no_split_modules = ["TransformerLayer"]
 
     @torch.no_grad()
     def _init_weights(self, module):
-        """transformers' Llama initialisation: matrices and embeddings
-        N(0, initializer_range), norm weights 1 (by parameter name, so it
-        covers the fused seqfuse modules), inv_freq from the config."""
         init_by_name(module, self.config.initializer_range)
         if isinstance(module, SeqfuseLlamaRotaryEmbedding):
             init.copy_(module.inv_freq, rope_inv_freq(self.config, device=module.inv_freq.device))
+
+
+class SeqfuseLlamaPreTrainedModel(DecoderPreTrainedModel):
+    config_class = SeqfuseLlamaConfig
+    config: SeqfuseLlamaConfig
+    _no_split_modules = ["TransformerLayer"]
+
+
+class DecoderStack:
+    """The base model of the families in Llama's layout (SeqfuseLlamaModel,
+    SeqfuseMixtralModel): token embeddings ``embed_tokens``, the decoder
+    ``layers``, the final RMSNorm ``norm`` and the rotary table
+    ``rotary_emb``, which ``run_layers`` runs.  Listed before the family's
+    PreTrainedModel in the bases, so that its input-embedding accessors
+    win."""
+
+    _headless_ignores = ("lm_head.",)
+
+    def build_stack(self, config, make_layer):
+        """Make the modules for ``config``, in this order (the state dict's);
+        ``make_layer(config, layer_number)`` builds one decoder layer
+        (layer_number from 1)."""
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id,
+                                         device=default_device())
+        self.layers = nn.ModuleList([make_layer(config, i + 1) for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, device=default_device())
+        self.rotary_emb = SeqfuseLlamaRotaryEmbedding(config, device=default_device())
+        self.activation_checkpointing = False  # set_activation_checkpointing
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
 
 
 def _packed_layout(input_ids, position_ids, cu_seqlens, max_seqlen, name="SeqfuseLlama"):
@@ -203,24 +238,14 @@ def batch_layout(input_ids, attention_mask=None, position_ids=None, cu_seqlens=N
     return Layout(False, kw, s, None)
 
 
-class SeqfuseLlamaModel(SeqfuseLlamaPreTrainedModel):
+class SeqfuseLlamaModel(DecoderStack, SeqfuseLlamaPreTrainedModel):
     """The Llama decoder stack: embeddings, TransformerLayers, final RMSNorm."""
-
-    _headless_ignores = ("lm_head.",)
 
     def __init__(self, config: SeqfuseLlamaConfig):
         super().__init__(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id,
-                                         device=default_device())
-        self.layers = nn.ModuleList([make_layer(config, i + 1) for i in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, device=default_device())
-        self.rotary_emb = SeqfuseLlamaRotaryEmbedding(config, device=default_device())
-        self.activation_checkpointing = False  # set_activation_checkpointing
+        self.build_stack(config, make_layer)
         self.cp_group = None  # set_context_parallel_group
         self.post_init()
-
-    def get_input_embeddings(self):
-        return self.embed_tokens
 
     def set_context_parallel_group(self, cp_group, cp_global_ranks=None, cp_stream=None, cp_comm_type="p2p"):
         """Context parallelism over ``cp_group`` (None: off) for every layer
@@ -231,9 +256,6 @@ class SeqfuseLlamaModel(SeqfuseLlamaPreTrainedModel):
         for layer in self.layers:
             layer.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
         self.cp_group = cp_group
-
-    def set_input_embeddings(self, value):
-        self.embed_tokens = value
 
     def layout(self, input_ids, attention_mask=None, position_ids=None, cu_seqlens=None, max_seqlen=None):
         """How a batch runs through the layers (a Layout), its arguments checked."""
@@ -339,15 +361,11 @@ def lm_logits_and_loss(lm_head, x, labels, cu_seqlens, num_items_in_batch, logit
     return logits, loss
 
 
-class SeqfuseLlamaForCausalLM(CachedGenerate, TiedCausalLMHead, SeqfuseLlamaPreTrainedModel):
-    """Llama causal language model on seqfuse layers (the tied ``lm_head``:
-    pretrained.TiedCausalLMHead)."""
+class SeqfuseLlamaForCausalLM(CachedGenerate, TiedCausalLM, SeqfuseLlamaPreTrainedModel):
+    """Llama causal language model on seqfuse layers (``model`` and the tied
+    ``lm_head``: pretrained.TiedCausalLM)."""
 
-    def __init__(self, config: SeqfuseLlamaConfig):
-        super().__init__(config)
-        self.model = SeqfuseLlamaModel(config)
-        self.build_lm_head(config)
-        self.post_init()
+    base_model_class = SeqfuseLlamaModel
 
     def set_context_parallel_group(self, cp_group, cp_global_ranks=None, cp_stream=None, cp_comm_type="p2p"):
         """SeqfuseLlamaModel.set_context_parallel_group; under CP the loss

@@ -51,7 +51,6 @@ Generation with a key/value cache is the Llama family's
 import torch
 from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM
-from transformers import initialization as init
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 
 from ..modules.multihead_attention import MultiheadAttention
@@ -60,11 +59,10 @@ from ..modules.moe import GroupedMLP
 from ..ops import moe as moe_ops
 from ..ops.moe import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss
 from .generation import CachedGenerate
-from .llama import (SeqfuseLlamaRotaryEmbedding, batch_layout, check_lm_arguments, check_unsupported,
+from .llama import (DecoderPreTrainedModel, DecoderStack, batch_layout, check_lm_arguments, check_unsupported,
                     lm_logits_and_loss, run_layers)
-from .llama_config import rope_inv_freq
 from .mixtral_config import SeqfuseMixtralConfig
-from .pretrained import SeqfusePreTrainedModel, TiedCausalLMHead, default_device, init_by_name, register_auto
+from .pretrained import TiedCausalLM, default_device, register_auto
 
 NAME = "SeqfuseMixtral"
 
@@ -177,44 +175,21 @@ def load_balancing_loss(router_logits, num_experts, topk, attention_mask=None):
     return fused_moe_aux_loss(scores, routing_map.sum(0), logits.shape[0], num_experts, topk, float(topk))
 
 
-class SeqfuseMixtralPreTrainedModel(SeqfusePreTrainedModel):
+class SeqfuseMixtralPreTrainedModel(DecoderPreTrainedModel):
+    """transformers' Mixtral initialisation is Llama's (llama.DecoderPreTrainedModel:
+    the router and the experts' matrices N(0, initializer_range) too)."""
     config_class = SeqfuseMixtralConfig
     config: SeqfuseMixtralConfig
-    base_model_prefix = "model"
-    main_input_name = "input_ids"
     _no_split_modules = ["SeqfuseMixtralDecoderLayer"]
 
-    @torch.no_grad()
-    def _init_weights(self, module):
-        """transformers' Mixtral initialisation: matrices (the router and the
-        experts included) and embeddings N(0, initializer_range), norm
-        weights 1, inv_freq from the config."""
-        init_by_name(module, self.config.initializer_range)
-        if isinstance(module, SeqfuseLlamaRotaryEmbedding):
-            init.copy_(module.inv_freq, rope_inv_freq(self.config, device=module.inv_freq.device))
 
-
-class SeqfuseMixtralModel(SeqfuseMixtralPreTrainedModel):
+class SeqfuseMixtralModel(DecoderStack, SeqfuseMixtralPreTrainedModel):
     """The Mixtral decoder stack: embeddings, decoder layers, final RMSNorm."""
-
-    _headless_ignores = ("lm_head.",)
 
     def __init__(self, config: SeqfuseMixtralConfig):
         super().__init__(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id,
-                                         device=default_device())
-        self.layers = nn.ModuleList([SeqfuseMixtralDecoderLayer(config, i + 1)
-                                     for i in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, device=default_device())
-        self.rotary_emb = SeqfuseLlamaRotaryEmbedding(config, device=default_device())
-        self.activation_checkpointing = False  # set_activation_checkpointing
+        self.build_stack(config, SeqfuseMixtralDecoderLayer)
         self.post_init()
-
-    def get_input_embeddings(self):
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.embed_tokens = value
 
     def layout(self, input_ids, attention_mask=None, position_ids=None, cu_seqlens=None, max_seqlen=None):
         """How a batch runs through the layers (the Llama family's Layout), its arguments checked."""
@@ -241,15 +216,11 @@ class SeqfuseMixtralModel(SeqfuseMixtralPreTrainedModel):
         return MoeModelOutputWithPast(last_hidden_state=x, router_logits=tuple(router), hidden_states=hidden)
 
 
-class SeqfuseMixtralForCausalLM(CachedGenerate, TiedCausalLMHead, SeqfuseMixtralPreTrainedModel):
-    """Mixtral causal language model on seqfuse layers (the tied ``lm_head``:
-    pretrained.TiedCausalLMHead)."""
+class SeqfuseMixtralForCausalLM(CachedGenerate, TiedCausalLM, SeqfuseMixtralPreTrainedModel):
+    """Mixtral causal language model on seqfuse layers (``model`` and the
+    tied ``lm_head``: pretrained.TiedCausalLM)."""
 
-    def __init__(self, config: SeqfuseMixtralConfig):
-        super().__init__(config)
-        self.model = SeqfuseMixtralModel(config)
-        self.build_lm_head(config)
-        self.post_init()
+    base_model_class = SeqfuseMixtralModel
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, cu_seqlens=None,
                 max_seqlen=None, num_items_in_batch=None, logits_to_keep=0, output_hidden_states=None,

@@ -2,8 +2,9 @@
 shares: ``SeqfusePreTrainedModel`` (strict ``from_pretrained``, activation
 checkpointing through transformers' names), ``init_by_name`` (the usual
 N(0, std) / zeros / ones initialisation, by parameter name so that it covers
-seqfuse's fused modules), ``default_device`` and ``TiedCausalLMHead`` (the
-decoder families' output layer tied to the input embedding).
+seqfuse's fused modules), ``default_device`` and ``TiedCausalLM`` (the
+decoder families' causal LM: base model and output layer tied to the input
+embedding).
 
 The Llama (llama.py), Mixtral (mixtral.py) and ESM-2 (esm.py) families
 derive from it.
@@ -51,19 +52,23 @@ def init_by_name(module, std):
             module.weight[module.padding_idx].zero_()
 
 
-class TiedCausalLMHead:
-    """The output layer the decoder families (Llama, Mixtral) share: a plain
-    nn.Linear ``lm_head`` (hidden_size -> vocab_size, no bias) whose weight is
-    tied to the base model's ``model.embed_tokens.weight``.  Listed before the
+class TiedCausalLM:
+    """The causal-LM model the decoder families (Llama, Mixtral) share: the
+    family's base model ``model`` (its class: the subclass's
+    ``base_model_class``) and the output layer, a plain nn.Linear
+    ``lm_head`` (hidden_size -> vocab_size, no bias) whose weight is tied to
+    the base model's ``model.embed_tokens.weight``.  Listed before the
     family's PreTrainedModel in the bases, so that its ``_tied_weights_keys``
     wins over PreTrainedModel's empty default."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
-    def build_lm_head(self, config):
-        """Make ``self.lm_head`` for ``config``.  Plain torch: tying needs
-        nn.Linear's weight, and a small vocabulary is not FP8-aligned."""
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = self.base_model_class(config)
+        # Plain torch: tying needs nn.Linear's weight, and a small vocabulary is not FP8-aligned.
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=default_device())
+        self.post_init()
 
     def get_output_embeddings(self):
         return self.lm_head
