@@ -134,3 +134,25 @@ def test_cuda_fp8_gradients_match_the_emulation():
     g = conv.grad_study(ns, torch.device("cuda"), batch, torch.bfloat16)
     bad = [c for c in g["checks"] if not c["pass"]]
     assert not bad, bad[:5]
+
+
+def test_bench_llama3_control_row(tmp_path):
+    """bench_llama3's seqfuse_bf16_perturbed_packed: the same model with its
+    weights one bf16 ulp off, checked like any row (its losses close to, and
+    not equal to, the unperturbed row's at this stable tiny scale)."""
+    import json
+
+    import bench_llama3 as B
+    import llama3_common as C
+
+    B.main(["--size", "tiny", "--device", "cpu", "--parts", "train", "--steps", "1", "--batch-size", "2",
+            "--seq-len", "64", "--warm-passes", "1", "--rows",
+            "hf_bf16,seqfuse_bf16_packed,seqfuse_bf16_perturbed_packed", "--data", C.SUBSET_DATA,
+            "--results-dir", str(tmp_path), "--out", "control"])
+    doc = json.load(open(tmp_path / "control.json"))
+    rows = {r["row"]: r for r in doc["rows"]}
+    a, b = rows["seqfuse_bf16_packed"], rows["seqfuse_bf16_perturbed_packed"]
+    assert "one bf16 ulp" in b["note"]
+    for x, y in zip(a["warm_losses"] + a["losses"], b["warm_losses"] + b["losses"]):
+        assert x != y and abs(x - y) / x < 1e-2
+    assert doc["loss_check"]["rows"]["seqfuse_bf16_perturbed_packed"]["tol"] == B.LOSS_TOL["bf16_perturbed"]

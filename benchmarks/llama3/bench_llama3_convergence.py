@@ -75,7 +75,7 @@ import traceback
 T_START = time.perf_counter()
 
 from llama3_common import (BENCH, SUBSET_DATA, build_hf, build_seqfuse, data_path, fixed_length_sequences,  # noqa
-                           forward_loss, load_windows, log, make_batches)
+                           forward_loss, load_windows, log, make_batches, perturb_one_ulp)
 
 import torch  # noqa: E402
 from fp8_reference import emulate_fp8  # noqa: E402
@@ -112,24 +112,6 @@ def recipe_of(name):
         if key in name:
             return make()
     return None
-
-
-def perturb_one_ulp(model, seed):
-    """Move every floating-point parameter by one bf16 ulp (a step of the
-    bf16 bit pattern; for float32, the same step in its upper 16 bits) with
-    a random sign.  The control's initial weights."""
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dtype == torch.bfloat16:
-                bits, step = p.view(torch.int16), 1
-            elif p.dtype == torch.float32:
-                bits, step = p.view(torch.int32), 1 << 16
-            else:
-                raise TypeError(f"perturb_one_ulp: parameter dtype {p.dtype} (bf16 or float32 expected)")
-            sign = torch.randint(0, 2, p.shape, generator=g).to(p.device) * 2 - 1
-            bits.add_((sign * step).to(bits.dtype))
-    return model
 
 
 class Row:
@@ -212,7 +194,7 @@ def grad_study(args, device, batch, dtype=torch.float32):
         row = Row(name, args, device, dtype)
         loss = row.loss(batch)
         loss.backward()
-        grads[name], losses[name] = row.named_grads(), float(loss)
+        grads[name], losses[name] = row.named_grads(), float(loss.detach())
         del row
     exact = grads["exact"]
     params = list(exact)
@@ -381,6 +363,28 @@ def plot(results, args):
     plt.close(fig)
 
 
+def reused(args, meta):
+    """{row: result} of the rows of ``--reuse`` that finished, in the order of --rows."""
+    if not args.reuse:
+        return {}
+    import json
+
+    with open(os.path.join(RESULTS, f"{args.reuse}.json")) as f:
+        old = json.load(f)
+    keys = ("size", "seq_len", "batch_size", "steps_planned", "lr", "warmup", "dtype", "data")
+    differ = {k: (old.get(k), meta[k]) for k in keys if old.get(k) != meta[k]}
+    if differ:
+        raise SystemExit(f"--reuse {args.reuse}: settings differ (old, now): {differ}")
+    meta["reused_from"] = {"name": args.reuse, "date": old.get("date"), "run": old.get("run")}
+    out = {}
+    for r in old["rows"]:
+        if r["run"] in meta["row_names"] and not r.get("error"):
+            curve = old["curves"][r["run"]]
+            out[r["run"]] = {"train_loss": curve, "val_loss": r["val_loss"], "steps_done": len(curve),
+                             "seconds": r["seconds"], "stopped_early": False}
+    return {k: out[k] for k in meta["row_names"] if k in out}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--part", default="grads,train", help="grads, train or both (comma-separated)")
@@ -403,6 +407,8 @@ def main(argv=None):
     p.add_argument("--device", default="cuda")
     p.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
     p.add_argument("--out", default="llama3_convergence")
+    p.add_argument("--reuse", default=None, metavar="NAME",
+                   help="take the finished rows of results/NAME.json (same settings) instead of running them again")
     args = p.parse_args(argv)
     parts = [x for x in args.part.split(",") if x]
     for x in parts:
@@ -435,7 +441,7 @@ def main(argv=None):
             "train_rule": (f"every seqfuse FP8 row: |final-window mean train loss - seqfuse_bf16's| <= {args.bound} "
                            f"and |validation loss - seqfuse_bf16's| <= {args.bound} nats, over the steps every row "
                            "reached; per-step differences reported against the one-ulp control's"),
-            "rows": rows, "time_budget_s": args.time_budget}
+            "row_names": rows, "time_budget_s": args.time_budget}
     status = 0
     if "grads" in parts:
         try:
@@ -450,8 +456,11 @@ def main(argv=None):
         if "train" not in parts:
             Table(args.out, []).save(extra=dict(meta, complete=True))
     if "train" in parts:
-        results, cap = {}, args.steps
+        results, cap = reused(args, meta), args.steps
         for i, name in enumerate(rows):
+            if name in results:
+                print(f"[convergence] {name}: reused from {args.reuse}")
+                continue
             deadline = None
             if args.time_budget:
                 weights = [ROW_WEIGHT.get(r, 1.0) for r in rows[i:]]
@@ -468,7 +477,8 @@ def main(argv=None):
                 print(f"[convergence] {name} stopped by --time-budget at step {cap}: later rows capped there")
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            write_train(results, args, meta, final=i == len(rows) - 1)
+            if i < len(rows) - 1:
+                write_train(results, args, meta, final=False)
         summary, checks = write_train(results, args, meta, final=True)
         for c in checks:
             print(f"convergence: {c['check']}: {c['value']:+.4f} -> {'PASS' if c['pass'] else 'FAIL'}")

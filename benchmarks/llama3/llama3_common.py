@@ -192,6 +192,28 @@ def build_seqfuse(size, device, dtype, seed=0):
     return model
 
 
+def perturb_one_ulp(model, seed):
+    """Move every nonzero parameter element by one bf16 ulp (a step of the
+    bf16 bit pattern; for float32, the same step in its upper 16 bits) with
+    a random sign: the control rows' initial weights (bench_llama3's
+    seqfuse_bf16_perturbed_packed, bench_llama3_convergence's
+    seqfuse_bf16_perturbed), whose distance from the unperturbed row is the
+    natural divergence of the training, FP8 or not."""
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dtype == torch.bfloat16:
+                bits, step = p.view(torch.int16), 1
+            elif p.dtype == torch.float32:
+                bits, step = p.view(torch.int32), 1 << 16
+            else:
+                raise TypeError(f"perturb_one_ulp: parameter dtype {p.dtype} (bf16 or float32 expected)")
+            sign = torch.randint(0, 2, p.shape, generator=g).to(p.device) * 2 - 1
+            sign[p == 0] = 0  # zeros stay (an embedding's padding row): a step below +0 is a NaN pattern
+            bits.add_((sign * step).to(bits.dtype))
+    return model
+
+
 def forward_loss(model, batch, device, packed):
     """The causal-LM loss of one batch: packed THD (cu_seqlens) for seqfuse's
     packed rows, [B, L] without a mask otherwise (nothing is padded)."""
