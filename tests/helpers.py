@@ -283,6 +283,19 @@ def check_strict_from_pretrained(model_cls, path, extra_key, extra_tensor, missi
         model_cls.from_pretrained(path)
 
 
+def check_conversion_refused(convert, state_dict, config, error, match, drop=(), put=None):
+    """A weight conversion (``convert(state_dict, config)``, a family's
+    hf_to_seqfuse_state_dict or its inverse) of a copy of ``state_dict``
+    with the keys ``drop`` removed and the entries of ``put`` set raises
+    ``error`` whose message matches ``match`` (the key and the rule)."""
+    sd = dict(state_dict)
+    for key in drop:
+        del sd[key]
+    sd.update(put or {})
+    with pytest.raises(error, match=match):
+        convert(sd, config)
+
+
 def free_port():
     """A TCP port free on 127.0.0.1 now (for a gloo process group's rendezvous)."""
     import socket

@@ -6,6 +6,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from helpers import check_conversion_refused  # noqa: E402
 from seqfuse.hf import from_hf_config  # noqa: E402
 from seqfuse.hf.convert import (hf_keys, hf_to_seqfuse_state_dict, seqfuse_keys,  # noqa: E402
                                 seqfuse_to_hf_state_dict)
@@ -56,27 +57,22 @@ def test_hf_keys_match_transformers():
 def test_missing_key_is_named():
     hf = tiny_hf()
     cfg = from_hf_config(hf.config)
-    sd = dict(hf.state_dict())
-    del sd["esm.encoder.layer.1.attention.self.key.bias"]
-    with pytest.raises(KeyError, match=r"esm\.encoder\.layer\.1\.attention\.self\.key\.bias"):
-        hf_to_seqfuse_state_dict(sd, cfg)
+    check_conversion_refused(hf_to_seqfuse_state_dict, hf.state_dict(), cfg, KeyError,
+                             r"esm\.encoder\.layer\.1\.attention\.self\.key\.bias",
+                             drop=["esm.encoder.layer.1.attention.self.key.bias"])
     sf = hf_to_seqfuse_state_dict(hf.state_dict(), cfg)
-    del sf["esm.encoder.layers.0.layernorm_mlp.fc2_bias"]
-    with pytest.raises(KeyError, match=r"layers\.0\.layernorm_mlp\.fc2_bias"):
-        seqfuse_to_hf_state_dict(sf, cfg)
+    check_conversion_refused(seqfuse_to_hf_state_dict, sf, cfg, KeyError, r"layers\.0\.layernorm_mlp\.fc2_bias",
+                             drop=["esm.encoder.layers.0.layernorm_mlp.fc2_bias"])
 
 
 def test_unexpected_key_and_shape_are_named():
     hf = tiny_hf()
     cfg = from_hf_config(hf.config)
-    sd = dict(hf.state_dict())
-    sd["esm.encoder.layer.7.LayerNorm.weight"] = torch.zeros(32)
-    with pytest.raises(ValueError, match=r"layer\.7\.LayerNorm\.weight"):
-        hf_to_seqfuse_state_dict(sd, cfg)
-    sd = dict(hf.state_dict())
-    sd["esm.encoder.layer.0.intermediate.dense.weight"] = torch.zeros(48, 32)
-    with pytest.raises(ValueError, match=r"intermediate\.dense\.weight.*\(48, 32\)"):
-        hf_to_seqfuse_state_dict(sd, cfg)
+    check_conversion_refused(hf_to_seqfuse_state_dict, hf.state_dict(), cfg, ValueError, r"layer\.7\.LayerNorm\.weight",
+                             put={"esm.encoder.layer.7.LayerNorm.weight": torch.zeros(32)})
+    check_conversion_refused(hf_to_seqfuse_state_dict, hf.state_dict(), cfg, ValueError,
+                             r"intermediate\.dense\.weight.*\(48, 32\)",
+                             put={"esm.encoder.layer.0.intermediate.dense.weight": torch.zeros(48, 32)})
     # A checkpoint of another depth: the layers the config needs are missing.
     with pytest.raises(KeyError, match=r"layer\.2\."):
         hf_to_seqfuse_state_dict(hf.state_dict(), from_hf_config(tiny_hf(layers=3).config))

@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import check_strict_from_pretrained, pair_tol, rel_error, rel_tol  # noqa: E402
+from helpers import check_conversion_refused, check_strict_from_pretrained, pair_tol, rel_error, rel_tol  # noqa: E402
 from seqfuse.hf import SeqfuseLlamaForCausalLM, SeqfuseLlamaModel  # noqa: E402
 from seqfuse.hf.llama_config import from_hf_config, rope_inv_freq  # noqa: E402
 from seqfuse.hf.llama_convert import (export_hf, from_hf_model, from_hf_pretrained, hf_keys,  # noqa: E402
@@ -61,22 +61,16 @@ def test_fused_layouts():
 def test_bad_state_dicts_are_named():
     hf = hf_model(seed=22)
     cfg = from_hf_config(hf.config)
-    sd = dict(hf.state_dict())
-    del sd["model.layers.1.mlp.up_proj.weight"]
-    with pytest.raises(KeyError, match=r"layers\.1\.mlp\.up_proj\.weight"):
-        hf_to_seqfuse_state_dict(sd, cfg)
-    sd = dict(hf.state_dict())
-    sd["model.layers.7.input_layernorm.weight"] = torch.ones(64)
-    with pytest.raises(ValueError, match=r"layers\.7\.input_layernorm\.weight"):
-        hf_to_seqfuse_state_dict(sd, cfg)
-    sd = dict(hf.state_dict())
-    sd["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(64, 64)
-    with pytest.raises(ValueError, match=r"k_proj\.weight.*\(64, 64\).*\(32, 64\)"):
-        hf_to_seqfuse_state_dict(sd, cfg)
-    sf_sd = from_hf_model(hf).state_dict()
-    del sf_sd["model.layers.0.layernorm_mlp.fc1_weight"]
-    with pytest.raises(KeyError, match=r"layers\.0\.layernorm_mlp\.fc1_weight"):
-        seqfuse_to_hf_state_dict(sf_sd, cfg)
+    sd = hf.state_dict()
+    check_conversion_refused(hf_to_seqfuse_state_dict, sd, cfg, KeyError, r"layers\.1\.mlp\.up_proj\.weight",
+                             drop=["model.layers.1.mlp.up_proj.weight"])
+    check_conversion_refused(hf_to_seqfuse_state_dict, sd, cfg, ValueError, r"layers\.7\.input_layernorm\.weight",
+                             put={"model.layers.7.input_layernorm.weight": torch.ones(64)})
+    check_conversion_refused(hf_to_seqfuse_state_dict, sd, cfg, ValueError,
+                             r"k_proj\.weight.*\(64, 64\).*\(32, 64\)",
+                             put={"model.layers.0.self_attn.k_proj.weight": torch.zeros(64, 64)})
+    check_conversion_refused(seqfuse_to_hf_state_dict, from_hf_model(hf).state_dict(), cfg, KeyError,
+                             r"layers\.0\.layernorm_mlp\.fc1_weight", drop=["model.layers.0.layernorm_mlp.fc1_weight"])
     with pytest.raises(TypeError, match="LlamaForCausalLM"):
         from_hf_model(transformers.LlamaModel(tiny_config()))
     with pytest.raises(TypeError, match="SeqfuseLlamaForCausalLM"):
