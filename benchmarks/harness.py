@@ -145,6 +145,58 @@ def compile_layers_or_model(model, layers, scope, dynamic):
     return model
 
 
+class CollectiveBytes:
+    """The buffers of the all-gathers (their outputs: what FSDP2 gathers) and
+    reduce-scatters (their inputs) that torch.distributed runs while this
+    context is active, as (dtype, bytes) lists ``gathers`` and ``scatters``.
+    Both torch spellings of each call are wrapped; a collective that one of
+    them reaches inside is not counted again.  The calls are put back at exit."""
+
+    NAMES = (("all_gather_single", "gathers"), ("all_gather_into_tensor", "gathers"),
+             ("reduce_scatter_single", "scatters"), ("reduce_scatter_tensor", "scatters"))
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        self.gathers, self.scatters, self._depth, self._saved = [], [], 0, {}
+        for name, kind in self.NAMES:
+            fn = getattr(dist, name, None)
+            if fn is not None:
+                self._saved[name] = fn
+                setattr(dist, name, self._wrap(fn, kind))
+        return self
+
+    def _wrap(self, fn, kind):
+        def call(*args, **kwargs):
+            if self._depth == 0:
+                # (output, input): the gathered output / the reduce-scatter's input
+                t = (kwargs.get("output", args[0] if args else None) if kind == "gathers"
+                     else kwargs.get("input", args[1] if len(args) > 1 else None))
+                getattr(self, kind).append((t.dtype, t.numel() * t.element_size()))
+            self._depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+        return call
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+
+    @staticmethod
+    def total(calls):
+        """Bytes of a list of calls."""
+        return sum(n for _, n in calls)
+
+    @staticmethod
+    def dtype_names(calls):
+        """The dtypes of a list of calls, sorted, comma-joined, without "torch."."""
+        return ",".join(sorted({str(dtype).replace("torch.", "") for dtype, _ in calls}))
+
+
 def host_time_us(fn, calls=20000, rounds=7):
     """Median over rounds of the mean host time of one fn() call, in µs."""
     for _ in range(calls // 10):

@@ -22,6 +22,7 @@ A cuda-marked test does the equality on two GPUs over NCCL (torchrun-free:
 spawned workers), skipped with fewer GPUs.
 """
 import os
+import sys
 
 import pytest
 import torch
@@ -31,6 +32,11 @@ from seqfuse.common.recipe import DelayedScaling, Float8BlockScaling, Float8Curr
 from seqfuse.distributed import end_process_group
 
 from helpers import free_port, needs_cpu_fsdp2, needs_fp8, run_workers
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+if BENCH not in sys.path:
+    sys.path.insert(0, BENCH)
+from harness import CollectiveBytes  # noqa: E402  (the bytes counter the FSDP benchmark reports with)
 
 HIDDEN, FFN, OUT = 256, 512, 256
 
@@ -45,41 +51,6 @@ def _build(device, dtype, seed=0):
         te.LayerNormMLP(HIDDEN, FFN, normalization="RMSNorm", activation="swiglu", bias=False,
                         params_dtype=dtype, device=device),
         te.Linear(HIDDEN, OUT, bias=True, params_dtype=dtype, device=device))
-
-
-class _Wire:
-    """Counts the bytes and dtypes of FSDP2's all-gathers and reduce-scatters
-    (by wrapping torch.distributed's collectives; both torch spellings)."""
-
-    def __init__(self):
-        import torch.distributed as dist
-        self.gathers, self.scatters, self._depth = [], [], 0
-        self.saved = {}
-        for name, kind in (("all_gather_single", "g"), ("all_gather_into_tensor", "g"),
-                           ("reduce_scatter_single", "s"), ("reduce_scatter_tensor", "s")):
-            fn = getattr(dist, name, None)
-            if fn is not None:
-                self.saved[name] = fn
-                setattr(dist, name, self._wrap(fn, kind))
-
-    def _wrap(self, fn, kind):
-        def call(*args, **kwargs):
-            if self._depth == 0:
-                # (output, input): the gathered output / the reduce-scatter input
-                t = kwargs.get("output", args[0] if args else None) if kind == "g" else \
-                    kwargs.get("input", args[1] if len(args) > 1 else None)
-                (self.gathers if kind == "g" else self.scatters).append((t.dtype, t.numel() * t.element_size()))
-            self._depth += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._depth -= 1
-        return call
-
-    def restore(self):
-        import torch.distributed as dist
-        for name, fn in self.saved.items():
-            setattr(dist, name, fn)
 
 
 def _shard(model, mesh_kw, mp):
@@ -138,10 +109,9 @@ def _body(rank, world, device, result_path):
         res["bitwise"] = same
 
         # 2. training steps against plain FSDP2 FP8
-        wire = _Wire()
         losses, grads = {"plain": [], "fp8ag": []}, {"plain": [], "fp8ag": []}
         snaps = {}
-        try:
+        with CollectiveBytes() as wire:
             for tag, model in (("plain", plain), ("fp8ag", fp8ag)):
                 opt = torch.optim.SGD(model.parameters(), lr=0.5)
                 torch.manual_seed(100 + rank)
@@ -161,8 +131,6 @@ def _body(rank, world, device, result_path):
                 # right after its own steps: every autocast exit updates all delayed-scaling
                 # states of the recipe in the process, so the other model's steps move it too
                 snaps[tag] = {k: _full(v).clone() for k, v in model.state_dict().items()}
-        finally:
-            wire.restore()
         res["loss_equal"] = all(torch.equal(a, b) for a, b in zip(losses["plain"], losses["fp8ag"]))
         res["grads_equal"] = all(torch.equal(a, b) for sa, sb in zip(grads["plain"], grads["fp8ag"])
                                  for a, b in zip(sa, sb))

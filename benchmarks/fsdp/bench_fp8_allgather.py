@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # benchmarks/: harness
 sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, os.path.join(ROOT, "recipes"))
 
-from harness import Table, init_torchrun, ranks_step_ms  # noqa: E402
+from harness import CollectiveBytes, Table, init_torchrun, ranks_step_ms  # noqa: E402
 
 import seqfuse.pytorch as te  # noqa: E402
 from seqfuse.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling  # noqa: E402
@@ -77,41 +77,6 @@ class Stack(torch.nn.Module):
         return x
 
 
-class Wire:
-    """Bytes of FSDP2's all-gathers (output buffers) and reduce-scatters
-    (input buffers) while active (both torch spellings of the calls)."""
-
-    NAMES = (("all_gather_single", "g"), ("all_gather_into_tensor", "g"),
-             ("reduce_scatter_single", "s"), ("reduce_scatter_tensor", "s"))
-
-    def __enter__(self):
-        self.bytes, self.dtypes, self.depth, self.saved = {"g": 0, "s": 0}, {"g": set(), "s": set()}, 0, {}
-        for name, kind in self.NAMES:
-            fn = getattr(dist, name, None)
-            if fn is not None:
-                self.saved[name] = fn
-                setattr(dist, name, self._wrap(fn, kind))
-        return self
-
-    def _wrap(self, fn, kind):
-        def call(*args, **kwargs):
-            if self.depth == 0:
-                t = (kwargs.get("output", args[0] if args else None) if kind == "g"
-                     else kwargs.get("input", args[1] if len(args) > 1 else None))
-                self.bytes[kind] += t.numel() * t.element_size()
-                self.dtypes[kind].add(str(t.dtype).replace("torch.", ""))
-            self.depth += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.depth -= 1
-        return call
-
-    def __exit__(self, *exc):
-        for name, fn in self.saved.items():
-            setattr(dist, name, fn)
-
-
 def run(shape_name, mode, recipe_name, args, world):
     s = SHAPES[shape_name]
     torch.manual_seed(0)
@@ -137,7 +102,7 @@ def run(shape_name, mode, recipe_name, args, world):
     step()
     if cuda:
         torch.cuda.synchronize()
-    with Wire() as wire:
+    with CollectiveBytes() as wire:
         step()
         if cuda:
             torch.cuda.synchronize()
@@ -148,8 +113,8 @@ def run(shape_name, mode, recipe_name, args, world):
     tokens = s["batch"] * s["seq"] * world
     row = dict(shape=shape_name, mode=mode if mode == "bf16" else f"fp8 {recipe_name}" + (" +ag" if mode == "fp8+ag" else ""),
                layers=args.layers, ms_per_step=ms, tokens_per_s=tokens / ms * 1e3,
-               gathered_mb_per_step=wire.bytes["g"] / 1e6, gather_dtypes=",".join(sorted(wire.dtypes["g"])),
-               reduce_mb_per_step=wire.bytes["s"] / 1e6, reduce_dtypes=",".join(sorted(wire.dtypes["s"])),
+               gathered_mb_per_step=wire.total(wire.gathers) / 1e6, gather_dtypes=wire.dtype_names(wire.gathers),
+               reduce_mb_per_step=wire.total(wire.scatters) / 1e6, reduce_dtypes=wire.dtype_names(wire.scatters),
                model_gather_mb=gathered_bytes(model) / 1e6, peak_gib=peak)
     del model, opt, x
     if cuda:
