@@ -60,9 +60,12 @@ H200, one call (about 130 s after the build; ``--time-budget`` trims the
 steps of every row alike if the GPU is slower than expected, and says so):
     python benchmarks/llama3/bench_llama3_convergence.py --device cuda --size small --seq-len 2048 \\
         --batch-size 8 --steps 600 --time-budget 130
-CPU study (what the README reports; about 8 minutes on one thread):
+CPU study (benchmarks/results/llama3_convergence_cpu.json; one thread, about
+5 CPU minutes, 15 wall minutes on a shared 2-core host: seqfuse's reference
+attention kernel is most of it):
     python benchmarks/llama3/bench_llama3_convergence.py --device cpu --size tiny --seq-len 128 \\
-        --batch-size 4 --steps 80 --warmup 10 --lr 2e-3 --window 20 --eval-batches 2
+        --batch-size 4 --steps 80 --warmup 10 --lr 2e-3 --window 20 --eval-batches 2 --part train \\
+        --out llama3_convergence_cpu
 """
 import argparse
 import copy
@@ -170,7 +173,7 @@ def load_data(args):
         desc = f"{path} ({note}); validation: held-out genomes {held}"
     else:
         val_path = os.path.join(os.path.dirname(SUBSET_DATA), "validation.parquet")
-        if path != SUBSET_DATA:
+        if os.path.abspath(path) != os.path.abspath(SUBSET_DATA):
             raise ValueError(f"{path}: {len(genomes)} genome(s), too few to hold whole genomes out for validation")
         train, val = rows, load_windows(val_path)
         desc = f"{path} ({note}); validation: {val_path} (one genome: held-out windows, not a held-out genome)"
