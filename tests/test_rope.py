@@ -280,10 +280,24 @@ def test_rope_cuda_strided_and_unaligned(seed):
 
 
 @pytest.mark.cuda
-def test_rope_cuda_position_past_freqs_gives_nan():
+def test_rope_cuda_position_past_freqs():
+    """A packed sequence longer than ``freqs`` covers: eagerly a ValueError
+    naming cu_seqlens (the offsets' one host read); under CUDA graph capture,
+    where nothing reads the host, the kernel writes NaN at the positions past
+    ``freqs`` rather than reading past its end."""
     t = torch.randn(6, 2, 8, device="cuda")
     cu = torch.tensor([0, 6], dtype=torch.int32, device="cuda")
-    out = rope_forward(t, make_freqs(4, 8, device="cuda"), "thd", cu_seqlens=cu)
+    freqs = make_freqs(4, 8, device="cuda")
+    with pytest.raises(ValueError, match="'cu_seqlens' holds a sequence of length 6, longer than the 4 "
+                                         "positions 'freqs' covers"):
+        rope_forward(t, freqs, "thd", cu_seqlens=cu)
+    cu = cu.clone()  # a tensor the eager check has not read
+    out = torch.full_like(t, 7.0)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        rope_forward(t, freqs, "thd", cu_seqlens=cu, out=out)
+    g.replay()
+    torch.cuda.synchronize()
     assert not out[:4].isnan().any() and out[4:].isnan().all()
 
 
