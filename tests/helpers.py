@@ -254,6 +254,15 @@ def fresh_routing(monkeypatch, backend="auto", ragged_on=False):
     monkeypatch.setattr(routing, "_capabilities", {})
 
 
+def record_calls(monkeypatch, module, name, standin_for):
+    """Replace ``module.name`` (a kernel entry a route calls) for the test by
+    the stand-in ``standin_for(calls)`` makes, and return ``calls``: the list
+    the stand-in records each call's arguments in."""
+    calls = []
+    monkeypatch.setattr(module, name, standin_for(calls))
+    return calls
+
+
 def grads_of(fn, tensors, dout):
     """``fn(*tensors)`` run on detached copies and its backward from ``dout``:
     (the output, the input gradients)."""

@@ -28,7 +28,7 @@ import torch
 
 import seqfuse
 from attn_ref import attend, check_route_cu_seqlens, cu_seqlens, thd_case
-from helpers import BACKWARD_FACTOR, fresh_routing, grads_of, rel_error, rel_tol
+from helpers import BACKWARD_FACTOR, fresh_routing, grads_of, record_calls, rel_error, rel_tol
 from seqfuse.ops.attn import _routing as routing
 from seqfuse.ops.attn import _torch_routes as routes
 
@@ -81,9 +81,7 @@ def flash_standin_for(calls):
 
 @pytest.fixture
 def flash_calls(monkeypatch, emulated_h200):
-    calls = []
-    monkeypatch.setattr(routes, "_flash_forward", flash_standin_for(calls))
-    return calls
+    return record_calls(monkeypatch, routes, "_flash_forward", flash_standin_for)
 
 
 # ------------------------------------------------------------ the rules, pure

@@ -28,7 +28,7 @@ import torch
 
 import seqfuse
 from attn_ref import attend, check_route_cu_seqlens, cu_seqlens, thd_case
-from helpers import BACKWARD_FACTOR, fresh_routing, pair_tol, rel_error
+from helpers import BACKWARD_FACTOR, fresh_routing, pair_tol, record_calls, rel_error
 from seqfuse.ops import device_checks
 from seqfuse.ops.attn import _cudnn_ragged as ragged
 from seqfuse.ops.attn import _routing as routing
@@ -310,9 +310,7 @@ def ragged_standin_for(calls):
 
 @pytest.fixture
 def ragged_calls(monkeypatch, emulated_h200):
-    calls = []
-    monkeypatch.setattr(ragged, "_ragged_forward", ragged_standin_for(calls))
-    return calls
+    return record_calls(monkeypatch, ragged, "_ragged_forward", ragged_standin_for)
 
 
 @pytest.mark.parametrize("mask", ["no_mask", "padding", "causal", "padding_causal", "causal_bottom_right",
@@ -368,8 +366,7 @@ def test_route_hands_aligned_rows(ragged_calls):
 def test_route_logs_once_and_falls_back_on_runtime_error(monkeypatch, emulated_h200, caplog):
     seqfuse.ops.attn.set_attention_cudnn_ragged(True)
     q, k, v, kw = thd_case([6, 5])
-    calls = []
-    monkeypatch.setattr(ragged, "_ragged_forward", ragged_standin_for(calls))
+    calls = record_calls(monkeypatch, ragged, "_ragged_forward", ragged_standin_for)
     with caplog.at_level(logging.INFO, logger="seqfuse"):
         seqfuse.ops.attention(q, k, v, **kw)
         seqfuse.ops.attention(q, k, v, **kw)
@@ -485,10 +482,8 @@ def frontend_standin_for(calls):
 
 @pytest.fixture
 def frontend_calls(monkeypatch, emulated_h200):
-    calls = []
     monkeypatch.setattr(routing, "_ragged_support", {"torch": True, "frontend": True, "cudnn": 91900})
-    monkeypatch.setattr(ragged, "_frontend_forward", frontend_standin_for(calls))
-    return calls
+    return record_calls(monkeypatch, ragged, "_frontend_forward", frontend_standin_for)
 
 
 @pytest.mark.parametrize("mask,lengths,hk", [("padding", [5, 11, 1, 7], 4), ("padding_causal", [9, 0, 6], 2)])
