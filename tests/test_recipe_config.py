@@ -154,3 +154,39 @@ def test_fp8_recipe_of_takes_only_the_recipes_named():
     assert isinstance(fp8_recipe_of(cfg, ("mxfp8",)), MXFP8BlockScaling)
     cfg.precision.recipe = "bf16"
     assert fp8_recipe_of(cfg, ("bf16",)) is None
+
+
+def test_token_budget_rules_are_worded_for_each_recipe():
+    # recipe_common.config.token_budget_checks: the padding and micro-batch rules every recipe runs, in its words
+    from recipe_common.config import token_budget_checks
+
+    c = {"data": {"pad_to_multiple_of": 8, "max_length": 100, "micro_batch_tokens": 10},
+         "precision": {"recipe": "fp8_delayed", "fp4": True}}
+    problems = []
+    assert token_budget_checks(c, lambda *keys: True, problems, True, ("precision.recipe", "precision.fp4"),
+                               "FP8 / FP4", "window") == 8
+    assert problems == [
+        "data.pad_to_multiple_of=8: must be a multiple of 16 (or 'auto') under precision.recipe=fp8_delayed / "
+        "precision.fp4=True (FP8 / FP4 GEMMs need it)",
+        "data.micro_batch_tokens=10: must be >= data.max_length=100 (padded: 104): one cropped window must fit a "
+        "micro-batch"]
+    c["data"].update(pad_to_multiple_of="auto", micro_batch_tokens=112)
+    problems = []
+    assert token_budget_checks(c, lambda *keys: True, problems, True, ("precision.recipe",), "FP8", "protein") == 16
+    assert token_budget_checks(c, lambda *keys: True, problems, False, ("precision.recipe",), "FP8", "protein") == 1
+    assert problems == []
+    # a bad data key: no token multiple, and no rule that would read it
+    assert token_budget_checks(c, lambda *keys: "data.max_length" not in keys, problems, True, ("precision.recipe",),
+                               "FP8", "protein") is None
+    assert problems == []
+
+
+def test_trainer_entry_points_belong_to_the_trainer_module():
+    # recipe_common.trainer.entry_points: train and evaluate named as the module's own (pickled by that name)
+    import pickle
+
+    from esm2_recipe import trainer
+
+    for f, name in ((trainer.train, "train"), (trainer.evaluate, "evaluate")):
+        assert (f.__module__, f.__name__, f.__qualname__) == ("esm2_recipe.trainer", name, name)
+        assert pickle.loads(pickle.dumps(f)) is f

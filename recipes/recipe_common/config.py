@@ -302,6 +302,32 @@ def common_cross_checks(c, ok, problems):
         problems.append(f"profiler.end_step={p['end_step']}: must be >= profiler.start_step={p['start_step']}")
 
 
+def token_budget_checks(c, ok, problems, quantized, quantized_by, gemms, unit):
+    """The data group's token rules, shared by the recipes: under a
+    quantized recipe (``quantized``, set by the keys ``quantized_by``, whose
+    ``gemms`` GEMMs need it) data.pad_to_multiple_of must be a multiple of
+    16 or 'auto'; one cropped ``unit`` (data.max_length tokens, padded to
+    the token multiple) must fit data.micro_batch_tokens.  Returns that
+    token multiple (16 for 'auto' under a quantized recipe, 1 without
+    padding), or None where those data keys are bad."""
+    d = c["data"]
+    pad = d["pad_to_multiple_of"]
+    if ok("data.pad_to_multiple_of") and quantized and pad != "auto" and (pad is None or pad % 16):
+        said = []
+        for key in quantized_by:
+            group, name = key.split(".")
+            said.append(f"{key}={c[group][name]}")
+        problems.append(f"data.pad_to_multiple_of={pad!r}: must be a multiple of 16 (or 'auto') under "
+                        f"{' / '.join(said)} ({gemms} GEMMs need it)")
+    if not ok("data.max_length", "data.micro_batch_tokens", "data.pad_to_multiple_of"):
+        return None
+    mult = 16 if pad == "auto" and quantized else (pad if isinstance(pad, int) else 1)
+    need = -(-d["max_length"] // mult) * mult
+    if d["micro_batch_tokens"] < need:
+        problems.append(f"data.micro_batch_tokens={d['micro_batch_tokens']}: must be >= data.max_length="
+                        f"{d['max_length']} (padded: {need}): one cropped {unit} must fit a micro-batch")
+    return mult
+
 
 # ---------------------------------------------------------------- checking and loading
 def _show(v):

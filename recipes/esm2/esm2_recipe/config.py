@@ -22,7 +22,7 @@ from typing import Optional
 from recipe_common.config import DataConfig as CommonDataConfig
 from recipe_common.config import (Bool, Cfg, CheckpointConfig, Choice, ConfigError, ConfigSpec,  # noqa: F401
                                   DistributedConfig, Float, Int, IntList, LoggingConfig, ProfilerConfig, Str,
-                                  TrainConfig, check_paths, rule)
+                                  TrainConfig, check_paths, rule, token_budget_checks)
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hydra_config")
 
@@ -92,21 +92,12 @@ def _cross_checks(c, ok, problems):
         if h % a or (h // a) % 2:
             problems.append(f"model.num_attention_heads={a}: must divide model.hidden_size={h} into an even "
                             f"head dim (rotary embeddings)")
-    pad = d["pad_to_multiple_of"]
     fp8 = c["precision"]["recipe"].startswith("fp8") if ok("precision.recipe") else False
-    if ok("data.pad_to_multiple_of") and fp8 and pad != "auto" and (pad is None or pad % 16):
-        problems.append(f"data.pad_to_multiple_of={pad!r}: must be a multiple of 16 (or 'auto') under "
-                        f"precision.recipe={c['precision']['recipe']} (FP8 GEMMs need it)")
-    if ok("data.max_length", "data.micro_batch_tokens", "data.pad_to_multiple_of"):
-        mult = 16 if pad == "auto" and fp8 else (pad if isinstance(pad, int) else 1)
-        need = -(-d["max_length"] // mult) * mult
-        if d["micro_batch_tokens"] < need:
-            problems.append(f"data.micro_batch_tokens={d['micro_batch_tokens']}: must be >= data.max_length="
-                            f"{d['max_length']} (padded: {need}): one cropped protein must fit a micro-batch")
-        if ok("data.fixed_length") and d["fixed_length"] and d["max_length"] % mult:
-            problems.append(f"data.max_length={d['max_length']}: must be a multiple of {mult} with "
-                            f"data.fixed_length=true (the token multiple of data.pad_to_multiple_of, 16 under "
-                            f"FP8): fixed-length batches would be padded")
+    mult = token_budget_checks(c, ok, problems, fp8, ("precision.recipe",), "FP8", "protein")
+    if mult is not None and ok("data.fixed_length") and d["fixed_length"] and d["max_length"] % mult:
+        problems.append(f"data.max_length={d['max_length']}: must be a multiple of {mult} with "
+                        f"data.fixed_length=true (the token multiple of data.pad_to_multiple_of, 16 under "
+                        f"FP8): fixed-length batches would be padded")
     _graph_checks(c, ok, problems)
 
 

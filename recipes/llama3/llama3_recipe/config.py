@@ -30,7 +30,7 @@ from typing import Optional
 from recipe_common.config import DataConfig as CommonDataConfig
 from recipe_common.config import (Bool, Cfg, CheckpointConfig, Choice, ConfigError, ConfigSpec,  # noqa: F401
                                   DistributedConfig, Float, Int, IntList, LoggingConfig, ProfilerConfig, Str,
-                                  TrainConfig, check_paths, rule)
+                                  TrainConfig, check_paths, rule, token_budget_checks)
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hydra_config")
 
@@ -171,16 +171,7 @@ def cross_checks(c, ok, problems):
             problems.append(f"model.num_key_value_heads={g}: must divide model.num_attention_heads={a} "
                             f"(grouped-query attention)")
     quantized = (p["recipe"] in FP8_RECIPES or p["fp4"]) if ok("precision.recipe", "precision.fp4") else False
-    pad = d["pad_to_multiple_of"]
-    if ok("data.pad_to_multiple_of") and quantized and pad != "auto" and (pad is None or pad % 16):
-        problems.append(f"data.pad_to_multiple_of={pad!r}: must be a multiple of 16 (or 'auto') under "
-                        f"precision.recipe={p['recipe']} / precision.fp4={p['fp4']} (FP8 / FP4 GEMMs need it)")
-    if ok("data.max_length", "data.micro_batch_tokens", "data.pad_to_multiple_of"):
-        mult = 16 if pad == "auto" and quantized else (pad if isinstance(pad, int) else 1)
-        need = -(-d["max_length"] // mult) * mult
-        if d["micro_batch_tokens"] < need:
-            problems.append(f"data.micro_batch_tokens={d['micro_batch_tokens']}: must be >= data.max_length="
-                            f"{d['max_length']} (padded: {need}): one cropped window must fit a micro-batch")
+    token_budget_checks(c, ok, problems, quantized, ("precision.recipe", "precision.fp4"), "FP8 / FP4", "window")
     if ok("data.max_length", "model.max_position_embeddings") and not size \
             and d["max_length"] > m["max_position_embeddings"]:
         problems.append(f"data.max_length={d['max_length']}: must be <= model.max_position_embeddings="
