@@ -27,9 +27,10 @@ plain nested dict (``Cfg``) with the values normalised to the schema's types
 (an integer where a float is expected becomes a float).
 
 The groups every recipe has with the same keys (train, data, checkpoint,
-logging, distributed, profiler) are defined here; a recipe subclasses one to
-change a default or add keys (a dataclass field redefined keeps its place;
-a new one comes after the shared ones).
+logging, distributed, profiler) are defined here, and so is the root that
+holds them (RecipeConfig); a recipe subclasses one to change a default or
+add keys or groups (a dataclass field redefined keeps its place; a new one
+comes after the shared ones).
 """
 from __future__ import annotations
 
@@ -288,6 +289,22 @@ class ProfilerConfig:
     enabled: bool = rule(False, Bool())
     start_step: int = rule(10, Int(1))
     end_step: int = rule(12, Int(1))
+
+
+@dataclass
+class RecipeConfig:
+    """The root keys and groups every recipe has.  A recipe's root schema
+    subclasses it: it sets run_name's default, gives data, train and
+    distributed its own group where it changes them (they keep their place)
+    and adds its model and precision groups and its own keys (after these)."""
+    run_name: str = rule("run", Str())
+    device: str = rule("auto", Choice("auto", "cpu", "cuda"))
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
 
 
 def common_cross_checks(c, ok, problems):

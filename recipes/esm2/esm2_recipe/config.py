@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from recipe_common.config import DataConfig as CommonDataConfig
+from recipe_common.config import RecipeConfig as CommonRecipeConfig
 from recipe_common.config import (Bool, Cfg, CheckpointConfig, Choice, ConfigError, ConfigSpec,  # noqa: F401
                                   DistributedConfig, Float, Int, IntList, LoggingConfig, ProfilerConfig, Str,
                                   TrainConfig, check_paths, rule, token_budget_checks)
@@ -69,18 +70,15 @@ class PrecisionConfig:
 
 
 @dataclass
-class RecipeConfig:
-    """The whole ESM-2 recipe config; base.yaml holds the same defaults."""
+class RecipeConfig(CommonRecipeConfig):
+    """The whole ESM-2 recipe config: the shared root (device, checkpoint,
+    logging, distributed, profiler) with ESM-2's groups; base.yaml holds the
+    same defaults."""
     run_name: str = rule("esm2", Str())
-    device: str = rule("auto", Choice("auto", "cpu", "cuda"))
-    model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: Esm2TrainConfig = field(default_factory=Esm2TrainConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    distributed: DistributedConfig = field(default_factory=DistributedConfig)
-    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
 
 
 def _cross_checks(c, ok, problems):

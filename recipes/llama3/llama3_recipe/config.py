@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from recipe_common.config import DataConfig as CommonDataConfig
+from recipe_common.config import RecipeConfig as CommonRecipeConfig
 from recipe_common.config import (Bool, Cfg, CheckpointConfig, Choice, ConfigError, ConfigSpec,  # noqa: F401
                                   DistributedConfig, Float, Int, IntList, LoggingConfig, ProfilerConfig, Str,
                                   TrainConfig, check_paths, rule, token_budget_checks)
@@ -85,21 +86,19 @@ class LlamaDistributedConfig(DistributedConfig):
 
 
 @dataclass
-class RecipeConfig:
-    """The whole Llama 3 recipe config; base.yaml holds the same defaults."""
+class RecipeConfig(CommonRecipeConfig):
+    """The whole Llama 3 recipe config: the shared root (device, checkpoint,
+    logging, profiler) with Llama's groups and context-parallel keys;
+    base.yaml holds the same defaults."""
     run_name: str = rule("llama3", Str())
-    device: str = rule("auto", Choice("auto", "cpu", "cuda"))
+    data: DataConfig = field(default_factory=DataConfig)
+    train: LlamaTrainConfig = field(default_factory=LlamaTrainConfig)
+    distributed: LlamaDistributedConfig = field(default_factory=LlamaDistributedConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     # context parallelism (train_fsdp2_cp.py; the other scripts refuse cp_size > 1)
     cp_size: int = rule(1, Int(1))
     cp_comm_type: str = rule("p2p", Choice("p2p", "all_gather"))
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    train: LlamaTrainConfig = field(default_factory=LlamaTrainConfig)
-    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    distributed: LlamaDistributedConfig = field(default_factory=LlamaDistributedConfig)
-    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
 
 
 # ---------------------------------------------------------------- layer-wise precision

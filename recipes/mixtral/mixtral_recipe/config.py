@@ -39,6 +39,7 @@ from llama3_recipe.config import LlamaDistributedConfig, LlamaTrainConfig
 from llama3_recipe.config import PrecisionConfig as LlamaPrecisionConfig
 from llama3_recipe.config import cross_checks as causal_lm_cross_checks
 from llama3_recipe.config import resolve_layer_precision
+from recipe_common.config import RecipeConfig as CommonRecipeConfig
 from recipe_common.config import (Bool, Cfg, CheckpointConfig, Choice, ConfigError, ConfigSpec,  # noqa: F401
                                   Float, Int, LoggingConfig, ProfilerConfig, Str, check_paths, rule)
 
@@ -75,18 +76,16 @@ class MixtralDistributedConfig(LlamaDistributedConfig):
 
 
 @dataclass
-class RecipeConfig:
-    """The whole Mixtral recipe config; base.yaml holds the same defaults."""
+class RecipeConfig(CommonRecipeConfig):
+    """The whole Mixtral recipe config: the shared root (device, checkpoint,
+    logging, profiler) with the Llama 3 recipe's data and train groups and
+    Mixtral's own; base.yaml holds the same defaults."""
     run_name: str = rule("mixtral", Str())
-    device: str = rule("auto", Choice("auto", "cpu", "cuda"))
-    model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: LlamaTrainConfig = field(default_factory=LlamaTrainConfig)
-    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
     distributed: MixtralDistributedConfig = field(default_factory=MixtralDistributedConfig)
-    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
 
 
 # ---------------------------------------------------------------- rules
