@@ -10,6 +10,7 @@ Environment:
   MAX_JOBS                 parallel compile jobs (default: CPU count).
 """
 import copy
+import functools
 import glob
 import os
 import shutil
@@ -166,7 +167,10 @@ class BuildExt(build_ext):
         return obj
 
 
+@functools.lru_cache(maxsize=None)
 def newest_header():
+    """The newest mtime of csrc's headers, read once per build (every CUDA
+    unit's staleness test compares against it)."""
     headers = glob.glob(os.path.join(ROOT, "csrc", "**", "*.h"), recursive=True)
     headers += glob.glob(os.path.join(ROOT, "csrc", "**", "*.cuh"), recursive=True)
     return max((os.path.getmtime(h) for h in headers), default=0)
