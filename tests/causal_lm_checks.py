@@ -14,6 +14,20 @@ from helpers import rel_error
 VOCAB = 16
 
 
+def spread_weights(model, scale=5.0):
+    """transformers' model with its norm weights moved away from 1 and every
+    other weight times ``scale`` (in place, from the caller's seed), so that a
+    dropped norm, a wrong head or expert order or a lost routing weight
+    cannot pass a comparison unnoticed.  Returns the model."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.add_(0.2 * torch.randn_like(p))
+            else:
+                p.mul_(scale)
+    return model
+
+
 def batch(lengths=(40, 29, 17), seed=0, vocab=VOCAB):
     """Right-padded ids (pad 0), mask, labels (-100 on padding) and the
     sequences themselves."""

@@ -19,7 +19,7 @@ import seqfuse  # noqa: E402
 from causal_lm_checks import (VOCAB, batch, check_activation_checkpointing,  # noqa: E402,F401 (batch, packed: test_hf_llama_generate's)
                               check_bad_inputs_named, check_bf16_within_bf16_rounding, check_grads,
                               check_left_padding_matches_transformers, check_packed_thd_matches_padded_bshd,
-                              hf_grads_in_seqfuse_names, packed, real)
+                              hf_grads_in_seqfuse_names, packed, real, spread_weights)
 from helpers import check_same_logits_and_losses, needs_fp8, rel_error  # noqa: E402
 from seqfuse.hf import SeqfuseLlamaConfig, SeqfuseLlamaForCausalLM, llama3_config  # noqa: E402
 from seqfuse.hf.llama import shift_labels  # noqa: E402
@@ -44,15 +44,7 @@ def tiny_config(tie=False, rope=LLAMA3_ROPE, **kw):
 
 def hf_model(seed=0, dtype=torch.float32, **kw):
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(tiny_config(**kw)).eval()
-    # Norm weights away from 1 and larger matrices, so a dropped norm or a
-    # wrong head order cannot pass unnoticed.
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.add_(0.2 * torch.randn_like(p))
-            else:
-                p.mul_(5.0)
+    model = spread_weights(transformers.LlamaForCausalLM(tiny_config(**kw)).eval())
     return cast(model, dtype)
 
 

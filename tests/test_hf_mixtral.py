@@ -25,7 +25,7 @@ import seqfuse  # noqa: E402,F401
 from causal_lm_checks import (VOCAB, batch, check_activation_checkpointing,  # noqa: E402
                               check_bad_inputs_named, check_bf16_within_bf16_rounding, check_grads, check_keys_match,
                               check_left_padding_matches_transformers, check_packed_thd_matches_padded_bshd,
-                              check_round_trip, packed, real)
+                              check_round_trip, packed, real, spread_weights)
 from helpers import check_same_logits_and_losses, needs_fp8, rel_error, torch_bound  # noqa: E402
 from seqfuse.hf import SeqfuseMixtralConfig, SeqfuseMixtralForCausalLM, SeqfuseMixtralModel  # noqa: E402
 from seqfuse.hf.mixtral import load_balancing_loss  # noqa: E402
@@ -49,16 +49,7 @@ def tiny_config(tie=False, experts=4, topk=2, theta=10000.0, **kw):
 
 def hf_model(seed=0, dtype=torch.float32, scale=5.0, **kw):
     torch.manual_seed(seed)
-    model = transformers.MixtralForCausalLM(tiny_config(**kw)).eval()
-    # Norm weights away from 1 and larger matrices (times ``scale``), so a
-    # dropped norm, a wrong head or expert order, or a lost routing weight
-    # cannot pass unnoticed.
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.add_(0.2 * torch.randn_like(p))
-            else:
-                p.mul_(scale)
+    model = spread_weights(transformers.MixtralForCausalLM(tiny_config(**kw)).eval(), scale)
     return cast(model, dtype)
 
 
