@@ -17,6 +17,7 @@ pytest.importorskip("hydra")
 
 from esm2_recipe import config as recipe_config  # noqa: E402
 from esm2_recipe.config import ConfigError, load_config  # noqa: E402
+from recipe_checks import check_named_configs  # noqa: E402
 
 BAD = {  # override -> what its line must say
     "train.clip_grad_norm=-1": "train.clip_grad_norm=-1: must be a finite number > 0, or null (no clipping)",
@@ -74,12 +75,7 @@ def test_cross_key_rules():
 
 
 def test_every_named_config_is_valid_and_base_matches_the_schema():
-    have = sorted(f[:-5] for f in os.listdir(recipe_config.CONFIG_DIR) if f.endswith(".yaml"))
-    assert "L0_sanity" in have and "base" in have
-    for name in have:
-        cfg = load_config(name)
-        assert cfg.config_name == name
-    assert recipe_config.compose_config("base") == recipe_config.schema_defaults()
+    check_named_configs(recipe_config, {"L0_sanity", "base"})
     cfg = load_config("35M", ["train.lr=1", "checkpoint.dir=/tmp/x y/ck"])
     assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float) and cfg.checkpoint.dir == "/tmp/x y/ck"
 
