@@ -10,11 +10,11 @@ quantizes and dequantizes its operands and multiplies the dequantized values
 in float32; everything else (embeddings, RMSNorm, RoPE, attention, SwiGLU,
 LM head, loss) is transformers' own code in the model's dtype.
 
-  forward     y    = Q_fwd(x) @ Q_fwd(W)^T          (E4M3)
-  input grad  dx   = Q_bwd(dy) @ Q_fwd(W)
-  weight grad dW   = Q_bwd(dy)^T @ Q_fwd(x)
+  forward     y    = Q_forward(x) @ Q_forward(W)^T          (E4M3)
+  input grad  dx   = Q_backward(dy) @ Q_forward(W)
+  weight grad dW   = Q_backward(dy)^T @ Q_forward(x)
 
-with the recipes' default formats: Q_bwd in E5M2 for per-tensor scaling
+with the recipes' default formats: Q_backward in E5M2 for per-tensor scaling
 (Format.HYBRID, DelayedScaling's and Float8CurrentScaling's default), in
 E4M3 for block scaling (Float8BlockScaling's default, as in Transformer
 Engine).  Two scalings, mirroring seqfuse's recipes:
@@ -42,11 +42,11 @@ import torch
 from seqfuse.hf.qkv import fuse_qkv, split_qkv
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
-FWD = torch.float8_e4m3fn
+FORWARD_FORMAT = torch.float8_e4m3fn
 #: the output gradients' format per kind (the recipes' default fp8_format: HYBRID, E4M3)
-BWD = {"current": torch.float8_e5m2, "block": torch.float8_e4m3fn}
+GRAD_FORMAT = {"current": torch.float8_e5m2, "block": torch.float8_e4m3fn}
 BLOCK = 128
-KINDS = tuple(BWD)
+KINDS = tuple(GRAD_FORMAT)
 
 
 def _scale(amax, fp8_dtype):
@@ -105,18 +105,18 @@ class _Fp8Gemm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, kind):
         if kind == "block":
-            xq, wq = qdq_rows(x, FWD), qdq_tiles(w, FWD)
+            xq, wq = qdq_rows(x, FORWARD_FORMAT), qdq_tiles(w, FORWARD_FORMAT)
         else:
-            xq, wq = qdq_tensor(x, FWD), qdq_tensor(w, FWD)
+            xq, wq = qdq_tensor(x, FORWARD_FORMAT), qdq_tensor(w, FORWARD_FORMAT)
         ctx.kind, ctx.dtypes = kind, (x.dtype, w.dtype)
         # the weight gradient's copy of x: block scaling quantizes it again column-wise
-        ctx.save_for_backward(qdq_cols(x, FWD) if kind == "block" else xq, wq)
+        ctx.save_for_backward(qdq_cols(x, FORWARD_FORMAT) if kind == "block" else xq, wq)
         return (xq @ wq.t()).to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         x_w, wq = ctx.saved_tensors
-        fmt = BWD[ctx.kind]
+        fmt = GRAD_FORMAT[ctx.kind]
         if ctx.kind == "block":
             dy_d, dy_w = qdq_rows(dy, fmt), qdq_cols(dy, fmt)
         else:
