@@ -7,7 +7,11 @@ Host-side timings (per-call overhead) use perf_counter over many calls.
 
 Multi-GPU scripts under torchrun: `init_torchrun` joins the process group
 (NCCL on this rank's GPU, gloo for a CPU smoke run) and `ranks_step_ms`
-times a step on every rank and keeps the slowest rank's time.
+times a step on every rank and keeps the slowest rank's time;
+`CollectiveBytes` counts what FSDP2's all-gathers and reduce-scatters move.
+
+Compiled peers: `allow_recompiles` keeps dynamo compiling each shape, and
+`compile_layers_or_model` compiles a Hugging Face model per layer or whole.
 
 Results: `Table` prints an aligned table and writes JSON to
 benchmarks/results/<name>.json with the device, versions and shapes, and the

@@ -1,8 +1,11 @@
 """Tolerances and checks shared by the tests (device METHOD.md): the one
 error-bound policy for float kernels (below, at REL_TOL), the skip conditions
-of tests that need float8 DLPack or CPU FSDP2, small references, and the
-multi-process scaffolding of the distributed tests (run_ranks: a process
-group of N workers, each computing its results, collected by the test)."""
+of tests that need float8 DLPack or CPU FSDP2, small references (norms,
+rotary embedding, activations), stand-ins (an RNG tracker, recorded kernel
+entries), claims several Hugging Face tests make (same logits and losses as
+transformers, conversions refusing bad state dicts), and the multi-process
+scaffolding of the distributed tests (run_ranks: a process group of N
+workers, each computing its results, collected by the test)."""
 import contextlib
 import os
 

@@ -11,6 +11,10 @@ returns the median per-call milliseconds of each.  No L2 flush: a training
 step's kernels run warm.  On a CPU the same loop is timed with perf_counter
 (the smoke tests' path; those figures mean nothing for speed).
 
+``parse_run_args`` reads a peer benchmark's command line (its comma-list
+options checked against the known items, and the run options every peer
+benchmark takes).
+
 ``Results`` collects rows, prints each as it comes (a run cut short keeps
 its figures in the log), and writes benchmarks/results/<name>.json with
 peers/meta.run_metadata() after every row, so a timeout loses nothing
