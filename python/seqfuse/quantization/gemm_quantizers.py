@@ -55,6 +55,7 @@ import torch
 from ..common.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
                              MXFP8BlockScaling, NVFP4BlockScaling, Recipe)
 from ..ops import quant as qops
+from . import recompute
 from .quantize import quantize_block, quantize_current, quantize_with_state
 from .state import ScalingState
 from .tensor import Float8BlockTensor, Float8Tensor
@@ -219,9 +220,14 @@ class _Role:
         ~1e-2) into E4M3's subnormals; the producer then writes high
         precision and ``quantize`` casts it with the scale of its own amax,
         as every other first cast (quantize_with_state), so the first step
-        is current scaling's throughout."""
+        is current scaling's throughout.  A checkpoint's recompute (after the
+        step's update has given the tensor a history) repeats its forward's
+        choice."""
         o = self.owner
-        return o.kind == "delayed" and o.state.has_history(self.index)
+        fused = o.kind == "delayed" and o.state.has_history(self.index)
+        if recompute.open_contexts and o.kind == "delayed":
+            return recompute.choice_for(("fused_cast", id(o.state), self.index), fused)
+        return fused
 
 
 def transposed(q):

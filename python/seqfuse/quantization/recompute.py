@@ -80,6 +80,22 @@ def scale_for(state, index, scale):
     return scale
 
 
+def choice_for(key, value):
+    """A host decision the forward made (``value``: whether a producer kernel
+    writes its FP8 output itself), the same in its recompute: noted inside a
+    checkpointed forward under ``key``, read back inside the recompute (which
+    runs after the step's update, when the decision's inputs have moved)."""
+    if not open_contexts:
+        return value
+    replay = _top("replays")
+    if replay is not None:
+        return replay.get(key, value)
+    record = _top("records")
+    if record is not None:
+        record.setdefault(key, value)
+    return value
+
+
 def replaying():
     """True inside a checkpoint's recompute on this thread."""
     return bool(open_contexts) and _top("replays") is not None
@@ -155,7 +171,7 @@ def checkpoint(function, *args, use_reentrant=False, distribute_saved_activation
                                   "tp_group (tensor parallelism) are not supported")
     s = autocast_state()
     settings = s.settings()
-    casts = {}  # (id(state), index) -> the scale the forward used
+    casts = {}  # (id(state), index) -> the scale the forward used; (name, id(state), index) -> a choice_for
 
     def context_fn():
         return _recording(casts), _replaying(settings, casts)
