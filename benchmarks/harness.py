@@ -19,6 +19,7 @@ run record of peers/meta.run_metadata (commit, command, script hash, library
 versions), so every figure in the README can be traced to a file and a tree.
 """
 import json
+import math
 import os
 import platform
 import statistics
@@ -199,6 +200,41 @@ class CollectiveBytes:
     def dtype_names(calls):
         """The dtypes of a list of calls, sorted, comma-joined, without "torch."."""
         return ",".join(sorted({str(dtype).replace("torch.", "") for dtype, _ in calls}))
+
+
+def train_steps(name, batches, loss_of, opt, params, clip, lr_at, log_every, deadline=None, after_step=None):
+    """The convergence benchmarks' training loop: per step the learning rate
+    ``lr_at(step)`` into every parameter group, ``loss_of(batch)``, backward,
+    ``clip(params, 1.0)``, the optimizer step.  Every ``log_every`` steps the
+    window's mean loss is printed (one sync) and must be finite;
+    ``after_step(steps_done, window_or_None)`` runs after each step (a
+    validation pass, a log of the window).  Stops before a step once
+    ``time.perf_counter()`` passes ``deadline``.  Returns (losses as
+    detached tensors, whether the deadline stopped it, the start time)."""
+    losses, stopped = [], False
+    t0 = time.perf_counter()
+    for step, b in enumerate(batches):
+        if deadline is not None and time.perf_counter() > deadline:
+            stopped = True
+            break
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        loss = loss_of(b)
+        loss.backward()
+        clip(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+        done, window = step + 1, None
+        if done % log_every == 0:
+            window = torch.stack(losses[-log_every:]).float().mean().item()
+            print(f"  {name} step {done}: train loss {window:.4f} "
+                  f"({done / (time.perf_counter() - t0):.1f} steps/s)", flush=True)
+            if not math.isfinite(window):
+                raise FloatingPointError(f"{name}: train loss {window} at step {done}")
+        if after_step is not None:
+            after_step(done, window)
+    return losses, stopped, t0
 
 
 def host_time_us(fn, calls=20000, rounds=7):

@@ -62,7 +62,7 @@ from common import (build_hf, build_seqfuse, data_dir, fp8_recipe, forward_loss,
                     packed_to_padded)
 
 import torch  # noqa: E402
-from harness import RESULTS, Table  # noqa: E402
+from harness import RESULTS, Table, train_steps  # noqa: E402
 
 #: Seconds kept back per run still to start (model build, first-step warm-up,
 #: final evaluation) and for the table and plot at the end.
@@ -130,34 +130,20 @@ def run(name, train_batches, val_batches, args, device, max_steps, deadline):
         model.train()
         return float(tot) / max(n, 1)
 
-    losses, val, logged = [], [], []
-    stopped_early = False
+    val, logged = [], []
+
+    def after_step(done, window):
+        if window is not None:
+            logged.append((done, window))
+        if done % args.eval_every == 0 and done < max_steps:
+            val.append((done, evaluate()))
+            print(f"  {name} step {done}: val loss {val[-1][1]:.4f}", flush=True)
+
     model.train()
-    t0 = time.perf_counter()
-    steps_done = 0
-    for step, b in enumerate(train_batches[:max_steps]):
-        if deadline is not None and time.perf_counter() > deadline:
-            stopped_early = True
-            break
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, args)
-        loss = forward(b)
-        loss.backward()
-        clip(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-        steps_done = step + 1
-        if steps_done % args.log_every == 0:
-            window = torch.stack(losses[-args.log_every:]).float().mean().item()  # one sync per log
-            logged.append((steps_done, window))
-            rate = steps_done / (time.perf_counter() - t0)
-            print(f"  {name} step {steps_done}: train loss {window:.4f} ({rate:.1f} steps/s)", flush=True)
-            if not math.isfinite(window):
-                raise FloatingPointError(f"{name}: train loss {window} at step {steps_done}")
-        if steps_done % args.eval_every == 0 and steps_done < max_steps:
-            val.append((steps_done, evaluate()))
-            print(f"  {name} step {steps_done}: val loss {val[-1][1]:.4f}", flush=True)
+    losses, stopped_early, t0 = train_steps(name, train_batches[:max_steps], forward, opt, params, clip,
+                                            lambda step: lr_at(step, args), args.log_every, deadline,
+                                            after_step)
+    steps_done = len(losses)
     if steps_done and (not val or val[-1][0] != steps_done):
         val.append((steps_done, evaluate()))
         print(f"  {name} step {steps_done}: val loss {val[-1][1]:.4f} (final)", flush=True)

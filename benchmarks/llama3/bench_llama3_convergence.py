@@ -68,8 +68,6 @@ attention kernel is most of it):
         --out llama3_convergence_cpu
 """
 import argparse
-import copy
-import math
 import os
 import sys
 import time
@@ -82,7 +80,7 @@ from llama3_common import (BENCH, SUBSET_DATA, build_hf, build_seqfuse, data_pat
 
 import torch  # noqa: E402
 from fp8_reference import emulate_fp8  # noqa: E402
-from harness import RESULTS, Table  # noqa: E402
+from harness import RESULTS, Table, train_steps  # noqa: E402
 
 sys.path.insert(0, os.path.join(BENCH, "esm2"))
 from bench_esm2_convergence import lr_at, smooth  # noqa: E402  (the ESM-2 run's schedule and curve smoothing)
@@ -230,7 +228,7 @@ def grad_study(args, device, batch, dtype=torch.float32):
 
 
 def print_grads(g):
-    log(f"one-step losses: " + ", ".join(f"{k} {v:.6f}" for k, v in g["losses"].items()))
+    log("one-step losses: " + ", ".join(f"{k} {v:.6f}" for k, v in g["losses"].items()))
     cols = ["seqfuse_bf16_vs_exact", "ref_current_vs_exact", "seqfuse_fp8_current_vs_ref_current",
             "seqfuse_fp8_delayed_vs_ref_current", "seqfuse_fp8_current_vs_exact", "seqfuse_fp8_delayed_vs_exact",
             "ref_block_vs_exact",
@@ -255,27 +253,9 @@ def train_row(name, args, device, dtype, train_b, val_b, max_steps, deadline):
     row = Row(name, args, device, dtype)
     params = [p for p in row.model.parameters() if p.requires_grad]
     opt = FusedAdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    losses, stopped = [], False
     row.model.train()
-    t0 = time.perf_counter()
-    for step, b in enumerate(train_b[:max_steps]):
-        if deadline is not None and time.perf_counter() > deadline:
-            stopped = True
-            break
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, args)
-        loss = row.loss(b)
-        loss.backward()
-        clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-        if (step + 1) % args.log_every == 0:
-            window = torch.stack(losses[-args.log_every:]).float().mean().item()
-            print(f"  {name} step {step + 1}: train loss {window:.4f} "
-                  f"({(step + 1) / (time.perf_counter() - t0):.1f} steps/s)", flush=True)
-            if not math.isfinite(window):
-                raise FloatingPointError(f"{name}: train loss {window} at step {step + 1}")
+    losses, stopped, t0 = train_steps(name, train_b[:max_steps], row.loss, opt, params, clip_grad_norm_,
+                                      lambda step: lr_at(step, args), args.log_every, deadline)
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
