@@ -559,15 +559,15 @@ def test_cuda_bf16_router_gradient_within_transformers(seed):
     assert err_sf <= torch_bound(err_hf), (err_sf, err_hf)
 
 
-def router_logit_grad_errors(device, seed=11, lengths=CUDA_LENGTHS):
-    """The whole-model case of test_cuda_bf16_golden_every_expert_routed[False]
+def router_logit_grad_errors(device, seed=11, lengths=CUDA_LENGTHS, tie=False):
+    """The whole-model case of test_cuda_bf16_golden_every_expert_routed[tie]
     (4 experts, top-4), per layer: the relative error of the gradient of the
     router logits at the real tokens (seqfuse's bf16, transformers' bf16,
     each against transformers' float32 on the CPU), and of the router
     weight's gradient, which sums the first over tokens.  Returns a list of
     (logits-gradient errors (seqfuse, transformers), weight-gradient errors
     (seqfuse, transformers)) per layer."""
-    kw = dict(CUDA_KW, tie=False, experts=4, topk=4)
+    kw = dict(CUDA_KW, tie=tie, experts=4, topk=4)
     hf32 = cast(hf_model(seed=seed, dtype=torch.bfloat16, **kw), torch.float32)
     hf16 = hf_model(seed=seed, dtype=torch.bfloat16, **kw).to(device)
     sf = from_hf_model(hf16).eval()
@@ -604,8 +604,10 @@ def router_logit_grad_errors(device, seed=11, lengths=CUDA_LENGTHS):
 
 
 @pytest.mark.cuda
-def test_cuda_bf16_router_logit_gradients_every_expert_routed():
-    """test_cuda_bf16_golden_every_expert_routed[False]'s model, per layer:
+@pytest.mark.parametrize("tie", [False, True])
+def test_cuda_bf16_router_logit_gradients_every_expert_routed(tie):
+    """test_cuda_bf16_golden_every_expert_routed[tie]'s model (untied and
+    tied embeddings), per layer:
     seqfuse's bf16 gradient of the router logits (per token, before the sum
     over tokens that makes the router weight's gradient) within 2 x
     transformers' own error.  The weight's gradient is printed beside it: at
@@ -614,7 +616,7 @@ def test_cuda_bf16_router_logit_gradients_every_expert_routed():
     per-token gradients amplified ~20 x and varies with the seed (on the CPU
     at seed 11: per-token 1.08e-2 seqfuse vs 1.22e-2 transformers at layer
     2, weight 2.1e-2 vs 1.06e-2)."""
-    for layer, ((l_sf, l_hf), (w_sf, w_hf)) in enumerate(router_logit_grad_errors("cuda")):
+    for layer, ((l_sf, l_hf), (w_sf, w_hf)) in enumerate(router_logit_grad_errors("cuda", tie=tie)):
         print(f"layer {layer}: router logits' gradient rel. error seqfuse {l_sf:.3e} transformers {l_hf:.3e}; "
               f"router weight's gradient seqfuse {w_sf:.3e} transformers {w_hf:.3e}")
         assert l_sf <= torch_bound(l_hf), (layer, l_sf, l_hf)
