@@ -61,6 +61,19 @@ using namespace sf_attn::sm90;
 
 constexpr int GM = 128, GK = 128; /* two warpgroups x 64 rows, reduction 128 (two column blocks) */
 
+/* A warpgroup's m64nN float32 accumulator d into C (row stride ldc) at rows
+ * [row0, row0 + 64) and columns [col0, col0 + N): thread t of the warpgroup
+ * holds rows t/32*16 + (t%32)/4 and 8 below, columns 2(t%4) + 8j and the
+ * next; d[i] is row +8 when bit 1 of i is set, column pair i/4, element i&1. */
+template <int N> __device__ void store_acc(float *C, int ldc, int row0, int col0, const float (&d)[N / 2])
+{
+    const int t = threadIdx.x % 128;
+    const int row = row0 + t / 32 * 16 + (t % 32) / 4, col = col0 + 2 * (t % 4);
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i)
+        C[(row + ((i >> 1) & 1) * 8) * ldc + (i >> 2) * 8 + col + (i & 1)] = d[i];
+}
+
 /* C[m][n] = sum_k A[m][k] B[n][k]: A [GM][GK], B [N][GK] row-major in global. */
 template <typename T, int N> __global__ void gemm_ss_kernel(const T *A, const T *B, float *C)
 {
@@ -74,21 +87,15 @@ template <typename T, int N> __global__ void gemm_ss_kernel(const T *A, const T 
         *reinterpret_cast<T *>(gen + GM * GK * 2 + sw128_at<N>(i / GK, i % GK)) = B[i];
     fence_proxy_async();
     __syncthreads();
-    const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
+    const int wg = threadIdx.x / 128;
     float d[N / 2];
 #pragma unroll
     for (int i = 0; i < N / 2; ++i)
         d[i] = -1.f; /* scale_d = 0 on the first step must discard this */
-    wg_pin(d);
-    wg_fence();
-    mma_ss_kmajor<T, N, GM, N, GK>(d, sA, wg * 64, sB);
-    wg_commit();
+    issue_ss<T, N, GM, GK>(d, sA, wg * 64, sB);
     wg_wait<0>();
     wg_pin(d);
-    const int row = wg * 64 + t / 32 * 16 + (t % 32) / 4, col = 2 * (t % 4);
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i)
-        C[(row + ((i >> 1) & 1) * 8) * N + (i >> 2) * 8 + col + (i & 1)] = d[i];
+    store_acc<N>(C, N, wg * 64, 0, d);
 #endif
 }
 
@@ -118,17 +125,10 @@ template <typename T, int N> __global__ void gemm_rs_kernel(const T *A, const T 
 #pragma unroll
     for (int i = 0; i < N / 2; ++i)
         d[i] = 0.f;
-    wg_pin(d);
-    wg_fence();
-#pragma unroll
-    for (int kc = 0; kc < GK / 16; ++kc)
-        Wgmma<T, N>::rs(d, a[kc], desc_mnmajor<GK>(sB, kc), 1);
-    wg_commit();
+    issue_rs<T, N, GK>(d, a, sB);
     wg_wait<0>();
     wg_pin(d);
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i)
-        C[(row + ((i >> 1) & 1) * 8) * N + (i >> 2) * 8 + col + (i & 1)] = d[i];
+    store_acc<N>(C, N, wg * 64, 0, d);
 #endif
 }
 
@@ -148,15 +148,12 @@ template <typename T, int N> __global__ void gemm_tt_kernel(const T *At, const T
         *reinterpret_cast<T *>(gen + GK * 64 * 2 + sw128_at<GK>(i / (2 * N), i % (2 * N))) = B[i];
     fence_proxy_async();
     __syncthreads();
-    const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
+    const int wg = threadIdx.x / 128;
     float d[N / 2];
     issue_tt<T, N, GK>(d, sA, sB, wg * N);
     wg_wait<0>();
     wg_pin(d);
-    const int row = t / 32 * 16 + (t % 32) / 4, col = wg * N + 2 * (t % 4);
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i)
-        C[(row + ((i >> 1) & 1) * 8) * 2 * N + (i >> 2) * 8 + col + (i & 1)] = d[i];
+    store_acc<N>(C, 2 * N, 0, wg * N, d);
 #endif
 }
 
