@@ -58,45 +58,38 @@ typedef struct sf_attn_problem {
     uint64_t offset;
 } sf_attn_problem;
 
-/* Start row (token index in the view) and length of sequence b.  (Two
- * bodies, not one parameterized by side: the GPU-verified kernels compile
- * from exactly these.) */
+/* Start row (token index in the view) and length of sequence b on one side
+ * (queries or keys): CU is that side's cu_seqlens (NULL: every sequence has
+ * MAX_LEN rows), EXTENT the rows of a thd view; lengths are clamped to
+ * [0, MAX_LEN] and thd starts to the view.  A macro over the problem's own
+ * fields, not a function taking them as arguments: every attention kernel
+ * runs it, and with arguments their machine code changed (16 of 17 sm80
+ * forward kernels); expanded per side it is the code of two written bodies. */
+#define SF_ATTN_SEQ_BODY(p, b, start, len, CU, EXTENT, MAX_LEN)                    \
+    if ((p)->thd) {                                                                \
+        int64_t s = (p)->CU[b], e = (p)->CU[(b) + 1];                              \
+        s = s < 0 ? 0 : (s > (p)->EXTENT ? (p)->EXTENT : s);                       \
+        e = e < s ? s : (e > (p)->EXTENT ? (p)->EXTENT : e);                       \
+        *(start) = s;                                                              \
+        *(len) = (int)(e - s < (p)->MAX_LEN ? e - s : (p)->MAX_LEN);               \
+    } else {                                                                       \
+        *(start) = 0;                                                              \
+        if ((p)->CU) {                                                             \
+            int64_t n = (int64_t)(p)->CU[(b) + 1] - (p)->CU[b];                    \
+            *(len) = (int)(n < 0 ? 0 : (n > (p)->MAX_LEN ? (p)->MAX_LEN : n));     \
+        } else {                                                                   \
+            *(len) = (p)->MAX_LEN;                                                 \
+        }                                                                          \
+    }
+
 SF_ATTN_HD void sf_attn_seq_q(const sf_attn_problem *p, int b, int64_t *start, int *len)
 {
-    if (p->thd) {
-        int64_t s = p->cu_q[b], e = p->cu_q[b + 1];
-        s = s < 0 ? 0 : (s > p->extent_q ? p->extent_q : s);
-        e = e < s ? s : (e > p->extent_q ? p->extent_q : e);
-        *start = s;
-        *len = (int)(e - s < p->max_sq ? e - s : p->max_sq);
-    } else {
-        *start = 0;
-        if (p->cu_q) {
-            int64_t n = (int64_t)p->cu_q[b + 1] - p->cu_q[b];
-            *len = (int)(n < 0 ? 0 : (n > p->max_sq ? p->max_sq : n));
-        } else {
-            *len = p->max_sq;
-        }
-    }
+    SF_ATTN_SEQ_BODY(p, b, start, len, cu_q, extent_q, max_sq)
 }
 
 SF_ATTN_HD void sf_attn_seq_k(const sf_attn_problem *p, int b, int64_t *start, int *len)
 {
-    if (p->thd) {
-        int64_t s = p->cu_k[b], e = p->cu_k[b + 1];
-        s = s < 0 ? 0 : (s > p->extent_k ? p->extent_k : s);
-        e = e < s ? s : (e > p->extent_k ? p->extent_k : e);
-        *start = s;
-        *len = (int)(e - s < p->max_sk ? e - s : p->max_sk);
-    } else {
-        *start = 0;
-        if (p->cu_k) {
-            int64_t n = (int64_t)p->cu_k[b + 1] - p->cu_k[b];
-            *len = (int)(n < 0 ? 0 : (n > p->max_sk ? p->max_sk : n));
-        } else {
-            *len = p->max_sk;
-        }
-    }
+    SF_ATTN_SEQ_BODY(p, b, start, len, cu_k, extent_k, max_sk)
 }
 
 /* Diagonal offset of sequence lengths sq, sk: query r sits on key r + off. */

@@ -163,22 +163,14 @@ template <int NO> __device__ __forceinline__ void rescale_o(float (&o)[NO], cons
 template <typename T, int D, int BM>
 __device__ __forceinline__ void issue_qk(float (&s)[kBN / 2], uint32_t sQ, uint32_t kt, int wg)
 {
-    wg_pin(s);
-    wg_fence();
-    mma_ss_kmajor<T, kBN, BM, kBN, D>(s, sQ, wg * 64, kt); /* scale_d = 0 on the first step: no register writes to zero s */
-    wg_commit();
+    issue_ss<T, kBN, BM, D>(s, sQ, wg * 64, kt); /* scale_d = 0 on the first step: no register writes to zero s */
 }
 
 /* O += P V, issued and committed (not waited). */
 template <typename T, int D>
 __device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&pa)[kBN / 16][4], uint32_t vt)
 {
-    wg_pin(o);
-    wg_fence();
-#pragma unroll
-    for (int kc = 0; kc < kBN / 16; ++kc)
-        Wgmma<T, D>::rs(o, pa[kc], desc_mnmajor<kBN>(vt, kc), 1);
-    wg_commit();
+    issue_rs<T, D, kBN>(o, pa, vt);
 }
 #endif
 

@@ -204,6 +204,33 @@ __device__ __forceinline__ void mma_ss_kmajor(float (&d)[N / 2], uint32_t a, int
         Wgmma<T, N>::ss(d, desc_kmajor<AROWS>(a, arow0, kk), desc_kmajor<BROWS>(b, 0, kk), kk > 0);
 }
 
+/* d = A B^T, A = rows [arow0, arow0 + 64) of an AROWS-row tile and B the N
+ * rows of an N-row tile, both K-major over K columns: issued and committed,
+ * not waited (the forward's S = Q K^T and its check); the first step
+ * overwrites d. */
+template <typename T, int N, int AROWS, int K>
+__device__ __forceinline__ void issue_ss(float (&d)[N / 2], uint32_t a, int arow0, uint32_t b)
+{
+    wg_pin(d);
+    wg_fence();
+    mma_ss_kmajor<T, N, AROWS, N, K>(d, a, arow0, b);
+    wg_commit();
+}
+
+/* d += A B, A from registers (K / 16 fragments in the accumulator layout
+ * packed to T) and B a K-row MN-major tile of N columns: issued and
+ * committed, not waited (the forward's O += P V and its check). */
+template <typename T, int N, int K>
+__device__ __forceinline__ void issue_rs(float (&d)[N / 2], const uint32_t (&a)[K / 16][4], uint32_t b)
+{
+    wg_pin(d);
+    wg_fence();
+#pragma unroll
+    for (int kc = 0; kc < K / 16; ++kc)
+        Wgmma<T, N>::rs(d, a[kc], desc_mnmajor<K>(b, kc), 1);
+    wg_commit();
+}
+
 /* d = A B, A (64 columns) and B (N columns from col0) both MN-major
  * ROWS-row tiles, the ROWS rows being the reduction: issued and committed,
  * not waited (the backward's dQ = dS K and its check). */

@@ -82,6 +82,8 @@ static double rel_err16(sf_dtype dt, const std::vector<uint8_t> &a, const std::v
 
 static void run_case(const Case &c)
 {
+    if (!check_take_case()) /* CHECK_EVERY (core/check_util.h) */
+        return;
     const bool thd = c.fmt == SF_ATTN_THD;
     int64_t tq = 0, tk = 0;
     std::vector<int32_t> cuq(1, 0), cuk(1, 0);
@@ -133,38 +135,48 @@ static void run_case(const Case &c)
     cfg.dropout_offset = 4 * (rng_next() % 1000);
     const bool with_cu = !c.lq.empty();
 
-    auto T = [&](sf_tensor *t, Buf &bf, bool dev, sf_dtype dt, int n, const int64_t *shape) {
-        sf_tensor_init(t, dev ? bf.dev : bf.host.data(), dt, n, shape, dev ? SF_CUDA : SF_CPU, 0);
+    /* every tensor of the case viewed on the host (the CPU reference) or on the device */
+    const int64_t ncu = (int64_t)cuq.size();
+    struct Views {
+        sf_tensor q, k, v, out, lse, cq, ck, dout, dq, dk, dv, acc, delta;
     };
-    int64_t ncu = (int64_t)cuq.size();
+    auto views = [&](bool dev) {
+        auto T = [&](sf_tensor *t, Buf &bf, sf_dtype dt, int n, const int64_t *shape) {
+            sf_tensor_init(t, dev ? bf.dev : bf.host.data(), dt, n, shape, dev ? SF_CUDA : SF_CPU, 0);
+        };
+        Views w;
+        T(&w.q, q, c.dtype, nd, sh_q); T(&w.k, k, c.dtype, nd, sh_k); T(&w.v, v, c.dtype, nd, sh_k);
+        T(&w.out, out, c.dtype, nd, sh_q); T(&w.lse, lse, SF_FLOAT32, lse_nd, sh_l);
+        T(&w.cq, cq, SF_INT32, 1, &ncu); T(&w.ck, ck, SF_INT32, 1, &ncu);
+        T(&w.dout, dout, c.dtype, nd, sh_q);
+        T(&w.dq, dq, c.dtype, nd, sh_q); T(&w.dk, dk, c.dtype, nd, sh_k); T(&w.dv, dv, c.dtype, nd, sh_k);
+        T(&w.acc, acc, SF_FLOAT32, nd, sh_q); T(&w.delta, delta, SF_FLOAT32, lse_nd, sh_l);
+        return w;
+    };
+    /* the two calls, on either side's views (the backend follows the tensors' device) */
+    auto forward = [&](Views &w) {
+        CHECK_SF(sf_attn_forward(&w.q, &w.k, &w.v, with_cu ? &w.cq : NULL, with_cu ? &w.ck : NULL, &cfg, &w.out, &w.lse,
+                                 NULL));
+    };
+    auto backward = [&](Views &w) {
+        CHECK_SF(sf_attn_backward(&w.q, &w.k, &w.v, &w.out, &w.dout, &w.lse, with_cu ? &w.cq : NULL,
+                                  with_cu ? &w.ck : NULL, &cfg, &w.dq, &w.dk, &w.dv, &w.acc, &w.delta, NULL));
+    };
     /* CPU reference */
-    sf_tensor hq, hk_, hv, hout, hlse, hcq, hck, hdo, hdq, hdk, hdv, hacc, hdelta;
-    T(&hq, q, false, c.dtype, nd, sh_q); T(&hk_, k, false, c.dtype, nd, sh_k); T(&hv, v, false, c.dtype, nd, sh_k);
-    T(&hout, out, false, c.dtype, nd, sh_q); T(&hlse, lse, false, SF_FLOAT32, lse_nd, sh_l);
-    T(&hcq, cq, false, SF_INT32, 1, &ncu); T(&hck, ck, false, SF_INT32, 1, &ncu);
-    T(&hdo, dout, false, c.dtype, nd, sh_q);
-    T(&hdq, dq, false, c.dtype, nd, sh_q); T(&hdk, dk, false, c.dtype, nd, sh_k); T(&hdv, dv, false, c.dtype, nd, sh_k);
-    T(&hacc, acc, false, SF_FLOAT32, nd, sh_q); T(&hdelta, delta, false, SF_FLOAT32, lse_nd, sh_l);
-    CHECK_SF(sf_attn_forward(&hq, &hk_, &hv, with_cu ? &hcq : NULL, with_cu ? &hck : NULL, &cfg, &hout, &hlse, NULL));
-    CHECK_SF(sf_attn_backward(&hq, &hk_, &hv, &hout, &hdo, &hlse, with_cu ? &hcq : NULL, with_cu ? &hck : NULL, &cfg,
-                         &hdq, &hdk, &hdv, &hacc, &hdelta, NULL));
+    Views host = views(false);
+    forward(host);
+    backward(host);
     std::vector<uint8_t> ref_out = out.host, ref_lse = lse.host, ref_dq = dq.host, ref_dk = dk.host, ref_dv = dv.host;
 
     /* CUDA forward */
-    sf_tensor gq, gk, gv, gout, glse, gcq, gck, gdo, gdq, gdk, gdv, gacc, gdelta;
-    T(&gq, q, true, c.dtype, nd, sh_q); T(&gk, k, true, c.dtype, nd, sh_k); T(&gv, v, true, c.dtype, nd, sh_k);
-    T(&gout, out, true, c.dtype, nd, sh_q); T(&glse, lse, true, SF_FLOAT32, lse_nd, sh_l);
-    T(&gcq, cq, true, SF_INT32, 1, &ncu); T(&gck, ck, true, SF_INT32, 1, &ncu);
-    T(&gdo, dout, true, c.dtype, nd, sh_q);
-    T(&gdq, dq, true, c.dtype, nd, sh_q); T(&gdk, dk, true, c.dtype, nd, sh_k); T(&gdv, dv, true, c.dtype, nd, sh_k);
-    T(&gacc, acc, true, SF_FLOAT32, nd, sh_q); T(&gdelta, delta, true, SF_FLOAT32, lse_nd, sh_l);
+    Views gpu = views(true);
     const double tol = c.dtype == SF_BFLOAT16 ? 2e-2 : 4e-3;
     char what[320];
     int n = snprintf(what, sizeof what, "%s %s mask=%d b=%d sq=%d sk=%d h=%d hk=%d d=%d win=(%d,%d) drop=%.2f",
                      sf_dtype_name(c.dtype), c.fmt == SF_ATTN_BSHD ? "bshd" : c.fmt == SF_ATTN_SBHD ? "sbhd" : "thd",
                      (int)c.mask, c.b, c.sq, c.sk, c.h, c.hk, c.d, c.left, c.right, c.dropout);
     out.poison(); lse.poison();
-    CHECK_SF(sf_attn_forward(&gq, &gk, &gv, with_cu ? &gcq : NULL, with_cu ? &gck : NULL, &cfg, &gout, &glse, NULL));
+    forward(gpu);
     CHECK_CUDA(cudaDeviceSynchronize());
     bool nan = false;
     double e_out = rel_err16(c.dtype, out.download(), ref_out, &nan);
@@ -192,8 +204,7 @@ static void run_case(const Case &c)
         const int det = run;
         cfg.deterministic = det > 0;
         dq.poison(); dk.poison(); dv.poison(); acc.poison(); delta.poison();
-        CHECK_SF(sf_attn_backward(&gq, &gk, &gv, &gout, &gdo, &glse, with_cu ? &gcq : NULL, with_cu ? &gck : NULL, &cfg,
-                             &gdq, &gdk, &gdv, &gacc, &gdelta, NULL));
+        backward(gpu);
         CHECK_CUDA(cudaDeviceSynchronize());
         bool bnan = false;
         std::vector<uint8_t> gdq_h = dq.download();

@@ -61,6 +61,33 @@ using namespace sf_attn::sm90;
 
 constexpr int GM = 128, GK = 128; /* two warpgroups x 64 rows, reduction 128 (two column blocks) */
 
+/* The block copies a ROWS x COLS row-major matrix from global memory into a
+ * 128-byte-swizzled shared-memory tile of ROWS rows (the wgmma operand
+ * layout, sw128_at) starting at tile. */
+template <typename T, int ROWS, int COLS> __device__ void stage_sw128(unsigned char *tile, const T *src)
+{
+    for (int i = threadIdx.x; i < ROWS * COLS; i += blockDim.x)
+        *reinterpret_cast<T *>(tile + sw128_at<ROWS>(i / COLS, i % COLS)) = src[i];
+}
+
+/* Waits for the warpgroup's committed wgmma, then writes its m64nN float32
+ * accumulator d into C (row stride ldc) at rows [row0, row0 + 64) and
+ * columns [col0, col0 + N): thread t of the warpgroup holds rows
+ * t/32*16 + (t%32)/4 and 8 below, columns 2(t%4) + 8j and the next; d[i] is
+ * row +8 when bit 1 of i is set, column pair i/4, element i&1. */
+template <int N> __device__ void wait_store_acc(float *C, int ldc, int row0, int col0, float (&d)[N / 2])
+{
+#ifdef SF_SM90A
+    wg_wait<0>();
+    wg_pin(d);
+#endif
+    const int t = threadIdx.x % 128;
+    const int row = row0 + t / 32 * 16 + (t % 32) / 4, col = col0 + 2 * (t % 4);
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i)
+        C[(row + ((i >> 1) & 1) * 8) * ldc + (i >> 2) * 8 + col + (i & 1)] = d[i];
+}
+
 /* C[m][n] = sum_k A[m][k] B[n][k]: A [GM][GK], B [N][GK] row-major in global. */
 template <typename T, int N> __global__ void gemm_ss_kernel(const T *A, const T *B, float *C)
 {
@@ -68,27 +95,17 @@ template <typename T, int N> __global__ void gemm_ss_kernel(const T *A, const T 
     extern __shared__ unsigned char smem_raw[];
     const uint32_t sA = (smem_addr(smem_raw) + 1023u) & ~1023u, sB = sA + GM * GK * 2;
     unsigned char *gen = smem_raw + (sA - smem_addr(smem_raw));
-    for (int i = threadIdx.x; i < GM * GK; i += blockDim.x)
-        *reinterpret_cast<T *>(gen + sw128_at<GM>(i / GK, i % GK)) = A[i];
-    for (int i = threadIdx.x; i < N * GK; i += blockDim.x)
-        *reinterpret_cast<T *>(gen + GM * GK * 2 + sw128_at<N>(i / GK, i % GK)) = B[i];
+    stage_sw128<T, GM, GK>(gen, A);
+    stage_sw128<T, N, GK>(gen + GM * GK * 2, B);
     fence_proxy_async();
     __syncthreads();
-    const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
+    const int wg = threadIdx.x / 128;
     float d[N / 2];
 #pragma unroll
     for (int i = 0; i < N / 2; ++i)
         d[i] = -1.f; /* scale_d = 0 on the first step must discard this */
-    wg_pin(d);
-    wg_fence();
-    mma_ss_kmajor<T, N, GM, N, GK>(d, sA, wg * 64, sB);
-    wg_commit();
-    wg_wait<0>();
-    wg_pin(d);
-    const int row = wg * 64 + t / 32 * 16 + (t % 32) / 4, col = 2 * (t % 4);
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i)
-        C[(row + ((i >> 1) & 1) * 8) * N + (i >> 2) * 8 + col + (i & 1)] = d[i];
+    issue_ss<T, N, GM, GK>(d, sA, wg * 64, sB);
+    wait_store_acc<N>(C, N, wg * 64, 0, d);
 #endif
 }
 
@@ -100,8 +117,7 @@ template <typename T, int N> __global__ void gemm_rs_kernel(const T *A, const T 
     extern __shared__ unsigned char smem_raw[];
     const uint32_t sB = (smem_addr(smem_raw) + 1023u) & ~1023u;
     unsigned char *gen = smem_raw + (sB - smem_addr(smem_raw));
-    for (int i = threadIdx.x; i < GK * N; i += blockDim.x)
-        *reinterpret_cast<T *>(gen + sw128_at<GK>(i / N, i % N)) = B[i];
+    stage_sw128<T, GK, N>(gen, B);
     fence_proxy_async();
     __syncthreads();
     const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
@@ -118,17 +134,8 @@ template <typename T, int N> __global__ void gemm_rs_kernel(const T *A, const T 
 #pragma unroll
     for (int i = 0; i < N / 2; ++i)
         d[i] = 0.f;
-    wg_pin(d);
-    wg_fence();
-#pragma unroll
-    for (int kc = 0; kc < GK / 16; ++kc)
-        Wgmma<T, N>::rs(d, a[kc], desc_mnmajor<GK>(sB, kc), 1);
-    wg_commit();
-    wg_wait<0>();
-    wg_pin(d);
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i)
-        C[(row + ((i >> 1) & 1) * 8) * N + (i >> 2) * 8 + col + (i & 1)] = d[i];
+    issue_rs<T, N, GK>(d, a, sB);
+    wait_store_acc<N>(C, N, wg * 64, 0, d);
 #endif
 }
 
@@ -142,21 +149,14 @@ template <typename T, int N> __global__ void gemm_tt_kernel(const T *At, const T
     extern __shared__ unsigned char smem_raw[];
     const uint32_t sA = (smem_addr(smem_raw) + 1023u) & ~1023u, sB = sA + GK * 64 * 2;
     unsigned char *gen = smem_raw + (sA - smem_addr(smem_raw));
-    for (int i = threadIdx.x; i < GK * 64; i += blockDim.x)
-        *reinterpret_cast<T *>(gen + sw128_at<GK>(i / 64, i % 64)) = At[i];
-    for (int i = threadIdx.x; i < GK * 2 * N; i += blockDim.x)
-        *reinterpret_cast<T *>(gen + GK * 64 * 2 + sw128_at<GK>(i / (2 * N), i % (2 * N))) = B[i];
+    stage_sw128<T, GK, 64>(gen, At);
+    stage_sw128<T, GK, 2 * N>(gen + GK * 64 * 2, B);
     fence_proxy_async();
     __syncthreads();
-    const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
+    const int wg = threadIdx.x / 128;
     float d[N / 2];
     issue_tt<T, N, GK>(d, sA, sB, wg * N);
-    wg_wait<0>();
-    wg_pin(d);
-    const int row = t / 32 * 16 + (t % 32) / 4, col = wg * N + 2 * (t % 4);
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i)
-        C[(row + ((i >> 1) & 1) * 8) * 2 * N + (i >> 2) * 8 + col + (i & 1)] = d[i];
+    wait_store_acc<N>(C, 2 * N, 0, wg * N, d);
 #endif
 }
 
@@ -470,6 +470,8 @@ static Err16 err16(sf_dtype dt, const std::vector<uint16_t> &x, const std::vecto
  * backward, both from the reference's out and lse, outputs poisoned. */
 static void check_backward_case(const AttnCase &c)
 {
+    if (!check_take_case()) /* CHECK_EVERY (core/check_util.h) */
+        return;
     const AttnSetup su(c);
     const bool pad = su.pad;
     const int64_t nq = su.nq, nk = su.nk, nl = su.nl, ncu = su.ncu;
@@ -702,7 +704,8 @@ int main(int argc, char **argv)
             if (!forward)
                 break;
             for (const AttnCase &c : common_cases(d, dt))
-                check_attn_case(c);
+                if (check_take_case()) /* CHECK_EVERY (core/check_util.h) */
+                    check_attn_case(c);
         }
     if (backward)
         check_backward_cases();

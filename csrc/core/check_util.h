@@ -1,8 +1,9 @@
 /*
  * check_util.h - shared pieces of the standalone kernel checks
  * (csrc/<family>/check_*.cu): a seeded random generator, device buffers that
- * are poisoned before each run, CUDA-event timing with an L2 flush, and the
- * PASS/FAIL bookkeeping.  Header-only, CUDA C++.
+ * are poisoned before each run, CUDA-event timing with an L2 flush, the
+ * PASS/FAIL bookkeeping and the case sampling rule (CHECK_EVERY, below).
+ * Header-only, CUDA C++.
  *
  * The last part (CheckBuf and the check_* helpers) serves checks that run
  * the same sf_* call on both backends: a host array and its poisoned device
@@ -56,10 +57,58 @@ static inline void check_report(int ok, const char *what)
     }
 }
 
-/* Ends main(): prints the plain closing line and the exit code. */
+/* Case sampling.  CHECK_EVERY=N in the environment (a positive integer,
+ * default 1) makes a program run only every Nth case of its case loops
+ * (the first, the (N+1)th, ...): a check that runs hundreds of cases then
+ * finishes under compute-sanitizer's racecheck, which slows every kernel
+ * by orders of magnitude.  A case function starts with
+ *
+ *   if (!check_take_case())
+ *       return;
+ *
+ * and check_finish names the sampling in the closing line.  Unset, every
+ * case runs and the output is unchanged.  Any other value stops the program
+ * with a message naming the variable and its rule. */
+static int g_cases_offered = 0;
+
+static inline int check_every(void)
+{
+    static int every = 0;
+    if (every == 0) {
+        const char *s = getenv("CHECK_EVERY");
+        every = 1;
+        if (s) {
+            char *end = NULL;
+            const long n = strtol(s, &end, 10);
+            if (end == s || *end != '\0' || n < 1 || n > 1000000) {
+                fprintf(stderr, "CHECK_EVERY must be a whole number from 1 to 1000000 (run every Nth case), got '%s'\n", s);
+                exit(2);
+            }
+            every = (int)n;
+        }
+    }
+    return every;
+}
+
+/* Whether the case about to run is one CHECK_EVERY keeps; counts it. */
+static inline bool check_take_case(void)
+{
+    return g_cases_offered++ % check_every() == 0;
+}
+
+/* Ends main(): prints the plain closing line and the exit code; where
+ * CHECK_EVERY thinned the program's cases, the line says so:
+ * "check_attn: 81 passed, 0 failed (every 8th case)". */
 static inline int check_finish(const char *name)
 {
-    printf("%s: %d passed, %d failed\n", name, g_checks - g_failures, g_failures);
+    const int every = g_cases_offered > 0 ? check_every() : 1; /* a program without case loops ignores it */
+    if (every > 1) {
+        const int tens = every % 100, ones = every % 10;
+        const char *th = (tens >= 11 && tens <= 13) ? "th" : ones == 1 ? "st" : ones == 2 ? "nd" : ones == 3 ? "rd" : "th";
+        printf("%s: %d passed, %d failed (every %d%s case)\n", name, g_checks - g_failures, g_failures, every, th);
+    } else {
+        printf("%s: %d passed, %d failed\n", name, g_checks - g_failures, g_failures);
+    }
     return g_failures ? 1 : 0;
 }
 

@@ -21,6 +21,7 @@
 #include <stdint.h>
 
 #include "seqfuse.h"
+#include "block_max.cuh"
 #include "cuda_util.h"
 #include "launch_cache.cuh"
 #include "../quant/fp8.h"
@@ -107,25 +108,11 @@ __device__ __forceinline__ void store_fp8(uint8_t *p, const float (&v)[N], float
 
 __device__ __forceinline__ unsigned abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
 
-/* Block-wide max of bit patterns, folded into *out by one atomicMax. */
+/* Block-wide max of bit patterns, folded into *out by one atomicMax, for
+ * blocks of any shape (block_max.cuh). */
 __device__ __forceinline__ void block_publish_max(unsigned m, unsigned *red, unsigned *out)
 {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1)
-        m = max(m, __shfl_xor_sync(0xffffffffu, m, off));
-    const int t = threadIdx.y * blockDim.x + threadIdx.x;
-    const int nw = (blockDim.x * blockDim.y) >> 5;
-    if ((t & 31) == 0)
-        red[t >> 5] = m;
-    __syncthreads();
-    if (t < 32) {
-        m = t < nw ? red[t] : 0u;
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1)
-            m = max(m, __shfl_xor_sync(0xffffffffu, m, off));
-        if (t == 0) /* fp8.h's sf_amax_fold: a signed max (a negative start loses to 0) */
-            atomicMax(reinterpret_cast<int *>(out), (int)m);
-    }
+    sf_block_max_publish(m, threadIdx.y * blockDim.x + threadIdx.x, (blockDim.x * blockDim.y) >> 5, red, out);
 }
 
 /* Column sums of per-block partials, in a fixed order (deterministic):

@@ -102,6 +102,8 @@ static void compare_maps(const CheckBuf &map, const CheckBuf &logits, const Chec
 
 static void router_case(sf_dtype dt, int64_t T, int64_t E, int topk, sf_moe_score score, int pre, int with_bias)
 {
+    if (!check_take_case()) /* CHECK_EVERY (core/check_util.h) */
+        return;
     const float scaling = 1.5f;
     int64_t s2[2] = {T, E}, s1[1] = {E}, one[1] = {1}, sT[1] = {T};
     CheckBuf logits(dt, T * E), bias(SF_FLOAT32, E), probs(dt, T * E), map(SF_BOOL, T * E),
@@ -220,6 +222,8 @@ static void random_map(CheckBuf &map, int64_t T, int64_t E, int topk)
 /* drop: rows cut from the end of the permuted buffer (capacity). */
 static void permute_case(sf_dtype dt, int64_t T, int64_t E, int topk, int64_t H, int64_t drop)
 {
+    if (!check_take_case()) /* CHECK_EVERY (core/check_util.h) */
+        return;
     int64_t s2[2] = {T, E}, s1[1] = {E};
     CheckBuf map(SF_BOOL, T * E), rid(SF_INT32, T * E), tpe(SF_INT64, E);
     random_map(map, T, E, topk);
@@ -274,6 +278,8 @@ static void permute_case(sf_dtype dt, int64_t T, int64_t E, int topk, int64_t H,
 
 static void swiglu_case(sf_dtype dt, int64_t N, int64_t F)
 {
+    if (!check_take_case()) /* CHECK_EVERY (core/check_util.h) */
+        return;
     int64_t sx[2] = {N, 2 * F}, so[2] = {N, F}, sn[1] = {N};
     CheckBuf x(dt, N * 2 * F), probs(SF_FLOAT32, N), out(dt, N * F), dout(dt, N * F), dx(dt, N * 2 * F),
         dprobs(SF_FLOAT32, N);

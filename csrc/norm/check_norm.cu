@@ -35,6 +35,8 @@
 
 static void run_case(int rms, sf_dtype dt, sf_dtype wdt, int64_t rows, int64_t hidden, sf_dtype ydt)
 {
+    if (!check_take_case()) /* CHECK_EVERY (core/check_util.h) */
+        return;
     int64_t n = rows * hidden, xs[2] = {rows, hidden}, ws[1] = {hidden}, rs[1] = {rows}, one[1] = {1};
     CheckBuf x(dt, n), dy(dt, n), w(wdt, hidden), b(wdt, hidden), y(ydt, n), mean(SF_FLOAT32, rows),
         rstd(SF_FLOAT32, rows), dx(dt, n), dg(wdt, hidden), db(wdt, hidden), scale(SF_FLOAT32, 1),

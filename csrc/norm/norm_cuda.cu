@@ -147,20 +147,14 @@ using namespace sf_norm;
 
 extern "C" sf_status sf_norm_forward_cuda(const sf_norm_forward_args *a, sf_stream s)
 {
-    sf_cuda_device_guard guard;
-    SF_TRY(sf_cuda_device_enter(a->rms ? "rmsnorm_forward" : "layernorm_forward", a->x->device_id, &guard));
-    sf_status st = forward(a, sf_cuda_stream(s));
-    sf_cuda_device_restore(&guard);
-    return st;
+    return sf_on_device(a->rms ? "rmsnorm_forward" : "layernorm_forward", a->x->device_id,
+                        [&] { return forward(a, sf_cuda_stream(s)); });
 }
 
 extern "C" sf_status sf_norm_backward_cuda(const sf_norm_backward_args *a, sf_stream s)
 {
-    sf_cuda_device_guard guard;
-    SF_TRY(sf_cuda_device_enter(a->rms ? "rmsnorm_backward" : "layernorm_backward", a->x->device_id, &guard));
-    sf_status st = backward(a, sf_cuda_stream(s));
-    sf_cuda_device_restore(&guard);
-    return st;
+    return sf_on_device(a->rms ? "rmsnorm_backward" : "layernorm_backward", a->x->device_id,
+                        [&] { return backward(a, sf_cuda_stream(s)); });
 }
 
 #ifdef SF_WORKBENCH

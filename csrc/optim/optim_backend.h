@@ -7,6 +7,7 @@
 #define SF_OPTIM_BACKEND_H
 
 #include "adamw.h"
+#include "../core/dispatch.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -21,10 +22,9 @@ sf_status sf_multi_tensor_scale_cpu(int64_t n, sf_tensor *tensors, const sf_tens
 sf_status sf_multi_tensor_adamw_cuda(int64_t n, sf_tensor *params, const sf_tensor *grads,
                                      sf_tensor *exp_avg, sf_tensor *exp_avg_sq, sf_tensor *master,
                                      const sf_adamw_consts *k, sf_stream stream);
-sf_status sf_multi_tensor_l2norm_cuda(int64_t n, const sf_tensor *tensors, sf_tensor *workspace,
-                                      sf_tensor *out, sf_stream stream);
-sf_status sf_multi_tensor_scale_cuda(int64_t n, sf_tensor *tensors, const sf_tensor *scale,
-                                     sf_stream stream);
+/* These two take the public entries' arguments (seqfuse_optim.h). */
+SF_SIGNATURE_OF(sf_multi_tensor_l2norm) sf_multi_tensor_l2norm_cuda;
+SF_SIGNATURE_OF(sf_multi_tensor_scale) sf_multi_tensor_scale_cuda;
 
 #ifdef __cplusplus
 }

@@ -72,6 +72,8 @@ static void check_exhaustive(void)
 static void run_case(sf_dtype dtype, int64_t m, int64_t k, int e5m2, int transpose, int64_t offset,
                      int dbias = 0)
 {
+    if (!check_take_case()) /* CHECK_EVERY (core/check_util.h) */
+        return;
     size_t es = sf_dtype_size(dtype);
     int64_t n = m * k;
     std::vector<uint8_t> host((n + offset) * es);
@@ -206,6 +208,8 @@ static void bandwidth(int64_t m, int64_t k)
  * GPU, poisoned output, against the CPU backend. */
 static void run_transpose_case(int64_t m, int64_t k, int offset)
 {
+    if (!check_take_case()) /* CHECK_EVERY (core/check_util.h) */
+        return;
     int64_t n = m * k;
     std::vector<uint8_t> h(n), cpu_t(n), gpu_t(n);
     for (auto &b : h)

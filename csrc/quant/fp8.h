@@ -53,48 +53,37 @@ SF_HD uint32_t sf_round_shift_rne(uint32_t mant, uint32_t shift)
     return q;
 }
 
-/* float32 -> E4M3 bits, RNE, saturating. */
-SF_HD uint8_t sf_f32_to_e4m3(float f)
-{
-    uint32_t u = sf_f32_bits(f);
-    uint32_t sign = (u >> 24) & 0x80u;
-    uint32_t au = u & 0x7fffffffu;
-    if (au > 0x7f800000u)
-        return 0x7f;
-    if (au >= 0x43e00000u) /* >= 448 (inf included): saturate */
-        return (uint8_t)(sign | 0x7eu);
-    if (au < 0x3c800000u) { /* below 2^-6: subnormal, step 2^-9 */
-        uint32_t e = au >> 23;
-        if (e == 0u) /* float32 subnormals are far below half a step */
-            return (uint8_t)sign;
-        uint32_t mant = (au & 0x7fffffu) | 0x800000u;
-        /* value * 2^9 = mant * 2^(e - 127 - 23 + 9) */
-        return (uint8_t)(sign | sf_round_shift_rne(mant, 141u - e));
-    }
-    uint32_t rounded = au + 0x7ffffu + ((au >> 20) & 1u);
-    return (uint8_t)(sign | ((rounded - 0x3c000000u) >> 20)); /* rebias 127 -> 7 */
-}
+/* The body of a float32 -> FP8 conversion for a format with MBITS mantissa
+ * bits and exponent bias BIAS, RNE, saturating: at or beyond the largest
+ * finite value (float32 bits MAX_BITS, code MAX_CODE) the result is that
+ * code with the sign; NaN gives 0x7f.  A macro, not a function taking the
+ * format, so that each format's body has literal constants: the device
+ * compiler then emits exactly the code of two hand-written bodies. */
+#define SF_F32_TO_FP8_BODY(f, MBITS, BIAS, MAX_BITS, MAX_CODE)                                     \
+    uint32_t u = sf_f32_bits(f);                                                                    \
+    uint32_t sign = (u >> 24) & 0x80u;                                                              \
+    uint32_t au = u & 0x7fffffffu;                                                                  \
+    if (au > 0x7f800000u)                                                                           \
+        return 0x7f;                                                                                \
+    if (au >= (MAX_BITS)) /* inf included */                                                        \
+        return (uint8_t)(sign | (MAX_CODE));                                                        \
+    if (au < (128u - (BIAS)) << 23) { /* below 2^(1 - BIAS): subnormal, step 2^(1 - BIAS - MBITS) */ \
+        uint32_t e = au >> 23;                                                                      \
+        if (e == 0u) /* float32 subnormals are far below half a step */                             \
+            return (uint8_t)sign;                                                                   \
+        uint32_t mant = (au & 0x7fffffu) | 0x800000u;                                               \
+        /* value / step = mant * 2^(e - 127 - 23 + BIAS - 1 + MBITS) */                             \
+        return (uint8_t)(sign | sf_round_shift_rne(mant, 151u - (BIAS) - (MBITS) - e));             \
+    }                                                                                               \
+    /* round away the 23 - MBITS low mantissa bits, then rebias 127 -> BIAS */                      \
+    uint32_t rounded = au + ((1u << (22u - (MBITS))) - 1u) + ((au >> (23u - (MBITS))) & 1u);        \
+    return (uint8_t)(sign | ((rounded - ((127u - (BIAS)) << 23)) >> (23u - (MBITS))))
 
-/* float32 -> E5M2 bits, RNE, saturating. */
-SF_HD uint8_t sf_f32_to_e5m2(float f)
-{
-    uint32_t u = sf_f32_bits(f);
-    uint32_t sign = (u >> 24) & 0x80u;
-    uint32_t au = u & 0x7fffffffu;
-    if (au > 0x7f800000u)
-        return 0x7f;
-    if (au >= 0x47600000u) /* >= 57344: saturate */
-        return (uint8_t)(sign | 0x7bu);
-    if (au < 0x38800000u) { /* below 2^-14: subnormal, step 2^-16 */
-        uint32_t e = au >> 23;
-        if (e == 0u)
-            return (uint8_t)sign;
-        uint32_t mant = (au & 0x7fffffu) | 0x800000u;
-        return (uint8_t)(sign | sf_round_shift_rne(mant, 134u - e));
-    }
-    uint32_t rounded = au + 0xfffffu + ((au >> 21) & 1u);
-    return (uint8_t)(sign | ((rounded - 0x38000000u) >> 21)); /* rebias 127 -> 15 */
-}
+/* float32 -> E4M3 bits (448 = 0x43e00000 is code 0x7e). */
+SF_HD uint8_t sf_f32_to_e4m3(float f) { SF_F32_TO_FP8_BODY(f, 3u, 7u, 0x43e00000u, 0x7eu); }
+
+/* float32 -> E5M2 bits (57344 = 0x47600000 is code 0x7b). */
+SF_HD uint8_t sf_f32_to_e5m2(float f) { SF_F32_TO_FP8_BODY(f, 2u, 15u, 0x47600000u, 0x7bu); }
 
 SF_HD float sf_e4m3_to_f32(uint8_t b)
 {

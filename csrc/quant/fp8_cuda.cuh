@@ -16,6 +16,7 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "../core/block_max.cuh"
 #include "fp8.h"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && !defined(SF_FP8_SOFTWARE_CVT)
@@ -130,21 +131,7 @@ template <int kThreads>
 __device__ __forceinline__ void sf_block_atomic_max_bits(uint32_t v, unsigned *out)
 {
     __shared__ uint32_t warp_max[kThreads / 32];
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1)
-        v = max(v, __shfl_xor_sync(0xffffffffu, v, off));
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0)
-        warp_max[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        v = lane < kThreads / 32 ? warp_max[lane] : 0u;
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1)
-            v = max(v, __shfl_xor_sync(0xffffffffu, v, off));
-        if (lane == 0) /* fp8.h's sf_amax_fold: a signed max (a negative start loses to 0) */
-            atomicMax(reinterpret_cast<int *>(out), (int)v);
-    }
+    sf_block_max_publish(v, threadIdx.x, kThreads / 32, warp_max, out);
 }
 
 /* The same folding a float amax held as its bits (the bits of a

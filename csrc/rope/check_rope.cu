@@ -22,6 +22,8 @@ static float to_float(sf_dtype d, const uint8_t *p)
 static void run_case(sf_dtype dtype, sf_rope_format fmt, int interleaved, int backward, int64_t b, int64_t s,
                      int64_t h, int64_t d, int64_t rot)
 {
+    if (!check_take_case()) /* CHECK_EVERY (core/check_util.h) */
+        return;
     size_t es = sf_dtype_size(dtype);
     std::vector<int32_t> cu;
     int64_t shape[4];
