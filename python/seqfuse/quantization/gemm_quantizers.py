@@ -303,11 +303,11 @@ class WeightQuantizer(_Role):
     Per-tensor recipes scale the weight from its own amax at the cast (so a
     first step or a frozen weight never runs on a stale scale); under
     delayed scaling that amax also lands in the state's weight slot."""
-    __slots__ = ("key", "param", "pair", "casts", "scratch")
+    __slots__ = ("key", "param", "pair", "casts", "scratch", "captured")
 
     def __init__(self, owner, index):
         super().__init__(owner, index)
-        self.key = self.param = self.pair = self.scratch = None
+        self.key = self.param = self.pair = self.scratch = self.captured = None
         self.casts = 0
 
     def get(self, weight, is_first_microbatch=None, sources=None):
@@ -330,7 +330,7 @@ class WeightQuantizer(_Role):
             src, versions = sources, tuple((p.data_ptr(), p._version) for p in sources)
         key = (o.kind, o.fmt, weight.shape, weight.dtype, weight.device, versions)
         old = self.key
-        if self.pair is not None and old[:2] == key[:2]:
+        if self.pair is not None and old is not None and old[:2] == key[:2]:
             if is_first_microbatch is False:
                 return self.pair
             if (is_first_microbatch is None and old == key
@@ -340,8 +340,14 @@ class WeightQuantizer(_Role):
                 return self.pair
         # new FP8 buffers each time: a pending backward may hold the old ones
         self.pair = self._cast_weight(weight.detach(), old is not None and old[:5] == key[:5])
-        self.key, self.param = key, tuple(src)
         self.casts += 1
+        if weight.is_cuda and torch.cuda.is_current_stream_capturing():
+            # a captured cast fills its buffers only when the graph replays: an eager call
+            # (a graphed module's first FP8 step, an eval-mode call) must cast again, not read
+            # them; the graph's buffers stay referenced here for as long as the graph may run
+            self.captured, self.key, self.param = self.pair, None, None
+        else:
+            self.key, self.param = key, tuple(src)
         return self.pair
 
     def _cast_weight(self, w, same_shape):
