@@ -39,9 +39,12 @@ while the bf16 losses themselves jump between 1.7 and 3.5.  Two parts here:
      ref_fp8_current          transformers' model under the plain-torch FP8
                               emulation (optional: hf_bf16, ref_fp8_block).
    Per step, the relative loss difference to seqfuse_bf16; over the last
-   ``--window`` steps its mean, and each row's mean loss; validation loss at
-   the end.  Rule (stated, checked, PASS/FAIL): each FP8 row's final-window
-   mean train loss and final validation loss within ``--bound`` nats
+   ``--window`` steps its mean, and each row's mean loss, at the steps every
+   row reached; validation every ``--eval-every`` steps and at each row's
+   end, compared at the last validation step every row reached (a time
+   budget stops rows at different steps).  Rule (stated, checked,
+   PASS/FAIL): each FP8 row's final-window mean train loss and validation
+   loss within ``--bound`` nats
    (default 0.02) of seqfuse_bf16's.  Reported next to it (not a pass/fail):
    each row's mean per-step difference over the window against the control's
    and ref_fp8_current's: an FP8 row far outside both drifts for a reason of
@@ -248,24 +251,48 @@ def print_grads(g):
 
 # ---------------------------------------------------------------- part 2: training
 def train_row(name, args, device, dtype, train_b, val_b, max_steps, deadline):
+    """One training row; validation every --eval-every steps and at the end
+    (rows stopped by the time budget end at different steps, so the rows are
+    compared at a validation step they all reached)."""
     from seqfuse.optim import FusedAdamW, clip_grad_norm_
 
     row = Row(name, args, device, dtype)
     params = [p for p in row.model.parameters() if p.requires_grad]
     opt = FusedAdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    val = []
+
+    def validate(step):
+        row.model.eval()
+        with torch.no_grad():
+            val.append((step, sum(float(row.loss(b)) for b in val_b) / len(val_b)))
+        row.model.train()
+
+    def after_step(done, window):
+        if done % args.eval_every == 0:
+            validate(done)
+
     row.model.train()
     losses, stopped, t0 = train_steps(name, train_b[:max_steps], row.loss, opt, params, clip_grad_norm_,
-                                      lambda step: lr_at(step, args), args.log_every, deadline)
+                                      lambda step: lr_at(step, args), args.log_every, deadline, after_step)
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    row.model.eval()
-    with torch.no_grad():
-        val = sum(float(row.loss(b)) for b in val_b) / len(val_b)
+    if losses and (not val or val[-1][0] != len(losses)):
+        validate(len(losses))
     losses = [float(x) for x in losses]
-    print(f"  {name}: {len(losses)} steps in {seconds:.1f} s, validation loss {val:.4f}", flush=True)
-    return {"train_loss": losses, "val_loss": val, "steps_done": len(losses), "seconds": seconds,
+    print(f"  {name}: {len(losses)} steps in {seconds:.1f} s, validation loss {val[-1][1] if val else float('nan'):.4f}",
+          flush=True)
+    return {"train_loss": losses, "val": val, "steps_done": len(losses), "seconds": seconds,
             "stopped_early": stopped}
+
+
+def common_val_step(ok):
+    """The last validation step every row reached (None if there is none)."""
+    steps = None
+    for r in ok.values():
+        mine = {s for s, _ in r["val"]}
+        steps = mine if steps is None else steps & mine
+    return max(steps) if steps else None
 
 
 def summarize(results, args):
@@ -277,6 +304,8 @@ def summarize(results, args):
     n = min(r["steps_done"] for r in ok.values())
     w = min(args.window, n)
     ref = base["train_loss"][:n]
+    vs = common_val_step(ok)
+    val_at = {k: (dict(r["val"])[vs] if vs is not None else float("nan")) for k, r in ok.items()}
     rows, checks = [], []
     for name, r in results.items():
         if name not in ok:
@@ -286,7 +315,7 @@ def summarize(results, args):
         d = [abs(a - b) / b for a, b in zip(x, ref)]
         row = {"run": name, "steps": n, "final_window_mean": sum(x[-w:]) / w,
                "final_window_diff": sum(x[-w:]) / w - sum(ref[-w:]) / w,
-               "val_loss": r["val_loss"], "val_diff": r["val_loss"] - base["val_loss"],
+               "val_step": vs, "val_loss": val_at[name], "val_diff": val_at[name] - val_at["seqfuse_bf16"],
                "step_rel_diff_mean_window": sum(d[-w:]) / w, "step_rel_diff_max": max(d),
                "step_rel_diff_max_window": max(d[-w:]), "seconds": r["seconds"]}
         rows.append(row)
@@ -299,14 +328,15 @@ def summarize(results, args):
 
 def write_train(results, args, meta, final):
     rows, checks, n = summarize(results, args)
-    cols = ["run", "steps", "final_window_mean", "final_window_diff", "val_loss", "val_diff",
+    cols = ["run", "steps", "final_window_mean", "final_window_diff", "val_step", "val_loss", "val_diff",
             "step_rel_diff_mean_window", "step_rel_diff_max_window", "step_rel_diff_max", "seconds", "error"]
     table = Table(args.out, cols)
     for r in rows:
         table.add(**r)
     extra = dict(meta, complete=final, common_steps=n, train_checks=checks,
                  train_pass=bool(checks) and all(c["pass"] for c in checks),
-                 curves={k: v.get("train_loss") for k, v in results.items() if "error" not in v})
+                 curves={k: v.get("train_loss") for k, v in results.items() if "error" not in v},
+                 val_curves={k: v.get("val") for k, v in results.items() if "error" not in v})
     table.save(extra=extra)
     try:
         plot(results, args)
@@ -363,7 +393,8 @@ def reused(args, meta):
     for r in old["rows"]:
         if r["run"] in meta["row_names"] and not r.get("error"):
             curve = old["curves"][r["run"]]
-            out[r["run"]] = {"train_loss": curve, "val_loss": r["val_loss"], "steps_done": len(curve),
+            val = old.get("val_curves", {}).get(r["run"]) or [(len(curve), r["val_loss"])]
+            out[r["run"]] = {"train_loss": curve, "val": [tuple(v) for v in val], "steps_done": len(curve),
                              "seconds": r["seconds"], "stopped_early": False}
     return {k: out[k] for k in meta["row_names"] if k in out}
 
@@ -380,6 +411,8 @@ def main(argv=None):
     p.add_argument("--window", type=int, default=100, help="final window (steps) for the mean losses")
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument("--eval-every", type=int, default=50, help="validation every N steps (and at a row's end); "
+                   "rows are compared at the last validation step all of them reached")
     p.add_argument("--bound", type=float, default=0.02, help="max |loss(FP8 row) - loss(seqfuse_bf16)| in nats")
     p.add_argument("--rows", default=",".join(DEFAULT_TRAIN_ROWS))
     p.add_argument("--time-budget", type=float, default=None,
@@ -403,7 +436,7 @@ def main(argv=None):
             p.error(f"--rows: {r!r} is not one of {', '.join(TRAIN_ROWS)}")
     if "train" in parts and "seqfuse_bf16" not in rows:
         p.error("--rows must include seqfuse_bf16 (every row is compared with it)")
-    for k in ("steps", "window", "log_every", "eval_batches", "seq_len", "batch_size"):
+    for k in ("steps", "window", "log_every", "eval_batches", "eval_every", "seq_len", "batch_size"):
         if getattr(args, k) < 1:
             p.error(f"--{k.replace('_', '-')} must be >= 1")
     if args.seq_len % 16:

@@ -224,7 +224,9 @@ class _Role:
         step's update has given the tensor a history) repeats its forward's
         choice."""
         o = self.owner
-        fused = o.kind == "delayed" and o.state.has_history(self.index)
+        # under CUDA graph capture the fused kernel is recorded even before a history exists:
+        # make_graphed_callables replays only once the history is there (graphs.py)
+        fused = o.kind == "delayed" and (o.state.has_history(self.index) or _capturing())
         if recompute.open_contexts and o.kind == "delayed":
             return recompute.choice_for(("fused_cast", id(o.state), self.index), fused)
         return fused
@@ -345,7 +347,9 @@ class WeightQuantizer(_Role):
             # a captured cast fills its buffers only when the graph replays: an eager call
             # (a graphed module's first FP8 step, an eval-mode call) must cast again, not read
             # them; the graph's buffers stay referenced here for as long as the graph may run
-            self.captured, self.key, self.param = self.pair, None, None
+            # (with the scale / amax scratch the captured kernels write: the eager cast gets its own)
+            self.captured, self.key, self.param = (self.pair, self.scratch), None, None
+            self.scratch = None
         else:
             self.key, self.param = key, tuple(src)
         return self.pair
@@ -364,6 +368,11 @@ class WeightQuantizer(_Role):
         q = quantize_current(w, self.fp8_dtype, margin=o.margin, transpose=True, amax=amax,
                              scale=self.scratch[1])
         return q, q
+
+
+def _capturing():
+    """Whether the current CUDA stream is being captured into a graph."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def high_precision(t):

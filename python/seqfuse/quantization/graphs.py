@@ -26,10 +26,13 @@ The first step of a fresh model: under delayed scaling a tensor with no
 amax history yet takes its scale from its own amax (quantize_with_state),
 a choice the host makes per step and a replay cannot repeat (the graph
 holds the initial scale 1, where small gradients underflow E5M2).  So a
-graphed module whose FP8 tensors have no history yet runs that step
-eagerly (logged once); its graphs replay from the next step on, the
-history then in place.  A module warmed up eagerly before graphing never
-takes this route.
+graphed module whose FP8 tensors have no history yet runs eagerly (logged
+once) until they have one: the forward's casts get it at the first
+autocast exit, the gradients' (cast in the backward, after that exit) at
+the second, so the first two forwards run eagerly; the graphs replay from
+then on.  A module warmed up eagerly before graphing never takes this
+route.  A graphed plain callable (not an nn.Module) has no such guard: its
+first replays run at scale 1, and a warning says so.
 
 Gradient accumulation: torch's graphed backward hands each parameter's
 gradient out as a detached view of the graph's static output buffer, and
@@ -105,6 +108,11 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters=3, allow_unuse
         restore_scaling(saved)  # in place: the graphs hold these addresses
     for c, eager_forward in zip(callables, eager_forwards):
         if eager_forward is None:
+            if isinstance(recipe, DelayedScaling):
+                _log.warning("seqfuse make_graphed_callables: a graphed callable that is not an nn.Module "
+                             "gets no first-step protection: under delayed scaling its first replays cast "
+                             "with the initial scale 1 (small gradients underflow E5M2); run one eager step "
+                             "before graphing it")
             continue
         pending = []
         for st in {id(m): m for m in c.modules() if isinstance(m, ScalingState)}.values():
@@ -124,19 +132,31 @@ def _eager_until_history(graphed_forward, eager_forward, pending):
     """A graphed module's forward that runs eagerly while any of its
     ``pending`` (state, index) FP8 tensors lacks an amax history (the first
     step: see the module note), then replays the graphs for good."""
+    eager_calls = [0]
+
     def forward(*args, **kwargs):
         if pending:
             if any(not st.has_history(i) for st, i in pending):
                 if not _first_step_logged:
                     _first_step_logged.append(True)
-                    _log.info("seqfuse make_graphed_callables: a graphed module's first FP8 step runs "
-                              "eagerly (its delayed-scaling tensors have no amax history yet, and the "
-                              "first cast takes its scale from its own amax, which a replay cannot); "
-                              "its graphs replay from the next step")
+                    _log.info("seqfuse make_graphed_callables: a graphed module runs eagerly until its "
+                              "delayed-scaling tensors have an amax history (the first two forwards: the "
+                              "first cast takes its scale from its own amax, which a replay cannot); its "
+                              "graphs replay from then on")
+                eager_calls[0] += 1
+                if eager_calls[0] == _EAGER_CALLS_WARN:
+                    _log.warning("seqfuse make_graphed_callables: a graphed module has run eagerly %d times "
+                                 "and its FP8 tensors still have no amax history, so its graphs are not "
+                                 "replayed: call it inside autocast with the recipe it was graphed with",
+                                 eager_calls[0])
                 return eager_forward(*args, **kwargs)
             pending.clear()
         return graphed_forward(*args, **kwargs)
     return forward
+
+
+#: eager calls of a graphed module, still without history, after which a warning says why
+_EAGER_CALLS_WARN = 8
 
 
 def _grad_copy_hook(param):

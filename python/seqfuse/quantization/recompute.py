@@ -89,7 +89,11 @@ def choice_for(key, value):
         return value
     replay = _top("replays")
     if replay is not None:
-        return replay.get(key, value)
+        try:
+            return replay[key]
+        except KeyError:
+            raise RuntimeError(f"seqfuse checkpoint: the recompute made a choice the forward did not ({key[0]}; "
+                               "a forward that depends on more than its inputs?)") from None
     record = _top("records")
     if record is not None:
         record.setdefault(key, value)
