@@ -112,3 +112,23 @@ def test_tiny_cpu_run_records_every_step(tmp_path):
     c = doc["loss_check"]["rows"]["seqfuse_bf16_packed"]
     assert c["pass"] and c["max_step_rel_diff"] <= 1e-4 and c["worst_step"] in ("w1", "w2", "t1", "t2")
     assert "vs_best_hf" in rows["seqfuse_bf16_packed"] and out["loss_check"]["pass"]
+
+
+def test_speed_goals_are_withheld_without_a_strong_transformers_peer():
+    """With eager transformers as the only peer (no compiled or Liger row),
+    "vs best transformers row" is not a claim: the goal is withheld, saying
+    why; the memory goal is still checked."""
+    agreeing = {n: (impl, rec, list(S12["hf_bf16"][2]), [x * 1.001 for x in S12["hf_bf16"][3]])
+                for n, (impl, rec, _, _) in S12.items()}
+
+    def goals_of(table):
+        rows = rows_of(table)
+        B.add_train_ratios(rows, B.loss_check(rows, fp32=False))
+        return {g["goal"]: g for g in B.train_goals(rows)}
+
+    goals = goals_of({n: v for n, v in agreeing.items() if n != "hf_bf16_compiled"})
+    g = goals["bf16 (packed) vs best transformers row"]
+    assert g["value"] is None and not g["pass"] and "strongest peer not measured" in g["withheld"]
+    assert goals["peak memory vs transformers (seqfuse_bf16_packed)"]["value"] is not None
+    # with the compiled row back, the same goal has its ratio
+    assert goals_of(agreeing)["bf16 (packed) vs best transformers row"]["value"] is not None
