@@ -549,26 +549,16 @@ sf_status launch_col_sum(const float *ws, int parts, int64_t n, void *out, cudaS
     return SF_OK;
 }
 
-/* act() on x's device, the caller's device restored after. */
-sf_status act_on_device(const sf_act_args *a, bool backward, sf_stream s)
-{
-    sf_cuda_device_guard guard;
-    SF_TRY(sf_cuda_device_enter(backward ? "act_backward" : "act_forward", a->x->device_id, &guard));
-    sf_status st = act(a, backward, sf_cuda_stream(s));
-    sf_cuda_device_restore(&guard);
-    return st;
-}
-
 } // namespace
 
 extern "C" sf_status sf_act_forward_cuda(const sf_act_args *a, sf_stream s)
 {
-    return act_on_device(a, false, s);
+    return sf_on_device("act_forward", a->x->device_id, [&] { return act(a, false, sf_cuda_stream(s)); });
 }
 
 extern "C" sf_status sf_act_backward_cuda(const sf_act_args *a, sf_stream s)
 {
-    return act_on_device(a, true, s);
+    return sf_on_device("act_backward", a->x->device_id, [&] { return act(a, true, sf_cuda_stream(s)); });
 }
 
 extern "C" sf_status sf_bias_dropout_add_cuda(const sf_dropout_args *a, sf_stream s)
@@ -576,21 +566,17 @@ extern "C" sf_status sf_bias_dropout_add_cuda(const sf_dropout_args *a, sf_strea
     static const char op[] = "bias_dropout_add";
     if (a->rows == 0 || a->n == 0)
         return SF_OK;
-    sf_cuda_device_guard guard;
-    SF_TRY(sf_cuda_device_enter(op, a->x->device_id, &guard));
-    DropParams p = drop_params(a);
-    DropShape shape;
-    const bool aligned = aligned16(p.x) && aligned16(p.residual) && aligned16(p.out) &&
-                         (!p.bias || aligned16(p.bias));
-    sf_status st = drop_shape(op, a->x->device_id, a->rows, a->n, a->x->dtype, aligned, &shape);
-    if (st == SF_OK) {
+    return sf_on_device(op, a->x->device_id, [&] {
+        DropParams p = drop_params(a);
+        DropShape shape;
+        const bool aligned = aligned16(p.x) && aligned16(p.residual) && aligned16(p.out) &&
+                             (!p.bias || aligned16(p.bias));
+        SF_TRY(drop_shape(op, a->x->device_id, a->rows, a->n, a->x->dtype, aligned, &shape));
         cudaStream_t stream = sf_cuda_stream(s);
-        st = sf_visit_float(op, "x", a->x->dtype, [&](auto tag) {
+        return sf_visit_float(op, "x", a->x->dtype, [&](auto tag) {
             return launch_drop<typename decltype(tag)::type>(false, p, shape, stream);
         });
-    }
-    sf_cuda_device_restore(&guard);
-    return st;
+    });
 }
 
 extern "C" sf_status sf_dropout_backward_workspace_numel_cuda(int64_t rows, int64_t n, int device_id,

@@ -84,12 +84,7 @@ static sf_status norm_forward(const char *op, sf_norm_forward_args *a, sf_stream
     if (!is_fp8(y->dtype) && (a->scale || a->scale_inv))
         return sf_fail(SF_ERR_VALUE, "%s: arguments 'scale' and 'scale_inv' apply only to an "
                        "FP8 'y', which is %s", op, sf_dtype_name(y->dtype));
-    if (a->scale)
-        SF_TRY(sf_check_vector(op, "scale", a->scale, SF_FLOAT32, 1, "x", x, 0));
-    if (a->amax)
-        SF_TRY(sf_check_vector(op, "amax", a->amax, SF_FLOAT32, 1, "x", x, 1));
-    if (a->scale_inv)
-        SF_TRY(sf_check_vector(op, "scale_inv", a->scale_inv, SF_FLOAT32, 1, "x", x, 1));
+    SF_TRY(sf_check_fp8_scaling(op, a->scale, a->amax, a->scale_inv, "x", x));
 
     return SF_DISPATCH(op, "x", x, sf_norm_forward_cpu(a), sf_norm_forward_cuda(a, stream));
 }
