@@ -224,12 +224,13 @@ class _Role:
         step's update has given the tensor a history) repeats its forward's
         choice."""
         o = self.owner
+        if o.kind != "delayed":
+            return False
         # under CUDA graph capture the fused kernel is recorded even before a history exists:
         # make_graphed_callables replays only once the history is there (graphs.py)
-        fused = o.kind == "delayed" and (o.state.has_history(self.index) or _capturing())
-        if recompute.open_contexts and o.kind == "delayed":
-            return recompute.choice_for(("fused_cast", id(o.state), self.index), fused)
-        return fused
+        fused = o.state.has_history(self.index) or _capturing()
+        return recompute.choice_for(("fused_cast", id(o.state), self.index), fused) if recompute.open_contexts \
+            else fused
 
 
 def transposed(q):
@@ -326,6 +327,7 @@ class WeightQuantizer(_Role):
             # here, so no later call can reuse an operand of an older gather
             self.key = self.param = self.pair = None
             return weight.sf_fp8_pair(self)
+        capturing = weight.is_cuda and torch.cuda.is_current_stream_capturing()
         if sources is None:
             src, versions = (weight,), ((weight.data_ptr(), weight._version),)
         else:
@@ -337,13 +339,12 @@ class WeightQuantizer(_Role):
                 return self.pair
             if (is_first_microbatch is None and old == key
                     and all(a is b for a, b in zip(self.param, src))
-                    and not _fsdp2_in_use()
-                    and not (weight.is_cuda and torch.cuda.is_current_stream_capturing())):
+                    and not _fsdp2_in_use() and not capturing):
                 return self.pair
         # new FP8 buffers each time: a pending backward may hold the old ones
         self.pair = self._cast_weight(weight.detach(), old is not None and old[:5] == key[:5])
         self.casts += 1
-        if weight.is_cuda and torch.cuda.is_current_stream_capturing():
+        if capturing:
             # a captured cast fills its buffers only when the graph replays: an eager call
             # (a graphed module's first FP8 step, an eval-mode call) must cast again, not read
             # them; the graph's buffers stay referenced here for as long as the graph may run

@@ -103,7 +103,7 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters=3, allow_unuse
                 callables, tuple(args), num_warmup_iters=num_warmup_iters,
                 allow_unused_input=allow_unused_input, pool=pool)
         # the tensors first cast while graphing: they have no history once the snapshot is back
-        first_cast = {id(st): st.history_note() for st, *_ in saved}
+        cast_while_graphing = {id(st): set().union(*st.history_note()) for st, *_ in saved}
     finally:
         restore_scaling(saved)  # in place: the graphs hold these addresses
     for c, eager_forward in zip(callables, eager_forwards):
@@ -114,13 +114,10 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters=3, allow_unuse
                              "with the initial scale 1 (small gradients underflow E5M2); run one eager step "
                              "before graphing it")
             continue
-        pending = []
-        for st in {id(m): m for m in c.modules() if isinstance(m, ScalingState)}.values():
-            with_history, _ = st.history_note()
-            now = set().union(*first_cast.get(id(st), (set(),)))
-            pending += [(st, i) for i in sorted(now - with_history)]
+        pending = [(st, i) for st in c.modules() if isinstance(st, ScalingState)
+                   for i in sorted(cast_while_graphing.get(id(st), set()) - st.history_note()[0])]
         if pending:
-            c.forward = _eager_until_history(c.forward, eager_forward, pending)
+            c.forward = _eager_until_history(c, c.forward, eager_forward, pending)
     for p in modules_in.parameters():
         if p.requires_grad and not getattr(p, "_seqfuse_graph_grad_copy", False):
             p.register_hook(_grad_copy_hook(p))
@@ -128,29 +125,29 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters=3, allow_unuse
     return graphed[0] if single else graphed
 
 
-def _eager_until_history(graphed_forward, eager_forward, pending):
+def _eager_until_history(module, graphed_forward, eager_forward, pending):
     """A graphed module's forward that runs eagerly while any of its
     ``pending`` (state, index) FP8 tensors lacks an amax history (the first
-    step: see the module note), then replays the graphs for good."""
+    step: see the module note), then hands ``module.forward`` back to the
+    graphs for good (replays then pay nothing for this check)."""
     eager_calls = [0]
 
     def forward(*args, **kwargs):
-        if pending:
-            if any(not st.has_history(i) for st, i in pending):
-                if not _first_step_logged:
-                    _first_step_logged.append(True)
-                    _log.info("seqfuse make_graphed_callables: a graphed module runs eagerly until its "
-                              "delayed-scaling tensors have an amax history (the first two forwards: the "
-                              "first cast takes its scale from its own amax, which a replay cannot); its "
-                              "graphs replay from then on")
-                eager_calls[0] += 1
-                if eager_calls[0] == _EAGER_CALLS_WARN:
-                    _log.warning("seqfuse make_graphed_callables: a graphed module has run eagerly %d times "
-                                 "and its FP8 tensors still have no amax history, so its graphs are not "
-                                 "replayed: call it inside autocast with the recipe it was graphed with",
-                                 eager_calls[0])
-                return eager_forward(*args, **kwargs)
-            pending.clear()
+        if any(not st.has_history(i) for st, i in pending):
+            if not _first_step_logged:
+                _first_step_logged.append(True)
+                _log.info("seqfuse make_graphed_callables: a graphed module runs eagerly until its "
+                          "delayed-scaling tensors have an amax history (the first two forwards: the "
+                          "first cast takes its scale from its own amax, which a replay cannot); its "
+                          "graphs replay from then on")
+            eager_calls[0] += 1
+            if eager_calls[0] == _EAGER_CALLS_WARN:
+                _log.warning("seqfuse make_graphed_callables: a graphed module has run eagerly %d times "
+                             "and its FP8 tensors still have no amax history, so its graphs are not "
+                             "replayed: call it inside autocast with the recipe it was graphed with",
+                             eager_calls[0])
+            return eager_forward(*args, **kwargs)
+        module.forward = graphed_forward
         return graphed_forward(*args, **kwargs)
     return forward
 

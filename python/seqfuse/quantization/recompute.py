@@ -60,24 +60,30 @@ def _opened(delta):
         open_contexts += delta
 
 
+def _noted(key, value, what, copy=False):
+    """``value`` as the forward saw it: noted (a copy when ``copy``) inside a
+    checkpointed forward under ``key``, the noted value returned inside its
+    recompute (a key the forward never noted raises, naming ``what``)."""
+    replay = _top("replays")
+    if replay is not None:
+        try:
+            return replay[key]
+        except KeyError:
+            raise RuntimeError(f"seqfuse checkpoint: the recompute {what} the forward did not (a forward that "
+                               "depends on more than its inputs?)") from None
+    record = _top("records")
+    if record is not None and key not in record:
+        record[key] = value.detach().clone() if copy else value
+    return value
+
+
 def scale_for(state, index, scale):
     """What ``state.scale_of(index)`` returns: ``scale`` (the live one),
     noted inside a checkpointed forward, replaced by the noted copy inside
     its recompute."""
     if not open_contexts:
         return scale
-    key = (id(state), index)
-    replay = _top("replays")
-    if replay is not None:
-        try:
-            return replay[key]
-        except KeyError:
-            raise RuntimeError("seqfuse checkpoint: the recompute read an FP8 scale the forward did not "
-                               "(a forward that depends on more than its inputs?)") from None
-    record = _top("records")
-    if record is not None and key not in record:
-        record[key] = scale.detach().clone()
-    return scale
+    return _noted((id(state), index), scale, "read an FP8 scale", copy=True)
 
 
 def choice_for(key, value):
@@ -87,17 +93,7 @@ def choice_for(key, value):
     runs after the step's update, when the decision's inputs have moved)."""
     if not open_contexts:
         return value
-    replay = _top("replays")
-    if replay is not None:
-        try:
-            return replay[key]
-        except KeyError:
-            raise RuntimeError(f"seqfuse checkpoint: the recompute made a choice the forward did not ({key[0]}; "
-                               "a forward that depends on more than its inputs?)") from None
-    record = _top("records")
-    if record is not None:
-        record.setdefault(key, value)
-    return value
+    return _noted(key, value, f"made a choice ({key[0]})")
 
 
 def replaying():
