@@ -12,6 +12,7 @@ Environment:
 import copy
 import functools
 import glob
+import hashlib
 import os
 import shutil
 import subprocess
@@ -138,15 +139,36 @@ class BuildExt(build_ext):
         link.depends = list(ext.sources) + list(ext.depends) + objects
         link.extra_objects = list(ext.extra_objects or []) + objects
         link.language = "c"
-        super().build_extension(link)
+        # relink also when the objects are other ones than last time (another
+        # settings folder, flags_dir), even if none is newer than the library
+        stamp = os.path.join(self.build_temp, "linked_objects.txt")
+        linked = open(stamp).read() if os.path.exists(stamp) else None
+        force = self.force
+        self.force = force or linked != "\n".join(objects)
+        try:
+            super().build_extension(link)
+        finally:
+            self.force = force
+        with open(stamp, "w") as f:
+            f.write("\n".join(objects))
         print(f"seqfuse: built {ext.name} in {time.time() - start:.1f} s "
               f"({'CUDA ' + ';'.join(ARCHS) if CUDA_HOME else 'CPU only'}, {JOBS} jobs)")
+
+    def up_to_date(self, obj, src):
+        """``obj`` exists and is newer than ``src`` and every csrc header
+        (distutils' own compile rebuilds every C file each time)."""
+        return (os.path.exists(obj) and not self.force
+                and os.path.getmtime(obj) >= max(os.path.getmtime(src), newest_header()))
 
     def compile_one(self, ext, src):
         if src.endswith(".cu"):
             return self.compile_cuda(src)
         macros = ext.define_macros[:] + [(name,) for name in ext.undef_macros]
-        (obj,) = self.compiler.compile([src], output_dir=self.build_temp, macros=macros,
+        out_dir = flags_dir(self.build_temp, "c", macros, ext.include_dirs, ext.extra_compile_args, self.debug)
+        (obj,) = self.compiler.object_filenames([src], output_dir=out_dir)
+        if self.up_to_date(obj, src):
+            return obj
+        (obj,) = self.compiler.compile([src], output_dir=out_dir, macros=macros,
                                        include_dirs=ext.include_dirs, debug=self.debug,
                                        extra_postargs=ext.extra_compile_args or [],
                                        depends=ext.depends)
@@ -154,17 +176,25 @@ class BuildExt(build_ext):
 
     def compile_cuda(self, src):
         nvcc = os.path.join(CUDA_HOME, "bin", "nvcc")
-        out_dir = os.path.join(self.build_temp, "cuda")
+        flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo", "-Xcompiler", "-fPIC",
+                 "-DSF_WITH_CUDA=1", *[f"-I{i}" for i in INCLUDES], *gencode_flags()]
+        out_dir = flags_dir(self.build_temp, "cuda", nvcc, flags)
         os.makedirs(out_dir, exist_ok=True)
         obj = os.path.join(out_dir, src.replace(os.sep, "_") + ".o")
-        if (os.path.exists(obj) and not self.force
-                and os.path.getmtime(obj) >= max(os.path.getmtime(src), newest_header())):
+        if self.up_to_date(obj, src):
             return obj
-        cmd = [nvcc, "-c", src, "-o", obj, "-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo",
-               "-Xcompiler", "-fPIC", "-DSF_WITH_CUDA=1", *[f"-I{i}" for i in INCLUDES], *gencode_flags()]
+        cmd = [nvcc, "-c", src, "-o", obj, *flags]
         print(" ".join(cmd), flush=True)
         subprocess.check_call(cmd, cwd=ROOT)
         return obj
+
+
+def flags_dir(build_temp, kind, *settings):
+    """The object folder of one set of compile settings: a build with other
+    macros or architectures (SEQFUSE_CUDA=0, SEQFUSE_CUDA_ARCHS) never reuses
+    another's objects."""
+    key = hashlib.sha1(repr(settings).encode()).hexdigest()[:10]
+    return os.path.join(build_temp, f"{kind}-{key}")
 
 
 @functools.lru_cache(maxsize=None)
