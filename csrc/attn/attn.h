@@ -91,6 +91,7 @@ SF_ATTN_HD void sf_attn_seq_k(const sf_attn_problem *p, int b, int64_t *start, i
 {
     SF_ATTN_SEQ_BODY(p, b, start, len, cu_k, extent_k, max_sk)
 }
+#undef SF_ATTN_SEQ_BODY /* the two functions above are its only users */
 
 /* Diagonal offset of sequence lengths sq, sk: query r sits on key r + off. */
 SF_ATTN_HD int sf_attn_diag(const sf_attn_problem *p, int sq, int sk)

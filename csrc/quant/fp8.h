@@ -84,6 +84,7 @@ SF_HD uint8_t sf_f32_to_e4m3(float f) { SF_F32_TO_FP8_BODY(f, 3u, 7u, 0x43e00000
 
 /* float32 -> E5M2 bits (57344 = 0x47600000 is code 0x7b). */
 SF_HD uint8_t sf_f32_to_e5m2(float f) { SF_F32_TO_FP8_BODY(f, 2u, 15u, 0x47600000u, 0x7bu); }
+#undef SF_F32_TO_FP8_BODY /* the two functions above are its only users */
 
 SF_HD float sf_e4m3_to_f32(uint8_t b)
 {
