@@ -89,8 +89,8 @@ size_t sf_cublaslt_version(void)
 int sf_nccl_version(void)
 {
 #ifdef SF_WITH_CUDA
-    /* The header we compiled against; NCCL itself is loaded by the comm
-     * family only when a communicator is made. */
+    /* The header we compiled against (the library does not link NCCL; torch's
+     * process groups own the communicators). */
     return NCCL_VERSION_CODE;
 #else
     return 0;

@@ -6,10 +6,11 @@
  * a test program): C never allocates or frees tensor memory.  Outputs and
  * workspaces are handed in by the caller ("destination passing").
  *
- * Every function returns an sf_status.  On failure, sf_last_error() returns a
+ * Every compute and check entry returns an sf_status (queries such as
+ * sf_dtype_size or the version calls return their value).  On failure, sf_last_error() returns a
  * thread-local message that names the argument and the rule it broke, e.g.
  *   "amax: argument 'out' must have dtype float32, got bfloat16".
- * The Python extension maps statuses to exceptions (see csrc/python/errors.c).
+ * The Python extension maps statuses to exceptions (csrc/python/py_call.c).
  *
  * This header knows nothing of Python or torch.  Each kernel family adds its
  * public functions in its own header, included at the bottom.

@@ -1,7 +1,7 @@
 """How the recipes report a run (shared by recipes/esm2 and recipes/llama3).
 
 MFU divides a recipe's useful FLOPs rate (each recipe counts its model's:
-esm2_recipe/metrics.py, llama3_recipe/metrics.py) by the bf16 peak of every
+esm2_recipe/metrics.py, llama3_recipe/trainer.py's causal_lm_train_flops) by the bf16 peak of every
 GPU in the job: 794 TFLOP/s measured on the H200 (the project's ceiling,
 benchmarks/harness.py) and 989 TFLOP/s datasheet, also for FP8 runs (so
 FP8's MFU is comparable to bf16's).
