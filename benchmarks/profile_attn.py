@@ -29,7 +29,7 @@ import shutil
 import subprocess
 import sys
 
-from harness import RESULTS  # (benchmarks/ is the script's folder)
+from harness import RESULTS, environment, run_metadata  # (benchmarks/ is the script's folder)
 
 CASES = {"d64": (4096, 32, 64), "d128": (4096, 16, 128)}  # seqlen, heads, head dim; 16k tokens
 STALL = "smsp__average_warps_issue_stalled_"
@@ -129,7 +129,7 @@ def main():
                                        if os.path.exists(c)), None)
     if ncu is None:
         sys.exit("profile_attn: ncu (Nsight Compute) is not on this machine")
-    out, log = {"cases": {}}, []
+    out, log = {"environment": environment(), "run": run_metadata(), "cases": {}}, []
     for case in args.cases.split(","):
         cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--target-processes", "all",
                "--csv", "--page", "raw", "--metrics", ",".join(METRICS),

@@ -75,7 +75,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))  # the shared tolerance policy
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))  # benchmarks/: harness
 
-from harness import cuda_time_ms  # noqa: E402
+from harness import cuda_time_ms, environment, run_metadata  # noqa: E402
 from helpers import BACKWARD_FACTOR, pair_tol  # noqa: E402
 
 DT = torch.bfloat16
@@ -558,7 +558,7 @@ def main():
     log(f"done in {time.perf_counter() - start:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(facts=facts, rows=rows, command=" ".join(sys.argv)), f, indent=1, default=str)
+            json.dump(dict(facts=facts, environment=environment(), run=run_metadata(), rows=rows), f, indent=1, default=str)
 
 
 if __name__ == "__main__":
