@@ -59,7 +59,8 @@ static inline void check_report(int ok, const char *what)
 
 /* Case sampling.  CHECK_EVERY=N in the environment (a positive integer,
  * default 1) makes a program run only every Nth case of its case loops
- * (the first, the (N+1)th, ...): a check that runs hundreds of cases then
+ * (the first, the (N+1)th, ...; counted per call site, so every kind of
+ * case runs at least once): a check that runs hundreds of cases then
  * finishes under compute-sanitizer's racecheck, which slows every kernel
  * by orders of magnitude.  A case function starts with
  *
@@ -90,11 +91,17 @@ static inline int check_every(void)
     return every;
 }
 
-/* Whether the case about to run is one CHECK_EVERY keeps; counts it. */
-static inline bool check_take_case(void)
+/* Whether the case about to run is one CHECK_EVERY keeps; counts it in
+ * ``*seen``, the count of its own call site. */
+static inline bool check_take_nth(long *seen)
 {
-    return g_cases_offered++ % check_every() == 0;
+    g_cases_offered++;
+    return (*seen)++ % check_every() == 0;
 }
+
+/* Each call site keeps its own count (a lambda's static): a case kind with
+ * fewer than N cases still runs its first, whatever the kinds before it. */
+#define check_take_case() check_take_nth([]() -> long * { static long seen_ = 0; return &seen_; }())
 
 /* Ends main(): prints the plain closing line and the exit code; where
  * CHECK_EVERY thinned the program's cases, the line says so:
