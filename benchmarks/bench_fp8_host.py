@@ -16,6 +16,13 @@ round), and the ratio to bf16.  Tiny shapes
 (16 tokens, hidden 128, FFN 512) keep torch's own remaining ops cheap.
 ``--device cuda`` allocates on the GPU (the caching allocator's cost
 included; no kernel of seqfuse runs).  JSON: results/fp8_host.json.
+
+``--profile ROW`` (bf16, fp8_delayed, fp8_current or fp8_block; with
+``--weights unchanged`` for the accumulation setting) times nothing and
+writes no JSON: it runs that row's iterations under cProfile and prints
+the functions by own time and by cumulative time, and torch's tensor
+allocations per layer step (torch.empty / empty_like / zeros calls) --
+where a row's host time goes.
 """
 import argparse
 import contextlib
@@ -98,18 +105,49 @@ def host_us(runners, iters, rounds=5):
     return best
 
 
+def profile_row(name, recipe, device, update, iters, top=35):
+    """cProfile of one row's runner (stubbed kernels, as timed), printed by
+    tottime and by cumtime, with the tensor allocations per iteration."""
+    import cProfile
+    import pstats
+
+    run = layer_runner(recipe, device, update)
+    with stubbed_kernels():
+        run(max(10, iters // 10))
+        prof = cProfile.Profile()
+        prof.enable()
+        run(iters)
+        prof.disable()
+    stats = pstats.Stats(prof)
+    allocs = sum(v[1] for (_, _, fn), v in stats.stats.items()
+                 if fn in ("<built-in method torch.empty>", "<built-in method torch.empty_like>",
+                           "<built-in method torch.zeros>", "<method 'new_zeros' of 'torch._C.TensorBase' objects>",
+                           "<method 'new_empty' of 'torch._C.TensorBase' objects>"))
+    print(f"== {name}, weights {'updated every step' if update else 'unchanged'}: {iters} iterations "
+          f"under cProfile; {allocs / iters:.1f} tensor allocations per layer step ==")
+    for key in ("tottime", "cumtime"):
+        stats.sort_stats(key).print_stats(top)
+
+
 def main():
     from seqfuse.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--iters", type=int, default=300)
+    p.add_argument("--profile", choices=("bf16", "fp8_delayed", "fp8_current", "fp8_block"),
+                   help="profile this row instead of timing every row (see the module note)")
+    p.add_argument("--weights", choices=("updated", "unchanged"), default="updated",
+                   help="with --profile: the row's weight setting")
     args = p.parse_args()
     device = torch.device(args.device)
+    recipes = {"bf16": None, "fp8_delayed": DelayedScaling(), "fp8_current": Float8CurrentScaling(),
+               "fp8_block": Float8BlockScaling()}
+    if args.profile:
+        profile_row(args.profile, recipes[args.profile], device, args.weights == "updated", args.iters)
+        return
     table = Table("fp8_host", ["precision", "weights", "device", "us_per_layer", "vs_bf16"])
-    rows = [(name, recipe, update) for update in (True, False)
-            for name, recipe in (("bf16", None), ("fp8_delayed", DelayedScaling()),
-                                 ("fp8_current", Float8CurrentScaling()), ("fp8_block", Float8BlockScaling()))]
+    rows = [(name, recipe, update) for update in (True, False) for name, recipe in recipes.items()]
     times = host_us([layer_runner(recipe, device, update) for _, recipe, update in rows], args.iters)
     base = {}
     for (name, _, update), us in zip(rows, times):
