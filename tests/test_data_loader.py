@@ -208,6 +208,21 @@ def test_resume_with_other_settings_refused():
         loader().load_state_dict(dict(state, global_batches_consumed=10**6))
 
 
+def test_position_saved_without_a_dataset_fingerprint_loads_with_a_warning():
+    """A position saved while the dataset had no fingerprint (None) still
+    loads, saying its dataset settings are unchecked; the sampler's check
+    still refuses other lengths."""
+    l = loader()
+    take(iter(l), 3)
+    state = dict(l.state_dict(), dataset=None)
+    fresh = loader()
+    with pytest.warns(UserWarning, match="no dataset fingerprint .* not checked"):
+        fresh.load_state_dict(state)
+    assert fresh.batches_consumed == l.batches_consumed
+    with pytest.raises(ValueError, match="lengths_crc32"):
+        loader(max_length=256).load_state_dict(state)
+
+
 def test_workers_give_the_same_batches():
     ref = take(iter(loader()), 12)
     l = loader(num_workers=2)

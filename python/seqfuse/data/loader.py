@@ -20,6 +20,8 @@ different batches.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .batching import TokenBudgetBatchSampler
@@ -145,7 +147,15 @@ class ResumableDataLoader:
             )
         mine = _dataset_fingerprint(self.dataset)
         saved = state.get("dataset")
-        if saved != mine:
+        if saved is None and mine is not None:
+            # saved while the dataset had no fingerprint (a subclass of
+            # FramedDataset before it had one): its settings cannot be
+            # compared; the sampler's lengths and settings were, above
+            warnings.warn(
+                "ResumableDataLoader.load_state_dict: the saved position has no dataset fingerprint "
+                f"(saved before {type(self.dataset).__name__} had one); its settings are not checked, "
+                "only the sampler's (sample lengths, token budget, seed)", stacklevel=2)
+        elif saved != mine:
             diff = {k: ((saved or {}).get(k), v) for k, v in (mine or {}).items() if (saved or {}).get(k) != v}
             raise ValueError(
                 f"ResumableDataLoader.load_state_dict: the dataset settings differ (saved, now): {diff or (saved, mine)}"
