@@ -11,8 +11,8 @@ What remains is what the host does around the kernels: Python, torch's
 tensor allocations and autograd.  Kernel launch costs are not in it.
 
 Rows: bf16, FP8 delayed, FP8 current, FP8 block; microseconds per layer
-(best of 5 rounds of --iters iterations, the rows interleaved within each
-round), and the ratio to bf16.  Tiny shapes
+(best of --rounds rounds, default 5, of --iters iterations, the rows
+interleaved within each round), and the ratio to bf16.  Tiny shapes
 (16 tokens, hidden 128, FFN 512) keep torch's own remaining ops cheap.
 ``--device cuda`` allocates on the GPU (the caching allocator's cost
 included; no kernel of seqfuse runs).  JSON: results/fp8_host.json.
@@ -135,11 +135,16 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--iters", type=int, default=300)
+    p.add_argument("--rounds", type=int, default=5,
+                   help="rounds of --iters iterations per row, best kept (on a shared host: more rounds of "
+                        "fewer iterations, e.g. --iters 4 --rounds 250, shed more of the other processes' noise)")
     p.add_argument("--profile", choices=("bf16", "fp8_delayed", "fp8_current", "fp8_block"),
                    help="profile this row instead of timing every row (see the module note)")
     p.add_argument("--weights", choices=("updated", "unchanged"), default="updated",
                    help="with --profile: the row's weight setting")
     args = p.parse_args()
+    if args.iters < 1 or args.rounds < 1:
+        p.error(f"--iters and --rounds must be at least 1, got {args.iters} and {args.rounds}")
     device = torch.device(args.device)
     recipes = {"bf16": None, "fp8_delayed": DelayedScaling(), "fp8_current": Float8CurrentScaling(),
                "fp8_block": Float8BlockScaling()}
@@ -148,7 +153,7 @@ def main():
         return
     table = Table("fp8_host", ["precision", "weights", "device", "us_per_layer", "vs_bf16"])
     rows = [(name, recipe, update) for update in (True, False) for name, recipe in recipes.items()]
-    times = host_us([layer_runner(recipe, device, update) for _, recipe, update in rows], args.iters)
+    times = host_us([layer_runner(recipe, device, update) for _, recipe, update in rows], args.iters, args.rounds)
     base = {}
     for (name, _, update), us in zip(rows, times):
         base.setdefault(update, us)  # bf16 comes first for each setting
