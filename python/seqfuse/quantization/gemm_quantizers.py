@@ -400,8 +400,7 @@ class WeightQuantizer(_Role):
                     and not capturing and not _fsdp2_in_use()):
                 return self.pair
         # new FP8 buffers each time: a pending backward may hold the old ones
-        # (the cast ops take the parameter itself: they read it detached)
-        self.pair = self._cast_weight(weight, old is not None and old[:5] == key[:5])
+        self.pair = self._cast_weight(weight.detach(), old is not None and old[:5] == key[:5])
         self.casts += 1
         if capturing:
             # a captured cast fills its buffers only when the graph replays: an eager call

@@ -23,8 +23,7 @@ def quantize(x, scale, amax, fp8_dtype, *, transpose=False, rowwise=True, dbias=
     ``scale_inv`` (optional) are written instead of new tensors.  ``rows``
     (>= M): the copies carry that many token rows, the extra ones zero
     (the FP8 GEMMs' padding, written by the cast); ``shape`` stays x's."""
-    if fp8_dtype not in qops.FP8_DTYPES:  # (a name, or a wrong value: fp8_dtype_of says which)
-        fp8_dtype = qops.fp8_dtype_of(fp8_dtype, "quantize")
+    fp8_dtype = qops.fp8_dtype_of(fp8_dtype, "quantize")
     if dbias and not transpose:
         raise ValueError("quantize: dbias=True needs transpose=True (the sums come from the "
                          "cast+transpose kernel)")

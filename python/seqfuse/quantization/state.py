@@ -331,17 +331,10 @@ class ScalingState(nn.Module):
             self._finalizer = None
 
     def ensure_pooled(self):
-        """Re-home the state if something replaced its buffers (cheap when not:
-        every FP8 forward and cast asks, so _in_chunk's test is spelled out
-        here rather than called)."""
-        ptrs, ref = self._ptrs, self._chunk_ref
-        if ptrs is not None and ref is not None and ref() is not None:
-            b = self._buffers
-            if (b["amax_history"].data_ptr() == ptrs[0] and b["scale"].data_ptr() == ptrs[1]
-                    and b["scale_inv"].data_ptr() == ptrs[2]):
-                return self
-        self._views = None
-        self._rehome()
+        """Re-home the state if something replaced its buffers (cheap when not)."""
+        if not self._in_chunk():
+            self._views = None
+            self._rehome()
         return self
 
     def _apply(self, fn, recurse=True):
