@@ -167,7 +167,7 @@ class _Role:
     def __init__(self, owner, index):
         self.owner, self.index = owner, index
         self.fp8_dtype = None
-        # current scaling's (amax, scale, scale_inv) buffers of activation / gradient casts (_current_scratch)
+        # current scaling's (amax, scale) one-element buffers for activation / gradient casts
         self.act_scratch = None
 
     def _set_format(self, fmt):
