@@ -11,7 +11,6 @@ from .. import ops
 from .. import quantization
 from .._runtime import cuda_available
 from ..quantization import gemm_quantizers
-from ..quantization import autocast_state
 from .te_compat import take_refused
 
 
@@ -132,22 +131,12 @@ def as_dtype(t, dtype):
     return None if t is None else (t if t.dtype == dtype else t.to(dtype))
 
 
-def fp8_recipe():
-    """The recipe of the enclosing FP8 autocast, or None outside one (one
-    read of the thread's autocast settings: every module forward asks)."""
-    s = autocast_state()
-    if not s.enabled:
-        return None
-    return s.recipe if s.recipe is not None else quantization.get_recipe()
-
-
 def fp8_quantizers(module, x):
     """The module's GemmQuantizers under the active FP8 autocast recipe, or
     None outside FP8 autocast (recipes it cannot run raise, naming it)."""
-    recipe = fp8_recipe()
-    if recipe is None:
+    if not quantization.is_fp8_enabled():
         return None
-    return gemm_quantizers.quantizers_for(module, recipe, x.device)
+    return gemm_quantizers.quantizers_for(module, quantization.get_recipe(), x.device)
 
 
 def fp8_norm(q, x2, lnw, lnb, eps, rms, zc, need_col):
@@ -156,9 +145,8 @@ def fp8_norm(q, x2, lnw, lnb, eps, rms, zc, need_col):
     itself (scale and amax of the state); otherwise (other recipes, the
     first step) the norm in x's dtype, then the recipe's cast."""
     iq = q.inputs[0]
-    fused = iq.fused_scale()
-    if fused is not None:
-        scale, amax, fp8_dtype = fused
+    if iq.fused_cast:
+        scale, amax, fp8_dtype = iq.scale
         si = torch.empty(1, dtype=torch.float32, device=x2.device)
         y, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc, fp8_dtype, scale, amax, si)
         return iq.fp8_output(y, si, x2.dtype), mean, rstd

@@ -166,8 +166,7 @@ class LayerNormLinear(torch.nn.Module):
                                        None if self.return_bias else bias, self.eps,
                                        self.normalization == "RMSNorm", self.zero_centered_gamma,
                                        self.return_layernorm_output, q,
-                                       weight_sources(self) if q is not None and self.__dict__.get("parameters_split")
-                                       else None, is_first_microbatch)
+                                       weight_sources(self) if q is not None else None, is_first_microbatch)
         if not self.return_bias:
             return out
         if self.return_layernorm_output:  # TE's order: output, bias, norm output

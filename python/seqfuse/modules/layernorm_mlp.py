@@ -177,9 +177,8 @@ def _fp8_act(q, h, activation, need_col):
     FP8 by the activation kernel under delayed scaling once it has an amax
     history, else (other recipes, the first step) made in h's dtype and cast."""
     iq = q.inputs[1]
-    fused = iq.fused_scale()
-    if fused is not None:
-        scale, amax, fp8_dtype = fused
+    if iq.fused_cast:
+        scale, amax, fp8_dtype = iq.scale
         si = torch.empty(1, dtype=torch.float32, device=h.device)
         return iq.fp8_output(A.act_forward(h, activation, fp8_dtype, scale, amax, si), si, h.dtype)
     return iq.quantize(A.act_forward(h, activation), transpose=need_col)

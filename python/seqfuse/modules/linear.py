@@ -54,9 +54,10 @@ synchronization, workspaces cached per stream).
 import torch
 
 from .. import ops
+from .. import quantization as _q
 from ..quantization import gemm_quantizers as _gq
 from . import _fp8 as F8
-from ._base import compute_dtype, fp8_recipe, main_grad_for, set_linear_options
+from ._base import compute_dtype, main_grad_for, set_linear_options
 from ._input import check_input
 from ._split import fused_params, install_split, parse_split, reset_split, weight_sources
 from .te_compat import materialize, refuse_fp8_io, rng_fork, take_refused
@@ -202,12 +203,11 @@ class Linear(torch.nn.Module):
         x = inp.reshape(-1, self.in_features)
         dtype = compute_dtype(inp, weight)
         use_bias = None if self.return_bias else bias
-        recipe = fp8_recipe()
+        recipe = _active_fp8_recipe()
         if recipe is not None:
             q = _gq.quantizers_for(self, recipe, x.device)
-            # (parameters_split is a plain attribute when set: no Module.__getattr__ miss per call)
-            sources = weight_sources(self) if self.__dict__.get("parameters_split") else None
-            y = Fp8LinearFunction.apply(x, weight, use_bias, q, dtype, (is_first_microbatch, sources))
+            y = Fp8LinearFunction.apply(x, weight, use_bias, q, dtype,
+                                        (is_first_microbatch, weight_sources(self)))
         else:
             y = LinearFunction.apply(x, weight, use_bias, dtype)
         if inp.dim() != 2:  # a 2-D input gets the Function's output itself, not a view of it
@@ -219,6 +219,13 @@ class Linear(torch.nn.Module):
 
 
 # ---- FP8 ---------------------------------------------------------------------
+
+def _active_fp8_recipe():
+    """The recipe of the enclosing FP8 autocast, or None outside one."""
+    if not _q.is_fp8_enabled():
+        return None
+    return _q.get_recipe()
+
 
 class Fp8LinearFunction(torch.autograd.Function):
     """Autograd of y = x W^T + b with FP8 GEMMs (see the module note; the

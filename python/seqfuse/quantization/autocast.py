@@ -65,24 +65,21 @@ def reduce_and_update(recipe, group=None):
     if not isinstance(recipe, DelayedScaling):
         return
     group = _default_group(recipe, group)
-    algo, margin = recipe.amax_compute_algo, int(recipe.margin)
-    history_len = int(recipe.amax_history_len)
-    first_casts = bool(FIRST_CASTS)  # empty in steady state: the loop below is skipped
-    updated = [] if first_casts else None
-    for chunk in POOL.chunks_for(algo, margin):
-        if chunk.history.shape[0] != history_len:
+    updated = []
+    for chunk in POOL.chunks_for(recipe.amax_compute_algo, int(recipe.margin)):
+        if chunk.history.shape[0] != int(recipe.amax_history_len):
             continue
-        if first_casts:
-            updated.append(chunk)
-        hist, scale, scale_inv, fp8_max = chunk.used_columns()
+        updated.append(chunk)
+        used = chunk.used
         if group is not None:
-            torch.distributed.all_reduce(hist[0], op=torch.distributed.ReduceOp.MAX, group=group)
+            torch.distributed.all_reduce(chunk.history[0, :used], op=torch.distributed.ReduceOp.MAX,
+                                         group=group)
         stats.before_update(chunk)
-        qops.fp8_scale_update(hist, scale, scale_inv, fp8_max, algo, margin)
-    if first_casts:
-        for state in list(FIRST_CASTS):
-            if any(state.pooled_in(c) for c in updated):
-                state.updated()
+        qops.fp8_scale_update(chunk.history[:, :used], chunk.scale[:used], chunk.scale_inv[:used],
+                              chunk.fp8_max[:used], recipe.amax_compute_algo, recipe.margin)
+    for state in list(FIRST_CASTS):  # empty in steady state
+        if any(state.pooled_in(c) for c in updated):
+            state.updated()
     stats.end_step()
 
 

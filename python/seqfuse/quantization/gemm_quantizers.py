@@ -55,8 +55,8 @@ import torch
 from ..common.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
                              MXFP8BlockScaling, NVFP4BlockScaling, Recipe)
 from ..ops import quant as qops
-from . import recompute, stats
-from .quantize import quantize, quantize_block, quantize_current, quantize_with_state
+from . import recompute
+from .quantize import quantize_block, quantize_current, quantize_with_state
 from .state import ScalingState
 from .tensor import Float8BlockTensor, Float8Tensor
 
@@ -157,88 +157,52 @@ def check_features(cls, kind, *features):
 # ---- the three roles -------------------------------------------------------------
 
 class _Role:
-    """What the three roles share.  ``fp8_dtype`` is the role's FP8 dtype
-    under the owner's recipe format (forward format for inputs and
-    weights, backward format for output gradients), set by
-    GemmQuantizers.adopt at every forward, so a recipe changed in place is
-    seen at the next forward without the casts reading the recipe."""
-    __slots__ = ("owner", "index", "fp8_dtype", "act_scratch")
+    __slots__ = ("owner", "index")
 
     def __init__(self, owner, index):
         self.owner, self.index = owner, index
-        self.fp8_dtype = None
-        # current scaling's (amax, scale) one-element buffers for activation / gradient casts
-        self.act_scratch = None
 
-    def _set_format(self, fmt):
-        self.fp8_dtype = fmt.backward_dtype if self.index % 3 == 2 else fmt.forward_dtype
+    @property
+    def fp8_dtype(self):
+        o = self.owner
+        fmt = o.recipe.fp8_format
+        return fmt.backward_dtype if self.index % 3 == 2 else fmt.forward_dtype
 
-    def _current_scratch(self, x):
-        """(amax, scale, scale_inv) one-element buffers for a current-scaling
-        cast of ``x`` that the role keeps across casts: only the cast kernel
-        reads amax and scale, and the scale_inv serves only casts whose
-        result is used up before the role's next cast (the output
-        gradient's, read by the backward GEMMs right after it; an input's
-        is saved for the backward and gets its own).  Made again on another
-        device.  While a CUDA graph is being captured the cast gets buffers
-        of its own, kept by nothing here: the graph writes its buffers at
-        every replay, so an eager cast must not share them."""
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        sc = self.act_scratch
-        if sc is None or sc[0].device != x.device or capturing:
-            sc = tuple(torch.empty(1, device=x.device) for _ in range(3))
-            if not capturing:
-                self.act_scratch = sc
-        return sc
-
-    def _cast(self, x, transpose, dbias=False, rows=None, used_up=False):
+    def _cast(self, x, transpose, dbias=False, rows=None):
         """Per-tensor cast of x [M, K] under the owner's recipe, the copies
-        padded to ``rows`` token rows (None: M).  ``used_up``: the caller is
-        done with the result before this role's next cast (an output
-        gradient's cast), so its scale_inv needs no tensor of its own: the
-        state's live slot under delayed scaling (the cast writes 1 / scale
-        there, the value the update put there), the role's buffer under
-        current scaling."""
+        padded to ``rows`` token rows (None: M)."""
         o = self.owner
         if o.kind == "delayed":
-            st = o.state
-            i = self.index
-            if i in st._with_history and not recompute.open_contexts and not stats.recording():
-                # steady state: quantize_with_state's cast once the tensor has an amax history,
-                # without its first-step, recompute and statistics branches (none applies)
-                st.ensure_pooled()
-                v = st._views
-                if v is not None:
-                    return quantize(x, v[1][i], v[0][i], self.fp8_dtype, transpose=transpose, dbias=dbias,
-                                    rows=rows, scale_inv=v[2][i] if used_up else None)
-            return quantize_with_state(x, st, i, transpose=transpose, dbias=dbias, rows=rows)
-        amax, scale, scale_inv = self._current_scratch(x)
-        return quantize_current(x, self.fp8_dtype, margin=o.margin_now, transpose=transpose, dbias=dbias,
-                                rows=rows, amax=amax, scale=scale, scale_inv=scale_inv if used_up else None)
+            return quantize_with_state(x, o.state, self.index, transpose=transpose, dbias=dbias, rows=rows)
+        return quantize_current(x, self.fp8_dtype, margin=o.margin, transpose=transpose, dbias=dbias,
+                                rows=rows)
 
-    def quantize(self, x, transpose=True, used_up=False):
+
+    def quantize(self, x, transpose=True):
         """x [M, K] -> Float8Tensor whose data (and data_t) carry
         ``padded_rows(M)`` token rows, the extra ones zero; ``shape`` stays
         x's.  Block scaling: a Float8BlockTensor with the row-wise and (if
         ``transpose``) column-wise 1x128 copies, rows padded likewise (from
         a padded copy of x).  Per-tensor casts write the zero rows in their
         own pass, so the results are the hand-padded computation's bit for
-        bit at no extra pass.  ``used_up``: as for ``_cast``."""
+        bit at no extra pass."""
+        o = self.owner
         m = x.shape[0]
-        mp = -(-m // ROW_MULTIPLE) * ROW_MULTIPLE  # padded_rows(m)
-        if self.owner.kind == "block":
+        mp = padded_rows(m)
+        if o.kind == "block":
             xp = x if mp == m else _pad_rows(x, mp)
             return quantize_block(xp, 1, self.fp8_dtype, columnwise=transpose)
-        return self._cast(x, transpose, rows=None if mp == m else mp, used_up=used_up)
+        return self._cast(x, transpose, rows=None if mp == m else mp)
 
     def fp8_output(self, data, scale_inv, dtype):
         """A producer kernel's FP8 output [M, K] (norm, activation: delayed
         scaling's fused casts) as this role's padded Float8Tensor standing
         for ``dtype``, without the transposed copy (``transposed()`` makes it)."""
+        m = data.shape[0]
+        mp = padded_rows(m)
         shape = data.shape
-        m = shape[0]
-        if m % ROW_MULTIPLE:
-            data = _pad_rows(data, padded_rows(m))
+        if mp != m:
+            data = _pad_rows(data, mp)
         return Float8Tensor(data, scale_inv, data.dtype, dtype=dtype, shape=shape)
 
     @property
@@ -267,26 +231,6 @@ class _Role:
         fused = o.state.has_history(self.index) or _capturing()
         return recompute.choice_for(("fused_cast", id(o.state), self.index), fused) if recompute.open_contexts \
             else fused
-
-    def fused_scale(self):
-        """``fused_cast`` and ``scale`` in one call (what a producer kernel's
-        caller asks on every forward): (scale, amax slot, fp8 dtype) when the
-        producer writes this operand in FP8 itself, else None."""
-        o = self.owner
-        if o.kind != "delayed":
-            return None
-        st = o.state
-        i = self.index
-        if recompute.open_contexts:
-            if not recompute.choice_for(("fused_cast", id(st), i), i in st._with_history or _capturing()):
-                return None
-            return st.scale_of(i), st.amax_of(i), self.fp8_dtype
-        if i not in st._with_history and not _capturing():
-            return None
-        v = st._pooled_views()
-        if v is None:  # (a state not pooled: its buffers' own views)
-            return st.scale_of(i), st.amax_of(i), self.fp8_dtype
-        return v[1][i], v[0][i], self.fp8_dtype
 
 
 def transposed(q):
@@ -317,17 +261,16 @@ class GradQuantizer(_Role):
         if o.kind == "block":
             return self._block_grad(dy, want_db, need_dgrad, need_wgrad, bias_dtype)
         db = None
-        # the backward GEMMs read g right after this call: its scale_inv needs no tensor of its own
         if not need_wgrad:
-            g = self.quantize(dy, transpose=False, used_up=True)
+            g = self.quantize(dy, transpose=False)
         elif want_db:
-            mp = -(-m // ROW_MULTIPLE) * ROW_MULTIPLE  # padded_rows(m)
+            mp = padded_rows(m)
             if qops.dbias_fusable(dy, rows=mp):
-                g, db = self._cast(dy, True, dbias=True, rows=None if mp == m else mp, used_up=True)
+                g, db = self._cast(dy, True, dbias=True, rows=None if mp == m else mp)
             else:
-                g = self.quantize(dy, transpose=True, used_up=True)
+                g = self.quantize(dy, transpose=True)
         else:
-            g = self.quantize(dy, transpose=True, used_up=True)
+            g = self.quantize(dy, transpose=True)
         if want_db and db is None:
             if need_wgrad and not GradQuantizer._fallback_logged:
                 GradQuantizer._fallback_logged.append(True)
@@ -384,20 +327,19 @@ class WeightQuantizer(_Role):
             # here, so no later call can reuse an operand of an older gather
             self.key = self.param = self.pair = None
             return weight.sf_fp8_pair(self)
+        capturing = weight.is_cuda and torch.cuda.is_current_stream_capturing()
         if sources is None:
             src, versions = (weight,), ((weight.data_ptr(), weight._version),)
         else:
             src, versions = sources, tuple((p.data_ptr(), p._version) for p in sources)
-        key = (o.kind, o.fmt_now, weight.shape, weight.dtype, weight.device, versions)
+        key = (o.kind, o.fmt, weight.shape, weight.dtype, weight.device, versions)
         old = self.key
-        capturing = weight.is_cuda and torch.cuda.is_current_stream_capturing()
-        if self.pair is not None and old is not None and old[0] == key[0] and old[1] is key[1]:
+        if self.pair is not None and old is not None and old[:2] == key[:2]:
             if is_first_microbatch is False:
                 return self.pair
             if (is_first_microbatch is None and old == key
-                    and (self.param[0] is weight if sources is None
-                         else all(a is b for a, b in zip(self.param, src)))
-                    and not capturing and not _fsdp2_in_use()):
+                    and all(a is b for a, b in zip(self.param, src))
+                    and not _fsdp2_in_use() and not capturing):
                 return self.pair
         # new FP8 buffers each time: a pending backward may hold the old ones
         self.pair = self._cast_weight(weight.detach(), old is not None and old[:5] == key[:5])
@@ -424,7 +366,7 @@ class WeightQuantizer(_Role):
             self.scratch = (None if o.kind == "delayed" else torch.empty(1, device=w.device),
                             torch.empty(1, device=w.device))
         amax = o.state.amax_of(self.index) if o.kind == "delayed" else self.scratch[0]
-        q = quantize_current(w, self.fp8_dtype, margin=o.margin_now, transpose=True, amax=amax,
+        q = quantize_current(w, self.fp8_dtype, margin=o.margin, transpose=True, amax=amax,
                              scale=self.scratch[1])
         return q, q
 
@@ -462,15 +404,8 @@ def block_weight_transposed(q):
     out_f, in_f = q.data.shape
     data_t = qops.transpose_fp8(q.data)
     rb, cb = out_f // 128, in_f // 128
-    si = q.scale_inv
-    if tuple(si.shape) != (rb, cb):
-        si = si[:rb, :cb]
-    # the transposed scales with zero columns up to a multiple of 4, contiguous (one op where
-    # there is padding; without any the pad returns the transposed view, copied here)
-    pad = (rb + 3) // 4 * 4 - rb
-    si_t = torch.constant_pad_nd(si.t(), (0, pad)) if pad else si.t()
-    if not si_t.is_contiguous():
-        si_t = si_t.contiguous()
+    si_t = q.scale_inv.new_zeros((cb, (rb + 3) // 4 * 4))
+    si_t[:, :rb] = q.scale_inv[:rb, :cb].t()
     return Float8BlockTensor(data_t, si_t, 128, dtype=q.dtype)
 
 
@@ -481,8 +416,7 @@ class GemmQuantizers:
     ``inputs[g]``, ``weights[g]``, ``grads[g]``; ``state`` (delayed scaling:
     the module's ScalingState of 3 x num_gemms tensors, else None)."""
 
-    __slots__ = ("cls", "num_gemms", "recipe", "kind", "state", "inputs", "weights", "grads", "roles",
-                 "fmt_now", "margin_now")
+    __slots__ = ("cls", "num_gemms", "recipe", "kind", "state", "inputs", "weights", "grads")
 
     def __init__(self, cls, num_gemms):
         self.cls, self.num_gemms = cls, num_gemms
@@ -490,9 +424,6 @@ class GemmQuantizers:
         self.inputs = [InputQuantizer(self, 3 * g) for g in range(num_gemms)]
         self.weights = [WeightQuantizer(self, 3 * g + 1) for g in range(num_gemms)]
         self.grads = [GradQuantizer(self, 3 * g + 2) for g in range(num_gemms)]
-        self.roles = (*self.inputs, *self.weights, *self.grads)
-        # the recipe's format and margin as the current forward read them (adopt); the casts use these
-        self.fmt_now, self.margin_now = None, 0
 
     @property
     def fmt(self):
@@ -510,32 +441,27 @@ class GemmQuantizers:
 
     def adopt(self, module, recipe, device):
         """Take ``recipe`` (called at each FP8 forward; the same recipe object
-        costs an identity check, and a read of its format and margin, which
-        a recipe changed in place may have moved)."""
-        if recipe is not self.recipe:
-            kind = recipe_kind(recipe, self.cls)
-            check_features(self.cls, kind, *module.fp8_features())
-            self.recipe, self.kind = recipe, kind
-            if kind == "delayed":
-                state = getattr(module, "fp8_state", None)
-                if state is None:
-                    state = ScalingState(3 * self.num_gemms, recipe,
-                                         backward_indices=tuple(3 * g + 2 for g in range(self.num_gemms)),
-                                         device=device)
-                    module.add_module("fp8_state", state)
-                elif state.recipe is not recipe and state.recipe != recipe:
-                    state.set_recipe(recipe)
-                self.state = state
-            else:
-                self.state = None
-        if self.state is not None:
-            self.state.ensure_pooled()
-        fmt = recipe.fp8_format
-        if fmt is not self.fmt_now:
-            self.fmt_now = fmt
-            for r in self.roles:
-                r._set_format(fmt)
-        self.margin_now = int(getattr(recipe, "margin", 0))
+        costs one identity check)."""
+        if recipe is self.recipe:
+            if self.state is not None:
+                self.state.ensure_pooled()
+            return self
+        kind = recipe_kind(recipe, self.cls)
+        check_features(self.cls, kind, *module.fp8_features())
+        self.recipe, self.kind = recipe, kind
+        if kind == "delayed":
+            state = getattr(module, "fp8_state", None)
+            if state is None:
+                state = ScalingState(3 * self.num_gemms, recipe,
+                                     backward_indices=tuple(3 * g + 2 for g in range(self.num_gemms)),
+                                     device=device)
+                module.add_module("fp8_state", state)
+            elif state.recipe is not recipe and state.recipe != recipe:
+                state.set_recipe(recipe)
+            state.ensure_pooled()
+            self.state = state
+        else:
+            self.state = None
         return self
 
 

@@ -78,16 +78,14 @@ def quantize_with_state(x, state, index, *, transpose=False, rowwise=True, dbias
 
 
 def quantize_current(x, fp8_dtype, *, margin=0, transpose=False, rowwise=True, amax=None,
-                     amax_reduction_group=None, dbias=False, into=None, scale=None, rows=None, scale_inv=None):
+                     amax_reduction_group=None, dbias=False, into=None, scale=None, rows=None):
     """Current scaling: scale = fp8_max / max|x| / 2**margin from x itself
     (an amax pass, an optional all-reduce of that amax, a scale kernel, then
     the cast).  ``amax`` (optional one-element float32) receives max|x|.
     ``into`` (a Float8Tensor of x's shape and format) and ``scale`` (a
     one-element float32 buffer): written instead of new tensors (a weight
-    re-cast each step allocates nothing).  ``scale_inv`` (one-element
-    float32, not with ``into``): receives 1 / scale instead of a new tensor
-    (the result's scale_inv is then that buffer).  ``rows``: padded token
-    rows, as in :func:`quantize`."""
+    re-cast each step allocates nothing).  ``rows``: padded token rows, as
+    in :func:`quantize`."""
     fp8_dtype = qops.fp8_dtype_of(fp8_dtype, "quantize_current")
     dev = x.device
     if amax is None:
@@ -95,18 +93,13 @@ def quantize_current(x, fp8_dtype, *, margin=0, transpose=False, rowwise=True, a
     if scale is None:
         scale = torch.empty(1, dtype=torch.float32, device=dev)
     if into is not None:
-        if scale_inv is not None:
-            raise ValueError("quantize_current: give 'into' or 'scale_inv', not both (into carries its scale_inv)")
         scale_inv, out, out_t = into.scale_inv, into.data, into.data_t
     else:
-        if scale_inv is None:
-            scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
+        scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
         out = out_t = None
     if amax_reduction_group is None and not dbias:
         # the common path (weights, current-scaling activations): one op call
-        if amax.dim() != 1:  # (a one-element buffer of another shape: the op takes [1])
-            amax = amax.reshape(1)
-        data, data_t = qops.cast_fp8_current(x, fp8_dtype, amax=amax, scale=scale,
+        data, data_t = qops.cast_fp8_current(x, fp8_dtype, amax=amax.reshape(1), scale=scale,
                                              scale_inv=scale_inv, out=out, out_t=out_t,
                                              rowwise=rowwise, transpose=transpose, margin=margin,
                                              rows=rows)

@@ -34,7 +34,7 @@ _CHUNK_FLOATS = 1 << 20
 
 
 class _Chunk:
-    __slots__ = ("history", "scale", "scale_inv", "fp8_max", "used", "live", "key", "_columns", "__weakref__")
+    __slots__ = ("history", "scale", "scale_inv", "fp8_max", "used", "live", "key", "__weakref__")
 
     def __init__(self, key, h, cap, device):
         self.key = key
@@ -44,23 +44,10 @@ class _Chunk:
         self.fp8_max = torch.full((cap,), 448.0, dtype=torch.float32, device=device)
         self.used = 0   # columns handed out (bump allocation)
         self.live = 0   # columns of states that still live here
-        self._columns = None  # (used, views): used_columns' views, made again when used moves
 
     @property
     def capacity(self):
         return self.scale.numel()
-
-    def used_columns(self):
-        """(history [H, used], scale, scale_inv, fp8_max [used]): views of the
-        columns handed out, which the step's update covers.  Made once per
-        value of ``used`` (the chunk's tensors are never replaced; four
-        slices per step would cost more than the update's launch)."""
-        cols = self._columns
-        if cols is None or cols[0] != self.used:
-            u = self.used
-            cols = self._columns = (u, (self.history[:, :u], self.scale[:u], self.scale_inv[:u],
-                                        self.fp8_max[:u]))
-        return cols[1]
 
 
 class _Pool:
