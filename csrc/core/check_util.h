@@ -59,8 +59,8 @@ static inline void check_report(int ok, const char *what)
 
 /* Case sampling.  CHECK_EVERY=N in the environment (a positive integer,
  * default 1) makes a program run only every Nth case of its case loops
- * (the first, the (N+1)th, ...; counted per call site, so every kind of
- * case runs at least once): a check that runs hundreds of cases then
+ * (one of every N, the first always; counted per call site, at hashed
+ * offsets, check_take_nth): a check that runs hundreds of cases then
  * finishes under compute-sanitizer's racecheck, which slows every kernel
  * by orders of magnitude.  A case function starts with
  *
@@ -91,12 +91,30 @@ static inline int check_every(void)
     return every;
 }
 
+/* splitmix64's finalizer: a fixed, well-mixed function of x. */
+static inline uint64_t check_mix64(uint64_t x)
+{
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
 /* Whether the case about to run is one CHECK_EVERY keeps; counts it in
- * ``*seen``, the count of its own call site. */
+ * ``*seen``, the count of its own call site.  One case of each block of N
+ * consecutive cases is kept: the first of block 0 (a call site's first case
+ * always runs), then an offset fixed by a hash of the block number.  A
+ * fixed stride would lock onto one phase where a case function serves
+ * several kinds in turn (main() calling it from p lines, or a table of p
+ * cases): with p sharing a factor with N some kinds never ran.  The hashed
+ * offset reaches every kind once it has a few times N cases (not a
+ * guarantee for kinds with fewer). */
 static inline bool check_take_nth(long *seen)
 {
     g_cases_offered++;
-    return (*seen)++ % check_every() == 0;
+    const long k = (*seen)++, n = check_every(), block = k / n;
+    const long keep = block == 0 ? 0 : (long)(check_mix64((uint64_t)block) % (uint64_t)n);
+    return k % n == keep;
 }
 
 /* Each call site keeps its own count (a lambda's static): a case kind with
