@@ -22,10 +22,11 @@ run: build
 	$(PYTHON) recipes/esm2/train_fsdp2.py --config L0_sanity checkpoint.dir=$(RUN_DIR)/checkpoints \
 		checkpoint.export_dir=$(RUN_DIR)/hf checkpoint.resume=false $(ARGS)
 
-# Two pytest workers (pytest-xdist), one CPU thread each: CI's 2-core machine.
+# Two pytest workers (pytest-xdist), one CPU thread each: CI's 2-core machine.  Whole
+# files per worker (--dist loadfile): a module's fixtures (some start process groups) run once.
 TEST_WORKERS ?= 2
 test: build
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PYTHON) -m pytest -q -n $(TEST_WORKERS) tests
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 # Standalone kernel checks (C + CUDA, no Python), built here for sm_90a and
 # carried to the GPU machine: csrc/<family>/check_*.cu -> bin/.

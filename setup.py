@@ -141,7 +141,8 @@ class BuildExt(build_ext):
         link.language = "c"
         # relink also when the objects are other ones than last time (another
         # settings folder, flags_dir), even if none is newer than the library
-        stamp = os.path.join(self.build_temp, "linked_objects.txt")
+        target = self.get_ext_fullpath(ext.name)  # in place or under build/lib: one stamp each
+        stamp = os.path.join(self.build_temp, "linked-" + hashlib.sha1(target.encode()).hexdigest()[:10] + ".txt")
         linked = open(stamp).read() if os.path.exists(stamp) else None
         force = self.force
         self.force = force or linked != "\n".join(objects)
@@ -164,7 +165,8 @@ class BuildExt(build_ext):
         if src.endswith(".cu"):
             return self.compile_cuda(src)
         macros = ext.define_macros[:] + [(name,) for name in ext.undef_macros]
-        out_dir = flags_dir(self.build_temp, "c", macros, ext.include_dirs, ext.extra_compile_args, self.debug)
+        out_dir = flags_dir(self.build_temp, "c", self.compiler.compiler_so, macros, ext.include_dirs,
+                            ext.extra_compile_args, self.debug)
         (obj,) = self.compiler.object_filenames([src], output_dir=out_dir)
         if self.up_to_date(obj, src):
             return obj
@@ -178,7 +180,8 @@ class BuildExt(build_ext):
         nvcc = os.path.join(CUDA_HOME, "bin", "nvcc")
         flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo", "-Xcompiler", "-fPIC",
                  "-DSF_WITH_CUDA=1", *[f"-I{i}" for i in INCLUDES], *gencode_flags()]
-        out_dir = flags_dir(self.build_temp, "cuda", nvcc, flags)
+        out_dir = flags_dir(self.build_temp, "cuda", nvcc_identity(nvcc), flags,
+                            [os.environ.get(v) for v in ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS", "NVCC_CCBIN")])
         os.makedirs(out_dir, exist_ok=True)
         obj = os.path.join(out_dir, src.replace(os.sep, "_") + ".o")
         if self.up_to_date(obj, src):
@@ -189,10 +192,18 @@ class BuildExt(build_ext):
         return obj
 
 
+@functools.lru_cache(maxsize=None)
+def nvcc_identity(nvcc):
+    """nvcc's resolved path and its --version text: a toolkit swapped behind
+    the same path gets a new object folder."""
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    return os.path.realpath(nvcc), version
+
+
 def flags_dir(build_temp, kind, *settings):
-    """The object folder of one set of compile settings: a build with other
-    macros or architectures (SEQFUSE_CUDA=0, SEQFUSE_CUDA_ARCHS) never reuses
-    another's objects."""
+    """The object folder of one set of compile settings: a build with another
+    compiler, flags (CFLAGS, NVCC_*_FLAGS), macros or architectures
+    (SEQFUSE_CUDA=0, SEQFUSE_CUDA_ARCHS) never reuses another's objects."""
     key = hashlib.sha1(repr(settings).encode()).hexdigest()[:10]
     return os.path.join(build_temp, f"{kind}-{key}")
 
