@@ -8,6 +8,7 @@ scaffolding of the distributed tests (run_ranks: a process group of N
 workers, each computing its results, collected by the test)."""
 import contextlib
 import os
+import shutil
 
 import pytest
 import torch
@@ -306,6 +307,19 @@ def check_conversion_refused(convert, state_dict, config, error, match, drop=(),
     sd.update(put or {})
     with pytest.raises(error, match=match):
         convert(sd, config)
+
+
+def cuda_toolkit():
+    """The CUDA toolkit's root as setup.py's find_cuda_home finds it
+    (CUDA_HOME / CUDA_PATH, else nvcc on PATH with its links resolved, else
+    /usr/local/cuda), or None: for tests that compile small programs."""
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
+        if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
+            return home
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+    return "/usr/local/cuda" if os.path.exists("/usr/local/cuda/bin/nvcc") else None
 
 
 def free_port():

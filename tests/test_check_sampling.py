@@ -10,6 +10,8 @@ import subprocess
 
 import pytest
 
+from helpers import cuda_toolkit
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PROGRAM = r"""
@@ -32,26 +34,28 @@ int main(void)
 """
 
 
-def cuda_home():
-    """The CUDA toolkit holding cuda_runtime.h and the static runtime (check_util.h's
-    buffers and timers call it; nothing here runs on a GPU), or None."""
-    nvcc = shutil.which("nvcc")
-    home = os.environ.get("CUDA_HOME") or (os.path.dirname(os.path.dirname(nvcc)) if nvcc else "/usr/local/cuda")
-    ok = (os.path.exists(os.path.join(home, "include", "cuda_runtime.h"))
-          and os.path.exists(os.path.join(home, "lib64", "libcudart_static.a")))
-    return home if ok else None
+def cuda_runtime():
+    """(include dir, lib dir holding the static CUDA runtime) of the toolkit, or None
+    (check_util.h's buffers and timers call the runtime; nothing here runs on a GPU)."""
+    home = cuda_toolkit()
+    if home is None or not os.path.exists(os.path.join(home, "include", "cuda_runtime.h")):
+        return None
+    lib = next((os.path.join(home, d) for d in ("lib64", "lib")
+                if os.path.exists(os.path.join(home, d, "libcudart_static.a"))), None)
+    return (os.path.join(home, "include"), lib) if lib else None
 
 
 @pytest.fixture(scope="module")
 def program(tmp_path_factory):
-    home, cxx = cuda_home(), shutil.which("g++") or shutil.which("c++")
-    if home is None or cxx is None:
-        pytest.skip(f"needs a C++ compiler and the CUDA toolkit (g++: {cxx}, toolkit: {home})")
+    rt, cxx = cuda_runtime(), shutil.which("g++") or shutil.which("c++")
+    if rt is None or cxx is None:
+        pytest.skip(f"needs a C++ compiler and the CUDA toolkit's static runtime (g++: {cxx}, toolkit: {cuda_toolkit()})")
+    inc, lib = rt
     d = tmp_path_factory.mktemp("check_sampling")
     src, exe = d / "p.cpp", d / "p"
     src.write_text(PROGRAM)
-    r = subprocess.run([cxx, "-std=c++17", "-O0", f"-I{ROOT}/csrc", f"-I{ROOT}/csrc/include", f"-I{home}/include",
-                        str(src), "-o", str(exe), f"-L{home}/lib64", "-lcudart_static", "-ldl", "-lrt", "-lpthread"], capture_output=True, text=True)
+    r = subprocess.run([cxx, "-std=c++17", "-O0", f"-I{ROOT}/csrc", f"-I{ROOT}/csrc/include", f"-I{inc}",
+                        str(src), "-o", str(exe), f"-L{lib}", "-lcudart_static", "-ldl", "-lrt", "-lpthread"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     return str(exe)
 

@@ -22,8 +22,11 @@ import subprocess
 
 import pytest
 
+from helpers import cuda_toolkit
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+_HOME = cuda_toolkit()
+NVCC = os.path.join(_HOME, "bin", "nvcc") if _HOME else None
 CC = shutil.which("gcc") or shutil.which("cc")
 INCLUDES = [f"-I{ROOT / 'csrc' / 'include'}", f"-I{ROOT / 'csrc'}"]
 # what the programs below link from the library's core: sf_fail / sf_last_error,
