@@ -107,7 +107,10 @@ def host_us(runners, iters, rounds=5):
 
 def profile_row(name, recipe, device, update, iters, top=35):
     """cProfile of one row's runner (stubbed kernels, as timed), printed by
-    tottime and by cumtime, with the tensor allocations per iteration."""
+    tottime and by cumtime, with the Python-level tensor factory calls
+    (torch.empty / empty_like / zeros, Tensor.new_zeros / new_empty) per
+    iteration: a count by cProfile's names for them, so other allocations
+    (inside torch ops) are not in it."""
     import cProfile
     import pstats
 
@@ -124,7 +127,7 @@ def profile_row(name, recipe, device, update, iters, top=35):
                            "<built-in method torch.zeros>", "<method 'new_zeros' of 'torch._C.TensorBase' objects>",
                            "<method 'new_empty' of 'torch._C.TensorBase' objects>"))
     print(f"== {name}, weights {'updated every step' if update else 'unchanged'}: {iters} iterations "
-          f"under cProfile; {allocs / iters:.1f} tensor allocations per layer step ==")
+          f"under cProfile; {allocs / iters:.1f} Python-level tensor factory calls per layer step ==")
     for key in ("tottime", "cumtime"):
         stats.sort_stats(key).print_stats(top)
 

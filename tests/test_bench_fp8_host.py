@@ -33,3 +33,21 @@ def test_host_time_per_recipe():
                for recipe in (None, DelayedScaling(), Float8BlockScaling()) for update in (True, False)]
     times = bench_fp8_host.host_us(runners, iters=3, rounds=2)
     assert len(times) == 6 and all(0 < us < 1e6 for us in times)
+
+
+def test_profile_prints_one_row_and_counts_factory_calls(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["bench_fp8_host.py", "--profile", "bf16", "--iters", "2"])
+    bench_fp8_host.main()
+    out = capsys.readouterr().out
+    head = next(line for line in out.splitlines() if line.startswith("== bf16"))
+    count = float(head.split("cProfile; ")[1].split()[0])
+    assert count > 0, head  # bf16 allocates its outputs through torch.empty: a name cProfile no longer matches reads 0
+    assert "ncalls" in out and "tottime" in out
+
+
+@pytest.mark.parametrize("flags", [["--iters", "0"], ["--rounds", "0"]])
+def test_iters_and_rounds_below_one_refused(monkeypatch, capsys, flags):
+    monkeypatch.setattr(sys, "argv", ["bench_fp8_host.py", *flags])
+    with pytest.raises(SystemExit) as e:
+        bench_fp8_host.main()
+    assert e.value.code == 2 and "--iters and --rounds must be at least 1" in capsys.readouterr().err
