@@ -143,9 +143,8 @@ class BuildExt(build_ext):
         # settings folder, flags_dir), even if none is newer than the library
         target = self.get_ext_fullpath(ext.name)  # in place or under build/lib: one stamp each
         stamp = os.path.join(self.build_temp, "linked-" + hashlib.sha1(target.encode()).hexdigest()[:10] + ".txt")
-        linked = open(stamp).read() if os.path.exists(stamp) else None
         force = self.force
-        self.force = force or linked != "\n".join(objects)
+        self.force = force or objects_changed(stamp, objects)
         try:
             super().build_extension(link)
         finally:
@@ -155,12 +154,6 @@ class BuildExt(build_ext):
         print(f"seqfuse: built {ext.name} in {time.time() - start:.1f} s "
               f"({'CUDA ' + ';'.join(ARCHS) if CUDA_HOME else 'CPU only'}, {JOBS} jobs)")
 
-    def up_to_date(self, obj, src):
-        """``obj`` exists and is newer than ``src`` and every csrc header
-        (distutils' own compile rebuilds every C file each time)."""
-        return (os.path.exists(obj) and not self.force
-                and os.path.getmtime(obj) >= max(os.path.getmtime(src), newest_header()))
-
     def compile_one(self, ext, src):
         if src.endswith(".cu"):
             return self.compile_cuda(src)
@@ -168,7 +161,7 @@ class BuildExt(build_ext):
         out_dir = flags_dir(self.build_temp, "c", self.compiler.compiler_so, macros, ext.include_dirs,
                             ext.extra_compile_args, self.debug)
         (obj,) = self.compiler.object_filenames([src], output_dir=out_dir)
-        if self.up_to_date(obj, src):
+        if not self.force and up_to_date(obj, src):
             return obj
         (obj,) = self.compiler.compile([src], output_dir=out_dir, macros=macros,
                                        include_dirs=ext.include_dirs, debug=self.debug,
@@ -184,12 +177,26 @@ class BuildExt(build_ext):
                             [os.environ.get(v) for v in ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS", "NVCC_CCBIN")])
         os.makedirs(out_dir, exist_ok=True)
         obj = os.path.join(out_dir, src.replace(os.sep, "_") + ".o")
-        if self.up_to_date(obj, src):
+        if not self.force and up_to_date(obj, src):
             return obj
         cmd = [nvcc, "-c", src, "-o", obj, *flags]
         print(" ".join(cmd), flush=True)
         subprocess.check_call(cmd, cwd=ROOT)
         return obj
+
+
+def up_to_date(obj, src):
+    """``obj`` exists and is newer than ``src`` and every csrc header
+    (distutils' own compile rebuilds every C file each time)."""
+    return os.path.exists(obj) and os.path.getmtime(obj) >= max(os.path.getmtime(src), newest_header())
+
+
+def objects_changed(stamp, objects):
+    """Whether ``objects`` differ from the ones the last link (recorded in
+    ``stamp``) used: the link must then run even if no object is newer than
+    the library (another settings folder, flags_dir)."""
+    linked = open(stamp).read() if os.path.exists(stamp) else None
+    return linked != "\n".join(objects)
 
 
 @functools.lru_cache(maxsize=None)
@@ -230,4 +237,5 @@ ext = Extension(
     depends=sources("csrc/**/*.h"),
 )
 
-setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt})
+if __name__ == "__main__":  # (setuptools runs this file as __main__; tests import its rules)
+    setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt})
