@@ -28,8 +28,13 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
 def find_cuda_home():
-    if os.environ.get("SEQFUSE_CUDA", "1") == "0":
-        return None
+    """The CUDA toolkit the library builds with, or None (SEQFUSE_CUDA=0: CPU only)."""
+    return None if os.environ.get("SEQFUSE_CUDA", "1") == "0" else cuda_toolkit()
+
+
+def cuda_toolkit():
+    """The CUDA toolkit's root: CUDA_HOME / CUDA_PATH, else nvcc on PATH with
+    its links resolved, else /usr/local/cuda; None if there is none."""
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
         return home

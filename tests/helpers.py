@@ -7,8 +7,8 @@ transformers, conversions refusing bad state dicts), and the multi-process
 scaffolding of the distributed tests (run_ranks: a process group of N
 workers, each computing its results, collected by the test)."""
 import contextlib
+import functools
 import os
-import shutil
 
 import pytest
 import torch
@@ -309,17 +309,23 @@ def check_conversion_refused(convert, state_dict, config, error, match, drop=(),
         convert(sd, config)
 
 
+@functools.lru_cache(maxsize=None)
+def setup_rules():
+    """setup.py as a module (setuptools runs it as __main__; imported, it
+    builds nothing): its build rules and toolkit lookup, for the tests."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "setup.py")
+    spec = importlib.util.spec_from_file_location("seqfuse_setup_rules", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def cuda_toolkit():
-    """The CUDA toolkit's root as setup.py's find_cuda_home finds it
-    (CUDA_HOME / CUDA_PATH, else nvcc on PATH with its links resolved, else
-    /usr/local/cuda), or None: for tests that compile small programs."""
-    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
-        if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
-            return home
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
-    return "/usr/local/cuda" if os.path.exists("/usr/local/cuda/bin/nvcc") else None
+    """The CUDA toolkit's root by setup.py's own rule, or None: for tests
+    that compile small programs."""
+    return setup_rules().cuda_toolkit()
 
 
 def free_port():

@@ -3,22 +3,17 @@ runs it as __main__; importing it builds nothing): an object is reused only
 when newer than its source and every csrc header; objects of other compile
 settings live in another folder; the link reruns when the object set
 differs from the last link's."""
-import importlib.util
 import os
 import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import setup_rules
 
 
 @pytest.fixture(scope="module")
 def rules():
-    spec = importlib.util.spec_from_file_location("seqfuse_setup_rules", os.path.join(ROOT, "setup.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    assert mod.__name__ != "__main__"
-    return mod
+    return setup_rules()
 
 
 def test_flags_dir_is_one_folder_per_settings(rules):

@@ -327,7 +327,7 @@ class WeightQuantizer(_Role):
             # here, so no later call can reuse an operand of an older gather
             self.key = self.param = self.pair = None
             return weight.sf_fp8_pair(self)
-        capturing = weight.is_cuda and torch.cuda.is_current_stream_capturing()
+        capturing = weight.is_cuda and _capturing()
         if sources is None:
             src, versions = (weight,), ((weight.data_ptr(), weight._version),)
         else:
