@@ -147,6 +147,19 @@ def _flag(recipe, name):
         raise TypeError(f"{type(recipe).__name__}: {name} must be a bool, got {value!r}")
 
 
+def _attention_flags(recipe):
+    """fp8_dpa (FP8 attention: DotProductAttention under DelayedScaling, see
+    seqfuse.quantization.attention) and fp8_mha, which is refused: seqfuse's
+    projections hand Q/K/V and the attention output to each other in high
+    precision, so an FP8 multi-head-attention block has nothing to run."""
+    for name in ("fp8_dpa", "fp8_mha"):
+        _flag(recipe, name)
+    if recipe.fp8_mha:
+        raise NotImplementedError(f"{type(recipe).__name__}: fp8_mha=True is not supported (the projections "
+                                  "around attention exchange high-precision tensors); fp8_dpa=True runs the "
+                                  "attention itself in FP8")
+
+
 @dataclass
 class DelayedScaling(Recipe):
     """Per-tensor scaling from the amax history of previous steps.
@@ -178,8 +191,8 @@ class DelayedScaling(Recipe):
                                       "supported; the fused update computes fp8_max / amax / 2**margin")
         _whole(self, "amax_history_len", 1)
         _whole(self, "margin", -64, 64)
-        for name in ("reduce_amax", "fp8_dpa", "fp8_mha"):
-            _flag(self, name)
+        _flag(self, "reduce_amax")
+        _attention_flags(self)
 
 
 @dataclass
@@ -194,6 +207,7 @@ class Float8CurrentScaling(Recipe):
     def _check(self):
         _check_format(self.fp8_format)
         _whole(self, "margin", -64, 64)
+        _attention_flags(self)
 
 
 @dataclass
@@ -215,6 +229,7 @@ class Float8BlockScaling(Recipe):
             if getattr(self, name) not in (1, 2):
                 raise ValueError(f"Float8BlockScaling: {name} must be 1 (1x128) or 2 (128x128), "
                                  f"got {getattr(self, name)!r}")
+        _attention_flags(self)
 
 
 @dataclass
@@ -227,6 +242,7 @@ class MXFP8BlockScaling(Recipe):
 
     def _check(self):
         _check_format(self.fp8_format)
+        _attention_flags(self)
 
 
 @dataclass
@@ -240,6 +256,7 @@ class NVFP4BlockScaling(Recipe):
     def _check(self):
         if self.fp4_format != "E2M1":
             raise ValueError(f"NVFP4BlockScaling: fp4_format must be 'E2M1', got {self.fp4_format!r}")
+        _attention_flags(self)
 
 
 __all__ = ["Format", "Recipe", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",

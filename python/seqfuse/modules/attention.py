@@ -47,14 +47,21 @@ Not supported (each raises NotImplementedError, never falls back silently):
 attention biases (ALiBi, post-scale bias), the "arbitrary" mask, and
 cu_seqlens_*_padded different from cu_seqlens_*.
 """
+import logging
 import math
 
 import torch
 
 from .. import ops
+from ..quantization import attention as fp8_attn
+from ..quantization.autocast import autocast_state
 from ..ops.attn import PerTensorCache, padding_layout
 from ..distributed.context_parallel import check_comm_type, context_parallel_attention, group_ranks
 from ._input import check_input, check_storage
+
+
+_log = logging.getLogger("seqfuse")
+_fp8_refusals_logged = set()
 
 
 def _check_mask(mask, name, batch, length, side, device):
@@ -255,6 +262,14 @@ class DotProductAttention(torch.nn.Module):
             raise ValueError(f"DotProductAttention: attention_mask is taken only with a padding attn_mask_type "
                              f"in bshd/sbhd (it would be ignored); got attn_mask_type {attn_mask_type!r}, "
                              f"qkv_format {qkv_format!r}")
+        padded = (attention_mask is not None or cu_seqlens_q is not None or qkv_format == "thd"
+                  or (isinstance(attn_mask_type, str) and "padding" in attn_mask_type))
+        state = self._fp8_attention_state(query_layer, key_layer, qkv_format, attn_mask_type, window_size, padded)
+        if state is not None:
+            out = fp8_attn.fp8_attention(query_layer, key_layer, value_layer, state, qkv_format=qkv_format,
+                                         attn_mask_type=attn_mask_type, softmax_scale=self.softmax_scale,
+                                         deterministic=self.deterministic)
+            return out.reshape(out.shape[:-2] + (heads * dim,))
         if self._cp_size() > 1:
             return self._context_parallel(query_layer, key_layer, value_layer, attention_mask, qkv_format,
                                           attn_mask_type, window_size, cu_seqlens_q, cu_seqlens_kv,
@@ -284,6 +299,43 @@ class DotProductAttention(torch.nn.Module):
                             softmax_scale=self.softmax_scale, deterministic=self.deterministic,
                             dropout_p=self.attention_dropout if self.training else 0.0)
         return out.reshape(out.shape[:-2] + (heads * dim,))
+
+    def _fp8_attention_state(self, q, k, qkv_format, attn_mask_type, window_size, padded):
+        """This call's FP8 attention state under an autocast whose recipe has
+        fp8_dpa=True (made at the first such call, kept as child "fp8_state"),
+        or None: FP8 off, or the call is one FP8 attention cannot take (logged
+        as a WARNING naming the rule, once per rule; the call then runs the
+        attention in q's dtype, as Transformer Engine falls back)."""
+        st = autocast_state()
+        if not st.enabled or not getattr(st.recipe, "fp8_dpa", False):
+            return None
+        recipe = st.recipe
+        why = fp8_attn.refusal(recipe, q, k, qkv_format, attn_mask_type, window_size,
+                               self.attention_dropout if self.training else 0.0, padded)
+        if why is None and self._cp_size() > 1:
+            why = "FP8 attention does not run under context parallelism"
+        if why is not None:
+            if why not in _fp8_refusals_logged:
+                _fp8_refusals_logged.add(why)
+                _log.warning("seqfuse DotProductAttention: fp8_dpa=True, but this call runs the attention in %s: "
+                             "%s", str(q.dtype).replace("torch.", ""), why)
+            return None
+        return self.init_fp8_attention_state(recipe, q.device)
+
+    def init_fp8_attention_state(self, recipe, device=None):
+        """The module's FP8 attention state under ``recipe`` (child
+        "fp8_state", nine tensors: seqfuse.quantization.attention), made now
+        if it does not exist, so a checkpoint with one loads before the first
+        forward (seqfuse.quantization.init_fp8_state calls this)."""
+        state = self._modules.get("fp8_state")
+        if state is None:
+            state = fp8_attn.attention_state(recipe, device)
+            self.add_module("fp8_state", state)
+        elif state.recipe is not recipe and state.recipe != recipe:
+            state.set_recipe(recipe)
+        if device is not None and state.amax_history.device != torch.device(device):
+            state.to(device)
+        return state
 
     def _context_parallel(self, q, k, v, attention_mask, qkv_format, attn_mask_type, window_size,
                           cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv):

@@ -92,6 +92,14 @@ snapshot_scaling(model) / restore_scaling(snapshot) put the states' values
 back after work that must not move them (validation, graph warm-up);
 weight_casts(model) counts weight casts.
 
+FP8 attention (attention.py)
+----------------------------
+fp8_attention(q, k, v, state, qkv_format, attn_mask_type, softmax_scale):
+TE's fp8_dpa -- Q, K, V, O and their gradients in FP8 under a ScalingState
+of nine tensors (attention_state(recipe)), cuDNN's FP8 attention on CUDA;
+DotProductAttention takes it under a DelayedScaling recipe with
+fp8_dpa=True.
+
 CUDA graphs (graphs.py)
 -----------------------
 make_graphed_callables(modules, sample_args, ..., fp8_enabled, fp8_recipe):
@@ -117,6 +125,7 @@ from .recompute import checkpoint
 from .gemm_quantizers import (FP8BwdTensors, FP8FwdTensors, GemmQuantizers, init_fp8_state,
                               weight_casts)
 from .graphs import make_graphed_callables
+from .attention import attention_state, fp8_attention
 from .stats import disable_stats, enable_stats, name_states, stats_records
 from .tensor import Float8BlockTensor, Float8Tensor, MXFP8Tensor, NVFP4Tensor
 
@@ -126,6 +135,7 @@ __all__ = [
     "AutocastState", "autocast", "fp8_autocast", "autocast_state", "is_fp8_enabled", "get_recipe",
     "get_amax_reduction_group", "reduce_and_update", "quantized_model_init", "fp8_model_init",
     "quantized_model_init_state", "checkpoint", "make_graphed_callables",
+    "fp8_attention", "attention_state",
     "GemmQuantizers", "FP8FwdTensors", "FP8BwdTensors", "init_fp8_state", "weight_casts",
     "quantize", "quantize_with_state", "quantize_current", "quantize_block", "quantize_mxfp8",
     "quantize_nvfp4",

@@ -492,16 +492,25 @@ def init_fp8_state(model, recipe):
     initial values (amax history 0, scale 1), without running the model:
     a resumed run then finds a place for each saved state when it loads the
     checkpoint.  Returns the number of states made or adopted (0 for recipes
-    that keep none: current and block scaling)."""
+    that keep none: current and block scaling).  Under a DelayedScaling
+    recipe with fp8_dpa=True, the attention modules' FP8 states
+    (``init_fp8_attention_state``, on the model's parameters' device) are
+    made too and counted."""
     if not isinstance(recipe, Recipe):
         raise TypeError(f"init_fp8_state: argument 'recipe' must be a seqfuse.common.recipe recipe, "
                         f"got {type(recipe).__name__}")
     n = 0
-    for m in model.modules():
+    attention = isinstance(recipe, DelayedScaling) and recipe.fp8_dpa
+    first = next(iter(model.parameters()), None)
+    for m in list(model.modules()):  # (states are added as children on the way)
         if getattr(type(m), "fp8_num_gemms", 0):
             p = next(iter(m.parameters(recurse=False)), None)
             device = p.device if p is not None and p.device.type != "meta" else None
             q = quantizers_for(m, recipe, device)
             if q.state is not None:
                 n += 1
+        init_attention = getattr(m, "init_fp8_attention_state", None)
+        if attention and callable(init_attention):
+            init_attention(recipe, first.device if first is not None and first.device.type != "meta" else None)
+            n += 1
     return n

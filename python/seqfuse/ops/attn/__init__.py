@@ -36,12 +36,18 @@ Files, one concern each:
 - _torch_routes.py: the "flash" and "torch_fp32" routes: rules, layouts, calls.
 - _cudnn_ragged.py: the opt-in "cudnn_ragged" route (cuDNN's variable-length
   attention through torch's private op) and what torch 2.11 offers for it.
+- _fp8.py: FP8 attention's kernel calls (``fp8_attention_forward`` /
+  ``fp8_attention_backward``: cuDNN's FP8 graphs on CUDA through
+  nvidia-cudnn-frontend, the float64 reference on the CPU); the scaling
+  around them is seqfuse.quantization.attention's.
 - _dropout.py: the Philox (seed, offset) state.
 - _padding.py: ``padding_layout`` for padding masks (``PerTensorCache``, re-exported here, lives in ops/tensor_cache.py).
 """
 from ._args import FORMATS, MASKS
 from ._dropout import dropout_rng_state
 from ._entry import attention, attention_backward, attention_forward
+from ._fp8 import LAYOUTS as FP8_LAYOUTS
+from ._fp8 import fp8_attention_backward, fp8_attention_forward, fp8_attention_unavailable
 from ..tensor_cache import PerTensorCache
 from ._padding import PaddingLayout, padding_layout
 from ._cudnn_ragged import ragged_eligibility
@@ -54,4 +60,5 @@ __all__ = ["attention", "attention_forward", "attention_backward", "attention_fo
            "set_attention_forward_kernel", "set_attention_backward_kernel", "attention_backend", "set_attention_backend",
            "cudnn_eligibility", "flash_eligibility", "fp32_eligibility", "ragged_eligibility",
            "set_attention_cudnn_ragged", "dropout_rng_state", "padding_layout",
-           "PaddingLayout", "PerTensorCache", "FORMATS", "MASKS", "BACKENDS"]
+           "PaddingLayout", "PerTensorCache", "FORMATS", "MASKS", "BACKENDS",
+           "fp8_attention_forward", "fp8_attention_backward", "fp8_attention_unavailable", "FP8_LAYOUTS"]

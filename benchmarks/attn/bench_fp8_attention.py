@@ -1,0 +1,143 @@
+"""FP8 attention (TE's fp8_dpa) against bf16 attention on the GPU, in one
+process on the same inputs: issue 19's goal is FP8 at least 1.3x bf16
+attention forward+backward at head dim 128, sequence 8,192.
+
+Rows per shape (b x s tokens, h heads of d, causal or not, bf16 inputs):
+- seqfuse_fp8: seqfuse.quantization.fp8_attention under a DelayedScaling
+  state after two warm-up steps with their updates (the steady state of
+  training: delayed scales), end to end as a layer sees it: the Q/K/V casts,
+  cuDNN's FP8 graphs, the dequantization of O and of dQ/dK/dV;
+- seqfuse_fp8_kernels: cuDNN's FP8 forward and backward graphs alone on
+  pre-cast FP8 tensors (what the casts cost is the difference);
+- seqfuse_bf16: seqfuse.ops.attention in bf16 (auto route: cuDNN through
+  torch SDPA on Hopper for these padding-free calls);
+- torch_sdpa_cudnn: torch's scaled_dot_product_attention pinned to its cuDNN
+  backend, bf16 (the strongest bf16 peer on Hopper, README attention table).
+Timing: harness.cuda_time_ms (CUDA events, median, L2 flushed) after warm-up
+on the same shapes; forward and forward+backward separately.  TFLOP/s =
+4 b h s^2 d (halved when causal), x3.5 with the backward.  fp8_vs_bf16 =
+the best bf16 row's time / seqfuse_fp8's.
+
+    python3 benchmarks/attn/bench_fp8_attention.py [--quick]
+Writes benchmarks/results/fp8_attention.json (commit, versions, command).
+"""
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from harness import Table, cuda_time_ms  # noqa: E402
+
+import seqfuse  # noqa: E402
+from seqfuse.common.recipe import DelayedScaling  # noqa: E402
+from seqfuse.ops import attn as attn_ops  # noqa: E402
+from seqfuse.quantization import attention as fp8a  # noqa: E402
+from seqfuse.quantization import reduce_and_update  # noqa: E402
+
+SHAPES = [  # b, s, h, d, causal
+    (1, 8192, 16, 128, False),
+    (1, 8192, 16, 128, True),
+    (2, 4096, 16, 128, True),
+    (1, 8192, 32, 64, True),
+]
+
+
+def flops(b, s, h, d, causal, backward):
+    f = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0)
+    return f * (3.5 if backward else 1.0)
+
+
+def bench_shape(table, b, s, h, d, causal, repeats):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, s, h, d, generator=g, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    dout = torch.randn(b, s, h, d, generator=g, device="cuda", dtype=torch.bfloat16) * 1e-3
+    mask = "causal" if causal else "no_mask"
+    recipe = DelayedScaling()
+    state = fp8a.attention_state(recipe)
+
+    def fp8_fwd():
+        with torch.no_grad():
+            return fp8a.fp8_attention(q, k, v, state, attn_mask_type=mask)
+
+    def fp8_fwd_bwd():
+        out = fp8a.fp8_attention(q, k, v, state, attn_mask_type=mask)
+        torch.autograd.grad(out, (q, k, v), dout)
+
+    for _ in range(2):  # two steps with updates: delayed scales from here on
+        fp8_fwd_bwd()
+        reduce_and_update(recipe)
+
+    # the kernels alone, on tensors cast once
+    q8, k8, v8 = (x.detach().to(torch.float8_e4m3fn) for x in (q, k, v))
+    do8 = (dout * 1e3).to(torch.float8_e5m2)
+    one = torch.ones(1, device="cuda")
+    ss, dss = torch.full((1,), 448.0, device="cuda"), torch.full((1,), 1 / 448.0, device="cuda")
+    o8 = torch.empty_like(q8)
+    stats = torch.empty(b, h, s, 1, device="cuda")
+    am = torch.empty(6, device="cuda")
+    g8 = [torch.empty(x.shape, dtype=torch.float8_e5m2, device="cuda") for x in (q8, k8, v8)]
+
+    def k_fwd():
+        attn_ops.fp8_attention_forward(q8, k8, v8, one, one, one, ss, dss, one, o=o8, stats=stats,
+                                       amax_s=am[0:1], amax_o=am[1:2], causal=causal)
+
+    def k_fwd_bwd():
+        k_fwd()
+        attn_ops.fp8_attention_backward(q8, k8, v8, o8, do8, stats, one, one, one, one, one, dss, one, ss, one,
+                                        one, one, one, dq=g8[0], dk=g8[1], dv=g8[2], amax_dq=am[2:3],
+                                        amax_dk=am[3:4], amax_dv=am[4:5], amax_dp=am[5:6], causal=causal)
+
+    def sf_fwd():
+        with torch.no_grad():
+            return seqfuse.ops.attention(q, k, v, attn_mask_type=mask)
+
+    def sf_fwd_bwd():
+        out = seqfuse.ops.attention(q, k, v, attn_mask_type=mask)
+        torch.autograd.grad(out, (q, k, v), dout)
+
+    qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+    dt = dout.transpose(1, 2)
+
+    def sdpa_fwd():
+        with torch.no_grad(), sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+    def sdpa_fwd_bwd():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        torch.autograd.grad(out, (qt, kt, vt), dt)
+
+    rows = {"seqfuse_fp8": (fp8_fwd, fp8_fwd_bwd), "seqfuse_fp8_kernels": (k_fwd, k_fwd_bwd),
+            "seqfuse_bf16": (sf_fwd, sf_fwd_bwd), "torch_sdpa_cudnn": (sdpa_fwd, sdpa_fwd_bwd)}
+    case = f"b{b} s{s} h{h} d{d} {'causal' if causal else 'full'}"
+    for pass_name, idx, backward in (("fwd", 0, False), ("fwd+bwd", 1, True)):
+        ms = {}
+        for name, fns in rows.items():
+            try:
+                ms[name] = cuda_time_ms(fns[idx], warmup=3, repeats=repeats)
+            except Exception as e:  # a row that cannot run says why
+                print(f"[fp8_attention] {case} {pass_name} {name}: {type(e).__name__}: {e}", flush=True)
+        best_bf16 = min(ms[n] for n in ("seqfuse_bf16", "torch_sdpa_cudnn") if n in ms)
+        for name, t in ms.items():
+            table.add(case=case, pass_=pass_name, row=name, ms=round(t, 3),
+                      tflops=round(flops(b, s, h, d, causal, backward) / t / 1e9, 1),
+                      fp8_vs_bf16=round(best_bf16 / t, 3) if name.startswith("seqfuse_fp8") else "")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="the first shape only, fewer repeats")
+    args = ap.parse_args()
+    table = Table("fp8_attention", ["case", "pass_", "row", "ms", "tflops", "fp8_vs_bf16"])
+    for shape in SHAPES[:1] if args.quick else SHAPES:
+        bench_shape(table, *shape, repeats=5 if args.quick else 15)
+    table.save()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""FP8 attention under delayed scaling (Transformer Engine's ``fp8_dpa``):
+the autograd function and the scales it feeds the kernel calls of
+seqfuse/ops/attn/_fp8.py.
+
+A call casts Q, K and V to FP8 (E4M3) with its ScalingState, runs the FP8
+attention, and dequantizes the FP8 output; its backward casts dO (the
+recipe's backward format, E5M2 under HYBRID), runs the FP8 backward and
+dequantizes dQ, dK and dV.  The caller sees tensors in its own dtype, as
+with the bf16 attention.  Every scale lives in the state, which sits in the
+same GPU-resident pool as the GEMM modules' states, so the step's one
+delayed-scaling update (quantization/autocast.py) covers it.
+
+The state holds nine tensors (``ATTENTION_TENSORS``): the inputs Q, K, V;
+the output O; and in the backward dO, dP (the probability gradient the
+kernel casts), dQ, dK, dV.  Scales:
+
+- Q, K, V, dO: cast by seqfuse (quantize_with_state): delayed scaling from
+  their amax history, and the first step from their own amax.
+- P (the probabilities): scale = fp8_max exactly, not a state tensor: P is
+  exp(S - rowmax), in [0, 1] by construction, so that scale is the largest
+  that never saturates.
+- O, dP, dQ, dK, dV: cast inside cuDNN's kernels, which report each amax
+  after the fact; their delayed scale comes from those amaxes.  Before a
+  tensor has a history (the first step) its scale comes from an upper
+  bound of its amax computed on the device from the inputs' amaxes, so the
+  first step neither saturates nor needs a host sync:
+    |O|  <= max|V|                      (each row of P sums to 1; x 1.125 for
+                                         P's own rounding)
+    |dP| <= d max|dO| max|V|
+    |dS| = |P (dP - D)| softmax_scale <= 2 d max|dO| max|V| softmax_scale
+    |dQ| <= s_kv |dS| max|K|,  |dK| <= s_q g |dS| max|Q|,  |dV| <= s_q g max|dO|
+  (d head dim, g query heads per key head).  The bounds are loose (they
+  spend range, not precision: FP8 keeps its relative precision at any
+  scale), and only the first step uses them.
+"""
+import logging
+
+import torch
+
+from ..common.recipe import DelayedScaling
+from ..ops import attn as attn_ops
+from ..ops import quant as qops
+from . import recompute
+from .quantize import quantize_with_state
+from .state import ScalingState
+
+_log = logging.getLogger("seqfuse")
+
+Q, K, V, O, DO, DP, DQ, DK, DV = range(9)
+ATTENTION_TENSORS = ("q", "k", "v", "o", "do", "dp", "dq", "dk", "dv")
+BACKWARD_INDICES = (DO, DP, DQ, DK, DV)
+
+#: Masks the FP8 kernels take (top-left causal; bottom-right is the same
+#: diagonal when s_q == s_kv).
+MASKS = ("no_mask", "causal", "causal_bottom_right")
+
+
+def attention_state(recipe, device=None):
+    """A ScalingState for one attention's nine FP8 tensors."""
+    return ScalingState(len(ATTENTION_TENSORS), recipe, backward_indices=BACKWARD_INDICES, device=device)
+
+
+def refusal(recipe, q, k, qkv_format, attn_mask_type, window_size, dropout_p, padded):
+    """Why this call cannot run as FP8 attention (a sentence), or None.
+    ``padded``: the call carries cu_seqlens or a padding mask."""
+    if not isinstance(recipe, DelayedScaling):
+        return (f"fp8_dpa needs DelayedScaling: cuDNN's FP8 attention on Hopper writes O and dQ/dK/dV in FP8, "
+                f"which needs their scales before the kernel (the recipe is {type(recipe).__name__})")
+    if qkv_format not in attn_ops.FP8_LAYOUTS:
+        return f"FP8 attention takes qkv_format bshd or sbhd, not {qkv_format!r}"
+    if attn_mask_type not in MASKS or padded:
+        return f"FP8 attention takes no mask or a causal mask without padding, not {attn_mask_type!r}"
+    if attn_mask_type == "causal_bottom_right" and _seq(q, qkv_format) != _seq(k, qkv_format):
+        return "FP8 attention's causal mask is top-left; causal_bottom_right needs s_q == s_kv"
+    window = None if window_size is None else tuple(window_size)
+    if window not in (None, (-1, -1)) and not (window == (-1, 0) and attn_mask_type != "no_mask"):
+        return f"FP8 attention takes no sliding window, got window_size {window}"
+    if dropout_p > 0.0:
+        return f"FP8 attention has no attention dropout (dropout_p = {dropout_p}; eval mode or 0 runs FP8)"
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"FP8 attention takes float32, float16 or bfloat16 q/k/v, not {q.dtype}"
+    if q.shape[-1] % 16 or q.shape[-1] > 256:
+        return f"FP8 attention needs a head dim that is a multiple of 16 up to 256, got {q.shape[-1]}"
+    return attn_ops.fp8_attention_unavailable(q.device)
+
+
+def _capturing(x):
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _kernel_scale(state, index, bound):
+    """The scale of a tensor that a kernel casts (O, dP, dQ, dK, dV): the
+    state's delayed scale; for a tensor without a history yet, first written
+    as fp8_max / ``bound()`` (a device tensor: an upper bound of its amax).
+    Not under CUDA graph capture (a replay would repeat the host's first-step
+    choice), as quantize_with_state."""
+    if not state.has_history(index) and not recompute.replaying():
+        state.note_first_cast(index)
+        b = bound()
+        if not _capturing(b):
+            qops.fp8_compute_scale(b.reshape(1).float(), *state.live_scale(index), state.fp8_max(index),
+                                   int(getattr(state.recipe, "margin", 0)))
+    return state.scale_of(index)
+
+
+def _fold(state, index, amax):
+    """Fold a kernel's amax into tensor ``index``'s amax for this step."""
+    slot = state.amax_of(index)
+    torch.maximum(slot, amax, out=slot)
+
+
+_P_SCALES = {}
+
+
+def _p_scale(dtype, device):
+    """(scale, descale) of the probabilities: fp8_max and its inverse."""
+    key = (dtype, device)
+    t = _P_SCALES.get(key)
+    if t is None:
+        m = qops.FP8_MAX[dtype]
+        t = _P_SCALES[key] = (torch.full((1,), m, device=device), torch.full((1,), 1.0 / m, device=device))
+    return t
+
+
+def _seq(x, layout):
+    return x.shape[1] if layout == "bshd" else x.shape[0]
+
+
+class _FP8Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, state, layout, causal, softmax_scale, deterministic):
+        state.ensure_pooled()
+        dtype = q.dtype
+        q8, k8, v8 = (quantize_with_state(x, state, i) for x, i in ((q, Q), (k, K), (v, V)))
+        # this call's input amaxes (at least): the first step's bounds in the backward, which runs
+        # after the step's update has cleared the state's amax row
+        amax_qkv = torch.cat([state.amax_of(Q), state.amax_of(K), state.amax_of(V)])
+        scale_o = _kernel_scale(state, O, lambda: amax_qkv[2:3] * 1.125)
+        descale_o = torch.reciprocal(scale_o)
+        scale_s, descale_s = _p_scale(q8.data.dtype, q.device)
+        o8 = torch.empty(q.shape, dtype=state.fp8_dtype(O), device=q.device)
+        b, s_q, h_q = (q.shape[0], q.shape[1], q.shape[2]) if layout == "bshd" else (q.shape[1], q.shape[0],
+                                                                                     q.shape[2])
+        stats = torch.empty((b, h_q, s_q, 1), dtype=torch.float32, device=q.device)
+        amax_s = torch.empty(1, device=q.device)
+        amax_o = torch.empty(1, device=q.device)
+        attn_ops.fp8_attention_forward(q8.data, k8.data, v8.data, q8.scale_inv, k8.scale_inv, v8.scale_inv, scale_s,
+                                      descale_s, scale_o, o=o8, stats=stats, amax_s=amax_s, amax_o=amax_o,
+                                      layout=layout, causal=causal, softmax_scale=softmax_scale)
+        _fold(state, O, amax_o)
+        out = qops.dequantize_fp8(o8, descale_o, dtype)
+        ctx.save_for_backward(q8.data, k8.data, v8.data, q8.scale_inv, k8.scale_inv, v8.scale_inv, o8, descale_o,
+                              stats, amax_qkv)
+        ctx.state, ctx.layout, ctx.causal = state, layout, causal
+        ctx.softmax_scale, ctx.deterministic = softmax_scale, deterministic
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q8, k8, v8, dq_s, dk_s, dv_s, o8, descale_o, stats, amax_qkv = ctx.saved_tensors
+        state, layout = ctx.state, ctx.layout
+        state.ensure_pooled()
+        do8 = quantize_with_state(dout.contiguous(), state, DO)
+        d = q8.shape[-1]
+        groups = q8.shape[2] // k8.shape[2]
+        s_q, s_kv = _seq(q8, layout), _seq(k8, layout)
+        amax_do = state.amax_of(DO)
+
+        def ds_bound():
+            return 2.0 * d * ctx.softmax_scale * amax_do * amax_qkv[2:3]
+
+        scale_dp = _kernel_scale(state, DP, lambda: d * amax_do * amax_qkv[2:3])
+        scale_dq = _kernel_scale(state, DQ, lambda: s_kv * ds_bound() * amax_qkv[1:2])
+        scale_dk = _kernel_scale(state, DK, lambda: s_q * groups * ds_bound() * amax_qkv[0:1])
+        scale_dv = _kernel_scale(state, DV, lambda: s_q * groups * amax_do)
+        descale_dp = torch.reciprocal(scale_dp)
+        scale_s, descale_s = _p_scale(q8.dtype, q8.device)
+        gdt = state.fp8_dtype(DQ)
+        dq8, dk8, dv8 = (torch.empty(x.shape, dtype=gdt, device=x.device) for x in (q8, k8, v8))
+        amaxes = torch.empty(4, device=q8.device)
+        descales = [torch.reciprocal(s) for s in (scale_dq, scale_dk, scale_dv)]
+        attn_ops.fp8_attention_backward(
+            q8, k8, v8, o8, do8.data, stats, dq_s, dk_s, dv_s, descale_o, do8.scale_inv, descale_s, descale_dp,
+            scale_s, scale_dp, scale_dq, scale_dk, scale_dv, dq=dq8, dk=dk8, dv=dv8, amax_dq=amaxes[0:1],
+            amax_dk=amaxes[1:2], amax_dv=amaxes[2:3], amax_dp=amaxes[3:4], layout=layout, causal=ctx.causal,
+            softmax_scale=ctx.softmax_scale, deterministic=ctx.deterministic)
+        for index, i in ((DQ, 0), (DK, 1), (DV, 2), (DP, 3)):
+            _fold(state, index, amaxes[i:i + 1])
+        grads = [qops.dequantize_fp8(x8, s, dt) for x8, s, dt in zip((dq8, dk8, dv8), descales, ctx.dtypes)]
+        return (*grads, None, None, None, None, None)
+
+
+def fp8_attention(q, k, v, state, *, qkv_format="bshd", attn_mask_type="no_mask", softmax_scale=None,
+                  deterministic=False):
+    """softmax(softmax_scale Q K^T + mask) V with Q, K, V, O and their
+    gradients in FP8 under ``state`` (a ScalingState of nine tensors,
+    :func:`attention_state`).  q, k, v: [b, s, h, d] ("bshd") or [s, b, h,
+    d] ("sbhd"), float32 / float16 / bfloat16; k and v may have fewer heads
+    (grouped-query).  ``attn_mask_type``: "no_mask" or "causal" (top-left).
+    Returns the output in q's dtype and layout, [.., h, d]."""
+    op = "fp8_attention"
+    if not isinstance(state, ScalingState) or state.num_tensors != len(ATTENTION_TENSORS):
+        raise TypeError(f"{op}: argument 'state' must be a ScalingState of {len(ATTENTION_TENSORS)} tensors "
+                        f"(seqfuse.quantization.attention.attention_state), got {state!r}")
+    if attn_mask_type not in MASKS:
+        raise ValueError(f"{op}: argument 'attn_mask_type' must be one of {MASKS}, got {attn_mask_type!r}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            raise ValueError(f"{op}: argument '{name}' must be a 4-D tensor ({qkv_format}), got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(f"{op}: argument '{name}' must be float32, float16 or bfloat16, got {x.dtype}")
+    if qkv_format not in attn_ops.FP8_LAYOUTS:
+        raise ValueError(f"{op}: argument 'qkv_format' must be one of {attn_ops.FP8_LAYOUTS}, "
+                         f"got {qkv_format!r}")
+    causal = attn_mask_type != "no_mask"
+    if attn_mask_type == "causal_bottom_right" and _seq(q, qkv_format) != _seq(k, qkv_format):
+        raise ValueError(f"{op}: causal_bottom_right is taken only with s_q == s_kv (the kernels' diagonal "
+                         f"is top-left), got s_q {_seq(q, qkv_format)}, s_kv {_seq(k, qkv_format)}")
+    scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
+    return _FP8Attention.apply(q, k, v, state, qkv_format, causal, scale, bool(deterministic))
