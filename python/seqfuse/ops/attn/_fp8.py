@@ -230,7 +230,7 @@ def _handle(device):
     if h is None:
         with torch.cuda.device(device):
             h = _HANDLES[device.index] = cudnn.create_handle()
-    cudnn.set_stream(handle=h, stream=torch.cuda.current_stream(device).cuda_stream)
+    cudnn.set_stream(h, torch.cuda.current_stream(device).cuda_stream)
     return h
 
 
@@ -282,7 +282,7 @@ def _forward_graph(key):
     o, stats, amax_s, amax_o = g.sdpa_fp8(
         q=q, k=k, v=v, descale_q=_scalar(g, _FDQ), descale_k=_scalar(g, _FDK), descale_v=_scalar(g, _FDV),
         descale_s=_scalar(g, _FDS), scale_s=_scalar(g, _FSS), scale_o=_scalar(g, _FSO),
-        generate_stats=True, attn_scale=softmax_scale, use_causal_mask=causal)
+        is_inference=False, attn_scale=softmax_scale, use_causal_mask=causal)
     o.set_uid(_FO).set_output(True).set_dim((b, h_q, s_q, d)).set_stride(
         _strides(layout, b, s_q, h_q, d)).set_data_type(_dtype(cudnn, odt))
     stats.set_uid(_FST).set_output(True).set_dim((b, h_q, s_q, 1)).set_stride(
