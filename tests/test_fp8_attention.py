@@ -239,7 +239,7 @@ def test_init_fp8_state_makes_the_attention_state_and_it_round_trips():
     def model():
         torch.manual_seed(0)
         return te.TransformerLayer(64, 128, 4, params_dtype=torch.float32, hidden_dropout=0.0,
-                                   attention_dropout=0.0, self_attn_mask_type="causal")
+                                   attention_dropout=0.0, self_attn_mask_type="causal", device="cpu")
 
     recipe = DelayedScaling(fp8_dpa=True)
     a = model()

@@ -54,9 +54,10 @@ def scalars(values, device):
     return [torch.tensor([float(x)], device=device) for x in values]
 
 
-def run_both(layout, b, s_q, s_kv, h, h_kv, d, causal):
-    """Forward and backward of the kernel calls on the CPU and on the GPU
-    from the same FP8 tensors and scales; returns the dequantized results."""
+def run_both(layout, b, s_q, s_kv, h, h_kv, d, causal, backward=True):
+    """Forward and (``backward``) backward of the kernel calls on the CPU and
+    on the GPU from the same FP8 tensors and scales; returns the dequantized
+    results."""
     q, k, v = fp8_inputs(layout, b, s_q, s_kv, h, h_kv, d)
     do = (torch.randn(q.shape, generator=torch.Generator().manual_seed(3)) * 100).to(torch.float8_e5m2)
     res = {}
@@ -70,6 +71,10 @@ def run_both(layout, b, s_q, s_kv, h, h_kv, d, causal):
             o, stats, amax_s, amax_o = (poisoned_like(x) for x in (o, stats, amax_s, amax_o))
         attn_ops.fp8_attention_forward(qq, kk, vv, dq_, dk_, dv_, ss, dss, so, o=o, stats=stats, amax_s=amax_s,
                                        amax_o=amax_o, layout=layout, causal=causal)
+        if not backward:
+            res[dev] = dict(o=o.float().cpu() * 120 / 448, stats=stats.cpu(), amax_s=amax_s.cpu(),
+                            amax_o=amax_o.cpu())
+            continue
         descale_o, descale_do, s_dp, s_g = scalars((120 / 448.0, 1 / 100, 2.0 ** 10, 2.0 ** 8), dev)
         descale_dp = torch.reciprocal(s_dp)
         grads = [torch.empty(x.shape, dtype=torch.float8_e5m2, device=dev) for x in (q, k, v)]
@@ -90,8 +95,8 @@ def run_both(layout, b, s_q, s_kv, h, h_kv, d, causal):
 @pytest.mark.parametrize("layout,b,s_q,s_kv,h,h_kv,d,causal", [
     ("bshd", 2, 256, 256, 4, 4, 128, False),
     ("bshd", 2, 256, 256, 4, 4, 128, True),
-    ("sbhd", 1, 200, 200, 8, 2, 64, True),
-    ("bshd", 1, 128, 384, 4, 1, 64, False),
+    ("sbhd", 1, 200, 200, 8, 2, 128, True),
+    ("bshd", 1, 128, 384, 4, 1, 128, False),
 ])
 def test_kernel_calls_match_the_cpu_route(layout, b, s_q, s_kv, h, h_kv, d, causal):
     cpu, gpu = run_both(layout, b, s_q, s_kv, h, h_kv, d, causal)
@@ -111,8 +116,37 @@ def test_kernel_calls_match_the_cpu_route(layout, b, s_q, s_kv, h, h_kv, d, caus
     assert torch.allclose(gpu["amaxes"][:3], cpu["amaxes"][:3], rtol=KERNEL_BOUND_BWD)
 
 
-@pytest.mark.parametrize("layout,mask,h_kv,d", [("bshd", "causal", 8, 128), ("sbhd", "no_mask", 2, 64),
-                                               ("bshd", "causal", 2, 64)])
+@pytest.mark.parametrize("layout,b,s,h,h_kv,d,causal", [("bshd", 2, 256, 4, 4, 64, True), ("sbhd", 1, 200, 8, 2, 64, False),
+                                                     ("bshd", 1, 300, 2, 1, 32, True)])
+def test_kernel_forward_at_other_head_dims(layout, b, s, h, h_kv, d, causal):
+    """The FP8 forward (inference) at head dims other than 128; the backward
+    there is refused by cuDNN (DotProductAttention then trains in bf16)."""
+    cpu, gpu = run_both(layout, b, s, s, h, h_kv, d, causal, backward=False)
+    assert torch.isfinite(gpu["o"]).all()
+    assert rel_error(gpu["o"], cpu["o"]) <= KERNEL_BOUND_FWD, rel_error(gpu["o"], cpu["o"])
+    assert rel_error(gpu["stats"], cpu["stats"]) <= 1e-4
+
+
+def test_module_head_dim_64_trains_bf16_with_a_warning_and_infers_fp8(caplog, monkeypatch):
+    import logging
+    from seqfuse.modules import attention as attention_module
+    monkeypatch.setattr(attention_module, "_fp8_refusals_logged", set())
+    recipe = DelayedScaling(fp8_dpa=True)
+    dpa = te.DotProductAttention(8, 64, qkv_format="bshd", attn_mask_type="causal")
+    q, k, v = (torch.randn(2, 256, 8, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    with caplog.at_level(logging.WARNING, logger="seqfuse"), autocast(enabled=True, recipe=recipe):
+        plain = dpa(q, k, v)
+    assert "fp8_state" not in dpa._modules
+    assert any("head dim 128 only" in r.getMessage() for r in caplog.records)
+    with torch.no_grad(), autocast(enabled=True, recipe=recipe):
+        out = dpa(q, k, v)
+    assert "fp8_state" in dpa._modules
+    ref = exact(q, k, v, "bshd", True).reshape(out.shape)
+    assert 1e-2 < rel_error(out, ref) <= FWD_BOUND and rel_error(plain, ref) <= 1e-2
+
+
+@pytest.mark.parametrize("layout,mask,h_kv,d", [("bshd", "causal", 8, 128), ("sbhd", "no_mask", 2, 128),
+                                               ("bshd", "causal_bottom_right", 1, 128)])
 def test_module_training_steps_within_bounds(layout, mask, h_kv, d):
     torch.manual_seed(0)
     recipe = DelayedScaling(fp8_dpa=True, amax_history_len=8)
@@ -144,7 +178,7 @@ def test_fp8_and_bf16_sdpa_both_near_exact():
     against one exact reference, each within its bound."""
     g = torch.Generator(device=DEV).manual_seed(0)
     q, k, v = (torch.randn(2, 1024, 8, 128, generator=g, device=DEV, dtype=torch.bfloat16) for _ in range(3))
-    state = fp8a.attention_state(DelayedScaling())
+    state = fp8a.attention_state(DelayedScaling(), DEV)
     out = fp8a.fp8_attention(q, k, v, state, attn_mask_type="causal")
     bf16 = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=True).transpose(1, 2)
     ref = exact(q, k, v, "bshd", True)

@@ -264,7 +264,8 @@ class DotProductAttention(torch.nn.Module):
                              f"qkv_format {qkv_format!r}")
         padded = (attention_mask is not None or cu_seqlens_q is not None or qkv_format == "thd"
                   or (isinstance(attn_mask_type, str) and "padding" in attn_mask_type))
-        state = self._fp8_attention_state(query_layer, key_layer, qkv_format, attn_mask_type, window_size, padded)
+        state = self._fp8_attention_state(query_layer, key_layer, value_layer, qkv_format, attn_mask_type,
+                                          window_size, padded)
         if state is not None:
             out = fp8_attn.fp8_attention(query_layer, key_layer, value_layer, state, qkv_format=qkv_format,
                                          attn_mask_type=attn_mask_type, softmax_scale=self.softmax_scale,
@@ -300,7 +301,7 @@ class DotProductAttention(torch.nn.Module):
                             dropout_p=self.attention_dropout if self.training else 0.0)
         return out.reshape(out.shape[:-2] + (heads * dim,))
 
-    def _fp8_attention_state(self, q, k, qkv_format, attn_mask_type, window_size, padded):
+    def _fp8_attention_state(self, q, k, v, qkv_format, attn_mask_type, window_size, padded):
         """This call's FP8 attention state under an autocast whose recipe has
         fp8_dpa=True (made at the first such call, kept as child "fp8_state"),
         or None: FP8 off, or the call is one FP8 attention cannot take (logged
@@ -310,8 +311,9 @@ class DotProductAttention(torch.nn.Module):
         if not st.enabled or not getattr(st.recipe, "fp8_dpa", False):
             return None
         recipe = st.recipe
+        needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
         why = fp8_attn.refusal(recipe, q, k, qkv_format, attn_mask_type, window_size,
-                               self.attention_dropout if self.training else 0.0, padded)
+                               self.attention_dropout if self.training else 0.0, padded, needs_grad)
         if why is None and self._cp_size() > 1:
             why = "FP8 attention does not run under context parallelism"
         if why is not None:

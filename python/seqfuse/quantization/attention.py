@@ -26,8 +26,9 @@ kernel casts), dQ, dK, dV.  Scales:
   first step neither saturates nor needs a host sync:
     |O|  <= max|V|                      (each row of P sums to 1; x 1.125 for
                                          P's own rounding)
-    |dP| <= d max|dO| max|V|
     |dS| = |P (dP - D)| softmax_scale <= 2 d max|dO| max|V| softmax_scale
+                                        (dP = dO V^T; the "dP" tensor's scale
+                                         casts dS, and its amax is max|dS|)
     |dQ| <= s_kv |dS| max|K|,  |dK| <= s_q g |dS| max|Q|,  |dV| <= s_q g max|dO|
   (d head dim, g query heads per key head).  The bounds are loose (they
   spend range, not precision: FP8 keeps its relative precision at any
@@ -60,9 +61,14 @@ def attention_state(recipe, device=None):
     return ScalingState(len(ATTENTION_TENSORS), recipe, backward_indices=BACKWARD_INDICES, device=device)
 
 
-def refusal(recipe, q, k, qkv_format, attn_mask_type, window_size, dropout_p, padded):
+#: Head dim cuDNN's FP8 attention backward takes on Hopper (cuDNN 9.19)
+CUDA_BACKWARD_HEAD_DIM = 128
+
+
+def refusal(recipe, q, k, qkv_format, attn_mask_type, window_size, dropout_p, padded, needs_grad):
     """Why this call cannot run as FP8 attention (a sentence), or None.
-    ``padded``: the call carries cu_seqlens or a padding mask."""
+    ``padded``: the call carries cu_seqlens or a padding mask;
+    ``needs_grad``: the call will be differentiated."""
     if not isinstance(recipe, DelayedScaling):
         return (f"fp8_dpa needs DelayedScaling: cuDNN's FP8 attention on Hopper writes O and dQ/dK/dV in FP8, "
                 f"which needs their scales before the kernel (the recipe is {type(recipe).__name__})")
@@ -81,6 +87,9 @@ def refusal(recipe, q, k, qkv_format, attn_mask_type, window_size, dropout_p, pa
         return f"FP8 attention takes float32, float16 or bfloat16 q/k/v, not {q.dtype}"
     if q.shape[-1] % 16 or q.shape[-1] > 256:
         return f"FP8 attention needs a head dim that is a multiple of 16 up to 256, got {q.shape[-1]}"
+    if q.is_cuda and needs_grad and q.shape[-1] != CUDA_BACKWARD_HEAD_DIM:
+        return (f"cuDNN's FP8 attention backward takes head dim {CUDA_BACKWARD_HEAD_DIM} only, got "
+                f"{q.shape[-1]} (inference and no_grad calls run FP8 at any multiple of 16)")
     return attn_ops.fp8_attention_unavailable(q.device)
 
 
@@ -170,7 +179,7 @@ class _FP8Attention(torch.autograd.Function):
         def ds_bound():
             return 2.0 * d * ctx.softmax_scale * amax_do * amax_qkv[2:3]
 
-        scale_dp = _kernel_scale(state, DP, lambda: d * amax_do * amax_qkv[2:3])
+        scale_dp = _kernel_scale(state, DP, ds_bound)
         scale_dq = _kernel_scale(state, DQ, lambda: s_kv * ds_bound() * amax_qkv[1:2])
         scale_dk = _kernel_scale(state, DK, lambda: s_q * groups * ds_bound() * amax_qkv[0:1])
         scale_dv = _kernel_scale(state, DV, lambda: s_q * groups * amax_do)
@@ -214,6 +223,9 @@ def fp8_attention(q, k, v, state, *, qkv_format="bshd", attn_mask_type="no_mask"
     if qkv_format not in attn_ops.FP8_LAYOUTS:
         raise ValueError(f"{op}: argument 'qkv_format' must be one of {attn_ops.FP8_LAYOUTS}, "
                          f"got {qkv_format!r}")
+    if state.amax_history.device != q.device:
+        raise ValueError(f"{op}: argument 'state' is on {state.amax_history.device}, q on {q.device} "
+                         f"(make it with attention_state(recipe, device) or move it with .to())")
     causal = attn_mask_type != "no_mask"
     if attn_mask_type == "causal_bottom_right" and _seq(q, qkv_format) != _seq(k, qkv_format):
         raise ValueError(f"{op}: causal_bottom_right is taken only with s_q == s_kv (the kernels' diagonal "

@@ -14,7 +14,8 @@ that take Q, K, V already in FP8 with their inverse scales and run
               dS = P (dP - D) * softmax_scale,  dS8 = fp8(dS * scale_dp)
               dQ = descale_dp descale_k (dS8 K8),  dK = descale_dp descale_q (dS8^T Q8)
               dQ8, dK8, dV8 = fp8(dQ * scale_dq) ...; amax_dq/dk/dv of the
-              unscaled results, amax_dp = max |dP|
+              unscaled results, amax_dp = max |dS| (what scale_dp casts, as
+              cuDNN reports it)
 
 with every tensor in FP8 and every scale a one-element float32 tensor read on
 the device (nothing synchronizes the host).  Who picks the scales (the
@@ -38,7 +39,10 @@ Two implementations of that contract:
   definition the CUDA route is tested against.
 
 Layouts: "bshd" ([b, s, h, d]) and "sbhd" ([s, b, h, d]), contiguous, so the
-graph strides follow from the shape.  Masks: none or causal (top-left
+graph strides follow from the shape.  Head dims: cuDNN 9.19 on Hopper runs
+the FP8 forward at head dims that are multiples of 16 and the FP8 backward
+at head dim 128 only (its graph check: "hidden_dim should be equal to
+128"); a shape it declines raises NotImplementedError with cuDNN's reason.  Masks: none or causal (top-left
 diagonal: query i sees keys 0..i).  Grouped-query: k/v may have fewer heads,
 a divisor of q's.
 """
@@ -187,7 +191,7 @@ def _backward_cpu(q8, k8, v8, o8, do8, stats, descales, scales, dq8, dk8, dv8, a
     for out, x, scale, amax in ((dq8, dq, s_dq, amaxes[0]), (dk8, dk, s_dk, amaxes[1]), (dv8, dv, s_dv, amaxes[2])):
         amax.copy_(x.abs().max().reshape(1))
         out.copy_(_from_bhsd(_fp8(x, scale, out.dtype), layout))
-    amaxes[3].copy_(dp.abs().max().reshape(1))
+    amaxes[3].copy_(ds.abs().max().reshape(1))
 
 
 # ---- CUDA: cuDNN's graphs through nvidia-cudnn-frontend -------------------------------
