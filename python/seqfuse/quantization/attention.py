@@ -141,9 +141,11 @@ class _FP8Attention(torch.autograd.Function):
         state.ensure_pooled()
         dtype = q.dtype
         q8, k8, v8 = (quantize_with_state(x, state, i) for x, i in ((q, Q), (k, K), (v, V)))
-        # this call's input amaxes (at least): the first step's bounds in the backward, which runs
-        # after the step's update has cleared the state's amax row
-        amax_qkv = torch.cat([state.amax_of(Q), state.amax_of(K), state.amax_of(V)])
+        amax_qkv = None
+        if not all(state.has_history(i) for i in (O, DP, DQ, DK, DV)):
+            # this call's input amaxes (at least): the first step's bounds, in the backward too,
+            # which runs after the step's update has cleared the state's amax row
+            amax_qkv = torch.cat([state.amax_of(Q), state.amax_of(K), state.amax_of(V)])
         scale_o = _kernel_scale(state, O, lambda: amax_qkv[2:3] * 1.125)
         descale_o = torch.reciprocal(scale_o)
         scale_s, descale_s = _p_scale(q8.data.dtype, q.device)
@@ -183,19 +185,26 @@ class _FP8Attention(torch.autograd.Function):
         scale_dq = _kernel_scale(state, DQ, lambda: s_kv * ds_bound() * amax_qkv[1:2])
         scale_dk = _kernel_scale(state, DK, lambda: s_q * groups * ds_bound() * amax_qkv[0:1])
         scale_dv = _kernel_scale(state, DV, lambda: s_q * groups * amax_do)
-        descale_dp = torch.reciprocal(scale_dp)
+        # the live inverses go with the scales just read (both written by the same update or
+        # first-step kernel); inside a checkpoint's recompute scale_of reads a copy, so invert that
+        live = not recompute.open_contexts
+        descale_dp, *descales = (state.scale_inv_of(i) if live else torch.reciprocal(sc)
+                                 for i, sc in ((DP, scale_dp), (DQ, scale_dq), (DK, scale_dk), (DV, scale_dv)))
         scale_s, descale_s = _p_scale(q8.dtype, q8.device)
         gdt = state.fp8_dtype(DQ)
         dq8, dk8, dv8 = (torch.empty(x.shape, dtype=gdt, device=x.device) for x in (q8, k8, v8))
-        amaxes = torch.empty(4, device=q8.device)
-        descales = [torch.reciprocal(s) for s in (scale_dq, scale_dk, scale_dv)]
+        amaxes = torch.empty(4, device=q8.device)  # dP, dQ, dK, dV: the state's order
         attn_ops.fp8_attention_backward(
             q8, k8, v8, o8, do8.data, stats, dq_s, dk_s, dv_s, descale_o, do8.scale_inv, descale_s, descale_dp,
-            scale_s, scale_dp, scale_dq, scale_dk, scale_dv, dq=dq8, dk=dk8, dv=dv8, amax_dq=amaxes[0:1],
-            amax_dk=amaxes[1:2], amax_dv=amaxes[2:3], amax_dp=amaxes[3:4], layout=layout, causal=ctx.causal,
+            scale_s, scale_dp, scale_dq, scale_dk, scale_dv, dq=dq8, dk=dk8, dv=dv8, amax_dq=amaxes[1:2],
+            amax_dk=amaxes[2:3], amax_dv=amaxes[3:4], amax_dp=amaxes[0:1], layout=layout, causal=ctx.causal,
             softmax_scale=ctx.softmax_scale, deterministic=ctx.deterministic)
-        for index, i in ((DQ, 0), (DK, 1), (DV, 2), (DP, 3)):
-            _fold(state, index, amaxes[i:i + 1])
+        if live:  # one fold for the four (adjacent columns of the state's amax row)
+            row = state.amax[DP:DV + 1]
+            torch.maximum(row, amaxes, out=row)
+        else:
+            for index in (DP, DQ, DK, DV):
+                _fold(state, index, amaxes[index - DP:index - DP + 1])
         grads = [qops.dequantize_fp8(x8, s, dt) for x8, s, dt in zip((dq8, dk8, dv8), descales, ctx.dtypes)]
         return (*grads, None, None, None, None, None)
 
