@@ -378,6 +378,23 @@ def test_cuda_dequantize_bit_identical(dtype, fp8, seed):
     assert torch.equal(out.cpu().view(torch.uint8), ref.view(torch.uint8))
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("offset", [0, 1, 3])
+def test_cuda_dequantize_vector_and_tail_paths(dtype, offset, seed):
+    """The kernel's 8-at-a-time path (aligned data and output), its tail (a
+    length that is no multiple of 8) and its one-at-a-time path (data starting
+    off an 8-byte boundary): every element bit-identical to the CPU backend."""
+    n = 8 * 4099 + 5
+    codes = torch.randint(0, 256, (n + offset,), dtype=torch.uint8)
+    q = codes.view(torch.float8_e4m3fn)[offset:]
+    si = one(1.7)
+    ref = ops.dequantize_fp8(q, si, dtype)
+    out = torch.full((n,), float("nan"), dtype=dtype, device="cuda")
+    ops.dequantize_fp8(codes.cuda().view(torch.float8_e4m3fn)[offset:], si.cuda(), dtype, out=out)
+    assert torch.equal(out.cpu().view(torch.uint8), ref.view(torch.uint8))
+
+
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("shape", CUDA_SHAPES + [(16384, 1280), (4096, 5120), (160, 48), (32, 2064)])
