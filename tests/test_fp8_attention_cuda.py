@@ -9,11 +9,11 @@ exact attention within test_fp8_attention.py's stated bounds.
   head dim 128 (the forward also 32 and 64), a sequence length that is no
   multiple of 64; each route's dequantized results against the exact
   attention of the same FP8 inputs, cuDNN's error at most EXACT_FACTOR times
-  the CPU route's or within KERNEL_BOUND_FWD / _BWD (cuDNN tiles the key range
+  the CPU route's or within KERNEL_BOUND_FORWARD / _BACKWARD (cuDNN tiles the key range
   and rescales its running maximum, so its probabilities and dS round
   differently from the CPU route's one block); both errors are printed;
 - the module path over several training steps: outputs and gradients within
-  FWD_BOUND / BWD_BOUND of the exact attention, every scale finite, the
+  FORWARD_BOUND / BACKWARD_BOUND of the exact attention, every scale finite, the
   history filled after the updates;
 - the FP8 attention against torch's bf16 SDPA of the same inputs: both within
   bounds of the exact result.
@@ -29,7 +29,7 @@ from seqfuse.common.recipe import DelayedScaling
 from seqfuse.ops import attn as attn_ops
 from seqfuse.quantization import attention as fp8a
 from seqfuse.quantization import autocast
-from test_fp8_attention import BWD_BOUND, FWD_BOUND, exact
+from test_fp8_attention import BACKWARD_BOUND, FORWARD_BOUND, exact
 
 _why = attn_ops.fp8_attention_unavailable("cuda") if torch.cuda.is_available() else "no GPU"
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(_why is not None, reason=str(_why))]
@@ -37,8 +37,8 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(_why is not None, reason=str(
 #: cuDNN against the CPU route on the same FP8 inputs: the probabilities
 #: (and dS) round differently (cuDNN's running maximum and its own dS
 #: format), so the bounds are about FP8's rounding error, not bf16's
-KERNEL_BOUND_FWD = 0.03
-KERNEL_BOUND_BWD = 0.08
+KERNEL_BOUND_FORWARD = 0.03
+KERNEL_BOUND_BACKWARD = 0.08
 #: and against the exact attention of the same FP8 inputs, cuDNN's error at
 #: most this many times the CPU route's (or the bound above)
 EXACT_FACTOR = 1.5
@@ -123,13 +123,14 @@ def test_kernel_calls_match_the_cpu_route(layout, b, s_q, s_kv, h, h_kv, d, caus
           + f" amaxes {gpu['amaxes'].tolist()} / {cpu['amaxes'].tolist()}")
     for name in ("o", "dq", "dk", "dv"):
         assert torch.isfinite(gpu[name]).all(), name
-        bound = KERNEL_BOUND_FWD if name == "o" else KERNEL_BOUND_BWD
+        bound = KERNEL_BOUND_FORWARD if name == "o" else KERNEL_BOUND_BACKWARD
         g, c = to_exact[name]
         assert g <= max(EXACT_FACTOR * c, bound), (name, g, c)
-    assert errs["stats"] <= 1e-4
-    assert 0 < gpu["amax_s"].item() < float("inf")
-    assert gpu["amax_o"].item() == pytest.approx(cpu["amax_o"].item(), rel=KERNEL_BOUND_FWD)
-    assert torch.allclose(gpu["amaxes"][:3], cpu["amaxes"][:3], rtol=KERNEL_BOUND_BWD)
+    assert errs["o"] <= KERNEL_BOUND_FORWARD and errs["stats"] <= 1e-4
+    # the amaxes the delayed scales come from: max P / rowsum, max|O|, max|dQ|, |dK|, |dV|, and max|dS| for "dP"
+    assert gpu["amax_s"].item() == pytest.approx(cpu["amax_s"].item(), rel=KERNEL_BOUND_FORWARD)
+    assert gpu["amax_o"].item() == pytest.approx(cpu["amax_o"].item(), rel=KERNEL_BOUND_FORWARD)
+    assert torch.allclose(gpu["amaxes"], cpu["amaxes"], rtol=KERNEL_BOUND_BACKWARD)
 
 
 @pytest.mark.parametrize("layout,b,s,h,h_kv,d,causal", [("bshd", 2, 256, 4, 4, 64, True), ("sbhd", 1, 200, 8, 2, 64, False),
@@ -139,7 +140,7 @@ def test_kernel_forward_at_other_head_dims(layout, b, s, h, h_kv, d, causal):
     there is refused by cuDNN (DotProductAttention then trains in bf16)."""
     cpu, gpu = run_both(layout, b, s, s, h, h_kv, d, causal, backward=False)
     assert torch.isfinite(gpu["o"]).all()
-    assert rel_error(gpu["o"], cpu["o"]) <= KERNEL_BOUND_FWD, rel_error(gpu["o"], cpu["o"])
+    assert rel_error(gpu["o"], cpu["o"]) <= KERNEL_BOUND_FORWARD, rel_error(gpu["o"], cpu["o"])
     assert rel_error(gpu["stats"], cpu["stats"]) <= 1e-4
 
 
@@ -158,7 +159,7 @@ def test_module_head_dim_64_trains_bf16_with_a_warning_and_infers_fp8(caplog, mo
         out = dpa(q, k, v)
     assert "fp8_state" in dpa._modules
     ref = exact(q, k, v, "bshd", True).reshape(out.shape)
-    assert 1e-2 < rel_error(out, ref) <= FWD_BOUND and rel_error(plain, ref) <= 1e-2
+    assert 1e-2 < rel_error(out, ref) <= FORWARD_BOUND and rel_error(plain, ref) <= 1e-2
 
 
 @pytest.mark.parametrize("layout,mask,h_kv,d", [("bshd", "causal", 8, 128), ("sbhd", "no_mask", 2, 128),
@@ -180,10 +181,10 @@ def test_module_training_steps_within_bounds(layout, mask, h_kv, d):
         xs = [x.detach().double().requires_grad_() for x in (q, k, v)]
         ref = exact(*xs, layout, mask != "no_mask")
         ref.backward(dout.double())
-        assert rel_error(out, ref.reshape(out.shape)) <= FWD_BOUND
+        assert rel_error(out, ref.reshape(out.shape)) <= FORWARD_BOUND
         for name, x, r in zip("qkv", (q, k, v), xs):
             assert torch.isfinite(x.grad).all()
-            assert rel_error(x.grad, r.grad) <= BWD_BOUND, (step, name, rel_error(x.grad, r.grad))
+            assert rel_error(x.grad, r.grad) <= BACKWARD_BOUND, (step, name, rel_error(x.grad, r.grad))
     state = dpa.fp8_state
     assert all(state.has_history(i) for i in range(9))
     assert bool(torch.isfinite(state.scale).all()) and bool((state.scale > 0).all())
@@ -199,4 +200,4 @@ def test_fp8_and_bf16_sdpa_both_near_exact():
     bf16 = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=True).transpose(1, 2)
     ref = exact(q, k, v, "bshd", True)
     e_fp8, e_bf16 = rel_error(out, ref), rel_error(bf16, ref)
-    assert e_bf16 <= 1e-2 and e_fp8 <= FWD_BOUND, (e_fp8, e_bf16)
+    assert e_bf16 <= 1e-2 and e_fp8 <= FORWARD_BOUND, (e_fp8, e_bf16)

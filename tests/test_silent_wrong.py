@@ -250,7 +250,12 @@ def test_activation_nan_inf_like_torch(name):
     xr = x.clone().requires_grad_(True)
     yr = _torch_act(name, xr)  # float32, as seqfuse computes
     (dxr,) = torch.autograd.grad(yr, xr, dy)
-    _assert_same_specials(ops.act_forward(x, name), yr.detach(), f"{name} forward")
+    want = yr.detach()
+    if name.endswith("gelu_erf"):
+        # erf-GELU's forward reference in float64, rounded back: torch 2.15's float32 CPU kernel returns NaN
+        # at +Inf (its float64 kernel, earlier releases and the limit give +Inf); every other value agrees
+        want = _torch_act(name, x.double()).float()
+    _assert_same_specials(ops.act_forward(x, name), want, f"{name} forward")
     _assert_same_specials(ops.act_backward(dy, x, name), dxr, f"{name} backward")
 
 

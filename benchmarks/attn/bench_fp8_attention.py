@@ -69,17 +69,17 @@ def bench_shape(table, b, s, h, d, causal, repeats):
     recipe = DelayedScaling()
     state = fp8a.attention_state(recipe, "cuda")
 
-    def fp8_fwd():
+    def fp8_forward():
         with torch.no_grad():
             return fp8a.fp8_attention(q, k, v, state, attn_mask_type=mask)
 
-    def fp8_fwd_bwd():
+    def fp8_forward_backward():
         out = fp8a.fp8_attention(q, k, v, state, attn_mask_type=mask)
         torch.autograd.grad(out, (q, k, v), dout)
 
     train = d == fp8a.CUDA_BACKWARD_HEAD_DIM  # cuDNN's FP8 backward on Hopper: head dim 128 only
     for _ in range(2):  # two steps with updates: delayed scales from here on
-        fp8_fwd_bwd() if train else fp8_fwd()
+        fp8_forward_backward() if train else fp8_forward()
         reduce_and_update(recipe)
 
     # the kernels alone, on tensors cast once
@@ -92,32 +92,32 @@ def bench_shape(table, b, s, h, d, causal, repeats):
     am = torch.empty(6, device="cuda")
     g8 = [torch.empty(x.shape, dtype=torch.float8_e5m2, device="cuda") for x in (q8, k8, v8)]
 
-    def k_fwd():
+    def k_forward():
         attn_ops.fp8_attention_forward(q8, k8, v8, one, one, one, ss, dss, one, o=o8, stats=stats,
                                        amax_s=am[0:1], amax_o=am[1:2], causal=causal)
 
-    def k_fwd_bwd():
-        k_fwd()
+    def k_forward_backward():
+        k_forward()
         attn_ops.fp8_attention_backward(q8, k8, v8, o8, do8, stats, one, one, one, one, one, dss, one, ss, one,
                                         one, one, one, dq=g8[0], dk=g8[1], dv=g8[2], amax_dq=am[2:3],
                                         amax_dk=am[3:4], amax_dv=am[4:5], amax_dp=am[5:6], causal=causal)
 
-    def sf_fwd():
+    def sf_forward():
         with torch.no_grad():
             return seqfuse.ops.attention(q, k, v, attn_mask_type=mask)
 
-    def sf_fwd_bwd():
+    def sf_forward_backward():
         out = seqfuse.ops.attention(q, k, v, attn_mask_type=mask)
         torch.autograd.grad(out, (q, k, v), dout)
 
     qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
     dt = dout.transpose(1, 2)
 
-    def sdpa_fwd():
+    def sdpa_forward():
         with torch.no_grad(), sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
 
-    def sdpa_fwd_bwd():
+    def sdpa_forward_backward():
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
         torch.autograd.grad(out, (qt, kt, vt), dt)
@@ -125,19 +125,19 @@ def bench_shape(table, b, s, h, d, causal, repeats):
     if PROFILE and train:
         from torch.profiler import ProfilerActivity, profile
         for _ in range(3):
-            fp8_fwd_bwd()
+            fp8_forward_backward()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
-                fp8_fwd_bwd()
+                fp8_forward_backward()
             torch.cuda.synchronize()
-        print(f"== profile of 5 seqfuse_fp8 fwd+bwd calls, b{b} s{s} h{h} d{d} causal={causal}")
+        print(f"== profile of 5 seqfuse_fp8 forward+backward calls, b{b} s{s} h{h} d{d} causal={causal}")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
 
-    rows = {"seqfuse_fp8": (fp8_fwd, fp8_fwd_bwd), "seqfuse_fp8_kernels": (k_fwd, k_fwd_bwd),
-            "seqfuse_bf16": (sf_fwd, sf_fwd_bwd), "torch_sdpa_cudnn": (sdpa_fwd, sdpa_fwd_bwd)}
+    rows = {"seqfuse_fp8": (fp8_forward, fp8_forward_backward), "seqfuse_fp8_kernels": (k_forward, k_forward_backward),
+            "seqfuse_bf16": (sf_forward, sf_forward_backward), "torch_sdpa_cudnn": (sdpa_forward, sdpa_forward_backward)}
     case = f"b{b} s{s} h{h} d{d} {'causal' if causal else 'full'}"
-    for pass_name, idx, backward in (("fwd", 0, False), ("fwd+bwd", 1, True))[:2 if train else 1]:
+    for pass_name, idx, backward in (("forward", 0, False), ("forward+backward", 1, True))[:2 if train else 1]:
         ms, ms1 = {}, {}
         for name, fns in rows.items():
             fn = fns[idx]

@@ -262,7 +262,8 @@ class DotProductAttention(torch.nn.Module):
             raise ValueError(f"DotProductAttention: attention_mask is taken only with a padding attn_mask_type "
                              f"in bshd/sbhd (it would be ignored); got attn_mask_type {attn_mask_type!r}, "
                              f"qkv_format {qkv_format!r}")
-        padded = (attention_mask is not None or cu_seqlens_q is not None or qkv_format == "thd"
+        # (the high-precision path, too, ignores cu_seqlens under a non-padding mask in bshd / sbhd)
+        padded = (attention_mask is not None or qkv_format == "thd"
                   or (isinstance(attn_mask_type, str) and "padding" in attn_mask_type))
         state = self._fp8_attention_state(query_layer, key_layer, value_layer, qkv_format, attn_mask_type,
                                           window_size, padded)

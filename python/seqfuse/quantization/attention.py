@@ -29,10 +29,16 @@ kernel casts), dQ, dK, dV.  Scales:
     |dS| = |P (dP - D)| softmax_scale <= 2 d max|dO| max|V| softmax_scale
                                         (dP = dO V^T; the "dP" tensor's scale
                                          casts dS, and its amax is max|dS|)
-    |dQ| <= s_kv |dS| max|K|,  |dK| <= s_q g |dS| max|Q|,  |dV| <= s_q g max|dO|
-  (d head dim, g query heads per key head).  The bounds are loose (they
-  spend range, not precision: FP8 keeps its relative precision at any
-  scale), and only the first step uses them.
+    |dQ| <= 2 d max|dO| max|V| softmax_scale max|K|   (rows of P sum to 1)
+    |dK| <= s_q g |dS| max|Q|,  |dV| <= s_q g max|dO|  (columns of P sum to
+                                         at most s_q; g query heads per key head)
+  These are worst cases: on random data the dS and dQ bounds sit about 10
+  binades above the true amax and dK / dV's up to log2(s_q) more.  FP8
+  keeps its relative precision below the bound only while values stay in
+  the format's normal range (E5M2 spans about 30 binades, E4M3 about 17),
+  so under HYBRID the first backward loses a few per cent of dK/dV's
+  smallest values, and an all-E4M3 format (Format.E4M3) loses more;
+  from the second step on the scales come from the measured amaxes.
 """
 import logging
 
@@ -42,7 +48,7 @@ from ..common.recipe import DelayedScaling
 from ..ops import attn as attn_ops
 from ..ops import quant as qops
 from . import recompute
-from .quantize import quantize_with_state
+from .quantize import delayed_scale, quantize_with_state
 from .state import ScalingState
 
 _log = logging.getLogger("seqfuse")
@@ -61,8 +67,10 @@ def attention_state(recipe, device=None):
     return ScalingState(len(ATTENTION_TENSORS), recipe, backward_indices=BACKWARD_INDICES, device=device)
 
 
-#: Head dim cuDNN's FP8 attention backward takes on Hopper (cuDNN 9.19)
+#: Head dim cuDNN's FP8 attention backward takes on Hopper (cuDNN 9.19), and
+#: the head dims its forward is tested at (tests/test_fp8_attention_cuda.py)
 CUDA_BACKWARD_HEAD_DIM = 128
+CUDA_FORWARD_HEAD_DIMS = (32, 64, 128)
 
 
 def refusal(recipe, q, k, qkv_format, attn_mask_type, window_size, dropout_p, padded, needs_grad):
@@ -74,8 +82,11 @@ def refusal(recipe, q, k, qkv_format, attn_mask_type, window_size, dropout_p, pa
                 f"which needs their scales before the kernel (the recipe is {type(recipe).__name__})")
     if qkv_format not in attn_ops.FP8_LAYOUTS:
         return f"FP8 attention takes qkv_format bshd or sbhd, not {qkv_format!r}"
-    if attn_mask_type not in MASKS or padded:
-        return f"FP8 attention takes no mask or a causal mask without padding, not {attn_mask_type!r}"
+    if padded:
+        return ("FP8 attention takes no padding (a padding attn_mask_type, an attention_mask, cu_seqlens with "
+                "padding, or packed thd)")
+    if attn_mask_type not in MASKS:
+        return f"FP8 attention takes no mask or a causal mask, not {attn_mask_type!r}"
     if attn_mask_type == "causal_bottom_right" and _seq(q, qkv_format) != _seq(k, qkv_format):
         return "FP8 attention's causal mask is top-left; causal_bottom_right needs s_q == s_kv"
     window = None if window_size is None else tuple(window_size)
@@ -85,31 +96,15 @@ def refusal(recipe, q, k, qkv_format, attn_mask_type, window_size, dropout_p, pa
         return f"FP8 attention has no attention dropout (dropout_p = {dropout_p}; eval mode or 0 runs FP8)"
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"FP8 attention takes float32, float16 or bfloat16 q/k/v, not {q.dtype}"
-    if q.shape[-1] % 16 or q.shape[-1] > 256:
-        return f"FP8 attention needs a head dim that is a multiple of 16 up to 256, got {q.shape[-1]}"
-    if q.is_cuda and needs_grad and q.shape[-1] != CUDA_BACKWARD_HEAD_DIM:
-        return (f"cuDNN's FP8 attention backward takes head dim {CUDA_BACKWARD_HEAD_DIM} only, got "
-                f"{q.shape[-1]} (inference and no_grad calls run FP8 at any multiple of 16)")
+    d = q.shape[-1]
+    if q.is_cuda and needs_grad and d != CUDA_BACKWARD_HEAD_DIM:
+        return (f"cuDNN's FP8 attention backward takes head dim {CUDA_BACKWARD_HEAD_DIM} only, got {d} "
+                f"(no-grad calls run FP8 at head dims {CUDA_FORWARD_HEAD_DIMS})")
+    if q.is_cuda and d not in CUDA_FORWARD_HEAD_DIMS:
+        return f"FP8 attention on CUDA takes head dims {CUDA_FORWARD_HEAD_DIMS} (the ones tested), got {d}"
+    if d % 16:
+        return f"FP8 attention needs a head dim that is a multiple of 16, got {d}"
     return attn_ops.fp8_attention_unavailable(q.device)
-
-
-def _capturing(x):
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
-def _kernel_scale(state, index, bound):
-    """The scale of a tensor that a kernel casts (O, dP, dQ, dK, dV): the
-    state's delayed scale; for a tensor without a history yet, first written
-    as fp8_max / ``bound()`` (a device tensor: an upper bound of its amax).
-    Not under CUDA graph capture (a replay would repeat the host's first-step
-    choice), as quantize_with_state."""
-    if not state.has_history(index) and not recompute.replaying():
-        state.note_first_cast(index)
-        b = bound()
-        if not _capturing(b):
-            qops.fp8_compute_scale(b.reshape(1).float(), *state.live_scale(index), state.fp8_max(index),
-                                   int(getattr(state.recipe, "margin", 0)))
-    return state.scale_of(index)
 
 
 def _fold(state, index, amax):
@@ -122,10 +117,16 @@ _P_SCALES = {}
 
 
 def _p_scale(dtype, device):
-    """(scale, descale) of the probabilities: fp8_max and its inverse."""
+    """(scale, descale) of the probabilities: fp8_max and its inverse, made
+    at the first call on a device (not under CUDA graph capture, where the
+    fill would only be recorded)."""
     key = (dtype, device)
     t = _P_SCALES.get(key)
     if t is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("fp8_attention: the first FP8 attention call on a device cannot be made under CUDA "
+                               "graph capture (its constants and cuDNN graphs are made then); run one call eagerly "
+                               "first (make_graphed_callables' warm-up does)")
         m = qops.FP8_MAX[dtype]
         t = _P_SCALES[key] = (torch.full((1,), m, device=device), torch.full((1,), 1.0 / m, device=device))
     return t
@@ -141,12 +142,14 @@ class _FP8Attention(torch.autograd.Function):
         state.ensure_pooled()
         dtype = q.dtype
         q8, k8, v8 = (quantize_with_state(x, state, i) for x, i in ((q, Q), (k, K), (v, V)))
-        amax_qkv = None
-        if not all(state.has_history(i) for i in (O, DP, DQ, DK, DV)):
-            # this call's input amaxes (at least): the first step's bounds, in the backward too,
-            # which runs after the step's update has cleared the state's amax row
+        # this call's input amaxes (at least): the first step's bounds, in the backward too, which runs
+        # after the step's update has cleared the state's amax row.  Saved every call, so a checkpoint's
+        # recompute saves what its forward saved; in the recompute the amax slots are scratch, so from x
+        if recompute.replaying():
+            amax_qkv = torch.stack([x.detach().abs().amax().float() for x in (q, k, v)])
+        else:
             amax_qkv = torch.cat([state.amax_of(Q), state.amax_of(K), state.amax_of(V)])
-        scale_o = _kernel_scale(state, O, lambda: amax_qkv[2:3] * 1.125)
+        scale_o = delayed_scale(state, O, lambda: amax_qkv[2:3] * 1.125, q.device)
         descale_o = torch.reciprocal(scale_o)
         scale_s, descale_s = _p_scale(q8.data.dtype, q.device)
         o8 = torch.empty(q.shape, dtype=state.fp8_dtype(O), device=q.device)
@@ -175,16 +178,17 @@ class _FP8Attention(torch.autograd.Function):
         do8 = quantize_with_state(dout.contiguous(), state, DO)
         d = q8.shape[-1]
         groups = q8.shape[2] // k8.shape[2]
-        s_q, s_kv = _seq(q8, layout), _seq(k8, layout)
+        s_q = _seq(q8, layout)
         amax_do = state.amax_of(DO)
 
         def ds_bound():
             return 2.0 * d * ctx.softmax_scale * amax_do * amax_qkv[2:3]
 
-        scale_dp = _kernel_scale(state, DP, ds_bound)
-        scale_dq = _kernel_scale(state, DQ, lambda: s_kv * ds_bound() * amax_qkv[1:2])
-        scale_dk = _kernel_scale(state, DK, lambda: s_q * groups * ds_bound() * amax_qkv[0:1])
-        scale_dv = _kernel_scale(state, DV, lambda: s_q * groups * amax_do)
+        dev = q8.device
+        scale_dp = delayed_scale(state, DP, ds_bound, dev)
+        scale_dq = delayed_scale(state, DQ, lambda: ds_bound() * amax_qkv[1:2], dev)
+        scale_dk = delayed_scale(state, DK, lambda: s_q * groups * ds_bound() * amax_qkv[0:1], dev)
+        scale_dv = delayed_scale(state, DV, lambda: s_q * groups * amax_do, dev)
         # the live inverses go with the scales just read (both written by the same update or
         # first-step kernel); inside a checkpoint's recompute scale_of reads a copy, so invert that
         live = not recompute.open_contexts

@@ -44,6 +44,29 @@ def quantize(x, scale, amax, fp8_dtype, *, transpose=False, rowwise=True, dbias=
 _first_cast_logged = []
 
 
+def delayed_scale(state, index, amax, device):
+    """The scale tensor ``index`` of ``state`` is cast with under delayed
+    scaling: the state's.  For a tensor with no amax history yet, the
+    first step, ``amax()`` (a device tensor: the tensor's own amax, or an
+    upper bound of it for a tensor a kernel casts) sets it first, written
+    into the live slots so its consumers see it, logged once.  Not under
+    CUDA graph capture (a replay would repeat the host's first-step choice:
+    the scale stays 1) nor in a checkpoint's recompute, which reads the
+    scale its forward noted, as for any scale."""
+    if not state.has_history(index) and not recompute.replaying():
+        state.note_first_cast(index)
+        if not (torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            if not _first_cast_logged:
+                _first_cast_logged.append(True)
+                _log.info("seqfuse FP8 delayed scaling: tensors cast before their first amax history "
+                          "(the first step) take their scale from their own amax (current scaling), not "
+                          "the initial scale 1")
+            # into the live slots, before scale_of below notes the scale for a checkpoint's recompute
+            qops.fp8_compute_scale(amax().reshape(1).float(), *state.live_scale(index), state.fp8_max(index),
+                                   int(getattr(state.recipe, "margin", 0)))
+    return state.scale_of(index)
+
+
 def quantize_with_state(x, state, index, *, transpose=False, rowwise=True, dbias=False, rows=None):
     """Quantize ``x`` as tensor ``index`` of a ScalingState (delayed
     scaling): its scale, its amax slot for this step, its FP8 dtype.
@@ -59,18 +82,7 @@ def quantize_with_state(x, state, index, *, transpose=False, rowwise=True, dbias
     recompute reads the scale its forward noted, as for any scale."""
     state.ensure_pooled()
     fp8_dtype = state.fp8_dtype(index)
-    if not state.has_history(index) and not recompute.replaying():
-        state.note_first_cast(index)
-        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-            if not _first_cast_logged:
-                _first_cast_logged.append(True)
-                _log.info("seqfuse FP8 delayed scaling: tensors cast before their first amax history "
-                          "(the first step) take their scale from their own amax (current scaling), not "
-                          "the initial scale 1")
-            # into the live slots, before scale_of below notes the scale for a checkpoint's recompute
-            qops.fp8_compute_scale(qops.amax(x).reshape(1), *state.live_scale(index), qops.FP8_MAX[fp8_dtype],
-                                   int(getattr(state.recipe, "margin", 0)))
-    scale = state.scale_of(index)
+    scale = delayed_scale(state, index, lambda: qops.amax(x), x.device)
     if stats.recording() and not recompute.replaying():  # a recompute's casts were the forward's
         stats.record_cast(state, index, x.detach(), scale, fp8_dtype)
     return quantize(x, scale, state.amax_of(index), fp8_dtype, transpose=transpose,

@@ -6,7 +6,7 @@ that take Q, K, V already in FP8 with their inverse scales and run
               P8 = fp8(P * scale_s)            (E4M3)
               O = descale_s descale_v (P8 V8) / rowsum(P),  O8 = fp8(O * scale_o)
               stats = rowmax + log(rowsum) (float32, for the backward)
-              amax_s = max P, amax_o = max |O| (before their casts)
+              amax_s = max P / rowsum, amax_o = max |O| (before their casts)
     backward: P recomputed from stats, P8 as above
               dV = descale_s descale_dO (P8^T dO8)
               dP = descale_dO descale_v (dO8 V8^T)
@@ -51,9 +51,10 @@ import threading
 
 import torch
 
+from ..quant import FP8_MAX
+
 _log = logging.getLogger("seqfuse")
 
-FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 LAYOUTS = ("bshd", "sbhd")
 
 
@@ -161,7 +162,7 @@ def _forward_cpu(q8, k8, v8, dq, dk, dv, scale_s, descale_s, scale_o, o8, stats,
     p8 = _fp8(p, scale_s.double(), q8.dtype).double() * descale_s.double()
     o = torch.matmul(p8, v) / l
     stats.copy_((m + torch.log(l)).float())
-    amax_s.copy_(p.max().reshape(1))
+    amax_s.copy_((p / l).max().reshape(1))  # of the normalized probabilities, as cuDNN reports it
     amax_o.copy_(o.abs().max().reshape(1))
     o8.copy_(_from_bhsd(_fp8(o, scale_o.double(), o8.dtype), layout))
 
@@ -331,13 +332,15 @@ def describe(layout, b, s_q, s_kv, h_q, h_kv, d, causal):
 def _graph(key, make, what):
     g = _GRAPHS.get(key)
     if g is None:
+        shape = describe(*key[1:8], key[10 if what == "forward" else 12])
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"fp8 attention: no cuDNN {what} graph for {shape} yet, and one cannot be built "
+                               "under CUDA graph capture; run the shape once eagerly first")
         with _lock:
             g = _GRAPHS.get(key)
             if g is None:
                 g = _GRAPHS[key] = make(key)
-                causal = key[10 if what == "forward" else 12]
-                _log.info("seqfuse fp8 attention: built cuDNN's %s graph for %s", what,
-                          describe(*key[1:8], causal))
+                _log.info("seqfuse fp8 attention: built cuDNN's %s graph for %s", what, shape)
     return g
 
 
@@ -360,7 +363,7 @@ def fp8_attention_forward(q, k, v, descale_q, descale_k, descale_v, scale_s, des
                     ("scale_s", scale_s), ("descale_s", descale_s), ("scale_o", scale_o),
                     ("amax_s", amax_s), ("amax_o", amax_o)):
         _check_scalar(op, name, t, dev)
-    if o is None or o.dtype not in FP8_MAX:
+    if not isinstance(o, torch.Tensor) or o.dtype not in FP8_MAX:
         raise TypeError(f"{op}: argument 'o' must be an FP8 tensor, got "
                         f"{o.dtype if isinstance(o, torch.Tensor) else type(o).__name__}")
     _check_out(op, "o", o, q.shape, o.dtype, dev)
@@ -387,8 +390,7 @@ def fp8_attention_backward(q, k, v, o, do, stats, descale_q, descale_k, descale_
     dev = q.device
     for name, t in (("o", o), ("do", do)):
         _check_fp8(op, name, t)
-        if tuple(t.shape) != tuple(q.shape):
-            raise ValueError(f"{op}: argument '{name}' must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
+        _check_out(op, name, t, q.shape, t.dtype, dev)
     descales = (descale_q, descale_k, descale_v, descale_o, descale_do, descale_s, descale_dp)
     scales = (scale_s, scale_dp, scale_dq, scale_dk, scale_dv)
     amaxes = (amax_dq, amax_dk, amax_dv, amax_dp)
@@ -398,7 +400,8 @@ def fp8_attention_backward(q, k, v, o, do, stats, descale_q, descale_k, descale_
         _check_scalar(op, name, t, dev)
     _check_out(op, "stats", stats, (b, h_q, s_q, 1), torch.float32, dev)
     if not isinstance(dq, torch.Tensor) or dq.dtype not in FP8_MAX:
-        raise TypeError(f"{op}: argument 'dq' must be an FP8 tensor")
+        raise TypeError(f"{op}: argument 'dq' must be an FP8 tensor, got "
+                        f"{dq.dtype if isinstance(dq, torch.Tensor) else type(dq).__name__}")
     for name, t, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         _check_out(op, name, t, like.shape, dq.dtype, dev)
     softmax_scale = float(softmax_scale) if softmax_scale is not None else d ** -0.5
