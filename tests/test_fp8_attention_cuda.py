@@ -101,6 +101,9 @@ def run_both(layout, b, s_q, s_kv, h, h_kv, d, causal, backward=True):
     ("bshd", 2, 256, 256, 4, 4, 128, False),
     ("bshd", 2, 256, 256, 4, 4, 128, True),
     ("sbhd", 1, 200, 200, 8, 2, 128, True),
+    ("bshd", 1, 200, 200, 8, 2, 128, True),
+    ("sbhd", 1, 256, 256, 8, 2, 128, True),
+    ("bshd", 1, 200, 200, 8, 8, 128, True),
     ("bshd", 1, 128, 384, 4, 1, 128, False),
 ])
 def test_kernel_calls_match_the_cpu_route(layout, b, s_q, s_kv, h, h_kv, d, causal):
