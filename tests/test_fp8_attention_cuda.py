@@ -100,10 +100,7 @@ def run_both(layout, b, s_q, s_kv, h, h_kv, d, causal, backward=True):
 @pytest.mark.parametrize("layout,b,s_q,s_kv,h,h_kv,d,causal", [
     ("bshd", 2, 256, 256, 4, 4, 128, False),
     ("bshd", 2, 256, 256, 4, 4, 128, True),
-    ("sbhd", 1, 200, 200, 8, 2, 128, True),
-    ("bshd", 1, 200, 200, 8, 2, 128, True),
     ("sbhd", 1, 256, 256, 8, 2, 128, True),
-    ("bshd", 1, 200, 200, 8, 8, 128, True),
     ("bshd", 1, 128, 384, 4, 1, 128, False),
 ])
 def test_kernel_calls_match_the_cpu_route(layout, b, s_q, s_kv, h, h_kv, d, causal):
@@ -145,6 +142,35 @@ def test_kernel_forward_at_other_head_dims(layout, b, s, h, h_kv, d, causal):
     assert torch.isfinite(gpu["o"]).all()
     assert rel_error(gpu["o"], cpu["o"]) <= KERNEL_BOUND_FORWARD, rel_error(gpu["o"], cpu["o"])
     assert rel_error(gpu["stats"], cpu["stats"]) <= 1e-4
+
+
+def test_kernel_backward_at_200_tokens_is_less_exact():
+    """Why DotProductAttention trains FP8 only at sequence lengths that are
+    multiples of 128: at 200 tokens (causal) cuDNN's dQ error against the
+    exact attention is about 1.5x the CPU route's (dK, dV and O agree); if a
+    cuDNN release fixes it, this fails and the rule can go."""
+    cpu, gpu = run_both("bshd", 1, 200, 200, 8, 2, 128, True)
+    q, k, v = (x.double() / 60 for x in fp8_inputs("bshd", 1, 200, 200, 8, 2, 128))
+    do = (torch.randn(q.shape, generator=torch.Generator().manual_seed(3)) * 100).to(torch.float8_e5m2).double() / 100
+    xs = [x.requires_grad_() for x in (q, k, v)]
+    exact(*xs, "bshd", True).backward(do)
+    g, c = rel_error(gpu["dq"], xs[0].grad), rel_error(cpu["dq"], xs[0].grad)
+    assert g > 1.3 * c, (g, c)
+    for name, x in (("dk", xs[1]), ("dv", xs[2])):
+        assert rel_error(gpu[name], x.grad) <= 1.05 * rel_error(cpu[name], x.grad)
+
+
+def test_module_trains_fp8_only_at_multiples_of_128_tokens(caplog, monkeypatch):
+    import logging
+    from seqfuse.modules import attention as attention_module
+    monkeypatch.setattr(attention_module, "_fp8_refusals_logged", set())
+    dpa = te.DotProductAttention(8, 128, qkv_format="bshd", attn_mask_type="causal")
+    q, k, v = (torch.randn(1, 200, 8, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    with caplog.at_level(logging.WARNING, logger="seqfuse"), autocast(enabled=True,
+                                                                      recipe=DelayedScaling(fp8_dpa=True)):
+        dpa(q, k, v).sum().backward()
+    assert "fp8_state" not in dpa._modules
+    assert any("multiples of 128" in r.getMessage() for r in caplog.records)
 
 
 def test_module_head_dim_64_trains_bf16_with_a_warning_and_infers_fp8(caplog, monkeypatch):
