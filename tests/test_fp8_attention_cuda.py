@@ -171,6 +171,12 @@ def test_module_trains_fp8_only_at_multiples_of_128_tokens(caplog, monkeypatch):
         dpa(q, k, v).sum().backward()
     assert "fp8_state" not in dpa._modules
     assert any("multiples of 128" in r.getMessage() for r in caplog.records)
+    state = fp8a.attention_state(DelayedScaling(), DEV)
+    with pytest.raises(ValueError, match="fp8_attention: on CUDA a call that will be differentiated needs sequence "
+                                         "lengths that are multiples of 128"):
+        fp8a.fp8_attention(q, k, v, state, attn_mask_type="causal")
+    with torch.no_grad():  # inference takes any length
+        assert fp8a.fp8_attention(q, k, v, state, attn_mask_type="causal").shape == q.shape
 
 
 def test_module_head_dim_64_trains_bf16_with_a_warning_and_infers_fp8(caplog, monkeypatch):

@@ -80,8 +80,8 @@ CUDA_BACKWARD_SEQ_MULTIPLE = 128
 
 def refusal(recipe, q, k, qkv_format, attn_mask_type, window_size, dropout_p, padded, needs_grad):
     """Why this call cannot run as FP8 attention (a sentence), or None.
-    ``padded``: the call carries cu_seqlens or a padding mask;
-    ``needs_grad``: the call will be differentiated."""
+    ``padded``: the call has a padding attn_mask_type, an attention_mask or
+    packed thd input; ``needs_grad``: the call will be differentiated."""
     if not isinstance(recipe, DelayedScaling):
         return (f"fp8_dpa needs DelayedScaling: cuDNN's FP8 attention on Hopper writes O and dQ/dK/dV in FP8, "
                 f"which needs their scales before the kernel (the recipe is {type(recipe).__name__})")
@@ -253,5 +253,11 @@ def fp8_attention(q, k, v, state, *, qkv_format="bshd", attn_mask_type="no_mask"
     if attn_mask_type == "causal_bottom_right" and _seq(q, qkv_format) != _seq(k, qkv_format):
         raise ValueError(f"{op}: causal_bottom_right is taken only with s_q == s_kv (the kernels' diagonal "
                          f"is top-left), got s_q {_seq(q, qkv_format)}, s_kv {_seq(k, qkv_format)}")
+    m = CUDA_BACKWARD_SEQ_MULTIPLE
+    if (q.is_cuda and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+            and (_seq(q, qkv_format) % m or _seq(k, qkv_format) % m)):
+        raise ValueError(f"{op}: on CUDA a call that will be differentiated needs sequence lengths that are "
+                         f"multiples of {m} (cuDNN's FP8 backward is less exact at others: see "
+                         f"CUDA_BACKWARD_SEQ_MULTIPLE), got s_q {_seq(q, qkv_format)}, s_kv {_seq(k, qkv_format)}")
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     return _FP8Attention.apply(q, k, v, state, qkv_format, causal, scale, bool(deterministic))
