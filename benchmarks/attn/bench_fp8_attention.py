@@ -14,7 +14,11 @@ Rows per shape (b x s tokens, h heads of d, causal or not, bf16 inputs):
 - seqfuse_bf16: seqfuse.ops.attention in bf16 (auto route: cuDNN through
   torch SDPA on Hopper for these padding-free calls);
 - torch_sdpa_cudnn: torch's scaled_dot_product_attention pinned to its cuDNN
-  backend, bf16 (the strongest bf16 peer on Hopper, README attention table).
+  backend, bf16 (the strongest bf16 peer on Hopper, README attention table);
+- te_bf16, te_fp8_dpa: Transformer Engine's DotProductAttention, bf16 and
+  under DelayedScaling(fp8_dpa=True), where transformer_engine imports (a
+  line says why where it does not; te_fp8_dpa at head dim 128 only, as
+  seqfuse's FP8 rows).
 Timing: harness.cuda_time_ms (CUDA events, median, L2 flushed) after warm-up
 on the same shapes; forward and forward+backward separately.  ms: per call
 of CALLS calls issued back to back (as a training step issues its layers:
@@ -22,7 +26,7 @@ the host runs ahead of the GPU, so a route's host work hides behind the GPU
 work queued before it, as long as it is shorter); ms_isolated: one call per
 timed sample (the host work before the first kernel shows).  TFLOP/s =
 4 b h s^2 d (halved when causal), x3.5 with the backward.  fp8_vs_bf16 =
-the best bf16 row's time / seqfuse_fp8's.
+the best bf16 row's time (seqfuse, torch or TE) / the FP8 row's.
 
     python3 benchmarks/attn/bench_fp8_attention.py [--quick] [--profile]
 Writes benchmarks/results/fp8_attention.json (commit, versions, command).
@@ -58,6 +62,36 @@ SHAPES = [  # b, s, h, d, causal
 def flops(b, s, h, d, causal, backward):
     f = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0)
     return f * (3.5 if backward else 1.0)
+
+
+def te_rows(q, k, v, dout, h, d, mask, case, train):
+    """Transformer Engine's DotProductAttention on the same tensors, bf16 and
+    under DelayedScaling(fp8_dpa=True) (TE's FP8 attention, its own casts
+    included), where transformer_engine imports; a line says why where it
+    does not (the GPU machine has no package index: TE comes as carried
+    wheels, ../shared/peers/prepare_te.py)."""
+    try:
+        import transformer_engine.pytorch as tep
+        from transformer_engine.common import recipe as te_recipe
+    except Exception as e:  # ImportError, or a broken install
+        print(f"[fp8_attention] {case}: no Transformer Engine rows: {type(e).__name__}: {e}", flush=True)
+        return {}
+    dpa = tep.DotProductAttention(h, d, qkv_format="bshd", attn_mask_type=mask, attention_dropout=0.0)
+    fp8_recipe = te_recipe.DelayedScaling(fp8_dpa=True)
+    dflat = dout.reshape(dout.shape[0], dout.shape[1], h * d)
+
+    def run(fp8, backward):
+        def fn():
+            with torch.set_grad_enabled(backward), tep.fp8_autocast(enabled=fp8, fp8_recipe=fp8_recipe):
+                out = dpa(q, k, v)
+            if backward:
+                torch.autograd.grad(out, (q, k, v), dflat)
+        return fn
+
+    rows = {"te_bf16": (run(False, False), run(False, True))}
+    if train:
+        rows["te_fp8_dpa"] = (run(True, False), run(True, True))
+    return rows
 
 
 def bench_shape(table, b, s, h, d, causal, repeats):
@@ -137,6 +171,7 @@ def bench_shape(table, b, s, h, d, causal, repeats):
     rows = {"seqfuse_fp8": (fp8_forward, fp8_forward_backward), "seqfuse_fp8_kernels": (k_forward, k_forward_backward),
             "seqfuse_bf16": (sf_forward, sf_forward_backward), "torch_sdpa_cudnn": (sdpa_forward, sdpa_forward_backward)}
     case = f"b{b} s{s} h{h} d{d} {'causal' if causal else 'full'}"
+    rows.update(te_rows(q, k, v, dout, h, d, mask, case, train))
     for pass_name, idx, backward in (("forward", 0, False), ("forward+backward", 1, True))[:2 if train else 1]:
         ms, ms1 = {}, {}
         for name, fns in rows.items():
@@ -150,10 +185,10 @@ def bench_shape(table, b, s, h, d, causal, repeats):
                 ms[name] = cuda_time_ms(many, warmup=1, repeats=max(3, repeats // 3)) / CALLS
             except Exception as e:  # a row that cannot run says why
                 print(f"[fp8_attention] {case} {pass_name} {name}: {type(e).__name__}: {e}", flush=True)
-        bf16 = [n for n in ("seqfuse_bf16", "torch_sdpa_cudnn") if n in ms]
+        bf16 = [n for n in ("seqfuse_bf16", "torch_sdpa_cudnn", "te_bf16") if n in ms]
         best, best1 = min(ms[n] for n in bf16), min(ms1[n] for n in bf16)
         for name, t in ms.items():
-            fp8 = name.startswith("seqfuse_fp8")
+            fp8 = name.startswith("seqfuse_fp8") or name == "te_fp8_dpa"
             table.add(case=case, pass_=pass_name, row=name, ms=round(t, 3),
                       tflops=round(flops(b, s, h, d, causal, backward) / t / 1e9, 1),
                       fp8_vs_bf16=round(best / t, 3) if fp8 else "", ms_isolated=round(ms1[name], 3),
