@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from harness import Table, cuda_time_ms  # noqa: E402
+from harness import RESULTS, Table, cuda_time_ms, plot_bars  # noqa: E402
 
 import seqfuse  # noqa: E402
 from seqfuse.common.recipe import DelayedScaling  # noqa: E402
@@ -195,11 +195,30 @@ def bench_shape(table, b, s, h, d, causal, repeats):
                       fp8_vs_bf16_isolated=round(best1 / ms1[name], 3) if fp8 else "")
 
 
+def plot(json_path, png_path):
+    """A bar chart of a result file: TFLOP/s per row, back-to-back calls,
+    one group per case and pass."""
+    import json
+    with open(json_path) as f:
+        doc = json.load(f)
+    rows = doc["rows"]
+    labels = list(dict.fromkeys(f"{r['case']} {r['pass_']}" for r in rows))
+    names = list(dict.fromkeys(r["row"] for r in rows))
+    series = {n: [next((r["tflops"] for r in rows if r["row"] == n and f"{r['case']} {r['pass_']}" == lab), 0.0)
+                  for lab in labels] for n in names}
+    plot_bars(png_path, f"FP8 attention vs bf16 attention, {doc['environment'].get('gpu', '')}", labels, series,
+              "TFLOP/s (back-to-back calls)")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the first shape only, fewer repeats")
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table of the FP8 route")
+    ap.add_argument("--plot-only", metavar="JSON", help="only draw JSON's rows as JSON with .png (no GPU run)")
     args = ap.parse_args()
+    if args.plot_only:
+        plot(args.plot_only, os.path.splitext(args.plot_only)[0] + ".png")
+        return
     global PROFILE
     PROFILE = args.profile
     table = Table("fp8_attention", ["case", "pass_", "row", "ms", "tflops", "fp8_vs_bf16", "ms_isolated",
@@ -207,6 +226,7 @@ def main():
     for shape in SHAPES[:1] if args.quick else SHAPES:
         bench_shape(table, *shape, repeats=5 if args.quick else 15)
     table.save()
+    plot(os.path.join(RESULTS, "fp8_attention.json"), os.path.join(RESULTS, "fp8_attention.png"))
 
 
 if __name__ == "__main__":
