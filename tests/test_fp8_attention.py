@@ -300,3 +300,44 @@ def test_checkpointed_fp8_attention_equals_the_plain_one_over_steps():
             res.append([out.detach()] + [x.grad for x in xs] + [st.amax_history.clone(), st.scale.clone()])
         for a, b in zip(*res):
             assert torch.equal(a, b), step
+
+
+def test_more_bad_arguments_name_the_rule():
+    q, k, v = inputs("bshd", 1, 8, 8, 2, 2, 16)
+    with pytest.raises(ValueError, match="argument 'state' is on meta, q on cpu"):
+        fp8a.fp8_attention(q, k, v, fp8a.attention_state(DelayedScaling(), "meta"))
+    q8 = q.detach().to(torch.float8_e4m3fn)
+    one = torch.ones(1)
+    stats = torch.zeros(1, 2, 8, 1)
+    g8 = [torch.empty(q.shape, dtype=torch.float8_e5m2) for _ in range(3)]
+
+    def backward(o=q8, do=q8.to(torch.float8_e5m2), dq=g8[0]):
+        attn_ops.fp8_attention_backward(q8, q8, q8, o, do, stats, *([one] * 12), dq=dq, dk=g8[1], dv=g8[2],
+                                        amax_dq=one.clone(), amax_dk=one.clone(), amax_dv=one.clone(),
+                                        amax_dp=one.clone())
+    backward()  # the arguments as they should be
+    with pytest.raises(TypeError, match="argument 'o' must be float8"):
+        backward(o=q.detach())
+    with pytest.raises(ValueError, match="argument 'do' must be a contiguous .* on cpu, got .* on meta"):
+        backward(do=torch.empty(q.shape, dtype=torch.float8_e5m2, device="meta"))
+    with pytest.raises(TypeError, match="argument 'dq' must be an FP8 tensor, got torch.bfloat16"):
+        backward(dq=q.detach())
+    with pytest.raises(TypeError, match="argument 'o' must be an FP8 tensor, got NoneType"):
+        attn_ops.fp8_attention_forward(q8, q8, q8, *([one] * 6), o=None, stats=stats, amax_s=one.clone(),
+                                       amax_o=one.clone())
+
+
+def test_missing_frontend_is_named_and_asked_once(monkeypatch):
+    """Without nvidia-cudnn-frontend a CUDA call is refused with the package's
+    name (DotProductAttention then falls back with it in its WARNING), and the
+    failed import is not retried at every call."""
+    import sys
+    from seqfuse.ops.attn import _fp8
+    monkeypatch.setattr(_fp8, "_cudnn", None)
+    monkeypatch.setattr(_fp8, "_cudnn_missing", None)
+    monkeypatch.setitem(sys.modules, "cudnn", None)  # import cudnn -> ImportError
+    why = attn_ops.fp8_attention_unavailable("cuda")
+    assert "pip install nvidia-cudnn-frontend" in why and "import of cudnn halted" in why
+    monkeypatch.delitem(sys.modules, "cudnn")  # importable or not now: the first answer stands
+    assert attn_ops.fp8_attention_unavailable("cuda") == why
+    assert attn_ops.fp8_attention_unavailable("cpu") is None

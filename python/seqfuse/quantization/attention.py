@@ -152,13 +152,14 @@ class _FP8Attention(torch.autograd.Function):
         state.ensure_pooled()
         dtype = q.dtype
         q8, k8, v8 = (quantize_with_state(x, state, i) for x, i in ((q, Q), (k, K), (v, V)))
-        # this call's input amaxes (at least): the first step's bounds, in the backward too, which runs
-        # after the step's update has cleared the state's amax row.  Saved every call, so a checkpoint's
-        # recompute saves what its forward saved; in the recompute the amax slots are scratch, so from x
-        if recompute.replaying():
-            amax_qkv = torch.stack([x.detach().abs().amax().float() for x in (q, k, v)])
-        else:
+        # this call's input amaxes (at least), copied while a tensor cuDNN casts has no history: the first
+        # step's bounds, in the backward too, which runs after the step's update has cleared the amax row.
+        # Kept on ctx, not saved: a checkpoint's recompute (whose amax slots are scratch, and whose ctx the
+        # backward never sees) then saves the same tensors as its forward and computes nothing here
+        amax_qkv = None
+        if not recompute.replaying() and not all(state.has_history(i) for i in (O, DP, DQ, DK, DV)):
             amax_qkv = torch.cat([state.amax_of(Q), state.amax_of(K), state.amax_of(V)])
+        ctx.amax_qkv = amax_qkv
         scale_o = delayed_scale(state, O, lambda: amax_qkv[2:3] * 1.125, q.device)
         descale_o = torch.reciprocal(scale_o)
         scale_s, descale_s = _p_scale(q8.data.dtype, q.device)
@@ -174,7 +175,7 @@ class _FP8Attention(torch.autograd.Function):
         _fold(state, O, amax_o)
         out = qops.dequantize_fp8(o8, descale_o, dtype)
         ctx.save_for_backward(q8.data, k8.data, v8.data, q8.scale_inv, k8.scale_inv, v8.scale_inv, o8, descale_o,
-                              stats, amax_qkv)
+                              stats)
         ctx.state, ctx.layout, ctx.causal = state, layout, causal
         ctx.softmax_scale, ctx.deterministic = softmax_scale, deterministic
         ctx.dtypes = (q.dtype, k.dtype, v.dtype)
@@ -182,8 +183,9 @@ class _FP8Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        q8, k8, v8, dq_s, dk_s, dv_s, o8, descale_o, stats, amax_qkv = ctx.saved_tensors
-        state, layout = ctx.state, ctx.layout
+        q8, k8, v8, dq_s, dk_s, dv_s, o8, descale_o, stats = ctx.saved_tensors
+        state, layout, amax_qkv = ctx.state, ctx.layout, ctx.amax_qkv  # (None once every tensor has a history:
+        # has_history only grows, so the bounds below are then never asked for)
         state.ensure_pooled()
         do8 = quantize_with_state(dout.contiguous(), state, DO)
         d = q8.shape[-1]

@@ -198,6 +198,7 @@ def _backward_cpu(q8, k8, v8, o8, do8, stats, descales, scales, dq8, dk8, dv8, a
 # ---- CUDA: cuDNN's graphs through nvidia-cudnn-frontend -------------------------------
 
 _cudnn = None
+_cudnn_missing = None  # the import's failure, kept: a fallback runs every forward, and asks every time
 _GRAPHS = {}
 _HANDLES = {}
 _lock = threading.Lock()
@@ -205,16 +206,19 @@ _lock = threading.Lock()
 
 def cudnn_frontend():
     """The ``cudnn`` module of nvidia-cudnn-frontend, or RuntimeError saying how to get it."""
-    global _cudnn
+    global _cudnn, _cudnn_missing
     if _cudnn is None:
-        try:
-            import cudnn
-        except Exception as e:  # ImportError, or a broken install (a missing libcudnn)
-            raise RuntimeError("FP8 attention on CUDA runs cuDNN's fused FP8 attention through NVIDIA's "
-                               "nvidia-cudnn-frontend package, which is not importable here "
-                               f"({type(e).__name__}: {e}); install it with "
-                               "'pip install nvidia-cudnn-frontend'") from e
-        _cudnn = cudnn
+        if _cudnn_missing is None:
+            try:
+                import cudnn
+                _cudnn = cudnn
+                return _cudnn
+            except Exception as e:  # ImportError, or a broken install (a missing libcudnn)
+                _cudnn_missing = (f"FP8 attention on CUDA runs cuDNN's fused FP8 attention through NVIDIA's "
+                                  f"nvidia-cudnn-frontend package, which is not importable here "
+                                  f"({type(e).__name__}: {e}); install it with "
+                                  f"'pip install nvidia-cudnn-frontend'")
+        raise RuntimeError(_cudnn_missing)
     return _cudnn
 
 
