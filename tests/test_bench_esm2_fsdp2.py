@@ -16,6 +16,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks", "esm2")
 sys.path.insert(0, BENCH)
+sys.path.insert(0, os.path.dirname(BENCH))  # benchmarks/: profile_summary
 sys.path.insert(0, os.path.join(ROOT, "recipes", "esm2"))
 
 import profile_summary  # noqa: E402

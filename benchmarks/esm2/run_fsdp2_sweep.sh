@@ -3,7 +3,7 @@
 # 16k tokens per GPU) on the GPUs of one host: the one-GPU baseline and the
 # FSDP2 settings worth comparing, each printed as one line (unpadded
 # tokens/s, scaling vs one GPU), JSON in benchmarks/results/, compact
-# per-rank profiles (benchmarks/esm2/profile_summary.py) in $PROFILE_DIR.
+# per-rank profiles (benchmarks/profile_summary.py) in $PROFILE_DIR.
 #
 # Why one torchrun job per precision rather than one per setting: starting
 # torch, NCCL and a 650M model costs more than the ten timed steps, so every

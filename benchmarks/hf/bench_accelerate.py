@@ -139,7 +139,7 @@ def train_row(model, ids, warmup, steps, device):
     loss0 = float(step().detach())
     for _ in range(max(0, warmup - 1)):
         step()
-    return loss0, _timed(step, steps, device)
+    return loss0, _timed(step, steps, device), step
 
 
 def prefill_row(model, ids, warmup, steps, device):
@@ -153,7 +153,7 @@ def prefill_row(model, ids, warmup, steps, device):
     loss0 = float(first.float().logsumexp(-1).mean())  # a fingerprint of the last position's logits
     for _ in range(max(0, warmup - 1)):
         step()
-    return loss0, _timed(step, steps, device)
+    return loss0, _timed(step, steps, device), step
 
 
 def _timed(step, steps, device):
@@ -184,6 +184,10 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=5, help="timed steps")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default=None, help="result name (benchmarks/results/NAME.json); default from the shape")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="after each row's timed steps, profile --profile-steps more into DIR/<out>_<row>_profile.txt "
+                        "(benchmarks/profile_summary.py; the peak memory then covers them too)")
+    p.add_argument("--profile-steps", type=int, default=2)
     args = p.parse_args(argv)
     rows = parse_list(p, "--rows", args.rows, ROWS)
     rows = [r for r in ROWS if r in rows]  # Liger last: its rotary patch is module-wide
@@ -215,7 +219,16 @@ def main(argv=None):
         model = None
         try:
             model, note = prepare(row, base, family)
-            loss0, ms = run(model, ids, args.warmup, args.steps, device)
+            loss0, ms, step = run(model, ids, args.warmup, args.steps, device)
+            if args.profile:
+                from profile_summary import profile_steps
+
+                path = os.path.join(args.profile, f"{out}_{row}_profile.txt")
+                sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+                profile_steps(lambda _: step(), [None] * args.profile_steps, sync, path,
+                              f"{row}: {args.shape} {args.mode}, {args.batch} x {args.seq} tokens",
+                              cuda=device.type == "cuda", top=40)
+                print(f"{row}: profile in {path}", flush=True)
         except Exception as e:  # noqa: BLE001 - a failing row is recorded, the others still run
             import traceback
 

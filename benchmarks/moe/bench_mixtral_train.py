@@ -30,9 +30,19 @@ Rows (``--rows``):
                       Python loop over the experts);
   seqfuse_bf16, seqfuse_fp8_delayed, seqfuse_fp8_current, seqfuse_fp8_block
                       the recipe's model, forward_loss and optimizer
-                      (FusedAdamW, fp32 master weights), FP8 under seqfuse's
-                      autocast (the LM head and router stay bf16).
-A row that fails keeps its error and the others run.  Timing: one untimed
+                      (FusedAdamW: fp32 master weights and fp32 moments, 12
+                      bytes of state a parameter against the transformers
+                      row's 4), FP8 under seqfuse's autocast (the LM head
+                      and router stay bf16);
+  seqfuse_bf16_torch_adamw
+                      the recipe's model with the transformers row's own
+                      optimizer (torch AdamW(fused), bf16 moments, no master
+                      copy, every parameter decayed): the like-for-like row
+                      for speed and peak memory.
+A row that fails keeps its error and the others run.  ``--profile DIR``:
+after a row's timed pass, ``--profile-steps`` more steps under
+torch.profiler, summarised to DIR/<row>_profile.txt
+(benchmarks/profile_summary.py: GPU busy and idle time, the top kernels).  Timing: one untimed
 warm pass over the very batches, then one timed pass, the GPU synchronized
 before and after only.  Reported: unpadded tokens/s, vs_hf (against
 hf_bf16) and vs_hf_loop, MFU of the active weights' FLOPs
@@ -64,8 +74,10 @@ from harness import Table  # noqa: E402
 from mixtral_recipe import load_config  # noqa: E402
 from mixtral_recipe import trainer as recipe  # noqa: E402
 
-ROWS = ("hf_bf16", "hf_bf16_loop", "seqfuse_bf16", "seqfuse_fp8_delayed", "seqfuse_fp8_current", "seqfuse_fp8_block")
-DEFAULT_ROWS = ("hf_bf16", "hf_bf16_loop", "seqfuse_bf16", "seqfuse_fp8_delayed", "seqfuse_fp8_block")
+ROWS = ("hf_bf16", "hf_bf16_loop", "seqfuse_bf16", "seqfuse_bf16_torch_adamw", "seqfuse_fp8_delayed",
+        "seqfuse_fp8_current", "seqfuse_fp8_block")
+DEFAULT_ROWS = ("hf_bf16", "hf_bf16_loop", "seqfuse_bf16", "seqfuse_bf16_torch_adamw", "seqfuse_fp8_delayed",
+                "seqfuse_fp8_block")
 MEASURED_TFLOPS = 794.0  # the project's measured H200 bf16 ceiling (benchmarks/harness.py)
 
 
@@ -94,15 +106,21 @@ def build_hf(mcfg, device, dtype, experts, seed):
     return model
 
 
+def torch_adamw(model, cfg, device):
+    """The transformers row's optimizer: torch AdamW (fused on the GPU) over
+    every parameter with the recipe's hyperparameters."""
+    t = cfg.train
+    return torch.optim.AdamW(model.parameters(), lr=float(t.lr), betas=tuple(t.betas), eps=float(t.eps),
+                             weight_decay=float(t.weight_decay), fused=device.type == "cuda")
+
+
 def build_row(name, cfg, mcfg, device, dtype, seed):
     """(model, optimizer, context, forward) of a row."""
     from seqfuse.pytorch import autocast
 
     if name.startswith("hf_"):
         model = build_hf(mcfg, device, dtype, "eager" if name.endswith("_loop") else "grouped_mm", seed)
-        t = cfg.train  # the recipe's hyperparameters (every parameter decayed: transformers' plain AdamW)
-        opt = torch.optim.AdamW(model.parameters(), lr=float(t.lr), betas=tuple(t.betas), eps=float(t.eps),
-                                weight_decay=float(t.weight_decay), fused=device.type == "cuda")
+        opt = torch_adamw(model, cfg, device)
 
         def forward(b):
             return model(input_ids=b["input_ids"].view(b["shape"]), labels=b["labels"].view(b["shape"]),
@@ -113,10 +131,10 @@ def build_row(name, cfg, mcfg, device, dtype, seed):
     hf = build_hf(mcfg, device, dtype, "eager", seed)
     model = from_hf_model(hf)
     del hf
-    fp8 = name[len("seqfuse_"):]
+    fp8 = name[len("seqfuse_"):].removesuffix("_torch_adamw")
     rcfg = load_config(cfg.config_name, [f"precision.recipe={fp8}"])
     fp8_recipe = recipe.fp8_recipe(rcfg)
-    opt = recipe.build_optimizer(model, rcfg)
+    opt = torch_adamw(model, cfg, device) if name.endswith("_torch_adamw") else recipe.build_optimizer(model, rcfg)
 
     def context():
         return autocast(enabled=fp8_recipe is not None, recipe=fp8_recipe)
@@ -126,7 +144,7 @@ def build_row(name, cfg, mcfg, device, dtype, seed):
     return model, opt, context, forward
 
 
-def run_row(name, cfg, mcfg, batches, device, dtype, seed):
+def run_row(name, cfg, mcfg, batches, device, dtype, seed, profile=None, profile_steps=2):
     model, opt, context, forward = build_row(name, cfg, mcfg, device, dtype, seed)
     model.train()
 
@@ -151,6 +169,13 @@ def run_row(name, cfg, mcfg, batches, device, dtype, seed):
     seconds = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     final = float(losses[-1])
+    if profile:
+        from profile_summary import profile_steps as profiled
+
+        path = os.path.join(profile, f"{name}_profile.txt")
+        profiled(step, batches[:profile_steps], sync, path, f"{name}: Mixtral training step",
+                 cuda=device.type == "cuda", top=40)
+        log(f"{name}: profile in {path}")
     del model, opt
     gc.collect()
     if device.type == "cuda":
@@ -169,6 +194,9 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--data", default=None, help="a genome-window Parquet file (default: the benchmark's)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="after each row's timed pass, profile --profile-steps more steps into DIR/<row>_profile.txt")
+    ap.add_argument("--profile-steps", type=int, default=2)
     args = ap.parse_args(argv)
     rows = args.rows.split(",")
     bad = [r for r in rows if r not in ROWS]
@@ -195,7 +223,8 @@ def main(argv=None):
     done = {}
     for name in rows:
         try:
-            seconds, first, final, peak = run_row(name, cfg, mcfg, batches, device, dtype, args.seed)
+            seconds, first, final, peak = run_row(name, cfg, mcfg, batches, device, dtype, args.seed,
+                                                  args.profile, args.profile_steps)
         except Exception as e:  # noqa: BLE001 - a failing row keeps its reason, the others run
             traceback.print_exc()
             table.add(row=name, error=f"{type(e).__name__}: {str(e)[:300]}")

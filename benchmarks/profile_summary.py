@@ -1,4 +1,6 @@
-"""Compact per-rank profile of a few training steps (bench_esm2.py --profile).
+"""Compact per-rank profile of a few training steps (the --profile option of
+benchmarks/esm2/bench_esm2.py, benchmarks/moe/bench_mixtral_train.py and
+benchmarks/hf/bench_accelerate.py).
 
 Why: the FSDP2 scaling question ("what costs time on two GPUs and not on
 one?") is answered by a handful of numbers per rank, not by a 100 MB trace:
@@ -187,7 +189,7 @@ def host_section(events, steps, top=15):
     return out
 
 
-def profile_steps(step, batches, sync, path, title, cuda=True):
+def profile_steps(step, batches, sync, path, title, cuda=True, top=25):
     """Run ``step(b)`` for each batch under torch.profiler; write the summary
     to ``path`` and return its numbers.  The trace lives in a temporary
     directory only."""
@@ -208,7 +210,7 @@ def profile_steps(step, batches, sync, path, title, cuda=True):
         prof.export_chrome_trace(trace)
         with open(trace) as f:
             events = json.load(f).get("traceEvents", [])
-    text, nums = summarize(events, len(batches), host_ms, cpu_ms, title=title)
+    text, nums = summarize(events, len(batches), host_ms, cpu_ms, title=title, top=top)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         f.write(text)
