@@ -23,6 +23,7 @@ import time
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CATS = ("user_annotation", "cpu_op")
+RUNTIME_CATS = ("cuda_runtime", "cuda_driver")
 
 
 def is_nccl(name):
@@ -161,7 +162,69 @@ def summarize(events, steps, host_ms=(), cpu_ms=(), title="", top=25):
         short = name if len(name) <= 110 else name[:107] + "..."
         lines.append(f"{d / 1e3 / per:8.2f} {n / per:10.1f} {d / n:8.1f} {100 * d / max(total, 1e-9):5.1f}  {short}")
     lines += host_section(events, steps)
+    lines += runtime_section(events, steps)
     return "\n".join(lines) + "\n", nums
+
+
+def runtime_section(events, steps, top=10):
+    """CUDA runtime and driver calls by total host time: a synchronizing call
+    (cudaStreamSynchronize, a device-to-host cudaMemcpy) or an allocation
+    (cudaMalloc) that the host waits in shows here."""
+    calls = [e for e in events if e.get("ph") == "X" and e.get("cat") in RUNTIME_CATS and "dur" in e]
+    if not calls:
+        return []
+    by = {}
+    for e in calls:
+        k = by.setdefault(e["name"], [0, 0.0])
+        k[0] += 1
+        k[1] += e["dur"]
+    per = max(1, steps)
+    out = ["", f"== top {top} CUDA runtime / driver calls by host time (per step) ==",
+           f"{'ms/step':>8} {'calls/step':>10}  name"]
+    for name, (n, d) in sorted(by.items(), key=lambda x: -x[1][1])[:top]:
+        out.append(f"{d / 1e3 / per:8.2f} {n / per:10.1f}  {name}")
+    return out
+
+
+def sync_points(step, path, title, frames=8):
+    """Run ``step()`` once under torch.cuda.set_sync_debug_mode("warn") and
+    write every distinct Python stack that made a synchronizing CUDA call
+    (a device-to-host copy, .item(), a non-blocking-unsafe op), with its
+    count, to ``path``; returns the number of synchronizing calls.  A
+    training step that syncs serialises the host's launches with the GPU's
+    work: the host work after each sync is exposed."""
+    import traceback
+    import warnings
+
+    import torch
+
+    seen = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        stack = [f for f in traceback.extract_stack()[:-1] if "warnings.py" not in f.filename]
+        key = "".join(traceback.format_list(stack[-frames:]))
+        seen[key] = seen.get(key, 0) + 1
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():  # restores showwarning and the filters on exit
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    total = sum(seen.values())
+    lines = [f"# {title}".rstrip(), f"synchronizing CUDA calls in one step: {total} ({len(seen)} distinct stacks)"]
+    for key, n in sorted(seen.items(), key=lambda x: -x[1]):
+        lines += ["", f"-- {n} call(s) from:", key.rstrip()]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return total
 
 
 def host_section(events, steps, top=15):

@@ -148,3 +148,13 @@ def test_fsdp2_host_overhead_script(tmp_path):
                         "--configs", "plain,ddp", "--out", str(out)], env=env, capture_output=True, text=True,
                        timeout=240, cwd=ROOT)
     assert r.returncode != 0 and "only FSDP2 wrapping settings" in r.stderr
+
+
+def test_profile_summary_lists_runtime_calls():
+    ev = [_k("gemm", 0, 10, 7), {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 0, "dur": 400},
+          {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0, "dur": 5},
+          {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 9, "dur": 5}]
+    text, _ = profile_summary.summarize(ev, 2)
+    tail = text.split("CUDA runtime / driver calls")[1].splitlines()
+    assert tail[2].split() == ["0.20", "0.5", "cudaStreamSynchronize"]
+    assert tail[3].split() == ["0.01", "1.0", "cudaLaunchKernel"]

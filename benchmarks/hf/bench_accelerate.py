@@ -186,7 +186,8 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="result name (benchmarks/results/NAME.json); default from the shape")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="after each row's timed steps, profile --profile-steps more into DIR/<out>_<row>_profile.txt "
-                        "(benchmarks/profile_summary.py; the peak memory then covers them too)")
+                        "(benchmarks/profile_summary.py; the peak memory then covers them too) and, on the GPU, "
+                        "the Python stacks of one step's synchronizing CUDA calls into DIR/<out>_<row>_syncs.txt")
     p.add_argument("--profile-steps", type=int, default=2)
     args = p.parse_args(argv)
     rows = parse_list(p, "--rows", args.rows, ROWS)
@@ -221,7 +222,7 @@ def main(argv=None):
             model, note = prepare(row, base, family)
             loss0, ms, step = run(model, ids, args.warmup, args.steps, device)
             if args.profile:
-                from profile_summary import profile_steps
+                from profile_summary import profile_steps, sync_points
 
                 path = os.path.join(args.profile, f"{out}_{row}_profile.txt")
                 sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -229,6 +230,10 @@ def main(argv=None):
                               f"{row}: {args.shape} {args.mode}, {args.batch} x {args.seq} tokens",
                               cuda=device.type == "cuda", top=40)
                 print(f"{row}: profile in {path}", flush=True)
+                if device.type == "cuda":
+                    n = sync_points(step, os.path.join(args.profile, f"{out}_{row}_syncs.txt"),
+                                    f"{row}: {args.shape} {args.mode}")
+                    print(f"{row}: {n} synchronizing CUDA calls in one step", flush=True)
         except Exception as e:  # noqa: BLE001 - a failing row is recorded, the others still run
             import traceback
 

@@ -42,7 +42,9 @@ Rows (``--rows``):
 A row that fails keeps its error and the others run.  ``--profile DIR``:
 after a row's timed pass, ``--profile-steps`` more steps under
 torch.profiler, summarised to DIR/<row>_profile.txt
-(benchmarks/profile_summary.py: GPU busy and idle time, the top kernels).  Timing: one untimed
+(benchmarks/profile_summary.py: GPU busy and idle time, the top kernels),
+and on the GPU the Python stacks of one step's synchronizing CUDA calls in
+DIR/<row>_syncs.txt.  Timing: one untimed
 warm pass over the very batches, then one timed pass, the GPU synchronized
 before and after only.  Reported: unpadded tokens/s, vs_hf (against
 hf_bf16) and vs_hf_loop, MFU of the active weights' FLOPs
@@ -171,11 +173,16 @@ def run_row(name, cfg, mcfg, batches, device, dtype, seed, profile=None, profile
     final = float(losses[-1])
     if profile:
         from profile_summary import profile_steps as profiled
+        from profile_summary import sync_points
 
         path = os.path.join(profile, f"{name}_profile.txt")
         profiled(step, batches[:profile_steps], sync, path, f"{name}: Mixtral training step",
                  cuda=device.type == "cuda", top=40)
         log(f"{name}: profile in {path}")
+        if device.type == "cuda":
+            n = sync_points(lambda: step(batches[0]), os.path.join(profile, f"{name}_syncs.txt"),
+                            f"{name}: Mixtral training step")
+            log(f"{name}: {n} synchronizing CUDA calls in one step ({name}_syncs.txt)")
     del model, opt
     gc.collect()
     if device.type == "cuda":
