@@ -17,9 +17,10 @@
  * tolerance table the other checks use).  Each backward takes the
  * reference's forward outputs on both sides, so every op is checked on its
  * own inputs.
- * Speed: permute and unpermute at a Mixtral layer's shape (16384 tokens,
- * hidden 4096, 8 experts, top-2, bf16) against a device copy of the same
- * bytes, and the top-k router at 16384 tokens.
+ * Speed: permute, unpermute and its backward at a Mixtral layer's shape
+ * (16384 tokens, hidden 4096, 8 experts, top-2, bf16) and the scaled
+ * SwiGLU and its backward at Mixtral-small's (32768 rows of 3584) against
+ * a device copy of the same bytes, and the top-k router at 16384 tokens.
  */
 #include "core/check_util.h"
 #include "core/float_bits.h"
@@ -276,12 +277,15 @@ static void permute_case(sf_dtype dt, int64_t T, int64_t E, int topk, int64_t H,
                  what);
 }
 
-static void swiglu_case(sf_dtype dt, int64_t N, int64_t F)
+/* gdt: dout's dtype (x's when SF_BOOL is passed: the default). */
+static void swiglu_case(sf_dtype dt, int64_t N, int64_t F, sf_dtype gdt = SF_BOOL)
 {
+    if (gdt == SF_BOOL)
+        gdt = dt;
     if (!check_take_case()) /* CHECK_EVERY (core/check_util.h) */
         return;
     int64_t sx[2] = {N, 2 * F}, so[2] = {N, F}, sn[1] = {N};
-    CheckBuf x(dt, N * 2 * F), probs(SF_FLOAT32, N), out(dt, N * F), dout(dt, N * F), dx(dt, N * 2 * F),
+    CheckBuf x(dt, N * 2 * F), probs(SF_FLOAT32, N), out(dt, N * F), dout(gdt, N * F), dx(dt, N * 2 * F),
         dprobs(SF_FLOAT32, N);
     fill_normal_up(x, 2.0f);
     fill_normal_up(dout, 1.0f);
@@ -296,8 +300,8 @@ static void swiglu_case(sf_dtype dt, int64_t N, int64_t F)
     }
     const double eo = err_all(out), ed = err_all(dx), ep = err_all(dprobs), tol = check_tol(dt);
     char what[200];
-    snprintf(what, sizeof what, "moe swiglu %s N=%lld F=%lld: out %.1e, dx %.1e, dprobs %.1e (tol %.1e)",
-             sf_dtype_name(dt), (long long)N, (long long)F, eo, ed, ep, tol);
+    snprintf(what, sizeof what, "moe swiglu %s (dout %s) N=%lld F=%lld: out %.1e, dx %.1e, dprobs %.1e (tol %.1e)",
+             sf_dtype_name(dt), sf_dtype_name(gdt), (long long)N, (long long)F, eo, ed, ep, tol);
     check_report(eo <= tol && ed <= tol && ep <= 10 * check_tol(SF_FLOAT32), what);
 }
 
@@ -324,6 +328,35 @@ static void bench(void)
            (long long)T, (long long)H, (long long)E, topk, tp, bp / tp / 1e9, 100 * bp / tp / 1e9 / copy, copy);
     printf("moe unpermute bf16 T=%lld H=%lld E=%lld top-%d: %.3f ms = %.2f TB/s (%.0f%% of copy)\n", (long long)T,
            (long long)H, (long long)E, topk, tu, bu / tu / 1e9, 100 * bu / tu / 1e9 / copy);
+    {   /* unpermute's backward with dprobs: reads dout (T rows) and inp (N rows), writes dinp (N rows) */
+        CheckBuf g(SF_BFLOAT16, T * H), probs(SF_FLOAT32, T * E), dprobs(SF_FLOAT32, T * E), dinp(SF_BFLOAT16, N * H);
+        CHECK_CUDA(cudaMemset(g.d, 0x3c, T * H * 2));
+        CHECK_CUDA(cudaMemset(probs.d, 0, T * E * 4));
+        sf_tensor gi = g.view(2, sx, 1), p = probs.view(2, s2, 1), dp = dprobs.view(2, s2, 1), di = dinp.view(2, sp, 1);
+        const float tb = time_ms([&] { CHECK_SF(sf_moe_unpermute_backward(&gi, &o, &r, &p, &di, &dp, NULL)); });
+        const double bb = (double)(T + 2 * N) * H * 2;
+        printf("moe unpermute_backward bf16 T=%lld H=%lld E=%lld top-%d (with dprobs): %.3f ms = %.2f TB/s "
+               "(%.0f%% of copy)\n", (long long)T, (long long)H, (long long)E, topk, tb, bb / tb / 1e9,
+               100 * bb / tb / 1e9 / copy);
+    }
+    {   /* the probability-scaled SwiGLU at Mixtral-small's expert shape: N = 32768 rows, F = 3584 */
+        const int64_t NS = 32768, F = 3584;
+        int64_t sxs[2] = {NS, 2 * F}, sos[2] = {NS, F}, sns[1] = {NS};
+        CheckBuf x(SF_BFLOAT16, NS * 2 * F), a(SF_BFLOAT16, NS * F), dx(SF_BFLOAT16, NS * 2 * F),
+            probs(SF_FLOAT32, NS), dprobs(SF_FLOAT32, NS);
+        CHECK_CUDA(cudaMemset(x.d, 0x3c, NS * 2 * F * 2));
+        CHECK_CUDA(cudaMemset(a.d, 0x3c, NS * F * 2));
+        CHECK_CUDA(cudaMemset(probs.d, 0, NS * 4));
+        sf_tensor xi = x.view(2, sxs, 1), ai = a.view(2, sos, 1), dxi = dx.view(2, sxs, 1), p = probs.view(1, sns, 1),
+                  dp = dprobs.view(1, sns, 1);
+        const float tf = time_ms([&] { CHECK_SF(sf_moe_swiglu_forward(&xi, &p, &ai, NULL)); });
+        const float tb = time_ms([&] { CHECK_SF(sf_moe_swiglu_backward(&ai, &xi, &p, &dxi, &dp, NULL)); });
+        const double bf = 3.0 * NS * F * 2, bb = 5.0 * NS * F * 2;
+        printf("moe swiglu_forward bf16 N=%lld F=%lld: %.3f ms = %.2f TB/s (%.0f%% of copy)\n", (long long)NS,
+               (long long)F, tf, bf / tf / 1e9, 100 * bf / tf / 1e9 / copy);
+        printf("moe swiglu_backward bf16 N=%lld F=%lld (with dprobs): %.3f ms = %.2f TB/s (%.0f%% of copy)\n",
+               (long long)NS, (long long)F, tb, bb / tb / 1e9, 100 * bb / tb / 1e9 / copy);
+    }
 
     for (int64_t experts : {(int64_t)8, (int64_t)64}) {
         int64_t sl[2] = {T, experts};
@@ -352,9 +385,13 @@ int main(void)
         router_case(dt, 300, 128, 1, SF_MOE_SOFTMAX, 0, 0);
         permute_case(dt, 1000, 8, 2, 256, 0);
         permute_case(dt, 517, 64, 8, 72, 100); /* H not a multiple of 16 bytes' elements, rows dropped */
+        permute_case(dt, 200, 8, 2, 37, 0); /* odd hidden size: one element per access */
         swiglu_case(dt, 700, 344);
         swiglu_case(dt, 33, 7);
+        swiglu_case(dt, 64, 3584); /* Mixtral-small's expert width: 224 threads a row */
     }
+    swiglu_case(SF_BFLOAT16, 300, 344, SF_FLOAT32); /* dout in another dtype than x */
+    swiglu_case(SF_FLOAT32, 300, 37, SF_BFLOAT16);
     bench();
     return check_finish("check_moe");
 }

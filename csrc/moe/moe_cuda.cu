@@ -13,13 +13,23 @@
  * its rank and the expert's count; then each block adds the counts of the
  * experts before it (its offset in the expert-sorted buffer).  permute,
  * unpermute and unpermute_backward give each token a block whose threads run
- * along the hidden dimension (permute copies 16 bytes per access where the
- * rows allow); unpermute accumulates in float32.
+ * along the hidden dimension; unpermute accumulates in float32.
+ *
+ * Row kernels (permute, unpermute and its backward, the probability-scaled
+ * SwiGLU and its backward) are memory-bound: they are templated on their
+ * element types (visit.cuh's static switch) and move kVec = 8 consecutive
+ * elements per access (16 bytes of a 16-bit type) where every row length is
+ * a multiple of 8 and every row pointer aligned to 8 elements; elsewhere
+ * the same template runs one element per access.  Each element's arithmetic
+ * is the CPU reference's (moe.h's functions, float_bits.h's conversions, the
+ * same operation order), so results match it element for element, except
+ * sums across threads (dprobs), whose order differs.
  * Nothing here synchronizes the host.
  */
 #include <cuda_runtime.h>
 
 #include <initializer_list>
+#include <type_traits>
 
 #include "../core/cuda_util.h"
 #include "../core/visit.cuh"
@@ -184,74 +194,166 @@ __global__ void row_offset_kernel(int64_t T, int64_t E, const int64_t *count, in
     }
 }
 
-/* Copy one row of `bytes` bytes: 16 bytes per access where the caller found
- * both rows 16-byte aligned and the length a multiple of 16 (`vec`), else
- * one element (`es` = 2 or 4 bytes) per access. */
-__device__ void copy_row(char *dst, const char *src, int64_t bytes, size_t es, int vec)
+/* An element type's storage and its float value, through float_bits.h's
+ * conversions (the CPU reference's, so both backends round alike). */
+template <typename T> struct Io;
+template <> struct Io<float> {
+    using raw = float;
+    static __device__ float ld(float v) { return v; }
+    static __device__ float st(float v) { return v; }
+};
+template <> struct Io<__half> {
+    using raw = uint16_t;
+    static __device__ float ld(uint16_t h) { return sf_f16_to_f32(h); }
+    static __device__ uint16_t st(float v) { return sf_f32_to_f16(v); }
+};
+template <> struct Io<__nv_bfloat16> {
+    using raw = uint16_t;
+    static __device__ float ld(uint16_t h) { return sf_bf16_to_f32(h); }
+    static __device__ uint16_t st(float v) { return sf_f32_to_bf16(v); }
+};
+template <typename T> using Raw = typename Io<T>::raw;
+
+/* Elements a row kernel moves per access where the rows allow it. */
+constexpr int kVec = 8;
+
+template <typename T, int VEC> struct alignas(sizeof(Raw<T>) * VEC) Pack {
+    Raw<T> v[VEC];
+};
+
+/* f[k] = p[k] for k < VEC, one access. */
+template <typename T, int VEC> __device__ __forceinline__ void load(const Raw<T> *p, float (&f)[VEC])
 {
-    if (vec) {
-        for (int64_t i = threadIdx.x; i < bytes / 16; i += blockDim.x)
-            ((uint4 *)dst)[i] = ((const uint4 *)src)[i];
-    } else if (es == 4) {
-        for (int64_t i = threadIdx.x; i < bytes / 4; i += blockDim.x)
-            ((float *)dst)[i] = ((const float *)src)[i];
-    } else {
-        for (int64_t i = threadIdx.x; i < bytes / 2; i += blockDim.x)
-            ((uint16_t *)dst)[i] = ((const uint16_t *)src)[i];
-    }
+    const Pack<T, VEC> v = *reinterpret_cast<const Pack<T, VEC> *>(p);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k)
+        f[k] = Io<T>::ld(v.v[k]);
 }
 
-__global__ void permute_kernel(int64_t T, int64_t E, int64_t H, int64_t N, const int32_t *ids,
-                               const char *inp, size_t es, int vec, const void *probs, sf_dtype pd,
-                               char *out, void *out_probs, sf_dtype opd)
+/* p[k] = f[k] rounded to T, one access. */
+template <typename T, int VEC> __device__ __forceinline__ void store(Raw<T> *p, const float (&f)[VEC])
 {
+    Pack<T, VEC> v;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k)
+        v.v[k] = Io<T>::st(f[k]);
+    *reinterpret_cast<Pack<T, VEC> *>(p) = v;
+}
+
+/* A row pointer and its element size, for rows_vectorize. */
+struct RowPtr {
+    const void *p;
+    size_t es;
+};
+
+/* Can rows of n elements at these pointers be moved kVec elements at a time
+ * (n a multiple of kVec, each pointer aligned to kVec of its elements)? */
+bool rows_vectorize(int64_t n, std::initializer_list<RowPtr> ptrs)
+{
+    if (n % kVec)
+        return false;
+    for (const RowPtr &r : ptrs)
+        if (r.p && (uintptr_t)r.p % (r.es * kVec))
+            return false;
+    return true;
+}
+
+/* fn(std::integral_constant<int, VEC>{}) with VEC = kVec when `vec`, else 1. */
+template <typename Fn> void with_vec(bool vec, Fn &&fn)
+{
+    if (vec)
+        fn(std::integral_constant<int, kVec>{});
+    else
+        fn(std::integral_constant<int, 1>{});
+}
+
+/* Threads of a block that walks a row of n accesses: the fewest warps that
+ * cover it in the fewest rounds of at most 256 threads (a row of 448
+ * accesses takes 224 threads, two rounds, none idle). */
+int row_threads(int64_t n)
+{
+    const int64_t rounds = n > 0 ? (n + kThreads - 1) / kThreads : 1;
+    const int64_t t = ((n + rounds - 1) / rounds + 31) / 32 * 32;
+    return (int)(t < 32 ? 32 : t > kThreads ? kThreads : t);
+}
+
+/* Token t's rows go to rows ids[t, e] of out (those in [0, N)). */
+template <typename D, int VEC>
+__global__ void permute_kernel(int64_t T, int64_t E, int64_t H, int64_t N, const int32_t *ids,
+                               const Raw<D> *inp, const void *probs, sf_dtype pd, Raw<D> *out,
+                               void *out_probs, sf_dtype opd)
+{
+    using P = Pack<D, VEC>;
     for (int64_t t = blockIdx.x; t < T; t += gridDim.x)
         for (int64_t e = 0; e < E; ++e) {
             int64_t r = ids[t * E + e];
             if (r < 0 || r >= N)
                 continue;
-            copy_row(out + r * H * (int64_t)es, inp + t * H * (int64_t)es, H * (int64_t)es, es, vec);
+            for (int64_t h = threadIdx.x * VEC; h < H; h += blockDim.x * VEC)
+                *reinterpret_cast<P *>(out + r * H + h) = *reinterpret_cast<const P *>(inp + t * H + h);
             if (probs && threadIdx.x == 0)
                 sf_moe_st(out_probs, opd, r, sf_moe_ld(probs, pd, t * E + e));
         }
 }
 
+/* out[t] = sum over t's routed e, in expert order, of probs[t, e] * inp[ids[t, e]]. */
+template <typename D, int VEC>
 __global__ void unpermute_kernel(int64_t T, int64_t E, int64_t H, int64_t N, const int32_t *ids,
-                                 const void *inp, sf_dtype d, const void *probs, sf_dtype pd, void *out)
+                                 const Raw<D> *inp, const void *probs, sf_dtype pd, Raw<D> *out)
 {
     for (int64_t t = blockIdx.x; t < T; t += gridDim.x)
-        for (int64_t h = threadIdx.x; h < H; h += blockDim.x) {
-            float acc = 0.0f;
+        for (int64_t h = threadIdx.x * VEC; h < H; h += blockDim.x * VEC) {
+            float acc[VEC];
+#pragma unroll
+            for (int k = 0; k < VEC; ++k)
+                acc[k] = 0.0f;
             for (int64_t e = 0; e < E; ++e) {
                 int64_t r = ids[t * E + e];
                 if (r < 0 || r >= N)
                     continue;
-                float p = probs ? sf_moe_ld(probs, pd, t * E + e) : 1.0f;
-                acc += p * sf_moe_ld(inp, d, r * H + h);
+                float p = probs ? sf_moe_ld(probs, pd, t * E + e) : 1.0f, v[VEC];
+                load<D, VEC>(inp + r * H + h, v);
+#pragma unroll
+                for (int k = 0; k < VEC; ++k)
+                    acc[k] += p * v[k];
             }
-            sf_moe_st(out, d, t * H + h, acc);
+            store<D, VEC>(out + t * H + h, acc);
         }
 }
 
+/* dinp[ids[t, e]] = probs[t, e] * dout[t]; dprobs[t, e] = dout[t] . inp[ids[t, e]]
+ * (0 where t is not routed to e).  G: dout and dinp, D: inp. */
+template <typename G, typename D, int VEC>
 __global__ void unpermute_backward_kernel(int64_t T, int64_t E, int64_t H, int64_t N, const int32_t *ids,
-                                     const void *g, sf_dtype gd, const void *inp, sf_dtype id,
-                                     const void *probs, sf_dtype pd, void *dinp, void *dprobs,
-                                     sf_dtype dpd)
+                                     const Raw<G> *g, const Raw<D> *inp, const void *probs, sf_dtype pd,
+                                     Raw<G> *dinp, void *dprobs, sf_dtype dpd)
 {
     __shared__ float shared[32];
     for (int64_t t = blockIdx.x; t < T; t += gridDim.x)
         for (int64_t e = 0; e < E; ++e) {
             int64_t i = t * E + e, r = ids[i];
-            int routed = r >= 0 && r < N;
+            if (r < 0 || r >= N) { /* the same for the whole block */
+                if (dprobs && threadIdx.x == 0)
+                    sf_moe_st(dprobs, dpd, i, 0.0f);
+                continue;
+            }
             float p = probs ? sf_moe_ld(probs, pd, i) : 1.0f;
             float dot = 0.0f;
-            if (routed)
-                for (int64_t h = threadIdx.x; h < H; h += blockDim.x) {
-                    float v = sf_moe_ld(g, gd, t * H + h);
-                    sf_moe_st(dinp, gd, r * H + h, p * v);
-                    if (dprobs)
-                        dot += v * sf_moe_ld(inp, id, r * H + h);
+            for (int64_t h = threadIdx.x * VEC; h < H; h += blockDim.x * VEC) {
+                float v[VEC], o[VEC];
+                load<G, VEC>(g + t * H + h, v);
+#pragma unroll
+                for (int k = 0; k < VEC; ++k)
+                    o[k] = p * v[k];
+                store<G, VEC>(dinp + r * H + h, o);
+                if (dprobs) {
+                    float x[VEC];
+                    load<D, VEC>(inp + r * H + h, x);
+#pragma unroll
+                    for (int k = 0; k < VEC; ++k)
+                        dot += v[k] * x[k];
                 }
+            }
             if (dprobs) {
                 float s = block_sum(dot, shared); /* every thread of the block calls it */
                 if (threadIdx.x == 0)
@@ -269,33 +371,49 @@ __global__ void permute_probs_backward_kernel(int64_t n, int64_t N, const int32_
     }
 }
 
-__global__ void swiglu_forward_kernel(int64_t N, int64_t F, const void *x, sf_dtype xd, const void *probs,
-                                  sf_dtype pd, void *out)
+/* out[r, j] = silu(x[r, j]) * x[r, F + j] * probs[r]; a thread per VEC outputs. */
+template <typename D, int VEC>
+__global__ void swiglu_forward_kernel(int64_t N, int64_t F, const Raw<D> *x, const void *probs, sf_dtype pd,
+                                  Raw<D> *out)
 {
-    GRID_STRIDE(i, N * F) {
-        int64_t r = i / F, j = i - r * F;
-        float p = probs ? sf_moe_ld(probs, pd, r) : 1.0f;
-        float g = sf_moe_ld(x, xd, r * 2 * F + j), u = sf_moe_ld(x, xd, r * 2 * F + F + j);
-        sf_moe_st(out, xd, i, sf_moe_silu(g) * u * p);
+    const int64_t fv = F / VEC;
+    GRID_STRIDE(i, N * fv) {
+        const int64_t r = i / fv, j = (i - r * fv) * VEC;
+        const float p = probs ? sf_moe_ld(probs, pd, r) : 1.0f;
+        float g[VEC], u[VEC], o[VEC];
+        load<D, VEC>(x + r * 2 * F + j, g);
+        load<D, VEC>(x + r * 2 * F + F + j, u);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k)
+            o[k] = sf_moe_silu(g[k]) * u[k] * p;
+        store<D, VEC>(out + r * F + j, o);
     }
 }
 
-/* One block per row (the probability gradient is a sum over the row). */
-__global__ void swiglu_backward_kernel(int64_t N, int64_t F, const void *g_, sf_dtype gd, const void *x,
-                                  sf_dtype xd, const void *probs, sf_dtype pd, void *dx, void *dprobs,
-                                  sf_dtype dpd)
+/* One block per row (the probability gradient is a sum over the row).
+ * D: x and dx, G: dout. */
+template <typename D, typename G, int VEC>
+__global__ void swiglu_backward_kernel(int64_t N, int64_t F, const Raw<G> *dout, const Raw<D> *x,
+                                  const void *probs, sf_dtype pd, Raw<D> *dx, void *dprobs, sf_dtype dpd)
 {
     __shared__ float shared[32];
     for (int64_t r = blockIdx.x; r < N; r += gridDim.x) {
-        float p = probs ? sf_moe_ld(probs, pd, r) : 1.0f;
+        const float p = probs ? sf_moe_ld(probs, pd, r) : 1.0f;
         float dp = 0.0f;
-        for (int64_t j = threadIdx.x; j < F; j += blockDim.x) {
-            float g = sf_moe_ld(x, xd, r * 2 * F + j), u = sf_moe_ld(x, xd, r * 2 * F + F + j);
-            float d = sf_moe_ld(g_, gd, r * F + j);
-            float s = sf_moe_silu(g);
-            sf_moe_st(dx, xd, r * 2 * F + j, d * p * u * sf_moe_dsilu(g));
-            sf_moe_st(dx, xd, r * 2 * F + F + j, d * p * s);
-            dp += d * s * u;
+        for (int64_t j = threadIdx.x * VEC; j < F; j += blockDim.x * VEC) {
+            float g[VEC], u[VEC], d[VEC], dg[VEC], du[VEC];
+            load<D, VEC>(x + r * 2 * F + j, g);
+            load<D, VEC>(x + r * 2 * F + F + j, u);
+            load<G, VEC>(dout + r * F + j, d);
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) {
+                float s = sf_moe_silu(g[k]);
+                dg[k] = d[k] * p * u[k] * sf_moe_dsilu(g[k]);
+                du[k] = d[k] * p * s;
+                dp += d[k] * s * u[k];
+            }
+            store<D, VEC>(dx + r * 2 * F + j, dg);
+            store<D, VEC>(dx + r * 2 * F + F + j, du);
         }
         if (dprobs) {
             float sum = block_sum(dp, shared);
@@ -445,41 +563,68 @@ extern "C" sf_status sf_moe_row_id_map_cuda(const sf_moe_args *a, sf_stream s)
     });
 }
 
+/* A visitor's element type, and with_vec's vector width, in a launcher. */
+#define ELEM(tag) typename decltype(tag)::type
+#define WIDTH(v) decltype(v)::value
+
 extern "C" sf_status sf_moe_permute_cuda(const sf_moe_args *a, sf_stream s)
 {
-    const size_t es = sf_dtype_size(a->inp->dtype);
-    const int vec = (a->H * (int64_t)es) % 16 == 0 && (uintptr_t)a->inp->data % 16 == 0 &&
-                    (uintptr_t)a->out->data % 16 == 0;
-    return on_device("moe_permute", a->inp->device_id, {{"probs", a->probs}, {"out_probs", a->out2}}, [&] {
-        permute_kernel<<<token_blocks(a->T), kThreads, 0, sf_cuda_stream(s)>>>(
-            a->T, a->E, a->H, a->N, (const int32_t *)a->map->data, (const char *)a->inp->data,
-            es, vec, a->probs ? a->probs->data : nullptr,
-            a->probs ? a->probs->dtype : SF_FLOAT32, (char *)a->out->data,
-            a->out2 ? a->out2->data : nullptr, a->out2 ? a->out2->dtype : SF_FLOAT32);
-        return SF_OK;
+    const char *op = "moe_permute";
+    return on_device(op, a->inp->device_id, {{"probs", a->probs}, {"out_probs", a->out2}}, [&] {
+        return sf_visit_float(op, "inp", a->inp->dtype, [&](auto dt) {
+            using D = ELEM(dt);
+            with_vec(rows_vectorize(a->H, {{a->inp->data, sizeof(D)}, {a->out->data, sizeof(D)}}), [&](auto v) {
+                permute_kernel<D, WIDTH(v)><<<token_blocks(a->T), row_threads(a->H / WIDTH(v)), 0, sf_cuda_stream(s)>>>(
+                    a->T, a->E, a->H, a->N, (const int32_t *)a->map->data, (const Raw<D> *)a->inp->data,
+                    a->probs ? a->probs->data : nullptr, a->probs ? a->probs->dtype : SF_FLOAT32,
+                    (Raw<D> *)a->out->data, a->out2 ? a->out2->data : nullptr,
+                    a->out2 ? a->out2->dtype : SF_FLOAT32);
+            });
+            return SF_OK;
+        });
     });
 }
 
 extern "C" sf_status sf_moe_unpermute_cuda(const sf_moe_args *a, sf_stream s)
 {
-    return on_device("moe_unpermute", a->inp->device_id, {{"inp", a->inp}, {"probs", a->probs}}, [&] {
-        unpermute_kernel<<<token_blocks(a->T), kThreads, 0, sf_cuda_stream(s)>>>(
-            a->T, a->E, a->H, a->N, (const int32_t *)a->map->data, a->inp->data, a->inp->dtype,
-            a->probs ? a->probs->data : nullptr, a->probs ? a->probs->dtype : SF_FLOAT32, a->out->data);
-        return SF_OK;
+    const char *op = "moe_unpermute";
+    return on_device(op, a->inp->device_id, {{"probs", a->probs}}, [&] {
+        return sf_visit_float(op, "inp", a->inp->dtype, [&](auto dt) {
+            using D = ELEM(dt);
+            with_vec(rows_vectorize(a->H, {{a->inp->data, sizeof(D)}, {a->out->data, sizeof(D)}}), [&](auto v) {
+                unpermute_kernel<D, WIDTH(v)><<<token_blocks(a->T), row_threads(a->H / WIDTH(v)), 0, sf_cuda_stream(s)>>>(
+                    a->T, a->E, a->H, a->N, (const int32_t *)a->map->data, (const Raw<D> *)a->inp->data,
+                    a->probs ? a->probs->data : nullptr, a->probs ? a->probs->dtype : SF_FLOAT32,
+                    (Raw<D> *)a->out->data);
+            });
+            return SF_OK;
+        });
     });
 }
 
 extern "C" sf_status sf_moe_unpermute_backward_cuda(const sf_moe_args *a, sf_stream s)
 {
-    return on_device("moe_unpermute_backward", a->grad->device_id,
-                     {{"dout", a->grad}, {"inp", a->inp}, {"probs", a->probs}, {"dprobs", a->out2}}, [&] {
-        unpermute_backward_kernel<<<token_blocks(a->T), kThreads, 0, sf_cuda_stream(s)>>>(
-            a->T, a->E, a->H, a->N, (const int32_t *)a->map->data, a->grad->data, a->grad->dtype,
-            a->inp ? a->inp->data : nullptr, a->inp ? a->inp->dtype : SF_FLOAT32,
-            a->probs ? a->probs->data : nullptr, a->probs ? a->probs->dtype : SF_FLOAT32,
-            a->out->data, a->out2 ? a->out2->data : nullptr, a->out2 ? a->out2->dtype : SF_FLOAT32);
-        return SF_OK;
+    const char *op = "moe_unpermute_backward";
+    /* inp is read only for dprobs; without it the kernel takes dout's type for it */
+    const sf_tensor *inp = a->inp ? a->inp : a->grad;
+    return on_device(op, a->grad->device_id, {{"probs", a->probs}, {"dprobs", a->out2}}, [&] {
+        return sf_visit_float(op, "dout", a->grad->dtype, [&](auto gt) {
+            return sf_visit_float(op, "inp", inp->dtype, [&](auto dt) {
+                using G = ELEM(gt);
+                using D = ELEM(dt);
+                const bool vec = rows_vectorize(a->H, {{a->grad->data, sizeof(G)}, {a->out->data, sizeof(G)},
+                                                       {a->inp ? a->inp->data : nullptr, sizeof(D)}});
+                with_vec(vec, [&](auto v) {
+                    unpermute_backward_kernel<G, D, WIDTH(v)>
+                        <<<token_blocks(a->T), row_threads(a->H / WIDTH(v)), 0, sf_cuda_stream(s)>>>(
+                            a->T, a->E, a->H, a->N, (const int32_t *)a->map->data, (const Raw<G> *)a->grad->data,
+                            a->inp ? (const Raw<D> *)a->inp->data : nullptr, a->probs ? a->probs->data : nullptr,
+                            a->probs ? a->probs->dtype : SF_FLOAT32, (Raw<G> *)a->out->data,
+                            a->out2 ? a->out2->data : nullptr, a->out2 ? a->out2->dtype : SF_FLOAT32);
+                });
+                return SF_OK;
+            });
+        });
     });
 }
 
@@ -496,22 +641,41 @@ extern "C" sf_status sf_moe_permute_probs_backward_cuda(const sf_moe_args *a, sf
 
 extern "C" sf_status sf_moe_swiglu_forward_cuda(const sf_moe_args *a, sf_stream s)
 {
-    return on_device("moe_swiglu_forward", a->inp->device_id, {{"x", a->inp}, {"probs", a->probs}}, [&] {
-        swiglu_forward_kernel<<<blocks_for(a->N * a->H, a->inp->device_id), kThreads, 0, sf_cuda_stream(s)>>>(
-            a->N, a->H, a->inp->data, a->inp->dtype, a->probs ? a->probs->data : nullptr,
-            a->probs ? a->probs->dtype : SF_FLOAT32, a->out->data);
-        return SF_OK;
+    const char *op = "moe_swiglu_forward";
+    return on_device(op, a->inp->device_id, {{"probs", a->probs}}, [&] {
+        return sf_visit_float(op, "x", a->inp->dtype, [&](auto dt) {
+            using D = ELEM(dt);
+            with_vec(rows_vectorize(a->H, {{a->inp->data, sizeof(D)}, {a->out->data, sizeof(D)}}), [&](auto v) {
+                swiglu_forward_kernel<D, WIDTH(v)>
+                    <<<blocks_for(a->N * (a->H / WIDTH(v)), a->inp->device_id), kThreads, 0, sf_cuda_stream(s)>>>(
+                        a->N, a->H, (const Raw<D> *)a->inp->data, a->probs ? a->probs->data : nullptr,
+                        a->probs ? a->probs->dtype : SF_FLOAT32, (Raw<D> *)a->out->data);
+            });
+            return SF_OK;
+        });
     });
 }
 
 extern "C" sf_status sf_moe_swiglu_backward_cuda(const sf_moe_args *a, sf_stream s)
 {
-    return on_device("moe_swiglu_backward", a->inp->device_id,
-                     {{"dout", a->grad}, {"x", a->inp}, {"probs", a->probs}, {"dprobs", a->out2}}, [&] {
-        swiglu_backward_kernel<<<token_blocks(a->N), kThreads, 0, sf_cuda_stream(s)>>>(
-            a->N, a->H, a->grad->data, a->grad->dtype, a->inp->data, a->inp->dtype,
-            a->probs ? a->probs->data : nullptr, a->probs ? a->probs->dtype : SF_FLOAT32,
-            a->out->data, a->out2 ? a->out2->data : nullptr, a->out2 ? a->out2->dtype : SF_FLOAT32);
-        return SF_OK;
+    const char *op = "moe_swiglu_backward";
+    return on_device(op, a->inp->device_id, {{"probs", a->probs}, {"dprobs", a->out2}}, [&] {
+        return sf_visit_float(op, "x", a->inp->dtype, [&](auto dt) {
+            return sf_visit_float(op, "dout", a->grad->dtype, [&](auto gt) {
+                using D = ELEM(dt);
+                using G = ELEM(gt);
+                const bool vec = rows_vectorize(a->H, {{a->inp->data, sizeof(D)}, {a->out->data, sizeof(D)},
+                                                       {a->grad->data, sizeof(G)}});
+                with_vec(vec, [&](auto v) {
+                    swiglu_backward_kernel<D, G, WIDTH(v)>
+                        <<<token_blocks(a->N), row_threads(a->H / WIDTH(v)), 0, sf_cuda_stream(s)>>>(
+                            a->N, a->H, (const Raw<G> *)a->grad->data, (const Raw<D> *)a->inp->data,
+                            a->probs ? a->probs->data : nullptr, a->probs ? a->probs->dtype : SF_FLOAT32,
+                            (Raw<D> *)a->out->data, a->out2 ? a->out2->data : nullptr,
+                            a->out2 ? a->out2->dtype : SF_FLOAT32);
+                });
+                return SF_OK;
+            });
+        });
     });
 }
