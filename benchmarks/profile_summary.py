@@ -87,6 +87,25 @@ def gaps(merged, top=5):
     return sorted(out, reverse=True)[:top]
 
 
+def idle_before(gpu, busy, top=12):
+    """GPU idle time by the kernel that ends it: for each idle stretch
+    between busy intervals, the first kernel or copy that starts at its end.
+    What the GPU waited for is that kernel's launch: a name that collects
+    much idle time points at host work (or a host sync) just before it.
+    Returns [(name, total idle us, stretches)], most idle first."""
+    starts = {}
+    for e in gpu:
+        starts.setdefault(e["ts"], e["name"] if e.get("cat") == "kernel" else f"[{e['cat']}] {e['name']}")
+    by = {}
+    for k in range(len(busy) - 1):
+        idle = busy[k + 1][0] - busy[k][1]
+        name = starts.get(busy[k + 1][0], "?")
+        v = by.setdefault(name, [0.0, 0])
+        v[0] += idle
+        v[1] += 1
+    return sorted(((n, v[0], v[1]) for n, v in by.items()), key=lambda x: -x[1])[:top]
+
+
 def summarize(events, steps, host_ms=(), cpu_ms=(), title="", top=25):
     """The profile's text report and its numbers (dict)."""
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS and "dur" in e]
@@ -149,6 +168,13 @@ def summarize(events, steps, host_ms=(), cpu_ms=(), title="", top=25):
     if g:
         lines.append("longest idle gaps (ms at ms from window start): "
                      + ", ".join(f"{d / 1e3:.2f} @ {(s - t0) / 1e3:.1f}" for d, s in g))
+    waits = idle_before(gpu, busy)
+    if waits:
+        lines += ["", "== GPU idle time by the kernel that ends it (per step; what the GPU waited to be launched) ==",
+                  f"{'idle ms':>8} {'gaps':>6}  next kernel"]
+        for name, us, n in waits:
+            short = name if len(name) <= 110 else name[:107] + "..."
+            lines.append(f"{us / 1e3 / per:8.2f} {n / per:6.1f}  {short}")
     by = {}
     for e in gpu:
         name = e["name"] if e.get("cat") == "kernel" else f"[{e['cat']}] {e['name']}"

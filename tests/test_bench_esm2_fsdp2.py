@@ -158,3 +158,11 @@ def test_profile_summary_lists_runtime_calls():
     tail = text.split("CUDA runtime / driver calls")[1].splitlines()
     assert tail[2].split() == ["0.20", "0.5", "cudaStreamSynchronize"]
     assert tail[3].split() == ["0.01", "1.0", "cudaLaunchKernel"]
+
+
+def test_profile_summary_idle_by_next_kernel():
+    ev = [_k("a", 0, 10, 7), _k("b", 30, 10, 7), _k("c", 45, 5, 7), _k("b", 60, 10, 7)]
+    busy = profile_summary.union([e["ts"], e["ts"] + e["dur"]] for e in ev)
+    assert profile_summary.idle_before(ev, busy) == [("b", 30.0, 2), ("c", 5.0, 1)]
+    text, _ = profile_summary.summarize(ev, 1)
+    assert "GPU idle time by the kernel that ends it" in text
