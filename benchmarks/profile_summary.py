@@ -87,15 +87,51 @@ def gaps(merged, top=5):
     return sorted(out, reverse=True)[:top]
 
 
-def idle_before(gpu, busy, top=12):
-    """GPU idle time by the kernel that ends it: for each idle stretch
-    between busy intervals, the first kernel or copy that starts at its end.
-    What the GPU waited for is that kernel's launch: a name that collects
-    much idle time points at host work (or a host sync) just before it.
+def launchers(events):
+    """correlation id -> the host ops around the runtime call that launched
+    it, innermost first (at most 3 names), from the trace's cuda_runtime /
+    cuda_driver events and the cpu_op / user_annotation ranges of the same
+    thread that contain them (one sweep per thread: a thread's ranges nest)."""
+    per_thread = {}
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        if e.get("cat") in HOST_CATS:
+            kind = 0
+        elif e.get("cat") in RUNTIME_CATS and (e.get("args") or {}).get("correlation") is not None:
+            kind = 1
+        else:
+            continue
+        per_thread.setdefault((e.get("pid"), e.get("tid")), []).append((e["ts"], kind, -e["dur"], e))
+    out = {}
+    for items in per_thread.values():
+        items.sort(key=lambda x: x[:3])  # by start; at one start, ranges before calls, longer ranges first
+        stack = []  # open host ranges, innermost last: (end, name)
+        for ts, kind, _, e in items:
+            while stack and stack[-1][0] < ts:
+                stack.pop()
+            if kind == 0:
+                stack.append((ts + e["dur"], host_name(e["name"])))
+            else:
+                out[e["args"]["correlation"]] = [name for _, name in reversed(stack[-3:])]
+    return out
+
+
+def idle_before(gpu, busy, top=12, launched_by=None):
+    """GPU idle time by what ends it: for each idle stretch between busy
+    intervals, the first kernel or copy that starts at its end and, where
+    ``launched_by`` (launchers()) knows it, the host ops that launched it.
+    The GPU waited for that launch: a line that collects much idle time
+    points at host work (or a host sync) just before it.
     Returns [(name, total idle us, stretches)], most idle first."""
     starts = {}
     for e in gpu:
-        starts.setdefault(e["ts"], e["name"] if e.get("cat") == "kernel" else f"[{e['cat']}] {e['name']}")
+        if e["ts"] in starts:
+            continue
+        name = e["name"] if e.get("cat") == "kernel" else f"[{e['cat']}] {e['name']}"
+        corr = (e.get("args") or {}).get("correlation")
+        host = (launched_by or {}).get(corr)
+        starts[e["ts"]] = f"{' < '.join(host)} -> {name}" if host else name
     by = {}
     for k in range(len(busy) - 1):
         idle = busy[k + 1][0] - busy[k][1]
@@ -168,12 +204,13 @@ def summarize(events, steps, host_ms=(), cpu_ms=(), title="", top=25):
     if g:
         lines.append("longest idle gaps (ms at ms from window start): "
                      + ", ".join(f"{d / 1e3:.2f} @ {(s - t0) / 1e3:.1f}" for d, s in g))
-    waits = idle_before(gpu, busy)
+    waits = idle_before(gpu, busy, top=20, launched_by=launchers(events))
     if waits:
-        lines += ["", "== GPU idle time by the kernel that ends it (per step; what the GPU waited to be launched) ==",
-                  f"{'idle ms':>8} {'gaps':>6}  next kernel"]
+        lines += ["", "== GPU idle time by what ends it (per step; the host ops, innermost first, that launched "
+                      "the kernel the GPU waited for) ==",
+                  f"{'idle ms':>8} {'gaps':>6}  host ops -> next kernel"]
         for name, us, n in waits:
-            short = name if len(name) <= 110 else name[:107] + "..."
+            short = name if len(name) <= 200 else name[:197] + "..."
             lines.append(f"{us / 1e3 / per:8.2f} {n / per:6.1f}  {short}")
     by = {}
     for e in gpu:

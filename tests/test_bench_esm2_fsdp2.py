@@ -166,3 +166,18 @@ def test_profile_summary_idle_by_next_kernel():
     assert profile_summary.idle_before(ev, busy) == [("b", 30.0, 2), ("c", 5.0, 1)]
     text, _ = profile_summary.summarize(ev, 1)
     assert "GPU idle time by the kernel that ends it" in text
+
+
+def test_profile_summary_names_the_host_ops_that_launched_the_waited_kernel():
+    ev = [_k("a", 0, 10, 7), _k("b", 30, 10, 7),
+          {"ph": "X", "cat": "cpu_op", "name": "outer", "ts": 0, "dur": 100, "pid": 1, "tid": 1},
+          {"ph": "X", "cat": "cpu_op", "name": "inner", "ts": 20, "dur": 5, "pid": 1, "tid": 1},
+          {"ph": "X", "cat": "cpu_op", "name": "later", "ts": 50, "dur": 5, "pid": 1, "tid": 1},
+          {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 21, "dur": 2, "pid": 1, "tid": 1,
+           "args": {"correlation": 2}},
+          {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 60, "dur": 2, "pid": 1, "tid": 1,
+           "args": {"correlation": 3}}]
+    ev[1]["args"]["correlation"] = 2
+    assert profile_summary.launchers(ev) == {2: ["inner", "outer"], 3: ["outer"]}
+    text, _ = profile_summary.summarize(ev, 1)
+    assert "inner < outer -> b" in text
