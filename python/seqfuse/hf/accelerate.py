@@ -610,6 +610,12 @@ def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=
         report.loss = wrap_causal_lm_loss(model)
     if recipe is not None:
         _wrap_forward(model, recipe)
+    from .positions import install_mask_shortcut, wrap_positions
+
+    # decoders with fused layers (Llama's family) derive missing positions as one contiguous run per row:
+    # their packed-sequence tests need no host sync then
+    if report.fused and wrap_positions(model):
+        install_mask_shortcut()
     _route_checkpointing(model)
     return report
 

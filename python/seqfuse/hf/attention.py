@@ -47,6 +47,7 @@ import torch
 
 from .. import ops
 from ..ops.attn import PerTensorCache, padding_layout
+from .positions import derived_positions
 
 
 NAME = "seqfuse"
@@ -143,7 +144,7 @@ def seqfuse_attention_forward(module, query, key, value, attention_mask, dropout
     fmt = "bshd"
     pos = kwargs.get("position_ids")
     if (kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None
-            or (pos is not None and _is_packed_cached(pos, q.shape[0]))):
+            or (pos is not None and not derived_positions() and _is_packed_cached(pos, q.shape[0]))):
         if q.shape[0] != 1:
             raise NotImplementedError(f"seqfuse attention: packed batches (cu_seq_lens) come as one row, got "
                                       f"batch {q.shape[0]}")

@@ -21,7 +21,6 @@ Not wrapped (the report's ``loss`` line says why): models other than these
 causal LMs, an LM head that is not a linear layer, a final logit
 soft-capping, or a loss function other than transformers' ForCausalLM loss.
 """
-import functools
 import inspect
 import logging
 
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..modules.cross_entropy import linear_cross_entropy
-from .method_wrap import wrap_method
+from .method_wrap import forward_signature, wrap_method
 
 _log = logging.getLogger("seqfuse")
 
@@ -90,19 +89,12 @@ def fused_causal_lm_loss(model, hidden, labels, num_items_in_batch=None, ignore_
     return loss
 
 
-@functools.lru_cache(maxsize=None)
-def _forward_signature(cls):
-    """(signature of cls.forward, the name of its **kwargs), read once per class."""
-    sig = inspect.signature(cls.forward)
-    return sig, next(p.name for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD)
-
-
 def _labels_forward(inner):
     """The forward that sends labels calls to the fused loss (a module-level
     maker for seqfuse.hf.method_wrap, so copies of the model keep it)."""
 
     def forward(self, *args, **kwargs):
-        sig, var_kw = _forward_signature(type(self))
+        sig, var_kw = forward_signature(type(self))
         call = dict(sig.bind_partial(self, *args, **kwargs).arguments)
         call.pop("self", None)
         call.update(call.pop(var_kw, {}))

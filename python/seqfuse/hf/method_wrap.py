@@ -17,8 +17,17 @@ method, or an earlier wrapper).  ``make`` is a module-level function and
 ``inspect.signature(model.<name>)`` is the wrapped method's (Trainer and
 generate() read forward's parameters).
 """
+import functools
 import inspect
 import types
+
+
+@functools.lru_cache(maxsize=None)
+def forward_signature(cls):
+    """(signature of cls.forward, the name of its **kwargs or None), read once
+    per class: how a forward wrapper finds an argument however it was passed."""
+    sig = inspect.signature(cls.forward)
+    return sig, next((p.name for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD), None)
 
 
 class MethodWrapper:

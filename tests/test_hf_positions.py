@@ -1,0 +1,103 @@
+"""seqfuse.hf.positions: inside an accelerated decoder's forward called
+without position_ids, the packed-sequence tests (transformers' and
+seqfuse's attention's) answer "not packed" without reading the device,
+and nowhere else: given positions, packed or not, and calls outside an
+accelerated forward keep the original tests and their answers; the loss
+is the same bits as with the same positions passed explicitly."""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+masking_utils = pytest.importorskip("transformers.masking_utils")
+
+import seqfuse.hf.attention as sf_attention  # noqa: E402
+from seqfuse.hf import accelerate  # noqa: E402
+from seqfuse.hf.method_wrap import MethodWrapper  # noqa: E402
+from seqfuse.hf.positions import derived_positions  # noqa: E402
+
+V = 96
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   pad_token_id=0)
+    model = transformers.LlamaForCausalLM(cfg)
+    report = accelerate(model)
+    assert len(report.fused) == 2
+    return model
+
+
+def _marks(model):
+    """The derived-positions flag each layer saw in the last forward."""
+    seen = []
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(lambda m, a: seen.append(derived_positions()))
+    return seen
+
+
+def _ids(n=24, seed=1):
+    return torch.randint(1, V, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_derived_positions_skip_both_tests_and_give_the_same_loss(monkeypatch):
+    model = _model()
+    seen = _marks(model)
+    ids = _ids()
+    explicit = model(input_ids=ids, labels=ids, position_ids=torch.arange(ids.shape[1])[None]).loss
+    assert seen == [False, False]
+
+    def no_read(*a, **k):
+        raise AssertionError("a packed-sequence test read the device")
+
+    monkeypatch.setattr(sf_attention, "_is_packed_cached", no_read)
+    shortcut, calls = masking_utils.find_packed_sequence_indices, []
+
+    def spy(position_ids):  # transformers' call: the flag is up, the answer None
+        calls.append((derived_positions(), shortcut(position_ids)))
+        return calls[-1][1]
+
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", spy)
+    seen.clear()
+    derived = model(input_ids=ids, labels=ids).loss
+    assert seen == [True, True]
+    # transformers 5.17 calls its test here, later releases may not (their mask path for a custom attention
+    # function can return first): where it is called, the flag is up and the answer is None
+    assert all(c == (True, None) for c in calls)
+    assert torch.equal(derived, explicit)
+    assert not derived_positions()  # reset after the call
+
+
+def test_given_packed_positions_keep_the_tests():
+    model = _model()
+    seen = _marks(model)
+    ids = _ids()
+    pos = torch.cat([torch.arange(10), torch.arange(14)])[None]
+    packed = model(input_ids=ids, labels=ids, position_ids=pos).loss
+    assert seen == [False, False]
+    # the same two sequences run separately: packed attention must not cross them
+    a = model(input_ids=ids[:, :10], position_ids=pos[:, :10]).logits
+    b = model(input_ids=ids[:, 10:], position_ids=pos[:, 10:]).logits
+    whole = model(input_ids=ids, position_ids=pos).logits
+    torch.testing.assert_close(whole, torch.cat([a, b], 1), rtol=1e-4, atol=1e-4)
+    assert torch.isfinite(packed)
+
+
+def test_transformers_test_is_unchanged_outside_accelerated_forwards():
+    _model()  # installs the shortcut
+    f = masking_utils.find_packed_sequence_indices
+    assert f.__wrapped__ is not None
+    packed = torch.tensor([[0, 1, 2, 0, 1]])
+    assert torch.equal(f(packed), torch.tensor([[0, 0, 0, 1, 1]]))
+    assert f(torch.arange(5)[None]) is None
+
+
+def test_accelerate_twice_keeps_one_mark():
+    model = _model()
+    accelerate(model)
+    marks, w = 0, model.__dict__["forward"]
+    while isinstance(w, MethodWrapper):
+        marks += w.make.__name__ == "_positions_forward"
+        w = w.previous
+    assert marks == 1
