@@ -24,6 +24,7 @@ import time
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CATS = ("user_annotation", "cpu_op")
 RUNTIME_CATS = ("cuda_runtime", "cuda_driver")
+STEP = "profile_summary.step"  # profile_steps' record_function range around each step
 
 
 def is_nccl(name):
@@ -232,8 +233,14 @@ def summarize(events, steps, host_ms=(), cpu_ms=(), title="", top=25):
 def runtime_section(events, steps, top=10):
     """CUDA runtime and driver calls by total host time: a synchronizing call
     (cudaStreamSynchronize, a device-to-host cudaMemcpy) or an allocation
-    (cudaMalloc) that the host waits in shows here."""
+    (cudaMalloc) that the host waits in shows here.  Where the trace has
+    profile_steps' step ranges, only calls made inside them count (not the
+    harness's own synchronize after the last step)."""
     calls = [e for e in events if e.get("ph") == "X" and e.get("cat") in RUNTIME_CATS and "dur" in e]
+    steps_at = union([e["ts"], e["ts"] + e["dur"]] for e in events
+                     if e.get("ph") == "X" and e.get("name") == STEP and "dur" in e)
+    if steps_at:  # inside the steps only (any thread: the backward runs on autograd's), not the harness's sync
+        calls = [e for e in calls if any(a <= e["ts"] <= b for a, b in steps_at)]
     if not calls:
         return []
     by = {}
@@ -267,6 +274,8 @@ def sync_points(step, path, title, frames=8):
         if "synchroniz" not in str(message):
             return
         stack = [f for f in traceback.extract_stack()[:-1] if "warnings.py" not in f.filename]
+        if stack and stack[-1].name == "set_sync_debug_mode":  # the switch itself, not the step
+            return
         key = "".join(traceback.format_list(stack[-frames:]))
         seen[key] = seen.get(key, 0) + 1
 
@@ -319,7 +328,7 @@ def profile_steps(step, batches, sync, path, title, cuda=True, top=25):
     """Run ``step(b)`` for each batch under torch.profiler; write the summary
     to ``path`` and return its numbers.  The trace lives in a temporary
     directory only."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     host_ms, cpu_ms = [], []
@@ -327,7 +336,8 @@ def profile_steps(step, batches, sync, path, title, cuda=True, top=25):
     with profile(activities=acts, record_shapes=False, with_stack=False, profile_memory=False) as prof:
         for b in batches:
             t0, c0 = time.perf_counter(), time.thread_time()
-            step(b)
+            with record_function(STEP):
+                step(b)
             host_ms.append(1e3 * (time.perf_counter() - t0))
             cpu_ms.append(1e3 * (time.thread_time() - c0))
         sync()

@@ -181,3 +181,13 @@ def test_profile_summary_names_the_host_ops_that_launched_the_waited_kernel():
     assert profile_summary.launchers(ev) == {2: ["inner", "outer"], 3: ["outer"]}
     text, _ = profile_summary.summarize(ev, 1)
     assert "inner < outer -> b" in text
+
+
+def test_profile_summary_runtime_calls_inside_the_steps_only():
+    ev = [_k("gemm", 0, 10, 7),
+          {"ph": "X", "cat": "user_annotation", "name": profile_summary.STEP, "ts": 0, "dur": 50},
+          {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 5, "dur": 2},
+          {"ph": "X", "cat": "cuda_runtime", "name": "cudaDeviceSynchronize", "ts": 60, "dur": 400}]
+    text, _ = profile_summary.summarize(ev, 1)
+    tail = text.split("CUDA runtime / driver calls")[1]
+    assert "cudaLaunchKernel" in tail and "cudaDeviceSynchronize" not in tail

@@ -189,10 +189,6 @@ def main(argv=None):
                         "(benchmarks/profile_summary.py; the peak memory then covers them too) and, on the GPU, "
                         "the Python stacks of one step's synchronizing CUDA calls into DIR/<out>_<row>_syncs.txt")
     p.add_argument("--profile-steps", type=int, default=2)
-    p.add_argument("--assume-unpacked", action="store_true",
-                   help="experiment, not a result: skip the two packed-sequence checks each training forward "
-                        "makes (transformers' find_packed_sequence_indices and seqfuse's position-id check, one "
-                        "host sync each) in every row, to measure what those syncs cost; the JSON says so")
     args = p.parse_args(argv)
     rows = parse_list(p, "--rows", args.rows, ROWS)
     rows = [r for r in ROWS if r in rows]  # Liger last: its rotary patch is module-wide
@@ -202,14 +198,6 @@ def main(argv=None):
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA GPU here (use --device cpu --shape tiny for a smoke run)")
     tokens = args.batch * args.seq
-    if args.assume_unpacked:  # the batches here are one sequence per row: both checks would answer "not packed"
-        import transformers.masking_utils as masking_utils
-
-        import seqfuse.hf.attention as sf_attention
-
-        masking_utils.find_packed_sequence_indices = lambda position_ids: None
-        sf_attention._is_packed_cached = lambda position_ids, batch: False
-        print("EXPERIMENT --assume-unpacked: packed-sequence checks skipped in every row", flush=True)
     out = args.out or f"hf_accelerate_{args.shape}{'_prefill' if args.mode == 'prefill' else ''}_{tokens}"
     base, family = build_base(args.shape, args.layers, device)
     cfg = base.config
@@ -217,8 +205,7 @@ def main(argv=None):
         shape=args.shape, mode=args.mode, batch=args.batch, seq=args.seq, tokens=tokens,
         layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, ffn=cfg.intermediate_size,
         heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, vocab=cfg.vocab_size,
-        warmup=args.warmup, steps=args.steps, optimizer="torch.optim.AdamW(fused=True), bf16 weights",
-        experiment="assume_unpacked: packed-sequence checks skipped (not a result)" if args.assume_unpacked else None))
+        warmup=args.warmup, steps=args.steps, optimizer="torch.optim.AdamW(fused=True), bf16 weights"))
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g).to(device)
     run = train_row if args.mode == "train" else prefill_row

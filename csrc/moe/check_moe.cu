@@ -277,6 +277,47 @@ static void permute_case(sf_dtype dt, int64_t T, int64_t E, int topk, int64_t H,
                  what);
 }
 
+/* unpermute without probabilities, and its backward without probabilities
+ * and without dprobs (inp then not given), with dout in dtype gdt and inp
+ * in dt (unpermute's backward takes them apart). */
+static void unpermute_plain_case(sf_dtype dt, sf_dtype gdt, int64_t T, int64_t E, int topk, int64_t H)
+{
+    if (!check_take_case()) /* CHECK_EVERY (core/check_util.h) */
+        return;
+    int64_t s2[2] = {T, E}, s1[1] = {E};
+    CheckBuf map(SF_BOOL, T * E), rid(SF_INT32, T * E), tpe(SF_INT64, E);
+    random_map(map, T, E, topk);
+    for (int cuda = 0; cuda < 2; ++cuda) {
+        sf_tensor m = map.view(2, s2, cuda), r = rid.view(2, s2, cuda), c = tpe.view(1, s1, cuda);
+        CHECK_SF(sf_moe_row_id_map(&m, &r, &c, NULL));
+    }
+    rid.up();
+    const int64_t N = T * topk;
+    int64_t sx[2] = {T, H}, sp[2] = {N, H};
+    CheckBuf y(dt, N * H), back(dt, T * H), dout(gdt, T * H), dy(gdt, N * H), probs(SF_FLOAT32, T * E),
+        dy_p(gdt, N * H), dprobs(SF_FLOAT32, T * E);
+    fill_normal_up(y, 1.0f);
+    fill_normal_up(dout, 1.0f);
+    for (int64_t i = 0; i < T * E; ++i)
+        probs.set(i, map.h[i] ? rng_uniform() : 0.0f);
+    probs.up();
+    for (int cuda = 0; cuda < 2; ++cuda) {
+        sf_tensor yi = y.view(2, sp, cuda), r = rid.view(2, s2, cuda), b = back.view(2, sx, cuda),
+                  g = dout.view(2, sx, cuda), d = dy.view(2, sp, cuda), p = probs.view(2, s2, cuda),
+                  dp_ = dy_p.view(2, sp, cuda), dpr = dprobs.view(2, s2, cuda);
+        CHECK_SF(sf_moe_unpermute(&yi, &r, NULL, &b, NULL));
+        CHECK_SF(sf_moe_unpermute_backward(&g, NULL, &r, NULL, &d, NULL, NULL));
+        CHECK_SF(sf_moe_unpermute_backward(&g, &yi, &r, &p, &dp_, &dpr, NULL)); /* dout and inp dtypes apart */
+    }
+    const double eb = err_all(back), ed = err_all(dy), edp = err_all(dy_p), ep = err_all(dprobs);
+    const double tol = check_tol(dt) > check_tol(gdt) ? check_tol(dt) : check_tol(gdt);
+    char what[240];
+    snprintf(what, sizeof what, "moe unpermute plain %s (dout %s) T=%lld E=%lld k=%d H=%lld: out %.1e, dinp %.1e, "
+             "with probs: dinp %.1e, dprobs %.1e", sf_dtype_name(dt), sf_dtype_name(gdt), (long long)T, (long long)E,
+             topk, (long long)H, eb, ed, edp, ep);
+    check_report(eb <= check_tol(dt) && ed <= check_tol(gdt) && edp <= check_tol(gdt) && ep <= 10 * tol, what);
+}
+
 /* gdt: dout's dtype (x's when SF_BOOL is passed: the default). */
 static void swiglu_case(sf_dtype dt, int64_t N, int64_t F, sf_dtype gdt = SF_BOOL)
 {
@@ -391,6 +432,9 @@ int main(void)
         swiglu_case(dt, 64, 3584); /* Mixtral-small's expert width: 224 threads a row */
     }
     swiglu_case(SF_BFLOAT16, 300, 344, SF_FLOAT32); /* dout in another dtype than x */
+    unpermute_plain_case(SF_BFLOAT16, SF_BFLOAT16, 400, 8, 2, 256);
+    unpermute_plain_case(SF_FLOAT32, SF_BFLOAT16, 300, 16, 4, 72);
+    unpermute_plain_case(SF_BFLOAT16, SF_FLOAT32, 300, 8, 2, 37);
     swiglu_case(SF_FLOAT32, 300, 37, SF_BFLOAT16);
     bench();
     return check_finish("check_moe");

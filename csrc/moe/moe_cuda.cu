@@ -21,9 +21,10 @@
  * elements per access (16 bytes of a 16-bit type) where every row length is
  * a multiple of 8 and every row pointer aligned to 8 elements; elsewhere
  * the same template runs one element per access.  Each element's arithmetic
- * is the CPU reference's (moe.h's functions, float_bits.h's conversions, the
- * same operation order), so results match it element for element, except
- * sums across threads (dprobs), whose order differs.
+ * follows the CPU reference's (moe.h's functions, float_bits.h's conversions,
+ * the same operation order), but values agree to rounding, not bit for bit:
+ * nvcc contracts multiply-adds into FMAs, the device expf differs from libm's
+ * in the last bit, and sums across threads (dprobs) add in another order.
  * Nothing here synchronizes the host.
  */
 #include <cuda_runtime.h>
@@ -612,8 +613,9 @@ extern "C" sf_status sf_moe_unpermute_backward_cuda(const sf_moe_args *a, sf_str
             return sf_visit_float(op, "inp", inp->dtype, [&](auto dt) {
                 using G = ELEM(gt);
                 using D = ELEM(dt);
+                /* inp is read (with vector loads) only for dprobs */
                 const bool vec = rows_vectorize(a->H, {{a->grad->data, sizeof(G)}, {a->out->data, sizeof(G)},
-                                                       {a->inp ? a->inp->data : nullptr, sizeof(D)}});
+                                                       {a->out2 && a->inp ? a->inp->data : nullptr, sizeof(D)}});
                 with_vec(vec, [&](auto v) {
                     unpermute_backward_kernel<G, D, WIDTH(v)>
                         <<<token_blocks(a->T), row_threads(a->H / WIDTH(v)), 0, sf_cuda_stream(s)>>>(

@@ -612,9 +612,9 @@ def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=
         _wrap_forward(model, recipe)
     from .positions import install_mask_shortcut, wrap_positions
 
-    # decoders with fused layers (Llama's family) derive missing positions as one contiguous run per row:
-    # their packed-sequence tests need no host sync then
-    if report.fused and wrap_positions(model):
+    # transformers' decoders with fused layers (Llama's family) derive missing positions as one contiguous
+    # run per row: their packed-sequence tests need no host sync then
+    if wrap_positions(model, SeqfuseDecoderLayer):
         install_mask_shortcut()
     _route_checkpointing(model)
     return report

@@ -12,11 +12,12 @@ longer hide behind the previous step's queued backward.  On the H200
 (s17) skipping both took accelerate()'s FP8 Llama 1B step from 78.7 to
 58.5 ms.
 
-``accelerate()`` wraps the forward of a model whose decoder layers it
-fused (Llama's family, whose missing positions are an arange) with
-``wrap_positions``:
-a call that passes no ``position_ids`` runs with ``derived_positions()``
-true.  Both tests then answer "not packed" without reading the device.
+``accelerate()`` wraps the forward of each transformers base decoder
+(``LlamaModel`` and its kin: the module holding the layers and the rotary
+embedding) whose layers it fused, with ``wrap_positions``: a call of that
+decoder that passes no ``position_ids`` runs with ``derived_positions()``
+true.  The decoder's own arguments decide, so a caller above it that builds
+packed positions and passes them down keeps both tests.  Both tests then answer "not packed" without reading the device.
 That is the answer they compute for contiguous positions, so results do
 not change.  ``install_mask_shortcut()`` makes transformers' test consult
 the flag.  It replaces ``masking_utils.find_packed_sequence_indices`` once,
@@ -70,19 +71,39 @@ def _positions_forward(inner):
     return forward
 
 
-def wrap_positions(model):
-    """Wrap model.forward with the derived-positions mark when its forward
-    takes position_ids (once: a second accelerate() keeps the first mark);
-    returns whether the model's forward has the mark."""
-    if "position_ids" not in forward_signature(type(model))[0].parameters:
-        return False
-    w = model.__dict__.get("forward")
-    while isinstance(w, MethodWrapper):
-        if w.make is _positions_forward:
-            return True
-        w = w.previous
-    wrap_method(model, "forward", _positions_forward)
-    return True
+def _decoders(model, fused_layer_type):
+    """transformers' base decoders inside ``model`` (the modules holding the
+    ``layers`` list, beside ``rotary_emb``) with a fused layer among them and
+    ``position_ids`` in their forward: the modules that derive the positions."""
+    from torch import nn
+
+    for m in model.modules():
+        layers = getattr(m, "layers", None)
+        if not (isinstance(layers, nn.ModuleList) and isinstance(getattr(m, "rotary_emb", None), nn.Module)):
+            continue
+        if not type(m).__module__.startswith("transformers.models."):
+            continue
+        if any(isinstance(layer, fused_layer_type) for layer in layers) and \
+                "position_ids" in forward_signature(type(m))[0].parameters:
+            yield m
+
+
+def wrap_positions(model, fused_layer_type):
+    """Wrap the forward of each base decoder of ``model`` whose layers
+    accelerate() fused (instances of ``fused_layer_type``) with the
+    derived-positions mark: its own call decides, so a caller that builds
+    packed positions and passes them down keeps both tests.  Once per
+    decoder (a second accelerate() keeps the first mark).  Returns how many
+    decoders carry the mark."""
+    count = 0
+    for m in _decoders(model, fused_layer_type):
+        w = m.__dict__.get("forward")
+        while isinstance(w, MethodWrapper) and w.make is not _positions_forward:
+            w = w.previous
+        if not isinstance(w, MethodWrapper):
+            wrap_method(m, "forward", _positions_forward)
+        count += 1
+    return count
 
 
 _shortcut = {}
@@ -105,10 +126,10 @@ def install_mask_shortcut():
         _log.info("seqfuse.hf.accelerate: %s", _shortcut["line"])
         return _shortcut["line"]
 
-    def find_packed_sequence_indices(position_ids):
+    def find_packed_sequence_indices(*args, **kwargs):
         if _derived.get():
             return None  # contiguous positions: what the original returns, without its host read
-        return original(position_ids)
+        return original(*args, **kwargs)
 
     find_packed_sequence_indices.__wrapped__ = original
     find_packed_sequence_indices.__doc__ = original.__doc__
