@@ -148,6 +148,26 @@ def test_linear_cross_entropy_fp32_weight_bf16_hidden(seed):
     assert_close_rel(hidden.grad, hd.grad, torch.bfloat16)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_cross_entropy_one_chunk_matches_chunks(dtype, seed):
+    """All rows in one chunk (the weight gradient written in its dtype by one
+    GEMM) against several chunks (summed in a float32 buffer, rounded once)."""
+    n, h, v = 64, 16, 40
+    hidden = torch.randn(n, h).to(dtype)
+    weight = (torch.randn(v, h) * 0.3).to(dtype)
+    labels = make_labels(n, v)
+    grads = []
+    for chunk in (None, 16):
+        hd, wd = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        linear_cross_entropy(hd, wd, labels, chunk_size=chunk).backward()
+        assert wd.grad.dtype == dtype and hd.grad.dtype == dtype
+        grads.append((hd.grad, wd.grad))
+    wd64 = weight.double().requires_grad_(True)
+    F.cross_entropy(hidden.double() @ wd64.t(), labels).backward()
+    for _, gw in grads:
+        assert_close_rel(gw, wd64.grad, dtype)
+
+
 def test_linear_cross_entropy_no_tokens():
     hidden = torch.zeros(0, 4, requires_grad=True)
     weight = torch.randn(6, 4, requires_grad=True)
@@ -276,12 +296,20 @@ def test_cuda_bad_label_gives_nan():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_linear_cross_entropy(dtype, seed):
+@pytest.mark.parametrize("chunk", [1000, None])  # None: one chunk, the weight gradient in its dtype
+def test_cuda_linear_cross_entropy(dtype, chunk, seed):
     n, h, v = 4096, 512, 32000
     hidden = (torch.randn(n, h, device="cuda") * 0.5).to(dtype).requires_grad_(True)
     weight = (torch.randn(v, h, device="cuda") * 0.05).to(dtype).requires_grad_(True)
     labels = make_labels(n, v, device="cuda")
-    loss = linear_cross_entropy(hidden, weight, labels, chunk_size=1000)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss = linear_cross_entropy(hidden, weight, labels, chunk_size=chunk)
+    peak = torch.cuda.max_memory_allocated() - base
+    if chunk is None:  # one chunk's logits, the gradients in their own dtype, no float32 [V, H] buffer
+        e = hidden.element_size()
+        assert peak <= n * v * e + v * h * e + n * h * e + (64 << 20), peak  # + a GEMM workspace
     loss.backward()
     hd, wd = hidden.detach().float().requires_grad_(True), weight.detach().float().requires_grad_(True)
     ref = F.cross_entropy(hd @ wd.t(), labels)

@@ -168,10 +168,14 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         scale = (1.0 / count).reshape(1) if reduction == "mean" else torch.ones(1, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        grad_b = torch.zeros(v, dtype=torch.float32, device=hidden.device) if need_b else None
         chunk = chunk_size or default_chunk_size(n, v, hidden.element_size())
         weight_dtype = weight.dtype
+        # the weight gradient sums over chunks in a float32 buffer; one chunk (the GEMM's own float32
+        # accumulation, rounded once) writes it in the weight's dtype directly: no [V, H] float32 buffer
+        # and no conversion pass
+        acc_dtype = weight_dtype if n <= chunk else torch.float32
+        grad_w = torch.empty(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None
+        grad_b = torch.zeros(v, dtype=torch.float32, device=hidden.device) if need_b else None
         if weight.dtype != hidden.dtype:  # e.g. an fp32 weight under bf16 autocast: GEMMs in hidden's dtype
             weight = weight.detach().to(hidden.dtype)
             bias = bias.detach().to(hidden.dtype) if bias is not None else None
@@ -196,7 +200,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 del logits, loss, lse  # freed before the next chunk's logits are allocated: one chunk at a time
         if grad_w is not None and n == 0:
             grad_w.zero_()  # no chunk wrote it
-        if grad_w is not None and weight_dtype != torch.float32:
+        if grad_w is not None and grad_w.dtype != weight_dtype:
             grad_w = grad_w.to(weight_dtype)
         out = total / count if reduction == "mean" else total
         ctx.save_for_backward(grad_h, grad_w, grad_b)
@@ -226,7 +230,9 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, l
     GEMMs run in ``hidden``'s dtype: a weight of another dtype (an fp32 weight
     under bf16 autocast) is cast for them, and its gradient is returned in its
     own dtype.  The weight gradient accumulates in a float32 [V, H] buffer across chunks
-    (memory: 4 V H bytes while the forward runs)."""
+    (memory: 4 V H bytes while the forward runs); when all N rows fit in one
+    chunk the GEMM writes it in the weight's dtype instead (its own float32
+    sum rounded once, as the buffer's final conversion would)."""
     _check_reduction(reduction, ("mean", "sum"))
     for name, t in (("hidden", hidden), ("weight", weight)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
