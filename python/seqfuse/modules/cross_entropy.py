@@ -171,11 +171,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         chunk = chunk_size or default_chunk_size(n, v, hidden.element_size())
         weight_dtype = weight.dtype
         # the weight gradient sums over chunks in a float32 buffer; one chunk (the GEMM's own float32
-        # accumulation, rounded once) writes it in the weight's dtype directly: no [V, H] float32 buffer
-        # and no conversion pass
-        acc_dtype = weight_dtype if n <= chunk else torch.float32
+        # accumulation, rounded once) writes it in the weight's dtype directly, where the GEMM can (an out of
+        # its operands' dtype, hidden's, or float32): no [V, H] float32 buffer and no conversion pass
+        one_chunk = n <= chunk and weight_dtype in (hidden.dtype, torch.float32)
+        acc_dtype = weight_dtype if one_chunk else torch.float32
         grad_w = torch.empty(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None
         grad_b = torch.zeros(v, dtype=torch.float32, device=hidden.device) if need_b else None
+        ctx.bias_dtype = bias.dtype if bias is not None else None  # the gradient's dtype: the bias's own
         if weight.dtype != hidden.dtype:  # e.g. an fp32 weight under bf16 autocast: GEMMs in hidden's dtype
             weight = weight.detach().to(hidden.dtype)
             bias = bias.detach().to(hidden.dtype) if bias is not None else None
@@ -204,7 +206,6 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             grad_w = grad_w.to(weight_dtype)
         out = total / count if reduction == "mean" else total
         ctx.save_for_backward(grad_h, grad_w, grad_b)
-        ctx.bias_dtype = bias.dtype if bias is not None else None
         return out
 
     @staticmethod
@@ -231,8 +232,9 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, l
     under bf16 autocast) is cast for them, and its gradient is returned in its
     own dtype.  The weight gradient accumulates in a float32 [V, H] buffer across chunks
     (memory: 4 V H bytes while the forward runs); when all N rows fit in one
-    chunk the GEMM writes it in the weight's dtype instead (its own float32
-    sum rounded once, as the buffer's final conversion would)."""
+    chunk and the weight has hidden's dtype (or float32) the GEMM writes it in
+    the weight's dtype instead (its own float32 sum rounded once, as the
+    buffer's final conversion would)."""
     _check_reduction(reduction, ("mean", "sum"))
     for name, t in (("hidden", hidden), ("weight", weight)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
