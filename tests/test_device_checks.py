@@ -188,7 +188,7 @@ def test_label_checks_switched_off_for_the_process(device_path, monkeypatch, cap
 
 def test_checks_step_aside_under_graph_capture(device_path, monkeypatch, caplog):
     """No host read during capture: the check is skipped, and logged once."""
-    monkeypatch.setattr(checks, "_capturing", lambda t: True)
+    monkeypatch.setattr(checks, "capturing", lambda where=None: True)
     checks._skips_logged.clear()
     with caplog.at_level(logging.WARNING, logger="seqfuse"):
         for _ in range(2):
@@ -261,3 +261,13 @@ def test_corpus_index_cases_hold_on_the_device_path(tmp_path):
     assert len(results) >= 80, len(results)
     bad = [f"{r['name']}: {r['what'][:200]}" for r in results if not r["ok"]]
     assert not bad, "\n".join(bad)
+
+
+def test_capturing_needs_a_cuda_place_and_never_initialises_cuda():
+    """The one capture test: False for CPU tensors and devices whatever the
+    stream says, and no CUDA initialisation on a machine that has not used it."""
+    real = checks.capturing
+    assert real(torch.zeros(1)) is False and real(torch.device("cpu")) is False and real("cpu") is False
+    if not torch.cuda.is_initialized():
+        assert real() is False and real(torch.device("cuda")) is False
+        assert not torch.cuda.is_initialized()

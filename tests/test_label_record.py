@@ -194,8 +194,7 @@ def test_backward_op_alone_checks_at_the_call(kernel):
 
 
 def test_capture_without_a_sink_is_logged_and_with_one_records(kernel, monkeypatch, caplog):
-    monkeypatch.setattr(pe, "_capturing", lambda: True)
-    monkeypatch.setattr(checks, "_capturing", lambda t: True)
+    monkeypatch.setattr(checks, "capturing", lambda where=None: True)  # what both modules ask
     monkeypatch.setattr(pe, "_no_sink_logged", set())
     with caplog.at_level(logging.WARNING, logger="seqfuse"):
         for _ in range(2):
@@ -211,7 +210,7 @@ def test_capture_without_a_sink_is_logged_and_with_one_records(kernel, monkeypat
     pe.raise_pending()  # nothing is read while capturing
     with pytest.raises(RuntimeError, match="check_pending_errors: the current stream is being captured"):
         ops.check_pending_errors()
-    monkeypatch.setattr(pe, "_capturing", lambda: False)
+    monkeypatch.setattr(checks, "capturing", lambda where=None: False)
     with pytest.raises(ValueError, match=RULE):
         ops.check_pending_errors()
 

@@ -47,6 +47,7 @@ import torch
 
 from .. import ops
 from ..ops.attn import PerTensorCache, padding_layout
+from ..ops.device_checks import capturing
 from .positions import derived_positions
 
 
@@ -162,8 +163,8 @@ def seqfuse_attention_forward(module, query, key, value, attention_mask, dropout
         if attention_mask.shape[-1] != s_kv or s_q > s_kv:
             raise ValueError(f"seqfuse attention: the attention mask covers {attention_mask.shape[-1]} keys; "
                              f"the call has {s_kv} keys and {s_q} queries")
-        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()  # a replay reads new mask contents
-        fmt, cu_q, max_q, cu_kv, max_kv, poison, _ = (_padding_layout if capturing else _padding_layout_cached)(
+        # under capture a replay reads new mask contents: not cached
+        fmt, cu_q, max_q, cu_kv, max_kv, poison, _ = (_padding_layout if capturing(q) else _padding_layout_cached)(
             attention_mask, s_q)
         if fmt == "thd":  # the rows end to end: [b * s, heads, dim]
             q, k, v = (t.reshape(-1, t.shape[2], t.shape[3]) for t in (q, k, v))

@@ -60,6 +60,7 @@ from torch import nn
 
 from ..modules.rope import apply_rotary_pos_emb
 from ..ops.attn import PerTensorCache
+from ..ops.device_checks import capturing
 from ..pytorch import LayerNormLinear, LayerNormMLP, Linear, RMSNorm
 from .attention import seqfuse_attention_forward
 
@@ -448,9 +449,9 @@ class SeqfuseDecoderLayer(nn.Module):
         if self.rope_fused and position_ids is not None:
             rotary = self._rotary[0]
             b, s = q.shape[:2]
-            capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
             # every layer gets the same position_ids tensor: the angles are made once per forward
-            ang = (_angles if capturing else _angles_cached)((position_ids, rotary.inv_freq))
+            # (not cached under capture: a replay brings new positions)
+            ang = (_angles if capturing(q) else _angles_cached)((position_ids, rotary.inv_freq))
             if ang.shape[0] not in (1, b) or ang.shape[1] != s:
                 raise ValueError(f"seqfuse fused layer: position_ids {tuple(position_ids.shape)} must be [1, {s}] "
                                  f"or [{b}, {s}]")

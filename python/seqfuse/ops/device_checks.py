@@ -80,8 +80,17 @@ def _readable(t):
     return t.untyped_storage().nbytes() >= reach * t.element_size()
 
 
-def _capturing(t):
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+def capturing(where=None):
+    """Whether the current CUDA stream is being captured into a CUDA graph:
+    the one test every op that must not read the device (or must not cache
+    what a replay would change) asks.  ``where`` (a tensor or a device), when
+    given, must be on CUDA for the answer to be True.  It never initialises
+    CUDA: no capture can run before CUDA is initialised."""
+    if where is not None:
+        on_cuda = where.is_cuda if isinstance(where, torch.Tensor) else torch.device(where).type == "cuda"
+        if not on_cuda:
+            return False
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def _skip_under_capture(op, name):
@@ -167,7 +176,7 @@ def sequence_facts(cu, max_len=None):
     leaves the others unwritten) and the longest length (no host read)."""
     if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
         return None
-    if _capturing(cu) or not _readable(cu):
+    if capturing(cu) or not _readable(cu):
         return None
     facts = _cu_problem(cu, max_len) if cu.device.type in HOST_READ else _facts(cu, max_len)
     first, i, _, last, shortest, longest = facts
@@ -188,7 +197,7 @@ def check_cu_seqlens(op, name, cu, extent=None, max_len=None, max_what=None):
         return
     if cu.device.type in HOST_READ or not _readable(cu):
         return
-    if _capturing(cu):
+    if capturing(cu):
         _skip_under_capture(op, name)
         return
     facts = _facts(cu, max_len)
@@ -277,7 +286,7 @@ def defers_label_check(labels):
     if labels.dtype != torch.int64:
         return False
     mode = _label_mode if _label_mode is not None else label_mode()
-    return mode == "deferred" or (mode == "sync" and _capturing(labels))
+    return mode == "deferred" or (mode == "sync" and capturing(labels))
 
 
 def check_labels(op, labels, num_classes, ignore_index, name="labels"):
@@ -293,7 +302,7 @@ def check_labels(op, labels, num_classes, ignore_index, name="labels"):
     if label_mode() == "off":
         _log_off_once()
         return
-    if _capturing(labels):
+    if capturing(labels):
         _skip_under_capture(op, name)
         return
     found = label_problem(labels, num_classes, ignore_index)

@@ -64,6 +64,8 @@ import threading
 
 import torch
 
+from . import device_checks
+
 _log = logging.getLogger("seqfuse")
 
 # the record's fields (csrc/include/seqfuse_loss.h, enum SF_LABEL_*)
@@ -113,10 +115,6 @@ _no_sink_logged = set()
 _origins = collections.deque(maxlen=64)
 
 
-def _capturing():
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 def sink_for(op, labels):
     """The sink of ``labels``' device, made on first use; None (logged once
     per device) when none exists yet and the stream is being captured."""
@@ -124,7 +122,7 @@ def sink_for(op, labels):
     sink = _sinks.get(index)
     if sink is None:
         device = labels.device
-        if _capturing():
+        if device_checks.capturing():
             if device not in _no_sink_logged:
                 _no_sink_logged.add(device)
                 _log.warning("seqfuse %s: the labels on %s are not recorded in this CUDA graph capture (no "
@@ -166,7 +164,7 @@ def raise_pending():
     recorded; a memory read per device, no CUDA call, no wait.  Nothing is
     read during a capture."""
     for sink in _sinks.values():
-        if sink.pending() and not _capturing():
+        if sink.pending() and not device_checks.capturing():
             raise ValueError(_message(sink.take()))
 
 
@@ -179,7 +177,7 @@ def check_pending_errors(wait=True):
     during CUDA graph capture (RuntimeError)."""
     if not isinstance(wait, bool):
         raise TypeError(f"check_pending_errors: argument 'wait' must be a bool, got {type(wait).__name__}")
-    if _capturing():
+    if device_checks.capturing():
         raise RuntimeError("check_pending_errors: the current stream is being captured into a CUDA graph; "
                            "call it after the capture (a capture cannot wait for results)")
     if wait:

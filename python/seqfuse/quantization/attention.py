@@ -47,6 +47,7 @@ import torch
 from ..common.recipe import DelayedScaling
 from ..ops import attn as attn_ops
 from ..ops import quant as qops
+from ..ops.device_checks import capturing
 from . import recompute
 from .quantize import delayed_scale, quantize_with_state
 from .state import ScalingState
@@ -133,7 +134,7 @@ def _p_scale(dtype, device):
     key = (dtype, device)
     t = _P_SCALES.get(key)
     if t is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if capturing(device):
             raise RuntimeError("fp8_attention: the first FP8 attention call on a device cannot be made under CUDA "
                                "graph capture (its constants and cuDNN graphs are made then); run one call eagerly "
                                "first (make_graphed_callables' warm-up does)")

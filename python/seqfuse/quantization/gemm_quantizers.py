@@ -55,6 +55,7 @@ import torch
 from ..common.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
                              MXFP8BlockScaling, NVFP4BlockScaling, Recipe)
 from ..ops import quant as qops
+from ..ops.device_checks import capturing
 from . import recompute
 from .quantize import quantize_block, quantize_current, quantize_with_state
 from .state import ScalingState
@@ -228,7 +229,7 @@ class _Role:
             return False
         # under CUDA graph capture the fused kernel is recorded even before a history exists:
         # make_graphed_callables replays only once the history is there (graphs.py)
-        fused = o.state.has_history(self.index) or _capturing()
+        fused = o.state.has_history(self.index) or capturing()
         return recompute.choice_for(("fused_cast", id(o.state), self.index), fused) if recompute.open_contexts \
             else fused
 
@@ -327,7 +328,7 @@ class WeightQuantizer(_Role):
             # here, so no later call can reuse an operand of an older gather
             self.key = self.param = self.pair = None
             return weight.sf_fp8_pair(self)
-        capturing = weight.is_cuda and _capturing()
+        in_capture = capturing(weight)
         if sources is None:
             src, versions = (weight,), ((weight.data_ptr(), weight._version),)
         else:
@@ -339,12 +340,12 @@ class WeightQuantizer(_Role):
                 return self.pair
             if (is_first_microbatch is None and old == key
                     and all(a is b for a, b in zip(self.param, src))
-                    and not _fsdp2_in_use() and not capturing):
+                    and not _fsdp2_in_use() and not in_capture):
                 return self.pair
         # new FP8 buffers each time: a pending backward may hold the old ones
         self.pair = self._cast_weight(weight.detach(), old is not None and old[:5] == key[:5])
         self.casts += 1
-        if capturing:
+        if in_capture:
             # a captured cast fills its buffers only when the graph replays: an eager call
             # (a graphed module's first FP8 step, an eval-mode call) must cast again, not read
             # them; the graph's buffers stay referenced here for as long as the graph may run
@@ -369,11 +370,6 @@ class WeightQuantizer(_Role):
         q = quantize_current(w, self.fp8_dtype, margin=o.margin, transpose=True, amax=amax,
                              scale=self.scratch[1])
         return q, q
-
-
-def _capturing():
-    """Whether the current CUDA stream is being captured into a graph."""
-    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def high_precision(t):

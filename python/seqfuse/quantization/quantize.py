@@ -6,6 +6,7 @@ import logging
 import torch
 
 from ..ops import quant as qops
+from ..ops.device_checks import capturing
 from . import recompute, stats
 from .tensor import Float8BlockTensor, Float8Tensor, MXFP8Tensor, NVFP4Tensor
 
@@ -55,7 +56,7 @@ def delayed_scale(state, index, amax, device):
     scale its forward noted, as for any scale."""
     if not state.has_history(index) and not recompute.replaying():
         state.note_first_cast(index)
-        if not (torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if not capturing(device):
             if not _first_cast_logged:
                 _first_cast_logged.append(True)
                 _log.info("seqfuse FP8 delayed scaling: tensors cast before their first amax history "

@@ -52,6 +52,7 @@ import threading
 import torch
 
 from ..quant import FP8_MAX
+from ..device_checks import capturing
 
 _log = logging.getLogger("seqfuse")
 
@@ -337,7 +338,7 @@ def _graph(key, make, what):
     g = _GRAPHS.get(key)
     if g is None:
         shape = describe(*key[1:8], key[10 if what == "forward" else 12])
-        if torch.cuda.is_current_stream_capturing():
+        if capturing():
             raise RuntimeError(f"fp8 attention: no cuDNN {what} graph for {shape} yet, and one cannot be built "
                                "under CUDA graph capture; run the shape once eagerly first")
         with _lock:

@@ -157,6 +157,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ... import _C
+from .. import device_checks
 from .._call import as_float
 from . import _cudnn_ragged as ragged
 from . import _torch_routes as routes
@@ -620,7 +621,7 @@ def _choose(mode, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, d
     flash_enabled = torch.backends.cuda.flash_sdp_enabled()
     det_algos = torch.are_deterministic_algorithms_enabled() and \
         not torch.is_deterministic_algorithms_warn_only_enabled()
-    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    capturing = device_checks.capturing(q)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     switches = (cudnn_enabled, flash_enabled, det_algos, capturing, needs_grad)
     explicit_rng = rng_state is not None
