@@ -220,20 +220,31 @@ static void random_map(CheckBuf &map, int64_t T, int64_t E, int topk)
     map.up();
 }
 
-/* drop: rows cut from the end of the permuted buffer (capacity). */
-static void permute_case(sf_dtype dt, int64_t T, int64_t E, int topk, int64_t H, int64_t drop)
+/* A random routing map of T tokens over E experts (topk each), its row ids
+ * and tokens per expert on both backends; the reference's ids are then
+ * uploaded so the device side of later ops reads the same ones.  Returns
+ * whether the backends' ids and counts agree byte for byte. */
+static bool routed_rows(CheckBuf &map, CheckBuf &rid, CheckBuf &tpe, int64_t T, int64_t E, int topk)
 {
-    if (!check_take_case()) /* CHECK_EVERY (core/check_util.h) */
-        return;
     int64_t s2[2] = {T, E}, s1[1] = {E};
-    CheckBuf map(SF_BOOL, T * E), rid(SF_INT32, T * E), tpe(SF_INT64, E);
     random_map(map, T, E, topk);
     for (int cuda = 0; cuda < 2; ++cuda) {
         sf_tensor m = map.view(2, s2, cuda), r = rid.view(2, s2, cuda), c = tpe.view(1, s1, cuda);
         CHECK_SF(sf_moe_row_id_map(&m, &r, &c, NULL));
     }
-    const bool ids_ok = same_bytes(rid) && same_bytes(tpe);
+    const bool same = same_bytes(rid) && same_bytes(tpe);
     rid.up();
+    return same;
+}
+
+/* drop: rows cut from the end of the permuted buffer (capacity). */
+static void permute_case(sf_dtype dt, int64_t T, int64_t E, int topk, int64_t H, int64_t drop)
+{
+    if (!check_take_case()) /* CHECK_EVERY (core/check_util.h) */
+        return;
+    int64_t s2[2] = {T, E};
+    CheckBuf map(SF_BOOL, T * E), rid(SF_INT32, T * E), tpe(SF_INT64, E);
+    const bool ids_ok = routed_rows(map, rid, tpe, T, E, topk);
 
     const int64_t N = T * topk - drop;
     int64_t sx[2] = {T, H}, sp[2] = {N, H}, sn[1] = {N};
@@ -284,14 +295,9 @@ static void unpermute_plain_case(sf_dtype dt, sf_dtype gdt, int64_t T, int64_t E
 {
     if (!check_take_case()) /* CHECK_EVERY (core/check_util.h) */
         return;
-    int64_t s2[2] = {T, E}, s1[1] = {E};
+    int64_t s2[2] = {T, E};
     CheckBuf map(SF_BOOL, T * E), rid(SF_INT32, T * E), tpe(SF_INT64, E);
-    random_map(map, T, E, topk);
-    for (int cuda = 0; cuda < 2; ++cuda) {
-        sf_tensor m = map.view(2, s2, cuda), r = rid.view(2, s2, cuda), c = tpe.view(1, s1, cuda);
-        CHECK_SF(sf_moe_row_id_map(&m, &r, &c, NULL));
-    }
-    rid.up();
+    const bool ids_ok = routed_rows(map, rid, tpe, T, E, topk);
     const int64_t N = T * topk;
     int64_t sx[2] = {T, H}, sp[2] = {N, H};
     CheckBuf y(dt, N * H), back(dt, T * H), dout(gdt, T * H), dy(gdt, N * H), probs(SF_FLOAT32, T * E),
@@ -315,7 +321,8 @@ static void unpermute_plain_case(sf_dtype dt, sf_dtype gdt, int64_t T, int64_t E
     snprintf(what, sizeof what, "moe unpermute plain %s (dout %s) T=%lld E=%lld k=%d H=%lld: out %.1e, dinp %.1e, "
              "with probs: dinp %.1e, dprobs %.1e", sf_dtype_name(dt), sf_dtype_name(gdt), (long long)T, (long long)E,
              topk, (long long)H, eb, ed, edp, ep);
-    check_report(eb <= check_tol(dt) && ed <= check_tol(gdt) && edp <= check_tol(gdt) && ep <= 10 * tol, what);
+    check_report(ids_ok && eb <= check_tol(dt) && ed <= check_tol(gdt) && edp <= check_tol(gdt) && ep <= 10 * tol,
+                 what);
 }
 
 /* gdt: dout's dtype (x's when SF_BOOL is passed: the default). */
