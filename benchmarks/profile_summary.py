@@ -351,3 +351,17 @@ def profile_steps(step, batches, sync, path, title, cuda=True, top=25):
     with open(path, "w") as f:
         f.write(text)
     return nums
+
+
+def profile_row(step, batches, device, stem, title, top=40):
+    """What a bench's ``--profile`` writes for one row: profile_steps over
+    ``batches`` into ``<stem>_profile.txt`` and, on the GPU, sync_points of
+    ``step(batches[0])`` into ``<stem>_syncs.txt``.  Returns (the profile's
+    numbers, the synchronizing calls of one step, or None off the GPU)."""
+    import torch
+
+    cuda = torch.device(device).type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    nums = profile_steps(step, batches, sync, f"{stem}_profile.txt", title, cuda=cuda, top=top)
+    syncs = sync_points(lambda: step(batches[0]), f"{stem}_syncs.txt", title) if cuda else None
+    return nums, syncs

@@ -191,3 +191,11 @@ def test_profile_summary_runtime_calls_inside_the_steps_only():
     text, _ = profile_summary.summarize(ev, 1)
     tail = text.split("CUDA runtime / driver calls")[1]
     assert "cudaLaunchKernel" in tail and "cudaDeviceSynchronize" not in tail
+
+
+def test_profile_row_writes_the_profile_and_no_syncs_off_the_gpu(tmp_path):
+    calls = []
+    nums, syncs = profile_summary.profile_row(lambda b: calls.append(b), [1, 2], "cpu", str(tmp_path / "row"), "t")
+    assert calls == [1, 2] and syncs is None and nums["steps"] == 2
+    assert (tmp_path / "row_profile.txt").read_text().startswith("# t")
+    assert not (tmp_path / "row_syncs.txt").exists()

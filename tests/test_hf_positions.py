@@ -119,3 +119,18 @@ def test_accelerate_twice_keeps_one_mark():
         marks += w.make.__name__ == "_positions_forward"
         w = w.previous
     assert marks == 1
+
+
+def test_a_transformers_without_the_test_is_said_once_and_left_alone(monkeypatch, caplog):
+    import logging
+
+    import seqfuse.hf.positions as positions
+
+    monkeypatch.setattr(positions, "_shortcut", {})
+    monkeypatch.delattr(masking_utils, "find_packed_sequence_indices")
+    with caplog.at_level(logging.INFO, logger="seqfuse"):
+        first = positions.install_mask_shortcut()
+        again = positions.install_mask_shortcut()
+    assert "no masking_utils.find_packed_sequence_indices" in first and again == first
+    assert not hasattr(masking_utils, "find_packed_sequence_indices")
+    assert sum("find_packed_sequence_indices" in r.getMessage() for r in caplog.records) == 1

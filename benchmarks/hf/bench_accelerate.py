@@ -222,18 +222,13 @@ def main(argv=None):
             model, note = prepare(row, base, family)
             loss0, ms, step = run(model, ids, args.warmup, args.steps, device)
             if args.profile:
-                from profile_summary import profile_steps, sync_points
+                from profile_summary import profile_row
 
-                path = os.path.join(args.profile, f"{out}_{row}_profile.txt")
-                sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-                profile_steps(lambda _: step(), [None] * args.profile_steps, sync, path,
-                              f"{row}: {args.shape} {args.mode}, {args.batch} x {args.seq} tokens",
-                              cuda=device.type == "cuda", top=40)
-                print(f"{row}: profile in {path}", flush=True)
-                if device.type == "cuda":
-                    n = sync_points(step, os.path.join(args.profile, f"{out}_{row}_syncs.txt"),
-                                    f"{row}: {args.shape} {args.mode}")
-                    print(f"{row}: {n} synchronizing CUDA calls in one step", flush=True)
+                stem = os.path.join(args.profile, f"{out}_{row}")
+                _, syncs = profile_row(lambda _: step(), [None] * args.profile_steps, device, stem,
+                                       f"{row}: {args.shape} {args.mode}, {args.batch} x {args.seq} tokens")
+                print(f"{row}: profile in {stem}_profile.txt; synchronizing CUDA calls in one step: {syncs}",
+                      flush=True)
         except Exception as e:  # noqa: BLE001 - a failing row is recorded, the others still run
             import traceback
 

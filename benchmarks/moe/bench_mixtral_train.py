@@ -172,17 +172,12 @@ def run_row(name, cfg, mcfg, batches, device, dtype, seed, profile=None, profile
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     final = float(losses[-1])
     if profile:
-        from profile_summary import profile_steps as profiled
-        from profile_summary import sync_points
+        from profile_summary import profile_row
 
-        path = os.path.join(profile, f"{name}_profile.txt")
-        profiled(step, batches[:profile_steps], sync, path, f"{name}: Mixtral training step",
-                 cuda=device.type == "cuda", top=40)
-        log(f"{name}: profile in {path}")
-        if device.type == "cuda":
-            n = sync_points(lambda: step(batches[0]), os.path.join(profile, f"{name}_syncs.txt"),
-                            f"{name}: Mixtral training step")
-            log(f"{name}: {n} synchronizing CUDA calls in one step ({name}_syncs.txt)")
+        _, syncs = profile_row(step, batches[:profile_steps], device, os.path.join(profile, name),
+                               f"{name}: Mixtral training step")
+        log(f"{name}: profile in {os.path.join(profile, name)}_profile.txt; synchronizing CUDA calls in one "
+            f"step: {syncs}")
     del model, opt
     gc.collect()
     if device.type == "cuda":

@@ -424,6 +424,11 @@ __global__ void swiglu_backward_kernel(int64_t N, int64_t F, const Raw<G> *dout,
     }
 }
 
+/* An optional tensor's data and dtype as a kernel takes them: NULL and
+ * float32 (never read) when it is left out. */
+void *data_of(const sf_tensor *t) { return t ? t->data : nullptr; }
+sf_dtype dtype_of(const sf_tensor *t) { return t ? t->dtype : SF_FLOAT32; }
+
 /* A float tensor a kernel reads or writes through moe.h's sf_moe_ld /
  * sf_moe_st, by its argument name in the op (t NULL: an optional one left
  * out). */
@@ -577,9 +582,9 @@ extern "C" sf_status sf_moe_permute_cuda(const sf_moe_args *a, sf_stream s)
             with_vec(rows_vectorize(a->H, {{a->inp->data, sizeof(D)}, {a->out->data, sizeof(D)}}), [&](auto v) {
                 permute_kernel<D, WIDTH(v)><<<token_blocks(a->T), row_threads(a->H / WIDTH(v)), 0, sf_cuda_stream(s)>>>(
                     a->T, a->E, a->H, a->N, (const int32_t *)a->map->data, (const Raw<D> *)a->inp->data,
-                    a->probs ? a->probs->data : nullptr, a->probs ? a->probs->dtype : SF_FLOAT32,
-                    (Raw<D> *)a->out->data, a->out2 ? a->out2->data : nullptr,
-                    a->out2 ? a->out2->dtype : SF_FLOAT32);
+                    data_of(a->probs), dtype_of(a->probs),
+                    (Raw<D> *)a->out->data, data_of(a->out2),
+                    dtype_of(a->out2));
             });
             return SF_OK;
         });
@@ -595,7 +600,7 @@ extern "C" sf_status sf_moe_unpermute_cuda(const sf_moe_args *a, sf_stream s)
             with_vec(rows_vectorize(a->H, {{a->inp->data, sizeof(D)}, {a->out->data, sizeof(D)}}), [&](auto v) {
                 unpermute_kernel<D, WIDTH(v)><<<token_blocks(a->T), row_threads(a->H / WIDTH(v)), 0, sf_cuda_stream(s)>>>(
                     a->T, a->E, a->H, a->N, (const int32_t *)a->map->data, (const Raw<D> *)a->inp->data,
-                    a->probs ? a->probs->data : nullptr, a->probs ? a->probs->dtype : SF_FLOAT32,
+                    data_of(a->probs), dtype_of(a->probs),
                     (Raw<D> *)a->out->data);
             });
             return SF_OK;
@@ -615,14 +620,14 @@ extern "C" sf_status sf_moe_unpermute_backward_cuda(const sf_moe_args *a, sf_str
                 using D = ELEM(dt);
                 /* inp is read (with vector loads) only for dprobs */
                 const bool vec = rows_vectorize(a->H, {{a->grad->data, sizeof(G)}, {a->out->data, sizeof(G)},
-                                                       {a->out2 && a->inp ? a->inp->data : nullptr, sizeof(D)}});
+                                                       {a->out2 ? data_of(a->inp) : nullptr, sizeof(D)}});
                 with_vec(vec, [&](auto v) {
                     unpermute_backward_kernel<G, D, WIDTH(v)>
                         <<<token_blocks(a->T), row_threads(a->H / WIDTH(v)), 0, sf_cuda_stream(s)>>>(
                             a->T, a->E, a->H, a->N, (const int32_t *)a->map->data, (const Raw<G> *)a->grad->data,
-                            a->inp ? (const Raw<D> *)a->inp->data : nullptr, a->probs ? a->probs->data : nullptr,
-                            a->probs ? a->probs->dtype : SF_FLOAT32, (Raw<G> *)a->out->data,
-                            a->out2 ? a->out2->data : nullptr, a->out2 ? a->out2->dtype : SF_FLOAT32);
+                            a->inp ? (const Raw<D> *)a->inp->data : nullptr, data_of(a->probs),
+                            dtype_of(a->probs), (Raw<G> *)a->out->data,
+                            data_of(a->out2), dtype_of(a->out2));
                 });
                 return SF_OK;
             });
@@ -650,8 +655,8 @@ extern "C" sf_status sf_moe_swiglu_forward_cuda(const sf_moe_args *a, sf_stream 
             with_vec(rows_vectorize(a->H, {{a->inp->data, sizeof(D)}, {a->out->data, sizeof(D)}}), [&](auto v) {
                 swiglu_forward_kernel<D, WIDTH(v)>
                     <<<blocks_for(a->N * (a->H / WIDTH(v)), a->inp->device_id), kThreads, 0, sf_cuda_stream(s)>>>(
-                        a->N, a->H, (const Raw<D> *)a->inp->data, a->probs ? a->probs->data : nullptr,
-                        a->probs ? a->probs->dtype : SF_FLOAT32, (Raw<D> *)a->out->data);
+                        a->N, a->H, (const Raw<D> *)a->inp->data, data_of(a->probs),
+                        dtype_of(a->probs), (Raw<D> *)a->out->data);
             });
             return SF_OK;
         });
@@ -672,9 +677,9 @@ extern "C" sf_status sf_moe_swiglu_backward_cuda(const sf_moe_args *a, sf_stream
                     swiglu_backward_kernel<D, G, WIDTH(v)>
                         <<<token_blocks(a->N), row_threads(a->H / WIDTH(v)), 0, sf_cuda_stream(s)>>>(
                             a->N, a->H, (const Raw<G> *)a->grad->data, (const Raw<D> *)a->inp->data,
-                            a->probs ? a->probs->data : nullptr, a->probs ? a->probs->dtype : SF_FLOAT32,
-                            (Raw<D> *)a->out->data, a->out2 ? a->out2->data : nullptr,
-                            a->out2 ? a->out2->dtype : SF_FLOAT32);
+                            data_of(a->probs), dtype_of(a->probs),
+                            (Raw<D> *)a->out->data, data_of(a->out2),
+                            dtype_of(a->out2));
                 });
                 return SF_OK;
             });

@@ -33,6 +33,8 @@ import contextlib
 import contextvars
 import logging
 
+from torch import nn
+
 from .method_wrap import MethodWrapper, forward_signature, wrap_method
 
 _log = logging.getLogger("seqfuse")
@@ -75,8 +77,6 @@ def _decoders(model, fused_layer_type):
     """transformers' base decoders inside ``model`` (the modules holding the
     ``layers`` list, beside ``rotary_emb``) with a fused layer among them and
     ``position_ids`` in their forward: the modules that derive the positions."""
-    from torch import nn
-
     for m in model.modules():
         layers = getattr(m, "layers", None)
         if not (isinstance(layers, nn.ModuleList) and isinstance(getattr(m, "rotary_emb", None), nn.Module)):
