@@ -70,13 +70,17 @@ static sf_status check_scale(const char *name, const sf_tensor *s, int groups)
     if (!s)
         return SF_OK;
     SF_TRY(sf_check_dtype(OP, name, s, SF_FLOAT32));
-    SF_TRY(sf_check_contiguous(OP, name, s));
     int64_t n = sf_numel(s);
     if (n != groups && n != 1)
         return sf_fail(SF_ERR_VALUE,
                        "%s: argument '%s' must hold one scale inverse per group (%d) or one "
                        "shared by all groups, got %lld elements",
                        OP, name, groups, (long long)n);
+    /* per group: a 1-D vector of any positive element stride (cuBLASLt wants each
+     * scale 256-byte aligned on Hopper: the grouped FP8 cast writes them 64 floats apart) */
+    if (n > 1 && (s->ndim != 1 || s->strides[0] < 1))
+        return sf_fail(SF_ERR_VALUE, "%s: argument '%s' must be a 1-D tensor of %d scale inverses "
+                       "(any positive stride)", OP, name, groups);
     return SF_OK;
 }
 
@@ -101,7 +105,7 @@ static void scale_at(const sf_tensor *s, int g, sf_tensor *v)
     v->shape[0] = 1;
     v->strides[0] = 1;
     if (sf_numel(s) > 1)
-        v->data = (float *)s->data + g;
+        v->data = (float *)s->data + (int64_t)g * s->strides[0];
 }
 
 /* Group g's scale of one operand, for its sf_gemm call: the g-th entry of the

@@ -25,8 +25,9 @@
  * (left as is when accumulate) and its bias gradient zero.
  *
  * FP8 (float8 operands), each operand's scale inverses given one of two ways:
- *   a_scale_inv: float32 with G elements (one per group) or 1 (shared),
- *                per-tensor scaling;
+ *   a_scale_inv: float32 with G elements (one per group: a 1-D vector of
+ *                any positive element stride) or 1 (shared), per-tensor
+ *                scaling;
  *   a_scale_list: G float32 tensors, group g's exactly as sf_gemm takes them
  *                for that group's operand under a_scaling (per tensor, or
  *                1x128 / 128x128 block scales: seqfuse_gemm.h's layouts).

@@ -76,6 +76,26 @@ sf_status sf_cast_fp8_current(const sf_tensor *x, sf_tensor *amax, sf_tensor *sc
                               sf_tensor *scale_inv, sf_tensor *out, sf_tensor *out_t,
                               int margin, sf_stream stream);
 
+/* The FP8 casts of a mixture-of-experts layer's expert-sorted tokens, every
+ * expert with its own scale, in one call (CUDA: one launch under delayed
+ * scaling, three under current scaling, for up to 64 experts at a time).
+ * x [M, K] (K % 16 == 0; 16-byte aligned on CUDA) holds G runs of rows,
+ * m_splits (a CPU int64 tensor of G >= 1 counts adding up to M) their
+ * lengths.  Group g's rows go to its own block of padded rows of out
+ * [Mp, K] and of the columns of out_t [K, Mp] (either may be NULL, not
+ * both; same FP8 dtype), each run padded with zero rows to a multiple of
+ * row_multiple (a multiple of 16; Mp = the padded runs' sum).  scale,
+ * amax, scale_inv: float32 vectors of G elements with any element stride
+ * (a ScalingState's slots of one role).  current = 0 (delayed scaling):
+ * scale is read, max |x_g| folded into amax[g] when amax is given.
+ * current = 1: amax[g] = max |x_g| and scale[g] (fp8.h's
+ * sf_scale_from_amax with the format's maximum and 2^-margin) are
+ * written first.  Both: scale_inv[g] = 1 / scale[g].  Each group's
+ * results equal sf_cast_fp8 (sf_cast_fp8_current) of its rows alone. */
+sf_status sf_cast_fp8_grouped(const sf_tensor *x, const sf_tensor *m_splits, int row_multiple,
+                              sf_tensor *scale, sf_tensor *amax, sf_tensor *out, sf_tensor *out_t,
+                              sf_tensor *scale_inv, int current, int margin, sf_stream stream);
+
 /* out_t = data^T: data an FP8 tensor viewed as [M, K] (K its last
  * dimension, contiguous), out_t [K, M] contiguous with data's dtype.  The
  * bytes move unchanged (same scale).  Under delayed scaling the norm and

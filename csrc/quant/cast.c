@@ -15,6 +15,7 @@
  * check_cast.cu and check_block.cu.
  */
 #include <math.h>
+#include <stdlib.h>
 
 #include "../core/dispatch.h"
 #include "cast_backend.h"
@@ -130,6 +131,7 @@ static sf_status cast_prepare(const char *op, const sf_tensor *x, const sf_tenso
     a->m = m;
     a->k = k;
     a->mp = mp;
+    a->ld_t = mp;
     a->scale = (const float *)scale->data;
     a->amax = amax ? (float *)amax->data : NULL;
     a->out = out ? (uint8_t *)out->data : NULL;
@@ -169,6 +171,140 @@ sf_status sf_cast_fp8_dbias(const sf_tensor *x, const sf_tensor *scale, sf_tenso
     if (!col_sums)
         return sf_fail(SF_ERR_VALUE, "cast_fp8_dbias: argument 'col_sums' must be given");
     return cast_entry("cast_fp8_dbias", x, scale, amax, out, out_t, scale_inv, col_sums, stream);
+}
+
+/* A float32 vector of n elements with any positive element stride (one
+ * role's slots of a ScalingState are every third column), on x's device. */
+static sf_status check_strided_vector(const char *op, const char *arg, const sf_tensor *t,
+                                      int64_t n, const sf_tensor *x, int written)
+{
+    SF_TRY(sf_check_dtype(op, arg, t, SF_FLOAT32));
+    if (t->ndim != 1 || t->shape[0] != n || (n > 1 && t->strides[0] < 1))
+        return sf_fail(SF_ERR_VALUE, "%s: argument '%s' must be a 1-D float32 tensor of %lld "
+                       "elements (one per group; any positive stride)", op, arg, (long long)n);
+    SF_TRY(sf_check_same_device(op, "x", x, arg, t));
+    return written ? sf_check_writable(op, arg, t) : SF_OK;
+}
+
+static int64_t vector_stride(const sf_tensor *t) { return t->shape[0] > 1 ? t->strides[0] : 1; }
+
+static sf_status check_margin(const char *op, int margin, float *pow2);
+
+/* The most groups one grouped cast takes (a host array per group). */
+#define SF_CAST_MAX_GROUPS (1 << 20)
+
+sf_status sf_cast_fp8_grouped(const sf_tensor *x, const sf_tensor *m_splits, int row_multiple,
+                              sf_tensor *scale, sf_tensor *amax, sf_tensor *out, sf_tensor *out_t,
+                              sf_tensor *scale_inv, int current, int margin, sf_stream stream)
+{
+    static const char op[] = "cast_fp8_grouped";
+    SF_TRY(sf_check_float_input(op, "x", x));
+    SF_TRY(sf_check_contiguous(op, "x", x));
+    if (x->ndim != 2)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'x' must be 2-D [M, K] (the tokens in group "
+                       "order), got %d dimensions", op, x->ndim);
+    const int64_t m_total = x->shape[0], k = x->shape[1];
+    if (k % 16)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'x' must have K (its last dimension) a multiple "
+                       "of 16 (the FP8 GEMMs' rule), got %lld", op, (long long)k);
+    if (x->device != SF_CPU && (uintptr_t)x->data % 16)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'x' must be 16-byte aligned", op);
+    SF_TRY(sf_check_dtype(op, "m_splits", m_splits, SF_INT64));
+    if (m_splits->device != SF_CPU || m_splits->ndim != 1 || !sf_is_contiguous(m_splits))
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'm_splits' must be a contiguous 1-D int64 CPU "
+                       "tensor (the host row counts)", op);
+    const int64_t G = m_splits->shape[0];
+    if (G < 1 || G > SF_CAST_MAX_GROUPS)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'm_splits' must hold 1 to %d row counts, got "
+                       "%lld", op, SF_CAST_MAX_GROUPS, (long long)G);
+    if (row_multiple < 16 || row_multiple % 16)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'row_multiple' must be a positive multiple of "
+                       "16 (the FP8 GEMMs' token granularity), got %d", op, row_multiple);
+    if (!out && !out_t)
+        return sf_fail(SF_ERR_VALUE, "%s: at least one of 'out' and 'out_t' must be given", op);
+    SF_TRY(check_strided_vector(op, "scale", scale, G, x, current));
+    SF_TRY(check_strided_vector(op, "scale_inv", scale_inv, G, x, 1));
+    if (amax)
+        SF_TRY(check_strided_vector(op, "amax", amax, G, x, 1));
+    else if (current)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'amax' must be given under current scaling "
+                       "(it receives each group's max |x|)", op);
+    if (scale_inv->data == scale->data || (amax && (amax->data == scale->data ||
+                                                     amax->data == scale_inv->data)))
+        return sf_fail(SF_ERR_VALUE, "%s: arguments 'scale', 'amax' and 'scale_inv' must be "
+                       "different buffers", op);
+    float pow2_neg_margin = 1.0f; /* check_margin sets it */
+    SF_TRY(check_margin(op, margin, &pow2_neg_margin));
+
+    sf_status st = SF_OK;
+    int64_t *table = (int64_t *)malloc((size_t)G * 4 * sizeof(int64_t));
+    if (!table)
+        return sf_fail(SF_ERR_RUNTIME, "%s: out of host memory for %lld groups", op, (long long)G);
+    int64_t *m = table, *mp = table + G, *x_row = table + 2 * G, *p_row = table + 3 * G;
+    const int64_t *splits = (const int64_t *)m_splits->data;
+    int64_t rows = 0, padded = 0;
+    for (int64_t g = 0; g < G; ++g) {
+        if (splits[g] < 0 || splits[g] > m_total - rows) {
+            st = sf_fail(SF_ERR_VALUE, "%s: argument 'm_splits' must hold non-negative row counts "
+                         "adding up to x's %lld rows (group %lld: %lld after %lld rows)", op,
+                         (long long)m_total, (long long)g, (long long)splits[g], (long long)rows);
+            goto done;
+        }
+        m[g] = splits[g];
+        mp[g] = (splits[g] + row_multiple - 1) / row_multiple * row_multiple;
+        x_row[g] = rows;
+        p_row[g] = padded;
+        rows += m[g];
+        padded += mp[g];
+    }
+    if (rows != m_total) {
+        st = sf_fail(SF_ERR_VALUE, "%s: argument 'm_splits' adds up to %lld rows but x has %lld", op,
+                     (long long)rows, (long long)m_total);
+        goto done;
+    }
+    const sf_tensor *outs[2] = {out, out_t};
+    const char *names[2] = {"out", "out_t"};
+    for (int i = 0; i < 2; ++i) {
+        const sf_tensor *o = outs[i];
+        if (!o)
+            continue;
+        int64_t r = i ? k : padded, c = i ? padded : k;
+        if ((st = sf_quant_check_fp8(op, names[i], o)) != SF_OK ||
+            (st = sf_check_contiguous(op, names[i], o)) != SF_OK ||
+            (st = sf_check_writable(op, names[i], o)) != SF_OK ||
+            (st = sf_check_same_device(op, "x", x, names[i], o)) != SF_OK)
+            goto done;
+        if (o->ndim != 2 || o->shape[0] != r || o->shape[1] != c) {
+            st = sf_fail(SF_ERR_VALUE, "%s: argument '%s' must have shape [%lld, %lld] (every "
+                         "group's rows padded to a multiple of %d)", op, names[i], (long long)r,
+                         (long long)c, row_multiple);
+            goto done;
+        }
+        if (o->device != SF_CPU && (uintptr_t)o->data % 16) {
+            st = sf_fail(SF_ERR_VALUE, "%s: argument '%s' must be 16-byte aligned", op, names[i]);
+            goto done;
+        }
+    }
+    if (out && out_t && out->dtype != out_t->dtype) {
+        st = sf_fail(SF_ERR_TYPE, "%s: arguments 'out' (%s) and 'out_t' (%s) must have the same "
+                     "FP8 dtype", op, sf_dtype_name(out->dtype), sf_dtype_name(out_t->dtype));
+        goto done;
+    }
+    const int e5m2 = (out ? out->dtype : out_t->dtype) == SF_FLOAT8_E5M2;
+    const sf_cast_grouped_args a = {
+        .x = x->data, .x_dtype = x->dtype, .k = k, .mp_total = padded, .groups = G,
+        .m = m, .mp = mp, .x_row = x_row, .p_row = p_row,
+        .scale = (float *)scale->data, .amax = amax ? (float *)amax->data : NULL,
+        .scale_inv = (float *)scale_inv->data, .scale_stride = vector_stride(scale),
+        .amax_stride = amax ? vector_stride(amax) : 0, .scale_inv_stride = vector_stride(scale_inv),
+        .out = out ? (uint8_t *)out->data : NULL, .out_t = out_t ? (uint8_t *)out_t->data : NULL,
+        .e5m2 = e5m2, .current = current != 0, .fp8_max = e5m2 ? 57344.0f : 448.0f,
+        .pow2_neg_margin = pow2_neg_margin};
+    st = SF_DISPATCH(op, "x", x, sf_cast_fp8_grouped_cpu(&a),
+                     sf_cast_fp8_grouped_cuda(&a, x->device_id, stream));
+done:
+    free(table);
+    return st;
 }
 
 sf_status sf_transpose_fp8(const sf_tensor *data, sf_tensor *out_t, sf_stream stream)

@@ -50,10 +50,11 @@ __device__ __forceinline__ int swz(int row, int word) { return word ^ (((row >> 
  * bytes of rows m0.. and columns k0.. (128 x 128, swizzled words); each thread
  * gathers the 16-row x 4-column patch (rows mg*16.., word column kw) as 16
  * words, transposes it with byte permutes and writes four 16-byte rows of
- * out_t [k, m].  Needs m % 16 == 0 (whole 16-byte rows of out_t). */
+ * out_t [k, m] (row stride ld >= m).  Needs m % 16 == 0 and ld % 16 == 0 (whole 16-byte
+ * rows of out_t). */
 __device__ __forceinline__ void store_tile_transposed(const uint32_t (*tile)[kWords], int64_t m0,
-                                                      int64_t k0, int64_t m, int64_t k, int kw,
-                                                      int mg, uint8_t *__restrict__ out_t)
+                                                      int64_t k0, int64_t m, int64_t k, int64_t ld,
+                                                      int kw, int mg, uint8_t *__restrict__ out_t)
 {
     if (m0 + mg * 16 >= m)
         return;
@@ -79,7 +80,7 @@ __device__ __forceinline__ void store_tile_transposed(const uint32_t (*tile)[kWo
     for (int kk = 0; kk < 4; ++kk) {
         int64_t col = k0 + kw * 4 + kk;
         if (col < k)
-            *reinterpret_cast<uint4 *>(out_t + col * m + m0 + mg * 16) =
+            *reinterpret_cast<uint4 *>(out_t + col * ld + m0 + mg * 16) =
                 make_uint4(o[kk][0], o[kk][1], o[kk][2], o[kk][3]);
     }
 }
@@ -89,27 +90,22 @@ __device__ __forceinline__ void store_tile_transposed(const uint32_t (*tile)[kWo
  * repeats: per thread its 8 rows (lr, lr+16, ...), then the two threads of a
  * warp that share the columns (rows 2w.. and 2w+1..), then the 8 warps in
  * order. */
-/* The tile loop of cast_transpose (and of cast_current after its barrier):
- * the block casts tiles blockIdx.x, blockIdx.x + gridDim.x, ... with `scale`
- * and returns its max |x| bits. */
+/* One tile of cast_transpose: rows m0.. and columns k0.. of x [m, k] cast
+ * with `scale` into out [mp, k] and out_t [k, mp] (row stride ld_t), max |x|
+ * bits folded into local_max. */
 template <typename T, bool E5M2, bool SUMS>
-__device__ __forceinline__ uint32_t cast_transpose_tiles(
-    const T *__restrict__ x, int64_t m, int64_t mp, int64_t k, float scale,
-    uint8_t *__restrict__ out, uint8_t *__restrict__ out_t, float *__restrict__ col_sums,
-    uint32_t (*tile)[kWords], float (*red)[kTile])
+__device__ __forceinline__ void cast_transpose_tile(
+    const T *__restrict__ x, int64_t m, int64_t mp, int64_t k, int64_t ld_t, int64_t m0, int64_t k0,
+    float scale, uint8_t *__restrict__ out, uint8_t *__restrict__ out_t, float *__restrict__ col_sums,
+    uint32_t (*tile)[kWords], float (*red)[kTile], uint32_t &local_max)
 {
-    const int64_t tiles_k = (k + kTile - 1) / kTile;
-    const int64_t tiles = ((mp + kTile - 1) / kTile) * tiles_k;
     const int t = threadIdx.x;
     /* load phase: 16 vectors of 8 per row, 16 rows per pass, 8 passes */
     const int lj = t & 15, lr = t >> 4;
     /* store phase: word column kw (4 k values), row group mg (16 rows) */
     const int warp = t >> 5, lane = t & 31;
     const int kw = warp * 4 + (lane >> 3), mg = lane & 7;
-    uint32_t local_max = 0;
-
-    for (int64_t ti = blockIdx.x; ti < tiles; ti += gridDim.x) {
-        const int64_t m0 = (ti / tiles_k) * kTile, k0 = (ti % tiles_k) * kTile;
+    {
         const int64_t kc = k0 + lj * 8;
         sf_raw8<T> raw[8];
         bool ok[8];
@@ -155,7 +151,7 @@ __device__ __forceinline__ uint32_t cast_transpose_tiles(
         }
         __syncthreads();
         if (out_t)
-            store_tile_transposed(tile, m0, k0, mp, k, kw, mg, out_t);
+            store_tile_transposed(tile, m0, k0, mp, k, ld_t, kw, mg, out_t);
         if constexpr (SUMS) {
             if (t < kTile && k0 + t < k) {
                 float sum = red[0][t];
@@ -167,12 +163,29 @@ __device__ __forceinline__ uint32_t cast_transpose_tiles(
         }
         __syncthreads();
     }
+}
+
+/* The tile loop of cast_transpose (and of cast_current after its barrier):
+ * the block casts tiles blockIdx.x, blockIdx.x + gridDim.x, ... with `scale`
+ * and returns its max |x| bits. */
+template <typename T, bool E5M2, bool SUMS>
+__device__ __forceinline__ uint32_t cast_transpose_tiles(
+    const T *__restrict__ x, int64_t m, int64_t mp, int64_t k, int64_t ld_t, float scale,
+    uint8_t *__restrict__ out, uint8_t *__restrict__ out_t, float *__restrict__ col_sums,
+    uint32_t (*tile)[kWords], float (*red)[kTile])
+{
+    const int64_t tiles_k = (k + kTile - 1) / kTile;
+    const int64_t tiles = ((mp + kTile - 1) / kTile) * tiles_k;
+    uint32_t local_max = 0;
+    for (int64_t ti = blockIdx.x; ti < tiles; ti += gridDim.x)
+        cast_transpose_tile<T, E5M2, SUMS>(x, m, mp, k, ld_t, (ti / tiles_k) * kTile, (ti % tiles_k) * kTile,
+                                           scale, out, out_t, col_sums, tile, red, local_max);
     return local_max;
 }
 
 template <typename T, bool E5M2, bool SUMS = false>
 __global__ void __launch_bounds__(kThreads, SUMS || sizeof(T) == 4 ? 2 : 3)
-cast_transpose_kernel(const T *__restrict__ x, int64_t m, int64_t mp, int64_t k,
+cast_transpose_kernel(const T *__restrict__ x, int64_t m, int64_t mp, int64_t k, int64_t ld_t,
                       const float *__restrict__ scale_p, float *__restrict__ amax,
                       uint8_t *__restrict__ out, uint8_t *__restrict__ out_t,
                       float *__restrict__ scale_inv, float *__restrict__ col_sums = nullptr)
@@ -182,7 +195,7 @@ cast_transpose_kernel(const T *__restrict__ x, int64_t m, int64_t mp, int64_t k,
     const float scale = *scale_p;
     if (scale_inv && blockIdx.x == 0 && threadIdx.x == 0)
         *scale_inv = __fdiv_rn(1.0f, scale);
-    uint32_t local_max = cast_transpose_tiles<T, E5M2, SUMS>(x, m, mp, k, scale, out, out_t, col_sums,
+    uint32_t local_max = cast_transpose_tiles<T, E5M2, SUMS>(x, m, mp, k, ld_t, scale, out, out_t, col_sums,
                                                             tile, red);
     if (amax)
         sf_block_atomic_max<kThreads>(local_max, amax);
@@ -220,7 +233,7 @@ cast_current_kernel(const T *__restrict__ x, int64_t m, int64_t mp, int64_t k, f
         *scale_out = scale;
         *scale_inv = __fdiv_rn(1.0f, scale);
     }
-    cast_transpose_tiles<T, E5M2, false>(x, m, mp, k, scale, out, out_t, nullptr, tile, red);
+    cast_transpose_tiles<T, E5M2, false>(x, m, mp, k, mp, scale, out, out_t, nullptr, tile, red);
 }
 
 template <typename T, bool E5M2>
@@ -258,7 +271,7 @@ cast_kernel(const T *__restrict__ x, int64_t n, int64_t n_out, const float *__re
 /* Any shape and alignment: one element per thread per step. */
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-cast_generic_kernel(const T *__restrict__ x, int64_t m, int64_t mp, int64_t k,
+cast_generic_kernel(const T *__restrict__ x, int64_t m, int64_t mp, int64_t k, int64_t ld_t,
                     const float *__restrict__ scale_p,
                     float *__restrict__ amax, uint8_t *__restrict__ out,
                     uint8_t *__restrict__ out_t, float *__restrict__ scale_inv, int e5m2)
@@ -276,13 +289,13 @@ cast_generic_kernel(const T *__restrict__ x, int64_t m, int64_t mp, int64_t k,
         if (out)
             out[i] = q;
         if (out_t)
-            out_t[(i % k) * mp + i / k] = q;
+            out_t[(i % k) * ld_t + i / k] = q;
     }
     for (int64_t i = n + (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < mp * k; i += stride) {
         if (out) /* token padding rows */
             out[i] = 0;
         if (out_t)
-            out_t[(i % k) * mp + i / k] = 0;
+            out_t[(i % k) * ld_t + i / k] = 0;
     }
     if (amax)
         sf_block_atomic_max<kThreads>(local_max, amax);
@@ -316,7 +329,7 @@ transpose_kernel(const uint8_t *__restrict__ in, int64_t m, int64_t k, uint8_t *
         *reinterpret_cast<uint4 *>(&tile[row][swz(row, 4 * lj)]) = v[i];
     }
     __syncthreads();
-    store_tile_transposed(tile, m0, k0, m, k, kw, mg, out_t);
+    store_tile_transposed(tile, m0, k0, m, k, m, kw, mg, out_t);
 }
 
 /* Any shape and alignment: one byte per thread per step. */
@@ -347,7 +360,7 @@ sf_status launch_cast(const sf_cast_args *a, cudaStream_t stream)
     const T *x = (const T *)a->x;
     const int64_t n = a->m * a->k;
     if (a->out_t) {
-        bool fast = a->k % 8 == 0 && a->mp % 16 == 0 && aligned(x, 16) && aligned(a->out_t, 16) &&
+        bool fast = a->k % 8 == 0 && a->mp % 16 == 0 && a->ld_t % 16 == 0 && aligned(x, 16) && aligned(a->out_t, 16) &&
                     (!a->out || aligned(a->out, 8));
         if (fast) {
             /* one tile per CTA: the hardware hands tiles out as CTAs finish,
@@ -357,16 +370,16 @@ sf_status launch_cast(const sf_cast_args *a, cudaStream_t stream)
             int grid = (int)(tiles < 0x7fffffff ? tiles : 0x7fffffff);
             if (a->col_sums && a->e5m2)
                 cast_transpose_kernel<T, true, true><<<grid, kThreads, 0, stream>>>(
-                    x, a->m, a->mp, a->k, a->scale, a->amax, a->out, a->out_t, a->scale_inv, a->col_sums);
+                    x, a->m, a->mp, a->k, a->ld_t, a->scale, a->amax, a->out, a->out_t, a->scale_inv, a->col_sums);
             else if (a->col_sums)
                 cast_transpose_kernel<T, false, true><<<grid, kThreads, 0, stream>>>(
-                    x, a->m, a->mp, a->k, a->scale, a->amax, a->out, a->out_t, a->scale_inv, a->col_sums);
+                    x, a->m, a->mp, a->k, a->ld_t, a->scale, a->amax, a->out, a->out_t, a->scale_inv, a->col_sums);
             else if (a->e5m2)
                 cast_transpose_kernel<T, true><<<grid, kThreads, 0, stream>>>(
-                    x, a->m, a->mp, a->k, a->scale, a->amax, a->out, a->out_t, a->scale_inv);
+                    x, a->m, a->mp, a->k, a->ld_t, a->scale, a->amax, a->out, a->out_t, a->scale_inv);
             else
                 cast_transpose_kernel<T, false><<<grid, kThreads, 0, stream>>>(
-                    x, a->m, a->mp, a->k, a->scale, a->amax, a->out, a->out_t, a->scale_inv);
+                    x, a->m, a->mp, a->k, a->ld_t, a->scale, a->amax, a->out, a->out_t, a->scale_inv);
             SF_CUDA_CHECK_LAUNCH(op);
             return SF_OK;
         }
@@ -386,7 +399,7 @@ sf_status launch_cast(const sf_cast_args *a, cudaStream_t stream)
         return SF_OK;
     }
     int grid = sf_grid_size(a->mp * a->k, kThreads, sms * 8);
-    cast_generic_kernel<T><<<grid, kThreads, 0, stream>>>(x, a->m, a->mp, a->k, a->scale, a->amax,
+    cast_generic_kernel<T><<<grid, kThreads, 0, stream>>>(x, a->m, a->mp, a->k, a->ld_t, a->scale, a->amax,
                                                           a->out, a->out_t, a->scale_inv, a->e5m2);
     SF_CUDA_CHECK_LAUNCH(op);
     return SF_OK;
@@ -564,6 +577,188 @@ extern "C" sf_status sf_cast_fp8_current_cuda(const sf_cast_args *a, float fp8_m
         *launched = 0;
         return SF_OK;
     }
+    return st;
+}
+
+namespace {
+
+/* The grouped cast's kernels: every CTA takes one 128 x 128 tile of one
+ * group's padded rows.  The table of one launch (up to kGroupsPerLaunch
+ * groups) travels in the kernel parameters: each group's first tile (a
+ * prefix sum, searched by the CTA), its rows in x and its padded rows in
+ * the outputs.  Groups beyond kGroupsPerLaunch take further launches. */
+constexpr int kGroupsPerLaunch = 64;
+
+struct GroupTable {
+    int n;                               /* groups in this launch */
+    int first;                           /* the first one's index in the whole problem */
+    int tile_start[kGroupsPerLaunch + 1];/* group i's tiles: tile_start[i] .. tile_start[i + 1] */
+    int64_t m[kGroupsPerLaunch], mp[kGroupsPerLaunch];
+    int64_t x_row[kGroupsPerLaunch], p_row[kGroupsPerLaunch];
+};
+
+struct GroupScales {
+    float *scale, *amax, *scale_inv;
+    int64_t scale_stride, amax_stride, scale_inv_stride;
+    float fp8_max, pow2_neg_margin;
+};
+
+/* This CTA's group (the last one whose first tile is <= blockIdx.x). */
+__device__ __forceinline__ int group_of_block(const GroupTable &tab)
+{
+    int lo = 0, hi = tab.n - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if (tab.tile_start[mid] <= (int)blockIdx.x)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
+}
+
+/* Current scaling, step 1: every group's amax slot set to 0 (the next
+ * kernel folds into it). */
+__global__ void grouped_zero_amax_kernel(GroupTable tab, GroupScales sc)
+{
+    for (int i = threadIdx.x; i < tab.n; i += blockDim.x)
+        sc.amax[(int64_t)(tab.first + i) * sc.amax_stride] = 0.0f;
+}
+
+/* Current scaling, step 2: max |x_g| over each tile of real rows, folded into
+ * amax[g] (one atomic per CTA). */
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+grouped_amax_kernel(const T *__restrict__ x, int64_t k, GroupTable tab, GroupScales sc)
+{
+    const int i = group_of_block(tab);
+    const int64_t tiles_k = (k + kTile - 1) / kTile, lt = blockIdx.x - tab.tile_start[i];
+    const int64_t m0 = (lt / tiles_k) * kTile, k0 = (lt % tiles_k) * kTile, m = tab.m[i];
+    const T *xg = x + tab.x_row[i] * k;
+    const int lj = threadIdx.x & 15, lr = threadIdx.x >> 4;
+    const int64_t kc = k0 + lj * 8;
+    uint32_t local_max = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const int64_t r = m0 + lr + 16 * j;
+        if (r < m && kc < k) {
+            float v[8];
+            sf_load8(xg + r * k + kc, v);
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+                local_max = max(local_max, sf_abs_bits(v[e]));
+        }
+    }
+    sf_block_atomic_max<kThreads>(local_max, sc.amax + (int64_t)(tab.first + i) * sc.amax_stride);
+}
+
+/* The cast: each CTA casts its tile of its group with the group's scale
+ * (CURRENT: derived from the group's amax, as cast_current does) and, for
+ * delayed scaling, folds the tile's max |x| into the group's amax.  The
+ * group's first CTA writes scale_inv (and, CURRENT, the scale); CTA 0 does
+ * it for groups with no rows (no tiles). */
+template <typename T, bool E5M2, bool CURRENT>
+__global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? 2 : 3)
+grouped_cast_kernel(const T *__restrict__ x, int64_t k, int64_t ld_t, GroupTable tab, GroupScales sc,
+                    uint8_t *__restrict__ out, uint8_t *__restrict__ out_t)
+{
+    __shared__ __align__(16) uint32_t tile[kTile][kWords];
+    __shared__ float red[1][kTile];
+    const int i = group_of_block(tab);
+    const int64_t g = tab.first + i;
+    const int64_t tiles_k = (k + kTile - 1) / kTile, lt = blockIdx.x - tab.tile_start[i];
+    float scale;
+    if constexpr (CURRENT)
+        scale = sf_scale_from_amax(sc.amax[g * sc.amax_stride], sc.fp8_max, sc.pow2_neg_margin, 1.0f);
+    else
+        scale = sc.scale[g * sc.scale_stride];
+    if (lt == 0 && threadIdx.x == 0) {
+        if constexpr (CURRENT)
+            sc.scale[g * sc.scale_stride] = scale;
+        sc.scale_inv[g * sc.scale_inv_stride] = __fdiv_rn(1.0f, scale);
+    }
+    if (blockIdx.x == 0)
+        for (int j = threadIdx.x; j < tab.n; j += blockDim.x)
+            if (tab.tile_start[j + 1] == tab.tile_start[j]) { /* a group with no rows */
+                const int64_t gj = tab.first + j;
+                float s = CURRENT ? 1.0f : sc.scale[gj * sc.scale_stride];
+                if constexpr (CURRENT)
+                    sc.scale[gj * sc.scale_stride] = s;
+                sc.scale_inv[gj * sc.scale_inv_stride] = __fdiv_rn(1.0f, s);
+            }
+    uint32_t local_max = 0;
+    cast_transpose_tile<T, E5M2, false>(x + tab.x_row[i] * k, tab.m[i], tab.mp[i], k, ld_t,
+                                        (lt / tiles_k) * kTile, (lt % tiles_k) * kTile, scale,
+                                        out ? out + tab.p_row[i] * k : nullptr,
+                                        out_t ? out_t + tab.p_row[i] : nullptr, nullptr, tile, red,
+                                        local_max);
+    if (!CURRENT && sc.amax)
+        sf_block_atomic_max<kThreads>(local_max, sc.amax + g * sc.amax_stride);
+}
+
+template <typename T>
+sf_status launch_cast_grouped(const sf_cast_grouped_args *a, cudaStream_t stream)
+{
+    static const char op[] = "cast_fp8_grouped";
+    const T *x = (const T *)a->x;
+    const int64_t tiles_k = (a->k + kTile - 1) / kTile;
+    const GroupScales sc = {a->scale,        a->amax,        a->scale_inv, a->scale_stride,
+                            a->amax_stride,  a->scale_inv_stride, a->fp8_max, a->pow2_neg_margin};
+    for (int64_t first = 0; first < a->groups; first += kGroupsPerLaunch) {
+        GroupTable tab;
+        tab.n = (int)(a->groups - first < kGroupsPerLaunch ? a->groups - first : kGroupsPerLaunch);
+        tab.first = (int)first;
+        int64_t tiles = 0;
+        for (int i = 0; i < tab.n; ++i) {
+            const int64_t g = first + i;
+            tab.tile_start[i] = (int)tiles;
+            tab.m[i] = a->m[g];
+            tab.mp[i] = a->mp[g];
+            tab.x_row[i] = a->x_row[g];
+            tab.p_row[i] = a->p_row[g];
+            tiles += (a->mp[g] + kTile - 1) / kTile * tiles_k;
+            if (tiles > 0x7fffffff)
+                return sf_fail(SF_ERR_VALUE, "%s: argument 'x' has too many 128 x 128 tiles (%lld)",
+                               op, (long long)tiles);
+        }
+        tab.tile_start[tab.n] = (int)tiles;
+        /* at least one CTA: it writes the scale inverses of groups with no rows */
+        const int grid = tiles > 0 ? (int)tiles : 1;
+        if (a->current) {
+            grouped_zero_amax_kernel<<<1, kThreads, 0, stream>>>(tab, sc);
+            if (tiles > 0)
+                grouped_amax_kernel<T><<<grid, kThreads, 0, stream>>>(x, a->k, tab, sc);
+            if (a->e5m2)
+                grouped_cast_kernel<T, true, true><<<grid, kThreads, 0, stream>>>(x, a->k, a->mp_total, tab, sc,
+                                                                                  a->out, a->out_t);
+            else
+                grouped_cast_kernel<T, false, true><<<grid, kThreads, 0, stream>>>(x, a->k, a->mp_total, tab, sc,
+                                                                                   a->out, a->out_t);
+        } else if (a->e5m2) {
+            grouped_cast_kernel<T, true, false><<<grid, kThreads, 0, stream>>>(x, a->k, a->mp_total, tab, sc,
+                                                                               a->out, a->out_t);
+        } else {
+            grouped_cast_kernel<T, false, false><<<grid, kThreads, 0, stream>>>(x, a->k, a->mp_total, tab, sc,
+                                                                                a->out, a->out_t);
+        }
+        SF_CUDA_CHECK_LAUNCH(op);
+    }
+    return SF_OK;
+}
+
+} // namespace
+
+/* The entry has checked K % 16 == 0, 16-byte aligned x, out and out_t, and
+ * padded runs of a multiple of 16 rows: the tiled kernel's rules. */
+extern "C" sf_status sf_cast_fp8_grouped_cuda(const sf_cast_grouped_args *a, int device, sf_stream s)
+{
+    cudaStream_t stream = sf_cuda_stream(s);
+    sf_cuda_device_guard guard;
+    SF_TRY(sf_cuda_device_enter("cast_fp8_grouped", device, &guard));
+    sf_status st = sf_visit_float("cast_fp8_grouped", "x", a->x_dtype, [&](auto tag) {
+        return launch_cast_grouped<typename decltype(tag)::type>(a, stream);
+    });
+    sf_cuda_device_restore(&guard);
     return st;
 }
 

@@ -16,6 +16,12 @@
  *      byte for byte (fast tiled kernel, partial tiles, the generic kernel
  *      for odd shapes and unaligned pointers), and its bandwidth at ESM-2
  *      650M's shapes against a copy of the same bytes.
+ *   6. cast_fp8_grouped (the per-expert casts of expert-sorted rows in one
+ *      call) against the CPU backend bit for bit: delayed and current
+ *      scaling, scale / amax / scale_inv as stride-3 vectors (a
+ *      ScalingState's slots), empty, tiny, unbalanced and many (> 64, more
+ *      than one launch) groups, poisoned outputs; and its time against one
+ *      sf_cast_fp8 (delayed) / sf_cast_fp8_current call per group.
  */
 #include "core/check_util.h"
 #include "core/float_bits.h"
@@ -255,6 +261,178 @@ static void transpose_bandwidth(int64_t m, int64_t k)
     cudaFree(dout);
 }
 
+/* 6: the grouped cast, CPU against GPU (module note). */
+struct GroupedBuffers {
+    std::vector<int64_t> splits;
+    int64_t m = 0, mp = 0, k = 0, G = 0;
+};
+
+static GroupedBuffers grouped_shape(const std::vector<int64_t> &splits, int64_t k)
+{
+    GroupedBuffers b;
+    b.splits = splits;
+    b.k = k;
+    b.G = (int64_t)splits.size();
+    for (int64_t s : splits) {
+        b.m += s;
+        b.mp += (s + 15) / 16 * 16;
+    }
+    return b;
+}
+
+static void run_grouped_case(sf_dtype dtype, const std::vector<int64_t> &splits, int64_t k, int e5m2,
+                             int current, int outs /* 1 out, 2 out_t, 3 both */)
+{
+    if (!check_take_case())
+        return;
+    GroupedBuffers b = grouped_shape(splits, k);
+    const size_t es = sf_dtype_size(dtype);
+    const int64_t n = b.m * k, np = b.mp * k, G = b.G;
+    std::vector<uint8_t> host(n * es + 16);
+    for (int64_t i = 0; i < n; ++i) {
+        float v = rng_normal() * (1.0f + (float)((i / k) % 7) * 40.0f); /* groups of different ranges */
+        if (i % 61 == 0) v *= 1e-7f;
+        check_store(dtype, host.data(), i, v);
+    }
+    /* the float32 slots: scale, amax, scale_inv for G groups, stride 3 (as a ScalingState's) */
+    std::vector<float> slots(3 * G * 3, -7.0f);
+    for (int64_t g = 0; g < G; ++g) {
+        slots[3 * g] = 0.5f + 0.25f * (float)(g % 5);          /* scale */
+        slots[3 * G + 3 * g] = g % 3 == 0 ? 2.0f : 0.0f;       /* amax (delayed folds into it) */
+        slots[6 * G + 3 * g] = -1.0f;                          /* scale_inv (poisoned) */
+    }
+    void *dx;
+    uint8_t *dout, *dout_t;
+    float *dslots;
+    CHECK_CUDA(cudaMalloc(&dx, host.size()));
+    CHECK_CUDA(cudaMalloc(&dout, np + 1));
+    CHECK_CUDA(cudaMalloc(&dout_t, np + 1));
+    CHECK_CUDA(cudaMalloc(&dslots, slots.size() * 4));
+    CHECK_CUDA(cudaMemcpy(dx, host.data(), host.size(), cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemset(dout, 0xa5, np + 1));
+    CHECK_CUDA(cudaMemset(dout_t, 0xa5, np + 1));
+    CHECK_CUDA(cudaMemcpy(dslots, slots.data(), slots.size() * 4, cudaMemcpyHostToDevice));
+    std::vector<uint8_t> cout(np, 0xa5), cout_t(np, 0xa5), gout(np + 1), gout_t(np + 1);
+    std::vector<float> cslots = slots, gslots(slots.size());
+
+    int64_t xs[2] = {b.m, k}, os[2] = {b.mp, k}, ts[2] = {k, b.mp}, gs[1] = {G}, ss[1] = {G};
+    sf_dtype fp8 = e5m2 ? SF_FLOAT8_E5M2 : SF_FLOAT8_E4M3;
+    sf_tensor splits_t;
+    sf_tensor_init(&splits_t, b.splits.data(), SF_INT64, 1, gs, SF_CPU, 0);
+    for (int dev = 0; dev < 2; ++dev) {
+        sf_device_type where = dev ? SF_CUDA : SF_CPU;
+        float *sl = dev ? dslots : cslots.data();
+        sf_tensor x, out, out_t, scale, amax, si;
+        sf_tensor_init(&x, dev ? dx : (void *)host.data(), dtype, 2, xs, where, 0);
+        sf_tensor_init(&out, dev ? dout : cout.data(), fp8, 2, os, where, 0);
+        sf_tensor_init(&out_t, dev ? dout_t : cout_t.data(), fp8, 2, ts, where, 0);
+        sf_tensor_init(&scale, sl, SF_FLOAT32, 1, ss, where, 0);
+        sf_tensor_init(&amax, sl + 3 * G, SF_FLOAT32, 1, ss, where, 0);
+        sf_tensor_init(&si, sl + 6 * G, SF_FLOAT32, 1, ss, where, 0);
+        scale.strides[0] = amax.strides[0] = si.strides[0] = 3;
+        CHECK_SF(sf_cast_fp8_grouped(&x, &splits_t, 16, &scale, &amax, outs & 1 ? &out : NULL,
+                                     outs & 2 ? &out_t : NULL, &si, current, 0, NULL));
+    }
+    CHECK_CUDA(cudaMemcpy(gout.data(), dout, np + 1, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(gout_t.data(), dout_t, np + 1, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(gslots.data(), dslots, slots.size() * 4, cudaMemcpyDeviceToHost));
+    int ok = memcmp(cslots.data(), gslots.data(), slots.size() * 4) == 0;
+    if (outs & 1)
+        ok = ok && memcmp(cout.data(), gout.data(), np) == 0;
+    if (outs & 2)
+        ok = ok && memcmp(cout_t.data(), gout_t.data(), np) == 0;
+    ok = ok && gout[np] == 0xa5 && gout_t[np] == 0xa5 && (outs & 1 || gout[0] == 0xa5) &&
+         (outs & 2 || gout_t[0] == 0xa5);
+    char what[240];
+    snprintf(what, sizeof what, "cast_grouped %s %s -> %s G=%lld rows %lld (padded %lld) K=%lld outs %d",
+             current ? "current" : "delayed", sf_dtype_name(dtype), sf_dtype_name(fp8), (long long)G,
+             (long long)b.m, (long long)b.mp, (long long)k, outs);
+    check_report(ok, what);
+    cudaFree(dx);
+    cudaFree(dout);
+    cudaFree(dout_t);
+    cudaFree(dslots);
+}
+
+/* The grouped cast (cast + transpose, bf16 -> E4M3) of G expert runs against
+ * one per-tensor call per group, as seqfuse's FP8 GroupedLinear made them
+ * before it. */
+static void grouped_time(const std::vector<int64_t> &splits, int64_t k, int current)
+{
+    GroupedBuffers b = grouped_shape(splits, k);
+    const int64_t G = b.G;
+    void *dx;
+    uint8_t *dout, *dout_t;
+    float *dslots;
+    CHECK_CUDA(cudaMalloc(&dx, b.m * k * 2));
+    CHECK_CUDA(cudaMemset(dx, 0x3c, b.m * k * 2));
+    CHECK_CUDA(cudaMalloc(&dout, b.mp * k));
+    CHECK_CUDA(cudaMalloc(&dout_t, b.mp * k));
+    CHECK_CUDA(cudaMalloc(&dslots, 3 * G * 4));
+    std::vector<float> ones(3 * G, 1.0f);
+    CHECK_CUDA(cudaMemcpy(dslots, ones.data(), 3 * G * 4, cudaMemcpyHostToDevice));
+    int64_t xs[2] = {b.m, k}, os[2] = {b.mp, k}, ts[2] = {k, b.mp}, gs[1] = {G};
+    sf_tensor splits_t, x, out, out_t, scale, amax, si;
+    sf_tensor_init(&splits_t, b.splits.data(), SF_INT64, 1, gs, SF_CPU, 0);
+    sf_tensor_init(&x, dx, SF_BFLOAT16, 2, xs, SF_CUDA, 0);
+    sf_tensor_init(&out, dout, SF_FLOAT8_E4M3, 2, os, SF_CUDA, 0);
+    sf_tensor_init(&out_t, dout_t, SF_FLOAT8_E4M3, 2, ts, SF_CUDA, 0);
+    sf_tensor_init(&scale, dslots, SF_FLOAT32, 1, gs, SF_CUDA, 0);
+    sf_tensor_init(&amax, dslots + G, SF_FLOAT32, 1, gs, SF_CUDA, 0);
+    sf_tensor_init(&si, dslots + 2 * G, SF_FLOAT32, 1, gs, SF_CUDA, 0);
+    float one_call = time_ms([&] {
+        CHECK_SF(sf_cast_fp8_grouped(&x, &splits_t, 16, &scale, &amax, &out, &out_t, &si, current, 0, NULL));
+    });
+    /* per group: its rows and its padded blocks (separate buffers, as the per-expert path had) */
+    std::vector<uint8_t *> gout(G), gout_t(G);
+    for (int64_t g = 0; g < G; ++g) {
+        int64_t mpg = (b.splits[g] + 15) / 16 * 16;
+        CHECK_CUDA(cudaMalloc(&gout[g], mpg * k + 16));
+        CHECK_CUDA(cudaMalloc(&gout_t[g], mpg * k + 16));
+    }
+    float per_group = time_ms([&] {
+        int64_t row = 0;
+        for (int64_t g = 0; g < G; ++g) {
+            int64_t mg = b.splits[g], mpg = (mg + 15) / 16 * 16, one[1] = {1};
+            int64_t xg[2] = {mg, k}, og[2] = {mpg, k}, tg[2] = {k, mpg};
+            sf_tensor xv, ov, tv, sv, av, iv;
+            sf_tensor_init(&xv, (char *)dx + row * k * 2, SF_BFLOAT16, 2, xg, SF_CUDA, 0);
+            sf_tensor_init(&ov, gout[g], SF_FLOAT8_E4M3, 2, og, SF_CUDA, 0);
+            sf_tensor_init(&tv, gout_t[g], SF_FLOAT8_E4M3, 2, tg, SF_CUDA, 0);
+            sf_tensor_init(&sv, dslots + g, SF_FLOAT32, 1, one, SF_CUDA, 0);
+            sf_tensor_init(&av, dslots + G + g, SF_FLOAT32, 1, one, SF_CUDA, 0);
+            sf_tensor_init(&iv, dslots + 2 * G + g, SF_FLOAT32, 1, one, SF_CUDA, 0);
+            if (mg == 0)
+                continue;
+            if (current)
+                CHECK_SF(sf_cast_fp8_current(&xv, &av, &sv, &iv, &ov, &tv, 0, NULL));
+            else
+                CHECK_SF(sf_cast_fp8(&xv, &sv, &av, &ov, &tv, &iv, NULL));
+            row += mg;
+        }
+    });
+    double bytes = (double)b.m * k * 2 + 2.0 * b.mp * k;
+    printf("cast_grouped %s bf16 G=%lld rows %lld K=%lld: one call %.1f us (%.2f TB/s), one call per group "
+           "%.1f us (%.2f TB/s)\n", current ? "current" : "delayed", (long long)G, (long long)b.m, (long long)k,
+           one_call * 1e3, bytes / (one_call * 1e-3) / 1e12, per_group * 1e3, bytes / (per_group * 1e-3) / 1e12);
+    for (int64_t g = 0; g < G; ++g) {
+        cudaFree(gout[g]);
+        cudaFree(gout_t[g]);
+    }
+    cudaFree(dx);
+    cudaFree(dout);
+    cudaFree(dout_t);
+    cudaFree(dslots);
+}
+
+static std::vector<int64_t> random_splits(int64_t G, int64_t total)
+{
+    std::vector<int64_t> s(G, 0);
+    for (int64_t i = 0; i < total; ++i) /* skewed: low experts get more */
+        s[(int64_t)(rng_uniform() * rng_uniform() * G) % G]++;
+    return s;
+}
+
 int main(void)
 {
     rng_seed();
@@ -285,5 +463,21 @@ int main(void)
     transpose_bandwidth(16384, 5120);
     bandwidth(16384, 1280); /* ESM-2 650M's gradients */
     bandwidth(16384, 5120);
+    std::vector<std::vector<int64_t>> gsplits = {
+        {16}, {1}, {0}, {5, 0, 37, 16}, {0, 0, 130, 0}, {300, 1, 0, 129, 64, 7, 1000, 33},
+        random_splits(8, 4096), random_splits(70, 3000) /* two launches */, random_splits(128, 777)};
+    for (sf_dtype d : dtypes)
+        for (auto &sp : gsplits)
+            for (int64_t k : {16, 144, 1024})
+                for (int current = 0; current < 2; ++current)
+                    for (int e5m2 = 0; e5m2 < 2; ++e5m2)
+                        run_grouped_case(d, sp, k, e5m2, current, 3);
+    for (int outs : {1, 2})
+        for (int current = 0; current < 2; ++current)
+            run_grouped_case(SF_BFLOAT16, gsplits[5], 272, 0, current, outs);
+    /* Mixtral-small's experts: 8 x 2,048 rows routed top-2 from 8,192 tokens, hidden 1,024 / 3,584 */
+    for (int64_t k : {1024, 3584})
+        for (int current = 0; current < 2; ++current)
+            grouped_time(random_splits(8, 16384), k, current);
     return check_finish("check_cast");
 }

@@ -48,6 +48,7 @@ import torch
 from .. import quantization as _q
 from ..ops import moe as moe_ops
 from ..quantization import gemm_quantizers as _gq
+from ..quantization.grouped import GroupedFloat8, quantize_grouped
 from . import _fp8 as F8
 from ._base import compute_dtype, default_device, mark_main_grad, set_linear_options
 from ._input import check_input
@@ -258,16 +259,65 @@ def _unpad(y, splits, padded):
 
 
 def _grouped(a, b, splits, out, **kw):
-    """The grouped FP8 GEMM over lists of operand triples (data, scale_inv,
-    scaling), b given as [n, k] (transb)."""
-    return moe_ops.grouped_gemm([x[0] for x in a], [x[0] for x in b], splits, transb=True, out=out,
-                                a_scale_inv=[x[1] for x in a], b_scale_inv=[x[1] for x in b],
-                                a_scaling=_mode(a), b_scaling=_mode(b), **kw)
+    """The grouped FP8 GEMM, b given as [n, k] (transb).  Each operand is a
+    list of per-expert triples (data, scale_inv, scaling), or (a only) a
+    GroupedFloat8, whose row-wise copy is split by the padded counts."""
+    if isinstance(a, GroupedFloat8):
+        a_data, a_si, a_mode = a.data, a.scale_inv, "tensor"
+    else:
+        a_data, a_si, a_mode = [x[0] for x in a], [x[1] for x in a], _mode(a)
+    return moe_ops.grouped_gemm(a_data, [x[0] for x in b], splits, transb=True, out=out,
+                                a_scale_inv=a_si, b_scale_inv=[x[1] for x in b],
+                                a_scaling=a_mode, b_scaling=_mode(b), **kw)
+
+
+def _columns(gq):
+    """A GroupedFloat8's transposed blocks as per-expert operand triples."""
+    return [(t, si, "tensor") for t, si in gq.column_blocks()]
 
 
 def _mode(triples):
     modes = {t[2] for t in triples if t[0].numel()}
     return (modes.pop() if modes else None) or "tensor"
+
+
+def _expert_casts(roles, x, splits, kind, need_w):
+    """(row-wise, column-wise) operand triples of each expert's rows of x,
+    cast one expert at a time by its role quantizer (column-wise None
+    without ``need_w``)."""
+    K = x.shape[1]
+    x_row, x_col = [], []
+    for g, xg in enumerate(x.split(list(splits))):
+        if splits[g] == 0:
+            d, dt, si = _empty_operand(K, roles[g].fp8_dtype, x.device)
+            x_row.append((d, si, None))
+            x_col.append((dt, si, None))
+            continue
+        xq = roles[g].quantize(xg, transpose=need_w)
+        x_row.append(F8.rowwise(xq, kind))
+        x_col.append(F8.columnwise(xq, kind) if need_w else None)
+    return x_row, x_col
+
+
+def _expert_grad_casts(roles, dy, splits, kind, bias_dtypes, need_dx, need_dw):
+    """(row-wise triples, column-wise triples, bias gradients) of each
+    expert's rows of dy, cast one expert at a time (bias_dtypes None: no
+    bias gradients, a list of Nones)."""
+    N = dy.shape[1]
+    g_row, g_col, dbs = [], [], []
+    for g, dyg in enumerate(dy.split(list(splits))):
+        if splits[g] == 0:
+            d, dt, si = _empty_operand(N, roles[g].fp8_dtype, dy.device)
+            g_row.append((d, si, None))
+            g_col.append((dt, si, None))
+            dbs.append(torch.zeros(N, dtype=bias_dtypes[g], device=dy.device) if bias_dtypes else None)
+            continue
+        gq, db = roles[g].quantize_grad(dyg, bias_dtypes[g] if bias_dtypes else None,
+                                        need_dgrad=need_dx, need_wgrad=need_dw)
+        g_row.append(F8.rowwise(gq, kind) if need_dx else None)
+        g_col.append(F8.columnwise(gq, kind) if need_dw else None)
+        dbs.append(db)
+    return g_row, g_col, dbs
 
 
 class Fp8GroupedLinearFunction(torch.autograd.Function):
@@ -286,17 +336,9 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         K = x.shape[1]
         padded = tuple(_gq.padded_rows(m) for m in m_splits)
         pairs = [q.weights[g].get(weights[g], first) for g in range(G)]
-        xs = x.split(list(m_splits))
-        x_row, x_col = [], []
-        for g in range(G):
-            if m_splits[g] == 0:
-                d, dt, si = _empty_operand(K, q.inputs[g].fp8_dtype, x.device)
-                x_row.append((d, si, None))
-                x_col.append((dt, si, None))
-                continue
-            xq = q.inputs[g].quantize(xs[g], transpose=need_w)
-            x_row.append(F8.rowwise(xq, kind))
-            x_col.append(F8.columnwise(xq, kind) if need_w else None)
+        # every expert's input cast in one call, else expert by expert (quantization.grouped)
+        gx = quantize_grouped(q, "input", x, m_splits, transpose=need_w)
+        x_row, x_col = (gx, None) if gx is not None else _expert_casts(q.inputs, x, m_splits, kind, need_w)
         w_forward = [F8.weight_forward(p, kind) for p in pairs]
         bias = None
         if use_bias:
@@ -309,10 +351,13 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
                    m_splits, padded)
         w_dg = [F8.weight_dgrad(p, kind) for p in pairs]
         saved = [t for op in w_dg for t in op[:2]]
-        if need_w:
+        if need_w and gx is not None:  # the transposed copy [K, Mp] and the scale inverses
+            saved += [gx.data_t, gx.scale_inv]
+        elif need_w:
             saved += [t for op in x_col for t in op[:2]]
         ctx.save_for_backward(*saved)
-        ctx.modes = ([op[2] for op in w_dg], [op[2] for op in x_col] if need_w else None)
+        ctx.modes = ([op[2] for op in w_dg], (gx is not None) if need_w else None,
+                     [op[2] for op in x_col] if need_w and gx is None else None)
         ctx.q, ctx.G, ctx.dtype, ctx.m_splits, ctx.padded, ctx.K = q, G, dtype, m_splits, padded, K
         ctx.weights = weights
         ctx.bias_dtypes = [b.dtype for b in biases] if use_bias else None
@@ -323,31 +368,26 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         G, q, dtype, splits, padded = ctx.G, ctx.q, ctx.dtype, ctx.m_splits, ctx.padded
         kind = q.kind
         saved = ctx.saved_tensors
-        w_modes, x_modes = ctx.modes
+        w_modes, x_grouped, x_modes = ctx.modes
         w_dg = [(saved[2 * g], saved[2 * g + 1], w_modes[g]) for g in range(G)]
         x_col = None
-        if x_modes is not None:
+        if x_grouped:
+            x_col = _columns(GroupedFloat8(None, saved[2 * G], saved[2 * G + 1], padded))
+        elif x_modes is not None:
             x_col = [(saved[2 * G + 2 * g], saved[2 * G + 2 * g + 1], x_modes[g]) for g in range(G)]
         need_dx = ctx.needs_input_grad[0]
         need_dw = any(ctx.needs_input_grad[6:6 + G])
         need_db = ctx.bias_dtypes is not None and any(ctx.needs_input_grad[6 + G:])
         weights = ctx.weights
         dy = moe_ops.dense(dy)
-        N = dy.shape[1]
-        dys = dy.split(list(splits))
-        g_row, g_col, dbs = [], [], []
-        for g in range(G):
-            if splits[g] == 0:
-                d, dt, si = _empty_operand(N, q.grads[g].fp8_dtype, dy.device)
-                g_row.append((d, si, None))
-                g_col.append((dt, si, None))
-                dbs.append(torch.zeros(N, dtype=ctx.bias_dtypes[g], device=dy.device) if need_db else None)
-                continue
-            gq, db = q.grads[g].quantize_grad(dys[g], ctx.bias_dtypes[g] if need_db else None,
-                                              need_dgrad=need_dx, need_wgrad=need_dw)
-            g_row.append(F8.rowwise(gq, kind) if need_dx else None)
-            g_col.append(F8.columnwise(gq, kind) if need_dw else None)
-            dbs.append(db)
+        # every expert's gradient cast in one call, else expert by expert (also for bias gradients,
+        # which the per-expert casts sum in their own pass)
+        gg = None if need_db else quantize_grouped(q, "grad", dy, splits, rowwise=need_dx, transpose=need_dw)
+        if gg is not None:
+            g_row, g_col, dbs = gg, _columns(gg) if need_dw else None, []
+        else:
+            g_row, g_col, dbs = _expert_grad_casts(q.grads, dy, splits, kind, ctx.bias_dtypes if need_db else None,
+                                                   need_dx, need_dw)
         dx = None
         if need_dx:
             out = torch.empty((sum(padded), ctx.K), dtype=dtype, device=dy.device)

@@ -5,6 +5,7 @@ Names and semantics follow Transformer Engine's PyTorch API where it has
 them, so MoE code written for TE ports by changing the import:
 
     grouped_gemm(a, b, m_splits, ...)              G GEMMs, one call
+    cast_fp8_grouped(x, m_splits, fp8_dtype, ...)  every expert's FP8 cast, one call
     fused_topk_with_score_function(logits, topk, ...)  -> (probs, routing_map)
     fused_compute_score_for_moe_aux_loss(logits, topk, score_function)
                                                    -> (routing_map, scores)
@@ -35,7 +36,7 @@ from .. import _C
 from ._call import as_float, detached, require_fp8_dlpack, stream_for
 from .gemm import FP8_DTYPES, SCALINGS, tf32_of, workspace_for
 
-__all__ = ["grouped_gemm", "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss",
+__all__ = ["grouped_gemm", "cast_fp8_grouped", "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss",
            "fused_moe_aux_loss", "moe_z_loss", "moe_row_id_map", "moe_permute",
            "moe_permute_with_probs", "moe_permute_by_row_id_map", "moe_unpermute", "scaled_swiglu"]
 
@@ -129,9 +130,15 @@ def _scales(op, name, scale_inv, scaling, G):
         raise ValueError(f"{op}: block scales ({mode}) go per group: pass '{name}' as a list of "
                          f"num_groups tensors")
     t = detached(_tensor(op, name, scale_inv))
-    if t.is_cuda and t.numel() > 1:  # group g's scale would sit 4 g bytes into the tensor
+    if t.is_cuda and t.numel() > 1 and not _spaced_scalars(t):  # group g's scale would sit 4 g bytes in
         return _aligned_scalars(t.reshape(-1)), SCALINGS[mode]
     return t, SCALINGS[mode]
+
+
+def _spaced_scalars(t):
+    """Whether the 1-D per-group scales ``t`` already sit _SCALE_ALIGN bytes
+    apart from an aligned start (cast_fp8_grouped's scale inverses)."""
+    return t.dim() == 1 and (t.stride(0) * 4) % _SCALE_ALIGN == 0 and t.data_ptr() % _SCALE_ALIGN == 0
 
 
 #: Byte alignment of each per-tensor scale the grouped GEMM hands cuBLASLt.  On the H200
@@ -226,6 +233,55 @@ def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dt
                     b_code, bias, bool(bgrad), bool(accumulate), bool(fast_accum), tf32_of(allow_tf32, first.dtype),
                     workspace, stream_for(first))
     return out if grads is None else (out, grads)
+
+
+def padded_splits(m_splits, row_multiple=16):
+    """Each row count rounded up to ``row_multiple`` (the FP8 GEMMs' 16)."""
+    return tuple(-(-m // row_multiple) * row_multiple for m in m_splits)
+
+
+def cast_fp8_grouped(x, m_splits, fp8_dtype, *, scale, amax=None, rowwise=True, transpose=True,
+                     current=False, margin=0, row_multiple=16):
+    """The FP8 casts of expert-sorted rows, every expert with its own scale, in
+    one C call (CUDA: one launch under delayed scaling, three under current
+    scaling, for up to 64 experts at a time; one per expert before).
+
+    x [M, K] holds G runs of rows (``m_splits``, host ints adding up to M;
+    K a multiple of 16).  Run g is cast with its own scale into its own
+    block of rows of the outputs, padded with zero rows to a multiple of
+    ``row_multiple`` (16, the FP8 GEMMs' granularity): ``data`` [Mp, K]
+    (``rowwise``) and ``data_t`` [K, Mp] (``transpose``; run g's block is
+    columns p_g.. of it), Mp the padded runs' sum.  ``scale``, ``amax``:
+    float32 vectors of G elements, any element stride (a ScalingState's
+    slots of one role are every third column).  Delayed scaling
+    (``current=False``): ``scale`` is read and max |x_g| folded into
+    ``amax[g]`` where given.  ``current=True``: ``amax`` (required) and
+    ``scale`` receive max |x_g| and fp8_max / max |x_g| / 2**margin.
+    Returns ``(data or None, data_t or None, scale_inv)``: scale_inv holds
+    1 / scale[g] for each group, 256 bytes apart (a [G] view of a
+    [G, 64] buffer), the spacing cuBLASLt wants of the grouped GEMM's
+    per-group scales.  Each group's results equal
+    ``seqfuse.ops.quant.cast_transpose_fp8`` (``cast_fp8_current``) of its
+    rows alone with ``rows`` = its padded count."""
+    op = "cast_fp8_grouped"
+    require_fp8_dlpack(op)
+    x = _tensor(op, "x", x)
+    if x.dim() != 2:
+        raise ValueError(f"{op}: argument 'x' must be 2-D [M, K] (the tokens in expert order), got "
+                         f"{x.dim()}-D")
+    splits = host_splits(op, m_splits)
+    if not rowwise and not transpose:
+        raise ValueError(f"{op}: at least one of 'rowwise' and 'transpose' must be True")
+    k = x.shape[1]
+    mp = sum(padded_splits(splits, row_multiple)) if row_multiple > 0 else 0
+    dev = x.device
+    data = torch.empty((mp, k), dtype=fp8_dtype, device=dev) if rowwise else None
+    data_t = torch.empty((k, mp), dtype=fp8_dtype, device=dev) if transpose else None
+    step = _SCALE_ALIGN // 4
+    scale_inv = torch.empty((len(splits), step), dtype=torch.float32, device=dev)[:, 0]
+    _C.cast_fp8_grouped(x, torch.tensor(splits, dtype=torch.int64), int(row_multiple), scale, amax, data,
+                        data_t, scale_inv, int(bool(current)), int(margin), stream_for(x))
+    return data, data_t, scale_inv
 
 
 # ---- router --------------------------------------------------------------

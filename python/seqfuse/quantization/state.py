@@ -227,6 +227,14 @@ class ScalingState(nn.Module):
             return v[1][index], v[2][index]
         return self.scale[index:index + 1], self.scale_inv[index:index + 1]
 
+    def role_slots(self, first, step):
+        """(scale, amax): strided views of the live scale and of this step's
+        amax slots of tensors first, first + step, ... (one role of a
+        grouped module: its experts' inputs are every third tensor), for a
+        kernel that casts them all at once.  Pools the state on first use."""
+        self.ensure_pooled()
+        return self.scale[first::step], self.amax_history[0, first::step]
+
     def note_first_cast(self, index):
         """Tensor ``index``, which has no amax history yet, was cast this step
         (host bookkeeping only)."""

@@ -1,0 +1,109 @@
+"""The FP8 operands of a grouped (mixture-of-experts) GEMM module, every
+expert's cast in one call.
+
+A GroupedLinear's input and output gradient arrive as one tensor of
+expert-sorted rows: G runs, one per expert, each quantized with its own
+scale (under delayed scaling, its own slots of the module's ScalingState:
+expert g's input is tensor 3g, its output gradient 3g + 2).  Casting them
+expert by expert costs G quantizer calls and G kernel launches per operand
+(G x 4 per layer and step); ``quantize_grouped`` makes them with one
+``seqfuse.ops.moe.cast_fp8_grouped`` call: one launch under delayed scaling
+(the scales read from, and the amaxes folded into, the state's strided
+slots), three under current scaling (amaxes, then scales and casts).
+
+The result, a GroupedFloat8, holds every expert's padded row block in one
+[Mp, K] tensor (the grouped GEMM takes it split by the padded counts) and
+every transposed block as columns of one [K, Mp] tensor, with the per-expert
+scale inverses 256 bytes apart (what cuBLASLt wants of per-tensor scales).
+The values are the per-expert casts' bit for bit.
+
+Where the one call does not apply, ``quantize_grouped`` returns None and
+the module casts expert by expert with its role quantizers (the same
+values): block scaling (its own kernels), delayed scaling's first casts (a
+tensor with no amax history takes its scale from its own amax:
+quantize_with_state), while FP8 statistics are recorded (they are taken per
+cast), and inside an activation checkpoint's recompute (which replays its
+forward's noted scales per tensor).
+"""
+import logging
+
+import torch
+
+from ..ops import moe as moe_ops
+from . import recompute, stats
+
+__all__ = ["GroupedFloat8", "quantize_grouped"]
+
+_log = logging.getLogger("seqfuse")
+
+#: The scaling-state index of each role within an expert's three (input, weight, gradient).
+_ROLE_INDEX = {"input": 0, "grad": 2}
+
+
+class GroupedFloat8:
+    """FP8 copies of G experts' row runs.  ``data`` [Mp, K] (run g in rows
+    offsets[g] .. offsets[g] + padded[g], zero past its real rows) or None;
+    ``data_t`` [K, Mp] (run g in the same columns) or None; ``scale_inv``
+    [G] (1 / expert g's scale, 256 bytes apart); ``padded``: the padded row
+    counts (host ints)."""
+
+    __slots__ = ("data", "data_t", "scale_inv", "padded", "offsets")
+
+    def __init__(self, data, data_t, scale_inv, padded):
+        self.data, self.data_t, self.scale_inv, self.padded = data, data_t, scale_inv, padded
+        offsets, o = [], 0
+        for p in padded:
+            offsets.append(o)
+            o += p
+        self.offsets = offsets
+
+    def column_blocks(self):
+        """Expert g's transposed block [K, padded[g]] of ``data_t`` and its
+        one-element scale inverse, for each g (the weight gradient's operands)."""
+        t, si = self.data_t, self.scale_inv
+        return [(t[:, o:o + p], si[g:g + 1]) for g, (o, p) in enumerate(zip(self.offsets, self.padded))]
+
+
+_declined_logged = set()
+
+
+def _declined(reason):
+    """None, with the reason logged once per reason (the per-expert casts follow)."""
+    if reason not in _declined_logged:
+        _declined_logged.add(reason)
+        _log.info("seqfuse FP8 GroupedLinear: experts cast one by one (%s); steady-state "
+                  "delayed or current scaling casts them in one call", reason)
+    return None
+
+
+def quantize_grouped(q, role, x, splits, *, rowwise=True, transpose=True):
+    """x [M, K] (G runs of ``splits`` rows) as a GroupedFloat8 for role
+    "input" or "grad" of GemmQuantizers ``q`` (G GEMMs), or None where one
+    call does not apply (module note).  ``rowwise`` / ``transpose``: which
+    copies to make."""
+    kind = q.kind
+    if kind == "block":
+        return None  # block scaling has its own per-expert kernels, no grouped one yet
+    if recompute.open_contexts:
+        return _declined("inside an activation checkpoint's recompute")
+    if stats.recording():
+        return _declined("FP8 statistics are being recorded")
+    G = len(splits)
+    first = _ROLE_INDEX[role]
+    roles = q.inputs if role == "input" else q.grads
+    fp8_dtype = roles[0].fp8_dtype
+    if kind == "delayed":
+        state = q.state
+        if not all(state.has_history(3 * g + first) for g in range(G) if splits[g]):
+            # a first cast: that tensor's scale comes from its own amax (quantize_with_state); an expert
+            # with no rows is not cast (its GEMM is skipped), so it needs no history
+            return None
+        scale, amax = state.role_slots(first, 3)
+        data, data_t, si = moe_ops.cast_fp8_grouped(x, splits, fp8_dtype, scale=scale, amax=amax,
+                                                    rowwise=rowwise, transpose=transpose)
+    else:
+        slots = torch.empty((2, G), dtype=torch.float32, device=x.device)
+        data, data_t, si = moe_ops.cast_fp8_grouped(x, splits, fp8_dtype, scale=slots[0], amax=slots[1],
+                                                    rowwise=rowwise, transpose=transpose, current=True,
+                                                    margin=q.margin)
+    return GroupedFloat8(data, data_t, si, moe_ops.padded_splits(splits))

@@ -1,0 +1,261 @@
+"""The grouped FP8 cast (seqfuse.ops.moe.cast_fp8_grouped) and the
+GroupedLinear path that uses it (seqfuse.quantization.grouped).
+
+The op is checked against the per-tensor casts of each group's rows
+(cast_transpose_fp8 / cast_fp8_current with the padded row count), bit for
+bit, on the CPU and on CUDA; its bad inputs against the messages they must
+give; the module against its per-expert path (the same values, one cast
+call per operand instead of one per expert)."""
+import pytest
+import torch
+
+from seqfuse.common.recipe import DelayedScaling, Float8CurrentScaling, Format
+from seqfuse.modules import GroupedLinear, Linear
+from seqfuse.modules import grouped_linear as grouped_linear_module
+from seqfuse.ops import moe as moe_ops
+from seqfuse.ops import quant as qops
+from seqfuse.quantization import fp8_autocast
+
+from helpers import needs_fp8, pair_tol, rel_error
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _padded(m):
+    return -(-m // 16) * 16
+
+
+def _bytes(t):
+    return t.view(torch.uint8)
+
+
+def _per_group_reference(x, splits, fp8_dtype, scale, amax, current):
+    """(data, data_t, scale_inv, scale, amax) made one group at a time by the
+    per-tensor casts, laid out as cast_fp8_grouped lays them out."""
+    k = x.shape[1]
+    mp = sum(_padded(m) for m in splits)
+    data = torch.zeros((mp, k), dtype=torch.uint8, device=x.device)
+    data_t = torch.zeros((k, mp), dtype=torch.uint8, device=x.device)
+    G = len(splits)
+    scale, amax = scale.clone(), amax.clone()
+    scale_inv = torch.empty(G, device=x.device)
+    o = p = 0
+    for g, m in enumerate(splits):
+        mpg = _padded(m)
+        xg = x[o:o + m]
+        if current:
+            a, s, i = (torch.empty(1, device=x.device) for _ in range(3))
+            if m:
+                d, dt = qops.cast_fp8_current(xg, fp8_dtype, amax=a, scale=s, scale_inv=i, transpose=True,
+                                              rows=mpg)
+            else:
+                a.zero_(), s.fill_(1.0), i.fill_(1.0)
+            amax[g], scale[g], scale_inv[g] = a[0], s[0], i[0]
+        else:
+            a = amax[g:g + 1].clone()
+            i = torch.empty(1, device=x.device)
+            if m:
+                d, dt = qops.cast_transpose_fp8(xg, scale[g:g + 1].clone(), a, fp8_dtype, scale_inv=i, rows=mpg)
+            else:
+                i.fill_(1.0 / scale[g].item())
+            amax[g], scale_inv[g] = a[0], i[0]
+        if m:
+            data[p:p + mpg] = _bytes(d)
+            data_t[:, p:p + mpg] = _bytes(dt)
+        o += m
+        p += mpg
+    return data, data_t, scale_inv, scale, amax
+
+
+def _slots(G, device):
+    """Scale and amax as the every-third-column views a ScalingState hands out."""
+    buf = torch.zeros(2, 3 * G, device=device)
+    buf[0] = torch.rand(3 * G, device=device) * 2 + 0.25
+    buf[1, ::2] = 3.0  # some groups already hold an amax this step (delayed scaling folds into it)
+    return buf[0, 1::3], buf[1, 1::3]
+
+
+def _check_grouped_cast(device, dtype, splits, k, fp8_dtype, current):
+    G = len(splits)
+    x = torch.randn(sum(splits), k, device=device) * torch.linspace(0.1, 50, sum(splits), device=device)[:, None]
+    x = x.to(dtype)
+    scale, amax = _slots(G, device)
+    want = _per_group_reference(x, splits, fp8_dtype, scale, amax, current)
+    data, data_t, scale_inv = moe_ops.cast_fp8_grouped(x, splits, fp8_dtype, scale=scale, amax=amax,
+                                                       current=current)
+    assert data.shape == (sum(_padded(m) for m in splits), k) and data.dtype == fp8_dtype
+    assert torch.equal(_bytes(data), want[0])
+    assert torch.equal(_bytes(data_t), want[1])
+    assert torch.equal(scale_inv, want[2])
+    assert torch.equal(scale, want[3]) and torch.equal(amax, want[4])
+    assert scale_inv.stride(0) == 64  # 256 bytes apart: what cuBLASLt wants of per-group scales
+
+
+@needs_fp8
+@pytest.mark.parametrize("current", [False, True], ids=["delayed", "current"])
+@pytest.mark.parametrize("splits", [[5, 0, 37, 16], [0], [1], [0, 0, 130, 0], [300, 1, 0, 129, 64, 7]])
+def test_grouped_cast_equals_per_group_casts(splits, current, seed):
+    for dtype, fp8_dtype in ((torch.float32, E4M3), (torch.bfloat16, E5M2)):
+        _check_grouped_cast("cpu", dtype, splits, 48, fp8_dtype, current)
+
+
+@needs_fp8
+def test_grouped_cast_one_copy_only(seed):
+    """rowwise=False / transpose=False leave that copy out (None)."""
+    x = torch.randn(40, 32)
+    scale, amax = _slots(3, "cpu")
+    d, dt, _ = moe_ops.cast_fp8_grouped(x, [20, 0, 20], E4M3, scale=scale, amax=amax, transpose=False)
+    d2, dt2, _ = moe_ops.cast_fp8_grouped(x, [20, 0, 20], E4M3, scale=scale, amax=amax, rowwise=False)
+    assert dt is None and d2 is None
+    assert torch.equal(_bytes(d).T.contiguous(), _bytes(dt2))
+
+
+@needs_fp8
+def test_grouped_cast_bad_inputs():
+    x = torch.randn(40, 32)
+    scale, amax = _slots(2, "cpu")
+    cast = moe_ops.cast_fp8_grouped
+    with pytest.raises(ValueError, match="m_splits.*add.* up to 39 rows but x has 40"):
+        cast(x, [20, 19], E4M3, scale=scale, amax=amax)
+    with pytest.raises(ValueError, match="m_splits.*x's 40 rows"):
+        cast(x, [41, 0], E4M3, scale=scale, amax=amax)
+    with pytest.raises(ValueError, match="'x' must have K .* multiple of 16"):
+        cast(torch.randn(40, 24), [20, 20], E4M3, scale=scale, amax=amax)
+    with pytest.raises(ValueError, match="'scale' must be a 1-D float32 tensor of 3 elements"):
+        cast(x, [20, 10, 10], E4M3, scale=scale, amax=None)
+    with pytest.raises(ValueError, match="'amax' must be given under current scaling"):
+        cast(x, [20, 20], E4M3, scale=scale, current=True)
+    with pytest.raises(ValueError, match="row counts >= 0"):
+        cast(x, [50, -10], E4M3, scale=scale, amax=amax)
+    with pytest.raises(ValueError, match="'x' must be 2-D"):
+        cast(x.view(2, 20, 32), [20, 20], E4M3, scale=scale, amax=amax)
+    with pytest.raises(ValueError, match="'row_multiple' must be a positive multiple of 16"):
+        cast(x, [20, 20], E4M3, scale=scale, amax=amax, row_multiple=8)
+
+
+def _mlp_pair(G, fin, fout, device, dtype):
+    gl = GroupedLinear(G, fin, fout, bias=False, device=device, params_dtype=dtype)
+    lins = [Linear(fin, fout, bias=False, device=device, params_dtype=dtype) for _ in range(G)]
+    with torch.no_grad():
+        for g, lin in enumerate(lins):
+            lin.weight.copy_(getattr(gl, f"weight{g}"))
+    return gl, lins
+
+
+def _count_grouped_casts(monkeypatch):
+    calls = []
+    real = moe_ops.cast_fp8_grouped
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("current", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(moe_ops, "cast_fp8_grouped", spy)
+    return calls
+
+
+@needs_fp8
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling(fp8_format=Format.HYBRID)],
+                         ids=["current", "delayed_hybrid"])
+def test_grouped_linear_one_cast_per_operand_equals_per_expert_linear(recipe, monkeypatch, seed):
+    """Without biases both operands a GroupedLinear casts (input, output
+    gradient) go through the one grouped call once the recipe allows it
+    (delayed scaling: from the second step, when every expert's tensors have
+    an amax history), and the results stay the per-expert FP8 Linear's bit
+    for bit on the CPU, over three steps with weight updates."""
+    calls = _count_grouped_casts(monkeypatch)
+    splits = [5, 0, 37, 16]
+    G, fin, fout = len(splits), 32, 48
+    gl, lins = _mlp_pair(G, fin, fout, "cpu", torch.float32)
+    offs = [0, 5, 5, 42]
+    for step in range(3):
+        before = len(calls)
+        x = torch.randn(sum(splits), fin, requires_grad=True)
+        dy = torch.randn(sum(splits), fout)
+        with fp8_autocast(enabled=True, fp8_recipe=recipe):
+            y = gl(x, splits)
+        y.backward(dy)
+        xr = x.detach().clone().requires_grad_()
+        with fp8_autocast(enabled=True, fp8_recipe=recipe):
+            parts = [lins[g](xr[o:o + m]) for g, (o, m) in enumerate(zip(offs, splits)) if m]
+        torch.cat(parts).backward(dy)
+        grouped_now = len(calls) - before
+        first_delayed = isinstance(recipe, DelayedScaling) and step == 0
+        assert grouped_now == (0 if first_delayed else 2), (step, grouped_now)
+        assert torch.equal(y, torch.cat(parts).detach()), step
+        assert torch.equal(x.grad, xr.grad), step
+        for g in range(G):
+            w = getattr(gl, f"weight{g}")
+            ref = lins[g].weight.grad if splits[g] else torch.zeros_like(w)
+            assert torch.equal(w.grad, ref), (step, g)
+        with torch.no_grad():
+            for g in range(G):
+                p, q = getattr(gl, f"weight{g}"), lins[g].weight
+                if q.grad is not None:
+                    p -= 0.1 * p.grad
+                    q -= 0.1 * q.grad
+                p.grad = q.grad = None
+    if isinstance(recipe, DelayedScaling):
+        # the grouped casts folded each expert's amaxes into its own slots: the same values as the
+        # per-expert Linears' (the two autocast regions roll their histories at different exits,
+        # so the values are compared as sets)
+        hist = gl.fp8_state.amax_history
+        for g in range(G):
+            if splits[g]:
+                ref = lins[g].fp8_state.amax_history
+                for mine, theirs in ((3 * g, 0), (3 * g + 2, 2)):
+                    assert torch.equal(hist[:, mine].sort().values, ref[:, theirs].sort().values), g
+
+
+@pytest.mark.cuda
+@needs_fp8
+@pytest.mark.parametrize("current", [False, True], ids=["delayed", "current"])
+def test_grouped_cast_cuda_equals_per_group_casts(current, seed):
+    """The CUDA kernels against the per-tensor CUDA casts, bit for bit: 16-bit
+    and float32 inputs, skewed and empty groups, more groups than one launch
+    takes (70 > 64)."""
+    g = torch.Generator().manual_seed(seed)
+    many = torch.multinomial(torch.rand(70, generator=g) ** 2, 3000, replacement=True, generator=g)
+    many = torch.bincount(many, minlength=70).tolist()
+    for dtype, fp8_dtype in ((torch.bfloat16, E4M3), (torch.float16, E5M2), (torch.float32, E4M3)):
+        for splits, k in (([300, 1, 0, 129, 64, 7, 1000, 33], 272), ([0, 0, 130, 0], 1024), (many, 144)):
+            _check_grouped_cast("cuda", dtype, splits, k, fp8_dtype, current)
+
+
+@pytest.mark.cuda
+@needs_fp8
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling()], ids=["current", "delayed"])
+def test_grouped_linear_cuda_grouped_cast_equals_per_expert_casts(recipe, monkeypatch, seed):
+    """On the GPU the grouped path and the per-expert path (quantize_grouped
+    declining) give the same outputs and gradients over three steps."""
+    splits = [100, 0, 333, 16, 1]
+    G, fin, fout = len(splits), 256, 512
+    torch.manual_seed(seed)
+    a = GroupedLinear(G, fin, fout, bias=False, device="cuda", params_dtype=torch.bfloat16)
+    b = GroupedLinear(G, fin, fout, bias=False, device="cuda", params_dtype=torch.bfloat16)
+    b.load_state_dict(a.state_dict())
+    real = grouped_linear_module.quantize_grouped
+    calls = _count_grouped_casts(monkeypatch)
+    for step in range(3):
+        x = torch.randn(sum(splits), fin, device="cuda").bfloat16()
+        dy = torch.randn(sum(splits), fout, device="cuda").bfloat16()
+        results = []
+        for m, grouped in ((a, True), (b, False)):
+            monkeypatch.setattr(grouped_linear_module, "quantize_grouped",
+                                real if grouped else (lambda *args, **kwargs: None))
+            xi = x.clone().requires_grad_()
+            with fp8_autocast(enabled=True, fp8_recipe=recipe):
+                y = m(xi, splits)
+            y.backward(dy)
+            results.append((y.detach(), xi.grad, [getattr(m, f"weight{g}").grad for g in range(G)]))
+        (ya, dxa, dwa), (yb, dxb, dwb) = results
+        assert rel_error(ya, yb) <= pair_tol(torch.bfloat16) and rel_error(dxa, dxb) <= pair_tol(torch.bfloat16)
+        for g in range(G):
+            assert rel_error(dwa[g], dwb[g]) <= pair_tol(torch.bfloat16), (step, g)
+        with torch.no_grad():
+            for m in (a, b):
+                for g in range(G):
+                    w = getattr(m, f"weight{g}")
+                    w -= 0.01 * w.grad
+                    w.grad = None
+    assert len(calls) >= 4  # the grouped casts ran (delayed: from the second step)
