@@ -223,6 +223,26 @@ def op_specs():
                                                           scale_inv=a["scale_inv"])[0].float(),
                                a["amax"], a["scale"], a["scale_inv"]),
                     tensors=["x", "amax", "scale", "scale_inv"]))
+    # the quantizers' entries into outputs they made: no Python checks, the C entry's name each argument
+    def cast_into_build(d):
+        return dict(cast_build(d), out=torch.empty(4, 16, dtype=F8, device=d),
+                    out_t=torch.empty(16, 4, dtype=F8, device=d), scale_inv=torch.empty(1, device=d))
+
+    def cast_into(a):
+        ops.quant.cast_fp8_into(a["x"], a["scale"], a["amax"], a["out"], a["out_t"], a["scale_inv"])
+        return a["out"].float(), a["out_t"].float(), a["scale_inv"]
+
+    S.append(OpSpec("cast_fp8_into", cast_into_build, cast_into,
+                    ref=lambda a: (_fp8_ref(a["x"], a["scale"]), _fp8_ref(a["x"], a["scale"]).t(),
+                                   1 / a["scale"]),
+                    tensors=["x", "scale", "amax"], outs=["out", "out_t", "scale_inv"]))
+
+    def cast_current_into(a):
+        ops.quant.cast_fp8_current_into(a["x"], a["amax"], a["scale"], a["scale_inv"], a["out"], a["out_t"])
+        return a["out"].float(), a["out_t"].float(), a["amax"], a["scale"], a["scale_inv"]
+
+    S.append(OpSpec("cast_fp8_current_into", cast_into_build, cast_current_into,
+                    tensors=["x", "amax", "scale"], outs=["out", "out_t", "scale_inv"]))
     S.append(OpSpec("transpose_fp8", lambda d: {"data": r(16, 32, device=d).to(F8)},
                     lambda a: ops.transpose_fp8(a["data"]).float(),
                     ref=lambda a: a["data"].double().reshape(-1, a["data"].shape[-1]).t(),

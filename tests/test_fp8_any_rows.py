@@ -294,6 +294,30 @@ def test_recast_never_overwrites_a_weight_a_pending_backward_holds(seed):
 
 
 @needs_fp8
+def test_cast_scratch_reused_eagerly_and_fresh_under_capture(seed, monkeypatch):
+    """A role's current-scaling casts share one (amax, scale) scratch pair in
+    eager mode; a cast under CUDA graph capture gets a pair of its own, which
+    the weight quantizer keeps alive with the captured operands, and the
+    eager pair is not handed to the capture."""
+    from seqfuse.quantization import gemm_quantizers as gq
+
+    m = te.Linear(64, 32, device="cpu", params_dtype=torch.bfloat16)
+    x = torch.randn(16, 64, dtype=torch.bfloat16)
+    with te.autocast(recipe=Float8CurrentScaling()):
+        m(x)
+        q = m._fp8_quantizers
+        eager_in, eager_w = q.inputs[0].scratch, q.weights[0].scratch
+        m(x)
+        assert q.inputs[0].scratch is eager_in and eager_in is not None
+        monkeypatch.setattr(gq, "capturing", lambda where=None: True)
+        m(x, is_first_microbatch=True)
+        captured_pair, captured_scratch = q.weights[0].captured
+        assert captured_scratch is not None and captured_scratch is not eager_w
+        assert all(a is not b for a, b in zip(captured_scratch, eager_w))
+        assert q.inputs[0].scratch is eager_in and q.weights[0].scratch is eager_w
+
+
+@needs_fp8
 def test_recipe_changed_in_place_is_seen(seed):
     r = DelayedScaling()
     m = te.Linear(64, 32, device="cpu", params_dtype=torch.bfloat16)

@@ -146,6 +146,35 @@ def cast_transpose_fp8(x, scale, amax, fp8_dtype, *, out=None, out_t=None, scale
     return (out if rowwise else None), out_t
 
 
+def cast_fp8_into(x, scale, amax, out, out_t, scale_inv, col_sums=None):
+    """The cast of :func:`cast_fp8` / :func:`cast_transpose_fp8` into outputs
+    the caller made: the quantizers' hot path (seqfuse.quantization), which
+    knows its shapes and makes one set of outputs per cast.
+
+    ``x``: a contiguous float tensor without autograd history, viewed as
+    [M, K].  ``out`` [rows, K] (or x's shape) and ``out_t`` [K, rows]: FP8
+    of one dtype, either None (not both), rows >= M with rows M.. written as
+    zeros.  ``scale``, ``amax``, ``scale_inv`` as in :func:`cast_fp8`.
+    ``col_sums`` (with ``out_t``): float32 [ceil(rows / 128), K], receives
+    x's column sums per 128-row block (the dbias pass).  Nothing is checked
+    here: the C entry checks every argument and names it in its error.
+    Returns None."""
+    require_fp8_dlpack("cast_fp8")
+    if col_sums is None:
+        _C.cast_fp8(x, scale, amax, out, out_t, scale_inv, stream_for(x))
+    else:
+        _C.cast_fp8_dbias(x, scale, amax, out, out_t, scale_inv, col_sums, stream_for(x))
+
+
+def cast_fp8_current_into(x, amax, scale, scale_inv, out, out_t, margin=0):
+    """:func:`cast_fp8_current` into outputs the caller made (``out`` /
+    ``out_t`` as in :func:`cast_fp8_into`; ``amax``, ``scale`` and
+    ``scale_inv`` one-element float32 buffers it writes).  The quantizers'
+    hot path: the C entry checks every argument.  Returns None."""
+    require_fp8_dlpack("cast_fp8_current")
+    _C.cast_fp8_current(x, amax, scale, scale_inv, out, out_t, margin, stream_for(x))
+
+
 def _check_rows(op, rows, m):
     """``rows`` as an int >= m (x's rows), or an error naming it."""
     rows = as_int(op, "rows", rows)

@@ -52,12 +52,12 @@ import sys
 
 import torch
 
-from ..common.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
+from ..common.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format,
                              MXFP8BlockScaling, NVFP4BlockScaling, Recipe)
 from ..ops import quant as qops
 from ..ops.device_checks import capturing
 from . import recompute
-from .quantize import quantize_block, quantize_current, quantize_with_state
+from .quantize import quantize_block, quantize_current, state_cast_args
 from .state import ScalingState
 from .tensor import Float8BlockTensor, Float8Tensor
 
@@ -68,6 +68,11 @@ _log = logging.getLogger("seqfuse")
 
 #: The FP8 GEMMs' token granularity (the wgrad operands' row stride, in bytes).
 ROW_MULTIPLE = 16
+
+#: Each format's (forward, backward) FP8 dtypes, indexed by "is a backward
+#: tensor": a dict read per cast (Format's dtype attributes are properties
+#: over the Enum member's value, several lookups each).
+_FORMAT_DTYPES = {fmt: (fmt.forward_dtype, fmt.backward_dtype) for fmt in Format}
 
 
 class FP8FwdTensors(enum.IntEnum):
@@ -158,26 +163,67 @@ def check_features(cls, kind, *features):
 # ---- the three roles -------------------------------------------------------------
 
 class _Role:
-    __slots__ = ("owner", "index")
+    __slots__ = ("owner", "index", "scratch")
 
     def __init__(self, owner, index):
         self.owner, self.index = owner, index
+        self.scratch = None
 
     @property
     def fp8_dtype(self):
-        o = self.owner
-        fmt = o.recipe.fp8_format
-        return fmt.backward_dtype if self.index % 3 == 2 else fmt.forward_dtype
+        return _FORMAT_DTYPES[self.owner.recipe.fp8_format][self.index % 3 == 2]
+
+    def _scratch(self, x):
+        """(amax, scale): one-element float32 buffers on x's device that a
+        per-tensor cast computes its scale in and reads back in its own
+        launches.  Nothing reads them after the cast and the casts of a role
+        run in stream order, so the role keeps one pair for all of them.
+        Under CUDA graph capture a new pair (kept alive by the graph), so
+        eager casts never share the buffers a replay writes."""
+        s = self.scratch
+        if s is not None and s[0].device == x.device and not capturing(x):
+            return s
+        s = (torch.empty(1, device=x.device), torch.empty(1, device=x.device))
+        if not capturing(x):
+            self.scratch = s
+        return s
 
     def _cast(self, x, transpose, dbias=False, rows=None):
         """Per-tensor cast of x [M, K] under the owner's recipe, the copies
-        padded to ``rows`` token rows (None: M)."""
+        padded to ``rows`` token rows (None: M): a Float8Tensor, with
+        ``dbias`` also x's float32 column sums.  What quantize_with_state /
+        quantize_current do, with the outputs made here in one place (the
+        shapes are known: no argument checks on this path, the C entry
+        checks the tensors)."""
         o = self.owner
+        if x.requires_grad:
+            x = x.detach()
+        if not x.is_contiguous():
+            x = x.contiguous()
         if o.kind == "delayed":
-            return quantize_with_state(x, o.state, self.index, transpose=transpose, dbias=dbias, rows=rows)
-        return quantize_current(x, self.fp8_dtype, margin=o.margin, transpose=transpose, dbias=dbias,
-                                rows=rows)
-
+            scale, amax, fp8_dtype = state_cast_args(o.state, self.index, x)
+        else:
+            fp8_dtype = self.fp8_dtype
+            amax, scale = self._scratch(x)
+            if dbias:  # amax, scale and the cast+dbias pass: three launches
+                return quantize_current(x, fp8_dtype, margin=o.margin, transpose=transpose, dbias=True,
+                                        rows=rows, amax=amax, scale=scale)
+        dev = x.device
+        k = x.shape[-1]
+        m = x.numel() // k if k else 0
+        mp = m if rows is None else rows
+        # (sizes as separate ints: torch parses them faster than a torch.Size or a tuple)
+        scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
+        out = (torch.empty(*x.shape, dtype=fp8_dtype, device=dev) if mp == m
+               else torch.empty(mp, k, dtype=fp8_dtype, device=dev))
+        out_t = torch.empty(k, mp, dtype=fp8_dtype, device=dev) if transpose else None
+        if o.kind != "delayed":
+            qops.cast_fp8_current_into(x, amax, scale, scale_inv, out, out_t, o.margin)
+            return Float8Tensor(out, scale_inv, fp8_dtype, data_t=out_t, dtype=x.dtype, shape=x.shape)
+        sums = torch.empty((mp + 127) // 128, k, dtype=torch.float32, device=dev) if dbias else None
+        qops.cast_fp8_into(x, scale, amax, out, out_t, scale_inv, sums)
+        q = Float8Tensor(out, scale_inv, fp8_dtype, data_t=out_t, dtype=x.dtype, shape=x.shape)
+        return (q, sums.sum(0)) if dbias else q
 
     def quantize(self, x, transpose=True):
         """x [M, K] -> Float8Tensor whose data (and data_t) carry
@@ -307,11 +353,11 @@ class WeightQuantizer(_Role):
     Per-tensor recipes scale the weight from its own amax at the cast (so a
     first step or a frozen weight never runs on a stale scale); under
     delayed scaling that amax also lands in the state's weight slot."""
-    __slots__ = ("key", "param", "pair", "casts", "scratch", "captured")
+    __slots__ = ("key", "param", "pair", "casts", "captured")
 
     def __init__(self, owner, index):
         super().__init__(owner, index)
-        self.key = self.param = self.pair = self.scratch = self.captured = None
+        self.key = self.param = self.pair = self.captured = None
         self.casts = 0
 
     def get(self, weight, is_first_microbatch=None, sources=None):
@@ -343,33 +389,40 @@ class WeightQuantizer(_Role):
                     and not _fsdp2_in_use() and not in_capture):
                 return self.pair
         # new FP8 buffers each time: a pending backward may hold the old ones
-        self.pair = self._cast_weight(weight.detach(), old is not None and old[:5] == key[:5])
+        self.pair, scratch = self._cast_weight(weight.detach())
         self.casts += 1
         if in_capture:
             # a captured cast fills its buffers only when the graph replays: an eager call
             # (a graphed module's first FP8 step, an eval-mode call) must cast again, not read
             # them; the graph's buffers stay referenced here for as long as the graph may run
-            # (with the scale / amax scratch the captured kernels write: the eager cast gets its own)
-            self.captured, self.key, self.param = (self.pair, self.scratch), None, None
-            self.scratch = None
+            # (with the scale / amax scratch the captured kernels write: _scratch gave the
+            # capture a pair of its own)
+            self.captured, self.key, self.param = (self.pair, scratch), None, None
         else:
             self.key, self.param = key, tuple(src)
         return self.pair
 
-    def _cast_weight(self, w, same_shape):
+    def _cast_weight(self, w):
+        """(the operand pair, the (amax, scale) scratch the cast used or None)."""
         o = self.owner
         if o.kind == "block":
             q = quantize_block(w, 128, self.fp8_dtype)
-            return q, block_weight_transposed(q)
-        if self.scratch is None or not same_shape:
-            # amax and scale scratch (nothing keeps them past the cast); the
-            # amax lands in the state's weight slot under delayed scaling
-            self.scratch = (None if o.kind == "delayed" else torch.empty(1, device=w.device),
-                            torch.empty(1, device=w.device))
-        amax = o.state.amax_of(self.index) if o.kind == "delayed" else self.scratch[0]
-        q = quantize_current(w, self.fp8_dtype, margin=o.margin, transpose=True, amax=amax,
-                             scale=self.scratch[1])
-        return q, q
+            return (q, block_weight_transposed(q)), None
+        # current scaling of the weight: its own amax (under delayed scaling
+        # written into the state's weight slot), both copies in one call
+        scratch = self._scratch(w)
+        amax, scale = scratch
+        if o.kind == "delayed":
+            amax = o.state.amax_of(self.index)
+        fp8_dtype = self.fp8_dtype
+        dev = w.device
+        k = w.shape[-1]
+        scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
+        data = torch.empty(*w.shape, dtype=fp8_dtype, device=dev)
+        data_t = torch.empty(k, w.numel() // k if k else 0, dtype=fp8_dtype, device=dev)
+        qops.cast_fp8_current_into(w.contiguous(), amax, scale, scale_inv, data, data_t, o.margin)
+        q = Float8Tensor(data, scale_inv, fp8_dtype, data_t=data_t, dtype=w.dtype, shape=w.shape)
+        return (q, q), scratch
 
 
 def high_precision(t):

@@ -81,13 +81,23 @@ def quantize_with_state(x, state, index, *, transpose=False, rowwise=True, dbias
     it), logged once.  Not under CUDA graph capture (a replay would repeat
     the host's first-step choice), which keeps scale 1; a checkpoint's
     recompute reads the scale its forward noted, as for any scale."""
+    scale, amax, fp8_dtype = state_cast_args(state, index, x)
+    return quantize(x, scale, amax, fp8_dtype, transpose=transpose,
+                    rowwise=rowwise, dbias=dbias, rows=rows)
+
+
+def state_cast_args(state, index, x):
+    """(scale, amax slot, FP8 dtype) of a delayed-scaling cast of ``x`` as
+    tensor ``index`` of ``state``, with what such a cast does first: the
+    first step's own-amax scale (:func:`delayed_scale`) and, when statistics
+    are recorded, the cast's record.  What :func:`quantize_with_state` and
+    the GEMM modules' quantizers (which make their outputs themselves) share."""
     state.ensure_pooled()
     fp8_dtype = state.fp8_dtype(index)
     scale = delayed_scale(state, index, lambda: qops.amax(x), x.device)
     if stats.recording() and not recompute.replaying():  # a recompute's casts were the forward's
         stats.record_cast(state, index, x.detach(), scale, fp8_dtype)
-    return quantize(x, scale, state.amax_of(index), fp8_dtype, transpose=transpose,
-                    rowwise=rowwise, dbias=dbias, rows=rows)
+    return scale, state.amax_of(index), fp8_dtype
 
 
 def quantize_current(x, fp8_dtype, *, margin=0, transpose=False, rowwise=True, amax=None,

@@ -35,7 +35,7 @@ class Float8Tensor:
         self.dtype = dtype
         if shape is None:
             shape = data.shape if data is not None else tuple(reversed(data_t.shape))
-        self.shape = torch.Size(shape)
+        self.shape = shape if type(shape) is torch.Size else torch.Size(shape)
 
     @property
     def device(self):
@@ -70,7 +70,7 @@ class Float8BlockTensor:
         self.data_t, self.scale_inv_t = data_t, scale_inv_t
         if shape is None:
             shape = data.shape if data is not None else tuple(reversed(data_t.shape))
-        self._shape = torch.Size(shape)
+        self._shape = shape if type(shape) is torch.Size else torch.Size(shape)
 
     @property
     def shape(self):
