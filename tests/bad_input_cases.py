@@ -42,6 +42,7 @@ import torch.nn.functional as F
 import seqfuse.ops as ops
 import seqfuse.pytorch as te
 from seqfuse.ops import device_checks
+from seqfuse.ops.gemm import fp8_gemm_nt
 
 F8 = torch.float8_e4m3fn
 ACCEPTED = (TypeError, ValueError, NotImplementedError)
@@ -322,6 +323,16 @@ def op_specs():
                     lambda a: ops.gemm(a["a"], a["b"], bias=a["bias"], allow_tf32=False),
                     ref=lambda a: a["a"] @ a["b"] + a["bias"], tensors=["a", "b", "bias"], tol=1e-4,
                     extra=[("bias_len", lambda a: dict(a, bias=a["bias"][:2]), "shape", ("bias",))]))
+    # the FP8 GEMM modules' entry: quantized operands into an output the caller made, checked by C
+    S.append(OpSpec("fp8_gemm_nt",
+                    lambda d: {"a": r(16, 32, device=d).to(F8), "a_scale_inv": torch.full((1,), 0.5, device=d),
+                               "b": r(16, 32, device=d, seed=1).to(F8),
+                               "b_scale_inv": torch.full((1,), 2.0, device=d),
+                               "out": torch.zeros(16, 16, dtype=torch.float32, device=d)},
+                    lambda a: fp8_gemm_nt(a["a"], a["a_scale_inv"], None, a["b"], a["b_scale_inv"], None, a["out"]),
+                    ref=lambda a: (a["a"].double() * a["a_scale_inv"].double())
+                    @ (a["b"].double() * a["b_scale_inv"].double()).t(),
+                    tensors=["a", "a_scale_inv", "b", "b_scale_inv"], outs=["out"], tol=1e-4, nan=False))
 
     # norms
     def ln_build(d):

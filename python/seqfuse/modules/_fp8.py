@@ -15,7 +15,7 @@ to the real ones with ``row_prefix``.
 """
 import torch
 
-from .. import ops
+from ..ops.gemm import fp8_gemm_nt
 from ..quantization import gemm_quantizers as gq
 
 row_prefix = gq.row_prefix
@@ -66,12 +66,12 @@ def restore(data, scale_inv, kind, weight=False):
 
 
 def gemm(a, b, out_dtype, *, bias=None, fast_accum=False, out=None, accumulate=False):
-    """a [m, k] @ b [n, k]^T over FP8 operand triples."""
-    kw = dict(transb=True, a_scale_inv=a[1], b_scale_inv=b[1], a_scaling=a[2], b_scaling=b[2],
-              bias=_bias(bias, out_dtype), fast_accum=fast_accum)
-    if out is not None:
-        return ops.gemm(a[0], b[0], out=out, accumulate=accumulate, **kw)
-    return ops.gemm(a[0], b[0], out_dtype=out_dtype, **kw)
+    """a [m, k] @ b [n, k]^T over FP8 operand triples, into ``out`` (with
+    ``accumulate``: added to it) or a new [m, n] tensor of ``out_dtype``."""
+    if out is None:
+        out = torch.empty(a[0].shape[0], b[0].shape[0], dtype=out_dtype, device=a[0].device)
+    return fp8_gemm_nt(a[0], a[1], a[2], b[0], b[1], b[2], out, bias=_bias(bias, out.dtype),
+                           accumulate=accumulate, fast_accum=fast_accum)
 
 
 def forward(xq, pair, kind, out_dtype, bias, rows):

@@ -172,6 +172,43 @@ def gemm(a, b, *, transa=False, transb=False, out=None, out_dtype=None, bias=Non
     return out if extra is None else (out, extra)
 
 
+#: Scaling names of the FP8 operand triples -> the C codes (None: one scale per tensor).
+_OPERAND_SCALING = {None: 1, "tensor": 1, "block_1x128": 2, "block_128x128": 3}
+
+
+def fp8_gemm_nt(a, a_scale_inv, a_scaling, b, b_scale_inv, b_scaling, out, *, bias=None,
+                accumulate=False, fast_accum=False):
+    """``out [m, n] (+)= a [m, k] @ b [n, k]^T (+ bias)``: :func:`gemm` with
+    ``transb=True`` over two float8 operands that seqfuse's quantizers made
+    (the FP8 GEMM modules' forward, input-gradient and weight-gradient
+    products), into ``out`` the caller made (with ``accumulate`` its values
+    are added).  ``a_scaling`` / ``b_scaling``: None (one scale per tensor),
+    "block_1x128" or "block_128x128".  ``bias`` [n] in the output's
+    bfloat16 / float16.  The hot path of those modules: only the ranks its
+    shape arithmetic needs are checked here (the C entry checks every tensor
+    and names it); an empty product goes through :func:`gemm`.  Returns
+    ``out``."""
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"fp8_gemm_nt: arguments 'a' and 'b' must be 2-D, got {a.dim()}-D and {b.dim()}-D")
+    m, k = a.shape
+    n = b.shape[0]
+    if not (m and n and k):
+        return gemm(a, b, transb=True, out=out, bias=bias, accumulate=accumulate, a_scale_inv=a_scale_inv,
+                    b_scale_inv=b_scale_inv, a_scaling=a_scaling, b_scaling=b_scaling, fast_accum=fast_accum)
+    if bias is not None and bias.requires_grad:
+        bias = bias.detach()
+    workspace = workspace_for(a.device) if a.is_cuda else None
+    a_fmt = b_fmt = 0
+    if not FP8_DLPACK:
+        # this torch cannot export float8: pass uint8 views and name the format
+        a_fmt, b_fmt = _FP8_CODE[a.dtype], _FP8_CODE[b.dtype]
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    _C.gemm(a, b, out, False, True, a_scale_inv, b_scale_inv, _OPERAND_SCALING[a_scaling],
+            _OPERAND_SCALING[b_scaling], bias, None, _EPI["none" if bias is None else "bias"], accumulate, fast_accum,
+            False, 1.0, workspace, a_fmt, b_fmt, stream_for(a))
+    return out
+
+
 def _empty_product(a, transa, out, bias, aux, epilogue, accumulate, m, n, k):
     """m, n or k is 0: cuBLASLt takes no such problem, and the answer needs no
     GEMM: the product is all zeros (k == 0), so only the epilogue remains."""
