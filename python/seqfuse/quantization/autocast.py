@@ -66,20 +66,20 @@ def reduce_and_update(recipe, group=None):
         return
     group = _default_group(recipe, group)
     updated = []
-    for chunk in POOL.chunks_for(recipe.amax_compute_algo, int(recipe.margin)):
-        if chunk.history.shape[0] != int(recipe.amax_history_len):
+    algo, margin, history_len = recipe.amax_compute_algo, int(recipe.margin), int(recipe.amax_history_len)
+    for chunk in POOL.chunks_for(algo, margin):
+        if chunk.history.shape[0] != history_len:
             continue
         updated.append(chunk)
-        used = chunk.used
+        history, scale, scale_inv, fp8_max = chunk.used_views()
         if group is not None:
-            torch.distributed.all_reduce(chunk.history[0, :used], op=torch.distributed.ReduceOp.MAX,
-                                         group=group)
+            torch.distributed.all_reduce(history[0], op=torch.distributed.ReduceOp.MAX, group=group)
         stats.before_update(chunk)
-        qops.fp8_scale_update(chunk.history[:, :used], chunk.scale[:used], chunk.scale_inv[:used],
-                              chunk.fp8_max[:used], recipe.amax_compute_algo, recipe.margin)
-    for state in list(FIRST_CASTS):  # empty in steady state
-        if any(state.pooled_in(c) for c in updated):
-            state.updated()
+        qops.fp8_scale_update(history, scale, scale_inv, fp8_max, algo, margin)
+    if FIRST_CASTS:  # empty in steady state
+        for state in list(FIRST_CASTS):
+            if any(state.pooled_in(c) for c in updated):
+                state.updated()
     stats.end_step()
 
 

@@ -34,7 +34,8 @@ _CHUNK_FLOATS = 1 << 20
 
 
 class _Chunk:
-    __slots__ = ("history", "scale", "scale_inv", "fp8_max", "used", "live", "key", "__weakref__")
+    __slots__ = ("history", "scale", "scale_inv", "fp8_max", "used", "live", "key", "_used_views",
+                 "__weakref__")
 
     def __init__(self, key, h, cap, device):
         self.key = key
@@ -44,10 +45,23 @@ class _Chunk:
         self.fp8_max = torch.full((cap,), 448.0, dtype=torch.float32, device=device)
         self.used = 0   # columns handed out (bump allocation)
         self.live = 0   # columns of states that still live here
+        self._used_views = None
 
     @property
     def capacity(self):
         return self.scale.numel()
+
+    def used_views(self):
+        """(history, scale, scale_inv, fp8_max) over the used columns: what
+        the step's update (and its amax all-reduce, row 0 of history) reads.
+        Made again only when ``used`` has moved (a view costs about a
+        microsecond; the update runs at every step)."""
+        v = self._used_views
+        if v is None or v[0] != self.used:
+            n = self.used
+            v = self._used_views = (n, (self.history[:, :n], self.scale[:n], self.scale_inv[:n],
+                                        self.fp8_max[:n]))
+        return v[1]
 
 
 class _Pool:
