@@ -92,7 +92,7 @@ def weight_sources(module):
     """The parameters the GEMM's weight is made from: None when it is the
     module's own ``weight``, else the split pieces (the FP8 weight cache
     follows their versions)."""
-    split = getattr(module, "parameters_split", None)
+    split = module.__dict__.get("parameters_split")  # (a plain attribute: install_split sets it)
     if not split:
         return None
     return tuple(getattr(module, f"{name}_weight") for name, _ in split)
@@ -101,7 +101,9 @@ def weight_sources(module):
 def fused_params(module, cls):
     """(weight, bias) for the module's one GEMM: its own parameters, or the
     pieces concatenated (autograd routes the gradients back to them)."""
-    split = getattr(module, "parameters_split", None)
+    # read from the instance dict: getattr on an nn.Module without the
+    # attribute goes through Module.__getattr__ and an exception (~1 us)
+    split = module.__dict__.get("parameters_split")
     if not split:
         return module.weight, module.bias
     weights = [getattr(module, f"{name}_weight") for name, _ in split]

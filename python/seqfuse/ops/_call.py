@@ -39,6 +39,16 @@ def cached_workspace(t, cache, query):
     return torch.empty(n, dtype=torch.float32, device=t.device) if n else None
 
 
+def empty(shape, dtype, device):
+    """``torch.empty(shape, dtype=dtype, device=device)`` with the sizes
+    passed as separate ints: torch parses a torch.Size or tuple argument
+    about a microsecond slower, which the ops on the FP8 modules' hot path
+    pay several times per layer.  A 0-d ``shape`` (``()``) works too."""
+    if shape:
+        return torch.empty(*shape, dtype=dtype, device=device)
+    return torch.empty((), dtype=dtype, device=device)
+
+
 def exchange_api_in_use():
     """True when tensors cross into C through the C exchange API."""
     return FAST_EXCHANGE and _C.exchange_api_enabled()

@@ -22,7 +22,7 @@ offset)``.  The seed defaults to a draw from torch's default CPU generator, so
 import torch
 
 from .. import _C
-from ._call import as_float, as_int, cached_workspace, detached, stream_for
+from ._call import as_float, as_int, cached_workspace, detached, empty, stream_for
 
 ACTIVATIONS = {"gelu": 0, "gelu_erf": 1, "silu": 2, "relu": 3, "geglu": 4, "geglu_erf": 5,
                "swiglu": 6, "reglu": 7}
@@ -64,7 +64,7 @@ def act_forward(x, activation, out_dtype=None, scale=None, amax=None, scale_inv=
     shape = list(x.shape)
     if activation in GATED and x.dim() >= 1:
         shape[-1] //= 2
-    y = torch.empty(shape, dtype=_out_dtype(op, x, out_dtype), device=x.device)
+    y = empty(shape, _out_dtype(op, x, out_dtype), x.device)
     _C.act_forward(code, x, y, scale, amax, scale_inv, stream_for(x))
     return y
 
@@ -77,7 +77,7 @@ def act_backward(dy, x, activation, out_dtype=None, scale=None, amax=None, scale
     _check_x(op, "dy", dy)
     x = detached(x).contiguous()
     dy = detached(dy).contiguous()
-    dx = torch.empty(x.shape, dtype=_out_dtype(op, x, out_dtype), device=x.device)
+    dx = empty(x.shape, _out_dtype(op, x, out_dtype), x.device)
     _C.act_backward(code, dy, x, dx, scale, amax, scale_inv, stream_for(x))
     return dx
 

@@ -54,7 +54,7 @@ def _out(x, out_dtype):
     if out_dtype not in _FP8:
         raise TypeError(f"norm: argument 'out_dtype' must be None (the input's dtype), "
                         f"torch.float8_e4m3fn or torch.float8_e5m2, got {out_dtype}")
-    return torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    return torch.empty(*x.shape, dtype=out_dtype, device=x.device)
 
 
 def _forward_args(op, x, out_dtype):

@@ -2,7 +2,7 @@
 import torch
 
 from .. import _C
-from ._call import as_float, as_int, require_fp8_dlpack, stream_for
+from ._call import as_float, as_int, empty, require_fp8_dlpack, stream_for
 
 _FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -139,7 +139,7 @@ def cast_transpose_fp8(x, scale, amax, fp8_dtype, *, out=None, out_t=None, scale
             raise TypeError(f"{op}: argument '{name}' must have dtype {fp8_dtype}, got {t.dtype}")
     scale = _check_scalar(op, "scale", scale, x.device)
     if dbias:
-        sums = torch.empty(((m + 127) // 128, k), dtype=torch.float32, device=x.device)
+        sums = torch.empty((m + 127) // 128, k, dtype=torch.float32, device=x.device)
         _C.cast_fp8_dbias(x, scale, amax, out if rowwise else None, out_t, scale_inv, sums, stream_for(x))
         return (out if rowwise else None), out_t, sums.sum(0)
     _C.cast_fp8(x, scale, amax, out if rowwise else None, out_t, scale_inv, stream_for(x))
@@ -194,13 +194,13 @@ def _row_outputs(op, x, fp8_dtype, rows, out, out_t, want_out, want_t):
     mp = m if rows is None else _check_rows(op, rows, m)
     if want_out:
         if out is None:
-            out = torch.empty(x.shape if mp == m else (mp, k), dtype=fp8_dtype, device=x.device)
+            out = empty(x.shape if mp == m else (mp, k), fp8_dtype, x.device)
         elif rows is not None and tuple(out.shape) != (mp, k) and not (mp == m and out.numel() == x.numel()):
             raise ValueError(f"{op}: argument 'out' must have shape [{mp}, {k}] for rows={mp}, got "
                              f"{tuple(out.shape)}")
     if want_t:
         if out_t is None:
-            out_t = torch.empty((k, mp), dtype=fp8_dtype, device=x.device)
+            out_t = torch.empty(k, mp, dtype=fp8_dtype, device=x.device)
         elif rows is not None and tuple(out_t.shape) != (k, mp):
             raise ValueError(f"{op}: argument 'out_t' must have shape [{k}, {mp}] for rows={mp}, got "
                              f"{tuple(out_t.shape)}")
@@ -236,7 +236,7 @@ def transpose_fp8(data, *, out=None):
     k = data.shape[-1]
     m = data.numel() // k if k else 0
     if out is None:
-        out = torch.empty((k, m), dtype=data.dtype, device=data.device)
+        out = torch.empty(k, m, dtype=data.dtype, device=data.device)
     _C.transpose_fp8(data, out, stream_for(data))
     return out
 
@@ -351,8 +351,8 @@ def quantize_block_fp8(x, block_rows=1, fp8_dtype=torch.float8_e4m3fn):
     require_fp8_dlpack(op)
     x, m, k = _matrix(op, x, 128, "1x128 blocks" if block_rows == 1 else "128x128 blocks")
     fp8_dtype = fp8_dtype_of(fp8_dtype, op)
-    out = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
-    scale_inv = torch.empty(block_scale_shape(m, k, block_rows), dtype=torch.float32, device=x.device)
+    out = torch.empty(*x.shape, dtype=fp8_dtype, device=x.device)
+    scale_inv = torch.empty(*block_scale_shape(m, k, block_rows), dtype=torch.float32, device=x.device)
     _C.quantize_block_fp8(x, out, scale_inv, block_rows, stream_for(x))
     return out, scale_inv
 
@@ -378,17 +378,17 @@ def quantize_block_fp8_rowcol(x, fp8_dtype=torch.float8_e4m3fn, *, rowwise=True,
     fp8_dtype = fp8_dtype_of(fp8_dtype, op)
     data = scale_inv = data_t = scale_inv_t = None
     if rowwise:
-        data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
-        scale_inv = torch.empty(block_scale_shape(m, k, 1), dtype=torch.float32, device=x.device)
+        data = torch.empty(*x.shape, dtype=fp8_dtype, device=x.device)
+        scale_inv = torch.empty(*block_scale_shape(m, k, 1), dtype=torch.float32, device=x.device)
     if columnwise:
-        data_t = torch.empty((k, mt), dtype=fp8_dtype, device=x.device)
-        scale_inv_t = torch.empty(block_scale_shape(k, mt, 1), dtype=torch.float32, device=x.device)
+        data_t = torch.empty(k, mt, dtype=fp8_dtype, device=x.device)
+        scale_inv_t = torch.empty(*block_scale_shape(k, mt, 1), dtype=torch.float32, device=x.device)
     if not col_sums:
         _C.quantize_block_fp8_rowcol(x, data, scale_inv, data_t, scale_inv_t, stream_for(x))
         return data, scale_inv, data_t, scale_inv_t
     if not columnwise:
         raise ValueError(f"{op}: col_sums=True needs columnwise=True (that pass computes them)")
-    sums = torch.empty((mt // 128, k), dtype=torch.float32, device=x.device)
+    sums = torch.empty(mt // 128, k, dtype=torch.float32, device=x.device)
     _C.quantize_block_fp8_rowcol(x, data, scale_inv, data_t, scale_inv_t, stream_for(x), sums)
     return data, scale_inv, data_t, scale_inv_t, sums
 

@@ -113,7 +113,7 @@ def _pad_rows(x, rows):
     rows are zero: what the one-pass casts read for an unaligned token count,
     and the FP8 row-wise copies that need no transposed copy."""
     m = x.shape[0]
-    buf = torch.empty((rows, x.shape[1]), dtype=x.dtype, device=x.device)
+    buf = torch.empty(rows, x.shape[1], dtype=x.dtype, device=x.device)
     buf[:m].copy_(x)
     buf[m:].view(torch.uint8).zero_()  # (float8 has no zero_ kernel everywhere: zero the bytes)
     return buf
@@ -453,7 +453,7 @@ def block_weight_transposed(q):
     out_f, in_f = q.data.shape
     data_t = qops.transpose_fp8(q.data)
     rb, cb = out_f // 128, in_f // 128
-    si_t = q.scale_inv.new_zeros((cb, (rb + 3) // 4 * 4))
+    si_t = q.scale_inv.new_zeros(cb, (rb + 3) // 4 * 4)
     si_t[:, :rb] = q.scale_inv[:rb, :cb].t()
     return Float8BlockTensor(data_t, si_t, 128, dtype=q.dtype)
 
