@@ -15,6 +15,7 @@ from seqfuse.modules import grouped_linear as grouped_linear_module
 from seqfuse.ops import moe as moe_ops
 from seqfuse.ops import quant as qops
 from seqfuse.quantization import fp8_autocast
+from seqfuse.quantization.gemm_quantizers import weight_casts
 
 from helpers import needs_fp8, pair_tol, rel_error
 
@@ -133,6 +134,30 @@ def test_grouped_cast_bad_inputs():
         cast(x, [20, 20], E4M3, scale=scale, amax=amax, row_multiple=8)
 
 
+def _check_current_list(device, dtype, G, n, k, fp8_dtype):
+    xs = [torch.randn(n, k, device=device).mul(g + 0.5).to(dtype) for g in range(G)]
+    slots = torch.full((3 * G,), -1.0, device=device)
+    data, data_t, scale_inv, scale, amax = moe_ops.cast_fp8_current_list(xs, fp8_dtype, amax=slots[1::3])
+    assert amax.data_ptr() == slots[1:].data_ptr()  # written into the given (strided) slots
+    for g, x in enumerate(xs):
+        a, s, i = (torch.empty(1, device=device) for _ in range(3))
+        d, dt = qops.cast_fp8_current(x, fp8_dtype, amax=a, scale=s, scale_inv=i, transpose=True)
+        assert torch.equal(_bytes(data[g]), _bytes(d)) and torch.equal(_bytes(data_t[g]), _bytes(dt)), g
+        assert (amax[g], scale[g], scale_inv[g]) == (a[0], s[0], i[0]), g
+
+
+@needs_fp8
+def test_current_list_equals_per_tensor_casts(seed):
+    for dtype, fp8_dtype in ((torch.float32, E4M3), (torch.bfloat16, E5M2)):
+        _check_current_list("cpu", dtype, 5, 48, 32, fp8_dtype)
+    with pytest.raises(ValueError, match="N a multiple of 16"):
+        moe_ops.cast_fp8_current_list([torch.randn(40, 32)], E4M3)
+    with pytest.raises(ValueError, match="x\\[1\\] is 2d \\[16, 48\\]"):
+        moe_ops.cast_fp8_current_list([torch.randn(16, 32), torch.randn(16, 48)], E4M3)
+    with pytest.raises(ValueError, match="non-empty list"):
+        moe_ops.cast_fp8_current_list([], E4M3)
+
+
 def _mlp_pair(G, fin, fout, device, dtype):
     gl = GroupedLinear(G, fin, fout, bias=False, device=device, params_dtype=dtype)
     lins = [Linear(fin, fout, bias=False, device=device, params_dtype=dtype) for _ in range(G)]
@@ -142,15 +167,15 @@ def _mlp_pair(G, fin, fout, device, dtype):
     return gl, lins
 
 
-def _count_grouped_casts(monkeypatch):
+def _count_grouped_casts(monkeypatch, name="cast_fp8_grouped"):
     calls = []
-    real = moe_ops.cast_fp8_grouped
+    real = getattr(moe_ops, name)
 
     def spy(*args, **kwargs):
         calls.append(kwargs.get("current", False))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(moe_ops, "cast_fp8_grouped", spy)
+    monkeypatch.setattr(moe_ops, name, spy)
     return calls
 
 
@@ -164,12 +189,14 @@ def test_grouped_linear_one_cast_per_operand_equals_per_expert_linear(recipe, mo
     an amax history), and the results stay the per-expert FP8 Linear's bit
     for bit on the CPU, over three steps with weight updates."""
     calls = _count_grouped_casts(monkeypatch)
+    weight_calls = _count_grouped_casts(monkeypatch, "cast_fp8_current_list")
     splits = [5, 0, 37, 16]
     G, fin, fout = len(splits), 32, 48
     gl, lins = _mlp_pair(G, fin, fout, "cpu", torch.float32)
     offs = [0, 5, 5, 42]
     for step in range(3):
         before = len(calls)
+        casts_before = weight_casts(gl)
         x = torch.randn(sum(splits), fin, requires_grad=True)
         dy = torch.randn(sum(splits), fout)
         with fp8_autocast(enabled=True, fp8_recipe=recipe):
@@ -182,6 +209,8 @@ def test_grouped_linear_one_cast_per_operand_equals_per_expert_linear(recipe, mo
         grouped_now = len(calls) - before
         first_delayed = isinstance(recipe, DelayedScaling) and step == 0
         assert grouped_now == (0 if first_delayed else 2), (step, grouped_now)
+        # every expert's weight changed (all are updated below, the idle one too): one list cast
+        assert len(weight_calls) == step + 1 and weight_casts(gl) - casts_before == G, step
         assert torch.equal(y, torch.cat(parts).detach()), step
         assert torch.equal(x.grad, xr.grad), step
         for g in range(G):
@@ -194,6 +223,9 @@ def test_grouped_linear_one_cast_per_operand_equals_per_expert_linear(recipe, mo
                 if q.grad is not None:
                     p -= 0.1 * p.grad
                     q -= 0.1 * q.grad
+                else:  # the idle expert moves too (weight decay would move it), keeping the two equal
+                    p *= 0.99
+                    q *= 0.99
                 p.grad = q.grad = None
     if isinstance(recipe, DelayedScaling):
         # the grouped casts folded each expert's amaxes into its own slots: the same values as the
@@ -224,6 +256,14 @@ def test_grouped_cast_cuda_equals_per_group_casts(current, seed):
 
 @pytest.mark.cuda
 @needs_fp8
+def test_current_list_cuda_equals_per_tensor_casts(seed):
+    for dtype, fp8_dtype in ((torch.bfloat16, E4M3), (torch.float16, E5M2), (torch.float32, E4M3)):
+        _check_current_list("cuda", dtype, 8, 272, 144, fp8_dtype)
+        _check_current_list("cuda", dtype, 70, 16, 32, fp8_dtype)  # two launches
+
+
+@pytest.mark.cuda
+@needs_fp8
 @pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling()], ids=["current", "delayed"])
 def test_grouped_linear_cuda_grouped_cast_equals_per_expert_casts(recipe, monkeypatch, seed):
     """On the GPU the grouped path and the per-expert path (quantize_grouped
@@ -235,7 +275,9 @@ def test_grouped_linear_cuda_grouped_cast_equals_per_expert_casts(recipe, monkey
     b = GroupedLinear(G, fin, fout, bias=False, device="cuda", params_dtype=torch.bfloat16)
     b.load_state_dict(a.state_dict())
     real = grouped_linear_module.quantize_grouped
+    real_weights = grouped_linear_module.weight_pairs
     calls = _count_grouped_casts(monkeypatch)
+    weight_calls = _count_grouped_casts(monkeypatch, "cast_fp8_current_list")
     for step in range(3):
         x = torch.randn(sum(splits), fin, device="cuda").bfloat16()
         dy = torch.randn(sum(splits), fout, device="cuda").bfloat16()
@@ -243,6 +285,8 @@ def test_grouped_linear_cuda_grouped_cast_equals_per_expert_casts(recipe, monkey
         for m, grouped in ((a, True), (b, False)):
             monkeypatch.setattr(grouped_linear_module, "quantize_grouped",
                                 real if grouped else (lambda *args, **kwargs: None))
+            monkeypatch.setattr(grouped_linear_module, "weight_pairs", real_weights if grouped else
+                                (lambda q, ws, first: [q.weights[g].get(w, first) for g, w in enumerate(ws)]))
             xi = x.clone().requires_grad_()
             with fp8_autocast(enabled=True, fp8_recipe=recipe):
                 y = m(xi, splits)
@@ -259,3 +303,4 @@ def test_grouped_linear_cuda_grouped_cast_equals_per_expert_casts(recipe, monkey
                     w -= 0.01 * w.grad
                     w.grad = None
     assert len(calls) >= 4  # the grouped casts ran (delayed: from the second step)
+    assert len(weight_calls) == 3  # module a's weights: one list cast a step

@@ -96,6 +96,18 @@ sf_status sf_cast_fp8_grouped(const sf_tensor *x, const sf_tensor *m_splits, int
                               sf_tensor *scale, sf_tensor *amax, sf_tensor *out, sf_tensor *out_t,
                               sf_tensor *scale_inv, int current, int margin, sf_stream stream);
 
+/* Current scaling of each of n tensors (a grouped layer's weights) in one
+ * call: x[g] [N_g, K] (contiguous, one dtype, K and every N_g multiples of
+ * 16, 16-byte aligned on CUDA) is cast with its own amax into out[g]
+ * [N_g, K] and out_t[g] [K, N_g] (either list may be NULL, not both; one
+ * FP8 dtype).  amax[g] = max |x_g|, scale[g] and scale_inv[g] as
+ * sf_cast_fp8_grouped's current scaling; float32 vectors of n elements, any
+ * element stride.  Each tensor's results equal sf_cast_fp8_current's. */
+sf_status sf_cast_fp8_current_list(int64_t n, const sf_tensor *x, int64_t n_out, sf_tensor *out,
+                                   int64_t n_out_t, sf_tensor *out_t, sf_tensor *scale,
+                                   sf_tensor *amax, sf_tensor *scale_inv, int margin,
+                                   sf_stream stream);
+
 /* out_t = data^T: data an FP8 tensor viewed as [M, K] (K its last
  * dimension, contiguous), out_t [K, M] contiguous with data's dtype.  The
  * bytes move unchanged (same scale).  Under delayed scaling the norm and

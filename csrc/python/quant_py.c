@@ -23,6 +23,9 @@ SF_PY_OP(cast_fp8_grouped, sf_cast_fp8_grouped,
          "int64 tensor) with scale[g] into its padded block of out / out_t.",
          (T, x), (T, m_splits), (INT, row_multiple), (T, scale), (OT, amax), (OT, out), (OT, out_t),
          (T, scale_inv), (INT, current), (INT, margin));
+SF_PY_OP(cast_fp8_current_list, sf_cast_fp8_current_list,
+         "Current scaling of each tensor of a list (a grouped layer's weights) in one call.",
+         (TL, x), (OTL, out), (OTL, out_t), (T, scale), (T, amax), (T, scale_inv), (INT, margin));
 SF_PY_OP(transpose_fp8, sf_transpose_fp8, "out_t = data viewed as [M, K], transposed (FP8 bytes).",
          (T, data), (T, out_t));
 SF_PY_OP(dequantize_fp8, sf_dequantize_fp8, "out = data * scale_inv[0].", (T, data),
@@ -60,7 +63,8 @@ SF_PY_BINDING(quantize_block_fp8_rowcol, rowcol_args, rowcol,
 
 const sf_py_binding *const sf_py_quant_bindings[] = {
     &amax_binding,           &cast_fp8_binding,         &cast_fp8_dbias_binding,
-    &cast_fp8_current_binding, &cast_fp8_grouped_binding, &transpose_fp8_binding,  &dequantize_fp8_binding,
+    &cast_fp8_current_binding, &cast_fp8_grouped_binding, &cast_fp8_current_list_binding,
+    &transpose_fp8_binding,  &dequantize_fp8_binding,
     &fp8_scale_update_binding, &fp8_compute_scale_binding, &quantize_block_fp8_binding,
     &quantize_block_fp8_rowcol_binding, &dequantize_block_fp8_binding, &quantize_mxfp8_binding,
     &dequantize_mxfp8_binding, &quantize_nvfp4_binding, &dequantize_nvfp4_binding, NULL};

@@ -174,15 +174,16 @@ sf_status sf_cast_fp8_dbias(const sf_tensor *x, const sf_tensor *scale, sf_tenso
 }
 
 /* A float32 vector of n elements with any positive element stride (one
- * role's slots of a ScalingState are every third column), on x's device. */
+ * role's slots of a ScalingState are every third column), on ref's device. */
 static sf_status check_strided_vector(const char *op, const char *arg, const sf_tensor *t,
-                                      int64_t n, const sf_tensor *x, int written)
+                                      int64_t n, const char *ref_arg, const sf_tensor *ref,
+                                      int written)
 {
     SF_TRY(sf_check_dtype(op, arg, t, SF_FLOAT32));
     if (t->ndim != 1 || t->shape[0] != n || (n > 1 && t->strides[0] < 1))
         return sf_fail(SF_ERR_VALUE, "%s: argument '%s' must be a 1-D float32 tensor of %lld "
                        "elements (one per group; any positive stride)", op, arg, (long long)n);
-    SF_TRY(sf_check_same_device(op, "x", x, arg, t));
+    SF_TRY(sf_check_same_device(op, ref_arg, ref, arg, t));
     return written ? sf_check_writable(op, arg, t) : SF_OK;
 }
 
@@ -190,8 +191,84 @@ static int64_t vector_stride(const sf_tensor *t) { return t->shape[0] > 1 ? t->s
 
 static sf_status check_margin(const char *op, int margin, float *pow2);
 
-/* The most groups one grouped cast takes (a host array per group). */
+/* The most groups one grouped cast takes (host arrays of this many entries). */
 #define SF_CAST_MAX_GROUPS (1 << 20)
+
+/* An FP8 output of a grouped cast: `rows` x `cols`, contiguous, writable,
+ * 16-byte aligned off the CPU, on ref's device. */
+static sf_status check_grouped_out(const char *op, const char *arg, const sf_tensor *o, int64_t rows,
+                                   int64_t cols, const char *ref_arg, const sf_tensor *ref,
+                                   const char *rule)
+{
+    SF_TRY(sf_quant_check_fp8(op, arg, o));
+    SF_TRY(sf_check_contiguous(op, arg, o));
+    SF_TRY(sf_check_writable(op, arg, o));
+    SF_TRY(sf_check_same_device(op, ref_arg, ref, arg, o));
+    if (o->ndim != 2 || o->shape[0] != rows || o->shape[1] != cols)
+        return sf_fail(SF_ERR_VALUE, "%s: argument '%s' must have shape [%lld, %lld] (%s)", op, arg,
+                       (long long)rows, (long long)cols, rule);
+    if (o->device != SF_CPU && (uintptr_t)o->data % 16)
+        return sf_fail(SF_ERR_VALUE, "%s: argument '%s' must be 16-byte aligned", op, arg);
+    return SF_OK;
+}
+
+/* What both grouped entries share once their groups are laid out in `a`:
+ * the scaling vectors' checks, the FP8 format and the dispatch. */
+static sf_status grouped_run(const char *op, const sf_tensor *ref, sf_cast_grouped_args *a,
+                             sf_tensor *scale, sf_tensor *amax, sf_tensor *scale_inv, sf_dtype fp8,
+                             int current, int margin, sf_stream stream)
+{
+    const int64_t G = a->groups;
+    SF_TRY(check_strided_vector(op, "scale", scale, G, "x", ref, current));
+    SF_TRY(check_strided_vector(op, "scale_inv", scale_inv, G, "x", ref, 1));
+    if (amax)
+        SF_TRY(check_strided_vector(op, "amax", amax, G, "x", ref, 1));
+    else if (current)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'amax' must be given under current scaling "
+                       "(it receives each group's max |x|)", op);
+    if (scale_inv->data == scale->data ||
+        (amax && (amax->data == scale->data || amax->data == scale_inv->data)))
+        return sf_fail(SF_ERR_VALUE, "%s: arguments 'scale', 'amax' and 'scale_inv' must be "
+                       "different buffers", op);
+    float pow2_neg_margin = 1.0f; /* check_margin sets it */
+    SF_TRY(check_margin(op, margin, &pow2_neg_margin));
+    a->scale = (float *)scale->data;
+    a->amax = amax ? (float *)amax->data : NULL;
+    a->scale_inv = (float *)scale_inv->data;
+    a->scale_stride = vector_stride(scale);
+    a->amax_stride = amax ? vector_stride(amax) : 0;
+    a->scale_inv_stride = vector_stride(scale_inv);
+    a->e5m2 = fp8 == SF_FLOAT8_E5M2;
+    a->current = current != 0;
+    a->fp8_max = a->e5m2 ? 57344.0f : 448.0f;
+    a->pow2_neg_margin = pow2_neg_margin;
+    return SF_DISPATCH(op, "x", ref, sf_cast_fp8_grouped_cpu(a),
+                       sf_cast_fp8_grouped_cuda(a, ref->device_id, stream));
+}
+
+/* Host arrays of a grouped cast's layout: x, out, out_t pointers and m, mp,
+ * ld_t counts of G groups, in one allocation (freed by the caller). */
+typedef struct {
+    const void **x;
+    uint8_t **out, **out_t;
+    int64_t *m, *mp, *ld_t;
+} grouped_layout;
+
+static sf_status layout_alloc(const char *op, int64_t G, grouped_layout *l, void **block)
+{
+    *block = malloc((size_t)G * 6 * sizeof(int64_t));
+    if (!*block)
+        return sf_fail(SF_ERR_RUNTIME, "%s: out of host memory for %lld groups", op, (long long)G);
+    char *p = (char *)*block;
+    size_t step = (size_t)G * sizeof(int64_t);
+    l->x = (const void **)p;
+    l->out = (uint8_t **)(p + step);
+    l->out_t = (uint8_t **)(p + 2 * step);
+    l->m = (int64_t *)(p + 3 * step);
+    l->mp = (int64_t *)(p + 4 * step);
+    l->ld_t = (int64_t *)(p + 5 * step);
+    return SF_OK;
+}
 
 sf_status sf_cast_fp8_grouped(const sf_tensor *x, const sf_tensor *m_splits, int row_multiple,
                               sf_tensor *scale, sf_tensor *amax, sf_tensor *out, sf_tensor *out_t,
@@ -222,88 +299,106 @@ sf_status sf_cast_fp8_grouped(const sf_tensor *x, const sf_tensor *m_splits, int
                        "16 (the FP8 GEMMs' token granularity), got %d", op, row_multiple);
     if (!out && !out_t)
         return sf_fail(SF_ERR_VALUE, "%s: at least one of 'out' and 'out_t' must be given", op);
-    SF_TRY(check_strided_vector(op, "scale", scale, G, x, current));
-    SF_TRY(check_strided_vector(op, "scale_inv", scale_inv, G, x, 1));
-    if (amax)
-        SF_TRY(check_strided_vector(op, "amax", amax, G, x, 1));
-    else if (current)
-        return sf_fail(SF_ERR_VALUE, "%s: argument 'amax' must be given under current scaling "
-                       "(it receives each group's max |x|)", op);
-    if (scale_inv->data == scale->data || (amax && (amax->data == scale->data ||
-                                                     amax->data == scale_inv->data)))
-        return sf_fail(SF_ERR_VALUE, "%s: arguments 'scale', 'amax' and 'scale_inv' must be "
-                       "different buffers", op);
-    float pow2_neg_margin = 1.0f; /* check_margin sets it */
-    SF_TRY(check_margin(op, margin, &pow2_neg_margin));
-
-    sf_status st = SF_OK;
-    int64_t *table = (int64_t *)malloc((size_t)G * 4 * sizeof(int64_t));
-    if (!table)
-        return sf_fail(SF_ERR_RUNTIME, "%s: out of host memory for %lld groups", op, (long long)G);
-    int64_t *m = table, *mp = table + G, *x_row = table + 2 * G, *p_row = table + 3 * G;
     const int64_t *splits = (const int64_t *)m_splits->data;
     int64_t rows = 0, padded = 0;
     for (int64_t g = 0; g < G; ++g) {
-        if (splits[g] < 0 || splits[g] > m_total - rows) {
-            st = sf_fail(SF_ERR_VALUE, "%s: argument 'm_splits' must hold non-negative row counts "
-                         "adding up to x's %lld rows (group %lld: %lld after %lld rows)", op,
-                         (long long)m_total, (long long)g, (long long)splits[g], (long long)rows);
-            goto done;
-        }
-        m[g] = splits[g];
-        mp[g] = (splits[g] + row_multiple - 1) / row_multiple * row_multiple;
-        x_row[g] = rows;
-        p_row[g] = padded;
-        rows += m[g];
-        padded += mp[g];
+        if (splits[g] < 0 || splits[g] > m_total - rows)
+            return sf_fail(SF_ERR_VALUE, "%s: argument 'm_splits' must hold non-negative row "
+                           "counts adding up to x's %lld rows (group %lld: %lld after %lld rows)",
+                           op, (long long)m_total, (long long)g, (long long)splits[g],
+                           (long long)rows);
+        rows += splits[g];
+        padded += (splits[g] + row_multiple - 1) / row_multiple * row_multiple;
     }
-    if (rows != m_total) {
-        st = sf_fail(SF_ERR_VALUE, "%s: argument 'm_splits' adds up to %lld rows but x has %lld", op,
-                     (long long)rows, (long long)m_total);
-        goto done;
+    if (rows != m_total)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'm_splits' adds up to %lld rows but x has %lld",
+                       op, (long long)rows, (long long)m_total);
+    static const char rule[] = "every group's rows padded to a multiple of row_multiple";
+    if (out)
+        SF_TRY(check_grouped_out(op, "out", out, padded, k, "x", x, rule));
+    if (out_t)
+        SF_TRY(check_grouped_out(op, "out_t", out_t, k, padded, "x", x, rule));
+    if (out && out_t && out->dtype != out_t->dtype)
+        return sf_fail(SF_ERR_TYPE, "%s: arguments 'out' (%s) and 'out_t' (%s) must have the same "
+                       "FP8 dtype", op, sf_dtype_name(out->dtype), sf_dtype_name(out_t->dtype));
+
+    void *block = NULL;
+    grouped_layout l;
+    SF_TRY(layout_alloc(op, G, &l, &block));
+    const size_t esize = sf_dtype_size(x->dtype);
+    int64_t r = 0, p = 0;
+    for (int64_t g = 0; g < G; ++g) {
+        l.m[g] = splits[g];
+        l.mp[g] = (splits[g] + row_multiple - 1) / row_multiple * row_multiple;
+        l.ld_t[g] = padded;
+        l.x[g] = (const char *)x->data + (size_t)(r * k) * esize;
+        l.out[g] = out ? (uint8_t *)out->data + p * k : NULL;
+        l.out_t[g] = out_t ? (uint8_t *)out_t->data + p : NULL;
+        r += l.m[g];
+        p += l.mp[g];
     }
-    const sf_tensor *outs[2] = {out, out_t};
-    const char *names[2] = {"out", "out_t"};
-    for (int i = 0; i < 2; ++i) {
-        const sf_tensor *o = outs[i];
-        if (!o)
-            continue;
-        int64_t r = i ? k : padded, c = i ? padded : k;
-        if ((st = sf_quant_check_fp8(op, names[i], o)) != SF_OK ||
-            (st = sf_check_contiguous(op, names[i], o)) != SF_OK ||
-            (st = sf_check_writable(op, names[i], o)) != SF_OK ||
-            (st = sf_check_same_device(op, "x", x, names[i], o)) != SF_OK)
-            goto done;
-        if (o->ndim != 2 || o->shape[0] != r || o->shape[1] != c) {
-            st = sf_fail(SF_ERR_VALUE, "%s: argument '%s' must have shape [%lld, %lld] (every "
-                         "group's rows padded to a multiple of %d)", op, names[i], (long long)r,
-                         (long long)c, row_multiple);
-            goto done;
-        }
-        if (o->device != SF_CPU && (uintptr_t)o->data % 16) {
-            st = sf_fail(SF_ERR_VALUE, "%s: argument '%s' must be 16-byte aligned", op, names[i]);
-            goto done;
-        }
+    sf_cast_grouped_args a = {.x_dtype = x->dtype, .k = k, .groups = G, .x = l.x,
+                              .out = out ? l.out : NULL, .out_t = out_t ? l.out_t : NULL,
+                              .m = l.m, .mp = l.mp, .ld_t = l.ld_t};
+    sf_status st = grouped_run(op, x, &a, scale, amax, scale_inv, (out ? out : out_t)->dtype, current,
+                               margin, stream);
+    free(block);
+    return st;
+}
+
+sf_status sf_cast_fp8_current_list(int64_t n, const sf_tensor *x, int64_t n_out, sf_tensor *out,
+                                   int64_t n_out_t, sf_tensor *out_t, sf_tensor *scale,
+                                   sf_tensor *amax, sf_tensor *scale_inv, int margin,
+                                   sf_stream stream)
+{
+    static const char op[] = "cast_fp8_current_list";
+    if (n < 1 || n > SF_CAST_MAX_GROUPS)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'x' must hold 1 to %d tensors, got %lld", op,
+                       SF_CAST_MAX_GROUPS, (long long)n);
+    if (!out && !out_t)
+        return sf_fail(SF_ERR_VALUE, "%s: at least one of 'out' and 'out_t' must be given", op);
+    if ((out && n_out != n) || (out_t && n_out_t != n))
+        return sf_fail(SF_ERR_VALUE, "%s: arguments 'out' and 'out_t' must hold one tensor per "
+                       "tensor of 'x' (%lld)", op, (long long)n);
+    const int64_t k = x[0].ndim == 2 ? x[0].shape[1] : 0;
+    for (int64_t g = 0; g < n; ++g) {
+        const sf_tensor *t = &x[g];
+        SF_TRY(sf_check_float_input(op, "x", t));
+        SF_TRY(sf_check_contiguous(op, "x", t));
+        SF_TRY(sf_check_same_device(op, "x[0]", &x[0], "x", t));
+        if (t->ndim != 2 || t->shape[1] != k || k % 16 || t->shape[0] % 16 || t->dtype != x[0].dtype)
+            return sf_fail(SF_ERR_VALUE, "%s: every tensor of 'x' must be 2-D [N, K] of x[0]'s dtype "
+                           "with K = %lld a multiple of 16 and N a multiple of 16 (the FP8 GEMMs' "
+                           "rules); x[%lld] is %dd [%lld, %lld]", op, (long long)k, (long long)g,
+                           t->ndim, (long long)(t->ndim ? t->shape[0] : 0),
+                           (long long)(t->ndim > 1 ? t->shape[1] : 0));
+        if (t->device != SF_CPU && (uintptr_t)t->data % 16)
+            return sf_fail(SF_ERR_VALUE, "%s: argument 'x' (tensor %lld) must be 16-byte aligned", op,
+                           (long long)g);
+        static const char rule[] = "x[g]'s shape, transposed for out_t";
+        if (out)
+            SF_TRY(check_grouped_out(op, "out", &out[g], t->shape[0], k, "x", t, rule));
+        if (out_t)
+            SF_TRY(check_grouped_out(op, "out_t", &out_t[g], k, t->shape[0], "x", t, rule));
+        const sf_dtype want = (out ? out : out_t)[0].dtype;
+        if ((out && out[g].dtype != want) || (out_t && out_t[g].dtype != want))
+            return sf_fail(SF_ERR_TYPE, "%s: every output must have the same FP8 dtype", op);
     }
-    if (out && out_t && out->dtype != out_t->dtype) {
-        st = sf_fail(SF_ERR_TYPE, "%s: arguments 'out' (%s) and 'out_t' (%s) must have the same "
-                     "FP8 dtype", op, sf_dtype_name(out->dtype), sf_dtype_name(out_t->dtype));
-        goto done;
+    void *block = NULL;
+    grouped_layout l;
+    SF_TRY(layout_alloc(op, n, &l, &block));
+    for (int64_t g = 0; g < n; ++g) {
+        l.m[g] = l.mp[g] = l.ld_t[g] = x[g].shape[0];
+        l.x[g] = x[g].data;
+        l.out[g] = out ? (uint8_t *)out[g].data : NULL;
+        l.out_t[g] = out_t ? (uint8_t *)out_t[g].data : NULL;
     }
-    const int e5m2 = (out ? out->dtype : out_t->dtype) == SF_FLOAT8_E5M2;
-    const sf_cast_grouped_args a = {
-        .x = x->data, .x_dtype = x->dtype, .k = k, .mp_total = padded, .groups = G,
-        .m = m, .mp = mp, .x_row = x_row, .p_row = p_row,
-        .scale = (float *)scale->data, .amax = amax ? (float *)amax->data : NULL,
-        .scale_inv = (float *)scale_inv->data, .scale_stride = vector_stride(scale),
-        .amax_stride = amax ? vector_stride(amax) : 0, .scale_inv_stride = vector_stride(scale_inv),
-        .out = out ? (uint8_t *)out->data : NULL, .out_t = out_t ? (uint8_t *)out_t->data : NULL,
-        .e5m2 = e5m2, .current = current != 0, .fp8_max = e5m2 ? 57344.0f : 448.0f,
-        .pow2_neg_margin = pow2_neg_margin};
-    st = SF_DISPATCH(op, "x", x, sf_cast_fp8_grouped_cpu(&a),
-                     sf_cast_fp8_grouped_cuda(&a, x->device_id, stream));
-done:
-    free(table);
+    sf_cast_grouped_args a = {.x_dtype = x[0].dtype, .k = k, .groups = n, .x = l.x,
+                              .out = out ? l.out : NULL, .out_t = out_t ? l.out_t : NULL,
+                              .m = l.m, .mp = l.mp, .ld_t = l.ld_t};
+    sf_status st = grouped_run(op, &x[0], &a, scale, amax, scale_inv, (out ? out : out_t)[0].dtype, 1,
+                               margin, stream);
+    free(block);
     return st;
 }
 

@@ -49,27 +49,29 @@ sf_status sf_cast_fp8_cuda(const sf_cast_args *a, int device, sf_stream stream);
 sf_status sf_cast_fp8_current_cuda(const sf_cast_args *a, float fp8_max, float pow2_neg_margin,
                                    int device, sf_stream stream, int *launched);
 
-/* A grouped cast (sf_cast_fp8_grouped) after validation: G runs of rows of
- * x [M, K] (the tokens of each expert, expert-sorted), each cast with its
- * own scale into its own block of padded rows: group g reads rows
- * x_row[g] .. x_row[g] + m[g] and writes rows p_row[g] .. p_row[g] + mp[g]
- * of out [mp_total, K] and the same columns of out_t [K, mp_total] (rows
- * m[g].. of the block are zero).  The per-group float32 values live in
- * strided vectors (element strides: a ScalingState's slots of one role
- * are every third column).  Delayed (current = 0): scale read, max |x_g|
- * folded into amax[g] (when given), scale_inv[g] = 1 / scale[g].
- * Current (current = 1): amax[g] = max |x_g| written, scale[g] from it
- * (fp8.h's sf_scale_from_amax with fp8_max and 2^-margin; 1 where the
- * amax is 0 or not finite), scale_inv[g] = 1 / scale[g], then the cast. */
+/* A grouped cast (sf_cast_fp8_grouped, sf_cast_fp8_current_list) after
+ * validation: G groups of rows, each cast with its own scale.  Group g reads
+ * x[g] [m[g], k] (contiguous) and writes out[g] [mp[g], k] and out_t[g]
+ * [k, mp[g]] with row stride ld_t[g] (rows m[g].. zero: token padding).
+ * The row runs of one expert-sorted tensor point into it and into blocks of
+ * one [Mp, K] / [K, Mp] pair (ld_t = Mp); a list of weights points at each
+ * weight and its own outputs (ld_t = mp = m).  out / out_t: NULL arrays
+ * where that copy is not made.  The per-group float32 values live in
+ * strided vectors (element strides: a ScalingState's slots of one role are
+ * every third column).  Delayed (current = 0): scale read, max |x_g|
+ * folded into amax[g] (when given), scale_inv[g] = 1 / scale[g].  Current
+ * (current = 1): amax[g] = max |x_g| written, scale[g] from it (fp8.h's
+ * sf_scale_from_amax with fp8_max and 2^-margin; 1 where the amax is 0 or
+ * not finite), scale_inv[g] = 1 / scale[g], then the cast. */
 typedef struct {
-    const void *x;
     sf_dtype x_dtype;
-    int64_t k, mp_total, groups;
-    const int64_t *m, *mp, *x_row, *p_row; /* host arrays of `groups` values */
-    float *scale, *amax, *scale_inv;       /* amax may be NULL when current = 0 */
+    int64_t k, groups;
+    const void *const *x;     /* host arrays of `groups` entries */
+    uint8_t *const *out;      /* or NULL */
+    uint8_t *const *out_t;    /* or NULL */
+    const int64_t *m, *mp, *ld_t;
+    float *scale, *amax, *scale_inv; /* amax may be NULL when current = 0 */
     int64_t scale_stride, amax_stride, scale_inv_stride;
-    uint8_t *out;   /* [mp_total, k] or NULL */
-    uint8_t *out_t; /* [k, mp_total] or NULL */
     int e5m2;
     int current;
     float fp8_max, pow2_neg_margin;

@@ -71,29 +71,26 @@ static void column_sums(const sf_cast_args *a)
 }
 
 /* The grouped cast: each group is a whole-tensor cast of its rows
- * (sf_cast_fp8_cpu) into its block of the outputs; under current scaling
- * its amax and scale are computed first, as sf_cast_fp8_current does. */
+ * (sf_cast_fp8_cpu) into its outputs; under current scaling its amax and
+ * scale are computed first, as sf_cast_fp8_current does. */
 sf_status sf_cast_fp8_grouped_cpu(const sf_cast_grouped_args *a)
 {
-    const size_t esize = sf_dtype_size(a->x_dtype);
     for (int64_t g = 0; g < a->groups; ++g) {
         float *scale = a->scale + g * a->scale_stride;
         float *amax = a->amax ? a->amax + g * a->amax_stride : NULL;
-        const char *x = (const char *)a->x + (size_t)(a->x_row[g] * a->k) * esize;
         if (a->current) {
             uint32_t bits = 0;
             for (int64_t i = 0; i < a->m[g] * a->k; ++i) {
-                uint32_t b = sf_abs_bits(sf_load_float(x, a->x_dtype, i));
+                uint32_t b = sf_abs_bits(sf_load_float(a->x[g], a->x_dtype, i));
                 bits = b > bits ? b : bits;
             }
             *amax = sf_bits_f32(bits);
             *scale = sf_scale_from_amax(*amax, a->fp8_max, a->pow2_neg_margin, 1.0f);
         }
         sf_cast_args b = {
-            .x = x, .x_dtype = a->x_dtype, .m = a->m[g], .k = a->k, .mp = a->mp[g],
-            .ld_t = a->mp_total, .scale = scale, .amax = a->current ? NULL : amax,
-            .out = a->out ? a->out + a->p_row[g] * a->k : NULL,
-            .out_t = a->out_t ? a->out_t + a->p_row[g] : NULL,
+            .x = a->x[g], .x_dtype = a->x_dtype, .m = a->m[g], .k = a->k, .mp = a->mp[g],
+            .ld_t = a->ld_t[g], .scale = scale, .amax = a->current ? NULL : amax,
+            .out = a->out ? a->out[g] : NULL, .out_t = a->out_t ? a->out_t[g] : NULL,
             .scale_inv = a->scale_inv + g * a->scale_inv_stride, .e5m2 = a->e5m2, .col_sums = NULL};
         SF_TRY(sf_cast_fp8_cpu(&b));
     }

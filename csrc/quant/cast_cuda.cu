@@ -584,17 +584,19 @@ namespace {
 
 /* The grouped cast's kernels: every CTA takes one 128 x 128 tile of one
  * group's padded rows.  The table of one launch (up to kGroupsPerLaunch
- * groups) travels in the kernel parameters: each group's first tile (a
- * prefix sum, searched by the CTA), its rows in x and its padded rows in
- * the outputs.  Groups beyond kGroupsPerLaunch take further launches. */
+ * groups) travels in the kernel parameters (3.4 KB of the 4 KB): each
+ * group's first tile (a prefix sum, searched by the CTA), its input and
+ * outputs, its rows, padded rows and out_t row stride.  Groups beyond
+ * kGroupsPerLaunch take further launches. */
 constexpr int kGroupsPerLaunch = 64;
 
 struct GroupTable {
     int n;                               /* groups in this launch */
     int first;                           /* the first one's index in the whole problem */
     int tile_start[kGroupsPerLaunch + 1];/* group i's tiles: tile_start[i] .. tile_start[i + 1] */
-    int64_t m[kGroupsPerLaunch], mp[kGroupsPerLaunch];
-    int64_t x_row[kGroupsPerLaunch], p_row[kGroupsPerLaunch];
+    const void *x[kGroupsPerLaunch];
+    uint8_t *out[kGroupsPerLaunch], *out_t[kGroupsPerLaunch]; /* entries NULL: no such copy */
+    int64_t m[kGroupsPerLaunch], mp[kGroupsPerLaunch], ld_t[kGroupsPerLaunch];
 };
 
 struct GroupScales {
@@ -602,6 +604,9 @@ struct GroupScales {
     int64_t scale_stride, amax_stride, scale_inv_stride;
     float fp8_max, pow2_neg_margin;
 };
+
+static_assert(sizeof(GroupTable) + sizeof(GroupScales) + sizeof(int64_t) <= 4096,
+              "a grouped cast's kernel parameters must fit CUDA's 4 KB");
 
 /* This CTA's group (the last one whose first tile is <= blockIdx.x). */
 __device__ __forceinline__ int group_of_block(const GroupTable &tab)
@@ -629,12 +634,12 @@ __global__ void grouped_zero_amax_kernel(GroupTable tab, GroupScales sc)
  * amax[g] (one atomic per CTA). */
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-grouped_amax_kernel(const T *__restrict__ x, int64_t k, GroupTable tab, GroupScales sc)
+grouped_amax_kernel(int64_t k, GroupTable tab, GroupScales sc)
 {
     const int i = group_of_block(tab);
     const int64_t tiles_k = (k + kTile - 1) / kTile, lt = blockIdx.x - tab.tile_start[i];
     const int64_t m0 = (lt / tiles_k) * kTile, k0 = (lt % tiles_k) * kTile, m = tab.m[i];
-    const T *xg = x + tab.x_row[i] * k;
+    const T *xg = static_cast<const T *>(tab.x[i]);
     const int lj = threadIdx.x & 15, lr = threadIdx.x >> 4;
     const int64_t kc = k0 + lj * 8;
     uint32_t local_max = 0;
@@ -659,8 +664,7 @@ grouped_amax_kernel(const T *__restrict__ x, int64_t k, GroupTable tab, GroupSca
  * it for groups with no rows (no tiles). */
 template <typename T, bool E5M2, bool CURRENT>
 __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? 2 : 3)
-grouped_cast_kernel(const T *__restrict__ x, int64_t k, int64_t ld_t, GroupTable tab, GroupScales sc,
-                    uint8_t *__restrict__ out, uint8_t *__restrict__ out_t)
+grouped_cast_kernel(int64_t k, GroupTable tab, GroupScales sc)
 {
     __shared__ __align__(16) uint32_t tile[kTile][kWords];
     __shared__ float red[1][kTile];
@@ -687,11 +691,9 @@ grouped_cast_kernel(const T *__restrict__ x, int64_t k, int64_t ld_t, GroupTable
                 sc.scale_inv[gj * sc.scale_inv_stride] = __fdiv_rn(1.0f, s);
             }
     uint32_t local_max = 0;
-    cast_transpose_tile<T, E5M2, false>(x + tab.x_row[i] * k, tab.m[i], tab.mp[i], k, ld_t,
-                                        (lt / tiles_k) * kTile, (lt % tiles_k) * kTile, scale,
-                                        out ? out + tab.p_row[i] * k : nullptr,
-                                        out_t ? out_t + tab.p_row[i] : nullptr, nullptr, tile, red,
-                                        local_max);
+    cast_transpose_tile<T, E5M2, false>(static_cast<const T *>(tab.x[i]), tab.m[i], tab.mp[i], k,
+                                        tab.ld_t[i], (lt / tiles_k) * kTile, (lt % tiles_k) * kTile,
+                                        scale, tab.out[i], tab.out_t[i], nullptr, tile, red, local_max);
     if (!CURRENT && sc.amax)
         sf_block_atomic_max<kThreads>(local_max, sc.amax + g * sc.amax_stride);
 }
@@ -700,7 +702,6 @@ template <typename T>
 sf_status launch_cast_grouped(const sf_cast_grouped_args *a, cudaStream_t stream)
 {
     static const char op[] = "cast_fp8_grouped";
-    const T *x = (const T *)a->x;
     const int64_t tiles_k = (a->k + kTile - 1) / kTile;
     const GroupScales sc = {a->scale,        a->amax,        a->scale_inv, a->scale_stride,
                             a->amax_stride,  a->scale_inv_stride, a->fp8_max, a->pow2_neg_margin};
@@ -712,10 +713,12 @@ sf_status launch_cast_grouped(const sf_cast_grouped_args *a, cudaStream_t stream
         for (int i = 0; i < tab.n; ++i) {
             const int64_t g = first + i;
             tab.tile_start[i] = (int)tiles;
+            tab.x[i] = a->x[g];
+            tab.out[i] = a->out ? a->out[g] : nullptr;
+            tab.out_t[i] = a->out_t ? a->out_t[g] : nullptr;
             tab.m[i] = a->m[g];
             tab.mp[i] = a->mp[g];
-            tab.x_row[i] = a->x_row[g];
-            tab.p_row[i] = a->p_row[g];
+            tab.ld_t[i] = a->ld_t[g];
             tiles += (a->mp[g] + kTile - 1) / kTile * tiles_k;
             if (tiles > 0x7fffffff)
                 return sf_fail(SF_ERR_VALUE, "%s: argument 'x' has too many 128 x 128 tiles (%lld)",
@@ -727,19 +730,15 @@ sf_status launch_cast_grouped(const sf_cast_grouped_args *a, cudaStream_t stream
         if (a->current) {
             grouped_zero_amax_kernel<<<1, kThreads, 0, stream>>>(tab, sc);
             if (tiles > 0)
-                grouped_amax_kernel<T><<<grid, kThreads, 0, stream>>>(x, a->k, tab, sc);
+                grouped_amax_kernel<T><<<grid, kThreads, 0, stream>>>(a->k, tab, sc);
             if (a->e5m2)
-                grouped_cast_kernel<T, true, true><<<grid, kThreads, 0, stream>>>(x, a->k, a->mp_total, tab, sc,
-                                                                                  a->out, a->out_t);
+                grouped_cast_kernel<T, true, true><<<grid, kThreads, 0, stream>>>(a->k, tab, sc);
             else
-                grouped_cast_kernel<T, false, true><<<grid, kThreads, 0, stream>>>(x, a->k, a->mp_total, tab, sc,
-                                                                                   a->out, a->out_t);
+                grouped_cast_kernel<T, false, true><<<grid, kThreads, 0, stream>>>(a->k, tab, sc);
         } else if (a->e5m2) {
-            grouped_cast_kernel<T, true, false><<<grid, kThreads, 0, stream>>>(x, a->k, a->mp_total, tab, sc,
-                                                                               a->out, a->out_t);
+            grouped_cast_kernel<T, true, false><<<grid, kThreads, 0, stream>>>(a->k, tab, sc);
         } else {
-            grouped_cast_kernel<T, false, false><<<grid, kThreads, 0, stream>>>(x, a->k, a->mp_total, tab, sc,
-                                                                                a->out, a->out_t);
+            grouped_cast_kernel<T, false, false><<<grid, kThreads, 0, stream>>>(a->k, tab, sc);
         }
         SF_CUDA_CHECK_LAUNCH(op);
     }
@@ -748,8 +747,8 @@ sf_status launch_cast_grouped(const sf_cast_grouped_args *a, cudaStream_t stream
 
 } // namespace
 
-/* The entry has checked K % 16 == 0, 16-byte aligned x, out and out_t, and
- * padded runs of a multiple of 16 rows: the tiled kernel's rules. */
+/* The entries have checked K % 16 == 0, 16-byte aligned inputs and outputs,
+ * padded rows and out_t row strides multiples of 16: the tiled kernel's rules. */
 extern "C" sf_status sf_cast_fp8_grouped_cuda(const sf_cast_grouped_args *a, int device, sf_stream s)
 {
     cudaStream_t stream = sf_cuda_stream(s);

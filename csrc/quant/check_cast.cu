@@ -22,6 +22,9 @@
  *      ScalingState's slots), empty, tiny, unbalanced and many (> 64, more
  *      than one launch) groups, poisoned outputs; and its time against one
  *      sf_cast_fp8 (delayed) / sf_cast_fp8_current call per group.
+ *   7. cast_fp8_current_list (a grouped layer's weights, each with its own
+ *      amax, in one call) against the CPU backend bit for bit, and its time
+ *      against one sf_cast_fp8_current call per weight.
  */
 #include "core/check_util.h"
 #include "core/float_bits.h"
@@ -433,6 +436,88 @@ static std::vector<int64_t> random_splits(int64_t G, int64_t total)
     return s;
 }
 
+/* 7: the weights' list cast, CPU against GPU, and its time. */
+static void run_list_case(sf_dtype dtype, int64_t G, int64_t n, int64_t k, int e5m2, int timing)
+{
+    if (!timing && !check_take_case())
+        return;
+    const size_t es = sf_dtype_size(dtype), bytes = (size_t)(n * k) * es;
+    std::vector<uint8_t> host(G * bytes);
+    for (int64_t i = 0; i < G * n * k; ++i)
+        check_store(dtype, host.data(), i, rng_normal() * (1.0f + (float)(i / (n * k)) * 3.0f));
+    char *dx;
+    uint8_t *dq;
+    float *dslots;
+    CHECK_CUDA(cudaMalloc(&dx, G * bytes));
+    CHECK_CUDA(cudaMalloc(&dq, 2 * G * n * k + 1));
+    CHECK_CUDA(cudaMalloc(&dslots, 9 * G * 4));
+    CHECK_CUDA(cudaMemcpy(dx, host.data(), G * bytes, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemset(dq, 0xa5, 2 * G * n * k + 1));
+    CHECK_CUDA(cudaMemset(dslots, 0xff, 9 * G * 4));
+    std::vector<uint8_t> cq(2 * G * n * k, 0xa5), gq(2 * G * n * k + 1);
+    std::vector<float> cslots(9 * G, -1.0f), gslots(9 * G);
+    sf_dtype fp8 = e5m2 ? SF_FLOAT8_E5M2 : SF_FLOAT8_E4M3;
+    int64_t xs[2] = {n, k}, ts[2] = {k, n}, vs[1] = {G};
+    std::vector<sf_tensor> x(G), out(G), out_t(G);
+    sf_tensor scale, amax, si;
+    for (int dev = 0; dev < 2; ++dev) {
+        sf_device_type where = dev ? SF_CUDA : SF_CPU;
+        char *xb = dev ? dx : (char *)host.data();
+        uint8_t *qb = dev ? dq : cq.data();
+        float *sl = dev ? dslots : cslots.data();
+        for (int64_t g = 0; g < G; ++g) {
+            sf_tensor_init(&x[g], xb + g * bytes, dtype, 2, xs, where, 0);
+            sf_tensor_init(&out[g], qb + g * n * k, fp8, 2, xs, where, 0);
+            sf_tensor_init(&out_t[g], qb + (G + g) * n * k, fp8, 2, ts, where, 0);
+        }
+        sf_tensor_init(&scale, sl, SF_FLOAT32, 1, vs, where, 0);
+        sf_tensor_init(&amax, sl + 3 * G, SF_FLOAT32, 1, vs, where, 0);
+        sf_tensor_init(&si, sl + 6 * G, SF_FLOAT32, 1, vs, where, 0);
+        scale.strides[0] = amax.strides[0] = si.strides[0] = 3;
+        CHECK_SF(sf_cast_fp8_current_list(G, x.data(), G, out.data(), G, out_t.data(), &scale, &amax, &si, 0,
+                                          NULL));
+        if (!dev)
+            continue;
+        if (timing) {
+            float one_call = time_ms([&] {
+                CHECK_SF(sf_cast_fp8_current_list(G, x.data(), G, out.data(), G, out_t.data(), &scale, &amax,
+                                                  &si, 0, NULL));
+            });
+            float per_tensor = time_ms([&] {
+                for (int64_t g = 0; g < G; ++g) {
+                    int64_t one[1] = {1};
+                    sf_tensor s1, a1, i1;
+                    sf_tensor_init(&s1, dslots + 3 * g, SF_FLOAT32, 1, one, SF_CUDA, 0);
+                    sf_tensor_init(&a1, dslots + 3 * G + 3 * g, SF_FLOAT32, 1, one, SF_CUDA, 0);
+                    sf_tensor_init(&i1, dslots + 6 * G + 3 * g, SF_FLOAT32, 1, one, SF_CUDA, 0);
+                    CHECK_SF(sf_cast_fp8_current(&x[g], &a1, &s1, &i1, &out[g], &out_t[g], 0, NULL));
+                }
+            });
+            double moved = (double)G * n * k * (es + 2);
+            printf("cast_current_list %s G=%lld [%lld, %lld]: one call %.1f us (%.2f TB/s), one call per "
+                   "tensor %.1f us (%.2f TB/s)\n", sf_dtype_name(dtype), (long long)G, (long long)n,
+                   (long long)k, one_call * 1e3, moved / (one_call * 1e-3) / 1e12, per_tensor * 1e3,
+                   moved / (per_tensor * 1e-3) / 1e12);
+        }
+    }
+    if (!timing) {
+        CHECK_CUDA(cudaMemcpy(gq.data(), dq, gq.size(), cudaMemcpyDeviceToHost));
+        CHECK_CUDA(cudaMemcpy(gslots.data(), dslots, 9 * G * 4, cudaMemcpyDeviceToHost));
+        /* the slots between the strided entries stay as each side left them: compare the entries */
+        int ok = memcmp(cq.data(), gq.data(), cq.size()) == 0 && gq[cq.size()] == 0xa5;
+        for (int64_t g = 0; g < G; ++g)
+            for (int v = 0; v < 3; ++v)
+                ok = ok && memcmp(&cslots[v * 3 * G + 3 * g], &gslots[v * 3 * G + 3 * g], 4) == 0;
+        char what[200];
+        snprintf(what, sizeof what, "cast_current_list %s -> %s G=%lld [%lld, %lld]", sf_dtype_name(dtype),
+                 sf_dtype_name(fp8), (long long)G, (long long)n, (long long)k);
+        check_report(ok, what);
+    }
+    cudaFree(dx);
+    cudaFree(dq);
+    cudaFree(dslots);
+}
+
 int main(void)
 {
     rng_seed();
@@ -475,6 +560,15 @@ int main(void)
     for (int outs : {1, 2})
         for (int current = 0; current < 2; ++current)
             run_grouped_case(SF_BFLOAT16, gsplits[5], 272, 0, current, outs);
+    for (sf_dtype d : dtypes)
+        for (int e5m2 = 0; e5m2 < 2; ++e5m2) {
+            run_list_case(d, 1, 16, 16, e5m2, 0);
+            run_list_case(d, 8, 144, 272, e5m2, 0);
+            run_list_case(d, 70, 32, 48, e5m2, 0); /* two launches */
+        }
+    /* Mixtral-small's expert weights: 8 x [7168, 1024] (gate-up) and [1024, 3584] (down) */
+    run_list_case(SF_BFLOAT16, 8, 7168, 1024, 0, 1);
+    run_list_case(SF_BFLOAT16, 8, 1024, 3584, 0, 1);
     /* Mixtral-small's experts: 8 x 2,048 rows routed top-2 from 8,192 tokens, hidden 1,024 / 3,584 */
     for (int64_t k : {1024, 3584})
         for (int current = 0; current < 2; ++current)

@@ -48,7 +48,7 @@ import torch
 from .. import quantization as _q
 from ..ops import moe as moe_ops
 from ..quantization import gemm_quantizers as _gq
-from ..quantization.grouped import GroupedFloat8, quantize_grouped
+from ..quantization.grouped import GroupedFloat8, quantize_grouped, weight_pairs
 from . import _fp8 as F8
 from ._base import compute_dtype, default_device, mark_main_grad, set_linear_options
 from ._input import check_input
@@ -335,7 +335,7 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         x = x.detach()
         K = x.shape[1]
         padded = tuple(_gq.padded_rows(m) for m in m_splits)
-        pairs = [q.weights[g].get(weights[g], first) for g in range(G)]
+        pairs = weight_pairs(q, weights, first)  # every expert's weight cast in one call where all are due
         # every expert's input cast in one call, else expert by expert (quantization.grouped)
         gx = quantize_grouped(q, "input", x, m_splits, transpose=need_w)
         x_row, x_col = (gx, None) if gx is not None else _expert_casts(q.inputs, x, m_splits, kind, need_w)

@@ -6,6 +6,7 @@ them, so MoE code written for TE ports by changing the import:
 
     grouped_gemm(a, b, m_splits, ...)              G GEMMs, one call
     cast_fp8_grouped(x, m_splits, fp8_dtype, ...)  every expert's FP8 cast, one call
+    cast_fp8_current_list(weights, fp8_dtype, ...) every expert weight's FP8 cast, one call
     fused_topk_with_score_function(logits, topk, ...)  -> (probs, routing_map)
     fused_compute_score_for_moe_aux_loss(logits, topk, score_function)
                                                    -> (routing_map, scores)
@@ -36,7 +37,7 @@ from .. import _C
 from ._call import as_float, detached, require_fp8_dlpack, stream_for
 from .gemm import FP8_DTYPES, SCALINGS, tf32_of, workspace_for
 
-__all__ = ["grouped_gemm", "cast_fp8_grouped", "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss",
+__all__ = ["grouped_gemm", "cast_fp8_grouped", "cast_fp8_current_list", "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss",
            "fused_moe_aux_loss", "moe_z_loss", "moe_row_id_map", "moe_permute",
            "moe_permute_with_probs", "moe_permute_by_row_id_map", "moe_unpermute", "scaled_swiglu"]
 
@@ -282,6 +283,43 @@ def cast_fp8_grouped(x, m_splits, fp8_dtype, *, scale, amax=None, rowwise=True, 
     _C.cast_fp8_grouped(x, torch.tensor(splits, dtype=torch.int64), int(row_multiple), scale, amax, data,
                         data_t, scale_inv, int(bool(current)), int(margin), stream_for(x))
     return data, data_t, scale_inv
+
+
+def cast_fp8_current_list(xs, fp8_dtype, *, amax=None, margin=0, rowwise=True, transpose=True):
+    """Current scaling of each of G same-shaped tensors ``xs`` (a grouped
+    layer's weights, [N, K] each, N and K multiples of 16) in one C call
+    (CUDA: three launches for up to 64 tensors, where one cast each took
+    one launch and a quantizer call).  Tensor g: amax = max |x_g|, scale =
+    fp8_max / amax / 2**margin, and its FP8 copies ``data[g]`` [N, K]
+    (``rowwise``) and ``data_t[g]`` [K, N] (``transpose``).  ``amax``: a
+    float32 vector of G elements (any stride, e.g. a ScalingState's weight
+    slots) to receive the amaxes, else one is made.  Returns ``(data list or
+    None, data_t list or None, scale_inv, scale, amax)``, the last three
+    [G] (scale_inv's entries 256 bytes apart, as cast_fp8_grouped's).  Each
+    tensor's results equal ``seqfuse.ops.quant.cast_fp8_current``'s."""
+    op = "cast_fp8_current_list"
+    require_fp8_dlpack(op)
+    if not isinstance(xs, (list, tuple)) or not xs:
+        raise ValueError(f"{op}: argument 'xs' must be a non-empty list of tensors")
+    if not rowwise and not transpose:
+        raise ValueError(f"{op}: at least one of 'rowwise' and 'transpose' must be True")
+    G = len(xs)
+    first = _tensor(op, "xs[0]", xs[0])
+    if first.dim() != 2:
+        raise ValueError(f"{op}: every tensor of 'xs' must be 2-D [N, K], got {first.dim()}-D")
+    n, k = first.shape
+    dev = first.device
+    data = list(torch.empty((G, n, k), dtype=fp8_dtype, device=dev).unbind(0)) if rowwise else None
+    data_t = list(torch.empty((G, k, n), dtype=fp8_dtype, device=dev).unbind(0)) if transpose else None
+    step = _SCALE_ALIGN // 4
+    scale_inv = torch.empty((G, step), dtype=torch.float32, device=dev)[:, 0]
+    slots = torch.empty((2, G), dtype=torch.float32, device=dev)
+    scale = slots[0]
+    if amax is None:
+        amax = slots[1]
+    _C.cast_fp8_current_list([detached(t) for t in xs], data, data_t, scale, amax, scale_inv, int(margin),
+                             stream_for(first))
+    return data, data_t, scale_inv, scale, amax
 
 
 # ---- router --------------------------------------------------------------

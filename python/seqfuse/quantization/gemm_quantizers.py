@@ -367,13 +367,24 @@ class WeightQuantizer(_Role):
         ``sources``: the parameters ``weight`` was made from when it is not a
         parameter itself (TE's parameters_split concatenates its pieces on
         every call): the cache follows their versions."""
+        pair, note = self.lookup(weight, is_first_microbatch, sources)
+        if pair is not None:
+            return pair
+        return self.store(note, *self._cast_weight(weight.detach()))
+
+    def lookup(self, weight, is_first_microbatch=None, sources=None):
+        """(the operand pair to use, None) where no cast is needed now (the
+        cached pair, or a weight FSDP2 gathered in FP8); else (None, note):
+        the weight must be cast, and ``store(note, pair, scratch)`` keeps
+        the cast's result (get() does both; a grouped layer casts all its
+        experts' weights in one call between the two)."""
         o = self.owner
         if sources is None and hasattr(type(weight), "sf_fp8_pair"):
             # FSDP2 gathered this weight in FP8 (seqfuse.distributed.fp8_allgather):
             # its bytes are the cast of the current weight; nothing is cached
             # here, so no later call can reuse an operand of an older gather
             self.key = self.param = self.pair = None
-            return weight.sf_fp8_pair(self)
+            return weight.sf_fp8_pair(self), None
         in_capture = capturing(weight)
         if sources is None:
             src, versions = (weight,), ((weight.data_ptr(), weight._version),)
@@ -383,13 +394,20 @@ class WeightQuantizer(_Role):
         old = self.key
         if self.pair is not None and old is not None and old[:2] == key[:2]:
             if is_first_microbatch is False:
-                return self.pair
+                return self.pair, None
             if (is_first_microbatch is None and old == key
                     and all(a is b for a, b in zip(self.param, src))
                     and not _fsdp2_in_use() and not in_capture):
-                return self.pair
-        # new FP8 buffers each time: a pending backward may hold the old ones
-        self.pair, scratch = self._cast_weight(weight.detach())
+                return self.pair, None
+        return None, (key, src, in_capture)
+
+    def store(self, note, pair, scratch):
+        """Keep ``pair``, the cast of the weight lookup() gave ``note`` for
+        (``scratch``: the amax / scale buffers the cast wrote, or None), and
+        return it.  New FP8 buffers each time: a pending backward may hold
+        the old ones."""
+        key, src, in_capture = note
+        self.pair = pair
         self.casts += 1
         if in_capture:
             # a captured cast fills its buffers only when the graph replays: an eager call
@@ -397,10 +415,10 @@ class WeightQuantizer(_Role):
             # them; the graph's buffers stay referenced here for as long as the graph may run
             # (with the scale / amax scratch the captured kernels write: _scratch gave the
             # capture a pair of its own)
-            self.captured, self.key, self.param = (self.pair, scratch), None, None
+            self.captured, self.key, self.param = (pair, scratch), None, None
         else:
             self.key, self.param = key, tuple(src)
-        return self.pair
+        return pair
 
     def _cast_weight(self, w):
         """(the operand pair, the (amax, scale) scratch the cast used or None)."""

@@ -11,7 +11,15 @@ expert by expert costs G quantizer calls and G kernel launches per operand
 (the scales read from, and the amaxes folded into, the state's strided
 slots), three under current scaling (amaxes, then scales and casts).
 
-The result, a GroupedFloat8, holds every expert's padded row block in one
+The experts' weights, cast once per weight update as every module's are
+(WeightQuantizer), are cast together too: ``weight_pairs`` asks each
+expert's WeightQuantizer whether its cached operands still serve and, when
+every expert's weight changed (an optimizer step), casts them all with one
+``seqfuse.ops.moe.cast_fp8_current_list`` call (current scaling of each
+weight, as WeightQuantizer's own cast; under delayed scaling the amaxes land
+in the state's weight slots), handing each quantizer its expert's result.
+
+The result of quantize_grouped, a GroupedFloat8, holds every expert's padded row block in one
 [Mp, K] tensor (the grouped GEMM takes it split by the padded counts) and
 every transposed block as columns of one [K, Mp] tensor, with the per-expert
 scale inverses 256 bytes apart (what cuBLASLt wants of per-tensor scales).
@@ -31,8 +39,9 @@ import torch
 
 from ..ops import moe as moe_ops
 from . import recompute, stats
+from .tensor import Float8Tensor
 
-__all__ = ["GroupedFloat8", "quantize_grouped"]
+__all__ = ["GroupedFloat8", "quantize_grouped", "weight_pairs"]
 
 _log = logging.getLogger("seqfuse")
 
@@ -107,3 +116,27 @@ def quantize_grouped(q, role, x, splits, *, rowwise=True, transpose=True):
                                                     rowwise=rowwise, transpose=transpose, current=True,
                                                     margin=q.margin)
     return GroupedFloat8(data, data_t, si, moe_ops.padded_splits(splits))
+
+
+def weight_pairs(q, weights, is_first_microbatch=None):
+    """Each expert's weight operand pair (WeightQuantizer.get's), the casts
+    that are due made in one call where all G are due (module note); block
+    scaling, a partial set of changed weights and a checkpoint's recompute
+    cast expert by expert (the same values)."""
+    roles = q.weights
+    G = len(weights)
+    if q.kind == "block" or recompute.open_contexts or G < 2:
+        return [roles[g].get(weights[g], is_first_microbatch) for g in range(G)]
+    found = [roles[g].lookup(weights[g], is_first_microbatch) for g in range(G)]
+    if any(pair is not None for pair, _ in found):
+        return [pair if pair is not None else roles[g].get(weights[g], is_first_microbatch)
+                for g, (pair, _) in enumerate(found)]
+    ws = [w.detach().contiguous() for w in weights]
+    fp8_dtype = roles[0].fp8_dtype
+    amax = q.state.role_slots(1, 3)[1] if q.kind == "delayed" else None
+    data, data_t, si, scale, amax = moe_ops.cast_fp8_current_list(ws, fp8_dtype, amax=amax, margin=q.margin)
+    pairs = []
+    for g, w in enumerate(ws):
+        t = Float8Tensor(data[g], si[g:g + 1], fp8_dtype, data_t=data_t[g], dtype=w.dtype, shape=w.shape)
+        pairs.append(roles[g].store(found[g][1], (t, t), (amax[g:g + 1], scale[g:g + 1])))
+    return pairs
