@@ -107,6 +107,9 @@ STATES = weakref.WeakSet()
 #: training step in steady state pays nothing for the first-step rule.
 FIRST_CASTS = weakref.WeakSet()
 
+#: Each format's (forward, backward) FP8 dtypes, indexed by "is a backward tensor".
+_FORMAT_DTYPES = {fmt: (fmt.forward_dtype, fmt.backward_dtype) for fmt in Format}
+
 #: Index convention of a Linear's state (ScalingState.for_linear).
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
 
@@ -166,9 +169,10 @@ class ScalingState(nn.Module):
         return fmt if isinstance(fmt, Format) else Format.HYBRID
 
     def fp8_dtype(self, index):
-        """The FP8 dtype of tensor ``index`` under the state's recipe."""
-        fmt = self._format()
-        return fmt.backward_dtype if index in self.backward_indices else fmt.forward_dtype
+        """The FP8 dtype of tensor ``index`` under the state's recipe (read at
+        every cast, so through a dict: Format's dtype attributes are
+        properties over the Enum member's value)."""
+        return _FORMAT_DTYPES[self._format()][index in self.backward_indices]
 
     def fp8_max(self, index):
         fmt = self._format()
