@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from seqfuse.common.recipe import DelayedScaling, Float8CurrentScaling, Format
-from seqfuse.modules import GroupedLinear, Linear
+from seqfuse.modules import GroupedLinear, GroupedMLP, Linear
 from seqfuse.modules import grouped_linear as grouped_linear_module
 from seqfuse.ops import moe as moe_ops
 from seqfuse.ops import quant as qops
@@ -304,3 +304,55 @@ def test_grouped_linear_cuda_grouped_cast_equals_per_expert_casts(recipe, monkey
                     w.grad = None
     assert len(calls) >= 4  # the grouped casts ran (delayed: from the second step)
     assert len(weight_calls) == 3  # module a's weights: one list cast a step
+
+
+def _unpadded_grouped_mlp(m, x):
+    """GroupedMLP's forward with the experts' rows permuted unpadded (each
+    GroupedLinear pads per expert itself): the reference for its padded
+    FP8 permutation."""
+    x2 = x.reshape(-1, m.hidden_size)
+    probs, routing_map, _ = m.route(x2)
+    row_ids, counts = moe_ops.moe_row_id_map(routing_map)
+    splits = counts.tolist()
+    xp, pp = moe_ops.moe_permute_by_row_id_map(x2, row_ids, sum(splits), probs)
+    y = m.fc2(moe_ops.scaled_swiglu(m.fc1(xp, splits), pp), splits)
+    return moe_ops.moe_unpermute(y, row_ids).view(x.shape)
+
+
+@needs_fp8
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling()], ids=["current", "delayed"])
+def test_grouped_mlp_fp8_padded_permutation_equals_unpadded(recipe, seed):
+    """Under FP8 GroupedMLP permutes into blocks of 16 rows per expert (zero
+    rows between); the output and every gradient equal the unpadded
+    permutation's (whose GEMMs pad per expert) bit for bit, over steps with
+    weight updates (delayed scaling: with and without amax histories)."""
+    torch.manual_seed(seed)
+    a = GroupedMLP(32, 48, num_experts=4, topk=2, device="cpu")
+    b = GroupedMLP(32, 48, num_experts=4, topk=2, device="cpu")
+    b.load_state_dict(a.state_dict())
+    for step in range(3):
+        x = torch.randn(2, 37, 32)
+        dy = torch.randn(2, 37, 32)
+        outs = []
+        for m, run in ((a, lambda m, x: m(x)), (b, _unpadded_grouped_mlp)):
+            xi = x.clone().requires_grad_()
+            with fp8_autocast(enabled=True, fp8_recipe=recipe):
+                y = run(m, xi)
+            y.backward(dy)
+            outs.append((y.detach(), xi.grad, {n: p.grad.clone() for n, p in m.named_parameters()}))
+        (ya, dxa, ga), (yb, dxb, gb) = outs
+        assert torch.equal(ya, yb) and torch.equal(dxa, dxb), step
+        for n in ga:
+            assert torch.equal(ga[n], gb[n]), (step, n)
+        with torch.no_grad():
+            for m in (a, b):
+                for p in m.parameters():
+                    p -= 0.05 * p.grad
+                    p.grad = None
+
+
+def test_pad_row_id_map_moves_rows_past_earlier_padding():
+    # three tokens, three experts with two rows each (rows 0-1, 2-3, 4-5 unpadded)
+    ids = torch.tensor([[0, -1, 4], [1, 2, -1], [-1, 3, 5]], dtype=torch.int32)
+    got = moe_ops.pad_row_id_map(ids, torch.tensor([2, 2, 2]), 16)
+    assert got.tolist() == [[0, -1, 32], [1, 16, -1], [-1, 17, 33]]

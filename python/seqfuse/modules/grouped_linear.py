@@ -52,6 +52,7 @@ from ..quantization.grouped import GroupedFloat8, quantize_grouped, weight_pairs
 from . import _fp8 as F8
 from ._base import compute_dtype, default_device, mark_main_grad, set_linear_options
 from ._input import check_input
+from ..ops.device_checks import capturing
 
 __all__ = ["GroupedLinear", "GroupedLinearFunction", "Fp8GroupedLinearFunction"]
 
@@ -201,6 +202,20 @@ class GroupedLinear(torch.nn.Module):
         q = _gq.quantizers_for(self, recipe, device)
         return q
 
+    def prefetch_fp8_weights(self):
+        """Under FP8 autocast, cast the experts' weights now where a forward
+        would (they changed since their last cast), so a caller can queue
+        the casts before it waits on the host (GroupedMLP: before reading
+        the routing counts); the next forward reuses them.  Nothing happens
+        outside FP8 autocast, for block scaling (whose weight casts stay in
+        the forward), under CUDA graph capture, or under FSDP2 (whose
+        all-gather makes every forward cast again)."""
+        if not _q.is_fp8_enabled() or _gq.fsdp2_in_use() or capturing(self.weight0):
+            return
+        q = self._quantizers(_q.get_recipe(), self.weight0.device)
+        if q.kind != "block":
+            weight_pairs(q, self.weights(), None)
+
     def forward(self, inp, m_splits, is_first_microbatch=None):
         """y for inp [sum(m_splits), in_features].  is_first_microbatch (TE):
         under FP8, True re-quantizes the weights, False reuses the previous
@@ -258,22 +273,34 @@ def _unpad(y, splits, padded):
     return torch.cat(parts)
 
 
+class _Columns:
+    """A GroupedFloat8's transposed blocks as a grouped-GEMM operand (the
+    weight gradient's): one [K, padded[g]] view per expert, and the experts'
+    scale inverses as one per-group tensor."""
+    __slots__ = ("blocks", "scale_inv")
+
+    def __init__(self, gq):
+        self.blocks, self.scale_inv = gq.column_blocks(), gq.scale_inv
+
+
+def _operand(x):
+    """(data, scale_inv, scaling) of a grouped FP8 GEMM operand: a list of
+    per-expert triples (data, scale_inv, scaling), a GroupedFloat8 (its
+    row-wise copy, split by the padded counts) or _Columns."""
+    if isinstance(x, GroupedFloat8):
+        return x.data, x.scale_inv, "tensor"
+    if isinstance(x, _Columns):
+        return x.blocks, x.scale_inv, "tensor"
+    return [t[0] for t in x], [t[1] for t in x], _mode(x)
+
+
 def _grouped(a, b, splits, out, **kw):
-    """The grouped FP8 GEMM, b given as [n, k] (transb).  Each operand is a
-    list of per-expert triples (data, scale_inv, scaling), or (a only) a
-    GroupedFloat8, whose row-wise copy is split by the padded counts."""
-    if isinstance(a, GroupedFloat8):
-        a_data, a_si, a_mode = a.data, a.scale_inv, "tensor"
-    else:
-        a_data, a_si, a_mode = [x[0] for x in a], [x[1] for x in a], _mode(a)
-    return moe_ops.grouped_gemm(a_data, [x[0] for x in b], splits, transb=True, out=out,
-                                a_scale_inv=a_si, b_scale_inv=[x[1] for x in b],
-                                a_scaling=a_mode, b_scaling=_mode(b), **kw)
-
-
-def _columns(gq):
-    """A GroupedFloat8's transposed blocks as per-expert operand triples."""
-    return [(t, si, "tensor") for t, si in gq.column_blocks()]
+    """The grouped FP8 GEMM over two operands (_operand's forms), b given as
+    [n, k] (transb)."""
+    a_data, a_si, a_mode = _operand(a)
+    b_data, b_si, b_mode = _operand(b)
+    return moe_ops.grouped_gemm(a_data, b_data, splits, transb=True, out=out, a_scale_inv=a_si,
+                                b_scale_inv=b_si, a_scaling=a_mode, b_scaling=b_mode, **kw)
 
 
 def _mode(triples):
@@ -372,7 +399,7 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         w_dg = [(saved[2 * g], saved[2 * g + 1], w_modes[g]) for g in range(G)]
         x_col = None
         if x_grouped:
-            x_col = _columns(GroupedFloat8(None, saved[2 * G], saved[2 * G + 1], padded))
+            x_col = _Columns(GroupedFloat8(None, saved[2 * G], saved[2 * G + 1], padded))
         elif x_modes is not None:
             x_col = [(saved[2 * G + 2 * g], saved[2 * G + 2 * g + 1], x_modes[g]) for g in range(G)]
         need_dx = ctx.needs_input_grad[0]
@@ -384,7 +411,7 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         # which the per-expert casts sum in their own pass)
         gg = None if need_db else quantize_grouped(q, "grad", dy, splits, rowwise=need_dx, transpose=need_dw)
         if gg is not None:
-            g_row, g_col, dbs = gg, _columns(gg) if need_dw else None, []
+            g_row, g_col, dbs = gg, _Columns(gg) if need_dw else None, []
         else:
             g_row, g_col, dbs = _expert_grad_casts(q.grads, dy, splits, kind, ctx.bias_dtypes if need_db else None,
                                                    need_dx, need_dw)

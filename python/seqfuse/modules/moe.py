@@ -13,6 +13,13 @@ For tokens x [T, hidden] (any leading shape):
 
 m_splits (tokens per expert) are read to the host once per forward (the
 grouped GEMMs take host row counts): the block's one host synchronization.
+Its copy is queued as soon as the counts exist and waited for after the
+work that does not need them (under FP8 the experts' weight casts), so the
+GPU has work while the host waits.  Under FP8 autocast the permutation
+writes each expert's rows in a block padded to a multiple of 16 rows (zero
+rows between experts; pad_row_id_map), the granularity of the FP8 GEMMs,
+which then take the buffer as it is: no padded copy before a GEMM and no
+gather of the real rows after it.
 The routing weight scales the SwiGLU output (Megatron's placement, which
 keeps nothing between the two GEMMs but the activation).  Without expert
 biases (Mixtral has none) that is the same as weighting the expert outputs
@@ -32,11 +39,12 @@ projection (Mixtral's w1) and [ffn, 2 ffn) the up projection (w3);
 fc2.weight{e} is [hidden, ffn] (w2).  Under an FP8 autocast with a
 per-tensor recipe the two grouped GEMMs run in FP8 (GroupedLinear's FP8
 path); the router and the SwiGLU stay in the activation dtype (the SwiGLU
-output is quantized by fc2's input quantizer, per expert: the cast is not
-yet fused into the SwiGLU kernel).
+output is cast by fc2's input quantizer, every expert in one call: the
+cast is not yet fused into the SwiGLU kernel).
 """
 import torch
 
+from .. import quantization as _q
 from ..ops import moe as moe_ops
 from ._base import default_device
 from ._input import check_input
@@ -161,10 +169,21 @@ class GroupedMLP(RoutedExperts):
         # no tokens (an idle rank): no auxiliary loss (its mean over tokens is undefined)
         self.aux_loss = self.aux_losses(logits) if self.training and x.shape[0] else None
         row_ids, tokens_per_expert = moe_ops.moe_row_id_map(routing_map)
-        m_splits = tokens_per_expert.tolist()  # the block's one host synchronization
-        xp, pp = moe_ops.moe_permute_by_row_id_map(x, row_ids, sum(m_splits), probs)
-        h = self.fc1(xp, m_splits)
+        # the block's one host synchronization, the per-expert counts: their copy is queued now and
+        # waited for after the work that does not need them (below), which keeps the GPU busy meanwhile
+        wait_counts = moe_ops.counts_to_host(tokens_per_expert)
+        fp8 = _q.is_fp8_enabled()
+        if fp8:
+            # the FP8 GEMMs take each expert's rows in blocks of 16: the permutation writes them so
+            # (zero rows between experts), and nothing is padded or gathered around each GEMM
+            row_ids = moe_ops.pad_row_id_map(row_ids, tokens_per_expert)
+            self.fc1.prefetch_fp8_weights()
+            self.fc2.prefetch_fp8_weights()
+        m_splits = wait_counts()
+        splits = list(moe_ops.padded_splits(m_splits)) if fp8 else m_splits
+        xp, pp = moe_ops.moe_permute_by_row_id_map(x, row_ids, sum(splits), probs, zero_unrouted=fp8)
+        h = self.fc1(xp, splits)
         a = moe_ops.scaled_swiglu(h, pp)
-        y = self.fc2(a, m_splits)
+        y = self.fc2(a, splits)
         out = moe_ops.moe_unpermute(y, row_ids)
         return out.view(*lead, self.hidden_size)

@@ -37,7 +37,7 @@ from .. import _C
 from ._call import as_float, detached, require_fp8_dlpack, stream_for
 from .gemm import FP8_DTYPES, SCALINGS, tf32_of, workspace_for
 
-__all__ = ["grouped_gemm", "cast_fp8_grouped", "cast_fp8_current_list", "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss",
+__all__ = ["grouped_gemm", "cast_fp8_grouped", "cast_fp8_current_list", "pad_row_id_map", "counts_to_host", "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss",
            "fused_moe_aux_loss", "moe_z_loss", "moe_row_id_map", "moe_permute",
            "moe_permute_with_probs", "moe_permute_by_row_id_map", "moe_unpermute", "scaled_swiglu"]
 
@@ -524,12 +524,13 @@ def moe_row_id_map(routing_map):
 
 class _Permute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, inp, row_id_map, num_out, probs):
+    def forward(ctx, inp, row_id_map, num_out, probs, zero_unrouted=False):
         inp, probs = detached(inp), detached(probs)
-        out = torch.empty((num_out, inp.shape[1]), dtype=inp.dtype, device=inp.device)
+        alloc = torch.zeros if zero_unrouted else torch.empty
+        out = alloc((num_out, inp.shape[1]), dtype=inp.dtype, device=inp.device)
         out_probs = None
         if probs is not None:
-            out_probs = torch.empty(num_out, dtype=probs.dtype, device=inp.device)
+            out_probs = alloc(num_out, dtype=probs.dtype, device=inp.device)
         _C.moe_permute(inp, row_id_map, probs, out, out_probs, stream_for(inp))
         ctx.save_for_backward(row_id_map)
         ctx.args = (inp.shape, None if probs is None else probs.dtype)
@@ -552,20 +553,55 @@ class _Permute(torch.autograd.Function):
             else:
                 _C.moe_permute_probs_backward(row_id_map, dense(dout_probs), dprobs,
                                          stream_for(dprobs))
-        return dinp, None, None, dprobs
+        return dinp, None, None, dprobs, None
 
 
-def moe_permute_by_row_id_map(inp, row_id_map, num_out_tokens, probs=None):
+def moe_permute_by_row_id_map(inp, row_id_map, num_out_tokens, probs=None, zero_unrouted=False):
     """The permutation given its row_id_map: (out [num_out_tokens, H],
     permuted probs [num_out_tokens] or None).  Rows past num_out_tokens are
-    dropped; num_out_tokens must not exceed the routed count (rows beyond it
-    would not be written)."""
+    dropped; rows no (token, expert) pair maps to are left unwritten, so
+    num_out_tokens must not exceed the routed count, unless
+    ``zero_unrouted``: those rows are zero (a padded row_id_map's alignment
+    rows, pad_row_id_map)."""
     op = "moe_permute"
     inp = _float_tensor(op, "inp", inp, 2)
     row_id_map = _tensor(op, "row_id_map", row_id_map)
     if probs is not None:
         probs = _float_tensor(op, "probs", probs, 2)
-    return _Permute.apply(inp, row_id_map, int(num_out_tokens), probs)
+    return _Permute.apply(inp, row_id_map, int(num_out_tokens), probs, bool(zero_unrouted))
+
+
+def pad_row_id_map(row_id_map, tokens_per_expert, row_multiple=16):
+    """The row_id_map of an expert-sorted buffer whose experts' row blocks
+    are padded to multiples of ``row_multiple`` (the FP8 GEMMs' 16): each
+    routed pair's row moves down by the padding of the experts before its
+    own; -1 stays -1.  On the device, from the device counts (nothing waits
+    on the host).  Permute with it into sum(padded_splits(m_splits)) rows
+    and ``zero_unrouted=True``; moe_unpermute takes it as it is."""
+    counts = tokens_per_expert.to(torch.int64)
+    padded = (counts + (row_multiple - 1)) // row_multiple * row_multiple
+    shift = (padded.cumsum(0) - padded) - (counts.cumsum(0) - counts)
+    return torch.where(row_id_map >= 0, row_id_map + shift.to(row_id_map.dtype), row_id_map)
+
+
+def counts_to_host(counts):
+    """Start the copy of small device counts to the host; returns a function
+    that waits for that copy alone and gives the values as a list.  Work
+    queued between the two keeps the GPU busy while the host waits and
+    after it resumes (a .tolist() waits for the whole queue to drain at the
+    point of the call).  CPU tensors: read at once."""
+    if not counts.is_cuda:
+        values = counts.tolist()
+        return lambda: values
+    host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+    host.copy_(counts, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+
+    def wait():
+        done.synchronize()
+        return host.tolist()
+    return wait
 
 
 def _permute(op, inp, routing_map, num_out_tokens, probs):

@@ -61,7 +61,7 @@ from .quantize import quantize_block, quantize_current, state_cast_args
 from .state import ScalingState
 from .tensor import Float8BlockTensor, Float8Tensor
 
-__all__ = ["FP8FwdTensors", "FP8BwdTensors", "GemmQuantizers", "quantizers_for", "recipe_kind",
+__all__ = ["FP8FwdTensors", "FP8BwdTensors", "GemmQuantizers", "quantizers_for", "recipe_kind", "fsdp2_in_use",
            "init_fp8_state", "weight_casts", "padded_rows", "row_prefix", "ROW_MULTIPLE"]
 
 _log = logging.getLogger("seqfuse")
@@ -397,7 +397,7 @@ class WeightQuantizer(_Role):
                 return self.pair, None
             if (is_first_microbatch is None and old == key
                     and all(a is b for a, b in zip(self.param, src))
-                    and not _fsdp2_in_use() and not in_capture):
+                    and not fsdp2_in_use() and not in_capture):
                 return self.pair, None
         return None, (key, src, in_capture)
 
@@ -449,7 +449,7 @@ def high_precision(t):
     return t.dequantized() if hasattr(type(t), "sf_fp8_pair") else t
 
 
-def _fsdp2_in_use():
+def fsdp2_in_use():
     """Whether torch's FSDP2 (fully_shard) manages modules in this process.
     FSDP2 re-gathers every weight into the same unsharded parameter each step
     with its version counter preserved, so version keys cannot see the new

@@ -67,10 +67,9 @@ class GroupedFloat8:
         self.offsets = offsets
 
     def column_blocks(self):
-        """Expert g's transposed block [K, padded[g]] of ``data_t`` and its
-        one-element scale inverse, for each g (the weight gradient's operands)."""
-        t, si = self.data_t, self.scale_inv
-        return [(t[:, o:o + p], si[g:g + 1]) for g, (o, p) in enumerate(zip(self.offsets, self.padded))]
+        """Each expert's transposed block [K, padded[g]] of ``data_t`` (the
+        weight gradient's operands; their scale inverses are ``scale_inv``)."""
+        return list(self.data_t.split(self.padded, 1))
 
 
 _declined_logged = set()
@@ -136,7 +135,10 @@ def weight_pairs(q, weights, is_first_microbatch=None):
     amax = q.state.role_slots(1, 3)[1] if q.kind == "delayed" else None
     data, data_t, si, scale, amax = moe_ops.cast_fp8_current_list(ws, fp8_dtype, amax=amax, margin=q.margin)
     pairs = []
-    for g, w in enumerate(ws):
-        t = Float8Tensor(data[g], si[g:g + 1], fp8_dtype, data_t=data_t[g], dtype=w.dtype, shape=w.shape)
-        pairs.append(roles[g].store(found[g][1], (t, t), (amax[g:g + 1], scale[g:g + 1])))
+    for g, (w, s_inv) in enumerate(zip(ws, si.split(1))):
+        note = found[g][1]
+        t = Float8Tensor(data[g], s_inv, fp8_dtype, data_t=data_t[g], dtype=w.dtype, shape=w.shape)
+        # the amax / scale scratch matters only to a captured cast (store keeps it for the graph)
+        scratch = (amax[g:g + 1], scale[g:g + 1]) if note[2] else None
+        pairs.append(roles[g].store(note, (t, t), scratch))
     return pairs

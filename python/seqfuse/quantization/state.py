@@ -143,6 +143,7 @@ class ScalingState(nn.Module):
         self._chunk_ref = None   # weakref: a deepcopy must not copy the pool
         self._ptrs = None
         self._views = None
+        self._role_views = {}  # role_slots' views, keyed on (first, step), with the _ptrs they view
         self._offset = 0
         # host-side: which tensors were cast since the last delayed-scaling
         # update, and which have an amax history (an update ran after their
@@ -251,7 +252,11 @@ class ScalingState(nn.Module):
         grouped module: its experts' inputs are every third tensor), for a
         kernel that casts them all at once.  Pools the state on first use."""
         self.ensure_pooled()
-        return self.scale[first::step], self.amax_history[0, first::step]
+        v = self._role_views.get((first, step))
+        if v is None or v[0] != self._ptrs:  # made once per pooling (a view costs ~1-2 us)
+            v = self._role_views[(first, step)] = (self._ptrs, (self.scale[first::step],
+                                                                self.amax_history[0, first::step]))
+        return v[1]
 
     def note_first_cast(self, index):
         """Tensor ``index``, which has no amax history yet, was cast this step
@@ -370,7 +375,7 @@ class ScalingState(nn.Module):
         # a copy (deepcopy, pickle) owns its buffers and joins the pool on
         # its own first use; it must not carry this state's pool bookkeeping
         d = dict(self.__dict__)
-        d.update(_chunk_ref=None, _ptrs=None, _views=None, _finalizer=None)
+        d.update(_chunk_ref=None, _ptrs=None, _views=None, _finalizer=None, _role_views={})
         return d
 
     def __setstate__(self, d):
