@@ -224,6 +224,32 @@ def op_specs():
                                                           scale_inv=a["scale_inv"])[0].float(),
                                a["amax"], a["scale"], a["scale_inv"]),
                     tensors=["x", "amax", "scale", "scale_inv"]))
+    # the grouped casts of a mixture-of-experts layer (seqfuse.ops.moe): two experts of 3 and 5 rows
+    def grouped_cast_ref(a):
+        x, s = a["x"], a["scale"]
+        data = torch.zeros(32, 16, dtype=torch.float64, device=x.device)
+        data[0:3] = _fp8_ref(x[0:3], s[0])
+        data[16:21] = _fp8_ref(x[3:8], s[1])
+        amax = torch.stack([x[0:3].abs().max(), x[3:8].abs().max()]).double()
+        return data, data.t(), 1 / s.double(), amax
+
+    def grouped_cast(a):
+        data, data_t, si = ops.moe.cast_fp8_grouped(a["x"], [3, 5], F8, scale=a["scale"], amax=a["amax"])
+        return data.float(), data_t.float(), si, a["amax"]
+
+    S.append(OpSpec("cast_fp8_grouped",
+                    lambda d: {"x": r(8, 16, device=d), "scale": torch.tensor([2.0, 0.5], device=d),
+                               "amax": torch.zeros(2, device=d)},
+                    grouped_cast, ref=grouped_cast_ref, tensors=["x", "scale", "amax"],
+                    nan_args=["x", "scale"]))  # amax accumulates: a NaN already in it stays (the fold's rule)
+
+    def current_list(a):
+        data, data_t, si, scale, amax = ops.moe.cast_fp8_current_list(a["xs"], F8)
+        return [t.float() for t in data + data_t] + [si, scale, amax]
+
+    S.append(OpSpec("cast_fp8_current_list",
+                    lambda d: {"xs": [r(16, 32, device=d), r(16, 32, device=d)]},
+                    current_list, tensors=["xs.0", "xs.1"], nan=False))
     # the quantizers' entries into outputs they made: no Python checks, the C entry's name each argument
     def cast_into_build(d):
         return dict(cast_build(d), out=torch.empty(4, 16, dtype=F8, device=d),

@@ -116,9 +116,9 @@ def test_grouped_cast_bad_inputs():
     x = torch.randn(40, 32)
     scale, amax = _slots(2, "cpu")
     cast = moe_ops.cast_fp8_grouped
-    with pytest.raises(ValueError, match="m_splits.*add.* up to 39 rows but x has 40"):
+    with pytest.raises(ValueError, match="m_splits.*add.* up to 39 rows but 'x' has 40"):
         cast(x, [20, 19], E4M3, scale=scale, amax=amax)
-    with pytest.raises(ValueError, match="m_splits.*x's 40 rows"):
+    with pytest.raises(ValueError, match="m_splits.*the 40 rows of 'x'"):
         cast(x, [41, 0], E4M3, scale=scale, amax=amax)
     with pytest.raises(ValueError, match="'x' must have K .* multiple of 16"):
         cast(torch.randn(40, 24), [20, 20], E4M3, scale=scale, amax=amax)
@@ -150,9 +150,9 @@ def _check_current_list(device, dtype, G, n, k, fp8_dtype):
 def test_current_list_equals_per_tensor_casts(seed):
     for dtype, fp8_dtype in ((torch.float32, E4M3), (torch.bfloat16, E5M2)):
         _check_current_list("cpu", dtype, 5, 48, 32, fp8_dtype)
-    with pytest.raises(ValueError, match="N a multiple of 16"):
+    with pytest.raises(ValueError, match="'xs' .*N a multiple of 16"):
         moe_ops.cast_fp8_current_list([torch.randn(40, 32)], E4M3)
-    with pytest.raises(ValueError, match="x\\[1\\] is 2d \\[16, 48\\]"):
+    with pytest.raises(ValueError, match="'xs' must have xs\\[0\\]'s shape .*xs\\[1\\] is \\(16, 48\\)"):
         moe_ops.cast_fp8_current_list([torch.randn(16, 32), torch.randn(16, 48)], E4M3)
     with pytest.raises(ValueError, match="non-empty list"):
         moe_ops.cast_fp8_current_list([], E4M3)
@@ -302,7 +302,9 @@ def test_grouped_linear_cuda_grouped_cast_equals_per_expert_casts(recipe, monkey
                     w = getattr(m, f"weight{g}")
                     w -= 0.01 * w.grad
                     w.grad = None
-    assert len(calls) >= 4  # the grouped casts ran (delayed: from the second step)
+    # module a's input and gradient casts: one grouped call each a step (delayed scaling: from the
+    # second step, when every expert's tensors have an amax history)
+    assert len(calls) == (4 if isinstance(recipe, DelayedScaling) else 6)
     assert len(weight_calls) == 3  # module a's weights: one list cast a step
 
 
@@ -356,3 +358,78 @@ def test_pad_row_id_map_moves_rows_past_earlier_padding():
     ids = torch.tensor([[0, -1, 4], [1, 2, -1], [-1, 3, 5]], dtype=torch.int32)
     got = moe_ops.pad_row_id_map(ids, torch.tensor([2, 2, 2]), 16)
     assert got.tolist() == [[0, -1, 32], [1, 16, -1], [-1, 17, 33]]
+
+
+@needs_fp8
+def test_grouped_linear_fp8_non_contiguous_input(seed):
+    """A strided input takes the grouped cast after a contiguous copy: the
+    same result as the contiguous input."""
+    splits = [20, 0, 20]
+    gl = GroupedLinear(3, 32, 48, bias=False, device="cpu")
+    wide = torch.randn(40, 64)
+    with fp8_autocast(enabled=True, fp8_recipe=Float8CurrentScaling()):
+        y_strided = gl(wide[:, :32], splits)
+        y_dense = gl(wide[:, :32].contiguous(), splits)
+    assert torch.equal(y_strided, y_dense)
+
+
+@needs_fp8
+def test_prefetch_fp8_weights_is_the_forwards_cast(monkeypatch, seed):
+    """prefetch_fp8_weights casts the experts' weights the forward would cast
+    (one list call); the forward then reuses them; outside FP8 autocast it
+    does nothing."""
+    gl = GroupedLinear(3, 32, 48, bias=False, device="cpu")
+    calls = _count_grouped_casts(monkeypatch, "cast_fp8_current_list")
+    gl.prefetch_fp8_weights()
+    assert weight_casts(gl) == 0 and not calls
+    x = torch.randn(40, 32)
+    with fp8_autocast(enabled=True, fp8_recipe=DelayedScaling()):
+        gl.prefetch_fp8_weights()
+        assert weight_casts(gl) == 3 and len(calls) == 1
+        y = gl(x, [20, 0, 20])
+        assert weight_casts(gl) == 3 and len(calls) == 1  # reused
+    with torch.no_grad():
+        gl.weight0.mul_(1.5)
+    with fp8_autocast(enabled=True, fp8_recipe=DelayedScaling()):
+        y2 = gl(x, [20, 0, 20])  # one weight moved: the forward re-casts it (expert by expert)
+    assert weight_casts(gl) == 4 and len(calls) == 1
+    assert not torch.equal(y, y2)
+
+
+def test_counts_to_host_cpu():
+    assert moe_ops.counts_to_host(torch.tensor([3, 0, 5]))() == [3, 0, 5]
+
+
+@pytest.mark.cuda
+def test_counts_to_host_cuda_waits_for_its_copy():
+    """The values are the counts at the call, after the queued work that
+    made them, whatever is queued after it."""
+    counts = torch.zeros(4, dtype=torch.int64, device="cuda")
+    big = torch.randn(4096, 4096, device="cuda")
+    for _ in range(3):
+        big = big @ big.T / 4096  # work before the counts are written
+    counts += torch.tensor([7, 0, 3, 1], device="cuda")
+    wait = moe_ops.counts_to_host(counts)
+    counts.zero_()  # queued after the copy: not seen
+    for _ in range(3):
+        big = big @ big.T / 4096
+    assert wait() == [7, 0, 3, 1]
+
+
+@pytest.mark.cuda
+@needs_fp8
+def test_grouped_linear_fp8_cuda_misaligned_input_takes_the_per_expert_casts(seed):
+    """An input 8 bytes off 16-byte alignment: the grouped cast declines (its
+    kernel reads 16-byte vectors) and the per-expert casts give the aligned
+    input's result."""
+    splits = [100, 0, 60]
+    gl = GroupedLinear(3, 256, 128, bias=False, device="cuda", params_dtype=torch.bfloat16)
+    x = torch.randn(160, 256, device="cuda").bfloat16()
+    buf = torch.empty(160 * 256 + 4, dtype=torch.bfloat16, device="cuda")
+    off = buf[4:].view(160, 256)
+    off.copy_(x)
+    assert off.data_ptr() % 16 == 8
+    with fp8_autocast(enabled=True, fp8_recipe=Float8CurrentScaling()):
+        y_off = gl(off, splits)
+        y = gl(x, splits)
+    assert torch.equal(y_off, y)

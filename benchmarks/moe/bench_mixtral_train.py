@@ -34,10 +34,11 @@ Rows (``--rows``):
                       bytes of state a parameter against the transformers
                       row's 4), FP8 under seqfuse's autocast (the LM head
                       and router stay bf16);
-  seqfuse_bf16_torch_adamw
+  seqfuse_bf16_torch_adamw, seqfuse_fp8_delayed_torch_adamw,
+  seqfuse_fp8_current_torch_adamw
                       the recipe's model with the transformers row's own
                       optimizer (torch AdamW(fused), bf16 moments, no master
-                      copy, every parameter decayed): the like-for-like row
+                      copy, every parameter decayed): the like-for-like rows
                       for speed and peak memory.
 A row that fails keeps its error and the others run.  ``--profile DIR``:
 after a row's timed pass, ``--profile-steps`` more steps under
@@ -77,7 +78,8 @@ from mixtral_recipe import load_config  # noqa: E402
 from mixtral_recipe import trainer as recipe  # noqa: E402
 
 ROWS = ("hf_bf16", "hf_bf16_loop", "seqfuse_bf16", "seqfuse_bf16_torch_adamw", "seqfuse_fp8_delayed",
-        "seqfuse_fp8_current", "seqfuse_fp8_block")
+        "seqfuse_fp8_current", "seqfuse_fp8_block", "seqfuse_fp8_delayed_torch_adamw",
+        "seqfuse_fp8_current_torch_adamw")
 DEFAULT_ROWS = ("hf_bf16", "hf_bf16_loop", "seqfuse_bf16", "seqfuse_bf16_torch_adamw", "seqfuse_fp8_delayed",
                 "seqfuse_fp8_block")
 MEASURED_TFLOPS = 794.0  # the project's measured H200 bf16 ceiling (benchmarks/harness.py)

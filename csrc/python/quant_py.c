@@ -25,7 +25,7 @@ SF_PY_OP(cast_fp8_grouped, sf_cast_fp8_grouped,
          (T, scale_inv), (INT, current), (INT, margin));
 SF_PY_OP(cast_fp8_current_list, sf_cast_fp8_current_list,
          "Current scaling of each tensor of a list (a grouped layer's weights) in one call.",
-         (TL, x), (OTL, out), (OTL, out_t), (T, scale), (T, amax), (T, scale_inv), (INT, margin));
+         (TL, xs), (OTL, out), (OTL, out_t), (T, scale), (T, amax), (T, scale_inv), (INT, margin));
 SF_PY_OP(transpose_fp8, sf_transpose_fp8, "out_t = data viewed as [M, K], transposed (FP8 bytes).",
          (T, data), (T, out_t));
 SF_PY_OP(dequantize_fp8, sf_dequantize_fp8, "out = data * scale_inv[0].", (T, data),

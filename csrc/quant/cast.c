@@ -189,6 +189,23 @@ static sf_status check_strided_vector(const char *op, const char *arg, const sf_
 
 static int64_t vector_stride(const sf_tensor *t) { return t->shape[0] > 1 ? t->strides[0] : 1; }
 
+/* Whether two float32 vectors of n elements with element strides share an
+ * element: their address ranges overlap, unless both have the same stride
+ * and start a non-multiple of it apart (interleaved, as one state's roles). */
+static int vectors_overlap(const sf_tensor *a, const sf_tensor *b, int64_t n)
+{
+    const int64_t sa = vector_stride(a), sb = vector_stride(b);
+    const char *pa = (const char *)a->data, *pb = (const char *)b->data;
+    const char *ea = pa + ((n - 1) * sa + 1) * 4, *eb = pb + ((n - 1) * sb + 1) * 4;
+    if (n < 1 || ea <= pb || eb <= pa)
+        return 0;
+    if (sa == sb && sa > 1) {
+        const int64_t d = (int64_t)(pa - pb) / 4;
+        return (pa - pb) % 4 == 0 && d % sa == 0;
+    }
+    return 1;
+}
+
 static sf_status check_margin(const char *op, int margin, float *pow2);
 
 /* The most groups one grouped cast takes (host arrays of this many entries). */
@@ -214,22 +231,23 @@ static sf_status check_grouped_out(const char *op, const char *arg, const sf_ten
 
 /* What both grouped entries share once their groups are laid out in `a`:
  * the scaling vectors' checks, the FP8 format and the dispatch. */
-static sf_status grouped_run(const char *op, const sf_tensor *ref, sf_cast_grouped_args *a,
-                             sf_tensor *scale, sf_tensor *amax, sf_tensor *scale_inv, sf_dtype fp8,
-                             int current, int margin, sf_stream stream)
+static sf_status grouped_run(const char *op, const char *ref_arg, const sf_tensor *ref,
+                             sf_cast_grouped_args *a, sf_tensor *scale, sf_tensor *amax,
+                             sf_tensor *scale_inv, sf_dtype fp8, int current, int margin,
+                             sf_stream stream)
 {
     const int64_t G = a->groups;
-    SF_TRY(check_strided_vector(op, "scale", scale, G, "x", ref, current));
-    SF_TRY(check_strided_vector(op, "scale_inv", scale_inv, G, "x", ref, 1));
+    SF_TRY(check_strided_vector(op, "scale", scale, G, ref_arg, ref, current));
+    SF_TRY(check_strided_vector(op, "scale_inv", scale_inv, G, ref_arg, ref, 1));
     if (amax)
-        SF_TRY(check_strided_vector(op, "amax", amax, G, "x", ref, 1));
+        SF_TRY(check_strided_vector(op, "amax", amax, G, ref_arg, ref, 1));
     else if (current)
         return sf_fail(SF_ERR_VALUE, "%s: argument 'amax' must be given under current scaling "
                        "(it receives each group's max |x|)", op);
-    if (scale_inv->data == scale->data ||
-        (amax && (amax->data == scale->data || amax->data == scale_inv->data)))
-        return sf_fail(SF_ERR_VALUE, "%s: arguments 'scale', 'amax' and 'scale_inv' must be "
-                       "different buffers", op);
+    if (vectors_overlap(scale_inv, scale, G) || (amax && (vectors_overlap(amax, scale, G) ||
+                                                        vectors_overlap(amax, scale_inv, G))))
+        return sf_fail(SF_ERR_VALUE, "%s: arguments 'scale', 'amax' and 'scale_inv' must not share "
+                       "elements (each is written or read per group)", op);
     float pow2_neg_margin = 1.0f; /* check_margin sets it */
     SF_TRY(check_margin(op, margin, &pow2_neg_margin));
     a->scale = (float *)scale->data;
@@ -242,7 +260,7 @@ static sf_status grouped_run(const char *op, const sf_tensor *ref, sf_cast_group
     a->current = current != 0;
     a->fp8_max = a->e5m2 ? 57344.0f : 448.0f;
     a->pow2_neg_margin = pow2_neg_margin;
-    return SF_DISPATCH(op, "x", ref, sf_cast_fp8_grouped_cpu(a),
+    return SF_DISPATCH(op, ref_arg, ref, sf_cast_fp8_grouped_cpu(a),
                        sf_cast_fp8_grouped_cuda(a, ref->device_id, stream));
 }
 
@@ -304,14 +322,14 @@ sf_status sf_cast_fp8_grouped(const sf_tensor *x, const sf_tensor *m_splits, int
     for (int64_t g = 0; g < G; ++g) {
         if (splits[g] < 0 || splits[g] > m_total - rows)
             return sf_fail(SF_ERR_VALUE, "%s: argument 'm_splits' must hold non-negative row "
-                           "counts adding up to x's %lld rows (group %lld: %lld after %lld rows)",
+                           "counts adding up to the %lld rows of 'x' (group %lld: %lld after %lld rows)",
                            op, (long long)m_total, (long long)g, (long long)splits[g],
                            (long long)rows);
         rows += splits[g];
         padded += (splits[g] + row_multiple - 1) / row_multiple * row_multiple;
     }
     if (rows != m_total)
-        return sf_fail(SF_ERR_VALUE, "%s: argument 'm_splits' adds up to %lld rows but x has %lld",
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'm_splits' adds up to %lld rows but 'x' has %lld",
                        op, (long long)rows, (long long)m_total);
     static const char rule[] = "every group's rows padded to a multiple of row_multiple";
     if (out)
@@ -340,8 +358,8 @@ sf_status sf_cast_fp8_grouped(const sf_tensor *x, const sf_tensor *m_splits, int
     sf_cast_grouped_args a = {.x_dtype = x->dtype, .k = k, .groups = G, .x = l.x,
                               .out = out ? l.out : NULL, .out_t = out_t ? l.out_t : NULL,
                               .m = l.m, .mp = l.mp, .ld_t = l.ld_t};
-    sf_status st = grouped_run(op, x, &a, scale, amax, scale_inv, (out ? out : out_t)->dtype, current,
-                               margin, stream);
+    sf_status st = grouped_run(op, "x", x, &a, scale, amax, scale_inv, (out ? out : out_t)->dtype,
+                               current, margin, stream);
     free(block);
     return st;
 }
@@ -353,33 +371,33 @@ sf_status sf_cast_fp8_current_list(int64_t n, const sf_tensor *x, int64_t n_out,
 {
     static const char op[] = "cast_fp8_current_list";
     if (n < 1 || n > SF_CAST_MAX_GROUPS)
-        return sf_fail(SF_ERR_VALUE, "%s: argument 'x' must hold 1 to %d tensors, got %lld", op,
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'xs' must hold 1 to %d tensors, got %lld", op,
                        SF_CAST_MAX_GROUPS, (long long)n);
     if (!out && !out_t)
         return sf_fail(SF_ERR_VALUE, "%s: at least one of 'out' and 'out_t' must be given", op);
     if ((out && n_out != n) || (out_t && n_out_t != n))
         return sf_fail(SF_ERR_VALUE, "%s: arguments 'out' and 'out_t' must hold one tensor per "
-                       "tensor of 'x' (%lld)", op, (long long)n);
+                       "tensor of 'xs' (%lld)", op, (long long)n);
     const int64_t k = x[0].ndim == 2 ? x[0].shape[1] : 0;
     for (int64_t g = 0; g < n; ++g) {
         const sf_tensor *t = &x[g];
-        SF_TRY(sf_check_float_input(op, "x", t));
-        SF_TRY(sf_check_contiguous(op, "x", t));
-        SF_TRY(sf_check_same_device(op, "x[0]", &x[0], "x", t));
+        SF_TRY(sf_check_float_input(op, "xs", t));
+        SF_TRY(sf_check_contiguous(op, "xs", t));
+        SF_TRY(sf_check_same_device(op, "xs[0]", &x[0], "xs", t));
         if (t->ndim != 2 || t->shape[1] != k || k % 16 || t->shape[0] % 16 || t->dtype != x[0].dtype)
-            return sf_fail(SF_ERR_VALUE, "%s: every tensor of 'x' must be 2-D [N, K] of x[0]'s dtype "
+            return sf_fail(SF_ERR_VALUE, "%s: every tensor of 'xs' must be 2-D [N, K] of xs[0]'s dtype "
                            "with K = %lld a multiple of 16 and N a multiple of 16 (the FP8 GEMMs' "
-                           "rules); x[%lld] is %dd [%lld, %lld]", op, (long long)k, (long long)g,
+                           "rules); xs[%lld] is %dd [%lld, %lld]", op, (long long)k, (long long)g,
                            t->ndim, (long long)(t->ndim ? t->shape[0] : 0),
                            (long long)(t->ndim > 1 ? t->shape[1] : 0));
         if (t->device != SF_CPU && (uintptr_t)t->data % 16)
-            return sf_fail(SF_ERR_VALUE, "%s: argument 'x' (tensor %lld) must be 16-byte aligned", op,
+            return sf_fail(SF_ERR_VALUE, "%s: argument 'xs' (tensor %lld) must be 16-byte aligned", op,
                            (long long)g);
-        static const char rule[] = "x[g]'s shape, transposed for out_t";
+        static const char rule[] = "xs[g]'s shape, transposed for out_t";
         if (out)
-            SF_TRY(check_grouped_out(op, "out", &out[g], t->shape[0], k, "x", t, rule));
+            SF_TRY(check_grouped_out(op, "out", &out[g], t->shape[0], k, "xs", t, rule));
         if (out_t)
-            SF_TRY(check_grouped_out(op, "out_t", &out_t[g], k, t->shape[0], "x", t, rule));
+            SF_TRY(check_grouped_out(op, "out_t", &out_t[g], k, t->shape[0], "xs", t, rule));
         const sf_dtype want = (out ? out : out_t)[0].dtype;
         if ((out && out[g].dtype != want) || (out_t && out_t[g].dtype != want))
             return sf_fail(SF_ERR_TYPE, "%s: every output must have the same FP8 dtype", op);
@@ -396,8 +414,8 @@ sf_status sf_cast_fp8_current_list(int64_t n, const sf_tensor *x, int64_t n_out,
     sf_cast_grouped_args a = {.x_dtype = x[0].dtype, .k = k, .groups = n, .x = l.x,
                               .out = out ? l.out : NULL, .out_t = out_t ? l.out_t : NULL,
                               .m = l.m, .mp = l.mp, .ld_t = l.ld_t};
-    sf_status st = grouped_run(op, &x[0], &a, scale, amax, scale_inv, (out ? out : out_t)[0].dtype, 1,
-                               margin, stream);
+    sf_status st = grouped_run(op, "xs", &x[0], &a, scale, amax, scale_inv,
+                               (out ? out : out_t)[0].dtype, 1, margin, stream);
     free(block);
     return st;
 }

@@ -358,8 +358,8 @@ static void run_grouped_case(sf_dtype dtype, const std::vector<int64_t> &splits,
 }
 
 /* The grouped cast (cast + transpose, bf16 -> E4M3) of G expert runs against
- * one per-tensor call per group, as seqfuse's FP8 GroupedLinear made them
- * before it. */
+ * one per-tensor call per group (the path FP8 GroupedLinear takes where the
+ * grouped cast declines). */
 static void grouped_time(const std::vector<int64_t> &splits, int64_t k, int current)
 {
     GroupedBuffers b = grouped_shape(splits, k);

@@ -47,12 +47,12 @@ import torch
 
 from .. import quantization as _q
 from ..ops import moe as moe_ops
+from ..ops.device_checks import capturing
 from ..quantization import gemm_quantizers as _gq
 from ..quantization.grouped import GroupedFloat8, quantize_grouped, weight_pairs
 from . import _fp8 as F8
 from ._base import compute_dtype, default_device, mark_main_grad, set_linear_options
 from ._input import check_input
-from ..ops.device_checks import capturing
 
 __all__ = ["GroupedLinear", "GroupedLinearFunction", "Fp8GroupedLinearFunction"]
 
@@ -350,8 +350,12 @@ def _expert_grad_casts(roles, dy, splits, kind, bias_dtypes, need_dx, need_dw):
 class Fp8GroupedLinearFunction(torch.autograd.Function):
     """Autograd of y_g = x_g W_g^T + b_g with FP8 grouped GEMMs (see the module
     note).  forward(x, m_splits, dtype, num_gemms, use_bias,
-    (quantizers, is_first_microbatch), *weights, *biases).  Operands are
-    modules._fp8's triples (data, scale_inv, scaling), one per expert."""
+    (quantizers, is_first_microbatch), *weights, *biases).  The input and
+    output gradient are cast for all experts in one call where
+    quantization.grouped allows (a GroupedFloat8: its row-wise copy split
+    by the padded counts, its transposed blocks as _Columns), else per
+    expert into modules._fp8's triples (data, scale_inv, scaling); the
+    weights are per-expert triples either way."""
 
     @staticmethod
     def forward(ctx, x, m_splits, dtype, G, use_bias, qargs, *params):

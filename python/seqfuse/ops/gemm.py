@@ -175,6 +175,10 @@ def gemm(a, b, *, transa=False, transb=False, out=None, out_dtype=None, bias=Non
 #: Scaling names of the FP8 operand triples -> the C codes (None: one scale per tensor).
 _OPERAND_SCALING = {None: 1, "tensor": 1, "block_1x128": 2, "block_128x128": 3}
 
+#: The FP8 GEMMs' token granularity: the weight gradient reduces over the tokens with K-major operands
+#: whose row stride must be a multiple of 16 bytes, so FP8 operands carry their token rows padded to it.
+FP8_ROW_MULTIPLE = 16
+
 
 def fp8_gemm_nt(a, a_scale_inv, a_scaling, b, b_scale_inv, b_scaling, out, *, bias=None,
                 accumulate=False, fast_accum=False):
@@ -182,14 +186,21 @@ def fp8_gemm_nt(a, a_scale_inv, a_scaling, b, b_scale_inv, b_scaling, out, *, bi
     ``transb=True`` over two float8 operands that seqfuse's quantizers made
     (the FP8 GEMM modules' forward, input-gradient and weight-gradient
     products), into ``out`` the caller made (with ``accumulate`` its values
-    are added).  ``a_scaling`` / ``b_scaling``: None (one scale per tensor),
-    "block_1x128" or "block_128x128".  ``bias`` [n] in the output's
+    are added).  ``a_scaling`` / ``b_scaling``: None or "tensor" (one scale
+    per tensor), "block_1x128" or "block_128x128".  ``bias`` [n] in the output's
     bfloat16 / float16.  The hot path of those modules: only the ranks its
     shape arithmetic needs are checked here (the C entry checks every tensor
     and names it); an empty product goes through :func:`gemm`.  Returns
     ``out``."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        raise TypeError(f"fp8_gemm_nt: arguments 'a' and 'b' must be torch.Tensors, got {type(a).__name__} "
+                        f"and {type(b).__name__}")
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"fp8_gemm_nt: arguments 'a' and 'b' must be 2-D, got {a.dim()}-D and {b.dim()}-D")
+    for name, mode in (("a_scaling", a_scaling), ("b_scaling", b_scaling)):
+        if mode not in _OPERAND_SCALING:
+            raise ValueError(f"fp8_gemm_nt: argument '{name}' must be one of None, 'tensor', 'block_1x128' "
+                             f"or 'block_128x128', got {mode!r}")
     m, k = a.shape
     n = b.shape[0]
     if not (m and n and k):

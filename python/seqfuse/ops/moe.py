@@ -35,9 +35,11 @@ import torch
 
 from .. import _C
 from ._call import as_float, detached, require_fp8_dlpack, stream_for
-from .gemm import FP8_DTYPES, SCALINGS, tf32_of, workspace_for
+from .gemm import FP8_DTYPES, FP8_ROW_MULTIPLE, SCALINGS, tf32_of, workspace_for
+from .quant import fp8_dtype_of
 
-__all__ = ["grouped_gemm", "cast_fp8_grouped", "cast_fp8_current_list", "pad_row_id_map", "counts_to_host", "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss",
+__all__ = ["grouped_gemm", "cast_fp8_grouped", "cast_fp8_current_list", "pad_row_id_map", "counts_to_host",
+           "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss",
            "fused_moe_aux_loss", "moe_z_loss", "moe_row_id_map", "moe_permute",
            "moe_permute_with_probs", "moe_permute_by_row_id_map", "moe_unpermute", "scaled_swiglu"]
 
@@ -82,12 +84,13 @@ def host_splits(op, m_splits):
         if m_splits.dtype.is_floating_point or m_splits.dim() != 1:
             raise TypeError(f"{op}: argument 'm_splits' as a tensor must be 1-D integer, got "
                             f"{m_splits.dim()}-D {m_splits.dtype}")
-        return [int(v) for v in m_splits.tolist()]
-    try:
-        splits = [int(v) for v in m_splits]
-    except TypeError:
-        raise TypeError(f"{op}: argument 'm_splits' must be a sequence of ints, got "
-                        f"{type(m_splits).__name__}") from None
+        splits = [int(v) for v in m_splits.tolist()]
+    else:
+        try:
+            splits = [int(v) for v in m_splits]
+        except TypeError:
+            raise TypeError(f"{op}: argument 'm_splits' must be a sequence of ints, got "
+                            f"{type(m_splits).__name__}") from None
     if not splits:
         raise ValueError(f"{op}: argument 'm_splits' must hold at least one group")
     if any(v < 0 for v in splits):
@@ -147,14 +150,20 @@ def _spaced_scalars(t):
 #: CUBLAS_STATUS_NOT_SUPPORTED, while seqfuse's Linear, whose scales are allocations of their own,
 #: runs; 256 bytes is the caching allocator's granularity, past any rule cuBLASLt may have.
 _SCALE_ALIGN = 256
+_SCALE_STEP = _SCALE_ALIGN // 4  # float32 elements between two spaced scales
+
+
+def _spaced_scale_inv(G, device):
+    """G float32 scale inverses, 256 bytes apart: a [G] view of a [G, 64]
+    buffer (what the grouped casts write and the grouped GEMM takes)."""
+    return torch.empty((G, _SCALE_STEP), dtype=torch.float32, device=device)[:, 0]
 
 
 def _aligned_scalars(values):
     """The float32 scalars ``values`` [G] as G one-element views, each at its
     own 256-byte-aligned address (one small copy)."""
     G = values.numel()
-    step = _SCALE_ALIGN // 4
-    buf = torch.zeros((G, step), dtype=torch.float32, device=values.device)
+    buf = torch.zeros((G, _SCALE_STEP), dtype=torch.float32, device=values.device)
     buf[:, 0] = values.reshape(G).float()
     return [buf[g, :1] for g in range(G)]
 
@@ -236,19 +245,19 @@ def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dt
     return out if grads is None else (out, grads)
 
 
-def padded_splits(m_splits, row_multiple=16):
+def padded_splits(m_splits, row_multiple=FP8_ROW_MULTIPLE):
     """Each row count rounded up to ``row_multiple`` (the FP8 GEMMs' 16)."""
     return tuple(-(-m // row_multiple) * row_multiple for m in m_splits)
 
 
 def cast_fp8_grouped(x, m_splits, fp8_dtype, *, scale, amax=None, rowwise=True, transpose=True,
-                     current=False, margin=0, row_multiple=16):
+                     current=False, margin=0, row_multiple=FP8_ROW_MULTIPLE):
     """The FP8 casts of expert-sorted rows, every expert with its own scale, in
     one C call (CUDA: one launch under delayed scaling, three under current
-    scaling, for up to 64 experts at a time; one per expert before).
+    scaling, for up to 64 experts at a time).
 
     x [M, K] holds G runs of rows (``m_splits``, host ints adding up to M;
-    K a multiple of 16).  Run g is cast with its own scale into its own
+    K a multiple of 16; contiguous, 16-byte aligned on CUDA).  Run g is cast with its own scale into its own
     block of rows of the outputs, padded with zero rows to a multiple of
     ``row_multiple`` (16, the FP8 GEMMs' granularity): ``data`` [Mp, K]
     (``rowwise``) and ``data_t`` [K, Mp] (``transpose``; run g's block is
@@ -266,7 +275,10 @@ def cast_fp8_grouped(x, m_splits, fp8_dtype, *, scale, amax=None, rowwise=True, 
     rows alone with ``rows`` = its padded count."""
     op = "cast_fp8_grouped"
     require_fp8_dlpack(op)
+    fp8_dtype = fp8_dtype_of(fp8_dtype, op)
     x = _tensor(op, "x", x)
+    if isinstance(row_multiple, bool) or not isinstance(row_multiple, int):
+        raise TypeError(f"{op}: argument 'row_multiple' must be an int, got {type(row_multiple).__name__}")
     if x.dim() != 2:
         raise ValueError(f"{op}: argument 'x' must be 2-D [M, K] (the tokens in expert order), got "
                          f"{x.dim()}-D")
@@ -278,8 +290,7 @@ def cast_fp8_grouped(x, m_splits, fp8_dtype, *, scale, amax=None, rowwise=True, 
     dev = x.device
     data = torch.empty((mp, k), dtype=fp8_dtype, device=dev) if rowwise else None
     data_t = torch.empty((k, mp), dtype=fp8_dtype, device=dev) if transpose else None
-    step = _SCALE_ALIGN // 4
-    scale_inv = torch.empty((len(splits), step), dtype=torch.float32, device=dev)[:, 0]
+    scale_inv = _spaced_scale_inv(len(splits), dev)
     _C.cast_fp8_grouped(x, torch.tensor(splits, dtype=torch.int64), int(row_multiple), scale, amax, data,
                         data_t, scale_inv, int(bool(current)), int(margin), stream_for(x))
     return data, data_t, scale_inv
@@ -287,9 +298,9 @@ def cast_fp8_grouped(x, m_splits, fp8_dtype, *, scale, amax=None, rowwise=True, 
 
 def cast_fp8_current_list(xs, fp8_dtype, *, amax=None, margin=0, rowwise=True, transpose=True):
     """Current scaling of each of G same-shaped tensors ``xs`` (a grouped
-    layer's weights, [N, K] each, N and K multiples of 16) in one C call
-    (CUDA: three launches for up to 64 tensors, where one cast each took
-    one launch and a quantizer call).  Tensor g: amax = max |x_g|, scale =
+    layer's weights, [N, K] each of one dtype, N and K multiples of 16,
+    contiguous, 16-byte aligned on CUDA) in one C call (CUDA: three
+    launches for up to 64 tensors).  Tensor g: amax = max |x_g|, scale =
     fp8_max / amax / 2**margin, and its FP8 copies ``data[g]`` [N, K]
     (``rowwise``) and ``data_t[g]`` [K, N] (``transpose``).  ``amax``: a
     float32 vector of G elements (any stride, e.g. a ScalingState's weight
@@ -299,6 +310,7 @@ def cast_fp8_current_list(xs, fp8_dtype, *, amax=None, margin=0, rowwise=True, t
     tensor's results equal ``seqfuse.ops.quant.cast_fp8_current``'s."""
     op = "cast_fp8_current_list"
     require_fp8_dlpack(op)
+    fp8_dtype = fp8_dtype_of(fp8_dtype, op)
     if not isinstance(xs, (list, tuple)) or not xs:
         raise ValueError(f"{op}: argument 'xs' must be a non-empty list of tensors")
     if not rowwise and not transpose:
@@ -307,12 +319,16 @@ def cast_fp8_current_list(xs, fp8_dtype, *, amax=None, margin=0, rowwise=True, t
     first = _tensor(op, "xs[0]", xs[0])
     if first.dim() != 2:
         raise ValueError(f"{op}: every tensor of 'xs' must be 2-D [N, K], got {first.dim()}-D")
+    for g, t in enumerate(xs):
+        if not isinstance(t, torch.Tensor) or t.shape != first.shape or t.dtype != first.dtype:
+            raise ValueError(f"{op}: every tensor of 'xs' must have xs[0]'s shape {tuple(first.shape)} and "
+                             f"dtype {first.dtype}; xs[{g}] is "
+                             + (f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__))
     n, k = first.shape
     dev = first.device
     data = list(torch.empty((G, n, k), dtype=fp8_dtype, device=dev).unbind(0)) if rowwise else None
     data_t = list(torch.empty((G, k, n), dtype=fp8_dtype, device=dev).unbind(0)) if transpose else None
-    step = _SCALE_ALIGN // 4
-    scale_inv = torch.empty((G, step), dtype=torch.float32, device=dev)[:, 0]
+    scale_inv = _spaced_scale_inv(G, dev)
     slots = torch.empty((2, G), dtype=torch.float32, device=dev)
     scale = slots[0]
     if amax is None:
@@ -571,7 +587,7 @@ def moe_permute_by_row_id_map(inp, row_id_map, num_out_tokens, probs=None, zero_
     return _Permute.apply(inp, row_id_map, int(num_out_tokens), probs, bool(zero_unrouted))
 
 
-def pad_row_id_map(row_id_map, tokens_per_expert, row_multiple=16):
+def pad_row_id_map(row_id_map, tokens_per_expert, row_multiple=FP8_ROW_MULTIPLE):
     """The row_id_map of an expert-sorted buffer whose experts' row blocks
     are padded to multiples of ``row_multiple`` (the FP8 GEMMs' 16): each
     routed pair's row moves down by the padding of the experts before its
@@ -594,9 +610,10 @@ def counts_to_host(counts):
         values = counts.tolist()
         return lambda: values
     host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
-    host.copy_(counts, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
+    with torch.cuda.device(counts.device):  # the copy and the event on counts' device's stream
+        host.copy_(counts, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
 
     def wait():
         done.synchronize()

@@ -55,6 +55,7 @@ import torch
 from ..common.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format,
                              MXFP8BlockScaling, NVFP4BlockScaling, Recipe)
 from ..ops import quant as qops
+from ..ops.gemm import FP8_ROW_MULTIPLE
 from ..ops.device_checks import capturing
 from . import recompute
 from .quantize import quantize_block, quantize_current, state_cast_args
@@ -67,7 +68,7 @@ __all__ = ["FP8FwdTensors", "FP8BwdTensors", "GemmQuantizers", "quantizers_for",
 _log = logging.getLogger("seqfuse")
 
 #: The FP8 GEMMs' token granularity (the wgrad operands' row stride, in bytes).
-ROW_MULTIPLE = 16
+ROW_MULTIPLE = FP8_ROW_MULTIPLE
 
 #: Each format's (forward, backward) FP8 dtypes, indexed by "is a backward
 #: tensor": a dict read per cast (Format's dtype attributes are properties
@@ -177,7 +178,9 @@ class _Role:
         """(amax, scale): one-element float32 buffers on x's device that a
         per-tensor cast computes its scale in and reads back in its own
         launches.  Nothing reads them after the cast and the casts of a role
-        run in stream order, so the role keeps one pair for all of them.
+        run in stream order, so the role keeps one pair for all of them (a
+        module's FP8 casts on two streams at once are not supported: its
+        delayed-scaling amaxes and these scratch values would race).
         Under CUDA graph capture a new pair (kept alive by the graph), so
         eager casts never share the buffers a replay writes."""
         s = self.scratch

@@ -50,21 +50,16 @@ _ROLE_INDEX = {"input": 0, "grad": 2}
 
 
 class GroupedFloat8:
-    """FP8 copies of G experts' row runs.  ``data`` [Mp, K] (run g in rows
-    offsets[g] .. offsets[g] + padded[g], zero past its real rows) or None;
+    """FP8 copies of G experts' row runs.  ``data`` [Mp, K] (run g in the
+    padded[g] rows after the runs before it, zero past its real rows) or None;
     ``data_t`` [K, Mp] (run g in the same columns) or None; ``scale_inv``
     [G] (1 / expert g's scale, 256 bytes apart); ``padded``: the padded row
     counts (host ints)."""
 
-    __slots__ = ("data", "data_t", "scale_inv", "padded", "offsets")
+    __slots__ = ("data", "data_t", "scale_inv", "padded")
 
     def __init__(self, data, data_t, scale_inv, padded):
         self.data, self.data_t, self.scale_inv, self.padded = data, data_t, scale_inv, padded
-        offsets, o = [], 0
-        for p in padded:
-            offsets.append(o)
-            o += p
-        self.offsets = offsets
 
     def column_blocks(self):
         """Each expert's transposed block [K, padded[g]] of ``data_t`` (the
@@ -96,6 +91,10 @@ def quantize_grouped(q, role, x, splits, *, rowwise=True, transpose=True):
         return _declined("inside an activation checkpoint's recompute")
     if stats.recording():
         return _declined("FP8 statistics are being recorded")
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if x.is_cuda and x.data_ptr() % 16:
+        return _declined("an input not 16-byte aligned, which the grouped kernel reads in 16-byte vectors")
     G = len(splits)
     first = _ROLE_INDEX[role]
     roles = q.inputs if role == "input" else q.grads
@@ -131,6 +130,11 @@ def weight_pairs(q, weights, is_first_microbatch=None):
         return [pair if pair is not None else roles[g].get(weights[g], is_first_microbatch)
                 for g, (pair, _) in enumerate(found)]
     ws = [w.detach().contiguous() for w in weights]
+    w0 = ws[0]
+    if any(w.shape != w0.shape or w.dtype != w0.dtype or (w.is_cuda and w.data_ptr() % 16) for w in ws):
+        # the list cast takes same-shaped, 16-byte aligned weights (views into a flat buffer may not be)
+        _declined("expert weights of different shapes or dtypes, or not 16-byte aligned")
+        return [roles[g].get(weights[g], is_first_microbatch) for g in range(G)]
     fp8_dtype = roles[0].fp8_dtype
     amax = q.state.role_slots(1, 3)[1] if q.kind == "delayed" else None
     data, data_t, si, scale, amax = moe_ops.cast_fp8_current_list(ws, fp8_dtype, amax=amax, margin=q.margin)

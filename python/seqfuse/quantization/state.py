@@ -344,6 +344,7 @@ class ScalingState(nn.Module):
             old.live -= self.num_tensors
         self._chunk_ref = None
         self._ptrs = None
+        self._role_views = {}  # views of the chunk left behind: not kept alive
         if getattr(self, "_finalizer", None) is not None:
             self._finalizer.detach()
             self._finalizer = None
