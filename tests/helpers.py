@@ -451,3 +451,25 @@ def dlpack_path(request):
     previous = _C.set_exchange_api(request.param == "exchange")
     yield request.param
     _C.set_exchange_api(previous)
+
+
+def grouped_and_per_expert_fp8_step(gl, lins, splits, recipe):
+    """One FP8 forward and backward of GroupedLinear ``gl`` and of the
+    per-expert Linears ``lins`` on the same input rows and output gradient
+    (expert g takes rows ``splits``' run g): (y, dx) of each, as
+    ((y, dx), (y_ref, dx_ref))."""
+    from seqfuse.quantization import fp8_autocast
+
+    offs = [0]
+    for m in splits:
+        offs.append(offs[-1] + m)
+    x = torch.randn(offs[-1], gl.in_features, requires_grad=True)
+    dy = torch.randn(offs[-1], gl.out_features)
+    with fp8_autocast(enabled=True, fp8_recipe=recipe):
+        y = gl(x, splits)
+    y.backward(dy)
+    xr = x.detach().clone().requires_grad_()
+    with fp8_autocast(enabled=True, fp8_recipe=recipe):
+        ref = torch.cat([lins[g](xr[offs[g]:offs[g + 1]]) for g, m in enumerate(splits) if m])
+    ref.backward(dy)
+    return (y.detach(), x.grad), (ref.detach(), xr.grad)
