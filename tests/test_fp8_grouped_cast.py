@@ -411,7 +411,8 @@ def test_counts_to_host_cuda_waits_for_its_copy():
 def test_grouped_linear_fp8_cuda_misaligned_input_takes_the_per_expert_casts(seed):
     """An input 8 bytes off 16-byte alignment: the grouped cast declines (its
     kernel reads 16-byte vectors) and the per-expert casts give the aligned
-    input's result."""
+    input's result (the same FP8 bytes; the GEMMs may pick other cuBLASLt
+    algorithms for other operand addresses, so within bf16's pair tolerance)."""
     splits = [100, 0, 60]
     gl = GroupedLinear(3, 256, 128, bias=False, device="cuda", params_dtype=torch.bfloat16)
     x = torch.randn(160, 256, device="cuda").bfloat16()
@@ -422,4 +423,4 @@ def test_grouped_linear_fp8_cuda_misaligned_input_takes_the_per_expert_casts(see
     with fp8_autocast(enabled=True, fp8_recipe=Float8CurrentScaling()):
         y_off = gl(off, splits)
         y = gl(x, splits)
-    assert torch.equal(y_off, y)
+    assert rel_error(y_off, y) <= pair_tol(torch.bfloat16)
