@@ -53,6 +53,24 @@ def _run(m, x, dy, recipe):
 @needs_fp8
 @pytest.mark.parametrize("device", _devices())
 @pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP"])
+def test_no_tokens_trains_to_zero_gradients(kind, recipe, device):
+    """Zero rows with biases, the loss a sum (its gradient an expanded [0, N]
+    tensor, which torch calls contiguous whatever its strides): the forward
+    gives [0, N], every gradient is zero."""
+    m = _module(kind, device)
+    x = torch.randn(0, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
+    with te.autocast(recipe=RECIPES[recipe]()):
+        y = m(x)
+    y.sum().backward()
+    assert y.shape[0] == 0 and x.grad.shape == x.shape
+    for n, p in m.named_parameters():
+        assert p.grad is not None and not p.grad.any(), n
+
+
+@needs_fp8
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("recipe", list(RECIPES))
 @pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP", "TransformerLayer"])
 @pytest.mark.parametrize("rows", ROWS)
 def test_any_row_count_equals_aligned(kind, recipe, rows, device, seed):

@@ -38,7 +38,7 @@ from ._call import as_float, detached, require_fp8_dlpack, stream_for
 from .gemm import FP8_DTYPES, FP8_ROW_MULTIPLE, SCALINGS, tf32_of, workspace_for
 from .quant import fp8_dtype_of
 
-__all__ = ["grouped_gemm", "cast_fp8_grouped", "cast_fp8_current_list", "pad_row_id_map", "counts_to_host",
+__all__ = ["dense", "grouped_gemm", "cast_fp8_grouped", "cast_fp8_current_list", "pad_row_id_map", "counts_to_host",
            "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss",
            "fused_moe_aux_loss", "moe_z_loss", "moe_row_id_map", "moe_permute",
            "moe_permute_with_probs", "moe_permute_by_row_id_map", "moe_unpermute", "scaled_swiglu"]

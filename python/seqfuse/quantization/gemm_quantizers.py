@@ -56,6 +56,7 @@ from ..common.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentSc
                              MXFP8BlockScaling, NVFP4BlockScaling, Recipe)
 from ..ops import quant as qops
 from ..ops.gemm import FP8_ROW_MULTIPLE
+from ..ops.moe import dense
 from ..ops.device_checks import capturing
 from . import recompute
 from .quantize import quantize_block, quantize_current, state_cast_args
@@ -201,8 +202,7 @@ class _Role:
         o = self.owner
         if x.requires_grad:
             x = x.detach()
-        if not x.is_contiguous():
-            x = x.contiguous()
+        x = dense(x)
         if o.kind == "delayed":
             scale, amax, fp8_dtype = state_cast_args(o.state, self.index, x)
         else:
@@ -240,6 +240,7 @@ class _Role:
         m = x.shape[0]
         mp = padded_rows(m)
         if o.kind == "block":
+            x = dense(x)
             xp = x if mp == m else _pad_rows(x, mp)
             return quantize_block(xp, 1, self.fp8_dtype, columnwise=transpose)
         return self._cast(x, transpose, rows=None if mp == m else mp)
@@ -332,6 +333,7 @@ class GradQuantizer(_Role):
         return g, (None if db is None else db.to(bias_dtype))
 
     def _block_grad(self, dy, want_db, need_dgrad, need_wgrad, bias_dtype):
+        dy = dense(dy)
         m = dy.shape[0]
         mp = padded_rows(m)
         dyp = dy if mp == m else _pad_rows(dy, mp)
