@@ -31,11 +31,14 @@ Linear (seqfuse.quantization.gemm_quantizers, and the GEMM operand helpers
 of modules/_fp8.py): a GemmQuantizers of num_gemms GEMMs, TE's layout of
 3 x num_gemms scaling slots (expert g's input 3g, weight 3g + 1, output
 gradient 3g + 2), one scale (or one set of block scales) per expert and
-operand.  Each expert's rows are quantized on their own and padded to a
-multiple of 16 (the FP8 GEMMs' granularity; zero rows), so the forward and
-input-gradient results are computed over padded row blocks and gathered
-back to the real rows (one copy of the output, where some expert's count
-is not a multiple of 16).  The weight gradient takes the experts'
+operand.  Each expert's rows are quantized with their own scale and padded
+to a multiple of 16 (the FP8 GEMMs' granularity; zero rows), every expert
+in one cast call where seqfuse.quantization.grouped allows (per-tensor
+recipes in steady state; else expert by expert, the same values), so the
+forward and input-gradient results are computed over padded row blocks
+and gathered back to the real rows (one copy of the output, where some
+expert's count is not a multiple of 16; GroupedMLP under FP8 hands over
+row blocks already padded, and nothing is gathered).  The weight gradient takes the experts'
 transposed (column-wise) copies.  MXFP8 / NVFP4 raise NotImplementedError
 (their GEMMs need compute capability 10.x).
 
