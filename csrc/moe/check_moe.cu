@@ -220,22 +220,29 @@ static void random_map(CheckBuf &map, int64_t T, int64_t E, int topk)
     map.up();
 }
 
-/* A random routing map of T tokens over E experts (topk each), its row ids
- * and tokens per expert on both backends; the reference's ids are then
- * uploaded so the device side of later ops reads the same ones.  Returns
- * whether the backends' ids and counts agree byte for byte. */
-static bool routed_rows(CheckBuf &map, CheckBuf &rid, CheckBuf &tpe, int64_t T, int64_t E, int topk)
-{
-    int64_t s2[2] = {T, E}, s1[1] = {E};
-    random_map(map, T, E, topk);
-    for (int cuda = 0; cuda < 2; ++cuda) {
-        sf_tensor m = map.view(2, s2, cuda), r = rid.view(2, s2, cuda), c = tpe.view(1, s1, cuda);
-        CHECK_SF(sf_moe_row_id_map(&m, &r, &c, NULL));
+/* A routing of T tokens to topk of E experts (random_map), its row ids and
+ * per-expert counts made on both backends (the device side of later ops
+ * reads the same ones), and a probability for each routed pair (zero
+ * elsewhere).  ids_ok: the backends' ids and counts agree byte for byte. */
+struct Routing {
+    CheckBuf map, rid, tpe, probs;
+    bool ids_ok;
+    Routing(int64_t T, int64_t E, int topk)
+        : map(SF_BOOL, T * E), rid(SF_INT32, T * E), tpe(SF_INT64, E), probs(SF_FLOAT32, T * E)
+    {
+        int64_t s2[2] = {T, E}, s1[1] = {E};
+        random_map(map, T, E, topk);
+        for (int cuda = 0; cuda < 2; ++cuda) {
+            sf_tensor m = map.view(2, s2, cuda), r = rid.view(2, s2, cuda), c = tpe.view(1, s1, cuda);
+            CHECK_SF(sf_moe_row_id_map(&m, &r, &c, NULL));
+        }
+        ids_ok = same_bytes(rid) && same_bytes(tpe);
+        rid.up();
+        for (int64_t i = 0; i < T * E; ++i)
+            probs.set(i, map.h[i] ? rng_uniform() : 0.0f);
+        probs.up();
     }
-    const bool same = same_bytes(rid) && same_bytes(tpe);
-    rid.up();
-    return same;
-}
+};
 
 /* drop: rows cut from the end of the permuted buffer (capacity). */
 static void permute_case(sf_dtype dt, int64_t T, int64_t E, int topk, int64_t H, int64_t drop)
@@ -243,16 +250,14 @@ static void permute_case(sf_dtype dt, int64_t T, int64_t E, int topk, int64_t H,
     if (!check_take_case()) /* CHECK_EVERY (core/check_util.h) */
         return;
     int64_t s2[2] = {T, E};
-    CheckBuf map(SF_BOOL, T * E), rid(SF_INT32, T * E), tpe(SF_INT64, E);
-    const bool ids_ok = routed_rows(map, rid, tpe, T, E, topk);
+    Routing routing(T, E, topk);
+    CheckBuf &rid = routing.rid, &probs = routing.probs;
+    const bool ids_ok = routing.ids_ok;
 
     const int64_t N = T * topk - drop;
     int64_t sx[2] = {T, H}, sp[2] = {N, H}, sn[1] = {N};
-    CheckBuf inp(dt, T * H), probs(SF_FLOAT32, T * E), out(dt, N * H), out_probs(SF_FLOAT32, N);
+    CheckBuf inp(dt, T * H), out(dt, N * H), out_probs(SF_FLOAT32, N);
     fill_normal_up(inp, 1.0f);
-    for (int64_t i = 0; i < T * E; ++i)
-        probs.set(i, map.h[i] ? rng_uniform() : 0.0f);
-    probs.up();
     for (int cuda = 0; cuda < 2; ++cuda) {
         sf_tensor x = inp.view(2, sx, cuda), r = rid.view(2, s2, cuda), p = probs.view(2, s2, cuda),
                   o = out.view(2, sp, cuda), op = out_probs.view(1, sn, cuda);
@@ -296,17 +301,15 @@ static void unpermute_plain_case(sf_dtype dt, sf_dtype gdt, int64_t T, int64_t E
     if (!check_take_case()) /* CHECK_EVERY (core/check_util.h) */
         return;
     int64_t s2[2] = {T, E};
-    CheckBuf map(SF_BOOL, T * E), rid(SF_INT32, T * E), tpe(SF_INT64, E);
-    const bool ids_ok = routed_rows(map, rid, tpe, T, E, topk);
+    Routing routing(T, E, topk);
+    CheckBuf &rid = routing.rid, &probs = routing.probs;
+    const bool ids_ok = routing.ids_ok;
     const int64_t N = T * topk;
     int64_t sx[2] = {T, H}, sp[2] = {N, H};
-    CheckBuf y(dt, N * H), back(dt, T * H), dout(gdt, T * H), dy(gdt, N * H), probs(SF_FLOAT32, T * E),
-        dy_p(gdt, N * H), dprobs(SF_FLOAT32, T * E);
+    CheckBuf y(dt, N * H), back(dt, T * H), dout(gdt, T * H), dy(gdt, N * H), dy_p(gdt, N * H),
+        dprobs(SF_FLOAT32, T * E);
     fill_normal_up(y, 1.0f);
     fill_normal_up(dout, 1.0f);
-    for (int64_t i = 0; i < T * E; ++i)
-        probs.set(i, map.h[i] ? rng_uniform() : 0.0f);
-    probs.up();
     for (int cuda = 0; cuda < 2; ++cuda) {
         sf_tensor yi = y.view(2, sp, cuda), r = rid.view(2, s2, cuda), b = back.view(2, sx, cuda),
                   g = dout.view(2, sx, cuda), d = dy.view(2, sp, cuda), p = probs.view(2, s2, cuda),

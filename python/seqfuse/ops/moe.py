@@ -71,30 +71,31 @@ def _float_tensor(op, name, t, ndim=None):
     return t.contiguous()
 
 
-def host_splits(op, m_splits):
-    """m_splits as a list of Python ints.  A CPU tensor is read; a CUDA tensor
-    is refused (its values would need a host sync: this route runs one
-    cuBLASLt call per group, sized on the host)."""
+def host_splits(op, m_splits, arg="argument 'm_splits'"):
+    """m_splits as a list of Python ints (``arg`` names it in messages).  A
+    CPU tensor is read; a CUDA tensor is refused (its values would need a
+    host sync: this route runs one cuBLASLt call per group, sized on the
+    host)."""
     if isinstance(m_splits, torch.Tensor):
         if m_splits.device.type != "cpu":
             raise NotImplementedError(
-                f"{op}: argument 'm_splits' is a {m_splits.device.type} tensor; the device-side split "
+                f"{op}: {arg} is a {m_splits.device.type} tensor; the device-side split "
                 "route is not built yet (the grouped GEMM runs one cuBLASLt call per group sized on "
                 "the host): pass a list of ints, e.g. tokens_per_expert.tolist()")
-        if m_splits.dtype.is_floating_point or m_splits.dim() != 1:
-            raise TypeError(f"{op}: argument 'm_splits' as a tensor must be 1-D integer, got "
-                            f"{m_splits.dim()}-D {m_splits.dtype}")
-        splits = [int(v) for v in m_splits.tolist()]
+        if m_splits.dtype.is_floating_point or m_splits.dtype.is_complex or m_splits.dim() > 1:
+            raise TypeError(f"{op}: {arg} must be a 1-D integer tensor, got {m_splits.dim()}-D "
+                            f"{m_splits.dtype}")
+        splits = [int(v) for v in m_splits.reshape(-1).tolist()]
     else:
         try:
             splits = [int(v) for v in m_splits]
         except TypeError:
-            raise TypeError(f"{op}: argument 'm_splits' must be a sequence of ints, got "
+            raise TypeError(f"{op}: {arg} must be an integer tensor or a sequence of ints, got "
                             f"{type(m_splits).__name__}") from None
     if not splits:
-        raise ValueError(f"{op}: argument 'm_splits' must hold at least one group")
+        raise ValueError(f"{op}: {arg} must hold at least one group")
     if any(v < 0 for v in splits):
-        raise ValueError(f"{op}: argument 'm_splits' must hold row counts >= 0, got {splits}")
+        raise ValueError(f"{op}: {arg} must hold sizes >= 0 (row counts >= 0, one per group), got {splits}")
     return splits
 
 

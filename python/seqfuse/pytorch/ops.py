@@ -64,6 +64,7 @@ from ..modules import LayerNormLinear, LayerNormMLP, Linear as _LinearModule, ac
 from ..modules.grouped_linear import GroupedLinear as _GroupedLinearModule
 from ..modules.multihead_attention import L2Normalization as _L2Normalization
 from ..modules.te_compat import materialize, materialize_device, rng_fork
+from ..ops import moe as moe_ops
 from ..quantization import is_fp8_enabled
 
 __all__ = ["FusibleOperation", "BasicOperation", "is_op_fuser_grouped_tensor_path_supported", "BasicLinear", "Bias", "Linear", "GroupedLinear", "LayerNorm", "RMSNorm", "GELU", "ReLU", "SiLU",
@@ -316,30 +317,16 @@ class GroupedLinear(BasicOperation):
         return runner
 
     def _splits(self, split_sizes, rows):
-        who = "te.ops.GroupedLinear"
-        if isinstance(split_sizes, torch.Tensor):
-            if split_sizes.dtype.is_floating_point or split_sizes.dtype.is_complex or split_sizes.dim() > 1:
-                raise TypeError(f"{who}: extra input 'split_sizes' must be a 1-D integer tensor, got "
-                                f"{split_sizes.dim()}-D {split_sizes.dtype}")
-            if split_sizes.device.type != "cpu":
-                if not _logged_host_splits:
-                    _logged_host_splits.append(True)
-                    _log.info("%s: split sizes on %s are read to the host (one device synchronisation per "
-                              "call): seqfuse's grouped GEMM sizes its groups on the host", who,
-                              split_sizes.device)
-                split_sizes = split_sizes.cpu()
-            splits = [int(v) for v in split_sizes.reshape(-1).tolist()]
-        else:
-            try:
-                splits = [int(v) for v in split_sizes]
-            except TypeError:
-                raise TypeError(f"{who}: extra input 'split_sizes' must be an integer tensor or a sequence of "
-                                f"ints, got {type(split_sizes).__name__}") from None
+        who, arg = "te.ops.GroupedLinear", "extra input 'split_sizes'"
+        if isinstance(split_sizes, torch.Tensor) and split_sizes.device.type != "cpu":
+            if not _logged_host_splits:
+                _logged_host_splits.append(True)
+                _log.info("%s: split sizes on %s are read to the host (one device synchronisation per "
+                          "call): seqfuse's grouped GEMM sizes its groups on the host", who, split_sizes.device)
+            split_sizes = split_sizes.cpu()
+        splits = moe_ops.host_splits(who, split_sizes, arg)
         if len(splits) != self.num_groups:
-            raise ValueError(f"{who}: extra input 'split_sizes' must hold num_groups = {self.num_groups} "
-                             f"sizes, got {len(splits)}")
-        if any(s < 0 for s in splits):
-            raise ValueError(f"{who}: extra input 'split_sizes' must hold sizes >= 0, got {splits}")
+            raise ValueError(f"{who}: {arg} must hold num_groups = {self.num_groups} sizes, got {len(splits)}")
         if sum(splits) != rows:
             raise ValueError(f"{who}: extra input 'split_sizes' adds up to {sum(splits)}, but the input's first "
                              f"dimension is {rows}")
