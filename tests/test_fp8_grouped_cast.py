@@ -424,3 +424,32 @@ def test_grouped_linear_fp8_cuda_misaligned_input_takes_the_per_expert_casts(see
         y_off = gl(off, splits)
         y = gl(x, splits)
     assert rel_error(y_off, y) <= pair_tol(torch.bfloat16)
+
+
+@needs_fp8
+def test_weight_pairs_casts_mismatched_weights_one_by_one(monkeypatch, seed):
+    """Expert weights of different dtypes cannot share the list cast: each is
+    cast by its own quantizer (the same values a lone cast gives)."""
+    from seqfuse.quantization.grouped import weight_pairs
+
+    gl = GroupedLinear(3, 32, 48, bias=False, device="cpu")
+    calls = _count_grouped_casts(monkeypatch, "cast_fp8_current_list")
+    ws = [gl.weight0, gl.weight1.detach().bfloat16(), gl.weight2]
+    with fp8_autocast(enabled=True, fp8_recipe=Float8CurrentScaling()):
+        q = gl._quantizers(Float8CurrentScaling(), torch.device("cpu"))
+        pairs = weight_pairs(q, ws)
+    assert not calls and weight_casts(gl) == 3
+    for w, (fwd, _) in zip(ws, pairs):
+        a, s, i = (torch.empty(1) for _ in range(3))
+        d, _ = qops.cast_fp8_current(w.detach(), fwd.data.dtype, amax=a, scale=s, scale_inv=i, transpose=True)
+        assert torch.equal(_bytes(fwd.data), _bytes(d))
+
+
+def test_fp8_gemm_nt_names_a_bad_scaling():
+    from seqfuse.ops.gemm import fp8_gemm_nt
+
+    a = torch.zeros(16, 16).to(E4M3)
+    with pytest.raises(ValueError, match="'a_scaling' must be one of"):
+        fp8_gemm_nt(a, torch.ones(1), "bogus", a, torch.ones(1), None, torch.empty(16, 16))
+    with pytest.raises(TypeError, match="'a' and 'b' must be torch.Tensors"):
+        fp8_gemm_nt([a], torch.ones(1), None, a, torch.ones(1), None, torch.empty(16, 16))

@@ -371,7 +371,7 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         padded = tuple(_gq.padded_rows(m) for m in m_splits)
         pairs = weight_pairs(q, weights, first)  # every expert's weight cast in one call where all are due
         # every expert's input cast in one call, else expert by expert (quantization.grouped)
-        gx = quantize_grouped(q, "input", x, m_splits, transpose=need_w)
+        gx = quantize_grouped(q, "input", x, m_splits, padded, transpose=need_w)
         x_row, x_col = (gx, None) if gx is not None else _expert_casts(q.inputs, x, m_splits, kind, need_w)
         w_forward = [F8.weight_forward(p, kind) for p in pairs]
         bias = None
@@ -416,7 +416,8 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         dy = moe_ops.dense(dy)
         # every expert's gradient cast in one call, else expert by expert (also for bias gradients,
         # which the per-expert casts sum in their own pass)
-        gg = None if need_db else quantize_grouped(q, "grad", dy, splits, rowwise=need_dx, transpose=need_dw)
+        gg = None if need_db else quantize_grouped(q, "grad", dy, splits, padded, rowwise=need_dx,
+                                                   transpose=need_dw)
         if gg is not None:
             g_row, g_col, dbs = gg, _Columns(gg) if need_dw else None, []
         else:

@@ -79,11 +79,12 @@ def _declined(reason):
     return None
 
 
-def quantize_grouped(q, role, x, splits, *, rowwise=True, transpose=True):
-    """x [M, K] (G runs of ``splits`` rows) as a GroupedFloat8 for role
-    "input" or "grad" of GemmQuantizers ``q`` (G GEMMs), or None where one
-    call does not apply (module note).  ``rowwise`` / ``transpose``: which
-    copies to make."""
+def quantize_grouped(q, role, x, splits, padded, *, rowwise=True, transpose=True):
+    """x [M, K] (G runs of ``splits`` rows, ``padded`` their counts rounded
+    up to the FP8 row multiple, which the caller holds already) as a
+    GroupedFloat8 for role "input" or "grad" of GemmQuantizers ``q`` (G
+    GEMMs), or None where one call does not apply (module note).
+    ``rowwise`` / ``transpose``: which copies to make."""
     kind = q.kind
     if kind == "block":
         return None  # block scaling has its own per-expert kernels, no grouped one yet
@@ -113,7 +114,7 @@ def quantize_grouped(q, role, x, splits, *, rowwise=True, transpose=True):
         data, data_t, si = moe_ops.cast_fp8_grouped(x, splits, fp8_dtype, scale=slots[0], amax=slots[1],
                                                     rowwise=rowwise, transpose=transpose, current=True,
                                                     margin=q.margin)
-    return GroupedFloat8(data, data_t, si, moe_ops.padded_splits(splits))
+    return GroupedFloat8(data, data_t, si, padded)
 
 
 def weight_pairs(q, weights, is_first_microbatch=None):
