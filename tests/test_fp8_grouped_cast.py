@@ -439,10 +439,10 @@ def test_weight_pairs_casts_mismatched_weights_one_by_one(monkeypatch, seed):
         q = gl._quantizers(Float8CurrentScaling(), torch.device("cpu"))
         pairs = weight_pairs(q, ws)
     assert not calls and weight_casts(gl) == 3
-    for w, (fwd, _) in zip(ws, pairs):
+    for w, (forward_q, _) in zip(ws, pairs):
         a, s, i = (torch.empty(1) for _ in range(3))
-        d, _ = qops.cast_fp8_current(w.detach(), fwd.data.dtype, amax=a, scale=s, scale_inv=i, transpose=True)
-        assert torch.equal(_bytes(fwd.data), _bytes(d))
+        d, _ = qops.cast_fp8_current(w.detach(), forward_q.data.dtype, amax=a, scale=s, scale_inv=i, transpose=True)
+        assert torch.equal(_bytes(forward_q.data), _bytes(d))
 
 
 def test_fp8_gemm_nt_names_a_bad_scaling():
