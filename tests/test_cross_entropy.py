@@ -3,6 +3,8 @@ against torch.nn.functional.cross_entropy in float64 on the CPU (ignored
 labels, label smoothing, every reduction, in-place backward), the chunked
 linear + cross-entropy against the unchunked torch computation, bad inputs,
 and the CUDA kernels against the CPU backend on poisoned outputs."""
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,6 +16,9 @@ from seqfuse.ops import cross_entropy_backward, cross_entropy_forward
 from seqfuse.ops.gemm import workspace_for
 
 from helpers import assert_close_rel, poisoned_like
+
+# the module itself (seqfuse.modules re-exports its cross_entropy function under the module's name)
+ce_module = importlib.import_module("seqfuse.modules.cross_entropy")
 
 
 def make_labels(n, v, ignore_frac=0.25, ignore_index=-100, device="cpu"):
@@ -153,11 +158,22 @@ def test_linear_cross_entropy_fp32_weight_bf16_hidden(seed):
                                            (torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                            (torch.float32, torch.bfloat16), (torch.float16, torch.bfloat16)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_cross_entropy_one_chunk_matches_chunks(hdtype, wdtype, bias, seed):
+def test_linear_cross_entropy_one_chunk_matches_chunks(hdtype, wdtype, bias, seed, monkeypatch):
     """All rows in one chunk (the weight gradient written in its dtype by one
     GEMM where the GEMM can write it) against several chunks (summed in a
     float32 buffer, rounded once), each against float64, every gradient in
-    its tensor's own dtype; mixed dtypes run the GEMMs in hidden's."""
+    its tensor's own dtype; mixed dtypes run the GEMMs in hidden's.  The
+    weight-gradient GEMMs' output dtypes are recorded: the weight's for one
+    chunk of hidden's dtype, float32 otherwise."""
+    real_gemm = ce_module._gemm
+    wgrad_out = []
+
+    def recording_gemm(a, b, **kw):
+        if kw.get("transa"):
+            wgrad_out.append(kw["out"].dtype)
+        return real_gemm(a, b, **kw)
+
+    monkeypatch.setattr(ce_module, "_gemm", recording_gemm)
     n, h, v = 64, 16, 40
     hidden = torch.randn(n, h).to(hdtype)
     weight = (torch.randn(v, h) * 0.3).to(wdtype)
@@ -167,8 +183,11 @@ def test_linear_cross_entropy_one_chunk_matches_chunks(hdtype, wdtype, bias, see
     for chunk in (None, 16):
         hd, wd = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
         bd = b.clone().requires_grad_(True) if bias else None
+        wgrad_out.clear()
         linear_cross_entropy(hd, wd, labels, bias=bd, chunk_size=chunk).backward()
         assert hd.grad.dtype == hdtype and wd.grad.dtype == wdtype and (not bias or bd.grad.dtype == wdtype)
+        one_chunk_in_place = chunk is None and wdtype == hdtype
+        assert wgrad_out == [wdtype] if one_chunk_in_place else set(wgrad_out) == {torch.float32}
         grads.append((hd.grad, wd.grad, bd.grad if bias else None))
     gemm = hdtype  # the GEMMs run in hidden's dtype: the reference sees the weight rounded to it
     h64 = hidden.double().requires_grad_(True)

@@ -111,6 +111,21 @@ def test_packed_positions_built_above_the_decoder_keep_the_tests():
     torch.testing.assert_close(whole, torch.cat([a, b], 1), rtol=1e-4, atol=1e-4)
 
 
+def test_positions_passed_positionally_count_as_given():
+    """The mark reads position_ids however it is passed: positionally given
+    positions keep the tests (flag down), a positional None derives them."""
+    model = _model()
+    seen = _marks(model)
+    ids = _ids()
+    pos = torch.arange(ids.shape[1])[None]
+    model.model(ids, None, pos)  # (input_ids, attention_mask, position_ids)
+    assert seen == [False, False]
+    seen.clear()
+    model.model(ids, None, None)
+    assert seen == [True, True]
+    assert not derived_positions()
+
+
 def test_accelerate_twice_keeps_one_mark():
     model = _model()
     accelerate(model)

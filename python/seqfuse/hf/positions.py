@@ -29,8 +29,8 @@ Gradient checkpointing recomputes a layer in the backward, outside the
 forward's context.  There the flag is false, and the attention's own test
 runs (and synchronizes) as before.
 """
-import contextlib
 import contextvars
+import functools
 import logging
 
 from torch import nn
@@ -47,28 +47,31 @@ def derived_positions():
     return _derived.get()
 
 
-@contextlib.contextmanager
-def _deriving(active):
-    token = _derived.set(active)
-    try:
-        yield
-    finally:
-        _derived.reset(token)
+@functools.lru_cache(maxsize=None)
+def _position_index(cls):
+    """Where position_ids stands among cls.forward's positional arguments
+    after self, or None (keyword-only or absent): read once per class."""
+    names = [p.name for p in forward_signature(cls)[0].parameters.values()
+             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return names.index("position_ids") - 1 if "position_ids" in names else None
 
 
 def _positions_forward(inner):
     """The forward that marks transformers-derived positions (a module-level
-    maker for seqfuse.hf.method_wrap, so copies of the model keep it)."""
+    maker for seqfuse.hf.method_wrap, so copies of the model keep it).  It
+    runs at every decoder forward: the flag is set and reset inline."""
 
     def forward(self, *args, **kwargs):
         if "position_ids" in kwargs:
             given = kwargs["position_ids"] is not None
         else:
-            sig, _ = forward_signature(type(self))
-            bound = sig.bind_partial(self, *args, **kwargs).arguments
-            given = bound.get("position_ids") is not None
-        with _deriving(not given):
+            i = _position_index(type(self))
+            given = i is not None and len(args) > i and args[i] is not None
+        token = _derived.set(not given)
+        try:
             return inner(self, *args, **kwargs)
+        finally:
+            _derived.reset(token)
 
     return forward
 

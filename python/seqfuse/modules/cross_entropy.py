@@ -134,14 +134,16 @@ def _log_gemm_backend():
     if not _gemm_logged:
         _gemm_logged = True
         _log.info("linear_cross_entropy: chunk GEMMs run on seqfuse.ops.gemm (cuBLASLt on CUDA, "
-                  "the reference GEMM on the CPU); weight gradient accumulated in float32")
+                  "the reference GEMM on the CPU); weight gradient summed over chunks in float32 (one "
+                  "chunk: written by its GEMM in the weight's dtype)")
 
 
 def default_chunk_size(n, v, element_size, budget_bytes=1 << 30):
     """Rows per chunk so one chunk of logits takes at most ``budget_bytes``
     (1 GiB), a multiple of 256 rows, at least 256.  Fewer chunks mean fewer
     read-modify-writes of the float32 weight-gradient accumulator (4 V H
-    bytes each way per chunk), which dominate the cost beside the GEMMs."""
+    bytes each way per chunk, when there is more than one), which dominate
+    the cost beside the GEMMs."""
     rows = max(256, (budget_bytes // max(1, v * element_size)) // 256 * 256)
     return min(n, rows) if n > 0 else 1
 
@@ -171,9 +173,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         chunk = chunk_size or default_chunk_size(n, v, hidden.element_size())
         weight_dtype = weight.dtype
         # the weight gradient sums over chunks in a float32 buffer; one chunk (the GEMM's own float32
-        # accumulation, rounded once) writes it in the weight's dtype directly, where the GEMM can (an out of
-        # its operands' dtype, hidden's, or float32): no [V, H] float32 buffer and no conversion pass
-        one_chunk = n <= chunk and weight_dtype in (hidden.dtype, torch.float32)
+        # accumulation, rounded once) writes it in the weight's dtype directly where that is the GEMM's
+        # operand dtype (hidden's): no [V, H] float32 buffer and no conversion pass.  (A float32 weight's
+        # buffer is float32 either way.)
+        one_chunk = n <= chunk and weight_dtype == hidden.dtype
         acc_dtype = weight_dtype if one_chunk else torch.float32
         grad_w = torch.empty(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None
         grad_b = torch.zeros(v, dtype=torch.float32, device=hidden.device) if need_b else None

@@ -87,7 +87,10 @@ def capturing(where=None):
     given, must be on CUDA for the answer to be True.  It never initialises
     CUDA: no capture can run before CUDA is initialised."""
     if where is not None:
-        on_cuda = where.is_cuda if isinstance(where, torch.Tensor) else torch.device(where).type == "cuda"
+        if isinstance(where, torch.Tensor):
+            on_cuda = where.is_cuda
+        else:  # a torch.device read as it is (building one costs ~1 us), else a name or index
+            on_cuda = (where if isinstance(where, torch.device) else torch.device(where)).type == "cuda"
         if not on_cuda:
             return False
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
