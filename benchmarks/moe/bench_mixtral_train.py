@@ -45,8 +45,11 @@ after a row's timed pass, ``--profile-steps`` more steps under
 torch.profiler, summarised to DIR/<row>_profile.txt
 (benchmarks/profile_summary.py: GPU busy and idle time, the top kernels),
 and on the GPU the Python stacks of one step's synchronizing CUDA calls in
-DIR/<row>_syncs.txt.  Timing: ``--warm-passes``
-(default 1) untimed passes over the very batches, then one timed pass, the
+DIR/<row>_syncs.txt (a profiled run is for finding where a step waits:
+take headline figures from a run without ``--profile``, whose profiler
+may still be attached when the next row is timed).  Timing: ``--warm-passes``
+(default 2: s17 saw an FP8 row 14-23 % faster after more untimed steps)
+untimed passes over the very batches, then one timed pass, the
 GPU synchronized before and after only.  Reported: unpadded tokens/s, vs_hf (against
 hf_bf16) and vs_hf_loop, MFU of the active weights' FLOPs
 (mixtral_recipe.trainer.train_flops) against the measured bf16 ceiling (794
@@ -201,7 +204,7 @@ def main(argv=None):
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="after each row's timed pass, profile --profile-steps more steps into DIR/<row>_profile.txt")
     ap.add_argument("--profile-steps", type=int, default=2)
-    ap.add_argument("--warm-passes", type=int, default=1,
+    ap.add_argument("--warm-passes", type=int, default=2,
                     help="untimed passes over the batches before the timed one (the routing, so the grouped GEMMs' "
                          "row counts and the GEMM plans they need, changes as the model trains)")
     args = ap.parse_args(argv)
