@@ -28,6 +28,12 @@ Rows (``--rows``):
                       with the recipe's lr, betas, eps and weight decay;
   hf_bf16_loop        the same with experts_implementation "eager" (its
                       Python loop over the experts);
+  hf_bf16_compile     hf_bf16 with every decoder layer torch.compile'd
+                      (module.compile(); compiles in the warm passes);
+  hf_bf16_liger       hf_bf16 with liger_kernel's
+                      apply_liger_kernel_to_mixtral(model=...) (RMSNorm,
+                      RoPE, SwiGLU of the loop experts, fused linear
+                      cross-entropy);
   seqfuse_bf16, seqfuse_fp8_delayed, seqfuse_fp8_current, seqfuse_fp8_block
                       the recipe's model, forward_loss and optimizer
                       (FusedAdamW: fp32 master weights and fp32 moments, 12
@@ -51,7 +57,8 @@ may still be attached when the next row is timed).  Timing: ``--warm-passes``
 (default 2: s17 saw an FP8 row 14-23 % faster after more untimed steps)
 untimed passes over the very batches, then one timed pass, the
 GPU synchronized before and after only.  Reported: unpadded tokens/s, vs_hf (against
-hf_bf16) and vs_hf_loop, MFU of the active weights' FLOPs
+hf_bf16), vs_best_hf (against the fastest transformers row timed before it:
+put the hf rows first) and vs_hf_loop, MFU of the active weights' FLOPs
 (mixtral_recipe.trainer.train_flops) against the measured bf16 ceiling (794
 TFLOP/s), peak memory and its ratio to transformers'.  Issue 18's goals:
 >= 2.2x transformers' unpadded tokens/s, peak memory <= transformers'.
@@ -80,10 +87,10 @@ from harness import Table  # noqa: E402
 from mixtral_recipe import load_config  # noqa: E402
 from mixtral_recipe import trainer as recipe  # noqa: E402
 
-ROWS = ("hf_bf16", "hf_bf16_loop", "seqfuse_bf16", "seqfuse_bf16_torch_adamw", "seqfuse_fp8_delayed",
+ROWS = ("hf_bf16", "hf_bf16_loop", "hf_bf16_compile", "hf_bf16_liger", "seqfuse_bf16", "seqfuse_bf16_torch_adamw", "seqfuse_fp8_delayed",
         "seqfuse_fp8_current", "seqfuse_fp8_block", "seqfuse_fp8_delayed_torch_adamw",
         "seqfuse_fp8_current_torch_adamw")
-DEFAULT_ROWS = ("hf_bf16", "hf_bf16_loop", "seqfuse_bf16", "seqfuse_bf16_torch_adamw", "seqfuse_fp8_delayed",
+DEFAULT_ROWS = ("hf_bf16", "hf_bf16_loop", "hf_bf16_compile", "hf_bf16_liger", "seqfuse_bf16", "seqfuse_bf16_torch_adamw", "seqfuse_fp8_delayed",
                 "seqfuse_fp8_block")
 MEASURED_TFLOPS = 794.0  # the project's measured H200 bf16 ceiling (benchmarks/harness.py)
 
@@ -127,6 +134,13 @@ def build_row(name, cfg, mcfg, device, dtype, seed):
 
     if name.startswith("hf_"):
         model = build_hf(mcfg, device, dtype, "eager" if name.endswith("_loop") else "grouped_mm", seed)
+        if name == "hf_bf16_compile":
+            for layer in model.model.layers:
+                layer.compile()
+        elif name == "hf_bf16_liger":
+            from liger_kernel.transformers import apply_liger_kernel_to_mixtral
+
+            apply_liger_kernel_to_mixtral(model=model)
         opt = torch_adamw(model, cfg, device)
 
         def forward(b):
@@ -230,7 +244,7 @@ def main(argv=None):
     log(f"{args.config}: hidden {mcfg.hidden_size}, {mcfg.num_hidden_layers} layers, {mcfg.num_local_experts} "
         f"experts of {mcfg.intermediate_size}, top-{mcfg.num_experts_per_tok}; {args.steps} steps of "
         f"{args.batch_size} x {seq_len} tokens, {dtype}, data {os.path.relpath(path, ROOT)} ({note})")
-    table = Table("moe_mixtral_train", ["row", "unpadded_tokens_per_s", "vs_hf", "vs_hf_loop", "mfu_pct",
+    table = Table("moe_mixtral_train", ["row", "unpadded_tokens_per_s", "vs_hf", "vs_best_hf", "vs_hf_loop", "mfu_pct",
                                         "peak_gib", "mem_vs_hf", "first_loss", "final_loss", "error"])
     done = {}
     for name in rows:
@@ -250,6 +264,11 @@ def main(argv=None):
         for ref, key in (("hf_bf16", "vs_hf"), ("hf_bf16_loop", "vs_hf_loop")):
             if ref in done:
                 r[key] = r["unpadded_tokens_per_s"] / done[ref]["unpadded_tokens_per_s"]
+        hf_done = [n for n in done if n.startswith("hf_") and n != name]
+        if hf_done:  # the fastest transformers row timed before this one: the strongest peer measured
+            best = max(hf_done, key=lambda n: done[n]["unpadded_tokens_per_s"])
+            r["vs_best_hf"] = r["unpadded_tokens_per_s"] / done[best]["unpadded_tokens_per_s"]
+            r["best_hf_row"] = best
         if "hf_bf16" in done:
             r["mem_vs_hf"] = peak / done["hf_bf16"]["peak_gib"]
             r["first_loss_rel_diff_vs_hf"] = abs(first - done["hf_bf16"]["first_loss"]) / done["hf_bf16"]["first_loss"]
