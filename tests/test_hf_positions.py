@@ -12,7 +12,6 @@ masking_utils = pytest.importorskip("transformers.masking_utils")
 
 import seqfuse.hf.attention as sf_attention  # noqa: E402
 from seqfuse.hf import accelerate  # noqa: E402
-from seqfuse.hf.method_wrap import MethodWrapper  # noqa: E402
 from seqfuse.hf.positions import derived_positions  # noqa: E402
 
 V = 96
@@ -126,22 +125,12 @@ def test_positions_passed_positionally_count_as_given():
     assert not derived_positions()
 
 
-def test_accelerate_twice_keeps_one_mark():
-    model = _model()
-    accelerate(model)
-    marks, w = 0, model.model.__dict__["forward"]
-    while isinstance(w, MethodWrapper):
-        marks += w.make.__name__ == "_positions_forward"
-        w = w.previous
-    assert marks == 1
-
-
 def test_a_transformers_without_the_test_is_said_once_and_left_alone(monkeypatch, caplog):
     import logging
 
     import seqfuse.hf.positions as positions
 
-    monkeypatch.setattr(positions, "_shortcut", {})
+    monkeypatch.setattr(positions, "_said", set())
     monkeypatch.delattr(masking_utils, "find_packed_sequence_indices")
     with caplog.at_level(logging.INFO, logger="seqfuse"):
         first = positions.install_mask_shortcut()

@@ -81,7 +81,7 @@ import torch
 from torch import nn
 
 from ..pytorch import LayerNorm, Linear, RMSNorm, autocast
-from .method_wrap import wrap_method
+from .method_wrap import wrap_method, wrap_method_once, wrapped_with
 
 _log = logging.getLogger("seqfuse")
 
@@ -378,7 +378,10 @@ def _autocast_forward(inner, recipe):
 
 
 def _wrap_forward(model, recipe):
-    wrap_method(model, "forward", _autocast_forward, recipe)
+    """Once per recipe: a second accelerate() with an equal recipe keeps the
+    one autocast wrapper (autocast reads only the recipe's settings, so an
+    equal one changes nothing); a different recipe wraps around it."""
+    wrap_method_once(model, "forward", _autocast_forward, recipe)
 
 
 def _gemm_alignment(recipe):
@@ -657,7 +660,7 @@ def _route_checkpointing(model):
     enable calls) swaps the function it is handed; layers that already hold
     one are switched now."""
     setter = getattr(model, "_set_gradient_checkpointing", None)
-    if setter is None or getattr(setter, "_seqfuse", False):
+    if setter is None or wrapped_with(model.__dict__.get("_set_gradient_checkpointing"), _checkpointing_setter):
         return
     if "value" in inspect.signature(setter).parameters:  # transformers' pre-4.35 format: not routed
         return

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..modules.cross_entropy import linear_cross_entropy
-from .method_wrap import forward_signature, wrap_method
+from .method_wrap import forward_signature, wrap_method_once
 
 _log = logging.getLogger("seqfuse")
 
@@ -137,6 +137,6 @@ def wrap_causal_lm_loss(model):
     if "labels" not in sig.parameters or not any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
         why = "its forward takes no labels / **kwargs"
         return f"{OWN} ({why})"
-    wrap_method(model, "forward", _labels_forward)
+    wrap_method_once(model, "forward", _labels_forward)  # a second accelerate() keeps the one wrapper
     return ("seqfuse linear_cross_entropy over lm_head in token chunks when training with labels (no full "
             "logits; logits=None in the output); eval and no-grad calls keep transformers' head and loss")

@@ -1,6 +1,8 @@
 """Replacing a method of one model instance by a wrapper of it (used by
 seqfuse.hf.accelerate for the forward under autocast and the gradient
-checkpointing setter, and by seqfuse.hf.fused_loss for the labels path).
+checkpointing setter, by seqfuse.hf.fused_loss for the labels path and by
+seqfuse.hf.positions for the derived-positions mark), and a library
+function process-wide (seqfuse.hf.positions' packed-sequence shortcut).
 
 ``wrap_method(model, name, make, *args)`` sets ``model.<name>`` to a
 MethodWrapper that calls ``make(inner, *args)(model, ...)``, where
@@ -16,6 +18,15 @@ method, or an earlier wrapper).  ``make`` is a module-level function and
 
 ``inspect.signature(model.<name>)`` is the wrapped method's (Trainer and
 generate() read forward's parameters).
+
+``wrap_function(original, make)`` is ``make(original)`` marked with its
+maker, naming ``original`` as ``__wrapped__``.
+
+``wrapped_with(fn, make)`` is how every wrapper here tells that it is in
+place already (so a second accelerate() does not wrap again): it follows
+``fn``'s chain (a method wrapper's ``previous``, a function's
+``__wrapped__``) looking for a wrapper built by ``make``.
+``wrap_method_once`` is wrap_method guarded by it.
 """
 import functools
 import inspect
@@ -32,8 +43,6 @@ def forward_signature(cls):
 
 class MethodWrapper:
     """``model.<name>`` after wrap_method (see the module note)."""
-
-    _seqfuse = True
 
     def __init__(self, model, name, make, args, previous):
         self.model, self.name, self.make, self.args, self.previous = model, name, make, tuple(args), previous
@@ -81,3 +90,41 @@ def wrap_method(model, name, make, *args):
             and current.__func__ is getattr(type(model), name, None):
         current = None  # the class's own method, bound: the same as none set
     setattr(model, name, MethodWrapper(model, name, make, args, current))
+
+
+def wrap_method_once(model, name, make, *args):
+    """wrap_method unless ``model.<name>`` holds a wrapper built by ``make``
+    with equal ``args`` already (wrapped_with); returns whether it wrapped."""
+    if wrapped_with(model.__dict__.get(name), make, *args):
+        return False
+    wrap_method(model, name, make, *args)
+    return True
+
+
+def wrap_function(original, make):
+    """``make(original)``, marked as built by ``make`` (wrapped_with reads
+    the mark) and naming ``original`` as its ``__wrapped__``, with its docstring."""
+    fn = make(original)
+    fn.__wrapped__ = original
+    fn.__doc__ = original.__doc__
+    fn._seqfuse_make = make
+    return fn
+
+
+def wrapped_with(fn, make, *args):
+    """Whether ``fn`` is or wraps a wrapper built by ``make`` (given ``args``,
+    with arguments equal to them): the chain is followed through a method
+    wrapper's ``previous`` and a function's ``__wrapped__``, so a wrapper of
+    ours under someone else's (functools.wraps) is found too."""
+    seen = set()
+    while fn is not None and id(fn) not in seen:
+        seen.add(id(fn))
+        if isinstance(fn, MethodWrapper):
+            if fn.make is make and (not args or fn.args == args):
+                return True
+            fn = fn.previous
+        else:
+            if getattr(fn, "_seqfuse_make", None) is make and not args:
+                return True
+            fn = getattr(fn, "__wrapped__", None)
+    return False

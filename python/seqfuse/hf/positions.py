@@ -35,7 +35,7 @@ import logging
 
 from torch import nn
 
-from .method_wrap import MethodWrapper, forward_signature, wrap_method
+from .method_wrap import forward_signature, wrap_function, wrap_method_once, wrapped_with
 
 _log = logging.getLogger("seqfuse")
 
@@ -100,44 +100,48 @@ def wrap_positions(model, fused_layer_type):
     decoders carry the mark."""
     count = 0
     for m in _decoders(model, fused_layer_type):
-        w = m.__dict__.get("forward")
-        while isinstance(w, MethodWrapper) and w.make is not _positions_forward:
-            w = w.previous
-        if not isinstance(w, MethodWrapper):
-            wrap_method(m, "forward", _positions_forward)
+        wrap_method_once(m, "forward", _positions_forward)
         count += 1
     return count
 
 
-_shortcut = {}
-
-
-def install_mask_shortcut():
-    """Make transformers' packed-sequence test answer None (not packed)
-    without a device read inside derived_positions(); once per process.
-    Returns a line for accelerate()'s log."""
-    if "line" in _shortcut:
-        return _shortcut["line"]
-    try:
-        from transformers import masking_utils
-    except ImportError:
-        masking_utils = None
-    original = getattr(masking_utils, "find_packed_sequence_indices", None)
-    if original is None:
-        _shortcut["line"] = ("this transformers has no masking_utils.find_packed_sequence_indices: its "
-                             "packed-sequence test (if any) still reads the device in each forward")
-        _log.info("seqfuse.hf.accelerate: %s", _shortcut["line"])
-        return _shortcut["line"]
+def _mask_shortcut(original):
+    """transformers' packed-sequence test answering None inside
+    derived_positions() (a maker for seqfuse.hf.method_wrap.wrap_function)."""
 
     def find_packed_sequence_indices(*args, **kwargs):
         if _derived.get():
             return None  # contiguous positions: what the original returns, without its host read
         return original(*args, **kwargs)
 
-    find_packed_sequence_indices.__wrapped__ = original
-    find_packed_sequence_indices.__doc__ = original.__doc__
-    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
-    _shortcut["line"] = ("transformers' packed-sequence test answers 'not packed' without a device read inside "
-                         "accelerated forwards called without position_ids")
-    _log.info("seqfuse.hf.accelerate: %s", _shortcut["line"])
-    return _shortcut["line"]
+    return find_packed_sequence_indices
+
+
+_NO_TEST = ("this transformers has no masking_utils.find_packed_sequence_indices: its packed-sequence test (if any) "
+            "still reads the device in each forward")
+_INSTALLED = ("transformers' packed-sequence test answers 'not packed' without a device read inside accelerated "
+              "forwards called without position_ids")
+_said = set()  # the lines logged already: each is said once per process
+
+
+def _say(line):
+    if line not in _said:
+        _said.add(line)
+        _log.info("seqfuse.hf.accelerate: %s", line)
+    return line
+
+
+def install_mask_shortcut():
+    """Make transformers' packed-sequence test answer None (not packed)
+    without a device read inside derived_positions(); once per process (a
+    test already wrapped is left as it is).  Returns a line for accelerate()'s log."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        masking_utils = None
+    current = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if current is None:
+        return _say(_NO_TEST)
+    if not wrapped_with(current, _mask_shortcut):
+        masking_utils.find_packed_sequence_indices = wrap_function(current, _mask_shortcut)
+    return _say(_INSTALLED)
