@@ -15,7 +15,7 @@ from seqfuse.modules.cross_entropy import CrossEntropyLoss, cross_entropy, linea
 from seqfuse.ops import cross_entropy_backward, cross_entropy_forward
 from seqfuse.ops.gemm import workspace_for
 
-from helpers import assert_close_rel, poisoned_like
+from helpers import REL_TOL, assert_close_rel, poisoned_like
 
 # the module itself (seqfuse.modules re-exports its cross_entropy function under the module's name)
 ce_module = importlib.import_module("seqfuse.modules.cross_entropy")
@@ -272,7 +272,11 @@ def test_cuda_matches_cpu(n, v, dtype, smoothing, seed):
         out = poisoned_like(logits)
         cross_entropy_backward(logits, labels, lse, s, -100, smoothing, out=out)
         ref = cross_entropy_backward(logits.cpu(), labels.cpu(), lse_c, s.cpu(), -100, smoothing)
-        assert_close_rel(out, ref, dtype, factor=0.5)
+        # a row's gradient is s * (softmax - target): where the label's probability is near 1 the two
+        # cancel, so rounding is relative to the terms (norm <= 2 s a row), not to their difference
+        terms = 2 * s.cpu().double().expand(n).norm()
+        err = (out.cpu().double() - ref.double()).norm() / (ref.double().norm() + terms)
+        assert err <= REL_TOL[dtype] * 0.5, f"relative error {err:.3e} for {dtype}"
 
 
 @pytest.mark.cuda
