@@ -317,7 +317,7 @@ def test_cast_scratch_reused_eagerly_and_fresh_under_capture(seed, monkeypatch):
     eager mode; a cast under CUDA graph capture gets a pair of its own, which
     the weight quantizer keeps alive with the captured operands, and the
     eager pair is not handed to the capture."""
-    from seqfuse.quantization import gemm_quantizers as gq
+    from seqfuse.ops import device_checks
 
     m = te.Linear(64, 32, device="cpu", params_dtype=torch.bfloat16)
     x = torch.randn(16, 64, dtype=torch.bfloat16)
@@ -327,7 +327,7 @@ def test_cast_scratch_reused_eagerly_and_fresh_under_capture(seed, monkeypatch):
         eager_in, eager_w = q.inputs[0].scratch, q.weights[0].scratch
         m(x)
         assert q.inputs[0].scratch is eager_in and eager_in is not None
-        monkeypatch.setattr(gq, "capturing", lambda where=None: True)
+        monkeypatch.setattr(device_checks, "capturing", lambda where=None: True)
         m(x, is_first_microbatch=True)
         captured_pair, captured_scratch = q.weights[0].captured
         assert captured_scratch is not None and captured_scratch is not eager_w

@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from .. import ops
 from ..ops.attn import PerTensorCache
-from ..ops.device_checks import capturing
+from ..ops import device_checks
 
 COMM_TYPES = ("p2p", "all_gather")
 _TE_ONLY_COMM_TYPES = ("a2a", "a2a+p2p")
@@ -539,7 +539,7 @@ def context_parallel_attention(q, k, v, *, cp_group, cp_global_ranks=None, cp_st
                 not torch.equal(cu_seqlens_kv, cu_seqlens_q):
             raise NotImplementedError(f"{who}: cu_seqlens_kv different from cu_seqlens_q (cross-attention) is "
                                       "not supported with context parallelism")
-        if capturing(q):
+        if device_checks.capturing(q):
             raise NotImplementedError(f"{who}: thd under CUDA graph capture is not supported (the split reads "
                                       "cu_seqlens_q on the host)")
         plan = _thd_plans(cu_seqlens_q, size, rank, who)

@@ -47,7 +47,7 @@ import torch
 
 from .. import ops
 from ..ops.attn import PerTensorCache, padding_layout
-from ..ops.device_checks import capturing
+from ..ops import device_checks
 from .positions import derived_positions
 
 
@@ -164,8 +164,8 @@ def seqfuse_attention_forward(module, query, key, value, attention_mask, dropout
             raise ValueError(f"seqfuse attention: the attention mask covers {attention_mask.shape[-1]} keys; "
                              f"the call has {s_kv} keys and {s_q} queries")
         # under capture a replay reads new mask contents: not cached
-        fmt, cu_q, max_q, cu_kv, max_kv, poison, _ = (_padding_layout if capturing(q) else _padding_layout_cached)(
-            attention_mask, s_q)
+        fmt, cu_q, max_q, cu_kv, max_kv, poison, _ = (
+            _padding_layout if device_checks.capturing(q) else _padding_layout_cached)(attention_mask, s_q)
         if fmt == "thd":  # the rows end to end: [b * s, heads, dim]
             q, k, v = (t.reshape(-1, t.shape[2], t.shape[3]) for t in (q, k, v))
         # queries sit at the end of their key run (a cache), so causality aligns bottom-right

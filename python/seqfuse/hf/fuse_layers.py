@@ -60,7 +60,7 @@ from torch import nn
 
 from ..modules.rope import apply_rotary_pos_emb
 from ..ops.attn import PerTensorCache
-from ..ops.device_checks import capturing
+from ..ops import device_checks
 from ..pytorch import LayerNormLinear, LayerNormMLP, Linear, RMSNorm
 from .attention import seqfuse_attention_forward
 
@@ -451,7 +451,7 @@ class SeqfuseDecoderLayer(nn.Module):
             b, s = q.shape[:2]
             # every layer gets the same position_ids tensor: the angles are made once per forward
             # (not cached under capture: a replay brings new positions)
-            ang = (_angles if capturing(q) else _angles_cached)((position_ids, rotary.inv_freq))
+            ang = (_angles if device_checks.capturing(q) else _angles_cached)((position_ids, rotary.inv_freq))
             if ang.shape[0] not in (1, b) or ang.shape[1] != s:
                 raise ValueError(f"seqfuse fused layer: position_ids {tuple(position_ids.shape)} must be [1, {s}] "
                                  f"or [{b}, {s}]")

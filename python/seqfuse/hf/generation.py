@@ -67,7 +67,7 @@ import logging
 import torch
 
 from .. import ops
-from ..ops.device_checks import capturing
+from ..ops import device_checks
 from ..modules.rope import apply_rotary_pos_emb
 from ..quantization import is_fp8_enabled
 
@@ -177,7 +177,7 @@ def cached_layer_step(layer, x, freqs, cache, layer_number, rows, positions, pic
     feed_forward = getattr(layer, "feed_forward", None)
     if feed_forward is None:
         return x + layer.layernorm_mlp(x)
-    if kind == "cache" and capturing(x):
+    if kind == "cache" and device_checks.capturing(x):
         return feed_forward(x, capture_safe=True)  # being captured: no host read (every expert runs)
     return feed_forward(x)  # eager: the routed block, its experts' work only
 

@@ -56,7 +56,7 @@ from .. import ops
 from ..quantization import attention as fp8_attn
 from ..quantization.autocast import autocast_state
 from ..ops.attn import PerTensorCache, padding_layout
-from ..ops.device_checks import capturing
+from ..ops import device_checks
 from ..distributed.context_parallel import check_comm_type, context_parallel_attention, group_ranks
 from ._input import check_input, check_storage
 
@@ -123,7 +123,7 @@ def _mask_layout(attention_mask, q, k, qkv_format, attn_mask_type):
 
 def _cached_layout(masks, s_q):
     first = masks[0] if isinstance(masks, tuple) else masks
-    if capturing(first):
+    if device_checks.capturing(first):
         return _layout_of(masks, s_q)  # a replay reads new mask contents: nothing cached
     return _layout_cached(masks, s_q)
 

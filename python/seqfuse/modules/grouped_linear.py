@@ -50,7 +50,7 @@ import torch
 
 from .. import quantization as _q
 from ..ops import moe as moe_ops
-from ..ops.device_checks import capturing
+from ..ops import device_checks
 from ..quantization import gemm_quantizers as _gq
 from ..quantization.grouped import GroupedFloat8, quantize_grouped, weight_pairs
 from . import _fp8 as F8
@@ -213,7 +213,7 @@ class GroupedLinear(torch.nn.Module):
         outside FP8 autocast, for block scaling (whose weight casts stay in
         the forward), under CUDA graph capture, or under FSDP2 (whose
         all-gather makes every forward cast again)."""
-        if not _q.is_fp8_enabled() or _gq.fsdp2_in_use() or capturing(self.weight0):
+        if not _q.is_fp8_enabled() or _gq.fsdp2_in_use() or device_checks.capturing(self.weight0):
             return
         q = self._quantizers(_q.get_recipe(), self.weight0.device)
         if q.kind != "block":

@@ -47,7 +47,7 @@ import torch
 from ..common.recipe import DelayedScaling
 from ..ops import attn as attn_ops
 from ..ops import quant as qops
-from ..ops.device_checks import capturing
+from ..ops import device_checks
 from . import recompute
 from .quantize import delayed_scale, quantize_with_state
 from .state import ScalingState
@@ -134,7 +134,7 @@ def _p_scale(dtype, device):
     key = (dtype, device)
     t = _P_SCALES.get(key)
     if t is None:
-        if capturing(device):
+        if device_checks.capturing(device):
             raise RuntimeError("fp8_attention: the first FP8 attention call on a device cannot be made under CUDA "
                                "graph capture (its constants and cuDNN graphs are made then); run one call eagerly "
                                "first (make_graphed_callables' warm-up does)")

@@ -57,7 +57,7 @@ from ..common.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentSc
 from ..ops import quant as qops
 from ..ops.gemm import FP8_ROW_MULTIPLE
 from ..ops.moe import dense
-from ..ops.device_checks import capturing
+from ..ops import device_checks
 from . import recompute
 from .quantize import quantize_block, quantize_current, state_cast_args
 from .state import ScalingState
@@ -185,10 +185,10 @@ class _Role:
         Under CUDA graph capture a new pair (kept alive by the graph), so
         eager casts never share the buffers a replay writes."""
         s = self.scratch
-        if s is not None and s[0].device == x.device and not capturing(x):
+        if s is not None and s[0].device == x.device and not device_checks.capturing(x):
             return s
         s = (torch.empty(1, device=x.device), torch.empty(1, device=x.device))
-        if not capturing(x):
+        if not device_checks.capturing(x):
             self.scratch = s
         return s
 
@@ -279,7 +279,7 @@ class _Role:
             return False
         # under CUDA graph capture the fused kernel is recorded even before a history exists:
         # make_graphed_callables replays only once the history is there (graphs.py)
-        fused = o.state.has_history(self.index) or capturing()
+        fused = o.state.has_history(self.index) or device_checks.capturing()
         return recompute.choice_for(("fused_cast", id(o.state), self.index), fused) if recompute.open_contexts \
             else fused
 
@@ -390,7 +390,7 @@ class WeightQuantizer(_Role):
             # here, so no later call can reuse an operand of an older gather
             self.key = self.param = self.pair = None
             return weight.sf_fp8_pair(self), None
-        in_capture = capturing(weight)
+        in_capture = device_checks.capturing(weight)
         if sources is None:
             src, versions = (weight,), ((weight.data_ptr(), weight._version),)
         else:

@@ -6,7 +6,7 @@ import logging
 import torch
 
 from ..ops import quant as qops
-from ..ops.device_checks import capturing
+from ..ops import device_checks
 from . import recompute, stats
 from .tensor import Float8BlockTensor, Float8Tensor, MXFP8Tensor, NVFP4Tensor
 
@@ -56,7 +56,7 @@ def delayed_scale(state, index, amax, device):
     scale its forward noted, as for any scale."""
     if not state.has_history(index) and not recompute.replaying():
         state.note_first_cast(index)
-        if not capturing(device):
+        if not device_checks.capturing(device):
             if not _first_cast_logged:
                 _first_cast_logged.append(True)
                 _log.info("seqfuse FP8 delayed scaling: tensors cast before their first amax history "

@@ -52,7 +52,7 @@ import threading
 import torch
 
 from ..quant import FP8_MAX
-from ..device_checks import capturing
+from .. import device_checks
 
 _log = logging.getLogger("seqfuse")
 
@@ -338,7 +338,7 @@ def _graph(key, make, what):
     g = _GRAPHS.get(key)
     if g is None:
         shape = describe(*key[1:8], key[10 if what == "forward" else 12])
-        if capturing():
+        if device_checks.capturing():
             raise RuntimeError(f"fp8 attention: no cuDNN {what} graph for {shape} yet, and one cannot be built "
                                "under CUDA graph capture; run the shape once eagerly first")
         with _lock:

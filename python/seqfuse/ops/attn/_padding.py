@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..device_checks import capturing
+from .. import device_checks
 
 
 class PaddingLayout(NamedTuple):
@@ -91,7 +91,7 @@ def padding_layout(keep_kv, keep_q=None, s_q=None, *, who="attention", names=("a
     q_ends = torch.cat((fq, fq, end_q[:, None], torch.full_like(fq, s_q), torch.full_like(fq, s_q)), 1)
     cu_q = torch.cat((zero, (q_ends + row * s_q).flatten()))
     bads = [x for x in (bad_q, bad_k) if x is not None]
-    if capturing(dev):
+    if device_checks.capturing(dev):
         poison = torch.zeros(b, dtype=torch.float32, device=dev)
         for bad in bads:
             poison = poison.masked_fill(bad.any(1), float("nan"))

@@ -70,7 +70,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .._call import as_float
 from ._args import MASKS, PADDING, capability_refusal, kernel_refusal, max_seqlen, refusal
 from ..tensor_cache import PerTensorCache
-from ..device_checks import capturing
+from .. import device_checks
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MAX_HEAD_DIM = 256
@@ -158,7 +158,7 @@ def _constant(what, device, n, step):
     t = _constants.get(key)
     if t is None:
         t = torch.arange(n, dtype=torch.int32, device=device) * step
-        if capturing(device):
+        if device_checks.capturing(device):
             return t
         if len(_constants) > 256:
             _constants.clear()
@@ -169,7 +169,7 @@ def _constant(what, device, n, step):
 def _cached(cache, cus, *extra):
     """cache(cus, *extra), computed afresh under CUDA graph capture (a
     replay reads new contents of the same cu_seqlens tensors)."""
-    if capturing(cus[0]):
+    if device_checks.capturing(cus[0]):
         return cache.compute(cus, *extra)
     return cache(cus, *extra)
 
