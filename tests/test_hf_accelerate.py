@@ -868,14 +868,16 @@ def test_gradient_checkpointing_function_other_than_torchs_is_kept_with_a_warnin
     import functools
     import logging
 
+    from seqfuse.hf.positions import marked_checkpoint
     from seqfuse.quantization.recompute import checkpoint as sf_checkpoint
 
     like = accelerate_mod._seqfuse_checkpoint_like
     ck = torch.utils.checkpoint.checkpoint
-    assert like(ck) is sf_checkpoint
+    assert like(ck) is marked_checkpoint and like(sf_checkpoint) is marked_checkpoint
     routed = like(functools.partial(ck, use_reentrant=False, preserve_rng_state=False))
-    assert routed.func is sf_checkpoint and routed.keywords == {"preserve_rng_state": False}
+    assert routed.func is marked_checkpoint and routed.keywords == {"preserve_rng_state": False}
     assert like(routed) is routed
+    assert like(functools.partial(sf_checkpoint, preserve_rng_state=False)).func is marked_checkpoint
 
     def mine(fn, *a, **k):
         return fn(*a, **k)
@@ -1029,7 +1031,7 @@ def test_deepcopy_of_an_accelerated_model_is_independent(stand_ins):
 
     from seqfuse.common.recipe import DelayedScaling
     from seqfuse.quantization import is_fp8_enabled
-    from seqfuse.quantization.recompute import checkpoint as sf_checkpoint
+    from seqfuse.hf.positions import marked_checkpoint
 
     model = llama().train()
     accelerate(model, recipe=DelayedScaling())
@@ -1038,7 +1040,7 @@ def test_deepcopy_of_an_accelerated_model_is_independent(stand_ins):
     c.gradient_checkpointing_enable()
     assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
     assert all(layer.gradient_checkpointing for layer in c.model.layers)
-    assert all(layer._gradient_checkpointing_func.func is sf_checkpoint for layer in c.model.layers)
+    assert all(layer._gradient_checkpointing_func.func is marked_checkpoint for layer in c.model.layers)
     seen = []
     c.model.norm.register_forward_hook(lambda *_: seen.append(is_fp8_enabled()))
     with torch.no_grad():

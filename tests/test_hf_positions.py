@@ -125,6 +125,34 @@ def test_positions_passed_positionally_count_as_given():
     assert not derived_positions()
 
 
+@pytest.mark.parametrize("given", [False, True])
+def test_the_recompute_of_gradient_checkpointing_keeps_the_mark(monkeypatch, given):
+    """Under transformers' gradient checkpointing the layers' recompute (in
+    the backward) sees the flag their forward saw: derived positions run
+    seqfuse's packed-sequence test in neither (given ones in both), and the
+    loss and gradients equal those of the run without checkpointing."""
+    seen, tests = [], []  # the flag each attention call saw; the packed-sequence tests run
+    real_flag, real_test = sf_attention.derived_positions, sf_attention._is_packed_cached
+    monkeypatch.setattr(sf_attention, "derived_positions", lambda: seen.append(real_flag()) or seen[-1])
+    monkeypatch.setattr(sf_attention, "_is_packed_cached", lambda *a: tests.append(1) or real_test(*a))
+    runs = []
+    for ck in (False, True):
+        model = _model().train()
+        if ck:
+            model.gradient_checkpointing_enable()
+        seen.clear()
+        tests.clear()
+        ids = _ids()
+        pos = {"position_ids": torch.arange(ids.shape[1])[None]} if given else {}
+        loss = model(input_ids=ids, labels=ids, use_cache=False, **pos).loss
+        assert seen == [not given] * 2 and len(tests) == (2 if given else 0)
+        loss.backward()
+        calls = 4 if ck else 2  # the recompute runs each layer's attention again
+        assert seen == [not given] * calls and len(tests) == (calls if given else 0)
+        runs.append([loss.detach()] + [p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 def test_a_transformers_without_the_test_is_said_once_and_left_alone(monkeypatch, caplog):
     import logging
 

@@ -58,7 +58,9 @@ With a ``recipe``, the model's forward is wrapped to run under
 transformers' gradient checkpointing (``gradient_checkpointing_enable``,
 before or after the swap) is routed through seqfuse.pytorch.checkpoint,
 which recomputes with the forward's FP8 settings and scales (torch's own
-recomputes outside autocast, and torch then raises).  It is non-reentrant;
+recomputes outside autocast, and torch then raises), and with the forward's
+derived-positions mark (seqfuse.hf.positions.marked_checkpoint: no host read
+for the packed-sequence test in the recompute either).  It is non-reentrant;
 a use_reentrant=True request is replaced, and the log says so.
 
 Attention (``attention=True``): a transformers model whose attention layers
@@ -625,19 +627,24 @@ def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=
 
 def _seqfuse_checkpoint_like(func):
     """seqfuse's checkpoint in place of torch's (as transformers passes it: a
-    partial with keyword arguments); any other function is kept, with a warning."""
+    partial with keyword arguments) or seqfuse.pytorch.checkpoint: the one
+    whose recompute keeps the derived-positions mark too
+    (seqfuse.hf.positions.marked_checkpoint); any other function is kept,
+    with a warning."""
     from ..quantization.recompute import checkpoint
+    from .positions import marked_checkpoint
 
     torch_ck = torch.utils.checkpoint.checkpoint
-    if func is torch_ck:
-        return checkpoint
-    if isinstance(func, functools.partial) and func.func is torch_ck and not func.args:
+    if func is torch_ck or func is checkpoint:
+        return marked_checkpoint
+    partial_of = func.func if isinstance(func, functools.partial) else None
+    if partial_of in (torch_ck, checkpoint) and not func.args:
         kw = dict(func.keywords)
-        if kw.pop("use_reentrant", False):
+        if partial_of is torch_ck and kw.pop("use_reentrant", False):
             _log.warning("seqfuse.hf.accelerate: gradient checkpointing runs non-reentrant "
                          "(seqfuse.pytorch.checkpoint, which keeps FP8 numerics); use_reentrant=True is not taken")
-        return functools.partial(checkpoint, **kw)
-    if func is checkpoint or (isinstance(func, functools.partial) and func.func is checkpoint):
+        return functools.partial(marked_checkpoint, **kw)
+    if func is marked_checkpoint or partial_of in (marked_checkpoint, checkpoint):
         return func
     _log.warning("seqfuse.hf.accelerate: the gradient checkpointing function %r is not torch's checkpoint and is "
                  "kept; under an FP8 recipe its recompute runs outside seqfuse autocast", func)

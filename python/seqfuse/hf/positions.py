@@ -26,8 +26,10 @@ false (every call outside an accelerated forward, and every call with
 user-given positions).
 
 Gradient checkpointing recomputes a layer in the backward, outside the
-forward's context.  There the flag is false, and the attention's own test
-runs (and synchronizes) as before.
+forward's context.  ``marked_checkpoint`` (what accelerate() routes
+transformers' checkpointing to) runs the recompute under the flag its
+forward ran under, so the recompute makes the forward's choice without the
+device read too.
 """
 import contextvars
 import functools
@@ -35,6 +37,7 @@ import logging
 
 from torch import nn
 
+from ..quantization import recompute
 from .method_wrap import forward_signature, wrap_function, wrap_method_once, wrapped_with
 
 _log = logging.getLogger("seqfuse")
@@ -74,6 +77,23 @@ def _positions_forward(inner):
             _derived.reset(token)
 
     return forward
+
+
+def _marked(mark, function, *args, **kwargs):
+    """``function(*args, **kwargs)`` with derived_positions() equal to ``mark``."""
+    token = _derived.set(mark)
+    try:
+        return function(*args, **kwargs)
+    finally:
+        _derived.reset(token)
+
+
+def marked_checkpoint(function, *args, **kwargs):
+    """seqfuse's checkpoint (seqfuse.quantization.recompute.checkpoint, same
+    arguments) whose recompute in the backward runs under the
+    derived-positions flag of the forward that called it (the backward runs
+    outside that forward's context, where the flag is false)."""
+    return recompute.checkpoint(functools.partial(_marked, _derived.get(), function), *args, **kwargs)
 
 
 def _decoders(model, fused_layer_type):
