@@ -243,6 +243,22 @@ def op_specs():
                     grouped_cast, ref=grouped_cast_ref, tensors=["x", "scale", "amax"],
                     nan_args=["x", "scale"]))  # amax accumulates: a NaN already in it stays (the fold's rule)
 
+    def swiglu_cast_ref(a):
+        x, p = a["x"].double(), a["probs"].double()
+        act = (torch.nn.functional.silu(x[:, :16]) * x[:, 16:] * p[:, None]).to(a["x"].dtype)
+        return grouped_cast_ref(dict(a, x=act))
+
+    def swiglu_cast(a):
+        data, data_t, si = ops.moe.swiglu_cast_fp8_grouped(a["x"], a["probs"], [3, 5], F8, scale=a["scale"],
+                                                           amax=a["amax"])
+        return data.float(), data_t.float(), si, a["amax"]
+
+    S.append(OpSpec("swiglu_cast_fp8_grouped",
+                    lambda d: {"x": r(8, 32, device=d), "probs": torch.rand(8, device=d),
+                               "scale": torch.tensor([2.0, 0.5], device=d), "amax": torch.zeros(2, device=d)},
+                    swiglu_cast, ref=swiglu_cast_ref, tensors=["x", "probs", "scale", "amax"],
+                    nan_args=["x", "probs", "scale"]))
+
     def current_list(a):
         data, data_t, si, scale, amax = ops.moe.cast_fp8_current_list(a["xs"], F8)
         return [t.float() for t in data + data_t] + [si, scale, amax]

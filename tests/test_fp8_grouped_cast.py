@@ -1,5 +1,6 @@
-"""The grouped FP8 cast (seqfuse.ops.moe.cast_fp8_grouped) and the
-GroupedLinear path that uses it (seqfuse.quantization.grouped).
+"""The grouped FP8 cast (seqfuse.ops.moe.cast_fp8_grouped), its SwiGLU form
+(swiglu_cast_fp8_grouped) and the GroupedLinear / GroupedMLP paths that
+use them (seqfuse.quantization.grouped).
 
 The op is checked against the per-tensor casts of each group's rows
 (cast_transpose_fp8 / cast_fp8_current with the padded row count), bit for
@@ -132,6 +133,116 @@ def test_grouped_cast_bad_inputs():
         cast(x.view(2, 20, 32), [20, 20], E4M3, scale=scale, amax=amax)
     with pytest.raises(ValueError, match="'row_multiple' must be a positive multiple of 16"):
         cast(x, [20, 20], E4M3, scale=scale, amax=amax, row_multiple=8)
+
+
+def _check_swiglu_cast(device, dtype, splits, k, fp8_dtype, current, probs_dtype=torch.float32):
+    """swiglu_cast_fp8_grouped against cast_fp8_grouped of scaled_swiglu's
+    output on the same device, bit for bit (data, transposed data, scales,
+    amaxes); probs_dtype None: no probs."""
+    G, M = len(splits), sum(splits)
+    h = (torch.randn(M, 2 * k, device=device) * torch.linspace(0.1, 6, M, device=device)[:, None]).to(dtype)
+    probs = None
+    if probs_dtype is not None:
+        probs = torch.rand(M, device=device).to(probs_dtype)
+        probs[::7] = 0  # padding rows of GroupedMLP's permutation carry probability 0
+    scale, amax = _slots(G, device)
+    scale2, amax2 = scale.clone(), amax.clone()
+    want = moe_ops.cast_fp8_grouped(moe_ops.scaled_swiglu(h, probs), splits, fp8_dtype, scale=scale2, amax=amax2,
+                                    current=current)
+    got = moe_ops.swiglu_cast_fp8_grouped(h, probs, splits, fp8_dtype, scale=scale, amax=amax, current=current)
+    assert torch.equal(_bytes(got[0]), _bytes(want[0])) and torch.equal(_bytes(got[1]), _bytes(want[1]))
+    assert torch.equal(got[2], want[2]) and torch.equal(scale, scale2) and torch.equal(amax, amax2)
+
+
+@needs_fp8
+@pytest.mark.parametrize("current", [False, True], ids=["delayed", "current"])
+@pytest.mark.parametrize("splits", [[5, 0, 37, 16], [0], [33], [0, 0, 130, 0]])
+def test_swiglu_cast_equals_cast_of_scaled_swiglu(splits, current, seed):
+    for dtype, fp8_dtype, pd in ((torch.float32, E4M3, torch.float32), (torch.bfloat16, E4M3, torch.float32),
+                                 (torch.float16, E5M2, torch.bfloat16), (torch.bfloat16, E4M3, None)):
+        _check_swiglu_cast("cpu", dtype, splits, 32, fp8_dtype, current, pd)
+
+
+@pytest.mark.cuda
+@needs_fp8
+@pytest.mark.parametrize("current", [False, True], ids=["delayed", "current"])
+def test_swiglu_cast_cuda_equals_cast_of_scaled_swiglu(current, seed):
+    """The fused kernel against the SwiGLU kernel then the grouped cast kernel,
+    bit for bit on the GPU (both compute silu with the same device code and
+    round to the input dtype the same way)."""
+    g = torch.Generator().manual_seed(seed)
+    many = torch.bincount(torch.multinomial(torch.rand(70, generator=g) ** 2, 3000, replacement=True,
+                                            generator=g), minlength=70).tolist()
+    for dtype, fp8_dtype, pd in ((torch.bfloat16, E4M3, torch.float32), (torch.float16, E5M2, torch.bfloat16),
+                                 (torch.float32, E4M3, torch.float32), (torch.bfloat16, E4M3, None)):
+        for splits, k in (([300, 1, 0, 129, 64, 7, 1000, 33], 272), ([0, 0, 130, 0], 1024), (many, 144)):
+            _check_swiglu_cast("cuda", dtype, splits, k, fp8_dtype, current, pd)
+
+
+@needs_fp8
+def test_swiglu_cast_bad_inputs():
+    h = torch.randn(40, 64)
+    scale, amax = _slots(2, "cpu")
+    cast = moe_ops.swiglu_cast_fp8_grouped
+    with pytest.raises(ValueError, match="'x' must have an even last dimension"):
+        cast(torch.randn(40, 65), None, [20, 20], E4M3, scale=scale, amax=amax)
+    with pytest.raises(ValueError, match="'x' must have K \\(half its last dimension\\) a multiple of 16"):
+        cast(torch.randn(40, 48), None, [20, 20], E4M3, scale=scale, amax=amax)
+    with pytest.raises(ValueError, match="'probs' must be a contiguous 1-D tensor of one entry per row of x \\(40\\)"):
+        cast(h, torch.rand(39), [20, 20], E4M3, scale=scale, amax=amax)
+    with pytest.raises(ValueError, match="'probs' must be 1-D"):
+        cast(h, torch.rand(40, 1), [20, 20], E4M3, scale=scale, amax=amax)
+    with pytest.raises(TypeError, match="probs"):
+        cast(h, torch.ones(40, dtype=torch.int32), [20, 20], E4M3, scale=scale, amax=amax)
+    with pytest.raises(ValueError, match="m_splits.*add.* up to 39 rows but 'x' has 40"):
+        cast(h, None, [20, 19], E4M3, scale=scale, amax=amax)
+
+
+def test_grouped_linear_swiglu_probs_is_scaled_swiglu_then_forward(seed):
+    """Outside FP8, swiglu_probs computes scaled_swiglu(inp, probs) and then
+    the layer, gradients included; its arguments are checked."""
+    torch.manual_seed(seed)
+    m = GroupedLinear(3, 16, 24, bias=True, device="cpu")
+    splits = [5, 0, 9]
+    h = torch.randn(14, 32, requires_grad=True)
+    p = torch.rand(14, requires_grad=True)
+    y = m(h, splits, swiglu_probs=p)
+    y.backward(torch.ones_like(y))
+    grads = h.grad.clone(), p.grad.clone(), m.weight0.grad.clone()
+    h.grad = p.grad = None
+    m.zero_grad()
+    y2 = m(moe_ops.scaled_swiglu(h, p), splits)
+    y2.backward(torch.ones_like(y2))
+    assert torch.equal(y, y2)
+    assert torch.equal(grads[0], h.grad) and torch.equal(grads[1], p.grad) and torch.equal(grads[2], m.weight0.grad)
+    with pytest.raises(ValueError, match="last dimension must be 2 x in_features"):
+        m(torch.randn(14, 16), splits, swiglu_probs=p)
+    with pytest.raises(ValueError, match="swiglu_probs must be 1-D with one entry per row of the input \\(14\\)"):
+        m(h, splits, swiglu_probs=torch.rand(13))
+    with pytest.raises(TypeError, match="swiglu_probs must be a torch.Tensor"):
+        m(h, splits, swiglu_probs=[0.5] * 14)
+
+
+@needs_fp8
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling()], ids=["current", "delayed"])
+def test_grouped_mlp_fp8_writes_no_swiglu_output(recipe, monkeypatch, seed):
+    """Under FP8 (steady state) GroupedMLP's SwiGLU runs inside fc2's input
+    cast: the SwiGLU forward kernel is not called, the fused cast is, once a
+    step."""
+    from seqfuse import _C
+
+    torch.manual_seed(seed)
+    m = GroupedMLP(32, 48, num_experts=4, topk=2, device="cpu")
+    calls = []
+    for name in ("moe_swiglu_forward", "swiglu_cast_fp8_grouped"):
+        real = getattr(_C, name)
+        monkeypatch.setattr(_C, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
+    for step in range(2):
+        calls.clear()
+        x = torch.randn(40, 32, requires_grad=True)
+        with fp8_autocast(enabled=True, fp8_recipe=recipe):
+            m(x).sum().backward()
+    assert calls == ["swiglu_cast_fp8_grouped"]
 
 
 def _check_current_list(device, dtype, G, n, k, fp8_dtype):
@@ -315,9 +426,11 @@ def _unpadded_grouped_mlp(m, x):
 @pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling()], ids=["current", "delayed"])
 def test_grouped_mlp_fp8_padded_permutation_equals_unpadded(recipe, seed):
     """Under FP8 GroupedMLP permutes into blocks of 16 rows per expert (zero
-    rows between); the output and every gradient equal the unpadded
-    permutation's (whose GEMMs pad per expert) bit for bit, over steps with
-    weight updates (delayed scaling: with and without amax histories)."""
+    rows between) and computes the SwiGLU inside fc2's input cast; the output
+    and every gradient equal the unpadded permutation's with the SwiGLU
+    written out (scaled_swiglu, then fc2; whose GEMMs pad per expert) bit
+    for bit, over steps with weight updates (delayed scaling: with and
+    without amax histories)."""
     torch.manual_seed(seed)
     a = GroupedMLP(32, 48, num_experts=4, topk=2, device="cpu")
     b = GroupedMLP(32, 48, num_experts=4, topk=2, device="cpu")
@@ -340,6 +453,40 @@ def test_grouped_mlp_fp8_padded_permutation_equals_unpadded(recipe, seed):
             for m in (a, b):
                 for p in m.parameters():
                     p -= 0.05 * p.grad
+                    p.grad = None
+
+
+@pytest.mark.cuda
+@needs_fp8
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling()], ids=["current", "delayed"])
+def test_grouped_mlp_fp8_cuda_fused_swiglu_equals_unfused(recipe, seed):
+    """On the GPU: GroupedMLP (padded permutation, SwiGLU inside fc2's cast)
+    against the unpadded permutation with the SwiGLU written out, bf16, over
+    three steps with weight updates: outputs and gradients agree (the same
+    FP8 operands; the GEMMs may pick other algorithms for other shapes)."""
+    torch.manual_seed(seed)
+    kw = dict(num_experts=8, topk=2, device="cuda", params_dtype=torch.bfloat16)
+    a, b = GroupedMLP(256, 512, **kw), GroupedMLP(256, 512, **kw)
+    b.load_state_dict(a.state_dict())
+    tol = pair_tol(torch.bfloat16)
+    for step in range(3):
+        x = torch.randn(3, 331, 256, device="cuda").bfloat16()
+        dy = torch.randn(3, 331, 256, device="cuda").bfloat16()
+        outs = []
+        for m, run in ((a, lambda m, x: m(x)), (b, _unpadded_grouped_mlp)):
+            xi = x.clone().requires_grad_()
+            with fp8_autocast(enabled=True, fp8_recipe=recipe):
+                y = run(m, xi)
+            y.backward(dy)
+            outs.append((y.detach(), xi.grad, {n: p.grad.clone() for n, p in m.named_parameters()}))
+        (ya, dxa, ga), (yb, dxb, gb) = outs
+        assert rel_error(ya, yb) <= tol and rel_error(dxa, dxb) <= tol, step
+        for n in ga:
+            assert rel_error(ga[n], gb[n]) <= tol, (step, n)
+        with torch.no_grad():
+            for m in (a, b):
+                for p in m.parameters():
+                    p -= 0.05 * p.grad.float().sign().to(p.dtype) * 1e-2
                     p.grad = None
 
 

@@ -96,6 +96,19 @@ sf_status sf_cast_fp8_grouped(const sf_tensor *x, const sf_tensor *m_splits, int
                               sf_tensor *scale, sf_tensor *amax, sf_tensor *out, sf_tensor *out_t,
                               sf_tensor *scale_inv, int current, int margin, sf_stream stream);
 
+/* sf_cast_fp8_grouped of a mixture-of-experts SwiGLU's output, computed in
+ * the same pass: x [M, 2K] holds each row's gate (columns 0..K-1) and up
+ * (K..2K-1) values, probs [M] (float32/16 or bf16; NULL: 1) the routing
+ * weight of each row, and the value cast is silu(gate) * up * probs rounded
+ * to x's dtype, bit for bit sf_moe_swiglu_forward's output; everything else
+ * (groups, padding, outputs, scaling) as sf_cast_fp8_grouped with that
+ * output as x.  The SwiGLU output itself is never written: the down
+ * projection's FP8 input comes straight from the gate-up GEMM's output. */
+sf_status sf_swiglu_cast_fp8_grouped(const sf_tensor *x, const sf_tensor *probs, const sf_tensor *m_splits,
+                                     int row_multiple, sf_tensor *scale, sf_tensor *amax, sf_tensor *out,
+                                     sf_tensor *out_t, sf_tensor *scale_inv, int current, int margin,
+                                     sf_stream stream);
+
 /* Current scaling of each of n tensors (a grouped layer's weights) in one
  * call: x[g] [N_g, K] (contiguous, one dtype, K and every N_g multiples of
  * 16, 16-byte aligned on CUDA) is cast with its own amax into out[g]

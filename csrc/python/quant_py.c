@@ -23,6 +23,11 @@ SF_PY_OP(cast_fp8_grouped, sf_cast_fp8_grouped,
          "int64 tensor) with scale[g] into its padded block of out / out_t.",
          (T, x), (T, m_splits), (INT, row_multiple), (T, scale), (OT, amax), (OT, out), (OT, out_t),
          (T, scale_inv), (INT, current), (INT, margin));
+SF_PY_OP(swiglu_cast_fp8_grouped, sf_swiglu_cast_fp8_grouped,
+         "cast_fp8_grouped of silu(x[:, :K]) * x[:, K:] * probs[:, None] (a mixture-of-experts "
+         "SwiGLU's output), computed in the same pass and never written in x's dtype.",
+         (T, x), (OT, probs), (T, m_splits), (INT, row_multiple), (T, scale), (OT, amax), (OT, out),
+         (OT, out_t), (T, scale_inv), (INT, current), (INT, margin));
 SF_PY_OP(cast_fp8_current_list, sf_cast_fp8_current_list,
          "Current scaling of each tensor of a list (a grouped layer's weights) in one call.",
          (TL, xs), (OTL, out), (OTL, out_t), (T, scale), (T, amax), (T, scale_inv), (INT, margin));
@@ -63,7 +68,8 @@ SF_PY_BINDING(quantize_block_fp8_rowcol, rowcol_args, rowcol,
 
 const sf_py_binding *const sf_py_quant_bindings[] = {
     &amax_binding,           &cast_fp8_binding,         &cast_fp8_dbias_binding,
-    &cast_fp8_current_binding, &cast_fp8_grouped_binding, &cast_fp8_current_list_binding,
+    &cast_fp8_current_binding, &cast_fp8_grouped_binding, &swiglu_cast_fp8_grouped_binding,
+    &cast_fp8_current_list_binding,
     &transpose_fp8_binding,  &dequantize_fp8_binding,
     &fp8_scale_update_binding, &fp8_compute_scale_binding, &quantize_block_fp8_binding,
     &quantize_block_fp8_rowcol_binding, &dequantize_block_fp8_binding, &quantize_mxfp8_binding,

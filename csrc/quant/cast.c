@@ -264,17 +264,17 @@ static sf_status grouped_run(const char *op, const char *ref_arg, const sf_tenso
                        sf_cast_fp8_grouped_cuda(a, ref->device_id, stream));
 }
 
-/* Host arrays of a grouped cast's layout: x, out, out_t pointers and m, mp,
+/* Host arrays of a grouped cast's layout: x, out, out_t, probs pointers and m, mp,
  * ld_t counts of G groups, in one allocation (freed by the caller). */
 typedef struct {
-    const void **x;
+    const void **x, **probs;
     uint8_t **out, **out_t;
     int64_t *m, *mp, *ld_t;
 } grouped_layout;
 
 static sf_status layout_alloc(const char *op, int64_t G, grouped_layout *l, void **block)
 {
-    *block = malloc((size_t)G * 6 * sizeof(int64_t));
+    *block = malloc((size_t)G * 7 * sizeof(int64_t));
     if (!*block)
         return sf_fail(SF_ERR_RUNTIME, "%s: out of host memory for %lld groups", op, (long long)G);
     char *p = (char *)*block;
@@ -285,25 +285,40 @@ static sf_status layout_alloc(const char *op, int64_t G, grouped_layout *l, void
     l->m = (int64_t *)(p + 3 * step);
     l->mp = (int64_t *)(p + 4 * step);
     l->ld_t = (int64_t *)(p + 5 * step);
+    l->probs = (const void **)(p + 6 * step);
     return SF_OK;
 }
 
-sf_status sf_cast_fp8_grouped(const sf_tensor *x, const sf_tensor *m_splits, int row_multiple,
-                              sf_tensor *scale, sf_tensor *amax, sf_tensor *out, sf_tensor *out_t,
-                              sf_tensor *scale_inv, int current, int margin, sf_stream stream)
+/* sf_cast_fp8_grouped (swiglu = 0: x holds the values cast) and
+ * sf_swiglu_cast_fp8_grouped (swiglu = 1: each row of x is a gate|up pair of
+ * 2K values, probs (or NULL) the rows' scales). */
+static sf_status cast_grouped_rows(const char *op, const sf_tensor *x, int swiglu, const sf_tensor *probs,
+                                   const sf_tensor *m_splits, int row_multiple, sf_tensor *scale,
+                                   sf_tensor *amax, sf_tensor *out, sf_tensor *out_t,
+                                   sf_tensor *scale_inv, int current, int margin, sf_stream stream)
 {
-    static const char op[] = "cast_fp8_grouped";
     SF_TRY(sf_check_float_input(op, "x", x));
     SF_TRY(sf_check_contiguous(op, "x", x));
     if (x->ndim != 2)
-        return sf_fail(SF_ERR_VALUE, "%s: argument 'x' must be 2-D [M, K] (the tokens in group "
-                       "order), got %d dimensions", op, x->ndim);
-    const int64_t m_total = x->shape[0], k = x->shape[1];
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'x' must be 2-D [M, %s] (the tokens in group "
+                       "order), got %d dimensions", op, swiglu ? "2K" : "K", x->ndim);
+    const int64_t m_total = x->shape[0], k = swiglu ? x->shape[1] / 2 : x->shape[1];
+    if (swiglu && x->shape[1] % 2)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'x' must have an even last dimension (gate and up "
+                       "halves), got %lld", op, (long long)x->shape[1]);
     if (k % 16)
-        return sf_fail(SF_ERR_VALUE, "%s: argument 'x' must have K (its last dimension) a multiple "
-                       "of 16 (the FP8 GEMMs' rule), got %lld", op, (long long)k);
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'x' must have K (%s) a multiple of 16 (the FP8 "
+                       "GEMMs' rule), got %lld", op, swiglu ? "half its last dimension" : "its last dimension",
+                       (long long)k);
     if (x->device != SF_CPU && (uintptr_t)x->data % 16)
         return sf_fail(SF_ERR_VALUE, "%s: argument 'x' must be 16-byte aligned", op);
+    if (probs) {
+        SF_TRY(sf_check_float_input(op, "probs", probs));
+        SF_TRY(sf_check_same_device(op, "x", x, "probs", probs));
+        if (probs->ndim != 1 || probs->shape[0] != m_total || !sf_is_contiguous(probs))
+            return sf_fail(SF_ERR_VALUE, "%s: argument 'probs' must be a contiguous 1-D tensor of one "
+                           "entry per row of x (%lld)", op, (long long)m_total);
+    }
     SF_TRY(sf_check_dtype(op, "m_splits", m_splits, SF_INT64));
     if (m_splits->device != SF_CPU || m_splits->ndim != 1 || !sf_is_contiguous(m_splits))
         return sf_fail(SF_ERR_VALUE, "%s: argument 'm_splits' must be a contiguous 1-D int64 CPU "
@@ -343,13 +358,15 @@ sf_status sf_cast_fp8_grouped(const sf_tensor *x, const sf_tensor *m_splits, int
     void *block = NULL;
     grouped_layout l;
     SF_TRY(layout_alloc(op, G, &l, &block));
-    const size_t esize = sf_dtype_size(x->dtype);
+    const size_t esize = sf_dtype_size(x->dtype), row = (size_t)(swiglu ? 2 * k : k);
+    const size_t psize = probs ? sf_dtype_size(probs->dtype) : 0;
     int64_t r = 0, p = 0;
     for (int64_t g = 0; g < G; ++g) {
         l.m[g] = splits[g];
         l.mp[g] = (splits[g] + row_multiple - 1) / row_multiple * row_multiple;
         l.ld_t[g] = padded;
-        l.x[g] = (const char *)x->data + (size_t)(r * k) * esize;
+        l.x[g] = (const char *)x->data + (size_t)r * row * esize;
+        l.probs[g] = probs ? (const char *)probs->data + (size_t)r * psize : NULL;
         l.out[g] = out ? (uint8_t *)out->data + p * k : NULL;
         l.out_t[g] = out_t ? (uint8_t *)out_t->data + p : NULL;
         r += l.m[g];
@@ -357,11 +374,30 @@ sf_status sf_cast_fp8_grouped(const sf_tensor *x, const sf_tensor *m_splits, int
     }
     sf_cast_grouped_args a = {.x_dtype = x->dtype, .k = k, .groups = G, .x = l.x,
                               .out = out ? l.out : NULL, .out_t = out_t ? l.out_t : NULL,
-                              .m = l.m, .mp = l.mp, .ld_t = l.ld_t};
+                              .m = l.m, .mp = l.mp, .ld_t = l.ld_t, .swiglu = swiglu,
+                              .probs = probs ? l.probs : NULL,
+                              .probs_dtype = probs ? probs->dtype : SF_FLOAT32};
     sf_status st = grouped_run(op, "x", x, &a, scale, amax, scale_inv, (out ? out : out_t)->dtype,
                                current, margin, stream);
     free(block);
     return st;
+}
+
+sf_status sf_cast_fp8_grouped(const sf_tensor *x, const sf_tensor *m_splits, int row_multiple,
+                              sf_tensor *scale, sf_tensor *amax, sf_tensor *out, sf_tensor *out_t,
+                              sf_tensor *scale_inv, int current, int margin, sf_stream stream)
+{
+    return cast_grouped_rows("cast_fp8_grouped", x, 0, NULL, m_splits, row_multiple, scale, amax, out,
+                             out_t, scale_inv, current, margin, stream);
+}
+
+sf_status sf_swiglu_cast_fp8_grouped(const sf_tensor *x, const sf_tensor *probs, const sf_tensor *m_splits,
+                                     int row_multiple, sf_tensor *scale, sf_tensor *amax, sf_tensor *out,
+                                     sf_tensor *out_t, sf_tensor *scale_inv, int current, int margin,
+                                     sf_stream stream)
+{
+    return cast_grouped_rows("swiglu_cast_fp8_grouped", x, 1, probs, m_splits, row_multiple, scale, amax,
+                             out, out_t, scale_inv, current, margin, stream);
 }
 
 sf_status sf_cast_fp8_current_list(int64_t n, const sf_tensor *x, int64_t n_out, sf_tensor *out,

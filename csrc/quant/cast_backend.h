@@ -75,6 +75,13 @@ typedef struct {
     int e5m2;
     int current;
     float fp8_max, pow2_neg_margin;
+    /* swiglu = 1 (sf_swiglu_cast_fp8_grouped): x[g] points at group g's rows
+     * of gate|up pairs [m[g], 2k], and the value cast is silu(gate) * up *
+     * probs[g][row] rounded to x_dtype (sf_moe_swiglu_forward's output, bit
+     * for bit); probs NULL: no scaling.  probs_dtype: float32/16 or bf16. */
+    int swiglu;
+    const void *const *probs;
+    sf_dtype probs_dtype;
 } sf_cast_grouped_args;
 
 sf_status sf_cast_fp8_grouped_cpu(const sf_cast_grouped_args *a);

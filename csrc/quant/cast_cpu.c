@@ -4,8 +4,10 @@
  * must match bit for bit.  The math lives in fp8.h, shared with the GPU.
  */
 #include <math.h>
+#include <stdlib.h>
 
 #include "../core/float_io.h"
+#include "../moe/moe.h" /* sf_moe_silu: the SwiGLU of sf_swiglu_cast_fp8_grouped */
 #include "cast_backend.h"
 #include "fp8.h"
 
@@ -73,26 +75,57 @@ static void column_sums(const sf_cast_args *a)
 /* The grouped cast: each group is a whole-tensor cast of its rows
  * (sf_cast_fp8_cpu) into its outputs; under current scaling its amax and
  * scale are computed first, as sf_cast_fp8_current does. */
+/* Group g's SwiGLU output (swiglu = 1): silu(gate) * up * p rounded to
+ * x_dtype, as sf_moe_swiglu_forward_cpu computes it, into a new buffer (the
+ * caller frees it; NULL: out of memory). */
+static void *swiglu_rows(const sf_cast_grouped_args *a, int64_t g)
+{
+    const int64_t m = a->m[g], k = a->k;
+    void *y = malloc((size_t)(m * k > 0 ? m * k : 1) * sf_dtype_size(a->x_dtype));
+    if (!y)
+        return NULL;
+    for (int64_t r = 0; r < m; ++r) {
+        const float p = a->probs ? sf_load_float(a->probs[g], a->probs_dtype, r) : 1.0f;
+        for (int64_t j = 0; j < k; ++j) {
+            const float gate = sf_load_float(a->x[g], a->x_dtype, r * 2 * k + j);
+            const float up = sf_load_float(a->x[g], a->x_dtype, r * 2 * k + k + j);
+            sf_store_float(y, a->x_dtype, r * k + j, sf_moe_silu(gate) * up * p);
+        }
+    }
+    return y;
+}
+
 sf_status sf_cast_fp8_grouped_cpu(const sf_cast_grouped_args *a)
 {
     for (int64_t g = 0; g < a->groups; ++g) {
+        const void *x = a->x[g];
+        void *act = NULL;
+        if (a->swiglu) {
+            act = swiglu_rows(a, g);
+            if (!act)
+                return sf_fail(SF_ERR_RUNTIME, "swiglu_cast_fp8_grouped: out of host memory for group "
+                               "%lld's %lld x %lld values", (long long)g, (long long)a->m[g], (long long)a->k);
+            x = act;
+        }
         float *scale = a->scale + g * a->scale_stride;
         float *amax = a->amax ? a->amax + g * a->amax_stride : NULL;
         if (a->current) {
             uint32_t bits = 0;
             for (int64_t i = 0; i < a->m[g] * a->k; ++i) {
-                uint32_t b = sf_abs_bits(sf_load_float(a->x[g], a->x_dtype, i));
+                uint32_t b = sf_abs_bits(sf_load_float(x, a->x_dtype, i));
                 bits = b > bits ? b : bits;
             }
             *amax = sf_bits_f32(bits);
             *scale = sf_scale_from_amax(*amax, a->fp8_max, a->pow2_neg_margin, 1.0f);
         }
         sf_cast_args b = {
-            .x = a->x[g], .x_dtype = a->x_dtype, .m = a->m[g], .k = a->k, .mp = a->mp[g],
+            .x = x, .x_dtype = a->x_dtype, .m = a->m[g], .k = a->k, .mp = a->mp[g],
             .ld_t = a->ld_t[g], .scale = scale, .amax = a->current ? NULL : amax,
             .out = a->out ? a->out[g] : NULL, .out_t = a->out_t ? a->out_t[g] : NULL,
             .scale_inv = a->scale_inv + g * a->scale_inv_stride, .e5m2 = a->e5m2, .col_sums = NULL};
-        SF_TRY(sf_cast_fp8_cpu(&b));
+        const sf_status st = sf_cast_fp8_cpu(&b);
+        free(act);
+        SF_TRY(st);
     }
     return SF_OK;
 }

@@ -31,9 +31,11 @@
  *   dequantize, and the scaling-state updates (one thread per tensor).
  */
 #include <cooperative_groups.h>
+#include <type_traits>
 
 #include "../core/cuda_util.h"
 #include "../core/visit.cuh"
+#include "../moe/moe.h" /* sf_moe_silu, sf_moe_ld: the SwiGLU of the fused grouped cast */
 #include "cast_backend.h"
 #include "fp8_cuda.cuh"
 
@@ -85,6 +87,27 @@ __device__ __forceinline__ void store_tile_transposed(const uint32_t (*tile)[kWo
     }
 }
 
+/* The fused grouped cast's input value: silu(gate) * up * p rounded to T and
+ * read back, as moe_swiglu_forward stores it (float_bits.h's rounding). */
+template <typename T>
+__device__ __forceinline__ float swiglu_value(float gate, float up, float p)
+{
+    const float v = sf_moe_silu(gate) * up * p;
+    if constexpr (sizeof(T) == 4)
+        return v;
+    else if constexpr (std::is_same_v<T, __half>)
+        return sf_f16_to_f32(sf_f32_to_f16(v));
+    else
+        return sf_bf16_to_f32(sf_f32_to_bf16(v));
+}
+
+/* Where a tile's values come from.  Plain: x [m, k].  SWIGLU: x [m, 2k] of
+ * gate|up pairs and probs (dtype pd; NULL: 1), the value swiglu_value. */
+struct SwigluRows {
+    const void *probs;
+    sf_dtype pd;
+};
+
 /* SUMS (the dbias variant) also writes col_sums[tile row][k]: each 128-row
  * block's column sums of x in float32, in a fixed order that cast_cpu.c
  * repeats: per thread its 8 rows (lr, lr+16, ...), then the two threads of a
@@ -93,11 +116,11 @@ __device__ __forceinline__ void store_tile_transposed(const uint32_t (*tile)[kWo
 /* One tile of cast_transpose: rows m0.. and columns k0.. of x [m, k] cast
  * with `scale` into out [mp, k] and out_t [k, mp] (row stride ld_t), max |x|
  * bits folded into local_max. */
-template <typename T, bool E5M2, bool SUMS>
+template <typename T, bool E5M2, bool SUMS, bool SWIGLU = false>
 __device__ __forceinline__ void cast_transpose_tile(
     const T *__restrict__ x, int64_t m, int64_t mp, int64_t k, int64_t ld_t, int64_t m0, int64_t k0,
     float scale, uint8_t *__restrict__ out, uint8_t *__restrict__ out_t, float *__restrict__ col_sums,
-    uint32_t (*tile)[kWords], float (*red)[kTile], uint32_t &local_max)
+    uint32_t (*tile)[kWords], float (*red)[kTile], uint32_t &local_max, SwigluRows act = {nullptr, SF_FLOAT32})
 {
     const int t = threadIdx.x;
     /* load phase: 16 vectors of 8 per row, 16 rows per pass, 8 passes */
@@ -108,14 +131,23 @@ __device__ __forceinline__ void cast_transpose_tile(
     {
         const int64_t kc = k0 + lj * 8;
         sf_raw8<T> raw[8];
+        sf_raw8<T> raw_up[SWIGLU ? 8 : 1];
+        float prob[SWIGLU ? 8 : 1];
         bool ok[8];
         float csum[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             int64_t r = m0 + lr + 16 * i;
             ok[i] = r < m && kc < k;
-            if (ok[i])
-                sf_load_raw8(x + r * k + kc, raw[i]);
+            if (ok[i]) {
+                if constexpr (SWIGLU) {
+                    sf_load_raw8(x + r * 2 * k + kc, raw[i]);
+                    sf_load_raw8(x + r * 2 * k + k + kc, raw_up[i]);
+                    prob[i] = act.probs ? sf_moe_ld(act.probs, act.pd, r) : 1.0f;
+                } else {
+                    sf_load_raw8(x + r * k + kc, raw[i]);
+                }
+            }
         }
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
@@ -124,6 +156,13 @@ __device__ __forceinline__ void cast_transpose_tile(
             if (ok[i]) {
                 float v[8], s[8];
                 sf_unpack8(raw[i], v);
+                if constexpr (SWIGLU) {
+                    float up[8];
+                    sf_unpack8(raw_up[i], up);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e)
+                        v[e] = swiglu_value<T>(v[e], up[e], prob[i]);
+                }
 #pragma unroll
                 for (int e = 0; e < 8; ++e) {
                     local_max = max(local_max, sf_abs_bits(v[e]));
@@ -584,9 +623,11 @@ namespace {
 
 /* The grouped cast's kernels: every CTA takes one 128 x 128 tile of one
  * group's padded rows.  The table of one launch (up to kGroupsPerLaunch
- * groups) travels in the kernel parameters (3.4 KB of the 4 KB): each
+ * groups) travels in the kernel parameters (3.9 KB of the 4 KB): each
  * group's first tile (a prefix sum, searched by the CTA), its input and
- * outputs, its rows, padded rows and out_t row stride.  Groups beyond
+ * outputs, its rows, padded rows and out_t row stride, and for the fused
+ * SwiGLU its rows' probabilities.  SWIGLU kernels read gate|up pairs
+ * [m, 2k] and cast swiglu_value (sf_swiglu_cast_fp8_grouped).  Groups beyond
  * kGroupsPerLaunch take further launches. */
 constexpr int kGroupsPerLaunch = 64;
 
@@ -597,6 +638,8 @@ struct GroupTable {
     const void *x[kGroupsPerLaunch];
     uint8_t *out[kGroupsPerLaunch], *out_t[kGroupsPerLaunch]; /* entries NULL: no such copy */
     int64_t m[kGroupsPerLaunch], mp[kGroupsPerLaunch], ld_t[kGroupsPerLaunch];
+    const void *probs[kGroupsPerLaunch]; /* the SwiGLU's row scales (entries NULL: 1) */
+    sf_dtype probs_dtype;
 };
 
 struct GroupScales {
@@ -632,7 +675,7 @@ __global__ void grouped_zero_amax_kernel(GroupTable tab, GroupScales sc)
 
 /* Current scaling, step 2: max |x_g| over each tile of real rows, folded into
  * amax[g] (one atomic per CTA). */
-template <typename T>
+template <typename T, bool SWIGLU>
 __global__ void __launch_bounds__(kThreads)
 grouped_amax_kernel(int64_t k, GroupTable tab, GroupScales sc)
 {
@@ -648,7 +691,17 @@ grouped_amax_kernel(int64_t k, GroupTable tab, GroupScales sc)
         const int64_t r = m0 + lr + 16 * j;
         if (r < m && kc < k) {
             float v[8];
-            sf_load8(xg + r * k + kc, v);
+            if constexpr (SWIGLU) {
+                float up[8];
+                sf_load8(xg + r * 2 * k + kc, v);
+                sf_load8(xg + r * 2 * k + k + kc, up);
+                const float p = tab.probs[i] ? sf_moe_ld(tab.probs[i], tab.probs_dtype, r) : 1.0f;
+#pragma unroll
+                for (int e = 0; e < 8; ++e)
+                    v[e] = swiglu_value<T>(v[e], up[e], p);
+            } else {
+                sf_load8(xg + r * k + kc, v);
+            }
 #pragma unroll
             for (int e = 0; e < 8; ++e)
                 local_max = max(local_max, sf_abs_bits(v[e]));
@@ -662,8 +715,8 @@ grouped_amax_kernel(int64_t k, GroupTable tab, GroupScales sc)
  * delayed scaling, folds the tile's max |x| into the group's amax.  The
  * group's first CTA writes scale_inv (and, CURRENT, the scale); CTA 0 does
  * it for groups with no rows (no tiles). */
-template <typename T, bool E5M2, bool CURRENT>
-__global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? 2 : 3)
+template <typename T, bool E5M2, bool CURRENT, bool SWIGLU>
+__global__ void __launch_bounds__(kThreads, SWIGLU || sizeof(T) == 4 ? 2 : 3)
 grouped_cast_kernel(int64_t k, GroupTable tab, GroupScales sc)
 {
     __shared__ __align__(16) uint32_t tile[kTile][kWords];
@@ -691,14 +744,15 @@ grouped_cast_kernel(int64_t k, GroupTable tab, GroupScales sc)
                 sc.scale_inv[gj * sc.scale_inv_stride] = __fdiv_rn(1.0f, s);
             }
     uint32_t local_max = 0;
-    cast_transpose_tile<T, E5M2, false>(static_cast<const T *>(tab.x[i]), tab.m[i], tab.mp[i], k,
-                                        tab.ld_t[i], (lt / tiles_k) * kTile, (lt % tiles_k) * kTile,
-                                        scale, tab.out[i], tab.out_t[i], nullptr, tile, red, local_max);
+    cast_transpose_tile<T, E5M2, false, SWIGLU>(static_cast<const T *>(tab.x[i]), tab.m[i], tab.mp[i], k,
+                                                tab.ld_t[i], (lt / tiles_k) * kTile, (lt % tiles_k) * kTile,
+                                                scale, tab.out[i], tab.out_t[i], nullptr, tile, red, local_max,
+                                                SwigluRows{tab.probs[i], tab.probs_dtype});
     if (!CURRENT && sc.amax)
         sf_block_atomic_max<kThreads>(local_max, sc.amax + g * sc.amax_stride);
 }
 
-template <typename T>
+template <typename T, bool SWIGLU>
 sf_status launch_cast_grouped(const sf_cast_grouped_args *a, cudaStream_t stream)
 {
     static const char op[] = "cast_fp8_grouped";
@@ -709,6 +763,7 @@ sf_status launch_cast_grouped(const sf_cast_grouped_args *a, cudaStream_t stream
         GroupTable tab;
         tab.n = (int)(a->groups - first < kGroupsPerLaunch ? a->groups - first : kGroupsPerLaunch);
         tab.first = (int)first;
+        tab.probs_dtype = a->probs_dtype;
         int64_t tiles = 0;
         for (int i = 0; i < tab.n; ++i) {
             const int64_t g = first + i;
@@ -719,6 +774,7 @@ sf_status launch_cast_grouped(const sf_cast_grouped_args *a, cudaStream_t stream
             tab.m[i] = a->m[g];
             tab.mp[i] = a->mp[g];
             tab.ld_t[i] = a->ld_t[g];
+            tab.probs[i] = a->probs ? a->probs[g] : nullptr;
             tiles += (a->mp[g] + kTile - 1) / kTile * tiles_k;
             if (tiles > 0x7fffffff)
                 return sf_fail(SF_ERR_VALUE, "%s: argument 'x' has too many 128 x 128 tiles (%lld)",
@@ -730,15 +786,15 @@ sf_status launch_cast_grouped(const sf_cast_grouped_args *a, cudaStream_t stream
         if (a->current) {
             grouped_zero_amax_kernel<<<1, kThreads, 0, stream>>>(tab, sc);
             if (tiles > 0)
-                grouped_amax_kernel<T><<<grid, kThreads, 0, stream>>>(a->k, tab, sc);
+                grouped_amax_kernel<T, SWIGLU><<<grid, kThreads, 0, stream>>>(a->k, tab, sc);
             if (a->e5m2)
-                grouped_cast_kernel<T, true, true><<<grid, kThreads, 0, stream>>>(a->k, tab, sc);
+                grouped_cast_kernel<T, true, true, SWIGLU><<<grid, kThreads, 0, stream>>>(a->k, tab, sc);
             else
-                grouped_cast_kernel<T, false, true><<<grid, kThreads, 0, stream>>>(a->k, tab, sc);
+                grouped_cast_kernel<T, false, true, SWIGLU><<<grid, kThreads, 0, stream>>>(a->k, tab, sc);
         } else if (a->e5m2) {
-            grouped_cast_kernel<T, true, false><<<grid, kThreads, 0, stream>>>(a->k, tab, sc);
+            grouped_cast_kernel<T, true, false, SWIGLU><<<grid, kThreads, 0, stream>>>(a->k, tab, sc);
         } else {
-            grouped_cast_kernel<T, false, false><<<grid, kThreads, 0, stream>>>(a->k, tab, sc);
+            grouped_cast_kernel<T, false, false, SWIGLU><<<grid, kThreads, 0, stream>>>(a->k, tab, sc);
         }
         SF_CUDA_CHECK_LAUNCH(op);
     }
@@ -755,7 +811,8 @@ extern "C" sf_status sf_cast_fp8_grouped_cuda(const sf_cast_grouped_args *a, int
     sf_cuda_device_guard guard;
     SF_TRY(sf_cuda_device_enter("cast_fp8_grouped", device, &guard));
     sf_status st = sf_visit_float("cast_fp8_grouped", "x", a->x_dtype, [&](auto tag) {
-        return launch_cast_grouped<typename decltype(tag)::type>(a, stream);
+        using T = typename decltype(tag)::type;
+        return a->swiglu ? launch_cast_grouped<T, true>(a, stream) : launch_cast_grouped<T, false>(a, stream);
     });
     sf_cuda_device_restore(&guard);
     return st;

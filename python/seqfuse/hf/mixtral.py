@@ -56,7 +56,6 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOut
 from ..modules.multihead_attention import MultiheadAttention
 from ..modules.norm import RMSNorm
 from ..modules.moe import GroupedMLP
-from ..ops import moe as moe_ops
 from ..ops.moe import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss
 from .generation import CachedGenerate
 from .llama import (DecoderPreTrainedModel, DecoderStack, batch_layout, check_lm_arguments, check_unsupported,
@@ -106,8 +105,7 @@ class SeqfuseMixtralSparseMoE(GroupedMLP):
         splits = [t] * e
         xp = x.repeat(e, 1)  # expert-major: rows [g * t, (g + 1) * t) are expert g's copy of the tokens
         h = self.fc1(xp, splits)
-        a = moe_ops.scaled_swiglu(h, probs.t().contiguous().reshape(-1))
-        y = self.fc2(a, splits).view(e, t, self.hidden_size)
+        y = self.fc2(h, splits, swiglu_probs=probs.t().contiguous().reshape(-1)).view(e, t, self.hidden_size)
         return y.sum(0, dtype=torch.float32).to(y.dtype).view(*lead, self.hidden_size)
 
 

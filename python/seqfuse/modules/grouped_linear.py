@@ -136,7 +136,8 @@ class GroupedLinear(torch.nn.Module):
     happens whenever every weight carries one).
 
     forward(inp [sum(m_splits), in_features] (or [..., in_features] whose
-    rows add up), m_splits: G ints (host values; a CPU tensor is read)).
+    rows add up), m_splits: G ints (host values; a CPU tensor is read),
+    is_first_microbatch, swiglu_probs: see forward).
     """
 
     def __init__(self, num_gemms, in_features, out_features, bias=True, params_dtype=None, device=None,
@@ -219,18 +220,43 @@ class GroupedLinear(torch.nn.Module):
         if q.kind != "block":
             weight_pairs(q, self.weights(), None)
 
-    def forward(self, inp, m_splits, is_first_microbatch=None):
+    def forward(self, inp, m_splits, is_first_microbatch=None, *, swiglu_probs=None):
         """y for inp [sum(m_splits), in_features].  is_first_microbatch (TE):
         under FP8, True re-quantizes the weights, False reuses the previous
-        call's, None re-quantizes a weight only when it changed."""
-        check_input("GroupedLinear", inp, self.in_features, "in_features")
+        call's, None re-quantizes a weight only when it changed.
+
+        ``swiglu_probs`` (seqfuse's, for GroupedMLP's down projection): inp is
+        [sum(m_splits), 2 x in_features] gate|up pairs (the experts' gate-up
+        GEMM output) and the layer's input is scaled_swiglu(inp,
+        swiglu_probs), swiglu_probs [sum(m_splits)] each row's routing
+        weight.  Under FP8 autocast the SwiGLU is computed inside this
+        layer's input cast (quantization.grouped), so its output is never
+        written in inp's dtype; otherwise it is seqfuse.ops.moe.scaled_swiglu."""
+        cls = "GroupedLinear"
+        if swiglu_probs is None:
+            check_input(cls, inp, self.in_features, "in_features")
+            return self._apply_to(inp, None, False, m_splits, is_first_microbatch)
+        check_input(cls, inp, 2 * self.in_features, "2 x in_features (gate and up, with swiglu_probs)")
+        rows = inp.numel() // inp.shape[-1] if inp.shape[-1] else 0
+        check_input(cls, swiglu_probs, name="swiglu_probs")
+        if swiglu_probs.dim() != 1 or swiglu_probs.shape[0] != rows:
+            raise ValueError(f"{cls}: swiglu_probs must be 1-D with one entry per row of the input ({rows}), "
+                             f"got shape {tuple(swiglu_probs.shape)}")
+        if not _q.is_fp8_enabled():
+            a = moe_ops.scaled_swiglu(inp.reshape(rows, inp.shape[-1]), swiglu_probs)
+            return self._apply_to(a, None, False, m_splits, is_first_microbatch)
+        return self._apply_to(inp, swiglu_probs, True, m_splits, is_first_microbatch)
+
+    def _apply_to(self, inp, probs, swiglu, m_splits, is_first_microbatch):
+        """forward's body; ``swiglu`` (FP8 only): inp holds gate|up pairs and
+        probs the SwiGLU's row scales."""
         splits = tuple(moe_ops.host_splits("GroupedLinear", m_splits))
         if len(splits) != self.num_gemms:
             raise ValueError(f"GroupedLinear: m_splits must hold num_gemms = {self.num_gemms} row "
                              f"counts, got {len(splits)}")
         recipe = _q.get_recipe() if _q.is_fp8_enabled() else None
         lead = inp.shape[:-1]
-        x = inp.reshape(-1, self.in_features)
+        x = inp.reshape(-1, inp.shape[-1])
         if sum(splits) != x.shape[0]:
             raise ValueError(f"GroupedLinear: m_splits add up to {sum(splits)} rows but the input has "
                              f"{x.shape[0]}")
@@ -240,8 +266,8 @@ class GroupedLinear(torch.nn.Module):
         params = weights + (biases if use_bias else [])
         if recipe is not None:
             q = self._quantizers(recipe, x.device)
-            y = Fp8GroupedLinearFunction.apply(x, splits, dtype, self.num_gemms, use_bias,
-                                               (q, is_first_microbatch), *params)
+            y = Fp8GroupedLinearFunction.apply(x, probs, splits, dtype, self.num_gemms, use_bias,
+                                               (q, is_first_microbatch, swiglu), *params)
         else:
             y = GroupedLinearFunction.apply(x, splits, dtype, self.num_gemms, use_bias, None, *params)
         if inp.dim() != 2:
@@ -350,29 +376,42 @@ def _expert_grad_casts(roles, dy, splits, kind, bias_dtypes, need_dx, need_dw):
     return g_row, g_col, dbs
 
 
+#: Fp8GroupedLinearFunction's arguments before the weights and biases.
+_FP8_ARGS = 7
+
+
 class Fp8GroupedLinearFunction(torch.autograd.Function):
     """Autograd of y_g = x_g W_g^T + b_g with FP8 grouped GEMMs (see the module
-    note).  forward(x, m_splits, dtype, num_gemms, use_bias,
-    (quantizers, is_first_microbatch), *weights, *biases).  The input and
-    output gradient are cast for all experts in one call where
+    note).  forward(x, probs, m_splits, dtype, num_gemms, use_bias,
+    (quantizers, is_first_microbatch, swiglu), *weights, *biases).  The input
+    and output gradient are cast for all experts in one call where
     quantization.grouped allows (a GroupedFloat8: its row-wise copy split
     by the padded counts, its transposed blocks as _Columns), else per
     expert into modules._fp8's triples (data, scale_inv, scaling); the
-    weights are per-expert triples either way."""
+    weights are per-expert triples either way.  ``swiglu`` (GroupedMLP's
+    down projection): the layer's input is scaled_swiglu(x, probs) for x
+    [M, 2K] gate|up pairs, computed inside the input's FP8 cast (never
+    written in x's dtype, where the cast is grouped), and the backward
+    returns the gradients of x and probs; else probs is None."""
 
     @staticmethod
-    def forward(ctx, x, m_splits, dtype, G, use_bias, qargs, *params):
-        q, first = qargs
+    def forward(ctx, x, probs, m_splits, dtype, G, use_bias, qargs, *params):
+        q, first, swiglu = qargs
         kind = q.kind
         weights, biases = params[:G], params[G:] if use_bias else None
-        need_w = any(ctx.needs_input_grad[6:6 + G])
+        need_w = any(ctx.needs_input_grad[_FP8_ARGS:_FP8_ARGS + G])
         x = x.detach()
-        K = x.shape[1]
+        probs = probs.detach() if probs is not None else None
+        K = x.shape[1] // 2 if swiglu else x.shape[1]
         padded = tuple(_gq.padded_rows(m) for m in m_splits)
         pairs = weight_pairs(q, weights, first)  # every expert's weight cast in one call where all are due
         # every expert's input cast in one call, else expert by expert (quantization.grouped)
-        gx = quantize_grouped(q, "input", x, m_splits, padded, transpose=need_w)
-        x_row, x_col = (gx, None) if gx is not None else _expert_casts(q.inputs, x, m_splits, kind, need_w)
+        gx = quantize_grouped(q, "input", x, m_splits, padded, transpose=need_w, swiglu=swiglu, probs=probs)
+        if gx is not None:
+            x_row, x_col = gx, None
+        else:
+            act = moe_ops.swiglu_forward(x, probs) if swiglu else x
+            x_row, x_col = _expert_casts(q.inputs, act, m_splits, kind, need_w)
         w_forward = [F8.weight_forward(p, kind) for p in pairs]
         bias = None
         if use_bias:
@@ -389,6 +428,9 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
             saved += [gx.data_t, gx.scale_inv]
         elif need_w:
             saved += [t for op in x_col for t in op[:2]]
+        ctx.swiglu = swiglu
+        if swiglu:  # the SwiGLU's backward reads its input
+            saved += [x, probs]
         ctx.save_for_backward(*saved)
         ctx.modes = ([op[2] for op in w_dg], (gx is not None) if need_w else None,
                      [op[2] for op in x_col] if need_w and gx is None else None)
@@ -403,15 +445,17 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         kind = q.kind
         saved = ctx.saved_tensors
         w_modes, x_grouped, x_modes = ctx.modes
+        if ctx.swiglu:
+            saved, (h, probs) = saved[:-2], saved[-2:]
         w_dg = [(saved[2 * g], saved[2 * g + 1], w_modes[g]) for g in range(G)]
         x_col = None
         if x_grouped:
             x_col = _Columns(GroupedFloat8(None, saved[2 * G], saved[2 * G + 1], padded))
         elif x_modes is not None:
             x_col = [(saved[2 * G + 2 * g], saved[2 * G + 2 * g + 1], x_modes[g]) for g in range(G)]
-        need_dx = ctx.needs_input_grad[0]
-        need_dw = any(ctx.needs_input_grad[6:6 + G])
-        need_db = ctx.bias_dtypes is not None and any(ctx.needs_input_grad[6 + G:])
+        need_dx = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        need_dw = any(ctx.needs_input_grad[_FP8_ARGS:_FP8_ARGS + G])
+        need_db = ctx.bias_dtypes is not None and any(ctx.needs_input_grad[_FP8_ARGS + G:])
         weights = ctx.weights
         dy = moe_ops.dense(dy)
         # every expert's gradient cast in one call, else expert by expert (also for bias gradients,
@@ -423,10 +467,12 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         else:
             g_row, g_col, dbs = _expert_grad_casts(q.grads, dy, splits, kind, ctx.bias_dtypes if need_db else None,
                                                    need_dx, need_dw)
-        dx = None
+        dx = dprobs = None
         if need_dx:
             out = torch.empty((sum(padded), ctx.K), dtype=dtype, device=dy.device)
             dx = _unpad(_grouped(g_row, w_dg, padded, out), splits, padded)
+            if ctx.swiglu:
+                dx, dprobs = moe_ops.swiglu_backward(dx, h, probs, ctx.needs_input_grad[1])
         dws = [None] * G
         if need_dw:
             mains = [getattr(w, "main_grad", None) for w in weights]
@@ -441,4 +487,4 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         grads_b = []
         if ctx.bias_dtypes is not None:
             grads_b = dbs if need_db else [None] * G
-        return (dx, None, None, None, None, None, *dws, *grads_b)
+        return (dx, dprobs, None, None, None, None, None, *dws, *grads_b)

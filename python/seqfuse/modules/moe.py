@@ -8,7 +8,8 @@ For tokens x [T, hidden] (any leading shape):
     xp, p, row_ids  = moe_permute_with_probs(x, probs, map)  [N, hidden], N = T * topk
     h               = fc1(xp, m_splits)                     [N, 2 * ffn]  (GroupedLinear)
     a               = swiglu(h) * p                         [N, ffn]  (gate = first half)
-    y_e             = fc2(a, m_splits)                      [N, hidden]   (GroupedLinear)
+    y_e             = fc2(a, m_splits)                      [N, hidden]   (GroupedLinear, swiglu_probs:
+                                                                           under FP8 a is made in fc2's cast)
     out             = moe_unpermute(y_e, row_ids)           [T, hidden]  (sum over a token's experts)
 
 m_splits (tokens per expert) are read to the host once per forward (the
@@ -38,9 +39,11 @@ Expert weights: fc1.weight{e} is [2 * ffn, hidden], rows [0, ffn) the gate
 projection (Mixtral's w1) and [ffn, 2 ffn) the up projection (w3);
 fc2.weight{e} is [hidden, ffn] (w2).  Under an FP8 autocast with a
 per-tensor recipe the two grouped GEMMs run in FP8 (GroupedLinear's FP8
-path); the router and the SwiGLU stay in the activation dtype (the SwiGLU
-output is cast by fc2's input quantizer, every expert in one call: the
-cast is not yet fused into the SwiGLU kernel).
+path); the router stays in the activation dtype, and the SwiGLU is
+computed inside fc2's input cast (GroupedLinear's swiglu_probs: one kernel
+reads fc1's output and writes fc2's FP8 operands, row-wise and transposed,
+every expert with its own scale), so nothing between the two GEMMs is
+written in bf16.
 """
 import torch
 
@@ -183,7 +186,7 @@ class GroupedMLP(RoutedExperts):
         splits = list(moe_ops.padded_splits(m_splits)) if fp8 else m_splits
         xp, pp = moe_ops.moe_permute_by_row_id_map(x, row_ids, sum(splits), probs, zero_unrouted=fp8)
         h = self.fc1(xp, splits)
-        a = moe_ops.scaled_swiglu(h, pp)
-        y = self.fc2(a, splits)
+        # the SwiGLU scaled by the routing weight; under FP8 computed inside fc2's input cast
+        y = self.fc2(h, splits, swiglu_probs=pp)
         out = moe_ops.moe_unpermute(y, row_ids)
         return out.view(*lead, self.hidden_size)

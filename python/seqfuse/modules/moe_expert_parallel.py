@@ -36,7 +36,6 @@ import re
 import torch
 import torch.distributed as dist
 
-from ..ops import moe as moe_ops
 from ..common.recipe import DelayedScaling
 from ..distributed.expert_parallel import combine_tokens, dispatch_tokens, group_size_rank
 from ..quantization import get_amax_reduction_group, get_recipe, is_fp8_enabled
@@ -176,8 +175,7 @@ class ExpertParallelGroupedMLP(RoutedExperts):
         xr, pr, m_splits, handle = dispatch_tokens(x, probs, routing_map, self.ep_group,
                                                    self.num_local_experts)
         h = self.fc1(xr, m_splits)
-        a = moe_ops.scaled_swiglu(h, pr)
-        y = self.fc2(a, m_splits)
+        y = self.fc2(h, m_splits, swiglu_probs=pr)  # under FP8 the SwiGLU runs in fc2's input cast
         out = combine_tokens(y, handle)
         # [T, H] input: the result itself, not a view of it (FSDP2 warns about views it hooks)
         return out if hidden_states.dim() == 2 else out.view(*lead, self.hidden_size)

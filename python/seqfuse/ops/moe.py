@@ -18,6 +18,7 @@ them, so MoE code written for TE ports by changing the import:
                                                    -> (out, permuted_probs, row_id_map)
     moe_unpermute(inp, row_id_map, merging_probs)  -> tokens back, weighted
     scaled_swiglu(x, probs)                        -> silu(gate) * up * probs, one kernel
+    swiglu_cast_fp8_grouped(x, probs, m_splits, ...) cast_fp8_grouped of scaled_swiglu, one pass
 
 The router, loss and permutation functions are differentiable (autograd
 Functions whose backward is the C kernel of each); grouped_gemm is a plain
@@ -41,7 +42,8 @@ from .quant import fp8_dtype_of
 __all__ = ["dense", "grouped_gemm", "cast_fp8_grouped", "cast_fp8_current_list", "pad_row_id_map", "counts_to_host",
            "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss",
            "fused_moe_aux_loss", "moe_z_loss", "moe_row_id_map", "moe_permute",
-           "moe_permute_with_probs", "moe_permute_by_row_id_map", "moe_unpermute", "scaled_swiglu"]
+           "moe_permute_with_probs", "moe_permute_by_row_id_map", "moe_unpermute", "scaled_swiglu",
+           "swiglu_forward", "swiglu_backward", "swiglu_cast_fp8_grouped"]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _SCORES = {"softmax": 0, "sigmoid": 1}
@@ -275,9 +277,37 @@ def cast_fp8_grouped(x, m_splits, fp8_dtype, *, scale, amax=None, rowwise=True, 
     ``seqfuse.ops.quant.cast_transpose_fp8`` (``cast_fp8_current``) of its
     rows alone with ``rows`` = its padded count."""
     op = "cast_fp8_grouped"
+    x = _tensor(op, "x", x)
+    return _cast_grouped(op, x, False, None, m_splits, fp8_dtype, scale, amax, rowwise, transpose, current,
+                         margin, row_multiple)
+
+
+def swiglu_cast_fp8_grouped(x, probs, m_splits, fp8_dtype, *, scale, amax=None, rowwise=True, transpose=True,
+                            current=False, margin=0, row_multiple=FP8_ROW_MULTIPLE):
+    """``cast_fp8_grouped(scaled_swiglu(x, probs), ...)`` in one pass: x [M, 2K]
+    (each row's gate then up values, the experts' gate-up GEMM output; K a
+    multiple of 16), ``probs`` [M] (each row's routing weight) or None.  The
+    SwiGLU output is computed per element, rounded to x's dtype as
+    ``scaled_swiglu`` writes it and cast; it is never written itself.  Same
+    arguments, results and bits as cast_fp8_grouped of that output (whose
+    K is x's last dimension halved)."""
+    op = "swiglu_cast_fp8_grouped"
+    x = _tensor(op, "x", x)
+    if x.dim() == 2 and x.shape[1] % 2:
+        raise ValueError(f"{op}: argument 'x' must have an even last dimension (gate and up halves), "
+                         f"got {x.shape[1]}")
+    if probs is not None:
+        probs = _float_tensor(op, "probs", probs, 1)
+    return _cast_grouped(op, x, True, probs, m_splits, fp8_dtype, scale, amax, rowwise, transpose, current,
+                         margin, row_multiple)
+
+
+def _cast_grouped(op, x, swiglu, probs, m_splits, fp8_dtype, scale, amax, rowwise, transpose, current, margin,
+                  row_multiple):
+    """The body of cast_fp8_grouped and (``swiglu``) swiglu_cast_fp8_grouped:
+    checks, the outputs, the C call."""
     require_fp8_dlpack(op)
     fp8_dtype = fp8_dtype_of(fp8_dtype, op)
-    x = _tensor(op, "x", x)
     if isinstance(row_multiple, bool) or not isinstance(row_multiple, int):
         raise TypeError(f"{op}: argument 'row_multiple' must be an int, got {type(row_multiple).__name__}")
     if x.dim() != 2:
@@ -286,14 +316,18 @@ def cast_fp8_grouped(x, m_splits, fp8_dtype, *, scale, amax=None, rowwise=True, 
     splits = host_splits(op, m_splits)
     if not rowwise and not transpose:
         raise ValueError(f"{op}: at least one of 'rowwise' and 'transpose' must be True")
-    k = x.shape[1]
     mp = sum(padded_splits(splits, row_multiple)) if row_multiple > 0 else 0
+    k = x.shape[1] // 2 if swiglu else x.shape[1]
     dev = x.device
     data = torch.empty((mp, k), dtype=fp8_dtype, device=dev) if rowwise else None
     data_t = torch.empty((k, mp), dtype=fp8_dtype, device=dev) if transpose else None
     scale_inv = _spaced_scale_inv(len(splits), dev)
-    _C.cast_fp8_grouped(x, torch.tensor(splits, dtype=torch.int64), int(row_multiple), scale, amax, data,
-                        data_t, scale_inv, int(bool(current)), int(margin), stream_for(x))
+    tail = (torch.tensor(splits, dtype=torch.int64), int(row_multiple), scale, amax, data, data_t, scale_inv,
+            int(bool(current)), int(margin), stream_for(x))
+    if swiglu:
+        _C.swiglu_cast_fp8_grouped(x, probs, *tail)
+    else:
+        _C.cast_fp8_grouped(x, *tail)
     return data, data_t, scale_inv
 
 
@@ -701,25 +735,37 @@ def moe_unpermute(inp, row_id_map, merging_probs=None, restore_shape=None, map_t
 
 # ---- SwiGLU scaled by the routing probability ----------------------------
 
+def swiglu_forward(x, probs):
+    """The values of scaled_swiglu(x, probs), without autograd (for a module
+    that holds the SwiGLU in its own autograd Function; arguments as checked
+    by scaled_swiglu)."""
+    x, probs = detached(x), detached(probs)
+    out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype, device=x.device)
+    _C.moe_swiglu_forward(x, probs, out, stream_for(x))
+    return out
+
+
+def swiglu_backward(dout, x, probs, need_dprobs=True):
+    """(dx, dprobs or None) of scaled_swiglu for its output gradient
+    ``dout``, without autograd (dprobs only with probs and need_dprobs)."""
+    dout = dense(dout)
+    dx = torch.empty_like(x)
+    dprobs = torch.empty_like(probs) if probs is not None and need_dprobs else None
+    _C.moe_swiglu_backward(dout, x, probs, dx, dprobs, stream_for(x))
+    return dx, dprobs
+
+
 class _ScaledSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, probs):
         x, probs = detached(x), detached(probs)
-        out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype, device=x.device)
-        _C.moe_swiglu_forward(x, probs, out, stream_for(x))
         ctx.save_for_backward(x, probs)
-        return out
+        return swiglu_forward(x, probs)
 
     @staticmethod
     def backward(ctx, dout):
         x, probs = ctx.saved_tensors
-        dout = dense(dout)
-        dx = torch.empty_like(x)
-        dprobs = None
-        if probs is not None and ctx.needs_input_grad[1]:
-            dprobs = torch.empty_like(probs)
-        _C.moe_swiglu_backward(dout, x, probs, dx, dprobs, stream_for(x))
-        return dx, dprobs
+        return swiglu_backward(dout, x, probs, ctx.needs_input_grad[1])
 
 
 def scaled_swiglu(x, probs=None):

@@ -19,6 +19,12 @@ every expert's weight changed (an optimizer step), casts them all with one
 weight, as WeightQuantizer's own cast; under delayed scaling the amaxes land
 in the state's weight slots), handing each quantizer its expert's result.
 
+GroupedMLP's down projection takes the SwiGLU's output as its input:
+``quantize_grouped(..., swiglu=True, probs=...)`` computes that output in
+the cast itself (seqfuse.ops.moe.swiglu_cast_fp8_grouped), so it is never
+written in bf16 and read back; the values are those of the cast of
+scaled_swiglu's output, bit for bit.
+
 The result of quantize_grouped, a GroupedFloat8, holds every expert's padded row block in one
 [Mp, K] tensor (the grouped GEMM takes it split by the padded counts) and
 every transposed block as columns of one [K, Mp] tensor, with the per-expert
@@ -79,12 +85,14 @@ def _declined(reason):
     return None
 
 
-def quantize_grouped(q, role, x, splits, padded, *, rowwise=True, transpose=True):
+def quantize_grouped(q, role, x, splits, padded, *, rowwise=True, transpose=True, swiglu=False, probs=None):
     """x [M, K] (G runs of ``splits`` rows, ``padded`` their counts rounded
     up to the FP8 row multiple, which the caller holds already) as a
     GroupedFloat8 for role "input" or "grad" of GemmQuantizers ``q`` (G
     GEMMs), or None where one call does not apply (module note).
-    ``rowwise`` / ``transpose``: which copies to make."""
+    ``rowwise`` / ``transpose``: which copies to make.  ``swiglu``: x is
+    [M, 2K] gate|up pairs and the value quantized is scaled_swiglu(x,
+    probs), computed in the cast (seqfuse.ops.moe.swiglu_cast_fp8_grouped)."""
     kind = q.kind
     if kind == "block":
         return None  # block scaling has its own per-expert kernels, no grouped one yet
@@ -107,13 +115,15 @@ def quantize_grouped(q, role, x, splits, padded, *, rowwise=True, transpose=True
             # with no rows is not cast (its GEMM is skipped), so it needs no history
             return None
         scale, amax = state.role_slots(first, 3)
-        data, data_t, si = moe_ops.cast_fp8_grouped(x, splits, fp8_dtype, scale=scale, amax=amax,
-                                                    rowwise=rowwise, transpose=transpose)
+        kw = dict(scale=scale, amax=amax, rowwise=rowwise, transpose=transpose)
     else:
         slots = torch.empty((2, G), dtype=torch.float32, device=x.device)
-        data, data_t, si = moe_ops.cast_fp8_grouped(x, splits, fp8_dtype, scale=slots[0], amax=slots[1],
-                                                    rowwise=rowwise, transpose=transpose, current=True,
-                                                    margin=q.margin)
+        kw = dict(scale=slots[0], amax=slots[1], rowwise=rowwise, transpose=transpose, current=True,
+                  margin=q.margin)
+    if swiglu:
+        data, data_t, si = moe_ops.swiglu_cast_fp8_grouped(x, probs, splits, fp8_dtype, **kw)
+    else:
+        data, data_t, si = moe_ops.cast_fp8_grouped(x, splits, fp8_dtype, **kw)
     return GroupedFloat8(data, data_t, si, padded)
 
 
