@@ -46,6 +46,8 @@ Weight-gradient accumulation: where every weight carries a float32
 ``main_grad``, dW_g is accumulated into it by the GEMM (beta = 1) and the
 weight's .grad is left None (``grad_added_to_main_grad`` set where present).
 """
+import logging
+
 import torch
 
 from .. import quantization as _q
@@ -379,6 +381,18 @@ def _expert_grad_casts(roles, dy, splits, kind, bias_dtypes, need_dx, need_dw):
 #: Fp8GroupedLinearFunction's arguments before the weights and biases.
 _FP8_ARGS = 7
 
+_unfused_noted = set()
+
+
+def _note_unfused_swiglu(kind):
+    """One log line per recipe kind whose SwiGLU is written out before fc2's cast."""
+    if kind not in _unfused_noted:
+        _unfused_noted.add(kind)
+        logging.getLogger("seqfuse").info(
+            "seqfuse FP8 GroupedLinear: %s scaling writes the SwiGLU output, then casts it (the fused "
+            "SwiGLU cast serves delayed scaling; under current scaling it reads the input twice and is slower)",
+            kind)
+
 
 class Fp8GroupedLinearFunction(torch.autograd.Function):
     """Autograd of y_g = x_g W_g^T + b_g with FP8 grouped GEMMs (see the module
@@ -392,7 +406,9 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
     down projection): the layer's input is scaled_swiglu(x, probs) for x
     [M, 2K] gate|up pairs, computed inside the input's FP8 cast (never
     written in x's dtype, where the cast is grouped), and the backward
-    returns the gradients of x and probs; else probs is None."""
+    returns the gradients of x and probs; else probs is None.  The fused
+    cast serves delayed scaling; current and block scaling write the SwiGLU
+    output first (logged once)."""
 
     @staticmethod
     def forward(ctx, x, probs, m_splits, dtype, G, use_bias, qargs, *params):
@@ -405,12 +421,18 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         K = x.shape[1] // 2 if swiglu else x.shape[1]
         padded = tuple(_gq.padded_rows(m) for m in m_splits)
         pairs = weight_pairs(q, weights, first)  # every expert's weight cast in one call where all are due
-        # every expert's input cast in one call, else expert by expert (quantization.grouped)
-        gx = quantize_grouped(q, "input", x, m_splits, padded, transpose=need_w, swiglu=swiglu, probs=probs)
+        # every expert's input cast in one call, else expert by expert (quantization.grouped).  The SwiGLU
+        # inside the cast under delayed scaling only: current scaling's fused cast reads x twice (amax,
+        # then cast) and measured slower than the SwiGLU kernel then the grouped cast (check_cast 8, H200)
+        fused = swiglu and kind == "delayed"
+        if swiglu and not fused:
+            _note_unfused_swiglu(kind)
+        inp = moe_ops.swiglu_forward(x, probs) if swiglu and not fused else x
+        gx = quantize_grouped(q, "input", inp, m_splits, padded, transpose=need_w, swiglu=fused, probs=probs)
         if gx is not None:
             x_row, x_col = gx, None
         else:
-            act = moe_ops.swiglu_forward(x, probs) if swiglu else x
+            act = moe_ops.swiglu_forward(x, probs) if fused else inp
             x_row, x_col = _expert_casts(q.inputs, act, m_splits, kind, need_w)
         w_forward = [F8.weight_forward(p, kind) for p in pairs]
         bias = None

@@ -40,10 +40,12 @@ projection (Mixtral's w1) and [ffn, 2 ffn) the up projection (w3);
 fc2.weight{e} is [hidden, ffn] (w2).  Under an FP8 autocast with a
 per-tensor recipe the two grouped GEMMs run in FP8 (GroupedLinear's FP8
 path); the router stays in the activation dtype, and the SwiGLU is
-computed inside fc2's input cast (GroupedLinear's swiglu_probs: one kernel
-reads fc1's output and writes fc2's FP8 operands, row-wise and transposed,
-every expert with its own scale), so nothing between the two GEMMs is
-written in bf16.
+computed inside fc2's input cast under delayed scaling (GroupedLinear's
+swiglu_probs: one kernel reads fc1's output and writes fc2's FP8 operands,
+row-wise and transposed, every expert with its own scale), so nothing
+between the two GEMMs is written in bf16; current scaling writes the
+SwiGLU output and casts it (its fused form reads fc1's output twice and
+measured slower on an H200).
 """
 import torch
 
