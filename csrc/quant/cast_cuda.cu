@@ -130,53 +130,59 @@ __device__ __forceinline__ void cast_transpose_tile(
     const int kw = warp * 4 + (lane >> 3), mg = lane & 7;
     {
         const int64_t kc = k0 + lj * 8;
-        sf_raw8<T> raw[8];
-        sf_raw8<T> raw_up[SWIGLU ? 8 : 1];
-        float prob[SWIGLU ? 8 : 1];
-        bool ok[8];
+        /* the SwiGLU form loads two vectors a row: its rows go in two phases of 4,
+         * so its loads in flight fit the registers of the plain form's 8 */
+        constexpr int P = SWIGLU ? 4 : 8;
         float csum[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            int64_t r = m0 + lr + 16 * i;
-            ok[i] = r < m && kc < k;
-            if (ok[i]) {
-                if constexpr (SWIGLU) {
-                    sf_load_raw8(x + r * 2 * k + kc, raw[i]);
-                    sf_load_raw8(x + r * 2 * k + k + kc, raw_up[i]);
-                    prob[i] = act.probs ? sf_moe_ld(act.probs, act.pd, r) : 1.0f;
-                } else {
-                    sf_load_raw8(x + r * k + kc, raw[i]);
+        for (int ph = 0; ph < 8; ph += P) {
+            sf_raw8<T> raw[P];
+            sf_raw8<T> raw_up[SWIGLU ? P : 1];
+            float prob[SWIGLU ? P : 1];
+            bool ok[P];
+#pragma unroll
+            for (int j = 0; j < P; ++j) {
+                int64_t r = m0 + lr + 16 * (ph + j);
+                ok[j] = r < m && kc < k;
+                if (ok[j]) {
+                    if constexpr (SWIGLU) {
+                        sf_load_raw8(x + r * 2 * k + kc, raw[j]);
+                        sf_load_raw8(x + r * 2 * k + k + kc, raw_up[j]);
+                        prob[j] = act.probs ? sf_moe_ld(act.probs, act.pd, r) : 1.0f;
+                    } else {
+                        sf_load_raw8(x + r * k + kc, raw[j]);
+                    }
                 }
             }
-        }
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            int row = lr + 16 * i;
-            uint2 w = make_uint2(0u, 0u); /* rows m..mp-1: zero padding */
-            if (ok[i]) {
-                float v[8], s[8];
-                sf_unpack8(raw[i], v);
-                if constexpr (SWIGLU) {
-                    float up[8];
-                    sf_unpack8(raw_up[i], up);
+            for (int j = 0; j < P; ++j) {
+                int row = lr + 16 * (ph + j);
+                uint2 w = make_uint2(0u, 0u); /* rows m..mp-1: zero padding */
+                if (ok[j]) {
+                    float v[8], s[8];
+                    sf_unpack8(raw[j], v);
+                    if constexpr (SWIGLU) {
+                        float up[8];
+                        sf_unpack8(raw_up[j], up);
 #pragma unroll
-                    for (int e = 0; e < 8; ++e)
-                        v[e] = swiglu_value<T>(v[e], up[e], prob[i]);
+                        for (int e = 0; e < 8; ++e)
+                            v[e] = swiglu_value<T>(v[e], up[e], prob[j]);
+                    }
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) {
+                        local_max = max(local_max, sf_abs_bits(v[e]));
+                        s[e] = __fmul_rn(v[e], scale);
+                        if constexpr (SUMS)
+                            csum[e] = __fadd_rn(csum[e], v[e]);
+                    }
+                    w.x = sf_cvt4<E5M2>(s);
+                    w.y = sf_cvt4<E5M2>(s + 4);
                 }
-#pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    local_max = max(local_max, sf_abs_bits(v[e]));
-                    s[e] = __fmul_rn(v[e], scale);
-                    if constexpr (SUMS)
-                        csum[e] = __fadd_rn(csum[e], v[e]);
-                }
-                w.x = sf_cvt4<E5M2>(s);
-                w.y = sf_cvt4<E5M2>(s + 4);
+                if (out && m0 + row < mp && kc < k)
+                    *reinterpret_cast<uint2 *>(out + (m0 + row) * k + kc) = w;
+                /* words 2lj and 2lj+1 stay adjacent under the swizzle */
+                *reinterpret_cast<uint2 *>(&tile[row][swz(row, 2 * lj)]) = w;
             }
-            if (out && m0 + row < mp && kc < k)
-                *reinterpret_cast<uint2 *>(out + (m0 + row) * k + kc) = w;
-            /* words 2lj and 2lj+1 stay adjacent under the swizzle */
-            *reinterpret_cast<uint2 *>(&tile[row][swz(row, 2 * lj)]) = w;
         }
         if constexpr (SUMS) {
             /* lanes l and l ^ 16 hold rows 2w.. and 2w+1.. of the same columns */
@@ -716,7 +722,7 @@ grouped_amax_kernel(int64_t k, GroupTable tab, GroupScales sc)
  * group's first CTA writes scale_inv (and, CURRENT, the scale); CTA 0 does
  * it for groups with no rows (no tiles). */
 template <typename T, bool E5M2, bool CURRENT, bool SWIGLU>
-__global__ void __launch_bounds__(kThreads, SWIGLU || sizeof(T) == 4 ? 2 : 3)
+__global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? 2 : 3)
 grouped_cast_kernel(int64_t k, GroupTable tab, GroupScales sc)
 {
     __shared__ __align__(16) uint32_t tile[kTile][kWords];
