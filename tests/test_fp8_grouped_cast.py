@@ -221,6 +221,42 @@ def test_grouped_linear_swiglu_probs_is_scaled_swiglu_then_forward(seed):
         m(h, splits, swiglu_probs=torch.rand(13))
     with pytest.raises(TypeError, match="swiglu_probs must be a torch.Tensor"):
         m(h, splits, swiglu_probs=[0.5] * 14)
+    with pytest.raises(TypeError, match="swiglu_probs must be float32, float16 or bfloat16, got torch.int64"):
+        m(h, splits, swiglu_probs=torch.ones(14, dtype=torch.int64))
+    # a non-contiguous input and probabilities: read row-major, the same values
+    hp = torch.randn(32, 14).t()
+    pp = torch.rand(28)[::2]
+    assert torch.equal(m(hp, splits, swiglu_probs=pp), m(hp.contiguous(), splits, swiglu_probs=pp.contiguous()))
+
+
+@needs_fp8
+@pytest.mark.parametrize("wants", [(True, False), (False, True), (True, True)], ids=["h", "probs", "both"])
+def test_grouped_linear_fp8_swiglu_gradients_of_either_input(wants, seed):
+    """Under FP8 delayed scaling (steady state: the fused cast) swiglu_probs'
+    gradients equal scaled_swiglu-then-forward's bit for bit when only the
+    gate-up input, only the probabilities, or both need them; a 3-D input
+    keeps its leading shape."""
+    torch.manual_seed(seed)
+    a = GroupedLinear(3, 32, 48, bias=False, device="cpu")
+    b = GroupedLinear(3, 32, 48, bias=False, device="cpu")
+    b.load_state_dict(a.state_dict())
+    splits = [10, 0, 14]
+    recipe = DelayedScaling()
+    for step in range(2):
+        h0, p0, dy = torch.randn(2, 12, 64), torch.rand(24), torch.randn(2, 12, 48)
+        res = []
+        for m, fused in ((a, True), (b, False)):
+            h, p = h0.clone().requires_grad_(wants[0]), p0.clone().requires_grad_(wants[1])
+            with fp8_autocast(enabled=True, fp8_recipe=recipe):
+                y = m(h, splits, swiglu_probs=p) if fused else \
+                    m(moe_ops.scaled_swiglu(h.view(24, 64), p), splits).view(2, 12, 48)
+            y.backward(dy)
+            res.append((y.detach(), h.grad, p.grad, m.weight2.grad.clone()))
+            m.zero_grad()
+        (ya, ha, pa, wa), (yb, hb, pb, wb) = res
+        assert ya.shape == (2, 12, 48) and torch.equal(ya, yb) and torch.equal(wa, wb)
+        for ga, gb, want in ((ha, hb, wants[0]), (pa, pb, wants[1])):
+            assert (ga is None) == (not want) and (ga is None or torch.equal(ga, gb))
 
 
 @needs_fp8
@@ -428,7 +464,8 @@ def _unpadded_grouped_mlp(m, x):
 @pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling()], ids=["current", "delayed"])
 def test_grouped_mlp_fp8_padded_permutation_equals_unpadded(recipe, seed):
     """Under FP8 GroupedMLP permutes into blocks of 16 rows per expert (zero
-    rows between) and computes the SwiGLU inside fc2's input cast; the output
+    rows between) and (delayed scaling) computes the SwiGLU inside fc2's
+    input cast; the output
     and every gradient equal the unpadded permutation's with the SwiGLU
     written out (scaled_swiglu, then fc2; whose GEMMs pad per expert) bit
     for bit, over steps with weight updates (delayed scaling: with and
@@ -462,8 +499,9 @@ def test_grouped_mlp_fp8_padded_permutation_equals_unpadded(recipe, seed):
 @needs_fp8
 @pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling()], ids=["current", "delayed"])
 def test_grouped_mlp_fp8_cuda_fused_swiglu_equals_unfused(recipe, seed):
-    """On the GPU: GroupedMLP (padded permutation, SwiGLU inside fc2's cast)
-    against the unpadded permutation with the SwiGLU written out, bf16, over
+    """On the GPU: GroupedMLP (padded permutation; the SwiGLU inside fc2's
+    cast under delayed scaling, written first under current scaling) against
+    the unpadded permutation with the SwiGLU written out, bf16, over
     three steps with weight updates: outputs and gradients agree (the same
     FP8 operands; the GEMMs may pick other algorithms for other shapes)."""
     torch.manual_seed(seed)

@@ -72,9 +72,6 @@ static void column_sums(const sf_cast_args *a)
         }
 }
 
-/* The grouped cast: each group is a whole-tensor cast of its rows
- * (sf_cast_fp8_cpu) into its outputs; under current scaling its amax and
- * scale are computed first, as sf_cast_fp8_current does. */
 /* Group g's SwiGLU output (swiglu = 1): silu(gate) * up * p rounded to
  * x_dtype, as sf_moe_swiglu_forward_cpu computes it, into a new buffer (the
  * caller frees it; NULL: out of memory). */
@@ -95,6 +92,9 @@ static void *swiglu_rows(const sf_cast_grouped_args *a, int64_t g)
     return y;
 }
 
+/* The grouped cast: each group is a whole-tensor cast of its rows
+ * (sf_cast_fp8_cpu) into its outputs; under current scaling its amax and
+ * scale are computed first, as sf_cast_fp8_current does. */
 sf_status sf_cast_fp8_grouped_cpu(const sf_cast_grouped_args *a)
 {
     for (int64_t g = 0; g < a->groups; ++g) {

@@ -115,7 +115,8 @@ struct SwigluRows {
  * order. */
 /* One tile of cast_transpose: rows m0.. and columns k0.. of x [m, k] cast
  * with `scale` into out [mp, k] and out_t [k, mp] (row stride ld_t), max |x|
- * bits folded into local_max. */
+ * bits folded into local_max.  SWIGLU: x is [m, 2k] gate|up pairs and the
+ * value is swiglu_value with act's probabilities. */
 template <typename T, bool E5M2, bool SUMS, bool SWIGLU = false>
 __device__ __forceinline__ void cast_transpose_tile(
     const T *__restrict__ x, int64_t m, int64_t mp, int64_t k, int64_t ld_t, int64_t m0, int64_t k0,

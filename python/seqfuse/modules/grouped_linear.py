@@ -231,9 +231,11 @@ class GroupedLinear(torch.nn.Module):
         [sum(m_splits), 2 x in_features] gate|up pairs (the experts' gate-up
         GEMM output) and the layer's input is scaled_swiglu(inp,
         swiglu_probs), swiglu_probs [sum(m_splits)] each row's routing
-        weight.  Under FP8 autocast the SwiGLU is computed inside this
+        weight.  Under FP8 delayed scaling the SwiGLU is computed inside this
         layer's input cast (quantization.grouped), so its output is never
-        written in inp's dtype; otherwise it is seqfuse.ops.moe.scaled_swiglu."""
+        written in inp's dtype; otherwise (bf16, current or block scaling,
+        or where the grouped cast declines) the SwiGLU output is written
+        first, the values being the same."""
         cls = "GroupedLinear"
         if swiglu_probs is None:
             check_input(cls, inp, self.in_features, "in_features")
@@ -244,10 +246,18 @@ class GroupedLinear(torch.nn.Module):
         if swiglu_probs.dim() != 1 or swiglu_probs.shape[0] != rows:
             raise ValueError(f"{cls}: swiglu_probs must be 1-D with one entry per row of the input ({rows}), "
                              f"got shape {tuple(swiglu_probs.shape)}")
+        if swiglu_probs.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(f"{cls}: swiglu_probs must be float32, float16 or bfloat16, got {swiglu_probs.dtype}")
+        if swiglu_probs.device != inp.device:
+            raise ValueError(f"{cls}: swiglu_probs must be on the input's device ({inp.device}), got "
+                             f"{swiglu_probs.device}")
+        # the SwiGLU kernels read both row-major
+        h, probs = inp.reshape(rows, inp.shape[-1]).contiguous(), swiglu_probs.contiguous()
         if not _q.is_fp8_enabled():
-            a = moe_ops.scaled_swiglu(inp.reshape(rows, inp.shape[-1]), swiglu_probs)
+            a = moe_ops.scaled_swiglu(h, probs).view(*inp.shape[:-1], self.in_features)
             return self._apply_to(a, None, False, m_splits, is_first_microbatch)
-        return self._apply_to(inp, swiglu_probs, True, m_splits, is_first_microbatch)
+        y = self._apply_to(h, probs, True, m_splits, is_first_microbatch)
+        return y.view(*inp.shape[:-1], self.out_features) if inp.dim() != 2 and not self.return_bias else y
 
     def _apply_to(self, inp, probs, swiglu, m_splits, is_first_microbatch):
         """forward's body; ``swiglu`` (FP8 only): inp holds gate|up pairs and
@@ -450,8 +460,9 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
             saved += [gx.data_t, gx.scale_inv]
         elif need_w:
             saved += [t for op in x_col for t in op[:2]]
-        ctx.swiglu = swiglu
-        if swiglu:  # the SwiGLU's backward reads its input
+        # the SwiGLU's backward reads its input (kept only where a gradient flows to it)
+        ctx.swiglu = swiglu and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
+        if ctx.swiglu:
             saved += [x, probs]
         ctx.save_for_backward(*saved)
         ctx.modes = ([op[2] for op in w_dg], (gx is not None) if need_w else None,

@@ -9,7 +9,7 @@ For tokens x [T, hidden] (any leading shape):
     h               = fc1(xp, m_splits)                     [N, 2 * ffn]  (GroupedLinear)
     a               = swiglu(h) * p                         [N, ffn]  (gate = first half)
     y_e             = fc2(a, m_splits)                      [N, hidden]   (GroupedLinear, swiglu_probs:
-                                                                           under FP8 a is made in fc2's cast)
+                                                                           FP8 delayed: a made in fc2's cast)
     out             = moe_unpermute(y_e, row_ids)           [T, hidden]  (sum over a token's experts)
 
 m_splits (tokens per expert) are read to the host once per forward (the
