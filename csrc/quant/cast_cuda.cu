@@ -762,7 +762,7 @@ grouped_cast_kernel(int64_t k, GroupTable tab, GroupScales sc)
 template <typename T, bool SWIGLU>
 sf_status launch_cast_grouped(const sf_cast_grouped_args *a, cudaStream_t stream)
 {
-    static const char op[] = "cast_fp8_grouped";
+    const char *op = SWIGLU ? "swiglu_cast_fp8_grouped" : "cast_fp8_grouped";
     const int64_t tiles_k = (a->k + kTile - 1) / kTile;
     const GroupScales sc = {a->scale,        a->amax,        a->scale_inv, a->scale_stride,
                             a->amax_stride,  a->scale_inv_stride, a->fp8_max, a->pow2_neg_margin};
@@ -816,8 +816,9 @@ extern "C" sf_status sf_cast_fp8_grouped_cuda(const sf_cast_grouped_args *a, int
 {
     cudaStream_t stream = sf_cuda_stream(s);
     sf_cuda_device_guard guard;
-    SF_TRY(sf_cuda_device_enter("cast_fp8_grouped", device, &guard));
-    sf_status st = sf_visit_float("cast_fp8_grouped", "x", a->x_dtype, [&](auto tag) {
+    const char *op = a->swiglu ? "swiglu_cast_fp8_grouped" : "cast_fp8_grouped";
+    SF_TRY(sf_cuda_device_enter(op, device, &guard));
+    sf_status st = sf_visit_float(op, "x", a->x_dtype, [&](auto tag) {
         using T = typename decltype(tag)::type;
         return a->swiglu ? launch_cast_grouped<T, true>(a, stream) : launch_cast_grouped<T, false>(a, stream);
     });
