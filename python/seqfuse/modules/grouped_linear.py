@@ -252,12 +252,11 @@ class GroupedLinear(torch.nn.Module):
             raise ValueError(f"{cls}: swiglu_probs must be on the input's device ({inp.device}), got "
                              f"{swiglu_probs.device}")
         # the SwiGLU kernels read both row-major
-        h, probs = inp.reshape(rows, inp.shape[-1]).contiguous(), swiglu_probs.contiguous()
+        h, probs = inp.contiguous(), swiglu_probs.contiguous()
         if not _q.is_fp8_enabled():
-            a = moe_ops.scaled_swiglu(h, probs).view(*inp.shape[:-1], self.in_features)
+            a = moe_ops.scaled_swiglu(h.view(rows, h.shape[-1]), probs).view(*inp.shape[:-1], self.in_features)
             return self._apply_to(a, None, False, m_splits, is_first_microbatch)
-        y = self._apply_to(h, probs, True, m_splits, is_first_microbatch)
-        return y.view(*inp.shape[:-1], self.out_features) if inp.dim() != 2 and not self.return_bias else y
+        return self._apply_to(h, probs, True, m_splits, is_first_microbatch)
 
     def _apply_to(self, inp, probs, swiglu, m_splits, is_first_microbatch):
         """forward's body; ``swiglu`` (FP8 only): inp holds gate|up pairs and
