@@ -7,6 +7,8 @@ The op is checked against the per-tensor casts of each group's rows
 bit, on the CPU and on CUDA; its bad inputs against the messages they must
 give; the module against its per-expert path (the same values, one cast
 call per operand instead of one per expert)."""
+import logging
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ from seqfuse.modules import grouped_linear as grouped_linear_module
 from seqfuse.ops import moe as moe_ops
 from seqfuse.ops import quant as qops
 from seqfuse.quantization import fp8_autocast
+from seqfuse.quantization import grouped as grouped_module
 from seqfuse.quantization.gemm_quantizers import weight_casts
 
 from helpers import grouped_and_per_expert_fp8_step, needs_fp8, pair_tol, rel_error
@@ -261,13 +264,16 @@ def test_grouped_linear_fp8_swiglu_gradients_of_either_input(wants, seed):
 
 @needs_fp8
 @pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling()], ids=["current", "delayed"])
-def test_grouped_mlp_fp8_writes_no_swiglu_output(recipe, monkeypatch, seed):
+def test_grouped_mlp_fp8_writes_no_swiglu_output(recipe, monkeypatch, caplog, seed):
     """Under delayed scaling (steady state) GroupedMLP's SwiGLU runs inside
     fc2's input cast: the SwiGLU forward kernel is not called, the fused cast
     is, once a step.  Current scaling writes the SwiGLU output, then casts it
-    (its fused cast reads the input twice and measured slower)."""
+    (its fused cast reads the input twice and measured slower), and says so
+    in one log line over both steps (note_grouped)."""
     from seqfuse import _C
 
+    monkeypatch.setattr(grouped_module, "_noted", set())  # this process's earlier notes forgotten
+    caplog.set_level(logging.INFO, logger="seqfuse")
     torch.manual_seed(seed)
     m = GroupedMLP(32, 48, num_experts=4, topk=2, device="cpu")
     calls = []
@@ -281,6 +287,10 @@ def test_grouped_mlp_fp8_writes_no_swiglu_output(recipe, monkeypatch, seed):
             m(x).sum().backward()
     fused = isinstance(recipe, DelayedScaling)
     assert calls == (["swiglu_cast_fp8_grouped"] if fused else ["moe_swiglu_forward"])
+    lines = [r.getMessage() for r in caplog.records if "writes the SwiGLU output" in r.getMessage()]
+    assert lines == ([] if fused else [
+        "seqfuse FP8 GroupedLinear: current scaling writes the SwiGLU output, then casts it (the fused SwiGLU "
+        "cast serves delayed scaling; under current scaling it reads the input twice and is slower)"])
 
 
 def _check_current_list(device, dtype, G, n, k, fp8_dtype):
@@ -606,11 +616,14 @@ def test_grouped_linear_fp8_cuda_misaligned_input_takes_the_per_expert_casts(see
 
 
 @needs_fp8
-def test_weight_pairs_casts_mismatched_weights_one_by_one(monkeypatch, seed):
+def test_weight_pairs_casts_mismatched_weights_one_by_one(monkeypatch, caplog, seed):
     """Expert weights of different dtypes cannot share the list cast: each is
-    cast by its own quantizer (the same values a lone cast gives)."""
+    cast by its own quantizer (the same values a lone cast gives), and a log
+    line names the reason once, however often it recurs (note_grouped)."""
     from seqfuse.quantization.grouped import weight_pairs
 
+    monkeypatch.setattr(grouped_module, "_noted", set())  # this process's earlier notes forgotten
+    caplog.set_level(logging.INFO, logger="seqfuse")
     gl = GroupedLinear(3, 32, 48, bias=False, device="cpu")
     calls = _count_grouped_casts(monkeypatch, "cast_fp8_current_list")
     ws = [gl.weight0, gl.weight1.detach().bfloat16(), gl.weight2]
@@ -622,6 +635,12 @@ def test_weight_pairs_casts_mismatched_weights_one_by_one(monkeypatch, seed):
         a, s, i = (torch.empty(1) for _ in range(3))
         d, _ = qops.cast_fp8_current(w.detach(), forward_q.data.dtype, amax=a, scale=s, scale_inv=i, transpose=True)
         assert torch.equal(_bytes(forward_q.data), _bytes(d))
+    with fp8_autocast(enabled=True, fp8_recipe=Float8CurrentScaling()):
+        weight_pairs(q, [w.detach() * 2 for w in ws])  # changed weights, declined again for the same reason
+    lines = [r.getMessage() for r in caplog.records if "one by one" in r.getMessage()]
+    assert lines == ["seqfuse FP8 GroupedLinear: experts cast one by one (expert weights of different shapes or "
+                     "dtypes, or not 16-byte aligned); steady-state delayed or current scaling casts them in one "
+                     "call"]
 
 
 def test_fp8_gemm_nt_names_a_bad_scaling():

@@ -46,15 +46,13 @@ Weight-gradient accumulation: where every weight carries a float32
 ``main_grad``, dW_g is accumulated into it by the GEMM (beta = 1) and the
 weight's .grad is left None (``grad_added_to_main_grad`` set where present).
 """
-import logging
-
 import torch
 
 from .. import quantization as _q
 from ..ops import moe as moe_ops
 from ..ops import device_checks
 from ..quantization import gemm_quantizers as _gq
-from ..quantization.grouped import GroupedFloat8, quantize_grouped, weight_pairs
+from ..quantization.grouped import GroupedFloat8, note_grouped, quantize_grouped, weight_pairs
 from . import _fp8 as F8
 from ._base import compute_dtype, default_device, mark_main_grad, set_linear_options
 from ._input import check_input
@@ -390,19 +388,6 @@ def _expert_grad_casts(roles, dy, splits, kind, bias_dtypes, need_dx, need_dw):
 #: Fp8GroupedLinearFunction's arguments before the weights and biases.
 _FP8_ARGS = 7
 
-_unfused_noted = set()
-
-
-def _note_unfused_swiglu(kind):
-    """One log line per recipe kind whose SwiGLU is written out before fc2's cast."""
-    if kind not in _unfused_noted:
-        _unfused_noted.add(kind)
-        logging.getLogger("seqfuse").info(
-            "seqfuse FP8 GroupedLinear: %s scaling writes the SwiGLU output, then casts it (the fused "
-            "SwiGLU cast serves delayed scaling; under current scaling it reads the input twice and is slower)",
-            kind)
-
-
 class Fp8GroupedLinearFunction(torch.autograd.Function):
     """Autograd of y_g = x_g W_g^T + b_g with FP8 grouped GEMMs (see the module
     note).  forward(x, probs, m_splits, dtype, num_gemms, use_bias,
@@ -435,7 +420,8 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         # then cast) and measured slower than the SwiGLU kernel then the grouped cast (check_cast 8, H200)
         fused = swiglu and kind == "delayed"
         if swiglu and not fused:
-            _note_unfused_swiglu(kind)
+            note_grouped("%s scaling writes the SwiGLU output, then casts it (the fused SwiGLU cast serves "
+                         "delayed scaling; under current scaling it reads the input twice and is slower)", kind)
         inp = moe_ops.swiglu_forward(x, probs) if swiglu and not fused else x
         gx = quantize_grouped(q, "input", inp, m_splits, padded, transpose=need_w, swiglu=fused, probs=probs)
         if gx is not None:

@@ -47,7 +47,7 @@ from ..ops import moe as moe_ops
 from . import recompute, stats
 from .tensor import Float8Tensor
 
-__all__ = ["GroupedFloat8", "quantize_grouped", "weight_pairs"]
+__all__ = ["GroupedFloat8", "note_grouped", "quantize_grouped", "weight_pairs"]
 
 _log = logging.getLogger("seqfuse")
 
@@ -73,15 +73,26 @@ class GroupedFloat8:
         return list(self.data_t.split(self.padded, 1))
 
 
-_declined_logged = set()
+_noted = set()  # (text, args) of the lines note_grouped has logged in this process
+
+
+def note_grouped(text, *args):
+    """Log "seqfuse FP8 GroupedLinear: " + ``text % args`` (logger
+    "seqfuse", INFO) the first time this text with these arguments is noted
+    in the process; later notes of it say nothing.  The grouped FP8 path
+    names its fallbacks through it: a one-call cast declined here (once per
+    reason) and GroupedLinear's SwiGLU written out before its cast (once per
+    recipe kind)."""
+    key = (text, args)
+    if key not in _noted:
+        _noted.add(key)
+        _log.info("seqfuse FP8 GroupedLinear: " + text, *args)
 
 
 def _declined(reason):
     """None, with the reason logged once per reason (the per-expert casts follow)."""
-    if reason not in _declined_logged:
-        _declined_logged.add(reason)
-        _log.info("seqfuse FP8 GroupedLinear: experts cast one by one (%s); steady-state "
-                  "delayed or current scaling casts them in one call", reason)
+    note_grouped("experts cast one by one (%s); steady-state delayed or current scaling casts them in "
+                 "one call", reason)
     return None
 
 
