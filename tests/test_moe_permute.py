@@ -137,6 +137,23 @@ def test_permutation_errors_are_named():
         moe.scaled_swiglu(torch.randn(4, 7))
 
 
+def test_unpermute_backward_takes_inp_only_with_probs():
+    """moe_unpermute_backward reads the forward's input only for dprobs: the
+    C entry takes inp, probs and dprobs together or not at all (an inp
+    without probs, which no backend would read, is refused by name)."""
+    from seqfuse import _C
+
+    ids, counts = moe.moe_row_id_map(random_map(6, 4, 2))
+    N = int(counts.sum())
+    dout, dinp = torch.randn(6, 8), torch.empty(N, 8)
+    with pytest.raises(ValueError, match="moe_unpermute_backward: argument 'inp' is read only with 'probs'"):
+        _C.moe_unpermute_backward(dout, torch.randn(N, 8), ids, None, dinp, None, None)
+    with pytest.raises(ValueError, match="'inp' .*'dprobs' are required"):
+        _C.moe_unpermute_backward(dout, None, ids, torch.rand(6, 4), dinp, torch.empty(6, 4), None)
+    _C.moe_unpermute_backward(dout, None, ids, None, dinp, None, None)
+    assert torch.equal(dinp, moe.moe_permute_by_row_id_map(dout, ids, N)[0])
+
+
 # ---- CUDA against the CPU reference ----------------------------------------
 
 @pytest.mark.cuda

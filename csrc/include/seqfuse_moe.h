@@ -41,8 +41,8 @@
  * unpermute: out[t] = sum_e probs[t, e] * inp[row_id_map[t, e]] (probs
  * NULL: weight 1; also the backward of permute).  unpermute_backward: dinp[row] =
  * probs[t, e] * dout[t], dprobs[t, e] = <dout[t], inp[row]> (0 where not
- * routed); without probs dinp[row] = dout[t] and no dprobs (the forward of
- * permute).  permute_probs_backward: dprobs[t, e] = dout_probs[row_id_map[t, e]]
+ * routed); inp, probs and dprobs are given together or all NULL: without
+ * probs dinp[row] = dout[t] (the forward of permute).  permute_probs_backward: dprobs[t, e] = dout_probs[row_id_map[t, e]]
  * (0 where not routed or dropped).
  *
  * SwiGLU scaled by the routing probability, between the experts' two GEMMs:

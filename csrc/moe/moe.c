@@ -438,6 +438,10 @@ sf_status sf_moe_unpermute_backward(const sf_tensor *dout, const sf_tensor *inp,
         SF_TRY(check_out(op, "dprobs", dprobs));
     } else if (dprobs) {
         return sf_fail(SF_ERR_VALUE, "%s: argument 'dprobs' needs 'probs'", op);
+    } else if (inp) {
+        /* inp is read only for dprobs: inp, probs and dprobs come together or not at all */
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'inp' is read only with 'probs' (for 'dprobs'); "
+                       "pass None without them", op);
     }
     const sf_moe_args a = {.T = T, .E = E, .H = H, .N = N, .grad = dout, .inp = inp,
                            .map = row_id_map, .probs = probs, .out = dinp, .out2 = dprobs};

@@ -611,21 +611,23 @@ extern "C" sf_status sf_moe_unpermute_cuda(const sf_moe_args *a, sf_stream s)
 extern "C" sf_status sf_moe_unpermute_backward_cuda(const sf_moe_args *a, sf_stream s)
 {
     const char *op = "moe_unpermute_backward";
-    /* inp is read only for dprobs; without it the kernel takes dout's type for it */
-    const sf_tensor *inp = a->inp ? a->inp : a->grad;
+    /* inp is read (with vector loads) only for dprobs; sf_moe_unpermute_backward passes inp, probs and
+     * dprobs together or not at all.  Where it is not read the kernel takes dout's type for it. */
+    const bool reads_inp = a->out2 != nullptr;
+    const sf_tensor *inp = reads_inp ? a->inp : a->grad;
+    const void *inp_data = reads_inp ? a->inp->data : nullptr;
     return on_device(op, a->grad->device_id, {{"probs", a->probs}, {"dprobs", a->out2}}, [&] {
         return sf_visit_float(op, "dout", a->grad->dtype, [&](auto gt) {
             return sf_visit_float(op, "inp", inp->dtype, [&](auto dt) {
                 using G = ELEM(gt);
                 using D = ELEM(dt);
-                /* inp is read (with vector loads) only for dprobs */
                 const bool vec = rows_vectorize(a->H, {{a->grad->data, sizeof(G)}, {a->out->data, sizeof(G)},
-                                                       {a->out2 ? data_of(a->inp) : nullptr, sizeof(D)}});
+                                                       {inp_data, sizeof(D)}});
                 with_vec(vec, [&](auto v) {
                     unpermute_backward_kernel<G, D, WIDTH(v)>
                         <<<token_blocks(a->T), row_threads(a->H / WIDTH(v)), 0, sf_cuda_stream(s)>>>(
                             a->T, a->E, a->H, a->N, (const int32_t *)a->map->data, (const Raw<G> *)a->grad->data,
-                            a->inp ? (const Raw<D> *)a->inp->data : nullptr, data_of(a->probs),
+                            (const Raw<D> *)inp_data, data_of(a->probs),
                             dtype_of(a->probs), (Raw<G> *)a->out->data,
                             data_of(a->out2), dtype_of(a->out2));
                 });
