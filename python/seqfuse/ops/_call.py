@@ -74,6 +74,15 @@ def require_fp8_dlpack(op):
             "DLPack; seqfuse's FP8 ops need a torch release that can (2.11 and later are tested)")
 
 
+def dense(t):
+    """``t`` contiguous, with row-major strides even when it has no elements
+    (torch calls an empty tensor of any strides contiguous, e.g. the expanded
+    gradient of a sum over nothing; seqfuse's C checks look at the strides)."""
+    if t.numel() == 0:
+        return t.new_empty(t.shape)
+    return t.contiguous()
+
+
 def detached(t):
     """``t`` without autograd history (the ops run inside autograd Functions
     and DLPack refuses tensors that require grad).  Anything that is not a

@@ -35,10 +35,11 @@ GEMM takes host row counts (m_splits): one cuBLASLt call per group.
 import torch
 
 from .. import _C
-from ._call import as_float, detached, require_fp8_dlpack, stream_for
+from ._call import as_float, dense, detached, require_fp8_dlpack, stream_for
 from .gemm import FP8_DTYPES, FP8_ROW_MULTIPLE, SCALINGS, tf32_of, workspace_for
 from .quant import fp8_dtype_of
 
+# dense (ops._call's) is exported here for the grouped modules' and quantizers' gradients
 __all__ = ["dense", "grouped_gemm", "cast_fp8_grouped", "cast_fp8_current_list", "pad_row_id_map", "counts_to_host",
            "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss",
            "fused_moe_aux_loss", "moe_z_loss", "moe_row_id_map", "moe_permute",
@@ -47,15 +48,6 @@ __all__ = ["dense", "grouped_gemm", "cast_fp8_grouped", "cast_fp8_current_list",
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _SCORES = {"softmax": 0, "sigmoid": 1}
-
-
-def dense(t):
-    """``t`` contiguous, with row-major strides even when it has no elements
-    (torch calls an empty tensor of any strides contiguous, e.g. the expanded
-    gradient of a sum over nothing; seqfuse's C checks look at the strides)."""
-    if t.numel() == 0:
-        return t.new_empty(t.shape)
-    return t.contiguous()
 
 
 def _tensor(op, name, t):
