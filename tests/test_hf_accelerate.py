@@ -243,7 +243,7 @@ def test_edge_cases_are_left_with_reasons(stand_ins, monkeypatch):
     report = accelerate(m, recipe=Float8BlockScaling())
     assert "divisible by 128" in report.reason("shared")
     assert len(wrapped) == 3
-    with pytest.raises(TypeError, match="recipe"):
+    with pytest.raises(TypeError, match="argument 'recipe' must be a seqfuse.common.recipe recipe"):
         accelerate(Odd(), recipe="fp8")
 
 
@@ -278,6 +278,22 @@ def test_recipe_runs_forward_under_autocast(stand_ins):
     assert report.recipe is recipe and "recipe" in str(report)
     net(torch.randn(4, 32))
     assert seen == [True] and not is_fp8_enabled()
+
+
+def test_second_accelerate_keeps_the_first_recipe(stand_ins):
+    """A second accelerate() without a recipe keeps the first call's: the
+    forward stays under it and a Linear its GEMMs cannot take stays left
+    (swapped, it would raise under the first call's autocast)."""
+    from seqfuse.common.recipe import DelayedScaling, Float8CurrentScaling
+
+    net = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 24))
+    recipe = DelayedScaling()
+    accelerate(net, recipe=recipe)
+    again = accelerate(net)
+    assert again.recipe is recipe and "divisible by 16" in again.reason("1") and type(net[1]) is nn.Linear
+    assert accelerate(net, recipe=DelayedScaling()).recipe is recipe  # an equal recipe: the same
+    with pytest.raises(ValueError, match="argument 'recipe' is Float8CurrentScaling"):
+        accelerate(net, recipe=Float8CurrentScaling())
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

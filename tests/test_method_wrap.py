@@ -4,7 +4,7 @@ a no-op: wrap_method_once on a plain module (equal arguments keep the one
 wrapper, other arguments wrap around it, a wrapper of ours under someone
 else's is found, a deepcopy keeps the mark), wrap_function's mark, and each
 of accelerate()'s wrappers after a second accelerate(): the autocast forward
-(equal recipe), the labels forward, the checkpointing setter, the
+(equal recipe; another recipe is refused), the labels forward, the checkpointing setter, the
 derived-positions mark and transformers' packed-sequence shortcut."""
 import copy
 import functools
@@ -103,7 +103,7 @@ masking_utils = pytest.importorskip("transformers.masking_utils")
 
 from seqfuse.common.recipe import DelayedScaling  # noqa: E402
 from seqfuse.hf import accelerate  # noqa: E402
-from seqfuse.quantization import is_fp8_enabled  # noqa: E402
+from seqfuse.quantization import get_recipe, is_fp8_enabled  # noqa: E402
 
 
 def _llama():
@@ -148,11 +148,23 @@ def test_a_second_accelerate_without_recipe_keeps_fp8_in_labels_calls():
     assert seen == [True]
 
 
-def test_another_recipe_wraps_around_the_first():
+def test_another_recipe_is_refused_and_the_first_stays():
+    """A second accelerate() with a different recipe is refused by name (the
+    first call's wrappers and swaps were made for its recipe, and a second
+    call undoes nothing); the model's calls, labels calls included, keep
+    running under the first recipe."""
     model = _llama()
-    accelerate(model, recipe=DelayedScaling())
-    accelerate(model, recipe=DelayedScaling(margin=1))
-    assert makers(model.__dict__["forward"]) == ["_autocast_forward", "_autocast_forward", "_labels_forward"]
+    first = DelayedScaling()
+    accelerate(model, recipe=first)
+    with pytest.raises(ValueError, match=r"accelerate: argument 'recipe' is DelayedScaling\(.*margin=1.*an earlier "
+                                         r"accelerate\(\) of this model set DelayedScaling\("):
+        accelerate(model, recipe=DelayedScaling(margin=1))
+    assert makers(model.__dict__["forward"]) == ["_autocast_forward", "_labels_forward"]
+    assert accelerate(model).recipe is first  # recipe=None keeps it
+    seen = []
+    model.model.norm.register_forward_hook(lambda *_: seen.append(get_recipe()))
+    _loss(model)
+    assert seen == [first]
 
 
 def test_the_packed_sequence_shortcut_is_installed_once(monkeypatch):

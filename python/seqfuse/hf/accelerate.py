@@ -53,7 +53,10 @@ with random ones, on a copy) and must agree within the dtype's rounding;
 otherwise the module is left, saying so.
 
 With a ``recipe``, the model's forward is wrapped to run under
-``seqfuse.pytorch.autocast(enabled=True, recipe=recipe)``.
+``seqfuse.pytorch.autocast(enabled=True, recipe=recipe)``.  A second
+accelerate() of the model keeps that recipe (recipe=None or an equal one)
+or is refused (another recipe): what the first call swapped and wrapped
+was made for its recipe, and a second call undoes nothing.
 
 transformers' gradient checkpointing (``gradient_checkpointing_enable``,
 before or after the swap) is routed through seqfuse.pytorch.checkpoint,
@@ -83,7 +86,7 @@ import torch
 from torch import nn
 
 from ..pytorch import LayerNorm, Linear, RMSNorm, autocast
-from .method_wrap import wrap_method, wrap_method_once, wrapped_with
+from .method_wrap import wrap_method, wrap_method_once, wrapped_with, wrapper_args
 
 _log = logging.getLogger("seqfuse")
 
@@ -380,10 +383,29 @@ def _autocast_forward(inner, recipe):
 
 
 def _wrap_forward(model, recipe):
-    """Once per recipe: a second accelerate() with an equal recipe keeps the
-    one autocast wrapper (autocast reads only the recipe's settings, so an
-    equal one changes nothing); a different recipe wraps around it."""
+    """Once: a second accelerate() with an equal recipe keeps the one
+    autocast wrapper (autocast reads only the recipe's settings, so an equal
+    one changes nothing); a different one never gets here (_call_recipe)."""
     wrap_method_once(model, "forward", _autocast_forward, recipe)
+
+
+def _call_recipe(model, recipe):
+    """The recipe this accelerate() works under: ``recipe``, or the one an
+    earlier accelerate() wrapped the forward under, which a second call
+    with recipe=None or an equal recipe keeps (its sizes decide what is
+    swapped, and it stays the forward's).  A different recipe is refused:
+    the earlier call's autocast wrapper, fused layers and swapped modules
+    were made for its recipe, and a second call undoes none of them."""
+    earlier = wrapper_args(model.__dict__.get("forward"), _autocast_forward)
+    if earlier is None:
+        return recipe
+    first = earlier[0]
+    if recipe is None or recipe == first:
+        return first
+    raise ValueError(f"accelerate: argument 'recipe' is {recipe!r}, but an earlier accelerate() of this model "
+                     f"set {first!r}: the model's forward runs under seqfuse autocast with it and its modules were "
+                     "swapped for its GEMM sizes, which a second call does not undo; pass recipe=None (or an "
+                     "equal recipe) to keep it, or accelerate a fresh copy of the model with the new recipe")
 
 
 def _gemm_alignment(recipe):
@@ -394,11 +416,6 @@ def _gemm_alignment(recipe):
     recipe (bf16/fp32 GEMMs take any shape)."""
     if recipe is None:
         return None
-    from seqfuse.common.recipe import Recipe
-
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"accelerate: recipe must be a seqfuse.common.recipe recipe (e.g. DelayedScaling()), "
-                        f"got {type(recipe).__name__}")
     if recipe.float8_block_scaling():
         return 128
     return 32 if (recipe.mxfp8() or recipe.nvfp4()) else FP8_ALIGN
@@ -542,6 +559,11 @@ def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=
     Linears (and layers) whose shapes its GEMMs cannot take (listed in the
     report).  ``attention`` switches a transformers model's attention to
     seqfuse's fused kernel where it can (see the module note).
+
+    A second accelerate() of the same model adds what the first did not do
+    and undoes nothing: recipe=None (or an equal recipe) keeps the first
+    call's recipe, for the forward and for which shapes are swapped; a
+    different recipe is refused (ValueError naming 'recipe').
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"accelerate: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -549,6 +571,12 @@ def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=
                        ("fuse_experts", fuse_experts)):
         if not isinstance(flag, bool):
             raise TypeError(f"accelerate: argument '{name}' must be a bool, got {type(flag).__name__}")
+    from seqfuse.common.recipe import Recipe
+
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise TypeError(f"accelerate: argument 'recipe' must be a seqfuse.common.recipe recipe (e.g. "
+                        f"DelayedScaling()), got {type(recipe).__name__}")
+    recipe = _call_recipe(model, recipe)
     Linear, LayerNorm = _seqfuse_modules()
     RMSNorm = _seqfuse_rmsnorm()
     align = _gemm_alignment(recipe)

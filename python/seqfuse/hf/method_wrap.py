@@ -26,7 +26,9 @@ maker, naming ``original`` as ``__wrapped__``.
 place already (so a second accelerate() does not wrap again): it follows
 ``fn``'s chain (a method wrapper's ``previous``, a function's
 ``__wrapped__``) looking for a wrapper built by ``make``.
-``wrap_method_once`` is wrap_method guarded by it.
+``wrap_method_once`` is wrap_method guarded by it.  ``wrapper_args(fn,
+make)`` reads the arguments such a wrapper was built with (the recipe an
+earlier accelerate() runs the forward under).
 """
 import functools
 import inspect
@@ -111,20 +113,33 @@ def wrap_function(original, make):
     return fn
 
 
-def wrapped_with(fn, make, *args):
-    """Whether ``fn`` is or wraps a wrapper built by ``make`` (given ``args``,
-    with arguments equal to them): the chain is followed through a method
-    wrapper's ``previous`` and a function's ``__wrapped__``, so a wrapper of
-    ours under someone else's (functools.wraps) is found too."""
+def _chain(fn):
+    """``fn`` and what it wraps, outermost first: a method wrapper's
+    ``previous``, a function's ``__wrapped__`` (a wrapper of ours under
+    someone else's functools.wraps is reached too)."""
     seen = set()
     while fn is not None and id(fn) not in seen:
         seen.add(id(fn))
-        if isinstance(fn, MethodWrapper):
-            if fn.make is make and (not args or fn.args == args):
+        yield fn
+        fn = fn.previous if isinstance(fn, MethodWrapper) else getattr(fn, "__wrapped__", None)
+
+
+def wrapped_with(fn, make, *args):
+    """Whether ``fn`` is or wraps a wrapper built by ``make`` (given ``args``,
+    with arguments equal to them), along ``fn``'s chain (see _chain)."""
+    for f in _chain(fn):
+        if isinstance(f, MethodWrapper):
+            if f.make is make and (not args or f.args == args):
                 return True
-            fn = fn.previous
-        else:
-            if getattr(fn, "_seqfuse_make", None) is make and not args:
-                return True
-            fn = getattr(fn, "__wrapped__", None)
+        elif getattr(f, "_seqfuse_make", None) is make and not args:
+            return True
     return False
+
+
+def wrapper_args(fn, make):
+    """The arguments of the outermost method wrapper built by ``make`` along
+    ``fn``'s chain (a tuple), or None where there is none."""
+    for f in _chain(fn):
+        if isinstance(f, MethodWrapper) and f.make is make:
+            return f.args
+    return None
