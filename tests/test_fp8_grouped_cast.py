@@ -12,13 +12,13 @@ import logging
 import pytest
 import torch
 
+from seqfuse.common import notes as notes_module
 from seqfuse.common.recipe import DelayedScaling, Float8CurrentScaling, Format
 from seqfuse.modules import GroupedLinear, GroupedMLP, Linear
 from seqfuse.modules import grouped_linear as grouped_linear_module
 from seqfuse.ops import moe as moe_ops
 from seqfuse.ops import quant as qops
 from seqfuse.quantization import fp8_autocast
-from seqfuse.quantization import grouped as grouped_module
 from seqfuse.quantization.gemm_quantizers import weight_casts
 
 from helpers import grouped_and_per_expert_fp8_step, needs_fp8, pair_tol, rel_error
@@ -272,7 +272,7 @@ def test_grouped_mlp_fp8_writes_no_swiglu_output(recipe, monkeypatch, caplog, se
     in one log line over both steps (note_grouped)."""
     from seqfuse import _C
 
-    monkeypatch.setattr(grouped_module, "_noted", set())  # this process's earlier notes forgotten
+    monkeypatch.setattr(notes_module, "_noted", set())  # this process's earlier notes forgotten
     caplog.set_level(logging.INFO, logger="seqfuse")
     torch.manual_seed(seed)
     m = GroupedMLP(32, 48, num_experts=4, topk=2, device="cpu")
@@ -622,7 +622,7 @@ def test_weight_pairs_casts_mismatched_weights_one_by_one(monkeypatch, caplog, s
     line names the reason once, however often it recurs (note_grouped)."""
     from seqfuse.quantization.grouped import weight_pairs
 
-    monkeypatch.setattr(grouped_module, "_noted", set())  # this process's earlier notes forgotten
+    monkeypatch.setattr(notes_module, "_noted", set())  # this process's earlier notes forgotten
     caplog.set_level(logging.INFO, logger="seqfuse")
     gl = GroupedLinear(3, 32, 48, bias=False, device="cpu")
     calls = _count_grouped_casts(monkeypatch, "cast_fp8_current_list")

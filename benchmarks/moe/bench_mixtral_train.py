@@ -45,7 +45,15 @@ Rows (``--rows``):
                       the recipe's model with the transformers row's own
                       optimizer (torch AdamW(fused), bf16 moments, no master
                       copy, every parameter decayed): the like-for-like rows
-                      for speed and peak memory.
+                      for speed and peak memory;
+  seqfuse_bf16_hostsplits_torch_adamw
+                      seqfuse_bf16_torch_adamw with the routing counts read
+                      to the host in every MoE block (GroupedMLP's
+                      device_splits off: cuBLASLt's grouped GEMM, one call
+                      per expert) instead of the device-split route (the
+                      counts stay on the GPU, torch._grouped_mm's kernel):
+                      what the route's removal of the host synchronization
+                      gives.
 A row that fails keeps its error and the others run.  ``--profile DIR``:
 after a row's timed pass, ``--profile-steps`` more steps under
 torch.profiler, summarised to DIR/<row>_profile.txt
@@ -87,7 +95,7 @@ from harness import Table  # noqa: E402
 from mixtral_recipe import load_config  # noqa: E402
 from mixtral_recipe import trainer as recipe  # noqa: E402
 
-ROWS = ("hf_bf16", "hf_bf16_loop", "hf_bf16_compile", "hf_bf16_liger", "seqfuse_bf16", "seqfuse_bf16_torch_adamw", "seqfuse_fp8_delayed",
+ROWS = ("hf_bf16", "hf_bf16_loop", "hf_bf16_compile", "hf_bf16_liger", "seqfuse_bf16", "seqfuse_bf16_torch_adamw", "seqfuse_bf16_hostsplits_torch_adamw", "seqfuse_fp8_delayed",
         "seqfuse_fp8_current", "seqfuse_fp8_block", "seqfuse_fp8_delayed_torch_adamw",
         "seqfuse_fp8_current_torch_adamw")
 DEFAULT_ROWS = ("hf_bf16", "hf_bf16_loop", "hf_bf16_compile", "hf_bf16_liger", "seqfuse_bf16", "seqfuse_bf16_torch_adamw", "seqfuse_fp8_delayed",
@@ -152,7 +160,11 @@ def build_row(name, cfg, mcfg, device, dtype, seed):
     hf = build_hf(mcfg, device, dtype, "eager", seed)
     model = from_hf_model(hf)
     del hf
-    fp8 = name[len("seqfuse_"):].removesuffix("_torch_adamw")
+    fp8 = name[len("seqfuse_"):].removesuffix("_torch_adamw").removesuffix("_hostsplits")
+    if "_hostsplits" in name:
+        for m in model.modules():
+            if hasattr(m, "device_splits"):
+                m.device_splits = False
     rcfg = load_config(cfg.config_name, [f"precision.recipe={fp8}"])
     fp8_recipe = recipe.fp8_recipe(rcfg)
     opt = torch_adamw(model, cfg, device) if name.endswith("_torch_adamw") else recipe.build_optimizer(model, rcfg)

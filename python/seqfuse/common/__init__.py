@@ -1,5 +1,6 @@
 """Framework-neutral pieces shared by seqfuse's PyTorch layers, named as in
-Transformer Engine's ``transformer_engine.common`` (``recipe``)."""
-from . import recipe
+Transformer Engine's ``transformer_engine.common`` (``recipe``), and ``notes`` (log a route's
+name once)."""
+from . import notes, recipe
 
-__all__ = ["recipe"]
+__all__ = ["notes", "recipe"]

@@ -21,7 +21,17 @@ parameters shard each expert's own rows; (2) expert parallelism assigns
 whole experts to ranks, which is a choice of parameters, not a slice of
 one; (3) optimizers and gradient clipping see each expert as its own
 tensor, as with the dense Linear.  The grouped GEMM takes the list of
-weights directly, so nothing is stacked (copied) per step.
+weights directly, so nothing is stacked (copied) per step; the parameters
+are also consecutive slices of one [G, out, in] buffer, which the
+device-split route reads as one tensor (stacked_weights).
+
+Row counts: m_splits as host ints (TE's form) runs cuBLASLt, one call per
+expert sized on the host.  m_splits as an integer tensor on the GPU (the
+router's tokens_per_expert) runs the device-split route in bfloat16
+without bias (DeviceSplitGroupedLinearFunction over
+ops.moe.grouped_gemm_device): the kernel reads the counts, nothing waits on
+the host.  Where that route does not apply (FP8, a bias, another dtype) the
+counts are read to the host, logged once with the reason.
 
 Precision: the GEMMs run in torch.autocast's dtype where it is on, else the
 parameters' dtype.  Under seqfuse's FP8 autocast (fp8_autocast) the three
@@ -46,9 +56,12 @@ Weight-gradient accumulation: where every weight carries a float32
 ``main_grad``, dW_g is accumulated into it by the GEMM (beta = 1) and the
 weight's .grad is left None (``grad_added_to_main_grad`` set where present).
 """
+import logging
+
 import torch
 
 from .. import quantization as _q
+from ..common.notes import note_once
 from ..ops import moe as moe_ops
 from ..ops import device_checks
 from ..quantization import gemm_quantizers as _gq
@@ -57,7 +70,9 @@ from . import _fp8 as F8
 from ._base import compute_dtype, default_device, mark_main_grad, set_linear_options
 from ._input import check_input
 
-__all__ = ["GroupedLinear", "GroupedLinearFunction", "Fp8GroupedLinearFunction"]
+__all__ = ["GroupedLinear", "GroupedLinearFunction", "DeviceSplitGroupedLinearFunction", "Fp8GroupedLinearFunction"]
+
+_log = logging.getLogger("seqfuse")
 
 #: TE arguments accepted with only their default value (parallelism, overlap).
 _TE_DEFAULTS = {"sequence_parallel": False, "tp_group": None, "tp_size": 1, "parallel_mode": None,
@@ -122,6 +137,45 @@ class GroupedLinearFunction(torch.autograd.Function):
         return (dx, None, None, None, None, None, *dws, *dbs)
 
 
+class DeviceSplitGroupedLinearFunction(torch.autograd.Function):
+    """Autograd of y_g = x_g W_g^T with the row counts on the GPU (bfloat16,
+    no bias): ops.moe.grouped_gemm_device for the three products, so no step
+    of it waits on the host.
+
+    forward(x [M, in] bfloat16, offsets (device_split_offsets), stacked
+    [G, out, in] (the experts' weights as one tensor, GroupedLinear.
+    stacked_weights), num_gemms, *weights): the gradient of weight g is
+    the weight gradient's slice g (accumulated into main_grad where every
+    weight carries one)."""
+
+    @staticmethod
+    def forward(ctx, x, offsets, stacked, G, *weights):
+        x = moe_ops.dense(x.detach())
+        y = moe_ops.grouped_gemm_device(x, stacked, offsets, transb=True)
+        ctx.save_for_backward(x, offsets, stacked)
+        ctx.weights = weights
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, offsets, stacked = ctx.saved_tensors
+        weights = ctx.weights
+        G = len(weights)
+        dy = moe_ops.dense(dy if dy.dtype == torch.bfloat16 else dy.to(torch.bfloat16))
+        dx = moe_ops.grouped_gemm_device(dy, stacked, offsets) if ctx.needs_input_grad[0] else None
+        dws = [None] * G
+        if any(ctx.needs_input_grad[4:4 + G]):
+            dw = moe_ops.grouped_gemm_device(dy, x, offsets, transa=True)
+            mains = [getattr(w, "main_grad", None) for w in weights]
+            if all(m is not None for m in mains):
+                for g, w in enumerate(weights):
+                    mains[g].add_(dw[g])
+                    mark_main_grad(w)
+            else:
+                dws = [dw[g] if dw.dtype == w.dtype else dw[g].to(w.dtype) for g, w in enumerate(weights)]
+        return (dx, None, None, None, *dws)
+
+
 class GroupedLinear(torch.nn.Module):
     """G linear layers over consecutive row blocks, TE's
     ``transformer_engine.pytorch.GroupedLinear``.
@@ -136,7 +190,8 @@ class GroupedLinear(torch.nn.Module):
     happens whenever every weight carries one).
 
     forward(inp [sum(m_splits), in_features] (or [..., in_features] whose
-    rows add up), m_splits: G ints (host values; a CPU tensor is read),
+    rows add up), m_splits: G ints (host values; a CPU tensor is read) or
+    a CUDA integer tensor (the device-split route, see the module note),
     is_first_microbatch, swiglu_probs: see forward).
     """
 
@@ -157,9 +212,14 @@ class GroupedLinear(torch.nn.Module):
                                    fuse_wgrad_accumulation, init_method, params_dtype)
         self.num_gemms = num_gemms
         device = default_device(device)
+        # the experts' weights are slices of one [G, out, in] buffer, so the device-split route
+        # reads them as one tensor without a copy (stacked_weights); set through .data, each
+        # parameter keeps a version counter of its own (the FP8 weight cache follows each)
+        stacked = torch.empty(num_gemms, self.out_features, self.in_features, dtype=dtype, device=device)
         for g in range(num_gemms):
-            self.register_parameter(f"weight{g}", torch.nn.Parameter(
-                torch.empty(self.out_features, self.in_features, dtype=dtype, device=device)))
+            w = torch.nn.Parameter(torch.empty(0, dtype=dtype, device=device))
+            w.data = stacked[g]
+            self.register_parameter(f"weight{g}", w)
             if self.use_bias:
                 self.register_parameter(f"bias{g}", torch.nn.Parameter(
                     torch.empty(self.out_features, dtype=dtype, device=device)))
@@ -175,6 +235,56 @@ class GroupedLinear(torch.nn.Module):
 
     def biases(self):
         return [getattr(self, f"bias{g}") for g in range(self.num_gemms)] if self.use_bias else []
+
+    def stacked_weights(self):
+        """The experts' weights as one [G, out_features, in_features] tensor
+        (no autograd history): a view, no copy, where they are consecutive
+        slices of one buffer, as __init__ makes them.  Weights that are not
+        (after ``module.to(...)`` or a materialization gave each its own
+        storage) are moved into one such buffer now, once (their ``.data``:
+        the parameter objects, their values and the optimizer's references
+        stay), where they are plain parameters of one dtype and device
+        outside FSDP2; otherwise (FSDP2's sharded parameters) they are
+        stacked at every call, a copy.  Both are logged once."""
+        ws = self.weights()
+        w0 = ws[0]
+        G, step = len(ws), w0.numel()
+        if _one_buffer(ws):
+            return w0.detach().as_strided((G, *w0.shape), (step, *w0.stride()))
+        same = all(type(w) is torch.nn.Parameter and w.dtype == w0.dtype and w.device == w0.device
+                   and w.shape == w0.shape for w in ws)
+        if same and not _gq.fsdp2_in_use():
+            with torch.no_grad():
+                stacked = torch.stack([w.detach() for w in ws])
+                for g, w in enumerate(ws):
+                    w.data = stacked[g]
+            note_once(_log, "seqfuse GroupedLinear: the experts' weights moved into one [G, out, in] buffer "
+                      "(each parameter a slice of it), which the device-split route reads without a copy")
+            return stacked
+        note_once(_log, "seqfuse GroupedLinear: the experts' weights are stacked into one tensor at every "
+                  "device-split call (a copy: they are not plain parameters of one dtype and device, or FSDP2 "
+                  "manages them)")
+        return torch.stack([w.detach() for w in ws])
+
+    def device_split_refusal(self, x):
+        """Why a call with input rows ``x`` cannot take its row counts on the
+        GPU (the device-split route), or None where it can."""
+        if _q.is_fp8_enabled():
+            return "the FP8 grouped GEMMs take host row counts"
+        if self.use_bias and not self.return_bias:
+            return "the device-split route adds no bias"
+        if not x.is_cuda:
+            return "the input is not on a CUDA device"
+        if x.numel() == 0:
+            return "the input has no rows"
+        dtype = compute_dtype(x, self.weight0)
+        if dtype != torch.bfloat16:
+            return f"the device-split route computes in bfloat16, this call in {dtype}"
+        if self.in_features % 8 or self.out_features % 8:
+            return "the device-split route needs in_features and out_features multiples of 8"
+        if not hasattr(torch, "_grouped_mm"):
+            return f"this torch ({torch.__version__}) has no torch._grouped_mm"
+        return None
 
     @torch.no_grad()
     def reset_parameters(self):
@@ -259,6 +369,15 @@ class GroupedLinear(torch.nn.Module):
     def _apply_to(self, inp, probs, swiglu, m_splits, is_first_microbatch):
         """forward's body; ``swiglu`` (FP8 only): inp holds gate|up pairs and
         probs the SwiGLU's row scales."""
+        if isinstance(m_splits, torch.Tensor) and m_splits.device.type != "cpu":
+            if m_splits.device != inp.device:
+                raise ValueError(f"GroupedLinear: m_splits on {m_splits.device} but the input on {inp.device}")
+            why = self.device_split_refusal(inp)
+            if why is None:
+                return self._device_split(inp, m_splits)
+            note_once(_log, "seqfuse GroupedLinear: m_splits on the GPU read to the host (one host "
+                      "synchronization per call): %s", why)
+            m_splits = m_splits.tolist()
         splits = tuple(moe_ops.host_splits("GroupedLinear", m_splits))
         if len(splits) != self.num_gemms:
             raise ValueError(f"GroupedLinear: m_splits must hold num_gemms = {self.num_gemms} row "
@@ -284,6 +403,32 @@ class GroupedLinear(torch.nn.Module):
         if self.return_bias:
             return y, biases
         return y
+
+
+    def _device_split(self, inp, counts):
+        """The device-split route (DeviceSplitGroupedLinearFunction) for row
+        counts ``counts`` on the GPU."""
+        if counts.dim() != 1 or counts.numel() != self.num_gemms:
+            raise ValueError(f"GroupedLinear: m_splits must hold num_gemms = {self.num_gemms} row counts, got "
+                             f"shape {tuple(counts.shape)}")
+        x = inp.reshape(-1, inp.shape[-1])
+        offsets = moe_ops.device_split_offsets(counts, x.shape[0])
+        y = DeviceSplitGroupedLinearFunction.apply(x, offsets, self.stacked_weights(), self.num_gemms,
+                                                   *self.weights())
+        if inp.dim() != 2:
+            y = y.view(*inp.shape[:-1], self.out_features)
+        return (y, self.biases()) if self.return_bias else y
+
+
+def _one_buffer(ws):
+    """Whether the weights ``ws`` are consecutive, equally shaped, contiguous
+    slices of one storage, in order."""
+    w0 = ws[0]
+    step, es, p0 = w0.numel(), w0.element_size(), w0.data_ptr()
+    st = w0.untyped_storage().data_ptr()
+    return all(w.dtype == w0.dtype and w.shape == w0.shape and w.is_contiguous()
+               and w.data_ptr() == p0 + g * step * es and w.untyped_storage().data_ptr() == st
+               for g, w in enumerate(ws))
 
 
 # ---- FP8 ---------------------------------------------------------------------

@@ -12,8 +12,11 @@ For tokens x [T, hidden] (any leading shape):
                                                                            FP8 delayed: a made in fc2's cast)
     out             = moe_unpermute(y_e, row_ids)           [T, hidden]  (sum over a token's experts)
 
-m_splits (tokens per expert) are read to the host once per forward (the
-grouped GEMMs take host row counts): the block's one host synchronization.
+On CUDA in bfloat16 (no FP8, no expert biases) the grouped GEMMs take
+m_splits (tokens per expert) on the GPU (GroupedLinear's device-split
+route) and the block never waits on the host.  Otherwise m_splits are read
+to the host once per forward (the FP8 grouped GEMMs take host row counts):
+the block's one host synchronization.
 Its copy is queued as soon as the counts exist and waited for after the
 work that does not need them (under FP8 the experts' weight casts), so the
 GPU has work while the host waits.  Under FP8 autocast the permutation
@@ -138,12 +141,18 @@ class GroupedMLP(RoutedExperts):
     updated by the caller, as in DeepSeek-V3's aux-loss-free balancing);
     aux_loss_coeff, z_loss_coeff: the auxiliary losses (0: off);
     bias: biases in the experts' GEMMs; params_dtype, device, init_method
-    as for GroupedLinear (the router is float32-initialised the same way).
+    as for GroupedLinear (the router is float32-initialised the same way);
+    device_splits: on CUDA in bfloat16 without bias, the experts' GEMMs
+    take the routing counts on the GPU (GroupedLinear's device-split route)
+    and the block has no host synchronization; False (or FP8, a bias,
+    another dtype) reads them to the host once per forward.  An attribute,
+    which may be changed on a built module.
     """
 
     def __init__(self, hidden_size, ffn_hidden_size, num_experts, topk, *, score_function="softmax",
                  use_pre_softmax=False, scaling_factor=None, expert_bias=False, aux_loss_coeff=0.0,
-                 z_loss_coeff=0.0, bias=False, params_dtype=None, device=None, init_method=None):
+                 z_loss_coeff=0.0, bias=False, params_dtype=None, device=None, init_method=None,
+                 device_splits=True):
         super().__init__("GroupedMLP", hidden_size, ffn_hidden_size, num_experts, topk, score_function,
                          use_pre_softmax, scaling_factor, expert_bias, aux_loss_coeff, z_loss_coeff, params_dtype,
                          device, init_method)
@@ -153,6 +162,7 @@ class GroupedMLP(RoutedExperts):
                                  params_dtype=dtype, device=device, init_method=init_method)
         self.fc2 = GroupedLinear(self.num_experts, self.ffn_hidden_size, self.hidden_size, bias=bias,
                                  params_dtype=dtype, device=device, init_method=init_method)
+        self.device_splits = bool(device_splits)
         if device.type != "meta":
             self.reset_parameters()
 
@@ -174,6 +184,14 @@ class GroupedMLP(RoutedExperts):
         # no tokens (an idle rank): no auxiliary loss (its mean over tokens is undefined)
         self.aux_loss = self.aux_losses(logits) if self.training and x.shape[0] else None
         row_ids, tokens_per_expert = moe_ops.moe_row_id_map(routing_map)
+        if self.device_splits and x.is_cuda and x.shape[0] and self.fc1.device_split_refusal(x) is None \
+                and self.fc2.device_split_refusal(x) is None:
+            # the experts' GEMMs read the counts on the GPU: nothing in the block waits on the host
+            # (every token goes to topk experts, so the permuted rows number T * topk)
+            xp, pp = moe_ops.moe_permute_by_row_id_map(x, row_ids, x.shape[0] * self.topk, probs)
+            h = self.fc1(xp, tokens_per_expert)
+            y = self.fc2(h, tokens_per_expert, swiglu_probs=pp)
+            return moe_ops.moe_unpermute(y, row_ids).view(*lead, self.hidden_size)
         # the block's one host synchronization, the per-expert counts: their copy is queued now and
         # waited for after the work that does not need them (below), which keeps the GPU busy meanwhile
         wait_counts = moe_ops.counts_to_host(tokens_per_expert)

@@ -30,7 +30,10 @@ it back only to these functions).
 Host synchronization: the permutation needs the number of rows it writes
 on the host (to allocate them); with num_out_tokens=-1 it is read from the
 routing map's per-expert counts (one device-to-host copy).  The grouped
-GEMM takes host row counts (m_splits): one cuBLASLt call per group.
+GEMM takes host row counts (m_splits): one cuBLASLt call per group;
+grouped_gemm_device takes them on the GPU (bfloat16, torch._grouped_mm's
+kernel), which is how GroupedMLP's bfloat16 step runs without a host
+synchronization.
 """
 import torch
 
@@ -40,7 +43,7 @@ from .gemm import FP8_DTYPES, FP8_ROW_MULTIPLE, SCALINGS, tf32_of, workspace_for
 from .quant import fp8_dtype_of
 
 # dense (ops._call's) is exported here for the grouped modules' and quantizers' gradients
-__all__ = ["dense", "grouped_gemm", "cast_fp8_grouped", "cast_fp8_current_list", "pad_row_id_map", "counts_to_host",
+__all__ = ["dense", "grouped_gemm", "grouped_gemm_device", "device_split_offsets", "cast_fp8_grouped", "cast_fp8_current_list", "pad_row_id_map", "counts_to_host",
            "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss",
            "fused_moe_aux_loss", "moe_z_loss", "moe_row_id_map", "moe_permute",
            "moe_permute_with_probs", "moe_permute_by_row_id_map", "moe_unpermute", "scaled_swiglu",
@@ -69,13 +72,14 @@ def host_splits(op, m_splits, arg="argument 'm_splits'"):
     """m_splits as a list of Python ints (``arg`` names it in messages).  A
     CPU tensor is read; a CUDA tensor is refused (its values would need a
     host sync: this route runs one cuBLASLt call per group, sized on the
-    host)."""
+    host; grouped_gemm_device is the route for counts on the GPU)."""
     if isinstance(m_splits, torch.Tensor):
         if m_splits.device.type != "cpu":
             raise NotImplementedError(
-                f"{op}: {arg} is a {m_splits.device.type} tensor; the device-side split "
-                "route is not built yet (the grouped GEMM runs one cuBLASLt call per group sized on "
-                "the host): pass a list of ints, e.g. tokens_per_expert.tolist()")
+                f"{op}: {arg} is a {m_splits.device.type} tensor; this route runs one cuBLASLt call "
+                "per group sized on the host: pass a list of ints (e.g. tokens_per_expert.tolist()), or "
+                "use the device-side split route (grouped_gemm_device with device_split_offsets; "
+                "GroupedLinear takes it for a CUDA m_splits in bfloat16)")
         if m_splits.dtype.is_floating_point or m_splits.dtype.is_complex or m_splits.dim() > 1:
             raise TypeError(f"{op}: {arg} must be a 1-D integer tensor, got {m_splits.dim()}-D "
                             f"{m_splits.dtype}")
@@ -238,6 +242,81 @@ def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dt
                     b_code, bias, bool(bgrad), bool(accumulate), bool(fast_accum), tf32_of(allow_tf32, first.dtype),
                     workspace, stream_for(first))
     return out if grads is None else (out, grads)
+
+
+def device_split_offsets(counts, total):
+    """The end offsets of G row groups, int32 [G] on counts' device, from the
+    row counts ``counts`` (an integer tensor [G] on the GPU), computed there:
+    nothing waits on the host.  Whether they add up to ``total`` (the split
+    operand's rows) is checked on the device as well (torch._assert_async):
+    a mismatch stops the next kernel of the stream with a device-side
+    assertion naming m_splits, not a read past the operand."""
+    op = "grouped_gemm_device"
+    counts = _tensor(op, "m_splits", counts)
+    if counts.dim() != 1 or counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool:
+        raise TypeError(f"{op}: argument 'm_splits' must be a 1-D integer tensor, got {counts.dim()}-D "
+                        f"{counts.dtype}")
+    if counts.numel() == 0:
+        raise ValueError(f"{op}: argument 'm_splits' must hold at least one group")
+    if total >= 2 ** 31:
+        raise ValueError(f"{op}: the split operand has {total} rows; the device-split route takes fewer "
+                         "than 2**31 (int32 offsets)")
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    torch._assert_async(offsets[-1] == total,
+                        f"{op}: argument 'm_splits' must add up to the split operand's {total} rows "
+                        "(checked on the device)")
+    return offsets
+
+
+def grouped_gemm_device(a, b, offsets, *, transa=False, transb=False):
+    """:func:`grouped_gemm` with the row counts left on the GPU: the device-split
+    route.  ``offsets`` are the groups' end rows (:func:`device_split_offsets`),
+    read by the kernel itself, so nothing waits on the host and a step stays
+    capturable in a CUDA graph.  The three products of y_g = x_g W_g^T over
+    the experts' weights stacked as W [G, N, K]:
+
+        forward  grouped_gemm_device(x [M, K], W, offsets, transb=True)   -> y  [M, N]
+        dgrad    grouped_gemm_device(dy [M, N], W, offsets)               -> dx [M, K]
+        wgrad    grouped_gemm_device(dy [M, N], x [M, K], offsets, transa=True) -> dW [G, N, K]
+
+    bfloat16 CUDA tensors, each dimension but the split rows a multiple of
+    8 (16-byte rows), float32 accumulation, the output in bfloat16.  An
+    empty group's rows do not exist, or (wgrad) its product is zero.
+    Route: torch._grouped_mm (CUTLASS's grouped kernel in torch, the same
+    kernel transformers' grouped_mm experts run): cuBLASLt, seqfuse's other
+    route, takes each group's size on the host.  A torch without
+    _grouped_mm raises NotImplementedError."""
+    op = "grouped_gemm_device"
+    if not hasattr(torch, "_grouped_mm"):
+        raise NotImplementedError(f"{op}: this torch ({torch.__version__}) has no torch._grouped_mm, the "
+                                  "device-split route's kernel: pass host row counts (a list of ints)")
+    a, b = detached(_tensor(op, "a", a)), detached(_tensor(op, "b", b))
+    offsets = _tensor(op, "offsets", offsets)
+    for name, t in (("a", a), ("b", b)):
+        if t.dtype != torch.bfloat16 or not t.is_cuda:
+            raise TypeError(f"{op}: argument '{name}' must be a bfloat16 CUDA tensor, got {t.dtype} on "
+                            f"{t.device.type}")
+        if any(d % 8 for d in t.shape[1:]):
+            raise ValueError(f"{op}: argument '{name}' must have its non-split dimensions multiples of 8 "
+                             f"(16-byte rows), got shape {tuple(t.shape)}")
+    if offsets.dtype != torch.int32 or offsets.dim() != 1 or offsets.device != a.device:
+        raise TypeError(f"{op}: argument 'offsets' must be a 1-D int32 tensor on {a.device} "
+                        "(device_split_offsets), got "
+                        f"{offsets.dim()}-D {offsets.dtype} on {offsets.device}")
+    G = offsets.shape[0]
+    if transa:  # wgrad: both operands split along their rows, the product per group
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[0]:
+            raise ValueError(f"{op}: the weight-gradient form takes a [M, N] and b [M, K] with the same "
+                             f"rows, got {tuple(a.shape)} and {tuple(b.shape)}")
+        return torch._grouped_mm(dense(a).t(), dense(b), offs=offsets)
+    if a.dim() != 2 or b.dim() != 3 or b.shape[0] != G:
+        raise ValueError(f"{op}: takes a [M, K] split by offsets and b [G, N, K] stacked weights with "
+                         f"G = {G}, got {tuple(a.shape)} and {tuple(b.shape)}")
+    inner = b.shape[2] if transb else b.shape[1]
+    if a.shape[1] != inner:
+        raise ValueError(f"{op}: a has {a.shape[1]} columns but each group of b"
+                         f"{'^T' if transb else ''} has {inner} rows")
+    return torch._grouped_mm(dense(a), b.transpose(1, 2) if transb else b, offs=offsets)
 
 
 def padded_splits(m_splits, row_multiple=FP8_ROW_MULTIPLE):

@@ -43,6 +43,7 @@ import logging
 
 import torch
 
+from ..common.notes import note_once
 from ..ops import moe as moe_ops
 from . import recompute, stats
 from .tensor import Float8Tensor
@@ -73,20 +74,14 @@ class GroupedFloat8:
         return list(self.data_t.split(self.padded, 1))
 
 
-_noted = set()  # (text, args) of the lines note_grouped has logged in this process
-
-
 def note_grouped(text, *args):
     """Log "seqfuse FP8 GroupedLinear: " + ``text % args`` (logger
     "seqfuse", INFO) the first time this text with these arguments is noted
-    in the process; later notes of it say nothing.  The grouped FP8 path
-    names its fallbacks through it: a one-call cast declined here (once per
-    reason) and GroupedLinear's SwiGLU written out before its cast (once per
-    recipe kind)."""
-    key = (text, args)
-    if key not in _noted:
-        _noted.add(key)
-        _log.info("seqfuse FP8 GroupedLinear: " + text, *args)
+    in the process (common.notes.note_once); later notes of it say nothing.
+    The grouped FP8 path names its fallbacks through it: a one-call cast
+    declined here (once per reason) and GroupedLinear's SwiGLU written out
+    before its cast (once per recipe kind)."""
+    note_once(_log, "seqfuse FP8 GroupedLinear: " + text, *args)
 
 
 def _declined(reason):

@@ -1,0 +1,193 @@
+"""The grouped GEMM's device-split route: row counts that stay on the GPU
+(ops.moe.grouped_gemm_device over device_split_offsets; GroupedLinear with
+a CUDA m_splits; GroupedMLP in bfloat16).  The CPU tests cover the weights'
+one-buffer layout that the route reads without a copy and the argument
+checks; the cuda-marked ones compare the route with the cuBLASLt route
+(host row counts) and the float64 reference, and check that a GroupedMLP
+step under it never synchronizes with the host."""
+import logging
+
+import pytest
+import torch
+
+from seqfuse.common import notes as notes_module
+from seqfuse.modules import GroupedLinear, GroupedMLP
+from seqfuse.ops import moe
+
+from helpers import REL_TOL, pair_tol, rel_error
+
+
+# ---- the weights as one buffer ------------------------------------------------
+
+def test_weights_are_slices_of_one_buffer():
+    """stacked_weights is a view of the parameters' own storage (no copy),
+    and each parameter keeps a version counter of its own, so the FP8
+    weight cache re-casts only the expert that changed."""
+    gl = GroupedLinear(4, 16, 24, bias=False, device="cpu")
+    w = gl.stacked_weights()
+    assert w.shape == (4, 24, 16)
+    assert w.data_ptr() == gl.weight0.data_ptr()
+    assert torch.equal(w, torch.stack(gl.weights()))
+    versions = [p._version for p in gl.weights()]
+    with torch.no_grad():
+        gl.weight2.add_(1.0)
+    assert [p._version for p in gl.weights()] == [versions[0], versions[1], versions[2] + 1, versions[3]]
+    assert torch.equal(gl.stacked_weights()[2], gl.weight2)
+
+
+def test_weights_moved_back_into_one_buffer_after_to(monkeypatch, caplog, seed):
+    """``module.to(dtype)`` gives every parameter its own storage: the first
+    stacked_weights moves them into one buffer again (same parameter
+    objects, same values), says so once, and later calls are views."""
+    monkeypatch.setattr(notes_module, "_noted", set())
+    caplog.set_level(logging.INFO, logger="seqfuse")
+    gl = GroupedLinear(3, 8, 16, bias=False, device="cpu").to(torch.float64)
+    params = gl.weights()
+    values = [p.detach().clone() for p in params]
+    assert gl.stacked_weights().shape == (3, 16, 8)
+    w = gl.stacked_weights()
+    assert w.data_ptr() == gl.weight0.data_ptr()
+    assert all(a is b for a, b in zip(gl.weights(), params))
+    assert all(torch.equal(p, v) for p, v in zip(gl.weights(), values))
+    lines = [r.getMessage() for r in caplog.records if "one [G, out, in] buffer" in r.getMessage()]
+    assert len(lines) == 1
+
+
+# ---- argument checks ------------------------------------------------------------
+
+def test_device_split_offsets_checks():
+    with pytest.raises(TypeError, match="m_splits.*1-D integer tensor"):
+        moe.device_split_offsets(torch.tensor([1.0, 2.0]), 3)
+    with pytest.raises(TypeError, match="m_splits.*1-D integer tensor"):
+        moe.device_split_offsets(torch.tensor([[1, 2]]), 3)
+    with pytest.raises(ValueError, match="at least one group"):
+        moe.device_split_offsets(torch.tensor([], dtype=torch.int64), 0)
+    # on the CPU the device-side check runs at once
+    with pytest.raises(RuntimeError, match="m_splits"):
+        moe.device_split_offsets(torch.tensor([1, 2]), 4)
+    offsets = moe.device_split_offsets(torch.tensor([3, 0, 5]), 8)
+    assert offsets.dtype == torch.int32 and offsets.tolist() == [3, 3, 8]
+
+
+def test_grouped_gemm_device_refuses_what_it_cannot_do():
+    x, w = torch.randn(8, 16).bfloat16(), torch.randn(2, 8, 16).bfloat16()
+    offsets = torch.tensor([4, 8], dtype=torch.int32)
+    with pytest.raises(TypeError, match="'a' must be a bfloat16 CUDA tensor"):
+        moe.grouped_gemm_device(x, w, offsets, transb=True)
+
+
+def test_grouped_linear_m_splits_on_another_device():
+    gl = GroupedLinear(2, 16, 16, bias=False, device="cpu")
+    with pytest.raises(ValueError, match="m_splits on meta but the input on cpu"):
+        gl(torch.randn(4, 16), torch.tensor([2, 2], device="meta"))
+
+
+# ---- CUDA: the route against cuBLASLt's and the float64 reference -----------
+
+CUDA_SPLITS = [[128, 256, 64, 512], [0, 300, 0, 1, 77, 0], [1000], [0, 0, 0, 5]]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("splits", CUDA_SPLITS, ids=["balanced", "empty", "single", "mostly_empty"])
+def test_grouped_gemm_device_matches_host_route(splits, seed):
+    k, n, G, M = 256, 192, len(splits), sum(splits)
+    x = torch.randn(M, k, device="cuda").bfloat16()
+    w = torch.randn(G, n, k, device="cuda").bfloat16()
+    dy = torch.randn(M, n, device="cuda").bfloat16()
+    offsets = moe.device_split_offsets(torch.tensor(splits, device="cuda"), M)
+    y = moe.grouped_gemm_device(x, w, offsets, transb=True)
+    dx = moe.grouped_gemm_device(dy, w, offsets)
+    dw = moe.grouped_gemm_device(dy, x, offsets, transa=True)
+    ry = moe.grouped_gemm(x, w, splits, transb=True)
+    rdx = moe.grouped_gemm(dy, w, splits)
+    rdw = moe.grouped_gemm(dy, x, splits, transa=True)
+    assert y.shape == (M, n) and dx.shape == (M, k) and dw.shape == (G, n, k)
+    tol = pair_tol(torch.bfloat16)
+    assert rel_error(y, ry) <= tol
+    assert rel_error(dx, rdx) <= tol
+    assert rel_error(dw, rdw) <= tol
+    # against float64, group by group
+    o = 0
+    for g, m in enumerate(splits):
+        xs, ds = x[o:o + m].double(), dy[o:o + m].double()
+        if m:
+            assert rel_error(y[o:o + m], xs @ w[g].double().t()) <= REL_TOL[torch.bfloat16]
+        assert torch.equal(dw[g], torch.zeros_like(dw[g])) if m == 0 else \
+            rel_error(dw[g], ds.t() @ xs) <= REL_TOL[torch.bfloat16]
+        o += m
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("main_grad", [False, True], ids=["grad", "main_grad"])
+def test_grouped_linear_device_split_matches_host_route(main_grad, seed):
+    splits = [40, 0, 300, 17, 123]
+    G, fin, fout = len(splits), 128, 256
+    dev = GroupedLinear(G, fin, fout, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    host = GroupedLinear(G, fin, fout, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    host.load_state_dict(dev.state_dict())
+    if main_grad:
+        for m in (dev, host):
+            for w in m.weights():
+                w.main_grad = torch.ones(w.shape, dtype=torch.float32, device="cuda")
+    x = torch.randn(sum(splits), fin, device="cuda").bfloat16()
+    g = torch.randn(sum(splits), fout, device="cuda").bfloat16()
+    xd, xh = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yd = dev(xd, torch.tensor(splits, device="cuda"))
+    yh = host(xh, splits)
+    (yd * g).sum().backward()
+    (yh * g).sum().backward()
+    tol = pair_tol(torch.bfloat16)
+    assert rel_error(yd, yh) <= tol
+    assert rel_error(xd.grad, xh.grad) <= tol
+    for wd, wh, m in zip(dev.weights(), host.weights(), splits):
+        got, ref = (wd.main_grad, wh.main_grad) if main_grad else (wd.grad, wh.grad)
+        if m == 0:
+            expect = torch.ones_like(got) if main_grad else torch.zeros_like(got)
+            assert torch.equal(got, expect)
+        else:
+            assert rel_error(got, ref) <= tol
+
+
+@pytest.mark.cuda
+def test_grouped_mlp_device_split_never_waits_on_the_host(seed):
+    """A GroupedMLP step in bfloat16 takes the routing counts on the GPU:
+    forward and backward run with torch's sync debug mode set to raise on
+    any synchronizing call, and give the host-count route's results."""
+    H, Fh, E = 256, 512, 8
+    dev = GroupedMLP(H, Fh, E, 2, params_dtype=torch.bfloat16, device="cuda")
+    host = GroupedMLP(H, Fh, E, 2, params_dtype=torch.bfloat16, device="cuda", device_splits=False)
+    host.load_state_dict(dev.state_dict())
+    x = torch.randn(2, 333, H, device="cuda").bfloat16()
+    g = torch.randn(2, 333, H, device="cuda").bfloat16()
+    xd, xh = x.clone().requires_grad_(), x.clone().requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yd = dev(xd)
+        (yd * g).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    yh = host(xh)
+    (yh * g).sum().backward()
+    tol = pair_tol(torch.bfloat16)
+    assert rel_error(yd, yh) <= tol
+    assert rel_error(xd.grad, xh.grad) <= tol
+    for (n, pd), (_, ph) in zip(dev.named_parameters(), host.named_parameters()):
+        assert rel_error(pd.grad, ph.grad) <= tol, n
+
+
+@pytest.mark.cuda
+def test_grouped_linear_device_counts_read_where_the_route_does_not_apply(monkeypatch, caplog, seed):
+    """With a bias (which the device-split route does not add) a CUDA
+    m_splits is read to the host, said once, and the cuBLASLt route gives
+    its list form's results bit for bit."""
+    monkeypatch.setattr(notes_module, "_noted", set())
+    caplog.set_level(logging.INFO, logger="seqfuse")
+    splits = [7, 0, 25]
+    gl = GroupedLinear(3, 64, 32, bias=True, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(sum(splits), 64, device="cuda").bfloat16()
+    for _ in range(2):
+        y = gl(x, torch.tensor(splits, device="cuda"))
+    assert torch.equal(y, gl(x, splits))
+    lines = [r.getMessage() for r in caplog.records if "read to the host" in r.getMessage()]
+    assert len(lines) == 1 and "bias" in lines[0]
