@@ -19,6 +19,11 @@ router (its ``gate``) stays transformers', so router logits are still
 recorded for output_router_logits and the load-balancing loss, and router
 jitter still applies.
 
+Row counts: in bfloat16 on CUDA the experts' GEMMs read the tokens per
+expert on the GPU (the device-split route of seqfuse.modules.grouped_linear
+over the stacked Parameters themselves): the block never waits on the host.
+Otherwise they are read to the host once per block.
+
 Weights: the replacement holds the very Parameter objects (same keys in
 state_dict, tied or optimised as before); each GEMM takes per-expert views
 of them.  Under an FP8 recipe the experts' GEMMs still run in the
@@ -37,7 +42,7 @@ import logging
 import torch
 from torch import nn
 
-from ..modules.grouped_linear import GroupedLinearFunction, compute_dtype
+from ..modules.grouped_linear import DeviceSplitGroupedLinearFunction, GroupedLinearFunction, compute_dtype
 from ..ops import moe as moe_ops
 
 _log = logging.getLogger("seqfuse")
@@ -73,8 +78,21 @@ class SeqfuseExperts(nn.Module):
         probs = torch.zeros(T, E + 1, dtype=torch.float32, device=x.device).scatter(1, idx, weights)[:, :E]
         routing_map = torch.zeros(T, E + 1, dtype=torch.bool, device=x.device).scatter_(1, idx, True)[:, :E]
         row_ids, tokens_per_expert = moe_ops.moe_row_id_map(routing_map)
-        splits = tuple(tokens_per_expert.tolist())  # one host synchronization per block, as GroupedMLP
         dtype = compute_dtype(x, self.gate_up_proj)
+        if moe_ops.device_split_refusal(x, dtype, (self.hidden_dim, 2 * self.intermediate_dim)) is None:
+            # the counts stay on the GPU (the device-split route over the stacked Parameters):
+            # nothing in the block waits on the host.  T * k rows hold the routed (token, expert)
+            # pairs first; where an index was out of range fewer are routed, and the rows past them
+            # belong to no expert (zero; the GEMMs leave their outputs unwritten and the
+            # un-permutation reads none of them)
+            xp, pp = moe_ops.moe_permute_by_row_id_map(x.to(dtype), row_ids, idx.shape[0] * idx.shape[1], probs,
+                                                       zero_unrouted=True)
+            offsets = moe_ops.device_split_offsets(tokens_per_expert, xp.shape[0], allow_fewer=True)
+            h = DeviceSplitGroupedLinearFunction.apply(xp, offsets, self.gate_up_proj)
+            y = DeviceSplitGroupedLinearFunction.apply(moe_ops.scaled_swiglu(h, pp), offsets, self.down_proj)
+            out = moe_ops.moe_unpermute(y, row_ids)
+            return out.to(hidden_states.dtype).reshape(hidden_states.shape)
+        splits = tuple(tokens_per_expert.tolist())  # one host synchronization per block, as GroupedMLP
         xp, pp = moe_ops.moe_permute_by_row_id_map(x.to(dtype), row_ids, sum(splits), probs)
         # float32: TF32 as torch's switch says (None), as the replaced transformers module computed
         h = GroupedLinearFunction.apply(xp, splits, dtype, E, False, None, *self.gate_up_proj.unbind(0))

@@ -143,14 +143,17 @@ class DeviceSplitGroupedLinearFunction(torch.autograd.Function):
     of it waits on the host.
 
     forward(x [M, in] bfloat16, offsets (device_split_offsets), stacked
-    [G, out, in] (the experts' weights as one tensor, GroupedLinear.
-    stacked_weights), num_gemms, *weights): the gradient of weight g is
-    the weight gradient's slice g (accumulated into main_grad where every
-    weight carries one)."""
+    [G, out, in], *weights): with ``weights`` (GroupedLinear's per-expert
+    parameters, ``stacked`` their one-buffer view from stacked_weights) the
+    gradient of weight g is the weight gradient's slice g, accumulated into
+    main_grad where every weight carries one; without them ``stacked`` is
+    itself the parameter (transformers' stacked experts, hf.fuse_experts)
+    and takes the whole [G, out, in] weight gradient."""
 
     @staticmethod
-    def forward(ctx, x, offsets, stacked, G, *weights):
+    def forward(ctx, x, offsets, stacked, *weights):
         x = moe_ops.dense(x.detach())
+        stacked = stacked.detach()
         y = moe_ops.grouped_gemm_device(x, stacked, offsets, transb=True)
         ctx.save_for_backward(x, offsets, stacked)
         ctx.weights = weights
@@ -163,17 +166,18 @@ class DeviceSplitGroupedLinearFunction(torch.autograd.Function):
         G = len(weights)
         dy = moe_ops.dense(dy if dy.dtype == torch.bfloat16 else dy.to(torch.bfloat16))
         dx = moe_ops.grouped_gemm_device(dy, stacked, offsets) if ctx.needs_input_grad[0] else None
-        dws = [None] * G
-        if any(ctx.needs_input_grad[4:4 + G]):
+        dstacked, dws = None, [None] * G
+        if ctx.needs_input_grad[2] or any(ctx.needs_input_grad[3:]):
             dw = moe_ops.grouped_gemm_device(dy, x, offsets, transa=True)
-            mains = [getattr(w, "main_grad", None) for w in weights]
-            if all(m is not None for m in mains):
+            if not G:
+                dstacked = dw
+            elif all(getattr(w, "main_grad", None) is not None for w in weights):
                 for g, w in enumerate(weights):
-                    mains[g].add_(dw[g])
+                    w.main_grad.add_(dw[g])
                     mark_main_grad(w)
             else:
                 dws = [dw[g] if dw.dtype == w.dtype else dw[g].to(w.dtype) for g, w in enumerate(weights)]
-        return (dx, None, None, None, *dws)
+        return (dx, None, dstacked, *dws)
 
 
 class GroupedLinear(torch.nn.Module):
@@ -273,18 +277,7 @@ class GroupedLinear(torch.nn.Module):
             return "the FP8 grouped GEMMs take host row counts"
         if self.use_bias and not self.return_bias:
             return "the device-split route adds no bias"
-        if not x.is_cuda:
-            return "the input is not on a CUDA device"
-        if x.numel() == 0:
-            return "the input has no rows"
-        dtype = compute_dtype(x, self.weight0)
-        if dtype != torch.bfloat16:
-            return f"the device-split route computes in bfloat16, this call in {dtype}"
-        if self.in_features % 8 or self.out_features % 8:
-            return "the device-split route needs in_features and out_features multiples of 8"
-        if not hasattr(torch, "_grouped_mm"):
-            return f"this torch ({torch.__version__}) has no torch._grouped_mm"
-        return None
+        return moe_ops.device_split_refusal(x, compute_dtype(x, self.weight0), (self.in_features, self.out_features))
 
     @torch.no_grad()
     def reset_parameters(self):
@@ -413,8 +406,7 @@ class GroupedLinear(torch.nn.Module):
                              f"shape {tuple(counts.shape)}")
         x = inp.reshape(-1, inp.shape[-1])
         offsets = moe_ops.device_split_offsets(counts, x.shape[0])
-        y = DeviceSplitGroupedLinearFunction.apply(x, offsets, self.stacked_weights(), self.num_gemms,
-                                                   *self.weights())
+        y = DeviceSplitGroupedLinearFunction.apply(x, offsets, self.stacked_weights(), *self.weights())
         if inp.dim() != 2:
             y = y.view(*inp.shape[:-1], self.out_features)
         return (y, self.biases()) if self.return_bias else y

@@ -43,7 +43,7 @@ from .gemm import FP8_DTYPES, FP8_ROW_MULTIPLE, SCALINGS, tf32_of, workspace_for
 from .quant import fp8_dtype_of
 
 # dense (ops._call's) is exported here for the grouped modules' and quantizers' gradients
-__all__ = ["dense", "grouped_gemm", "grouped_gemm_device", "device_split_offsets", "cast_fp8_grouped", "cast_fp8_current_list", "pad_row_id_map", "counts_to_host",
+__all__ = ["dense", "grouped_gemm", "grouped_gemm_device", "device_split_offsets", "device_split_refusal", "cast_fp8_grouped", "cast_fp8_current_list", "pad_row_id_map", "counts_to_host",
            "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss",
            "fused_moe_aux_loss", "moe_z_loss", "moe_row_id_map", "moe_permute",
            "moe_permute_with_probs", "moe_permute_by_row_id_map", "moe_unpermute", "scaled_swiglu",
@@ -244,13 +244,15 @@ def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dt
     return out if grads is None else (out, grads)
 
 
-def device_split_offsets(counts, total):
+def device_split_offsets(counts, total, allow_fewer=False):
     """The end offsets of G row groups, int32 [G] on counts' device, from the
     row counts ``counts`` (an integer tensor [G] on the GPU), computed there:
     nothing waits on the host.  Whether they add up to ``total`` (the split
-    operand's rows) is checked on the device as well (torch._assert_async):
-    a mismatch stops the next kernel of the stream with a device-side
-    assertion naming m_splits, not a read past the operand."""
+    operand's rows; with ``allow_fewer`` at most ``total``: the rows past
+    the last group belong to none, and a product leaves them unwritten) is
+    checked on the device as well (torch._assert_async): a mismatch stops
+    the next kernel of the stream with a device-side assertion naming
+    m_splits, not a read past the operand."""
     op = "grouped_gemm_device"
     counts = _tensor(op, "m_splits", counts)
     if counts.dim() != 1 or counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool:
@@ -262,10 +264,32 @@ def device_split_offsets(counts, total):
         raise ValueError(f"{op}: the split operand has {total} rows; the device-split route takes fewer "
                          "than 2**31 (int32 offsets)")
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-    torch._assert_async(offsets[-1] == total,
-                        f"{op}: argument 'm_splits' must add up to the split operand's {total} rows "
-                        "(checked on the device)")
+    if allow_fewer:
+        torch._assert_async(offsets[-1] <= total,
+                            f"{op}: argument 'm_splits' must add up to at most the split operand's {total} rows "
+                            "(checked on the device)")
+    else:
+        torch._assert_async(offsets[-1] == total,
+                            f"{op}: argument 'm_splits' must add up to the split operand's {total} rows "
+                            "(checked on the device)")
     return offsets
+
+
+def device_split_refusal(x, dtype, features):
+    """Why rows ``x`` computed in ``dtype`` against weights of ``features``
+    (their in and out sizes) cannot take the device-split route
+    (grouped_gemm_device), or None where they can."""
+    if not x.is_cuda:
+        return "the input is not on a CUDA device"
+    if x.numel() == 0:
+        return "the input has no rows"
+    if dtype != torch.bfloat16:
+        return f"the device-split route computes in bfloat16, this call in {dtype}"
+    if any(int(f) % 8 for f in features):
+        return f"the device-split route needs feature sizes that are multiples of 8, got {tuple(features)}"
+    if not hasattr(torch, "_grouped_mm"):
+        return f"this torch ({torch.__version__}) has no torch._grouped_mm"
+    return None
 
 
 def grouped_gemm_device(a, b, offsets, *, transa=False, transb=False):
