@@ -191,3 +191,50 @@ def test_grouped_linear_device_counts_read_where_the_route_does_not_apply(monkey
     assert torch.equal(y, gl(x, splits))
     lines = [r.getMessage() for r in caplog.records if "read to the host" in r.getMessage()]
     assert len(lines) == 1 and "bias" in lines[0]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("drop", [False, True], ids=["all_routed", "some_dropped"])
+def test_accelerate_experts_device_split_never_waits_on_the_host(drop, monkeypatch, seed):
+    """accelerate()'s SeqfuseExperts over transformers' stacked experts in
+    bfloat16: the counts stay on the GPU (no synchronizing call in forward
+    or backward), and the results are the host-count route's, also where
+    some (token, expert) pairs name an expert out of range (dropped: fewer
+    rows routed than T * k)."""
+    from seqfuse.hf.fuse_experts import SeqfuseExperts
+
+    E, H, Fh, T, k = 8, 256, 512, 300, 2
+
+    class Experts(torch.nn.Module):  # transformers' layout: gate_up_proj [E, 2F, H], down_proj [E, H, F]
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.randn(E, 2 * Fh, H, device="cuda").bfloat16() * 0.05)
+            self.down_proj = torch.nn.Parameter(torch.randn(E, H, Fh, device="cuda").bfloat16() * 0.05)
+
+    experts = Experts()
+    dev, host = SeqfuseExperts(experts), SeqfuseExperts(experts)
+    x = torch.randn(T, H, device="cuda").bfloat16()
+    idx = torch.randn(T, E, device="cuda").topk(k, dim=-1).indices
+    if drop:
+        idx[::7, 1] = E  # out of range: no expert
+    w = torch.rand(T, k, device="cuda")
+    g = torch.randn(T, H, device="cuda").bfloat16()
+    xd, xh = x.clone().requires_grad_(), x.clone().requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yd = dev(xd, idx, w)
+        (yd * g).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    grads_dev = [p.grad.clone() for p in experts.parameters()]
+    for p in experts.parameters():
+        p.grad = None
+    monkeypatch.setattr(moe, "device_split_refusal", lambda *a: "forced off by the test")
+    yh = host(xh, idx, w)
+    (yh * g).sum().backward()
+    tol = pair_tol(torch.bfloat16)
+    assert rel_error(yd, yh) <= tol
+    assert rel_error(xd.grad, xh.grad) <= tol
+    for gd, p in zip(grads_dev, experts.parameters()):
+        assert rel_error(gd, p.grad) <= tol
