@@ -210,10 +210,23 @@ def run_row(name, cfg, mcfg, batches, device, dtype, seed, profile=None, profile
         log(f"{name}: profile in {os.path.join(profile, name)}_profile.txt; synchronizing CUDA calls in one "
             f"step: {syncs}")
     del model, opt
+    release(device)
+    return seconds, first, final, peak
+
+
+def release(device):
+    """Free what a finished row left: its objects, and torch.compile's caches,
+    whose guards can keep a compiled row's modules (and their weights)
+    alive, so the next row's peak memory would count them; each row's
+    start_gib says what was still allocated when it began."""
+    torch._dynamo.reset()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return seconds, first, final, peak
+
+
+def allocated_gib(device):
+    return torch.cuda.memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
 
 
 def main(argv=None):
@@ -257,21 +270,20 @@ def main(argv=None):
         f"experts of {mcfg.intermediate_size}, top-{mcfg.num_experts_per_tok}; {args.steps} steps of "
         f"{args.batch_size} x {seq_len} tokens, {dtype}, data {os.path.relpath(path, ROOT)} ({note})")
     table = Table("moe_mixtral_train", ["row", "unpadded_tokens_per_s", "vs_hf", "vs_best_hf", "vs_hf_loop", "mfu_pct",
-                                        "peak_gib", "mem_vs_hf", "first_loss", "final_loss", "error"])
+                                        "peak_gib", "start_gib", "mem_vs_hf", "first_loss", "final_loss", "error"])
     done = {}
     for name in rows:
+        start = allocated_gib(device)  # what earlier rows left allocated (release() frees it: about 0)
         try:
             seconds, first, final, peak = run_row(name, cfg, mcfg, batches, device, dtype, args.seed,
                                                   args.profile, args.profile_steps, args.warm_passes)
         except Exception as e:  # noqa: BLE001 - a failing row keeps its reason, the others run
             traceback.print_exc()
             table.add(row=name, error=f"{type(e).__name__}: {str(e)[:300]}")
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            release(device)
             continue
         done[name] = r = dict(row=name, unpadded_tokens_per_s=real / seconds, step_ms=1000 * seconds / len(batches),
-                              mfu_pct=100 * flops / seconds / (MEASURED_TFLOPS * 1e12), peak_gib=peak,
+                              mfu_pct=100 * flops / seconds / (MEASURED_TFLOPS * 1e12), peak_gib=peak, start_gib=start,
                               first_loss=first, final_loss=final)
         for ref, key in (("hf_bf16", "vs_hf"), ("hf_bf16_loop", "vs_hf_loop")):
             if ref in done:
