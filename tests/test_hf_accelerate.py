@@ -296,6 +296,19 @@ def test_second_accelerate_keeps_the_first_recipe(stand_ins):
         accelerate(net, recipe=Float8CurrentScaling())
 
 
+def test_recipe_after_a_first_accelerate_without_one_is_refused(stand_ins):
+    """A first accelerate() without a recipe swapped modules without FP8's
+    size rules: a second call with a recipe is refused by name (the swapped
+    Linear [32 -> 24] would raise under its autocast)."""
+    from seqfuse.common.recipe import DelayedScaling
+
+    net = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 24))
+    assert accelerate(net).recipe is None
+    with pytest.raises(ValueError, match="argument 'recipe' is DelayedScaling.*had none"):
+        accelerate(net, recipe=DelayedScaling())
+    assert accelerate(net).recipe is None
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_checkpoint_still_loads_into_original_class(name, stand_ins, tmp_path):
     """After the swap, parameter names are unchanged: save_pretrained writes a

@@ -35,22 +35,54 @@ def test_weights_are_slices_of_one_buffer():
     assert torch.equal(gl.stacked_weights()[2], gl.weight2)
 
 
-def test_weights_moved_back_into_one_buffer_after_to(monkeypatch, caplog, seed):
-    """``module.to(dtype)`` gives every parameter its own storage: the first
-    stacked_weights moves them into one buffer again (same parameter
-    objects, same values), says so once, and later calls are views."""
+def test_weights_back_in_one_buffer_after_to_and_assign_load(seed):
+    """``module.to(dtype)`` and load_state_dict(assign=True) give every
+    parameter storage of its own; the module puts them back into one buffer
+    (same parameter objects, same values, versions of their own)."""
+    gl = GroupedLinear(3, 8, 16, bias=False, device="cpu").to(torch.float64)
+    assert gl.stacked_weights().data_ptr() == gl.weight0.data_ptr()
+    values = {k: v.clone() for k, v in gl.state_dict().items()}
+    fresh = {k: torch.randn_like(v) for k, v in values.items()}
+    gl.load_state_dict(fresh, assign=True)
+    assert gl.stacked_weights().data_ptr() == gl.weight0.data_ptr()
+    assert all(torch.equal(getattr(gl, k), v) for k, v in fresh.items())
+    gl.load_state_dict(values)
+    assert torch.equal(gl.stacked_weights(), torch.stack([values[f"weight{g}"] for g in range(3)]))
+
+
+def test_forward_never_moves_the_weights(monkeypatch, caplog, seed):
+    """Weights another owner re-homed (not slices of one buffer) are stacked
+    per call (a copy, said once), their storage left where it is."""
     monkeypatch.setattr(notes_module, "_noted", set())
     caplog.set_level(logging.INFO, logger="seqfuse")
-    gl = GroupedLinear(3, 8, 16, bias=False, device="cpu").to(torch.float64)
-    params = gl.weights()
-    values = [p.detach().clone() for p in params]
-    assert gl.stacked_weights().shape == (3, 16, 8)
-    w = gl.stacked_weights()
-    assert w.data_ptr() == gl.weight0.data_ptr()
-    assert all(a is b for a, b in zip(gl.weights(), params))
-    assert all(torch.equal(p, v) for p, v in zip(gl.weights(), values))
-    lines = [r.getMessage() for r in caplog.records if "one [G, out, in] buffer" in r.getMessage()]
+    gl = GroupedLinear(3, 8, 16, bias=False, device="cpu")
+    flat = torch.randn(3 * 16 * 8)
+    for g, w in enumerate(reversed(gl.weights())):  # an owner's flat buffer, in another order
+        w.data = flat[g * 128:(g + 1) * 128].view(16, 8)
+    ptrs = [w.data_ptr() for w in gl.weights()]
+    for _ in range(2):
+        w = gl.stacked_weights()
+    assert torch.equal(w, torch.stack(gl.weights()))
+    assert [p.data_ptr() for p in gl.weights()] == ptrs
+    lines = [r.getMessage() for r in caplog.records if "stacked into one tensor at every" in r.getMessage()]
     assert len(lines) == 1
+
+
+def test_device_split_refusals(monkeypatch):
+    """The reasons a call keeps host row counts, checked before the device's."""
+    from seqfuse.quantization import gemm_quantizers
+
+    x = torch.randn(4, 16)
+    gl = GroupedLinear(2, 16, 16, bias=True, device="cpu")
+    assert "bias" in gl.device_split_refusal(x)
+    gl = GroupedLinear(2, 16, 16, bias=False, device="cpu")
+    assert "CUDA" in gl.device_split_refusal(x)
+    for w in gl.weights():
+        w.main_grad = torch.zeros(w.shape)
+    assert "main_grad" in gl.device_split_refusal(x)
+    gl = GroupedLinear(2, 16, 16, bias=False, device="cpu")
+    monkeypatch.setattr(gemm_quantizers, "fsdp2_in_use", lambda: True)
+    assert "FSDP2" in gl.device_split_refusal(x)
 
 
 # ---- argument checks ------------------------------------------------------------
@@ -95,6 +127,8 @@ def test_grouped_gemm_device_matches_host_route(splits, seed):
     w = torch.randn(G, n, k, device="cuda").bfloat16()
     dy = torch.randn(M, n, device="cuda").bfloat16()
     offsets = moe.device_split_offsets(torch.tensor(splits, device="cuda"), M)
+    # poison: blocks the products' outputs may reuse hold NaN, so an unwritten element cannot read as zero
+    torch.full((4 * (M * max(k, n) + G * n * k),), float("nan"), dtype=torch.bfloat16, device="cuda")
     y = moe.grouped_gemm_device(x, w, offsets, transb=True)
     dx = moe.grouped_gemm_device(dy, w, offsets)
     dw = moe.grouped_gemm_device(dy, x, offsets, transa=True)
@@ -118,34 +152,34 @@ def test_grouped_gemm_device_matches_host_route(splits, seed):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("main_grad", [False, True], ids=["grad", "main_grad"])
-def test_grouped_linear_device_split_matches_host_route(main_grad, seed):
+@pytest.mark.parametrize("params", ["bf16", "fp32_autocast"])
+def test_grouped_linear_device_split_matches_host_route(params, seed):
+    """bfloat16 parameters, and float32 parameters under torch.autocast
+    (bfloat16 compute, float32 gradients)."""
     splits = [40, 0, 300, 17, 123]
     G, fin, fout = len(splits), 128, 256
-    dev = GroupedLinear(G, fin, fout, bias=False, params_dtype=torch.bfloat16, device="cuda")
-    host = GroupedLinear(G, fin, fout, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    dtype = torch.bfloat16 if params == "bf16" else torch.float32
+    dev = GroupedLinear(G, fin, fout, bias=False, params_dtype=dtype, device="cuda")
+    host = GroupedLinear(G, fin, fout, bias=False, params_dtype=dtype, device="cuda")
     host.load_state_dict(dev.state_dict())
-    if main_grad:
-        for m in (dev, host):
-            for w in m.weights():
-                w.main_grad = torch.ones(w.shape, dtype=torch.float32, device="cuda")
-    x = torch.randn(sum(splits), fin, device="cuda").bfloat16()
+    x = torch.randn(sum(splits), fin, device="cuda").to(dtype)
     g = torch.randn(sum(splits), fout, device="cuda").bfloat16()
     xd, xh = x.clone().requires_grad_(), x.clone().requires_grad_()
-    yd = dev(xd, torch.tensor(splits, device="cuda"))
-    yh = host(xh, splits)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=params != "bf16"):
+        yd = dev(xd, torch.tensor(splits, device="cuda"))
+        yh = host(xh, splits)
+    assert yd.dtype == yh.dtype == torch.bfloat16
     (yd * g).sum().backward()
     (yh * g).sum().backward()
     tol = pair_tol(torch.bfloat16)
     assert rel_error(yd, yh) <= tol
-    assert rel_error(xd.grad, xh.grad) <= tol
+    assert xd.grad.dtype == dtype and rel_error(xd.grad, xh.grad) <= tol
     for wd, wh, m in zip(dev.weights(), host.weights(), splits):
-        got, ref = (wd.main_grad, wh.main_grad) if main_grad else (wd.grad, wh.grad)
+        assert wd.grad.dtype == dtype
         if m == 0:
-            expect = torch.ones_like(got) if main_grad else torch.zeros_like(got)
-            assert torch.equal(got, expect)
+            assert torch.equal(wd.grad, torch.zeros_like(wd.grad))
         else:
-            assert rel_error(got, ref) <= tol
+            assert rel_error(wd.grad, wh.grad) <= tol
 
 
 @pytest.mark.cuda
@@ -220,10 +254,12 @@ def test_accelerate_experts_device_split_never_waits_on_the_host(drop, monkeypat
     w = torch.rand(T, k, device="cuda")
     g = torch.randn(T, H, device="cuda").bfloat16()
     xd, xh = x.clone().requires_grad_(), x.clone().requires_grad_()
+    wd, wh = w.clone().requires_grad_(), w.clone().requires_grad_()
+    torch.full((T * k * 2 * Fh * 4,), float("nan"), dtype=torch.bfloat16, device="cuda")  # poison freed blocks
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        yd = dev(xd, idx, w)
+        yd = dev(xd, idx, wd)
         (yd * g).sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -231,10 +267,11 @@ def test_accelerate_experts_device_split_never_waits_on_the_host(drop, monkeypat
     for p in experts.parameters():
         p.grad = None
     monkeypatch.setattr(moe, "device_split_refusal", lambda *a: "forced off by the test")
-    yh = host(xh, idx, w)
+    yh = host(xh, idx, wh)
     (yh * g).sum().backward()
     tol = pair_tol(torch.bfloat16)
     assert rel_error(yd, yh) <= tol
     assert rel_error(xd.grad, xh.grad) <= tol
+    assert rel_error(wd.grad, wh.grad) <= tol
     for gd, p in zip(grads_dev, experts.parameters()):
         assert rel_error(gd, p.grad) <= tol

@@ -54,9 +54,10 @@ otherwise the module is left, saying so.
 
 With a ``recipe``, the model's forward is wrapped to run under
 ``seqfuse.pytorch.autocast(enabled=True, recipe=recipe)``.  A second
-accelerate() of the model keeps that recipe (recipe=None or an equal one)
-or is refused (another recipe): what the first call swapped and wrapped
-was made for its recipe, and a second call undoes nothing.
+accelerate() of the model keeps the first call's recipe, None included
+(recipe=None or an equal one), or is refused (another recipe): what the
+first call swapped and wrapped was made for its recipe, and a second call
+undoes nothing.
 
 transformers' gradient checkpointing (``gradient_checkpointing_enable``,
 before or after the swap) is routed through seqfuse.pytorch.checkpoint,
@@ -86,7 +87,7 @@ import torch
 from torch import nn
 
 from ..pytorch import LayerNorm, Linear, RMSNorm, autocast
-from .method_wrap import wrap_method, wrap_method_once, wrapped_with, wrapper_args
+from .method_wrap import wrap_method, wrap_method_once, wrapped_with
 
 _log = logging.getLogger("seqfuse")
 
@@ -389,19 +390,28 @@ def _wrap_forward(model, recipe):
     wrap_method_once(model, "forward", _autocast_forward, recipe)
 
 
+#: The model's instance-dict key holding (the first accelerate()'s recipe,).
+_RECIPE_MARK = "_seqfuse_accelerate_recipe"
+
+
 def _call_recipe(model, recipe):
-    """The recipe this accelerate() works under: ``recipe``, or the one an
-    earlier accelerate() wrapped the forward under, which a second call
-    with recipe=None or an equal recipe keeps (its sizes decide what is
+    """The recipe this accelerate() works under: ``recipe``, or the one the
+    first accelerate() of the model worked under (None included), which a
+    second call with recipe=None or an equal recipe keeps (its sizes decide what is
     swapped, and it stays the forward's).  A different recipe is refused:
     the earlier call's autocast wrapper, fused layers and swapped modules
     were made for its recipe, and a second call undoes none of them."""
-    earlier = wrapper_args(model.__dict__.get("forward"), _autocast_forward)
-    if earlier is None:
+    earlier = model.__dict__.get(_RECIPE_MARK)
+    if earlier is None:  # the first call: its recipe (None included) is the model's from now on
+        model.__dict__[_RECIPE_MARK] = (recipe,)
         return recipe
     first = earlier[0]
     if recipe is None or recipe == first:
         return first
+    if first is None:
+        raise ValueError(f"accelerate: argument 'recipe' is {recipe!r}, but an earlier accelerate() of this model "
+                         "had none: its modules were swapped without FP8's size rules, which a second call does "
+                         "not undo; accelerate a fresh copy of the model with the recipe")
     raise ValueError(f"accelerate: argument 'recipe' is {recipe!r}, but an earlier accelerate() of this model "
                      f"set {first!r}: the model's forward runs under seqfuse autocast with it and its modules were "
                      "swapped for its GEMM sizes, which a second call does not undo; pass recipe=None (or an "

@@ -42,6 +42,7 @@ import logging
 import torch
 from torch import nn
 
+from ..common.notes import note_once
 from ..modules.grouped_linear import DeviceSplitGroupedLinearFunction, GroupedLinearFunction, compute_dtype
 from ..ops import moe as moe_ops
 
@@ -79,7 +80,8 @@ class SeqfuseExperts(nn.Module):
         routing_map = torch.zeros(T, E + 1, dtype=torch.bool, device=x.device).scatter_(1, idx, True)[:, :E]
         row_ids, tokens_per_expert = moe_ops.moe_row_id_map(routing_map)
         dtype = compute_dtype(x, self.gate_up_proj)
-        if moe_ops.device_split_refusal(x, dtype, (self.hidden_dim, 2 * self.intermediate_dim)) is None:
+        why = moe_ops.device_split_refusal(x, dtype, (self.hidden_dim, self.intermediate_dim, 2 * self.intermediate_dim))
+        if why is None:
             # the counts stay on the GPU (the device-split route over the stacked Parameters):
             # nothing in the block waits on the host.  T * k rows hold the routed (token, expert)
             # pairs first; where an index was out of range fewer are routed, and the rows past them
@@ -92,6 +94,9 @@ class SeqfuseExperts(nn.Module):
             y = DeviceSplitGroupedLinearFunction.apply(moe_ops.scaled_swiglu(h, pp), offsets, self.down_proj)
             out = moe_ops.moe_unpermute(y, row_ids)
             return out.to(hidden_states.dtype).reshape(hidden_states.shape)
+        if x.is_cuda:
+            note_once(_log, "seqfuse SeqfuseExperts: the tokens per expert read to the host (one host "
+                      "synchronization per block): %s", why)
         splits = tuple(tokens_per_expert.tolist())  # one host synchronization per block, as GroupedMLP
         xp, pp = moe_ops.moe_permute_by_row_id_map(x.to(dtype), row_ids, sum(splits), probs)
         # float32: TF32 as torch's switch says (None), as the replaced transformers module computed

@@ -26,9 +26,7 @@ maker, naming ``original`` as ``__wrapped__``.
 place already (so a second accelerate() does not wrap again): it follows
 ``fn``'s chain (a method wrapper's ``previous``, a function's
 ``__wrapped__``) looking for a wrapper built by ``make``.
-``wrap_method_once`` is wrap_method guarded by it.  ``wrapper_args(fn,
-make)`` reads the arguments such a wrapper was built with (the recipe an
-earlier accelerate() runs the forward under).
+``wrap_method_once`` is wrap_method guarded by it.
 """
 import functools
 import inspect
@@ -134,12 +132,3 @@ def wrapped_with(fn, make, *args):
         elif getattr(f, "_seqfuse_make", None) is make and not args:
             return True
     return False
-
-
-def wrapper_args(fn, make):
-    """The arguments of the outermost method wrapper built by ``make`` along
-    ``fn``'s chain (a tuple), or None where there is none."""
-    for f in _chain(fn):
-        if isinstance(f, MethodWrapper) and f.make is make:
-            return f.args
-    return None

@@ -138,45 +138,43 @@ class GroupedLinearFunction(torch.autograd.Function):
 
 
 class DeviceSplitGroupedLinearFunction(torch.autograd.Function):
-    """Autograd of y_g = x_g W_g^T with the row counts on the GPU (bfloat16,
-    no bias): ops.moe.grouped_gemm_device for the three products, so no step
-    of it waits on the host.
+    """Autograd of y_g = x_g W_g^T with the row counts on the GPU (bfloat16
+    compute, no bias): ops.moe.grouped_gemm_device for the three products,
+    so no step of it waits on the host.
 
-    forward(x [M, in] bfloat16, offsets (device_split_offsets), stacked
-    [G, out, in], *weights): with ``weights`` (GroupedLinear's per-expert
-    parameters, ``stacked`` their one-buffer view from stacked_weights) the
-    gradient of weight g is the weight gradient's slice g, accumulated into
-    main_grad where every weight carries one; without them ``stacked`` is
-    itself the parameter (transformers' stacked experts, hf.fuse_experts)
-    and takes the whole [G, out, in] weight gradient."""
+    forward(x [M, in], offsets (device_split_offsets), stacked [G, out,
+    in], *weights): x and stacked are computed in bfloat16 (converted where
+    they are not: float32 parameters under torch.autocast).  With
+    ``weights`` (GroupedLinear's per-expert parameters, ``stacked`` their
+    one-buffer view from stacked_weights) the gradient of weight g is the
+    weight gradient's slice g; without them ``stacked`` is itself the
+    parameter (transformers' stacked experts, hf.fuse_experts) and takes the
+    whole [G, out, in] weight gradient.  Gradients come back in each
+    parameter's dtype, rounded through bfloat16 (the products' output)."""
 
     @staticmethod
     def forward(ctx, x, offsets, stacked, *weights):
-        x = moe_ops.dense(x.detach())
-        stacked = stacked.detach()
-        y = moe_ops.grouped_gemm_device(x, stacked, offsets, transb=True)
-        ctx.save_for_backward(x, offsets, stacked)
-        ctx.weights = weights
+        bf16 = torch.bfloat16
+        x = moe_ops.dense(x.detach().to(bf16))
+        w = stacked.detach().to(bf16)
+        y = moe_ops.grouped_gemm_device(x, w, offsets, transb=True)
+        ctx.save_for_backward(x, offsets, w)
+        ctx.weights, ctx.stacked_dtype = weights, stacked.dtype
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, offsets, stacked = ctx.saved_tensors
+        x, offsets, w = ctx.saved_tensors
         weights = ctx.weights
-        G = len(weights)
-        dy = moe_ops.dense(dy if dy.dtype == torch.bfloat16 else dy.to(torch.bfloat16))
-        dx = moe_ops.grouped_gemm_device(dy, stacked, offsets) if ctx.needs_input_grad[0] else None
-        dstacked, dws = None, [None] * G
+        dy = moe_ops.dense(dy.to(torch.bfloat16))
+        dx = moe_ops.grouped_gemm_device(dy, w, offsets) if ctx.needs_input_grad[0] else None
+        dstacked, dws = None, [None] * len(weights)
         if ctx.needs_input_grad[2] or any(ctx.needs_input_grad[3:]):
             dw = moe_ops.grouped_gemm_device(dy, x, offsets, transa=True)
-            if not G:
-                dstacked = dw
-            elif all(getattr(w, "main_grad", None) is not None for w in weights):
-                for g, w in enumerate(weights):
-                    w.main_grad.add_(dw[g])
-                    mark_main_grad(w)
+            if not weights:
+                dstacked = dw.to(ctx.stacked_dtype)
             else:
-                dws = [dw[g] if dw.dtype == w.dtype else dw[g].to(w.dtype) for g, w in enumerate(weights)]
+                dws = [dw[g].to(p.dtype) for g, p in enumerate(weights)]
         return (dx, None, dstacked, *dws)
 
 
@@ -243,32 +241,54 @@ class GroupedLinear(torch.nn.Module):
     def stacked_weights(self):
         """The experts' weights as one [G, out_features, in_features] tensor
         (no autograd history): a view, no copy, where they are consecutive
-        slices of one buffer, as __init__ makes them.  Weights that are not
-        (after ``module.to(...)`` or a materialization gave each its own
-        storage) are moved into one such buffer now, once (their ``.data``:
-        the parameter objects, their values and the optimizer's references
-        stay), where they are plain parameters of one dtype and device
-        outside FSDP2; otherwise (FSDP2's sharded parameters) they are
-        stacked at every call, a copy.  Both are logged once."""
+        slices of one buffer, as __init__, ``module.to(...)`` and
+        load_state_dict leave them (restack_weights); otherwise a stack made
+        now (a copy, logged once): the forward never moves a parameter's
+        storage, which another owner (an optimizer's flat buffer) may alias."""
         ws = self.weights()
         w0 = ws[0]
-        G, step = len(ws), w0.numel()
         if _one_buffer(ws):
-            return w0.detach().as_strided((G, *w0.shape), (step, *w0.stride()))
-        same = all(type(w) is torch.nn.Parameter and w.dtype == w0.dtype and w.device == w0.device
-                   and w.shape == w0.shape for w in ws)
-        if same and not _gq.fsdp2_in_use():
-            with torch.no_grad():
-                stacked = torch.stack([w.detach() for w in ws])
-                for g, w in enumerate(ws):
-                    w.data = stacked[g]
-            note_once(_log, "seqfuse GroupedLinear: the experts' weights moved into one [G, out, in] buffer "
-                      "(each parameter a slice of it), which the device-split route reads without a copy")
-            return stacked
-        note_once(_log, "seqfuse GroupedLinear: the experts' weights are stacked into one tensor at every "
-                  "device-split call (a copy: they are not plain parameters of one dtype and device, or FSDP2 "
-                  "manages them)")
+            return w0.detach().as_strided((len(ws), *w0.shape), (w0.numel(), *w0.stride()))
+        note_once(_log, "seqfuse GroupedLinear: the experts' weights are not slices of one buffer (after "
+                  "load_state_dict with assign=True or another owner's re-homing): they are stacked into one "
+                  "tensor at every device-split call (a copy, kept for the backward); restack_weights() puts them "
+                  "into one buffer")
         return torch.stack([w.detach() for w in ws])
+
+    @torch.no_grad()
+    def restack_weights(self):
+        """Move the experts' weights into one [G, out, in] buffer in order
+        (each parameter's ``.data`` a slice of it; the parameter objects,
+        values and version counters stay) where they are plain parameters of
+        one shape, dtype and device not already so.  Called after
+        ``module.to(...)`` and load_state_dict; call it after anything else
+        that gave the weights storages of their own (not while an optimizer
+        or wrapper aliases them into a flat buffer of its own: they would
+        stop sharing it).  Returns whether it moved them."""
+        ws = self.weights()
+        w0 = ws[0]
+        if _one_buffer(ws) or w0.device.type == "meta" or _gq.fsdp2_in_use():
+            return False
+        if not all(type(w) is torch.nn.Parameter and w.dtype == w0.dtype and w.device == w0.device
+                   and w.shape == w0.shape for w in ws):
+            return False
+        stacked = torch.stack([w.detach() for w in ws])
+        for g, w in enumerate(ws):
+            w.data = stacked[g]
+        return True
+
+    def _apply(self, fn, recurse=True):
+        # module.to(...) / .cuda() / .half() give each parameter storage of its own
+        out = super()._apply(fn, recurse)
+        self.restack_weights()
+        return out
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # assign=True puts the loaded tensors (storages of their own) in place of the parameters
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        self.restack_weights()
 
     def device_split_refusal(self, x):
         """Why a call with input rows ``x`` cannot take its row counts on the
@@ -277,6 +297,10 @@ class GroupedLinear(torch.nn.Module):
             return "the FP8 grouped GEMMs take host row counts"
         if self.use_bias and not self.return_bias:
             return "the device-split route adds no bias"
+        if all(getattr(w, "main_grad", None) is not None for w in self.weights()):
+            return "the weights carry main_grad, which the cuBLASLt route accumulates into in float32"
+        if _gq.fsdp2_in_use():
+            return "FSDP2 manages the weights (one stacked copy per call would stay gathered until the backward)"
         return moe_ops.device_split_refusal(x, compute_dtype(x, self.weight0), (self.in_features, self.out_features))
 
     @torch.no_grad()

@@ -50,15 +50,20 @@ between the two GEMMs is written in bf16; current scaling writes the
 SwiGLU output and casts it (its fused form reads fc1's output twice and
 measured slower on an H200).
 """
+import logging
+
 import torch
 
 from .. import quantization as _q
+from ..common.notes import note_once
 from ..ops import moe as moe_ops
 from ._base import default_device
 from ._input import check_input
 from .grouped_linear import GroupedLinear
 
 __all__ = ["GroupedMLP", "RoutedExperts"]
+
+_log = logging.getLogger("seqfuse")
 
 
 class RoutedExperts(torch.nn.Module):
@@ -184,8 +189,13 @@ class GroupedMLP(RoutedExperts):
         # no tokens (an idle rank): no auxiliary loss (its mean over tokens is undefined)
         self.aux_loss = self.aux_losses(logits) if self.training and x.shape[0] else None
         row_ids, tokens_per_expert = moe_ops.moe_row_id_map(routing_map)
-        if self.device_splits and x.is_cuda and x.shape[0] and self.fc1.device_split_refusal(x) is None \
-                and self.fc2.device_split_refusal(x) is None:
+        why = None
+        if self.device_splits and x.is_cuda and x.shape[0]:
+            why = self.fc1.device_split_refusal(x) or self.fc2.device_split_refusal(x)
+            if why is not None:
+                note_once(_log, "seqfuse GroupedMLP: the routing counts read to the host (one host "
+                          "synchronization per forward): %s", why)
+        if self.device_splits and x.is_cuda and x.shape[0] and why is None:
             # the experts' GEMMs read the counts on the GPU: nothing in the block waits on the host
             # (every token goes to topk experts, so the permuted rows number T * topk)
             xp, pp = moe_ops.moe_permute_by_row_id_map(x, row_ids, x.shape[0] * self.topk, probs)

@@ -252,7 +252,8 @@ def device_split_offsets(counts, total, allow_fewer=False):
     the last group belong to none, and a product leaves them unwritten) is
     checked on the device as well (torch._assert_async): a mismatch stops
     the next kernel of the stream with a device-side assertion naming
-    m_splits, not a read past the operand."""
+    m_splits, not a read past the operand (an assertion leaves the CUDA
+    context unusable: the host-count route raises a ValueError instead)."""
     op = "grouped_gemm_device"
     counts = _tensor(op, "m_splits", counts)
     if counts.dim() != 1 or counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool:
@@ -264,6 +265,8 @@ def device_split_offsets(counts, total, allow_fewer=False):
         raise ValueError(f"{op}: the split operand has {total} rows; the device-split route takes fewer "
                          "than 2**31 (int32 offsets)")
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    torch._assert_async((counts >= 0).all(), f"{op}: argument 'm_splits' must hold row counts >= 0 (checked on "
+                        "the device)")
     if allow_fewer:
         torch._assert_async(offsets[-1] <= total,
                             f"{op}: argument 'm_splits' must add up to at most the split operand's {total} rows "
@@ -289,6 +292,12 @@ def device_split_refusal(x, dtype, features):
         return f"the device-split route needs feature sizes that are multiples of 8, got {tuple(features)}"
     if not hasattr(torch, "_grouped_mm"):
         return f"this torch ({torch.__version__}) has no torch._grouped_mm"
+    cap = torch.cuda.get_device_capability(x.device)
+    if cap != (9, 0):
+        # elsewhere torch runs a fallback that reads the offsets on the host (or, on 10.x, a kernel
+        # whose empty groups' weight gradients are not zero: pytorch issue 172439)
+        return (f"the device-split route runs torch._grouped_mm's Hopper kernel (compute capability 9.0), this "
+                f"GPU is {cap[0]}.{cap[1]}")
     return None
 
 
