@@ -68,7 +68,10 @@ GPU synchronized before and after only.  Reported: unpadded tokens/s, vs_hf (aga
 hf_bf16), vs_best_hf (against the fastest transformers row timed before it:
 put the hf rows first) and vs_hf_loop, MFU of the active weights' FLOPs
 (mixtral_recipe.trainer.train_flops) against the measured bf16 ceiling (794
-TFLOP/s), peak memory and its ratio to transformers'.  Issue 18's goals:
+TFLOP/s), peak memory (torch.cuda.max_memory_allocated over the row's steps)
+and its ratio to transformers', and start_gib: what was still allocated
+when the row began (rows are freed between, torch.compile's caches too;
+a row's peak includes what an earlier row left).  Issue 18's goals:
 >= 2.2x transformers' unpadded tokens/s, peak memory <= transformers'.
 Writes benchmarks/results/moe_mixtral_train.json.  About 60-90 s on an H200:
 

@@ -23,7 +23,10 @@ one; (3) optimizers and gradient clipping see each expert as its own
 tensor, as with the dense Linear.  The grouped GEMM takes the list of
 weights directly, so nothing is stacked (copied) per step; the parameters
 are also consecutive slices of one [G, out, in] buffer, which the
-device-split route reads as one tensor (stacked_weights).
+device-split route reads as one tensor (stacked_weights; torch.save and
+transformers' save_pretrained handle the shared storage, safetensors'
+save_model of the bare module refuses it, and saving one expert's
+parameter alone writes the whole buffer).
 
 Row counts: m_splits as host ints (TE's form) runs cuBLASLt, one call per
 expert sized on the host.  m_splits as an integer tensor on the GPU (the
