@@ -103,9 +103,21 @@ def test_device_split_offsets_checks():
 
 def test_grouped_gemm_device_refuses_what_it_cannot_do():
     x, w = torch.randn(8, 16).bfloat16(), torch.randn(2, 8, 16).bfloat16()
+    dy = torch.randn(8, 8).bfloat16()
     offsets = torch.tensor([4, 8], dtype=torch.int32)
     with pytest.raises(TypeError, match="'a' must be a bfloat16 CUDA tensor"):
         moe.grouped_gemm_device(x, w, offsets, transb=True)
+    with pytest.raises(TypeError, match="'offsets' must be a 1-D int32 tensor"):
+        moe.grouped_gemm_device(x, w, offsets.long(), transb=True)
+    with pytest.raises(ValueError, match="b \\[G, N, K\\] stacked weights with G = 3"):
+        moe.grouped_gemm_device(x, w, torch.tensor([2, 4, 8], dtype=torch.int32), transb=True)
+    with pytest.raises(ValueError, match="a has 16 columns but each group of b has 8 rows"):
+        moe.grouped_gemm_device(x, w, offsets)
+    with pytest.raises(ValueError, match="weight-gradient form takes a \\[M, N\\] and b \\[M, K\\]"):
+        moe.grouped_gemm_device(dy, x[:4], offsets, transa=True)
+    with pytest.raises(ValueError, match="'a' must have its non-split dimensions multiples of 8"):
+        moe.grouped_gemm_device(torch.randn(8, 12).bfloat16(), torch.randn(2, 8, 12).bfloat16(), offsets,
+                                transb=True)
 
 
 def test_grouped_linear_m_splits_on_another_device():

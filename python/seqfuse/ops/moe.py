@@ -325,30 +325,34 @@ def grouped_gemm_device(a, b, offsets, *, transa=False, transb=False):
                                   "device-split route's kernel: pass host row counts (a list of ints)")
     a, b = detached(_tensor(op, "a", a)), detached(_tensor(op, "b", b))
     offsets = _tensor(op, "offsets", offsets)
-    for name, t in (("a", a), ("b", b)):
-        if t.dtype != torch.bfloat16 or not t.is_cuda:
-            raise TypeError(f"{op}: argument '{name}' must be a bfloat16 CUDA tensor, got {t.dtype} on "
-                            f"{t.device.type}")
-        if any(d % 8 for d in t.shape[1:]):
-            raise ValueError(f"{op}: argument '{name}' must have its non-split dimensions multiples of 8 "
-                             f"(16-byte rows), got shape {tuple(t.shape)}")
-    if offsets.dtype != torch.int32 or offsets.dim() != 1 or offsets.device != a.device:
-        raise TypeError(f"{op}: argument 'offsets' must be a 1-D int32 tensor on {a.device} "
-                        "(device_split_offsets), got "
-                        f"{offsets.dim()}-D {offsets.dtype} on {offsets.device}")
+    if offsets.dtype != torch.int32 or offsets.dim() != 1:
+        raise TypeError(f"{op}: argument 'offsets' must be a 1-D int32 tensor (device_split_offsets), got "
+                        f"{offsets.dim()}-D {offsets.dtype}")
     G = offsets.shape[0]
     if transa:  # wgrad: both operands split along their rows, the product per group
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[0]:
             raise ValueError(f"{op}: the weight-gradient form takes a [M, N] and b [M, K] with the same "
                              f"rows, got {tuple(a.shape)} and {tuple(b.shape)}")
+    else:
+        if a.dim() != 2 or b.dim() != 3 or b.shape[0] != G:
+            raise ValueError(f"{op}: takes a [M, K] split by offsets and b [G, N, K] stacked weights with "
+                             f"G = {G}, got {tuple(a.shape)} and {tuple(b.shape)}")
+        inner = b.shape[2] if transb else b.shape[1]
+        if a.shape[1] != inner:
+            raise ValueError(f"{op}: a has {a.shape[1]} columns but each group of b"
+                             f"{'^T' if transb else ''} has {inner} rows")
+    for name, t in (("a", a), ("b", b)):
+        if any(d % 8 for d in t.shape[1:]):
+            raise ValueError(f"{op}: argument '{name}' must have its non-split dimensions multiples of 8 "
+                             f"(16-byte rows), got shape {tuple(t.shape)}")
+        if t.dtype != torch.bfloat16 or not t.is_cuda:
+            raise TypeError(f"{op}: argument '{name}' must be a bfloat16 CUDA tensor, got {t.dtype} on "
+                            f"{t.device.type}")
+    if offsets.device != a.device or b.device != a.device:
+        raise ValueError(f"{op}: a, b and offsets must be on one device, got {a.device}, {b.device} and "
+                         f"{offsets.device}")
+    if transa:
         return torch._grouped_mm(dense(a).t(), dense(b), offs=offsets)
-    if a.dim() != 2 or b.dim() != 3 or b.shape[0] != G:
-        raise ValueError(f"{op}: takes a [M, K] split by offsets and b [G, N, K] stacked weights with "
-                         f"G = {G}, got {tuple(a.shape)} and {tuple(b.shape)}")
-    inner = b.shape[2] if transb else b.shape[1]
-    if a.shape[1] != inner:
-        raise ValueError(f"{op}: a has {a.shape[1]} columns but each group of b"
-                         f"{'^T' if transb else ''} has {inner} rows")
     return torch._grouped_mm(dense(a), b.transpose(1, 2) if transb else b, offs=offsets)
 
 
