@@ -252,10 +252,10 @@ class GroupedLinear(torch.nn.Module):
         w0 = ws[0]
         if _one_buffer(ws):
             return w0.detach().as_strided((len(ws), *w0.shape), (w0.numel(), *w0.stride()))
-        note_once(_log, "seqfuse GroupedLinear: the experts' weights are not slices of one buffer (after "
-                  "load_state_dict with assign=True or another owner's re-homing): they are stacked into one "
-                  "tensor at every device-split call (a copy, kept for the backward); restack_weights() puts them "
-                  "into one buffer")
+        note_once(_log, "seqfuse GroupedLinear: the experts' weights are not slices of one buffer (another "
+                  "owner re-homed them, or they differ in dtype or device): they are stacked into one tensor at "
+                  "every device-split call (a copy, kept for the backward); restack_weights() puts them into one "
+                  "buffer")
         return torch.stack([w.detach() for w in ws])
 
     @torch.no_grad()
@@ -423,7 +423,6 @@ class GroupedLinear(torch.nn.Module):
         if self.return_bias:
             return y, biases
         return y
-
 
     def _device_split(self, inp, counts):
         """The device-split route (DeviceSplitGroupedLinearFunction) for row
