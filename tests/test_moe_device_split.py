@@ -126,6 +126,12 @@ def test_grouped_linear_m_splits_on_another_device():
         gl(torch.randn(4, 16), torch.tensor([2, 2], device="meta"))
 
 
+def test_grouped_linear_m_offsets_only_with_device_counts():
+    gl = GroupedLinear(2, 16, 16, bias=False, device="cpu")
+    with pytest.raises(ValueError, match="m_offsets goes with m_splits given as a CUDA tensor"):
+        gl(torch.randn(4, 16), [2, 2], m_offsets=torch.tensor([2, 4], dtype=torch.int32))
+
+
 # ---- CUDA: the route against cuBLASLt's and the float64 reference -----------
 
 CUDA_SPLITS = [[128, 256, 64, 512], [0, 300, 0, 1, 77, 0], [1000], [0, 0, 0, 5]]

@@ -350,10 +350,15 @@ class GroupedLinear(torch.nn.Module):
         if q.kind != "block":
             weight_pairs(q, self.weights(), None)
 
-    def forward(self, inp, m_splits, is_first_microbatch=None, *, swiglu_probs=None):
+    def forward(self, inp, m_splits, is_first_microbatch=None, *, swiglu_probs=None, m_offsets=None):
         """y for inp [sum(m_splits), in_features].  is_first_microbatch (TE):
         under FP8, True re-quantizes the weights, False reuses the previous
         call's, None re-quantizes a weight only when it changed.
+
+        ``m_offsets`` (seqfuse's, with a CUDA m_splits): the row offsets
+        ops.moe.device_split_offsets made of m_splits over the input's rows,
+        where the caller has them (GroupedMLP's two GEMMs share one set);
+        used where the call takes the device-split route.
 
         ``swiglu_probs`` (seqfuse's, for GroupedMLP's down projection): inp is
         [sum(m_splits), 2 x in_features] gate|up pairs (the experts' gate-up
@@ -367,7 +372,7 @@ class GroupedLinear(torch.nn.Module):
         cls = "GroupedLinear"
         if swiglu_probs is None:
             check_input(cls, inp, self.in_features, "in_features")
-            return self._apply_to(inp, None, False, m_splits, is_first_microbatch)
+            return self._apply_to(inp, None, False, m_splits, is_first_microbatch, m_offsets)
         check_input(cls, inp, 2 * self.in_features, "2 x in_features (gate and up, with swiglu_probs)")
         rows = inp.numel() // inp.shape[-1] if inp.shape[-1] else 0
         check_input(cls, swiglu_probs, name="swiglu_probs")
@@ -383,18 +388,22 @@ class GroupedLinear(torch.nn.Module):
         h, probs = inp.contiguous(), swiglu_probs.contiguous()
         if not _q.is_fp8_enabled():
             a = moe_ops.scaled_swiglu(h.view(rows, h.shape[-1]), probs).view(*inp.shape[:-1], self.in_features)
-            return self._apply_to(a, None, False, m_splits, is_first_microbatch)
-        return self._apply_to(h, probs, True, m_splits, is_first_microbatch)
+            return self._apply_to(a, None, False, m_splits, is_first_microbatch, m_offsets)
+        return self._apply_to(h, probs, True, m_splits, is_first_microbatch, m_offsets)
 
-    def _apply_to(self, inp, probs, swiglu, m_splits, is_first_microbatch):
+    def _apply_to(self, inp, probs, swiglu, m_splits, is_first_microbatch, m_offsets=None):
         """forward's body; ``swiglu`` (FP8 only): inp holds gate|up pairs and
         probs the SwiGLU's row scales."""
-        if isinstance(m_splits, torch.Tensor) and m_splits.device.type != "cpu":
+        on_device = isinstance(m_splits, torch.Tensor) and m_splits.device.type != "cpu"
+        if m_offsets is not None and not on_device:
+            raise ValueError("GroupedLinear: m_offsets goes with m_splits given as a CUDA tensor (the "
+                             "device-split route)")
+        if on_device:
             if m_splits.device != inp.device:
                 raise ValueError(f"GroupedLinear: m_splits on {m_splits.device} but the input on {inp.device}")
             why = self.device_split_refusal(inp)
             if why is None:
-                return self._device_split(inp, m_splits)
+                return self._device_split(inp, m_splits, m_offsets)
             note_once(_log, "seqfuse GroupedLinear: m_splits on the GPU read to the host (one host "
                       "synchronization per call): %s", why)
             m_splits = m_splits.tolist()
@@ -424,14 +433,16 @@ class GroupedLinear(torch.nn.Module):
             return y, biases
         return y
 
-    def _device_split(self, inp, counts):
+    def _device_split(self, inp, counts, offsets=None):
         """The device-split route (DeviceSplitGroupedLinearFunction) for row
-        counts ``counts`` on the GPU."""
+        counts ``counts`` on the GPU (``offsets``: their device_split_offsets,
+        made here when not given)."""
         if counts.dim() != 1 or counts.numel() != self.num_gemms:
             raise ValueError(f"GroupedLinear: m_splits must hold num_gemms = {self.num_gemms} row counts, got "
                              f"shape {tuple(counts.shape)}")
         x = inp.reshape(-1, inp.shape[-1])
-        offsets = moe_ops.device_split_offsets(counts, x.shape[0])
+        if offsets is None:
+            offsets = moe_ops.device_split_offsets(counts, x.shape[0])
         y = DeviceSplitGroupedLinearFunction.apply(x, offsets, self.stacked_weights(), *self.weights())
         if inp.dim() != 2:
             y = y.view(*inp.shape[:-1], self.out_features)
@@ -440,13 +451,15 @@ class GroupedLinear(torch.nn.Module):
 
 def _one_buffer(ws):
     """Whether the weights ``ws`` are consecutive, equally shaped, contiguous
-    slices of one storage, in order."""
+    slices of one storage, in order (w0's storage holds them all: separate
+    allocations never share bytes, so an address inside it is its own)."""
     w0 = ws[0]
     step, es, p0 = w0.numel(), w0.element_size(), w0.data_ptr()
-    st = w0.untyped_storage().data_ptr()
+    storage = w0.untyped_storage()
+    if p0 + len(ws) * step * es > storage.data_ptr() + storage.nbytes():
+        return False
     return all(w.dtype == w0.dtype and w.shape == w0.shape and w.is_contiguous()
-               and w.data_ptr() == p0 + g * step * es and w.untyped_storage().data_ptr() == st
-               for g, w in enumerate(ws))
+               and w.data_ptr() == p0 + g * step * es for g, w in enumerate(ws))
 
 
 # ---- FP8 ---------------------------------------------------------------------

@@ -199,8 +199,9 @@ class GroupedMLP(RoutedExperts):
             # the experts' GEMMs read the counts on the GPU: nothing in the block waits on the host
             # (every token goes to topk experts, so the permuted rows number T * topk)
             xp, pp = moe_ops.moe_permute_by_row_id_map(x, row_ids, x.shape[0] * self.topk, probs)
-            h = self.fc1(xp, tokens_per_expert)
-            y = self.fc2(h, tokens_per_expert, swiglu_probs=pp)
+            offsets = moe_ops.device_split_offsets(tokens_per_expert, xp.shape[0])  # one set for both GEMMs
+            h = self.fc1(xp, tokens_per_expert, m_offsets=offsets)
+            y = self.fc2(h, tokens_per_expert, swiglu_probs=pp, m_offsets=offsets)
             return moe_ops.moe_unpermute(y, row_ids).view(*lead, self.hidden_size)
         # the block's one host synchronization, the per-expert counts: their copy is queued now and
         # waited for after the work that does not need them (below), which keeps the GPU busy meanwhile
