@@ -46,6 +46,16 @@ Rows (``--rows``):
                       optimizer (torch AdamW(fused), bf16 moments, no master
                       copy, every parameter decayed): the like-for-like rows
                       for speed and peak memory;
+  seqfuse_fp8_current_e4m3_torch_adamw
+                      seqfuse_fp8_current_torch_adamw with
+                      precision.fp8_format=e4m3 (E4M3 gradients too): the
+                      experts' GEMMs take the device-split FP8 route
+                      (torch's row-wise scaled grouped GEMM, the counts on
+                      the GPU; the weight gradient in bf16);
+  seqfuse_fp8_current_e4m3_hostsplits_torch_adamw
+                      the same recipe with the counts read to the host
+                      (seqfuse's cuBLASLt FP8 grouped GEMMs, all three
+                      products in FP8, per-expert scales);
   seqfuse_bf16_hostsplits_torch_adamw
                       seqfuse_bf16_torch_adamw with the routing counts read
                       to the host in every MoE block (GroupedMLP's
@@ -100,7 +110,8 @@ from mixtral_recipe import trainer as recipe  # noqa: E402
 
 ROWS = ("hf_bf16", "hf_bf16_loop", "hf_bf16_compile", "hf_bf16_liger", "seqfuse_bf16", "seqfuse_bf16_torch_adamw", "seqfuse_bf16_hostsplits_torch_adamw", "seqfuse_fp8_delayed",
         "seqfuse_fp8_current", "seqfuse_fp8_block", "seqfuse_fp8_delayed_torch_adamw",
-        "seqfuse_fp8_current_torch_adamw")
+        "seqfuse_fp8_current_torch_adamw", "seqfuse_fp8_current_e4m3_torch_adamw",
+        "seqfuse_fp8_current_e4m3_hostsplits_torch_adamw")
 DEFAULT_ROWS = ("hf_bf16", "hf_bf16_loop", "hf_bf16_compile", "hf_bf16_liger", "seqfuse_bf16", "seqfuse_bf16_torch_adamw", "seqfuse_fp8_delayed",
                 "seqfuse_fp8_block")
 MEASURED_TFLOPS = 794.0  # the project's measured H200 bf16 ceiling (benchmarks/harness.py)
@@ -164,11 +175,15 @@ def build_row(name, cfg, mcfg, device, dtype, seed):
     model = from_hf_model(hf)
     del hf
     fp8 = name[len("seqfuse_"):].removesuffix("_torch_adamw").removesuffix("_hostsplits")
+    overrides = []
+    if fp8.endswith("_e4m3"):
+        fp8 = fp8.removesuffix("_e4m3")
+        overrides.append("precision.fp8_format=e4m3")
     if "_hostsplits" in name:
         for m in model.modules():
             if hasattr(m, "device_splits"):
                 m.device_splits = False
-    rcfg = load_config(cfg.config_name, [f"precision.recipe={fp8}"])
+    rcfg = load_config(cfg.config_name, [f"precision.recipe={fp8}", *overrides])
     fp8_recipe = recipe.fp8_recipe(rcfg)
     opt = torch_adamw(model, cfg, device) if name.endswith("_torch_adamw") else recipe.build_optimizer(model, rcfg)
 

@@ -188,6 +188,16 @@ sf_status sf_quantize_block_fp8(const sf_tensor *x, sf_tensor *out,
 sf_status sf_dequantize_block_fp8(const sf_tensor *data, const sf_tensor *scale_inv,
                                   int block_rows, sf_tensor *out, sf_stream stream);
 
+/* FP8 with one fp32 scale per row: x [M, K] (K % 16 == 0, 16-byte aligned),
+ * out FP8 [M, K] (16-byte aligned), scale_inv float32 [M] (contiguous).
+ * Row r is one 1 x K block: s = fp8_max / max|x[r, :]| (1 for an all-zero
+ * or non-finite amax), out[r, :] = saturate(x[r, :] * s), scale_inv[r] = 1 / s.
+ * The row-wise scaled operands of torch._scaled_grouped_mm (the device-split
+ * FP8 grouped GEMM): every row scaled along the contraction dimension, from
+ * its own amax, in one pass with no host involvement. */
+sf_status sf_quantize_rowwise_fp8(const sf_tensor *x, sf_tensor *out, sf_tensor *scale_inv,
+                                  sf_stream stream);
+
 /* 1x128 blocks of x [M, K] along both dimensions in one pass: the row-wise
  * copy (out, scale_inv as sf_quantize_block_fp8 with block_rows = 1) and the
  * column-wise copy out_t [K, Mt] = the transposed matrix in 1x128 blocks

@@ -127,6 +127,23 @@ sf_status sf_quantize_block_fp8(const sf_tensor *x, sf_tensor *out, sf_tensor *s
     return dispatch(op, "x", x, &a, 1, stream);
 }
 
+sf_status sf_quantize_rowwise_fp8(const sf_tensor *x, sf_tensor *out, sf_tensor *scale_inv, sf_stream stream)
+{
+    static const char op[] = "quantize_rowwise_fp8";
+    SF_TRY(sf_check_float_input(op, "x", x));
+    sf_block_args a = {0};
+    SF_TRY(matrix_view(op, "x", x, 16, "row-wise FP8 (the scaled GEMMs' 16-byte FP8 rows)", &a.m, &a.k));
+    SF_TRY(sf_check_aligned(op, "x", x, 16));
+    SF_TRY(sf_quant_check_fp8(op, "out", out));
+    SF_TRY(check_out(op, "out", out, "x", x, a.m * a.k, 1));
+    SF_TRY(sf_check_aligned(op, "out", out, 16));
+    SF_TRY(sf_check_dtype(op, "scale_inv", scale_inv, SF_FLOAT32));
+    SF_TRY(check_out(op, "scale_inv", scale_inv, "x", x, a.m, 1));
+    a.format = SF_BLOCK_FP8_ROW;
+    fp8_quantize_fields(&a, x, out, scale_inv);
+    return dispatch(op, "x", x, &a, 1, stream);
+}
+
 sf_status sf_quantize_block_fp8_rowcol(const sf_tensor *x, sf_tensor *out, sf_tensor *scale_inv,
                                        sf_tensor *out_t, sf_tensor *scale_inv_t,
                                        sf_tensor *col_sums, sf_stream stream)

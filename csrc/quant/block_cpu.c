@@ -44,6 +44,19 @@ static void quantize_fp8_blocks(const sf_block_args *a, int block_rows)
         }
 }
 
+/* One scale per row: each row is a single 1 x k block (scales [m]). */
+static void quantize_fp8_rows(const sf_block_args *a)
+{
+    float fmax = sf_fp8_max(a->e5m2);
+    float *si = (float *)a->scales;
+    for (int64_t r = 0; r < a->m; ++r) {
+        float s = sf_scale_from_amax(sf_bits_f32(block_amax(a, r, r + 1, 0, a->k)), fmax, 1.0f, 1.0f);
+        si[r] = SF_DIV(1.0f, s);
+        for (int64_t c = 0; c < a->k; ++c)
+            a->data[r * a->k + c] = sf_f32_to_fp8(SF_MUL(sf_load_float(a->x, a->x_dtype, r * a->k + c), s), a->e5m2);
+    }
+}
+
 /* Column c's float32 sum over rows r0 .. r0 + 127 (past m: 0) in the order
  * seqfuse_quant.h fixes for col_sums (the CUDA kernel's: 16 strided partial
  * sums, paired, then added left to right). */
@@ -140,6 +153,7 @@ sf_status sf_block_quantize_cpu(const sf_block_args *a)
     case SF_BLOCK_FP8_128X128: quantize_fp8_blocks(a, 128); break;
     case SF_BLOCK_MXFP8: quantize_mxfp8(a); break;
     case SF_BLOCK_FP8_ROWCOL: quantize_rowcol(a); break;
+    case SF_BLOCK_FP8_ROW: quantize_fp8_rows(a); break;
     default: quantize_nvfp4(a); break;
     }
     return SF_OK;

@@ -3,6 +3,9 @@
  * block_cpu.c bit for bit (same fp8.h math, the same order of operations):
  *
  *   1x128:   one warp per block (4 values per lane), warp-shuffle amax.
+ *   row-wise: one warp per row, two passes over it (the amax, then the cast;
+ *            the second pass reads the row back from L1/L2), 8 values per
+ *            lane and step.
  *   128x128: one 256-thread CTA per block, 64 values per thread held in
  *            registers between the amax and the cast.
  *   MXFP8:   one warp per 32-value block (one value per lane).
@@ -68,6 +71,58 @@ __global__ void quant_1x128_kernel(const T *__restrict__ x, int64_t m, int64_t k
         for (int e = 0; e < 4; ++e)
             w |= (uint32_t)cvt1(__fmul_rn(v[e], s), e5m2) << (8 * e);
         *reinterpret_cast<uint32_t *>(out + base) = w; /* k % 128 == 0: 4-byte aligned */
+    }
+}
+
+/* 8 values of x from p (16-byte aligned for 2-byte T) as float. */
+template <typename T>
+__device__ __forceinline__ void ld8(const T *p, float (&v)[8])
+{
+    if constexpr (sizeof(T) == 2) {
+        const uint4 raw = *reinterpret_cast<const uint4 *>(p);
+        const T *e = reinterpret_cast<const T *>(&raw);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            v[i] = sf_to_float(e[i]);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            v[i] = sf_to_float(p[i]);
+    }
+}
+
+template <typename T>
+__global__ void quant_row_kernel(const T *__restrict__ x, int64_t m, int64_t k, uint8_t *__restrict__ out,
+                                 float *__restrict__ scale_inv, int e5m2)
+{
+    const int lane = threadIdx.x & 31;
+    const int64_t warps = (int64_t)gridDim.x * (kThreads / 32);
+    const float fmax = sf_fp8_max(e5m2);
+    for (int64_t r = (int64_t)blockIdx.x * (kThreads / 32) + (threadIdx.x >> 5); r < m; r += warps) {
+        const T *row = x + r * k;
+        uint32_t am = 0;
+        for (int64_t c = lane * 8; c < k; c += 256) {
+            float v[8];
+            ld8(row + c, v);
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+                am = max(am, sf_abs_bits(v[e]));
+        }
+        am = warp_max(am);
+        const float s = sf_scale_from_amax(sf_bits_f32(am), fmax, 1.0f, 1.0f);
+        if (lane == 0)
+            scale_inv[r] = __fdiv_rn(1.0f, s);
+        for (int64_t c = lane * 8; c < k; c += 256) {
+            float v[8];
+            ld8(row + c, v);
+            uint32_t w0 = 0, w1 = 0;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                w0 |= (uint32_t)cvt1(__fmul_rn(v[e], s), e5m2) << (8 * e);
+                w1 |= (uint32_t)cvt1(__fmul_rn(v[e + 4], s), e5m2) << (8 * e);
+            }
+            *reinterpret_cast<uint2 *>(out + r * k + c) = make_uint2(w0, w1); /* k % 16 == 0 */
+        }
     }
 }
 
@@ -382,6 +437,11 @@ void launch_quantize(const sf_block_args *a, int sms, cudaStream_t stream)
         int grid = sf_grid_size(warps * 32, kThreads, sms * 16);
         quant_1x128_kernel<T><<<grid, kThreads, 0, stream>>>(x, a->m, a->k, a->data,
                                                              (float *)a->scales, a->scale_ld, a->e5m2);
+        break;
+    }
+    case SF_BLOCK_FP8_ROW: {
+        int grid = sf_grid_size(a->m * 32, kThreads, sms * 16);
+        quant_row_kernel<T><<<grid, kThreads, 0, stream>>>(x, a->m, a->k, a->data, (float *)a->scales, a->e5m2);
         break;
     }
     case SF_BLOCK_FP8_128X128: {

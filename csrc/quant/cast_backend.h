@@ -132,6 +132,7 @@ typedef enum {
     SF_BLOCK_MXFP8 = 2,
     SF_BLOCK_NVFP4 = 3,
     SF_BLOCK_FP8_ROWCOL = 4, /* 1x128 along K (data) and along M (data_t) */
+    SF_BLOCK_FP8_ROW = 5,    /* one scale per row (a 1 x K block) */
 } sf_block_format;
 
 typedef struct {

@@ -1,8 +1,8 @@
 /*
  * check_block.cu - standalone check and benchmark of the block-scaled
  * quantizers (block_cuda.cu): FP8 with fp32 scales per 1x128 and 128x128
- * block, the row-and-column 1x128 pass (with its block column sums), MXFP8
- * and NVFP4, quantize and dequantize.
+ * block, one scale per row (row-wise), the row-and-column 1x128 pass (with
+ * its block column sums), MXFP8 and NVFP4, quantize and dequantize.
  *
  * Correctness: fresh random x (float32 and bfloat16, values spread over
  * several binades, a few blocks all zero) at shapes with a partial last
@@ -11,8 +11,8 @@
  * codes, scales, padding, column sums and the dequantized values alike (the
  * backends share fp8.h's arithmetic, and the hardware FP8 conversion is the
  * same rounding: check_cast.cu).
- * Speed: the 1x128 quantizer and the row-and-column pass on a bf16
- * 16384 x 4096 activation, against a device copy of the same bytes.
+ * Speed: the 1x128 and row-wise quantizers and the row-and-column pass on a
+ * bf16 16384 x 4096 activation, against a device copy of the same bytes.
  */
 #include "core/check_util.h"
 #include "core/float_bits.h"
@@ -68,6 +68,25 @@ static void fp8_blocks(sf_dtype dt, int64_t m, int64_t k, int block_rows, sf_dty
     snprintf(what, sizeof what, "fp8 %s %s blocks, quantize + dequantize", sf_dtype_name(fp8),
              block_rows == 1 ? "1x128" : "128x128");
     report(what, dt, m, k, quant_ok && same_bytes(y));
+}
+
+static void fp8_rows(sf_dtype dt, int64_t m, int64_t k, sf_dtype fp8)
+{
+    int64_t sx[2] = {m, k}, ss[1] = {m};
+    CheckBuf x(dt, m * k), q(fp8, m * k), si(SF_FLOAT32, m);
+    fill_x(x, m, k);
+    if (m > 1) { /* an all-zero row takes the scale-1 path */
+        for (int64_t c = 0; c < k; ++c)
+            x.set(k + c, 0.0f);
+        x.up();
+    }
+    for (int cuda = 0; cuda < 2; ++cuda) {
+        sf_tensor xi = x.view(2, sx, cuda), qo = q.view(2, sx, cuda), so = si.view(1, ss, cuda);
+        CHECK_SF(sf_quantize_rowwise_fp8(&xi, &qo, &so, NULL));
+    }
+    char what[64];
+    snprintf(what, sizeof what, "fp8 %s row-wise quantize", sf_dtype_name(fp8));
+    report(what, dt, m, k, same_bytes(q) && same_bytes(si));
 }
 
 static void fp8_rowcol(sf_dtype dt, int64_t m, int64_t k)
@@ -155,11 +174,17 @@ static void bench(void)
     const double copy = check_copy_tbs((size_t)m * k * 2);
     const float t1 = time_ms([&] { CHECK_SF(sf_quantize_block_fp8(&tx, &tq, &tsi, 1, NULL)); });
     const float t2 = time_ms([&] { CHECK_SF(sf_quantize_block_fp8_rowcol(&tx, &tq, &tsi, &tqt, &tsit, NULL, NULL)); });
+    int64_t sr[1] = {m};
+    sf_tensor trs;
+    sf_tensor_init(&trs, si, SF_FLOAT32, 1, sr, SF_CUDA, 0);
+    const float t3 = time_ms([&] { CHECK_SF(sf_quantize_rowwise_fp8(&tx, &tq, &trs, NULL)); });
     const double b1 = (double)m * k * 3, b2 = (double)m * k * 4; /* bf16 read, one or two fp8 copies written */
     printf("block fp8 1x128 quantize bf16 %lldx%lld: %.3f ms = %.2f TB/s (%.0f%% of copy %.2f TB/s)\n", (long long)m,
            (long long)k, t1, b1 / t1 / 1e9, 100 * b1 / t1 / 1e9 / copy, copy);
     printf("block fp8 1x128 rows+columns bf16 %lldx%lld: %.3f ms = %.2f TB/s (%.0f%% of copy)\n", (long long)m,
            (long long)k, t2, b2 / t2 / 1e9, 100 * b2 / t2 / 1e9 / copy);
+    printf("row-wise fp8 quantize bf16 %lldx%lld: %.3f ms = %.2f TB/s (%.0f%% of copy)\n", (long long)m,
+           (long long)k, t3, b1 / t3 / 1e9, 100 * b1 / t3 / 1e9 / copy);
     cudaFree(x); cudaFree(q); cudaFree(qt); cudaFree(si); cudaFree(sit);
 }
 
@@ -175,9 +200,14 @@ int main(void)
                 fp8_blocks(dt, s[0], s[1], block_rows, SF_FLOAT8_E5M2);
             }
             fp8_rowcol(dt, s[0], s[1]);
+            fp8_rows(dt, s[0], s[1], SF_FLOAT8_E4M3);
+            fp8_rows(dt, s[0], s[1], SF_FLOAT8_E5M2);
             mxfp8(dt, s[0], s[1]);
             nvfp4(dt, s[0], s[1]);
         }
+    for (sf_dtype dt : dtypes) /* row lengths that are not whole 256-value warp steps */
+        for (int64_t k : {16, 48, 1040, 7168})
+            fp8_rows(dt, 37, k, SF_FLOAT8_E4M3);
     bench();
     return check_finish("check_block");
 }

@@ -90,8 +90,8 @@ class SeqfuseExperts(nn.Module):
             xp, pp = moe_ops.moe_permute_by_row_id_map(x.to(dtype), row_ids, idx.shape[0] * idx.shape[1], probs,
                                                        zero_unrouted=True)
             offsets = moe_ops.device_split_offsets(tokens_per_expert, xp.shape[0], allow_fewer=True)
-            h = DeviceSplitGroupedLinearFunction.apply(xp, offsets, self.gate_up_proj)
-            y = DeviceSplitGroupedLinearFunction.apply(moe_ops.scaled_swiglu(h, pp), offsets, self.down_proj)
+            h = DeviceSplitGroupedLinearFunction.apply(xp, offsets, None, self.gate_up_proj)
+            y = DeviceSplitGroupedLinearFunction.apply(moe_ops.scaled_swiglu(h, pp), offsets, None, self.down_proj)
             out = moe_ops.moe_unpermute(y, row_ids)
             return out.to(hidden_states.dtype).reshape(hidden_states.shape)
         if x.is_cuda:

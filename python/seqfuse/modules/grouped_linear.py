@@ -30,11 +30,18 @@ parameter alone writes the whole buffer).
 
 Row counts: m_splits as host ints (TE's form) runs cuBLASLt, one call per
 expert sized on the host.  m_splits as an integer tensor on the GPU (the
-router's tokens_per_expert) runs the device-split route in bfloat16
-without bias (DeviceSplitGroupedLinearFunction over
-ops.moe.grouped_gemm_device): the kernel reads the counts, nothing waits on
-the host.  Where that route does not apply (FP8, a bias, another dtype) the
-counts are read to the host, logged once with the reason.
+router's tokens_per_expert) runs the device-split route without bias
+(DeviceSplitGroupedLinearFunction over ops.moe.grouped_gemm_device, torch's
+grouped kernels): the kernel reads the counts, nothing waits on the host.
+It computes in bfloat16, or under Float8CurrentScaling with
+fp8_format=E4M3 runs the forward and input-gradient products in FP8
+(ops.moe.grouped_gemm_device_fp8): activations and output gradients cast
+with one scale per row (finer than the recipe's one per tensor, and it
+needs no row counts), each expert's weight with its own scale, the weight
+gradient in bfloat16 (torch's FP8 form of it needs 16-row groups).  Where
+the route does not apply (a bias, another dtype or recipe, a HYBRID
+format, whose E5M2 gradients torch's scaled grouped GEMM does not take)
+the counts are read to the host, logged once with the reason.
 
 Precision: the GEMMs run in torch.autocast's dtype where it is on, else the
 parameters' dtype.  Under seqfuse's FP8 autocast (fp8_autocast) the three
@@ -65,10 +72,13 @@ import torch
 
 from .. import quantization as _q
 from ..common.notes import note_once
+from ..common.recipe import Float8CurrentScaling, Format
 from ..ops import moe as moe_ops
+from ..ops import quant as quant_ops
 from ..ops import device_checks
 from ..quantization import gemm_quantizers as _gq
-from ..quantization.grouped import GroupedFloat8, note_grouped, quantize_grouped, weight_pairs
+from ..quantization import stats
+from ..quantization.grouped import GroupedFloat8, note_grouped, quantize_grouped, stacked_weights_fp8, weight_pairs
 from . import _fp8 as F8
 from ._base import compute_dtype, default_device, mark_main_grad, set_linear_options
 from ._input import check_input
@@ -141,11 +151,11 @@ class GroupedLinearFunction(torch.autograd.Function):
 
 
 class DeviceSplitGroupedLinearFunction(torch.autograd.Function):
-    """Autograd of y_g = x_g W_g^T with the row counts on the GPU (bfloat16
-    compute, no bias): ops.moe.grouped_gemm_device for the three products,
+    """Autograd of y_g = x_g W_g^T with the row counts on the GPU (no
+    bias): ops.moe.grouped_gemm_device for the three products in bfloat16,
     so no step of it waits on the host.
 
-    forward(x [M, in], offsets (device_split_offsets), stacked [G, out,
+    forward(x [M, in], offsets (device_split_offsets), fp8, stacked [G, out,
     in], *weights): x and stacked are computed in bfloat16 (converted where
     they are not: float32 parameters under torch.autocast).  With
     ``weights`` (GroupedLinear's per-expert parameters, ``stacked`` their
@@ -153,32 +163,54 @@ class DeviceSplitGroupedLinearFunction(torch.autograd.Function):
     weight gradient's slice g; without them ``stacked`` is itself the
     parameter (transformers' stacked experts, hf.fuse_experts) and takes the
     whole [G, out, in] weight gradient.  Gradients come back in each
-    parameter's dtype, rounded through bfloat16 (the products' output)."""
+    parameter's dtype, rounded through bfloat16 (the products' output).
+
+    ``fp8`` (a quantization.grouped.StackedFloat8 of ``stacked``, or None):
+    the forward and input-gradient products run in FP8 E4M3
+    (ops.moe.grouped_gemm_device_fp8) with x and dy cast one scale per row
+    (ops.quant.quantize_rowwise_fp8, no row counts needed) against the
+    experts' weights cast with one scale each; the forward accumulates
+    fast, the input gradient with float32 promotion.  The weight gradient
+    stays in bfloat16 from the bfloat16 x and dy: torch's FP8 form of that
+    product needs every group's rows in multiples of 16, which routed
+    tokens are not."""
 
     @staticmethod
-    def forward(ctx, x, offsets, stacked, *weights):
+    def forward(ctx, x, offsets, fp8, stacked, *weights):
         bf16 = torch.bfloat16
         x = moe_ops.dense(x.detach().to(bf16))
-        w = stacked.detach().to(bf16)
-        y = moe_ops.grouped_gemm_device(x, w, offsets, transb=True)
+        if fp8 is None:
+            w = stacked.detach().to(bf16)
+            y = moe_ops.grouped_gemm_device(x, w, offsets, transb=True)
+        else:
+            w = None
+            xq, x_si = quant_ops.quantize_rowwise_fp8(x)
+            y = moe_ops.grouped_gemm_device_fp8(xq, x_si, fp8.data, fp8.row_scale_inv, offsets)
         ctx.save_for_backward(x, offsets, w)
-        ctx.weights, ctx.stacked_dtype = weights, stacked.dtype
+        ctx.weights, ctx.stacked_dtype, ctx.fp8 = weights, stacked.dtype, fp8
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, offsets, w = ctx.saved_tensors
-        weights = ctx.weights
+        weights, fp8 = ctx.weights, ctx.fp8
         dy = moe_ops.dense(dy.to(torch.bfloat16))
-        dx = moe_ops.grouped_gemm_device(dy, w, offsets) if ctx.needs_input_grad[0] else None
+        dx = None
+        if ctx.needs_input_grad[0]:
+            if fp8 is None:
+                dx = moe_ops.grouped_gemm_device(dy, w, offsets)
+            else:
+                dyq, dy_si = quant_ops.quantize_rowwise_fp8(dy)
+                dx = moe_ops.grouped_gemm_device_fp8(dyq, dy_si, fp8.data_t, fp8.row_scale_inv_t, offsets,
+                                                     fast_accum=False)
         dstacked, dws = None, [None] * len(weights)
-        if ctx.needs_input_grad[2] or any(ctx.needs_input_grad[3:]):
+        if ctx.needs_input_grad[3] or any(ctx.needs_input_grad[4:]):
             dw = moe_ops.grouped_gemm_device(dy, x, offsets, transa=True)
             if not weights:
                 dstacked = dw.to(ctx.stacked_dtype)
             else:
                 dws = [dw[g].to(p.dtype) for g, p in enumerate(weights)]
-        return (dx, None, dstacked, *dws)
+        return (dx, None, None, dstacked, *dws)
 
 
 class GroupedLinear(torch.nn.Module):
@@ -296,15 +328,19 @@ class GroupedLinear(torch.nn.Module):
     def device_split_refusal(self, x):
         """Why a call with input rows ``x`` cannot take its row counts on the
         GPU (the device-split route), or None where it can."""
-        if _q.is_fp8_enabled():
-            return "the FP8 grouped GEMMs take host row counts"
+        fp8 = _q.is_fp8_enabled()
+        if fp8:
+            why = _fp8_device_refusal(_q.get_recipe())
+            if why is not None:
+                return why
         if self.use_bias and not self.return_bias:
             return "the device-split route adds no bias"
         if all(getattr(w, "main_grad", None) is not None for w in self.weights()):
             return "the weights carry main_grad, which the cuBLASLt route accumulates into in float32"
         if _gq.fsdp2_in_use():
             return "FSDP2 manages the weights (one stacked copy per call would stay gathered until the backward)"
-        return moe_ops.device_split_refusal(x, compute_dtype(x, self.weight0), (self.in_features, self.out_features))
+        return moe_ops.device_split_refusal(x, compute_dtype(x, self.weight0), (self.in_features, self.out_features),
+                                            fp8=fp8)
 
     @torch.no_grad()
     def reset_parameters(self):
@@ -386,7 +422,9 @@ class GroupedLinear(torch.nn.Module):
                              f"{swiglu_probs.device}")
         # the SwiGLU kernels read both row-major
         h, probs = inp.contiguous(), swiglu_probs.contiguous()
-        if not _q.is_fp8_enabled():
+        on_device = isinstance(m_splits, torch.Tensor) and m_splits.device.type != "cpu"
+        if not _q.is_fp8_enabled() or (on_device and self.device_split_refusal(inp) is None):
+            # (the device-split FP8 route casts the SwiGLU output row-wise, from bfloat16)
             a = moe_ops.scaled_swiglu(h.view(rows, h.shape[-1]), probs).view(*inp.shape[:-1], self.in_features)
             return self._apply_to(a, None, False, m_splits, is_first_microbatch, m_offsets)
         return self._apply_to(h, probs, True, m_splits, is_first_microbatch, m_offsets)
@@ -403,7 +441,7 @@ class GroupedLinear(torch.nn.Module):
                 raise ValueError(f"GroupedLinear: m_splits on {m_splits.device} but the input on {inp.device}")
             why = self.device_split_refusal(inp)
             if why is None:
-                return self._device_split(inp, m_splits, m_offsets)
+                return self._device_split(inp, m_splits, m_offsets, is_first_microbatch)
             note_once(_log, "seqfuse GroupedLinear: m_splits on the GPU read to the host (one host "
                       "synchronization per call): %s", why)
             m_splits = m_splits.tolist()
@@ -433,7 +471,27 @@ class GroupedLinear(torch.nn.Module):
             return y, biases
         return y
 
-    def _device_split(self, inp, counts, offsets=None):
+    def _device_fp8_weights(self, stacked, is_first_microbatch):
+        """The experts' FP8 operands for the device-split route
+        (quantization.grouped.stacked_weights_fp8 of ``stacked``), cast once
+        per weight update: reused while every weight keeps its storage and
+        version (is_first_microbatch as in forward; a CUDA graph capture
+        always casts, inside the graph)."""
+        note_grouped("the device-split route runs the forward and input-gradient GEMMs in FP8 with one "
+                     "scale per row of the activations and gradients (current scaling, E4M3) and one per "
+                     "expert weight; the weight gradient in bfloat16")
+        key = tuple((w.data_ptr(), w._version) for w in self.weights())
+        cached = self.__dict__.get("_fp8_device_weights")
+        capture = device_checks.capturing(self.weight0)
+        if cached is not None and not capture and (
+                is_first_microbatch is False or (is_first_microbatch is None and cached[0] == key)):
+            return cached[1]
+        ops = stacked_weights_fp8(stacked)
+        self.__dict__["_fp8_device_weights"] = None if capture else (key, ops)
+        self.__dict__["fp8_device_weight_casts"] = self.__dict__.get("fp8_device_weight_casts", 0) + 1
+        return ops
+
+    def _device_split(self, inp, counts, offsets=None, is_first_microbatch=None):
         """The device-split route (DeviceSplitGroupedLinearFunction) for row
         counts ``counts`` on the GPU (``offsets``: their device_split_offsets,
         made here when not given)."""
@@ -443,10 +501,29 @@ class GroupedLinear(torch.nn.Module):
         x = inp.reshape(-1, inp.shape[-1])
         if offsets is None:
             offsets = moe_ops.device_split_offsets(counts, x.shape[0])
-        y = DeviceSplitGroupedLinearFunction.apply(x, offsets, self.stacked_weights(), *self.weights())
+        stacked = self.stacked_weights()
+        fp8 = self._device_fp8_weights(stacked, is_first_microbatch) if _q.is_fp8_enabled() else None
+        y = DeviceSplitGroupedLinearFunction.apply(x, offsets, fp8, stacked, *self.weights())
         if inp.dim() != 2:
             y = y.view(*inp.shape[:-1], self.out_features)
         return (y, self.biases()) if self.return_bias else y
+
+
+def _fp8_device_refusal(recipe):
+    """Why FP8 autocast under ``recipe`` keeps a grouped layer off the
+    device-split route (its FP8 form computes current scales, E4M3, no
+    margin), or None where it may take it."""
+    if not isinstance(recipe, Float8CurrentScaling):
+        return (f"the device-split FP8 route computes current scales (one per row); {type(recipe).__name__} "
+                "takes host row counts")
+    if recipe.fp8_format != Format.E4M3:
+        return ("torch's scaled grouped GEMM takes E4M3 operands only: Float8CurrentScaling with "
+                f"fp8_format={recipe.fp8_format.name} (E5M2 gradients) takes host row counts")
+    if recipe.margin:
+        return f"the device-split FP8 route scales without a margin; margin={recipe.margin} takes host row counts"
+    if stats.recording():
+        return "FP8 statistics are being recorded (they are taken per cast of the host-count route)"
+    return None
 
 
 def _one_buffer(ws):

@@ -12,11 +12,12 @@ For tokens x [T, hidden] (any leading shape):
                                                                            FP8 delayed: a made in fc2's cast)
     out             = moe_unpermute(y_e, row_ids)           [T, hidden]  (sum over a token's experts)
 
-On CUDA in bfloat16 (no FP8, no expert biases) the grouped GEMMs take
-m_splits (tokens per expert) on the GPU (GroupedLinear's device-split
-route) and the block never waits on the host.  Otherwise m_splits are read
-to the host once per forward (the FP8 grouped GEMMs take host row counts):
-the block's one host synchronization.
+On CUDA in bfloat16, or under Float8CurrentScaling with E4M3 gradients
+(no expert biases), the grouped GEMMs take m_splits (tokens per expert) on
+the GPU (GroupedLinear's device-split route; its FP8 form casts each row
+with its own scale) and the block never waits on the host.  Otherwise
+m_splits are read to the host once per forward (seqfuse's cuBLASLt grouped
+GEMMs take host row counts): the block's one host synchronization.
 Its copy is queued as soon as the counts exist and waited for after the
 work that does not need them (under FP8 the experts' weight casts), so the
 GPU has work while the host waits.  Under FP8 autocast the permutation
@@ -147,9 +148,10 @@ class GroupedMLP(RoutedExperts):
     aux_loss_coeff, z_loss_coeff: the auxiliary losses (0: off);
     bias: biases in the experts' GEMMs; params_dtype, device, init_method
     as for GroupedLinear (the router is float32-initialised the same way);
-    device_splits: on CUDA in bfloat16 without bias, the experts' GEMMs
-    take the routing counts on the GPU (GroupedLinear's device-split route)
-    and the block has no host synchronization; False (or FP8, a bias,
+    device_splits: on CUDA without bias, in bfloat16 or under
+    Float8CurrentScaling(fp8_format=E4M3), the experts' GEMMs take the
+    routing counts on the GPU (GroupedLinear's device-split route) and the
+    block has no host synchronization; False (or another recipe, a bias,
     another dtype) reads them to the host once per forward.  An attribute,
     which may be changed on a built module.
     """

@@ -7,6 +7,8 @@ them, so MoE code written for TE ports by changing the import:
     grouped_gemm(a, b, m_splits, ...)              G GEMMs, one call
     cast_fp8_grouped(x, m_splits, fp8_dtype, ...)  every expert's FP8 cast, one call
     cast_fp8_current_list(weights, fp8_dtype, ...) every expert weight's FP8 cast, one call
+    grouped_gemm_device(a, b, offsets, ...)        the same GEMMs, row counts on the GPU (bf16)
+    grouped_gemm_device_fp8(a, sa, b, sb, offsets) its FP8 form with row-wise scales
     fused_topk_with_score_function(logits, topk, ...)  -> (probs, routing_map)
     fused_compute_score_for_moe_aux_loss(logits, topk, score_function)
                                                    -> (routing_map, scores)
@@ -43,7 +45,9 @@ from .gemm import FP8_DTYPES, FP8_ROW_MULTIPLE, SCALINGS, tf32_of, workspace_for
 from .quant import fp8_dtype_of
 
 # dense (ops._call's) is exported here for the grouped modules' and quantizers' gradients
-__all__ = ["dense", "grouped_gemm", "grouped_gemm_device", "device_split_offsets", "device_split_refusal", "cast_fp8_grouped", "cast_fp8_current_list", "pad_row_id_map", "counts_to_host",
+__all__ = ["dense", "grouped_gemm", "grouped_gemm_device", "grouped_gemm_device_fp8", "device_split_offsets",
+           "device_split_refusal", "cast_fp8_grouped", "cast_fp8_current_list", "cast_fp8_current_stacked",
+           "pad_row_id_map", "counts_to_host",
            "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss",
            "fused_moe_aux_loss", "moe_z_loss", "moe_row_id_map", "moe_permute",
            "moe_permute_with_probs", "moe_permute_by_row_id_map", "moe_unpermute", "scaled_swiglu",
@@ -278,10 +282,16 @@ def device_split_offsets(counts, total, allow_fewer=False):
     return offsets
 
 
-def device_split_refusal(x, dtype, features):
+def device_split_refusal(x, dtype, features, fp8=False):
     """Why rows ``x`` computed in ``dtype`` against weights of ``features``
     (their in and out sizes) cannot take the device-split route
-    (grouped_gemm_device), or None where they can."""
+    (grouped_gemm_device; with ``fp8``, grouped_gemm_device_fp8 for the
+    forward and input-gradient products), or None where they can."""
+    if fp8:
+        if not hasattr(torch, "_scaled_grouped_mm"):
+            return f"this torch ({torch.__version__}) has no torch._scaled_grouped_mm"
+        if any(int(f) % 16 for f in features):
+            return f"the device-split FP8 route needs feature sizes that are multiples of 16, got {tuple(features)}"
     if not x.is_cuda:
         return "the input is not on a CUDA device"
     if x.numel() == 0:
@@ -354,6 +364,63 @@ def grouped_gemm_device(a, b, offsets, *, transa=False, transb=False):
     if transa:
         return torch._grouped_mm(dense(a).t(), dense(b), offs=offsets)
     return torch._grouped_mm(dense(a), b.transpose(1, 2) if transb else b, offs=offsets)
+
+
+def grouped_gemm_device_fp8(a, a_scale_inv, b, b_scale_inv, offsets, *, fast_accum=True):
+    """The FP8 form of :func:`grouped_gemm_device`'s forward product, with
+    row-wise scales: out[rows of group g] = (a_g * a_scale_inv) @ (b_g *
+    b_scale_inv[g][:, None])^T in float32, written in bfloat16.
+
+    a [M, K] E4M3, split by ``offsets`` (device_split_offsets: the groups'
+    end rows, read by the kernel: nothing waits on the host);
+    a_scale_inv float32 [M] (row m's dequantization factor,
+    seqfuse.ops.quant.quantize_rowwise_fp8's second result); b [G, N, K]
+    E4M3, row-major (group g's [N, K] matrix); b_scale_inv float32 [G, N]
+    (a factor per row of each b_g: per output column).  K and N multiples of
+    16.  The forward product takes b = the experts' weights W [G, N, K] and
+    the input-gradient product b = their transposed copies W^T [G, K, N]
+    (dx_g = dy_g W_g = dy_g (W_g^T)^T).  Rows past the last offset are left
+    unwritten.  ``fast_accum``: Hopper's FP8 accumulation without the
+    periodic float32 promotion (faster; Transformer Engine's choice for the
+    forward product, not for the gradients').  Route:
+    torch._scaled_grouped_mm (its row-wise FP8 CUTLASS kernel, compute
+    capability 9.0); a torch without it raises NotImplementedError."""
+    op = "grouped_gemm_device_fp8"
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        raise NotImplementedError(f"{op}: this torch ({torch.__version__}) has no torch._scaled_grouped_mm")
+    a, b = detached(_tensor(op, "a", a)), detached(_tensor(op, "b", b))
+    a_scale_inv, b_scale_inv = _tensor(op, "a_scale_inv", a_scale_inv), _tensor(op, "b_scale_inv", b_scale_inv)
+    offsets = _tensor(op, "offsets", offsets)
+    if offsets.dtype != torch.int32 or offsets.dim() != 1:
+        raise TypeError(f"{op}: argument 'offsets' must be a 1-D int32 tensor (device_split_offsets), got "
+                        f"{offsets.dim()}-D {offsets.dtype}")
+    G = offsets.shape[0]
+    if a.dim() != 2 or b.dim() != 3 or b.shape[0] != G:
+        raise ValueError(f"{op}: takes a [M, K] split by offsets and b [G, N, K] with G = {G}, got "
+                         f"{tuple(a.shape)} and {tuple(b.shape)}")
+    M, K = a.shape
+    N = b.shape[1]
+    if b.shape[2] != K:
+        raise ValueError(f"{op}: a has {K} columns but each group of b has {b.shape[2]} (b is [G, N, K])")
+    if K % 16 or N % 16:
+        raise ValueError(f"{op}: K and N must be multiples of 16, got K = {K}, N = {N}")
+    if tuple(a_scale_inv.shape) != (M,):
+        raise ValueError(f"{op}: argument 'a_scale_inv' must have shape [M] = [{M}], got "
+                         f"{tuple(a_scale_inv.shape)}")
+    if tuple(b_scale_inv.shape) != (G, N):
+        raise ValueError(f"{op}: argument 'b_scale_inv' must have shape [G, N] = [{G}, {N}], got "
+                         f"{tuple(b_scale_inv.shape)}")
+    for name, t in (("a", a), ("b", b)):
+        if t.dtype != torch.float8_e4m3fn or not t.is_cuda:
+            raise TypeError(f"{op}: argument '{name}' must be a float8_e4m3fn CUDA tensor (torch's scaled "
+                            f"grouped GEMM takes E4M3 only), got {t.dtype} on {t.device.type}")
+    for name, t in (("a_scale_inv", a_scale_inv), ("b_scale_inv", b_scale_inv)):
+        if t.dtype != torch.float32:
+            raise TypeError(f"{op}: argument '{name}' must be float32, got {t.dtype}")
+    if any(t.device != a.device for t in (b, a_scale_inv, b_scale_inv, offsets)):
+        raise ValueError(f"{op}: a, b, their scales and offsets must be on one device")
+    return torch._scaled_grouped_mm(dense(a), dense(b).transpose(1, 2), dense(a_scale_inv), dense(b_scale_inv),
+                                    offs=offsets, out_dtype=torch.bfloat16, use_fast_accum=bool(fast_accum))
 
 
 def padded_splits(m_splits, row_multiple=FP8_ROW_MULTIPLE):
@@ -452,10 +519,36 @@ def cast_fp8_current_list(xs, fp8_dtype, *, amax=None, margin=0, rowwise=True, t
     [G] (scale_inv's entries 256 bytes apart, as cast_fp8_grouped's).  Each
     tensor's results equal ``seqfuse.ops.quant.cast_fp8_current``'s."""
     op = "cast_fp8_current_list"
-    require_fp8_dlpack(op)
-    fp8_dtype = fp8_dtype_of(fp8_dtype, op)
     if not isinstance(xs, (list, tuple)) or not xs:
         raise ValueError(f"{op}: argument 'xs' must be a non-empty list of tensors")
+    first = _tensor(op, "xs[0]", xs[0])
+    data, data_t, scale_inv, scale, amax = _cast_current_list(op, xs, fp8_dtype, amax, margin, rowwise, transpose,
+                                                              _spaced_scale_inv(len(xs), first.device))
+    return (list(data.unbind(0)) if rowwise else None), (list(data_t.unbind(0)) if transpose else None), \
+        scale_inv, scale, amax
+
+
+def cast_fp8_current_stacked(w, fp8_dtype, *, margin=0):
+    """:func:`cast_fp8_current_list` of the G matrices of one stacked tensor
+    ``w`` [G, N, K] (a device-split grouped layer's weights), both copies
+    stacked too: returns ``(data [G, N, K], data_t [G, K, N], scale_inv
+    [G])``, scale_inv contiguous (1 / each matrix's scale)."""
+    op = "cast_fp8_current_stacked"
+    w = _tensor(op, "w", w)
+    if w.dim() != 3 or w.shape[0] == 0:
+        raise ValueError(f"{op}: argument 'w' must be a [G, N, K] stack of G >= 1 matrices, got shape "
+                         f"{tuple(w.shape)}")
+    scale_inv = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+    data, data_t, scale_inv, _, _ = _cast_current_list(op, list(w.unbind(0)), fp8_dtype, None, margin, True, True,
+                                                       scale_inv)
+    return data, data_t, scale_inv
+
+
+def _cast_current_list(op, xs, fp8_dtype, amax, margin, rowwise, transpose, scale_inv):
+    """cast_fp8_current_list's checks and call; the FP8 copies come back as
+    [G, N, K] and [G, K, N] tensors (or None)."""
+    require_fp8_dlpack(op)
+    fp8_dtype = fp8_dtype_of(fp8_dtype, op)
     if not rowwise and not transpose:
         raise ValueError(f"{op}: at least one of 'rowwise' and 'transpose' must be True")
     G = len(xs)
@@ -469,15 +562,15 @@ def cast_fp8_current_list(xs, fp8_dtype, *, amax=None, margin=0, rowwise=True, t
                              + (f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__))
     n, k = first.shape
     dev = first.device
-    data = list(torch.empty((G, n, k), dtype=fp8_dtype, device=dev).unbind(0)) if rowwise else None
-    data_t = list(torch.empty((G, k, n), dtype=fp8_dtype, device=dev).unbind(0)) if transpose else None
-    scale_inv = _spaced_scale_inv(G, dev)
+    data = torch.empty((G, n, k), dtype=fp8_dtype, device=dev) if rowwise else None
+    data_t = torch.empty((G, k, n), dtype=fp8_dtype, device=dev) if transpose else None
     slots = torch.empty((2, G), dtype=torch.float32, device=dev)
     scale = slots[0]
     if amax is None:
         amax = slots[1]
-    _C.cast_fp8_current_list([detached(t) for t in xs], data, data_t, scale, amax, scale_inv, int(margin),
-                             stream_for(first))
+    _C.cast_fp8_current_list([detached(t) for t in xs], None if data is None else list(data.unbind(0)),
+                             None if data_t is None else list(data_t.unbind(0)), scale, amax, scale_inv,
+                             int(margin), stream_for(first))
     return data, data_t, scale_inv, scale, amax
 
 

@@ -357,6 +357,25 @@ def quantize_block_fp8(x, block_rows=1, fp8_dtype=torch.float8_e4m3fn):
     return out, scale_inv
 
 
+def quantize_rowwise_fp8(x, fp8_dtype=torch.float8_e4m3fn):
+    """FP8 with one float32 scale per row: x viewed as [M, K] (K % 16 == 0)
+    -> ``(data, scale_inv)``, ``data`` FP8 shaped like x, ``scale_inv``
+    float32 [M].  Row r is scaled by s = fp8_max / max|x[r]| (1 for an
+    all-zero row), ``data[r] = saturate(x[r] * s)``, ``scale_inv[r] = 1 / s``:
+    the row-wise operands of torch._scaled_grouped_mm (each row scaled along
+    the contraction dimension from its own amax, in one pass, no host
+    involvement).  x must start 16-byte aligned (the kernel reads 16-byte
+    vectors): a view starting mid-row of another tensor is a ValueError."""
+    op = "quantize_rowwise_fp8"
+    require_fp8_dlpack(op)
+    x, m, k = _matrix(op, x, 16, "row-wise FP8 (the scaled GEMMs' 16-byte FP8 rows)")
+    fp8_dtype = fp8_dtype_of(fp8_dtype, op)
+    out = torch.empty(*x.shape, dtype=fp8_dtype, device=x.device)
+    scale_inv = torch.empty(m, dtype=torch.float32, device=x.device)
+    _C.quantize_rowwise_fp8(x, out, scale_inv, stream_for(x))
+    return out, scale_inv
+
+
 def quantize_block_fp8_rowcol(x, fp8_dtype=torch.float8_e4m3fn, *, rowwise=True, columnwise=True,
                               col_sums=False):
     """1x128 block quantization along both dimensions from one read of x

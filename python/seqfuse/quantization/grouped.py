@@ -31,6 +31,14 @@ every transposed block as columns of one [K, Mp] tensor, with the per-expert
 scale inverses 256 bytes apart (what cuBLASLt wants of per-tensor scales).
 The values are the per-expert casts' bit for bit.
 
+The device-split route (row counts on the GPU, torch's row-wise scaled
+grouped GEMM) takes the experts' weights as one stack: ``stacked_weights_fp8``
+casts W [G, N, K] with each expert's current scale into one [G, N, K] and
+one transposed [G, K, N] copy (one call), with the dequantization factors
+laid out per row as that GEMM reads them.  Its activations and gradients
+are cast one scale per row (seqfuse.ops.quant.quantize_rowwise_fp8), which
+needs no row counts at all.
+
 Where the one call does not apply, ``quantize_grouped`` returns None and
 the module casts expert by expert with its role quantizers (the same
 values): block scaling (its own kernels), delayed scaling's first casts (a
@@ -48,7 +56,8 @@ from ..ops import moe as moe_ops
 from . import recompute, stats
 from .tensor import Float8Tensor
 
-__all__ = ["GroupedFloat8", "note_grouped", "quantize_grouped", "weight_pairs"]
+__all__ = ["GroupedFloat8", "StackedFloat8", "note_grouped", "quantize_grouped", "stacked_weights_fp8",
+           "weight_pairs"]
 
 _log = logging.getLogger("seqfuse")
 
@@ -72,6 +81,30 @@ class GroupedFloat8:
         """Each expert's transposed block [K, padded[g]] of ``data_t`` (the
         weight gradient's operands; their scale inverses are ``scale_inv``)."""
         return list(self.data_t.split(self.padded, 1))
+
+
+class StackedFloat8:
+    """The E4M3 operands of G stacked expert weights W [G, N, K] for the
+    device-split FP8 route: ``data`` [G, N, K] (the forward product's) and
+    ``data_t`` [G, K, N] (the input gradient's), each expert cast with its
+    own current scale (max |W_g|), and the dequantization factors as the
+    row-wise scaled GEMM reads them: ``row_scale_inv`` [G, N] and
+    ``row_scale_inv_t`` [G, K], expert g's one factor repeated."""
+
+    __slots__ = ("data", "data_t", "row_scale_inv", "row_scale_inv_t")
+
+    def __init__(self, data, data_t, row_scale_inv, row_scale_inv_t):
+        self.data, self.data_t = data, data_t
+        self.row_scale_inv, self.row_scale_inv_t = row_scale_inv, row_scale_inv_t
+
+
+def stacked_weights_fp8(stacked, margin=0):
+    """StackedFloat8 of ``stacked`` [G, N, K] (one C call for both copies,
+    ops.moe.cast_fp8_current_stacked, and two small fills of the factors)."""
+    G, N, K = stacked.shape
+    data, data_t, si = moe_ops.cast_fp8_current_stacked(stacked.detach(), torch.float8_e4m3fn, margin=margin)
+    col = si.view(G, 1)
+    return StackedFloat8(data, data_t, col.expand(G, N).contiguous(), col.expand(G, K).contiguous())
 
 
 def note_grouped(text, *args):

@@ -1,0 +1,291 @@
+"""The device-split route in FP8: GroupedLinear / GroupedMLP under
+Float8CurrentScaling (E4M3) with the routing counts on the GPU.
+
+Its pieces: the row-wise cast (ops.quant.quantize_rowwise_fp8, one scale
+per row, in C with a CPU reference), the stacked weights' per-expert cast
+(ops.moe.cast_fp8_current_stacked, quantization.grouped.stacked_weights_fp8)
+and torch's row-wise scaled grouped GEMM (ops.moe.grouped_gemm_device_fp8).
+The CPU tests pin the cast's values bit for bit against plain torch, the
+argument checks, the recipes the route refuses and the weight cache; the
+cuda-marked ones compare the products with float64 references computed
+from the very FP8 operands, the layer with its bfloat16 result, and check
+that a GroupedMLP FP8 step never waits on the host."""
+import logging
+
+import pytest
+import torch
+
+from seqfuse.common import notes as notes_module
+from seqfuse.common.recipe import DelayedScaling, Float8CurrentScaling, Format
+from seqfuse.modules import GroupedLinear, GroupedMLP
+from seqfuse.ops import moe
+from seqfuse.ops import quant
+from seqfuse.quantization import fp8_autocast
+from seqfuse.quantization.grouped import stacked_weights_fp8
+
+from helpers import REL_TOL, needs_fp8, rel_error
+
+pytestmark = needs_fp8
+
+E4M3 = Float8CurrentScaling(fp8_format=Format.E4M3)
+
+
+def rowwise_ref(x, fp8_dtype=torch.float8_e4m3fn):
+    """quantize_rowwise_fp8 in plain torch (float32 arithmetic, as the C
+    backends): s = fp8_max / row amax (1 for an all-zero row)."""
+    fmax = torch.finfo(fp8_dtype).max
+    xf = x.float()
+    amax = xf.abs().amax(-1)
+    s = torch.where(amax == 0, torch.ones_like(amax), torch.tensor(fmax) / amax)
+    q = (xf * s[:, None]).clamp(-fmax, fmax).to(fp8_dtype)
+    return q, 1.0 / s
+
+
+def rowwise_input(m, k, dtype, device="cpu"):
+    """Rows spread over binades, one all-zero row and one of a single value."""
+    x = torch.randn(m, k, device=device) * torch.logspace(-6, 6, m, base=2.0, device=device)[:, None]
+    x[1] = 0.0
+    x[2] = 0.0
+    x[2, 5] = -3.0
+    return x.to(dtype)
+
+
+# ---- the row-wise cast ------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("k", [16, 48, 272])
+def test_rowwise_cast_matches_plain_torch(dtype, fp8_dtype, k, seed):
+    x = rowwise_input(37, k, dtype)
+    q, si = quant.quantize_rowwise_fp8(x, fp8_dtype)
+    rq, rsi = rowwise_ref(x, fp8_dtype)
+    assert q.dtype == fp8_dtype and si.shape == (37,) and si.dtype == torch.float32
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    assert torch.equal(si, rsi)
+    assert si[1] == 1.0  # the all-zero row
+    # dequantized, every row within the format's relative step of x
+    deq = q.double() * si.double()[:, None]
+    step = 2.0 ** -4 if fp8_dtype == torch.float8_e4m3fn else 2.0 ** -3
+    err = (deq - x.double()).abs()
+    assert (err <= step * x.double().abs().amax(-1, keepdim=True) + 1e-30).all()
+
+
+def test_rowwise_cast_leading_dims_and_checks():
+    x = torch.randn(2, 3, 32)
+    q, si = quant.quantize_rowwise_fp8(x)
+    assert q.shape == (2, 3, 32) and si.shape == (6,)
+    with pytest.raises(ValueError, match="K = 20.*multiple of 16"):
+        quant.quantize_rowwise_fp8(torch.randn(4, 20))
+    with pytest.raises(ValueError, match="'x' must be 16-byte aligned"):
+        quant.quantize_rowwise_fp8(torch.randn(65)[1:].view(4, 16))
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
+        quant.quantize_rowwise_fp8(torch.ones(4, 16, dtype=torch.int32))
+
+
+# ---- the stacked weights' cast ---------------------------------------------------------
+
+def test_stacked_cast_equals_the_list_cast(seed):
+    w = torch.randn(3, 32, 48) * torch.tensor([1.0, 1e-3, 50.0])[:, None, None]
+    data, data_t, si = moe.cast_fp8_current_stacked(w, torch.float8_e4m3fn)
+    ldata, ldata_t, lsi, _, _ = moe.cast_fp8_current_list(list(w.unbind(0)), torch.float8_e4m3fn)
+    assert data.shape == (3, 32, 48) and data_t.shape == (3, 48, 32) and si.is_contiguous()
+    for g in range(3):
+        assert torch.equal(data[g].view(torch.uint8), ldata[g].view(torch.uint8))
+        assert torch.equal(data_t[g].view(torch.uint8), ldata_t[g].view(torch.uint8))
+        assert si[g] == lsi[g]
+    ops = stacked_weights_fp8(w)
+    assert torch.equal(ops.row_scale_inv, si[:, None].expand(3, 32))
+    assert torch.equal(ops.row_scale_inv_t, si[:, None].expand(3, 48))
+    with pytest.raises(ValueError, match="\\[G, N, K\\] stack"):
+        moe.cast_fp8_current_stacked(torch.randn(32, 48), torch.float8_e4m3fn)
+
+
+# ---- the GEMM's argument checks (shapes first: reachable on the CPU) ---------------------
+
+def test_grouped_gemm_device_fp8_checks():
+    f8 = torch.float8_e4m3fn
+    a, b = torch.zeros(8, 32).to(f8), torch.zeros(2, 16, 32).to(f8)
+    sa, sb = torch.ones(8), torch.ones(2, 16)
+    offs = torch.tensor([4, 8], dtype=torch.int32)
+    with pytest.raises(TypeError, match="'offsets' must be a 1-D int32"):
+        moe.grouped_gemm_device_fp8(a, sa, b, sb, offs.long())
+    with pytest.raises(ValueError, match="b \\[G, N, K\\] with G = 3"):
+        moe.grouped_gemm_device_fp8(a, sa, b, sb, torch.tensor([2, 4, 8], dtype=torch.int32))
+    with pytest.raises(ValueError, match="a has 32 columns but each group of b has 16"):
+        moe.grouped_gemm_device_fp8(a, sa, torch.zeros(2, 32, 16).to(f8), torch.ones(2, 32), offs)
+    with pytest.raises(ValueError, match="multiples of 16, got K = 32, N = 8"):
+        moe.grouped_gemm_device_fp8(a, sa, torch.zeros(2, 8, 32).to(f8), torch.ones(2, 8), offs)
+    with pytest.raises(ValueError, match="'a_scale_inv' must have shape \\[M\\] = \\[8\\]"):
+        moe.grouped_gemm_device_fp8(a, torch.ones(8, 1), b, sb, offs)
+    with pytest.raises(ValueError, match="'b_scale_inv' must have shape \\[G, N\\] = \\[2, 16\\]"):
+        moe.grouped_gemm_device_fp8(a, sa, b, torch.ones(2), offs)
+    with pytest.raises(TypeError, match="'a' must be a float8_e4m3fn CUDA tensor"):
+        moe.grouped_gemm_device_fp8(a.to(torch.float8_e5m2), sa, b, sb, offs)
+    with pytest.raises(TypeError, match="'a' must be a float8_e4m3fn CUDA tensor"):
+        moe.grouped_gemm_device_fp8(a, sa, b, sb, offs)  # on the CPU
+
+
+# ---- which recipes take the route ----------------------------------------------------------
+
+@pytest.mark.parametrize("recipe, words", [
+    (DelayedScaling(), "DelayedScaling takes host row counts"),
+    (Float8CurrentScaling(), "fp8_format=HYBRID"),
+    (Float8CurrentScaling(fp8_format=Format.E4M3, margin=1), "margin=1"),
+    (E4M3, "not on a CUDA device"),  # accepted by the recipe: the device check speaks next
+])
+def test_fp8_device_split_refusals(recipe, words):
+    gl = GroupedLinear(2, 32, 32, bias=False, device="cpu")
+    with fp8_autocast(fp8_recipe=recipe):
+        assert words in gl.device_split_refusal(torch.randn(4, 32))
+
+
+def test_fp8_device_split_needs_features_of_16():
+    x = torch.randn(4, 24)
+    assert "multiples of 16" in moe.device_split_refusal(x, torch.bfloat16, (24, 32), fp8=True)
+    assert moe.device_split_refusal(x, torch.bfloat16, (24, 32)) == "the input is not on a CUDA device"
+
+
+def test_fp8_device_weights_cast_once_per_update(seed):
+    """The stacked FP8 weights are reused until a weight changes (its
+    version) or moves (its storage); is_first_microbatch False reuses, True
+    re-casts."""
+    gl = GroupedLinear(3, 32, 16, bias=False, device="cpu")
+    first = gl._device_fp8_weights(gl.stacked_weights(), None)
+    assert gl._device_fp8_weights(gl.stacked_weights(), None) is first
+    assert gl.fp8_device_weight_casts == 1
+    with torch.no_grad():
+        gl.weight1.mul_(2.0)
+    second = gl._device_fp8_weights(gl.stacked_weights(), None)
+    assert second is not first and gl.fp8_device_weight_casts == 2
+    assert torch.equal(second.row_scale_inv[1], first.row_scale_inv[1] * 2)
+    assert gl._device_fp8_weights(gl.stacked_weights(), False) is second
+    assert gl._device_fp8_weights(gl.stacked_weights(), True) is not second
+    gl.to(torch.bfloat16)  # new storage
+    gl._device_fp8_weights(gl.stacked_weights(), None)
+    assert gl.fp8_device_weight_casts == 4
+
+
+# ---- CUDA: the products against float64 of their own FP8 operands ----------------------
+
+CUDA_SPLITS = [[128, 256, 64, 512], [0, 300, 0, 1, 77, 0], [1000], [0, 0, 0, 5]]
+
+
+def dequant(q, si):
+    return q.double() * si.double()[..., None]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("splits", CUDA_SPLITS, ids=["balanced", "empty", "single", "mostly_empty"])
+@pytest.mark.parametrize("fast_accum", [True, False])
+def test_grouped_gemm_device_fp8_matches_float64(splits, fast_accum, seed):
+    k, n, G, M = 256, 192, len(splits), sum(splits)
+    x = torch.randn(M, k, device="cuda").bfloat16()
+    w = torch.randn(G, n, k, device="cuda").bfloat16()
+    xq, xs = quant.quantize_rowwise_fp8(x)
+    wq, wt, wsi = moe.cast_fp8_current_stacked(w, torch.float8_e4m3fn)
+    offsets = moe.device_split_offsets(torch.tensor(splits, device="cuda"), M)
+    torch.full((4 * M * max(k, n),), float("nan"), dtype=torch.bfloat16, device="cuda")  # poison freed blocks
+    y = moe.grouped_gemm_device_fp8(xq, xs, wq, wsi[:, None].expand(G, n), offsets, fast_accum=fast_accum)
+    assert y.shape == (M, n) and y.dtype == torch.bfloat16
+    xd, o = dequant(xq, xs), 0
+    for g, m in enumerate(splits):
+        if m:
+            ref = xd[o:o + m] @ (wq[g].double() * wsi[g].double()).t()
+            assert rel_error(y[o:o + m], ref) <= REL_TOL[torch.bfloat16]
+        o += m
+    # the input-gradient form: b = the transposed copies
+    dy = torch.randn(M, n, device="cuda").bfloat16()
+    dq, ds = quant.quantize_rowwise_fp8(dy)
+    dx = moe.grouped_gemm_device_fp8(dq, ds, wt, wsi[:, None].expand(G, k), offsets, fast_accum=fast_accum)
+    dd, o = dequant(dq, ds), 0
+    for g, m in enumerate(splits):
+        if m:
+            assert rel_error(dx[o:o + m], dd[o:o + m] @ (wq[g].double() * wsi[g].double())) <= REL_TOL[torch.bfloat16]
+        o += m
+
+
+def fp8_layer_ref(x, w, dy, splits):
+    """float64 forward and input gradient of the route from its own FP8
+    operands (row-wise x and dy, per-expert W), and the bfloat16-input
+    weight gradient."""
+    xq, xs = rowwise_ref(x)
+    dq, ds = rowwise_ref(dy)
+    y, dx, dw, o = [], [], [], 0
+    for g, m in enumerate(splits):
+        amax = w[g].float().abs().amax()
+        s = torch.tensor(448.0, device=w.device) / amax
+        wd = (w[g].float() * s).to(torch.float8_e4m3fn).double() / s.double()
+        y.append(dequant(xq[o:o + m], xs[o:o + m]) @ wd.t())
+        dx.append(dequant(dq[o:o + m], ds[o:o + m]) @ wd)
+        dw.append(dy[o:o + m].double().t() @ x[o:o + m].double())
+        o += m
+    return torch.cat(y), torch.cat(dx), dw
+
+
+@pytest.mark.cuda
+def test_grouped_linear_fp8_device_split(monkeypatch, caplog, seed):
+    """GroupedLinear with a CUDA m_splits under Float8CurrentScaling(E4M3):
+    the FP8 route's output and input gradient equal float64 of its FP8
+    operands, its weight gradients the bfloat16 ones; against the bfloat16
+    layer the FP8 error stays at E4M3's size; the route is named once."""
+    monkeypatch.setattr(notes_module, "_noted", set())
+    caplog.set_level(logging.INFO, logger="seqfuse")
+    splits = [40, 0, 300, 17, 123]
+    G, fin, fout = len(splits), 128, 256
+    gl = GroupedLinear(G, fin, fout, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(sum(splits), fin, device="cuda").bfloat16().requires_grad_()
+    dy = torch.randn(sum(splits), fout, device="cuda").bfloat16()
+    counts = torch.tensor(splits, device="cuda")
+    with fp8_autocast(fp8_recipe=E4M3):
+        y = gl(x, counts)
+    y.backward(dy)
+    ry, rdx, rdw = fp8_layer_ref(x.detach(), gl.stacked_weights(), dy, splits)
+    assert rel_error(y, ry) <= REL_TOL[torch.bfloat16]
+    assert rel_error(x.grad, rdx) <= REL_TOL[torch.bfloat16]
+    for g, w in enumerate(gl.weights()):
+        if splits[g]:
+            assert rel_error(w.grad, rdw[g]) <= REL_TOL[torch.bfloat16]
+        else:
+            assert torch.equal(w.grad, torch.zeros_like(w.grad))
+    # against the bfloat16 layer: E4M3's error (a relative step of 2^-4 per operand), not more
+    yb = gl(x.detach(), splits)
+    assert rel_error(y, yb) <= 0.1
+    lines = [r.getMessage() for r in caplog.records if "one scale per row" in r.getMessage()]
+    assert len(lines) == 1
+
+
+@pytest.mark.cuda
+def test_grouped_mlp_fp8_device_split_never_waits_on_the_host(seed):
+    """A GroupedMLP step under Float8CurrentScaling(E4M3) takes the routing
+    counts on the GPU (no synchronizing call in forward or backward, over
+    two steps with a weight update between: the weights are cast again),
+    and stays at E4M3's error from the bfloat16 block."""
+    H, Fh, E = 256, 512, 8
+    dev = GroupedMLP(H, Fh, E, 2, params_dtype=torch.bfloat16, device="cuda")
+    ref = GroupedMLP(H, Fh, E, 2, params_dtype=torch.bfloat16, device="cuda", device_splits=False)
+    ref.load_state_dict(dev.state_dict())
+    x = torch.randn(2, 333, H, device="cuda").bfloat16()
+    g = torch.randn(2, 333, H, device="cuda").bfloat16()
+    xd, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(2):
+            xd.grad = None
+            dev.zero_grad(set_to_none=True)
+            with fp8_autocast(fp8_recipe=E4M3):
+                yd = dev(xd)
+            (yd * g).sum().backward()
+            if step == 0:
+                with torch.no_grad():
+                    for p in dev.parameters():
+                        p.mul_(1.0)  # a new version: the next step casts the weights again
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert dev.fc1.fp8_device_weight_casts == dev.fc2.fp8_device_weight_casts == 2
+    yr = ref(xr)
+    (yr * g).sum().backward()
+    assert rel_error(yd, yr) <= 0.1
+    assert rel_error(xd.grad, xr.grad) <= 0.1
+    for (n, pd), (_, pr) in zip(dev.named_parameters(), ref.named_parameters()):
+        assert rel_error(pd.grad, pr.grad) <= 0.1, n
