@@ -56,6 +56,13 @@ Rows (``--rows``):
                       the same recipe with the counts read to the host
                       (seqfuse's cuBLASLt FP8 grouped GEMMs, all three
                       products in FP8, per-expert scales);
+  seqfusegraph_bf16_torch_adamw, seqfusegraph_fp8_current_e4m3_torch_adamw
+                      the same models with every decoder layer captured as
+                      CUDA graphs (DecoderStack.graph_layers) for the
+                      [batch, seq] windows, fed as unpadded bshd batches
+                      (the same tokens and causal windows as the packed
+                      rows): what the step gives once its host work is two
+                      graph launches a layer;
   seqfuse_bf16_hostsplits_torch_adamw
                       seqfuse_bf16_torch_adamw with the routing counts read
                       to the host in every MoE block (GroupedMLP's
@@ -111,7 +118,8 @@ from mixtral_recipe import trainer as recipe  # noqa: E402
 ROWS = ("hf_bf16", "hf_bf16_loop", "hf_bf16_compile", "hf_bf16_liger", "seqfuse_bf16", "seqfuse_bf16_torch_adamw", "seqfuse_bf16_hostsplits_torch_adamw", "seqfuse_fp8_delayed",
         "seqfuse_fp8_current", "seqfuse_fp8_block", "seqfuse_fp8_delayed_torch_adamw",
         "seqfuse_fp8_current_torch_adamw", "seqfuse_fp8_current_e4m3_torch_adamw",
-        "seqfuse_fp8_current_e4m3_hostsplits_torch_adamw")
+        "seqfuse_fp8_current_e4m3_hostsplits_torch_adamw", "seqfusegraph_bf16_torch_adamw",
+        "seqfusegraph_fp8_current_e4m3_torch_adamw")
 DEFAULT_ROWS = ("hf_bf16", "hf_bf16_loop", "hf_bf16_compile", "hf_bf16_liger", "seqfuse_bf16", "seqfuse_bf16_torch_adamw", "seqfuse_fp8_delayed",
                 "seqfuse_fp8_block")
 MEASURED_TFLOPS = 794.0  # the project's measured H200 bf16 ceiling (benchmarks/harness.py)
@@ -150,8 +158,9 @@ def torch_adamw(model, cfg, device):
                              weight_decay=float(t.weight_decay), fused=device.type == "cuda")
 
 
-def build_row(name, cfg, mcfg, device, dtype, seed):
-    """(model, optimizer, context, forward) of a row."""
+def build_row(name, cfg, mcfg, device, dtype, seed, shape=None):
+    """(model, optimizer, context, forward) of a row (``shape``: the batches' [batch, seq], which a
+    graphed row captures)."""
     from seqfuse.pytorch import autocast
 
     if name.startswith("hf_"):
@@ -174,7 +183,8 @@ def build_row(name, cfg, mcfg, device, dtype, seed):
     hf = build_hf(mcfg, device, dtype, "eager", seed)
     model = from_hf_model(hf)
     del hf
-    fp8 = name[len("seqfuse_"):].removesuffix("_torch_adamw").removesuffix("_hostsplits")
+    graphed = name.startswith("seqfusegraph_")
+    fp8 = name.split("_", 1)[1].removesuffix("_torch_adamw").removesuffix("_hostsplits")
     overrides = []
     if fp8.endswith("_e4m3"):
         fp8 = fp8.removesuffix("_e4m3")
@@ -190,13 +200,26 @@ def build_row(name, cfg, mcfg, device, dtype, seed):
     def context():
         return autocast(enabled=fp8_recipe is not None, recipe=fp8_recipe)
 
+    if graphed:
+        # every decoder layer's forward and backward as CUDA graphs for the [batch, seq] windows (bshd,
+        # unpadded: the same tokens and causal attention as the packed rows, whose cu_seqlens cut the
+        # batch into those very windows); the step's host work is then two graph launches a layer
+        model.train()
+        model.model.graph_layers(*shape, fp8_recipe=fp8_recipe)
+        aux = float(model.config.router_aux_loss_coef) > 0
+
+        def forward(b):
+            return model(input_ids=b["input_ids"].view(b["shape"]), labels=b["labels"].view(b["shape"]),
+                         output_router_logits=aux).loss
+        return model, opt, context, forward
+
     def forward(b):
         return recipe.forward_loss(model, b)
     return model, opt, context, forward
 
 
 def run_row(name, cfg, mcfg, batches, device, dtype, seed, profile=None, profile_steps=2, warm_passes=1):
-    model, opt, context, forward = build_row(name, cfg, mcfg, device, dtype, seed)
+    model, opt, context, forward = build_row(name, cfg, mcfg, device, dtype, seed, batches[0]["shape"])
     model.train()
 
     def step(b):

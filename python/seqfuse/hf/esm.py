@@ -46,11 +46,11 @@ from ..modules.attention import padding_mask_layout
 from ..modules.linear import Linear
 from ..modules.norm import LayerNorm
 from ..modules.rope import RotaryPositionEmbedding
-from ..quantization.autocast import get_recipe, is_fp8_enabled
 from ..quantization.graphs import make_graphed_callables
 from ..quantization.recompute import checkpoint
 from ..modules.transformer_layer import TransformerLayer
 from .esm_config import SeqfuseEsmConfig
+from .layer_graphs import LayerGraphs, check_graphable
 from .pretrained import SeqfusePreTrainedModel, default_device, init_by_name, register_auto
 
 logger = logging.getLogger(__name__)
@@ -196,8 +196,7 @@ class SeqfuseEsmModel(SeqfuseEsmPreTrainedModel):
         self.encoder = SeqfuseEsmEncoder(config)
         self.contact_head = SeqfuseEsmContactPredictionHead(config.num_hidden_layers * config.num_attention_heads)
         self.activation_checkpointing = False  # set_activation_checkpointing
-        self._graphed = None  # graph_layers: ((b, s), fp8 recipe or None, graphed layer callables)
-        self._graph_skips = set()  # reasons already logged for running the layers eagerly
+        self._layer_graphs = LayerGraphs("SeqfuseEsmModel")  # graph_layers
         self.post_init()
 
     def graph_layers(self, batch_size, seq_len, fp8_recipe=None, num_warmup_iters=3):
@@ -210,21 +209,11 @@ class SeqfuseEsmModel(SeqfuseEsmPreTrainedModel):
         one device (not FSDP-sharded).  The layers' weights stay the same
         Parameters: optimizer steps are seen by the next replay."""
         cfg = self.config
-        if not torch.cuda.is_available() or self.embeddings.word_embeddings.weight.device.type != "cuda":
-            raise RuntimeError("SeqfuseEsmModel.graph_layers: CUDA graphs need the model on a CUDA device")
-        if cfg.hidden_dropout_prob or cfg.attention_probs_dropout_prob:
-            raise ValueError(f"SeqfuseEsmModel.graph_layers: dropout must be 0 to graph the layers (a graph "
-                             f"replays one random mask), got hidden_dropout_prob={cfg.hidden_dropout_prob}, "
-                             f"attention_probs_dropout_prob={cfg.attention_probs_dropout_prob}")
-        if self.activation_checkpointing:
-            raise ValueError("SeqfuseEsmModel.graph_layers: activation checkpointing is on; graphed layers keep "
-                             "their activations in the graphs' memory (turn one of them off)")
-        for name, v in (("batch_size", batch_size), ("seq_len", seq_len)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"SeqfuseEsmModel.graph_layers: argument '{name}' must be a positive int, got {v!r}")
-        if not self.training:
-            raise ValueError("SeqfuseEsmModel.graph_layers: call it in training mode (model.train()); "
-                             "eval calls run eagerly")
+        dropout = (f"hidden_dropout_prob={cfg.hidden_dropout_prob}, "
+                   f"attention_probs_dropout_prob={cfg.attention_probs_dropout_prob}"
+                   if cfg.hidden_dropout_prob or cfg.attention_probs_dropout_prob else None)
+        check_graphable("SeqfuseEsmModel", self.embeddings.word_embeddings.weight.device.type == "cuda", dropout,
+                        self.activation_checkpointing, self.training, batch_size, seq_len)
         w = self.embeddings.word_embeddings.weight
         x = torch.randn(batch_size, seq_len, cfg.hidden_size, device=w.device, dtype=w.dtype, requires_grad=True)
         freqs = self.rotary_embeddings(seq_len)
@@ -232,37 +221,20 @@ class SeqfuseEsmModel(SeqfuseEsmPreTrainedModel):
         sample = tuple((x.detach().clone().requires_grad_(True), freqs) for _ in layers)
         graphed = make_graphed_callables(layers, sample, num_warmup_iters=num_warmup_iters,
                                          fp8_enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe)
-        self._graphed = ((batch_size, seq_len), fp8_recipe, tuple(graphed))
-        self._graph_skips.clear()
+        self._layer_graphs.set((batch_size, seq_len), fp8_recipe, graphed)
         return self
 
     def _graphs_for(self, input_ids, attention_mask, packed, output_hidden_states):
         """The graphed layers when this call may replay them, else None (the
         reason logged once)."""
-        if self._graphed is None:
-            return None
-        shape, recipe, graphed = self._graphed
         reason = None
-        if not (self.training and torch.is_grad_enabled()):
-            reason = "not training (eval mode or no grad)"
-        elif packed:
+        if packed:
             reason = "packed (thd) call"
-        elif tuple(input_ids.shape) != shape:
-            reason = f"input_ids {tuple(input_ids.shape)}, graphed for {shape}"
-        elif attention_mask is not None and not bool(attention_mask.all()):
+        elif attention_mask is not None and self._layer_graphs.graphed is not None and not bool(attention_mask.all()):
             reason = "padded call (attention_mask has zeros)"
         elif output_hidden_states:
             reason = "output_hidden_states"
-        if reason is None:
-            active = get_recipe() if is_fp8_enabled() else None
-            if (active is None) != (recipe is None) or (recipe is not None and type(active) is not type(recipe)):
-                raise ValueError(f"SeqfuseEsmModel: the layers were graphed with fp8_recipe={recipe!r} but this "
-                                 f"call runs under {active!r}: call graph_layers again with this recipe")
-            return graphed
-        if reason not in self._graph_skips:
-            self._graph_skips.add(reason)
-            logger.warning("SeqfuseEsmModel: graphed layers not used, layers run eagerly: %s", reason)
-        return None
+        return self._layer_graphs.for_call(self.training, input_ids.shape, reason)
 
     def get_input_embeddings(self):
         return self.embeddings.word_embeddings

@@ -62,12 +62,15 @@ from transformers.modeling_outputs import BaseModelOutput, CausalLMOutput
 
 from ..modules.attention import padding_mask_layout
 from ..modules.cross_entropy import cross_entropy
+from ..modules.moe import GroupedMLP, RoutedExperts
 from ..modules.norm import RMSNorm
 from ..modules.rope import RotaryPositionEmbedding
 from ..modules.transformer_layer import TransformerLayer
+from ..quantization.graphs import make_graphed_callables
 from ..quantization.recompute import checkpoint
 from .attention import cu_seqlens_of_positions, is_packed_positions
 from .generation import CachedGenerate
+from .layer_graphs import LayerGraphs, check_graphable
 from .llama_config import SeqfuseLlamaConfig, rope_inv_freq
 from .lm_layout import IGNORE_INDEX, Layout
 from .pretrained import SeqfusePreTrainedModel, TiedCausalLM, default_device, init_by_name, register_auto
@@ -94,6 +97,20 @@ class SeqfuseLlamaRotaryEmbedding(RotaryPositionEmbedding):
             keep = before if not before.is_meta and not self.inv_freq.is_meta else self.inv_freq
             self.inv_freq = keep.to(device=self.inv_freq.device, dtype=torch.float32)
         return self
+
+
+class _BshdLayer(nn.Module):
+    """One decoder layer called on an unpadded bshd batch with its inputs
+    positional (hidden states, rotary table): the form CUDA graph capture
+    takes.  Holds the layer; the model does not register it, so state_dict
+    keys are unchanged."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x, freqs):
+        return self.layer(x, rotary_pos_emb=freqs, self_attn_mask_type="causal", qkv_format="bshd")
 
 
 def make_layer(config, layer_number):
@@ -142,6 +159,46 @@ class DecoderStack:
 
     _headless_ignores = ("lm_head.",)
 
+    def graph_layers(self, batch_size, seq_len, fp8_recipe=None, num_warmup_iters=3):
+        """Capture every decoder layer's forward and backward as CUDA graphs
+        for unpadded bshd batches of exactly [batch_size, seq_len] (no
+        attention_mask, or one of all ones) in training mode, with FP8 under
+        ``fp8_recipe`` (None: the model's dtype); afterwards such calls
+        replay the graphs (layer_graphs.py): run them under
+        ``seqfuse.pytorch.autocast`` with the same recipe (checked).  Needs
+        CUDA, no attention dropout, no activation checkpointing or context
+        parallelism, parameters on one device (not FSDP-sharded), and a
+        step with no host read: a mixture-of-experts layer whose routing
+        counts would be read to the host under this recipe (GroupedMLP's
+        device-split route refused) is a ValueError with its reason.  The
+        weights stay the same Parameters: optimizer steps are seen by the
+        next replay (FP8 weight casts run inside the graphs)."""
+        owner = type(self).__name__
+        cfg = self.config
+        w = self.embed_tokens.weight
+        dropout = f"attention_dropout={cfg.attention_dropout}" if cfg.attention_dropout else None
+        check_graphable(owner, w.device.type == "cuda", dropout, self.activation_checkpointing, self.training,
+                        batch_size, seq_len)
+        if getattr(self, "cp_group", None) is not None:
+            raise ValueError(f"{owner}.graph_layers: context parallelism is on; its layers exchange keys and "
+                             "values per call, outside what the graphs hold")
+        x = torch.randn(batch_size, seq_len, cfg.hidden_size, device=w.device, dtype=w.dtype, requires_grad=True)
+        for m in self.modules():
+            if not isinstance(m, RoutedExperts):
+                continue
+            why = (m.device_split_refusal(x, fp8_recipe) if isinstance(m, GroupedMLP)
+                   else f"{type(m).__name__} sizes its token exchange on the host")
+            if why is not None:
+                raise ValueError(f"{owner}.graph_layers: the experts' routing counts would be read to the host "
+                                 f"at every step, which a CUDA graph cannot hold: {why}")
+        freqs = self.rotary_emb(seq_len)
+        layers = tuple(_BshdLayer(layer) for layer in self.layers)
+        sample = tuple((x.detach().clone().requires_grad_(True), freqs) for _ in layers)
+        graphed = make_graphed_callables(layers, sample, num_warmup_iters=num_warmup_iters,
+                                         fp8_enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe)
+        self._layer_graphs.set((batch_size, seq_len), fp8_recipe, graphed)
+        return self
+
     def build_stack(self, config, make_layer):
         """Make the modules for ``config``, in this order (the state dict's);
         ``make_layer(config, layer_number)`` builds one decoder layer
@@ -152,6 +209,7 @@ class DecoderStack:
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, device=default_device())
         self.rotary_emb = SeqfuseLlamaRotaryEmbedding(config, device=default_device())
         self.activation_checkpointing = False  # set_activation_checkpointing
+        self._layer_graphs = LayerGraphs(type(self).__name__)  # graph_layers
 
     def get_input_embeddings(self):
         return self.embed_tokens
@@ -297,6 +355,18 @@ def run_layers(model, input_ids, layout, output_hidden_states=False, layer_extra
     freqs = model.rotary_emb(layout.rope_len)
     hidden = [] if output_hidden_states else None
     extras = []
+    graphs = model._layer_graphs
+    if graphs.graphed is not None:
+        reason = ("packed (thd) call" if layout.packed else "padded call (attention_mask has zeros)"
+                  if "attention_mask" in layout.layer_kw else "output_hidden_states" if hidden is not None else None)
+        graphed = graphs.for_call(model.training, shape, reason)
+        if graphed is not None:
+            for layer in graphed:
+                x = layer(x, freqs)
+                if layer_extras:
+                    x, extra = x
+                    extras.append(extra)
+            return model.norm(x), None, extras
     recompute = model.activation_checkpointing and model.training and torch.is_grad_enabled()
     for layer in model.layers:
         if hidden is not None:

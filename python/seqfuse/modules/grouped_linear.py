@@ -83,9 +83,12 @@ from . import _fp8 as F8
 from ._base import compute_dtype, default_device, mark_main_grad, set_linear_options
 from ._input import check_input
 
-__all__ = ["GroupedLinear", "GroupedLinearFunction", "DeviceSplitGroupedLinearFunction", "Fp8GroupedLinearFunction"]
+__all__ = ["ACTIVE_RECIPE", "GroupedLinear", "GroupedLinearFunction", "DeviceSplitGroupedLinearFunction", "Fp8GroupedLinearFunction"]
 
 _log = logging.getLogger("seqfuse")
+
+#: device_split_refusal's default: judge for the FP8 autocast active at the call.
+ACTIVE_RECIPE = object()
 
 #: TE arguments accepted with only their default value (parallelism, overlap).
 _TE_DEFAULTS = {"sequence_parallel": False, "tp_group": None, "tp_size": 1, "parallel_mode": None,
@@ -325,12 +328,16 @@ class GroupedLinear(torch.nn.Module):
                                       error_msgs)
         self.restack_weights()
 
-    def device_split_refusal(self, x):
+    def device_split_refusal(self, x, recipe=ACTIVE_RECIPE):
         """Why a call with input rows ``x`` cannot take its row counts on the
-        GPU (the device-split route), or None where it can."""
-        fp8 = _q.is_fp8_enabled()
+        GPU (the device-split route), or None where it can.  ``recipe``: the
+        FP8 recipe the call runs under (None: no FP8); by default the active
+        FP8 autocast's."""
+        if recipe is ACTIVE_RECIPE:
+            recipe = _q.get_recipe() if _q.is_fp8_enabled() else None
+        fp8 = recipe is not None
         if fp8:
-            why = _fp8_device_refusal(_q.get_recipe())
+            why = _fp8_device_refusal(recipe)
             if why is not None:
                 return why
         if self.use_bias and not self.return_bias:

@@ -60,7 +60,7 @@ from ..common.notes import note_once
 from ..ops import moe as moe_ops
 from ._base import default_device
 from ._input import check_input
-from .grouped_linear import GroupedLinear
+from .grouped_linear import ACTIVE_RECIPE, GroupedLinear
 
 __all__ = ["GroupedMLP", "RoutedExperts"]
 
@@ -179,6 +179,14 @@ class GroupedMLP(RoutedExperts):
         self.fc1.reset_parameters()
         self.fc2.reset_parameters()
 
+    def device_split_refusal(self, x, recipe=ACTIVE_RECIPE):
+        """Why a forward of rows ``x`` reads the routing counts to the host
+        (not the device-split route), or None where it does not; ``recipe``
+        as GroupedLinear.device_split_refusal's."""
+        if not self.device_splits:
+            return "device_splits is off"
+        return self.fc1.device_split_refusal(x, recipe) or self.fc2.device_split_refusal(x, recipe)
+
     def extra_repr(self):
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
                 f"num_experts={self.num_experts}, topk={self.topk}, score_function={self.score_function}")
@@ -193,7 +201,7 @@ class GroupedMLP(RoutedExperts):
         row_ids, tokens_per_expert = moe_ops.moe_row_id_map(routing_map)
         why = None
         if self.device_splits and x.is_cuda and x.shape[0]:
-            why = self.fc1.device_split_refusal(x) or self.fc2.device_split_refusal(x)
+            why = self.device_split_refusal(x)
             if why is not None:
                 note_once(_log, "seqfuse GroupedMLP: the routing counts read to the host (one host "
                           "synchronization per forward): %s", why)

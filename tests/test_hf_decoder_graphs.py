@@ -1,0 +1,141 @@
+"""graph_layers of the decoder families (llama.DecoderStack: Llama, Mixtral)
+and the replay rules they share with ESM-2 (hf/layer_graphs.py).
+
+CPU: the replay decision (shape, training, the caller's layout reasons, a
+recipe other than the captured one) and the CUDA precondition.  CUDA: a
+graphed Mixtral (the experts on the device-split route, bf16 and FP8
+current scaling E4M3) and a graphed Llama train as their eager copies over
+several optimizer steps on real DNA (the Llama 3 recipe's committed lambda
+phage windows); FP8 delayed scaling, whose grouped GEMMs read the routing
+counts to the host, is refused with that reason; calls of another shape run
+eagerly and say so once."""
+import copy
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from seqfuse.common.recipe import DelayedScaling, Float8CurrentScaling, Format
+from seqfuse.data import NucleotideTokenizer, read_parquet
+from seqfuse.hf import SeqfuseLlamaConfig, SeqfuseLlamaForCausalLM, SeqfuseMixtralConfig, SeqfuseMixtralForCausalLM
+from seqfuse.hf.layer_graphs import LayerGraphs
+import seqfuse.pytorch as te
+
+SUBSET = Path(__file__).resolve().parents[1] / "recipes" / "llama3" / "data" / "subset"
+E4M3 = Float8CurrentScaling(fp8_format=Format.E4M3)
+
+
+def mixtral(**kw):
+    base = dict(vocab_size=16, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=128, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=512,
+                output_router_logits=True, router_aux_loss_coef=0.02, pad_token_id=0)
+    base.update(kw)
+    return SeqfuseMixtralForCausalLM(SeqfuseMixtralConfig(**base))
+
+
+def llama():
+    return SeqfuseLlamaForCausalLM(SeqfuseLlamaConfig(
+        vocab_size=16, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=256, max_position_embeddings=512, pad_token_id=0))
+
+
+def dna_batches(n, b, s):
+    """n batches [b, s] of consecutive pieces of the committed phage windows."""
+    tok = NucleotideTokenizer()
+    ids = torch.cat([tok.encode(r.sequence, add_special_tokens=False)
+                     for r in read_parquet(SUBSET / "train.parquet")])
+    assert ids.numel() >= n * b * s
+    return [ids[i * b * s:(i + 1) * b * s].view(b, s).cuda() for i in range(n)]
+
+
+# ---- the replay decision (CPU) ---------------------------------------------------------
+
+def test_layer_graphs_replay_rules(caplog):
+    g = LayerGraphs("Owner")
+    assert g.for_call(True, (2, 8)) is None  # nothing captured
+    layers = (lambda x: x,)
+    g.set((2, 8), None, layers)
+    assert g.for_call(True, torch.Size([2, 8])) == layers
+    with caplog.at_level(logging.WARNING):
+        assert g.for_call(True, (3, 8)) is None
+        assert g.for_call(True, (3, 8)) is None
+        assert g.for_call(False, (2, 8)) is None
+        assert g.for_call(True, (2, 8), "packed (thd) call") is None
+    text = [r.getMessage() for r in caplog.records]
+    assert text == ["Owner: graphed layers not used, layers run eagerly: input_ids (3, 8), graphed for (2, 8)",
+                    "Owner: graphed layers not used, layers run eagerly: not training (eval mode or no grad)",
+                    "Owner: graphed layers not used, layers run eagerly: packed (thd) call"]
+    with te.autocast(enabled=True, recipe=E4M3):
+        with pytest.raises(ValueError, match="graphed with fp8_recipe=None but this call runs under"):
+            g.for_call(True, (2, 8))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only refusal")
+def test_graph_layers_needs_cuda():
+    for model in (mixtral(), llama()):
+        with pytest.raises(RuntimeError, match="graph_layers: CUDA graphs need the model on a CUDA device"):
+            model.model.graph_layers(2, 64)
+
+
+# ---- CUDA ----------------------------------------------------------------------------
+
+def train(model, batches, recipe):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses, grads = [], None
+    for ids in batches:
+        with te.autocast(enabled=recipe is not None, recipe=recipe):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, grads
+
+
+def assert_trains_as_eager(make, recipe):
+    torch.manual_seed(0)
+    eager = make().cuda().to(torch.bfloat16).train()
+    graphed = copy.deepcopy(eager)
+    graphed.model.graph_layers(2, 256, fp8_recipe=recipe)
+    batches = dna_batches(4, 2, 256)
+    le, ge = train(eager, batches, recipe)
+    lg, gg = train(graphed, batches, recipe)
+    # the same kernels in the same order: equal up to atomics' order in the backward
+    for a, b in zip(le, lg):
+        assert abs(a - b) <= 1e-2 * abs(a), (le, lg)
+    assert ge.keys() == gg.keys()
+    for n in ge:
+        err = (ge[n].float() - gg[n].float()).norm() / ge[n].float().norm().clamp_min(1e-12)
+        assert err <= 5e-2, (n, float(err))
+    assert le[-1] < le[0]  # the updates were seen by both
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("recipe", [None, E4M3], ids=["bf16", "fp8_current_e4m3"])
+def test_cuda_graphed_mixtral_trains_as_eager(recipe):
+    assert_trains_as_eager(mixtral, recipe)
+
+
+@pytest.mark.cuda
+def test_cuda_graphed_llama_trains_as_eager():
+    assert_trains_as_eager(llama, None)
+
+
+@pytest.mark.cuda
+def test_cuda_graph_layers_refuses_host_reads_and_other_shapes_run_eagerly(caplog):
+    model = mixtral().cuda().to(torch.bfloat16).train()
+    with pytest.raises(ValueError, match="routing counts would be read to the host.*DelayedScaling"):
+        model.model.graph_layers(2, 256, fp8_recipe=DelayedScaling())
+    with pytest.raises(ValueError, match="dropout must be 0"):
+        mixtral(attention_dropout=0.1).cuda().train().model.graph_layers(2, 256)
+    ref = copy.deepcopy(model)
+    model.model.graph_layers(2, 256)
+    ids = dna_batches(1, 3, 128)[0]
+    with caplog.at_level(logging.WARNING, logger="seqfuse"):
+        out = model(input_ids=ids, labels=ids).loss
+        model(input_ids=ids, labels=ids)
+    assert sum("graphed layers not used" in r.getMessage() for r in caplog.records) == 1
+    assert "input_ids (3, 128), graphed for (2, 256)" in caplog.text
+    assert torch.equal(out, ref(input_ids=ids, labels=ids).loss)
