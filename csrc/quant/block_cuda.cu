@@ -3,9 +3,12 @@
  * block_cpu.c bit for bit (same fp8.h math, the same order of operations):
  *
  *   1x128:   one warp per block (4 values per lane), warp-shuffle amax.
- *   row-wise: one warp per row, two passes over it (the amax, then the cast;
- *            the second pass reads the row back from L1/L2), 8 values per
- *            lane and step.
+ *   row-wise: rows of up to 8,192 values: one CTA per row (up to 256
+ *            threads), the row held in registers (8 values a thread and
+ *            vector, up to 4 vectors), a block-wide amax, then the cast: one
+ *            read of x.  Longer rows: one warp per row, two passes over it
+ *            (the amax, then the cast; the second reads the row back from
+ *            L1/L2).
  *   128x128: one 256-thread CTA per block, 64 values per thread held in
  *            registers between the amax and the cast.
  *   MXFP8:   one warp per 32-value block (one value per lane).
@@ -14,6 +17,8 @@
  * These run once per weight update or per activation; they are written for
  * clarity and coalesced access, not tuned like cast_transpose.
  */
+#include <algorithm>
+
 #include "../core/cuda_util.h"
 #include "../core/visit.cuh"
 #include "cast_backend.h"
@@ -124,6 +129,81 @@ __global__ void quant_row_kernel(const T *__restrict__ x, int64_t m, int64_t k, 
             *reinterpret_cast<uint2 *>(out + r * k + c) = make_uint2(w0, w1); /* k % 16 == 0 */
         }
     }
+}
+
+/* One CTA per row (grid-stride over rows), the row in registers: thread t
+ * holds vectors t, t + blockDim.x, ... (VPT of them, 8 values each); k % 8
+ * == 0 and k <= 8 * VPT * blockDim.x. */
+template <typename T, int VPT>
+__global__ void __launch_bounds__(kThreads)
+quant_row_cta_kernel(const T *__restrict__ x, int64_t m, int64_t k, uint8_t *__restrict__ out,
+                     float *__restrict__ scale_inv, int e5m2)
+{
+    __shared__ uint32_t red[kThreads / 32];
+    const int t = threadIdx.x, warps = blockDim.x / 32;
+    const float fmax = sf_fp8_max(e5m2);
+    for (int64_t r = blockIdx.x; r < m; r += gridDim.x) {
+        const T *row = x + r * k;
+        float v[VPT][8];
+        uint32_t am = 0;
+#pragma unroll
+        for (int j = 0; j < VPT; ++j) {
+            const int64_t c = ((int64_t)j * blockDim.x + t) * 8;
+            if (c < k) {
+                ld8(row + c, v[j]);
+#pragma unroll
+                for (int e = 0; e < 8; ++e)
+                    am = max(am, sf_abs_bits(v[j][e]));
+            }
+        }
+        am = warp_max(am);
+        if ((t & 31) == 0)
+            red[t >> 5] = am;
+        __syncthreads();
+        am = 0;
+        for (int w = 0; w < warps; ++w)
+            am = max(am, red[w]);
+        __syncthreads(); /* red is reused by the next row */
+        const float s = sf_scale_from_amax(sf_bits_f32(am), fmax, 1.0f, 1.0f);
+        if (t == 0)
+            scale_inv[r] = __fdiv_rn(1.0f, s);
+#pragma unroll
+        for (int j = 0; j < VPT; ++j) {
+            const int64_t c = ((int64_t)j * blockDim.x + t) * 8;
+            if (c < k) {
+                uint32_t w0 = 0, w1 = 0;
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    w0 |= (uint32_t)cvt1(__fmul_rn(v[j][e], s), e5m2) << (8 * e);
+                    w1 |= (uint32_t)cvt1(__fmul_rn(v[j][e + 4], s), e5m2) << (8 * e);
+                }
+                *reinterpret_cast<uint2 *>(out + r * k + c) = make_uint2(w0, w1);
+            }
+        }
+    }
+}
+
+/* The row-wise cast's launch: a CTA per row where the row fits in its
+ * registers (threads: the row's 8-value vectors rounded up to a warp, at
+ * most kThreads; VPT vectors a thread), else the two-pass warp per row. */
+template <typename T>
+void launch_rows(const sf_block_args *a, int sms, cudaStream_t stream)
+{
+    const T *x = (const T *)a->x;
+    const int64_t vecs = a->k / 8;
+    const int threads = (int)std::min<int64_t>(kThreads, (vecs + 31) / 32 * 32);
+    const int64_t vpt = (vecs + threads - 1) / threads;
+    const unsigned grid = (unsigned)std::min<int64_t>(a->m, (int64_t)sms * 16);
+    float *si = (float *)a->scales;
+    if (vpt == 1)
+        quant_row_cta_kernel<T, 1><<<grid, threads, 0, stream>>>(x, a->m, a->k, a->data, si, a->e5m2);
+    else if (vpt == 2)
+        quant_row_cta_kernel<T, 2><<<grid, threads, 0, stream>>>(x, a->m, a->k, a->data, si, a->e5m2);
+    else if (vpt <= 4)
+        quant_row_cta_kernel<T, 4><<<grid, threads, 0, stream>>>(x, a->m, a->k, a->data, si, a->e5m2);
+    else
+        quant_row_kernel<T><<<sf_grid_size(a->m * 32, kThreads, sms * 16), kThreads, 0, stream>>>(
+            x, a->m, a->k, a->data, si, a->e5m2);
 }
 
 template <typename T>
@@ -439,11 +519,9 @@ void launch_quantize(const sf_block_args *a, int sms, cudaStream_t stream)
                                                              (float *)a->scales, a->scale_ld, a->e5m2);
         break;
     }
-    case SF_BLOCK_FP8_ROW: {
-        int grid = sf_grid_size(a->m * 32, kThreads, sms * 16);
-        quant_row_kernel<T><<<grid, kThreads, 0, stream>>>(x, a->m, a->k, a->data, (float *)a->scales, a->e5m2);
+    case SF_BLOCK_FP8_ROW:
+        launch_rows<T>(a, sms, stream);
         break;
-    }
     case SF_BLOCK_FP8_128X128: {
         int64_t grid = ((a->m + 127) / 128) * a->scale_ld;
         quant_128x128_kernel<T><<<(unsigned)grid, kThreads, 0, stream>>>(

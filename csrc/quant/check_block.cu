@@ -185,6 +185,18 @@ static void bench(void)
            (long long)k, t2, b2 / t2 / 1e9, 100 * b2 / t2 / 1e9 / copy);
     printf("row-wise fp8 quantize bf16 %lldx%lld: %.3f ms = %.2f TB/s (%.0f%% of copy)\n", (long long)m,
            (long long)k, t3, b1 / t3 / 1e9, 100 * b1 / t3 / 1e9 / copy);
+    for (int64_t kk : {1024, 3584, 7168}) { /* Mixtral-small's expert rows: x, the SwiGLU output, fc1's dgrad input */
+        const int64_t mm = m * k / kk / 2; /* (32768 rows at 1,024; fewer at the wider rows: the same buffer) */
+        int64_t sxk[2] = {mm, kk}, srk[1] = {mm};
+        sf_tensor xk, qk, sk;
+        sf_tensor_init(&xk, x, SF_BFLOAT16, 2, sxk, SF_CUDA, 0);
+        sf_tensor_init(&qk, q, SF_FLOAT8_E4M3, 2, sxk, SF_CUDA, 0);
+        sf_tensor_init(&sk, si, SF_FLOAT32, 1, srk, SF_CUDA, 0);
+        const float tk = time_ms([&] { CHECK_SF(sf_quantize_rowwise_fp8(&xk, &qk, &sk, NULL)); });
+        const double bk = (double)mm * kk * 3;
+        printf("row-wise fp8 quantize bf16 %lldx%lld: %.3f ms = %.2f TB/s (%.0f%% of copy)\n", (long long)mm,
+               (long long)kk, tk, bk / tk / 1e9, 100 * bk / tk / 1e9 / copy);
+    }
     cudaFree(x); cudaFree(q); cudaFree(qt); cudaFree(si); cudaFree(sit);
 }
 
@@ -206,7 +218,7 @@ int main(void)
             nvfp4(dt, s[0], s[1]);
         }
     for (sf_dtype dt : dtypes) /* row lengths that are not whole 256-value warp steps */
-        for (int64_t k : {16, 48, 1040, 7168})
+        for (int64_t k : {16, 48, 1040, 2064, 7168, 8200, 12288}) /* CTA per row with 1/2/4 vectors, warp per row */
             fp8_rows(dt, 37, k, SF_FLOAT8_E4M3);
     bench();
     return check_finish("check_block");
