@@ -55,6 +55,7 @@ CASES = {
                            "x"),
     "attention_forward": (lambda: _C.attn_forward(bf16((1, 4, 2, 64)), bf16((1, 4, 2, 64)), bf16((1, 4, 2, 64)), None,
                                           None, bf16((1, 4, 2, 64)), gpu((1, 2, 4)), _CFG, 0), "q"),
+    "quantize_rowwise_fp8": (lambda: _C.quantize_rowwise_fp8(gpu((4, 16)), fp8((4, 16)), gpu(4), 0), "x"),
     "quantize_mxfp8": (lambda: _C.quantize_mxfp8(gpu((2, 32)), fp8((2, 32)), gpu((2, 1), np.uint8), 0), "x"),
     "gemm": (lambda: _C.gemm(gpu((4, 4)), gpu((4, 4)), gpu((4, 4)), 0, 0, None, None, 0, 0, None, None, 0, 0,
                              0, 1, 1.0, None, 0, 0, 0), "a"),

@@ -69,6 +69,17 @@ def test_layer_graphs_replay_rules(caplog):
     with te.autocast(enabled=True, recipe=E4M3):
         with pytest.raises(ValueError, match="graphed with fp8_recipe=None but this call runs under"):
             g.for_call(True, (2, 8))
+    # another setting of the same recipe type is another recipe (the graphs hold E4M3's routes)
+    g.set((2, 8), E4M3, layers)
+    with te.autocast(enabled=True, recipe=Float8CurrentScaling(fp8_format=Format.E4M3)):
+        assert g.for_call(True, (2, 8)) == layers
+    with te.autocast(enabled=True, recipe=Float8CurrentScaling()):
+        with pytest.raises(ValueError, match="graphed with fp8_recipe=Float8CurrentScaling"):
+            g.for_call(True, (2, 8))
+    # a cause that costs a host read is asked last, and only when nothing else applies
+    asked = []
+    assert g.for_call(False, (2, 8), None, lambda: asked.append(1) or "late") is None
+    assert asked == []
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only refusal")
@@ -94,14 +105,20 @@ def train(model, batches, recipe):
     return losses, grads
 
 
-def assert_trains_as_eager(make, recipe):
+def assert_trains_as_eager(make, recipe, caplog):
     torch.manual_seed(0)
     eager = make().cuda().to(torch.bfloat16).train()
     graphed = copy.deepcopy(eager)
     graphed.model.graph_layers(2, 256, fp8_recipe=recipe)
     batches = dna_batches(4, 2, 256)
     le, ge = train(eager, batches, recipe)
-    lg, gg = train(graphed, batches, recipe)
+    experts = [m for m in graphed.modules() if hasattr(m, "fp8_device_weight_casts")]
+    casts = [m.fp8_device_weight_casts for m in experts]
+    with caplog.at_level(logging.WARNING):
+        lg, gg = train(graphed, batches, recipe)
+    # the graphs replayed: no eager fallback was said, and no expert layer's forward ran in Python
+    assert "graphed layers not used" not in caplog.text
+    assert [m.fp8_device_weight_casts for m in experts] == casts
     # the same kernels in the same order: equal up to atomics' order in the backward
     for a, b in zip(le, lg):
         assert abs(a - b) <= 1e-2 * abs(a), (le, lg)
@@ -114,13 +131,13 @@ def assert_trains_as_eager(make, recipe):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("recipe", [None, E4M3], ids=["bf16", "fp8_current_e4m3"])
-def test_cuda_graphed_mixtral_trains_as_eager(recipe):
-    assert_trains_as_eager(mixtral, recipe)
+def test_cuda_graphed_mixtral_trains_as_eager(recipe, caplog):
+    assert_trains_as_eager(mixtral, recipe, caplog)
 
 
 @pytest.mark.cuda
-def test_cuda_graphed_llama_trains_as_eager():
-    assert_trains_as_eager(llama, None)
+def test_cuda_graphed_llama_trains_as_eager(caplog):
+    assert_trains_as_eager(llama, None, caplog)
 
 
 @pytest.mark.cuda

@@ -32,21 +32,26 @@ E4M3 = Float8CurrentScaling(fp8_format=Format.E4M3)
 
 def rowwise_ref(x, fp8_dtype=torch.float8_e4m3fn):
     """quantize_rowwise_fp8 in plain torch (float32 arithmetic, as the C
-    backends): s = fp8_max / row amax (1 for an all-zero row)."""
+    backends): s = fp8_max / row amax (1 for an all-zero row, or one whose
+    amax is NaN or infinite)."""
     fmax = torch.finfo(fp8_dtype).max
     xf = x.float()
     amax = xf.abs().amax(-1)
-    s = torch.where(amax == 0, torch.ones_like(amax), torch.tensor(fmax) / amax)
+    s = torch.where((amax == 0) | ~torch.isfinite(amax), torch.ones_like(amax), torch.tensor(fmax) / amax)
     q = (xf * s[:, None]).clamp(-fmax, fmax).to(fp8_dtype)
     return q, 1.0 / s
 
 
-def rowwise_input(m, k, dtype, device="cpu"):
-    """Rows spread over binades, one all-zero row and one of a single value."""
+def rowwise_input(m, k, dtype, device="cpu", nonfinite=False):
+    """Rows spread over binades, one all-zero row and one of a single value
+    (with ``nonfinite``: a row holding a NaN and one holding an infinity)."""
     x = torch.randn(m, k, device=device) * torch.logspace(-6, 6, m, base=2.0, device=device)[:, None]
     x[1] = 0.0
     x[2] = 0.0
     x[2, 5] = -3.0
+    if nonfinite:
+        x[3, 7] = float("nan")
+        x[4, 0] = float("-inf")
     return x.to(dtype)
 
 
@@ -68,6 +73,34 @@ def test_rowwise_cast_matches_plain_torch(dtype, fp8_dtype, k, seed):
     step = 2.0 ** -4 if fp8_dtype == torch.float8_e4m3fn else 2.0 ** -3
     err = (deq - x.double()).abs()
     assert (err <= step * x.double().abs().amax(-1, keepdim=True) + 1e-30).all()
+
+
+def test_rowwise_cast_nonfinite_rows_take_scale_one():
+    x = rowwise_input(8, 32, torch.bfloat16, nonfinite=True)
+    q, si = quant.quantize_rowwise_fp8(x)
+    rq, rsi = rowwise_ref(x)
+    assert si[3] == 1.0 and si[4] == 1.0
+    nan = torch.isnan(rq.float())  # (NaN's code: seqfuse writes 0x7f, torch keeps the sign)
+    assert torch.equal(torch.isnan(q.float()), nan)
+    assert torch.equal(q.view(torch.uint8)[~nan], rq.view(torch.uint8)[~nan])
+    assert torch.isnan(q[3, 7].float()) and q[4, 0].float() == -448.0
+    assert torch.equal(si, rsi)
+
+
+def test_rowwise_cast_c_entry_checks():
+    """The C entry's own checks (what the Python wrapper always gets right)."""
+    from seqfuse import _C
+
+    x = torch.randn(4, 16)
+    q, si = torch.empty(4, 16, dtype=torch.float8_e4m3fn), torch.empty(4)
+    with pytest.raises(TypeError, match="quantize_rowwise_fp8: argument 'out'"):
+        _C.quantize_rowwise_fp8(x, torch.empty(4, 16), si, 0)
+    with pytest.raises(ValueError, match="quantize_rowwise_fp8: argument 'scale_inv'"):
+        _C.quantize_rowwise_fp8(x, q, torch.empty(5), 0)
+    with pytest.raises(TypeError, match="quantize_rowwise_fp8: argument 'scale_inv'"):
+        _C.quantize_rowwise_fp8(x, q, torch.empty(4, dtype=torch.float16), 0)
+    with pytest.raises(ValueError, match="quantize_rowwise_fp8: argument 'out'"):
+        _C.quantize_rowwise_fp8(x, torch.empty(65, dtype=torch.float8_e4m3fn)[1:].view(4, 16), si, 0)
 
 
 def test_rowwise_cast_leading_dims_and_checks():
@@ -98,6 +131,12 @@ def test_stacked_cast_equals_the_list_cast(seed):
     assert torch.equal(ops.row_scale_inv_t, si[:, None].expand(3, 48))
     with pytest.raises(ValueError, match="\\[G, N, K\\] stack"):
         moe.cast_fp8_current_stacked(torch.randn(32, 48), torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="cast_fp8_current_stacked: argument 'w' must have N and K multiples of 16"):
+        moe.cast_fp8_current_stacked(torch.randn(2, 32, 40), torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="cast_fp8_current_stacked: argument 'w' must be contiguous"):
+        moe.cast_fp8_current_stacked(torch.randn(2, 48, 32).transpose(1, 2), torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="cast_fp8_current_stacked: argument 'w' must be float32"):
+        moe.cast_fp8_current_stacked(torch.randn(2, 32, 48, dtype=torch.float64), torch.float8_e4m3fn)
 
 
 # ---- the GEMM's argument checks (shapes first: reachable on the CPU) ---------------------
@@ -139,6 +178,20 @@ def test_fp8_device_split_refusals(recipe, words):
         assert words in gl.device_split_refusal(torch.randn(4, 32))
 
 
+def test_fp8_device_split_refused_while_statistics_are_on():
+    """Every step while FP8 statistics are on, not only the steps that record."""
+    from seqfuse.quantization import stats
+
+    gl = GroupedLinear(2, 32, 32, bias=False, device="cpu")
+    stats.enable_stats(every=100)
+    try:
+        with fp8_autocast(fp8_recipe=E4M3):
+            assert "FP8 statistics are on" in gl.device_split_refusal(torch.randn(4, 32))
+    finally:
+        stats.disable_stats()
+    assert "FP8 statistics" not in gl.device_split_refusal(torch.randn(4, 32), E4M3)
+
+
 def test_fp8_device_split_needs_features_of_16():
     x = torch.randn(4, 24)
     assert "multiples of 16" in moe.device_split_refusal(x, torch.bfloat16, (24, 32), fp8=True)
@@ -150,18 +203,18 @@ def test_fp8_device_weights_cast_once_per_update(seed):
     version) or moves (its storage); is_first_microbatch False reuses, True
     re-casts."""
     gl = GroupedLinear(3, 32, 16, bias=False, device="cpu")
-    first = gl._device_fp8_weights(gl.stacked_weights(), None)
-    assert gl._device_fp8_weights(gl.stacked_weights(), None) is first
+    first = gl._device_fp8_weights(None)
+    assert gl._device_fp8_weights(None) is first
     assert gl.fp8_device_weight_casts == 1
     with torch.no_grad():
         gl.weight1.mul_(2.0)
-    second = gl._device_fp8_weights(gl.stacked_weights(), None)
+    second = gl._device_fp8_weights(None)
     assert second is not first and gl.fp8_device_weight_casts == 2
     assert torch.equal(second.row_scale_inv[1], first.row_scale_inv[1] * 2)
-    assert gl._device_fp8_weights(gl.stacked_weights(), False) is second
-    assert gl._device_fp8_weights(gl.stacked_weights(), True) is not second
+    assert gl._device_fp8_weights(False) is second
+    assert gl._device_fp8_weights(True) is not second
     gl.to(torch.bfloat16)  # new storage
-    gl._device_fp8_weights(gl.stacked_weights(), None)
+    gl._device_fp8_weights(None)
     assert gl.fp8_device_weight_casts == 4
 
 

@@ -196,7 +196,7 @@ class SeqfuseEsmModel(SeqfuseEsmPreTrainedModel):
         self.encoder = SeqfuseEsmEncoder(config)
         self.contact_head = SeqfuseEsmContactPredictionHead(config.num_hidden_layers * config.num_attention_heads)
         self.activation_checkpointing = False  # set_activation_checkpointing
-        self._layer_graphs = LayerGraphs("SeqfuseEsmModel")  # graph_layers
+        self._layer_graphs = LayerGraphs("SeqfuseEsmModel", logger)  # graph_layers
         self.post_init()
 
     def graph_layers(self, batch_size, seq_len, fp8_recipe=None, num_warmup_iters=3):
@@ -227,14 +227,13 @@ class SeqfuseEsmModel(SeqfuseEsmPreTrainedModel):
     def _graphs_for(self, input_ids, attention_mask, packed, output_hidden_states):
         """The graphed layers when this call may replay them, else None (the
         reason logged once)."""
-        reason = None
-        if packed:
-            reason = "packed (thd) call"
-        elif attention_mask is not None and self._layer_graphs.graphed is not None and not bool(attention_mask.all()):
-            reason = "padded call (attention_mask has zeros)"
-        elif output_hidden_states:
-            reason = "output_hidden_states"
-        return self._layer_graphs.for_call(self.training, input_ids.shape, reason)
+        def late():  # one host read of the mask, only for a call that could replay otherwise
+            if attention_mask is not None and not bool(attention_mask.all()):
+                return "padded call (attention_mask has zeros)"
+            return "output_hidden_states" if output_hidden_states else None
+
+        return self._layer_graphs.for_call(self.training, input_ids.shape,
+                                           "packed (thd) call" if packed else None, late)
 
     def get_input_embeddings(self):
         return self.embeddings.word_embeddings

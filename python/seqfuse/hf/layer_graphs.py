@@ -45,10 +45,12 @@ def check_graphable(owner, on_cuda, dropout, checkpointing, training, batch_size
 
 class LayerGraphs:
     """A model's graphed layers: ``set(shape, recipe, graphed)`` after the
-    capture, ``for_call`` at every forward."""
+    capture, ``for_call`` at every forward, ``clear()`` where they stop
+    applying.  ``log``: the logger that says when a call runs eagerly (the
+    model's module logger)."""
 
-    def __init__(self, owner):
-        self.owner = owner
+    def __init__(self, owner, log=_log):
+        self.owner, self.log = owner, log
         self.shape = self.recipe = self.graphed = None
         self.skips = set()  # reasons already logged for running the layers eagerly
 
@@ -56,29 +58,40 @@ class LayerGraphs:
         self.shape, self.recipe, self.graphed = tuple(shape), recipe, tuple(graphed)
         self.skips.clear()
 
-    def for_call(self, training, shape, reason=None):
+    def clear(self):
+        self.shape = self.recipe = self.graphed = None
+        self.skips.clear()
+
+    def for_call(self, training, shape, layout_reason=None, late_reason=None):
         """The graphed layers where a call of input ``shape`` may replay them,
-        else None (``reason``: the caller's own cause for running eagerly, or
-        None; logged once per reason).  A call under another FP8 recipe type
-        than the captured one is a ValueError: the graphs hold that recipe's
-        casts."""
+        else None, the reason logged once per reason.  The reasons, first
+        found first: not training; ``layout_reason`` (the caller's cause
+        that costs nothing to find, or None); another shape;
+        ``late_reason()`` (a callable for a cause that costs a host read, run
+        only when nothing before it applies).  A call under another FP8
+        recipe than the captured one (its type or any setting) is a
+        ValueError: the graphs hold that recipe's casts and routes."""
         if self.graphed is None:
             return None
         from ..quantization.autocast import get_recipe, is_fp8_enabled
 
-        if reason is None:
-            if not (training and torch.is_grad_enabled()):
-                reason = "not training (eval mode or no grad)"
-            elif tuple(shape) != self.shape:
-                reason = f"input_ids {tuple(shape)}, graphed for {self.shape}"
+        reason = None
+        if not (training and torch.is_grad_enabled()):
+            reason = "not training (eval mode or no grad)"
+        elif layout_reason is not None:
+            reason = layout_reason
+        elif tuple(shape) != self.shape:
+            reason = f"input_ids {tuple(shape)}, graphed for {self.shape}"
+        elif late_reason is not None:
+            reason = late_reason()
         if reason is None:
             active = get_recipe() if is_fp8_enabled() else None
             recipe = self.recipe
-            if (active is None) != (recipe is None) or (recipe is not None and type(active) is not type(recipe)):
+            if (active is None) != (recipe is None) or (recipe is not None and active != recipe):
                 raise ValueError(f"{self.owner}: the layers were graphed with fp8_recipe={recipe!r} but this "
                                  f"call runs under {active!r}: call graph_layers again with this recipe")
             return self.graphed
         if reason not in self.skips:
             self.skips.add(reason)
-            _log.warning("%s: graphed layers not used, layers run eagerly: %s", self.owner, reason)
+            self.log.warning("%s: graphed layers not used, layers run eagerly: %s", self.owner, reason)
         return None

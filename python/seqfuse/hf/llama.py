@@ -53,6 +53,8 @@ the decoder stack (``DecoderStack``, ``run_layers``), the rotary embedding
 and the initialisation (``DecoderPreTrainedModel``).
 """
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -75,6 +77,7 @@ from .llama_config import SeqfuseLlamaConfig, rope_inv_freq
 from .lm_layout import IGNORE_INDEX, Layout
 from .pretrained import SeqfusePreTrainedModel, TiedCausalLM, default_device, init_by_name, register_auto
 
+_log = logging.getLogger(__name__)
 
 class SeqfuseLlamaRotaryEmbedding(RotaryPositionEmbedding):
     """seqfuse's RotaryPositionEmbedding (its forward makes the angle table)
@@ -209,7 +212,7 @@ class DecoderStack:
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, device=default_device())
         self.rotary_emb = SeqfuseLlamaRotaryEmbedding(config, device=default_device())
         self.activation_checkpointing = False  # set_activation_checkpointing
-        self._layer_graphs = LayerGraphs(type(self).__name__)  # graph_layers
+        self._layer_graphs = LayerGraphs(type(self).__name__, _log)  # graph_layers
 
     def get_input_embeddings(self):
         return self.embed_tokens
@@ -314,6 +317,11 @@ class SeqfuseLlamaModel(DecoderStack, SeqfuseLlamaPreTrainedModel):
         for layer in self.layers:
             layer.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
         self.cp_group = cp_group
+        if cp_group is not None and self._layer_graphs.graphed is not None:
+            # graphs captured without context parallelism would replay a rank's share as a whole batch
+            _log.warning("SeqfuseLlamaModel: context parallelism set: the graphed layers are dropped (graph_layers "
+                         "refuses context parallelism); the layers run eagerly")
+            self._layer_graphs.clear()
 
     def layout(self, input_ids, attention_mask=None, position_ids=None, cu_seqlens=None, max_seqlen=None):
         """How a batch runs through the layers (a Layout), its arguments checked."""

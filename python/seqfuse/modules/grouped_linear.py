@@ -44,8 +44,9 @@ format, whose E5M2 gradients torch's scaled grouped GEMM does not take)
 the counts are read to the host, logged once with the reason.
 
 Precision: the GEMMs run in torch.autocast's dtype where it is on, else the
-parameters' dtype.  Under seqfuse's FP8 autocast (fp8_autocast) the three
-grouped GEMMs run in FP8 under DelayedScaling, Float8CurrentScaling or
+parameters' dtype.  Under seqfuse's FP8 autocast with host row counts (the
+device-split route's FP8 form is described above) the three grouped GEMMs
+run in FP8 under DelayedScaling, Float8CurrentScaling or
 Float8BlockScaling, with operands made by the same quantization layer as
 Linear (seqfuse.quantization.gemm_quantizers, and the GEMM operand helpers
 of modules/_fp8.py): a GemmQuantizers of num_gemms GEMMs, TE's layout of
@@ -168,7 +169,8 @@ class DeviceSplitGroupedLinearFunction(torch.autograd.Function):
     whole [G, out, in] weight gradient.  Gradients come back in each
     parameter's dtype, rounded through bfloat16 (the products' output).
 
-    ``fp8`` (a quantization.grouped.StackedFloat8 of ``stacked``, or None):
+    ``fp8`` (a quantization.grouped.StackedFloat8 of the weights, or None;
+    with it and ``weights`` given, ``stacked`` may be None):
     the forward and input-gradient products run in FP8 E4M3
     (ops.moe.grouped_gemm_device_fp8) with x and dy cast one scale per row
     (ops.quant.quantize_rowwise_fp8, no row counts needed) against the
@@ -190,7 +192,7 @@ class DeviceSplitGroupedLinearFunction(torch.autograd.Function):
             xq, x_si = quant_ops.quantize_rowwise_fp8(x)
             y = moe_ops.grouped_gemm_device_fp8(xq, x_si, fp8.data, fp8.row_scale_inv, offsets)
         ctx.save_for_backward(x, offsets, w)
-        ctx.weights, ctx.stacked_dtype, ctx.fp8 = weights, stacked.dtype, fp8
+        ctx.weights, ctx.stacked_dtype, ctx.fp8 = weights, None if stacked is None else stacked.dtype, fp8
         return y
 
     @staticmethod
@@ -289,8 +291,8 @@ class GroupedLinear(torch.nn.Module):
             return w0.detach().as_strided((len(ws), *w0.shape), (w0.numel(), *w0.stride()))
         note_once(_log, "seqfuse GroupedLinear: the experts' weights are not slices of one buffer (another "
                   "owner re-homed them, or they differ in dtype or device): they are stacked into one tensor at "
-                  "every device-split call (a copy, kept for the backward); restack_weights() puts them into one "
-                  "buffer")
+                  "every device-split call (a copy, kept for the backward; under FP8 at every weight cast); "
+                  "restack_weights() puts them into one buffer")
         return torch.stack([w.detach() for w in ws])
 
     @torch.no_grad()
@@ -478,22 +480,22 @@ class GroupedLinear(torch.nn.Module):
             return y, biases
         return y
 
-    def _device_fp8_weights(self, stacked, is_first_microbatch):
+    def _device_fp8_weights(self, is_first_microbatch):
         """The experts' FP8 operands for the device-split route
-        (quantization.grouped.stacked_weights_fp8 of ``stacked``), cast once
-        per weight update: reused while every weight keeps its storage and
-        version (is_first_microbatch as in forward; a CUDA graph capture
-        always casts, inside the graph)."""
+        (quantization.grouped.stacked_weights_fp8 of stacked_weights()),
+        cast once per weight update: reused while every weight is the same
+        parameter with the same storage and version (is_first_microbatch as
+        in forward; a CUDA graph capture always casts, inside the graph)."""
         note_grouped("the device-split route runs the forward and input-gradient GEMMs in FP8 with one "
                      "scale per row of the activations and gradients (current scaling, E4M3) and one per "
                      "expert weight; the weight gradient in bfloat16")
-        key = tuple((w.data_ptr(), w._version) for w in self.weights())
+        key = tuple((id(w), w.data_ptr(), w._version, w.dtype) for w in self.weights())
         cached = self.__dict__.get("_fp8_device_weights")
         capture = device_checks.capturing(self.weight0)
         if cached is not None and not capture and (
                 is_first_microbatch is False or (is_first_microbatch is None and cached[0] == key)):
             return cached[1]
-        ops = stacked_weights_fp8(stacked)
+        ops = stacked_weights_fp8(self.stacked_weights())
         self.__dict__["_fp8_device_weights"] = None if capture else (key, ops)
         self.__dict__["fp8_device_weight_casts"] = self.__dict__.get("fp8_device_weight_casts", 0) + 1
         return ops
@@ -508,8 +510,11 @@ class GroupedLinear(torch.nn.Module):
         x = inp.reshape(-1, inp.shape[-1])
         if offsets is None:
             offsets = moe_ops.device_split_offsets(counts, x.shape[0])
-        stacked = self.stacked_weights()
-        fp8 = self._device_fp8_weights(stacked, is_first_microbatch) if _q.is_fp8_enabled() else None
+        if _q.is_fp8_enabled():
+            # the weights' FP8 operands carry everything the products read: no stacked copy passes in
+            stacked, fp8 = None, self._device_fp8_weights(is_first_microbatch)
+        else:
+            stacked, fp8 = self.stacked_weights(), None
         y = DeviceSplitGroupedLinearFunction.apply(x, offsets, fp8, stacked, *self.weights())
         if inp.dim() != 2:
             y = y.view(*inp.shape[:-1], self.out_features)
@@ -528,8 +533,10 @@ def _fp8_device_refusal(recipe):
                 f"fp8_format={recipe.fp8_format.name} (E5M2 gradients) takes host row counts")
     if recipe.margin:
         return f"the device-split FP8 route scales without a margin; margin={recipe.margin} takes host row counts"
-    if stats.recording():
-        return "FP8 statistics are being recorded (they are taken per cast of the host-count route)"
+    if stats.enabled():
+        # refused on every step while statistics are on, not only on the steps that record, so that the
+        # recorded casts are those of the route every step runs
+        return "FP8 statistics are on (enable_stats; they are taken per cast of the host-count route)"
     return None
 
 

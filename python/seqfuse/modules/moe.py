@@ -20,7 +20,7 @@ m_splits are read to the host once per forward (seqfuse's cuBLASLt grouped
 GEMMs take host row counts): the block's one host synchronization.
 Its copy is queued as soon as the counts exist and waited for after the
 work that does not need them (under FP8 the experts' weight casts), so the
-GPU has work while the host waits.  Under FP8 autocast the permutation
+GPU has work while the host waits.  Under FP8 autocast with host counts the permutation
 writes each expert's rows in a block padded to a multiple of 16 rows (zero
 rows between experts; pad_row_id_map), the granularity of the FP8 GEMMs,
 which then take the buffer as it is: no padded copy before a GEMM and no

@@ -538,6 +538,12 @@ def cast_fp8_current_stacked(w, fp8_dtype, *, margin=0):
     if w.dim() != 3 or w.shape[0] == 0:
         raise ValueError(f"{op}: argument 'w' must be a [G, N, K] stack of G >= 1 matrices, got shape "
                          f"{tuple(w.shape)}")
+    if w.dtype not in _FLOATS:
+        raise TypeError(f"{op}: argument 'w' must be float32, float16 or bfloat16, got {w.dtype}")
+    if w.shape[1] % 16 or w.shape[2] % 16:
+        raise ValueError(f"{op}: argument 'w' must have N and K multiples of 16, got shape {tuple(w.shape)}")
+    if not w.is_contiguous() or (w.is_cuda and w.data_ptr() % 16):
+        raise ValueError(f"{op}: argument 'w' must be contiguous and 16-byte aligned")
     scale_inv = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
     data, data_t, scale_inv, _, _ = _cast_current_list(op, list(w.unbind(0)), fp8_dtype, None, margin, True, True,
                                                        scale_inv)

@@ -363,8 +363,9 @@ def quantize_rowwise_fp8(x, fp8_dtype=torch.float8_e4m3fn):
     float32 [M].  Row r is scaled by s = fp8_max / max|x[r]| (1 for an
     all-zero row), ``data[r] = saturate(x[r] * s)``, ``scale_inv[r] = 1 / s``:
     the row-wise operands of torch._scaled_grouped_mm (each row scaled along
-    the contraction dimension from its own amax, in one pass, no host
-    involvement).  x must start 16-byte aligned (the kernel reads 16-byte
+    the contraction dimension from its own amax, no host involvement; one
+    read of x on CUDA for rows of up to 8,192 values).  A row whose amax is
+    NaN or infinite takes scale 1 (its NaN stays NaN, infinities saturate).  x must start 16-byte aligned (the kernel reads 16-byte
     vectors): a view starting mid-row of another tensor is a ValueError."""
     op = "quantize_rowwise_fp8"
     require_fp8_dlpack(op)

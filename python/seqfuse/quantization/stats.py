@@ -53,6 +53,11 @@ def stats_records():
     return list(_cfg.records)
 
 
+def enabled():
+    """True while statistics are on (enable_stats), whether or not this step records."""
+    return _cfg.every > 0
+
+
 def recording():
     """True when this step's casts should be measured."""
     return _cfg.every > 0 and _cfg.step % _cfg.every == 0
