@@ -473,3 +473,68 @@ def grouped_and_per_expert_fp8_step(gl, lins, splits, recipe):
         ref = torch.cat([lins[g](xr[offs[g]:offs[g + 1]]) for g, m in enumerate(splits) if m])
     ref.backward(dy)
     return (y.detach(), x.grad), (ref.detach(), xr.grad)
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    """Inside the block any CUDA call that synchronizes with the host raises
+    (torch's sync debug mode "error"); the device is synchronized first, so
+    earlier work does not count."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def assert_same_training(eager, graphed, loss_tol=1e-2, grad_tol=5e-2):
+    """Two training runs of the same model and batches, ``eager`` and
+    ``graphed`` each (losses, last step's gradients by name), that ran the
+    same kernels in the same order: losses within ``loss_tol`` relative,
+    every gradient within ``grad_tol`` (the backward's atomics may add in
+    another order), and the loss went down (the optimizer's updates were
+    seen by both)."""
+    (le, ge), (lg, gg) = eager, graphed
+    for a, b in zip(le, lg):
+        assert abs(a - b) <= loss_tol * abs(a), (le, lg)
+    assert ge.keys() == gg.keys()
+    for n in ge:
+        err = (ge[n].float() - gg[n].float()).norm() / ge[n].float().norm().clamp_min(1e-12)
+        assert err <= grad_tol, (n, float(err))
+    assert le[-1] < le[0]
+
+
+def train_steps(model, opt, batches, recipe=None):
+    """One optimizer step per batch (a dict of the model's keyword
+    arguments, labels included) under seqfuse's autocast with ``recipe``
+    (None: off).  Returns (the losses, the last step's gradients by
+    parameter name)."""
+    from seqfuse.quantization import autocast
+
+    losses, grads = [], None
+    for kw in batches:
+        with autocast(enabled=recipe is not None, recipe=recipe):
+            loss = model(**kw).loss
+        loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, grads
+
+
+def grouped_mlp_pair(hidden, ffn, experts, shape=(2, 333)):
+    """Two bfloat16 CUDA GroupedMLPs (top-2) with the same weights, one on
+    the device-split route and one reading the routing counts to the host,
+    an output gradient of ``shape`` + [hidden] and two leaf copies of one
+    input: (dev, host, x for dev, x for host, gradient)."""
+    from seqfuse.modules import GroupedMLP
+
+    dev = GroupedMLP(hidden, ffn, experts, 2, params_dtype=torch.bfloat16, device="cuda")
+    host = GroupedMLP(hidden, ffn, experts, 2, params_dtype=torch.bfloat16, device="cuda", device_splits=False)
+    host.load_state_dict(dev.state_dict())
+    x = torch.randn(*shape, hidden, device="cuda").bfloat16()
+    g = torch.randn(*shape, hidden, device="cuda").bfloat16()
+    return dev, host, x.clone().requires_grad_(), x.clone().requires_grad_(), g
+

@@ -22,6 +22,8 @@ from seqfuse.hf import SeqfuseLlamaConfig, SeqfuseLlamaForCausalLM, SeqfuseMixtr
 from seqfuse.hf.layer_graphs import LayerGraphs
 import seqfuse.pytorch as te
 
+from helpers import assert_same_training, train_steps
+
 SUBSET = Path(__file__).resolve().parents[1] / "recipes" / "llama3" / "data" / "subset"
 E4M3 = Float8CurrentScaling(fp8_format=Format.E4M3)
 
@@ -93,16 +95,7 @@ def test_graph_layers_needs_cuda():
 
 def train(model, batches, recipe):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses, grads = [], None
-    for ids in batches:
-        with te.autocast(enabled=recipe is not None, recipe=recipe):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses, grads
+    return train_steps(model, opt, [dict(input_ids=ids, labels=ids) for ids in batches], recipe)
 
 
 def assert_trains_as_eager(make, recipe, caplog):
@@ -119,14 +112,7 @@ def assert_trains_as_eager(make, recipe, caplog):
     # the graphs replayed: no eager fallback was said, and no expert layer's forward ran in Python
     assert "graphed layers not used" not in caplog.text
     assert [m.fp8_device_weight_casts for m in experts] == casts
-    # the same kernels in the same order: equal up to atomics' order in the backward
-    for a, b in zip(le, lg):
-        assert abs(a - b) <= 1e-2 * abs(a), (le, lg)
-    assert ge.keys() == gg.keys()
-    for n in ge:
-        err = (ge[n].float() - gg[n].float()).norm() / ge[n].float().norm().clamp_min(1e-12)
-        assert err <= 5e-2, (n, float(err))
-    assert le[-1] < le[0]  # the updates were seen by both
+    assert_same_training((le, ge), (lg, gg))
 
 
 @pytest.mark.cuda

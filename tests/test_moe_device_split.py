@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from seqfuse.common import notes as notes_module
-from seqfuse.modules import GroupedLinear, GroupedMLP
+from seqfuse.modules import GroupedLinear
 from seqfuse.ops import moe
 
-from helpers import REL_TOL, pair_tol, rel_error
+from helpers import REL_TOL, grouped_mlp_pair, no_host_sync, pair_tol, rel_error
 
 
 # ---- the weights as one buffer ------------------------------------------------
@@ -205,20 +205,10 @@ def test_grouped_mlp_device_split_never_waits_on_the_host(seed):
     """A GroupedMLP step in bfloat16 takes the routing counts on the GPU:
     forward and backward run with torch's sync debug mode set to raise on
     any synchronizing call, and give the host-count route's results."""
-    H, Fh, E = 256, 512, 8
-    dev = GroupedMLP(H, Fh, E, 2, params_dtype=torch.bfloat16, device="cuda")
-    host = GroupedMLP(H, Fh, E, 2, params_dtype=torch.bfloat16, device="cuda", device_splits=False)
-    host.load_state_dict(dev.state_dict())
-    x = torch.randn(2, 333, H, device="cuda").bfloat16()
-    g = torch.randn(2, 333, H, device="cuda").bfloat16()
-    xd, xh = x.clone().requires_grad_(), x.clone().requires_grad_()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    dev, host, xd, xh, g = grouped_mlp_pair(256, 512, 8)
+    with no_host_sync():
         yd = dev(xd)
         (yd * g).sum().backward()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     yh = host(xh)
     (yh * g).sum().backward()
     tol = pair_tol(torch.bfloat16)
@@ -274,13 +264,9 @@ def test_accelerate_experts_device_split_never_waits_on_the_host(drop, monkeypat
     xd, xh = x.clone().requires_grad_(), x.clone().requires_grad_()
     wd, wh = w.clone().requires_grad_(), w.clone().requires_grad_()
     torch.full((T * k * 2 * Fh * 4,), float("nan"), dtype=torch.bfloat16, device="cuda")  # poison freed blocks
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         yd = dev(xd, idx, wd)
         (yd * g).sum().backward()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     grads_dev = [p.grad.clone() for p in experts.parameters()]
     for p in experts.parameters():
         p.grad = None

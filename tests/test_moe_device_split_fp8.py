@@ -17,13 +17,13 @@ import torch
 
 from seqfuse.common import notes as notes_module
 from seqfuse.common.recipe import DelayedScaling, Float8CurrentScaling, Format
-from seqfuse.modules import GroupedLinear, GroupedMLP
+from seqfuse.modules import GroupedLinear
 from seqfuse.ops import moe
 from seqfuse.ops import quant
 from seqfuse.quantization import fp8_autocast
 from seqfuse.quantization.grouped import stacked_weights_fp8
 
-from helpers import REL_TOL, needs_fp8, rel_error
+from helpers import REL_TOL, grouped_mlp_pair, needs_fp8, no_host_sync, rel_error
 
 pytestmark = needs_fp8
 
@@ -313,16 +313,8 @@ def test_grouped_mlp_fp8_device_split_never_waits_on_the_host(seed):
     counts on the GPU (no synchronizing call in forward or backward, over
     two steps with a weight update between: the weights are cast again),
     and stays at E4M3's error from the bfloat16 block."""
-    H, Fh, E = 256, 512, 8
-    dev = GroupedMLP(H, Fh, E, 2, params_dtype=torch.bfloat16, device="cuda")
-    ref = GroupedMLP(H, Fh, E, 2, params_dtype=torch.bfloat16, device="cuda", device_splits=False)
-    ref.load_state_dict(dev.state_dict())
-    x = torch.randn(2, 333, H, device="cuda").bfloat16()
-    g = torch.randn(2, 333, H, device="cuda").bfloat16()
-    xd, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    dev, ref, xd, xr, g = grouped_mlp_pair(256, 512, 8)
+    with no_host_sync():
         for step in range(2):
             xd.grad = None
             dev.zero_grad(set_to_none=True)
@@ -333,8 +325,6 @@ def test_grouped_mlp_fp8_device_split_never_waits_on_the_host(seed):
                 with torch.no_grad():
                     for p in dev.parameters():
                         p.mul_(1.0)  # a new version: the next step casts the weights again
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert dev.fc1.fp8_device_weight_casts == dev.fc2.fp8_device_weight_casts == 2
     yr = ref(xr)
     (yr * g).sum().backward()
