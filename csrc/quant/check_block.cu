@@ -218,7 +218,7 @@ int main(void)
             nvfp4(dt, s[0], s[1]);
         }
     for (sf_dtype dt : dtypes) /* row lengths that are not whole 256-value warp steps */
-        for (int64_t k : {16, 48, 1040, 2064, 7168, 8200, 12288}) /* CTA per row with 1/2/4 vectors, warp per row */
+        for (int64_t k : {16, 48, 1040, 2064, 7168, 8208, 12288}) /* CTA per row with 1/2/4 vectors, warp per row */
             fp8_rows(dt, 37, k, SF_FLOAT8_E4M3);
     bench();
     return check_finish("check_block");
