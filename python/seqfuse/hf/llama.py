@@ -363,8 +363,8 @@ def run_layers(model, input_ids, layout, output_hidden_states=False, layer_extra
     freqs = model.rotary_emb(layout.rope_len)
     hidden = [] if output_hidden_states else None
     extras = []
-    graphs = model._layer_graphs
-    if graphs.graphed is not None:
+    graphs = getattr(model, "_layer_graphs", None)  # (a model unpickled from before graph_layers has none)
+    if graphs is not None and graphs.graphed is not None:
         reason = ("packed (thd) call" if layout.packed else "padded call (attention_mask has zeros)"
                   if "attention_mask" in layout.layer_kw else "output_hidden_states" if hidden is not None else None)
         graphed = graphs.for_call(model.training, shape, reason)
