@@ -90,7 +90,8 @@ and its ratio to transformers', and start_gib: what was still allocated
 when the row began (rows are freed between, torch.compile's caches too;
 a row's peak includes what an earlier row left).  Issue 18's goals:
 >= 2.2x transformers' unpadded tokens/s, peak memory <= transformers'.
-Writes benchmarks/results/moe_mixtral_train.json.  About 60-90 s on an H200:
+Writes benchmarks/results/moe_mixtral_train.json and its bar chart
+moe_mixtral_train.png (``--plot JSON`` redraws a saved one's).  About 60-90 s on an H200:
 
     python3 benchmarks/moe/bench_mixtral_train.py
     python3 benchmarks/moe/bench_mixtral_train.py --config L0_sanity --device cpu --seq-len 256 --batch-size 2
@@ -111,7 +112,7 @@ sys.path.insert(0, os.path.join(ROOT, "recipes", "mixtral"))
 
 import llama3_common as data  # noqa: E402
 import torch  # noqa: E402
-from harness import Table  # noqa: E402
+from harness import RESULTS, Table, plot_bars  # noqa: E402
 from mixtral_recipe import load_config  # noqa: E402
 from mixtral_recipe import trainer as recipe  # noqa: E402
 
@@ -353,7 +354,22 @@ def main(argv=None):
                           "synchronized before and after the timed pass only"})
     for g in goals:
         log(f"goal {g['goal']} [{g['row']}]: {g['value']}: {'PASS' if g['pass'] else 'MISS'}")
+    plot(table.rows, os.path.join(RESULTS, "moe_mixtral_train.png"), f"{args.config}, {args.batch_size} x {seq_len}")
+
+
+def plot(rows, path_png, shape):
+    """The rows' unpadded tokens/s (thousands) as bars, the failed rows left out."""
+    ok = [r for r in rows if r.get("unpadded_tokens_per_s")]
+    plot_bars(path_png, f"Mixtral training, one GPU, {shape}", [r["row"] for r in ok],
+              {"unpadded tokens/s": [r["unpadded_tokens_per_s"] / 1e3 for r in ok]}, "thousand tokens / s")
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--plot"]:  # redraw the PNG from a saved JSON: --plot moe_mixtral_train.json
+        import json
+
+        doc = json.load(open(sys.argv[2]))
+        plot(doc["rows"], os.path.splitext(sys.argv[2])[0] + ".png",
+             f"{doc['config']}, {doc['batch_size']} x {doc['seq_len']}, {doc['run']['git_commit'][:7]}")
+    else:
+        main()
