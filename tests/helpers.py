@@ -248,6 +248,7 @@ def fresh_routing(monkeypatch, backend="auto", ragged_on=False):
     after: backend ``backend``, the opt-in cuDNN ragged route on only when
     ``ragged_on`` (whatever SEQFUSE_ATTN_CUDNN_RAGGED says), and empty choice,
     failure, log and capability caches (so no earlier test's choice leaks in)."""
+    from seqfuse.ops import _call
     from seqfuse.ops.attn import _routing as routing
 
     monkeypatch.setattr(routing, "_backend", backend)
@@ -255,7 +256,7 @@ def fresh_routing(monkeypatch, backend="auto", ragged_on=False):
     monkeypatch.setattr(routing, "_choices", {})
     monkeypatch.setattr(routing, "_route_failed", {})
     monkeypatch.setattr(routing, "_logged", set())
-    monkeypatch.setattr(routing, "_capabilities", {})
+    monkeypatch.setattr(_call, "_capabilities", {})
 
 
 def record_calls(monkeypatch, module, name, standin_for):

@@ -84,6 +84,23 @@ def test_layer_graphs_replay_rules(caplog):
     assert asked == []
 
 
+def test_check_graphable_rules(monkeypatch):
+    """Every precondition, each named (the CUDA one stood in for: these run on the CPU)."""
+    from seqfuse.hf.layer_graphs import check_graphable
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    ok = dict(on_cuda=True, dropout=None, checkpointing=False, training=True, batch_size=2, seq_len=8)
+    check_graphable("M", **ok)
+    for change, words in ((dict(on_cuda=False), "CUDA graphs need the model on a CUDA device"),
+                          (dict(dropout="attention_dropout=0.1"), "dropout must be 0 .*attention_dropout=0.1"),
+                          (dict(checkpointing=True), "activation checkpointing is on"),
+                          (dict(batch_size=0), "argument 'batch_size' must be a positive int, got 0"),
+                          (dict(seq_len=True), "argument 'seq_len' must be a positive int, got True"),
+                          (dict(training=False), "call it in training mode")):
+        with pytest.raises((RuntimeError, ValueError), match="M.graph_layers: " + words):
+            check_graphable("M", **{**ok, **change})
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only refusal")
 def test_graph_layers_needs_cuda():
     for model in (mixtral(), llama()):

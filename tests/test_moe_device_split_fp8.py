@@ -158,6 +158,10 @@ def test_grouped_gemm_device_fp8_checks():
         moe.grouped_gemm_device_fp8(a, torch.ones(8, 1), b, sb, offs)
     with pytest.raises(ValueError, match="'b_scale_inv' must have shape \\[G, N\\] = \\[2, 16\\]"):
         moe.grouped_gemm_device_fp8(a, sa, b, torch.ones(2), offs)
+    with pytest.raises(TypeError, match="'a_scale_inv' must be float32"):
+        moe.grouped_gemm_device_fp8(a, sa.double(), b, sb, offs)
+    with pytest.raises(TypeError, match="'b_scale_inv' must be float32"):
+        moe.grouped_gemm_device_fp8(a, sa, b, sb.half(), offs)
     with pytest.raises(TypeError, match="'a' must be a float8_e4m3fn CUDA tensor"):
         moe.grouped_gemm_device_fp8(a.to(torch.float8_e5m2), sa, b, sb, offs)
     with pytest.raises(TypeError, match="'a' must be a float8_e4m3fn CUDA tensor"):
@@ -190,6 +194,15 @@ def test_fp8_device_split_refused_while_statistics_are_on():
     finally:
         stats.disable_stats()
     assert "FP8 statistics" not in gl.device_split_refusal(torch.randn(4, 32), E4M3)
+
+
+def test_grouped_mlp_device_splits_off_is_a_refusal():
+    from seqfuse.modules import GroupedMLP
+
+    mlp = GroupedMLP(32, 32, 4, 2, device="cpu", device_splits=False)
+    assert mlp.device_split_refusal(torch.randn(4, 32), E4M3) == "device_splits is off"
+    mlp.device_splits = True
+    assert mlp.device_split_refusal(torch.randn(4, 32), E4M3) == "the input is not on a CUDA device"
 
 
 def test_fp8_device_split_needs_features_of_16():

@@ -159,6 +159,15 @@ def torch_adamw(model, cfg, device):
                              weight_decay=float(t.weight_decay), fused=device.type == "cuda")
 
 
+def bshd_forward(model, router_logits):
+    """A row's loss on a batch laid out as its unpadded [batch, seq] windows (the transformers rows and
+    the graphed rows; ``router_logits``: output_router_logits, which adds the load-balancing loss)."""
+    def forward(b):
+        return model(input_ids=b["input_ids"].view(b["shape"]), labels=b["labels"].view(b["shape"]),
+                     output_router_logits=router_logits).loss
+    return forward
+
+
 def build_row(name, cfg, mcfg, device, dtype, seed, shape=None):
     """(model, optimizer, context, forward) of a row (``shape``: the batches' [batch, seq], which a
     graphed row captures)."""
@@ -173,12 +182,7 @@ def build_row(name, cfg, mcfg, device, dtype, seed, shape=None):
             from liger_kernel.transformers import apply_liger_kernel_to_mixtral
 
             apply_liger_kernel_to_mixtral(model=model)
-        opt = torch_adamw(model, cfg, device)
-
-        def forward(b):
-            return model(input_ids=b["input_ids"].view(b["shape"]), labels=b["labels"].view(b["shape"]),
-                         output_router_logits=True).loss
-        return model, opt, contextlib.nullcontext, forward
+        return model, torch_adamw(model, cfg, device), contextlib.nullcontext, bshd_forward(model, True)
     from seqfuse.hf.mixtral_convert import from_hf_model
 
     hf = build_hf(mcfg, device, dtype, "eager", seed)
@@ -207,12 +211,7 @@ def build_row(name, cfg, mcfg, device, dtype, seed, shape=None):
         # batch into those very windows); the step's host work is then two graph launches a layer
         model.train()
         model.model.graph_layers(*shape, fp8_recipe=fp8_recipe)
-        aux = float(model.config.router_aux_loss_coef) > 0
-
-        def forward(b):
-            return model(input_ids=b["input_ids"].view(b["shape"]), labels=b["labels"].view(b["shape"]),
-                         output_router_logits=aux).loss
-        return model, opt, context, forward
+        return model, opt, context, bshd_forward(model, float(model.config.router_aux_loss_coef) > 0)
 
     def forward(b):
         return recipe.forward_loss(model, b)

@@ -8,10 +8,11 @@ against the dequantized operands and against bf16, and the small unaligned
 case (groups not multiples of 16 rows: the FP8 weight-gradient form
 stops with a device-side assertion, which ends the process's CUDA use; run
 it last).  Pure torch, no seqfuse: python3 benchmarks/moe/probe_scaled_grouped_mm.py
-writes $OUT/probe.json (or ./probe.json).  CUDA events, mean of 20 calls
+writes $OUT/probe.json (or ./probe.json) with its run record (commit, command, versions).  CUDA events, mean of 20 calls
 after 3 warm-up calls on the same operands."""
 import json
 import os
+import sys
 import traceback
 
 import torch
@@ -132,4 +133,8 @@ try:
 except Exception:
     out["small_error"] = traceback.format_exc()[-1500:]
 print(json.dumps({k: v for k, v in out.items() if not k.startswith("fc")}), flush=True)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from peers.meta import run_metadata  # noqa: E402  (commit, command and versions, as every result JSON)
+
+out["run"] = run_metadata()
 json.dump(out, open(os.path.join(os.environ.get("OUT", "."), "probe.json"), "w"), indent=1)

@@ -90,6 +90,8 @@ _log = logging.getLogger("seqfuse")
 
 #: device_split_refusal's default: judge for the FP8 autocast active at the call.
 ACTIVE_RECIPE = object()
+#: _apply_to's default: the caller has not asked device_split_refusal yet.
+_UNASKED = object()
 
 #: TE arguments accepted with only their default value (parallelism, overlap).
 _TE_DEFAULTS = {"sequence_parallel": False, "tp_group": None, "tp_size": 1, "parallel_mode": None,
@@ -432,15 +434,17 @@ class GroupedLinear(torch.nn.Module):
         # the SwiGLU kernels read both row-major
         h, probs = inp.contiguous(), swiglu_probs.contiguous()
         on_device = isinstance(m_splits, torch.Tensor) and m_splits.device.type != "cpu"
-        if not _q.is_fp8_enabled() or (on_device and self.device_split_refusal(inp) is None):
+        why = self.device_split_refusal(h) if on_device else None  # (the same for the SwiGLU output's rows)
+        if not _q.is_fp8_enabled() or (on_device and why is None):
             # (the device-split FP8 route casts the SwiGLU output row-wise, from bfloat16)
             a = moe_ops.scaled_swiglu(h.view(rows, h.shape[-1]), probs).view(*inp.shape[:-1], self.in_features)
-            return self._apply_to(a, None, False, m_splits, is_first_microbatch, m_offsets)
-        return self._apply_to(h, probs, True, m_splits, is_first_microbatch, m_offsets)
+            return self._apply_to(a, None, False, m_splits, is_first_microbatch, m_offsets, why)
+        return self._apply_to(h, probs, True, m_splits, is_first_microbatch, m_offsets, why)
 
-    def _apply_to(self, inp, probs, swiglu, m_splits, is_first_microbatch, m_offsets=None):
+    def _apply_to(self, inp, probs, swiglu, m_splits, is_first_microbatch, m_offsets=None, why=_UNASKED):
         """forward's body; ``swiglu`` (FP8 only): inp holds gate|up pairs and
-        probs the SwiGLU's row scales."""
+        probs the SwiGLU's row scales.  ``why``: device_split_refusal's
+        answer where the caller has it (for a CUDA m_splits), else asked here."""
         on_device = isinstance(m_splits, torch.Tensor) and m_splits.device.type != "cpu"
         if m_offsets is not None and not on_device:
             raise ValueError("GroupedLinear: m_offsets goes with m_splits given as a CUDA tensor (the "
@@ -448,7 +452,8 @@ class GroupedLinear(torch.nn.Module):
         if on_device:
             if m_splits.device != inp.device:
                 raise ValueError(f"GroupedLinear: m_splits on {m_splits.device} but the input on {inp.device}")
-            why = self.device_split_refusal(inp)
+            if why is _UNASKED:
+                why = self.device_split_refusal(inp)
             if why is None:
                 return self._device_split(inp, m_splits, m_offsets, is_first_microbatch)
             note_once(_log, "seqfuse GroupedLinear: m_splits on the GPU read to the host (one host "
@@ -486,15 +491,15 @@ class GroupedLinear(torch.nn.Module):
         cast once per weight update: reused while every weight is the same
         parameter with the same storage and version (is_first_microbatch as
         in forward; a CUDA graph capture always casts, inside the graph)."""
-        note_grouped("the device-split route runs the forward and input-gradient GEMMs in FP8 with one "
-                     "scale per row of the activations and gradients (current scaling, E4M3) and one per "
-                     "expert weight; the weight gradient in bfloat16")
         key = tuple((id(w), w.data_ptr(), w._version, w.dtype) for w in self.weights())
         cached = self.__dict__.get("_fp8_device_weights")
         capture = device_checks.capturing(self.weight0)
         if cached is not None and not capture and (
                 is_first_microbatch is False or (is_first_microbatch is None and cached[0] == key)):
             return cached[1]
+        note_grouped("the device-split route runs the forward and input-gradient GEMMs in FP8 with one "
+                     "scale per row of the activations and gradients (current scaling, E4M3) and one per "
+                     "expert weight; the weight gradient in bfloat16")
         ops = stacked_weights_fp8(self.stacked_weights())
         self.__dict__["_fp8_device_weights"] = None if capture else (key, ops)
         self.__dict__["fp8_device_weight_casts"] = self.__dict__.get("fp8_device_weight_casts", 0) + 1

@@ -199,13 +199,14 @@ class GroupedMLP(RoutedExperts):
         # no tokens (an idle rank): no auxiliary loss (its mean over tokens is undefined)
         self.aux_loss = self.aux_losses(logits) if self.training and x.shape[0] else None
         row_ids, tokens_per_expert = moe_ops.moe_row_id_map(routing_map)
-        why = None
+        on_route = False
         if self.device_splits and x.is_cuda and x.shape[0]:
             why = self.device_split_refusal(x)
-            if why is not None:
+            on_route = why is None
+            if not on_route:
                 note_once(_log, "seqfuse GroupedMLP: the routing counts read to the host (one host "
                           "synchronization per forward): %s", why)
-        if self.device_splits and x.is_cuda and x.shape[0] and why is None:
+        if on_route:
             # the experts' GEMMs read the counts on the GPU: nothing in the block waits on the host
             # (every token goes to topk experts, so the permuted rows number T * topk)
             xp, pp = moe_ops.moe_permute_by_row_id_map(x, row_ids, x.shape[0] * self.topk, probs)

@@ -12,6 +12,21 @@ from .. import _C
 FAST_EXCHANGE = hasattr(torch.Tensor, "__dlpack_c_exchange_api__")
 
 
+_capabilities = {}  # CUDA device index -> (major, minor), asked of torch once per device
+
+
+def capability_of(device):
+    """(major, minor) of a CUDA ``device`` (a torch.device), asked of torch
+    once per device (routes choose by it at every call); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cap = _capabilities.get(index)
+    if cap is None:
+        cap = _capabilities[index] = tuple(torch.cuda.get_device_capability(index))
+    return cap
+
+
 def stream_for(t):
     """The stream argument for a _C call on tensor ``t``: None where the
     extension can ask torch itself (or ``t`` is on the CPU), else the handle of

@@ -40,7 +40,7 @@ synchronization.
 import torch
 
 from .. import _C
-from ._call import as_float, dense, detached, require_fp8_dlpack, stream_for
+from ._call import as_float, capability_of, dense, detached, require_fp8_dlpack, stream_for
 from .gemm import FP8_DTYPES, FP8_ROW_MULTIPLE, SCALINGS, tf32_of, workspace_for
 from .quant import fp8_dtype_of
 
@@ -302,13 +302,22 @@ def device_split_refusal(x, dtype, features, fp8=False):
         return f"the device-split route needs feature sizes that are multiples of 8, got {tuple(features)}"
     if not hasattr(torch, "_grouped_mm"):
         return f"this torch ({torch.__version__}) has no torch._grouped_mm"
-    cap = torch.cuda.get_device_capability(x.device)
+    cap = capability_of(x.device)
     if cap != (9, 0):
         # elsewhere torch runs a fallback that reads the offsets on the host (or, on 10.x, a kernel
         # whose empty groups' weight gradients are not zero: pytorch issue 172439)
         return (f"the device-split route runs torch._grouped_mm's Hopper kernel (compute capability 9.0), this "
                 f"GPU is {cap[0]}.{cap[1]}")
     return None
+
+
+def _offsets_arg(op, offsets):
+    """The device-split products' ``offsets`` argument, checked: a 1-D int32 tensor."""
+    offsets = _tensor(op, "offsets", offsets)
+    if offsets.dtype != torch.int32 or offsets.dim() != 1:
+        raise TypeError(f"{op}: argument 'offsets' must be a 1-D int32 tensor (device_split_offsets), got "
+                        f"{offsets.dim()}-D {offsets.dtype}")
+    return offsets
 
 
 def grouped_gemm_device(a, b, offsets, *, transa=False, transb=False):
@@ -334,10 +343,7 @@ def grouped_gemm_device(a, b, offsets, *, transa=False, transb=False):
         raise NotImplementedError(f"{op}: this torch ({torch.__version__}) has no torch._grouped_mm, the "
                                   "device-split route's kernel: pass host row counts (a list of ints)")
     a, b = detached(_tensor(op, "a", a)), detached(_tensor(op, "b", b))
-    offsets = _tensor(op, "offsets", offsets)
-    if offsets.dtype != torch.int32 or offsets.dim() != 1:
-        raise TypeError(f"{op}: argument 'offsets' must be a 1-D int32 tensor (device_split_offsets), got "
-                        f"{offsets.dim()}-D {offsets.dtype}")
+    offsets = _offsets_arg(op, offsets)
     G = offsets.shape[0]
     if transa:  # wgrad: both operands split along their rows, the product per group
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[0]:
@@ -390,10 +396,7 @@ def grouped_gemm_device_fp8(a, a_scale_inv, b, b_scale_inv, offsets, *, fast_acc
         raise NotImplementedError(f"{op}: this torch ({torch.__version__}) has no torch._scaled_grouped_mm")
     a, b = detached(_tensor(op, "a", a)), detached(_tensor(op, "b", b))
     a_scale_inv, b_scale_inv = _tensor(op, "a_scale_inv", a_scale_inv), _tensor(op, "b_scale_inv", b_scale_inv)
-    offsets = _tensor(op, "offsets", offsets)
-    if offsets.dtype != torch.int32 or offsets.dim() != 1:
-        raise TypeError(f"{op}: argument 'offsets' must be a 1-D int32 tensor (device_split_offsets), got "
-                        f"{offsets.dim()}-D {offsets.dtype}")
+    offsets = _offsets_arg(op, offsets)
     G = offsets.shape[0]
     if a.dim() != 2 or b.dim() != 3 or b.shape[0] != G:
         raise ValueError(f"{op}: takes a [M, K] split by offsets and b [G, N, K] with G = {G}, got "
@@ -410,13 +413,13 @@ def grouped_gemm_device_fp8(a, a_scale_inv, b, b_scale_inv, offsets, *, fast_acc
     if tuple(b_scale_inv.shape) != (G, N):
         raise ValueError(f"{op}: argument 'b_scale_inv' must have shape [G, N] = [{G}, {N}], got "
                          f"{tuple(b_scale_inv.shape)}")
+    for name, t in (("a_scale_inv", a_scale_inv), ("b_scale_inv", b_scale_inv)):
+        if t.dtype != torch.float32:
+            raise TypeError(f"{op}: argument '{name}' must be float32, got {t.dtype}")
     for name, t in (("a", a), ("b", b)):
         if t.dtype != torch.float8_e4m3fn or not t.is_cuda:
             raise TypeError(f"{op}: argument '{name}' must be a float8_e4m3fn CUDA tensor (torch's scaled "
                             f"grouped GEMM takes E4M3 only), got {t.dtype} on {t.device.type}")
-    for name, t in (("a_scale_inv", a_scale_inv), ("b_scale_inv", b_scale_inv)):
-        if t.dtype != torch.float32:
-            raise TypeError(f"{op}: argument '{name}' must be float32, got {t.dtype}")
     if any(t.device != a.device for t in (b, a_scale_inv, b_scale_inv, offsets)):
         raise ValueError(f"{op}: a, b, their scales and offsets must be on one device")
     return torch._scaled_grouped_mm(dense(a), dense(b).transpose(1, 2), dense(a_scale_inv), dense(b_scale_inv),

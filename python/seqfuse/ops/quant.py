@@ -365,8 +365,9 @@ def quantize_rowwise_fp8(x, fp8_dtype=torch.float8_e4m3fn):
     the row-wise operands of torch._scaled_grouped_mm (each row scaled along
     the contraction dimension from its own amax, no host involvement; one
     read of x on CUDA for rows of up to 8,192 values).  A row whose amax is
-    NaN or infinite takes scale 1 (its NaN stays NaN, infinities saturate).  x must start 16-byte aligned (the kernel reads 16-byte
-    vectors): a view starting mid-row of another tensor is a ValueError."""
+    NaN or infinite takes scale 1 (its NaN stays NaN, infinities saturate).
+    x must start 16-byte aligned (the kernel reads 16-byte vectors): a view
+    starting mid-row of another tensor is a ValueError."""
     op = "quantize_rowwise_fp8"
     require_fp8_dlpack(op)
     x, m, k = _matrix(op, x, 16, "row-wise FP8 (the scaled GEMMs' 16-byte FP8 rows)")

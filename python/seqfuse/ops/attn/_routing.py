@@ -158,7 +158,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ... import _C
 from .. import device_checks
-from .._call import as_float
+from .._call import as_float, capability_of
 from . import _cudnn_ragged as ragged
 from . import _torch_routes as routes
 from ..device_checks import sequence_facts, uniform_length
@@ -293,7 +293,6 @@ _UNIFORM_MASK = {1: "no_mask", 3: "causal", 5: "causal_bottom_right"}
 _FROM_BHSD = {"bshd": (0, 2, 1, 3), "sbhd": (2, 0, 1, 3)}
 _choices = {}         # call key -> (backend, rule, reason); emptied past _MAX_CHOICES keys
 _MAX_CHOICES = 4096
-_capabilities = {}    # CUDA device index -> (major, minor)
 _route_failed = {}    # (route, shapes, strides, dtype, mask, device) -> torch's error, in auto
 _logged = set()       # reasons already logged at INFO
 
@@ -474,14 +473,8 @@ def cudnn_eligibility(device_type, capability, qkv_format, attn_mask_type, s_q, 
 
 
 def _device_facts(device):
-    """(device type, capability or None), the capability asked once per device."""
-    if device.type != "cuda":
-        return device.type, None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    cap = _capabilities.get(index)
-    if cap is None:
-        cap = _capabilities[index] = tuple(torch.cuda.get_device_capability(index))
-    return "cuda", cap
+    """(device type, capability or None), the capability asked once per device (_call.capability_of)."""
+    return device.type, capability_of(device)
 
 
 def _inputs_problem(q, k, v, qkv_format, code, cu_q, cu_k):
