@@ -211,6 +211,10 @@ def run_row(impl, recipe_name, warm, timed, args, device, fsdp=None, torch_adamw
         step(b)
     sync()
     warm_s = time.perf_counter() - t_warm
+    # the peak of the warm-up (first FP8 steps, graph captures' eager steps) and of the timed pass alone
+    warm_peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     graphs_before = _compiled_graphs() if impl == "hfcompile" else 0
     losses, issue = [], []
     t0 = time.perf_counter()
@@ -220,6 +224,7 @@ def run_row(impl, recipe_name, warm, timed, args, device, fsdp=None, torch_adamw
         issue.append(time.perf_counter() - ti)
     sync()
     dt = time.perf_counter() - t0
+    steady_peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     if impl == "te":  # which attention TE ran (its unfused fallback is a handicapped peer: the row must say)
         from peers.te_esm2 import te_attention_backend
 
@@ -239,12 +244,12 @@ def run_row(impl, recipe_name, warm, timed, args, device, fsdp=None, torch_adamw
     total = sum(b["input_ids"].numel() for b in timed)
     flops = sum(train_flops(seq_lengths(b), cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers)
                 for b in timed)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    peak = max(warm_peak, steady_peak)
     del model, opt
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return dict(seconds=dt, real=real, total=total, flops=flops, peak=peak, losses=losses,
+    return dict(seconds=dt, real=real, total=total, flops=flops, peak=peak, steady_peak=steady_peak, losses=losses,
                 host_ms=1000.0 * sum(issue) / max(1, len(issue)), profile=prof, warm_s=warm_s, notes=notes,
                 shapes=len({batch_shape(b) for b in timed}))
 
@@ -268,6 +273,7 @@ def figures(r, world=1):
         "mfu_measured_pct": 100.0 * r["flops"] / r["seconds"] / (H200_BF16_MEASURED_TFLOPS * 1e12 * world),
         "mfu_datasheet_pct": 100.0 * r["flops"] / r["seconds"] / (H200_BF16_DATASHEET_TFLOPS * 1e12 * world),
         "peak_mem_gib": r["peak"],
+        "steady_peak_mem_gib": r.get("steady_peak", float("nan")),
         "step_ms": 1000.0 * r["seconds"] / max(1, args_steps(r)),
         "final_loss": r["losses"][-1] if r["losses"] else float("nan"),
         "host_issue_ms": r.get("host_ms", float("nan")),
@@ -426,7 +432,7 @@ def single(args, device):
     if not check["same_samples"]:
         print(f"[esm2 bench] SAMPLE MISMATCH: rows trained on different real tokens: {check}", flush=True)
     cols = ["row", "steps", "unpadded_tokens_per_s", "padding_pct", "vs_hf", "vs_best_hf", "vs_best_peer",
-            "best_peer", "vs_te", "te_peer", "mfu_measured_pct", "peak_mem_gib", "mem_vs_hf", "step_ms",
+            "best_peer", "vs_te", "te_peer", "mfu_measured_pct", "peak_mem_gib", "steady_peak_mem_gib", "mem_vs_hf", "step_ms",
             "host_issue_ms", "warm_s", "final_loss", "note", "error", "skipped"]
     table = Table(args.out, cols)
     for r in results:
