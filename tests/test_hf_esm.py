@@ -231,6 +231,8 @@ def test_hidden_states_and_bad_inputs():
         sf(input_ids=ids[0])
     with pytest.raises(TypeError, match="cu_seqlens"):
         sf(input_ids=ids[0], cu_seqlens=torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match="cu_seqlens ends at 4 but input_ids holds 5 tokens"):
+        sf(input_ids=ids[0], cu_seqlens=torch.tensor([0, 2, 4], dtype=torch.int32))
     with pytest.raises(ValueError, match="labels"):
         sf(input_ids=ids, labels=torch.zeros(1, 4, dtype=torch.long))
     with pytest.raises(NotImplementedError, match="contact"):
@@ -577,3 +579,21 @@ def test_activation_checkpointing_names_take_transformers_keywords():
         with pytest.raises(NotImplementedError, match="every_n_layers"):
             m.activation_checkpointing_enable(every_n_layers=2)
         assert not m.is_activation_checkpointing
+
+
+@pytest.mark.cuda
+def test_cuda_packed_step_reads_the_host_once_per_batch():
+    """A packed (thd) training step of the bf16 model reads GPU values to
+    the host only for a new cu_seqlens tensor (its one check, which the
+    embeddings, RoPE and attention share): the same batch again, forward
+    and backward, makes no host synchronization at all."""
+    from helpers import no_host_sync
+
+    sf = from_hf_model(hf_model("8M", seed=10).cuda().to(torch.bfloat16)).train()
+    _, ids, labels = cuda_batch(6, 300, seed=10)
+    cu = torch.tensor([0] + [len(x) for x in ids]).cumsum(0).to(torch.int32).cuda()
+    inp, lab = torch.cat(ids).cuda(), torch.cat(labels).cuda()
+    longest = max(len(x) for x in ids)
+    sf(input_ids=inp, labels=lab, cu_seqlens=cu, max_seqlen=longest).loss.backward()  # cu_seqlens checked here
+    with no_host_sync():
+        sf(input_ids=inp, labels=lab, cu_seqlens=cu, max_seqlen=longest).loss.backward()

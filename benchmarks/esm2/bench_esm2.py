@@ -235,10 +235,13 @@ def run_row(impl, recipe_name, warm, timed, args, device, fsdp=None, torch_adamw
             notes["recompiled_in_timed_pass"] = notes["dynamo_graphs_so_far"] - graphs_before
     prof = None
     if profile is not None:
-        from profile_summary import profile_steps
+        from profile_summary import profile_steps, sync_points
 
         prof = profile_steps(step, timed[: args.profile_steps], sync, profile[0], profile[1],
                              cuda=device.type == "cuda")
+        if device.type == "cuda" and fsdp is None:  # and the Python stack of every host synchronization of a step
+            stem = profile[0][:-len("_profile.txt")] if profile[0].endswith("_profile.txt") else profile[0]
+            notes["syncs_per_step"] = sync_points(lambda: step(timed[0]), f"{stem}_syncs.txt", profile[1])
     losses = [float(x.detach()) for x in losses]
     real = sum(int(b["num_tokens"]) for b in timed)
     total = sum(b["input_ids"].numel() for b in timed)

@@ -49,6 +49,7 @@ from ..modules.rope import RotaryPositionEmbedding
 from ..quantization.graphs import make_graphed_callables
 from ..quantization.recompute import checkpoint
 from ..modules.transformer_layer import TransformerLayer
+from ..ops import device_checks
 from .esm_config import SeqfuseEsmConfig
 from .layer_graphs import LayerGraphs, check_graphable
 from .pretrained import SeqfusePreTrainedModel, default_device, init_by_name, register_auto
@@ -88,7 +89,9 @@ class SeqfuseEsmEmbeddings(nn.Module):
             else:
                 # Packed: the same per-sequence ratio, spread to each token of the sequence.
                 lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-                seq_of_token = torch.repeat_interleave(torch.arange(lengths.numel(), device=emb.device), lengths)
+                # (output_size: no host read; SeqfuseEsmModel checked that the sequences cover every token)
+                seq_of_token = torch.repeat_interleave(torch.arange(lengths.numel(), device=emb.device), lengths,
+                                                       output_size=input_ids.numel())
                 n_mask = torch.zeros(lengths.numel(), device=emb.device).index_add_(
                     0, seq_of_token, is_mask.reshape(-1).float())
                 observed = n_mask / lengths
@@ -181,6 +184,20 @@ def _check_inputs(input_ids, attention_mask, cu_seqlens, output_attentions):
                          f"input_ids {tuple(input_ids.shape)}")
 
 
+def _check_packed_extent(cu_seqlens, tokens, max_seqlen):
+    """Packed input's cu_seqlens by the attention's rules (start at 0,
+    non-decreasing, no sequence longer than max_seqlen) and ending at
+    exactly ``tokens``: packed ESM input has no padding.  On CUDA this is the
+    batch's one host read of a new cu_seqlens tensor, which the layers'
+    attention and RoPE checks then reuse (ops.device_checks); none under CUDA
+    graph capture."""
+    device_checks.check_cu_seqlens("SeqfuseEsm", "cu_seqlens", cu_seqlens, extent=tokens, max_len=max_seqlen)
+    facts = device_checks.sequence_facts(cu_seqlens, max_seqlen)
+    if facts is not None and facts[0] != tokens:
+        raise ValueError(f"SeqfuseEsm: cu_seqlens ends at {facts[0]} but input_ids holds {tokens} tokens "
+                         "(packed input has no padding: the last sequence ends at the last token)")
+
+
 class SeqfuseEsmModel(SeqfuseEsmPreTrainedModel):
     """The ESM-2 encoder: embeddings, TransformerLayers, final LayerNorm."""
 
@@ -255,6 +272,7 @@ class SeqfuseEsmModel(SeqfuseEsmPreTrainedModel):
             ids = input_ids.reshape(-1)
             if max_seqlen is None:
                 max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
+            _check_packed_extent(cu_seqlens, ids.shape[0], int(max_seqlen))
             x = self.embeddings(ids, cu_seqlens=cu_seqlens)
             freqs = self.rotary_embeddings(int(max_seqlen))
             layer_kw = dict(cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=int(max_seqlen),
