@@ -121,6 +121,29 @@ def test_control_moves_every_weight_one_bf16_ulp():
     assert ((r > 2 ** -9) & (r < 2 ** -6)).all()  # one bf16 ulp in relative terms
 
 
+def test_layerwise_row_runs_the_edge_layers_without_fp8(monkeypatch):
+    """The convergence bench's layer-wise row: under the model-wide FP8
+    autocast the first and the last decoder layer see FP8 off, the others
+    on."""
+    import llama3_common as common
+
+    monkeypatch.setitem(common.SMALL, "tiny4", dict(common.TINY, num_hidden_layers=4))
+    model = common.build_seqfuse("tiny4", torch.device("cpu"), torch.float32, seed=0)
+    conv.bf16_edges(model)
+    layers = model.model.layers
+    seen = {}
+    for i, layer in enumerate(layers):
+        for m in layer.modules():
+            if m is not layer and not list(m.children()):  # a leaf module: records what its forward sees
+                m.register_forward_pre_hook(lambda mod, a, i=i: seen.setdefault(i, set()).add(te.is_fp8_enabled()))
+    ids = torch.randint(0, model.config.vocab_size, (1, 32))
+    with te.autocast(enabled=True, recipe=DelayedScaling()):
+        model(input_ids=ids)
+    last = len(layers) - 1
+    assert seen[0] == {False} and seen[last] == {False}
+    assert all(seen[i] == {True} for i in range(1, last)), seen
+
+
 @pytest.mark.cuda
 def test_cuda_fp8_gradients_match_the_emulation():
     """The same rule on the GPU (bfloat16: seqfuse's attention kernel takes no

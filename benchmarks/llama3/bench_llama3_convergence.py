@@ -37,7 +37,11 @@ while the bf16 losses themselves jump between 1.7 and 3.5.  Two parts here:
                               its distance from seqfuse_bf16 is the natural
                               divergence of this training, FP8 or not;
      ref_fp8_current          transformers' model under the plain-torch FP8
-                              emulation (optional: hf_bf16, ref_fp8_block).
+                              emulation (optional: hf_bf16, ref_fp8_block);
+     seqfuse_fp8_delayed_layerwise (optional) layer-wise precision: FP8
+                              delayed in every decoder layer but the first
+                              and the last, which run bf16 (fp8_layers =
+                              [2 .. L-1] in the recipe's terms).
    Per step, the relative loss difference to seqfuse_bf16; over the last
    ``--window`` steps its mean, and each row's mean loss, at the steps every
    row reached; validation every ``--eval-every`` steps and at each row's
@@ -100,7 +104,7 @@ GRAD_FLOOR = 1e-4
 #: kernel takes no float32) two implementations' roundings
 IMPL_TOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 TRAIN_ROWS = ("seqfuse_bf16", "seqfuse_fp8_delayed", "seqfuse_fp8_block", "seqfuse_bf16_perturbed",
-              "ref_fp8_current", "ref_fp8_block", "hf_bf16", "seqfuse_fp8_current")
+              "ref_fp8_current", "ref_fp8_block", "hf_bf16", "seqfuse_fp8_current", "seqfuse_fp8_delayed_layerwise")
 DEFAULT_TRAIN_ROWS = ("seqfuse_bf16", "seqfuse_fp8_delayed", "seqfuse_fp8_block", "seqfuse_bf16_perturbed",
                       "ref_fp8_current")
 #: Expected cost of a row relative to a seqfuse row (splits --time-budget).
@@ -116,6 +120,22 @@ def recipe_of(name):
         if key in name:
             return make()
     return None
+
+
+def bf16_edges(model):
+    """Layer-wise precision as BioNeMo's Llama 3 recipe is commonly run
+    (precision.fp8_layers = [2 .. L-1], recipes/llama3): the first and the
+    last decoder layer run their forward (and so their backward) with
+    seqfuse's autocast off, inside the model-wide FP8 region."""
+    from seqfuse.pytorch import autocast
+
+    layers = model.model.layers
+    for layer in (layers[0], layers[-1]):
+        def high_precision_forward(*a, _forward=layer.forward, **k):
+            with autocast(enabled=False):
+                return _forward(*a, **k)
+
+        layer.forward = high_precision_forward
 
 
 class Row:
@@ -134,6 +154,8 @@ class Row:
             self.model = build_seqfuse(args.size, device, dtype, seed=args.seed)
             if name.endswith("_perturbed"):
                 perturb_one_ulp(self.model, args.seed)
+            if name.endswith("_layerwise"):
+                bf16_edges(self.model)
         self.device = device
         self.seq_len, self.batch_size = args.seq_len, args.batch_size
 
