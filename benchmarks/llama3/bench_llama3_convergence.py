@@ -107,8 +107,9 @@ TRAIN_ROWS = ("seqfuse_bf16", "seqfuse_fp8_delayed", "seqfuse_fp8_block", "seqfu
               "ref_fp8_current", "ref_fp8_block", "hf_bf16", "seqfuse_fp8_current", "seqfuse_fp8_delayed_layerwise")
 DEFAULT_TRAIN_ROWS = ("seqfuse_bf16", "seqfuse_fp8_delayed", "seqfuse_fp8_block", "seqfuse_bf16_perturbed",
                       "ref_fp8_current")
-#: Expected cost of a row relative to a seqfuse row (splits --time-budget).
-ROW_WEIGHT = {"ref_fp8_current": 2.0, "ref_fp8_block": 3.0, "hf_bf16": 1.5}
+#: Expected cost of a row relative to a seqfuse bf16 row (splits --time-budget; s15: FP8 rows 1.5x).
+ROW_WEIGHT = {"ref_fp8_current": 2.0, "ref_fp8_block": 3.0, "hf_bf16": 1.5, "seqfuse_fp8_delayed": 1.5,
+              "seqfuse_fp8_block": 1.6, "seqfuse_fp8_current": 1.5, "seqfuse_fp8_delayed_layerwise": 1.5}
 
 
 def recipe_of(name):
