@@ -6,10 +6,14 @@ per row, in C with a CPU reference), the stacked weights' per-expert cast
 (ops.moe.cast_fp8_current_stacked, quantization.grouped.stacked_weights_fp8)
 and torch's row-wise scaled grouped GEMM (ops.moe.grouped_gemm_device_fp8).
 The CPU tests pin the cast's values bit for bit against plain torch, the
-argument checks, the recipes the route refuses and the weight cache; the
-cuda-marked ones compare the products with float64 references computed
-from the very FP8 operands, the layer with its bfloat16 result, and check
-that a GroupedMLP FP8 step never waits on the host."""
+argument checks, the recipes the route refuses, which FP8 weight copies
+each mode makes and keeps (GroupedLinear._device_fp8_weights), and the
+autograd function's lean mode with the grouped GEMMs emulated on the CPU
+(the same results as the cached mode, the forward's copy freed, the
+version check); the cuda-marked ones compare the products with float64
+references computed from the very FP8 operands, the layer with its
+bfloat16 result, the lean mode with the cached one (bits and memory), and
+check that a GroupedMLP FP8 step never waits on the host."""
 import logging
 
 import pytest
@@ -211,24 +215,226 @@ def test_fp8_device_split_needs_features_of_16():
     assert moe.device_split_refusal(x, torch.bfloat16, (24, 32)) == "the input is not on a CUDA device"
 
 
-def test_fp8_device_weights_cast_once_per_update(seed):
-    """The stacked FP8 weights are reused until a weight changes (its
-    version) or moves (its storage); is_first_microbatch False reuses, True
-    re-casts."""
+def test_stacked_cast_copies_on_request(seed):
+    """Either copy alone (what the device-split route's forward and backward
+    cast in training): the same bytes and scales as the cast of both, the
+    scales coming from the values alone."""
+    w = torch.randn(3, 32, 48) * torch.tensor([1.0, 1e-3, 50.0])[:, None, None]
+    data, data_t, si = moe.cast_fp8_current_stacked(w, torch.float8_e4m3fn)
+    rdata, none_t, rsi = moe.cast_fp8_current_stacked(w, torch.float8_e4m3fn, transpose=False)
+    none, tdata_t, tsi = moe.cast_fp8_current_stacked(w, torch.float8_e4m3fn, rowwise=False)
+    assert none_t is None and none is None
+    assert torch.equal(rdata.view(torch.uint8), data.view(torch.uint8))
+    assert torch.equal(tdata_t.view(torch.uint8), data_t.view(torch.uint8))
+    assert torch.equal(rsi, si) and torch.equal(tsi, si)
+    row_ops, t_ops = stacked_weights_fp8(w, transpose=False), stacked_weights_fp8(w, rowwise=False)
+    assert row_ops.data_t is None and row_ops.row_scale_inv_t is None
+    assert t_ops.data is None and t_ops.row_scale_inv is None
+    assert torch.equal(row_ops.row_scale_inv, si[:, None].expand(3, 32))
+    assert torch.equal(t_ops.row_scale_inv_t, si[:, None].expand(3, 48))
+    with pytest.raises(ValueError, match="cast_fp8_current_stacked: at least one of 'rowwise' and 'transpose'"):
+        moe.cast_fp8_current_stacked(w, torch.float8_e4m3fn, rowwise=False, transpose=False)
+
+
+def cached(gl):
+    """The device-split FP8 weights' cache entry (None where there is none)."""
+    entry = gl.__dict__.get("_fp8_device_weights")
+    return None if entry is None else entry[2]
+
+
+def test_fp8_device_weights_training_keeps_no_copy(seed):
+    """is_first_microbatch None with gradients: every call casts the
+    forward's copy alone, caches nothing and drops what another mode
+    cached; the backward is told to cast the transposed copy (counted)."""
     gl = GroupedLinear(3, 32, 16, bias=False, device="cpu")
     first = gl._device_fp8_weights(None)
-    assert gl._device_fp8_weights(None) is first
-    assert gl.fp8_device_weight_casts == 1
-    with torch.no_grad():
-        gl.weight1.mul_(2.0)
+    assert first.data.shape == (3, 16, 32) and first.row_scale_inv.shape == (3, 16)
+    assert first.data_t is None and first.row_scale_inv_t is None
+    assert first.on_transpose_cast is not None and cached(gl) is None
     second = gl._device_fp8_weights(None)
     assert second is not first and gl.fp8_device_weight_casts == 2
-    assert torch.equal(second.row_scale_inv[1], first.row_scale_inv[1] * 2)
-    assert gl._device_fp8_weights(False) is second
-    assert gl._device_fp8_weights(True) is not second
-    gl.to(torch.bfloat16)  # new storage
+    assert torch.equal(second.data.view(torch.uint8), first.data.view(torch.uint8))
+    second.on_transpose_cast()
+    assert gl.fp8_device_weight_transpose_casts == 1
+    kept = gl._device_fp8_weights(True)  # gradient accumulation caches both copies
+    assert cached(gl) is kept
+    # the same bytes and scales whichever copies a call makes
+    assert torch.equal(kept.data.view(torch.uint8), first.data.view(torch.uint8))
+    assert torch.equal(kept.row_scale_inv, first.row_scale_inv)
     gl._device_fp8_weights(None)
-    assert gl.fp8_device_weight_casts == 4
+    assert cached(gl) is None and gl.fp8_device_weight_casts == 4  # the stale entry is dropped
+
+
+def test_fp8_device_weights_microbatches_cache_both_copies(seed):
+    """is_first_microbatch True casts both copies and caches them, False
+    reuses them (even after a weight changed: TE's contract), True recasts."""
+    gl = GroupedLinear(3, 32, 16, bias=False, device="cpu")
+    first = gl._device_fp8_weights(True)
+    assert first.data_t.shape == (3, 32, 16) and first.row_scale_inv_t.shape == (3, 32)
+    assert first.on_transpose_cast is None and cached(gl) is first
+    assert gl._device_fp8_weights(False) is first
+    with torch.no_grad():
+        gl.weight1.mul_(2.0)
+    assert gl._device_fp8_weights(False) is first and gl.fp8_device_weight_casts == 1
+    second = gl._device_fp8_weights(True)
+    assert second is not first and gl.fp8_device_weight_casts == 2
+    assert torch.equal(second.row_scale_inv[1], first.row_scale_inv[1] * 2)
+    assert torch.equal(second.row_scale_inv_t[1], first.row_scale_inv_t[1] * 2)
+
+
+def test_fp8_device_weights_inference_caches_the_forward_copy(seed):
+    """Without gradients the forward's copy alone is cast, once per weight
+    version (reused while every weight is the same parameter with the same
+    storage and version); a training call with is_first_microbatch False
+    finds no transposed copy there and casts both."""
+    gl = GroupedLinear(3, 32, 16, bias=False, device="cpu")
+    with torch.no_grad():
+        first = gl._device_fp8_weights(None)
+        assert first.data_t is None and cached(gl) is first
+        assert gl._device_fp8_weights(None) is first and gl.fp8_device_weight_casts == 1
+        gl.weight2.add_(1.0)  # a new version
+        second = gl._device_fp8_weights(None)
+        assert second is not first and second.data_t is None and gl.fp8_device_weight_casts == 2
+        assert gl._device_fp8_weights(False) is second
+        assert gl._device_fp8_weights(True) is not second and gl.fp8_device_weight_casts == 3
+    third = cached(gl)
+    both = gl._device_fp8_weights(False)  # gradients on: the backward needs the transposed copy
+    assert both is not third and both.data_t is not None and gl.fp8_device_weight_casts == 4
+    with torch.no_grad():
+        assert gl._device_fp8_weights(None) is both  # a cached pair serves inference too
+        gl.to(torch.bfloat16)  # new storage
+        gl._device_fp8_weights(None)
+    assert gl.fp8_device_weight_casts == 5
+
+
+def test_fp8_device_weights_share_the_version_key(seed):
+    """The cache key is quantization.gemm_quantizers.weight_key's (the
+    host route's WeightQuantizer computes its own with it), kept in the
+    module, not in expert 0's WeightQuantizer."""
+    from seqfuse.quantization import gemm_quantizers as gq
+
+    gl = GroupedLinear(3, 32, 16, bias=False, device="cpu")
+    with torch.no_grad():
+        gl._device_fp8_weights(None)
+    key, ws, _ = gl.__dict__["_fp8_device_weights"]
+    assert key == gq.weight_key(gl.weights(), *(w.dtype for w in gl.weights()))
+    assert gq.same_weights(key, gl.weights(), key, ws)
+    assert not gq.same_weights(key, [torch.nn.Parameter(w.detach().clone()) for w in ws], key, ws)
+    # the host route's weight cache slots stay empty: a host-route call with is_first_microbatch=False
+    # is never handed the stacked operands
+    assert all(role.pair is None and role.key is None for role in gl._fp8_quantizers.weights)
+
+
+# ---- the autograd function's copies, on the CPU (the GEMMs emulated in float32) ---------------
+
+def emulate_grouped_gemms(monkeypatch):
+    """torch's grouped kernels (CUDA only) replaced by float32 loops over
+    the groups, so DeviceSplitGroupedLinearFunction runs on the CPU; each
+    FP8 product records its weight operand's shape."""
+    seen = []
+
+    def groups(offsets):
+        ends = offsets.tolist()
+        return list(zip([0] + ends[:-1], ends))
+
+    def fp8(a, a_si, b, b_si, offsets, fast_accum=True):
+        seen.append(tuple(b.shape))
+        out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.bfloat16)
+        for g, (s, e) in enumerate(groups(offsets)):
+            out[s:e] = ((a[s:e].float() * a_si[s:e, None]) @ (b[g].float() * b_si[g][:, None]).t()).bfloat16()
+        return out
+
+    def bf16(a, b, offsets, transa=False, transb=False):
+        if transa:
+            return torch.stack([(a[s:e].float().t() @ b[s:e].float()).bfloat16() for s, e in groups(offsets)])
+        out = torch.zeros(a.shape[0], b.shape[1] if transb else b.shape[2], dtype=torch.bfloat16)
+        for g, (s, e) in enumerate(groups(offsets)):
+            out[s:e] = (a[s:e].float() @ (b[g].float().t() if transb else b[g].float())).bfloat16()
+        return out
+
+    monkeypatch.setattr(moe, "grouped_gemm_device_fp8", fp8)
+    monkeypatch.setattr(moe, "grouped_gemm_device", bf16)
+    return seen
+
+
+def device_split_step(gl, x, counts, dy, first, between=None):
+    """One FP8 forward and backward on the device-split route (called
+    directly: the CPU counts would take the host route); ``between`` is
+    called between the two, the graph alive."""
+    x = x.clone().requires_grad_()
+    for w in gl.weights():
+        w.grad = None
+    with fp8_autocast(fp8_recipe=E4M3):
+        y = gl._device_split(x, counts, is_first_microbatch=first)
+    if between is not None:
+        between()
+    y.backward(dy)
+    return y.detach(), x.grad, [w.grad for w in gl.weights()]
+
+
+def test_device_split_fp8_lean_matches_cached(monkeypatch, seed):
+    """The lean mode (None) and the cached one (True) give the same output
+    and gradients bit for bit: the backward's transpose-only cast has the
+    forward's scales.  The lean forward's FP8 copy is freed when the call
+    returns (nothing, ctx included, holds it), the backward casts the
+    transposed copy once."""
+    import weakref
+
+    import seqfuse.modules.grouped_linear as gl_module
+
+    seen = emulate_grouped_gemms(monkeypatch)
+    made = []
+    real = gl_module.stacked_weights_fp8
+
+    def recording(*args, **kw):
+        ops = real(*args, **kw)
+        made.append(weakref.ref(ops.data) if ops.data is not None else None)
+        return ops
+
+    monkeypatch.setattr(gl_module, "stacked_weights_fp8", recording)
+    splits = [5, 0, 19, 8]
+    gl = GroupedLinear(4, 32, 48, bias=False, params_dtype=torch.bfloat16, device="cpu")
+    x = torch.randn(sum(splits), 32).bfloat16()
+    dy = torch.randn(sum(splits), 48).bfloat16()
+    counts = torch.tensor(splits)
+
+    def forward_copy_freed():
+        assert len(made) == 1 and made[0]() is None
+
+    lean = device_split_step(gl, x, counts, dy, None, forward_copy_freed)
+    assert len(made) == 2 and made[1] is None  # the backward's cast: the transposed copy alone
+    assert seen == [(4, 48, 32), (4, 32, 48)]
+    assert gl.fp8_device_weight_casts == 1 and gl.fp8_device_weight_transpose_casts == 1
+    assert cached(gl) is None
+    kept = device_split_step(gl, x, counts, dy, True)
+    assert cached(gl) is not None and gl.fp8_device_weight_transpose_casts == 1
+    for a, b in zip(lean[:2] + tuple(lean[2]), kept[:2] + tuple(kept[2])):
+        assert torch.equal(a, b)
+
+
+def test_device_split_fp8_lean_weight_changed_before_backward(monkeypatch, seed):
+    """The lean mode saves the weights (each parameter, with its own version
+    counter: the stacked view would carry expert 0's only): a weight changed
+    in place between the forward and the backward raises autograd's error
+    instead of a gradient from other weights than the forward's.  Without
+    an input gradient nothing is saved and nothing is cast."""
+    emulate_grouped_gemms(monkeypatch)
+    splits = [6, 10]
+    gl = GroupedLinear(2, 32, 16, bias=False, params_dtype=torch.bfloat16, device="cpu")
+    x = torch.randn(sum(splits), 32).bfloat16().requires_grad_()
+    counts = torch.tensor(splits)
+    with fp8_autocast(fp8_recipe=E4M3):
+        y = gl._device_split(x, counts)
+    with torch.no_grad():
+        gl.weight1.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    with fp8_autocast(fp8_recipe=E4M3):
+        y = gl._device_split(x.detach(), counts)  # the weights' gradients only
+    with torch.no_grad():
+        gl.weight1.mul_(2.0)
+    y.sum().backward()
+    assert gl.weight1.grad is not None and "fp8_device_weight_transpose_casts" not in gl.__dict__
 
 
 # ---- CUDA: the products against float64 of their own FP8 operands ----------------------
@@ -318,14 +524,75 @@ def test_grouped_linear_fp8_device_split(monkeypatch, caplog, seed):
     assert rel_error(y, yb) <= 0.1
     lines = [r.getMessage() for r in caplog.records if "one scale per row" in r.getMessage()]
     assert len(lines) == 1
+    # no is_first_microbatch: the forward cast its copy, the backward the transposed one; none is kept
+    assert gl.fp8_device_weight_casts == gl.fp8_device_weight_transpose_casts == 1
+    assert gl.__dict__["_fp8_device_weights"] is None
+    assert sum("made per call and freed after use" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.cuda
+def test_grouped_linear_fp8_device_split_keeps_no_weight_copy(seed):
+    """Training without is_first_microbatch (no FP8 weight copy kept)
+    against is_first_microbatch=True (both copies cached) on the GPU: the
+    CUDA transpose-only cast has the full cast's bytes and scales; the
+    output and gradients are equal bit for bit; the memory allocated after
+    the forward is lower by at least both copies (G x N x K bytes each) and
+    holds no copy at all; a weight changed in place between the forward
+    and its backward raises autograd's error."""
+    splits = [96, 0, 300, 17, 123, 64, 200, 1]
+    G, fin, fout = len(splits), 1024, 2048
+    copy_bytes = G * fout * fin  # one E4M3 copy of the stacked weights
+    gl = GroupedLinear(G, fin, fout, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    w = gl.stacked_weights()
+    data, data_t, si = moe.cast_fp8_current_stacked(w, torch.float8_e4m3fn)
+    _, t_only, t_si = moe.cast_fp8_current_stacked(w, torch.float8_e4m3fn, rowwise=False)
+    assert torch.equal(t_only.view(torch.uint8), data_t.view(torch.uint8)) and torch.equal(t_si, si)
+    del data, data_t, t_only
+    x0 = torch.randn(sum(splits), fin, device="cuda").bfloat16()
+    dy = torch.randn(sum(splits), fout, device="cuda").bfloat16()
+    counts = torch.tensor(splits, device="cuda")
+
+    def step(first):
+        """(bytes the forward left allocated beyond its output, y, dx, dW)."""
+        for p in gl.weights():
+            p.grad = None
+        x = x0.clone().requires_grad_()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        with fp8_autocast(fp8_recipe=E4M3):
+            y = gl(x, counts, is_first_microbatch=first)
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - base - y.numel() * y.element_size()
+        y.backward(dy)
+        return held, y.detach(), x.grad, [p.grad for p in gl.weights()]
+
+    lean = step(None)
+    assert gl.__dict__["_fp8_device_weights"] is None
+    kept = step(True)
+    assert gl.__dict__["_fp8_device_weights"] is not None
+    assert kept[0] - lean[0] >= 2 * copy_bytes, (lean[0], kept[0])
+    assert lean[0] < copy_bytes // 4, lean[0]  # the offsets and scale scraps, no weight copy
+    for a, b in zip(lean[1:3] + tuple(lean[3]), kept[1:3] + tuple(kept[3])):
+        assert torch.equal(a, b)
+    again = step(None)  # drops the cached pair: its forward frees both copies
+    assert gl.__dict__["_fp8_device_weights"] is None and again[0] <= lean[0] - 2 * copy_bytes, again[0]
+    assert gl.fp8_device_weight_casts == 3 and gl.fp8_device_weight_transpose_casts == 2
+    x = x0.clone().requires_grad_()
+    with fp8_autocast(fp8_recipe=E4M3):
+        y = gl(x, counts)
+    with torch.no_grad():
+        gl.weight3.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward(dy)
 
 
 @pytest.mark.cuda
 def test_grouped_mlp_fp8_device_split_never_waits_on_the_host(seed):
     """A GroupedMLP step under Float8CurrentScaling(E4M3) takes the routing
     counts on the GPU (no synchronizing call in forward or backward, over
-    two steps with a weight update between: the weights are cast again),
-    and stays at E4M3's error from the bfloat16 block."""
+    two steps with a weight update between; no FP8 weight copy is kept, so
+    each forward casts the experts' weights and each backward their
+    transposed copies), and stays at E4M3's error from the bfloat16 block."""
     dev, ref, xd, xr, g = grouped_mlp_pair(256, 512, 8)
     with no_host_sync():
         for step in range(2):
@@ -337,8 +604,9 @@ def test_grouped_mlp_fp8_device_split_never_waits_on_the_host(seed):
             if step == 0:
                 with torch.no_grad():
                     for p in dev.parameters():
-                        p.mul_(1.0)  # a new version: the next step casts the weights again
+                        p.mul_(1.0)  # an optimizer-like update after the backward (no version error)
     assert dev.fc1.fp8_device_weight_casts == dev.fc2.fp8_device_weight_casts == 2
+    assert dev.fc1.fp8_device_weight_transpose_casts == dev.fc2.fp8_device_weight_transpose_casts == 2
     yr = ref(xr)
     (yr * g).sum().backward()
     assert rel_error(yd, yr) <= 0.1

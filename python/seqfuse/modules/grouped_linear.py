@@ -38,7 +38,15 @@ fp8_format=E4M3 runs the forward and input-gradient products in FP8
 (ops.moe.grouped_gemm_device_fp8): activations and output gradients cast
 with one scale per row (finer than the recipe's one per tensor, and it
 needs no row counts), each expert's weight with its own scale, the weight
-gradient in bfloat16 (torch's FP8 form of it needs 16-row groups).  Where
+gradient in bfloat16 (torch's FP8 form of it needs 16-row groups).  Its
+FP8 weight copies follow Transformer Engine's is_first_microbatch contract
+(None: nothing is kept across calls; True / False: kept across
+micro-batches), and go one step further in training without it: no copy
+outlives its product (the forward casts the copy it reads, the backward the
+transposed copy from the weights it saved, where TE keeps that one from
+the forward), so no layer holds FP8 weights through the activation peak;
+inference (no gradients) keeps the forward's copy per weight version
+(GroupedLinear._device_fp8_weights).  Where
 the route does not apply (a bias, another dtype or recipe, a HYBRID
 format, whose E5M2 gradients torch's scaled grouped GEMM does not take)
 the counts are read to the host, logged once with the reason.
@@ -180,36 +188,71 @@ class DeviceSplitGroupedLinearFunction(torch.autograd.Function):
     fast, the input gradient with float32 promotion.  The weight gradient
     stays in bfloat16 from the bfloat16 x and dy: torch's FP8 form of that
     product needs every group's rows in multiples of 16, which routed
-    tokens are not."""
+    tokens are not.
+
+    Which FP8 weight copies live how long (GroupedLinear._device_fp8_weights
+    chooses): where ``fp8`` carries the transposed copy (``data_t``), the
+    backward reads it (the context keeps that copy and its factors, not the
+    forward's ``data``).  Where ``fp8.data_t`` is None, the forward uses
+    ``fp8.data`` and keeps no FP8 copy: where the input gradient is wanted
+    it saves the weights themselves (save_for_backward: ``weights``, each
+    parameter with its own version counter, else ``stacked``; no copy), and
+    the backward casts the transposed copy from them (transpose only,
+    stacked_weights_fp8; the scales recomputed from the same values equal
+    the forward's bit for bit), uses it for the input gradient and drops
+    it; autograd raises its in-place modification error where a weight
+    changed between the forward and the backward.  ``fp8.on_transpose_cast``
+    (where given) is called at each such cast."""
 
     @staticmethod
     def forward(ctx, x, offsets, fp8, stacked, *weights):
         bf16 = torch.bfloat16
         x = moe_ops.dense(x.detach().to(bf16))
+        ctx.transposed = ctx.on_transpose_cast = None
+        saved = ()
         if fp8 is None:
-            w = stacked.detach().to(bf16)
-            y = moe_ops.grouped_gemm_device(x, w, offsets, transb=True)
+            saved = (stacked.detach().to(bf16),)
+            y = moe_ops.grouped_gemm_device(x, saved[0], offsets, transb=True)
         else:
-            w = None
             xq, x_si = quant_ops.quantize_rowwise_fp8(x)
             y = moe_ops.grouped_gemm_device_fp8(xq, x_si, fp8.data, fp8.row_scale_inv, offsets)
-        ctx.save_for_backward(x, offsets, w)
-        ctx.weights, ctx.stacked_dtype, ctx.fp8 = weights, None if stacked is None else stacked.dtype, fp8
+            if not ctx.needs_input_grad[0]:
+                pass  # no input gradient: the backward reads no weight copy
+            elif fp8.data_t is not None:
+                ctx.transposed = (fp8.data_t, fp8.row_scale_inv_t)
+            else:
+                # the weights themselves (views of the parameters, no copy): the backward casts the
+                # transposed copy from them, and autograd checks that none changed meanwhile
+                saved = tuple(weights) if weights else (stacked,)
+                ctx.on_transpose_cast = fp8.on_transpose_cast
+        ctx.save_for_backward(x, offsets, *saved)
+        ctx.weights, ctx.stacked_dtype = weights, None if stacked is None else stacked.dtype
+        ctx.fp8 = fp8 is not None
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, offsets, w = ctx.saved_tensors
-        weights, fp8 = ctx.weights, ctx.fp8
+        x, offsets, *saved = ctx.saved_tensors
+        weights = ctx.weights
         dy = moe_ops.dense(dy.to(torch.bfloat16))
         dx = None
         if ctx.needs_input_grad[0]:
-            if fp8 is None:
-                dx = moe_ops.grouped_gemm_device(dy, w, offsets)
+            if not ctx.fp8:
+                dx = moe_ops.grouped_gemm_device(dy, saved[0], offsets)
             else:
                 dyq, dy_si = quant_ops.quantize_rowwise_fp8(dy)
-                dx = moe_ops.grouped_gemm_device_fp8(dyq, dy_si, fp8.data_t, fp8.row_scale_inv_t, offsets,
-                                                     fast_accum=False)
+                if ctx.transposed is not None:
+                    w_t, w_t_si = ctx.transposed
+                else:
+                    # the transposed copy made now, dropped after its product
+                    stacked = _stack(saved)[0] if weights else saved[0]
+                    ops = stacked_weights_fp8(stacked, rowwise=False)
+                    w_t, w_t_si = ops.data_t, ops.row_scale_inv_t
+                    del ops, stacked
+                    if ctx.on_transpose_cast is not None:
+                        ctx.on_transpose_cast()
+                dx = moe_ops.grouped_gemm_device_fp8(dyq, dy_si, w_t, w_t_si, offsets, fast_accum=False)
+                del w_t, w_t_si, dyq, dy_si  # freed before the weight gradient's output is made
         dstacked, dws = None, [None] * len(weights)
         if ctx.needs_input_grad[3] or any(ctx.needs_input_grad[4:]):
             dw = moe_ops.grouped_gemm_device(dy, x, offsets, transa=True)
@@ -287,15 +330,14 @@ class GroupedLinear(torch.nn.Module):
         load_state_dict leave them (restack_weights); otherwise a stack made
         now (a copy, logged once): the forward never moves a parameter's
         storage, which another owner (an optimizer's flat buffer) may alias."""
-        ws = self.weights()
-        w0 = ws[0]
-        if _one_buffer(ws):
-            return w0.detach().as_strided((len(ws), *w0.shape), (w0.numel(), *w0.stride()))
-        note_once(_log, "seqfuse GroupedLinear: the experts' weights are not slices of one buffer (another "
-                  "owner re-homed them, or they differ in dtype or device): they are stacked into one tensor at "
-                  "every device-split call (a copy, kept for the backward; under FP8 at every weight cast); "
-                  "restack_weights() puts them into one buffer")
-        return torch.stack([w.detach() for w in ws])
+        stacked, view = _stack(self.weights())
+        if not view:
+            note_once(_log, "seqfuse GroupedLinear: the experts' weights are not slices of one buffer (another "
+                      "owner re-homed them, or they differ in dtype or device): they are stacked into one "
+                      "tensor at every device-split call (a copy, kept for the backward; under FP8 at every "
+                      "weight cast, and again in the backward where no FP8 copy is kept); restack_weights() "
+                      "puts them into one buffer")
+        return stacked
 
     @torch.no_grad()
     def restack_weights(self):
@@ -400,7 +442,13 @@ class GroupedLinear(torch.nn.Module):
     def forward(self, inp, m_splits, is_first_microbatch=None, *, swiglu_probs=None, m_offsets=None):
         """y for inp [sum(m_splits), in_features].  is_first_microbatch (TE):
         under FP8, True re-quantizes the weights, False reuses the previous
-        call's, None re-quantizes a weight only when it changed.
+        call's, None re-quantizes a weight only when it changed.  On the
+        device-split FP8 route (a CUDA m_splits) None with gradients enabled
+        keeps no FP8 weight copy at all: the forward casts the copy it reads
+        and the backward the transposed one, each freed after its product
+        (a cast per call, for the memory); True / False keep both copies
+        across micro-batches as above, and without gradients the forward's
+        copy is kept per weight version (_device_fp8_weights).
 
         ``m_offsets`` (seqfuse's, with a CUDA m_splits): the row offsets
         ops.moe.device_split_offsets made of m_splits over the input's rows,
@@ -487,23 +535,72 @@ class GroupedLinear(torch.nn.Module):
 
     def _device_fp8_weights(self, is_first_microbatch):
         """The experts' FP8 operands for the device-split route
-        (quantization.grouped.stacked_weights_fp8 of stacked_weights()),
-        cast once per weight update: reused while every weight is the same
-        parameter with the same storage and version (is_first_microbatch as
-        in forward; a CUDA graph capture always casts, inside the graph)."""
-        key = tuple((id(w), w.data_ptr(), w._version, w.dtype) for w in self.weights())
-        cached = self.__dict__.get("_fp8_device_weights")
+        (quantization.grouped.stacked_weights_fp8 of stacked_weights(), a
+        StackedFloat8), by mode (Transformer Engine's is_first_microbatch
+        contract; in the first mode leaner than TE, which keeps the
+        transposed copy from the forward to the backward):
+
+        - is_first_microbatch None with gradients enabled (training, one
+          forward per optimizer step): no FP8 copy outlives its use.  Only
+          the forward's copy (``data``) is cast, used by this call's forward
+          product and freed when it returns; the backward casts the
+          transposed copy itself from the weights (DeviceSplitGroupedLinear-
+          Function), uses it for the input gradient and frees it.  The cache
+          is neither read nor written, and an entry left by another mode is
+          dropped (its memory freed).
+        - is_first_microbatch True / False (gradient accumulation, TE's
+          contract): both copies are cast and cached; False reuses the
+          cached ones (recast where the cache holds no transposed copy and
+          gradients are enabled), True recasts.
+        - gradients disabled (inference under FP8 autocast): the forward's
+          copy alone, cached and reused while every weight is the same
+          parameter with the same storage and version (quantization.
+          gemm_quantizers.weight_key / same_weights); is_first_microbatch
+          False reuses, True recasts, as above.
+
+        A CUDA graph capture always casts, inside the graph, and caches
+        nothing (the modes' copies otherwise as above).
+        ``fp8_device_weight_casts`` counts the casts made here (one per
+        call that casts, whichever copies); ``fp8_device_weight_transpose_
+        casts`` the backward's casts of the transposed copy in the first
+        mode."""
+        ws = self.weights()
+        grad = torch.is_grad_enabled()
+        lean = is_first_microbatch is None and grad
         capture = device_checks.capturing(self.weight0)
-        if cached is not None and not capture and (
-                is_first_microbatch is False or (is_first_microbatch is None and cached[0] == key)):
-            return cached[1]
+        d = self.__dict__
+        key = None
+        if lean or capture:
+            d["_fp8_device_weights"] = None
+        else:
+            key = _gq.weight_key(ws, *(w.dtype for w in ws))
+            cached = d.get("_fp8_device_weights")
+            if cached is not None:
+                old_key, old_ws, ops = cached
+                if (ops.data_t is not None or not grad) and (
+                        is_first_microbatch is False
+                        or (is_first_microbatch is None and _gq.same_weights(key, ws, old_key, old_ws))):
+                    return ops
         note_grouped("the device-split route runs the forward and input-gradient GEMMs in FP8 with one "
                      "scale per row of the activations and gradients (current scaling, E4M3) and one per "
                      "expert weight; the weight gradient in bfloat16")
-        ops = stacked_weights_fp8(self.stacked_weights())
-        self.__dict__["_fp8_device_weights"] = None if capture else (key, ops)
-        self.__dict__["fp8_device_weight_casts"] = self.__dict__.get("fp8_device_weight_casts", 0) + 1
+        if lean:
+            note_grouped("the device-split route's FP8 weight copies are made per call and freed after use "
+                         "(the forward's in the forward, the input gradient's transposed copy in the "
+                         "backward); pass is_first_microbatch (Transformer Engine's gradient-accumulation "
+                         "argument) to keep them across micro-batches")
+        # the transposed copy where a backward of this call reads a cached one (the second mode)
+        ops = stacked_weights_fp8(self.stacked_weights(), transpose=grad and not lean)
+        if lean:
+            ops.on_transpose_cast = self._count_transpose_cast
+        elif not capture:
+            d["_fp8_device_weights"] = (key, tuple(ws), ops)
+        d["fp8_device_weight_casts"] = d.get("fp8_device_weight_casts", 0) + 1
         return ops
+
+    def _count_transpose_cast(self):
+        d = self.__dict__
+        d["fp8_device_weight_transpose_casts"] = d.get("fp8_device_weight_transpose_casts", 0) + 1
 
     def _device_split(self, inp, counts, offsets=None, is_first_microbatch=None):
         """The device-split route (DeviceSplitGroupedLinearFunction) for row
@@ -516,7 +613,8 @@ class GroupedLinear(torch.nn.Module):
         if offsets is None:
             offsets = moe_ops.device_split_offsets(counts, x.shape[0])
         if _q.is_fp8_enabled():
-            # the weights' FP8 operands carry everything the products read: no stacked copy passes in
+            # the weights' FP8 operands carry what the products read (where no transposed copy is kept,
+            # the backward re-stacks the weights it saved): no stacked copy passes in
             stacked, fp8 = None, self._device_fp8_weights(is_first_microbatch)
         else:
             stacked, fp8 = self.stacked_weights(), None
@@ -543,6 +641,16 @@ def _fp8_device_refusal(recipe):
         # recorded casts are those of the route every step runs
         return "FP8 statistics are on (enable_stats; they are taken per cast of the host-count route)"
     return None
+
+
+def _stack(ws):
+    """(the weights ``ws`` as one [G, out, in] tensor without autograd
+    history, whether it is a view): a view of their buffer where they are
+    consecutive slices of one (_one_buffer), else a stack made now (a copy)."""
+    w0 = ws[0]
+    if _one_buffer(ws):
+        return w0.detach().as_strided((len(ws), *w0.shape), (w0.numel(), *w0.stride())), True
+    return torch.stack([w.detach() for w in ws]), False
 
 
 def _one_buffer(ws):

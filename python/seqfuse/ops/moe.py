@@ -531,11 +531,14 @@ def cast_fp8_current_list(xs, fp8_dtype, *, amax=None, margin=0, rowwise=True, t
         scale_inv, scale, amax
 
 
-def cast_fp8_current_stacked(w, fp8_dtype, *, margin=0):
+def cast_fp8_current_stacked(w, fp8_dtype, *, margin=0, rowwise=True, transpose=True):
     """:func:`cast_fp8_current_list` of the G matrices of one stacked tensor
-    ``w`` [G, N, K] (a device-split grouped layer's weights), both copies
-    stacked too: returns ``(data [G, N, K], data_t [G, K, N], scale_inv
-    [G])``, scale_inv contiguous (1 / each matrix's scale)."""
+    ``w`` [G, N, K] (a device-split grouped layer's weights), the copies
+    stacked too: returns ``(data [G, N, K] or None, data_t [G, K, N] or
+    None, scale_inv [G])``, scale_inv contiguous (1 / each matrix's scale).
+    ``rowwise`` / ``transpose``: which copies to make (at least one).  The
+    scales come from the amaxes of ``w`` alone, whichever copies are made:
+    a cast of the same values gives the same scales bit for bit."""
     op = "cast_fp8_current_stacked"
     w = _tensor(op, "w", w)
     if w.dim() != 3 or w.shape[0] == 0:
@@ -548,8 +551,8 @@ def cast_fp8_current_stacked(w, fp8_dtype, *, margin=0):
     if not w.is_contiguous() or (w.is_cuda and w.data_ptr() % 16):
         raise ValueError(f"{op}: argument 'w' must be contiguous and 16-byte aligned")
     scale_inv = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
-    data, data_t, scale_inv, _, _ = _cast_current_list(op, list(w.unbind(0)), fp8_dtype, None, margin, True, True,
-                                                       scale_inv)
+    data, data_t, scale_inv, _, _ = _cast_current_list(op, list(w.unbind(0)), fp8_dtype, None, margin,
+                                                       bool(rowwise), bool(transpose), scale_inv)
     return data, data_t, scale_inv
 
 

@@ -64,7 +64,8 @@ from .state import ScalingState
 from .tensor import Float8BlockTensor, Float8Tensor
 
 __all__ = ["FP8FwdTensors", "FP8BwdTensors", "GemmQuantizers", "quantizers_for", "recipe_kind", "fsdp2_in_use",
-           "init_fp8_state", "weight_casts", "padded_rows", "row_prefix", "ROW_MULTIPLE"]
+           "init_fp8_state", "weight_casts", "padded_rows", "row_prefix", "ROW_MULTIPLE", "weight_key",
+           "same_weights"]
 
 _log = logging.getLogger("seqfuse")
 
@@ -391,17 +392,13 @@ class WeightQuantizer(_Role):
             self.key = self.param = self.pair = None
             return weight.sf_fp8_pair(self), None
         in_capture = device_checks.capturing(weight)
-        if sources is None:
-            src, versions = (weight,), ((weight.data_ptr(), weight._version),)
-        else:
-            src, versions = sources, tuple((p.data_ptr(), p._version) for p in sources)
-        key = (o.kind, o.fmt, weight.shape, weight.dtype, weight.device, versions)
+        src = (weight,) if sources is None else sources
+        key = weight_key(src, o.kind, o.fmt, weight.shape, weight.dtype, weight.device)
         old = self.key
         if self.pair is not None and old is not None and old[:2] == key[:2]:
             if is_first_microbatch is False:
                 return self.pair, None
-            if (is_first_microbatch is None and old == key
-                    and all(a is b for a, b in zip(self.param, src))
+            if (is_first_microbatch is None and same_weights(key, src, old, self.param)
                     and not fsdp2_in_use() and not in_capture):
                 return self.pair, None
         return None, (key, src, in_capture)
@@ -446,6 +443,25 @@ class WeightQuantizer(_Role):
         qops.cast_fp8_current_into(w.contiguous(), amax, scale, scale_inv, data, data_t, o.margin)
         q = Float8Tensor(data, scale_inv, fp8_dtype, data_t=data_t, dtype=w.dtype, shape=w.shape)
         return (q, q), scratch
+
+
+def weight_key(src, *head):
+    """The key a weight cast made from the tensors ``src`` is cached under:
+    ``head`` (what else the cast depends on), then each tensor's storage
+    address and version counter (an in-place update, an optimizer step,
+    bumps the version; ``.to()`` or a load moves the storage).  Compared
+    with same_weights; WeightQuantizer and GroupedLinear's device-split FP8
+    weights (each keeping its own cache) share it."""
+    return (*head, tuple((t.data_ptr(), t._version) for t in src))
+
+
+def same_weights(key, src, old_key, old_src):
+    """Whether a cast cached under ``old_key`` (weight_key's) from the
+    tensors ``old_src`` serves the tensors ``src`` whose key is ``key``:
+    equal keys and the very same tensor objects (a new tensor may reuse a
+    freed one's address, and its version counter starts again)."""
+    return (old_key == key and old_src is not None and len(old_src) == len(src)
+            and all(a is b for a, b in zip(old_src, src)))
 
 
 def high_precision(t):

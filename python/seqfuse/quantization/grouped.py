@@ -33,8 +33,9 @@ The values are the per-expert casts' bit for bit.
 
 The device-split route (row counts on the GPU, torch's row-wise scaled
 grouped GEMM) takes the experts' weights as one stack: ``stacked_weights_fp8``
-casts W [G, N, K] with each expert's current scale into one [G, N, K] and
-one transposed [G, K, N] copy (one call), with the dequantization factors
+casts W [G, N, K] with each expert's current scale into one [G, N, K]
+and/or one transposed [G, K, N] copy (one call; which copies, and how long
+they are kept, is the caller's choice), with the dequantization factors
 laid out per row as that GEMM reads them.  Its activations and gradients
 are cast one scale per row (seqfuse.ops.quant.quantize_rowwise_fp8), which
 needs no row counts at all.
@@ -89,22 +90,34 @@ class StackedFloat8:
     ``data_t`` [G, K, N] (the input gradient's), each expert cast with its
     own current scale (max |W_g|), and the dequantization factors as the
     row-wise scaled GEMM reads them: ``row_scale_inv`` [G, N] and
-    ``row_scale_inv_t`` [G, K], expert g's one factor repeated."""
+    ``row_scale_inv_t`` [G, K], expert g's one factor repeated.  A copy
+    not made (stacked_weights_fp8's ``rowwise`` / ``transpose``) is None,
+    with its factors.  ``on_transpose_cast``: None, or a callable (no
+    arguments) that the device-split route's backward calls each time it
+    makes the transposed copy itself, where ``data_t`` is None (the owner
+    counts those casts)."""
 
-    __slots__ = ("data", "data_t", "row_scale_inv", "row_scale_inv_t")
+    __slots__ = ("data", "data_t", "row_scale_inv", "row_scale_inv_t", "on_transpose_cast")
 
-    def __init__(self, data, data_t, row_scale_inv, row_scale_inv_t):
+    def __init__(self, data, data_t, row_scale_inv, row_scale_inv_t, on_transpose_cast=None):
         self.data, self.data_t = data, data_t
         self.row_scale_inv, self.row_scale_inv_t = row_scale_inv, row_scale_inv_t
+        self.on_transpose_cast = on_transpose_cast
 
 
-def stacked_weights_fp8(stacked, margin=0):
-    """StackedFloat8 of ``stacked`` [G, N, K] (one C call for both copies,
-    ops.moe.cast_fp8_current_stacked, and two small fills of the factors)."""
+def stacked_weights_fp8(stacked, margin=0, *, rowwise=True, transpose=True):
+    """StackedFloat8 of ``stacked`` [G, N, K] (one C call for the copies,
+    ops.moe.cast_fp8_current_stacked, and a small fill of each copy's
+    factors).  ``rowwise`` / ``transpose``: which copies to make (data
+    and data_t; at least one).  The scales depend on ``stacked``'s values
+    only: a transpose-only cast of unchanged weights pairs with an earlier
+    rowwise-only one bit for bit."""
     G, N, K = stacked.shape
-    data, data_t, si = moe_ops.cast_fp8_current_stacked(stacked.detach(), torch.float8_e4m3fn, margin=margin)
+    data, data_t, si = moe_ops.cast_fp8_current_stacked(stacked.detach(), torch.float8_e4m3fn, margin=margin,
+                                                        rowwise=rowwise, transpose=transpose)
     col = si.view(G, 1)
-    return StackedFloat8(data, data_t, col.expand(G, N).contiguous(), col.expand(G, K).contiguous())
+    return StackedFloat8(data, data_t, col.expand(G, N).contiguous() if rowwise else None,
+                         col.expand(G, K).contiguous() if transpose else None)
 
 
 def note_grouped(text, *args):
