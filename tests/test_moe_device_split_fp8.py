@@ -437,6 +437,32 @@ def test_device_split_fp8_lean_weight_changed_before_backward(monkeypatch, seed)
     assert gl.weight1.grad is not None and "fp8_device_weight_transpose_casts" not in gl.__dict__
 
 
+def test_device_split_bf16_weight_changed_before_backward(monkeypatch, seed):
+    """The bfloat16 route's backward reads the experts' weights through a
+    view of their one buffer: the parameters are what it saves, so a change
+    to any expert (not only expert 0, whose version counter the view
+    shares) between the forward and the backward raises autograd's error;
+    unchanged, the input gradient is the plain per-group product."""
+    emulate_grouped_gemms(monkeypatch)
+    splits = [6, 0, 10]
+    gl = GroupedLinear(3, 32, 16, bias=False, params_dtype=torch.bfloat16, device="cpu")
+    counts = torch.tensor(splits)
+    for expert in (1, 2):
+        x = torch.randn(sum(splits), 32).bfloat16().requires_grad_()
+        y = gl._device_split(x, counts)
+        with torch.no_grad():
+            getattr(gl, f"weight{expert}").mul_(2.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+    x = torch.randn(sum(splits), 32).bfloat16().requires_grad_()
+    dy = torch.randn(sum(splits), 16).bfloat16()
+    gl._device_split(x, counts).backward(dy)
+    rows = torch.tensor(splits).cumsum(0).tolist()
+    for g, (s, e) in enumerate(zip([0] + rows[:-1], rows)):
+        want = (dy[s:e].float() @ getattr(gl, f"weight{g}").float()).bfloat16()
+        assert torch.equal(x.grad[s:e], want)
+
+
 # ---- CUDA: the products against float64 of their own FP8 operands ----------------------
 
 CUDA_SPLITS = [[128, 256, 64, 512], [0, 300, 0, 1, 77, 0], [1000], [0, 0, 0, 5]]

@@ -202,17 +202,27 @@ class DeviceSplitGroupedLinearFunction(torch.autograd.Function):
     the forward's bit for bit), uses it for the input gradient and drops
     it; autograd raises its in-place modification error where a weight
     changed between the forward and the backward.  ``fp8.on_transpose_cast``
-    (where given) is called at each such cast."""
+    (where given) is called at each such cast.  In bfloat16 the backward's
+    weight operand is saved the same way where it is a view of the
+    parameters' one buffer (the parameters saved, the view made again), so
+    the version check covers every expert, not expert 0 alone."""
 
     @staticmethod
     def forward(ctx, x, offsets, fp8, stacked, *weights):
         bf16 = torch.bfloat16
         x = moe_ops.dense(x.detach().to(bf16))
         ctx.transposed = ctx.on_transpose_cast = None
+        ctx.restack = False
         saved = ()
         if fp8 is None:
-            saved = (stacked.detach().to(bf16),)
-            y = moe_ops.grouped_gemm_device(x, saved[0], offsets, transb=True)
+            w = stacked.detach().to(bf16)
+            y = moe_ops.grouped_gemm_device(x, w, offsets, transb=True)
+            if weights and w.untyped_storage().data_ptr() == weights[0].untyped_storage().data_ptr():
+                # a view of the parameters' buffer: the parameters are saved instead (each with its own
+                # version counter; the view carries expert 0's only) and the view made again in the backward
+                saved, ctx.restack = tuple(weights), True
+            else:
+                saved = (w,)  # a copy (converted or stacked now), or transformers' stacked parameter itself
         else:
             xq, x_si = quant_ops.quantize_rowwise_fp8(x)
             y = moe_ops.grouped_gemm_device_fp8(xq, x_si, fp8.data, fp8.row_scale_inv, offsets)
@@ -238,7 +248,8 @@ class DeviceSplitGroupedLinearFunction(torch.autograd.Function):
         dx = None
         if ctx.needs_input_grad[0]:
             if not ctx.fp8:
-                dx = moe_ops.grouped_gemm_device(dy, saved[0], offsets)
+                w = _stack(saved)[0] if ctx.restack else saved[0]
+                dx = moe_ops.grouped_gemm_device(dy, w, offsets)
             else:
                 dyq, dy_si = quant_ops.quantize_rowwise_fp8(dy)
                 if ctx.transposed is not None:
