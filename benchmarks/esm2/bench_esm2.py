@@ -189,11 +189,6 @@ def run_row(impl, recipe_name, warm, timed, args, device, fsdp=None, torch_adamw
         else:
             context = contextlib.nullcontext
     model.train()
-    if impl == "seqfusegraph":  # every encoder layer's forward and backward as CUDA graphs, one batch shape
-        shape = tuple((warm or timed)[0]["input_ids"].shape)
-        model.esm.graph_layers(*shape, fp8_recipe=recipe)
-        notes["graphs"] = f"encoder layers graphed for input_ids {shape} (SeqfuseEsmModel.graph_layers)"
-    cfg = seqfuse_config(args.size)
 
     def step(batch):
         with context():
@@ -203,8 +198,20 @@ def run_row(impl, recipe_name, warm, timed, args, device, fsdp=None, torch_adamw
         opt.zero_grad(set_to_none=True)
         return loss
 
+    if impl == "seqfusegraph":  # every encoder layer's forward and backward as CUDA graphs, one batch shape
+        first = list(warm or timed)
+        eager = [first[i % len(first)] for i in range(getattr(args, "eager_before_graphs", 0))]
+        for b in eager:  # training steps before the capture (FP8 delayed: the amax history the graphs need)
+            step(b)
+        shape = tuple(first[0]["input_ids"].shape)
+        model.esm.graph_layers(*shape, fp8_recipe=recipe)
+        notes["graphs"] = (f"encoder layers graphed for input_ids {shape} (SeqfuseEsmModel.graph_layers)"
+                           + (f" after {len(eager)} eager training steps" if eager else ""))
+    cfg = seqfuse_config(args.size)
+
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if device.type == "cuda":
+        torch.cuda.empty_cache()  # the reserved peak counts this row's blocks only
         torch.cuda.reset_peak_memory_stats()
     t_warm = time.perf_counter()
     for b in list(warm) + list(timed) * warm_passes:
@@ -225,6 +232,8 @@ def run_row(impl, recipe_name, warm, timed, args, device, fsdp=None, torch_adamw
     sync()
     dt = time.perf_counter() - t0
     steady_peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    # what the caching allocator held at most (graphs' private pools included, allocated or not)
+    reserved = torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else float("nan")
     if impl == "te":  # which attention TE ran (its unfused fallback is a handicapped peer: the row must say)
         from peers.te_esm2 import te_attention_backend
 
@@ -252,7 +261,8 @@ def run_row(impl, recipe_name, warm, timed, args, device, fsdp=None, torch_adamw
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return dict(seconds=dt, real=real, total=total, flops=flops, peak=peak, steady_peak=steady_peak, losses=losses,
+    return dict(seconds=dt, real=real, total=total, flops=flops, peak=peak, steady_peak=steady_peak, reserved=reserved,
+                losses=losses,
                 host_ms=1000.0 * sum(issue) / max(1, len(issue)), profile=prof, warm_s=warm_s, notes=notes,
                 shapes=len({batch_shape(b) for b in timed}))
 
@@ -277,6 +287,7 @@ def figures(r, world=1):
         "mfu_datasheet_pct": 100.0 * r["flops"] / r["seconds"] / (H200_BF16_DATASHEET_TFLOPS * 1e12 * world),
         "peak_mem_gib": r["peak"],
         "steady_peak_mem_gib": r.get("steady_peak", float("nan")),
+        "peak_reserved_gib": r.get("reserved", float("nan")),
         "step_ms": 1000.0 * r["seconds"] / max(1, args_steps(r)),
         "final_loss": r["losses"][-1] if r["losses"] else float("nan"),
         "host_issue_ms": r.get("host_ms", float("nan")),
@@ -435,7 +446,8 @@ def single(args, device):
     if not check["same_samples"]:
         print(f"[esm2 bench] SAMPLE MISMATCH: rows trained on different real tokens: {check}", flush=True)
     cols = ["row", "steps", "unpadded_tokens_per_s", "padding_pct", "vs_hf", "vs_best_hf", "vs_best_peer",
-            "best_peer", "vs_te", "te_peer", "mfu_measured_pct", "peak_mem_gib", "steady_peak_mem_gib", "mem_vs_hf", "step_ms",
+            "best_peer", "vs_te", "te_peer", "mfu_measured_pct", "peak_mem_gib", "steady_peak_mem_gib",
+            "peak_reserved_gib", "mem_vs_hf", "step_ms",
             "host_issue_ms", "warm_s", "final_loss", "note", "error", "skipped"]
     table = Table(args.out, cols)
     for r in results:
@@ -729,6 +741,10 @@ def main(argv=None):
                         "FSDP2: on every rank DIR/rank{r}_profile.txt (first config), rank{r}_<row>_alone_profile.txt "
                         "(one GPU) ...")
     p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--eager-before-graphs", type=int, default=0, metavar="N",
+                   help="seqfusegraph rows: N eager training steps (on the warm-up batches) before the layers "
+                        "are graphed; under FP8 delayed scaling 2 give every FP8 tensor an amax history, so no "
+                        "step runs eagerly beside the graphs' memory pool")
     p.add_argument("--profile-configs", default="default,best",
                    help="which --configs to profile (comma list; 'best': also the best-scaling one, re-run)")
     p.add_argument("--out", default="esm2")
