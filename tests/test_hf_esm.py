@@ -584,9 +584,11 @@ def test_activation_checkpointing_names_take_transformers_keywords():
 @pytest.mark.cuda
 def test_cuda_packed_step_reads_the_host_once_per_batch():
     """A packed (thd) training step of the bf16 model reads GPU values to
-    the host only for a new cu_seqlens tensor (its one check, which the
+    the host only for a new cu_seqlens tensor, once (its check, which the
     embeddings, RoPE and attention share): the same batch again, forward
     and backward, makes no host synchronization at all."""
+    import warnings
+
     from helpers import no_host_sync
 
     sf = from_hf_model(hf_model("8M", seed=10).cuda().to(torch.bfloat16)).train()
@@ -594,6 +596,15 @@ def test_cuda_packed_step_reads_the_host_once_per_batch():
     cu = torch.tensor([0] + [len(x) for x in ids]).cumsum(0).to(torch.int32).cuda()
     inp, lab = torch.cat(ids).cuda(), torch.cat(labels).cuda()
     longest = max(len(x) for x in ids)
-    sf(input_ids=inp, labels=lab, cu_seqlens=cu, max_seqlen=longest).loss.backward()  # cu_seqlens checked here
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            sf(input_ids=inp, labels=lab, cu_seqlens=cu, max_seqlen=longest).loss.backward()  # cu_seqlens checked
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in seen if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, syncs
     with no_host_sync():
         sf(input_ids=inp, labels=lab, cu_seqlens=cu, max_seqlen=longest).loss.backward()

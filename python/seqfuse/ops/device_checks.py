@@ -117,7 +117,8 @@ def _cu_problem(cu, max_len):
     d = c[1:] - c[:-1]
     bad = d < 0 if max_len is None else (d < 0) | (d > max_len)
     i = torch.where(bad.any(), bad.to(torch.int8).argmax(), torch.full_like(d[0], -1))
-    vals = torch.stack((c[0], i, d[i.clamp(min=0)], c[-1], d.min(), d.max()))
+    # (the length at i by gather: a 0-d tensor used as an index would be read to the host itself)
+    vals = torch.stack((c[0], i, d.gather(0, i.clamp(min=0).view(1))[0], c[-1], d.min(), d.max()))
     return tuple(int(x) for x in vals.tolist())  # the one synchronization
 
 
