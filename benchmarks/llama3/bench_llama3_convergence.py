@@ -380,15 +380,17 @@ def plot(results, args):
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
     w = max(1, max(len(r["train_loss"]) for r in done.values()) // 40)
     base = done.get("seqfuse_bf16")
-    for name, r in done.items():
-        ax.plot(range(1, len(r["train_loss"]) + 1), smooth(r["train_loss"], w), label=name, lw=1)
+    for i, (name, r) in enumerate(done.items()):
+        color = f"C{i}"  # one colour per row in both panels
+        ax.plot(range(1, len(r["train_loss"]) + 1), smooth(r["train_loss"], w), label=name, lw=1, color=color)
         if base is not None and name != "seqfuse_bf16":
             n = min(len(base["train_loss"]), len(r["train_loss"]))
             d = [a - b for a, b in zip(r["train_loss"][:n], base["train_loss"][:n])]
-            bx.plot(range(1, n + 1), smooth(d, w), label=f"{name} - seqfuse_bf16", lw=1)
+            bx.plot(range(1, n + 1), smooth(d, w), label=f"{name} - seqfuse_bf16", lw=1, color=color)
     ax.set_xlabel("step")
     ax.set_ylabel("causal LM loss (nats)")
-    ax.set_title(f"Llama {args.size}, {args.batch_size} x {args.seq_len} DNA tokens (smoothed over {w})", fontsize=9)
+    ax.set_title(f"Llama, size '{args.size}' (llama3_common.SMALL), {args.batch_size} x {args.seq_len} DNA tokens "
+                 f"(smoothed over {w})", fontsize=9)
     ax.legend(fontsize=7)
     bx.axhline(0, color="gray", lw=0.6)
     bx.set_xlabel("step")
