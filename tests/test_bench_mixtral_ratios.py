@@ -1,0 +1,29 @@
+"""bench_mixtral_train's ratios: against the transformers rows of the whole
+run, whatever order the rows ran in, memory net of what earlier rows left."""
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("pyarrow")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "moe"))
+
+import bench_mixtral_train as B  # noqa: E402
+
+
+def row(name, tps, peak, start, loss=2.0):
+    return dict(row=name, unpadded_tokens_per_s=tps, peak_gib=peak, start_gib=start, first_loss=loss)
+
+
+def test_ratios_cover_rows_timed_before_the_peers():
+    done = {n: r for n, r in (("seqfuse_fp8", row("seqfuse_fp8", 250.0, 12.0, 0.0)),
+                              ("hf_bf16_compile", row("hf_bf16_compile", 200.0, 13.0, 0.5)),
+                              ("hf_bf16", row("hf_bf16", 100.0, 16.0, 1.0, loss=2.2)))}
+    B.add_ratios(done)
+    s = done["seqfuse_fp8"]
+    assert s["vs_hf"] == 2.5 and s["vs_best_hf"] == 1.25 and s["best_hf_row"] == "hf_bf16_compile"
+    assert s["mem_vs_best_hf"] == pytest.approx(12.0 / 12.5) and s["mem_vs_hf"] == pytest.approx(12.0 / 15.0)
+    assert s["first_loss_rel_diff_vs_hf"] == pytest.approx(0.2 / 2.2)
+    assert "vs_best_hf" not in done["hf_bf16_compile"]  # the best peer is not compared with itself
+    assert done["hf_bf16"]["vs_best_hf"] == 0.5
