@@ -189,6 +189,9 @@ def run_row(impl, recipe_name, warm, timed, args, device, fsdp=None, torch_adamw
         else:
             context = contextlib.nullcontext
     model.train()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the reserved peak counts this row's blocks only
+        torch.cuda.reset_peak_memory_stats()  # from here: eager steps before graphs, the capture, the warm-up
 
     def step(batch):
         with context():
@@ -210,9 +213,6 @@ def run_row(impl, recipe_name, warm, timed, args, device, fsdp=None, torch_adamw
     cfg = seqfuse_config(args.size)
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # the reserved peak counts this row's blocks only
-        torch.cuda.reset_peak_memory_stats()
     t_warm = time.perf_counter()
     for b in list(warm) + list(timed) * warm_passes:
         step(b)
@@ -220,6 +220,7 @@ def run_row(impl, recipe_name, warm, timed, args, device, fsdp=None, torch_adamw
     warm_s = time.perf_counter() - t_warm
     # the peak of the warm-up (first FP8 steps, graph captures' eager steps) and of the timed pass alone
     warm_peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    warm_reserved = torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else float("nan")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     graphs_before = _compiled_graphs() if impl == "hfcompile" else 0
@@ -233,7 +234,7 @@ def run_row(impl, recipe_name, warm, timed, args, device, fsdp=None, torch_adamw
     dt = time.perf_counter() - t0
     steady_peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     # what the caching allocator held at most (graphs' private pools included, allocated or not)
-    reserved = torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else float("nan")
+    reserved = max(warm_reserved, torch.cuda.max_memory_reserved() / 2**30) if device.type == "cuda" else float("nan")
     if impl == "te":  # which attention TE ran (its unfused fallback is a handicapped peer: the row must say)
         from peers.te_esm2 import te_attention_backend
 

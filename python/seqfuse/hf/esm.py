@@ -78,6 +78,11 @@ class SeqfuseEsmEmbeddings(nn.Module):
         self.mask_token_id = config.mask_token_id
 
     def forward(self, input_ids, attention_mask=None, cu_seqlens=None):
+        """Padded [b, s] input_ids with attention_mask, or packed [t] with
+        cu_seqlens, which must end at exactly t (SeqfuseEsmModel checks it;
+        a direct call must hold to it: with token dropout the per-sequence
+        mask ratio is spread over the tokens without reading the lengths'
+        total to the host)."""
         emb = self.word_embeddings(input_ids)
         if self.token_dropout:
             is_mask = input_ids == self.mask_token_id
@@ -187,15 +192,25 @@ def _check_inputs(input_ids, attention_mask, cu_seqlens, output_attentions):
 def _check_packed_extent(cu_seqlens, tokens, max_seqlen):
     """Packed input's cu_seqlens by the attention's rules (start at 0,
     non-decreasing, no sequence longer than max_seqlen) and ending at
-    exactly ``tokens``: packed ESM input has no padding.  On CUDA this is the
-    batch's one host read of a new cu_seqlens tensor, which the layers'
-    attention and RoPE checks then reuse (ops.device_checks); none under CUDA
-    graph capture."""
-    device_checks.check_cu_seqlens("SeqfuseEsm", "cu_seqlens", cu_seqlens, extent=tokens, max_len=max_seqlen)
-    facts = device_checks.sequence_facts(cu_seqlens, max_seqlen)
+    exactly ``tokens``: packed ESM input has no padding.  Returns
+    max_seqlen, the longest sequence where it was not given.  On CUDA,
+    with max_seqlen given, this is the batch's one host read of a new
+    cu_seqlens tensor, which the layers' attention and RoPE checks then
+    reuse (ops.device_checks); without it their checks against the longest
+    length read once more.  Under CUDA graph capture nothing is read (a
+    max_seqlen must then be given)."""
+    given = None if max_seqlen is None else int(max_seqlen)
+    device_checks.check_cu_seqlens("SeqfuseEsm", "cu_seqlens", cu_seqlens, extent=tokens, max_len=given)
+    facts = device_checks.sequence_facts(cu_seqlens, given)
     if facts is not None and facts[0] != tokens:
         raise ValueError(f"SeqfuseEsm: cu_seqlens ends at {facts[0]} but input_ids holds {tokens} tokens "
                          "(packed input has no padding: the last sequence ends at the last token)")
+    if given is not None:
+        return given
+    if facts is None:
+        raise ValueError("SeqfuseEsm: packed input needs max_seqlen under CUDA graph capture (the longest "
+                         "sequence cannot be read from cu_seqlens there)")
+    return facts[2]
 
 
 class SeqfuseEsmModel(SeqfuseEsmPreTrainedModel):
@@ -270,9 +285,7 @@ class SeqfuseEsmModel(SeqfuseEsmPreTrainedModel):
         if packed:
             shape = input_ids.shape
             ids = input_ids.reshape(-1)
-            if max_seqlen is None:
-                max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
-            _check_packed_extent(cu_seqlens, ids.shape[0], int(max_seqlen))
+            max_seqlen = _check_packed_extent(cu_seqlens, ids.shape[0], max_seqlen)
             x = self.embeddings(ids, cu_seqlens=cu_seqlens)
             freqs = self.rotary_embeddings(int(max_seqlen))
             layer_kw = dict(cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=int(max_seqlen),

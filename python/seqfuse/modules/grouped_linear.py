@@ -217,7 +217,9 @@ class DeviceSplitGroupedLinearFunction(torch.autograd.Function):
         if fp8 is None:
             w = stacked.detach().to(bf16)
             y = moe_ops.grouped_gemm_device(x, w, offsets, transb=True)
-            if weights and w.untyped_storage().data_ptr() == weights[0].untyped_storage().data_ptr():
+            if not ctx.needs_input_grad[0]:
+                pass  # no input gradient: the backward reads no weight
+            elif weights and w.dtype == weights[0].dtype and _one_buffer(weights):
                 # a view of the parameters' buffer: the parameters are saved instead (each with its own
                 # version counter; the view carries expert 0's only) and the view made again in the backward
                 saved, ctx.restack = tuple(weights), True
@@ -598,8 +600,9 @@ class GroupedLinear(torch.nn.Module):
         if lean:
             note_grouped("the device-split route's FP8 weight copies are made per call and freed after use "
                          "(the forward's in the forward, the input gradient's transposed copy in the "
-                         "backward); pass is_first_microbatch (Transformer Engine's gradient-accumulation "
-                         "argument) to keep them across micro-batches")
+                         "backward); GroupedLinear.forward's is_first_microbatch (Transformer Engine's "
+                         "gradient-accumulation argument) keeps them across micro-batches; GroupedMLP and the "
+                         "Mixtral models do not pass it")
         # the transposed copy where a backward of this call reads a cached one (the second mode)
         ops = stacked_weights_fp8(self.stacked_weights(), transpose=grad and not lean)
         if lean:

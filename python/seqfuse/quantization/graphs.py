@@ -18,6 +18,11 @@ is not inside a layer's graph: call the graphed callables inside
 ``autocast(recipe=...)`` as the eager ones, and the update runs at the
 region's exit exactly as in eager mode.
 
+Before the capture the caching allocator's free blocks are handed back to
+the driver (torch.cuda.empty_cache): the graphs' private memory pool cannot
+reuse them, so blocks cached by eager steps before graphing would otherwise
+stay reserved beside it for the whole run.
+
 Warm-up and capture run the callables a few times; the FP8 scaling state
 (amax history, scales) is put back afterwards, so graphing leaves training
 where it was.
@@ -101,6 +106,9 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters=3, allow_unuse
         init_fp8_state(modules_in, recipe)
     saved = snapshot_scaling(modules_in)
     eager_forwards = [c.forward if isinstance(c, torch.nn.Module) else None for c in callables]
+    # the graphs' private pool cannot reuse blocks the caching allocator keeps for eager work (earlier
+    # training steps' activations): handed back first, they do not sit beside the pool for the run
+    torch.cuda.empty_cache()
     try:
         with autocast(enabled=bool(fp8_enabled), recipe=recipe, amax_reduction_group=fp8_group,
                       calibrating=fp8_calibrating):
