@@ -39,7 +39,7 @@ then on.  A module warmed up eagerly before graphing never takes this
 route.  The eager steps' activations sit beside the graphs' private memory
 pool, which already holds the graphed steps' own, so those two steps peak
 higher than any graphed step (measured, ESM-2 650M FP8 delayed, 16 x 1,024
-tokens, H200: 59.8 GiB reserved against 38.9 GiB for a model graphed after
+tokens, H200: 59.8 GiB reserved against 40.1 GiB for a model graphed after
 two eager training steps, which never takes this route, and 34.3 GiB
 eager).  A graphed plain callable (not an nn.Module) has no such guard: its
 first replays run at scale 1, and a warning says so.
@@ -154,7 +154,7 @@ def _eager_until_history(module, graphed_forward, eager_forward, pending):
                           "first cast takes its scale from its own amax, which a replay cannot); its "
                           "graphs replay from then on.  Those eager steps keep their activations beside "
                           "the graphs' memory pool, so they peak above the graphed steps (ESM-2 650M: "
-                          "59.8 against 38.9 GiB reserved); two eager steps before graphing avoid that")
+                          "59.8 against 40.1 GiB reserved); two eager steps before graphing avoid that")
             eager_calls[0] += 1
             if eager_calls[0] == _EAGER_CALLS_WARN:
                 _log.warning("seqfuse make_graphed_callables: a graphed module has run eagerly %d times "
