@@ -153,8 +153,8 @@ def _eager_until_history(module, graphed_forward, eager_forward, pending):
                           "delayed-scaling tensors have an amax history (the first two forwards: the "
                           "first cast takes its scale from its own amax, which a replay cannot); its "
                           "graphs replay from then on.  Those eager steps keep their activations beside "
-                          "the graphs' memory pool, so they peak above the graphed steps (ESM-2 650M: "
-                          "59.8 against 40.1 GiB reserved); two eager steps before graphing avoid that")
+                          "the graphs' memory pool, so they peak above the graphed steps; two eager training "
+                          "steps before graphing avoid that")
             eager_calls[0] += 1
             if eager_calls[0] == _EAGER_CALLS_WARN:
                 _log.warning("seqfuse make_graphed_callables: a graphed module has run eagerly %d times "
