@@ -285,6 +285,26 @@ def test_grouped_mlp_fp8_current_close_to_bf16_path(seed):
     assert all(torch.isfinite(p.grad).all() for p in m.parameters())
 
 
+@pytest.mark.parametrize("recipe", ["Float8CurrentScaling", "DelayedScaling", "Float8BlockScaling"])
+def test_grouped_mlp_passes_is_first_microbatch_on(recipe, seed):
+    """GroupedMLP.forward's is_first_microbatch reaches both GroupedLinears:
+    False reuses the FP8 weights cast by the True call (an in-place change
+    of the experts' weights in between is not seen, as in Transformer
+    Engine), None casts them again."""
+    from seqfuse.common import recipe as recipes
+
+    m = GroupedMLP(128, 128, 4, 2, device="cpu")
+    x = torch.randn(24, 128)
+    with torch.no_grad(), fp8_autocast(enabled=True, fp8_recipe=getattr(recipes, recipe)()):
+        first = m(x, is_first_microbatch=True)
+        for w in m.fc1.weights() + m.fc2.weights():
+            w.mul_(2.0)
+        reused = m(x, is_first_microbatch=False)
+        recast = m(x)
+    assert torch.equal(reused, first)
+    assert not torch.allclose(recast, first)
+
+
 def test_grouped_mlp_with_no_tokens():
     """An idle rank's step: no tokens in, zero gradients out, no aux loss."""
     m = GroupedMLP(16, 16, 4, 2, device="cpu", aux_loss_coeff=0.01, bias=True)

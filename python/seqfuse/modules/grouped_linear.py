@@ -438,19 +438,23 @@ class GroupedLinear(torch.nn.Module):
         q = _gq.quantizers_for(self, recipe, device)
         return q
 
-    def prefetch_fp8_weights(self):
+    def prefetch_fp8_weights(self, is_first_microbatch=None):
         """Under FP8 autocast, cast the experts' weights now where a forward
-        would (they changed since their last cast), so a caller can queue
-        the casts before it waits on the host (GroupedMLP: before reading
-        the routing counts); the next forward reuses them.  Nothing happens
+        with the same ``is_first_microbatch`` would (None: they changed since
+        their last cast; True: always; False: only where none is cached), so
+        a caller can queue the casts before it waits on the host
+        (GroupedMLP: before reading the routing counts); the next forward
+        with False or None reuses them; returns whether it did.  Nothing happens
         outside FP8 autocast, for block scaling (whose weight casts stay in
         the forward), under CUDA graph capture, or under FSDP2 (whose
         all-gather makes every forward cast again)."""
         if not _q.is_fp8_enabled() or _gq.fsdp2_in_use() or device_checks.capturing(self.weight0):
-            return
+            return False
         q = self._quantizers(_q.get_recipe(), self.weight0.device)
-        if q.kind != "block":
-            weight_pairs(q, self.weights(), None)
+        if q.kind == "block":
+            return False
+        weight_pairs(q, self.weights(), is_first_microbatch)
+        return True
 
     def forward(self, inp, m_splits, is_first_microbatch=None, *, swiglu_probs=None, m_offsets=None):
         """y for inp [sum(m_splits), in_features].  is_first_microbatch (TE):
@@ -601,8 +605,8 @@ class GroupedLinear(torch.nn.Module):
             note_grouped("the device-split route's FP8 weight copies are made per call and freed after use "
                          "(the forward's in the forward, the input gradient's transposed copy in the "
                          "backward); GroupedLinear.forward's is_first_microbatch (Transformer Engine's "
-                         "gradient-accumulation argument) keeps them across micro-batches; GroupedMLP and the "
-                         "Mixtral models do not pass it")
+                         "gradient-accumulation argument, which GroupedMLP.forward passes on) keeps them across "
+                         "micro-batches; the Mixtral models do not pass it")
         # the transposed copy where a backward of this call reads a cached one (the second mode)
         ops = stacked_weights_fp8(self.stacked_weights(), transpose=grad and not lean)
         if lean:

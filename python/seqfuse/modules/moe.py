@@ -191,7 +191,13 @@ class GroupedMLP(RoutedExperts):
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
                 f"num_experts={self.num_experts}, topk={self.topk}, score_function={self.score_function}")
 
-    def forward(self, hidden_states):
+    def forward(self, hidden_states, is_first_microbatch=None):
+        """The block's output for ``hidden_states`` [..., hidden_size];
+        is_first_microbatch (Transformer Engine's gradient-accumulation
+        argument) goes to both GroupedLinears: under FP8, True casts the
+        experts' weights and keeps them for the next micro-batches, False
+        reuses them, None casts a weight when it changed (on the
+        device-split route: at every call, keeping nothing)."""
         check_input("GroupedMLP", hidden_states, self.hidden_size, "hidden_size")
         lead = hidden_states.shape[:-1]
         x = hidden_states.reshape(-1, self.hidden_size)
@@ -211,8 +217,8 @@ class GroupedMLP(RoutedExperts):
             # (every token goes to topk experts, so the permuted rows number T * topk)
             xp, pp = moe_ops.moe_permute_by_row_id_map(x, row_ids, x.shape[0] * self.topk, probs)
             offsets = moe_ops.device_split_offsets(tokens_per_expert, xp.shape[0])  # one set for both GEMMs
-            h = self.fc1(xp, tokens_per_expert, m_offsets=offsets)
-            y = self.fc2(h, tokens_per_expert, swiglu_probs=pp, m_offsets=offsets)
+            h = self.fc1(xp, tokens_per_expert, is_first_microbatch, m_offsets=offsets)
+            y = self.fc2(h, tokens_per_expert, is_first_microbatch, swiglu_probs=pp, m_offsets=offsets)
             return moe_ops.moe_unpermute(y, row_ids).view(*lead, self.hidden_size)
         # the block's one host synchronization, the per-expert counts: their copy is queued now and
         # waited for after the work that does not need them (below), which keeps the GPU busy meanwhile
@@ -222,13 +228,17 @@ class GroupedMLP(RoutedExperts):
             # the FP8 GEMMs take each expert's rows in blocks of 16: the permutation writes them so
             # (zero rows between experts), and nothing is padded or gathered around each GEMM
             row_ids = moe_ops.pad_row_id_map(row_ids, tokens_per_expert)
-            self.fc1.prefetch_fp8_weights()
-            self.fc2.prefetch_fp8_weights()
+            # the weight casts queued before the wait; a prefetch that cast under True leaves the forward
+            # nothing to cast again (it reuses them: False)
+            first = [False if fc.prefetch_fp8_weights(is_first_microbatch) and is_first_microbatch
+                     else is_first_microbatch for fc in (self.fc1, self.fc2)]
+        else:
+            first = [is_first_microbatch] * 2
         m_splits = wait_counts()
         splits = list(moe_ops.padded_splits(m_splits)) if fp8 else m_splits
         xp, pp = moe_ops.moe_permute_by_row_id_map(x, row_ids, sum(splits), probs, zero_unrouted=fp8)
-        h = self.fc1(xp, splits)
+        h = self.fc1(xp, splits, first[0])
         # the SwiGLU scaled by the routing weight; under FP8 computed inside fc2's input cast
-        y = self.fc2(h, splits, swiglu_probs=pp)
+        y = self.fc2(h, splits, first[1], swiglu_probs=pp)
         out = moe_ops.moe_unpermute(y, row_ids)
         return out.view(*lead, self.hidden_size)
