@@ -320,9 +320,15 @@ def test_fp8_device_weights_share_the_version_key(seed):
     assert key == gq.weight_key(gl.weights(), *(w.dtype for w in gl.weights()))
     assert gq.same_weights(key, gl.weights(), key, ws)
     assert not gq.same_weights(key, [torch.nn.Parameter(w.detach().clone()) for w in ws], key, ws)
-    # the host route's weight cache slots stay empty: a host-route call with is_first_microbatch=False
-    # is never handed the stacked operands
-    assert all(role.pair is None and role.key is None for role in gl._fp8_quantizers.weights)
+    # a host-route call with is_first_microbatch=False after the device route's casts is not handed
+    # the stacked operands: it casts its own per-expert weights and equals a host call that must cast
+    splits = [5, 0, 11]
+    x = torch.randn(sum(splits), 32)
+    with torch.no_grad(), fp8_autocast(fp8_recipe=E4M3):
+        gl._device_fp8_weights(True)
+        reused = gl(x, splits, is_first_microbatch=False)
+        cast = gl(x, splits, is_first_microbatch=True)
+    assert torch.equal(reused, cast)
 
 
 # ---- the autograd function's copies, on the CPU (the GEMMs emulated in float32) ---------------
