@@ -233,6 +233,11 @@ def test_hidden_states_and_bad_inputs():
         sf(input_ids=ids[0], cu_seqlens=torch.tensor([0, 5]))
     with pytest.raises(ValueError, match="cu_seqlens ends at 4 but input_ids holds 5 tokens"):
         sf(input_ids=ids[0], cu_seqlens=torch.tensor([0, 2, 4], dtype=torch.int32))
+    for kw in ({}, {"max_seqlen": 3}):
+        with pytest.raises(ValueError, match="'cu_seqlens' must start at 0, be non-decreasing"):
+            sf(input_ids=ids[0], cu_seqlens=torch.tensor([0, 3, 2, 5], dtype=torch.int32), **kw)
+    with pytest.raises(ValueError, match="no sequence longer than max_seqlen 2"):
+        sf(input_ids=ids[0], cu_seqlens=torch.tensor([0, 2, 5], dtype=torch.int32), max_seqlen=2)
     with pytest.raises(ValueError, match="labels"):
         sf(input_ids=ids, labels=torch.zeros(1, 4, dtype=torch.long))
     with pytest.raises(NotImplementedError, match="contact"):

@@ -92,6 +92,8 @@ from harness import RESULTS, Table, train_steps  # noqa: E402
 sys.path.insert(0, os.path.join(BENCH, "esm2"))
 from bench_esm2_convergence import lr_at, smooth  # noqa: E402  (the ESM-2 run's schedule and curve smoothing)
 
+sys.path.insert(0, os.path.join(os.path.dirname(BENCH), "recipes"))  # recipe_common (the layer-wise row)
+
 GRAD_ROWS = ("exact", "ref_current", "ref_block", "seqfuse_bf16", "seqfuse_fp8_current", "seqfuse_fp8_delayed",
              "seqfuse_fp8_block")
 #: seqfuse FP8 row -> the emulation of the same arithmetic
@@ -127,16 +129,13 @@ def bf16_edges(model):
     """Layer-wise precision as BioNeMo's Llama 3 recipe is commonly run
     (precision.fp8_layers = [2 .. L-1], recipes/llama3): the first and the
     last decoder layer run their forward (and so their backward) with
-    seqfuse's autocast off, inside the model-wide FP8 region."""
-    from seqfuse.pytorch import autocast
+    seqfuse's autocast off, inside the model-wide FP8 region, as the
+    recipe's own loop makes them (recipe_common.trainer.run_without_fp8)."""
+    from recipe_common.trainer import run_without_fp8
 
     layers = model.model.layers
     for layer in (layers[0], layers[-1]):
-        def high_precision_forward(*a, _forward=layer.forward, **k):
-            with autocast(enabled=False):
-                return _forward(*a, **k)
-
-        layer.forward = high_precision_forward
+        run_without_fp8(layer)
 
 
 class Row:

@@ -8,14 +8,18 @@ against the dequantized operands and against bf16, and the small unaligned
 case (groups not multiples of 16 rows: the FP8 weight-gradient form
 stops with a device-side assertion, which ends the process's CUDA use; run
 it last).  Pure torch, no seqfuse: python3 benchmarks/moe/probe_scaled_grouped_mm.py
-writes $OUT/probe.json (or ./probe.json) with its run record (commit, command, versions).  CUDA events, mean of 20 calls
-after 3 warm-up calls on the same operands."""
+writes $OUT/probe.json (or ./probe.json) with its run record (commit, command, versions).  CUDA events, median of 20 calls
+after 3 warm-up calls on the same operands (harness.cuda_time_ms)."""
 import json
 import os
 import sys
 import traceback
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: harness
+from harness import cuda_time_ms  # noqa: E402
+
 torch.manual_seed(0)
 dev = "cuda"
 E4 = torch.float8_e4m3fn
@@ -28,14 +32,10 @@ def rowcast(x):
     q = (x.float() * s[:, None]).to(E4)
     return q, (1.0 / s).contiguous()
 
-def timeit(fn, n=20):
-    for _ in range(3): fn()
-    torch.cuda.synchronize()
-    st = torch.cuda.Event(enable_timing=True); en = torch.cuda.Event(enable_timing=True)
-    st.record()
-    for _ in range(n): fn()
-    en.record(); torch.cuda.synchronize()
-    return st.elapsed_time(en) / n
+def timeit(fn):
+    # harness.cuda_time_ms: median of 20 event-timed calls after 3 warm-up calls, caches warm (the s21 run's
+    # JSON was the mean of 20 back-to-back calls, timed by one pair of events)
+    return cuda_time_ms(fn, warmup=3, repeats=20, flush=False)
 
 def counts_for(M, G, kind):
     if kind == "balanced":
@@ -101,8 +101,8 @@ for name, K, N in (("fc1", 1024, 7168), ("fc2", 3584, 1024)):
                 r["fp8_wgrad_rel_vs_bf16"] = rel(dwq, dw16)
                 r["fp8_wgrad_ms"] = timeit(lambda: torch._scaled_grouped_mm(aq, bq.t(), sa, sb, offs=offs,
                                                                             out_dtype=torch.bfloat16, use_fast_accum=True))
-            except Exception:
-                r["fp8_wgrad_error"] = repr(e)[:400]
+            except Exception as err:
+                r["fp8_wgrad_error"] = repr(err)[:400]
             r["torch_rowcast_x_ms"] = timeit(lambda: rowcast(x))
             r["dense_bf16_mm_ms"] = timeit(lambda: x @ w[0].t())
             r["dense_fp8_mm_ms"] = timeit(lambda: torch._scaled_mm(xq, wq[0].t(), sx[:, None], sw[0][None, :], out_dtype=torch.bfloat16, use_fast_accum=True))

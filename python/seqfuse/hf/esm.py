@@ -201,16 +201,20 @@ def _check_packed_extent(cu_seqlens, tokens, max_seqlen):
     max_seqlen must then be given)."""
     given = None if max_seqlen is None else int(max_seqlen)
     device_checks.check_cu_seqlens("SeqfuseEsm", "cu_seqlens", cu_seqlens, extent=tokens, max_len=given)
+    if device_checks.capturing(cu_seqlens):
+        if given is None:
+            raise ValueError("SeqfuseEsm: packed input needs max_seqlen under CUDA graph capture (the longest "
+                             "sequence cannot be read from cu_seqlens there)")
+        return given
     facts = device_checks.sequence_facts(cu_seqlens, given)
-    if facts is not None and facts[0] != tokens:
+    if facts is None:  # (on CUDA check_cu_seqlens has said which rule; CPU values are read here)
+        raise ValueError("SeqfuseEsm: argument 'cu_seqlens' must start at 0, be non-decreasing"
+                         + (f" and hold no sequence longer than max_seqlen {given}" if given is not None else "")
+                         + f", got {cu_seqlens.tolist()}")
+    if facts[0] != tokens:
         raise ValueError(f"SeqfuseEsm: cu_seqlens ends at {facts[0]} but input_ids holds {tokens} tokens "
                          "(packed input has no padding: the last sequence ends at the last token)")
-    if given is not None:
-        return given
-    if facts is None:
-        raise ValueError("SeqfuseEsm: packed input needs max_seqlen under CUDA graph capture (the longest "
-                         "sequence cannot be read from cu_seqlens there)")
-    return facts[2]
+    return facts[2] if given is None else given
 
 
 class SeqfuseEsmModel(SeqfuseEsmPreTrainedModel):
@@ -256,11 +260,11 @@ class SeqfuseEsmModel(SeqfuseEsmPreTrainedModel):
         self._layer_graphs.set((batch_size, seq_len), fp8_recipe, graphed)
         return self
 
-    def _graphs_for(self, input_ids, attention_mask, packed, output_hidden_states):
+    def _graphs_for(self, input_ids, padded, packed, output_hidden_states):
         """The graphed layers when this call may replay them, else None (the
-        reason logged once)."""
-        def late():  # one host read of the mask, only for a call that could replay otherwise
-            if attention_mask is not None and not bool(attention_mask.all()):
+        reason logged once); ``padded``: the forward's mask read found zeros."""
+        def late():
+            if padded:
                 return "padded call (attention_mask has zeros)"
             return "output_hidden_states" if output_hidden_states else None
 
@@ -287,9 +291,9 @@ class SeqfuseEsmModel(SeqfuseEsmPreTrainedModel):
             ids = input_ids.reshape(-1)
             max_seqlen = _check_packed_extent(cu_seqlens, ids.shape[0], max_seqlen)
             x = self.embeddings(ids, cu_seqlens=cu_seqlens)
-            freqs = self.rotary_embeddings(int(max_seqlen))
-            layer_kw = dict(cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=int(max_seqlen),
-                            max_seqlen_kv=int(max_seqlen), qkv_format="thd", self_attn_mask_type="padding")
+            freqs = self.rotary_embeddings(max_seqlen)
+            layer_kw = dict(cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=max_seqlen,
+                            max_seqlen_kv=max_seqlen, qkv_format="thd", self_attn_mask_type="padding")
         else:
             x = self.embeddings(input_ids, attention_mask=attention_mask)
             freqs = self.rotary_embeddings(input_ids.shape[1])
@@ -301,7 +305,7 @@ class SeqfuseEsmModel(SeqfuseEsmPreTrainedModel):
             else:
                 layer_kw = dict(self_attn_mask_type="no_mask", qkv_format="bshd")
         hidden = [] if output_hidden_states else None
-        graphed = self._graphs_for(input_ids, attention_mask, packed, output_hidden_states)
+        graphed = self._graphs_for(input_ids, "attention_mask" in layer_kw, packed, output_hidden_states)
         if graphed is not None:
             for layer in graphed:
                 x = layer(x, freqs)
