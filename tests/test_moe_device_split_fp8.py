@@ -209,6 +209,19 @@ def test_grouped_mlp_device_splits_off_is_a_refusal():
     assert mlp.device_split_refusal(torch.randn(4, 32), E4M3) == "the input is not on a CUDA device"
 
 
+def test_torch_without_scaled_grouped_mm(monkeypatch):
+    """A torch without torch._scaled_grouped_mm: the FP8 device-split route
+    is refused with the reason, and the product raises saying what is
+    missing (nothing runs a missing kernel)."""
+    monkeypatch.delattr(torch, "_scaled_grouped_mm", raising=False)
+    x = torch.zeros(4, 32, dtype=torch.bfloat16)
+    assert "no torch._scaled_grouped_mm" in moe.device_split_refusal(x, torch.bfloat16, (32, 16), fp8=True)
+    q = torch.zeros(4, 32, dtype=torch.float8_e4m3fn)
+    w = torch.zeros(2, 16, 32, dtype=torch.float8_e4m3fn)
+    with pytest.raises(NotImplementedError, match="grouped_gemm_device_fp8: .* no torch._scaled_grouped_mm"):
+        moe.grouped_gemm_device_fp8(q, torch.ones(4), w, torch.ones(2, 16), torch.tensor([2, 4]))
+
+
 def test_fp8_device_split_needs_features_of_16():
     x = torch.randn(4, 24)
     assert "multiples of 16" in moe.device_split_refusal(x, torch.bfloat16, (24, 32), fp8=True)

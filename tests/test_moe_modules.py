@@ -297,6 +297,10 @@ def test_grouped_mlp_passes_is_first_microbatch_on(recipe, seed):
     x = torch.randn(24, 128)
     with torch.no_grad(), fp8_autocast(enabled=True, fp8_recipe=getattr(recipes, recipe)()):
         first = m(x, is_first_microbatch=True)
+        # the prefetch cast, the forward reused it: one cast per expert weight, not two
+        quantizers = [fc._quantizers(getattr(recipes, recipe)(), x.device) for fc in (m.fc1, m.fc2)]
+        if recipe != "Float8BlockScaling":  # (block scaling casts in the forward: no prefetch)
+            assert [w.casts for q in quantizers for w in q.weights] == [1] * 8
         for w in m.fc1.weights() + m.fc2.weights():
             w.mul_(2.0)
         reused = m(x, is_first_microbatch=False)

@@ -75,6 +75,7 @@ Weight-gradient accumulation: where every weight carries a float32
 ``main_grad``, dW_g is accumulated into it by the GEMM (beta = 1) and the
 weight's .grad is left None (``grad_added_to_main_grad`` set where present).
 """
+import functools
 import logging
 
 import torch
@@ -219,7 +220,7 @@ class DeviceSplitGroupedLinearFunction(torch.autograd.Function):
             y = moe_ops.grouped_gemm_device(x, w, offsets, transb=True)
             if not ctx.needs_input_grad[0]:
                 pass  # no input gradient: the backward reads no weight
-            elif weights and w.dtype == weights[0].dtype and _one_buffer(weights):
+            elif weights and w.data_ptr() == weights[0].data_ptr():  # (a stack or a conversion is a new tensor)
                 # a view of the parameters' buffer: the parameters are saved instead (each with its own
                 # version counter; the view carries expert 0's only) and the view made again in the backward
                 saved, ctx.restack = tuple(weights), True
@@ -331,10 +332,14 @@ class GroupedLinear(torch.nn.Module):
             self.reset_parameters()
 
     def weights(self):
-        return [getattr(self, f"weight{g}") for g in range(self.num_gemms)]
+        params = self._parameters  # (read directly: nn.Module.__getattr__ per expert costs on every call)
+        return [params[n] for n in _names("weight", self.num_gemms)]
 
     def biases(self):
-        return [getattr(self, f"bias{g}") for g in range(self.num_gemms)] if self.use_bias else []
+        if not self.use_bias:
+            return []
+        params = self._parameters
+        return [params[n] for n in _names("bias", self.num_gemms)]
 
     def stacked_weights(self):
         """The experts' weights as one [G, out_features, in_features] tensor
@@ -659,6 +664,13 @@ def _fp8_device_refusal(recipe):
         # recorded casts are those of the route every step runs
         return "FP8 statistics are on (enable_stats; they are taken per cast of the host-count route)"
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _names(kind, count):
+    """("weight0", ..., "weight<count-1>"): GroupedLinear's parameter names
+    of one kind."""
+    return tuple(f"{kind}{g}" for g in range(count))
 
 
 def _stack(ws):

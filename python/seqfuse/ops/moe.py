@@ -525,6 +525,13 @@ def cast_fp8_current_list(xs, fp8_dtype, *, amax=None, margin=0, rowwise=True, t
     if not isinstance(xs, (list, tuple)) or not xs:
         raise ValueError(f"{op}: argument 'xs' must be a non-empty list of tensors")
     first = _tensor(op, "xs[0]", xs[0])
+    if first.dim() != 2:
+        raise ValueError(f"{op}: every tensor of 'xs' must be 2-D [N, K], got {first.dim()}-D")
+    for g, t in enumerate(xs):
+        if not isinstance(t, torch.Tensor) or t.shape != first.shape or t.dtype != first.dtype:
+            raise ValueError(f"{op}: every tensor of 'xs' must have xs[0]'s shape {tuple(first.shape)} and "
+                             f"dtype {first.dtype}; xs[{g}] is "
+                             + (f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__))
     data, data_t, scale_inv, scale, amax = _cast_current_list(op, xs, fp8_dtype, amax, margin, rowwise, transpose,
                                                               _spaced_scale_inv(len(xs), first.device))
     return (list(data.unbind(0)) if rowwise else None), (list(data_t.unbind(0)) if transpose else None), \
@@ -557,21 +564,16 @@ def cast_fp8_current_stacked(w, fp8_dtype, *, margin=0, rowwise=True, transpose=
 
 
 def _cast_current_list(op, xs, fp8_dtype, amax, margin, rowwise, transpose, scale_inv):
-    """cast_fp8_current_list's checks and call; the FP8 copies come back as
-    [G, N, K] and [G, K, N] tensors (or None)."""
+    """The call both list casts share, on G 2-D tensors ``xs`` of one shape
+    and dtype (checked by the caller: cast_fp8_current_list per tensor, a
+    stack's slices by construction); the FP8 copies come back as [G, N, K]
+    and [G, K, N] tensors (or None)."""
     require_fp8_dlpack(op)
     fp8_dtype = fp8_dtype_of(fp8_dtype, op)
     if not rowwise and not transpose:
         raise ValueError(f"{op}: at least one of 'rowwise' and 'transpose' must be True")
     G = len(xs)
-    first = _tensor(op, "xs[0]", xs[0])
-    if first.dim() != 2:
-        raise ValueError(f"{op}: every tensor of 'xs' must be 2-D [N, K], got {first.dim()}-D")
-    for g, t in enumerate(xs):
-        if not isinstance(t, torch.Tensor) or t.shape != first.shape or t.dtype != first.dtype:
-            raise ValueError(f"{op}: every tensor of 'xs' must have xs[0]'s shape {tuple(first.shape)} and "
-                             f"dtype {first.dtype}; xs[{g}] is "
-                             + (f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__))
+    first = xs[0]
     n, k = first.shape
     dev = first.device
     data = torch.empty((G, n, k), dtype=fp8_dtype, device=dev) if rowwise else None

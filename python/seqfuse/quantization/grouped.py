@@ -105,7 +105,7 @@ class StackedFloat8:
         self.on_transpose_cast = on_transpose_cast
 
 
-def stacked_weights_fp8(stacked, margin=0, *, rowwise=True, transpose=True):
+def stacked_weights_fp8(stacked, *, rowwise=True, transpose=True):
     """StackedFloat8 of ``stacked`` [G, N, K] (one C call for the copies,
     ops.moe.cast_fp8_current_stacked, and a small fill of each copy's
     factors).  ``rowwise`` / ``transpose``: which copies to make (data
@@ -113,8 +113,8 @@ def stacked_weights_fp8(stacked, margin=0, *, rowwise=True, transpose=True):
     only: a transpose-only cast of unchanged weights pairs with an earlier
     rowwise-only one bit for bit."""
     G, N, K = stacked.shape
-    data, data_t, si = moe_ops.cast_fp8_current_stacked(stacked.detach(), torch.float8_e4m3fn, margin=margin,
-                                                        rowwise=rowwise, transpose=transpose)
+    data, data_t, si = moe_ops.cast_fp8_current_stacked(stacked.detach(), torch.float8_e4m3fn, rowwise=rowwise,
+                                                        transpose=transpose)
     col = si.view(G, 1)
     return StackedFloat8(data, data_t, col.expand(G, N).contiguous() if rowwise else None,
                          col.expand(G, K).contiguous() if transpose else None)
