@@ -91,6 +91,23 @@ def test_attention_good_cu_seqlens_pass_and_are_read_once_per_tensor(device_path
     assert len(reads) == 2
 
 
+def test_one_read_per_tensor_whatever_the_limit(device_path, monkeypatch):
+    """The remembered read serves every max_len the tensor meets (packed
+    ESM-2 checks without one, its layers against the longest sequence); a
+    limit the tensor breaks reads it again for the C entry's message."""
+    reads = []
+    real = checks._cu_problem
+    monkeypatch.setattr(checks, "_cu_problem", lambda cu, n: reads.append(n) or real(cu, n))
+    cu = GOOD.clone()
+    for limit in (None, 5, 8, 5):
+        checks.check_cu_seqlens("op", "cu_seqlens", cu, extent=8, max_len=limit)
+    assert reads == [None]
+    assert checks.sequence_facts(cu, 5) == (8, 3, 5) and reads == [None]
+    with pytest.raises(ValueError, match="holds a sequence of length 5, longer than the max_seqlen 4"):
+        checks.check_cu_seqlens("op", "cu_seqlens", cu, extent=8, max_len=4)
+    assert reads == [None, 4]
+
+
 def test_attention_routes_see_the_check_too(device_path, monkeypatch):
     """``ops.attention`` checks before choosing a route (torch's routes would
     clamp bad lengths as silently as the kernels)."""

@@ -193,12 +193,10 @@ def _check_packed_extent(cu_seqlens, tokens, max_seqlen):
     """Packed input's cu_seqlens by the attention's rules (start at 0,
     non-decreasing, no sequence longer than max_seqlen) and ending at
     exactly ``tokens``: packed ESM input has no padding.  Returns
-    max_seqlen, the longest sequence where it was not given.  On CUDA,
-    with max_seqlen given, this is the batch's one host read of a new
-    cu_seqlens tensor, which the layers' attention and RoPE checks then
-    reuse (ops.device_checks); without it their checks against the longest
-    length read once more.  Under CUDA graph capture nothing is read (a
-    max_seqlen must then be given)."""
+    max_seqlen, the longest sequence where it was not given.  On CUDA this
+    is the batch's one host read of a new cu_seqlens tensor, which the
+    layers' attention and RoPE checks then reuse (ops.device_checks).  Under
+    CUDA graph capture nothing is read (a max_seqlen must then be given)."""
     given = None if max_seqlen is None else int(max_seqlen)
     device_checks.check_cu_seqlens("SeqfuseEsm", "cu_seqlens", cu_seqlens, extent=tokens, max_len=given)
     if device_checks.capturing(cu_seqlens):

@@ -15,7 +15,8 @@ Cost, and how it is kept down:
 - cu_seqlens: a model's layers pass the very same cu_seqlens tensors, so a
   tensor whose check passed is remembered (by identity and torch's version
   counter, ``PerTensorCache``) and not checked again: one synchronization
-  per new cu_seqlens tensor, i.e. per batch, not per layer.
+  per new cu_seqlens tensor, i.e. per batch, not per layer, whatever
+  max_seqlen each op checks it against.
 - labels: three modes (SEQFUSE_CHECK_LABELS in the environment, or
   ``set_label_checks``):
   "deferred" (the default; also "1"): no host read in the call.  The CUDA
@@ -145,10 +146,18 @@ _cu_facts = None  # PerTensorCache of _cu_problem: the cu_seqlens tensors seen l
 
 
 def _facts(cu, max_len):
+    """_cu_problem's facts of ``cu`` under ``max_len``, from one remembered
+    host read per tensor whatever the limit: the read is made without one,
+    and a tensor with no decrease and no sequence longer than ``max_len``
+    (its longest, read with it) has the same facts under that limit.  A
+    tensor that breaks a rule is read again for the first break."""
     global _cu_facts
     if _cu_facts is None:  # made on first use; tests set it back to None to forget
         _cu_facts = PerTensorCache(_cu_problem)
-    return _cu_facts(cu, max_len)
+    facts = _cu_facts(cu, None)
+    if max_len is not None and (facts[1] >= 0 or facts[5] > max_len):
+        return _cu_problem(cu, max_len)
+    return facts
 
 
 def uniform_length(cu, extent, max_len=None):
