@@ -84,6 +84,46 @@ def test_layer_graphs_replay_rules(caplog):
     assert asked == []
 
 
+class StandIn:
+    """A graphed layer stood in for on the CPU: counts its replays, returns
+    x (with a router-logits extra for Mixtral's layers)."""
+
+    def __init__(self, extra=False):
+        self.calls, self.extra = 0, extra
+
+    def __call__(self, x, freqs):
+        self.calls += 1
+        return (x, x.new_zeros(x.shape[0] * x.shape[1], 4)) if self.extra else x
+
+
+@pytest.mark.parametrize("make", [llama, mixtral], ids=["llama", "mixtral"])
+def test_decoder_replays_only_the_calls_it_can(make, caplog):
+    """run_layers replays the graphed layers for a plain or all-ones-mask
+    call of the captured shape in training, and runs the layers eagerly,
+    saying why once, for a padded, packed, hidden-states or other-shape
+    call (the graphs stood in for: this runs on the CPU)."""
+    m = make().train()
+    layers = tuple(StandIn(extra=isinstance(m, SeqfuseMixtralForCausalLM)) for _ in range(2))
+    m.model._layer_graphs.set((2, 8), None, layers)
+    ids = torch.randint(1, 16, (2, 8))
+    replays = lambda: layers[0].calls  # noqa: E731
+    m(input_ids=ids)
+    m(input_ids=ids, attention_mask=torch.ones(2, 8, dtype=torch.long))
+    assert replays() == 2
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 6:] = 0
+    with caplog.at_level(logging.WARNING):
+        m(input_ids=ids, attention_mask=mask)
+        m(input_ids=ids, output_hidden_states=True)
+        m(input_ids=ids[:, :4])
+        m(input_ids=ids.reshape(1, 16), cu_seqlens=torch.tensor([0, 8, 16], dtype=torch.int32), max_seqlen=8)
+    assert replays() == 2
+    said = " | ".join(r.getMessage() for r in caplog.records)
+    for reason in ("padded call (attention_mask has zeros)", "output_hidden_states", "input_ids (2, 4), graphed for (2, 8)",
+                   "packed (thd) call"):
+        assert reason in said
+
+
 def test_check_graphable_rules(monkeypatch):
     """Every precondition, each named (the CUDA one stood in for: these run on the CPU)."""
     from seqfuse.hf.layer_graphs import check_graphable

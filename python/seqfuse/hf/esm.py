@@ -51,7 +51,7 @@ from ..quantization.recompute import checkpoint
 from ..modules.transformer_layer import TransformerLayer
 from ..ops import device_checks
 from .esm_config import SeqfuseEsmConfig
-from .layer_graphs import LayerGraphs, check_graphable
+from .layer_graphs import LayerGraphs, check_graphable, eager_reason
 from .pretrained import SeqfusePreTrainedModel, default_device, init_by_name, register_auto
 
 logger = logging.getLogger(__name__)
@@ -261,13 +261,8 @@ class SeqfuseEsmModel(SeqfuseEsmPreTrainedModel):
     def _graphs_for(self, input_ids, padded, packed, output_hidden_states):
         """The graphed layers when this call may replay them, else None (the
         reason logged once); ``padded``: the forward's mask read found zeros."""
-        def late():
-            if padded:
-                return "padded call (attention_mask has zeros)"
-            return "output_hidden_states" if output_hidden_states else None
-
         return self._layer_graphs.for_call(self.training, input_ids.shape,
-                                           "packed (thd) call" if packed else None, late)
+                                           eager_reason(packed, padded, output_hidden_states))
 
     def get_input_embeddings(self):
         return self.embeddings.word_embeddings

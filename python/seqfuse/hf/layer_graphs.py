@@ -43,6 +43,18 @@ def check_graphable(owner, on_cuda, dropout, checkpointing, training, batch_size
                          "eagerly")
 
 
+def eager_reason(packed=False, padded=False, hidden_states=False):
+    """The cause, found in the call's layout without a host read, that
+    keeps it off the graphed layers (the first of: packed, padded, hidden
+    states asked for), or None: LayerGraphs.for_call's ``layout_reason``
+    for every model family."""
+    if packed:
+        return "packed (thd) call"
+    if padded:
+        return "padded call (attention_mask has zeros)"
+    return "output_hidden_states" if hidden_states else None
+
+
 class LayerGraphs:
     """A model's graphed layers: ``set(shape, recipe, graphed)`` after the
     capture, ``for_call`` at every forward, ``clear()`` where they stop

@@ -72,7 +72,7 @@ from ..quantization.graphs import make_graphed_callables
 from ..quantization.recompute import checkpoint
 from .attention import cu_seqlens_of_positions, is_packed_positions
 from .generation import CachedGenerate
-from .layer_graphs import LayerGraphs, check_graphable
+from .layer_graphs import LayerGraphs, check_graphable, eager_reason
 from .llama_config import SeqfuseLlamaConfig, rope_inv_freq
 from .lm_layout import IGNORE_INDEX, Layout
 from .pretrained import SeqfusePreTrainedModel, TiedCausalLM, default_device, init_by_name, register_auto
@@ -365,9 +365,8 @@ def run_layers(model, input_ids, layout, output_hidden_states=False, layer_extra
     extras = []
     graphs = getattr(model, "_layer_graphs", None)  # (a model unpickled from before graph_layers has none)
     if graphs is not None and graphs.graphed is not None:
-        reason = ("packed (thd) call" if layout.packed else "padded call (attention_mask has zeros)"
-                  if "attention_mask" in layout.layer_kw else "output_hidden_states" if hidden is not None else None)
-        graphed = graphs.for_call(model.training, shape, reason)
+        graphed = graphs.for_call(model.training, shape, eager_reason(
+            layout.packed, "attention_mask" in layout.layer_kw, hidden is not None))
         if graphed is not None:
             for layer in graphed:
                 x = layer(x, freqs)
