@@ -8,6 +8,7 @@ scaffolding of the distributed tests (run_ranks: a process group of N
 workers, each computing its results, collected by the test)."""
 import contextlib
 import functools
+import logging
 import os
 
 import pytest
@@ -539,3 +540,28 @@ def grouped_mlp_pair(hidden, ffn, experts, shape=(2, 333)):
     g = torch.randn(*shape, hidden, device="cuda").bfloat16()
     return dev, host, x.clone().requires_grad_(), x.clone().requires_grad_(), g
 
+
+
+def assert_replays_only_plain_calls(model, replays, caplog, packed_ids):
+    """A model whose layers were graphed for [2, 8] input_ids (stand-ins
+    counted by ``replays()``) replays them for a plain and an all-ones-mask
+    training call of that shape only: a padded, a hidden-states, an
+    other-shape and a packed call (``packed_ids``, two sequences of 8) run
+    eagerly and each says why."""
+    ids = torch.randint(4, 16, (2, 8))
+    model(input_ids=ids)
+    model(input_ids=ids, attention_mask=torch.ones(2, 8, dtype=torch.long))
+    replayed = replays()
+    assert replayed > 0
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 6:] = 0
+    with caplog.at_level(logging.WARNING):
+        model(input_ids=ids, attention_mask=mask)
+        model(input_ids=ids, output_hidden_states=True)
+        model(input_ids=ids[:, :4])
+        model(input_ids=packed_ids(ids), cu_seqlens=torch.tensor([0, 8, 16], dtype=torch.int32), max_seqlen=8)
+    assert replays() == replayed
+    said = " | ".join(r.getMessage() for r in caplog.records)
+    for reason in ("padded call (attention_mask has zeros)", "output_hidden_states",
+                   "input_ids (2, 4), graphed for (2, 8)", "packed (thd) call"):
+        assert reason in said

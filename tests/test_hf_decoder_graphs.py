@@ -22,7 +22,7 @@ from seqfuse.hf import SeqfuseLlamaConfig, SeqfuseLlamaForCausalLM, SeqfuseMixtr
 from seqfuse.hf.layer_graphs import LayerGraphs
 import seqfuse.pytorch as te
 
-from helpers import assert_same_training, train_steps
+from helpers import assert_replays_only_plain_calls, assert_same_training, train_steps
 
 SUBSET = Path(__file__).resolve().parents[1] / "recipes" / "llama3" / "data" / "subset"
 E4M3 = Float8CurrentScaling(fp8_format=Format.E4M3)
@@ -105,23 +105,8 @@ def test_decoder_replays_only_the_calls_it_can(make, caplog):
     m = make().train()
     layers = tuple(StandIn(extra=isinstance(m, SeqfuseMixtralForCausalLM)) for _ in range(2))
     m.model._layer_graphs.set((2, 8), None, layers)
-    ids = torch.randint(1, 16, (2, 8))
-    replays = lambda: layers[0].calls  # noqa: E731
-    m(input_ids=ids)
-    m(input_ids=ids, attention_mask=torch.ones(2, 8, dtype=torch.long))
-    assert replays() == 2
-    mask = torch.ones(2, 8, dtype=torch.long)
-    mask[1, 6:] = 0
-    with caplog.at_level(logging.WARNING):
-        m(input_ids=ids, attention_mask=mask)
-        m(input_ids=ids, output_hidden_states=True)
-        m(input_ids=ids[:, :4])
-        m(input_ids=ids.reshape(1, 16), cu_seqlens=torch.tensor([0, 8, 16], dtype=torch.int32), max_seqlen=8)
-    assert replays() == 2
-    said = " | ".join(r.getMessage() for r in caplog.records)
-    for reason in ("padded call (attention_mask has zeros)", "output_hidden_states", "input_ids (2, 4), graphed for (2, 8)",
-                   "packed (thd) call"):
-        assert reason in said
+    assert_replays_only_plain_calls(m, lambda: layers[0].calls, caplog, lambda ids: ids.reshape(1, 16))
+    assert layers[0].calls == 2
 
 
 def test_check_graphable_rules(monkeypatch):

@@ -17,7 +17,7 @@ from seqfuse.hf import SeqfuseEsmConfig, SeqfuseEsmForMaskedLM
 from seqfuse.optim import FusedAdamW
 import seqfuse.pytorch as te
 
-from helpers import assert_same_training, train_steps
+from helpers import assert_replays_only_plain_calls, assert_same_training, train_steps
 
 
 def small_config(**kw):
@@ -36,22 +36,8 @@ def test_replays_only_the_calls_it_can(caplog):
     model = SeqfuseEsmForMaskedLM(small_config()).train()
     calls = []
     model.esm._layer_graphs.set((2, 8), None, [lambda x, freqs: calls.append(1) or x] * 3)
-    ids = torch.randint(4, 20, (2, 8))
-    model(input_ids=ids)
-    model(input_ids=ids, attention_mask=torch.ones(2, 8, dtype=torch.long))
+    assert_replays_only_plain_calls(model, lambda: len(calls), caplog, lambda ids: ids.reshape(-1))
     assert len(calls) == 6  # two calls, three layers each
-    mask = torch.ones(2, 8, dtype=torch.long)
-    mask[1, 6:] = 0
-    with caplog.at_level(logging.WARNING):
-        model(input_ids=ids, attention_mask=mask)
-        model(input_ids=ids, output_hidden_states=True)
-        model(input_ids=ids[:, :4])
-        model(input_ids=ids.reshape(-1), cu_seqlens=torch.tensor([0, 8, 16], dtype=torch.int32), max_seqlen=8)
-    assert len(calls) == 6
-    said = " | ".join(r.getMessage() for r in caplog.records)
-    for reason in ("padded call (attention_mask has zeros)", "output_hidden_states",
-                   "input_ids (2, 4), graphed for (2, 8)", "packed (thd) call"):
-        assert reason in said
 
 
 def test_graph_layers_refuses_without_cuda_and_with_dropout():
