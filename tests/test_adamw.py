@@ -96,6 +96,133 @@ def test_bf16_without_master_rounds_every_step(device, seed):
     assert max_rel(params[0].detach().float(), ref) < 1e-2
 
 
+def bf16_moment_reference(p, m, v, g, step):
+    """One step of the bf16-moment update in float64: the moments read from
+    bf16, updated, stored rounded to bf16; the parameter updated from the
+    unrounded moments, then rounded to bf16 (torch's fused AdamW on bf16
+    parameters).  Returns the bf16 (p, m, v) and, for each, the scale of the
+    terms it was computed from (fp32 arithmetic is exact to about 2^-24 of
+    that scale, which is more than a bf16 ulp of a result that cancels to
+    near zero)."""
+    p64, m64, v64, g64 = p.double(), m.double(), v.double(), g.double()
+    p64 = p64 * (1 - HYPER["lr"] * HYPER["weight_decay"])
+    m_new = m64 + (1 - 0.9) * (g64 - m64)
+    v_new = v64 * 0.95 + 0.05 * g64 * g64
+    denom = v_new.sqrt() / (1 - 0.95 ** step) ** 0.5 + 1e-8
+    delta = HYPER["lr"] / (1 - 0.9 ** step) * m_new / denom
+    scales = (torch.maximum(p64.abs(), delta.abs()), torch.maximum(m64.abs(), g64.abs()),
+              torch.maximum(v64, g64 * g64))
+    return (p64 - delta).to(torch.bfloat16), m_new.to(torch.bfloat16), v_new.to(torch.bfloat16), scales
+
+
+def ulps_apart(a, b, scale=None):
+    """The largest distance between two bf16 tensors in units of the larger
+    value's last place (or, where the values cancelled to below 2^-15 of
+    ``scale``, of that floor's)."""
+    a, b = a.double(), b.double()
+    size = torch.maximum(a.abs(), b.abs())
+    if scale is not None:
+        size = torch.maximum(size, scale.double() * 2.0 ** -15)
+    return ((a - b).abs() / (size.clamp_min(1e-30) * 2.0 ** -7)).max().item()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("master", [False, True])
+def test_bf16_moments_match_a_float64_reference(device, master, seed):
+    """bf16 moments: every step's moments and parameter within one bf16 ulp
+    of a float64 emulation fed the kernel's own previous state (so the test
+    measures one step's rounding, not drift)."""
+    params = make_params(torch.bfloat16, device)
+    opt = FusedAdamW(params, master_weights=master, exp_avg_dtype=torch.bfloat16,
+                     exp_avg_sq_dtype=torch.bfloat16, **HYPER)
+    for step in range(1, 8):
+        fill_grads(params, step)
+        before = [(p.detach().clone(), opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone(),
+                   opt.state[p].get("master_param")) if opt.state[p] else
+                  (p.detach().clone(), torch.zeros_like(p), torch.zeros_like(p), None) for p in params]
+        before = [(b[0] if b[3] is None else b[3].clone(), b[1], b[2]) for b in before]
+        opt.step()
+        for p, (p0, m0, v0) in zip(params, before):
+            st = opt.state[p]
+            assert st["exp_avg"].dtype == st["exp_avg_sq"].dtype == torch.bfloat16
+            rp, rm, rv, (sp, sm, sv) = bf16_moment_reference(p0, m0, v0, p.grad, step)
+            assert ulps_apart(st["exp_avg"], rm, sm) <= 1 and ulps_apart(st["exp_avg_sq"], rv, sv) <= 1, step
+            assert ulps_apart(p.detach(), rp, sp) <= 1, step
+            if master:
+                assert st["master_param"].dtype == torch.float32
+                assert torch.equal(p.detach(), st["master_param"].to(torch.bfloat16))
+
+
+@pytest.mark.cuda
+def test_bf16_moments_track_torch_fused_adamw_on_bf16_params(seed):
+    """The point of bf16 moments: torch.optim.AdamW(fused=True) on bf16
+    parameters keeps bf16 moments and computes in fp32; FusedAdamW with
+    master_weights=False and bf16 moments is that update.  Over 20 steps the
+    parameters stay within two bf16 ulps of torch's (the two kernels' fp32
+    formulas differ in operation order), and the state takes 4 bytes per
+    parameter, as torch's does."""
+    params = make_params(torch.bfloat16, "cuda")
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ours = FusedAdamW(params, master_weights=False, exp_avg_dtype=torch.bfloat16,
+                      exp_avg_sq_dtype=torch.bfloat16, **HYPER)
+    theirs = torch.optim.AdamW(ref, fused=True, **HYPER)
+    for step in range(20):
+        fill_grads(params, step)
+        fill_grads(ref, step)
+        ours.step()
+        theirs.step()
+    for p, r in zip(params, ref):
+        assert ulps_apart(p.detach(), r.detach()) <= 2
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert ours.state[p][key].dtype == theirs.state[r][key].dtype == torch.bfloat16
+            assert max_rel(ours.state[p][key], theirs.state[r][key]) < 2e-2, key
+    state_bytes = sum(t.numel() * t.element_size() for st in ours.state.values() for t in st.values()
+                      if isinstance(t, torch.Tensor))
+    assert state_bytes == 4 * sum(p.numel() for p in params)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_bf16_moments_state_dict_resumes_bit_exactly(device, seed):
+    params = make_params(torch.bfloat16, device) + make_params(torch.float32, device, shapes=[(9, 9)])
+    opt = FusedAdamW(params, master_weights=False, exp_avg_dtype=torch.bfloat16,
+                     exp_avg_sq_dtype=torch.bfloat16, **HYPER)
+    for step in range(4):
+        fill_grads(params, step)
+        opt.step()
+    buf = io.BytesIO()
+    torch.save({"params": [p.detach().clone() for p in params], "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    params2 = [torch.nn.Parameter(t.clone()) for t in ckpt["params"]]
+    opt2 = FusedAdamW(params2)  # moment dtype, like the hyper-parameters, comes from the state dict
+    opt2.load_state_dict(ckpt["opt"])
+    for step in range(4, 9):
+        for ps, o in ((params, opt), (params2, opt2)):
+            fill_grads(ps, step)
+            o.step()
+    for p, q in zip(params, params2):
+        assert torch.equal(p.detach(), q.detach())
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert opt2.state[q][key].dtype == torch.bfloat16
+            assert torch.equal(opt.state[p][key], opt2.state[q][key]), key
+
+
+def test_moment_dtype_rules():
+    p = make_params(torch.bfloat16, shapes=[(4,)])
+    with pytest.raises(ValueError, match="'exp_avg_dtype' must be torch.float32 or torch.bfloat16"):
+        FusedAdamW(p, exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16)
+    with pytest.raises(NotImplementedError, match="'exp_avg_dtype'.*'exp_avg_sq_dtype'.*must be equal"):
+        FusedAdamW(p, exp_avg_dtype=torch.bfloat16)
+    # the op: the two moment lists in one dtype, float32 or bfloat16
+    g = [torch.zeros(4, dtype=torch.bfloat16)]
+    with pytest.raises(TypeError, match="exp_avg_sq\\[0\\].*bfloat16"):
+        multi_tensor_adamw([p[0]], g, [torch.zeros(4, dtype=torch.bfloat16)], [torch.zeros(4)], None,
+                           1e-3, 0.9, 0.999, 1e-8, 0.0, 1)
+    with pytest.raises(TypeError, match="exp_avg\\[0\\].*float32 or bfloat16"):
+        multi_tensor_adamw([p[0]], g, [torch.zeros(4, dtype=torch.float16)], [torch.zeros(4, dtype=torch.float16)],
+                           None, 1e-3, 0.9, 0.999, 1e-8, 0.0, 1)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_state_dict_resumes_bit_exactly(device, seed):
     def run(params, opt, steps):

@@ -504,10 +504,24 @@ def test_fused_adam_master_weights_and_defaults():
     assert all(p.grad is not None and not p.grad.any() for g in keep.param_groups for p in g["params"])
 
 
+def test_fused_adam_bf16_moments():
+    """TE's exp_avg_dtype / exp_avg_sq_dtype=torch.bfloat16: the state is
+    kept in bf16, as TE keeps it."""
+    ps = _params()
+    opt = te.optimizers.FusedAdam(ps, lr=1e-2, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    for p in ps:
+        assert opt.state[p]["exp_avg"].dtype == opt.state[p]["exp_avg_sq"].dtype == torch.bfloat16
+        assert opt.state[p]["exp_avg"].abs().sum() > 0
+
+
 @pytest.mark.parametrize("kw,name", [(dict(amsgrad=True), "amsgrad"), (dict(bias_correction=False), "bias_correction"),
                                      (dict(adam_w_mode=False, weight_decay=0.1), "adam_w_mode"),
                                      (dict(capturable=True), "capturable"),
-                                     (dict(exp_avg_dtype=torch.bfloat16), "exp_avg_dtype"),
+                                     (dict(exp_avg_dtype=torch.float16), "exp_avg_dtype"),
+                                     (dict(exp_avg_dtype=torch.bfloat16), "exp_avg_sq_dtype"),
                                      (dict(exp_avg_sq_dtype=torch.uint8), "exp_avg_sq_dtype"),
                                      (dict(master_weight_dtype=torch.float16), "master_weight_dtype"),
                                      (dict(use_decoupled_grad=True), "use_decoupled_grad"),

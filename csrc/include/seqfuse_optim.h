@@ -38,7 +38,11 @@ typedef struct sf_adamw_config {
  *   params      fp32, fp16 or bf16, all the same dtype
  *   grads       all in the params' dtype, or all float32 for fp16/bf16 params
  *               (a float32 main_grad accumulated by the wgrad GEMMs)
- *   exp_avg, exp_avg_sq   fp32, one per parameter, same numel
+ *   exp_avg, exp_avg_sq   one per parameter, same numel, all float32 or all
+ *               bfloat16 (the state torch.optim.AdamW keeps for bf16 params:
+ *               the update reads them, computes in fp32 and stores them
+ *               rounded to nearest even; the parameter's step uses the
+ *               unrounded values, as torch's fused kernel does)
  *   master      NULL, or n fp32 master copies: then p above is the master,
  *               and params receive its value rounded to their dtype
  *               (params must then be fp16 or bf16)

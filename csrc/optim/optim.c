@@ -68,6 +68,11 @@ sf_status sf_multi_tensor_adamw(int64_t n, sf_tensor *params, const sf_tensor *g
     if (gd != pd && !(gd == SF_FLOAT32 && pd != SF_FLOAT32))
         return sf_fail(SF_ERR_TYPE, "%s: argument 'grads[0]' must have dtype %s (the params') or float32, got %s",
                        op, sf_dtype_name(pd), sf_dtype_name(gd));
+    /* moments: all float32, or all bfloat16 (both lists one dtype) */
+    sf_dtype md = exp_avg[0].dtype;
+    if (md != SF_FLOAT32 && md != SF_BFLOAT16)
+        return sf_fail(SF_ERR_TYPE, "%s: argument 'exp_avg[0]' must have dtype float32 or bfloat16, got %s",
+                       op, sf_dtype_name(md));
     if (master != NULL && pd == SF_FLOAT32)
         return sf_fail(SF_ERR_VALUE, "%s: argument 'master' is for fp16/bf16 params; params are float32", op);
     char name[64];
@@ -78,10 +83,10 @@ sf_status sf_multi_tensor_adamw(int64_t n, sf_tensor *params, const sf_tensor *g
         SF_TRY(sf_check_dtype(op, item(name, sizeof name, "grads", i), &grads[i], gd));
         SF_TRY(sf_check_numel(op, name, &grads[i], numel));
         SF_TRY(check_item(op, "grads", i, &grads[i], &params[0], 0));
-        SF_TRY(sf_check_dtype(op, item(name, sizeof name, "exp_avg", i), &exp_avg[i], SF_FLOAT32));
+        SF_TRY(sf_check_dtype(op, item(name, sizeof name, "exp_avg", i), &exp_avg[i], md));
         SF_TRY(sf_check_numel(op, name, &exp_avg[i], numel));
         SF_TRY(check_item(op, "exp_avg", i, &exp_avg[i], &params[0], 1));
-        SF_TRY(sf_check_dtype(op, item(name, sizeof name, "exp_avg_sq", i), &exp_avg_sq[i], SF_FLOAT32));
+        SF_TRY(sf_check_dtype(op, item(name, sizeof name, "exp_avg_sq", i), &exp_avg_sq[i], md));
         SF_TRY(sf_check_numel(op, name, &exp_avg_sq[i], numel));
         SF_TRY(check_item(op, "exp_avg_sq", i, &exp_avg_sq[i], &params[0], 1));
         if (master != NULL) {

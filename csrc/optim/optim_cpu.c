@@ -1,7 +1,9 @@
 /*
  * optim_cpu.c - reference multi-tensor ops: plain loops, tensor by tensor,
  * element by element.  AdamW uses the same fp32 element update as the CUDA
- * kernel (adamw.h); the l2 norm accumulates in double.
+ * kernel (adamw.h), its moments loaded from and stored to their dtype
+ * (float32, or bfloat16 rounded to nearest even); the l2 norm accumulates in
+ * double.
  */
 #include <math.h>
 
@@ -14,12 +16,13 @@ sf_status sf_multi_tensor_adamw_cpu(int64_t n, sf_tensor *params, const sf_tenso
 {
     for (int64_t t = 0; t < n; ++t) {
         int64_t numel = sf_numel(&params[t]);
-        float *m = (float *)exp_avg[t].data;
-        float *v = (float *)exp_avg_sq[t].data;
         float *w = master ? (float *)master[t].data : NULL;
         for (int64_t i = 0; i < numel; ++i) {
             float p = w ? w[i] : sf_tensor_load(&params[t], i);
-            sf_adamw_update(k, sf_tensor_load(&grads[t], i), &p, &m[i], &v[i]);
+            float m = sf_tensor_load(&exp_avg[t], i), v = sf_tensor_load(&exp_avg_sq[t], i);
+            sf_adamw_update(k, sf_tensor_load(&grads[t], i), &p, &m, &v);
+            sf_tensor_store(&exp_avg[t], i, m);
+            sf_tensor_store(&exp_avg_sq[t], i, v);
             if (w)
                 w[i] = p;
             sf_tensor_store(&params[t], i, p);

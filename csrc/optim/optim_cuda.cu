@@ -9,8 +9,9 @@
  * the kernel's __grid_constant__ parameter (read in place from the constant
  * bank, no copy, no device allocation, capturable in a CUDA graph).  Blocks
  * walk the launch's chunks grid-stride, find a chunk's tensor by binary
- * search over the prefix sum, and stream it with 16-byte loads of the fp32
- * state (8-byte of 16-bit params and grads) where its pointers allow.
+ * search over the prefix sum, and stream it four elements per access (16
+ * bytes of fp32, 8 of 16-bit params, grads and moments) where its pointers
+ * allow.
  *
  * The l2 norm writes one partial sum per chunk into the workspace; a final
  * single-block kernel adds them in a fixed order (deterministic) and takes the
@@ -81,18 +82,24 @@ __device__ __forceinline__ bool aligned(const void *p, size_t bytes) { return ((
 
 /* ---- AdamW ----------------------------------------------------------- */
 
-template <typename T, typename TG, bool MASTER>
-__device__ __forceinline__ void adamw_one(const sf_adamw_consts &k, T *p, const TG *g, float *m, float *v,
+/* T: the params' dtype; TG: the grads' (T or float); TM: the moments' (float,
+ * or bfloat16: torch.optim.AdamW's state on bf16 params, updated in fp32 and
+ * stored rounded); MASTER: an fp32 master copy holds the true value. */
+template <typename T, typename TG, typename TM, bool MASTER>
+__device__ __forceinline__ void adamw_one(const sf_adamw_consts &k, T *p, const TG *g, TM *m, TM *v,
                                           float *w, int64_t i)
 {
     float pv = MASTER ? w[i] : to_f(p[i]);
-    sf_adamw_update(&k, to_f(g[i]), &pv, &m[i], &v[i]);
+    float mv = to_f(m[i]), vv = to_f(v[i]);
+    sf_adamw_update(&k, to_f(g[i]), &pv, &mv, &vv);
+    m[i] = from_f<TM>(mv);
+    v[i] = from_f<TM>(vv);
     if (MASTER)
         w[i] = pv;
     p[i] = from_f<T>(pv);
 }
 
-template <typename T, typename TG, bool MASTER>
+template <typename T, typename TG, typename TM, bool MASTER>
 __global__ void __launch_bounds__(kBlock) adamw_kernel(const __grid_constant__ MTMeta<5, kAdamTensors> meta,
                                                        const sf_adamw_consts k)
 {
@@ -103,18 +110,18 @@ __global__ void __launch_bounds__(kBlock) adamw_kernel(const __grid_constant__ M
         const int64_t off = ch.off, len = ch.len;
         T *p = static_cast<T *>(meta.ptr[0][t]) + off;
         const TG *g = static_cast<const TG *>(meta.ptr[1][t]) + off;
-        float *m = static_cast<float *>(meta.ptr[2][t]) + off;
-        float *v = static_cast<float *>(meta.ptr[3][t]) + off;
+        TM *m = static_cast<TM *>(meta.ptr[2][t]) + off;
+        TM *v = static_cast<TM *>(meta.ptr[3][t]) + off;
         float *w = MASTER ? static_cast<float *>(meta.ptr[4][t]) + off : nullptr;
-        bool vec = aligned(p, sizeof(T) * kIlp) && aligned(g, sizeof(TG) * kIlp) && aligned(m, 16) &&
-                   aligned(v, 16) && (!MASTER || aligned(w, 16));
+        bool vec = aligned(p, sizeof(T) * kIlp) && aligned(g, sizeof(TG) * kIlp) &&
+                   aligned(m, sizeof(TM) * kIlp) && aligned(v, sizeof(TM) * kIlp) && (!MASTER || aligned(w, 16));
         int64_t done = 0;
         if (vec) {
             int64_t nv = len / kIlp;
             for (int64_t i = threadIdx.x; i < nv; i += kBlock) {
                 Vec<TG> gv = reinterpret_cast<const Vec<TG> *>(g)[i];
-                float4 mv = reinterpret_cast<const float4 *>(m)[i];
-                float4 vv = reinterpret_cast<const float4 *>(v)[i];
+                Vec<TM> mv = reinterpret_cast<const Vec<TM> *>(m)[i];
+                Vec<TM> vv = reinterpret_cast<const Vec<TM> *>(v)[i];
                 float pf[kIlp];
                 if (MASTER) {
                     float4 wv = reinterpret_cast<const float4 *>(w)[i];
@@ -125,16 +132,17 @@ __global__ void __launch_bounds__(kBlock) adamw_kernel(const __grid_constant__ M
                     for (int j = 0; j < kIlp; ++j)
                         pf[j] = to_f(pv.v[j]);
                 }
-                float mf[kIlp] = {mv.x, mv.y, mv.z, mv.w};
-                float vf[kIlp] = {vv.x, vv.y, vv.z, vv.w};
                 Vec<T> out;
 #pragma unroll
                 for (int j = 0; j < kIlp; ++j) {
-                    sf_adamw_update(&k, to_f(gv.v[j]), &pf[j], &mf[j], &vf[j]);
+                    float mf = to_f(mv.v[j]), vf = to_f(vv.v[j]);
+                    sf_adamw_update(&k, to_f(gv.v[j]), &pf[j], &mf, &vf);
+                    mv.v[j] = from_f<TM>(mf);
+                    vv.v[j] = from_f<TM>(vf);
                     out.v[j] = from_f<T>(pf[j]);
                 }
-                reinterpret_cast<float4 *>(m)[i] = make_float4(mf[0], mf[1], mf[2], mf[3]);
-                reinterpret_cast<float4 *>(v)[i] = make_float4(vf[0], vf[1], vf[2], vf[3]);
+                reinterpret_cast<Vec<TM> *>(m)[i] = mv;
+                reinterpret_cast<Vec<TM> *>(v)[i] = vv;
                 if (MASTER)
                     reinterpret_cast<float4 *>(w)[i] = make_float4(pf[0], pf[1], pf[2], pf[3]);
                 reinterpret_cast<Vec<T> *>(p)[i] = out;
@@ -142,7 +150,7 @@ __global__ void __launch_bounds__(kBlock) adamw_kernel(const __grid_constant__ M
             done = nv * kIlp;
         }
         for (int64_t i = done + threadIdx.x; i < len; i += kBlock)
-            adamw_one<T, TG, MASTER>(k, p, g, m, v, w, i);
+            adamw_one<T, TG, TM, MASTER>(k, p, g, m, v, w, i);
     }
 }
 
@@ -360,22 +368,31 @@ extern "C" sf_status sf_multi_tensor_adamw_cuda(int64_t n, sf_tensor *params, co
     sf_dtype dt = params[0].dtype;
     bool with_master = master != NULL;
     bool fp32_grads = grads[0].dtype == SF_FLOAT32 && dt != SF_FLOAT32;
+    bool bf16_moments = exp_avg[0].dtype == SF_BFLOAT16;
     /* float32 params: float32 grads, no master copy (the entry refuses one);
-     * 16-bit params P: grads in P or float32, with or without master */
+     * 16-bit params P: grads in P or float32, with or without master; moments
+     * float32 or bfloat16 for either */
     return sf_visit_float(op, "params", dt, [&](auto tag) {
         using P = typename decltype(tag)::type;
         auto launch = [&](const MTMeta<5, kAdamTensors> &meta, int chunks) -> sf_status {
             int grid = grid_for(chunks, device);
-            if constexpr (std::is_same<P, float>::value)
-                adamw_kernel<float, float, false><<<grid, kBlock, 0, stream>>>(meta, kk);
-            else if (fp32_grads && with_master)
-                adamw_kernel<P, float, true><<<grid, kBlock, 0, stream>>>(meta, kk);
-            else if (fp32_grads)
-                adamw_kernel<P, float, false><<<grid, kBlock, 0, stream>>>(meta, kk);
-            else if (with_master)
-                adamw_kernel<P, P, true><<<grid, kBlock, 0, stream>>>(meta, kk);
+            auto go = [&](auto moment_tag) {
+                using M = typename decltype(moment_tag)::type;
+                if constexpr (std::is_same<P, float>::value)
+                    adamw_kernel<float, float, M, false><<<grid, kBlock, 0, stream>>>(meta, kk);
+                else if (fp32_grads && with_master)
+                    adamw_kernel<P, float, M, true><<<grid, kBlock, 0, stream>>>(meta, kk);
+                else if (fp32_grads)
+                    adamw_kernel<P, float, M, false><<<grid, kBlock, 0, stream>>>(meta, kk);
+                else if (with_master)
+                    adamw_kernel<P, P, M, true><<<grid, kBlock, 0, stream>>>(meta, kk);
+                else
+                    adamw_kernel<P, P, M, false><<<grid, kBlock, 0, stream>>>(meta, kk);
+            };
+            if (bf16_moments)
+                go(sf_type_tag<__nv_bfloat16>{});
             else
-                adamw_kernel<P, P, false><<<grid, kBlock, 0, stream>>>(meta, kk);
+                go(sf_type_tag<float>{});
             SF_CUDA_CHECK_LAUNCH(op);
             return SF_OK;
         };

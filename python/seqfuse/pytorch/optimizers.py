@@ -2,7 +2,7 @@
 arguments and defaults, mapped onto what seqfuse has.
 
 FusedAdam is seqfuse.optim.FusedAdamW (seqfuse's multi-tensor Adam kernel,
-fp32 moments, optional fp32 master weights, FSDP2 DTensor parameters) with
+fp32 or bf16 moments, optional fp32 master weights, FSDP2 DTensor parameters) with
 TE's argument names and defaults (weight_decay=0, master_weights=False).
 TE's arguments map as follows; every value seqfuse cannot honour raises
 NotImplementedError naming the argument and what to use instead:
@@ -12,9 +12,11 @@ NotImplementedError naming the argument and what to use instead:
                                  adam_w_mode=True when weight_decay is 0;
                                  refused with weight_decay > 0
   master_weights                 fp32 master copies of 16-bit parameters
-  master_weight_dtype,           torch.float32 only (the kernel keeps fp32
-  exp_avg_dtype,                 moments and masters)
-  exp_avg_sq_dtype
+  master_weight_dtype            torch.float32 only (the kernel keeps fp32
+                                 masters)
+  exp_avg_dtype,                 torch.float32 or torch.bfloat16, the two
+  exp_avg_sq_dtype               equal (one kernel reads both moments);
+                                 TE's fp16 and FP8 moments are refused
   bias_correction=False          refused (the kernel always corrects)
   amsgrad, capturable,           refused
   use_decoupled_grad,
@@ -37,7 +39,7 @@ import torch
 
 from torch.optim.optimizer import required as _required
 
-from ..optim import FusedAdamW
+from ..optim import MOMENT_DTYPES, FusedAdamW
 from .multi_tensor import (MultiTensorApply, multi_tensor_adam, multi_tensor_adam_capturable,  # noqa: F401
                            multi_tensor_adam_capturable_master, multi_tensor_applier, multi_tensor_l2norm,
                            multi_tensor_scale, multi_tensor_scale_tensor, multi_tensor_sgd,
@@ -76,11 +78,16 @@ class FusedAdam(FusedAdamW):
         if capturable:
             _refuse(cls, "capturable", capturable, "the step count lives on the host, so the update is not "
                     "CUDA-graph capturable; capture the forward/backward only")
-        for name, dtype in (("master_weight_dtype", master_weight_dtype), ("exp_avg_dtype", exp_avg_dtype),
-                            ("exp_avg_sq_dtype", exp_avg_sq_dtype)):
-            if dtype != torch.float32:
-                _refuse(cls, name, dtype, "seqfuse's Adam kernel keeps moments and master weights in "
-                        "torch.float32 only")
+        if master_weight_dtype != torch.float32:
+            _refuse(cls, "master_weight_dtype", master_weight_dtype, "seqfuse's Adam kernel keeps master "
+                    "weights in torch.float32 only")
+        for name, dtype in (("exp_avg_dtype", exp_avg_dtype), ("exp_avg_sq_dtype", exp_avg_sq_dtype)):
+            if dtype not in MOMENT_DTYPES:
+                _refuse(cls, name, dtype, "seqfuse's Adam kernel keeps moments in torch.float32 or "
+                        "torch.bfloat16")
+        if exp_avg_dtype != exp_avg_sq_dtype:
+            _refuse(cls, "exp_avg_sq_dtype", exp_avg_sq_dtype, f"it must equal exp_avg_dtype ({exp_avg_dtype}): "
+                    "seqfuse's Adam kernel reads both moments in one dtype")
         if use_decoupled_grad:
             _refuse(cls, "use_decoupled_grad", use_decoupled_grad, "reading p.decoupled_grad is not "
                     "implemented; seqfuse.optim.FusedAdamW(use_main_grad=True) reads p.main_grad")
@@ -88,7 +95,8 @@ class FusedAdam(FusedAdamW):
             _refuse(cls, "store_param_remainders", store_param_remainders, "the fp32 master copy is kept "
                     "whole (master_weights=True), not as 16-bit remainders")
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         master_weights=bool(master_weights))
+                         master_weights=bool(master_weights), exp_avg_dtype=exp_avg_dtype,
+                         exp_avg_sq_dtype=exp_avg_sq_dtype)
         self.set_grad_none = set_grad_none
 
     def zero_grad(self, set_to_none=None):
