@@ -43,9 +43,11 @@ best HF row eager or compiled (vs_best_hf), the best peer of any kind
 (vs_best_peer, naming it) and TE's row of the same recipe (vs_te), MFU of
 the useful FLOPs (esm2_recipe.metrics.train_flops) against the measured bf16
 ceiling (794 TFLOP/s) and the datasheet (989), peak memory, step time.  HF
-and TE train bf16 parameters with torch's fused AdamW; seqfuse bf16
-parameters with FusedAdamW and fp32 master weights (more optimizer memory,
-counted).  The JSON records the git commit, the versions of torch,
+and TE train bf16 parameters with torch's fused AdamW (bf16 moments); seqfuse
+bf16 parameters with FusedAdamW and fp32 master weights (12 more bytes of
+optimizer state per parameter, counted in the peaks), or with --peer-adamw
+FusedAdamW without masters and with bf16 moments: the peers' update and
+state, so the memory rows compare the models alone.  The JSON records the git commit, the versions of torch,
 transformers, seqfuse and the peers, and the exact command (peers/meta.py).
 
 Two GPUs: ``torchrun --nproc_per_node 2 benchmarks/esm2/bench_esm2.py --fsdp2``
@@ -173,7 +175,8 @@ def run_row(impl, recipe_name, warm, timed, args, device, fsdp=None, torch_adamw
         else:  # FusedAdamW takes FSDP2's DTensor shards too (local update, sharded state)
             from seqfuse.optim import FusedAdamW
 
-            opt = FusedAdamW(params, lr=1e-4)
+            opt = (FusedAdamW(params, lr=1e-4, master_weights=False, exp_avg_dtype=torch.bfloat16,
+                              exp_avg_sq_dtype=torch.bfloat16) if args.peer_adamw else FusedAdamW(params, lr=1e-4))
 
         def context():
             return autocast(enabled=recipe is not None, recipe=recipe, amax_reduction_group=amax_group)
@@ -302,8 +305,17 @@ def args_steps(r):
 TIMING = ("steady state: {warm} distinct warm-up batch(es), then {passes} untimed pass(es) over the very batches "
           "that are then timed (all shapes, cuDNN plans and compiled graphs built before timing), then one timed "
           "pass; CUDA synchronized before and after the timed pass only")
-OPTIMIZERS = ("hf, hfcompile, te: torch.optim.AdamW(fused=True) on bf16 parameters; seqfuse: seqfuse FusedAdamW with "
-              "fp32 master weights (torch AdamW foreach with --torch-adamw)")
+def seqfuse_optimizer(args):
+    if args.torch_adamw:
+        return "torch.optim.AdamW(foreach)"
+    if args.peer_adamw:
+        return "seqfuse FusedAdamW without master weights, bf16 moments (the peers' update and state)"
+    return "seqfuse FusedAdamW with fp32 master weights and fp32 moments"
+
+
+def optimizers(args):
+    return ("hf, hfcompile, te: torch.optim.AdamW(fused=True) on bf16 parameters (bf16 moments); seqfuse: "
+            + seqfuse_optimizer(args))
 
 
 def length_class(row):
@@ -394,7 +406,7 @@ def single(args, device):
                          "unsorted": "the same samples padded in the packed batches' random order",
                          "fixed": "windows of exactly max_length tokens, no padding"},
              "compile": {"scope": args.compile_scope, "dynamic": args.compile_dynamic},
-             "optimizers": OPTIMIZERS, "data": data, "run": meta}
+             "optimizers": optimizers(args), "data": data, "run": meta}
     results = []
     path = os.path.join(RESULTS, f"{args.out}.json")
 
@@ -657,8 +669,7 @@ def fsdp2(args):
         table.save(extra={"size": args.size, "tokens_per_gpu_batch": args.tokens, "steps": args.steps,
                           "warmup": warmup, "world_size": world, "configs": configs, "run": run_metadata(__file__),
                           "baseline": "mean over ranks of one GPU alone on that rank's batches",
-                          "optimizer": ("torch.optim.AdamW(foreach)" if args.torch_adamw else
-                                        "seqfuse FusedAdamW (fp32 masters; sharded under FSDP2)") + " in all rows",
+                          "optimizer": seqfuse_optimizer(args) + " in all rows (sharded under FSDP2)",
                           "profile_dir": args.profile})
         ok = [r for r in table.rows if "error" not in r]
         png = os.path.join(RESULTS, f"{args.out}_fsdp2.png")
@@ -725,6 +736,9 @@ def main(argv=None):
     p.add_argument("--data", default=None, help="directory with train.parquet (default: data/full, else subset)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--torch-adamw", action="store_true", help="seqfuse rows use torch AdamW instead of FusedAdamW")
+    p.add_argument("--peer-adamw", action="store_true",
+                   help="seqfuse rows use FusedAdamW without master weights and with bf16 moments: the update and "
+                        "optimizer state of the peers' torch AdamW on bf16 parameters")
     p.add_argument("--fsdp2", action="store_true", help="under torchrun: FSDP2 scaling")
     p.add_argument("--reshard-after-forward", type=int, default=1, choices=(0, 1),
                    help="FSDP2: free the gathered layer weights after forward (1, ZeRO-3) or keep them for the "
@@ -752,6 +766,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.warm_passes < 0 or args.steps < 1:
         p.error("--steps must be >= 1 and --warm-passes >= 0")
+    if args.torch_adamw and args.peer_adamw:
+        p.error("--torch-adamw and --peer-adamw are two choices of the seqfuse rows' optimizer: give one")
     if args.fsdp2:
         return fsdp2(args)
     device = torch.device(args.device)

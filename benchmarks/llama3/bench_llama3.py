@@ -51,8 +51,9 @@ Every row trains the same way: the same batches in the same order, AdamW
 with the same hyper-parameters (--lr, default 1e-4; betas (0.9, 0.999), eps
 1e-8, weight decay 0.01; no schedule, no clipping, no dropout in Llama) and
 the same update: transformers' rows step torch.optim.AdamW on bf16
-parameters (fp32 math, one rounding to bf16), so seqfuse's rows use
-FusedAdamW(master_weights=False), which makes that update.  (Session 12's
+parameters (fp32 math, bf16 moments, one rounding to bf16), so seqfuse's
+rows use FusedAdamW(master_weights=False) with bf16 moments, which makes that
+update and keeps that state.  (Session 12's
 rows differed here: seqfuse kept fp32 master weights, which keep the small
 updates that bf16 parameters round away, e.g. every RMSNorm weight near
 1.0 ignores an update below 2^-9; at lr 1e-4 the 1B model's loss rises in
@@ -213,10 +214,12 @@ def run_train_row(name, packed_batches, padded_batches, args, device, dtype):
         if recipe_name.endswith("_perturbed"):
             perturb_one_ulp(model, args.seed)
             notes["control"] = "every nonzero initial weight moved one bf16 ulp (random sign)"
-        # Without --master-weights: the update torch.optim.AdamW makes on the transformers rows' bf16
-        # parameters (fp32 math, one rounding to the parameter's dtype), so every row trains the same way.
+        # Without --master-weights: the update and state torch.optim.AdamW(fused=True) has on the
+        # transformers rows' bf16 parameters (fp32 math, bf16 moments, one rounding to the parameter's
+        # dtype), so every row trains the same way and holds the same optimizer memory.
+        moments = torch.float32 if args.master_weights else torch.bfloat16
         opt = FusedAdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
-                         master_weights=args.master_weights)
+                         master_weights=args.master_weights, exp_avg_dtype=moments, exp_avg_sq_dtype=moments)
         recipe = fp8_recipe(recipe_name)
 
         def context():
@@ -468,7 +471,8 @@ def train(args, device, dtype, data, data_note, seqs, meta):
                                 "with fp32 master weights (--master-weights: NOT the transformers rows' update, "
                                 "whose bf16 parameters drop updates below half a bf16 step; losses may disagree)"
                                 if args.master_weights else
-                                "without master weights (the same update: fp32 math, one rounding to bf16)")),
+                                "without master weights, bf16 moments (the same update and state: fp32 math, "
+                                "moments and parameters rounded to bf16)")),
              "loss_tolerances": {k: f"{v:g} relative to hf_bf16 at every step" for k, v in LOSS_TOL.items()},
              "flops": "llama3_common.train_flops: 3 x forward GEMM FLOPs + causal attention (lower triangle)",
              "mfu_ceilings_tflops": {"measured_bf16": H200_BF16_MEASURED_TFLOPS,
