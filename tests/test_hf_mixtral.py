@@ -346,6 +346,74 @@ def test_bf16_router_gradient_as_exact_as_transformers(seed):
     assert err_sf <= torch_bound(err_hf, factor=1.25), (err_sf, err_hf)
 
 
+# ------------------------------------------------- gradient accumulation (FP8)
+@needs_fp8
+def test_layer_is_first_microbatch_reaches_the_experts(seed):
+    """A decoder layer's is_first_microbatch (the model's forward takes none)
+    reaches the experts' grouped GEMMs, under FP8 current scaling on the
+    CPU: True then False cast each expert weight once (False reuses the
+    cast even after an in-place change of the weights, Transformer Engine's
+    contract; before, the experts got None and recast), None casts once
+    while the weights are unchanged; each call gives the default call's
+    output and gradients, and the capture-safe feed-forward (generation's)
+    takes the argument too."""
+    from seqfuse.common.recipe import Float8CurrentScaling
+    from seqfuse.quantization import fp8_autocast
+    from seqfuse.quantization.gemm_quantizers import weight_casts
+
+    hf = hf_model(seed=21)
+    plain, accum = from_hf_model(hf).train(), from_hf_model(hf).train()
+    experts = plain.config.num_local_experts
+    ids = torch.randint(1, VOCAB, (2, 12))
+    layout = plain.model.layout(ids)
+    freqs = plain.model.rotary_emb(layout.rope_len)
+    x = torch.randn(2, 12, plain.config.hidden_size)
+    dy = torch.randn_like(x)
+
+    def step(model, first):
+        layer = model.model.layers[0]
+        xi = x.clone().requires_grad_()
+        with fp8_autocast(enabled=True, fp8_recipe=Float8CurrentScaling()):
+            y, logits = layer(xi, rotary_pos_emb=freqs, is_first_microbatch=first, **layout.layer_kw)
+        (y * dy).sum().backward()
+        assert logits.shape == (24, experts)
+        return y.detach(), xi.grad
+
+    def expert_casts(model):
+        return weight_casts(model.model.layers[0].mlp)
+
+    default = step(plain, None)
+    assert expert_casts(plain) == 2 * experts  # every expert weight of fc1 and fc2, once
+    again = step(plain, None)  # unchanged weights: nothing cast again
+    assert expert_casts(plain) == 2 * experts
+    for got in (step(accum, True), step(accum, False)):
+        assert expert_casts(accum) == 2 * experts
+        for a, b in zip(got + again, default + default):
+            assert torch.equal(a, b)
+    # generation's capture-safe form takes the argument too (its host-count GEMMs reuse the kept casts)
+    layer, ref_layer = accum.model.layers[0], plain.model.layers[0]
+    with torch.no_grad(), fp8_autocast(enabled=True, fp8_recipe=Float8CurrentScaling()):
+        dense = layer.feed_forward(x, capture_safe=True, is_first_microbatch=False)
+        ref = ref_layer.feed_forward(x, capture_safe=True)
+    assert torch.equal(dense, ref) and expert_casts(accum) == 2 * experts
+    with torch.no_grad():
+        for fc in (layer.mlp.fc1, layer.mlp.fc2):
+            for w in fc.weights():
+                w.mul_(2.0)
+    reused = step(accum, False)  # the kept casts, not the changed weights
+    assert expert_casts(accum) == 2 * experts and torch.equal(reused[0], default[0])
+    recast = step(accum, None)  # the change is seen
+    assert expert_casts(accum) == 4 * experts and not torch.allclose(recast[0], default[0])
+
+
+def test_model_forward_refuses_is_first_microbatch():
+    """The models' forward takes no is_first_microbatch (the decoder layers'
+    forward does): a clear refusal, not a silent recast per micro-batch."""
+    model = from_hf_model(hf_model(seed=22))
+    with pytest.raises(NotImplementedError, match="is_first_microbatch"):
+        model(input_ids=torch.randint(1, VOCAB, (1, 8)), is_first_microbatch=True)
+
+
 # -------------------------------------------------------------------- CUDA
 #: The GPU tests' model: 4 layers, 8 experts top-2, head dim 64, weights
 #: times 2 (not 5 as on the CPU: over 4 layers at 5, bf16 rounding and the

@@ -132,6 +132,42 @@ def test_grouped_linear_m_offsets_only_with_device_counts():
         gl(torch.randn(4, 16), [2, 2], m_offsets=torch.tensor([2, 4], dtype=torch.int32))
 
 
+def test_grouped_linear_asks_the_refusal_once_or_takes_the_callers(monkeypatch):
+    """With m_splits on a device, GroupedLinear.forward asks
+    device_split_refusal once per call (also with swiglu_probs), and not at
+    all where the caller passes its answer (_refusal, GroupedMLP's: it asks
+    once per forward for both of its layers).  Meta tensors stand in for
+    CUDA ones and shape-only stand-ins for torch's grouped kernel and the
+    SwiGLU, so the route's bookkeeping runs on the CPU."""
+    asked = []
+
+    def refusal(self, x, *args):
+        asked.append(self)
+        return None
+
+    def grouped_gemm_device(a, b, offsets, transa=False, transb=False):
+        return torch.empty(a.shape[0], b.shape[1] if transb else b.shape[2], dtype=torch.bfloat16,
+                           device=a.device)
+
+    monkeypatch.setattr(GroupedLinear, "device_split_refusal", refusal)
+    monkeypatch.setattr(moe, "grouped_gemm_device", grouped_gemm_device)
+    monkeypatch.setattr(moe, "scaled_swiglu", lambda x, p: x[:, :x.shape[1] // 2] * p[:, None])
+    gl = GroupedLinear(2, 16, 24, bias=False, params_dtype=torch.bfloat16, device="cpu")
+    counts = torch.empty(2, dtype=torch.int64, device="meta")
+    offsets = torch.empty(2, dtype=torch.int32, device="meta")
+    x = torch.empty(10, 16, dtype=torch.bfloat16, device="meta")
+    h = torch.empty(10, 32, dtype=torch.bfloat16, device="meta")
+    probs = torch.empty(10, dtype=torch.float32, device="meta")
+    for call in (lambda **kw: gl(x, counts, m_offsets=offsets, **kw),
+                 lambda **kw: gl(h, counts, swiglu_probs=probs, m_offsets=offsets, **kw)):
+        asked.clear()
+        y = call()
+        assert y.shape == (10, 24) and y.device.type == "meta"  # the device-split route ran
+        assert asked == [gl]
+        asked.clear()
+        assert call(_refusal=None).shape == (10, 24) and asked == []
+
+
 # ---- CUDA: the route against cuBLASLt's and the float64 reference -----------
 
 CUDA_SPLITS = [[128, 256, 64, 512], [0, 300, 0, 1, 77, 0], [1000], [0, 0, 0, 5]]
@@ -216,6 +252,26 @@ def test_grouped_mlp_device_split_never_waits_on_the_host(seed):
     assert rel_error(xd.grad, xh.grad) <= tol
     for (n, pd), (_, ph) in zip(dev.named_parameters(), host.named_parameters()):
         assert rel_error(pd.grad, ph.grad) <= tol, n
+
+
+@pytest.mark.cuda
+def test_grouped_mlp_device_split_asks_each_layer_once(monkeypatch, seed):
+    """A GroupedMLP forward on the device-split route asks each
+    GroupedLinear's device_split_refusal once (GroupedMLP's own check, whose
+    answer both layers take), not again in the layers' forwards."""
+    dev, _, xd, _, g = grouped_mlp_pair(256, 512, 8)
+    asked = []
+    real = GroupedLinear.device_split_refusal
+
+    def counting(self, *args, **kw):
+        asked.append(self)
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(GroupedLinear, "device_split_refusal", counting)
+    with no_host_sync():  # (the route taken: nothing waits on the host)
+        y = dev(xd)
+        (y * g).sum().backward()
+    assert len(asked) == 2 and asked[0] is dev.fc1 and asked[1] is dev.fc2
 
 
 @pytest.mark.cuda

@@ -309,6 +309,30 @@ def test_grouped_mlp_passes_is_first_microbatch_on(recipe, seed):
     assert not torch.allclose(recast, first)
 
 
+@needs_fp8
+def test_expert_parallel_mlp_passes_is_first_microbatch_on(seed):
+    """ExpertParallelGroupedMLP.forward's is_first_microbatch (one rank: no
+    EP group) reaches both local GroupedLinears, as GroupedMLP's does: True
+    casts each expert weight once and gives the default call's output,
+    False reuses those casts (an in-place change of the weights in between
+    is not seen) and casts nothing, None casts the changed weights."""
+    from seqfuse.modules import ExpertParallelGroupedMLP
+
+    m = ExpertParallelGroupedMLP(128, 128, 4, 2, device="cpu")
+    x = torch.randn(24, 128)
+    with torch.no_grad(), fp8_autocast(enabled=True, fp8_recipe=Float8CurrentScaling()):
+        default = m(x)
+        assert weight_casts(m) == 8
+        first = m(x, is_first_microbatch=True)
+        assert weight_casts(m) == 16 and torch.equal(first, default)
+        for w in m.fc1.weights() + m.fc2.weights():
+            w.mul_(2.0)
+        reused = m(x, is_first_microbatch=False)
+        assert weight_casts(m) == 16 and torch.equal(reused, first)
+        recast = m(x)
+        assert weight_casts(m) == 24 and not torch.allclose(recast, first)
+
+
 def test_grouped_mlp_with_no_tokens():
     """An idle rank's step: no tokens in, zero gradients out, no aux loss."""
     m = GroupedMLP(16, 16, 4, 2, device="cpu", aux_loss_coeff=0.01, bias=True)

@@ -84,7 +84,7 @@ class SeqfuseMixtralSparseMoE(GroupedMLP):
         self.router_logits = logits
         return probs, routing_map, logits
 
-    def forward_every_expert(self, hidden_states):
+    def forward_every_expert(self, hidden_states, is_first_microbatch=None):
         """The block's output without a host read, for a decode step captured
         in a CUDA graph (seqfuse.hf.generation): every expert takes every
         token, with routing weight 0 where the router did not pick it, so
@@ -94,7 +94,8 @@ class SeqfuseMixtralSparseMoE(GroupedMLP):
         the picked experts' outputs); the others add exact zeros.  The cost
         is reading every expert's weights at every step (at batch 1 with
         top-2 of 8 experts, four times the routed bytes).  No biases (with
-        an fc2 bias an unpicked expert would add it)."""
+        an fc2 bias an unpicked expert would add it).  is_first_microbatch
+        goes to both GroupedLinears, as in forward."""
         if self.fc1.use_bias or self.fc2.use_bias:
             raise NotImplementedError("forward_every_expert: experts with biases are not supported (an unpicked "
                                       "expert would add its fc2 bias)")
@@ -104,8 +105,9 @@ class SeqfuseMixtralSparseMoE(GroupedMLP):
         probs, _, _ = GroupedMLP.route(self, x)  # (not kept in router_logits: no load-balancing loss here)
         splits = [t] * e
         xp = x.repeat(e, 1)  # expert-major: rows [g * t, (g + 1) * t) are expert g's copy of the tokens
-        h = self.fc1(xp, splits)
-        y = self.fc2(h, splits, swiglu_probs=probs.t().contiguous().reshape(-1)).view(e, t, self.hidden_size)
+        h = self.fc1(xp, splits, is_first_microbatch)
+        y = self.fc2(h, splits, is_first_microbatch, swiglu_probs=probs.t().contiguous().reshape(-1))
+        y = y.view(e, t, self.hidden_size)
         return y.sum(0, dtype=torch.float32).to(y.dtype).view(*lead, self.hidden_size)
 
 
@@ -116,7 +118,8 @@ class SeqfuseMixtralDecoderLayer(nn.Module):
     forward returns (hidden states, router logits float32 [tokens, experts]);
     the logits are those ``self.mlp`` left in its ``router_logits`` during
     the call (what SeqfuseMixtralSparseMoE does: a replacement MoE block,
-    e.g. an expert-parallel one, must do the same)."""
+    e.g. an expert-parallel one, must do the same, and take
+    is_first_microbatch as its forward's second argument)."""
 
     def __init__(self, config, layer_number):
         super().__init__()
@@ -135,24 +138,28 @@ class SeqfuseMixtralDecoderLayer(nn.Module):
                 cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=None, max_seqlen_kv=None, qkv_format=None,
                 is_first_microbatch=None):
         """The keyword arguments are TransformerLayer's (the Llama family's
-        Layout.layer_kw)."""
+        Layout.layer_kw); is_first_microbatch (Transformer Engine's
+        gradient-accumulation argument: under FP8, True casts the weights
+        and keeps the casts, False reuses them, None casts a weight when it
+        changed) goes to the attention block and to the experts."""
         attn = self.self_attention(
             hidden_states, attention_mask=attention_mask, attn_mask_type=self_attn_mask_type,
             rotary_pos_emb=rotary_pos_emb, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
             max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, qkv_format=qkv_format,
             is_first_microbatch=is_first_microbatch)
-        x = self.feed_forward(hidden_states + attn)
+        x = self.feed_forward(hidden_states + attn, is_first_microbatch=is_first_microbatch)
         logits, self.mlp.router_logits = self.mlp.router_logits, None
         return x, logits
 
-    def feed_forward(self, x, capture_safe=False):
+    def feed_forward(self, x, capture_safe=False, is_first_microbatch=None):
         """x + moe(RMSNorm(x)) (also the cached generation's step).
         ``capture_safe``: the experts without a host read
         (SeqfuseMixtralSparseMoE.forward_every_expert), as generation's
-        decode step runs them while it is captured into a CUDA graph."""
+        decode step runs them while it is captured into a CUDA graph.
+        ``is_first_microbatch``: forward's, for the experts' GEMMs."""
         if capture_safe:
-            return x + self.mlp.forward_every_expert(self.pre_mlp_layernorm(x))
-        return x + self.mlp(self.pre_mlp_layernorm(x))
+            return x + self.mlp.forward_every_expert(self.pre_mlp_layernorm(x), is_first_microbatch)
+        return x + self.mlp(self.pre_mlp_layernorm(x), is_first_microbatch)
 
 
 def load_balancing_loss(router_logits, num_experts, topk, attention_mask=None):

@@ -99,7 +99,7 @@ _log = logging.getLogger("seqfuse")
 
 #: device_split_refusal's default: judge for the FP8 autocast active at the call.
 ACTIVE_RECIPE = object()
-#: _apply_to's default: the caller has not asked device_split_refusal yet.
+#: forward's and _apply_to's default: the caller has not asked device_split_refusal yet.
 _UNASKED = object()
 
 #: TE arguments accepted with only their default value (parallelism, overlap).
@@ -461,7 +461,8 @@ class GroupedLinear(torch.nn.Module):
         weight_pairs(q, self.weights(), is_first_microbatch)
         return True
 
-    def forward(self, inp, m_splits, is_first_microbatch=None, *, swiglu_probs=None, m_offsets=None):
+    def forward(self, inp, m_splits, is_first_microbatch=None, *, swiglu_probs=None, m_offsets=None,
+                _refusal=_UNASKED):
         """y for inp [sum(m_splits), in_features].  is_first_microbatch (TE):
         under FP8, True re-quantizes the weights, False reuses the previous
         call's, None re-quantizes a weight only when it changed.  On the
@@ -485,11 +486,16 @@ class GroupedLinear(torch.nn.Module):
         layer's input cast (quantization.grouped), so its output is never
         written in inp's dtype; otherwise (bf16, current or block scaling,
         or where the grouped cast declines) the SwiGLU output is written
-        first, the values being the same."""
+        first, the values being the same.
+
+        ``_refusal`` (for GroupedMLP, which asks once per forward for both
+        of its layers): device_split_refusal's answer for this call where
+        the caller has it, so that it is not asked again; by default it is
+        asked here when m_splits is a CUDA tensor."""
         cls = "GroupedLinear"
         if swiglu_probs is None:
             check_input(cls, inp, self.in_features, "in_features")
-            return self._apply_to(inp, None, False, m_splits, is_first_microbatch, m_offsets)
+            return self._apply_to(inp, None, False, m_splits, is_first_microbatch, m_offsets, _refusal)
         check_input(cls, inp, 2 * self.in_features, "2 x in_features (gate and up, with swiglu_probs)")
         rows = inp.numel() // inp.shape[-1] if inp.shape[-1] else 0
         check_input(cls, swiglu_probs, name="swiglu_probs")
@@ -504,7 +510,9 @@ class GroupedLinear(torch.nn.Module):
         # the SwiGLU kernels read both row-major
         h, probs = inp.contiguous(), swiglu_probs.contiguous()
         on_device = isinstance(m_splits, torch.Tensor) and m_splits.device.type != "cpu"
-        why = self.device_split_refusal(h) if on_device else None  # (the same for the SwiGLU output's rows)
+        why = _refusal
+        if on_device and why is _UNASKED:
+            why = self.device_split_refusal(h)  # (the same for the SwiGLU output's rows)
         if not _q.is_fp8_enabled() or (on_device and why is None):
             # (the device-split FP8 route casts the SwiGLU output row-wise, from bfloat16)
             a = moe_ops.scaled_swiglu(h.view(rows, h.shape[-1]), probs).view(*inp.shape[:-1], self.in_features)
@@ -610,8 +618,9 @@ class GroupedLinear(torch.nn.Module):
             note_grouped("the device-split route's FP8 weight copies are made per call and freed after use "
                          "(the forward's in the forward, the input gradient's transposed copy in the "
                          "backward); GroupedLinear.forward's is_first_microbatch (Transformer Engine's "
-                         "gradient-accumulation argument, which GroupedMLP.forward passes on) keeps them across "
-                         "micro-batches; the Mixtral models do not pass it")
+                         "gradient-accumulation argument, which GroupedMLP.forward and the Mixtral decoder "
+                         "layer's forward pass on) keeps them across micro-batches; the Mixtral models' forward "
+                         "does not take it")
         # the transposed copy where a backward of this call reads a cached one (the second mode)
         ops = stacked_weights_fp8(self.stacked_weights(), transpose=grad and not lean)
         if lean:

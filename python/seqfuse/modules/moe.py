@@ -217,8 +217,11 @@ class GroupedMLP(RoutedExperts):
             # (every token goes to topk experts, so the permuted rows number T * topk)
             xp, pp = moe_ops.moe_permute_by_row_id_map(x, row_ids, x.shape[0] * self.topk, probs)
             offsets = moe_ops.device_split_offsets(tokens_per_expert, xp.shape[0])  # one set for both GEMMs
-            h = self.fc1(xp, tokens_per_expert, is_first_microbatch, m_offsets=offsets)
-            y = self.fc2(h, tokens_per_expert, is_first_microbatch, swiglu_probs=pp, m_offsets=offsets)
+            # the refusal asked above covers both layers (of the rows it reads only their device and
+            # whether there are any, which xp and h share with x): neither layer asks again
+            h = self.fc1(xp, tokens_per_expert, is_first_microbatch, m_offsets=offsets, _refusal=None)
+            y = self.fc2(h, tokens_per_expert, is_first_microbatch, swiglu_probs=pp, m_offsets=offsets,
+                         _refusal=None)
             return moe_ops.moe_unpermute(y, row_ids).view(*lead, self.hidden_size)
         # the block's one host synchronization, the per-expert counts: their copy is queued now and
         # waited for after the work that does not need them (below), which keeps the GPU busy meanwhile

@@ -93,8 +93,9 @@ class ExpertParallelGroupedMLP(RoutedExperts):
 
     Initialisation is independent of the EP size: the router from torch's
     RNG (seed every rank alike, as for any replicated layer), expert e from
-    a generator seeded by (one draw of torch's RNG) + e.  forward(x [..., H])
-    -> [..., H] on the rank's own tokens; ``aux_loss`` as GroupedMLP's."""
+    a generator seeded by (one draw of torch's RNG) + e.  forward(x [..., H],
+    is_first_microbatch=None) -> [..., H] on the rank's own tokens;
+    is_first_microbatch and ``aux_loss`` as GroupedMLP's."""
 
     def __init__(self, hidden_size, ffn_hidden_size, num_experts, topk, ep_group=None, *,
                  score_function="softmax", use_pre_softmax=False, scaling_factor=None, expert_bias=False,
@@ -165,7 +166,12 @@ class ExpertParallelGroupedMLP(RoutedExperts):
                 "different experts, so their amax histories would be joined; use Float8CurrentScaling or "
                 "Float8BlockScaling")
 
-    def forward(self, hidden_states):
+    def forward(self, hidden_states, is_first_microbatch=None):
+        """The block's output for this rank's ``hidden_states`` [..., hidden_size];
+        is_first_microbatch (Transformer Engine's gradient-accumulation
+        argument) goes to both local GroupedLinears: under FP8, True casts the
+        local experts' weights and keeps them, False reuses them, None casts a
+        weight when it changed."""
         check_input("ExpertParallelGroupedMLP", hidden_states, self.hidden_size, "hidden_size")
         self._refuse_delayed_scaling()
         lead = hidden_states.shape[:-1]
@@ -174,8 +180,9 @@ class ExpertParallelGroupedMLP(RoutedExperts):
         self.aux_loss = self.aux_losses(logits) if self.training and x.shape[0] else None
         xr, pr, m_splits, handle = dispatch_tokens(x, probs, routing_map, self.ep_group,
                                                    self.num_local_experts)
-        h = self.fc1(xr, m_splits)
-        y = self.fc2(h, m_splits, swiglu_probs=pr)  # under FP8 the SwiGLU runs in fc2's input cast
+        h = self.fc1(xr, m_splits, is_first_microbatch)
+        # under FP8 the SwiGLU runs in fc2's input cast
+        y = self.fc2(h, m_splits, is_first_microbatch, swiglu_probs=pr)
         out = combine_tokens(y, handle)
         # [T, H] input: the result itself, not a view of it (FSDP2 warns about views it hooks)
         return out if hidden_states.dim() == 2 else out.view(*lead, self.hidden_size)
