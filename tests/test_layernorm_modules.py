@@ -469,3 +469,53 @@ def test_layernorm_modules_fp8_current_scaling_cpu(cls, seed):
     assert 1e-4 < rel_error(y, ref) < 0.1
     for g, r in zip([x.grad] + [q.grad for q in m.parameters()], gref):
         assert rel_error(g, r) < 0.15
+
+
+def saved_activation_shapes(module, x, **kw):
+    """The shapes of the tensors (not parameters) a forward keeps for its
+    backward, one per storage."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen = {}
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if key not in params and key != x.untyped_storage().data_ptr():
+            seen.setdefault(key, tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(x, **kw)
+    return list(seen.values()), out
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("ret_ln", [False, True])
+def test_high_precision_modules_make_the_norm_output_again_in_the_backward(normalization, ret_ln):
+    """Without FP8 the norm output is not kept for the weight gradient: the
+    backward makes it again from the saved input and statistics (bit for bit
+    the forward's), so the only [tokens, hidden] activation kept is the input
+    itself, unless the norm output is returned (then it lives anyway and is
+    kept).  Gradients equal a float64 reference."""
+    torch.manual_seed(0)
+    tokens, hidden = 48, 32
+    for module in (te.LayerNormLinear(hidden, 64, normalization=normalization, return_layernorm_output=ret_ln),
+                   te.LayerNormMLP(hidden, 64, normalization=normalization, return_layernorm_output=ret_ln)):
+        randomize(module)
+        x = torch.randn(tokens, hidden, requires_grad=True)
+        shapes, out = saved_activation_shapes(module, x)
+        assert shapes.count((tokens, hidden)) == (1 if ret_ln else 0), (type(module).__name__, shapes)
+        y = out[0] if isinstance(out, tuple) else out
+        gy = torch.randn_like(y)
+        y.backward(gy)
+        p64 = params64(module)
+        x64 = x.detach().double().requires_grad_()
+        ln = ref_norm(x64, p64["layer_norm_weight"], p64.get("layer_norm_bias"), module.eps, normalization, False)
+        if isinstance(module, te.LayerNormLinear):
+            y64 = ln @ p64["weight"].t() + p64["bias"]
+        else:
+            h = ln @ p64["fc1_weight"].t() + p64["fc1_bias"]
+            y64 = ref_act("gelu", h) @ p64["fc2_weight"].t() + p64["fc2_bias"]
+        y64.backward(gy.double())
+        assert rel_error(x.grad, x64.grad) < 1e-5
+        for n, p in module.named_parameters():
+            assert rel_error(p.grad, p64[n].grad) < 1e-5, n

@@ -73,7 +73,9 @@ class _LayerNormLinearFn(torch.autograd.Function):
             ln_out, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc)
             w = as_dtype(weight, x.dtype)
             out = ops.gemm(ln_out, w, transb=True, bias=as_dtype(bias, x.dtype))
-            ctx.save_for_backward(x2, lnw, mean, rstd, ln_out, w)
+            # The norm output is made again in the backward (one norm pass) unless it is returned
+            # (then it lives anyway): a [tokens, in_features] tensor less kept per module.
+            ctx.save_for_backward(x2, lnw, lnb, mean, rstd, ln_out if ret_ln else None, w)
         ctx.weight = weight  # the parameter object, for its main_grad (not saved data)
         ctx.meta = (x.shape, eps, rms, zc, ln_b is not None, bias is not None, weight.dtype,
                     None if bias is None else bias.dtype, ln_w.dtype)
@@ -97,7 +99,9 @@ class _LayerNormLinearFn(torch.autograd.Function):
                                        x2.shape[0], True, need_dw, w_dtype,
                                        main_grad_for(ctx.weight, need_dw))
         else:
-            x2, lnw, mean, rstd, ln_out, w = ctx.saved_tensors
+            x2, lnw, lnb, mean, rstd, ln_out, w = ctx.saved_tensors
+            if ln_out is None:
+                ln_out, _, _ = norm_forward(x2, lnw, lnb, eps, rms, zc)
             dln = ops.gemm(dout2, w)
             main_grad = main_grad_for(ctx.weight, ctx.needs_input_grad[3])
             epilogue = "bgrad" if has_bias else "none"

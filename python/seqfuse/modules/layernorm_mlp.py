@@ -99,8 +99,8 @@ class _LayerNormMLPFn(torch.autograd.Function):
             out = ops.gemm(a, w2c, transb=True, bias=as_dtype(b2, dt))
             if ckpt:  # keep what the recompute needs, not the [tokens, ffn] activations
                 ctx.save_for_backward(x2, lnw, lnb, mean, rstd, b1c, w1c, w2c)
-            else:
-                ctx.save_for_backward(x2, lnw, mean, rstd, ln, h, a, w1c, w2c)
+            else:  # the norm output is made again in the backward (one norm pass), unless returned
+                ctx.save_for_backward(x2, lnw, lnb, mean, rstd, ln if ret_ln else None, h, a, w1c, w2c)
         ctx.ckpt, ctx.eps = ckpt, eps
         ctx.w1, ctx.w2 = w1, w2  # the parameter objects, for their main_grad (not saved data)
         ctx.meta = (x.shape, rms, zc, activation, ln_b is not None, ln_w.dtype, w1.dtype, w2.dtype,
@@ -138,7 +138,9 @@ class _LayerNormMLPFn(torch.autograd.Function):
                 x2, lnw, lnb, mean, rstd, b1c, w1c, w2c = ctx.saved_tensors
                 ln, _, _, h, a = _fc1_act(x2, lnw, lnb, ctx.eps, rms, zc, w1c, b1c, activation)
             else:
-                x2, lnw, mean, rstd, ln, h, a, w1c, w2c = ctx.saved_tensors
+                x2, lnw, lnb, mean, rstd, ln, h, a, w1c, w2c = ctx.saved_tensors
+                if ln is None:
+                    ln, _, _ = norm_forward(x2, lnw, lnb, ctx.eps, rms, zc)
             dw2, db2 = _wgrad(dout2, a, b2_dt, mg2)
             if activation == "gelu":  # GELU' (and FC1's bias gradient) in the dgrad epilogue
                 if b1_dt is not None:
