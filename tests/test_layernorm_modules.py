@@ -62,11 +62,13 @@ def ref_mlp(m, p, x, relu_mask=None):
 
 def saved_preactivation(out, ffn):
     """The FC1 output h LayerNormMLP's bf16 path saved for its backward (its
-    sign is ReLU's 0/1 there): saved tensor 5 of the autograd node."""
+    sign is ReLU's 0/1 there): saved tensor 6 of the autograd node (after
+    the input, the norm's weight, bias, mean and rstd, and the norm output's
+    slot, None unless the norm output is returned)."""
     node = out.grad_fn
     while node is not None and "LayerNormMLP" not in type(node).__name__:
         node = node.next_functions[0][0]
-    h = node.saved_tensors[5]
+    h = node.saved_tensors[6]
     assert h.shape[-1] == ffn and (h < 0).any()  # the pre-activation, not relu(h)
     return h.reshape(*out.shape[:-1], ffn)
 
