@@ -483,11 +483,12 @@ def no_host_sync():
     (torch's sync debug mode "error"); the device is synchronized first, so
     earlier work does not count."""
     torch.cuda.synchronize()
+    before = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
     try:
         yield
     finally:
-        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.set_sync_debug_mode(before)
 
 
 def assert_same_training(eager, graphed, loss_tol=1e-2, grad_tol=5e-2):

@@ -195,7 +195,8 @@ def test_bf16_moments_state_dict_resumes_bit_exactly(device, seed):
     buf.seek(0)
     ckpt = torch.load(buf, weights_only=True)
     params2 = [torch.nn.Parameter(t.clone()) for t in ckpt["params"]]
-    opt2 = FusedAdamW(params2)  # moment dtype, like the hyper-parameters, comes from the state dict
+    # the hyper-parameters come from the state dict, the moment dtype from the constructor (TE's rule)
+    opt2 = FusedAdamW(params2, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
     opt2.load_state_dict(ckpt["opt"])
     for step in range(4, 9):
         for ps, o in ((params, opt), (params2, opt2)):
@@ -208,10 +209,36 @@ def test_bf16_moments_state_dict_resumes_bit_exactly(device, seed):
             assert torch.equal(opt.state[p][key], opt2.state[q][key]), key
 
 
+def test_load_state_dict_keeps_the_constructors_moment_dtype(caplog):
+    """A checkpoint with fp32 moments (an older FusedAdamW's, torch's AdamW
+    on fp32 parameters) loaded into a bf16-moment optimizer: the moments are
+    converted to bf16 and a warning says so; the other way round they are
+    widened exactly."""
+    params = make_params(torch.bfloat16, shapes=[(64,)])
+    fp32 = FusedAdamW(params, **HYPER)
+    fill_grads(params, 0)
+    fp32.step()
+    bf16 = FusedAdamW(params, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16, **HYPER)
+    with caplog.at_level("WARNING", logger="seqfuse"):
+        bf16.load_state_dict(fp32.state_dict())
+    st = bf16.state[params[0]]
+    assert st["exp_avg"].dtype == torch.bfloat16 and bf16.param_groups[0]["moment_dtype"] == torch.bfloat16
+    assert torch.equal(st["exp_avg"], fp32.state[params[0]]["exp_avg"].to(torch.bfloat16))
+    assert "saved exp_avg in torch.float32 converted to this optimizer's torch.bfloat16" in caplog.text
+    back = FusedAdamW(params, **HYPER)
+    back.load_state_dict(bf16.state_dict())
+    assert torch.equal(back.state[params[0]]["exp_avg_sq"], st["exp_avg_sq"].float())
+
+
 def test_moment_dtype_rules():
     p = make_params(torch.bfloat16, shapes=[(4,)])
-    with pytest.raises(ValueError, match="'exp_avg_dtype' must be torch.float32 or torch.bfloat16"):
+    with pytest.raises(NotImplementedError, match="'exp_avg_dtype'=torch.float16 is not supported"):
         FusedAdamW(p, exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16)
+    with pytest.raises(TypeError, match="'exp_avg_sq_dtype' must be a torch.dtype, got str"):
+        FusedAdamW(p, exp_avg_sq_dtype="bf16")
+    with pytest.raises(NotImplementedError, match="'exp_avg_dtype'=torch.float16"):
+        FusedAdamW(p).add_param_group({"params": make_params(torch.bfloat16, shapes=[(2,)]),
+                                       "moment_dtype": torch.float16})
     with pytest.raises(NotImplementedError, match="'exp_avg_dtype'.*'exp_avg_sq_dtype'.*must be equal"):
         FusedAdamW(p, exp_avg_dtype=torch.bfloat16)
     # the op: the two moment lists in one dtype, float32 or bfloat16

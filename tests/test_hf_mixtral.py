@@ -353,7 +353,7 @@ def test_layer_is_first_microbatch_reaches_the_experts(seed):
     reaches the experts' grouped GEMMs, under FP8 current scaling on the
     CPU: True then False cast each expert weight once (False reuses the
     cast even after an in-place change of the weights, Transformer Engine's
-    contract; before, the experts got None and recast), None casts once
+    contract), None casts once
     while the weights are unchanged; each call gives the default call's
     output and gradients, and the capture-safe feed-forward (generation's)
     takes the argument too."""

@@ -514,15 +514,19 @@ def test_fused_adam_bf16_moments():
     for p in ps:
         assert opt.state[p]["exp_avg"].dtype == opt.state[p]["exp_avg_sq"].dtype == torch.bfloat16
         assert opt.state[p]["exp_avg"].abs().sum() > 0
+    with pytest.raises(NotImplementedError, match="FusedAdam: arguments 'exp_avg_dtype'.*must be equal"):
+        te.optimizers.FusedAdam(_params(), exp_avg_dtype=torch.bfloat16)
+    # the master dtype matters only with master weights (TE's rule)
+    te.optimizers.FusedAdam(_params(), master_weight_dtype=torch.float16)
 
 
 @pytest.mark.parametrize("kw,name", [(dict(amsgrad=True), "amsgrad"), (dict(bias_correction=False), "bias_correction"),
                                      (dict(adam_w_mode=False, weight_decay=0.1), "adam_w_mode"),
                                      (dict(capturable=True), "capturable"),
                                      (dict(exp_avg_dtype=torch.float16), "exp_avg_dtype"),
-                                     (dict(exp_avg_dtype=torch.bfloat16), "exp_avg_sq_dtype"),
                                      (dict(exp_avg_sq_dtype=torch.uint8), "exp_avg_sq_dtype"),
-                                     (dict(master_weight_dtype=torch.float16), "master_weight_dtype"),
+                                     (dict(master_weights=True, master_weight_dtype=torch.float16),
+                                      "master_weight_dtype"),
                                      (dict(use_decoupled_grad=True), "use_decoupled_grad"),
                                      (dict(store_param_remainders=True), "store_param_remainders")])
 def test_fused_adam_refuses_by_name(kw, name):

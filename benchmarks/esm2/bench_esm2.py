@@ -44,8 +44,8 @@ best HF row eager or compiled (vs_best_hf), the best peer of any kind
 the useful FLOPs (esm2_recipe.metrics.train_flops) against the measured bf16
 ceiling (794 TFLOP/s) and the datasheet (989), peak memory, step time.  HF
 and TE train bf16 parameters with torch's fused AdamW (bf16 moments); seqfuse
-bf16 parameters with FusedAdamW and fp32 master weights (12 more bytes of
-optimizer state per parameter, counted in the peaks), or with --peer-adamw
+bf16 parameters with FusedAdamW and fp32 master weights (12 bytes of
+optimizer state per parameter against the peers' 4, counted in the peaks), or with --peer-adamw
 FusedAdamW without masters and with bf16 moments: the peers' update and
 state, so the memory rows compare the models alone.  The JSON records the git commit, the versions of torch,
 transformers, seqfuse and the peers, and the exact command (peers/meta.py).

@@ -86,7 +86,11 @@ sf_status sf_multi_tensor_adamw(int64_t n, sf_tensor *params, const sf_tensor *g
         SF_TRY(sf_check_dtype(op, item(name, sizeof name, "exp_avg", i), &exp_avg[i], md));
         SF_TRY(sf_check_numel(op, name, &exp_avg[i], numel));
         SF_TRY(check_item(op, "exp_avg", i, &exp_avg[i], &params[0], 1));
-        SF_TRY(sf_check_dtype(op, item(name, sizeof name, "exp_avg_sq", i), &exp_avg_sq[i], md));
+        if (exp_avg_sq[i].dtype != md)
+            return sf_fail(SF_ERR_TYPE, "%s: argument 'exp_avg_sq[%lld]' must have dtype %s (exp_avg's: both moment "
+                           "lists take one dtype), got %s", op, (long long)i, sf_dtype_name(md),
+                           sf_dtype_name(exp_avg_sq[i].dtype));
+        item(name, sizeof name, "exp_avg_sq", i);
         SF_TRY(sf_check_numel(op, name, &exp_avg_sq[i], numel));
         SF_TRY(check_item(op, "exp_avg_sq", i, &exp_avg_sq[i], &params[0], 1));
         if (master != NULL) {

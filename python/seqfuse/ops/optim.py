@@ -27,8 +27,9 @@ def _detached(ts):
 
 def multi_tensor_adamw(params, grads, exp_avg, exp_avg_sq, master, lr, beta1, beta2, eps, weight_decay, step):
     """One AdamW update (torch.optim.AdamW's definition, fp32 math) of every
-    tensor in ``params`` (all one dtype), in place, with fp32 moments
-    ``exp_avg`` / ``exp_avg_sq`` and, when ``master`` is a list, fp32 master
+    tensor in ``params`` (all one dtype), in place, with moments ``exp_avg``
+    / ``exp_avg_sq`` (all float32 or all bfloat16: bf16 moments are read,
+    updated in fp32 and stored rounded) and, when ``master`` is a list, fp32 master
     copies that hold the true value (params receive it rounded).  ``step`` is
     the 1-based count of this update, used for bias correction."""
     op = "multi_tensor_adamw"

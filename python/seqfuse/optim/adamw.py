@@ -58,10 +58,15 @@ MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 
 def moment_dtype(op, exp_avg_dtype, exp_avg_sq_dtype):
     """The one moment dtype of ``exp_avg_dtype`` / ``exp_avg_sq_dtype``, or
-    the exception naming the argument and the rule it broke."""
+    the exception naming the argument and the rule it broke: TypeError for
+    what is not a torch.dtype, NotImplementedError for a dtype the kernel
+    does not keep (TE's fp16 and FP8 moments) or two different ones."""
     for name, dtype in (("exp_avg_dtype", exp_avg_dtype), ("exp_avg_sq_dtype", exp_avg_sq_dtype)):
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"{op}: argument '{name}' must be a torch.dtype, got {type(dtype).__name__}")
         if dtype not in MOMENT_DTYPES:
-            raise ValueError(f"{op}: argument '{name}' must be torch.float32 or torch.bfloat16, got {dtype!r}")
+            raise NotImplementedError(f"{op}: argument '{name}'={dtype} is not supported: seqfuse's Adam kernel "
+                                      "keeps moments in torch.float32 or torch.bfloat16")
     if exp_avg_dtype != exp_avg_sq_dtype:
         raise NotImplementedError(f"{op}: arguments 'exp_avg_dtype' ({exp_avg_dtype}) and 'exp_avg_sq_dtype' "
                                   f"({exp_avg_sq_dtype}) must be equal: seqfuse's Adam kernel reads both moments "
@@ -97,6 +102,15 @@ class FusedAdamW(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, master_weights=master_weights,
                         use_main_grad=use_main_grad, moment_dtype=moments)
         super().__init__(params, defaults)
+
+    def add_param_group(self, param_group):
+        """torch's, with a group's own ``moment_dtype`` (the key the
+        constructor's exp_avg_dtype / exp_avg_sq_dtype set) checked here,
+        not at the first step."""
+        if "moment_dtype" in param_group:
+            md = param_group["moment_dtype"]
+            moment_dtype("FusedAdamW", md, md)
+        super().add_param_group(param_group)
 
     def _state(self, p, group):
         """The state of ``p``, created at its first update: tensors shaped like
@@ -156,11 +170,19 @@ class FusedAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         """torch's loader, then the state put back exactly: the moments in the
-        group's moment dtype, the masters in fp32 (torch's loader casts
-        floating-point state to each parameter's dtype, which would round the
-        master copies and moments of bf16 parameters).  DTensor state (a
-        sharded parameter's, as DCP loads it) stays a DTensor."""
+        moment dtype this optimizer was built with (as Transformer Engine's
+        FusedAdam: the constructor's choice wins over the file's; torch's
+        loader would otherwise take the saved groups' key, or none from a
+        torch AdamW or TE checkpoint), the masters in fp32 (torch's loader
+        casts floating-point state to each parameter's dtype, which would
+        round the master copies and moments of bf16 parameters).  Moments
+        saved in another dtype are converted, with a warning (bf16 to fp32 is
+        exact; fp32 to bf16 rounds).  DTensor state (a sharded parameter's,
+        as DCP loads it) stays a DTensor."""
+        built = [g.get("moment_dtype", torch.float32) for g in self.param_groups]
         super().load_state_dict(state_dict)
+        for group, md in zip(self.param_groups, built):
+            group["moment_dtype"] = md
         saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         pairs = itertools.chain.from_iterable(((p, g) for p in g["params"]) for g in self.param_groups)
         converted = set()
@@ -168,7 +190,7 @@ class FusedAdamW(torch.optim.Optimizer):
             saved = state_dict["state"].get(saved_id)
             if not saved:
                 continue
-            md = group.setdefault("moment_dtype", torch.float32)
+            md = group["moment_dtype"]
             for key, dtype in (("exp_avg", md), ("exp_avg_sq", md), ("master_param", torch.float32)):
                 if key in saved:
                     if saved[key].dtype != dtype:
@@ -176,4 +198,5 @@ class FusedAdamW(torch.optim.Optimizer):
                     self.state[p][key] = as_state_of(p, saved[key].to(device=p.device, dtype=dtype, copy=True))
             self.state[p]["step"] = int(saved["step"])
         for key, was, now in sorted(converted, key=str):
-            _log.info("FusedAdamW.load_state_dict: saved %s in %s converted to the group's %s", key, was, now)
+            _log.warning("FusedAdamW.load_state_dict: saved %s in %s converted to this optimizer's %s", key, was,
+                         now)

@@ -39,7 +39,7 @@ import torch
 
 from torch.optim.optimizer import required as _required
 
-from ..optim import MOMENT_DTYPES, FusedAdamW
+from ..optim import FusedAdamW, moment_dtype
 from .multi_tensor import (MultiTensorApply, multi_tensor_adam, multi_tensor_adam_capturable,  # noqa: F401
                            multi_tensor_adam_capturable_master, multi_tensor_applier, multi_tensor_l2norm,
                            multi_tensor_scale, multi_tensor_scale_tensor, multi_tensor_sgd,
@@ -78,16 +78,10 @@ class FusedAdam(FusedAdamW):
         if capturable:
             _refuse(cls, "capturable", capturable, "the step count lives on the host, so the update is not "
                     "CUDA-graph capturable; capture the forward/backward only")
-        if master_weight_dtype != torch.float32:
+        if master_weights and master_weight_dtype != torch.float32:
             _refuse(cls, "master_weight_dtype", master_weight_dtype, "seqfuse's Adam kernel keeps master "
                     "weights in torch.float32 only")
-        for name, dtype in (("exp_avg_dtype", exp_avg_dtype), ("exp_avg_sq_dtype", exp_avg_sq_dtype)):
-            if dtype not in MOMENT_DTYPES:
-                _refuse(cls, name, dtype, "seqfuse's Adam kernel keeps moments in torch.float32 or "
-                        "torch.bfloat16")
-        if exp_avg_dtype != exp_avg_sq_dtype:
-            _refuse(cls, "exp_avg_sq_dtype", exp_avg_sq_dtype, f"it must equal exp_avg_dtype ({exp_avg_dtype}): "
-                    "seqfuse's Adam kernel reads both moments in one dtype")
+        moment_dtype(cls, exp_avg_dtype, exp_avg_sq_dtype)
         if use_decoupled_grad:
             _refuse(cls, "use_decoupled_grad", use_decoupled_grad, "reading p.decoupled_grad is not "
                     "implemented; seqfuse.optim.FusedAdamW(use_main_grad=True) reads p.main_grad")
