@@ -521,3 +521,35 @@ def test_high_precision_modules_make_the_norm_output_again_in_the_backward(norma
         assert rel_error(x.grad, x64.grad) < 1e-5
         for n, p in module.named_parameters():
             assert rel_error(p.grad, p64[n].grad) < 1e-5, n
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_recomputed_norm_output_gives_the_kept_ones_gradients_bit_for_bit(device, normalization, activation):
+    """The recompute is the forward's own kernel on the same inputs: a module
+    that keeps its norm output (returned, return_layernorm_output=True) and
+    one that makes it again give equal gradients bit for bit, with bf16
+    input, float32 norm weights and zero-centred gamma."""
+    torch.manual_seed(1)
+    kw = dict(normalization=normalization, zero_centered_gamma=True, device=device, params_dtype=torch.float32)
+    for make in (lambda ret: te.LayerNormLinear(64, 96, return_layernorm_output=ret, **kw),
+                 lambda ret: te.LayerNormMLP(64, 128, activation=activation, return_layernorm_output=ret, **kw)):
+        keep, again = make(True), make(False)
+        randomize(keep)
+        again.load_state_dict(keep.state_dict())
+        for m in (keep, again):  # the GEMMs in bf16, the norm weights float32
+            for n, p in m.named_parameters():
+                if "layer_norm" not in n:
+                    p.data = p.data.bfloat16()
+        x = torch.randn(40, 64, device=device, dtype=torch.bfloat16)
+        dy = None
+        grads = []
+        for m, ret in ((keep, True), (again, False)):
+            xi = x.clone().requires_grad_()
+            y = m(xi)[0] if ret else m(xi)
+            dy = torch.randn_like(y) if dy is None else dy
+            y.backward(dy)  # (the kept module's returned norm output takes no gradient)
+            grads.append([xi.grad] + [p.grad for p in m.parameters()])
+        for a, b in zip(*grads):
+            assert torch.equal(a, b)

@@ -293,6 +293,39 @@ def test_multihead_attention_alone():
     assert rel_error(out, ref) <= 1e-5
 
 
+@pytest.mark.parametrize("interleaved, groups", [(True, 4), (True, 2), (False, 2)])
+def test_rotary_attention_keeps_no_projection_output(interleaved, groups):
+    """With rotary embeddings q and k are new tensors: what attention keeps
+    for its backward must not include the QKV projection's output (whose
+    q and k parts are dead once rotated), only tensors of q's, k's and v's
+    size; the output equals the inference-mode call's (no copy of v there)."""
+    torch.manual_seed(6)
+    hidden, heads, d = 64, 4, 16
+    mha = te.MultiheadAttention(hidden, heads, num_gqa_groups=groups, attention_dropout=0.0, input_layernorm=True,
+                                fuse_qkv_params=True, qkv_weight_interleaved=interleaved, qkv_format="bshd",
+                                attn_mask_type="causal", device="cpu")
+    randomize(mha)
+    x = torch.randn(2, 6, hidden, requires_grad=True)
+    freqs = te.RotaryPositionEmbedding(d)(6)
+    params = {p.untyped_storage().data_ptr() for p in mha.parameters()}
+    kept = {}
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if key not in params:
+            kept[key] = t.untyped_storage().nbytes() // t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = mha(x, rotary_pos_emb=freqs)
+    qkv_elements = 2 * 6 * (heads + 2 * groups) * d
+    assert qkv_elements not in kept.values(), sorted(kept.values())
+    with torch.no_grad():
+        assert torch.equal(out, mha(x, rotary_pos_emb=freqs))
+    out.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
 def _backward_nodes(t, stop):
     """Names of the autograd nodes between t and the AccumulateGrad of `stop`."""
     seen, todo, names = set(), [t.grad_fn], []

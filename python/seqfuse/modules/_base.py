@@ -110,6 +110,17 @@ def norm_forward(x2, weight, bias, eps, rms, zc, out_dtype=None, scale=None, ama
     return ops.layernorm_forward(x2, weight, bias, eps, zc, out_dtype, scale, amax, scale_inv)
 
 
+def norm_output(saved, x2, weight, bias, eps, rms, zc):
+    """The norm output a high-precision backward reads for its weight
+    gradient: ``saved`` where the forward kept it (it was returned, so it
+    lived anyway), else made again from the saved input by the forward's own
+    kernel (the same inputs: the same bits), which spares keeping a
+    [tokens, hidden] tensor from the forward to the backward."""
+    if saved is not None:
+        return saved
+    return norm_forward(x2, weight, bias, eps, rms, zc)[0]
+
+
 def norm_backward(dy2, x2, mean, rstd, weight, rms, zc, has_bias):
     """(dx, dgamma, dbeta or None)."""
     if rms:

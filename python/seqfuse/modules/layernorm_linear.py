@@ -44,7 +44,7 @@ from .. import ops
 from . import _fp8 as F8
 from ._base import (as_dtype, fp8_norm, main_grad_for,
                     fp8_quantizers, hidden_dim, init_weight, make_norm_params, norm_backward,
-                    norm_forward, norm_param, reset_norm_params, take_norm_module_options)
+                    norm_forward, norm_output, norm_param, reset_norm_params, take_norm_module_options)
 from .te_compat import materialize, refuse_fp8_io, rng_fork
 from ._input import check_input
 from ._split import fused_params, install_split, parse_split, reset_split, weight_sources
@@ -100,8 +100,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
                                        main_grad_for(ctx.weight, need_dw))
         else:
             x2, lnw, lnb, mean, rstd, ln_out, w = ctx.saved_tensors
-            if ln_out is None:
-                ln_out, _, _ = norm_forward(x2, lnw, lnb, eps, rms, zc)
+            ln_out = norm_output(ln_out, x2, lnw, lnb, eps, rms, zc)
             dln = ops.gemm(dout2, w)
             main_grad = main_grad_for(ctx.weight, ctx.needs_input_grad[3])
             epilogue = "bgrad" if has_bias else "none"

@@ -58,7 +58,7 @@ from ..ops import act as A
 from . import _fp8 as F8
 from ._base import (as_dtype, fp8_norm, main_grad_for,
                     fp8_quantizers, hidden_dim, init_weight, make_norm_params, norm_backward,
-                    norm_forward, norm_param, reset_norm_params, take_norm_module_options)
+                    norm_forward, norm_output, norm_param, reset_norm_params, take_norm_module_options)
 from ._input import check_input
 from .te_compat import materialize, rng_fork
 
@@ -139,8 +139,6 @@ class _LayerNormMLPFn(torch.autograd.Function):
                 ln, _, _, h, a = _fc1_act(x2, lnw, lnb, ctx.eps, rms, zc, w1c, b1c, activation)
             else:
                 x2, lnw, lnb, mean, rstd, ln, h, a, w1c, w2c = ctx.saved_tensors
-                if ln is None:
-                    ln, _, _ = norm_forward(x2, lnw, lnb, ctx.eps, rms, zc)
             dw2, db2 = _wgrad(dout2, a, b2_dt, mg2)
             if activation == "gelu":  # GELU' (and FC1's bias gradient) in the dgrad epilogue
                 if b1_dt is not None:
@@ -148,12 +146,12 @@ class _LayerNormMLPFn(torch.autograd.Function):
                 else:
                     dh = ops.gemm(dout2, w2c, aux=h, epilogue="dgelu")
                 dln = ops.gemm(dh, w1c)
-                dw1, _ = _wgrad(dh, ln, None, mg1)
+                dw1, _ = _wgrad(dh, norm_output(ln, x2, lnw, lnb, ctx.eps, rms, zc), None, mg1)
             else:
                 da = ops.gemm(dout2, w2c)
                 dh = A.act_backward(da, h, activation)
                 dln = ops.gemm(dh, w1c)
-                dw1, db1 = _wgrad(dh, ln, b1_dt, mg1)
+                dw1, db1 = _wgrad(dh, norm_output(ln, x2, lnw, lnb, ctx.eps, rms, zc), b1_dt, mg1)
         if dln_extra is not None:  # gradient of the returned norm output
             dln = dln + dln_extra.reshape(dln.shape).to(dln.dtype)
         dx, dg, db = norm_backward(dln, x2, mean, rstd, lnw, rms, zc, has_ln_bias)

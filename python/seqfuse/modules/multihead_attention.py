@@ -300,6 +300,11 @@ class MultiheadAttention(torch.nn.Module):
             q = apply_rotary_pos_emb(q, q_freqs, fmt, cu_seqlens=cu_seqlens_q if thd else None, **cp_kw)
             kv_cu = (cu_seqlens_kv if cu_seqlens_kv is not None else cu_seqlens_q) if thd else None
             k = apply_rotary_pos_emb(k, k_freqs, fmt, cu_seqlens=kv_cu, **cp_kw)
+            if torch.is_grad_enabled() and v._base is not None:
+                # q and k are new tensors now; v, still a view of the projection's output, would keep
+                # all of that output (q and k before rotation included) alive until attention's
+                # backward: attention saves a copy of v instead, which frees the rest
+                v = v.contiguous()
         if self.q_norm is not None and not self.qk_norm_before_rope:
             q, k = self.q_norm(q), self.k_norm(k)
 
