@@ -12,7 +12,10 @@ Parameters: ``layer_norm_weight``, ``layer_norm_bias`` (LayerNorm only),
 
 Without FP8: seqfuse's norm kernel, then one GEMM (seqfuse.ops.gemm) with the
 bias in its epilogue; the backward's weight GEMM also produces the bias
-gradient (cuBLASLt's bgrad epilogue).  Parameters in another dtype than the
+gradient (cuBLASLt's bgrad epilogue), reading the norm output made again
+from the saved input and statistics (the forward's kernel, the same bits:
+one [tokens, in_features] tensor less kept, for one norm pass) unless it is
+returned.  Parameters in another dtype than the
 input (float32 master weights with bf16 activations) are cast for the GEMMs;
 their gradients come back in the parameters' dtype.
 

@@ -18,7 +18,11 @@ with its bias; the backward runs the activation-gradient kernel and takes the
 bias gradients from the weight GEMMs' bgrad epilogue.  For "gelu" (tanh) the
 activation rides in cuBLASLt's epilogues instead (FC1: bias + GELU keeping the
 pre-activation; FC2's dgrad: GELU' and FC1's bias gradient), which saves a
-pass over the [tokens, ffn] activations each way.
+pass over the [tokens, ffn] activations each way.  The norm output is not
+kept for the backward: FC1's weight gradient reads it made again from the
+saved input and statistics by the forward's own kernel (the same bits; one
+[tokens, hidden] tensor less from the forward to the backward, for one norm
+pass), unless it is returned (then it lives anyway and is kept).
 
 Under FP8 autocast the six GEMMs run in FP8 with operands made by the
 module's GemmQuantizers (as Linear's: any token count, each weight cast once

@@ -12,7 +12,11 @@ over the hidden states, keys and values from ``key_value`` over
 its key head, its value head], else [all Q; all K; all V] (see
 seqfuse.hf.qkv for the reshuffle).  Q and K are rotated by
 ``rotary_pos_emb`` (RotaryPositionEmbedding's freqs, or a (q, k) pair of
-them); thd rotates per packed sequence.  The output projection is ``proj``.
+them); thd rotates per packed sequence.  Rotated q and k are new tensors,
+so in training the block hands attention a copy of v (one [tokens, kv
+heads, head dim] copy): v as a view would keep the projection's whole output
+(q and k before rotation included) alive until attention's backward.  The
+output projection is ``proj``.
 
 ``fuse_qkv_params=False`` (TE's default) keeps the projection's rows as
 separate parameters, as TE does: ``query_weight``, ``key_weight``,
