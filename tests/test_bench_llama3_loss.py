@@ -86,6 +86,21 @@ def test_agreeing_rows_keep_their_ratios_and_a_disagreeing_peer_is_not_the_best(
     assert "ratio_withheld" in by["hf_bf16_compiled"]
 
 
+def test_without_eager_transformers_the_compiled_row_is_the_reference():
+    """A run without hf_bf16 (s23's) checks against hf_bf16_compiled; a run
+    without either checks nothing and says so (pass None, not True)."""
+    table = {n: v for n, v in S12.items() if n != "hf_bf16"}
+    rows = rows_of(table)
+    check = B.loss_check(rows, fp32=False)
+    assert check["reference"] == "hf_bf16_compiled" and check["pass"] is False
+    assert "step t3 loss 7.2006 vs 5.7824" in check["rows"]["seqfuse_bf16_packed"]["why"]
+    B.add_train_ratios(rows, check)
+    assert "losses disagree with hf_bf16_compiled" in {r["row"]: r for r in rows}["seqfuse_bf16_packed"][
+        "ratio_withheld"]
+    alone = B.loss_check(rows_of({n: v for n, v in S12.items() if n.startswith("seqfuse")}), fp32=False)
+    assert alone["reference"] is None and alone["pass"] is None and alone["rows"] == {}
+
+
 def test_a_nan_step_loss_fails():
     table = dict(S12)
     table["seqfuse_bf16_packed"] = ("seqfuse", "bf16", list(S12["hf_bf16"][2]), [5.5, float("nan"), 5.7848])
