@@ -86,9 +86,36 @@ def test_resume_exact(tmp_path, recipe):
     equal the uninterrupted run's exactly on the CPU.  Under FP8 delayed
     scaling this needs the scaling state (amax histories, scales) restored
     from the checkpoint: a fresh state would quantize differently."""
+    _check_resume_exact(tmp_path, [f"precision.recipe={recipe}", "precision.amax_history_len=4"])
+
+
+def test_resume_exact_with_bf16_moments(tmp_path):
+    """train.adam_moments=bfloat16: FusedAdamW keeps bf16 moments (fp32
+    masters), the checkpoint holds them as saved, and a resumed run's losses
+    equal the uninterrupted run's exactly."""
+    from esm2_recipe import trainer
+
+    seen = []
+    real_build = trainer.build_optimizer
+
+    def recording(model, cfg):
+        opt = real_build(model, cfg)
+        seen.append(opt)
+        return opt
+
+    trainer.build_optimizer = recording
+    try:
+        _check_resume_exact(tmp_path, ["train.adam_moments=bfloat16"])
+    finally:
+        trainer.build_optimizer = real_build
+    states = [st for st in seen[-1].state.values() if st]
+    assert states and all(st["exp_avg"].dtype == st["exp_avg_sq"].dtype == torch.bfloat16 for st in states)
+    assert all(st["master_param"].dtype == torch.float32 for st in states if "master_param" in st)
+
+
+def _check_resume_exact(tmp_path, extra):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    base = TINY + ["train.steps=8", "train.grad_accum=2", f"precision.recipe={recipe}",
-                   "precision.amax_history_len=4"]
+    base = TINY + ["train.steps=8", "train.grad_accum=2"] + extra
     train(load_config("L0_sanity", base + [f"logging.metrics_jsonl={a}"]), "ddp")
     d = tmp_path / "ck"
     cfg = load_config("L0_sanity", base + [f"checkpoint.dir={d}", "checkpoint.interval=4",

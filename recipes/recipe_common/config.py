@@ -235,6 +235,9 @@ class TrainConfig:
     weight_decay: float = rule(0.01, Float(0.0))
     betas: list = rule([0.9, 0.98], Betas())
     eps: float = rule(1.0e-8, Float(0.0, lo_open=True))
+    adam_moments: str = rule("float32", Choice("float32", "bfloat16"),
+                             "FusedAdamW's moment dtype: bfloat16 keeps 4 bytes a parameter less (the moments "
+                             "read, updated in fp32 and stored rounded); the fp32 master weights stay")
     clip_grad_norm: Optional[float] = rule(1.0, Float(0.0, lo_open=True, optional=True, null_means="no clipping"))
     seed: int = rule(42, Int(0))
     eval_interval: int = rule(100, Int(0))

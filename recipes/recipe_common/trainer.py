@@ -245,9 +245,10 @@ def wrap_model(model, layers, strategy, world, device, cfg, log):
 
 
 def build_optimizer(model, cfg):
-    """FusedAdamW (fp32 master weights) with decay on matrices only.  Under
-    FSDP2 the parameters are DTensor shards: FusedAdamW updates the local
-    shards and keeps its state (moments, fp32 masters) sharded like them."""
+    """FusedAdamW (fp32 master weights, moments in train.adam_moments) with
+    decay on matrices only.  Under FSDP2 the parameters are DTensor shards:
+    FusedAdamW updates the local shards and keeps its state (moments, fp32
+    masters) sharded like them."""
     from seqfuse.optim import FusedAdamW
 
     decay, no_decay = [], []
@@ -258,7 +259,9 @@ def build_optimizer(model, cfg):
     groups = [{"params": decay, "weight_decay": float(cfg.train.weight_decay)},
               {"params": no_decay, "weight_decay": 0.0}]
     t = cfg.train
-    kw = dict(lr=float(t.lr), betas=tuple(float(b) for b in t.betas), eps=float(t.eps))
+    moments = getattr(torch, t.get("adam_moments", "float32"))
+    kw = dict(lr=float(t.lr), betas=tuple(float(b) for b in t.betas), eps=float(t.eps), exp_avg_dtype=moments,
+              exp_avg_sq_dtype=moments)
     return FusedAdamW(groups, **kw)
 
 
