@@ -514,6 +514,16 @@ def test_fused_adam_bf16_moments():
     for p in ps:
         assert opt.state[p]["exp_avg"].dtype == opt.state[p]["exp_avg_sq"].dtype == torch.bfloat16
         assert opt.state[p]["exp_avg"].abs().sum() > 0
+    # TE's state dict holds float32 moments; loading gives the bf16 ones back bit for bit
+    sd = opt.state_dict()
+    assert all(st["exp_avg"].dtype == st["exp_avg_sq"].dtype == torch.float32 for st in sd["state"].values())
+    assert all(opt.state[p]["exp_avg"].dtype == torch.bfloat16 for p in ps)  # the optimizer's own, unchanged
+    again = te.optimizers.FusedAdam(_params(), lr=1e-2, exp_avg_dtype=torch.bfloat16,
+                                    exp_avg_sq_dtype=torch.bfloat16)
+    again.load_state_dict(sd)
+    for p, q in zip(ps, (q for g in again.param_groups for q in g["params"])):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(again.state[q][key], opt.state[p][key])
     with pytest.raises(NotImplementedError, match="FusedAdam: arguments 'exp_avg_dtype'.*must be equal"):
         te.optimizers.FusedAdam(_params(), exp_avg_dtype=torch.bfloat16)
     # the master dtype matters only with master weights (TE's rule)

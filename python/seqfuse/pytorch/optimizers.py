@@ -16,7 +16,9 @@ NotImplementedError naming the argument and what to use instead:
                                  masters)
   exp_avg_dtype,                 torch.float32 or torch.bfloat16, the two
   exp_avg_sq_dtype               equal (one kernel reads both moments);
-                                 TE's fp16 and FP8 moments are refused
+                                 TE's fp16 and FP8 moments are refused;
+                                 state_dict() holds them in float32, as
+                                 TE's does (load_state_dict converts back)
   bias_correction=False          refused (the kernel always corrects)
   amsgrad, capturable,           refused
   use_decoupled_grad,
@@ -92,6 +94,17 @@ class FusedAdam(FusedAdamW):
                          master_weights=bool(master_weights), exp_avg_dtype=exp_avg_dtype,
                          exp_avg_sq_dtype=exp_avg_sq_dtype)
         self.set_grad_none = set_grad_none
+
+    def state_dict(self):
+        """FusedAdamW's state dict with the moments in float32, as TE's
+        FusedAdam saves them whatever their dtype in memory (a copy: the
+        optimizer keeps its bf16 moments; loading converts them back, which
+        is exact)."""
+        sd = super().state_dict()
+        sd["state"] = {i: {k: (v.float() if k in ("exp_avg", "exp_avg_sq") and isinstance(v, torch.Tensor)
+                               and v.dtype != torch.float32 else v) for k, v in st.items()}
+                       for i, st in sd["state"].items()}
+        return sd
 
     def zero_grad(self, set_to_none=None):
         """torch's zero_grad; ``set_to_none`` defaults to TE's set_grad_none
