@@ -613,3 +613,43 @@ def test_cuda_packed_step_reads_the_host_once_per_batch():
     assert len(syncs) == 1, syncs
     with no_host_sync():
         sf(input_ids=inp, labels=lab, cu_seqlens=cu, max_seqlen=longest).loss.backward()
+
+
+def _saved_activation_bytes(model, ids):
+    """Bytes of the distinct non-parameter storages a training forward keeps
+    for its backward."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids)
+    return sum(seen.values())
+
+
+def test_training_keeps_fourteen_activations_of_tokens_by_hidden_per_layer():
+    """What one encoder layer keeps for its backward, in [tokens, hidden]
+    units (ffn = 4 x hidden): the QKV module's input (1), attention's q, k,
+    v and output (4; the output is also the projection's input), the MLP's
+    input (1), FC1's output and the activation (4 + 4): 14, against 24 for
+    transformers' EsmLayer in eager mode.  Kept no more: the norm outputs
+    (made again in the backward) and the QKV projection's output (attention
+    gets a copy of v, so rotated q and k do not leave the projection alive)."""
+    tokens, hidden = 256, 256
+    per_layer = {}
+    for layers in (1, 2):
+        cfg = esm2_config("8M", hidden_size=hidden, num_attention_heads=4, intermediate_size=4 * hidden,
+                          num_hidden_layers=layers)
+        torch.manual_seed(0)
+        model = SeqfuseEsmForMaskedLM(cfg)
+        model.esm.contact_head.requires_grad_(False)
+        ids = torch.randint(4, 24, (1, tokens))
+        per_layer[layers] = _saved_activation_bytes(model, ids)
+    unit = tokens * hidden * 4  # float32
+    units = (per_layer[2] - per_layer[1]) / unit
+    assert 14 <= units < 14.25, units  # (+ the norms' statistics and attention's softmax sums: [tokens] each)
