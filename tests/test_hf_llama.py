@@ -355,3 +355,36 @@ def test_cuda_fp8_delayed_scaling_loss_close_to_bf16():
     assert abs(out.loss.item() - base) <= 5e-2 * base
     assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 and torch.isfinite(p.grad).all()
                for p in sf.parameters())
+
+
+def test_training_keeps_the_counted_activations_per_layer():
+    """What one decoder layer keeps for its backward, counted by saved-tensor
+    hooks in [tokens, hidden] units (hidden 256, 8 query heads and 2
+    key-value heads of 32, SwiGLU over 512): the QKV module's input (1),
+    attention's q (1), k and v (0.25 each) and output (1, also the
+    projection's input), the MLP's input (1), FC1's gate and up (4) and the
+    SwiGLU output (2): 10.5.  Kept no more: the norm outputs (made again in
+    the backward) and the QKV projection's output (attention gets a copy of
+    v, so rotated q and k do not leave the projection alive)."""
+    tokens, hidden = 256, 256
+    kept = {}
+    for layers in (1, 2):
+        torch.manual_seed(0)
+        cfg = tiny_config(hidden_size=hidden, num_attention_heads=8, num_key_value_heads=2, intermediate_size=512,
+                          num_hidden_layers=layers)
+        model = from_hf_model(transformers.LlamaForCausalLM(cfg))
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        seen = {}
+
+        def pack(t):
+            st = t.untyped_storage()
+            if st.data_ptr() not in params:
+                seen[st.data_ptr()] = st.nbytes()
+            return t
+
+        ids = torch.randint(1, VOCAB, (1, tokens))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids, labels=ids)
+        kept[layers] = sum(seen.values())
+    units = (kept[2] - kept[1]) / (tokens * hidden * 4)
+    assert 10.5 <= units < 10.75, units  # (+ the norms' statistics and attention's softmax sums: [tokens] each)
