@@ -566,3 +566,22 @@ def assert_replays_only_plain_calls(model, replays, caplog, packed_ids):
     for reason in ("padded call (attention_mask has zeros)", "output_hidden_states",
                    "input_ids (2, 4), graphed for (2, 8)", "packed (thd) call"):
         assert reason in said
+
+
+def saved_activation_bytes(model, call):
+    """Bytes of the distinct storages, parameters left out, that ``call()``
+    (a training forward of ``model``) keeps for its backward, counted by
+    saved-tensor hooks: what the autograd graph holds from the forward to
+    the backward."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        call()
+    return sum(seen.values())

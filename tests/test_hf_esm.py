@@ -31,7 +31,8 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 import seqfuse  # noqa: E402
-from helpers import check_same_logits_and_losses, check_strict_from_pretrained, rel_error  # noqa: E402
+from helpers import (check_same_logits_and_losses, check_strict_from_pretrained, rel_error,  # noqa: E402
+                     saved_activation_bytes)
 from seqfuse.hf import ESM2_SHAPES, SeqfuseEsmConfig, SeqfuseEsmForMaskedLM, esm2_config  # noqa: E402
 from seqfuse.hf.convert import (from_hf_model, from_hf_pretrained, hf_to_seqfuse_state_dict,  # noqa: E402
                                 to_hf_model)
@@ -615,23 +616,6 @@ def test_cuda_packed_step_reads_the_host_once_per_batch():
         sf(input_ids=inp, labels=lab, cu_seqlens=cu, max_seqlen=longest).loss.backward()
 
 
-def _saved_activation_bytes(model, ids):
-    """Bytes of the distinct non-parameter storages a training forward keeps
-    for its backward."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids, labels=ids)
-    return sum(seen.values())
-
-
 def test_training_keeps_fourteen_activations_of_tokens_by_hidden_per_layer():
     """What one encoder layer keeps for its backward, in [tokens, hidden]
     units (ffn = 4 x hidden): the QKV module's input (1), attention's q, k,
@@ -649,7 +633,7 @@ def test_training_keeps_fourteen_activations_of_tokens_by_hidden_per_layer():
         model = SeqfuseEsmForMaskedLM(cfg)
         model.esm.contact_head.requires_grad_(False)
         ids = torch.randint(4, 24, (1, tokens))
-        per_layer[layers] = _saved_activation_bytes(model, ids)
+        per_layer[layers] = saved_activation_bytes(model, lambda: model(input_ids=ids, labels=ids))
     unit = tokens * hidden * 4  # float32
     units = (per_layer[2] - per_layer[1]) / unit
     assert 14 <= units < 14.25, units  # (+ the norms' statistics and attention's softmax sums: [tokens] each)

@@ -20,7 +20,7 @@ from causal_lm_checks import (VOCAB, batch, check_activation_checkpointing,  # n
                               check_bad_inputs_named, check_bf16_within_bf16_rounding, check_grads,
                               check_left_padding_matches_transformers, check_packed_thd_matches_padded_bshd,
                               hf_grads_in_seqfuse_names, packed, real, spread_weights)
-from helpers import check_same_logits_and_losses, needs_fp8, rel_error  # noqa: E402
+from helpers import check_same_logits_and_losses, needs_fp8, rel_error, saved_activation_bytes  # noqa: E402
 from seqfuse.hf import SeqfuseLlamaConfig, SeqfuseLlamaForCausalLM, llama3_config  # noqa: E402
 from seqfuse.hf.llama import shift_labels  # noqa: E402
 from seqfuse.hf.llama_config import from_hf_config, rope_inv_freq, to_hf_config  # noqa: E402
@@ -373,18 +373,7 @@ def test_training_keeps_the_counted_activations_per_layer():
         cfg = tiny_config(hidden_size=hidden, num_attention_heads=8, num_key_value_heads=2, intermediate_size=512,
                           num_hidden_layers=layers)
         model = from_hf_model(transformers.LlamaForCausalLM(cfg))
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        seen = {}
-
-        def pack(t):
-            st = t.untyped_storage()
-            if st.data_ptr() not in params:
-                seen[st.data_ptr()] = st.nbytes()
-            return t
-
         ids = torch.randint(1, VOCAB, (1, tokens))
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(input_ids=ids, labels=ids)
-        kept[layers] = sum(seen.values())
+        kept[layers] = saved_activation_bytes(model, lambda: model(input_ids=ids, labels=ids))
     units = (kept[2] - kept[1]) / (tokens * hidden * 4)
     assert 10.5 <= units < 10.75, units  # (+ the norms' statistics and attention's softmax sums: [tokens] each)
