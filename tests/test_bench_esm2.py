@@ -167,9 +167,12 @@ def test_sample_check_flags_rows_on_other_samples():
     assert not bench_esm2.sample_check(rows)["same_samples"]
 
 
-def test_arguments_are_checked():
+def test_arguments_are_checked(capsys):
     with pytest.raises(SystemExit):
         bench_esm2.main(["--warm-passes", "-1", "--device", "cpu"])
+    with pytest.raises(SystemExit):
+        bench_esm2.main(["--torch-adamw", "--peer-adamw", "--device", "cpu"])
+    assert "--torch-adamw and --peer-adamw are two choices" in capsys.readouterr().err
     with pytest.raises(ValueError, match="expected"):
         bench_esm2.main(["--size", "tiny", "--device", "cpu", "--rows", "hf_bf16_padded,bogus_bf16_packed"])
 

@@ -233,10 +233,8 @@ class GroupedMLP(RoutedExperts):
             row_ids = moe_ops.pad_row_id_map(row_ids, tokens_per_expert)
             # the weight casts queued before the wait; a prefetch that cast under True leaves the forward
             # nothing to cast again (it reuses them: False)
-            first = []
-            for fc in (self.fc1, self.fc2):
-                prefetched = fc.prefetch_fp8_weights(is_first_microbatch)
-                first.append(False if prefetched and is_first_microbatch else is_first_microbatch)
+            first = [False if fc.prefetch_fp8_weights(is_first_microbatch) and is_first_microbatch
+                     else is_first_microbatch for fc in (self.fc1, self.fc2)]
         else:
             first = [is_first_microbatch] * 2
         m_splits = wait_counts()

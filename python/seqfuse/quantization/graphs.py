@@ -38,10 +38,9 @@ the second, so the first two forwards run eagerly; the graphs replay from
 then on.  A module warmed up eagerly before graphing never takes this
 route.  The eager steps' activations sit beside the graphs' private memory
 pool, which already holds the graphed steps' own, so those two steps peak
-higher than any graphed step (measured, ESM-2 650M FP8 delayed, 16 x 1,024
-tokens, H200: 59.8 GiB reserved against 40.1 GiB for a model graphed after
-two eager training steps, which never takes this route, and 34.3 GiB
-eager).  A graphed plain callable (not an nn.Module) has no such guard: its
+higher than any graphed step; a model graphed after two eager training
+steps never takes this route (the README's ESM-2 memory row has the
+figures).  A graphed plain callable (not an nn.Module) has no such guard: its
 first replays run at scale 1, and a warning says so.
 
 Gradient accumulation: torch's graphed backward hands each parameter's
