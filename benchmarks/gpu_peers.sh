@@ -4,7 +4,8 @@
 #   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/gpu_peers.sh [PARTS]
 # PARTS is a comma list, run in the order given:
 #   esm2         benchmarks/esm2/bench_esm2.py at 650M (HF length-grouped and
-#                compiled, TE TransformerLayer thd/bshd, seqfuse)  -> esm2_peers.json
+#                compiled, HF on torchao float8 tensorwise compiled, TE
+#                TransformerLayer thd/bshd, seqfuse)               -> esm2_peers.json
 #   te_modules   benchmarks/peers/bench_te_modules.py (seqfuse vs Transformer
 #                Engine modules)                                    -> te_modules.json
 #   torchao      benchmarks/peers/bench_torchao.py (torchao float8 training,
@@ -20,6 +21,8 @@
 # LIGER_LIMIT, TE_BUILD_LIMIT, and DEADLINE for all the parts together.
 # Steps:
 #   1. the carried wheels (.whl: torchao, liger-kernel) into /tmp/site (PYTHONPATH);
+#      without a torchao wheel there the torchao part and the ESM-2 hfao rows
+#      are skipped (not importable), and the run says so;
 #   2. two builds at once: Transformer Engine 2.20 from the carried .te (as
 #      ../shared/peers/prepare_te.py's docstring says; its PyTorch extension
 #      builds here in about 2 minutes), where a part compares with it, in the
@@ -61,8 +64,10 @@ DRY=${DRY_RUN:-0}
 ESM_STEPS=${ESM_STEPS:-8}
 # TE's own rows first in each pair (its import and first cuDNN graphs are paid
 # before seqfuse's twin runs); the compiled HF row on real lengths (a ~30 s
-# compile) and the block-scaling rows last, so a cut drops those first.
-ESM_ROWS=${ESM_ROWS:-te_bf16_packed,seqfuse_bf16_packed,te_fp8_delayed_packed,seqfuse_fp8_delayed_packed,hf_bf16_padded,te_bf16_fixed,seqfuse_bf16_fixed,te_fp8_delayed_fixed,seqfuse_fp8_delayed_fixed,seqfusegraph_fp8_delayed_fixed,hfcompile_bf16_fixed,hf_bf16_fixed,hfcompile_bf16_padded,te_fp8_block_fixed,seqfuse_fp8_block_fixed}
+# compile), then HF on torchao's float8 (tensorwise) compiled the same way,
+# fixed and real lengths, and the block-scaling rows last, so a cut drops
+# those first.
+ESM_ROWS=${ESM_ROWS:-te_bf16_packed,seqfuse_bf16_packed,te_fp8_delayed_packed,seqfuse_fp8_delayed_packed,hf_bf16_padded,te_bf16_fixed,seqfuse_bf16_fixed,te_fp8_delayed_fixed,seqfuse_fp8_delayed_fixed,seqfusegraph_fp8_delayed_fixed,hfcompile_bf16_fixed,hf_bf16_fixed,hfcompile_bf16_padded,hfao_fp8_tensorwise_fixed,hfao_fp8_tensorwise_padded,te_fp8_block_fixed,seqfuse_fp8_block_fixed}
 LLAMA_ROWS=${LLAMA_ROWS:-hf_bf16,hf_bf16_liger,seqfuse_bf16_packed,seqfuse_fp8_delayed_packed,hf_bf16_compiled}
 # in the order the summary prints them: the headline tables last, since the reply keeps the end of the output
 RESULT_NAMES="liger torchao llama3_liger te_modules te_attention_probe esm2_peers"
@@ -128,6 +133,8 @@ if ls .whl/*.whl > /dev/null 2>&1; then
         echo "wheels: $(ls .whl | tr '\n' ' ')"
     fi
     export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+    ls .whl/torchao-*.whl > /dev/null 2>&1 ||
+        echo "no torchao wheel in .whl: the torchao part and the ESM-2 hfao rows will be skipped (not importable)"
 else
     echo "no .whl carried: torchao and Liger rows will be skipped (not importable)"
 fi

@@ -1,9 +1,12 @@
 """The one-GPU ESM-2 table's pieces on the CPU (benchmarks/esm2/bench_esm2.py,
 common.py, benchmarks/peers/te_esm2.py): every real-length layout holds the
-same samples and masks, length grouping really cuts padding, the row names,
-the ratios against the strongest peer and the goals, the sample check, a
-tiny end-to-end run whose JSON carries the run metadata and a Transformer
-Engine row skipped with its reason, and the BioNeMo-layout TE model built
+same samples and masks, length grouping really cuts padding, the row names
+(each recipe accepted only by the impls that run it), the ratios against the
+strongest peer and the goals (torchao's float8 HF rows, hfao, among the
+peers), the sample check, a tiny end-to-end run whose JSON carries the run
+metadata and a Transformer Engine row and a torchao row skipped with their
+reasons, an hfao row on the CPU (torchao's emulated FP8, compiled per layer;
+where torchao imports), and the BioNeMo-layout TE model built
 on seqfuse's TE-named modules standing in for transformer_engine (same loss
 as seqfuse's ESM-2 on the same packed and padded batches; a TE row names
 the attention backend TE ran)."""
@@ -110,15 +113,25 @@ def test_split_packed_drops_the_padding_segment(layouts):
                                          ("te_fp8_block_packed", ("te", "fp8_block", "packed")),
                                          ("hf_bf16_unsorted", ("hf", "bf16", "unsorted")),
                                          ("seqfuse_fp8_current_fixed", ("seqfuse", "fp8_current", "fixed")),
-                                         ("seqfusegraph_fp8_delayed_fixed", ("seqfusegraph", "fp8_delayed", "fixed"))])
+                                         ("seqfusegraph_fp8_delayed_fixed", ("seqfusegraph", "fp8_delayed", "fixed")),
+                                         ("hfao_fp8_tensorwise_padded", ("hfao", "fp8_tensorwise", "padded")),
+                                         ("hfao_fp8_rowwise_fixed", ("hfao", "fp8_rowwise", "fixed"))])
 def test_parse_row_accepts(name, parsed):
     assert bench_esm2.parse_row(name) == parsed
 
 
 @pytest.mark.parametrize("name,match", [("hf_fp8_delayed_padded", "Hugging Face runs bf16"),
-                                        ("hfcompile_bf16_packed", "Hugging Face runs bf16"),
+                                        ("hfcompile_bf16_packed", "takes no packed batches"),
                                         ("apex_bf16_packed", "expected"), ("te_bf16_sorted", "expected"),
-                                        ("seqfusegraph_bf16_packed", "graphed layers take one batch shape")])
+                                        ("seqfusegraph_bf16_packed", "graphed layers take one batch shape"),
+                                        ("seqfuse_fp8_foo_packed", "unknown recipe 'fp8_foo'"),
+                                        # torchao's recipes with hfao only, seqfuse's / TE's never with hfao
+                                        ("hfao_bf16_padded", "hfao rows run torchao's float8"),
+                                        ("hfao_fp8_delayed_fixed", "hfao rows run torchao's float8"),
+                                        ("seqfuse_fp8_tensorwise_packed", "torchao's float8 recipe: hfao rows only"),
+                                        ("te_fp8_rowwise_fixed", "torchao's float8 recipe: hfao rows only"),
+                                        ("hfcompile_fp8_tensorwise_fixed", "hfao rows only"),
+                                        ("hfao_fp8_tensorwise_packed", "takes no packed batches")])
 def test_parse_row_rejects(name, match):
     with pytest.raises(ValueError, match=match):
         bench_esm2.parse_row(name)
@@ -153,10 +166,45 @@ def test_ratios_name_the_strongest_peer():
     assert "vs_hf" not in by["te_fp8_block_packed"]
     goals = {g["goal"]: g for g in bench_esm2.check_goals(rows)}
     assert goals["packed FP8 delayed vs length-grouped HF, real lengths"]["pass"]
-    g = goals["FP8 delayed vs best HF (eager or compiled), all 1024"]
+    g = goals[f"FP8 delayed vs best HF ({bench_esm2.FP8_HF}), all 1024"]
     assert g["key"] == "vs_best_hf" and g["value"] == pytest.approx(1.7) and g["pass"]
     assert goals["seqfuse_fp8_delayed_packed vs Transformer Engine (te_fp8_delayed_packed)"]["pass"]
     assert not goals["seqfuse_bf16_padded vs Transformer Engine (te_bf16_packed)"]["pass"]
+
+
+def test_torchao_rows_are_peers_and_fp8_rows_name_the_strongest():
+    """hfao (HF on torchao's float8, compiled) counts among the peers: an FP8
+    row's best HF and best peer name it where it is the fastest, and its
+    vs_ao names the fastest hfao row; a bf16 row's best HF stays bf16 HF."""
+    rows = bench_esm2.add_ratios([
+        _row("hf_bf16_fixed", 50.0), _row("hfcompile_bf16_fixed", 70.0), _row("hfao_fp8_tensorwise_fixed", 80.0),
+        _row("hfao_fp8_rowwise_fixed", 60.0), _row("te_fp8_delayed_fixed", 75.0), _row("seqfuse_bf16_fixed", 90.0),
+        _row("seqfuse_fp8_delayed_fixed", 120.0), _row("hf_bf16_padded", 40.0), _row("hfcompile_bf16_padded", 60.0),
+        _row("hfao_fp8_tensorwise_padded", 55.0), _row("seqfuse_fp8_delayed_packed", 100.0),
+        {"row": "hfao_fp8_rowwise_padded", "impl": "hfao", "recipe": "fp8_rowwise", "layout": "padded",
+         "skipped": "torchao.float8 not importable here"}])
+    by = {r["row"]: r for r in rows}
+    f = by["seqfuse_fp8_delayed_fixed"]
+    assert f["best_hf"] == f["best_peer"] == f["ao_peer"] == "hfao_fp8_tensorwise_fixed"
+    assert f["vs_best_hf"] == f["vs_best_peer"] == f["vs_ao"] == pytest.approx(1.5)
+    assert f["te_peer"] == "te_fp8_delayed_fixed" and f["vs_te"] == pytest.approx(1.6)
+    b = by["seqfuse_bf16_fixed"]  # bf16 against bf16 HF; the best peer of any kind is still named
+    assert b["best_hf"] == "hfcompile_bf16_fixed" and b["vs_best_hf"] == pytest.approx(90 / 70)
+    assert b["best_peer"] == "hfao_fp8_tensorwise_fixed" and b["ao_peer"] == "" and b["vs_ao"] != b["vs_ao"]
+    p = by["seqfuse_fp8_delayed_packed"]  # no packed hfao row: the fastest of its length class
+    assert p["ao_peer"] == "hfao_fp8_tensorwise_padded" and p["vs_ao"] == pytest.approx(100 / 55)
+    assert p["best_hf"] == p["best_peer"] == "hfcompile_bf16_padded"
+    assert by["hfao_fp8_tensorwise_padded"]["vs_hfcompile"] == pytest.approx(55 / 60)
+    assert "torchao float8 is SLOWER than compiled bf16 HF (0.92x)" in by["hfao_fp8_tensorwise_padded"]["note"]
+    assert by["hfao_fp8_tensorwise_fixed"]["vs_hfcompile"] == pytest.approx(80 / 70)
+    assert "note" not in by["hfao_fp8_tensorwise_fixed"] and "vs_ao" not in by["hfao_fp8_rowwise_padded"]
+    goals = {g["goal"]: g for g in bench_esm2.check_goals(rows)}
+    g = goals[f"FP8 delayed vs best HF ({bench_esm2.FP8_HF}), all 1024"]
+    assert g["value"] == pytest.approx(1.5) and not g["pass"]
+    assert goals["bf16 vs best HF (eager or compiled), all 1024"]["value"] == pytest.approx(90 / 70)
+    assert goals["seqfuse_fp8_delayed_fixed vs torchao float8 (hfao_fp8_tensorwise_fixed)"]["pass"]
+    assert goals["seqfuse_fp8_delayed_packed vs torchao float8 (hfao_fp8_tensorwise_padded)"]["pass"]
+    assert not [k for k in goals if k.startswith("seqfuse_bf16_fixed vs torchao")]
 
 
 def test_sample_check_flags_rows_on_other_samples():
@@ -179,9 +227,10 @@ def test_arguments_are_checked(capsys):
 
 def test_tiny_run_writes_metadata_and_skips_te_with_its_reason(tmp_path):
     out = tmp_path / "esm2_tiny.json"
+    rows = "hf_bf16_padded,hf_bf16_unsorted,te_bf16_packed"
     cmd = [sys.executable, os.path.join(BENCH, "esm2", "bench_esm2.py"), "--size", "tiny", "--device", "cpu",
            "--steps", "1", "--tokens", "1024", "--max-length", "128", "--out", str(out.with_suffix("")),
-           "--rows", "hf_bf16_padded,hf_bf16_unsorted,te_bf16_packed"]
+           "--rows", rows]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -193,12 +242,33 @@ def test_tiny_run_writes_metadata_and_skips_te_with_its_reason(tmp_path):
     assert doc["sample_check"]["same_samples"] and doc["complete"] and doc["warm_passes"] == 1
     assert "untimed pass" in doc["timing"]
     run = doc["run"]
-    assert run["command"].startswith("python3 ") and "--rows hf_bf16_padded,hf_bf16_unsorted,te_bf16_packed" in \
-        run["command"]
+    assert run["command"].startswith("python3 ") and f"--rows {rows}" in run["command"]
     assert run["versions"]["torch"] != "not installed" and "transformers" in run["versions"]
+    assert "torchao" in run["versions"]  # its version where installed, else "not installed"
     if os.path.isdir(os.path.join(ROOT, ".git")):
         head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
         assert run["git_commit"] == head
+
+
+def test_hfao_rows_are_skipped_with_the_reason_where_torchao_does_not_import(tmp_path, monkeypatch, capsys):
+    """Where torchao.float8 does not import, the hfao rows are kept in the
+    table as skipped, with the import's reason, and the others still run (the
+    failed import is played by peers.meta's import cache: a stand-in package
+    cannot do it, since transformers imports torchao itself where it is
+    installed)."""
+    from peers import meta
+
+    why = "torchao.float8 not importable here: ImportError: withheld by the test"
+    monkeypatch.setitem(meta._IMPORTS, bench_esm2.AO_NEEDS, (None, why))
+    out = tmp_path / "esm2_noao"
+    bench_esm2.main(["--size", "tiny", "--device", "cpu", "--steps", "1", "--tokens", "1024", "--max-length", "128",
+                     "--warm-passes", "0", "--out", str(out),
+                     "--rows", "hf_bf16_fixed,hfao_fp8_tensorwise_fixed,hfao_fp8_rowwise_padded"])
+    doc = json.loads(out.with_suffix(".json").read_text())
+    by = {row["row"]: row for row in doc["rows"]}
+    assert by["hfao_fp8_tensorwise_fixed"]["skipped"] == why == by["hfao_fp8_rowwise_padded"]["skipped"]
+    assert by["hf_bf16_fixed"]["unpadded_tokens_per_s"] > 0 and doc["torchao"] == why and doc["complete"]
+    assert "hfao_fp8_tensorwise_fixed: SKIPPED: torchao.float8 not importable" in capsys.readouterr().out
 
 
 def test_te_layout_model_matches_seqfuse_esm2(monkeypatch, layouts):
@@ -275,3 +345,36 @@ def test_te_row_names_the_attention_te_ran(monkeypatch, layouts):
     r = bench_esm2.run_row("te", "bf16", [], timed, args, torch.device("cpu"), layout="packed")
     assert r["notes"]["te_attention"] == "UnfusedDotProductAttention"
     assert "te_attention" in bench_esm2._note(r["notes"])
+
+
+def test_hfao_row_runs_torchao_float8_compiled_on_the_cpu(layouts):
+    """One hfao row at the tiny size where torchao imports (its emulated FP8 on
+    the CPU): the linears with dims of 16 become Float8Linear, the LM decoder
+    (33 tokens wide) and the contact head stay nn.Linear and the notes name
+    them, the model is compiled per layer as hfcompile's, and its first loss
+    is HF's bf16 loss on the same batch and weights within FP8's rounding."""
+    from peers.meta import skip_reason
+
+    why = skip_reason(bench_esm2.AO_NEEDS, need_cuda=False)
+    if why:
+        pytest.skip(why)  # the skipped-row path: test_tiny_run_writes_metadata_and_skips_te_and_torchao_...
+    cpu = torch.device("cpu")
+    args = argparse.Namespace(size="tiny", torch_adamw=False, profile_steps=1, compile_scope="layers",
+                              compile_dynamic="auto")
+    model, opt, notes = bench_esm2.build_model("hfao", args, cpu, torch.float32, "padded", recipe="fp8_rowwise")
+    linears = {n: type(m).__name__ for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert linears.pop("lm_head.decoder") == "Linear" and linears.pop("esm.contact_head.regression") == "Linear"
+    assert set(linears.values()) == {"Float8Linear"} and len(linears) == 13  # 2 layers x 6, lm_head.dense
+    assert "from_recipe_name('rowwise')" in notes["torchao"] and "emulate=True" in notes["torchao"]
+    assert notes["bf16_linears"].startswith("esm.contact_head.regression [8->1], lm_head.decoder [64->33] (")
+    assert notes["compile"] == "torch.compile scope=layers dynamic=True"
+    assert all(layer._compiled_call_impl is not None for layer in model.esm.encoder.layer)
+    assert isinstance(opt, torch.optim.AdamW)
+    del model, opt
+    timed = layouts["padded"][1][:1]
+    with torch.no_grad():
+        ref = float(common.forward_loss(common.build_hf("tiny", cpu, torch.float32).eval(), timed[0], cpu))
+    r = bench_esm2.run_row("hfao", "fp8_tensorwise", [], timed, args, cpu, layout="padded")
+    assert "from_recipe_name('tensorwise')" in r["notes"]["torchao"] and r["notes"]["dynamo_graphs_so_far"] >= 1
+    assert r["real"] == int(timed[0]["num_tokens"]) and r["seconds"] > 0
+    assert r["losses"][0] == pytest.approx(ref, rel=0.02)

@@ -250,7 +250,10 @@ def test_summary_prints_one_line_per_row_with_the_comparison(tmp_path):
            "rows": [{"row": "te_bf16_packed", "unpadded_tokens_per_s": 80000.0, "vs_best_peer": 0.9,
                      "best_peer": "hfcompile_bf16_padded", "vs_te": 1.0, "vs_hf": 2.0, "warm_s": 3.0,
                      "notes": {"te_attention": "FusedAttention (x)"}},
-                    {"row": "te_fp8_delayed_packed", "error": "OutOfMemoryError: no room"}],
+                    {"row": "te_fp8_delayed_packed", "error": "OutOfMemoryError: no room"},
+                    {"row": "seqfuse_fp8_delayed_fixed", "unpadded_tokens_per_s": 120000.0, "vs_best_peer": 1.2,
+                     "best_peer": "hfcompile_bf16_fixed", "vs_ao": 1.5, "ao_peer": "hfao_fp8_tensorwise_fixed",
+                     "vs_te": 1.3, "vs_hf": 2.0, "warm_s": 1.0}],
            "goals": [{"goal": "g1", "value": 0.5, "need": ">= 1.0", "pass": False},
                      {"goal": "g2", "value": 2.0, "need": ">= 1.0", "pass": True}]}
     te = {"name": "te_modules", "complete": False, "run": {"git_commit": "1234"},
@@ -263,7 +266,10 @@ def test_summary_prints_one_line_per_row_with_the_comparison(tmp_path):
     summary.summarize(str(tmp_path / "te_modules.json"), out=lines.append)
     summary.summarize(str(tmp_path / "torchao.json"), out=lines.append)
     text = "\n".join(lines)
-    assert "== " in lines[0] and "commit abcdef123456, complete, 2 rows" in lines[0]
+    assert "== " in lines[0] and "commit abcdef123456, complete, 3 rows" in lines[0]
+    assert ("seqfuse_fp8_delayed_fixed: 120.0k tok/s, vs_best_peer 1.2 (hfcompile_bf16_fixed), "
+            "vs_ao 1.5 (hfao_fp8_tensorwise_fixed), vs_te 1.3") in text
+    assert "vs_ao" not in text.split("te_bf16_packed:")[1].splitlines()[0]
     assert "te_bf16_packed: 80.0k tok/s, vs_best_peer 0.9 (hfcompile_bf16_padded)" in text
     assert "attn FusedAttention (x)" in text and "te_fp8_delayed_packed: error: OutOfMemoryError" in text
     assert "goals: 1 of 2 pass; failed:" in text and "g1: 0.5 (need >= 1.0)" in text and "g2" not in text

@@ -10,6 +10,9 @@ exact command and runs nothing.  Checked here:
   planned; where the attention probe says TE's attention is not fused, the
   ESM-2 TE rows on packed batches are left out and the run says why; without
   .te the TE module part is not run and says so;
+- the ESM-2 rows include Hugging Face on torchao's float8 (hfao), after the
+  compiled HF rows; without a torchao wheel in .whl the run says its torchao
+  rows will be skipped;
 - an unknown part stops the script before anything runs.
 
 The script is copied into a scratch tree with stand-in .te and .whl files
@@ -33,12 +36,17 @@ for sub in ("", "esm2", "llama3"):
 PARTS = "esm2,te_modules,torchao,liger_llama"
 
 
-def dry_run(tmp_path, parts=PARTS, te=True, **env):
+def dry_run(tmp_path, parts=PARTS, te=True, ao=True, **env):
     tree = tmp_path / "tree"
     (tree / "benchmarks").mkdir(parents=True, exist_ok=True)
     shutil.copy(os.path.join(BENCH, "gpu_peers.sh"), tree / "benchmarks" / "gpu_peers.sh")
     (tree / ".whl").mkdir(exist_ok=True)
-    (tree / ".whl" / "torchao-0.18.0-cp310-abi3-manylinux_2_28_x86_64.whl").write_bytes(b"")
+    wheel = tree / ".whl" / "torchao-0.18.0-cp310-abi3-manylinux_2_28_x86_64.whl"
+    if ao:
+        wheel.write_bytes(b"")
+    else:
+        (tree / ".whl" / "hydra_core-1.3.2-py3-none-any.whl").write_bytes(b"")
+        wheel.unlink(missing_ok=True)
     if te:
         (tree / ".te").mkdir(exist_ok=True)
         (tree / ".te" / "transformer_engine_torch-2.20.2.tar.gz").write_bytes(b"")
@@ -104,6 +112,13 @@ def test_plan_orders_parts_and_every_command_parses(tmp_path, monkeypatch):
     for r in esm_rows:
         bench_esm2.parse_row(r)  # raises on a row the benchmark does not know
     assert {"te_bf16_packed", "te_fp8_delayed_packed", "hf_bf16_padded", "hfcompile_bf16_padded"} <= set(esm_rows)
+    # HF on torchao's float8 (tensorwise, compiled) after the compiled HF rows, before the block-scaling rows
+    ao = [r for r in esm_rows if bench_esm2.parse_row(r)[0] == "hfao"]
+    assert ao == ["hfao_fp8_tensorwise_fixed", "hfao_fp8_tensorwise_padded"]
+    at = esm_rows.index
+    assert at("hfcompile_bf16_padded") < at(ao[0]) and at(ao[-1]) < min(at("te_fp8_block_fixed"),
+                                                                        at("seqfuse_fp8_block_fixed"))
+    assert "would install into" in out and "torchao-0.18.0" in out and "no torchao wheel" not in out
     assert spaces["esm2"].size == "650M" and spaces["esm2"].out == "esm2_peers"
     llama_rows = spaces["liger_llama"].rows.split(",")
     for r in llama_rows:
@@ -124,6 +139,13 @@ def test_plan_without_fused_te_attention_leaves_out_the_packed_te_rows(tmp_path)
     rc, out = dry_run(tmp_path, parts="esm2", TE_PROBE="unfused", TE_UNFUSED_PACKED=1)
     rows = planned(out)["esm2"][1]
     assert "te_bf16_packed" in rows[rows.index("--rows") + 1].split(",")
+
+
+def test_plan_without_a_torchao_wheel_says_its_rows_will_be_skipped(tmp_path):
+    rc, out = dry_run(tmp_path, parts="esm2,torchao", ao=False)
+    assert rc == 0, out
+    assert "no torchao wheel in .whl: the torchao part and the ESM-2 hfao rows will be skipped" in out
+    assert list(planned(out)) == ["esm2", "torchao"]  # they still run: their torchao rows say why they skipped
 
 
 def test_plan_without_te_carried_skips_the_te_module_part(tmp_path):

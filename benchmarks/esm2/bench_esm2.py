@@ -6,6 +6,17 @@ peer a user would compare with:
   hfcompile_*   the same model under torch.compile (--compile-scope: each
                 EsmLayer, the default, or the whole model; dynamic shapes for
                 the real-length batches, --compile-dynamic);
+  hfao_*        the same model on torchao's float8 training
+                (torchao.float8.convert_to_float8_training,
+                Float8LinearConfig.from_recipe_name "tensorwise", the
+                configuration torchao documents, or "rowwise"), compiled
+                exactly as the hfcompile rows (torchao's float8 only pays
+                under torch.compile); every nn.Linear whose dims are
+                multiples of 16 runs FP8, the others stay bf16 and the
+                row's notes name them (ESM-2's tied LM decoder, 33 tokens
+                wide, and the contact head, not in the MLM loss); skipped
+                with the reason where torchao does not import; emulated FP8
+                on a CPU;
   te_*          ESM-2 on Transformer Engine's modules in BioNeMo's layout
                 (peers/te_esm2.py: te.TransformerLayer, packed thd input),
                 where transformer_engine imports (else the row is skipped and
@@ -16,7 +27,9 @@ peer a user would compare with:
   seqfusegraph_* the same with every encoder layer run as CUDA graphs
                 (SeqfuseEsmModel.graph_layers; fixed layout only).
 
-Row names: <impl>_<bf16|fp8_delayed|fp8_current|fp8_block>_<layout>, layouts
+Row names: <impl>_<recipe>_<layout>; recipes bf16, fp8_delayed, fp8_current,
+fp8_block (seqfuse and te; hf and hfcompile bf16 only) and fp8_tensorwise,
+fp8_rowwise (hfao only: torchao's recipes); layouts
   packed    the recipe's token-budget batches, packed THD with cu_seqlens;
   padded    the SAME samples grouped by length: shuffled pools of 50 batches'
             worth of samples sorted by length, cut by the same token budget
@@ -27,6 +40,8 @@ Row names: <impl>_<bf16|fp8_delayed|fp8_current|fp8_block>_<layout>, layouts
             (what the earlier HF row did: no length grouping);
   fixed     (--fixed-length) every sequence exactly 1024 tokens (windows of
             the concatenated proteins), so no layout pads anything.
+Padded batches are padded to a multiple of 16 tokens, so the hfao rows'
+FP8 weight-gradient GEMMs get the inner dim torchao's FP8 GEMM needs.
 Every real-length row trains on exactly the same samples and masks (the JSON
 records the real tokens per row, and the run checks they are equal).
 
@@ -39,16 +54,19 @@ before that.
 
 Reported: tokens/s (incl. padding), unpadded tokens/s (real tokens: the
 figure that matters), ratios against the length-grouped HF row (vs_hf), the
-best HF row eager or compiled (vs_best_hf), the best peer of any kind
-(vs_best_peer, naming it) and TE's row of the same recipe (vs_te), MFU of
+best HF row (vs_best_hf: eager or compiled; for FP8 rows torchao's float8
+HF rows too), the best peer of any kind (vs_best_peer, naming it among hf,
+hfcompile, hfao and te), TE's row of the same recipe (vs_te) and, for FP8
+rows, the fastest torchao float8 row (vs_ao, naming it), MFU of
 the useful FLOPs (esm2_recipe.metrics.train_flops) against the measured bf16
 ceiling (794 TFLOP/s) and the datasheet (989), peak memory, step time.  HF
-and TE train bf16 parameters with torch's fused AdamW (bf16 moments); seqfuse
+(eager, compiled, torchao) and TE train bf16 parameters with torch's fused AdamW (bf16 moments); seqfuse
 bf16 parameters with FusedAdamW and fp32 master weights (12 bytes of
 optimizer state per parameter against the peers' 4, counted in the peaks), or with --peer-adamw
 FusedAdamW without masters and with bf16 moments: the peers' update and
 state, so the memory rows compare the models alone.  The JSON records the git commit, the versions of torch,
-transformers, seqfuse and the peers, and the exact command (peers/meta.py).
+transformers, seqfuse and the peers (torchao and Transformer Engine included), and the exact command
+(peers/meta.py).
 
 Two GPUs: ``torchrun --nproc_per_node 2 benchmarks/esm2/bench_esm2.py --fsdp2``
 measures seqfuse under FSDP2 (fully_shard per layer) on both GPUs and, in
@@ -76,30 +94,54 @@ from esm2_recipe.metrics import H200_BF16_DATASHEET_TFLOPS, H200_BF16_MEASURED_T
 from harness import RESULTS, Table, compile_layers_or_model, init_torchrun, plot_bars  # noqa: E402
 from peers.meta import run_metadata, skip_reason  # noqa: E402
 
-IMPLS = ("hf", "hfcompile", "te", "seqfuse", "seqfusegraph")
+IMPLS = ("hf", "hfcompile", "hfao", "te", "seqfuse", "seqfusegraph")
 OURS = ("seqfuse", "seqfusegraph")
 LAYOUTS = ("packed", "padded", "unsorted", "fixed")
-PEERS = ("hf", "hfcompile", "te")
-DEFAULT_ROWS = ["hf_bf16_padded", "hfcompile_bf16_padded", "te_bf16_packed", "te_fp8_delayed_packed",
-                "seqfuse_bf16_packed", "seqfuse_fp8_delayed_packed", "seqfuse_fp8_block_packed"]
-FIXED_ROWS = ["hf_bf16_fixed", "hfcompile_bf16_fixed", "te_bf16_fixed", "te_fp8_delayed_fixed", "seqfuse_bf16_fixed",
-              "seqfuse_fp8_delayed_fixed", "seqfuse_fp8_block_fixed", "seqfusegraph_bf16_fixed",
-              "seqfusegraph_fp8_delayed_fixed", "seqfusegraph_fp8_block_fixed"]
+PEERS = ("hf", "hfcompile", "hfao", "te")
+HF_IMPLS = ("hf", "hfcompile", "hfao")  # transformers' EsmForMaskedLM: padded batches only
+COMPILED = ("hfcompile", "hfao")  # torch.compile'd per layer (or whole) by compile_hf
+#: seqfuse's and Transformer Engine's recipes (the same names in both)
+RECIPES = ("bf16", "fp8_delayed", "fp8_current", "fp8_block")
+#: the hfao rows' recipe tokens -> torchao's Float8LinearConfig.from_recipe_name
+TORCHAO_RECIPES = {"fp8_tensorwise": "tensorwise", "fp8_rowwise": "rowwise"}
+DEFAULT_ROWS = ["hf_bf16_padded", "hfcompile_bf16_padded", "hfao_fp8_tensorwise_padded", "te_bf16_packed",
+                "te_fp8_delayed_packed", "seqfuse_bf16_packed", "seqfuse_fp8_delayed_packed",
+                "seqfuse_fp8_block_packed"]
+FIXED_ROWS = ["hf_bf16_fixed", "hfcompile_bf16_fixed", "hfao_fp8_tensorwise_fixed", "te_bf16_fixed",
+              "te_fp8_delayed_fixed", "seqfuse_bf16_fixed", "seqfuse_fp8_delayed_fixed", "seqfuse_fp8_block_fixed",
+              "seqfusegraph_bf16_fixed", "seqfusegraph_fp8_delayed_fixed", "seqfusegraph_fp8_block_fixed"]
 TE_NEEDS = "transformer_engine.pytorch"
+AO_NEEDS = "torchao.float8"
 
 
 def parse_row(name):
+    """(impl, recipe, layout) of a row name <impl>_<recipe>_<layout>; ValueError
+    for a name the bench does not run (each recipe only with the impls that
+    run it: seqfuse's / TE's names with seqfuse and te, torchao's with hfao)."""
     parts = name.split("_")
     impl, layout = parts[0], parts[-1]
     recipe = "_".join(parts[1:-1])
     if impl not in IMPLS or layout not in LAYOUTS:
-        raise ValueError(f"row {name!r}: expected <{'|'.join(IMPLS)}>_<bf16|fp8_delayed|fp8_current|fp8_block>_"
+        raise ValueError(f"row {name!r}: expected <{'|'.join(IMPLS)}>_<{'|'.join(RECIPES + tuple(TORCHAO_RECIPES))}>_"
                          f"<{'|'.join(LAYOUTS)}>")
-    if impl in ("hf", "hfcompile") and (recipe != "bf16" or layout == "packed"):
-        raise ValueError(f"row {name!r}: Hugging Face runs bf16 padded, unsorted or fixed only")
+    if impl == "hfao":
+        if recipe not in TORCHAO_RECIPES:
+            raise ValueError(f"row {name!r}: hfao rows run torchao's float8 training, recipe "
+                             f"{' or '.join(TORCHAO_RECIPES)} (seqfuse's / TE's recipe names are not torchao's)")
+    elif recipe in TORCHAO_RECIPES:
+        raise ValueError(f"row {name!r}: {recipe} is torchao's float8 recipe: hfao rows only "
+                         f"(seqfuse and TE run {', '.join(RECIPES)})")
+    elif recipe not in RECIPES:
+        raise ValueError(f"row {name!r}: unknown recipe {recipe!r}: {', '.join(RECIPES)} (seqfuse, TE), "
+                         f"{', '.join(TORCHAO_RECIPES)} (hfao)")
+    if impl in ("hf", "hfcompile") and recipe != "bf16":
+        raise ValueError(f"row {name!r}: Hugging Face runs bf16 padded, unsorted or fixed only "
+                         f"(its FP8 rows are hfao: torchao's float8 training)")
+    if impl in HF_IMPLS and layout == "packed":
+        raise ValueError(f"row {name!r}: Hugging Face runs padded, unsorted or fixed batches only "
+                         f"(EsmForMaskedLM takes no packed batches)")
     if impl == "seqfusegraph" and layout != "fixed":
         raise ValueError(f"row {name!r}: graphed layers take one batch shape: the fixed layout only")
-    fp8_recipe(recipe)  # validates the name
     return impl, recipe, layout
 
 
@@ -109,18 +151,58 @@ def compile_hf(model, scope, dynamic):
     return compile_layers_or_model(model, model.esm.encoder.layer, scope, dynamic)
 
 
+def torchao_float8(model, recipe, emulate=False):
+    """Convert a transformers EsmForMaskedLM in place to torchao's float8
+    training: convert_to_float8_training with
+    Float8LinearConfig.from_recipe_name(TORCHAO_RECIPES[recipe]), the
+    configuration torchao's README gives a user.  Every nn.Linear whose two
+    dims are multiples of 16 (torchao's FP8 GEMMs need it; its module_filter_fn
+    decides) becomes a Float8Linear; the others stay in the model's dtype (bf16
+    on the GPU), and the returned notes name them (ESM-2: the LM decoder,
+    hidden -> 33 tokens, tied to the embeddings, and the contact head's
+    regression, layers x heads -> 1).  ``emulate``: torchao's emulated FP8
+    (no FP8 GEMM on a CPU: a smoke test whose speed means nothing)."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    cfg = Float8LinearConfig.from_recipe_name(TORCHAO_RECIPES[recipe])
+    if emulate:
+        cfg = dataclasses.replace(cfg, emulate=True)
+    converted, kept = [], []
+
+    def dims_of_16(mod, fqn):
+        ok = mod.in_features % 16 == 0 and mod.out_features % 16 == 0
+        (converted if ok else kept).append(f"{fqn} [{mod.in_features}->{mod.out_features}]")
+        return ok
+
+    convert_to_float8_training(model, module_filter_fn=dims_of_16, config=cfg)
+    notes = {"torchao": f"float8 training, Float8LinearConfig.from_recipe_name({TORCHAO_RECIPES[recipe]!r})"
+                        + (", emulate=True (CPU)" if emulate else "")
+                        + f", {len(converted)} nn.Linear converted to Float8Linear",
+             "bf16_linears": (", ".join(kept) + " (a dim not a multiple of 16: not converted, they run in the "
+                              "model's dtype, bf16 on the GPU; ESM-2's contact head is not in the MLM loss)")
+                             if kept else "none"}
+    return notes
+
+
 def _compiled_graphs():
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
 
 
-def build_model(impl, args, device, dtype, layout):
-    """(model, optimizer, notes) for one row."""
+def build_model(impl, args, device, dtype, layout, recipe="bf16"):
+    """(model, optimizer, notes) for one row.  hfao: Hugging Face's model on
+    torchao's float8 training (torchao_float8), then compiled exactly as the
+    hfcompile rows are (torchao's float8 is meant to run under torch.compile,
+    which fuses its casts)."""
     notes = {}
-    if impl in ("hf", "hfcompile"):
+    if impl in HF_IMPLS:
         model = build_hf(args.size, device, dtype)
-        if impl == "hfcompile":
+        if impl == "hfao":
+            notes.update(torchao_float8(model, recipe, emulate=device.type != "cuda"))
+        if impl in COMPILED:
             dyn = {"auto": layout != "fixed", "true": True, "false": False}[args.compile_dynamic]
             compile_hf(model, args.compile_scope, dyn)
             notes["compile"] = f"torch.compile scope={args.compile_scope} dynamic={dyn}"
@@ -151,7 +233,7 @@ def run_row(impl, recipe_name, warm, timed, args, device, fsdp=None, torch_adamw
     from seqfuse.pytorch import autocast
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    recipe = fp8_recipe(recipe_name)
+    recipe = None if recipe_name in TORCHAO_RECIPES else fp8_recipe(recipe_name)  # torchao's: build_model's
     amax_group = None
     if alone and isinstance(recipe, DelayedScaling):  # one rank of a job: no amax all-reduce with the others
         recipe = dataclasses.replace(recipe, reduce_amax=False)
@@ -181,7 +263,7 @@ def run_row(impl, recipe_name, warm, timed, args, device, fsdp=None, torch_adamw
         def context():
             return autocast(enabled=recipe is not None, recipe=recipe, amax_reduction_group=amax_group)
     else:
-        model, opt, notes = build_model(impl, args, device, dtype, layout)
+        model, opt, notes = build_model(impl, args, device, dtype, layout, recipe=recipe_name)
         if impl == "te":
             from peers.te_esm2 import te_autocast, te_recipe
 
@@ -226,7 +308,7 @@ def run_row(impl, recipe_name, warm, timed, args, device, fsdp=None, torch_adamw
     warm_reserved = torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else float("nan")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    graphs_before = _compiled_graphs() if impl == "hfcompile" else 0
+    graphs_before = _compiled_graphs() if impl in COMPILED else 0
     losses, issue = [], []
     t0 = time.perf_counter()
     for b in timed:  # no sync inside: issue time < step time means the host runs ahead of the GPU
@@ -242,7 +324,7 @@ def run_row(impl, recipe_name, warm, timed, args, device, fsdp=None, torch_adamw
         from peers.te_esm2 import te_attention_backend
 
         notes["te_attention"] = te_attention_backend()
-    if impl == "hfcompile":
+    if impl in COMPILED:
         notes["dynamo_graphs_so_far"] = _compiled_graphs()
         if notes["dynamo_graphs_so_far"] > graphs_before:
             notes["recompiled_in_timed_pass"] = notes["dynamo_graphs_so_far"] - graphs_before
@@ -314,7 +396,7 @@ def seqfuse_optimizer(args):
 
 
 def optimizers(args):
-    return ("hf, hfcompile, te: torch.optim.AdamW(fused=True) on bf16 parameters (bf16 moments); seqfuse: "
+    return ("hf, hfcompile, hfao, te: torch.optim.AdamW(fused=True) on bf16 parameters (bf16 moments); seqfuse: "
             + seqfuse_optimizer(args))
 
 
@@ -325,9 +407,14 @@ def length_class(row):
 def add_ratios(rows):
     """Fill each measured row's ratios against the peers of its length class
     (real lengths or fixed 1024): vs_hf (the length-grouped / fixed HF eager
-    row), vs_best_hf (the faster of HF eager and compiled), vs_best_peer (the
-    fastest of HF, compiled HF and TE, named in best_peer) and vs_te (TE's
-    row of the same recipe, same layout where measured, named in te_peer)."""
+    row), vs_best_hf (the fastest Hugging Face row, named in best_hf: eager
+    or compiled bf16, and for an FP8 row also torchao's float8 rows, hfao),
+    vs_best_peer (the fastest of HF, compiled HF, torchao float8 HF and TE,
+    named in best_peer), vs_te (TE's row of the same recipe, same layout where
+    measured, named in te_peer) and, for an FP8 row, vs_ao (the fastest hfao
+    row, same layout where measured, named in ao_peer).  A compiled HF row
+    slower than eager HF, or an hfao row slower than compiled bf16 HF, says so
+    in its note."""
     ok = [r for r in rows if "unpadded_tokens_per_s" in r]
     nan = float("nan")
 
@@ -343,20 +430,27 @@ def add_ratios(rows):
         ref = next((p for p in mates if p["row"] == ("hf_bf16_fixed" if c == "fixed" else "hf_bf16_padded")), None)
         r["vs_hf"] = tps(r) / tps(ref) if ref else nan
         r["mem_vs_hf"] = r["peak_mem_gib"] / ref["peak_mem_gib"] if ref else nan
-        bh = best([p for p in mates if p["impl"] in ("hf", "hfcompile")])
+        fp8 = r["recipe"].startswith("fp8")
+        bh = best([p for p in mates if p["impl"] in (HF_IMPLS if fp8 else ("hf", "hfcompile"))])
         r["vs_best_hf"], r["best_hf"] = (tps(r) / tps(bh), bh["row"]) if bh else (nan, "")
         bp = best([p for p in mates if p["impl"] in PEERS])
         r["vs_best_peer"], r["best_peer"] = (tps(r) / tps(bp), bp["row"]) if bp else (nan, "")
         tes = [p for p in mates if p["impl"] == "te" and p["recipe"] == r["recipe"]]
         te = next((p for p in tes if p["layout"] == r["layout"]), None) or best(tes)
         r["vs_te"], r["te_peer"] = (tps(r) / tps(te), te["row"]) if te else (nan, "")
-        if r["impl"] == "hfcompile":
-            eager = next((p for p in mates if p["impl"] == "hf" and p["layout"] == r["layout"]), None)
-            if eager:
-                r["vs_hf_eager"] = tps(r) / tps(eager)
-                if r["vs_hf_eager"] < 1.0:
-                    r["note"] = (r.get("note", "") + "; " if r.get("note") else "") + (
-                        f"compiled is SLOWER than eager ({r['vs_hf_eager']:.2f}x)")
+        aos = [p for p in mates if p["impl"] == "hfao"] if fp8 else []
+        ao = best([p for p in aos if p["layout"] == r["layout"]]) or best(aos)
+        r["vs_ao"], r["ao_peer"] = (tps(r) / tps(ao), ao["row"]) if ao else (nan, "")
+        for impl, base, key, what in (("hfcompile", "hf", "vs_hf_eager", "compiled is SLOWER than eager"),
+                                      ("hfao", "hfcompile", "vs_hfcompile",
+                                       "torchao float8 is SLOWER than compiled bf16 HF")):
+            if r["impl"] != impl:
+                continue
+            ref = next((p for p in mates if p["impl"] == base and p["layout"] == r["layout"]), None)
+            if ref:
+                r[key] = tps(r) / tps(ref)
+                if r[key] < 1.0:
+                    r["note"] = (r.get("note", "") + "; " if r.get("note") else "") + f"{what} ({r[key]:.2f}x)"
     return rows
 
 
@@ -422,9 +516,18 @@ def single(args, device):
     # TE before any row runs: once torch's cuDNN attention has loaded torch's
     # cuDNN, TE's import can pick up another libcudnn_cnn and fail on a symbol
     te_why = skip_reason(TE_NEEDS, need_cuda=True) if any(p[1] == "te" for p in parsed) else None
+    # torchao runs on a CPU too (emulated FP8, a smoke test): only its import can rule it out
+    ao_why = skip_reason(AO_NEEDS, need_cuda=False) if any(p[1] == "hfao" for p in parsed) else None
+    if any(p[1] == "hfao" for p in parsed):
+        extra["torchao"] = ao_why or ("hfao rows: transformers' EsmForMaskedLM, torchao.float8."
+                                      "convert_to_float8_training (Float8LinearConfig.from_recipe_name: "
+                                      + ", ".join(f"{k} = {v!r}" for k, v in TORCHAO_RECIPES.items())
+                                      + ") on every nn.Linear whose dims are multiples of 16, then torch.compile "
+                                      "as the hfcompile rows" + ("; emulated FP8 (no GPU)" if device.type != "cuda"
+                                                                 else ""))
     for name, impl, recipe, layout in parsed:
         base = dict(row=name, impl=impl, recipe=recipe, layout=layout)
-        why = te_why if impl == "te" else None
+        why = {"te": te_why, "hfao": ao_why}.get(impl)
         if why:
             print(f"[esm2 bench] {name}: SKIPPED: {why}", flush=True)
             results.append({**base, "skipped": why})
@@ -459,8 +562,8 @@ def single(args, device):
     if not check["same_samples"]:
         print(f"[esm2 bench] SAMPLE MISMATCH: rows trained on different real tokens: {check}", flush=True)
     cols = ["row", "steps", "unpadded_tokens_per_s", "padding_pct", "vs_hf", "vs_best_hf", "vs_best_peer",
-            "best_peer", "vs_te", "te_peer", "mfu_measured_pct", "peak_mem_gib", "steady_peak_mem_gib",
-            "peak_reserved_gib", "mem_vs_hf", "step_ms",
+            "best_peer", "vs_te", "te_peer", "vs_ao", "ao_peer", "mfu_measured_pct", "peak_mem_gib",
+            "steady_peak_mem_gib", "peak_reserved_gib", "mem_vs_hf", "step_ms",
             "host_issue_ms", "warm_s", "final_loss", "note", "error", "skipped"]
     table = Table(args.out, cols)
     for r in results:
@@ -480,6 +583,9 @@ def single(args, device):
         raise SystemExit(2)
 
 
+FP8_HF = "eager, compiled or torchao float8 compiled"
+
+
 def check_goals(rows):
     """The issue's goals, each against the strongest peer measured."""
     by = {r["row"]: r for r in rows if "unpadded_tokens_per_s" in r}
@@ -493,14 +599,19 @@ def check_goals(rows):
 
     goal("packed FP8 delayed vs length-grouped HF, real lengths", "seqfuse_fp8_delayed_packed", 3.0, "vs_hf")
     goal("packed FP8 block vs length-grouped HF, real lengths", "seqfuse_fp8_block_packed", 3.0, "vs_hf")
+    # best HF: eager or compiled bf16; for FP8 rows also torchao's float8 HF rows (add_ratios)
     goal("bf16 vs best HF (eager or compiled), all 1024", "seqfuse_bf16_fixed", 1.3, "vs_best_hf")
-    goal("FP8 delayed vs best HF (eager or compiled), all 1024", "seqfuse_fp8_delayed_fixed", 1.7, "vs_best_hf")
-    goal("FP8 block vs best HF (eager or compiled), all 1024", "seqfuse_fp8_block_fixed", 1.7, "vs_best_hf")
+    goal(f"FP8 delayed vs best HF ({FP8_HF}), all 1024", "seqfuse_fp8_delayed_fixed", 1.7, "vs_best_hf")
+    goal(f"FP8 block vs best HF ({FP8_HF}), all 1024", "seqfuse_fp8_block_fixed", 1.7, "vs_best_hf")
     for rec, need in (("bf16", 1.3), ("fp8_delayed", 1.7), ("fp8_block", 1.7)):
-        goal(f"{rec} graphed vs best HF (eager or compiled), all 1024", f"seqfusegraph_{rec}_fixed", need, "vs_best_hf")
+        goal(f"{rec} graphed vs best HF ({FP8_HF if rec != 'bf16' else 'eager or compiled'}), all 1024",
+             f"seqfusegraph_{rec}_fixed", need, "vs_best_hf")
     for row, r in by.items():
         if r["impl"] in OURS and r.get("te_peer"):
             goal(f"{row} vs Transformer Engine ({r['te_peer']})", row, 1.0, "vs_te")
+    for row, r in by.items():
+        if r["impl"] in OURS and r.get("ao_peer"):
+            goal(f"{row} vs torchao float8 ({r['ao_peer']})", row, 1.0, "vs_ao")
     for row, r in by.items():
         if r["impl"] in OURS and r["layout"] != "packed":
             goal(f"peak memory vs HF ({row})", row, 1.0, key="mem_vs_hf", le=True)

@@ -9,7 +9,8 @@ this is the reading aid.
 Each NAME is benchmarks/results/NAME.json (or a path to a .json).  Per file:
 its commit, whether it completed, then per row the figures that carry the
 comparison (ESM-2: unpadded tokens/s, the ratio to the strongest peer named,
-to TE and to length-grouped HF, TE's attention backend; TE modules: ms of each
+to TE, to the fastest torchao float8 row (FP8 rows) and to length-grouped HF,
+TE's attention backend; TE modules: ms of each
 and seqfuse_vs_te; torchao: ms and the ratio to the best torchao row; Llama:
 tokens/s and the ratio to the best transformers row; the attention probe:
 each case's backend), errors and skips with their reason, and the goals that
@@ -53,6 +54,8 @@ def esm2_line(r):
     parts = [f"{r['row']}: {_k(r['unpadded_tokens_per_s'])} tok/s",
              f"vs_best_peer {_f(r.get('vs_best_peer'))} ({r.get('best_peer', '')})",
              f"vs_te {_f(r.get('vs_te'))}", f"vs_hf {_f(r.get('vs_hf'))}", f"warm {_f(r.get('warm_s'), '.1f')} s"]
+    if r.get("ao_peer"):  # an FP8 row against the fastest torchao float8 row (hfao)
+        parts.insert(2, f"vs_ao {_f(r.get('vs_ao'))} ({r['ao_peer']})")
     if "te_attention" in notes:
         parts.append(f"attn {_attn(notes['te_attention'])}")
     if "recompiled_in_timed_pass" in notes:
