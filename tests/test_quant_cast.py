@@ -165,7 +165,60 @@ def dbias_order_reference(x):
             pair = half[0] + half[1]
             total = pair if total is None else total + pair
         out[b] = total
-    return out.sum(0)
+    return column_sums_reference(out)
+
+
+def column_sums_reference(parts, dtype=torch.float32):
+    """sf_column_sums' order in Python: eight interleaved slices of the rows
+    (p = i, i + 8, ...), each added left to right in float32, then the
+    slices in turn; rounded once to ``dtype``."""
+    total = torch.zeros(parts.shape[1], dtype=torch.float32)
+    for i in range(8):
+        acc = torch.zeros(parts.shape[1], dtype=torch.float32)
+        for p in range(i, parts.shape[0], 8):
+            acc = acc + parts[p]
+        total = total + acc
+    return total.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape", [(1, 8), (3, 24), (17, 40), (40, 1), (0, 16), (5, 0)])
+def test_column_sums_cpu(shape, dtype, seed):
+    """The per-block sums' total in the fixed order, bit for bit, and close to
+    the float64 sum."""
+    parts = torch.randn(shape) * 7
+    out = ops.quant.column_sums(parts, dtype)
+    assert out.dtype == dtype and out.shape == (shape[1],)
+    assert torch.equal(out, column_sums_reference(parts, dtype))
+    ref = parts.double().sum(0)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}[dtype]
+    assert torch.allclose(out.double(), ref, rtol=tol, atol=tol * parts.double().abs().sum(0).max().item()
+                          if parts.numel() else 0.0)
+
+
+def test_column_sums_errors():
+    with pytest.raises(TypeError, match="argument 'col_sums' must be a torch.Tensor"):
+        ops.quant.column_sums([1.0, 2.0])
+    with pytest.raises(TypeError, match="argument 'dtype' must be torch.float32, torch.bfloat16 or torch.float16"):
+        ops.quant.column_sums(torch.zeros(2, 3), torch.float64)
+    with pytest.raises(TypeError, match="argument 'col_sums' must have dtype float32"):
+        ops.quant.column_sums(torch.zeros(2, 3, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="argument 'col_sums' must be 2-D"):
+        ops.quant.column_sums(torch.zeros(2, 3, 4))
+    with pytest.raises(ValueError, match="argument 'col_sums' must be contiguous"):
+        ops.quant.column_sums(torch.zeros(3, 2).t())
+    with pytest.raises(ValueError, match=r"argument 'out' must have 3 element\(s\), got 4"):
+        seqfuse._C.column_sums(torch.zeros(2, 3), torch.empty(4), None)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape", [(1, 8), (3, 24), (17, 40), (128, 5120), (9, 1000), (0, 16)])
+def test_cuda_column_sums_bit_identical(shape, dtype, seed):
+    parts = torch.randn(shape) * 7
+    out = torch.full((shape[1],), float("nan"), dtype=dtype, device="cuda")
+    seqfuse._C.column_sums(parts.cuda(), out, None)
+    assert torch.equal(out.cpu(), ops.quant.column_sums(parts, dtype))
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -446,6 +499,7 @@ def test_cuda_cast_transpose_dbias_bit_identical(shape, dtype, fp8, seed):
     sums_c = torch.empty(((m + 127) // 128, k))
     seqfuse._C.cast_fp8_dbias(x.cpu(), one(0.75), None, None, torch.empty((k, m), dtype=fp8), None, sums_c, None)
     assert torch.equal(sums.cpu(), sums_c)  # the kernel's fixed order, bit for bit
+    assert torch.equal(db.cpu(), ref_db)  # and the total over the blocks
     assert torch.allclose(db.double().cpu(), x.double().reshape(m, k).sum(0).cpu(), rtol=1e-5, atol=1e-3)
 
 

@@ -60,6 +60,15 @@ sf_status sf_cast_fp8_dbias(const sf_tensor *x, const sf_tensor *scale, sf_tenso
                             sf_tensor *out, sf_tensor *out_t, sf_tensor *scale_inv,
                             sf_tensor *col_sums, sf_stream stream);
 
+/* A bias gradient from a cast's per-block column sums: out[j] = the sum
+ * over p of col_sums[p][j] (col_sums float32 [P, N], contiguous; out [N]
+ * in float32, bfloat16 or float16, rounded once).  The adds run in a fixed
+ * order, both backends: s_i = col_sums[i][j] + col_sums[i+8][j] + ... left
+ * to right for i = 0..7, then s_0 + s_1 + ... + s_7 left to right.  What
+ * the FP8 modules' backward runs after sf_cast_fp8_dbias or
+ * sf_quantize_block_fp8_rowcol (a sum and a dtype conversion in one launch). */
+sf_status sf_column_sums(const sf_tensor *col_sums, sf_tensor *out, sf_stream stream);
+
 /* Current scaling of x and its cast in one call: amax[0] = max |x| (written,
  * not accumulated), scale[0] = fp8_max / amax / 2^margin (1 where amax is 0
  * or not finite; fp8_max of the outputs' format), scale_inv[0] = 1 / scale,

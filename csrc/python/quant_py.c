@@ -14,6 +14,10 @@ SF_PY_OP(cast_fp8, sf_cast_fp8,
 SF_PY_OP(cast_fp8_dbias, sf_cast_fp8_dbias,
          "cast_fp8 with the transposed copy and x's column sums per block of 128 rows.", (T, x),
          (T, scale), (OT, amax), (OT, out), (T, out_t), (OT, scale_inv), (T, col_sums));
+SF_PY_OP(column_sums, sf_column_sums,
+         "out[j] = sum over p of col_sums[p][j] in a fixed order, rounded once to out's dtype (the "
+         "bias gradient from a cast's per-block column sums).",
+         (T, col_sums), (T, out));
 SF_PY_OP(cast_fp8_current, sf_cast_fp8_current,
          "amax = max|x|, the current-scaling scale and its inverse, then cast_fp8 (one launch on "
          "CUDA where the tiled kernel takes the shapes).",
@@ -69,7 +73,7 @@ SF_PY_BINDING(quantize_block_fp8_rowcol, rowcol_args, rowcol,
               "per 128-row block.");
 
 const sf_py_binding *const sf_py_quant_bindings[] = {
-    &amax_binding,           &cast_fp8_binding,         &cast_fp8_dbias_binding,
+    &amax_binding,           &cast_fp8_binding,         &cast_fp8_dbias_binding, &column_sums_binding,
     &cast_fp8_current_binding, &cast_fp8_grouped_binding, &swiglu_cast_fp8_grouped_binding,
     &cast_fp8_current_list_binding,
     &transpose_fp8_binding,  &dequantize_fp8_binding,

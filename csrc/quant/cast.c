@@ -173,6 +173,29 @@ sf_status sf_cast_fp8_dbias(const sf_tensor *x, const sf_tensor *scale, sf_tenso
     return cast_entry("cast_fp8_dbias", x, scale, amax, out, out_t, scale_inv, col_sums, stream);
 }
 
+sf_status sf_column_sums(const sf_tensor *col_sums, sf_tensor *out, sf_stream stream)
+{
+    static const char op[] = "column_sums";
+    SF_TRY(sf_check_dtype(op, "col_sums", col_sums, SF_FLOAT32));
+    if (col_sums->ndim != 2)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'col_sums' must be 2-D [P, N], got %d-D", op,
+                       (int)col_sums->ndim);
+    SF_TRY(sf_check_contiguous(op, "col_sums", col_sums));
+    int64_t parts = col_sums->shape[0], n = col_sums->shape[1];
+    if (parts > 0x7fffffff || n > 0x7fffffff)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'col_sums' must have fewer than 2^31 rows and columns, "
+                       "got [%lld, %lld]", op, (long long)parts, (long long)n);
+    SF_TRY(sf_check_float_input(op, "out", out));
+    SF_TRY(sf_check_numel(op, "out", out, n));
+    SF_TRY(sf_check_contiguous(op, "out", out));
+    SF_TRY(sf_check_same_device(op, "col_sums", col_sums, "out", out));
+    SF_TRY(sf_check_writable(op, "out", out));
+    return SF_DISPATCH(op, "col_sums", col_sums,
+                       sf_column_sums_cpu((const float *)col_sums->data, parts, n, out->data, out->dtype),
+                       sf_column_sums_cuda((const float *)col_sums->data, parts, n, out->data, out->dtype,
+                                           col_sums->device_id, stream));
+}
+
 /* A float32 vector of n elements with any positive element stride (one
  * role's slots of a ScalingState are every third column), on ref's device. */
 static sf_status check_strided_vector(const char *op, const char *arg, const sf_tensor *t,

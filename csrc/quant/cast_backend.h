@@ -40,6 +40,12 @@ typedef struct {
     float *col_sums;  /* [ceil(mp / 128), k] per-128-row-block column sums, or NULL */
 } sf_cast_args;
 
+/* sf_column_sums after validation: ws float32 [parts, n], out [n] of
+ * out_dtype (float32, bfloat16 or float16); the order of sf_column_sums. */
+sf_status sf_column_sums_cpu(const float *ws, int64_t parts, int64_t n, void *out, sf_dtype out_dtype);
+sf_status sf_column_sums_cuda(const float *ws, int64_t parts, int64_t n, void *out, sf_dtype out_dtype,
+                              int device, sf_stream stream);
+
 sf_status sf_cast_fp8_cpu(const sf_cast_args *a);
 sf_status sf_cast_fp8_cuda(const sf_cast_args *a, int device, sf_stream stream);
 

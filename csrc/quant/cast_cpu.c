@@ -45,6 +45,23 @@ sf_status sf_cast_fp8_cpu(const sf_cast_args *a)
     return SF_OK;
 }
 
+/* The order of column_sum_kernel (core/vec_io.cuh): eight interleaved
+ * slices of the rows, each added left to right, then the slices in turn. */
+sf_status sf_column_sums_cpu(const float *ws, int64_t parts, int64_t n, void *out, sf_dtype out_dtype)
+{
+    for (int64_t j = 0; j < n; ++j) {
+        float total = 0.0f;
+        for (int i = 0; i < 8; ++i) {
+            float acc = 0.0f;
+            for (int64_t p = i; p < parts; p += 8)
+                acc += ws[p * n + j];
+            total += acc;
+        }
+        sf_store_float(out, out_dtype, j, total);
+    }
+    return SF_OK;
+}
+
 /* col_sums in the CUDA kernel's order (cast_cuda.cu): in each block of 128
  * rows, thread (warp w, half h) adds its rows 2w+h, 2w+h+16, ... in turn;
  * the halves are added, then the 8 warps in order.  Padding rows (m..mp)

@@ -192,17 +192,14 @@ def fp8_gemm_nt(a, a_scale_inv, a_scaling, b, b_scale_inv, b_scaling, out, *, bi
     shape arithmetic needs are checked here (the C entry checks every tensor
     and names it); an empty product goes through :func:`gemm`.  Returns
     ``out``."""
-    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
-        raise TypeError(f"fp8_gemm_nt: arguments 'a' and 'b' must be torch.Tensors, got {type(a).__name__} "
-                        f"and {type(b).__name__}")
-    if a.dim() != 2 or b.dim() != 2:
-        raise ValueError(f"fp8_gemm_nt: arguments 'a' and 'b' must be 2-D, got {a.dim()}-D and {b.dim()}-D")
-    for name, mode in (("a_scaling", a_scaling), ("b_scaling", b_scaling)):
-        if mode not in _OPERAND_SCALING:
-            raise ValueError(f"fp8_gemm_nt: argument '{name}' must be one of None, 'tensor', 'block_1x128' "
-                             f"or 'block_128x128', got {mode!r}")
-    m, k = a.shape
-    n = b.shape[0]
+    # (the checks cost nothing on the happy path: the exceptions say what was wrong)
+    try:
+        a_code, b_code = _OPERAND_SCALING[a_scaling], _OPERAND_SCALING[b_scaling]
+        m, k = a.shape
+        n, _ = b.shape
+    except (KeyError, TypeError, AttributeError, ValueError):
+        _fp8_gemm_nt_refusal(a, a_scaling, b, b_scaling)
+        raise
     if not (m and n and k):
         return gemm(a, b, transb=True, out=out, bias=bias, accumulate=accumulate, a_scale_inv=a_scale_inv,
                     b_scale_inv=b_scale_inv, a_scaling=a_scaling, b_scaling=b_scaling, fast_accum=fast_accum)
@@ -214,10 +211,27 @@ def fp8_gemm_nt(a, a_scale_inv, a_scaling, b, b_scale_inv, b_scaling, out, *, bi
         # this torch cannot export float8: pass uint8 views and name the format
         a_fmt, b_fmt = _FP8_CODE[a.dtype], _FP8_CODE[b.dtype]
         a, b = a.view(torch.uint8), b.view(torch.uint8)
-    _C.gemm(a, b, out, False, True, a_scale_inv, b_scale_inv, _OPERAND_SCALING[a_scaling],
-            _OPERAND_SCALING[b_scaling], bias, None, _EPI["none" if bias is None else "bias"], accumulate, fast_accum,
-            False, 1.0, workspace, a_fmt, b_fmt, stream_for(a))
+    _C.gemm(a, b, out, False, True, a_scale_inv, b_scale_inv, a_code, b_code, bias, None,
+            _EPI_NONE if bias is None else _EPI_BIAS, accumulate, fast_accum, False, 1.0, workspace, a_fmt, b_fmt,
+            stream_for(a))
     return out
+
+
+_EPI_NONE, _EPI_BIAS = _EPI["none"], _EPI["bias"]
+
+
+def _fp8_gemm_nt_refusal(a, a_scaling, b, b_scaling):
+    """The error of an fp8_gemm_nt call whose operands or scalings are not
+    what it takes (raised here; returns where the cause is elsewhere)."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        raise TypeError(f"fp8_gemm_nt: arguments 'a' and 'b' must be torch.Tensors, got {type(a).__name__} "
+                        f"and {type(b).__name__}")
+    for name, mode in (("a_scaling", a_scaling), ("b_scaling", b_scaling)):
+        if not isinstance(mode, (str, type(None))) or mode not in _OPERAND_SCALING:
+            raise ValueError(f"fp8_gemm_nt: argument '{name}' must be one of None, 'tensor', 'block_1x128' "
+                             f"or 'block_128x128', got {mode!r}")
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"fp8_gemm_nt: arguments 'a' and 'b' must be 2-D, got {a.dim()}-D and {b.dim()}-D")
 
 
 def _empty_product(a, transa, out, bias, aux, epilogue, accumulate, m, n, k):

@@ -103,7 +103,7 @@ def cast_fp8(x, scale, amax, fp8_dtype, *, out=None, scale_inv=None, rows=None):
 
 
 def cast_transpose_fp8(x, scale, amax, fp8_dtype, *, out=None, out_t=None, scale_inv=None,
-                       rowwise=True, dbias=False, rows=None):
+                       rowwise=True, dbias=False, rows=None, dbias_dtype=torch.float32):
     """Scale, cast and transpose in one pass: ``x`` is viewed as [M, K] (K the
     last dimension), and the result is ``(data, data_t)`` with ``data`` the
     FP8 copy shaped like ``x`` and ``data_t`` the [K, M] transposed copy that
@@ -121,10 +121,11 @@ def cast_transpose_fp8(x, scale, amax, fp8_dtype, *, out=None, out_t=None, scale
 
     ``dbias=True`` also sums x's columns in the same pass (the bias gradient
     when x is an output gradient) and returns ``(data, data_t, dbias)``,
-    dbias float32 [K]: the kernel writes the sums of each 128-row block in a
-    fixed order (the CPU backend repeats it bit for bit) and one small
-    reduction adds the blocks.  It takes the fast kernel's shapes and, on
-    CUDA, 16-byte aligned x (see :func:`dbias_fusable`).
+    dbias [K] in ``dbias_dtype`` (float32, bfloat16 or float16): the kernel
+    writes the float32 sums of each 128-row block in a fixed order (the CPU
+    backend repeats it bit for bit) and :func:`column_sums` adds the blocks,
+    rounding once.  It takes the fast kernel's shapes and, on CUDA, 16-byte
+    aligned x (see :func:`dbias_fusable`).
     """
     op = "cast_transpose_fp8"
     require_fp8_dlpack(op)
@@ -141,9 +142,31 @@ def cast_transpose_fp8(x, scale, amax, fp8_dtype, *, out=None, out_t=None, scale
     if dbias:
         sums = torch.empty((m + 127) // 128, k, dtype=torch.float32, device=x.device)
         _C.cast_fp8_dbias(x, scale, amax, out if rowwise else None, out_t, scale_inv, sums, stream_for(x))
-        return (out if rowwise else None), out_t, sums.sum(0)
+        return (out if rowwise else None), out_t, column_sums(sums, dbias_dtype)
     _C.cast_fp8(x, scale, amax, out if rowwise else None, out_t, scale_inv, stream_for(x))
     return (out if rowwise else None), out_t
+
+
+#: The dtypes column_sums writes (a bias gradient's).
+SUM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def column_sums(col_sums, dtype=torch.float32):
+    """The column sums of a matrix from the per-128-row-block sums a cast
+    wrote (``col_sums`` float32 [P, N]: :func:`cast_transpose_fp8` with
+    dbias, :func:`cast_fp8_into` with col_sums,
+    :func:`quantize_block_fp8_rowcol` with col_sums), added in a fixed
+    order and rounded once to ``dtype`` (float32, bfloat16 or float16): a
+    bias gradient in one launch (seqfuse_quant.h states the order).
+    Returns the [N] tensor."""
+    if not isinstance(col_sums, torch.Tensor):
+        raise TypeError(f"column_sums: argument 'col_sums' must be a torch.Tensor, got {type(col_sums).__name__}")
+    if dtype not in SUM_DTYPES:
+        raise TypeError(f"column_sums: argument 'dtype' must be torch.float32, torch.bfloat16 or torch.float16, "
+                        f"got {dtype}")
+    out = torch.empty(col_sums.shape[-1] if col_sums.dim() else 1, dtype=dtype, device=col_sums.device)
+    _C.column_sums(col_sums, out, stream_for(col_sums))
+    return out
 
 
 def cast_fp8_into(x, scale, amax, out, out_t, scale_inv, col_sums=None):
@@ -389,8 +412,8 @@ def quantize_block_fp8_rowcol(x, fp8_dtype=torch.float8_e4m3fn, *, rowwise=True,
     same cuBLASLt layout.  Either copy can be skipped (returned as None).
     ``col_sums=True`` (with the column-wise copy) also returns, fifth, the
     float32 [Mt/128, K] sums of each column over each 128-row block, from the
-    same pass: ``col_sums.sum(0)`` is x's column sum (a bias gradient)
-    without another read of x (float32 adds in the fixed order of
+    same pass: ``column_sums(col_sums)`` is x's column sum (a bias
+    gradient) without another read of x (float32 adds in the fixed order of
     seqfuse_quant.h)."""
     op = "quantize_block_fp8_rowcol"
     require_fp8_dlpack(op)

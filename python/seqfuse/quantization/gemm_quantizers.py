@@ -193,10 +193,10 @@ class _Role:
             self.scratch = s
         return s
 
-    def _cast(self, x, transpose, dbias=False, rows=None):
+    def _cast(self, x, transpose, dbias=None, rows=None):
         """Per-tensor cast of x [M, K] under the owner's recipe, the copies
         padded to ``rows`` token rows (None: M): a Float8Tensor, with
-        ``dbias`` also x's float32 column sums.  What quantize_with_state /
+        ``dbias`` (a dtype) also x's column sums in it.  What quantize_with_state /
         quantize_current do, with the outputs made here in one place (the
         shapes are known: no argument checks on this path, the C entry
         checks the tensors)."""
@@ -209,9 +209,9 @@ class _Role:
         else:
             fp8_dtype = self.fp8_dtype
             amax, scale = self._scratch(x)
-            if dbias:  # amax, scale and the cast+dbias pass: three launches
+            if dbias is not None:  # amax, scale, the cast+dbias pass and the sums' total: four launches
                 return quantize_current(x, fp8_dtype, margin=o.margin, transpose=transpose, dbias=True,
-                                        rows=rows, amax=amax, scale=scale)
+                                        rows=rows, amax=amax, scale=scale, dbias_dtype=dbias)
         dev = x.device
         k = x.shape[-1]
         m = x.numel() // k if k else 0
@@ -224,10 +224,10 @@ class _Role:
         if o.kind != "delayed":
             qops.cast_fp8_current_into(x, amax, scale, scale_inv, out, out_t, o.margin)
             return Float8Tensor(out, scale_inv, fp8_dtype, data_t=out_t, dtype=x.dtype, shape=x.shape)
-        sums = torch.empty((mp + 127) // 128, k, dtype=torch.float32, device=dev) if dbias else None
+        sums = torch.empty((mp + 127) // 128, k, dtype=torch.float32, device=dev) if dbias is not None else None
         qops.cast_fp8_into(x, scale, amax, out, out_t, scale_inv, sums)
         q = Float8Tensor(out, scale_inv, fp8_dtype, data_t=out_t, dtype=x.dtype, shape=x.shape)
-        return (q, sums.sum(0)) if dbias else q
+        return (q, qops.column_sums(sums, dbias)) if dbias is not None else q
 
     def quantize(self, x, transpose=True):
         """x [M, K] -> Float8Tensor whose data (and data_t) carry
@@ -310,15 +310,17 @@ class GradQuantizer(_Role):
         o = self.owner
         m = dy.shape[0]
         want_db = bias_dtype is not None
+        # the casts' sums come out in the bias's dtype (float32 then converted for any other)
+        sum_dtype = bias_dtype if bias_dtype in qops.SUM_DTYPES else torch.float32
         if o.kind == "block":
-            return self._block_grad(dy, want_db, need_dgrad, need_wgrad, bias_dtype)
+            return self._block_grad(dy, want_db, need_dgrad, need_wgrad, bias_dtype, sum_dtype)
         db = None
         if not need_wgrad:
             g = self.quantize(dy, transpose=False)
         elif want_db:
             mp = padded_rows(m)
             if qops.dbias_fusable(dy, rows=mp):
-                g, db = self._cast(dy, True, dbias=True, rows=None if mp == m else mp)
+                g, db = self._cast(dy, True, dbias=sum_dtype, rows=None if mp == m else mp)
             else:
                 g = self.quantize(dy, transpose=True)
         else:
@@ -331,9 +333,9 @@ class GradQuantizer(_Role):
                              "[M, K] with K %% 8 == 0, M %% 16 == 0, contiguous and aligned)",
                              tuple(dy.shape), dy.is_contiguous(), dy.data_ptr() % 16 == 0)
             db = dy.sum(0, dtype=torch.float32)
-        return g, (None if db is None else db.to(bias_dtype))
+        return g, (db if db is None or db.dtype == bias_dtype else db.to(bias_dtype))
 
-    def _block_grad(self, dy, want_db, need_dgrad, need_wgrad, bias_dtype):
+    def _block_grad(self, dy, want_db, need_dgrad, need_wgrad, bias_dtype, sum_dtype):
         dy = dense(dy)
         m = dy.shape[0]
         mp = padded_rows(m)
@@ -343,7 +345,7 @@ class GradQuantizer(_Role):
             g, g_si, g_t, g_t_si, *sums = qops.quantize_block_fp8_rowcol(
                 dyp, self.fp8_dtype, rowwise=need_dgrad, col_sums=want_db)
             if want_db:
-                db = sums[0].sum(0)
+                db = qops.column_sums(sums[0], sum_dtype)
             q = Float8BlockTensor(g, g_si, 1, dtype=dy.dtype, data_t=g_t, scale_inv_t=g_t_si,
                                   shape=dy.shape)
         else:
@@ -351,7 +353,7 @@ class GradQuantizer(_Role):
             q = Float8BlockTensor(g, g_si, 1, dtype=dy.dtype, shape=dy.shape)
         if want_db and db is None:
             db = dy.sum(0, dtype=torch.float32)
-        return q, (None if db is None else db.to(bias_dtype))
+        return q, (db if db is None or db.dtype == bias_dtype else db.to(bias_dtype))
 
 
 class WeightQuantizer(_Role):

@@ -14,13 +14,14 @@ _log = logging.getLogger("seqfuse")
 
 
 def quantize(x, scale, amax, fp8_dtype, *, transpose=False, rowwise=True, dbias=False, out=None,
-             out_t=None, scale_inv=None, rows=None):
+             out_t=None, scale_inv=None, rows=None, dbias_dtype=torch.float32):
     """x -> Float8Tensor with ``scale`` (float32 one-element tensor), folding
     max|x| into ``amax`` (accumulates; None to skip).  ``transpose`` also
     makes the [K, M] copy (x viewed as [M, K]); ``rowwise=False`` makes only
     that copy.  ``dbias`` (with ``transpose``, where
-    ``ops.quant.dbias_fusable(x)``): also x's float32 column sums from the same
-    pass, returned as ``(Float8Tensor, dbias)``.  ``out``, ``out_t`` and
+    ``ops.quant.dbias_fusable(x)``): also x's column sums from the same
+    pass, in ``dbias_dtype`` (summed in float32, rounded once), returned as
+    ``(Float8Tensor, dbias)``.  ``out``, ``out_t`` and
     ``scale_inv`` (optional) are written instead of new tensors.  ``rows``
     (>= M): the copies carry that many token rows, the extra ones zero
     (the FP8 GEMMs' padding, written by the cast); ``shape`` stays x's."""
@@ -33,7 +34,7 @@ def quantize(x, scale, amax, fp8_dtype, *, transpose=False, rowwise=True, dbias=
     if transpose:
         data, data_t, *db = qops.cast_transpose_fp8(x, scale, amax, fp8_dtype, scale_inv=scale_inv,
                                                     rowwise=rowwise, dbias=dbias, out=out, out_t=out_t,
-                                                    rows=rows)
+                                                    rows=rows, dbias_dtype=dbias_dtype)
     else:
         if not rowwise:
             raise ValueError("quantize: rowwise=False needs transpose=True (no copy asked for)")
@@ -101,14 +102,15 @@ def state_cast_args(state, index, x):
 
 
 def quantize_current(x, fp8_dtype, *, margin=0, transpose=False, rowwise=True, amax=None,
-                     amax_reduction_group=None, dbias=False, into=None, scale=None, rows=None):
+                     amax_reduction_group=None, dbias=False, into=None, scale=None, rows=None,
+                     dbias_dtype=torch.float32):
     """Current scaling: scale = fp8_max / max|x| / 2**margin from x itself
     (an amax pass, an optional all-reduce of that amax, a scale kernel, then
     the cast).  ``amax`` (optional one-element float32) receives max|x|.
     ``into`` (a Float8Tensor of x's shape and format) and ``scale`` (a
     one-element float32 buffer): written instead of new tensors (a weight
-    re-cast each step allocates nothing).  ``rows``: padded token rows, as
-    in :func:`quantize`."""
+    re-cast each step allocates nothing).  ``rows``, ``dbias`` and
+    ``dbias_dtype``: as in :func:`quantize`."""
     fp8_dtype = qops.fp8_dtype_of(fp8_dtype, "quantize_current")
     dev = x.device
     if amax is None:
@@ -134,7 +136,7 @@ def quantize_current(x, fp8_dtype, *, margin=0, transpose=False, rowwise=True, a
     amax = amax.reshape(1)
     qops.fp8_compute_scale(amax, scale, scale_inv, qops.FP8_MAX[fp8_dtype], margin)
     return quantize(x, scale, None, fp8_dtype, transpose=transpose, rowwise=rowwise, dbias=dbias,
-                    out=out, out_t=out_t, scale_inv=scale_inv, rows=rows)
+                    out=out, out_t=out_t, scale_inv=scale_inv, rows=rows, dbias_dtype=dbias_dtype)
 
 
 def quantize_block(x, block_rows=1, fp8_dtype=torch.float8_e4m3fn, *, columnwise=False,
