@@ -26,7 +26,8 @@ from causal_lm_checks import (VOCAB, batch, check_activation_checkpointing,  # n
                               check_bad_inputs_named, check_bf16_within_bf16_rounding, check_grads, check_keys_match,
                               check_left_padding_matches_transformers, check_packed_thd_matches_padded_bshd,
                               check_round_trip, packed, real, spread_weights)
-from helpers import check_same_logits_and_losses, needs_fp8, rel_error, torch_bound  # noqa: E402
+from helpers import (check_same_logits_and_losses, needs_fp8, rel_error, saved_activation_bytes,  # noqa: E402
+                     torch_bound)
 from seqfuse.hf import SeqfuseMixtralConfig, SeqfuseMixtralForCausalLM, SeqfuseMixtralModel  # noqa: E402
 from seqfuse.hf.mixtral import load_balancing_loss  # noqa: E402
 from seqfuse.hf.mixtral_config import from_hf_config, to_hf_config  # noqa: E402
@@ -412,6 +413,32 @@ def test_model_forward_refuses_is_first_microbatch():
     model = from_hf_model(hf_model(seed=22))
     with pytest.raises(NotImplementedError, match="is_first_microbatch"):
         model(input_ids=torch.randint(1, VOCAB, (1, 8)), is_first_microbatch=True)
+
+
+# ------------------------------------------------------------------ memory
+def test_training_keeps_the_counted_activations_per_layer():
+    """What one decoder layer keeps for its backward, counted by saved-tensor
+    hooks in [tokens, hidden] units (256 tokens, hidden 256, 8 query heads
+    and 2 key-value heads of 32, 4 experts of 512, top-2: 512 routed rows):
+    attention 3.5 (the QKV module's input 1, q 1, k and v 0.25 each, the
+    output 1), the pre-MoE RMSNorm's input (1), the router's and the
+    permutation's input (1), the permuted rows (2, fc1's input), fc1's
+    gate-up output (8, which the SwiGLU's backward reads) and the routing's
+    [tokens, experts] and [rows] tensors (0.08): 15.58.  The SwiGLU output
+    ([512, 512], 4 units) is not kept: fc2 makes it again in the backward
+    for its weight gradient.  Kept, it would make 19.58, which the bound
+    refuses."""
+    tokens, hidden = 256, 256
+    kept = {}
+    for layers in (1, 2):
+        torch.manual_seed(0)
+        cfg = tiny_config(hidden_size=hidden, num_attention_heads=8, num_key_value_heads=2, intermediate_size=512,
+                          num_hidden_layers=layers, experts=4, topk=2, output_router_logits=False)
+        model = from_hf_model(transformers.MixtralForCausalLM(cfg))
+        ids = torch.randint(1, VOCAB, (1, tokens))
+        kept[layers] = saved_activation_bytes(model, lambda: model(input_ids=ids, labels=ids))
+    units = (kept[2] - kept[1]) / (tokens * hidden * 4)
+    assert 15.5 <= units < 15.75, units
 
 
 # -------------------------------------------------------------------- CUDA

@@ -151,7 +151,7 @@ def test_grouped_linear_asks_the_refusal_once_or_takes_the_callers(monkeypatch):
 
     monkeypatch.setattr(GroupedLinear, "device_split_refusal", refusal)
     monkeypatch.setattr(moe, "grouped_gemm_device", grouped_gemm_device)
-    monkeypatch.setattr(moe, "scaled_swiglu", lambda x, p: x[:, :x.shape[1] // 2] * p[:, None])
+    monkeypatch.setattr(moe, "swiglu_forward", lambda x, p: x[:, :x.shape[1] // 2] * p[:, None])
     gl = GroupedLinear(2, 16, 24, bias=False, params_dtype=torch.bfloat16, device="cpu")
     counts = torch.empty(2, dtype=torch.int64, device="meta")
     offsets = torch.empty(2, dtype=torch.int32, device="meta")

@@ -486,6 +486,52 @@ def test_device_split_bf16_weight_changed_before_backward(monkeypatch, seed):
         assert torch.equal(x.grad[s:e], want)
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("inputs_grad", [True, False], ids=["all_grads", "weights_only"])
+def test_device_split_swiglu_probs_bit_identical_to_the_kept_swiglu_output(fp8, inputs_grad, monkeypatch, seed):
+    """The device-split route's down-projection call (swiglu_probs: the
+    SwiGLU in the route's autograd function; with a gradient to the gate|up
+    rows or probabilities its bfloat16 output is not kept but made again in
+    the backward for the bfloat16 weight gradient) against the route fed
+    scaled_swiglu's output (which keeps it), in bfloat16 and in FP8 (current
+    scaling, E4M3), the grouped GEMMs emulated on the CPU: the output and
+    the gradients of the gate|up rows, the probabilities and the weights bit
+    for bit; kept for the backward, the SwiGLU output [M, K] in bfloat16
+    less, nothing else (with only the weights' gradients wanted it is kept,
+    as the reference keeps it, instead of the larger gate|up rows)."""
+    emulate_grouped_gemms(monkeypatch)
+    splits, K, N = [5, 0, 19, 8], 32, 48
+    M = sum(splits)
+    gl = GroupedLinear(len(splits), K, N, bias=False, params_dtype=torch.bfloat16, device="cpu")
+    h = torch.randn(M, 2 * K).bfloat16()
+    probs = torch.rand(M)
+    dy = torch.randn(M, N).bfloat16()
+    counts = torch.tensor(splits)
+    params = {w.untyped_storage().data_ptr() for w in gl.weights()}
+
+    def step(fused):
+        hh, pp = h.clone().requires_grad_(inputs_grad), probs.clone().requires_grad_(inputs_grad)
+        for w in gl.weights():
+            w.grad = None
+        kept = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:
+                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with fp8_autocast(enabled=fp8, fp8_recipe=E4M3), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = gl._device_split(hh, counts, probs=pp) if fused else gl._device_split(moe.scaled_swiglu(hh, pp), counts)
+        y.backward(dy)
+        return [y.detach(), hh.grad, pp.grad] + [w.grad for w in gl.weights()], sum(kept.values())
+
+    (got, kept), (ref, ref_kept) = step(True), step(False)
+    for i, (a, b) in enumerate(zip(got, ref)):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), i
+    assert (got[1] is None) == (not inputs_grad)
+    assert ref_kept - kept == (M * K * 2 if inputs_grad else 0)
+
+
 # ---- CUDA: the products against float64 of their own FP8 operands ----------------------
 
 CUDA_SPLITS = [[128, 256, 64, 512], [0, 300, 0, 1, 77, 0], [1000], [0, 0, 0, 5]]

@@ -11,6 +11,7 @@ from seqfuse.quantization import fp8_autocast
 from seqfuse.common.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format,
                                    MXFP8BlockScaling)
 from seqfuse.modules import GroupedLinear, GroupedMLP, Linear
+from seqfuse.ops import moe as moe_ops
 from seqfuse.quantization.gemm_quantizers import weight_casts
 
 from helpers import REL_TOL, grouped_and_per_expert_fp8_step, needs_fp8, pair_tol, rel_error
@@ -268,6 +269,155 @@ def test_grouped_mlp_equals_transformers_mixtral_block(seed):
     ref = block(x)
     ref = ref[0] if isinstance(ref, tuple) else ref
     assert rel_error(m(x), ref) <= REL_TOL[torch.float32] * 2
+
+
+def _swiglu_step(gl, h, probs, splits, dy, fused, inputs_grad=True):
+    """One forward and backward of GroupedLinear ``gl`` as a down projection
+    on gate|up rows ``h`` and row scales ``probs``: with ``fused`` through
+    swiglu_probs (the SwiGLU in the layer's autograd Function, its output
+    made again in the backward), else fed scaled_swiglu's output (the
+    SwiGLU's own autograd node: the layer keeps that output for its weight
+    gradient).  Returns ([output, dh, dprobs, main_grads or grads of every
+    parameter], the distinct storages the forward saved for the backward:
+    {data_ptr: (dtype, nbytes)})."""
+    h = h.detach().clone().requires_grad_(inputs_grad)
+    probs = probs.detach().clone().requires_grad_(inputs_grad)
+    for prm in gl.parameters():
+        prm.grad = None
+        if hasattr(prm, "main_grad"):
+            prm.main_grad.fill_(0.5)
+    params = {prm.untyped_storage().data_ptr() for prm in gl.parameters()}
+    saved = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            saved[st.data_ptr()] = (t.dtype, st.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = gl(h, splits, swiglu_probs=probs) if fused else gl(moe_ops.scaled_swiglu(h, probs), splits)
+    y.backward(dy)
+    grads = [getattr(prm, "main_grad", None) if hasattr(prm, "main_grad") else prm.grad for prm in gl.parameters()]
+    return [y.detach(), h.grad, probs.grad] + [g.clone() if g is not None else None for g in grads], saved
+
+
+def _same(a, b):
+    assert len(a) == len(b)
+    for i, (u, v) in enumerate(zip(a, b)):
+        assert (u is None) == (v is None), i
+        assert u is None or (u.dtype == v.dtype and torch.equal(u, v)), i
+
+
+@pytest.mark.parametrize("mode", ["float32", "bfloat16", "autocast", "main_grad", "weights_only"])
+@pytest.mark.parametrize("splits", [[5, 0, 9, 2], [0, 0, 7]])
+def test_swiglu_probs_gradients_bit_identical_to_the_kept_swiglu_output(mode, splits, seed):
+    """GroupedLinear's down-projection call (swiglu_probs: the SwiGLU output
+    not kept, made again for the weight gradient from the saved gate|up rows
+    and probabilities) against the same layer fed scaled_swiglu's output,
+    which keeps it: the output and the gradients of the gate|up rows, the
+    probabilities, the weights and biases bit for bit; in float32, bfloat16,
+    float32 parameters under torch.autocast's bfloat16 (the SwiGLU output
+    converted for the GEMMs, its gradient converted back), accumulation into
+    main_grad, and with only the parameters' gradients wanted.  The
+    swiglu_probs call keeps the SwiGLU output's [M, K] less, nothing else
+    (the reference's SwiGLU node keeps the same gate|up rows and
+    probabilities); with only the parameters' gradients wanted (no SwiGLU
+    backward to keep the gate|up rows for) it keeps the SwiGLU output, as
+    the reference does."""
+    G, K, N = len(splits), 24, 20
+    dtype = torch.bfloat16 if mode == "bfloat16" else torch.float32
+    gl = GroupedLinear(G, K, N, bias=True, device="cpu", params_dtype=dtype)
+    with torch.no_grad():
+        for prm in gl.parameters():
+            prm.normal_()
+    if mode == "main_grad":
+        for w in gl.weights():
+            w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
+    M = sum(splits)
+    h = torch.randn(M, 2 * K).to(dtype)
+    probs = torch.rand(M)
+    dy = torch.randn(M, N).to(dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+        got, kept = _swiglu_step(gl, h, probs, splits, dy, True, inputs_grad=mode != "weights_only")
+        ref, ref_kept = _swiglu_step(gl, h, probs, splits, dy, False, inputs_grad=mode != "weights_only")
+    _same(got, ref)
+    if mode == "weights_only":
+        assert got[1] is None and got[2] is None
+    if mode == "main_grad":
+        assert all(w.grad is None for w in gl.weights())
+    a_bytes = M * K * (2 if dtype == torch.bfloat16 or mode == "autocast" else 4)  # (the GEMMs' dtype)
+    if mode == "weights_only":
+        a_bytes = 0
+    assert sum(n for _, n in ref_kept.values()) - sum(n for _, n in kept.values()) == a_bytes
+
+
+@needs_fp8
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), Float8BlockScaling(), DelayedScaling()],
+                         ids=["current", "block", "delayed"])
+def test_fp8_swiglu_probs_gradients_bit_identical_and_what_is_kept(recipe, seed):
+    """Under FP8 (host row counts) GroupedLinear's down-projection call
+    (swiglu_probs) against the same layer (a second one, same weights and
+    scaling history) fed scaled_swiglu's output, over two steps (delayed
+    scaling's second casts through the fused SwiGLU cast): the output and
+    the gradients of the gate|up rows, the probabilities and the weights bit
+    for bit.  Kept for the backward: under current and block scaling not the
+    SwiGLU output's transposed FP8 copy (one byte per element of [K, each
+    expert's rows padded to 16, under block scaling to 128]: that many
+    bytes fewer than the reference, which keeps it; made again in the
+    backward, its scales coming from its values); under delayed scaling
+    that copy, as the reference (its scales are the state's at the forward,
+    replaced at the autocast region's exit)."""
+    splits, K, N = [5, 0, 21, 3], 128, 128  # (block scaling: features of 128)
+    G, M = len(splits), sum(splits)
+    pad = 128 if isinstance(recipe, Float8BlockScaling) else 16
+    Mp = sum(-(-m // pad) * pad for m in splits)
+    layers = [GroupedLinear(G, K, N, bias=False, device="cpu") for _ in range(2)]
+    layers[1].load_state_dict(layers[0].state_dict())
+    for step in range(2):
+        h, probs, dy = torch.randn(M, 2 * K), torch.rand(M), torch.randn(M, N)
+        runs = []
+        for gl, fused in zip(layers, (True, False)):
+            with fp8_autocast(enabled=True, fp8_recipe=recipe):
+                runs.append(_swiglu_step(gl, h, probs, splits, dy, fused))
+        (got, kept), (ref, ref_kept) = runs
+        _same(got, ref)
+
+        def fp8_bytes(saved):
+            return sum(n for dt, n in saved.values() if dt.itemsize == 1)
+
+        fewer = 0 if isinstance(recipe, DelayedScaling) else K * Mp
+        assert fp8_bytes(ref_kept) - fp8_bytes(kept) == fewer, step
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("route", ["host_bf16", "device_bf16", "host_current", "host_block", "device_fp8"])
+def test_swiglu_probs_cuda_bit_identical_to_the_kept_swiglu_output(route, seed):
+    """On the GPU, each route's down-projection call (swiglu_probs) against
+    the same layer (a second one, same weights) fed scaled_swiglu's output,
+    which keeps it: the CUDA kernels run again in the backward (the SwiGLU;
+    under current and block scaling the grouped cast of its transposed FP8
+    copy, scales included) give the forward's values, so the output and
+    the gradients of the gate|up rows, the probabilities and the weights
+    are the same bit for bit, and less is kept."""
+    splits, K, N = [128, 0, 77, 300, 5], 256, 128
+    G, M = len(splits), sum(splits)
+    recipe = {"host_current": Float8CurrentScaling(), "host_block": Float8BlockScaling(),
+              "device_fp8": Float8CurrentScaling(fp8_format=Format.E4M3)}.get(route)
+    layers = [GroupedLinear(G, K, N, bias=False, device="cuda", params_dtype=torch.bfloat16) for _ in range(2)]
+    layers[1].load_state_dict(layers[0].state_dict())
+    h = torch.randn(M, 2 * K, device="cuda").bfloat16()
+    probs, dy = torch.rand(M, device="cuda"), torch.randn(M, N, device="cuda").bfloat16()
+    counts = torch.tensor(splits, device="cuda") if route.startswith("device") else splits
+    if route.startswith("device"):
+        assert layers[0].device_split_refusal(h, recipe) is None
+    runs = []
+    for gl, fused in zip(layers, (True, False)):
+        with fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
+            runs.append(_swiglu_step(gl, h, probs, counts, dy, fused))
+    (got, kept), (ref, ref_kept) = runs
+    _same(got, ref)
+    assert sum(n for _, n in kept.values()) < sum(n for _, n in ref_kept.values())
 
 
 @needs_fp8

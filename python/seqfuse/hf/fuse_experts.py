@@ -14,10 +14,13 @@ choice as a routing map, one permutation of the tokens into expert order
 SwiGLU scaled by each row's routing weight in one kernel (the weight
 multiplies before the down GEMM instead of after: the same number, the
 experts having no bias), the down grouped GEMM, and one un-permutation that
-sums each token's experts.  Only the experts are replaced: the block's
-router (its ``gate``) stays transformers', so router logits are still
-recorded for output_router_logits and the load-balancing loss, and router
-jitter still applies.
+sums each token's experts.  The SwiGLU runs inside the down projection's
+autograd Function, which keeps the gate-up output for the backward and
+makes the SwiGLU output again there for the weight gradient (not kept).
+Only the experts are replaced: the block's router (its ``gate``) stays
+transformers', so router logits are still recorded for
+output_router_logits and the load-balancing loss, and router jitter still
+applies.
 
 Row counts: in bfloat16 on CUDA the experts' GEMMs read the tokens per
 expert on the GPU (the device-split route of seqfuse.modules.grouped_linear
@@ -90,8 +93,9 @@ class SeqfuseExperts(nn.Module):
             xp, pp = moe_ops.moe_permute_by_row_id_map(x.to(dtype), row_ids, idx.shape[0] * idx.shape[1], probs,
                                                        zero_unrouted=True)
             offsets = moe_ops.device_split_offsets(tokens_per_expert, xp.shape[0], allow_fewer=True)
-            h = DeviceSplitGroupedLinearFunction.apply(xp, offsets, None, self.gate_up_proj)
-            y = DeviceSplitGroupedLinearFunction.apply(moe_ops.scaled_swiglu(h, pp), offsets, None, self.down_proj)
+            h = DeviceSplitGroupedLinearFunction.apply(xp, None, offsets, None, self.gate_up_proj)
+            # the scaled SwiGLU inside the down projection (pp: its row scales), made again for its backward
+            y = DeviceSplitGroupedLinearFunction.apply(h, pp, offsets, None, self.down_proj)
             out = moe_ops.moe_unpermute(y, row_ids)
             return out.to(hidden_states.dtype).reshape(hidden_states.shape)
         if x.is_cuda:
@@ -100,9 +104,8 @@ class SeqfuseExperts(nn.Module):
         splits = tuple(tokens_per_expert.tolist())  # one host synchronization per block, as GroupedMLP
         xp, pp = moe_ops.moe_permute_by_row_id_map(x.to(dtype), row_ids, sum(splits), probs)
         # float32: TF32 as torch's switch says (None), as the replaced transformers module computed
-        h = GroupedLinearFunction.apply(xp, splits, dtype, E, False, None, *self.gate_up_proj.unbind(0))
-        a = moe_ops.scaled_swiglu(h, pp)
-        y = GroupedLinearFunction.apply(a, splits, dtype, E, False, None, *self.down_proj.unbind(0))
+        h = GroupedLinearFunction.apply(xp, None, splits, dtype, E, False, None, *self.gate_up_proj.unbind(0))
+        y = GroupedLinearFunction.apply(h, pp, splits, dtype, E, False, None, *self.down_proj.unbind(0))
         out = moe_ops.moe_unpermute(y, row_ids)
         return out.to(hidden_states.dtype).reshape(hidden_states.shape)
 

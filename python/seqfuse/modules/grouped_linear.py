@@ -109,24 +109,62 @@ _TE_DEFAULTS = {"sequence_parallel": False, "tp_group": None, "tp_size": 1, "par
 _TE_IGNORED = ("name", "get_rng_state_tracker", "rng_tracker_name")
 
 
+def _swiglu_input(h, probs, dtype):
+    """The input of a down projection fed gate|up pairs ``h`` [M, 2K] and
+    row scales ``probs`` [M]: scaled_swiglu(h, probs) by its forward kernel
+    (ops.moe.swiglu_forward, in h's dtype), then in ``dtype``.  The forward
+    makes it with this, and so does the backward for the weight gradient:
+    the same kernel on the same saved tensors, the same bits."""
+    a = moe_ops.swiglu_forward(h, probs)
+    return a if a.dtype == dtype else a.to(dtype)
+
+
+def _swiglu_grads(da, h, probs, need_dprobs):
+    """(dh, dprobs or None) of _swiglu_input for its output gradient ``da``
+    (in the GEMMs' dtype): da in h's dtype, as autograd hands a gradient to
+    the input it belongs to, then the SwiGLU's backward kernel."""
+    return moe_ops.swiglu_backward(da if da.dtype == h.dtype else da.to(h.dtype), h, probs, need_dprobs)
+
+
+#: GroupedLinearFunction's arguments before the weights and biases.
+_HOST_ARGS = 7
+
+
 class GroupedLinearFunction(torch.autograd.Function):
     """Autograd of y_g = x_g W_g^T + b_g over host m_splits.
 
-    forward(x [sum(m_splits), in], m_splits (tuple of ints), dtype, num_gemms,
-    use_bias, allow_tf32, *weights, *biases).  allow_tf32: float32 operands
-    on TF32 tensor cores; None follows torch.backends.cuda.matmul.allow_tf32
-    (ops.gemm's rule, what every module passes)."""
+    forward(x [sum(m_splits), in], probs, m_splits (tuple of ints), dtype,
+    num_gemms, use_bias, allow_tf32, *weights, *biases).  allow_tf32:
+    float32 operands on TF32 tensor cores; None follows
+    torch.backends.cuda.matmul.allow_tf32 (ops.gemm's rule, what every
+    module passes).
+
+    ``probs`` None: x is the GEMMs' input.  ``probs`` [M] (GroupedMLP's down
+    projection): x is [M, 2 in] gate|up pairs and the GEMMs' input is
+    scaled_swiglu(x, probs) (_swiglu_input); the backward returns the
+    gradients of x and probs.  Where a gradient flows to x or probs, the
+    SwiGLU's backward reads them, so they are kept and the SwiGLU output is
+    not: the weight gradient makes it again from them, the forward's values
+    bit for bit.  Where none does, the SwiGLU output is kept instead (half
+    x's size)."""
 
     @staticmethod
-    def forward(ctx, x, m_splits, dtype, G, use_bias, allow_tf32, *params):
+    def forward(ctx, x, probs, m_splits, dtype, G, use_bias, allow_tf32, *params):
         weights, biases = params[:G], params[G:] if use_bias else None
-        xc = (x if x.dtype == dtype else x.to(dtype)).detach()
+        ctx.swiglu = False  # whether the backward runs the SwiGLU's backward (and makes its output again)
+        if probs is None:
+            xc = kept = (x if x.dtype == dtype else x.to(dtype)).detach()
+        else:
+            h, probs = moe_ops.dense(x.detach()), probs.detach()
+            xc = _swiglu_input(h, probs, dtype)
+            ctx.swiglu = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+            kept, probs = (h, probs) if ctx.swiglu else (xc, None)
         wc = [(w if w.dtype == dtype else w.to(dtype)).detach() for w in weights]
         bc = None
         if use_bias:
             bc = [(b if b.dtype == dtype else b.to(dtype)).detach() for b in biases]
         y = moe_ops.grouped_gemm(xc, wc, m_splits, transb=True, bias=bc, allow_tf32=allow_tf32)
-        ctx.save_for_backward(xc, *wc)
+        ctx.save_for_backward(kept, probs, *wc)
         ctx.weights = weights  # the parameter objects, for main_grad
         ctx.m_splits, ctx.dtype, ctx.G, ctx.use_bias, ctx.tf32 = m_splits, dtype, G, use_bias, allow_tf32
         ctx.bias_dtypes = [b.dtype for b in biases] if use_bias else None
@@ -134,17 +172,23 @@ class GroupedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        xc, *wc = ctx.saved_tensors
+        x, probs, *wc = ctx.saved_tensors
         G, dtype, splits = ctx.G, ctx.dtype, ctx.m_splits
         dy = moe_ops.dense(dy if dy.dtype == dtype else dy.to(dtype))
-        need_dx = ctx.needs_input_grad[0]
-        need_dw = any(ctx.needs_input_grad[6:6 + G])
-        need_db = ctx.use_bias and any(ctx.needs_input_grad[6 + G:])
+        need_dx = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        need_dw = any(ctx.needs_input_grad[_HOST_ARGS:_HOST_ARGS + G])
+        need_db = ctx.use_bias and any(ctx.needs_input_grad[_HOST_ARGS + G:])
         tf32 = ctx.tf32
-        dx = moe_ops.grouped_gemm(dy, wc, splits, allow_tf32=tf32) if need_dx else None
+        dx = dprobs = None
+        if need_dx:
+            dx = moe_ops.grouped_gemm(dy, wc, splits, allow_tf32=tf32)
+            if ctx.swiglu:
+                dx, dprobs = _swiglu_grads(dx, x, probs, ctx.needs_input_grad[1])
         dws = [None] * G
         dbs = [None] * G if ctx.use_bias else []
         if need_dw or need_db:
+            # the SwiGLU output made again from the saved gate|up pairs (not kept from the forward)
+            xc = _swiglu_input(x, probs, dtype) if ctx.swiglu else x
             weights = ctx.weights
             mains = [getattr(w, "main_grad", None) for w in weights] if need_dw else [None]
             use_main = need_dw and all(m is not None for m in mains)
@@ -153,6 +197,7 @@ class GroupedLinearFunction(torch.autograd.Function):
                                            bgrad=need_db, allow_tf32=tf32)
             else:
                 res = moe_ops.grouped_gemm(dy, xc, splits, transa=True, bgrad=need_db, allow_tf32=tf32)
+            del xc
             if need_db:
                 res, db = res
                 dbs = [db[g].to(ctx.bias_dtypes[g]) for g in range(G)]
@@ -162,7 +207,7 @@ class GroupedLinearFunction(torch.autograd.Function):
             elif need_dw:
                 dws = [res[g] if res.dtype == weights[g].dtype else res[g].to(weights[g].dtype)
                        for g in range(G)]
-        return (dx, None, None, None, None, None, *dws, *dbs)
+        return (dx, dprobs, None, None, None, None, None, *dws, *dbs)
 
 
 class DeviceSplitGroupedLinearFunction(torch.autograd.Function):
@@ -170,9 +215,19 @@ class DeviceSplitGroupedLinearFunction(torch.autograd.Function):
     bias): ops.moe.grouped_gemm_device for the three products in bfloat16,
     so no step of it waits on the host.
 
-    forward(x [M, in], offsets (device_split_offsets), fp8, stacked [G, out,
-    in], *weights): x and stacked are computed in bfloat16 (converted where
-    they are not: float32 parameters under torch.autocast).  With
+    forward(x [M, in], probs, offsets (device_split_offsets), fp8, stacked
+    [G, out, in], *weights): x and stacked are computed in bfloat16
+    (converted where they are not: float32 parameters under
+    torch.autocast).  ``probs`` [M] (GroupedMLP's down projection; None:
+    x is the products' input): x is [M, 2 in] gate|up pairs and the
+    products' input is scaled_swiglu(x, probs) in bfloat16
+    (_swiglu_input); the backward returns the gradients of x and probs.
+    Where a gradient flows to x or probs, the SwiGLU's backward reads them,
+    so they are kept and the SwiGLU output is not: the backward makes it
+    again from them for the weight gradient, the forward's bfloat16 values
+    bit for bit (in FP8 too: the weight gradient's operand is that bfloat16
+    output, not the forward's row-wise FP8 copy, which is not kept).  Where
+    none does, the SwiGLU output is kept instead (half x's size).  With
     ``weights`` (GroupedLinear's per-expert parameters, ``stacked`` their
     one-buffer view from stacked_weights) the gradient of weight g is the
     weight gradient's slice g; without them ``stacked`` is itself the
@@ -209,16 +264,24 @@ class DeviceSplitGroupedLinearFunction(torch.autograd.Function):
     the version check covers every expert, not expert 0 alone."""
 
     @staticmethod
-    def forward(ctx, x, offsets, fp8, stacked, *weights):
+    def forward(ctx, x, probs, offsets, fp8, stacked, *weights):
         bf16 = torch.bfloat16
-        x = moe_ops.dense(x.detach().to(bf16))
+        need_dx = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        ctx.swiglu = False  # whether the backward runs the SwiGLU's backward (and makes its output again)
+        if probs is None:
+            x = kept = moe_ops.dense(x.detach().to(bf16))
+        else:
+            h, probs = moe_ops.dense(x.detach()), probs.detach()
+            x = moe_ops.dense(_swiglu_input(h, probs, bf16))
+            ctx.swiglu = need_dx
+            kept, probs = (h, probs) if ctx.swiglu else (x, None)
         ctx.transposed = ctx.on_transpose_cast = None
         ctx.restack = False
         saved = ()
         if fp8 is None:
             w = stacked.detach().to(bf16)
             y = moe_ops.grouped_gemm_device(x, w, offsets, transb=True)
-            if not ctx.needs_input_grad[0]:
+            if not need_dx:
                 pass  # no input gradient: the backward reads no weight
             elif weights and w.data_ptr() == weights[0].data_ptr():  # (a stack or a conversion is a new tensor)
                 # a view of the parameters' buffer: the parameters are saved instead (each with its own
@@ -229,7 +292,7 @@ class DeviceSplitGroupedLinearFunction(torch.autograd.Function):
         else:
             xq, x_si = quant_ops.quantize_rowwise_fp8(x)
             y = moe_ops.grouped_gemm_device_fp8(xq, x_si, fp8.data, fp8.row_scale_inv, offsets)
-            if not ctx.needs_input_grad[0]:
+            if not need_dx:
                 pass  # no input gradient: the backward reads no weight copy
             elif fp8.data_t is not None:
                 ctx.transposed = (fp8.data_t, fp8.row_scale_inv_t)
@@ -238,18 +301,18 @@ class DeviceSplitGroupedLinearFunction(torch.autograd.Function):
                 # transposed copy from them, and autograd checks that none changed meanwhile
                 saved = tuple(weights) if weights else (stacked,)
                 ctx.on_transpose_cast = fp8.on_transpose_cast
-        ctx.save_for_backward(x, offsets, *saved)
+        ctx.save_for_backward(kept, probs, offsets, *saved)
         ctx.weights, ctx.stacked_dtype = weights, None if stacked is None else stacked.dtype
         ctx.fp8 = fp8 is not None
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, offsets, *saved = ctx.saved_tensors
+        x, probs, offsets, *saved = ctx.saved_tensors
         weights = ctx.weights
         dy = moe_ops.dense(dy.to(torch.bfloat16))
-        dx = None
-        if ctx.needs_input_grad[0]:
+        dx = dprobs = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
             if not ctx.fp8:
                 w = _stack(saved)[0] if ctx.restack else saved[0]
                 dx = moe_ops.grouped_gemm_device(dy, w, offsets)
@@ -267,14 +330,19 @@ class DeviceSplitGroupedLinearFunction(torch.autograd.Function):
                         ctx.on_transpose_cast()
                 dx = moe_ops.grouped_gemm_device_fp8(dyq, dy_si, w_t, w_t_si, offsets, fast_accum=False)
                 del w_t, w_t_si, dyq, dy_si  # freed before the weight gradient's output is made
+            if ctx.swiglu:
+                dx, dprobs = _swiglu_grads(dx, x, probs, ctx.needs_input_grad[1])
         dstacked, dws = None, [None] * len(weights)
-        if ctx.needs_input_grad[3] or any(ctx.needs_input_grad[4:]):
-            dw = moe_ops.grouped_gemm_device(dy, x, offsets, transa=True)
+        if ctx.needs_input_grad[4] or any(ctx.needs_input_grad[5:]):
+            # the SwiGLU output made again from the saved gate|up pairs (not kept from the forward)
+            a = moe_ops.dense(_swiglu_input(x, probs, torch.bfloat16)) if ctx.swiglu else x
+            dw = moe_ops.grouped_gemm_device(dy, a, offsets, transa=True)
+            del a
             if not weights:
                 dstacked = dw.to(ctx.stacked_dtype)
             else:
                 dws = [dw[g].to(p.dtype) for g, p in enumerate(weights)]
-        return (dx, None, None, dstacked, *dws)
+        return (dx, dprobs, None, None, dstacked, *dws)
 
 
 class GroupedLinear(torch.nn.Module):
@@ -486,7 +554,14 @@ class GroupedLinear(torch.nn.Module):
         layer's input cast (quantization.grouped), so its output is never
         written in inp's dtype; otherwise (bf16, current or block scaling,
         or where the grouped cast declines) the SwiGLU output is written
-        first, the values being the same.
+        first, the values being the same.  For the backward the layer keeps
+        inp and swiglu_probs (which the SwiGLU's backward reads), not the
+        SwiGLU output: the weight gradient makes that again from them with
+        the forward's kernel, the same bits (bf16 on either route; FP8
+        current and block scaling make its FP8 copy again, delayed scaling
+        keeps the forward's: Fp8GroupedLinearFunction).  Where no gradient
+        flows to inp or swiglu_probs, the SwiGLU output (or its FP8 copy) is
+        kept instead, being the smaller.
 
         ``_refusal`` (for GroupedMLP, which asks once per forward for both
         of its layers): device_split_refusal's answer for this call where
@@ -495,7 +570,7 @@ class GroupedLinear(torch.nn.Module):
         cls = "GroupedLinear"
         if swiglu_probs is None:
             check_input(cls, inp, self.in_features, "in_features")
-            return self._apply_to(inp, None, False, m_splits, is_first_microbatch, m_offsets, _refusal)
+            return self._apply_to(inp, None, m_splits, is_first_microbatch, m_offsets, _refusal)
         check_input(cls, inp, 2 * self.in_features, "2 x in_features (gate and up, with swiglu_probs)")
         rows = inp.numel() // inp.shape[-1] if inp.shape[-1] else 0
         check_input(cls, swiglu_probs, name="swiglu_probs")
@@ -509,20 +584,13 @@ class GroupedLinear(torch.nn.Module):
                              f"{swiglu_probs.device}")
         # the SwiGLU kernels read both row-major
         h, probs = inp.contiguous(), swiglu_probs.contiguous()
-        on_device = isinstance(m_splits, torch.Tensor) and m_splits.device.type != "cpu"
-        why = _refusal
-        if on_device and why is _UNASKED:
-            why = self.device_split_refusal(h)  # (the same for the SwiGLU output's rows)
-        if not _q.is_fp8_enabled() or (on_device and why is None):
-            # (the device-split FP8 route casts the SwiGLU output row-wise, from bfloat16)
-            a = moe_ops.scaled_swiglu(h.view(rows, h.shape[-1]), probs).view(*inp.shape[:-1], self.in_features)
-            return self._apply_to(a, None, False, m_splits, is_first_microbatch, m_offsets, why)
-        return self._apply_to(h, probs, True, m_splits, is_first_microbatch, m_offsets, why)
+        return self._apply_to(h, probs, m_splits, is_first_microbatch, m_offsets, _refusal)
 
-    def _apply_to(self, inp, probs, swiglu, m_splits, is_first_microbatch, m_offsets=None, why=_UNASKED):
-        """forward's body; ``swiglu`` (FP8 only): inp holds gate|up pairs and
-        probs the SwiGLU's row scales.  ``why``: device_split_refusal's
-        answer where the caller has it (for a CUDA m_splits), else asked here."""
+    def _apply_to(self, inp, probs, m_splits, is_first_microbatch, m_offsets=None, why=_UNASKED):
+        """forward's body; ``probs`` (None: no SwiGLU): inp holds gate|up
+        pairs and probs the SwiGLU's row scales, the SwiGLU computed in the
+        route's autograd Function.  ``why``: device_split_refusal's answer
+        where the caller has it (for a CUDA m_splits), else asked here."""
         on_device = isinstance(m_splits, torch.Tensor) and m_splits.device.type != "cpu"
         if m_offsets is not None and not on_device:
             raise ValueError("GroupedLinear: m_offsets goes with m_splits given as a CUDA tensor (the "
@@ -533,7 +601,7 @@ class GroupedLinear(torch.nn.Module):
             if why is _UNASKED:
                 why = self.device_split_refusal(inp)
             if why is None:
-                return self._device_split(inp, m_splits, m_offsets, is_first_microbatch)
+                return self._device_split(inp, m_splits, m_offsets, is_first_microbatch, probs)
             note_once(_log, "seqfuse GroupedLinear: m_splits on the GPU read to the host (one host "
                       "synchronization per call): %s", why)
             m_splits = m_splits.tolist()
@@ -554,9 +622,9 @@ class GroupedLinear(torch.nn.Module):
         if recipe is not None:
             q = self._quantizers(recipe, x.device)
             y = Fp8GroupedLinearFunction.apply(x, probs, splits, dtype, self.num_gemms, use_bias,
-                                               (q, is_first_microbatch, swiglu), *params)
+                                               (q, is_first_microbatch, probs is not None), *params)
         else:
-            y = GroupedLinearFunction.apply(x, splits, dtype, self.num_gemms, use_bias, None, *params)
+            y = GroupedLinearFunction.apply(x, probs, splits, dtype, self.num_gemms, use_bias, None, *params)
         if inp.dim() != 2:
             y = y.view(*lead, self.out_features)
         if self.return_bias:
@@ -634,10 +702,12 @@ class GroupedLinear(torch.nn.Module):
         d = self.__dict__
         d["fp8_device_weight_transpose_casts"] = d.get("fp8_device_weight_transpose_casts", 0) + 1
 
-    def _device_split(self, inp, counts, offsets=None, is_first_microbatch=None):
+    def _device_split(self, inp, counts, offsets=None, is_first_microbatch=None, probs=None):
         """The device-split route (DeviceSplitGroupedLinearFunction) for row
         counts ``counts`` on the GPU (``offsets``: their device_split_offsets,
-        made here when not given)."""
+        made here when not given; ``probs``: inp holds gate|up pairs and the
+        layer's input is their SwiGLU scaled by probs, as forward's
+        swiglu_probs)."""
         if counts.dim() != 1 or counts.numel() != self.num_gemms:
             raise ValueError(f"GroupedLinear: m_splits must hold num_gemms = {self.num_gemms} row counts, got "
                              f"shape {tuple(counts.shape)}")
@@ -650,7 +720,7 @@ class GroupedLinear(torch.nn.Module):
             stacked, fp8 = None, self._device_fp8_weights(is_first_microbatch)
         else:
             stacked, fp8 = self.stacked_weights(), None
-        y = DeviceSplitGroupedLinearFunction.apply(x, offsets, fp8, stacked, *self.weights())
+        y = DeviceSplitGroupedLinearFunction.apply(x, probs, offsets, fp8, stacked, *self.weights())
         if inp.dim() != 2:
             y = y.view(*inp.shape[:-1], self.out_features)
         return (y, self.biases()) if self.return_bias else y
@@ -804,6 +874,20 @@ def _expert_grad_casts(roles, dy, splits, kind, bias_dtypes, need_dx, need_dw):
     return g_row, g_col, dbs
 
 
+def _swiglu_columns(q, h, probs, splits, padded):
+    """The transposed FP8 copy of scaled_swiglu(h, probs) for the weight
+    gradient under current or block scaling (GemmQuantizers ``q``), made
+    as Fp8GroupedLinearFunction's forward makes it: the SwiGLU kernel, then
+    every expert's cast in one call, else expert by expert (the same
+    values); the scales come from the values, so the bytes and scales are
+    the forward's."""
+    a = moe_ops.swiglu_forward(h, probs)
+    gx = quantize_grouped(q, "input", a, splits, padded, rowwise=False, transpose=True)
+    if gx is not None:
+        return _Columns(gx)
+    return _expert_casts(q.inputs, a, splits, q.kind, True)[1]
+
+
 #: Fp8GroupedLinearFunction's arguments before the weights and biases.
 _FP8_ARGS = 7
 
@@ -821,7 +905,10 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
     written in x's dtype, where the cast is grouped), and the backward
     returns the gradients of x and probs; else probs is None.  The fused
     cast serves delayed scaling; current and block scaling write the SwiGLU
-    output first (logged once)."""
+    output first (logged once).  With ``swiglu`` the weight gradient's
+    operand, the SwiGLU output's transposed FP8 copy, is made again in the
+    backward under current and block scaling and kept from the forward
+    under delayed scaling (why: the note in forward)."""
 
     @staticmethod
     def forward(ctx, x, probs, m_splits, dtype, G, use_bias, qargs, *params):
@@ -841,13 +928,24 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         if swiglu and not fused:
             note_grouped("%s scaling writes the SwiGLU output, then casts it (the fused SwiGLU cast serves "
                          "delayed scaling; under current scaling it reads the input twice and is slower)", kind)
+        # The weight gradient's operand, the SwiGLU output's transposed FP8 copy ([K, Mp], one byte an
+        # element): under current and block scaling not kept but made again in the backward from the
+        # gate|up pairs and probabilities the SwiGLU's backward keeps (_swiglu_columns: the same kernels,
+        # scales from the same values, so the same bytes and scales; where no gradient flows to them the
+        # copy is kept, being smaller than they are).  Under delayed scaling kept from this cast: its scales
+        # are the scaling state's now, which the step's update at the autocast region's exit replaces
+        # before the backward, so a cast there would not give these bytes (and would fold its amaxes into
+        # the state again).
+        swiglu_grad = swiglu and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
+        recast = swiglu_grad and need_w and kind != "delayed"
+        keep_t = need_w and not recast
         inp = moe_ops.swiglu_forward(x, probs) if swiglu and not fused else x
-        gx = quantize_grouped(q, "input", inp, m_splits, padded, transpose=need_w, swiglu=fused, probs=probs)
+        gx = quantize_grouped(q, "input", inp, m_splits, padded, transpose=keep_t, swiglu=fused, probs=probs)
         if gx is not None:
             x_row, x_col = gx, None
         else:
             act = moe_ops.swiglu_forward(x, probs) if fused else inp
-            x_row, x_col = _expert_casts(q.inputs, act, m_splits, kind, need_w)
+            x_row, x_col = _expert_casts(q.inputs, act, m_splits, kind, keep_t)
         w_forward = [F8.weight_forward(p, kind) for p in pairs]
         bias = None
         if use_bias:
@@ -860,17 +958,17 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
                    m_splits, padded)
         w_dg = [F8.weight_dgrad(p, kind) for p in pairs]
         saved = [t for op in w_dg for t in op[:2]]
-        if need_w and gx is not None:  # the transposed copy [K, Mp] and the scale inverses
+        if keep_t and gx is not None:  # the transposed copy [K, Mp] and the scale inverses
             saved += [gx.data_t, gx.scale_inv]
-        elif need_w:
+        elif keep_t:
             saved += [t for op in x_col for t in op[:2]]
-        # the SwiGLU's backward reads its input (kept only where a gradient flows to it)
-        ctx.swiglu = swiglu and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
-        if ctx.swiglu:
+        # the SwiGLU's backward reads its input (kept where a gradient flows to it)
+        ctx.swiglu, ctx.recast = swiglu_grad, recast
+        if swiglu_grad:
             saved += [x, probs]
         ctx.save_for_backward(*saved)
-        ctx.modes = ([op[2] for op in w_dg], (gx is not None) if need_w else None,
-                     [op[2] for op in x_col] if need_w and gx is None else None)
+        ctx.modes = ([op[2] for op in w_dg], (gx is not None) if keep_t else None,
+                     [op[2] for op in x_col] if keep_t and gx is None else None)
         ctx.q, ctx.G, ctx.dtype, ctx.m_splits, ctx.padded, ctx.K = q, G, dtype, m_splits, padded, K
         ctx.weights = weights
         ctx.bias_dtypes = [b.dtype for b in biases] if use_bias else None
@@ -912,6 +1010,8 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
                 dx, dprobs = moe_ops.swiglu_backward(dx, h, probs, ctx.needs_input_grad[1])
         dws = [None] * G
         if need_dw:
+            if ctx.recast:
+                x_col = _swiglu_columns(q, h, probs, splits, padded)
             mains = [getattr(w, "main_grad", None) for w in weights]
             if all(m is not None for m in mains):
                 _grouped(g_col, x_col, padded, mains, accumulate=True)

@@ -33,6 +33,14 @@ in the un-permutation, as transformers' MixtralSparseMoeBlock does; with
 out = sum_e (p_e * fc2_e(swiglu(fc1_e(x))) - p_e * b2_e + b2_e), i.e.
 sum_e p_e * W2_e a_e + b2_e, not sum_e p_e * (W2_e a_e + b2_e).
 
+Kept for the backward between the two GEMMs: fc1's output h and the
+permuted probabilities p, not the SwiGLU output a.  fc2's autograd Function
+computes a from them and makes it again in the backward for its weight
+gradient with the same kernel, the same bits (one elementwise pass instead
+of [N, ffn] kept); under FP8 current and block scaling it makes a's
+transposed FP8 copy again likewise, under delayed scaling it keeps that
+copy (GroupedLinear's FP8 function says why).
+
 Auxiliary losses: with aux_loss_coeff > 0 the load-balancing loss
 (fused_compute_score_for_moe_aux_loss + fused_moe_aux_loss, Switch /
 GShard form) and with z_loss_coeff > 0 the router z-loss are computed in
