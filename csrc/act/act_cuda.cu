@@ -540,15 +540,6 @@ sf_status launch_drop(bool backward, const DropParams &p, const DropShape &s, cu
     return SF_OK;
 }
 
-template <typename G>
-sf_status launch_col_sum(const float *ws, int parts, int64_t n, void *out, cudaStream_t stream)
-{
-    dim3 grid((unsigned)((n + 31) / 32), 1);
-    column_sum_kernel<G><<<grid, dim3(32, 8), 0, stream>>>(ws, parts, (int)n, (G *)out, (G *)NULL);
-    SF_CUDA_CHECK_LAUNCH("dropout_backward");
-    return SF_OK;
-}
-
 } // namespace
 
 extern "C" sf_status sf_act_forward_cuda(const sf_act_args *a, sf_stream s)
@@ -626,7 +617,7 @@ extern "C" sf_status sf_dropout_backward_cuda(const sf_dropout_args *a, sf_strea
     if (st == SF_OK && a->dbias) {
         const int parts = (int)shape.grid.y;
         st = sf_visit_float(op, "dbias", a->dbias->dtype, [&](auto tag) {
-            return launch_col_sum<typename decltype(tag)::type>(p.ws, parts, a->n, a->dbias->data, stream);
+            return launch_column_sums<typename decltype(tag)::type>(op, p.ws, parts, a->n, a->dbias->data, stream);
         });
     }
     sf_cuda_device_restore(&guard);

@@ -141,6 +141,19 @@ __global__ void column_sum_kernel(const float *ws, int parts, int hidden, G *out
     }
 }
 
+/* column_sum_kernel over ws [parts, n] into out [n] of G (out1 unused): one
+ * column of 32 threads by 8 slices per block.  `op` names the caller in a
+ * launch failure. */
+template <typename G>
+inline sf_status launch_column_sums(const char *op, const float *ws, int parts, int64_t n, void *out,
+                                    cudaStream_t stream)
+{
+    dim3 grid((unsigned)((n + 31) / 32), 1);
+    column_sum_kernel<G><<<grid, dim3(32, 8), 0, stream>>>(ws, parts, (int)n, (G *)out, (G *)NULL);
+    SF_CUDA_CHECK_LAUNCH(op);
+    return SF_OK;
+}
+
 /* Multiprocessors of a device (cached: asked once per device). */
 inline sf_status sm_count(const char *op, int device, int *sms)
 {

@@ -34,7 +34,7 @@
 #include <type_traits>
 
 #include "../core/cuda_util.h"
-#include "../core/vec_io.cuh" /* column_sum_kernel: sf_column_sums */
+#include "../core/vec_io.cuh" /* launch_column_sums: sf_column_sums */
 #include "../core/visit.cuh"
 #include "../moe/moe.h" /* sf_moe_silu, sf_moe_ld: the SwiGLU of the fused grouped cast */
 #include "cast_backend.h"
@@ -905,19 +905,6 @@ extern "C" sf_status sf_fp8_compute_scale_cuda(const sf_scale_args *a, int devic
     return launch_scale("fp8_compute_scale", compute_scale_kernel, a, device, s);
 }
 
-namespace {
-
-template <typename G>
-sf_status launch_column_sums(const float *ws, int64_t parts, int64_t n, void *out, cudaStream_t stream)
-{
-    dim3 grid((unsigned)((n + 31) / 32), 1);
-    sf_vec::column_sum_kernel<G><<<grid, dim3(32, 8), 0, stream>>>(ws, (int)parts, (int)n, (G *)out, (G *)NULL);
-    SF_CUDA_CHECK_LAUNCH("column_sums");
-    return SF_OK;
-}
-
-} // namespace
-
 extern "C" sf_status sf_column_sums_cuda(const float *ws, int64_t parts, int64_t n, void *out, sf_dtype out_dtype,
                                          int device, sf_stream s)
 {
@@ -927,7 +914,7 @@ extern "C" sf_status sf_column_sums_cuda(const float *ws, int64_t parts, int64_t
     sf_cuda_device_guard guard;
     SF_TRY(sf_cuda_device_enter("column_sums", device, &guard));
     sf_status st = sf_visit_float("column_sums", "out", out_dtype, [&](auto tag) {
-        return launch_column_sums<typename decltype(tag)::type>(ws, parts, n, out, stream);
+        return sf_vec::launch_column_sums<typename decltype(tag)::type>("column_sums", ws, (int)parts, n, out, stream);
     });
     sf_cuda_device_restore(&guard);
     return st;
