@@ -196,6 +196,31 @@ def test_column_sums_cpu(shape, dtype, seed):
                           if parts.numel() else 0.0)
 
 
+@pytest.mark.parametrize("recipe", ["delayed", "current", "block"])
+def test_quantize_grad_bias_gradient_dtype(recipe, seed):
+    """GradQuantizer.quantize_grad: the bias gradient comes back in the
+    bias's dtype, rounded once from the float32 total of the cast's block
+    sums (a float64 bias: that float32 total converted), at aligned and
+    unaligned rows, close to the float64 column sum."""
+    import seqfuse.pytorch as te
+    from seqfuse.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+    from seqfuse.quantization import gemm_quantizers as gq
+
+    rec = {"delayed": DelayedScaling, "current": Float8CurrentScaling, "block": Float8BlockScaling}[recipe]()
+    m = te.Linear(128, 256, device="cpu", params_dtype=torch.bfloat16)
+    grad = gq.quantizers_for(m, rec, torch.device("cpu")).grads[0]
+    for rows in (48, 40):
+        dy = (torch.randn(rows, 256) * 3).to(torch.bfloat16)
+        got = {dt: grad.quantize_grad(dy, dt)[1] for dt in (torch.float32, torch.bfloat16, torch.float64)}
+        for dt, db in got.items():
+            assert db.dtype == dt and db.shape == (256,)
+        assert torch.equal(got[torch.bfloat16], got[torch.float32].to(torch.bfloat16))  # one rounding
+        assert torch.equal(got[torch.float64], got[torch.float32].double())
+        ref = dy.double().sum(0)
+        assert torch.allclose(got[torch.float32].double(), ref, rtol=1e-5,
+                              atol=1e-5 * dy.double().abs().sum(0).max().item())
+
+
 def test_column_sums_errors():
     with pytest.raises(TypeError, match="argument 'col_sums' must be a torch.Tensor"):
         ops.quant.column_sums([1.0, 2.0])
@@ -209,6 +234,10 @@ def test_column_sums_errors():
         ops.quant.column_sums(torch.zeros(3, 2).t())
     with pytest.raises(ValueError, match=r"argument 'out' must have 3 element\(s\), got 4"):
         seqfuse._C.column_sums(torch.zeros(2, 3), torch.empty(4), None)
+    x, amax = torch.randn(32, 16), one(0.0)
+    with pytest.raises(TypeError, match="argument 'dbias_dtype' must be torch.float32"):
+        ops.cast_transpose_fp8(x, one(1.0), amax, E4M3, dbias=True, dbias_dtype=torch.float64)
+    assert amax.item() == 0.0  # refused before the cast ran
 
 
 @pytest.mark.cuda
@@ -482,7 +511,7 @@ def test_cuda_transpose_fp8_unaligned_and_on_current_stream():
 @pytest.mark.parametrize("fp8", FP8)
 def test_cuda_cast_transpose_dbias_bit_identical(shape, dtype, fp8, seed):
     """Data, transposed copy, amax and the bias gradient (the block sums in
-    the kernel's order, then torch's sum over blocks) against the CPU
+    the kernel's order, then column_sums over the blocks) against the CPU
     backend; outputs poisoned."""
     x = (torch.randn(shape, device="cuda") * 5).to(dtype)
     k = shape[-1]

@@ -83,8 +83,8 @@ import re
 import time
 import traceback
 
-from common import (batch_shape, build_hf, build_seqfuse, data_dir, fixed_length_sequences, fp8_recipe,
-                    forward_loss, load_train_sequences, make_batches, real_length_layouts, seq_lengths,
+from common import (RECIPE_NAMES, batch_shape, build_hf, build_seqfuse, data_dir, fixed_length_sequences,
+                    fp8_recipe, forward_loss, load_train_sequences, make_batches, real_length_layouts, seq_lengths,
                     seqfuse_config)
 
 import torch  # noqa: E402
@@ -100,8 +100,8 @@ LAYOUTS = ("packed", "padded", "unsorted", "fixed")
 PEERS = ("hf", "hfcompile", "hfao", "te")
 HF_IMPLS = ("hf", "hfcompile", "hfao")  # transformers' EsmForMaskedLM: padded batches only
 COMPILED = ("hfcompile", "hfao")  # torch.compile'd per layer (or whole) by compile_hf
-#: seqfuse's and Transformer Engine's recipes (the same names in both)
-RECIPES = ("bf16", "fp8_delayed", "fp8_current", "fp8_block")
+#: seqfuse's and Transformer Engine's recipes (the same names in both: common.fp8_recipe's)
+RECIPES = RECIPE_NAMES
 #: the hfao rows' recipe tokens -> torchao's Float8LinearConfig.from_recipe_name
 TORCHAO_RECIPES = {"fp8_tensorwise": "tensorwise", "fp8_rowwise": "rowwise"}
 DEFAULT_ROWS = ["hf_bf16_padded", "hfcompile_bf16_padded", "hfao_fp8_tensorwise_padded", "te_bf16_packed",

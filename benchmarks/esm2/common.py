@@ -148,11 +148,15 @@ def seq_lengths(batch):
     return batch["attention_mask"].sum(-1).tolist()
 
 
+#: The precision names of seqfuse's (and TE's) rows, each a recipe of fp8_recipe.
+RECIPE_NAMES = ("bf16", "fp8_delayed", "fp8_current", "fp8_block")
+
+
 def fp8_recipe(name):
     from seqfuse.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
-    return {"bf16": None, "fp8_delayed": DelayedScaling(), "fp8_current": Float8CurrentScaling(),
-            "fp8_block": Float8BlockScaling()}[name]
+    recipes = dict(zip(RECIPE_NAMES, (None, DelayedScaling(), Float8CurrentScaling(), Float8BlockScaling())))
+    return recipes[name]
 
 
 #: transformers' LengthGroupedSampler sorts "mega-batches" of 50 batches' worth of samples.

@@ -192,7 +192,9 @@ def fp8_gemm_nt(a, a_scale_inv, a_scaling, b, b_scale_inv, b_scaling, out, *, bi
     shape arithmetic needs are checked here (the C entry checks every tensor
     and names it); an empty product goes through :func:`gemm`.  Returns
     ``out``."""
-    # (the checks cost nothing on the happy path: the exceptions say what was wrong)
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        _fp8_gemm_nt_refusal(a, a_scaling, b, b_scaling)
+    # (the other checks cost nothing on the happy path: the exceptions say what was wrong)
     try:
         a_code, b_code = _OPERAND_SCALING[a_scaling], _OPERAND_SCALING[b_scaling]
         m, k = a.shape

@@ -140,6 +140,9 @@ def cast_transpose_fp8(x, scale, amax, fp8_dtype, *, out=None, out_t=None, scale
             raise TypeError(f"{op}: argument '{name}' must have dtype {fp8_dtype}, got {t.dtype}")
     scale = _check_scalar(op, "scale", scale, x.device)
     if dbias:
+        if dbias_dtype not in SUM_DTYPES:  # (before the cast: it writes the outputs and folds the amax)
+            raise TypeError(f"{op}: argument 'dbias_dtype' must be torch.float32, torch.bfloat16 or "
+                            f"torch.float16, got {dbias_dtype}")
         sums = torch.empty((m + 127) // 128, k, dtype=torch.float32, device=x.device)
         _C.cast_fp8_dbias(x, scale, amax, out if rowwise else None, out_t, scale_inv, sums, stream_for(x))
         return (out if rowwise else None), out_t, column_sums(sums, dbias_dtype)
