@@ -253,13 +253,13 @@ def test_tiny_run_writes_metadata_and_skips_te_with_its_reason(tmp_path):
 def test_hfao_rows_are_skipped_with_the_reason_where_torchao_does_not_import(tmp_path, monkeypatch, capsys):
     """Where torchao.float8 does not import, the hfao rows are kept in the
     table as skipped, with the import's reason, and the others still run (the
-    failed import is played by peers.meta's import cache: a stand-in package
+    failed import is played by the bench's skip_reason: a stand-in package
     cannot do it, since transformers imports torchao itself where it is
     installed)."""
-    from peers import meta
-
     why = "torchao.float8 not importable here: ImportError: withheld by the test"
-    monkeypatch.setitem(meta._IMPORTS, bench_esm2.AO_NEEDS, (None, why))
+    real = bench_esm2.skip_reason
+    monkeypatch.setattr(bench_esm2, "skip_reason",
+                        lambda name, need_cuda=True: why if name == bench_esm2.AO_NEEDS else real(name, need_cuda))
     out = tmp_path / "esm2_noao"
     bench_esm2.main(["--size", "tiny", "--device", "cpu", "--steps", "1", "--tokens", "1024", "--max-length", "128",
                      "--warm-passes", "0", "--out", str(out),
