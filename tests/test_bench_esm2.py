@@ -172,6 +172,21 @@ def test_ratios_name_the_strongest_peer():
     assert not goals["seqfuse_bf16_padded vs Transformer Engine (te_bf16_packed)"]["pass"]
 
 
+def test_memory_ratio_is_net_of_what_earlier_rows_left():
+    """mem_vs_hf compares peaks net of each row's start_gib (what earlier rows
+    left allocated), as the Mixtral bench does; a row without a start figure
+    counts its raw peak."""
+    hf, sf = _row("hf_bf16_fixed", 50.0, mem=12.0), _row("seqfuse_bf16_fixed", 60.0, mem=13.0)
+    hf["net_peak_mem_gib"], sf["net_peak_mem_gib"] = 12.0, 9.0  # seqfuse started with 4 GiB left over
+    by = {r["row"]: r for r in bench_esm2.add_ratios([hf, sf])}
+    assert by["seqfuse_bf16_fixed"]["mem_vs_hf"] == pytest.approx(0.75)
+    raw = {r["row"]: r for r in bench_esm2.add_ratios([_row("hf_bf16_fixed", 50.0, mem=12.0),
+                                                       _row("seqfuse_bf16_fixed", 60.0, mem=9.0)])}
+    assert raw["seqfuse_bf16_fixed"]["mem_vs_hf"] == pytest.approx(0.75)
+    f = bench_esm2.figures(dict(seconds=1.0, real=10, total=10, flops=1.0, peak=13.0, start_gib=4.0, losses=[1.0]))
+    assert f["start_gib"] == 4.0 and f["net_peak_mem_gib"] == 9.0
+
+
 def test_torchao_rows_are_peers_and_fp8_rows_name_the_strongest():
     """hfao (HF on torchao's float8, compiled) counts among the peers: an FP8
     row's best HF and best peer name it where it is the fastest, and its

@@ -59,7 +59,8 @@ HF rows too), the best peer of any kind (vs_best_peer, naming it among hf,
 hfcompile, hfao and te), TE's row of the same recipe (vs_te) and, for FP8
 rows, the fastest torchao float8 row (vs_ao, naming it), MFU of
 the useful FLOPs (esm2_recipe.metrics.train_flops) against the measured bf16
-ceiling (794 TFLOP/s) and the datasheet (989), peak memory, step time.  HF
+ceiling (794 TFLOP/s) and the datasheet (989), peak memory (with start_gib,
+what earlier rows left allocated; mem_vs_hf compares peaks net of it), step time.  HF
 (eager, compiled, torchao) and TE train bf16 parameters with torch's fused AdamW (bf16 moments); seqfuse
 bf16 parameters with FusedAdamW and fp32 master weights (12 bytes of
 optimizer state per parameter against the peers' 4, counted in the peaks), or with --peer-adamw
@@ -233,6 +234,8 @@ def run_row(impl, recipe_name, warm, timed, args, device, fsdp=None, torch_adamw
     from seqfuse.pytorch import autocast
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    # what earlier rows left allocated (a compiled model's caches, graph pools): this row's peaks include it
+    start_gib = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     recipe = None if recipe_name in TORCHAO_RECIPES else fp8_recipe(recipe_name)  # torchao's: build_model's
     amax_group = None
     if alone and isinstance(recipe, DelayedScaling):  # one rank of a job: no amax all-reduce with the others
@@ -348,7 +351,7 @@ def run_row(impl, recipe_name, warm, timed, args, device, fsdp=None, torch_adamw
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return dict(seconds=dt, real=real, total=total, flops=flops, peak=peak, steady_peak=steady_peak, reserved=reserved,
-                losses=losses,
+                start_gib=start_gib, losses=losses,
                 host_ms=1000.0 * sum(issue) / max(1, len(issue)), profile=prof, warm_s=warm_s, notes=notes,
                 shapes=len({batch_shape(b) for b in timed}))
 
@@ -364,6 +367,12 @@ def _own_amax_group():
     return _AMAX_GROUP[0]
 
 
+def net_peak(row):
+    """A result row's peak allocated GiB net of what earlier rows left
+    allocated (rows without a start figure: the raw peak)."""
+    return row.get("net_peak_mem_gib", row["peak_mem_gib"])
+
+
 def figures(r, world=1):
     return {
         "tokens_per_s": r["total"] / r["seconds"],
@@ -372,6 +381,8 @@ def figures(r, world=1):
         "mfu_measured_pct": 100.0 * r["flops"] / r["seconds"] / (H200_BF16_MEASURED_TFLOPS * 1e12 * world),
         "mfu_datasheet_pct": 100.0 * r["flops"] / r["seconds"] / (H200_BF16_DATASHEET_TFLOPS * 1e12 * world),
         "peak_mem_gib": r["peak"],
+        "start_gib": r.get("start_gib", 0.0),
+        "net_peak_mem_gib": r["peak"] - r.get("start_gib", 0.0),
         "steady_peak_mem_gib": r.get("steady_peak", float("nan")),
         "peak_reserved_gib": r.get("reserved", float("nan")),
         "step_ms": 1000.0 * r["seconds"] / max(1, args_steps(r)),
@@ -429,7 +440,8 @@ def add_ratios(rows):
         mates = [p for p in ok if length_class(p) == c]
         ref = next((p for p in mates if p["row"] == ("hf_bf16_fixed" if c == "fixed" else "hf_bf16_padded")), None)
         r["vs_hf"] = tps(r) / tps(ref) if ref else nan
-        r["mem_vs_hf"] = r["peak_mem_gib"] / ref["peak_mem_gib"] if ref else nan
+        # peaks net of what earlier rows left allocated (start_gib), both sides
+        r["mem_vs_hf"] = net_peak(r) / net_peak(ref) if ref else nan
         fp8 = r["recipe"].startswith("fp8")
         bh = best([p for p in mates if p["impl"] in (HF_IMPLS if fp8 else ("hf", "hfcompile"))])
         r["vs_best_hf"], r["best_hf"] = (tps(r) / tps(bh), bh["row"]) if bh else (nan, "")
@@ -563,7 +575,7 @@ def single(args, device):
         print(f"[esm2 bench] SAMPLE MISMATCH: rows trained on different real tokens: {check}", flush=True)
     cols = ["row", "steps", "unpadded_tokens_per_s", "padding_pct", "vs_hf", "vs_best_hf", "vs_best_peer",
             "best_peer", "vs_te", "te_peer", "vs_ao", "ao_peer", "mfu_measured_pct", "peak_mem_gib",
-            "steady_peak_mem_gib", "peak_reserved_gib", "mem_vs_hf", "step_ms",
+            "start_gib", "steady_peak_mem_gib", "peak_reserved_gib", "mem_vs_hf", "step_ms",
             "host_issue_ms", "warm_s", "final_loss", "note", "error", "skipped"]
     table = Table(args.out, cols)
     for r in results:
