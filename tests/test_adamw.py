@@ -31,6 +31,16 @@ def fill_grads(params, step, gen_device="cpu"):
         p.grad = (torch.randn(p.shape, generator=g) * 0.1).to(device=p.device, dtype=p.dtype)
 
 
+def step_both(ours, params, theirs, ref, steps, first=0):
+    """``steps`` updates of both optimizers, each on the same gradients
+    (fill_grads of steps first, first + 1, ...)."""
+    for step in range(first, first + steps):
+        fill_grads(params, step)
+        fill_grads(ref, step)
+        ours.step()
+        theirs.step()
+
+
 def max_rel(a, b):
     a, b = a.double(), b.double()
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
@@ -42,11 +52,7 @@ def test_fp32_matches_torch_adamw_20_steps(device, seed):
     ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
     ours = FusedAdamW(params, **HYPER)
     theirs = torch.optim.AdamW(ref, foreach=False, **HYPER)
-    for step in range(20):
-        fill_grads(params, step)
-        fill_grads(ref, step)
-        ours.step()
-        theirs.step()
+    step_both(ours, params, theirs, ref, 20)
     for p, r in zip(params, ref):
         assert max_rel(p.detach(), r.detach()) < 1e-5
         st, rt = ours.state[p], theirs.state[r]
@@ -169,20 +175,13 @@ def test_bf16_moments_make_torch_fused_adamws_update(seed):
     ours = FusedAdamW(params, master_weights=False, exp_avg_dtype=torch.bfloat16,
                       exp_avg_sq_dtype=torch.bfloat16, **HYPER)
     theirs = torch.optim.AdamW(ref, fused=True, **HYPER)
-    for step in range(3):
-        fill_grads(params, step)
-        fill_grads(ref, step)
-        ours.step()
-        theirs.step()
+    step_both(ours, params, theirs, ref, 3)
     with torch.no_grad():
         for p, r in zip(params, ref):
             p.copy_(r)
             for key in ("exp_avg", "exp_avg_sq"):
                 ours.state[p][key].copy_(theirs.state[r][key])
-    fill_grads(params, 3)
-    fill_grads(ref, 3)
-    ours.step()
-    theirs.step()
+    step_both(ours, params, theirs, ref, 1, first=3)
     ulp = 2.0 ** -7
     for p, r in zip(params, ref):
         a, b = p.detach().float(), r.detach().float()
@@ -396,11 +395,7 @@ def test_many_tensors_cross_launch_boundaries(seed):
     params = make_params(torch.float32, shapes=[(i % 5 + 1,) for i in range(150)])
     ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
     ours, theirs = FusedAdamW(params, **HYPER), torch.optim.AdamW(ref, foreach=False, **HYPER)
-    for step in range(3):
-        fill_grads(params, step)
-        fill_grads(ref, step)
-        ours.step()
-        theirs.step()
+    step_both(ours, params, theirs, ref, 3)
     assert all(max_rel(p.detach(), r.detach()) < 1e-5 for p, r in zip(params, ref))
 
 

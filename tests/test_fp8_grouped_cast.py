@@ -9,6 +9,7 @@ give; the module against its per-expert path (the same values, one cast
 call per operand instead of one per expert)."""
 import logging
 
+import numpy as np
 import pytest
 import torch
 
@@ -654,3 +655,9 @@ def test_fp8_gemm_nt_names_a_bad_scaling():
         fp8_gemm_nt(a, torch.ones(1), "bogus", a, torch.ones(1), None, torch.empty(16, 16))
     with pytest.raises(TypeError, match="'a' and 'b' must be torch.Tensors"):
         fp8_gemm_nt([a], torch.ones(1), None, a, torch.ones(1), None, torch.empty(16, 16))
+    with pytest.raises(TypeError, match="'a' and 'b' must be torch.Tensors"):  # a 2-D non-tensor operand
+        fp8_gemm_nt(a, torch.ones(1), None, np.zeros((16, 16)), torch.ones(1), None, torch.empty(16, 16))
+    with pytest.raises(ValueError, match="'b_scaling' must be one of"):  # unhashable: not a KeyError
+        fp8_gemm_nt(a, torch.ones(1), None, a, torch.ones(1), ["tensor"], torch.empty(16, 16))
+    with pytest.raises(ValueError, match=r"'a' and 'b' must be 2-D, got 3-D and 2-D"):
+        fp8_gemm_nt(a.view(1, 16, 16), torch.ones(1), None, a, torch.ones(1), None, torch.empty(16, 16))

@@ -126,6 +126,26 @@ def _swiglu_grads(da, h, probs, need_dprobs):
     return moe_ops.swiglu_backward(da if da.dtype == h.dtype else da.to(h.dtype), h, probs, need_dprobs)
 
 
+def _swiglu_operand(ctx, h, probs, dtype, need_grad):
+    """A down projection's GEMM input from gate|up pairs ``h`` and row scales
+    ``probs``, and what its backward keeps: returns (input in ``dtype``,
+    kept tensor, kept probs).  Where a gradient flows to h or probs
+    (``need_grad``) the SwiGLU's backward reads them, so they are kept and
+    the input is not (_weight_grad_input makes it again); else the input is
+    kept, being half h's size.  Sets ctx.swiglu (whether the backward runs
+    the SwiGLU's backward)."""
+    h, probs = moe_ops.dense(h.detach()), probs.detach()
+    a = moe_ops.dense(_swiglu_input(h, probs, dtype))
+    ctx.swiglu = need_grad
+    return (a, h, probs) if need_grad else (a, a, None)
+
+
+def _weight_grad_input(ctx, kept, probs, dtype):
+    """The weight gradient's input: the kept tensor, or (ctx.swiglu) the
+    SwiGLU output made again from the kept gate|up pairs and probs."""
+    return moe_ops.dense(_swiglu_input(kept, probs, dtype)) if ctx.swiglu else kept
+
+
 #: GroupedLinearFunction's arguments before the weights and biases.
 _HOST_ARGS = 7
 
@@ -151,14 +171,12 @@ class GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, probs, m_splits, dtype, G, use_bias, allow_tf32, *params):
         weights, biases = params[:G], params[G:] if use_bias else None
-        ctx.swiglu = False  # whether the backward runs the SwiGLU's backward (and makes its output again)
         if probs is None:
+            ctx.swiglu = False
             xc = kept = (x if x.dtype == dtype else x.to(dtype)).detach()
         else:
-            h, probs = moe_ops.dense(x.detach()), probs.detach()
-            xc = _swiglu_input(h, probs, dtype)
-            ctx.swiglu = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-            kept, probs = (h, probs) if ctx.swiglu else (xc, None)
+            need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+            xc, kept, probs = _swiglu_operand(ctx, x, probs, dtype, need_grad)
         wc = [(w if w.dtype == dtype else w.to(dtype)).detach() for w in weights]
         bc = None
         if use_bias:
@@ -187,8 +205,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         dws = [None] * G
         dbs = [None] * G if ctx.use_bias else []
         if need_dw or need_db:
-            # the SwiGLU output made again from the saved gate|up pairs (not kept from the forward)
-            xc = _swiglu_input(x, probs, dtype) if ctx.swiglu else x
+            xc = _weight_grad_input(ctx, x, probs, dtype)
             weights = ctx.weights
             mains = [getattr(w, "main_grad", None) for w in weights] if need_dw else [None]
             use_main = need_dw and all(m is not None for m in mains)
@@ -267,14 +284,11 @@ class DeviceSplitGroupedLinearFunction(torch.autograd.Function):
     def forward(ctx, x, probs, offsets, fp8, stacked, *weights):
         bf16 = torch.bfloat16
         need_dx = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        ctx.swiglu = False  # whether the backward runs the SwiGLU's backward (and makes its output again)
         if probs is None:
+            ctx.swiglu = False
             x = kept = moe_ops.dense(x.detach().to(bf16))
         else:
-            h, probs = moe_ops.dense(x.detach()), probs.detach()
-            x = moe_ops.dense(_swiglu_input(h, probs, bf16))
-            ctx.swiglu = need_dx
-            kept, probs = (h, probs) if ctx.swiglu else (x, None)
+            x, kept, probs = _swiglu_operand(ctx, x, probs, bf16, need_dx)
         ctx.transposed = ctx.on_transpose_cast = None
         ctx.restack = False
         saved = ()
@@ -334,8 +348,7 @@ class DeviceSplitGroupedLinearFunction(torch.autograd.Function):
                 dx, dprobs = _swiglu_grads(dx, x, probs, ctx.needs_input_grad[1])
         dstacked, dws = None, [None] * len(weights)
         if ctx.needs_input_grad[4] or any(ctx.needs_input_grad[5:]):
-            # the SwiGLU output made again from the saved gate|up pairs (not kept from the forward)
-            a = moe_ops.dense(_swiglu_input(x, probs, torch.bfloat16)) if ctx.swiglu else x
+            a = _weight_grad_input(ctx, x, probs, torch.bfloat16)
             dw = moe_ops.grouped_gemm_device(dy, a, offsets, transa=True)
             del a
             if not weights:

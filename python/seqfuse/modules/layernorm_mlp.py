@@ -144,18 +144,19 @@ class _LayerNormMLPFn(torch.autograd.Function):
             else:
                 x2, lnw, lnb, mean, rstd, ln, h, a, w1c, w2c = ctx.saved_tensors
             dw2, db2 = _wgrad(dout2, a, b2_dt, mg2)
-            if activation == "gelu":  # GELU' (and FC1's bias gradient) in the dgrad epilogue
+            gelu = activation == "gelu"
+            if gelu:  # GELU' (and FC1's bias gradient) in the dgrad epilogue
                 if b1_dt is not None:
                     dh, db1 = ops.gemm(dout2, w2c, aux=h, epilogue="dgelu_bgrad")
                 else:
                     dh = ops.gemm(dout2, w2c, aux=h, epilogue="dgelu")
-                dln = ops.gemm(dh, w1c)
-                dw1, _ = _wgrad(dh, norm_output(ln, x2, lnw, lnb, ctx.eps, rms, zc), None, mg1)
             else:
-                da = ops.gemm(dout2, w2c)
-                dh = A.act_backward(da, h, activation)
-                dln = ops.gemm(dh, w1c)
-                dw1, db1 = _wgrad(dh, norm_output(ln, x2, lnw, lnb, ctx.eps, rms, zc), b1_dt, mg1)
+                dh = A.act_backward(ops.gemm(dout2, w2c), h, activation)
+            dln = ops.gemm(dh, w1c)
+            # FC1's bias gradient from its weight GEMM where GELU's dgrad epilogue did not give it
+            dw1, db1_w = _wgrad(dh, norm_output(ln, x2, lnw, lnb, ctx.eps, rms, zc), None if gelu else b1_dt, mg1)
+            if not gelu:
+                db1 = db1_w
         if dln_extra is not None:  # gradient of the returned norm output
             dln = dln + dln_extra.reshape(dln.shape).to(dln.dtype)
         dx, dg, db = norm_backward(dln, x2, mean, rstd, lnw, rms, zc, has_ln_bias)
