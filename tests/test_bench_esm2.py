@@ -114,6 +114,7 @@ def test_split_packed_drops_the_padding_segment(layouts):
                                          ("hf_bf16_unsorted", ("hf", "bf16", "unsorted")),
                                          ("seqfuse_fp8_current_fixed", ("seqfuse", "fp8_current", "fixed")),
                                          ("seqfusegraph_fp8_delayed_fixed", ("seqfusegraph", "fp8_delayed", "fixed")),
+                                         ("seqfusegraph_bf16_packed", ("seqfusegraph", "bf16", "packed")),
                                          ("hfao_fp8_tensorwise_padded", ("hfao", "fp8_tensorwise", "padded")),
                                          ("hfao_fp8_rowwise_fixed", ("hfao", "fp8_rowwise", "fixed"))])
 def test_parse_row_accepts(name, parsed):
@@ -123,7 +124,7 @@ def test_parse_row_accepts(name, parsed):
 @pytest.mark.parametrize("name,match", [("hf_fp8_delayed_padded", "Hugging Face runs bf16"),
                                         ("hfcompile_bf16_packed", "takes no packed batches"),
                                         ("apex_bf16_packed", "expected"), ("te_bf16_sorted", "expected"),
-                                        ("seqfusegraph_bf16_packed", "graphed layers take one batch shape"),
+                                        ("seqfusegraph_bf16_padded", "graphed layers take fixed or packed"),
                                         ("seqfuse_fp8_foo_packed", "unknown recipe 'fp8_foo'"),
                                         # torchao's recipes with hfao only, seqfuse's / TE's never with hfao
                                         ("hfao_bf16_padded", "hfao rows run torchao's float8"),
@@ -393,3 +394,18 @@ def test_hfao_row_runs_torchao_float8_compiled_on_the_cpu(layouts):
     assert "from_recipe_name('tensorwise')" in r["notes"]["torchao"] and r["notes"]["dynamo_graphs_so_far"] >= 1
     assert r["real"] == int(timed[0]["num_tokens"]) and r["seconds"] > 0
     assert r["losses"][0] == pytest.approx(ref, rel=0.02)
+
+
+def test_packed_graph_bounds_cover_every_batch(layouts):
+    """graph_packed_layers' bounds from the bench's packed batches: the token
+    budget, max_length, and enough sequences (a multiple of 8) for every
+    batch once padded to the budget."""
+    from seqfuse.hf.layer_graphs import PackedLayout
+
+    batches = layouts["packed"][0] + layouts["packed"][1]
+    tokens, seqs, longest = bench_esm2.packed_graph_bounds(batches, TOKENS, 256)
+    assert (tokens, longest) == (TOKENS, 256) and seqs % 8 == 0
+    layout = PackedLayout("t", tokens, seqs, longest)
+    for b in batches:
+        assert layout.misfit(b["input_ids"].numel(), b["cu_seqlens"].numel() - 1, int(b["max_seqlen"])) is None
+    assert layout.misfit(TOKENS, seqs + 1, 256) is not None

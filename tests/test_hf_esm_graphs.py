@@ -1,11 +1,14 @@
-"""SeqfuseEsmModel.graph_layers: the encoder layers captured as CUDA graphs
-for one fixed unpadded batch shape.  The checks: the preconditions refuse
-with the argument and the rule (CPU), and on CUDA the graphed model gives
+"""SeqfuseEsmModel.graph_layers and graph_packed_layers: the encoder layers
+captured as CUDA graphs for one fixed unpadded batch shape, or for packed
+batches within bounds (padded to them on the device).  The checks: the
+preconditions refuse with the argument and the rule (CPU); the packed
+layout's padding gives the unpadded call's loss and gradients (CPU, the
+layers run uncaptured in the padded form); on CUDA the graphed model gives
 the eager model's losses and gradients over several training steps with
 optimizer updates in between (bf16 and FP8 delayed, whose amax history and
-scale update run inside the graphs), calls of another shape or with
-padding run eagerly and say so once, and a recipe other than the captured
-one is refused."""
+scale update run inside the graphs), calls of another shape, with padding
+or beyond the packed bounds run eagerly and say so once, and a recipe other
+than the captured one is refused."""
 import copy
 import logging
 
@@ -14,6 +17,8 @@ import torch
 
 from seqfuse.common.recipe import DelayedScaling, Float8CurrentScaling
 from seqfuse.hf import SeqfuseEsmConfig, SeqfuseEsmForMaskedLM
+from seqfuse.hf.esm import _PackedLayer
+from seqfuse.hf.layer_graphs import PackedLayout
 from seqfuse.optim import FusedAdamW
 import seqfuse.pytorch as te
 
@@ -52,7 +57,7 @@ def test_graph_layers_refuses_without_cuda_and_with_dropout():
             model.esm.graph_layers(2, 64)
 
 
-def real_batch(b, s, seed):
+def real_batch(b, s, seed, device="cuda"):
     """Protein tokens (the ESM vocabulary's amino-acid ids 4..23) with 15 %
     masked-LM labels: the graphs do not care about the data's source, the
     loss only needs a stable masked-LM objective."""
@@ -62,7 +67,7 @@ def real_batch(b, s, seed):
     pick = torch.rand((b, s), generator=g) < 0.15
     labels[pick] = ids[pick]
     ids[pick] = 32
-    return ids.cuda(), labels.cuda()
+    return ids.to(device), labels.to(device)
 
 
 def train(model, batches, recipe):
@@ -100,3 +105,100 @@ def test_cuda_graphed_layers_other_shapes_run_eagerly_and_say_so(caplog):
     with pytest.raises(ValueError, match="graphed with fp8_recipe=None but this call runs under"):
         with te.autocast(enabled=True, recipe=Float8CurrentScaling()):
             model(input_ids=ids, labels=labels)
+
+
+def test_packed_layout_bounds_and_padding():
+    """misfit names the bound a call breaks; pad appends zero rows as
+    padding sequences of at most 128 tokens, then zero-length sequences;
+    the capture's sample has unequal lengths within the bounds."""
+    layout = PackedLayout("M.graph_packed_layers", 1000, 12, 300)
+    assert layout.misfit(1000, 4, 300) is None
+    assert "packed call of 1001 tokens, graphed for at most 1000" in layout.misfit(1001, 4, 300)
+    assert "max_seqlen 301, graphed for at most 300" in layout.misfit(900, 4, 301)
+    assert layout.misfit(700, 9, 100) is None  # 300 padding rows: 3 sequences, 12 in all
+    assert "10 sequences (+3 padding sequences for its 700 tokens), graphed for at most 12" in \
+        layout.misfit(700, 10, 100)
+    x = torch.randn(700, 4)
+    cu = torch.tensor([0, 100, 350, 700], dtype=torch.int32)
+    xp, cup = layout.pad(x, cu)
+    assert xp.shape == (1000, 4) and torch.equal(xp[:700], x) and not xp[700:].any()
+    assert cup.tolist() == [0, 100, 350, 700, 828, 956, 1000] + [1000] * 6
+    lengths = layout.sample_lengths()
+    assert sum(lengths) == 1000 and max(lengths) <= 300 and len(set(lengths)) > 1
+    assert layout.sample_cu_seqlens("cpu").tolist() == [0, 299, 599, 899, 1000] + [1000] * 8
+    with pytest.raises(ValueError, match="argument 'max_sequences' \\(3\\) must be at least 4"):
+        PackedLayout("M.graph_packed_layers", 1000, 3, 300)
+    with pytest.raises(ValueError, match="M.graph_packed_layers: argument 'max_seqlen' must be a positive int"):
+        PackedLayout("M.graph_packed_layers", 1000, 3, 0)
+
+
+def packed_batch(lengths, seed, device="cpu"):
+    """Protein-token sequences of ``lengths`` packed, 15 % masked-LM labels."""
+    ids, labels = real_batch(1, sum(lengths), seed, device)
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return dict(input_ids=ids.reshape(-1), labels=labels.reshape(-1), cu_seqlens=cu.to(ids.device),
+                max_seqlen=max(lengths))
+
+
+def test_packed_padding_gives_the_unpadded_loss_and_gradients():
+    """The packed graphs' computation, run uncaptured: every call padded to
+    the layout (zero rows, padding and zero-length sequences, the max_seqlen
+    bound) gives the eager call's loss and gradients (float32, CPU)."""
+    torch.manual_seed(0)
+    eager = SeqfuseEsmForMaskedLM(small_config()).train()
+    padded = copy.deepcopy(eager)
+    layout = PackedLayout("test", 160, 10, 64)
+    padded.esm._layer_graphs.set(layout.key(), None, [_PackedLayer(layer, 64) for layer in
+                                                     padded.esm.encoder.layers], packed=layout)
+    for lengths, seed in (([40, 17, 64, 3], 1), ([64, 64], 2), ([5] * 8, 3)):
+        batch = packed_batch(lengths, seed)
+        le, ge = train_steps(eager, torch.optim.SGD(eager.parameters(), lr=0), [batch])
+        lp, gp = train_steps(padded, torch.optim.SGD(padded.parameters(), lr=0), [batch])
+        assert abs(le[0] - lp[0]) <= 1e-5 * abs(le[0])
+        for n in ge:
+            torch.testing.assert_close(gp[n], ge[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_packed_graphs_serve_only_calls_within_bounds(caplog):
+    """Packed graphs (stand-ins counting calls) replay for a packed training
+    call within the bounds and not for one beyond any bound, a bshd call or
+    output_hidden_states, each reason said once."""
+    model = SeqfuseEsmForMaskedLM(small_config()).train()
+    layout = PackedLayout("test", 64, 6, 32)
+    seen = []
+    model.esm._layer_graphs.set(layout.key(), None, [lambda x, freqs, cu: seen.append(
+        (x.shape[0], freqs.shape[0], cu.tolist())) or x] * 3, packed=layout)
+    model(**packed_batch([20, 30], 1))
+    assert seen == [(64, 32, [0, 20, 50, 64, 64, 64, 64])] * 3
+    with caplog.at_level(logging.WARNING):
+        model(**packed_batch([40, 30], 2))
+        model(**packed_batch([33, 3], 3))
+        model(**packed_batch([2] * 6, 4))
+        model(**packed_batch([20], 5), output_hidden_states=True)
+        model(input_ids=torch.randint(4, 16, (2, 8)))
+    assert len(seen) == 3
+    said = " | ".join(r.getMessage() for r in caplog.records)
+    for reason in ("packed call of 70 tokens, graphed for at most 64", "max_seqlen 33, graphed for at most 32",
+                   "packed call of 6 sequences (+2 padding sequences for its 12 tokens), graphed for at most 6",
+                   "output_hidden_states", "input_ids (2, 8), graphed for ('thd', 64, 6, 32)"):
+        assert reason in said
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("recipe", [None, DelayedScaling()], ids=["bf16", "fp8_delayed"])
+def test_cuda_graphed_packed_layers_train_as_eager(recipe, caplog):
+    """Packed batches of other token counts, sequence counts and longest
+    lengths replay one set of graphs and train as the eager model does."""
+    torch.manual_seed(0)
+    eager = SeqfuseEsmForMaskedLM(small_config()).cuda().to(torch.bfloat16).train()
+    graphed = copy.deepcopy(eager)
+    graphed.esm.graph_packed_layers(512, 16, 128, fp8_recipe=recipe)
+    batches = [packed_batch(lengths, seed, "cuda") for seed, lengths in enumerate(
+        ([128, 100, 77, 128, 64], [33] * 12 + [96], [128] * 4, [1, 127, 125, 3, 90, 80, 16]))]
+    le, ge = train_steps(eager, FusedAdamW([p for p in eager.parameters() if p.requires_grad], lr=1e-3), batches,
+                         recipe)
+    with caplog.at_level(logging.WARNING):
+        lg, gg = train_steps(graphed, FusedAdamW([p for p in graphed.parameters() if p.requires_grad], lr=1e-3),
+                             batches, recipe)
+    assert "graphed layers not used" not in caplog.text
+    assert_same_training((le, ge), (lg, gg))

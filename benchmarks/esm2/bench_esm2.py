@@ -25,7 +25,10 @@ peer a user would compare with:
                 UnfusedDotProductAttention fallback);
   seqfuse_*     seqfuse's ESM-2, bf16 or FP8 (delayed / current / block).
   seqfusegraph_* the same with every encoder layer run as CUDA graphs
-                (SeqfuseEsmModel.graph_layers; fixed layout only).
+                (fixed: SeqfuseEsmModel.graph_layers for the one batch
+                shape; packed: graph_packed_layers for --tokens tokens,
+                max_length, and the most sequences any timed batch needs
+                rounded up to 8, every batch padded to them on the device).
 
 Row names: <impl>_<recipe>_<layout>; recipes bf16, fp8_delayed, fp8_current,
 fp8_block (seqfuse and te; hf and hfcompile bf16 only) and fp8_tensorwise,
@@ -107,7 +110,7 @@ RECIPES = RECIPE_NAMES
 TORCHAO_RECIPES = {"fp8_tensorwise": "tensorwise", "fp8_rowwise": "rowwise"}
 DEFAULT_ROWS = ["hf_bf16_padded", "hfcompile_bf16_padded", "hfao_fp8_tensorwise_padded", "te_bf16_packed",
                 "te_fp8_delayed_packed", "seqfuse_bf16_packed", "seqfuse_fp8_delayed_packed",
-                "seqfuse_fp8_block_packed"]
+                "seqfuse_fp8_block_packed", "seqfusegraph_bf16_packed", "seqfusegraph_fp8_delayed_packed"]
 FIXED_ROWS = ["hf_bf16_fixed", "hfcompile_bf16_fixed", "hfao_fp8_tensorwise_fixed", "te_bf16_fixed",
               "te_fp8_delayed_fixed", "seqfuse_bf16_fixed", "seqfuse_fp8_delayed_fixed", "seqfuse_fp8_block_fixed",
               "seqfusegraph_bf16_fixed", "seqfusegraph_fp8_delayed_fixed", "seqfusegraph_fp8_block_fixed"]
@@ -141,9 +144,24 @@ def parse_row(name):
     if impl in HF_IMPLS and layout == "packed":
         raise ValueError(f"row {name!r}: Hugging Face runs padded, unsorted or fixed batches only "
                          f"(EsmForMaskedLM takes no packed batches)")
-    if impl == "seqfusegraph" and layout != "fixed":
-        raise ValueError(f"row {name!r}: graphed layers take one batch shape: the fixed layout only")
+    if impl == "seqfusegraph" and layout not in ("fixed", "packed"):
+        raise ValueError(f"row {name!r}: graphed layers take fixed or packed batches (padded batches change "
+                         f"their shape every step)")
     return impl, recipe, layout
+
+
+def packed_graph_bounds(batches, tokens, max_length, max_sequences=None):
+    """graph_packed_layers' (tokens, max_sequences, max_seqlen) for these
+    packed batches: the token budget, ``max_sequences`` or else the most
+    sequences a batch needs once padded to it (its own and its padding
+    sequences) rounded up to 8, and max_length."""
+    from seqfuse.hf.layer_graphs import PackedLayout
+
+    probe = PackedLayout("bench", tokens, tokens, max_length)
+    if max_sequences is None:
+        need = max(b["cu_seqlens"].numel() - 1 + probe.padding_sequences(b["input_ids"].numel()) for b in batches)
+        max_sequences = -(-need // 8) * 8
+    return tokens, max(max_sequences, len(probe.sample_lengths())), max_length
 
 
 def compile_hf(model, scope, dynamic):
@@ -294,10 +312,17 @@ def run_row(impl, recipe_name, warm, timed, args, device, fsdp=None, torch_adamw
         eager = [first[i % len(first)] for i in range(getattr(args, "eager_before_graphs", 0))]
         for b in eager:  # training steps before the capture (FP8 delayed: the amax history the graphs need)
             step(b)
-        shape = tuple(first[0]["input_ids"].shape)
-        model.esm.graph_layers(*shape, fp8_recipe=recipe)
-        notes["graphs"] = (f"encoder layers graphed for input_ids {shape} (SeqfuseEsmModel.graph_layers)"
-                           + (f" after {len(eager)} eager training steps" if eager else ""))
+        if layout == "packed":
+            bounds = packed_graph_bounds(list(warm) + list(timed), args.tokens, args.max_length,
+                                         getattr(args, "graph_max_sequences", None))
+            model.esm.graph_packed_layers(*bounds, fp8_recipe=recipe)
+            notes["graphs"] = ("encoder layers graphed for packed batches of at most (tokens, sequences, "
+                               f"max_seqlen) {bounds} (SeqfuseEsmModel.graph_packed_layers)")
+        else:
+            shape = tuple(first[0]["input_ids"].shape)
+            model.esm.graph_layers(*shape, fp8_recipe=recipe)
+            notes["graphs"] = f"encoder layers graphed for input_ids {shape} (SeqfuseEsmModel.graph_layers)"
+        notes["graphs"] += f" after {len(eager)} eager training steps" if eager else ""
     cfg = seqfuse_config(args.size)
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -611,6 +636,8 @@ def check_goals(rows):
 
     goal("packed FP8 delayed vs length-grouped HF, real lengths", "seqfuse_fp8_delayed_packed", 3.0, "vs_hf")
     goal("packed FP8 block vs length-grouped HF, real lengths", "seqfuse_fp8_block_packed", 3.0, "vs_hf")
+    goal("packed FP8 delayed graphed vs length-grouped HF, real lengths", "seqfusegraph_fp8_delayed_packed", 3.0,
+         "vs_hf")
     # best HF: eager or compiled bf16; for FP8 rows also torchao's float8 HF rows (add_ratios)
     goal("bf16 vs best HF (eager or compiled), all 1024", "seqfuse_bf16_fixed", 1.3, "vs_best_hf")
     goal(f"FP8 delayed vs best HF ({FP8_HF}), all 1024", "seqfuse_fp8_delayed_fixed", 1.7, "vs_best_hf")
@@ -883,6 +910,9 @@ def main(argv=None):
                    help="seqfusegraph rows: N eager training steps (on the warm-up batches) before the layers "
                         "are graphed; under FP8 delayed scaling 2 give every FP8 tensor an amax history, so no "
                         "step runs eagerly beside the graphs' memory pool")
+    p.add_argument("--graph-max-sequences", type=int, default=None, metavar="N",
+                   help="seqfusegraph packed rows: graph_packed_layers' max_sequences (default: the most any "
+                        "batch needs, rounded up to 8)")
     p.add_argument("--profile-configs", default="default,best",
                    help="which --configs to profile (comma list; 'best': also the best-scaling one, re-run)")
     p.add_argument("--out", default="esm2")

@@ -23,12 +23,15 @@ packed ``input_ids`` [t] / [1, t] with ``cu_seqlens`` (int32 [n+1]) and
 FP8 recipe the layers' GEMMs run in FP8; the vocabulary projection (33 rows,
 not FP8-aligned) stays in the model's dtype.
 
-Graphed layers (``graph_layers``): for training at one fixed unpadded
-batch shape (b, s), each encoder layer's forward and backward can be
-captured as CUDA graphs (seqfuse.pytorch.make_graphed_callables), which
-removes the layers' host work from the step; calls of any other shape,
-masked or packed calls, and eval run the layers eagerly (logged once per
-reason).
+Graphed layers: each encoder layer's forward and backward can be captured
+as CUDA graphs (seqfuse.pytorch.make_graphed_callables), which removes the
+layers' host work from the step, either for training at one fixed unpadded
+batch shape (b, s) (``graph_layers``) or for packed training batches within
+bounds on their tokens, sequences and longest sequence
+(``graph_packed_layers``: each batch is padded to the bounds on the device,
+layer_graphs.PackedLayout).  Calls the graphs do not serve (another shape,
+masked calls, packed calls beyond the bounds, eval) run the layers eagerly
+(logged once per reason).
 
 Contact prediction needs attention probabilities, which the fused attention
 never forms: ``predict_contacts`` raises and says to convert to HF.
@@ -51,7 +54,7 @@ from ..quantization.recompute import checkpoint
 from ..modules.transformer_layer import TransformerLayer
 from ..ops import device_checks
 from .esm_config import SeqfuseEsmConfig
-from .layer_graphs import LayerGraphs, check_graphable, eager_reason
+from .layer_graphs import LayerGraphs, PackedLayout, check_graphable, eager_reason
 from .pretrained import SeqfusePreTrainedModel, default_device, init_by_name, register_auto
 
 logger = logging.getLogger(__name__)
@@ -137,6 +140,22 @@ class _UnmaskedLayer(nn.Module):
 
     def forward(self, x, freqs):
         return self.layer(x, rotary_pos_emb=freqs, self_attn_mask_type="no_mask", qkv_format="bshd")
+
+
+class _PackedLayer(nn.Module):
+    """One encoder layer called on a packed thd batch with its inputs
+    positional (hidden states [t, hidden], rotary frequencies, cu_seqlens)
+    and ``max_seqlen`` fixed: a bound, not the batch's longest sequence (the
+    form graph_packed_layers captures).  Not registered, as _UnmaskedLayer."""
+
+    def __init__(self, layer, max_seqlen):
+        super().__init__()
+        self.layer, self.max_seqlen = layer, max_seqlen
+
+    def forward(self, x, freqs, cu_seqlens):
+        m = self.max_seqlen
+        return self.layer(x, rotary_pos_emb=freqs, cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                          max_seqlen_q=m, max_seqlen_kv=m, qkv_format="thd", self_attn_mask_type="padding")
 
 
 class SeqfuseEsmContactPredictionHead(nn.Module):
@@ -243,11 +262,9 @@ class SeqfuseEsmModel(SeqfuseEsmPreTrainedModel):
         one device (not FSDP-sharded).  The layers' weights stay the same
         Parameters: optimizer steps are seen by the next replay."""
         cfg = self.config
-        dropout = (f"hidden_dropout_prob={cfg.hidden_dropout_prob}, "
-                   f"attention_probs_dropout_prob={cfg.attention_probs_dropout_prob}"
-                   if cfg.hidden_dropout_prob or cfg.attention_probs_dropout_prob else None)
-        check_graphable("SeqfuseEsmModel", self.embeddings.word_embeddings.weight.device.type == "cuda", dropout,
-                        self.activation_checkpointing, self.training, batch_size, seq_len)
+        check_graphable("SeqfuseEsmModel", self.embeddings.word_embeddings.weight.device.type == "cuda",
+                        self._dropout_settings(),
+                        self.activation_checkpointing, self.training, batch_size=batch_size, seq_len=seq_len)
         w = self.embeddings.word_embeddings.weight
         x = torch.randn(batch_size, seq_len, cfg.hidden_size, device=w.device, dtype=w.dtype, requires_grad=True)
         freqs = self.rotary_embeddings(seq_len)
@@ -258,11 +275,52 @@ class SeqfuseEsmModel(SeqfuseEsmPreTrainedModel):
         self._layer_graphs.set((batch_size, seq_len), fp8_recipe, graphed)
         return self
 
-    def _graphs_for(self, input_ids, padded, packed, output_hidden_states):
+    def _dropout_settings(self):
+        """The config's non-zero dropout settings as text, or None."""
+        cfg = self.config
+        if not (cfg.hidden_dropout_prob or cfg.attention_probs_dropout_prob):
+            return None
+        return (f"hidden_dropout_prob={cfg.hidden_dropout_prob}, "
+                f"attention_probs_dropout_prob={cfg.attention_probs_dropout_prob}")
+
+    def graph_packed_layers(self, tokens, max_sequences, max_seqlen, fp8_recipe=None, num_warmup_iters=3):
+        """Capture every encoder layer's forward and backward as CUDA graphs
+        for packed (thd) training batches of at most ``tokens`` tokens in at
+        most ``max_sequences`` sequences, none longer than ``max_seqlen``.
+        Each such call is padded on the device to exactly these bounds
+        (zero rows in padding sequences of at most 128 tokens, counted in
+        ``max_sequences``, then zero-length sequences; layer_graphs.
+        PackedLayout) and replays the graphs; the loss and gradients are the
+        unpadded call's.  The recipe's token budget is ``tokens``; a
+        ``max_sequences`` a little above the most sequences a batch holds
+        keeps the attention grid small.  Calls beyond a bound run eagerly
+        (logged once).  Needs what graph_layers needs; FP8 as there."""
+        check_graphable("SeqfuseEsmModel", self.embeddings.word_embeddings.weight.device.type == "cuda",
+                        self._dropout_settings(), self.activation_checkpointing, self.training,
+                        method="graph_packed_layers", tokens=tokens, max_sequences=max_sequences,
+                        max_seqlen=max_seqlen)
+        layout = PackedLayout("SeqfuseEsmModel.graph_packed_layers", tokens, max_sequences, max_seqlen)
+        w = self.embeddings.word_embeddings.weight
+        x = torch.randn(tokens, self.config.hidden_size, device=w.device, dtype=w.dtype)
+        freqs = self.rotary_embeddings(max_seqlen)
+        cu = layout.sample_cu_seqlens(w.device)
+        layers = tuple(_PackedLayer(layer, max_seqlen) for layer in self.encoder.layers)
+        sample = tuple((x.clone().requires_grad_(True), freqs, cu) for _ in layers)
+        graphed = make_graphed_callables(layers, sample, num_warmup_iters=num_warmup_iters,
+                                         fp8_enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe)
+        self._layer_graphs.set(layout.key(), fp8_recipe, graphed, packed=layout)
+        return self
+
+    def _graphs_for(self, input_ids, padded, packed, output_hidden_states, cu_seqlens=None, max_seqlen=None):
         """The graphed layers when this call may replay them, else None (the
-        reason logged once); ``padded``: the forward's mask read found zeros."""
-        return self._layer_graphs.for_call(self.training, input_ids.shape,
-                                           eager_reason(packed, padded, output_hidden_states))
+        reason logged once); ``padded``: the forward's mask read found zeros.
+        Packed graphs serve packed calls within their layout's bounds."""
+        graphs = self._layer_graphs
+        if packed and graphs.packed is not None:
+            reason = (eager_reason(hidden_states=output_hidden_states)
+                      or graphs.packed.misfit(input_ids.numel(), cu_seqlens.numel() - 1, max_seqlen))
+            return graphs.for_call(self.training, graphs.shape, reason)
+        return graphs.for_call(self.training, input_ids.shape, eager_reason(packed, padded, output_hidden_states))
 
     def get_input_embeddings(self):
         return self.embeddings.word_embeddings
@@ -298,7 +356,16 @@ class SeqfuseEsmModel(SeqfuseEsmPreTrainedModel):
             else:
                 layer_kw = dict(self_attn_mask_type="no_mask", qkv_format="bshd")
         hidden = [] if output_hidden_states else None
-        graphed = self._graphs_for(input_ids, "attention_mask" in layer_kw, packed, output_hidden_states)
+        graphed = self._graphs_for(input_ids, "attention_mask" in layer_kw, packed, output_hidden_states,
+                                   cu_seqlens, max_seqlen)
+        if graphed is not None and packed:
+            layout = self._layer_graphs.packed
+            t = x.shape[0]
+            x, cu = layout.pad(x, cu_seqlens)
+            freqs = self.rotary_embeddings(layout.max_seqlen)
+            for layer in graphed:
+                x = layer(x, freqs, cu)
+            return self._finish(x[:t], hidden, packed, shape, return_dict)
         if graphed is not None:
             for layer in graphed:
                 x = layer(x, freqs)

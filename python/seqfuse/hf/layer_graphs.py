@@ -11,36 +11,133 @@ kernel, which is what a step whose host work outruns its GPU work needs.
 way; ``LayerGraphs`` keeps the captured callables and decides, call by
 call, whether they may replay (the model adds the reasons of its own
 layouts: packed, padded), logging once per reason when they may not.
+
+Packed (thd) batches change their token count, their number of sequences
+and their longest sequence every step; a graph holds one of each.
+``PackedLayout`` makes every packed call within its bounds (at most
+``tokens`` tokens, ``sequences`` sequences, ``max_seqlen`` the longest) the
+one shape the graphs hold, on the device and without a host read: the
+hidden states get zero rows up to ``tokens``, those rows form padding
+sequences of at most PAD_SEGMENT tokens each (so no real token attends to
+them, nor they to one, and their attention costs little), and cu_seqlens
+gets zero-length sequences up to ``sequences``.  The attention and RoPE
+kernels take ``max_seqlen`` as a bound, not as the longest length, so the
+bound replays every batch.  The caller keeps the first rows of the
+layers' output; the padding rows get no gradient from the loss, so the
+weights' gradients are the unpadded call's (up to the GEMMs' rounding at
+another row count).
 """
 import logging
+import math
 
 import torch
 
-__all__ = ["LayerGraphs", "check_graphable"]
+__all__ = ["LayerGraphs", "PackedLayout", "check_graphable"]
+
+#: The longest padding sequence PackedLayout appends (one attention tile: a
+#: padding sequence costs about one tile of work per head).
+PAD_SEGMENT = 128
 
 _log = logging.getLogger("seqfuse")
 
 
-def check_graphable(owner, on_cuda, dropout, checkpointing, training, batch_size, seq_len):
+def check_sizes(where, **sizes):
+    """ValueError naming the first of ``sizes`` (argument name: value) that
+    is not a positive int; ``where`` names the call."""
+    for name, v in sizes.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{where}: argument '{name}' must be a positive int, got {v!r}")
+
+
+def check_graphable(owner, on_cuda, dropout, checkpointing, training, method="graph_layers", **sizes):
     """ValueError / RuntimeError naming the rule a model ``owner`` breaks for
-    graph_layers: its parameters on CUDA (``on_cuda``), ``dropout`` (None,
-    or the model's non-zero dropout settings as text: a graph replays one
-    random mask), activation ``checkpointing`` off, ``training`` mode, and
-    positive int batch_size and seq_len."""
+    its ``method`` (graph_layers, graph_packed_layers): its parameters on
+    CUDA (``on_cuda``), ``dropout`` (None, or the model's non-zero dropout
+    settings as text: a graph replays one random mask), activation
+    ``checkpointing`` off, ``training`` mode, and the ``sizes`` (argument
+    name: value) positive ints."""
+    where = f"{owner}.{method}"
     if not torch.cuda.is_available() or not on_cuda:
-        raise RuntimeError(f"{owner}.graph_layers: CUDA graphs need the model on a CUDA device")
+        raise RuntimeError(f"{where}: CUDA graphs need the model on a CUDA device")
     if dropout:
-        raise ValueError(f"{owner}.graph_layers: dropout must be 0 to graph the layers (a graph replays one "
+        raise ValueError(f"{where}: dropout must be 0 to graph the layers (a graph replays one "
                          f"random mask), got {dropout}")
     if checkpointing:
-        raise ValueError(f"{owner}.graph_layers: activation checkpointing is on; graphed layers keep their "
+        raise ValueError(f"{where}: activation checkpointing is on; graphed layers keep their "
                          "activations in the graphs' memory (turn one of them off)")
-    for name, v in (("batch_size", batch_size), ("seq_len", seq_len)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{owner}.graph_layers: argument '{name}' must be a positive int, got {v!r}")
+    check_sizes(where, **sizes)
     if not training:
-        raise ValueError(f"{owner}.graph_layers: call it in training mode (model.train()); eval calls run "
-                         "eagerly")
+        raise ValueError(f"{where}: call it in training mode (model.train()); eval calls run eagerly")
+
+
+class PackedLayout:
+    """The packed calls one set of graphed layers serves (module note): at
+    most ``tokens`` tokens in at most ``sequences`` sequences (padding
+    sequences included), none longer than ``max_seqlen``.  ``where`` names
+    the method for its refusals."""
+
+    def __init__(self, where, tokens, sequences, max_seqlen):
+        check_sizes(where, tokens=tokens, max_sequences=sequences, max_seqlen=max_seqlen)
+        self.tokens, self.sequences, self.max_seqlen = tokens, sequences, max_seqlen
+        self.pad_segment = min(PAD_SEGMENT, max_seqlen)
+        need = self.sample_lengths()
+        if len(need) > sequences:
+            raise ValueError(f"{where}: argument 'max_sequences' ({sequences}) must be at least {len(need)}: the "
+                             f"capture's sample batch holds {tokens} tokens in sequences of at most max_seqlen "
+                             f"{max_seqlen}, of unequal lengths")
+        self._steps = None  # the padding sequences' ends less the real tokens, on the device (pad)
+
+    def key(self):
+        """What LayerGraphs compares a call's shape with."""
+        return ("thd", self.tokens, self.sequences, self.max_seqlen)
+
+    def padding_sequences(self, tokens):
+        """How many padding sequences a call of ``tokens`` real tokens gets."""
+        return math.ceil((self.tokens - tokens) / self.pad_segment)
+
+    def misfit(self, tokens, sequences, max_seqlen):
+        """Why a packed call of ``tokens`` tokens in ``sequences`` sequences,
+        the longest ``max_seqlen`` (host ints), cannot replay these graphs,
+        or None."""
+        if tokens > self.tokens:
+            return f"packed call of {tokens} tokens, graphed for at most {self.tokens}"
+        if max_seqlen > self.max_seqlen:
+            return f"packed call with max_seqlen {max_seqlen}, graphed for at most {self.max_seqlen}"
+        pads = self.padding_sequences(tokens)
+        if sequences + pads > self.sequences:
+            return (f"packed call of {sequences} sequences (+{pads} padding sequences for its {tokens} tokens), "
+                    f"graphed for at most {self.sequences}")
+        return None
+
+    def sample_lengths(self):
+        """The capture's sample batch: ``tokens`` tokens in sequences of
+        max_seqlen, the first one token shorter (unequal lengths: the
+        attention route of an arbitrary batch, not the one a batch of equal
+        lengths may take)."""
+        lengths, left = [], self.tokens
+        while left:
+            n = min(self.max_seqlen, left) - (not lengths and 1 < self.max_seqlen <= left)
+            lengths.append(n)
+            left -= n
+        return lengths
+
+    def sample_cu_seqlens(self, device):
+        lengths = self.sample_lengths()
+        ends = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        return torch.cat([ends, ends[-1:].expand(self.sequences + 1 - ends.numel())]).to(device)
+
+    def pad(self, x, cu_seqlens):
+        """``x`` [t, ...] with zero rows up to ``tokens``, and ``cu_seqlens``
+        [n + 1] extended to ``sequences`` + 1 entries: the padding rows as
+        sequences of at most pad_segment tokens, then zero-length ones.  A
+        call that fits (``misfit`` None); a few launches, no host read."""
+        t, n = x.shape[0], cu_seqlens.numel() - 1
+        if self._steps is None or self._steps.device != cu_seqlens.device:
+            self._steps = torch.arange(1, self.sequences + 1, dtype=torch.int32,
+                                       device=cu_seqlens.device) * self.pad_segment
+        ends = (self._steps[:self.sequences - n] + t).clamp_(max=self.tokens)
+        x = torch.nn.functional.pad(x, (0,) * (2 * x.dim() - 1) + (self.tokens - t,))
+        return x, torch.cat([cu_seqlens, ends])
 
 
 def eager_reason(packed=False, padded=False, hidden_states=False):
@@ -57,21 +154,22 @@ def eager_reason(packed=False, padded=False, hidden_states=False):
 
 class LayerGraphs:
     """A model's graphed layers: ``set(shape, recipe, graphed)`` after the
-    capture, ``for_call`` at every forward, ``clear()`` where they stop
+    capture (``packed``: the PackedLayout they serve, whose key is then the
+    shape), ``for_call`` at every forward, ``clear()`` where they stop
     applying.  ``log``: the logger that says when a call runs eagerly (the
     model's module logger)."""
 
     def __init__(self, owner, log=_log):
         self.owner, self.log = owner, log
-        self.shape = self.recipe = self.graphed = None
+        self.shape = self.recipe = self.graphed = self.packed = None
         self.skips = set()  # reasons already logged for running the layers eagerly
 
-    def set(self, shape, recipe, graphed):
-        self.shape, self.recipe, self.graphed = tuple(shape), recipe, tuple(graphed)
+    def set(self, shape, recipe, graphed, packed=None):
+        self.shape, self.recipe, self.graphed, self.packed = tuple(shape), recipe, tuple(graphed), packed
         self.skips.clear()
 
     def clear(self):
-        self.shape = self.recipe = self.graphed = None
+        self.shape = self.recipe = self.graphed = self.packed = None
         self.skips.clear()
 
     def for_call(self, training, shape, layout_reason=None, late_reason=None):

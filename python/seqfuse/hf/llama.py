@@ -181,7 +181,7 @@ class DecoderStack:
         w = self.embed_tokens.weight
         dropout = f"attention_dropout={cfg.attention_dropout}" if cfg.attention_dropout else None
         check_graphable(owner, w.device.type == "cuda", dropout, self.activation_checkpointing, self.training,
-                        batch_size, seq_len)
+                        batch_size=batch_size, seq_len=seq_len)
         if getattr(self, "cp_group", None) is not None:
             raise ValueError(f"{owner}.graph_layers: context parallelism is on; its layers exchange keys and "
                              "values per call, outside what the graphs hold")
