@@ -123,9 +123,10 @@ def test_packed_layout_bounds_and_padding():
     xp, cup = layout.pad(x, cu)
     assert xp.shape == (1000, 4) and torch.equal(xp[:700], x) and not xp[700:].any()
     assert cup.tolist() == [0, 100, 350, 700, 828, 956, 1000] + [1000] * 6
-    lengths = layout.sample_lengths()
+    lengths = layout.sample_lengths(1000, 300)
     assert sum(lengths) == 1000 and max(lengths) <= 300 and len(set(lengths)) > 1
     assert layout.sample_cu_seqlens("cpu").tolist() == [0, 299, 599, 899, 1000] + [1000] * 8
+    assert PackedLayout.min_sequences(1000, 300) == 4 and PackedLayout.min_sequences(100, 300) == 1
     with pytest.raises(ValueError, match="argument 'max_sequences' \\(3\\) must be at least 4"):
         PackedLayout("M.graph_packed_layers", 1000, 3, 300)
     with pytest.raises(ValueError, match="M.graph_packed_layers: argument 'max_seqlen' must be a positive int"):

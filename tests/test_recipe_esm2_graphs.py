@@ -2,9 +2,10 @@
 and the fixed-length data it needs (data.fixed_length).
 
 On the CPU: the keys parse with their defaults; every combination the option
-cannot serve is refused with one line naming the keys and the rule (packed
-THD batches, real-length batches, activation checkpointing, the CPU, more
-than one process), before anything is built; fixed-length batches of the
+cannot serve is refused with one line naming the keys and the rule (padded
+real-length batches, activation checkpointing, the CPU, more than one
+process, too few packed sequences), before anything is built; packed runs
+capture for the packed bounds, fixed-length ones for the batch shape; fixed-length batches of the
 real UniProt subset all have one shape and no padding; a batch without
 padding runs without a mask and gives the masked call's loss exactly.
 
@@ -40,12 +41,16 @@ from esm2_recipe import trainer  # noqa: E402
 FIXED = ["data.fixed_length=true", "data.packed=false", "data.max_length=128", "data.micro_batch_tokens=1024",
          "data.val_batches=2", "logging.progress_bar=false", "train.log_interval=1"]
 GRAPHED = FIXED + ["train.cuda_graphs=true", "device=cuda"]
+# packed batches of the committed subset: at most 1024 tokens, sequences of at most 128
+PACKED = ["data.max_length=128", "data.micro_batch_tokens=1024", "data.val_batches=2", "logging.progress_bar=false",
+          "train.log_interval=1"]
 
 
 # ------------------------------------------------------------ config (CPU)
 def test_keys_parse_with_their_defaults():
     cfg = load_config("L0_sanity")
     assert cfg.train.cuda_graphs is False and cfg.data.fixed_length is False
+    assert cfg.train.cuda_graphs_max_sequences is None
     cfg = load_config("L0_sanity", GRAPHED)
     assert cfg.train.cuda_graphs is True and cfg.data.fixed_length is True and cfg.data.packed is False
     cfg = load_config("650M", ["train.cuda_graphs=true", "data.fixed_length=true", "data.packed=false",
@@ -59,15 +64,16 @@ def test_refusals_name_the_keys_and_the_rule():
     with pytest.raises(ConfigError) as e:
         load_config("L0_sanity", ["train.cuda_graphs=true", "train.activation_checkpointing=true", "device=cpu"])
     msg = str(e.value)
-    assert msg.splitlines()[0] == "config L0_sanity: 4 bad keys", msg
-    assert ("train.cuda_graphs=true: needs data.packed=false (packed THD batches change their token count and "
-            "cu_seqlens every step; a CUDA graph replays one batch shape)") in msg
-    assert "train.cuda_graphs=true: needs data.fixed_length=true" in msg
+    assert msg.splitlines()[0] == "config L0_sanity: 2 bad keys", msg
     assert "train.cuda_graphs=true: needs train.activation_checkpointing=false" in msg
     assert "train.cuda_graphs=true: needs a CUDA device, got device='cpu'" in msg
-    # packed alone (fixed-length THD batches still change cu_seqlens' tensor and are refused the same way)
-    with pytest.raises(ConfigError, match=r"1 bad key\n  train.cuda_graphs=true: needs data.packed=false"):
-        load_config("L0_sanity", ["train.cuda_graphs=true", "data.fixed_length=true"])
+    # padded real-length batches: a new shape every step
+    with pytest.raises(ConfigError, match=r"1 bad key\n  train.cuda_graphs=true: needs data.packed=true or "
+                                          r"data.fixed_length=true \(padded real-length batches"):
+        load_config("L0_sanity", ["train.cuda_graphs=true", "data.packed=false"])
+    # packed batches, real-length or fixed-length, and fixed-length padded ones are served
+    for extra in ([], ["data.fixed_length=true"], ["data.fixed_length=true", "data.packed=false"]):
+        load_config("L0_sanity", ["train.cuda_graphs=true", "device=cuda"] + extra)
     # fixed length under FP8 needs whole 16-token multiples, else every batch would be padded
     with pytest.raises(ConfigError, match=r"data.max_length=120: must be a multiple of 16 with "
                                           r"data.fixed_length=true"):
@@ -88,6 +94,13 @@ def test_run_refusals_before_anything_is_built(monkeypatch):
         check_graphs_run(cfg, torch.device("cpu"), 1)
     check_graphs_run(cfg, torch.device("cuda", 0), 1)
     check_graphs_run(load_config("L0_sanity"), torch.device("cpu"), 4)  # the option off: nothing to refuse
+    # packed: the capture's sample batch, 1024 tokens in sequences of at most 128 of unequal lengths, needs 9
+    packed = PACKED + ["train.cuda_graphs=true", "device=cuda"]
+    check_graphs_run(load_config("L0_sanity", packed + ["train.cuda_graphs_max_sequences=9"]), torch.device("cuda"), 1)
+    with pytest.raises(ValueError, match=r"train.cuda_graphs_max_sequences=8: must be at least 9 \(the graphs' "
+                                         r"capture batch holds data.micro_batch_tokens=1024 tokens"):
+        check_graphs_run(load_config("L0_sanity", packed + ["train.cuda_graphs_max_sequences=8"]),
+                         torch.device("cuda"), 1)
     if torch.cuda.is_available():
         return  # device=auto would be CUDA here
 
@@ -118,6 +131,8 @@ def test_the_trainer_captures_after_wrapping_for_the_batch_shape(monkeypatch):
     assert graphs.graphed_batch_shape(cfg) == (8, 128)
     trainer.wrap_model(model, [], "fsdp2", 1, torch.device("cpu"), load_config("L0_sanity", FIXED), log)
     assert len(seen) == 1
+    layout = graphs.packed_layout(load_config("L0_sanity", PACKED + ["train.cuda_graphs=true", "device=cuda"]))
+    assert layout.key() == ("thd", 1024, 16, 128)  # the default: micro_batch_tokens // 64 sequences
 
 
 # ------------------------------------------------------------ fixed-length data (CPU)
@@ -260,6 +275,31 @@ def test_cuda_graphed_recipe_trains_as_eager(precision, monkeypatch, caplog):
     assert _grad_error(eager_grads[0], graph_grads[0]) <= pair_tol(torch.bfloat16)
     # step 6: after five Adam steps from those gradients; FP8 can round a carried difference to the next code
     assert _grad_error(eager_grads[-1], graph_grads[-1]) <= 5 * pair_tol(torch.bfloat16)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision", ["bf16", "fp8_delayed"])
+def test_cuda_graphed_packed_recipe_trains_as_eager(precision, monkeypatch, caplog):
+    """The recipe's default packed batches, graphed: every training batch
+    of real UniProt proteins (its own token count, sequences and longest
+    sequence) replays the graphs padded to their bounds, and the run's
+    losses and gradients are the eager run's."""
+    base = PACKED + PRECISIONS[precision] + ["device=cuda", "train.steps=6", "train.eval_interval=0",
+                                             "train.warmup_steps=2", "precision.amax_history_len=4"]
+    eager_grads, graph_grads = [], []
+    eager = _run(base, monkeypatch, eager_grads)
+    with caplog.at_level(logging.INFO):
+        graphed = _run(base + ["train.cuda_graphs=true"], monkeypatch, graph_grads)
+    assert ("2 encoder layers captured as CUDA graphs (forward and backward) for packed batches of at most 1024 "
+            "tokens in 16 sequences") in caplog.text
+    assert "graphed layers not used" not in caplog.text
+    le, lg = eager["history"]["loss"], graphed["history"]["loss"]
+    assert len(le) == len(lg) == 6
+    for a, b in zip(le, lg):
+        assert abs(a - b) <= REL_TOL[torch.bfloat16] * abs(a), (le, lg)
+    assert lg[-1] < lg[0]
+    # the graphs run another attention kernel on other row counts: rounding differences only
+    assert _grad_error(eager_grads[0], graph_grads[0]) <= 2 * pair_tol(torch.bfloat16)
 
 
 @pytest.mark.cuda

@@ -161,7 +161,7 @@ def packed_graph_bounds(batches, tokens, max_length, max_sequences=None):
     if max_sequences is None:
         need = max(b["cu_seqlens"].numel() - 1 + probe.padding_sequences(b["input_ids"].numel()) for b in batches)
         max_sequences = -(-need // 8) * 8
-    return tokens, max(max_sequences, len(probe.sample_lengths())), max_length
+    return tokens, max(max_sequences, PackedLayout.min_sequences(tokens, max_length)), max_length
 
 
 def compile_hf(model, scope, dynamic):

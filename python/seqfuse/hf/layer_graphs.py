@@ -80,9 +80,9 @@ class PackedLayout:
         check_sizes(where, tokens=tokens, max_sequences=sequences, max_seqlen=max_seqlen)
         self.tokens, self.sequences, self.max_seqlen = tokens, sequences, max_seqlen
         self.pad_segment = min(PAD_SEGMENT, max_seqlen)
-        need = self.sample_lengths()
-        if len(need) > sequences:
-            raise ValueError(f"{where}: argument 'max_sequences' ({sequences}) must be at least {len(need)}: the "
+        need = self.min_sequences(tokens, max_seqlen)
+        if need > sequences:
+            raise ValueError(f"{where}: argument 'max_sequences' ({sequences}) must be at least {need}: the "
                              f"capture's sample batch holds {tokens} tokens in sequences of at most max_seqlen "
                              f"{max_seqlen}, of unequal lengths")
         self._steps = None  # the padding sequences' ends less the real tokens, on the device (pad)
@@ -109,20 +109,27 @@ class PackedLayout:
                     f"graphed for at most {self.sequences}")
         return None
 
-    def sample_lengths(self):
+    @staticmethod
+    def sample_lengths(tokens, max_seqlen):
         """The capture's sample batch: ``tokens`` tokens in sequences of
-        max_seqlen, the first one token shorter (unequal lengths: the
+        ``max_seqlen``, the first one token shorter (unequal lengths: the
         attention route of an arbitrary batch, not the one a batch of equal
         lengths may take)."""
-        lengths, left = [], self.tokens
+        lengths, left = [], tokens
         while left:
-            n = min(self.max_seqlen, left) - (not lengths and 1 < self.max_seqlen <= left)
+            n = min(max_seqlen, left) - (not lengths and 1 < max_seqlen <= left)
             lengths.append(n)
             left -= n
         return lengths
 
+    @staticmethod
+    def min_sequences(tokens, max_seqlen):
+        """The fewest ``sequences`` a layout of these bounds may have: the
+        capture's sample batch's."""
+        return len(PackedLayout.sample_lengths(tokens, max_seqlen))
+
     def sample_cu_seqlens(self, device):
-        lengths = self.sample_lengths()
+        lengths = self.sample_lengths(self.tokens, self.max_seqlen)
         ends = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         return torch.cat([ends, ends[-1:].expand(self.sequences + 1 - ends.numel())]).to(device)
 

@@ -55,6 +55,8 @@ class DataConfig(CommonDataConfig):
 class Esm2TrainConfig(TrainConfig):
     """The shared train group plus ESM-2's graphed layers (esm2_recipe/graphs.py)."""
     cuda_graphs: bool = rule(False, Bool())
+    cuda_graphs_max_sequences: Optional[int] = rule(None, Int(1, optional=True,
+                                                               null_means="data.micro_batch_tokens // 64"))
 
 
 @dataclass
@@ -101,19 +103,17 @@ def _cross_checks(c, ok, problems):
 
 def _graph_checks(c, ok, problems):
     """train.cuda_graphs: each encoder layer's forward and backward replay a
-    CUDA graph captured for one batch shape (esm2_recipe/graphs.py), so
-    every training batch must have that shape and no padding.  Packed THD
-    batches change their token count and cu_seqlens every step: refused,
-    not run eagerly behind the user's back."""
+    CUDA graph (esm2_recipe/graphs.py).  Packed THD batches are padded to
+    the graphs' bounds on the device; padded [B, L] batches must all have
+    one shape and no padding (fixed-length windows), else nearly every step
+    would run eagerly: refused, not run eagerly behind the user's back."""
     t, d = c["train"], c["data"]
     if not (ok("train.cuda_graphs") and t["cuda_graphs"]):
         return
-    if ok("data.packed") and d["packed"]:
-        problems.append("train.cuda_graphs=true: needs data.packed=false (packed THD batches change their token "
-                        "count and cu_seqlens every step; a CUDA graph replays one batch shape)")
-    if ok("data.fixed_length") and not d["fixed_length"]:
-        problems.append("train.cuda_graphs=true: needs data.fixed_length=true (every batch [B, data.max_length] "
-                        "without padding; real-length batches change shape every step)")
+    if ok("data.packed") and not d["packed"] and ok("data.fixed_length") and not d["fixed_length"]:
+        problems.append("train.cuda_graphs=true: needs data.packed=true or data.fixed_length=true (padded "
+                        "real-length batches change shape every step; a CUDA graph replays one batch shape)")
+
     if ok("train.activation_checkpointing") and t["activation_checkpointing"]:
         problems.append("train.cuda_graphs=true: needs train.activation_checkpointing=false (graphed layers keep "
                         "their activations in the graphs' memory; recomputation has nothing to save)")

@@ -11,11 +11,17 @@ step's amaxes into the delayed-scaling history at fixed addresses; the
 history roll and scale update stay one launch per state chunk at the exit of
 the step's autocast region, as in eager mode.
 
-A graph replays one shape, so the option needs batches of one shape without
-padding: data.fixed_length=true with data.packed=false gives
-[micro_batch_tokens // max_length, max_length] batches every step (the
-config rules refuse anything else, naming the keys).  Packed THD batches are
-refused: their token count and cu_seqlens change every step.
+A graph replays one shape.  Packed THD batches (data.packed=true, the
+default) change their token count, sequences and longest sequence every
+step; the graphs are captured for their bounds (SeqfuseEsmModel.
+graph_packed_layers: data.micro_batch_tokens tokens, train.
+cuda_graphs_max_sequences sequences, default micro_batch_tokens // 64,
+data.max_length the longest) and every batch is padded to them on the
+device.  A batch with more sequences (its padding sequences of at most 128
+tokens counted) runs eagerly, and the model logs it once.  Padded batches
+need one shape without padding: data.fixed_length=true with data.packed=false
+gives [micro_batch_tokens // max_length, max_length] every step (the config
+rules refuse padded real-length batches, naming the keys).
 
 The capture happens once, when the trainer wraps the model: after the
 weights exist and before a checkpoint is resumed (the checkpoint is loaded
@@ -51,6 +57,25 @@ def check_graphs_run(cfg, device, world):
         raise ValueError(f"train.cuda_graphs=true: one process only, this job has {world} (FSDP2 shards the "
                          f"parameters a captured graph would hold whole; DDP with graphed layers is not "
                          f"supported): run without train.cuda_graphs or on one GPU")
+    if cfg.data.packed:
+        packed_layout(cfg)
+
+
+def packed_layout(cfg):
+    """The packed batches' bounds the graphs are captured for
+    (layer_graphs.PackedLayout); a train.cuda_graphs_max_sequences too small
+    for the capture's sample batch is a ValueError naming the key."""
+    from seqfuse.hf.layer_graphs import PackedLayout
+
+    tokens, longest = int(cfg.data.micro_batch_tokens), int(cfg.data.max_length)
+    given = cfg.train.get("cuda_graphs_max_sequences")
+    sequences = tokens // 64 if given is None else int(given)
+    need = PackedLayout.min_sequences(tokens, longest)
+    if sequences < need:
+        raise ValueError(f"train.cuda_graphs_max_sequences={given}: must be at least {need} (the graphs' capture "
+                         f"batch holds data.micro_batch_tokens={tokens} tokens in sequences of at most "
+                         f"data.max_length={longest}, of unequal lengths)")
+    return PackedLayout("train.cuda_graphs", tokens, sequences, longest)
 
 
 def graphed_batch_shape(cfg):
@@ -64,17 +89,26 @@ def graphed_batch_shape(cfg):
 
 def capture_layers(model, cfg, recipe):
     """Capture every encoder layer of ``model`` (a SeqfuseEsmForMaskedLM on
-    one CUDA device) for the recipe's batch shape, under ``recipe`` (None:
-    the model's dtype).  Returns the shape."""
-    b, s = graphed_batch_shape(cfg)
+    one CUDA device) for the recipe's batches, under ``recipe`` (None: the
+    model's dtype).  Returns the shape: [B, L], or ("thd", tokens,
+    sequences, max_seqlen) for packed batches."""
     model.train()
     if model.esm.embeddings.word_embeddings.weight.device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    model.esm.graph_layers(b, s, fp8_recipe=recipe)
+    if cfg.data.packed:
+        layout = packed_layout(cfg)
+        shape = layout.key()
+        model.esm.graph_packed_layers(layout.tokens, layout.sequences, layout.max_seqlen, fp8_recipe=recipe)
+        what = (f"packed batches of at most {layout.tokens} tokens in {layout.sequences} sequences (padding "
+                f"sequences counted) of at most {layout.max_seqlen}")
+    else:
+        shape = graphed_batch_shape(cfg)
+        model.esm.graph_layers(*shape, fp8_recipe=recipe)
+        what = f"batches [{shape[0]}, {shape[1]}]"
     torch.cuda.synchronize()
-    log.info("train.cuda_graphs: %d encoder layers captured as CUDA graphs (forward and backward) for batches "
-             "[%d, %d], %s, in %.1f s; other calls (validation, another shape) run the layers eagerly",
-             len(model.esm.encoder.layers), b, s,
+    log.info("train.cuda_graphs: %d encoder layers captured as CUDA graphs (forward and backward) for %s, %s, "
+             "in %.1f s; other calls (validation, batches beyond these) run the layers eagerly",
+             len(model.esm.encoder.layers), what,
              f"FP8 {type(recipe).__name__}" if recipe is not None else "no FP8", time.perf_counter() - t0)
-    return b, s
+    return shape
