@@ -189,13 +189,16 @@ def test_packed_graphs_serve_only_calls_within_bounds(caplog):
 @pytest.mark.parametrize("recipe", [None, DelayedScaling()], ids=["bf16", "fp8_delayed"])
 def test_cuda_graphed_packed_layers_train_as_eager(recipe, caplog):
     """Packed batches of other token counts, sequence counts and longest
-    lengths replay one set of graphs and train as the eager model does."""
+    lengths replay one set of graphs and train as the eager model does.
+    (No batch has sequences of one length: eager runs those as the padded
+    batch they are, on cuDNN, another kernel than the graphs' FlashAttention,
+    whose rounding FP8's scales carry through the later steps.)"""
     torch.manual_seed(0)
     eager = SeqfuseEsmForMaskedLM(small_config()).cuda().to(torch.bfloat16).train()
     graphed = copy.deepcopy(eager)
     graphed.esm.graph_packed_layers(512, 16, 128, fp8_recipe=recipe)
     batches = [packed_batch(lengths, seed, "cuda") for seed, lengths in enumerate(
-        ([128, 100, 77, 128, 64], [33] * 12 + [96], [128] * 4, [1, 127, 125, 3, 90, 80, 16]))]
+        ([128, 100, 77, 128, 64], [33] * 12 + [96], [128] * 3 + [127, 1], [1, 127, 125, 3, 90, 80, 16]))]
     le, ge = train_steps(eager, FusedAdamW([p for p in eager.parameters() if p.requires_grad], lr=1e-3), batches,
                          recipe)
     with caplog.at_level(logging.WARNING):
