@@ -205,4 +205,8 @@ def test_cuda_graphed_packed_layers_train_as_eager(recipe, caplog):
         lg, gg = train_steps(graphed, FusedAdamW([p for p in graphed.parameters() if p.requires_grad], lr=1e-3),
                              batches, recipe)
     assert "graphed layers not used" not in caplog.text
-    assert_same_training((le, ge), (lg, gg))
+    # The graphs run the GEMMs on the padded row count (cuBLAS may pick another algorithm) and FP8
+    # delayed scaling's amaxes include the padding rows: rounding differences, which FP8's codes and
+    # three Adam updates carry to the last step's gradients (measured on an H200: 0.074-0.085 in layer 0's
+    # norm weight).  A padding error shows as an O(1) difference from the first loss on.
+    assert_same_training((le, ge), (lg, gg), grad_tol=5e-2 if recipe is None else 0.15)
