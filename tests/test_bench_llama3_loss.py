@@ -120,7 +120,7 @@ def test_tiny_cpu_run_records_every_step(tmp_path):
                   "--seq-len", "64", "--rows", "hf_bf16,seqfuse_bf16_packed", "--data", C.SUBSET_DATA,
                   "--results-dir", str(tmp_path), "--out", "l3loss"])
     doc = json.load(open(tmp_path / "l3loss.json"))
-    assert "without master weights" in doc["optimizers"] and "lr=0.0001" in doc["optimizers"]
+    assert "without master weights" in doc["optimizers"] and "lr=1e-05" in doc["optimizers"]
     rows = {r["row"]: r for r in doc["rows"]}
     for r in rows.values():
         assert len(r["warm_losses"]) == 2 and len(r["losses"]) == 2 and r["final_loss"] == r["losses"][-1]
