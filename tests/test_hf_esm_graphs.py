@@ -109,20 +109,28 @@ def test_cuda_graphed_layers_other_shapes_run_eagerly_and_say_so(caplog):
 
 def test_packed_layout_bounds_and_padding():
     """misfit names the bound a call breaks; pad appends zero rows as
-    padding sequences of at most 128 tokens, then zero-length sequences;
-    the capture's sample has unequal lengths within the bounds."""
+    padding sequences of 128 tokens where the sequence bound leaves room,
+    else of the fewest tokens that fit (at most max_seqlen), then
+    zero-length sequences; the capture's sample has unequal lengths within
+    the bounds."""
     layout = PackedLayout("M.graph_packed_layers", 1000, 12, 300)
     assert layout.misfit(1000, 4, 300) is None
     assert "packed call of 1001 tokens, graphed for at most 1000" in layout.misfit(1001, 4, 300)
     assert "max_seqlen 301, graphed for at most 300" in layout.misfit(900, 4, 301)
-    assert layout.misfit(700, 9, 100) is None  # 300 padding rows: 3 sequences, 12 in all
-    assert "10 sequences (+3 padding sequences for its 700 tokens), graphed for at most 12" in \
-        layout.misfit(700, 10, 100)
+    assert layout.misfit(700, 9, 100) is None  # 300 padding rows: 3 sequences of 128, 12 in all
+    assert layout.padding(700, 9) == (3, 128)
+    assert layout.padding(700, 10) == (2, 150) and layout.misfit(700, 10, 100) is None
+    assert layout.padding(700, 11) == (1, 300) and layout.misfit(700, 11, 100) is None
+    assert ("packed call of 12 sequences and 300 padding tokens, which need 1 more sequences of at most "
+            "max_seqlen 300: graphed for at most 12 sequences") in layout.misfit(700, 12, 100)
+    assert layout.misfit(1000, 12, 300) is None and layout.padding(1000, 12) == (0, 128)
     x = torch.randn(700, 4)
     cu = torch.tensor([0, 100, 350, 700], dtype=torch.int32)
     xp, cup = layout.pad(x, cu)
     assert xp.shape == (1000, 4) and torch.equal(xp[:700], x) and not xp[700:].any()
     assert cup.tolist() == [0, 100, 350, 700, 828, 956, 1000] + [1000] * 6
+    cu = torch.tensor([0] + list(range(70, 701, 70)), dtype=torch.int32)  # 10 sequences: padding of 150
+    assert layout.pad(x, cu)[1].tolist() == cu.tolist() + [850, 1000]
     lengths = layout.sample_lengths(1000, 300)
     assert sum(lengths) == 1000 and max(lengths) <= 300 and len(set(lengths)) > 1
     assert layout.sample_cu_seqlens("cpu").tolist() == [0, 299, 599, 899, 1000] + [1000] * 8
@@ -180,7 +188,8 @@ def test_packed_graphs_serve_only_calls_within_bounds(caplog):
     assert len(seen) == 3
     said = " | ".join(r.getMessage() for r in caplog.records)
     for reason in ("packed call of 70 tokens, graphed for at most 64", "max_seqlen 33, graphed for at most 32",
-                   "packed call of 6 sequences (+2 padding sequences for its 12 tokens), graphed for at most 6",
+                   "packed call of 6 sequences and 52 padding tokens, which need 2 more sequences of at most "
+                   "max_seqlen 32: graphed for at most 6 sequences",
                    "output_hidden_states", "input_ids (2, 8), graphed for ('thd', 64, 6, 32)"):
         assert reason in said
 

@@ -94,12 +94,14 @@ def test_run_refusals_before_anything_is_built(monkeypatch):
         check_graphs_run(cfg, torch.device("cpu"), 1)
     check_graphs_run(cfg, torch.device("cuda", 0), 1)
     check_graphs_run(load_config("L0_sanity"), torch.device("cpu"), 4)  # the option off: nothing to refuse
-    # packed: the capture's sample batch, 1024 tokens in sequences of at most 128 of unequal lengths, needs 9
+    # packed: every batch needs room for its padding (1024 tokens in sequences of at most 128: 8, and the
+    # collator's padding sequence) besides one sequence of its own: 10
     packed = PACKED + ["train.cuda_graphs=true", "device=cuda"]
-    check_graphs_run(load_config("L0_sanity", packed + ["train.cuda_graphs_max_sequences=9"]), torch.device("cuda"), 1)
-    with pytest.raises(ValueError, match=r"train.cuda_graphs_max_sequences=8: must be at least 9 \(the graphs' "
+    check_graphs_run(load_config("L0_sanity", packed + ["train.cuda_graphs_max_sequences=10"]), torch.device("cuda"),
+                     1)
+    with pytest.raises(ValueError, match=r"train.cuda_graphs_max_sequences=9: must be at least 10 \(the graphs' "
                                          r"capture batch holds data.micro_batch_tokens=1024 tokens"):
-        check_graphs_run(load_config("L0_sanity", packed + ["train.cuda_graphs_max_sequences=8"]),
+        check_graphs_run(load_config("L0_sanity", packed + ["train.cuda_graphs_max_sequences=9"]),
                          torch.device("cuda"), 1)
     if torch.cuda.is_available():
         return  # device=auto would be CUDA here
@@ -132,7 +134,42 @@ def test_the_trainer_captures_after_wrapping_for_the_batch_shape(monkeypatch):
     trainer.wrap_model(model, [], "fsdp2", 1, torch.device("cpu"), load_config("L0_sanity", FIXED), log)
     assert len(seen) == 1
     layout = graphs.packed_layout(load_config("L0_sanity", PACKED + ["train.cuda_graphs=true", "device=cuda"]))
-    assert layout.key() == ("thd", 1024, 16, 128)  # the default: micro_batch_tokens // 64 sequences
+    assert layout.key() == ("thd", 1024, 25, 128)  # the default: micro_batch_tokens // 64 and the padding's room
+
+
+def test_packed_graphs_cap_the_loaders_sequences_so_every_batch_fits():
+    """Under packed train.cuda_graphs the loader holds at most the graphs'
+    sequence bound less the padding's room (8 sequences of 128 for an
+    empty budget of 1024 tokens, and the collator's padding sequence of its
+    FP8 token multiple): every batch of the real subset then fits the
+    graphs, with the default bound (25: 1024 // 64 and that room) and with
+    one too small for the proteins' count (12), where the cap splits
+    batches instead of sending them eagerly; without the option no cap."""
+    from esm2_recipe import graphs
+
+    from seqfuse.common.recipe import DelayedScaling
+
+    for n_max in (None, 12):
+        over = [] if n_max is None else [f"train.cuda_graphs_max_sequences={n_max}"]
+        cfg = load_config("L0_sanity", PACKED + over)
+        cfg.train.cuda_graphs = True  # (the config rules refuse the CPU: the loaders do not care)
+        layout = graphs.packed_layout(cfg)
+        cap = graphs.loader_max_sequences(cfg)
+        assert cap == layout.sequences - 9
+        train_loader, _, _, _ = trainer.build_loaders(cfg, 0, 1, DelayedScaling())
+        counts = []
+        for i, batch in enumerate(train_loader):
+            n = batch["cu_seqlens"].numel() - 1
+            counts.append(batch["num_sequences"])
+            assert batch["num_sequences"] <= cap
+            assert layout.misfit(batch["input_ids"].numel(), n, int(batch["max_seqlen"])) is None, (i, n)
+            if i == 40:
+                break
+        if n_max == 12:
+            assert max(counts) == cap  # the cap cut batches
+        else:
+            assert cap == 16 and max(counts) < cap
+    assert graphs.loader_max_sequences(load_config("L0_sanity", PACKED)) is None
 
 
 # ------------------------------------------------------------ fixed-length data (CPU)
@@ -291,7 +328,7 @@ def test_cuda_graphed_packed_recipe_trains_as_eager(precision, monkeypatch, capl
     with caplog.at_level(logging.INFO):
         graphed = _run(base + ["train.cuda_graphs=true"], monkeypatch, graph_grads)
     assert ("2 encoder layers captured as CUDA graphs (forward and backward) for packed batches of at most 1024 "
-            "tokens in 16 sequences") in caplog.text
+            "tokens in 25 sequences") in caplog.text
     assert "graphed layers not used" not in caplog.text
     le, lg = eager["history"]["loss"], graphed["history"]["loss"]
     assert len(le) == len(lg) == 6

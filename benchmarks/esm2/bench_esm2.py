@@ -154,12 +154,14 @@ def packed_graph_bounds(batches, tokens, max_length, max_sequences=None):
     """graph_packed_layers' (tokens, max_sequences, max_seqlen) for these
     packed batches: the token budget, ``max_sequences`` or else the most
     sequences a batch needs once padded to it (its own and its padding
-    sequences) rounded up to 8, and max_length."""
+    sequences of PackedLayout's PAD_SEGMENT tokens) rounded up to 8, and
+    max_length."""
     from seqfuse.hf.layer_graphs import PackedLayout
 
     probe = PackedLayout("bench", tokens, tokens, max_length)
     if max_sequences is None:
-        need = max(b["cu_seqlens"].numel() - 1 + probe.padding_sequences(b["input_ids"].numel()) for b in batches)
+        need = max(n + probe.padding(b["input_ids"].numel(), n)[0]
+                   for b in batches for n in [b["cu_seqlens"].numel() - 1])
         max_sequences = -(-need // 8) * 8
     return tokens, max(max_sequences, PackedLayout.min_sequences(tokens, max_length)), max_length
 

@@ -288,13 +288,16 @@ class SeqfuseEsmModel(SeqfuseEsmPreTrainedModel):
         for packed (thd) training batches of at most ``tokens`` tokens in at
         most ``max_sequences`` sequences, none longer than ``max_seqlen``.
         Each such call is padded on the device to exactly these bounds
-        (zero rows in padding sequences of at most 128 tokens, counted in
-        ``max_sequences``, then zero-length sequences; layer_graphs.
-        PackedLayout) and replays the graphs; the loss and gradients are the
-        unpadded call's.  The recipe's token budget is ``tokens``; a
-        ``max_sequences`` a little above the most sequences a batch holds
-        keeps the attention grid small.  Calls beyond a bound run eagerly
-        (logged once).  Needs what graph_layers needs; FP8 as there."""
+        (zero rows in padding sequences, counted in ``max_sequences``: of
+        128 tokens where the bound leaves room, else longer; then
+        zero-length sequences; layer_graphs.PackedLayout) and replays the
+        graphs; the loss and gradients are the unpadded call's.  The
+        recipe's token budget is ``tokens``; a ``max_sequences`` a little
+        above the most sequences a batch holds keeps the attention grid
+        small.  Calls beyond a bound (more tokens, a longer sequence, or
+        more sequences than leave room for the padding in sequences of
+        ``max_seqlen``) run eagerly (logged once).  Needs what graph_layers
+        needs; FP8 as there."""
         check_graphable("SeqfuseEsmModel", self.embeddings.word_embeddings.weight.device.type == "cuda",
                         self._dropout_settings(), self.activation_checkpointing, self.training,
                         method="graph_packed_layers", tokens=tokens, max_sequences=max_sequences,

@@ -18,9 +18,11 @@ and their longest sequence every step; a graph holds one of each.
 ``tokens`` tokens, ``sequences`` sequences, ``max_seqlen`` the longest) the
 one shape the graphs hold, on the device and without a host read: the
 hidden states get zero rows up to ``tokens``, those rows form padding
-sequences of at most PAD_SEGMENT tokens each (so no real token attends to
-them, nor they to one, and their attention costs little), and cu_seqlens
-gets zero-length sequences up to ``sequences``.  The attention and RoPE
+sequences (so no real token attends to them, nor they to one) of
+PAD_SEGMENT tokens where the sequence bound leaves room for that many (their
+attention then costs little), else of the fewest tokens that fit them in
+the room left, at most ``max_seqlen``; cu_seqlens gets zero-length
+sequences up to ``sequences``.  The attention and RoPE
 kernels take ``max_seqlen`` as a bound, not as the longest length, so the
 bound replays every batch.  The caller keeps the first rows of the
 layers' output; the padding rows get no gradient from the loss, so the
@@ -28,14 +30,13 @@ weights' gradients are the unpadded call's (up to the GEMMs' rounding at
 another row count).
 """
 import logging
-import math
 
 import torch
 
 __all__ = ["LayerGraphs", "PackedLayout", "check_graphable"]
 
-#: The longest padding sequence PackedLayout appends (one attention tile: a
-#: padding sequence costs about one tile of work per head).
+#: The padding sequences' length where the sequence bound leaves room (one
+#: attention tile: such a padding sequence costs about one tile per head).
 PAD_SEGMENT = 128
 
 _log = logging.getLogger("seqfuse")
@@ -85,15 +86,21 @@ class PackedLayout:
             raise ValueError(f"{where}: argument 'max_sequences' ({sequences}) must be at least {need}: the "
                              f"capture's sample batch holds {tokens} tokens in sequences of at most max_seqlen "
                              f"{max_seqlen}, of unequal lengths")
-        self._steps = None  # the padding sequences' ends less the real tokens, on the device (pad)
+        self._steps = None  # 1, 2, ..., sequences on the device (pad)
 
     def key(self):
         """What LayerGraphs compares a call's shape with."""
         return ("thd", self.tokens, self.sequences, self.max_seqlen)
 
-    def padding_sequences(self, tokens):
-        """How many padding sequences a call of ``tokens`` real tokens gets."""
-        return math.ceil((self.tokens - tokens) / self.pad_segment)
+    def padding(self, tokens, sequences):
+        """(count, length): the padding sequences a fitting call of
+        ``tokens`` tokens in ``sequences`` sequences gets, each ``length``
+        tokens but the last (pad_segment where the room left allows, else
+        the fewest that fit the room, at most max_seqlen)."""
+        pad = self.tokens - tokens
+        room = max(self.sequences - sequences, 1)
+        length = min(self.max_seqlen, max(self.pad_segment, -(-pad // room)))
+        return -(-pad // length), length
 
     def misfit(self, tokens, sequences, max_seqlen):
         """Why a packed call of ``tokens`` tokens in ``sequences`` sequences,
@@ -103,10 +110,12 @@ class PackedLayout:
             return f"packed call of {tokens} tokens, graphed for at most {self.tokens}"
         if max_seqlen > self.max_seqlen:
             return f"packed call with max_seqlen {max_seqlen}, graphed for at most {self.max_seqlen}"
-        pads = self.padding_sequences(tokens)
-        if sequences + pads > self.sequences:
-            return (f"packed call of {sequences} sequences (+{pads} padding sequences for its {tokens} tokens), "
-                    f"graphed for at most {self.sequences}")
+        pad = self.tokens - tokens
+        least = -(-pad // self.max_seqlen)  # padding sequences of max_seqlen tokens
+        if sequences + least > self.sequences:
+            return (f"packed call of {sequences} sequences and {pad} padding tokens, which need {least} more "
+                    f"sequences of at most max_seqlen {self.max_seqlen}: graphed for at most {self.sequences} "
+                    f"sequences")
         return None
 
     @staticmethod
@@ -136,13 +145,13 @@ class PackedLayout:
     def pad(self, x, cu_seqlens):
         """``x`` [t, ...] with zero rows up to ``tokens``, and ``cu_seqlens``
         [n + 1] extended to ``sequences`` + 1 entries: the padding rows as
-        sequences of at most pad_segment tokens, then zero-length ones.  A
-        call that fits (``misfit`` None); a few launches, no host read."""
+        the sequences ``padding`` gives, then zero-length ones.  A call that
+        fits (``misfit`` None); a few launches, no host read."""
         t, n = x.shape[0], cu_seqlens.numel() - 1
+        _, length = self.padding(t, n)
         if self._steps is None or self._steps.device != cu_seqlens.device:
-            self._steps = torch.arange(1, self.sequences + 1, dtype=torch.int32,
-                                       device=cu_seqlens.device) * self.pad_segment
-        ends = (self._steps[:self.sequences - n] + t).clamp_(max=self.tokens)
+            self._steps = torch.arange(1, self.sequences + 1, dtype=torch.int32, device=cu_seqlens.device)
+        ends = (self._steps[:self.sequences - n] * length + t).clamp_(max=self.tokens)
         x = torch.nn.functional.pad(x, (0,) * (2 * x.dim() - 1) + (self.tokens - t,))
         return x, torch.cat([cu_seqlens, ends])
 

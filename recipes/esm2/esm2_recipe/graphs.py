@@ -15,10 +15,14 @@ A graph replays one shape.  Packed THD batches (data.packed=true, the
 default) change their token count, sequences and longest sequence every
 step; the graphs are captured for their bounds (SeqfuseEsmModel.
 graph_packed_layers: data.micro_batch_tokens tokens, train.
-cuda_graphs_max_sequences sequences, default micro_batch_tokens // 64,
-data.max_length the longest) and every batch is padded to them on the
-device.  A batch with more sequences (its padding sequences of at most 128
-tokens counted) runs eagerly, and the model logs it once.  Padded batches
+cuda_graphs_max_sequences sequences, by default micro_batch_tokens // 64
+and room for the padding, data.max_length the longest) and every batch is padded to them on the
+device.  So that every training batch fits, the loader caps its sequences
+(``loader_max_sequences``): the bound less the padding sequences the
+emptiest batch could need (ceil(micro_batch_tokens / max_length)) and the
+collator's own padding sequence (its token multiple).  At the defaults
+(16,384 tokens, 1,024 the longest) that is 256 sequences, far above a batch
+of real proteins' count (about 50).  Padded batches
 need one shape without padding: data.fixed_length=true with data.packed=false
 gives [micro_batch_tokens // max_length, max_length] every step (the config
 rules refuse padded real-length batches, naming the keys).
@@ -61,6 +65,24 @@ def check_graphs_run(cfg, device, world):
         packed_layout(cfg)
 
 
+def loader_max_sequences(cfg):
+    """The training loader's cap on a packed batch's sequences under
+    train.cuda_graphs (None without it, or with padded batches): with at
+    most this many, any batch within the token budget leaves the graphs'
+    sequence bound room for its padding (PackedLayout.misfit) and for the
+    collator's padding sequence (data.pad_to_multiple_of)."""
+    if not (cfg.train.get("cuda_graphs") and cfg.data.packed):
+        return None
+    layout = packed_layout(cfg)
+    return layout.sequences - _padding_room(layout.tokens, layout.max_seqlen)
+
+
+def _padding_room(tokens, longest):
+    """The sequences a packed batch's padding may take: the graphs' padding
+    of an empty budget in sequences of ``longest``, and the collator's."""
+    return -(-tokens // longest) + 1
+
+
 def packed_layout(cfg):
     """The packed batches' bounds the graphs are captured for
     (layer_graphs.PackedLayout); a train.cuda_graphs_max_sequences too small
@@ -69,12 +91,14 @@ def packed_layout(cfg):
 
     tokens, longest = int(cfg.data.micro_batch_tokens), int(cfg.data.max_length)
     given = cfg.train.get("cuda_graphs_max_sequences")
-    sequences = tokens // 64 if given is None else int(given)
-    need = PackedLayout.min_sequences(tokens, longest)
+    sequences = tokens // 64 + _padding_room(tokens, longest) if given is None else int(given)
+    # the capture's sample batch, and one sequence a batch besides its padding's room
+    need = max(PackedLayout.min_sequences(tokens, longest), _padding_room(tokens, longest) + 1)
     if sequences < need:
         raise ValueError(f"train.cuda_graphs_max_sequences={given}: must be at least {need} (the graphs' capture "
                          f"batch holds data.micro_batch_tokens={tokens} tokens in sequences of at most "
-                         f"data.max_length={longest}, of unequal lengths)")
+                         f"data.max_length={longest}, of unequal lengths, and every batch needs room for "
+                         f"its padding besides one sequence)")
     return PackedLayout("train.cuda_graphs", tokens, sequences, longest)
 
 

@@ -136,8 +136,12 @@ def build_loaders(cfg, rank, world, recipe, pin_memory=False):
         per_batch = int(cfg.data.micro_batch_tokens) // length
         train_seqs = fixed_length_windows(train_seqs, length, per_batch * world, "train")
         val_seqs = fixed_length_windows(val_seqs, length, per_batch, "validation")
+    from .graphs import loader_max_sequences
+
+    # packed batches under train.cuda_graphs: at most as many sequences as the graphs' bound leaves room for
     return _loop.train_val_loaders(build_mlm_loader, EsmTokenizer(), train_seqs, val_seqs, cfg, pad, rank, world,
-                                   pin_memory, mask_prob=float(cfg.data.mask_prob))
+                                   pin_memory, mask_prob=float(cfg.data.mask_prob),
+                                   max_sequences=loader_max_sequences(cfg))
 
 
 def forward_loss(model, batch):
