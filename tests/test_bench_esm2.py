@@ -408,4 +408,4 @@ def test_packed_graph_bounds_cover_every_batch(layouts):
     layout = PackedLayout("t", tokens, seqs, longest)
     for b in batches:
         assert layout.misfit(b["input_ids"].numel(), b["cu_seqlens"].numel() - 1, int(b["max_seqlen"])) is None
-    assert layout.misfit(TOKENS, seqs + 1, 256) is not None
+    assert layout.misfit(TOKENS, seqs + 1, 256)[0] == "sequences"

@@ -50,11 +50,20 @@ def test_graph_layers_refuses_without_cuda_and_with_dropout():
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="graph_layers: CUDA graphs need the model on a CUDA device"):
             model.esm.graph_layers(2, 64)
+        with pytest.raises(RuntimeError, match="SeqfuseEsmModel.graph_packed_layers: CUDA graphs need the model "
+                                               "on a CUDA device"):
+            model.esm.graph_packed_layers(256, 8, 64)
     model = SeqfuseEsmForMaskedLM(small_config(hidden_dropout_prob=0.1))
     if torch.cuda.is_available():
         model = model.cuda()
         with pytest.raises(ValueError, match="dropout must be 0 to graph the layers"):
             model.esm.graph_layers(2, 64)
+        model = SeqfuseEsmForMaskedLM(small_config()).cuda().train()
+        with pytest.raises(ValueError, match="graph_packed_layers: argument 'max_sequences' must be a positive int"):
+            model.esm.graph_packed_layers(256, 0, 64)
+        with pytest.raises(ValueError, match=r"graph_packed_layers: argument 'max_sequences' \(4\) must be at "
+                                             r"least 5"):
+            model.esm.graph_packed_layers(256, 4, 64)
 
 
 def real_batch(b, s, seed, device="cuda"):
@@ -115,14 +124,15 @@ def test_packed_layout_bounds_and_padding():
     the bounds."""
     layout = PackedLayout("M.graph_packed_layers", 1000, 12, 300)
     assert layout.misfit(1000, 4, 300) is None
-    assert "packed call of 1001 tokens, graphed for at most 1000" in layout.misfit(1001, 4, 300)
-    assert "max_seqlen 301, graphed for at most 300" in layout.misfit(900, 4, 301)
+    assert layout.misfit(1001, 4, 300) == ("tokens", "packed call of 1001 tokens, graphed for at most 1000")
+    assert layout.misfit(900, 4, 301) == ("max_seqlen", "packed call with a sequence of 301 tokens, graphed for "
+                                                        "at most max_seqlen 300")
     assert layout.misfit(700, 9, 100) is None  # 300 padding rows: 3 sequences of 128, 12 in all
     assert layout.padding(700, 9) == (3, 128)
     assert layout.padding(700, 10) == (2, 150) and layout.misfit(700, 10, 100) is None
     assert layout.padding(700, 11) == (1, 300) and layout.misfit(700, 11, 100) is None
     assert ("packed call of 12 sequences and 300 padding tokens, which need 1 more sequences of at most "
-            "max_seqlen 300: graphed for at most 12 sequences") in layout.misfit(700, 12, 100)
+            "max_seqlen 300: graphed for at most 12 sequences") == layout.misfit(700, 12, 100)[1]
     assert layout.misfit(1000, 12, 300) is None and layout.padding(1000, 12) == (0, 128)
     x = torch.randn(700, 4)
     cu = torch.tensor([0, 100, 350, 700], dtype=torch.int32)
@@ -131,6 +141,15 @@ def test_packed_layout_bounds_and_padding():
     assert cup.tolist() == [0, 100, 350, 700, 828, 956, 1000] + [1000] * 6
     cu = torch.tensor([0] + list(range(70, 701, 70)), dtype=torch.int32)  # 10 sequences: padding of 150
     assert layout.pad(x, cu)[1].tolist() == cu.tolist() + [850, 1000]
+    full = torch.randn(1000, 2, 4)  # no padding rows, and (below) no room: nothing appended
+    cu = torch.tensor([0, 500, 1000], dtype=torch.int32)
+    xp, cup = layout.pad(full, cu)
+    assert xp.shape == full.shape and torch.equal(xp, full) and cup.tolist() == [0, 500, 1000] + [1000] * 10
+    cu12 = torch.arange(0, 1001, 1000 // 12 + 1, dtype=torch.int32)[:12].tolist() + [1000]
+    assert layout.pad(full, torch.tensor(cu12, dtype=torch.int32))[1].tolist() == cu12
+    assert layout.sequences_wanted(700, 3) == 6 and layout.sequences_wanted(1000, 3) == 3
+    with pytest.raises(ValueError, match="PackedLayout.pad: a call of 1001 tokens in 1 sequences"):
+        layout.pad(torch.zeros(1001, 4), torch.tensor([0, 1001], dtype=torch.int32))
     lengths = layout.sample_lengths(1000, 300)
     assert sum(lengths) == 1000 and max(lengths) <= 300 and len(set(lengths)) > 1
     assert layout.sample_cu_seqlens("cpu").tolist() == [0, 299, 599, 899, 1000] + [1000] * 8
@@ -170,8 +189,10 @@ def test_packed_padding_gives_the_unpadded_loss_and_gradients():
 
 def test_packed_graphs_serve_only_calls_within_bounds(caplog):
     """Packed graphs (stand-ins counting calls) replay for a packed training
-    call within the bounds and not for one beyond any bound, a bshd call or
-    output_hidden_states, each reason said once."""
+    call within the bounds and not for one beyond any bound, a bshd call,
+    output_hidden_states or eval, each bound's reason said once whatever
+    the call's figures; a call under another FP8 recipe is refused, naming
+    graph_packed_layers."""
     model = SeqfuseEsmForMaskedLM(small_config()).train()
     layout = PackedLayout("test", 64, 6, 32)
     seen = []
@@ -185,9 +206,18 @@ def test_packed_graphs_serve_only_calls_within_bounds(caplog):
         model(**packed_batch([2] * 6, 4))
         model(**packed_batch([20], 5), output_hidden_states=True)
         model(input_ids=torch.randint(4, 16, (2, 8)))
+        model(**packed_batch([41, 30], 6))  # the token bound again, other figures: not logged again
+        model.eval()
+        model(**packed_batch([20, 30], 1))
+        model.train()
     assert len(seen) == 3
+    assert sum("graphed for at most 64" in r.getMessage() for r in caplog.records) == 1
+    assert "not training" in caplog.text
+    with pytest.raises(ValueError, match="call graph_packed_layers again with this recipe"):
+        with te.autocast(enabled=True, recipe=Float8CurrentScaling()):
+            model(**packed_batch([20, 30], 1))
     said = " | ".join(r.getMessage() for r in caplog.records)
-    for reason in ("packed call of 70 tokens, graphed for at most 64", "max_seqlen 33, graphed for at most 32",
+    for reason in ("packed call of 70 tokens, graphed for at most 64", "a sequence of 33 tokens, graphed for at most max_seqlen 32",
                    "packed call of 6 sequences and 52 padding tokens, which need 2 more sequences of at most "
                    "max_seqlen 32: graphed for at most 6 sequences",
                    "output_hidden_states", "input_ids (2, 8), graphed for ('thd', 64, 6, 32)"):

@@ -325,18 +325,32 @@ def test_cuda_graphed_packed_recipe_trains_as_eager(precision, monkeypatch, capl
                                              "train.warmup_steps=2", "precision.amax_history_len=4"]
     eager_grads, graph_grads = [], []
     eager = _run(base, monkeypatch, eager_grads)
+    replays = []
+    real_replay = torch.cuda.CUDAGraph.replay
+
+    def counting(self):
+        replays.append(1)
+        return real_replay(self)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", counting)
     with caplog.at_level(logging.INFO):
         graphed = _run(base + ["train.cuda_graphs=true"], monkeypatch, graph_grads)
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", real_replay)
     assert ("2 encoder layers captured as CUDA graphs (forward and backward) for packed batches of at most 1024 "
             "tokens in 25 sequences") in caplog.text
     assert "graphed layers not used" not in caplog.text
+    # steps x layers x (forward, backward), less FP8 delayed's first two eager steps of each layer
+    assert len(replays) == 6 * 2 * 2 - (2 * 2 * 2 if precision == "fp8_delayed" else 0), len(replays)
     le, lg = eager["history"]["loss"], graphed["history"]["loss"]
     assert len(le) == len(lg) == 6
     for a, b in zip(le, lg):
         assert abs(a - b) <= REL_TOL[torch.bfloat16] * abs(a), (le, lg)
     assert lg[-1] < lg[0]
-    # the graphs run another attention kernel on other row counts: rounding differences only
+    # the graphs' GEMMs run on the padded row count, and FP8's amaxes see the padding rows: rounding
+    # differences only, which FP8's codes and five Adam steps carry to the last step's gradients
     assert _grad_error(eager_grads[0], graph_grads[0]) <= 2 * pair_tol(torch.bfloat16)
+    assert _grad_error(eager_grads[-1], graph_grads[-1]) <= (5 * pair_tol(torch.bfloat16) if precision == "bf16"
+                                                              else 0.15)
 
 
 @pytest.mark.cuda

@@ -27,8 +27,9 @@ peer a user would compare with:
   seqfusegraph_* the same with every encoder layer run as CUDA graphs
                 (fixed: SeqfuseEsmModel.graph_layers for the one batch
                 shape; packed: graph_packed_layers for --tokens tokens,
-                max_length, and the most sequences any timed batch needs
-                rounded up to 8, every batch padded to them on the device).
+                max_length, and the most sequences any warm-up or timed
+                batch needs rounded up to 8, or --graph-max-sequences;
+                every batch padded to them on the device).
 
 Row names: <impl>_<recipe>_<layout>; recipes bf16, fp8_delayed, fp8_current,
 fp8_block (seqfuse and te; hf and hfcompile bf16 only) and fp8_tensorwise,
@@ -160,8 +161,7 @@ def packed_graph_bounds(batches, tokens, max_length, max_sequences=None):
 
     probe = PackedLayout("bench", tokens, tokens, max_length)
     if max_sequences is None:
-        need = max(n + probe.padding(b["input_ids"].numel(), n)[0]
-                   for b in batches for n in [b["cu_seqlens"].numel() - 1])
+        need = max(probe.sequences_wanted(b["input_ids"].numel(), b["cu_seqlens"].numel() - 1) for b in batches)
         max_sequences = -(-need // 8) * 8
     return tokens, max(max_sequences, PackedLayout.min_sequences(tokens, max_length)), max_length
 

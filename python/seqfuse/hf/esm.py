@@ -212,7 +212,8 @@ def _check_packed_extent(cu_seqlens, tokens, max_seqlen):
     """Packed input's cu_seqlens by the attention's rules (start at 0,
     non-decreasing, no sequence longer than max_seqlen) and ending at
     exactly ``tokens``: packed ESM input has no padding.  Returns
-    max_seqlen, the longest sequence where it was not given.  On CUDA this
+    (max_seqlen, or the longest sequence where it was not given; the
+    longest sequence, max_seqlen under capture).  On CUDA this
     is the batch's one host read of a new cu_seqlens tensor, which the
     layers' attention and RoPE checks then reuse (ops.device_checks).  Under
     CUDA graph capture nothing is read (a max_seqlen must then be given)."""
@@ -222,7 +223,7 @@ def _check_packed_extent(cu_seqlens, tokens, max_seqlen):
         if given is None:
             raise ValueError("SeqfuseEsm: packed input needs max_seqlen under CUDA graph capture (the longest "
                              "sequence cannot be read from cu_seqlens there)")
-        return given
+        return given, given
     facts = device_checks.sequence_facts(cu_seqlens, given)
     if facts is None:  # (on CUDA check_cu_seqlens has said which rule; CPU values are read here)
         raise ValueError("SeqfuseEsm: argument 'cu_seqlens' must start at 0, be non-decreasing"
@@ -231,7 +232,7 @@ def _check_packed_extent(cu_seqlens, tokens, max_seqlen):
     if facts[0] != tokens:
         raise ValueError(f"SeqfuseEsm: cu_seqlens ends at {facts[0]} but input_ids holds {tokens} tokens "
                          "(packed input has no padding: the last sequence ends at the last token)")
-    return facts[2] if given is None else given
+    return (facts[2] if given is None else given), facts[2]
 
 
 class SeqfuseEsmModel(SeqfuseEsmPreTrainedModel):
@@ -300,8 +301,7 @@ class SeqfuseEsmModel(SeqfuseEsmPreTrainedModel):
         needs; FP8 as there."""
         check_graphable("SeqfuseEsmModel", self.embeddings.word_embeddings.weight.device.type == "cuda",
                         self._dropout_settings(), self.activation_checkpointing, self.training,
-                        method="graph_packed_layers", tokens=tokens, max_sequences=max_sequences,
-                        max_seqlen=max_seqlen)
+                        method="graph_packed_layers")  # (the sizes: PackedLayout checks them)
         layout = PackedLayout("SeqfuseEsmModel.graph_packed_layers", tokens, max_sequences, max_seqlen)
         w = self.embeddings.word_embeddings.weight
         x = torch.randn(tokens, self.config.hidden_size, device=w.device, dtype=w.dtype)
@@ -314,14 +314,15 @@ class SeqfuseEsmModel(SeqfuseEsmPreTrainedModel):
         self._layer_graphs.set(layout.key(), fp8_recipe, graphed, packed=layout)
         return self
 
-    def _graphs_for(self, input_ids, padded, packed, output_hidden_states, cu_seqlens=None, max_seqlen=None):
+    def _graphs_for(self, input_ids, padded, packed, output_hidden_states, cu_seqlens=None, longest=None):
         """The graphed layers when this call may replay them, else None (the
         reason logged once); ``padded``: the forward's mask read found zeros.
-        Packed graphs serve packed calls within their layout's bounds."""
+        Packed graphs serve packed calls within their layout's bounds
+        (``longest``: the batch's longest sequence)."""
         graphs = self._layer_graphs
         if packed and graphs.packed is not None:
             reason = (eager_reason(hidden_states=output_hidden_states)
-                      or graphs.packed.misfit(input_ids.numel(), cu_seqlens.numel() - 1, max_seqlen))
+                      or graphs.packed.misfit(input_ids.numel(), cu_seqlens.numel() - 1, longest))
             return graphs.for_call(self.training, graphs.shape, reason)
         return graphs.for_call(self.training, input_ids.shape, eager_reason(packed, padded, output_hidden_states))
 
@@ -343,14 +344,14 @@ class SeqfuseEsmModel(SeqfuseEsmPreTrainedModel):
         if packed:
             shape = input_ids.shape
             ids = input_ids.reshape(-1)
-            max_seqlen = _check_packed_extent(cu_seqlens, ids.shape[0], max_seqlen)
+            max_seqlen, longest = _check_packed_extent(cu_seqlens, ids.shape[0], max_seqlen)
             x = self.embeddings(ids, cu_seqlens=cu_seqlens)
-            freqs = self.rotary_embeddings(max_seqlen)
+            rope_len = max_seqlen
             layer_kw = dict(cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=max_seqlen,
                             max_seqlen_kv=max_seqlen, qkv_format="thd", self_attn_mask_type="padding")
         else:
             x = self.embeddings(input_ids, attention_mask=attention_mask)
-            freqs = self.rotary_embeddings(input_ids.shape[1])
+            rope_len, longest = input_ids.shape[1], None
             te_mask = None if attention_mask is None else ~attention_mask.bool()[:, None, None, :]
             # One host read of the mask: whether anything is padded, and the layout the layers then reuse
             # (right padding: the padded layout; left or both-sided: packed runs; a hole: ValueError)
@@ -360,7 +361,7 @@ class SeqfuseEsmModel(SeqfuseEsmPreTrainedModel):
                 layer_kw = dict(self_attn_mask_type="no_mask", qkv_format="bshd")
         hidden = [] if output_hidden_states else None
         graphed = self._graphs_for(input_ids, "attention_mask" in layer_kw, packed, output_hidden_states,
-                                   cu_seqlens, max_seqlen)
+                                   cu_seqlens, longest)
         if graphed is not None and packed:
             layout = self._layer_graphs.packed
             t = x.shape[0]
@@ -369,6 +370,7 @@ class SeqfuseEsmModel(SeqfuseEsmPreTrainedModel):
             for layer in graphed:
                 x = layer(x, freqs, cu)
             return self._finish(x[:t], hidden, packed, shape, return_dict)
+        freqs = self.rotary_embeddings(rope_len)
         if graphed is not None:
             for layer in graphed:
                 x = layer(x, freqs)

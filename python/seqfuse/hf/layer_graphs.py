@@ -85,7 +85,7 @@ class PackedLayout:
         if need > sequences:
             raise ValueError(f"{where}: argument 'max_sequences' ({sequences}) must be at least {need}: the "
                              f"capture's sample batch holds {tokens} tokens in sequences of at most max_seqlen "
-                             f"{max_seqlen}, of unequal lengths")
+                             f"{max_seqlen}")
         self._steps = None  # 1, 2, ..., sequences on the device (pad)
 
     def key(self):
@@ -102,28 +102,35 @@ class PackedLayout:
         length = min(self.max_seqlen, max(self.pad_segment, -(-pad // room)))
         return -(-pad // length), length
 
-    def misfit(self, tokens, sequences, max_seqlen):
+    def misfit(self, tokens, sequences, longest):
         """Why a packed call of ``tokens`` tokens in ``sequences`` sequences,
-        the longest ``max_seqlen`` (host ints), cannot replay these graphs,
-        or None."""
+        the longest ``longest`` tokens (host ints), cannot replay these
+        graphs, as (the bound it breaks, what the log says), or None."""
         if tokens > self.tokens:
-            return f"packed call of {tokens} tokens, graphed for at most {self.tokens}"
-        if max_seqlen > self.max_seqlen:
-            return f"packed call with max_seqlen {max_seqlen}, graphed for at most {self.max_seqlen}"
+            return "tokens", f"packed call of {tokens} tokens, graphed for at most {self.tokens}"
+        if longest > self.max_seqlen:
+            return "max_seqlen", (f"packed call with a sequence of {longest} tokens, graphed for at most "
+                                  f"max_seqlen {self.max_seqlen}")
         pad = self.tokens - tokens
         least = -(-pad // self.max_seqlen)  # padding sequences of max_seqlen tokens
         if sequences + least > self.sequences:
-            return (f"packed call of {sequences} sequences and {pad} padding tokens, which need {least} more "
-                    f"sequences of at most max_seqlen {self.max_seqlen}: graphed for at most {self.sequences} "
-                    f"sequences")
+            return "sequences", (f"packed call of {sequences} sequences and {pad} padding tokens, which need "
+                                 f"{least} more sequences of at most max_seqlen {self.max_seqlen}: graphed for "
+                                 f"at most {self.sequences} sequences")
         return None
+
+    def sequences_wanted(self, tokens, sequences):
+        """The sequence bound at which a call of ``tokens`` tokens in
+        ``sequences`` sequences gets padding sequences of pad_segment
+        tokens (the cheapest)."""
+        return sequences + -(-(self.tokens - tokens) // self.pad_segment)
 
     @staticmethod
     def sample_lengths(tokens, max_seqlen):
         """The capture's sample batch: ``tokens`` tokens in sequences of
-        ``max_seqlen``, the first one token shorter (unequal lengths: the
-        attention route of an arbitrary batch, not the one a batch of equal
-        lengths may take)."""
+        ``max_seqlen``, the first one token shorter where there are two or
+        more and max_seqlen > 1 (the route of a batch of unequal lengths,
+        which a batch of equal lengths, run eagerly, may not take)."""
         lengths, left = [], tokens
         while left:
             n = min(max_seqlen, left) - (not lengths and 1 < max_seqlen <= left)
@@ -148,6 +155,10 @@ class PackedLayout:
         the sequences ``padding`` gives, then zero-length ones.  A call that
         fits (``misfit`` None); a few launches, no host read."""
         t, n = x.shape[0], cu_seqlens.numel() - 1
+        if t > self.tokens or n > self.sequences or cu_seqlens.device != x.device:
+            raise ValueError(f"PackedLayout.pad: a call of {t} tokens in {n} sequences (cu_seqlens on "
+                             f"{cu_seqlens.device}, hidden states on {x.device}) does not fit bounds of "
+                             f"{self.tokens} tokens in {self.sequences} sequences on one device")
         _, length = self.padding(t, n)
         if self._steps is None or self._steps.device != cu_seqlens.device:
             self._steps = torch.arange(1, self.sequences + 1, dtype=torch.int32, device=cu_seqlens.device)
@@ -184,6 +195,11 @@ class LayerGraphs:
         self.shape, self.recipe, self.graphed, self.packed = tuple(shape), recipe, tuple(graphed), packed
         self.skips.clear()
 
+    @property
+    def method(self):
+        """The model method that captured these graphs."""
+        return "graph_layers" if self.packed is None else "graph_packed_layers"
+
     def clear(self):
         self.shape = self.recipe = self.graphed = self.packed = None
         self.skips.clear()
@@ -192,7 +208,9 @@ class LayerGraphs:
         """The graphed layers where a call of input ``shape`` may replay them,
         else None, the reason logged once per reason.  The reasons, first
         found first: not training; ``layout_reason`` (the caller's cause
-        that costs nothing to find, or None); another shape;
+        that costs nothing to find, or None; text, or (key, text) where the
+        text carries the call's own figures and the key names the rule,
+        logged once per key); another shape;
         ``late_reason()`` (a callable for a cause that costs a host read, run
         only when nothing before it applies).  A call under another FP8
         recipe than the captured one (its type or any setting) is a
@@ -215,9 +233,10 @@ class LayerGraphs:
             recipe = self.recipe
             if (active is None) != (recipe is None) or (recipe is not None and active != recipe):
                 raise ValueError(f"{self.owner}: the layers were graphed with fp8_recipe={recipe!r} but this "
-                                 f"call runs under {active!r}: call graph_layers again with this recipe")
+                                 f"call runs under {active!r}: call {self.method} again with this recipe")
             return self.graphed
-        if reason not in self.skips:
-            self.skips.add(reason)
-            self.log.warning("%s: graphed layers not used, layers run eagerly: %s", self.owner, reason)
+        key, text = reason if isinstance(reason, tuple) else (reason, reason)
+        if key not in self.skips:
+            self.skips.add(key)
+            self.log.warning("%s: graphed layers not used, layers run eagerly: %s", self.owner, text)
         return None

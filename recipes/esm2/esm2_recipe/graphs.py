@@ -95,7 +95,10 @@ def packed_layout(cfg):
     # the capture's sample batch, and one sequence a batch besides its padding's room
     need = max(PackedLayout.min_sequences(tokens, longest), _padding_room(tokens, longest) + 1)
     if sequences < need:
-        raise ValueError(f"train.cuda_graphs_max_sequences={given}: must be at least {need} (the graphs' capture "
+        what = (f"train.cuda_graphs_max_sequences={given}" if given is not None else
+                f"train.cuda_graphs_max_sequences=null (its default, micro_batch_tokens // 64 and the padding's "
+                f"room: {sequences}; set the key)")
+        raise ValueError(f"{what}: must be at least {need} (the graphs' capture "
                          f"batch holds data.micro_batch_tokens={tokens} tokens in sequences of at most "
                          f"data.max_length={longest}, of unequal lengths, and every batch needs room for "
                          f"its padding besides one sequence)")
