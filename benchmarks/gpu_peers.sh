@@ -67,7 +67,7 @@ ESM_STEPS=${ESM_STEPS:-8}
 # compile), then HF on torchao's float8 (tensorwise) compiled the same way,
 # fixed and real lengths, and the block-scaling rows last, so a cut drops
 # those first.
-ESM_ROWS=${ESM_ROWS:-te_bf16_packed,seqfuse_bf16_packed,te_fp8_delayed_packed,seqfuse_fp8_delayed_packed,hf_bf16_padded,te_bf16_fixed,seqfuse_bf16_fixed,te_fp8_delayed_fixed,seqfuse_fp8_delayed_fixed,seqfusegraph_fp8_delayed_fixed,hfcompile_bf16_fixed,hf_bf16_fixed,hfcompile_bf16_padded,hfao_fp8_tensorwise_fixed,hfao_fp8_tensorwise_padded,te_fp8_block_fixed,seqfuse_fp8_block_fixed}
+ESM_ROWS=${ESM_ROWS:-te_bf16_packed,seqfuse_bf16_packed,te_fp8_delayed_packed,seqfuse_fp8_delayed_packed,seqfusegraph_fp8_delayed_packed,hf_bf16_padded,te_bf16_fixed,seqfuse_bf16_fixed,te_fp8_delayed_fixed,seqfuse_fp8_delayed_fixed,seqfusegraph_fp8_delayed_fixed,hfcompile_bf16_fixed,hf_bf16_fixed,hfcompile_bf16_padded,hfao_fp8_tensorwise_fixed,hfao_fp8_tensorwise_padded,te_fp8_block_fixed,seqfuse_fp8_block_fixed}
 LLAMA_ROWS=${LLAMA_ROWS:-hf_bf16,hf_bf16_liger,seqfuse_bf16_packed,seqfuse_fp8_delayed_packed,hf_bf16_compiled}
 # in the order the summary prints them: the headline tables last, since the reply keeps the end of the output
 RESULT_NAMES="liger torchao llama3_liger te_modules te_attention_probe esm2_peers"

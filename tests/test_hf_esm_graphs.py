@@ -15,7 +15,7 @@ import logging
 import pytest
 import torch
 
-from seqfuse.common.recipe import DelayedScaling, Float8CurrentScaling
+from seqfuse.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 from seqfuse.hf import SeqfuseEsmConfig, SeqfuseEsmForMaskedLM
 from seqfuse.hf.esm import _PackedLayer
 from seqfuse.hf.layer_graphs import PackedLayout
@@ -225,7 +225,8 @@ def test_packed_graphs_serve_only_calls_within_bounds(caplog):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("recipe", [None, DelayedScaling()], ids=["bf16", "fp8_delayed"])
+@pytest.mark.parametrize("recipe", [None, DelayedScaling(), Float8CurrentScaling(), Float8BlockScaling()],
+                         ids=["bf16", "fp8_delayed", "fp8_current", "fp8_block"])
 def test_cuda_graphed_packed_layers_train_as_eager(recipe, caplog):
     """Packed batches of other token counts, sequence counts and longest
     lengths replay one set of graphs and train as the eager model does.
