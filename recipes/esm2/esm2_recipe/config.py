@@ -56,7 +56,7 @@ class Esm2TrainConfig(TrainConfig):
     """The shared train group plus ESM-2's graphed layers (esm2_recipe/graphs.py)."""
     cuda_graphs: bool = rule(False, Bool())
     cuda_graphs_max_sequences: Optional[int] = rule(None, Int(1, optional=True,
-                                                               null_means="data.micro_batch_tokens // 64 + the padding's room"))
+                                                               null_means="1.5 x an average batch's sequences + the padding's room"))
 
 
 @dataclass

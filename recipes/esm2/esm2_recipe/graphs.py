@@ -15,14 +15,17 @@ A graph replays one shape.  Packed THD batches (data.packed=true, the
 default) change their token count, sequences and longest sequence every
 step; the graphs are captured for their bounds (SeqfuseEsmModel.
 graph_packed_layers: data.micro_batch_tokens tokens, train.
-cuda_graphs_max_sequences sequences, by default micro_batch_tokens // 64
-and room for the padding, data.max_length the longest) and every batch is padded to them on the
+cuda_graphs_max_sequences sequences, data.max_length the longest; the
+default bound is 1.5 times the sequences an average batch of the training
+split holds, and room for the padding: ``default_max_sequences``) and every batch is padded to them on the
 device.  So that every training batch fits, the loader caps its sequences
 (``loader_max_sequences``): the bound less the padding sequences the
 emptiest batch could need (ceil(micro_batch_tokens / max_length)) and the
-collator's own padding sequence (its token multiple).  At the defaults
-(16,384 tokens, 1,024 the longest) that is 256 sequences, far above a batch
-of real proteins' count (about 50).  Padded batches
+collator's own padding sequence (its token multiple); by default that is
+the 1.5 times the average.  The bound is kept small because every sequence
+in it costs the graphs' attention a few empty thread blocks per head, real
+or not: on the H200 at ESM-2 650M's 16,384-token batches, a bound of 273
+sequences ran at 0.95x the speed of one of 56.  Padded batches
 need one shape without padding: data.fixed_length=true with data.packed=false
 gives [micro_batch_tokens // max_length, max_length] every step (the config
 rules refuse padded real-length batches, naming the keys).
@@ -41,7 +44,9 @@ refused with the rule before anything is built.
 """
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import time
 
 import torch
@@ -83,6 +88,32 @@ def _padding_room(tokens, longest):
     return -(-tokens // longest) + 1
 
 
+#: The default sequence bound's margin over an average packed batch's count.
+SEQUENCES_MARGIN = 1.5
+
+
+def default_max_sequences(cfg):
+    """train.cuda_graphs_max_sequences=null: SEQUENCES_MARGIN times the
+    sequences an average packed batch of the training split holds
+    (data.micro_batch_tokens over the mean token length: each protein with
+    its two special tokens, cropped to data.max_length; windows of
+    data.max_length under data.fixed_length), and the padding's room."""
+    tokens, longest = int(cfg.data.micro_batch_tokens), int(cfg.data.max_length)
+    mean = longest if cfg.data.get("fixed_length") else _mean_length(str(cfg.data.path), longest)
+    return math.ceil(SEQUENCES_MARGIN * tokens / mean) + _padding_room(tokens, longest)
+
+
+@functools.lru_cache(maxsize=4)
+def _mean_length(path, longest):
+    """The training split's mean token length (read once per data path)."""
+    from recipe_common.trainer import load_splits
+
+    from .trainer import resolve_data_path
+
+    train, _ = load_splits(resolve_data_path(path))
+    return sum(min(len(s) + 2, longest) for s in train) / max(len(train), 1)
+
+
 def packed_layout(cfg):
     """The packed batches' bounds the graphs are captured for
     (layer_graphs.PackedLayout); a train.cuda_graphs_max_sequences too small
@@ -91,13 +122,12 @@ def packed_layout(cfg):
 
     tokens, longest = int(cfg.data.micro_batch_tokens), int(cfg.data.max_length)
     given = cfg.train.get("cuda_graphs_max_sequences")
-    sequences = tokens // 64 + _padding_room(tokens, longest) if given is None else int(given)
+    sequences = default_max_sequences(cfg) if given is None else int(given)
     # the capture's sample batch, and one sequence a batch besides its padding's room
     need = max(PackedLayout.min_sequences(tokens, longest), _padding_room(tokens, longest) + 1)
     if sequences < need:
         what = (f"train.cuda_graphs_max_sequences={given}" if given is not None else
-                f"train.cuda_graphs_max_sequences=null (its default, micro_batch_tokens // 64 and the padding's "
-                f"room: {sequences}; set the key)")
+                f"train.cuda_graphs_max_sequences=null (its default from the data, {sequences}; set the key)")
         raise ValueError(f"{what}: must be at least {need} (the graphs' capture "
                          f"batch holds data.micro_batch_tokens={tokens} tokens in sequences of at most "
                          f"data.max_length={longest}, of unequal lengths, and every batch needs room for "
