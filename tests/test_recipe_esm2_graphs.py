@@ -261,6 +261,26 @@ def _grad_error(a, b):
     return max(float((a[k] - b[k]).norm() / a[k].norm().clamp_min(1e-12)) for k in a)
 
 
+def _eager_and_graphed(base, monkeypatch, caplog):
+    """The recipe run with ``base`` overrides, then with train.cuda_graphs
+    (its log captured at INFO): (eager result, graphed result, each step's
+    gradients of both, the graphed run's CUDA graph replays counted)."""
+    eager_grads, graph_grads = [], []
+    eager = _run(base, monkeypatch, eager_grads)
+    replays = []
+    real_replay = torch.cuda.CUDAGraph.replay
+
+    def counting(self):
+        replays.append(1)
+        return real_replay(self)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", counting)
+    with caplog.at_level(logging.INFO):
+        graphed = _run(base + ["train.cuda_graphs=true"], monkeypatch, graph_grads)
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", real_replay)
+    return eager, graphed, eager_grads, graph_grads, replays
+
+
 PRECISIONS = {"bf16": ["precision.recipe=bf16"], "fp8_delayed": ["precision.recipe=fp8_delayed"],
               # per-layer precision: layer 0 runs without FP8 inside the FP8 region, in its graph too
               "fp8_delayed_bf16_layer0": ["precision.recipe=fp8_delayed", "precision.bf16_first_layers=1"]}
@@ -281,19 +301,7 @@ def test_cuda_graphed_recipe_trains_as_eager(precision, monkeypatch, caplog):
     base = FIXED + PRECISIONS[precision] + ["device=cuda", "train.steps=6", "train.grad_accum=2",
                                             "train.eval_interval=3", "train.warmup_steps=2",
                                             "precision.amax_history_len=4"]
-    eager_grads, graph_grads = [], []
-    eager = _run(base, monkeypatch, eager_grads)
-    replays = []
-    real_replay = torch.cuda.CUDAGraph.replay
-
-    def counting(self):
-        replays.append(1)
-        return real_replay(self)
-
-    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", counting)
-    with caplog.at_level(logging.INFO):
-        graphed = _run(base + ["train.cuda_graphs=true"], monkeypatch, graph_grads)
-    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", real_replay)
+    eager, graphed, eager_grads, graph_grads, replays = _eager_and_graphed(base, monkeypatch, caplog)
     assert "2 encoder layers captured as CUDA graphs (forward and backward) for batches [8, 128]" in caplog.text
     # eager micro-batches x FP8 layers: the first step's two micro-batches of each delayed-scaling FP8 layer
     eager_layer_calls = {"bf16": 0, "fp8_delayed": 2 * 2, "fp8_delayed_bf16_layer0": 2 * 1}[precision]
@@ -325,19 +333,7 @@ def test_cuda_graphed_packed_recipe_trains_as_eager(precision, monkeypatch, capl
     losses and gradients are the eager run's."""
     base = PACKED + PRECISIONS[precision] + ["device=cuda", "train.steps=6", "train.eval_interval=0",
                                              "train.warmup_steps=2", "precision.amax_history_len=4"]
-    eager_grads, graph_grads = [], []
-    eager = _run(base, monkeypatch, eager_grads)
-    replays = []
-    real_replay = torch.cuda.CUDAGraph.replay
-
-    def counting(self):
-        replays.append(1)
-        return real_replay(self)
-
-    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", counting)
-    with caplog.at_level(logging.INFO):
-        graphed = _run(base + ["train.cuda_graphs=true"], monkeypatch, graph_grads)
-    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", real_replay)
+    eager, graphed, eager_grads, graph_grads, replays = _eager_and_graphed(base, monkeypatch, caplog)
     assert ("2 encoder layers captured as CUDA graphs (forward and backward) for packed batches of at most 1024 "
             "tokens in 22 sequences") in caplog.text
     skipped = [r.getMessage() for r in caplog.records if "graphed layers not used" in r.getMessage()]
