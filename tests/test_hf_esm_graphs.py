@@ -148,6 +148,10 @@ def test_packed_layout_bounds_and_padding():
     cu12 = torch.arange(0, 1001, 1000 // 12 + 1, dtype=torch.int32)[:12].tolist() + [1000]
     assert layout.pad(full, torch.tensor(cu12, dtype=torch.int32))[1].tolist() == cu12
     assert layout.sequences_wanted(700, 3) == 6 and layout.sequences_wanted(1000, 3) == 3
+    big = PackedLayout("t", 1024, 2**24 + 8, 128)  # the ends past the padding would overflow int32
+    ends = big.pad(torch.zeros(1000, 1), torch.tensor([0, 1000], dtype=torch.int32))[1]
+    assert ends.dtype == torch.int32 and ends[:3].tolist() == [0, 1000, 1024] and int(ends.min()) == 0
+    assert int(ends[-1]) == 1024
     with pytest.raises(ValueError, match="PackedLayout.pad: a call of 1001 tokens in 1 sequences"):
         layout.pad(torch.zeros(1001, 4), torch.tensor([0, 1001], dtype=torch.int32))
     lengths = layout.sample_lengths(1000, 300)

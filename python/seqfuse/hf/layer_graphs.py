@@ -86,7 +86,7 @@ class PackedLayout:
             raise ValueError(f"{where}: argument 'max_sequences' ({sequences}) must be at least {need}: the "
                              f"capture's sample batch holds {tokens} tokens in sequences of at most max_seqlen "
                              f"{max_seqlen}")
-        self._steps = None  # 1, 2, ..., sequences on the device (pad)
+        self._steps = None  # 1, 2, ..., sequences (int64) on the device (pad)
 
     def key(self):
         """What LayerGraphs compares a call's shape with."""
@@ -161,8 +161,9 @@ class PackedLayout:
                              f"{self.tokens} tokens in {self.sequences} sequences on one device")
         _, length = self.padding(t, n)
         if self._steps is None or self._steps.device != cu_seqlens.device:
-            self._steps = torch.arange(1, self.sequences + 1, dtype=torch.int32, device=cu_seqlens.device)
-        ends = (self._steps[:self.sequences - n] * length + t).clamp_(max=self.tokens)
+            self._steps = torch.arange(1, self.sequences + 1, dtype=torch.int64, device=cu_seqlens.device)
+        # (in int64: the ends past the last padding sequence may exceed int32 before the clamp)
+        ends = (self._steps[:self.sequences - n] * length + t).clamp_(max=self.tokens).to(torch.int32)
         x = torch.nn.functional.pad(x, (0,) * (2 * x.dim() - 1) + (self.tokens - t,))
         return x, torch.cat([cu_seqlens, ends])
 
