@@ -174,6 +174,31 @@ def test_packed_graphs_cap_the_loaders_sequences_so_every_batch_fits():
     assert graphs.loader_max_sequences(load_config("L0_sanity", PACKED)) is None
 
 
+def test_capture_says_which_layers_and_warns_of_packed_fixed_windows(monkeypatch, caplog):
+    """capture_layers picks graph_packed_layers (packed bounds) or
+    graph_layers (the fixed batch shape), and warns that packed fixed-length
+    windows lose the cuDNN route they take eagerly (the model's capture
+    stood in for: this runs on the CPU)."""
+    from esm2_recipe import graphs
+
+    from seqfuse.hf import SeqfuseEsmConfig, SeqfuseEsmForMaskedLM
+
+    model = SeqfuseEsmForMaskedLM(SeqfuseEsmConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                                   intermediate_size=128))
+    seen = []
+    monkeypatch.setattr(model.esm, "graph_packed_layers", lambda *a, **k: seen.append(("packed", a)))
+    monkeypatch.setattr(model.esm, "graph_layers", lambda *a, **k: seen.append(("bshd", a)))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    with caplog.at_level(logging.INFO, logger="esm2"):
+        graphs.capture_layers(model, load_config("L0_sanity", PACKED), None)
+        assert "FlashAttention" not in caplog.text
+        graphs.capture_layers(model, load_config("L0_sanity", PACKED + ["data.fixed_length=true"]), None)
+        graphs.capture_layers(model, load_config("L0_sanity", FIXED), None)
+    assert seen == [("packed", (1024, 22, 128)), ("packed", (1024, 12 + 9, 128)), ("bshd", (8, 128))]
+    assert sum("graphed layers run every packed batch on FlashAttention" in r.getMessage()
+               for r in caplog.records) == 1
+
+
 # ------------------------------------------------------------ fixed-length data (CPU)
 def test_fixed_length_batches_have_one_shape_and_no_padding():
     cfg = load_config("L0_sanity", FIXED + ["device=cpu"])

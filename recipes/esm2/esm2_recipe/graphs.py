@@ -159,6 +159,11 @@ def capture_layers(model, cfg, recipe):
         model.esm.graph_packed_layers(layout.tokens, layout.sequences, layout.max_seqlen, fp8_recipe=recipe)
         what = (f"packed batches of at most {layout.tokens} tokens in {layout.sequences} sequences (padding "
                 f"sequences counted) of at most {layout.max_seqlen}")
+        if cfg.data.get("fixed_length"):
+            log.warning("train.cuda_graphs with data.fixed_length=true and data.packed=true: the graphed layers run "
+                        "every packed batch on FlashAttention's variable-length kernels, where the eager layers "
+                        "run windows of one length on cuDNN's (faster); data.packed=false graphs the same windows "
+                        "as [B, %d] batches on cuDNN", layout.max_seqlen)
     else:
         shape = graphed_batch_shape(cfg)
         model.esm.graph_layers(*shape, fp8_recipe=recipe)
