@@ -99,6 +99,9 @@ def test_run_refusals_before_anything_is_built(monkeypatch):
     packed = PACKED + ["train.cuda_graphs=true", "device=cuda"]
     check_graphs_run(load_config("L0_sanity", packed + ["train.cuda_graphs_max_sequences=10"]), torch.device("cuda"),
                      1)
+    with pytest.raises(ValueError, match=r"data.pad_to_multiple_of=256 must be at most data.max_length=128 with "
+                                         r"packed batches"):
+        check_graphs_run(load_config("L0_sanity", packed + ["data.pad_to_multiple_of=256"]), torch.device("cuda"), 1)
     with pytest.raises(ValueError, match=r"train.cuda_graphs_max_sequences=9: must be at least 10 \(the graphs' "
                                          r"capture batch holds data.micro_batch_tokens=1024 tokens"):
         check_graphs_run(load_config("L0_sanity", packed + ["train.cuda_graphs_max_sequences=9"]),
@@ -158,7 +161,7 @@ def test_packed_graphs_cap_the_loaders_sequences_so_every_batch_fits():
         layout = graphs.packed_layout(cfg)
         cap = graphs.loader_max_sequences(cfg)
         assert cap == layout.sequences - 9
-        train_loader, _, _, _ = trainer.build_loaders(cfg, 0, 1, DelayedScaling())
+        train_loader, val_loader, _, _ = trainer.build_loaders(cfg, 0, 1, DelayedScaling())
         counts = []
         for i, batch in enumerate(train_loader):
             n = batch["cu_seqlens"].numel() - 1
@@ -168,7 +171,8 @@ def test_packed_graphs_cap_the_loaders_sequences_so_every_batch_fits():
             if i == 40:
                 break
         if n_max == 12:
-            assert max(counts) == cap  # the cap cut batches
+            assert max(counts) == cap  # the cap cut batches; validation (eager) is not capped
+            assert max(b["num_sequences"] for b in val_loader) > cap
         else:
             assert cap == 13 and max(counts) <= cap
     assert graphs.loader_max_sequences(load_config("L0_sanity", PACKED)) is None

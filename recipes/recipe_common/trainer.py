@@ -118,14 +118,16 @@ def load_splits(path):
     return train_seqs, val_seqs
 
 
-def train_val_loaders(build, tok, train_seqs, val_seqs, cfg, pad, rank, world, pin_memory=False, **extra):
+def train_val_loaders(build, tok, train_seqs, val_seqs, cfg, pad, rank, world, pin_memory=False, train_extra=None,
+                      **extra):
     """A recipe's (training loader, validation loader, training sequences,
     validation sequences) from seqfuse.data's ``build`` (build_mlm_loader
     or build_causal_lm_loader) with tokenizer ``tok``: both take the data
     group's token budget, max_length and layout (packed), the token
     multiple ``pad``, train.seed, this rank's place among ``world`` ranks,
     ``pin_memory`` and ``extra`` (the builder's own arguments, e.g.
-    mask_prob); the training loader reads the sequences encoded once
+    mask_prob), and ``train_extra`` the training loader's alone (e.g. a
+    cap on its batches' sequences); the training loader reads the sequences encoded once
     (TokenizedSequences) with the data group's workers, bucketing and rank
     balancing, the validation loader runs in evaluation mode (file order,
     crops from the start, one fixed epoch)."""
@@ -137,7 +139,8 @@ def train_val_loaders(build, tok, train_seqs, val_seqs, cfg, pad, rank, world, p
                   packed=bool(cfg.data.packed), pad_to_multiple_of=pad, seed=int(cfg.train.seed), rank=rank,
                   world_size=world, pin_memory=pin_memory, **extra)
     train = build(TokenizedSequences(train_seqs, tok), tok, num_workers=int(cfg.data.num_workers),
-                  bucket_size=cfg.data.bucket_size, balance_ranks=bool(cfg.data.get("balance_ranks", False)), **common)
+                  bucket_size=cfg.data.bucket_size, balance_ranks=bool(cfg.data.get("balance_ranks", False)), **common,
+                  **(train_extra or {}))
     val = build(val_seqs, tok, evaluation=True, **common)
     return train, val, len(train_seqs), len(val_seqs)
 

@@ -68,6 +68,11 @@ def check_graphs_run(cfg, device, world):
                          f"supported): run without train.cuda_graphs or on one GPU")
     if cfg.data.packed:
         packed_layout(cfg)
+        pad, longest = cfg.data.get("pad_to_multiple_of"), int(cfg.data.max_length)
+        if pad not in (None, "auto") and int(pad) > longest:
+            raise ValueError(f"train.cuda_graphs=true: data.pad_to_multiple_of={pad} must be at most "
+                             f"data.max_length={longest} with packed batches (the collator's padding sequence "
+                             f"would be longer than the graphs' max_seqlen, and every such batch would run eagerly)")
 
 
 def loader_max_sequences(cfg):
@@ -111,7 +116,7 @@ def _mean_length(path, longest):
     from .trainer import resolve_data_path
 
     train, _ = load_splits(resolve_data_path(path))
-    return sum(min(len(s) + 2, longest) for s in train) / max(len(train), 1)
+    return max(1.0, sum(min(len(s) + 2, longest) for s in train) / max(len(train), 1))
 
 
 def packed_layout(cfg):

@@ -138,10 +138,15 @@ def build_loaders(cfg, rank, world, recipe, pin_memory=False):
         val_seqs = fixed_length_windows(val_seqs, length, per_batch, "validation")
     from .graphs import loader_max_sequences
 
-    # packed batches under train.cuda_graphs: at most as many sequences as the graphs' bound leaves room for
+    # packed training batches under train.cuda_graphs: at most as many sequences as the graphs' bound leaves room
+    # for (validation runs the layers eagerly: its batches are not capped)
+    cap = loader_max_sequences(cfg)
+    if cap is not None:
+        log.info("train.cuda_graphs: packed training batches hold at most %d sequences (a batch of more short "
+                 "proteins is split; raise train.cuda_graphs_max_sequences to split fewer)", cap)
     return _loop.train_val_loaders(build_mlm_loader, EsmTokenizer(), train_seqs, val_seqs, cfg, pad, rank, world,
-                                   pin_memory, mask_prob=float(cfg.data.mask_prob),
-                                   max_sequences=loader_max_sequences(cfg))
+                                   pin_memory, train_extra=None if cap is None else dict(max_sequences=cap),
+                                   mask_prob=float(cfg.data.mask_prob))
 
 
 def forward_loss(model, batch):
