@@ -154,7 +154,8 @@ def test_packed_layout_bounds_and_padding():
     assert int(ends[-1]) == 1024
     with pytest.raises(ValueError, match="PackedLayout.pad: a call of 1001 tokens in 1 sequences"):
         layout.pad(torch.zeros(1001, 4), torch.tensor([0, 1001], dtype=torch.int32))
-    with pytest.raises(ValueError, match="a call of 700 tokens in 12 sequences .* does not fit"):  # no room for padding
+    with pytest.raises(ValueError, match="a call of 700 tokens in 12 sequences .* does not fit these graphs: "
+                                         "packed call of 12 sequences and 300 padding tokens"):  # no room for padding
         layout.pad(torch.zeros(700, 4), torch.tensor([0] + [58 * i for i in range(1, 12)] + [700], dtype=torch.int32))
     lengths = layout.sample_lengths(1000, 300)
     assert sum(lengths) == 1000 and max(lengths) <= 300 and len(set(lengths)) > 1

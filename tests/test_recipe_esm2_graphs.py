@@ -142,7 +142,7 @@ def test_the_trainer_captures_after_wrapping_for_the_batch_shape(monkeypatch):
     assert layout.key() == ("thd", 1024, 13 + 9, 128)
 
 
-def test_packed_graphs_cap_the_loaders_sequences_so_every_batch_fits():
+def test_packed_graphs_cap_the_loaders_sequences_so_every_batch_fits(caplog):
     """Under packed train.cuda_graphs the loader holds at most the graphs'
     sequence bound less the padding's room (8 sequences of 128 for an
     empty budget of 1024 tokens, and the collator's padding sequence of its
@@ -161,7 +161,9 @@ def test_packed_graphs_cap_the_loaders_sequences_so_every_batch_fits():
         layout = graphs.packed_layout(cfg)
         cap = graphs.loader_max_sequences(cfg)
         assert cap == layout.sequences - 9
-        train_loader, val_loader, _, _ = trainer.build_loaders(cfg, 0, 1, DelayedScaling())
+        with caplog.at_level(logging.INFO, logger="esm2"):
+            train_loader, val_loader, _, _ = trainer.build_loaders(cfg, 0, 1, DelayedScaling())
+        assert f"packed training batches hold at most {cap} sequences" in caplog.text
         counts = []
         for i, batch in enumerate(train_loader):
             n = batch["cu_seqlens"].numel() - 1

@@ -155,12 +155,11 @@ class PackedLayout:
         the sequences ``padding`` gives, then zero-length ones.  A call that
         fits (``misfit`` None); a few launches, no host read."""
         t, n = x.shape[0], cu_seqlens.numel() - 1
-        if (t > self.tokens or n + -(-(self.tokens - t) // self.max_seqlen) > self.sequences
-                or cu_seqlens.device != x.device):
+        why = self.misfit(t, n, 0)  # (the longest sequence is the caller's to check)
+        if why is not None or cu_seqlens.device != x.device:
             raise ValueError(f"PackedLayout.pad: a call of {t} tokens in {n} sequences (cu_seqlens on "
-                             f"{cu_seqlens.device}, hidden states on {x.device}) does not fit bounds of "
-                             f"{self.tokens} tokens in {self.sequences} sequences (padding sequences of at most "
-                             f"{self.max_seqlen} included) on one device")
+                             f"{cu_seqlens.device}, hidden states on {x.device}) does not fit these graphs"
+                             + (f": {why[1]}" if why is not None else ": not on one device"))
         _, length = self.padding(t, n)
         if self._steps is None or self._steps.device != cu_seqlens.device:
             self._steps = torch.arange(1, self.sequences + 1, dtype=torch.int64, device=cu_seqlens.device)
