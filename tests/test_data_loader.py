@@ -90,6 +90,10 @@ def test_max_sequences_and_no_shuffle():
     lengths = np.array([10, 20, 30, 40, 50, 60])
     s = TokenBudgetBatchSampler(lengths, 1000, max_sequences=4, shuffle=False)
     assert s.batches(0) == [[0, 1, 2, 3], [4, 5]]
+    assert s.batches_added_by_cap(0) == (2, 1)  # uncapped, all six fit the budget in one batch
+    assert s.batches(0) == [[0, 1, 2, 3], [4, 5]] and s.max_sequences == 4  # the count leaves the sampler as it was
+    assert TokenBudgetBatchSampler(lengths, 100, max_sequences=4, shuffle=False).batches_added_by_cap(0) == (3, 0)
+    assert TokenBudgetBatchSampler(lengths, 1000, shuffle=False).batches_added_by_cap(0) == (1, 0)
     s = TokenBudgetBatchSampler(lengths, 60, shuffle=False)
     assert s.batches(0) == [[0, 1, 2], [3], [4], [5]]
     s = TokenBudgetBatchSampler(lengths, 100, padded=True, shuffle=False)

@@ -161,6 +161,16 @@ def test_packed_layout_bounds_and_padding():
     assert sum(lengths) == 1000 and max(lengths) <= 300 and len(set(lengths)) > 1
     assert layout.sample_cu_seqlens("cpu").tolist() == [0, 299, 599, 899, 1000] + [1000] * 8
     assert PackedLayout.min_sequences(1000, 300) == 4 and PackedLayout.min_sequences(100, 300) == 1
+    for tokens in range(1, 40):  # the count is the sample's, at every remainder
+        for longest in range(1, 12):
+            assert PackedLayout.min_sequences(tokens, longest) == len(PackedLayout.sample_lengths(tokens, longest))
+    assert PackedLayout.padding_sequences(300, 300) == 1 and PackedLayout.padding_sequences(301, 300) == 2
+    assert layout.max_real_sequences() == 12 - 4
+    for n in range(1, layout.max_real_sequences() + 1):  # at the bound, any token count fits
+        assert all(layout.misfit(t, n, 1) is None for t in (0, 1, 299, 300, 301, 999, 1000))
+    assert layout.misfit(0, layout.max_real_sequences() + 1, 1)[0] == "sequences"
+    with pytest.raises(ValueError, match="not on one device"):  # cu_seqlens and the rows on two devices
+        layout.pad(torch.zeros(700, 4), torch.tensor([0, 700], dtype=torch.int32, device="meta"))
     with pytest.raises(ValueError, match="argument 'max_sequences' \\(3\\) must be at least 4"):
         PackedLayout("M.graph_packed_layers", 1000, 3, 300)
     with pytest.raises(ValueError, match="M.graph_packed_layers: argument 'max_seqlen' must be a positive int"):

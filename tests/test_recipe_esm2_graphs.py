@@ -164,6 +164,11 @@ def test_packed_graphs_cap_the_loaders_sequences_so_every_batch_fits(caplog):
         with caplog.at_level(logging.INFO, logger="esm2"):
             train_loader, val_loader, _, _ = trainer.build_loaders(cfg, 0, 1, DelayedScaling())
         assert f"packed training batches hold at most {cap} sequences" in caplog.text
+        total, added = train_loader.batch_sampler.batches_added_by_cap(0)
+        assert (added > 0) == (n_max == 12)  # the default bound splits none of the subset's epoch-0 batches
+        assert (f"in epoch 0 that splits batches of more short proteins into {added} more batches ({total} in all)"
+                if added else f"it splits none of epoch 0's {total} batches") in caplog.text
+        caplog.clear()
         counts = []
         for i, batch in enumerate(train_loader):
             n = batch["cu_seqlens"].numel() - 1

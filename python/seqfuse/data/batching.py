@@ -36,6 +36,7 @@ ValueError naming it (crop sequences with MLMDataset's ``max_length``).
 """
 from __future__ import annotations
 
+import copy
 import zlib
 
 import numpy as np
@@ -190,6 +191,18 @@ class TokenBudgetBatchSampler(torch.utils.data.Sampler):
                 out = [out[k] for k in perm]
         self._cache = (epoch, out)
         return out
+
+    def batches_added_by_cap(self, epoch: int) -> tuple[int, int]:
+        """(batches, of which the ``max_sequences`` cap adds): ``epoch``'s
+        global batch count and how many more it has than without the cap
+        (0 without one).  A cap below what the token budget packs cuts
+        batches of many short samples in two, which a run should be told."""
+        n = len(self.batches(epoch))
+        if self.max_sequences is None:
+            return n, 0
+        free = copy.copy(self)
+        free.max_sequences, free._cache, free._balanced_cache = None, None, None
+        return n, n - len(free.batches(epoch))
 
     def _fits(self, tot, longest, count, li):
         """Would a sample of length ``li`` fit a batch of ``count`` samples,

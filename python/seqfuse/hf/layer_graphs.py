@@ -112,12 +112,24 @@ class PackedLayout:
             return "max_seqlen", (f"packed call with a sequence of {longest} tokens, graphed for at most "
                                   f"max_seqlen {self.max_seqlen}")
         pad = self.tokens - tokens
-        least = -(-pad // self.max_seqlen)  # padding sequences of max_seqlen tokens
+        least = self.padding_sequences(pad, self.max_seqlen)
         if sequences + least > self.sequences:
             return "sequences", (f"packed call of {sequences} sequences and {pad} padding tokens, which need "
                                  f"{least} more sequences of at most max_seqlen {self.max_seqlen}: graphed for "
                                  f"at most {self.sequences} sequences")
         return None
+
+    @staticmethod
+    def padding_sequences(rows, max_seqlen):
+        """The fewest padding sequences that hold ``rows`` padding rows:
+        sequences of ``max_seqlen`` tokens (misfit's rule)."""
+        return -(-rows // max_seqlen)
+
+    def max_real_sequences(self):
+        """The most sequences a call may hold for every call within the token
+        bound to fit: the sequence bound less the padding an empty call
+        would need."""
+        return self.sequences - self.padding_sequences(self.tokens, self.max_seqlen)
 
     def sequences_wanted(self, tokens, sequences):
         """The sequence bound at which a call of ``tokens`` tokens in
@@ -141,8 +153,9 @@ class PackedLayout:
     @staticmethod
     def min_sequences(tokens, max_seqlen):
         """The fewest ``sequences`` a layout of these bounds may have: the
-        capture's sample batch's."""
-        return len(PackedLayout.sample_lengths(tokens, max_seqlen))
+        capture's sample batch's (sample_lengths: its first sequence one
+        token short where it has two or more)."""
+        return -(-(tokens + (1 < max_seqlen <= tokens)) // max_seqlen)
 
     def sample_cu_seqlens(self, device):
         lengths = self.sample_lengths(self.tokens, self.max_seqlen)

@@ -83,14 +83,15 @@ def loader_max_sequences(cfg):
     collator's padding sequence (data.pad_to_multiple_of)."""
     if not (cfg.train.get("cuda_graphs") and cfg.data.packed):
         return None
-    layout = packed_layout(cfg)
-    return layout.sequences - _padding_room(layout.tokens, layout.max_seqlen)
+    return packed_layout(cfg).max_real_sequences() - 1  # (the collator's padding sequence)
 
 
 def _padding_room(tokens, longest):
     """The sequences a packed batch's padding may take: the graphs' padding
-    of an empty budget in sequences of ``longest``, and the collator's."""
-    return -(-tokens // longest) + 1
+    of an empty budget (PackedLayout.padding_sequences), and the collator's."""
+    from seqfuse.hf.layer_graphs import PackedLayout
+
+    return PackedLayout.padding_sequences(tokens, longest) + 1
 
 
 #: The default sequence bound's margin over an average packed batch's count.

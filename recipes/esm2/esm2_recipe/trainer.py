@@ -141,12 +141,16 @@ def build_loaders(cfg, rank, world, recipe, pin_memory=False):
     # packed training batches under train.cuda_graphs: at most as many sequences as the graphs' bound leaves room
     # for (validation runs the layers eagerly: its batches are not capped)
     cap = loader_max_sequences(cfg)
+    loaders = _loop.train_val_loaders(build_mlm_loader, EsmTokenizer(), train_seqs, val_seqs, cfg, pad, rank, world,
+                                      pin_memory, train_extra=None if cap is None else dict(max_sequences=cap),
+                                      mask_prob=float(cfg.data.mask_prob))
     if cap is not None:
-        log.info("train.cuda_graphs: packed training batches hold at most %d sequences (a batch of more short "
-                 "proteins is split; raise train.cuda_graphs_max_sequences to split fewer)", cap)
-    return _loop.train_val_loaders(build_mlm_loader, EsmTokenizer(), train_seqs, val_seqs, cfg, pad, rank, world,
-                                   pin_memory, train_extra=None if cap is None else dict(max_sequences=cap),
-                                   mask_prob=float(cfg.data.mask_prob))
+        total, added = loaders[0].batch_sampler.batches_added_by_cap(0)
+        log.info("train.cuda_graphs: packed training batches hold at most %d sequences; %s", cap,
+                 f"in epoch 0 that splits batches of more short proteins into {added} more batches ({total} in "
+                 f"all): raise train.cuda_graphs_max_sequences to split fewer" if added else
+                 f"it splits none of epoch 0's {total} batches")
+    return loaders
 
 
 def forward_loss(model, batch):
