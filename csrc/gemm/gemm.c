@@ -91,14 +91,16 @@ static sf_status check_vector(const char *arg, const sf_tensor *t, int64_t len)
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 /* The scale-inverse tensor of an FP8 operand stored K-major as [rows, k].
- * 16-byte aligned like the operands: cuBLASLt (13.x, H200) answers a scale
- * pointer at a 4-byte offset with CUBLAS_STATUS_NOT_SUPPORTED. */
+ * On CUDA 16-byte aligned like the operands: cuBLASLt (13.x, H200) answers a
+ * scale pointer at a 4-byte offset with CUBLAS_STATUS_NOT_SUPPORTED.  The CPU
+ * backend reads any float. */
 static sf_status check_scale(const char *arg, const sf_tensor *s, sf_gemm_scaling mode,
                              int64_t rows, int64_t k)
 {
     SF_TRY(sf_check_dtype(OP, arg, s, SF_FLOAT32));
     SF_TRY(sf_check_contiguous(OP, arg, s));
-    SF_TRY(sf_check_aligned(OP, arg, s, 16));
+    if (s->device == SF_CUDA)
+        SF_TRY(sf_check_aligned(OP, arg, s, 16));
     switch (mode) {
     case SF_GEMM_SCALE_TENSOR:
         return sf_check_numel(OP, arg, s, 1);
