@@ -631,8 +631,8 @@ def test_grouped_linear_fp8_device_split_keeps_no_weight_copy(seed):
     against is_first_microbatch=True (both copies cached) on the GPU: the
     CUDA transpose-only cast has the full cast's bytes and scales; the
     output and gradients are equal bit for bit; the memory allocated after
-    the forward is lower by at least both copies (G x N x K bytes each) and
-    holds no copy at all; a weight changed in place between the forward
+    the forward holds both copies (G x N x K bytes each) when kept and no
+    copy at all otherwise; a weight changed in place between the forward
     and its backward raises autograd's error."""
     splits = [96, 0, 300, 17, 123, 64, 200, 1]
     G, fin, fout = len(splits), 1024, 2048
@@ -666,8 +666,10 @@ def test_grouped_linear_fp8_device_split_keeps_no_weight_copy(seed):
     assert gl.__dict__["_fp8_device_weights"] is None
     kept = step(True)
     assert gl.__dict__["_fp8_device_weights"] is not None
-    assert kept[0] - lean[0] >= 2 * copy_bytes, (lean[0], kept[0])
-    assert lean[0] < copy_bytes // 4, lean[0]  # the offsets and scale scraps, no weight copy
+    # kept holds both copies; lean only the offsets and scale scraps (which a kept step, casting nothing,
+    # may not make: the difference alone can fall short of two copies by the scraps, as on the H200 in s26)
+    assert kept[0] >= 2 * copy_bytes, (lean[0], kept[0])
+    assert lean[0] < copy_bytes // 4, lean[0]
     for a, b in zip(lean[1:3] + tuple(lean[3]), kept[1:3] + tuple(kept[3])):
         assert torch.equal(a, b)
     again = step(None)  # drops the cached pair: its forward frees both copies
