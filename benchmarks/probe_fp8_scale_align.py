@@ -6,7 +6,7 @@ inverses that are not 16-byte aligned on CUDA (csrc/gemm/gemm.c
 check_scale).  This calls fp8_gemm_nt with a_scale_inv at offsets 0..256 bytes:
 4 and 8 meet that check (ValueError), the rest reach cuBLASLt
 and are compared with a float32 reference.  Needs a CUDA GPU; prints one
-line per offset (s26: every 16-byte offset ran, logs/fp8_scale_align_probe_h200_s26.log).
+line per offset (results/logs/fp8_scale_align_probe_h200_s26.log).
 """
 import torch
 

@@ -165,10 +165,11 @@ def test_packed_layout_bounds_and_padding():
         for longest in range(1, 12):
             assert PackedLayout.min_sequences(tokens, longest) == len(PackedLayout.sample_lengths(tokens, longest))
     assert PackedLayout.padding_sequences(300, 300) == 1 and PackedLayout.padding_sequences(301, 300) == 2
-    assert layout.max_real_sequences() == 12 - 4
-    for n in range(1, layout.max_real_sequences() + 1):  # at the bound, any token count fits
+    most = layout.sequences - PackedLayout.padding_sequences(layout.tokens, layout.max_seqlen)
+    assert most == 12 - 4
+    for n in range(1, most + 1):  # up to there, any token count fits
         assert all(layout.misfit(t, n, 1) is None for t in (0, 1, 299, 300, 301, 999, 1000))
-    assert layout.misfit(0, layout.max_real_sequences() + 1, 1)[0] == "sequences"
+    assert layout.misfit(0, most + 1, 1)[0] == "sequences"
     with pytest.raises(ValueError, match="not on one device"):  # cu_seqlens and the rows on two devices
         layout.pad(torch.zeros(700, 4), torch.tensor([0, 700], dtype=torch.int32, device="meta"))
     with pytest.raises(ValueError, match="argument 'max_sequences' \\(3\\) must be at least 4"):

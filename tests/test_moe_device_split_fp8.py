@@ -666,9 +666,9 @@ def test_grouped_linear_fp8_device_split_keeps_no_weight_copy(seed):
     assert gl.__dict__["_fp8_device_weights"] is None
     kept = step(True)
     assert gl.__dict__["_fp8_device_weights"] is not None
-    # kept holds both copies; lean only the offsets and scale scraps (which a kept step, casting nothing,
-    # may not make: the difference alone can fall short of two copies by the scraps, as on the H200 in s26)
-    assert kept[0] >= 2 * copy_bytes, (lean[0], kept[0])
+    # each step's holding asserted on its own: kept both copies and little else, lean no copy (what lean holds
+    # besides, under copy_bytes // 4, a kept step need not hold, so their difference may fall short of two copies)
+    assert 2 * copy_bytes <= kept[0] <= 2 * copy_bytes + copy_bytes // 4, (lean[0], kept[0])
     assert lean[0] < copy_bytes // 4, lean[0]
     for a, b in zip(lean[1:3] + tuple(lean[3]), kept[1:3] + tuple(kept[3])):
         assert torch.equal(a, b)

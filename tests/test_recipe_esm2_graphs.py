@@ -165,6 +165,9 @@ def test_packed_graphs_cap_the_loaders_sequences_so_every_batch_fits(caplog):
             train_loader, val_loader, _, _ = trainer.build_loaders(cfg, 0, 1, DelayedScaling())
         assert f"packed training batches hold at most {cap} sequences" in caplog.text
         total, added = train_loader.batch_sampler.batches_added_by_cap(0)
+        free = load_config("L0_sanity", PACKED + over)  # the same run without graphs: no cap
+        uncapped = trainer.build_loaders(free, 0, 1, DelayedScaling())[0]
+        assert total == len(train_loader) and added == total - len(uncapped)
         assert (added > 0) == (n_max == 12)  # the default bound splits none of the subset's epoch-0 batches
         assert (f"in epoch 0 that splits batches of more short proteins into {added} more batches ({total} in all)"
                 if added else f"it splits none of epoch 0's {total} batches") in caplog.text

@@ -76,8 +76,9 @@ static sf_status check_scale(const char *name, const sf_tensor *s, int groups)
                        "%s: argument '%s' must hold one scale inverse per group (%d) or one "
                        "shared by all groups, got %lld elements",
                        OP, name, groups, (long long)n);
-    /* per group: a 1-D vector of any positive element stride (cuBLASLt wants each
-     * scale 256-byte aligned on Hopper: the grouped FP8 cast writes them 64 floats apart) */
+    /* per group: a 1-D vector of any positive element stride (each group's scale
+     * reaches cuBLASLt through gemm.c, which refuses one not 16-byte aligned on CUDA;
+     * the grouped FP8 cast writes them 64 floats apart) */
     if (n > 1 && (s->ndim != 1 || s->strides[0] < 1))
         return sf_fail(SF_ERR_VALUE, "%s: argument '%s' must be a 1-D tensor of %d scale inverses "
                        "(any positive stride)", OP, name, groups);

@@ -122,14 +122,11 @@ class PackedLayout:
     @staticmethod
     def padding_sequences(rows, max_seqlen):
         """The fewest padding sequences that hold ``rows`` padding rows:
-        sequences of ``max_seqlen`` tokens (misfit's rule)."""
+        sequences of ``max_seqlen`` tokens (misfit's rule).  With
+        ``rows`` = ``tokens``, the padding of an empty call: a call of at
+        most ``sequences`` less that many sequences fits whatever its
+        token count."""
         return -(-rows // max_seqlen)
-
-    def max_real_sequences(self):
-        """The most sequences a call may hold for every call within the token
-        bound to fit: the sequence bound less the padding an empty call
-        would need."""
-        return self.sequences - self.padding_sequences(self.tokens, self.max_seqlen)
 
     def sequences_wanted(self, tokens, sequences):
         """The sequence bound at which a call of ``tokens`` tokens in
@@ -154,7 +151,7 @@ class PackedLayout:
     def min_sequences(tokens, max_seqlen):
         """The fewest ``sequences`` a layout of these bounds may have: the
         capture's sample batch's (sample_lengths: its first sequence one
-        token short where it has two or more)."""
+        token short where 1 < max_seqlen <= tokens)."""
         return -(-(tokens + (1 < max_seqlen <= tokens)) // max_seqlen)
 
     def sample_cu_seqlens(self, device):

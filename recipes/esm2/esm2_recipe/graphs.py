@@ -83,7 +83,8 @@ def loader_max_sequences(cfg):
     collator's padding sequence (data.pad_to_multiple_of)."""
     if not (cfg.train.get("cuda_graphs") and cfg.data.packed):
         return None
-    return packed_layout(cfg).max_real_sequences() - 1  # (the collator's padding sequence)
+    layout = packed_layout(cfg)
+    return layout.sequences - _padding_room(layout.tokens, layout.max_seqlen)
 
 
 def _padding_room(tokens, longest):
