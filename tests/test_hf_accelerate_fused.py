@@ -567,3 +567,53 @@ def test_new_fused_parameters_are_reported_and_logged(caplog):
     assert new and report.new_parameters == new
     assert "build the optimizer after accelerate()" in caplog.text
     assert "new Parameters" in str(report)
+
+
+def _saved_bytes(fn):
+    """(fn()'s result, bytes of the distinct storages autograd saved while it ran)."""
+    seen = {}
+
+    def pack(t):
+        seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_recompute_activation_same_bits_one_ffn_tensor_less(name, dtype):
+    """accelerate(recompute_activation=True): the same loss and gradients
+    bit for bit (the backward makes the gated activation with the forward's
+    kernel), and autograd keeps one [tokens, intermediate] tensor less per
+    layer (SwiGLU for Llama, GeGLU for Gemma); the report says so, and a
+    second call turns it on for layers an earlier call fused."""
+    ids, mask, labels = batch()
+    _, plain, _ = accelerated(name, dtype)
+    _, lean, report = accelerated(name, dtype, recompute_activation=True)
+    assert all(layer.mlp_fused.recompute_activation for layer in lean.model.layers)
+    assert "made again in the backward" in str(report)
+    results = []
+    for model in (plain, lean):
+        out, saved = _saved_bytes(lambda: model(ids, attention_mask=mask, labels=labels))
+        out.loss.backward()
+        results.append((out.loss.detach(), hf_named_tensors(model), saved))
+    (loss_a, grads_a, saved_a), (loss_b, grads_b, saved_b) = results
+    assert torch.equal(loss_a, loss_b)
+    for n, g in grads_a.items():
+        assert (g is None) == (grads_b[n] is None) and (g is None or torch.equal(g, grads_b[n])), n
+    tokens, ffn = ids.numel(), plain.config.intermediate_size
+    assert saved_a - saved_b == len(plain.model.layers) * tokens * ffn * dtype.itemsize
+    again = accelerate(plain, recompute_activation=True)
+    assert again.fused == [] and all(layer.mlp_fused.recompute_activation for layer in plain.model.layers)
+
+
+def test_recompute_activation_argument_rules():
+    from seqfuse.pytorch import LayerNormMLP
+
+    with pytest.raises(TypeError, match="accelerate: argument 'recompute_activation' must be a bool"):
+        accelerate(make("llama"), recompute_activation=1)
+    with pytest.raises(ValueError, match="recompute_activation=True needs an activation other than 'gelu'"):
+        LayerNormMLP(64, 96, activation="gelu", recompute_activation=True, device="cpu")

@@ -553,3 +553,42 @@ def test_recomputed_norm_output_gives_the_kept_ones_gradients_bit_for_bit(device
             grads.append([xi.grad] + [p.grad for p in m.parameters()])
         for a, b in zip(*grads):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("activation", ["swiglu", "geglu", "silu", "gelu_erf", "relu"])
+def test_recompute_activation_keeps_no_activation_and_gives_the_same_bits(device, activation):
+    """LayerNormMLP(recompute_activation=True) without FP8: the forward keeps
+    FC1's output but not the activation (one [tokens, ffn] tensor fewer), the
+    backward makes it again with the forward's kernel, so output and
+    gradients equal the keeping module's bit for bit (bf16 GEMMs, float32
+    norm weights).  Under FP8 the option changes nothing (the activation is
+    kept as its FP8 copy either way)."""
+    torch.manual_seed(2)
+    tokens, hidden, ffn = 40, 64, 128
+    kw = dict(activation=activation, device=device, params_dtype=torch.float32)
+    keep, lean = te.LayerNormMLP(hidden, ffn, **kw), te.LayerNormMLP(hidden, ffn, recompute_activation=True, **kw)
+    randomize(keep)
+    lean.load_state_dict(keep.state_dict())
+    for m in (keep, lean):
+        for n, p in m.named_parameters():
+            if "layer_norm" not in n:
+                p.data = p.data.bfloat16()
+    x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
+    dy = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
+    results = []
+    for m in (keep, lean):
+        xi = x.clone().requires_grad_()
+        shapes, y = saved_activation_shapes(m, xi)
+        y.backward(dy)
+        results.append((shapes, [y.detach(), xi.grad] + [p.grad for p in m.parameters()]))
+    (kept_shapes, a), (lean_shapes, b) = results
+    assert sorted(kept_shapes) == sorted(lean_shapes + [(tokens, ffn)]), (kept_shapes, lean_shapes)
+    for u, v in zip(a, b):
+        assert torch.equal(u, v)
+    if device == "cpu":  # FP8 (the CPU backend): the flag is inert
+        outs = []
+        for m in (keep, lean):
+            with autocast(recipe=DelayedScaling()):
+                outs.append(m(x.clone().requires_grad_()))
+        assert torch.equal(outs[0], outs[1])

@@ -498,7 +498,7 @@ def _layer_rotaries(model):
     return out
 
 
-def _fuse_layers(model, recipe, report, slots):
+def _fuse_layers(model, recipe, report, slots, recompute_activation=False):
     """Replace every decoder layer of a known family (seqfuse.hf.fuse_layers)
     by its fused layer; the others are reported and left to the module walk.
     Returns the names of the fused layers."""
@@ -521,7 +521,7 @@ def _fuse_layers(model, recipe, report, slots):
                                                                   "swapped one by one where exact"))
             _log.info("seqfuse.hf.accelerate: layer %s not fused: %s", name, why)
             continue
-        new, notes = FL.fuse_layer(module, match, rotaries[id(module)])
+        new, notes = FL.fuse_layer(module, match, rotaries[id(module)], recompute_activation)
         for parent, child_name in slots[id(module)]:
             setattr(parent, child_name, new)
         report.fused.append(Fused(name, type(module).__name__, type(new).__name__, notes))
@@ -545,7 +545,8 @@ def _module_slots(model):
     return slots
 
 
-def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=True, fuse_experts=True):
+def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=True, fuse_experts=True,
+               recompute_activation=False):
     """Accelerate a transformers model in place; return an AccelerateReport.
 
     - ``fuse_layers``: decoder layers of the Llama family (Llama, Mistral,
@@ -559,6 +560,11 @@ def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=
     - Every other nn.Linear -> seqfuse.pytorch.Linear, nn.LayerNorm ->
       seqfuse.pytorch.LayerNorm, the model's own RMSNorm classes (where a
       probe shows the same function) -> seqfuse.pytorch.RMSNorm.
+    - ``recompute_activation``: the fused layers' MLPs keep FC1's output but
+      not the gated activation, and make it again in the backward
+      (LayerNormMLP's option: without FP8, one [tokens, ffn] tensor less a
+      layer from the forward to the backward, for one elementwise pass more;
+      what Liger-Kernel's SwiGLU does).  Off by default.
     - ``fused_loss``: a causal LM of those families called with ``labels``
       computes its LM head and cross-entropy as seqfuse's chunked
       linear_cross_entropy (no full logits; ``logits`` is then None in the
@@ -578,7 +584,7 @@ def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=
     if not isinstance(model, nn.Module):
         raise TypeError(f"accelerate: model must be a torch.nn.Module, got {type(model).__name__}")
     for name, flag in (("attention", attention), ("fuse_layers", fuse_layers), ("fused_loss", fused_loss),
-                       ("fuse_experts", fuse_experts)):
+                       ("fuse_experts", fuse_experts), ("recompute_activation", recompute_activation)):
         if not isinstance(flag, bool):
             raise TypeError(f"accelerate: argument '{name}' must be a bool, got {type(flag).__name__}")
     from seqfuse.common.recipe import Recipe
@@ -598,7 +604,7 @@ def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=
         from .attention import NAME
 
         if getattr(getattr(model, "config", None), "_attn_implementation", None) == NAME:
-            fused = _fuse_layers(model, recipe, report, _module_slots(model))
+            fused = _fuse_layers(model, recipe, report, _module_slots(model), recompute_activation)
         else:
             _log.info("seqfuse.hf.accelerate: no whole-layer fusion: the model's attention is not seqfuse's")
     from .fuse_experts import SeqfuseExperts, swap_experts
@@ -609,6 +615,10 @@ def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=
 
     # the walk leaves fused layers alone: this call's and an earlier call's
     fused = [n for n, m in model.named_modules() if isinstance(m, SeqfuseDecoderLayer)]
+    if recompute_activation:  # an earlier call's fused layers too (a second call undoes nothing)
+        for m in model.modules():
+            if isinstance(m, SeqfuseDecoderLayer):
+                m.mlp_fused.recompute_activation = True
     inside_fused = tuple(n + "." for n in fused)
     plan = []  # (full name, module, new-module factory)
     for name, module in model.named_modules():

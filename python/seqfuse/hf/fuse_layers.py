@@ -308,9 +308,11 @@ def _fused_or_own(pieces, part):
     return _fused_param(tensors, tensors[0].requires_grad)
 
 
-def fuse_layer(layer, rmsnorm_match, rotary):
+def fuse_layer(layer, rmsnorm_match, rotary, recompute_activation=False):
     """A SeqfuseDecoderLayer computing what ``layer`` computes (checked by
-    ``layer_fusion_plan`` first), and a list of notes for the report."""
+    ``layer_fusion_plan`` first), and a list of notes for the report.
+    ``recompute_activation``: its LayerNormMLP's (the gated activation made
+    again in the backward instead of kept)."""
     attn = layer.self_attn
     spec = FAMILIES[type(layer).__name__]
     parts = _parts(layer, spec)
@@ -355,7 +357,8 @@ def fuse_layer(layer, rmsnorm_match, rotary):
         if o.bias is not None:
             new.proj.bias = o.bias
         new.mlp_fused = LayerNormMLP(hidden, ffn, eps=eps2, bias=has_mlp_bias, normalization="RMSNorm",
-                                     activation=_GATED[type(parts.act)], zero_centered_gamma=zc2, **kw)
+                                     activation=_GATED[type(parts.act)], zero_centered_gamma=zc2,
+                                     recompute_activation=recompute_activation, **kw)
         new.mlp_fused.layer_norm_weight = layer.post_attention_layernorm.weight
         # TE's gated layout: the activated (gate) half first, then the up half (Phi-3's gate_up_proj already is)
         new.mlp_fused.fc1_weight = _fused_or_own(parts.fc1, "weight")
@@ -380,6 +383,8 @@ def fuse_layer(layer, rmsnorm_match, rotary):
     new.rope_fused = mode == "fused"
     if not new.rope_fused:
         notes.append(f"RoPE rotates with transformers' cos/sin in torch: {why}")
+    if recompute_activation:
+        notes.append("the gated activation made again in the backward, not kept (recompute_activation)")
     if len(parts.qkv) == 1 and len(parts.fc1) == 1:
         notes.append("the layer's own Parameter objects throughout (its QKV and gate/up weights were fused already)")
     new._split_sizes = (heads * d, groups * d, groups * d)

@@ -41,6 +41,14 @@ backward runs the norm, FC1 and the activation again (not FC2, whose output
 the backward does not need) before the usual gradients.  Under FP8 autocast
 the whole module is recomputed by seqfuse.quantization.checkpoint instead
 (FC2 included, with the forward's scales; said once in a log line).
+``recompute_activation=True`` (seqfuse's, not TE's; not with "gelu"): without FP8
+the forward keeps FC1's output but not the activation, and the backward
+makes the activation again from it for FC2's weight gradient by the
+forward's own kernel (the same bits): one [tokens, ffn] tensor less from
+the forward to the backward (for swiglu, a third of the MLP's
+activations), for one more elementwise pass over FC1's output.  What
+Liger-Kernel's fused SwiGLU does.  Under FP8 the activation is kept as its
+FP8 transposed copy (one byte an element) either way.
 ``return_layernorm_output=True`` also returns the norm's output (a second
 output whose gradient flows back through the norm); ``return_bias=True``
 returns FC2's bias instead of adding it (TE's order: output, bias, norm
@@ -76,7 +84,7 @@ ACTIVATIONS = ("gelu", "gelu_erf", "relu", "silu", "swiglu", "geglu", "reglu", "
 class _LayerNormMLPFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ln_w, ln_b, w1, b1, w2, b2, eps, rms, zc, activation, q, ckpt=False, ret_ln=False,
-                first_mb=None):
+                first_mb=None, recompute_act=False):
         hidden = x.shape[-1]
         x2 = x.reshape(-1, hidden)
         lnw, lnb = norm_param(ln_w, x2), norm_param(ln_b, x2)
@@ -103,8 +111,10 @@ class _LayerNormMLPFn(torch.autograd.Function):
             out = ops.gemm(a, w2c, transb=True, bias=as_dtype(b2, dt))
             if ckpt:  # keep what the recompute needs, not the [tokens, ffn] activations
                 ctx.save_for_backward(x2, lnw, lnb, mean, rstd, b1c, w1c, w2c)
-            else:  # the norm output is made again in the backward (one norm pass), unless returned
-                ctx.save_for_backward(x2, lnw, lnb, mean, rstd, ln if ret_ln else None, h, a, w1c, w2c)
+            else:  # the norm output is made again in the backward (one norm pass), unless returned;
+                # with recompute_act the activation too (from FC1's output, by the forward's kernel)
+                ctx.save_for_backward(x2, lnw, lnb, mean, rstd, ln if ret_ln else None, h,
+                                      None if recompute_act else a, w1c, w2c)
         ctx.ckpt, ctx.eps = ckpt, eps
         ctx.w1, ctx.w2 = w1, w2  # the parameter objects, for their main_grad (not saved data)
         ctx.meta = (x.shape, rms, zc, activation, ln_b is not None, ln_w.dtype, w1.dtype, w2.dtype,
@@ -143,6 +153,8 @@ class _LayerNormMLPFn(torch.autograd.Function):
                 ln, _, _, h, a = _fc1_act(x2, lnw, lnb, ctx.eps, rms, zc, w1c, b1c, activation)
             else:
                 x2, lnw, lnb, mean, rstd, ln, h, a, w1c, w2c = ctx.saved_tensors
+                if a is None:  # recompute_act: the same kernel on the same input, the same bits
+                    a = A.act_forward(h, activation)
             dw2, db2 = _wgrad(dout2, a, b2_dt, mg2)
             gelu = activation == "gelu"
             if gelu:  # GELU' (and FC1's bias gradient) in the dgrad epilogue
@@ -162,7 +174,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
         dx, dg, db = norm_backward(dln, x2, mean, rstd, lnw, rms, zc, has_ln_bias)
         return (dx.view(x_shape), as_dtype(dg, lnw_dt), as_dtype(db, lnw_dt), as_dtype(dw1, w1_dt),
                 as_dtype(db1, b1_dt), as_dtype(dw2, w2_dt), as_dtype(db2, b2_dt),
-                None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None)
 
 
 def _fc1_act(x2, lnw, lnb, eps, rms, zc, w1c, b1c, activation):
@@ -208,7 +220,8 @@ class LayerNormMLP(torch.nn.Module):
                  activation="gelu", zero_centered_gamma=False, params_dtype=None, device=None,
                  init_method=None, output_layer_init_method=None, return_layernorm_output=False,
                  checkpoint=False, seq_length=None, micro_batch_size=None, get_rng_state_tracker=None,
-                 name=None, return_bias=False, fuse_wgrad_accumulation=False, **te_refused):
+                 name=None, return_bias=False, fuse_wgrad_accumulation=False, recompute_activation=False,
+                 **te_refused):
         super().__init__()
         take_norm_module_options(self, "LayerNormMLP", te_refused, normalization, return_bias,
                                  fuse_wgrad_accumulation, get_rng_state_tracker, name)
@@ -218,6 +231,11 @@ class LayerNormMLP(torch.nn.Module):
         if activation not in ACTIVATIONS:
             raise ValueError(f"LayerNormMLP: argument 'activation' must be one of {', '.join(ACTIVATIONS)}, "
                              f"got {activation!r}")
+        if recompute_activation and activation == "gelu":
+            raise ValueError("LayerNormMLP: recompute_activation=True needs an activation other than 'gelu': the "
+                             "tanh GELU runs in FC1's GEMM epilogue, which writes the activation beside FC1's "
+                             "output (nothing to save by making it again); 'gelu_erf' and the gated ones take it")
+        self.recompute_activation = bool(recompute_activation)
         self.hidden_size = hidden_dim(hidden_size)
         self.ffn_hidden_size = int(ffn_hidden_size)
         kw = make_norm_params(self, self.hidden_size, normalization, eps, zero_centered_gamma, params_dtype, device)
@@ -267,7 +285,9 @@ class LayerNormMLP(torch.nn.Module):
                 _logged_fp8_checkpoint = True
             from ..quantization import checkpoint as fp8_checkpoint
             return fp8_checkpoint(_LayerNormMLPFn.apply, *args, False, ret_ln, first_mb)
-        return _LayerNormMLPFn.apply(*args, self.checkpoint, ret_ln, first_mb)
+        # (a module unpickled from before the option has no attribute: the default)
+        return _LayerNormMLPFn.apply(*args, self.checkpoint, ret_ln, first_mb,
+                                     getattr(self, "recompute_activation", False))
 
     fp8_num_gemms = 2
 
