@@ -592,3 +592,14 @@ def test_recompute_activation_keeps_no_activation_and_gives_the_same_bits(device
             with autocast(recipe=DelayedScaling()):
                 outs.append(m(x.clone().requires_grad_()))
         assert torch.equal(outs[0], outs[1])
+
+
+def test_recompute_activation_refused_with_the_tanh_gelu_also_when_set_later():
+    with pytest.raises(ValueError, match="recompute_activation=True needs an activation other than 'gelu'"):
+        te.LayerNormMLP(64, 96, activation="gelu", recompute_activation=True, device="cpu")
+    m = te.LayerNormMLP(64, 96, activation="gelu", device="cpu")
+    with pytest.raises(ValueError, match="needs an activation other than 'gelu'"):
+        m.recompute_activation = True
+    assert m.recompute_activation is False and "recompute_activation" not in repr(m)
+    assert "recompute_activation=True" in repr(te.LayerNormMLP(64, 96, activation="swiglu", device="cpu",
+                                                              recompute_activation=True))

@@ -616,9 +616,14 @@ def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=
     # the walk leaves fused layers alone: this call's and an earlier call's
     fused = [n for n, m in model.named_modules() if isinstance(m, SeqfuseDecoderLayer)]
     if recompute_activation:  # an earlier call's fused layers too (a second call undoes nothing)
+        if not fused:
+            _log.warning("seqfuse.hf.accelerate: recompute_activation=True changes nothing: no decoder layer is "
+                         "fused (it applies to the fused layers' MLPs)")
         for m in model.modules():
-            if isinstance(m, SeqfuseDecoderLayer):
+            if isinstance(m, SeqfuseDecoderLayer) and not m.mlp_fused.recompute_activation:
                 m.mlp_fused.recompute_activation = True
+                _log.info("seqfuse.hf.accelerate: %s keeps no MLP activation (recompute_activation)",
+                          type(m).__name__)
     inside_fused = tuple(n + "." for n in fused)
     plan = []  # (full name, module, new-module factory)
     for name, module in model.named_modules():

@@ -156,6 +156,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
                 if a is None:  # recompute_act: the same kernel on the same input, the same bits
                     a = A.act_forward(h, activation)
             dw2, db2 = _wgrad(dout2, a, b2_dt, mg2)
+            del a  # (read by FC2's weight gradient only: freed before the input-gradient GEMMs)
             gelu = activation == "gelu"
             if gelu:  # GELU' (and FC1's bias gradient) in the dgrad epilogue
                 if b1_dt is not None:
@@ -231,15 +232,11 @@ class LayerNormMLP(torch.nn.Module):
         if activation not in ACTIVATIONS:
             raise ValueError(f"LayerNormMLP: argument 'activation' must be one of {', '.join(ACTIVATIONS)}, "
                              f"got {activation!r}")
-        if recompute_activation and activation == "gelu":
-            raise ValueError("LayerNormMLP: recompute_activation=True needs an activation other than 'gelu': the "
-                             "tanh GELU runs in FC1's GEMM epilogue, which writes the activation beside FC1's "
-                             "output (nothing to save by making it again); 'gelu_erf' and the gated ones take it")
-        self.recompute_activation = bool(recompute_activation)
         self.hidden_size = hidden_dim(hidden_size)
         self.ffn_hidden_size = int(ffn_hidden_size)
         kw = make_norm_params(self, self.hidden_size, normalization, eps, zero_centered_gamma, params_dtype, device)
         self.activation = activation
+        self.recompute_activation = recompute_activation  # (its rule reads the activation)
         self.use_bias = bool(bias)
         fc1_out = 2 * self.ffn_hidden_size if activation in A.GATED else self.ffn_hidden_size
         self.fc1_weight = torch.nn.Parameter(torch.empty(fc1_out, self.hidden_size, **kw))
@@ -285,9 +282,7 @@ class LayerNormMLP(torch.nn.Module):
                 _logged_fp8_checkpoint = True
             from ..quantization import checkpoint as fp8_checkpoint
             return fp8_checkpoint(_LayerNormMLPFn.apply, *args, False, ret_ln, first_mb)
-        # (a module unpickled from before the option has no attribute: the default)
-        return _LayerNormMLPFn.apply(*args, self.checkpoint, ret_ln, first_mb,
-                                     getattr(self, "recompute_activation", False))
+        return _LayerNormMLPFn.apply(*args, self.checkpoint, ret_ln, first_mb, self.recompute_activation)
 
     fp8_num_gemms = 2
 
@@ -297,9 +292,23 @@ class LayerNormMLP(torch.nn.Module):
                                                     self.fc1_weight.shape[0]),
                 ("ffn_hidden_size", self.ffn_hidden_size))
 
+    @property
+    def recompute_activation(self):
+        """Whether the backward makes the activation again (module note)."""
+        return self.__dict__.get("_recompute_activation", False)  # (False for a module unpickled from before)
+
+    @recompute_activation.setter
+    def recompute_activation(self, value):
+        if value and self.activation == "gelu":
+            raise ValueError("LayerNormMLP: recompute_activation=True needs an activation other than 'gelu': the "
+                             "tanh GELU runs in FC1's GEMM epilogue, whose result the activation kernel would not "
+                             "reproduce bit for bit; 'gelu_erf' and the gated activations take it")
+        self.__dict__["_recompute_activation"] = bool(value)
+
     def extra_repr(self):
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
-                f"activation={self.activation}, normalization={self.normalization}")
+                f"activation={self.activation}, normalization={self.normalization}"
+                + (", recompute_activation=True" if self.recompute_activation else ""))
 
 
 __all__ = ["LayerNormMLP"]
