@@ -18,19 +18,19 @@ import bench_accelerate  # noqa: E402
 def test_bench_accelerate_tiny_cpu(tmp_path, mode):
     out = str(tmp_path / f"acc_{mode}.json")
     bench_accelerate.main(["--shape", "tiny", "--device", "cpu", "--seq", "32", "--rows",
-                           "hf_eager,seqfuse_bf16,seqfuse_bf16_lean", "--warmup", "1", "--steps", "1", "--mode", mode,
+                           "hf_eager,seqfuse_bf16,seqfuse_bf16_keep", "--warmup", "1", "--steps", "1", "--mode", mode,
                            "--out", out])
     with open(out) as f:
         doc = json.load(f)
     assert doc["complete"] and doc["run"]["command"] and doc["mode"] == mode
     rows = {r["row"]: r for r in doc["rows"]}
-    assert set(rows) == {"hf_eager", "seqfuse_bf16", "seqfuse_bf16_lean"}, doc["rows"]
+    assert set(rows) == {"hf_eager", "seqfuse_bf16", "seqfuse_bf16_keep"}, doc["rows"]
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows.values())
     # bf16 rounding of the same computation (train: the first loss; prefill: a logits fingerprint)
     a, b = rows["hf_eager"]["loss0"], rows["seqfuse_bf16"]["loss0"]
     assert abs(a - b) <= 2e-2 * abs(a)
     assert rows["hf_eager"]["vs_hf_eager"] == 1.0
-    assert rows["seqfuse_bf16_lean"]["loss0"] == b  # the same forward: only what the backward keeps differs
+    assert rows["seqfuse_bf16_keep"]["loss0"] == b  # the same forward: only what the backward keeps differs
 
 
 def test_bench_accelerate_bad_arguments():

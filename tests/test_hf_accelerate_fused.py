@@ -585,16 +585,19 @@ def _saved_bytes(fn):
 @pytest.mark.parametrize("name", ["llama", "gemma"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_recompute_activation_same_bits_one_ffn_tensor_less(name, dtype):
-    """accelerate(recompute_activation=True): the same loss and gradients
-    bit for bit (the backward makes the gated activation with the forward's
-    kernel), and autograd keeps one [tokens, intermediate] tensor less per
-    layer (SwiGLU for Llama, GeGLU for Gemma); the report says so, and a
-    second call turns it on for layers an earlier call fused."""
+    """accelerate() (recompute_activation None, the default) against
+    recompute_activation=False: the same loss and gradients bit for bit
+    (the backward makes the gated activation with the forward's kernel), and
+    autograd keeps one [tokens, intermediate] tensor less per layer (SwiGLU
+    for Llama, GeGLU for Gemma); the report says so; a second call with the
+    default leaves the layers fused with False as they are, and one with
+    True turns it on for them."""
     ids, mask, labels = batch()
-    _, plain, _ = accelerated(name, dtype)
-    _, lean, report = accelerated(name, dtype, recompute_activation=True)
+    _, plain, kept = accelerated(name, dtype, recompute_activation=False)
+    _, lean, report = accelerated(name, dtype)
     assert all(layer.mlp_fused.recompute_activation for layer in lean.model.layers)
-    assert "made again in the backward" in str(report)
+    assert not any(layer.mlp_fused.recompute_activation for layer in plain.model.layers)
+    assert "made again in the backward" in str(report) and "made again in the backward" not in str(kept)
     results = []
     for model in (plain, lean):
         out, saved = _saved_bytes(lambda: model(ids, attention_mask=mask, labels=labels))
@@ -606,6 +609,8 @@ def test_recompute_activation_same_bits_one_ffn_tensor_less(name, dtype):
         assert (g is None) == (grads_b[n] is None) and (g is None or torch.equal(g, grads_b[n])), n
     tokens, ffn = ids.numel(), plain.config.intermediate_size
     assert saved_a - saved_b == len(plain.model.layers) * tokens * ffn * dtype.itemsize
+    accelerate(plain)
+    assert not any(layer.mlp_fused.recompute_activation for layer in plain.model.layers)
     again = accelerate(plain, recompute_activation=True)
     assert again.fused == [] and all(layer.mlp_fused.recompute_activation for layer in plain.model.layers)
 
@@ -613,7 +618,7 @@ def test_recompute_activation_same_bits_one_ffn_tensor_less(name, dtype):
 def test_recompute_activation_argument_rules():
     from seqfuse.pytorch import LayerNormMLP
 
-    with pytest.raises(TypeError, match="accelerate: argument 'recompute_activation' must be a bool"):
+    with pytest.raises(TypeError, match="accelerate: argument 'recompute_activation' must be a bool or None"):
         accelerate(make("llama"), recompute_activation=1)
     with pytest.raises(ValueError, match="recompute_activation=True needs an activation other than 'gelu'"):
         LayerNormMLP(64, 96, activation="gelu", recompute_activation=True, device="cpu")

@@ -10,7 +10,11 @@ once and listed with every shape they were saved under (a tensor a module
 saves as a view of another's shows up there).
 
     python3 benchmarks/hf/probe_saved.py --device cuda --layers 2 --seq 4096
-    python3 benchmarks/hf/probe_saved.py --rows plain,bf16,bf16_lean,fp8_delayed
+    python3 benchmarks/hf/probe_saved.py --rows plain,bf16_keep,bf16,fp8_delayed
+
+Rows: plain (transformers as built), bf16 (accelerate(model)), bf16_keep
+(accelerate(model, recompute_activation=False): the MLPs keep their gated
+activation), fp8_delayed (accelerate(model, recipe=DelayedScaling())).
 """
 import argparse
 import collections
@@ -64,7 +68,7 @@ def main():
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--vocab", type=int, default=128256)
-    p.add_argument("--rows", default="plain,bf16,bf16_lean,fp8_delayed")
+    p.add_argument("--rows", default="plain,bf16_keep,bf16,fp8_delayed")
     p.add_argument("--top", type=int, default=40, help="storages listed per row (largest first)")
     p.add_argument("--out", default=None, help="JSON file for the listing")
     args = p.parse_args()
@@ -79,7 +83,7 @@ def main():
         model = build(args, dev)
         if row != "plain":  # (the FP8 row's forward runs under the recipe's autocast)
             accelerate(model, recipe=DelayedScaling() if row.startswith("fp8") else None,
-                       recompute_activation=row.endswith("_lean"))
+                       **({"recompute_activation": False} if row.endswith("_keep") else {}))
         model.train()
         probe(model, ids)  # a first step (FP8's first casts and histories)
         model.zero_grad(set_to_none=True)

@@ -546,7 +546,7 @@ def _module_slots(model):
 
 
 def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=True, fuse_experts=True,
-               recompute_activation=False):
+               recompute_activation=None):
     """Accelerate a transformers model in place; return an AccelerateReport.
 
     - ``fuse_layers``: decoder layers of the Llama family (Llama, Mistral,
@@ -564,7 +564,11 @@ def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=
       not the gated activation, and make it again in the backward
       (LayerNormMLP's option: without FP8, one [tokens, ffn] tensor less a
       layer from the forward to the backward, for one elementwise pass more;
-      what Liger-Kernel's SwiGLU does).  Off by default.
+      what Liger-Kernel's SwiGLU does).  None (the default): on for the
+      layers this call fuses (measured on the H200 at the Llama 1B shape:
+      1.06 GiB less peak for 1.5 % of the step, which puts the bf16 peak
+      under Liger-Kernel's); False: off for them; True: on for them and
+      for layers an earlier call fused (said when no layer is fused).
     - ``fused_loss``: a causal LM of those families called with ``labels``
       computes its LM head and cross-entropy as seqfuse's chunked
       linear_cross_entropy (no full logits; ``logits`` is then None in the
@@ -584,9 +588,12 @@ def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=
     if not isinstance(model, nn.Module):
         raise TypeError(f"accelerate: model must be a torch.nn.Module, got {type(model).__name__}")
     for name, flag in (("attention", attention), ("fuse_layers", fuse_layers), ("fused_loss", fused_loss),
-                       ("fuse_experts", fuse_experts), ("recompute_activation", recompute_activation)):
+                       ("fuse_experts", fuse_experts)):
         if not isinstance(flag, bool):
             raise TypeError(f"accelerate: argument '{name}' must be a bool, got {type(flag).__name__}")
+    if recompute_activation is not None and not isinstance(recompute_activation, bool):
+        raise TypeError(f"accelerate: argument 'recompute_activation' must be a bool or None, got "
+                        f"{type(recompute_activation).__name__}")
     from seqfuse.common.recipe import Recipe
 
     if recipe is not None and not isinstance(recipe, Recipe):
@@ -604,7 +611,7 @@ def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=
         from .attention import NAME
 
         if getattr(getattr(model, "config", None), "_attn_implementation", None) == NAME:
-            fused = _fuse_layers(model, recipe, report, _module_slots(model), recompute_activation)
+            fused = _fuse_layers(model, recipe, report, _module_slots(model), recompute_activation is not False)
         else:
             _log.info("seqfuse.hf.accelerate: no whole-layer fusion: the model's attention is not seqfuse's")
     from .fuse_experts import SeqfuseExperts, swap_experts
@@ -615,7 +622,7 @@ def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=
 
     # the walk leaves fused layers alone: this call's and an earlier call's
     fused = [n for n, m in model.named_modules() if isinstance(m, SeqfuseDecoderLayer)]
-    if recompute_activation:  # an earlier call's fused layers too (a second call undoes nothing)
+    if recompute_activation is True:  # an earlier call's fused layers too (a second call undoes nothing)
         if not fused:
             _log.warning("seqfuse.hf.accelerate: recompute_activation=True changes nothing: no decoder layer is "
                          "fused (it applies to the fused layers' MLPs)")
