@@ -15,7 +15,7 @@ from seqfuse.modules.cross_entropy import CrossEntropyLoss, cross_entropy, linea
 from seqfuse.ops import cross_entropy_backward, cross_entropy_forward
 from seqfuse.ops.gemm import workspace_for
 
-from helpers import REL_TOL, assert_close_rel, poisoned_like
+from helpers import REL_TOL, assert_close_rel, poisoned_like, rel_error
 
 # the module itself (seqfuse.modules re-exports its cross_entropy function under the module's name)
 ce_module = importlib.import_module("seqfuse.modules.cross_entropy")
@@ -400,3 +400,83 @@ def test_lse_of_infinite_and_nan_rows_follows_torch(device, v):
     assert torch.equal(lse.cpu().isnan(), want.isnan())
     keep = ~want.isnan()
     assert torch.allclose(lse.cpu()[keep], want[keep], rtol=1e-6, atol=1e-6)
+
+
+def _fp8_round(x, fp8_dtype):
+    """x (float64) through an FP8 cast scaled from its own amax, back in float64."""
+    s = torch.finfo(fp8_dtype).max / x.abs().max()
+    return (x * s).to(fp8_dtype).double() / s
+
+
+def _fp8_linear_ce_emulated(hidden, weight, bias, labels, fmt, chunk):
+    """linear_cross_entropy's FP8 computation in float64 torch: per chunk the
+    hidden states and the logits' gradient (rounded to the GEMMs' output dtype
+    first) cast with their own amax, the weight once; (loss, dhidden, dweight,
+    dbias) of the mean loss."""
+    fd, bd = fmt.forward_dtype, fmt.backward_dtype
+    wq = _fp8_round(weight.double(), fd)
+    count = (labels != -100).sum()
+    loss, dh, dw, db = 0.0, [], 0.0, 0.0
+    for s in range(0, hidden.shape[0], chunk):
+        hq = _fp8_round(hidden[s:s + chunk].double(), fd)
+        lg = F.linear(hq, wq, None if bias is None else bias.double()).to(hidden.dtype).double().requires_grad_(True)
+        part = F.cross_entropy(lg, labels[s:s + chunk], reduction="sum") / count
+        part.backward()
+        loss = loss + part.detach()
+        db = db + lg.grad.sum(0)
+        gq = _fp8_round(lg.grad.to(hidden.dtype).double(), bd)
+        dh.append(gq @ wq)
+        dw = dw + gq.t() @ hq
+    return loss, torch.cat(dh), dw, db
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("n,h,v,chunk", [(50, 32, 112, None), (100, 64, 256, 48), (37, 16, 96, 16),
+                                         (300, 128, 4096, 256)])
+@pytest.mark.parametrize("fmt", ["HYBRID", "E4M3"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_cross_entropy_fp8(device, n, h, v, chunk, fmt, bias, dtype, seed):
+    """fp8_recipe: the chunk GEMMs over FP8 operands, each scaled from its own
+    amax. Equal to the same computation emulated in float64 (bf16 rounding
+    of the outputs), and an FP8 distance from the exact float64 loss: ten
+    times the emulation's error at least, so an unquantized route fails."""
+    from seqfuse.common.recipe import DelayedScaling, Float8CurrentScaling, Format
+
+    fmt = Format[fmt]
+    recipe = (DelayedScaling if n % 2 else Float8CurrentScaling)(fp8_format=fmt)
+    hidden = torch.randn(n, h, device=device).to(dtype).requires_grad_(True)
+    weight = (torch.randn(v, h, device=device) * 0.3).to(dtype).requires_grad_(True)
+    b = (torch.randn(v, device=device) * 0.1).to(dtype).requires_grad_(True) if bias else None
+    labels = make_labels(n, v, device=device)
+    loss = linear_cross_entropy(hidden, weight, labels, bias=b, chunk_size=chunk, fp8_recipe=recipe)
+    loss.backward()
+    e_loss, e_dh, e_dw, e_db = _fp8_linear_ce_emulated(hidden.detach(), weight.detach(), None if b is None else b.detach(),
+                                                 labels, fmt, chunk or n)
+    assert_close_rel(loss, e_loss, torch.bfloat16)
+    assert_close_rel(hidden.grad, e_dh, torch.bfloat16)
+    assert_close_rel(weight.grad, e_dw, torch.bfloat16)
+    hd, wd = hidden.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)
+    bd = b.detach().double().requires_grad_(True) if bias else None
+    ref = F.cross_entropy(F.linear(hd, wd, bd), labels)
+    ref.backward()
+    err_exact = rel_error(weight.grad, wd.grad)
+    assert 10 * rel_error(weight.grad, e_dw) < err_exact < 0.1, err_exact
+    assert rel_error(hidden.grad, hd.grad) < 0.1 and rel_error(loss, ref) < 1e-2
+    if bias:  # summed from the logits' gradient before its cast
+        assert_close_rel(b.grad, e_db, torch.bfloat16)
+        assert rel_error(b.grad, bd.grad) < 0.1
+
+
+def test_linear_cross_entropy_fp8_rules():
+    from seqfuse.common.recipe import DelayedScaling, Float8BlockScaling
+
+    hidden = torch.randn(8, 32).to(torch.bfloat16)
+    weight = torch.randn(48, 32).to(torch.bfloat16)
+    labels = torch.zeros(8, dtype=torch.int64)
+    with pytest.raises(NotImplementedError, match="'fp8_recipe' must be a per-tensor recipe"):
+        linear_cross_entropy(hidden, weight, labels, fp8_recipe=Float8BlockScaling())
+    with pytest.raises(TypeError, match="'fp8_recipe' must be a seqfuse.common.recipe recipe"):
+        linear_cross_entropy(hidden, weight, labels, fp8_recipe="delayed")
+    with pytest.raises(ValueError, match="V \\(weight rows\\) to be a multiple of 16, got 40"):
+        linear_cross_entropy(hidden, weight[:40], labels, fp8_recipe=DelayedScaling())

@@ -405,24 +405,70 @@ def test_fp8_recipes_train_on_cpu(recipe_name):
     assert not missing and set(unexpected) == extra
 
 
+@needs_fp8
+def test_fp8_lm_head(monkeypatch):
+    """Under a recipe the LM head stays in high precision (left, with the
+    reason; the fused loss without FP8) unless fp8_lm_head=True: then it is
+    swapped, the report says the loss's GEMMs are FP8, the loss gets the
+    recipe, and the loss and the head's gradient stay within FP8 rounding of
+    the high-precision head's (and differ from it)."""
+    from seqfuse.common.recipe import DelayedScaling, Float8BlockScaling
+    from seqfuse.hf import fused_loss
+    from seqfuse.pytorch import Linear
+
+    seen = []
+    real = fused_loss.linear_cross_entropy
+
+    def spy(*args, **kw):
+        seen.append(kw.get("fp8_recipe"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(fused_loss, "linear_cross_entropy", spy)
+    ids, mask, labels = batch(s=16)
+    results = []
+    for fp8_head in (False, True):
+        model = make("llama")
+        recipe = DelayedScaling()
+        report = accelerate(model, recipe=recipe, fp8_lm_head=fp8_head)
+        assert isinstance(model.lm_head, Linear) == fp8_head
+        assert ("in FP8" in report.loss) == fp8_head
+        if not fp8_head:
+            assert "stays in high precision" in report.reason("lm_head")
+        out = model(ids, attention_mask=mask, labels=labels)
+        assert seen.pop() is (recipe if fp8_head else None)
+        out.loss.backward()
+        results.append((out.loss.item(), model.lm_head.weight.grad.clone()))
+    (loss_hp, g_hp), (loss_8, g_8) = results
+    assert abs(loss_8 - loss_hp) <= 0.02 * loss_hp
+    assert 0 < rel_error(g_8, g_hp) <= 0.25
+    cfg = transformers.LlamaConfig(**dict(_common(), vocab_size=128, hidden_size=128, intermediate_size=256,
+                                          head_dim=32))
+    with pytest.raises(ValueError, match="fp8_lm_head=True needs a per-tensor recipe"):
+        accelerate(transformers.LlamaForCausalLM(cfg), recipe=Float8BlockScaling(), fp8_lm_head=True)
+    with pytest.raises(TypeError, match="'fp8_lm_head' must be a bool"):
+        accelerate(make("llama"), fp8_lm_head=None)
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("recipe_name", [None, "delayed", "block"])
+@pytest.mark.parametrize("recipe_name", [None, "delayed", "delayed_head", "block"])
 def test_cuda_llama_bf16_and_fp8(recipe_name):
-    """On the GPU: bf16 and FP8 (delayed, block) accelerate()d Llama trains:
+    """On the GPU: bf16 and FP8 (delayed, with the LM head too, block) accelerate()d Llama trains:
     the loss is finite and near plain bf16 transformers' (FP8: within 5 %),
     gradients flow to every weight, and the fused layers ran."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from seqfuse.common.recipe import DelayedScaling, Float8BlockScaling
 
-    recipe = {None: None, "delayed": DelayedScaling(), "block": Float8BlockScaling()}[recipe_name]
+    recipe = {None: None, "delayed": DelayedScaling(), "delayed_head": DelayedScaling(),
+              "block": Float8BlockScaling()}[recipe_name]
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2)
     ref = transformers.LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
     model = copy.deepcopy(ref)
-    report = accelerate(model, recipe=recipe)
+    report = accelerate(model, recipe=recipe, fp8_lm_head=recipe_name == "delayed_head")
     assert len(report.fused) == 2, str(report)
+    assert ("in FP8" in report.loss) == (recipe_name == "delayed_head")
     ids = torch.randint(0, 512, (2, 256), device="cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for _ in range(3):

@@ -10,7 +10,10 @@ transformers' module-level rotary function is global):
   seqfuse_bf16         seqfuse.hf.accelerate(model): fused layers (the MLPs'
                        gated activation made again in the backward, the
                        default) and fused linear cross-entropy, bf16
-  seqfuse_fp8_delayed  accelerate(model, recipe=DelayedScaling())
+  seqfuse_fp8_delayed  accelerate(model, recipe=DelayedScaling()) (the LM head
+                       and the fused loss in bf16, the default)
+  seqfuse_fp8_delayed_head  the same with fp8_lm_head=True: the fused loss's
+                       LM-head GEMMs in FP8 too
   seqfuse_fp8_block    accelerate(model, recipe=Float8BlockScaling())
   seqfuse_bf16_keep    accelerate(model, recompute_activation=False): the
                        MLPs keep their gated activation (one [tokens, FFN]
@@ -58,7 +61,8 @@ import peers  # noqa: E402,F401  (seqfuse from a source checkout)
 from peers.meta import try_import  # noqa: E402
 from peers.timing import Results, error_text, parse_list  # noqa: E402
 
-ROWS = ("hf_eager", "hf_compile", "seqfuse_bf16", "seqfuse_fp8_delayed", "seqfuse_fp8_block", "seqfuse_bf16_keep",
+ROWS = ("hf_eager", "hf_compile", "seqfuse_bf16", "seqfuse_fp8_delayed", "seqfuse_fp8_delayed_head",
+        "seqfuse_fp8_block", "seqfuse_bf16_keep",
         "liger")
 
 SHAPES = {
@@ -112,9 +116,10 @@ def prepare(row, base, family):
         from seqfuse.hf import accelerate
 
         recipe = {"seqfuse_bf16": None, "seqfuse_fp8_delayed": DelayedScaling(),
+                  "seqfuse_fp8_delayed_head": DelayedScaling(),
                   "seqfuse_fp8_block": Float8BlockScaling(), "seqfuse_bf16_keep": None}[row]
-        report = accelerate(model, recipe=recipe, **({"recompute_activation": False} if row == "seqfuse_bf16_keep"
-                                                     else {}))
+        report = accelerate(model, recipe=recipe, fp8_lm_head=row == "seqfuse_fp8_delayed_head",
+                            **({"recompute_activation": False} if row == "seqfuse_bf16_keep" else {}))
         print(report, flush=True)
         if len(report.fused) != model.config.num_hidden_layers:
             raise RuntimeError(f"accelerate fused {len(report.fused)} of {model.config.num_hidden_layers} layers:\n"
@@ -262,7 +267,8 @@ def main(argv=None):
     goals = []
     if base_row and args.mode == "train":
         liger = by.get("liger")
-        for row, need in (("seqfuse_bf16", 1.3), ("seqfuse_bf16_keep", 1.3), ("seqfuse_fp8_delayed", 1.7)):
+        for row, need in (("seqfuse_bf16", 1.3), ("seqfuse_bf16_keep", 1.3), ("seqfuse_fp8_delayed", 1.7),
+                          ("seqfuse_fp8_delayed_head", 1.7)):
             r = by.get(row)
             if r is None:
                 continue

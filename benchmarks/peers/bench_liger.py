@@ -12,7 +12,11 @@ process on the same inputs and weights:
              liger_rotary_pos_emb(q, k, cos, sin) on the [b, h, s, d] views
              Hugging Face hands it | Hugging Face's rotate-half code
   flce       seqfuse.pytorch.linear_cross_entropy | Liger's
-             LigerFusedLinearCrossEntropyLoss | F.cross_entropy(h @ W^T)
+             LigerFusedLinearCrossEntropyLoss | F.cross_entropy(h @ W^T);
+             also seqfuse_fp8: linear_cross_entropy(fp8_recipe=
+             DelayedScaling()), its chunk GEMMs in FP8 (no FP8 peer: the
+             others run bf16, so its ratio is a precision trade, reported
+             beside, not as, seqfuse's)
 
 "torch" is the plain torch code, "torch_compile" the same code through
 torch.compile.  Every row is timed over a queue of --iters back-to-back
@@ -50,7 +54,7 @@ from peers.timing import (Results, error_text, interleaved_ms, parse_run_args, p
                           release_cached_memory)
 
 OPS = ("rmsnorm", "layernorm", "swiglu", "rope", "flce")
-IMPLS = ("seqfuse", "liger", "torch", "torch_compile")
+IMPLS = ("seqfuse", "seqfuse_fp8", "liger", "torch", "torch_compile")
 SIZES = {
     "h200": dict(tokens=8192, hidden=2048, ln_hidden=1280, ffn=8192, batch=2, seq=4096, q_heads=32, kv_heads=8,
                  head_dim=64, vocab=128256),
@@ -169,10 +173,12 @@ def make_op(op, impl, s, device, dtype):
         h, w = leaf(rnd(s["tokens"], s["hidden"], scale=0.5)), leaf(rnd(s["vocab"], s["hidden"], scale=0.02))
         y = torch.randint(0, s["vocab"], (s["tokens"],), generator=g).to(device)
         one = torch.ones((), device=device)
-        if impl == "seqfuse":
+        if impl in ("seqfuse", "seqfuse_fp8"):
             import seqfuse.pytorch as sf
+            from seqfuse.common.recipe import DelayedScaling
 
-            return Op(lambda: sf.linear_cross_entropy(h, w, y), [h, w], (one,))
+            recipe = DelayedScaling() if impl == "seqfuse_fp8" else None
+            return Op(lambda: sf.linear_cross_entropy(h, w, y, fp8_recipe=recipe), [h, w], (one,))
         if impl == "liger":
             from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
@@ -186,6 +192,7 @@ def make_op(op, impl, s, device, dtype):
 def run_op(op, s, impls, args, device, results, liger_why):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     row = dict(op=op, size=args.size)
+    impls = [i for i in impls if i != "seqfuse_fp8" or op == "flce"]  # (FP8 only for the loss's GEMMs)
     ops, errors = {}, {}
     for impl in impls:
         if impl == "liger" and liger_why:
@@ -225,6 +232,9 @@ def run_op(op, s, impls, args, device, results, liger_why):
         if peers_ms:
             best = min(peers_ms, key=peers_ms.get)
             row["best_peer"], row["seqfuse_vs_best_peer"] = best, peers_ms[best] / row["seqfuse_ms"]
+            if "seqfuse_fp8_ms" in row:
+                row["seqfuse_fp8_vs_best_peer"] = peers_ms[best] / row["seqfuse_fp8_ms"]
+                row["seqfuse_fp8_vs_seqfuse"] = row["seqfuse_ms"] / row["seqfuse_fp8_ms"]
     results.add(**row)
     del ops
     release_cached_memory(device)

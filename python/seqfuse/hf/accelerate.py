@@ -546,7 +546,7 @@ def _module_slots(model):
 
 
 def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=True, fuse_experts=True,
-               recompute_activation=None):
+               recompute_activation=None, fp8_lm_head=False):
     """Accelerate a transformers model in place; return an AccelerateReport.
 
     - ``fuse_layers``: decoder layers of the Llama family (Llama, Mistral,
@@ -573,6 +573,11 @@ def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=
       computes its LM head and cross-entropy as seqfuse's chunked
       linear_cross_entropy (no full logits; ``logits`` is then None in the
       output, as with Liger-Kernel's fused loss).
+    - ``fp8_lm_head``: under a recipe the LM head (the model's output
+      embeddings) stays in high precision by default, as Megatron-Core's and
+      DeepSeek-V3's FP8 training keep it (its logits feed a softmax over the
+      whole vocabulary); True puts it in FP8 too: swapped like the other
+      Linears, and the fused loss's GEMMs in FP8 (a per-tensor recipe).
 
     ``recipe`` (a seqfuse.common.recipe recipe, e.g. DelayedScaling()) makes
     the model's forward run under seqfuse autocast with it, and leaves the
@@ -588,7 +593,7 @@ def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=
     if not isinstance(model, nn.Module):
         raise TypeError(f"accelerate: model must be a torch.nn.Module, got {type(model).__name__}")
     for name, flag in (("attention", attention), ("fuse_layers", fuse_layers), ("fused_loss", fused_loss),
-                       ("fuse_experts", fuse_experts)):
+                       ("fuse_experts", fuse_experts), ("fp8_lm_head", fp8_lm_head)):
         if not isinstance(flag, bool):
             raise TypeError(f"accelerate: argument '{name}' must be a bool, got {type(flag).__name__}")
     if recompute_activation is not None and not isinstance(recompute_activation, bool):
@@ -631,6 +636,7 @@ def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=
                 m.mlp_fused.recompute_activation = True
                 _log.info("seqfuse.hf.accelerate: %s keeps no MLP activation (recompute_activation)",
                           type(m).__name__)
+    head = _lm_head(model, recipe, fp8_lm_head, align)
     inside_fused = tuple(n + "." for n in fused)
     plan = []  # (full name, module, new-module factory)
     for name, module in model.named_modules():
@@ -640,6 +646,9 @@ def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=
             continue
         if isinstance(module, nn.Linear):
             why = _linear_refusal(module, align)
+            if why is None and module is head and not fp8_lm_head:
+                why = ("the LM head stays in high precision under an FP8 recipe, as in Megatron-Core's and "
+                       "DeepSeek-V3's FP8 training (fp8_lm_head=True puts it and the fused loss in FP8)")
             if why is None:
                 plan.append((name, module, functools.partial(_make_linear, Linear)))
             else:
@@ -683,6 +692,33 @@ def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=
         install_mask_shortcut()
     _route_checkpointing(model)
     return report
+
+
+def _lm_head(model, recipe, fp8_lm_head, align):
+    """The model's LM head (its output embeddings, an nn.Linear) under a
+    recipe, else None; with ``fp8_lm_head`` the fused loss is told to run
+    the head's GEMMs in FP8 where the swap takes the head."""
+    if recipe is None:
+        if fp8_lm_head:
+            _log.warning("seqfuse.hf.accelerate: fp8_lm_head=True changes nothing without an FP8 recipe")
+        return None
+    get = getattr(model, "get_output_embeddings", None)
+    try:
+        head = get() if callable(get) else None
+    except (AttributeError, NotImplementedError):
+        head = None
+    if not isinstance(head, nn.Linear):
+        return None
+    if fp8_lm_head and _linear_refusal(head, align) is None:
+        from seqfuse.common.recipe import DelayedScaling, Float8CurrentScaling
+
+        if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+            raise ValueError(f"accelerate: fp8_lm_head=True needs a per-tensor recipe (DelayedScaling or "
+                             f"Float8CurrentScaling) for the fused loss's FP8 GEMMs, got {type(recipe).__name__}")
+        from .fused_loss import set_fp8_head
+
+        set_fp8_head(model, recipe)
+    return head
 
 
 def _seqfuse_checkpoint_like(func):

@@ -38,6 +38,14 @@ CAUSAL_LMS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwe
               "Phi3ForCausalLM")
 
 OWN = "transformers' own LM head and loss"
+_FP8_HEAD = "_seqfuse_fp8_lm_head"  # model.__dict__ key: the recipe of the loss's FP8 GEMMs (set_fp8_head)
+
+
+def set_fp8_head(model, recipe):
+    """Run the fused loss's LM-head GEMMs in FP8 under ``recipe`` (a
+    per-tensor recipe: seqfuse.modules.cross_entropy.linear_cross_entropy's
+    fp8_recipe) from now on."""
+    model.__dict__[_FP8_HEAD] = recipe
 
 
 def _refusal(model):
@@ -81,7 +89,7 @@ def fused_causal_lm_loss(model, hidden, labels, num_items_in_batch=None, ignore_
     head = model.lm_head
     reduction = "mean" if num_items_in_batch is None else "sum"
     loss = linear_cross_entropy(flat, head.weight, target, bias=head.bias, ignore_index=ignore_index,
-                                reduction=reduction)
+                                reduction=reduction, fp8_recipe=model.__dict__.get(_FP8_HEAD))
     if num_items_in_batch is not None:
         if isinstance(num_items_in_batch, torch.Tensor):
             num_items_in_batch = num_items_in_batch.to(loss.device)
@@ -138,5 +146,8 @@ def wrap_causal_lm_loss(model):
         why = "its forward takes no labels / **kwargs"
         return f"{OWN} ({why})"
     wrap_method_once(model, "forward", _labels_forward)  # a second accelerate() keeps the one wrapper
+    fp8 = model.__dict__.get(_FP8_HEAD)
     return ("seqfuse linear_cross_entropy over lm_head in token chunks when training with labels (no full "
-            "logits; logits=None in the output); eval and no-grad calls keep transformers' head and loss")
+            "logits; logits=None in the output" + ("; its GEMMs in FP8, each operand scaled from its own amax"
+                                                   if fp8 is not None else "")
+            + "); eval and no-grad calls keep transformers' head and loss")

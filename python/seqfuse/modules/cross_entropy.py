@@ -19,6 +19,15 @@
   and the weight gradient accumulated across chunks in a float32 buffer by
   the GEMM itself (beta = 1), rounded to the weight's dtype once at the end.
   The first call logs which GEMM runs.
+  With ``fp8_recipe`` (DelayedScaling or Float8CurrentScaling) the three
+  GEMMs of every chunk run in FP8: the weight is cast once per call (E4M3,
+  with its transposed copy for the hidden states' gradient), each chunk's
+  hidden states in E4M3 and its logits' gradient in the recipe's backward
+  format (E5M2 under HYBRID), every operand scaled from its own amax
+  (current scaling under either recipe: the loss keeps no scaling state).
+  The softmax, the loss and the logits' gradient stay in the hidden
+  states' dtype and float32.  Token rows are padded to the FP8 GEMMs' 16
+  inside the call; V and H must be multiples of 16.
 """
 import logging
 
@@ -29,6 +38,10 @@ from ..ops import pending_errors as _pending
 from ..ops.device_checks import check_labels as _check_labels
 from ..ops.device_checks import defers_label_check as _defers_label_check
 from ..ops.gemm import gemm as _gemm
+from ..quantization import quantize_current as _quantize_current
+from ..quantization.gemm_quantizers import padded_rows as _padded_rows
+from ..quantization.gemm_quantizers import row_prefix as _row_prefix
+from . import _fp8 as F8
 
 _log = logging.getLogger("seqfuse")
 _REDUCTIONS = ("mean", "sum", "none")
@@ -129,13 +142,14 @@ def parallel_cross_entropy(inp, target, label_smoothing=0.0, reduce_loss=False, 
 _gemm_logged = False
 
 
-def _log_gemm_backend():
+def _log_gemm_backend(fp8=None):
     global _gemm_logged
     if not _gemm_logged:
         _gemm_logged = True
         _log.info("linear_cross_entropy: chunk GEMMs run on seqfuse.ops.gemm (cuBLASLt on CUDA, "
-                  "the reference GEMM on the CPU); weight gradient summed over chunks in float32 (one "
-                  "chunk: written by its GEMM in the weight's dtype)")
+                  "the reference GEMM on the CPU)%s; weight gradient summed over chunks in float32 (one "
+                  "chunk: written by its GEMM in the weight's dtype)",
+                  "" if fp8 is None else f" in FP8 ({fp8[0]} forward, {fp8[1]} gradients, current scaling)")
 
 
 def default_chunk_size(n, v, element_size, budget_bytes=1 << 30):
@@ -152,8 +166,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     """Chunked hidden @ weight.T + cross-entropy; gradients made in the forward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, ignore_index, label_smoothing, reduction, chunk_size):
-        _log_gemm_backend()
+    def forward(ctx, hidden, weight, bias, labels, ignore_index, label_smoothing, reduction, chunk_size,
+                fp8=None):
+        # fp8: (forward FP8 dtype, backward FP8 dtype) of the chunk GEMMs' operands, or None
+        _log_gemm_backend(fp8)
         n = hidden.shape[0]
         v = weight.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -185,24 +201,23 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             weight = weight.detach().to(hidden.dtype)
             bias = bias.detach().to(hidden.dtype) if bias is not None else None
         with torch.no_grad():
+            gemms = _Fp8ChunkGemms(weight.detach(), bias, fp8, need_h, need_w) if fp8 else _ChunkGemms(weight, bias)
             for start in range(0, n, chunk):
                 h = hidden[start:start + chunk].detach()
                 y = labels[start:start + chunk]
-                # logits = h @ weight.T (+ bias), fp32 accumulation, no TF32 (as torch.matmul)
-                logits = _gemm(h, weight, transb=True, bias=bias, allow_tf32=False)
+                logits = gemms.logits(h)
                 loss, lse = _loss.cross_entropy_forward(logits, y, ignore_index, label_smoothing,
                                                         check_labels=chunk_check, labels_of=labels_of)
                 total += loss.sum()
                 if need_h or need_w or need_b:
                     _loss.cross_entropy_backward(logits, y, lse, scale, ignore_index, label_smoothing, out=logits,
                                                  check_labels=False)
-                    if need_h:
-                        _gemm(logits, weight, out=grad_h[start:start + chunk], allow_tf32=False)
-                    if need_w:  # grad_w (+)= dlogits.T @ h, accumulated in float32 by the GEMM
-                        _gemm(logits, h, transa=True, out=grad_w, accumulate=start > 0, allow_tf32=False)
+                    # grad_h[chunk] = dlogits @ W; grad_w (+)= dlogits.T @ h, summed in float32 by the GEMM
+                    gemms.grads(logits, h, grad_h[start:start + chunk] if need_h else None, grad_w, start > 0)
                     if need_b:
                         grad_b += logits.sum(0, dtype=torch.float32)
                 del logits, loss, lse  # freed before the next chunk's logits are allocated: one chunk at a time
+            del gemms  # (the FP8 weight copies)
         if grad_w is not None and n == 0:
             grad_w.zero_()  # no chunk wrote it
         if grad_w is not None and grad_w.dtype != weight_dtype:
@@ -222,11 +237,88 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             grad_w = grad_w.mul_(g.to(grad_w.dtype))
         if grad_b is not None:
             grad_b = (grad_b * g).to(ctx.bias_dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+
+
+class _ChunkGemms:
+    """A chunk's three GEMMs in the hidden states' dtype: float32
+    accumulation, no TF32 (as torch.matmul)."""
+
+    def __init__(self, weight, bias):
+        self.weight, self.bias = weight, bias
+
+    def logits(self, h):
+        return _gemm(h, self.weight, transb=True, bias=self.bias, allow_tf32=False)
+
+    def grads(self, dlogits, h, grad_h, grad_w, accumulate):
+        if grad_h is not None:
+            _gemm(dlogits, self.weight, out=grad_h, allow_tf32=False)
+        if grad_w is not None:
+            _gemm(dlogits, h, transa=True, out=grad_w, accumulate=accumulate, allow_tf32=False)
+
+
+class _Fp8ChunkGemms:
+    """The same GEMMs over FP8 operands (module note): the weight cast once
+    (row-wise for the logits, its transposed copy for the hidden states'
+    gradient), each chunk's hidden states and logits' gradient cast with
+    their token rows padded to the GEMMs' 16 (zero rows, cut from the
+    results)."""
+
+    def __init__(self, weight, bias, fp8, need_h, need_w):
+        self.fwd_dtype, self.bwd_dtype = fp8
+        self.need_w = need_w
+        self.wq = _quantize_current(weight, self.fwd_dtype, transpose=need_h)
+        self.bias = bias
+        self.hq = None
+
+    def logits(self, h):
+        rows = h.shape[0]
+        mp = _padded_rows(rows)
+        # the chunk's cast is kept for its weight gradient (its transposed copy)
+        self.hq = _quantize_current(h, self.fwd_dtype, transpose=self.need_w, rows=None if mp == rows else mp)
+        out = F8.gemm(F8.rowwise(self.hq, None), (self.wq.data, self.wq.scale_inv, None), h.dtype,
+                      bias=self.bias, fast_accum=True)
+        return _row_prefix(out, rows)
+
+    def grads(self, dlogits, h, grad_h, grad_w, accumulate):
+        rows = dlogits.shape[0]
+        mp = _padded_rows(rows)
+        gq = _quantize_current(dlogits, self.bwd_dtype, transpose=grad_w is not None,
+                               rows=None if mp == rows else mp)
+        if grad_h is not None:
+            w_t = (self.wq.data_t, self.wq.scale_inv, None)
+            if mp == rows:
+                F8.gemm(F8.rowwise(gq, None), w_t, None, out=grad_h)
+            else:
+                grad_h.copy_(_row_prefix(F8.gemm(F8.rowwise(gq, None), w_t, grad_h.dtype), rows))
+        if grad_w is not None:
+            F8.gemm(F8.columnwise(gq, None), F8.columnwise(self.hq, None), None, out=grad_w, accumulate=accumulate)
+        self.hq = None
+
+
+def _fp8_dtypes(recipe, hidden, weight):
+    """(forward, backward) FP8 dtypes of the chunk GEMMs under ``recipe``
+    (None: no FP8), after the recipe and shape rules."""
+    if recipe is None:
+        return None
+    from ..common.recipe import DelayedScaling, Float8CurrentScaling, Recipe
+
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"linear_cross_entropy: argument 'fp8_recipe' must be a seqfuse.common.recipe recipe or "
+                        f"None, got {type(recipe).__name__}")
+    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+        raise NotImplementedError(f"linear_cross_entropy: argument 'fp8_recipe' must be a per-tensor recipe "
+                                  f"(DelayedScaling or Float8CurrentScaling), got {type(recipe).__name__}: the "
+                                  "loss's FP8 GEMMs scale each operand per tensor")
+    for name, size in (("V (weight rows)", weight.shape[0]), ("H", weight.shape[1])):
+        if size % 16:
+            raise ValueError(f"linear_cross_entropy: FP8 GEMMs (fp8_recipe) need {name} to be a multiple of 16, "
+                             f"got {size}")
+    return recipe.fp8_format.forward_dtype, recipe.fp8_format.backward_dtype
 
 
 def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, label_smoothing=0.0,
-                         reduction="mean", chunk_size=None):
+                         reduction="mean", chunk_size=None, fp8_recipe=None):
     """Cross-entropy of ``hidden`` [N, H] @ ``weight`` [V, H].T (+ ``bias`` [V])
     against int64 ``labels`` [N], processed ``chunk_size`` tokens at a time
     (default: 1 GiB of logits per chunk) so the full [N, V] logits are never
@@ -237,7 +329,9 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, l
     (memory: 4 V H bytes while the forward runs); when all N rows fit in one
     chunk and the weight has hidden's dtype (or float32) the GEMM writes it in
     the weight's dtype instead (its own float32 sum rounded once, as the
-    buffer's final conversion would)."""
+    buffer's final conversion would).  ``fp8_recipe`` (DelayedScaling or
+    Float8CurrentScaling; None: no FP8): the chunk GEMMs in FP8 (module
+    note)."""
     _check_reduction(reduction, ("mean", "sum"))
     for name, t in (("hidden", hidden), ("weight", weight)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
@@ -257,5 +351,6 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, l
                         f"[{hidden.shape[0]}]")
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"linear_cross_entropy: argument 'chunk_size' must be positive, got {chunk_size}")
+    fp8 = _fp8_dtypes(fp8_recipe, hidden, weight)
     return LinearCrossEntropyFunction.apply(hidden, weight, bias, labels, int(ignore_index),
-                                            float(label_smoothing), reduction, chunk_size)
+                                            float(label_smoothing), reduction, chunk_size, fp8)
