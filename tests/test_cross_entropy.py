@@ -439,8 +439,11 @@ def _fp8_linear_ce_emulated(hidden, weight, bias, labels, fmt, chunk):
 def test_linear_cross_entropy_fp8(device, n, h, v, chunk, fmt, bias, dtype, seed):
     """fp8_recipe: the chunk GEMMs over FP8 operands, each scaled from its own
     amax. Equal to the same computation emulated in float64 (bf16 rounding
-    of the outputs), and an FP8 distance from the exact float64 loss: ten
-    times the emulation's error at least, so an unquantized route fails."""
+    of the outputs; four times bf16's bound for the gradients, where a
+    logit one bf16 step apart moves an element across an FP8 rounding
+    boundary now and then), within FP8's distance of the exact float64
+    result and at least three times the high-precision route's distance
+    from it (a route that did not quantize fails)."""
     from seqfuse.common.recipe import DelayedScaling, Float8CurrentScaling, Format
 
     fmt = Format[fmt]
@@ -454,17 +457,20 @@ def test_linear_cross_entropy_fp8(device, n, h, v, chunk, fmt, bias, dtype, seed
     e_loss, e_dh, e_dw, e_db = _fp8_linear_ce_emulated(hidden.detach(), weight.detach(), None if b is None else b.detach(),
                                                  labels, fmt, chunk or n)
     assert_close_rel(loss, e_loss, torch.bfloat16)
-    assert_close_rel(hidden.grad, e_dh, torch.bfloat16)
-    assert_close_rel(weight.grad, e_dw, torch.bfloat16)
+    assert_close_rel(hidden.grad, e_dh, torch.bfloat16, factor=4)
+    assert_close_rel(weight.grad, e_dw, torch.bfloat16, factor=4)
     hd, wd = hidden.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)
     bd = b.detach().double().requires_grad_(True) if bias else None
     ref = F.cross_entropy(F.linear(hd, wd, bd), labels)
     ref.backward()
+    w_hp = weight.detach().clone().requires_grad_(True)
+    linear_cross_entropy(hidden.detach(), w_hp, labels, bias=None if b is None else b.detach(),
+                         chunk_size=chunk).backward()
     err_exact = rel_error(weight.grad, wd.grad)
-    assert 10 * rel_error(weight.grad, e_dw) < err_exact < 0.1, err_exact
+    assert 3 * rel_error(w_hp.grad, wd.grad) < err_exact < 0.1, (err_exact, rel_error(w_hp.grad, wd.grad))
     assert rel_error(hidden.grad, hd.grad) < 0.1 and rel_error(loss, ref) < 1e-2
     if bias:  # summed from the logits' gradient before its cast
-        assert_close_rel(b.grad, e_db, torch.bfloat16)
+        assert_close_rel(b.grad, e_db, torch.bfloat16, factor=3)
         assert rel_error(b.grad, bd.grad) < 0.1
 
 
