@@ -402,17 +402,19 @@ def test_lse_of_infinite_and_nan_rows_follows_torch(device, v):
     assert torch.allclose(lse.cpu()[keep], want[keep], rtol=1e-6, atol=1e-6)
 
 
-def _fp8_round(x, fp8_dtype):
-    """x (float64) through an FP8 cast scaled from its own amax, back in float64."""
-    s = torch.finfo(fp8_dtype).max / x.abs().max()
+def _fp8_round(x, fp8_dtype, bound=None):
+    """x (float64) through an FP8 cast scaled so that ``bound`` (default: its
+    own amax) maps to the format's largest value, back in float64."""
+    s = torch.finfo(fp8_dtype).max / (x.abs().max() if bound is None else bound)
     return (x * s).to(fp8_dtype).double() / s
 
 
 def _fp8_linear_ce_emulated(hidden, weight, bias, labels, fmt, chunk):
     """linear_cross_entropy's FP8 computation in float64 torch: per chunk the
-    hidden states and the logits' gradient (rounded to the GEMMs' output dtype
-    first) cast with their own amax, the weight once; (loss, dhidden, dweight,
-    dbias) of the mean loss."""
+    hidden states (with their own amax) and the logits' gradient (rounded to
+    the GEMMs' output dtype first; with its bound, 1 / tokens) cast, the
+    weight once (its own amax); (loss, dhidden, dweight, dbias) of the mean
+    loss."""
     fd, bd = fmt.forward_dtype, fmt.backward_dtype
     wq = _fp8_round(weight.double(), fd)
     count = (labels != -100).sum()
@@ -424,7 +426,7 @@ def _fp8_linear_ce_emulated(hidden, weight, bias, labels, fmt, chunk):
         part.backward()
         loss = loss + part.detach()
         db = db + lg.grad.sum(0)
-        gq = _fp8_round(lg.grad.to(hidden.dtype).double(), bd)
+        gq = _fp8_round(lg.grad.to(hidden.dtype).double(), bd, 1.0 / count.double())
         dh.append(gq @ wq)
         dw = dw + gq.t() @ hq
     return loss, torch.cat(dh), dw, db
@@ -437,13 +439,16 @@ def _fp8_linear_ce_emulated(hidden, weight, bias, labels, fmt, chunk):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_linear_cross_entropy_fp8(device, n, h, v, chunk, fmt, bias, dtype, seed):
-    """fp8_recipe: the chunk GEMMs over FP8 operands, each scaled from its own
-    amax. Equal to the same computation emulated in float64 (bf16 rounding
-    of the outputs; four times bf16's bound for the gradients, where a
-    logit one bf16 step apart moves an element across an FP8 rounding
-    boundary now and then), within FP8's distance of the exact float64
-    result and at least three times the high-precision route's distance
-    from it (a route that did not quantize fails)."""
+    """fp8_recipe: the chunk GEMMs over FP8 operands (the weight and hidden
+    states scaled from their own amax, the logits' gradient from its bound).
+    Equal to the same computation emulated in float64: bf16 rounding of the
+    outputs; six times bf16's bound for the gradients, because a logit one
+    rounding step apart moves an element of the logits' gradient across an
+    E5M2 rounding boundary now and then (25 % of that element), and the
+    largest elements dominate these small shapes' norms (the worst of 1,800
+    seeded cases came to 3.7e-2, the usual 1.7e-3).  Within FP8's distance
+    of the exact float64 result, and at least three times the high-precision
+    route's distance from it (a route that did not quantize fails)."""
     from seqfuse.common.recipe import DelayedScaling, Float8CurrentScaling, Format
 
     fmt = Format[fmt]
@@ -457,8 +462,8 @@ def test_linear_cross_entropy_fp8(device, n, h, v, chunk, fmt, bias, dtype, seed
     e_loss, e_dh, e_dw, e_db = _fp8_linear_ce_emulated(hidden.detach(), weight.detach(), None if b is None else b.detach(),
                                                  labels, fmt, chunk or n)
     assert_close_rel(loss, e_loss, torch.bfloat16)
-    assert_close_rel(hidden.grad, e_dh, torch.bfloat16, factor=4)
-    assert_close_rel(weight.grad, e_dw, torch.bfloat16, factor=4)
+    assert_close_rel(hidden.grad, e_dh, torch.bfloat16, factor=6)
+    assert_close_rel(weight.grad, e_dw, torch.bfloat16, factor=6)
     hd, wd = hidden.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)
     bd = b.detach().double().requires_grad_(True) if bias else None
     ref = F.cross_entropy(F.linear(hd, wd, bd), labels)

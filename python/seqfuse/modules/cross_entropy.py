@@ -23,8 +23,12 @@
   GEMMs of every chunk run in FP8: the weight is cast once per call (E4M3,
   with its transposed copy for the hidden states' gradient), each chunk's
   hidden states in E4M3 and its logits' gradient in the recipe's backward
-  format (E5M2 under HYBRID), every operand scaled from its own amax
-  (current scaling under either recipe: the loss keeps no scaling state).
+  format (E5M2 under HYBRID).  The weight and the hidden states are scaled
+  from their own amax (current scaling under either recipe: the loss keeps
+  no scaling state); the logits' gradient, softmax minus the target
+  distribution times the loss's scale (1 / tokens for the mean), is
+  bounded by that scale in magnitude, and is cast with the scale that maps
+  the bound to the format's largest value (no amax pass over the chunk).
   The softmax, the loss and the logits' gradient stay in the hidden
   states' dtype and float32.  Token rows are padded to the FP8 GEMMs' 16
   inside the call; V and H must be multiples of 16.
@@ -38,6 +42,7 @@ from ..ops import pending_errors as _pending
 from ..ops.device_checks import check_labels as _check_labels
 from ..ops.device_checks import defers_label_check as _defers_label_check
 from ..ops.gemm import gemm as _gemm
+from ..quantization import quantize as _quantize
 from ..quantization import quantize_current as _quantize_current
 from ..quantization.gemm_quantizers import padded_rows as _padded_rows
 from ..quantization.gemm_quantizers import row_prefix as _row_prefix
@@ -201,7 +206,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             weight = weight.detach().to(hidden.dtype)
             bias = bias.detach().to(hidden.dtype) if bias is not None else None
         with torch.no_grad():
-            gemms = _Fp8ChunkGemms(weight.detach(), bias, fp8, need_h, need_w) if fp8 else _ChunkGemms(weight, bias)
+            gemms = (_Fp8ChunkGemms(weight.detach(), bias, fp8, need_h, need_w, scale) if fp8
+                     else _ChunkGemms(weight, bias))
             for start in range(0, n, chunk):
                 h = hidden[start:start + chunk].detach()
                 y = labels[start:start + chunk]
@@ -262,14 +268,19 @@ class _Fp8ChunkGemms:
     (row-wise for the logits, its transposed copy for the hidden states'
     gradient), each chunk's hidden states and logits' gradient cast with
     their token rows padded to the GEMMs' 16 (zero rows, cut from the
-    results)."""
+    results).  ``grad_bound``: the loss's scale (one element on the
+    device), the bound of the logits' gradient."""
 
-    def __init__(self, weight, bias, fp8, need_h, need_w):
+    def __init__(self, weight, bias, fp8, need_h, need_w, grad_bound):
         self.fwd_dtype, self.bwd_dtype = fp8
         self.need_w = need_w
         self.wq = _quantize_current(weight, self.fwd_dtype, transpose=need_h)
         self.bias = bias
         self.hq = None
+        # fp8_max / bound; where every token is ignored (bound 1 / 0) the gradient is all zeros: scale 1
+        bound = grad_bound.float()
+        self.g_scale = torch.where(torch.isfinite(bound) & (bound > 0), torch.finfo(self.bwd_dtype).max / bound,
+                                   torch.ones_like(bound))
 
     def logits(self, h):
         rows = h.shape[0]
@@ -283,8 +294,8 @@ class _Fp8ChunkGemms:
     def grads(self, dlogits, h, grad_h, grad_w, accumulate):
         rows = dlogits.shape[0]
         mp = _padded_rows(rows)
-        gq = _quantize_current(dlogits, self.bwd_dtype, transpose=grad_w is not None,
-                               rows=None if mp == rows else mp)
+        gq = _quantize(dlogits, self.g_scale, None, self.bwd_dtype, transpose=grad_w is not None,
+                       rows=None if mp == rows else mp)
         if grad_h is not None:
             w_t = (self.wq.data_t, self.wq.scale_inv, None)
             if mp == rows:
