@@ -272,21 +272,21 @@ class _Fp8ChunkGemms:
     device), the bound of the logits' gradient."""
 
     def __init__(self, weight, bias, fp8, need_h, need_w, grad_bound):
-        self.fwd_dtype, self.bwd_dtype = fp8
+        self.forward_dtype, self.backward_dtype = fp8
         self.need_w = need_w
-        self.wq = _quantize_current(weight, self.fwd_dtype, transpose=need_h)
+        self.wq = _quantize_current(weight, self.forward_dtype, transpose=need_h)
         self.bias = bias
         self.hq = None
         # fp8_max / bound; where every token is ignored (bound 1 / 0) the gradient is all zeros: scale 1
         bound = grad_bound.float()
-        self.g_scale = torch.where(torch.isfinite(bound) & (bound > 0), torch.finfo(self.bwd_dtype).max / bound,
+        self.g_scale = torch.where(torch.isfinite(bound) & (bound > 0), torch.finfo(self.backward_dtype).max / bound,
                                    torch.ones_like(bound))
 
     def logits(self, h):
         rows = h.shape[0]
         mp = _padded_rows(rows)
         # the chunk's cast is kept for its weight gradient (its transposed copy)
-        self.hq = _quantize_current(h, self.fwd_dtype, transpose=self.need_w, rows=None if mp == rows else mp)
+        self.hq = _quantize_current(h, self.forward_dtype, transpose=self.need_w, rows=None if mp == rows else mp)
         out = F8.gemm(F8.rowwise(self.hq, None), (self.wq.data, self.wq.scale_inv, None), h.dtype,
                       bias=self.bias, fast_accum=True)
         return _row_prefix(out, rows)
@@ -294,7 +294,7 @@ class _Fp8ChunkGemms:
     def grads(self, dlogits, h, grad_h, grad_w, accumulate):
         rows = dlogits.shape[0]
         mp = _padded_rows(rows)
-        gq = _quantize(dlogits, self.g_scale, None, self.bwd_dtype, transpose=grad_w is not None,
+        gq = _quantize(dlogits, self.g_scale, None, self.backward_dtype, transpose=grad_w is not None,
                        rows=None if mp == rows else mp)
         if grad_h is not None:
             w_t = (self.wq.data_t, self.wq.scale_inv, None)
