@@ -15,6 +15,9 @@ transformers' module-level rotary function is global):
   seqfuse_fp8_delayed_head  the same with fp8_lm_head=True: the fused loss's
                        LM-head GEMMs in FP8 too
   seqfuse_fp8_block    accelerate(model, recipe=Float8BlockScaling())
+  <seqfuse row>_graphed  that row, then seqfuse.hf.graph_layers(model, batch,
+                       seq): the fused layers' forward and backward replayed
+                       as CUDA graphs (train mode only)
   seqfuse_bf16_keep    accelerate(model, recompute_activation=False): the
                        MLPs keep their gated activation (one [tokens, FFN]
                        tensor a layer more kept, one elementwise pass less)
@@ -62,8 +65,8 @@ from peers.meta import try_import  # noqa: E402
 from peers.timing import Results, error_text, parse_list  # noqa: E402
 
 ROWS = ("hf_eager", "hf_compile", "seqfuse_bf16", "seqfuse_fp8_delayed", "seqfuse_fp8_delayed_head",
-        "seqfuse_fp8_block", "seqfuse_bf16_keep",
-        "liger")
+        "seqfuse_fp8_block", "seqfuse_bf16_keep", "seqfuse_bf16_graphed", "seqfuse_fp8_delayed_graphed",
+        "seqfuse_fp8_delayed_head_graphed", "liger")
 
 SHAPES = {
     "llama1b": dict(family="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -102,8 +105,16 @@ def build_base(shape, layers, device):
     return model.to(torch.bfloat16), family
 
 
-def prepare(row, base, family):
-    """The row's model (a copy of base) and a note on what was done to it."""
+def prepare(row, base, family, shape=None):
+    """The row's model (a copy of base) and a note on what was done to it;
+    ``shape``: the (batch, seq) a _graphed row's layers are captured for."""
+    if row.endswith("_graphed"):
+        from seqfuse.hf import graph_layers
+
+        model, note = prepare(row[:-len("_graphed")], base, family)
+        model.train()
+        graph_layers(model, *shape)
+        return model, note + "; layers as CUDA graphs (seqfuse.hf.graph_layers)"
     model = copy.deepcopy(base)
     if row == "hf_eager":
         return model, "transformers, attn_implementation=" + model.config._attn_implementation
@@ -230,7 +241,7 @@ def main(argv=None):
         t0 = time.perf_counter()
         model = None
         try:
-            model, note = prepare(row, base, family)
+            model, note = prepare(row, base, family, tuple(ids.shape))
             loss0, ms, step = run(model, ids, args.warmup, args.steps, device)
             if args.profile:
                 from profile_summary import profile_row
@@ -268,7 +279,8 @@ def main(argv=None):
     if base_row and args.mode == "train":
         liger = by.get("liger")
         for row, need in (("seqfuse_bf16", 1.3), ("seqfuse_bf16_keep", 1.3), ("seqfuse_fp8_delayed", 1.7),
-                          ("seqfuse_fp8_delayed_head", 1.7)):
+                          ("seqfuse_fp8_delayed_head", 1.7), ("seqfuse_bf16_graphed", 1.3),
+                          ("seqfuse_fp8_delayed_graphed", 1.7), ("seqfuse_fp8_delayed_head_graphed", 1.7)):
             r = by.get(row)
             if r is None:
                 continue

@@ -22,12 +22,12 @@
 Importing this package registers the "seqfuse_esm", "seqfuse_llama" and "seqfuse_mixtral" model types with
 transformers' Auto classes.  It needs ``transformers`` (>= 5).
 """
-from .accelerate import AccelerateReport, accelerate
+from .accelerate import AccelerateReport, accelerate, graph_layers
 from .esm_config import ESM2_SHAPES, SeqfuseEsmConfig, esm2_config, from_hf_config, to_hf_config
 from .qkv import fuse_qkv, split_qkv
 
 __all__ = [
-    "AccelerateReport", "accelerate",
+    "AccelerateReport", "accelerate", "graph_layers",
     "ESM2_SHAPES", "SeqfuseEsmConfig", "esm2_config", "from_hf_config", "to_hf_config",
     "fuse_qkv", "split_qkv",
 ]

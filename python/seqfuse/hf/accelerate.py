@@ -694,6 +694,73 @@ def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=
     return report
 
 
+class _GraphedLayerCall(nn.Module):
+    """One fused decoder layer as CUDA graph capture takes it: the hidden
+    states in, the positions transformers derives for an unpadded
+    [batch, seq] call held (position ids 0, 1, ... and the model's rotary
+    cos / sin of them).  Not registered in the model: its state dict keys
+    stay the same."""
+
+    def __init__(self, layer, position_ids, position_embeddings):
+        super().__init__()
+        self.layer = layer
+        self.position_ids, self.position_embeddings = position_ids, position_embeddings
+
+    def forward(self, x):
+        from .positions import with_derived_positions
+
+        # the positions are transformers' derived arange: no packed-sequence test (a host read) in the capture
+        return with_derived_positions(self.layer._forward_eager, x, position_ids=self.position_ids,
+                                      position_embeddings=self.position_embeddings)
+
+
+def graph_layers(model, batch_size, seq_len, num_warmup_iters=3):
+    """Capture the forward and backward of every decoder layer that
+    ``accelerate()`` fused as CUDA graphs for unpadded training calls of
+    exactly [batch_size, seq_len] tokens (seqfuse.hf.layer_graphs; FP8 under
+    the recipe accelerate() was given); later such calls replay them, so
+    the host issues two graph launches a layer instead of each kernel: what
+    a step whose host work outruns its GPU work needs (FP8 at 1B scale).
+    Calls that differ (another shape, an attention mask, a key cache,
+    position ids of the caller's, packed sequences, eval or no-grad) run
+    eagerly, the reason logged once.  Needs CUDA, training mode, no dropout
+    in the layers, no gradient checkpointing.  The weights stay the same
+    Parameters (the optimizer's steps reach the next replay).  Returns the
+    model."""
+    from .fuse_layers import SeqfuseDecoderLayer
+    from .layer_graphs import LayerGraphs, check_graphable
+    from ..quantization import make_graphed_callables
+
+    owner = "seqfuse.hf"
+    layers = [m for m in model.modules() if isinstance(m, SeqfuseDecoderLayer)]
+    if not layers:
+        raise ValueError(f"{owner}.graph_layers: the model has no fused decoder layer: call "
+                         "seqfuse.hf.accelerate(model) first (whole-layer fusion)")
+    p = next(layers[0].parameters())
+    dropout = ", ".join(f"{type(m).__name__}: attention {m.attention_dropout}, residual {m.resid_dropout}"
+                        for m in layers[:1] if m.attention_dropout or any(m.resid_dropout))
+    check_graphable(owner, p.device.type == "cuda", dropout or None,
+                    getattr(model, "is_gradient_checkpointing", False), model.training,
+                    batch_size=batch_size, seq_len=seq_len)
+    recipe = model.__dict__.get(_RECIPE_MARK, (None,))[0]
+    x = torch.randn(batch_size, seq_len, layers[0].config.hidden_size, device=p.device, dtype=p.dtype)
+    positions = torch.arange(seq_len, device=p.device)[None].expand(batch_size, -1)
+    rotary = layers[0]._rotary[0]
+    with torch.no_grad():
+        position_embeddings = tuple(t.detach() for t in rotary(x, positions))
+    calls = tuple(_GraphedLayerCall(m, positions, position_embeddings) for m in layers)
+    sample = tuple((x.clone().requires_grad_(True),) for _ in layers)
+    graphed = make_graphed_callables(calls, sample, num_warmup_iters=num_warmup_iters,
+                                     fp8_enabled=recipe is not None, fp8_recipe=recipe)
+    graphs = LayerGraphs(type(model).__name__, _log)
+    graphs.set((batch_size, seq_len), recipe, graphed)
+    for i, m in enumerate(layers):
+        m.__dict__["_layer_graphs"] = (graphs, i)
+    _log.info("seqfuse.hf.graph_layers: %d decoder layers graphed for [%d, %d] training calls%s", len(layers),
+              batch_size, seq_len, "" if recipe is None else f" under {recipe!r}")
+    return model
+
+
 def _lm_head(model, recipe, fp8_lm_head, align):
     """The model's LM head (its output embeddings, an nn.Linear) under a
     recipe, else None; with ``fp8_lm_head`` the fused loss is told to run

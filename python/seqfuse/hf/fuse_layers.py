@@ -494,6 +494,16 @@ class SeqfuseDecoderLayer(nn.Module):
                                       "fused attention never forms attention probabilities); accelerate the model "
                                       "with fuse_layers=False and attention=False to get them")
         cache = cache if cache is not None else past_key_values
+        graphs = self.__dict__.get("_layer_graphs")  # (LayerGraphs, this layer's index): accelerate.graph_layers
+        if graphs is not None:
+            graphed = graphs[0].for_call(self.training, hidden_states.shape[:2],
+                                         _graph_reason(attention_mask, position_ids, cache, kwargs))
+            if graphed is not None:
+                return graphed[graphs[1]](hidden_states)
+        return self._forward_eager(hidden_states, attention_mask, position_ids, cache, position_embeddings, **kwargs)
+
+    def _forward_eager(self, hidden_states, attention_mask=None, position_ids=None, cache=None,
+                       position_embeddings=None, **kwargs):
         b, s, _ = hidden_states.shape
         d = self.head_dim
         mixed = self.qkv(hidden_states)
@@ -515,6 +525,23 @@ class SeqfuseDecoderLayer(nn.Module):
 
     def _dropout(self, x, p):
         return F.dropout(x, p, training=True) if p > 0.0 and self.training else x
+
+
+def _graph_reason(attention_mask, position_ids, cache, kwargs):
+    """Why a decoder-layer call cannot replay the graphed layers (found
+    without a host read), or None: the graphs hold an unpadded causal batch
+    at the positions transformers derives (0, 1, ... per row), no key cache."""
+    from .positions import derived_positions
+
+    if any(kwargs.get(k) is not None for k in ("cu_seq_lens_q", "cu_seq_lens_k")):
+        return "packed (thd) call"
+    if attention_mask is not None:
+        return "an attention mask (a padded call)"
+    if cache is not None:
+        return "a key cache (pass use_cache=False in training)"
+    if position_ids is not None and not derived_positions():
+        return "position_ids given by the caller (the graphs hold 0, 1, ... per row)"
+    return None
 
 
 def _filled_static_keys(cache, layer_idx, k, v):

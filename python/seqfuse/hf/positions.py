@@ -88,6 +88,13 @@ def _marked(mark, function, *args, **kwargs):
         _derived.reset(token)
 
 
+def with_derived_positions(function, *args, **kwargs):
+    """``function(*args, **kwargs)`` run as inside an accelerated forward
+    called without position_ids (derived_positions() true): for a caller
+    that holds such positions itself (graph_layers' capture)."""
+    return _marked(True, function, *args, **kwargs)
+
+
 def marked_checkpoint(function, *args, **kwargs):
     """seqfuse's checkpoint (seqfuse.quantization.recompute.checkpoint, same
     arguments) whose recompute in the backward runs under the
