@@ -443,8 +443,11 @@ def test_fp8_lm_head(monkeypatch):
     assert 0 < rel_error(g_8, g_hp) <= 0.25
     cfg = transformers.LlamaConfig(**dict(_common(), vocab_size=128, hidden_size=128, intermediate_size=256,
                                           head_dim=32))
+    block_model = transformers.LlamaForCausalLM(cfg)
     with pytest.raises(ValueError, match="fp8_lm_head=True needs a per-tensor recipe"):
-        accelerate(transformers.LlamaForCausalLM(cfg), recipe=Float8BlockScaling(), fp8_lm_head=True)
+        accelerate(block_model, recipe=Float8BlockScaling(), fp8_lm_head=True)
+    # refused before anything changed: the model takes another recipe afterwards
+    assert len(accelerate(block_model, recipe=DelayedScaling(), fp8_lm_head=True).fused) == 2
     with pytest.raises(TypeError, match="'fp8_lm_head' must be a bool"):
         accelerate(make("llama"), fp8_lm_head=None)
 
@@ -698,10 +701,13 @@ def test_graph_layers_replays_only_the_calls_it_holds(caplog):
     graphs = LayerGraphs("LlamaForCausalLM")
     graphs.set((2, 8), None, [stand_in(i) for i in range(len(layers))])
     for i, m in enumerate(layers):
-        m.__dict__["_layer_graphs"] = (graphs, i)
+        m.set_graphs(graphs, i, torch.float32, False)
     ids = torch.randint(1, V, (2, 8))
     model(ids, labels=ids, use_cache=False).loss.backward()
     assert replayed == [0, 1]
+    copied = copy.deepcopy(model)  # a copy holds no graphs (they hold the original's parameters)
+    copied(ids, labels=ids, use_cache=False)
+    assert replayed == [0, 1] and all("_layer_graphs" not in m.__dict__ for m in copied.model.layers)
     mask = torch.ones_like(ids)
     mask[0, -2:] = 0
     calls = [dict(attention_mask=mask), dict(use_cache=True), dict(position_ids=torch.arange(8)[None] + 3)]
@@ -712,10 +718,14 @@ def test_graph_layers_replays_only_the_calls_it_holds(caplog):
         with torch.no_grad():
             model(ids, use_cache=False)
         model(ids, labels=ids, attention_mask=mask, use_cache=False)  # a reason already given: not again
+        for m in layers:
+            m.set_graphs(graphs, layers.index(m), torch.bfloat16, False)
+        model(ids, labels=ids, use_cache=False)  # captured for bf16 hidden states: this call's are float32
     assert replayed == [0, 1]
     said = [r.getMessage() for r in caplog.records if "graphed layers not used" in r.getMessage()]
     for reason in ("an attention mask", "a key cache", "position_ids given by the caller",
-                   "input_ids (2, 6), graphed for (2, 8)", "not training"):
+                   "input_ids (2, 6), graphed for (2, 8)", "not training",
+                   "hidden states torch.float32 with torch autocast off, graphed for torch.bfloat16"):
         assert sum(reason in m for m in said) == 1, (reason, said)
 
 
@@ -738,6 +748,16 @@ def test_cuda_graph_layers_match_eager(recipe_name):
     accelerate(graphed, recipe=recipe)
     eager.train(), graphed.train()
     graph_layers(graphed, 2, 128)
+    graphs = graphed.model.layers[0].__dict__["_layer_graphs"].graphs
+    calls = []
+
+    def counted(i, g):
+        def call(x):
+            calls.append(i)
+            return g(x)
+        return call
+
+    graphs.graphed = tuple(counted(i, g) for i, g in enumerate(graphs.graphed))
     ids = torch.randint(0, 512, (2, 128), device="cuda")
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (eager, graphed)]
     bound = 2e-2 if recipe else 1e-3
@@ -750,6 +770,7 @@ def test_cuda_graph_layers_match_eager(recipe_name):
             opt.zero_grad()
             losses.append(loss.float())
         assert abs(losses[1] - losses[0]) <= bound * losses[0], losses
+    assert calls == [0, 1] * 3  # every step's layers went to the graphed callables (FP8: eager until history)
     a, b = dict(eager.named_parameters()), dict(graphed.named_parameters())
     for n in a:
         assert rel_error(b[n].float(), a[n].float()) <= bound, n

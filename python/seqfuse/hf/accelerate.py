@@ -578,6 +578,10 @@ def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=
       DeepSeek-V3's FP8 training keep it (its logits feed a softmax over the
       whole vocabulary); True puts it in FP8 too: swapped like the other
       Linears, and the fused loss's GEMMs in FP8 (a per-tensor recipe).
+      Like every swap, a later call does not undo it (False then changes
+      nothing); a checkpoint saved with the head in FP8 carries the head's
+      FP8 scaling state, which a model accelerated without it does not
+      take strictly.
 
     ``recipe`` (a seqfuse.common.recipe recipe, e.g. DelayedScaling()) makes
     the model's forward run under seqfuse autocast with it, and leaves the
@@ -604,6 +608,12 @@ def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=
     if recipe is not None and not isinstance(recipe, Recipe):
         raise TypeError(f"accelerate: argument 'recipe' must be a seqfuse.common.recipe recipe (e.g. "
                         f"DelayedScaling()), got {type(recipe).__name__}")
+    if fp8_lm_head and recipe is not None:
+        from seqfuse.common.recipe import DelayedScaling, Float8CurrentScaling
+
+        if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+            raise ValueError(f"accelerate: fp8_lm_head=True needs a per-tensor recipe (DelayedScaling or "
+                             f"Float8CurrentScaling) for the fused loss's FP8 GEMMs, got {type(recipe).__name__}")
     recipe = _call_recipe(model, recipe)
     Linear, LayerNorm = _seqfuse_modules()
     RMSNorm = _seqfuse_rmsnorm()
@@ -710,7 +720,7 @@ class _GraphedLayerCall(nn.Module):
         from .positions import with_derived_positions
 
         # the positions are transformers' derived arange: no packed-sequence test (a host read) in the capture
-        return with_derived_positions(self.layer._forward_eager, x, position_ids=self.position_ids,
+        return with_derived_positions(self.layer.forward_eager, x, position_ids=self.position_ids,
                                       position_embeddings=self.position_embeddings)
 
 
@@ -721,12 +731,15 @@ def graph_layers(model, batch_size, seq_len, num_warmup_iters=3):
     the recipe accelerate() was given); later such calls replay them, so
     the host issues two graph launches a layer instead of each kernel: what
     a step whose host work outruns its GPU work needs (FP8 at 1B scale).
-    Calls that differ (another shape, an attention mask, a key cache,
-    position ids of the caller's, packed sequences, eval or no-grad) run
+    Calls that differ (another shape, an attention mask, a key cache:
+    pass use_cache=False in training, as transformers otherwise builds one
+    in every call; position ids of the caller's, packed sequences, another
+    dtype or torch autocast setting than at this call, eval or no-grad) run
     eagerly, the reason logged once.  Needs CUDA, training mode, no dropout
     in the layers, no gradient checkpointing.  The weights stay the same
-    Parameters (the optimizer's steps reach the next replay).  Returns the
-    model."""
+    Parameters (the optimizer's steps reach the next replay); a copy of the
+    model (deepcopy, pickle) runs eagerly.  Call it under the autocast the
+    training calls run under.  Returns the model."""
     from .fuse_layers import SeqfuseDecoderLayer
     from .layer_graphs import LayerGraphs, check_graphable
     from ..quantization import make_graphed_callables
@@ -737,15 +750,17 @@ def graph_layers(model, batch_size, seq_len, num_warmup_iters=3):
         raise ValueError(f"{owner}.graph_layers: the model has no fused decoder layer: call "
                          "seqfuse.hf.accelerate(model) first (whole-layer fusion)")
     p = next(layers[0].parameters())
-    dropout = ", ".join(f"{type(m).__name__}: attention {m.attention_dropout}, residual {m.resid_dropout}"
-                        for m in layers[:1] if m.attention_dropout or any(m.resid_dropout))
+    dropout = "; ".join(sorted({f"attention {m.attention_dropout}, residual {m.resid_dropout}"
+                                for m in layers if m.attention_dropout or any(m.resid_dropout)}))
     check_graphable(owner, p.device.type == "cuda", dropout or None,
                     getattr(model, "is_gradient_checkpointing", False), model.training,
                     batch_size=batch_size, seq_len=seq_len)
     recipe = model.__dict__.get(_RECIPE_MARK, (None,))[0]
-    x = torch.randn(batch_size, seq_len, layers[0].config.hidden_size, device=p.device, dtype=p.dtype)
+    autocast = torch.is_autocast_enabled("cuda")
+    dtype = torch.get_autocast_dtype("cuda") if autocast else p.dtype
+    x = torch.randn(batch_size, seq_len, layers[0].config.hidden_size, device=p.device, dtype=dtype)
     positions = torch.arange(seq_len, device=p.device)[None].expand(batch_size, -1)
-    rotary = layers[0]._rotary[0]
+    rotary = layers[0].rotary_embedding
     with torch.no_grad():
         position_embeddings = tuple(t.detach() for t in rotary(x, positions))
     calls = tuple(_GraphedLayerCall(m, positions, position_embeddings) for m in layers)
@@ -755,7 +770,7 @@ def graph_layers(model, batch_size, seq_len, num_warmup_iters=3):
     graphs = LayerGraphs(type(model).__name__, _log)
     graphs.set((batch_size, seq_len), recipe, graphed)
     for i, m in enumerate(layers):
-        m.__dict__["_layer_graphs"] = (graphs, i)
+        m.set_graphs(graphs, i, dtype, autocast)
     _log.info("seqfuse.hf.graph_layers: %d decoder layers graphed for [%d, %d] training calls%s", len(layers),
               batch_size, seq_len, "" if recipe is None else f" under {recipe!r}")
     return model
@@ -776,10 +791,10 @@ def _lm_head(model, recipe, fp8_lm_head, align):
         head = None
     if not isinstance(head, nn.Linear):
         return None
-    if fp8_lm_head and _linear_refusal(head, align) is None:
-        from seqfuse.common.recipe import DelayedScaling, Float8CurrentScaling
+    from seqfuse.common.recipe import DelayedScaling, Float8CurrentScaling
 
-        if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+    if fp8_lm_head and _linear_refusal(head, align) is None:
+        if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):  # (an earlier call's recipe)
             raise ValueError(f"accelerate: fp8_lm_head=True needs a per-tensor recipe (DelayedScaling or "
                              f"Float8CurrentScaling) for the fused loss's FP8 GEMMs, got {type(recipe).__name__}")
         from .fused_loss import set_fp8_head

@@ -384,7 +384,8 @@ def fuse_layer(layer, rmsnorm_match, rotary, recompute_activation=False):
     if not new.rope_fused:
         notes.append(f"RoPE rotates with transformers' cos/sin in torch: {why}")
     if recompute_activation:
-        notes.append("the gated activation made again in the backward, not kept (recompute_activation)")
+        notes.append("the gated activation made again in the backward, not kept (recompute_activation; under "
+                     "FP8 its FP8 copy is kept either way)")
     if len(parts.qkv) == 1 and len(parts.fc1) == 1:
         notes.append("the layer's own Parameter objects throughout (its QKV and gate/up weights were fused already)")
     new._split_sizes = (heads * d, groups * d, groups * d)
@@ -494,16 +495,35 @@ class SeqfuseDecoderLayer(nn.Module):
                                       "fused attention never forms attention probabilities); accelerate the model "
                                       "with fuse_layers=False and attention=False to get them")
         cache = cache if cache is not None else past_key_values
-        graphs = self.__dict__.get("_layer_graphs")  # (LayerGraphs, this layer's index): accelerate.graph_layers
+        graphs = self.__dict__.get("_layer_graphs")  # set_graphs (seqfuse.hf.graph_layers)
         if graphs is not None:
-            graphed = graphs[0].for_call(self.training, hidden_states.shape[:2],
-                                         _graph_reason(attention_mask, position_ids, cache, kwargs))
+            graphed = graphs.graphs.for_call(self.training, hidden_states.shape[:2],
+                                             _graph_reason(graphs, hidden_states, attention_mask, position_ids,
+                                                           cache, kwargs))
             if graphed is not None:
-                return graphed[graphs[1]](hidden_states)
-        return self._forward_eager(hidden_states, attention_mask, position_ids, cache, position_embeddings, **kwargs)
+                return graphed[graphs.index](hidden_states)
+        return self.forward_eager(hidden_states, attention_mask, position_ids, cache, position_embeddings, **kwargs)
 
-    def _forward_eager(self, hidden_states, attention_mask=None, position_ids=None, cache=None,
-                       position_embeddings=None, **kwargs):
+    def set_graphs(self, graphs, index, dtype, autocast):
+        """Replay ``graphs.graphed[index]`` (a LayerGraphs captured by
+        seqfuse.hf.graph_layers for inputs of ``dtype`` with torch's autocast
+        on or off as ``autocast``) where a call fits; None: always eager."""
+        self.__dict__["_layer_graphs"] = None if graphs is None else _LayerGraphSlot(graphs, index, dtype, autocast)
+
+    @property
+    def rotary_embedding(self):
+        """The model's rotary-embedding module this layer reads its angles from."""
+        return self._rotary[0]
+
+    def __getstate__(self):
+        # captured graphs hold this layer's parameters and buffers: a copy (deepcopy, pickle) runs eagerly
+        state = self.__dict__.copy()
+        state.pop("_layer_graphs", None)
+        return state
+
+    def forward_eager(self, hidden_states, attention_mask=None, position_ids=None, cache=None,
+                      position_embeddings=None, **kwargs):
+        """The layer's computation, never replayed (what forward runs when no graph applies)."""
         b, s, _ = hidden_states.shape
         d = self.head_dim
         mixed = self.qkv(hidden_states)
@@ -527,12 +547,24 @@ class SeqfuseDecoderLayer(nn.Module):
         return F.dropout(x, p, training=True) if p > 0.0 and self.training else x
 
 
-def _graph_reason(attention_mask, position_ids, cache, kwargs):
+class _LayerGraphSlot(NamedTuple):
+    graphs: object  # the model's LayerGraphs
+    index: int  # this layer's callable in graphs.graphed
+    dtype: torch.dtype  # the hidden states' dtype at capture
+    autocast: bool  # torch's CUDA autocast on at capture
+
+
+def _graph_reason(slot, hidden_states, attention_mask, position_ids, cache, kwargs):
     """Why a decoder-layer call cannot replay the graphed layers (found
     without a host read), or None: the graphs hold an unpadded causal batch
-    at the positions transformers derives (0, 1, ... per row), no key cache."""
+    of the captured dtype and autocast setting at the positions transformers
+    derives (0, 1, ... per row), no key cache."""
     from .positions import derived_positions
 
+    if hidden_states.dtype != slot.dtype or torch.is_autocast_enabled("cuda") != slot.autocast:
+        return (f"hidden states {hidden_states.dtype} with torch autocast "
+                f"{'on' if torch.is_autocast_enabled('cuda') else 'off'}, graphed for {slot.dtype} with "
+                f"autocast {'on' if slot.autocast else 'off'}")
     if any(kwargs.get(k) is not None for k in ("cu_seq_lens_q", "cu_seq_lens_k")):
         return "packed (thd) call"
     if attention_mask is not None:
