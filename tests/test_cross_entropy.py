@@ -491,3 +491,5 @@ def test_linear_cross_entropy_fp8_rules():
         linear_cross_entropy(hidden, weight, labels, fp8_recipe="delayed")
     with pytest.raises(ValueError, match="V \\(weight rows\\) to be a multiple of 16, got 40"):
         linear_cross_entropy(hidden, weight[:40], labels, fp8_recipe=DelayedScaling())
+    with pytest.raises(ValueError, match="H to be a multiple of 16, got 24"):
+        linear_cross_entropy(hidden[:, :24], weight[:, :24], labels, fp8_recipe=DelayedScaling())

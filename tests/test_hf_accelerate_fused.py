@@ -448,8 +448,21 @@ def test_fp8_lm_head(monkeypatch):
         accelerate(block_model, recipe=Float8BlockScaling(), fp8_lm_head=True)
     # refused before anything changed: the model takes another recipe afterwards
     assert len(accelerate(block_model, recipe=DelayedScaling(), fp8_lm_head=True).fused) == 2
+    # the recipe an earlier call set is the one the rule reads
+    earlier = transformers.LlamaForCausalLM(cfg)
+    accelerate(earlier, recipe=Float8BlockScaling())
+    with pytest.raises(ValueError, match="fp8_lm_head=True needs a per-tensor recipe"):
+        accelerate(earlier, fp8_lm_head=True)
     with pytest.raises(TypeError, match="'fp8_lm_head' must be a bool"):
         accelerate(make("llama"), fp8_lm_head=None)
+
+
+def test_fp8_lm_head_without_a_recipe_says_it_changes_nothing(caplog):
+    model = make("llama")
+    with caplog.at_level("WARNING", logger="seqfuse"):
+        report = accelerate(model, fp8_lm_head=True)
+    assert "fp8_lm_head=True changes nothing without an FP8 recipe" in caplog.text
+    assert "in FP8" not in report.loss
 
 
 @pytest.mark.cuda
@@ -701,7 +714,7 @@ def test_graph_layers_replays_only_the_calls_it_holds(caplog):
     graphs = LayerGraphs("LlamaForCausalLM")
     graphs.set((2, 8), None, [stand_in(i) for i in range(len(layers))])
     for i, m in enumerate(layers):
-        m.set_graphs(graphs, i, torch.float32, False)
+        m.set_graphs(graphs, i, torch.float32)
     ids = torch.randint(1, V, (2, 8))
     model(ids, labels=ids, use_cache=False).loss.backward()
     assert replayed == [0, 1]
@@ -719,7 +732,7 @@ def test_graph_layers_replays_only_the_calls_it_holds(caplog):
             model(ids, use_cache=False)
         model(ids, labels=ids, attention_mask=mask, use_cache=False)  # a reason already given: not again
         for m in layers:
-            m.set_graphs(graphs, layers.index(m), torch.bfloat16, False)
+            m.set_graphs(graphs, layers.index(m), torch.bfloat16)
         model(ids, labels=ids, use_cache=False)  # captured for bf16 hidden states: this call's are float32
     assert replayed == [0, 1]
     said = [r.getMessage() for r in caplog.records if "graphed layers not used" in r.getMessage()]

@@ -84,6 +84,27 @@ def test_layer_graphs_replay_rules(caplog):
     assert asked == []
 
 
+def test_layer_graphs_replay_only_under_the_captured_autocast(caplog, monkeypatch):
+    """Graphs captured with torch's CUDA autocast off replay the capture's
+    precision: a call with it on runs eagerly and says why (and the
+    reverse); the setting is read at set(), right after the capture."""
+    autocast = [False]
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda device_type=None: autocast[0])
+    g = LayerGraphs("Owner")
+    layers = (lambda x: x,)
+    g.set((2, 8), None, layers)
+    autocast[0] = True
+    with caplog.at_level(logging.WARNING):
+        assert g.for_call(True, (2, 8)) is None
+    assert "torch autocast on, graphed with it off" in caplog.text
+    g.set((2, 8), None, layers)  # captured under autocast
+    assert g.for_call(True, (2, 8)) == layers
+    autocast[0] = False
+    with caplog.at_level(logging.WARNING):
+        assert g.for_call(True, (2, 8)) is None
+    assert "torch autocast off, graphed with it on" in caplog.text
+
+
 class StandIn:
     """A graphed layer stood in for on the CPU: counts its replays, returns
     x (with a router-logits extra for Mixtral's layers)."""

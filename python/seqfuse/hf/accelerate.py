@@ -608,12 +608,10 @@ def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=
     if recipe is not None and not isinstance(recipe, Recipe):
         raise TypeError(f"accelerate: argument 'recipe' must be a seqfuse.common.recipe recipe (e.g. "
                         f"DelayedScaling()), got {type(recipe).__name__}")
-    if fp8_lm_head and recipe is not None:
-        from seqfuse.common.recipe import DelayedScaling, Float8CurrentScaling
-
-        if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
-            raise ValueError(f"accelerate: fp8_lm_head=True needs a per-tensor recipe (DelayedScaling or "
-                             f"Float8CurrentScaling) for the fused loss's FP8 GEMMs, got {type(recipe).__name__}")
+    in_force = recipe if recipe is not None else model.__dict__.get(_RECIPE_MARK, (None,))[0]
+    if fp8_lm_head and in_force is not None and not in_force.float8_per_tensor_scaling():
+        raise ValueError(f"accelerate: fp8_lm_head=True needs a per-tensor recipe (DelayedScaling or "
+                         f"Float8CurrentScaling) for the fused loss's FP8 GEMMs, got {type(in_force).__name__}")
     recipe = _call_recipe(model, recipe)
     Linear, LayerNorm = _seqfuse_modules()
     RMSNorm = _seqfuse_rmsnorm()
@@ -756,8 +754,7 @@ def graph_layers(model, batch_size, seq_len, num_warmup_iters=3):
                     getattr(model, "is_gradient_checkpointing", False), model.training,
                     batch_size=batch_size, seq_len=seq_len)
     recipe = model.__dict__.get(_RECIPE_MARK, (None,))[0]
-    autocast = torch.is_autocast_enabled("cuda")
-    dtype = torch.get_autocast_dtype("cuda") if autocast else p.dtype
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else p.dtype
     x = torch.randn(batch_size, seq_len, layers[0].config.hidden_size, device=p.device, dtype=dtype)
     positions = torch.arange(seq_len, device=p.device)[None].expand(batch_size, -1)
     rotary = layers[0].rotary_embedding
@@ -770,7 +767,7 @@ def graph_layers(model, batch_size, seq_len, num_warmup_iters=3):
     graphs = LayerGraphs(type(model).__name__, _log)
     graphs.set((batch_size, seq_len), recipe, graphed)
     for i, m in enumerate(layers):
-        m.set_graphs(graphs, i, dtype, autocast)
+        m.set_graphs(graphs, i, dtype)
     _log.info("seqfuse.hf.graph_layers: %d decoder layers graphed for [%d, %d] training calls%s", len(layers),
               batch_size, seq_len, "" if recipe is None else f" under {recipe!r}")
     return model
@@ -791,12 +788,7 @@ def _lm_head(model, recipe, fp8_lm_head, align):
         head = None
     if not isinstance(head, nn.Linear):
         return None
-    from seqfuse.common.recipe import DelayedScaling, Float8CurrentScaling
-
-    if fp8_lm_head and _linear_refusal(head, align) is None:
-        if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):  # (an earlier call's recipe)
-            raise ValueError(f"accelerate: fp8_lm_head=True needs a per-tensor recipe (DelayedScaling or "
-                             f"Float8CurrentScaling) for the fused loss's FP8 GEMMs, got {type(recipe).__name__}")
+    if fp8_lm_head and _linear_refusal(head, align) is None:  # (the recipe's rule: checked by accelerate())
         from .fused_loss import set_fp8_head
 
         set_fp8_head(model, recipe)

@@ -63,6 +63,7 @@ from ..ops.attn import PerTensorCache
 from ..ops import device_checks
 from ..pytorch import LayerNormLinear, LayerNormMLP, Linear, RMSNorm
 from .attention import seqfuse_attention_forward
+from .positions import derived_positions
 
 def _gated_activations():
     """{activation module class: LayerNormMLP's gated activation}: act(gate) * up
@@ -504,11 +505,11 @@ class SeqfuseDecoderLayer(nn.Module):
                 return graphed[graphs.index](hidden_states)
         return self.forward_eager(hidden_states, attention_mask, position_ids, cache, position_embeddings, **kwargs)
 
-    def set_graphs(self, graphs, index, dtype, autocast):
+    def set_graphs(self, graphs, index, dtype):
         """Replay ``graphs.graphed[index]`` (a LayerGraphs captured by
-        seqfuse.hf.graph_layers for inputs of ``dtype`` with torch's autocast
-        on or off as ``autocast``) where a call fits; None: always eager."""
-        self.__dict__["_layer_graphs"] = None if graphs is None else _LayerGraphSlot(graphs, index, dtype, autocast)
+        seqfuse.hf.graph_layers for hidden states of ``dtype``) where a call
+        fits; None: always eager."""
+        self.__dict__["_layer_graphs"] = None if graphs is None else _LayerGraphSlot(graphs, index, dtype)
 
     @property
     def rotary_embedding(self):
@@ -551,20 +552,18 @@ class _LayerGraphSlot(NamedTuple):
     graphs: object  # the model's LayerGraphs
     index: int  # this layer's callable in graphs.graphed
     dtype: torch.dtype  # the hidden states' dtype at capture
-    autocast: bool  # torch's CUDA autocast on at capture
 
 
 def _graph_reason(slot, hidden_states, attention_mask, position_ids, cache, kwargs):
     """Why a decoder-layer call cannot replay the graphed layers (found
     without a host read), or None: the graphs hold an unpadded causal batch
-    of the captured dtype and autocast setting at the positions transformers
-    derives (0, 1, ... per row), no key cache."""
-    from .positions import derived_positions
-
-    if hidden_states.dtype != slot.dtype or torch.is_autocast_enabled("cuda") != slot.autocast:
+    of the captured dtype at the positions transformers derives (0, 1, ...
+    per row), no key cache (LayerGraphs.for_call checks the rest: training,
+    shape, autocast, recipe)."""
+    if hidden_states.dtype != slot.dtype:
         return (f"hidden states {hidden_states.dtype} with torch autocast "
                 f"{'on' if torch.is_autocast_enabled('cuda') else 'off'}, graphed for {slot.dtype} with "
-                f"autocast {'on' if slot.autocast else 'off'}")
+                f"autocast {'on' if slot.graphs.autocast else 'off'}")
     if any(kwargs.get(k) is not None for k in ("cu_seq_lens_q", "cu_seq_lens_k")):
         return "packed (thd) call"
     if attention_mask is not None:

@@ -146,9 +146,7 @@ def wrap_causal_lm_loss(model):
         why = "its forward takes no labels / **kwargs"
         return f"{OWN} ({why})"
     wrap_method_once(model, "forward", _labels_forward)  # a second accelerate() keeps the one wrapper
-    fp8 = model.__dict__.get(_FP8_HEAD)
+    fp8 = ("; its GEMMs in FP8: the weight and hidden states scaled from their own amax, the logits' gradient "
+           "from its bound") if model.__dict__.get(_FP8_HEAD) is not None else ""
     return ("seqfuse linear_cross_entropy over lm_head in token chunks when training with labels (no full "
-            "logits; logits=None in the output" + ("; its GEMMs in FP8: the weight and hidden states scaled from their own amax, the "
-                                                   "logits' gradient from its bound"
-                                                   if fp8 is not None else "")
-            + "); eval and no-grad calls keep transformers' head and loss")
+            f"logits; logits=None in the output{fp8}); eval and no-grad calls keep transformers' head and loss")

@@ -201,10 +201,14 @@ class LayerGraphs:
     def __init__(self, owner, log=_log):
         self.owner, self.log = owner, log
         self.shape = self.recipe = self.graphed = self.packed = None
+        self.autocast = False  # torch's CUDA autocast on when the graphs were captured
         self.skips = set()  # reasons already logged for running the layers eagerly
 
     def set(self, shape, recipe, graphed, packed=None):
+        """Called right after the capture, in its context: torch's CUDA
+        autocast setting now is the one the graphs hold."""
         self.shape, self.recipe, self.graphed, self.packed = tuple(shape), recipe, tuple(graphed), packed
+        self.autocast = torch.is_autocast_enabled("cuda")
         self.skips.clear()
 
     @property
@@ -222,7 +226,9 @@ class LayerGraphs:
         found first: not training; ``layout_reason`` (the caller's cause
         that costs nothing to find, or None; text, or (key, text) where the
         text carries the call's own figures and the key names the rule,
-        logged once per key); another shape;
+        logged once per key); another shape; torch's CUDA autocast on where
+        the capture had it off or the reverse (the graphs replay the
+        capture's precision);
         ``late_reason()`` (a callable for a cause that costs a host read, run
         only when nothing before it applies).  A call under another FP8
         recipe than the captured one (its type or any setting) is a
@@ -238,6 +244,9 @@ class LayerGraphs:
             reason = layout_reason
         elif tuple(shape) != self.shape:
             reason = f"input_ids {tuple(shape)}, graphed for {self.shape}"
+        elif torch.is_autocast_enabled("cuda") != self.autocast:
+            reason = (f"torch autocast {'on' if not self.autocast else 'off'}, graphed with it "
+                      f"{'on' if self.autocast else 'off'}")
         elif late_reason is not None:
             reason = late_reason()
         if reason is None:

@@ -312,12 +312,12 @@ def _fp8_dtypes(recipe, hidden, weight):
     (None: no FP8), after the recipe and shape rules."""
     if recipe is None:
         return None
-    from ..common.recipe import DelayedScaling, Float8CurrentScaling, Recipe
+    from ..common.recipe import Recipe
 
     if not isinstance(recipe, Recipe):
         raise TypeError(f"linear_cross_entropy: argument 'fp8_recipe' must be a seqfuse.common.recipe recipe or "
                         f"None, got {type(recipe).__name__}")
-    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+    if not recipe.float8_per_tensor_scaling():
         raise NotImplementedError(f"linear_cross_entropy: argument 'fp8_recipe' must be a per-tensor recipe "
                                   f"(DelayedScaling or Float8CurrentScaling), got {type(recipe).__name__}: the "
                                   "loss's FP8 GEMMs scale each operand per tensor")
