@@ -330,3 +330,68 @@ def test_cuda_rowcol_bit_identical(shape, dtype, seed):
         # the fused column sums: the fixed add order, bit for bit
         sums = ops.quantize_block_fp8_rowcol(x.cuda(), fp8, col_sums=True)[4]
         assert torch.equal(sums.cpu().view(torch.int32), col_sums_in_order(x).view(torch.int32))
+
+
+# ---- token padding: the row-wise copy with more rows than x ---------------
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+@pytest.mark.parametrize("m", [1, 7, 40, 129])
+def test_padded_rows_equal_the_hand_padded_input(m, fp8, dtype, seed):
+    """rows=Mp > M: the row-wise copy and its scales are the quantization of
+    x with Mp - M zero rows appended, bit for bit (data 0, scale 1 for those
+    rows), from x itself; the column-wise copy and column sums are x's."""
+    k = 256
+    mp = (m + 15) // 16 * 16 + 16  # past the next multiple of 16: any rows >= M
+    mp = min(mp, (m + 127) // 128 * 128) if m % 128 else mp
+    x = sample((m, k), dtype)
+    padded = torch.nn.functional.pad(x, (0, 0, 0, mp - m))
+    data, si = ops.quantize_block_fp8(x, 1, fp8, rows=mp)
+    ref, ref_si = ops.quantize_block_fp8(padded, 1, fp8)
+    assert data.shape == (mp, k) and torch.equal(bits(data), bits(ref)) and torch.equal(si, ref_si)
+    q = quantize_block(x, 1, fp8, rows=mp)
+    assert q.shape == (m, k) and torch.equal(q.dequantize(), ops.dequantize_block_fp8(ref, ref_si, 1, dtype)[:m])
+    if mp <= (m + 127) // 128 * 128:
+        got = ops.quantize_block_fp8_rowcol(x, fp8, col_sums=True, rows=mp)
+        want = ops.quantize_block_fp8_rowcol(padded, fp8, col_sums=True)
+        for a, b in zip(got, want):
+            assert torch.equal(a.view(torch.uint8) if a.dtype == fp8 else a, b.view(torch.uint8) if b.dtype == fp8 else b)
+
+
+def test_padded_rows_refusals():
+    x = torch.randn(20, 128)
+    with pytest.raises(ValueError, match=r"argument 'rows' \(16\) must be at least x's row count 20"):
+        ops.quantize_block_fp8(x, 1, rows=16)
+    with pytest.raises(ValueError, match="'rows' \\(token padding\\) is for 1x128 blocks"):
+        ops.quantize_block_fp8(x, 128, rows=32)
+    with pytest.raises(ValueError, match=r"'rows' must be at most round_up\(M, 128\) = 128, got 144"):
+        ops.quantize_block_fp8_rowcol(x, rows=144)
+    with pytest.raises(ValueError, match=r"'out' must have M x K = 20 x 128 elements, or shape \[Mp, K\]"):
+        seqfuse._C.quantize_block_fp8(x, torch.empty(16, 128, dtype=E4M3), torch.empty(1, 16), 1)
+    with pytest.raises(ValueError, match=r"'scale_inv' must have shape \[1, 32\]"):
+        seqfuse._C.quantize_block_fp8(x, torch.empty(32, 128, dtype=E4M3), torch.empty(1, 20), 1)
+    with pytest.raises(ValueError, match=r"'out' has 144 rows; padded rows go up to round_up\(M, 128\) = 128"):
+        seqfuse._C.quantize_block_fp8_rowcol(x, torch.empty(144, 128, dtype=E4M3), torch.empty(1, 144),
+                                             None, None)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [1, 7, 4097, 1000])
+def test_cuda_padded_rows_bit_identical(m, dtype, seed):
+    """The CUDA kernels write the zero rows (into poisoned outputs) as the CPU does."""
+    k = 512
+    mp = (m + 15) // 16 * 16
+    x = sample((m, k), dtype)
+    for fp8 in (E4M3, E5M2):
+        ref, ref_si = ops.quantize_block_fp8(x, 1, fp8, rows=mp)
+        out = poison(torch.empty(mp, k, dtype=fp8, device="cuda"))
+        si = poison(torch.empty(ref_si.shape, device="cuda"))
+        seqfuse._C.quantize_block_fp8(x.cuda(), out, si, 1)
+        assert torch.equal(bits(out).cpu(), bits(ref)) and torch.equal(si.cpu().view(torch.int32),
+                                                                         ref_si.view(torch.int32))
+        want = ops.quantize_block_fp8_rowcol(x, fp8, rows=mp, col_sums=True)
+        outs = [poison(torch.empty(t.shape, dtype=t.dtype, device="cuda")) for t in want]
+        seqfuse._C.quantize_block_fp8_rowcol(x.cuda(), *outs[:4], None, outs[4])
+        for a, b in zip(outs, want):
+            assert torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8))

@@ -41,6 +41,24 @@ static sf_status matrix_view(const char *op, const char *arg, const sf_tensor *x
 
 static int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 
+/* The rows of a 1x128 row-wise copy `out` of x [m, k]: m, or mp > m where
+ * out is [mp, k] (the FP8 GEMMs' token padding, written as zero rows in
+ * the same launch: no padded copy of x is needed). */
+static sf_status rowwise_out_rows(const char *op, const sf_tensor *out, const sf_tensor *x, int64_t m,
+                                  int64_t k, int64_t *mp)
+{
+    *mp = m;
+    if (sf_numel(out) != m * k) {
+        if (out->ndim != 2 || out->shape[1] != k || out->shape[0] < m)
+            return sf_fail(SF_ERR_VALUE,
+                           "%s: argument 'out' must have M x K = %lld x %lld elements, or shape "
+                           "[Mp, K] with Mp > M (token rows padded with zero rows)",
+                           op, (long long)m, (long long)k);
+        *mp = out->shape[0];
+    }
+    return check_out(op, "out", out, "x", x, *mp * k, 1);
+}
+
 /* The fp32 block-scale tensor of block_rows 1 or 128 (see seqfuse_quant.h). */
 static sf_status check_block_scales_named(const char *op, const char *name, const sf_tensor *s,
                                           const char *x_name, const sf_tensor *x, int block_rows, int64_t m,
@@ -119,9 +137,13 @@ sf_status sf_quantize_block_fp8(const sf_tensor *x, sf_tensor *out, sf_tensor *s
     SF_TRY(matrix_view(op, "x", x, 128, block_rows == 1 ? "1x128 blocks" : "128x128 blocks",
                        &a.m, &a.k));
     SF_TRY(sf_quant_check_fp8(op, "out", out));
-    SF_TRY(check_out(op, "out", out, "x", x, a.m * a.k, 1));
+    if (block_rows == 1)
+        SF_TRY(rowwise_out_rows(op, out, x, a.m, a.k, &a.mp));
+    else
+        SF_TRY(check_out(op, "out", out, "x", x, a.m * a.k, 1));
     SF_TRY(sf_check_aligned(op, "out", out, 8));
-    SF_TRY(check_block_scales(op, scale_inv, "x", x, block_rows, a.m, a.k, 1, &a.scale_ld));
+    SF_TRY(check_block_scales(op, scale_inv, "x", x, block_rows, block_rows == 1 ? a.mp : a.m, a.k, 1,
+                              &a.scale_ld));
     a.format = block_rows == 1 ? SF_BLOCK_FP8_1X128 : SF_BLOCK_FP8_128X128;
     fp8_quantize_fields(&a, x, out, scale_inv);
     return dispatch(op, "x", x, &a, 1, stream);
@@ -162,9 +184,12 @@ sf_status sf_quantize_block_fp8_rowcol(const sf_tensor *x, sf_tensor *out, sf_te
                        "'scale_inv_t'", op);
     if (out) {
         SF_TRY(sf_quant_check_fp8(op, "out", out));
-        SF_TRY(check_out(op, "out", out, "x", x, a.m * a.k, 1));
+        SF_TRY(rowwise_out_rows(op, out, x, a.m, a.k, &a.mp));
+        if (a.mp > mt)
+            return sf_fail(SF_ERR_VALUE, "%s: argument 'out' has %lld rows; padded rows go up to "
+                           "round_up(M, 128) = %lld at most", op, (long long)a.mp, (long long)mt);
         SF_TRY(sf_check_aligned(op, "out", out, 16));
-        SF_TRY(check_block_scales(op, scale_inv, "x", x, 1, a.m, a.k, 1, &a.scale_ld));
+        SF_TRY(check_block_scales(op, scale_inv, "x", x, 1, a.mp, a.k, 1, &a.scale_ld));
         a.e5m2 = out->dtype == SF_FLOAT8_E5M2;
     }
     if (out_t) {

@@ -19,11 +19,14 @@ static uint32_t block_amax(const sf_block_args *a, int64_t r0, int64_t r1, int64
     return m;
 }
 
+/* 1x128 blocks: rows m..mp-1 of the output are zero rows (token padding),
+ * quantized as the zero blocks they are (data 0, scale_inv 1). */
 static void quantize_fp8_blocks(const sf_block_args *a, int block_rows)
 {
     float fmax = sf_fp8_max(a->e5m2);
     float *si = (float *)a->scales;
-    int64_t kb_n = a->k / 128, mb_n = block_rows == 1 ? a->m : (a->m + 127) / 128;
+    const int64_t mp = block_rows == 1 && a->mp > a->m ? a->mp : a->m;
+    int64_t kb_n = a->k / 128, mb_n = block_rows == 1 ? mp : (a->m + 127) / 128;
     /* padding of the scale tensor is written as 0 */
     int64_t rows = block_rows == 1 ? kb_n : mb_n;
     for (int64_t i = 0; i < rows * a->scale_ld; ++i)
@@ -31,6 +34,12 @@ static void quantize_fp8_blocks(const sf_block_args *a, int block_rows)
     for (int64_t mb = 0; mb < mb_n; ++mb)
         for (int64_t kb = 0; kb < kb_n; ++kb) {
             int64_t r0 = mb * block_rows, r1 = r0 + block_rows < a->m ? r0 + block_rows : a->m;
+            if (r0 >= a->m) { /* a zero row (1x128 only) */
+                si[kb * a->scale_ld + mb] = 1.0f;
+                for (int64_t c = kb * 128; c < kb * 128 + 128; ++c)
+                    a->data[r0 * a->k + c] = 0;
+                continue;
+            }
             float amax = sf_bits_f32(block_amax(a, r0, r1, kb * 128, kb * 128 + 128));
             float s = sf_scale_from_amax(amax, fmax, 1.0f, 1.0f);
             if (block_rows == 1)

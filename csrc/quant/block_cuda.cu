@@ -44,9 +44,11 @@ __device__ __forceinline__ uint8_t cvt1(float v, int e5m2)
 }
 
 template <typename T>
-__global__ void quant_1x128_kernel(const T *__restrict__ x, int64_t m, int64_t k, uint8_t *out,
+__global__ void quant_1x128_kernel(const T *__restrict__ x, int64_t m, int64_t mp, int64_t k, uint8_t *out,
                                    float *scale_inv, int64_t ld_m, int e5m2)
 {
+    /* rows m..mp-1 (token padding) are zero rows: data 0 and the scale of a
+     * zero block (1); scale entries past mp up to ld_m are padding, 0 */
     const int lane = threadIdx.x & 31;
     const int64_t kb_n = k / 128, total = ld_m * kb_n;
     const int64_t warps = (int64_t)gridDim.x * (kThreads / 32);
@@ -55,8 +57,10 @@ __global__ void quant_1x128_kernel(const T *__restrict__ x, int64_t m, int64_t k
          b += warps) {
         const int64_t kb = b / ld_m, r = b % ld_m; /* consecutive warps: consecutive rows */
         if (r >= m) {
+            if (r < mp)
+                *reinterpret_cast<uint32_t *>(out + r * k + kb * 128 + lane * 4) = 0u;
             if (lane == 0)
-                scale_inv[kb * ld_m + r] = 0.0f;
+                scale_inv[kb * ld_m + r] = r < mp ? 1.0f : 0.0f;
             continue;
         }
         const int64_t base = r * k + kb * 128 + lane * 4;
@@ -267,8 +271,10 @@ quant_128x128_kernel(const T *__restrict__ x, int64_t m, int64_t k, uint8_t *out
  * a template parameter, so no per-value branch).  M need not be a multiple
  * of 128: rows past M read as 0, so the column-wise copy (rows of
  * mt = round_up(M, 128) bytes) ends in zeros and its last block's scale
- * comes from the real rows only; the row-wise copy stops at row M (its scale
- * padding up to ld_m is written 0).  Traffic per element: 2 (bf16) bytes
+ * comes from the real rows only; the row-wise copy stops at row mp >= M
+ * (rows M..mp-1 are those zero rows: the FP8 GEMMs' token padding, made in
+ * this launch instead of a padded copy of x; its scale padding up to ld_m
+ * is written 0).  Traffic per element: 2 (bf16) bytes
  * read, 2 bytes written, plus 8 bytes of scales per 128 elements. */
 __device__ __forceinline__ int swz(int row, int word) { return word ^ (((row >> 4) & 7) << 2); }
 
@@ -285,7 +291,7 @@ __device__ __forceinline__ uint2 cvt8(const float *v, const float *s)
 
 template <typename T, bool E5M2>
 __global__ void __launch_bounds__(kThreads)
-quant_rowcol_kernel(const T *__restrict__ x, int64_t m, int64_t k, uint8_t *out, float *scale_inv,
+quant_rowcol_kernel(const T *__restrict__ x, int64_t m, int64_t mp, int64_t k, uint8_t *out, float *scale_inv,
                     int64_t ld_m, uint8_t *out_t, float *scale_inv_t, int64_t ld_k, int64_t mt,
                     float *col_sums)
 {
@@ -297,9 +303,12 @@ quant_rowcol_kernel(const T *__restrict__ x, int64_t m, int64_t k, uint8_t *out,
     const int64_t m0 = (blockIdx.x / tiles_k) * 128, k0 = (blockIdx.x % tiles_k) * 128;
     const int t = threadIdx.x, lj = t & 15, lr = t >> 4, lane = t & 31, warp = t >> 5;
     const float fmax = sf_fp8_max(E5M2);
-    /* rows of this tile inside x (rem) and inside the row-wise scale tensor,
-     * whose padding up to ld_m is written 0; 32-bit, as are the row tests */
-    const int rem = (int)min(m - m0, (int64_t)128), rem_ld = (int)min(ld_m - m0, (int64_t)128);
+    /* rows of this tile inside x (rem), inside the row-wise copy (rem_p: rows
+     * past M up to mp are zero rows, whose zero input gives the scale of a zero
+     * block) and inside its scale tensor, whose padding up to ld_m is written
+     * 0; 32-bit, as are the row tests */
+    const int rem = (int)min(m - m0, (int64_t)128), rem_p = (int)max(min(mp - m0, (int64_t)128), (int64_t)0),
+              rem_ld = (int)min(ld_m - m0, (int64_t)128);
     const T *xt = x + m0 * k + k0 + lj * 8;
     sf_raw8<T> raw[8];
 #pragma unroll
@@ -326,9 +335,9 @@ quant_rowcol_kernel(const T *__restrict__ x, int64_t m, int64_t k, uint8_t *out,
             const float s = sf_scale_from_amax(sf_bits_f32(rmax), fmax, 1.0f, 1.0f);
             const int row = lr + 16 * i;
             if (lj == 0 && row < rem_ld)
-                scale_inv[(k0 / 128) * ld_m + m0 + row] = row < rem ? __fdiv_rn(1.0f, s) : 0.0f;
+                scale_inv[(k0 / 128) * ld_m + m0 + row] = row < rem_p ? __fdiv_rn(1.0f, s) : 0.0f;
             const float sv[8] = {s, s, s, s, s, s, s, s};
-            if (row < rem)
+            if (row < rem_p)
                 *reinterpret_cast<uint2 *>(out + (m0 + row) * k + k0 + lj * 8) = cvt8<E5M2>(v, sv);
         }
     }
@@ -515,7 +524,7 @@ void launch_quantize(const sf_block_args *a, int sms, cudaStream_t stream)
     case SF_BLOCK_FP8_1X128: {
         int64_t warps = a->scale_ld * (a->k / 128);
         int grid = sf_grid_size(warps * 32, kThreads, sms * 16);
-        quant_1x128_kernel<T><<<grid, kThreads, 0, stream>>>(x, a->m, a->k, a->data,
+        quant_1x128_kernel<T><<<grid, kThreads, 0, stream>>>(x, a->m, std::max(a->mp, a->m), a->k, a->data,
                                                              (float *)a->scales, a->scale_ld, a->e5m2);
         break;
     }
@@ -533,12 +542,12 @@ void launch_quantize(const sf_block_args *a, int sms, cudaStream_t stream)
         int64_t tiles = (mt / 128) * (a->k / 128);
         if (a->e5m2)
             quant_rowcol_kernel<T, true><<<(unsigned)tiles, kThreads, 0, stream>>>(
-                x, a->m, a->k, a->data, (float *)a->scales, a->scale_ld, a->data_t, a->scales_t,
-                a->scale_ld_t, mt, a->col_sums);
+                x, a->m, std::max(a->mp, a->m), a->k, a->data, (float *)a->scales, a->scale_ld, a->data_t,
+                a->scales_t, a->scale_ld_t, mt, a->col_sums);
         else
             quant_rowcol_kernel<T, false><<<(unsigned)tiles, kThreads, 0, stream>>>(
-                x, a->m, a->k, a->data, (float *)a->scales, a->scale_ld, a->data_t, a->scales_t,
-                a->scale_ld_t, mt, a->col_sums);
+                x, a->m, std::max(a->mp, a->m), a->k, a->data, (float *)a->scales, a->scale_ld, a->data_t,
+                a->scales_t, a->scale_ld_t, mt, a->col_sums);
         break;
     }
     case SF_BLOCK_MXFP8: {

@@ -147,7 +147,10 @@ typedef struct {
     sf_dtype x_dtype;     /* quantize: input dtype; dequantize: output dtype */
     void *y;              /* dequantize: output [m, k] */
     int64_t m, k;
-    uint8_t *data;        /* fp8 [m, k] or packed fp4 [m, k/2] */
+    int64_t mp;           /* 1x128 / rowcol: rows of the row-wise copy, >= m (0: m); rows m..mp-1
+                             are zero rows (data 0, the scale of a zero block), the FP8 GEMMs'
+                             token padding */
+    uint8_t *data;        /* fp8 [mp, k] (1x128 / rowcol), [m, k] otherwise, or packed fp4 [m, k/2] */
     int e5m2;
     void *scales;         /* fp32 / e8m0 / e4m3, layout by format */
     int64_t scale_ld;     /* fp32 block scales: row length of the scale tensor */

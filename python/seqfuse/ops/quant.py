@@ -357,10 +357,13 @@ def block_scale_shape(m, k, block_rows):
     return ((m + 127) // 128, (k // 128 + 3) // 4 * 4)
 
 
-def quantize_block_fp8(x, block_rows=1, fp8_dtype=torch.float8_e4m3fn):
+def quantize_block_fp8(x, block_rows=1, fp8_dtype=torch.float8_e4m3fn, rows=None):
     """FP8 with an fp32 scale per 1x128 (``block_rows=1``) or 128x128
     (``block_rows=128``) block, for cuBLASLt's block-scaled FP8 GEMMs on
     Hopper (CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F / BLK128x128_32F).
+    ``rows`` (1x128 blocks, >= M): ``data`` is [rows, K] and rows M.. are
+    zero rows (data 0, the scale of a zero block, 1) written by the same
+    launch: the FP8 GEMMs' token padding without a padded copy of x.
 
     Returns ``(data, scale_inv)``: ``data`` FP8 shaped like x (viewed as
     [M, K], K % 128 == 0 required), ``scale_inv`` float32 of
@@ -377,8 +380,12 @@ def quantize_block_fp8(x, block_rows=1, fp8_dtype=torch.float8_e4m3fn):
     require_fp8_dlpack(op)
     x, m, k = _matrix(op, x, 128, "1x128 blocks" if block_rows == 1 else "128x128 blocks")
     fp8_dtype = fp8_dtype_of(fp8_dtype, op)
-    out = torch.empty(*x.shape, dtype=fp8_dtype, device=x.device)
-    scale_inv = torch.empty(*block_scale_shape(m, k, block_rows), dtype=torch.float32, device=x.device)
+    mp = m if rows is None else _check_rows(op, rows, m)
+    if mp != m and block_rows != 1:
+        raise ValueError(f"{op}: argument 'rows' (token padding) is for 1x128 blocks, got block_rows=128")
+    out = (torch.empty(*x.shape, dtype=fp8_dtype, device=x.device) if mp == m
+           else torch.empty(mp, k, dtype=fp8_dtype, device=x.device))
+    scale_inv = torch.empty(*block_scale_shape(mp, k, block_rows), dtype=torch.float32, device=x.device)
     _C.quantize_block_fp8(x, out, scale_inv, block_rows, stream_for(x))
     return out, scale_inv
 
@@ -405,7 +412,7 @@ def quantize_rowwise_fp8(x, fp8_dtype=torch.float8_e4m3fn):
 
 
 def quantize_block_fp8_rowcol(x, fp8_dtype=torch.float8_e4m3fn, *, rowwise=True, columnwise=True,
-                              col_sums=False):
+                              col_sums=False, rows=None):
     """1x128 block quantization along both dimensions from one read of x
     [M, K] (K a multiple of 128, M any): returns ``(data, scale_inv, data_t,
     scale_inv_t)`` -- the row-wise copy as :func:`quantize_block_fp8` with
@@ -417,16 +424,22 @@ def quantize_block_fp8_rowcol(x, fp8_dtype=torch.float8_e4m3fn, *, rowwise=True,
     float32 [Mt/128, K] sums of each column over each 128-row block, from the
     same pass: ``column_sums(col_sums)`` is x's column sum (a bias
     gradient) without another read of x (float32 adds in the fixed order of
-    seqfuse_quant.h)."""
+    seqfuse_quant.h).  ``rows`` (M <= rows <= Mt): the row-wise copy has
+    that many rows, as :func:`quantize_block_fp8`'s (token padding); the
+    column-wise copy is the same either way."""
     op = "quantize_block_fp8_rowcol"
     require_fp8_dlpack(op)
     x, m, k = _matrix(op, x, 128, "1x128 blocks")
     mt = (m + 127) // 128 * 128
+    mp = m if rows is None else _check_rows(op, rows, m)
+    if mp > mt:
+        raise ValueError(f"{op}: argument 'rows' must be at most round_up(M, 128) = {mt}, got {mp}")
     fp8_dtype = fp8_dtype_of(fp8_dtype, op)
     data = scale_inv = data_t = scale_inv_t = None
     if rowwise:
-        data = torch.empty(*x.shape, dtype=fp8_dtype, device=x.device)
-        scale_inv = torch.empty(*block_scale_shape(m, k, 1), dtype=torch.float32, device=x.device)
+        data = (torch.empty(*x.shape, dtype=fp8_dtype, device=x.device) if mp == m
+                else torch.empty(mp, k, dtype=fp8_dtype, device=x.device))
+        scale_inv = torch.empty(*block_scale_shape(mp, k, 1), dtype=torch.float32, device=x.device)
     if columnwise:
         data_t = torch.empty(k, mt, dtype=fp8_dtype, device=x.device)
         scale_inv_t = torch.empty(*block_scale_shape(k, mt, 1), dtype=torch.float32, device=x.device)

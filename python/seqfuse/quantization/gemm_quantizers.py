@@ -233,17 +233,15 @@ class _Role:
         """x [M, K] -> Float8Tensor whose data (and data_t) carry
         ``padded_rows(M)`` token rows, the extra ones zero; ``shape`` stays
         x's.  Block scaling: a Float8BlockTensor with the row-wise and (if
-        ``transpose``) column-wise 1x128 copies, rows padded likewise (from
-        a padded copy of x).  Per-tensor casts write the zero rows in their
-        own pass, so the results are the hand-padded computation's bit for
-        bit at no extra pass."""
+        ``transpose``) column-wise 1x128 copies, rows padded likewise.  Both
+        kinds of cast write the zero rows in their own pass, so the results
+        are the hand-padded computation's bit for bit at no extra pass."""
         o = self.owner
         m = x.shape[0]
         mp = padded_rows(m)
         if o.kind == "block":
-            x = dense(x)
-            xp = x if mp == m else _pad_rows(x, mp)
-            return quantize_block(xp, 1, self.fp8_dtype, columnwise=transpose)
+            return quantize_block(dense(x), 1, self.fp8_dtype, columnwise=transpose,
+                                  rows=None if mp == m else mp)
         return self._cast(x, transpose, rows=None if mp == m else mp)
 
     def fp8_output(self, data, scale_inv, dtype):
@@ -339,17 +337,17 @@ class GradQuantizer(_Role):
         dy = dense(dy)
         m = dy.shape[0]
         mp = padded_rows(m)
-        dyp = dy if mp == m else _pad_rows(dy, mp)
+        rows = None if mp == m else mp  # (the casts write the zero rows: no padded copy of dy)
         db = None
         if need_wgrad:
             g, g_si, g_t, g_t_si, *sums = qops.quantize_block_fp8_rowcol(
-                dyp, self.fp8_dtype, rowwise=need_dgrad, col_sums=want_db)
+                dy, self.fp8_dtype, rowwise=need_dgrad, col_sums=want_db, rows=rows)
             if want_db:
                 db = qops.column_sums(sums[0], sum_dtype)
             q = Float8BlockTensor(g, g_si, 1, dtype=dy.dtype, data_t=g_t, scale_inv_t=g_t_si,
                                   shape=dy.shape)
         else:
-            g, g_si = qops.quantize_block_fp8(dyp, 1, self.fp8_dtype)
+            g, g_si = qops.quantize_block_fp8(dy, 1, self.fp8_dtype, rows=rows)
             q = Float8BlockTensor(g, g_si, 1, dtype=dy.dtype, shape=dy.shape)
         if want_db and db is None:
             db = dy.sum(0, dtype=torch.float32)

@@ -140,22 +140,25 @@ def quantize_current(x, fp8_dtype, *, margin=0, transpose=False, rowwise=True, a
 
 
 def quantize_block(x, block_rows=1, fp8_dtype=torch.float8_e4m3fn, *, columnwise=False,
-                   rowwise=True):
+                   rowwise=True, rows=None):
     """FP8 with 1x128 (block_rows=1) or 128x128 (block_rows=128) fp32 block
     scales in cuBLASLt's Hopper layout -> Float8BlockTensor.  With
     ``columnwise=True`` (1x128 only) the same pass also makes the transposed
     copy in 1x128 blocks along M (data_t [K, round_up(M, 128)], zero past
-    M, and scale_inv_t); ``rowwise=False`` then skips the row-wise copy."""
+    M, and scale_inv_t); ``rowwise=False`` then skips the row-wise copy.
+    ``rows`` (1x128, >= M): the row-wise copy carries that many token rows,
+    the extra ones zero (written by the same launch); ``shape`` stays x's."""
     if columnwise:
         if block_rows != 1:
             raise ValueError("quantize_block: columnwise copies are made for 1x128 blocks; a "
                              "128x128-block tensor serves both GEMM layouts by transposing its "
                              "scales")
-        data, si, data_t, si_t = qops.quantize_block_fp8_rowcol(x, fp8_dtype, rowwise=rowwise)
+        data, si, data_t, si_t = qops.quantize_block_fp8_rowcol(x, fp8_dtype, rowwise=rowwise, rows=rows)
         return Float8BlockTensor(data, si, 1, dtype=x.dtype, data_t=data_t, scale_inv_t=si_t,
                                  shape=x.shape)
-    data, scale_inv = qops.quantize_block_fp8(x, block_rows, fp8_dtype)
-    return Float8BlockTensor(data, scale_inv, block_rows, dtype=x.dtype)
+    data, scale_inv = qops.quantize_block_fp8(x, block_rows, fp8_dtype, rows=rows)
+    return Float8BlockTensor(data, scale_inv, block_rows, dtype=x.dtype,
+                             shape=None if rows is None else x.shape)
 
 
 def quantize_mxfp8(x, fp8_dtype=torch.float8_e4m3fn):

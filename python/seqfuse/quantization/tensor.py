@@ -60,7 +60,9 @@ class Float8BlockTensor:
     1x128 blocks, 128 for 128x128 blocks.  For 1x128, ``data_t`` /
     ``scale_inv_t`` optionally hold the column-wise copy (the transposed
     matrix in 1x128 blocks along M, quantize_block_fp8_rowcol; its rows are
-    zero-padded to a multiple of 128, ``shape`` stays the original's)."""
+    zero-padded to a multiple of 128, ``shape`` stays the original's).  A
+    1x128 ``data`` may carry more rows than ``shape`` (token padding: zero
+    rows past the real ones, which dequantize() leaves out)."""
 
     __slots__ = ("data", "scale_inv", "block_rows", "dtype", "data_t", "scale_inv_t", "_shape")
 
@@ -82,8 +84,10 @@ class Float8BlockTensor:
             m = self._shape.numel() // k if k else 0
             full = qops.dequantize_block_fp8(self.data_t, self.scale_inv_t, 1, dtype or self.dtype)
             return full.t()[:m].reshape(self._shape)
-        return qops.dequantize_block_fp8(self.data, self.scale_inv, self.block_rows,
-                                         dtype or self.dtype)
+        full = qops.dequantize_block_fp8(self.data, self.scale_inv, self.block_rows, dtype or self.dtype)
+        if full.numel() != self._shape.numel():  # token rows padded with zero rows (quantize_block's rows)
+            return full[:self._shape.numel() // self._shape[-1]].reshape(self._shape)
+        return full
 
 
 class MXFP8Tensor:
