@@ -39,7 +39,9 @@ last position only.
 
 Shapes (``--shape``): llama1b (Llama 3.2 1B: hidden 2048, FFN 8192, 16
 layers, 32 heads, 8 KV heads, vocabulary 128256, tied embeddings), qwen2_1.5b,
-mistral (Mistral 7B's layer at fewer layers: --layers), tiny (CPU smoke).
+mistral (Mistral 7B's layer at fewer layers: --layers), bert_large
+(BertForMaskedLM, 24 layers of 1024, dropout 0.1: train mode only, no Liger
+row), tiny and tiny_bert (CPU smoke).
 ``--layers`` overrides the layer count, ``--batch`` / ``--seq`` the tokens.
 
 Output: a table on stdout and benchmarks/results/<--out>.json with the run
@@ -81,13 +83,26 @@ SHAPES = {
     "mistral": dict(family="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=4,
                     num_attention_heads=32, num_key_value_heads=8, vocab_size=32768, tie_word_embeddings=False,
                     max_position_embeddings=32768, rms_norm_eps=1e-5, sliding_window=None),
+    # BERT-large (transformers' defaults: erf GELU, dropout 0.1 on attention and both residual branches),
+    # masked-LM head, every token a label
+    "bert_large": dict(family="bert", hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                       num_attention_heads=16, vocab_size=30522, max_position_embeddings=512),
+    "tiny_bert": dict(family="bert", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, vocab_size=512, max_position_embeddings=512),
     "tiny": dict(family="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True, max_position_embeddings=512),
 }
 
 FAMILY = {"llama": ("LlamaConfig", "LlamaForCausalLM", "apply_liger_kernel_to_llama"),
           "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "apply_liger_kernel_to_qwen2"),
-          "mistral": ("MistralConfig", "MistralForCausalLM", "apply_liger_kernel_to_mistral")}
+          "mistral": ("MistralConfig", "MistralForCausalLM", "apply_liger_kernel_to_mistral"),
+          "bert": ("BertConfig", "BertForMaskedLM", None)}
+
+
+def decoder_layers(model):
+    """The model's list of transformer layers (decoder or encoder)."""
+    base = getattr(model, model.base_model_prefix)
+    return base.layers if hasattr(base, "layers") else base.encoder.layer
 
 
 def build_base(shape, layers, device):
@@ -119,7 +134,7 @@ def prepare(row, base, family, shape=None):
     if row == "hf_eager":
         return model, "transformers, attn_implementation=" + model.config._attn_implementation
     if row == "hf_compile":
-        for layer in model.model.layers:
+        for layer in decoder_layers(model):
             layer.compile()
         return model, "every decoder layer torch.compile'd (module.compile)"
     if row.startswith("seqfuse"):
@@ -137,6 +152,8 @@ def prepare(row, base, family, shape=None):
                                f"{report}")
         return model, f"fused {len(report.fused)} layers; loss: {report.loss}"
     if row == "liger":
+        if FAMILY[family][2] is None:
+            raise RuntimeError(f"Liger-Kernel has no apply_liger_kernel_to_* for the {family} family")
         mod, why = try_import("liger_kernel.transformers")
         if mod is None:
             raise RuntimeError(why)
@@ -148,11 +165,12 @@ def prepare(row, base, family, shape=None):
 def train_row(model, ids, warmup, steps, device):
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+    cache_off = {} if model.config.model_type == "bert" else {"use_cache": False}  # (an encoder has no cache)
 
     def step():
         # use_cache=False as a training loop passes it: a key cache built in every training forward costs
         # every row, and under torch.compile its per-layer state forces recompiles (the s9 run hit the limit)
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss = model(input_ids=ids, labels=ids, **cache_off).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -226,7 +244,7 @@ def main(argv=None):
     res = Results(out, __file__, extra=dict(
         shape=args.shape, mode=args.mode, batch=args.batch, seq=args.seq, tokens=tokens,
         layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, ffn=cfg.intermediate_size,
-        heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, vocab=cfg.vocab_size,
+        heads=cfg.num_attention_heads, kv_heads=getattr(cfg, "num_key_value_heads", cfg.num_attention_heads), vocab=cfg.vocab_size,
         warmup=args.warmup, steps=args.steps, optimizer="torch.optim.AdamW(fused=True), bf16 weights"))
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g).to(device)

@@ -5,11 +5,14 @@ why.  In order:
 
 1. attention switched to seqfuse's fused kernel (below, "Attention");
 2. whole-layer fusion (``fuse_layers=True``): every decoder layer of the
-   Llama family (Llama, Mistral, Qwen2, Qwen3) becomes one fused layer
-   (seqfuse.hf.fuse_layers: norm + QKV as one LayerNormLinear GEMM, fused
-   RoPE, seqfuse attention, norm + gate/up + SwiGLU + down as one
-   LayerNormMLP); its state_dict keeps transformers' keys.  A layer that
-   cannot be fused is listed with the reason and goes through step 3;
+   Llama family (Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3) becomes one
+   fused layer (seqfuse.hf.fuse_layers: norm + QKV as one LayerNormLinear
+   GEMM, fused RoPE, seqfuse attention, norm + gate/up + SwiGLU + down as
+   one LayerNormMLP), and every BERT / RoBERTa encoder layer too
+   (seqfuse.hf.fuse_encoder: fused QKV GEMM, seqfuse attention, the
+   post-attention norm + MLP as one LayerNormMLP); the state_dict keeps
+   transformers' keys.  A layer that cannot be fused is listed with the
+   reason and goes through step 4;
 3. mixture-of-experts experts (``fuse_experts=True``): transformers' stacked
    experts of Mixtral, Qwen2-MoE and Qwen3-MoE (MixtralExperts, ...) become
    seqfuse.hf.fuse_experts.SeqfuseExperts (permutation, grouped GEMMs,
@@ -502,6 +505,7 @@ def _fuse_layers(model, recipe, report, slots, recompute_activation=False):
     """Replace every decoder layer of a known family (seqfuse.hf.fuse_layers)
     by its fused layer; the others are reported and left to the module walk.
     Returns the names of the fused layers."""
+    from . import fuse_encoder as FE
     from . import fuse_layers as FL
 
     RMSNorm = _seqfuse_rmsnorm()
@@ -511,17 +515,24 @@ def _fuse_layers(model, recipe, report, slots, recompute_activation=False):
     before = {id(p) for p in model.parameters()}
     done = []
     for name, module in list(model.named_modules()):
-        if type(module).__name__ not in FL.FAMILIES or isinstance(module, FL.SeqfuseDecoderLayer):
+        if isinstance(module, FL.FusedLayer):
             continue
-        why = FL.layer_fusion_plan(module, match, align)
-        if why is None and id(module) not in rotaries:
-            why = "not found in a model's `layers` list beside its rotary_emb"
+        encoder = type(module).__name__ in FE.ENCODER_FAMILIES
+        if not encoder and type(module).__name__ not in FL.FAMILIES:
+            continue
+        if encoder:
+            why = FE.encoder_fusion_plan(module, align)
+        else:
+            why = FL.layer_fusion_plan(module, match, align)
+            if why is None and id(module) not in rotaries:
+                why = "not found in a model's `layers` list beside its rotary_emb"
         if why is not None:
             report.left.append(Left(name, type(module).__name__, f"whole-layer fusion: {why}; its modules are "
                                                                   "swapped one by one where exact"))
             _log.info("seqfuse.hf.accelerate: layer %s not fused: %s", name, why)
             continue
-        new, notes = FL.fuse_layer(module, match, rotaries[id(module)], recompute_activation)
+        new, notes = (FE.fuse_encoder_layer(module) if encoder
+                      else FL.fuse_layer(module, match, rotaries[id(module)], recompute_activation))
         for parent, child_name in slots[id(module)]:
             setattr(parent, child_name, new)
         report.fused.append(Fused(name, type(module).__name__, type(new).__name__, notes))
@@ -550,10 +561,12 @@ def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=
     """Accelerate a transformers model in place; return an AccelerateReport.
 
     - ``fuse_layers``: decoder layers of the Llama family (Llama, Mistral,
-      Qwen2, Qwen3, Gemma, Phi-3) become whole fused layers (new Parameters
-      for fused weights: build the optimizer after this call) (seqfuse.hf.fuse_layers: norm +
-      QKV in one GEMM, fused RoPE, seqfuse attention, norm + gate/up + SwiGLU
-      + down in one module); needs the attention switched (``attention``).
+      Qwen2, Qwen3, Gemma, Phi-3) and BERT / RoBERTa encoder layers become
+      whole fused layers (new Parameters for fused weights: build the
+      optimizer after this call) (seqfuse.hf.fuse_layers, fuse_encoder:
+      QKV in one GEMM, seqfuse attention, a norm fused into the MLP's first
+      GEMM; the decoders' fused RoPE and SwiGLU); needs the attention
+      switched (``attention``).
     - ``fuse_experts``: transformers' stacked MoE experts (Mixtral,
       Qwen2-MoE, Qwen3-MoE) -> seqfuse.hf.fuse_experts.SeqfuseExperts, the
       same Parameters, the router left as it is.
@@ -628,15 +641,15 @@ def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=
         else:
             _log.info("seqfuse.hf.accelerate: no whole-layer fusion: the model's attention is not seqfuse's")
     from .fuse_experts import SeqfuseExperts, swap_experts
-    from .fuse_layers import SeqfuseDecoderLayer
+    from .fuse_layers import FusedLayer, SeqfuseDecoderLayer
 
     if fuse_experts:
         swap_experts(model, report, recipe, _module_slots(model), Swapped, Left)
 
     # the walk leaves fused layers alone: this call's and an earlier call's
-    fused = [n for n, m in model.named_modules() if isinstance(m, SeqfuseDecoderLayer)]
+    fused = [n for n, m in model.named_modules() if isinstance(m, FusedLayer)]
     if recompute_activation is True:  # an earlier call's fused layers too (a second call undoes nothing)
-        if not fused:
+        if not any(isinstance(m, SeqfuseDecoderLayer) for m in model.modules()):
             _log.warning("seqfuse.hf.accelerate: recompute_activation=True changes nothing: no decoder layer is "
                          "fused (it applies to the fused layers' MLPs)")
         for m in model.modules():

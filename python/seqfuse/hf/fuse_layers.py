@@ -27,10 +27,11 @@ each such layer is replaced by a ``SeqfuseDecoderLayer`` that runs
 - n2 + gate/up + SwiGLU (GeGLU) + down as one LayerNormMLP (gate and up
   as one GEMM over a fused [gate; up] weight).
 
-Gemma 2 and 3 (norms after attention and MLP, logit soft-capping), Phi-3
-(already-fused qkv_proj / gate_up_proj under other names) and encoder
-families (BERT, RoBERTa, ESM) are not matched here: their layers are
-reported and swapped module by module.
+Gemma 2 and 3 (norms after attention and MLP, logit soft-capping) are not
+matched here: their layers are reported and swapped module by module.
+BERT and RoBERTa encoder layers are fused by seqfuse.hf.fuse_encoder (it
+shares this module's state-dict hooks through FusedLayer); ESM models have
+their own seqfuse family (seqfuse.hf.convert).
 
 The new layer is an instance of a subclass of the original layer class, so
 transformers' isinstance checks (hidden-state capture, gradient
@@ -266,7 +267,8 @@ def _check_layer(layer, rmsnorm_match, align):
             raise FusionRefused(f"the recipe's GEMMs need features divisible by {align}, got {bad}")
 
 
-def _fused_param(tensors, requires_grad):
+def fused_param(tensors, requires_grad):
+    """A new Parameter holding ``tensors``' rows, one after another (a fused weight or bias)."""
     with torch.no_grad():
         return nn.Parameter(torch.cat([t.detach() for t in tensors], dim=0), requires_grad=requires_grad)
 
@@ -306,7 +308,7 @@ def _fused_or_own(pieces, part):
     tensors = [getattr(m, part) for _, m in pieces]
     if len(tensors) == 1:
         return tensors[0]
-    return _fused_param(tensors, tensors[0].requires_grad)
+    return fused_param(tensors, tensors[0].requires_grad)
 
 
 def fuse_layer(layer, rmsnorm_match, rotary, recompute_activation=False):
@@ -394,7 +396,7 @@ def fuse_layer(layer, rmsnorm_match, rotary, recompute_activation=False):
     new._qkv_names = [n for n, _ in parts.qkv]
     new._fc1_names = [n for n, _ in parts.fc1]
     new._has_qkv_bias, new._has_mlp_bias = has_qkv_bias, has_mlp_bias
-    new._register_hooks()
+    register_hf_key_hooks(new)
     return new, notes
 
 
@@ -415,7 +417,22 @@ def _rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-class SeqfuseDecoderLayer(nn.Module):
+class FusedLayer(nn.Module):
+    """What every whole-layer fusion (this module's decoder layers,
+    fuse_encoder's encoder layers) gives: ``_key_map()``, its (fused local
+    key, [transformers local keys]) pairs, and ``_split_sizes_of(fused key)``,
+    the row counts a fused weight splits back into; the state-dict hooks
+    (register_hf_key_hooks) and hf_named_tensors read them."""
+
+
+def register_hf_key_hooks(module):
+    """Give a FusedLayer transformers' state-dict keys: state_dict() splits
+    its fused entries back, load_state_dict() fuses transformers' ones."""
+    module._register_state_dict_hook(_to_hf_state_dict)
+    module._register_load_state_dict_pre_hook(_from_hf_state_dict, with_module=True)
+
+
+class SeqfuseDecoderLayer(FusedLayer):
     """The fused decoder layer (a mix-in placed before the original layer
     class by ``fused_class``); see the module note."""
 
@@ -447,9 +464,6 @@ class SeqfuseDecoderLayer(nn.Module):
         half = self.mlp_fused.ffn_hidden_size
         return [half, half]
 
-    def _register_hooks(self):
-        self._register_state_dict_hook(_to_hf_state_dict)
-        self._register_load_state_dict_pre_hook(_from_hf_state_dict, with_module=True)
 
     # -- forward -----------------------------------------------------------
     def _rope(self, q, k, position_ids, position_embeddings):
@@ -636,7 +650,7 @@ def hf_named_tensors(model, what="grad"):
     check compares against the plain model's named_parameters()."""
     if what not in ("grad", "data"):
         raise ValueError(f"hf_named_tensors: argument 'what' must be 'grad' or 'data', got {what!r}")
-    fused = {name: m for name, m in model.named_modules() if isinstance(m, SeqfuseDecoderLayer)}
+    fused = {name: m for name, m in model.named_modules() if isinstance(m, FusedLayer)}
     out = {}
     for name, p in model.named_parameters():
         t = p.grad if what == "grad" else p.detach()
