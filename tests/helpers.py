@@ -7,6 +7,7 @@ transformers, conversions refusing bad state dicts), and the multi-process
 scaffolding of the distributed tests (run_ranks: a process group of N
 workers, each computing its results, collected by the test)."""
 import contextlib
+import copy
 import functools
 import logging
 import os
@@ -585,3 +586,82 @@ def saved_activation_bytes(model, call):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         call()
     return sum(seen.values())
+
+
+def train_alongside(model, ref, inputs, lr, loss_tol, check_grads, steps=3):
+    """``steps`` AdamW steps of an accelerate()d ``model`` and its untouched
+    ``ref`` on the same ``inputs`` (keyword arguments with labels): each
+    step's losses within ``loss_tol`` relative, and ``check_grads(model,
+    ref)`` after the first backward (the accelerate tests' shared loop).
+    The optimizers are built here, after accelerate() (its fused weights)."""
+    opt_a = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt_b = torch.optim.AdamW(ref.parameters(), lr=lr)
+    for step in range(steps):
+        out, exp = model(**inputs), ref(**inputs)
+        assert abs(out.loss.item() - exp.loss.item()) <= loss_tol * exp.loss.item(), (step, out.loss, exp.loss)
+        out.loss.backward()
+        exp.loss.backward()
+        if step == 0:
+            check_grads(model, ref)
+        opt_a.step(), opt_b.step()
+        opt_a.zero_grad(), opt_b.zero_grad()
+    return out
+
+
+def hf_fp8_grads_close(model, ref, tol=0.25):
+    """An accelerate()d model's gradients under transformers' names within
+    ``tol`` (E5M2 gradients) of its untouched reference's."""
+    from seqfuse.hf.fuse_layers import hf_named_tensors
+
+    grads = hf_named_tensors(model)
+    for n, q in ref.named_parameters():
+        if q.grad is not None and q.grad.norm() > 1e-6:
+            assert rel_error(grads[n], q.grad) <= tol, (n, rel_error(grads[n], q.grad))
+
+
+def hf_grads_close(model, ref, tol):
+    """An accelerate()d model's gradients under transformers' names against
+    its untouched reference's: the same ones present, each within ``tol``
+    relative (a gradient that is 0 in exact arithmetic: both near 0)."""
+    from seqfuse.hf.fuse_layers import hf_named_tensors
+
+    grads = hf_named_tensors(model)
+    scale = max(q.grad.double().norm().item() for q in ref.parameters() if q.grad is not None)
+    for n, q in ref.named_parameters():
+        g = grads[n]
+        assert (g is None) == (q.grad is None), n
+        if q.grad is None:
+            continue
+        if q.grad.double().norm().item() <= 1e-9 * scale:
+            assert g.double().norm().item() <= 1e-6 * scale, n
+        else:
+            assert rel_error(g, q.grad) <= tol, (n, rel_error(g, q.grad))
+
+
+def check_bf16_within_twice_plain(ref32, model, ids, mask, labels):
+    """A bf16 accelerate()d ``model`` (made from ``ref32`` cast to bf16)
+    against the float32 ``ref32``, bounded by twice plain transformers' bf16
+    error against the same float32 model (at least bf16's REL_TOL): logits
+    on the real tokens, the loss and every gradient."""
+    from seqfuse.hf.fuse_layers import hf_named_tensors
+
+    ref16 = copy.deepcopy(ref32).to(torch.bfloat16)
+    real = mask.bool()
+    with torch.no_grad():
+        want = ref32(ids, attention_mask=mask).logits[real]
+        e_plain = rel_error(ref16(ids, attention_mask=mask).logits[real].float(), want)
+        e_sf = rel_error(model(ids, attention_mask=mask).logits[real].float(), want)
+    assert e_sf <= torch_bound(e_plain, floor=rel_tol(torch.bfloat16)), (e_sf, e_plain)
+    outs = [m(ids, attention_mask=mask, labels=labels) for m in (ref32, ref16, model)]
+    l32, l16, lsf = (o.loss.float() for o in outs)
+    assert abs(lsf - l32) <= torch_bound(abs(l16 - l32).item(), floor=rel_tol(torch.bfloat16) * l32.item())
+    for o in outs:
+        o.loss.backward()
+    g_sf = hf_named_tensors(model)
+    g16 = dict((n, p.grad) for n, p in ref16.named_parameters())
+    for n, p in ref32.named_parameters():
+        if p.grad is None or p.grad.norm() == 0:
+            continue
+        e_plain = rel_error(g16[n].float(), p.grad)
+        e = rel_error(g_sf[n].float(), p.grad)
+        assert e <= torch_bound(e_plain, floor=rel_tol(torch.bfloat16, 3)), (n, e, e_plain)

@@ -16,7 +16,8 @@ transformers = pytest.importorskip("transformers")
 from seqfuse.hf import accelerate  # noqa: E402
 from seqfuse.hf.fuse_encoder import SeqfuseEncoderLayer  # noqa: E402
 from seqfuse.hf.fuse_layers import hf_named_tensors  # noqa: E402
-from helpers import needs_fp8, rel_error, rel_tol, torch_bound  # noqa: E402
+from helpers import (check_bf16_within_twice_plain, hf_fp8_grads_close, hf_grads_close, needs_fp8, rel_error, rel_tol,  # noqa: E402
+                     train_alongside)
 
 V = 96
 
@@ -80,18 +81,6 @@ def test_every_layer_fused_and_own_parameters(family):
     assert again.fused == [] and not [n for n in again.left_names() if ".encoder.layer." in n]
 
 
-def _grads_close(model, ref, tol):
-    grads = hf_named_tensors(model)
-    scale = max(q.grad.double().norm().item() for q in ref.parameters() if q.grad is not None)
-    for n, q in ref.named_parameters():
-        g = grads[n]
-        assert (g is None) == (q.grad is None), n
-        if q.grad is None:
-            continue
-        if q.grad.double().norm().item() <= 1e-9 * scale:
-            assert g.double().norm().item() <= 1e-6 * scale, n
-        else:
-            assert rel_error(g, q.grad) <= tol, (n, rel_error(g, q.grad))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -104,18 +93,8 @@ def test_fp32_logits_loss_gradients_and_training(family):
     with torch.no_grad():
         got, want = model(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
     assert rel_error(got[real], want[real]) <= rel_tol(torch.float32, 10)
-    opt_a = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    opt_b = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for step in range(3):
-        out = model(ids, attention_mask=mask, labels=labels)
-        exp = ref(ids, attention_mask=mask, labels=labels)
-        assert abs(out.loss.item() - exp.loss.item()) <= rel_tol(torch.float32, 100) * exp.loss.item(), step
-        out.loss.backward()
-        exp.loss.backward()
-        if step == 0:
-            _grads_close(model, ref, rel_tol(torch.float32, 100))
-        opt_a.step(), opt_b.step()
-        opt_a.zero_grad(), opt_b.zero_grad()
+    train_alongside(model, ref, dict(input_ids=ids, attention_mask=mask, labels=labels), 1e-2,
+                    rel_tol(torch.float32, 100), lambda m, r: hf_grads_close(m, r, rel_tol(torch.float32, 100)))
     values = hf_named_tensors(model, "data")
     for n, q in ref.named_parameters():
         assert rel_error(values[n], q.detach()) <= 1e-3, n
@@ -127,25 +106,7 @@ def test_bf16_within_twice_plain_transformers_error(family):
     ref16 = copy.deepcopy(ref32).to(torch.bfloat16)
     model = copy.deepcopy(ref16)
     assert len(accelerate(model).fused) == 2
-    ids, mask, labels = batch(s=16)
-    real = mask.bool()
-    with torch.no_grad():
-        want = ref32(ids, attention_mask=mask).logits[real]
-        e_plain = rel_error(ref16(ids, attention_mask=mask).logits[real].float(), want)
-        e_sf = rel_error(model(ids, attention_mask=mask).logits[real].float(), want)
-    assert e_sf <= torch_bound(e_plain, floor=rel_tol(torch.bfloat16)), (e_sf, e_plain)
-    outs = [m(ids, attention_mask=mask, labels=labels) for m in (ref32, ref16, model)]
-    l32, l16, lsf = (o.loss.float() for o in outs)
-    assert abs(lsf - l32) <= torch_bound(abs(l16 - l32).item(), floor=rel_tol(torch.bfloat16) * l32.item())
-    for o in outs:
-        o.loss.backward()
-    g_sf = hf_named_tensors(model)
-    g16 = dict((n, p.grad) for n, p in ref16.named_parameters())
-    for n, p in ref32.named_parameters():
-        if p.grad is None or p.grad.norm() == 0:
-            continue
-        e = rel_error(g_sf[n].float(), p.grad)
-        assert e <= torch_bound(rel_error(g16[n].float(), p.grad), floor=rel_tol(torch.bfloat16, 3)), (n, e)
+    check_bf16_within_twice_plain(ref32, model, *batch(s=16))
 
 
 def test_dropout_trains_and_eval_is_deterministic():
@@ -244,21 +205,8 @@ def test_fp8_trains_on_cpu(recipe_name):
     report = accelerate(model, recipe=recipe)
     assert len(report.fused) == 2, str(report)
     ids, mask, labels = batch(s=16)
-    opt_a = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    opt_b = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    for step in range(3):
-        out = model(ids, attention_mask=mask, labels=labels)
-        exp = ref(ids, attention_mask=mask, labels=labels)
-        assert abs(out.loss.item() - exp.loss.item()) <= 0.02 * exp.loss.item(), step
-        out.loss.backward()
-        exp.loss.backward()
-        if step == 0:
-            grads = hf_named_tensors(model)
-            for n, q in ref.named_parameters():
-                if q.grad is not None and q.grad.norm() > 1e-6:
-                    assert rel_error(grads[n], q.grad) <= 0.25, (n, rel_error(grads[n], q.grad))
-        opt_a.step(), opt_b.step()
-        opt_a.zero_grad(), opt_b.zero_grad()
+    train_alongside(model, ref, dict(input_ids=ids, attention_mask=mask, labels=labels), 1e-3, 0.02,
+                    hf_fp8_grads_close)
 
 
 @pytest.mark.cuda

@@ -19,7 +19,8 @@ transformers = pytest.importorskip("transformers")
 
 from seqfuse.hf import accelerate  # noqa: E402
 from seqfuse.hf.fuse_layers import SeqfuseDecoderLayer, hf_named_tensors  # noqa: E402
-from helpers import needs_fp8, rel_error, rel_tol, torch_bound  # noqa: E402
+from helpers import (check_bf16_within_twice_plain, hf_fp8_grads_close, hf_grads_close, needs_fp8, rel_error, rel_tol,  # noqa: E402
+                     train_alongside)
 
 V = 96
 
@@ -112,20 +113,6 @@ def test_every_layer_fused_and_report(name):
     assert again.fused == [] and not [n for n in again.left_names() if n.startswith("model.layers.")]
 
 
-def _grads_close(model, ref, tol):
-    grads = hf_named_tensors(model)
-    scale = max(q.grad.double().norm().item() for q in ref.parameters() if q.grad is not None)
-    for n, q in ref.named_parameters():
-        g = grads[n]
-        assert (g is None) == (q.grad is None), n
-        if q.grad is None:
-            continue
-        if q.grad.double().norm().item() <= 1e-9 * scale:
-            assert g.double().norm().item() <= 1e-6 * scale, n
-        else:
-            assert rel_error(g, q.grad) <= tol, (n, rel_error(g, q.grad))
-
-
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_fp32_logits_loss_gradients_and_training(name):
     ref, model, _ = accelerated(name)
@@ -134,19 +121,9 @@ def test_fp32_logits_loss_gradients_and_training(name):
     with torch.no_grad():
         got, want = model(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
     assert rel_error(got[real], want[real]) <= rel_tol(torch.float32, 10)
-    opt_a = torch.optim.AdamW(model.parameters(), lr=1e-2)  # built after accelerate(): the fused weights
-    opt_b = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for step in range(3):
-        out = model(ids, attention_mask=mask, labels=labels)
-        exp = ref(ids, attention_mask=mask, labels=labels)
-        assert out.logits is None
-        assert abs(out.loss.item() - exp.loss.item()) <= rel_tol(torch.float32, 100) * exp.loss.item(), step
-        out.loss.backward()
-        exp.loss.backward()
-        if step == 0:
-            _grads_close(model, ref, rel_tol(torch.float32, 100))
-        opt_a.step(), opt_b.step()
-        opt_a.zero_grad(), opt_b.zero_grad()
+    out = train_alongside(model, ref, dict(input_ids=ids, attention_mask=mask, labels=labels), 1e-2,
+                          rel_tol(torch.float32, 100), lambda m, r: hf_grads_close(m, r, rel_tol(torch.float32, 100)))
+    assert out.logits is None
     # after three AdamW steps the weights still agree, under transformers' names.  AdamW divides each
     # gradient element by its own magnitude, so an element whose gradient is near 0 moves by up to lr
     # whichever way rounding tips it: the bound is looser than the gradients'
@@ -165,26 +142,7 @@ def test_bf16_within_twice_plain_transformers_error(name):
     model = copy.deepcopy(ref16)
     report = accelerate(model)
     assert len(report.fused) == 2
-    ids, mask, labels = batch(s=16)
-    real = mask.bool()
-    with torch.no_grad():
-        want = ref32(ids, attention_mask=mask).logits[real]
-        e_plain = rel_error(ref16(ids, attention_mask=mask).logits[real].float(), want)
-        e_sf = rel_error(model(ids, attention_mask=mask).logits[real].float(), want)
-    assert e_sf <= torch_bound(e_plain, floor=rel_tol(torch.bfloat16)), (e_sf, e_plain)
-    outs = [m(ids, attention_mask=mask, labels=labels) for m in (ref32, ref16, model)]
-    l32, l16, lsf = (o.loss.float() for o in outs)
-    assert abs(lsf - l32) <= torch_bound(abs(l16 - l32).item(), floor=rel_tol(torch.bfloat16) * l32.item())
-    for o in outs:
-        o.loss.backward()
-    g_sf = hf_named_tensors(model)
-    g16 = dict((n, p.grad) for n, p in ref16.named_parameters())
-    for n, p in ref32.named_parameters():
-        if p.grad is None or p.grad.norm() == 0:
-            continue
-        e_plain = rel_error(g16[n].float(), p.grad)
-        e = rel_error(g_sf[n].float(), p.grad)
-        assert e <= torch_bound(e_plain, floor=rel_tol(torch.bfloat16, 3)), (n, e, e_plain)
+    check_bf16_within_twice_plain(ref32, model, *batch(s=16))
 
 
 @pytest.mark.parametrize("name", ["qwen2", "phi3"])
@@ -278,7 +236,7 @@ def test_packed_sequences_match_plain():
         assert rel_error(model(ids, position_ids=pos).logits, sep) <= rel_tol(torch.float32, 10)
     out.loss.backward()
     want.backward()
-    _grads_close(model, ref, rel_tol(torch.float32, 100))
+    hf_grads_close(model, ref, rel_tol(torch.float32, 100))
 
 
 def test_gradient_checkpointing_and_hidden_states():
@@ -290,7 +248,7 @@ def test_gradient_checkpointing_and_hidden_states():
     exp = ref(ids, attention_mask=mask, labels=labels)
     out.loss.backward()
     exp.loss.backward()
-    _grads_close(model, ref, rel_tol(torch.float32, 100))
+    hf_grads_close(model, ref, rel_tol(torch.float32, 100))
     with torch.no_grad():
         hs = model(ids, output_hidden_states=True).hidden_states
         hs_ref = ref(ids, output_hidden_states=True).hidden_states
@@ -379,21 +337,8 @@ def test_fp8_recipes_train_on_cpu(recipe_name):
     report = accelerate(model, recipe=recipe)
     assert len(report.fused) == 2, str(report)
     ids, mask, labels = batch(s=16)
-    opt_a = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    opt_b = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    for step in range(3):
-        out = model(ids, attention_mask=mask, labels=labels)
-        exp = ref(ids, attention_mask=mask, labels=labels)
-        assert abs(out.loss.item() - exp.loss.item()) <= 0.02 * exp.loss.item(), step
-        out.loss.backward()
-        exp.loss.backward()
-        if step == 0:
-            grads = hf_named_tensors(model)
-            for n, q in ref.named_parameters():
-                if q.grad is not None and q.grad.norm() > 1e-6:
-                    assert rel_error(grads[n], q.grad) <= 0.25, (n, rel_error(grads[n], q.grad))
-        opt_a.step(), opt_b.step()
-        opt_a.zero_grad(), opt_b.zero_grad()
+    train_alongside(model, ref, dict(input_ids=ids, attention_mask=mask, labels=labels), 1e-3, 0.02,
+                    hf_fp8_grads_close)
     # the state dict: transformers' keys, plus the FP8 scaling state under seqfuse's names (kept for resume)
     sd = model.state_dict()
     hf_keys = set(ref.state_dict())

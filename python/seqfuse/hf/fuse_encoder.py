@@ -39,7 +39,8 @@ from torch import nn
 
 from ..pytorch import LayerNorm, LayerNormMLP, Linear
 from .attention import seqfuse_attention_forward
-from .fuse_layers import FusedLayer, FusionRefused, fused_param, register_hf_key_hooks
+from .fuse_layers import (FusedLayer, FusionRefused, check_fusable_modules, fused_class_by_name, fused_param,
+                          fused_subclass, register_hf_key_hooks)
 
 #: encoder-layer class names fused here (the same module layout in both families)
 ENCODER_FAMILIES = ("BertLayer", "RobertaLayer")
@@ -104,19 +105,7 @@ def _check(layer, align):
         if type(m) is not nn.LayerNorm or not m.elementwise_affine or m.bias is None \
                 or tuple(m.normalized_shape) != (hidden,):
             raise FusionRefused(f"{n} is not an affine nn.LayerNorm over the hidden size")
-    for name, m in layer.named_modules():
-        if m._forward_hooks or m._forward_pre_hooks or getattr(m, "_backward_hooks", None):
-            raise FusionRefused(f"module {name or '<layer>'} has hooks, which the fused layer would not carry")
-        if hasattr(m, "parametrizations"):
-            raise FusionRefused(f"module {name or '<layer>'} has parametrizations")
-    params = list(layer.parameters())
-    dtypes, devices = {p.dtype for p in params}, {p.device for p in params}
-    if len(dtypes) != 1 or len(devices) != 1:
-        raise FusionRefused(f"the layer's parameters mix dtypes {sorted(map(str, dtypes))} or devices "
-                            f"{sorted(map(str, devices))}")
-    if params[0].dtype not in (torch.float32, torch.float16, torch.bfloat16) or params[0].is_meta:
-        raise FusionRefused(f"parameters are {params[0].dtype} on {params[0].device}; fusion takes materialised "
-                            "float32, float16 or bfloat16 weights")
+    check_fusable_modules(layer)
     qkv = [linears[f"attention.self.{n}"] for n in ("query", "key", "value")]
     if len({m.weight.requires_grad for m in qkv}) != 1 or len({m.bias.requires_grad for m in qkv}) != 1:
         raise FusionRefused("some of query/key/value are frozen and others not (requires_grad differs)")
@@ -138,28 +127,13 @@ _FUSED_CLASSES = {}
 
 
 def encoder_fused_class(orig_cls):
-    """SeqfuseEncoderLayer's subclass of ``orig_cls`` (made once per class,
-    also this module's attribute of its name so pickle finds it)."""
-    cls = _FUSED_CLASSES.get(orig_cls)
-    if cls is None:
-        name = f"Seqfuse{orig_cls.__name__}"
-        cls = type(name, (SeqfuseEncoderLayer, orig_cls), {"__module__": __name__, "__qualname__": name})
-        _FUSED_CLASSES[orig_cls] = cls
-        globals()[name] = cls
-    return cls
+    """SeqfuseEncoderLayer's subclass of ``orig_cls`` (fuse_layers.fused_subclass)."""
+    return fused_subclass(SeqfuseEncoderLayer, orig_cls, _FUSED_CLASSES, globals())
 
 
 def __getattr__(name):
-    """The fused class named ``name`` (SeqfuseBertLayer, SeqfuseRobertaLayer),
-    made on first use: what unpickling a fused model in a new process looks up."""
-    base = name[len("Seqfuse"):] if name.startswith("Seqfuse") else None
-    if base not in ENCODER_FAMILIES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    family = base[:-len("Layer")].lower()
-    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-    return encoder_fused_class(getattr(modeling, base))
+    """The fused class named ``name`` (SeqfuseBertLayer, SeqfuseRobertaLayer), made on first use."""
+    return fused_class_by_name(name, __name__, ENCODER_FAMILIES, "Layer", encoder_fused_class)
 
 
 def fuse_encoder_layer(layer):

@@ -210,14 +210,11 @@ def layer_fusion_plan(layer, rmsnorm_match, align):
     return None
 
 
-def _check_layer(layer, rmsnorm_match, align):
-    cls = type(layer)
-    spec = FAMILIES.get(cls.__name__)
-    if spec is None or not cls.__module__.startswith("transformers.models."):
-        raise FusionRefused(f"{cls.__name__} is not a known decoder-layer family ({', '.join(FAMILIES)})")
-    if getattr(layer, "self_attn", None) is None or getattr(layer, "mlp", None) is None:
-        raise FusionRefused("the layer has no self_attn / mlp")
-    parts = _parts(layer, spec)
+def check_fusable_modules(layer):
+    """What every whole-layer fusion needs of ``layer``'s modules and
+    parameters (FusionRefused naming the first miss): no hooks or
+    parametrizations (the fused layer would not carry them), one dtype
+    (float32, float16 or bfloat16) and one device, materialised, dense."""
     for name, m in layer.named_modules():
         if _hooks(m):
             raise FusionRefused(f"module {name or '<layer>'} has hooks, which the fused layer would not carry")
@@ -234,6 +231,17 @@ def _check_layer(layer, rmsnorm_match, align):
                             "float16 or bfloat16 weights")
     if any(p.layout != torch.strided for p in params):
         raise FusionRefused("a parameter is not a dense tensor")
+
+
+def _check_layer(layer, rmsnorm_match, align):
+    cls = type(layer)
+    spec = FAMILIES.get(cls.__name__)
+    if spec is None or not cls.__module__.startswith("transformers.models."):
+        raise FusionRefused(f"{cls.__name__} is not a known decoder-layer family ({', '.join(FAMILIES)})")
+    if getattr(layer, "self_attn", None) is None or getattr(layer, "mlp", None) is None:
+        raise FusionRefused("the layer has no self_attn / mlp")
+    parts = _parts(layer, spec)
+    check_fusable_modules(layer)
     if type(parts.act) not in _GATED:
         raise FusionRefused(f"MLP activation {type(parts.act).__name__}; the fused MLP computes SwiGLU (silu) or "
                             "GeGLU (tanh-approximated GELU)")
@@ -276,29 +284,41 @@ def fused_param(tensors, requires_grad):
 _FUSED_CLASSES = {}
 
 
-def fused_class(orig_cls):
-    """SeqfuseDecoderLayer's subclass of ``orig_cls`` (made once per class),
-    also set as this module's attribute of its name so pickle finds it."""
-    cls = _FUSED_CLASSES.get(orig_cls)
+def fused_subclass(mixin, orig_cls, cache, namespace):
+    """``Seqfuse<orig_cls name>``, the subclass of (``mixin``, ``orig_cls``)
+    (made once per class, kept in ``cache``), also set in ``namespace`` (the
+    defining module's globals) so pickle finds it by name."""
+    cls = cache.get(orig_cls)
     if cls is None:
         name = f"Seqfuse{orig_cls.__name__}"
-        cls = type(name, (SeqfuseDecoderLayer, orig_cls), {"__module__": __name__, "__qualname__": name})
-        _FUSED_CLASSES[orig_cls] = cls
-        globals()[name] = cls
+        cls = type(name, (mixin, orig_cls), {"__module__": namespace["__name__"], "__qualname__": name})
+        cache[orig_cls] = cls
+        namespace[name] = cls
     return cls
 
 
-def __getattr__(name):
-    """The fused class named ``name`` (e.g. SeqfuseLlamaDecoderLayer), made on
-    first use: what unpickling a fused model in a new process looks up."""
+def fused_class_by_name(name, module_name, families, suffix, make):
+    """The fused class named ``name`` (``Seqfuse`` + one of ``families``),
+    made on first use by ``make(transformers class)``: what unpickling a fused
+    model in a new process looks up (a module's ``__getattr__``)."""
     base = name[len("Seqfuse"):] if name.startswith("Seqfuse") else None
-    if base not in FAMILIES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if base not in families:
+        raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
     import importlib
 
-    family = base[:-len("DecoderLayer")].lower()
+    family = base[:-len(suffix)].lower()
     modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-    return fused_class(getattr(modeling, base))
+    return make(getattr(modeling, base))
+
+
+def fused_class(orig_cls):
+    """SeqfuseDecoderLayer's subclass of ``orig_cls`` (fused_subclass)."""
+    return fused_subclass(SeqfuseDecoderLayer, orig_cls, _FUSED_CLASSES, globals())
+
+
+def __getattr__(name):
+    """The fused class named ``name`` (e.g. SeqfuseLlamaDecoderLayer), made on first use."""
+    return fused_class_by_name(name, __name__, FAMILIES, "DecoderLayer", fused_class)
 
 
 def _fused_or_own(pieces, part):
