@@ -58,15 +58,16 @@ def queued_ms(steps, rounds, queue, warmup=5):
     calls of each, ``rounds`` rounds that time ``queue`` calls of each in
     turn between two CUDA events (queued back to back, no synchronization
     inside, so a step's host work overlaps the previous step's kernels as in
-    a training loop).  Returns (median per-step ms of each, median over the
+    a training loop; which function goes first rotates from round to round).  Returns (median per-step ms of each, median over the
     rounds of each one's ratio to the first)."""
     for fn in steps:
         for _ in range(warmup):
             fn()
     torch.cuda.synchronize()
     times = [[] for _ in steps]
-    for _ in range(rounds):
-        for i, fn in enumerate(steps):
+    for r in range(rounds):
+        for i in [(r + j) % len(steps) for j in range(len(steps))]:  # the order rotates round to round
+            fn = steps[i]
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(queue):

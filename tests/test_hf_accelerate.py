@@ -441,7 +441,8 @@ def test_attention_function_dropout_while_training_only():
         seqfuse_attention_forward(M().train(), q, k, v, mask, dropout=1.5)
 
 
-def test_accelerate_bert_with_attention_dropout():
+@pytest.mark.parametrize("fuse_layers", [True, False])
+def test_accelerate_bert_with_attention_dropout(fuse_layers):
     """BERT's default attention dropout (0.1) no longer keeps its attention in
     torch: accelerate switches it; in eval the model matches the original,
     in training the same seed gives the same loss and another seed another
@@ -451,8 +452,9 @@ def test_accelerate_bert_with_attention_dropout():
                                   intermediate_size=37, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.1)
     model = transformers.BertForMaskedLM(cfg).eval()
     ref = copy.deepcopy(model)
-    report = accelerate(model)
+    report = accelerate(model, fuse_layers=fuse_layers)
     assert "config._attn_implementation" in report.swapped_names()
+    assert len(report.fused) == (2 if fuse_layers else 0)
     ids = torch.randint(3, 99, (2, 11))
     mask = torch.ones_like(ids)
     mask[1, 8:] = 0
@@ -471,8 +473,7 @@ def test_accelerate_bert_with_attention_dropout():
     ref(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(~real, -100)).loss.backward()
     from seqfuse.hf.fuse_layers import hf_named_tensors
 
-    assert len(report.fused) == 2  # (the encoder layers are fused: gradients under transformers' names)
-    grads = hf_named_tensors(model)
+    grads = hf_named_tensors(model)  # (under transformers' names, also for fused layers)
     for name, q in ref.named_parameters():
         assert (grads[name] is None) == (q.grad is None), name
         if q.grad is not None:

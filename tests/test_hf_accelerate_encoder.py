@@ -81,8 +81,6 @@ def test_every_layer_fused_and_own_parameters(family):
     assert again.fused == [] and not [n for n in again.left_names() if ".encoder.layer." in n]
 
 
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fp32_logits_loss_gradients_and_training(family):
     ref = make(family)
@@ -124,6 +122,20 @@ def test_dropout_trains_and_eval_is_deterministic():
     a.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     model.eval(), ref.eval()
+    with torch.no_grad():
+        got, want = model(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
+    assert rel_error(got[mask.bool()], want[mask.bool()]) <= rel_tol(torch.float32, 10)
+
+
+def test_residual_dropout_placement_matches_transformers():
+    """Dropout p=1 on both residual branches (attention dropout 0): each
+    branch is dropped entirely, so the fused layer must give exactly
+    transformers' LN2(LN1(x)) path; a dropout placed elsewhere would not."""
+    ref = make("Bert", hidden_dropout_prob=1.0, attention_probs_dropout_prob=0.0)
+    model = copy.deepcopy(ref)
+    accelerate(model)
+    ids, mask, _ = batch()
+    ref.train(), model.train()
     with torch.no_grad():
         got, want = model(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
     assert rel_error(got[mask.bool()], want[mask.bool()]) <= rel_tol(torch.float32, 10)

@@ -334,28 +334,32 @@ def test_cuda_rowcol_bit_identical(shape, dtype, seed):
 
 # ---- token padding: the row-wise copy with more rows than x ---------------
 
+#: (M, rows): padded to the next 16 and further; rows not a multiple of 4 (the scale tensor's padding
+#: past rows: 0) and rows == round_up(M, 128)
+PADDED = [(1, 16), (1, 3), (5, 6), (7, 32), (40, 64), (129, 160), (130, 131), (129, 256)]
+
+
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("fp8", [E4M3, E5M2])
-@pytest.mark.parametrize("m", [1, 7, 40, 129])
-def test_padded_rows_equal_the_hand_padded_input(m, fp8, dtype, seed):
+@pytest.mark.parametrize("m, mp", PADDED)
+def test_padded_rows_equal_the_hand_padded_input(m, mp, fp8, dtype, seed):
     """rows=Mp > M: the row-wise copy and its scales are the quantization of
     x with Mp - M zero rows appended, bit for bit (data 0, scale 1 for those
-    rows), from x itself; the column-wise copy and column sums are x's."""
+    rows, 0 for the scale tensor's padding past Mp), from x itself; the
+    column-wise copy and column sums are x's."""
     k = 256
-    mp = (m + 15) // 16 * 16 + 16  # past the next multiple of 16: any rows >= M
-    mp = min(mp, (m + 127) // 128 * 128) if m % 128 else mp
     x = sample((m, k), dtype)
     padded = torch.nn.functional.pad(x, (0, 0, 0, mp - m))
     data, si = ops.quantize_block_fp8(x, 1, fp8, rows=mp)
     ref, ref_si = ops.quantize_block_fp8(padded, 1, fp8)
     assert data.shape == (mp, k) and torch.equal(bits(data), bits(ref)) and torch.equal(si, ref_si)
+    assert (si[:, m:mp] == 1).all() and (si[:, mp:] == 0).all()
     q = quantize_block(x, 1, fp8, rows=mp)
     assert q.shape == (m, k) and torch.equal(q.dequantize(), ops.dequantize_block_fp8(ref, ref_si, 1, dtype)[:m])
-    if mp <= (m + 127) // 128 * 128:
-        got = ops.quantize_block_fp8_rowcol(x, fp8, col_sums=True, rows=mp)
-        want = ops.quantize_block_fp8_rowcol(padded, fp8, col_sums=True)
-        for a, b in zip(got, want):
-            assert torch.equal(a.view(torch.uint8) if a.dtype == fp8 else a, b.view(torch.uint8) if b.dtype == fp8 else b)
+    got = ops.quantize_block_fp8_rowcol(x, fp8, col_sums=True, rows=mp)
+    want = ops.quantize_block_fp8_rowcol(padded, fp8, col_sums=True)
+    for a, b in zip(got, want):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 def test_padded_rows_refusals():
@@ -377,11 +381,11 @@ def test_padded_rows_refusals():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("m", [1, 7, 4097, 1000])
-def test_cuda_padded_rows_bit_identical(m, dtype, seed):
-    """The CUDA kernels write the zero rows (into poisoned outputs) as the CPU does."""
+@pytest.mark.parametrize("m, mp", PADDED + [(4097, 4112), (1000, 1008)])
+def test_cuda_padded_rows_bit_identical(m, mp, dtype, seed):
+    """The CUDA kernels write the zero rows and the scale padding (into
+    poisoned outputs) as the CPU does."""
     k = 512
-    mp = (m + 15) // 16 * 16
     x = sample((m, k), dtype)
     for fp8 in (E4M3, E5M2):
         ref, ref_si = ops.quantize_block_fp8(x, 1, fp8, rows=mp)

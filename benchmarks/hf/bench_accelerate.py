@@ -5,7 +5,7 @@ Rows (``--rows``, in this order; Liger-Kernel last because its patch of
 transformers' module-level rotary function is global):
 
   hf_eager             transformers as loaded (sdpa attention), bf16
-  hf_compile           the same with every decoder layer torch.compile'd
+  hf_compile           the same with every decoder (encoder) layer torch.compile'd
                        (module.compile(): one graph reused by the layers)
   seqfuse_bf16         seqfuse.hf.accelerate(model): fused layers (the MLPs'
                        gated activation made again in the backward, the
@@ -136,7 +136,7 @@ def prepare(row, base, family, shape=None):
     if row == "hf_compile":
         for layer in decoder_layers(model):
             layer.compile()
-        return model, "every decoder layer torch.compile'd (module.compile)"
+        return model, "every decoder (encoder) layer torch.compile'd (module.compile)"
     if row.startswith("seqfuse"):
         from seqfuse.common.recipe import DelayedScaling, Float8BlockScaling
         from seqfuse.hf import accelerate
@@ -234,6 +234,12 @@ def main(argv=None):
     rows = [r for r in ROWS if r in rows]  # Liger last: its rotary patch is module-wide
     if min(args.batch, args.seq, args.steps) < 1 or args.warmup < 1:
         p.error("--batch, --seq, --steps and --warmup must be >= 1")
+    spec = SHAPES[args.shape]
+    if spec["family"] == "bert" and args.mode == "prefill":
+        p.error(f"--shape {args.shape}: an encoder has no generation prefill (--mode train)")
+    if spec["family"] == "bert" and args.seq > spec["max_position_embeddings"]:  # (absolute position embeddings)
+        p.error(f"--seq {args.seq} exceeds --shape {args.shape}'s {spec['max_position_embeddings']} positions "
+                "(e.g. bert_large: --batch 8 --seq 512)")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA GPU here (use --device cpu --shape tiny for a smoke run)")

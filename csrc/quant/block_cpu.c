@@ -34,8 +34,8 @@ static void quantize_fp8_blocks(const sf_block_args *a, int block_rows)
     for (int64_t mb = 0; mb < mb_n; ++mb)
         for (int64_t kb = 0; kb < kb_n; ++kb) {
             int64_t r0 = mb * block_rows, r1 = r0 + block_rows < a->m ? r0 + block_rows : a->m;
-            if (r0 >= a->m) { /* a zero row (1x128 only) */
-                si[kb * a->scale_ld + mb] = 1.0f;
+            if (r0 >= a->m) { /* a zero row (1x128 only): a zero block's scale, from amax 0 */
+                si[kb * a->scale_ld + mb] = SF_DIV(1.0f, sf_scale_from_amax(0.0f, fmax, 1.0f, 1.0f));
                 for (int64_t c = kb * 128; c < kb * 128 + 128; ++c)
                     a->data[r0 * a->k + c] = 0;
                 continue;

@@ -59,8 +59,9 @@ __global__ void quant_1x128_kernel(const T *__restrict__ x, int64_t m, int64_t m
         if (r >= m) {
             if (r < mp)
                 *reinterpret_cast<uint32_t *>(out + r * k + kb * 128 + lane * 4) = 0u;
-            if (lane == 0)
-                scale_inv[kb * ld_m + r] = r < mp ? 1.0f : 0.0f;
+            if (lane == 0) /* a zero row's scale is a zero block's: from amax 0, as every other block's */
+                scale_inv[kb * ld_m + r] =
+                    r < mp ? __fdiv_rn(1.0f, sf_scale_from_amax(0.0f, fmax, 1.0f, 1.0f)) : 0.0f;
             continue;
         }
         const int64_t base = r * k + kb * 128 + lane * 4;

@@ -573,7 +573,8 @@ def accelerate(model, recipe=None, attention=True, fuse_layers=True, fused_loss=
     - Every other nn.Linear -> seqfuse.pytorch.Linear, nn.LayerNorm ->
       seqfuse.pytorch.LayerNorm, the model's own RMSNorm classes (where a
       probe shows the same function) -> seqfuse.pytorch.RMSNorm.
-    - ``recompute_activation``: the fused layers' MLPs keep FC1's output but
+    - ``recompute_activation``: the fused decoder layers' MLPs (not the
+      encoder layers': their GELU has no gate) keep FC1's output but
       not the gated activation, and make it again in the backward
       (LayerNormMLP's option: without FP8, one [tokens, ffn] tensor less a
       layer from the forward to the backward, for one elementwise pass more;

@@ -17,8 +17,10 @@ one does.  Here each such layer becomes a ``SeqfuseEncoderLayer`` running
 - LN1 + intermediate + activation + output as one LayerNormMLP over
   ``x + dense(...)`` that also returns LN1's output (the residual of the
   second add; ``return_layernorm_output``): the norm fused into the first
-  GEMM (under FP8 the norm writes its FP8 input), GELU in the GEMM's
-  epilogue where it is the tanh form,
+  GEMM, GELU in the GEMM's epilogue where it is the tanh form.  Under FP8
+  the norm kernel writes the GEMM's FP8 input and LayerNormMLP runs the
+  norm once more in high precision for the returned output (one more pass
+  over [tokens, hidden] a layer),
 - LN2 as seqfuse's LayerNorm.
 
 Not fused (reported, swapped module by module): decoders and cross-attention
@@ -143,7 +145,7 @@ def fuse_encoder_layer(layer):
     q, k, v = attn.query, attn.key, attn.value
     o, fc1, fc2 = layer.attention.output.dense, layer.intermediate.dense, layer.output.dense
     ln1, ln2 = layer.attention.output.LayerNorm, layer.output.LayerNorm
-    hidden, ffn = q.in_features, fc1.out_features
+    hidden, inner, ffn = q.in_features, q.out_features, fc1.out_features  # (inner: heads x head_dim)
     kw = dict(params_dtype=q.weight.dtype, device=q.weight.device)
     cls = encoder_fused_class(type(layer))
     new = cls.__new__(cls)
@@ -161,10 +163,10 @@ def fuse_encoder_layer(layer):
     new.hidden_dropout = (float(layer.attention.output.dropout.p), float(layer.output.dropout.p))
     new.is_causal = False
     with torch.no_grad():
-        new.qkv = Linear(hidden, 3 * hidden, bias=True, **kw)
+        new.qkv = Linear(hidden, 3 * inner, bias=True, **kw)
         new.qkv.weight = fused_param([q.weight, k.weight, v.weight], q.weight.requires_grad)
         new.qkv.bias = fused_param([q.bias, k.bias, v.bias], q.bias.requires_grad)
-        new.proj = Linear(hidden, hidden, bias=True, **kw)
+        new.proj = Linear(inner, hidden, bias=True, **kw)
         new.proj.weight, new.proj.bias = o.weight, o.bias
         new.mlp_fused = LayerNormMLP(hidden, ffn, eps=ln1.eps, bias=True, normalization="LayerNorm",
                                      activation=_activation(layer), return_layernorm_output=True, **kw)
@@ -173,10 +175,13 @@ def fuse_encoder_layer(layer):
         new.mlp_fused.fc2_weight, new.mlp_fused.fc2_bias = fc2.weight, fc2.bias
         new.norm = LayerNorm(hidden, eps=ln2.eps, **kw)
         new.norm.weight, new.norm.bias = ln2.weight, ln2.bias
-    new._split_sizes = (hidden, hidden, hidden)
+    new._split_sizes = (inner, inner, inner)
     new._hf_keys = list(layer.state_dict().keys())
     register_hf_key_hooks(new)
     notes = [f"post-LN: LN1 fused with the MLP's first GEMM, LN2 a seqfuse LayerNorm ({new.mlp_fused.activation})"]
+    if getattr(layer, "chunk_size_feed_forward", 0):
+        notes.append(f"chunk_size_feed_forward={layer.chunk_size_feed_forward} not applied: the MLP runs over all "
+                     "tokens at once (the same result, more activation memory)")
     return new, notes
 
 

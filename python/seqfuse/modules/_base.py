@@ -66,6 +66,31 @@ def set_linear_options(module, cls_name, in_features, out_features, bias, return
     return params_dtype or torch.get_default_dtype()
 
 
+def weight_and_bias_grads(dy, inp, want_dw, want_db, main_grad=None):
+    """(dW = dy^T @ inp or None, the bias gradient = dy's column sums or
+    None) of a high-precision GEMM module's backward; with ``main_grad`` dW
+    is accumulated into it (and None returned).  The bias gradient comes
+    out of the weight GEMM's bgrad epilogue where that GEMM runs anyway and
+    dy's rows are 16-byte multiples; otherwise it is a column sum of its own
+    (float32 accumulation): for other widths (a 30,522-word MLM head)
+    cuBLASLt's bgrad epilogue left the aligned kernels for a generic one, 6.9
+    ms against the plain GEMM's 1.0 ms at 4,096 x 1,024 -> 30,522 on an H200."""
+    fuse = want_db and want_dw and dy.shape[-1] * dy.element_size() % 16 == 0
+    dw = db = None
+    if want_dw:
+        epilogue = "bgrad" if fuse else "none"
+        if main_grad is not None:
+            res = ops.gemm(dy, inp, transa=True, out=main_grad, accumulate=True, epilogue=epilogue)
+        else:
+            res = ops.gemm(dy, inp, transa=True, epilogue=epilogue)
+        if fuse:
+            res, db = res
+        dw = None if main_grad is not None else res
+    if want_db and not fuse:
+        db = dy.sum(0, dtype=torch.float32)
+    return dw, db
+
+
 def hidden_dim(hidden_size):
     """The normalized size: an int, or a 1-element shape (normalization over
     the last dimension only)."""

@@ -45,7 +45,7 @@ import torch
 
 from .. import ops
 from . import _fp8 as F8
-from ._base import (as_dtype, fp8_norm, main_grad_for,
+from ._base import (as_dtype, fp8_norm, main_grad_for, weight_and_bias_grads,
                     fp8_quantizers, hidden_dim, init_weight, make_norm_params, norm_backward,
                     norm_forward, norm_output, norm_param, reset_norm_params, take_norm_module_options)
 from .te_compat import materialize, refuse_fp8_io, rng_fork
@@ -105,15 +105,10 @@ class _LayerNormLinearFn(torch.autograd.Function):
             x2, lnw, lnb, mean, rstd, ln_out, w = ctx.saved_tensors
             ln_out = norm_output(ln_out, x2, lnw, lnb, eps, rms, zc)
             dln = ops.gemm(dout2, w)
-            main_grad = main_grad_for(ctx.weight, ctx.needs_input_grad[3])
-            epilogue = "bgrad" if has_bias else "none"
-            if main_grad is not None:  # dW accumulated into main_grad by the GEMM
-                res = ops.gemm(dout2, ln_out, transa=True, out=main_grad, accumulate=True, epilogue=epilogue)
-                dweight, dbias = None, (res[1] if has_bias else None)
-            elif has_bias:
-                dweight, dbias = ops.gemm(dout2, ln_out, transa=True, epilogue="bgrad")
-            else:
-                dweight = ops.gemm(dout2, ln_out, transa=True)
+            need_dw = ctx.needs_input_grad[3]
+            # (dW accumulated into main_grad by the GEMM where the weight carries one)
+            dweight, dbias = weight_and_bias_grads(dout2, ln_out, need_dw, has_bias and ctx.needs_input_grad[4],
+                                                   main_grad_for(ctx.weight, need_dw))
             dbias = as_dtype(dbias, b_dtype)
             dweight = as_dtype(dweight, w_dtype)
         if dln_extra is not None:

@@ -68,7 +68,7 @@ import torch
 from .. import ops
 from ..ops import act as A
 from . import _fp8 as F8
-from ._base import (as_dtype, fp8_norm, main_grad_for,
+from ._base import (as_dtype, fp8_norm, main_grad_for, weight_and_bias_grads,
                     fp8_quantizers, hidden_dim, init_weight, make_norm_params, norm_backward,
                     norm_forward, norm_output, norm_param, reset_norm_params, take_norm_module_options)
 from ._input import check_input
@@ -203,15 +203,10 @@ def _fp8_act(q, h, activation, need_col):
 
 
 def _wgrad(dy, inp, bias_dtype, main_grad=None):
-    """(dW = dy^T @ inp, the bias gradient from the same GEMM); with
-    ``main_grad`` dW is accumulated into it and returned as None."""
-    epilogue = "none" if bias_dtype is None else "bgrad"
-    if main_grad is not None:
-        res = ops.gemm(dy, inp, transa=True, out=main_grad, accumulate=True, epilogue=epilogue)
-        return None, (res[1] if bias_dtype is not None else None)
-    if bias_dtype is None:
-        return ops.gemm(dy, inp, transa=True), None
-    return ops.gemm(dy, inp, transa=True, epilogue="bgrad")
+    """(dW = dy^T @ inp, the bias gradient: from the same GEMM where
+    weight_and_bias_grads can); with ``main_grad`` dW is accumulated into it
+    and returned as None."""
+    return weight_and_bias_grads(dy, inp, True, bias_dtype is not None, main_grad)
 
 
 class LayerNormMLP(torch.nn.Module):

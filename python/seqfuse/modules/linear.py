@@ -5,7 +5,8 @@ gradient, weight gradient) each one cuBLASLt call:
 
     forward  y  = x  @ W^T  (+ bias in the epilogue)
     dgrad    dx = dy @ W
-    wgrad    dW = dy^T @ x  (+ the bias gradient in the epilogue, "bgrad")
+    wgrad    dW = dy^T @ x  (+ the bias gradient in the epilogue, "bgrad", where
+                            dy's rows are 16-byte multiples; else a column sum)
 
 Precision: the forward runs in the dtype of torch.autocast when it is on,
 else in the parameters' dtype; bf16 and fp32 parameters are both fine.
@@ -57,7 +58,7 @@ from .. import ops
 from .. import quantization as _q
 from ..quantization import gemm_quantizers as _gq
 from . import _fp8 as F8
-from ._base import compute_dtype, main_grad_for, set_linear_options
+from ._base import compute_dtype, main_grad_for, set_linear_options, weight_and_bias_grads
 from ._input import check_input
 from ._split import fused_params, install_split, parse_split, reset_split, weight_sources
 from .te_compat import materialize, refuse_fp8_io, rng_fork, take_refused
@@ -97,26 +98,12 @@ class LinearFunction(torch.autograd.Function):
         need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         dx = ops.gemm(dy, wc) if need_dx else None
         dw = db = None
-        if need_dw or (ctx.has_bias and need_db):
-            weight = ctx.weight
-            main_grad = main_grad_for(weight, need_dw)
-            # the bias gradient from the weight GEMM's epilogue where dy's rows are 16-byte multiples; for
-            # other widths (a 30,522-word MLM head) cuBLASLt's bgrad epilogue left the aligned kernels for a
-            # generic one (6.9 ms against 1.0 ms for the plain GEMM at 4,096 x 1,024 -> 30,522 on an H200),
-            # so the bias gradient is a column sum of its own there
-            fuse_db = ctx.has_bias and need_db and dy.shape[-1] * dy.element_size() % 16 == 0
-            epilogue = "bgrad" if fuse_db else "none"
-            if main_grad is not None:
-                res = ops.gemm(dy, xc, transa=True, out=main_grad, accumulate=True, epilogue=epilogue)
-            else:
-                res = ops.gemm(dy, xc, transa=True, epilogue=epilogue)
-            if epilogue == "bgrad":
-                res, db = res
-                db = db.to(ctx.bias_dtype)
-            elif ctx.has_bias and need_db:
-                db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-            if need_dw and main_grad is None:
-                dw = res if res.dtype == weight.dtype else res.to(weight.dtype)
+        weight = ctx.weight
+        dw, db = weight_and_bias_grads(dy, xc, need_dw, ctx.has_bias and need_db, main_grad_for(weight, need_dw))
+        if db is not None:
+            db = db.to(ctx.bias_dtype)
+        if dw is not None and dw.dtype != weight.dtype:
+            dw = dw.to(weight.dtype)
         return dx, dw, db, None
 
 
