@@ -127,12 +127,13 @@ TE_DEFAULTS = {"sequence_parallel": False, "fuse_wgrad_accumulation": False, "tp
 
 
 def norm_forward(x2, weight, bias, eps, rms, zc, out_dtype=None, scale=None, amax=None,
-                 scale_inv=None):
-    """(y, mean, rstd) of the module's normalization; mean is None for RMSNorm."""
+                 scale_inv=None, out=None):
+    """(y, mean, rstd) of the module's normalization; mean is None for RMSNorm;
+    y written into ``out`` where given."""
     if rms:
-        y, rstd = ops.rmsnorm_forward(x2, weight, eps, zc, out_dtype, scale, amax, scale_inv)
+        y, rstd = ops.rmsnorm_forward(x2, weight, eps, zc, out_dtype, scale, amax, scale_inv, out=out)
         return y, None, rstd
-    return ops.layernorm_forward(x2, weight, bias, eps, zc, out_dtype, scale, amax, scale_inv)
+    return ops.layernorm_forward(x2, weight, bias, eps, zc, out_dtype, scale, amax, scale_inv, out=out)
 
 
 def norm_output(saved, x2, weight, bias, eps, rms, zc):
@@ -184,8 +185,9 @@ def fp8_norm(q, x2, lnw, lnb, eps, rms, zc, need_col):
     if iq.fused_cast:
         scale, amax, fp8_dtype = iq.scale
         si = torch.empty(1, dtype=torch.float32, device=x2.device)
-        y, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc, fp8_dtype, scale, amax, si)
-        return iq.fp8_output(y, si, x2.dtype), mean, rstd
+        buf, y = iq.fp8_output_buffer(x2.shape[0], x2.shape[1], fp8_dtype, x2.device)
+        _, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc, fp8_dtype, scale, amax, si, out=y)
+        return iq.fp8_output(buf, y.shape, si, x2.dtype), mean, rstd
     y, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc)
     return iq.quantize(y, transpose=need_col), mean, rstd
 

@@ -198,7 +198,10 @@ def _fp8_act(q, h, activation, need_col):
     if iq.fused_cast:
         scale, amax, fp8_dtype = iq.scale
         si = torch.empty(1, dtype=torch.float32, device=h.device)
-        return iq.fp8_output(A.act_forward(h, activation, fp8_dtype, scale, amax, si), si, h.dtype)
+        width = h.shape[1] // 2 if activation in A.GATED else h.shape[1]
+        buf, a = iq.fp8_output_buffer(h.shape[0], width, fp8_dtype, h.device)
+        A.act_forward(h, activation, fp8_dtype, scale, amax, si, out=a)
+        return iq.fp8_output(buf, a.shape, si, h.dtype)
     return iq.quantize(A.act_forward(h, activation), transpose=need_col)
 
 

@@ -55,16 +55,21 @@ def _out_dtype(op, x, out_dtype):
     return out_dtype
 
 
-def act_forward(x, activation, out_dtype=None, scale=None, amax=None, scale_inv=None):
-    """y = activation(x); last dimension halved for the gated ones."""
+def act_forward(x, activation, out_dtype=None, scale=None, amax=None, scale_inv=None, out=None):
+    """y = activation(x); last dimension halved for the gated ones.  ``out``:
+    y written there (that shape, ``out_dtype``; the C entry checks) instead
+    of a new tensor."""
     op = "act_forward"
     code = _code(op, activation)
     _check_x(op, "x", x)
     x = detached(x).contiguous()
-    shape = list(x.shape)
-    if activation in GATED and x.dim() >= 1:
-        shape[-1] //= 2
-    y = empty(shape, _out_dtype(op, x, out_dtype), x.device)
+    if out is not None:
+        y = out
+    else:
+        shape = list(x.shape)
+        if activation in GATED and x.dim() >= 1:
+            shape[-1] //= 2
+        y = empty(shape, _out_dtype(op, x, out_dtype), x.device)
     _C.act_forward(code, x, y, scale, amax, scale_inv, stream_for(x))
     return y
 

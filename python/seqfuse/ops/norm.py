@@ -57,22 +57,24 @@ def _out(x, out_dtype):
     return torch.empty(*x.shape, dtype=out_dtype, device=x.device)
 
 
-def _forward_args(op, x, out_dtype):
+def _forward_args(op, x, out_dtype, out=None):
     """What both forwards start from: x (checked, contiguous, detached), the
-    output to fill and the number of rows."""
+    output to fill (``out`` where the caller gives one: the C entry checks
+    its shape and dtype) and the number of rows."""
     _check_x(op, x)
     x = detached(x).contiguous()
     _warn_if_scalar_path(op, x, stacklevel=4)  # the caller of layernorm_forward / rmsnorm_forward
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return x, _out(x, out_dtype), rows
+    return x, (_out(x, out_dtype) if out is None else out), rows
 
 
 def layernorm_forward(x, weight, bias=None, eps=1e-5, zero_centered_gamma=False, out_dtype=None,
-                  scale=None, amax=None, scale_inv=None, save_stats=True):
+                  scale=None, amax=None, scale_inv=None, save_stats=True, out=None):
     """LayerNorm forward: returns ``(y, mean, rstd)`` (``mean``/``rstd`` are
-    float32 ``[rows]``, or None with ``save_stats=False``)."""
+    float32 ``[rows]``, or None with ``save_stats=False``).  ``out``: y
+    written there (x's shape, ``out_dtype``) instead of a new tensor."""
     op = "layernorm_forward"
-    x, y, rows = _forward_args(op, x, out_dtype)
+    x, y, rows = _forward_args(op, x, out_dtype, out)
     mean = rstd = None
     if save_stats:
         mean = torch.empty(rows, dtype=torch.float32, device=x.device)
@@ -83,10 +85,10 @@ def layernorm_forward(x, weight, bias=None, eps=1e-5, zero_centered_gamma=False,
 
 
 def rmsnorm_forward(x, weight, eps=1e-5, zero_centered_gamma=False, out_dtype=None, scale=None,
-                amax=None, scale_inv=None, save_stats=True):
-    """RMSNorm forward: returns ``(y, rstd)``."""
+                amax=None, scale_inv=None, save_stats=True, out=None):
+    """RMSNorm forward: returns ``(y, rstd)``; ``out`` as layernorm_forward's."""
     op = "rmsnorm_forward"
-    x, y, rows = _forward_args(op, x, out_dtype)
+    x, y, rows = _forward_args(op, x, out_dtype, out)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device) if save_stats else None
     _C.rmsnorm_forward(x, detached(weight), as_float(op, "eps", eps), bool(zero_centered_gamma), y, rstd, scale,
                    amax, scale_inv, stream_for(x))

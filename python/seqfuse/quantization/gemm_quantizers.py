@@ -111,17 +111,6 @@ def row_prefix(t, rows):
                                t.stride())
 
 
-def _pad_rows(x, rows):
-    """``x`` [M, K] (high precision or FP8) in a [rows, K] copy whose extra
-    rows are zero: what the one-pass casts read for an unaligned token count,
-    and the FP8 row-wise copies that need no transposed copy."""
-    m = x.shape[0]
-    buf = torch.empty(rows, x.shape[1], dtype=x.dtype, device=x.device)
-    buf[:m].copy_(x)
-    buf[m:].view(torch.uint8).zero_()  # (float8 has no zero_ kernel everywhere: zero the bytes)
-    return buf
-
-
 _UNSUPPORTED_NOTE = ("its GEMMs need compute capability 10.x (Blackwell) in cuBLASLt; on Hopper use "
                      "DelayedScaling, Float8CurrentScaling or Float8BlockScaling")
 
@@ -244,16 +233,24 @@ class _Role:
                                   rows=None if mp == m else mp)
         return self._cast(x, transpose, rows=None if mp == m else mp)
 
-    def fp8_output(self, data, scale_inv, dtype):
-        """A producer kernel's FP8 output [M, K] (norm, activation: delayed
-        scaling's fused casts) as this role's padded Float8Tensor standing
-        for ``dtype``, without the transposed copy (``transposed()`` makes it)."""
-        m = data.shape[0]
+    @staticmethod
+    def fp8_output_buffer(m, k, fp8_dtype, device):
+        """(buffer, view) for a producer kernel's FP8 output [m, k] (norm,
+        activation: delayed scaling's fused casts): the kernel writes ``view``,
+        the first m rows of a [padded_rows(m), k] ``buffer`` whose other rows
+        are zeroed here (one memset: no padded copy of the output)."""
         mp = padded_rows(m)
-        shape = data.shape
-        if mp != m:
-            data = _pad_rows(data, mp)
-        return Float8Tensor(data, scale_inv, data.dtype, dtype=dtype, shape=shape)
+        buf = torch.empty(mp, k, dtype=fp8_dtype, device=device)
+        if mp == m:
+            return buf, buf
+        buf[m:].view(torch.uint8).zero_()  # (float8 has no zero_ kernel everywhere: zero the bytes)
+        return buf, buf[:m]
+
+    def fp8_output(self, buf, shape, scale_inv, dtype):
+        """The producer's output written into fp8_output_buffer's ``buf`` (real
+        rows ``shape``) as this role's padded Float8Tensor standing for
+        ``dtype``, without the transposed copy (``transposed()`` makes it)."""
+        return Float8Tensor(buf, scale_inv, buf.dtype, dtype=dtype, shape=shape)
 
     @property
     def scale(self):
