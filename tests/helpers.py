@@ -665,3 +665,25 @@ def check_bf16_within_twice_plain(ref32, model, ids, mask, labels):
         e_plain = rel_error(g16[n].float(), p.grad)
         e = rel_error(g_sf[n].float(), p.grad)
         assert e <= torch_bound(e_plain, floor=rel_tol(torch.bfloat16, 3)), (n, e, e_plain)
+
+
+def nudge_biases_and_norms(model, norm_marker):
+    """Move ``model``'s biases and the weights of parameters whose names
+    contain ``norm_marker`` off their 0 / 1 initialisation (0.1 x normal), so
+    that a mix-up between them shows in a comparison.  Returns the model."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("bias") or norm_marker in n:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def padded_lm_batch(vocab, seed=1, b=2, s=13, low=1):
+    """(ids in [low, vocab), attention mask with row 1 right-padded by 4,
+    labels with -100 at the padding) from a seeded generator."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(low, vocab, (b, s), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, s - 4:] = 0  # right padding in row 1
+    labels = ids.masked_fill(mask == 0, -100)
+    return ids, mask, labels

@@ -16,8 +16,9 @@ transformers = pytest.importorskip("transformers")
 from seqfuse.hf import accelerate  # noqa: E402
 from seqfuse.hf.fuse_encoder import SeqfuseEncoderLayer  # noqa: E402
 from seqfuse.hf.fuse_layers import hf_named_tensors  # noqa: E402
-from helpers import (check_bf16_within_twice_plain, hf_fp8_grads_close, hf_grads_close, needs_fp8, rel_error, rel_tol,  # noqa: E402
-                     train_alongside)
+from helpers import (  # noqa: E402
+    check_bf16_within_twice_plain, hf_fp8_grads_close, hf_grads_close, needs_fp8, nudge_biases_and_norms,
+    padded_lm_batch, rel_error, rel_tol, train_alongside)
 
 V = 96
 
@@ -35,21 +36,12 @@ def make(family, dtype=torch.float32, seed=0, **kw):
     torch.manual_seed(seed)
     if family == "Roberta":
         kw.setdefault("hidden_act", "gelu_new")
-    model = getattr(transformers, f"{family}ForMaskedLM")(_cfg(family, **kw)).to(dtype)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith("bias") or "LayerNorm" in n:
-                p.add_(0.1 * torch.randn_like(p))
-    return model
+    return nudge_biases_and_norms(getattr(transformers, f"{family}ForMaskedLM")(_cfg(family, **kw)).to(dtype),
+                                  "LayerNorm")
 
 
 def batch(seed=1, b=2, s=13):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, V, (b, s), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, s - 4:] = 0  # right padding in row 1
-    labels = ids.masked_fill(mask == 0, -100)
-    return ids, mask, labels
+    return padded_lm_batch(V, seed, b, s, low=3)
 
 
 def encoder_layers(model):

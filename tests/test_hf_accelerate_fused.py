@@ -19,8 +19,9 @@ transformers = pytest.importorskip("transformers")
 
 from seqfuse.hf import accelerate  # noqa: E402
 from seqfuse.hf.fuse_layers import SeqfuseDecoderLayer, hf_named_tensors  # noqa: E402
-from helpers import (check_bf16_within_twice_plain, hf_fp8_grads_close, hf_grads_close, needs_fp8, rel_error, rel_tol,  # noqa: E402
-                     train_alongside)
+from helpers import (  # noqa: E402
+    check_bf16_within_twice_plain, hf_fp8_grads_close, hf_grads_close, needs_fp8, nudge_biases_and_norms,
+    padded_lm_batch, rel_error, rel_tol, train_alongside)
 
 V = 96
 
@@ -60,21 +61,11 @@ FAMILIES = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3, 
 
 def make(name, dtype=torch.float32, seed=0):
     torch.manual_seed(seed)
-    model = FAMILIES[name]().to(dtype)
-    with torch.no_grad():  # biases and norm weights away from their 0 / 1 init, so a mix-up shows
-        for n, p in model.named_parameters():
-            if n.endswith("bias") or "norm" in n:
-                p.add_(0.1 * torch.randn_like(p))
-    return model
+    return nudge_biases_and_norms(FAMILIES[name]().to(dtype), "norm")
 
 
 def batch(seed=1, b=2, s=13):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, V, (b, s), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, s - 4:] = 0  # right padding in row 1
-    labels = ids.masked_fill(mask == 0, -100)
-    return ids, mask, labels
+    return padded_lm_batch(V, seed, b, s, low=1)
 
 
 def accelerated(name, dtype=torch.float32, **kw):

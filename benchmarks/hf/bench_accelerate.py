@@ -99,7 +99,7 @@ FAMILY = {"llama": ("LlamaConfig", "LlamaForCausalLM", "apply_liger_kernel_to_ll
           "bert": ("BertConfig", "BertForMaskedLM", None)}
 
 
-def decoder_layers(model):
+def transformer_layers(model):
     """The model's list of transformer layers (decoder or encoder)."""
     base = getattr(model, model.base_model_prefix)
     return base.layers if hasattr(base, "layers") else base.encoder.layer
@@ -134,7 +134,7 @@ def prepare(row, base, family, shape=None):
     if row == "hf_eager":
         return model, "transformers, attn_implementation=" + model.config._attn_implementation
     if row == "hf_compile":
-        for layer in decoder_layers(model):
+        for layer in transformer_layers(model):
             layer.compile()
         return model, "every decoder (encoder) layer torch.compile'd (module.compile)"
     if row.startswith("seqfuse"):
@@ -250,7 +250,8 @@ def main(argv=None):
     res = Results(out, __file__, extra=dict(
         shape=args.shape, mode=args.mode, batch=args.batch, seq=args.seq, tokens=tokens,
         layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, ffn=cfg.intermediate_size,
-        heads=cfg.num_attention_heads, kv_heads=getattr(cfg, "num_key_value_heads", cfg.num_attention_heads), vocab=cfg.vocab_size,
+        heads=cfg.num_attention_heads, kv_heads=getattr(cfg, "num_key_value_heads", cfg.num_attention_heads),
+        vocab=cfg.vocab_size,
         warmup=args.warmup, steps=args.steps, optimizer="torch.optim.AdamW(fused=True), bf16 weights"))
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g).to(device)

@@ -515,24 +515,25 @@ def _fuse_layers(model, recipe, report, slots, recompute_activation=False):
     before = {id(p) for p in model.parameters()}
     done = []
     for name, module in list(model.named_modules()):
+        kind = type(module).__name__
         if isinstance(module, FL.FusedLayer):
             continue
-        encoder = type(module).__name__ in FE.ENCODER_FAMILIES
-        if not encoder and type(module).__name__ not in FL.FAMILIES:
-            continue
-        if encoder:
+        if kind in FE.ENCODER_FAMILIES:
             why = FE.encoder_fusion_plan(module, align)
-        else:
+            fuse = functools.partial(FE.fuse_encoder_layer, module)
+        elif kind in FL.FAMILIES:
             why = FL.layer_fusion_plan(module, match, align)
             if why is None and id(module) not in rotaries:
                 why = "not found in a model's `layers` list beside its rotary_emb"
+            fuse = functools.partial(FL.fuse_layer, module, match, rotaries.get(id(module)), recompute_activation)
+        else:
+            continue
         if why is not None:
             report.left.append(Left(name, type(module).__name__, f"whole-layer fusion: {why}; its modules are "
                                                                   "swapped one by one where exact"))
             _log.info("seqfuse.hf.accelerate: layer %s not fused: %s", name, why)
             continue
-        new, notes = (FE.fuse_encoder_layer(module) if encoder
-                      else FL.fuse_layer(module, match, rotaries[id(module)], recompute_activation))
+        new, notes = fuse()
         for parent, child_name in slots[id(module)]:
             setattr(parent, child_name, new)
         report.fused.append(Fused(name, type(module).__name__, type(new).__name__, notes))

@@ -42,7 +42,7 @@ from torch import nn
 from ..pytorch import LayerNorm, LayerNormMLP, Linear
 from .attention import seqfuse_attention_forward
 from .fuse_layers import (FusedLayer, FusionRefused, check_fusable_modules, fused_class_by_name, fused_param,
-                          fused_subclass, register_hf_key_hooks)
+                          fused_subclass, refusal, register_hf_key_hooks)
 
 #: encoder-layer class names fused here (the same module layout in both families)
 ENCODER_FAMILIES = ("BertLayer", "RobertaLayer")
@@ -55,12 +55,10 @@ _NORMS = ("attention.output.LayerNorm", "output.LayerNorm")
 
 
 def _sub(layer, path):
-    m = layer
-    for part in path.split("."):
-        m = getattr(m, part, None)
-        if m is None:
-            raise FusionRefused(f"the layer has no {path}")
-    return m
+    try:
+        return layer.get_submodule(path)
+    except AttributeError:
+        raise FusionRefused(f"the layer has no {path}") from None
 
 
 def _activation(layer):
@@ -77,11 +75,7 @@ def _activation(layer):
 def encoder_fusion_plan(layer, align):
     """None when ``layer`` can be fused, else the reason (a string);
     ``align``: the multiple GEMM features must be under the recipe (None: any)."""
-    try:
-        _check(layer, align)
-    except FusionRefused as e:
-        return str(e)
-    return None
+    return refusal(_check, layer, align)
 
 
 def _check(layer, align):
@@ -215,10 +209,7 @@ class SeqfuseEncoderLayer(FusedLayer):
         if encoder_hidden_states is not None or past_key_values is not None or cache is not None:
             raise NotImplementedError("seqfuse fused encoder layer: cross-attention inputs and key caches are not "
                                       "supported (an encoder layer attends to its own tokens)")
-        if kwargs.get("output_attentions", getattr(self.config, "output_attentions", False)):
-            raise NotImplementedError("seqfuse fused encoder layer: output_attentions=True is not supported (the "
-                                      "fused attention never forms attention probabilities); accelerate the model "
-                                      "with fuse_layers=False and attention=False to get them")
+        self._refuse_output_attentions(kwargs)
         b, s, _ = hidden_states.shape
         d = self.head_dim
         q, k, v = torch.split(self.qkv(hidden_states), self._split_sizes, dim=-1)
@@ -229,6 +220,3 @@ class SeqfuseEncoderLayer(FusedLayer):
         x = hidden_states + self._dropout(self.proj(out.reshape(b, s, -1)), self.hidden_dropout[0])
         mlp, a = self.mlp_fused(x)  # a = LN1(x): the second residual
         return self.norm(a + self._dropout(mlp, self.hidden_dropout[1]))
-
-    def _dropout(self, x, p):
-        return F.dropout(x, p, training=True) if p > 0.0 and self.training else x

@@ -199,15 +199,20 @@ def rope_mode(rotary, head_dim):
     return "fused", None  # a partial rotary (2 x frequencies < head dim) leaves the rest of the head as it is
 
 
+def refusal(check, *args):
+    """None when ``check(*args)`` passes, else the reason its FusionRefused gives."""
+    try:
+        check(*args)
+    except FusionRefused as e:
+        return str(e)
+    return None
+
+
 def layer_fusion_plan(layer, rmsnorm_match, align):
     """None when ``layer`` can be fused, else the reason (a string).
     ``rmsnorm_match(module)`` -> ((eps, zero_centered), None) or (None, why);
     ``align``: the multiple the GEMM features must be under the recipe (None: any)."""
-    try:
-        _check_layer(layer, rmsnorm_match, align)
-    except FusionRefused as e:
-        return str(e)
-    return None
+    return refusal(_check_layer, layer, rmsnorm_match, align)
 
 
 def check_fusable_modules(layer):
@@ -442,7 +447,17 @@ class FusedLayer(nn.Module):
     fuse_encoder's encoder layers) gives: ``_key_map()``, its (fused local
     key, [transformers local keys]) pairs, and ``_split_sizes_of(fused key)``,
     the row counts a fused weight splits back into; the state-dict hooks
-    (register_hf_key_hooks) and hf_named_tensors read them."""
+    (register_hf_key_hooks) and hf_named_tensors read them.  Also what both
+    forwards share: the output_attentions refusal and training dropout."""
+
+    def _refuse_output_attentions(self, kwargs):
+        if kwargs.get("output_attentions", getattr(self.config, "output_attentions", False)):
+            raise NotImplementedError(f"seqfuse {type(self).__name__}: output_attentions=True is not supported "
+                                      "(the fused attention never forms attention probabilities); accelerate the "
+                                      "model with fuse_layers=False and attention=False to get them")
+
+    def _dropout(self, x, p):
+        return F.dropout(x, p, training=True) if p > 0.0 and self.training else x
 
 
 def register_hf_key_hooks(module):
@@ -484,7 +499,6 @@ class SeqfuseDecoderLayer(FusedLayer):
         half = self.mlp_fused.ffn_hidden_size
         return [half, half]
 
-
     # -- forward -----------------------------------------------------------
     def _rope(self, q, k, position_ids, position_embeddings):
         if self.rope_fused and position_ids is not None:
@@ -525,10 +539,7 @@ class SeqfuseDecoderLayer(FusedLayer):
                 use_cache=False, position_embeddings=None, cache=None, **kwargs):
         """transformers' decoder-layer call (either cache keyword: past_key_values
         before transformers 5.2x, cache after); returns the hidden states."""
-        if kwargs.get("output_attentions", getattr(self.config, "output_attentions", False)):
-            raise NotImplementedError("seqfuse fused decoder layer: output_attentions=True is not supported (the "
-                                      "fused attention never forms attention probabilities); accelerate the model "
-                                      "with fuse_layers=False and attention=False to get them")
+        self._refuse_output_attentions(kwargs)
         cache = cache if cache is not None else past_key_values
         graphs = self.__dict__.get("_layer_graphs")  # set_graphs (seqfuse.hf.graph_layers)
         if graphs is not None:
@@ -577,9 +588,6 @@ class SeqfuseDecoderLayer(FusedLayer):
             scaling=self.scaling, sliding_window=self.sliding_window, position_ids=position_ids, **kwargs)
         x = hidden_states + self._dropout(self.proj(out.reshape(b, s, -1)), self.resid_dropout[0])
         return x + self._dropout(self.mlp_fused(x), self.resid_dropout[1])
-
-    def _dropout(self, x, p):
-        return F.dropout(x, p, training=True) if p > 0.0 and self.training else x
 
 
 class _LayerGraphSlot(NamedTuple):

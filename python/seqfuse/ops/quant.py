@@ -380,11 +380,9 @@ def quantize_block_fp8(x, block_rows=1, fp8_dtype=torch.float8_e4m3fn, rows=None
     require_fp8_dlpack(op)
     x, m, k = _matrix(op, x, 128, "1x128 blocks" if block_rows == 1 else "128x128 blocks")
     fp8_dtype = fp8_dtype_of(fp8_dtype, op)
-    mp = m if rows is None else _check_rows(op, rows, m)
+    out, _, mp = _row_outputs(op, x, fp8_dtype, rows, None, None, True, False)
     if mp != m and block_rows != 1:
         raise ValueError(f"{op}: argument 'rows' (token padding) is for 1x128 blocks, got block_rows=128")
-    out = (torch.empty(*x.shape, dtype=fp8_dtype, device=x.device) if mp == m
-           else torch.empty(mp, k, dtype=fp8_dtype, device=x.device))
     scale_inv = torch.empty(*block_scale_shape(mp, k, block_rows), dtype=torch.float32, device=x.device)
     _C.quantize_block_fp8(x, out, scale_inv, block_rows, stream_for(x))
     return out, scale_inv
@@ -431,14 +429,12 @@ def quantize_block_fp8_rowcol(x, fp8_dtype=torch.float8_e4m3fn, *, rowwise=True,
     require_fp8_dlpack(op)
     x, m, k = _matrix(op, x, 128, "1x128 blocks")
     mt = (m + 127) // 128 * 128
-    mp = m if rows is None else _check_rows(op, rows, m)
+    fp8_dtype = fp8_dtype_of(fp8_dtype, op)
+    data, _, mp = _row_outputs(op, x, fp8_dtype, rows, None, None, rowwise, False)
     if mp > mt:
         raise ValueError(f"{op}: argument 'rows' must be at most round_up(M, 128) = {mt}, got {mp}")
-    fp8_dtype = fp8_dtype_of(fp8_dtype, op)
-    data = scale_inv = data_t = scale_inv_t = None
+    scale_inv = data_t = scale_inv_t = None
     if rowwise:
-        data = (torch.empty(*x.shape, dtype=fp8_dtype, device=x.device) if mp == m
-                else torch.empty(mp, k, dtype=fp8_dtype, device=x.device))
         scale_inv = torch.empty(*block_scale_shape(mp, k, 1), dtype=torch.float32, device=x.device)
     if columnwise:
         data_t = torch.empty(k, mt, dtype=fp8_dtype, device=x.device)
