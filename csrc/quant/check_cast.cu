@@ -654,6 +654,9 @@ int main(void)
     transpose_bandwidth(16384, 5120);
     bandwidth(16384, 1280); /* ESM-2 650M's gradients */
     bandwidth(16384, 5120);
+    bandwidth(4096, 2048);  /* Llama 1B's at 4,096 tokens: attention projection and FC2, QKV, FC1 (gate|up) */
+    bandwidth(4096, 3072);
+    bandwidth(4096, 16384);
     std::vector<std::vector<int64_t>> gsplits = {
         {16}, {1}, {0}, {5, 0, 37, 16}, {0, 0, 130, 0}, {300, 1, 0, 129, 64, 7, 1000, 33},
         random_splits(8, 4096), random_splits(70, 3000) /* two launches */, random_splits(128, 777)};

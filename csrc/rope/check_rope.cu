@@ -107,7 +107,8 @@ int main(void)
 
     /* bandwidth, bf16 bshd, full rotary: Llama-like [8, 4096, 32, 128] and
      * ESM-2 650M-like [8, 4096, 20, 64]; bytes = t read + out written */
-    const int64_t shapes[2][4] = {{8, 4096, 32, 128}, {8, 4096, 20, 64}};
+    /* Llama 1B's q and k at 4,096 tokens last */
+    const int64_t shapes[4][4] = {{8, 4096, 32, 128}, {8, 4096, 20, 64}, {1, 4096, 32, 64}, {1, 4096, 8, 64}};
     for (auto &sh : shapes) {
         int64_t shape[4] = {sh[0], sh[1], sh[2], sh[3]}, rot = sh[3], fshape[4] = {sh[1], 1, 1, rot};
         int64_t n = shape[0] * shape[1] * shape[2] * shape[3];
