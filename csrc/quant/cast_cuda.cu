@@ -13,7 +13,7 @@
  *     of bank conflicts.  Loads of a tile are all issued before any is used
  *     and kept as raw bytes (16-bit inputs: held to 64 registers, 4 CTAs
  *     per SM, ~128 KB of loads in flight per SM, no spills; at 80 registers
- *     and 3 CTAs it ran at 74-82 % of copy on the H200, at 64 / 4 it runs at
+ *     and 3 CTAs it ran at 73-82 % of copy on the H200, at 64 / 4 it runs at
  *     84-87 %).  One CTA per tile, one amax atomic
  *     per CTA.
  *     Outputs may have more rows than x (mp >= m): the extra rows are the

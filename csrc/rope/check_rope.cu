@@ -105,9 +105,9 @@ int main(void)
                     run_case(dt, f, il, bw, 2, 17, 3, 10, 6); /* scalar path */
                 }
 
-    /* bandwidth, bf16 bshd, full rotary: Llama-like [8, 4096, 32, 128] and
-     * ESM-2 650M-like [8, 4096, 20, 64]; bytes = t read + out written */
-    /* Llama 1B's q and k at 4,096 tokens last */
+    /* bandwidth, bf16 bshd, full rotary: Llama-like [8, 4096, 32, 128],
+     * ESM-2 650M-like [8, 4096, 20, 64], and Llama 1B's q and k at 4,096
+     * tokens; bytes = t read + out written */
     const int64_t shapes[4][4] = {{8, 4096, 32, 128}, {8, 4096, 20, 64}, {1, 4096, 32, 64}, {1, 4096, 8, 64}};
     for (auto &sh : shapes) {
         int64_t shape[4] = {sh[0], sh[1], sh[2], sh[3]}, rot = sh[3], fshape[4] = {sh[1], 1, 1, rot};
