@@ -558,13 +558,62 @@ def test_new_fused_parameters_are_reported_and_logged(caplog):
 
     ref = make("llama", torch.float32)
     model = copy.deepcopy(ref)
-    before = {id(p) for p in model.parameters()}
+    kept = list(model.parameters())  # held here, so no new Parameter can take a freed one's id
+    before = {id(p) for p in kept}
     with caplog.at_level(logging.WARNING, logger="seqfuse"):
         report = accelerate(model)
     new = [n for n, p in model.named_parameters() if id(p) not in before]
     assert new and report.new_parameters == new
     assert "build the optimizer after accelerate()" in caplog.text
     assert "new Parameters" in str(report)
+
+
+def _live_tensor_bytes():
+    import gc
+
+    gc.collect()
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            st = obj.untyped_storage()
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+    return total
+
+
+def test_fusion_frees_each_replaced_layer_as_it_goes(monkeypatch):
+    """accelerate() frees a replaced layer's unfused weights before it fuses
+    the next layer: the live tensor bytes during the walk stay within about
+    one layer's fused weights of the model's (not one more copy of every
+    layer's QKV and gate/up weights at the end), and the report still names
+    exactly the new Parameters."""
+    import seqfuse.hf.fuse_layers as FL
+
+    layers = 6
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**_common(), "num_hidden_layers": layers}))
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    layer_bytes = sum(m.weight.numel() * m.weight.element_size()
+                      for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj))
+    del attn, mlp
+    start = _live_tensor_bytes()
+    growth = []
+    real = FL.fused_param
+
+    def watched(tensors, requires_grad):
+        out = real(tensors, requires_grad)
+        growth.append(_live_tensor_bytes() - start)
+        return out
+
+    monkeypatch.setattr(FL, "fused_param", watched)
+    report = accelerate(model)
+    assert len(report.fused) == layers and len(growth) == 2 * layers
+    # the same growth at the last layer as at the second (held to the end, it rose by a layer's weights
+    # each layer: 5 x layer_bytes more by the last here), within a few layers' worth of new tensors
+    assert growth[-1] <= growth[3] + layer_bytes // 4 and max(growth) <= 3 * layer_bytes, (growth, layer_bytes)
+    assert _live_tensor_bytes() - start <= layer_bytes // 10
+    assert sorted(report.new_parameters) == sorted(
+        n for n, _ in model.named_parameters() if n.endswith(("qkv.weight", "fc1_weight")))
 
 
 def _saved_bytes(fn):
