@@ -507,14 +507,13 @@ def _fuse_layers(model, recipe, report, slots, recompute_activation=False):
     by its fused layer; the others are reported and left to the module walk.
     Returns the names of the fused layers.
 
-    A replaced layer's modules and weights are freed as soon as the next
-    layer is fused, not when the walk ends: nothing here keeps a reference
-    to them (the walk looks each module up by name, the replaced layer's
-    slots are dropped, the parameters before are known by weak reference).
-    Holding them to the end kept every layer's unfused weights beside the
-    fused copies, one extra copy of the QKV and gate/up weights at the
-    conversion's peak (1.2 GiB at Llama 3.2 1B, where a prefill's whole
-    step needs 2.7)."""
+    A replaced layer's modules and weights are freed before the next layer
+    is fused: nothing here keeps a reference to them (the walk looks each
+    module up by name, the replaced layer's slots are dropped, the
+    parameters from before are known by weak reference), so the
+    conversion's peak is the model plus one layer's fused weights, not one
+    more copy of every layer's QKV and gate/up weights (1.2 GiB at Llama 3.2
+    1B, where a prefill's whole step needs 2.7)."""
     from . import fuse_encoder as FE
     from . import fuse_layers as FL
 
