@@ -28,10 +28,13 @@ Each row copies one base model (built once with a fixed seed, bf16 on the
 GPU), builds torch's fused AdamW over its parameters, runs ``--warmup`` steps
 (a compiled row compiles in the first) and times ``--steps`` training steps
 (forward with labels, backward, optimizer step) between two CUDA events:
-tokens/s = batch x seq x steps / time.  Peak memory is the most allocated
-during the warm-up and timed steps beyond what was allocated before the
-row's model copy was made (so: the row's weights, gradients, optimizer state
-and activations).  ``loss0`` is each row's first loss (same weights and
+tokens/s = batch x seq x steps / time.  Peak memory (``peak_gib``) is the
+most allocated from the row's model copy on -- the copy and its conversion
+(accelerate(), Liger's patch, compile wrappers), the warm-up and the timed
+steps -- beyond what was allocated before it (so: the row's weights,
+gradients, optimizer state and activations, and whatever the conversion
+holds at once); ``convert_peak_gib`` is that peak by the end of the
+conversion alone, before any step.  ``loss0`` is each row's first loss (same weights and
 batch: the rows must agree to bf16/FP8 rounding; a row that does not is a
 bug, not a speed-up).  ``--mode prefill`` times generation's prefill
 instead: a no-grad forward over the prompt with a key cache, logits of the
@@ -267,6 +270,9 @@ def main(argv=None):
         model = None
         try:
             model, note = prepare(row, base, family, tuple(ids.shape))
+            convert_peak = float("nan")
+            if device.type == "cuda":  # the row's model copy and its conversion, apart from the steps' peak
+                convert_peak = (torch.cuda.max_memory_allocated() - before) / 2**30
             loss0, ms, step = run(model, ids, args.warmup, args.steps, device)
             if args.profile:
                 from profile_summary import profile_row
@@ -284,7 +290,8 @@ def main(argv=None):
             del model
             continue
         peak = (torch.cuda.max_memory_allocated() - before) / 2**30 if device.type == "cuda" else float("nan")
-        res.add(row=row, tokens_per_s=tokens / (ms / 1e3), ms_per_step=ms, peak_gib=peak, loss0=loss0,
+        res.add(row=row, tokens_per_s=tokens / (ms / 1e3), ms_per_step=ms, peak_gib=peak,
+                convert_peak_gib=convert_peak, loss0=loss0,
                 wall_s=time.perf_counter() - t0, note=note)
         del model
     by = {r["row"]: r for r in res.rows if "tokens_per_s" in r}
