@@ -47,9 +47,11 @@ def weight_forward(pair, kind):
 
 
 def weight_dgrad(pair, kind):
+    """The input-gradient operand (W^T); its tensors None where the weight
+    was cast without it (a call that wants no gradient: WeightQuantizer.get)."""
     w = pair[1]
     if kind == "block":
-        return w.data, w.scale_inv, "block_128x128"
+        return (None, None, "block_128x128") if w is None else (w.data, w.scale_inv, "block_128x128")
     return w.data_t, w.scale_inv, None
 
 

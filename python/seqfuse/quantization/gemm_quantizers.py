@@ -363,17 +363,41 @@ class WeightQuantizer(_Role):
         self.key = self.param = self.pair = self.captured = None
         self.casts = 0
 
-    def get(self, weight, is_first_microbatch=None, sources=None):
+    def get(self, weight, is_first_microbatch=None, sources=None, transposed=True):
         """(forward operand, input-gradient operand): for per-tensor recipes
         one Float8Tensor with data [N, K] and data_t [K, N] (both); for block
         scaling two Float8BlockTensors in 128x128 blocks (W and W^T).
         ``sources``: the parameters ``weight`` was made from when it is not a
         parameter itself (TE's parameters_split concatenates its pieces on
-        every call): the cache follows their versions."""
+        every call): the cache follows their versions.
+
+        ``transposed`` False (the module's call wants no gradient: inference,
+        where no backward follows) makes the forward operand only --
+        per-tensor data_t None, block W^T None -- so an FP8 model held for
+        generation keeps one FP8 byte per weight element, not two; a later
+        call with ``transposed`` True makes the transposed copy from the
+        cached FP8 bytes (a byte transpose: the bits the cast would have
+        written) and keeps it.  Under CUDA graph capture both are made."""
+        grad = transposed or device_checks.capturing(weight)
         pair, note = self.lookup(weight, is_first_microbatch, sources)
         if pair is not None:
+            return self._with_transposed(pair) if grad else pair
+        return self.store(note, *self._cast_weight(weight.detach(), grad))
+
+    def _with_transposed(self, pair):
+        """``pair`` with its input-gradient operand, made now where a call
+        with autograd off cast the weight without it (and kept in the cache)."""
+        if self.owner.kind == "block":
+            if pair[1] is not None:
+                return pair
+            pair = (pair[0], block_weight_transposed(pair[0]))
+            if self.pair is not None and self.pair[0] is pair[0]:
+                self.pair = pair
             return pair
-        return self.store(note, *self._cast_weight(weight.detach()))
+        q = pair[1]
+        if q.data_t is None:
+            q.data_t = qops.transpose_fp8(q.data)
+        return pair
 
     def lookup(self, weight, is_first_microbatch=None, sources=None):
         """(the operand pair to use, None) where no cast is needed now (the
@@ -419,12 +443,14 @@ class WeightQuantizer(_Role):
             self.key, self.param = key, tuple(src)
         return pair
 
-    def _cast_weight(self, w):
-        """(the operand pair, the (amax, scale) scratch the cast used or None)."""
+    def _cast_weight(self, w, transposed=True):
+        """(the operand pair, the (amax, scale) scratch the cast used or None);
+        ``transposed`` False: the input-gradient operand left out (None, or
+        a Float8Tensor without data_t)."""
         o = self.owner
         if o.kind == "block":
             q = quantize_block(w, 128, self.fp8_dtype)
-            return (q, block_weight_transposed(q)), None
+            return (q, block_weight_transposed(q) if transposed else None), None
         # current scaling of the weight: its own amax (under delayed scaling
         # written into the state's weight slot), both copies in one call
         scratch = self._scratch(w)
@@ -436,7 +462,7 @@ class WeightQuantizer(_Role):
         k = w.shape[-1]
         scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
         data = torch.empty(*w.shape, dtype=fp8_dtype, device=dev)
-        data_t = torch.empty(k, w.numel() // k if k else 0, dtype=fp8_dtype, device=dev)
+        data_t = torch.empty(k, w.numel() // k if k else 0, dtype=fp8_dtype, device=dev) if transposed else None
         qops.cast_fp8_current_into(w.contiguous(), amax, scale, scale_inv, data, data_t, o.margin)
         q = Float8Tensor(data, scale_inv, fp8_dtype, data_t=data_t, dtype=w.dtype, shape=w.shape)
         return (q, q), scratch
