@@ -417,11 +417,10 @@ sf_status launch_with(const char *op, K kernel, const ActParams &p, int device, 
 template <typename T, int BASE, bool BACKWARD>
 sf_status launch_vec(const char *op, const ActParams &p, int device, cudaStream_t stream)
 {
-    /* whole vectors only: x blocks sized to the row's vectors exactly (an
-     * element-wise row's tail is block (0, 0)'s, after its vectors), so no
-     * block of a row holds a sliver of work: with one vector more, a gated
-     * row of 1,024 vectors (n 8,192 in bf16) took three blocks of 2 x 256
-     * where two suffice, and the first one did half the row */
+    /* whole vectors only (an element-wise row's tail is block (0, 0)'s,
+     * after its vectors): the x blocks cover the row's vectors exactly, so
+     * none holds a sliver of work (a gated row of 1,024 vectors, n 8,192 in
+     * bf16, takes two blocks of 2 x 256, not three) */
     constexpr int64_t V = 16 / (int64_t)sizeof(T);
     const int64_t vecs = (p.n + V - 1) / V;
     if (p.gated)

@@ -124,13 +124,13 @@ static void bandwidth(int64_t rows, int64_t cols)
         float f = time_ms([&] { CHECK_SF(sf_act_forward(a, &X, g ? &Yh : &Y, NULL, NULL, NULL, NULL)); });
         float b = time_ms([&] { CHECK_SF(sf_act_backward(a, g ? &DYh : &DY, &X, &DX, NULL, NULL, NULL, NULL)); });
         double fb = (g ? 1.5 : 2.0) * n * 2, bb = (g ? 2.5 : 3.0) * n * 2;
-        printf("%-9s bf16 %lldx%lld: forward %.3f ms %.2f TB/s (%.0f%% of copy), backward %.3f ms %.2f TB/s (%.0f%%)\n",
-               sf_activation_name(a), (long long)rows, (long long)cols, f, fb / f / 1e9, 100 * fb / f / 1e9 / copy_tbs, b, bb / b / 1e9,
-               100 * bb / b / 1e9 / copy_tbs);
+        printf("%-9s bf16 %lldx%lld: forward %.3f ms %.2f TB/s (%.0f%% of copy), backward %.3f ms %.2f TB/s "
+               "(%.0f%%)\n", sf_activation_name(a), (long long)rows, (long long)cols, f, fb / f / 1e9,
+               100 * fb / f / 1e9 / copy_tbs, b, bb / b / 1e9, 100 * bb / b / 1e9 / copy_tbs);
     }
     float d = time_ms([&] { CHECK_SF(sf_bias_dropout_add_forward(&X, &B, &R, 0.1f, 1, 0, &Y, NULL)); });
-    printf("bias_dropout_add bf16 %lldx%lld: %.3f ms %.2f TB/s (%.0f%% of copy)\n", (long long)rows, (long long)cols, d, 3.0 * n * 2 / d / 1e9,
-           100 * 3.0 * n * 2 / d / 1e9 / copy_tbs);
+    printf("bias_dropout_add bf16 %lldx%lld: %.3f ms %.2f TB/s (%.0f%% of copy)\n", (long long)rows, (long long)cols,
+           d, 3.0 * n * 2 / d / 1e9, 100 * 3.0 * n * 2 / d / 1e9 / copy_tbs);
     /* dropout backward with dbias: dy read, dx written (the float32 partials
      * of dbias are not counted) */
     int64_t wsn = 0;
@@ -143,8 +143,8 @@ static void bandwidth(int64_t rows, int64_t cols)
     sf_tensor_init(&WS, ws, SF_FLOAT32, 1, wshape, SF_CUDA, 0);
     sf_tensor_init(&DB, dbias, SF_BFLOAT16, 1, bs, SF_CUDA, 0);
     float db = time_ms([&] { CHECK_SF(sf_dropout_backward(&DY, 0.1f, 1, 0, &DX, &DB, &WS, NULL)); });
-    printf("dropout_backward+dbias bf16 %lldx%lld: %.3f ms %.2f TB/s (%.0f%% of copy)\n", (long long)rows, (long long)cols, db, 2.0 * n * 2 / db / 1e9,
-           100 * 2.0 * n * 2 / db / 1e9 / copy_tbs);
+    printf("dropout_backward+dbias bf16 %lldx%lld: %.3f ms %.2f TB/s (%.0f%% of copy)\n", (long long)rows,
+           (long long)cols, db, 2.0 * n * 2 / db / 1e9, 100 * 2.0 * n * 2 / db / 1e9 / copy_tbs);
     cudaFree(ws);
     cudaFree(dbias);
     void *all[] = {x, y, dy, dx, r, copy};

@@ -50,8 +50,10 @@ def weight_dgrad(pair, kind):
     """The input-gradient operand (W^T); its tensors None where the weight
     was cast without it (a call that wants no gradient: WeightQuantizer.get)."""
     w = pair[1]
+    if w is None:
+        return None, None, None
     if kind == "block":
-        return (None, None, "block_128x128") if w is None else (w.data, w.scale_inv, "block_128x128")
+        return w.data, w.scale_inv, "block_128x128"
     return w.data_t, w.scale_inv, None
 
 

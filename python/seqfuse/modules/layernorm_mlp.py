@@ -281,6 +281,7 @@ class LayerNormMLP(torch.nn.Module):
                           "(FC2 included) through seqfuse.quantization.checkpoint")
                 _logged_fp8_checkpoint = True
             from ..quantization import checkpoint as fp8_checkpoint
+            # ckpt False (the checkpoint is this call), recompute_act False, grad True (autograd is on here)
             return fp8_checkpoint(_LayerNormMLPFn.apply, *args, False, ret_ln, first_mb, False, True)
         return _LayerNormMLPFn.apply(*args, self.checkpoint, ret_ln, first_mb, self.recompute_activation,
                                      torch.is_grad_enabled())

@@ -372,32 +372,28 @@ class WeightQuantizer(_Role):
         every call): the cache follows their versions.
 
         ``transposed`` False (the module's call wants no gradient: inference,
-        where no backward follows) makes the forward operand only --
-        per-tensor data_t None, block W^T None -- so an FP8 model held for
-        generation keeps one FP8 byte per weight element, not two; a later
-        call with ``transposed`` True makes the transposed copy from the
-        cached FP8 bytes (a byte transpose: the bits the cast would have
-        written) and keeps it.  Under CUDA graph capture both are made."""
+        where no backward follows) makes the forward operand only, the pair's
+        second element None, so an FP8 model held for generation keeps one
+        FP8 byte per weight element, not two; a later call with
+        ``transposed`` True makes the input-gradient operand from the cached
+        FP8 bytes (a byte transpose: the bits the cast would have written)
+        and keeps it.  Under CUDA graph capture both are made."""
         grad = transposed or device_checks.capturing(weight)
         pair, note = self.lookup(weight, is_first_microbatch, sources)
-        if pair is not None:
-            return self._with_transposed(pair) if grad else pair
-        return self.store(note, *self._cast_weight(weight.detach(), grad))
-
-    def _with_transposed(self, pair):
-        """``pair`` with its input-gradient operand, made now where a call
-        with autograd off cast the weight without it (and kept in the cache)."""
-        if self.owner.kind == "block":
-            if pair[1] is not None:
-                return pair
-            pair = (pair[0], block_weight_transposed(pair[0]))
-            if self.pair is not None and self.pair[0] is pair[0]:
-                self.pair = pair
-            return pair
-        q = pair[1]
-        if q.data_t is None:
-            q.data_t = qops.transpose_fp8(q.data)
+        if pair is None:
+            return self.store(note, *self._cast_weight(weight.detach(), grad))
+        if grad and pair[1] is None:
+            pair = self.pair = (pair[0], self._transposed_operand(pair[0]))
         return pair
+
+    def _transposed_operand(self, q):
+        """The input-gradient operand from the forward operand ``q``'s FP8
+        bytes: block scaling's W^T in 128x128 blocks; per tensor, a
+        Float8Tensor over the same data and scale with the transposed copy."""
+        if self.owner.kind == "block":
+            return block_weight_transposed(q)
+        return Float8Tensor(q.data, q.scale_inv, q.fp8_dtype, data_t=qops.transpose_fp8(q.data), dtype=q.dtype,
+                            shape=q.shape)
 
     def lookup(self, weight, is_first_microbatch=None, sources=None):
         """(the operand pair to use, None) where no cast is needed now (the
@@ -445,8 +441,7 @@ class WeightQuantizer(_Role):
 
     def _cast_weight(self, w, transposed=True):
         """(the operand pair, the (amax, scale) scratch the cast used or None);
-        ``transposed`` False: the input-gradient operand left out (None, or
-        a Float8Tensor without data_t)."""
+        ``transposed`` False: the input-gradient operand left out (None)."""
         o = self.owner
         if o.kind == "block":
             q = quantize_block(w, 128, self.fp8_dtype)
@@ -465,7 +460,7 @@ class WeightQuantizer(_Role):
         data_t = torch.empty(k, w.numel() // k if k else 0, dtype=fp8_dtype, device=dev) if transposed else None
         qops.cast_fp8_current_into(w.contiguous(), amax, scale, scale_inv, data, data_t, o.margin)
         q = Float8Tensor(data, scale_inv, fp8_dtype, data_t=data_t, dtype=w.dtype, shape=w.shape)
-        return (q, q), scratch
+        return (q, q if transposed else None), scratch
 
 
 def weight_key(src, *head):
