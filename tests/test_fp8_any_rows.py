@@ -210,50 +210,59 @@ def test_weight_cast_once_per_step_with_accumulation(kind, n_weights, recipe, se
         assert weight_casts(m) == 4
 
 
-def _cached_pairs(m):
+def _weight_quantizers(m):
     from seqfuse.quantization.gemm_quantizers import WeightQuantizer
 
-    return [w.pair for q in m.modules() for w in getattr(getattr(q, "_fp8_quantizers", None) or (), "weights", ())
-            if isinstance(w, WeightQuantizer) and w.pair is not None]
+    return [w for q in m.modules() for w in getattr(getattr(q, "_fp8_quantizers", None) or (), "weights", ())
+            if isinstance(w, WeightQuantizer)]
+
+
+def _cached_pairs(m):
+    return [w.pair for w in _weight_quantizers(m) if w.pair is not None]
 
 
 @needs_fp8
 @pytest.mark.parametrize("device", _devices())
 @pytest.mark.parametrize("recipe", list(RECIPES))
 @pytest.mark.parametrize("kind,n_weights", [("Linear", 1), ("LayerNormLinear", 1), ("LayerNormMLP", 2)])
-def test_inference_casts_no_transposed_weight_then_training_completes_it(kind, n_weights, recipe, device, seed):
-    """Under torch.no_grad the weight cast makes the forward operand only
-    (one FP8 byte per weight element: no transposed copy, no block W^T); a
-    training step after it, weights unchanged, makes the transposed copy
-    from the cached bytes instead of casting again, and gives the very
-    output and gradients of a module whose first call had autograd on (the
-    same first forward, so the same scaling state after it, the weight cast
-    with its transposed copy)."""
+def test_one_fp8_copy_per_weight_transposed_in_the_backward(kind, n_weights, recipe, device, seed):
+    """The weight cast makes the forward operand only (one FP8 byte per
+    weight element: no transposed copy, no block W^T), in inference and in
+    training; the backward keeps the cached bytes themselves (not a copy)
+    and transposes them for its input gradient.  Output and gradients equal
+    those of the same module whose cached pair was given the transposed
+    operand at the cast (what CUDA graph capture makes), with one cast per
+    weight in both."""
     torch.manual_seed(seed)
     a = _module(kind, device)
     b = copy.deepcopy(a)
     x = torch.randn(40, 128, dtype=torch.bfloat16, device=device)
     make = RECIPES[recipe]
-    with torch.no_grad(), te.autocast(recipe=make()):
-        a(x)
-    with te.autocast(recipe=make()):
-        b(x)  # autograd on: the weights require grad, so the cast makes both copies
-    assert all(d is not None and (recipe == "block" or d.data_t is not None) for _, d in _cached_pairs(b))
-    pairs = _cached_pairs(a)
-    assert len(pairs) == n_weights and weight_casts(a) == n_weights
-    for forward_op, dgrad in pairs:
-        assert dgrad is None and (recipe == "block" or forward_op.data_t is None)
-    outs, grads = [], []
+    for m in (a, b):
+        with torch.no_grad(), te.autocast(recipe=make()):
+            m(x)
+        pairs = _cached_pairs(m)
+        assert len(pairs) == n_weights and weight_casts(m) == n_weights
+        for forward_op, dgrad in pairs:
+            assert dgrad is None and (recipe == "block" or forward_op.data_t is None)
+    for w in _weight_quantizers(b):  # the reference: W^T made at the cast and cached beside W
+        w.get(w.param[0], transposed=True)
+    assert all(d is not None for _, d in _cached_pairs(b))
+    outs, grads, kept = [], [], []
     for m in (a, b):
         xi = x.clone().requires_grad_()
-        with te.autocast(recipe=make()):
-            y = m(xi)
+        ptrs = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: ptrs.append(t.data_ptr()) or t, lambda t: t):
+            with te.autocast(recipe=make()):
+                y = m(xi)
+        kept.append(ptrs)
         y.float().square().mean().backward()
         outs.append(y.detach())
         grads.append([xi.grad] + [p.grad for p in m.parameters() if p.grad is not None])
-    assert weight_casts(a) == n_weights  # the training step reused the no-grad cast
-    for _, dgrad in _cached_pairs(a):
-        assert dgrad is not None and (recipe == "block" or dgrad.data_t is not None)
+        assert weight_casts(m) == n_weights  # the training step reused the no-grad cast
+    for forward_op, dgrad in _cached_pairs(a):
+        assert dgrad is None and (recipe == "block" or forward_op.data_t is None)
+        assert forward_op.data.data_ptr() in kept[0]
     assert torch.equal(outs[0], outs[1])
     for ga, gb in zip(*grads):
         assert torch.equal(ga, gb)

@@ -4,7 +4,7 @@ A module's FP8 forward and backward are, per GEMM, the same three products
 over operands made by its GemmQuantizers (seqfuse.quantization):
 
     forward  y  = x  W^T    x row-wise,  W row-wise          (fast accumulation)
-    dgrad    dx = dy W      dy row-wise, W^T (the weight's transposed copy)
+    dgrad    dx = dy W      dy row-wise, W^T (the weight's bytes transposed)
     wgrad    dW = dy^T x    dy's and x's transposed (column-wise) copies
 
 Each operand is a triple (data, scale_inv, scaling) where scaling names
@@ -47,14 +47,34 @@ def weight_forward(pair, kind):
 
 
 def weight_dgrad(pair, kind):
-    """The input-gradient operand (W^T); its tensors None where the weight
-    was cast without it (a call that wants no gradient: WeightQuantizer.get)."""
+    """The input-gradient operand (W^T) of a pair cast with it."""
     w = pair[1]
-    if w is None:
-        return None, None, None
     if kind == "block":
         return w.data, w.scale_inv, "block_128x128"
     return w.data_t, w.scale_inv, None
+
+
+def weight_kept(pair, kind):
+    """(data, scale_inv, transpose): what a backward keeps of the weight for
+    its input gradient.  The modules cast their weights without the
+    transposed copy (WeightQuantizer.get, transposed=False), so this is the
+    forward operand's bytes (transpose True), which the weight's cache holds
+    anyway, and the backward makes W^T from them for its input-gradient GEMM
+    alone (weight_dgrad_kept): from the forward to the backward each weight
+    has one FP8 copy, not two, for a byte transpose per weight and backward.
+    Where the cast made W^T (under CUDA graph capture, a weight FSDP2
+    gathered in FP8) it is kept as is (transpose False)."""
+    if pair[1] is not None:
+        data, scale_inv, _ = weight_dgrad(pair, kind)
+        return data, scale_inv, False
+    return pair[0].data, pair[0].scale_inv, True
+
+
+def weight_dgrad_kept(data, scale_inv, kind, transpose):
+    """The input-gradient operand from weight_kept's tensors."""
+    if transpose:
+        data, scale_inv = gq.transposed_weight_parts(data, scale_inv, kind)
+    return restore(data, scale_inv, kind, weight=True)
 
 
 def saved(operand):

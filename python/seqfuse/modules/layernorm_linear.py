@@ -54,7 +54,7 @@ from ._split import fused_params, install_split, parse_split, reset_split, weigh
 
 class _LayerNormLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, ln_w, ln_b, weight, bias, eps, rms, zc, ret_ln, q, sources, first_mb=None, grad=True):
+    def forward(ctx, x, ln_w, ln_b, weight, bias, eps, rms, zc, ret_ln, q, sources, first_mb=None):
         in_features = x.shape[-1]
         x2 = x.reshape(-1, in_features)
         lnw, lnb = norm_param(ln_w, x2), norm_param(ln_b, x2)
@@ -67,11 +67,11 @@ class _LayerNormLinearFn(torch.autograd.Function):
             else:
                 ln_out = None
                 lnq, mean, rstd = fp8_norm(q, x2, lnw, lnb, eps, rms, zc, need_w)
-            # grad: autograd on at the call (off inside forward); else no backward, no transposed weight copy
-            pair = q.weights[0].get(weight, first_mb, sources=sources, transposed=grad and any(ctx.needs_input_grad))
+            pair = q.weights[0].get(weight, first_mb, sources=sources, transposed=False)
             out = F8.forward(lnq, pair, kind, x.dtype, as_dtype(bias, x.dtype), rows)
             ln_col = F8.saved(F8.columnwise(lnq, kind)) if need_w else (None, None)
-            ctx.save_for_backward(x2, lnw, mean, rstd, *ln_col, *F8.saved(F8.weight_dgrad(pair, kind)))
+            w_data, w_si, ctx.w_transpose = F8.weight_kept(pair, kind)
+            ctx.save_for_backward(x2, lnw, mean, rstd, *ln_col, w_data, w_si)
             ctx.q, ctx.kind = q, kind
         else:
             ln_out, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc)
@@ -99,7 +99,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
             g, dbias = ctx.q.grads[0].quantize_grad(dout2, b_dtype if has_bias else None,
                                                    need_wgrad=need_dw)
             dln, dweight = F8.backward(g, F8.restore(ln_t, ln_si, kind),
-                                       F8.restore(w_t, w_si, kind, weight=True), kind, x2.dtype,
+                                       F8.weight_dgrad_kept(w_t, w_si, kind, ctx.w_transpose), kind, x2.dtype,
                                        x2.shape[0], True, need_dw, w_dtype,
                                        main_grad_for(ctx.weight, need_dw))
         else:
@@ -116,7 +116,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
             dln = dln + dln_extra.reshape(dln.shape)
         dx, dg, db = norm_backward(dln, x2, mean, rstd, lnw, rms, zc, has_ln_bias)
         return (dx.view(x_shape), as_dtype(dg, lnw_dtype), as_dtype(db, lnw_dtype), dweight, dbias,
-                None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
 class LayerNormLinear(torch.nn.Module):
@@ -168,8 +168,7 @@ class LayerNormLinear(torch.nn.Module):
                                        None if self.return_bias else bias, self.eps,
                                        self.normalization == "RMSNorm", self.zero_centered_gamma,
                                        self.return_layernorm_output, q,
-                                       weight_sources(self) if q is not None else None, is_first_microbatch,
-                                       torch.is_grad_enabled())
+                                       weight_sources(self) if q is not None else None, is_first_microbatch)
         if not self.return_bias:
             return out
         if self.return_layernorm_output:  # TE's order: output, bias, norm output

@@ -84,7 +84,7 @@ ACTIVATIONS = ("gelu", "gelu_erf", "relu", "silu", "swiglu", "geglu", "reglu", "
 class _LayerNormMLPFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ln_w, ln_b, w1, b1, w2, b2, eps, rms, zc, activation, q, ckpt=False, ret_ln=False,
-                first_mb=None, recompute_act=False, grad=True):
+                first_mb=None, recompute_act=False):
         hidden = x.shape[-1]
         x2 = x.reshape(-1, hidden)
         lnw, lnb = norm_param(ln_w, x2), norm_param(ln_b, x2)
@@ -94,17 +94,17 @@ class _LayerNormMLPFn(torch.autograd.Function):
             kind, rows = q.kind, x2.shape[0]
             need_w1, need_w2 = ctx.needs_input_grad[3], ctx.needs_input_grad[5]
             lnq, mean, rstd = fp8_norm(q, x2, lnw, lnb, eps, rms, zc, need_w1)
-            # grad: autograd on at the call (off inside forward); else no backward, no transposed weight copies
-            grad = grad and any(ctx.needs_input_grad)
-            p1 = q.weights[0].get(w1, first_mb, transposed=grad)
+            p1 = q.weights[0].get(w1, first_mb, transposed=False)
             h = F8.forward(lnq, p1, kind, dt, as_dtype(b1, dt), rows)
             aq = _fp8_act(q, h, activation, need_w2)
-            p2 = q.weights[1].get(w2, first_mb, transposed=grad)
+            p2 = q.weights[1].get(w2, first_mb, transposed=False)
             out = F8.forward(aq, p2, kind, dt, as_dtype(b2, dt), rows)
             ln_col = F8.saved(F8.columnwise(lnq, kind)) if need_w1 else (None, None)
             a_col = F8.saved(F8.columnwise(aq, kind)) if need_w2 else (None, None)
+            w1_kept, w2_kept = F8.weight_kept(p1, kind), F8.weight_kept(p2, kind)
             ctx.save_for_backward(x2, lnw, mean, rstd, h, *ln_col, *a_col,
-                                  *F8.saved(F8.weight_dgrad(p1, kind)), *F8.saved(F8.weight_dgrad(p2, kind)))
+                                  *w1_kept[:2], *w2_kept[:2])
+            ctx.w_transpose = (w1_kept[2], w2_kept[2])
             ctx.q, ctx.kind = q, kind
             ln = None
         else:
@@ -141,11 +141,11 @@ class _LayerNormMLPFn(torch.autograd.Function):
             mg1, mg2 = main_grad_for(ctx.w1, need_w1), main_grad_for(ctx.w2, need_w2)
             # the bias gradients come out of the gradients' cast passes where the kernels take them
             g2, db2 = q.grads[1].quantize_grad(dout2, b2_dt, need_wgrad=need_w2)
-            da, dw2 = F8.backward(g2, F8.restore(a_t, a_si, kind), F8.restore(w2_t, w2_si, kind, True),
+            da, dw2 = F8.backward(g2, F8.restore(a_t, a_si, kind), F8.weight_dgrad_kept(w2_t, w2_si, kind, ctx.w_transpose[1]),
                                   kind, dt, rows, True, need_w2, w2_dt, mg2)
             dh = A.act_backward(da, h, activation)
             g1, db1 = q.grads[0].quantize_grad(dh, b1_dt, need_wgrad=need_w1)
-            dln, dw1 = F8.backward(g1, F8.restore(ln_t, ln_si, kind), F8.restore(w1_t, w1_si, kind, True),
+            dln, dw1 = F8.backward(g1, F8.restore(ln_t, ln_si, kind), F8.weight_dgrad_kept(w1_t, w1_si, kind, ctx.w_transpose[0]),
                                    kind, dt, rows, True, need_w1, w1_dt, mg1)
         else:
             mg1 = main_grad_for(ctx.w1, ctx.needs_input_grad[3])
@@ -177,7 +177,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
         dx, dg, db = norm_backward(dln, x2, mean, rstd, lnw, rms, zc, has_ln_bias)
         return (dx.view(x_shape), as_dtype(dg, lnw_dt), as_dtype(db, lnw_dt), as_dtype(dw1, w1_dt),
                 as_dtype(db1, b1_dt), as_dtype(dw2, w2_dt), as_dtype(db2, b2_dt),
-                None, None, None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None)
 
 
 def _fc1_act(x2, lnw, lnb, eps, rms, zc, w1c, b1c, activation):
@@ -281,10 +281,8 @@ class LayerNormMLP(torch.nn.Module):
                           "(FC2 included) through seqfuse.quantization.checkpoint")
                 _logged_fp8_checkpoint = True
             from ..quantization import checkpoint as fp8_checkpoint
-            # ckpt False (the checkpoint is this call), recompute_act False, grad True (autograd is on here)
-            return fp8_checkpoint(_LayerNormMLPFn.apply, *args, False, ret_ln, first_mb, False, True)
-        return _LayerNormMLPFn.apply(*args, self.checkpoint, ret_ln, first_mb, self.recompute_activation,
-                                     torch.is_grad_enabled())
+            return fp8_checkpoint(_LayerNormMLPFn.apply, *args, False, ret_ln, first_mb)
+        return _LayerNormMLPFn.apply(*args, self.checkpoint, ret_ln, first_mb, self.recompute_activation)
 
     fp8_num_gemms = 2
 

@@ -201,7 +201,7 @@ class Linear(torch.nn.Module):
         if recipe is not None:
             q = _gq.quantizers_for(self, recipe, x.device)
             y = Fp8LinearFunction.apply(x, weight, use_bias, q, dtype,
-                                        (is_first_microbatch, weight_sources(self), torch.is_grad_enabled()))
+                                        (is_first_microbatch, weight_sources(self)))
         else:
             y = LinearFunction.apply(x, weight, use_bias, dtype)
         if inp.dim() != 2:  # a 2-D input gets the Function's output itself, not a view of it
@@ -227,22 +227,19 @@ class Fp8LinearFunction(torch.autograd.Function):
     seqfuse.modules._fp8).
 
     forward(x [tokens, in], weight, bias, quantizers, dtype,
-    (is_first_microbatch, weight sources, grad)): dtype is the output
-    (activation) dtype; the first two are WeightQuantizer.get's arguments,
-    ``grad`` whether autograd was on at the call (inside forward it is
-    always off): without it no backward follows and the weight's
-    transposed FP8 copy is not made."""
+    (is_first_microbatch, weight sources)): dtype is the output
+    (activation) dtype; the pair is WeightQuantizer.get's arguments."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, q, dtype, weight_args):
         need_w = ctx.needs_input_grad[1]  # False under no_grad: no transposed input copy
         kind = q.kind
-        first_mb, sources, grad = weight_args
-        pair = q.weights[0].get(weight, first_mb, sources, transposed=grad and any(ctx.needs_input_grad))
+        pair = q.weights[0].get(weight, *weight_args, transposed=False)
         xq = q.inputs[0].quantize(x.detach(), transpose=need_w)
         y = F8.forward(xq, pair, kind, dtype, bias, x.shape[0])
         x_col = F8.saved(F8.columnwise(xq, kind)) if need_w else (None, None)
-        ctx.save_for_backward(*x_col, *F8.saved(F8.weight_dgrad(pair, kind)))
+        w_data, w_si, ctx.w_transpose = F8.weight_kept(pair, kind)
+        ctx.save_for_backward(*x_col, w_data, w_si)
         ctx.q, ctx.kind, ctx.dtype, ctx.rows = q, kind, dtype, x.shape[0]
         ctx.weight = weight
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -261,7 +258,8 @@ class Fp8LinearFunction(torch.autograd.Function):
         if need_dx or need_dw:
             g, db = ctx.q.grads[0].quantize_grad(dy, ctx.bias_dtype if need_db else None,
                                                  need_dgrad=need_dx, need_wgrad=need_dw)
-            dx, dw = F8.backward(g, F8.restore(x_t, x_si, kind), F8.restore(w_t, w_si, kind, weight=True),
+            w_dg = F8.weight_dgrad_kept(w_t, w_si, kind, ctx.w_transpose) if need_dx else None
+            dx, dw = F8.backward(g, F8.restore(x_t, x_si, kind), w_dg,
                                  kind, ctx.dtype, ctx.rows, need_dx, need_dw, weight.dtype, main_grad)
         elif need_db:
             db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)

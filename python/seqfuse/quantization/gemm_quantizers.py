@@ -371,13 +371,15 @@ class WeightQuantizer(_Role):
         parameter itself (TE's parameters_split concatenates its pieces on
         every call): the cache follows their versions.
 
-        ``transposed`` False (the module's call wants no gradient: inference,
-        where no backward follows) makes the forward operand only, the pair's
-        second element None, so an FP8 model held for generation keeps one
-        FP8 byte per weight element, not two; a later call with
-        ``transposed`` True makes the input-gradient operand from the cached
-        FP8 bytes (a byte transpose: the bits the cast would have written)
-        and keeps it.  Under CUDA graph capture both are made."""
+        ``transposed`` False makes the forward operand only, the pair's
+        second element None: Linear, LayerNormLinear and LayerNormMLP, whose
+        backward makes W^T from the cached FP8 bytes for its input-gradient
+        GEMM alone (modules._fp8.weight_kept), so a weight has one cached FP8
+        copy in training and in inference, not two.  A call with
+        ``transposed`` True (GroupedLinear) on a pair cached without it makes
+        the input-gradient operand from the cached bytes (a byte transpose:
+        the bits the cast would have written) and keeps it.  Under CUDA
+        graph capture both are made."""
         grad = transposed or device_checks.capturing(weight)
         pair, note = self.lookup(weight, is_first_microbatch, sources)
         if pair is None:
@@ -506,13 +508,28 @@ def block_weight_transposed(q):
     so the bytes are W's transposed and the scales W's scale matrix
     transposed (re-padded to 4 blocks per row) -- bit for bit what quantizing
     W.t() gives, for a byte transpose instead of a 16-bit transpose and a
-    second quantization.  Made once per weight update."""
-    out_f, in_f = q.data.shape
-    data_t = qops.transpose_fp8(q.data)
-    rb, cb = out_f // 128, in_f // 128
-    si_t = q.scale_inv.new_zeros(cb, (rb + 3) // 4 * 4)
-    si_t[:, :rb] = q.scale_inv[:rb, :cb].t()
+    second quantization."""
+    data_t, si_t = block_transposed_parts(q.data, q.scale_inv)
     return Float8BlockTensor(data_t, si_t, 128, dtype=q.dtype)
+
+
+def transposed_weight_parts(data, scale_inv, kind):
+    """(W^T's bytes, its scale inverse(s)) from the forward operand's: the
+    bits the weight's cast writes into its transposed copy, by a byte
+    transpose (block scaling: with the scale matrix transposed)."""
+    if kind == "block":
+        return block_transposed_parts(data, scale_inv)
+    return qops.transpose_fp8(data), scale_inv
+
+
+def block_transposed_parts(data, scale_inv):
+    """(W^T's bytes, W^T's 128x128 scale inverses) from W's (block_weight_transposed's work)."""
+    out_f, in_f = data.shape
+    data_t = qops.transpose_fp8(data)
+    rb, cb = out_f // 128, in_f // 128
+    si_t = scale_inv.new_zeros(cb, (rb + 3) // 4 * 4)
+    si_t[:, :rb] = scale_inv[:rb, :cb].t()
+    return data_t, si_t
 
 
 # ---- one module's set -------------------------------------------------------------
