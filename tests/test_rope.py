@@ -7,7 +7,7 @@ import torch
 
 import seqfuse
 import seqfuse.pytorch
-from seqfuse.modules.rope import RotaryPositionEmbedding, apply_rotary_pos_emb
+from seqfuse.modules.rope import RotaryPositionEmbedding, apply_rotary_pos_emb, split_qkv_rope
 from seqfuse.ops import rope_backward, rope_forward
 
 from helpers import REL_TOL, assert_close_rel, poisoned_like
@@ -155,6 +155,46 @@ def test_apply_rotary_pos_emb_autograd(seed):
     assert_close_rel(y, ref(t, freqs, "sbhd", False), torch.float32)
     assert_close_rel(t.grad, ref_grad(t, freqs, "sbhd", False, dy), torch.float32)
     assert seqfuse.pytorch.apply_rotary_pos_emb is apply_rotary_pos_emb
+
+
+def _split_qkv_rope_case(device, dtype, heads, kv_heads, d, rot, used):
+    """split_qkv_rope against torch.split + apply_rotary_pos_emb on q and k:
+    the same values and the same mixed gradient (bit for bit: the same
+    kernels, only fewer launches), with the outputs in ``used`` taking part
+    in the loss (the others get no gradient)."""
+    b, s = 2, 24
+    mixed = torch.randn(b, s, (heads + 2 * kv_heads) * d, dtype=dtype, device=device, requires_grad=True)
+    freqs = make_freqs(s, rot, device=device)
+    ref_in = mixed.detach().clone().requires_grad_()
+    q, k, v = torch.split(ref_in, [heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    want = (apply_rotary_pos_emb(q.reshape(b, s, heads, d), freqs, "bshd"),
+            apply_rotary_pos_emb(k.reshape(b, s, kv_heads, d), freqs, "bshd"), v.reshape(b, s, kv_heads, d))
+    got = split_qkv_rope(mixed, freqs, heads, kv_heads, d)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and torch.equal(g, w)
+    weights = [torch.randn_like(w) for w in want]
+    sum((w * c).float().sum() for i, (w, c) in enumerate(zip(want, weights)) if i in used).backward()
+    sum((g * c).float().sum() for i, (g, c) in enumerate(zip(got, weights)) if i in used).backward()
+    assert torch.equal(mixed.grad, ref_in.grad)
+
+
+@pytest.mark.parametrize("used", [(0, 1, 2), (0,), (1, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_qkv_rope_equals_split_and_rope(used, dtype, seed):
+    _split_qkv_rope_case("cpu", dtype, 4, 2, 16, 16, used)
+    _split_qkv_rope_case("cpu", dtype, 3, 3, 8, 4, used)  # no grouping; a partial rotary width
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_split_qkv_rope_cuda(dtype, seed):
+    _split_qkv_rope_case("cuda", dtype, 32, 8, 64, 64, (0, 1, 2))
+    _split_qkv_rope_case("cuda", dtype, 12, 2, 128, 64, (0, 2))
+
+
+def test_split_qkv_rope_refuses_a_mismatched_width():
+    with pytest.raises(ValueError, match=r"split_qkv_rope: argument 'mixed' must be .*\[b, s, 64\]"):
+        split_qkv_rope(torch.zeros(1, 4, 60), make_freqs(4, 8), 2, 1, 16)
 
 
 def test_rotary_position_embedding_table():

@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..modules.rope import apply_rotary_pos_emb
+from ..modules.rope import apply_rotary_pos_emb, split_qkv_rope
 from ..ops.attn import PerTensorCache
 from ..ops import device_checks
 from ..pytorch import LayerNormLinear, LayerNormMLP, Linear, RMSNorm
@@ -500,16 +500,21 @@ class SeqfuseDecoderLayer(FusedLayer):
         return [half, half]
 
     # -- forward -----------------------------------------------------------
+    def _angles(self, x, position_ids, b, s):
+        """The fused RoPE's angles [1 or b, s, rot] for ``position_ids``."""
+        rotary = self._rotary[0]
+        # every layer gets the same position_ids tensor: the angles are made once per forward
+        # (not cached under capture: a replay brings new positions)
+        ang = (_angles if device_checks.capturing(x) else _angles_cached)((position_ids, rotary.inv_freq))
+        if ang.shape[0] not in (1, b) or ang.shape[1] != s:
+            raise ValueError(f"seqfuse fused layer: position_ids {tuple(position_ids.shape)} must be [1, {s}] "
+                             f"or [{b}, {s}]")
+        return ang
+
     def _rope(self, q, k, position_ids, position_embeddings):
         if self.rope_fused and position_ids is not None:
-            rotary = self._rotary[0]
             b, s = q.shape[:2]
-            # every layer gets the same position_ids tensor: the angles are made once per forward
-            # (not cached under capture: a replay brings new positions)
-            ang = (_angles if device_checks.capturing(q) else _angles_cached)((position_ids, rotary.inv_freq))
-            if ang.shape[0] not in (1, b) or ang.shape[1] != s:
-                raise ValueError(f"seqfuse fused layer: position_ids {tuple(position_ids.shape)} must be [1, {s}] "
-                                 f"or [{b}, {s}]")
+            ang = self._angles(q, position_ids, b, s)
             if ang.shape[0] == 1:  # one row of positions for the whole batch (training, no padding)
                 freqs = ang[0][:, None, None, :]
                 return (apply_rotary_pos_emb(q, freqs, "bshd"), apply_rotary_pos_emb(k, freqs, "bshd"))
@@ -573,11 +578,20 @@ class SeqfuseDecoderLayer(FusedLayer):
         b, s, _ = hidden_states.shape
         d = self.head_dim
         mixed = self.qkv(hidden_states)
-        q, k, v = torch.split(mixed, self._split_sizes, dim=-1)
-        q, k, v = q.view(b, s, -1, d), k.view(b, s, -1, d), v.view(b, s, -1, d)
-        if "q_norm" in self._modules:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self._rope(q, k, position_ids, position_embeddings)
+        ang = None
+        if self.rope_fused and position_ids is not None and "q_norm" not in self._modules:
+            ang = self._angles(mixed, position_ids, b, s)
+        if ang is not None and ang.shape[0] == 1:
+            # one row of positions for the batch (training, a prompt): q and k turned in one launch,
+            # their gradients written into mixed's
+            q, k, v = split_qkv_rope(mixed, ang[0][:, None, None, :], self._split_sizes[0] // d,
+                                     self._split_sizes[1] // d, d)
+        else:
+            q, k, v = torch.split(mixed, self._split_sizes, dim=-1)
+            q, k, v = q.view(b, s, -1, d), k.view(b, s, -1, d), v.view(b, s, -1, d)
+            if "q_norm" in self._modules:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self._rope(q, k, position_ids, position_embeddings)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # transformers' [b, heads, s, d]
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)

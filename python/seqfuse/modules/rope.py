@@ -70,6 +70,61 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, tensor_format: st
 _thd_cp_rows = PerTensorCache(lambda ts, cp_size, cp_rank: freqs_for_cp_rank(ts[0], cp_size, cp_rank, ts[1]))
 
 
+class _SplitQkvRoPE(torch.autograd.Function):
+    """split_qkv_rope's autograd: q and k turned in one launch, the three
+    gradients written into one [b, s, width] tensor."""
+
+    @staticmethod
+    def forward(ctx, mixed, freqs, heads, kv_heads, head_dim):
+        b, s, width = mixed.shape
+        qk_width = (heads + kv_heads) * head_dim
+        if freqs.dtype != torch.float32:
+            freqs = freqs.float()
+        # q and k are neighbours in each token's row: one strided view, one launch
+        qk = _rope.rope_forward(mixed[..., :qk_width].view(b, s, heads + kv_heads, head_dim), freqs, "bshd")
+        ctx.save_for_backward(freqs)
+        ctx.dims = (b, s, heads, kv_heads, head_dim)
+        v = mixed[..., qk_width:].view(b, s, kv_heads, head_dim)
+        return qk[:, :, :heads], qk[:, :, heads:], v
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        (freqs,) = ctx.saved_tensors
+        b, s, heads, kv_heads, head_dim = ctx.dims
+        parts = ((dq, heads), (dk, kv_heads), (dv, kv_heads))
+        like = next(g for g, _ in parts if g is not None)
+        dmixed = torch.empty(b, s, (heads + 2 * kv_heads) * head_dim, dtype=like.dtype, device=like.device)
+        col = 0
+        for i, (g, n) in enumerate(parts):
+            dst = dmixed[..., col:col + n * head_dim].view(b, s, n, head_dim)
+            col += n * head_dim
+            if g is None:
+                dst.zero_()
+            elif i < 2:  # the rotation's transpose, written where mixed's q / k columns are
+                _rope.rope_backward(g, freqs, "bshd", out=dst)
+            else:
+                dst.copy_(g)
+        return dmixed, None, None, None, None
+
+
+def split_qkv_rope(mixed: torch.Tensor, freqs: torch.Tensor, heads: int, kv_heads: int,
+                   head_dim: int):
+    """(q, k, v) of a fused QKV projection's output ``mixed`` [b, s,
+    (heads + 2 kv_heads) head_dim] (q's heads, then k's, then v's, as
+    accelerate()'s fused layers and transformers' q/k/v concatenation lay
+    them out), q and k turned by ``freqs`` ([s, 1, 1, rot_dim] float32, bshd
+    positions 0..s-1 as apply_rotary_pos_emb takes them).  What
+    torch.split + apply_rotary_pos_emb on q and on k compute, in one RoPE
+    launch forward (q and k are neighbours in each token's row) and with the
+    gradients written straight into mixed's gradient (no concatenation).
+    q and k are views of one [b, s, heads + kv_heads, head_dim] tensor, v a
+    view of ``mixed``."""
+    if mixed.dim() != 3 or mixed.shape[-1] != (heads + 2 * kv_heads) * head_dim:
+        raise ValueError(f"split_qkv_rope: argument 'mixed' must be [b, s, (heads + 2 * kv_heads) * head_dim] = "
+                         f"[b, s, {(heads + 2 * kv_heads) * head_dim}], got {tuple(mixed.shape)}")
+    return _SplitQkvRoPE.apply(mixed, freqs, heads, kv_heads, head_dim)
+
+
 class RotaryPositionEmbedding(torch.nn.Module):
     """The angle table of rotary position embeddings (https://arxiv.org/abs/2104.09864),
     as Transformer Engine's module of the same name makes it.
