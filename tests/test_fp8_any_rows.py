@@ -225,14 +225,18 @@ def _cached_pairs(m):
 @pytest.mark.parametrize("device", _devices())
 @pytest.mark.parametrize("recipe", list(RECIPES))
 @pytest.mark.parametrize("kind,n_weights", [("Linear", 1), ("LayerNormLinear", 1), ("LayerNormMLP", 2)])
-def test_one_fp8_copy_per_weight_transposed_in_the_backward(kind, n_weights, recipe, device, seed):
-    """The weight cast makes the forward operand only (one FP8 byte per
-    weight element: no transposed copy, no block W^T), in inference and in
-    training; the backward keeps the cached bytes themselves (not a copy)
-    and transposes them for its input gradient.  Output and gradients equal
-    those of the same module whose cached pair was given the transposed
-    operand at the cast (what CUDA graph capture makes), with one cast per
-    weight in both."""
+@pytest.mark.parametrize("cache", [True, False])
+def test_weight_transpose_made_once_or_in_each_backward(cache, kind, n_weights, recipe, device, seed):
+    """A call under torch.no_grad casts the weight without its transposed
+    copy (one FP8 byte per weight element: no data_t, no block W^T).  A
+    training step after it, weights unchanged, does not cast again: by
+    default (``cache``) it makes W^T from the cached bytes and keeps it;
+    after set_weight_transpose_cache(False) it keeps none, and the backward
+    holds the cached bytes themselves (not a copy) and transposes them.
+    Either way output and gradients equal those of the same module whose
+    cached pair was given W^T at the cast."""
+    from seqfuse.quantization import set_weight_transpose_cache
+
     torch.manual_seed(seed)
     a = _module(kind, device)
     b = copy.deepcopy(a)
@@ -245,27 +249,44 @@ def test_one_fp8_copy_per_weight_transposed_in_the_backward(kind, n_weights, rec
         assert len(pairs) == n_weights and weight_casts(m) == n_weights
         for forward_op, dgrad in pairs:
             assert dgrad is None and (recipe == "block" or forward_op.data_t is None)
-    for w in _weight_quantizers(b):  # the reference: W^T made at the cast and cached beside W
+    for w in _weight_quantizers(b):  # the reference: W^T made from the cast's bytes and cached beside W
         w.get(w.param[0], transposed=True)
     assert all(d is not None for _, d in _cached_pairs(b))
     outs, grads, kept = [], [], []
-    for m in (a, b):
-        xi = x.clone().requires_grad_()
-        ptrs = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: ptrs.append(t.data_ptr()) or t, lambda t: t):
-            with te.autocast(recipe=make()):
-                y = m(xi)
-        kept.append(ptrs)
-        y.float().square().mean().backward()
-        outs.append(y.detach())
-        grads.append([xi.grad] + [p.grad for p in m.parameters() if p.grad is not None])
-        assert weight_casts(m) == n_weights  # the training step reused the no-grad cast
+    previous = set_weight_transpose_cache(cache)
+    try:
+        for m in (a, b):
+            xi = x.clone().requires_grad_()
+            ptrs = []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: ptrs.append(t.data_ptr()) or t, lambda t: t):
+                with te.autocast(recipe=make()):
+                    y = m(xi)
+            kept.append(ptrs)
+            y.float().square().mean().backward()
+            outs.append(y.detach())
+            grads.append([xi.grad] + [p.grad for p in m.parameters() if p.grad is not None])
+            assert weight_casts(m) == n_weights  # the training step reused the no-grad cast
+    finally:
+        set_weight_transpose_cache(previous)
     for forward_op, dgrad in _cached_pairs(a):
-        assert dgrad is None and (recipe == "block" or forward_op.data_t is None)
-        assert forward_op.data.data_ptr() in kept[0]
+        if cache:
+            assert dgrad is not None and (recipe == "block" or dgrad.data_t is not None)
+        else:
+            assert dgrad is None and (recipe == "block" or forward_op.data_t is None)
+            assert forward_op.data.data_ptr() in kept[0]
     assert torch.equal(outs[0], outs[1])
     for ga, gb in zip(*grads):
         assert torch.equal(ga, gb)
+
+
+def test_set_weight_transpose_cache_takes_a_bool():
+    from seqfuse.quantization import set_weight_transpose_cache, weight_transpose_cache
+
+    with pytest.raises(TypeError, match="set_weight_transpose_cache: argument 'enabled' must be a bool, got int"):
+        set_weight_transpose_cache(0)
+    assert weight_transpose_cache() is True
+    assert set_weight_transpose_cache(False) is True and weight_transpose_cache() is False
+    assert set_weight_transpose_cache(True) is False and weight_transpose_cache() is True
 
 
 @needs_fp8

@@ -56,14 +56,11 @@ def weight_dgrad(pair, kind):
 
 def weight_kept(pair, kind):
     """(data, scale_inv, transpose): what a backward keeps of the weight for
-    its input gradient.  The modules cast their weights without the
-    transposed copy (WeightQuantizer.get, transposed=False), so this is the
-    forward operand's bytes (transpose True), which the weight's cache holds
-    anyway, and the backward makes W^T from them for its input-gradient GEMM
-    alone (weight_dgrad_kept): from the forward to the backward each weight
-    has one FP8 copy, not two, for a byte transpose per weight and backward.
-    Where the cast made W^T (under CUDA graph capture, a weight FSDP2
-    gathered in FP8) it is kept as is (transpose False)."""
+    its input gradient.  The input-gradient operand where the cast made it
+    (transpose False: the default, gemm_quantizers'
+    set_weight_transpose_cache); else the forward operand's bytes, which
+    the weight's cache holds anyway (transpose True), and the backward makes
+    W^T from them for its input-gradient GEMM alone (weight_dgrad_kept)."""
     if pair[1] is not None:
         data, scale_inv, _ = weight_dgrad(pair, kind)
         return data, scale_inv, False

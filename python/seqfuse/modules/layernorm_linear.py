@@ -44,6 +44,7 @@ materialises the parameters on the current CUDA device (CPU without one).
 import torch
 
 from .. import ops
+from ..quantization.gemm_quantizers import wants_weight_transpose
 from . import _fp8 as F8
 from ._base import (as_dtype, fp8_norm, main_grad_for, weight_and_bias_grads,
                     fp8_quantizers, hidden_dim, init_weight, make_norm_params, norm_backward,
@@ -54,7 +55,7 @@ from ._split import fused_params, install_split, parse_split, reset_split, weigh
 
 class _LayerNormLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, ln_w, ln_b, weight, bias, eps, rms, zc, ret_ln, q, sources, first_mb=None):
+    def forward(ctx, x, ln_w, ln_b, weight, bias, eps, rms, zc, ret_ln, q, sources, first_mb=None, grad=True):
         in_features = x.shape[-1]
         x2 = x.reshape(-1, in_features)
         lnw, lnb = norm_param(ln_w, x2), norm_param(ln_b, x2)
@@ -67,7 +68,9 @@ class _LayerNormLinearFn(torch.autograd.Function):
             else:
                 ln_out = None
                 lnq, mean, rstd = fp8_norm(q, x2, lnw, lnb, eps, rms, zc, need_w)
-            pair = q.weights[0].get(weight, first_mb, sources=sources, transposed=False)
+            # grad: autograd on at the call (off inside forward); else no backward, no transposed weight copy
+            pair = q.weights[0].get(weight, first_mb, sources=sources,
+                                    transposed=wants_weight_transpose(grad and any(ctx.needs_input_grad)))
             out = F8.forward(lnq, pair, kind, x.dtype, as_dtype(bias, x.dtype), rows)
             ln_col = F8.saved(F8.columnwise(lnq, kind)) if need_w else (None, None)
             w_data, w_si, ctx.w_transpose = F8.weight_kept(pair, kind)
@@ -116,7 +119,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
             dln = dln + dln_extra.reshape(dln.shape)
         dx, dg, db = norm_backward(dln, x2, mean, rstd, lnw, rms, zc, has_ln_bias)
         return (dx.view(x_shape), as_dtype(dg, lnw_dtype), as_dtype(db, lnw_dtype), dweight, dbias,
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)
 
 
 class LayerNormLinear(torch.nn.Module):
@@ -168,7 +171,8 @@ class LayerNormLinear(torch.nn.Module):
                                        None if self.return_bias else bias, self.eps,
                                        self.normalization == "RMSNorm", self.zero_centered_gamma,
                                        self.return_layernorm_output, q,
-                                       weight_sources(self) if q is not None else None, is_first_microbatch)
+                                       weight_sources(self) if q is not None else None, is_first_microbatch,
+                                       torch.is_grad_enabled())
         if not self.return_bias:
             return out
         if self.return_layernorm_output:  # TE's order: output, bias, norm output

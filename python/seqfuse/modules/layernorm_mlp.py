@@ -67,6 +67,7 @@ import torch
 
 from .. import ops
 from ..ops import act as A
+from ..quantization.gemm_quantizers import wants_weight_transpose
 from . import _fp8 as F8
 from ._base import (as_dtype, fp8_norm, main_grad_for, weight_and_bias_grads,
                     fp8_quantizers, hidden_dim, init_weight, make_norm_params, norm_backward,
@@ -84,7 +85,7 @@ ACTIVATIONS = ("gelu", "gelu_erf", "relu", "silu", "swiglu", "geglu", "reglu", "
 class _LayerNormMLPFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ln_w, ln_b, w1, b1, w2, b2, eps, rms, zc, activation, q, ckpt=False, ret_ln=False,
-                first_mb=None, recompute_act=False):
+                first_mb=None, recompute_act=False, grad=True):
         hidden = x.shape[-1]
         x2 = x.reshape(-1, hidden)
         lnw, lnb = norm_param(ln_w, x2), norm_param(ln_b, x2)
@@ -94,10 +95,12 @@ class _LayerNormMLPFn(torch.autograd.Function):
             kind, rows = q.kind, x2.shape[0]
             need_w1, need_w2 = ctx.needs_input_grad[3], ctx.needs_input_grad[5]
             lnq, mean, rstd = fp8_norm(q, x2, lnw, lnb, eps, rms, zc, need_w1)
-            p1 = q.weights[0].get(w1, first_mb, transposed=False)
+            # grad: autograd on at the call (off inside forward); else no backward, no transposed weight copies
+            want_t = wants_weight_transpose(grad and any(ctx.needs_input_grad))
+            p1 = q.weights[0].get(w1, first_mb, transposed=want_t)
             h = F8.forward(lnq, p1, kind, dt, as_dtype(b1, dt), rows)
             aq = _fp8_act(q, h, activation, need_w2)
-            p2 = q.weights[1].get(w2, first_mb, transposed=False)
+            p2 = q.weights[1].get(w2, first_mb, transposed=want_t)
             out = F8.forward(aq, p2, kind, dt, as_dtype(b2, dt), rows)
             ln_col = F8.saved(F8.columnwise(lnq, kind)) if need_w1 else (None, None)
             a_col = F8.saved(F8.columnwise(aq, kind)) if need_w2 else (None, None)
@@ -177,7 +180,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
         dx, dg, db = norm_backward(dln, x2, mean, rstd, lnw, rms, zc, has_ln_bias)
         return (dx.view(x_shape), as_dtype(dg, lnw_dt), as_dtype(db, lnw_dt), as_dtype(dw1, w1_dt),
                 as_dtype(db1, b1_dt), as_dtype(dw2, w2_dt), as_dtype(db2, b2_dt),
-                None, None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None)
 
 
 def _fc1_act(x2, lnw, lnb, eps, rms, zc, w1c, b1c, activation):
@@ -281,8 +284,10 @@ class LayerNormMLP(torch.nn.Module):
                           "(FC2 included) through seqfuse.quantization.checkpoint")
                 _logged_fp8_checkpoint = True
             from ..quantization import checkpoint as fp8_checkpoint
-            return fp8_checkpoint(_LayerNormMLPFn.apply, *args, False, ret_ln, first_mb)
-        return _LayerNormMLPFn.apply(*args, self.checkpoint, ret_ln, first_mb, self.recompute_activation)
+            # ckpt False (the checkpoint is this call), recompute_act False, grad True (autograd is on here)
+            return fp8_checkpoint(_LayerNormMLPFn.apply, *args, False, ret_ln, first_mb, False, True)
+        return _LayerNormMLPFn.apply(*args, self.checkpoint, ret_ln, first_mb, self.recompute_activation,
+                                     torch.is_grad_enabled())
 
     fp8_num_gemms = 2
 

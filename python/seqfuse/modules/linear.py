@@ -201,7 +201,7 @@ class Linear(torch.nn.Module):
         if recipe is not None:
             q = _gq.quantizers_for(self, recipe, x.device)
             y = Fp8LinearFunction.apply(x, weight, use_bias, q, dtype,
-                                        (is_first_microbatch, weight_sources(self)))
+                                        (is_first_microbatch, weight_sources(self), torch.is_grad_enabled()))
         else:
             y = LinearFunction.apply(x, weight, use_bias, dtype)
         if inp.dim() != 2:  # a 2-D input gets the Function's output itself, not a view of it
@@ -227,14 +227,19 @@ class Fp8LinearFunction(torch.autograd.Function):
     seqfuse.modules._fp8).
 
     forward(x [tokens, in], weight, bias, quantizers, dtype,
-    (is_first_microbatch, weight sources)): dtype is the output
-    (activation) dtype; the pair is WeightQuantizer.get's arguments."""
+    (is_first_microbatch, weight sources, grad)): dtype is the output
+    (activation) dtype; the first two are WeightQuantizer.get's arguments,
+    ``grad`` whether autograd was on at the call (inside forward it is
+    always off): without it no backward follows and the weight's
+    transposed FP8 copy is not made (gemm_quantizers.wants_weight_transpose)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, q, dtype, weight_args):
         need_w = ctx.needs_input_grad[1]  # False under no_grad: no transposed input copy
         kind = q.kind
-        pair = q.weights[0].get(weight, *weight_args, transposed=False)
+        first_mb, sources, grad = weight_args
+        pair = q.weights[0].get(weight, first_mb, sources,
+                                transposed=_gq.wants_weight_transpose(grad and any(ctx.needs_input_grad)))
         xq = q.inputs[0].quantize(x.detach(), transpose=need_w)
         y = F8.forward(xq, pair, kind, dtype, bias, x.shape[0])
         x_col = F8.saved(F8.columnwise(xq, kind)) if need_w else (None, None)

@@ -42,6 +42,18 @@ gradient-accumulation contract: True re-casts, False reuses, None re-casts
 when the version moved.  While a CUDA graph is captured the cast is always
 captured, so every replay re-casts from the weight's current values.
 ``weight_casts(module)`` counts the casts (tests read it).
+
+The transposed copy W^T (per tensor: data_t; block scaling: W^T's 128x128
+blocks) only feeds the input-gradient GEMM.  By default it is made with the
+cast and kept beside W until the weight changes: two FP8 bytes per weight
+element from the forward to the backward.  ``set_weight_transpose_cache(
+False)`` keeps W alone; each backward of Linear, LayerNormLinear and
+LayerNormMLP then makes W^T from W's cached bytes (a byte transpose: the
+bits the cast would have written) for its GEMM and drops it: one byte per
+weight element less at the activation peak, for one more pass over the FP8
+weights per backward (on the H200 0.9 GiB less and about 1 % slower at a
+Llama 1B shape, 4,096 tokens; README).  Calls that want no gradient
+(inference, no_grad) never make W^T.
 A weight FSDP2 all-gathered in FP8 (seqfuse.distributed.fp8_allgather)
 brings its own FP8 bytes: ``get`` takes them (and makes the transposed
 copy) instead of casting, and caches nothing.
@@ -150,6 +162,32 @@ def check_features(cls, kind, *features):
             what = ("block-scaled FP8 (1x128 / 128x128 blocks)" if kind == "block" else "FP8 GEMMs")
             raise ValueError(f"{cls}: {what} need {name} to be a multiple of {mult}, got {size} "
                              f"(run this layer outside FP8 autocast, or pick a size that is)")
+
+
+_weight_transpose_cache = [True]
+
+
+def set_weight_transpose_cache(enabled):
+    """Whether the weights' transposed FP8 copies are made with the cast and
+    kept (True, the default) or made in each backward from the kept FP8
+    bytes (False: less memory, a transpose per weight and backward); see
+    the module note.  Applies from the next weight cast on.  Returns the
+    previous setting."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_weight_transpose_cache: argument 'enabled' must be a bool, got {type(enabled).__name__}")
+    previous, _weight_transpose_cache[0] = _weight_transpose_cache[0], enabled
+    return previous
+
+
+def weight_transpose_cache():
+    """The setting of :func:`set_weight_transpose_cache`."""
+    return _weight_transpose_cache[0]
+
+
+def wants_weight_transpose(grad):
+    """WeightQuantizer.get's ``transposed`` for a module call: whether a
+    backward follows (``grad``) and the transposed copies are cached."""
+    return grad and _weight_transpose_cache[0]
 
 
 # ---- the three roles -------------------------------------------------------------
@@ -372,14 +410,14 @@ class WeightQuantizer(_Role):
         every call): the cache follows their versions.
 
         ``transposed`` False makes the forward operand only, the pair's
-        second element None: Linear, LayerNormLinear and LayerNormMLP, whose
-        backward makes W^T from the cached FP8 bytes for its input-gradient
-        GEMM alone (modules._fp8.weight_kept), so a weight has one cached FP8
-        copy in training and in inference, not two.  A call with
-        ``transposed`` True (GroupedLinear) on a pair cached without it makes
-        the input-gradient operand from the cached bytes (a byte transpose:
-        the bits the cast would have written) and keeps it.  Under CUDA
-        graph capture both are made."""
+        second element None: a call that wants no gradient (inference keeps
+        one FP8 byte per weight element), or any call of Linear,
+        LayerNormLinear and LayerNormMLP after set_weight_transpose_cache(
+        False) (their backward makes W^T from the cached bytes:
+        modules._fp8.weight_kept).  A call with ``transposed`` True on a pair
+        cached without it makes the input-gradient operand from the cached
+        bytes (a byte transpose: the bits the cast would have written) and
+        keeps it.  Under CUDA graph capture both are made."""
         grad = transposed or device_checks.capturing(weight)
         pair, note = self.lookup(weight, is_first_microbatch, sources)
         if pair is None:
