@@ -210,6 +210,34 @@ def test_weight_cast_once_per_step_with_accumulation(kind, n_weights, recipe, se
         assert weight_casts(m) == 4
 
 
+@needs_fp8
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("kind,n_weights", [("Linear", 1), ("LayerNormMLP", 2)])
+def test_weight_cast_again_after_a_fused_optimizer_step(kind, n_weights, recipe, seed):
+    """torch's AdamW(fused=True) writes the parameters in its kernel without
+    bumping their version counters; the next forward must still cast the
+    updated weights (once), not reuse the cast of the old ones: its output
+    equals the same module's with the cast forced (is_first_microbatch=True
+    on a copy taken after the step)."""
+    torch.manual_seed(seed)
+    m = _module(kind, "cpu")
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
+    x = torch.randn(32, 128, dtype=torch.bfloat16)
+    make = RECIPES[recipe]
+    with te.autocast(recipe=make()):
+        m(x).float().square().mean().backward()
+    versions = [p._version for p in m.parameters()]
+    opt.step()
+    opt.zero_grad()
+    assert [p._version for p in m.parameters()] == versions  # (what makes a version key blind to it)
+    forced = copy.deepcopy(m)
+    with torch.no_grad(), te.autocast(recipe=make()):
+        y = m(x)
+        y_forced = forced(x, is_first_microbatch=True)
+    assert weight_casts(m) == 2 * n_weights
+    assert torch.equal(y, y_forced)
+
+
 def _weight_quantizers(m):
     from seqfuse.quantization.gemm_quantizers import WeightQuantizer
 

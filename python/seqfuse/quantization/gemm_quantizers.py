@@ -35,8 +35,13 @@ Weights are cast once per weight update: WeightQuantizer keeps the FP8
 weight and its transposed copy keyed on the parameter's identity, device,
 data pointer and version counter (an optimizer step bumps the version); a
 re-cast makes new FP8 buffers (a pending backward may still hold the old
-ones).  Values written without moving the version (``.data`` copies, FSDP2's
-all-gather) are not seen: under FSDP2 weights are cast at every forward;
+ones).  torch's fused optimizers (``AdamW(fused=True)`` and the like) write the
+parameters in their kernels without moving the version counters, so every
+step of any torch.optim optimizer also moves a global step count the key
+holds (a post-step hook registered at import): the first forward after a
+step casts again.  Other values written without moving the version
+(``.data`` copies, FSDP2's all-gather, an update outside torch.optim) are
+not seen: under FSDP2 weights are cast at every forward;
 after a ``.data`` write pass ``is_first_microbatch=True``.  ``is_first_microbatch`` is TE's
 gradient-accumulation contract: True re-casts, False reuses, None re-casts
 when the version moved.  While a CUDA graph is captured the cast is always
@@ -63,6 +68,7 @@ import logging
 import sys
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..common.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format,
                              MXFP8BlockScaling, NVFP4BlockScaling, Recipe)
@@ -505,12 +511,25 @@ class WeightQuantizer(_Role):
 
 def weight_key(src, *head):
     """The key a weight cast made from the tensors ``src`` is cached under:
-    ``head`` (what else the cast depends on), then each tensor's storage
-    address and version counter (an in-place update, an optimizer step,
-    bumps the version; ``.to()`` or a load moves the storage).  Compared
-    with same_weights; WeightQuantizer and GroupedLinear's device-split FP8
-    weights (each keeping its own cache) share it."""
-    return (*head, tuple((t.data_ptr(), t._version) for t in src))
+    ``head`` (what else the cast depends on), the count of optimizer steps
+    so far (torch's fused optimizers do not bump versions: see the module
+    note), then each tensor's storage address and version counter (an
+    in-place update bumps the version; ``.to()`` or a load moves the
+    storage).  Compared with same_weights; WeightQuantizer and
+    GroupedLinear's device-split FP8 weights (each keeping its own cache)
+    share it."""
+    return (*head, _optimizer_steps[0], tuple((t.data_ptr(), t._version) for t in src))
+
+
+_optimizer_steps = [0]
+
+
+def _after_optimizer_step(optimizer, args, kwargs):
+    _optimizer_steps[0] += 1
+
+
+# every torch.optim optimizer's step, whichever parameters it updated: a cached cast may be stale after it
+_optimizer_step_hook = register_optimizer_step_post_hook(_after_optimizer_step)
 
 
 def same_weights(key, src, old_key, old_src):
