@@ -212,7 +212,7 @@ def test_weight_cast_once_per_step_with_accumulation(kind, n_weights, recipe, se
 
 @needs_fp8
 @pytest.mark.parametrize("recipe", list(RECIPES))
-@pytest.mark.parametrize("kind,n_weights", [("Linear", 1), ("LayerNormMLP", 2)])
+@pytest.mark.parametrize("kind,n_weights", [("Linear", 1), ("LayerNormLinear", 1), ("LayerNormMLP", 2)])
 def test_weight_cast_again_after_a_fused_optimizer_step(kind, n_weights, recipe, seed):
     """torch's AdamW(fused=True) writes the parameters in its kernel without
     bumping their version counters; the next forward must still cast the
@@ -236,6 +236,24 @@ def test_weight_cast_again_after_a_fused_optimizer_step(kind, n_weights, recipe,
         y_forced = forced(x, is_first_microbatch=True)
     assert weight_casts(m) == 2 * n_weights
     assert torch.equal(y, y_forced)
+
+
+@needs_fp8
+def test_another_optimizers_step_keeps_a_frozen_models_cast(seed):
+    """Only the stepped optimizer's parameters count as moved: an FP8 model
+    held for inference keeps its cached casts while another model trains."""
+    torch.manual_seed(seed)
+    frozen = _module("Linear", "cpu")
+    other = torch.nn.Parameter(torch.randn(8))
+    opt = torch.optim.AdamW([other], lr=1e-2, fused=True)
+    x = torch.randn(32, 128, dtype=torch.bfloat16)
+    with torch.no_grad(), te.autocast(recipe=DelayedScaling()):
+        frozen(x)
+    other.grad = torch.randn(8)
+    opt.step()
+    with torch.no_grad(), te.autocast(recipe=DelayedScaling()):
+        frozen(x)
+    assert weight_casts(frozen) == 1
 
 
 def _weight_quantizers(m):
@@ -313,8 +331,43 @@ def test_set_weight_transpose_cache_takes_a_bool():
     with pytest.raises(TypeError, match="set_weight_transpose_cache: argument 'enabled' must be a bool, got int"):
         set_weight_transpose_cache(0)
     assert weight_transpose_cache() is True
-    assert set_weight_transpose_cache(False) is True and weight_transpose_cache() is False
-    assert set_weight_transpose_cache(True) is False and weight_transpose_cache() is True
+    try:
+        assert set_weight_transpose_cache(False) is True and weight_transpose_cache() is False
+    finally:
+        assert set_weight_transpose_cache(True) is False and weight_transpose_cache() is True
+
+
+@needs_fp8
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP"])
+def test_checkpoint_recompute_keeps_the_forwards_weight_transpose_choice(kind, recipe, seed):
+    """A checkpointed forward under set_weight_transpose_cache(False) whose
+    backward (and recompute) runs after the setting went back to True: the
+    recompute repeats the forward's choice, so the gradients equal those of
+    the same step without the change (square weights: a wrong choice would
+    not show as a shape error)."""
+    from seqfuse.quantization import checkpoint, set_weight_transpose_cache
+
+    torch.manual_seed(seed)
+    a = _module(kind, "cpu")
+    b = copy.deepcopy(a)
+    x = torch.randn(32, 128, dtype=torch.bfloat16)
+    make = RECIPES[recipe]
+    grads = []
+    for m, flip in ((a, True), (b, False)):
+        xi = x.clone().requires_grad_()
+        previous = set_weight_transpose_cache(False)
+        try:
+            with te.autocast(recipe=make()):
+                y = checkpoint(m, xi, use_reentrant=False)
+            if flip:
+                set_weight_transpose_cache(True)
+            y.float().square().mean().backward()
+        finally:
+            set_weight_transpose_cache(previous)
+        grads.append([xi.grad] + [p.grad for p in m.parameters() if p.grad is not None])
+    for ga, gb in zip(*grads):
+        assert torch.equal(ga, gb)
 
 
 @needs_fp8

@@ -172,7 +172,9 @@ def _split_qkv_rope_case(device, dtype, heads, kv_heads, d, rot, used):
     got = split_qkv_rope(mixed, freqs, heads, kv_heads, d)
     for g, w in zip(got, want):
         assert g.shape == w.shape and torch.equal(g, w)
-    weights = [torch.randn_like(w) for w in want]
+    # gradients laid out as attention's backward gives them ([b, heads, s, d] seen as bshd: not contiguous)
+    weights = [torch.randn(w.shape[0], w.shape[2], w.shape[1], w.shape[3], dtype=w.dtype, device=device).transpose(1, 2)
+               for w in want]
     sum((w * c).float().sum() for i, (w, c) in enumerate(zip(want, weights)) if i in used).backward()
     sum((g * c).float().sum() for i, (g, c) in enumerate(zip(got, weights)) if i in used).backward()
     assert torch.equal(mixed.grad, ref_in.grad)

@@ -57,6 +57,7 @@ def timed_parts(model, acc, cnt, on):
         wrap(layer, "forward_eager", "layer")
     if undo:
         wrap(FL, "seqfuse_attention_forward", "attention")
+        wrap(FL, "split_qkv_rope", "rope")  # the usual path (one row of positions); _rope the others
 
     def remove():
         for owner, attr, fn in reversed(undo):

@@ -54,14 +54,17 @@ def weight_dgrad(pair, kind):
     return w.data_t, w.scale_inv, None
 
 
-def weight_kept(pair, kind):
+def weight_kept(pair, kind, transposed):
     """(data, scale_inv, transpose): what a backward keeps of the weight for
-    its input gradient.  The input-gradient operand where the cast made it
-    (transpose False: the default, gemm_quantizers'
-    set_weight_transpose_cache); else the forward operand's bytes, which
-    the weight's cache holds anyway (transpose True), and the backward makes
-    W^T from them for its input-gradient GEMM alone (weight_dgrad_kept)."""
-    if pair[1] is not None:
+    its input gradient, given ``transposed``, the module's request to
+    WeightQuantizer.get (gemm_quantizers.wants_weight_transpose).  True:
+    the input-gradient operand get() made (transpose False).  False: the
+    forward operand's bytes, which the weight's cache holds anyway
+    (transpose True); the backward makes W^T from them for its
+    input-gradient GEMM alone (weight_dgrad_kept).  A function of the
+    request, not of what the pair holds, so a checkpoint's recompute (which
+    repeats the request) saves what the forward's bookkeeping expects."""
+    if transposed:
         data, scale_inv, _ = weight_dgrad(pair, kind)
         return data, scale_inv, False
     return pair[0].data, pair[0].scale_inv, True

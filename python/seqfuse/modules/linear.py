@@ -238,12 +238,12 @@ class Fp8LinearFunction(torch.autograd.Function):
         need_w = ctx.needs_input_grad[1]  # False under no_grad: no transposed input copy
         kind = q.kind
         first_mb, sources, grad = weight_args
-        pair = q.weights[0].get(weight, first_mb, sources,
-                                transposed=_gq.wants_weight_transpose(grad and any(ctx.needs_input_grad)))
+        want_t = _gq.wants_weight_transpose(grad and any(ctx.needs_input_grad), q.weights[0])
+        pair = q.weights[0].get(weight, first_mb, sources, transposed=want_t)
         xq = q.inputs[0].quantize(x.detach(), transpose=need_w)
         y = F8.forward(xq, pair, kind, dtype, bias, x.shape[0])
         x_col = F8.saved(F8.columnwise(xq, kind)) if need_w else (None, None)
-        w_data, w_si, ctx.w_transpose = F8.weight_kept(pair, kind)
+        w_data, w_si, ctx.w_transpose = F8.weight_kept(pair, kind, want_t)
         ctx.save_for_backward(*x_col, w_data, w_si)
         ctx.q, ctx.kind, ctx.dtype, ctx.rows = q, kind, dtype, x.shape[0]
         ctx.weight = weight

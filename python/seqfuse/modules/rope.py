@@ -11,6 +11,7 @@ ignored (the fused kernel is always used); context parallelism (``cp_size`` >
 from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..ops import rope as _rope
 from ..ops.tensor_cache import PerTensorCache
@@ -76,6 +77,7 @@ class _SplitQkvRoPE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, mixed, freqs, heads, kv_heads, head_dim):
+        ctx.set_materialize_grads(False)  # an output without a gradient arrives as None: no rotation of zeros
         b, s, width = mixed.shape
         qk_width = (heads + kv_heads) * head_dim
         if freqs.dtype != torch.float32:
@@ -88,6 +90,7 @@ class _SplitQkvRoPE(torch.autograd.Function):
         return qk[:, :, :heads], qk[:, :, heads:], v
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dq, dk, dv):
         (freqs,) = ctx.saved_tensors
         b, s, heads, kv_heads, head_dim = ctx.dims
@@ -118,7 +121,9 @@ def split_qkv_rope(mixed: torch.Tensor, freqs: torch.Tensor, heads: int, kv_head
     launch forward (q and k are neighbours in each token's row) and with the
     gradients written straight into mixed's gradient (no concatenation).
     q and k are views of one [b, s, heads + kv_heads, head_dim] tensor, v a
-    view of ``mixed``."""
+    view of ``mixed``; autograd refuses in-place changes to them (views made
+    inside a Function), and a cache that keeps k keeps that whole tensor.
+    The backward is not differentiable again (create_graph)."""
     if mixed.dim() != 3 or mixed.shape[-1] != (heads + 2 * kv_heads) * head_dim:
         raise ValueError(f"split_qkv_rope: argument 'mixed' must be [b, s, (heads + 2 * kv_heads) * head_dim] = "
                          f"[b, s, {(heads + 2 * kv_heads) * head_dim}], got {tuple(mixed.shape)}")

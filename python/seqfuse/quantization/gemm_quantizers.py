@@ -36,10 +36,11 @@ weight and its transposed copy keyed on the parameter's identity, device,
 data pointer and version counter (an optimizer step bumps the version); a
 re-cast makes new FP8 buffers (a pending backward may still hold the old
 ones).  torch's fused optimizers (``AdamW(fused=True)`` and the like) write the
-parameters in their kernels without moving the version counters, so every
-step of any torch.optim optimizer also moves a global step count the key
-holds (a post-step hook registered at import): the first forward after a
-step casts again.  Other values written without moving the version
+parameters in their kernels without moving the version counters, so the key
+also holds how many torch.optim optimizer steps covered each parameter (a
+post-step hook registered at import counts them, per parameter of the
+stepped optimizer): the first forward after a step casts again, and a
+frozen model's casts stay cached.  Other values written without moving the version
 (``.data`` copies, FSDP2's all-gather, an update outside torch.optim) are
 not seen: under FSDP2 weights are cast at every forward;
 after a ``.data`` write pass ``is_first_microbatch=True``.  ``is_first_microbatch`` is TE's
@@ -56,8 +57,9 @@ False)`` keeps W alone; each backward of Linear, LayerNormLinear and
 LayerNormMLP then makes W^T from W's cached bytes (a byte transpose: the
 bits the cast would have written) for its GEMM and drops it: one byte per
 weight element less at the activation peak, for one more pass over the FP8
-weights per backward (on the H200 0.9 GiB less and about 1 % slower at a
-Llama 1B shape, 4,096 tokens; README).  Calls that want no gradient
+weights per backward (on the H200: 0.91 GiB less and 1.4 % slower at a
+Llama 1B shape, 4,096 tokens; 0.62 GiB and 0.3 % at an ESM-2 650M-shape
+stack; README).  Calls that want no gradient
 (inference, no_grad) never make W^T.
 A weight FSDP2 all-gathered in FP8 (seqfuse.distributed.fp8_allgather)
 brings its own FP8 bytes: ``get`` takes them (and makes the transposed
@@ -69,6 +71,7 @@ import sys
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..common.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format,
                              MXFP8BlockScaling, NVFP4BlockScaling, Recipe)
@@ -190,10 +193,14 @@ def weight_transpose_cache():
     return _weight_transpose_cache[0]
 
 
-def wants_weight_transpose(grad):
-    """WeightQuantizer.get's ``transposed`` for a module call: whether a
-    backward follows (``grad``) and the transposed copies are cached."""
-    return grad and _weight_transpose_cache[0]
+def wants_weight_transpose(grad, role):
+    """WeightQuantizer.get's ``transposed`` for a module call whose weight
+    is ``role``: whether a backward follows (``grad``) and the transposed
+    copies are cached; inside a checkpoint's recompute, the forward's
+    answer (the backward reads what the recompute saves with the forward's
+    bookkeeping, even if the setting changed in between)."""
+    want = grad and _weight_transpose_cache[0]
+    return recompute.choice_for(("weight_transpose", id(role)), want) if recompute.open_contexts else want
 
 
 # ---- the three roles -------------------------------------------------------------
@@ -511,24 +518,27 @@ class WeightQuantizer(_Role):
 
 def weight_key(src, *head):
     """The key a weight cast made from the tensors ``src`` is cached under:
-    ``head`` (what else the cast depends on), the count of optimizer steps
-    so far (torch's fused optimizers do not bump versions: see the module
-    note), then each tensor's storage address and version counter (an
-    in-place update bumps the version; ``.to()`` or a load moves the
-    storage).  Compared with same_weights; WeightQuantizer and
+    ``head`` (what else the cast depends on), then each tensor's storage
+    address, version counter (an in-place update bumps it; ``.to()`` or a
+    load moves the storage) and count of optimizer steps that covered it
+    (torch's fused optimizers do not bump versions: see the module note).  Compared with same_weights; WeightQuantizer and
     GroupedLinear's device-split FP8 weights (each keeping its own cache)
     share it."""
-    return (*head, _optimizer_steps[0], tuple((t.data_ptr(), t._version) for t in src))
+    return (*head, tuple((t.data_ptr(), t._version, _optimizer_steps.get(t, 0)) for t in src))
 
 
-_optimizer_steps = [0]
+# parameter -> how many torch.optim steps covered it (weight_key): a fused optimizer's kernel writes
+# parameters without moving their version counters
+_optimizer_steps = WeakIdKeyDictionary()
 
 
 def _after_optimizer_step(optimizer, args, kwargs):
-    _optimizer_steps[0] += 1
+    steps = _optimizer_steps
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            steps[p] = steps.get(p, 0) + 1
 
 
-# every torch.optim optimizer's step, whichever parameters it updated: a cached cast may be stale after it
 _optimizer_step_hook = register_optimizer_step_post_hook(_after_optimizer_step)
 
 
