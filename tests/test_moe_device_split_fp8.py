@@ -320,6 +320,30 @@ def test_fp8_device_weights_inference_caches_the_forward_copy(seed):
     assert gl.fp8_device_weight_casts == 5
 
 
+def test_fp8_device_weights_cast_again_after_a_fused_optimizer_step(seed):
+    """torch's AdamW(fused=True) writes the expert weights without moving
+    their version counters: the inference cache must still cast the
+    updated weights (the key counts the optimizer steps that covered each
+    parameter), and an optimizer over other parameters leaves it cached."""
+    gl = GroupedLinear(3, 32, 16, bias=False, device="cpu")
+    with torch.no_grad():
+        first = gl._device_fp8_weights(None)
+    other = torch.nn.Parameter(torch.randn(4))
+    other.grad = torch.randn(4)
+    torch.optim.AdamW([other], lr=1e-2, fused=True).step()
+    with torch.no_grad():
+        assert gl._device_fp8_weights(None) is first and gl.fp8_device_weight_casts == 1
+    opt = torch.optim.AdamW(gl.parameters(), lr=1e-1, fused=True)
+    for w in gl.parameters():
+        w.grad = torch.randn_like(w)
+    versions = [w._version for w in gl.parameters()]
+    opt.step()
+    assert [w._version for w in gl.parameters()] == versions
+    with torch.no_grad():
+        second = gl._device_fp8_weights(None)
+    assert second is not first and gl.fp8_device_weight_casts == 2
+
+
 def test_fp8_device_weights_share_the_version_key(seed):
     """The cache key is quantization.gemm_quantizers.weight_key's (the
     host route's WeightQuantizer computes its own with it), kept in the
