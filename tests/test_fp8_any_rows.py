@@ -256,6 +256,35 @@ def test_another_optimizers_step_keeps_a_frozen_models_cast(seed):
     assert weight_casts(frozen) == 1
 
 
+@needs_fp8
+def test_weight_cast_again_after_any_optimizer_holding_it_steps(seed):
+    """The step counts follow every fused optimizer that holds a weight: one
+    whose parameter groups grew after its first step, and a second one over
+    the same weight; each step makes the next forward cast once more."""
+    torch.manual_seed(seed)
+    m = _module("Linear", "cpu")
+    x = torch.randn(32, 128, dtype=torch.bfloat16)
+    extra = torch.nn.Parameter(torch.randn(4))
+    first = torch.optim.AdamW([m.bias], lr=1e-2, fused=True)
+    second = torch.optim.SGD([m.weight], lr=1e-2, fused=True)
+
+    def forward_then(opt, grow=False):
+        with te.autocast(recipe=DelayedScaling()):
+            m(x).float().square().mean().backward()
+        extra.grad = torch.randn(4)
+        if grow:
+            opt.add_param_group({"params": [m.weight, extra]})
+        opt.step()
+        opt.zero_grad()
+
+    forward_then(first)  # holds the bias only: the weight's cast stays
+    forward_then(first, grow=True)  # now the weight too (registered again at this step)
+    forward_then(second)
+    with torch.no_grad(), te.autocast(recipe=DelayedScaling()):
+        m(x)
+    assert weight_casts(m) == 3  # the first forward, after first's second step, after second's step
+
+
 def _weight_quantizers(m):
     from seqfuse.quantization.gemm_quantizers import WeightQuantizer
 

@@ -511,10 +511,11 @@ class SeqfuseDecoderLayer(FusedLayer):
                              f"or [{b}, {s}]")
         return ang
 
-    def _rope(self, q, k, position_ids, position_embeddings):
-        if self.rope_fused and position_ids is not None:
+    def _rope(self, q, k, ang, position_embeddings):
+        """q and k turned by the fused kernel at ``ang`` (_angles'), else (None)
+        by transformers' ``position_embeddings``."""
+        if ang is not None:
             b, s = q.shape[:2]
-            ang = self._angles(q, position_ids, b, s)
             if ang.shape[0] == 1:  # one row of positions for the whole batch (training, no padding)
                 freqs = ang[0][:, None, None, :]
                 return (apply_rotary_pos_emb(q, freqs, "bshd"), apply_rotary_pos_emb(k, freqs, "bshd"))
@@ -578,10 +579,8 @@ class SeqfuseDecoderLayer(FusedLayer):
         b, s, _ = hidden_states.shape
         d = self.head_dim
         mixed = self.qkv(hidden_states)
-        ang = None
-        if self.rope_fused and position_ids is not None and "q_norm" not in self._modules:
-            ang = self._angles(mixed, position_ids, b, s)
-        if ang is not None and ang.shape[0] == 1:
+        ang = self._angles(mixed, position_ids, b, s) if self.rope_fused and position_ids is not None else None
+        if ang is not None and ang.shape[0] == 1 and "q_norm" not in self._modules:
             # one row of positions for the batch (training, a prompt): q and k turned in one launch,
             # their gradients written into mixed's
             q, k, v = split_qkv_rope(mixed, ang[0][:, None, None, :], self._split_sizes[0] // d,
@@ -591,7 +590,7 @@ class SeqfuseDecoderLayer(FusedLayer):
             q, k, v = q.view(b, s, -1, d), k.view(b, s, -1, d), v.view(b, s, -1, d)
             if "q_norm" in self._modules:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = self._rope(q, k, position_ids, position_embeddings)
+            q, k = self._rope(q, k, ang, position_embeddings)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # transformers' [b, heads, s, d]
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)

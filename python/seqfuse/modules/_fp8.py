@@ -55,24 +55,24 @@ def weight_dgrad(pair, kind):
 
 
 def weight_kept(pair, kind, transposed):
-    """(data, scale_inv, transpose): what a backward keeps of the weight for
-    its input gradient, given ``transposed``, the module's request to
+    """(data, scale_inv): what a backward keeps of the weight for its input
+    gradient, given ``transposed``, the module's request to
     WeightQuantizer.get (gemm_quantizers.wants_weight_transpose).  True:
-    the input-gradient operand get() made (transpose False).  False: the
-    forward operand's bytes, which the weight's cache holds anyway
-    (transpose True); the backward makes W^T from them for its
-    input-gradient GEMM alone (weight_dgrad_kept).  A function of the
-    request, not of what the pair holds, so a checkpoint's recompute (which
-    repeats the request) saves what the forward's bookkeeping expects."""
+    the input-gradient operand get() made.  False: the forward operand's
+    bytes, which the weight's cache holds anyway; the backward makes W^T
+    from them for its input-gradient GEMM alone (weight_dgrad_kept).  A
+    function of the request, not of what the pair holds, so a checkpoint's
+    recompute (which repeats the request) saves what the forward's
+    bookkeeping expects."""
     if transposed:
-        data, scale_inv, _ = weight_dgrad(pair, kind)
-        return data, scale_inv, False
-    return pair[0].data, pair[0].scale_inv, True
+        return weight_dgrad(pair, kind)[:2]
+    return pair[0].data, pair[0].scale_inv
 
 
-def weight_dgrad_kept(data, scale_inv, kind, transpose):
-    """The input-gradient operand from weight_kept's tensors."""
-    if transpose:
+def weight_dgrad_kept(data, scale_inv, kind, transposed):
+    """The input-gradient operand from weight_kept's tensors (``transposed``:
+    the same request)."""
+    if not transposed:
         data, scale_inv = gq.transposed_weight_parts(data, scale_inv, kind)
     return restore(data, scale_inv, kind, weight=True)
 

@@ -73,7 +73,8 @@ class _LayerNormLinearFn(torch.autograd.Function):
             pair = q.weights[0].get(weight, first_mb, sources=sources, transposed=want_t)
             out = F8.forward(lnq, pair, kind, x.dtype, as_dtype(bias, x.dtype), rows)
             ln_col = F8.saved(F8.columnwise(lnq, kind)) if need_w else (None, None)
-            w_data, w_si, ctx.w_transpose = F8.weight_kept(pair, kind, want_t)
+            w_data, w_si = F8.weight_kept(pair, kind, want_t)
+            ctx.want_t = want_t
             ctx.save_for_backward(x2, lnw, mean, rstd, *ln_col, w_data, w_si)
             ctx.q, ctx.kind = q, kind
         else:
@@ -102,7 +103,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
             g, dbias = ctx.q.grads[0].quantize_grad(dout2, b_dtype if has_bias else None,
                                                    need_wgrad=need_dw)
             dln, dweight = F8.backward(g, F8.restore(ln_t, ln_si, kind),
-                                       F8.weight_dgrad_kept(w_t, w_si, kind, ctx.w_transpose), kind, x2.dtype,
+                                       F8.weight_dgrad_kept(w_t, w_si, kind, ctx.want_t), kind, x2.dtype,
                                        x2.shape[0], True, need_dw, w_dtype,
                                        main_grad_for(ctx.weight, need_dw))
         else:

@@ -104,10 +104,9 @@ class _LayerNormMLPFn(torch.autograd.Function):
             out = F8.forward(aq, p2, kind, dt, as_dtype(b2, dt), rows)
             ln_col = F8.saved(F8.columnwise(lnq, kind)) if need_w1 else (None, None)
             a_col = F8.saved(F8.columnwise(aq, kind)) if need_w2 else (None, None)
-            w1_kept, w2_kept = F8.weight_kept(p1, kind, want_t), F8.weight_kept(p2, kind, want_t)
             ctx.save_for_backward(x2, lnw, mean, rstd, h, *ln_col, *a_col,
-                                  *w1_kept[:2], *w2_kept[:2])
-            ctx.w_transpose = (w1_kept[2], w2_kept[2])
+                                  *F8.weight_kept(p1, kind, want_t), *F8.weight_kept(p2, kind, want_t))
+            ctx.want_t = want_t
             ctx.q, ctx.kind = q, kind
             ln = None
         else:
@@ -144,11 +143,11 @@ class _LayerNormMLPFn(torch.autograd.Function):
             mg1, mg2 = main_grad_for(ctx.w1, need_w1), main_grad_for(ctx.w2, need_w2)
             # the bias gradients come out of the gradients' cast passes where the kernels take them
             g2, db2 = q.grads[1].quantize_grad(dout2, b2_dt, need_wgrad=need_w2)
-            w2_dgrad = F8.weight_dgrad_kept(w2_t, w2_si, kind, ctx.w_transpose[1])
+            w2_dgrad = F8.weight_dgrad_kept(w2_t, w2_si, kind, ctx.want_t)
             da, dw2 = F8.backward(g2, F8.restore(a_t, a_si, kind), w2_dgrad, kind, dt, rows, True, need_w2, w2_dt, mg2)
             dh = A.act_backward(da, h, activation)
             g1, db1 = q.grads[0].quantize_grad(dh, b1_dt, need_wgrad=need_w1)
-            w1_dgrad = F8.weight_dgrad_kept(w1_t, w1_si, kind, ctx.w_transpose[0])
+            w1_dgrad = F8.weight_dgrad_kept(w1_t, w1_si, kind, ctx.want_t)
             dln, dw1 = F8.backward(g1, F8.restore(ln_t, ln_si, kind), w1_dgrad, kind, dt, rows, True, need_w1, w1_dt,
                                    mg1)
         else:

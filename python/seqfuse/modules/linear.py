@@ -243,7 +243,8 @@ class Fp8LinearFunction(torch.autograd.Function):
         xq = q.inputs[0].quantize(x.detach(), transpose=need_w)
         y = F8.forward(xq, pair, kind, dtype, bias, x.shape[0])
         x_col = F8.saved(F8.columnwise(xq, kind)) if need_w else (None, None)
-        w_data, w_si, ctx.w_transpose = F8.weight_kept(pair, kind, want_t)
+        w_data, w_si = F8.weight_kept(pair, kind, want_t)
+        ctx.want_t = want_t
         ctx.save_for_backward(*x_col, w_data, w_si)
         ctx.q, ctx.kind, ctx.dtype, ctx.rows = q, kind, dtype, x.shape[0]
         ctx.weight = weight
@@ -263,7 +264,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         if need_dx or need_dw:
             g, db = ctx.q.grads[0].quantize_grad(dy, ctx.bias_dtype if need_db else None,
                                                  need_dgrad=need_dx, need_wgrad=need_dw)
-            w_dg = F8.weight_dgrad_kept(w_t, w_si, kind, ctx.w_transpose) if need_dx else None
+            w_dg = F8.weight_dgrad_kept(w_t, w_si, kind, ctx.want_t) if need_dx else None
             dx, dw = F8.backward(g, F8.restore(x_t, x_si, kind), w_dg,
                                  kind, ctx.dtype, ctx.rows, need_dx, need_dw, weight.dtype, main_grad)
         elif need_db:

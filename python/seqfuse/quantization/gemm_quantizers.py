@@ -68,6 +68,7 @@ copy) instead of casting, and caches nothing.
 import enum
 import logging
 import sys
+import weakref
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -520,23 +521,38 @@ def weight_key(src, *head):
     """The key a weight cast made from the tensors ``src`` is cached under:
     ``head`` (what else the cast depends on), then each tensor's storage
     address, version counter (an in-place update bumps it; ``.to()`` or a
-    load moves the storage) and count of optimizer steps that covered it
-    (torch's fused optimizers do not bump versions: see the module note).  Compared with same_weights; WeightQuantizer and
-    GroupedLinear's device-split FP8 weights (each keeping its own cache)
-    share it."""
-    return (*head, tuple((t.data_ptr(), t._version, _optimizer_steps.get(t, 0)) for t in src))
+    load moves the storage) and count of the optimizer steps that covered
+    it (torch's fused optimizers do not bump versions: see the module
+    note).  Compared with same_weights; WeightQuantizer and GroupedLinear's
+    device-split FP8 weights (each keeping its own cache) share it."""
+    return (*head, tuple((t.data_ptr(), t._version, _steps_of(t)) for t in src))
 
 
-# parameter -> how many torch.optim steps covered it (weight_key): a fused optimizer's kernel writes
-# parameters without moving their version counters
-_optimizer_steps = WeakIdKeyDictionary()
+# A fused optimizer's kernel writes the parameters without moving their version counters, so the
+# weight key also counts optimizer steps.  Each torch.optim optimizer gets one counter (a one-element
+# list) that its step moves, O(1) a step; its parameters point at it (registered again when its
+# parameter count changes), a parameter in several optimizers at each of theirs.
+_param_counters = WeakIdKeyDictionary()  # parameter -> the step counters of the optimizers holding it
+_optimizer_counters = weakref.WeakKeyDictionary()  # optimizer -> (its counter, parameters registered)
+
+
+def _steps_of(t):
+    counters = _param_counters.get(t)
+    return 0 if counters is None else sum(c[0] for c in counters)
 
 
 def _after_optimizer_step(optimizer, args, kwargs):
-    steps = _optimizer_steps
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            steps[p] = steps.get(p, 0) + 1
+    n = sum(len(group["params"]) for group in optimizer.param_groups)
+    counter, registered = _optimizer_counters.get(optimizer, (None, -1))
+    if registered != n:
+        counter = counter or [0]
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                held = _param_counters.get(p, ())
+                if not any(c is counter for c in held):
+                    _param_counters[p] = held + (counter,)
+        _optimizer_counters[optimizer] = (counter, n)
+    counter[0] += 1
 
 
 _optimizer_step_hook = register_optimizer_step_post_hook(_after_optimizer_step)
