@@ -191,6 +191,67 @@ def test_layernorm_mlp_fp8_cpu(activation, seed):
 
 
 @needs_fp8
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("activation,bias,rows", [("swiglu", False, 96), ("gelu_erf", False, 40),
+                                                  ("swiglu", True, 96)])
+def test_fp8_activation_gradient_cast_by_its_kernel(device, activation, bias, rows, monkeypatch, seed):
+    """Delayed scaling with an amax history and no FC1 bias: the
+    activation-gradient kernel writes FC1's output gradient in FP8 (no
+    high-precision gradient, no cast of it; padded rows zero).  The step
+    gives the unfused path's gradients (the gradient in the input's dtype,
+    then quantize_grad) from the same scaling state, up to the one rounding
+    it saves, and records the gradient's amax.  With an FC1 bias the
+    unfused path runs (its gradient is the high-precision column sums)."""
+    import copy
+
+    from seqfuse.ops import act as A
+    from seqfuse.quantization.gemm_quantizers import GradQuantizer
+
+    dt = torch.bfloat16  # (the high-precision gradient is rounded to bf16 before the unfused cast)
+    m = te.LayerNormMLP(128, 256, activation=activation, normalization="RMSNorm", bias=bias,
+                        params_dtype=dt, device=device)
+    randomize(m)
+    x = torch.randn(rows, 128, device=device, dtype=dt, requires_grad=True)
+    dy = torch.randn(rows, 128, device=device, dtype=dt)
+    recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4)
+    for _ in range(2):  # an amax history for every tensor
+        with autocast(recipe=recipe):
+            m(x).backward(dy)
+    fp8_outs = []
+    act_backward = A.act_backward
+
+    def spy(*args, **kwargs):
+        fp8_outs.append(len(args) > 3 and args[3] is not None)
+        return act_backward(*args, **kwargs)
+
+    monkeypatch.setattr(A, "act_backward", spy)
+    grads, amaxes = [], []
+    for fused in (True, False):
+        mc = copy.deepcopy(m)
+        if not fused:
+            monkeypatch.setattr(GradQuantizer, "fused_cast", property(lambda self: False))
+        xc = x.detach().clone().requires_grad_()
+        with autocast(recipe=recipe):
+            y = mc(xc)
+        y.backward(dy)
+        grads.append([xc.grad] + [p.grad for p in mc.parameters()])
+        amaxes.append(mc.fp8_state.amax_history[0, 2].item())
+    assert fp8_outs == [not bias, False]
+    assert amaxes[0] > 0 and abs(amaxes[0] - amaxes[1]) <= 2 ** -7 * amaxes[1]  # (dh rounded to bf16 or not)
+    mc = copy.deepcopy(m)  # the step without FP8: both FP8 paths' errors against it
+    xc = x.detach().clone().requires_grad_()
+    mc(xc).backward(dy)
+    ref = [xc.grad] + [p.grad for p in mc.parameters()]
+    for name, g, u, r in zip(["x"] + [n for n, _ in m.named_parameters()], *grads, ref):
+        assert torch.isfinite(g).all(), name
+        if bias:
+            assert torch.equal(g, u), name
+        else:  # E5M2 from float32, or from bf16 (a second rounding): a few percent apart, no less exact
+            assert rel_error(g, u) < 0.06, name
+            assert rel_error(g, r) < 1.15 * rel_error(u, r) + 1e-3, name
+
+
+@needs_fp8
 def test_layernorm_linear_fp8_cpu(seed):
     m = te.LayerNormLinear(64, 48, device="cpu", return_layernorm_output=True)
     randomize(m)

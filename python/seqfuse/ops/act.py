@@ -74,15 +74,17 @@ def act_forward(x, activation, out_dtype=None, scale=None, amax=None, scale_inv=
     return y
 
 
-def act_backward(dy, x, activation, out_dtype=None, scale=None, amax=None, scale_inv=None):
-    """dx of the activation, given dy and the forward's input x."""
+def act_backward(dy, x, activation, out_dtype=None, scale=None, amax=None, scale_inv=None, out=None):
+    """dx of the activation, given dy and the forward's input x.  ``out``: dx
+    written there (x's shape, ``out_dtype``; the C entry checks) instead of a
+    new tensor."""
     op = "act_backward"
     code = _code(op, activation)
     _check_x(op, "x", x)
     _check_x(op, "dy", dy)
     x = detached(x).contiguous()
     dy = detached(dy).contiguous()
-    dx = empty(x.shape, _out_dtype(op, x, out_dtype), x.device)
+    dx = out if out is not None else empty(x.shape, _out_dtype(op, x, out_dtype), x.device)
     _C.act_backward(code, dy, x, dx, scale, amax, scale_inv, stream_for(x))
     return dx
 
