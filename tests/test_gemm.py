@@ -189,6 +189,53 @@ def test_cpu_fp8_bias_and_accumulate(seed):
     assert rel_error(acc, ref) < 1e-6
 
 
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_cpu_addend(dtype, seed):
+    """out = op(a) @ op(b) (+ bias) + addend: the residual read in the epilogue
+    (beta = 1 on another tensor), addend left as it was; addend may be out."""
+    a, b = make((12, 20), dtype), make((20, 16), dtype, trans=True)
+    c, bias = torch.randn(12, 16).to(dtype), torch.randn(16).to(dtype)
+    before = c.clone()
+    out = gemm(a, b, transb=True, bias=bias, addend=c)
+    ref = reference(a, b, False, True, bias=bias)[0] + before.double()
+    assert_close_rel(out, ref, dtype)
+    assert torch.equal(c, before)
+    gemm(a, b, transb=True, bias=bias, out=c, addend=c)  # in place: the same memory
+    assert torch.equal(c, out)
+
+
+@needs_fp8
+def test_cpu_fp8_addend(seed):
+    m, n, k = 32, 48, 64
+    qa, sa, da = QUANTIZERS["tensor"](torch.randn(m, k))
+    qb, sb, db = QUANTIZERS["tensor"](torch.randn(n, k))
+    c = torch.randn(m, n).bfloat16()
+    out = gemm_mod.fp8_gemm_nt(qa, sa, None, qb, sb, None, torch.empty(m, n, dtype=torch.bfloat16), addend=c,
+                               fast_accum=True)
+    ref = reference(qa, qb, False, True, a_deq=da, b_deq=db)[0] + c.double()
+    assert_close_rel(out, ref, torch.bfloat16)
+
+
+def test_error_addend():
+    a, b, c = torch.randn(5, 7), torch.randn(7, 3), torch.randn(5, 3)
+    with pytest.raises(ValueError, match="gemm: arguments 'accumulate' and 'addend' exclude each other"):
+        gemm(a, b, out=c.clone(), accumulate=True, addend=c)
+    with pytest.raises(ValueError, match=r"gemm: arguments 'accumulate' and 'addend' exclude each other"):
+        gemm(torch.randn(5, 0), torch.randn(0, 3), out=c.clone(), accumulate=True, addend=c)
+    with pytest.raises(ValueError, match=r"gemm: argument 'addend' must have shape \[m, n\] = \[5, 3\]"):
+        gemm(a, b, addend=torch.randn(5, 4))
+    with pytest.raises(TypeError, match="gemm: argument 'addend' must have dtype float32, got bfloat16"):
+        gemm(a, b, addend=c.bfloat16())
+    with pytest.raises(ValueError, match=r"gemm: argument 'addend' must have out's row stride \(3 elements\), "
+                                         r"got 6"):
+        gemm(a, b, addend=torch.randn(5, 6)[:, :3])
+    big = torch.randn(6, 3)
+    with pytest.raises(ValueError, match="gemm: argument 'addend' overlaps 'out' without being it"):
+        gemm(a, b, out=big[1:], addend=big[:5])
+    with pytest.raises(ValueError, match=r"gemm: argument 'addend' must have out's shape \[m, n\] = \[5, 3\]"):
+        gemm(torch.randn(5, 0), torch.randn(0, 3), addend=torch.randn(3, 5))
+
+
 # ---- errors ----------------------------------------------------------------
 
 def test_error_dtypes():
@@ -448,6 +495,46 @@ def test_cuda_fp8_tensor_scaled(mnk, fmts, out_dtype, fast_accum, seed):
         cpu = gemm(qa.cpu(), qb.cpu(), transb=True, a_scale_inv=sa.cpu(), b_scale_inv=sb.cpu(),
                    out_dtype=out_dtype)
         assert rel_error(out, cpu.double()) < 2 * tol
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mnk", [(256, 512, 1024), (4096, 2048, 2048), (208, 136, 72)])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cuda_addend(mnk, fp8, seed):
+    """cuBLASLt with C = addend (beta = 1) against the CPU reference and
+    float64, bf16 and FP8 (e4m3 x e4m3, fast accumulation: the forward
+    GEMM the modules add their residual in), with and without a bias; the
+    addend unchanged; in place (addend is out) the same bits."""
+    m, n, k = mnk
+    if fp8 and (m % 16 or n % 16 or k % 16):
+        pytest.skip("FP8 needs multiples of 16")
+    c = torch.randn(m, n, device="cuda").bfloat16()
+    bias = torch.randn(n, device="cuda").bfloat16()
+    before = c.clone()
+    for bb in (None, bias):
+        out = poisoned((m, n), torch.bfloat16)
+        if fp8:
+            qa, sa, da = QUANTIZERS["tensor"](torch.randn(m, k, device="cuda"))
+            qb, sb, db = QUANTIZERS["tensor"](torch.randn(n, k, device="cuda") * 0.1)
+            gemm_mod.fp8_gemm_nt(qa, sa, None, qb, sb, None, out, bias=bb, addend=c, fast_accum=True)
+            ref = reference(qa, qb, False, True, a_deq=da, b_deq=db, bias=bb)[0] + c.double()
+            cpu = gemm_mod.fp8_gemm_nt(qa.cpu(), sa.cpu(), None, qb.cpu(), sb.cpu(), None,
+                                       torch.empty(m, n, dtype=torch.bfloat16), bias=None if bb is None else bb.cpu(),
+                                       addend=c.cpu())
+        else:
+            a, b = make((m, k), torch.bfloat16, "cuda"), make((k, n), torch.bfloat16, "cuda", trans=True)
+            gemm(a, b, transb=True, bias=bb, out=out, addend=c)
+            ref = reference(a, b, False, True, bias=bb)[0] + c.double()
+            cpu = gemm(a.cpu(), b.cpu(), transb=True, bias=None if bb is None else bb.cpu(), addend=c.cpu())
+        assert torch.equal(c, before)
+        assert_close_rel(out, ref, torch.bfloat16, factor=2)
+        assert rel_error(out, cpu.double().cuda()) < 2e-2
+        inplace = c.clone()
+        if fp8:
+            gemm_mod.fp8_gemm_nt(qa, sa, None, qb, sb, None, inplace, bias=bb, addend=inplace, fast_accum=True)
+        else:
+            gemm(a, b, transb=True, bias=bb, out=inplace, addend=inplace)
+        assert torch.equal(inplace, out)
 
 
 @pytest.mark.cuda

@@ -285,6 +285,41 @@ static sf_status check_epilogue(const sf_gemm_args *g, sf_gemm_problem *p, int f
     return SF_OK;
 }
 
+/* The addend c (out = ... + c): out's shape, dtype, device and row stride
+ * (one layout for C and D in the plan), 16-byte aligned like out for FP8,
+ * and either out's own memory or none of it (cuBLASLt reads C while it
+ * writes D). */
+static sf_status check_addend(const sf_gemm_args *g, sf_gemm_problem *p, int fp8)
+{
+    const sf_tensor *c = g->addend;
+    if (g->accumulate)
+        return sf_fail(SF_ERR_VALUE,
+                       "%s: arguments 'accumulate' and 'addend' exclude each other (accumulate "
+                       "adds out's own values; addend adds another tensor's)",
+                       OP);
+    int64_t ld = 0;
+    SF_TRY(check_matrix_out("addend", c, p->m, p->n, &ld));
+    SF_TRY(sf_check_dtype(OP, "addend", c, p->out_dtype));
+    SF_TRY(sf_check_same_device(OP, "out", g->out, "addend", c));
+    if (ld != p->ld_out && p->m > 1)
+        return sf_fail(SF_ERR_VALUE,
+                       "%s: argument 'addend' must have out's row stride (%lld elements), got "
+                       "%lld",
+                       OP, (long long)p->ld_out, (long long)ld);
+    if (fp8)
+        SF_TRY(sf_check_aligned(OP, "addend", c, 16));
+    size_t bytes = (size_t)((p->m - 1) * p->ld_out + p->n) * sf_dtype_size(p->out_dtype);
+    const char *cb = (const char *)c->data, *ob = (const char *)p->out;
+    if (cb != ob && cb < ob + bytes && ob < cb + bytes)
+        return sf_fail(SF_ERR_VALUE,
+                       "%s: argument 'addend' overlaps 'out' without being it (the GEMM reads "
+                       "the addend while it writes out)",
+                       OP);
+    p->c = c->data;
+    p->accumulate = 1; /* beta = 1, read from c */
+    return SF_OK;
+}
+
 sf_status sf_gemm(const sf_gemm_args *g, sf_stream stream)
 {
     if (!g || !g->a || !g->b || !g->out)
@@ -333,6 +368,9 @@ sf_status sf_gemm(const sf_gemm_args *g, sf_stream stream)
     SF_TRY(check_epilogue(g, &p, fp8));
     p.epilogue = g->epilogue;
     p.accumulate = g->accumulate != 0;
+    p.c = p.accumulate ? p.out : NULL;
+    if (g->addend)
+        SF_TRY(check_addend(g, &p, fp8));
     p.fast_accum = g->fast_accum != 0;
     p.allow_tf32 = g->allow_tf32 != 0;
     p.alpha = g->alpha;

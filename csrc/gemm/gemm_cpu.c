@@ -122,7 +122,7 @@ sf_status sf_gemm_cpu(const sf_gemm_problem *p)
             float v = p->alpha * acc[i * n + j];
             int64_t o = i * p->ld_out + j;
             if (p->accumulate)
-                v += load_elem(p->out, p->out_dtype, o);
+                v += load_elem(p->c, p->out_dtype, o);
             if (bias_in)
                 v += load_elem(p->bias, p->bias_dtype, j);
             switch (e) {

@@ -63,7 +63,7 @@ struct PlanKey {
     int64_t m, n, k, lda, ldb, ldd, ld_aux;
     int32_t epilogue, scale_mode_a, scale_mode_b, has_scale;
     int32_t fast_accum, compute;
-    uint32_t align_a, align_b, align_d;
+    uint32_t align_a, align_b, align_c, align_d;
     uint64_t workspace_bytes;
 };
 
@@ -276,6 +276,7 @@ sf_status make_key(const sf_gemm_problem *p, PlanKey *k)
                                                               : CUBLAS_COMPUTE_32F;
     k->align_a = alignment(p->b.data);
     k->align_b = alignment(p->a.data);
+    k->align_c = alignment(p->accumulate ? p->c : p->out);
     k->align_d = alignment(p->out);
     k->workspace_bytes = p->workspace_bytes;
     return SF_OK;
@@ -403,7 +404,7 @@ sf_status choose_algo(cublasLtHandle_t h, const sf_gemm_problem *p, Plan *plan, 
         uint64_t ws = k->workspace_bytes;
         CA_TRY("setting MAX_WORKSPACE_BYTES",
                cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
-        uint32_t al[4] = {k->align_a, k->align_b, k->align_d, k->align_d};
+        uint32_t al[4] = {k->align_a, k->align_b, k->align_c, k->align_d};
         cublasLtMatmulPreferenceAttributes_t which[4] = {
             CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
             CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
@@ -499,8 +500,9 @@ sf_status run_locked(const sf_gemm_problem *p, cudaStream_t stream)
     Plan *plan = NULL;
     SF_TRY(lookup_locked(h, p, &plan));
     float alpha = p->alpha, beta = p->accumulate ? 1.0f : 0.0f;
+    const void *c = p->accumulate ? p->c : p->out; /* (read only when beta = 1) */
     LT_TRY("Matmul", cublasLtMatmul(h, plan->desc, &alpha, p->b.data, plan->la, p->a.data, plan->lb,
-                                    &beta, p->out, plan->ld, p->out, plan->ld, &plan->algo,
+                                    &beta, c, plan->ld, p->out, plan->ld, &plan->algo,
                                     p->workspace, p->workspace_bytes, stream));
     return SF_OK;
 }

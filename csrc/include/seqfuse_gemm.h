@@ -5,11 +5,13 @@
  *
  * Conventions (row-major, as torch sees tensors):
  *
- *     out[m, n] = epilogue(alpha * op(a) @ op(b) + beta * out)
+ *     out[m, n] = epilogue(alpha * op(a) @ op(b) + beta * c)
  *
  *   op(a) = a   ([m, k]) when transa == 0, a^T when transa == 1 (a is [k, m]);
  *   op(b) = b   ([k, n]) when transb == 0, b^T when transb == 1 (b is [n, k]);
- *   beta = 1 when `accumulate`, else 0 (out is then write-only).
+ *   beta = 1 when `accumulate` (c = out: its current values) or when an
+ *   `addend` is given (c = addend, out then write-only: a residual added in
+ *   the GEMM's epilogue instead of a pass of its own), else 0.
  *
  * An operand may be row-major or column-major (a transposed view): the entry
  * folds a column-major view into the transpose flag, so `w.t()` can be passed
@@ -51,7 +53,7 @@ typedef enum sf_gemm_epilogue {
     SF_GEMM_EPI_BGRAD = 8,         /* out = acc, bias[m] = sum_k op(a)[m, k]     */
     SF_GEMM_EPI_COUNT = 9,
 } sf_gemm_epilogue;
-/* acc = alpha * op(a) @ op(b) + beta * out.  gelu is the tanh approximation
+/* acc = alpha * op(a) @ op(b) + beta * c (c: addend, or out).  gelu is the tanh approximation
  * (what cuBLASLt computes).  aux has out's shape [m, n] and dtype; in the
  * bias-gradient epilogues `bias` is an output. */
 
@@ -78,6 +80,8 @@ typedef struct sf_gemm_args {
     int allow_tf32;                /* fp32 operands: TF32 tensor cores */
     float alpha;
     sf_tensor *workspace;          /* CUDA: uint8 scratch for cuBLASLt, or NULL */
+    const sf_tensor *addend;       /* [m, n], out's dtype and row stride, or NULL; not with
+                                    * accumulate; the same memory as out or none of it */
 } sf_gemm_args;
 
 /* Fill args with the defaults: no scales, no epilogue, alpha 1, tf32 on. */

@@ -30,7 +30,8 @@ static const sf_py_arg gemm_args[] = {
     SF_INT(transb),    SF_OT(a_scale_inv),   SF_OT(b_scale_inv), SF_INT(a_scaling),
     SF_INT(b_scaling), SF_OT(bias),          SF_OT(aux),         SF_INT(epilogue),
     SF_INT(accumulate), SF_INT(fast_accum),  SF_INT(allow_tf32), SF_FLOAT(alpha),
-    SF_OT(workspace),  SF_INT(a_format),     SF_INT(b_format),   SF_STREAM};
+    SF_OT(workspace),  SF_INT(a_format),     SF_INT(b_format),   SF_OT_NONE(addend),
+    SF_STREAM};
 
 static int gemm_prepare(sf_py_frame *f)
 {
@@ -48,11 +49,11 @@ static sf_status gemm_call(sf_py_value *v, sf_stream s)
         .b_scaling = (sf_gemm_scaling)v[8].i, .bias = v[9].t, .aux = v[10].t,
         .epilogue = (sf_gemm_epilogue)v[11].i, .accumulate = v[12].i != 0,
         .fast_accum = v[13].i != 0, .allow_tf32 = v[14].i != 0, .alpha = (float)v[15].f,
-        .workspace = v[16].t};
+        .workspace = v[16].t, .addend = v[19].t};
     return sf_gemm(&g, s);
 }
 SF_PY_BINDING_FULL(gemm, "gemm", gemm_args, gemm_call, gemm_prepare, NULL, NULL,
-                   "out = epilogue(alpha * op(a) @ op(b) + beta * out). See seqfuse.ops.gemm.");
+                   "out = epilogue(alpha * op(a) @ op(b) + beta * (addend or out)). See seqfuse.ops.gemm.");
 
 const sf_py_binding *const sf_py_gemm_bindings[] = {&gemm_binding, NULL};
 

@@ -13,12 +13,15 @@ scale per tensor.  The quantizers pad the token rows of x and dy to a
 multiple of 16 (zeros), so y and dx come back with padded rows and are cut
 to the real ones with ``row_prefix``.
 """
+import logging
+
 import torch
 
 from ..ops.gemm import fp8_gemm_nt
 from ..quantization import gemm_quantizers as gq
 
 row_prefix = gq.row_prefix
+_log = logging.getLogger("seqfuse")
 
 
 def _bias(bias, out_dtype):
@@ -89,20 +92,41 @@ def restore(data, scale_inv, kind, weight=False):
     return data, scale_inv, "block_128x128" if weight else "block_1x128"
 
 
-def gemm(a, b, out_dtype, *, bias=None, fast_accum=False, out=None, accumulate=False):
+def gemm(a, b, out_dtype, *, bias=None, fast_accum=False, out=None, accumulate=False, addend=None):
     """a [m, k] @ b [n, k]^T over FP8 operand triples, into ``out`` (with
-    ``accumulate``: added to it) or a new [m, n] tensor of ``out_dtype``."""
+    ``accumulate``: added to it) or a new [m, n] tensor of ``out_dtype``
+    (``addend``: plus that [m, n] tensor, in the epilogue)."""
     if out is None:
         out = torch.empty(a[0].shape[0], b[0].shape[0], dtype=out_dtype, device=a[0].device)
     return fp8_gemm_nt(a[0], a[1], a[2], b[0], b[1], b[2], out, bias=_bias(bias, out.dtype),
-                           accumulate=accumulate, fast_accum=fast_accum)
+                       accumulate=accumulate, fast_accum=fast_accum, addend=addend)
 
 
-def forward(xq, pair, kind, out_dtype, bias, rows):
-    """y [rows, N] = x W^T (+ bias) from the quantized input and weight."""
-    y = gemm(rowwise(xq, kind), weight_forward(pair, kind), out_dtype, bias=bias,
-             fast_accum=kind != "block")
-    return row_prefix(y, rows)
+def forward(xq, pair, kind, out_dtype, bias, rows, residual=None):
+    """y [rows, N] = x W^T (+ bias) (+ residual [rows, N], out_dtype) from the
+    quantized input and weight.  The residual is added in the GEMM's
+    epilogue where the operands' rows are the real ones and it is 16-byte
+    aligned (cuBLASLt's FP8 rule for C); where the input's token rows were
+    padded to a multiple of 16 (the GEMM's output then has more rows than
+    the residual) or it is not aligned, it is added after the GEMM (logged
+    once)."""
+    a, w = rowwise(xq, kind), weight_forward(pair, kind)
+    fused = residual is not None and a[0].shape[0] == rows and residual.data_ptr() % 16 == 0
+    if fused:
+        return gemm(a, w, out_dtype, bias=bias, fast_accum=kind != "block", addend=residual)
+    y = row_prefix(gemm(a, w, out_dtype, bias=bias, fast_accum=kind != "block"), rows)
+    if residual is None:
+        return y
+    if not _logged_unfused_residual:
+        _logged_unfused_residual.append(True)
+        _log.info("seqfuse FP8: a residual is added after its GEMM, not in its epilogue (%d token rows padded "
+                  "to %d for the FP8 GEMMs; residual at %s16-byte alignment): row counts that are multiples of "
+                  "16 and aligned residuals take the epilogue", rows, a[0].shape[0],
+                  "" if residual.data_ptr() % 16 == 0 else "no ")
+    return y + residual
+
+
+_logged_unfused_residual = []
 
 
 def wgrad_dtype(w_dtype):

@@ -34,3 +34,20 @@ def check_storage(cls, name, t):
         raise ValueError(f"{cls}: {name} needs {need} bytes of storage (its shape, strides and offset) "
                          f"but its storage holds {have}; was the storage resized "
                          "(untyped_storage().resize_()) or freed after the tensor was made?")
+
+
+def check_residual(cls, residual, out_shape, dtype, device):
+    """``residual`` as the 2-D [rows, features] addend of a module's last GEMM
+    (added in its epilogue), or a TypeError / ValueError naming the rule: a
+    tensor of the output's shape, dtype and device."""
+    if not isinstance(residual, torch.Tensor):
+        raise TypeError(f"{cls}: residual must be a torch.Tensor or None, got {type(residual).__name__}")
+    if tuple(residual.shape) != tuple(out_shape):
+        raise ValueError(f"{cls}: residual must have the output's shape {tuple(out_shape)}, got "
+                         f"{tuple(residual.shape)}")
+    if residual.dtype != dtype:
+        raise TypeError(f"{cls}: residual must have the output's dtype {dtype} (the GEMM adds it in its "
+                        f"epilogue, in the output's dtype), got {residual.dtype}")
+    if residual.device != device:
+        raise ValueError(f"{cls}: residual must be on the input's device {device}, got {residual.device}")
+    return residual.reshape(-1, out_shape[-1])

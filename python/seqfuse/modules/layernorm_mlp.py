@@ -73,7 +73,7 @@ from . import _fp8 as F8
 from ._base import (as_dtype, fp8_norm, main_grad_for, weight_and_bias_grads,
                     fp8_quantizers, hidden_dim, init_weight, make_norm_params, norm_backward,
                     norm_forward, norm_output, norm_param, reset_norm_params, take_norm_module_options)
-from ._input import check_input
+from ._input import check_input, check_residual
 from .te_compat import materialize, rng_fork
 
 _log = logging.getLogger("seqfuse")
@@ -86,7 +86,7 @@ ACTIVATIONS = ("gelu", "gelu_erf", "relu", "silu", "swiglu", "geglu", "reglu", "
 class _LayerNormMLPFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ln_w, ln_b, w1, b1, w2, b2, eps, rms, zc, activation, q, ckpt=False, ret_ln=False,
-                first_mb=None, recompute_act=False, grad=True):
+                first_mb=None, recompute_act=False, grad=True, residual=None):
         hidden = x.shape[-1]
         x2 = x.reshape(-1, hidden)
         lnw, lnb = norm_param(ln_w, x2), norm_param(ln_b, x2)
@@ -102,7 +102,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
             h = F8.forward(lnq, p1, kind, dt, as_dtype(b1, dt), rows)
             aq = _fp8_act(q, h, activation, need_w2)
             p2 = q.weights[1].get(w2, first_mb, transposed=want_t)
-            out = F8.forward(aq, p2, kind, dt, as_dtype(b2, dt), rows)
+            out = F8.forward(aq, p2, kind, dt, as_dtype(b2, dt), rows, residual)
             ln_col = F8.saved(F8.columnwise(lnq, kind)) if need_w1 else (None, None)
             a_col = F8.saved(F8.columnwise(aq, kind)) if need_w2 else (None, None)
             ctx.save_for_backward(x2, lnw, mean, rstd, h, *ln_col, *a_col,
@@ -113,7 +113,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
         else:
             w1c, w2c, b1c = as_dtype(w1, dt), as_dtype(w2, dt), as_dtype(b1, dt)
             ln, mean, rstd, h, a = _fc1_act(x2, lnw, lnb, eps, rms, zc, w1c, b1c, activation)
-            out = ops.gemm(a, w2c, transb=True, bias=as_dtype(b2, dt))
+            out = ops.gemm(a, w2c, transb=True, bias=as_dtype(b2, dt), addend=residual)
             if ckpt:  # keep what the recompute needs, not the [tokens, ffn] activations
                 ctx.save_for_backward(x2, lnw, lnb, mean, rstd, b1c, w1c, w2c)
             else:  # the norm output is made again in the backward (one norm pass), unless returned;
@@ -180,7 +180,8 @@ class _LayerNormMLPFn(torch.autograd.Function):
         dx, dg, db = norm_backward(dln, x2, mean, rstd, lnw, rms, zc, has_ln_bias)
         return (dx.view(x_shape), as_dtype(dg, lnw_dt), as_dtype(db, lnw_dt), as_dtype(dw1, w1_dt),
                 as_dtype(db1, b1_dt), as_dtype(dw2, w2_dt), as_dtype(db2, b2_dt),
-                None, None, None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None,
+                dout2 if ctx.needs_input_grad[17] else None)
 
 
 def _fc1_act(x2, lnw, lnb, eps, rms, zc, w1c, b1c, activation):
@@ -283,21 +284,27 @@ class LayerNormMLP(torch.nn.Module):
                 if b is not None:
                     b.zero_()
 
-    def forward(self, inp, is_first_microbatch=None):
-        """is_first_microbatch (TE): as LayerNormLinear's, for both weights."""
+    def forward(self, inp, is_first_microbatch=None, residual=None):
+        """is_first_microbatch (TE): as LayerNormLinear's, for both weights.
+        residual (seqfuse's): a tensor of the output's shape and dtype (the
+        input's) added in FC2's GEMM epilogue, ``out = FC2(...) + residual``
+        with no pass of its own (a pre-norm block's ``x + mlp(x)`` is
+        ``mlp(x, residual=x)``); its gradient is out's."""
         check_input("LayerNormMLP", inp, self.hidden_size, "hidden_size")
+        if residual is not None:
+            residual = check_residual("LayerNormMLP", residual, inp.shape, inp.dtype, inp.device)
         q = fp8_quantizers(self, inp)
         args = (inp, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight, self.fc1_bias,
                 self.fc2_weight, None if self.return_bias else self.fc2_bias, self.eps,
                 self.normalization == "RMSNorm", self.zero_centered_gamma, self.activation, q)
         ret_ln = self.return_layernorm_output
-        out = self._run(args, q, ret_ln, is_first_microbatch)
+        out = self._run(args, q, ret_ln, is_first_microbatch, residual)
         if not self.return_bias:
             return out
         bias = self.fc2_bias.to(inp.dtype) if self.fc2_bias is not None else None
         return (out[0], bias, out[1]) if ret_ln else (out, bias)
 
-    def _run(self, args, q, ret_ln, first_mb):
+    def _run(self, args, q, ret_ln, first_mb, residual):
         if self.checkpoint and q is not None and torch.is_grad_enabled():
             global _logged_fp8_checkpoint
             if not _logged_fp8_checkpoint:
@@ -306,9 +313,9 @@ class LayerNormMLP(torch.nn.Module):
                 _logged_fp8_checkpoint = True
             from ..quantization import checkpoint as fp8_checkpoint
             # ckpt False (the checkpoint is this call), recompute_act False, grad True (autograd is on here)
-            return fp8_checkpoint(_LayerNormMLPFn.apply, *args, False, ret_ln, first_mb, False, True)
+            return fp8_checkpoint(_LayerNormMLPFn.apply, *args, False, ret_ln, first_mb, False, True, residual)
         return _LayerNormMLPFn.apply(*args, self.checkpoint, ret_ln, first_mb, self.recompute_activation,
-                                     torch.is_grad_enabled())
+                                     torch.is_grad_enabled(), residual)
 
     fp8_num_gemms = 2
 

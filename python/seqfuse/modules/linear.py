@@ -59,7 +59,7 @@ from .. import quantization as _q
 from ..quantization import gemm_quantizers as _gq
 from . import _fp8 as F8
 from ._base import compute_dtype, main_grad_for, set_linear_options, weight_and_bias_grads
-from ._input import check_input
+from ._input import check_input, check_residual
 from ._split import fused_params, install_split, parse_split, reset_split, weight_sources
 from .te_compat import materialize, refuse_fp8_io, rng_fork, take_refused
 
@@ -73,16 +73,17 @@ def _default_device():
 class LinearFunction(torch.autograd.Function):
     """Autograd of y = x W^T + b in one compute dtype (bf16, fp16 or fp32).
 
-    forward(x [tokens, in], weight [out, in], bias [out] or None, dtype)
+    forward(x [tokens, in], weight [out, in], bias [out] or None, dtype,
+    residual [tokens, out] in dtype or None: added in the GEMM's epilogue)
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, dtype):
+    def forward(ctx, x, weight, bias, dtype, residual=None):
         xc = x if x.dtype == dtype else x.to(dtype)
         wc = _gq.high_precision(weight)  # (an FP8-gathered weight outside FP8 autocast)
         wc = wc if wc.dtype == dtype else wc.to(dtype)
         bc = None if bias is None else (bias if bias.dtype == dtype else bias.to(dtype))
-        y = ops.gemm(xc, wc, transb=True, bias=bc)
+        y = ops.gemm(xc, wc, transb=True, bias=bc, addend=residual)
         ctx.save_for_backward(xc, wc)
         ctx.weight = weight  # for main_grad (the parameter object, not saved data)
         ctx.has_bias = bias is not None
@@ -104,7 +105,7 @@ class LinearFunction(torch.autograd.Function):
             db = db.to(ctx.bias_dtype)
         if dw is not None and dw.dtype != weight.dtype:
             dw = dw.to(weight.dtype)
-        return dx, dw, db, None
+        return dx, dw, db, None, (dy if ctx.needs_input_grad[4] else None)
 
 
 class Linear(torch.nn.Module):
@@ -184,12 +185,16 @@ class Linear(torch.nn.Module):
                 f"bias={self.use_bias}, params_dtype={dtype}"
                 + (f", parameters_split={[name for name, _ in split]}" if split else ""))
 
-    def forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False):
+    def forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False, residual=None):
         """y for inp [..., in_features].  is_first_microbatch (TE): under
         FP8, True re-quantizes the weight, False reuses the quantized weight
         of the previous call (gradient-accumulation micro-batches), None
         re-quantizes only when the weight changed.  fp8_output / fp8_grad
-        (TE): refused when set."""
+        (TE): refused when set.  residual (seqfuse's, what TE's operation
+        fuser calls an extra input added after a linear): a tensor of the
+        output's shape and dtype added to y in the GEMM's epilogue,
+        ``y = x W^T + b + residual`` with no pass of its own; its gradient
+        is y's."""
         refuse_fp8_io("Linear", fp8_output, fp8_grad)
         check_input("Linear", inp, self.in_features, "in_features")
         weight, bias = fused_params(self, "Linear")
@@ -197,13 +202,16 @@ class Linear(torch.nn.Module):
         x = inp.reshape(-1, self.in_features)
         dtype = compute_dtype(inp, weight)
         use_bias = None if self.return_bias else bias
+        if residual is not None:
+            residual = check_residual("Linear", residual, (*lead, self.out_features), dtype, inp.device)
         recipe = _active_fp8_recipe()
         if recipe is not None:
             q = _gq.quantizers_for(self, recipe, x.device)
             y = Fp8LinearFunction.apply(x, weight, use_bias, q, dtype,
-                                        (is_first_microbatch, weight_sources(self), torch.is_grad_enabled()))
+                                        (is_first_microbatch, weight_sources(self), torch.is_grad_enabled()),
+                                        residual)
         else:
-            y = LinearFunction.apply(x, weight, use_bias, dtype)
+            y = LinearFunction.apply(x, weight, use_bias, dtype, residual)
         if inp.dim() != 2:  # a 2-D input gets the Function's output itself, not a view of it
             y = y.view(*lead, self.out_features)
         if self.return_bias:
@@ -227,21 +235,21 @@ class Fp8LinearFunction(torch.autograd.Function):
     seqfuse.modules._fp8).
 
     forward(x [tokens, in], weight, bias, quantizers, dtype,
-    (is_first_microbatch, weight sources, grad)): dtype is the output
+    (is_first_microbatch, weight sources, grad), residual or None): dtype is the output
     (activation) dtype; the first two are WeightQuantizer.get's arguments,
     ``grad`` whether autograd was on at the call (inside forward it is
     always off): without it no backward follows and the weight's
     transposed FP8 copy is not made (gemm_quantizers.wants_weight_transpose)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, q, dtype, weight_args):
+    def forward(ctx, x, weight, bias, q, dtype, weight_args, residual=None):
         need_w = ctx.needs_input_grad[1]  # False under no_grad: no transposed input copy
         kind = q.kind
         first_mb, sources, grad = weight_args
         want_t = _gq.wants_weight_transpose(grad and any(ctx.needs_input_grad), q.weights[0])
         pair = q.weights[0].get(weight, first_mb, sources, transposed=want_t)
         xq = q.inputs[0].quantize(x.detach(), transpose=need_w)
-        y = F8.forward(xq, pair, kind, dtype, bias, x.shape[0])
+        y = F8.forward(xq, pair, kind, dtype, bias, x.shape[0], residual)
         x_col = F8.saved(F8.columnwise(xq, kind)) if need_w else (None, None)
         w_data, w_si = F8.weight_kept(pair, kind, want_t)
         ctx.want_t = want_t
@@ -269,4 +277,4 @@ class Fp8LinearFunction(torch.autograd.Function):
                                  kind, ctx.dtype, ctx.rows, need_dx, need_dw, weight.dtype, main_grad)
         elif need_db:
             db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, (dy if ctx.needs_input_grad[6] else None)

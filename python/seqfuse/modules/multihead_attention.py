@@ -242,10 +242,12 @@ class MultiheadAttention(torch.nn.Module):
                 core_attention_bias=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_kv=None,
                 max_seqlen_q=None, max_seqlen_kv=None, fast_zero_fill=True, qkv_format=None,
                 bottom_right_diagonal=None, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
-                pad_between_seqs=None):
-        """TE's forward.  seqfuse extension: ``qkv_format`` overrides the
+                pad_between_seqs=None, residual=None):
+        """TE's forward.  seqfuse extensions: ``qkv_format`` overrides the
         layout given at construction for this call (one model can take padded
-        bshd and packed thd batches).  ``checkpoint_core_attention=True``
+        bshd and packed thd batches); ``residual`` (the output's shape and
+        dtype) is added in the output projection's GEMM epilogue
+        (Linear's residual).  ``checkpoint_core_attention=True``
         recomputes the core attention in the backward
         (seqfuse.quantization.checkpoint: FP8 settings kept, dropout's random
         state restored).  ``fast_zero_fill`` is a speed hint of TE's (how its
@@ -326,7 +328,8 @@ class MultiheadAttention(torch.nn.Module):
                 context = recompute(self.core_attention, q, k, v, **attn_kw)
             else:
                 context = self.core_attention(q, k, v, **attn_kw)
-        out = self.proj(context, is_first_microbatch=is_first_microbatch)  # (output, bias) with return_bias
+        # (output, bias) with return_bias
+        out = self.proj(context, is_first_microbatch=is_first_microbatch, residual=residual)
         outputs = list(out) if self.return_bias else [out]
         if self.return_layernorm_output and self.input_layernorm:
             outputs.append(ln_out)  # TE's order: output, bias, norm output

@@ -37,12 +37,18 @@ separate query/key/value parameters, still one QKV GEMM (see
 MultiheadAttention).  Unlike TE, ``device``
 defaults to the GPU only where seqfuse can use one (else the CPU).
 """
+import logging
+
 import torch
 
 from .layernorm_mlp import LayerNormMLP
 from .multihead_attention import MultiheadAttention, given
 from .norm import LayerNorm, RMSNorm
+from ._base import compute_dtype
 from .te_compat import take_refused
+
+_log = logging.getLogger("seqfuse")
+_logged_unfused_residual = []
 
 
 class TransformerLayer(torch.nn.Module):
@@ -140,6 +146,22 @@ class TransformerLayer(torch.nn.Module):
             out = out.div(keep) * mask
         return residual + out
 
+    def _residual_fusable(self, residual, out_dtype):
+        """Whether a pre-norm residual branch is added in its last GEMM's
+        epilogue (the attention's output projection, the MLP's FC2): no
+        hidden dropout or drop path now, and the residual in the branch
+        output's dtype (float32 hidden states under a bfloat16 autocast are
+        added after the GEMM, said once in a log line)."""
+        if self.training and (self.hidden_dropout > 0.0 or self.drop_path_rate > 0.0):
+            return False
+        if residual.dtype == out_dtype:
+            return True
+        if not _logged_unfused_residual:
+            _logged_unfused_residual.append(True)
+            _log.info("TransformerLayer: residual adds run after the GEMMs, not in their epilogues: the hidden "
+                      "states are %s and the layer computes in %s (autocast)", residual.dtype, out_dtype)
+        return False
+
     def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream, cp_comm_type="p2p"):
         """TE's call: context parallelism for every attention block of the
         layer (MultiheadAttention.set_context_parallel_group)."""
@@ -167,6 +189,11 @@ class TransformerLayer(torch.nn.Module):
                                       "enc_dec_attn_mask_type sets the sliding-window diagonal")
         if inference_params is not None:
             raise NotImplementedError("TransformerLayer: inference_params (KV cache) is not supported")
+        post_ln = self.apply_residual_connection_post_layernorm
+        # residual + branch (not post-LN, not parallel) goes into the branch GEMM's epilogue
+        plain_adds = not post_ln and not self.parallel_attention_mlp and isinstance(hidden_states, torch.Tensor)
+        fuse_attn = plain_adds and self._residual_fusable(
+            hidden_states, compute_dtype(hidden_states, self.self_attention.proj.weight))
         attn_out = self.self_attention(
             hidden_states, attention_mask=attention_mask,
             attn_mask_type=self_attn_mask_type or self.self_attn_mask_type,
@@ -177,8 +204,7 @@ class TransformerLayer(torch.nn.Module):
             max_seqlen_kv=max_seqlen_kv, qkv_format=qkv_format, is_first_microbatch=is_first_microbatch,
             checkpoint_core_attention=checkpoint_core_attention, bottom_right_diagonal=bottom_right_diagonal,
             cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded,
-            pad_between_seqs=pad_between_seqs)
-        post_ln = self.apply_residual_connection_post_layernorm
+            pad_between_seqs=pad_between_seqs, residual=hidden_states if fuse_attn else None)
         if post_ln and not self.output_layernorm:  # the residual is the norm's output
             attn_out, residual = attn_out
         else:
@@ -186,7 +212,7 @@ class TransformerLayer(torch.nn.Module):
         if self.parallel_attention_mlp:  # attention and MLP both read the layer's input
             mlp_out = self.layernorm_mlp(hidden_states, is_first_microbatch=is_first_microbatch)
             return self._residual(hidden_states, attn_out + mlp_out, drop_path=True)
-        x = self._residual(residual, attn_out, drop_path=True)
+        x = attn_out if fuse_attn else self._residual(residual, attn_out, drop_path=True)
         if self.layer_type == "decoder":
             if encoder_output is None:
                 raise ValueError("TransformerLayer: layer_type 'decoder' needs encoder_output")
@@ -200,9 +226,12 @@ class TransformerLayer(torch.nn.Module):
                 checkpoint_core_attention=checkpoint_core_attention)
             cross, residual = cross if post_ln else (cross, x)
             x = self._residual(residual, cross)
-        mlp_out = self.layernorm_mlp(x, is_first_microbatch=is_first_microbatch)
-        mlp_out, residual = mlp_out if post_ln else (mlp_out, x)
-        out = self._residual(residual, mlp_out, drop_path=True)
+        if plain_adds and self._residual_fusable(x, x.dtype):
+            out = self.layernorm_mlp(x, is_first_microbatch=is_first_microbatch, residual=x)
+        else:
+            mlp_out = self.layernorm_mlp(x, is_first_microbatch=is_first_microbatch)
+            mlp_out, residual = mlp_out if post_ln else (mlp_out, x)
+            out = self._residual(residual, mlp_out, drop_path=True)
         return self.layernorm(out) if self.output_layernorm else out
 
     def extra_repr(self):

@@ -84,8 +84,8 @@ def _scaling_code(name, scale_inv, arg):
 def gemm(a, b, *, transa=False, transb=False, out=None, out_dtype=None, bias=None,
          epilogue="none", aux=None, accumulate=False, a_scale_inv=None, b_scale_inv=None,
          a_scaling=None, b_scaling=None, fast_accum=False, allow_tf32=None, alpha=1.0,
-         workspace=None):
-    """``epilogue(alpha * op(a) @ op(b) [+ out])`` as one cuBLASLt call.
+         workspace=None, addend=None):
+    """``epilogue(alpha * op(a) @ op(b) [+ out or + addend])`` as one cuBLASLt call.
 
     a, b: 2-D tensors, both float32 / float16 / bfloat16 (the same), or both
         float8 (e4m3fn, or one e5m2: the gradient GEMMs).  op(a) is [m, k],
@@ -93,6 +93,10 @@ def gemm(a, b, *, transa=False, transb=False, out=None, out_dtype=None, bias=Non
     transa, transb: use a.t() / b.t().
     out: [m, n] row-major output (allocated when None); with
         ``accumulate=True`` its current values are added (beta = 1).
+    addend: [m, n] in out's dtype and row stride, added in the epilogue
+        (beta = 1 on another tensor: a residual added with no pass of its
+        own); not with ``accumulate``; out may be the addend itself, not
+        part of it.
     out_dtype: dtype of a new ``out``: the operands' dtype by default,
         bfloat16 for float8 operands; float32 is always allowed.
     bias: [n] added before the activation (forward epilogues).
@@ -128,7 +132,7 @@ def gemm(a, b, *, transa=False, transb=False, out=None, out_dtype=None, bias=Non
         raise ValueError(f"gemm: argument 'epilogue' must be one of {EPILOGUES}, got {epilogue!r}")
     if bias is not None and epilogue in _WITH_BIAS:
         epilogue = _WITH_BIAS[epilogue]
-    a, b, bias, aux = detached(a), detached(b), detached(bias), detached(aux)
+    a, b, bias, aux, addend = detached(a), detached(b), detached(bias), detached(aux), detached(addend)
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"gemm: arguments 'a' and 'b' must be 2-D, got {a.dim()}-D and {b.dim()}-D")
     m = a.shape[1] if transa else a.shape[0]
@@ -155,7 +159,10 @@ def gemm(a, b, *, transa=False, transb=False, out=None, out_dtype=None, bias=Non
             bias = torch.empty(m if epilogue == "bgrad" else n, dtype=bias_dtype, device=a.device)
         extra = bias
     if m == 0 or n == 0 or k == 0:
-        _empty_product(a, transa, out, bias, aux, epilogue, accumulate, m, n, k)
+        if addend is not None and accumulate:
+            raise ValueError("gemm: arguments 'accumulate' and 'addend' exclude each other (accumulate adds out's "
+                             "own values; addend adds another tensor's)")
+        _empty_product(a, transa, out, bias, aux, epilogue, accumulate, m, n, k, addend)
     else:
         a_code = _scaling_code(a_scaling, a_scale_inv, "a_scale_inv")
         b_code = _scaling_code(b_scaling, b_scale_inv, "b_scale_inv")
@@ -168,7 +175,7 @@ def gemm(a, b, *, transa=False, transb=False, out=None, out_dtype=None, bias=Non
             a, b = a.view(torch.uint8), b.view(torch.uint8) if b_fmt else b
         _C.gemm(a, b, out, transa, transb, a_scale_inv, b_scale_inv, a_code, b_code, bias, aux,
                 _EPI[epilogue], accumulate, fast_accum, tf32_of(allow_tf32, a.dtype),
-                as_float("gemm", "alpha", alpha), workspace, a_fmt, b_fmt, stream_for(a))
+                as_float("gemm", "alpha", alpha), workspace, a_fmt, b_fmt, addend, stream_for(a))
     return out if extra is None else (out, extra)
 
 
@@ -181,14 +188,15 @@ FP8_ROW_MULTIPLE = 16
 
 
 def fp8_gemm_nt(a, a_scale_inv, a_scaling, b, b_scale_inv, b_scaling, out, *, bias=None,
-                accumulate=False, fast_accum=False):
+                accumulate=False, fast_accum=False, addend=None):
     """``out [m, n] (+)= a [m, k] @ b [n, k]^T (+ bias)``: :func:`gemm` with
     ``transb=True`` over two float8 operands that seqfuse's quantizers made
     (the FP8 GEMM modules' forward, input-gradient and weight-gradient
     products), into ``out`` the caller made (with ``accumulate`` its values
     are added).  ``a_scaling`` / ``b_scaling``: None or "tensor" (one scale
     per tensor), "block_1x128" or "block_128x128".  ``bias`` [n] in the output's
-    bfloat16 / float16.  The hot path of those modules: only the ranks its
+    bfloat16 / float16; ``addend`` [m, n] (out's dtype and row stride) added
+    in the epilogue, as :func:`gemm`'s.  The hot path of those modules: only the ranks its
     shape arithmetic needs are checked here (the C entry checks every tensor
     and names it); an empty product goes through :func:`gemm`.  Returns
     ``out``."""
@@ -204,7 +212,8 @@ def fp8_gemm_nt(a, a_scale_inv, a_scaling, b, b_scale_inv, b_scaling, out, *, bi
         raise
     if not (m and n and k):
         return gemm(a, b, transb=True, out=out, bias=bias, accumulate=accumulate, a_scale_inv=a_scale_inv,
-                    b_scale_inv=b_scale_inv, a_scaling=a_scaling, b_scaling=b_scaling, fast_accum=fast_accum)
+                    b_scale_inv=b_scale_inv, a_scaling=a_scaling, b_scaling=b_scaling, fast_accum=fast_accum,
+                    addend=addend)
     if bias is not None and bias.requires_grad:
         bias = bias.detach()
     workspace = workspace_for(a.device) if a.is_cuda else None
@@ -215,7 +224,7 @@ def fp8_gemm_nt(a, a_scale_inv, a_scaling, b, b_scale_inv, b_scaling, out, *, bi
         a, b = a.view(torch.uint8), b.view(torch.uint8)
     _C.gemm(a, b, out, False, True, a_scale_inv, b_scale_inv, a_code, b_code, bias, None,
             _EPI_NONE if bias is None else _EPI_BIAS, accumulate, fast_accum, False, 1.0, workspace, a_fmt, b_fmt,
-            stream_for(a))
+            addend, stream_for(a))
     return out
 
 
@@ -236,18 +245,23 @@ def _fp8_gemm_nt_refusal(a, a_scaling, b, b_scaling):
         raise ValueError(f"fp8_gemm_nt: arguments 'a' and 'b' must be 2-D, got {a.dim()}-D and {b.dim()}-D")
 
 
-def _empty_product(a, transa, out, bias, aux, epilogue, accumulate, m, n, k):
+def _empty_product(a, transa, out, bias, aux, epilogue, accumulate, m, n, k, addend=None):
     """m, n or k is 0: cuBLASLt takes no such problem, and the answer needs no
     GEMM: the product is all zeros (k == 0), so only the epilogue remains."""
     if a.dtype not in _FLOAT_DTYPES + FP8_DTYPES:
         raise TypeError(f"gemm: argument 'a' has dtype {a.dtype}, which gemm does not take")
+    if addend is not None and (not isinstance(addend, torch.Tensor) or addend.shape != out.shape
+                               or addend.dtype != out.dtype or addend.device != out.device):
+        raise ValueError(f"gemm: argument 'addend' must have out's shape [m, n] = [{m}, {n}], dtype {out.dtype} "
+                         f"and device {out.device}")
     if m == 0 or n == 0:
         if epilogue == "dgelu_bgrad":
             bias.zero_()  # a sum over no rows (or an empty vector)
         elif epilogue == "bgrad" and m > 0:  # n == 0 does not empty op(a)
             bias.copy_(a.float().sum(0 if transa else 1) if k > 0 else 0)
         return
-    acc = out.float() if accumulate else torch.zeros((m, n), dtype=torch.float32, device=out.device)
+    acc = (out.float() if accumulate else addend.float() if addend is not None
+           else torch.zeros((m, n), dtype=torch.float32, device=out.device))
     if epilogue in ("bias", "bias_gelu", "bias_gelu_aux"):
         acc = acc + bias.float()
     if epilogue in ("gelu_aux", "bias_gelu_aux"):

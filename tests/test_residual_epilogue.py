@@ -1,0 +1,245 @@
+"""Residual adds in the GEMM epilogue: ops.gemm's ``addend`` (tests/test_gemm.py
+covers the op), Linear(..., residual=r) and LayerNormMLP(..., residual=r)
+against the same module's output plus r (outputs and every gradient; float32
+on the CPU bit for bit, bf16 and FP8 on the GPU within one rounding of the
+output), FP8 row counts that are not multiples of 16 (the add after the GEMM,
+logged once), the arguments' rules, and the fused transformers decoder layer,
+whose residual branches end in those epilogues when no dropout is active."""
+import contextlib
+import copy
+import logging
+
+import pytest
+import torch
+
+import seqfuse.pytorch as te
+from seqfuse.common.recipe import DelayedScaling, Float8CurrentScaling, Format
+from seqfuse.quantization import autocast
+
+from helpers import needs_fp8, rel_error
+
+RECIPES = {"none": None, "delayed": DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4),
+           "current": Float8CurrentScaling()}
+
+
+def _fp8_param(name):
+    return pytest.param(name, marks=needs_fp8) if name != "none" else name
+
+
+def _module(kind, hidden, dtype, device, **kw):
+    torch.manual_seed(1)
+    if kind == "Linear":
+        return te.Linear(hidden, hidden, params_dtype=dtype, device=device, **kw)
+    return te.LayerNormMLP(hidden, 2 * hidden, normalization="RMSNorm", activation="swiglu", bias=False,
+                           params_dtype=dtype, device=device, **kw)
+
+
+def _both_ways(m, x, r, dy, recipe, steps=2):
+    """(output, grads of x, r and every parameter) of ``m(x, residual=r)`` and
+    of ``m(x) + r`` on copies of m, each run ``steps`` times (FP8: the later
+    steps on an amax history)."""
+    results = []
+    for fused in (True, False):
+        mc = copy.deepcopy(m)
+        for _ in range(steps):
+            xc, rc = x.detach().clone().requires_grad_(), r.detach().clone().requires_grad_()
+            with autocast(recipe=recipe) if recipe is not None else contextlib.nullcontext():
+                y = mc(xc, residual=rc) if fused else mc(xc)
+            if isinstance(y, tuple):  # (output, bias and / or norm output): the residual goes to the output
+                y = y[0]
+            if not fused:
+                y = y + rc
+            for p in mc.parameters():
+                p.grad = None
+            y.backward(dy)
+        results.append([y.detach(), xc.grad, rc.grad] + [p.grad for p in mc.parameters()])
+    return results
+
+
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP"])
+@pytest.mark.parametrize("recipe", [_fp8_param(n) for n in RECIPES])
+@pytest.mark.parametrize("rows", [32, 40])
+def test_residual_equals_the_add_after_the_module_cpu(kind, recipe, rows):
+    """float32 on the CPU: the epilogue adds in float32 before the one
+    rounding, as the add after it does: the same bits, outputs and
+    gradients (the residual's gradient is the output's)."""
+    m = _module(kind, 64, torch.float32, "cpu")
+    x, r, dy = torch.randn(rows, 64), torch.randn(rows, 64), torch.randn(rows, 64)
+    fused, plain = _both_ways(m, x, r, dy, RECIPES[recipe])
+    for a, b in zip(fused, plain):
+        assert torch.equal(a, b)
+    assert torch.equal(fused[2], dy)
+
+
+@pytest.mark.parametrize("option", ["checkpoint", "return_layernorm_output", "return_bias", "recompute_activation"])
+@pytest.mark.parametrize("recipe", ["none", _fp8_param("delayed")])
+def test_layernorm_mlp_residual_with_its_options_cpu(option, recipe):
+    kw = {option: True}
+    if option == "return_bias":
+        kw["bias"] = True
+    torch.manual_seed(1)
+    m = te.LayerNormMLP(64, 128, normalization="RMSNorm", activation="swiglu", device="cpu",
+                        **{"bias": False, **kw})
+    x, r, dy = torch.randn(3, 16, 64), torch.randn(3, 16, 64), torch.randn(3, 16, 64)
+    fused, plain = _both_ways(m, x, r, dy, RECIPES[recipe])
+    for a, b in zip(fused, plain):  # (return_bias: FC2's bias has no gradient either way)
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP"])
+@pytest.mark.parametrize("recipe", [_fp8_param(n) for n in RECIPES])
+@pytest.mark.parametrize("rows", [4096, 1000])
+def test_residual_in_the_epilogue_cuda(kind, recipe, rows):
+    """bf16 on the GPU: the epilogue rounds acc + r once where the add after
+    the module rounds twice; outputs within that, gradients (which do not
+    depend on the add) bit for bit, the residual's gradient the output's."""
+    m = _module(kind, 1024, torch.bfloat16, "cuda")
+    x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+    fused, plain = _both_ways(m, x, r, dy, RECIPES[recipe])
+    assert rel_error(fused[0], plain[0]) < 2 ** -8
+    for a, b in zip(fused[1:], plain[1:]):
+        assert torch.equal(a, b)
+    assert torch.equal(fused[2], dy)
+
+
+@needs_fp8
+def test_fp8_residual_with_padded_rows_is_added_after_the_gemm_and_logged(caplog):
+    from seqfuse.modules import _fp8
+
+    m = _module("Linear", 64, torch.float32, "cpu")
+    x, r = torch.randn(40, 64), torch.randn(40, 64)
+    _fp8._logged_unfused_residual.clear()
+    with caplog.at_level(logging.INFO, logger="seqfuse"), autocast(recipe=RECIPES["delayed"]):
+        y = m(x, residual=r)
+    assert "a residual is added after its GEMM, not in its epilogue (40 token rows padded to 48" in caplog.text
+    with autocast(recipe=RECIPES["delayed"]):
+        assert torch.equal(y, m(x) + r)
+
+
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP"])
+def test_residual_rules(kind):
+    m = _module(kind, 32, torch.float32, "cpu")
+    x = torch.randn(4, 32)
+    with pytest.raises(TypeError, match=f"{kind}: residual must be a torch.Tensor or None, got list"):
+        m(x, residual=[0.0] * 32)
+    with pytest.raises(ValueError, match=rf"{kind}: residual must have the output's shape \(4, 32\), got \(4, 16\)"):
+        m(x, residual=torch.randn(4, 16))
+    with pytest.raises(ValueError, match=rf"{kind}: residual must have the output's shape \(4, 32\), got \(128,\)"):
+        m(x, residual=torch.randn(128))
+    with pytest.raises(TypeError, match=f"{kind}: residual must have the output's dtype torch.float32 "
+                                        r"\(the GEMM adds it in its epilogue, in the output's dtype\), got "
+                                        "torch.bfloat16"):
+        m(x, residual=torch.randn(4, 32, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=f"{kind}: residual must be on the input's device cpu, got meta"):
+        m(x, residual=torch.empty(4, 32, device="meta"))
+
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llama(**kw):
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   pad_token_id=0, **kw)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _last_node(out):
+    """The autograd node that made ``out``, through reshapes."""
+    node = out.grad_fn
+    while type(node).__name__ in ("ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0"):
+        node = node.next_functions[0][0]
+    return type(node).__name__
+
+
+def test_fused_decoder_layer_adds_its_residuals_in_the_epilogues():
+    """Both residual branches of the fused Llama layer end in a GEMM whose
+    epilogue adds the residual: the layer's output comes out of
+    LayerNormMLP's autograd node and its attention half out of Linear's,
+    with no add node; dtypes that differ (float32 hidden states under a
+    bfloat16 autocast) take the add after the GEMM, logged; the model
+    matches transformers either way (tests/test_hf_accelerate_fused.py)."""
+    from seqfuse.hf import accelerate
+    from seqfuse.hf.fuse_layers import SeqfuseDecoderLayer
+
+    model = _llama()
+    plain = copy.deepcopy(model)
+    accelerate(model)
+    layer = model.model.layers[0]
+    assert isinstance(layer, SeqfuseDecoderLayer)
+    seen = []
+    layer.register_forward_hook(lambda mod, args, out: seen.append(out[0] if isinstance(out, tuple) else out))
+    proj_out = []
+    layer.proj.register_forward_hook(lambda mod, args, out: proj_out.append(out))
+    ids = torch.randint(1, 96, (2, 12))
+    out = model(input_ids=ids, labels=ids)
+    assert "LayerNormMLP" in _last_node(seen[0]) and "Linear" in _last_node(proj_out[0])
+    ref = plain(input_ids=ids, labels=ids)
+    assert rel_error(out.loss, ref.loss) < 1e-5
+
+
+def test_fused_decoder_layer_residual_dtype_rule_logged(caplog):
+    from seqfuse.hf import accelerate
+    from seqfuse.hf import fuse_layers
+
+    model = _llama()
+    accelerate(model)
+    layer = model.model.layers[0]
+    fuse_layers._logged_unfused_residual.clear()
+    with caplog.at_level(logging.INFO, logger="seqfuse"):
+        assert not layer._residual_fusable(torch.zeros(2, dtype=torch.float32), torch.bfloat16, 0)
+    assert "residual adds run after the GEMMs, not in their epilogues: the hidden states are torch.float32 " \
+           "and the layer computes in torch.bfloat16" in caplog.text
+    assert layer._residual_fusable(torch.zeros(2), torch.float32, 1)
+    layer.train()
+    layer.resid_dropout = (0.1, 0.0)
+    assert not layer._residual_fusable(torch.zeros(2), torch.float32, 0)
+    assert layer._residual_fusable(torch.zeros(2), torch.float32, 1)
+
+
+@pytest.mark.parametrize("recipe", ["none", _fp8_param("delayed")])
+@pytest.mark.parametrize("fmt", ["bshd", "thd"])
+def test_transformer_layer_residuals_in_the_epilogues_cpu(recipe, fmt, monkeypatch):
+    """TransformerLayer with hidden_dropout 0: both residual adds in the GEMM
+    epilogues (attention's projection, the MLP's FC2), the same bits as the
+    adds after them (float32), outputs and gradients; with hidden dropout in
+    training the adds stay after the GEMMs."""
+    from seqfuse.modules import transformer_layer as tl
+
+    torch.manual_seed(2)
+    m = te.TransformerLayer(64, 128, 4, hidden_dropout=0.0, attention_dropout=0.0, normalization="RMSNorm",
+                            activation="swiglu", self_attn_mask_type="causal" if fmt == "bshd" else "padding_causal",
+                            attn_input_format=fmt, device="cpu")
+    shape = (2, 16, 64) if fmt == "bshd" else (32, 64)
+    kw = {} if fmt == "bshd" else dict(cu_seqlens_q=torch.tensor([0, 12, 32], dtype=torch.int32),
+                                       cu_seqlens_kv=torch.tensor([0, 12, 32], dtype=torch.int32),
+                                       max_seqlen_q=20, max_seqlen_kv=20)
+    x, dy = torch.randn(*shape), torch.randn(*shape)
+    calls = []
+    results = []
+    for fused in (True, False):
+        mc = copy.deepcopy(m)
+        if not fused:
+            monkeypatch.setattr(tl.TransformerLayer, "_residual_fusable", lambda self, r, d: False)
+        for _ in range(2):
+            xc = x.clone().requires_grad_()
+            with autocast(recipe=RECIPES[recipe]) if recipe != "none" else contextlib.nullcontext():
+                y = mc(xc, **kw)
+            calls.append(type(y.grad_fn).__name__)
+            for p in mc.parameters():
+                p.grad = None
+            y.backward(dy)
+        results.append([y.detach(), xc.grad] + [p.grad for p in mc.parameters()])
+    assert "LayerNormMLP" in calls[0] and "Add" in calls[-1]
+    for a, b in zip(*results):
+        assert (a is None and b is None) or torch.equal(a, b)
+    monkeypatch.undo()
+    m.hidden_dropout = 0.1
+    m.train()
+    assert not m._residual_fusable(x, x.dtype)
+    m.eval()
+    assert m._residual_fusable(x, x.dtype)
