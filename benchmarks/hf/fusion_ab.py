@@ -1,0 +1,125 @@
+"""A/B of one fusion in one process: accelerate()'d Llama 1B steps
+(bench_accelerate's rows) with the fusion ("new") and with the path before
+it patched back ("old"), interleaved rounds of pipelined steps, medians.  A
+row "prefill:<row>" times generation's prefill (no grad, key cache) instead
+of a training step.  Switches (``--switch``):
+
+  split_qkv_rope  seqfuse.modules.rope.split_qkv_rope against torch.split and
+                  two apply_rotary_pos_emb calls
+  residual        the residual adds in the GEMM epilogues against the adds
+                  after the GEMMs (SeqfuseDecoderLayer._residual_fusable)
+  act_grad_fp8    LayerNormMLP's activation gradient written in FP8 by its
+                  kernel against the bf16 gradient and its cast
+                  (GradQuantizer.fused_cast)
+
+On the GPU machine:
+
+    python3 benchmarks/hf/fusion_ab.py --switch residual seqfuse_fp8_delayed,seqfuse_bf16
+
+Results: benchmarks/results/logs/split_qkv_rope_ab_s30_687b3e5.log (made by
+this script's first form, split_qkv_rope only), fusion_ab_s31_*.log.
+"""
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+import bench_accelerate as B  # noqa: E402
+import seqfuse.hf.fuse_layers as FL  # noqa: E402
+from seqfuse.modules.rope import apply_rotary_pos_emb  # noqa: E402
+from seqfuse.quantization.gemm_quantizers import GradQuantizer  # noqa: E402
+
+
+def _old_split_qkv_rope(mixed, freqs, heads, kv_heads, d):
+    """The path before split_qkv_rope: split, then q and k turned apart."""
+    b, s = mixed.shape[:2]
+    q, k, v = torch.split(mixed, [heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    return (apply_rotary_pos_emb(q.view(b, s, heads, d), freqs, "bshd"),
+            apply_rotary_pos_emb(k.view(b, s, kv_heads, d), freqs, "bshd"), v.view(b, s, kv_heads, d))
+
+
+def _attribute_switch(owner, name, old_value):
+    """(set new, set old) for an attribute patched on ``owner`` (one it
+    inherits: the patch is removed again for "new")."""
+    if name in owner.__dict__:
+        new_value = owner.__dict__[name]
+        return (lambda: setattr(owner, name, new_value)), (lambda: setattr(owner, name, old_value))
+
+    def set_new():
+        if name in owner.__dict__:
+            delattr(owner, name)
+
+    return set_new, (lambda: setattr(owner, name, old_value))
+
+
+SWITCHES = {
+    "split_qkv_rope": lambda: _attribute_switch(FL, "split_qkv_rope", _old_split_qkv_rope),
+    "residual": lambda: _attribute_switch(FL.SeqfuseDecoderLayer, "_residual_fusable",
+                                          lambda self, residual, out_dtype, which: False),
+    "act_grad_fp8": lambda: _attribute_switch(GradQuantizer, "fused_cast", property(lambda self: False)),
+}
+
+
+def stepper(row, base, family, ids):
+    prefill = row.startswith("prefill:")
+    model, _ = B.prepare(row.split(":")[-1], base, family)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    model.train(not prefill)
+
+    def steps(n):
+        for _ in range(n):
+            if prefill:
+                with torch.no_grad():
+                    model(input_ids=ids, use_cache=True, logits_to_keep=1)
+            else:
+                model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+    return steps
+
+
+def ab(steps, switch, rounds=6, per_round=6):
+    set_new, set_old = switch
+    times = {"new": [], "old": []}
+    modes = (("new", set_new), ("old", set_old))
+    for _, use in modes:
+        use()
+        steps(3)
+    for _ in range(rounds):
+        for name, use in modes:
+            use()
+            steps(1)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            steps(per_round)
+            torch.cuda.synchronize()
+            times[name].append((time.perf_counter() - t0) / per_round * 1e3)
+    set_new()
+    return times
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("rows", help="comma list of bench_accelerate rows, or prefill:<row>")
+    p.add_argument("--switch", default="split_qkv_rope", choices=sorted(SWITCHES))
+    p.add_argument("--seq", type=int, default=4096)
+    args = p.parse_args(argv)
+    switch = SWITCHES[args.switch]()
+    base, family = B.build_base("llama1b", None, "cuda")
+    ids = torch.randint(0, base.config.vocab_size, (1, args.seq), device="cuda")
+    for row in args.rows.split(","):
+        times = ab(stepper(row, base, family, ids), switch)
+        med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+        print(f"{args.switch} {row}: step ms new {['%.2f' % x for x in times['new']]} "
+              f"old {['%.2f' % x for x in times['old']]}; median new {med['new']:.2f} old {med['old']:.2f} "
+              f"-> {med['old'] / med['new']:.4f}x", flush=True)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
