@@ -12,7 +12,9 @@ of a training step.  Switches (``--switch``):
                   kernel against the bf16 gradient and its cast
                   (GradQuantizer.fused_cast)
 
-On the GPU machine:
+``--profile``: also each mode's GPU kernel time per step (torch.profiler
+over 3 steps; immune to launch gaps and host noise) and the kernels whose
+time differs most.  On the GPU machine:
 
     python3 benchmarks/hf/fusion_ab.py --switch residual seqfuse_fp8_delayed,seqfuse_bf16
 
@@ -103,21 +105,58 @@ def ab(steps, switch, rounds=6, per_round=6):
     return times
 
 
+def kernel_times(steps, switch, n=3):
+    """{mode: {kernel name: us per step}} from torch.profiler over ``n`` steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    for name, use in zip(("new", "old"), switch):
+        use()
+        steps(2)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            steps(n)
+            torch.cuda.synchronize()
+        per = {}
+        for ev in prof.key_averages():
+            t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+            if t and ev.key and not ev.key.startswith("aten::") and not ev.key.startswith("cuda"):
+                per[ev.key] = per.get(ev.key, 0.0) + t / n
+        out[name] = per
+    switch[0]()
+    return out
+
+
+def report_kernels(label, per):
+    new, old = per["new"], per["old"]
+    print(f"{label}: GPU kernel time per step new {sum(new.values()) / 1e3:.2f} ms, old {sum(old.values()) / 1e3:.2f} ms",
+          flush=True)
+    diff = sorted(set(new) | set(old), key=lambda k: -abs(new.get(k, 0.0) - old.get(k, 0.0)))
+    for k in diff[:8]:
+        print(f"   {new.get(k, 0.0) - old.get(k, 0.0):+9.1f} us  new {new.get(k, 0.0):8.1f}  old {old.get(k, 0.0):8.1f}"
+              f"  {k[:110]}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("rows", help="comma list of bench_accelerate rows, or prefill:<row>")
     p.add_argument("--switch", default="split_qkv_rope", choices=sorted(SWITCHES))
     p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--profile", action="store_true")
     args = p.parse_args(argv)
     switch = SWITCHES[args.switch]()
     base, family = B.build_base("llama1b", None, "cuda")
     ids = torch.randint(0, base.config.vocab_size, (1, args.seq), device="cuda")
     for row in args.rows.split(","):
-        times = ab(stepper(row, base, family, ids), switch)
+        steps = stepper(row, base, family, ids)
+        times = ab(steps, switch, rounds=args.rounds)
         med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
         print(f"{args.switch} {row}: step ms new {['%.2f' % x for x in times['new']]} "
               f"old {['%.2f' % x for x in times['old']]}; median new {med['new']:.2f} old {med['old']:.2f} "
               f"-> {med['old'] / med['new']:.4f}x", flush=True)
+        if args.profile:
+            report_kernels(f"{args.switch} {row}", kernel_times(steps, switch))
         torch.cuda.empty_cache()
 
 

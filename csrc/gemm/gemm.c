@@ -287,8 +287,7 @@ static sf_status check_epilogue(const sf_gemm_args *g, sf_gemm_problem *p, int f
 
 /* The addend c (out = ... + c): out's shape, dtype, device and row stride
  * (one layout for C and D in the plan), 16-byte aligned like out for FP8,
- * and either out's own memory or none of it (cuBLASLt reads C while it
- * writes D). */
+ * and none of out's memory (out's own values are `accumulate`'s). */
 static sf_status check_addend(const sf_gemm_args *g, sf_gemm_problem *p, int fp8)
 {
     const sf_tensor *c = g->addend;
@@ -310,10 +309,11 @@ static sf_status check_addend(const sf_gemm_args *g, sf_gemm_problem *p, int fp8
         SF_TRY(sf_check_aligned(OP, "addend", c, 16));
     size_t bytes = (size_t)((p->m - 1) * p->ld_out + p->n) * sf_dtype_size(p->out_dtype);
     const char *cb = (const char *)c->data, *ob = (const char *)p->out;
-    if (cb != ob && cb < ob + bytes && ob < cb + bytes)
+    if (cb < ob + bytes && ob < cb + bytes)
         return sf_fail(SF_ERR_VALUE,
-                       "%s: argument 'addend' overlaps 'out' without being it (the GEMM reads "
-                       "the addend while it writes out)",
+                       "%s: argument 'addend' shares memory with 'out' (the GEMM reads the "
+                       "addend while it writes out); to add out's own values pass "
+                       "accumulate=True",
                        OP);
     p->c = c->data;
     p->accumulate = 1; /* beta = 1, read from c */

@@ -81,7 +81,7 @@ typedef struct sf_gemm_args {
     float alpha;
     sf_tensor *workspace;          /* CUDA: uint8 scratch for cuBLASLt, or NULL */
     const sf_tensor *addend;       /* [m, n], out's dtype and row stride, or NULL; not with
-                                    * accumulate; the same memory as out or none of it */
+                                    * accumulate; no memory of out's */
 } sf_gemm_args;
 
 /* Fill args with the defaults: no scales, no epilogue, alpha 1, tf32 on. */

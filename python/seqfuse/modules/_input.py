@@ -39,7 +39,9 @@ def check_storage(cls, name, t):
 def check_residual(cls, residual, out_shape, dtype, device):
     """``residual`` as the 2-D [rows, features] addend of a module's last GEMM
     (added in its epilogue), or a TypeError / ValueError naming the rule: a
-    tensor of the output's shape, dtype and device."""
+    tensor of the output's shape, dtype and device.  Any strides: a view
+    the GEMM cannot read as one row-major matrix of the output's row
+    stride (padded rows, a transposed or strided view) is copied."""
     if not isinstance(residual, torch.Tensor):
         raise TypeError(f"{cls}: residual must be a torch.Tensor or None, got {type(residual).__name__}")
     if tuple(residual.shape) != tuple(out_shape):
@@ -50,4 +52,5 @@ def check_residual(cls, residual, out_shape, dtype, device):
                         f"epilogue, in the output's dtype), got {residual.dtype}")
     if residual.device != device:
         raise ValueError(f"{cls}: residual must be on the input's device {device}, got {residual.device}")
-    return residual.reshape(-1, out_shape[-1])
+    r = residual.reshape(-1, out_shape[-1])
+    return r if r.is_contiguous() else r.contiguous()

@@ -95,8 +95,8 @@ def gemm(a, b, *, transa=False, transb=False, out=None, out_dtype=None, bias=Non
         ``accumulate=True`` its current values are added (beta = 1).
     addend: [m, n] in out's dtype and row stride, added in the epilogue
         (beta = 1 on another tensor: a residual added with no pass of its
-        own); not with ``accumulate``; out may be the addend itself, not
-        part of it.
+        own); not with ``accumulate`` (which adds out's own values), and
+        sharing no memory with out.
     out_dtype: dtype of a new ``out``: the operands' dtype by default,
         bfloat16 for float8 operands; float32 is always allowed.
     bias: [n] added before the activation (forward epilogues).
