@@ -2,12 +2,15 @@
 (bench_accelerate's rows) with the fusion ("new") and with the path before
 it patched back ("old"), interleaved rounds of pipelined steps, medians.  A
 row "prefill:<row>" times generation's prefill (no grad, key cache) instead
-of a training step.  Switches (``--switch``):
+of a training step; "stack:esm650" the FP8 delayed step of 33
+seqfuse.pytorch.TransformerLayer at ESM-2 650M's shape, 16 x 1,024 tokens
+(bench_fp8_weight_transpose.py's row).  Switches (``--switch``):
 
   split_qkv_rope  seqfuse.modules.rope.split_qkv_rope against torch.split and
                   two apply_rotary_pos_emb calls
   residual        the residual adds in the GEMM epilogues against the adds
-                  after the GEMMs (SeqfuseDecoderLayer._residual_fusable)
+                  after the GEMMs (SeqfuseDecoderLayer's and TransformerLayer's
+                  _residual_fusable)
   act_grad_fp8    LayerNormMLP's activation gradient written in FP8 by its
                   kernel against the bf16 gradient and its cast
                   (GradQuantizer.fused_cast)
@@ -33,6 +36,7 @@ import torch  # noqa: E402
 import bench_accelerate as B  # noqa: E402
 import seqfuse.hf.fuse_layers as FL  # noqa: E402
 from seqfuse.modules.rope import apply_rotary_pos_emb  # noqa: E402
+from seqfuse.modules.transformer_layer import TransformerLayer  # noqa: E402
 from seqfuse.quantization.gemm_quantizers import GradQuantizer  # noqa: E402
 
 
@@ -58,15 +62,32 @@ def _attribute_switch(owner, name, old_value):
     return set_new, (lambda: setattr(owner, name, old_value))
 
 
+def _together(*switches):
+    """One switch setting several."""
+    return (lambda: [s[0]() for s in switches]), (lambda: [s[1]() for s in switches])
+
+
 SWITCHES = {
     "split_qkv_rope": lambda: _attribute_switch(FL, "split_qkv_rope", _old_split_qkv_rope),
-    "residual": lambda: _attribute_switch(FL.SeqfuseDecoderLayer, "_residual_fusable",
-                                          lambda self, residual, out_dtype, which: False),
+    "residual": lambda: _together(
+        _attribute_switch(FL.SeqfuseDecoderLayer, "_residual_fusable", lambda self, residual, out_dtype, which: False),
+        _attribute_switch(TransformerLayer, "_residual_fusable", lambda self, residual, out_dtype: False)),
     "act_grad_fp8": lambda: _attribute_switch(GradQuantizer, "fused_cast", property(lambda self: False)),
 }
 
 
 def stepper(row, base, family, ids):
+    if row.startswith("stack:"):
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        import bench_fp8_weight_transpose as W
+
+        step = W.ROWS[row.split(":")[1]](torch.device("cuda"))
+
+        def stack_steps(n):
+            for _ in range(n):
+                step()
+
+        return stack_steps
     prefill = row.startswith("prefill:")
     model, _ = B.prepare(row.split(":")[-1], base, family)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
@@ -127,8 +148,12 @@ def kernel_times(steps, switch, n=3):
     return out
 
 
-def report_kernels(label, per):
+def report_kernels(label, per, top=0):
     new, old = per["new"], per["old"]
+    if top:
+        print(f"{label}: the {top} kernels with the most GPU time per step (new)")
+        for k in sorted(new, key=lambda k: -new[k])[:top]:
+            print(f"   {new[k]:9.1f} us  {k[:130]}")
     print(f"{label}: GPU kernel time per step new {sum(new.values()) / 1e3:.2f} ms, old {sum(old.values()) / 1e3:.2f} ms",
           flush=True)
     diff = sorted(set(new) | set(old), key=lambda k: -abs(new.get(k, 0.0) - old.get(k, 0.0)))
@@ -144,6 +169,7 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--top", type=int, default=0, help="with --profile: list the new mode's N largest kernels")
     args = p.parse_args(argv)
     switch = SWITCHES[args.switch]()
     base, family = B.build_base("llama1b", None, "cuda")
@@ -156,7 +182,7 @@ def main(argv=None):
               f"old {['%.2f' % x for x in times['old']]}; median new {med['new']:.2f} old {med['old']:.2f} "
               f"-> {med['old'] / med['new']:.4f}x", flush=True)
         if args.profile:
-            report_kernels(f"{args.switch} {row}", kernel_times(steps, switch))
+            report_kernels(f"{args.switch} {row}", kernel_times(steps, switch), args.top)
         torch.cuda.empty_cache()
 
 
