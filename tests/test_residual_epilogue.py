@@ -106,17 +106,30 @@ def test_residual_in_the_epilogue_cuda(kind, recipe, rows):
 
 
 @needs_fp8
-def test_fp8_residual_with_padded_rows_is_added_after_the_gemm_and_logged(caplog):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_fp8_residual_with_padded_rows_or_unaligned_takes_the_same_epilogue(device, caplog):
+    """FP8 at 40 rows (padded to 48 for the GEMMs) or with a residual at a
+    2-byte offset: the residual is copied into an aligned buffer of the
+    padded rows (logged once) and added in the same epilogue, so the rows
+    equal those of the same rows inside an aligned batch bit for bit."""
     from seqfuse.modules import _fp8
 
-    m = _module("Linear", 64, torch.float32, "cpu")
-    x, r = torch.randn(40, 64), torch.randn(40, 64)
-    _fp8._logged_unfused_residual.clear()
-    with caplog.at_level(logging.INFO, logger="seqfuse"), autocast(recipe=RECIPES["delayed"]):
-        y = m(x, residual=r)
-    assert "a residual is added after its GEMM, not in its epilogue (40 token rows padded to 48" in caplog.text
-    with autocast(recipe=RECIPES["delayed"]):
-        assert torch.equal(y, m(x) + r)
+    dt = torch.bfloat16
+    m = _module("Linear", 64, dt, device)
+    x, r = torch.randn(48, 64, device=device, dtype=dt), torch.randn(48, 64, device=device, dtype=dt)
+    recipe = Float8CurrentScaling()  # (per-tensor scales from each call's own amax: the 40 rows' are the 48's)
+    x[40:] = 0
+    _fp8._logged_copied_residual.clear()
+    with autocast(recipe=recipe):
+        whole = m(x, residual=r)
+        with caplog.at_level(logging.INFO, logger="seqfuse"):
+            part = m(x[:40], residual=r[:40])
+        shifted = torch.empty(48 * 64 + 1, device=device, dtype=dt)[1:].view(48, 64)
+        shifted.copy_(r)
+        unaligned = m(x, residual=shifted)
+    assert "a residual is copied into an aligned buffer of 48 rows for its GEMM's epilogue (40 token rows" in caplog.text
+    assert torch.equal(part, whole[:40])
+    assert torch.equal(unaligned, whole)
 
 
 @pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP"])

@@ -105,28 +105,27 @@ def gemm(a, b, out_dtype, *, bias=None, fast_accum=False, out=None, accumulate=F
 def forward(xq, pair, kind, out_dtype, bias, rows, residual=None):
     """y [rows, N] = x W^T (+ bias) (+ residual [rows, N], out_dtype) from the
     quantized input and weight.  The residual is added in the GEMM's
-    epilogue where the operands' rows are the real ones and it is 16-byte
-    aligned (cuBLASLt's FP8 rule for C); where the input's token rows were
-    padded to a multiple of 16 (the GEMM's output then has more rows than
-    the residual) or it is not aligned, it is added after the GEMM (logged
-    once)."""
+    epilogue (C, cuBLASLt's FP8 rule: 16-byte aligned, the output's rows).
+    Where the input's token rows were padded to a multiple of 16, or the
+    residual is not aligned, it is first copied into an aligned buffer of
+    the padded rows (one copy pass, logged once): the same epilogue, so the
+    same bits as at an aligned row count."""
     a, w = rowwise(xq, kind), weight_forward(pair, kind)
-    fused = residual is not None and a[0].shape[0] == rows and residual.data_ptr() % 16 == 0
-    if fused:
-        return gemm(a, w, out_dtype, bias=bias, fast_accum=kind != "block", addend=residual)
-    y = row_prefix(gemm(a, w, out_dtype, bias=bias, fast_accum=kind != "block"), rows)
-    if residual is None:
-        return y
-    if not _logged_unfused_residual:
-        _logged_unfused_residual.append(True)
-        _log.info("seqfuse FP8: a residual is added after its GEMM, not in its epilogue (%d token rows padded "
-                  "to %d for the FP8 GEMMs; residual at %s16-byte alignment): row counts that are multiples of "
-                  "16 and aligned residuals take the epilogue", rows, a[0].shape[0],
-                  "" if residual.data_ptr() % 16 == 0 else "no ")
-    return y + residual
+    mp = a[0].shape[0]
+    if residual is not None and (mp != rows or residual.data_ptr() % 16):
+        if not _logged_copied_residual:
+            _logged_copied_residual.append(True)
+            _log.info("seqfuse FP8: a residual is copied into an aligned buffer of %d rows for its GEMM's "
+                      "epilogue (%d token rows, padded to a multiple of 16 for the FP8 GEMMs; residual at %s"
+                      "16-byte alignment)", mp, rows, "" if residual.data_ptr() % 16 == 0 else "no ")
+        padded = torch.empty(mp, residual.shape[1], dtype=residual.dtype, device=residual.device)
+        padded[:rows].copy_(residual)  # (the padding rows' outputs are cut off: left as they are)
+        residual = padded
+    y = gemm(a, w, out_dtype, bias=bias, fast_accum=kind != "block", addend=residual)
+    return row_prefix(y, rows)
 
 
-_logged_unfused_residual = []
+_logged_copied_residual = []
 
 
 def wgrad_dtype(w_dtype):
