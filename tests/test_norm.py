@@ -449,3 +449,43 @@ def test_norm_amax_of_16bit_output_is_before_rounding(device, rms, dtype, seed):
         assert amax.item() == y32.abs().max().item()
     else:
         assert amax.item() == pytest.approx(y32.abs().max().item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(7, 37), (300, 320), (4096, 2048), (5, 7, 64)])
+def test_norm_backward_adds_a_residual_gradient(device, rms, dtype, shape, seed):
+    """dres: dx = norm'(dy) + dres in the backward's own pass, rounded once:
+    against float64 (dx + dres) within the dtype's tolerance, dgamma / dbeta
+    unchanged, dres untouched; the vector and the element paths (hidden 37)."""
+    if device == "cpu" and shape[0] * shape[-1] > 1 << 20:
+        pytest.skip("the CPU reference at Llama's shape is slow; cuda covers it")
+    x = torch.randn(*shape, device=device).to(dtype)
+    w = (1 + 0.1 * torch.randn(shape[-1], device=device)).to(dtype)
+    b = None if rms else (0.1 * torch.randn(shape[-1], device=device)).to(dtype)
+    dy, dres = torch.randn_like(x), torch.randn_like(x)
+    keep = dres.clone()
+    ref = reference(rms, x, w, b, dy, 1e-5, False)
+    if rms:
+        _, rstd = norm_ops.rmsnorm_forward(x, w, 1e-5, False)
+        dx, dg = norm_ops.rmsnorm_backward(dy, x, rstd, w, False, dres=dres)
+        plain_dx, plain_dg = norm_ops.rmsnorm_backward(dy, x, rstd, w, False)
+    else:
+        _, mean, rstd = norm_ops.layernorm_forward(x, w, b, 1e-5, False)
+        dx, dg, db = norm_ops.layernorm_backward(dy, x, mean, rstd, w, False, True, dres=dres)
+        plain_dx, plain_dg, plain_db = norm_ops.layernorm_backward(dy, x, mean, rstd, w, False, True)
+        assert torch.equal(db, plain_db)
+    assert torch.equal(dres, keep) and torch.equal(dg, plain_dg)
+    assert_close_rel(dx, ref[3].to(dx.device) + dres.double(), dtype)
+    assert (dx.double() - (plain_dx.double() + dres.double())).abs().max() <= \
+        2 * torch.finfo(dtype).eps * (plain_dx.double().abs() + dres.double().abs()).max()
+
+
+def test_norm_backward_residual_gradient_rules():
+    x, w = torch.randn(4, 8), torch.ones(8)
+    _, rstd = norm_ops.rmsnorm_forward(x, w, 1e-5, False)
+    with pytest.raises(TypeError, match="rmsnorm_backward: argument 'dres' must have dtype float32, got bfloat16"):
+        norm_ops.rmsnorm_backward(torch.ones_like(x), x, rstd, w, dres=torch.ones(4, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="rmsnorm_backward: arguments 'x' and 'dres' must have the same shape"):
+        norm_ops.rmsnorm_backward(torch.ones_like(x), x, rstd, w, dres=torch.ones(4, 9))

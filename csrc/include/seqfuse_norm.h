@@ -56,18 +56,21 @@ sf_status sf_rmsnorm_forward(const sf_tensor *x, const sf_tensor *gamma, float e
  * the forward.  dx: x's shape and dtype.  dgamma (and dbeta, may be NULL when
  * the forward had no beta): [hidden], gamma's dtype, overwritten.
  * workspace: float32, at least sf_norm_backward_workspace_numel(x) elements
- * (may be NULL when that is 0). */
+ * (may be NULL when that is 0).  dres (may be NULL): x's shape and dtype,
+ * contiguous, added to dx in the same pass (the gradient a residual
+ * connection brings to the norm's input: dx = norm'(dy) + dres, rounded
+ * once). */
 sf_status sf_layernorm_backward(const sf_tensor *dy, const sf_tensor *x,
                            const sf_tensor *mean, const sf_tensor *rstd,
                            const sf_tensor *gamma, int zero_centered_gamma,
                            sf_tensor *dx, sf_tensor *dgamma, sf_tensor *dbeta,
-                           sf_tensor *workspace, sf_stream stream);
+                           sf_tensor *workspace, const sf_tensor *dres, sf_stream stream);
 
 /* RMSNorm backward.  Arguments as sf_layernorm_backward, without mean and dbeta. */
 sf_status sf_rmsnorm_backward(const sf_tensor *dy, const sf_tensor *x,
                          const sf_tensor *rstd, const sf_tensor *gamma,
                          int zero_centered_gamma, sf_tensor *dx, sf_tensor *dgamma,
-                         sf_tensor *workspace, sf_stream stream);
+                         sf_tensor *workspace, const sf_tensor *dres, sf_stream stream);
 
 /* Float32 elements of backward workspace for an input shaped like x (the
  * same for LayerNorm and RMSNorm): 0 on the CPU. */

@@ -68,10 +68,10 @@ static void run_case(int rms, sf_dtype dt, sf_dtype wdt, int64_t rows, int64_t h
         const sf_tensor *sp = fp8 ? &S : NULL;
         if (rms) {
             CHECK_SF(sf_rmsnorm_forward(&X, &W, 1e-5f, 0, &Y, &R, sp, &A, NULL, NULL));
-            if (!fp8) CHECK_SF(sf_rmsnorm_backward(&DY, &X, &R, &W, 0, &DX, &DG, cuda ? &WS : NULL, NULL));
+            if (!fp8) CHECK_SF(sf_rmsnorm_backward(&DY, &X, &R, &W, 0, &DX, &DG, cuda ? &WS : NULL, NULL, NULL));
         } else {
             CHECK_SF(sf_layernorm_forward(&X, &W, &B, 1e-5f, 0, &Y, &M, &R, sp, &A, NULL, NULL));
-            if (!fp8) CHECK_SF(sf_layernorm_backward(&DY, &X, &M, &R, &W, 0, &DX, &DG, &DB, cuda ? &WS : NULL, NULL));
+            if (!fp8) CHECK_SF(sf_layernorm_backward(&DY, &X, &M, &R, &W, 0, &DX, &DG, &DB, cuda ? &WS : NULL, NULL, NULL));
         }
     }
     CHECK_CUDA(cudaDeviceSynchronize());
@@ -184,8 +184,8 @@ static void bandwidth(int rms, int64_t rows, int64_t hidden)
         else CHECK_SF(sf_layernorm_forward(&X, &W, &B, 1e-5f, 0, out, &M, &R, scale, amax, NULL, NULL));
     };
     auto backward = [&] {
-        if (rms) CHECK_SF(sf_rmsnorm_backward(&DY, &X, &R, &W, 0, &DX, &DG, &WS, NULL));
-        else CHECK_SF(sf_layernorm_backward(&DY, &X, &M, &R, &W, 0, &DX, &DG, &DB, &WS, NULL));
+        if (rms) CHECK_SF(sf_rmsnorm_backward(&DY, &X, &R, &W, 0, &DX, &DG, &WS, NULL, NULL));
+        else CHECK_SF(sf_layernorm_backward(&DY, &X, &M, &R, &W, 0, &DX, &DG, &DB, &WS, NULL, NULL));
     };
     const float f = time_ms([&] { forward(&Y, NULL, NULL); });
     const float f8 = time_ms([&] { forward(&Y8, &S, &A); });
@@ -247,8 +247,8 @@ static void sweep_shape(int rms, int64_t rows, int64_t hidden)
         else CHECK_SF(sf_layernorm_forward(&X, &W, &Bt, 1e-5f, 0, &Y, &M, &R, NULL, NULL, NULL, NULL));
     };
     auto backward = [&] {
-        if (rms) CHECK_SF(sf_rmsnorm_backward(&DY, &X, &R, &W, 0, &DX, &DG, &WS, NULL));
-        else CHECK_SF(sf_layernorm_backward(&DY, &X, &M, &R, &W, 0, &DX, &DG, &DB, &WS, NULL));
+        if (rms) CHECK_SF(sf_rmsnorm_backward(&DY, &X, &R, &W, 0, &DX, &DG, &WS, NULL, NULL));
+        else CHECK_SF(sf_layernorm_backward(&DY, &X, &M, &R, &W, 0, &DX, &DG, &DB, &WS, NULL, NULL));
     };
     CheckBuf *outs[4] = {&B.y, &B.dx, &B.dg, &B.db};
     /* y and dx compared over their first rows (every split treats all rows

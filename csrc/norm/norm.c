@@ -137,6 +137,10 @@ static sf_status norm_backward(const char *op, sf_norm_backward_args *a, sf_stre
     SF_TRY(sf_check_dtype(op, "dx", a->dx, x->dtype));
     SF_TRY(check_like_x(op, "dx", a->dx, x));
     SF_TRY(sf_check_writable(op, "dx", a->dx));
+    if (a->dres) {
+        SF_TRY(sf_check_dtype(op, "dres", a->dres, x->dtype));
+        SF_TRY(check_like_x(op, "dres", a->dres, x));
+    }
     if (a->mean)
         SF_TRY(sf_check_vector(op, "mean", a->mean, SF_FLOAT32, a->rows, "x", x, 0));
     SF_TRY(sf_check_vector(op, "rstd", a->rstd, SF_FLOAT32, a->rows, "x", x, 0));
@@ -172,24 +176,24 @@ sf_status sf_layernorm_backward(const sf_tensor *dy, const sf_tensor *x,
                            const sf_tensor *mean, const sf_tensor *rstd,
                            const sf_tensor *gamma, int zero_centered_gamma,
                            sf_tensor *dx, sf_tensor *dgamma, sf_tensor *dbeta,
-                           sf_tensor *workspace, sf_stream stream)
+                           sf_tensor *workspace, const sf_tensor *dres, sf_stream stream)
 {
     static const char op[] = "layernorm_backward";
     if (!mean)
         return sf_fail(SF_ERR_VALUE, "%s: argument 'mean' is required", op);
     sf_norm_backward_args a = {.rms = 0, .zero_centered_gamma = zero_centered_gamma != 0, .dy = dy,
                           .x = x, .mean = mean, .rstd = rstd, .gamma = gamma, .dx = dx,
-                          .dgamma = dgamma, .dbeta = dbeta, .workspace = workspace};
+                          .dgamma = dgamma, .dbeta = dbeta, .workspace = workspace, .dres = dres};
     return norm_backward(op, &a, stream);
 }
 
 sf_status sf_rmsnorm_backward(const sf_tensor *dy, const sf_tensor *x,
                          const sf_tensor *rstd, const sf_tensor *gamma,
                          int zero_centered_gamma, sf_tensor *dx, sf_tensor *dgamma,
-                         sf_tensor *workspace, sf_stream stream)
+                         sf_tensor *workspace, const sf_tensor *dres, sf_stream stream)
 {
     sf_norm_backward_args a = {.rms = 1, .zero_centered_gamma = zero_centered_gamma != 0, .dy = dy,
                           .x = x, .rstd = rstd, .gamma = gamma, .dx = dx, .dgamma = dgamma,
-                          .workspace = workspace};
+                          .workspace = workspace, .dres = dres};
     return norm_backward("rmsnorm_backward", &a, stream);
 }

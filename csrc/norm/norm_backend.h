@@ -32,6 +32,7 @@ typedef struct {
     const sf_tensor *dy, *x, *mean, *rstd, *gamma; /* mean NULL for RMSNorm */
     sf_tensor *dx, *dgamma, *dbeta;                 /* dbeta NULL: none */
     sf_tensor *workspace;                           /* NULL when none is needed */
+    const sf_tensor *dres;                          /* added to dx, or NULL */
 } sf_norm_backward_args;
 
 sf_status sf_norm_forward_cpu(const sf_norm_forward_args *a);

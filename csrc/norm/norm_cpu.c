@@ -109,7 +109,10 @@ sf_status sf_norm_backward_cpu(const sf_norm_backward_args *a)
             double w = sf_norm_weight((float)load(a->gamma, j), a->zero_centered_gamma);
             double g = load(a->dy, base + j) * w;
             double xhat = sf_norm_xhat(load(a->x, base + j), mean, rstd);
-            sf_tensor_store(a->dx, base + j, (float)sf_norm_dx(rstd, g, xhat, m1, m2));
+            double dx = sf_norm_dx(rstd, g, xhat, m1, m2);
+            if (a->dres)
+                dx += load(a->dres, base + j);
+            sf_tensor_store(a->dx, base + j, (float)dx);
         }
     }
     return SF_OK;

@@ -93,7 +93,7 @@ bool backward_vec(const sf_norm_backward_args *a)
 {
     const int ve = 16 / (int)sf_dtype_size(a->x->dtype);
     return a->hidden % ve == 0 && aligned16(a->x->data) && aligned16(a->dy->data) &&
-           aligned16(a->dx->data);
+           aligned16(a->dx->data) && (!a->dres || aligned16(a->dres->data));
 }
 
 sf_status backward(const sf_norm_backward_args *a, cudaStream_t stream)
@@ -121,6 +121,7 @@ sf_status backward(const sf_norm_backward_args *a, cudaStream_t stream)
     p.mean = a->mean ? (const float *)a->mean->data : NULL;
     p.rstd = (const float *)a->rstd->data;
     p.dx = a->dx->data;
+    p.dres = a->dres ? a->dres->data : NULL;
     p.ws = (float *)a->workspace->data;
     p.rows = a->rows;
     p.hidden = (int)a->hidden;

@@ -66,6 +66,7 @@ struct BackwardParams {
     const void *dy, *x, *gamma;
     const float *mean, *rstd;
     void *dx;
+    const void *dres; /* added to dx, or NULL */
     float *ws; /* [2][gridDim.x][hidden]: dgamma partials, then dbeta partials */
     int64_t rows;
     int hidden;

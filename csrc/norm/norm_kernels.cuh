@@ -412,6 +412,13 @@ __global__ void __launch_bounds__(NV * VEC <= kBackwardElems ? 1024 : 512) norm_
                 const float g = to_f(cdy[k].v[e]) * w[e];
                 dxv[e] = sf_norm_dx(rstd, g, xhat, m1, m2);
             }
+            if (p.dres) { /* a residual's gradient, added before the one rounding */
+                const Pack<T, VEC> r = *reinterpret_cast<const Pack<T, VEC> *>((const T *)p.dres + roff +
+                                                                               (int64_t)c * VEC);
+#pragma unroll
+                for (int e = 0; e < VEC; ++e)
+                    dxv[e] += to_f(r.v[e]);
+            }
             store_f<T, VEC>((T *)p.dx + roff + (int64_t)c * VEC, dxv);
         }
     }

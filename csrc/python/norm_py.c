@@ -13,9 +13,9 @@ SF_PY_OP(rmsnorm_forward, sf_rmsnorm_forward, "RMSNorm forward, optionally cast 
          (OT, amax), (OT, scale_inv));
 SF_PY_OP(layernorm_backward, sf_layernorm_backward, "LayerNorm backward.", (T, dy), (T, x), (T, mean),
          (T, rstd), (T, gamma), (BOOL, zero_centered_gamma), (T, dx), (T, dgamma), (OT, dbeta),
-         (OT, workspace));
+         (OT, workspace), (OT_NONE, dres));
 SF_PY_OP(rmsnorm_backward, sf_rmsnorm_backward, "RMSNorm backward.", (T, dy), (T, x), (T, rstd), (T, gamma),
-         (BOOL, zero_centered_gamma), (T, dx), (T, dgamma), (OT, workspace));
+         (BOOL, zero_centered_gamma), (T, dx), (T, dgamma), (OT, workspace), (OT_NONE, dres));
 
 static const sf_py_arg x_args[] = {SF_T(x), SF_STREAM};
 static sf_status norm_ws(sf_py_value *v, sf_stream s)

@@ -247,6 +247,7 @@ PyObject *sf_py_result_i64(sf_py_frame *f);
 #define SF_PY_VALUE__(i, kind) SF_PY_V_##kind(v[i]),
 #define SF_PY_V_T(x) x.t
 #define SF_PY_V_OT(x) x.t
+#define SF_PY_V_OT_NONE(x) x.t
 #define SF_PY_V_TL(x) x.list->n, x.list->views
 #define SF_PY_V_OTL(x) (x.list ? x.list->n : 0), (x.list ? x.list->views : NULL)
 #define SF_PY_V_INT(x) x.i

@@ -147,12 +147,12 @@ def norm_output(saved, x2, weight, bias, eps, rms, zc):
     return norm_forward(x2, weight, bias, eps, rms, zc)[0]
 
 
-def norm_backward(dy2, x2, mean, rstd, weight, rms, zc, has_bias):
-    """(dx, dgamma, dbeta or None)."""
+def norm_backward(dy2, x2, mean, rstd, weight, rms, zc, has_bias, dres=None):
+    """(dx, dgamma, dbeta or None); ``dres`` is added to dx in the same pass."""
     if rms:
-        dx, dg = ops.rmsnorm_backward(dy2, x2, rstd, weight, zc)
+        dx, dg = ops.rmsnorm_backward(dy2, x2, rstd, weight, zc, dres=dres)
         return dx, dg, None
-    return ops.layernorm_backward(dy2, x2, mean, rstd, weight, zc, has_bias)
+    return ops.layernorm_backward(dy2, x2, mean, rstd, weight, zc, has_bias, dres=dres)
 
 
 def norm_param(p, x):

@@ -86,9 +86,11 @@ ACTIVATIONS = ("gelu", "gelu_erf", "relu", "silu", "swiglu", "geglu", "reglu", "
 class _LayerNormMLPFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ln_w, ln_b, w1, b1, w2, b2, eps, rms, zc, activation, q, ckpt=False, ret_ln=False,
-                first_mb=None, recompute_act=False, grad=True, residual=None):
+                first_mb=None, recompute_act=False, grad=True, residual=None, residual_is_input=False):
         hidden = x.shape[-1]
         x2 = x.reshape(-1, hidden)
+        if residual_is_input:  # out = x + MLP(x): its backward adds dout into the norm's dx in one pass
+            residual = x2 if x2.is_contiguous() else x2.contiguous()
         lnw, lnb = norm_param(ln_w, x2), norm_param(ln_b, x2)
         dt = x.dtype
         ctx.fp8 = q is not None
@@ -120,7 +122,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
                 # with recompute_act the activation too (from FC1's output, by the forward's kernel)
                 ctx.save_for_backward(x2, lnw, lnb, mean, rstd, ln if ret_ln else None, h,
                                       None if recompute_act else a, w1c, w2c)
-        ctx.ckpt, ctx.eps = ckpt, eps
+        ctx.ckpt, ctx.eps, ctx.residual_is_input = ckpt, eps, residual_is_input
         ctx.w1, ctx.w2 = w1, w2  # the parameter objects, for their main_grad (not saved data)
         ctx.meta = (x.shape, rms, zc, activation, ln_b is not None, ln_w.dtype, w1.dtype, w2.dtype,
                     None if b1 is None else b1.dtype, None if b2 is None else b2.dtype)
@@ -177,11 +179,12 @@ class _LayerNormMLPFn(torch.autograd.Function):
                 db1 = db1_w
         if dln_extra is not None:  # gradient of the returned norm output
             dln = dln + dln_extra.reshape(dln.shape).to(dln.dtype)
-        dx, dg, db = norm_backward(dln, x2, mean, rstd, lnw, rms, zc, has_ln_bias)
+        dx, dg, db = norm_backward(dln, x2, mean, rstd, lnw, rms, zc, has_ln_bias,
+                                   dres=dout2 if ctx.residual_is_input else None)
         return (dx.view(x_shape), as_dtype(dg, lnw_dt), as_dtype(db, lnw_dt), as_dtype(dw1, w1_dt),
                 as_dtype(db1, b1_dt), as_dtype(dw2, w2_dt), as_dtype(db2, b2_dt),
                 None, None, None, None, None, None, None, None, None, None,
-                dout2 if ctx.needs_input_grad[17] else None)
+                dout2 if ctx.needs_input_grad[17] else None, None)
 
 
 def _fc1_act(x2, lnw, lnb, eps, rms, zc, w1c, b1c, activation):
@@ -288,23 +291,28 @@ class LayerNormMLP(torch.nn.Module):
         """is_first_microbatch (TE): as LayerNormLinear's, for both weights.
         residual (seqfuse's): a tensor of the output's shape and dtype (the
         input's) added in FC2's GEMM epilogue, ``out = FC2(...) + residual``
-        with no pass of its own (a pre-norm block's ``x + mlp(x)`` is
-        ``mlp(x, residual=x)``); its gradient is out's."""
+        with no pass of its own; its gradient is out's.  A pre-norm block's
+        ``x + mlp(x)`` is ``mlp(x, residual=x)``: given the input itself (the
+        same tensor object), the backward also adds out's gradient to the
+        input's in the norm's backward pass (one gradient for the input, no
+        add of two)."""
         check_input("LayerNormMLP", inp, self.hidden_size, "hidden_size")
+        residual_is_input = residual is inp
         if residual is not None:
-            residual = check_residual("LayerNormMLP", residual, inp.shape, inp.dtype, inp.device)
+            residual = None if residual_is_input else check_residual("LayerNormMLP", residual, inp.shape,
+                                                                      inp.dtype, inp.device)
         q = fp8_quantizers(self, inp)
         args = (inp, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight, self.fc1_bias,
                 self.fc2_weight, None if self.return_bias else self.fc2_bias, self.eps,
                 self.normalization == "RMSNorm", self.zero_centered_gamma, self.activation, q)
         ret_ln = self.return_layernorm_output
-        out = self._run(args, q, ret_ln, is_first_microbatch, residual)
+        out = self._run(args, q, ret_ln, is_first_microbatch, residual, residual_is_input)
         if not self.return_bias:
             return out
         bias = self.fc2_bias.to(inp.dtype) if self.fc2_bias is not None else None
         return (out[0], bias, out[1]) if ret_ln else (out, bias)
 
-    def _run(self, args, q, ret_ln, first_mb, residual):
+    def _run(self, args, q, ret_ln, first_mb, residual, residual_is_input):
         if self.checkpoint and q is not None and torch.is_grad_enabled():
             global _logged_fp8_checkpoint
             if not _logged_fp8_checkpoint:
@@ -313,9 +321,10 @@ class LayerNormMLP(torch.nn.Module):
                 _logged_fp8_checkpoint = True
             from ..quantization import checkpoint as fp8_checkpoint
             # ckpt False (the checkpoint is this call), recompute_act False, grad True (autograd is on here)
-            return fp8_checkpoint(_LayerNormMLPFn.apply, *args, False, ret_ln, first_mb, False, True, residual)
+            return fp8_checkpoint(_LayerNormMLPFn.apply, *args, False, ret_ln, first_mb, False, True, residual,
+                                  residual_is_input)
         return _LayerNormMLPFn.apply(*args, self.checkpoint, ret_ln, first_mb, self.recompute_activation,
-                                     torch.is_grad_enabled(), residual)
+                                     torch.is_grad_enabled(), residual, residual_is_input)
 
     fp8_num_gemms = 2
 

@@ -116,19 +116,26 @@ def _backward_args(op, dy, x, weight):
     return dy, x, weight, torch.empty_like(x), torch.empty_like(weight)
 
 
-def layernorm_backward(dy, x, mean, rstd, weight, zero_centered_gamma=False, has_bias=True):
+def layernorm_backward(dy, x, mean, rstd, weight, zero_centered_gamma=False, has_bias=True, dres=None):
     """LayerNorm backward: returns ``(dx, dgamma, dbeta)`` (dbeta None without
-    a bias); dgamma/dbeta have the weight's dtype."""
+    a bias); dgamma/dbeta have the weight's dtype.  ``dres`` (x's shape and
+    dtype): added to dx in the same pass (a residual connection's gradient
+    to the norm's input)."""
     dy, x, weight, dx, dgamma = _backward_args("layernorm_backward", dy, x, weight)
     dbeta = torch.empty_like(weight) if has_bias else None
     _C.layernorm_backward(dy, x, mean, rstd, weight, bool(zero_centered_gamma), dx, dgamma, dbeta,
-                     _workspace(x), stream_for(x))
+                          _workspace(x), _dres(dres), stream_for(x))
     return dx, dgamma, dbeta
 
 
-def rmsnorm_backward(dy, x, rstd, weight, zero_centered_gamma=False):
-    """RMSNorm backward: returns ``(dx, dgamma)``."""
+def rmsnorm_backward(dy, x, rstd, weight, zero_centered_gamma=False, dres=None):
+    """RMSNorm backward: returns ``(dx, dgamma)``; ``dres`` as layernorm_backward's."""
     dy, x, weight, dx, dgamma = _backward_args("rmsnorm_backward", dy, x, weight)
     _C.rmsnorm_backward(dy, x, rstd, weight, bool(zero_centered_gamma), dx, dgamma, _workspace(x),
-                   stream_for(x))
+                        _dres(dres), stream_for(x))
     return dx, dgamma
+
+
+def _dres(dres):
+    """The residual gradient as the C entry takes it (contiguous; it checks the rest)."""
+    return None if dres is None else detached(dres).contiguous()
