@@ -58,7 +58,7 @@ CASES = {
     "quantize_rowwise_fp8": (lambda: _C.quantize_rowwise_fp8(gpu((4, 16)), fp8((4, 16)), gpu(4), 0), "x"),
     "quantize_mxfp8": (lambda: _C.quantize_mxfp8(gpu((2, 32)), fp8((2, 32)), gpu((2, 1), np.uint8), 0), "x"),
     "gemm": (lambda: _C.gemm(gpu((4, 4)), gpu((4, 4)), gpu((4, 4)), 0, 0, None, None, 0, 0, None, None, 0, 0,
-                             0, 1, 1.0, None, 0, 0, 0), "a"),
+                             0, 1, 1.0, None, 0, 0, None, 0), "a"),
     "rmsnorm_forward": (lambda: _C.rmsnorm_forward(gpu((2, 8)), gpu(8), 1e-5, False, gpu((2, 8)), None, None, None,
                                            None, 0), "x"),
     "act_forward": (lambda: _C.act_forward(0, gpu((2, 8)), gpu((2, 8)), None, None, None, 0), "x"),

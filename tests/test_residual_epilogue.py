@@ -2,9 +2,12 @@
 covers the op), Linear(..., residual=r) and LayerNormMLP(..., residual=r)
 against the same module's output plus r (outputs and every gradient; float32
 on the CPU bit for bit, bf16 and FP8 on the GPU within one rounding of the
-output), FP8 row counts that are not multiples of 16 (the add after the GEMM,
-logged once), the arguments' rules, and the fused transformers decoder layer,
-whose residual branches end in those epilogues when no dropout is active."""
+output), FP8 row counts that are not multiples of 16 and unaligned residuals
+(copied into an aligned padded buffer for the same epilogue, logged once),
+LayerNormMLP's own input as residual (its gradient added in the norm's
+backward), TransformerLayer, the arguments' rules, and the fused
+transformers decoder layer, whose residual branches end in those epilogues
+when no dropout is active."""
 import contextlib
 import copy
 import logging
@@ -13,13 +16,13 @@ import pytest
 import torch
 
 import seqfuse.pytorch as te
-from seqfuse.common.recipe import DelayedScaling, Float8CurrentScaling, Format
+from seqfuse.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format
 from seqfuse.quantization import autocast
 
 from helpers import needs_fp8, rel_error
 
 RECIPES = {"none": None, "delayed": DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4),
-           "current": Float8CurrentScaling()}
+           "current": Float8CurrentScaling(), "block": Float8BlockScaling()}
 
 
 def _fp8_param(name):
@@ -62,9 +65,11 @@ def _both_ways(m, x, r, dy, recipe, steps=2):
 def test_residual_equals_the_add_after_the_module_cpu(kind, recipe, rows):
     """float32 on the CPU: the epilogue adds in float32 before the one
     rounding, as the add after it does: the same bits, outputs and
-    gradients (the residual's gradient is the output's)."""
-    m = _module(kind, 64, torch.float32, "cpu")
-    x, r, dy = torch.randn(rows, 64), torch.randn(rows, 64), torch.randn(rows, 64)
+    gradients (the residual's gradient is the output's).  (Block scaling:
+    features of 128.)"""
+    h = 128 if recipe == "block" else 64
+    m = _module(kind, h, torch.float32, "cpu")
+    x, r, dy = torch.randn(rows, h), torch.randn(rows, h), torch.randn(rows, h)
     fused, plain = _both_ways(m, x, r, dy, RECIPES[recipe])
     for a, b in zip(fused, plain):
         assert torch.equal(a, b)
@@ -195,23 +200,30 @@ def test_fused_decoder_layer_adds_its_residuals_in_the_epilogues():
     assert rel_error(out.loss, ref.loss) < 1e-5
 
 
-def test_fused_decoder_layer_residual_dtype_rule_logged(caplog):
+def test_fused_decoder_layer_residual_rules_logged(caplog):
+    """The add stays after the GEMM, said once per reason: hidden states in
+    another dtype than the branch computes in (float32 under a bf16
+    autocast), residual dropout in training."""
     from seqfuse.hf import accelerate
-    from seqfuse.hf import fuse_layers
+    from seqfuse.modules import _base
 
     model = _llama()
     accelerate(model)
     layer = model.model.layers[0]
-    fuse_layers._logged_unfused_residual.clear()
+    _base._logged_unfused_residual.clear()
     with caplog.at_level(logging.INFO, logger="seqfuse"):
         assert not layer._residual_fusable(torch.zeros(2, dtype=torch.float32), torch.bfloat16, 0)
-    assert "residual adds run after the GEMMs, not in their epilogues: the hidden states are torch.float32 " \
-           "and the layer computes in torch.bfloat16" in caplog.text
-    assert layer._residual_fusable(torch.zeros(2), torch.float32, 1)
-    layer.train()
-    layer.resid_dropout = (0.1, 0.0)
-    assert not layer._residual_fusable(torch.zeros(2), torch.float32, 0)
-    assert layer._residual_fusable(torch.zeros(2), torch.float32, 1)
+        assert not layer._residual_fusable(torch.zeros(2, dtype=torch.float32), torch.bfloat16, 0)
+        assert layer._residual_fusable(torch.zeros(2), torch.float32, 1)
+        layer.train()
+        layer.resid_dropout = (0.1, 0.0)
+        assert not layer._residual_fusable(torch.zeros(2), torch.float32, 0)
+        assert layer._residual_fusable(torch.zeros(2), torch.float32, 1)
+    said = [r.getMessage() for r in caplog.records if "residual adds" in r.getMessage()]
+    assert said == ["seqfuse fused decoder layer: residual adds run after the GEMMs, not in their epilogues: the "
+                    "hidden states are torch.float32 and the branch computes in torch.bfloat16 (autocast)",
+                    "seqfuse fused decoder layer: residual adds run after the GEMMs, not in their epilogues: "
+                    "residual dropout in training"]
 
 
 @pytest.mark.parametrize("recipe", ["none", _fp8_param("delayed")])
@@ -261,6 +273,33 @@ def test_transformer_layer_residuals_in_the_epilogues_cpu(recipe, fmt, monkeypat
     assert not m._residual_fusable(x, x.dtype)
     m.eval()
     assert m._residual_fusable(x, x.dtype)
+    m.apply_residual_connection_post_layernorm = True
+    assert not m._residual_fusable(x, x.dtype)
+
+
+def test_residual_storage_and_dres_rules():
+    """A residual whose storage was shrunk under it is refused naming the
+    module's argument (not read past its end: the FP8 padded-rows copy, a
+    strided view's copy); a dres that is no tensor names 'dres'."""
+    from seqfuse.ops import norm as norm_ops
+
+    m = _module("Linear", 32, torch.float32, "cpu")
+    x = torch.randn(4, 32)
+    for r in (torch.randn(4, 32), torch.randn(4, 64)[:, ::2]):
+        r.untyped_storage().resize_(16)
+        with pytest.raises(ValueError, match="Linear: residual needs .* bytes of storage"):
+            m(x, residual=r)
+    _, rstd = norm_ops.rmsnorm_forward(x, torch.ones(32), 1e-5, False)
+    with pytest.raises(TypeError, match="norm backward: argument 'dres' must be a torch.Tensor or None, got list"):
+        norm_ops.rmsnorm_backward(torch.ones_like(x), x, rstd, torch.ones(32), dres=[1.0])
+    with pytest.raises(TypeError, match="gemm: argument 'addend' must be a torch.Tensor or None, got list"):
+        seqfuse_ops().gemm(torch.randn(4, 0), torch.randn(0, 3), addend=[0.0])
+
+
+def seqfuse_ops():
+    import seqfuse.ops
+
+    return seqfuse.ops
 
 
 @pytest.mark.parametrize("device,dtype", [("cpu", torch.float32),
@@ -272,7 +311,7 @@ def test_layernorm_mlp_own_input_as_residual(device, dtype, recipe, option):
     gradient, added in the norm's backward pass (no add of two gradients
     in autograd); equal to mlp(x) + x within one rounding of that sum."""
     kw = {option: True} if option else {}
-    m = _module("LayerNormMLP", 256 if device == "cuda" else 64, dtype, device, **kw)
+    m = _module("LayerNormMLP", 256 if device == "cuda" or recipe == "block" else 64, dtype, device, **kw)
     h = m.hidden_size
     x = torch.randn(96, h, device=device, dtype=dtype)
     dy = torch.randn(96, h, device=device, dtype=dtype)

@@ -171,6 +171,9 @@ def main(argv=None):
     p.add_argument("--profile", action="store_true")
     p.add_argument("--top", type=int, default=0, help="with --profile: list the new mode's N largest kernels")
     args = p.parse_args(argv)
+    if any(r.endswith("_graphed") for r in args.rows.split(",")):
+        p.error("rows: a _graphed row replays one captured graph whichever way the switch is set; "
+                "A/B its eager row")
     switch = SWITCHES[args.switch]()
     base, family = B.build_base("llama1b", None, "cuda")
     ids = torch.randint(0, base.config.vocab_size, (1, args.seq), device="cuda")

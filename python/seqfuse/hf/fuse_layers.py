@@ -53,22 +53,19 @@ loads; ``load_state_dict`` takes transformers' keys and fuses them.
 ``layer_fusion_plan(layer, ...)`` says whether a layer can be fused (or why
 not); ``fuse_layer`` builds the replacement.
 """
-import logging
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..modules import compute_dtype, residual_fusable
 from ..modules.rope import apply_rotary_pos_emb, split_qkv_rope
 from ..ops.attn import PerTensorCache
 from ..ops import device_checks
 from ..pytorch import LayerNormLinear, LayerNormMLP, Linear, RMSNorm
 from .attention import seqfuse_attention_forward
 from .positions import derived_positions
-
-_log = logging.getLogger("seqfuse")
-_logged_unfused_residual = []
 
 
 def _gated_activations():
@@ -605,29 +602,22 @@ class SeqfuseDecoderLayer(FusedLayer):
             self, q, k, v, attention_mask, dropout=self.attention_dropout if self.training else 0.0,
             scaling=self.scaling, sliding_window=self.sliding_window, position_ids=position_ids, **kwargs)
         o = out.reshape(b, s, -1)
-        if self._residual_fusable(hidden_states, o.dtype, 0):  # the residual adds in the GEMMs' epilogues
+        if self._residual_fusable(hidden_states, compute_dtype(o, self.proj.weight), 0):  # in the GEMMs' epilogues
             x = self.proj(o, residual=hidden_states)
         else:
             x = hidden_states + self._dropout(self.proj(o), self.resid_dropout[0])
-        if self._residual_fusable(x, x.dtype, 1):
+        if self._residual_fusable(x, x.dtype, 1):  # (LayerNormMLP computes in x's dtype)
             return self.mlp_fused(x, residual=x)
         return x + self._dropout(self.mlp_fused(x), self.resid_dropout[1])
 
     def _residual_fusable(self, residual, out_dtype, which):
         """Whether residual branch ``which`` (0 attention, 1 MLP) is added in
         its last GEMM's epilogue: no dropout on the branch now and the
-        residual in the branch output's dtype (hidden states kept in float32
-        under a bfloat16 autocast are added after the GEMM, as transformers
-        adds them; said once in a log line)."""
-        if self.resid_dropout[which] > 0.0 and self.training:
-            return False
-        if residual.dtype == out_dtype:
-            return True
-        if not _logged_unfused_residual:
-            _logged_unfused_residual.append(True)
-            _log.info("seqfuse fused layer: residual adds run after the GEMMs, not in their epilogues: the "
-                      "hidden states are %s and the layer computes in %s (autocast)", residual.dtype, out_dtype)
-        return False
+        residual in the branch output's dtype (residual_fusable logs each
+        reason once; hidden states kept in float32 under a bfloat16 autocast
+        are added after the GEMM, as transformers adds them)."""
+        why_not = "residual dropout in training" if self.resid_dropout[which] > 0.0 and self.training else None
+        return residual_fusable("seqfuse fused decoder layer", residual, out_dtype, why_not)
 
 
 class _LayerGraphSlot(NamedTuple):

@@ -33,8 +33,9 @@ from .layernorm_mlp import LayerNormMLP  # noqa: E402
 __all__ += ["LayerNormLinear", "LayerNormMLP"]
 
 from .linear import Linear, LinearFunction  # noqa: E402
+from ._base import compute_dtype, residual_fusable  # noqa: E402
 
-__all__ += ["Linear", "LinearFunction"]
+__all__ += ["Linear", "LinearFunction", "compute_dtype", "residual_fusable"]
 
 from .grouped_linear import GroupedLinear, GroupedLinearFunction  # noqa: E402
 from .moe import GroupedMLP  # noqa: E402

@@ -3,6 +3,7 @@ the norm modules share: TE argument handling, parameter creation and
 initialisation, the norm forward/backward over seqfuse.ops, and the FP8 norm
 output.  A private helper of seqfuse.modules: its siblings import it; code
 outside the package uses the modules."""
+import logging
 import numbers
 
 import torch
@@ -238,3 +239,24 @@ def reset_norm_params(module):
     module.layer_norm_weight.fill_(0.0 if module.zero_centered_gamma else 1.0)
     if module.layer_norm_bias is not None:
         module.layer_norm_bias.zero_()
+
+
+_log = logging.getLogger("seqfuse")
+_logged_unfused_residual = set()
+
+
+def residual_fusable(who, residual, out_dtype, why_not=None):
+    """Whether a residual branch ends in its last GEMM's epilogue (Linear's /
+    LayerNormMLP's ``residual=``): not where ``why_not`` names a reason
+    (hidden dropout in training, a post-LN layout, ...), nor where the
+    residual's dtype is not the branch output's (float32 hidden states under
+    a bfloat16 autocast).  Each reason is logged once per caller ``who``;
+    the add then runs after the GEMM, as before."""
+    if why_not is None and residual.dtype != out_dtype:
+        why_not = f"the hidden states are {residual.dtype} and the branch computes in {out_dtype} (autocast)"
+    if why_not is None:
+        return True
+    if (who, why_not) not in _logged_unfused_residual:
+        _logged_unfused_residual.add((who, why_not))
+        _log.info("%s: residual adds run after the GEMMs, not in their epilogues: %s", who, why_not)
+    return False

@@ -52,5 +52,6 @@ def check_residual(cls, residual, out_shape, dtype, device):
                         f"epilogue, in the output's dtype), got {residual.dtype}")
     if residual.device != device:
         raise ValueError(f"{cls}: residual must be on the input's device {device}, got {residual.device}")
+    check_storage(cls, "residual", residual)
     r = residual.reshape(-1, out_shape[-1])
     return r if r.is_contiguous() else r.contiguous()

@@ -78,6 +78,7 @@ from .te_compat import materialize, rng_fork
 
 _log = logging.getLogger("seqfuse")
 _logged_fp8_checkpoint = False
+_logged_act_grad_with_bias = []
 
 ACTIVATIONS = ("gelu", "gelu_erf", "relu", "silu", "swiglu", "geglu", "reglu", "geglu_erf")
 
@@ -99,7 +100,8 @@ class _LayerNormMLPFn(torch.autograd.Function):
             need_w1, need_w2 = ctx.needs_input_grad[3], ctx.needs_input_grad[5]
             lnq, mean, rstd = fp8_norm(q, x2, lnw, lnb, eps, rms, zc, need_w1)
             # grad: autograd on at the call (off inside forward); else no backward, no transposed weight copies
-            want_t = wants_weight_transpose(grad and any(ctx.needs_input_grad), q.weights[0])
+            # (inputs 0-6: x and the parameters; the residual's gradient needs no weight transpose)
+            want_t = wants_weight_transpose(grad and any(ctx.needs_input_grad[:7]), q.weights[0])
             p1 = q.weights[0].get(w1, first_mb, transposed=want_t)
             h = F8.forward(lnq, p1, kind, dt, as_dtype(b1, dt), rows)
             aq = _fp8_act(q, h, activation, need_w2)
@@ -226,6 +228,11 @@ def _fp8_act_grad(q, da, h, activation, bias_dtype, need_col):
     another recipe: the gradient in h's dtype, then quantize_grad's cast."""
     gq = q.grads[0]
     if bias_dtype is not None or not gq.fused_cast:
+        if bias_dtype is not None and gq.fused_cast and not _logged_act_grad_with_bias:
+            _logged_act_grad_with_bias.append(True)
+            _log.info("LayerNormMLP: FC1's output gradient is made in %s and cast to FP8 after the activation "
+                      "gradient (an FC1 bias: its gradient sums the high-precision rows); without an FC1 bias "
+                      "the activation-gradient kernel writes it in FP8", h.dtype)
         dh = A.act_backward(da, h, activation)
         return gq.quantize_grad(dh, bias_dtype, need_wgrad=need_col)
     scale, amax, fp8_dtype = gq.scale

@@ -246,7 +246,8 @@ class Fp8LinearFunction(torch.autograd.Function):
         need_w = ctx.needs_input_grad[1]  # False under no_grad: no transposed input copy
         kind = q.kind
         first_mb, sources, grad = weight_args
-        want_t = _gq.wants_weight_transpose(grad and any(ctx.needs_input_grad), q.weights[0])
+        # (x, weight, bias: the residual's gradient needs no weight transpose)
+        want_t = _gq.wants_weight_transpose(grad and any(ctx.needs_input_grad[:3]), q.weights[0])
         pair = q.weights[0].get(weight, first_mb, sources, transposed=want_t)
         xq = q.inputs[0].quantize(x.detach(), transpose=need_w)
         y = F8.forward(xq, pair, kind, dtype, bias, x.shape[0], residual)

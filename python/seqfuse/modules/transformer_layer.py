@@ -37,18 +37,13 @@ separate query/key/value parameters, still one QKV GEMM (see
 MultiheadAttention).  Unlike TE, ``device``
 defaults to the GPU only where seqfuse can use one (else the CPU).
 """
-import logging
-
 import torch
 
 from .layernorm_mlp import LayerNormMLP
 from .multihead_attention import MultiheadAttention, given
 from .norm import LayerNorm, RMSNorm
-from ._base import compute_dtype
+from ._base import compute_dtype, residual_fusable
 from .te_compat import take_refused
-
-_log = logging.getLogger("seqfuse")
-_logged_unfused_residual = []
 
 
 class TransformerLayer(torch.nn.Module):
@@ -147,20 +142,19 @@ class TransformerLayer(torch.nn.Module):
         return residual + out
 
     def _residual_fusable(self, residual, out_dtype):
-        """Whether a pre-norm residual branch is added in its last GEMM's
-        epilogue (the attention's output projection, the MLP's FC2): no
-        hidden dropout or drop path now, and the residual in the branch
-        output's dtype (float32 hidden states under a bfloat16 autocast are
-        added after the GEMM, said once in a log line)."""
-        if self.training and (self.hidden_dropout > 0.0 or self.drop_path_rate > 0.0):
-            return False
-        if residual.dtype == out_dtype:
-            return True
-        if not _logged_unfused_residual:
-            _logged_unfused_residual.append(True)
-            _log.info("TransformerLayer: residual adds run after the GEMMs, not in their epilogues: the hidden "
-                      "states are %s and the layer computes in %s (autocast)", residual.dtype, out_dtype)
-        return False
+        """Whether a residual branch is added in its last GEMM's epilogue
+        (the attention's output projection, the MLP's FC2): the layout
+        allows it (not post-LN, not parallel attention + MLP), no hidden
+        dropout or drop path now, the residual in the branch output's dtype
+        (residual_fusable logs each reason once)."""
+        why_not = None
+        if self.apply_residual_connection_post_layernorm:
+            why_not = "the residual is the norm's output (apply_residual_connection_post_layernorm)"
+        elif self.parallel_attention_mlp:
+            why_not = "attention and MLP add to one residual (parallel_attention_mlp)"
+        elif self.training and (self.hidden_dropout > 0.0 or self.drop_path_rate > 0.0):
+            why_not = "hidden dropout / drop path on the branches in training"
+        return residual_fusable("TransformerLayer", residual, out_dtype, why_not)
 
     def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream, cp_comm_type="p2p"):
         """TE's call: context parallelism for every attention block of the
@@ -190,9 +184,8 @@ class TransformerLayer(torch.nn.Module):
         if inference_params is not None:
             raise NotImplementedError("TransformerLayer: inference_params (KV cache) is not supported")
         post_ln = self.apply_residual_connection_post_layernorm
-        # residual + branch (not post-LN, not parallel) goes into the branch GEMM's epilogue
-        plain_adds = not post_ln and not self.parallel_attention_mlp and isinstance(hidden_states, torch.Tensor)
-        fuse_attn = plain_adds and self._residual_fusable(
+        # residual + branch goes into the branch GEMM's epilogue where the layout and dtypes allow
+        fuse_attn = isinstance(hidden_states, torch.Tensor) and self._residual_fusable(
             hidden_states, compute_dtype(hidden_states, self.self_attention.proj.weight))
         attn_out = self.self_attention(
             hidden_states, attention_mask=attention_mask,
@@ -226,7 +219,7 @@ class TransformerLayer(torch.nn.Module):
                 checkpoint_core_attention=checkpoint_core_attention)
             cross, residual = cross if post_ln else (cross, x)
             x = self._residual(residual, cross)
-        if plain_adds and self._residual_fusable(x, x.dtype):
+        if fuse_attn and self._residual_fusable(x, x.dtype):  # (LayerNormMLP computes in x's dtype)
             out = self.layernorm_mlp(x, is_first_microbatch=is_first_microbatch, residual=x)
         else:
             mlp_out = self.layernorm_mlp(x, is_first_microbatch=is_first_microbatch)

@@ -250,8 +250,9 @@ def _empty_product(a, transa, out, bias, aux, epilogue, accumulate, m, n, k, add
     GEMM: the product is all zeros (k == 0), so only the epilogue remains."""
     if a.dtype not in _FLOAT_DTYPES + FP8_DTYPES:
         raise TypeError(f"gemm: argument 'a' has dtype {a.dtype}, which gemm does not take")
-    if addend is not None and (not isinstance(addend, torch.Tensor) or addend.shape != out.shape
-                               or addend.dtype != out.dtype or addend.device != out.device):
+    if addend is not None and not isinstance(addend, torch.Tensor):
+        raise TypeError(f"gemm: argument 'addend' must be a torch.Tensor or None, got {type(addend).__name__}")
+    if addend is not None and (addend.shape != out.shape or addend.dtype != out.dtype or addend.device != out.device):
         raise ValueError(f"gemm: argument 'addend' must have out's shape [m, n] = [{m}, {n}], dtype {out.dtype} "
                          f"and device {out.device}")
     if m == 0 or n == 0:

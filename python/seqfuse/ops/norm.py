@@ -138,4 +138,8 @@ def rmsnorm_backward(dy, x, rstd, weight, zero_centered_gamma=False, dres=None):
 
 def _dres(dres):
     """The residual gradient as the C entry takes it (contiguous; it checks the rest)."""
-    return None if dres is None else detached(dres).contiguous()
+    if dres is None:
+        return None
+    if not isinstance(dres, torch.Tensor):
+        raise TypeError(f"norm backward: argument 'dres' must be a torch.Tensor or None, got {type(dres).__name__}")
+    return detached(dres).contiguous()
