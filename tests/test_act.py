@@ -115,6 +115,15 @@ def test_act_error_odd_gated_width():
         act_ops.act_forward(torch.ones(3, 5), "swiglu")
 
 
+def test_act_error_out_against_out_dtype():
+    x = torch.ones(2, 8)
+    with pytest.raises(TypeError, match="act_backward: argument 'out' has dtype torch.float32 but out_dtype is "
+                                        "torch.float8_e4m3fn"):
+        act_ops.act_backward(torch.ones(2, 8), x, "gelu", out=torch.empty(2, 8), out_dtype=torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="act_forward: argument 'out' must be a torch.Tensor or None, got list"):
+        act_ops.act_forward(x, "gelu", out=[0.0])
+
+
 def test_act_error_int_input():
     with pytest.raises(TypeError, match="act_forward: argument 'x' must have dtype float32"):
         act_ops.act_forward(torch.ones(4, dtype=torch.int64), "relu")

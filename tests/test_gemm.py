@@ -234,6 +234,9 @@ def test_error_addend():
             gemm(a, b, out=out, addend=addend)
     with pytest.raises(ValueError, match=r"gemm: argument 'addend' must have out's shape \[m, n\] = \[5, 3\]"):
         gemm(torch.randn(5, 0), torch.randn(0, 3), addend=torch.randn(3, 5))
+    aux = torch.empty(5, 3)
+    with pytest.raises(ValueError, match="gemm: argument 'addend' shares memory with 'aux', which the epilogue writes"):
+        gemm(a, b, epilogue="gelu_aux", aux=aux, addend=aux)
 
 
 # ---- errors ----------------------------------------------------------------

@@ -315,6 +315,16 @@ static sf_status check_addend(const sf_gemm_args *g, sf_gemm_problem *p, int fp8
                        "addend while it writes out); to add out's own values pass "
                        "accumulate=True",
                        OP);
+    /* nor memory the epilogue writes (gelu_aux's aux, a bias gradient) */
+    const char *outs[2] = {sf_gemm_epi_aux_use(p->epilogue) == 1 ? (const char *)p->aux : NULL,
+                           sf_gemm_epi_bias_use(p->epilogue) == 2 ? (const char *)p->bias : NULL};
+    size_t out_bytes[2] = {
+        p->aux ? (size_t)((p->m - 1) * p->ld_aux + p->n) * sf_dtype_size(p->aux_dtype) : 0,
+        p->bias ? (size_t)(p->epilogue == SF_GEMM_EPI_BGRAD ? p->m : p->n) * sf_dtype_size(p->bias_dtype) : 0};
+    for (int i = 0; i < 2; ++i)
+        if (outs[i] && cb < outs[i] + out_bytes[i] && outs[i] < cb + bytes)
+            return sf_fail(SF_ERR_VALUE, "%s: argument 'addend' shares memory with '%s', which the "
+                           "epilogue writes", OP, i == 0 ? "aux" : "bias");
     p->c = c->data;
     p->accumulate = 1; /* beta = 1, read from c */
     return SF_OK;

@@ -55,6 +55,16 @@ def _out_dtype(op, x, out_dtype):
     return out_dtype
 
 
+def _given_out(op, out, out_dtype):
+    """``out`` as given, refused where ``out_dtype`` names another dtype
+    (the C entry takes out's own dtype)."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{op}: argument 'out' must be a torch.Tensor or None, got {type(out).__name__}")
+    if out_dtype is not None and out.dtype != out_dtype:
+        raise TypeError(f"{op}: argument 'out' has dtype {out.dtype} but out_dtype is {out_dtype}")
+    return out
+
+
 def act_forward(x, activation, out_dtype=None, scale=None, amax=None, scale_inv=None, out=None):
     """y = activation(x); last dimension halved for the gated ones.  ``out``:
     y written there (that shape, ``out_dtype``; the C entry checks) instead
@@ -64,7 +74,7 @@ def act_forward(x, activation, out_dtype=None, scale=None, amax=None, scale_inv=
     _check_x(op, "x", x)
     x = detached(x).contiguous()
     if out is not None:
-        y = out
+        y = _given_out(op, out, out_dtype)
     else:
         shape = list(x.shape)
         if activation in GATED and x.dim() >= 1:
@@ -84,7 +94,8 @@ def act_backward(dy, x, activation, out_dtype=None, scale=None, amax=None, scale
     _check_x(op, "dy", dy)
     x = detached(x).contiguous()
     dy = detached(dy).contiguous()
-    dx = out if out is not None else empty(x.shape, _out_dtype(op, x, out_dtype), x.device)
+    dx = _given_out(op, out, out_dtype) if out is not None else empty(x.shape, _out_dtype(op, x, out_dtype),
+                                                                         x.device)
     _C.act_backward(code, dy, x, dx, scale, amax, scale_inv, stream_for(x))
     return dx
 
