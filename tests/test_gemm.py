@@ -203,6 +203,16 @@ def test_cpu_addend(dtype, seed):
 
 
 @needs_fp8
+def test_fp8_addend_alignment_rule():
+    """FP8 GEMMs take C 16-byte aligned (cuBLASLt's rule, checked on both backends)."""
+    qa, sa, _ = QUANTIZERS["tensor"](torch.randn(32, 64))
+    qb, sb, _ = QUANTIZERS["tensor"](torch.randn(48, 64))
+    shifted = torch.empty(32 * 48 + 1, dtype=torch.bfloat16)[1:].view(32, 48)
+    with pytest.raises(ValueError, match="gemm: argument 'addend' must be 16-byte aligned"):
+        gemm_mod.fp8_gemm_nt(qa, sa, None, qb, sb, None, torch.empty(32, 48, dtype=torch.bfloat16), addend=shifted)
+
+
+@needs_fp8
 def test_cpu_fp8_addend(seed):
     m, n, k = 32, 48, 64
     qa, sa, da = QUANTIZERS["tensor"](torch.randn(m, k))
@@ -237,6 +247,9 @@ def test_error_addend():
     aux = torch.empty(5, 3)
     with pytest.raises(ValueError, match="gemm: argument 'addend' shares memory with 'aux', which the epilogue writes"):
         gemm(a, b, epilogue="gelu_aux", aux=aux, addend=aux)
+    grad_bias = torch.empty(20)  # bgrad writes op(a)'s row sums [m] into bias; the addend over its memory
+    with pytest.raises(ValueError, match="gemm: argument 'addend' shares memory with 'bias', which the epilogue writes"):
+        gemm(a, b, epilogue="bgrad", bias=grad_bias[:5], addend=grad_bias[2:17].view(5, 3))
 
 
 # ---- errors ----------------------------------------------------------------

@@ -36,3 +36,27 @@ def test_bench_accelerate_tiny_cpu(tmp_path, mode):
 def test_bench_accelerate_bad_arguments():
     with pytest.raises(SystemExit):
         bench_accelerate.main(["--rows", "hf_eager,nope", "--device", "cpu"])
+
+
+def test_fusion_ab_switches_patch_and_restore():
+    """fusion_ab.py's switches: "old" patches the path before the fusion in,
+    "new" restores the very attribute (also one the class inherits: the patch
+    is removed, not shadowed), and _graphed rows are refused."""
+    import fusion_ab
+    from seqfuse.modules.transformer_layer import TransformerLayer
+    from seqfuse.quantization.gemm_quantizers import GradQuantizer
+
+    owners = {"split_qkv_rope": [(fusion_ab.FL, "split_qkv_rope")],
+              "residual": [(fusion_ab.FL.SeqfuseDecoderLayer, "_residual_fusable"),
+                           (TransformerLayer, "_residual_fusable")],
+              "act_grad_fp8": [(GradQuantizer, "fused_cast")]}
+    assert set(owners) == set(fusion_ab.SWITCHES)
+    for name, attrs in owners.items():
+        before = [(o, a, o.__dict__.get(a)) for o, a in attrs]
+        set_new, set_old = fusion_ab.SWITCHES[name]()
+        set_old()
+        assert all(o.__dict__.get(a) is not b for o, a, b in before), name
+        set_new()
+        assert all(o.__dict__.get(a) is b for o, a, b in before), name
+    with pytest.raises(SystemExit):
+        fusion_ab.main(["seqfuse_fp8_delayed_graphed", "--switch", "residual"])

@@ -1,6 +1,8 @@
 """LayerNormLinear and LayerNormMLP against the same blocks in plain torch
 (float64 on the CPU, dtype tolerances on the GPU), in FP8 under autocast
 against the high-precision result, and their TE-compatible surface."""
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -194,7 +196,7 @@ def test_layernorm_mlp_fp8_cpu(activation, seed):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("activation,bias,rows", [("swiglu", False, 96), ("gelu_erf", False, 40),
                                                   ("swiglu", True, 96)])
-def test_fp8_activation_gradient_cast_by_its_kernel(device, activation, bias, rows, monkeypatch, seed):
+def test_fp8_activation_gradient_cast_by_its_kernel(device, activation, bias, rows, monkeypatch, caplog, seed):
     """Delayed scaling with an amax history and no FC1 bias: the
     activation-gradient kernel writes FC1's output gradient in FP8 (no
     high-precision gradient, no cast of it; padded rows zero).  The step
@@ -225,6 +227,9 @@ def test_fp8_activation_gradient_cast_by_its_kernel(device, activation, bias, ro
         return act_backward(*args, **kwargs)
 
     monkeypatch.setattr(A, "act_backward", spy)
+    from seqfuse.modules import layernorm_mlp
+
+    monkeypatch.setattr(layernorm_mlp, "_logged_act_grad_with_bias", [])
     grads, amaxes = [], []
     for fused in (True, False):
         mc = copy.deepcopy(m)
@@ -233,10 +238,13 @@ def test_fp8_activation_gradient_cast_by_its_kernel(device, activation, bias, ro
         xc = x.detach().clone().requires_grad_()
         with autocast(recipe=recipe):
             y = mc(xc)
-        y.backward(dy)
+        with caplog.at_level(logging.INFO, logger="seqfuse"):
+            y.backward(dy)
         grads.append([xc.grad] + [p.grad for p in mc.parameters()])
         amaxes.append(mc.fp8_state.amax_history[0, 2].item())
     assert fp8_outs == [not bias, False]
+    # the bias case says once why its gradient is cast separately (the switched-off run says nothing)
+    assert caplog.text.count("an FC1 bias: its gradient sums the high-precision rows") == (1 if bias else 0)
     assert amaxes[0] > 0 and abs(amaxes[0] - amaxes[1]) <= 2 ** -7 * amaxes[1]  # (dh rounded to bf16 or not)
     mc = copy.deepcopy(m)  # the step without FP8: both FP8 paths' errors against it
     xc = x.detach().clone().requires_grad_()

@@ -275,6 +275,8 @@ def test_transformer_layer_residuals_in_the_epilogues_cpu(recipe, fmt, monkeypat
     assert m._residual_fusable(x, x.dtype)
     m.apply_residual_connection_post_layernorm = True
     assert not m._residual_fusable(x, x.dtype)
+    m.apply_residual_connection_post_layernorm, m.parallel_attention_mlp = False, True
+    assert not m._residual_fusable(x, x.dtype)
 
 
 def test_residual_storage_and_dres_rules():

@@ -21,19 +21,23 @@ time differs most.  On the GPU machine:
 
     python3 benchmarks/hf/fusion_ab.py --switch residual seqfuse_fp8_delayed,seqfuse_bf16
 
-Results: benchmarks/results/logs/split_qkv_rope_ab_s30_687b3e5.log (made by
-this script's first form, split_qkv_rope only), fusion_ab_s31_*.log.
+Writes results/fusion_ab_<switch>.json (or ``--out``: the name) with the
+run's commit, command and versions.  Earlier results (logs only, made
+before the JSON): benchmarks/results/logs/split_qkv_rope_ab_s30_687b3e5.log
+(this script's first form, split_qkv_rope only), fusion_ab_s31*.log.
 """
 import argparse
 import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # bench_accelerate; benchmarks/ (harness, bench_fp8_weight_transpose)
 
 import torch  # noqa: E402
 
 import bench_accelerate as B  # noqa: E402
+from harness import Table  # noqa: E402
 import seqfuse.hf.fuse_layers as FL  # noqa: E402
 from seqfuse.modules.rope import apply_rotary_pos_emb  # noqa: E402
 from seqfuse.modules.transformer_layer import TransformerLayer  # noqa: E402
@@ -78,7 +82,6 @@ SWITCHES = {
 
 def stepper(row, base, family, ids):
     if row.startswith("stack:"):
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         import bench_fp8_weight_transpose as W
 
         step = W.ROWS[row.split(":")[1]](torch.device("cuda"))
@@ -149,6 +152,8 @@ def kernel_times(steps, switch, n=3):
 
 
 def report_kernels(label, per, top=0):
+    """Print each mode's kernel time per step (and the kernels that differ
+    most); returns (new, old) in ms."""
     new, old = per["new"], per["old"]
     if top:
         print(f"{label}: the {top} kernels with the most GPU time per step (new)")
@@ -160,6 +165,7 @@ def report_kernels(label, per, top=0):
     for k in diff[:8]:
         print(f"   {new.get(k, 0.0) - old.get(k, 0.0):+9.1f} us  new {new.get(k, 0.0):8.1f}  old {old.get(k, 0.0):8.1f}"
               f"  {k[:110]}")
+    return sum(new.values()) / 1e3, sum(old.values()) / 1e3
 
 
 def main(argv=None):
@@ -170,11 +176,14 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--top", type=int, default=0, help="with --profile: list the new mode's N largest kernels")
+    p.add_argument("--out", default=None, help="results JSON name (default fusion_ab_<switch>)")
     args = p.parse_args(argv)
     if any(r.endswith("_graphed") for r in args.rows.split(",")):
         p.error("rows: a _graphed row replays one captured graph whichever way the switch is set; "
                 "A/B its eager row")
     switch = SWITCHES[args.switch]()
+    table = Table(args.out or f"fusion_ab_{args.switch}", ["row", "new_ms", "old_ms", "ratio", "new_kernel_ms",
+                                                           "old_kernel_ms"])
     base, family = B.build_base("llama1b", None, "cuda")
     ids = torch.randint(0, base.config.vocab_size, (1, args.seq), device="cuda")
     for row in args.rows.split(","):
@@ -184,9 +193,17 @@ def main(argv=None):
         print(f"{args.switch} {row}: step ms new {['%.2f' % x for x in times['new']]} "
               f"old {['%.2f' % x for x in times['old']]}; median new {med['new']:.2f} old {med['old']:.2f} "
               f"-> {med['old'] / med['new']:.4f}x", flush=True)
+        kernels = {}
         if args.profile:
-            report_kernels(f"{args.switch} {row}", kernel_times(steps, switch), args.top)
+            kernels = dict(zip(("new_kernel_ms", "old_kernel_ms"),
+                               report_kernels(f"{args.switch} {row}", kernel_times(steps, switch), args.top)))
+        table.add(row=row, new_ms=med["new"], old_ms=med["old"], ratio=med["old"] / med["new"],
+                  new_rounds_ms=times["new"], old_rounds_ms=times["old"], **kernels)
         torch.cuda.empty_cache()
+    table.save({"switch": args.switch, "seq": args.seq, "rounds": args.rounds,
+                "note": "new: the fusion on; old: switched off in the same process; medians of interleaved rounds "
+                        "of 6 pipelined steps after 3 warm-up steps per mode; ratio = old / new; kernel ms: "
+                        "GPU kernel time per step from torch.profiler over 3 steps"})
 
 
 if __name__ == "__main__":

@@ -78,6 +78,33 @@ sf_status sf_check_contiguous(const char *op, const char *arg,
     return SF_OK;
 }
 
+/* The bytes [*lo, *hi) t's elements lie in; 0 when t has no elements. */
+static int byte_span(const sf_tensor *t, const char **lo, const char **hi)
+{
+    int64_t below = 0, above = 0; /* element offsets of the lowest and highest element */
+    for (int i = 0; i < t->ndim; ++i) {
+        if (t->shape[i] == 0)
+            return 0;
+        int64_t reach = (t->shape[i] - 1) * t->strides[i];
+        if (reach < 0)
+            below += reach;
+        else
+            above += reach;
+    }
+    const int64_t size = (int64_t)sf_dtype_size(t->dtype);
+    *lo = (const char *)t->data + below * size;
+    *hi = (const char *)t->data + (above + 1) * size;
+    return 1;
+}
+
+int sf_tensors_overlap(const sf_tensor *a, const sf_tensor *b)
+{
+    const char *alo, *ahi, *blo, *bhi;
+    if (!byte_span(a, &alo, &ahi) || !byte_span(b, &blo, &bhi))
+        return 0;
+    return alo < bhi && blo < ahi;
+}
+
 /* Whether two elements of t share memory: a stride-0 (expanded) dimension,
  * or strides that fold onto each other.  Dimensions of size > 1 sorted by
  * |stride|: each stride must step past everything the smaller ones span. */

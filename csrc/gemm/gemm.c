@@ -307,22 +307,17 @@ static sf_status check_addend(const sf_gemm_args *g, sf_gemm_problem *p, int fp8
                        OP, (long long)p->ld_out, (long long)ld);
     if (fp8)
         SF_TRY(sf_check_aligned(OP, "addend", c, 16));
-    size_t bytes = (size_t)((p->m - 1) * p->ld_out + p->n) * sf_dtype_size(p->out_dtype);
-    const char *cb = (const char *)c->data, *ob = (const char *)p->out;
-    if (cb < ob + bytes && ob < cb + bytes)
+    if (sf_tensors_overlap(c, g->out))
         return sf_fail(SF_ERR_VALUE,
                        "%s: argument 'addend' shares memory with 'out' (the GEMM reads the "
                        "addend while it writes out); to add out's own values pass "
                        "accumulate=True",
                        OP);
     /* nor memory the epilogue writes (gelu_aux's aux, a bias gradient) */
-    const char *outs[2] = {sf_gemm_epi_aux_use(p->epilogue) == 1 ? (const char *)p->aux : NULL,
-                           sf_gemm_epi_bias_use(p->epilogue) == 2 ? (const char *)p->bias : NULL};
-    size_t out_bytes[2] = {
-        p->aux ? (size_t)((p->m - 1) * p->ld_aux + p->n) * sf_dtype_size(p->aux_dtype) : 0,
-        p->bias ? (size_t)(p->epilogue == SF_GEMM_EPI_BGRAD ? p->m : p->n) * sf_dtype_size(p->bias_dtype) : 0};
+    const sf_tensor *written[2] = {sf_gemm_epi_aux_use(p->epilogue) == 1 ? g->aux : NULL,
+                                   sf_gemm_epi_bias_use(p->epilogue) == 2 ? g->bias : NULL};
     for (int i = 0; i < 2; ++i)
-        if (outs[i] && cb < outs[i] + out_bytes[i] && outs[i] < cb + bytes)
+        if (written[i] && sf_tensors_overlap(c, written[i]))
             return sf_fail(SF_ERR_VALUE, "%s: argument 'addend' shares memory with '%s', which the "
                            "epilogue writes", OP, i == 0 ? "aux" : "bias");
     p->c = c->data;
@@ -378,7 +373,7 @@ sf_status sf_gemm(const sf_gemm_args *g, sf_stream stream)
     SF_TRY(check_epilogue(g, &p, fp8));
     p.epilogue = g->epilogue;
     p.accumulate = g->accumulate != 0;
-    p.c = p.accumulate ? p.out : NULL;
+    p.c = p.out; /* beta's operand: out's own values, or check_addend's tensor */
     if (g->addend)
         SF_TRY(check_addend(g, &p, fp8));
     p.fast_accum = g->fast_accum != 0;

@@ -52,7 +52,7 @@ typedef struct {
     sf_dtype aux_dtype;
     int64_t ld_aux;
     sf_gemm_epilogue epilogue;
-    const void *c;                 /* beta's operand (addend, or out) when accumulate; same layout as out */
+    const void *c;                 /* beta's operand, read when accumulate: out, or the addend (out's layout) */
     int accumulate, fast_accum, allow_tf32;
     float alpha;
     void *workspace;

@@ -276,7 +276,7 @@ sf_status make_key(const sf_gemm_problem *p, PlanKey *k)
                                                               : CUBLAS_COMPUTE_32F;
     k->align_a = alignment(p->b.data);
     k->align_b = alignment(p->a.data);
-    k->align_c = alignment(p->accumulate ? p->c : p->out);
+    k->align_c = alignment(p->c);
     k->align_d = alignment(p->out);
     k->workspace_bytes = p->workspace_bytes;
     return SF_OK;
@@ -500,9 +500,8 @@ sf_status run_locked(const sf_gemm_problem *p, cudaStream_t stream)
     Plan *plan = NULL;
     SF_TRY(lookup_locked(h, p, &plan));
     float alpha = p->alpha, beta = p->accumulate ? 1.0f : 0.0f;
-    const void *c = p->accumulate ? p->c : p->out; /* (read only when beta = 1) */
     LT_TRY("Matmul", cublasLtMatmul(h, plan->desc, &alpha, p->b.data, plan->la, p->a.data, plan->lb,
-                                    &beta, c, plan->ld, p->out, plan->ld, &plan->algo,
+                                    &beta, p->c, plan->ld, p->out, plan->ld, &plan->algo,
                                     p->workspace, p->workspace_bytes, stream));
     return SF_OK;
 }

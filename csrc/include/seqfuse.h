@@ -112,6 +112,11 @@ int sf_is_contiguous(const sf_tensor *t);
 void sf_tensor_init(sf_tensor *t, void *data, sf_dtype dtype, int ndim,
                     const int64_t *shape, sf_device_type device, int device_id);
 
+/* Whether the memory a's elements occupy and the memory b's occupy meet
+ * (their byte spans intersect; empty tensors meet nothing).  For callers
+ * that refuse an input an output would overwrite while it is read. */
+int sf_tensors_overlap(const sf_tensor *a, const sf_tensor *b);
+
 /* ---- shared argument checks ---------------------------------------------
  * `op` and `arg` name the function and the argument in the message. */
 sf_status sf_check_dtype(const char *op, const char *arg, const sf_tensor *t,

@@ -142,9 +142,7 @@ static sf_status norm_backward(const char *op, sf_norm_backward_args *a, sf_stre
         SF_TRY(check_like_x(op, "dres", a->dres, x));
         /* dx may be dres itself (each element is read before it is written, by the same thread) but
          * not another part of its memory */
-        size_t bytes = (size_t)sf_numel(x) * sf_dtype_size(x->dtype);
-        const char *r = (const char *)a->dres->data, *d = (const char *)a->dx->data;
-        if (r != d && r < d + bytes && d < r + bytes)
+        if (a->dres->data != a->dx->data && sf_tensors_overlap(a->dres, a->dx))
             return sf_fail(SF_ERR_VALUE, "%s: argument 'dres' overlaps 'dx' without being it", op);
     }
     if (a->mean)

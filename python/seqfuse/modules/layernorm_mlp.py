@@ -227,8 +227,9 @@ def _fp8_act_grad(q, da, h, activation, bias_dtype, need_col):
     bias (its gradient is the high-precision gradient's column sums) or
     another recipe: the gradient in h's dtype, then quantize_grad's cast."""
     gq = q.grads[0]
-    if bias_dtype is not None or not gq.fused_cast:
-        if bias_dtype is not None and gq.fused_cast and not _logged_act_grad_with_bias:
+    fused = gq.fused_cast
+    if bias_dtype is not None or not fused:
+        if fused and not _logged_act_grad_with_bias:
             _logged_act_grad_with_bias.append(True)
             _log.info("LayerNormMLP: FC1's output gradient is made in %s and cast to FP8 after the activation "
                       "gradient (an FC1 bias: its gradient sums the high-precision rows); without an FC1 bias "

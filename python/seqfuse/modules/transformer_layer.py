@@ -219,7 +219,7 @@ class TransformerLayer(torch.nn.Module):
                 checkpoint_core_attention=checkpoint_core_attention)
             cross, residual = cross if post_ln else (cross, x)
             x = self._residual(residual, cross)
-        if fuse_attn and self._residual_fusable(x, x.dtype):  # (LayerNormMLP computes in x's dtype)
+        if fuse_attn:  # the same layout and dropout rules; LayerNormMLP computes in x's dtype
             out = self.layernorm_mlp(x, is_first_microbatch=is_first_microbatch, residual=x)
         else:
             mlp_out = self.layernorm_mlp(x, is_first_microbatch=is_first_microbatch)
