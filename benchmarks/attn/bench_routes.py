@@ -137,10 +137,32 @@ def sdpa_padded_mask(keep):
     return call
 
 
-def sdpa_dropout(p):
+def sdpa_dropout(p, backends=None, causal=False):
+    """torch SDPA with attention dropout p; ``backends`` restricts the kernel
+    (None: torch's choice)."""
+    gqa = {}
+
     def call(q, k, v):
-        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                              dropout_p=p).transpose(1, 2)
+        if q.shape[-2] != k.shape[-2]:
+            gqa["enable_gqa"] = True
+        with sdpa_kernel(backends or list(SDPBackend)):
+            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                  dropout_p=p, is_causal=causal, **gqa).transpose(1, 2)
+    return call
+
+
+def cudnn_padded_mask(keep, as_bias):
+    """torch SDPA restricted to cuDNN with the key-padding mask as attn_mask
+    (a candidate route for padded batches): boolean, or as an additive bias
+    (0 / -inf) of shape [b, 1, 1, s]."""
+    mask = keep[:, None, None, :]
+    if as_bias:
+        mask = torch.zeros(mask.shape, device=keep.device, dtype=DT).masked_fill(~mask, float("-inf"))
+
+    def call(q, k, v):
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                  attn_mask=mask).transpose(1, 2)
     return call
 
 
@@ -196,17 +218,28 @@ def padded_case(name, lengths, s, h, d):
     keep = torch.arange(s, device="cuda")[None, :] < torch.tensor(lengths, device="cuda")[:, None]
     case.add("peer: SDPA with a key-padding mask (torch's kernel choice)", sdpa_padded_mask(keep), (q, k, v),
              lengths)
+    for as_bias in (False, True):
+        case.add(f"candidate: cuDNN SDPA, key-padding mask as {'a bias' if as_bias else 'bool'} attn_mask",
+                 cudnn_padded_mask(keep, as_bias), (q, k, v), lengths)
     case.add(f"ceiling: cuDNN SDPA bshd {b} x {s} (no padding)", cudnn_ceiling(False), (q, k, v), [s] * b)
     return case
 
 
-def dropout_case(name, b, s, h, d, p):
-    case = Case(name, [s] * b, h, h, d, False)
-    q, k, v = _rand(b, s, h, d), _rand(b, s, h, d), _rand(b, s, h, d)
-    for backend in ("seqfuse", "flash"):
-        case.add(f"{backend} bshd dropout {p}", via_ops(dropout_p=p), (q, k, v), [s] * b)
-    case.add(f"peer: SDPA dropout_p={p} (torch's kernel choice)", sdpa_dropout(p), (q, k, v), [s] * b)
-    case.add(f"ceiling: cuDNN SDPA bshd {b} x {s} (no dropout)", cudnn_ceiling(False), (q, k, v), [s] * b)
+def dropout_case(name, b, s, h, d, p, hk=None, causal=False):
+    hk = hk or h
+    case = Case(name, [s] * b, h, hk, d, causal)
+    q, k, v = _rand(b, s, h, d), _rand(b, s, hk, d), _rand(b, s, hk, d)
+    mask = "causal" if causal else "no_mask"
+    for backend in ("seqfuse", "flash", "auto"):
+        case.add(f"{backend} bshd dropout {p}", via_ops(dropout_p=p, attn_mask_type=mask), (q, k, v), [s] * b)
+    case.add(f"peer: SDPA dropout_p={p} (torch's kernel choice)", sdpa_dropout(p, causal=causal), (q, k, v),
+             [s] * b)
+    case.add(f"candidate: cuDNN SDPA dropout_p={p}", sdpa_dropout(p, [SDPBackend.CUDNN_ATTENTION], causal),
+             (q, k, v), [s] * b)
+    qc = q if hk == h else _rand(b, s, h, d)
+    kc, vc = (k, v) if hk == h else (_rand(b, s, h, d), _rand(b, s, h, d))
+    case.add(f"ceiling: cuDNN SDPA bshd {b} x {s} (no dropout)" + (f" (MHA, {h} k/v heads)" if hk != h else ""),
+             cudnn_ceiling(causal), (qc, kc, vc), [s] * b)
     return case
 
 
@@ -216,7 +249,7 @@ def run_case(table, case):
         figures = {}
         for label, fn, inputs, dout, flop_lengths, error in case.rows:
             backend = label.split(" ")[0]
-            if backend in ("seqfuse", "flash"):
+            if backend in ("seqfuse", "flash", "auto"):
                 seqfuse.ops.set_attention_backend(backend)
             row = dict(case=case.name, direction="forward+backward" if backward else "forward", route=label,
                        heads=f"{case.h}/{case.hk}", head_dim=case.d, causal=case.causal,
@@ -246,13 +279,15 @@ def run_case(table, case):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="also copy the JSON here")
+    parser.add_argument("--only", default="", help="run only the cases whose name contains this text")
+    parser.add_argument("--out", default="bench_routes", help="result name (benchmarks/results/OUT.json)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_routes: needs a CUDA GPU")
     torch.manual_seed(0)
     rng = random.Random(0)
     lengths, source = protein_lengths(rng)
-    table = Table("bench_routes", ["case", "direction", "route", "ms", "tflops", "per_token_ns", "vs_ceiling",
+    table = Table(args.out, ["case", "direction", "route", "ms", "tflops", "per_token_ns", "vs_ceiling",
                                    "vs_seqfuse", "error"])
     cases = [
         lambda: packed_case("ESM-2 650M packed", lengths, 20, 20, 64, False),
@@ -261,9 +296,15 @@ def main():
         lambda: packed_case("Llama GQA 32/8 x 128 causal, 4 x 2048", [2048] * 4, 32, 8, 128, True),
         lambda: padded_case("ESM-2 650M padded bshd 16 x 1024", lengths[:16], 1024, 20, 64),
         lambda: dropout_case("ESM-2 650M bshd dropout", 16, 1024, 20, 64, 0.1),
+        lambda: dropout_case("ESM-2 150M bshd dropout (d 32)", 16, 1024, 20, 32, 0.1),
+        lambda: dropout_case("ESM-2 8M bshd dropout (d 16)", 16, 1024, 20, 16, 0.1),
+        lambda: dropout_case("TE default layer, 16 heads of 128, dropout", 4, 2048, 16, 128, 0.1),
+        lambda: dropout_case("Llama GQA 32/8 x 64 causal dropout, 4 x 4096", 4, 4096, 32, 64, 0.1, hk=8, causal=True),
     ]
     for make in cases:
-        run_case(table, make())
+        case = make()
+        if args.only in case.name:
+            run_case(table, case)
     extra = {"protein_lengths_source": source, "protein_sequences": len(lengths), "protein_tokens": sum(lengths),
              "protein_max_len": max(lengths), "command": " ".join([sys.executable] + sys.argv),
              "flash_route": "seqfuse.ops.attention with set_attention_backend('flash')"}
