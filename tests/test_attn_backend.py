@@ -144,7 +144,10 @@ BROKEN = [
     ("window", dict(window_size=(-1, 0))),  # a causal window without a causal mask
     ("window", dict(window_size=(128, 0), attn_mask_type="causal")),
     ("window", dict(window_size=(-1, 5), attn_mask_type="causal")),
-    ("dropout", dict(dropout_p=0.1)),
+    ("dropout", dict(dropout_p=0.1)),  # cuDNN's version unknown
+    ("dropout", dict(dropout_p=0.1, cudnn_version=91100)),  # torch refuses dropout on cuDNN 9.11-9.13
+    ("dropout", dict(dropout_p=0.1, cudnn_version=91399)),
+    ("dropout", dict(dropout_p=0.1, cudnn_version=91900, explicit_rng=True)),  # seqfuse's Philox mask asked for
     ("deterministic", dict(deterministic=True)),
     ("deterministic", dict(deterministic_algorithms=True)),
     ("dtype", dict(dtype=torch.float32)),
@@ -171,6 +174,8 @@ STILL_ELIGIBLE = [
     dict(heads_kv=4), dict(heads_kv=1),  # GQA and MQA: SDPA's enable_gqa
     dict(batch=65535, heads_q=65535, heads_kv=65535),
     dict(capability=(8, 0), check_capability=False),  # forced cudnn skips the speed rule
+    dict(dropout_p=0.1, cudnn_version=91900), dict(dropout_p=0.5, cudnn_version=91400),
+    dict(dropout_p=0.1, cudnn_version=91002), dict(explicit_rng=True),  # rng_state without dropout: no matter
 ]
 
 
@@ -226,7 +231,7 @@ CPU_CASES = [
     ("lengths", "sbhd", "causal", dict(s_kv=12)),
     ("window", "bshd", "no_mask", dict(window_size=(2, 2))),
     ("window", "bshd", "causal", dict(window_size=(3, 0))),
-    ("dropout", "bshd", "no_mask", dict(dropout_p=0.1)),
+    ("dropout", "bshd", "no_mask", dict(dropout_p=0.1, rng_state=(1, 0))),
     ("deterministic", "bshd", "causal", dict(deterministic=True)),
     ("dtype", "bshd", "no_mask", dict(dtype=torch.float32)),
     ("gqa", "sbhd", "no_mask", dict(hk=3)),  # 2 q heads
@@ -239,7 +244,7 @@ CPU_CASES = [
 
 
 def cpu_call(fmt, mask, cu=False, s_kv=8, window_size=None, dropout_p=0.0, deterministic=False,
-             dtype=torch.bfloat16, hk=2, d=16, v_dtype=None):
+             dtype=torch.bfloat16, hk=2, d=16, v_dtype=None, rng_state=None):
     b, s, h = 2, 8, 2
     if fmt == "thd":
         q = torch.randn(b * s, h, d).to(dtype)
@@ -250,6 +255,8 @@ def cpu_call(fmt, mask, cu=False, s_kv=8, window_size=None, dropout_p=0.0, deter
     v = k.clone().to(v_dtype or dtype)
     kw = dict(qkv_format=fmt, attn_mask_type=mask, window_size=window_size, dropout_p=dropout_p,
               deterministic=deterministic)
+    if rng_state is not None:
+        kw["rng_state"] = rng_state
     if cu:
         kw.update(cu_seqlens_q=cu_seqlens([s] * b, "cpu"), cu_seqlens_kv=cu_seqlens([s_kv] * b, "cpu"))
     return q, k, v, kw
@@ -275,6 +282,42 @@ def test_attention_backend_validates_like_the_call():
         seqfuse.ops.attention_backend(q, k, v, window_size=(-3, 0))
     with pytest.raises(TypeError, match="argument 'q' must be a torch.Tensor"):
         seqfuse.ops.attention_backend(None, k, v)
+
+
+@pytest.mark.parametrize("fmt,mask", [("bshd", "no_mask"), ("sbhd", "causal")])
+def test_dropout_takes_cudnn_where_torch_has_it(fmt, mask, emulated_h200, sdpa_calls, monkeypatch):
+    """Attention dropout without an explicit rng_state goes to cuDNN (torch's
+    dropout inside cuDNN's kernel, its random numbers from torch's generator),
+    except on the cuDNN versions torch refuses it on (9.11-9.13) and where
+    the version is unknown; the route hands dropout_p to SDPA."""
+    monkeypatch.setattr(routing, "_choices", {})
+    monkeypatch.setitem(routing._ragged_support, "cudnn", 91900)
+    seqfuse.ops.set_attention_backend("auto")
+    q, k, v = (layout(fmt, 2, 8, 2, 16, requires_grad=True) for _ in range(3))
+    name, reason = seqfuse.ops.attention_backend(q, k, v, qkv_format=fmt, attn_mask_type=mask, dropout_p=0.25)
+    assert name == "cudnn" and reason == f"{fmt} {mask} d=16 bfloat16 dropout runs cuDNN fused attention through " \
+                                         "torch SDPA", reason
+    out = seqfuse.ops.attention(q, k, v, qkv_format=fmt, attn_mask_type=mask, dropout_p=0.25)
+    out.float().sum().backward()
+    assert len(sdpa_calls) == 1 and sdpa_calls[0][1]["dropout_p"] == 0.25
+    assert sdpa_calls[0][1]["is_causal"] == (mask != "no_mask")
+    _assert_finite(out, q.grad, k.grad, v.grad)
+    kw = dict(qkv_format=fmt, attn_mask_type=mask, dropout_p=0.25)
+    for version in (91100, 91300, None):  # auto: the flash route takes it; forced cudnn: refused, rule named
+        monkeypatch.setitem(routing._ragged_support, "cudnn", version)
+        seqfuse.ops.set_attention_backend("auto")
+        assert seqfuse.ops.attention_backend(q, k, v, **kw)[0] == "flash"
+        seqfuse.ops.set_attention_backend("cudnn")
+        with pytest.raises(NotImplementedError, match=f"cannot run cuDNN fused attention: dropout: dropout_p 0.25 "
+                                                      f"and cuDNN {version} "):
+            seqfuse.ops.attention_backend(q, k, v, **kw)
+    monkeypatch.setitem(routing._ragged_support, "cudnn", 91900)
+    seqfuse.ops.set_attention_backend("auto")
+    name, reason = seqfuse.ops.attention_backend(q, k, v, **kw, rng_state=(3, 0))
+    assert name == "seqfuse" and reason.startswith("dropout: dropout_p 0.25 with an explicit rng_state"), reason
+    seqfuse.ops.set_attention_backend("cudnn")
+    with pytest.raises(NotImplementedError, match="cannot run cuDNN fused attention: dropout: "):
+        seqfuse.ops.attention(q, k, v, **kw, rng_state=(3, 0))
 
 
 @pytest.mark.parametrize("rule,fmt,mask,extra", [c for c in CPU_CASES if c[0] != "inputs"],
@@ -712,7 +755,7 @@ def test_cuda_auto_picks_cudnn_for_esm2_on_h200(sdpa_calls, caplog):
     _assert_finite(out, q.grad, k.grad, v.grad)
 
 
-ROUTE_OF_RULE = {"dropout": "flash", "padding": "flash", "window": "flash",
+ROUTE_OF_RULE = {"dropout": "seqfuse", "padding": "flash", "window": "flash",
                  "deterministic": "seqfuse", "head_dim": "seqfuse", "dtype": "torch_fp32"}
 
 
@@ -791,16 +834,17 @@ def test_cuda_thd_of_equal_lengths_runs_cudnn_as_bshd(h, hk, mask, seed, sdpa_ca
 @pytest.mark.cuda
 @pytest.mark.parametrize("rule", list(ROUTE_OF_RULE))
 def test_cuda_auto_route_of_calls_cudnn_refuses(rule, sdpa_calls):
-    """Calls the cuDNN route refuses: the flash route takes dropout, padding,
-    GQA and windows on an H200, float32 goes to torch_fp32, the rest stays
-    on seqfuse's kernels with cuDNN's rule named first."""
+    """Calls the cuDNN route refuses: the flash route takes padding and
+    windows on an H200, float32 goes to torch_fp32; dropout with seqfuse's
+    Philox mask asked for (rng_state) and the rest stay on seqfuse's kernels
+    with cuDNN's rule named first."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("auto takes the torch routes on compute capability 9.0 only")
     seqfuse.ops.set_attention_backend("auto")
     b, s, h, hk, d, dtype = 2, 128, 4, 4, 64, torch.bfloat16
     kw = dict(qkv_format="bshd", attn_mask_type="no_mask")
-    if rule == "dropout":
-        kw["dropout_p"] = 0.1
+    if rule == "dropout":  # with seqfuse's Philox mask asked for (without, cuDNN takes dropout)
+        kw.update(dropout_p=0.1, rng_state=(1, 0))
     elif rule == "padding":
         kw.update(attn_mask_type="padding", cu_seqlens_q=cu_seqlens([128, 77], "cuda"))
         kw["cu_seqlens_kv"] = kw["cu_seqlens_q"]

@@ -10,13 +10,15 @@ helpers.py:
   rows (padding positions exactly 0, gradients too); padding-free bshd/sbhd
   with GQA, causal and windows; head dims 16 to 256, GQA 1:1, 2:1 and 6:1,
   bfloat16 and float16; CUDA graph capture.
-- dropout on the flash route: the backward uses the forward's mask (for
-  dout = out, <v, dV> equals <out, out> only when the backward drops what
-  the forward dropped), every attention weight is either dropped or scaled
-  by exactly 1 / (1 - p), the drop rate is p within 5 standard deviations
-  and FlashAttention's 1/256 (its 8-bit keep threshold),
-  torch.manual_seed repeats the mask, and a TransformerLayer with TE's
-  default attention_dropout=0.1 runs on the flash route in auto.
+- dropout on the flash and cudnn routes: the backward uses the forward's
+  mask (for dout = out, <v, dV> equals <out, out> only when the backward
+  drops what the forward dropped), every attention weight is either dropped
+  or scaled by exactly 1 / (1 - p), the drop rate is p within 5 standard
+  deviations (and FlashAttention's 1/256, its 8-bit keep threshold),
+  torch.manual_seed repeats the mask, a CUDA graph's replays draw new
+  masks, and a TransformerLayer with TE's default attention_dropout=0.1
+  runs on the cudnn route in auto (padding-free; packed calls with dropout
+  take the flash route).
 - torch_fp32 (auto): float32 bshd/sbhd/thd, every mask, windows, GQA,
   padding, deterministic, dropout's same-mask check.
 Run on an H200: `python3 -m pytest -q tests/test_attn_routes_cuda.py`."""
@@ -188,7 +190,7 @@ def test_cuda_flash_dense_gqa(fmt, mask, window, sq, sk, d, seed):
     _check(out, grads, ref, ref_grads, dtype, f"{fmt} {mask} {window} d={d}")
 
 
-def test_cuda_auto_sends_packed_padded_windowed_dropout_to_flash(flash_calls):
+def test_cuda_auto_sends_packed_padded_windowed_to_flash(flash_calls):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("auto takes the flash route on compute capability 9.0 only")
     seqfuse.ops.set_attention_backend("auto")
@@ -200,7 +202,8 @@ def test_cuda_auto_sends_packed_padded_windowed_dropout_to_flash(flash_calls):
     q, k, v, dout, _, _, kw = _padded(rng, "bshd", 3, 128, 128, 4, 4, 64, torch.bfloat16, "padding_causal")
     assert seqfuse.ops.attention_backend(q.requires_grad_(), k, v, **kw)[0] == "flash"
     x = _randn((2, 128, 4, 64), torch.bfloat16)
-    assert seqfuse.ops.attention_backend(x, x, x, dropout_p=0.1)[0] == "flash"
+    assert seqfuse.ops.attention_backend(x, x, x, dropout_p=0.1)[0] == "cudnn"  # padding-free: cuDNN's dropout
+    assert seqfuse.ops.attention_backend(x, x, x, dropout_p=0.1, rng_state=(1, 0))[0] == "seqfuse"  # Philox
     xg = x.detach().requires_grad_()
     assert seqfuse.ops.attention_backend(xg, x[:, :, :2], x[:, :, :2], window_size=(16, 0),
                                          attn_mask_type="causal")[0] == "flash"  # GQA with a window
@@ -256,21 +259,58 @@ def test_cuda_flash_dropout_backward_uses_the_forwards_mask(layout, seed):
         assert abs(_same_mask_ratio(q, k, v, kw, p) - 1.0) < 5e-3, (layout, p)
 
 
-def test_cuda_flash_dropout_drops_or_scales_each_weight(seed):
-    """v one-hot over a sequence's keys makes the output the dropped and
-    rescaled attention matrix itself: each weight is 0 or P / (1 - p)."""
+@pytest.mark.parametrize("layout", ["bshd", "sbhd causal gqa", "thd of equal lengths"])
+@pytest.mark.parametrize("d", [16, 64, 128])
+def test_cuda_cudnn_dropout_backward_uses_the_forwards_mask(layout, d, seed, sdpa_calls):
     torch.manual_seed(seed)
-    seqfuse.ops.set_attention_backend("flash")
-    lengths, h, d, p, dtype = [64, 50, 33, 64, 64], 4, 64, 0.2, torch.float16
-    t = sum(lengths)
-    q, k = _randn((t, h, d), dtype), _randn((t, h, d), dtype)
-    v = torch.zeros(t, h, d, device="cuda", dtype=dtype)
+    seqfuse.ops.set_attention_backend("cudnn")
+    dtype = torch.bfloat16 if d == 64 else torch.float16
+    if layout == "bshd":
+        q, k, v = (_randn((2, 256, 4, d), dtype) for _ in range(3))
+        kw = dict(qkv_format="bshd")
+    elif layout == "sbhd causal gqa":
+        q, k, v = _randn((256, 2, 8, d), dtype), _randn((256, 2, 2, d), dtype), _randn((256, 2, 2, d), dtype)
+        kw = dict(qkv_format="sbhd", attn_mask_type="causal")
+    else:
+        q, k, v = (_randn((3 * 128, 4, d), dtype) for _ in range(3))
+        cu = cu_seqlens([128] * 3, "cuda")
+        kw = dict(qkv_format="thd", attn_mask_type="padding", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=128,
+                  max_seqlen_kv=128)
+    for p in (0.1, 0.3):
+        assert abs(_same_mask_ratio(q, k, v, kw, p) - 1.0) < 1e-2, (layout, d, p)
+    assert len(sdpa_calls) == 2 and all(c[1]["dropout_p"] in (0.1, 0.3) for c in sdpa_calls)
+
+
+def _one_hot_values(lengths, h, d, dtype):
+    """v one-hot over each sequence's keys, packed [t, h, d]: the attention
+    output is then the (dropped, rescaled) attention matrix itself."""
+    v = torch.zeros(sum(lengths), h, d, device="cuda", dtype=dtype)
     start = 0
     for n in lengths:
         v[start:start + n] = torch.eye(n, d, device="cuda", dtype=dtype)[:, None, :]
         start += n
-    cu = cu_seqlens(lengths, "cuda")
-    kw = dict(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=64, max_seqlen_kv=64)
+    return v
+
+
+@pytest.mark.parametrize("route", ["flash", "cudnn"])
+def test_cuda_dropout_drops_or_scales_each_weight(route, seed):
+    """v one-hot over a sequence's keys makes the output the dropped and
+    rescaled attention matrix itself: each weight is 0 or P / (1 - p), at a
+    drop rate of p."""
+    torch.manual_seed(seed)
+    seqfuse.ops.set_attention_backend(route)
+    h, d, p, dtype = 4, 64, 0.2, torch.float16
+    if route == "flash":
+        lengths = [64, 50, 33, 64, 64]
+        t = sum(lengths)
+        q, k = _randn((t, h, d), dtype), _randn((t, h, d), dtype)
+        v = _one_hot_values(lengths, h, d, dtype)
+        cu = cu_seqlens(lengths, "cuda")
+        kw = dict(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=64, max_seqlen_kv=64)
+    else:  # padding-free bshd: 3 sequences of 64 keys
+        q, k = _randn((3, 64, h, d), dtype), _randn((3, 64, h, d), dtype)
+        v = _one_hot_values([64] * 3, h, d, dtype).view(3, 64, h, d)
+        kw = dict(qkv_format="bshd")
     weights = seqfuse.ops.attention(q, k, v, **kw).float()            # P
     dropped = seqfuse.ops.attention(q, k, v, dropout_p=p, **kw).float()  # P * keep / (1 - p)
     seen = weights > 1e-3
@@ -289,21 +329,50 @@ def test_cuda_flash_dropout_drops_or_scales_each_weight(seed):
     assert not torch.equal(a, b) and torch.equal(a, seqfuse.ops.attention(q, k, v, dropout_p=p, **kw))
 
 
-def test_cuda_te_default_transformer_layer_takes_the_flash_route(flash_calls):
+@pytest.mark.parametrize("route", ["flash", "cudnn"])
+def test_cuda_dropout_in_a_cuda_graph_draws_a_new_mask_each_replay(route):
+    """A captured dropout call replays with fresh random numbers (torch's
+    generator hands the graph a new offset per replay), never one mask for
+    every step."""
+    torch.manual_seed(0)
+    seqfuse.ops.set_attention_backend(route)
+    q, k, v = (_randn((2, 128, 4, 64), torch.bfloat16) for _ in range(3))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        seqfuse.ops.attention(q, k, v, dropout_p=0.2)  # warm-up on the side stream
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        captured = seqfuse.ops.attention(q, k, v, dropout_p=0.2)
+    g.replay()
+    first = captured.clone()
+    g.replay()
+    torch.cuda.synchronize()
+    plain = seqfuse.ops.attention(q, k, v)
+    assert not torch.equal(first, captured)
+    for out in (first, captured):  # both dropped something, and kept the scale: the mean of P v is kept
+        assert not torch.equal(out, plain)
+        assert rel_error(out.float().mean(dim=(0, 1)), plain.float().mean(dim=(0, 1))) < 0.25
+
+
+def test_cuda_te_default_transformer_layer_takes_a_torch_route(flash_calls, sdpa_calls):
+    """TE's default attention_dropout=0.1 in training, padding-free: the
+    cudnn route with cuDNN's dropout (eval: the same route, no dropout)."""
     if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("auto takes the flash route on compute capability 9.0 only")
+        pytest.skip("auto takes the torch routes on compute capability 9.0 only")
     import seqfuse.pytorch as te
     seqfuse.ops.set_attention_backend("auto")
     layer = te.TransformerLayer(256, 512, 4, params_dtype=torch.bfloat16, device="cuda")  # attention_dropout=0.1
     x = torch.randn(128, 2, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     y = layer(x)
     y.float().pow(2).mean().backward()
-    assert len(flash_calls) == 1
+    assert len(sdpa_calls) == 1 and sdpa_calls[0][1]["dropout_p"] == 0.1 and not flash_calls
     assert torch.isfinite(x.grad.float()).all()
     layer.eval()
     with torch.no_grad():
         layer(x)
-    assert len(flash_calls) == 1  # eval: no dropout, padding-free MHA: cuDNN
+    assert len(sdpa_calls) == 2 and "dropout_p" not in sdpa_calls[1][1]  # eval: no dropout
 
 
 # ------------------------------------------------------------------ float32 (torch_fp32, auto)

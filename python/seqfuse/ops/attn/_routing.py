@@ -32,8 +32,8 @@ under ``sdpa_kernel([SDPBackend.CUDNN_ATTENTION])``, torch's autograd doing
 the backward; measured on an H200 at ESM-2 650M's shape, 16 x 1024 tokens,
 20 heads of dim 64, bf16, no mask: 23.5 ms of attention per training step
 against 57 ms for seqfuse's kernels); "flash" (torch's FlashAttention-2 for
-what cuDNN's route cannot take: packed thd, padded batches, GQA, windows,
-dropout; rules ``flash_eligibility`` and layouts in _torch_routes.py;
+what cuDNN's route cannot take: packed thd, padded batches, windows, dropout
+where cuDNN refuses it; rules ``flash_eligibility`` and layouts in _torch_routes.py;
 torch.nn.attention.varlen.varlen_attn, the same kernel, measured on an
 H200 with torch 2.11 at 16k packed tokens (bf16, /shared/DESIGN.md)
 96-257 TFLOP/s forward+backward against seqfuse's thd kernel's 91-196,
@@ -72,8 +72,12 @@ takes ("seqfuse", "cudnn", "flash", "cudnn_ragged" or "torch_fp32") and why.
   SDPA's is_causal is top-left, which equals bottom-right only at equal
   lengths), at least 2, batch and heads at most 65535 (torch's cuDNN
   limits, also ``lengths``); window_size None or (-1, -1), or (-1, 0) with a
-  causal mask (``window``); dropout_p == 0 (``dropout``: seqfuse's dropout
-  has its own Philox mask contract); not deterministic and no
+  causal mask (``window``); dropout_p == 0, or dropout without an explicit
+  ``rng_state`` (which asks for seqfuse's own Philox mask) on a cuDNN other
+  than 9.11-9.13, where torch refuses dropout in cuDNN attention
+  (``dropout``: the mask is then cuDNN's, drawn from torch's generator as
+  the flash route's is; measured on an H200 at ESM-2 650M's 16 x 1024 x 20
+  x 64, benchmarks/attn/bench_routes.py); not deterministic and no
   ``torch.use_deterministic_algorithms(True)`` (``deterministic``: torch
   does not guarantee a deterministic cuDNN backward, and refuses cuDNN
   then); float16 or bfloat16 (``dtype``); q heads a multiple of the k/v
@@ -287,6 +291,8 @@ _CUDNN_CAPABILITY = (9, 0)
 _CUDNN_DTYPES = (torch.float16, torch.bfloat16)
 _CUDNN_MASKS = ("no_mask", "causal", "causal_bottom_right")
 _CUDNN_MAX_DIM = 65535  # torch's cuDNN attention takes batch and heads up to this
+# cuDNN versions (torch.backends.cudnn.version(), inclusive) on which torch refuses dropout in cuDNN attention
+_CUDNN_DROPOUT_BROKEN = (91100, 91399)
 _TO_BHSD = {"bshd": (0, 2, 1, 3), "sbhd": (1, 2, 0, 3)}
 # a thd call's mask (its padding code) as the mask of the same call viewed as bshd, every sequence full
 _UNIFORM_MASK = {1: "no_mask", 3: "causal", 5: "causal_bottom_right"}
@@ -374,19 +380,24 @@ def set_attention_cudnn_ragged(enabled, provider="torch"):
     return previous
 
 
-def _ragged_supported(provider):
-    """(the provider's op is there, torch's cuDNN version or None), each
-    asked once (the frontend package is imported only when asked for)."""
-    if provider not in _ragged_support:
-        _ragged_support[provider] = ragged.op_available() if provider == "torch" else \
-            ragged.frontend_sdpa() is not None
+def _cudnn_version():
+    """torch's cuDNN version (torch.backends.cudnn.version()) or None, asked once."""
     if "cudnn" not in _ragged_support:
         try:
             _ragged_support["cudnn"] = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() \
                 else None
         except RuntimeError:  # a torch whose cuDNN cannot be loaded
             _ragged_support["cudnn"] = None
-    return _ragged_support[provider], _ragged_support["cudnn"]
+    return _ragged_support["cudnn"]
+
+
+def _ragged_supported(provider):
+    """(the provider's op is there, torch's cuDNN version or None), each
+    asked once (the frontend package is imported only when asked for)."""
+    if provider not in _ragged_support:
+        _ragged_support[provider] = ragged.op_available() if provider == "torch" else \
+            ragged.frontend_sdpa() is not None
+    return _ragged_support[provider], _cudnn_version()
 
 
 def _ragged_facts(q, k, qkv_format, cu_q, cu_k, max_seqlen_q, max_seqlen_kv):
@@ -426,7 +437,8 @@ def _ragged_rule(mode, provider, q, k, qkv_format, attn_mask_type, window, p, de
 
 def cudnn_eligibility(device_type, capability, qkv_format, attn_mask_type, s_q, s_kv, window_size, dropout_p,
                       deterministic, dtype, heads_q, heads_kv, head_dim, cudnn_enabled, *,
-                      cu_seqlens=False, check_capability=True, batch=1, deterministic_algorithms=False):
+                      cu_seqlens=False, check_capability=True, batch=1, deterministic_algorithms=False,
+                      explicit_rng=False, cudnn_version=None):
     """(rule, reason) for one call's facts: rule is "" when the call may run
     cuDNN fused attention, else the first rule it breaks (the module
     docstring's order), and reason says "rule: why".  Pure: no tensors, no
@@ -434,7 +446,10 @@ def cudnn_eligibility(device_type, capability, qkv_format, attn_mask_type, s_q, 
     None or (left, right); ``cu_seqlens``: whether cu_seqlens were given;
     ``check_capability`` False skips the capability rule (forced "cudnn");
     ``deterministic_algorithms``: torch.use_deterministic_algorithms is on
-    (not warn-only), under which torch refuses cuDNN attention."""
+    (not warn-only), under which torch refuses cuDNN attention;
+    ``explicit_rng``: the call passes its own rng_state; ``cudnn_version``:
+    torch.backends.cudnn.version() (None: unknown), which decides whether a
+    call with dropout may go."""
     if qkv_format not in _TO_BHSD:
         return refusal("qkv_format", f"qkv_format {qkv_format!r}; the cuDNN route takes padded bshd or sbhd only")
     if attn_mask_type in MASKS and MASKS[attn_mask_type] in PADDING:
@@ -455,7 +470,12 @@ def cudnn_eligibility(device_type, capability, qkv_format, attn_mask_type, s_q, 
     if window != (-1, -1) and not (causal and window == (-1, 0)):
         return refusal("window", f"window_size {window_size!r} (only None, (-1, -1), or (-1, 0) with a causal mask)")
     if dropout_p != 0.0:
-        return refusal("dropout", f"dropout_p {dropout_p} > 0 (seqfuse's dropout has its own Philox mask contract)")
+        if explicit_rng:
+            return refusal("dropout", f"dropout_p {dropout_p} with an explicit rng_state, which asks for seqfuse's "
+                                      "Philox dropout mask")
+        if cudnn_version is None or _CUDNN_DROPOUT_BROKEN[0] <= cudnn_version <= _CUDNN_DROPOUT_BROKEN[1]:
+            return refusal("dropout", f"dropout_p {dropout_p} and cuDNN {cudnn_version} (torch takes cuDNN "
+                                      "attention with dropout except on cuDNN 9.11-9.13)")
     if broken := kernel_refusal("cuDNN", deterministic, deterministic_algorithms, dtype, heads_q, heads_kv, head_dim,
                                 dtypes=_CUDNN_DTYPES, max_head_dim=128,
                                 deterministic_why="torch does not guarantee a deterministic cuDNN backward",
@@ -538,27 +558,31 @@ def _decide(mode, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, d
         r_rule, r_reason = _ragged_rule(mode, ragged_provider, q, k, qkv_format, attn_mask_type, window, p,
                                         deterministic, switches, same_cu, ragged_facts)
         return ("cudnn_ragged", "", ragged_why) if not r_rule else ("seqfuse", r_rule, r_reason)
+    cudnn_version = _cudnn_version() if p > 0.0 else None
     rule, reason = cudnn_eligibility(device_type, capability, qkv_format, attn_mask_type, s_q, s_kv, window, p,
                                      bool(deterministic), q.dtype, hq, hk, d, cudnn_enabled,
                                      cu_seqlens=cu_q is not None or cu_k is not None,
                                      check_capability=mode == "auto", batch=batch,
-                                     deterministic_algorithms=det_algos)
+                                     deterministic_algorithms=det_algos, explicit_rng=explicit_rng,
+                                     cudnn_version=cudnn_version)
     if uniform and mode in ("auto", "cudnn"):
         # a packed batch of b sequences all of length L is the padding-free [b, L] batch
         b = q.shape[0] // uniform
         u_rule, u_reason = cudnn_eligibility(device_type, capability, "bshd", _UNIFORM_MASK[code], uniform,
                                              uniform, window, p, bool(deterministic), q.dtype, hq, hk, d,
                                              cudnn_enabled, check_capability=mode == "auto", batch=b,
-                                             deterministic_algorithms=det_algos)
+                                             deterministic_algorithms=det_algos, explicit_rng=explicit_rng,
+                                             cudnn_version=cudnn_version)
         if not u_rule:
-            return "cudnn", "", f"thd {attn_mask_type} d={d} {dtype}{' gqa' if hq != hk else ''}, every sequence " \
+            return "cudnn", "", f"thd {attn_mask_type} d={d} {dtype}{' gqa' if hq != hk else ''}" \
+                                f"{' dropout' if p > 0.0 else ''}, every sequence " \
                                 f"{uniform} tokens long, runs cuDNN fused attention through torch SDPA as bshd " \
                                 f"[{b}, {uniform}]"
         reason = f"{reason} (as bshd [{b}, {uniform}], every sequence {uniform} tokens long: {u_reason})"
     if mode in ("auto", "cudnn"):
         if not rule:
-            return "cudnn", "", f"{qkv_format} {attn_mask_type} d={d} {dtype}{' gqa' if hq != hk else ''} runs cuDNN " \
-                                "fused attention through torch SDPA"
+            return "cudnn", "", f"{qkv_format} {attn_mask_type} d={d} {dtype}{' gqa' if hq != hk else ''}" \
+                                f"{' dropout' if p > 0.0 else ''} runs cuDNN fused attention through torch SDPA"
         if mode == "cudnn":
             return "seqfuse", rule, reason
     if mode == "auto" and ragged_provider and qkv_format == "thd":
@@ -682,7 +706,7 @@ def attention_backend(q, k, v, qkv_format="bshd", attn_mask_type="no_mask", wind
     return name, reason
 
 
-def _sdpa(q, k, v, qkv_format, causal, scale):
+def _sdpa(q, k, v, qkv_format, causal, scale, dropout_p=0.0):
     """SDPA on the permuted views, restricted to _SDPA_BACKENDS; the output
     back in the caller's layout.  Fewer k/v heads than q heads go in as they
     are (``enable_gqa``: cuDNN reads each k/v head for its group of q heads;
@@ -691,25 +715,28 @@ def _sdpa(q, k, v, qkv_format, causal, scale):
     9.37 ms with k/v expanded first and 14.65 ms on FlashAttention-2)."""
     to = _TO_BHSD[qkv_format]
     q, k, v = (kernel_layout(x) for x in (q, k, v))  # aligned 16-byte rows, or a copy
-    gqa = {"enable_gqa": True} if q.shape[-2] != k.shape[-2] else {}
+    extra = {"enable_gqa": True} if q.shape[-2] != k.shape[-2] else {}
+    if dropout_p > 0.0:
+        extra["dropout_p"] = dropout_p
     with sdpa_kernel(_SDPA_BACKENDS), torch.autocast(q.device.type, enabled=False):
         out = F.scaled_dot_product_attention(q.permute(to), k.permute(to), v.permute(to), is_causal=causal,
-                                             scale=scale, **gqa)
+                                             scale=scale, **extra)
     out = out.permute(_FROM_BHSD[qkv_format])
     return out if out.is_contiguous() else out.contiguous()
 
 
 def _run_route(name, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, deterministic, cu_q, cu_k,
                max_q, max_k, scale, provider=None):
+    p = as_float("attention", "dropout_p", dropout_p)
     if name == "cudnn" and qkv_format == "thd":
         # every sequence L tokens long (_uniform): the [t, h, d] tensors viewed as [t / L, L, h, d]
         length = _uniform(q, k, qkv_format, cu_q, cu_k, max_q)
         b = q.shape[0] // length
         out = _sdpa(*(x.view(b, length, *x.shape[1:]) for x in (q, k, v)), "bshd",
-                    _UNIFORM_MASK[MASKS[attn_mask_type] | 1] != "no_mask", scale)
+                    _UNIFORM_MASK[MASKS[attn_mask_type] | 1] != "no_mask", scale, p)
         return out.view(q.shape)
     if name == "cudnn":
-        return _sdpa(q, k, v, qkv_format, attn_mask_type != "no_mask", scale)
+        return _sdpa(q, k, v, qkv_format, attn_mask_type != "no_mask", scale, p)
     q, k, v = (kernel_layout(x) for x in (q, k, v))  # aligned 16-byte rows, or a copy
     if name == "cudnn_ragged":
         # the longest lengths from the facts the router read (no host read); a given max is kept
@@ -719,7 +746,6 @@ def _run_route(name, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p
         with torch.autocast(q.device.type, enabled=False):
             return ragged.run_cudnn_ragged(q, k, v, attn_mask_type, scale, cu_q, cu_k, max_q, max_k, provider)
     window = window_pair(window_size)
-    p = as_float("attention", "dropout_p", dropout_p)
     if name == "flash":
         with torch.autocast(q.device.type, enabled=False):
             return routes.run_flash(q, k, v, qkv_format, attn_mask_type, window, p, scale, cu_q, cu_k, max_q,
