@@ -148,6 +148,8 @@ BROKEN = [
     ("dropout", dict(dropout_p=0.1, cudnn_version=91100)),  # torch refuses dropout on cuDNN 9.11-9.13
     ("dropout", dict(dropout_p=0.1, cudnn_version=91399)),
     ("dropout", dict(dropout_p=0.1, cudnn_version=91900, explicit_rng=True)),  # seqfuse's Philox mask asked for
+    ("dropout", dict(dropout_p=0.1, cudnn_version=91900, needs_grad=False)),  # cuDNN's dropout forward: slower
+    ("dropout", dict(dropout_p=0.1, cudnn_version=91900, head_dim=32)),  # slower than flash's below head dim 64
     ("deterministic", dict(deterministic=True)),
     ("deterministic", dict(deterministic_algorithms=True)),
     ("dtype", dict(dtype=torch.float32)),
@@ -176,6 +178,8 @@ STILL_ELIGIBLE = [
     dict(capability=(8, 0), check_capability=False),  # forced cudnn skips the speed rule
     dict(dropout_p=0.1, cudnn_version=91900), dict(dropout_p=0.5, cudnn_version=91400),
     dict(dropout_p=0.1, cudnn_version=91002), dict(explicit_rng=True),  # rng_state without dropout: no matter
+    dict(dropout_p=0.1, cudnn_version=91900, head_dim=128), dict(needs_grad=False), dict(head_dim=16),
+    dict(dropout_p=0.1, cudnn_version=91900, head_dim=16, needs_grad=False, check_capability=False),  # forced
 ]
 
 
@@ -287,16 +291,24 @@ def test_attention_backend_validates_like_the_call():
 @pytest.mark.parametrize("fmt,mask", [("bshd", "no_mask"), ("sbhd", "causal")])
 def test_dropout_takes_cudnn_where_torch_has_it(fmt, mask, emulated_h200, sdpa_calls, monkeypatch):
     """Attention dropout without an explicit rng_state goes to cuDNN (torch's
-    dropout inside cuDNN's kernel, its random numbers from torch's generator),
-    except on the cuDNN versions torch refuses it on (9.11-9.13) and where
-    the version is unknown; the route hands dropout_p to SDPA."""
+    dropout inside cuDNN's kernel, its random numbers from torch's generator)
+    in training calls at head dims of 64 and more (where it measured faster
+    than the flash route's), except on the cuDNN versions torch refuses it
+    on (9.11-9.13) and where the version is unknown; the route hands
+    dropout_p to SDPA."""
     monkeypatch.setattr(routing, "_choices", {})
     monkeypatch.setitem(routing._ragged_support, "cudnn", 91900)
     seqfuse.ops.set_attention_backend("auto")
-    q, k, v = (layout(fmt, 2, 8, 2, 16, requires_grad=True) for _ in range(3))
+    q, k, v = (layout(fmt, 2, 8, 2, 64, requires_grad=True) for _ in range(3))
     name, reason = seqfuse.ops.attention_backend(q, k, v, qkv_format=fmt, attn_mask_type=mask, dropout_p=0.25)
-    assert name == "cudnn" and reason == f"{fmt} {mask} d=16 bfloat16 dropout runs cuDNN fused attention through " \
+    assert name == "cudnn" and reason == f"{fmt} {mask} d=64 bfloat16 dropout runs cuDNN fused attention through " \
                                          "torch SDPA", reason
+    with torch.no_grad():  # cuDNN's dropout forward measured slower: the flash route's
+        assert seqfuse.ops.attention_backend(q, k, v, qkv_format=fmt, attn_mask_type=mask, dropout_p=0.25)[0] == \
+            "flash"
+    q32 = layout(fmt, 2, 8, 2, 32, requires_grad=True)  # below head dim 64: the flash route's dropout, faster
+    assert seqfuse.ops.attention_backend(q32, q32, q32, qkv_format=fmt, attn_mask_type=mask, dropout_p=0.25)[0] == \
+        "flash"
     out = seqfuse.ops.attention(q, k, v, qkv_format=fmt, attn_mask_type=mask, dropout_p=0.25)
     out.float().sum().backward()
     assert len(sdpa_calls) == 1 and sdpa_calls[0][1]["dropout_p"] == 0.25

@@ -202,9 +202,12 @@ def test_cuda_auto_sends_packed_padded_windowed_to_flash(flash_calls):
     q, k, v, dout, _, _, kw = _padded(rng, "bshd", 3, 128, 128, 4, 4, 64, torch.bfloat16, "padding_causal")
     assert seqfuse.ops.attention_backend(q.requires_grad_(), k, v, **kw)[0] == "flash"
     x = _randn((2, 128, 4, 64), torch.bfloat16)
-    assert seqfuse.ops.attention_backend(x, x, x, dropout_p=0.1)[0] == "cudnn"  # padding-free: cuDNN's dropout
-    assert seqfuse.ops.attention_backend(x, x, x, dropout_p=0.1, rng_state=(1, 0))[0] == "seqfuse"  # Philox
     xg = x.detach().requires_grad_()
+    assert seqfuse.ops.attention_backend(xg, x, x, dropout_p=0.1)[0] == "cudnn"  # training, padding-free: cuDNN's
+    assert seqfuse.ops.attention_backend(x, x, x, dropout_p=0.1)[0] == "flash"  # its forward alone: flash's
+    x32 = _randn((2, 128, 4, 32), torch.bfloat16).requires_grad_()
+    assert seqfuse.ops.attention_backend(x32, x32, x32, dropout_p=0.1)[0] == "flash"  # below head dim 64
+    assert seqfuse.ops.attention_backend(xg, x, x, dropout_p=0.1, rng_state=(1, 0))[0] == "seqfuse"  # Philox
     assert seqfuse.ops.attention_backend(xg, x[:, :, :2], x[:, :, :2], window_size=(16, 0),
                                          attn_mask_type="causal")[0] == "flash"  # GQA with a window
     assert seqfuse.ops.attention_backend(xg, x[:, :, :2], x[:, :, :2])[0] == "cudnn"  # GQA alone: cuDNN

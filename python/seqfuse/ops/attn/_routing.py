@@ -76,8 +76,10 @@ takes ("seqfuse", "cudnn", "flash", "cudnn_ragged" or "torch_fp32") and why.
   ``rng_state`` (which asks for seqfuse's own Philox mask) on a cuDNN other
   than 9.11-9.13, where torch refuses dropout in cuDNN attention
   (``dropout``: the mask is then cuDNN's, drawn from torch's generator as
-  the flash route's is; measured on an H200 at ESM-2 650M's 16 x 1024 x 20
-  x 64, benchmarks/attn/bench_routes.py); not deterministic and no
+  the flash route's is), and in auto only where it measured faster than
+  the flash route's dropout on an H200 (benchmarks/attn/bench_routes.py):
+  calls that want gradients, at head dims of 64 and more
+  (``_CUDNN_DROPOUT_MIN_HEAD_DIM``); not deterministic and no
   ``torch.use_deterministic_algorithms(True)`` (``deterministic``: torch
   does not guarantee a deterministic cuDNN backward, and refuses cuDNN
   then); float16 or bfloat16 (``dtype``); q heads a multiple of the k/v
@@ -293,6 +295,11 @@ _CUDNN_MASKS = ("no_mask", "causal", "causal_bottom_right")
 _CUDNN_MAX_DIM = 65535  # torch's cuDNN attention takes batch and heads up to this
 # cuDNN versions (torch.backends.cudnn.version(), inclusive) on which torch refuses dropout in cuDNN attention
 _CUDNN_DROPOUT_BROKEN = (91100, 91399)
+# auto sends dropout to cuDNN from this head dim, in training calls: on an H200 (bench_routes_dropout_s32_ce1d594,
+# forward+backward, 16 x 1024 tokens, 20 heads) cuDNN's dropout took 1.53 ms against FlashAttention-2's 1.63 at
+# head dim 64 and 1.66 against 1.88 at 128 (4 x 2048, 16 heads), but 1.44 against 1.20 at 32 and 1.43 against
+# 1.25 at 16; its dropout forward alone was slower at every head dim (0.58 against 0.53 ms at 64)
+_CUDNN_DROPOUT_MIN_HEAD_DIM = 64
 _TO_BHSD = {"bshd": (0, 2, 1, 3), "sbhd": (1, 2, 0, 3)}
 # a thd call's mask (its padding code) as the mask of the same call viewed as bshd, every sequence full
 _UNIFORM_MASK = {1: "no_mask", 3: "causal", 5: "causal_bottom_right"}
@@ -438,7 +445,7 @@ def _ragged_rule(mode, provider, q, k, qkv_format, attn_mask_type, window, p, de
 def cudnn_eligibility(device_type, capability, qkv_format, attn_mask_type, s_q, s_kv, window_size, dropout_p,
                       deterministic, dtype, heads_q, heads_kv, head_dim, cudnn_enabled, *,
                       cu_seqlens=False, check_capability=True, batch=1, deterministic_algorithms=False,
-                      explicit_rng=False, cudnn_version=None):
+                      explicit_rng=False, cudnn_version=None, needs_grad=True):
     """(rule, reason) for one call's facts: rule is "" when the call may run
     cuDNN fused attention, else the first rule it breaks (the module
     docstring's order), and reason says "rule: why".  Pure: no tensors, no
@@ -449,7 +456,9 @@ def cudnn_eligibility(device_type, capability, qkv_format, attn_mask_type, s_q, 
     (not warn-only), under which torch refuses cuDNN attention;
     ``explicit_rng``: the call passes its own rng_state; ``cudnn_version``:
     torch.backends.cudnn.version() (None: unknown), which decides whether a
-    call with dropout may go."""
+    call with dropout may go; ``needs_grad``: autograd will want gradients of
+    q, k or v (with ``check_capability``, a dropout call takes cuDNN only
+    then, and at head dims of 64 and more: where it measured faster)."""
     if qkv_format not in _TO_BHSD:
         return refusal("qkv_format", f"qkv_format {qkv_format!r}; the cuDNN route takes padded bshd or sbhd only")
     if attn_mask_type in MASKS and MASKS[attn_mask_type] in PADDING:
@@ -476,6 +485,13 @@ def cudnn_eligibility(device_type, capability, qkv_format, attn_mask_type, s_q, 
         if cudnn_version is None or _CUDNN_DROPOUT_BROKEN[0] <= cudnn_version <= _CUDNN_DROPOUT_BROKEN[1]:
             return refusal("dropout", f"dropout_p {dropout_p} and cuDNN {cudnn_version} (torch takes cuDNN "
                                       "attention with dropout except on cuDNN 9.11-9.13)")
+        if check_capability and not needs_grad:
+            return refusal("dropout", f"dropout_p {dropout_p} without gradients (cuDNN's dropout forward measured "
+                                      "slower than FlashAttention-2's on an H200)")
+        if check_capability and head_dim < _CUDNN_DROPOUT_MIN_HEAD_DIM:
+            return refusal("dropout", f"dropout_p {dropout_p} at head dim {head_dim} (cuDNN's dropout measured "
+                                      f"slower than FlashAttention-2's on an H200 below head dim "
+                                      f"{_CUDNN_DROPOUT_MIN_HEAD_DIM})")
     if broken := kernel_refusal("cuDNN", deterministic, deterministic_algorithms, dtype, heads_q, heads_kv, head_dim,
                                 dtypes=_CUDNN_DTYPES, max_head_dim=128,
                                 deterministic_why="torch does not guarantee a deterministic cuDNN backward",
@@ -564,7 +580,7 @@ def _decide(mode, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, d
                                      cu_seqlens=cu_q is not None or cu_k is not None,
                                      check_capability=mode == "auto", batch=batch,
                                      deterministic_algorithms=det_algos, explicit_rng=explicit_rng,
-                                     cudnn_version=cudnn_version)
+                                     cudnn_version=cudnn_version, needs_grad=needs_grad)
     if uniform and mode in ("auto", "cudnn"):
         # a packed batch of b sequences all of length L is the padding-free [b, L] batch
         b = q.shape[0] // uniform
@@ -572,7 +588,7 @@ def _decide(mode, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, d
                                              uniform, window, p, bool(deterministic), q.dtype, hq, hk, d,
                                              cudnn_enabled, check_capability=mode == "auto", batch=b,
                                              deterministic_algorithms=det_algos, explicit_rng=explicit_rng,
-                                             cudnn_version=cudnn_version)
+                                             cudnn_version=cudnn_version, needs_grad=needs_grad)
         if not u_rule:
             return "cudnn", "", f"thd {attn_mask_type} d={d} {dtype}{' gqa' if hq != hk else ''}" \
                                 f"{' dropout' if p > 0.0 else ''}, every sequence " \
