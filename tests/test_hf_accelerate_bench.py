@@ -6,6 +6,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -49,7 +50,8 @@ def test_fusion_ab_switches_patch_and_restore():
     owners = {"split_qkv_rope": [(fusion_ab.FL, "split_qkv_rope")],
               "residual": [(fusion_ab.FL.SeqfuseDecoderLayer, "_residual_fusable"),
                            (TransformerLayer, "_residual_fusable")],
-              "act_grad_fp8": [(GradQuantizer, "fused_cast")]}
+              "act_grad_fp8": [(GradQuantizer, "fused_cast")],
+              "attn_residual_grad": [(fusion_ab.LayerNormLinear, "forward")]}
     assert set(owners) == set(fusion_ab.SWITCHES)
     for name, attrs in owners.items():
         before = [(o, a, o.__dict__.get(a)) for o, a in attrs]
@@ -60,3 +62,15 @@ def test_fusion_ab_switches_patch_and_restore():
         assert all(o.__dict__.get(a) is b for o, a, b in before), name
     with pytest.raises(SystemExit):
         fusion_ab.main(["seqfuse_fp8_delayed_graphed", "--switch", "residual"])
+    # the old path of attn_residual_grad: the input itself as the alias (autograd adds its gradient)
+    set_new, set_old = fusion_ab.SWITCHES["attn_residual_grad"]()
+    set_old()
+    try:
+        m = fusion_ab.LayerNormLinear(16, 16)
+        x = torch.randn(4, 16)
+        out, alias = m(x, return_input_alias=True)
+        assert alias is x and torch.equal(out, m(x))
+    finally:
+        set_new()
+    out, alias = m(x, return_input_alias=True)
+    assert alias is not x and alias.data_ptr() == x.data_ptr()

@@ -333,3 +333,91 @@ def test_layernorm_mlp_own_input_as_residual(device, dtype, recipe, option):
     assert rel_error(outs[0][1], outs[1][1]) <= tol  # x's gradient: (norm dx + dy) rounded once, or twice
     for a, b in zip(outs[0][2:], outs[1][2:]):  # the parameters' gradients do not see the residual
         assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------ the attention block's residual gradient
+def _dres_calls(monkeypatch):
+    """The norm backward calls made through seqfuse.modules (LayerNormLinear's
+    and LayerNormMLP's): whether each got a residual gradient (dres)."""
+    from seqfuse.modules import layernorm_linear, layernorm_mlp
+
+    seen = []
+    for mod in (layernorm_linear, layernorm_mlp):
+        real = mod.norm_backward
+
+        def spy(*args, real=real, who=mod.__name__.rsplit(".", 1)[1], **kw):
+            seen.append((who, kw.get("dres") is not None))
+            return real(*args, **kw)
+        monkeypatch.setattr(mod, "norm_backward", spy)
+    return seen
+
+
+@pytest.mark.parametrize("recipe", ["none", _fp8_param("delayed")])
+@pytest.mark.parametrize("options", [{}, dict(return_bias=True), dict(return_layernorm_output=True)])
+def test_layernorm_linear_input_alias(recipe, options, monkeypatch):
+    """LayerNormLinear(x, return_input_alias=True) returns, last, a view of x
+    (no copy); a gradient reaching the alias is added to x's in the norm
+    backward (dres), and every gradient equals the module's plus x's
+    gradient summed by autograd (float32: the same values up to one
+    rounding of the sum)."""
+    torch.manual_seed(3)
+    m = te.LayerNormLinear(64, 64, normalization="RMSNorm", params_dtype=torch.float32, **options)
+    proj = te.Linear(64, 64, params_dtype=torch.float32)
+    x, dy = torch.randn(32, 64), torch.randn(32, 64)
+    seen = _dres_calls(monkeypatch)
+    grads = []
+    for alias in (True, False):
+        xc = x.clone().requires_grad_()
+        for p in list(m.parameters()) + list(proj.parameters()):
+            p.grad = None
+        with autocast(recipe=RECIPES[recipe]) if recipe != "none" else contextlib.nullcontext():
+            outs = m(xc, return_input_alias=alias)
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            if alias:
+                assert outs[-1].data_ptr() == xc.data_ptr() and torch.equal(outs[-1], xc)
+                assert len(outs) == 1 + len(options) + 1
+                y = proj(outs[0], residual=outs[-1])
+            else:
+                y = proj(outs[0]) + xc
+        y.backward(dy)
+        grads.append([y.detach(), xc.grad] + [p.grad for p in list(m.parameters()) + list(proj.parameters())])
+    assert seen == [("layernorm_linear", True), ("layernorm_linear", False)]
+    tol = 1e-6 if recipe == "none" else 2e-2
+    for a, b in zip(*grads):
+        assert (a is None and b is None) or torch.allclose(a, b, rtol=tol, atol=tol)
+    # no gradient reaches the alias (it is not used): the backward adds nothing
+    seen.clear()
+    out, alias = m(x.clone().requires_grad_(), return_input_alias=True)[::len(options) + 1]
+    (out[0] if isinstance(out, tuple) else out).sum().backward()
+    assert seen == [("layernorm_linear", False)]
+
+
+@pytest.mark.parametrize("recipe", ["none", _fp8_param("delayed")])
+def test_pre_norm_blocks_add_both_residual_gradients_in_the_norms(recipe, monkeypatch):
+    """A pre-norm TransformerLayer (no hidden dropout) and the fused
+    transformers decoder layer: both norm backwards (attention's QKV norm
+    and the MLP's) take their block's residual gradient (dres), so the
+    layer's backward has no residual add of its own; under no_grad no alias
+    is made."""
+    from seqfuse.hf import accelerate
+
+    torch.manual_seed(4)
+    layer = te.TransformerLayer(64, 128, 4, hidden_dropout=0.0, attention_dropout=0.0, normalization="RMSNorm",
+                                activation="swiglu", self_attn_mask_type="causal", attn_input_format="bshd")
+    seen = _dres_calls(monkeypatch)
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    with autocast(recipe=RECIPES[recipe]) if recipe != "none" else contextlib.nullcontext():
+        y = layer(x)
+    y.backward(torch.randn_like(y))
+    assert sorted(seen) == [("layernorm_linear", True), ("layernorm_mlp", True)]
+    model = _llama()
+    accelerate(model)
+    seen.clear()
+    ids = torch.randint(1, 96, (2, 12))
+    model(input_ids=ids, labels=ids).loss.backward()
+    n = len(model.model.layers)
+    assert sorted(seen) == [("layernorm_linear", True)] * n + [("layernorm_mlp", True)] * n
+    seen.clear()
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert not seen

@@ -14,6 +14,9 @@ seqfuse.pytorch.TransformerLayer at ESM-2 650M's shape, 16 x 1,024 tokens
   act_grad_fp8    LayerNormMLP's activation gradient written in FP8 by its
                   kernel against the bf16 gradient and its cast
                   (GradQuantizer.fused_cast)
+  attn_residual_grad  the attention block's residual gradient added in the
+                  QKV norm's backward pass (LayerNormLinear's
+                  return_input_alias) against autograd's add of it
 
 ``--profile``: also each mode's GPU kernel time per step (torch.profiler
 over 3 steps; immune to launch gaps and host noise) and the kernels whose
@@ -40,6 +43,7 @@ import bench_accelerate as B  # noqa: E402
 from harness import Table  # noqa: E402
 import seqfuse.hf.fuse_layers as FL  # noqa: E402
 from seqfuse.modules.rope import apply_rotary_pos_emb  # noqa: E402
+from seqfuse.modules.layernorm_linear import LayerNormLinear  # noqa: E402
 from seqfuse.modules.transformer_layer import TransformerLayer  # noqa: E402
 from seqfuse.quantization.gemm_quantizers import GradQuantizer  # noqa: E402
 
@@ -71,12 +75,26 @@ def _together(*switches):
     return (lambda: [s[0]() for s in switches]), (lambda: [s[1]() for s in switches])
 
 
+_aliasing_forward = LayerNormLinear.forward
+
+
+def _forward_without_alias(self, inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False,
+                           return_input_alias=False):
+    """LayerNormLinear.forward with the input itself for the alias: the path
+    before return_input_alias (autograd adds the residual's gradient)."""
+    out = _aliasing_forward(self, inp, is_first_microbatch, fp8_output, fp8_grad)
+    if not return_input_alias:
+        return out
+    return out + (inp,) if isinstance(out, tuple) else (out, inp)
+
+
 SWITCHES = {
     "split_qkv_rope": lambda: _attribute_switch(FL, "split_qkv_rope", _old_split_qkv_rope),
     "residual": lambda: _together(
         _attribute_switch(FL.SeqfuseDecoderLayer, "_residual_fusable", lambda self, residual, out_dtype, which: False),
         _attribute_switch(TransformerLayer, "_residual_fusable", lambda self, residual, out_dtype: False)),
     "act_grad_fp8": lambda: _attribute_switch(GradQuantizer, "fused_cast", property(lambda self: False)),
+    "attn_residual_grad": lambda: _attribute_switch(LayerNormLinear, "forward", _forward_without_alias),
 }
 
 

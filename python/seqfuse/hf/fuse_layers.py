@@ -580,7 +580,12 @@ class SeqfuseDecoderLayer(FusedLayer):
         """The layer's computation, never replayed (what forward runs when no graph applies)."""
         b, s, _ = hidden_states.shape
         d = self.head_dim
-        mixed = self.qkv(hidden_states)
+        if torch.is_grad_enabled() and hidden_states.requires_grad:
+            # the residual reaches o_proj's epilogue through an alias whose gradient the norm backward adds
+            # to dx in its own pass (LayerNormLinear's return_input_alias): no separate add in the backward
+            mixed, alias = self.qkv(hidden_states, return_input_alias=True)
+        else:
+            mixed, alias = self.qkv(hidden_states), hidden_states
         ang = self._angles(mixed, position_ids, b, s) if self.rope_fused and position_ids is not None else None
         if ang is not None and ang.shape[0] == 1 and "q_norm" not in self._modules:
             # one row of positions for the batch (training, a prompt): q and k turned in one launch,
@@ -603,7 +608,7 @@ class SeqfuseDecoderLayer(FusedLayer):
             scaling=self.scaling, sliding_window=self.sliding_window, position_ids=position_ids, **kwargs)
         o = out.reshape(b, s, -1)
         if self._residual_fusable(hidden_states, compute_dtype(o, self.proj.weight), 0):  # in the GEMMs' epilogues
-            x = self.proj(o, residual=hidden_states)
+            x = self.proj(o, residual=alias)
         else:
             x = hidden_states + self._dropout(self.proj(o), self.resid_dropout[0])
         if self._residual_fusable(x, x.dtype, 1):  # (LayerNormMLP computes in x's dtype)

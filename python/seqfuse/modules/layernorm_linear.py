@@ -55,7 +55,8 @@ from ._split import fused_params, install_split, parse_split, reset_split, weigh
 
 class _LayerNormLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, ln_w, ln_b, weight, bias, eps, rms, zc, ret_ln, q, sources, first_mb=None, grad=True):
+    def forward(ctx, x, ln_w, ln_b, weight, bias, eps, rms, zc, ret_ln, q, sources, first_mb=None, grad=True,
+                alias=False):
         in_features = x.shape[-1]
         x2 = x.reshape(-1, in_features)
         lnw, lnb = norm_param(ln_w, x2), norm_param(ln_b, x2)
@@ -88,13 +89,21 @@ class _LayerNormLinearFn(torch.autograd.Function):
         ctx.meta = (x.shape, eps, rms, zc, ln_b is not None, bias is not None, weight.dtype,
                     None if bias is None else bias.dtype, ln_w.dtype)
         out = out.view(*x.shape[:-1], out.shape[-1])
-        if ret_ln:
-            return out, ln_out.view(x.shape)
-        return out
+        ctx.ret_ln, ctx.alias = ret_ln, alias
+        if alias:  # an alias no gradient reaches gets None in the backward, not a tensor of zeros to add
+            ctx.set_materialize_grads(False)
+            ctx.out_meta = (out.shape, out.dtype, out.device)
+        outputs = (out,) + ((ln_out.view(x.shape),) if ret_ln else ()) + ((x.view_as(x),) if alias else ())
+        return outputs if len(outputs) > 1 else out
 
     @staticmethod
-    def backward(ctx, dout, dln_extra=None):
+    def backward(ctx, dout, *extra):
         x_shape, eps, rms, zc, has_ln_bias, has_bias, w_dtype, b_dtype, lnw_dtype = ctx.meta
+        dln_extra = extra[0] if ctx.ret_ln else None  # the returned norm output's gradient
+        dres = extra[-1] if ctx.alias else None  # the input alias's gradient: added in the norm's pass
+        if dout is None:  # (gradients are not materialized when the alias is on) the output itself unused
+            shape, dtype, device = ctx.out_meta
+            dout = torch.zeros(shape, dtype=dtype, device=device)
         dout2 = dout.reshape(-1, dout.shape[-1]).contiguous()
         dbias = None
         if ctx.fp8:
@@ -118,9 +127,10 @@ class _LayerNormLinearFn(torch.autograd.Function):
             dweight = as_dtype(dweight, w_dtype)
         if dln_extra is not None:
             dln = dln + dln_extra.reshape(dln.shape)
-        dx, dg, db = norm_backward(dln, x2, mean, rstd, lnw, rms, zc, has_ln_bias)
+        dx, dg, db = norm_backward(dln, x2, mean, rstd, lnw, rms, zc, has_ln_bias,
+                                   dres=None if dres is None else dres.reshape(x2.shape))
         return (dx.view(x_shape), as_dtype(dg, lnw_dtype), as_dtype(db, lnw_dtype), dweight, dbias,
-                None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None)
 
 
 class LayerNormLinear(torch.nn.Module):
@@ -159,11 +169,15 @@ class LayerNormLinear(torch.nn.Module):
             if self.bias is not None:
                 self.bias.zero_()
 
-    def forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False):
+    def forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False, return_input_alias=False):
         """is_first_microbatch (TE): under FP8, True re-casts the weight, False
         reuses the previous cast (gradient-accumulation micro-batches), None
         re-casts when the weight changed.  fp8_output / fp8_grad (TE): refused
-        when set."""
+        when set.  ``return_input_alias`` (seqfuse's): also return, last, a
+        view of ``inp`` (its values, no copy) whose gradient is added to
+        ``inp``'s inside the norm backward's own pass: a pre-norm block hands
+        it to its last GEMM as the residual (``Linear(..., residual=alias)``),
+        so the residual's gradient needs no add of its own."""
         refuse_fp8_io("LayerNormLinear", fp8_output, fp8_grad)
         check_input("LayerNormLinear", inp, self.in_features, "in_features")
         q = fp8_quantizers(self, inp)
@@ -173,12 +187,12 @@ class LayerNormLinear(torch.nn.Module):
                                        self.normalization == "RMSNorm", self.zero_centered_gamma,
                                        self.return_layernorm_output, q,
                                        weight_sources(self) if q is not None else None, is_first_microbatch,
-                                       torch.is_grad_enabled())
+                                       torch.is_grad_enabled(), bool(return_input_alias))
         if not self.return_bias:
             return out
-        if self.return_layernorm_output:  # TE's order: output, bias, norm output
-            return out[0], bias, out[1]
-        return out, bias
+        outs = out if isinstance(out, tuple) else (out,)
+        # TE's order: output, bias, norm output (then seqfuse's input alias)
+        return (outs[0], bias) + outs[1:]
 
     fp8_num_gemms = 1
 

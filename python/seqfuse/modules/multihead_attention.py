@@ -247,7 +247,9 @@ class MultiheadAttention(torch.nn.Module):
         layout given at construction for this call (one model can take padded
         bshd and packed thd batches); ``residual`` (the output's shape and
         dtype) is added in the output projection's GEMM epilogue
-        (Linear's residual).  ``checkpoint_core_attention=True``
+        (Linear's residual); when it is ``hidden_states`` itself (a pre-norm
+        block) its gradient is added to the input's in the QKV norm's
+        backward pass (LayerNormLinear's ``return_input_alias``).  ``checkpoint_core_attention=True``
         recomputes the core attention in the backward
         (seqfuse.quantization.checkpoint: FP8 settings kept, dropout's random
         state restored).  ``fast_zero_fill`` is a speed hint of TE's (how its
@@ -280,7 +282,13 @@ class MultiheadAttention(torch.nn.Module):
             raise ValueError("MultiheadAttention: qkv_format 'thd' needs cu_seqlens_q")
         ln_out = None
         if self.attention_type == "self":
-            if self.input_layernorm:
+            if self.input_layernorm and residual is hidden_states and torch.is_grad_enabled() and \
+                    hidden_states.requires_grad and not self.return_layernorm_output:
+                # a pre-norm block's residual is the norm's input: the projection's epilogue adds it through
+                # an alias whose gradient the norm backward adds to dx in its own pass (no add of its own)
+                mixed, residual = self.layernorm_qkv(hidden_states, is_first_microbatch=is_first_microbatch,
+                                                     return_input_alias=True)
+            elif self.input_layernorm:
                 mixed, ln_out = self._norm_proj(self.layernorm_qkv, hidden_states, is_first_microbatch)
             else:
                 mixed = self.qkv(hidden_states, is_first_microbatch=is_first_microbatch)
