@@ -145,10 +145,9 @@ BROKEN = [
     ("window", dict(window_size=(128, 0), attn_mask_type="causal")),
     ("window", dict(window_size=(-1, 5), attn_mask_type="causal")),
     ("dropout", dict(dropout_p=0.1)),  # cuDNN's version unknown
-    ("dropout", dict(dropout_p=0.1, cudnn_version=91100)),  # torch refuses dropout on cuDNN 9.11-9.13
+    ("dropout", dict(dropout_p=0.1, cudnn_version=91101)),  # torch refuses dropout for 91100 < version < 91400
     ("dropout", dict(dropout_p=0.1, cudnn_version=91399)),
     ("dropout", dict(dropout_p=0.1, cudnn_version=91900, explicit_rng=True)),  # seqfuse's Philox mask asked for
-    ("dropout", dict(dropout_p=0.1, cudnn_version=91900, needs_grad=False)),  # cuDNN's dropout forward: slower
     ("dropout", dict(dropout_p=0.1, cudnn_version=91900, head_dim=32)),  # slower than flash's below head dim 64
     ("deterministic", dict(deterministic=True)),
     ("deterministic", dict(deterministic_algorithms=True)),
@@ -178,8 +177,8 @@ STILL_ELIGIBLE = [
     dict(capability=(8, 0), check_capability=False),  # forced cudnn skips the speed rule
     dict(dropout_p=0.1, cudnn_version=91900), dict(dropout_p=0.5, cudnn_version=91400),
     dict(dropout_p=0.1, cudnn_version=91002), dict(explicit_rng=True),  # rng_state without dropout: no matter
-    dict(dropout_p=0.1, cudnn_version=91900, head_dim=128), dict(needs_grad=False), dict(head_dim=16),
-    dict(dropout_p=0.1, cudnn_version=91900, head_dim=16, needs_grad=False, check_capability=False),  # forced
+    dict(dropout_p=0.1, cudnn_version=91900, head_dim=128), dict(head_dim=16), dict(dropout_p=0.1, cudnn_version=91100),
+    dict(dropout_p=0.1, cudnn_version=91900, head_dim=16, check_capability=False),  # forced: any head dim
 ]
 
 
@@ -303,9 +302,9 @@ def test_dropout_takes_cudnn_where_torch_has_it(fmt, mask, emulated_h200, sdpa_c
     name, reason = seqfuse.ops.attention_backend(q, k, v, qkv_format=fmt, attn_mask_type=mask, dropout_p=0.25)
     assert name == "cudnn" and reason == f"{fmt} {mask} d=64 bfloat16 dropout runs cuDNN fused attention through " \
                                          "torch SDPA", reason
-    with torch.no_grad():  # cuDNN's dropout forward measured slower: the flash route's
+    with torch.no_grad():  # the same route without gradients: a recompute draws its mask where the forward did
         assert seqfuse.ops.attention_backend(q, k, v, qkv_format=fmt, attn_mask_type=mask, dropout_p=0.25)[0] == \
-            "flash"
+            "cudnn"
     q32 = layout(fmt, 2, 8, 2, 32, requires_grad=True)  # below head dim 64: the flash route's dropout, faster
     assert seqfuse.ops.attention_backend(q32, q32, q32, qkv_format=fmt, attn_mask_type=mask, dropout_p=0.25)[0] == \
         "flash"
@@ -315,13 +314,13 @@ def test_dropout_takes_cudnn_where_torch_has_it(fmt, mask, emulated_h200, sdpa_c
     assert sdpa_calls[0][1]["is_causal"] == (mask != "no_mask")
     _assert_finite(out, q.grad, k.grad, v.grad)
     kw = dict(qkv_format=fmt, attn_mask_type=mask, dropout_p=0.25)
-    for version in (91100, 91300, None):  # auto: the flash route takes it; forced cudnn: refused, rule named
-        monkeypatch.setitem(routing._ragged_support, "cudnn", version)
+    for version, says in ((91101, "cuDNN 91101 "), (91300, "cuDNN 91300 "), (None, "the cuDNN version unknown ")):
+        monkeypatch.setitem(routing._ragged_support, "cudnn", version)  # auto: the flash route takes it
         seqfuse.ops.set_attention_backend("auto")
         assert seqfuse.ops.attention_backend(q, k, v, **kw)[0] == "flash"
-        seqfuse.ops.set_attention_backend("cudnn")
+        seqfuse.ops.set_attention_backend("cudnn")  # forced cudnn: refused, the rule named
         with pytest.raises(NotImplementedError, match=f"cannot run cuDNN fused attention: dropout: dropout_p 0.25 "
-                                                      f"and cuDNN {version} "):
+                                                      f"and {says}"):
             seqfuse.ops.attention_backend(q, k, v, **kw)
     monkeypatch.setitem(routing._ragged_support, "cudnn", 91900)
     seqfuse.ops.set_attention_backend("auto")
@@ -330,6 +329,29 @@ def test_dropout_takes_cudnn_where_torch_has_it(fmt, mask, emulated_h200, sdpa_c
     seqfuse.ops.set_attention_backend("cudnn")
     with pytest.raises(NotImplementedError, match="cannot run cuDNN fused attention: dropout: "):
         seqfuse.ops.attention(q, k, v, **kw, rng_state=(3, 0))
+
+
+def test_dropout_recompute_takes_the_forwards_route(emulated_h200, monkeypatch):
+    """A reentrant checkpoint runs its forward without gradients and its
+    recompute with them: a dropout call must take one route both times (the
+    same generator state gives the same mask only on the same kernel), so
+    the route of a dropout call never depends on grad mode."""
+    from torch.utils.checkpoint import checkpoint
+
+    monkeypatch.setitem(routing._ragged_support, "cudnn", 91900)
+    seqfuse.ops.set_attention_backend("auto")
+    routes_taken = []
+    real = routing._run_route
+    monkeypatch.setattr(routing, "_run_route", lambda name, *a, **k: (routes_taken.append(name), real(name, *a, **k))[1])
+    for d in (64, 32):  # cuDNN's dropout, and the flash route's below head dim 64
+        q = layout("bshd", 2, 8, 2, d, requires_grad=True)
+        if d == 64:  # (the flash route's kernel has no CPU stand-in here: only its choice is checked)
+            out = checkpoint(lambda t: seqfuse.ops.attention(t, t, t, dropout_p=0.2), q, use_reentrant=True)
+            out.float().sum().backward()
+            assert routes_taken == ["cudnn", "cudnn"], routes_taken
+        with torch.no_grad():
+            no_grad = seqfuse.ops.attention_backend(q, q, q, dropout_p=0.2)[0]
+        assert no_grad == seqfuse.ops.attention_backend(q, q, q, dropout_p=0.2)[0] == ("cudnn" if d == 64 else "flash")
 
 
 @pytest.mark.parametrize("rule,fmt,mask,extra", [c for c in CPU_CASES if c[0] != "inputs"],

@@ -524,7 +524,7 @@ def test_cuda_dropout_forward_kernel_choice_logged(monkeypatch, caplog):
     assert "dropout" in why
     monkeypatch.setattr(routing, "_forward_kernel_checked", set())
     monkeypatch.setattr(routing, "_forward_reasons_logged", set())
-    monkeypatch.setattr(routing, "_backend", "seqfuse")  # auto would send this call to cuDNN's dropout
+    monkeypatch.setattr(routing, "_backend", "seqfuse")  # auto would send this call to a torch route
     q = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
     with caplog.at_level(logging.INFO, logger="seqfuse"):
         seqfuse.ops.attention(q, q, q, dropout_p=0.1)

@@ -197,7 +197,7 @@ def ragged_eligibility(device_type, capability, qkv_format, attn_mask_type, wind
     if tuple(window) != (-1, -1):
         return refusal("window", f"window_size {tuple(window)!r} (torch's ragged cuDNN op takes no window)")
     if dropout_p != 0.0:
-        return refusal("dropout", f"dropout_p {dropout_p} > 0 (seqfuse's dropout has its own Philox mask contract)")
+        return refusal("dropout", f"dropout_p {dropout_p} > 0 (this route passes no dropout to cuDNN's ragged op)")
     gqa_why = None
     if cudnn_version is None or cudnn_version < RAGGED_GQA_CUDNN:
         gqa_why = (f"grouped-query attention ({heads_q} q / {heads_kv} k/v heads) with ragged offsets needs "

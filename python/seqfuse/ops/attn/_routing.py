@@ -76,10 +76,11 @@ takes ("seqfuse", "cudnn", "flash", "cudnn_ragged" or "torch_fp32") and why.
   ``rng_state`` (which asks for seqfuse's own Philox mask) on a cuDNN other
   than 9.11-9.13, where torch refuses dropout in cuDNN attention
   (``dropout``: the mask is then cuDNN's, drawn from torch's generator as
-  the flash route's is), and in auto only where it measured faster than
-  the flash route's dropout on an H200 (benchmarks/attn/bench_routes.py):
-  calls that want gradients, at head dims of 64 and more
-  (``_CUDNN_DROPOUT_MIN_HEAD_DIM``); not deterministic and no
+  the flash route's is; the version unknown: refused), and in auto only
+  where it measured faster than the flash route's dropout on an H200
+  (benchmarks/attn/bench_routes.py): head dims of 64 and more
+  (``_CUDNN_DROPOUT_MIN_HEAD_DIM``), with or without gradients (a
+  recompute draws its mask on the forward's route); not deterministic and no
   ``torch.use_deterministic_algorithms(True)`` (``deterministic``: torch
   does not guarantee a deterministic cuDNN backward, and refuses cuDNN
   then); float16 or bfloat16 (``dtype``); q heads a multiple of the k/v
@@ -294,11 +295,13 @@ _CUDNN_DTYPES = (torch.float16, torch.bfloat16)
 _CUDNN_MASKS = ("no_mask", "causal", "causal_bottom_right")
 _CUDNN_MAX_DIM = 65535  # torch's cuDNN attention takes batch and heads up to this
 # cuDNN versions (torch.backends.cudnn.version(), inclusive) on which torch refuses dropout in cuDNN attention
-_CUDNN_DROPOUT_BROKEN = (91100, 91399)
-# auto sends dropout to cuDNN from this head dim, in training calls: on an H200 (bench_routes_dropout_s32_ce1d594,
-# forward+backward, 16 x 1024 tokens, 20 heads) cuDNN's dropout took 1.53 ms against FlashAttention-2's 1.63 at
-# head dim 64 and 1.66 against 1.88 at 128 (4 x 2048, 16 heads), but 1.44 against 1.20 at 32 and 1.43 against
-# 1.25 at 16; its dropout forward alone was slower at every head dim (0.58 against 0.53 ms at 64)
+# (torch's test: 91100 < version < 91400)
+_CUDNN_DROPOUT_BROKEN = (91101, 91399)
+# auto sends dropout to cuDNN from this head dim: on an H200 (bench_routes_dropout_s32_ce1d594, forward+backward,
+# 16 x 1024 tokens, 20 heads) cuDNN's dropout took 1.53 ms against FlashAttention-2's 1.63 at head dim 64 and
+# 1.66 against 1.88 at 128 (4 x 2048, 16 heads), but 1.44 against 1.20 at 32 and 1.43 against 1.25 at 16.
+# Forward-only calls take the same route as training calls (the kernels alone: cuDNN 0.52 ms, FlashAttention-2
+# 0.53 at head dim 64; equal at 128), so a recompute draws its mask where the forward drew it
 _CUDNN_DROPOUT_MIN_HEAD_DIM = 64
 _TO_BHSD = {"bshd": (0, 2, 1, 3), "sbhd": (1, 2, 0, 3)}
 # a thd call's mask (its padding code) as the mask of the same call viewed as bshd, every sequence full
@@ -445,7 +448,7 @@ def _ragged_rule(mode, provider, q, k, qkv_format, attn_mask_type, window, p, de
 def cudnn_eligibility(device_type, capability, qkv_format, attn_mask_type, s_q, s_kv, window_size, dropout_p,
                       deterministic, dtype, heads_q, heads_kv, head_dim, cudnn_enabled, *,
                       cu_seqlens=False, check_capability=True, batch=1, deterministic_algorithms=False,
-                      explicit_rng=False, cudnn_version=None, needs_grad=True):
+                      explicit_rng=False, cudnn_version=None):
     """(rule, reason) for one call's facts: rule is "" when the call may run
     cuDNN fused attention, else the first rule it breaks (the module
     docstring's order), and reason says "rule: why".  Pure: no tensors, no
@@ -456,9 +459,10 @@ def cudnn_eligibility(device_type, capability, qkv_format, attn_mask_type, s_q, 
     (not warn-only), under which torch refuses cuDNN attention;
     ``explicit_rng``: the call passes its own rng_state; ``cudnn_version``:
     torch.backends.cudnn.version() (None: unknown), which decides whether a
-    call with dropout may go; ``needs_grad``: autograd will want gradients of
-    q, k or v (with ``check_capability``, a dropout call takes cuDNN only
-    then, and at head dims of 64 and more: where it measured faster)."""
+    call with dropout may go (with ``check_capability``, at head dims of 64
+    and more only: where it measured faster).  The answer never depends on
+    grad mode for a dropout call: a recompute (reentrant checkpoint) must
+    draw its mask on the route the forward drew it on."""
     if qkv_format not in _TO_BHSD:
         return refusal("qkv_format", f"qkv_format {qkv_format!r}; the cuDNN route takes padded bshd or sbhd only")
     if attn_mask_type in MASKS and MASKS[attn_mask_type] in PADDING:
@@ -482,12 +486,12 @@ def cudnn_eligibility(device_type, capability, qkv_format, attn_mask_type, s_q, 
         if explicit_rng:
             return refusal("dropout", f"dropout_p {dropout_p} with an explicit rng_state, which asks for seqfuse's "
                                       "Philox dropout mask")
-        if cudnn_version is None or _CUDNN_DROPOUT_BROKEN[0] <= cudnn_version <= _CUDNN_DROPOUT_BROKEN[1]:
-            return refusal("dropout", f"dropout_p {dropout_p} and cuDNN {cudnn_version} (torch takes cuDNN "
+        if cudnn_version is None:
+            return refusal("dropout", f"dropout_p {dropout_p} and the cuDNN version unknown (torch takes cuDNN "
                                       "attention with dropout except on cuDNN 9.11-9.13)")
-        if check_capability and not needs_grad:
-            return refusal("dropout", f"dropout_p {dropout_p} without gradients (cuDNN's dropout forward measured "
-                                      "slower than FlashAttention-2's on an H200)")
+        if _CUDNN_DROPOUT_BROKEN[0] <= cudnn_version <= _CUDNN_DROPOUT_BROKEN[1]:
+            return refusal("dropout", f"dropout_p {dropout_p} and cuDNN {cudnn_version} (torch refuses dropout in "
+                                      "cuDNN attention on cuDNN 9.11-9.13)")
         if check_capability and head_dim < _CUDNN_DROPOUT_MIN_HEAD_DIM:
             return refusal("dropout", f"dropout_p {dropout_p} at head dim {head_dim} (cuDNN's dropout measured "
                                       f"slower than FlashAttention-2's on an H200 below head dim "
@@ -574,21 +578,18 @@ def _decide(mode, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, d
         r_rule, r_reason = _ragged_rule(mode, ragged_provider, q, k, qkv_format, attn_mask_type, window, p,
                                         deterministic, switches, same_cu, ragged_facts)
         return ("cudnn_ragged", "", ragged_why) if not r_rule else ("seqfuse", r_rule, r_reason)
-    cudnn_version = _cudnn_version() if p > 0.0 else None
+    # the facts both cuDNN questions below share (the call as given, and a uniform thd call as bshd)
+    shared = dict(check_capability=mode == "auto", deterministic_algorithms=det_algos, explicit_rng=explicit_rng,
+                  cudnn_version=_cudnn_version() if p > 0.0 else None)
     rule, reason = cudnn_eligibility(device_type, capability, qkv_format, attn_mask_type, s_q, s_kv, window, p,
                                      bool(deterministic), q.dtype, hq, hk, d, cudnn_enabled,
-                                     cu_seqlens=cu_q is not None or cu_k is not None,
-                                     check_capability=mode == "auto", batch=batch,
-                                     deterministic_algorithms=det_algos, explicit_rng=explicit_rng,
-                                     cudnn_version=cudnn_version, needs_grad=needs_grad)
+                                     cu_seqlens=cu_q is not None or cu_k is not None, batch=batch, **shared)
     if uniform and mode in ("auto", "cudnn"):
         # a packed batch of b sequences all of length L is the padding-free [b, L] batch
         b = q.shape[0] // uniform
         u_rule, u_reason = cudnn_eligibility(device_type, capability, "bshd", _UNIFORM_MASK[code], uniform,
                                              uniform, window, p, bool(deterministic), q.dtype, hq, hk, d,
-                                             cudnn_enabled, check_capability=mode == "auto", batch=b,
-                                             deterministic_algorithms=det_algos, explicit_rng=explicit_rng,
-                                             cudnn_version=cudnn_version, needs_grad=needs_grad)
+                                             cudnn_enabled, batch=b, **shared)
         if not u_rule:
             return "cudnn", "", f"thd {attn_mask_type} d={d} {dtype}{' gqa' if hq != hk else ''}" \
                                 f"{' dropout' if p > 0.0 else ''}, every sequence " \
@@ -688,18 +689,20 @@ def _choose(mode, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, d
     elif rule == "torch_fp32":
         raise NotImplementedError(f"attention: {reason}")
     elif name in _ROUTE_WORDS and _route_failed:
-        error = _route_failed.get(_failure_key(name, q, k, attn_mask_type))
+        error = _route_failed.get(_failure_key(name, q, k, attn_mask_type, as_float("attention", "dropout_p",
+                                                                                     dropout_p)))
         if error is not None:
             return "seqfuse", f"{name}_failed", f"{name}_failed: {name} failed earlier on these shapes, strides, " \
                                                 f"dtype, mask and device: {error}"
     return hit
 
 
-def _failure_key(route, q, k, attn_mask_type):
+def _failure_key(route, q, k, attn_mask_type, dropout_p):
     """What a torch route's failure in auto is remembered by: the route and
     the call's shapes, strides, dtype, mask and device (one odd call does
     not turn the route off for every other shape)."""
-    return (route, q.dtype, tuple(q.shape), tuple(k.shape), q.stride(), k.stride(), attn_mask_type, q.device)
+    return (route, q.dtype, tuple(q.shape), tuple(k.shape), q.stride(), k.stride(), attn_mask_type, q.device,
+            dropout_p > 0.0)
 
 
 def attention_backend(q, k, v, qkv_format="bshd", attn_mask_type="no_mask", window_size=None, dropout_p=0.0,
@@ -802,7 +805,8 @@ def routed_attention_or_none(q, k, v, qkv_format, attn_mask_type, window_size, d
         error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if "CUDA error" in error or "cudaError" in error:  # the context is broken: nothing to fall back to
             raise
-        _route_failed[_failure_key(name, q, k, attn_mask_type)] = error
+        _route_failed[_failure_key(name, q, k, attn_mask_type, as_float("attention", "dropout_p", dropout_p))] = \
+            error
         what = {"cudnn": "cuDNN fused attention (torch SDPA)"}.get(name, _ROUTE_WORDS[name])
         _log.warning("seqfuse attention: %s failed on %s %s d=%d %s: %s; this call and later ones of these "
                      "shapes, strides, dtype, mask and device run on seqfuse's kernels",
