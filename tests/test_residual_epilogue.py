@@ -376,6 +376,10 @@ def test_layernorm_linear_input_alias(recipe, options, monkeypatch):
             if alias:
                 assert outs[-1].data_ptr() == xc.data_ptr() and torch.equal(outs[-1], xc)
                 assert len(outs) == 1 + len(options) + 1
+                if options.get("return_bias"):  # TE's order: output, bias, (norm output,) then the alias
+                    assert outs[1] is m.bias
+                if options.get("return_layernorm_output"):
+                    assert outs[1].shape == xc.shape and not torch.equal(outs[1], xc)
                 y = proj(outs[0], residual=outs[-1])
             else:
                 y = proj(outs[0]) + xc
