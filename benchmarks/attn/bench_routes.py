@@ -32,6 +32,13 @@ tokens; vs_ceiling = TFLOP/s / the cuDNN ceiling's TFLOP/s (the issue's goal
 is >= 0.95), vs_seqfuse = seqfuse's time / this time.  Timing: harness.
 cuda_time_ms (CUDA events, L2 flushed, median of 20 after 5 warm-ups).
 
+``--sweep`` replaces the cases by a grid (sweep_case): sequence 512 to
+32,768 x head dims 32 / 64 / 128 (2048 / d heads) x full / causal, 16k
+tokens (32k at 32,768), each as a padding-free bshd call in auto against
+cuDNN SDPA, and as a packed thd batch of unequal lengths (uniform in
+[s/2, 3s/2]) in auto against torch's varlen_attn and against cuDNN on the
+equal-length call of the same FLOPs per token.
+
 Run on the GPU machine after the build:
     python3 benchmarks/attn/bench_routes.py [--json PATH]
 (about 40-60 s on an H200; JSON to benchmarks/results/bench_routes.json and,
@@ -244,6 +251,59 @@ def dropout_case(name, b, s, h, d, p, hk=None, causal=False):
     return case
 
 
+def torch_varlen(cu, max_len, causal):
+    """torch's own variable-length attention (torch.nn.attention.varlen.varlen_attn:
+    FlashAttention-2 on torch 2.11), the peer for packed batches."""
+    from torch.nn.attention.varlen import varlen_attn  # ImportError: this torch has none (the row records it)
+
+    window = (-1, 0) if causal else (-1, -1)
+
+    def call(q, k, v):
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=window)
+    return call
+
+
+def sweep_case(s, d, causal, tokens=TOKENS, rng=None):
+    """One cell of the sweep: ``tokens`` tokens (at least one sequence of s)
+    in 2048 / d heads of d (the same h * d at every head dim), as
+    - the padding-free bshd call [tokens / s, s] through ops.attention in
+      auto (cuDNN on an H200) and torch SDPA on cuDNN (the ceiling);
+    - a packed thd batch of the same tokens in sequences of unequal lengths
+      (uniform in [s/2, 3s/2], the last one filling up), through
+      ops.attention in auto (the flash route on an H200) and through torch's
+      varlen_attn; its ceiling is cuDNN on [b', L] with L the token-weighted
+      mean length (the same attention FLOPs per token), as packed_case."""
+    rng = rng or random.Random(s * 1000 + d)
+    h = 2048 // d
+    tokens = max(tokens, s)
+    b = tokens // s
+    name = f"sweep s {s} d {d} {'causal' if causal else 'full'}"
+    case = Case(name, [s] * b, h, h, d, causal)
+    q, k, v = _rand(b, s, h, d), _rand(b, s, h, d), _rand(b, s, h, d)
+    case.add("auto bshd", via_ops(attn_mask_type="causal" if causal else "no_mask"), (q, k, v), [s] * b)
+    case.add(f"ceiling: cuDNN SDPA bshd {b} x {s}", cudnn_ceiling(causal), (q, k, v), [s] * b)
+    lengths = []
+    while sum(lengths) < tokens:
+        n = min(rng.randint(max(1, s // 2), s + s // 2), tokens - sum(lengths))
+        lengths.append(n)
+    t = sum(lengths)
+    cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device="cuda")
+    qt, kt, vt = _rand(t, h, d), _rand(t, h, d), _rand(t, h, d)
+    kw = dict(qkv_format="thd", attn_mask_type="padding_causal" if causal else "padding", cu_seqlens_q=cu,
+              cu_seqlens_kv=cu, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+    case.add(f"auto thd, {len(lengths)} unequal lengths", via_ops(**kw), (qt, kt, vt), lengths)
+    try:
+        case.add("peer: torch varlen_attn thd", torch_varlen(cu, max(lengths), causal), (qt, kt, vt), lengths)
+    except ImportError as e:
+        case.add("peer: torch varlen_attn thd", None, (qt, kt, vt), lengths, error=str(e))
+    mean = max(64, round(sum(n * n for n in lengths) / t / 64) * 64)
+    bm = max(1, t // mean)
+    qc, kc, vc = _rand(bm, mean, h, d), _rand(bm, mean, h, d), _rand(bm, mean, h, d)
+    case.add(f"ceiling: cuDNN SDPA bshd {bm} x {mean} (thd's FLOPs per token)", cudnn_ceiling(causal), (qc, kc, vc),
+             [mean] * bm)
+    return case
+
+
 def run_case(table, case):
     backend_was = seqfuse.ops.attn._routing._backend
     for backward in (False, True):
@@ -255,6 +315,10 @@ def run_case(table, case):
             row = dict(case=case.name, direction="forward+backward" if backward else "forward", route=label,
                        heads=f"{case.h}/{case.hk}", head_dim=case.d, causal=case.causal,
                        tokens=sum(flop_lengths), sequences=len(flop_lengths))
+            if fn is None:  # a row that could not be made (its error recorded)
+                row["error"] = error
+                table.add(**row)
+                continue
             try:
                 ms = timed(fn, inputs, dout, backward)
             except (RuntimeError, NotImplementedError) as e:  # recorded, not hidden
@@ -267,9 +331,11 @@ def run_case(table, case):
             figures[label] = (ms, tflops)
             row.update(ms=ms, tflops=tflops, per_token_ns=ms * 1e6 / sum(flop_lengths))
             table.add(**row)
-        ceiling = next((v for k, v in figures.items() if k.startswith("ceiling")), None)
         ours = next((v for k, v in figures.items() if k.startswith("seqfuse")), None)
-        for row in table.rows[-len(case.rows):]:
+        rows = table.rows[-len(case.rows):]
+        for i, row in enumerate(rows):
+            # each row against the first ceiling at or after it (a sweep case has one per layout)
+            ceiling = next((figures.get(r["route"]) for r in rows[i:] if r["route"].startswith("ceiling")), None)
             if "tflops" in row and ceiling:
                 row["vs_ceiling"] = row["tflops"] / ceiling[1]
             if "ms" in row and ours:
@@ -282,6 +348,9 @@ def main():
     parser.add_argument("--json", help="also copy the JSON here")
     parser.add_argument("--only", default="", help="run only the cases whose name contains this text")
     parser.add_argument("--out", default="bench_routes", help="result name (benchmarks/results/OUT.json)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="instead of the cases: sequence 512 to 32k x head dims 32 / 64 / 128 x full / causal, "
+                             "bshd and packed thd in auto against cuDNN and torch's varlen_attn (sweep_case)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_routes: needs a CUDA GPU")
@@ -302,13 +371,20 @@ def main():
         lambda: dropout_case("TE default layer, 16 heads of 128, dropout", 4, 2048, 16, 128, 0.1),
         lambda: dropout_case("Llama GQA 32/8 x 64 causal dropout, 4 x 4096", 4, 4096, 32, 64, 0.1, hk=8, causal=True),
     ]
-    for make in cases:
-        case = make()
-        if args.only in case.name:
-            run_case(table, case)
+    if args.sweep:
+        cases = [lambda s=s, d=d, c=c: sweep_case(s, d, c) for s in (512, 1024, 2048, 4096, 8192, 16384, 32768)
+                 for d in (32, 64, 128) for c in (False, True)]
+    interrupted = False
+    try:
+        for make in cases:
+            case = make()
+            if args.only in case.name:
+                run_case(table, case)
+    except KeyboardInterrupt:  # (timeout -s INT) the rows so far are saved, marked
+        interrupted = True
     extra = {"protein_lengths_source": source, "protein_sequences": len(lengths), "protein_tokens": sum(lengths),
              "protein_max_len": max(lengths), "command": " ".join([sys.executable] + sys.argv),
-             "flash_route": "seqfuse.ops.attention with set_attention_backend('flash')"}
+             "flash_route": "seqfuse.ops.attention with set_attention_backend('flash')", "interrupted": interrupted}
     path = table.save(extra)
     if args.json:
         shutil.copyfile(path, args.json)
