@@ -263,6 +263,25 @@ def torch_varlen(cu, max_len, causal):
     return call
 
 
+def sweep_lengths(s, tokens, rng):
+    """Sequence lengths drawn uniformly from [s/2, 3s/2] until they hold
+    exactly ``tokens`` tokens (the last one cut to fit)."""
+    lengths = []
+    while sum(lengths) < tokens:
+        lengths.append(min(rng.randint(max(1, s // 2), s + s // 2), tokens - sum(lengths)))
+    return lengths
+
+
+def with_ceilings(rows, figures):
+    """Each row's ratio to the first ceiling row at or after it (its
+    layout's: a case lists its routes, then their ceiling): sets
+    ``vs_ceiling`` where both were timed.  ``figures``: route -> (ms, TFLOP/s)."""
+    for i, row in enumerate(rows):
+        ceiling = next((figures.get(r["route"]) for r in rows[i:] if r["route"].startswith("ceiling")), None)
+        if "tflops" in row and ceiling:
+            row["vs_ceiling"] = row["tflops"] / ceiling[1]
+
+
 def sweep_case(s, d, causal, tokens=TOKENS, rng=None):
     """One cell of the sweep: ``tokens`` tokens (at least one sequence of s)
     in 2048 / d heads of d (the same h * d at every head dim), as
@@ -282,10 +301,7 @@ def sweep_case(s, d, causal, tokens=TOKENS, rng=None):
     q, k, v = _rand(b, s, h, d), _rand(b, s, h, d), _rand(b, s, h, d)
     case.add("auto bshd", via_ops(attn_mask_type="causal" if causal else "no_mask"), (q, k, v), [s] * b)
     case.add(f"ceiling: cuDNN SDPA bshd {b} x {s}", cudnn_ceiling(causal), (q, k, v), [s] * b)
-    lengths = []
-    while sum(lengths) < tokens:
-        n = min(rng.randint(max(1, s // 2), s + s // 2), tokens - sum(lengths))
-        lengths.append(n)
+    lengths = sweep_lengths(s, tokens, rng)
     t = sum(lengths)
     cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device="cuda")
     qt, kt, vt = _rand(t, h, d), _rand(t, h, d), _rand(t, h, d)
@@ -333,11 +349,8 @@ def run_case(table, case):
             table.add(**row)
         ours = next((v for k, v in figures.items() if k.startswith("seqfuse")), None)
         rows = table.rows[-len(case.rows):]
-        for i, row in enumerate(rows):
-            # each row against the first ceiling at or after it (a sweep case has one per layout)
-            ceiling = next((figures.get(r["route"]) for r in rows[i:] if r["route"].startswith("ceiling")), None)
-            if "tflops" in row and ceiling:
-                row["vs_ceiling"] = row["tflops"] / ceiling[1]
+        with_ceilings(rows, figures)
+        for row in rows:
             if "ms" in row and ours:
                 row["vs_seqfuse"] = ours[0] / row["ms"]
     torch.cuda.empty_cache()

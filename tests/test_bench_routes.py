@@ -1,0 +1,38 @@
+"""benchmarks/attn/bench_routes.py on the CPU: the sweep's packed lengths
+hold exactly the asked tokens within [s/2, 3s/2] (the last cut to fit), the
+same for a seed; each row's ratio is to its own layout's ceiling (the first
+ceiling row at or after it), none where that ceiling was not timed.  (The
+timings need a GPU.)"""
+import os
+import random
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(HERE, "benchmarks"), os.path.join(HERE, "benchmarks", "attn")]
+import bench_routes as bench  # noqa: E402
+
+
+@pytest.mark.parametrize("s,tokens", [(512, 16384), (4096, 16384), (16384, 16384), (32768, 32768), (3, 10)])
+def test_sweep_lengths(s, tokens):
+    for seed in range(20):
+        lengths = bench.sweep_lengths(s, tokens, random.Random(seed))
+        assert sum(lengths) == tokens and all(n >= 1 for n in lengths)
+        assert all(max(1, s // 2) <= n <= s + s // 2 for n in lengths[:-1])
+        assert lengths[-1] <= s + s // 2
+        assert lengths == bench.sweep_lengths(s, tokens, random.Random(seed))
+
+
+def test_each_row_against_its_layouts_ceiling():
+    rows = [dict(route="auto bshd", tflops=300.0), dict(route="ceiling: bshd", tflops=400.0),
+            dict(route="auto thd", tflops=100.0), dict(route="peer: varlen", error="absent"),
+            dict(route="ceiling: thd's FLOPs", tflops=200.0)]
+    figures = {"auto bshd": (1.0, 300.0), "ceiling: bshd": (0.75, 400.0), "auto thd": (2.0, 100.0),
+               "ceiling: thd's FLOPs": (1.0, 200.0)}
+    bench.with_ceilings(rows, figures)
+    assert [r.get("vs_ceiling") for r in rows] == [0.75, 1.0, 0.5, None, 1.0]
+    rows = [dict(route="auto bshd", tflops=300.0), dict(route="ceiling: bshd", error="no kernel")]
+    bench.with_ceilings(rows, {"auto bshd": (1.0, 300.0)})  # the ceiling failed: no ratio at all
+    assert "vs_ceiling" not in rows[0]
+
