@@ -9,6 +9,7 @@ import numbers
 import torch
 
 from .. import ops
+from ..common.notes import note_once
 from .. import quantization
 from .._runtime import cuda_available
 from ..quantization import gemm_quantizers
@@ -242,7 +243,6 @@ def reset_norm_params(module):
 
 
 _log = logging.getLogger("seqfuse")
-_logged_unfused_residual = set()
 
 
 def residual_fusable(who, residual, out_dtype, why_not=None):
@@ -256,7 +256,5 @@ def residual_fusable(who, residual, out_dtype, why_not=None):
         why_not = f"the hidden states are {residual.dtype} and the branch computes in {out_dtype} (autocast)"
     if why_not is None:
         return True
-    if (who, why_not) not in _logged_unfused_residual:
-        _logged_unfused_residual.add((who, why_not))
-        _log.info("%s: residual adds run after the GEMMs, not in their epilogues: %s", who, why_not)
+    note_once(_log, "%s: residual adds run after the GEMMs, not in their epilogues: %s", who, why_not)
     return False
