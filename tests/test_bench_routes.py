@@ -8,6 +8,7 @@ import random
 import sys
 
 import pytest
+import torch
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(HERE, "benchmarks"), os.path.join(HERE, "benchmarks", "attn")]
@@ -36,3 +37,29 @@ def test_each_row_against_its_layouts_ceiling():
     bench.with_ceilings(rows, {"auto bshd": (1.0, 300.0)})  # the ceiling failed: no ratio at all
     assert "vs_ceiling" not in rows[0]
 
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sweep_and_packed_cases_share_the_thd_rows(causal, monkeypatch):
+    """sweep_case and packed_case build their packed rows and their thd
+    ceiling with the same helpers (built here on CPU tensors, nothing run):
+    the keywords describe the packed batch, and the ceiling's equal
+    sequences carry the packed batch's attention FLOPs per token within the
+    rounding of its length to 64."""
+    monkeypatch.setattr(bench, "_rand", lambda *shape: torch.zeros(*shape, dtype=torch.bfloat16))
+    case = bench.sweep_case(1024, 64, causal, tokens=4096, rng=random.Random(1))
+    labels = [row[0] for row in case.rows]
+    assert labels[0] == "auto bshd" and labels[1] == "ceiling: cuDNN SDPA bshd 4 x 1024"
+    assert labels[2].startswith("auto thd, ") and labels[3] == "peer: torch varlen_attn thd"
+    assert labels[4].startswith("ceiling: cuDNN SDPA bshd ") and labels[4].endswith(" (thd's FLOPs per token)")
+    lengths = case.rows[2][4]
+    assert sum(lengths) == 4096
+    q, _, _, cu, kw = bench.thd_inputs(lengths, 32, 8, 64, causal)
+    assert q.shape == (4096, 32, 64) and cu.tolist()[-1] == 4096 and kw["max_seqlen_q"] == max(lengths)
+    assert kw["attn_mask_type"] == ("padding_causal" if causal else "padding")
+    per_token = sum(n * n for n in lengths) / 4096
+    s_ceiling = case.rows[4][4][0]
+    assert abs(s_ceiling - per_token) <= 32 and s_ceiling % 64 == 0
+    packed = bench.packed_case("p", lengths, 32, 8, 64, causal)
+    assert [row[0] for row in packed.rows][-1] == f"ceiling: cuDNN SDPA bshd {case.rows[4][2][0].shape[0]} x " \
+        f"{s_ceiling} (MHA, 32 k/v heads)"

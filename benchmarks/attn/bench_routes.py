@@ -191,27 +191,40 @@ def _rand(*shape):
     return torch.randn(*shape, device="cuda", dtype=DT)
 
 
-def packed_case(name, lengths, h, hk, d, causal, dropout=0.0):
-    case = Case(name, lengths, h, hk, d, causal)
+def thd_inputs(lengths, h, hk, d, causal, dropout=0.0):
+    """q, k, v packed [t, heads, d], the cu_seqlens and ops.attention's
+    keywords for the packed batch of ``lengths``."""
     t = sum(lengths)
     q, k, v = _rand(t, h, d), _rand(t, hk, d), _rand(t, hk, d)
-    cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device="cuda")
-    mask = "padding_causal" if causal else "padding"
-    kw = dict(qkv_format="thd", attn_mask_type=mask, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
-              max_seqlen_kv=max(lengths), dropout_p=dropout)
+    cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device=q.device)
+    kw = dict(qkv_format="thd", attn_mask_type="padding_causal" if causal else "padding", cu_seqlens_q=cu,
+              cu_seqlens_kv=cu, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths), dropout_p=dropout)
+    return q, k, v, cu, kw
+
+
+def add_thd_ceiling(case, lengths, h, hk, d, causal, note=""):
+    """The ceiling of a packed batch: the same tokens as padding-free bshd in
+    equal sequences of the token-weighted mean length sum(len^2) / sum(len)
+    (so the same attention FLOPs per token), rounded to 64, on cuDNN SDPA;
+    without dropout (a dropout row's ceiling is the call it would be
+    without it); GQA's FLOPs are MHA's."""
+    t = sum(lengths)
+    s = max(64, round(sum(n * n for n in lengths) / t / 64) * 64)
+    b = max(1, t // s)
+    qc, kc, vc = _rand(b, s, h, d), _rand(b, s, h, d), _rand(b, s, h, d)
+    case.add(f"ceiling: cuDNN SDPA bshd {b} x {s}" + (f" (MHA, {h} k/v heads)" if hk != h else "") + note,
+             cudnn_ceiling(causal), (qc, kc, vc), [s] * b)
+
+
+def packed_case(name, lengths, h, hk, d, causal, dropout=0.0):
+    case = Case(name, lengths, h, hk, d, causal)
+    q, k, v, cu, kw = thd_inputs(lengths, h, hk, d, causal, dropout)
     for backend in ("seqfuse", "flash"):
         case.add(f"{backend} thd", via_ops(**kw), (q, k, v), lengths)
     if dropout == 0.0:
         case.add("cuDNN ragged thd (candidate, aten._cudnn_attention_forward)", cudnn_ragged(cu, max(lengths), causal),
                  (q, k, v), lengths)
-    # the ceiling: the same tokens as padding-free bshd in equal sequences of the token-weighted mean
-    # length sum(len^2) / sum(len) (so the same attention FLOPs per token), rounded to 64; without
-    # dropout (a dropout row's ceiling is the call it would be without it)
-    s = max(64, round(sum(n * n for n in lengths) / t / 64) * 64)
-    b = max(1, t // s)
-    qc, kc, vc = _rand(b, s, h, d), _rand(b, s, h, d), _rand(b, s, h, d)  # GQA's FLOPs are MHA's
-    case.add(f"ceiling: cuDNN SDPA bshd {b} x {s}" + (f" (MHA, {h} k/v heads)" if hk != h else ""),
-             cudnn_ceiling(causal), (qc, kc, vc), [s] * b)
+    add_thd_ceiling(case, lengths, h, hk, d, causal)
     return case
 
 
@@ -302,21 +315,13 @@ def sweep_case(s, d, causal, tokens=TOKENS, rng=None):
     case.add("auto bshd", via_ops(attn_mask_type="causal" if causal else "no_mask"), (q, k, v), [s] * b)
     case.add(f"ceiling: cuDNN SDPA bshd {b} x {s}", cudnn_ceiling(causal), (q, k, v), [s] * b)
     lengths = sweep_lengths(s, tokens, rng)
-    t = sum(lengths)
-    cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device="cuda")
-    qt, kt, vt = _rand(t, h, d), _rand(t, h, d), _rand(t, h, d)
-    kw = dict(qkv_format="thd", attn_mask_type="padding_causal" if causal else "padding", cu_seqlens_q=cu,
-              cu_seqlens_kv=cu, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+    qt, kt, vt, cu, kw = thd_inputs(lengths, h, h, d, causal)
     case.add(f"auto thd, {len(lengths)} unequal lengths", via_ops(**kw), (qt, kt, vt), lengths)
     try:
         case.add("peer: torch varlen_attn thd", torch_varlen(cu, max(lengths), causal), (qt, kt, vt), lengths)
     except ImportError as e:
         case.add("peer: torch varlen_attn thd", None, (qt, kt, vt), lengths, error=str(e))
-    mean = max(64, round(sum(n * n for n in lengths) / t / 64) * 64)
-    bm = max(1, t // mean)
-    qc, kc, vc = _rand(bm, mean, h, d), _rand(bm, mean, h, d), _rand(bm, mean, h, d)
-    case.add(f"ceiling: cuDNN SDPA bshd {bm} x {mean} (thd's FLOPs per token)", cudnn_ceiling(causal), (qc, kc, vc),
-             [mean] * bm)
+    add_thd_ceiling(case, lengths, h, h, d, causal, note=" (thd's FLOPs per token)")
     return case
 
 

@@ -78,19 +78,30 @@ sf_status sf_check_contiguous(const char *op, const char *arg,
     return SF_OK;
 }
 
-/* The bytes [*lo, *hi) t's elements lie in; 0 when t has no elements. */
-static int byte_span(const sf_tensor *t, const char **lo, const char **hi)
+int sf_tensor_extent(const sf_tensor *t, int64_t *lo, int64_t *hi)
 {
-    int64_t below = 0, above = 0; /* element offsets of the lowest and highest element */
+    int64_t below = 0, above = 0;
     for (int i = 0; i < t->ndim; ++i) {
         if (t->shape[i] == 0)
             return 0;
-        int64_t reach = (t->shape[i] - 1) * t->strides[i];
-        if (reach < 0)
-            below += reach;
-        else
-            above += reach;
+        int64_t reach;
+        if (__builtin_mul_overflow(t->shape[i] - 1, t->strides[i], &reach) ||
+            __builtin_add_overflow(reach < 0 ? below : above, reach, reach < 0 ? &below : &above))
+            return -1;
     }
+    *lo = below;
+    *hi = above;
+    return 1;
+}
+
+/* The bytes [*lo, *hi) t's elements lie in: 1; 0 when t has no elements;
+ * -1 when its extent does not fit in 64 bits (no real tensor's). */
+static int byte_span(const sf_tensor *t, const char **lo, const char **hi)
+{
+    int64_t below, above;
+    const int rc = sf_tensor_extent(t, &below, &above);
+    if (rc <= 0)
+        return rc;
     const int64_t size = (int64_t)sf_dtype_size(t->dtype);
     *lo = (const char *)t->data + below * size;
     *hi = (const char *)t->data + (above + 1) * size;
@@ -100,8 +111,11 @@ static int byte_span(const sf_tensor *t, const char **lo, const char **hi)
 int sf_tensors_overlap(const sf_tensor *a, const sf_tensor *b)
 {
     const char *alo, *ahi, *blo, *bhi;
-    if (!byte_span(a, &alo, &ahi) || !byte_span(b, &blo, &bhi))
+    const int ra = byte_span(a, &alo, &ahi), rb = byte_span(b, &blo, &bhi);
+    if (ra == 0 || rb == 0)
         return 0;
+    if (ra < 0 || rb < 0) /* an extent past 64 bits: refused as overlapping, never read */
+        return 1;
     return alo < bhi && blo < ahi;
 }
 

@@ -300,7 +300,7 @@ static sf_status check_addend(const sf_gemm_args *g, sf_gemm_problem *p, int fp8
     SF_TRY(check_matrix_out("addend", c, p->m, p->n, &ld));
     SF_TRY(sf_check_dtype(OP, "addend", c, p->out_dtype));
     SF_TRY(sf_check_same_device(OP, "out", g->out, "addend", c));
-    if (ld != p->ld_out && p->m > 1)
+    if (ld != p->ld_out) /* (both are n at m == 1: check_matrix_out) */
         return sf_fail(SF_ERR_VALUE,
                        "%s: argument 'addend' must have out's row stride (%lld elements), got "
                        "%lld",

@@ -112,9 +112,14 @@ int sf_is_contiguous(const sf_tensor *t);
 void sf_tensor_init(sf_tensor *t, void *data, sf_dtype dtype, int ndim,
                     const int64_t *shape, sf_device_type device, int device_id);
 
+/* The element offsets (relative to t->data) of t's lowest and highest
+ * element: 1; 0 when t has no elements; -1 when they overflow 64 bits. */
+int sf_tensor_extent(const sf_tensor *t, int64_t *lo, int64_t *hi);
+
 /* Whether the memory a's elements occupy and the memory b's occupy meet
  * (their byte spans intersect; empty tensors meet nothing).  For callers
- * that refuse an input an output would overwrite while it is read. */
+ * that refuse an input an output would overwrite while it is read; an
+ * extent past 64 bits counts as meeting). */
 int sf_tensors_overlap(const sf_tensor *a, const sf_tensor *b);
 
 /* ---- shared argument checks ---------------------------------------------

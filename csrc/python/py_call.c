@@ -204,15 +204,13 @@ static int sf_py_check_storage(sf_py_call *c, const sf_type_entry *e, PyObject *
     if (e->storage == NULL || t->data == NULL)
         return 0;
     /* lowest and highest element offsets (elements, relative to t->data) */
-    long long lo = 0, hi = 0;
-    for (int i = 0; i < t->ndim; ++i) {
-        if (t->shape[i] == 0)
-            return 0; /* no elements: nothing is read or written */
-        long long span;
-        if (__builtin_mul_overflow((long long)(t->shape[i] - 1), (long long)t->strides[i], &span) ||
-            __builtin_add_overflow(span > 0 ? hi : lo, span, span > 0 ? &hi : &lo))
-            goto too_big;
-    }
+    int64_t lo64, hi64;
+    const int extent = sf_tensor_extent(t, &lo64, &hi64);
+    if (extent == 0)
+        return 0; /* no elements: nothing is read or written */
+    if (extent < 0)
+        goto too_big;
+    const long long lo = (long long)lo64, hi = (long long)hi64;
     if (sf_str_nbytes == NULL || sf_str_data_ptr == NULL) {
         PyObject *nbytes = PyUnicode_InternFromString("nbytes");
         PyObject *data_ptr = PyUnicode_InternFromString("data_ptr");
