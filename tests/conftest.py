@@ -74,3 +74,27 @@ def sdpa_calls(monkeypatch):
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     return calls
+
+
+@pytest.fixture
+def cudnn_calls(monkeypatch):
+    """Every call of the cuDNN route during the test, whichever way it
+    reached cuDNN: a list of (way, dropout_p), way "op" for torch's cuDNN op
+    called directly (_routing._cudnn_attention) and "sdpa" for SDPA."""
+    import torch.nn.functional as F
+    from seqfuse.ops.attn import _routing as routing
+
+    calls = []
+    real_op, real_sdpa = routing._cudnn_attention, F.scaled_dot_product_attention
+
+    def op(*args, **kwargs):
+        calls.append(("op", args[5]))
+        return real_op(*args, **kwargs)
+
+    def sdpa(*args, **kwargs):
+        calls.append(("sdpa", kwargs.get("dropout_p", 0.0)))
+        return real_sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(routing, "_cudnn_attention", op)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    return calls

@@ -256,6 +256,7 @@ def fresh_routing(monkeypatch, backend="auto", ragged_on=False):
     monkeypatch.setattr(routing, "_backend", backend)
     monkeypatch.setattr(routing, "_ragged_on", ragged_on)
     monkeypatch.setattr(routing, "_choices", {})
+    monkeypatch.setattr(routing, "_cudnn_picked", {})
     monkeypatch.setattr(routing, "_route_failed", {})
     monkeypatch.setattr(routing, "_logged", set())
     monkeypatch.setattr(_call, "_capabilities", {})

@@ -506,6 +506,66 @@ def test_route_copies_only_when_needed(monkeypatch, emulated_h200):
     assert out.is_contiguous() and out.data_ptr() != returned[-1].data_ptr()  # copied into sbhd
 
 
+@pytest.mark.parametrize("grad", [True, False])
+def test_route_calls_the_cudnn_op_with_sdpas_arguments(grad, monkeypatch, emulated_h200, sdpa_calls):
+    """Where torch's SDPA would pick cuDNN for the call (_torch_picks_cudnn),
+    the route calls torch's cuDNN op itself with the arguments SDPA gives
+    it: [b, h, s, d] views, no bias, the log-sum-exp only where gradients
+    are wanted, dropout, is_causal, no debug mask, the scale (the op here a
+    stand-in running SDPA's math backend); the result equals the SDPA path's."""
+    seqfuse.ops.set_attention_backend("cudnn")
+    monkeypatch.setattr(routing, "_SDPA_BACKENDS", routing._CUDNN_ONLY)
+    picks, seen = [], []
+    monkeypatch.setattr(routing, "_torch_picks_cudnn", lambda *args: picks.append(args[3:]) or True)
+
+    def op(q, k, v, bias, lse, p, causal, debug, *, scale):
+        seen.append((q.shape, k.shape, bias, lse, p, causal, debug, scale))
+        with routing.sdpa_kernel([routing.SDPBackend.MATH]):
+            return (torch._C._nn.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True),)
+
+    monkeypatch.setattr(routing, "_cudnn_attention", op)
+    q = layout("sbhd", 2, 16, 4, 32, requires_grad=grad)
+    k, v = (layout("sbhd", 2, 16, 2, 32, requires_grad=grad) for _ in range(2))
+    out = seqfuse.ops.attention(q, k, v, qkv_format="sbhd", attn_mask_type="causal", softmax_scale=0.3)
+    assert picks == [(True, 0.3, 0.0, True)] and not sdpa_calls
+    assert seen == [((2, 4, 16, 32), (2, 2, 16, 32), None, grad, 0.0, True, False, 0.3)]
+    assert out.shape == q.shape and out.is_contiguous() and (out.grad_fn is not None) == grad
+    monkeypatch.setattr(routing, "_SDPA_BACKENDS", [routing.SDPBackend.MATH])  # the SDPA path, as before
+    assert torch.equal(out, seqfuse.ops.attention(q, k, v, qkv_format="sbhd", attn_mask_type="causal",
+                                                  softmax_scale=0.3))
+    assert len(sdpa_calls) == 1 and len(seen) == 1
+
+
+def test_route_takes_sdpa_where_torch_would_not_pick_cudnn(monkeypatch, emulated_h200, sdpa_calls):
+    """Where SDPA's own choice is not cuDNN (or raises), the call goes through
+    SDPA itself, which runs or refuses it as it would; each answer is asked
+    once per shapes, strides, dtype, device, mask, dropout and gradient need."""
+    asked = []
+
+    def choice(q, k, v, **kw):
+        asked.append(kw)
+        if kw["dropout_p"] > 0.0:
+            raise RuntimeError("No available kernel. Aborting execution.")
+        return routing.SDPBackend.CUDNN_ATTENTION.value if kw["is_causal"] else routing.SDPBackend.MATH.value
+
+    monkeypatch.setattr(torch, "_fused_sdp_choice", choice)
+    q = torch.randn(1, 2, 8, 16)
+    for _ in range(2):
+        assert routing._torch_picks_cudnn(q, q, q, True, None, 0.0, False)
+        assert not routing._torch_picks_cudnn(q, q, q, False, None, 0.0, False)
+        assert not routing._torch_picks_cudnn(q, q, q, True, None, 0.1, False)
+    assert [(kw["is_causal"], kw["dropout_p"], kw["enable_gqa"]) for kw in asked] == [
+        (True, 0.0, False), (False, 0.0, False), (True, 0.1, False)]
+    seqfuse.ops.set_attention_backend("cudnn")
+    monkeypatch.setattr(routing, "_SDPA_BACKENDS", routing._CUDNN_ONLY)
+    monkeypatch.setattr(routing, "_cudnn_attention", lambda *args, **kwargs: pytest.fail("the op was called"))
+    real_context = routing.sdpa_kernel
+    monkeypatch.setattr(routing, "sdpa_kernel", lambda backends: real_context([routing.SDPBackend.MATH]))
+    x = layout("bshd", 1, 8, 2, 16)
+    out = seqfuse.ops.attention(x, x, x)  # torch's choice (the stand-in's) is not cuDNN: SDPA runs it
+    assert len(sdpa_calls) == 1 and out.shape == x.shape
+
+
 def test_route_copies_inputs_without_unit_stride_head_dim(sdpa_calls, emulated_h200):
     seqfuse.ops.set_attention_backend("auto")
     base = layout("bshd", 2, 5, 3, 16)

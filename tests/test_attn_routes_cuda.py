@@ -41,6 +41,7 @@ pytestmark = pytest.mark.cuda
 def restore_backend(monkeypatch):
     monkeypatch.setattr(routing, "_backend", routing._backend)
     monkeypatch.setattr(routing, "_choices", {})
+    monkeypatch.setattr(routing, "_cudnn_picked", {})
     monkeypatch.setattr(routing, "_route_failed", {})
     monkeypatch.setattr(routing, "_logged", set())
 
@@ -264,7 +265,7 @@ def test_cuda_flash_dropout_backward_uses_the_forwards_mask(layout, seed):
 
 @pytest.mark.parametrize("layout", ["bshd", "sbhd causal gqa", "thd of equal lengths"])
 @pytest.mark.parametrize("d", [16, 64, 128])
-def test_cuda_cudnn_dropout_backward_uses_the_forwards_mask(layout, d, seed, sdpa_calls):
+def test_cuda_cudnn_dropout_backward_uses_the_forwards_mask(layout, d, seed, cudnn_calls):
     torch.manual_seed(seed)
     seqfuse.ops.set_attention_backend("cudnn")
     dtype = torch.bfloat16 if d == 64 else torch.float16
@@ -281,7 +282,7 @@ def test_cuda_cudnn_dropout_backward_uses_the_forwards_mask(layout, d, seed, sdp
                   max_seqlen_kv=128)
     for p in (0.1, 0.3):
         assert abs(_same_mask_ratio(q, k, v, kw, p) - 1.0) < 1e-2, (layout, d, p)
-    assert len(sdpa_calls) == 2 and all(c[1]["dropout_p"] in (0.1, 0.3) for c in sdpa_calls)
+    assert [p for _, p in cudnn_calls] == [0.1, 0.3]
 
 
 def _one_hot_values(lengths, h, d, dtype):
@@ -359,7 +360,7 @@ def test_cuda_dropout_in_a_cuda_graph_draws_a_new_mask_each_replay(route):
         assert rel_error(out.float().mean(dim=(0, 1)), plain.float().mean(dim=(0, 1))) < 0.25
 
 
-def test_cuda_te_default_transformer_layer_takes_a_torch_route(flash_calls, sdpa_calls):
+def test_cuda_te_default_transformer_layer_takes_a_torch_route(flash_calls, cudnn_calls):
     """TE's default attention_dropout=0.1 in training, padding-free: the
     cudnn route with cuDNN's dropout (eval: the same route, no dropout)."""
     if torch.cuda.get_device_capability() != (9, 0):
@@ -370,12 +371,12 @@ def test_cuda_te_default_transformer_layer_takes_a_torch_route(flash_calls, sdpa
     x = torch.randn(128, 2, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     y = layer(x)
     y.float().pow(2).mean().backward()
-    assert len(sdpa_calls) == 1 and sdpa_calls[0][1]["dropout_p"] == 0.1 and not flash_calls
+    assert cudnn_calls == [("op", 0.1)] and not flash_calls
     assert torch.isfinite(x.grad.float()).all()
     layer.eval()
     with torch.no_grad():
         layer(x)
-    assert len(sdpa_calls) == 2 and "dropout_p" not in sdpa_calls[1][1]  # eval: no dropout
+    assert cudnn_calls[1:] == [("op", 0.0)]  # eval: no dropout
 
 
 # ------------------------------------------------------------------ float32 (torch_fp32, auto)
@@ -455,3 +456,37 @@ def test_cuda_packed_dot_product_attention_trains_on_the_flash_route(mask, group
     assert rel_error(out, ref) <= 2 * rel_tol(torch.bfloat16)  # two bf16 results, each within rel_tol
     for g, r in zip(grads, ref_grads):
         assert rel_error(g, r) <= 2 * rel_tol(torch.bfloat16, BACKWARD_FACTOR)
+
+
+@pytest.mark.parametrize("fmt,causal,hk,p,dtype", [("bshd", False, 8, 0.0, torch.bfloat16),
+                                                  ("sbhd", True, 2, 0.0, torch.float16),
+                                                  ("bshd", True, 4, 0.1, torch.bfloat16)])
+def test_cuda_cudnn_route_calls_the_op_sdpa_calls(fmt, causal, hk, p, dtype, cudnn_calls):
+    """The cudnn route hands torch's cuDNN op what SDPA restricted to cuDNN
+    hands it: the same output bit for bit (dropout: the same mask from the
+    same seed) and the same gradients, through the op itself on an H200."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the cudnn route is measured and taken on compute capability 9.0")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    seqfuse.ops.set_attention_backend("cudnn")
+    b, s, h, d = 2, 384, 8, 64
+    shape = (b, s) if fmt == "bshd" else (s, b)
+    q = _randn((*shape, h, d), dtype).requires_grad_()
+    k, v = (_randn((*shape, hk, d), dtype).requires_grad_() for _ in range(2))
+    dout = _randn((*shape, h, d), dtype)
+    torch.manual_seed(5)
+    out = seqfuse.ops.attention(q, k, v, qkv_format=fmt, attn_mask_type="causal" if causal else "no_mask",
+                                dropout_p=p)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert cudnn_calls == [("op", p)]
+    to = (0, 2, 1, 3) if fmt == "bshd" else (1, 2, 0, 3)
+    back = (0, 2, 1, 3) if fmt == "bshd" else (2, 0, 1, 3)
+    torch.manual_seed(5)
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        ref = torch.nn.functional.scaled_dot_product_attention(q.permute(to), k.permute(to), v.permute(to),
+                                                               is_causal=causal, dropout_p=p,
+                                                               enable_gqa=hk != h).permute(back)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+    assert torch.equal(out, ref)
+    for g, r in zip(grads, ref_grads):  # the same kernels (dQ's float32 atomics may order sums differently)
+        assert rel_error(g, r) < 1e-3

@@ -50,8 +50,13 @@ def test_sweep_and_packed_cases_share_the_thd_rows(causal, monkeypatch):
     case = bench.sweep_case(1024, 64, causal, tokens=4096, rng=random.Random(1))
     labels = [row[0] for row in case.rows]
     assert labels[0] == "auto bshd" and labels[1] == "ceiling: cuDNN SDPA bshd 4 x 1024"
+    assert labels[2] == "peer: torch SDPA default bshd"
+    del case.rows[2]  # (the rows below as packed_case has them)
+    labels = labels[:2] + labels[3:]
     assert labels[2].startswith("auto thd, ") and labels[3] == "peer: torch varlen_attn thd"
     assert labels[4].startswith("ceiling: cuDNN SDPA bshd ") and labels[4].endswith(" (thd's FLOPs per token)")
+    assert [row[0] for row in bench.sweep_case(1024, 64, causal, tokens=4096, thd=False).rows] == labels[:2] + [
+        "peer: torch SDPA default bshd"]
     lengths = case.rows[2][4]
     assert sum(lengths) == 4096
     q, _, _, cu, kw = bench.thd_inputs(lengths, 32, 8, 64, causal)

@@ -295,7 +295,16 @@ def with_ceilings(rows, figures):
             row["vs_ceiling"] = row["tflops"] / ceiling[1]
 
 
-def sweep_case(s, d, causal, tokens=TOKENS, rng=None):
+def sdpa_default(causal):
+    """torch SDPA as a user calls it (torch's own backend choice, no context)
+    on [b, s, h, d] tensors (bshd views)."""
+    def call(q, k, v):
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              is_causal=causal).transpose(1, 2)
+    return call
+
+
+def sweep_case(s, d, causal, tokens=TOKENS, rng=None, thd=True):
     """One cell of the sweep: ``tokens`` tokens (at least one sequence of s)
     in 2048 / d heads of d (the same h * d at every head dim), as
     - the padding-free bshd call [tokens / s, s] through ops.attention in
@@ -304,7 +313,10 @@ def sweep_case(s, d, causal, tokens=TOKENS, rng=None):
       (uniform in [s/2, 3s/2], the last one filling up), through
       ops.attention in auto (the flash route on an H200) and through torch's
       varlen_attn; its ceiling is cuDNN on [b', L] with L the token-weighted
-      mean length (the same attention FLOPs per token), as packed_case."""
+      mean length (the same attention FLOPs per token), as packed_case
+      (``thd`` False: the bshd rows only).
+    Beside the ceiling, torch SDPA as a user calls it (torch's choice of
+    kernel, no sdpa_kernel context: its host work is the least of the three)."""
     rng = rng or random.Random(s * 1000 + d)
     h = 2048 // d
     tokens = max(tokens, s)
@@ -314,6 +326,9 @@ def sweep_case(s, d, causal, tokens=TOKENS, rng=None):
     q, k, v = _rand(b, s, h, d), _rand(b, s, h, d), _rand(b, s, h, d)
     case.add("auto bshd", via_ops(attn_mask_type="causal" if causal else "no_mask"), (q, k, v), [s] * b)
     case.add(f"ceiling: cuDNN SDPA bshd {b} x {s}", cudnn_ceiling(causal), (q, k, v), [s] * b)
+    case.add("peer: torch SDPA default bshd", sdpa_default(causal), (q, k, v), [s] * b)
+    if not thd:
+        return case
     lengths = sweep_lengths(s, tokens, rng)
     qt, kt, vt, cu, kw = thd_inputs(lengths, h, h, d, causal)
     case.add(f"auto thd, {len(lengths)} unequal lengths", via_ops(**kw), (qt, kt, vt), lengths)
@@ -369,6 +384,8 @@ def main():
     parser.add_argument("--sweep", action="store_true",
                         help="instead of the cases: sequence 512 to 32k x head dims 32 / 64 / 128 x full / causal, "
                              "bshd and packed thd in auto against cuDNN and torch's varlen_attn (sweep_case)")
+    parser.add_argument("--sweep-layouts", choices=("bshd", "all"), default="all",
+                        help="with --sweep: the padding-free bshd rows only, or bshd and packed thd")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_routes: needs a CUDA GPU")
@@ -390,7 +407,8 @@ def main():
         lambda: dropout_case("Llama GQA 32/8 x 64 causal dropout, 4 x 4096", 4, 4096, 32, 64, 0.1, hk=8, causal=True),
     ]
     if args.sweep:
-        cases = [lambda s=s, d=d, c=c: sweep_case(s, d, c) for s in (512, 1024, 2048, 4096, 8192, 16384, 32768)
+        thd = args.sweep_layouts == "all"
+        cases = [lambda s=s, d=d, c=c: sweep_case(s, d, c, thd=thd) for s in (512, 1024, 2048, 4096, 8192, 16384, 32768)
                  for d in (32, 64, 128) for c in (False, True)]
     interrupted = False
     try:

@@ -27,9 +27,10 @@ whose reasons it logs.
 Backend choice (``attention`` only; ``attention_forward`` and ``attention_backward``,
 the explicit halves that return and take the lse, always run seqfuse's
 kernels).  Routes: "seqfuse" (the kernels above); "cudnn" (cuDNN fused
-attention through ``torch.nn.functional.scaled_dot_product_attention``
-under ``sdpa_kernel([SDPBackend.CUDNN_ATTENTION])``, torch's autograd doing
-the backward; measured on an H200 at ESM-2 650M's shape, 16 x 1024 tokens,
+attention as ``torch.nn.functional.scaled_dot_product_attention`` runs it
+under ``sdpa_kernel([SDPBackend.CUDNN_ATTENTION])``: torch's cuDNN op called
+directly where SDPA's own choice for the tensors is cuDNN, SDPA itself
+otherwise (``_sdpa``), torch's autograd doing the backward; measured on an H200 at ESM-2 650M's shape, 16 x 1024 tokens,
 20 heads of dim 64, bf16, no mask: 23.5 ms of attention per training step
 against 57 ms for seqfuse's kernels); "flash" (torch's FlashAttention-2 for
 what cuDNN's route cannot take: packed thd, padded batches, windows, dropout
@@ -158,6 +159,7 @@ sees them.
 """
 import logging
 import os
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -290,6 +292,7 @@ _ragged_support = {}  # provider -> its op is there, "cudnn" -> torch's cuDNN ve
 _RAGGED_VALUES = {"0": False, "1": "torch", "torch": "torch", "frontend": "frontend"}
 # what SDPA may run on the cudnn route (CPU tests point it at MATH to run the route there)
 _SDPA_BACKENDS = [SDPBackend.CUDNN_ATTENTION]
+_CUDNN_ONLY = [SDPBackend.CUDNN_ATTENTION]
 _CUDNN_CAPABILITY = (9, 0)
 _CUDNN_DTYPES = (torch.float16, torch.bfloat16)
 _CUDNN_MASKS = ("no_mask", "causal", "causal_bottom_right")
@@ -309,6 +312,7 @@ _UNIFORM_MASK = {1: "no_mask", 3: "causal", 5: "causal_bottom_right"}
 _FROM_BHSD = {"bshd": (0, 2, 1, 3), "sbhd": (2, 0, 1, 3)}
 _choices = {}         # call key -> (backend, rule, reason); emptied past _MAX_CHOICES keys
 _MAX_CHOICES = 4096
+_cudnn_picked = {}    # SDPA's cuDNN choice per shapes, strides and flags (_torch_picks_cudnn)
 _route_failed = {}    # (route, shapes, strides, dtype, mask, device) -> torch's error, in auto
 _logged = set()       # reasons already logged at INFO
 
@@ -343,6 +347,7 @@ def set_attention_backend(name):
         raise ValueError(f"set_attention_backend: argument 'name' must be one of {_BACKEND_LIST}, got {name!r}")
     _backend = name
     _choices.clear()
+    _cudnn_picked.clear()
     _route_failed.clear()
 
 
@@ -386,6 +391,7 @@ def set_attention_cudnn_ragged(enabled, provider="torch"):
         previous = None
     _ragged_on = provider if enabled else False
     _choices.clear()
+    _cudnn_picked.clear()
     _route_failed.clear()
     return previous
 
@@ -731,17 +737,63 @@ def _sdpa(q, k, v, qkv_format, causal, scale, dropout_p=0.0):
     are (``enable_gqa``: cuDNN reads each k/v head for its group of q heads;
     measured on an H200 with torch 2.11 at Llama 3.2 1B's 4 x 8192 causal
     attention, 32 q / 8 k/v heads of 64, forward+backward: 8.96 ms against
-    9.37 ms with k/v expanded first and 14.65 ms on FlashAttention-2)."""
+    9.37 ms with k/v expanded first and 14.65 ms on FlashAttention-2).
+    On CUDA, where torch's own choice for these tensors under
+    ``sdpa_kernel([CUDNN_ATTENTION])`` is cuDNN (``_torch_picks_cudnn``, asked
+    once per shape, strides and flags), the call goes to the op SDPA would
+    call, ``_cudnn_attention``, with SDPA's arguments: the same kernels and
+    autograd node, without the backend context and the dispatcher's checks
+    on every call (they took about 45 of the route's 100 us of host work per
+    call on the H200's host, benchmarks/attn/bench_routes.py's single-call
+    rows)."""
     to = _TO_BHSD[qkv_format]
     q, k, v = (kernel_layout(x) for x in (q, k, v))  # aligned 16-byte rows, or a copy
-    extra = {"enable_gqa": True} if q.shape[-2] != k.shape[-2] else {}
-    if dropout_p > 0.0:
-        extra["dropout_p"] = dropout_p
-    with sdpa_kernel(_SDPA_BACKENDS), torch.autocast(q.device.type, enabled=False):
-        out = F.scaled_dot_product_attention(q.permute(to), k.permute(to), v.permute(to), is_causal=causal,
-                                             scale=scale, **extra)
+    qb, kb, vb = q.permute(to), k.permute(to), v.permute(to)
+    gqa = q.shape[-2] != k.shape[-2]
+    if _SDPA_BACKENDS == _CUDNN_ONLY and _device_facts(q.device)[0] == "cuda" and \
+            _torch_picks_cudnn(qb, kb, vb, causal, scale, dropout_p, gqa):
+        lse = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        out = _cudnn_attention(qb, kb, vb, None, lse, dropout_p, causal, False, scale=scale)[0]
+    else:
+        extra = {"enable_gqa": True} if gqa else {}
+        if dropout_p > 0.0:
+            extra["dropout_p"] = dropout_p
+        with sdpa_kernel(_SDPA_BACKENDS), torch.autocast(q.device.type, enabled=False):
+            out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=causal, scale=scale, **extra)
     out = out.permute(_FROM_BHSD[qkv_format])
     return out if out.is_contiguous() else out.contiguous()
+
+
+def _torch_picks_cudnn(q, k, v, causal, scale, dropout_p, gqa):
+    """Whether torch's SDPA, restricted to cuDNN, would run cuDNN attention on
+    these [b, h, s, d] views (``torch._fused_sdp_choice``, SDPA's own backend
+    choice, under the same ``sdpa_kernel``), remembered per shapes, strides,
+    dtype, device, mask, dropout and gradient need.  False sends the call
+    through SDPA itself, which then runs or refuses it as it always did."""
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, causal, dropout_p > 0.0,
+           needs_grad)
+    hit = _cudnn_picked.get(key)
+    if hit is None:
+        with sdpa_kernel(_SDPA_BACKENDS), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # SDPA's own call warns where it refuses
+            try:
+                hit = torch._fused_sdp_choice(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale,
+                                              enable_gqa=gqa) == SDPBackend.CUDNN_ATTENTION.value
+            except RuntimeError:  # no backend takes it: SDPA's call raises its error
+                hit = False
+        if len(_cudnn_picked) >= _MAX_CHOICES:
+            _cudnn_picked.clear()
+        _cudnn_picked[key] = hit
+    return hit
+
+
+def _cudnn_attention(*args, **kwargs):
+    """torch's cuDNN attention op with SDPA's arguments (query, key, value,
+    attn_bias, compute_log_sumexp, dropout_p, is_causal, return_debug_mask,
+    scale): (output, logsumexp, ...).  Differentiable (torch's autograd runs
+    its cuDNN backward); the GPU tests spy here."""
+    return torch._scaled_dot_product_cudnn_attention(*args, **kwargs)
 
 
 def _run_route(name, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, deterministic, cu_q, cu_k,
