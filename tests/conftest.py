@@ -79,8 +79,11 @@ def sdpa_calls(monkeypatch):
 @pytest.fixture
 def cudnn_calls(monkeypatch):
     """Every call of the cuDNN route during the test, whichever way it
-    reached cuDNN: a list of (way, dropout_p), way "op" for torch's cuDNN op
-    called directly (_routing._cudnn_attention) and "sdpa" for SDPA."""
+    reached cuDNN, as sdpa_calls records SDPA's: a list of ((q, k, v),
+    kwargs, way), way "op" for torch's cuDNN op called directly
+    (_routing._cudnn_attention; kwargs then SDPA's for the same call:
+    dropout_p, is_causal, scale, and enable_gqa where k has fewer heads)
+    and "sdpa" for SDPA (its own kwargs)."""
     import torch.nn.functional as F
     from seqfuse.ops.attn import _routing as routing
 
@@ -88,11 +91,15 @@ def cudnn_calls(monkeypatch):
     real_op, real_sdpa = routing._cudnn_attention, F.scaled_dot_product_attention
 
     def op(*args, **kwargs):
-        calls.append(("op", args[5]))
+        q, k, v, _, _, dropout_p, is_causal, _ = args
+        sdpa_kwargs = dict(dropout_p=dropout_p, is_causal=is_causal, scale=kwargs.get("scale"))
+        if q.shape[1] != k.shape[1]:
+            sdpa_kwargs["enable_gqa"] = True
+        calls.append(((q, k, v), sdpa_kwargs, "op"))
         return real_op(*args, **kwargs)
 
     def sdpa(*args, **kwargs):
-        calls.append(("sdpa", kwargs.get("dropout_p", 0.0)))
+        calls.append((args[:3], kwargs, "sdpa"))
         return real_sdpa(*args, **kwargs)
 
     monkeypatch.setattr(routing, "_cudnn_attention", op)

@@ -802,22 +802,22 @@ def _assert_finite(*tensors):
 @pytest.mark.parametrize("mask", ["no_mask", "causal"])
 @pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
 @pytest.mark.parametrize("b,s,h", SHAPES)
-def test_cuda_cudnn_route_matches_seqfuse_and_reference(b, s, h, fmt, mask, d, dtype, seed, sdpa_calls):
+def test_cuda_cudnn_route_matches_seqfuse_and_reference(b, s, h, fmt, mask, d, dtype, seed, cudnn_calls):
     rng = random.Random(seed)
     q, k, v, dout, _, _ = make_case(fmt, mask, b, s, s, h, h, d, dtype, rng)
     seqfuse.ops.set_attention_backend("cudnn")  # forced: an ineligible call or a torch error raises
     assert seqfuse.ops.attention_backend(q, k, v, qkv_format=fmt, attn_mask_type=mask)[0] == "cudnn"
     out, grads = _run(q, k, v, dout, fmt, mask)
-    assert len(sdpa_calls) == 1
+    assert len(cudnn_calls) == 1
     assert out.shape == q.shape and out.dtype == dtype and out.is_contiguous()
     _assert_finite(out, *grads)
     with torch.no_grad():
         out_nograd = seqfuse.ops.attention(q, k, v, qkv_format=fmt, attn_mask_type=mask)
-    assert len(sdpa_calls) == 2 and out_nograd.grad_fn is None and rel_error(out_nograd, out) <= rel_tol(dtype)
+    assert len(cudnn_calls) == 2 and out_nograd.grad_fn is None and rel_error(out_nograd, out) <= rel_tol(dtype)
 
     seqfuse.ops.set_attention_backend("seqfuse")
     out_s, grads_s = _run(q, k, v, dout, fmt, mask)
-    assert len(sdpa_calls) == 2
+    assert len(cudnn_calls) == 2
     _assert_finite(out_s, *grads_s)
     assert out_s.shape == out.shape and out_s.dtype == out.dtype
 
@@ -829,7 +829,7 @@ def test_cuda_cudnn_route_matches_seqfuse_and_reference(b, s, h, fmt, mask, d, d
 
 
 @pytest.mark.cuda
-def test_cuda_auto_picks_cudnn_for_esm2_on_h200(sdpa_calls, caplog):
+def test_cuda_auto_picks_cudnn_for_esm2_on_h200(cudnn_calls, caplog):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("auto takes cuDNN on compute capability 9.0 only")
     seqfuse.ops.set_attention_backend("auto")
@@ -845,7 +845,7 @@ def test_cuda_auto_picks_cudnn_for_esm2_on_h200(sdpa_calls, caplog):
             out.backward(torch.ones_like(out))
     assert [r.getMessage() for r in caplog.records if "cuDNN" in r.getMessage()] == [ESM_LOG]
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(sdpa_calls) == 2
+    assert len(cudnn_calls) == 2
     _assert_finite(out, q.grad, k.grad, v.grad)
 
 
@@ -865,7 +865,7 @@ def _thd_case(lengths, h, hk, d, dtype, rng):
 @pytest.mark.parametrize("mask", ["no_mask", "causal"])
 @pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
 @pytest.mark.parametrize("h,hk,d", [(8, 2, 64), (4, 1, 128), (6, 3, 64)])
-def test_cuda_cudnn_route_gqa(h, hk, d, fmt, mask, seed, sdpa_calls):
+def test_cuda_cudnn_route_gqa(h, hk, d, fmt, mask, seed, cudnn_calls):
     """GQA/MQA on the cuDNN route (SDPA's enable_gqa): auto picks it on an
     H200, and out and gradients match the float64 reference as the seqfuse
     kernels do."""
@@ -878,7 +878,7 @@ def test_cuda_cudnn_route_gqa(h, hk, d, fmt, mask, seed, sdpa_calls):
         assert name == "cudnn" and " gqa " in reason, reason
     seqfuse.ops.set_attention_backend("cudnn")
     out, grads = _run(q, k, v, dout, fmt, mask)
-    assert len(sdpa_calls) == 1 and sdpa_calls[0][1].get("enable_gqa") is True
+    assert len(cudnn_calls) == 1 and cudnn_calls[0][1].get("enable_gqa") is True
     seqfuse.ops.set_attention_backend("seqfuse")
     out_s, grads_s = _run(q, k, v, dout, fmt, mask)
     ref, ref_grads = run_reference(q, k, v, dout, fmt, mask, None, None)
@@ -890,7 +890,7 @@ def test_cuda_cudnn_route_gqa(h, hk, d, fmt, mask, seed, sdpa_calls):
 @pytest.mark.cuda
 @pytest.mark.parametrize("mask", ["padding", "padding_causal", "causal"])
 @pytest.mark.parametrize("h,hk", [(4, 4), (8, 2)])
-def test_cuda_thd_of_equal_lengths_runs_cudnn_as_bshd(h, hk, mask, seed, sdpa_calls):
+def test_cuda_thd_of_equal_lengths_runs_cudnn_as_bshd(h, hk, mask, seed, cudnn_calls):
     """A packed batch whose one cu_seqlens splits every token into sequences
     of the same length runs cuDNN on the [b, L] view (no extra sync: the
     cu_seqlens check's facts), matching the reference; the same shapes with
@@ -909,7 +909,7 @@ def test_cuda_thd_of_equal_lengths_runs_cudnn_as_bshd(h, hk, mask, seed, sdpa_ca
     qf, kf, vf = (_fresh(x) for x in (q, k, v))
     out = seqfuse.ops.attention(qf, kf, vf, **kw)
     out.backward(dout)
-    assert len(sdpa_calls) == 1 and sdpa_calls[0][0][0].shape == (3, h, 256, d)
+    assert len(cudnn_calls) == 1 and cudnn_calls[0][0][0].shape == (3, h, 256, d)
     ref, ref_grads = run_reference(q, k, v, dout, "thd", mask, lengths, lengths)
     check(out, (qf.grad, kf.grad, vf.grad), ref, ref_grads, dtype, f"uniform thd {mask} {h}/{hk}")
     # the same shapes, unequal lengths: not the bshd view
@@ -917,7 +917,7 @@ def test_cuda_thd_of_equal_lengths_runs_cudnn_as_bshd(h, hk, mask, seed, sdpa_ca
     kw2 = dict(kw, cu_seqlens_q=other, cu_seqlens_kv=other, max_seqlen_q=312, max_seqlen_kv=312)
     assert seqfuse.ops.attention_backend(q, k, v, **kw2)[0] != "cudnn"
     out2 = seqfuse.ops.attention(q, k, v, **kw2)
-    assert len(sdpa_calls) == 1
+    assert len(cudnn_calls) == 1
     ref2, _ = run_reference(q, k, v, dout, "thd", mask, [200, 312, 256], [200, 312, 256])
     assert rel_error(out2, ref2) <= rel_tol(dtype)
     # two cu_seqlens tensors (even equal ones) are not taken as one batch of equal lengths
@@ -927,7 +927,7 @@ def test_cuda_thd_of_equal_lengths_runs_cudnn_as_bshd(h, hk, mask, seed, sdpa_ca
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("rule", list(ROUTE_OF_RULE))
-def test_cuda_auto_route_of_calls_cudnn_refuses(rule, sdpa_calls):
+def test_cuda_auto_route_of_calls_cudnn_refuses(rule, cudnn_calls):
     """Calls the cuDNN route refuses: the flash route takes padding and
     windows on an H200, float32 goes to torch_fp32; dropout with seqfuse's
     Philox mask asked for (rng_state) and the rest stay on seqfuse's kernels
@@ -962,13 +962,13 @@ def test_cuda_auto_route_of_calls_cudnn_refuses(rule, sdpa_calls):
         return  # seqfuse's CUDA kernels do not take it either: the choice is what is tested
     out = seqfuse.ops.attention(q, k, v, **kw)
     out.backward(torch.ones_like(out))
-    assert len(sdpa_calls) == (1 if name == "torch_fp32" else 0)
+    assert len(cudnn_calls) == (1 if name == "torch_fp32" else 0)
     _assert_finite(out, q.grad, k.grad, v.grad)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
-def test_cuda_cudnn_route_strided_qkv_views(fmt, seed, sdpa_calls):
+def test_cuda_cudnn_route_strided_qkv_views(fmt, seed, cudnn_calls):
     # q, k, v sliced out of one fused [.., .., 3, h, d] projection, as the modules make them
     b, s, h, d = 2, 200, 4, 64
     shape = (b, s, 3, h, d) if fmt == "bshd" else (s, b, 3, h, d)
@@ -979,21 +979,21 @@ def test_cuda_cudnn_route_strided_qkv_views(fmt, seed, sdpa_calls):
     seqfuse.ops.set_attention_backend("cudnn")
     out = seqfuse.ops.attention(q, k, v, qkv_format=fmt, attn_mask_type="causal")
     out.backward(dout)
-    assert len(sdpa_calls) == 1
-    assert sdpa_calls[0][0][0].data_ptr() == q.data_ptr()  # the strided view itself, not a copy
+    assert len(cudnn_calls) == 1
+    assert cudnn_calls[0][0][0].data_ptr() == q.data_ptr()  # the strided view itself, not a copy
     ref, ref_grads = run_reference(q, k, v, dout, fmt, "causal", None, None)
     check(out, qkv.grad.unbind(2), ref, ref_grads, torch.bfloat16, f"strided {fmt}")
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_cuda_transformer_layer_same_under_both_backends(dtype, seed, sdpa_calls):
+def test_cuda_transformer_layer_same_under_both_backends(dtype, seed, cudnn_calls):
     layer = _transformer_layer(hidden_size=256, ffn_hidden_size=512, num_attention_heads=4,
                                self_attn_mask_type="no_mask", attn_input_format="bshd", params_dtype=dtype,
                                device="cuda")
     x0 = torch.randn(2, 300, 256, device="cuda", dtype=dtype)
     dy = torch.randn(2, 300, 256, device="cuda", dtype=dtype)
-    results = _layer_under_backends(layer, x0, dy, ("seqfuse", "cudnn"), sdpa_calls)
+    results = _layer_under_backends(layer, x0, dy, ("seqfuse", "cudnn"), cudnn_calls)
     for backend, (y, dx, dw, calls) in results.items():
         assert calls == (1 if backend == "cudnn" else 0)
         _assert_finite(y, dx, dw)
