@@ -78,12 +78,12 @@ def sdpa_calls(monkeypatch):
 
 @pytest.fixture
 def cudnn_calls(monkeypatch):
-    """Every call of the cuDNN route during the test, whichever way it
-    reached cuDNN, as sdpa_calls records SDPA's: a list of ((q, k, v),
-    kwargs, way), way "op" for torch's cuDNN op called directly
-    (_routing._cudnn_attention; kwargs then SDPA's for the same call:
-    dropout_p, is_causal, scale, and enable_gqa where k has fewer heads)
-    and "sdpa" for SDPA (its own kwargs)."""
+    """Every call of torch's cuDNN op by the cuDNN route
+    (_routing._cudnn_attention, way "op") and every call of SDPA (way
+    "sdpa": the cuDNN route's SDPA path, or the torch_fp32 route's) during
+    the test: a list of ((q, k, v), kwargs, way), kwargs SDPA's for the
+    call: dropout_p (0.0 where SDPA was given none), is_causal, scale, and
+    enable_gqa where k has fewer heads than q."""
     import torch.nn.functional as F
     from seqfuse.ops.attn import _routing as routing
 
@@ -99,7 +99,7 @@ def cudnn_calls(monkeypatch):
         return real_op(*args, **kwargs)
 
     def sdpa(*args, **kwargs):
-        calls.append((args[:3], kwargs, "sdpa"))
+        calls.append((args[:3], {"dropout_p": 0.0, **kwargs}, "sdpa"))
         return real_sdpa(*args, **kwargs)
 
     monkeypatch.setattr(routing, "_cudnn_attention", op)

@@ -515,8 +515,10 @@ def test_route_calls_the_cudnn_op_with_sdpas_arguments(grad, monkeypatch, emulat
     stand-in running SDPA's math backend); the result equals the SDPA path's."""
     seqfuse.ops.set_attention_backend("cudnn")
     monkeypatch.setattr(routing, "_SDPA_BACKENDS", routing._CUDNN_ONLY)
+    monkeypatch.setattr(routing, "_direct_cudnn", [True])
     picks, seen = [], []
-    monkeypatch.setattr(routing, "_torch_picks_cudnn", lambda *args: picks.append(args[3:]) or True)
+    monkeypatch.setattr(routing, "_torch_picks_cudnn",
+                        lambda *args: picks.append((args[0].shape, args[1].shape, *args[3:])) or True)
 
     def op(q, k, v, bias, lse, p, causal, debug, *, scale):
         seen.append((q.shape, k.shape, bias, lse, p, causal, debug, scale))
@@ -527,7 +529,7 @@ def test_route_calls_the_cudnn_op_with_sdpas_arguments(grad, monkeypatch, emulat
     q = layout("sbhd", 2, 16, 4, 32, requires_grad=grad)
     k, v = (layout("sbhd", 2, 16, 2, 32, requires_grad=grad) for _ in range(2))
     out = seqfuse.ops.attention(q, k, v, qkv_format="sbhd", attn_mask_type="causal", softmax_scale=0.3)
-    assert picks == [(True, 0.3, 0.0, True)] and not sdpa_calls
+    assert picks == [((2, 4, 16, 32), (2, 2, 16, 32), True, 0.3, 0.0, True, grad)] and not sdpa_calls
     assert seen == [((2, 4, 16, 32), (2, 2, 16, 32), None, grad, 0.0, True, False, 0.3)]
     assert out.shape == q.shape and out.is_contiguous() and (out.grad_fn is not None) == grad
     monkeypatch.setattr(routing, "_SDPA_BACKENDS", [routing.SDPBackend.MATH])  # the SDPA path, as before
@@ -551,19 +553,52 @@ def test_route_takes_sdpa_where_torch_would_not_pick_cudnn(monkeypatch, emulated
     monkeypatch.setattr(torch, "_fused_sdp_choice", choice)
     q = torch.randn(1, 2, 8, 16)
     for _ in range(2):
-        assert routing._torch_picks_cudnn(q, q, q, True, None, 0.0, False)
-        assert not routing._torch_picks_cudnn(q, q, q, False, None, 0.0, False)
-        assert not routing._torch_picks_cudnn(q, q, q, True, None, 0.1, False)
+        assert routing._torch_picks_cudnn(q, q, q, True, None, 0.0, False, False)
+        assert not routing._torch_picks_cudnn(q, q, q, False, None, 0.0, False, False)
+        assert not routing._torch_picks_cudnn(q, q, q, True, None, 0.1, False, False)
+        assert routing._torch_picks_cudnn(q, q, q, True, 0.5, 0.0, True, True)  # another gradient need: asked
+        assert routing._torch_picks_cudnn(q.half(), q.half(), q.half(), True, None, 0.0, False, False)  # dtype
     assert [(kw["is_causal"], kw["dropout_p"], kw["enable_gqa"]) for kw in asked] == [
-        (True, 0.0, False), (False, 0.0, False), (True, 0.1, False)]
+        (True, 0.0, False), (False, 0.0, False), (True, 0.1, False), (True, 0.0, True), (True, 0.0, False)]
     seqfuse.ops.set_attention_backend("cudnn")
     monkeypatch.setattr(routing, "_SDPA_BACKENDS", routing._CUDNN_ONLY)
+    monkeypatch.setattr(routing, "_direct_cudnn", [True])
     monkeypatch.setattr(routing, "_cudnn_attention", lambda *args, **kwargs: pytest.fail("the op was called"))
     real_context = routing.sdpa_kernel
     monkeypatch.setattr(routing, "sdpa_kernel", lambda backends: real_context([routing.SDPBackend.MATH]))
     x = layout("bshd", 1, 8, 2, 16)
     out = seqfuse.ops.attention(x, x, x)  # torch's choice (the stand-in's) is not cuDNN: SDPA runs it
     assert len(sdpa_calls) == 1 and out.shape == x.shape
+
+
+def test_direct_cudnn_call_needs_sdpas_signature_and_no_autocast_kernel(monkeypatch, emulated_h200, sdpa_calls):
+    """_direct_cudnn_ok, decided once: torch's cuDNN op taking SDPA's
+    arguments in order, its backend choice taking enable_gqa and the op
+    without an autocast kernel; a torch where any of it fails runs every
+    call through SDPA."""
+    monkeypatch.setattr(routing, "_direct_cudnn", [])
+    assert routing._direct_cudnn_ok() == (
+        [a.name for a in torch.ops.aten._scaled_dot_product_cudnn_attention.default._schema.arguments] ==
+        routing._CUDNN_OP_ARGS and not torch._C._dispatch_has_kernel_for_dispatch_key(
+            "aten::_scaled_dot_product_cudnn_attention", "AutocastCUDA"))
+    for patch in (("_CUDNN_OP_ARGS", routing._CUDNN_OP_ARGS[:3] + ["attn_mask"] + routing._CUDNN_OP_ARGS[4:]),
+                  ("autocast", None)):
+        monkeypatch.setattr(routing, "_direct_cudnn", [])
+        with monkeypatch.context() as m:
+            if patch[0] == "autocast":
+                m.setattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", lambda op, key: key == "AutocastCUDA")
+            else:
+                m.setattr(routing, *patch)
+            assert routing._direct_cudnn_ok() is False
+        assert routing._direct_cudnn == [False]  # remembered
+    seqfuse.ops.set_attention_backend("cudnn")
+    monkeypatch.setattr(routing, "_SDPA_BACKENDS", routing._CUDNN_ONLY)
+    monkeypatch.setattr(routing, "_torch_picks_cudnn", lambda *args: True)
+    monkeypatch.setattr(routing, "_cudnn_attention", lambda *args, **kwargs: pytest.fail("the op was called"))
+    real_context = routing.sdpa_kernel
+    monkeypatch.setattr(routing, "sdpa_kernel", lambda backends: real_context([routing.SDPBackend.MATH]))
+    x = layout("bshd", 1, 8, 2, 16)
+    assert seqfuse.ops.attention(x, x, x).shape == x.shape and len(sdpa_calls) == 1
 
 
 def test_route_copies_inputs_without_unit_stride_head_dim(sdpa_calls, emulated_h200):

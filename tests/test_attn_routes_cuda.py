@@ -490,3 +490,22 @@ def test_cuda_cudnn_route_calls_the_op_sdpa_calls(fmt, causal, hk, p, dtype, cud
     assert torch.equal(out, ref)
     for g, r in zip(grads, ref_grads):  # the same kernels (dQ's float32 atomics may order sums differently)
         assert rel_error(g, r) < 1e-3
+
+
+def test_cuda_cudnn_op_under_autocast_and_without_grad(cudnn_calls):
+    """On the direct op, as on SDPA with autocast off: bfloat16 inputs under
+    a float16 torch.autocast stay bfloat16 and give the same output; a call
+    without gradients (no log-sum-exp asked for) gives the training call's
+    output."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the cudnn route is measured and taken on compute capability 9.0")
+    seqfuse.ops.set_attention_backend("cudnn")
+    q, k, v = (_randn((2, 256, 8, 64), torch.bfloat16) for _ in range(3))
+    out = seqfuse.ops.attention(q, k, v, attn_mask_type="causal")
+    with torch.autocast("cuda", dtype=torch.float16):
+        out_autocast = seqfuse.ops.attention(q, k, v, attn_mask_type="causal")
+    qg = q.clone().requires_grad_()
+    out_grad = seqfuse.ops.attention(qg, k, v, attn_mask_type="causal")
+    assert out_autocast.dtype == torch.bfloat16 and torch.equal(out_autocast, out)
+    assert out_grad.grad_fn is not None and rel_error(out_grad, out) < 1e-3
+    assert [c[2] for c in cudnn_calls] == ["op"] * 3

@@ -665,6 +665,27 @@ def test_cuda_graph_capture(seed):
 
 
 @pytest.mark.cuda
+def test_cuda_addend_alignment_is_part_of_the_plan(seed):
+    """cuBLASLt is told C's alignment (the plan's key holds it): an addend
+    2 bytes off a 16-byte boundary after a plan made for an aligned one of
+    the same shape gets a plan of its own and the right sum."""
+    a, b = make((64, 96), torch.bfloat16, "cuda"), make((96, 48), torch.bfloat16, "cuda", trans=True)
+    base = torch.randn(64 * 48 + 8, device="cuda").to(torch.bfloat16)
+    for offset in (0, 1, 0, 1):  # aligned, 2-byte aligned, and each again (cached plans)
+        c = base[offset:offset + 64 * 48].view(64, 48)
+        assert (c.data_ptr() % 16 == 0) == (offset == 0)
+        out = gemm(a, b, transb=True, addend=c)
+        assert_close_rel(out, reference(a, b, False, True)[0] + c.double(), torch.bfloat16)
+
+
+@pytest.mark.cuda
+def test_cuda_addend_on_another_device():
+    a, b = torch.ones(4, 8, device="cuda"), torch.ones(8, 4, device="cuda")
+    with pytest.raises(ValueError, match="addend.*same device|same device.*addend|addend.*must be on"):
+        gemm(a, b, addend=torch.ones(4, 4))
+
+
+@pytest.mark.cuda
 def test_cuda_error_names_device_mismatch():
     with pytest.raises(ValueError, match="must be on the same device"):
         gemm(torch.ones(4, 4, device="cuda"), torch.ones(4, 4))

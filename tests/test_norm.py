@@ -482,6 +482,31 @@ def test_norm_backward_adds_a_residual_gradient(device, rms, dtype, shape, seed)
         2 * torch.finfo(dtype).eps * (plain_dx.double().abs() + dres.double().abs()).max()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("shape", [(7, 37), (300, 320)])
+def test_norm_backward_dx_may_be_dres(device, rms, shape, seed):
+    """dx may be dres itself (the C entry's overlap rule lets it: each
+    element of dres is read before dx's is written, by the same thread):
+    the in-place result is the out-of-place one bit for bit, on the
+    element path (hidden 37) and the vector path."""
+    x = torch.randn(*shape, device=device).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(shape[-1], device=device)).to(torch.bfloat16)
+    dy, dres = torch.randn_like(x), torch.randn_like(x)
+    inplace, dg = dres.clone(), torch.empty_like(w)
+    work = norm_ops._workspace(x)
+    stream = seqfuse.ops._call.stream_for(x)
+    if rms:
+        _, rstd = norm_ops.rmsnorm_forward(x, w, 1e-5, False)
+        dx, _ = norm_ops.rmsnorm_backward(dy, x, rstd, w, False, dres=dres)
+        _C.rmsnorm_backward(dy, x, rstd, w, False, inplace, dg, work, inplace, stream)
+    else:
+        _, mean, rstd = norm_ops.layernorm_forward(x, w, None, 1e-5, False)
+        dx, _, _ = norm_ops.layernorm_backward(dy, x, mean, rstd, w, False, False, dres=dres)
+        _C.layernorm_backward(dy, x, mean, rstd, w, False, inplace, dg, None, work, inplace, stream)
+    assert torch.equal(inplace, dx)
+
+
 def test_norm_backward_residual_gradient_rules():
     x, w = torch.randn(4, 8), torch.ones(8)
     _, rstd = norm_ops.rmsnorm_forward(x, w, 1e-5, False)

@@ -75,7 +75,7 @@ def main():
             args = tensors(*shape, grad=grad)
             for fn in (ours, ceiling, bare, ours, ceiling, bare):
                 issued, total = host_us(fn, args, grad)
-                print(f"host {shape} {'fwd+bwd' if grad else 'fwd'} {fn.__name__:7s} issue {issued:7.1f} us/call, "
+                print(f"host {shape} {'forward+backward' if grad else 'forward'} {fn.__name__:7s} issue {issued:7.1f} us/call, "
                       f"total {total:7.1f}")
     args = tensors(4, 1024, 16, 64)
     for fn in (ours, ceiling):
@@ -87,7 +87,7 @@ def main():
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 one_call(fn, a, grad)
                 torch.cuda.synchronize()
-            print(f"==== kernels of {fn.__name__} {'fwd+bwd' if grad else 'fwd'}")
+            print(f"==== kernels of {fn.__name__} {'forward+backward' if grad else 'forward'}")
             for e in prof.events():
                 if e.device_type == torch.autograd.DeviceType.CUDA:
                     print(f"  kernel {e.name[:90]} {e.device_time:.1f} us")

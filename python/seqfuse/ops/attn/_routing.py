@@ -152,10 +152,13 @@ another stride is not a multiple of 8 elements: ``kernel_layout`` in _args.py,
 the rule of every route, seqfuse's included), with ``scale=softmax_scale`` (1/sqrt(d) when
 None) and ``is_causal``; the output is permuted back to the caller's layout
 and copied only when that view is not contiguous.  Its shape and dtype are
-the seqfuse path's: SDPA runs with torch.autocast off (seqfuse's kernels
-take no autocast cast either).  ``sdpa_kernel`` sets torch's process-wide
-SDPA backend flags for the call: another thread calling SDPA at that moment
-sees them.
+the seqfuse path's: no autocast cast (seqfuse's kernels take none either):
+SDPA runs with torch.autocast off, and torch's cuDNN op, called directly
+where SDPA would pick it (``_sdpa``), has no autocast kernel (checked once,
+``_direct_cudnn_ok``; a torch that gave it one would take the SDPA path).
+``sdpa_kernel`` sets torch's process-wide SDPA backend flags while SDPA runs
+and while SDPA's choice is first asked for a shape: another thread calling
+SDPA at that moment sees them.
 """
 import logging
 import os
@@ -290,9 +293,14 @@ _ROUTE_WORDS = {"cudnn": "cuDNN fused attention", "flash": "torch's FlashAttenti
                 "cudnn_ragged": "cuDNN's ragged fused attention"}
 _ragged_support = {}  # provider -> its op is there, "cudnn" -> torch's cuDNN version: each asked once
 _RAGGED_VALUES = {"0": False, "1": "torch", "torch": "torch", "frontend": "frontend"}
-# what SDPA may run on the cudnn route (CPU tests point it at MATH to run the route there)
+# what SDPA may run on the cudnn route (CPU tests point it at MATH to run the route there); only while it is
+# _CUDNN_ONLY may the route call torch's cuDNN op itself (_sdpa)
 _SDPA_BACKENDS = [SDPBackend.CUDNN_ATTENTION]
 _CUDNN_ONLY = [SDPBackend.CUDNN_ATTENTION]
+# the argument names _sdpa passes torch's cuDNN op by position (SDPA's call of it, torch 2.5 to 2.15)
+_CUDNN_OP_ARGS = ["query", "key", "value", "attn_bias", "compute_log_sumexp", "dropout_p", "is_causal",
+                  "return_debug_mask", "scale"]
+_direct_cudnn = []  # [whether _sdpa may call torch's cuDNN op itself], decided once (_direct_cudnn_ok)
 _CUDNN_CAPABILITY = (9, 0)
 _CUDNN_DTYPES = (torch.float16, torch.bfloat16)
 _CUDNN_MASKS = ("no_mask", "causal", "causal_bottom_right")
@@ -662,7 +670,7 @@ def _choose(mode, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, d
     det_algos = torch.are_deterministic_algorithms_enabled() and \
         not torch.is_deterministic_algorithms_warn_only_enabled()
     capturing = device_checks.capturing(q)
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    needs_grad = _needs_grad(q, k, v)
     switches = (cudnn_enabled, flash_enabled, det_algos, capturing, needs_grad)
     explicit_rng = rng_state is not None
     window = tuple(window_size) if isinstance(window_size, list) else window_size
@@ -731,6 +739,12 @@ def attention_backend(q, k, v, qkv_format="bshd", attn_mask_type="no_mask", wind
     return name, reason
 
 
+def _needs_grad(q, k, v):
+    """Whether autograd will want gradients of q, k or v (torch's own test
+    for SDPA's log-sum-exp, should_compute_logsumexp)."""
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
 def _sdpa(q, k, v, qkv_format, causal, scale, dropout_p=0.0):
     """SDPA on the permuted views, restricted to _SDPA_BACKENDS; the output
     back in the caller's layout.  Fewer k/v heads than q heads go in as they
@@ -738,22 +752,23 @@ def _sdpa(q, k, v, qkv_format, causal, scale, dropout_p=0.0):
     measured on an H200 with torch 2.11 at Llama 3.2 1B's 4 x 8192 causal
     attention, 32 q / 8 k/v heads of 64, forward+backward: 8.96 ms against
     9.37 ms with k/v expanded first and 14.65 ms on FlashAttention-2).
-    On CUDA, where torch's own choice for these tensors under
-    ``sdpa_kernel([CUDNN_ATTENTION])`` is cuDNN (``_torch_picks_cudnn``, asked
-    once per shape, strides and flags), the call goes to the op SDPA would
-    call, ``_cudnn_attention``, with SDPA's arguments: the same kernels and
-    autograd node, without the backend context and the dispatcher's checks
-    on every call (they took about 45 of the route's 100 us of host work per
-    call on the H200's host, benchmarks/attn/bench_routes.py's single-call
-    rows)."""
+    On CUDA, where SDPA's own choice for these views under
+    ``sdpa_kernel([CUDNN_ATTENTION])`` is cuDNN (``_torch_picks_cudnn``,
+    asked once per shape, strides and flags), the call goes straight to the
+    op SDPA would call, ``_cudnn_attention``, with SDPA's arguments: the same
+    kernels and autograd node without the backend context, the autocast
+    context and the dispatcher's checks, which cost about 45 us of host work
+    a call on the H200's host (benchmarks/attn/host_probe.py: a forward call
+    52-57 us this way, 95-106 us through SDPA under both contexts).  The
+    device is asked through ``_device_facts`` (the CPU tests emulate it)."""
     to = _TO_BHSD[qkv_format]
     q, k, v = (kernel_layout(x) for x in (q, k, v))  # aligned 16-byte rows, or a copy
     qb, kb, vb = q.permute(to), k.permute(to), v.permute(to)
     gqa = q.shape[-2] != k.shape[-2]
-    if _SDPA_BACKENDS == _CUDNN_ONLY and _device_facts(q.device)[0] == "cuda" and \
-            _torch_picks_cudnn(qb, kb, vb, causal, scale, dropout_p, gqa):
-        lse = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        out = _cudnn_attention(qb, kb, vb, None, lse, dropout_p, causal, False, scale=scale)[0]
+    needs_grad = _needs_grad(q, k, v)
+    if _SDPA_BACKENDS == _CUDNN_ONLY and _device_facts(q.device)[0] == "cuda" and _direct_cudnn_ok() and \
+            _torch_picks_cudnn(qb, kb, vb, causal, scale, dropout_p, gqa, needs_grad):
+        out = _cudnn_attention(qb, kb, vb, None, needs_grad, dropout_p, causal, False, scale=scale)[0]
     else:
         extra = {"enable_gqa": True} if gqa else {}
         if dropout_p > 0.0:
@@ -764,13 +779,35 @@ def _sdpa(q, k, v, qkv_format, causal, scale, dropout_p=0.0):
     return out if out.is_contiguous() else out.contiguous()
 
 
-def _torch_picks_cudnn(q, k, v, causal, scale, dropout_p, gqa):
+def _direct_cudnn_ok():
+    """Whether this torch lets _sdpa call its cuDNN op itself, decided once:
+    the op takes SDPA's arguments in _CUDNN_OP_ARGS's order, its backend
+    choice takes ``enable_gqa`` (torch 2.5 and later), and the op has no
+    autocast kernel (so, as under SDPA with autocast off, nothing casts its
+    inputs).  Otherwise every call takes the SDPA path."""
+    if not _direct_cudnn:
+        try:
+            op_args = [a.name for a in torch.ops.aten._scaled_dot_product_cudnn_attention.default._schema.arguments]
+            choice_args = [a.name for a in torch.ops.aten._fused_sdp_choice.default._schema.arguments]
+            autocast = torch._C._dispatch_has_kernel_for_dispatch_key("aten::_scaled_dot_product_cudnn_attention",
+                                                                      "AutocastCUDA")
+            ok = op_args == _CUDNN_OP_ARGS and "enable_gqa" in choice_args and not autocast and \
+                hasattr(torch, "_scaled_dot_product_cudnn_attention")
+        except (AttributeError, RuntimeError):  # a torch without the ops or the dispatcher query
+            ok = False
+        _direct_cudnn.append(ok)
+    return _direct_cudnn[0]
+
+
+def _torch_picks_cudnn(q, k, v, causal, scale, dropout_p, gqa, needs_grad):
     """Whether torch's SDPA, restricted to cuDNN, would run cuDNN attention on
     these [b, h, s, d] views (``torch._fused_sdp_choice``, SDPA's own backend
     choice, under the same ``sdpa_kernel``), remembered per shapes, strides,
-    dtype, device, mask, dropout and gradient need.  False sends the call
-    through SDPA itself, which then runs or refuses it as it always did."""
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    dtype, device, mask, dropout and gradient need (what torch's cuDNN
+    checks read; the switches they also read, deterministic algorithms and
+    cudnn_sdp_enabled, are rules of the route checked before).  False sends
+    the call through SDPA itself, which then runs or refuses it as it
+    always did."""
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, causal, dropout_p > 0.0,
            needs_grad)
     hit = _cudnn_picked.get(key)
@@ -789,10 +826,9 @@ def _torch_picks_cudnn(q, k, v, causal, scale, dropout_p, gqa):
 
 
 def _cudnn_attention(*args, **kwargs):
-    """torch's cuDNN attention op with SDPA's arguments (query, key, value,
-    attn_bias, compute_log_sumexp, dropout_p, is_causal, return_debug_mask,
-    scale): (output, logsumexp, ...).  Differentiable (torch's autograd runs
-    its cuDNN backward); the GPU tests spy here."""
+    """torch's cuDNN attention op with SDPA's arguments (_CUDNN_OP_ARGS):
+    (output, logsumexp, ...).  Differentiable (torch's autograd runs its
+    cuDNN backward); the GPU tests spy here."""
     return torch._scaled_dot_product_cudnn_attention(*args, **kwargs)
 
 
