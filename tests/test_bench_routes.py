@@ -68,3 +68,39 @@ def test_sweep_and_packed_cases_share_the_thd_rows(causal, monkeypatch):
     packed = bench.packed_case("p", lengths, 32, 8, 64, causal)
     assert [row[0] for row in packed.rows][-1] == f"ceiling: cuDNN SDPA bshd {case.rows[4][2][0].shape[0]} x " \
         f"{s_ceiling} (MHA, 32 k/v heads)"
+
+
+def test_run_case_rotates_the_rows_and_keeps_each_rows_median(monkeypatch):
+    """--rounds: each direction times the rows once a round, the order
+    rotated by one row a round; a row's ms is its rounds' median with their
+    range beside it; a row that fails keeps its error and is not timed again."""
+    order = []
+    clock = iter(range(1, 100))
+
+    def fake_timed(fn, inputs, dout, backward):
+        order.append((fn.__name__, backward))
+        if fn.__name__ == "broken":
+            raise RuntimeError("no kernel for this\nsecond line")
+        return float(next(clock))
+
+    def named(name):
+        def fn(*args):
+            return None
+        fn.__name__ = name
+        return fn
+
+    monkeypatch.setattr(bench, "timed", fake_timed)
+    monkeypatch.setattr(bench.torch.cuda, "empty_cache", lambda: None)
+    case = bench.Case("c", [4, 4], 2, 2, 8, False)
+    x = torch.zeros(8, 2, 8)
+    for name in ("auto", "ceiling", "broken"):
+        case.add(f"{name} bshd", named(name), (x, x, x), [4, 4])
+    table = bench.Table("test_run_case", ["case", "direction", "route", "ms"])
+    bench.run_case(table, case, rounds=3)
+    forward = [name for name, backward in order if not backward]
+    assert forward == ["auto", "ceiling", "broken", "ceiling", "auto", "auto", "ceiling"]
+    auto, ceiling, broken = table.rows[:3]
+    assert (auto["ms"], auto["ms_min"], auto["ms_max"], auto["rounds"]) == (4.0, 1.0, 5.0, 3)
+    assert (ceiling["ms"], ceiling["ms_min"], ceiling["ms_max"]) == (3.0, 2.0, 6.0)
+    assert broken["error"] == "no kernel for this" and "ms" not in broken
+    assert len(table.rows) == 6 and [r["direction"] for r in table.rows[3:]] == ["forward+backward"] * 3

@@ -30,7 +30,9 @@ TFLOP/s = 4 * h * d * sum(len^2) (halved when causal), x3.5 with the
 backward, over the tokens each call really attends; per_token_ns = time /
 tokens; vs_ceiling = TFLOP/s / the cuDNN ceiling's TFLOP/s (the issue's goal
 is >= 0.95), vs_seqfuse = seqfuse's time / this time.  Timing: harness.
-cuda_time_ms (CUDA events, L2 flushed, median of 20 after 5 warm-ups).
+cuda_time_ms (CUDA events, L2 flushed, median of 20 after 5 warm-ups);
+``--rounds R`` times each case's rows R times in rotated order and keeps
+each row's median round (with the range in ms_min / ms_max).
 
 ``--sweep`` replaces the cases by a grid (sweep_case): sequence 512 to
 32,768 x head dims 32 / 64 / 128 (2048 / d heads) x full / causal, 16k
@@ -51,6 +53,7 @@ import math
 import os
 import random
 import shutil
+import statistics
 import sys
 
 import torch
@@ -340,35 +343,47 @@ def sweep_case(s, d, causal, tokens=TOKENS, rng=None, thd=True):
     return case
 
 
-def run_case(table, case):
+def run_case(table, case, rounds=1):
+    """Every row of ``case`` forward, then forward+backward.  With ``rounds``
+    > 1 each direction times the rows ``rounds`` times, the order rotated by
+    one row a round (so no row is always timed first), and a row's ms is the
+    median of its rounds, with the rounds' range (ms_min, ms_max) beside it."""
     backend_was = seqfuse.ops.attn._routing._backend
+    n = len(case.rows)
     for backward in (False, True):
+        times, errors = [[] for _ in range(n)], [None] * n
+        for r in range(rounds):
+            for i in [(j + r) % n for j in range(n)]:
+                label, fn, inputs, dout, _, error = case.rows[i]
+                if fn is None or errors[i] is not None:
+                    continue
+                backend = label.split(" ")[0]
+                if backend in ("seqfuse", "flash", "auto"):
+                    seqfuse.ops.set_attention_backend(backend)
+                try:
+                    times[i].append(timed(fn, inputs, dout, backward))
+                except (RuntimeError, NotImplementedError) as e:  # recorded, not hidden
+                    errors[i] = str(e).strip().splitlines()[0][:300]
+                finally:
+                    seqfuse.ops.set_attention_backend(backend_was or "auto")
         figures = {}
-        for label, fn, inputs, dout, flop_lengths, error in case.rows:
-            backend = label.split(" ")[0]
-            if backend in ("seqfuse", "flash", "auto"):
-                seqfuse.ops.set_attention_backend(backend)
+        for i, (label, fn, inputs, dout, flop_lengths, error) in enumerate(case.rows):
             row = dict(case=case.name, direction="forward+backward" if backward else "forward", route=label,
                        heads=f"{case.h}/{case.hk}", head_dim=case.d, causal=case.causal,
                        tokens=sum(flop_lengths), sequences=len(flop_lengths))
-            if fn is None:  # a row that could not be made (its error recorded)
-                row["error"] = error
+            if fn is None or errors[i] is not None:  # a row that could not be made or run (its error recorded)
+                row["error"] = error if fn is None else errors[i]
                 table.add(**row)
                 continue
-            try:
-                ms = timed(fn, inputs, dout, backward)
-            except (RuntimeError, NotImplementedError) as e:  # recorded, not hidden
-                row["error"] = str(e).strip().splitlines()[0][:300]
-                table.add(**row)
-                continue
-            finally:
-                seqfuse.ops.set_attention_backend(backend_was or "auto")
+            ms = statistics.median(times[i])
             tflops = flops(flop_lengths, case.h, case.d, case.causal, backward) / ms / 1e9
             figures[label] = (ms, tflops)
             row.update(ms=ms, tflops=tflops, per_token_ns=ms * 1e6 / sum(flop_lengths))
+            if rounds > 1:
+                row.update(ms_min=min(times[i]), ms_max=max(times[i]), rounds=len(times[i]))
             table.add(**row)
         ours = next((v for k, v in figures.items() if k.startswith("seqfuse")), None)
-        rows = table.rows[-len(case.rows):]
+        rows = table.rows[-n:]
         with_ceilings(rows, figures)
         for row in rows:
             if "ms" in row and ours:
@@ -386,6 +401,10 @@ def main():
                              "bshd and packed thd in auto against cuDNN and torch's varlen_attn (sweep_case)")
     parser.add_argument("--sweep-layouts", choices=("bshd", "all"), default="all",
                         help="with --sweep: the padding-free bshd rows only, or bshd and packed thd")
+    parser.add_argument("--sweep-seqs", default="512,1024,2048,4096,8192,16384,32768",
+                        help="with --sweep: the sequence lengths (comma-separated)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time each case's rows this many times in rotated order, the median kept (run_case)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_routes: needs a CUDA GPU")
@@ -408,14 +427,14 @@ def main():
     ]
     if args.sweep:
         thd = args.sweep_layouts == "all"
-        cases = [lambda s=s, d=d, c=c: sweep_case(s, d, c, thd=thd) for s in (512, 1024, 2048, 4096, 8192, 16384, 32768)
+        cases = [lambda s=s, d=d, c=c: sweep_case(s, d, c, thd=thd) for s in map(int, args.sweep_seqs.split(","))
                  for d in (32, 64, 128) for c in (False, True)]
     interrupted = False
     try:
         for make in cases:
             case = make()
             if args.only in case.name:
-                run_case(table, case)
+                run_case(table, case, args.rounds)
     except KeyboardInterrupt:  # (timeout -s INT) the rows so far are saved, marked
         interrupted = True
     extra = {"protein_lengths_source": source, "protein_sequences": len(lengths), "protein_tokens": sum(lengths),
