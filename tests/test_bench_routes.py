@@ -77,7 +77,7 @@ def test_run_case_rotates_the_rows_and_keeps_each_rows_median(monkeypatch):
     order = []
     clock = iter(range(1, 100))
 
-    def fake_timed(fn, inputs, dout, backward):
+    def fake_timed(fn, inputs, dout, backward, queue=1):
         order.append((fn.__name__, backward))
         if fn.__name__ == "broken":
             raise RuntimeError("no kernel for this\nsecond line")
@@ -104,3 +104,11 @@ def test_run_case_rotates_the_rows_and_keeps_each_rows_median(monkeypatch):
     assert (ceiling["ms"], ceiling["ms_min"], ceiling["ms_max"]) == (3.0, 2.0, 6.0)
     assert broken["error"] == "no kernel for this" and "ms" not in broken
     assert len(table.rows) == 6 and [r["direction"] for r in table.rows[3:]] == ["forward+backward"] * 3
+
+
+def test_timed_queue_issues_the_calls_back_to_back_and_reports_one(monkeypatch):
+    calls = []
+    monkeypatch.setattr(bench, "cuda_time_ms", lambda step: step() or 8.0)
+    x = torch.zeros(2, 3)
+    assert bench.timed(lambda *a: calls.append(torch.is_grad_enabled()), (x,), None, False, queue=4) == 2.0
+    assert calls == [False] * 4

@@ -32,7 +32,9 @@ tokens; vs_ceiling = TFLOP/s / the cuDNN ceiling's TFLOP/s (the issue's goal
 is >= 0.95), vs_seqfuse = seqfuse's time / this time.  Timing: harness.
 cuda_time_ms (CUDA events, L2 flushed, median of 20 after 5 warm-ups);
 ``--rounds R`` times each case's rows R times in rotated order and keeps
-each row's median round (with the range in ms_min / ms_max).
+each row's median round (with the range in ms_min / ms_max); ``--queue N``
+times N calls issued back to back per step, per call (the host's work
+before a call then overlaps the GPU's on the call before, as in training).
 
 ``--sweep`` replaces the cases by a grid (sweep_case): sequence 512 to
 32,768 x head dims 32 / 64 / 128 (2048 / d heads) x full / causal, 16k
@@ -97,20 +99,28 @@ def flops(lengths, h, d, causal, backward):
     return 4.0 * h * d * sum(n * n for n in lengths) * (0.5 if causal else 1.0) * (3.5 if backward else 1.0)
 
 
-def timed(fn, inputs, dout, backward):
+def timed(fn, inputs, dout, backward, queue=1):
     """Median ms of fn(*inputs) (no grad), or of its forward + backward
-    (torch.autograd.grad, so nothing accumulates between repeats)."""
+    (torch.autograd.grad, so nothing accumulates between repeats).  With
+    ``queue`` > 1 each timed step issues that many calls back to back (after
+    one L2 flush) and the figure is per call: the host's work before a
+    call's first kernel then overlaps the GPU's work on the call before it,
+    as in a training step, instead of adding to a call timed alone."""
     if not backward:
-        def step():
+        def one():
             with torch.no_grad():
                 fn(*inputs)
     else:
         xs = [x.detach().requires_grad_() for x in inputs]
 
-        def step():
+        def one():
             out = fn(*xs)
             torch.autograd.grad(out, xs, dout)
-    return cuda_time_ms(step)
+
+    def step():
+        for _ in range(queue):
+            one()
+    return cuda_time_ms(step) / queue
 
 
 def via_ops(**kw):
@@ -343,7 +353,7 @@ def sweep_case(s, d, causal, tokens=TOKENS, rng=None, thd=True):
     return case
 
 
-def run_case(table, case, rounds=1):
+def run_case(table, case, rounds=1, queue=1):
     """Every row of ``case`` forward, then forward+backward.  With ``rounds``
     > 1 each direction times the rows ``rounds`` times, the order rotated by
     one row a round (so no row is always timed first), and a row's ms is the
@@ -361,7 +371,7 @@ def run_case(table, case, rounds=1):
                 if backend in ("seqfuse", "flash", "auto"):
                     seqfuse.ops.set_attention_backend(backend)
                 try:
-                    times[i].append(timed(fn, inputs, dout, backward))
+                    times[i].append(timed(fn, inputs, dout, backward, queue))
                 except (RuntimeError, NotImplementedError) as e:  # recorded, not hidden
                     errors[i] = str(e).strip().splitlines()[0][:300]
                 finally:
@@ -381,6 +391,8 @@ def run_case(table, case, rounds=1):
             row.update(ms=ms, tflops=tflops, per_token_ns=ms * 1e6 / sum(flop_lengths))
             if rounds > 1:
                 row.update(ms_min=min(times[i]), ms_max=max(times[i]), rounds=len(times[i]))
+            if queue > 1:
+                row["queue"] = queue
             table.add(**row)
         ours = next((v for k, v in figures.items() if k.startswith("seqfuse")), None)
         rows = table.rows[-n:]
@@ -405,6 +417,8 @@ def main():
                         help="with --sweep: the sequence lengths (comma-separated)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="time each case's rows this many times in rotated order, the median kept (run_case)")
+    parser.add_argument("--queue", type=int, default=1,
+                        help="calls issued back to back in each timed step, the figure per call (timed)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_routes: needs a CUDA GPU")
@@ -434,7 +448,7 @@ def main():
         for make in cases:
             case = make()
             if args.only in case.name:
-                run_case(table, case, args.rounds)
+                run_case(table, case, args.rounds, args.queue)
     except KeyboardInterrupt:  # (timeout -s INT) the rows so far are saved, marked
         interrupted = True
     extra = {"protein_lengths_source": source, "protein_sequences": len(lengths), "protein_tokens": sum(lengths),
