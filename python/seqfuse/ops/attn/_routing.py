@@ -301,6 +301,7 @@ _CUDNN_ONLY = [SDPBackend.CUDNN_ATTENTION]
 _CUDNN_OP_ARGS = ["query", "key", "value", "attn_bias", "compute_log_sumexp", "dropout_p", "is_causal",
                   "return_debug_mask", "scale"]
 _direct_cudnn = []  # [whether _sdpa may call torch's cuDNN op itself], decided once (_direct_cudnn_ok)
+_autocast_free = {}  # "aten::" op name -> it has no CUDA autocast kernel (_no_autocast_kernel)
 _CUDNN_CAPABILITY = (9, 0)
 _CUDNN_DTYPES = (torch.float16, torch.bfloat16)
 _CUDNN_MASKS = ("no_mask", "causal", "causal_bottom_right")
@@ -761,9 +762,12 @@ def _sdpa(q, k, v, qkv_format, causal, scale, dropout_p=0.0):
     a call on the H200's host (benchmarks/attn/host_probe.py: a forward call
     52-57 us this way, 95-106 us through SDPA under both contexts).  The
     device is asked through ``_device_facts`` (the CPU tests emulate it)."""
-    to = _TO_BHSD[qkv_format]
     q, k, v = (kernel_layout(x) for x in (q, k, v))  # aligned 16-byte rows, or a copy
-    qb, kb, vb = q.permute(to), k.permute(to), v.permute(to)
+    if qkv_format == "bshd":  # (a transpose costs the host less than the same permute)
+        qb, kb, vb = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    else:
+        to = _TO_BHSD[qkv_format]
+        qb, kb, vb = q.permute(to), k.permute(to), v.permute(to)
     gqa = q.shape[-2] != k.shape[-2]
     needs_grad = _needs_grad(q, k, v)
     if _SDPA_BACKENDS == _CUDNN_ONLY and _device_facts(q.device)[0] == "cuda" and _direct_cudnn_ok() and \
@@ -775,8 +779,20 @@ def _sdpa(q, k, v, qkv_format, causal, scale, dropout_p=0.0):
             extra["dropout_p"] = dropout_p
         with sdpa_kernel(_SDPA_BACKENDS), torch.autocast(q.device.type, enabled=False):
             out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=causal, scale=scale, **extra)
-    out = out.permute(_FROM_BHSD[qkv_format])
+    out = out.transpose(1, 2) if qkv_format == "bshd" else out.permute(_FROM_BHSD[qkv_format])
     return out if out.is_contiguous() else out.contiguous()
+
+
+def _no_autocast_kernel(op):
+    """Whether torch's ``op`` (an "aten::" name) has no CUDA autocast kernel,
+    asked once per op: autocast then passes its inputs through unchanged,
+    and a route calling it directly needs no autocast-off context."""
+    if op not in _autocast_free:
+        try:
+            _autocast_free[op] = not torch._C._dispatch_has_kernel_for_dispatch_key(op, "AutocastCUDA")
+        except (AttributeError, RuntimeError):  # a torch without the op or the dispatcher query
+            _autocast_free[op] = False
+    return _autocast_free[op]
 
 
 def _direct_cudnn_ok():
@@ -789,9 +805,8 @@ def _direct_cudnn_ok():
         try:
             op_args = [a.name for a in torch.ops.aten._scaled_dot_product_cudnn_attention.default._schema.arguments]
             choice_args = [a.name for a in torch.ops.aten._fused_sdp_choice.default._schema.arguments]
-            autocast = torch._C._dispatch_has_kernel_for_dispatch_key("aten::_scaled_dot_product_cudnn_attention",
-                                                                      "AutocastCUDA")
-            ok = op_args == _CUDNN_OP_ARGS and "enable_gqa" in choice_args and not autocast and \
+            ok = op_args == _CUDNN_OP_ARGS and "enable_gqa" in choice_args and \
+                _no_autocast_kernel("aten::_scaled_dot_product_cudnn_attention") and \
                 hasattr(torch, "_scaled_dot_product_cudnn_attention")
         except (AttributeError, RuntimeError):  # a torch without the ops or the dispatcher query
             ok = False
@@ -854,9 +869,13 @@ def _run_route(name, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p
             return ragged.run_cudnn_ragged(q, k, v, attn_mask_type, scale, cu_q, cu_k, max_q, max_k, provider)
     window = window_pair(window_size)
     if name == "flash":
+        # torch's FlashAttention op has no autocast kernel (nor have the layout ops on int32 lengths any
+        # cast to make): on CUDA the autocast-off context is only taken where a torch gives it one
+        args = (q, k, v, qkv_format, attn_mask_type, window, p, scale, cu_q, cu_k, max_q, max_k)
+        if q.is_cuda and _no_autocast_kernel("aten::_flash_attention_forward"):
+            return routes.run_flash(*args)
         with torch.autocast(q.device.type, enabled=False):
-            return routes.run_flash(q, k, v, qkv_format, attn_mask_type, window, p, scale, cu_q, cu_k, max_q,
-                                    max_k)
+            return routes.run_flash(*args)
     return routes.run_fp32(q, k, v, qkv_format, attn_mask_type, window, p, scale, cu_q, cu_k, bool(deterministic))
 
 
