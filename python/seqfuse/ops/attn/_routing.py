@@ -869,13 +869,9 @@ def _run_route(name, q, k, v, qkv_format, attn_mask_type, window_size, dropout_p
             return ragged.run_cudnn_ragged(q, k, v, attn_mask_type, scale, cu_q, cu_k, max_q, max_k, provider)
     window = window_pair(window_size)
     if name == "flash":
-        # torch's FlashAttention op has no autocast kernel (nor have the layout ops on int32 lengths any
-        # cast to make): on CUDA the autocast-off context is only taken where a torch gives it one
-        args = (q, k, v, qkv_format, attn_mask_type, window, p, scale, cu_q, cu_k, max_q, max_k)
-        if q.is_cuda and _no_autocast_kernel("aten::_flash_attention_forward"):
-            return routes.run_flash(*args)
         with torch.autocast(q.device.type, enabled=False):
-            return routes.run_flash(*args)
+            return routes.run_flash(q, k, v, qkv_format, attn_mask_type, window, p, scale, cu_q, cu_k, max_q,
+                                    max_k)
     return routes.run_fp32(q, k, v, qkv_format, attn_mask_type, window, p, scale, cu_q, cu_k, bool(deterministic))
 
 
