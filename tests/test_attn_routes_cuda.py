@@ -509,4 +509,3 @@ def test_cuda_cudnn_op_under_autocast_and_without_grad(cudnn_calls):
     assert out_autocast.dtype == torch.bfloat16 and torch.equal(out_autocast, out)
     assert out_grad.grad_fn is not None and rel_error(out_grad, out) < 1e-3
     assert [c[2] for c in cudnn_calls] == ["op"] * 3
-
