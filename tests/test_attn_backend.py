@@ -577,7 +577,6 @@ def test_direct_cudnn_call_needs_sdpas_signature_and_no_autocast_kernel(monkeypa
     without an autocast kernel; a torch where any of it fails runs every
     call through SDPA."""
     monkeypatch.setattr(routing, "_direct_cudnn", [])
-    monkeypatch.setattr(routing, "_autocast_free", {})
     assert routing._direct_cudnn_ok() == (
         [a.name for a in torch.ops.aten._scaled_dot_product_cudnn_attention.default._schema.arguments] ==
         routing._CUDNN_OP_ARGS and not torch._C._dispatch_has_kernel_for_dispatch_key(
@@ -585,7 +584,6 @@ def test_direct_cudnn_call_needs_sdpas_signature_and_no_autocast_kernel(monkeypa
     for patch in (("_CUDNN_OP_ARGS", routing._CUDNN_OP_ARGS[:3] + ["attn_mask"] + routing._CUDNN_OP_ARGS[4:]),
                   ("autocast", None)):
         monkeypatch.setattr(routing, "_direct_cudnn", [])
-        monkeypatch.setattr(routing, "_autocast_free", {})
         with monkeypatch.context() as m:
             if patch[0] == "autocast":
                 m.setattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", lambda op, key: key == "AutocastCUDA")

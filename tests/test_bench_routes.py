@@ -1,8 +1,9 @@
 """benchmarks/attn/bench_routes.py on the CPU: the sweep's packed lengths
 hold exactly the asked tokens within [s/2, 3s/2] (the last cut to fit), the
 same for a seed; each row's ratio is to its own layout's ceiling (the first
-ceiling row at or after it), none where that ceiling was not timed.  (The
-timings need a GPU.)"""
+ceiling row at or after it), none where that ceiling was not timed;
+--rounds' rotated order, medians and error rows, and --queue's per-call
+figure, with a stand-in timer.  (The timings need a GPU.)"""
 import os
 import random
 import sys
@@ -13,6 +14,7 @@ import torch
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(HERE, "benchmarks"), os.path.join(HERE, "benchmarks", "attn")]
 import bench_routes as bench  # noqa: E402
+from helpers import fresh_routing  # noqa: E402
 
 
 @pytest.mark.parametrize("s,tokens", [(512, 16384), (4096, 16384), (16384, 16384), (32768, 32768), (3, 10)])
@@ -72,12 +74,17 @@ def test_sweep_and_packed_cases_share_the_thd_rows(causal, monkeypatch):
 
 def test_run_case_rotates_the_rows_and_keeps_each_rows_median(monkeypatch):
     """--rounds: each direction times the rows once a round, the order
-    rotated by one row a round; a row's ms is its rounds' median with their
-    range beside it; a row that fails keeps its error and is not timed again."""
+    rotated by one row a round and reversed every other round; a row's ms is
+    the median of its rounds with their range beside it; a row that raises
+    keeps its error and is not timed again in that direction (it is tried
+    again in the other); --queue reaches every timing."""
+    from seqfuse.ops.attn import _routing as routing
+    fresh_routing(monkeypatch, backend=routing._backend, ragged_on=routing._ragged_on)
     order = []
     clock = iter(range(1, 100))
 
     def fake_timed(fn, inputs, dout, backward, queue=1):
+        assert queue == 4
         order.append((fn.__name__, backward))
         if fn.__name__ == "broken":
             raise RuntimeError("no kernel for this\nsecond line")
@@ -95,20 +102,34 @@ def test_run_case_rotates_the_rows_and_keeps_each_rows_median(monkeypatch):
     x = torch.zeros(8, 2, 8)
     for name in ("auto", "ceiling", "broken"):
         case.add(f"{name} bshd", named(name), (x, x, x), [4, 4])
+    case.add("peer bshd", None, (x, x, x), [4, 4], error="not installed")
     table = bench.Table("test_run_case", ["case", "direction", "route", "ms"])
-    bench.run_case(table, case, rounds=3)
+    was = routing._read_backend()
+    bench.run_case(table, case, rounds=3, queue=4)
     forward = [name for name, backward in order if not backward]
-    assert forward == ["auto", "ceiling", "broken", "ceiling", "auto", "auto", "ceiling"]
-    auto, ceiling, broken = table.rows[:3]
-    assert (auto["ms"], auto["ms_min"], auto["ms_max"], auto["rounds"]) == (4.0, 1.0, 5.0, 3)
-    assert (ceiling["ms"], ceiling["ms_min"], ceiling["ms_max"]) == (3.0, 2.0, 6.0)
+    # rows 0-3 = auto, ceiling, broken, peer (never made); round 0: 0 1 2 3; round 1: 1 2 3 0 reversed,
+    # 0 3 2 1 (broken not timed again); round 2: 2 3 0 1
+    assert forward == ["auto", "ceiling", "broken", "auto", "ceiling", "auto", "ceiling"]
+    assert [name for name, backward in order if backward][:3] == ["auto", "ceiling", "broken"]
+    auto, ceiling, broken, peer = table.rows[:4]
+    assert (auto["ms"], auto["ms_min"], auto["ms_max"], auto["rounds"], auto["queue"]) == (3.0, 1.0, 5.0, 3, 4)
+    assert (ceiling["ms"], ceiling["ms_min"], ceiling["ms_max"]) == (4.0, 2.0, 6.0)
     assert broken["error"] == "no kernel for this" and "ms" not in broken
-    assert len(table.rows) == 6 and [r["direction"] for r in table.rows[3:]] == ["forward+backward"] * 3
+    assert peer["error"] == "not installed" and "ms" not in peer
+    assert len(table.rows) == 8 and [r["direction"] for r in table.rows[4:]] == ["forward+backward"] * 4
+    assert routing._backend == was  # put back as it was
 
 
 def test_timed_queue_issues_the_calls_back_to_back_and_reports_one(monkeypatch):
+    """--queue N: one timed step issues N calls (forward: without grad;
+    forward+backward: each with its backward) and the figure is per call."""
     calls = []
     monkeypatch.setattr(bench, "cuda_time_ms", lambda step: step() or 8.0)
     x = torch.zeros(2, 3)
     assert bench.timed(lambda *a: calls.append(torch.is_grad_enabled()), (x,), None, False, queue=4) == 2.0
     assert calls == [False] * 4
+    grads = []
+    y = torch.ones(2, 3)
+    ms = bench.timed(lambda t: grads.append(torch.is_grad_enabled()) or t * 2.0, (y,), torch.ones(2, 3), True,
+                     queue=2)
+    assert ms == 4.0 and grads == [True, True]

@@ -74,3 +74,22 @@ def test_fusion_ab_switches_patch_and_restore():
         set_new()
     out, alias = m(x, return_input_alias=True)
     assert alias is not x and alias.data_ptr() == x.data_ptr()
+
+
+def test_fusion_ab_alternates_which_mode_goes_first(monkeypatch):
+    """fusion_ab.ab: each round times both modes, the first one alternating
+    (neither always first), warm-up steps for each, the fusion on at the end."""
+    import fusion_ab
+
+    mode, log = ["?"], []
+    monkeypatch.setattr(fusion_ab.torch.cuda, "synchronize", lambda: None)
+
+    def steps(n):
+        log.append((mode[0], n))
+
+    times = fusion_ab.ab(steps, (lambda: mode.__setitem__(0, "new"), lambda: mode.__setitem__(0, "old")),
+                         rounds=4, per_round=2)
+    timed = [m for m, n in log if n == 2]
+    assert log[:2] == [("new", 3), ("old", 3)]
+    assert timed == ["new", "old", "old", "new", "new", "old", "old", "new"]
+    assert {k: len(v) for k, v in times.items()} == {"new": 4, "old": 4} and mode[0] == "new"

@@ -31,13 +31,16 @@ backward, over the tokens each call really attends; per_token_ns = time /
 tokens; vs_ceiling = TFLOP/s / the cuDNN ceiling's TFLOP/s (the issue's goal
 is >= 0.95), vs_seqfuse = seqfuse's time / this time.  Timing: harness.
 cuda_time_ms (CUDA events, L2 flushed, median of 20 after 5 warm-ups);
-``--rounds R`` times each case's rows R times in rotated order and keeps
-each row's median round (with the range in ms_min / ms_max); ``--queue N``
-times N calls issued back to back per step, per call (the host's work
-before a call then overlaps the GPU's on the call before, as in training).
+``--rounds R`` times each case's rows R times, the order rotated by one row
+a round and reversed every other round (so neither the first place nor the
+row before is always the same), and keeps the median of each row's rounds
+(with their range in ms_min / ms_max); ``--queue N`` times N calls issued
+back to back per step, per call (the host's work before a call then
+overlaps the GPU's on the call before, as in training).
 
 ``--sweep`` replaces the cases by a grid (sweep_case): sequence 512 to
-32,768 x head dims 32 / 64 / 128 (2048 / d heads) x full / causal, 16k
+32,768 (``--sweep-seqs`` picks the lengths) x head dims 32 / 64 / 128
+(2048 / d heads) x full / causal, 16k
 tokens (32k at 32,768), each as a padding-free bshd call in auto against
 cuDNN SDPA, and as a packed thd batch of unequal lengths (uniform in
 [s/2, 3s/2]) in auto against torch's varlen_attn and against cuDNN on the
@@ -45,8 +48,8 @@ equal-length call of the same FLOPs per token.
 
 Run on the GPU machine after the build:
     python3 benchmarks/attn/bench_routes.py [--json PATH]
-(about 40-60 s on an H200; JSON to benchmarks/results/bench_routes.json and,
-with --json, a copy at PATH).
+(about 40-60 s on an H200, about R x N times that with --rounds R --queue N;
+JSON to benchmarks/results/bench_routes.json and, with --json, a copy at PATH).
 """
 import argparse
 import contextlib
@@ -356,14 +359,17 @@ def sweep_case(s, d, causal, tokens=TOKENS, rng=None, thd=True):
 def run_case(table, case, rounds=1, queue=1):
     """Every row of ``case`` forward, then forward+backward.  With ``rounds``
     > 1 each direction times the rows ``rounds`` times, the order rotated by
-    one row a round (so no row is always timed first), and a row's ms is the
-    median of its rounds, with the rounds' range (ms_min, ms_max) beside it."""
-    backend_was = seqfuse.ops.attn._routing._backend
+    one row a round and reversed in every other round, and a row's ms is the
+    median of its rounds, with the rounds' range (ms_min, ms_max) beside it.
+    A row that raises in a direction keeps that error for the direction (its
+    earlier rounds dropped) and is not timed again in it."""
+    backend_was = seqfuse.ops.attn._routing._read_backend()
     n = len(case.rows)
     for backward in (False, True):
         times, errors = [[] for _ in range(n)], [None] * n
         for r in range(rounds):
-            for i in [(j + r) % n for j in range(n)]:
+            order = [(j + r) % n for j in range(n)]
+            for i in (order if r % 2 == 0 else order[::-1]):
                 label, fn, inputs, dout, _, error = case.rows[i]
                 if fn is None or errors[i] is not None:
                     continue
@@ -375,7 +381,7 @@ def run_case(table, case, rounds=1, queue=1):
                 except (RuntimeError, NotImplementedError) as e:  # recorded, not hidden
                     errors[i] = str(e).strip().splitlines()[0][:300]
                 finally:
-                    seqfuse.ops.set_attention_backend(backend_was or "auto")
+                    seqfuse.ops.set_attention_backend(backend_was)
         figures = {}
         for i, (label, fn, inputs, dout, flop_lengths, error) in enumerate(case.rows):
             row = dict(case=case.name, direction="forward+backward" if backward else "forward", route=label,
@@ -403,6 +409,14 @@ def run_case(table, case, rounds=1, queue=1):
     torch.cuda.empty_cache()
 
 
+def positive_int(text):
+    """argparse type: an int of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="also copy the JSON here")
@@ -415,9 +429,9 @@ def main():
                         help="with --sweep: the padding-free bshd rows only, or bshd and packed thd")
     parser.add_argument("--sweep-seqs", default="512,1024,2048,4096,8192,16384,32768",
                         help="with --sweep: the sequence lengths (comma-separated)")
-    parser.add_argument("--rounds", type=int, default=1,
+    parser.add_argument("--rounds", type=positive_int, default=1,
                         help="time each case's rows this many times in rotated order, the median kept (run_case)")
-    parser.add_argument("--queue", type=int, default=1,
+    parser.add_argument("--queue", type=positive_int, default=1,
                         help="calls issued back to back in each timed step, the figure per call (timed)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -425,8 +439,8 @@ def main():
     torch.manual_seed(0)
     rng = random.Random(0)
     lengths, source = protein_lengths(rng)
-    table = Table(args.out, ["case", "direction", "route", "ms", "tflops", "per_token_ns", "vs_ceiling",
-                                   "vs_seqfuse", "error"])
+    table = Table(args.out, ["case", "direction", "route", "ms", "ms_min", "ms_max", "tflops", "per_token_ns",
+                             "vs_ceiling", "vs_seqfuse", "error"])
     cases = [
         lambda: packed_case("ESM-2 650M packed", lengths, 20, 20, 64, False),
         lambda: packed_case("ESM-2 650M packed, dropout 0.1", lengths, 20, 20, 64, False, dropout=0.1),

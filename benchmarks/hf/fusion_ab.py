@@ -31,6 +31,7 @@ before the JSON): benchmarks/results/logs/split_qkv_rope_ab_s30_687b3e5.log
 """
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -128,14 +129,17 @@ def stepper(row, base, family, ids):
 
 
 def ab(steps, switch, rounds=6, per_round=6):
+    """{mode: [ms per step of each round]}: ``rounds`` rounds that time
+    ``per_round`` pipelined steps of each mode, which mode goes first
+    alternating from round to round (neither is always timed first)."""
     set_new, set_old = switch
     times = {"new": [], "old": []}
     modes = (("new", set_new), ("old", set_old))
     for _, use in modes:
         use()
         steps(3)
-    for _ in range(rounds):
-        for name, use in modes:
+    for r in range(rounds):
+        for name, use in (modes if r % 2 == 0 else modes[::-1]):
             use()
             steps(1)
             torch.cuda.synchronize()
@@ -207,7 +211,7 @@ def main(argv=None):
     for row in args.rows.split(","):
         steps = stepper(row, base, family, ids)
         times = ab(steps, switch, rounds=args.rounds)
-        med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+        med = {k: statistics.median(v) for k, v in times.items()}
         print(f"{args.switch} {row}: step ms new {['%.2f' % x for x in times['new']]} "
               f"old {['%.2f' % x for x in times['old']]}; median new {med['new']:.2f} old {med['old']:.2f} "
               f"-> {med['old'] / med['new']:.4f}x", flush=True)
@@ -220,7 +224,8 @@ def main(argv=None):
         torch.cuda.empty_cache()
     table.save({"switch": args.switch, "seq": args.seq, "rounds": args.rounds,
                 "note": "new: the fusion on; old: switched off in the same process; medians of interleaved rounds "
-                        "of 6 pipelined steps after 3 warm-up steps per mode; ratio = old / new; kernel ms: "
+                        "of 6 pipelined steps (the first mode alternating) after 3 warm-up steps per mode; "
+                        "ratio = old / new; kernel ms: "
                         "GPU kernel time per step from torch.profiler over 3 steps"})
 
 

@@ -146,7 +146,7 @@ shapes still try it.  An error in a route's backward comes from torch's
 autograd and is not caught; nor is one of "torch_fp32" (nothing to fall
 back to).
 Layouts: SDPA takes [b, h, s, d]; q, k and v go in as permuted views (bshd
-``permute(0, 2, 1, 3)``, sbhd ``permute(1, 2, 0, 3)``, copied only when the
+``transpose(1, 2)``, sbhd ``permute(1, 2, 0, 3)``, copied only when the
 head dim is not unit-stride or, on CUDA, the start is not 16-byte aligned or
 another stride is not a multiple of 8 elements: ``kernel_layout`` in _args.py,
 the rule of every route, seqfuse's included), with ``scale=softmax_scale`` (1/sqrt(d) when
@@ -301,7 +301,6 @@ _CUDNN_ONLY = [SDPBackend.CUDNN_ATTENTION]
 _CUDNN_OP_ARGS = ["query", "key", "value", "attn_bias", "compute_log_sumexp", "dropout_p", "is_causal",
                   "return_debug_mask", "scale"]
 _direct_cudnn = []  # [whether _sdpa may call torch's cuDNN op itself], decided once (_direct_cudnn_ok)
-_autocast_free = {}  # "aten::" op name -> it has no CUDA autocast kernel (_no_autocast_kernel)
 _CUDNN_CAPABILITY = (9, 0)
 _CUDNN_DTYPES = (torch.float16, torch.bfloat16)
 _CUDNN_MASKS = ("no_mask", "causal", "causal_bottom_right")
@@ -783,18 +782,6 @@ def _sdpa(q, k, v, qkv_format, causal, scale, dropout_p=0.0):
     return out if out.is_contiguous() else out.contiguous()
 
 
-def _no_autocast_kernel(op):
-    """Whether torch's ``op`` (an "aten::" name) has no CUDA autocast kernel,
-    asked once per op: autocast then passes its inputs through unchanged,
-    and a route calling it directly needs no autocast-off context."""
-    if op not in _autocast_free:
-        try:
-            _autocast_free[op] = not torch._C._dispatch_has_kernel_for_dispatch_key(op, "AutocastCUDA")
-        except (AttributeError, RuntimeError):  # a torch without the op or the dispatcher query
-            _autocast_free[op] = False
-    return _autocast_free[op]
-
-
 def _direct_cudnn_ok():
     """Whether this torch lets _sdpa call its cuDNN op itself, decided once:
     the op takes SDPA's arguments in _CUDNN_OP_ARGS's order, its backend
@@ -805,8 +792,9 @@ def _direct_cudnn_ok():
         try:
             op_args = [a.name for a in torch.ops.aten._scaled_dot_product_cudnn_attention.default._schema.arguments]
             choice_args = [a.name for a in torch.ops.aten._fused_sdp_choice.default._schema.arguments]
-            ok = op_args == _CUDNN_OP_ARGS and "enable_gqa" in choice_args and \
-                _no_autocast_kernel("aten::_scaled_dot_product_cudnn_attention") and \
+            autocast = torch._C._dispatch_has_kernel_for_dispatch_key("aten::_scaled_dot_product_cudnn_attention",
+                                                                      "AutocastCUDA")
+            ok = op_args == _CUDNN_OP_ARGS and "enable_gqa" in choice_args and not autocast and \
                 hasattr(torch, "_scaled_dot_product_cudnn_attention")
         except (AttributeError, RuntimeError):  # a torch without the ops or the dispatcher query
             ok = False
