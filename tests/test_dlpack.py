@@ -10,7 +10,7 @@ import torch
 import seqfuse
 from seqfuse import _C
 
-from dlpack_forge import KDL_CUDA, KDL_VULKAN, ForgedTensor
+from dlpack_forge import KDL_CUDA, KDL_FLOAT, KDL_VULKAN, ForgedLayout, ForgedTensor
 from helpers import dlpack_path
 
 
@@ -281,3 +281,34 @@ def test_requires_grad_tensor_imported_directly(path):
     d = _C.describe(x)
     assert d["data"] == x.data_ptr() and d["shape"] == (4,)
     assert x.requires_grad and x.grad_fn is None
+
+
+@pytest.mark.parametrize("row_stride", [2**61, 2**62, 2**62 + 2**60, -(2**61)])
+def test_extent_past_64_bits_refused_for_any_producer(row_stride):
+    """A producer seqfuse trusts (a DLPack capsule, no torch storage to
+    check against) whose layout's bytes overflow 64 bits or wrap around the
+    address space is refused naming the argument, before any kernel forms
+    an address: at a row stride of 2^62 float32 elements the second row's
+    bytes wrap onto the first's (a GEMM with such out and addend wrote both
+    rows into one, the overlap check having seen two 8-byte spans).  Its
+    deleter runs once; a stride that fits is read."""
+    keep = np.zeros(64, np.float32)
+    x = ForgedLayout(keep, keep.ctypes.data, [2, 2], [row_stride, 1], KDL_FLOAT, 32)
+    with pytest.raises(ValueError, match="describe: argument 'x' has shape and strides whose extent overflows "
+                                         "64 bits"):
+        _C.describe(x, None)
+    assert x.deleted == x.exported == 1
+    fine = ForgedLayout(keep, keep.ctypes.data, [2, 2], [4, 1], KDL_FLOAT, 32)
+    assert tuple(_C.describe(fine, None)["strides"]) == (4, 1)
+
+
+def test_gemm_refuses_an_out_whose_rows_wrap_onto_each_other():
+    import importlib
+    gemm_ops = importlib.import_module("seqfuse.ops.gemm")
+    out_buf, add_buf = np.zeros(64, np.float32), np.zeros(64, np.float32)
+    out = ForgedLayout(out_buf, out_buf.ctypes.data, [2, 2], [2**62, 1], KDL_FLOAT, 32)
+    addend = ForgedLayout(add_buf, add_buf.ctypes.data, [2, 2], [2**62, 1], KDL_FLOAT, 32)
+    with pytest.raises(ValueError, match="gemm: argument 'out' has shape and strides whose extent overflows"):
+        _C.gemm(torch.ones(2, 2), torch.ones(2, 2), out, False, False, None, None, 0, 0, None, None,
+                gemm_ops._EPI["none"], False, False, False, 1.0, None, 0, 0, addend, None)
+    assert not out_buf.any()

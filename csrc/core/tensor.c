@@ -94,23 +94,28 @@ int sf_tensor_extent(const sf_tensor *t, int64_t *lo, int64_t *hi)
     return 1;
 }
 
-/* The bytes [*lo, *hi) t's elements lie in: 1; 0 when t has no elements;
- * -1 when its extent does not fit in 64 bits (no real tensor's). */
-static int byte_span(const sf_tensor *t, const char **lo, const char **hi)
+/* The bytes [*lo, *hi) t's elements lie in, as addresses: 1; 0 when t has
+ * no elements; -1 when its extent does not fit in 64 bits or wraps around
+ * the address space (no real tensor's). */
+static int byte_span(const sf_tensor *t, uintptr_t *lo, uintptr_t *hi)
 {
-    int64_t below, above;
+    int64_t below, above, past, first, last;
     const int rc = sf_tensor_extent(t, &below, &above);
     if (rc <= 0)
         return rc;
     const int64_t size = (int64_t)sf_dtype_size(t->dtype);
-    *lo = (const char *)t->data + below * size;
-    *hi = (const char *)t->data + (above + 1) * size;
+    const uintptr_t p = (uintptr_t)t->data;
+    if (__builtin_mul_overflow(below, size, &first) || __builtin_add_overflow(above, (int64_t)1, &past) ||
+        __builtin_mul_overflow(past, size, &last) ||
+        (first < 0 && (uintptr_t)(-(first + 1)) + 1u > p) || __builtin_add_overflow(p, (uintptr_t)last, hi))
+        return -1;
+    *lo = first < 0 ? p - ((uintptr_t)(-(first + 1)) + 1u) : p + (uintptr_t)first;
     return 1;
 }
 
 int sf_tensors_overlap(const sf_tensor *a, const sf_tensor *b)
 {
-    const char *alo, *ahi, *blo, *bhi;
+    uintptr_t alo, ahi, blo, bhi;
     const int ra = byte_span(a, &alo, &ahi), rb = byte_span(b, &blo, &bhi);
     if (ra == 0 || rb == 0)
         return 0;

@@ -201,7 +201,7 @@ static int sf_py_storage_long(PyObject *storage, PyObject *name, long long *out)
 static int sf_py_check_storage(sf_py_call *c, const sf_type_entry *e, PyObject *obj,
                                const char *arg, const sf_tensor *t)
 {
-    if (e->storage == NULL || t->data == NULL)
+    if (t->data == NULL)
         return 0;
     /* lowest and highest element offsets (elements, relative to t->data) */
     int64_t lo64, hi64;
@@ -211,6 +211,21 @@ static int sf_py_check_storage(sf_py_call *c, const sf_type_entry *e, PyObject *
     if (extent < 0)
         goto too_big;
     const long long lo = (long long)lo64, hi = (long long)hi64;
+    {
+        /* every tensor, trusted producers' too: its bytes [first, last) from t->data fit in
+         * 64 bits and in the address space, so the kernels' address arithmetic cannot wrap
+         * around onto other elements (nor the overlap checks miss a span that wraps) */
+        const long long item = (long long)sf_dtype_size(t->dtype);
+        long long first, last, past;
+        uintptr_t end;
+        if (__builtin_mul_overflow(lo, item, &first) || __builtin_add_overflow(hi, 1LL, &past) ||
+            __builtin_mul_overflow(past, item, &last) ||
+            (first < 0 && (uintptr_t)(-(first + 1)) + 1u > (uintptr_t)t->data) ||
+            __builtin_add_overflow((uintptr_t)t->data, (uintptr_t)last, &end))
+            goto too_big;
+    }
+    if (e->storage == NULL)
+        return 0; /* a producer without storage (numpy, a DLPack capsule): trusted, as DLPack must */
     if (sf_str_nbytes == NULL || sf_str_data_ptr == NULL) {
         PyObject *nbytes = PyUnicode_InternFromString("nbytes");
         PyObject *data_ptr = PyUnicode_InternFromString("data_ptr");
@@ -264,7 +279,8 @@ static int sf_py_check_storage(sf_py_call *c, const sf_type_entry *e, PyObject *
     }
 too_big:
     PyErr_Format(PyExc_ValueError,
-                 "%s: argument '%s' has shape and strides whose extent overflows 64 bits",
+                 "%s: argument '%s' has shape and strides whose extent overflows 64 bits "
+                 "(its bytes would wrap around the address space)",
                  c->op, arg);
     return -1;
 }
