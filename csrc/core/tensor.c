@@ -119,7 +119,7 @@ int sf_tensors_overlap(const sf_tensor *a, const sf_tensor *b)
     const int ra = byte_span(a, &alo, &ahi), rb = byte_span(b, &blo, &bhi);
     if (ra == 0 || rb == 0)
         return 0;
-    if (ra < 0 || rb < 0) /* an extent past 64 bits: refused as overlapping, never read */
+    if (ra < 0 || rb < 0) /* bytes past 64 bits or around the address range: refused as overlapping */
         return 1;
     return alo < bhi && blo < ahi;
 }
@@ -163,6 +163,12 @@ sf_status sf_check_writable(const char *op, const char *arg, const sf_tensor *t)
     if (t->readonly)
         return sf_fail(SF_ERR_VALUE,
                        "%s: argument '%s' is an output but its memory is read-only",
+                       op, arg);
+    uintptr_t lo, hi;
+    if (byte_span(t, &lo, &hi) < 0) /* (sf_has_internal_overlap reasons in elements: it cannot see this) */
+        return sf_fail(SF_ERR_VALUE,
+                       "%s: argument '%s' has shape and strides whose bytes overflow 64 bits (they "
+                       "would wrap around the address range onto other elements)",
                        op, arg);
     if (sf_has_internal_overlap(t))
         return sf_fail(SF_ERR_VALUE,

@@ -96,7 +96,8 @@ static void view_at(const sf_tensor *split, const sf_tensor *list, int g, int64_
     }
     *v = *split;
     v->shape[0] = rows;
-    v->data = (char *)split->data + off * split->strides[0] * (int64_t)sf_dtype_size(split->dtype);
+    if (rows > 0) /* (an empty group's view is never read: no address one past the extent is formed) */
+        v->data = (char *)split->data + off * split->strides[0] * (int64_t)sf_dtype_size(split->dtype);
 }
 
 static void scale_at(const sf_tensor *s, int g, sf_tensor *v)

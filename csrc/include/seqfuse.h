@@ -118,8 +118,9 @@ int sf_tensor_extent(const sf_tensor *t, int64_t *lo, int64_t *hi);
 
 /* Whether the memory a's elements occupy and the memory b's occupy meet
  * (their byte spans intersect; empty tensors meet nothing).  For callers
- * that refuse an input an output would overwrite while it is read; an
- * extent past 64 bits counts as meeting). */
+ * that refuse an input an output would overwrite while it is read; a span
+ * whose bytes overflow 64 bits or wrap around the address range counts as
+ * meeting. */
 int sf_tensors_overlap(const sf_tensor *a, const sf_tensor *b);
 
 /* ---- shared argument checks ---------------------------------------------

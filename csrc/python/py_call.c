@@ -186,9 +186,10 @@ static int sf_py_check_neg(sf_py_call *c, const sf_type_entry *e, PyObject *obj,
  * tensor with elements (untyped_storage, nbytes, data_ptr): about 0.6 us per
  * tensor on the H200 machine; producers without the method (numpy, which cannot shrink an
  * array in place) are trusted, as DLPack must trust them, in all but one
- * thing: every tensor's bytes must fit in 64 bits and in the address space
- * (a layout whose rows wrap around it would alias its own elements, which
- * neither the kernels nor sf_tensors_overlap could see). */
+ * thing: every tensor's bytes must fit in 64 bits and in the 64-bit address
+ * range (a layout whose rows wrap around it would alias its own elements,
+ * which the element-wise internal-overlap check cannot see; the C library
+ * refuses such outputs too, sf_check_writable). */
 static PyObject *sf_str_nbytes, *sf_str_data_ptr;
 
 static int sf_py_storage_long(PyObject *storage, PyObject *name, long long *out)
