@@ -581,12 +581,15 @@ def test_direct_cudnn_call_needs_sdpas_signature_and_no_autocast_kernel(monkeypa
         [a.name for a in torch.ops.aten._scaled_dot_product_cudnn_attention.default._schema.arguments] ==
         routing._CUDNN_OP_ARGS and not torch._C._dispatch_has_kernel_for_dispatch_key(
             "aten::_scaled_dot_product_cudnn_attention", "AutocastCUDA"))
+    def no_dispatcher_query(op, key):
+        raise RuntimeError(f"no operator {op}")
+
     for patch in (("_CUDNN_OP_ARGS", routing._CUDNN_OP_ARGS[:3] + ["attn_mask"] + routing._CUDNN_OP_ARGS[4:]),
-                  ("autocast", None)):
+                  ("autocast", lambda op, key: key == "AutocastCUDA"), ("autocast", no_dispatcher_query)):
         monkeypatch.setattr(routing, "_direct_cudnn", [])
         with monkeypatch.context() as m:
-            if patch[0] == "autocast":
-                m.setattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", lambda op, key: key == "AutocastCUDA")
+            if patch[0] == "autocast":  # an autocast kernel, or a torch whose dispatcher cannot be asked
+                m.setattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", patch[1])
             else:
                 m.setattr(routing, *patch)
             assert routing._direct_cudnn_ok() is False

@@ -133,13 +133,22 @@ def via_ops(**kw):
     return call
 
 
-def cudnn_ceiling(causal):
-    """torch SDPA restricted to cuDNN on [b, s, h, d] tensors (bshd views)."""
+def sdpa_bshd(causal=False, p=0.0, backends=None):
+    """torch SDPA on [b, s, h, d] tensors (bshd views, fewer k/v heads through
+    enable_gqa), with attention dropout ``p``; ``backends`` restricts the
+    kernel (sdpa_kernel), None leaves torch's choice with no context, as a
+    user calls it."""
     def call(q, k, v):
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        gqa = {"enable_gqa": True} if q.shape[-2] != k.shape[-2] else {}
+        with sdpa_kernel(backends) if backends else contextlib.nullcontext():
             return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                  is_causal=causal).transpose(1, 2)
+                                                  dropout_p=p, is_causal=causal, **gqa).transpose(1, 2)
     return call
+
+
+def cudnn_ceiling(causal):
+    """torch SDPA restricted to cuDNN (the ceiling every row is set against)."""
+    return sdpa_bshd(causal, backends=[SDPBackend.CUDNN_ATTENTION])
 
 
 def cudnn_ragged(cu, max_len, causal):
@@ -158,20 +167,6 @@ def sdpa_padded_mask(keep):
     def call(q, k, v):
         return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                               attn_mask=mask).transpose(1, 2)
-    return call
-
-
-def sdpa_dropout(p, backends=None, causal=False):
-    """torch SDPA with attention dropout p; ``backends`` restricts the kernel
-    (None: torch's choice)."""
-    gqa = {}
-
-    def call(q, k, v):
-        if q.shape[-2] != k.shape[-2]:
-            gqa["enable_gqa"] = True
-        with sdpa_kernel(backends) if backends else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                  dropout_p=p, is_causal=causal, **gqa).transpose(1, 2)
     return call
 
 
@@ -269,9 +264,9 @@ def dropout_case(name, b, s, h, d, p, hk=None, causal=False):
     mask = "causal" if causal else "no_mask"
     for backend in ("seqfuse", "flash", "auto"):
         case.add(f"{backend} bshd dropout {p}", via_ops(dropout_p=p, attn_mask_type=mask), (q, k, v), [s] * b)
-    case.add(f"peer: SDPA dropout_p={p} (torch's kernel choice)", sdpa_dropout(p, causal=causal), (q, k, v),
+    case.add(f"peer: SDPA dropout_p={p} (torch's kernel choice)", sdpa_bshd(causal, p), (q, k, v),
              [s] * b)
-    case.add(f"candidate: cuDNN SDPA dropout_p={p}", sdpa_dropout(p, [SDPBackend.CUDNN_ATTENTION], causal),
+    case.add(f"candidate: cuDNN SDPA dropout_p={p}", sdpa_bshd(causal, p, [SDPBackend.CUDNN_ATTENTION]),
              (q, k, v), [s] * b)
     qc = q if hk == h else _rand(b, s, h, d)
     kc, vc = (k, v) if hk == h else (_rand(b, s, h, d), _rand(b, s, h, d))
@@ -311,15 +306,6 @@ def with_ceilings(rows, figures):
             row["vs_ceiling"] = row["tflops"] / ceiling[1]
 
 
-def sdpa_default(causal):
-    """torch SDPA as a user calls it (torch's own backend choice, no context)
-    on [b, s, h, d] tensors (bshd views)."""
-    def call(q, k, v):
-        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                              is_causal=causal).transpose(1, 2)
-    return call
-
-
 def sweep_case(s, d, causal, tokens=TOKENS, rng=None, thd=True):
     """One cell of the sweep: ``tokens`` tokens (at least one sequence of s)
     in 2048 / d heads of d (the same h * d at every head dim), as
@@ -342,7 +328,7 @@ def sweep_case(s, d, causal, tokens=TOKENS, rng=None, thd=True):
     q, k, v = _rand(b, s, h, d), _rand(b, s, h, d), _rand(b, s, h, d)
     case.add("auto bshd", via_ops(attn_mask_type="causal" if causal else "no_mask"), (q, k, v), [s] * b)
     case.add(f"ceiling: cuDNN SDPA bshd {b} x {s}", cudnn_ceiling(causal), (q, k, v), [s] * b)
-    case.add("peer: torch SDPA default bshd", sdpa_default(causal), (q, k, v), [s] * b)
+    case.add("peer: torch SDPA default bshd", sdpa_bshd(causal), (q, k, v), [s] * b)
     if not thd:
         return case
     lengths = sweep_lengths(s, tokens, rng)

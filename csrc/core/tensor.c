@@ -78,9 +78,9 @@ sf_status sf_check_contiguous(const char *op, const char *arg,
     return SF_OK;
 }
 
-int sf_tensor_extent(const sf_tensor *t, int64_t *lo, int64_t *hi)
+int sf_tensor_bytes(const sf_tensor *t, int64_t *first, int64_t *last)
 {
-    int64_t below = 0, above = 0;
+    int64_t below = 0, above = 0; /* element offsets of the lowest and highest element */
     for (int i = 0; i < t->ndim; ++i) {
         if (t->shape[i] == 0)
             return 0;
@@ -89,27 +89,28 @@ int sf_tensor_extent(const sf_tensor *t, int64_t *lo, int64_t *hi)
             __builtin_add_overflow(reach < 0 ? below : above, reach, reach < 0 ? &below : &above))
             return -1;
     }
-    *lo = below;
-    *hi = above;
+    const int64_t size = (int64_t)sf_dtype_size(t->dtype);
+    const uintptr_t p = (uintptr_t)t->data;
+    int64_t past;
+    uintptr_t end;
+    if (__builtin_mul_overflow(below, size, first) || __builtin_add_overflow(above, (int64_t)1, &past) ||
+        __builtin_mul_overflow(past, size, last) ||
+        (*first < 0 && (uintptr_t)(-(*first + 1)) + 1u > p) || /* below address 0 */
+        __builtin_add_overflow(p, (uintptr_t)*last, &end))     /* past the top of the address range */
+        return -1;
     return 1;
 }
 
-/* The bytes [*lo, *hi) t's elements lie in, as addresses: 1; 0 when t has
- * no elements; -1 when its extent does not fit in 64 bits or wraps around
- * the address space (no real tensor's). */
+/* The addresses [*lo, *hi) t's elements lie in: sf_tensor_bytes' answer. */
 static int byte_span(const sf_tensor *t, uintptr_t *lo, uintptr_t *hi)
 {
-    int64_t below, above, past, first, last;
-    const int rc = sf_tensor_extent(t, &below, &above);
+    int64_t first, last;
+    const int rc = sf_tensor_bytes(t, &first, &last);
     if (rc <= 0)
         return rc;
-    const int64_t size = (int64_t)sf_dtype_size(t->dtype);
     const uintptr_t p = (uintptr_t)t->data;
-    if (__builtin_mul_overflow(below, size, &first) || __builtin_add_overflow(above, (int64_t)1, &past) ||
-        __builtin_mul_overflow(past, size, &last) ||
-        (first < 0 && (uintptr_t)(-(first + 1)) + 1u > p) || __builtin_add_overflow(p, (uintptr_t)last, hi))
-        return -1;
     *lo = first < 0 ? p - ((uintptr_t)(-(first + 1)) + 1u) : p + (uintptr_t)first;
+    *hi = p + (uintptr_t)last;
     return 1;
 }
 
@@ -164,8 +165,8 @@ sf_status sf_check_writable(const char *op, const char *arg, const sf_tensor *t)
         return sf_fail(SF_ERR_VALUE,
                        "%s: argument '%s' is an output but its memory is read-only",
                        op, arg);
-    uintptr_t lo, hi;
-    if (byte_span(t, &lo, &hi) < 0) /* (sf_has_internal_overlap reasons in elements: it cannot see this) */
+    int64_t first, last; /* (sf_has_internal_overlap reasons in elements: it cannot see a wrap) */
+    if (sf_tensor_bytes(t, &first, &last) < 0)
         return sf_fail(SF_ERR_VALUE,
                        "%s: argument '%s' has shape and strides whose bytes overflow 64 bits (they "
                        "would wrap around the address range onto other elements)",

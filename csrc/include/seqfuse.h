@@ -112,9 +112,11 @@ int sf_is_contiguous(const sf_tensor *t);
 void sf_tensor_init(sf_tensor *t, void *data, sf_dtype dtype, int ndim,
                     const int64_t *shape, sf_device_type device, int device_id);
 
-/* The element offsets (relative to t->data) of t's lowest and highest
- * element: 1; 0 when t has no elements; -1 when they overflow 64 bits. */
-int sf_tensor_extent(const sf_tensor *t, int64_t *lo, int64_t *hi);
+/* The bytes t's elements lie in, [*first, *last) relative to t->data: 1;
+ * 0 when t has no elements; -1 when they overflow 64 bits or the addresses
+ * would leave the 64-bit address range (a layout whose rows wrap around onto
+ * each other; no real tensor's). */
+int sf_tensor_bytes(const sf_tensor *t, int64_t *first, int64_t *last);
 
 /* Whether the memory a's elements occupy and the memory b's occupy meet
  * (their byte spans intersect; empty tensors meet nothing).  For callers

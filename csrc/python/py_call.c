@@ -207,27 +207,13 @@ static int sf_py_check_storage(sf_py_call *c, const sf_type_entry *e, PyObject *
 {
     if (t->data == NULL)
         return 0;
-    /* lowest and highest element offsets (elements, relative to t->data) */
-    int64_t lo64, hi64;
-    const int extent = sf_tensor_extent(t, &lo64, &hi64);
-    if (extent == 0)
+    /* every tensor, trusted producers' too: its bytes fit in 64 bits and in the address range */
+    int64_t first, last;
+    const int span = sf_tensor_bytes(t, &first, &last);
+    if (span == 0)
         return 0; /* no elements: nothing is read or written */
-    if (extent < 0)
+    if (span < 0)
         goto too_big;
-    const long long lo = (long long)lo64, hi = (long long)hi64;
-    {
-        /* every tensor, trusted producers' too: its bytes [first, last) from t->data fit in
-         * 64 bits and in the address space, so the kernels' address arithmetic cannot wrap
-         * around onto other elements (nor the overlap checks miss a span that wraps) */
-        const long long item = (long long)sf_dtype_size(t->dtype);
-        long long first, last, past;
-        uintptr_t end;
-        if (__builtin_mul_overflow(lo, item, &first) || __builtin_add_overflow(hi, 1LL, &past) ||
-            __builtin_mul_overflow(past, item, &last) ||
-            (first < 0 && (uintptr_t)(-(first + 1)) + 1u > (uintptr_t)t->data) ||
-            __builtin_add_overflow((uintptr_t)t->data, (uintptr_t)last, &end))
-            goto too_big;
-    }
     if (e->storage == NULL)
         return 0; /* a producer without storage (numpy, a DLPack capsule): trusted, as DLPack must */
     if (sf_str_nbytes == NULL || sf_str_data_ptr == NULL) {
@@ -265,20 +251,20 @@ static int sf_py_check_storage(sf_py_call *c, const sf_type_entry *e, PyObject *
     if (rc < 0)
         return -1;
     {
-        const long long item = (long long)sf_dtype_size(t->dtype);
+        /* the same bytes relative to the storage's start */
         const long long at = (long long)((uintptr_t)t->data - (uintptr_t)base);
-        long long first, last;
-        if (__builtin_mul_overflow(lo, item, &first) || __builtin_add_overflow(first, at, &first) ||
-            __builtin_mul_overflow(hi + 1, item, &last) || __builtin_add_overflow(last, at, &last))
+        long long lo, hi;
+        if (__builtin_add_overflow((long long)first, at, &lo) ||
+            __builtin_add_overflow((long long)last, at, &hi))
             goto too_big;
-        if (first >= 0 && last <= nbytes)
+        if (lo >= 0 && hi <= nbytes)
             return 0;
         PyErr_Format(PyExc_ValueError,
                      "%s: argument '%s' spans bytes [%lld, %lld) of its storage (from its "
                      "shape, strides and storage offset) but the storage holds %lld bytes; "
                      "was the storage resized (untyped_storage().resize_()) or freed after "
                      "the tensor was made?",
-                     c->op, arg, first, last, nbytes);
+                     c->op, arg, lo, hi, nbytes);
         return -1;
     }
 too_big:

@@ -759,8 +759,8 @@ def _sdpa(q, k, v, qkv_format, causal, scale, dropout_p=0.0):
     kernels and autograd node without the backend context, the autocast
     context and the dispatcher's checks, which cost about 45 us of host work
     a call on the H200's host (benchmarks/attn/host_probe.py: a forward call
-    52-57 us this way, 95-106 us through SDPA under both contexts).  The
-    device is asked through ``_device_facts`` (the CPU tests emulate it)."""
+    52-57 us this way, 95-106 us through SDPA under both contexts).  (The
+    route takes CUDA tensors only: cudnn_eligibility's ``device`` rule.)"""
     q, k, v = (kernel_layout(x) for x in (q, k, v))  # aligned 16-byte rows, or a copy
     if qkv_format == "bshd":  # (a transpose costs the host less than the same permute)
         qb, kb, vb = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -769,7 +769,7 @@ def _sdpa(q, k, v, qkv_format, causal, scale, dropout_p=0.0):
         qb, kb, vb = q.permute(to), k.permute(to), v.permute(to)
     gqa = q.shape[-2] != k.shape[-2]
     needs_grad = _needs_grad(q, k, v)
-    if _SDPA_BACKENDS == _CUDNN_ONLY and _device_facts(q.device)[0] == "cuda" and _direct_cudnn_ok() and \
+    if _SDPA_BACKENDS == _CUDNN_ONLY and _direct_cudnn_ok() and \
             _torch_picks_cudnn(qb, kb, vb, causal, scale, dropout_p, gqa, needs_grad):
         out = _cudnn_attention(qb, kb, vb, None, needs_grad, dropout_p, causal, False, scale=scale)[0]
     else:
