@@ -285,6 +285,65 @@ def test_weight_cast_again_after_any_optimizer_holding_it_steps(seed):
     assert weight_casts(m) == 3  # the first forward, after first's second step, after second's step
 
 
+@needs_fp8
+def test_optimizer_step_registry_forgets_dead_parameters(seed):
+    """The step counts are found by parameter id: a parameter that dies
+    leaves the registry (no growth over a run that makes and drops models),
+    and a tensor that was never stepped counts 0 steps even where it is a
+    new object (the entry's weak reference tells a reused id apart)."""
+    import gc
+
+    from seqfuse.quantization import gemm_quantizers as gq
+
+    torch.manual_seed(seed)
+    p = torch.nn.Parameter(torch.randn(8))
+    p.grad = torch.randn(8)
+    opt = torch.optim.SGD([p], lr=1e-2)
+    opt.step()
+    opt.step()
+    assert gq._steps_of(p) == 2
+    pid = id(p)
+    assert pid in gq._param_counters
+    del p, opt
+    gc.collect()
+    assert pid not in gq._param_counters
+    assert gq._steps_of(torch.nn.Parameter(torch.randn(8))) == 0
+
+
+@needs_fp8
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_gradient_casts_reuse_their_kept_buffers(recipe, seed):
+    """An output gradient's scale inverse and block sums are kept by its
+    quantizer and reused by the next backward (they are read only by the
+    GEMMs of the backward that cast them): gradients over backward calls of
+    changing row counts equal those of a copy whose kept buffers are
+    dropped before each call, and the scale inverse is one tensor
+    throughout."""
+    torch.manual_seed(seed)
+    m = _module("Linear", "cpu")
+    make = RECIPES[recipe]
+    held = None
+    for rows in (40, 1000, 40):
+        fresh = copy.deepcopy(m)
+        if "_fp8_quantizers" in fresh.__dict__:  # (made at the first FP8 forward)
+            fresh._fp8_quantizers.grads[0].kept.clear()
+        x = torch.randn(rows, 128, dtype=torch.bfloat16)
+        dy = torch.randn(rows, 256, dtype=torch.bfloat16)
+        grads = []
+        for mod in (m, fresh):
+            xi = x.clone().requires_grad_()
+            with te.autocast(recipe=make()):
+                y = mod(xi)
+            y.backward(dy)
+            grads.append((xi.grad, mod.weight.grad, mod.bias.grad))
+            mod.zero_grad()
+        for a, b in zip(*grads):
+            assert torch.equal(a, b)
+        kept = m._fp8_quantizers.grads[0].kept["scale_inv"]
+        assert held is None or kept is held
+        held = kept
+
+
 def _weight_quantizers(m):
     from seqfuse.quantization.gemm_quantizers import WeightQuantizer
 

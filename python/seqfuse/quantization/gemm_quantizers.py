@@ -72,7 +72,6 @@ import weakref
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ..common.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format,
                              MXFP8BlockScaling, NVFP4BlockScaling, Recipe)
@@ -234,6 +233,12 @@ class _Role:
             self.scratch = s
         return s
 
+    def scale_inv_out(self, x):
+        """The one-element float32 a per-tensor cast of ``x`` writes its scale
+        inverse into: a new one per cast (an activation's operand is saved for
+        the backward and must outlive the role's next cast)."""
+        return torch.empty(1, dtype=torch.float32, device=x.device)
+
     def _cast(self, x, transpose, dbias=None, rows=None):
         """Per-tensor cast of x [M, K] under the owner's recipe, the copies
         padded to ``rows`` token rows (None: M): a Float8Tensor, with
@@ -245,30 +250,37 @@ class _Role:
         if x.requires_grad:
             x = x.detach()
         x = dense(x)
-        if o.kind == "delayed":
+        delayed = o.kind == "delayed"
+        if delayed:
             scale, amax, fp8_dtype = state_cast_args(o.state, self.index, x)
         else:
             fp8_dtype = self.fp8_dtype
             amax, scale = self._scratch(x)
-            if dbias is not None:  # amax, scale, the cast+dbias pass and the sums' total: four launches
-                return quantize_current(x, fp8_dtype, margin=o.margin, transpose=transpose, dbias=True,
-                                        rows=rows, amax=amax, scale=scale, dbias_dtype=dbias)
         dev = x.device
         k = x.shape[-1]
         m = x.numel() // k if k else 0
         mp = m if rows is None else rows
         # (sizes as separate ints: torch parses them faster than a torch.Size or a tuple)
-        scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
+        scale_inv = self.scale_inv_out(x)
         out = (torch.empty(*x.shape, dtype=fp8_dtype, device=dev) if mp == m
                else torch.empty(mp, k, dtype=fp8_dtype, device=dev))
         out_t = torch.empty(k, mp, dtype=fp8_dtype, device=dev) if transpose else None
-        if o.kind != "delayed":
-            qops.cast_fp8_current_into(x, amax, scale, scale_inv, out, out_t, o.margin)
+        if dbias is None:
+            if delayed:
+                qops.cast_fp8_into(x, scale, amax, out, out_t, scale_inv)
+            else:
+                qops.cast_fp8_current_into(x, amax, scale, scale_inv, out, out_t, o.margin)
             return Float8Tensor(out, scale_inv, fp8_dtype, data_t=out_t, dtype=x.dtype, shape=x.shape)
-        sums = torch.empty((mp + 127) // 128, k, dtype=torch.float32, device=dev) if dbias is not None else None
+        if not delayed:
+            # current scaling with the bias gradient: x's amax, the scale, then the cast+dbias pass (the
+            # one-launch current cast writes no sums) and the sums' total: four launches
+            qops.amax(x, out=amax)
+            qops.fp8_compute_scale(amax, scale, scale_inv, qops.FP8_MAX[fp8_dtype], o.margin)
+            amax = None
+        sums = self._sums_out(x, mp, k)
         qops.cast_fp8_into(x, scale, amax, out, out_t, scale_inv, sums)
         q = Float8Tensor(out, scale_inv, fp8_dtype, data_t=out_t, dtype=x.dtype, shape=x.shape)
-        return (q, qops.column_sums(sums, dbias)) if dbias is not None else q
+        return q, qops.column_sums(sums, dbias)
 
     def quantize(self, x, transpose=True):
         """x [M, K] -> Float8Tensor whose data (and data_t) carry
@@ -344,9 +356,38 @@ class InputQuantizer(_Role):
 
 
 class GradQuantizer(_Role):
-    """A GEMM's output gradient (the recipe's backward format)."""
-    __slots__ = ()
+    """A GEMM's output gradient (the recipe's backward format).  Its
+    operands are read only by the GEMMs of the backward call that cast it
+    (the input and weight gradients), which are enqueued before the role's
+    next cast, so like the amax and scale of ``_scratch`` its scale inverse
+    and the dbias pass's block sums are kept and reused (``kept``): two
+    allocations fewer per gradient cast."""
+    __slots__ = ("kept",)
     _fallback_logged = []
+
+    def __init__(self, owner, index):
+        super().__init__(owner, index)
+        self.kept = {}
+
+    def _kept(self, name, x, *shape):
+        """The kept float32 buffer ``name`` of ``shape`` on x's device (made
+        again when either changes; under CUDA graph capture a new one that
+        the graph keeps, as ``_scratch``)."""
+        t = self.kept.get(name)
+        capturing = device_checks.capturing(x)
+        if t is not None and t.shape == shape and t.device == x.device and not capturing:
+            return t
+        t = torch.empty(*shape, dtype=torch.float32, device=x.device)
+        if not capturing:
+            self.kept[name] = t
+        return t
+
+    def scale_inv_out(self, x):
+        return self._kept("scale_inv", x, 1)
+
+    def _sums_out(self, x, rows, k):
+        """The dbias pass's float32 sums of each 128-row block [ceil(rows / 128), K]."""
+        return self._kept("sums", x, (rows + 127) // 128, k)
 
     def quantize_grad(self, dy, bias_dtype, need_dgrad=True, need_wgrad=True):
         """(padded FP8 dy with its transposed copy where the weight gradient
@@ -525,20 +566,33 @@ def weight_key(src, *head):
     it (torch's fused optimizers do not bump versions: see the module
     note).  Compared with same_weights; WeightQuantizer and GroupedLinear's
     device-split FP8 weights (each keeping its own cache) share it."""
-    return (*head, tuple((t.data_ptr(), t._version, _steps_of(t)) for t in src))
+    return (*head, tuple([(t.data_ptr(), t._version, _steps_of(t)) for t in src]))
 
 
 # A fused optimizer's kernel writes the parameters without moving their version counters, so the
 # weight key also counts optimizer steps.  Each torch.optim optimizer gets one counter (a one-element
 # list) that its step moves, O(1) a step; its parameters point at it (registered again when its
-# parameter count changes), a parameter in several optimizers at each of theirs.
-_param_counters = WeakIdKeyDictionary()  # parameter -> the step counters of the optimizers holding it
+# parameter count changes), a parameter in several optimizers at each of theirs.  Parameters are
+# found by id (a dict lookup on every weight-cache check; torch's WeakIdKeyDictionary builds a weak
+# reference per lookup, ~1 us), each entry holding a weak reference that tells a reused id apart
+# and drops the entry when its parameter dies.
+_param_counters = {}  # id(parameter) -> (weak reference to it, the step counters of the optimizers holding it)
 _optimizer_counters = weakref.WeakKeyDictionary()  # optimizer -> (its counter, parameters registered)
 
 
 def _steps_of(t):
-    counters = _param_counters.get(t)
-    return 0 if counters is None else sum(c[0] for c in counters)
+    entry = _param_counters.get(id(t))
+    if entry is None or entry[0]() is not t:
+        return 0
+    counters = entry[1]
+    return counters[0][0] if len(counters) == 1 else sum(c[0] for c in counters)
+
+
+def _forget_parameter(ref, pid):
+    """A registered parameter died: drop its entry (unless its id already serves a newer one)."""
+    entry = _param_counters.get(pid)
+    if entry is not None and entry[0] is ref:
+        del _param_counters[pid]
 
 
 def _after_optimizer_step(optimizer, args, kwargs):
@@ -548,9 +602,12 @@ def _after_optimizer_step(optimizer, args, kwargs):
         counter = counter or [0]
         for group in optimizer.param_groups:
             for p in group["params"]:
-                held = _param_counters.get(p, ())
-                if not any(c is counter for c in held):
-                    _param_counters[p] = held + (counter,)
+                pid = id(p)
+                entry = _param_counters.get(pid)
+                if entry is None or entry[0]() is not p:
+                    entry = (weakref.ref(p, lambda ref, pid=pid: _forget_parameter(ref, pid)), ())
+                if not any(c is counter for c in entry[1]):
+                    _param_counters[pid] = (entry[0], entry[1] + (counter,))
         _optimizer_counters[optimizer] = (counter, n)
     counter[0] += 1
 
