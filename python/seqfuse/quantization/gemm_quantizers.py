@@ -80,7 +80,7 @@ from ..ops.gemm import FP8_ROW_MULTIPLE
 from ..ops.moe import dense
 from ..ops import device_checks
 from . import recompute
-from .quantize import quantize_block, quantize_current, state_cast_args
+from .quantize import quantize_block, state_cast_args
 from .state import ScalingState
 from .tensor import Float8BlockTensor, Float8Tensor
 
