@@ -35,6 +35,33 @@ def test_host_time_per_recipe():
     assert len(times) == 6 and all(0 < us < 1e6 for us in times)
 
 
+@needs_fp8
+def test_every_entry_the_layer_calls_is_stubbed(monkeypatch):
+    """An entry of seqfuse._C that the measured layer calls but STUBBED
+    leaves out would run its kernel inside the host measurement (on the
+    CPU: a whole quantization per call): none may be reached, under any
+    recipe and weight setting."""
+    from seqfuse import _C
+    from seqfuse.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+
+    reached = set()
+
+    def recorder(name):
+        def call(*args, **kwargs):
+            reached.add(name)
+        return call
+
+    for name in dir(_C):
+        if not name.startswith("_") and callable(getattr(_C, name)) and name not in bench_fp8_host.STUBBED:
+            monkeypatch.setattr(_C, name, recorder(name))
+    for recipe in (None, DelayedScaling(), Float8CurrentScaling(), Float8BlockScaling()):
+        for update in (True, False):
+            run = bench_fp8_host.layer_runner(recipe, torch.device("cpu"), update)
+            with bench_fp8_host.stubbed_kernels():
+                run(2)
+    assert not reached
+
+
 def test_profile_prints_one_row_and_counts_factory_calls(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["bench_fp8_host.py", "--profile", "bf16", "--iters", "2"])
     bench_fp8_host.main()

@@ -399,3 +399,72 @@ def test_cuda_padded_rows_bit_identical(m, mp, dtype, seed):
         seqfuse._C.quantize_block_fp8_rowcol(x.cuda(), *outs[:4], None, outs[4])
         for a, b in zip(outs, want):
             assert torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8))
+
+
+# ---- a weight's two 128x128 operands in one call ------------------------------
+
+WEIGHT_SHAPES = [(128, 128), (384, 256), (256, 640), (640, 384)]  # scale rows padded to 4 blocks or not
+
+
+def _weight_reference(w, fp8):
+    """What the one call must equal: W's blocks, and W^T's blocks quantized on their own."""
+    return (*ops.quantize_block_fp8(w, 128, fp8), *ops.quantize_block_fp8(w.t().contiguous(), 128, fp8))
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+@pytest.mark.parametrize("shape", WEIGHT_SHAPES)
+def test_weight_operands_equal_two_quantizations(shape, fp8, dtype, seed):
+    """data / scale_inv are quantize_block_fp8(w, 128)'s and data_t /
+    scale_inv_t quantize_block_fp8(w.t(), 128)'s, bit for bit (padding
+    included), into poisoned outputs."""
+    w = sample(shape, dtype)
+    want = _weight_reference(w, fp8)
+    got = ops.quantize_block_fp8_weight(w, fp8)
+    for g, r in zip(got, want):
+        assert g.shape == r.shape and g.dtype == r.dtype
+        assert torch.equal(bits(g), bits(r))
+    outs = [poison(torch.empty_like(t)) for t in want]
+    ops.quant.quantize_block_fp8_weight_into(w, *outs)
+    for g, r in zip(outs, want):
+        assert torch.equal(bits(g), bits(r))
+
+
+def test_weight_operands_refusals():
+    w = sample((256, 256), torch.bfloat16)
+    with pytest.raises(ValueError, match=r"rows of 'w' \(M = 200\) must be a multiple of 128"):
+        ops.quantize_block_fp8_weight(sample((200, 256), torch.bfloat16))
+    with pytest.raises(ValueError, match="multiple of 128 for 128x128 blocks"):
+        ops.quantize_block_fp8_weight(sample((256, 200), torch.bfloat16))
+    with pytest.raises(ValueError, match="must be 2-D"):
+        ops.quantize_block_fp8_weight(sample((2, 128, 256), torch.bfloat16))
+    good = ops.quant.block_weight_outputs(256, 256, E4M3, w.device)
+    with pytest.raises(ValueError, match=r"'out_t' must have shape \[K, M\] = \[256, 256\]"):
+        seqfuse._C.quantize_block_fp8_weight(w, good[0], good[1], torch.empty(128, 512, dtype=E4M3), good[3])
+    with pytest.raises(TypeError, match="'out' and 'out_t' must have the same FP8 dtype"):
+        seqfuse._C.quantize_block_fp8_weight(w, good[0], good[1], torch.empty(256, 256, dtype=E5M2), good[3])
+    with pytest.raises(ValueError, match="scale_inv_t"):
+        seqfuse._C.quantize_block_fp8_weight(w, good[0], good[1], good[2], torch.empty(2, 2))
+    # out_t over out's bytes: out_t is written from out, so the call must refuse
+    with pytest.raises(ValueError, match="arguments 'out' and 'out_t' overlap in memory"):
+        seqfuse._C.quantize_block_fp8_weight(w, good[0], good[1], good[0], good[3])
+    both = torch.empty(2 * good[1].numel(), dtype=torch.float32)
+    si, si_t = both[:good[1].numel()].view(good[1].shape), both[1:good[3].numel() + 1].view(good[3].shape)
+    with pytest.raises(ValueError, match="arguments 'scale_inv' and 'scale_inv_t' overlap in memory"):
+        seqfuse._C.quantize_block_fp8_weight(w, good[0], si, good[2], si_t)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape", WEIGHT_SHAPES + [(4096, 4096), (1024, 4096)])
+def test_cuda_weight_operands_bit_identical(shape, dtype, seed):
+    """The CUDA call (quantize, byte transpose, scale transpose) equals the
+    CPU's bit for bit, into poisoned outputs."""
+    w = sample(shape, dtype)
+    for fp8 in (E4M3, E5M2):
+        want = ops.quantize_block_fp8_weight(w, fp8)
+        outs = [poison(torch.empty(t.shape, dtype=t.dtype, device="cuda")) for t in want]
+        seqfuse._C.quantize_block_fp8_weight(w.cuda(), *outs)
+        torch.cuda.synchronize()
+        for g, r in zip(outs, want):
+            assert torch.equal(bits(g.cpu()), bits(r))

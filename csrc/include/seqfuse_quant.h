@@ -197,6 +197,19 @@ sf_status sf_quantize_block_fp8(const sf_tensor *x, sf_tensor *out,
 sf_status sf_dequantize_block_fp8(const sf_tensor *data, const sf_tensor *scale_inv,
                                   int block_rows, sf_tensor *out, sf_stream stream);
 
+/* A weight's two block-scaled FP8 operands in one call: w [M, K] (M and K
+ * multiples of 128) in 128x128 blocks as sf_quantize_block_fp8 with
+ * block_rows = 128 (out FP8 [M, K], scale_inv [M/128, round_up(K/128, 4)]),
+ * and its transpose, the input-gradient GEMM's operand: out_t FP8 [K, M]
+ * (16-byte aligned, out's dtype) holding out's bytes transposed and
+ * scale_inv_t float32 [K/128, round_up(M/128, 4)] holding scale_inv's real
+ * entries transposed, its padding 0.  A 128x128 block of w^T is a block of
+ * w, so these are bit for bit what quantizing w^T would give, for a byte
+ * transpose instead of a second quantization.  No two of the tensors may
+ * overlap. */
+sf_status sf_quantize_block_fp8_weight(const sf_tensor *w, sf_tensor *out, sf_tensor *scale_inv,
+                                       sf_tensor *out_t, sf_tensor *scale_inv_t, sf_stream stream);
+
 /* FP8 with one fp32 scale per row: x [M, K] (K % 16 == 0, 16-byte aligned),
  * out FP8 [M, K] (16-byte aligned), scale_inv float32 [M] (contiguous).
  * Row r is one 1 x K block: s = fp8_max / max|x[r, :]| (1 for an all-zero

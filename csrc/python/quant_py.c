@@ -48,6 +48,9 @@ SF_PY_OP(quantize_block_fp8, sf_quantize_block_fp8, "1x128 / 128x128 blocks.", (
          (T, scale_inv), (INT, block_rows));
 SF_PY_OP(quantize_rowwise_fp8, sf_quantize_rowwise_fp8, "One scale per row (its own amax).", (T, x),
          (T, out), (T, scale_inv));
+SF_PY_OP(quantize_block_fp8_weight, sf_quantize_block_fp8_weight,
+         "A weight's 128x128-block FP8 operands in one call: w and w transposed (bytes and scales).",
+         (T, w), (T, out), (T, scale_inv), (T, out_t), (T, scale_inv_t));
 SF_PY_OP(dequantize_block_fp8, sf_dequantize_block_fp8, "out = data times its block scales.",
          (T, data), (T, scale_inv), (INT, block_rows), (T, out));
 SF_PY_OP(quantize_mxfp8, sf_quantize_mxfp8, "1x32 blocks, E8M0 scales.", (T, x), (T, out),
@@ -78,5 +81,6 @@ const sf_py_binding *const sf_py_quant_bindings[] = {
     &cast_fp8_current_list_binding,
     &transpose_fp8_binding,  &dequantize_fp8_binding,
     &fp8_scale_update_binding, &fp8_compute_scale_binding, &quantize_block_fp8_binding,
-    &quantize_rowwise_fp8_binding, &quantize_block_fp8_rowcol_binding, &dequantize_block_fp8_binding, &quantize_mxfp8_binding,
+    &quantize_rowwise_fp8_binding, &quantize_block_fp8_rowcol_binding, &quantize_block_fp8_weight_binding,
+    &dequantize_block_fp8_binding, &quantize_mxfp8_binding,
     &dequantize_mxfp8_binding, &quantize_nvfp4_binding, &dequantize_nvfp4_binding, NULL};

@@ -149,6 +149,50 @@ sf_status sf_quantize_block_fp8(const sf_tensor *x, sf_tensor *out, sf_tensor *s
     return dispatch(op, "x", x, &a, 1, stream);
 }
 
+sf_status sf_quantize_block_fp8_weight(const sf_tensor *w, sf_tensor *out, sf_tensor *scale_inv,
+                                       sf_tensor *out_t, sf_tensor *scale_inv_t, sf_stream stream)
+{
+    static const char op[] = "quantize_block_fp8_weight";
+    SF_TRY(sf_check_float_input(op, "w", w));
+    sf_block_args a = {0};
+    SF_TRY(matrix_view(op, "w", w, 128, "128x128 blocks", &a.m, &a.k));
+    if (a.m % 128 != 0)
+        return sf_fail(SF_ERR_VALUE,
+                       "%s: the rows of 'w' (M = %lld) must be a multiple of 128 (whole 128x128 blocks "
+                       "of its transpose)", op, (long long)a.m);
+    SF_TRY(sf_quant_check_fp8(op, "out", out));
+    SF_TRY(check_out(op, "out", out, "w", w, a.m * a.k, 1));
+    SF_TRY(sf_check_aligned(op, "out", out, 16));
+    SF_TRY(check_block_scales(op, scale_inv, "w", w, 128, a.m, a.k, 1, &a.scale_ld));
+    SF_TRY(sf_quant_check_fp8(op, "out_t", out_t));
+    if (out_t->dtype != out->dtype)
+        return sf_fail(SF_ERR_TYPE, "%s: arguments 'out' and 'out_t' must have the same FP8 dtype", op);
+    if (out_t->ndim != 2 || out_t->shape[0] != a.k || out_t->shape[1] != a.m)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'out_t' must have shape [K, M] = [%lld, %lld]", op,
+                       (long long)a.k, (long long)a.m);
+    SF_TRY(check_out(op, "out_t", out_t, "w", w, a.k * a.m, 1));
+    SF_TRY(sf_check_aligned(op, "out_t", out_t, 16));
+    SF_TRY(check_block_scales_named(op, "scale_inv_t", scale_inv_t, "w", w, 128, a.k, a.m, 1, &a.scale_ld_t));
+    /* out_t is made from out's bytes and scale_inv_t from scale_inv's: every pair must be apart */
+    const sf_tensor *all[5] = {w, out, scale_inv, out_t, scale_inv_t};
+    static const char *names[5] = {"w", "out", "scale_inv", "out_t", "scale_inv_t"};
+    for (int i = 0; i < 5; ++i)
+        for (int j = i + 1; j < 5; ++j)
+            if (sf_tensors_overlap(all[i], all[j]))
+                return sf_fail(SF_ERR_VALUE, "%s: arguments '%s' and '%s' overlap in memory", op, names[i],
+                               names[j]);
+    a.format = SF_BLOCK_FP8_128X128;
+    fp8_quantize_fields(&a, w, out, scale_inv);
+    a.scales_t = (float *)scale_inv_t->data;
+    if (a.m * a.k == 0)
+        return SF_OK;
+    SF_TRY(dispatch(op, "w", w, &a, 1, stream));
+    const sf_transpose_args t = {.in = a.data, .out = (uint8_t *)out_t->data, .m = a.m, .k = a.k};
+    SF_TRY(SF_DISPATCH(op, "w", w, sf_transpose_fp8_cpu(&t), sf_transpose_fp8_cuda(&t, w->device_id, stream)));
+    return SF_DISPATCH(op, "w", w, sf_block_scales_transpose_cpu(&a),
+                       sf_block_scales_transpose_cuda(&a, w->device_id, stream));
+}
+
 sf_status sf_quantize_rowwise_fp8(const sf_tensor *x, sf_tensor *out, sf_tensor *scale_inv, sf_stream stream)
 {
     static const char op[] = "quantize_rowwise_fp8";

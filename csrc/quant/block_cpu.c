@@ -199,3 +199,13 @@ sf_status sf_block_dequantize_cpu(const sf_block_args *a)
         }
     return SF_OK;
 }
+
+sf_status sf_block_scales_transpose_cpu(const sf_block_args *a)
+{
+    const float *si = (const float *)a->scales;
+    const int64_t rb = a->m / 128, cb = a->k / 128;
+    for (int64_t c = 0; c < cb; ++c)
+        for (int64_t r = 0; r < a->scale_ld_t; ++r)
+            a->scales_t[c * a->scale_ld_t + r] = r < rb ? si[r * a->scale_ld + c] : 0.0f;
+    return SF_OK;
+}

@@ -508,6 +508,18 @@ __global__ void dequant_kernel(sf_block_args a, O *__restrict__ y)
     }
 }
 
+/* sf_block_scales_transpose_cuda: one thread per entry of the [cb, ld_t]
+ * transposed scale matrix (a weight's: a few thousand entries). */
+__global__ void scales_transpose_kernel(const float *__restrict__ si, int64_t rb, int64_t cb, int64_t ld,
+                                        float *__restrict__ si_t, int64_t ld_t)
+{
+    const int64_t n = cb * ld_t;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t c = i / ld_t, r = i % ld_t;
+        si_t[i] = r < rb ? si[r * ld + c] : 0.0f;
+    }
+}
+
 sf_status sms_of_current(int *sms)
 {
     int device = 0;
@@ -607,6 +619,25 @@ extern "C" sf_status sf_block_dequantize_cuda(const sf_block_args *a, int device
             return SF_OK;
         });
         st = sf_cuda_launch_status("block dequantize", st);
+    }
+    sf_cuda_device_restore(&guard);
+    return st;
+}
+
+extern "C" sf_status sf_block_scales_transpose_cuda(const sf_block_args *a, int device, sf_stream s)
+{
+    const int64_t cb = a->k / 128, n = cb * a->scale_ld_t;
+    if (n == 0)
+        return SF_OK;
+    cudaStream_t stream = sf_cuda_stream(s);
+    sf_cuda_device_guard guard;
+    SF_TRY(sf_cuda_device_enter("block scales transpose", device, &guard));
+    int sms = 0;
+    sf_status st = sms_of_current(&sms);
+    if (st == SF_OK) {
+        scales_transpose_kernel<<<sf_grid_size(n, kThreads, sms * 4), kThreads, 0, stream>>>(
+            (const float *)a->scales, a->m / 128, cb, a->scale_ld, a->scales_t, a->scale_ld_t);
+        st = sf_cuda_launch_status("block scales transpose", st);
     }
     sf_cuda_device_restore(&guard);
     return st;

@@ -165,6 +165,11 @@ typedef struct {
 sf_status sf_block_quantize_cpu(const sf_block_args *a);
 sf_status sf_block_quantize_cuda(const sf_block_args *a, int device, sf_stream stream);
 sf_status sf_block_dequantize_cpu(const sf_block_args *a);
+/* The 128x128 scales of [m, k] (a->scales, row length a->scale_ld) transposed
+ * into those of [k, m] (a->scales_t, row length a->scale_ld_t), padding 0:
+ * sf_quantize_block_fp8_weight's last step. */
+sf_status sf_block_scales_transpose_cpu(const sf_block_args *a);
+sf_status sf_block_scales_transpose_cuda(const sf_block_args *a, int device, sf_stream stream);
 sf_status sf_block_dequantize_cuda(const sf_block_args *a, int device, sf_stream stream);
 
 #ifdef __cplusplus

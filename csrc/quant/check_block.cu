@@ -2,7 +2,8 @@
  * check_block.cu - standalone check and benchmark of the block-scaled
  * quantizers (block_cuda.cu): FP8 with fp32 scales per 1x128 and 128x128
  * block, one scale per row (row-wise), the row-and-column 1x128 pass (with
- * its block column sums), MXFP8 and NVFP4, quantize and dequantize.
+ * its block column sums), a weight's W and W^T 128x128 operands in one call,
+ * MXFP8 and NVFP4, quantize and dequantize.
  *
  * Correctness: fresh random x (float32 and bfloat16, values spread over
  * several binades, a few blocks all zero) at shapes with a partial last
@@ -104,6 +105,24 @@ static void fp8_rowcol(sf_dtype dt, int64_t m, int64_t k)
     }
     report("fp8 e4m3 1x128 rows and columns (+ column sums)", dt, m, k,
            same_bytes(q) && same_bytes(si) && same_bytes(qt) && same_bytes(sit) && same_bytes(sums));
+}
+
+/* A weight's W and W^T 128x128 operands in one call (M, K multiples of 128). */
+static void fp8_weight(sf_dtype dt, int64_t m, int64_t k, sf_dtype fp8)
+{
+    int64_t sx[2] = {m, k}, ss[2] = {m / 128, round_up(k / 128, 4)}, st[2] = {k, m},
+            sst[2] = {k / 128, round_up(m / 128, 4)};
+    CheckBuf x(dt, m * k), q(fp8, m * k), si(SF_FLOAT32, ss[0] * ss[1]), qt(fp8, k * m),
+        sit(SF_FLOAT32, sst[0] * sst[1]);
+    fill_x(x, m, k);
+    for (int cuda = 0; cuda < 2; ++cuda) {
+        sf_tensor xi = x.view(2, sx, cuda), qo = q.view(2, sx, cuda), so = si.view(2, ss, cuda),
+                  qto = qt.view(2, st, cuda), sto = sit.view(2, sst, cuda);
+        CHECK_SF(sf_quantize_block_fp8_weight(&xi, &qo, &so, &qto, &sto, NULL));
+    }
+    char what[80];
+    snprintf(what, sizeof what, "fp8 %s 128x128 weight and its transpose", sf_dtype_name(fp8));
+    report(what, dt, m, k, same_bytes(q) && same_bytes(si) && same_bytes(qt) && same_bytes(sit));
 }
 
 static void mxfp8(sf_dtype dt, int64_t m, int64_t k)
@@ -216,6 +235,11 @@ int main(void)
             fp8_rows(dt, s[0], s[1], SF_FLOAT8_E5M2);
             mxfp8(dt, s[0], s[1]);
             nvfp4(dt, s[0], s[1]);
+        }
+    for (sf_dtype dt : dtypes) /* scale rows padded to 4 blocks (3, 5 blocks) and not (4, 8) */
+        for (auto &s : {std::pair<int64_t, int64_t>{384, 640}, {512, 1024}, {640, 384}}) {
+            fp8_weight(dt, s.first, s.second, SF_FLOAT8_E4M3);
+            fp8_weight(dt, s.first, s.second, SF_FLOAT8_E5M2);
         }
     for (sf_dtype dt : dtypes) /* row lengths that are not whole 256-value warp steps */
         for (int64_t k : {16, 48, 1040, 2064, 7168, 8208, 12288}) /* CTA per row with 1/2/4 vectors, warp per row */

@@ -388,6 +388,46 @@ def quantize_block_fp8(x, block_rows=1, fp8_dtype=torch.float8_e4m3fn, rows=None
     return out, scale_inv
 
 
+def quantize_block_fp8_weight(w, fp8_dtype=torch.float8_e4m3fn):
+    """A weight's two 128x128-block FP8 operands in one call: ``w`` [M, K]
+    (M and K multiples of 128) -> ``(data, scale_inv, data_t, scale_inv_t)``:
+    ``data`` / ``scale_inv`` as :func:`quantize_block_fp8` with
+    block_rows=128, ``data_t`` [K, M] the same bytes transposed and
+    ``scale_inv_t`` [K/128, round_up(M/128, 4)] the real scales transposed
+    (padding 0): bit for bit the 128x128 quantization of ``w.t()`` (a block
+    of w^T is a block of w), for a byte transpose instead of a second
+    quantization.  The forward and input-gradient operands of a
+    block-scaled FP8 weight."""
+    op = "quantize_block_fp8_weight"
+    require_fp8_dlpack(op)
+    w, m, k = _matrix(op, w, 128, "128x128 blocks")
+    if w.dim() != 2:
+        raise ValueError(f"{op}: argument 'w' must be 2-D (a weight [M, K]), got shape {tuple(w.shape)}")
+    if m % 128:
+        raise ValueError(f"{op}: the rows of 'w' (M = {m}) must be a multiple of 128 (whole 128x128 blocks of "
+                         f"its transpose)")
+    fp8_dtype = fp8_dtype_of(fp8_dtype, op)
+    outs = block_weight_outputs(m, k, fp8_dtype, w.device)
+    _C.quantize_block_fp8_weight(w, *outs, stream_for(w))
+    return outs
+
+
+def block_weight_outputs(m, k, fp8_dtype, device):
+    """New (data, scale_inv, data_t, scale_inv_t) for :func:`quantize_block_fp8_weight` of an [m, k] weight."""
+    return (torch.empty(m, k, dtype=fp8_dtype, device=device),
+            torch.empty(m // 128, (k // 128 + 3) // 4 * 4, dtype=torch.float32, device=device),
+            torch.empty(k, m, dtype=fp8_dtype, device=device),
+            torch.empty(k // 128, (m // 128 + 3) // 4 * 4, dtype=torch.float32, device=device))
+
+
+def quantize_block_fp8_weight_into(w, data, scale_inv, data_t, scale_inv_t):
+    """:func:`quantize_block_fp8_weight` into outputs the caller made
+    (:func:`block_weight_outputs`): the weight quantizers' hot path, whose
+    shapes are known; the C entry checks every argument.  Returns None."""
+    require_fp8_dlpack("quantize_block_fp8_weight")
+    _C.quantize_block_fp8_weight(w, data, scale_inv, data_t, scale_inv_t, stream_for(w))
+
+
 def quantize_rowwise_fp8(x, fp8_dtype=torch.float8_e4m3fn):
     """FP8 with one float32 scale per row: x viewed as [M, K] (K % 16 == 0)
     -> ``(data, scale_inv)``, ``data`` FP8 shaped like x, ``scale_inv``

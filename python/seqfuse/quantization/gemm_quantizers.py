@@ -539,8 +539,14 @@ class WeightQuantizer(_Role):
         ``transposed`` False: the input-gradient operand left out (None)."""
         o = self.owner
         if o.kind == "block":
-            q = quantize_block(w, 128, self.fp8_dtype)
-            return (q, block_weight_transposed(q) if transposed else None), None
+            if not transposed:
+                return (quantize_block(w, 128, self.fp8_dtype), None), None
+            # W and W^T's 128x128 blocks (bytes and scales) in one call
+            w = w.contiguous()
+            data, si, data_t, si_t = qops.block_weight_outputs(w.shape[0], w.shape[1], self.fp8_dtype, w.device)
+            qops.quantize_block_fp8_weight_into(w, data, si, data_t, si_t)
+            return (Float8BlockTensor(data, si, 128, dtype=w.dtype, shape=w.shape),
+                    Float8BlockTensor(data_t, si_t, 128, dtype=w.dtype)), None
         # current scaling of the weight: its own amax (under delayed scaling
         # written into the state's weight slot), both copies in one call
         scratch = self._scratch(w)
