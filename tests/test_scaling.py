@@ -290,6 +290,40 @@ def test_module_moves_keep_float32_and_pooling():
     assert d.fp8_state.scale[0].item() == 448.0 / 64 and m.fp8_state.scale[0].item() == 4.0
 
 
+def test_steady_cast_args_follow_pooling_format_and_history():
+    """The steady-state answer of a cast's (scale, amax slot, FP8 dtype) is
+    scale_of / amax_of / fp8_dtype's: None before the tensor has a history,
+    then the live views; a format changed in place on the recipe changes
+    the dtype; a state that re-pooled (a dtype move) answers with views of
+    its new columns; a buffer replaced by assignment is seen by the next
+    ensure_pooled, which quantize_with_state runs before every cast."""
+    r = DelayedScaling(amax_history_len=2, margin=0)
+    st = ScalingState.for_linear(r)
+    st.ensure_pooled()
+    assert st.steady_cast_args(GRAD_OUTPUT) is None  # no history yet: the first-step rule applies
+    st.note_first_cast(INPUT)
+    st.note_first_cast(GRAD_OUTPUT)
+    st.updated()
+    for i in (INPUT, GRAD_OUTPUT):
+        scale, amax, dtype = st.steady_cast_args(i)
+        assert scale.data_ptr() == st.scale_of(i).data_ptr() and amax.data_ptr() == st.amax_of(i).data_ptr()
+        assert dtype == st.fp8_dtype(i)
+    assert st.steady_cast_args(GRAD_OUTPUT)[2] == torch.float8_e5m2  # HYBRID: gradients in E5M2
+    r.fp8_format = Format.E4M3
+    assert st.steady_cast_args(GRAD_OUTPUT)[2] == torch.float8_e4m3fn
+    r.fp8_format = Format.HYBRID
+    before = st.steady_cast_args(INPUT)[0].data_ptr()
+    st.half()  # a dtype move leaves the chunk; the next use re-homes
+    st.ensure_pooled()
+    after = st.steady_cast_args(INPUT)
+    assert after[0].data_ptr() == st.scale_of(INPUT).data_ptr() != before
+    st.scale = torch.full((3,), 2.0)  # a replaced buffer: seen at the next ensure_pooled
+    with te.autocast(recipe=r):
+        q = quantize_with_state(torch.ones(4, 16), st, INPUT)
+    assert torch.equal(q.data.float(), torch.full((4, 16), 2.0))  # cast with the new buffer's scale
+    assert st.steady_cast_args(INPUT)[0].data_ptr() == st.scale.data_ptr() == st.scale_of(INPUT).data_ptr()
+
+
 def test_moved_or_dead_states_leave_their_chunk():
     from seqfuse.quantization.state import POOL
     r = DelayedScaling(amax_history_len=2, margin=11)

@@ -319,8 +319,10 @@ class _Role:
     @property
     def scale(self):
         """Delayed scaling: (scale, amax slot, fp8 dtype) for a producer kernel's fused cast."""
-        o = self.owner
-        return o.state.scale_of(self.index), o.state.amax_of(self.index), o.state.fp8_dtype(self.index)
+        st = self.owner.state
+        args = None if recompute.open_contexts else st.steady_cast_args(self.index)
+        return args if args is not None else (st.scale_of(self.index), st.amax_of(self.index),
+                                              st.fp8_dtype(self.index))
 
     @property
     def fused_cast(self):

@@ -82,6 +82,7 @@ def quantize_with_state(x, state, index, *, transpose=False, rowwise=True, dbias
     it), logged once.  Not under CUDA graph capture (a replay would repeat
     the host's first-step choice), which keeps scale 1; a checkpoint's
     recompute reads the scale its forward noted, as for any scale."""
+    state.ensure_pooled()  # (state_cast_args' steady path leaves that check to its callers)
     scale, amax, fp8_dtype = state_cast_args(state, index, x)
     return quantize(x, scale, amax, fp8_dtype, transpose=transpose,
                     rowwise=rowwise, dbias=dbias, rows=rows)
@@ -92,7 +93,14 @@ def state_cast_args(state, index, x):
     tensor ``index`` of ``state``, with what such a cast does first: the
     first step's own-amax scale (:func:`delayed_scale`) and, when statistics
     are recorded, the cast's record.  What :func:`quantize_with_state` and
-    the GEMM modules' quantizers (which make their outputs themselves) share."""
+    the GEMM modules' quantizers (which make their outputs themselves) share.
+    In steady state (``state.steady_cast_args``: a history, no recompute, no
+    statistics recorded this step) three kept views; the caller has checked
+    the pooling then (GemmQuantizers.adopt, quantize_with_state)."""
+    if not recompute.open_contexts and not stats.recording():
+        args = state.steady_cast_args(index)
+        if args is not None:
+            return args
     state.ensure_pooled()
     fp8_dtype = state.fp8_dtype(index)
     scale = delayed_scale(state, index, lambda: qops.amax(x), x.device)

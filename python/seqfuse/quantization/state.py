@@ -143,6 +143,7 @@ class ScalingState(nn.Module):
         self._chunk_ref = None   # weakref: a deepcopy must not copy the pool
         self._ptrs = None
         self._views = None
+        self._steady = None  # steady_cast_args' answers: (the views, the format, {index: args})
         self._role_views = {}  # role_slots' views, keyed on (first, step), with the _ptrs they view
         self._offset = 0
         # host-side: which tensors were cast since the last delayed-scaling
@@ -230,6 +231,27 @@ class ScalingState(nn.Module):
         amax = v[0][index] if v is not None else self.amax_history[0, index:index + 1]
         # (the hot path: no call into recompute unless a checkpoint is open)
         return recompute.amax_for(amax) if recompute.open_contexts else amax
+
+    def steady_cast_args(self, index):
+        """(scale, amax slot, FP8 dtype) of a cast of tensor ``index`` in
+        steady state -- the state pooled, the tensor with an amax history, no
+        checkpoint recompute open (the caller's check) -- what scale_of,
+        amax_of and fp8_dtype then answer, kept per pooling and format (the
+        casts of a training step ask it several times per layer).  None
+        where the pooling or the first-step rule still applies.  The pooling
+        is not re-checked here: ensure_pooled, which GemmQuantizers.adopt
+        runs at each module call and quantize_with_state at each cast."""
+        v = self._views
+        if v is None or index not in self._with_history:
+            return None
+        fmt = self._format()
+        kept = self._steady
+        if kept is None or kept[0] is not v or kept[1] is not fmt:
+            kept = self._steady = (v, fmt, {})
+        args = kept[2].get(index)
+        if args is None:
+            args = kept[2][index] = (v[1][index], v[0][index], _FORMAT_DTYPES[fmt][index in self.backward_indices])
+        return args
 
     def scale_of(self, index):
         """A one-element view of tensor ``index``'s scale (inside a
@@ -376,7 +398,7 @@ class ScalingState(nn.Module):
         # a copy (deepcopy, pickle) owns its buffers and joins the pool on
         # its own first use; it must not carry this state's pool bookkeeping
         d = dict(self.__dict__)
-        d.update(_chunk_ref=None, _ptrs=None, _views=None, _finalizer=None, _role_views={})
+        d.update(_chunk_ref=None, _ptrs=None, _views=None, _steady=None, _finalizer=None, _role_views={})
         return d
 
     def __setstate__(self, d):
