@@ -233,11 +233,18 @@ class _Role:
             self.scratch = s
         return s
 
-    def scale_inv_out(self, x):
-        """The one-element float32 a per-tensor cast of ``x`` writes its scale
-        inverse into: a new one per cast (an activation's operand is saved for
-        the backward and must outlive the role's next cast)."""
-        return torch.empty(1, dtype=torch.float32, device=x.device)
+    def cast_outputs(self, x, sums_rows=None):
+        """(scale inverse, block sums or None): the float32 buffers a
+        per-tensor cast of ``x`` [M, K] writes besides its FP8 copies -- its
+        one-element scale inverse and, given ``sums_rows`` (the copies'
+        rows), the dbias pass's sums of each 128-row block [ceil(sums_rows /
+        128), K].  New ones per cast here (an activation's operand is saved
+        for the backward and must outlive the role's next cast)."""
+        dev = x.device
+        si = torch.empty(1, dtype=torch.float32, device=dev)
+        if sums_rows is None:
+            return si, None
+        return si, torch.empty((sums_rows + 127) // 128, x.shape[-1], dtype=torch.float32, device=dev)
 
     def _cast(self, x, transpose, dbias=None, rows=None):
         """Per-tensor cast of x [M, K] under the owner's recipe, the copies
@@ -261,7 +268,7 @@ class _Role:
         m = x.numel() // k if k else 0
         mp = m if rows is None else rows
         # (sizes as separate ints: torch parses them faster than a torch.Size or a tuple)
-        scale_inv = self.scale_inv_out(x)
+        scale_inv, sums = self.cast_outputs(x, None if dbias is None else mp)
         out = (torch.empty(*x.shape, dtype=fp8_dtype, device=dev) if mp == m
                else torch.empty(mp, k, dtype=fp8_dtype, device=dev))
         out_t = torch.empty(k, mp, dtype=fp8_dtype, device=dev) if transpose else None
@@ -277,7 +284,6 @@ class _Role:
             qops.amax(x, out=amax)
             qops.fp8_compute_scale(amax, scale, scale_inv, qops.FP8_MAX[fp8_dtype], o.margin)
             amax = None
-        sums = self._sums_out(x, mp, k)
         qops.cast_fp8_into(x, scale, amax, out, out_t, scale_inv, sums)
         q = Float8Tensor(out, scale_inv, fp8_dtype, data_t=out_t, dtype=x.dtype, shape=x.shape)
         return q, qops.column_sums(sums, dbias)
@@ -371,25 +377,26 @@ class GradQuantizer(_Role):
         super().__init__(owner, index)
         self.kept = {}
 
-    def _kept(self, name, x, *shape):
-        """The kept float32 buffer ``name`` of ``shape`` on x's device (made
-        again when either changes; under CUDA graph capture a new one that
-        the graph keeps, as ``_scratch``)."""
-        t = self.kept.get(name)
+    def cast_outputs(self, x, sums_rows=None):
+        """The kept buffers (see the class note; _Role.cast_outputs says what
+        they are), made again when a shape or the device changes, and new
+        ones that the graph keeps under CUDA graph capture (as _scratch's)."""
         capturing = device_checks.capturing(x)
-        if t is not None and t.shape == shape and t.device == x.device and not capturing:
-            return t
-        t = torch.empty(*shape, dtype=torch.float32, device=x.device)
-        if not capturing:
-            self.kept[name] = t
-        return t
-
-    def scale_inv_out(self, x):
-        return self._kept("scale_inv", x, 1)
-
-    def _sums_out(self, x, rows, k):
-        """The dbias pass's float32 sums of each 128-row block [ceil(rows / 128), K]."""
-        return self._kept("sums", x, (rows + 127) // 128, k)
+        kept, dev = self.kept, x.device
+        si = kept.get("scale_inv")
+        if si is None or si.device != dev or capturing:
+            si = torch.empty(1, dtype=torch.float32, device=dev)
+            if not capturing:
+                kept["scale_inv"] = si
+        if sums_rows is None:
+            return si, None
+        shape = ((sums_rows + 127) // 128, x.shape[-1])
+        sums = kept.get("sums")
+        if sums is None or sums.shape != shape or sums.device != dev or capturing:
+            sums = torch.empty(*shape, dtype=torch.float32, device=dev)
+            if not capturing:
+                kept["sums"] = sums
+        return si, sums
 
     def quantize_grad(self, dy, bias_dtype, need_dgrad=True, need_wgrad=True):
         """(padded FP8 dy with its transposed copy where the weight gradient
