@@ -470,23 +470,46 @@ def quantize_block_fp8_rowcol(x, fp8_dtype=torch.float8_e4m3fn, *, rowwise=True,
     x, m, k = _matrix(op, x, 128, "1x128 blocks")
     mt = (m + 127) // 128 * 128
     fp8_dtype = fp8_dtype_of(fp8_dtype, op)
-    data, _, mp = _row_outputs(op, x, fp8_dtype, rows, None, None, rowwise, False)
+    mp = m if rows is None else _check_rows(op, rows, m)
     if mp > mt:
         raise ValueError(f"{op}: argument 'rows' must be at most round_up(M, 128) = {mt}, got {mp}")
-    scale_inv = data_t = scale_inv_t = None
-    if rowwise:
-        scale_inv = torch.empty(*block_scale_shape(mp, k, 1), dtype=torch.float32, device=x.device)
-    if columnwise:
-        data_t = torch.empty(k, mt, dtype=fp8_dtype, device=x.device)
-        scale_inv_t = torch.empty(*block_scale_shape(k, mt, 1), dtype=torch.float32, device=x.device)
-    if not col_sums:
-        _C.quantize_block_fp8_rowcol(x, data, scale_inv, data_t, scale_inv_t, stream_for(x))
-        return data, scale_inv, data_t, scale_inv_t
-    if not columnwise:
+    if col_sums and not columnwise:
         raise ValueError(f"{op}: col_sums=True needs columnwise=True (that pass computes them)")
-    sums = torch.empty(mt // 128, k, dtype=torch.float32, device=x.device)
-    _C.quantize_block_fp8_rowcol(x, data, scale_inv, data_t, scale_inv_t, stream_for(x), sums)
-    return data, scale_inv, data_t, scale_inv_t, sums
+    outs = rowcol_outputs(x, m, k, fp8_dtype, mp, rowwise, columnwise)
+    sums = torch.empty(mt // 128, k, dtype=torch.float32, device=x.device) if col_sums else None
+    quantize_block_fp8_rowcol_into(x, *outs, sums)
+    return (*outs, sums) if col_sums else outs
+
+
+def rowcol_outputs(x, m, k, fp8_dtype, rows=None, rowwise=True, columnwise=True):
+    """New (data, scale_inv, data_t, scale_inv_t) for :func:`quantize_block_fp8_rowcol`
+    of ``x`` viewed as [m, k], the row-wise copy with ``rows`` rows (None: m;
+    x's shape then); the copies not wanted are None."""
+    mp = m if rows is None else rows
+    mt = (m + 127) // 128 * 128
+    dev = x.device
+    data = scale_inv = data_t = scale_inv_t = None
+    if rowwise:
+        data = (torch.empty(*x.shape, dtype=fp8_dtype, device=dev) if mp == m
+                else torch.empty(mp, k, dtype=fp8_dtype, device=dev))
+        scale_inv = torch.empty(k // 128, (mp + 3) // 4 * 4, dtype=torch.float32, device=dev)
+    if columnwise:
+        data_t = torch.empty(k, mt, dtype=fp8_dtype, device=dev)
+        scale_inv_t = torch.empty(mt // 128, (k + 3) // 4 * 4, dtype=torch.float32, device=dev)
+    return data, scale_inv, data_t, scale_inv_t
+
+
+def quantize_block_fp8_rowcol_into(x, data, scale_inv, data_t, scale_inv_t, col_sums=None):
+    """:func:`quantize_block_fp8_rowcol` into outputs the caller made
+    (:func:`rowcol_outputs`; ``col_sums`` float32 [round_up(M, 128)/128, K] or
+    None): the quantizers' hot path, which knows its shapes; the C entry
+    checks every argument.  ``x``: contiguous, without autograd history.
+    Returns None."""
+    require_fp8_dlpack("quantize_block_fp8_rowcol")
+    if col_sums is None:
+        _C.quantize_block_fp8_rowcol(x, data, scale_inv, data_t, scale_inv_t, stream_for(x))
+    else:
+        _C.quantize_block_fp8_rowcol(x, data, scale_inv, data_t, scale_inv_t, stream_for(x), col_sums)
 
 
 def dequantize_block_fp8(data, scale_inv, block_rows=1, out_dtype=torch.float32):

@@ -299,9 +299,23 @@ class _Role:
         m = x.shape[0]
         mp = padded_rows(m)
         if o.kind == "block":
-            return quantize_block(dense(x), 1, self.fp8_dtype, columnwise=transpose,
-                                  rows=None if mp == m else mp)
+            return self._block_cast(x, transpose, None if mp == m else mp)
         return self._cast(x, transpose, rows=None if mp == m else mp)
+
+    def _block_cast(self, x, transpose, rows, rowwise=True, sums=None):
+        """1x128-block cast of x [M, K] (what quantize_block(..., 1, columnwise=
+        transpose, rows=rows) makes), its outputs made here: a
+        Float8BlockTensor; ``sums`` (float32 [ceil(M / 128), K], with
+        ``transpose``) receives the dbias pass's block sums."""
+        if x.requires_grad:
+            x = x.detach()
+        x = dense(x)
+        k = x.shape[-1]
+        m = x.numel() // k if k else 0
+        outs = qops.rowcol_outputs(x, m, k, self.fp8_dtype, rows, rowwise, transpose)
+        qops.quantize_block_fp8_rowcol_into(x, *outs, sums)
+        data, si, data_t, si_t = outs
+        return Float8BlockTensor(data, si, 1, dtype=x.dtype, data_t=data_t, scale_inv_t=si_t, shape=x.shape)
 
     @staticmethod
     def fp8_output_buffer(m, k, fp8_dtype, device):
@@ -439,12 +453,10 @@ class GradQuantizer(_Role):
         rows = None if mp == m else mp  # (the casts write the zero rows: no padded copy of dy)
         db = None
         if need_wgrad:
-            g, g_si, g_t, g_t_si, *sums = qops.quantize_block_fp8_rowcol(
-                dy, self.fp8_dtype, rowwise=need_dgrad, col_sums=want_db, rows=rows)
+            sums = self.cast_outputs(dy, m)[1] if want_db else None
+            q = self._block_cast(dy, True, rows, rowwise=need_dgrad, sums=sums)
             if want_db:
-                db = qops.column_sums(sums[0], sum_dtype)
-            q = Float8BlockTensor(g, g_si, 1, dtype=dy.dtype, data_t=g_t, scale_inv_t=g_t_si,
-                                  shape=dy.shape)
+                db = qops.column_sums(sums, sum_dtype)
         else:
             g, g_si = qops.quantize_block_fp8(dy, 1, self.fp8_dtype, rows=rows)
             q = Float8BlockTensor(g, g_si, 1, dtype=dy.dtype, shape=dy.shape)
