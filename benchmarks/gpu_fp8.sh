@@ -21,10 +21,10 @@ want() { [[ ",$PARTS," == *",$1,"* ]]; }
 want tests && TAIL=12 run ${TEST_LIMIT:-140} pytest python3 -m pytest -q -rfE -m cuda -p no:cacheprovider -n 8 --timeout 180 \
     ${TESTS:-tests/test_fp8_any_rows.py tests/test_linear.py tests/test_layernorm_modules.py \
      tests/test_transformer_layer.py tests/test_quant_cast.py tests/test_attn_masks.py \
-     tests/test_silent_wrong.py tests/test_act.py}
+     tests/test_silent_wrong.py tests/test_act.py tests/test_quant_block.py tests/test_scaling.py}
 cd benchmarks
 want fp8_rows && TAIL=40 run 100 fp8_rows python3 bench_fp8_rows.py --rows 4097,16383
-want fp8_host && TAIL=12 run 50 fp8_host env OMP_NUM_THREADS=1 python3 bench_fp8_host.py --iters 200
+want fp8_host && TAIL=12 run 80 fp8_host env OMP_NUM_THREADS=1 python3 bench_fp8_host.py --device cuda --iters 40 --rounds 20
 want esm2 && TAIL=14 run 150 esm2 python3 esm2/bench_esm2.py --size 650M --steps 10 --warmup 3 --out esm2_s7 \
     --rows hf_bf16_fixed,seqfuse_bf16_fixed,seqfuse_fp8_delayed_fixed,seqfuse_fp8_delayed_packed
 want graphs && TAIL=12 run 60 graphs python3 bench_graphs.py
