@@ -17,7 +17,7 @@ import torch
 import seqfuse.pytorch as te
 from seqfuse.common.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
                                    MXFP8BlockScaling)
-from seqfuse.quantization import FP8FwdTensors, init_fp8_state, weight_casts
+from seqfuse.quantization import FP8BwdTensors, FP8FwdTensors, init_fp8_state, weight_casts
 
 from helpers import free_port, needs_fp8, rel_error, run_workers
 
@@ -285,13 +285,15 @@ def test_weight_cast_again_after_any_optimizer_holding_it_steps(seed):
     assert weight_casts(m) == 3  # the first forward, after first's second step, after second's step
 
 
-@needs_fp8
 def test_optimizer_step_registry_forgets_dead_parameters(seed):
     """The step counts are found by parameter id: a parameter that dies
-    leaves the registry (no growth over a run that makes and drops models),
-    and a tensor that was never stepped counts 0 steps even where it is a
-    new object (the entry's weak reference tells a reused id apart)."""
+    leaves the registry (no growth over a run that makes and drops models);
+    an entry whose weak reference is dead or names another object counts 0
+    steps for the tensor asked about (an id reused by a new tensor); and a
+    dying parameter's callback leaves alone an entry a newer parameter with
+    its id has since taken."""
     import gc
+    import weakref
 
     from seqfuse.quantization import gemm_quantizers as gq
 
@@ -307,41 +309,93 @@ def test_optimizer_step_registry_forgets_dead_parameters(seed):
     del p, opt
     gc.collect()
     assert pid not in gq._param_counters
-    assert gq._steps_of(torch.nn.Parameter(torch.randn(8))) == 0
+    # an entry left under a tensor's id that names another object: not this tensor's steps
+    q, other = torch.nn.Parameter(torch.randn(8)), torch.nn.Parameter(torch.randn(8))
+    gq._param_counters[id(q)] = (weakref.ref(other), ([5],))
+    try:
+        assert gq._steps_of(q) == 0 and gq._steps_of(other) == 0
+    finally:
+        del gq._param_counters[id(q)]
+    # an old parameter's callback does not remove the entry that replaced its own
+    old_ref = weakref.ref(other)
+    newer = (weakref.ref(q), ([3],))
+    gq._param_counters[id(other)] = newer
+    try:
+        gq._forget_parameter(old_ref, id(other))
+        assert gq._param_counters[id(other)] is newer
+    finally:
+        del gq._param_counters[id(other)]
 
 
 @needs_fp8
-@pytest.mark.parametrize("recipe", ["delayed", "current"])
-def test_gradient_casts_reuse_their_kept_buffers(recipe, seed):
-    """An output gradient's scale inverse and block sums are kept by its
-    quantizer and reused by the next backward (they are read only by the
-    GEMMs of the backward that cast them): gradients over backward calls of
-    changing row counts equal those of a copy whose kept buffers are
-    dropped before each call, and the scale inverse is one tensor
-    throughout."""
+@pytest.mark.parametrize("recipe", ["delayed", "current", "block"])
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP"])
+def test_gradient_casts_reuse_their_kept_buffers(kind, recipe, seed):
+    """In a module's backward an output gradient's scale inverse is kept by
+    its quantizer and the dbias block sums are one shared buffer (they are
+    read only by the GEMMs of the backward that cast them): gradients over
+    backward calls of changing row counts equal those of a deep copy (which
+    starts without kept buffers) made before each call.  LayerNormMLP under
+    delayed scaling takes its fused activation-gradient cast; a copy's
+    quantizers keep nothing of the original's."""
     torch.manual_seed(seed)
-    m = _module("Linear", "cpu")
+    kw = dict(params_dtype=torch.bfloat16)
+    m = (te.Linear(128, 256, **kw) if kind == "Linear"
+         else te.LayerNormMLP(128, 256, activation="gelu", **kw))
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 1:
+                p.normal_()  # (non-zero biases: their gradients come from the dbias pass)
     make = RECIPES[recipe]
-    held = None
     for rows in (40, 1000, 40):
         fresh = copy.deepcopy(m)
-        if "_fp8_quantizers" in fresh.__dict__:  # (made at the first FP8 forward)
-            fresh._fp8_quantizers.grads[0].kept.clear()
+        if "_fp8_quantizers" in fresh.__dict__:
+            assert all(g.kept_scale_inv is None for g in fresh._fp8_quantizers.grads)
         x = torch.randn(rows, 128, dtype=torch.bfloat16)
-        dy = torch.randn(rows, 256, dtype=torch.bfloat16)
+        dy = torch.randn(rows, 128 if kind == "LayerNormMLP" else 256, dtype=torch.bfloat16)
         grads = []
         for mod in (m, fresh):
             xi = x.clone().requires_grad_()
             with te.autocast(recipe=make()):
                 y = mod(xi)
             y.backward(dy)
-            grads.append((xi.grad, mod.weight.grad, mod.bias.grad))
+            grads.append([xi.grad] + [p.grad for p in mod.parameters()])
             mod.zero_grad()
         for a, b in zip(*grads):
             assert torch.equal(a, b)
-        kept = m._fp8_quantizers.grads[0].kept["scale_inv"]
-        assert held is None or kept is held
-        held = kept
+
+
+@needs_fp8
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_gradient_role_public_casts_are_independent(recipe, seed):
+    """A cast through a gradient role's public quantize() makes its own
+    scale inverse: two casts keep two scales (only the module's backward
+    reuses the kept one)."""
+    torch.manual_seed(seed)
+    m = _module("Linear", "cpu")
+    with te.autocast(recipe=RECIPES[recipe]()):
+        m(torch.randn(32, 128, dtype=torch.bfloat16)).float().sum().backward()
+    g = m._fp8_quantizers.quantizer(FP8BwdTensors.GRAD_OUTPUT1)
+    a = g.quantize(torch.randn(32, 256, dtype=torch.bfloat16))
+    b = g.quantize(torch.randn(32, 256, dtype=torch.bfloat16) * 1e3)
+    assert a.scale_inv is not b.scale_inv
+
+
+@needs_fp8
+def test_block_cast_without_transposed_copy_takes_unaligned_rows(seed):
+    """Block scaling's row-wise-only cast (inference: no weight gradient)
+    takes an input that does not start 16-byte aligned, as before the
+    row-and-column entry served the casts with a transposed copy."""
+    torch.manual_seed(seed)
+    m = _module("Linear", "cpu")
+    m.weight.requires_grad_(False)
+    flat = torch.randn(32 * 128 + 1, dtype=torch.bfloat16)
+    x = flat[1:].view(32, 128)
+    assert x.data_ptr() % 16
+    with torch.no_grad(), te.autocast(recipe=Float8BlockScaling()):
+        y = m(x)
+        y_aligned = m(x.clone())
+    assert torch.equal(y, y_aligned)
 
 
 def _weight_quantizers(m):

@@ -434,8 +434,13 @@ def test_weight_operands_refusals():
     w = sample((256, 256), torch.bfloat16)
     with pytest.raises(ValueError, match=r"rows of 'w' \(M = 200\) must be a multiple of 128"):
         ops.quantize_block_fp8_weight(sample((200, 256), torch.bfloat16))
-    with pytest.raises(ValueError, match="multiple of 128 for 128x128 blocks"):
+    with pytest.raises(ValueError, match=r"last dimension of 'w' \(K = 200\) must be a multiple of 128"):
         ops.quantize_block_fp8_weight(sample((256, 200), torch.bfloat16))
+    with pytest.raises(TypeError, match="argument 'w' must have dtype float32, float16 or bfloat16"):
+        ops.quantize_block_fp8_weight(torch.zeros(128, 128, dtype=torch.int32))
+    with pytest.raises(ValueError, match="argument 'w' must be 2-D"):  # the C entry's own rule
+        seqfuse._C.quantize_block_fp8_weight(sample((1, 128, 128), torch.bfloat16),
+                                             *ops.quant.block_weight_outputs(128, 128, E4M3, w.device))
     with pytest.raises(ValueError, match="must be 2-D"):
         ops.quantize_block_fp8_weight(sample((2, 128, 256), torch.bfloat16))
     good = ops.quant.block_weight_outputs(256, 256, E4M3, w.device)

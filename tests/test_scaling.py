@@ -324,6 +324,31 @@ def test_steady_cast_args_follow_pooling_format_and_history():
     assert st.steady_cast_args(INPUT)[0].data_ptr() == st.scale.data_ptr() == st.scale_of(INPUT).data_ptr()
 
 
+@needs_fp8
+def test_buffer_replaced_between_forward_and_backward_is_seen(monkeypatch):
+    """A state buffer assigned between a module's forward and its backward:
+    the backward's gradient cast reads the new buffer's scale (the kept
+    steady answers see the replacement and the full path re-homes the
+    state), exactly as with the steady path switched off."""
+    grads = []
+    for steady in (True, False):
+        if not steady:
+            monkeypatch.setattr(ScalingState, "steady_cast_args", lambda self, index: None)
+        torch.manual_seed(0)
+        lin = te.Linear(128, 128, bias=False, params_dtype=torch.float32)
+        x = torch.randn(32, 128)
+        for _ in range(2):  # steady state: every tensor has a history
+            with te.autocast(recipe=DelayedScaling()):
+                lin(x).sum().backward()
+        xi = x.clone().requires_grad_()
+        with te.autocast(recipe=DelayedScaling()):
+            y = lin(xi)
+        lin.fp8_state.scale = torch.full((3,), 2.0 ** -10)
+        y.backward(torch.randn(32, 128, generator=torch.Generator().manual_seed(1)))
+        grads.append(xi.grad)
+    assert torch.equal(grads[0], grads[1])
+
+
 def test_moved_or_dead_states_leave_their_chunk():
     from seqfuse.quantization.state import POOL
     r = DelayedScaling(amax_history_len=2, margin=11)

@@ -154,6 +154,9 @@ sf_status sf_quantize_block_fp8_weight(const sf_tensor *w, sf_tensor *out, sf_te
 {
     static const char op[] = "quantize_block_fp8_weight";
     SF_TRY(sf_check_float_input(op, "w", w));
+    if (w->ndim != 2)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'w' must be 2-D (a weight [M, K]), got %d dimensions", op,
+                       (int)w->ndim);
     sf_block_args a = {0};
     SF_TRY(matrix_view(op, "w", w, 128, "128x128 blocks", &a.m, &a.k));
     if (a.m % 128 != 0)

@@ -237,7 +237,7 @@ def _fp8_act_grad(q, da, h, activation, bias_dtype, need_col):
         dh = A.act_backward(da, h, activation)
         return gq.quantize_grad(dh, bias_dtype, need_wgrad=need_col)
     scale, amax, fp8_dtype = gq.scale
-    si = gq.cast_outputs(h)[0]
+    si = gq.kept_outputs(h)[0]
     buf, dh = gq.fp8_output_buffer(h.shape[0], h.shape[1], fp8_dtype, h.device)
     A.act_backward(da, h, activation, fp8_dtype, scale, amax, si, out=dh)
     return gq.fp8_output(buf, dh.shape, si, h.dtype), None

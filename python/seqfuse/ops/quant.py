@@ -48,11 +48,11 @@ def fp8_dtype_of(fp8_dtype, op="cast_fp8"):
                     f"torch.float8_e5m2 (or 'e4m3' / 'e5m2'), got {fp8_dtype!r}")
 
 
-def _check_input(op, x):
+def _check_input(op, x, name="x"):
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{op}: argument 'x' must be a torch.Tensor, got {type(x).__name__}")
+        raise TypeError(f"{op}: argument '{name}' must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _FLOAT_INPUTS:
-        raise TypeError(f"{op}: argument 'x' must have dtype float32, float16 or bfloat16, got {x.dtype}")
+        raise TypeError(f"{op}: argument '{name}' must have dtype float32, float16 or bfloat16, got {x.dtype}")
     if x.requires_grad:
         x = x.detach()
     return x if x.is_contiguous() else x.contiguous()
@@ -337,13 +337,13 @@ def cast_fp8_current(x, fp8_dtype, *, amax, scale, scale_inv, out=None, out_t=No
 
 # ---- block-scaled formats ----------------------------------------------------
 
-def _matrix(op, x, multiple, what):
-    x = _check_input(op, x)
+def _matrix(op, x, multiple, what, name="x"):
+    x = _check_input(op, x, name)
     if x.dim() < 1:
-        raise ValueError(f"{op}: argument 'x' must have at least 1 dimension")
+        raise ValueError(f"{op}: argument '{name}' must have at least 1 dimension")
     k = x.shape[-1]
     if k % multiple:
-        raise ValueError(f"{op}: the last dimension of 'x' (K = {k}) must be a multiple of "
+        raise ValueError(f"{op}: the last dimension of '{name}' (K = {k}) must be a multiple of "
                          f"{multiple} for {what}")
     return x, (x.numel() // k if k else 0), k
 
@@ -400,7 +400,7 @@ def quantize_block_fp8_weight(w, fp8_dtype=torch.float8_e4m3fn):
     block-scaled FP8 weight."""
     op = "quantize_block_fp8_weight"
     require_fp8_dlpack(op)
-    w, m, k = _matrix(op, w, 128, "128x128 blocks")
+    w, m, k = _matrix(op, w, 128, "128x128 blocks", "w")
     if w.dim() != 2:
         raise ValueError(f"{op}: argument 'w' must be 2-D (a weight [M, K]), got shape {tuple(w.shape)}")
     if m % 128:
@@ -415,9 +415,9 @@ def quantize_block_fp8_weight(w, fp8_dtype=torch.float8_e4m3fn):
 def block_weight_outputs(m, k, fp8_dtype, device):
     """New (data, scale_inv, data_t, scale_inv_t) for :func:`quantize_block_fp8_weight` of an [m, k] weight."""
     return (torch.empty(m, k, dtype=fp8_dtype, device=device),
-            torch.empty(m // 128, (k // 128 + 3) // 4 * 4, dtype=torch.float32, device=device),
+            torch.empty(*block_scale_shape(m, k, 128), dtype=torch.float32, device=device),
             torch.empty(k, m, dtype=fp8_dtype, device=device),
-            torch.empty(k // 128, (m // 128 + 3) // 4 * 4, dtype=torch.float32, device=device))
+            torch.empty(*block_scale_shape(k, m, 128), dtype=torch.float32, device=device))
 
 
 def quantize_block_fp8_weight_into(w, data, scale_inv, data_t, scale_inv_t):
@@ -492,10 +492,10 @@ def rowcol_outputs(x, m, k, fp8_dtype, rows=None, rowwise=True, columnwise=True)
     if rowwise:
         data = (torch.empty(*x.shape, dtype=fp8_dtype, device=dev) if mp == m
                 else torch.empty(mp, k, dtype=fp8_dtype, device=dev))
-        scale_inv = torch.empty(k // 128, (mp + 3) // 4 * 4, dtype=torch.float32, device=dev)
+        scale_inv = torch.empty(*block_scale_shape(mp, k, 1), dtype=torch.float32, device=dev)
     if columnwise:
         data_t = torch.empty(k, mt, dtype=fp8_dtype, device=dev)
-        scale_inv_t = torch.empty(mt // 128, (k + 3) // 4 * 4, dtype=torch.float32, device=dev)
+        scale_inv_t = torch.empty(*block_scale_shape(k, mt, 1), dtype=torch.float32, device=dev)
     return data, scale_inv, data_t, scale_inv_t
 
 

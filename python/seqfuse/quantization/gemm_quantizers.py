@@ -246,13 +246,14 @@ class _Role:
             return si, None
         return si, torch.empty((sums_rows + 127) // 128, x.shape[-1], dtype=torch.float32, device=dev)
 
-    def _cast(self, x, transpose, dbias=None, rows=None):
+    def _cast(self, x, transpose, dbias=None, rows=None, kept=False):
         """Per-tensor cast of x [M, K] under the owner's recipe, the copies
         padded to ``rows`` token rows (None: M): a Float8Tensor, with
         ``dbias`` (a dtype) also x's column sums in it.  What quantize_with_state /
         quantize_current do, with the outputs made here in one place (the
         shapes are known: no argument checks on this path, the C entry
-        checks the tensors)."""
+        checks the tensors).  ``kept``: the scale inverse and sums are the
+        role's kept ones (GradQuantizer.kept_outputs)."""
         o = self.owner
         if x.requires_grad:
             x = x.detach()
@@ -268,7 +269,7 @@ class _Role:
         m = x.numel() // k if k else 0
         mp = m if rows is None else rows
         # (sizes as separate ints: torch parses them faster than a torch.Size or a tuple)
-        scale_inv, sums = self.cast_outputs(x, None if dbias is None else mp)
+        scale_inv, sums = (self.kept_outputs if kept else self.cast_outputs)(x, None if dbias is None else mp)
         out = (torch.empty(*x.shape, dtype=fp8_dtype, device=dev) if mp == m
                else torch.empty(mp, k, dtype=fp8_dtype, device=dev))
         out_t = torch.empty(k, mp, dtype=fp8_dtype, device=dev) if transpose else None
@@ -299,20 +300,22 @@ class _Role:
         m = x.shape[0]
         mp = padded_rows(m)
         if o.kind == "block":
-            return self._block_cast(x, transpose, None if mp == m else mp)
+            if not transpose:  # (the row-and-column entry wants 16-byte aligned x; this one does not)
+                return quantize_block(dense(x), 1, self.fp8_dtype, rows=None if mp == m else mp)
+            return self._block_cast(x, None if mp == m else mp)
         return self._cast(x, transpose, rows=None if mp == m else mp)
 
-    def _block_cast(self, x, transpose, rows, rowwise=True, sums=None):
-        """1x128-block cast of x [M, K] (what quantize_block(..., 1, columnwise=
-        transpose, rows=rows) makes), its outputs made here: a
-        Float8BlockTensor; ``sums`` (float32 [ceil(M / 128), K], with
-        ``transpose``) receives the dbias pass's block sums."""
+    def _block_cast(self, x, rows, rowwise=True, sums=None):
+        """1x128-block cast of x [M, K] with its column-wise copy (what
+        quantize_block(..., 1, columnwise=True, rowwise=rowwise, rows=rows)
+        makes), its outputs made here: a Float8BlockTensor; ``sums`` (float32
+        [ceil(M / 128), K]) receives the dbias pass's block sums."""
         if x.requires_grad:
             x = x.detach()
         x = dense(x)
         k = x.shape[-1]
         m = x.numel() // k if k else 0
-        outs = qops.rowcol_outputs(x, m, k, self.fp8_dtype, rows, rowwise, transpose)
+        outs = qops.rowcol_outputs(x, m, k, self.fp8_dtype, rows, rowwise, True)
         qops.quantize_block_fp8_rowcol_into(x, *outs, sums)
         data, si, data_t, si_t = outs
         return Float8BlockTensor(data, si, 1, dtype=x.dtype, data_t=data_t, scale_inv_t=si_t, shape=x.shape)
@@ -372,44 +375,64 @@ def transposed(q):
     return q.data_t if q.data_t is not None else qops.transpose_fp8(q.data)
 
 
+#: The dbias pass's block sums, one buffer per (device, blocks, K) for every
+#: gradient cast (column_sums reads it right after the cast that writes it).
+_shared_sums = {}
+
+
 class InputQuantizer(_Role):
     """A GEMM's activation operand."""
     __slots__ = ()
 
 
 class GradQuantizer(_Role):
-    """A GEMM's output gradient (the recipe's backward format).  Its
-    operands are read only by the GEMMs of the backward call that cast it
-    (the input and weight gradients), which are enqueued before the role's
-    next cast, so like the amax and scale of ``_scratch`` its scale inverse
-    and the dbias pass's block sums are kept and reused (``kept``): two
-    allocations fewer per gradient cast."""
-    __slots__ = ("kept",)
+    """A GEMM's output gradient (the recipe's backward format).  In a
+    module's backward (``quantize_grad``, and LayerNormMLP's fused
+    activation-gradient cast) the cast operand is read only by the GEMMs of
+    that backward call (the input and weight gradients), which are enqueued
+    before the role's next cast: like the amax and scale of ``_scratch``,
+    the operand's scale inverse is then one kept tensor per role
+    (``kept_outputs``), and the dbias pass's block sums, which column_sums
+    reads right after the cast, one shared buffer per device and shape.
+    A cast through the role's public ``quantize`` makes its own."""
+    __slots__ = ("kept_scale_inv",)
     _fallback_logged = []
 
     def __init__(self, owner, index):
         super().__init__(owner, index)
-        self.kept = {}
+        self.kept_scale_inv = None
 
-    def cast_outputs(self, x, sums_rows=None):
-        """The kept buffers (see the class note; _Role.cast_outputs says what
-        they are), made again when a shape or the device changes, and new
-        ones that the graph keeps under CUDA graph capture (as _scratch's)."""
+    def __getstate__(self):
+        """A copy (deepcopy, pickle) starts without the kept buffer (a cache)."""
+        slots = {name: getattr(self, name) for cls in type(self).__mro__ for name in getattr(cls, "__slots__", ())
+                 if hasattr(self, name)}
+        slots["kept_scale_inv"] = None
+        return None, slots
+
+    def kept_outputs(self, x, sums_rows=None, scale_inv=True):
+        """What _Role.cast_outputs makes, kept (see the class note): the
+        role's scale inverse (None with ``scale_inv`` False) and the shared
+        block sums.  Made again when the device or a shape changes; under CUDA
+        graph capture new ones that the graph keeps (as _scratch's)."""
         capturing = device_checks.capturing(x)
-        kept, dev = self.kept, x.device
-        si = kept.get("scale_inv")
-        if si is None or si.device != dev or capturing:
-            si = torch.empty(1, dtype=torch.float32, device=dev)
-            if not capturing:
-                kept["scale_inv"] = si
+        dev = x.device
+        si = None
+        if scale_inv:
+            si = self.kept_scale_inv
+            if si is None or si.device != dev or capturing:
+                si = torch.empty(1, dtype=torch.float32, device=dev)
+                if not capturing:
+                    self.kept_scale_inv = si
         if sums_rows is None:
             return si, None
-        shape = ((sums_rows + 127) // 128, x.shape[-1])
-        sums = kept.get("sums")
-        if sums is None or sums.shape != shape or sums.device != dev or capturing:
-            sums = torch.empty(*shape, dtype=torch.float32, device=dev)
+        key = (dev, (sums_rows + 127) // 128, x.shape[-1])
+        sums = None if capturing else _shared_sums.get(key)
+        if sums is None:
+            sums = torch.empty(key[1], key[2], dtype=torch.float32, device=dev)
             if not capturing:
-                kept["sums"] = sums
+                if len(_shared_sums) >= 64:
+                    _shared_sums.clear()
+                _shared_sums[key] = sums
         return si, sums
 
     def quantize_grad(self, dy, bias_dtype, need_dgrad=True, need_wgrad=True):
@@ -425,17 +448,13 @@ class GradQuantizer(_Role):
         sum_dtype = bias_dtype if bias_dtype in qops.SUM_DTYPES else torch.float32
         if o.kind == "block":
             return self._block_grad(dy, want_db, need_dgrad, need_wgrad, bias_dtype, sum_dtype)
+        mp = padded_rows(m)
+        rows = None if mp == m else mp
         db = None
-        if not need_wgrad:
-            g = self.quantize(dy, transpose=False)
-        elif want_db:
-            mp = padded_rows(m)
-            if qops.dbias_fusable(dy, rows=mp):
-                g, db = self._cast(dy, True, dbias=sum_dtype, rows=None if mp == m else mp)
-            else:
-                g = self.quantize(dy, transpose=True)
+        if want_db and need_wgrad and qops.dbias_fusable(dy, rows=mp):
+            g, db = self._cast(dy, True, dbias=sum_dtype, rows=rows, kept=True)
         else:
-            g = self.quantize(dy, transpose=True)
+            g = self._cast(dy, need_wgrad, rows=rows, kept=True)
         if want_db and db is None:
             if need_wgrad and not GradQuantizer._fallback_logged:
                 GradQuantizer._fallback_logged.append(True)
@@ -453,8 +472,8 @@ class GradQuantizer(_Role):
         rows = None if mp == m else mp  # (the casts write the zero rows: no padded copy of dy)
         db = None
         if need_wgrad:
-            sums = self.cast_outputs(dy, m)[1] if want_db else None
-            q = self._block_cast(dy, True, rows, rowwise=need_dgrad, sums=sums)
+            sums = self.kept_outputs(dy, m, scale_inv=False)[1] if want_db else None
+            q = self._block_cast(dy, rows, rowwise=need_dgrad, sums=sums)
             if want_db:
                 db = qops.column_sums(sums, sum_dtype)
         else:

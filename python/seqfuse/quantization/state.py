@@ -238,19 +238,27 @@ class ScalingState(nn.Module):
         checkpoint recompute open (the caller's check) -- what scale_of,
         amax_of and fp8_dtype then answer, kept per pooling and format (the
         casts of a training step ask it several times per layer).  None
-        where the pooling or the first-step rule still applies.  The pooling
-        is not re-checked here: ensure_pooled, which GemmQuantizers.adopt
-        runs at each module call and quantize_with_state at each cast."""
+        where the pooling or the first-step rule still applies, or a buffer
+        was replaced (assigned, loaded with assign=True) since the answers
+        were kept: the full path's ensure_pooled then re-homes the state.  A
+        buffer's storage swapped in place (``.data =``) is seen only by
+        ensure_pooled, which GemmQuantizers.adopt runs at each module call
+        and quantize_with_state at each cast."""
         v = self._views
         if v is None or index not in self._with_history:
             return None
         fmt = self._format()
         kept = self._steady
-        if kept is None or kept[0] is not v or kept[1] is not fmt:
-            kept = self._steady = (v, fmt, {})
-        args = kept[2].get(index)
+        b = self._buffers
+        if (kept is None or kept[0] is not v or kept[1] is not fmt or kept[2] is not b["scale"]
+                or kept[3] is not b["amax_history"]):
+            kept = self._steady = (v, fmt, b["scale"], b["amax_history"], {})
+            if not self._in_chunk():  # (once per pooling: the buffers are the chunk's views)
+                self._steady = None
+                return None
+        args = kept[4].get(index)
         if args is None:
-            args = kept[2][index] = (v[1][index], v[0][index], _FORMAT_DTYPES[fmt][index in self.backward_indices])
+            args = kept[4][index] = (v[1][index], v[0][index], _FORMAT_DTYPES[fmt][index in self.backward_indices])
         return args
 
     def scale_of(self, index):
@@ -367,6 +375,7 @@ class ScalingState(nn.Module):
         self._chunk_ref = None
         self._ptrs = None
         self._role_views = {}  # views of the chunk left behind: not kept alive
+        self._steady = None
         if getattr(self, "_finalizer", None) is not None:
             self._finalizer.detach()
             self._finalizer = None
