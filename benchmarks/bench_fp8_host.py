@@ -36,7 +36,8 @@ STUBBED = ("act_backward", "act_forward", "amax", "cast_fp8", "cast_fp8_current"
            "fp8_compute_scale",
            "fp8_scale_update",
            "gemm", "layernorm_backward", "layernorm_forward", "rmsnorm_backward", "rmsnorm_forward", "transpose_fp8",
-           "quantize_block_fp8", "quantize_block_fp8_rowcol", "quantize_block_fp8_weight")
+           "quantize_block_fp8", "quantize_block_fp8_rowcol", "quantize_block_fp8_weight",
+           "block_transpose_fp8")
 
 
 @contextlib.contextmanager

@@ -430,6 +430,37 @@ def test_weight_operands_equal_two_quantizations(shape, fp8, dtype, seed):
         assert torch.equal(bits(g), bits(r))
 
 
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+@pytest.mark.parametrize("shape", WEIGHT_SHAPES)
+def test_block_transpose_equals_the_transposes_quantization(shape, fp8, seed):
+    """block_transpose_fp8 of W's 128x128 operand is quantize_block_fp8(W^T,
+    128)'s, bit for bit, padding included (what the weight entry writes
+    beside W), into poisoned outputs through the C entry too."""
+    w = sample(shape, torch.bfloat16)
+    data, si, want_t, want_si_t = _weight_reference(w, fp8)
+    got_t, got_si_t = ops.block_transpose_fp8(data, si)
+    assert torch.equal(bits(got_t), bits(want_t)) and torch.equal(bits(got_si_t), bits(want_si_t))
+    outs = [poison(torch.empty_like(want_t)), poison(torch.empty_like(want_si_t))]
+    seqfuse._C.block_transpose_fp8(data, si, *outs)
+    assert torch.equal(bits(outs[0]), bits(want_t)) and torch.equal(bits(outs[1]), bits(want_si_t))
+
+
+def test_block_transpose_refusals():
+    data, si = ops.quantize_block_fp8(sample((256, 384), torch.bfloat16), 128, E4M3)
+    with pytest.raises(ValueError, match="argument 'data' must be 2-D"):
+        ops.block_transpose_fp8(data.view(2, 128, 384), si)
+    with pytest.raises(TypeError, match="argument 'data' must have dtype float8"):
+        ops.block_transpose_fp8(data.view(torch.uint8), si)
+    small, small_si = ops.quantize_block_fp8(sample((200, 384), torch.bfloat16), 128, E4M3)
+    with pytest.raises(ValueError, match=r"dimensions of 'data' \(\[M, K\] = \[200, 384\]\) must be multiples of 128"):
+        ops.block_transpose_fp8(small, small_si)
+    with pytest.raises(ValueError, match="argument 'scale_inv' must have shape"):
+        ops.block_transpose_fp8(data, si[:1])
+    out_t, si_t = ops.block_transpose_fp8(data, si)
+    with pytest.raises(ValueError, match="arguments 'data' and 'out_t' overlap in memory"):
+        seqfuse._C.block_transpose_fp8(data, si, data.view(384, 256), si_t)
+
+
 def test_weight_operands_refusals():
     w = sample((256, 256), torch.bfloat16)
     with pytest.raises(ValueError, match=r"rows of 'w' \(M = 200\) must be a multiple of 128"):
@@ -464,7 +495,8 @@ def test_weight_operands_refusals():
 @pytest.mark.parametrize("shape", WEIGHT_SHAPES + [(4096, 4096), (1024, 4096)])
 def test_cuda_weight_operands_bit_identical(shape, dtype, seed):
     """The CUDA call (quantize, byte transpose, scale transpose) equals the
-    CPU's bit for bit, into poisoned outputs."""
+    CPU's bit for bit, into poisoned outputs; so does block_transpose_fp8
+    from the CPU's forward operand."""
     w = sample(shape, dtype)
     for fp8 in (E4M3, E5M2):
         want = ops.quantize_block_fp8_weight(w, fp8)
@@ -472,4 +504,9 @@ def test_cuda_weight_operands_bit_identical(shape, dtype, seed):
         seqfuse._C.quantize_block_fp8_weight(w.cuda(), *outs)
         torch.cuda.synchronize()
         for g, r in zip(outs, want):
+            assert torch.equal(bits(g.cpu()), bits(r))
+        got_t = [poison(torch.empty(t.shape, dtype=t.dtype, device="cuda")) for t in want[2:]]
+        seqfuse._C.block_transpose_fp8(want[0].cuda(), want[1].cuda(), *got_t)
+        torch.cuda.synchronize()
+        for g, r in zip(got_t, want[2:]):
             assert torch.equal(bits(g.cpu()), bits(r))

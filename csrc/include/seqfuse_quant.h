@@ -210,6 +210,16 @@ sf_status sf_dequantize_block_fp8(const sf_tensor *data, const sf_tensor *scale_
 sf_status sf_quantize_block_fp8_weight(const sf_tensor *w, sf_tensor *out, sf_tensor *scale_inv,
                                        sf_tensor *out_t, sf_tensor *scale_inv_t, sf_stream stream);
 
+/* The transposed operand from a 128x128-block FP8 weight's own, as the last
+ * steps of sf_quantize_block_fp8_weight: data FP8 [M, K] (M, K multiples
+ * of 128, 16-byte aligned) with its scale_inv [M/128, round_up(K/128, 4)]
+ * -> out_t [K, M] (data's bytes transposed, data's dtype) and scale_inv_t
+ * [K/128, round_up(M/128, 4)] (the real scales transposed, padding 0).  For
+ * a weight whose transposed copy was not kept (or arrived in FP8 from an
+ * all-gather).  No two of the tensors may overlap. */
+sf_status sf_block_transpose_fp8(const sf_tensor *data, const sf_tensor *scale_inv, sf_tensor *out_t,
+                                 sf_tensor *scale_inv_t, sf_stream stream);
+
 /* FP8 with one fp32 scale per row: x [M, K] (K % 16 == 0, 16-byte aligned),
  * out FP8 [M, K] (16-byte aligned), scale_inv float32 [M] (contiguous).
  * Row r is one 1 x K block: s = fp8_max / max|x[r, :]| (1 for an all-zero

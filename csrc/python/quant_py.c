@@ -51,6 +51,9 @@ SF_PY_OP(quantize_rowwise_fp8, sf_quantize_rowwise_fp8, "One scale per row (its 
 SF_PY_OP(quantize_block_fp8_weight, sf_quantize_block_fp8_weight,
          "A weight's 128x128-block FP8 operands in one call: w and w transposed (bytes and scales).",
          (T, w), (T, out), (T, scale_inv), (T, out_t), (T, scale_inv_t));
+SF_PY_OP(block_transpose_fp8, sf_block_transpose_fp8,
+         "W^T's 128x128-block operand (bytes and scales) from W's.", (T, data), (T, scale_inv), (T, out_t),
+         (T, scale_inv_t));
 SF_PY_OP(dequantize_block_fp8, sf_dequantize_block_fp8, "out = data times its block scales.",
          (T, data), (T, scale_inv), (INT, block_rows), (T, out));
 SF_PY_OP(quantize_mxfp8, sf_quantize_mxfp8, "1x32 blocks, E8M0 scales.", (T, x), (T, out),
@@ -82,5 +85,5 @@ const sf_py_binding *const sf_py_quant_bindings[] = {
     &transpose_fp8_binding,  &dequantize_fp8_binding,
     &fp8_scale_update_binding, &fp8_compute_scale_binding, &quantize_block_fp8_binding,
     &quantize_rowwise_fp8_binding, &quantize_block_fp8_rowcol_binding, &quantize_block_fp8_weight_binding,
-    &dequantize_block_fp8_binding, &quantize_mxfp8_binding,
+    &block_transpose_fp8_binding, &dequantize_block_fp8_binding, &quantize_mxfp8_binding,
     &dequantize_mxfp8_binding, &quantize_nvfp4_binding, &dequantize_nvfp4_binding, NULL};

@@ -149,6 +149,51 @@ sf_status sf_quantize_block_fp8(const sf_tensor *x, sf_tensor *out, sf_tensor *s
     return dispatch(op, "x", x, &a, 1, stream);
 }
 
+/* The transposed operand of a 128x128-block weight whose forward operand
+ * (named src_name, of `dtype`) is [a->m, a->k]: out_t FP8 [K, M] of the same
+ * dtype, 16-byte aligned, and scale_inv_t the 128x128 scales of [K, M]
+ * (sets a->scale_ld_t, a->scales_t).  `on` (on_name) is the input the entry
+ * works from. */
+static sf_status check_transposed(const char *op, const char *on_name, const sf_tensor *on, const char *src_name,
+                                  sf_dtype dtype, sf_tensor *out_t, sf_tensor *scale_inv_t, sf_block_args *a)
+{
+    SF_TRY(sf_quant_check_fp8(op, "out_t", out_t));
+    if (out_t->dtype != dtype)
+        return sf_fail(SF_ERR_TYPE, "%s: arguments '%s' and 'out_t' must have the same FP8 dtype", op, src_name);
+    if (out_t->ndim != 2 || out_t->shape[0] != a->k || out_t->shape[1] != a->m)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'out_t' must have shape [K, M] = [%lld, %lld]", op,
+                       (long long)a->k, (long long)a->m);
+    SF_TRY(check_out(op, "out_t", out_t, on_name, on, a->k * a->m, 1));
+    SF_TRY(sf_check_aligned(op, "out_t", out_t, 16));
+    SF_TRY(check_block_scales_named(op, "scale_inv_t", scale_inv_t, on_name, on, 128, a->k, a->m, 1,
+                                    &a->scale_ld_t));
+    a->scales_t = (float *)scale_inv_t->data;
+    return SF_OK;
+}
+
+/* No two of the n tensors share a byte (the transposed copies are made from
+ * the forward operand's bytes and scales). */
+static sf_status check_apart(const char *op, int n, const sf_tensor *const *all, const char *const *names)
+{
+    for (int i = 0; i < n; ++i)
+        for (int j = i + 1; j < n; ++j)
+            if (sf_tensors_overlap(all[i], all[j]))
+                return sf_fail(SF_ERR_VALUE, "%s: arguments '%s' and '%s' overlap in memory", op, names[i],
+                               names[j]);
+    return SF_OK;
+}
+
+/* W^T's 128x128 operand from W's (a->data, a->scales; validated): the bytes
+ * transposed, then the real scales transposed with zero padding. */
+static sf_status transpose_blocks(const char *op, const char *on_name, const sf_tensor *on, const sf_block_args *a,
+                                  uint8_t *out_t, sf_stream stream)
+{
+    const sf_transpose_args t = {.in = a->data, .out = out_t, .m = a->m, .k = a->k};
+    SF_TRY(SF_DISPATCH(op, on_name, on, sf_transpose_fp8_cpu(&t), sf_transpose_fp8_cuda(&t, on->device_id, stream)));
+    return SF_DISPATCH(op, on_name, on, sf_block_scales_transpose_cpu(a),
+                       sf_block_scales_transpose_cuda(a, on->device_id, stream));
+}
+
 sf_status sf_quantize_block_fp8_weight(const sf_tensor *w, sf_tensor *out, sf_tensor *scale_inv,
                                        sf_tensor *out_t, sf_tensor *scale_inv_t, sf_stream stream)
 {
@@ -167,33 +212,44 @@ sf_status sf_quantize_block_fp8_weight(const sf_tensor *w, sf_tensor *out, sf_te
     SF_TRY(check_out(op, "out", out, "w", w, a.m * a.k, 1));
     SF_TRY(sf_check_aligned(op, "out", out, 16));
     SF_TRY(check_block_scales(op, scale_inv, "w", w, 128, a.m, a.k, 1, &a.scale_ld));
-    SF_TRY(sf_quant_check_fp8(op, "out_t", out_t));
-    if (out_t->dtype != out->dtype)
-        return sf_fail(SF_ERR_TYPE, "%s: arguments 'out' and 'out_t' must have the same FP8 dtype", op);
-    if (out_t->ndim != 2 || out_t->shape[0] != a.k || out_t->shape[1] != a.m)
-        return sf_fail(SF_ERR_VALUE, "%s: argument 'out_t' must have shape [K, M] = [%lld, %lld]", op,
-                       (long long)a.k, (long long)a.m);
-    SF_TRY(check_out(op, "out_t", out_t, "w", w, a.k * a.m, 1));
-    SF_TRY(sf_check_aligned(op, "out_t", out_t, 16));
-    SF_TRY(check_block_scales_named(op, "scale_inv_t", scale_inv_t, "w", w, 128, a.k, a.m, 1, &a.scale_ld_t));
-    /* out_t is made from out's bytes and scale_inv_t from scale_inv's: every pair must be apart */
+    SF_TRY(check_transposed(op, "w", w, "out", out->dtype, out_t, scale_inv_t, &a));
     const sf_tensor *all[5] = {w, out, scale_inv, out_t, scale_inv_t};
-    static const char *names[5] = {"w", "out", "scale_inv", "out_t", "scale_inv_t"};
-    for (int i = 0; i < 5; ++i)
-        for (int j = i + 1; j < 5; ++j)
-            if (sf_tensors_overlap(all[i], all[j]))
-                return sf_fail(SF_ERR_VALUE, "%s: arguments '%s' and '%s' overlap in memory", op, names[i],
-                               names[j]);
+    static const char *const names[5] = {"w", "out", "scale_inv", "out_t", "scale_inv_t"};
+    SF_TRY(check_apart(op, 5, all, names));
     a.format = SF_BLOCK_FP8_128X128;
     fp8_quantize_fields(&a, w, out, scale_inv);
-    a.scales_t = (float *)scale_inv_t->data;
     if (a.m * a.k == 0)
         return SF_OK;
     SF_TRY(dispatch(op, "w", w, &a, 1, stream));
-    const sf_transpose_args t = {.in = a.data, .out = (uint8_t *)out_t->data, .m = a.m, .k = a.k};
-    SF_TRY(SF_DISPATCH(op, "w", w, sf_transpose_fp8_cpu(&t), sf_transpose_fp8_cuda(&t, w->device_id, stream)));
-    return SF_DISPATCH(op, "w", w, sf_block_scales_transpose_cpu(&a),
-                       sf_block_scales_transpose_cuda(&a, w->device_id, stream));
+    return transpose_blocks(op, "w", w, &a, (uint8_t *)out_t->data, stream);
+}
+
+sf_status sf_block_transpose_fp8(const sf_tensor *data, const sf_tensor *scale_inv, sf_tensor *out_t,
+                                 sf_tensor *scale_inv_t, sf_stream stream)
+{
+    static const char op[] = "block_transpose_fp8";
+    SF_TRY(sf_quant_check_fp8(op, "data", data));
+    SF_TRY(sf_check_contiguous(op, "data", data));
+    if (data->ndim != 2)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'data' must be 2-D (a weight's FP8 bytes [M, K]), got %d "
+                       "dimensions", op, (int)data->ndim);
+    sf_block_args a = {0};
+    a.m = data->shape[0];
+    a.k = data->shape[1];
+    if (a.m % 128 != 0 || a.k % 128 != 0)
+        return sf_fail(SF_ERR_VALUE, "%s: the dimensions of 'data' ([M, K] = [%lld, %lld]) must be multiples "
+                       "of 128 (whole 128x128 blocks)", op, (long long)a.m, (long long)a.k);
+    SF_TRY(sf_check_aligned(op, "data", data, 16));
+    SF_TRY(check_block_scales(op, scale_inv, "data", data, 128, a.m, a.k, 0, &a.scale_ld));
+    SF_TRY(check_transposed(op, "data", data, "data", data->dtype, out_t, scale_inv_t, &a));
+    const sf_tensor *all[4] = {data, scale_inv, out_t, scale_inv_t};
+    static const char *const names[4] = {"data", "scale_inv", "out_t", "scale_inv_t"};
+    SF_TRY(check_apart(op, 4, all, names));
+    a.data = (uint8_t *)data->data;
+    a.scales = scale_inv->data;
+    if (a.m * a.k == 0)
+        return SF_OK;
+    return transpose_blocks(op, "data", data, &a, (uint8_t *)out_t->data, stream);
 }
 
 sf_status sf_quantize_rowwise_fp8(const sf_tensor *x, sf_tensor *out, sf_tensor *scale_inv, sf_stream stream)

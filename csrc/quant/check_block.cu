@@ -2,8 +2,8 @@
  * check_block.cu - standalone check and benchmark of the block-scaled
  * quantizers (block_cuda.cu): FP8 with fp32 scales per 1x128 and 128x128
  * block, one scale per row (row-wise), the row-and-column 1x128 pass (with
- * its block column sums), a weight's W and W^T 128x128 operands in one call,
- * MXFP8 and NVFP4, quantize and dequantize.
+ * its block column sums), a weight's W and W^T 128x128 operands in one call
+ * (and W^T's from W's alone), MXFP8 and NVFP4, quantize and dequantize.
  *
  * Correctness: fresh random x (float32 and bfloat16, values spread over
  * several binades, a few blocks all zero) at shapes with a partial last
@@ -123,6 +123,17 @@ static void fp8_weight(sf_dtype dt, int64_t m, int64_t k, sf_dtype fp8)
     char what[80];
     snprintf(what, sizeof what, "fp8 %s 128x128 weight and its transpose", sf_dtype_name(fp8));
     report(what, dt, m, k, same_bytes(q) && same_bytes(si) && same_bytes(qt) && same_bytes(sit));
+    /* the transposed operand alone, from the CPU's forward operand, into fresh buffers */
+    q.up();
+    si.up();
+    CheckBuf qt2(fp8, k * m), sit2(SF_FLOAT32, sst[0] * sst[1]);
+    for (int cuda = 0; cuda < 2; ++cuda) {
+        sf_tensor qi = q.view(2, sx, cuda), s = si.view(2, ss, cuda), qto = qt2.view(2, st, cuda),
+                  sto = sit2.view(2, sst, cuda);
+        CHECK_SF(sf_block_transpose_fp8(&qi, &s, &qto, &sto, NULL));
+    }
+    snprintf(what, sizeof what, "fp8 %s 128x128 weight operand transposed", sf_dtype_name(fp8));
+    report(what, dt, m, k, same_bytes(qt2) && same_bytes(sit2) && memcmp(qt2.h.data(), qt.h.data(), k * m) == 0);
 }
 
 static void mxfp8(sf_dtype dt, int64_t m, int64_t k)

@@ -412,6 +412,27 @@ def quantize_block_fp8_weight(w, fp8_dtype=torch.float8_e4m3fn):
     return outs
 
 
+def block_transpose_fp8(data, scale_inv):
+    """W^T's 128x128-block operand from W's: ``data`` FP8 [M, K] (M, K
+    multiples of 128) and its ``scale_inv`` (:func:`block_scale_shape` with
+    block_rows=128) -> ``(data_t, scale_inv_t)``, data's bytes transposed
+    [K, M] and the real scales transposed [K/128, round_up(M/128, 4)]
+    (padding 0): what :func:`quantize_block_fp8_weight` writes beside W, for
+    a weight whose transposed copy was not kept.  One call (a byte transpose
+    and a scale transpose)."""
+    op = "block_transpose_fp8"
+    require_fp8_dlpack(op)
+    _check_fp8_data(op, data)
+    if data.dim() != 2:
+        raise ValueError(f"{op}: argument 'data' must be 2-D (a weight's FP8 bytes [M, K]), got shape "
+                         f"{tuple(data.shape)}")
+    m, k = data.shape
+    data_t = torch.empty(k, m, dtype=data.dtype, device=data.device)
+    scale_inv_t = torch.empty(*block_scale_shape(k, m, 128), dtype=torch.float32, device=data.device)
+    _C.block_transpose_fp8(data, scale_inv, data_t, scale_inv_t, stream_for(data))
+    return data_t, scale_inv_t
+
+
 def block_weight_outputs(m, k, fp8_dtype, device):
     """New (data, scale_inv, data_t, scale_inv_t) for :func:`quantize_block_fp8_weight` of an [m, k] weight."""
     return (torch.empty(m, k, dtype=fp8_dtype, device=device),

@@ -694,8 +694,8 @@ def block_weight_transposed(q):
     so the bytes are W's transposed and the scales W's scale matrix
     transposed (re-padded to 4 blocks per row) -- bit for bit what quantizing
     W.t() gives, for a byte transpose instead of a 16-bit transpose and a
-    second quantization."""
-    data_t, si_t = block_transposed_parts(q.data, q.scale_inv)
+    second quantization (one C call: ops.quant.block_transpose_fp8)."""
+    data_t, si_t = qops.block_transpose_fp8(q.data, q.scale_inv)
     return Float8BlockTensor(data_t, si_t, 128, dtype=q.dtype)
 
 
@@ -704,18 +704,8 @@ def transposed_weight_parts(data, scale_inv, kind):
     bits the weight's cast writes into its transposed copy, by a byte
     transpose (block scaling: with the scale matrix transposed)."""
     if kind == "block":
-        return block_transposed_parts(data, scale_inv)
+        return qops.block_transpose_fp8(data, scale_inv)
     return qops.transpose_fp8(data), scale_inv
-
-
-def block_transposed_parts(data, scale_inv):
-    """(W^T's bytes, W^T's 128x128 scale inverses) from W's (block_weight_transposed's work)."""
-    out_f, in_f = data.shape
-    data_t = qops.transpose_fp8(data)
-    rb, cb = out_f // 128, in_f // 128
-    si_t = scale_inv.new_zeros(cb, (rb + 3) // 4 * 4)
-    si_t[:, :rb] = scale_inv[:rb, :cb].t()
-    return data_t, si_t
 
 
 # ---- one module's set -------------------------------------------------------------
