@@ -579,49 +579,51 @@ void launch_quantize(const sf_block_args *a, int sms, cudaStream_t stream)
     }
 }
 
+/* `launch(sms, stream)` on `device` (its status, then the launch's, reported
+ * under `what`), with the device guard every entry below takes. */
+template <typename Launch>
+sf_status on_device(const char *what, int device, sf_stream s, Launch launch)
+{
+    cudaStream_t stream = sf_cuda_stream(s);
+    sf_cuda_device_guard guard;
+    SF_TRY(sf_cuda_device_enter(what, device, &guard));
+    int sms = 0;
+    sf_status st = sms_of_current(&sms);
+    if (st == SF_OK)
+        st = sf_cuda_launch_status(what, launch(sms, stream));
+    sf_cuda_device_restore(&guard);
+    return st;
+}
+
 } // namespace
 
 extern "C" sf_status sf_block_quantize_cuda(const sf_block_args *a, int device, sf_stream s)
 {
-    cudaStream_t stream = sf_cuda_stream(s);
-    sf_cuda_device_guard guard;
-    SF_TRY(sf_cuda_device_enter("block quantize", device, &guard));
-    int sms = 0;
-    sf_status st = sms_of_current(&sms);
     /* an empty matrix has no blocks and no scales, but NVFP4 still owes its
      * per-tensor scale */
-    if (st == SF_OK && (a->m * a->k != 0 || a->format == SF_BLOCK_NVFP4)) {
-        st = sf_visit_float("block quantize", "x", a->x_dtype, [&](auto tag) {
+    if (a->m * a->k == 0 && a->format != SF_BLOCK_NVFP4)
+        return SF_OK;
+    return on_device("block quantize", device, s, [&](int sms, cudaStream_t stream) {
+        return sf_visit_float("block quantize", "x", a->x_dtype, [&](auto tag) {
             launch_quantize<typename decltype(tag)::type>(a, sms, stream);
             return SF_OK;
         });
-        st = sf_cuda_launch_status("block quantize", st);
-    }
-    sf_cuda_device_restore(&guard);
-    return st;
+    });
 }
 
 extern "C" sf_status sf_block_dequantize_cuda(const sf_block_args *a, int device, sf_stream s)
 {
     if (a->m * a->k == 0)
         return SF_OK;
-    cudaStream_t stream = sf_cuda_stream(s);
-    sf_cuda_device_guard guard;
-    SF_TRY(sf_cuda_device_enter("block dequantize", device, &guard));
-    int sms = 0;
-    sf_status st = sms_of_current(&sms);
-    if (st == SF_OK) {
-        int grid = sf_grid_size(a->m * a->k, kThreads, sms * 16);
+    return on_device("block dequantize", device, s, [&](int sms, cudaStream_t stream) {
+        const int grid = sf_grid_size(a->m * a->k, kThreads, sms * 16);
         /* x_dtype holds the dtype of the dequantized output here */
-        st = sf_visit_float("block dequantize", "out", a->x_dtype, [&](auto tag) {
+        return sf_visit_float("block dequantize", "out", a->x_dtype, [&](auto tag) {
             using T = typename decltype(tag)::type;
             dequant_kernel<T><<<grid, kThreads, 0, stream>>>(*a, (T *)a->y);
             return SF_OK;
         });
-        st = sf_cuda_launch_status("block dequantize", st);
-    }
-    sf_cuda_device_restore(&guard);
-    return st;
+    });
 }
 
 extern "C" sf_status sf_block_scales_transpose_cuda(const sf_block_args *a, int device, sf_stream s)
@@ -629,16 +631,9 @@ extern "C" sf_status sf_block_scales_transpose_cuda(const sf_block_args *a, int 
     const int64_t cb = a->k / 128, n = cb * a->scale_ld_t;
     if (n == 0)
         return SF_OK;
-    cudaStream_t stream = sf_cuda_stream(s);
-    sf_cuda_device_guard guard;
-    SF_TRY(sf_cuda_device_enter("block scales transpose", device, &guard));
-    int sms = 0;
-    sf_status st = sms_of_current(&sms);
-    if (st == SF_OK) {
+    return on_device("block scales transpose", device, s, [&](int sms, cudaStream_t stream) {
         scales_transpose_kernel<<<sf_grid_size(n, kThreads, sms * 4), kThreads, 0, stream>>>(
             (const float *)a->scales, a->m / 128, cb, a->scale_ld, a->scales_t, a->scale_ld_t);
-        st = sf_cuda_launch_status("block scales transpose", st);
-    }
-    sf_cuda_device_restore(&guard);
-    return st;
+        return SF_OK;
+    });
 }
