@@ -205,6 +205,15 @@ def wants_weight_transpose(grad, role):
 
 # ---- the three roles -------------------------------------------------------------
 
+def _cast_input(x):
+    """(x without autograd history, row-major; M; K): a cast's input seen as [M, K]."""
+    if x.requires_grad:
+        x = x.detach()
+    x = dense(x)
+    k = x.shape[-1]
+    return x, (x.numel() // k if k else 0), k
+
+
 class _Role:
     __slots__ = ("owner", "index", "scratch")
 
@@ -255,9 +264,7 @@ class _Role:
         checks the tensors).  ``kept``: the scale inverse and sums are the
         role's kept ones (GradQuantizer.kept_outputs)."""
         o = self.owner
-        if x.requires_grad:
-            x = x.detach()
-        x = dense(x)
+        x, m, k = _cast_input(x)
         delayed = o.kind == "delayed"
         if delayed:
             scale, amax, fp8_dtype = state_cast_args(o.state, self.index, x)
@@ -265,8 +272,6 @@ class _Role:
             fp8_dtype = self.fp8_dtype
             amax, scale = self._scratch(x)
         dev = x.device
-        k = x.shape[-1]
-        m = x.numel() // k if k else 0
         mp = m if rows is None else rows
         # (sizes as separate ints: torch parses them faster than a torch.Size or a tuple)
         scale_inv, sums = (self.kept_outputs if kept else self.cast_outputs)(x, None if dbias is None else mp)
@@ -310,11 +315,7 @@ class _Role:
         quantize_block(..., 1, columnwise=True, rowwise=rowwise, rows=rows)
         makes), its outputs made here: a Float8BlockTensor; ``sums`` (float32
         [ceil(M / 128), K]) receives the dbias pass's block sums."""
-        if x.requires_grad:
-            x = x.detach()
-        x = dense(x)
-        k = x.shape[-1]
-        m = x.numel() // k if k else 0
+        x, m, k = _cast_input(x)
         outs = qops.rowcol_outputs(x, m, k, self.fp8_dtype, rows, rowwise, True)
         qops.quantize_block_fp8_rowcol_into(x, *outs, sums)
         data, si, data_t, si_t = outs
