@@ -84,10 +84,12 @@ def block_breakdown():
         x.numel() * 3 + 4 * x.numel() // 128)
     add("quantize x: row-wise 1x128 only (rowcol kernel)",
         lambda: ops.quantize_block_fp8_rowcol(x, e4m3, columnwise=False), x.numel() * 3 + 4 * x.numel() // 128)
-    from seqfuse.modules.linear import block_weight_transposed
+    from seqfuse.quantization.gemm_quantizers import block_weight_transposed
 
     add("quantize W 128x128 + W^T copy (once per weight update)",
         lambda: block_weight_transposed(Q.quantize_block(w, 128, e4m3)))
+    add("quantize W 128x128 + W^T copy in one call (quantize_block_fp8_weight)",
+        lambda: ops.quantize_block_fp8_weight(w, e4m3))
     wq = Q.quantize_block(w, 128, e4m3)
     wt = block_weight_transposed(wq)
     xq = Q.quantize_block(x, 1, e4m3, columnwise=True)

@@ -318,6 +318,15 @@ def op_specs():
                     tensors=["x"]))
     S.append(OpSpec("quantize_block_fp8_rowcol", lambda d: {"x": r(4, 128, device=d)},
                     lambda a: tuple(t.float() for t in ops.quantize_block_fp8_rowcol(a["x"])), tensors=["x"]))
+    S.append(OpSpec("quantize_block_fp8_weight", lambda d: {"w": r(128, 256, device=d)},
+                    lambda a: tuple(t.float() for t in ops.quantize_block_fp8_weight(a["w"])), tensors=["w"]))
+
+    def btf_build(d):
+        data, si = ops.quantize_block_fp8(r(128, 256), 128)
+        return {"data": data.to(d), "scale_inv": si.to(d)}
+    S.append(OpSpec("block_transpose_fp8", btf_build,
+                    lambda a: tuple(t.float() for t in ops.block_transpose_fp8(a["data"], a["scale_inv"])),
+                    tensors=["data", "scale_inv"], nan=False))
 
     def dqb_build(d):
         data, si = ops.quantize_block_fp8(r(4, 128))

@@ -459,6 +459,12 @@ def test_block_transpose_refusals():
     out_t, si_t = ops.block_transpose_fp8(data, si)
     with pytest.raises(ValueError, match="arguments 'data' and 'out_t' overlap in memory"):
         seqfuse._C.block_transpose_fp8(data, si, data.view(384, 256), si_t)
+    with pytest.raises(TypeError, match="arguments 'data' and 'out_t' must have the same FP8 dtype"):
+        seqfuse._C.block_transpose_fp8(data, si, torch.empty(384, 256, dtype=E5M2), si_t)
+    with pytest.raises(ValueError, match="argument 'scale_inv_t' must have shape"):
+        seqfuse._C.block_transpose_fp8(data, si, out_t, torch.empty(3, 8))
+    with pytest.raises(ValueError, match="argument 'scale_inv' must have shape"):  # a larger scale tensor
+        ops.block_transpose_fp8(data, torch.ones(4, 8))
 
 
 def test_weight_operands_refusals():
@@ -510,3 +516,14 @@ def test_cuda_weight_operands_bit_identical(shape, dtype, seed):
         torch.cuda.synchronize()
         for g, r in zip(got_t, want[2:]):
             assert torch.equal(bits(g.cpu()), bits(r))
+
+
+@pytest.mark.cuda
+def test_cuda_empty_input_with_padded_rows_writes_them():
+    """No real rows, 16 padded ones: the zero rows and their scales are
+    written on CUDA as on the CPU (the launch is not skipped as empty)."""
+    x = torch.empty(0, 256, dtype=torch.bfloat16)
+    want = ops.quantize_block_fp8(x, 1, E4M3, rows=16)
+    got = ops.quantize_block_fp8(x.cuda(), 1, E4M3, rows=16)
+    for g, r in zip(got, want):
+        assert torch.equal(bits(g.cpu()), bits(r))

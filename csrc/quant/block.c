@@ -188,6 +188,8 @@ static sf_status check_apart(const char *op, int n, const sf_tensor *const *all,
 static sf_status transpose_blocks(const char *op, const char *on_name, const sf_tensor *on, const sf_block_args *a,
                                   uint8_t *out_t, sf_stream stream)
 {
+    if (a->m * a->k == 0)
+        return SF_OK;
     const sf_transpose_args t = {.in = a->data, .out = out_t, .m = a->m, .k = a->k};
     SF_TRY(SF_DISPATCH(op, on_name, on, sf_transpose_fp8_cpu(&t), sf_transpose_fp8_cuda(&t, on->device_id, stream)));
     return SF_DISPATCH(op, on_name, on, sf_block_scales_transpose_cpu(a),
@@ -218,8 +220,6 @@ sf_status sf_quantize_block_fp8_weight(const sf_tensor *w, sf_tensor *out, sf_te
     SF_TRY(check_apart(op, 5, all, names));
     a.format = SF_BLOCK_FP8_128X128;
     fp8_quantize_fields(&a, w, out, scale_inv);
-    if (a.m * a.k == 0)
-        return SF_OK;
     SF_TRY(dispatch(op, "w", w, &a, 1, stream));
     return transpose_blocks(op, "w", w, &a, (uint8_t *)out_t->data, stream);
 }
@@ -247,8 +247,6 @@ sf_status sf_block_transpose_fp8(const sf_tensor *data, const sf_tensor *scale_i
     SF_TRY(check_apart(op, 4, all, names));
     a.data = (uint8_t *)data->data;
     a.scales = scale_inv->data;
-    if (a.m * a.k == 0)
-        return SF_OK;
     return transpose_blocks(op, "data", data, &a, (uint8_t *)out_t->data, stream);
 }
 

@@ -520,11 +520,11 @@ __global__ void scales_transpose_kernel(const float *__restrict__ si, int64_t rb
     }
 }
 
-sf_status sms_of_current(int *sms)
+sf_status sms_of_current(const char *what, int *sms)
 {
     int device = 0;
-    SF_CUDA_TRY("block quantize", cudaGetDevice(&device));
-    SF_CUDA_TRY("block quantize", cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device));
+    SF_CUDA_TRY(what, cudaGetDevice(&device));
+    SF_CUDA_TRY(what, cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device));
     return SF_OK;
 }
 
@@ -588,7 +588,7 @@ sf_status on_device(const char *what, int device, sf_stream s, Launch launch)
     sf_cuda_device_guard guard;
     SF_TRY(sf_cuda_device_enter(what, device, &guard));
     int sms = 0;
-    sf_status st = sms_of_current(&sms);
+    sf_status st = sms_of_current(what, &sms);
     if (st == SF_OK)
         st = sf_cuda_launch_status(what, launch(sms, stream));
     sf_cuda_device_restore(&guard);
@@ -601,7 +601,7 @@ extern "C" sf_status sf_block_quantize_cuda(const sf_block_args *a, int device, 
 {
     /* an empty matrix has no blocks and no scales, but NVFP4 still owes its
      * per-tensor scale */
-    if (a->m * a->k == 0 && a->format != SF_BLOCK_NVFP4)
+    if (std::max(a->mp, a->m) * a->k == 0 && a->format != SF_BLOCK_NVFP4)  /* (padded rows are written) */
         return SF_OK;
     return on_device("block quantize", device, s, [&](int sms, cudaStream_t stream) {
         return sf_visit_float("block quantize", "x", a->x_dtype, [&](auto tag) {

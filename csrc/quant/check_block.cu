@@ -133,7 +133,8 @@ static void fp8_weight(sf_dtype dt, int64_t m, int64_t k, sf_dtype fp8)
         CHECK_SF(sf_block_transpose_fp8(&qi, &s, &qto, &sto, NULL));
     }
     snprintf(what, sizeof what, "fp8 %s 128x128 weight operand transposed", sf_dtype_name(fp8));
-    report(what, dt, m, k, same_bytes(qt2) && same_bytes(sit2) && memcmp(qt2.h.data(), qt.h.data(), k * m) == 0);
+    report(what, dt, m, k, same_bytes(qt2) && same_bytes(sit2) && memcmp(qt2.h.data(), qt.h.data(), k * m) == 0 &&
+                               memcmp(sit2.h.data(), sit.h.data(), sst[0] * sst[1] * 4) == 0);
 }
 
 static void mxfp8(sf_dtype dt, int64_t m, int64_t k)

@@ -30,13 +30,14 @@ __all__ += ["check_pending_errors"]
 from .quant import (cast_fp8, cast_transpose_fp8, dequantize_block_fp8,  # noqa: E402
                     dequantize_fp8, dequantize_mxfp8, dequantize_nvfp4, fp8_compute_scale,
                     fp8_scale_update, quantize_block_fp8, quantize_block_fp8_rowcol,
-                    quantize_block_fp8_weight, block_transpose_fp8, quantize_mxfp8, quantize_nvfp4, quantize_rowwise_fp8, transpose_fp8)
+                    quantize_block_fp8_weight, block_transpose_fp8, quantize_mxfp8, quantize_nvfp4,
+                    quantize_rowwise_fp8, transpose_fp8)
 
 __all__ += ["cast_fp8", "cast_transpose_fp8", "dequantize_fp8", "fp8_compute_scale",
             "fp8_scale_update", "quantize_block_fp8", "dequantize_block_fp8", "quantize_mxfp8",
             "dequantize_mxfp8", "quantize_nvfp4", "dequantize_nvfp4",
-            "quantize_block_fp8_rowcol", "quantize_block_fp8_weight", "block_transpose_fp8", "quantize_rowwise_fp8",
-            "transpose_fp8"]
+            "quantize_block_fp8_rowcol", "quantize_block_fp8_weight", "block_transpose_fp8",
+            "quantize_rowwise_fp8", "transpose_fp8"]
 
 from .norm import layernorm_backward, layernorm_forward, rmsnorm_backward, rmsnorm_forward  # noqa: E402
 

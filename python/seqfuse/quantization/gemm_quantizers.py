@@ -695,7 +695,9 @@ def block_weight_transposed(q):
     so the bytes are W's transposed and the scales W's scale matrix
     transposed (re-padded to 4 blocks per row) -- bit for bit what quantizing
     W.t() gives, for a byte transpose instead of a 16-bit transpose and a
-    second quantization (one C call: ops.quant.block_transpose_fp8)."""
+    second quantization (one C call: ops.quant.block_transpose_fp8, which
+    takes W's bytes [M, K] with M and K multiples of 128, 16-byte aligned, and
+    their scales in exactly quantize_block_fp8's 128x128 shape)."""
     data_t, si_t = qops.block_transpose_fp8(q.data, q.scale_inv)
     return Float8BlockTensor(data_t, si_t, 128, dtype=q.dtype)
 
