@@ -176,7 +176,7 @@ def test_on_cpu_expectation_follows_the_calls_devices():
     sole = {s.name: corpus._sole_tensor(s, "cpu") for s in corpus.op_specs()}
     assert {n for n, p in sole.items() if p} == {
         "amax", "transpose_fp8", "quantize_block_fp8", "quantize_block_fp8_128", "quantize_block_fp8_rowcol",
-        "quantize_mxfp8", "quantize_nvfp4", "act_forward_gelu", "act_forward_relu", "act_forward_silu", "act_forward_swiglu",
+        "quantize_block_fp8_weight", "quantize_mxfp8", "quantize_nvfp4", "act_forward_gelu", "act_forward_relu", "act_forward_silu", "act_forward_swiglu",
         "dropout_backward"}
     assert sole["amax_out"] is None and sole["act_backward_gelu"] is None  # an output / a second tensor
 

@@ -286,3 +286,39 @@ def test_gathered_weight_makes_new_tensors_shaped_like_it():
     assert torch.equal(torch.ones_like(w), torch.ones(4, 8, dtype=torch.bfloat16))
     assert torch.equal(w.new_zeros((2, 3)), torch.zeros(2, 3, dtype=torch.bfloat16))
     assert w.new_empty((5,)).shape == (5,)
+
+
+@needs_fp8
+@pytest.mark.parametrize("kind", ["current", "block"])
+def test_gathered_weight_pair_without_transposed_copy(kind, monkeypatch):
+    """A gathered FP8 weight asked for its forward operand only (no gradient
+    wanted, or set_weight_transpose_cache(False)) makes no transpose: the
+    pair's second element is None and the forward operand is the full
+    pair's."""
+    from types import SimpleNamespace
+
+    from seqfuse import ops
+    from seqfuse.distributed.fp8_allgather import GatheredFP8Weight
+    from seqfuse.quantization.gemm_quantizers import quantizers_for
+
+    lin = te.Linear(256, 128, params_dtype=torch.bfloat16)
+    recipe = Float8BlockScaling() if kind == "block" else Float8CurrentScaling()
+    wq = quantizers_for(lin, recipe, lin.weight.device).weights[0]
+    cfg = SimpleNamespace(kind=kind, fp8_dtype=torch.float8_e4m3fn, margin=0, name="test")
+    w = torch.randn(128, 256)
+    if kind == "block":
+        data, si = ops.quantize_block_fp8(w, 128, torch.float8_e4m3fn)
+    else:
+        si = torch.full((1,), 0.01)
+        data = (w / 0.01).clamp(-448, 448).to(torch.float8_e4m3fn)
+    g = GatheredFP8Weight(data, si, torch.ones(1), cfg, torch.bfloat16)
+    transposes = []
+    for name in ("transpose_fp8", "block_transpose_fp8"):
+        real = getattr(ops.quant, name)
+        monkeypatch.setattr(ops.quant, name, lambda *a, real=real, name=name: transposes.append(name) or real(*a))
+    full = g.sf_fp8_pair(wq)
+    assert full[1] is not None and len(transposes) == 1
+    first, second = g.sf_fp8_pair(wq, transposed=False)
+    assert second is None and len(transposes) == 1
+    assert torch.equal(first.data.view(torch.uint8), full[0].data.view(torch.uint8))
+    assert torch.equal(first.scale_inv, full[0].scale_inv)

@@ -320,12 +320,15 @@ class GatheredFP8Weight(torch.Tensor):
 
     # ---- what WeightQuantizer takes ----------------------------------------------
 
-    def sf_fp8_pair(self, quantizer):
+    def sf_fp8_pair(self, quantizer, transposed=True):
         """(forward operand, input-gradient operand) as WeightQuantizer.get
         returns them, from the gathered bytes: the per-tensor Float8Tensor
         with its transposed copy made now, or the block tensor and its
-        transposed blocks.  Refuses a quantizer whose recipe differs from
-        the one the gather was set up for."""
+        transposed blocks; with ``transposed`` False (a call that wants no
+        gradient, or set_weight_transpose_cache(False), whose backward makes
+        W^T itself) the second element is None and no transpose runs.
+        Refuses a quantizer whose recipe differs from the one the gather was
+        set up for."""
         cfg, o = self._cfg, quantizer.owner
         margin = 0 if o.kind == "block" else o.margin
         if (o.kind == "block") != (cfg.kind == "block") or quantizer.fp8_dtype != cfg.fp8_dtype \
@@ -337,14 +340,14 @@ class GatheredFP8Weight(torch.Tensor):
                              f"the model runs under")
         if cfg.kind == "block":
             q = Float8BlockTensor(self._data, self._scale_inv, 128, dtype=self.dtype)
-            return q, block_weight_transposed(q)
+            return q, (block_weight_transposed(q) if transposed else None)
         if o.kind == "delayed":  # the weight's amax lands in its state slot, as a cast's does
             slot = o.state.amax_of(quantizer.index)
             torch.maximum(slot, self._amax.reshape(slot.shape), out=slot)
         data = self._data
-        q = Float8Tensor(data, self._scale_inv, cfg.fp8_dtype, data_t=qops.transpose_fp8(data),
-                         dtype=self.dtype, shape=data.shape)
-        return q, q
+        data_t = qops.transpose_fp8(data) if transposed else None
+        q = Float8Tensor(data, self._scale_inv, cfg.fp8_dtype, data_t=data_t, dtype=self.dtype, shape=data.shape)
+        return q, (q if transposed else None)
 
 
 def _weight_dtype(recipe):

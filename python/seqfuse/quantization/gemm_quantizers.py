@@ -515,7 +515,7 @@ class WeightQuantizer(_Role):
         bytes (a byte transpose: the bits the cast would have written) and
         keeps it.  Under CUDA graph capture both are made."""
         grad = transposed or device_checks.capturing(weight)
-        pair, note = self.lookup(weight, is_first_microbatch, sources)
+        pair, note = self.lookup(weight, is_first_microbatch, sources, grad)
         if pair is None:
             return self.store(note, *self._cast_weight(weight.detach(), grad))
         if grad and pair[1] is None:
@@ -531,19 +531,20 @@ class WeightQuantizer(_Role):
         return Float8Tensor(q.data, q.scale_inv, q.fp8_dtype, data_t=qops.transpose_fp8(q.data), dtype=q.dtype,
                             shape=q.shape)
 
-    def lookup(self, weight, is_first_microbatch=None, sources=None):
+    def lookup(self, weight, is_first_microbatch=None, sources=None, transposed=True):
         """(the operand pair to use, None) where no cast is needed now (the
         cached pair, or a weight FSDP2 gathered in FP8); else (None, note):
         the weight must be cast, and ``store(note, pair, scratch)`` keeps
         the cast's result (get() does both; a grouped layer casts all its
-        experts' weights in one call between the two)."""
+        experts' weights in one call between the two).  ``transposed``: a
+        gathered weight's input-gradient operand is made (get's request)."""
         o = self.owner
         if sources is None and hasattr(type(weight), "sf_fp8_pair"):
             # FSDP2 gathered this weight in FP8 (seqfuse.distributed.fp8_allgather):
             # its bytes are the cast of the current weight; nothing is cached
             # here, so no later call can reuse an operand of an older gather
             self.key = self.param = self.pair = None
-            return weight.sf_fp8_pair(self), None
+            return weight.sf_fp8_pair(self, transposed), None
         in_capture = device_checks.capturing(weight)
         src = (weight,) if sources is None else sources
         key = weight_key(src, o.kind, o.fmt, weight.shape, weight.dtype, weight.device)
