@@ -143,11 +143,17 @@ def cast_transpose_fp8(x, scale, amax, fp8_dtype, *, out=None, out_t=None, scale
         if dbias_dtype not in SUM_DTYPES:  # (before the cast: it writes the outputs and folds the amax)
             raise TypeError(f"{op}: argument 'dbias_dtype' must be torch.float32, torch.bfloat16 or "
                             f"torch.float16, got {dbias_dtype}")
-        sums = torch.empty((m + 127) // 128, k, dtype=torch.float32, device=x.device)
+        sums = torch.empty(*block_sums_shape(m, k), dtype=torch.float32, device=x.device)
         _C.cast_fp8_dbias(x, scale, amax, out if rowwise else None, out_t, scale_inv, sums, stream_for(x))
         return (out if rowwise else None), out_t, column_sums(sums, dbias_dtype)
     _C.cast_fp8(x, scale, amax, out if rowwise else None, out_t, scale_inv, stream_for(x))
     return (out if rowwise else None), out_t
+
+
+def block_sums_shape(rows, k):
+    """The shape of the float32 per-128-row-block column sums a dbias pass
+    writes for a matrix of ``rows`` rows and ``k`` columns: [ceil(rows / 128), k]."""
+    return (rows + 127) // 128, k
 
 
 #: The dtypes column_sums writes (a bias gradient's).
@@ -426,19 +432,22 @@ def block_transpose_fp8(data, scale_inv):
     if data.dim() != 2:
         raise ValueError(f"{op}: argument 'data' must be 2-D (a weight's FP8 bytes [M, K]), got shape "
                          f"{tuple(data.shape)}")
-    m, k = data.shape
-    data_t = torch.empty(k, m, dtype=data.dtype, device=data.device)
-    scale_inv_t = torch.empty(*block_scale_shape(k, m, 128), dtype=torch.float32, device=data.device)
+    data_t, scale_inv_t = _transposed_block_outputs(*data.shape, data.dtype, data.device)
     _C.block_transpose_fp8(data, scale_inv, data_t, scale_inv_t, stream_for(data))
     return data_t, scale_inv_t
+
+
+def _transposed_block_outputs(m, k, fp8_dtype, device):
+    """New (data_t [k, m], scale_inv_t) for W^T's 128x128-block operand of an [m, k] weight."""
+    return (torch.empty(k, m, dtype=fp8_dtype, device=device),
+            torch.empty(*block_scale_shape(k, m, 128), dtype=torch.float32, device=device))
 
 
 def block_weight_outputs(m, k, fp8_dtype, device):
     """New (data, scale_inv, data_t, scale_inv_t) for :func:`quantize_block_fp8_weight` of an [m, k] weight."""
     return (torch.empty(m, k, dtype=fp8_dtype, device=device),
             torch.empty(*block_scale_shape(m, k, 128), dtype=torch.float32, device=device),
-            torch.empty(k, m, dtype=fp8_dtype, device=device),
-            torch.empty(*block_scale_shape(k, m, 128), dtype=torch.float32, device=device))
+            *_transposed_block_outputs(m, k, fp8_dtype, device))
 
 
 def quantize_block_fp8_weight_into(w, data, scale_inv, data_t, scale_inv_t):
@@ -497,7 +506,7 @@ def quantize_block_fp8_rowcol(x, fp8_dtype=torch.float8_e4m3fn, *, rowwise=True,
     if col_sums and not columnwise:
         raise ValueError(f"{op}: col_sums=True needs columnwise=True (that pass computes them)")
     outs = rowcol_outputs(x, m, k, fp8_dtype, mp, rowwise, columnwise)
-    sums = torch.empty(mt // 128, k, dtype=torch.float32, device=x.device) if col_sums else None
+    sums = torch.empty(*block_sums_shape(m, k), dtype=torch.float32, device=x.device) if col_sums else None
     quantize_block_fp8_rowcol_into(x, *outs, sums)
     return (*outs, sums) if col_sums else outs
 

@@ -253,7 +253,7 @@ class _Role:
         si = torch.empty(1, dtype=torch.float32, device=dev)
         if sums_rows is None:
             return si, None
-        return si, torch.empty((sums_rows + 127) // 128, x.shape[-1], dtype=torch.float32, device=dev)
+        return si, torch.empty(*qops.block_sums_shape(sums_rows, x.shape[-1]), dtype=torch.float32, device=dev)
 
     def _cast(self, x, transpose, dbias=None, rows=None, kept=False):
         """Per-tensor cast of x [M, K] under the owner's recipe, the copies
@@ -426,10 +426,10 @@ class GradQuantizer(_Role):
                     self.kept_scale_inv = si
         if sums_rows is None:
             return si, None
-        key = (dev, (sums_rows + 127) // 128, x.shape[-1])
+        key = (dev, *qops.block_sums_shape(sums_rows, x.shape[-1]))
         sums = None if capturing else _shared_sums.get(key)
         if sums is None:
-            sums = torch.empty(key[1], key[2], dtype=torch.float32, device=dev)
+            sums = torch.empty(*key[1:], dtype=torch.float32, device=dev)
             if not capturing:
                 if len(_shared_sums) >= 64:
                     _shared_sums.clear()
