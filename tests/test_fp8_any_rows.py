@@ -607,24 +607,146 @@ def test_graphed_layer_accumulates_gradients_over_micro_batches(seed):
             p.grad = None
 
 
+def _call_of(kind, m):
+    """``m``'s call on x [M, 128] (GroupedLinear: two experts, half the rows each)."""
+    if kind == "GroupedLinear":
+        return lambda x: m(x, [x.shape[0] // 2, x.shape[0] - x.shape[0] // 2])
+    return m
+
+
+def _recast_in_place(kind, recipe, transpose_cache):
+    """Whether a weight's re-cast writes its cached buffers when nothing holds
+    them: not GroupedLinear's one call for all experts under per-tensor
+    recipes, nor block scaling's forward operand alone (both make new ones)."""
+    if kind == "GroupedLinear":
+        return recipe == "block"
+    return transpose_cache or recipe != "block"
+
+
+def _weighted_module(kind, device="cpu"):
+    """(module, its call): the FP8 modules whose weights the quantizers cache."""
+    m = (te.GroupedLinear(2, 128, 256, device=device, params_dtype=torch.bfloat16) if kind == "GroupedLinear"
+         else _module(kind, device))
+    return m, _call_of(kind, m)
+
+
+def _fp8_weight_ptrs(m):
+    return [(p[0].data.data_ptr(), p[1] is not None and (p[1].data if p[1].data_t is None else p[1].data_t).data_ptr())
+            for p in _cached_pairs(m)]
+
+
 @needs_fp8
-def test_recast_never_overwrites_a_weight_a_pending_backward_holds(seed):
-    """Forward, change the weight, forward again, then the first backward:
-    its input gradient uses the weight its forward used (the re-cast writes
-    new buffers while the old ones are saved for a backward)."""
-    m = te.Linear(64, 32, bias=False, device="cpu", params_dtype=torch.bfloat16)
-    w0 = m.weight.detach().clone()
-    x = torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)
-    with te.autocast(recipe=Float8CurrentScaling()):
-        y1 = m(x)
+@pytest.mark.parametrize("cache", [True, False])
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear"])
+def test_recast_never_overwrites_a_weight_a_pending_backward_holds(kind, recipe, cache, seed):
+    """Forward, change the weights in place, forward again, then the first
+    backward: its gradients are those of a copy that ran that forward and
+    backward alone (the weights its forward used), with or without the
+    transposed-weight cache -- the re-cast writes new buffers while a
+    backward holds the old ones; after that backward the next re-cast
+    writes into the cached ones again (where it ever does: _recast_in_place)."""
+    from seqfuse.quantization import set_weight_transpose_cache
+
+    torch.manual_seed(seed)
+    make = RECIPES[recipe]
+    m, call = _weighted_module(kind)
+    ref = copy.deepcopy(m)
+    ref_call = _call_of(kind, ref)
+    x = torch.randn(32, 128, dtype=torch.bfloat16)
+    dy = torch.randn(32, 256 if kind in ("LayerNormLinear", "Linear", "GroupedLinear") else 128,
+                     dtype=torch.bfloat16)
+    previous = set_weight_transpose_cache(cache)
+    try:
+        for mod, fn in ((m, call), (ref, ref_call)):  # a first step: a cast in the cache
+            with te.autocast(recipe=make()):
+                fn(x).float().square().mean().backward()
+            mod.zero_grad()
+        n = weight_casts(m)
+        xa = x.clone().requires_grad_()
+        with te.autocast(recipe=make()):
+            ya = call(xa)
+        gemm_weights = [p for p in m.parameters() if p.dim() == 2]  # (the norm's are saved: torch refuses)
         with torch.no_grad():
-            m.weight.mul_(-3)
-        m(x.detach())
-    dy = torch.randn(16, 32, dtype=torch.bfloat16)
-    y1.backward(dy)
-    assert weight_casts(m) == 2
-    assert rel_error(x.grad, dy.double() @ w0.double()) < 0.1  # FP8 (E5M2 x E4M3) rounding
-    assert rel_error(x.grad, dy.double() @ (-3 * w0.double())) > 1
+            for p in gemm_weights:
+                p.mul_(-3)
+        held = _fp8_weight_ptrs(m)
+        with te.autocast(recipe=make()):
+            call(x.clone().requires_grad_())  # casts the new weights (its graph dropped at once)
+        assert weight_casts(m) == 2 * n
+        moved = _fp8_weight_ptrs(m)
+        assert all(a[0] != b[0] for a, b in zip(held, moved))  # new buffers: the backward holds the old
+        ya.backward(dy)
+        xr = x.clone().requires_grad_()
+        with te.autocast(recipe=make()):
+            yr = ref_call(xr)
+        yr.backward(dy)
+        assert torch.equal(ya, yr)
+        assert torch.equal(xa.grad, xr.grad)
+        for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad), name
+        del ya, xa
+        kept = _fp8_weight_ptrs(m)
+        with torch.no_grad():
+            for p in gemm_weights:
+                p.mul_(-1)
+        with te.autocast(recipe=make()):
+            call(x)
+        assert weight_casts(m) == 3 * n
+        if _recast_in_place(kind, recipe, cache):
+            assert _fp8_weight_ptrs(m) == kept  # nothing holds them now: written in place
+    finally:
+        set_weight_transpose_cache(previous)
+
+
+@needs_fp8
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear"])
+@pytest.mark.parametrize("validate", [False, True])
+def test_weight_recast_writes_the_cached_buffers_and_equals_a_fresh_cast(validate, kind, recipe, device, seed):
+    """A training loop (forward, backward, optimizer step): every step casts
+    each weight once, into the buffers of the first cast (no pending backward
+    holds them; _recast_in_place says where), and the step's output and gradients equal
+    those of a copy of the module that casts into new buffers (its cache
+    emptied first).  ``validate``: the first step starts with a forward
+    under no_grad (a validation: a cast without W^T, which the training
+    forward then makes from the bytes), and the next steps' casts find a
+    pair of that other form, which they must not write as if it were their
+    own."""
+    torch.manual_seed(seed)
+    make = RECIPES[recipe]
+    m, call = _weighted_module(kind, device)
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    x = torch.randn(48, 128, dtype=torch.bfloat16, device=device)
+    first = None
+    for step in range(3):
+        fresh = copy.deepcopy(m)
+        for w in _weight_quantizers(fresh):
+            w.key = w.param = w.pair = None
+        outs = []
+        for mod, fn in ((m, call), (fresh, _call_of(kind, fresh))):
+            if validate and step == 0:
+                with torch.no_grad(), te.autocast(recipe=make()):
+                    fn(x)
+            xi = x.clone().requires_grad_()
+            with te.autocast(recipe=make()):
+                y = fn(xi)
+            loss = y.float().square().mean()
+            loss.backward()
+            outs.append([y.detach(), xi.grad] + [p.grad for p in mod.parameters()])
+            if mod is m:
+                alive = loss  # (a loop's loss lives on into the next step: its backward has run)
+        assert alive.grad_fn is not None
+        for a, b in zip(*outs):
+            assert torch.equal(a, b), step
+        ptrs = _fp8_weight_ptrs(m)
+        first = first or ptrs
+        if _recast_in_place(kind, recipe, True) and not validate:
+            assert ptrs == first, step
+        opt.step()
+        opt.zero_grad()
+    assert weight_casts(m) == 3 * len(first)
 
 
 @needs_fp8

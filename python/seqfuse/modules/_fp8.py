@@ -60,7 +60,8 @@ def weight_dgrad(pair, kind):
 def weight_kept(pair, kind, transposed):
     """(data, scale_inv): what a backward keeps of the weight for its input
     gradient, given ``transposed``, the module's request to
-    WeightQuantizer.get (gemm_quantizers.wants_weight_transpose).  True:
+    WeightQuantizer.get (gemm_quantizers.wants_weight_transpose), as
+    aliases (weight_saved).  True:
     the input-gradient operand get() made.  False: the forward operand's
     bytes, which the weight's cache holds anyway; the backward makes W^T
     from them for its input-gradient GEMM alone (weight_dgrad_kept).  A
@@ -68,8 +69,16 @@ def weight_kept(pair, kind, transposed):
     recompute (which repeats the request) saves what the forward's
     bookkeeping expects."""
     if transposed:
-        return weight_dgrad(pair, kind)[:2]
-    return pair[0].data, pair[0].scale_inv
+        return weight_saved(weight_dgrad(pair, kind))
+    return weight_saved((pair[0].data, pair[0].scale_inv))
+
+
+def weight_saved(operand):
+    """The (data, scale_inv) of a weight operand for ctx.save_for_backward, as
+    aliases (detached tensors of their own over the same storage): while
+    autograd keeps them, the weight's cache sees its buffers shared and casts
+    the next weight update into new ones (WeightQuantizer._spare)."""
+    return operand[0].detach(), operand[1].detach()
 
 
 def weight_dgrad_kept(data, scale_inv, kind, transposed):

@@ -970,7 +970,7 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         y = _unpad(_grouped(x_row, w_forward, padded, out, bias=bias, fast_accum=kind != "block"),
                    m_splits, padded)
         w_dg = [F8.weight_dgrad(p, kind) for p in pairs]
-        saved = [t for op in w_dg for t in op[:2]]
+        saved = [t for op in w_dg for t in F8.weight_saved(op)]
         if keep_t and gx is not None:  # the transposed copy [K, Mp] and the scale inverses
             saved += [gx.data_t, gx.scale_inv]
         elif keep_t:

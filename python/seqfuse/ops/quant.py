@@ -273,6 +273,14 @@ def transpose_fp8(data, *, out=None):
     return out
 
 
+def transpose_fp8_into(data, out):
+    """:func:`transpose_fp8` into ``out`` [K, M] the caller made: the
+    quantizers' hot path (a producer kernel's FP8 output transposed for the
+    weight gradient); the C entry checks every argument.  Returns None."""
+    require_fp8_dlpack("transpose_fp8")
+    _C.transpose_fp8(data, out, stream_for(data))
+
+
 def dequantize_fp8(data, scale_inv, out_dtype=torch.float32, *, out=None):
     """``float(data) * scale_inv[0]`` in ``out_dtype`` (float32, float16 or
     bfloat16), shaped like ``data``."""

@@ -33,9 +33,12 @@ aligned computation's.  Aligned inputs take exactly the old path.
 
 Weights are cast once per weight update: WeightQuantizer keeps the FP8
 weight and its transposed copy keyed on the parameter's identity, device,
-data pointer and version counter (an optimizer step bumps the version); a
-re-cast makes new FP8 buffers (a pending backward may still hold the old
-ones).  torch's fused optimizers (``AdamW(fused=True)`` and the like) write the
+data pointer and version counter (an optimizer step bumps the version).  A
+re-cast writes into the cached FP8 buffers when nothing else references
+them (no pending backward: a module's FP8 forward saves aliases of what
+its backward reads, modules._fp8.weight_kept) and makes new ones
+otherwise; the cast and the GEMMs reading its buffers run on the current
+stream, as with any tensor torch reuses.  torch's fused optimizers (``AdamW(fused=True)`` and the like) write the
 parameters in their kernels without moving the version counters, so the key
 also holds how many torch.optim optimizer steps covered each parameter (a
 post-step hook registered at import counts them, per parameter of the
@@ -373,7 +376,12 @@ class _Role:
 def transposed(q):
     """The [K, Mp] transposed copy of a padded Float8Tensor (made now if the
     cast did not make it)."""
-    return q.data_t if q.data_t is not None else qops.transpose_fp8(q.data)
+    if q.data_t is not None:
+        return q.data_t
+    d = q.data  # (a producer's [Mp, K] output: fp8_output_buffer's)
+    out = torch.empty(d.shape[-1], d.shape[0], dtype=d.dtype, device=d.device)
+    qops.transpose_fp8_into(d, out)
+    return out
 
 
 #: The dbias pass's block sums, one buffer per (device, blocks, K) for every
@@ -517,10 +525,33 @@ class WeightQuantizer(_Role):
         grad = transposed or device_checks.capturing(weight)
         pair, note = self.lookup(weight, is_first_microbatch, sources, grad)
         if pair is None:
-            return self.store(note, *self._cast_weight(weight.detach(), grad))
+            return self.store(note, *self._cast_weight(weight.detach(), grad, self._spare(note, grad)))
         if grad and pair[1] is None:
             pair = self.pair = (pair[0], self._transposed_operand(pair[0]))
         return pair
+
+    def _spare(self, note, transposed):
+        """The cached pair, when the cast lookup() asked for with ``note`` may
+        be written into its buffers: an eager cast (not captured, not an
+        FSDP2-gathered weight) of a weight of the same shape, dtype, device
+        and recipe, made with the same ``transposed`` request (in the form
+        the cast makes: not a pair given W^T later), whose buffers
+        no other tensor shares (a pending backward keeps aliases of them:
+        modules._fp8.weight_kept).  Else None: the cast makes new buffers.
+        Reusing them saves every weight cast after the first its
+        allocations and frees."""
+        old = self.pair
+        if (old is None or self.key is None or note[2] or self.key[:-1] != note[0][:-1]
+                or (old[1] is not None) != transposed or (old[1] is None and self.owner.kind == "block")):
+            return None
+        q, qt = old
+        if self.owner.kind == "block":
+            return old if _unshared((q.data, q.scale_inv, qt.data, qt.scale_inv)) else None
+        # per tensor, the form _cast_weight makes: one operand serving both GEMMs, with its data_t
+        # where transposed (not a pair whose W^T was made later from the bytes: _transposed_operand)
+        if (qt is q) != transposed or (q.data_t is not None) != transposed:
+            return None
+        return old if _unshared((q.data, q.data_t, q.scale_inv)) else None
 
     def _transposed_operand(self, q):
         """The input-gradient operand from the forward operand ``q``'s FP8
@@ -539,7 +570,8 @@ class WeightQuantizer(_Role):
         experts' weights in one call between the two).  ``transposed``: a
         gathered weight's input-gradient operand is made (get's request)."""
         o = self.owner
-        if sources is None and hasattr(type(weight), "sf_fp8_pair"):
+        wtype = type(weight)
+        if sources is None and wtype is not torch.nn.Parameter and hasattr(wtype, "sf_fp8_pair"):
             # FSDP2 gathered this weight in FP8 (seqfuse.distributed.fp8_allgather):
             # its bytes are the cast of the current weight; nothing is cached
             # here, so no later call can reuse an operand of an older gather
@@ -576,15 +608,22 @@ class WeightQuantizer(_Role):
             self.key, self.param = key, tuple(src)
         return pair
 
-    def _cast_weight(self, w, transposed=True):
+    def _cast_weight(self, w, transposed=True, spare=None):
         """(the operand pair, the (amax, scale) scratch the cast used or None);
-        ``transposed`` False: the input-gradient operand left out (None)."""
+        ``transposed`` False: the input-gradient operand left out (None).
+        ``spare``: a cached pair of this weight's shape and request whose
+        buffers the cast writes (_spare's; none for block scaling's forward
+        operand alone); it is then the pair returned."""
         o = self.owner
         if o.kind == "block":
-            if not transposed:
+            if not transposed:  # (no spare: _spare offers none here)
                 return (quantize_block(w, 128, self.fp8_dtype), None), None
             # W and W^T's 128x128 blocks (bytes and scales) in one call
             w = w.contiguous()
+            if spare is not None:
+                q, qt = spare
+                qops.quantize_block_fp8_weight_into(w, q.data, q.scale_inv, qt.data, qt.scale_inv)
+                return spare, None
             data, si, data_t, si_t = qops.block_weight_outputs(w.shape[0], w.shape[1], self.fp8_dtype, w.device)
             qops.quantize_block_fp8_weight_into(w, data, si, data_t, si_t)
             return (Float8BlockTensor(data, si, 128, dtype=w.dtype, shape=w.shape),
@@ -595,6 +634,10 @@ class WeightQuantizer(_Role):
         amax, scale = scratch
         if o.kind == "delayed":
             amax = o.state.amax_of(self.index)
+        if spare is not None:
+            q = spare[0]
+            qops.cast_fp8_current_into(w.contiguous(), amax, scale, q.scale_inv, q.data, q.data_t, o.margin)
+            return spare, scratch
         fp8_dtype = self.fp8_dtype
         dev = w.device
         k = w.shape[-1]
@@ -606,6 +649,30 @@ class WeightQuantizer(_Role):
         return (q, q if transposed else None), scratch
 
 
+# A cached weight pair's buffers are written again only where no other tensor shares their storage.
+# A backward keeps what it reads of the weight as aliases (modules._fp8.weight_kept: a detached view, a
+# tensor of its own over the same storage), which autograd frees after that backward (kept with
+# retain_graph, or while saved-tensor hooks keep them); torch's storage use count sees them.  The count
+# of a storage only its tensor holds is read once here, as _spare reads it (the UntypedStorage object
+# that the read makes holds one more).
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _sole_owner_count():
+    t = torch.empty(1)
+    return _use_count(t.untyped_storage()._cdata) if _use_count is not None else None
+
+
+_SOLE_OWNER = _sole_owner_count()
+
+
+def _unshared(tensors):
+    """Whether no tensor but each of ``tensors`` (None left out) holds its storage."""
+    if _SOLE_OWNER is None:  # (a torch without the count: re-casts make new buffers)
+        return False
+    return all(t is None or _use_count(t.untyped_storage()._cdata) == _SOLE_OWNER for t in tensors)
+
+
 def weight_key(src, *head):
     """The key a weight cast made from the tensors ``src`` is cached under:
     ``head`` (what else the cast depends on), then each tensor's storage
@@ -614,6 +681,9 @@ def weight_key(src, *head):
     it (torch's fused optimizers do not bump versions: see the module
     note).  Compared with same_weights; WeightQuantizer and GroupedLinear's
     device-split FP8 weights (each keeping its own cache) share it."""
+    if len(src) == 1:  # (a module's own weight: the common case, without a comprehension)
+        t = src[0]
+        return (*head, ((t.data_ptr(), t._version, _steps_of(t)),))
     return (*head, tuple([(t.data_ptr(), t._version, _steps_of(t)) for t in src]))
 
 
@@ -668,8 +738,9 @@ def same_weights(key, src, old_key, old_src):
     tensors ``old_src`` serves the tensors ``src`` whose key is ``key``:
     equal keys and the very same tensor objects (a new tensor may reuse a
     freed one's address, and its version counter starts again)."""
-    return (old_key == key and old_src is not None and len(old_src) == len(src)
-            and all(a is b for a, b in zip(old_src, src)))
+    if old_src is None or len(old_src) != len(src) or old_key != key:
+        return False
+    return old_src[0] is src[0] if len(src) == 1 else all(a is b for a, b in zip(old_src, src))
 
 
 def high_precision(t):
