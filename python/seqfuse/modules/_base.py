@@ -185,9 +185,7 @@ def fp8_norm(q, x2, lnw, lnb, eps, rms, zc, need_col):
     first step) the norm in x's dtype, then the recipe's cast."""
     iq = q.inputs[0]
     if iq.fused_cast:
-        scale, amax, fp8_dtype = iq.scale
-        si = torch.empty(1, dtype=torch.float32, device=x2.device)
-        buf, y = iq.fp8_output_buffer(x2.shape[0], x2.shape[1], fp8_dtype, x2.device)
+        scale, amax, fp8_dtype, si, buf, y = iq.fused_outputs(x2.shape[0], x2.shape[1], x2.device)
         _, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc, fp8_dtype, scale, amax, si, out=y)
         return iq.fp8_output(buf, y.shape, si, x2.dtype), mean, rstd
     y, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc)

@@ -61,7 +61,7 @@ def weight_kept(pair, kind, transposed):
     """(data, scale_inv): what a backward keeps of the weight for its input
     gradient, given ``transposed``, the module's request to
     WeightQuantizer.get (gemm_quantizers.wants_weight_transpose), as
-    aliases (weight_saved).  True:
+    weight_saved gives them (the scale inverse as an alias).  True:
     the input-gradient operand get() made.  False: the forward operand's
     bytes, which the weight's cache holds anyway; the backward makes W^T
     from them for its input-gradient GEMM alone (weight_dgrad_kept).  A
@@ -74,11 +74,13 @@ def weight_kept(pair, kind, transposed):
 
 
 def weight_saved(operand):
-    """The (data, scale_inv) of a weight operand for ctx.save_for_backward, as
-    aliases (detached tensors of their own over the same storage): while
-    autograd keeps them, the weight's cache sees its buffers shared and casts
-    the next weight update into new ones (WeightQuantizer._spare)."""
-    return operand[0].detach(), operand[1].detach()
+    """The (data, scale_inv) of a weight operand for ctx.save_for_backward,
+    the scale inverse as an alias (a detached tensor of its own over the same
+    storage): while autograd keeps it, the weight's cache sees that storage
+    shared and casts the next weight update into new buffers
+    (WeightQuantizer._spare reads the scale inverses' storage alone, so a
+    backward never keeps a weight's bytes without their scale inverse)."""
+    return operand[0], operand[1].detach()
 
 
 def weight_dgrad_kept(data, scale_inv, kind, transposed):

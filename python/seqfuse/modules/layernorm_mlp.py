@@ -207,10 +207,8 @@ def _fp8_act(q, h, activation, need_col):
     history, else (other recipes, the first step) made in h's dtype and cast."""
     iq = q.inputs[1]
     if iq.fused_cast:
-        scale, amax, fp8_dtype = iq.scale
-        si = torch.empty(1, dtype=torch.float32, device=h.device)
         width = h.shape[1] // 2 if activation in A.GATED else h.shape[1]
-        buf, a = iq.fp8_output_buffer(h.shape[0], width, fp8_dtype, h.device)
+        scale, amax, fp8_dtype, si, buf, a = iq.fused_outputs(h.shape[0], width, h.device)
         A.act_forward(h, activation, fp8_dtype, scale, amax, si, out=a)
         return iq.fp8_output(buf, a.shape, si, h.dtype)
     return iq.quantize(A.act_forward(h, activation), transpose=need_col)
@@ -236,9 +234,8 @@ def _fp8_act_grad(q, da, h, activation, bias_dtype, need_col):
                       "the activation-gradient kernel writes it in FP8", h.dtype)
         dh = A.act_backward(da, h, activation)
         return gq.quantize_grad(dh, bias_dtype, need_wgrad=need_col)
-    scale, amax, fp8_dtype = gq.scale
-    si = gq.kept_outputs(h)[0]
-    buf, dh = gq.fp8_output_buffer(h.shape[0], h.shape[1], fp8_dtype, h.device)
+    scale, amax, fp8_dtype, si, buf, dh = gq.fused_outputs(h.shape[0], h.shape[1], h.device,
+                                                           scale_inv=gq.kept_outputs(h)[0])
     A.act_backward(da, h, activation, fp8_dtype, scale, amax, si, out=dh)
     return gq.fp8_output(buf, dh.shape, si, h.dtype), None
 

@@ -35,8 +35,8 @@ Weights are cast once per weight update: WeightQuantizer keeps the FP8
 weight and its transposed copy keyed on the parameter's identity, device,
 data pointer and version counter (an optimizer step bumps the version).  A
 re-cast writes into the cached FP8 buffers when nothing else references
-them (no pending backward: a module's FP8 forward saves aliases of what
-its backward reads, modules._fp8.weight_kept) and makes new ones
+them (no pending backward: a module's FP8 forward saves an alias of the
+scale inverse its backward reads, modules._fp8.weight_saved) and makes new ones
 otherwise; the cast and the GEMMs reading its buffers run on the current
 stream, as with any tensor torch reuses.  torch's fused optimizers (``AdamW(fused=True)`` and the like) write the
 parameters in their kernels without moving the version counters, so the key
@@ -337,6 +337,20 @@ class _Role:
         buf[m:].view(torch.uint8).zero_()  # (float8 has no zero_ kernel everywhere: zero the bytes)
         return buf, buf[:m]
 
+    def fused_outputs(self, m, k, device, scale_inv=None):
+        """Delayed scaling, where ``fused_cast`` holds (the caller's check):
+        what a producer kernel (norm, activation, activation gradient) takes
+        to write this operand [m, k] in FP8 itself, as (scale, amax slot,
+        FP8 dtype, scale inverse, buffer, view): the kernel writes ``view``,
+        the first m rows of the padded ``buffer`` (fp8_output_buffer), and
+        the scale inverse (a new one-element tensor unless ``scale_inv`` is
+        given); ``fp8_output`` then makes the operand."""
+        scale, amax, fp8_dtype = self.scale
+        if scale_inv is None:
+            scale_inv = torch.empty(1, dtype=torch.float32, device=device)
+        buf, view = self.fp8_output_buffer(m, k, fp8_dtype, device)
+        return scale, amax, fp8_dtype, scale_inv, buf, view
+
     def fp8_output(self, buf, shape, scale_inv, dtype):
         """The producer's output written into fp8_output_buffer's ``buf`` (real
         rows ``shape``) as this role's padded Float8Tensor standing for
@@ -535,9 +549,10 @@ class WeightQuantizer(_Role):
         be written into its buffers: an eager cast (not captured, not an
         FSDP2-gathered weight) of a weight of the same shape, dtype, device
         and recipe, made with the same ``transposed`` request (in the form
-        the cast makes: not a pair given W^T later), whose buffers
-        no other tensor shares (a pending backward keeps aliases of them:
-        modules._fp8.weight_kept).  Else None: the cast makes new buffers.
+        the cast makes: not a pair given W^T later), whose scale inverses'
+        storage no other tensor shares (a pending backward keeps an alias of
+        the scale inverse beside the bytes it reads:
+        modules._fp8.weight_saved).  Else None: the cast makes new buffers.
         Reusing them saves every weight cast after the first its
         allocations and frees."""
         old = self.pair
@@ -546,12 +561,12 @@ class WeightQuantizer(_Role):
             return None
         q, qt = old
         if self.owner.kind == "block":
-            return old if _unshared((q.data, q.scale_inv, qt.data, qt.scale_inv)) else None
+            return old if _unshared(q.scale_inv) and _unshared(qt.scale_inv) else None
         # per tensor, the form _cast_weight makes: one operand serving both GEMMs, with its data_t
         # where transposed (not a pair whose W^T was made later from the bytes: _transposed_operand)
         if (qt is q) != transposed or (q.data_t is not None) != transposed:
             return None
-        return old if _unshared((q.data, q.data_t, q.scale_inv)) else None
+        return old if _unshared(q.scale_inv) else None
 
     def _transposed_operand(self, q):
         """The input-gradient operand from the forward operand ``q``'s FP8
@@ -649,12 +664,12 @@ class WeightQuantizer(_Role):
         return (q, q if transposed else None), scratch
 
 
-# A cached weight pair's buffers are written again only where no other tensor shares their storage.
-# A backward keeps what it reads of the weight as aliases (modules._fp8.weight_kept: a detached view, a
-# tensor of its own over the same storage), which autograd frees after that backward (kept with
-# retain_graph, or while saved-tensor hooks keep them); torch's storage use count sees them.  The count
-# of a storage only its tensor holds is read once here, as _spare reads it (the UntypedStorage object
-# that the read makes holds one more).
+# A cached weight pair's buffers are written again only where no other tensor shares their scale
+# inverses' storage.  A backward keeps the scale inverse of what it reads of the weight as an alias
+# (modules._fp8.weight_saved: a detached tensor of its own over the same storage), which autograd frees
+# after that backward (kept with retain_graph, or while saved-tensor hooks keep it); torch's storage
+# use count sees it.  The count of a storage only its tensor holds is read once here, as _unshared
+# reads it (the UntypedStorage object that the read makes holds one more).
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
@@ -666,11 +681,11 @@ def _sole_owner_count():
 _SOLE_OWNER = _sole_owner_count()
 
 
-def _unshared(tensors):
-    """Whether no tensor but each of ``tensors`` (None left out) holds its storage."""
+def _unshared(t):
+    """Whether no tensor but ``t`` holds its storage."""
     if _SOLE_OWNER is None:  # (a torch without the count: re-casts make new buffers)
         return False
-    return all(t is None or _use_count(t.untyped_storage()._cdata) == _SOLE_OWNER for t in tensors)
+    return _use_count(t.untyped_storage()._cdata) == _SOLE_OWNER
 
 
 def weight_key(src, *head):
