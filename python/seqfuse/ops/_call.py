@@ -121,14 +121,15 @@ def as_int(op, name, value, minimum=None):
     """``value`` as a Python int for C (an integral float is fine), or a
     TypeError / ValueError naming the argument: not a number, not whole,
     outside int64, or below ``minimum``."""
-    if isinstance(value, float):
-        if not value.is_integer():
-            raise ValueError(f"{op}: argument '{name}' must be a whole number, got {value!r}")
-        value = int(value)
-    try:
-        value = int(value)
-    except (TypeError, ValueError, RuntimeError):
-        raise TypeError(f"{op}: argument '{name}' must be an integer, got {value!r}") from None
+    if type(value) is not int:
+        if isinstance(value, float):
+            if not value.is_integer():
+                raise ValueError(f"{op}: argument '{name}' must be a whole number, got {value!r}")
+            value = int(value)
+        try:
+            value = int(value)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"{op}: argument '{name}' must be an integer, got {value!r}") from None
     low = _INT64[0] if minimum is None else minimum
     if not low <= value <= _INT64[1]:
         raise ValueError(f"{op}: argument '{name}' must be in [{low}, 2**63 - 1], got {value}")

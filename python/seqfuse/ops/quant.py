@@ -297,6 +297,9 @@ def dequantize_fp8(data, scale_inv, out_dtype=torch.float32, *, out=None):
     return out
 
 
+_AMAX_ALGOS = {"max": 0, "most_recent": 1}
+
+
 def fp8_scale_update(amax_history, scale, scale_inv, fp8_max, algo="max", margin=0):
     """The delayed-scaling update of N tensors in one launch (in place).
 
@@ -307,7 +310,7 @@ def fp8_scale_update(amax_history, scale, scale_inv, fp8_max, algo="max", margin
     its value; ``scale_inv = 1 / scale``; the history rolls as
     ``torch.roll(h, -1, 0); h[0] = 0``.
     """
-    algo_id = {"max": 0, "most_recent": 1}.get(algo)
+    algo_id = _AMAX_ALGOS.get(algo)
     if algo_id is None:
         raise ValueError(f"fp8_scale_update: argument 'algo' must be 'max' or 'most_recent', got {algo!r}")
     _C.fp8_scale_update(amax_history, scale, scale_inv, fp8_max, algo_id,

@@ -418,18 +418,18 @@ class GradQuantizer(_Role):
     (``kept_outputs``), and the dbias pass's block sums, which column_sums
     reads right after the cast, one shared buffer per device and shape.
     A cast through the role's public ``quantize`` makes its own."""
-    __slots__ = ("kept_scale_inv",)
+    __slots__ = ("kept_scale_inv", "kept_sums")
     _fallback_logged = []
 
     def __init__(self, owner, index):
         super().__init__(owner, index)
-        self.kept_scale_inv = None
+        self.kept_scale_inv = self.kept_sums = None
 
     def __getstate__(self):
-        """A copy (deepcopy, pickle) starts without the kept buffer (a cache)."""
+        """A copy (deepcopy, pickle) starts without the kept buffers (caches)."""
         slots = {name: getattr(self, name) for cls in type(self).__mro__ for name in getattr(cls, "__slots__", ())
                  if hasattr(self, name)}
-        slots["kept_scale_inv"] = None
+        slots["kept_scale_inv"] = slots["kept_sums"] = None
         return None, slots
 
     def kept_outputs(self, x, sums_rows=None, scale_inv=True):
@@ -442,20 +442,26 @@ class GradQuantizer(_Role):
         si = None
         if scale_inv:
             si = self.kept_scale_inv
-            if si is None or si.device != dev or capturing:
+            if si is None or capturing or si.device != dev:
                 si = torch.empty(1, dtype=torch.float32, device=dev)
                 if not capturing:
                     self.kept_scale_inv = si
         if sums_rows is None:
             return si, None
-        key = (dev, *qops.block_sums_shape(sums_rows, x.shape[-1]))
+        shape = qops.block_sums_shape(sums_rows, x.shape[-1])
+        kept = self.kept_sums  # (this role's last shared buffer: no key to build while its shape holds)
+        if kept is not None and not capturing and kept[0] == shape and kept[1].device == dev:
+            return si, kept[1]
+        key = (dev, *shape)
         sums = None if capturing else _shared_sums.get(key)
         if sums is None:
-            sums = torch.empty(*key[1:], dtype=torch.float32, device=dev)
+            sums = torch.empty(*shape, dtype=torch.float32, device=dev)
             if not capturing:
                 if len(_shared_sums) >= 64:
                     _shared_sums.clear()
                 _shared_sums[key] = sums
+        if not capturing:
+            self.kept_sums = (shape, sums)
         return si, sums
 
     def quantize_grad(self, dy, bias_dtype, need_dgrad=True, need_wgrad=True):

@@ -82,16 +82,19 @@ class _Pool:
         return c, off
 
     def chunks_for(self, algo=None, margin=None):
-        """Chunks that hold live states (a chunk whose states all moved to
-        another device or died is skipped, and dropped once it is not the
-        one new states are allocated from)."""
-        for key, chunks in list(self.chunks.items()):
+        """A list of the chunks that hold live states (a chunk whose states
+        all moved to another device or died is left out, and dropped once it
+        is not the one new states are allocated from).  Read at every
+        delayed-scaling update: one pass, no copies while nothing is dropped."""
+        live = []
+        for key, chunks in self.chunks.items():
             if (algo is None or key[2] == algo) and (margin is None or key[3] == margin):
-                for c in list(chunks):
+                for c in chunks:
                     if c.live > 0:
-                        yield c
-                    elif c is not chunks[-1]:
-                        chunks.remove(c)
+                        live.append(c)
+                if len(chunks) > 1 and any(c.live <= 0 for c in chunks[:-1]):
+                    chunks[:-1] = [c for c in chunks[:-1] if c.live > 0]
+        return live
 
     def clear(self):
         self.chunks.clear()
