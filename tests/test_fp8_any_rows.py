@@ -834,6 +834,53 @@ def test_recipes_pickle():
         assert back == r and back.fp8_format is r.fp8_format
 
 
+@needs_fp8
+@pytest.mark.parametrize("how", ["pickle", "deepcopy", "torch.save"])
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "TransformerLayer"])
+def test_module_copies_after_fp8_steps(kind, recipe, how, seed):
+    """A module that has trained under FP8 (its quantizers hold cast
+    weights, scratch and kept buffers) pickles, deep-copies and saves: the
+    copy carries the weights and the scaling state but none of those caches
+    (plain pickle cannot load float8 tensors back), shares no buffer with
+    the original, and its next FP8 forward and backward equal the
+    original's bit for bit."""
+    import io
+    import pickle
+
+    torch.manual_seed(seed)
+    make = RECIPES[recipe]
+    m, call = _weighted_module(kind)
+    shape = (32, 1, 128) if kind == "TransformerLayer" else (32, 128)
+    x = torch.randn(shape, dtype=torch.bfloat16)
+    for _ in range(2):
+        with te.autocast(recipe=make()):
+            call(x).float().square().mean().backward()
+    m.zero_grad()
+    if how == "pickle":
+        twin = pickle.loads(pickle.dumps(m))
+    elif how == "deepcopy":
+        twin = copy.deepcopy(m)
+    else:
+        buf = io.BytesIO()
+        torch.save(m, buf)
+        buf.seek(0)
+        twin = torch.load(buf, weights_only=False)
+    for w in _weight_quantizers(twin):
+        assert w.pair is None and w.key is None and w.scratch is None
+    outs = []
+    for mod in (m, twin):
+        xi = x.clone().requires_grad_()
+        with te.autocast(recipe=make()):
+            y = _call_of(kind, mod)(xi)
+        y.float().square().mean().backward()
+        outs.append([y.detach(), xi.grad] + [p.grad for p in mod.parameters()])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    ptrs = {t.data_ptr() for t in list(m.parameters()) + list(m.buffers())}
+    assert not ptrs & {t.data_ptr() for t in list(twin.parameters()) + list(twin.buffers())}
+
+
 def test_make_graphed_callables_refusals():
     """TE arguments with no implementation here are refused by name, before
     anything is captured."""

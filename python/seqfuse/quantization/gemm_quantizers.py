@@ -219,10 +219,20 @@ def _cast_input(x):
 
 class _Role:
     __slots__ = ("owner", "index", "scratch")
+    #: The slots that are caches (buffers and cast results made again at the next use): a copy
+    #: (deepcopy, pickle, torch.save of the module) starts without them, so it never shares a buffer
+    #: with the original or carries FP8 bytes (which plain pickle cannot load back in torch 2.x).
+    _caches = ("scratch",)
 
     def __init__(self, owner, index):
         self.owner, self.index = owner, index
         self.scratch = None
+
+    def __getstate__(self):
+        slots = {name: getattr(self, name) for cls in type(self).__mro__ for name in getattr(cls, "__slots__", ())
+                 if hasattr(self, name)}
+        slots.update(dict.fromkeys(type(self)._caches))
+        return None, slots
 
     @property
     def fp8_dtype(self):
@@ -419,18 +429,12 @@ class GradQuantizer(_Role):
     reads right after the cast, one shared buffer per device and shape.
     A cast through the role's public ``quantize`` makes its own."""
     __slots__ = ("kept_scale_inv", "kept_sums")
+    _caches = _Role._caches + __slots__
     _fallback_logged = []
 
     def __init__(self, owner, index):
         super().__init__(owner, index)
         self.kept_scale_inv = self.kept_sums = None
-
-    def __getstate__(self):
-        """A copy (deepcopy, pickle) starts without the kept buffers (caches)."""
-        slots = {name: getattr(self, name) for cls in type(self).__mro__ for name in getattr(cls, "__slots__", ())
-                 if hasattr(self, name)}
-        slots["kept_scale_inv"] = slots["kept_sums"] = None
-        return None, slots
 
     def kept_outputs(self, x, sums_rows=None, scale_inv=True):
         """What _Role.cast_outputs makes, kept (see the class note): the
@@ -519,6 +523,7 @@ class WeightQuantizer(_Role):
     first step or a frozen weight never runs on a stale scale); under
     delayed scaling that amax also lands in the state's weight slot."""
     __slots__ = ("key", "param", "pair", "casts", "captured")
+    _caches = _Role._caches + ("key", "param", "pair", "captured")
 
     def __init__(self, owner, index):
         super().__init__(owner, index)
