@@ -9,6 +9,7 @@ Biases and the norm's beta start at zero, so a zero row stays zero through
 every module and the two runs quantize the same values: the comparison is
 exact.
 """
+import contextlib
 import copy
 
 import pytest
@@ -636,10 +637,11 @@ def _fp8_weight_ptrs(m):
 
 
 @needs_fp8
+@pytest.mark.parametrize("device", _devices())
 @pytest.mark.parametrize("cache", [True, False])
 @pytest.mark.parametrize("recipe", list(RECIPES))
 @pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear"])
-def test_recast_never_overwrites_a_weight_a_pending_backward_holds(kind, recipe, cache, seed):
+def test_recast_never_overwrites_a_weight_a_pending_backward_holds(kind, recipe, cache, device, seed):
     """Forward, change the weights in place, forward again, then the first
     backward: its gradients are those of a copy that ran that forward and
     backward alone (the weights its forward used), with or without the
@@ -650,12 +652,12 @@ def test_recast_never_overwrites_a_weight_a_pending_backward_holds(kind, recipe,
 
     torch.manual_seed(seed)
     make = RECIPES[recipe]
-    m, call = _weighted_module(kind)
+    m, call = _weighted_module(kind, device)
     ref = copy.deepcopy(m)
     ref_call = _call_of(kind, ref)
-    x = torch.randn(32, 128, dtype=torch.bfloat16)
+    x = torch.randn(32, 128, dtype=torch.bfloat16, device=device)
     dy = torch.randn(32, 256 if kind in ("LayerNormLinear", "Linear", "GroupedLinear") else 128,
-                     dtype=torch.bfloat16)
+                     dtype=torch.bfloat16, device=device)
     previous = set_weight_transpose_cache(cache)
     try:
         for mod, fn in ((m, call), (ref, ref_call)):  # a first step: a cast in the cache
@@ -700,6 +702,91 @@ def test_recast_never_overwrites_a_weight_a_pending_backward_holds(kind, recipe,
 
 
 @needs_fp8
+@pytest.mark.parametrize("keep", ["retain_graph", "save_on_cpu", "inference_mode"])
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_recast_after_a_kept_graph_hooks_or_inference_mode(keep, recipe, seed):
+    """What else holds a weight's cast, or makes it unfit: a graph kept with
+    ``retain_graph`` (its second backward must read the weights of its
+    forward), saved-tensor hooks that offload to the CPU (the backward reads
+    the CPU copies: nothing pins the buffers, and the results must not
+    change), and a cast under torch.inference_mode (inference tensors
+    cannot be saved for backward: a training forward after it casts again
+    instead of failing)."""
+    torch.manual_seed(seed)
+    make = RECIPES[recipe]
+    m = _module("LayerNormMLP", "cpu")
+    ref = copy.deepcopy(m)
+    x = torch.randn(32, 128, dtype=torch.bfloat16)
+    dy = torch.randn(32, 128, dtype=torch.bfloat16)
+    gemm_weights = [p for p in m.parameters() if p.dim() == 2]
+    if keep == "inference_mode":
+        with torch.inference_mode(), te.autocast(recipe=make()):
+            m(x)
+        with torch.no_grad():
+            for p in gemm_weights:
+                p.mul_(-3)
+        with torch.inference_mode(), te.autocast(recipe=make()):
+            m(x)  # (a re-cast under inference mode: into the inference tensors, or new ones)
+        ref = copy.deepcopy(m)  # (the weights and scaling state as they are now; no cached cast)
+        for mod in (m, ref):
+            xi = x.clone().requires_grad_()
+            with te.autocast(recipe=make()):
+                mod(xi).backward(dy)
+        for p, q in zip(m.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad)
+        return
+    xa = x.clone().requires_grad_()
+    hooks = (torch.autograd.graph.save_on_cpu() if keep == "save_on_cpu" else contextlib.nullcontext())
+    with hooks, te.autocast(recipe=make()):
+        ya = m(xa)
+    if keep == "retain_graph":
+        ya.backward(dy, retain_graph=True)
+        first = xa.grad.clone()
+        xa.grad = None
+    with torch.no_grad():
+        for p in gemm_weights:
+            p.mul_(-3)
+    with te.autocast(recipe=make()):
+        m(x)  # a re-cast while the graph is kept (retain_graph) or its tensors offloaded (hooks)
+    ya.backward(dy)
+    xr = x.clone().requires_grad_()
+    with te.autocast(recipe=make()):
+        ref(xr).backward(dy)
+    assert torch.equal(xa.grad, xr.grad)
+    if keep == "retain_graph":
+        assert torch.equal(first, xr.grad)
+
+
+@needs_fp8
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_a_weight_save_past_weight_saved_raises_instead_of_reading_new_bytes(recipe, seed, monkeypatch):
+    """The net under the rule that a backward keeps weight operands only
+    through _fp8.weight_saved: where a backward keeps them another way (here
+    weight_saved made to save the tensors themselves, which the storage
+    count cannot see), the re-cast writes the cached buffers but moves their
+    version counters, and that backward raises torch's in-place error
+    instead of reading the new weights' bytes."""
+    from seqfuse.modules import _fp8 as F8
+
+    monkeypatch.setattr(F8, "weight_saved", lambda operand: (operand[0], operand[1]))
+    torch.manual_seed(seed)
+    make = RECIPES[recipe]
+    m = _module("Linear", "cpu")
+    x = torch.randn(32, 128, dtype=torch.bfloat16)
+    for _ in range(2):  # a cast in the cache, its backward done
+        with te.autocast(recipe=make()):
+            m(x.clone().requires_grad_()).float().sum().backward()
+    with te.autocast(recipe=make()):
+        y = m(x.clone().requires_grad_())
+    with torch.no_grad():
+        m.weight.mul_(-3)
+    with te.autocast(recipe=make()):
+        m(x)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.float().sum().backward()
+
+
+@needs_fp8
 @pytest.mark.parametrize("device", _devices())
 @pytest.mark.parametrize("recipe", list(RECIPES))
 @pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear"])
@@ -712,8 +799,8 @@ def test_weight_recast_writes_the_cached_buffers_and_equals_a_fresh_cast(validat
     emptied first).  ``validate``: the first step starts with a forward
     under no_grad (a validation: a cast without W^T, which the training
     forward then makes from the bytes), and the next steps' casts find a
-    pair of that other form, which they must not write as if it were their
-    own."""
+    pair of that other form: per tensor, one whose W^T the cast would not
+    write (cast anew); block scaling, one whose four buffers it writes."""
     torch.manual_seed(seed)
     make = RECIPES[recipe]
     m, call = _weighted_module(kind, device)

@@ -37,8 +37,10 @@ data pointer and version counter (an optimizer step bumps the version).  A
 re-cast writes into the cached FP8 buffers when nothing else references
 them (no pending backward: a module's FP8 forward saves an alias of the
 scale inverse its backward reads, modules._fp8.weight_saved) and makes new ones
-otherwise; the cast and the GEMMs reading its buffers run on the current
-stream, as with any tensor torch reuses.  torch's fused optimizers (``AdamW(fused=True)`` and the like) write the
+otherwise.  The write in place bypasses the caching allocator's stream
+tracking: it is ordered after the GEMMs that read the old bytes only where
+they ran on the stream that re-casts (a module's FP8 work moved between
+streams needs the streams synchronised first).  torch's fused optimizers (``AdamW(fused=True)`` and the like) write the
 parameters in their kernels without moving the version counters, so the key
 also holds how many torch.optim optimizer steps covered each parameter (a
 post-step hook registered at import counts them, per parameter of the
@@ -402,8 +404,9 @@ def transposed(q):
     cast did not make it)."""
     if q.data_t is not None:
         return q.data_t
-    d = q.data  # (a producer's [Mp, K] output: fp8_output_buffer's)
-    out = torch.empty(d.shape[-1], d.shape[0], dtype=d.dtype, device=d.device)
+    d = q.data  # (a producer's [Mp, K] output: fp8_output_buffer's; viewed as [M, K] all the same)
+    k = d.shape[-1]
+    out = torch.empty(k, d.numel() // k if k else 0, dtype=d.dtype, device=d.device)
     qops.transpose_fp8_into(d, out)
     return out
 
@@ -411,6 +414,7 @@ def transposed(q):
 #: The dbias pass's block sums, one buffer per (device, blocks, K) for every
 #: gradient cast (column_sums reads it right after the cast that writes it).
 _shared_sums = {}
+_shared_sums_clears = [0]  # how many times _shared_sums was emptied (a role's kept entry names its era)
 
 
 class InputQuantizer(_Role):
@@ -454,8 +458,9 @@ class GradQuantizer(_Role):
             return si, None
         shape = qops.block_sums_shape(sums_rows, x.shape[-1])
         kept = self.kept_sums  # (this role's last shared buffer: no key to build while its shape holds)
-        if kept is not None and not capturing and kept[0] == shape and kept[1].device == dev:
-            return si, kept[1]
+        if (kept is not None and not capturing and kept[0] == shape and kept[1] == _shared_sums_clears[0]
+                and kept[2].device == dev):
+            return si, kept[2]
         key = (dev, *shape)
         sums = None if capturing else _shared_sums.get(key)
         if sums is None:
@@ -463,9 +468,10 @@ class GradQuantizer(_Role):
             if not capturing:
                 if len(_shared_sums) >= 64:
                     _shared_sums.clear()
+                    _shared_sums_clears[0] += 1  # (the roles' kept references are dropped with it)
                 _shared_sums[key] = sums
         if not capturing:
-            self.kept_sums = (shape, sums)
+            self.kept_sums = (shape, _shared_sums_clears[0], sums)
         return si, sums
 
     def quantize_grad(self, dy, bias_dtype, need_dgrad=True, need_wgrad=True):
@@ -522,13 +528,14 @@ class WeightQuantizer(_Role):
     Per-tensor recipes scale the weight from its own amax at the cast (so a
     first step or a frozen weight never runs on a stale scale); under
     delayed scaling that amax also lands in the state's weight slot."""
-    __slots__ = ("key", "param", "pair", "casts", "captured")
-    _caches = _Role._caches + ("key", "param", "pair", "captured")
+    __slots__ = ("key", "param", "pair", "casts", "captured", "inference")
+    _caches = _Role._caches + ("key", "param", "pair", "captured", "inference")
 
     def __init__(self, owner, index):
         super().__init__(owner, index)
         self.key = self.param = self.pair = self.captured = None
         self.casts = 0
+        self.inference = False  # (the cached pair was cast under torch.inference_mode)
 
     def get(self, weight, is_first_microbatch=None, sources=None, transposed=True):
         """(forward operand, input-gradient operand): for per-tensor recipes
@@ -559,8 +566,10 @@ class WeightQuantizer(_Role):
         """The cached pair, when the cast lookup() asked for with ``note`` may
         be written into its buffers: an eager cast (not captured, not an
         FSDP2-gathered weight) of a weight of the same shape, dtype, device
-        and recipe, made with the same ``transposed`` request (in the form
-        the cast makes: not a pair given W^T later), whose scale inverses'
+        and recipe, made with the same ``transposed`` request and inference
+        mode (per tensor, in the form the cast makes: not a pair given W^T
+        later from the bytes, whose data_t the cast would not write; a block
+        pair's four buffers the cast writes either way), whose scale inverses'
         storage no other tensor shares (a pending backward keeps an alias of
         the scale inverse beside the bytes it reads:
         modules._fp8.weight_saved).  Else None: the cast makes new buffers.
@@ -568,7 +577,8 @@ class WeightQuantizer(_Role):
         allocations and frees."""
         old = self.pair
         if (old is None or self.key is None or note[2] or self.key[:-1] != note[0][:-1]
-                or (old[1] is not None) != transposed or (old[1] is None and self.owner.kind == "block")):
+                or (old[1] is not None) != transposed or (old[1] is None and self.owner.kind == "block")
+                or self.inference != torch.is_inference_mode_enabled()):
             return None
         q, qt = old
         if self.owner.kind == "block":
@@ -607,7 +617,10 @@ class WeightQuantizer(_Role):
         src = (weight,) if sources is None else sources
         key = weight_key(src, o.kind, o.fmt, weight.shape, weight.dtype, weight.device)
         old = self.key
-        if self.pair is not None and old is not None and old[:2] == key[:2]:
+        # (a pair cast under torch.inference_mode holds inference tensors, which autograd refuses
+        # to save: outside that mode it is cast again)
+        if (self.pair is not None and old is not None and old[:2] == key[:2]
+                and (not self.inference or torch.is_inference_mode_enabled())):
             if is_first_microbatch is False:
                 return self.pair, None
             if (is_first_microbatch is None and same_weights(key, src, old, self.param)
@@ -618,11 +631,12 @@ class WeightQuantizer(_Role):
     def store(self, note, pair, scratch):
         """Keep ``pair``, the cast of the weight lookup() gave ``note`` for
         (``scratch``: the amax / scale buffers the cast wrote, or None), and
-        return it.  New FP8 buffers each time: a pending backward may hold
-        the old ones."""
+        return it (the cached pair again where the cast wrote its buffers:
+        _spare)."""
         key, src, in_capture = note
         self.pair = pair
         self.casts += 1
+        self.inference = torch.is_inference_mode_enabled()
         if in_capture:
             # a captured cast fills its buffers only when the graph replays: an eager call
             # (a graphed module's first FP8 step, an eval-mode call) must cast again, not read
@@ -649,6 +663,7 @@ class WeightQuantizer(_Role):
             if spare is not None:
                 q, qt = spare
                 qops.quantize_block_fp8_weight_into(w, q.data, q.scale_inv, qt.data, qt.scale_inv)
+                _written_in_place(q.scale_inv, qt.scale_inv)
                 return spare, None
             data, si, data_t, si_t = qops.block_weight_outputs(w.shape[0], w.shape[1], self.fp8_dtype, w.device)
             qops.quantize_block_fp8_weight_into(w, data, si, data_t, si_t)
@@ -663,6 +678,7 @@ class WeightQuantizer(_Role):
         if spare is not None:
             q = spare[0]
             qops.cast_fp8_current_into(w.contiguous(), amax, scale, q.scale_inv, q.data, q.data_t, o.margin)
+            _written_in_place(q.scale_inv)
             return spare, scratch
         fp8_dtype = self.fp8_dtype
         dev = w.device
@@ -679,14 +695,24 @@ class WeightQuantizer(_Role):
 # inverses' storage.  A backward keeps the scale inverse of what it reads of the weight as an alias
 # (modules._fp8.weight_saved: a detached tensor of its own over the same storage), which autograd frees
 # after that backward (kept with retain_graph, or while saved-tensor hooks keep it); torch's storage
-# use count sees it.  The count of a storage only its tensor holds is read once here, as _unshared
-# reads it (the UntypedStorage object that the read makes holds one more).
+# use count sees it.  The rule for every backward: keep a weight operand only through weight_saved
+# (the count cannot see the same tensor saved again, nor raw pointers).  As a net under that rule, a
+# write in place moves the scale inverses' version counters (_written_in_place), which an alias
+# shares: a saved operand the count missed makes its backward raise torch's "modified by an inplace
+# operation" instead of reading the new bytes.  The count of a storage only its tensor holds is read once here,
+# as _unshared reads it (the UntypedStorage object that the read makes holds one more); where torch
+# lacks the count, or reading it fails, re-casts make new buffers.
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def _sole_owner_count():
-    t = torch.empty(1)
-    return _use_count(t.untyped_storage()._cdata) if _use_count is not None else None
+    if _use_count is None:
+        return None
+    try:
+        t = torch.empty(1, device="cpu")  # (explicitly on the CPU: never initialise CUDA at import)
+        return _use_count(t.untyped_storage()._cdata)
+    except Exception:  # noqa: BLE001 - a private entry of torch's: its absence only costs allocations
+        return None
 
 
 _SOLE_OWNER = _sole_owner_count()
@@ -697,6 +723,12 @@ def _unshared(t):
     if _SOLE_OWNER is None:  # (a torch without the count: re-casts make new buffers)
         return False
     return _use_count(t.untyped_storage()._cdata) == _SOLE_OWNER
+
+
+def _written_in_place(*scale_invs):
+    """Move the version counters of the scale inverses a re-cast wrote (every
+    saved weight operand keeps its scale inverse beside its bytes)."""
+    torch.autograd.graph.increment_version(scale_invs)
 
 
 def weight_key(src, *head):

@@ -85,9 +85,10 @@ class _Pool:
         """A list of the chunks that hold live states (a chunk whose states
         all moved to another device or died is left out, and dropped once it
         is not the one new states are allocated from).  Read at every
-        delayed-scaling update: one pass, no copies while nothing is dropped."""
+        delayed-scaling update: one pass over a snapshot of the keys (a state
+        pooled meanwhile by another thread adds one)."""
         live = []
-        for key, chunks in self.chunks.items():
+        for key, chunks in list(self.chunks.items()):
             if (algo is None or key[2] == algo) and (margin is None or key[3] == margin):
                 for c in chunks:
                     if c.live > 0:
