@@ -582,10 +582,21 @@ def _cast_current_list(op, xs, fp8_dtype, amax, margin, rowwise, transpose, scal
     scale = slots[0]
     if amax is None:
         amax = slots[1]
-    _C.cast_fp8_current_list([detached(t) for t in xs], None if data is None else list(data.unbind(0)),
-                             None if data_t is None else list(data_t.unbind(0)), scale, amax, scale_inv,
-                             int(margin), stream_for(first))
+    cast_fp8_current_list_into(xs, None if data is None else list(data.unbind(0)),
+                               None if data_t is None else list(data_t.unbind(0)), scale, amax, scale_inv, margin)
     return data, data_t, scale_inv, scale, amax
+
+
+def cast_fp8_current_list_into(xs, data, data_t, scale, amax, scale_inv, margin=0):
+    """:func:`cast_fp8_current_list` into outputs the caller has: ``data`` /
+    ``data_t`` lists of G FP8 tensors (or None), ``scale``, ``amax`` and
+    ``scale_inv`` [G] float32 (scale_inv as that function returns it) -- a
+    grouped layer's weights re-cast into the buffers of their last cast
+    (seqfuse.quantization.grouped.weight_pairs).  The C entry checks every
+    argument.  Returns None."""
+    require_fp8_dlpack("cast_fp8_current_list")
+    _C.cast_fp8_current_list([detached(t) for t in xs], data, data_t, scale, amax, scale_inv, int(margin),
+                             stream_for(xs[0]))
 
 
 # ---- router --------------------------------------------------------------

@@ -663,7 +663,7 @@ class WeightQuantizer(_Role):
             if spare is not None:
                 q, qt = spare
                 qops.quantize_block_fp8_weight_into(w, q.data, q.scale_inv, qt.data, qt.scale_inv)
-                _written_in_place(q.scale_inv, qt.scale_inv)
+                written_in_place(q.scale_inv, qt.scale_inv)
                 return spare, None
             data, si, data_t, si_t = qops.block_weight_outputs(w.shape[0], w.shape[1], self.fp8_dtype, w.device)
             qops.quantize_block_fp8_weight_into(w, data, si, data_t, si_t)
@@ -678,7 +678,7 @@ class WeightQuantizer(_Role):
         if spare is not None:
             q = spare[0]
             qops.cast_fp8_current_into(w.contiguous(), amax, scale, q.scale_inv, q.data, q.data_t, o.margin)
-            _written_in_place(q.scale_inv)
+            written_in_place(q.scale_inv)
             return spare, scratch
         fp8_dtype = self.fp8_dtype
         dev = w.device
@@ -697,7 +697,7 @@ class WeightQuantizer(_Role):
 # after that backward (kept with retain_graph, or while saved-tensor hooks keep it); torch's storage
 # use count sees it.  The rule for every backward: keep a weight operand only through weight_saved
 # (the count cannot see the same tensor saved again, nor raw pointers).  As a net under that rule, a
-# write in place moves the scale inverses' version counters (_written_in_place), which an alias
+# write in place moves the scale inverses' version counters (written_in_place), which an alias
 # shares: a saved operand the count missed makes its backward raise torch's "modified by an inplace
 # operation" instead of reading the new bytes.  The count of a storage only its tensor holds is read once here,
 # as _unshared reads it (the UntypedStorage object that the read makes holds one more); where torch
@@ -718,16 +718,23 @@ def _sole_owner_count():
 _SOLE_OWNER = _sole_owner_count()
 
 
+def storage_holders(t):
+    """How many tensors hold ``t``'s storage (``t`` and its views and aliases),
+    or None where torch cannot tell (then nothing is written in place)."""
+    if _SOLE_OWNER is None:
+        return None
+    return _use_count(t.untyped_storage()._cdata) - _SOLE_OWNER + 1
+
+
 def _unshared(t):
     """Whether no tensor but ``t`` holds its storage."""
-    if _SOLE_OWNER is None:  # (a torch without the count: re-casts make new buffers)
-        return False
-    return _use_count(t.untyped_storage()._cdata) == _SOLE_OWNER
+    return storage_holders(t) == 1
 
 
-def _written_in_place(*scale_invs):
+def written_in_place(*scale_invs):
     """Move the version counters of the scale inverses a re-cast wrote (every
-    saved weight operand keeps its scale inverse beside its bytes)."""
+    saved weight operand keeps its scale inverse beside its bytes; a view's
+    counter is its base's)."""
     torch.autograd.graph.increment_version(scale_invs)
 
 
@@ -848,7 +855,7 @@ class GemmQuantizers:
     ``inputs[g]``, ``weights[g]``, ``grads[g]``; ``state`` (delayed scaling:
     the module's ScalingState of 3 x num_gemms tensors, else None)."""
 
-    __slots__ = ("cls", "num_gemms", "recipe", "kind", "state", "inputs", "weights", "grads")
+    __slots__ = ("cls", "num_gemms", "recipe", "kind", "state", "inputs", "weights", "grads", "weight_list")
 
     def __init__(self, cls, num_gemms):
         self.cls, self.num_gemms = cls, num_gemms
@@ -856,6 +863,14 @@ class GemmQuantizers:
         self.inputs = [InputQuantizer(self, 3 * g) for g in range(num_gemms)]
         self.weights = [WeightQuantizer(self, 3 * g + 1) for g in range(num_gemms)]
         self.grads = [GradQuantizer(self, 3 * g + 2) for g in range(num_gemms)]
+        # a grouped module's last one-call cast of all its weights (quantization.grouped.weight_pairs),
+        # whose outputs the next such cast writes in place: a cache, left out of copies as the roles' are
+        self.weight_list = None
+
+    def __getstate__(self):
+        slots = {name: getattr(self, name) for name in GemmQuantizers.__slots__ if hasattr(self, name)}
+        slots["weight_list"] = None
+        return None, slots
 
     @property
     def fmt(self):

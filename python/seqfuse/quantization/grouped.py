@@ -18,6 +18,9 @@ every expert's weight changed (an optimizer step), casts them all with one
 ``seqfuse.ops.moe.cast_fp8_current_list`` call (current scaling of each
 weight, as WeightQuantizer's own cast; under delayed scaling the amaxes land
 in the state's weight slots), handing each quantizer its expert's result.
+The next such call writes that call's buffers in place where nothing else
+holds them (as WeightQuantizer's own re-cast: a pending backward keeps
+aliases of the scale inverses, which the storage count sees).
 
 GroupedMLP's down projection takes the SwiGLU's output as its input:
 ``quantize_grouped(..., swiglu=True, probs=...)`` computes that output in
@@ -55,6 +58,7 @@ import torch
 from ..common.notes import note_once
 from ..ops import moe as moe_ops
 from . import recompute, stats
+from .gemm_quantizers import storage_holders, written_in_place
 from .tensor import Float8Tensor
 
 __all__ = ["GroupedFloat8", "StackedFloat8", "note_grouped", "quantize_grouped", "stacked_weights_fp8",
@@ -190,6 +194,8 @@ def weight_pairs(q, weights, is_first_microbatch=None):
         return [roles[g].get(weights[g], is_first_microbatch) for g in range(G)]
     found = [roles[g].lookup(weights[g], is_first_microbatch) for g in range(G)]
     if any(pair is not None for pair, _ in found):
+        if any(pair is None for pair, _ in found):
+            q.weight_list = None  # (some experts cast one by one: the last list cast's buffers are let go)
         return [pair if pair is not None else roles[g].get(weights[g], is_first_microbatch)
                 for g, (pair, _) in enumerate(found)]
     ws = [w.detach().contiguous() for w in weights]
@@ -197,15 +203,52 @@ def weight_pairs(q, weights, is_first_microbatch=None):
     if any(w.shape != w0.shape or w.dtype != w0.dtype or (w.is_cuda and w.data_ptr() % 16) for w in ws):
         # the list cast takes same-shaped, 16-byte aligned weights (views into a flat buffer may not be)
         _declined("expert weights of different shapes or dtypes, or not 16-byte aligned")
+        q.weight_list = None
         return [roles[g].get(weights[g], is_first_microbatch) for g in range(G)]
     fp8_dtype = roles[0].fp8_dtype
     amax = q.state.role_slots(1, 3)[1] if q.kind == "delayed" else None
-    data, data_t, si, scale, amax = moe_ops.cast_fp8_current_list(ws, fp8_dtype, amax=amax, margin=q.margin)
+    notes = [note for _, note in found]
+    kept = _kept_list_cast(q, roles, ws, fp8_dtype, notes)
+    if kept is not None:  # the last call's buffers, which nothing else holds: written in place
+        data, data_t, si, scale, own_amax, pairs = kept
+        moe_ops.cast_fp8_current_list_into(ws, data, data_t, scale, own_amax if amax is None else amax, si,
+                                           q.margin)
+        written_in_place(si)
+        return [roles[g].store(notes[g], pairs[g], None) for g in range(G)]
+    data, data_t, si, scale, amax_out = moe_ops.cast_fp8_current_list(ws, fp8_dtype, amax=amax, margin=q.margin)
     pairs = []
     for g, (w, s_inv) in enumerate(zip(ws, si.split(1))):
-        note = found[g][1]
+        note = notes[g]
         t = Float8Tensor(data[g], s_inv, fp8_dtype, data_t=data_t[g], dtype=w.dtype, shape=w.shape)
         # the amax / scale scratch matters only to a captured cast (store keeps it for the graph)
-        scratch = (amax[g:g + 1], scale[g:g + 1]) if note[2] else None
+        scratch = (amax_out[g:g + 1], scale[g:g + 1]) if note[2] else None
         pairs.append(roles[g].store(note, (t, t), scratch))
+    q.weight_list = None
+    if not any(note[2] for note in notes):
+        # (the scale inverses' holders now, the pairs' views and the record's own: the count a later
+        # cast must find for nothing else to hold them)
+        q.weight_list = (ws[0].shape, ws[0].dtype, ws[0].device, fp8_dtype, torch.is_inference_mode_enabled(),
+                         storage_holders(si), (data, data_t, si, scale, amax_out if amax is None else None,
+                                               tuple(pairs)))
     return pairs
+
+
+def _kept_list_cast(q, roles, ws, fp8_dtype, notes):
+    """The outputs of ``q``'s last one-call weight cast (data and data_t
+    lists, scale_inv, scale, its own amax or None, the G pairs) when this
+    cast may write them: weights of the same shape, dtype and device, the
+    same FP8 dtype and inference mode, not under capture, every expert's
+    cached pair still that cast's, and the scale inverses' storage held by
+    as many tensors as right after that cast (a pending backward keeps
+    aliases of them: modules._fp8.weight_saved).  Else None."""
+    rec = q.weight_list
+    if rec is None or any(note[2] for note in notes):
+        return None
+    shape, dtype, device, dt8, inference, holders, outs = rec
+    w0 = ws[0]
+    pairs = outs[5]
+    if (holders is None or shape != w0.shape or dtype != w0.dtype or device != w0.device or dt8 is not fp8_dtype
+            or inference != torch.is_inference_mode_enabled() or len(pairs) != len(roles)
+            or any(r.pair is not p or r.key is None for r, p in zip(roles, pairs))):
+        return None
+    return outs if storage_holders(outs[2]) == holders else None
