@@ -699,6 +699,35 @@ def test_recast_never_overwrites_a_weight_a_pending_backward_holds(kind, recipe,
 
 
 @needs_fp8
+def test_grouped_weight_list_follows_recipe_changes_and_is_let_go(seed):
+    """GroupedLinear's kept list cast (its buffers written again at the next
+    list cast) is not reused across a recipe change (delayed scaling's list
+    cast writes the state's amax slots, current scaling's its own), and is let
+    go once the experts' weights are cast one by one (block scaling here), so
+    its FP8 buffers do not stay alive beside the new ones.  Each step equals
+    a copy's that starts with no cached cast."""
+    torch.manual_seed(seed)
+    m, call = _weighted_module("GroupedLinear")
+    x = torch.randn(32, 128, dtype=torch.bfloat16)
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    for make in (DelayedScaling, DelayedScaling, Float8CurrentScaling, Float8CurrentScaling, Float8BlockScaling):
+        fresh = copy.deepcopy(m)  # (copies start without cached casts)
+        outs = []
+        for mod, fn in ((m, call), (fresh, _call_of("GroupedLinear", fresh))):
+            xi = x.clone().requires_grad_()
+            with te.autocast(recipe=make()):
+                y = fn(xi)
+            y.float().square().mean().backward()
+            outs.append([y.detach(), xi.grad] + [p.grad for p in mod.parameters()])
+        for a, b in zip(*outs):
+            assert torch.equal(a, b), make.__name__
+        opt.step()
+        opt.zero_grad()
+        kept = m._fp8_quantizers.weight_list
+        assert (kept is None) == (make is Float8BlockScaling), make.__name__
+
+
+@needs_fp8
 @pytest.mark.parametrize("keep", ["retain_graph", "save_on_cpu", "inference_mode"])
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_recast_after_a_kept_graph_hooks_or_inference_mode(keep, recipe, seed):

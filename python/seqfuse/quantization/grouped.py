@@ -191,13 +191,11 @@ def weight_pairs(q, weights, is_first_microbatch=None):
     roles = q.weights
     G = len(weights)
     if q.kind == "block" or recompute.open_contexts or G < 2:
-        return [roles[g].get(weights[g], is_first_microbatch) for g in range(G)]
+        return _kept_list_checked(q, [roles[g].get(weights[g], is_first_microbatch) for g in range(G)])
     found = [roles[g].lookup(weights[g], is_first_microbatch) for g in range(G)]
     if any(pair is not None for pair, _ in found):
-        if any(pair is None for pair, _ in found):
-            q.weight_list = None  # (some experts cast one by one: the last list cast's buffers are let go)
-        return [pair if pair is not None else roles[g].get(weights[g], is_first_microbatch)
-                for g, (pair, _) in enumerate(found)]
+        return _kept_list_checked(q, [pair if pair is not None else roles[g].get(weights[g], is_first_microbatch)
+                                      for g, (pair, _) in enumerate(found)])
     ws = [w.detach().contiguous() for w in weights]
     w0 = ws[0]
     if any(w.shape != w0.shape or w.dtype != w0.dtype or (w.is_cuda and w.data_ptr() % 16) for w in ws):
@@ -227,9 +225,9 @@ def weight_pairs(q, weights, is_first_microbatch=None):
     if not any(note[2] for note in notes):
         # (the scale inverses' holders now, the pairs' views and the record's own: the count a later
         # cast must find for nothing else to hold them)
-        q.weight_list = (ws[0].shape, ws[0].dtype, ws[0].device, fp8_dtype, torch.is_inference_mode_enabled(),
-                         storage_holders(si), (data, data_t, si, scale, amax_out if amax is None else None,
-                                               tuple(pairs)))
+        q.weight_list = (q.kind, ws[0].shape, ws[0].dtype, ws[0].device, fp8_dtype,
+                         torch.is_inference_mode_enabled(), storage_holders(si),
+                         (data, data_t, si, scale, amax_out if amax is None else None, tuple(pairs)))
     return pairs
 
 
@@ -237,18 +235,28 @@ def _kept_list_cast(q, roles, ws, fp8_dtype, notes):
     """The outputs of ``q``'s last one-call weight cast (data and data_t
     lists, scale_inv, scale, its own amax or None, the G pairs) when this
     cast may write them: weights of the same shape, dtype and device, the
-    same FP8 dtype and inference mode, not under capture, every expert's
+    same recipe kind, FP8 dtype and inference mode, not under capture, every expert's
     cached pair still that cast's, and the scale inverses' storage held by
     as many tensors as right after that cast (a pending backward keeps
     aliases of them: modules._fp8.weight_saved).  Else None."""
-    rec = q.weight_list
+    rec = getattr(q, "weight_list", None)  # (a GemmQuantizers pickled before the slot existed has none)
     if rec is None or any(note[2] for note in notes):
         return None
-    shape, dtype, device, dt8, inference, holders, outs = rec
+    kind, shape, dtype, device, dt8, inference, holders, outs = rec
     w0 = ws[0]
     pairs = outs[5]
-    if (holders is None or shape != w0.shape or dtype != w0.dtype or device != w0.device or dt8 is not fp8_dtype
-            or inference != torch.is_inference_mode_enabled() or len(pairs) != len(roles)
+    if (holders is None or kind != q.kind or shape != w0.shape or dtype != w0.dtype or device != w0.device
+            or dt8 is not fp8_dtype or inference != torch.is_inference_mode_enabled() or len(pairs) != len(roles)
             or any(r.pair is not p or r.key is None for r, p in zip(roles, pairs))):
         return None
     return outs if storage_holders(outs[2]) == holders else None
+
+
+def _kept_list_checked(q, pairs):
+    """``pairs``, after letting ``q``'s last list cast go where an expert no
+    longer uses its result (cast one by one, FSDP2's gathered weights): its
+    buffers would otherwise stay alive beside the new ones."""
+    rec = getattr(q, "weight_list", None)
+    if rec is not None and any(p is not k for p, k in zip(pairs, rec[-1][5])):
+        q.weight_list = None
+    return pairs
