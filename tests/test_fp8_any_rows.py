@@ -699,6 +699,35 @@ def test_recast_never_overwrites_a_weight_a_pending_backward_holds(kind, recipe,
 
 
 @needs_fp8
+@pytest.mark.parametrize("kind", ["Linear", "GroupedLinear"])
+def test_without_torchs_storage_count_recasts_make_new_buffers(kind, seed, monkeypatch):
+    """Where torch gives no storage use count (a private entry of torch's:
+    missing, or failing at import), no re-cast writes cached buffers: each
+    weight update is cast into new ones, with the same results."""
+    from seqfuse.quantization import gemm_quantizers as gq
+
+    monkeypatch.setattr(gq, "_SOLE_OWNER", None)
+    assert gq.storage_holders(torch.empty(1)) is None
+    torch.manual_seed(seed)
+    m, call = _weighted_module(kind)
+    ref = copy.deepcopy(m)
+    x = torch.randn(32, 128, dtype=torch.bfloat16)
+    seen = []
+    for step in range(3):
+        for mod in (m, ref):
+            with te.autocast(recipe=Float8CurrentScaling()):
+                _call_of(kind, mod)(x).float().square().mean().backward()
+            with torch.no_grad():
+                for p in mod.parameters():
+                    p.sub_(0.5 * p.grad)
+            mod.zero_grad()
+        seen.append(_fp8_weight_ptrs(m))
+    assert seen[1] != seen[0] and seen[2] != seen[1]
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
+@needs_fp8
 def test_grouped_weight_list_follows_recipe_changes_and_is_let_go(seed):
     """GroupedLinear's kept list cast (its buffers written again at the next
     list cast) is not reused across a recipe change (delayed scaling's list

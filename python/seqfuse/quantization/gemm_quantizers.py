@@ -210,6 +210,15 @@ def wants_weight_transpose(grad, role):
 
 # ---- the three roles -------------------------------------------------------------
 
+def _state_without_caches(obj):
+    """The pickle state of a slotted object (a role, a module's GemmQuantizers):
+    its slots, those its class names in ``_caches`` set to None."""
+    slots = {name: getattr(obj, name) for cls in type(obj).__mro__ for name in getattr(cls, "__slots__", ())
+             if hasattr(obj, name)}
+    slots.update(dict.fromkeys(type(obj)._caches))
+    return None, slots
+
+
 def _cast_input(x):
     """(x without autograd history, row-major; M; K): a cast's input seen as [M, K]."""
     if x.requires_grad:
@@ -231,10 +240,7 @@ class _Role:
         self.scratch = None
 
     def __getstate__(self):
-        slots = {name: getattr(self, name) for cls in type(self).__mro__ for name in getattr(cls, "__slots__", ())
-                 if hasattr(self, name)}
-        slots.update(dict.fromkeys(type(self)._caches))
-        return None, slots
+        return _state_without_caches(self)
 
     @property
     def fp8_dtype(self):
@@ -856,6 +862,7 @@ class GemmQuantizers:
     the module's ScalingState of 3 x num_gemms tensors, else None)."""
 
     __slots__ = ("cls", "num_gemms", "recipe", "kind", "state", "inputs", "weights", "grads", "weight_list")
+    _caches = ("weight_list",)
 
     def __init__(self, cls, num_gemms):
         self.cls, self.num_gemms = cls, num_gemms
@@ -868,9 +875,7 @@ class GemmQuantizers:
         self.weight_list = None
 
     def __getstate__(self):
-        slots = {name: getattr(self, name) for name in GemmQuantizers.__slots__ if hasattr(self, name)}
-        slots["weight_list"] = None
-        return None, slots
+        return _state_without_caches(self)
 
     @property
     def fmt(self):

@@ -208,11 +208,10 @@ def weight_pairs(q, weights, is_first_microbatch=None):
     notes = [note for _, note in found]
     kept = _kept_list_cast(q, roles, ws, fp8_dtype, notes)
     if kept is not None:  # the last call's buffers, which nothing else holds: written in place
-        data, data_t, si, scale, own_amax, pairs = kept
-        moe_ops.cast_fp8_current_list_into(ws, data, data_t, scale, own_amax if amax is None else amax, si,
-                                           q.margin)
-        written_in_place(si)
-        return [roles[g].store(notes[g], pairs[g], None) for g in range(G)]
+        moe_ops.cast_fp8_current_list_into(ws, kept.data, kept.data_t, kept.scale,
+                                           kept.amax if amax is None else amax, kept.scale_inv, q.margin)
+        written_in_place(kept.scale_inv)
+        return [roles[g].store(notes[g], kept.pairs[g], None) for g in range(G)]
     data, data_t, si, scale, amax_out = moe_ops.cast_fp8_current_list(ws, fp8_dtype, amax=amax, margin=q.margin)
     pairs = []
     for g, (w, s_inv) in enumerate(zip(ws, si.split(1))):
@@ -223,33 +222,50 @@ def weight_pairs(q, weights, is_first_microbatch=None):
         pairs.append(roles[g].store(note, (t, t), scratch))
     q.weight_list = None
     if not any(note[2] for note in notes):
-        # (the scale inverses' holders now, the pairs' views and the record's own: the count a later
-        # cast must find for nothing else to hold them)
-        q.weight_list = (q.kind, ws[0].shape, ws[0].dtype, ws[0].device, fp8_dtype,
-                         torch.is_inference_mode_enabled(), storage_holders(si),
-                         (data, data_t, si, scale, amax_out if amax is None else None, tuple(pairs)))
+        q.weight_list = _ListCast(q.kind, ws[0], fp8_dtype, data, data_t, si, scale,
+                                  amax_out if amax is None else None, tuple(pairs))
     return pairs
 
 
+class _ListCast:
+    """A grouped module's last one-call weight cast, kept for the next one to
+    write in place (GemmQuantizers.weight_list): what it was cast under
+    (recipe kind, the weights' shape, dtype and device, the FP8 dtype,
+    inference mode), its outputs (the data and data_t lists, the [G] scale
+    inverses and scales, its own amax buffer or None where the state's slots
+    took the amaxes) and the G pairs handed to the experts' quantizers.
+    ``holders``: how many tensors held the scale inverses' storage right
+    after the cast (the pairs' views and this record's own), the count a
+    later cast must find for nothing else to hold them."""
+
+    __slots__ = ("kind", "shape", "dtype", "device", "fp8_dtype", "inference", "holders", "data", "data_t",
+                 "scale_inv", "scale", "amax", "pairs")
+
+    def __init__(self, kind, w, fp8_dtype, data, data_t, scale_inv, scale, amax, pairs):
+        self.kind, self.shape, self.dtype, self.device = kind, w.shape, w.dtype, w.device
+        self.fp8_dtype, self.inference = fp8_dtype, torch.is_inference_mode_enabled()
+        self.data, self.data_t, self.scale_inv, self.scale, self.amax = data, data_t, scale_inv, scale, amax
+        self.pairs = pairs
+        self.holders = storage_holders(scale_inv)
+
+
 def _kept_list_cast(q, roles, ws, fp8_dtype, notes):
-    """The outputs of ``q``'s last one-call weight cast (data and data_t
-    lists, scale_inv, scale, its own amax or None, the G pairs) when this
-    cast may write them: weights of the same shape, dtype and device, the
-    same recipe kind, FP8 dtype and inference mode, not under capture, every expert's
-    cached pair still that cast's, and the scale inverses' storage held by
-    as many tensors as right after that cast (a pending backward keeps
-    aliases of them: modules._fp8.weight_saved).  Else None."""
+    """``q``'s kept _ListCast when this cast may write its buffers: weights
+    of the same shape, dtype and device, the same recipe kind, FP8 dtype and
+    inference mode, not under capture, every expert's cached pair still that
+    cast's, and the scale inverses' storage held by as many tensors as right
+    after that cast (a pending backward keeps aliases of them:
+    modules._fp8.weight_saved).  Else None."""
     rec = getattr(q, "weight_list", None)  # (a GemmQuantizers pickled before the slot existed has none)
     if rec is None or any(note[2] for note in notes):
         return None
-    kind, shape, dtype, device, dt8, inference, holders, outs = rec
     w0 = ws[0]
-    pairs = outs[5]
-    if (holders is None or kind != q.kind or shape != w0.shape or dtype != w0.dtype or device != w0.device
-            or dt8 is not fp8_dtype or inference != torch.is_inference_mode_enabled() or len(pairs) != len(roles)
-            or any(r.pair is not p or r.key is None for r, p in zip(roles, pairs))):
+    if (rec.holders is None or rec.kind != q.kind or rec.shape != w0.shape or rec.dtype != w0.dtype
+            or rec.device != w0.device or rec.fp8_dtype is not fp8_dtype
+            or rec.inference != torch.is_inference_mode_enabled() or len(rec.pairs) != len(roles)
+            or any(r.pair is not p or r.key is None for r, p in zip(roles, rec.pairs))):
         return None
-    return outs if storage_holders(outs[2]) == holders else None
+    return rec if storage_holders(rec.scale_inv) == rec.holders else None
 
 
 def _kept_list_checked(q, pairs):
@@ -257,6 +273,6 @@ def _kept_list_checked(q, pairs):
     longer uses its result (cast one by one, FSDP2's gathered weights): its
     buffers would otherwise stay alive beside the new ones."""
     rec = getattr(q, "weight_list", None)
-    if rec is not None and any(p is not k for p, k in zip(pairs, rec[-1][5])):
+    if rec is not None and any(p is not k for p, k in zip(pairs, rec.pairs)):
         q.weight_list = None
     return pairs

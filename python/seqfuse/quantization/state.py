@@ -147,7 +147,7 @@ class ScalingState(nn.Module):
         self._chunk_ref = None   # weakref: a deepcopy must not copy the pool
         self._ptrs = None
         self._views = None
-        self._steady = None  # steady_cast_args' answers: (the views, the format, {index: args})
+        self._steady = None  # steady_cast_args' answers: (views, format, scale, amax_history, {index: args})
         self._role_views = {}  # role_slots' views, keyed on (first, step), with the _ptrs they view
         self._offset = 0
         # host-side: which tensors were cast since the last delayed-scaling
