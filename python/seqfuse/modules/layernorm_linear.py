@@ -110,7 +110,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
             x2, lnw, mean, rstd, ln_t, ln_si, w_t, w_si = ctx.saved_tensors
             kind, need_dw = ctx.kind, ctx.needs_input_grad[3]
             g, dbias = ctx.q.grads[0].quantize_grad(dout2, b_dtype if has_bias else None,
-                                                   need_wgrad=need_dw)
+                                                   need_wgrad=need_dw, transient=True)
             dln, dweight = F8.backward(g, F8.restore(ln_t, ln_si, kind),
                                        F8.weight_dgrad_kept(w_t, w_si, kind, ctx.want_t), kind, x2.dtype,
                                        x2.shape[0], True, need_dw, w_dtype,

@@ -68,7 +68,8 @@ import torch
 
 from .. import ops
 from ..ops import act as A
-from ..quantization.gemm_quantizers import wants_weight_transpose
+from ..ops.buffers import transient_stream
+from ..quantization.gemm_quantizers import transposed, wants_weight_transpose
 from . import _fp8 as F8
 from ._base import (as_dtype, fp8_norm, main_grad_for, weight_and_bias_grads,
                     fp8_quantizers, hidden_dim, init_weight, make_norm_params, norm_backward,
@@ -147,7 +148,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
             need_w1, need_w2 = ctx.needs_input_grad[3], ctx.needs_input_grad[5]
             mg1, mg2 = main_grad_for(ctx.w1, need_w1), main_grad_for(ctx.w2, need_w2)
             # the bias gradients come out of the gradients' cast passes where the kernels take them
-            g2, db2 = q.grads[1].quantize_grad(dout2, b2_dt, need_wgrad=need_w2)
+            g2, db2 = q.grads[1].quantize_grad(dout2, b2_dt, need_wgrad=need_w2, transient=True)
             w2_dgrad = F8.weight_dgrad_kept(w2_t, w2_si, kind, ctx.want_t)
             da, dw2 = F8.backward(g2, F8.restore(a_t, a_si, kind), w2_dgrad, kind, dt, rows, True, need_w2, w2_dt, mg2)
             g1, db1 = _fp8_act_grad(q, da, h, activation, b1_dt, need_w1)
@@ -233,11 +234,16 @@ def _fp8_act_grad(q, da, h, activation, bias_dtype, need_col):
                       "gradient (an FC1 bias: its gradient sums the high-precision rows); without an FC1 bias "
                       "the activation-gradient kernel writes it in FP8", h.dtype)
         dh = A.act_backward(da, h, activation)
-        return gq.quantize_grad(dh, bias_dtype, need_wgrad=need_col)
-    scale, amax, fp8_dtype, si, buf, dh = gq.fused_outputs(h.shape[0], h.shape[1], h.device,
-                                                           scale_inv=gq.kept_outputs(h)[0])
+        return gq.quantize_grad(dh, bias_dtype, need_wgrad=need_col, transient=True)
+    # (read only by FC1's GEMMs in this backward: transient buffers, as quantize_grad's transient=True)
+    where = transient_stream(h)
+    scale, amax, fp8_dtype, si, buf, dh = gq.fused_outputs(
+        h.shape[0], h.shape[1], h.device, scale_inv=gq.kept_outputs(h, where=where, transient=True)[0], where=where)
     A.act_backward(da, h, activation, fp8_dtype, scale, amax, si, out=dh)
-    return gq.fp8_output(buf, dh.shape, si, h.dtype), None
+    g = gq.fp8_output(buf, dh.shape, si, h.dtype)
+    if need_col:
+        g.data_t = transposed(g, where)
+    return g, None
 
 
 def _wgrad(dy, inp, bias_dtype, main_grad=None):

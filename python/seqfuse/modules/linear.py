@@ -272,7 +272,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         dx = dw = db = None
         if need_dx or need_dw:
             g, db = ctx.q.grads[0].quantize_grad(dy, ctx.bias_dtype if need_db else None,
-                                                 need_dgrad=need_dx, need_wgrad=need_dw)
+                                                 need_dgrad=need_dx, need_wgrad=need_dw, transient=True)
             w_dg = F8.weight_dgrad_kept(w_t, w_si, kind, ctx.want_t) if need_dx else None
             dx, dw = F8.backward(g, F8.restore(x_t, x_si, kind), w_dg,
                                  kind, ctx.dtype, ctx.rows, need_dx, need_dw, weight.dtype, main_grad)

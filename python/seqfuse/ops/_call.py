@@ -7,6 +7,7 @@ such API, so ops pass the current stream's handle explicitly.
 import torch
 
 from .. import _C
+from .buffers import transient, transient_stream
 
 #: True when torch publishes DLPack's C exchange API on its tensor type.
 FAST_EXCHANGE = hasattr(torch.Tensor, "__dlpack_c_exchange_api__")
@@ -41,7 +42,8 @@ def cached_workspace(t, cache, query):
     (None on the CPU, which needs none, or where the size is 0).  The size
     depends on the GPU and the shape only, so ``query(t)`` (a
     ``_C.*_workspace_numel``) is asked once per (device, rows, hidden) and
-    kept in the op's ``cache`` dict (emptied past 1024 shapes)."""
+    kept in the op's ``cache`` dict (emptied past 1024 shapes).  Read by the
+    op's own launches alone: a transient buffer (purpose: ``query``)."""
     if t.device.type != "cuda":
         return None
     hidden = t.shape[-1]
@@ -51,7 +53,7 @@ def cached_workspace(t, cache, query):
         if len(cache) > 1024:
             cache.clear()
         n = cache[key] = query(t)
-    return torch.empty(n, dtype=torch.float32, device=t.device) if n else None
+    return transient(transient_stream(t), query, torch.float32, n) if n else None
 
 
 def empty(shape, dtype, device):

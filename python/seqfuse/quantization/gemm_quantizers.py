@@ -80,6 +80,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..common.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format,
                              MXFP8BlockScaling, NVFP4BlockScaling, Recipe)
+from ..ops import buffers
 from ..ops import quant as qops
 from ..ops.gemm import FP8_ROW_MULTIPLE
 from ..ops.moe import dense
@@ -276,14 +277,15 @@ class _Role:
             return si, None
         return si, torch.empty(*qops.block_sums_shape(sums_rows, x.shape[-1]), dtype=torch.float32, device=dev)
 
-    def _cast(self, x, transpose, dbias=None, rows=None, kept=False):
+    def _cast(self, x, transpose, dbias=None, rows=None, kept=False, transient=False):
         """Per-tensor cast of x [M, K] under the owner's recipe, the copies
         padded to ``rows`` token rows (None: M): a Float8Tensor, with
         ``dbias`` (a dtype) also x's column sums in it.  What quantize_with_state /
         quantize_current do, with the outputs made here in one place (the
         shapes are known: no argument checks on this path, the C entry
-        checks the tensors).  ``kept``: the scale inverse and sums are the
-        role's kept ones (GradQuantizer.kept_outputs)."""
+        checks the tensors).  ``kept``: the scale inverse and sums are
+        GradQuantizer.kept_outputs'; with ``transient`` the FP8 copies are
+        transient buffers too (GradQuantizer.quantize_grad's)."""
         o = self.owner
         x, m, k = _cast_input(x)
         delayed = o.kind == "delayed"
@@ -295,10 +297,19 @@ class _Role:
         dev = x.device
         mp = m if rows is None else rows
         # (sizes as separate ints: torch parses them faster than a torch.Size or a tuple)
-        scale_inv, sums = (self.kept_outputs if kept else self.cast_outputs)(x, None if dbias is None else mp)
-        out = (torch.empty(*x.shape, dtype=fp8_dtype, device=dev) if mp == m
-               else torch.empty(mp, k, dtype=fp8_dtype, device=dev))
-        out_t = torch.empty(k, mp, dtype=fp8_dtype, device=dev) if transpose else None
+        sums_rows = None if dbias is None else mp
+        if kept:
+            where = buffers.transient_stream(x)
+            scale_inv, sums = self.kept_outputs(x, sums_rows, where=where, transient=transient)
+        else:
+            scale_inv, sums = self.cast_outputs(x, sums_rows)
+        if transient:
+            out = buffers.transient(where, "grad", fp8_dtype, mp, k)
+            out_t = buffers.transient(where, "grad_t", fp8_dtype, k, mp) if transpose else None
+        else:
+            out = (torch.empty(*x.shape, dtype=fp8_dtype, device=dev) if mp == m
+                   else torch.empty(mp, k, dtype=fp8_dtype, device=dev))
+            out_t = torch.empty(k, mp, dtype=fp8_dtype, device=dev) if transpose else None
         if dbias is None:
             if delayed:
                 qops.cast_fp8_into(x, scale, amax, out, out_t, scale_inv)
@@ -331,42 +342,47 @@ class _Role:
             return self._block_cast(x, None if mp == m else mp)
         return self._cast(x, transpose, rows=None if mp == m else mp)
 
-    def _block_cast(self, x, rows, rowwise=True, sums=None):
+    def _block_cast(self, x, rows, rowwise=True, sums=None, where=None):
         """1x128-block cast of x [M, K] with its column-wise copy (what
         quantize_block(..., 1, columnwise=True, rowwise=rowwise, rows=rows)
         makes), its outputs made here: a Float8BlockTensor; ``sums`` (float32
-        [ceil(M / 128), K]) receives the dbias pass's block sums."""
+        [ceil(M / 128), K]) receives the dbias pass's block sums.  ``where``
+        (a transient_stream): the outputs are transient buffers there."""
         x, m, k = _cast_input(x)
-        outs = qops.rowcol_outputs(x, m, k, self.fp8_dtype, rows, rowwise, True)
+        outs = qops.rowcol_outputs(x, m, k, self.fp8_dtype, rows, rowwise, True, where)
         qops.quantize_block_fp8_rowcol_into(x, *outs, sums)
         data, si, data_t, si_t = outs
         return Float8BlockTensor(data, si, 1, dtype=x.dtype, data_t=data_t, scale_inv_t=si_t, shape=x.shape)
 
     @staticmethod
-    def fp8_output_buffer(m, k, fp8_dtype, device):
+    def fp8_output_buffer(m, k, fp8_dtype, device, where=None):
         """(buffer, view) for a producer kernel's FP8 output [m, k] (norm,
         activation: delayed scaling's fused casts): the kernel writes ``view``,
         the first m rows of a [padded_rows(m), k] ``buffer`` whose other rows
-        are zeroed here (one memset: no padded copy of the output)."""
+        are zeroed here (one memset: no padded copy of the output).
+        ``where`` (a transient_stream): the buffer is a transient one."""
         mp = padded_rows(m)
-        buf = torch.empty(mp, k, dtype=fp8_dtype, device=device)
+        buf = (torch.empty(mp, k, dtype=fp8_dtype, device=device) if where is None
+               else buffers.transient(where, "grad", fp8_dtype, mp, k))
         if mp == m:
             return buf, buf
         buf[m:].view(torch.uint8).zero_()  # (float8 has no zero_ kernel everywhere: zero the bytes)
         return buf, buf[:m]
 
-    def fused_outputs(self, m, k, device, scale_inv=None):
+    def fused_outputs(self, m, k, device, scale_inv=None, where=None):
         """Delayed scaling, where ``fused_cast`` holds (the caller's check):
         what a producer kernel (norm, activation, activation gradient) takes
         to write this operand [m, k] in FP8 itself, as (scale, amax slot,
         FP8 dtype, scale inverse, buffer, view): the kernel writes ``view``,
         the first m rows of the padded ``buffer`` (fp8_output_buffer), and
         the scale inverse (a new one-element tensor unless ``scale_inv`` is
-        given); ``fp8_output`` then makes the operand."""
+        given); ``fp8_output`` then makes the operand.  ``where`` (a
+        transient_stream): the buffer is a transient one (a gradient operand
+        in a module's backward: GradQuantizer's class note)."""
         scale, amax, fp8_dtype = self.scale
         if scale_inv is None:
             scale_inv = torch.empty(1, dtype=torch.float32, device=device)
-        buf, view = self.fp8_output_buffer(m, k, fp8_dtype, device)
+        buf, view = self.fp8_output_buffer(m, k, fp8_dtype, device, where)
         return scale, amax, fp8_dtype, scale_inv, buf, view
 
     def fp8_output(self, buf, shape, scale_inv, dtype):
@@ -405,22 +421,19 @@ class _Role:
             else fused
 
 
-def transposed(q):
+def transposed(q, where=None):
     """The [K, Mp] transposed copy of a padded Float8Tensor (made now if the
-    cast did not make it)."""
+    cast did not make it; ``where``, a transient_stream: into a transient
+    buffer there)."""
     if q.data_t is not None:
         return q.data_t
     d = q.data  # (a producer's [Mp, K] output: fp8_output_buffer's; viewed as [M, K] all the same)
     k = d.shape[-1]
-    out = torch.empty(k, d.numel() // k if k else 0, dtype=d.dtype, device=d.device)
+    mp = d.numel() // k if k else 0
+    out = (torch.empty(k, mp, dtype=d.dtype, device=d.device) if where is None
+           else buffers.transient(where, "grad_t", d.dtype, k, mp))
     qops.transpose_fp8_into(d, out)
     return out
-
-
-#: The dbias pass's block sums, one buffer per (device, blocks, K) for every
-#: gradient cast (column_sums reads it right after the cast that writes it).
-_shared_sums = {}
-_shared_sums_clears = [0]  # how many times _shared_sums was emptied (a role's kept entry names its era)
 
 
 class InputQuantizer(_Role):
@@ -429,77 +442,73 @@ class InputQuantizer(_Role):
 
 
 class GradQuantizer(_Role):
-    """A GEMM's output gradient (the recipe's backward format).  In a
-    module's backward (``quantize_grad``, and LayerNormMLP's fused
-    activation-gradient cast) the cast operand is read only by the GEMMs of
-    that backward call (the input and weight gradients), which are enqueued
-    before the role's next cast: like the amax and scale of ``_scratch``,
-    the operand's scale inverse is then one kept tensor per role
-    (``kept_outputs``), and the dbias pass's block sums, which column_sums
-    reads right after the cast, one shared buffer per device and shape.
-    A cast through the role's public ``quantize`` makes its own."""
-    __slots__ = ("kept_scale_inv", "kept_sums")
+    """A GEMM's output gradient (the recipe's backward format).  The dbias
+    pass's block sums, which column_sums reads right after the cast, are a
+    transient buffer (seqfuse.ops.quant.transient: one per device, stream
+    and shape for every cast).  In the backward of Linear, LayerNormLinear
+    and LayerNormMLP (``quantize_grad(..., transient=True)``, and
+    LayerNormMLP's fused activation-gradient cast) the cast operand is read
+    only by the GEMMs of that backward call (the input and weight
+    gradients), which it enqueues before it returns: the FP8 copies and
+    their scale inverse are transient buffers too.  Otherwise (GroupedLinear
+    casts every expert's rows before its GEMMs) the copies are new and the
+    scale inverse is one kept tensor per role, read by GEMMs enqueued before
+    the role's next cast (as the amax and scale of ``_scratch``).  A cast
+    through the role's public ``quantize`` makes its own."""
+    __slots__ = ("kept_scale_inv",)
     _caches = _Role._caches + __slots__
     _fallback_logged = []
 
     def __init__(self, owner, index):
         super().__init__(owner, index)
-        self.kept_scale_inv = self.kept_sums = None
+        self.kept_scale_inv = None
 
-    def kept_outputs(self, x, sums_rows=None, scale_inv=True):
-        """What _Role.cast_outputs makes, kept (see the class note): the
-        role's scale inverse (None with ``scale_inv`` False) and the shared
-        block sums.  Made again when the device or a shape changes; under CUDA
-        graph capture new ones that the graph keeps (as _scratch's)."""
-        capturing = device_checks.capturing(x)
-        dev = x.device
+    def kept_outputs(self, x, sums_rows=None, scale_inv=True, where=None, transient=False):
+        """The buffers a gradient cast of ``x`` writes besides its FP8 copies
+        (see the class note): the scale inverse (None with ``scale_inv``
+        False; ``transient``: a transient buffer, else the role's kept one)
+        and, given ``sums_rows``, the block sums, on ``where`` (x's
+        transient_stream when None).  Under CUDA graph capture new ones
+        that the graph keeps (as _scratch's)."""
+        if where is None:
+            where = buffers.transient_stream(x)
         si = None
         if scale_inv:
-            si = self.kept_scale_inv
-            if si is None or capturing or si.device != dev:
-                si = torch.empty(1, dtype=torch.float32, device=dev)
-                if not capturing:
-                    self.kept_scale_inv = si
+            if transient:
+                si = buffers.transient(where, "grad_scale_inv", torch.float32, 1)
+            else:
+                si = self.kept_scale_inv
+                dev = x.device
+                if si is None or where[1] is None or si.device != dev:
+                    si = torch.empty(1, dtype=torch.float32, device=dev)
+                    if where[1] is not None:  # (not under capture)
+                        self.kept_scale_inv = si
         if sums_rows is None:
             return si, None
-        shape = qops.block_sums_shape(sums_rows, x.shape[-1])
-        kept = self.kept_sums  # (this role's last shared buffer: no key to build while its shape holds)
-        if (kept is not None and not capturing and kept[0] == shape and kept[1] == _shared_sums_clears[0]
-                and kept[2].device == dev):
-            return si, kept[2]
-        key = (dev, *shape)
-        sums = None if capturing else _shared_sums.get(key)
-        if sums is None:
-            sums = torch.empty(*shape, dtype=torch.float32, device=dev)
-            if not capturing:
-                if len(_shared_sums) >= 64:
-                    _shared_sums.clear()
-                    _shared_sums_clears[0] += 1  # (the roles' kept references are dropped with it)
-                _shared_sums[key] = sums
-        if not capturing:
-            self.kept_sums = (shape, _shared_sums_clears[0], sums)
-        return si, sums
+        return si, buffers.transient(where, "grad_sums", torch.float32, *qops.block_sums_shape(sums_rows, x.shape[-1]))
 
-    def quantize_grad(self, dy, bias_dtype, need_dgrad=True, need_wgrad=True):
-        """(padded FP8 dy with its transposed copy where the weight gradient
-        needs it, the bias gradient in ``bias_dtype`` or None).  The bias
-        gradient comes out of the cast's own pass over dy where its kernel
-        takes dy (aligned rows, K % 8, 16-byte aligned); otherwise a separate
-        float32 column sum, logged once."""
+    def quantize_grad(self, dy, bias_dtype, need_dgrad=True, need_wgrad=True, transient=False):
+        """(padded FP8 dy [M, N] with its transposed copy where the weight
+        gradient needs it, the bias gradient in ``bias_dtype`` or None).  The
+        bias gradient comes out of the cast's own pass over dy where its
+        kernel takes dy (aligned rows, K % 8, 16-byte aligned); otherwise a
+        separate float32 column sum, logged once.  ``transient``: the caller
+        reads the FP8 operand only in GEMMs it enqueues before it returns,
+        and keeps nothing of it (see the class note)."""
         o = self.owner
         m = dy.shape[0]
         want_db = bias_dtype is not None
         # the casts' sums come out in the bias's dtype (float32 then converted for any other)
         sum_dtype = bias_dtype if bias_dtype in qops.SUM_DTYPES else torch.float32
         if o.kind == "block":
-            return self._block_grad(dy, want_db, need_dgrad, need_wgrad, bias_dtype, sum_dtype)
+            return self._block_grad(dy, want_db, need_dgrad, need_wgrad, bias_dtype, sum_dtype, transient)
         mp = padded_rows(m)
         rows = None if mp == m else mp
         db = None
         if want_db and need_wgrad and qops.dbias_fusable(dy, rows=mp):
-            g, db = self._cast(dy, True, dbias=sum_dtype, rows=rows, kept=True)
+            g, db = self._cast(dy, True, dbias=sum_dtype, rows=rows, kept=True, transient=transient)
         else:
-            g = self._cast(dy, need_wgrad, rows=rows, kept=True)
+            g = self._cast(dy, need_wgrad, rows=rows, kept=True, transient=transient)
         if want_db and db is None:
             if need_wgrad and not GradQuantizer._fallback_logged:
                 GradQuantizer._fallback_logged.append(True)
@@ -510,15 +519,16 @@ class GradQuantizer(_Role):
             db = dy.sum(0, dtype=torch.float32)
         return g, (db if db is None or db.dtype == bias_dtype else db.to(bias_dtype))
 
-    def _block_grad(self, dy, want_db, need_dgrad, need_wgrad, bias_dtype, sum_dtype):
+    def _block_grad(self, dy, want_db, need_dgrad, need_wgrad, bias_dtype, sum_dtype, transient):
         dy = dense(dy)
         m = dy.shape[0]
         mp = padded_rows(m)
         rows = None if mp == m else mp  # (the casts write the zero rows: no padded copy of dy)
         db = None
         if need_wgrad:
-            sums = self.kept_outputs(dy, m, scale_inv=False)[1] if want_db else None
-            q = self._block_cast(dy, rows, rowwise=need_dgrad, sums=sums)
+            where = buffers.transient_stream(dy)
+            sums = self.kept_outputs(dy, m, scale_inv=False, where=where)[1] if want_db else None
+            q = self._block_cast(dy, rows, rowwise=need_dgrad, sums=sums, where=where if transient else None)
             if want_db:
                 db = qops.column_sums(sums, sum_dtype)
         else:
