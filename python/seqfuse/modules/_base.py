@@ -182,14 +182,18 @@ def fp8_norm(q, x2, lnw, lnb, eps, rms, zc, need_col):
     """(quantized norm output, mean, rstd) as GEMM 0's input.  Delayed
     scaling once the input has an amax history: the norm kernel writes FP8
     itself (scale and amax of the state); otherwise (other recipes, the
-    first step) the norm in x's dtype, then the recipe's cast."""
+    first step) the norm in x's dtype, then the recipe's cast.  The
+    row-wise FP8 copy is a transient buffer (InputQuantizer.input_place):
+    the caller reads it only in its GEMM and in the transposed copy it
+    keeps (F8.columnwise), both before it returns."""
     iq = q.inputs[0]
     if iq.fused_cast:
-        scale, amax, fp8_dtype, si, buf, y = iq.fused_outputs(x2.shape[0], x2.shape[1], x2.device)
+        scale, amax, fp8_dtype, si, buf, y = iq.fused_outputs(x2.shape[0], x2.shape[1], x2.device,
+                                                              place=iq.input_place(x2))
         _, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc, fp8_dtype, scale, amax, si, out=y)
         return iq.fp8_output(buf, y.shape, si, x2.dtype), mean, rstd
     y, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc)
-    return iq.quantize(y, transpose=need_col), mean, rstd
+    return iq.quantize(y, transpose=need_col, transient=True), mean, rstd
 
 
 def init_weight(w, init_method):

@@ -65,7 +65,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
             kind, rows, need_w = q.kind, x2.shape[0], ctx.needs_input_grad[3]
             if ret_ln:  # the norm output is returned: make it in x's dtype, then cast
                 ln_out, mean, rstd = norm_forward(x2, lnw, lnb, eps, rms, zc)
-                lnq = q.inputs[0].quantize(ln_out, transpose=need_w)
+                lnq = q.inputs[0].quantize(ln_out, transpose=need_w, transient=True)
             else:
                 ln_out = None
                 lnq, mean, rstd = fp8_norm(q, x2, lnw, lnb, eps, rms, zc, need_w)

@@ -68,7 +68,6 @@ import torch
 
 from .. import ops
 from ..ops import act as A
-from ..ops.buffers import transient_stream
 from ..quantization.gemm_quantizers import transposed, wants_weight_transpose
 from . import _fp8 as F8
 from ._base import (as_dtype, fp8_norm, main_grad_for, weight_and_bias_grads,
@@ -205,14 +204,15 @@ def _fc1_act(x2, lnw, lnb, eps, rms, zc, w1c, b1c, activation):
 def _fp8_act(q, h, activation, need_col):
     """The activation of FC1's output as FC2's quantized input: written in
     FP8 by the activation kernel under delayed scaling once it has an amax
-    history, else (other recipes, the first step) made in h's dtype and cast."""
+    history, else (other recipes, the first step) made in h's dtype and cast.
+    The row-wise copy is a transient buffer, as fp8_norm's."""
     iq = q.inputs[1]
     if iq.fused_cast:
         width = h.shape[1] // 2 if activation in A.GATED else h.shape[1]
-        scale, amax, fp8_dtype, si, buf, a = iq.fused_outputs(h.shape[0], width, h.device)
+        scale, amax, fp8_dtype, si, buf, a = iq.fused_outputs(h.shape[0], width, h.device, place=iq.input_place(h))
         A.act_forward(h, activation, fp8_dtype, scale, amax, si, out=a)
         return iq.fp8_output(buf, a.shape, si, h.dtype)
-    return iq.quantize(A.act_forward(h, activation), transpose=need_col)
+    return iq.quantize(A.act_forward(h, activation), transpose=need_col, transient=True)
 
 
 def _fp8_act_grad(q, da, h, activation, bias_dtype, need_col):
@@ -236,13 +236,14 @@ def _fp8_act_grad(q, da, h, activation, bias_dtype, need_col):
         dh = A.act_backward(da, h, activation)
         return gq.quantize_grad(dh, bias_dtype, need_wgrad=need_col, transient=True)
     # (read only by FC1's GEMMs in this backward: transient buffers, as quantize_grad's transient=True)
-    where = transient_stream(h)
+    rows_at, cols_at = gq.grad_places(h)
     scale, amax, fp8_dtype, si, buf, dh = gq.fused_outputs(
-        h.shape[0], h.shape[1], h.device, scale_inv=gq.kept_outputs(h, where=where, transient=True)[0], where=where)
+        h.shape[0], h.shape[1], h.device, scale_inv=gq.kept_outputs(h, where=rows_at[0], transient=True)[0],
+        place=rows_at)
     A.act_backward(da, h, activation, fp8_dtype, scale, amax, si, out=dh)
     g = gq.fp8_output(buf, dh.shape, si, h.dtype)
     if need_col:
-        g.data_t = transposed(g, where)
+        g.data_t = transposed(g, cols_at)
     return g, None
 
 

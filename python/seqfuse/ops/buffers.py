@@ -18,12 +18,13 @@ graph, so a capture gets buffers of its own.
 """
 import torch
 
+from .device_checks import capturing
+
 TRANSIENT_MAX_BYTES = 16 << 20
 TRANSIENT_POOL_BYTES = 128 << 20
 _transient = {}
 _transient_bytes = [0]
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-_stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
 _CPU_STREAM = ("cpu", 0)
 
 
@@ -36,7 +37,7 @@ def transient_stream(t):
     index = t.get_device()
     if index < 0:
         return _CPU_STREAM
-    if _raw_stream is None or _stream_capturing is None or _stream_capturing():
+    if _raw_stream is None or capturing(t):
         return (index, None)
     return (index, _raw_stream(index))
 
@@ -68,3 +69,12 @@ def clear():
     torch.cuda.empty_cache() can then return the memory to the driver)."""
     _transient.clear()
     _transient_bytes[0] = 0
+
+
+def new_or_transient(place, device, dtype, *shape):
+    """torch.empty(*shape) on ``device`` where ``place`` is None, else the
+    transient buffer at ``place``, a (transient_stream, purpose) pair: what
+    callers that make a buffer either way take."""
+    if place is None:
+        return torch.empty(*shape, dtype=dtype, device=device)
+    return transient(place[0], place[1], dtype, *shape)

@@ -3,7 +3,7 @@ import torch
 
 from .. import _C
 from ._call import as_float, as_int, empty, require_fp8_dlpack, stream_for
-from .buffers import transient
+from .buffers import new_or_transient
 
 _FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -523,32 +523,28 @@ def quantize_block_fp8_rowcol(x, fp8_dtype=torch.float8_e4m3fn, *, rowwise=True,
     return (*outs, sums) if col_sums else outs
 
 
-def rowcol_outputs(x, m, k, fp8_dtype, rows=None, rowwise=True, columnwise=True, where=None):
+def rowcol_outputs(x, m, k, fp8_dtype, rows=None, rowwise=True, columnwise=True, row_place=None, col_place=None):
     """New (data, scale_inv, data_t, scale_inv_t) for :func:`quantize_block_fp8_rowcol`
-    of ``x`` viewed as [m, k], the row-wise copy with ``rows`` rows (None: m;
-    x's shape then); the copies not wanted are None.  ``where`` (a
-    :func:`transient_stream`): transient buffers there instead of new ones
-    (the row-wise copy [rows or m, k])."""
+    of ``x`` viewed as [m, k], the row-wise copy [rows, k] (``rows`` None:
+    m); the copies not wanted are None.  ``row_place`` / ``col_place``: a
+    copy's bytes and scales are the transient buffers there instead of new ones
+    (seqfuse.ops.buffers.new_or_transient; the scales' purpose is
+    (purpose, "scale_inv"))."""
     mp = m if rows is None else rows
     mt = (m + 127) // 128 * 128
     dev = x.device
     data = scale_inv = data_t = scale_inv_t = None
-    if where is not None:
-        if rowwise:
-            data = transient(where, "rowcol", fp8_dtype, mp, k)
-            scale_inv = transient(where, "rowcol_scale_inv", torch.float32, *block_scale_shape(mp, k, 1))
-        if columnwise:
-            data_t = transient(where, "rowcol_t", fp8_dtype, k, mt)
-            scale_inv_t = transient(where, "rowcol_scale_inv_t", torch.float32, *block_scale_shape(k, mt, 1))
-        return data, scale_inv, data_t, scale_inv_t
     if rowwise:
-        data = (torch.empty(*x.shape, dtype=fp8_dtype, device=dev) if mp == m
-                else torch.empty(mp, k, dtype=fp8_dtype, device=dev))
-        scale_inv = torch.empty(*block_scale_shape(mp, k, 1), dtype=torch.float32, device=dev)
+        data = new_or_transient(row_place, dev, fp8_dtype, *(x.shape if mp == m else (mp, k)))
+        scale_inv = new_or_transient(_scales_place(row_place), dev, torch.float32, *block_scale_shape(mp, k, 1))
     if columnwise:
-        data_t = torch.empty(k, mt, dtype=fp8_dtype, device=dev)
-        scale_inv_t = torch.empty(*block_scale_shape(k, mt, 1), dtype=torch.float32, device=dev)
+        data_t = new_or_transient(col_place, dev, fp8_dtype, k, mt)
+        scale_inv_t = new_or_transient(_scales_place(col_place), dev, torch.float32, *block_scale_shape(k, mt, 1))
     return data, scale_inv, data_t, scale_inv_t
+
+
+def _scales_place(place):
+    return None if place is None else (place[0], (place[1], "scale_inv"))
 
 
 def quantize_block_fp8_rowcol_into(x, data, scale_inv, data_t, scale_inv_t, col_sums=None):

@@ -277,15 +277,17 @@ class _Role:
             return si, None
         return si, torch.empty(*qops.block_sums_shape(sums_rows, x.shape[-1]), dtype=torch.float32, device=dev)
 
-    def _cast(self, x, transpose, dbias=None, rows=None, kept=False, transient=False):
+    def _cast(self, x, transpose, dbias=None, rows=None, kept=False, row_place=None, col_place=None):
         """Per-tensor cast of x [M, K] under the owner's recipe, the copies
         padded to ``rows`` token rows (None: M): a Float8Tensor, with
         ``dbias`` (a dtype) also x's column sums in it.  What quantize_with_state /
         quantize_current do, with the outputs made here in one place (the
         shapes are known: no argument checks on this path, the C entry
         checks the tensors).  ``kept``: the scale inverse and sums are
-        GradQuantizer.kept_outputs'; with ``transient`` the FP8 copies are
-        transient buffers too (GradQuantizer.quantize_grad's)."""
+        GradQuantizer.kept_outputs' (its transient scale inverse where
+        ``row_place`` is given).  ``row_place`` / ``col_place``: the row-wise
+        / transposed copy is the transient buffer there (a
+        (transient_stream, purpose) pair: seqfuse.ops.buffers)."""
         o = self.owner
         x, m, k = _cast_input(x)
         delayed = o.kind == "delayed"
@@ -299,17 +301,16 @@ class _Role:
         # (sizes as separate ints: torch parses them faster than a torch.Size or a tuple)
         sums_rows = None if dbias is None else mp
         if kept:
-            where = buffers.transient_stream(x)
-            scale_inv, sums = self.kept_outputs(x, sums_rows, where=where, transient=transient)
+            scale_inv, sums = self.kept_outputs(x, sums_rows, where=None if row_place is None else row_place[0],
+                                                transient=row_place is not None)
         else:
             scale_inv, sums = self.cast_outputs(x, sums_rows)
-        if transient:
-            out = buffers.transient(where, "grad", fp8_dtype, mp, k)
-            out_t = buffers.transient(where, "grad_t", fp8_dtype, k, mp) if transpose else None
-        else:
+        if row_place is None:
             out = (torch.empty(*x.shape, dtype=fp8_dtype, device=dev) if mp == m
                    else torch.empty(mp, k, dtype=fp8_dtype, device=dev))
-            out_t = torch.empty(k, mp, dtype=fp8_dtype, device=dev) if transpose else None
+        else:
+            out = buffers.transient(row_place[0], row_place[1], fp8_dtype, mp, k)
+        out_t = buffers.new_or_transient(col_place, dev, fp8_dtype, k, mp) if transpose else None
         if dbias is None:
             if delayed:
                 qops.cast_fp8_into(x, scale, amax, out, out_t, scale_inv)
@@ -326,63 +327,73 @@ class _Role:
         q = Float8Tensor(out, scale_inv, fp8_dtype, data_t=out_t, dtype=x.dtype, shape=x.shape)
         return q, qops.column_sums(sums, dbias)
 
-    def quantize(self, x, transpose=True):
+    def quantize(self, x, transpose=True, transient=False):
         """x [M, K] -> Float8Tensor whose data (and data_t) carry
         ``padded_rows(M)`` token rows, the extra ones zero; ``shape`` stays
         x's.  Block scaling: a Float8BlockTensor with the row-wise and (if
         ``transpose``) column-wise 1x128 copies, rows padded likewise.  Both
         kinds of cast write the zero rows in their own pass, so the results
-        are the hand-padded computation's bit for bit at no extra pass."""
+        are the hand-padded computation's bit for bit at no extra pass.
+        ``transient`` (a module's forward that reads the row-wise copy only
+        in its GEMM and keeps the transposed one): the row-wise copy is a
+        transient buffer (input_place)."""
         o = self.owner
         m = x.shape[0]
         mp = padded_rows(m)
         if o.kind == "block":
             if not transpose:  # (the row-and-column entry wants 16-byte aligned x; this one does not)
                 return quantize_block(dense(x), 1, self.fp8_dtype, rows=None if mp == m else mp)
-            return self._block_cast(x, None if mp == m else mp)
-        return self._cast(x, transpose, rows=None if mp == m else mp)
+            return self._block_cast(x, None if mp == m else mp, row_place=self.input_place(x) if transient else None)
+        return self._cast(x, transpose, rows=None if mp == m else mp,
+                          row_place=self.input_place(x) if transient else None)
 
-    def _block_cast(self, x, rows, rowwise=True, sums=None, where=None):
+    def input_place(self, x):
+        """The transient place of this role's row-wise FP8 copy of ``x`` in a
+        module's forward (purpose: the role's slot, so the two inputs of one
+        LayerNormMLP never share a buffer)."""
+        return buffers.transient_stream(x), ("input", self.index)
+
+    def _block_cast(self, x, rows, rowwise=True, sums=None, row_place=None, col_place=None):
         """1x128-block cast of x [M, K] with its column-wise copy (what
         quantize_block(..., 1, columnwise=True, rowwise=rowwise, rows=rows)
         makes), its outputs made here: a Float8BlockTensor; ``sums`` (float32
-        [ceil(M / 128), K]) receives the dbias pass's block sums.  ``where``
-        (a transient_stream): the outputs are transient buffers there."""
+        [ceil(M / 128), K]) receives the dbias pass's block sums.
+        ``row_place`` / ``col_place``: transient buffers for the copies (_cast's)."""
         x, m, k = _cast_input(x)
-        outs = qops.rowcol_outputs(x, m, k, self.fp8_dtype, rows, rowwise, True, where)
+        outs = qops.rowcol_outputs(x, m, k, self.fp8_dtype, rows, rowwise, True, row_place, col_place)
         qops.quantize_block_fp8_rowcol_into(x, *outs, sums)
         data, si, data_t, si_t = outs
         return Float8BlockTensor(data, si, 1, dtype=x.dtype, data_t=data_t, scale_inv_t=si_t, shape=x.shape)
 
     @staticmethod
-    def fp8_output_buffer(m, k, fp8_dtype, device, where=None):
+    def fp8_output_buffer(m, k, fp8_dtype, device, place=None):
         """(buffer, view) for a producer kernel's FP8 output [m, k] (norm,
         activation: delayed scaling's fused casts): the kernel writes ``view``,
         the first m rows of a [padded_rows(m), k] ``buffer`` whose other rows
         are zeroed here (one memset: no padded copy of the output).
-        ``where`` (a transient_stream): the buffer is a transient one."""
+        ``place``: the buffer is the transient one there (_cast's)."""
         mp = padded_rows(m)
-        buf = (torch.empty(mp, k, dtype=fp8_dtype, device=device) if where is None
-               else buffers.transient(where, "grad", fp8_dtype, mp, k))
+        buf = buffers.new_or_transient(place, device, fp8_dtype, mp, k)
         if mp == m:
             return buf, buf
         buf[m:].view(torch.uint8).zero_()  # (float8 has no zero_ kernel everywhere: zero the bytes)
         return buf, buf[:m]
 
-    def fused_outputs(self, m, k, device, scale_inv=None, where=None):
+    def fused_outputs(self, m, k, device, scale_inv=None, place=None):
         """Delayed scaling, where ``fused_cast`` holds (the caller's check):
         what a producer kernel (norm, activation, activation gradient) takes
         to write this operand [m, k] in FP8 itself, as (scale, amax slot,
         FP8 dtype, scale inverse, buffer, view): the kernel writes ``view``,
         the first m rows of the padded ``buffer`` (fp8_output_buffer), and
         the scale inverse (a new one-element tensor unless ``scale_inv`` is
-        given); ``fp8_output`` then makes the operand.  ``where`` (a
-        transient_stream): the buffer is a transient one (a gradient operand
-        in a module's backward: GradQuantizer's class note)."""
+        given); ``fp8_output`` then makes the operand.  ``place``: the buffer
+        is the transient one there (_cast's: a module's forward input, read
+        by its GEMM alone, input_place; a gradient operand in a module's
+        backward, GradQuantizer's class note)."""
         scale, amax, fp8_dtype = self.scale
         if scale_inv is None:
             scale_inv = torch.empty(1, dtype=torch.float32, device=device)
-        buf, view = self.fp8_output_buffer(m, k, fp8_dtype, device, where)
+        buf, view = self.fp8_output_buffer(m, k, fp8_dtype, device, place)
         return scale, amax, fp8_dtype, scale_inv, buf, view
 
     def fp8_output(self, buf, shape, scale_inv, dtype):
@@ -421,17 +432,15 @@ class _Role:
             else fused
 
 
-def transposed(q, where=None):
+def transposed(q, place=None):
     """The [K, Mp] transposed copy of a padded Float8Tensor (made now if the
-    cast did not make it; ``where``, a transient_stream: into a transient
-    buffer there)."""
+    cast did not make it; ``place``: into the transient buffer there)."""
     if q.data_t is not None:
         return q.data_t
     d = q.data  # (a producer's [Mp, K] output: fp8_output_buffer's; viewed as [M, K] all the same)
     k = d.shape[-1]
     mp = d.numel() // k if k else 0
-    out = (torch.empty(k, mp, dtype=d.dtype, device=d.device) if where is None
-           else buffers.transient(where, "grad_t", d.dtype, k, mp))
+    out = buffers.new_or_transient(place, d.device, d.dtype, k, mp)
     qops.transpose_fp8_into(d, out)
     return out
 
@@ -487,6 +496,13 @@ class GradQuantizer(_Role):
             return si, None
         return si, buffers.transient(where, "grad_sums", torch.float32, *qops.block_sums_shape(sums_rows, x.shape[-1]))
 
+    @staticmethod
+    def grad_places(dy):
+        """The transient places of a gradient operand's row-wise and
+        transposed FP8 copies in a module's backward (see the class note)."""
+        where = buffers.transient_stream(dy)
+        return (where, "grad"), (where, "grad_t")
+
     def quantize_grad(self, dy, bias_dtype, need_dgrad=True, need_wgrad=True, transient=False):
         """(padded FP8 dy [M, N] with its transposed copy where the weight
         gradient needs it, the bias gradient in ``bias_dtype`` or None).  The
@@ -505,10 +521,12 @@ class GradQuantizer(_Role):
         mp = padded_rows(m)
         rows = None if mp == m else mp
         db = None
+        places = self.grad_places(dy) if transient else (None, None)
         if want_db and need_wgrad and qops.dbias_fusable(dy, rows=mp):
-            g, db = self._cast(dy, True, dbias=sum_dtype, rows=rows, kept=True, transient=transient)
+            g, db = self._cast(dy, True, dbias=sum_dtype, rows=rows, kept=True, row_place=places[0],
+                               col_place=places[1])
         else:
-            g = self._cast(dy, need_wgrad, rows=rows, kept=True, transient=transient)
+            g = self._cast(dy, need_wgrad, rows=rows, kept=True, row_place=places[0], col_place=places[1])
         if want_db and db is None:
             if need_wgrad and not GradQuantizer._fallback_logged:
                 GradQuantizer._fallback_logged.append(True)
@@ -526,9 +544,9 @@ class GradQuantizer(_Role):
         rows = None if mp == m else mp  # (the casts write the zero rows: no padded copy of dy)
         db = None
         if need_wgrad:
-            where = buffers.transient_stream(dy)
-            sums = self.kept_outputs(dy, m, scale_inv=False, where=where)[1] if want_db else None
-            q = self._block_cast(dy, rows, rowwise=need_dgrad, sums=sums, where=where if transient else None)
+            places = self.grad_places(dy) if transient else (None, None)
+            sums = self.kept_outputs(dy, m, scale_inv=False)[1] if want_db else None
+            q = self._block_cast(dy, rows, rowwise=need_dgrad, sums=sums, row_place=places[0], col_place=places[1])
             if want_db:
                 db = qops.column_sums(sums, sum_dtype)
         else:
