@@ -1,6 +1,7 @@
 """Transient buffers (seqfuse.ops.buffers): one tensor per (purpose, dtype,
 stream, shape) for outputs that die inside the call that makes them -- the
-FP8 modules' backward gradient casts and the norms' backward workspaces.
+FP8 modules' GEMM inputs in row-wise FP8 and backward gradient casts, and
+the norms' backward workspaces.
 
 The pool's rules: the same arguments give the same tensor and any other
 argument another; nothing over the size limit is kept; past the total
@@ -64,6 +65,10 @@ def test_size_limits(monkeypatch, empty_pool):
     c = buffers.transient(where, "c", torch.uint8, 1024)  # past the total: a and b let go, c kept
     assert buffers.transient(where, "c", torch.uint8, 1024) is c
     assert buffers.transient(where, "a", torch.uint8, 1024) is not a
+    monkeypatch.setattr(buffers, "TRANSIENT_POOL_BYTES", 0)  # keep none
+    buffers.clear()
+    d = buffers.transient(where, "d", torch.uint8, 16)
+    assert buffers.transient(where, "d", torch.uint8, 16) is not d and not buffers._transient
 
 
 @pytest.mark.cuda

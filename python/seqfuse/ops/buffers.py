@@ -1,9 +1,11 @@
 """Transient buffers: the same tensor for every call that needs one for a moment.
 
-Some buffers die inside the call that makes them: an FP8 module's backward
-casts its output gradient and reads the FP8 copies (and the dbias pass's
-block sums) only in kernels that same call enqueues; a norm's backward reads
-its workspace only in its own launches.  A stream runs its kernels in order,
+Some buffers die inside the call that makes them: an FP8 module's forward
+reads the row-wise FP8 copy of its GEMM input only in that GEMM and in the
+transposed copy it keeps; its backward casts its output gradient and reads
+the FP8 copies (and the dbias pass's block sums) only in kernels that same
+call enqueues; a norm's backward reads its workspace only in its own
+launches.  A stream runs its kernels in order,
 so every such call on one stream can write the same buffers, kept here per
 (purpose, dtype, device, stream, shape), instead of a torch.empty per buffer
 per call (about 3 us of host time each on an H200's host, 1.3 us on a
@@ -20,7 +22,7 @@ import torch
 
 from .device_checks import capturing
 
-TRANSIENT_MAX_BYTES = 16 << 20
+TRANSIENT_MAX_BYTES = 32 << 20
 TRANSIENT_POOL_BYTES = 128 << 20
 _transient = {}
 _transient_bytes = [0]
@@ -55,7 +57,7 @@ def transient(where, purpose, dtype, *shape):
     buf = torch.empty(*shape, dtype=dtype, device=where[0])
     if where[1] is not None:
         n = buf.numel() * buf.element_size()
-        if n <= TRANSIENT_MAX_BYTES:
+        if n <= TRANSIENT_MAX_BYTES and n <= TRANSIENT_POOL_BYTES:
             if _transient_bytes[0] + n > TRANSIENT_POOL_BYTES:
                 _transient.clear()
                 _transient_bytes[0] = 0
