@@ -17,6 +17,9 @@ seqfuse.pytorch.TransformerLayer at ESM-2 650M's shape, 16 x 1,024 tokens
   attn_residual_grad  the attention block's residual gradient added in the
                   QKV norm's backward pass (LayerNormLinear's
                   return_input_alias) against autograd's add of it
+  transient_buffers  buffers that live inside one call kept and reused
+                  (seqfuse.ops.buffers) against a new allocation each
+                  (TRANSIENT_POOL_BYTES = 0)
 
 ``--profile``: also each mode's GPU kernel time per step (torch.profiler
 over 3 steps; immune to launch gaps and host noise) and the kernels whose
@@ -46,6 +49,7 @@ import seqfuse.hf.fuse_layers as FL  # noqa: E402
 from seqfuse.modules.rope import apply_rotary_pos_emb  # noqa: E402
 from seqfuse.modules.layernorm_linear import LayerNormLinear  # noqa: E402
 from seqfuse.modules.transformer_layer import TransformerLayer  # noqa: E402
+from seqfuse.ops import buffers  # noqa: E402
 from seqfuse.quantization.gemm_quantizers import GradQuantizer  # noqa: E402
 
 
@@ -69,6 +73,17 @@ def _attribute_switch(owner, name, old_value):
             delattr(owner, name)
 
     return set_new, (lambda: setattr(owner, name, old_value))
+
+
+def _pool_switch():
+    """(keep transient buffers, keep none): the old mode lets the kept ones go."""
+    limit = buffers.TRANSIENT_POOL_BYTES
+
+    def set_old():
+        buffers.TRANSIENT_POOL_BYTES = 0
+        buffers.clear()
+
+    return (lambda: setattr(buffers, "TRANSIENT_POOL_BYTES", limit)), set_old
 
 
 def _together(*switches):
@@ -96,6 +111,7 @@ SWITCHES = {
         _attribute_switch(TransformerLayer, "_residual_fusable", lambda self, residual, out_dtype: False)),
     "act_grad_fp8": lambda: _attribute_switch(GradQuantizer, "fused_cast", property(lambda self: False)),
     "attn_residual_grad": lambda: _attribute_switch(LayerNormLinear, "forward", _forward_without_alias),
+    "transient_buffers": _pool_switch,
 }
 
 
