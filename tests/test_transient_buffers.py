@@ -13,6 +13,7 @@ gives bit-identical outputs and gradients to the same stack with nothing
 kept, over several steps, under every recipe, at a row count that pads.
 """
 import copy
+import threading
 
 import pytest
 import torch
@@ -87,10 +88,50 @@ def test_nothing_kept_under_capture(empty_pool):
             a.fill_(1.0)
             b.fill_(2.0)
     assert a is not b and a.data_ptr() != b.data_ptr() and eager.data_ptr() not in (a.data_ptr(), b.data_ptr())
-    # after the capture, on the same stream, the eager buffer is the kept one again
+    # after the capture: the side stream has buffers of its own, the default stream its kept one
     with torch.cuda.stream(stream):
-        assert buffers.transient(buffers.transient_stream(x), "grad", torch.float32, 8) is not eager  # (another stream)
+        assert buffers.transient(buffers.transient_stream(x), "grad", torch.float32, 8) is not eager
     assert buffers.transient(buffers.transient_stream(x), "grad", torch.float32, 8) is eager
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_threads_never_share(device, empty_pool):
+    """Two threads on one stream interleave their launches: each has its own
+    buffers (deterministic: the keys), and FP8 Linear forwards run from two
+    threads at once give the single-threaded outputs."""
+    x = torch.zeros(1, device=device)
+    mine = buffers.transient(buffers.transient_stream(x), "grad", torch.float32, 8)
+    theirs = []
+    t = threading.Thread(target=lambda: theirs.append(
+        buffers.transient(buffers.transient_stream(x), "grad", torch.float32, 8)))
+    t.start()
+    t.join()
+    assert theirs[0] is not mine and theirs[0].data_ptr() != mine.data_ptr()
+
+    torch.manual_seed(0)
+    mods = [te.Linear(256, 256, params_dtype=torch.bfloat16, device=device) for _ in range(2)]
+    xs = [torch.randn(512, 256, device=device).bfloat16() for _ in range(2)]
+
+    def forward(i):
+        with torch.no_grad(), te.autocast(recipe=Float8CurrentScaling()):
+            return mods[i](xs[i])
+
+    want = [forward(0), forward(1)]
+    wrong = []
+
+    def worker(i):
+        for _ in range(20):
+            y = forward(i)
+            if device == "cuda":
+                torch.cuda.current_stream().synchronize()
+            wrong.append(not torch.equal(y, want[i]))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(wrong) == 40 and not any(wrong)
 
 
 def _stack(device, h=128):
@@ -129,7 +170,17 @@ def test_stack_trains_as_without_kept_buffers(device, recipe, monkeypatch, seed,
     xs = [torch.randn(40, 128, device=device).bfloat16() for _ in range(4)]
     dys = [torch.randn(40, 128, device=device).bfloat16() for _ in range(4)]
     got = _train(model, xs, dys, RECIPES[recipe]())
-    assert buffers._transient, "the backward kept no transient buffer"
+    # every site keeps its buffers: the forward's row-wise inputs (LayerNormMLP's two roles apart), the
+    # backward's gradient copies, scale inverse and bias sums (the stack's Linears and norms have biases)
+    purposes = {key[0] for key in buffers._transient}
+    want = {("input", 0), ("input", 3)}
+    want |= {"grad", "grad_t", "grad_sums"}
+    if recipe == "block":  # (the 1x128 blocks' scales beside each copy)
+        want |= {(("input", 0), "scale_inv"), (("input", 3), "scale_inv"), ("grad", "scale_inv"),
+                 ("grad_t", "scale_inv")}
+    else:
+        want.add("grad_scale_inv")
+    assert want <= purposes, want - purposes
     buffers.clear()
     monkeypatch.setattr(buffers, "TRANSIENT_MAX_BYTES", -1)  # nothing kept: every buffer new
     want = _train(ref, xs, dys, RECIPES[recipe]())

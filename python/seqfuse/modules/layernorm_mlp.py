@@ -68,7 +68,7 @@ import torch
 
 from .. import ops
 from ..ops import act as A
-from ..quantization.gemm_quantizers import transposed, wants_weight_transpose
+from ..quantization.gemm_quantizers import wants_weight_transpose
 from . import _fp8 as F8
 from ._base import (as_dtype, fp8_norm, main_grad_for, weight_and_bias_grads,
                     fp8_quantizers, hidden_dim, init_weight, make_norm_params, norm_backward,
@@ -236,15 +236,8 @@ def _fp8_act_grad(q, da, h, activation, bias_dtype, need_col):
         dh = A.act_backward(da, h, activation)
         return gq.quantize_grad(dh, bias_dtype, need_wgrad=need_col, transient=True)
     # (read only by FC1's GEMMs in this backward: transient buffers, as quantize_grad's transient=True)
-    rows_at, cols_at = gq.grad_places(h)
-    scale, amax, fp8_dtype, si, buf, dh = gq.fused_outputs(
-        h.shape[0], h.shape[1], h.device, scale_inv=gq.kept_outputs(h, where=rows_at[0], transient=True)[0],
-        place=rows_at)
-    A.act_backward(da, h, activation, fp8_dtype, scale, amax, si, out=dh)
-    g = gq.fp8_output(buf, dh.shape, si, h.dtype)
-    if need_col:
-        g.data_t = transposed(g, cols_at)
-    return g, None
+    return gq.fused_grad(h, h.shape[1], lambda fp8_dtype, scale, amax, si, out: A.act_backward(
+        da, h, activation, fp8_dtype, scale, amax, si, out=out), need_col), None
 
 
 def _wgrad(dy, inp, bias_dtype, main_grad=None):

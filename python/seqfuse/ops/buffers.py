@@ -7,8 +7,8 @@ the FP8 copies (and the dbias pass's block sums) only in kernels that same
 call enqueues; a norm's backward reads its workspace only in its own
 launches.  A stream runs its kernels in order,
 so every such call on one stream can write the same buffers, kept here per
-(purpose, dtype, device, stream, shape), instead of a torch.empty per buffer
-per call (about 3 us of host time each on an H200's host, 1.3 us on a
+(purpose, dtype, device, stream, thread, shape), instead of a torch.empty
+per buffer per call (about 3 us of host time each on an H200's host, 1.3 us on a
 development machine's CPU).  A caller names a purpose for each buffer it
 holds at one time, so two buffers of one call are never the same tensor,
 and hands no transient buffer out of the call.  Kept: buffers up to
@@ -16,32 +16,45 @@ TRANSIENT_MAX_BYTES (host time counts where buffers are small; a large
 buffer's kernels hide its allocation), TRANSIENT_POOL_BYTES in all (past
 that the kept ones are let go, to the caching allocator, and kept anew).
 Never under CUDA graph capture: a captured kernel's buffers belong to the
-graph, so a capture gets buffers of its own.
+graph, so a capture gets buffers of its own.  The key holds the calling
+thread: two threads on one stream (every thread starts on the default
+stream) interleave their launches, so they never share a buffer.  Past
+the total the whole pool is let go at once (packed batches of changing
+token counts fill it with shapes a step no longer uses), and every layer
+after that keeps its buffers again.
 """
+import threading
+
 import torch
 
 from .device_checks import capturing
+
+try:
+    raw_stream = torch._C._cuda_getCurrentRawStream  # (device index) -> the current stream's handle
+except AttributeError:  # pragma: no cover - older torch
+    def raw_stream(index):
+        return torch.cuda.current_stream(index).cuda_stream
+
+_current_device = getattr(torch._C, "_cuda_getDevice", lambda: -1)
+_thread = threading.get_ident
 
 TRANSIENT_MAX_BYTES = 32 << 20
 TRANSIENT_POOL_BYTES = 128 << 20
 _transient = {}
 _transient_bytes = [0]
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-_CPU_STREAM = ("cpu", 0)
-
-
 def transient_stream(t):
     """Where transient() buffers for work on ``t``'s device go: (device,
-    stream) -- on CUDA the device index and torch's current stream there, on
-    the CPU ("cpu", 0) -- with the stream None under CUDA graph capture (or
-    where this torch cannot name the current stream): then transient()
-    makes new buffers and keeps none."""
+    stream, thread) -- on CUDA the device index and torch's current stream
+    there, on the CPU ("cpu", 0) -- with the stream None under CUDA graph
+    capture, or where ``t``'s device is not the current one (whose capture
+    state is the one torch reports): then transient() makes new buffers and
+    keeps none."""
     index = t.get_device()
     if index < 0:
-        return _CPU_STREAM
-    if _raw_stream is None or capturing(t):
-        return (index, None)
-    return (index, _raw_stream(index))
+        return ("cpu", 0, _thread())
+    if index != _current_device() or capturing(t):
+        return (index, None, None)
+    return (index, raw_stream(index), _thread())
 
 
 def transient(where, purpose, dtype, *shape):

@@ -18,6 +18,7 @@ import torch
 
 from .. import _C
 from ._call import FP8_DLPACK, as_float, detached, stream_for
+from .buffers import raw_stream
 
 
 def tf32_of(allow_tf32, dtype):
@@ -45,19 +46,12 @@ _FP8_CODE = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}  # sf_dtype values
 WORKSPACE_BYTES = 32 * 1024 * 1024 + 1024
 _workspaces = {}
 
-try:
-    _raw_stream = torch._C._cuda_getCurrentRawStream
-except AttributeError:  # pragma: no cover - older torch
-    def _raw_stream(index):
-        return torch.cuda.current_stream(index).cuda_stream
-
-
 def workspace_for(device):
     """The cuBLASLt workspace of ``device``'s current stream (a uint8 tensor,
     allocated with torch the first time and kept): one per stream, so GEMMs
     running concurrently on two streams never share scratch memory."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, _raw_stream(index))
+    key = (index, raw_stream(index))
     ws = _workspaces.get(key)
     if ws is None:
         ws = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=torch.device("cuda", index))

@@ -305,11 +305,7 @@ class _Role:
                                                 transient=row_place is not None)
         else:
             scale_inv, sums = self.cast_outputs(x, sums_rows)
-        if row_place is None:
-            out = (torch.empty(*x.shape, dtype=fp8_dtype, device=dev) if mp == m
-                   else torch.empty(mp, k, dtype=fp8_dtype, device=dev))
-        else:
-            out = buffers.transient(row_place[0], row_place[1], fp8_dtype, mp, k)
+        out = buffers.new_or_transient(row_place, dev, fp8_dtype, *(x.shape if mp == m else (mp, k)))
         out_t = buffers.new_or_transient(col_place, dev, fp8_dtype, k, mp) if transpose else None
         if dbias is None:
             if delayed:
@@ -453,7 +449,7 @@ class InputQuantizer(_Role):
 class GradQuantizer(_Role):
     """A GEMM's output gradient (the recipe's backward format).  The dbias
     pass's block sums, which column_sums reads right after the cast, are a
-    transient buffer (seqfuse.ops.quant.transient: one per device, stream
+    transient buffer (seqfuse.ops.buffers: one per device, stream, thread
     and shape for every cast).  In the backward of Linear, LayerNormLinear
     and LayerNormMLP (``quantize_grad(..., transient=True)``, and
     LayerNormMLP's fused activation-gradient cast) the cast operand is read
@@ -495,6 +491,22 @@ class GradQuantizer(_Role):
         if sums_rows is None:
             return si, None
         return si, buffers.transient(where, "grad_sums", torch.float32, *qops.block_sums_shape(sums_rows, x.shape[-1]))
+
+    def fused_grad(self, h, k, write, need_col):
+        """The operand a producer kernel writes in FP8 itself in a module's
+        backward (LayerNormMLP's activation gradient, [h's rows, k]):
+        ``write(fp8_dtype, scale, amax, scale_inv, out)`` launches it into
+        the transient buffers of quantize_grad's ``transient`` (see the
+        class note); with ``need_col`` the transposed copy, transient too."""
+        rows_at, cols_at = self.grad_places(h)
+        si = self.kept_outputs(h, where=rows_at[0], transient=True)[0]
+        scale, amax, fp8_dtype, si, buf, view = self.fused_outputs(h.shape[0], k, h.device, scale_inv=si,
+                                                                   place=rows_at)
+        write(fp8_dtype, scale, amax, si, view)
+        g = self.fp8_output(buf, view.shape, si, h.dtype)
+        if need_col:
+            g.data_t = transposed(g, cols_at)
+        return g
 
     @staticmethod
     def grad_places(dy):
