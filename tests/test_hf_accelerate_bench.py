@@ -51,7 +51,8 @@ def test_fusion_ab_switches_patch_and_restore():
               "residual": [(fusion_ab.FL.SeqfuseDecoderLayer, "_residual_fusable"),
                            (TransformerLayer, "_residual_fusable")],
               "act_grad_fp8": [(GradQuantizer, "fused_cast")],
-              "attn_residual_grad": [(fusion_ab.LayerNormLinear, "forward")]}
+              "attn_residual_grad": [(fusion_ab.LayerNormLinear, "forward")],
+              "transient_buffers": [(fusion_ab.buffers, "TRANSIENT_POOL_BYTES")]}
     assert set(owners) == set(fusion_ab.SWITCHES)
     for name, attrs in owners.items():
         before = [(o, a, o.__dict__.get(a)) for o, a in attrs]
