@@ -42,40 +42,40 @@ def empty_pool():
 def test_same_arguments_same_tensor(device, empty_pool):
     x = torch.zeros(2, device=device)
     where = buffers.transient_stream(x)
-    a = buffers.transient(where, "grad", torch.float8_e4m3fn, 32, 16)
+    a = buffers.transient((where, "grad"), torch.float8_e4m3fn, 32, 16)
     assert a.shape == (32, 16) and a.dtype == torch.float8_e4m3fn and a.device == x.device
-    assert buffers.transient(where, "grad", torch.float8_e4m3fn, 32, 16) is a
-    others = [buffers.transient(where, "grad_t", torch.float8_e4m3fn, 32, 16),  # purpose
-              buffers.transient(where, "grad", torch.float8_e5m2, 32, 16),  # dtype
-              buffers.transient(where, "grad", torch.float8_e4m3fn, 16, 32)]  # shape
+    assert buffers.transient((where, "grad"), torch.float8_e4m3fn, 32, 16) is a
+    others = [buffers.transient((where, "grad_t"), torch.float8_e4m3fn, 32, 16),  # purpose
+              buffers.transient((where, "grad"), torch.float8_e5m2, 32, 16),  # dtype
+              buffers.transient((where, "grad"), torch.float8_e4m3fn, 16, 32)]  # shape
     assert all(o is not a and o.data_ptr() != a.data_ptr() for o in others)
     assert len({o.data_ptr() for o in others}) == 3
     buffers.clear()
-    assert buffers.transient(where, "grad", torch.float8_e4m3fn, 32, 16) is not a
+    assert buffers.transient((where, "grad"), torch.float8_e4m3fn, 32, 16) is not a
 
 
 def test_size_limits(monkeypatch, empty_pool):
     where = buffers.transient_stream(torch.zeros(1))
     monkeypatch.setattr(buffers, "TRANSIENT_MAX_BYTES", 1024)
-    big = buffers.transient(where, "grad", torch.uint8, 2, 1024)  # 2 KiB: made, not kept
-    assert buffers.transient(where, "grad", torch.uint8, 2, 1024) is not big
+    big = buffers.transient((where, "grad"), torch.uint8, 2, 1024)  # 2 KiB: made, not kept
+    assert buffers.transient((where, "grad"), torch.uint8, 2, 1024) is not big
     monkeypatch.setattr(buffers, "TRANSIENT_POOL_BYTES", 2048)
-    a = buffers.transient(where, "a", torch.uint8, 1024)
-    b = buffers.transient(where, "b", torch.uint8, 1024)
-    assert buffers.transient(where, "a", torch.uint8, 1024) is a and buffers.transient(where, "b", torch.uint8, 1024) is b
-    c = buffers.transient(where, "c", torch.uint8, 1024)  # past the total: a and b let go, c kept
-    assert buffers.transient(where, "c", torch.uint8, 1024) is c
-    assert buffers.transient(where, "a", torch.uint8, 1024) is not a
+    a = buffers.transient((where, "a"), torch.uint8, 1024)
+    b = buffers.transient((where, "b"), torch.uint8, 1024)
+    assert buffers.transient((where, "a"), torch.uint8, 1024) is a and buffers.transient((where, "b"), torch.uint8, 1024) is b
+    c = buffers.transient((where, "c"), torch.uint8, 1024)  # past the total: a and b let go, c kept
+    assert buffers.transient((where, "c"), torch.uint8, 1024) is c
+    assert buffers.transient((where, "a"), torch.uint8, 1024) is not a
     monkeypatch.setattr(buffers, "TRANSIENT_POOL_BYTES", 0)  # keep none
     buffers.clear()
-    d = buffers.transient(where, "d", torch.uint8, 16)
-    assert buffers.transient(where, "d", torch.uint8, 16) is not d and not buffers._transient
+    d = buffers.transient((where, "d"), torch.uint8, 16)
+    assert buffers.transient((where, "d"), torch.uint8, 16) is not d and not buffers._transient
 
 
 @pytest.mark.cuda
 def test_nothing_kept_under_capture(empty_pool):
     x = torch.zeros(1, device="cuda")
-    eager = buffers.transient(buffers.transient_stream(x), "grad", torch.float32, 8)
+    eager = buffers.transient((buffers.transient_stream(x), "grad"), torch.float32, 8)
     stream = torch.cuda.Stream()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
@@ -83,15 +83,15 @@ def test_nothing_kept_under_capture(empty_pool):
         with torch.cuda.graph(graph, stream=stream):
             where = buffers.transient_stream(x)
             assert where[1] is None
-            a = buffers.transient(where, "grad", torch.float32, 8)
-            b = buffers.transient(where, "grad", torch.float32, 8)
+            a = buffers.transient((where, "grad"), torch.float32, 8)
+            b = buffers.transient((where, "grad"), torch.float32, 8)
             a.fill_(1.0)
             b.fill_(2.0)
     assert a is not b and a.data_ptr() != b.data_ptr() and eager.data_ptr() not in (a.data_ptr(), b.data_ptr())
     # after the capture: the side stream has buffers of its own, the default stream its kept one
     with torch.cuda.stream(stream):
-        assert buffers.transient(buffers.transient_stream(x), "grad", torch.float32, 8) is not eager
-    assert buffers.transient(buffers.transient_stream(x), "grad", torch.float32, 8) is eager
+        assert buffers.transient((buffers.transient_stream(x), "grad"), torch.float32, 8) is not eager
+    assert buffers.transient((buffers.transient_stream(x), "grad"), torch.float32, 8) is eager
 
 
 @pytest.mark.parametrize("device", _devices())
@@ -100,10 +100,10 @@ def test_threads_never_share(device, empty_pool):
     buffers (deterministic: the keys), and FP8 Linear forwards run from two
     threads at once give the single-threaded outputs."""
     x = torch.zeros(1, device=device)
-    mine = buffers.transient(buffers.transient_stream(x), "grad", torch.float32, 8)
+    mine = buffers.transient((buffers.transient_stream(x), "grad"), torch.float32, 8)
     theirs = []
     t = threading.Thread(target=lambda: theirs.append(
-        buffers.transient(buffers.transient_stream(x), "grad", torch.float32, 8)))
+        buffers.transient((buffers.transient_stream(x), "grad"), torch.float32, 8)))
     t.start()
     t.join()
     assert theirs[0] is not mine and theirs[0].data_ptr() != mine.data_ptr()
@@ -172,7 +172,7 @@ def test_stack_trains_as_without_kept_buffers(device, recipe, monkeypatch, seed,
     got = _train(model, xs, dys, RECIPES[recipe]())
     # every site keeps its buffers: the forward's row-wise inputs (LayerNormMLP's two roles apart), the
     # backward's gradient copies, scale inverse and bias sums (the stack's Linears and norms have biases)
-    purposes = {key[0] for key in buffers._transient}
+    purposes = {key[0][1] for key in buffers._transient}  # (keys: ((stream, purpose), dtype, shape))
     want = {("input", 0), ("input", 3)}
     want |= {"grad", "grad_t", "grad_sums"}
     if recipe == "block":  # (the 1x128 blocks' scales beside each copy)

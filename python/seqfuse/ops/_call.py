@@ -53,7 +53,7 @@ def cached_workspace(t, cache, query):
         if len(cache) > 1024:
             cache.clear()
         n = cache[key] = query(t)
-    return transient(transient_stream(t), query, torch.float32, n) if n else None
+    return transient((transient_stream(t), query), torch.float32, n) if n else None
 
 
 def empty(shape, dtype, device):

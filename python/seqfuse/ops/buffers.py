@@ -57,16 +57,17 @@ def transient_stream(t):
     return (index, raw_stream(index), _thread())
 
 
-def transient(where, purpose, dtype, *shape):
-    """An uninitialised tensor of ``shape`` and ``dtype`` on the device of
-    ``where`` (transient_stream's), for a buffer read only by kernels that
+def transient(place, dtype, *shape):
+    """An uninitialised tensor of ``shape`` and ``dtype`` at ``place``, a
+    (transient_stream, purpose) pair, for a buffer read only by kernels that
     its caller enqueues on that stream before it returns: the same tensor
     for every call with the same arguments (see the module note), so its
     caller gives it to nothing that outlives the call."""
-    key = (purpose, dtype, where, shape)
+    key = (place, dtype, shape)
     buf = _transient.get(key)
     if buf is not None:
         return buf
+    where = place[0]
     buf = torch.empty(*shape, dtype=dtype, device=where[0])
     if where[1] is not None:
         n = buf.numel() * buf.element_size()
@@ -92,4 +93,4 @@ def new_or_transient(place, device, dtype, *shape):
     callers that make a buffer either way take."""
     if place is None:
         return torch.empty(*shape, dtype=dtype, device=device)
-    return transient(place[0], place[1], dtype, *shape)
+    return transient(place, dtype, *shape)

@@ -480,7 +480,7 @@ class GradQuantizer(_Role):
         si = None
         if scale_inv:
             if transient:
-                si = buffers.transient(where, "grad_scale_inv", torch.float32, 1)
+                si = buffers.transient((where, "grad_scale_inv"), torch.float32, 1)
             else:
                 si = self.kept_scale_inv
                 dev = x.device
@@ -490,7 +490,8 @@ class GradQuantizer(_Role):
                         self.kept_scale_inv = si
         if sums_rows is None:
             return si, None
-        return si, buffers.transient(where, "grad_sums", torch.float32, *qops.block_sums_shape(sums_rows, x.shape[-1]))
+        return si, buffers.transient((where, "grad_sums"), torch.float32,
+                                     *qops.block_sums_shape(sums_rows, x.shape[-1]))
 
     def fused_grad(self, h, k, write, need_col):
         """The operand a producer kernel writes in FP8 itself in a module's
