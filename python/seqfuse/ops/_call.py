@@ -44,10 +44,10 @@ def cached_workspace(t, cache, query):
     ``_C.*_workspace_numel``) is asked once per (device, rows, hidden) and
     kept in the op's ``cache`` dict (emptied past 1024 shapes).  Read by the
     op's own launches alone: a transient buffer (purpose: ``query``)."""
-    if t.device.type != "cuda":
+    if t.get_device() < 0:  # (a CPU tensor; get_device is cheaper than building t.device)
         return None
     hidden = t.shape[-1]
-    key = (t.device.index, t.numel() // hidden, hidden)
+    key = (t.get_device(), t.numel() // hidden, hidden)
     n = cache.get(key)
     if n is None:
         if len(cache) > 1024:

@@ -558,7 +558,9 @@ class GradQuantizer(_Role):
         db = None
         if need_wgrad:
             places = self.grad_places(dy) if transient else (None, None)
-            sums = self.kept_outputs(dy, m, scale_inv=False)[1] if want_db else None
+            # (the sums' stream: the places' where known, else kept_outputs asks)
+            sums = (self.kept_outputs(dy, m, scale_inv=False, where=places[0] and places[0][0])[1]
+                    if want_db else None)
             q = self._block_cast(dy, rows, rowwise=need_dgrad, sums=sums, row_place=places[0], col_place=places[1])
             if want_db:
                 db = qops.column_sums(sums, sum_dtype)
