@@ -528,3 +528,28 @@ def test_cuda_fp8_graph_capture(seed):
     torch.cuda.synchronize()
     ref = x.double() @ m.weight.double().t() + m.bias.double()
     assert rel_error(static_y, ref) < 0.05
+
+
+@needs_fp8
+@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling(), Float8BlockScaling()],
+                         ids=["delayed", "current", "block"])
+def test_cpu_fp8_capture_casts_even_with_is_first_microbatch_false(seed, monkeypatch, caplog, recipe):
+    # A captured GEMM that read the eager cached pair would read buffers a later eager cast rewrites
+    # (or frees): under capture the cast is captured whatever is_first_microbatch says, and that is
+    # logged.  Capture is stood in for by the capture check (the CPU has no graphs).
+    from seqfuse.ops import device_checks
+    from seqfuse.quantization.gemm_quantizers import WeightQuantizer
+
+    m = fp8_twin(128, 128, "cpu")
+    x = torch.randn(16, 128).bfloat16()
+    with te.fp8_autocast(fp8_recipe=recipe):
+        m(x)
+        assert weight_casts(m) == 1
+        m(x, is_first_microbatch=False)
+        assert weight_casts(m) == 1
+        monkeypatch.setattr(WeightQuantizer, "_captured_reuse_logged", [])
+        monkeypatch.setattr(device_checks, "capturing", lambda *args: True)
+        with caplog.at_level("WARNING", logger="seqfuse"):
+            m(x, is_first_microbatch=False)
+        assert weight_casts(m) == 2
+        assert "is_first_microbatch=False is not honoured while a CUDA graph is captured" in caplog.text

@@ -579,6 +579,7 @@ class WeightQuantizer(_Role):
     delayed scaling that amax also lands in the state's weight slot."""
     __slots__ = ("key", "param", "pair", "casts", "captured", "inference")
     _caches = _Role._caches + ("key", "param", "pair", "captured", "inference")
+    _captured_reuse_logged = []
 
     def __init__(self, owner, index):
         super().__init__(owner, index)
@@ -668,13 +669,19 @@ class WeightQuantizer(_Role):
         old = self.key
         # (a pair cast under torch.inference_mode holds inference tensors, which autograd refuses
         # to save: outside that mode it is cast again)
-        if (self.pair is not None and old is not None and old[:2] == key[:2]
+        if (self.pair is not None and old is not None and old[:2] == key[:2] and not in_capture
                 and (not self.inference or torch.is_inference_mode_enabled())):
             if is_first_microbatch is False:
                 return self.pair, None
             if (is_first_microbatch is None and same_weights(key, src, old, self.param)
-                    and not fsdp2_in_use() and not in_capture):
+                    and not fsdp2_in_use()):
                 return self.pair, None
+        if in_capture and is_first_microbatch is False and not WeightQuantizer._captured_reuse_logged:
+            # a graph that read the eager pair would read buffers a later eager cast rewrites or frees
+            WeightQuantizer._captured_reuse_logged.append(True)
+            _log.warning("seqfuse FP8: is_first_microbatch=False is not honoured while a CUDA graph is captured: "
+                         "the weight's cast is captured, so every replay casts it again from the weight's "
+                         "current values")
         return None, (key, src, in_capture)
 
     def store(self, note, pair, scratch):
