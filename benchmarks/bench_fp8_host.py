@@ -15,7 +15,12 @@ Rows: bf16, FP8 delayed, FP8 current, FP8 block; microseconds per layer
 interleaved within each round), and the ratio to bf16.  Tiny shapes
 (16 tokens, hidden 128, FFN 512) keep torch's own remaining ops cheap.
 ``--device cuda`` allocates on the GPU (the caching allocator's cost
-included; no kernel of seqfuse runs).  JSON: results/fp8_host.json.
+included; no kernel of seqfuse runs).  Between iterations nothing but
+the layer's own work runs by default (``--step-work none``: an optimizer
+step's version bump without a kernel, gradients dropped as zero_grad()
+drops them); ``--step-work kernels`` adds an in-place multiply per weight
+and lets gradients accumulate, the same work in every row, as the figures
+up to session 36 did.  JSON: results/fp8_host.json.
 
 ``--profile ROW`` (bf16, fp8_delayed, fp8_current or fp8_block; with
 ``--weights unchanged`` for the accumulation setting) times nothing and
@@ -63,12 +68,19 @@ def layer_modules(device, hidden=128, ffn=512):
             Linear(hidden, hidden, **kw))
 
 
-def layer_runner(recipe, device, update=True):
+def layer_runner(recipe, device, update=True, step_work="none"):
     """A function ``run(n)``: n iterations of one layer's GEMM modules forward+backward
     under ``recipe`` (autocast enter/exit included).  ``update``: every
     weight's version moves between iterations, as an optimizer step moves it
     (the FP8 rows then pay their once-per-step weight casts; the same
-    in-place bump runs in every row)."""
+    bump runs in every row).  ``step_work``: "none" (the default) moves the
+    versions without a kernel and drops every gradient after the backward,
+    as optimizer.zero_grad() does, so a row times its layer's work alone;
+    "kernels" (the definition of the figures up to session 36) bumps each
+    weight with an in-place multiply and lets the gradients accumulate
+    across iterations: work outside the layer, the same in every row, which
+    dilutes the ratios (on the CPU device the multiplies and the
+    accumulating adds are real arithmetic, a third of a bf16 row)."""
     from seqfuse.pytorch import autocast
 
     torch.manual_seed(0)
@@ -77,13 +89,21 @@ def layer_runner(recipe, device, update=True):
     hidden = x.shape[-1]
 
     weights = [m.weight for m in (qkv, proj)] + [mlp.fc1_weight, mlp.fc2_weight]
+    if step_work not in ("none", "kernels"):
+        raise ValueError(f"layer_runner: step_work must be 'none' or 'kernels', got {step_work!r}")
+    grads_of = [p for m in (qkv, mlp, proj) for p in m.parameters()] + [x]
 
     def run(n):
         for _ in range(n):
             with autocast(enabled=recipe is not None, recipe=recipe):
                 y = proj(mlp(qkv(x)[:, :hidden]))
             y.backward(torch.ones_like(y))
-            if update:
+            if step_work == "none":
+                if update:
+                    torch.autograd.graph.increment_version(weights)
+                for p in grads_of:
+                    p.grad = None
+            elif update:
                 with torch.no_grad():
                     for w in weights:
                         w.mul_(1.0)  # a torch op (not stubbed): bumps the version
@@ -107,7 +127,7 @@ def host_us(runners, iters, rounds=5):
     return best
 
 
-def profile_row(name, recipe, device, update, iters, top=35):
+def profile_row(name, recipe, device, update, iters, top=35, step_work="none"):
     """cProfile of one row's runner (stubbed kernels, as timed), printed by
     tottime and by cumtime, with the Python-level tensor factory calls
     (torch.empty / empty_like / zeros, Tensor.new_zeros / new_empty) per
@@ -116,7 +136,7 @@ def profile_row(name, recipe, device, update, iters, top=35):
     import cProfile
     import pstats
 
-    run = layer_runner(recipe, device, update)
+    run = layer_runner(recipe, device, update, step_work)
     with stubbed_kernels():
         run(max(10, iters // 10))
         prof = cProfile.Profile()
@@ -147,6 +167,10 @@ def main():
                    help="profile this row instead of timing every row (see the module note)")
     p.add_argument("--weights", choices=("updated", "unchanged"), default="updated",
                    help="with --profile: the row's weight setting")
+    p.add_argument("--step-work", choices=("none", "kernels"), default="none",
+                   help="what runs between iterations besides the layer: 'none' (versions bumped without a "
+                        "kernel, gradients dropped as zero_grad() drops them) or 'kernels' (an in-place multiply "
+                        "per weight, gradients accumulating: the definition of the figures up to session 36)")
     args = p.parse_args()
     if args.iters < 1 or args.rounds < 1:
         p.error(f"--iters and --rounds must be at least 1, got {args.iters} and {args.rounds}")
@@ -154,20 +178,25 @@ def main():
     recipes = {"bf16": None, "fp8_delayed": DelayedScaling(), "fp8_current": Float8CurrentScaling(),
                "fp8_block": Float8BlockScaling()}
     if args.profile:
-        profile_row(args.profile, recipes[args.profile], device, args.weights == "updated", args.iters)
+        profile_row(args.profile, recipes[args.profile], device, args.weights == "updated", args.iters,
+                    step_work=args.step_work)
         return
-    table = Table("fp8_host", ["precision", "weights", "device", "us_per_layer", "vs_bf16"])
+    table = Table("fp8_host", ["precision", "weights", "step_work", "device", "us_per_layer", "vs_bf16"])
     rows = [(name, recipe, update) for update in (True, False) for name, recipe in recipes.items()]
-    times = host_us([layer_runner(recipe, device, update) for _, recipe, update in rows], args.iters, args.rounds)
+    times = host_us([layer_runner(recipe, device, update, args.step_work) for _, recipe, update in rows],
+                    args.iters, args.rounds)
     base = {}
     for (name, _, update), us in zip(rows, times):
         base.setdefault(update, us)  # bf16 comes first for each setting
         table.add(precision=name, weights="updated every step" if update else "unchanged (accumulation)",
-                  device=str(device), us_per_layer=us, vs_bf16=us / base[update])
+                  step_work=args.step_work, device=str(device), us_per_layer=us, vs_bf16=us / base[update])
     table.save({"note": "LayerNormLinear(128->384) + LayerNormMLP(128->512 gelu) + Linear(128->128) forward+backward, "
                         "16 tokens, seqfuse's compute kernels stubbed out: host work only; 'updated every "
-                        "step' bumps each weight's version in place after the backward (an optimizer "
-                        "step's effect), so FP8 rows cast every weight once per iteration"})
+                        "step' bumps each weight's version after the backward (an optimizer "
+                        "step's effect), so FP8 rows cast every weight once per iteration; step_work "
+                        "'none': the bump without a kernel and the gradients dropped after each backward "
+                        "(zero_grad), 'kernels': an in-place multiply per weight and gradients "
+                        "accumulating (the definition up to session 36)"})
 
 
 if __name__ == "__main__":

@@ -78,3 +78,28 @@ def test_iters_and_rounds_below_one_refused(monkeypatch, capsys, flags):
     with pytest.raises(SystemExit) as e:
         bench_fp8_host.main()
     assert e.value.code == 2 and "--iters and --rounds must be at least 1" in capsys.readouterr().err
+
+
+def test_step_work_none_drops_gradients_and_bumps_versions_without_a_kernel(monkeypatch):
+    """--step-work none (the default): after each iteration every gradient
+    is gone (zero_grad's effect) and, with updated weights, each weight's
+    version has moved though no in-place kernel ran on it; 'kernels' keeps
+    the earlier definition (gradients accumulate, a multiply per weight)."""
+    muls = []
+    real_mul_ = torch.Tensor.mul_
+    monkeypatch.setattr(torch.Tensor, "mul_", lambda t, *a: (muls.append(t.shape), real_mul_(t, *a))[1])
+    run = bench_fp8_host.layer_runner(None, torch.device("cpu"), True)
+    cells = {c.cell_contents for c in run.__closure__ if isinstance(c.cell_contents, torch.nn.Module)}
+    weights = [p for m in cells for p in m.parameters() if p.dim() == 2]
+    before = [w._version for w in weights]
+    with bench_fp8_host.stubbed_kernels():
+        run(2)
+    assert not muls and all(w._version > v for w, v in zip(weights, before))
+    assert all(p.grad is None for m in cells for p in m.parameters())
+    run = bench_fp8_host.layer_runner(None, torch.device("cpu"), True, step_work="kernels")
+    cells = {c.cell_contents for c in run.__closure__ if isinstance(c.cell_contents, torch.nn.Module)}
+    with bench_fp8_host.stubbed_kernels():
+        run(2)
+    assert len(muls) == 8 and all(p.grad is not None for m in cells for p in m.parameters())
+    with pytest.raises(ValueError, match="step_work must be 'none' or 'kernels'"):
+        bench_fp8_host.layer_runner(None, torch.device("cpu"), True, step_work="optimizer")

@@ -32,6 +32,10 @@ import torch
 class _FormatSpec:
     def __init__(self, forward, backward):
         self.forward_dtype, self.backward_dtype = forward, backward
+        #: (forward, backward) dtypes, indexed by "is a backward tensor": what the casts read
+        #: (``fmt._value_.dtypes``: a plain attribute, where ``fmt.value`` and a dict keyed by
+        #: the member go through Enum's Python-level property and hash)
+        self.dtypes = (forward, backward)
         self.max_fwd = _MAX[forward]
         self.max_bwd = _MAX[backward]
 

@@ -78,7 +78,7 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ..common.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format,
+from ..common.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
                              MXFP8BlockScaling, NVFP4BlockScaling, Recipe)
 from ..ops import buffers
 from ..ops import quant as qops
@@ -98,12 +98,6 @@ _log = logging.getLogger("seqfuse")
 
 #: The FP8 GEMMs' token granularity (the wgrad operands' row stride, in bytes).
 ROW_MULTIPLE = FP8_ROW_MULTIPLE
-
-#: Each format's (forward, backward) FP8 dtypes, indexed by "is a backward
-#: tensor": a dict read per cast (Format's dtype attributes are properties
-#: over the Enum member's value, several lookups each).
-_FORMAT_DTYPES = {fmt: (fmt.forward_dtype, fmt.backward_dtype) for fmt in Format}
-
 
 class FP8FwdTensors(enum.IntEnum):
     """Transformer Engine's names of the forward tensors' state indices."""
@@ -245,7 +239,7 @@ class _Role:
 
     @property
     def fp8_dtype(self):
-        return _FORMAT_DTYPES[self.owner.recipe.fp8_format][self.index % 3 == 2]
+        return self.owner.recipe.fp8_format._value_.dtypes[self.index % 3 == 2]
 
     def _scratch(self, x):
         """(amax, scale): one-element float32 buffers on x's device that a
@@ -257,7 +251,7 @@ class _Role:
         Under CUDA graph capture a new pair (kept alive by the graph), so
         eager casts never share the buffers a replay writes."""
         s = self.scratch
-        if s is not None and s[0].device == x.device and not device_checks.capturing(x):
+        if s is not None and s[0].get_device() == x.get_device() and not device_checks.capturing(x):
             return s
         s = (torch.empty(1, device=x.device), torch.empty(1, device=x.device))
         if not device_checks.capturing(x):
@@ -791,7 +785,22 @@ def written_in_place(*scale_invs):
     """Move the version counters of the scale inverses a re-cast wrote (every
     saved weight operand keeps its scale inverse beside its bytes; a view's
     counter is its base's)."""
-    torch.autograd.graph.increment_version(scale_invs)
+    _increment_versions(scale_invs)
+
+
+def _version_bump():
+    """torch.autograd.graph.increment_version's C call where it takes a tuple
+    of tensors (the Python wrapper only wraps a single tensor in one), else
+    the wrapper."""
+    bump = getattr(torch._C, "_increment_version", None)
+    try:
+        bump((torch.empty(1),))  # (a CPU tensor: never initialise CUDA at import)
+        return bump
+    except Exception:  # noqa: BLE001 - an older signature: the public wrapper
+        return torch.autograd.graph.increment_version
+
+
+_increment_versions = _version_bump()
 
 
 def weight_key(src, *head):

@@ -111,9 +111,6 @@ STATES = weakref.WeakSet()
 #: training step in steady state pays nothing for the first-step rule.
 FIRST_CASTS = weakref.WeakSet()
 
-#: Each format's (forward, backward) FP8 dtypes, indexed by "is a backward tensor".
-_FORMAT_DTYPES = {fmt: (fmt.forward_dtype, fmt.backward_dtype) for fmt in Format}
-
 #: Index convention of a Linear's state (ScalingState.for_linear).
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
 
@@ -176,9 +173,9 @@ class ScalingState(nn.Module):
 
     def fp8_dtype(self, index):
         """The FP8 dtype of tensor ``index`` under the state's recipe (read at
-        every cast, so through a dict: Format's dtype attributes are
-        properties over the Enum member's value)."""
-        return _FORMAT_DTYPES[self._format()][index in self.backward_indices]
+        every cast: through the member's ``_value_``, Format's dtype
+        attributes being properties over the Enum member's value)."""
+        return self._format()._value_.dtypes[index in self.backward_indices]
 
     def fp8_max(self, index):
         fmt = self._format()
@@ -262,7 +259,7 @@ class ScalingState(nn.Module):
                 return None
         args = kept[4].get(index)
         if args is None:
-            args = kept[4][index] = (v[1][index], v[0][index], _FORMAT_DTYPES[fmt][index in self.backward_indices])
+            args = kept[4][index] = (v[1][index], v[0][index], fmt._value_.dtypes[index in self.backward_indices])
         return args
 
     def scale_of(self, index):
