@@ -154,6 +154,34 @@ def test_autocast_state_and_nesting():
     assert not seqfuse.quantization.quantized_model_init_state().enabled
 
 
+def test_disabled_autocast_builds_no_recipe(monkeypatch):
+    """A disabled region without a recipe keeps none (get_recipe() still
+    answers a DelayedScaling), inherits an enclosing enabled region's, and an
+    enabled or calibrating region without one gets DelayedScaling()."""
+    import importlib
+    ac = importlib.import_module("seqfuse.quantization.autocast")  # (the package re-exports a function of its name)
+    made = []
+
+    class Counted(DelayedScaling):
+        def __init__(self, *args, **kwargs):
+            made.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(ac, "DelayedScaling", Counted)
+    with te.autocast(enabled=False) as s:
+        assert s.recipe is None and isinstance(get_recipe(), DelayedScaling) and not made
+    r = Float8CurrentScaling()
+    with te.autocast(enabled=True, recipe=r):
+        with te.autocast(enabled=False) as s:
+            assert s.recipe is r and get_recipe() is r
+    assert not made
+    with te.autocast(enabled=False, calibrating=True) as s:
+        assert isinstance(s.recipe, DelayedScaling)
+    with te.autocast(enabled=True) as s:
+        assert isinstance(s.recipe, DelayedScaling)
+    assert len(made) == 2
+
+
 @needs_fp8
 def test_one_update_launch_per_step_for_many_states(monkeypatch, seed):
     r = DelayedScaling(amax_history_len=8, margin=3)  # a key of its own

@@ -100,7 +100,10 @@ def autocast(enabled=True, recipe=None, amax_reduction_group=None, calibrating=F
     s = autocast_state()
     saved = s.settings()
     s.enabled = bool(enabled)
-    s.recipe = recipe if recipe is not None else (saved[1] if saved[0] else DelayedScaling())
+    # a disabled region without a recipe keeps None (get_recipe() answers DelayedScaling() for it): no
+    # recipe is built and checked at every such region, the common `autocast(enabled=use_fp8)` off
+    s.recipe = recipe if recipe is not None else (saved[1] if saved[0] else DelayedScaling()
+                                                  if enabled or calibrating else None)
     s.amax_reduction_group = amax_reduction_group if amax_reduction_group is not None else saved[2]
     s.calibrating = bool(calibrating)
     ok = False
