@@ -1,12 +1,13 @@
-"""Transient buffers (seqfuse.ops.buffers): one tensor per (purpose, dtype,
-stream, shape) for outputs that die inside the call that makes them -- the
+"""Transient buffers (seqfuse.ops.buffers): one buffer per place (purpose,
+stream, thread) for outputs that die inside the call that makes them -- the
 FP8 modules' GEMM inputs in row-wise FP8 and backward gradient casts, and
 the norms' backward workspaces.
 
-The pool's rules: the same arguments give the same tensor and any other
-argument another; nothing over the size limit is kept; past the total
-limit, and on clear(), every kept buffer is let go; under CUDA graph
-capture nothing is kept.  And the effect on training: a stack of FP8
+The pool's rules: the same arguments give the same tensor, another purpose
+other memory, another dtype or shape at the same place a view of the same
+bytes (grown to the largest request); nothing over the size limit is kept;
+past the total limit, and on clear(), every kept buffer is let go; under
+CUDA graph capture nothing is kept.  And the effect on training: a stack of FP8
 modules whose backward casts share buffers (two layers of one shape, and
 LayerNormMLP with ffn == hidden, so its two gradient casts meet in one key)
 gives bit-identical outputs and gradients to the same stack with nothing
@@ -43,15 +44,48 @@ def test_same_arguments_same_tensor(device, empty_pool):
     x = torch.zeros(2, device=device)
     where = buffers.transient_stream(x)
     a = buffers.transient((where, "grad"), torch.float8_e4m3fn, 32, 16)
-    assert a.shape == (32, 16) and a.dtype == torch.float8_e4m3fn and a.device == x.device
+    assert a.shape == (32, 16) and a.dtype == torch.float8_e4m3fn and a.device == x.device and a.is_contiguous()
     assert buffers.transient((where, "grad"), torch.float8_e4m3fn, 32, 16) is a
-    others = [buffers.transient((where, "grad_t"), torch.float8_e4m3fn, 32, 16),  # purpose
-              buffers.transient((where, "grad"), torch.float8_e5m2, 32, 16),  # dtype
-              buffers.transient((where, "grad"), torch.float8_e4m3fn, 16, 32)]  # shape
-    assert all(o is not a and o.data_ptr() != a.data_ptr() for o in others)
-    assert len({o.data_ptr() for o in others}) == 3
+    other = buffers.transient((where, "grad_t"), torch.float8_e4m3fn, 32, 16)  # another purpose: other memory
+    assert other is not a and other.data_ptr() != a.data_ptr()
+    # the same place in another dtype or shape that fits: a view of the same bytes (one buffer per place)
+    same = [buffers.transient((where, "grad"), torch.float8_e5m2, 32, 16),
+            buffers.transient((where, "grad"), torch.float32, 4, 8),
+            buffers.transient((where, "grad"), torch.float8_e4m3fn, 16, 32)]
+    assert all(t is not a and t.data_ptr() == a.data_ptr() for t in same)
+    assert [tuple(t.shape) for t in same] == [(32, 16), (4, 8), (16, 32)] and same[1].stride() == (8, 1)
+    for shape in [(128, 0), (0, 128), (1, 5), (3, 1, 4), (0,)]:  # torch's contiguous strides, none 0
+        assert buffers.transient((where, "grad"), torch.float32, *shape).stride() == torch.empty(shape).stride()
+    assert buffers._transient_bytes[0] == 2 * 512
     buffers.clear()
     assert buffers.transient((where, "grad"), torch.float8_e4m3fn, 32, 16) is not a
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_a_place_grows_to_its_largest_request(device, empty_pool):
+    """Packed batches change their token count every step: each place keeps
+    one buffer, grown to the largest request, so the kept bytes stay the
+    largest shape's whatever the sequence of shapes, and shapes the buffer
+    already fits make no allocation."""
+    where = buffers.transient_stream(torch.zeros(1, device=device))
+    sizes = [(40 + 16 * (i % 7)) for i in range(30)]
+    held, largest = [], 0
+    for m in sizes:
+        t = buffers.transient((where, "grad"), torch.float8_e4m3fn, m, 128)
+        largest = max(largest, m)
+        assert t.shape == (m, 128) and buffers._transient_bytes[0] == largest * 128
+        raw = buffers._places[(where, "grad")][0]
+        if not any(r is raw for r in held):  # (kept alive here, so no address or id is reused)
+            held.append(raw)
+    assert buffers._transient_bytes[0] == max(sizes) * 128
+    assert len(held) == len({max(sizes[:i + 1]) for i in range(len(sizes))})  # one allocation per new maximum
+    # past VIEWS_PER_PLACE shapes the place's views are let go, its bytes kept
+    raw = buffers._places[(where, "grad")][0]
+    for m in range(1, buffers.VIEWS_PER_PLACE + 3):
+        buffers.transient((where, "grad"), torch.float8_e4m3fn, m, 8)
+    assert buffers._places[(where, "grad")][0] is raw
+    assert len(buffers._places[(where, "grad")][1]) <= buffers.VIEWS_PER_PLACE
+    assert len([k for k in buffers._transient if k[0] == (where, "grad")]) <= buffers.VIEWS_PER_PLACE
 
 
 def test_size_limits(monkeypatch, empty_pool):

@@ -1,27 +1,32 @@
-"""Transient buffers: the same tensor for every call that needs one for a moment.
+"""Transient buffers: the same memory for every call that needs a buffer for a moment.
 
 Some buffers die inside the call that makes them: an FP8 module's forward
 reads the row-wise FP8 copy of its GEMM input only in that GEMM and in the
 transposed copy it keeps; its backward casts its output gradient and reads
 the FP8 copies (and the dbias pass's block sums) only in kernels that same
 call enqueues; a norm's backward reads its workspace only in its own
-launches.  A stream runs its kernels in order,
-so every such call on one stream can write the same buffers, kept here per
-(purpose, dtype, device, stream, thread, shape), instead of a torch.empty
-per buffer per call (about 3 us of host time each on an H200's host, 1.3 us on a
-development machine's CPU).  A caller names a purpose for each buffer it
-holds at one time, so two buffers of one call are never the same tensor,
-and hands no transient buffer out of the call.  Kept: buffers up to
+launches.  A stream runs its kernels in order, so every such call on one
+stream can write the same memory, kept here per place -- (purpose, device,
+stream, thread) -- instead of a torch.empty per buffer per call (about 3 us
+of host time each on an H200's host, 1 us on a development machine's CPU).
+A caller names a purpose for each buffer it holds at one time, so two
+buffers of one call never share memory, and hands no transient buffer out
+of the call.
+
+Each place keeps one byte buffer, grown to the largest request it has
+served, and the tensors asked of it are views of those bytes: a request of
+a dtype and shape seen at that place before gets the very same tensor (a
+dictionary lookup), a new one a view made once (cheaper than an allocation),
+so packed batches whose token counts change every step reuse the memory
+instead of filling the pool with shapes a step no longer asks for, and the
+memory kept is one buffer per place.  Kept: buffers up to
 TRANSIENT_MAX_BYTES (host time counts where buffers are small; a large
 buffer's kernels hide its allocation), TRANSIENT_POOL_BYTES in all (past
-that the kept ones are let go, to the caching allocator, and kept anew).
+that every kept buffer is let go, to the caching allocator, and kept anew).
 Never under CUDA graph capture: a captured kernel's buffers belong to the
-graph, so a capture gets buffers of its own.  The key holds the calling
+graph, so a capture gets buffers of its own.  The place holds the calling
 thread: two threads on one stream (every thread starts on the default
-stream) interleave their launches, so they never share a buffer.  Past
-the total the whole pool is let go at once (packed batches of changing
-token counts fill it with shapes a step no longer uses), and every layer
-after that keeps its buffers again.
+stream) interleave their launches, so they never share a buffer.
 """
 import threading
 
@@ -40,8 +45,14 @@ _thread = threading.get_ident
 
 TRANSIENT_MAX_BYTES = 32 << 20
 TRANSIENT_POOL_BYTES = 128 << 20
-_transient = {}
+_transient = {}        # (place, dtype, shape) -> the view kept for that request
+_places = {}           # place -> (byte buffer, the keys of _transient that view it)
 _transient_bytes = [0]
+#: Views kept per place (each request shape a place has served); past it the place's views are let go
+#: and made again on demand (its bytes stay).
+VIEWS_PER_PLACE = 16
+
+
 def transient_stream(t):
     """Where transient() buffers for work on ``t``'s device go: (device,
     stream, thread) -- on CUDA the device index and torch's current stream
@@ -60,30 +71,67 @@ def transient_stream(t):
 def transient(place, dtype, *shape):
     """An uninitialised tensor of ``shape`` and ``dtype`` at ``place``, a
     (transient_stream, purpose) pair, for a buffer read only by kernels that
-    its caller enqueues on that stream before it returns: the same tensor
-    for every call with the same arguments (see the module note), so its
-    caller gives it to nothing that outlives the call."""
+    its caller enqueues on that stream before it returns: a view of the
+    place's bytes, the same tensor for every call with the same arguments
+    (see the module note), so its caller gives it to nothing that outlives
+    the call."""
     key = (place, dtype, shape)
     buf = _transient.get(key)
     if buf is not None:
         return buf
     where = place[0]
-    buf = torch.empty(*shape, dtype=dtype, device=where[0])
-    if where[1] is not None:
-        n = buf.numel() * buf.element_size()
-        if n <= TRANSIENT_MAX_BYTES and n <= TRANSIENT_POOL_BYTES:
-            if _transient_bytes[0] + n > TRANSIENT_POOL_BYTES:
-                _transient.clear()
-                _transient_bytes[0] = 0
-            _transient[key] = buf
-            _transient_bytes[0] += n
+    if where[1] is None:  # (under capture, or off the current device: nothing kept)
+        return torch.empty(*shape, dtype=dtype, device=where[0])
+    n = dtype.itemsize
+    for size in shape:
+        n *= size
+    if n > TRANSIENT_MAX_BYTES or n > TRANSIENT_POOL_BYTES:
+        return torch.empty(*shape, dtype=dtype, device=where[0])
+    held = _places.get(place)
+    if held is None or held[0].numel() < n:
+        grown = n  # (a held buffer is smaller: it goes)
+        if held is not None:
+            _forget(place, held)
+        if _transient_bytes[0] + grown > TRANSIENT_POOL_BYTES:
+            clear()
+        held = _places[place] = (torch.empty(grown, dtype=torch.uint8, device=where[0]), [])
+        _transient_bytes[0] += grown
+    elif len(held[1]) >= VIEWS_PER_PLACE:
+        for k in held[1]:
+            _transient.pop(k, None)
+        held[1].clear()
+    buf = _view(held[0], dtype, shape)
+    _transient[key] = buf
+    held[1].append(key)
     return buf
+
+
+def _view(raw, dtype, shape):
+    """A contiguous ``shape`` tensor of ``dtype`` over the first bytes of the uint8 tensor ``raw``
+    (torch's contiguous strides: a size-0 or size-1 dimension counts as 1, so none is 0)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return torch.empty(0, dtype=dtype, device=raw.device).set_(raw.untyped_storage(), 0, shape,
+                                                               tuple(reversed(strides)))
+
+
+def _forget(place, held):
+    """Let go of a place's bytes and the views kept over them (tolerant of a
+    clear() another thread ran meanwhile: places are per thread, the pool is
+    shared)."""
+    for k in held[1]:
+        _transient.pop(k, None)
+    if _places.pop(place, None) is held:
+        _transient_bytes[0] -= held[0].numel()
 
 
 def clear():
     """Let go of every kept transient buffer (to torch's caching allocator;
     torch.cuda.empty_cache() can then return the memory to the driver)."""
     _transient.clear()
+    _places.clear()
     _transient_bytes[0] = 0
 
 
