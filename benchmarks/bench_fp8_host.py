@@ -114,15 +114,20 @@ def layer_runner(recipe, device, update=True, step_work="none"):
 def host_us(runners, iters, rounds=5):
     """Microseconds per iteration of each runner: ``rounds`` rounds that time
     every runner once in turn (interleaved, so a slower stretch of the host
-    touches every row alike), the best round of each."""
+    touches every row alike), the best round of each.  Each round starts one
+    runner later than the one before: the runner timed right after another
+    precision's runs its code cold (about 15 us a layer step on the
+    development machine), and a fixed order would charge that to one row."""
     best = [float("inf")] * len(runners)
+    n = len(runners)
     with stubbed_kernels():
         for run in runners:
             run(max(10, iters // 10))
-        for _ in range(rounds):
-            for i, run in enumerate(runners):
+        for r in range(rounds):
+            for j in range(n):
+                i = (r + j) % n
                 t0 = time.perf_counter()
-                run(iters)
+                runners[i](iters)
                 best[i] = min(best[i], (time.perf_counter() - t0) / iters * 1e6)
     return best
 

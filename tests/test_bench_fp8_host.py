@@ -103,3 +103,13 @@ def test_step_work_none_drops_gradients_and_bumps_versions_without_a_kernel(monk
     assert len(muls) == 8 and all(p.grad is not None for m in cells for p in m.parameters())
     with pytest.raises(ValueError, match="step_work must be 'none' or 'kernels'"):
         bench_fp8_host.layer_runner(None, torch.device("cpu"), True, step_work="optimizer")
+
+
+def test_rounds_rotate_the_order(monkeypatch):
+    """Each round starts one runner later, so no row is always the one timed
+    right after another precision's (cold code) and each is timed once a round."""
+    order = []
+    runners = [lambda n, i=i: order.append(i) for i in range(3)]
+    times = bench_fp8_host.host_us(runners, iters=10, rounds=3)
+    assert len(times) == 3
+    assert order[3:] == [0, 1, 2, 1, 2, 0, 2, 0, 1]  # (after the warm-up call of each)

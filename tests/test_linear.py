@@ -547,9 +547,12 @@ def test_cpu_fp8_capture_casts_even_with_is_first_microbatch_false(seed, monkeyp
         assert weight_casts(m) == 1
         m(x, is_first_microbatch=False)
         assert weight_casts(m) == 1
+        eager = m._fp8_quantizers.weights[0].pair
         monkeypatch.setattr(WeightQuantizer, "_captured_reuse_logged", [])
         monkeypatch.setattr(device_checks, "capturing", lambda *args: True)
         with caplog.at_level("WARNING", logger="seqfuse"):
             m(x, is_first_microbatch=False)
         assert weight_casts(m) == 2
+        captured = m._fp8_quantizers.weights[0].captured[0]
+        assert captured[0].data.data_ptr() != eager[0].data.data_ptr()  # the graph's own buffers
         assert "is_first_microbatch=False is not honoured while a CUDA graph is captured" in caplog.text

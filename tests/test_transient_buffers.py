@@ -9,9 +9,12 @@ bytes (grown to the largest request); nothing over the size limit is kept;
 past the total limit, and on clear(), every kept buffer is let go; under
 CUDA graph capture nothing is kept.  And the effect on training: a stack of FP8
 modules whose backward casts share buffers (two layers of one shape, and
-LayerNormMLP with ffn == hidden, so its two gradient casts meet in one key)
+LayerNormMLP, whose two gradient casts meet at one place; with ffn ==
+hidden in one view)
 gives bit-identical outputs and gradients to the same stack with nothing
-kept, over several steps, under every recipe, at a row count that pads.
+kept, over several steps, under every recipe, at a row count that pads;
+and so does a stack whose places serve several shapes and dtypes at token
+counts that change every step.
 """
 import copy
 import threading
@@ -79,13 +82,16 @@ def test_a_place_grows_to_its_largest_request(device, empty_pool):
             held.append(raw)
     assert buffers._transient_bytes[0] == max(sizes) * 128
     assert len(held) == len({max(sizes[:i + 1]) for i in range(len(sizes))})  # one allocation per new maximum
-    # past VIEWS_PER_PLACE shapes the place's views are let go, its bytes kept
+    # past VIEWS_PER_PLACE shapes the oldest view is let go (made again if asked for again), the bytes kept
     raw = buffers._places[(where, "grad")][0]
-    for m in range(1, buffers.VIEWS_PER_PLACE + 3):
-        buffers.transient((where, "grad"), torch.float8_e4m3fn, m, 8)
+    views = [buffers.transient((where, "grad"), torch.float8_e4m3fn, m, 8)
+             for m in range(1, buffers.VIEWS_PER_PLACE + 3)]
     assert buffers._places[(where, "grad")][0] is raw
-    assert len(buffers._places[(where, "grad")][1]) <= buffers.VIEWS_PER_PLACE
-    assert len([k for k in buffers._transient if k[0] == (where, "grad")]) <= buffers.VIEWS_PER_PLACE
+    kept = [k for k in buffers._transient if k[0] == (where, "grad")]
+    assert len(kept) == len(buffers._places[(where, "grad")][2]) == buffers.VIEWS_PER_PLACE
+    assert buffers.transient((where, "grad"), torch.float8_e4m3fn, buffers.VIEWS_PER_PLACE + 2, 8) is views[-1]
+    again = buffers.transient((where, "grad"), torch.float8_e4m3fn, 1, 8)  # the oldest: let go, a new view
+    assert again is not views[0] and again.data_ptr() == views[0].data_ptr()
 
 
 def test_size_limits(monkeypatch, empty_pool):
@@ -168,12 +174,45 @@ def test_threads_never_share(device, empty_pool):
     assert len(wrong) == 40 and not any(wrong)
 
 
+@needs_fp8
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_stack_of_mixed_shapes_trains_as_without_kept_buffers(device, recipe, seed, empty_pool):
+    """Places shared by requests of other shapes and dtypes (FFN widths 384
+    and 256, a gated activation, a 128 -> 256 projection) at token counts
+    that change every step, some padded, some growing a place's buffer: every
+    output and gradient bit for bit those of a copy trained with no buffer kept."""
+    kw = dict(params_dtype=torch.bfloat16, device=device)
+    model = torch.nn.Sequential(te.LayerNormLinear(128, 256, **kw), te.Linear(256, 128, **kw),
+                                te.LayerNormMLP(128, 384, activation="gelu", bias=True, **kw),
+                                te.LayerNormMLP(128, 256, activation="swiglu", bias=False, **kw),
+                                te.Linear(128, 128, **kw))
+    ref = copy.deepcopy(model)
+    rows = [40, 72, 23, 130, 40, 96]
+    xs = [torch.randn(r, 128, device=device).bfloat16() for r in rows]
+    dys = [torch.randn(r, 128, device=device).bfloat16() for r in rows]
+    got = _train(model, xs, dys, RECIPES[recipe]())
+    assert buffers._places
+    buffers.clear()
+    saved = buffers.TRANSIENT_POOL_BYTES
+    buffers.TRANSIENT_POOL_BYTES = 0  # nothing kept: every buffer new
+    try:
+        want = _train(ref, xs, dys, RECIPES[recipe]())
+    finally:
+        buffers.TRANSIENT_POOL_BYTES = saved
+    assert not buffers._transient and not buffers._places
+    for step, ((y, dx, grads), (y_ref, dx_ref, grads_ref)) in enumerate(zip(got, want)):
+        assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref), step
+        for i, (g, g_ref) in enumerate(zip(grads, grads_ref)):
+            assert torch.equal(g, g_ref), (step, i)
+
+
 def _stack(device, h=128):
     kw = dict(params_dtype=torch.bfloat16, device=device)
     layers = []
-    for _ in range(2):  # two layers of one shape: their casts share every key
+    for _ in range(2):  # two layers of one shape: their casts share every view
         layers += [te.LayerNormLinear(h, h, normalization="LayerNorm", **kw),
-                   te.LayerNormMLP(h, h, activation="gelu", bias=False, **kw),  # FC1 and FC2 gradients: one key
+                   te.LayerNormMLP(h, h, activation="gelu", bias=False, **kw),  # FC1 and FC2 gradients: one view
                    te.Linear(h, h, **kw)]
     return torch.nn.Sequential(*layers)
 

@@ -443,8 +443,8 @@ class InputQuantizer(_Role):
 class GradQuantizer(_Role):
     """A GEMM's output gradient (the recipe's backward format).  The dbias
     pass's block sums, which column_sums reads right after the cast, are a
-    transient buffer (seqfuse.ops.buffers: one per device, stream, thread
-    and shape for every cast).  In the backward of Linear, LayerNormLinear
+    transient buffer (seqfuse.ops.buffers: one place per device, stream
+    and thread for every cast).  In the backward of Linear, LayerNormLinear
     and LayerNormMLP (``quantize_grad(..., transient=True)``, and
     LayerNormMLP's fused activation-gradient cast) the cast operand is read
     only by the GEMMs of that backward call (the input and weight
@@ -794,10 +794,10 @@ def _version_bump():
     the wrapper."""
     bump = getattr(torch._C, "_increment_version", None)
     try:
-        bump((torch.empty(1),))  # (a CPU tensor: never initialise CUDA at import)
+        bump((torch.empty(1, device="cpu"),))  # (explicitly on the CPU: never initialise CUDA at import)
         return bump
-    except Exception:  # noqa: BLE001 - an older signature: the public wrapper
-        return torch.autograd.graph.increment_version
+    except Exception:  # noqa: BLE001 - an older signature, one tensor a call
+        return lambda tensors: [torch.autograd.graph.increment_version(t) for t in tensors]
 
 
 _increment_versions = _version_bump()
