@@ -24,7 +24,12 @@ want tests && TAIL=12 run ${TEST_LIMIT:-140} pytest python3 -m pytest -q -rfE -m
      tests/test_silent_wrong.py tests/test_act.py tests/test_quant_block.py tests/test_scaling.py}
 cd benchmarks
 want fp8_rows && TAIL=40 run 100 fp8_rows python3 bench_fp8_rows.py --rows 4097,16383
-want fp8_host && TAIL=12 run 80 fp8_host env OMP_NUM_THREADS=1 python3 bench_fp8_host.py --device cuda --iters 40 --rounds 20
+# the layer alone (the default since s37), then s36's definition (an optimizer stand-in per weight, gradients
+# accumulating) for comparison with the figures before it
+want fp8_host && TAIL=12 run 80 fp8_host env OMP_NUM_THREADS=1 python3 bench_fp8_host.py --device cuda --iters 40 --rounds 20 \
+    && cp results/fp8_host.json "$LOG/fp8_host_step_work_none.json"
+want fp8_host && TAIL=12 run 80 fp8_host_kernels env OMP_NUM_THREADS=1 python3 bench_fp8_host.py --device cuda --iters 40 \
+    --rounds 20 --step-work kernels
 want esm2 && TAIL=14 run 150 esm2 python3 esm2/bench_esm2.py --size 650M --steps 10 --warmup 3 --out esm2_s7 \
     --rows hf_bf16_fixed,seqfuse_bf16_fixed,seqfuse_fp8_delayed_fixed,seqfuse_fp8_delayed_packed
 want graphs && TAIL=12 run 60 graphs python3 bench_graphs.py
