@@ -556,3 +556,20 @@ def test_cpu_fp8_capture_casts_even_with_is_first_microbatch_false(seed, monkeyp
         captured = m._fp8_quantizers.weights[0].captured[0]
         assert captured[0].data.data_ptr() != eager[0].data.data_ptr()  # the graph's own buffers
         assert "is_first_microbatch=False is not honoured while a CUDA graph is captured" in caplog.text
+
+
+def test_version_bump_falls_back_to_torch_wrapper(monkeypatch):
+    """Where torch's C call takes no tuple (or is missing), a re-cast's
+    version bump goes through the public wrapper, one tensor a call, and
+    still moves every counter."""
+    from seqfuse.quantization import gemm_quantizers as gq
+
+    with monkeypatch.context() as m:
+        m.setattr(torch._C, "_increment_version", None)
+        bump = gq._version_bump()
+    assert bump is not torch._C._increment_version
+    ts = (torch.zeros(2), torch.zeros(3)[1:])
+    before = [t._version for t in ts]
+    bump(ts)
+    assert [t._version for t in ts] == [v + 1 for v in before]
+    assert gq._version_bump() is torch._C._increment_version  # this torch takes the tuple

@@ -100,10 +100,14 @@ def autocast(enabled=True, recipe=None, amax_reduction_group=None, calibrating=F
     s = autocast_state()
     saved = s.settings()
     s.enabled = bool(enabled)
-    # a disabled region without a recipe keeps None (get_recipe() answers DelayedScaling() for it): no
-    # recipe is built and checked at every such region, the common `autocast(enabled=use_fp8)` off
-    s.recipe = recipe if recipe is not None else (saved[1] if saved[0] else DelayedScaling()
-                                                  if enabled or calibrating else None)
+    if recipe is None:
+        if saved[0]:  # inherited from the enclosing enabled region
+            recipe = saved[1]
+        elif enabled or calibrating:
+            recipe = DelayedScaling()
+        # else None: get_recipe() answers DelayedScaling() for a disabled region, which builds and
+        # checks no recipe (the common `autocast(enabled=use_fp8)` with FP8 off)
+    s.recipe = recipe
     s.amax_reduction_group = amax_reduction_group if amax_reduction_group is not None else saved[2]
     s.calibrating = bool(calibrating)
     ok = False

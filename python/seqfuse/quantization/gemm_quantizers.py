@@ -295,8 +295,7 @@ class _Role:
         # (sizes as separate ints: torch parses them faster than a torch.Size or a tuple)
         sums_rows = None if dbias is None else mp
         if kept:
-            scale_inv, sums = self.kept_outputs(x, sums_rows, where=None if row_place is None else row_place[0],
-                                                transient=row_place is not None)
+            scale_inv, sums = self.kept_outputs(x, sums_rows, where=None if row_place is None else row_place[0])
         else:
             scale_inv, sums = self.cast_outputs(x, sums_rows)
         out = buffers.new_or_transient(row_place, dev, fp8_dtype, *(x.shape if mp == m else (mp, k)))
@@ -327,15 +326,15 @@ class _Role:
         ``transient`` (a module's forward that reads the row-wise copy only
         in its GEMM and keeps the transposed one): the row-wise copy is a
         transient buffer (input_place)."""
-        o = self.owner
         m = x.shape[0]
         mp = padded_rows(m)
-        if o.kind == "block":
-            if not transpose:  # (the row-and-column entry wants 16-byte aligned x; this one does not)
-                return quantize_block(dense(x), 1, self.fp8_dtype, rows=None if mp == m else mp)
-            return self._block_cast(x, None if mp == m else mp, row_place=self.input_place(x) if transient else None)
-        return self._cast(x, transpose, rows=None if mp == m else mp,
-                          row_place=self.input_place(x) if transient else None)
+        rows = None if mp == m else mp
+        if self.owner.kind == "block" and not transpose:  # (the row-and-column entry wants 16-byte aligned x)
+            return quantize_block(dense(x), 1, self.fp8_dtype, rows=rows)
+        place = self.input_place(x) if transient else None
+        if self.owner.kind == "block":
+            return self._block_cast(x, rows, row_place=place)
+        return self._cast(x, transpose, rows=rows, row_place=place)
 
     def input_place(self, x):
         """The transient place of this role's row-wise FP8 copy of ``x`` in a
@@ -462,14 +461,16 @@ class GradQuantizer(_Role):
         super().__init__(owner, index)
         self.kept_scale_inv = None
 
-    def kept_outputs(self, x, sums_rows=None, scale_inv=True, where=None, transient=False):
+    def kept_outputs(self, x, sums_rows=None, scale_inv=True, where=None):
         """The buffers a gradient cast of ``x`` writes besides its FP8 copies
         (see the class note): the scale inverse (None with ``scale_inv``
-        False; ``transient``: a transient buffer, else the role's kept one)
-        and, given ``sums_rows``, the block sums, on ``where`` (x's
-        transient_stream when None).  Under CUDA graph capture new ones
-        that the graph keeps (as _scratch's)."""
-        if where is None:
+        False) and, given ``sums_rows``, the block sums.  ``where``: the
+        transient_stream of a module's backward, whose scale inverse is a
+        transient buffer there; None: the role's kept scale inverse, and the
+        sums' place asked of x.  Under CUDA graph capture new ones that the
+        graph keeps (as _scratch's)."""
+        transient = where is not None
+        if not transient:
             where = buffers.transient_stream(x)
         si = None
         if scale_inv:
@@ -494,7 +495,7 @@ class GradQuantizer(_Role):
         the transient buffers of quantize_grad's ``transient`` (see the
         class note); with ``need_col`` the transposed copy, transient too."""
         rows_at, cols_at = self.grad_places(h)
-        si = self.kept_outputs(h, where=rows_at[0], transient=True)[0]
+        si = self.kept_outputs(h, where=rows_at[0])[0]
         scale, amax, fp8_dtype, si, buf, view = self.fused_outputs(h.shape[0], k, h.device, scale_inv=si,
                                                                    place=rows_at)
         write(fp8_dtype, scale, amax, si, view)
@@ -552,9 +553,8 @@ class GradQuantizer(_Role):
         db = None
         if need_wgrad:
             places = self.grad_places(dy) if transient else (None, None)
-            # (the sums' stream: the places' where known, else kept_outputs asks)
-            sums = (self.kept_outputs(dy, m, scale_inv=False, where=places[0] and places[0][0])[1]
-                    if want_db else None)
+            sums = self.kept_outputs(dy, m, scale_inv=False, where=places[0][0] if transient else None)[1] \
+                if want_db else None
             q = self._block_cast(dy, rows, rowwise=need_dgrad, sums=sums, row_place=places[0], col_place=places[1])
             if want_db:
                 db = qops.column_sums(sums, sum_dtype)
