@@ -28,9 +28,21 @@ writes no JSON: it runs that row's iterations under cProfile and prints
 the functions by own time and by cumulative time, and torch's tensor
 allocations per layer step (torch.empty / empty_like / zeros calls) --
 where a row's host time goes.
+
+``--parts ROW`` (fp8_delayed, fp8_current or fp8_block) times that row as
+it runs and again with one part of its FP8 work replaced by the part's
+result from an earlier call (a dictionary lookup: the weights' casts,
+WeightQuantizer.get; the output gradients' casts, quantize_grad; the
+activations' own casts, quantize; the delayed-scaling update at the
+autocast exit), all interleaved with bf16 in rotating rounds: what each
+part costs where it runs, cold caches and autograd's frees included, which
+a profiler's per-call figures (taken in a hot loop, or slowed by the
+profiler) do not say.  The lookup left in place makes each figure a
+lower bound.  JSON: results/fp8_host_parts.json.
 """
 import argparse
 import contextlib
+import importlib
 import time
 
 import torch
@@ -159,6 +171,68 @@ def profile_row(name, recipe, device, update, iters, top=35, step_work="none"):
         stats.sort_stats(key).print_stats(top)
 
 
+def _memoized(cls, name, key):
+    """A stand-in for the method ``cls.name`` that returns the result of its
+    first call per ``key(*args)`` (a part's work done once, then looked up)."""
+    real = getattr(cls, name)
+    seen = {}
+
+    def method(*args, **kwargs):
+        k = key(*args)
+        if k not in seen:
+            seen[k] = real(*args, **kwargs)
+        return seen[k]
+    return method
+
+
+def part_stand_ins():
+    """{part: [(object, attribute, stand-in)]}: each FP8 part of a layer step
+    replaced by its first result (--parts; see the module note)."""
+    from seqfuse.quantization import gemm_quantizers as gq
+
+    # (the module itself: the package's name `autocast` is the context manager)
+    autocast_mod = importlib.import_module("seqfuse.quantization.autocast")
+    return {
+        "weight casts (WeightQuantizer.get)":
+            [(gq.WeightQuantizer, "get", _memoized(gq.WeightQuantizer, "get", lambda role, *a: id(role)))],
+        "output-gradient casts (quantize_grad)":
+            [(gq.GradQuantizer, "quantize_grad",
+              _memoized(gq.GradQuantizer, "quantize_grad", lambda role, dy, *a: (id(role), dy.shape)))],
+        "activation casts (quantize)":
+            [(gq._Role, "quantize", _memoized(gq._Role, "quantize", lambda role, x, *a: (id(role), x.shape)))],
+        "delayed-scaling update (autocast exit)":
+            [(autocast_mod, "reduce_and_update", lambda *args, **kwargs: None)],
+    }
+
+
+def parts_us(name, recipe, device, iters, rounds):
+    """Microseconds per layer step of the bf16 row, the FP8 row, and the FP8
+    row with each part replaced (part_stand_ins), weights updated every
+    step; rotating rounds as host_us, the best round of each."""
+    variants = [("bf16", None, []), (name, recipe, [])]
+    variants += [(f"{name} without {part}", recipe, swaps) for part, swaps in part_stand_ins().items()]
+    runners = [layer_runner(r, device, True) for _, r, _ in variants]
+    best = [float("inf")] * len(variants)
+    with stubbed_kernels():
+        for r in range(rounds + 1):
+            for j in range(len(variants)):
+                i = (r + j) % len(variants)
+                saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in variants[i][2]]
+                for obj, attr, stand_in in variants[i][2]:
+                    setattr(obj, attr, stand_in)
+                try:
+                    runners[i](2)  # (the first calls fill the stand-ins and warm the row's code)
+                    t0 = time.perf_counter()
+                    runners[i](iters)
+                    t = (time.perf_counter() - t0) / iters * 1e6
+                finally:
+                    for obj, attr, real in saved:
+                        setattr(obj, attr, real)
+                if r:  # (round 0 warms every variant)
+                    best[i] = min(best[i], t)
+    return [(label, us) for (label, _, _), us in zip(variants, best)]
+
+
 def main():
     from seqfuse.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
@@ -176,12 +250,25 @@ def main():
                    help="what runs between iterations besides the layer: 'none' (versions bumped without a "
                         "kernel, gradients dropped as zero_grad() drops them) or 'kernels' (an in-place multiply "
                         "per weight, gradients accumulating: the definition of the figures up to session 36)")
+    p.add_argument("--parts", choices=("fp8_delayed", "fp8_current", "fp8_block"),
+                   help="time this row with each part of its FP8 work replaced by a lookup (module note)")
     args = p.parse_args()
     if args.iters < 1 or args.rounds < 1:
         p.error(f"--iters and --rounds must be at least 1, got {args.iters} and {args.rounds}")
     device = torch.device(args.device)
     recipes = {"bf16": None, "fp8_delayed": DelayedScaling(), "fp8_current": Float8CurrentScaling(),
                "fp8_block": Float8BlockScaling()}
+    if args.parts:
+        table = Table("fp8_host_parts", ["row", "device", "us_per_layer", "part_us", "vs_bf16"])
+        rows = parts_us(args.parts, recipes[args.parts], device, args.iters, args.rounds)
+        bf16, whole = rows[0][1], rows[1][1]
+        for label, us in rows:
+            table.add(row=label, device=str(device), us_per_layer=us,
+                      part_us=whole - us if label.startswith(args.parts + " without") else None, vs_bf16=us / bf16)
+        table.save({"note": "weights updated every step, --step-work none; part_us: the row's time less its time "
+                            "with that part replaced by a lookup of its first result (a lower bound of the "
+                            "part's cost in place)"})
+        return
     if args.profile:
         profile_row(args.profile, recipes[args.profile], device, args.weights == "updated", args.iters,
                     step_work=args.step_work)

@@ -113,3 +113,35 @@ def test_rounds_rotate_the_order(monkeypatch):
     times = bench_fp8_host.host_us(runners, iters=10, rounds=3)
     assert len(times) == 3
     assert order[3:] == [0, 1, 2, 1, 2, 0, 2, 0, 1]  # (after the warm-up call of each)
+
+
+def test_parts_replace_each_part_only_inside_its_rows_and_restore_it():
+    """--parts: every variant row runs with its part replaced by a lookup of
+    the part's first result (the real method called once per key, not per
+    step) and the real methods are back afterwards, also for the autocast
+    exit's update."""
+    from seqfuse.common.recipe import DelayedScaling
+    from seqfuse.quantization import gemm_quantizers as gq
+    import importlib
+
+    autocast_mod = importlib.import_module("seqfuse.quantization.autocast")
+    real = (gq.WeightQuantizer.get, gq.GradQuantizer.quantize_grad, gq._Role.quantize,
+            autocast_mod.reduce_and_update)
+    calls = []
+
+    class Probe:
+        def get(self, w):
+            calls.append(w)
+            return w * 2
+
+    stand_in = bench_fp8_host._memoized(Probe, "get", lambda probe, w: w)
+    probe = Probe()
+    assert [stand_in(probe, 3), stand_in(probe, 3), stand_in(probe, 4)] == [6, 6, 8] and calls == [3, 4]
+
+    rows = bench_fp8_host.parts_us("fp8_delayed", DelayedScaling(), torch.device("cpu"), iters=2, rounds=1)
+    labels = [label for label, _ in rows]
+    assert labels[:2] == ["bf16", "fp8_delayed"] and len(labels) == 6
+    assert all(label.startswith("fp8_delayed without ") for label in labels[2:])
+    assert all(us > 0 for _, us in rows)
+    assert (gq.WeightQuantizer.get, gq.GradQuantizer.quantize_grad, gq._Role.quantize,
+            autocast_mod.reduce_and_update) == real
