@@ -2,7 +2,7 @@
 import torch
 
 from .. import _C
-from ._call import as_float, as_int, empty, require_fp8_dlpack, stream_for
+from ._call import FP8_DLPACK, as_float, as_int, empty, require_fp8_dlpack, stream_for
 from .buffers import new_or_transient
 
 _FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
@@ -192,7 +192,8 @@ def cast_fp8_into(x, scale, amax, out, out_t, scale_inv, col_sums=None):
     x's column sums per 128-row block (the dbias pass).  Nothing is checked
     here: the C entry checks every argument and names it in its error.
     Returns None."""
-    require_fp8_dlpack("cast_fp8")
+    if not FP8_DLPACK:  # (a flag test on the quantizers' hot path, not a call)
+        require_fp8_dlpack("cast_fp8")
     if col_sums is None:
         _C.cast_fp8(x, scale, amax, out, out_t, scale_inv, stream_for(x))
     else:
@@ -204,7 +205,8 @@ def cast_fp8_current_into(x, amax, scale, scale_inv, out, out_t, margin=0):
     ``out_t`` as in :func:`cast_fp8_into`; ``amax``, ``scale`` and
     ``scale_inv`` one-element float32 buffers it writes).  The quantizers'
     hot path: the C entry checks every argument.  Returns None."""
-    require_fp8_dlpack("cast_fp8_current")
+    if not FP8_DLPACK:  # (a flag test on the quantizers' hot path, not a call)
+        require_fp8_dlpack("cast_fp8_current")
     _C.cast_fp8_current(x, amax, scale, scale_inv, out, out_t, margin, stream_for(x))
 
 
@@ -278,7 +280,8 @@ def transpose_fp8_into(data, out):
     """:func:`transpose_fp8` into ``out`` [K, M] the caller made: the
     quantizers' hot path (a producer kernel's FP8 output transposed for the
     weight gradient); the C entry checks every argument.  Returns None."""
-    require_fp8_dlpack("transpose_fp8")
+    if not FP8_DLPACK:  # (a flag test on the quantizers' hot path, not a call)
+        require_fp8_dlpack("transpose_fp8")
     _C.transpose_fp8(data, out, stream_for(data))
 
 
@@ -466,7 +469,8 @@ def quantize_block_fp8_weight_into(w, data, scale_inv, data_t, scale_inv_t):
     """:func:`quantize_block_fp8_weight` into outputs the caller made
     (:func:`block_weight_outputs`): the weight quantizers' hot path, whose
     shapes are known; the C entry checks every argument.  Returns None."""
-    require_fp8_dlpack("quantize_block_fp8_weight")
+    if not FP8_DLPACK:  # (a flag test on the quantizers' hot path, not a call)
+        require_fp8_dlpack("quantize_block_fp8_weight")
     _C.quantize_block_fp8_weight(w, data, scale_inv, data_t, scale_inv_t, stream_for(w))
 
 
@@ -553,7 +557,8 @@ def quantize_block_fp8_rowcol_into(x, data, scale_inv, data_t, scale_inv_t, col_
     None): the quantizers' hot path, which knows its shapes; the C entry
     checks every argument.  ``x``: contiguous, without autograd history.
     Returns None."""
-    require_fp8_dlpack("quantize_block_fp8_rowcol")
+    if not FP8_DLPACK:  # (a flag test on the quantizers' hot path, not a call)
+        require_fp8_dlpack("quantize_block_fp8_rowcol")
     if col_sums is None:
         _C.quantize_block_fp8_rowcol(x, data, scale_inv, data_t, scale_inv_t, stream_for(x))
     else:

@@ -241,7 +241,7 @@ class _Role:
     def fp8_dtype(self):
         return self.owner.recipe.fp8_format._value_.dtypes[self.index % 3 == 2]
 
-    def _scratch(self, x):
+    def _scratch(self, x, in_capture=None):
         """(amax, scale): one-element float32 buffers on x's device that a
         per-tensor cast computes its scale in and reads back in its own
         launches.  Nothing reads them after the cast and the casts of a role
@@ -249,12 +249,15 @@ class _Role:
         module's FP8 casts on two streams at once are not supported: its
         delayed-scaling amaxes and these scratch values would race).
         Under CUDA graph capture a new pair (kept alive by the graph), so
-        eager casts never share the buffers a replay writes."""
+        eager casts never share the buffers a replay writes (``in_capture``:
+        whether one is being captured, where the caller asked already)."""
+        if in_capture is None:
+            in_capture = device_checks.capturing(x)
         s = self.scratch
-        if s is not None and s[0].get_device() == x.get_device() and not device_checks.capturing(x):
+        if s is not None and not in_capture and s[0].get_device() == x.get_device():
             return s
         s = (torch.empty(1, device=x.device), torch.empty(1, device=x.device))
-        if not device_checks.capturing(x):
+        if not in_capture:
             self.scratch = s
         return s
 
@@ -598,10 +601,11 @@ class WeightQuantizer(_Role):
         cached without it makes the input-gradient operand from the cached
         bytes (a byte transpose: the bits the cast would have written) and
         keeps it.  Under CUDA graph capture both are made."""
-        grad = transposed or device_checks.capturing(weight)
-        pair, note = self.lookup(weight, is_first_microbatch, sources, grad)
+        in_capture = device_checks.capturing(weight)
+        grad = transposed or in_capture
+        pair, note = self.lookup(weight, is_first_microbatch, sources, grad, in_capture)
         if pair is None:
-            return self.store(note, *self._cast_weight(weight.detach(), grad, self._spare(note, grad)))
+            return self.store(note, *self._cast_weight(weight.detach(), grad, self._spare(note, grad), in_capture))
         if grad and pair[1] is None:
             pair = self.pair = (pair[0], self._transposed_operand(pair[0]))
         return pair
@@ -642,13 +646,15 @@ class WeightQuantizer(_Role):
         return Float8Tensor(q.data, q.scale_inv, q.fp8_dtype, data_t=qops.transpose_fp8(q.data), dtype=q.dtype,
                             shape=q.shape)
 
-    def lookup(self, weight, is_first_microbatch=None, sources=None, transposed=True):
+    def lookup(self, weight, is_first_microbatch=None, sources=None, transposed=True, in_capture=None):
         """(the operand pair to use, None) where no cast is needed now (the
         cached pair, or a weight FSDP2 gathered in FP8); else (None, note):
         the weight must be cast, and ``store(note, pair, scratch)`` keeps
         the cast's result (get() does both; a grouped layer casts all its
         experts' weights in one call between the two).  ``transposed``: a
-        gathered weight's input-gradient operand is made (get's request)."""
+        gathered weight's input-gradient operand is made (get's request).
+        ``in_capture``: whether a CUDA graph is being captured, where the
+        caller asked already (else asked here)."""
         o = self.owner
         wtype = type(weight)
         if sources is None and wtype is not torch.nn.Parameter and hasattr(wtype, "sf_fp8_pair"):
@@ -657,7 +663,8 @@ class WeightQuantizer(_Role):
             # here, so no later call can reuse an operand of an older gather
             self.key = self.param = self.pair = None
             return weight.sf_fp8_pair(self, transposed), None
-        in_capture = device_checks.capturing(weight)
+        if in_capture is None:
+            in_capture = device_checks.capturing(weight)
         src = (weight,) if sources is None else sources
         key = weight_key(src, o.kind, o.fmt, weight.shape, weight.dtype, weight.device)
         old = self.key
@@ -698,12 +705,13 @@ class WeightQuantizer(_Role):
             self.key, self.param = key, tuple(src)
         return pair
 
-    def _cast_weight(self, w, transposed=True, spare=None):
+    def _cast_weight(self, w, transposed=True, spare=None, in_capture=None):
         """(the operand pair, the (amax, scale) scratch the cast used or None);
         ``transposed`` False: the input-gradient operand left out (None).
         ``spare``: a cached pair of this weight's shape and request whose
         buffers the cast writes (_spare's; none for block scaling's forward
-        operand alone); it is then the pair returned."""
+        operand alone); it is then the pair returned.  ``in_capture``: as
+        lookup's."""
         o = self.owner
         if o.kind == "block":
             if not transposed:  # (no spare: _spare offers none here)
@@ -721,14 +729,14 @@ class WeightQuantizer(_Role):
                     Float8BlockTensor(data_t, si_t, 128, dtype=w.dtype)), None
         # current scaling of the weight: its own amax (under delayed scaling
         # written into the state's weight slot), both copies in one call
-        scratch = self._scratch(w)
+        scratch = self._scratch(w, in_capture)
         amax, scale = scratch
         if o.kind == "delayed":
             amax = o.state.amax_of(self.index)
         if spare is not None:
             q = spare[0]
             qops.cast_fp8_current_into(w.contiguous(), amax, scale, q.scale_inv, q.data, q.data_t, o.margin)
-            written_in_place(q.scale_inv)
+            _increment_versions((q.scale_inv,))  # (written_in_place, without its frame)
             return spare, scratch
         fp8_dtype = self.fp8_dtype
         dev = w.device
@@ -777,14 +785,15 @@ def storage_holders(t):
 
 
 def _unshared(t):
-    """Whether no tensor but ``t`` holds its storage."""
-    return storage_holders(t) == 1
+    """Whether no tensor but ``t`` holds its storage (storage_holders(t) == 1)."""
+    return _SOLE_OWNER is not None and _use_count(t.untyped_storage()._cdata) == _SOLE_OWNER
 
 
 def written_in_place(*scale_invs):
     """Move the version counters of the scale inverses a re-cast wrote (every
     saved weight operand keeps its scale inverse beside its bytes; a view's
-    counter is its base's)."""
+    counter is its base's).  The hot re-cast of one per-tensor weight calls
+    _increment_versions((scale_inv,)) itself."""
     _increment_versions(scale_invs)
 
 
