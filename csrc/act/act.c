@@ -100,6 +100,10 @@ sf_status sf_act_forward(sf_activation act, const sf_tensor *x, sf_tensor *y, co
     const int64_t last = x->shape[x->ndim - 1];
     SF_TRY(check_out_shape(op, "y", y, x, a.gated ? last / 2 : last));
     SF_TRY(check_fp8_out(op, "y", &a, x));
+    /* (an element-wise activation may write x itself: each element is read before it is written) */
+    const sf_mem_arg outs[] = {{"y", y, "x"}, {"amax", amax, NULL}, {"scale_inv", scale_inv, NULL}};
+    const sf_mem_arg ins[] = {{"x", x, NULL}, {"scale", scale, NULL}};
+    SF_TRY(sf_check_apart(op, outs, 3, ins, 2));
     return dispatch_act(op, &a, 0, stream);
 }
 
@@ -116,6 +120,9 @@ sf_status sf_act_backward(sf_activation act, const sf_tensor *dy, const sf_tenso
     SF_TRY(check_out_shape(op, "dy", dy, x, a.gated ? last / 2 : last));
     SF_TRY(check_out_shape(op, "dx", dx, x, last));
     SF_TRY(check_fp8_out(op, "dx", &a, x));
+    const sf_mem_arg outs[] = {{"dx", dx, NULL}, {"amax", amax, NULL}, {"scale_inv", scale_inv, NULL}};
+    const sf_mem_arg ins[] = {{"dy", dy, NULL}, {"x", x, NULL}, {"scale", scale, NULL}};
+    SF_TRY(sf_check_apart(op, outs, 3, ins, 3));
     return dispatch_act(op, &a, 1, stream);
 }
 

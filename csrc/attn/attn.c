@@ -347,6 +347,10 @@ sf_status sf_attn_forward(const sf_tensor *q, const sf_tensor *k, const sf_tenso
     SF_TRY(check_output(op, "out", out, "q", q, cfg->format, &p.o));
     SF_TRY(check_rowstat(op, "lse", lse, q, &p));
     SF_TRY(sf_check_writable(op, "lse", lse));
+    const sf_mem_arg outs[] = {{"out", out, NULL}, {"lse", lse, NULL}};
+    const sf_mem_arg ins[] = {{"q", q, NULL}, {"k", k, NULL}, {"v", v, NULL}, {"cu_seqlens_q", cu_seqlens_q, NULL},
+                              {"cu_seqlens_kv", cu_seqlens_kv, NULL}};
+    SF_TRY(sf_check_apart(op, outs, 2, ins, 5));
     p.lse = (float *)lse->data;
     return SF_DISPATCH(op, "q", q, sf_attn_forward_cpu(&p), sf_attn_forward_cuda(&p, stream, q->device_id));
 }
@@ -380,5 +384,11 @@ sf_status sf_attn_backward(const sf_tensor *q, const sf_tensor *k, const sf_tens
         SF_TRY(sf_check_writable(op, "delta", delta));
         p.delta = (float *)delta->data;
     }
+    const sf_mem_arg outs[] = {{"dq", dq, NULL}, {"dk", dk, NULL}, {"dv", dv, NULL}, {"dq_accum", dq_accum, NULL},
+                               {"delta", delta, NULL}};
+    const sf_mem_arg ins[] = {{"q", q, NULL}, {"k", k, NULL}, {"v", v, NULL}, {"out", out, NULL},
+                              {"dout", dout, NULL}, {"lse", lse, NULL}, {"cu_seqlens_q", cu_seqlens_q, NULL},
+                              {"cu_seqlens_kv", cu_seqlens_kv, NULL}};
+    SF_TRY(sf_check_apart(op, outs, 5, ins, 8));
     return SF_DISPATCH(op, "q", q, sf_attn_backward_cpu(&p), sf_attn_backward_cuda(&p, stream, q->device_id));
 }

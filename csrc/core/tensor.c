@@ -125,6 +125,49 @@ int sf_tensors_overlap(const sf_tensor *a, const sf_tensor *b)
     return alo < bhi && blo < ahi;
 }
 
+/* Whether a and b are the same view: address, dtype, shape and the strides of
+ * every dimension that has more than one element. */
+static int same_view(const sf_tensor *a, const sf_tensor *b)
+{
+    if (a->data != b->data || a->dtype != b->dtype || a->ndim != b->ndim)
+        return 0;
+    for (int i = 0; i < a->ndim; ++i)
+        if (a->shape[i] != b->shape[i] || (a->shape[i] > 1 && a->strides[i] != b->strides[i]))
+            return 0;
+    return 1;
+}
+
+sf_status sf_check_apart(const char *op, const sf_mem_arg *outs, int n_out,
+                         const sf_mem_arg *ins, int n_in)
+{
+    for (int i = 0; i < n_out; ++i) {
+        const sf_tensor *o = outs[i].t;
+        if (!o)
+            continue;
+        for (int j = i + 1; j < n_out; ++j)
+            if (outs[j].t && sf_tensors_overlap(o, outs[j].t))
+                return sf_fail(SF_ERR_VALUE,
+                               "%s: outputs '%s' and '%s' share memory; each output needs memory "
+                               "of its own", op, outs[i].name, outs[j].name);
+        for (int j = 0; j < n_in; ++j) {
+            const sf_tensor *in = ins[j].t;
+            if (!in || !sf_tensors_overlap(o, in))
+                continue;
+            const int in_place = outs[i].in_place_of && strcmp(outs[i].in_place_of, ins[j].name) == 0;
+            if (in_place && same_view(o, in))
+                continue;
+            return sf_fail(SF_ERR_VALUE,
+                           "%s: output '%s' shares memory with input '%s' (the kernels read '%s' "
+                           "while they write '%s', so the result would be wrong); give '%s' memory "
+                           "of its own%s%s%s",
+                           op, outs[i].name, ins[j].name, ins[j].name, outs[i].name, outs[i].name,
+                           in_place ? ", or pass exactly '" : "", in_place ? ins[j].name : "",
+                           in_place ? "' itself for an in-place call" : "");
+        }
+    }
+    return SF_OK;
+}
+
 /* Whether two elements of t share memory: a stride-0 (expanded) dimension,
  * or strides that fold onto each other.  Dimensions of size > 1 sorted by
  * |stride|: each stride must step past everything the smaller ones span. */

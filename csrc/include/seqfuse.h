@@ -125,6 +125,24 @@ int sf_tensor_bytes(const sf_tensor *t, int64_t *first, int64_t *last);
  * meeting. */
 int sf_tensors_overlap(const sf_tensor *a, const sf_tensor *b);
 
+/* One argument of sf_check_apart: its name and view (t NULL: not given).  An
+ * output's `in_place_of` names the input it may be exactly -- the same
+ * address, dtype, shape and strides: an elementwise op's in-place call, which
+ * its kernels support -- or is NULL. */
+typedef struct {
+    const char *name;
+    const sf_tensor *t;
+    const char *in_place_of;
+} sf_mem_arg;
+
+/* Refuse an output whose memory meets another output's or an input's: the
+ * kernels read the inputs while they write the outputs, in no promised order,
+ * so a partial overlap gives wrong numbers.  The one exception is an output
+ * that is exactly the input it names in `in_place_of`.  The message names
+ * both arguments. */
+sf_status sf_check_apart(const char *op, const sf_mem_arg *outs, int n_out,
+                         const sf_mem_arg *ins, int n_in);
+
 /* ---- shared argument checks ---------------------------------------------
  * `op` and `arg` name the function and the argument in the message. */
 sf_status sf_check_dtype(const char *op, const char *arg, const sf_tensor *t,

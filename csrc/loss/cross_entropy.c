@@ -91,6 +91,11 @@ sf_status sf_cross_entropy_forward(const sf_tensor *logits, const sf_tensor *lab
     SF_TRY(sf_check_writable(op, "loss", loss));
     SF_TRY(sf_check_writable(op, "lse", lse));
     SF_TRY(check_label_record(op, logits, label_claim, label_record));
+    {
+        const sf_mem_arg outs[] = {{"loss", loss, NULL}, {"lse", lse, NULL}, {"label_claim", label_claim, NULL}};
+        const sf_mem_arg ins[] = {{"logits", logits, NULL}, {"labels", labels, NULL}};
+        SF_TRY(sf_check_apart(op, outs, 3, ins, 2));
+    }
     return SF_DISPATCH(op, "logits", logits,
                        sf_cross_entropy_forward_cpu(logits, labels, ignore_index, label_smoothing,
                                                     loss, lse),
@@ -119,9 +124,13 @@ sf_status sf_cross_entropy_backward(const sf_tensor *logits, const sf_tensor *la
     SF_TRY(sf_check_same_shape(op, "logits", logits, "dlogits", dlogits));
     SF_TRY(sf_check_same_device(op, "logits", logits, "dlogits", dlogits));
     SF_TRY(sf_check_writable(op, "dlogits", dlogits));
-    if (dlogits->data == logits->data && n > 1 && dlogits->strides[0] != logits->strides[0])
-        return sf_fail(SF_ERR_VALUE, "%s: argument 'dlogits' shares memory with 'logits' but not its "
-                       "row stride; in place, both must be the same view", op);
+    {
+        /* (dlogits may be logits itself: each row is read whole before it is written) */
+        const sf_mem_arg outs[] = {{"dlogits", dlogits, "logits"}};
+        const sf_mem_arg ins[] = {{"logits", logits, NULL}, {"labels", labels, NULL}, {"lse", lse, NULL},
+                                  {"grad_scale", grad_scale, NULL}};
+        SF_TRY(sf_check_apart(op, outs, 1, ins, 4));
+    }
     return SF_DISPATCH(op, "logits", logits,
                        sf_cross_entropy_backward_cpu(logits, labels, lse, grad_scale, ignore_index,
                                                      label_smoothing, dlogits),

@@ -85,6 +85,11 @@ static sf_status norm_forward(const char *op, sf_norm_forward_args *a, sf_stream
         return sf_fail(SF_ERR_VALUE, "%s: arguments 'scale' and 'scale_inv' apply only to an "
                        "FP8 'y', which is %s", op, sf_dtype_name(y->dtype));
     SF_TRY(sf_check_fp8_scaling(op, a->scale, a->amax, a->scale_inv, "x", x));
+    const sf_mem_arg outs[] = {{"y", y, NULL}, {"mean", a->mean, NULL}, {"rstd", a->rstd, NULL},
+                               {"amax", a->amax, NULL}, {"scale_inv", a->scale_inv, NULL}};
+    const sf_mem_arg ins[] = {{"x", x, NULL}, {"gamma", a->gamma, NULL}, {"beta", a->beta, NULL},
+                              {"scale", a->scale, NULL}};
+    SF_TRY(sf_check_apart(op, outs, 5, ins, 4));
 
     return SF_DISPATCH(op, "x", x, sf_norm_forward_cpu(a), sf_norm_forward_cuda(a, stream));
 }
@@ -140,10 +145,6 @@ static sf_status norm_backward(const char *op, sf_norm_backward_args *a, sf_stre
     if (a->dres) {
         SF_TRY(sf_check_dtype(op, "dres", a->dres, x->dtype));
         SF_TRY(check_like_x(op, "dres", a->dres, x));
-        /* dx may be dres itself (each element is read before it is written, by the same thread) but
-         * not another part of its memory */
-        if (a->dres->data != a->dx->data && sf_tensors_overlap(a->dres, a->dx))
-            return sf_fail(SF_ERR_VALUE, "%s: argument 'dres' overlaps 'dx' without being it", op);
     }
     if (a->mean)
         SF_TRY(sf_check_vector(op, "mean", a->mean, SF_FLOAT32, a->rows, "x", x, 0));
@@ -172,7 +173,14 @@ static sf_status norm_backward(const char *op, sf_norm_backward_args *a, sf_stre
                            "element(s), got %lld", op, (long long)need,
                            (long long)sf_numel(a->workspace));
     }
-
+    {
+        /* dx may be dres itself (each element is read before it is written, by the same thread) */
+        const sf_mem_arg outs[] = {{"dx", a->dx, "dres"}, {"dgamma", a->dgamma, NULL}, {"dbeta", a->dbeta, NULL},
+                                   {"workspace", a->workspace, NULL}};
+        const sf_mem_arg ins[] = {{"dy", a->dy, NULL}, {"x", x, NULL}, {"mean", a->mean, NULL}, {"rstd", a->rstd, NULL},
+                                  {"gamma", a->gamma, NULL}, {"dres", a->dres, NULL}};
+        SF_TRY(sf_check_apart(op, outs, 4, ins, 6));
+    }
     return SF_DISPATCH(op, "x", x, sf_norm_backward_cpu(a), sf_norm_backward_cuda(a, stream));
 }
 

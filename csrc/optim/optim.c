@@ -98,6 +98,16 @@ sf_status sf_multi_tensor_adamw(int64_t n, sf_tensor *params, const sf_tensor *g
             SF_TRY(sf_check_numel(op, name, &master[i], numel));
             SF_TRY(check_item(op, "master", i, &master[i], &params[0], 1));
         }
+        /* the four (five) tensors of one parameter, each of its own memory (the kernel reads and
+         * writes them element by element in one pass; a moment list passed twice would leave one
+         * moment in both) */
+        char np[64], ng[64], nm[64], nv[64], nw[64];
+        const sf_mem_arg outs[] = {{item(np, sizeof np, "params", i), &params[i], NULL},
+                                   {item(nm, sizeof nm, "exp_avg", i), &exp_avg[i], NULL},
+                                   {item(nv, sizeof nv, "exp_avg_sq", i), &exp_avg_sq[i], NULL},
+                                   {item(nw, sizeof nw, "master", i), master ? &master[i] : NULL, NULL}};
+        const sf_mem_arg ins[] = {{item(ng, sizeof ng, "grads", i), &grads[i], NULL}};
+        SF_TRY(sf_check_apart(op, outs, 4, ins, 1));
     }
     sf_adamw_consts k = sf_adamw_derive(cfg);
     return SF_DISPATCH(op, "params", &params[0],

@@ -125,6 +125,10 @@ static sf_status cast_prepare(const char *op, const sf_tensor *x, const sf_tenso
         SF_TRY(sf_check_writable(op, "col_sums", col_sums));
         SF_TRY(sf_check_same_device(op, "x", x, "col_sums", col_sums));
     }
+    const sf_mem_arg outs[] = {{"out", out, NULL}, {"out_t", out_t, NULL}, {"amax", amax, NULL},
+                               {"scale_inv", scale_inv, NULL}, {"col_sums", col_sums, NULL}};
+    const sf_mem_arg ins[] = {{"x", x, NULL}, {"scale", scale, NULL}};
+    SF_TRY(sf_check_apart(op, outs, 5, ins, 2));
     sf_cast_args *a = args;
     a->x = x->data;
     a->x_dtype = x->dtype;
@@ -190,6 +194,9 @@ sf_status sf_column_sums(const sf_tensor *col_sums, sf_tensor *out, sf_stream st
     SF_TRY(sf_check_contiguous(op, "out", out));
     SF_TRY(sf_check_same_device(op, "col_sums", col_sums, "out", out));
     SF_TRY(sf_check_writable(op, "out", out));
+    const sf_mem_arg outs[] = {{"out", out, NULL}};
+    const sf_mem_arg ins[] = {{"col_sums", col_sums, NULL}};
+    SF_TRY(sf_check_apart(op, outs, 1, ins, 1));
     return SF_DISPATCH(op, "col_sums", col_sums,
                        sf_column_sums_cpu((const float *)col_sums->data, parts, n, out->data, out->dtype),
                        sf_column_sums_cuda((const float *)col_sums->data, parts, n, out->data, out->dtype,
@@ -499,6 +506,9 @@ sf_status sf_transpose_fp8(const sf_tensor *data, sf_tensor *out_t, sf_stream st
                        "[M, K] = [%lld, %lld], transposed)",
                        op, (long long)k, (long long)m, (long long)m, (long long)k);
     SF_TRY(check_out_t_storage(op, out_t, "data", data));
+    const sf_mem_arg outs[] = {{"out_t", out_t, NULL}};
+    const sf_mem_arg ins[] = {{"data", data, NULL}};
+    SF_TRY(sf_check_apart(op, outs, 1, ins, 1));
     const sf_transpose_args a = {.in = (const uint8_t *)data->data,
                                  .out = (uint8_t *)out_t->data, .m = m, .k = k};
     if (n == 0)
@@ -519,6 +529,9 @@ sf_status sf_dequantize_fp8(const sf_tensor *data, const sf_tensor *scale_inv,
     SF_TRY(sf_check_same_device(op, "data", data, "out", out));
     SF_TRY(sf_check_numel(op, "out", out, sf_numel(data)));
     SF_TRY(sf_check_vector(op, "scale_inv", scale_inv, SF_FLOAT32, 1, "data", data, 0));
+    const sf_mem_arg outs[] = {{"out", out, NULL}};
+    const sf_mem_arg ins[] = {{"data", data, NULL}, {"scale_inv", scale_inv, NULL}};
+    SF_TRY(sf_check_apart(op, outs, 1, ins, 2));
     const sf_dequant_args a = {.data = (const uint8_t *)data->data,
                                .e5m2 = data->dtype == SF_FLOAT8_E5M2, .n = sf_numel(data),
                                .scale_inv = (const float *)scale_inv->data, .out = out->data,

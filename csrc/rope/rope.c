@@ -107,6 +107,13 @@ sf_status sf_rope(const sf_tensor *t, const sf_tensor *freqs, const sf_tensor *c
     }
     if (start_positions != NULL)
         SF_TRY(check_index_vector(op, "start_positions", start_positions, t, p.batch));
+    {
+        /* (out may be t itself: each element pair is read before it is written) */
+        const sf_mem_arg outs[] = {{"out", out, "t"}};
+        const sf_mem_arg ins[] = {{"t", t, NULL}, {"freqs", freqs, NULL}, {"cu_seqlens", cu_seqlens, NULL},
+                                  {"start_positions", start_positions, NULL}};
+        SF_TRY(sf_check_apart(op, outs, 1, ins, 4));
+    }
 
     const int32_t *cu = cu_seqlens ? (const int32_t *)cu_seqlens->data : NULL;
     const int32_t *start = start_positions ? (const int32_t *)start_positions->data : NULL;
