@@ -97,3 +97,21 @@ def test_adamw_moments_apart():
     _refused(r"output 'params\[0\]' shares memory with input 'grads\[0\]'",
              lambda: o.multi_tensor_adamw([p], [p], [torch.zeros(10)], [torch.zeros(10)], None, 1e-3, 0.9,
                                           0.999, 1e-8, 0.0, 1))
+
+
+def test_interleaved_views_of_one_buffer_are_apart():
+    """dq, dk, dv written into one packed [b, s, 3, h, d] gradient (views whose
+    byte spans meet but whose elements interleave) are accepted and equal the
+    separate tensors' answer; views one element apart are not."""
+    q, k, v = R(2, 8, 4, 16), R(2, 8, 4, 16), R(2, 8, 4, 16)
+    out, lse = o.attention_forward(q, k, v)
+    dout = R(2, 8, 4, 16)
+    want = o.attention_backward(dout, q, k, v, out, lse)
+    packed = torch.empty(2, 8, 3, 4, 16)
+    got = o.attention_backward(dout, q, k, v, out, lse, dq=packed[:, :, 0], dk=packed[:, :, 1], dv=packed[:, :, 2])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    flat = torch.empty(2 * 8 * 4 * 16 + 1)
+    shifted = (flat[:-1].view(2, 8, 4, 16), flat[1:].view(2, 8, 4, 16))
+    _refused("outputs 'dq' and 'dk' share memory",
+             lambda: o.attention_backward(dout, q, k, v, out, lse, dq=shifted[0], dk=shifted[1]))

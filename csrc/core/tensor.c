@@ -137,6 +137,66 @@ static int same_view(const sf_tensor *a, const sf_tensor *b)
     return 1;
 }
 
+static int64_t gcd64(int64_t a, int64_t b)
+{
+    while (b) {
+        const int64_t t = a % b;
+        a = b;
+        b = t;
+    }
+    return a;
+}
+
+/* Whether a and b, whose byte spans meet, still share no element because
+ * they interleave: the same dtype, shape and (positive) strides, each made of
+ * dense chunks of I elements that repeat at multiples of G (the gcd of the
+ * strides outside the chunk), and b starting at least I elements past every
+ * chunk of a and ending before the next (q, k and v sliced out of one packed
+ * [..., 3, heads, dim] tensor are such views).  0 where this cannot be shown. */
+static int interleaved_apart(const sf_tensor *a, const sf_tensor *b)
+{
+    if (a->dtype != b->dtype || a->ndim != b->ndim)
+        return 0;
+    int64_t size[SF_MAX_DIMS], stride[SF_MAX_DIMS];
+    int n = 0;
+    for (int i = 0; i < a->ndim; ++i) {
+        if (a->shape[i] != b->shape[i])
+            return 0;
+        if (a->shape[i] == 1)
+            continue;
+        if (a->strides[i] != b->strides[i] || a->strides[i] <= 0)
+            return 0;
+        int j = n++;
+        for (; j > 0 && stride[j - 1] > a->strides[i]; --j) { /* insertion sort by stride */
+            stride[j] = stride[j - 1];
+            size[j] = size[j - 1];
+        }
+        stride[j] = a->strides[i];
+        size[j] = a->shape[i];
+    }
+    int64_t chunk = 1; /* I: the dense run of the innermost dimensions */
+    int i = 0;
+    for (; i < n && stride[i] == chunk; ++i)
+        if (__builtin_mul_overflow(chunk, size[i], &chunk))
+            return 0;
+    if (i == n)
+        return 0; /* one dense block: meeting spans share elements */
+    int64_t g = 0;
+    for (; i < n; ++i)
+        g = gcd64(g, stride[i]);
+    const int64_t esize = (int64_t)sf_dtype_size(a->dtype);
+    const intptr_t diff = (intptr_t)b->data - (intptr_t)a->data;
+    if (esize <= 0 || diff % esize)
+        return 0;
+    const int64_t r = (((int64_t)(diff / esize)) % g + g) % g;
+    return r >= chunk && g - r >= chunk;
+}
+
+static int meet(const sf_tensor *a, const sf_tensor *b)
+{
+    return sf_tensors_overlap(a, b) && !interleaved_apart(a, b);
+}
+
 sf_status sf_check_apart(const char *op, const sf_mem_arg *outs, int n_out,
                          const sf_mem_arg *ins, int n_in)
 {
@@ -145,13 +205,13 @@ sf_status sf_check_apart(const char *op, const sf_mem_arg *outs, int n_out,
         if (!o)
             continue;
         for (int j = i + 1; j < n_out; ++j)
-            if (outs[j].t && sf_tensors_overlap(o, outs[j].t))
+            if (outs[j].t && meet(o, outs[j].t))
                 return sf_fail(SF_ERR_VALUE,
                                "%s: outputs '%s' and '%s' share memory; each output needs memory "
                                "of its own", op, outs[i].name, outs[j].name);
         for (int j = 0; j < n_in; ++j) {
             const sf_tensor *in = ins[j].t;
-            if (!in || !sf_tensors_overlap(o, in))
+            if (!in || !meet(o, in))
                 continue;
             const int in_place = outs[i].in_place_of && strcmp(outs[i].in_place_of, ins[j].name) == 0;
             if (in_place && same_view(o, in))

@@ -138,8 +138,10 @@ typedef struct {
 /* Refuse an output whose memory meets another output's or an input's: the
  * kernels read the inputs while they write the outputs, in no promised order,
  * so a partial overlap gives wrong numbers.  The one exception is an output
- * that is exactly the input it names in `in_place_of`.  The message names
- * both arguments. */
+ * that is exactly the input it names in `in_place_of`.  Views whose byte
+ * spans meet but whose elements interleave without meeting (q, k and v
+ * sliced from one packed tensor) are apart.  The message names both
+ * arguments. */
 sf_status sf_check_apart(const char *op, const sf_mem_arg *outs, int n_out,
                          const sf_mem_arg *ins, int n_in);
 
