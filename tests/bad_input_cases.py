@@ -187,7 +187,9 @@ def _attn_zero_weight_ref(q, k, v, causal=False):
 
 
 def _fp8_ref(x, scale):
-    return (x * scale).clamp(-448, 448).to(F8).double()
+    """A cast's reference: finite values saturate at 448; infinities (and NaN) become NaN."""
+    y = x * scale
+    return torch.where(y.isinf(), math.nan, y.clamp(-448, 448)).to(F8).double()
 
 
 def op_specs():

@@ -487,3 +487,31 @@ def test_cuda_amax_folds_like_cpu(start):
     amax = torch.tensor([-0.0], device="cuda")
     ops.cast_fp8(zeros, torch.ones(1, device="cuda"), amax, torch.float8_e4m3fn)
     assert math.copysign(1.0, amax.item()) == 1.0
+
+
+@pytest.mark.parametrize("recipe_name", ["DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling"])
+def test_fp8_linear_infinity_stays_non_finite(recipe_name):
+    """An infinity in the input, the weight or the output gradient of an FP8
+    Linear reaches the results as a non-finite value (the casts make it NaN:
+    saturating it to the format's largest value would hide an overflow that a
+    loss scaler or the user must see)."""
+    import seqfuse.pytorch as te
+    from seqfuse.common import recipe as rc
+
+    recipe = getattr(rc, recipe_name)()
+    m = te.Linear(128, 128, device="cpu")
+    x = torch.randn(16, 128)
+    x[3, 5] = float("inf")
+    x.requires_grad_(True)
+    with te.autocast(recipe=recipe):
+        y = m(x)
+    assert (~torch.isfinite(y)).any(1).nonzero().flatten().tolist() == [3]
+    g = torch.ones_like(y)
+    g[7, 1] = float("inf")
+    y.backward(g)
+    assert not torch.isfinite(x.grad).all() and not torch.isfinite(m.weight.grad).all()
+    with torch.no_grad():
+        m.weight[0, 0] = float("-inf")
+    with te.autocast(recipe=recipe):
+        y = m(torch.randn(16, 128))
+    assert not torch.isfinite(y[:, 0]).any()

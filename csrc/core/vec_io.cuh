@@ -9,8 +9,9 @@
  * sizes their grids (cached for every host thread: launch_cache.cuh).
  *
  * FP8 encoding: the hardware conversion (cvt.rn.satfinite) on sm_89 and newer,
- * else quant/fp8.h's bit manipulation, which is the same rule (round to
- * nearest even, saturate to the largest finite value, NaN -> 0x7f).
+ * given NaN for an infinity, else quant/fp8.h's bit manipulation, which is the
+ * same rule (round to nearest even, saturate a finite value to the largest
+ * finite value, NaN and infinities -> 0x7f).
  */
 #ifndef SF_VEC_IO_CUH
 #define SF_VEC_IO_CUH
@@ -81,6 +82,8 @@ __device__ __forceinline__ void load_param(const void *p, int f32, int64_t i, fl
 __device__ __forceinline__ uint8_t enc_e4m3(float f)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    /* (an infinity made NaN first: satfinite alone would saturate it; fp8.h's rule) */
+    f = fabsf(f) == __int_as_float(0x7f800000) ? __int_as_float(0x7fffffff) : f;
     return (uint8_t)__nv_cvt_float_to_fp8(f, __NV_SATFINITE, __NV_E4M3);
 #else
     return sf_f32_to_e4m3(f);
@@ -90,6 +93,8 @@ __device__ __forceinline__ uint8_t enc_e4m3(float f)
 __device__ __forceinline__ uint8_t enc_e5m2(float f)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    /* (an infinity made NaN first: satfinite alone would saturate it; fp8.h's rule) */
+    f = fabsf(f) == __int_as_float(0x7f800000) ? __int_as_float(0x7fffffff) : f;
     return (uint8_t)__nv_cvt_float_to_fp8(f, __NV_SATFINITE, __NV_E5M2);
 #else
     return sf_f32_to_e5m2(f);

@@ -8,12 +8,15 @@
  *   E8M0 (float8_e8m0fnu): 2^(e-127), e = 0..254, 0xff = NaN (block scales).
  *   E2M1 (fp4): values 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives.
  *
- * Narrowing is round-to-nearest-even with saturation: a finite value or an
- * infinity beyond the largest finite value becomes that value (with the
- * sign); NaN becomes 0x7f (both FP8 formats; what the GPU's satfinite
- * conversion gives).  Inside the finite range the result equals torch's
- * float8 casts, which round to nearest even but turn out-of-range values
- * into NaN (E4M3) or inf (E5M2) instead of saturating.
+ * Narrowing is round-to-nearest-even with saturation: a finite value beyond
+ * the largest finite value becomes that value (with the sign); NaN and the
+ * infinities become NaN, 0x7f (both FP8 formats), so a non-finite input
+ * stays non-finite through a cast (an overflow a loss scaler or the user
+ * must see; the GPU's satfinite conversion alone would make an infinity the
+ * largest finite value: the device helpers turn infinities into NaN first).
+ * Inside the finite range the result equals torch's float8 casts, which
+ * round to nearest even but turn out-of-range values into NaN (E4M3) or inf
+ * (E5M2) instead of saturating.
  *
  * Arithmetic that must match bit for bit between host and device goes
  * through SF_MUL / SF_DIV, which forbid the device compiler from fusing a
@@ -54,18 +57,18 @@ SF_HD uint32_t sf_round_shift_rne(uint32_t mant, uint32_t shift)
 }
 
 /* The body of a float32 -> FP8 conversion for a format with MBITS mantissa
- * bits and exponent bias BIAS, RNE, saturating: at or beyond the largest
- * finite value (float32 bits MAX_BITS, code MAX_CODE) the result is that
- * code with the sign; NaN gives 0x7f.  A macro, not a function taking the
+ * bits and exponent bias BIAS, RNE, saturating: a finite value at or beyond
+ * the largest finite value (float32 bits MAX_BITS, code MAX_CODE) gives that
+ * code with the sign; NaN and the infinities give 0x7f.  A macro, not a function taking the
  * format, so that each format's body has literal constants: the device
  * compiler then emits exactly the code of two hand-written bodies. */
 #define SF_F32_TO_FP8_BODY(f, MBITS, BIAS, MAX_BITS, MAX_CODE)                                     \
     uint32_t u = sf_f32_bits(f);                                                                    \
     uint32_t sign = (u >> 24) & 0x80u;                                                              \
     uint32_t au = u & 0x7fffffffu;                                                                  \
-    if (au > 0x7f800000u)                                                                           \
+    if (au >= 0x7f800000u) /* NaN or an infinity: NaN */                                          \
         return 0x7f;                                                                                \
-    if (au >= (MAX_BITS)) /* inf included */                                                        \
+    if (au >= (MAX_BITS))                                                                           \
         return (uint8_t)(sign | (MAX_CODE));                                                        \
     if (au < (128u - (BIAS)) << 23) { /* below 2^(1 - BIAS): subnormal, step 2^(1 - BIAS - MBITS) */ \
         uint32_t e = au >> 23;                                                                      \

@@ -5,9 +5,11 @@
  *
  * FP8 conversion: on sm_89 and newer the hardware instruction
  * cvt.rn.satfinite.{e4m3,e5m2}x2.f32 converts two floats at once with
- * round-to-nearest-even and saturation, the same rule as fp8.h (NaN gives
- * 0x7f; check_cast.cu compares the two over all 2^32 float32 inputs).  Define
- * SF_FP8_SOFTWARE_CVT to use fp8.h's integer code on the device as well.
+ * round-to-nearest-even and saturation, the same rule as fp8.h once an
+ * infinity is made NaN first (the instruction alone would saturate it; NaN
+ * gives 0x7f; check_cast.cu compares the two over all 2^32 float32 inputs).
+ * Define SF_FP8_SOFTWARE_CVT to use fp8.h's integer code on the device as
+ * well.
  */
 #ifndef SF_FP8_CUDA_CUH
 #define SF_FP8_CUDA_CUH
@@ -23,11 +25,20 @@
 #define SF_FP8_HW_CVT 1
 #endif
 
+/* f, with an infinity replaced by NaN: what the satfinite conversion must be
+ * given so that a non-finite input stays non-finite (fp8.h's rule). */
+__device__ __forceinline__ float sf_inf_to_nan(float f)
+{
+    return fabsf(f) == __int_as_float(0x7f800000) ? __int_as_float(0x7fffffff) : f;
+}
+
 /* Two floats -> two FP8 bytes, a in the low byte. */
 template <bool E5M2>
 __device__ __forceinline__ uint32_t sf_cvt2(float a, float b)
 {
 #if defined(SF_FP8_HW_CVT)
+    a = sf_inf_to_nan(a);
+    b = sf_inf_to_nan(b);
     unsigned short r;
     if (E5M2)
         asm("cvt.rn.satfinite.e5m2x2.f32 %0, %2, %1;" : "=h"(r) : "f"(a), "f"(b));
