@@ -98,7 +98,8 @@ def test_norm_module_bad_shape():
 
 def test_norm_module_hidden_mismatch():
     m = te.LayerNorm(16, device="cpu")
-    with pytest.raises(ValueError, match="argument 'gamma' must have 17 element"):
+    # the module names its input's rule (normalized_shape), not its weight's length
+    with pytest.raises(ValueError, match="LayerNorm: input's last dimension must be normalized_shape = 16"):
         m(torch.randn(2, 17))
 
 

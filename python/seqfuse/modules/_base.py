@@ -9,6 +9,7 @@ import numbers
 import torch
 
 from .. import ops
+from ..ops.args import as_float, as_int
 from ..common.notes import note_once
 from .. import quantization
 from .._runtime import cuda_available
@@ -57,15 +58,40 @@ def set_linear_options(module, cls_name, in_features, out_features, bias, return
     otherwise), then ``module``'s in_features, out_features, use_bias,
     return_bias, fuse_wgrad_accumulation and init_method.  Returns the
     parameters' dtype: ``params_dtype``, or torch's default dtype."""
+    in_features = as_int(cls_name, "in_features", in_features)
+    out_features = as_int(cls_name, "out_features", out_features)
     if in_features <= 0 or out_features <= 0:
         raise ValueError(f"{cls_name}: in_features and out_features must be positive, got "
                          f"{in_features} and {out_features}")
-    module.in_features, module.out_features = int(in_features), int(out_features)
+    module.in_features, module.out_features = in_features, out_features
     module.use_bias = bool(bias)
     module.return_bias = bool(return_bias)
     module.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
     module.init_method = init_method
-    return params_dtype or torch.get_default_dtype()
+    return params_dtype_of(cls_name, params_dtype)
+
+
+def params_dtype_of(cls_name, params_dtype):
+    """A module's parameter dtype: ``params_dtype``, a floating-point
+    torch.dtype (TypeError naming it otherwise: integer parameters cannot
+    hold gradients), or torch's default dtype for None."""
+    if params_dtype is None:
+        return torch.get_default_dtype()
+    if not isinstance(params_dtype, torch.dtype) or not params_dtype.is_floating_point:
+        raise TypeError(f"{cls_name}: argument 'params_dtype' must be a floating-point torch.dtype (float32, "
+                        f"bfloat16, float16), got {params_dtype!r}")
+    return params_dtype
+
+
+def size_arg(cls_name, name, value, minimum=1):
+    """A module's size argument (heads, head dim, features) as an int: a
+    whole number (an integral float is fine; 16.9 is a ValueError, not 16),
+    at least ``minimum``; TypeError / ValueError naming ``cls_name`` and the
+    argument otherwise."""
+    value = as_int(cls_name, name, value)
+    if value < minimum:
+        raise ValueError(f"{cls_name}: argument '{name}' must be >= {minimum}, got {value}")
+    return value
 
 
 def weight_and_bias_grads(dy, inp, want_dw, want_db, main_grad=None):
@@ -93,15 +119,22 @@ def weight_and_bias_grads(dy, inp, want_dw, want_db, main_grad=None):
     return dw, db
 
 
-def hidden_dim(hidden_size):
-    """The normalized size: an int, or a 1-element shape (normalization over
-    the last dimension only)."""
-    if isinstance(hidden_size, numbers.Integral):
-        return int(hidden_size)
-    shape = tuple(hidden_size)
+def hidden_dim(hidden_size, cls_name="", name="hidden_size"):
+    """The normalized size: a whole number, or a 1-element shape
+    (normalization over the last dimension only); ``cls_name`` and ``name``
+    name the module and its argument in errors (a fractional size is a
+    ValueError, not truncated)."""
+    op = cls_name or "normalization"
+    if isinstance(hidden_size, (numbers.Number, str, bytes)):
+        return as_int(op, name, hidden_size)
+    try:
+        shape = tuple(hidden_size)
+    except TypeError:
+        raise TypeError(f"{op}: argument '{name}' must be an int or a 1-element shape, got "
+                        f"{type(hidden_size).__name__}") from None
     if len(shape) != 1:
         raise NotImplementedError(f"normalization over the last dimension only; got normalized shape {shape}")
-    return int(shape[0])
+    return as_int(op, name, shape[0])
 
 
 def check_normalization(normalization):
@@ -224,10 +257,11 @@ def make_norm_params(module, size, normalization, eps, zero_centered_gamma, para
     for RMSNorm).  Returns the dtype and device keywords of the module's
     parameters: ``params_dtype`` (default: torch's) on ``device`` (default:
     ``default_device``)."""
-    module.eps = float(eps)
+    cls_name = type(module).__name__
+    module.eps = as_float(cls_name, "eps", eps)
     module.normalization = normalization
     module.zero_centered_gamma = bool(zero_centered_gamma)
-    dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
+    dtype = params_dtype_of(cls_name, params_dtype)
     kw = dict(dtype=dtype, device=default_device(device))
     module.layer_norm_weight = torch.nn.Parameter(torch.empty(size, **kw))
     if normalization == "LayerNorm":

@@ -55,9 +55,10 @@ import torch
 from .. import ops
 from ..quantization import attention as fp8_attn
 from ..quantization.autocast import autocast_state
-from ..ops.attn import PerTensorCache, padding_layout
+from ..ops.attn import MASKS, PerTensorCache, padding_layout
 from ..ops import device_checks
 from ..distributed.context_parallel import check_comm_type, context_parallel_attention, group_ranks
+from ._base import size_arg
 from ._input import check_input, check_storage
 
 
@@ -141,6 +142,16 @@ def padding_mask_layout(attention_mask):
     return _cached_layout(attention_mask, attention_mask.shape[-1])
 
 
+def check_mask_type(cls, attn_mask_type):
+    """``attn_mask_type`` when it is a string, else a TypeError naming it and
+    the mask names (ops.attn's MASKS); an unknown name is refused where the
+    mask is read (ops.attention)."""
+    if not isinstance(attn_mask_type, str):
+        allowed = ", ".join(repr(m) for m in MASKS)
+        raise TypeError(f"{cls}: argument 'attn_mask_type' must be one of {allowed}, got {attn_mask_type!r}")
+    return attn_mask_type
+
+
 class DotProductAttention(torch.nn.Module):
     """softmax(Q K^T / sqrt(d) + mask) V, fused, for padded and packed batches.
 
@@ -166,15 +177,17 @@ class DotProductAttention(torch.nn.Module):
             kv_channels = kv_channels[0]
         if tp_size != 1:
             raise NotImplementedError("DotProductAttention: tensor parallelism (tp_size > 1) is not supported")
-        self.num_attention_heads = int(num_attention_heads)
-        self.num_gqa_groups = int(num_gqa_groups or num_attention_heads)
+        cls = "DotProductAttention"
+        self.num_attention_heads = size_arg(cls, "num_attention_heads", num_attention_heads)
+        self.num_gqa_groups = size_arg(cls, "num_gqa_groups", self.num_attention_heads if num_gqa_groups is None
+                                       else num_gqa_groups)
         if self.num_attention_heads % self.num_gqa_groups != 0:
             raise ValueError(f"DotProductAttention: num_attention_heads ({num_attention_heads}) must be a "
                              f"multiple of num_gqa_groups ({num_gqa_groups})")
-        self.hidden_size_per_attention_head = self.kv_channels = int(kv_channels)
+        self.hidden_size_per_attention_head = self.kv_channels = size_arg(cls, "kv_channels", kv_channels)
         self.attention_dropout = float(attention_dropout)
         self.qkv_format = qkv_format
-        self.attn_mask_type = attn_mask_type
+        self.attn_mask_type = check_mask_type(cls, attn_mask_type)
         self.window_size = window_size
         self.attention_type = attention_type
         self.layer_number = layer_number
@@ -220,7 +233,7 @@ class DotProductAttention(torch.nn.Module):
                 core_attention_bias_type="no_bias", core_attention_bias=None, alibi_slopes=None,
                 fast_zero_fill=True, inference_params=None):
         qkv_format = qkv_format or self.qkv_format
-        attn_mask_type = attn_mask_type or self.attn_mask_type
+        attn_mask_type = check_mask_type("DotProductAttention", attn_mask_type or self.attn_mask_type)
         window_size = window_size if window_size is not None else self.window_size
         for name, value, off in (("core_attention_bias_type", core_attention_bias_type, "no_bias"),
                                  ("core_attention_bias", core_attention_bias, None),

@@ -34,10 +34,13 @@
   inside the call; V and H must be multiples of 16.
 """
 import logging
+import math
 
 import torch
 
 from ..ops import loss as _loss
+from ..ops.args import as_float as _as_float
+from ..ops.args import as_int as _as_int
 from ..ops import pending_errors as _pending
 from ..ops.device_checks import check_labels as _check_labels
 from ..ops.device_checks import defers_label_check as _defers_label_check
@@ -107,8 +110,10 @@ def cross_entropy(logits, labels, ignore_index=-100, label_smoothing=0.0, reduct
     if labels.shape != logits.shape[:-1]:
         raise ValueError(f"cross_entropy: argument 'labels' must have shape {tuple(logits.shape[:-1])} "
                          f"(logits without V), got {tuple(labels.shape)}")
-    return CrossEntropyFunction.apply(logits, labels, int(ignore_index), float(label_smoothing),
-                                      reduction, bool(inplace_backward))
+    op = "cross_entropy"
+    return CrossEntropyFunction.apply(logits, labels, _as_int(op, "ignore_index", ignore_index),
+                                      _as_float(op, "label_smoothing", label_smoothing), reduction,
+                                      bool(inplace_backward))
 
 
 class CrossEntropyLoss(torch.nn.Module):
@@ -117,9 +122,9 @@ class CrossEntropyLoss(torch.nn.Module):
     def __init__(self, ignore_index=-100, reduction="mean", label_smoothing=0.0, inplace_backward=False):
         super().__init__()
         _check_reduction(reduction)
-        self.ignore_index = ignore_index
+        self.ignore_index = _as_int("CrossEntropyLoss", "ignore_index", ignore_index)
         self.reduction = reduction
-        self.label_smoothing = label_smoothing
+        self.label_smoothing = _as_float("CrossEntropyLoss", "label_smoothing", label_smoothing)
         self.inplace_backward = inplace_backward
 
     def forward(self, logits, labels):
@@ -137,9 +142,20 @@ def parallel_cross_entropy(inp, target, label_smoothing=0.0, reduce_loss=False, 
             torch.distributed.get_world_size(dist_process_group) > 1:
         raise NotImplementedError("parallel_cross_entropy: vocab-parallel loss over a process group "
                                   "is not supported by seqfuse yet")
+    op = "parallel_cross_entropy"
+    if not isinstance(inp, torch.Tensor) or not isinstance(target, torch.Tensor):
+        bad, name = (inp, "inp") if not isinstance(inp, torch.Tensor) else (target, "target")
+        raise TypeError(f"{op}: argument '{name}' must be a torch.Tensor, got {type(bad).__name__}")
+    if inp.dim() < 2:
+        raise ValueError(f"{op}: argument 'inp' must be (B, SQ, V) or (SQ, B, V), got shape {tuple(inp.shape)}")
+    tokens = math.prod(inp.shape[:-1])
+    if target.numel() != tokens:
+        raise ValueError(f"{op}: argument 'target' must hold one label per token of 'inp' ({tokens} = "
+                         f"{' x '.join(map(str, inp.shape[:-1]))}), got shape {tuple(target.shape)}")
     labels = target.reshape(inp.shape[:-1])
     _check_reduction("mean" if reduce_loss else "none")
-    return CrossEntropyFunction.apply(inp, labels, int(ignore_idx), float(label_smoothing),
+    return CrossEntropyFunction.apply(inp, labels, _as_int(op, "ignore_idx", ignore_idx),
+                                      _as_float(op, "label_smoothing", label_smoothing),
                                       "mean" if reduce_loss else "none", bool(overwrite_input),
                                       ("parallel_cross_entropy", "target"))
 
@@ -360,8 +376,13 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, l
     if not isinstance(labels, torch.Tensor) or labels.dtype != torch.int64 or labels.shape != hidden.shape[:1]:
         raise TypeError(f"linear_cross_entropy: argument 'labels' must be an int64 tensor of shape "
                         f"[{hidden.shape[0]}]")
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"linear_cross_entropy: argument 'chunk_size' must be positive, got {chunk_size}")
+    op = "linear_cross_entropy"
+    if chunk_size is not None:
+        chunk_size = _as_int(op, "chunk_size", chunk_size)
+        if chunk_size < 1:
+            raise ValueError(f"{op}: argument 'chunk_size' must be positive, got {chunk_size}")
+    ignore_index = _as_int(op, "ignore_index", ignore_index)
+    label_smoothing = _as_float(op, "label_smoothing", label_smoothing)
     fp8 = _fp8_dtypes(fp8_recipe, hidden, weight)
-    return LinearCrossEntropyFunction.apply(hidden, weight, bias, labels, int(ignore_index),
-                                            float(label_smoothing), reduction, chunk_size, fp8)
+    return LinearCrossEntropyFunction.apply(hidden, weight, bias, labels, ignore_index,
+                                            label_smoothing, reduction, chunk_size, fp8)

@@ -617,7 +617,8 @@ class GroupedLinear(torch.nn.Module):
                 return self._device_split(inp, m_splits, m_offsets, is_first_microbatch, probs)
             note_once(_log, "seqfuse GroupedLinear: m_splits on the GPU read to the host (one host "
                       "synchronization per call): %s", why)
-            m_splits = m_splits.tolist()
+            device_checks.check_storage("GroupedLinear", "argument 'm_splits'", m_splits)  # (read below)
+            m_splits = m_splits.cpu()  # (host_splits checks its dtype and rank)
         splits = tuple(moe_ops.host_splits("GroupedLinear", m_splits))
         if len(splits) != self.num_gemms:
             raise ValueError(f"GroupedLinear: m_splits must hold num_gemms = {self.num_gemms} row "

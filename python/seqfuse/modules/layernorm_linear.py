@@ -48,7 +48,8 @@ from ..quantization.gemm_quantizers import wants_weight_transpose
 from . import _fp8 as F8
 from ._base import (as_dtype, fp8_norm, main_grad_for, weight_and_bias_grads,
                     fp8_quantizers, hidden_dim, init_weight, make_norm_params, norm_backward,
-                    norm_forward, norm_output, norm_param, reset_norm_params, take_norm_module_options)
+                    norm_forward, norm_output, norm_param, reset_norm_params, size_arg,
+                    take_norm_module_options)
 from .te_compat import materialize, refuse_fp8_io, rng_fork
 from ._input import check_input
 from ._split import fused_params, install_split, parse_split, reset_split, weight_sources
@@ -143,8 +144,8 @@ class LayerNormLinear(torch.nn.Module):
         super().__init__()
         take_norm_module_options(self, "LayerNormLinear", te_refused, normalization, return_bias,
                                  fuse_wgrad_accumulation, get_rng_state_tracker, name)
-        self.in_features = hidden_dim(in_features)
-        self.out_features = int(out_features)
+        self.in_features = hidden_dim(in_features, "LayerNormLinear", "in_features")
+        self.out_features = size_arg("LayerNormLinear", "out_features", out_features)
         kw = make_norm_params(self, self.in_features, normalization, eps, zero_centered_gamma, params_dtype, device)
         self.return_layernorm_output = bool(return_layernorm_output)
         self.use_bias = bool(bias)

@@ -72,7 +72,8 @@ from ..quantization.gemm_quantizers import wants_weight_transpose
 from . import _fp8 as F8
 from ._base import (as_dtype, fp8_norm, main_grad_for, weight_and_bias_grads,
                     fp8_quantizers, hidden_dim, init_weight, make_norm_params, norm_backward,
-                    norm_forward, norm_output, norm_param, reset_norm_params, take_norm_module_options)
+                    norm_forward, norm_output, norm_param, reset_norm_params, size_arg,
+                    take_norm_module_options)
 from ._input import check_input, check_residual
 from .te_compat import materialize, rng_fork
 
@@ -265,8 +266,8 @@ class LayerNormMLP(torch.nn.Module):
         if activation not in ACTIVATIONS:
             raise ValueError(f"LayerNormMLP: argument 'activation' must be one of {', '.join(ACTIVATIONS)}, "
                              f"got {activation!r}")
-        self.hidden_size = hidden_dim(hidden_size)
-        self.ffn_hidden_size = int(ffn_hidden_size)
+        self.hidden_size = hidden_dim(hidden_size, "LayerNormMLP", "hidden_size")
+        self.ffn_hidden_size = size_arg("LayerNormMLP", "ffn_hidden_size", ffn_hidden_size)
         kw = make_norm_params(self, self.hidden_size, normalization, eps, zero_centered_gamma, params_dtype, device)
         self.activation = activation
         self.recompute_activation = recompute_activation  # (its rule reads the activation)

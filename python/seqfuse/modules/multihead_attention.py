@@ -49,6 +49,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from ._base import size_arg
 from .attention import DotProductAttention
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear
@@ -113,9 +114,11 @@ class MultiheadAttention(torch.nn.Module):
                              f"got {normalization!r}")
         if qkv_format not in ("sbhd", "bshd", "thd"):
             raise ValueError(f"MultiheadAttention: qkv_format must be 'sbhd', 'bshd' or 'thd', got {qkv_format!r}")
-        self.hidden_size = int(hidden_size)
-        self.num_attention_heads = int(num_attention_heads)
-        self.num_gqa_groups = int(num_gqa_groups or num_attention_heads)
+        cls = "MultiheadAttention"
+        self.hidden_size = size_arg(cls, "hidden_size", hidden_size)
+        self.num_attention_heads = size_arg(cls, "num_attention_heads", num_attention_heads)
+        self.num_gqa_groups = size_arg(cls, "num_gqa_groups", self.num_attention_heads if num_gqa_groups is None
+                                       else num_gqa_groups)
         if self.num_attention_heads % self.num_gqa_groups:
             raise ValueError(f"MultiheadAttention: num_attention_heads ({num_attention_heads}) must be a "
                              f"multiple of num_gqa_groups ({num_gqa_groups})")
@@ -124,7 +127,7 @@ class MultiheadAttention(torch.nn.Module):
                 raise ValueError(f"MultiheadAttention: hidden_size ({hidden_size}) must be a multiple of "
                                  f"num_attention_heads ({num_attention_heads}) unless kv_channels is given")
             kv_channels = self.hidden_size // self.num_attention_heads
-        self.hidden_size_per_attention_head = self.kv_channels = int(kv_channels)
+        self.hidden_size_per_attention_head = self.kv_channels = size_arg(cls, "kv_channels", kv_channels)
         self.attention_type = attention_type
         self.input_layernorm = bool(input_layernorm)
         self.return_layernorm_output = bool(return_layernorm_output)

@@ -23,7 +23,8 @@ mismatch is resolved by reading the weight as float32.
 import torch
 
 from .. import ops
-from ._base import default_device, hidden_dim, norm_param
+from ..ops.args import as_float
+from ._base import default_device, hidden_dim, norm_param, params_dtype_of
 from ._input import check_input
 from .te_compat import materialize, refuse
 
@@ -103,13 +104,13 @@ class _Norm(torch.nn.Module):
         if normalized_shape is None:
             raise TypeError(f"{cls}: argument 'normalized_shape' (or 'hidden_size') is required")
         params_dtype = _one_of(cls, "dtype", dtype, "params_dtype", params_dtype)
-        self.hidden_size = hidden_dim(normalized_shape)
+        self.hidden_size = hidden_dim(normalized_shape, cls, "normalized_shape")
         if self.hidden_size < 1:
             raise ValueError(f"argument 'hidden_size' must be >= 1, got {self.hidden_size}")
-        self.eps = float(eps)
+        self.eps = as_float(cls, "eps", eps)
         self.zero_centered_gamma = bool(zero_centered_gamma)
         self.sequence_parallel = sequence_parallel
-        dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
+        dtype = params_dtype_of(cls, params_dtype)
         device = default_device(device)
         self.weight = torch.nn.Parameter(torch.empty(self.hidden_size, dtype=dtype, device=device))
         if self._has_bias:
@@ -142,6 +143,7 @@ class LayerNorm(_Norm):
     _name, _has_bias = "LayerNorm", True
 
     def forward(self, input):
+        check_input(self._name, input, self.hidden_size, "normalized_shape")  # (not the weight's length)
         return layer_norm(input, self.weight, self.bias, self.eps, self.zero_centered_gamma)
 
 
@@ -150,4 +152,5 @@ class RMSNorm(_Norm):
     _name, _has_bias = "RMSNorm", False
 
     def forward(self, input):
+        check_input(self._name, input, self.hidden_size, "normalized_shape")  # (not the weight's length)
         return rms_norm(input, self.weight, self.eps, self.zero_centered_gamma)

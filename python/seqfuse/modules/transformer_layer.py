@@ -42,7 +42,7 @@ import torch
 from .layernorm_mlp import LayerNormMLP
 from .multihead_attention import MultiheadAttention, given
 from .norm import LayerNorm, RMSNorm
-from ._base import compute_dtype, residual_fusable
+from ._base import compute_dtype, residual_fusable, size_arg
 from .te_compat import take_refused
 
 
@@ -84,7 +84,10 @@ class TransformerLayer(torch.nn.Module):
             raise ValueError(f"TransformerLayer: hidden_dropout must be in [0, 1), got {hidden_dropout}")
         if layer_type == "decoder" and attn_input_format == "thd":
             raise NotImplementedError("TransformerLayer: layer_type 'decoder' with packed 'thd' input is not supported")
-        self.hidden_size = int(hidden_size)
+        cls = "TransformerLayer"
+        self.hidden_size = size_arg(cls, "hidden_size", hidden_size)
+        size_arg(cls, "ffn_hidden_size", ffn_hidden_size)
+        size_arg(cls, "num_attention_heads", num_attention_heads)
         self.layer_type = layer_type
         self.attn_input_format = attn_input_format
         self.self_attn_mask_type = self_attn_mask_type

@@ -112,7 +112,10 @@ _INT64 = (-(2 ** 63), 2 ** 63 - 1)
 
 def as_float(op, name, value):
     """``value`` as a Python float for C, or a TypeError naming the argument
-    (a 1-element tensor is read, as float() would)."""
+    (a 1-element tensor is read, as float() would; a string is not a number,
+    although float() would parse it)."""
+    if isinstance(value, (str, bytes, bytearray)):
+        raise TypeError(f"{op}: argument '{name}' must be a real number, got {value!r}")
     try:
         return float(value)
     except (TypeError, ValueError, RuntimeError):
@@ -122,8 +125,11 @@ def as_float(op, name, value):
 def as_int(op, name, value, minimum=None):
     """``value`` as a Python int for C (an integral float is fine), or a
     TypeError / ValueError naming the argument: not a number, not whole,
-    outside int64, or below ``minimum``."""
+    outside int64, or below ``minimum``.  A string is not a number, although
+    int() would parse it."""
     if type(value) is not int:
+        if isinstance(value, (str, bytes, bytearray)):
+            raise TypeError(f"{op}: argument '{name}' must be an integer, got {value!r}")
         if isinstance(value, float):
             if not value.is_integer():
                 raise ValueError(f"{op}: argument '{name}' must be a whole number, got {value!r}")

@@ -141,6 +141,11 @@ def dropout_backward(dy, p, seed, offset=0, dbias_dtype=None):
     dx = torch.empty_like(dy)
     dbias = ws = None
     if dbias_dtype is not None:
+        if not isinstance(dbias_dtype, torch.dtype):
+            raise TypeError(f"{op}: argument 'dbias_dtype' must be a torch.dtype or None, got {dbias_dtype!r}")
+        if dy.dim() < 1:
+            raise ValueError(f"{op}: argument 'dy' must have at least 1 dimension when dbias_dtype is given "
+                             f"(dbias is [dy.shape[-1]], the column sums), got a 0-d tensor")
         dbias = torch.empty(dy.shape[-1], dtype=dbias_dtype, device=dy.device)
         ws = _workspace(dy)
     _C.dropout_backward(dy, as_float(op, "p", p), as_int(op, "seed", seed), as_int(op, "offset", offset, 0),

@@ -67,6 +67,29 @@ HOST_READ = ("cpu", "meta")
 DEFERRED_DEVICES = ("cuda",)
 
 
+def storage_shortfall(t):
+    """(bytes t's shape, strides and storage offset reach, bytes its storage
+    holds) when the storage is too short for the view (shrunk or freed
+    under it with ``untyped_storage().resize_()``), else None."""
+    if t.numel() == 0:
+        return None
+    reach = t.storage_offset() + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) + 1
+    need, have = reach * t.element_size(), t.untyped_storage().nbytes()
+    return (need, have) if need > have else None
+
+
+def check_storage(op, arg, t):
+    """Raise ValueError unless the storage of ``t`` (a tensor torch is about
+    to read on the host, before any C entry's own extent check) holds every
+    element its view reaches.  ``arg`` names it as the message's subject
+    (e.g. "argument 'm_splits'")."""
+    short = storage_shortfall(t)
+    if short is not None:
+        raise ValueError(f"{op}: {arg} needs {short[0]} bytes of storage (its shape, strides and offset) but "
+                         f"its storage holds {short[1]}; was the storage resized (untyped_storage().resize_()) "
+                         "or freed after the tensor was made?")
+
+
 def _readable(t):
     """Whether torch may read t's values as they are: not a negative- or
     conjugate-bit view (read resolved, a check would judge other values)
@@ -75,10 +98,7 @@ def _readable(t):
     the C entry, which refuses it with its own rule."""
     if t.is_neg() or t.is_conj():
         return False
-    if t.numel() == 0:
-        return True
-    reach = t.storage_offset() + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) + 1
-    return t.untyped_storage().nbytes() >= reach * t.element_size()
+    return storage_shortfall(t) is None
 
 
 def capturing(where=None):

@@ -37,10 +37,13 @@ grouped_gemm_device takes them on the GPU (bfloat16, torch._grouped_mm's
 kernel), which is how GroupedMLP's bfloat16 step runs without a host
 synchronization.
 """
+import numbers
+
 import torch
 
 from .. import _C
 from ._call import as_float, capability_of, dense, detached, require_fp8_dlpack, stream_for
+from .device_checks import check_storage
 from .gemm import FP8_DTYPES, FP8_ROW_MULTIPLE, SCALINGS, tf32_of, workspace_for
 from .quant import fp8_dtype_of
 
@@ -72,6 +75,22 @@ def _float_tensor(op, name, t, ndim=None):
     return t.contiguous()
 
 
+def _split_size(op, arg, v):
+    """One host row count as an int: an int, an integral float (3.0) or a
+    one-element tensor holding one; a fractional number (3.5, which int()
+    would truncate) is a ValueError and anything else a TypeError, naming
+    ``arg``."""
+    if isinstance(v, numbers.Integral):
+        return int(v)
+    if isinstance(v, torch.Tensor) and v.numel() == 1 and not v.dtype.is_complex:
+        return _split_size(op, arg, v.item())
+    if isinstance(v, numbers.Real):
+        if not float(v).is_integer():
+            raise ValueError(f"{op}: {arg} must hold whole numbers (row counts), got {v!r}")
+        return int(v)
+    raise TypeError(f"{op}: {arg} must hold integers (row counts), got {v!r}")
+
+
 def host_splits(op, m_splits, arg="argument 'm_splits'"):
     """m_splits as a list of Python ints (``arg`` names it in messages).  A
     CPU tensor is read; a CUDA tensor is refused (its values would need a
@@ -87,13 +106,15 @@ def host_splits(op, m_splits, arg="argument 'm_splits'"):
         if m_splits.dtype.is_floating_point or m_splits.dtype.is_complex or m_splits.dim() > 1:
             raise TypeError(f"{op}: {arg} must be a 1-D integer tensor, got {m_splits.dim()}-D "
                             f"{m_splits.dtype}")
+        check_storage(op, arg, m_splits)  # (tolist reads it on the host: a shrunk storage past its end)
         splits = [int(v) for v in m_splits.reshape(-1).tolist()]
     else:
         try:
-            splits = [int(v) for v in m_splits]
+            values = list(m_splits)
         except TypeError:
             raise TypeError(f"{op}: {arg} must be an integer tensor or a sequence of ints, got "
                             f"{type(m_splits).__name__}") from None
+        splits = [_split_size(op, arg, v) for v in values]
     if not splits:
         raise ValueError(f"{op}: {arg} must hold at least one group")
     if any(v < 0 for v in splits):

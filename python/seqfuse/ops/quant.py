@@ -1,9 +1,12 @@
 """Quantization statistics and casts (csrc/quant/)."""
+import math
+
 import torch
 
 from .. import _C
 from ._call import FP8_DLPACK, as_float, as_int, empty, require_fp8_dlpack, stream_for
 from .buffers import new_or_transient
+from .device_checks import storage_shortfall
 
 _FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -313,12 +316,34 @@ def fp8_scale_update(amax_history, scale, scale_inv, fp8_max, algo="max", margin
     ``fp8_max / a / 2**margin`` where a is finite and positive, else it keeps
     its value; ``scale_inv = 1 / scale``; the history rolls as
     ``torch.roll(h, -1, 0); h[0] = 0``.
+
+    ``fp8_max`` may also be one Python number for every column.  It must be
+    positive and finite (as :func:`fp8_compute_scale`'s): a Python number
+    and a CPU tensor are checked here (ValueError).  A CUDA tensor's values
+    are not read (this runs every training step and must not synchronize
+    with the device): they are the caller's responsibility; the scaling
+    states seqfuse keeps fill theirs from the FP8 format's largest value.
     """
+    op = "fp8_scale_update"
     algo_id = _AMAX_ALGOS.get(algo)
     if algo_id is None:
-        raise ValueError(f"fp8_scale_update: argument 'algo' must be 'max' or 'most_recent', got {algo!r}")
+        raise ValueError(f"{op}: argument 'algo' must be 'max' or 'most_recent', got {algo!r}")
+    if isinstance(fp8_max, torch.Tensor):
+        if fp8_max.device.type == "cpu" and fp8_max.dtype == torch.float32 and fp8_max.dim() == 1 and \
+                not fp8_max.is_neg() and storage_shortfall(fp8_max) is None:  # (C checks its dtype, shape, storage)
+            bad = ~(torch.isfinite(fp8_max) & (fp8_max > 0))
+            if bad.any():
+                i = int(bad.nonzero()[0, 0])
+                raise ValueError(f"{op}: argument 'fp8_max' must hold positive finite numbers, got "
+                                 f"{float(fp8_max[i])} at element {i}")
+    elif not hasattr(fp8_max, "__dlpack__"):  # (a numpy array goes to C as it is)
+        value = as_float(op, "fp8_max", fp8_max)
+        if not (value > 0.0 and math.isfinite(value)):
+            raise ValueError(f"{op}: argument 'fp8_max' must be a positive finite number, got {value}")
+        if isinstance(amax_history, torch.Tensor) and amax_history.dim() == 2:
+            fp8_max = torch.full((amax_history.shape[1],), value, dtype=torch.float32, device=amax_history.device)
     _C.fp8_scale_update(amax_history, scale, scale_inv, fp8_max, algo_id,
-                        as_int("fp8_scale_update", "margin", margin),
+                        as_int(op, "margin", margin),
                         stream_for(amax_history))
 
 

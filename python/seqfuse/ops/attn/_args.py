@@ -47,6 +47,25 @@ def window_pair(window_size):
     return left, right
 
 
+def check_cu_kind(op, name, cu):
+    """The rules of a given cu_seqlens the Python side needs before it
+    reads one (its max length, the routes' checks): a torch.Tensor
+    (TypeError), 1-D (ValueError, C's wording) and not on the meta device,
+    which holds no values to read (ValueError).  Its dtype, length, device
+    and values are the C entry's and check_cu_values' (None passes: the
+    callers say when one is needed)."""
+    if cu is None:
+        return
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{op}: argument '{name}' must be an int32 torch.Tensor [b+1] (cumulative sequence "
+                        f"lengths), got {type(cu).__name__}")
+    if cu.dim() != 1:
+        raise ValueError(f"{op}: argument '{name}' must be 1-D [b+1], got {cu.dim()} dimensions")
+    if cu.device.type == "meta":
+        raise ValueError(f"{op}: argument '{name}' is on the meta device, which holds no values (the sequence "
+                         "lengths are read); pass it on q's device")
+
+
 def max_seqlen(cu, given, name):
     if given is not None:
         return as_int("attention", name, given, 0)
@@ -147,6 +166,15 @@ def check_tensor(name, x):
                          f"shape {tuple(x.shape)}")
 
 
+def check_head_dim(op, q, k):
+    """q's and k's head dimension (the last) must be at least 1: the default
+    softmax scale is 1 / sqrt of it, and no kernel takes an empty head."""
+    for name, x in (("q", q), ("k", k)):
+        if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[-1] < 1:
+            raise ValueError(f"{op}: argument '{name}' has head dim {x.shape[-1]} (its last dimension); the head "
+                             "dim must be at least 1")
+
+
 def config(q, k, qkv_format, attn_mask_type, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
            max_seqlen_kv, window_size, softmax_scale, deterministic, dropout_p=0.0, rng_state=None,
            op="attention"):
@@ -154,8 +182,12 @@ def config(q, k, qkv_format, attn_mask_type, cu_seqlens_q, cu_seqlens_kv, max_se
         raise ValueError(f"attention: qkv_format must be 'bshd', 'sbhd' or 'thd', got {qkv_format!r}")
     mask = mask_code(attn_mask_type, qkv_format)
     left, right = window_pair(window_size)
+    check_head_dim(op, q, k)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    if qkv_format == "thd" or mask in PADDING:
+        check_cu_kind(op, "cu_seqlens_q", cu_seqlens_q)
+        check_cu_kind(op, "cu_seqlens_kv", cu_seqlens_kv)
     if qkv_format == "thd":
         if cu_seqlens_q is None or cu_seqlens_kv is None:
             raise ValueError("attention: qkv_format 'thd' needs cu_seqlens_q and cu_seqlens_kv")

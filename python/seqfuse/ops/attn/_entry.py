@@ -9,7 +9,8 @@ import torch
 
 from ... import _C
 from .._call import stream_for
-from ._args import MASKS, PADDING, check_cu_values, check_tensor, config, kernel_layout, max_seqlen
+from ._args import (MASKS, PADDING, check_cu_kind, check_cu_values, check_head_dim, check_tensor, config,
+                    kernel_layout, max_seqlen)
 from ._dropout import dropout_rng_state, wants_rng
 from ._routing import note_backward_kernel, note_forward_kernel, routed_attention_or_none
 
@@ -110,7 +111,10 @@ def attention(q, k, v, *, qkv_format="bshd", attn_mask_type="no_mask", cu_seqlen
     an explicit ``rng_state`` keeps the call on seqfuse's kernels."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, x)
+    check_head_dim("attention", q, k)
     if qkv_format == "thd" or (isinstance(attn_mask_type, str) and MASKS.get(attn_mask_type) in PADDING):
+        check_cu_kind("attention", "cu_seqlens_q", cu_seqlens_q)
+        check_cu_kind("attention", "cu_seqlens_kv", cu_seqlens_kv)
         # before any route: the torch routes would clamp bad CUDA cu_seqlens as silently as the kernels
         check_cu_values("attention", q, k, qkv_format, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv)
     out = routed_attention_or_none(q, k, v, qkv_format, attn_mask_type, window_size, dropout_p, deterministic,
