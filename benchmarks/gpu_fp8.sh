@@ -6,7 +6,9 @@
 # time limit so one slow step cannot eat the others; logs and result JSON
 # are packed into $OUT/fp8_run.tgz (and the JSONs copied to $OUT).
 #   bash benchmarks/gpu_fp8.sh
-# PARTS (default tests,fp8_rows,fp8_host,esm2,graphs) picks the steps; TESTS the test files.
+# PARTS (default checks,tests,fp8_rows,fp8_host,esm2,graphs) picks the steps; TESTS the test files.
+# checks: the standalone kernel checks of the FP8 encoders (bin/, built on the development machine with
+# `make kernels` and carried: run(carry=["bin"])), whose device conversion turns an infinity into NaN since s38.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 pack() { cp "$ROOT"/benchmarks/results/{fp8_rows,graphs,fp8_host,esm2_s7}.json "$LOG/" 2>/dev/null
@@ -16,12 +18,19 @@ gpu_setup fp8
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 start=$(date +%s)
 gpu_build
-PARTS=${PARTS:-tests,fp8_rows,fp8_host,esm2,graphs}
+PARTS=${PARTS:-checks,tests,fp8_rows,fp8_host,esm2,graphs}
 want() { [[ ",$PARTS," == *",$1,"* ]]; }
+if want checks; then
+    for c in check_quant_cast check_quant_block check_norm_norm check_act_act check_moe_moe; do
+        if [[ -x bin/$c ]]; then TAIL=6 run 120 "$c" "bin/$c"; else echo "checks: bin/$c missing (make kernels here, carry bin)"; fi
+    done
+fi
 want tests && TAIL=12 run ${TEST_LIMIT:-140} pytest python3 -m pytest -q -rfE -m cuda -p no:cacheprovider -n 8 --timeout 180 \
     ${TESTS:-tests/test_fp8_any_rows.py tests/test_linear.py tests/test_layernorm_modules.py \
      tests/test_transformer_layer.py tests/test_quant_cast.py tests/test_attn_masks.py \
-     tests/test_silent_wrong.py tests/test_act.py tests/test_quant_block.py tests/test_scaling.py}
+     tests/test_silent_wrong.py tests/test_act.py tests/test_quant_block.py tests/test_scaling.py \
+     tests/test_memory_overlap.py tests/test_bad_inputs_s38.py tests/test_moe_device_split_fp8.py \
+     tests/test_bad_input_corpus.py}
 cd benchmarks
 want fp8_rows && TAIL=40 run 100 fp8_rows python3 bench_fp8_rows.py --rows 4097,16383
 # the layer alone (the default since s37), then s36's definition (an optimizer stand-in per weight, gradients
