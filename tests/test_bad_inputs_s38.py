@@ -262,3 +262,21 @@ def test_module_sizes_must_be_whole():
 def test_linear_params_dtype_must_be_floating():
     with pytest.raises(TypeError, match="params_dtype"):
         te.Linear(16, 8, params_dtype=torch.int32, device="cpu")
+
+
+def test_linear_family_takes_strided_and_expanded_inputs_and_refuses_integers():
+    """Linear and GroupedLinear accept any input layout torch's modules accept
+    (a strided, expanded or transposed view: copied where the GEMM cannot read
+    it) with the contiguous input's answer, and refuse an integer input
+    naming the rule (torch.nn.Linear raises too; it used to come out float)."""
+    import seqfuse.pytorch as te
+    from seqfuse.modules import GroupedLinear
+
+    m = te.Linear(16, 8, device="cpu")
+    for x in (torch.randn(4, 32)[:, ::2], torch.randn(1, 16).expand(4, 16), torch.randn(16, 4).t()):
+        torch.testing.assert_close(m(x), m(x.contiguous()), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="Linear: input must be a floating-point tensor"):
+        m(torch.ones(4, 16, dtype=torch.int64))
+    g = GroupedLinear(2, 16, 8, device="cpu")
+    e = torch.randn(1, 16).expand(6, 16)
+    torch.testing.assert_close(g(e, [2, 4]), g(e.contiguous(), [2, 4]), rtol=0, atol=0)

@@ -7,11 +7,14 @@ import torch
 
 
 def check_input(cls, x, features=None, what=None, name="input", min_dim=1):
-    """Raise unless ``x`` is a tensor of at least ``min_dim`` dimensions whose
-    last dimension is ``features`` (the module's ``what``, e.g. in_features;
-    not checked when None)."""
+    """Raise unless ``x`` is a floating-point tensor of at least ``min_dim``
+    dimensions whose last dimension is ``features`` (the module's ``what``,
+    e.g. in_features; not checked when None)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{cls}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{cls}: {name} must be a floating-point tensor (float32, bfloat16, float16), got "
+                        f"{x.dtype}")
     if x.dim() < min_dim:
         raise ValueError(f"{cls}: {name} must have at least {min_dim} dimension(s), got shape {tuple(x.shape)}")
     if features is not None and x.shape[-1] != features:
@@ -55,3 +58,17 @@ def check_residual(cls, residual, out_shape, dtype, device):
     check_storage(cls, "residual", residual)
     r = residual.reshape(-1, out_shape[-1])
     return r if r.is_contiguous() else r.contiguous()
+
+
+def gemm_rows(x):
+    """``x`` [rows, K] as a GEMM operand: itself where the GEMM reads its
+    layout (row-major with any row stride, or column-major), else a
+    row-major copy (an expanded or otherwise strided view, which torch's
+    modules accept; the GEMM would refuse it naming its own argument)."""
+    rows, k = x.shape
+    s0, s1 = x.stride()
+    if (s1 == 1 or k <= 1) and (s0 >= k or rows <= 1):
+        return x
+    if (s0 == 1 or rows <= 1) and s1 >= rows:
+        return x
+    return x.contiguous()

@@ -91,7 +91,7 @@ from ..quantization import stats
 from ..quantization.grouped import GroupedFloat8, note_grouped, quantize_grouped, stacked_weights_fp8, weight_pairs
 from . import _fp8 as F8
 from ._base import compute_dtype, default_device, mark_main_grad, set_linear_options
-from ._input import check_input
+from ._input import check_input, gemm_rows
 
 __all__ = ["ACTIVE_RECIPE", "GroupedLinear", "GroupedLinearFunction", "DeviceSplitGroupedLinearFunction", "Fp8GroupedLinearFunction"]
 
@@ -625,7 +625,7 @@ class GroupedLinear(torch.nn.Module):
                              f"counts, got {len(splits)}")
         recipe = _q.get_recipe() if _q.is_fp8_enabled() else None
         lead = inp.shape[:-1]
-        x = inp.reshape(-1, inp.shape[-1])
+        x = gemm_rows(inp.reshape(-1, inp.shape[-1]))
         if sum(splits) != x.shape[0]:
             raise ValueError(f"GroupedLinear: m_splits add up to {sum(splits)} rows but the input has "
                              f"{x.shape[0]}")
@@ -725,7 +725,7 @@ class GroupedLinear(torch.nn.Module):
         if counts.dim() != 1 or counts.numel() != self.num_gemms:
             raise ValueError(f"GroupedLinear: m_splits must hold num_gemms = {self.num_gemms} row counts, got "
                              f"shape {tuple(counts.shape)}")
-        x = inp.reshape(-1, inp.shape[-1])
+        x = gemm_rows(inp.reshape(-1, inp.shape[-1]))
         if offsets is None:
             offsets = moe_ops.device_split_offsets(counts, x.shape[0])
         if _q.is_fp8_enabled():

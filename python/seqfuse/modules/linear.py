@@ -59,7 +59,7 @@ from .. import quantization as _q
 from ..quantization import gemm_quantizers as _gq
 from . import _fp8 as F8
 from ._base import compute_dtype, main_grad_for, set_linear_options, weight_and_bias_grads
-from ._input import check_input, check_residual
+from ._input import check_input, check_residual, gemm_rows
 from ._split import fused_params, install_split, parse_split, reset_split, weight_sources
 from .te_compat import materialize, refuse_fp8_io, rng_fork, take_refused
 
@@ -199,7 +199,7 @@ class Linear(torch.nn.Module):
         check_input("Linear", inp, self.in_features, "in_features")
         weight, bias = fused_params(self, "Linear")
         lead = inp.shape[:-1]
-        x = inp.reshape(-1, self.in_features)
+        x = gemm_rows(inp.reshape(-1, self.in_features))
         dtype = compute_dtype(inp, weight)
         use_bias = None if self.return_bias else bias
         if residual is not None:
