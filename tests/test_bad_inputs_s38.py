@@ -280,3 +280,19 @@ def test_linear_family_takes_strided_and_expanded_inputs_and_refuses_integers():
     g = GroupedLinear(2, 16, 8, device="cpu")
     e = torch.randn(1, 16).expand(6, 16)
     torch.testing.assert_close(g(e, [2, 4]), g(e.contiguous(), [2, 4]), rtol=0, atol=0)
+
+
+def test_linear_cross_entropy_any_hidden_layout():
+    """A transposed, expanded or strided ``hidden`` that requires grad gives the
+    contiguous tensor's loss and gradient (its backward wrote the gradient
+    into a buffer of hidden's layout and the GEMM refused it)."""
+    w = torch.randn(10, 32, requires_grad=True)
+    labels = torch.randint(0, 10, (6,))
+    for h0 in (torch.randn(32, 6).t(), torch.randn(1, 32).expand(6, 32), torch.randn(6, 64)[:, ::2]):
+        h = h0.detach().requires_grad_(True)
+        hc = h0.detach().contiguous().requires_grad_(True)
+        loss, want = linear_cross_entropy(h, w, labels), linear_cross_entropy(hc, w, labels)
+        loss.backward()
+        want.backward()
+        torch.testing.assert_close(loss, want, rtol=0, atol=0)
+        torch.testing.assert_close(h.grad, hc.grad, rtol=0, atol=0)

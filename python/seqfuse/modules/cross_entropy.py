@@ -384,5 +384,8 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, l
     ignore_index = _as_int(op, "ignore_index", ignore_index)
     label_smoothing = _as_float(op, "label_smoothing", label_smoothing)
     fp8 = _fp8_dtypes(fp8_recipe, hidden, weight)
+    # the chunked GEMMs read hidden and write its gradient row-major: another layout (a transposed,
+    # strided or expanded view) is copied here, in autograd, so the gradient still reaches the caller's tensor
+    hidden, weight = (t if t.is_contiguous() else t.contiguous() for t in (hidden, weight))
     return LinearCrossEntropyFunction.apply(hidden, weight, bias, labels, ignore_index,
                                             label_smoothing, reduction, chunk_size, fp8)
