@@ -115,3 +115,25 @@ def test_interleaved_views_of_one_buffer_are_apart():
     shifted = (flat[:-1].view(2, 8, 4, 16), flat[1:].view(2, 8, 4, 16))
     _refused("outputs 'dq' and 'dk' share memory",
              lambda: o.attention_backward(dout, q, k, v, out, lse, dq=shifted[0], dk=shifted[1]))
+
+
+@pytest.mark.parametrize("shift,apart", [(64, True), (128, True), (1, False), (63, False), (129, False)])
+def test_interleaved_views_apart_only_inside_the_gap(shift, apart):
+    """Two [2, 8, 4, 16] views of one buffer with the packed layout's strides
+    (dense chunks of 64 elements every 192): apart exactly when the second
+    starts at least a chunk past the first and ends before the next chunk."""
+    q, k, v = R(2, 8, 4, 16), R(2, 8, 4, 16), R(2, 8, 4, 16)
+    out, lse = o.attention_forward(q, k, v)
+    dout = R(2, 8, 4, 16)
+    flat = torch.zeros(2 * 8 * 192 + 256)
+    stride = (8 * 192, 192, 16, 1)
+    dq = flat.as_strided((2, 8, 4, 16), stride, 0)
+    dk = flat.as_strided((2, 8, 4, 16), stride, shift)
+    call = lambda: o.attention_backward(dout, q, k, v, out, lse, dq=dq, dk=dk)  # noqa: E731
+    if apart:
+        got = call()
+        want = o.attention_backward(dout, q, k, v, out, lse)
+        for g, w in zip(got[:2], want[:2]):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+    else:
+        _refused("outputs 'dq' and 'dk' share memory", call)

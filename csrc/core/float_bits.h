@@ -33,6 +33,14 @@ SF_HD float sf_bits_f32(uint32_t u)
     return f;
 }
 
+/* f, with an infinity replaced by NaN: what a saturating FP8 conversion (the
+ * GPU's satfinite instruction) must be given so that a non-finite input stays
+ * non-finite (quant/fp8.h's rule). */
+SF_HD float sf_inf_to_nan(float f)
+{
+    return (sf_f32_bits(f) & 0x7fffffffu) == 0x7f800000u ? sf_bits_f32(0x7fffffffu) : f;
+}
+
 SF_HD float sf_bf16_to_f32(uint16_t h) { return sf_bits_f32((uint32_t)h << 16); }
 
 SF_HD uint16_t sf_f32_to_bf16(float f)

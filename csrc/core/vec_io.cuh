@@ -82,8 +82,7 @@ __device__ __forceinline__ void load_param(const void *p, int f32, int64_t i, fl
 __device__ __forceinline__ uint8_t enc_e4m3(float f)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    /* (an infinity made NaN first: satfinite alone would saturate it; fp8.h's rule) */
-    f = fabsf(f) == __int_as_float(0x7f800000) ? __int_as_float(0x7fffffff) : f;
+    f = sf_inf_to_nan(f); /* (satfinite alone would saturate an infinity: fp8.h's rule) */
     return (uint8_t)__nv_cvt_float_to_fp8(f, __NV_SATFINITE, __NV_E4M3);
 #else
     return sf_f32_to_e4m3(f);
@@ -93,8 +92,7 @@ __device__ __forceinline__ uint8_t enc_e4m3(float f)
 __device__ __forceinline__ uint8_t enc_e5m2(float f)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    /* (an infinity made NaN first: satfinite alone would saturate it; fp8.h's rule) */
-    f = fabsf(f) == __int_as_float(0x7f800000) ? __int_as_float(0x7fffffff) : f;
+    f = sf_inf_to_nan(f); /* (satfinite alone would saturate an infinity: fp8.h's rule) */
     return (uint8_t)__nv_cvt_float_to_fp8(f, __NV_SATFINITE, __NV_E5M2);
 #else
     return sf_f32_to_e5m2(f);

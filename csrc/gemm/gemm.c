@@ -167,7 +167,9 @@ static sf_status check_operand_dtypes(const sf_gemm_args *g)
     return SF_OK;
 }
 
-static sf_status check_fp8_rules(const sf_gemm_args *g, const sf_gemm_problem *p)
+/* The FP8 operands' layout rules (cuBLASLt's): K-major operands, dimensions and
+ * row strides in multiples of 16, 16-byte alignment. */
+static sf_status check_fp8_layout(const sf_gemm_args *g, const sf_gemm_problem *p)
 {
     /* K-major: a stored [m, k] (not transposed), b stored [n, k] (transposed). */
     if (p->a.trans || !p->b.trans)
@@ -202,7 +204,15 @@ static sf_status check_fp8_rules(const sf_gemm_args *g, const sf_gemm_problem *p
     SF_TRY(sf_check_aligned(OP, "a", g->a, 16));
     SF_TRY(sf_check_aligned(OP, "b", g->b, 16));
     SF_TRY(sf_check_aligned(OP, "out", g->out, 16));
+    return SF_OK;
+}
 
+/* The FP8 GEMM's rules: the layout (check_fp8_layout; not for an empty
+ * product, of which nothing is read), then the scales. */
+static sf_status check_fp8_rules(const sf_gemm_args *g, const sf_gemm_problem *p, int empty)
+{
+    if (!empty)
+        SF_TRY(check_fp8_layout(g, p));
     if (!g->a_scale_inv || !g->b_scale_inv)
         return sf_fail(SF_ERR_VALUE,
                        "%s: float8 operands need 'a_scale_inv' and 'b_scale_inv' (float32 "
@@ -343,11 +353,10 @@ sf_status sf_gemm(const sf_gemm_args *g, sf_stream stream)
                        "%s: inner dimensions differ: op(a) is [%lld, %lld] but op(b) is "
                        "[%lld, %lld] (check transa/transb)",
                        OP, (long long)p.m, (long long)p.k, (long long)kb, (long long)p.n);
-    if (p.m < 1 || p.n < 1 || p.k < 1)
-        return sf_fail(SF_ERR_VALUE,
-                       "%s: m, n and k must be at least 1, got m=%lld n=%lld k=%lld "
-                       "(seqfuse.ops.gemm handles empty products itself)",
-                       OP, (long long)p.m, (long long)p.n, (long long)p.k);
+    /* an empty product (m, n or k of 0) gets every check below, then returns without a launch:
+     * cuBLASLt takes no such problem, and seqfuse.ops.gemm computes its answer (zeros through the
+     * epilogue) itself */
+    const int empty = p.m < 1 || p.n < 1 || p.k < 1;
     SF_TRY(sf_check_same_device(OP, "a", g->a, "b", g->b));
     SF_TRY(sf_check_same_device(OP, "a", g->a, "out", g->out));
     SF_TRY(sf_check_writable(OP, "out", g->out));
@@ -357,7 +366,7 @@ sf_status sf_gemm(const sf_gemm_args *g, sf_stream stream)
 
     int fp8 = sf_gemm_is_fp8(g->a->dtype);
     if (fp8) {
-        SF_TRY(check_fp8_rules(g, &p));
+        SF_TRY(check_fp8_rules(g, &p, empty));
         p.a_scale = (const float *)g->a_scale_inv->data;
         p.b_scale = (const float *)g->b_scale_inv->data;
         p.a_scaling = g->a_scaling;
@@ -393,6 +402,8 @@ sf_status sf_gemm(const sf_gemm_args *g, sf_stream stream)
         p.workspace_bytes = (size_t)g->workspace->shape[0];
     }
 
+    if (empty)
+        return SF_OK;
     return SF_DISPATCH(OP, "a", g->a, sf_gemm_cpu(&p), sf_gemm_cuda(&p, stream));
 }
 

@@ -100,14 +100,20 @@ sf_status sf_multi_tensor_adamw(int64_t n, sf_tensor *params, const sf_tensor *g
         }
         /* the four (five) tensors of one parameter, each of its own memory (the kernel reads and
          * writes them element by element in one pass; a moment list passed twice would leave one
-         * moment in both) */
-        char np[64], ng[64], nm[64], nv[64], nw[64];
-        const sf_mem_arg outs[] = {{item(np, sizeof np, "params", i), &params[i], NULL},
-                                   {item(nm, sizeof nm, "exp_avg", i), &exp_avg[i], NULL},
-                                   {item(nv, sizeof nv, "exp_avg_sq", i), &exp_avg_sq[i], NULL},
-                                   {item(nw, sizeof nw, "master", i), master ? &master[i] : NULL, NULL}};
-        const sf_mem_arg ins[] = {{item(ng, sizeof ng, "grads", i), &grads[i], NULL}};
-        SF_TRY(sf_check_apart(op, outs, 4, ins, 1));
+         * moment in both); the indexed names are made only for a refusal's message */
+        const sf_tensor *w = master ? &master[i] : NULL;
+        sf_mem_arg outs[] = {{"params", &params[i], NULL}, {"exp_avg", &exp_avg[i], NULL},
+                             {"exp_avg_sq", &exp_avg_sq[i], NULL}, {"master", w, NULL}};
+        sf_mem_arg ins[] = {{"grads", &grads[i], NULL}};
+        if (sf_check_apart(op, outs, 4, ins, 1) != SF_OK) {
+            char np[64], ng[64], nm[64], nv[64], nw[64];
+            outs[0].name = item(np, sizeof np, "params", i);
+            outs[1].name = item(nm, sizeof nm, "exp_avg", i);
+            outs[2].name = item(nv, sizeof nv, "exp_avg_sq", i);
+            outs[3].name = item(nw, sizeof nw, "master", i);
+            ins[0].name = item(ng, sizeof ng, "grads", i);
+            return sf_check_apart(op, outs, 4, ins, 1);
+        }
     }
     sf_adamw_consts k = sf_adamw_derive(cfg);
     return SF_DISPATCH(op, "params", &params[0],

@@ -219,23 +219,6 @@ static sf_status check_strided_vector(const char *op, const char *arg, const sf_
 
 static int64_t vector_stride(const sf_tensor *t) { return t->shape[0] > 1 ? t->strides[0] : 1; }
 
-/* Whether two float32 vectors of n elements with element strides share an
- * element: their address ranges overlap, unless both have the same stride
- * and start a non-multiple of it apart (interleaved, as one state's roles). */
-static int vectors_overlap(const sf_tensor *a, const sf_tensor *b, int64_t n)
-{
-    const int64_t sa = vector_stride(a), sb = vector_stride(b);
-    const char *pa = (const char *)a->data, *pb = (const char *)b->data;
-    const char *ea = pa + ((n - 1) * sa + 1) * 4, *eb = pb + ((n - 1) * sb + 1) * 4;
-    if (n < 1 || ea <= pb || eb <= pa)
-        return 0;
-    if (sa == sb && sa > 1) {
-        const int64_t d = (int64_t)(pa - pb) / 4;
-        return (pa - pb) % 4 == 0 && d % sa == 0;
-    }
-    return 1;
-}
-
 static sf_status check_margin(const char *op, int margin, float *pow2);
 
 /* The most groups one grouped cast takes (host arrays of this many entries). */
@@ -274,10 +257,13 @@ static sf_status grouped_run(const char *op, const char *ref_arg, const sf_tenso
     else if (current)
         return sf_fail(SF_ERR_VALUE, "%s: argument 'amax' must be given under current scaling "
                        "(it receives each group's max |x|)", op);
-    if (vectors_overlap(scale_inv, scale, G) || (amax && (vectors_overlap(amax, scale, G) ||
-                                                        vectors_overlap(amax, scale_inv, G))))
-        return sf_fail(SF_ERR_VALUE, "%s: arguments 'scale', 'amax' and 'scale_inv' must not share "
-                       "elements (each is written or read per group)", op);
+    {
+        /* (one state's roles are every third column of its chunk: interleaved vectors, apart) */
+        const sf_mem_arg outs[] = {{"scale_inv", scale_inv, NULL}, {"amax", amax, NULL},
+                                   {"scale", current ? scale : NULL, NULL}};
+        const sf_mem_arg ins[] = {{"scale", current ? NULL : scale, NULL}, {ref_arg, ref, NULL}};
+        SF_TRY(sf_check_apart(op, outs, 3, ins, 2));
+    }
     float pow2_neg_margin = 1.0f; /* check_margin sets it */
     SF_TRY(check_margin(op, margin, &pow2_neg_margin));
     a->scale = (float *)scale->data;
@@ -384,6 +370,12 @@ static sf_status cast_grouped_rows(const char *op, const sf_tensor *x, int swigl
     if (out && out_t && out->dtype != out_t->dtype)
         return sf_fail(SF_ERR_TYPE, "%s: arguments 'out' (%s) and 'out_t' (%s) must have the same "
                        "FP8 dtype", op, sf_dtype_name(out->dtype), sf_dtype_name(out_t->dtype));
+    {
+        const sf_mem_arg outs[] = {{"out", out, NULL}, {"out_t", out_t, NULL}};
+        const sf_mem_arg ins[] = {{"x", x, NULL}, {"probs", probs, NULL}, {"m_splits", m_splits, NULL},
+                                  {"scale", scale, NULL}, {"amax", amax, NULL}, {"scale_inv", scale_inv, NULL}};
+        SF_TRY(sf_check_apart(op, outs, 2, ins, 6));
+    }
 
     void *block = NULL;
     grouped_layout l;
@@ -467,6 +459,10 @@ sf_status sf_cast_fp8_current_list(int64_t n, const sf_tensor *x, int64_t n_out,
         const sf_dtype want = (out ? out : out_t)[0].dtype;
         if ((out && out[g].dtype != want) || (out_t && out_t[g].dtype != want))
             return sf_fail(SF_ERR_TYPE, "%s: every output must have the same FP8 dtype", op);
+        const sf_mem_arg outs[] = {{"out", out ? &out[g] : NULL, NULL}, {"out_t", out_t ? &out_t[g] : NULL, NULL}};
+        const sf_mem_arg ins[] = {{"xs", t, NULL}, {"scale", scale, NULL}, {"amax", amax, NULL},
+                                  {"scale_inv", scale_inv, NULL}};
+        SF_TRY(sf_check_apart(op, outs, 2, ins, 4));
     }
     void *block = NULL;
     grouped_layout l;
@@ -630,9 +626,13 @@ sf_status sf_cast_fp8_current(const sf_tensor *x, sf_tensor *amax, sf_tensor *sc
     SF_TRY(sf_quant_check_scalar(op, "amax", amax, x, 1));
     SF_TRY(sf_quant_check_scalar(op, "scale", scale, x, 1));
     SF_TRY(sf_quant_check_scalar(op, "scale_inv", scale_inv, x, 1));
-    if (amax->data == scale->data || amax->data == scale_inv->data || scale->data == scale_inv->data)
-        return sf_fail(SF_ERR_VALUE, "%s: arguments 'amax', 'scale' and 'scale_inv' must be three "
-                       "different buffers (each is written: amax, then the scale from it)", op);
+    {
+        /* (all five are written: amax, then the scale from it, then the copies) */
+        const sf_mem_arg outs[] = {{"amax", amax, NULL}, {"scale", scale, NULL}, {"scale_inv", scale_inv, NULL},
+                                   {"out", out, NULL}, {"out_t", out_t, NULL}};
+        const sf_mem_arg ins[] = {{"x", x, NULL}};
+        SF_TRY(sf_check_apart(op, outs, 5, ins, 1));
+    }
     float pow2_neg_margin = 1.0f; /* check_margin sets it */
     SF_TRY(check_margin(op, margin, &pow2_neg_margin));
     sf_cast_args a;

@@ -25,13 +25,6 @@
 #define SF_FP8_HW_CVT 1
 #endif
 
-/* f, with an infinity replaced by NaN: what the satfinite conversion must be
- * given so that a non-finite input stays non-finite (fp8.h's rule). */
-__device__ __forceinline__ float sf_inf_to_nan(float f)
-{
-    return fabsf(f) == __int_as_float(0x7f800000) ? __int_as_float(0x7fffffff) : f;
-}
-
 /* Two floats -> two FP8 bytes, a in the low byte. */
 template <bool E5M2>
 __device__ __forceinline__ uint32_t sf_cvt2(float a, float b)

@@ -4,6 +4,8 @@ Stream: with torch >= 2.10 the extension asks torch for the current stream
 itself, through DLPack's C exchange API (no Python call).  Older torch has no
 such API, so ops pass the current stream's handle explicitly.
 """
+import operator
+
 import torch
 
 from .. import _C
@@ -122,23 +124,31 @@ def as_float(op, name, value):
         raise TypeError(f"{op}: argument '{name}' must be a real number, got {value!r}") from None
 
 
-def as_int(op, name, value, minimum=None):
-    """``value`` as a Python int for C (an integral float is fine), or a
-    TypeError / ValueError naming the argument: not a number, not whole,
-    outside int64, or below ``minimum``.  A string is not a number, although
-    int() would parse it."""
+def as_int(op, name, value, minimum=None, what=None):
+    """``value`` as a Python int for C, or a TypeError / ValueError naming the
+    argument: not a number, not whole, outside int64, or below ``minimum``.
+    Integers of any kind (numpy's, a one-element integer tensor) are taken
+    as they are; a real number of any kind (float, numpy's float32, a
+    one-element float tensor, a Fraction) only when it is whole, so nothing
+    is truncated.  A string is not a number, although int() would parse it.
+    ``what``: the phrase that names the value in messages where it is not an
+    argument of its own (an element of a list argument); default
+    "argument '<name>'"."""
+    what = what or f"argument '{name}'"
     if type(value) is not int:
         if isinstance(value, (str, bytes, bytearray)):
-            raise TypeError(f"{op}: argument '{name}' must be an integer, got {value!r}")
-        if isinstance(value, float):
-            if not value.is_integer():
-                raise ValueError(f"{op}: argument '{name}' must be a whole number, got {value!r}")
-            value = int(value)
+            raise TypeError(f"{op}: {what} must be an integer, got {value!r}")
         try:
-            value = int(value)
-        except (TypeError, ValueError, RuntimeError):
-            raise TypeError(f"{op}: argument '{name}' must be an integer, got {value!r}") from None
+            value = operator.index(value)  # an integer of any kind, exactly
+        except TypeError:
+            try:
+                real = float(value)
+            except (TypeError, ValueError, RuntimeError, OverflowError):
+                raise TypeError(f"{op}: {what} must be an integer, got {value!r}") from None
+            if not real.is_integer() or real != value:
+                raise ValueError(f"{op}: {what} must be a whole number, got {value!r}") from None
+            value = int(real)
     low = _INT64[0] if minimum is None else minimum
     if not low <= value <= _INT64[1]:
-        raise ValueError(f"{op}: argument '{name}' must be in [{low}, 2**63 - 1], got {value}")
+        raise ValueError(f"{op}: {what} must be in [{low}, 2**63 - 1], got {value}")
     return value

@@ -17,7 +17,7 @@ accumulation), which is also what the CUDA backend is tested against.
 import torch
 
 from .. import _C
-from ._call import FP8_DLPACK, as_float, detached, stream_for
+from ._call import FP8_DLPACK, as_float, dense, detached, stream_for
 from .buffers import raw_stream
 
 
@@ -152,27 +152,30 @@ def gemm(a, b, *, transa=False, transb=False, out=None, out_dtype=None, bias=Non
                 bias_dtype = torch.float16 if out.dtype == torch.float16 else torch.bfloat16
             bias = torch.empty(m if epilogue == "bgrad" else n, dtype=bias_dtype, device=a.device)
         extra = bias
-    if m == 0 or n == 0 or k == 0:
-        _check_empty(a, b, transb, out, bias, aux, epilogue, m, n, k,
-                     (a_scale_inv, b_scale_inv, a_scaling, b_scaling), fast_accum)
-        as_float("gemm", "alpha", alpha)
+    empty = m == 0 or n == 0 or k == 0
+    if empty:
         if addend is not None and accumulate:
             raise ValueError("gemm: arguments 'accumulate' and 'addend' exclude each other (accumulate adds out's "
                              "own values; addend adds another tensor's)")
+        # (torch calls an empty tensor of any strides contiguous; the C entry's layout checks read them)
+        a, b = dense(a), dense(b)
+    a_code = _scaling_code(a_scaling, a_scale_inv, "a_scale_inv")
+    b_code = _scaling_code(b_scaling, b_scale_inv, "b_scale_inv")
+    if workspace is None and a.is_cuda:
+        workspace = workspace_for(a.device)
+    a_fmt = b_fmt = 0
+    ca, cb = a, b
+    if not FP8_DLPACK and a.dtype in FP8_DTYPES:
+        # this torch cannot export float8: pass uint8 views and name the format
+        a_fmt, b_fmt = _FP8_CODE[a.dtype], _FP8_CODE.get(b.dtype, 0)
+        ca, cb = a.view(torch.uint8), b.view(torch.uint8) if b_fmt else b
+    # an empty product gets the same checks from the C entry, which then launches nothing: its
+    # answer (zeros through the epilogue) is computed here
+    _C.gemm(ca, cb, out, transa, transb, a_scale_inv, b_scale_inv, a_code, b_code, bias, aux,
+            _EPI[epilogue], accumulate, fast_accum, tf32_of(allow_tf32, a.dtype),
+            as_float("gemm", "alpha", alpha), workspace, a_fmt, b_fmt, addend, stream_for(a))
+    if empty:
         _empty_product(a, transa, out, bias, aux, epilogue, accumulate, m, n, k, addend)
-    else:
-        a_code = _scaling_code(a_scaling, a_scale_inv, "a_scale_inv")
-        b_code = _scaling_code(b_scaling, b_scale_inv, "b_scale_inv")
-        if workspace is None and a.is_cuda:
-            workspace = workspace_for(a.device)
-        a_fmt = b_fmt = 0
-        if not FP8_DLPACK and a.dtype in FP8_DTYPES:
-            # this torch cannot export float8: pass uint8 views and name the format
-            a_fmt, b_fmt = _FP8_CODE[a.dtype], _FP8_CODE.get(b.dtype, 0)
-            a, b = a.view(torch.uint8), b.view(torch.uint8) if b_fmt else b
-        _C.gemm(a, b, out, transa, transb, a_scale_inv, b_scale_inv, a_code, b_code, bias, aux,
-                _EPI[epilogue], accumulate, fast_accum, tf32_of(allow_tf32, a.dtype),
-                as_float("gemm", "alpha", alpha), workspace, a_fmt, b_fmt, addend, stream_for(a))
     return out if extra is None else (out, extra)
 
 
@@ -242,113 +245,10 @@ def _fp8_gemm_nt_refusal(a, a_scaling, b, b_scaling):
         raise ValueError(f"fp8_gemm_nt: arguments 'a' and 'b' must be 2-D, got {a.dim()}-D and {b.dim()}-D")
 
 
-def _dtype_name(dtype):
-    return str(dtype).replace("torch.", "")
-
-
-def _device_name(t):
-    return f"{t.device.type}:{t.device.index or 0}"
-
-
-def _check_same_device(name_a, a, name_b, b):
-    if a.device != b.device:
-        raise ValueError(f"gemm: arguments '{name_a}' ({_device_name(a)}) and '{name_b}' ({_device_name(b)}) must "
-                         f"be on the same device")
-
-
-def _check_matrix(name, t, m, n):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"gemm: argument '{name}' must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != 2 or tuple(t.shape) != (m, n):
-        raise ValueError(f"gemm: argument '{name}' must have shape [m, n] = [{m}, {n}]")
-
-
-def _check_dtype(name, t, want):
-    if t.dtype != want:
-        raise TypeError(f"gemm: argument '{name}' must have dtype {_dtype_name(want)}, got {_dtype_name(t.dtype)}")
-
-
-#: Epilogue -> does it read bias (1), write it (2), or neither (0); the same for aux (csrc/gemm/gemm.h).
-_BIAS_USE = {"bias": 1, "bias_gelu": 1, "bias_gelu_aux": 1, "dgelu_bgrad": 2, "bgrad": 2}
-_AUX_USE = {"gelu_aux": 1, "bias_gelu_aux": 1, "dgelu": 2, "dgelu_bgrad": 2}
-
-
-def _check_empty(a, b, transb, out, bias, aux, epilogue, m, n, k, scaling, fast_accum):
-    """The C entry's argument checks (csrc/gemm/gemm.c, same order and
-    wording) for a product with m, n or k of 0, which never reaches it:
-    the operands' and out's dtypes, the inner dimensions, the devices,
-    out's shape, the FP8-only arguments and what the epilogue takes
-    (bias, aux).  Strides and alignment are not checked: nothing of an
-    empty operand is read."""
-    for name, x in (("a", a), ("b", b)):
-        if x.dtype not in _FLOAT_DTYPES + FP8_DTYPES:
-            raise TypeError(f"gemm: argument '{name}' must have dtype float32, float16, bfloat16, float8_e4m3fn or "
-                            f"float8_e5m2, got {_dtype_name(x.dtype)}")
-    fa, fb = a.dtype in FP8_DTYPES, b.dtype in FP8_DTYPES
-    if fa != fb or (not fa and a.dtype != b.dtype):
-        raise TypeError(f"gemm: arguments 'a' ({_dtype_name(a.dtype)}) and 'b' ({_dtype_name(b.dtype)}) must have "
-                        f"the same dtype, or both be float8 (quantize the other operand first)")
-    if fa and a.dtype == b.dtype == torch.float8_e5m2:
-        raise TypeError("gemm: float8_e5m2 x float8_e5m2 is not supported (cuBLASLt has no such kernel); keep one "
-                        "operand float8_e4m3fn")
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"gemm: argument 'out' must be a torch.Tensor, got {type(out).__name__}")
-    if fa and out.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"gemm: argument 'out' must have dtype bfloat16, float16 or float32 for float8 operands, "
-                        f"got {_dtype_name(out.dtype)}")
-    if not fa and out.dtype not in (a.dtype, torch.float32):
-        raise TypeError(f"gemm: argument 'out' must have dtype {_dtype_name(a.dtype)} (the operands') or float32, "
-                        f"got {_dtype_name(out.dtype)}")
-    kb = b.shape[1] if transb else b.shape[0]
-    if kb != k:
-        raise ValueError(f"gemm: inner dimensions differ: op(a) is [{m}, {k}] but op(b) is [{kb}, {n}] "
-                         f"(check transa/transb)")
-    _check_same_device("a", a, "b", b)
-    _check_same_device("a", a, "out", out)
-    _check_matrix("out", out, m, n)
-    if not fa and any(x is not None for x in scaling):
-        raise ValueError(f"gemm: scale inverses and scaling modes apply to float8 operands only (a and b are "
-                         f"{_dtype_name(a.dtype)})")
-    if not fa and fast_accum:
-        raise ValueError("gemm: fast_accum applies to float8 operands only")
-    bias_use, aux_use = _BIAS_USE.get(epilogue, 0), _AUX_USE.get(epilogue, 0)
-    if not bias_use and bias is not None:
-        raise ValueError(f"gemm: argument 'bias' given but epilogue '{epilogue}' takes none")
-    if not aux_use and aux is not None:
-        raise ValueError(f"gemm: argument 'aux' given but epilogue '{epilogue}' takes none")
-    if bias_use:
-        if bias is None:
-            raise ValueError(f"gemm: epilogue '{epilogue}' needs argument 'bias'"
-                             + (" (its output)" if bias_use == 2 else ""))
-        if not isinstance(bias, torch.Tensor):
-            raise TypeError(f"gemm: argument 'bias' must be a torch.Tensor, got {type(bias).__name__}")
-        length = m if epilogue == "bgrad" else n
-        if bias.dim() != 1 or bias.shape[0] != length:
-            raise ValueError(f"gemm: argument 'bias' must be 1-D of length {length}")
-        want = out.dtype
-        if fa:
-            want = torch.float16 if out.dtype == torch.float16 else torch.bfloat16
-        _check_dtype("bias", bias, want)
-        _check_same_device("a", a, "bias", bias)
-    if aux_use:
-        if aux is None:
-            raise ValueError(f"gemm: epilogue '{epilogue}' needs argument 'aux' ("
-                             + ("the pre-GELU output)" if aux_use == 1 else "the saved pre-GELU input)"))
-        _check_matrix("aux", aux, m, n)
-        _check_dtype("aux", aux, torch.bfloat16 if fa and out.dtype == torch.float32 else out.dtype)
-        _check_same_device("a", a, "aux", aux)
-
-
 def _empty_product(a, transa, out, bias, aux, epilogue, accumulate, m, n, k, addend=None):
     """m, n or k is 0: cuBLASLt takes no such problem, and the answer needs no
-    GEMM: the product is all zeros (k == 0), so only the epilogue remains."""
-    if a.dtype not in _FLOAT_DTYPES + FP8_DTYPES:
-        raise TypeError(f"gemm: argument 'a' has dtype {a.dtype}, which gemm does not take")
-    if addend is not None and not isinstance(addend, torch.Tensor):
-        raise TypeError(f"gemm: argument 'addend' must be a torch.Tensor or None, got {type(addend).__name__}")
-    if addend is not None and (addend.shape != out.shape or addend.dtype != out.dtype or addend.device != out.device):
-        raise ValueError(f"gemm: argument 'addend' must have out's shape [m, n] = [{m}, {n}], dtype {out.dtype} "
-                         f"and device {out.device}")
+    GEMM: the product is all zeros (k == 0), so only the epilogue remains
+    (the C entry has checked every argument)."""
     if m == 0 or n == 0:
         if epilogue == "dgelu_bgrad":
             bias.zero_()  # a sum over no rows (or an empty vector)

@@ -42,7 +42,7 @@ import numbers
 import torch
 
 from .. import _C
-from ._call import as_float, capability_of, dense, detached, require_fp8_dlpack, stream_for
+from ._call import as_float, as_int, capability_of, dense, detached, require_fp8_dlpack, stream_for
 from .device_checks import check_storage
 from .gemm import FP8_DTYPES, FP8_ROW_MULTIPLE, SCALINGS, tf32_of, workspace_for
 from .quant import fp8_dtype_of
@@ -76,19 +76,10 @@ def _float_tensor(op, name, t, ndim=None):
 
 
 def _split_size(op, arg, v):
-    """One host row count as an int: an int, an integral float (3.0) or a
-    one-element tensor holding one; a fractional number (3.5, which int()
-    would truncate) is a ValueError and anything else a TypeError, naming
+    """One host row count as an int (as_int's rules: an integer of any kind,
+    or a whole real number; a fractional one is a ValueError), naming
     ``arg``."""
-    if isinstance(v, numbers.Integral):
-        return int(v)
-    if isinstance(v, torch.Tensor) and v.numel() == 1 and not v.dtype.is_complex:
-        return _split_size(op, arg, v.item())
-    if isinstance(v, numbers.Real):
-        if not float(v).is_integer():
-            raise ValueError(f"{op}: {arg} must hold whole numbers (row counts), got {v!r}")
-        return int(v)
-    raise TypeError(f"{op}: {arg} must hold integers (row counts), got {v!r}")
+    return as_int(op, None, v, what=f"{arg} (a row count)")
 
 
 def host_splits(op, m_splits, arg="argument 'm_splits'"):

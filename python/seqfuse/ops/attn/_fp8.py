@@ -131,10 +131,12 @@ def _from_bhsd(x, layout):
 
 
 def _fp8(x, scale, dtype):
-    """Saturating round to ``dtype`` of x * scale (torch's cast alone gives
-    NaN past E4M3's max)."""
+    """Round to ``dtype`` of x * scale, seqfuse's cast rule: finite values
+    saturate (torch's cast alone gives NaN past E4M3's max), infinities and
+    NaN become NaN."""
     m = FP8_MAX[dtype]
-    return (x * scale).clamp(-m, m).to(dtype)
+    y = x * scale
+    return torch.where(y.isinf(), float("nan"), y.clamp(-m, m)).to(dtype)
 
 
 def _scores(q, k, causal, softmax_scale):
