@@ -92,9 +92,10 @@ sf_status sf_cross_entropy_forward(const sf_tensor *logits, const sf_tensor *lab
     SF_TRY(sf_check_writable(op, "lse", lse));
     SF_TRY(check_label_record(op, logits, label_claim, label_record));
     {
-        const sf_mem_arg outs[] = {{"loss", loss, NULL}, {"lse", lse, NULL}, {"label_claim", label_claim, NULL}};
+        const sf_mem_arg outs[] = {{"loss", loss, NULL}, {"lse", lse, NULL}, {"label_claim", label_claim, NULL},
+                                   {"label_record", label_record, NULL}};
         const sf_mem_arg ins[] = {{"logits", logits, NULL}, {"labels", labels, NULL}};
-        SF_TRY(sf_check_apart(op, outs, 3, ins, 2));
+        SF_TRY(sf_check_apart(op, outs, 4, ins, 2));
     }
     return SF_DISPATCH(op, "logits", logits,
                        sf_cross_entropy_forward_cpu(logits, labels, ignore_index, label_smoothing,
