@@ -515,3 +515,17 @@ def test_fp8_linear_infinity_stays_non_finite(recipe_name):
     with te.autocast(recipe=recipe):
         y = m(torch.randn(16, 128))
     assert not torch.isfinite(y[:, 0]).any()
+
+
+def test_nvfp4_infinity_makes_its_block_nan():
+    """NVFP4 (emulated on Hopper): an infinity's 16-value block decodes as NaN
+    (its E4M3 block scale is NaN, the cast rule); the other blocks stay finite
+    values near x (within half FP4's largest step, amax / 6)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 32)
+    x[0, 3] = float("inf")
+    got = ops.quant.dequantize_nvfp4(*ops.quant.quantize_nvfp4(x))
+    assert torch.isnan(got[0, :16]).all() and not torch.isnan(got[0, 16:]).any()
+    others = torch.cat([got[0, 16:], got[1]])
+    want = torch.cat([x[0, 16:], x[1]])
+    assert ((others - want).abs() <= want.abs().max() / 6).all()
