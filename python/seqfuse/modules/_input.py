@@ -5,6 +5,8 @@ TypeError for a non-tensor input too; without this check a list or None
 would surface as an AttributeError from deep inside the forward)."""
 import torch
 
+from ..ops import device_checks
+
 
 def check_input(cls, x, features=None, what=None, name="input", min_dim=1):
     """Raise unless ``x`` is a floating-point tensor of at least ``min_dim``
@@ -20,23 +22,6 @@ def check_input(cls, x, features=None, what=None, name="input", min_dim=1):
     if features is not None and x.shape[-1] != features:
         raise ValueError(f"{cls}: {name}'s last dimension must be {what} = {features}, got shape "
                          f"{tuple(x.shape)}")
-
-
-def check_storage(cls, name, t):
-    """Raise unless ``t``'s storage holds every element its shape, strides and
-    storage offset reach.  For tensors torch reads before anything reaches
-    seqfuse's C entry (which checks the same for every tensor it imports): a
-    storage shrunk or freed under a tensor (``untyped_storage().resize_()``)
-    makes torch read past its end or crash."""
-    if t.numel() == 0:
-        return
-    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    need = (last + 1) * t.element_size()
-    have = t.untyped_storage().nbytes()
-    if need > have:
-        raise ValueError(f"{cls}: {name} needs {need} bytes of storage (its shape, strides and offset) "
-                         f"but its storage holds {have}; was the storage resized "
-                         "(untyped_storage().resize_()) or freed after the tensor was made?")
 
 
 def check_residual(cls, residual, out_shape, dtype, device):
@@ -55,7 +40,7 @@ def check_residual(cls, residual, out_shape, dtype, device):
                         f"epilogue, in the output's dtype), got {residual.dtype}")
     if residual.device != device:
         raise ValueError(f"{cls}: residual must be on the input's device {device}, got {residual.device}")
-    check_storage(cls, "residual", residual)
+    device_checks.check_storage(cls, "residual", residual)
     r = residual.reshape(-1, out_shape[-1])
     return r if r.is_contiguous() else r.contiguous()
 
@@ -65,6 +50,8 @@ def gemm_rows(x):
     layout (row-major with any row stride, or column-major), else a
     row-major copy (an expanded or otherwise strided view, which torch's
     modules accept; the GEMM would refuse it naming its own argument)."""
+    if x.is_contiguous():  # (the common case: one query on the hot path)
+        return x
     rows, k = x.shape
     s0, s1 = x.stride()
     if (s1 == 1 or k <= 1) and (s0 >= k or rows <= 1):

@@ -59,7 +59,7 @@ from ..ops.attn import MASKS, PerTensorCache, padding_layout
 from ..ops import device_checks
 from ..distributed.context_parallel import check_comm_type, context_parallel_attention, group_ranks
 from ._base import size_arg
-from ._input import check_input, check_storage
+from ._input import check_input
 
 
 _log = logging.getLogger("seqfuse")
@@ -86,7 +86,7 @@ def _check_mask(mask, name, batch, length, side, device):
                          f"{side} length ({length})")
     if mask.device != device:
         raise ValueError(f"{who}: {name} is on {mask.device}, the query on {device}: they must be on one device")
-    check_storage(who, name, mask)  # torch reads the mask (it never reaches C's checks)
+    device_checks.check_storage(who, name, mask)  # torch reads the mask (it never reaches C's checks)
 
 
 def _layout_of(masks, s_q):
