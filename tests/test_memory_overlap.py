@@ -137,3 +137,25 @@ def test_interleaved_views_apart_only_inside_the_gap(shift, apart):
             torch.testing.assert_close(g, w, rtol=0, atol=0)
     else:
         _refused("outputs 'dq' and 'dk' share memory", call)
+
+
+def test_grouped_fp8_casts_outputs_apart():
+    """The grouped FP8 casts (the C entries seqfuse.ops.moe calls with outputs
+    it makes) refuse an output over x or over another output, and scaling
+    vectors that share elements; the interleaved vectors of one scaling
+    state (every third column) stay apart."""
+    from seqfuse import _C
+
+    fp8 = torch.float8_e4m3fn
+    splits = torch.tensor([16, 16], dtype=torch.int64)
+    x = R(32, 16)
+    chunk = torch.ones(6)  # one state's roles: scale at columns 0, 3; scale_inv at 1, 4; amax at 2, 5
+    scale, scale_inv, amax = chunk[0::3], chunk[1::3], torch.zeros(6)[2::3]
+    out, out_t = torch.empty(32, 16, dtype=fp8), torch.empty(16, 32, dtype=fp8)
+    _C.cast_fp8_grouped(x, splits, 16, scale, amax, out, out_t, scale_inv, 0, 0, None)  # apart: runs
+    buf = torch.empty(32 * 16, dtype=fp8)
+    _refused("cast_fp8_grouped: outputs 'out' and 'out_t' share memory",
+             lambda: _C.cast_fp8_grouped(x, splits, 16, scale, amax, buf.view(32, 16), buf.view(16, 32),
+                                         scale_inv, 0, 0, None))
+    _refused("cast_fp8_grouped: output 'scale_inv' shares memory with input 'scale'",
+             lambda: _C.cast_fp8_grouped(x, splits, 16, scale, amax, out, out_t, scale, 0, 0, None))
