@@ -390,6 +390,29 @@ def test_delayed_scaling_fields_checked(kw, exc, rule):
         DelayedScaling(**kw)
 
 
+@pytest.mark.parametrize("fmt,bound", [("E4M3", 14), ("HYBRID", 14), ("E5M2", 29)])
+def test_recipe_margin_bounded_by_the_format(fmt, bound):
+    """A margin past the format's binades casts every tensor to (nearly) all zeros or saturates it: refused
+    with the format's range; the bound itself still maps a tensor's largest value to a normal number."""
+    from seqfuse.common.recipe import Float8CurrentScaling, Format
+    f = Format[fmt]
+    for cls in (DelayedScaling, Float8CurrentScaling):
+        for m in (bound + 1, -bound - 1, 40):
+            with pytest.raises(ValueError, match=rf"{cls.__name__}: margin must be in \[-{bound}, {bound}\] "
+                                                 rf"with fp8_format={fmt} .*got {m}"):
+                cls(fp8_format=f, margin=m)
+        assert cls(fp8_format=f, margin=bound).margin == bound
+    x = torch.linspace(-3.0, 3.0, 64)
+    scale = f.max_fwd / 3.0 / 2.0 ** bound
+    q = (x * scale).to(f.forward_dtype).float() / scale
+    top = x.abs() > 1.5
+    assert (q[top] != 0).all() and ((q - x)[top].abs() <= 0.1 * x[top].abs()).all()
+    r = DelayedScaling(fp8_format=Format.E5M2, margin=20)
+    with pytest.raises(ValueError, match=r"margin must be in \[-14, 14\] with fp8_format=HYBRID"):
+        r.fp8_format = Format.HYBRID  # the pair is checked whichever field changes
+    assert r.fp8_format is Format.E5M2
+
+
 def test_recipe_checked_on_assignment():
     r = DelayedScaling(amax_history_len=4)
     with pytest.raises(ValueError, match="DelayedScaling: amax_history_len must be >= 1, got 0"):

@@ -44,6 +44,8 @@ class _FormatSpec:
 
 
 _MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+#: the smallest normal value of each format (2**-6, 2**-14)
+_TINY = {torch.float8_e4m3fn: 2.0 ** -6, torch.float8_e5m2: 2.0 ** -14}
 
 
 def _spec_field(name):
@@ -145,6 +147,22 @@ def _whole(recipe, name, low, high=None):
     return value
 
 
+def _margin(recipe):
+    """The margin field: whole, and within the binades of the recipe's
+    narrower format.  A scale ``fp8_max / amax / 2**margin`` maps a tensor's
+    largest value to ``fp8_max / 2**margin``; past ``log2(fp8_max /
+    smallest normal)`` binades (14 for E4M3, 29 for E5M2) that value is
+    subnormal or rounds to zero, so every cast would return (nearly) all
+    zeros, and a margin as negative saturates everything above amax * 2**margin."""
+    bound = min(int(math.floor(math.log2(_MAX[dt] / _TINY[dt]))) for dt in recipe.fp8_format.value.dtypes)
+    value = _whole(recipe, "margin", -64, 64)
+    if abs(value) > bound:
+        raise ValueError(f"{type(recipe).__name__}: margin must be in [-{bound}, {bound}] with "
+                         f"fp8_format={recipe.fp8_format.name} (a tensor's largest value is cast to "
+                         f"fp8_max / 2**margin, which past that range falls below the format's smallest "
+                         f"normal value or saturates everything above amax * 2**margin), got {value}")
+
+
 def _flag(recipe, name):
     value = getattr(recipe, name)
     if not isinstance(value, (bool, int)) or value not in (0, 1):
@@ -194,7 +212,7 @@ class DelayedScaling(Recipe):
             raise NotImplementedError("DelayedScaling: a custom scaling_factor_compute_algo is not "
                                       "supported; the fused update computes fp8_max / amax / 2**margin")
         _whole(self, "amax_history_len", 1)
-        _whole(self, "margin", -64, 64)
+        _margin(self)
         _flag(self, "reduce_amax")
         _attention_flags(self)
 
@@ -210,7 +228,7 @@ class Float8CurrentScaling(Recipe):
 
     def _check(self):
         _check_format(self.fp8_format)
-        _whole(self, "margin", -64, 64)
+        _margin(self)
         _attention_flags(self)
 
 
