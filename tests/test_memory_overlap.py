@@ -117,6 +117,28 @@ def test_interleaved_views_of_one_buffer_are_apart():
              lambda: o.attention_backward(dout, q, k, v, out, lse, dq=shifted[0], dk=shifted[1]))
 
 
+def test_grouped_query_views_of_one_buffer_are_apart():
+    """Under grouped-query attention dq [t, 4, d], dk and dv [t, 2, d] sliced out of one packed
+    [t, 8, d] gradient have unequal shapes, yet no element in common: accepted, and equal to the
+    separate tensors' answer; dk one element into dq's heads is refused."""
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    q, k, v = R(12, 4, 16), R(12, 2, 16), R(12, 2, 16)
+    kw = dict(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=7, max_seqlen_kv=7)
+    out, lse = o.attention_forward(q, k, v, **kw)
+    dout = R(12, 4, 16)
+    want = o.attention_backward(dout, q, k, v, out, lse, **kw)
+    packed = torch.empty(12, 8, 16)
+    got = o.attention_backward(dout, q, k, v, out, lse, dq=packed[:, :4], dk=packed[:, 4:6], dv=packed[:, 6:],
+                               **kw)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    flat = packed.view(-1)
+    dk_bad = flat[4 * 16 - 1:].as_strided((12, 2, 16), (128, 16, 1))
+    _refused("outputs 'dq' and 'dk' share memory",
+             lambda: o.attention_backward(dout, q, k, v, out, lse, dq=packed[:, :4], dk=dk_bad, dv=packed[:, 6:],
+                                          **kw))
+
+
 @pytest.mark.parametrize("shift,apart", [(64, True), (128, True), (1, False), (63, False), (129, False)])
 def test_interleaved_views_apart_only_inside_the_gap(shift, apart):
     """Two [2, 8, 4, 16] views of one buffer with the packed layout's strides

@@ -147,49 +147,57 @@ static int64_t gcd64(int64_t a, int64_t b)
     return a;
 }
 
-/* Whether a and b, whose byte spans meet, still share no element because
- * they interleave: the same dtype, shape and (positive) strides, each made of
- * dense chunks of I elements that repeat at multiples of G (the gcd of the
- * strides outside the chunk), and b starting at least I elements past every
- * chunk of a and ending before the next (q, k and v sliced out of one packed
- * [..., 3, heads, dim] tensor are such views).  0 where this cannot be shown. */
-static int interleaved_apart(const sf_tensor *a, const sf_tensor *b)
+/* Where t's bytes can lie, as a residue interval: every byte is at
+ * data + [0, *run) plus a multiple of *g, where *run is the dense run of the
+ * innermost dimensions (bytes) and *g the gcd of the strides outside it
+ * (bytes; 0 when t is one dense run).  0 where t has a stride that is not
+ * positive on a dimension of more than one element. */
+static int residue_run(const sf_tensor *t, int64_t *run, int64_t *g)
 {
-    if (a->dtype != b->dtype || a->ndim != b->ndim)
-        return 0;
     int64_t size[SF_MAX_DIMS], stride[SF_MAX_DIMS];
     int n = 0;
-    for (int i = 0; i < a->ndim; ++i) {
-        if (a->shape[i] != b->shape[i])
-            return 0;
-        if (a->shape[i] == 1)
+    for (int i = 0; i < t->ndim; ++i) {
+        if (t->shape[i] == 1)
             continue;
-        if (a->strides[i] != b->strides[i] || a->strides[i] <= 0)
+        if (t->strides[i] <= 0)
             return 0;
         int j = n++;
-        for (; j > 0 && stride[j - 1] > a->strides[i]; --j) { /* insertion sort by stride */
+        for (; j > 0 && stride[j - 1] > t->strides[i]; --j) { /* insertion sort by stride */
             stride[j] = stride[j - 1];
             size[j] = size[j - 1];
         }
-        stride[j] = a->strides[i];
-        size[j] = a->shape[i];
+        stride[j] = t->strides[i];
+        size[j] = t->shape[i];
     }
-    int64_t chunk = 1; /* I: the dense run of the innermost dimensions */
+    const int64_t esize = (int64_t)sf_dtype_size(t->dtype);
+    int64_t chunk = 1;
     int i = 0;
     for (; i < n && stride[i] == chunk; ++i)
         if (__builtin_mul_overflow(chunk, size[i], &chunk))
             return 0;
-    if (i == n)
-        return 0; /* one dense block: meeting spans share elements */
-    int64_t g = 0;
+    int64_t gg = 0;
     for (; i < n; ++i)
-        g = gcd64(g, stride[i]);
-    const int64_t esize = (int64_t)sf_dtype_size(a->dtype);
-    const intptr_t diff = (intptr_t)b->data - (intptr_t)a->data;
-    if (esize <= 0 || diff % esize)
+        gg = gcd64(gg, stride[i]);
+    return esize > 0 && !__builtin_mul_overflow(chunk, esize, run) && !__builtin_mul_overflow(gg, esize, g);
+}
+
+/* Whether a and b, whose byte spans meet, still share no byte because they
+ * interleave: with G the gcd of both tensors' residue periods (residue_run),
+ * each one's bytes lie in one interval modulo G, and the two intervals are
+ * disjoint.  q, k and v sliced out of one packed [tokens, heads, dim] tensor
+ * are such views, with equal head counts or, under grouped-query attention,
+ * unequal ones.  0 where this cannot be shown. */
+static int interleaved_apart(const sf_tensor *a, const sf_tensor *b)
+{
+    int64_t run_a, g_a, run_b, g_b;
+    if (!residue_run(a, &run_a, &g_a) || !residue_run(b, &run_b, &g_b))
         return 0;
-    const int64_t r = (((int64_t)(diff / esize)) % g + g) % g;
-    return r >= chunk && g - r >= chunk;
+    const int64_t g = gcd64(g_a, g_b);
+    if (g == 0 || run_a > g || run_b > g)
+        return 0; /* a dense block, or runs that wrap around the period */
+    const int64_t diff = (int64_t)((intptr_t)b->data - (intptr_t)a->data);
+    const int64_t r = (diff % g + g) % g; /* where b's interval starts, from a's */
+    return r >= run_a && g - r >= run_b;
 }
 
 static int meet(const sf_tensor *a, const sf_tensor *b)

@@ -109,6 +109,44 @@ def detached(t):
     return t.detach() if isinstance(t, torch.Tensor) and t.requires_grad else t
 
 
+def given_out(op, out, name="out"):
+    """An ``out=`` tensor the op will write, as torch's own ``out=``
+    functions take one: refused while grad mode is on when it requires grad
+    (the write bypasses autograd, which would go on using the values it had);
+    anything that is not a tensor passes through for the C check to name.
+    After the write, :func:`mark_written` marks it changed."""
+    if isinstance(out, torch.Tensor) and out.requires_grad:
+        if torch.is_grad_enabled():
+            raise ValueError(f"{op}: argument '{name}' requires grad; seqfuse.ops write out= tensors outside "
+                             "autograd (as torch's out= functions refuse to), so pass one that does not "
+                             "require grad or call under torch.no_grad()")
+        return out.detach()
+    return out
+
+
+def _version_bump():
+    """torch's version-counter increment over a tuple of tensors (its C call
+    where it takes one, else the Python wrapper per tensor): what an in-place
+    write through DLPack must do so that autograd sees the change, as it sees
+    torch's own in-place and out= writes."""
+    bump = getattr(torch._C, "_increment_version", None)
+    try:
+        bump((torch.empty(1, device="cpu"),))  # (explicitly on the CPU: never initialise CUDA at import)
+        return bump
+    except Exception:  # noqa: BLE001 - an older signature, one tensor a call
+        return lambda tensors: [torch.autograd.graph.increment_version(t) for t in tensors]
+
+
+#: increment_versions((t, ...)): bump each tensor's version counter (see _version_bump)
+increment_versions = _version_bump()
+
+
+def mark_written(*outs):
+    """Bump the version counters of the given ``out=`` tensors after a C
+    write (other DLPack producers, which C also takes, keep no counter)."""
+    increment_versions(tuple(t for t in outs if isinstance(t, torch.Tensor)))
+
+
 _INT64 = (-(2 ** 63), 2 ** 63 - 1)
 
 

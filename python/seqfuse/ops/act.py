@@ -22,7 +22,7 @@ offset)``.  The seed defaults to a draw from torch's default CPU generator, so
 import torch
 
 from .. import _C
-from ._call import as_float, as_int, cached_workspace, detached, empty, stream_for
+from ._call import as_float, as_int, cached_workspace, detached, empty, given_out, mark_written, stream_for
 
 ACTIVATIONS = {"gelu": 0, "gelu_erf": 1, "silu": 2, "relu": 3, "geglu": 4, "geglu_erf": 5,
                "swiglu": 6, "reglu": 7}
@@ -62,7 +62,7 @@ def _given_out(op, out, out_dtype):
         raise TypeError(f"{op}: argument 'out' must be a torch.Tensor or None, got {type(out).__name__}")
     if out_dtype is not None and out.dtype != out_dtype:
         raise TypeError(f"{op}: argument 'out' has dtype {out.dtype} but out_dtype is {out_dtype}")
-    return out
+    return given_out(op, out)
 
 
 def act_forward(x, activation, out_dtype=None, scale=None, amax=None, scale_inv=None, out=None):
@@ -81,6 +81,9 @@ def act_forward(x, activation, out_dtype=None, scale=None, amax=None, scale_inv=
             shape[-1] //= 2
         y = empty(shape, _out_dtype(op, x, out_dtype), x.device)
     _C.act_forward(code, x, y, scale, amax, scale_inv, stream_for(x))
+    if out is not None:
+        mark_written(y)
+        return out
     return y
 
 
@@ -97,6 +100,9 @@ def act_backward(dy, x, activation, out_dtype=None, scale=None, amax=None, scale
     dx = _given_out(op, out, out_dtype) if out is not None else empty(x.shape, _out_dtype(op, x, out_dtype),
                                                                          x.device)
     _C.act_backward(code, dy, x, dx, scale, amax, scale_inv, stream_for(x))
+    if out is not None:
+        mark_written(dx)
+        return out
     return dx
 
 

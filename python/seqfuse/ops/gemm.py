@@ -17,7 +17,7 @@ accumulation), which is also what the CUDA backend is tested against.
 import torch
 
 from .. import _C
-from ._call import FP8_DLPACK, as_float, dense, detached, stream_for
+from ._call import FP8_DLPACK, as_float, dense, detached, given_out, mark_written, stream_for
 from .buffers import raw_stream
 
 
@@ -132,7 +132,10 @@ def gemm(a, b, *, transa=False, transb=False, out=None, out_dtype=None, bias=Non
     m = a.shape[1] if transa else a.shape[0]
     k = a.shape[0] if transa else a.shape[1]
     n = b.shape[0] if transb else b.shape[1]
-    if out is None:
+    user_out = out
+    if out is not None:
+        out = given_out("gemm", out)
+    else:
         if accumulate:
             raise ValueError("gemm: accumulate=True adds to the current values of 'out', so it "
                              "requires out (a new output would hold uninitialised memory)")
@@ -176,6 +179,9 @@ def gemm(a, b, *, transa=False, transb=False, out=None, out_dtype=None, bias=Non
             as_float("gemm", "alpha", alpha), workspace, a_fmt, b_fmt, addend, stream_for(a))
     if empty:
         _empty_product(a, transa, out, bias, aux, epilogue, accumulate, m, n, k, addend)
+    if user_out is not None:
+        mark_written(out)
+        out = user_out
     return out if extra is None else (out, extra)
 
 

@@ -9,7 +9,7 @@ linear_cross_entropy) on them.
 import torch
 
 from .. import _C
-from ._call import as_float, as_int, stream_for
+from ._call import as_float, as_int, given_out, mark_written, stream_for
 from . import device_checks as _checks
 from . import pending_errors as _pending
 
@@ -105,8 +105,11 @@ def cross_entropy_backward(logits, labels, lse, grad_scale, ignore_index=-100, l
     if check_labels:
         _pending.raise_pending()
     _labels_in_range("cross_entropy_backward", logits, labels, ignore_index, check_labels)
+    user_out = out
     if out is None:
         out = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    else:
+        out = given_out("cross_entropy_backward", out)
     if not isinstance(grad_scale, torch.Tensor):
         grad_scale = torch.tensor([as_float("cross_entropy_backward", "grad_scale", grad_scale)],
                                   device=logits.device)
@@ -114,4 +117,7 @@ def cross_entropy_backward(logits, labels, lse, grad_scale, ignore_index=-100, l
                               as_int("cross_entropy_backward", "ignore_index", ignore_index),
                               as_float("cross_entropy_backward", "label_smoothing", label_smoothing), out,
                               stream_for(logits))
+    if user_out is not None:
+        mark_written(out)
+        return user_out
     return out

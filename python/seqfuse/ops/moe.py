@@ -37,12 +37,12 @@ grouped_gemm_device takes them on the GPU (bfloat16, torch._grouped_mm's
 kernel), which is how GroupedMLP's bfloat16 step runs without a host
 synchronization.
 """
-import numbers
 
 import torch
 
 from .. import _C
-from ._call import as_float, as_int, capability_of, dense, detached, require_fp8_dlpack, stream_for
+from ._call import (as_float, as_int, capability_of, dense, detached, given_out, mark_written,
+                    require_fp8_dlpack, stream_for)
 from .device_checks import check_storage
 from .gemm import FP8_DTYPES, FP8_ROW_MULTIPLE, SCALINGS, tf32_of, workspace_for
 from .quant import fp8_dtype_of
@@ -226,6 +226,8 @@ def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dt
     first = a[0] if isinstance(a, list) else a
     if first.dtype in FP8_DTYPES:
         require_fp8_dlpack(op)
+    written = ()
+    grads = None
     if out is None:
         if accumulate:
             raise ValueError(f"{op}: accumulate=True adds to the current values of 'out', so it "
@@ -240,8 +242,11 @@ def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dt
             m = (a.shape[1] if transa else a.shape[0]) if a_split else _group_shape(op, "a", a, transa)[0]
             out = torch.empty((G, m, n), dtype=dtype, device=first.device)
     elif isinstance(out, (list, tuple)):
-        out = list(out)
-    grads = None
+        out = [given_out(op, t, f"out[{g}]") for g, t in enumerate(out)]
+        written = out
+    else:
+        out = given_out(op, out)
+        written = (out,)
     if bgrad:
         if bias is None:
             m = out[0].shape[0] if isinstance(out, list) else out.shape[-2]
@@ -257,6 +262,8 @@ def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dt
     _C.grouped_gemm(a, b, out, splits, bool(transa), bool(transb), a_scale_inv, b_scale_inv, a_code,
                     b_code, bias, bool(bgrad), bool(accumulate), bool(fast_accum), tf32_of(allow_tf32, first.dtype),
                     workspace, stream_for(first))
+    if written:
+        mark_written(*written)
     return out if grads is None else (out, grads)
 
 

@@ -19,7 +19,7 @@ import warnings
 import torch
 
 from .. import _C
-from ._call import as_float, cached_workspace, detached, stream_for
+from ._call import as_float, cached_workspace, detached, given_out, mark_written, stream_for
 
 _FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -65,7 +65,7 @@ def _forward_args(op, x, out_dtype, out=None):
     x = detached(x).contiguous()
     _warn_if_scalar_path(op, x, stacklevel=4)  # the caller of layernorm_forward / rmsnorm_forward
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return x, (_out(x, out_dtype) if out is None else out), rows
+    return x, (_out(x, out_dtype) if out is None else given_out(op, out)), rows
 
 
 def layernorm_forward(x, weight, bias=None, eps=1e-5, zero_centered_gamma=False, out_dtype=None,
@@ -81,6 +81,9 @@ def layernorm_forward(x, weight, bias=None, eps=1e-5, zero_centered_gamma=False,
         rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
     _C.layernorm_forward(x, detached(weight), detached(bias), as_float(op, "eps", eps), bool(zero_centered_gamma), y,
                      mean, rstd, scale, amax, scale_inv, stream_for(x))
+    if out is not None:
+        mark_written(y)
+        y = out
     return y, mean, rstd
 
 
@@ -92,6 +95,9 @@ def rmsnorm_forward(x, weight, eps=1e-5, zero_centered_gamma=False, out_dtype=No
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device) if save_stats else None
     _C.rmsnorm_forward(x, detached(weight), as_float(op, "eps", eps), bool(zero_centered_gamma), y, rstd, scale,
                    amax, scale_inv, stream_for(x))
+    if out is not None:
+        mark_written(y)
+        y = out
     return y, rstd
 
 

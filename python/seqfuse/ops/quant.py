@@ -4,7 +4,8 @@ import math
 import torch
 
 from .. import _C
-from ._call import FP8_DLPACK, as_float, as_int, empty, require_fp8_dlpack, stream_for
+from ._call import (FP8_DLPACK, as_float, as_int, empty, given_out, mark_written, require_fp8_dlpack,
+                    stream_for)
 from .buffers import new_or_transient
 from .device_checks import storage_shortfall
 
@@ -300,7 +301,11 @@ def dequantize_fp8(data, scale_inv, out_dtype=torch.float32, *, out=None):
     data = data.contiguous()
     if out is None:
         out = torch.empty(data.shape, dtype=out_dtype, device=data.device)
-    _C.dequantize_fp8(data, scale_inv, out, stream_for(data))
+        _C.dequantize_fp8(data, scale_inv, out, stream_for(data))
+        return out
+    y = given_out(op, out)
+    _C.dequantize_fp8(data, scale_inv, y, stream_for(data))
+    mark_written(y)
     return out
 
 

@@ -9,7 +9,7 @@ them in an autograd Function and in Transformer Engine's
 import torch
 
 from .. import _C
-from ._call import stream_for
+from ._call import given_out, mark_written, stream_for
 from .device_checks import check_cu_seqlens
 
 _FORMATS = {"sbhd": 0, "bshd": 1, "thd": 2}
@@ -47,8 +47,13 @@ def _run(t, freqs, tensor_format, interleaved, cu_seqlens, start_positions, back
                          max_what=f"the {limit} positions 'freqs' covers")
     if out is None:
         out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        _C.rope(t.detach(), freqs.detach(), cu_seqlens, start_positions, _FORMATS[tensor_format],
+                bool(interleaved), bool(backward), out, stream_for(t))
+        return out
+    y = given_out(op, out)
     _C.rope(t.detach(), freqs.detach(), cu_seqlens, start_positions, _FORMATS[tensor_format],
-            bool(interleaved), bool(backward), out, stream_for(t))
+            bool(interleaved), bool(backward), y, stream_for(t))
+    mark_written(y)
     return out
 
 

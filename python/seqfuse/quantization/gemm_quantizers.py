@@ -85,6 +85,7 @@ from ..ops import quant as qops
 from ..ops.gemm import FP8_ROW_MULTIPLE
 from ..ops.moe import dense
 from ..ops import device_checks
+from ..ops.args import increment_versions
 from . import recompute
 from .quantize import quantize_block, state_cast_args
 from .state import ScalingState
@@ -736,7 +737,7 @@ class WeightQuantizer(_Role):
         if spare is not None:
             q = spare[0]
             qops.cast_fp8_current_into(w.contiguous(), amax, scale, q.scale_inv, q.data, q.data_t, o.margin)
-            _increment_versions((q.scale_inv,))  # (written_in_place, without its frame)
+            increment_versions((q.scale_inv,))  # (written_in_place, without its frame)
             return spare, scratch
         fp8_dtype = self.fp8_dtype
         dev = w.device
@@ -793,23 +794,9 @@ def written_in_place(*scale_invs):
     """Move the version counters of the scale inverses a re-cast wrote (every
     saved weight operand keeps its scale inverse beside its bytes; a view's
     counter is its base's).  The hot re-cast of one per-tensor weight calls
-    _increment_versions((scale_inv,)) itself."""
-    _increment_versions(scale_invs)
+    increment_versions((scale_inv,)) itself."""
+    increment_versions(scale_invs)
 
-
-def _version_bump():
-    """torch.autograd.graph.increment_version's C call where it takes a tuple
-    of tensors (the Python wrapper only wraps a single tensor in one), else
-    the wrapper."""
-    bump = getattr(torch._C, "_increment_version", None)
-    try:
-        bump((torch.empty(1, device="cpu"),))  # (explicitly on the CPU: never initialise CUDA at import)
-        return bump
-    except Exception:  # noqa: BLE001 - an older signature, one tensor a call
-        return lambda tensors: [torch.autograd.graph.increment_version(t) for t in tensors]
-
-
-_increment_versions = _version_bump()
 
 
 def weight_key(src, *head):

@@ -1,0 +1,117 @@
+"""The ops' ``out=`` tensors follow torch's out= rules.
+
+seqfuse.ops write through DLPack, outside autograd.  A tensor that requires
+grad is refused as ``out`` while grad mode is on (torch's out= functions
+refuse it: the write would replace values autograd goes on using), taken
+under torch.no_grad() (as optimizers write parameters), and every given
+``out`` has its version counter bumped, so that autograd raises at backward
+when a tensor it saved was overwritten, as it does for torch's own in-place
+writes, instead of computing gradients from the new values.
+"""
+import pytest
+import torch
+
+from seqfuse import ops
+from seqfuse.ops import act as act_ops
+from seqfuse.ops import moe as moe_ops
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def _gemm(dev, out):
+    a, b = torch.randn(4, 3, device=dev), torch.randn(3, 5, device=dev)
+    return ops.gemm(a, b, out=out), a @ b
+
+
+def _act(dev, out):
+    x = torch.randn(4, 8, device=dev)
+    return act_ops.act_forward(x, "gelu", out=out), None
+
+
+def _act_backward(dev, out):
+    x, dy = torch.randn(4, 8, device=dev), torch.randn(4, 8, device=dev)
+    return act_ops.act_backward(dy, x, "gelu", out=out), None
+
+
+def _layernorm(dev, out):
+    x = torch.randn(4, 8, device=dev)
+    y, _, _ = ops.layernorm_forward(x, torch.ones(8, device=dev), torch.zeros(8, device=dev), out=out)
+    return y, torch.nn.functional.layer_norm(x, (8,), eps=1e-5)
+
+
+def _rmsnorm(dev, out):
+    x = torch.randn(4, 8, device=dev)
+    y, _ = ops.rmsnorm_forward(x, torch.ones(8, device=dev), out=out)
+    return y, None
+
+
+def _rope(dev, out):
+    t = torch.randn(4, 5, 2, 8, device=dev)
+    freqs = torch.randn(4, 1, 1, 8, device=dev)
+    return ops.rope_forward(t, freqs, out=out), None
+
+
+def _ce_backward(dev, out):
+    logits = torch.randn(4, 8, device=dev)
+    labels = torch.tensor([1, 2, 3, 0], device=dev)
+    _, lse = ops.cross_entropy_forward(logits, labels)
+    return ops.cross_entropy_backward(logits, labels, lse, 1.0, out=out), None
+
+
+OPS = {"gemm": (_gemm, (4, 5)), "act_forward": (_act, (4, 8)), "act_backward": (_act_backward, (4, 8)),
+       "layernorm_forward": (_layernorm, (4, 8)), "rmsnorm_forward": (_rmsnorm, (4, 8)),
+       "rope": (_rope, (4, 5, 2, 8)), "cross_entropy_backward": (_ce_backward, (4, 8))}
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_out_requiring_grad_refused_under_grad_mode(dev, name):
+    run, shape = OPS[name]
+    out = torch.full(shape, 7.0, device=dev, requires_grad=True)
+    with pytest.raises(ValueError, match=rf"{name}: argument 'out' requires grad; seqfuse.ops write out= "
+                                         r"tensors outside autograd .*torch.no_grad\(\)"):
+        run(dev, out)
+    assert (out.detach() == 7.0).all()  # nothing written
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_out_written_under_no_grad_and_version_bumped(dev, name):
+    run, shape = OPS[name]
+    for requires_grad in (False, True):
+        out = torch.full(shape, 7.0, device=dev, requires_grad=requires_grad)
+        before = out._version
+        with torch.no_grad():
+            got, want = run(dev, out)
+        assert got is out  # the caller's tensor itself, as torch's out= returns it
+        assert out._version > before
+        assert not (out.detach() == 7.0).all()
+        if want is not None:
+            torch.testing.assert_close(out.detach(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_saved_tensor_overwritten_through_out_is_caught_by_autograd(dev):
+    """A tensor autograd saved (x, for x * w's gradient) overwritten by an op's out=: backward raises
+    torch's in-place error instead of computing the gradient from the new values."""
+    x = torch.randn(4, 3, device=dev)
+    w = torch.randn(4, 3, device=dev, requires_grad=True)
+    y = (x * w).sum()
+    ops.gemm(torch.randn(4, 2, device=dev), torch.randn(2, 3, device=dev), out=x)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_grouped_gemm_out_list_checked_and_bumped(dev):
+    a = torch.randn(6, 4, device=dev)
+    b = [torch.randn(4, 3, device=dev) for _ in range(2)]
+    outs = [torch.zeros(2, 3, device=dev), torch.zeros(4, 3, device=dev, requires_grad=True)]
+    with pytest.raises(ValueError, match=r"grouped_gemm: argument 'out\[1\]' requires grad"):
+        moe_ops.grouped_gemm(a, b, [2, 4], out=outs)
+    before = [t._version for t in outs]
+    with torch.no_grad():
+        moe_ops.grouped_gemm(a, b, [2, 4], out=outs)
+    assert [t._version for t in outs] == [v + 1 for v in before]
+    torch.testing.assert_close(outs[0], a[:2] @ b[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs[1].detach(), a[2:] @ b[1], atol=1e-5, rtol=1e-5)
