@@ -1,8 +1,9 @@
 """Host cost of one transformer layer's GEMM modules under each precision, with
 seqfuse's compute kernels stubbed out.
 
-Why: on two H200s the ESM-2 650M FP8 step is host-bound (README, FSDP2
-rows): the host's work per layer, not the GPU's, sets the pace.  This
+Why: on two H200s the ESM-2 650M FP8 step is host-bound (FSDP2 rows in
+benchmarks/results/PERFORMANCE_HISTORY.md): the host's work per layer, not
+the GPU's, sets the pace.  This
 measures that work alone: LayerNormLinear (QKV) + LayerNormMLP (gelu) +
 Linear (projection), forward and backward, inside the recipe's autocast,
 with every seqfuse._C compute entry (GEMM, casts, norms, activations,

@@ -39,8 +39,9 @@ then on.  A module warmed up eagerly before graphing never takes this
 route.  The eager steps' activations sit beside the graphs' private memory
 pool, which already holds the graphed steps' own, so those two steps peak
 higher than any graphed step; a model graphed after two eager training
-steps never takes this route (the README's ESM-2 memory row has the
-figures).  A graphed plain callable (not an nn.Module) has no such guard: its
+steps never takes this route (the ESM-2 peak memory row in full,
+benchmarks/results/PERFORMANCE_HISTORY.md, has the figures).  A graphed
+plain callable (not an nn.Module) has no such guard: its
 first replays run at scale 1, and a warning says so.
 
 Gradient accumulation: torch's graphed backward hands each parameter's
