@@ -154,6 +154,21 @@ def test_fp8_scale_update_bad_fp8_max_tensor(bad):
     assert torch.equal(s, torch.ones(3))  # nothing written
 
 
+@pytest.mark.parametrize("bad", [0.0, -1.0, math.nan, -math.inf])
+def test_fp8_scale_update_bad_fp8_max_any_cpu_vector(bad):
+    """The C entry reads a CPU fp8_max of any producer (a numpy array, a strided-free torch view) and names
+    the element; scale and scale_inv over each other are refused as overlapping outputs."""
+    import numpy as np
+    h, s, si = _scale_state()
+    fm = np.array([448.0, 448.0, bad], dtype=np.float32)
+    with pytest.raises(ValueError, match=r"fp8_scale_update: argument 'fp8_max' must hold positive finite "
+                                         r"numbers, got .* at element 2"):
+        o.fp8_scale_update(h, s, si, fm)
+    assert torch.equal(s, torch.ones(3))
+    with pytest.raises(ValueError, match="fp8_scale_update: outputs 'scale' and 'scale_inv' share memory"):
+        o.fp8_scale_update(h, s, s, torch.full((3,), 448.0))
+
+
 @pytest.mark.parametrize("bad", [0, -448.0, math.nan, math.inf])
 def test_fp8_scale_update_bad_fp8_max_number(bad):
     h, s, si = _scale_state()

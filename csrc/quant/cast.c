@@ -579,6 +579,22 @@ sf_status sf_fp8_scale_update(sf_tensor *amax_history, sf_tensor *scale,
     SF_TRY(check_vector(op, "scale", scale, n, "amax_history", amax_history, 1));
     SF_TRY(check_vector(op, "scale_inv", scale_inv, n, "amax_history", amax_history, 1));
     SF_TRY(check_vector(op, "fp8_max", fp8_max, n, "amax_history", amax_history, 0));
+    {
+        const sf_mem_arg outs[] = {{"amax_history", amax_history, NULL}, {"scale", scale, NULL},
+                                   {"scale_inv", scale_inv, NULL}};
+        const sf_mem_arg ins[] = {{"fp8_max", fp8_max, NULL}};
+        SF_TRY(sf_check_apart(op, outs, 3, ins, 1));
+    }
+    if (fp8_max->device == SF_CPU) {
+        /* readable here at no cost; a device vector is not read (this runs every step and must not
+         * synchronize): the scaling states fill theirs from the format's largest value */
+        const float *m = (const float *)fp8_max->data;
+        const int64_t step = n > 1 ? fp8_max->strides[0] : 1;
+        for (int64_t i = 0; i < n; ++i)
+            if (!(m[i * step] > 0.0f) || isinf(m[i * step]))
+                return sf_fail(SF_ERR_VALUE, "%s: argument 'fp8_max' must hold positive finite numbers, "
+                               "got %g at element %lld", op, (double)m[i * step], (long long)i);
+    }
     if (algo != 0 && algo != 1)
         return sf_fail(SF_ERR_VALUE, "%s: argument 'algo' must be 0 (max) or 1 (most_recent), "
                        "got %d", op, algo);

@@ -7,7 +7,6 @@ from .. import _C
 from ._call import (FP8_DLPACK, as_float, as_int, empty, given_out, mark_written, require_fp8_dlpack,
                     stream_for)
 from .buffers import new_or_transient
-from .device_checks import storage_shortfall
 
 _FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -324,7 +323,7 @@ def fp8_scale_update(amax_history, scale, scale_inv, fp8_max, algo="max", margin
 
     ``fp8_max`` may also be one Python number for every column.  It must be
     positive and finite (as :func:`fp8_compute_scale`'s): a Python number
-    and a CPU tensor are checked here (ValueError).  A CUDA tensor's values
+    and a CPU tensor's values are checked (ValueError).  A CUDA tensor's values
     are not read (this runs every training step and must not synchronize
     with the device): they are the caller's responsibility; the scaling
     states seqfuse keeps fill theirs from the FP8 format's largest value.
@@ -333,15 +332,7 @@ def fp8_scale_update(amax_history, scale, scale_inv, fp8_max, algo="max", margin
     algo_id = _AMAX_ALGOS.get(algo)
     if algo_id is None:
         raise ValueError(f"{op}: argument 'algo' must be 'max' or 'most_recent', got {algo!r}")
-    if isinstance(fp8_max, torch.Tensor):
-        if fp8_max.device.type == "cpu" and fp8_max.dtype == torch.float32 and fp8_max.dim() == 1 and \
-                not fp8_max.is_neg() and storage_shortfall(fp8_max) is None:  # (C checks its dtype, shape, storage)
-            bad = ~(torch.isfinite(fp8_max) & (fp8_max > 0))
-            if bad.any():
-                i = int(bad.nonzero()[0, 0])
-                raise ValueError(f"{op}: argument 'fp8_max' must hold positive finite numbers, got "
-                                 f"{float(fp8_max[i])} at element {i}")
-    elif not hasattr(fp8_max, "__dlpack__"):  # (a numpy array goes to C as it is)
+    if not hasattr(fp8_max, "__dlpack__"):  # (a tensor or numpy array goes to C, which checks it)
         value = as_float(op, "fp8_max", fp8_max)
         if not (value > 0.0 and math.isfinite(value)):
             raise ValueError(f"{op}: argument 'fp8_max' must be a positive finite number, got {value}")
