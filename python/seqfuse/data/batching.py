@@ -42,6 +42,7 @@ import zlib
 import numpy as np
 import torch
 
+from ._checks import as_int, as_optional_int
 from .masking import sample_seed
 
 __all__ = ["TokenBudgetBatchSampler"]
@@ -72,22 +73,28 @@ class TokenBudgetBatchSampler(torch.utils.data.Sampler):
         balance_ranks: bool = False,
         attention_tokens: int = 4096,
     ):
-        lengths = np.asarray(lengths, dtype=np.int64)
+        name = "TokenBudgetBatchSampler"
+        if isinstance(lengths, torch.Tensor):
+            lengths = lengths.detach().cpu().numpy()
+        lengths = np.asarray(lengths)
         if lengths.ndim != 1 or lengths.size == 0:
             raise ValueError(f"TokenBudgetBatchSampler: 'lengths' must be a non-empty 1-D sequence, got shape {lengths.shape}")
+        if lengths.dtype.kind not in "iu":  # a float length would be truncated, a bool read as 0 / 1
+            raise TypeError(
+                f"TokenBudgetBatchSampler: argument 'lengths' must hold integers (token counts), got dtype {lengths.dtype}"
+            )
+        lengths = lengths.astype(np.int64)
         if (lengths < 1).any():
             i = int(np.flatnonzero(lengths < 1)[0])
             raise ValueError(f"TokenBudgetBatchSampler: sample {i} has length {lengths[i]}; lengths must be >= 1")
-        if max_tokens < 1:
-            raise ValueError(f"TokenBudgetBatchSampler: argument 'max_tokens' must be >= 1, got {max_tokens}")
-        if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
-            raise ValueError(f"TokenBudgetBatchSampler: argument 'pad_to_multiple_of' must be >= 1, got {pad_to_multiple_of}")
-        if max_sequences is not None and max_sequences < 1:
-            raise ValueError(f"TokenBudgetBatchSampler: argument 'max_sequences' must be >= 1, got {max_sequences}")
-        if bucket_size is not None and bucket_size < 1:
-            raise ValueError(f"TokenBudgetBatchSampler: argument 'bucket_size' must be >= 1, got {bucket_size}")
-        if attention_tokens < 1:
-            raise ValueError(f"TokenBudgetBatchSampler: argument 'attention_tokens' must be >= 1, got {attention_tokens}")
+        max_tokens = as_int(name, "max_tokens", max_tokens, 1)
+        pad_to_multiple_of = as_optional_int(name, "pad_to_multiple_of", pad_to_multiple_of, 1)
+        max_sequences = as_optional_int(name, "max_sequences", max_sequences, 1)
+        bucket_size = as_optional_int(name, "bucket_size", bucket_size, 1)
+        attention_tokens = as_int(name, "attention_tokens", attention_tokens, 1)
+        seed = as_int(name, "seed", seed, 0)
+        rank = as_int(name, "rank", rank)
+        world_size = as_int(name, "world_size", world_size)
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"TokenBudgetBatchSampler: need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
         m = pad_to_multiple_of or 1

@@ -39,9 +39,13 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ._checks import as_int, as_optional_int
 from .masking import IGNORE_INDEX
 
 __all__ = ["PackedTHDCollator", "PaddedBSHDCollator", "batch_to_device"]
+
+
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 def _check_samples(name: str, samples: Sequence[dict]) -> list[int]:
@@ -49,6 +53,14 @@ def _check_samples(name: str, samples: Sequence[dict]) -> list[int]:
     if len(samples) == 0:
         raise ValueError(f"{name}: got an empty batch")
     for k, s in enumerate(samples):
+        for key in ("input_ids", "labels"):
+            if key not in s:
+                raise ValueError(f"{name}: sample {k} has no {key!r}")
+            t = s[key]
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: sample {k}: {key!r} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype not in _INT_DTYPES:  # a float id would be truncated (0.7 -> 0), a bool read as 0 / 1
+                raise TypeError(f"{name}: sample {k}: {key!r} must be an integer tensor, got dtype {t.dtype}")
         ids, lab = s["input_ids"], s["labels"]
         if ids.dim() != 1 or lab.shape != ids.shape:
             raise ValueError(
@@ -75,11 +87,9 @@ class _Collator:
     ``pad_to_multiple_of`` (>= 1, checked here)."""
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None):
-        if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
-            raise ValueError(f"{type(self).__name__}: argument 'pad_to_multiple_of' must be >= 1, "
-                             f"got {pad_to_multiple_of}")
-        self.pad_token_id = pad_token_id
-        self.pad_to_multiple_of = pad_to_multiple_of
+        name = type(self).__name__
+        self.pad_token_id = as_int(name, "pad_token_id", pad_token_id, 0)
+        self.pad_to_multiple_of = as_optional_int(name, "pad_to_multiple_of", pad_to_multiple_of, 1)
 
 
 class PackedTHDCollator(_Collator):
@@ -91,7 +101,7 @@ class PackedTHDCollator(_Collator):
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None, max_tokens: int | None = None):
         super().__init__(pad_token_id, pad_to_multiple_of)
-        self.max_tokens = max_tokens
+        self.max_tokens = as_optional_int("PackedTHDCollator", "max_tokens", max_tokens, 1)
 
     def __call__(self, samples: Sequence[dict]) -> dict:
         lens = _check_samples("PackedTHDCollator", samples)
@@ -132,6 +142,7 @@ class PaddedBSHDCollator(_Collator):
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None, max_length: int | None = None):
         super().__init__(pad_token_id, pad_to_multiple_of)
+        max_length = as_optional_int("PaddedBSHDCollator", "max_length", max_length, 1)
         if max_length is not None and pad_to_multiple_of and max_length % pad_to_multiple_of:
             raise ValueError(
                 f"PaddedBSHDCollator: 'max_length' ({max_length}) must be a multiple of "

@@ -27,7 +27,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .masking import IGNORE_INDEX, mask_numpy, sample_seed
+from ._checks import as_int
+from .masking import IGNORE_INDEX, check_mask_settings, mask_numpy, sample_seed
 from .tokenizers import CharTokenizer
 
 __all__ = ["TokenizedSequences", "FramedDataset", "MLMDataset", "CausalLMDataset"]
@@ -77,8 +78,8 @@ class FramedDataset(torch.utils.data.Dataset):
         if crop not in ("random", "start"):
             raise ValueError(f"{name}: argument 'crop' must be 'random' or 'start', got {crop!r}")
         n_spec = tokenizer.num_special_tokens_added if add_special_tokens else 0
-        if max_length < n_spec + 1:
-            raise ValueError(f"{name}: argument 'max_length' must be >= {n_spec + 1}, got {max_length}")
+        max_length = as_int(name, "max_length", max_length, n_spec + 1)
+        seed = as_int(name, "seed", seed, 0)  # (sample_seed takes no negative seed)
         self.store = sequences if isinstance(sequences, TokenizedSequences) else TokenizedSequences(sequences, tokenizer)
         if self.store.tokenizer is not tokenizer and self.store.tokenizer.vocab != tokenizer.vocab:
             raise ValueError(f"{name}: the TokenizedSequences were made with a different vocabulary")
@@ -92,6 +93,13 @@ class FramedDataset(torch.utils.data.Dataset):
         self._gen = None  # one torch.Generator per process, re-seeded per sample
         #: Tokens per sample after cropping, specials included (int64 numpy).
         self.lengths = np.minimum(self.store.lengths, self._max_residues) + n_spec
+        if n_spec == 0 and (self.lengths == 0).any():
+            i = int(np.flatnonzero(self.lengths == 0)[0])
+            why = "add_special_tokens=False adds" if not add_special_tokens else "the tokenizer adds"
+            raise ValueError(
+                f"{name}: sequence {i} is empty and {why} no special tokens, so its sample would have no "
+                f"token; every sample needs at least one ({int((self.lengths == 0).sum())} empty sequence(s))"
+            )
 
     def __len__(self) -> int:
         return len(self.store)
@@ -163,6 +171,8 @@ class MLMDataset(FramedDataset):
         random_token_frac: float = 0.1,
         crop: str = "random",
     ):
+        mask_prob, mask_token_frac, random_token_frac = check_mask_settings(
+            "MLMDataset", mask_prob, mask_token_frac, random_token_frac)
         if tokenizer.mask_token_id is None and mask_prob > 0:
             raise ValueError("MLMDataset: the tokenizer has no mask token; use mask_prob=0")
         super().__init__(sequences, tokenizer, max_length=max_length, seed=seed, crop=crop)

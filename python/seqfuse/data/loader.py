@@ -20,6 +20,7 @@ different batches.
 """
 from __future__ import annotations
 
+import operator
 import warnings
 
 import torch
@@ -138,6 +139,19 @@ class ResumableDataLoader:
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(state, dict) or state.get("format") != _FORMAT:
             raise ValueError(f"ResumableDataLoader.load_state_dict: not a {_FORMAT} state")
+        missing = [k for k in ("epoch", "global_batches_consumed", "sampler") if k not in state]
+        if missing:
+            raise ValueError(
+                f"ResumableDataLoader.load_state_dict: argument 'state' lacks the key(s) {missing} "
+                f"(a {_FORMAT} state holds {sorted(self.state_dict())})"
+            )
+        if not isinstance(state["sampler"], dict):
+            raise ValueError(
+                "ResumableDataLoader.load_state_dict: argument 'state' field 'sampler' must be a dict "
+                f"(the sampler's fingerprint), got {type(state['sampler']).__name__}"
+            )
+        g = _state_count(state, "global_batches_consumed")
+        epoch = _state_count(state, "epoch")
         mine = self.batch_sampler.fingerprint()
         diff = {k: (state["sampler"].get(k), v) for k, v in mine.items() if state["sampler"].get(k) != v}
         if diff:
@@ -160,13 +174,11 @@ class ResumableDataLoader:
             raise ValueError(
                 f"ResumableDataLoader.load_state_dict: the dataset settings differ (saved, now): {diff or (saved, mine)}"
             )
-        g = int(state["global_batches_consumed"])
         if g % self.world_size:
             raise ValueError(
                 f"ResumableDataLoader.load_state_dict: {g} global batches consumed (saved with "
-                f"world_size={state['world_size']}) cannot be split evenly over world_size={self.world_size}"
+                f"world_size={state.get('world_size')}) cannot be split evenly over world_size={self.world_size}"
             )
-        epoch = int(state["epoch"])
         step = g // self.world_size
         if step > len(self.batch_sampler.rank_batches(epoch)):
             raise ValueError(
@@ -174,6 +186,25 @@ class ResumableDataLoader:
             )
         self.epoch = epoch
         self.batches_consumed = step
+
+
+def _state_count(state: dict, key: str) -> int:
+    """``state[key]`` as an int >= 0 (a saved count), or a ValueError naming the field."""
+    v = state[key]
+    try:
+        if isinstance(v, bool):
+            raise TypeError
+        n = operator.index(v)
+    except TypeError:
+        raise ValueError(
+            f"ResumableDataLoader.load_state_dict: argument 'state' field {key!r} must be an integer >= 0, "
+            f"got {v!r} ({type(v).__name__})"
+        ) from None
+    if n < 0:
+        raise ValueError(
+            f"ResumableDataLoader.load_state_dict: argument 'state' field {key!r} must be an integer >= 0, got {n}"
+        )
+    return n
 
 
 def build_mlm_loader(
@@ -208,7 +239,9 @@ def build_mlm_loader(
     (``fixed_epoch=0``).  ``balance_ranks``: re-deal each step's samples over
     the ranks by cost (TokenBudgetBatchSampler; training loaders only)."""
     from .dataset import MLMDataset
+    from .masking import check_mask_settings
 
+    mask_prob = check_mask_settings("build_mlm_loader", mask_prob)[0]
     _check_fits("build_mlm_loader", max_length, max_tokens, pad_to_multiple_of)
     if evaluation:
         crop = "start"

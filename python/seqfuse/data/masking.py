@@ -17,10 +17,13 @@ the original id at selected positions and -100 elsewhere. Special tokens
 """
 from __future__ import annotations
 
+import math
+import numbers
+
 import numpy as np
 import torch
 
-__all__ = ["sample_seed", "sample_generator", "mlm_mask", "mask_numpy", "IGNORE_INDEX"]
+__all__ = ["sample_seed", "sample_generator", "mlm_mask", "mask_numpy", "check_mask_settings", "IGNORE_INDEX"]
 
 #: Label value the loss ignores (torch.nn.CrossEntropyLoss's default).
 IGNORE_INDEX = -100
@@ -75,13 +78,8 @@ def mlm_mask(
     """
     if input_ids.dim() != 1:
         raise ValueError(f"mlm_mask: argument 'input_ids' must be 1-D, got shape {tuple(input_ids.shape)}")
-    if not 0.0 <= mask_prob <= 1.0:
-        raise ValueError(f"mlm_mask: argument 'mask_prob' must be in [0, 1], got {mask_prob}")
-    if mask_token_frac < 0 or random_token_frac < 0 or mask_token_frac + random_token_frac > 1.0:
-        raise ValueError(
-            "mlm_mask: 'mask_token_frac' and 'random_token_frac' must be >= 0 with a sum <= 1, "
-            f"got {mask_token_frac} and {random_token_frac}"
-        )
+    mask_prob, mask_token_frac, random_token_frac = check_mask_settings(
+        "mlm_mask", mask_prob, mask_token_frac, random_token_frac)
     if input_ids.device.type != "cpu":
         raise ValueError(f"mlm_mask: argument 'input_ids' must be on the CPU (data loading), got {input_ids.device}")
     if random_token_ids.numel() == 0:
@@ -94,6 +92,34 @@ def mlm_mask(
         mask_prob, mask_token_frac, random_token_frac,
     )
     return torch.from_numpy(out), torch.from_numpy(labels)
+
+
+def _fraction(caller: str, name: str, value) -> float:
+    """``value`` as a float in [0, 1] (NaN refused), or the error naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{caller}: argument '{name}' must be a real number in [0, 1], got {type(value).__name__}")
+    v = float(value)
+    if math.isnan(v) or not 0.0 <= v <= 1.0:
+        raise ValueError(f"{caller}: argument '{name}' must be in [0, 1], got {value}")
+    return v
+
+
+def check_mask_settings(caller: str, mask_prob, mask_token_frac=None, random_token_frac=None):
+    """The masking rule's settings checked (mlm_mask, MLMDataset and
+    build_mlm_loader share this): each a real number in [0, 1] (NaN
+    refused), ``mask_token_frac + random_token_frac <= 1``. Returns them
+    as floats; an argument given as None is not checked and stays None."""
+    mask_prob = _fraction(caller, "mask_prob", mask_prob)
+    if mask_token_frac is not None:
+        mask_token_frac = _fraction(caller, "mask_token_frac", mask_token_frac)
+    if random_token_frac is not None:
+        random_token_frac = _fraction(caller, "random_token_frac", random_token_frac)
+    if mask_token_frac is not None and random_token_frac is not None and mask_token_frac + random_token_frac > 1.0:
+        raise ValueError(
+            f"{caller}: arguments 'mask_token_frac' and 'random_token_frac' must be >= 0 with a sum <= 1, "
+            f"got {mask_token_frac} and {random_token_frac}"
+        )
+    return mask_prob, mask_token_frac, random_token_frac
 
 
 def mask_numpy(ids, special_lut, mask_token_id, random_ids, generator, mask_prob, mask_token_frac, random_token_frac):

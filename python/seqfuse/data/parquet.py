@@ -12,7 +12,9 @@ from __future__ import annotations
 import os
 from typing import Iterable, Iterator
 
-from .fasta import SequenceRecord, read_fasta
+from ._checks import as_int
+from ._files import replacing
+from .fasta import SequenceRecord, check_record, read_fasta
 
 __all__ = ["write_parquet", "write_rows", "read_metadata", "read_parquet", "iter_records", "load_sequences"]
 
@@ -38,15 +40,23 @@ def write_parquet(
     compression_level: int | None = None,
 ) -> int:
     """Write records to a Parquet file in row groups of ``row_group_size``;
-    returns the number written. Streams: at most one row group is in memory."""
+    returns the number written. Streams: at most one row group is in memory.
+    ``id``, ``sequence`` and ``description`` must be strings (read_parquet
+    refuses a null id or sequence); like ``write_rows``, an error leaves an
+    existing file as it was."""
     pa, _ = _pyarrow()
     schema = pa.schema([(c, pa.string()) for c in _COLUMNS])
-    rows = ({"id": r.id, "sequence": r.sequence, "description": r.description} for r in records)
+    rows = (_record_row(k, r) for k, r in enumerate(records))
     # No dictionary encoding for sequences: they are almost all distinct strings.
     return write_rows(
         rows, path, schema, row_group_size=row_group_size, compression=compression,
         compression_level=compression_level, use_dictionary=["id"], caller="write_parquet",
     )
+
+
+def _record_row(k: int, rec) -> dict:
+    check_record("write_parquet", k, rec, fasta=False)
+    return {"id": rec.id, "sequence": rec.sequence, "description": rec.description}
 
 
 def write_rows(
@@ -64,10 +74,13 @@ def write_rows(
     """Write dict rows (one key per column of the pyarrow ``schema``) to a
     Parquet file in row groups of ``row_group_size``, streaming; returns the
     number written. ``metadata`` (str -> str) goes into the file's schema
-    metadata (read back with ``read_metadata``)."""
+    metadata (read back with ``read_metadata``).
+
+    The rows stream into a temporary file next to ``path`` that replaces
+    ``path`` once all are written: an error (a bad row) leaves an existing
+    file as it was."""
     pa, pq = _pyarrow()
-    if row_group_size < 1:
-        raise ValueError(f"{caller}: argument 'row_group_size' must be >= 1, got {row_group_size}")
+    row_group_size = as_int(caller, "row_group_size", row_group_size, 1)
     if metadata:
         schema = schema.with_metadata({str(k): str(v) for k, v in metadata.items()})
     names = schema.names
@@ -79,8 +92,8 @@ def write_rows(
         for c in names:
             buf[c].clear()
 
-    with pq.ParquetWriter(
-        os.fspath(path), schema, compression=compression, compression_level=compression_level,
+    with replacing(path, caller) as tmp, pq.ParquetWriter(
+        tmp, schema, compression=compression, compression_level=compression_level,
         use_dictionary=use_dictionary,
     ) as writer:
         for row in rows:
