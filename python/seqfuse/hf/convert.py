@@ -31,7 +31,7 @@ wrong shapes raise ValueError naming them.
 import functools
 
 from .qkv import fuse_qkv, split_qkv
-from .state_dict import ModelFamily, check_keys, check_shapes, family_functions
+from .state_dict import ModelFamily, check_keys, check_shapes, check_tied, family_functions
 
 HF_LAYER = "esm.encoder.layer.{}."
 SF_LAYER = "esm.encoder.layers.{}."
@@ -126,6 +126,7 @@ def hf_to_seqfuse_state_dict(hf_sd, config, lm_head=True):
     """
     check_keys(hf_sd, hf_keys(config, lm_head), "transformers", optional=(_TIED_DECODER,))
     _check_shapes(hf_sd, config, "transformers", HF_LAYER, lm_head)
+    check_tied(hf_sd, _TIED_DECODER, _WORD_EMB, config, "transformers")
     out = {k: hf_sd[k] for k in _shared_keys(config, lm_head)}
     for i in range(config.num_hidden_layers):
         hp, sp = HF_LAYER.format(i), SF_LAYER.format(i)
@@ -143,6 +144,7 @@ def seqfuse_to_hf_state_dict(sf_sd, config, lm_head=True):
     """transformers EsmForMaskedLM state dict from a seqfuse one."""
     check_keys(sf_sd, seqfuse_keys(config, lm_head), "seqfuse", optional=(_TIED_DECODER,))
     _check_shapes(sf_sd, config, "seqfuse", SF_LAYER, lm_head)
+    check_tied(sf_sd, _TIED_DECODER, _WORD_EMB, config, "seqfuse")
     out = {k: sf_sd[k] for k in _shared_keys(config, lm_head)}
     for i in range(config.num_hidden_layers):
         hp, sp = HF_LAYER.format(i), SF_LAYER.format(i)

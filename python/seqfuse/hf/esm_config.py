@@ -13,11 +13,18 @@ scaling), instead of converting it into a different model.
 The ESM-2 shapes (8M ... 15B) are spelled out in ``ESM2_SHAPES`` so tests and
 recipes can build models of the published sizes from random weights.
 """
+import logging
+
 from transformers import AutoConfig, EsmConfig, PreTrainedConfig
 
 from .pretrained import register_auto
 
 MODEL_TYPE = "seqfuse_esm"
+
+_log = logging.getLogger("seqfuse")
+
+#: the MLP activations whose model transformers' EsmConfig can describe (it has no activation field: exact GELU)
+_HF_ACTIVATIONS = ("gelu_erf", "gelu")
 
 #: Published ESM-2 sizes: (hidden_size, num_hidden_layers, num_attention_heads,
 #: intermediate_size); vocabulary, norms and RoPE are the same for all.
@@ -190,6 +197,14 @@ def to_hf_config(config):
     """transformers' EsmConfig with the same model as a SeqfuseEsmConfig."""
     if not isinstance(config, SeqfuseEsmConfig):
         raise TypeError(f"to_hf_config: expected SeqfuseEsmConfig, got {type(config).__name__}")
+    if config.mlp_activation not in _HF_ACTIVATIONS:
+        raise NotImplementedError(
+            f"to_hf_config: mlp_activation={config.mlp_activation!r} has no transformers EsmConfig "
+            "counterpart (EsmForMaskedLM computes the exact GELU): only 'gelu_erf' exports as the same "
+            "network ('gelu', its tanh approximation, exports with a logged warning)")
+    if config.mlp_activation == "gelu":
+        _log.warning("to_hf_config: mlp_activation='gelu' (tanh approximation) exports as EsmConfig's exact "
+                     "GELU: transformers' model computes slightly different logits (~1e-4 relative)")
     kw = {k: getattr(config, k) for k in _COPIED}
     kw["position_embedding_type"] = "rotary"
     if config.dtype is not None:

@@ -28,7 +28,7 @@ import functools
 import torch
 
 from .qkv import fuse_qkv, split_qkv
-from .state_dict import ModelFamily, check_keys, check_shapes, family_functions
+from .state_dict import ModelFamily, check_keys, check_shapes, check_tied, family_functions
 
 LAYER = "model.layers.{}."
 #: seqfuse's fused QKV follows TE's default (interleaved per key/value group).
@@ -122,7 +122,9 @@ def attention_to_seqfuse(hf_sd, config, renames):
     checked already: the keys outside the layers, per layer the keys renamed
     one to one (``renames``: (HF suffix, seqfuse suffix) pairs) and the QKV
     fused in TE's order, and the LM head tied to the embedding when the
-    config ties them and ``hf_sd`` holds it.  The family adds its MLP."""
+    config ties them and ``hf_sd`` holds it (the same tensor: check_tied).
+    The family adds its MLP."""
+    check_tied(hf_sd, LM_HEAD, EMBED, config, "transformers")
     out = {k: hf_sd[k] for k in shared_keys(config)}
     for i in range(config.num_hidden_layers):
         p = LAYER.format(i)
@@ -142,6 +144,7 @@ def attention_to_hf(sf_sd, config, renames):
     state dict (the QKV split back into q, k and v; the LM head always
     written, as the embedding, when the config ties them).  The family adds
     its MLP."""
+    check_tied(sf_sd, LM_HEAD, EMBED, config, "seqfuse")
     out = {k: sf_sd[k] for k in shared_keys(config)}
     for i in range(config.num_hidden_layers):
         p = LAYER.format(i)

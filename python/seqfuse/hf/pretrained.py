@@ -9,10 +9,15 @@ embedding).
 The Llama (llama.py), Mixtral (mixtral.py) and ESM-2 (esm.py) families
 derive from it.
 """
+import json
+import os
+
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
+
+from .state_dict import save_pretrained_checked
 
 
 def register_auto(key, *pairs):
@@ -77,6 +82,26 @@ class TiedCausalLM:
         self.lm_head = new_embeddings
 
 
+def _check_model_type(cls, path, config, where):
+    """Refuse a local checkpoint directory whose config.json names another
+    model_type than ``cls``'s config class (transformers only warns, then
+    fails later with an error that names neither)."""
+    want = getattr(getattr(cls, "config_class", None), "model_type", None)
+    if config is not None or not want or not isinstance(path, (str, os.PathLike)):
+        return
+    file = os.path.join(os.fspath(path), "config.json")
+    if not os.path.isfile(file):
+        return  # (transformers' own error for a missing config)
+    try:
+        with open(file) as f:
+            got = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return  # (transformers' own error for an unreadable config)
+    if got is not None and got != want:
+        raise ValueError(f"{where}: the checkpoint's config.json has model_type {got!r}, but {cls.__name__} "
+                         f"loads {want!r} checkpoints")
+
+
 class SeqfusePreTrainedModel(PreTrainedModel):
     """Base of seqfuse's model families.  A subclass's base model (the one
     under ``base_model_prefix``) has a ``layers``-running forward that reads
@@ -121,16 +146,31 @@ class SeqfusePreTrainedModel(PreTrainedModel):
     def is_gradient_checkpointing(self):
         return self.is_activation_checkpointing
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' save_pretrained, made loud where it is silent
+        (seqfuse.hf.state_dict.save_pretrained_checked): a path that is a file
+        raises, and a sharded save removes an earlier single-file save that
+        transformers' loader would read instead, naming it in a log line."""
+        save = lambda path, **kw: super(SeqfusePreTrainedModel, self).save_pretrained(path, *args, **kw)  # noqa: E731
+        return save_pretrained_checked(self, save_directory, f"{type(self).__name__}.save_pretrained", save=save,
+                                       **kwargs)
+
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """transformers' from_pretrained, made strict: a checkpoint with missing
-        or unexpected weights raises (KeyError / ValueError naming the keys)
-        instead of leaving randomly initialised weights behind."""
+        """transformers' from_pretrained, made strict: a checkpoint of another
+        model type (config.json's model_type) raises ValueError naming both, and
+        one with missing or unexpected weights raises (KeyError / ValueError
+        naming the keys) instead of leaving randomly initialised weights behind
+        (an output layer may be absent only where the config ties it to the
+        input embedding)."""
+        where = f"{cls.__name__}.from_pretrained({pretrained_model_name_or_path!r})"
+        _check_model_type(cls, pretrained_model_name_or_path, kwargs.get("config"), where)
         want_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
                                               **kwargs)
-        where = f"{cls.__name__}.from_pretrained({pretrained_model_name_or_path!r})"
         tied = set(getattr(cls, "_tied_weights_keys", None) or {})
+        if not getattr(model.config, "tie_word_embeddings", False):
+            tied = set()  # an untied output layer is a weight of its own: its absence is a missing weight
         missing = sorted(k for k in info.get("missing_keys", ()) if k not in tied)
         if missing:
             raise KeyError(f"{where}: the checkpoint is missing weight(s) {missing[:8]}"

@@ -13,6 +13,8 @@ steps, the same for every family, live here once.  Only tensors are moved,
 never recomputed, so a round trip through a family's mapping is
 bit-identical.
 """
+import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -40,6 +42,21 @@ def check_keys(sd, expected, side, optional=()):
     unexpected = sorted(k for k in present if k not in allowed)
     if unexpected:
         raise ValueError(f"{side} state dict has unexpected key(s) {_first(unexpected)}")
+
+
+def check_tied(sd, head, embedding, config, side):
+    """Where ``config.tie_word_embeddings`` ties the output layer ``head`` to
+    the input ``embedding`` and ``sd`` holds both, they must be one tensor
+    (or equal): ValueError otherwise, instead of a conversion that keeps the
+    embedding and drops an output layer replaced after the model was built."""
+    if not config.tie_word_embeddings or head not in sd or embedding not in sd:
+        return
+    h, e = sd[head], sd[embedding]
+    same = h.shape == e.shape and (h.data_ptr() == e.data_ptr() or torch.equal(h, e.to(h.device, h.dtype)))
+    if not same:
+        raise ValueError(f"{side} state dict: config.tie_word_embeddings=True ties {head!r} to {embedding!r}, "
+                         "but the two tensors differ (the output layer was replaced or untied after the model "
+                         "was built); set tie_word_embeddings=False in the config to convert both, or tie them")
 
 
 def check_shapes(sd, want, side):
@@ -105,6 +122,36 @@ def load_hf_checkpoint(hf_cls, path, dtype=None, optional=(), ignore_unexpected=
     return hf.eval()
 
 
+_log = logging.getLogger("seqfuse")
+
+#: transformers' single-file weights, which its loader reads before a sharded checkpoint's index
+_SINGLE_FILE = "model.safetensors"
+_INDEX = "model.safetensors.index.json"
+
+
+def save_pretrained_checked(model, path, where, save=None, **save_kwargs):
+    """``model.save_pretrained(path, **save_kwargs)`` (or ``save(path, ...)``)
+    with what transformers leaves silent made loud: a ``path`` that is a
+    file raises NotADirectoryError (transformers logs an error and writes
+    nothing), and a sharded save into a directory that holds an earlier
+    single-file save removes that ``model.safetensors``, naming it in a log
+    line (transformers removes earlier shards but not that file, and its
+    loader would read the old weights ahead of the new shards)."""
+    path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise NotADirectoryError(f"{where}: {path!r} is a file; a checkpoint is written into a directory")
+    (save or model.save_pretrained)(path, **save_kwargs)
+    index = os.path.join(path, _INDEX)
+    single = os.path.join(path, _SINGLE_FILE)
+    if os.path.isfile(index) and os.path.isfile(single):
+        with open(index) as f:
+            files = set(json.load(f).get("weight_map", {}).values())
+        if _SINGLE_FILE not in files:
+            os.remove(single)
+            _log.warning("%s: removed %s, an earlier single-file save in %r that the new sharded checkpoint "
+                         "replaces (transformers would have loaded it ahead of the shards)", where, single, path)
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     """One model family's two sides and the functions between them; its
@@ -153,9 +200,10 @@ class ModelFamily:
         return build_and_load(self.hf_model, self.config_to_hf(model.config), sd, model)
 
     def export_hf(self, model, path, **save_kwargs):
-        """to_hf_model(model).save_pretrained(path, **save_kwargs): a checkpoint
-        transformers loads with no seqfuse installed.  Returns ``path``."""
-        self.to_hf_model(model).save_pretrained(path, **save_kwargs)
+        """to_hf_model(model).save_pretrained(path, **save_kwargs) through
+        :func:`save_pretrained_checked`: a checkpoint transformers loads with
+        no seqfuse installed.  Returns ``path``."""
+        save_pretrained_checked(self.to_hf_model(model), path, type(model).__name__ + ".export_hf", **save_kwargs)
         return path
 
     def from_hf_pretrained(self, path, dtype=None, device=None):
