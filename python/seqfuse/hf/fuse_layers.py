@@ -119,7 +119,7 @@ class _Parts(NamedTuple):
 
 
 def _parts(layer, spec):
-    attn, mlp = layer.self_attn, layer.mlp
+    attn = layer.self_attn
     modules = {"", "self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
     if spec["qk_norm"]:
         modules |= {"self_attn.q_norm", "self_attn.k_norm"}

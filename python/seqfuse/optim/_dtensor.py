@@ -13,7 +13,6 @@ The gradient norm is not elementwise: each rank sums the squares of its local
 shards, and those sums are added over the mesh dimensions the tensors are
 sharded on (not the replicated ones, whose ranks hold the same values).
 """
-import torch
 
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard

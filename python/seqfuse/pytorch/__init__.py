@@ -75,7 +75,7 @@ from .permutation import moe_permute, moe_permute_with_probs, moe_unpermute  # n
 __all__ += ["GroupedLinear", "GroupedMLP", "permutation", "router", "moe_permute", "moe_permute_with_probs",
             "moe_unpermute"]
 from .permutation import (moe_permute_and_pad_with_probs, moe_sort_chunks_by_index,  # noqa: E402
-                          moe_sort_chunks_by_index_with_probs, moe_unpermute)
+                          moe_sort_chunks_by_index_with_probs)
 from .fp8_padding import Fp8Padding, Fp8Unpadding  # noqa: E402
 
 __all__ += ["moe_permute_and_pad_with_probs", "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs", "Fp8Padding", "Fp8Unpadding"]
