@@ -264,3 +264,13 @@ def test_collators_check_their_arguments(cls):
     c = cls(np.int64(1), pad_to_multiple_of=np.int64(4))
     assert type(c.pad_token_id) is int and c.pad_to_multiple_of == 4
     assert c([S1])["input_ids"].numel() == 4
+
+
+def test_tokenizer_counts_and_ids_must_be_integers():
+    from seqfuse.data.tokenizers import EsmTokenizer
+    tok = EsmTokenizer()
+    with pytest.raises(TypeError, match=r"EsmTokenizer.encode: argument 'max_length' must be an integer, got float"):
+        tok.encode("MKV", max_length=4.5)
+    with pytest.raises(TypeError, match=r"EsmTokenizer.decode: argument 'ids' must be an integer, got float"):
+        tok.decode([5.7])
+    assert tok.decode(tok.encode("MKV", max_length=4)) == tok.decode(tok.encode("MK"))

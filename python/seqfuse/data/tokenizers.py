@@ -34,6 +34,8 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
+from ._checks import as_int
+
 __all__ = ["CharTokenizer", "EsmTokenizer", "ESM2_VOCAB"]
 
 #: ESM-2's vocabulary in id order (fair-esm's Alphabet "ESM-1b", as shipped in
@@ -201,6 +203,7 @@ class CharTokenizer:
         ids = self.encode_residues(text)
         n_spec = self.num_special_tokens_added if add_special_tokens else 0
         if max_length is not None:
+            max_length = as_int(f"{type(self).__name__}.encode", "max_length", max_length)
             if max_length < n_spec + 1:
                 raise ValueError(
                     f"{type(self).__name__}.encode: argument 'max_length' must be >= {n_spec + 1} "
@@ -222,6 +225,7 @@ class CharTokenizer:
         special = set(self.special_token_ids)
         out = []
         for i in ids:
+            i = as_int(f"{type(self).__name__}.decode", "ids", i)
             if not 0 <= i < len(self.vocab):
                 raise ValueError(f"{type(self).__name__}.decode: id {i} is outside [0, {len(self.vocab)})")
             if skip_special_tokens and i in special:
