@@ -245,8 +245,7 @@ def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dt
         out = [given_out(op, t, f"out[{g}]") for g, t in enumerate(out)]
         written = out
     else:
-        out = given_out(op, out)
-        written = (out,)
+        written = (given_out(op, out),)  # (C writes this; out itself is returned, as torch's out= functions do)
     if bgrad:
         if bias is None:
             m = out[0].shape[0] if isinstance(out, list) else out.shape[-2]
@@ -259,7 +258,8 @@ def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dt
         bias = detached(_tensor(op, "bias", bias))
     if workspace is None and first.is_cuda:
         workspace = workspace_for(first.device)
-    _C.grouped_gemm(a, b, out, splits, bool(transa), bool(transb), a_scale_inv, b_scale_inv, a_code,
+    c_out = written[0] if written and isinstance(out, torch.Tensor) else out
+    _C.grouped_gemm(a, b, c_out, splits, bool(transa), bool(transb), a_scale_inv, b_scale_inv, a_code,
                     b_code, bias, bool(bgrad), bool(accumulate), bool(fast_accum), tf32_of(allow_tf32, first.dtype),
                     workspace, stream_for(first))
     if written:
