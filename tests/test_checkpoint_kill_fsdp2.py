@@ -225,7 +225,8 @@ def test_interrupted_save_is_named_refused_and_removed_with_warnings(tmp_path, c
     WARNING; named with checkpoint.resume_from it is refused (before the
     fix: no problem found, taken as good); the next save removes it with a
     WARNING, and a later save of the same step replaces step_2 with a
-    WARNING (before: all three silent)."""
+    WARNING naming what is wrong with it when step_2 is damaged (before:
+    all three silent); a good step_2 is never replaced (refused)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -254,11 +255,19 @@ def test_interrupted_save_is_named_refused_and_removed_with_warnings(tmp_path, c
     assert ckpt.interrupted_saves(root) == []
     assert [s for s, _ in ckpt.list_checkpoints(root)] == [1, 2]
     assert ckpt.verify_checkpoint(os.path.join(root, "step_00000002")) == []
-    # a step saved again (a rerun past a damaged step_2) replaces the old directory, saying so
+    # a good step_2 saved again is refused (nothing written); a damaged one (a rerun past a
+    # step_2 that resume skipped) is replaced, saying so and what was wrong with it
+    step2 = os.path.join(root, "step_00000002")
+    with pytest.raises(ckpt.CheckpointError, match="already holds a good checkpoint of step 2"):
+        ckpt.save_checkpoint(root, 2, model, opt, {"step": 2}, keep_last=3)
+    assert ckpt.verify_checkpoint(step2) == [] and ckpt.interrupted_saves(root) == []
+    os.remove(os.path.join(step2, "rng_rank0.pt"))
     with caplog.at_level(logging.WARNING, logger="recipe.checkpoint"):
         caplog.clear()
         ckpt.save_checkpoint(root, 2, model, opt, {"step": 2}, keep_last=3)
-        assert f"checkpoint: replacing {os.path.join(root, 'step_00000002')} (an earlier save" in caplog.text
+        assert f"checkpoint: replacing {step2}, a damaged earlier save of the same step (rng_rank0.pt is " \
+               "missing)" in caplog.text
+    assert ckpt.verify_checkpoint(step2) == []
     assert [s for s, _ in ckpt.list_checkpoints(root)] == [1, 2] and "step_00000002.old" not in os.listdir(root)
 
 

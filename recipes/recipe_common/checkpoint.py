@@ -37,8 +37,27 @@ verified before use); a ``.tmp_step_*`` directory is an interrupted save
 and never one: resume names each in a WARNING (left in place, not used),
 verify_checkpoint refuses one named with checkpoint.resume_from, and the
 next save removes them, naming each in a WARNING (its own step may need
-the name again).  After the rename, all but the newest ``keep_last`` are
-deleted.
+the name again).
+
+Nothing saved is replaced or deleted behind the user's back:
+  * A save of step n where ``step_n`` already exists: a good one (it passes
+    verify_checkpoint) is refused with CheckpointError before anything is
+    written (two runs mixed in one directory; the trainer refuses such runs
+    at the start, see recipe_common.trainer).  A damaged one is replaced,
+    named in a WARNING with what is wrong: resume skipped it already (a
+    rerun from the last good checkpoint writes that step again), so nothing
+    usable is lost.  A ``step_n`` directory that holds none of a
+    checkpoint's files (a user's folder) is refused, never replaced.
+  * Pruning, after the rename: of the checkpoints with a step lower than the
+    one just saved, all but the newest ``keep_last - 1`` are deleted (with
+    the new one, ``keep_last`` remain).  The new checkpoint and any with a
+    higher step are never pruned, and neither is a ``step_*`` directory that
+    holds none of a checkpoint's files.
+  * load_checkpoint refuses a checkpoint whose model keys are not the
+    model's (a checkpoint of another model config: more or fewer layers, a
+    delayed-scaling FP8 state the run does not keep) naming some of them,
+    and reports torch's load errors (a size mismatch) as CheckpointError
+    naming the checkpoint and the first error.
 
 Under torch.distributed every collective of a save (DCP's gather of write
 results, the barriers, the checksum gather) needs every rank, so a rank
@@ -86,17 +105,17 @@ def _barrier():
         dist.barrier()
 
 
-def _fail_together(error):
+def _fail_together(error, kind=RuntimeError):
     """A barrier that also carries rank 0's error: every rank raises it
-    (RuntimeError) when rank 0 failed, instead of the others waiting at the
-    next barrier for a rank that has left (a hang until the process group's
-    timeout)."""
+    (``kind``, RuntimeError unless told) when rank 0 failed, instead of the
+    others waiting at the next barrier for a rank that has left (a hang
+    until the process group's timeout)."""
     if _dist_on():
         box = [error]
         dist.broadcast_object_list(box, src=0)
         error = box[0]
     if error is not None:
-        raise RuntimeError(error)
+        raise kind(error)
 
 
 def list_checkpoints(root: str) -> list:
@@ -185,10 +204,11 @@ def _write_manifest(path: str, step: int, entries: dict) -> None:
     os.replace(tmp, os.path.join(path, MANIFEST))
 
 
-def verify_checkpoint(path: str) -> list:
+def verify_checkpoint(path: str, collective: bool = True) -> list:
     """What is wrong with checkpoint ``path`` (an empty list: nothing).
     Collective under torch.distributed (every rank checks a share of the
-    files; every rank gets the same answer)."""
+    files; every rank gets the same answer); ``collective=False``: this
+    process checks every file alone (rank 0 inside a save)."""
     problems = []
     m = _STEP_RE.match(os.path.basename(os.path.normpath(path)))
     mpath = os.path.join(path, MANIFEST)
@@ -210,7 +230,7 @@ def verify_checkpoint(path: str) -> list:
     mine = []
     if entries:
         names = sorted(entries)
-        rank, world = _rank(), _world()
+        rank, world = (_rank(), _world()) if collective else (0, 1)
         for i, rel in enumerate(names):
             if i % world != rank:
                 continue
@@ -222,7 +242,7 @@ def verify_checkpoint(path: str) -> list:
                 mine.append(f"{rel} has {os.path.getsize(p)} bytes, the manifest says {want['size']}")
             elif _crc32(p) != want["crc32"]:
                 mine.append(f"{rel} fails its CRC-32 check (contents changed since it was written)")
-    for share in _gather(mine):
+    for share in (_gather(mine) if collective else [mine]):
         problems.extend(share)
     if entries and os.path.isdir(path):
         extra = [f for f in _files(path) if f not in entries]
@@ -247,6 +267,13 @@ def verify_checkpoint(path: str) -> list:
 
 def has_manifest(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def holds_checkpoint_files(path: str) -> bool:
+    """Whether directory ``path`` holds any of a checkpoint's own files (its
+    manifest, trainer state or DCP metadata): a damaged checkpoint does, a
+    user's folder that happens to be named ``step_*`` does not."""
+    return any(os.path.isfile(os.path.join(path, n)) for n in (MANIFEST, TRAINER_STATE, ".metadata"))
 
 
 def find_resume_checkpoint(root: str, named: str = None):
@@ -279,8 +306,8 @@ def find_resume_checkpoint(root: str, named: str = None):
             log.warning("checkpoint %s is damaged and skipped: %s", path, "; ".join(problems))
     if damaged:
         raise CheckpointError(f"no usable checkpoint in {root}: every one is damaged ({', '.join(damaged)}); "
-                              f"remove them, name a good one with checkpoint.resume_from=..., or start over "
-                              f"with checkpoint.resume=false")
+                              f"remove them (then the run starts afresh), or resume a good one from elsewhere "
+                              f"with checkpoint.resume_from=... and a checkpoint.dir of its own")
     return None
 
 
@@ -313,7 +340,8 @@ def save_checkpoint(root: str, step: int, model, optimizer, trainer_state: dict,
     rank = _rank()
     final = os.path.join(root, f"step_{step:08d}")
     tmp = os.path.join(root, f".tmp_step_{step:08d}")
-    error = None
+    error = _refuse_replacing(final, step) if rank == 0 else None
+    _fail_together(error, CheckpointError)
     if rank == 0:
         try:
             os.makedirs(root, exist_ok=True)
@@ -337,20 +365,70 @@ def save_checkpoint(root: str, step: int, model, optimizer, trainer_state: dict,
     entries = {}
     for share in _gather(_checksum_share(tmp, _files(tmp))):
         entries.update(share)
+    error = None
     if rank == 0:
         _write_manifest(tmp, int(step), entries)
-        _finalize(tmp, final)
-        for _, old in list_checkpoints(root)[:-max(1, int(keep_last))]:
-            shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+        try:
+            _finalize(tmp, final)
+        except CheckpointError as e:
+            error = str(e)
+        else:
+            _prune(root, int(step), keep_last)
+    _fail_together(error, CheckpointError)
     return final
 
 
+def _refuse_replacing(final: str, step: int):
+    """Rank 0, before a save of ``step``: why ``final`` (its directory) must
+    not be replaced (a message), or None when it does not exist or is a
+    damaged checkpoint (which _finalize replaces, naming it)."""
+    if not os.path.lexists(final):
+        return None
+    if not os.path.isdir(final) or not holds_checkpoint_files(final):
+        return (f"checkpoint: cannot save step {step}: {final} exists and is not a checkpoint (none of "
+                f"{MANIFEST}, {TRAINER_STATE}, .metadata in it); refusing to replace it: move it out of the "
+                f"checkpoint directory")
+    if verify_checkpoint(final, collective=False):
+        return None  # damaged: resume skipped it; _finalize replaces it, naming what is wrong
+    return (f"checkpoint: cannot save step {step}: {final} already holds a good checkpoint of step {step} "
+            f"(of an earlier run into the same checkpoint directory?); refusing to replace it.  Resume that "
+            f"run (checkpoint.resume=true), write this one to another checkpoint.dir, or delete {final}")
+
+
+def _prune(root: str, step: int, keep_last) -> None:
+    """checkpoint.keep_last: the checkpoint just saved (``step``) and the
+    newest ``keep_last - 1`` of those with a lower step remain; the older
+    ones are deleted.  Higher steps (a newer checkpoint that resume skipped
+    as damaged) and ``step_*`` directories holding no checkpoint files are
+    never touched (the latter named in a WARNING, and not counted)."""
+    older = []
+    for s, path in list_checkpoints(root):
+        if s >= step:
+            continue
+        if holds_checkpoint_files(path):
+            older.append(path)
+        else:
+            log.warning("checkpoint: %s is named like a checkpoint but holds none of its files: left in place, "
+                        "not counted in checkpoint.keep_last", path)
+    keep = max(1, int(keep_last)) - 1
+    for path in older[:len(older) - keep]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _finalize(tmp: str, final: str) -> None:
-    """The atomic step: the temporary directory becomes the checkpoint."""
-    if os.path.exists(final):  # the same step saved again (e.g. a rerun): replace it
-        log.warning("checkpoint: replacing %s (an earlier save of the same step, damaged or not) with the "
-                    "new save", final)
+    """The atomic step: the temporary directory becomes the checkpoint.  An
+    existing ``final`` was checked before the save (_refuse_replacing): only
+    a damaged checkpoint gets here, and it is replaced, named in a WARNING
+    with what is wrong with it (resume skipped it: nothing usable is lost)."""
+    if os.path.lexists(final):
+        problems = verify_checkpoint(final, collective=False) if holds_checkpoint_files(final) else [
+            "holds no checkpoint files"]
+        if not problems or not holds_checkpoint_files(final):  # appeared during this save
+            raise CheckpointError(f"checkpoint: {final} appeared during this save of the same step "
+                                  f"({'a good checkpoint' if not problems else 'not a checkpoint'}): refusing "
+                                  f"to replace it; the new save is left in {tmp}")
+        log.warning("checkpoint: replacing %s, a damaged earlier save of the same step (%s), with the new save",
+                    final, "; ".join(problems))
         trash = final + ".old"
         shutil.rmtree(trash, ignore_errors=True)
         os.rename(final, trash)
@@ -366,18 +444,91 @@ def _finalize(tmp: str, final: str) -> None:
         pass
 
 
+def _first_error_line(e: BaseException) -> str:
+    """``Type: first line`` of the error under ``e``: for torch's
+    CheckpointException (a BaseException carrying each rank's exception and
+    traceback) the first failing rank's exception, not the multi-kB
+    traceback text its str() is."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank = sorted(failures)[0]
+        inner = failures[rank]
+        inner = inner[0] if isinstance(inner, tuple) and inner else inner
+        if isinstance(inner, BaseException):
+            where = f" (rank {rank}, one of {len(failures)} failing)" if len(failures) > 1 else (
+                f" (rank {rank})" if _dist_on() else "")
+            return _first_error_line(inner) + where
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def _names(keys, n=5) -> str:
+    keys = sorted(keys)
+    return ", ".join(keys[:n]) + (f" ... ({len(keys)} in all)" if len(keys) > n else "")
+
+
+def _covered(key: str, keys: set) -> bool:
+    """``key`` is one of ``keys`` or lies under one (DCP flattens a nested
+    value's entries to ``<key>.<sub>``)."""
+    parts = key.split(".")
+    return any(".".join(parts[:i]) in keys for i in range(len(parts), 0, -1))
+
+
+def check_model_keys(path: str, model_state: dict) -> None:
+    """CheckpointError unless the model entries saved in checkpoint ``path``
+    (its DCP metadata's ``model.*`` keys) are the model's state keys
+    (``model_state``): a checkpoint key the model lacks would be dropped
+    silently (a layer more, an FP8 scaling state), one the checkpoint lacks
+    would stay at its initial value.  Collective under torch.distributed:
+    the model's keys are those of every rank together (expert parallelism
+    names each rank's experts by their global index, so one rank holds a
+    part of the checkpoint's expert keys), and every rank gets the same
+    answer."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        saved_meta = FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as e:  # (an unreadable .metadata)
+        raise CheckpointError(f"checkpoint {path}: cannot read its metadata: {_first_error_line(e)}") from e
+    saved = {k[len("model."):] for k in saved_meta if k.startswith("model.")}
+    have = set()
+    for keys in _gather(sorted(model_state)):
+        have.update(keys)
+    extra = {k for k in saved if not _covered(k, have)}
+    missing = {k for k in have if k not in saved and not any(s.startswith(k + ".") for s in saved)}
+    if not extra and not missing:
+        return
+    parts = []
+    if extra:
+        parts.append(f"it holds {len(extra)} model key(s) the model lacks: {_names(extra)}")
+    if missing:
+        parts.append(f"it lacks {len(missing)} key(s) of the model: {_names(missing)}")
+    hint = ""
+    if all(".fp8_state." in k for k in extra | missing):
+        hint = (" (FP8 delayed-scaling state: the checkpoint and this run differ in precision.recipe or in "
+                "which layers run FP8; resume with the checkpoint's precision settings)")
+    raise CheckpointError(f"checkpoint {path} is not of this model: " + "; ".join(parts) + hint +
+                          ".  It was saved with another model config (compare the checkpoint's "
+                          f"{TRAINER_STATE} 'config'); resume it with the same model settings, or start a new run "
+                          f"in another checkpoint.dir")
+
+
 def load_checkpoint(path: str, model, optimizer) -> dict:
     """Restore model, optimizer and this rank's RNG from ``path``; returns
     the trainer state (step, scheduler, data position).  Verify first
-    (find_resume_checkpoint does)."""
+    (find_resume_checkpoint does).  CheckpointError, naming ``path``, when
+    its model keys are not the model's (check_model_keys) or torch's load
+    fails (a size mismatch: the first error, naming the key)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state = _model_optim_state(model, optimizer)
+    check_model_keys(path, state["model"])
     try:
         dcp.load(state, checkpoint_id=path)
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {path}: loading failed: {type(e).__name__}: {e}") from e
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        raise CheckpointError(f"checkpoint {path}: loading failed: {_first_error_line(e)}") from e
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rank = _rank()
     rng_file = os.path.join(path, f"rng_rank{rank}.pt")

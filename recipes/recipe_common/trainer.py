@@ -42,7 +42,10 @@ checkpoint (seqfuse.check_pending_errors on every rank together; in the
 steps between a bad label and its error the NaN gradients of its rows have
 already reached the weights, so no checkpoint is written from them);
 checkpoints every
-``checkpoint.interval`` and at the end; HF export at the end; an Nsight
+``checkpoint.interval`` and at the end (a run never writes among another
+run's checkpoints: check_checkpoint_dir refuses it before anything is
+built; a resume refuses a checkpoint of another model config:
+check_model_config); HF export at the end; an Nsight
 Systems capture range (``profiler``: cudaProfilerStart before
 profiler.start_step, cudaProfilerStop after profiler.end_step, an NVTX range
 per step and per phase, rank 0 only).  Returns a summary dict (losses,
@@ -489,8 +492,84 @@ def entry_points(spec_name: str):
     return evaluate_spec, train_spec
 
 
+def _same_dir(a, b):
+    return os.path.realpath(os.path.normpath(a)) == os.path.realpath(os.path.normpath(b))
+
+
+def check_checkpoint_dir(cfg):
+    """Refuse, before anything is built, a run that would write its
+    checkpoints among another run's in checkpoint.dir (its saves would
+    replace theirs, pruning by step would delete theirs or its own, and a
+    later resume would take whichever step is newest: two runs mixed).
+    CheckpointError naming checkpoint.dir and what to do, when it holds
+    ``step_*`` checkpoints and
+      * the run starts fresh (checkpoint.resume=false), or
+      * the run resumes from checkpoint.resume_from in another directory, or
+      * checkpoint.resume_from is one of its checkpoints and a newer good
+        one is there too (a damaged newer one is replaced when the run
+        reaches its step, named in a WARNING).
+    There is no overwrite option: delete the old checkpoints (or move them)
+    to reuse the directory.  Collective under torch.distributed."""
+    root = cfg.checkpoint.dir
+    if not root:
+        return
+    have = ckpt.list_checkpoints(root)
+    if not have:
+        return
+    named = cfg.checkpoint.get("resume_from")
+    names = ", ".join(os.path.basename(p) for _, p in have[-3:]) + (" ..." if len(have) > 3 else "")
+    if not named and not cfg.checkpoint.resume:
+        raise ckpt.CheckpointError(
+            f"checkpoint.dir={root!r} already holds {len(have)} checkpoint(s) ({names}) and "
+            f"checkpoint.resume=false starts a new run there: its checkpoints would replace or prune them and be "
+            f"mixed with them on a later resume.  Continue that run with checkpoint.resume=true, write the new "
+            f"one to another checkpoint.dir, or delete the old checkpoints")
+    if not named:
+        return
+    if not _same_dir(os.path.dirname(os.path.normpath(named)), root):
+        raise ckpt.CheckpointError(
+            f"checkpoint.dir={root!r} already holds {len(have)} checkpoint(s) ({names}), and this run continues "
+            f"from checkpoint.resume_from={named!r}, outside it: its checkpoints would replace or prune them and "
+            f"be mixed with them on a later resume.  Give this run a checkpoint.dir of its own (or an empty one), "
+            f"or delete the old checkpoints")
+    try:
+        from_step = int(ckpt.read_trainer_state(named)["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # find_resume_checkpoint refuses it, saying why
+    newer = [(s, p) for s, p in have if s > from_step]
+    good = [p for s, p in newer if not ckpt.verify_checkpoint(p)]
+    if good:
+        raise ckpt.CheckpointError(
+            f"checkpoint.resume_from={named!r} (step {from_step}) is older than checkpoint(s) of checkpoint.dir="
+            f"{root!r} ({', '.join(os.path.basename(p) for p in good)}): this run's saves would replace them and "
+            f"a later resume would mix the two runs.  Give this run another checkpoint.dir, or delete the newer "
+            f"checkpoints")
+
+
+def check_model_config(path, saved_config, cfg):
+    """CheckpointError naming every model.* field in which checkpoint
+    ``path``'s config (its trainer state's "config", ``saved_config``)
+    differs from this run's: resuming it would load a part of the checkpoint
+    into another model, or the same weights into another computation
+    (rope_theta).  A checkpoint without a recorded config is not compared
+    (and load_checkpoint still compares its keys with the model's)."""
+    saved = (saved_config or {}).get("model") if isinstance(saved_config, dict) else None
+    if not isinstance(saved, dict):
+        return
+    now = cfg.model.to_dict() if hasattr(cfg.model, "to_dict") else dict(cfg.model)
+    diff = [f"model.{k}: checkpoint {saved[k]!r}, this run {now[k]!r}" for k in sorted(set(saved) & set(now))
+            if saved[k] != now[k]]
+    if diff:
+        raise ckpt.CheckpointError(
+            f"checkpoint {path} was saved with another model config ({'; '.join(diff)}): resuming it would load "
+            f"it into a different model.  Resume with the checkpoint's model settings, or start a new run in "
+            f"another checkpoint.dir")
+
+
 def _resume(cfg, spec, model, optimizer, scheduler, train_loader, rank):
-    """The step to continue from (0: a fresh run), everything restored."""
+    """The step to continue from (0: a fresh run), everything restored.
+    (check_checkpoint_dir, at the start of the run, has refused a fresh run
+    into a directory holding checkpoints.)"""
     root = cfg.checkpoint.dir
     named = cfg.checkpoint.get("resume_from")
     total_steps = int(cfg.train.steps)
@@ -501,7 +580,9 @@ def _resume(cfg, spec, model, optimizer, scheduler, train_loader, rank):
     path = ckpt.find_resume_checkpoint(root, named)
     if not path:
         return 0
-    saved_step = int(ckpt.read_trainer_state(path)["step"])
+    saved = ckpt.read_trainer_state(path)
+    saved_step = int(saved["step"])
+    check_model_config(path, saved.get("config"), cfg)
     if saved_step >= total_steps:
         where = "the end of" if saved_step == total_steps else "beyond"
         raise ckpt.CheckpointError(
@@ -528,6 +609,7 @@ def _run(cfg, strategy, spec):
     log = spec.log
     rank, world, _, device = init_distributed(cfg)
     spec.check_run(cfg, device)
+    check_checkpoint_dir(cfg)  # before anything is built: never another run's checkpoints replaced or mixed
     recipe = spec.fp8_recipe(cfg)
     dtype = param_dtype(cfg, device)
     seed_everything(cfg.train.seed, 0)  # same initial weights on every rank
