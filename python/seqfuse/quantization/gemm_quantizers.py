@@ -21,10 +21,10 @@ stride is a multiple of 16 bytes, so the weight gradient (dW = dy^T x, a
 reduction over the tokens) needs the transposed copies of x and dy with a
 token count that is a multiple of 16.  The quantizers pad the token rows of
 every FP8 operand they make to the next multiple of 16 with zeros (the
-row-wise copy [Mp, K], the transposed copy [K, Mp]: per-tensor casts write
-the zero rows in their own pass over x; block scaling pads a copy of x;
-the norm's and activation's own FP8 outputs are copied into a padded
-buffer, one byte per element); the forward and input-
+row-wise copy [Mp, K], the transposed copy [K, Mp]: the per-tensor and
+block casts write the zero rows in their own pass over x; the norm's and
+activation's own FP8 outputs are written into the first rows of a padded
+buffer whose other rows are zeroed, one memset); the forward and input-
 gradient GEMMs then run on Mp rows and their outputs are cut back to the M
 real rows (``row_prefix``: the same storage, no copy, not an autograd
 view).  Zero rows add nothing to the weight and bias gradients, and the
