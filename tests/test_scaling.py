@@ -201,6 +201,33 @@ def test_one_update_launch_per_step_for_many_states(monkeypatch, seed):
         assert st.scale[GRAD_OUTPUT].item() == 1.0  # no amax yet: kept
 
 
+@pytest.mark.parametrize("outer", ["delayed", "current"])
+def test_nested_region_with_its_own_recipe_is_updated_at_the_outermost_exit(monkeypatch, outer):
+    """A region inside the outermost one with a DelayedScaling recipe of other settings (or inside a
+    current-scaling region) has its states updated at the outermost exit, once per setting, with one
+    statistics step; an inner region inheriting the outer recipe adds nothing."""
+    inner_r = DelayedScaling(amax_history_len=6, margin=2)
+    outer_r = DelayedScaling(amax_history_len=7, margin=1) if outer == "delayed" else Float8CurrentScaling()
+    inner_st = ScalingState.for_linear(inner_r)
+    outer_st = ScalingState.for_linear(outer_r) if outer == "delayed" else None
+    calls = []
+    real = ops.quant.fp8_scale_update
+    monkeypatch.setattr(ops.quant, "fp8_scale_update", lambda *a, **k: (calls.append(a[0].shape[0]), real(*a, **k)))
+    for step in range(2):
+        calls.clear()
+        with te.autocast(recipe=outer_r):
+            if outer_st is not None:
+                quantize_with_state(torch.full((4, 4), 5.0), outer_st, WEIGHT)
+            with te.autocast(recipe=inner_r):
+                quantize_with_state(torch.full((4, 4), 3.0 + step), inner_st, WEIGHT)
+            with te.autocast(recipe=inner_r):  # the same setting again: one update
+                pass
+            with te.autocast():  # inherits the outer recipe
+                pass
+        assert calls.count(6) == 1 and calls.count(7) == (1 if outer == "delayed" else 0)
+        assert inner_st.scale[WEIGHT].item() == np.float32(448.0) / np.float32(3.0 + step) / 4
+
+
 @needs_fp8
 def test_backward_amax_folds_in_at_next_exit():
     r = DelayedScaling(amax_history_len=4, margin=4)

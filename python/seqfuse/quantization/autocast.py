@@ -7,8 +7,9 @@ work of delayed scaling.
     y.sum().backward()
 
 Modules ask ``is_fp8_enabled()`` / ``get_recipe()`` (or ``autocast_state()``)
-in their forward.  When the outermost autocast region exits with a
-DelayedScaling recipe, seqfuse runs the step's update:
+in their forward.  When the outermost autocast region exits, seqfuse runs
+the step's update for its DelayedScaling recipe and for every other one a
+region inside it ran with (each distinct setting once):
 
   1. one all-reduce (MAX) of the flat row-0 amax buffer of each state chunk
      across ``amax_reduction_group`` (default: the default process group when
@@ -57,25 +58,35 @@ def _default_group(recipe, group):
     return None
 
 
-def reduce_and_update(recipe, group=None):
+def reduce_and_update(recipe, group=None, *, nested=()):
     """The end-of-step work of delayed scaling for every state made under a
     recipe with these settings: one all-reduce of the amaxes per chunk (if a
-    group applies) and one fused update launch per chunk.  autocast calls it
-    at the outermost exit; call it yourself when running without autocast."""
-    if not isinstance(recipe, DelayedScaling):
-        return
-    group = _default_group(recipe, group)
-    updated = []
-    algo, margin, history_len = recipe.amax_compute_algo, int(recipe.margin), int(recipe.amax_history_len)
-    for chunk in POOL.chunks_for(algo, margin):
-        if chunk.history.shape[0] != history_len:
+    group applies) and one fused update launch per chunk.  ``nested``: the
+    (recipe, group) pairs of regions opened inside with recipes of their
+    own, whose states are updated too (each distinct setting once).  autocast
+    calls it at the outermost exit; call it yourself when running without
+    autocast."""
+    seen, updated = set(), []
+    for r, g in ((recipe, group), *nested):
+        if not isinstance(r, DelayedScaling):
             continue
-        updated.append(chunk)
-        history, scale, scale_inv, fp8_max = chunk.used_views()
-        if group is not None:
-            torch.distributed.all_reduce(history[0], op=torch.distributed.ReduceOp.MAX, group=group)
-        stats.before_update(chunk)
-        qops.fp8_scale_update(history, scale, scale_inv, fp8_max, algo, margin)
+        g = _default_group(r, g)
+        algo, margin, history_len = r.amax_compute_algo, int(r.margin), int(r.amax_history_len)
+        key = (algo, margin, history_len, id(g))
+        if key in seen:
+            continue
+        seen.add(key)
+        for chunk in POOL.chunks_for(algo, margin):
+            if chunk.history.shape[0] != history_len or chunk in updated:
+                continue
+            updated.append(chunk)
+            history, scale, scale_inv, fp8_max = chunk.used_views()
+            if g is not None:
+                torch.distributed.all_reduce(history[0], op=torch.distributed.ReduceOp.MAX, group=g)
+            stats.before_update(chunk)
+            qops.fp8_scale_update(history, scale, scale_inv, fp8_max, algo, margin)
+    if not seen:
+        return
     if FIRST_CASTS:  # empty in steady state
         for state in list(FIRST_CASTS):
             if any(state.pooled_in(c) for c in updated):
@@ -83,11 +94,25 @@ def reduce_and_update(recipe, group=None):
     stats.end_step()
 
 
+#: per thread: the (recipe, group) of each region opened inside the outermost enabled one with a recipe or
+#: group of its own (its states need the update at the outermost exit too)
+_nested = threading.local()
+
+
+def _nested_regions():
+    regions = getattr(_nested, "regions", None)
+    if regions is None:
+        regions = _nested.regions = []
+    return regions
+
+
 @contextlib.contextmanager
 def autocast(enabled=True, recipe=None, amax_reduction_group=None, calibrating=False):
     """Run the region with quantized GEMMs under ``recipe`` (default
     DelayedScaling()).  Nested regions inherit and restore; the delayed-
-    scaling update runs when the outermost enabled region exits."""
+    scaling update runs when the outermost enabled region exits, for its
+    recipe and for every other DelayedScaling recipe (or amax reduction
+    group) a region inside it ran with."""
     if recipe is not None and not isinstance(recipe, Recipe):
         raise TypeError(f"autocast: argument 'recipe' must be a seqfuse.common.recipe recipe, "
                         f"got {type(recipe).__name__}")
@@ -99,6 +124,9 @@ def autocast(enabled=True, recipe=None, amax_reduction_group=None, calibrating=F
                                if isinstance(flag, Recipe) else ""))
     s = autocast_state()
     saved = s.settings()
+    inside = saved[0] or saved[3]  # an enclosing region is on: this one is not the outermost
+    if not inside:
+        _nested_regions().clear()
     s.enabled = bool(enabled)
     if recipe is None:
         if saved[0]:  # inherited from the enclosing enabled region
@@ -110,6 +138,8 @@ def autocast(enabled=True, recipe=None, amax_reduction_group=None, calibrating=F
     s.recipe = recipe
     s.amax_reduction_group = amax_reduction_group if amax_reduction_group is not None else saved[2]
     s.calibrating = bool(calibrating)
+    if inside and (enabled or calibrating) and (recipe is not saved[1] or s.amax_reduction_group is not saved[2]):
+        _nested_regions().append((recipe, s.amax_reduction_group))
     ok = False
     try:
         yield s
@@ -121,8 +151,11 @@ def autocast(enabled=True, recipe=None, amax_reduction_group=None, calibrating=F
         outermost_exit = was_enabled and not (s.enabled or s.calibrating)
         # a region inside a checkpointed function is left again in its
         # recompute (the backward): the step's update ran at the forward's exit
-        if ok and outermost_exit and not s.recomputing:
-            reduce_and_update(recipe_now, group_now)
+        if outermost_exit:
+            nested = tuple(_nested_regions())
+            _nested_regions().clear()
+            if ok and not s.recomputing:
+                reduce_and_update(recipe_now, group_now, nested=nested)
 
 
 def fp8_autocast(enabled=True, calibrating=False, fp8_recipe=None, fp8_group=None, _graph=False):
