@@ -48,6 +48,9 @@ attribute and ``expert_parameters()`` / ``expert_modules()`` methods (the
 local experts' parameters, and the submodules that hold only them):
 ExpertParallelGroupedMLP does.
 """
+import math
+import numbers
+import operator
 from typing import NamedTuple, Optional
 
 import torch
@@ -85,12 +88,21 @@ class _AllToAll(torch.autograd.Function):
         return _exchange(grad, input_splits, output_splits, ctx.group), None, None, None
 
 
+def _index(v):
+    """``v`` as an int (int, numpy or torch integer); TypeError for bool, floats and the rest
+    (int() would truncate 6.7 to 6)."""
+    if isinstance(v, bool) or (isinstance(v, torch.Tensor) and v.dtype == torch.bool):
+        raise TypeError("bool")
+    return operator.index(v)
+
+
 def _splits(name, splits, size):
     try:
-        splits = [int(v) for v in splits]
+        splits = [_index(v) for v in splits]
     except TypeError:
+        got = repr(splits) if isinstance(splits, (list, tuple)) else type(splits).__name__
         raise TypeError(f"all_to_all_single_autograd: argument '{name}' must be a sequence of ints, got "
-                        f"{type(splits).__name__}") from None
+                        f"{got}") from None
     if len(splits) != size or any(v < 0 for v in splits):
         raise ValueError(f"all_to_all_single_autograd: argument '{name}' must hold {size} counts >= 0 "
                          f"(one per rank of the group), got {splits}")
@@ -184,7 +196,11 @@ def dispatch_tokens(x, probs, routing_map, ep_group, num_local_experts):
     expert, and their probabilities.  Differentiable in x and probs."""
     op = "dispatch_tokens"
     group, ep, _ = group_size_rank(ep_group)
-    L = int(num_local_experts)
+    try:
+        L = _index(num_local_experts)
+    except TypeError:
+        raise TypeError(f"{op}: argument 'num_local_experts' must be an int, got "
+                        f"{type(num_local_experts).__name__} {num_local_experts!r}") from None
     if x.dim() != 2 or routing_map.dim() != 2 or routing_map.shape != probs.shape \
             or routing_map.shape[0] != x.shape[0]:
         raise ValueError(f"{op}: need x [T, H], probs and routing_map [T, E], got {tuple(x.shape)}, "
@@ -257,6 +273,12 @@ def init_expert_parallel_mesh(ep_size, dp_size=None, device_type=None):
     if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1 or world % ep_size:
         raise ValueError(f"init_expert_parallel_mesh: argument 'ep_size' must be a positive int dividing "
                          f"the world size {world}, got {ep_size!r}")
+    if dp_size is not None:
+        try:
+            dp_size = _index(dp_size)
+        except TypeError:
+            raise TypeError(f"init_expert_parallel_mesh: argument 'dp_size' must be an int or None, got "
+                            f"{type(dp_size).__name__} {dp_size!r}") from None
     dp = world // ep_size if dp_size is None else dp_size
     if dp * ep_size != world:
         raise ValueError(f"init_expert_parallel_mesh: dp_size * ep_size must equal the world size {world}, "
@@ -456,14 +478,30 @@ def clip_grad_norm_(model, max_norm, norm_type=2.0, ep_group=None, error_if_nonf
     the EP group (each expert lives on one EP rank); non-expert gradients
     are the same on every EP and DP rank (after the reduction) and count
     once.  Plain-tensor gradients must already be reduced over DP
-    (reduce_expert_parallel_grads).  norm_type: a float >= 1 or inf."""
+    (reduce_expert_parallel_grads).  norm_type: a float >= 1 or inf;
+    max_norm: a real number >= 0 (inf: no clipping; a negative one would
+    flip the gradients, so it is refused, as is NaN).  A model without
+    parameters has norm 0 (torch's answer for no parameters)."""
     norm_type = float(norm_type)
     if not (norm_type >= 1.0):
         raise ValueError(f"clip_grad_norm_: argument 'norm_type' must be >= 1 or inf, got {norm_type}")
+    if isinstance(max_norm, torch.Tensor) and max_norm.numel() == 1 and max_norm.dtype != torch.bool:
+        max_norm = max_norm.item()
+    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real):
+        raise TypeError(f"clip_grad_norm_: argument 'max_norm' must be a real number, got "
+                        f"{type(max_norm).__name__} {max_norm!r}")
+    max_norm = float(max_norm)
+    if math.isnan(max_norm) or max_norm < 0:
+        # a negative max_norm would flip every gradient's sign, NaN would make them all NaN
+        raise ValueError(f"clip_grad_norm_: argument 'max_norm' must be >= 0 (inf: no clipping), got {max_norm}")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"clip_grad_norm_: argument 'model' must be an nn.Module (its EP layers say which "
                         f"parameters are experts), got {type(model).__name__}")
     ep = _ep_group_of(model, ep_group)
+    if next(model.parameters(), None) is None:
+        # no parameters (the same on every rank: the model's structure is): a norm of 0, as torch's
+        # clip_grad_norm_ gives for an empty iterable; no collective runs on any rank
+        return torch.zeros(())
     experts = {id(p) for p in expert_parameters(model)}
     inf = norm_type == float("inf")
     grads = [p.grad for p in model.parameters() if p.grad is not None]

@@ -359,8 +359,12 @@ def enable_fp8_all_gather(model, recipe):
     LayerNormLinear, LayerNormMLP, as seqfuse.pytorch builds them, at any
     depth) in FP8 under ``recipe``.  Call it before fully_shard, on
     materialized (not meta) parameters; run the model under FP8 autocast
-    with the same recipe.  Returns the names of the parameters converted;
-    weights it leaves in high precision are logged with the reason.
+    with the same recipe.  Returns the names of the parameters converted
+    (a tied weight once); weights it leaves in high precision are logged
+    with the reason.  Tied weights stay tied: a weight shared by several FP8
+    modules becomes one converted Parameter in all of them; one also held by
+    a module without the FP8 path (an embedding tied to the output Linear)
+    is left as it is, in high precision.
     Build the model on the device FSDP2 shards on: a parameter FSDP2 has to
     move (``param.data = param.to(device)``) loses the extension, and its
     weight is gathered in high precision; ``fp8_all_gather_params(model)``
@@ -374,6 +378,21 @@ def enable_fp8_all_gather(model, recipe):
     kind = recipe_kind(recipe, "enable_fp8_all_gather")
     margin = 0 if kind == "block" else int(getattr(recipe, "margin", 0))
     fp8_dtype = _weight_dtype(recipe)
+
+    def fp8_weights(m):
+        """The names of m's weights with the FP8 all-gather path (none for other modules)."""
+        names = _WEIGHTS.get(type(m).__name__) if getattr(type(m), "fp8_num_gemms", 0) else None
+        return () if not names or getattr(m, "parameters_split", None) else names
+
+    # every place each parameter sits (tied weights: several), so a converted weight replaces it in all
+    # of them and stays tied; a weight also held where there is no FP8 all-gather path stays as it is
+    holders = {}
+    for mname, m in model.named_modules():
+        fp8_names = fp8_weights(m)
+        for pname, p in m._parameters.items():
+            if p is not None:
+                full = f"{mname}.{pname}" if mname else pname
+                holders.setdefault(id(p), []).append((m, pname, full, pname in fp8_names))
     done, left = [], []
     for mname, m in model.named_modules():
         names = _WEIGHTS.get(type(m).__name__) if getattr(type(m), "fp8_num_gemms", 0) else None
@@ -398,9 +417,17 @@ def enable_fp8_all_gather(model, recipe):
             if p.dim() != 2 or p.dtype not in _HIGH:
                 left.append((full, f"shape {tuple(p.shape)} dtype {p.dtype}: not a 2-D float weight"))
                 continue
-            cfg = _Config(kind, fp8_dtype, margin, full)
+            places = holders[id(p)]
+            others = [h[2] for h in places if not h[3]]
+            if others:  # reported once, at its first FP8 holder
+                if full == next(h[2] for h in places if h[3]):
+                    left.append((full, f"tied to {', '.join(others)}, which has no FP8 all-gather path and "
+                                       f"would read FP8-rounded values; the tie is kept"))
+                continue
+            cfg = _Config(kind, fp8_dtype, margin, " = ".join(h[2] for h in places))
             new = torch.nn.Parameter(FP8ShardWeight(p.detach(), cfg), requires_grad=p.requires_grad)
-            m._parameters[pname] = new
+            for holder, hname, _, _ in places:  # every module holding it: tied weights stay tied
+                holder._parameters[hname] = new
             done.append(full)
     for full, why in left:
         _log.warning("seqfuse FP8 all-gather: %s stays in high precision on the wire (%s)", full, why)

@@ -18,6 +18,7 @@ pads each packed sequence at its end (labels -100 there, so the loss skips
 them).  Labels are the caller's business: shift them for causal LM before
 splitting, since a rank does not hold the token after its chunk's last one.
 """
+import operator
 from typing import NamedTuple, Optional
 
 import torch
@@ -34,11 +35,24 @@ class CPBatch(NamedTuple):
     max_seqlen: Optional[int]            # the full batch's longest sequence (thd), or None
 
 
+def _as_int(v):
+    """``v`` as an int (int, numpy or torch integer), or None for bool, floats and the rest."""
+    if isinstance(v, bool) or (isinstance(v, torch.Tensor) and v.dtype == torch.bool):
+        return None
+    try:
+        return operator.index(v)
+    except TypeError:
+        return None
+
+
 def _check_cp(cp_size, cp_rank, who):
-    if not isinstance(cp_size, int) or cp_size < 1:
+    """(cp_size, cp_rank) as ints, checked."""
+    size, rank = _as_int(cp_size), _as_int(cp_rank)
+    if size is None or size < 1:
         raise ValueError(f"{who}: cp_size must be a positive int, got {cp_size!r}")
-    if not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
-        raise ValueError(f"{who}: cp_rank must be an int in [0, {cp_size}), got {cp_rank!r}")
+    if rank is None or not 0 <= rank < size:
+        raise ValueError(f"{who}: cp_rank must be an int in [0, {size}), got {cp_rank!r}")
+    return size, rank
 
 
 def _lengths(cu_seqlens, who):
@@ -61,7 +75,7 @@ def split_batch_for_cp_rank(input_ids, labels=None, position_ids=None, cu_seqlen
     come in the rank's local order: per sequence, chunk cp_rank then chunk
     2*cp_size-1-cp_rank."""
     who = "split_batch_for_cp_rank"
-    _check_cp(cp_size, cp_rank, who)
+    cp_size, cp_rank = _check_cp(cp_size, cp_rank, who)
     fmt = qkv_format or ("thd" if cu_seqlens is not None else "bshd")
     if fmt not in ("thd", "bshd"):
         raise ValueError(f"{who}: qkv_format must be 'thd' or 'bshd', got {fmt!r}")
@@ -74,6 +88,9 @@ def split_batch_for_cp_rank(input_ids, labels=None, position_ids=None, cu_seqlen
         total, seq_dim = int(lengths.sum()), input_ids.dim() - 1
         if input_ids.dim() not in (1, 2) or (input_ids.dim() == 2 and input_ids.shape[0] != 1):
             raise ValueError(f"{who}: thd input_ids must be [t] or [1, t], got {tuple(input_ids.shape)}")
+        if input_ids.shape[-1] != total:
+            raise ValueError(f"{who}: input_ids hold {input_ids.shape[-1]} tokens but cu_seqlens ends at {total} "
+                             f"(cu_seqlens[-1] must be the packed batch's token count)")
     else:
         if cu_seqlens is not None:
             raise ValueError(f"{who}: cu_seqlens is for qkv_format 'thd'; bshd rows are split along dim 1")
@@ -134,8 +151,14 @@ def pad_thd_sequences_for_cp(input_ids, labels, cu_seqlens, cp_size, padding_tok
     use a loss mask and accept the extra keys, or pad to a length of real
     tokens only)."""
     who = "pad_thd_sequences_for_cp"
-    _check_cp(cp_size, 0, who)
+    cp_size, _ = _check_cp(cp_size, 0, who)
     lengths = _lengths(cu_seqlens, who)
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"{who}: input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+    if labels is not None and (not isinstance(labels, torch.Tensor) or labels.numel() != input_ids.numel()):
+        raise ValueError(f"{who}: labels must be a tensor of one label per token of input_ids "
+                         f"({input_ids.numel()}), got "
+                         f"{tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__}")
     flat_ids = input_ids.reshape(-1)
     flat_labels = labels.reshape(-1) if labels is not None else None
     if flat_ids.numel() != int(lengths.sum()):
@@ -168,12 +191,17 @@ def freqs_for_cp_rank(freqs, cp_size, cp_rank, cu_seqlens=None, seq_len=None):
     [t / cp, 1, 1, d]: rotate the local [t, h, d] tensor viewed as sbhd
     [t, 1, h, d], each token then getting its own row."""
     who = "freqs_for_cp_rank"
-    _check_cp(cp_size, cp_rank, who)
+    cp_size, cp_rank = _check_cp(cp_size, cp_rank, who)
     if not isinstance(freqs, torch.Tensor) or freqs.dim() != 4:
         raise ValueError(f"{who}: freqs must be a [s, 1, 1, d] tensor, got "
                          f"{tuple(freqs.shape) if isinstance(freqs, torch.Tensor) else type(freqs).__name__}")
     if cu_seqlens is None:
-        s = freqs.shape[0] if seq_len is None else int(seq_len)
+        s = freqs.shape[0] if seq_len is None else _as_int(seq_len)
+        if s is None:
+            raise TypeError(f"{who}: seq_len must be an int (the full sequence length), got "
+                            f"{type(seq_len).__name__} {seq_len!r}")
+        if s < 0:
+            raise ValueError(f"{who}: seq_len must be >= 0, got {s}")
         if s % (2 * cp_size) or s > freqs.shape[0]:
             raise ValueError(f"{who}: the full sequence length {s} must be a multiple of 2*cp_size = "
                              f"{2 * cp_size} and at most the table's {freqs.shape[0]} rows")

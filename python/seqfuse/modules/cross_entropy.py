@@ -138,6 +138,10 @@ def parallel_cross_entropy(inp, target, label_smoothing=0.0, reduce_loss=False, 
     (SQ, B, V), ``target`` int64 with B * SQ elements; float32 loss per token,
     or its mean over non-ignored tokens with ``reduce_loss``.  Always graph
     capturable here (nothing is read on the host)."""
+    if dist_process_group is not None and not (torch.distributed.is_available()
+                                               and isinstance(dist_process_group, torch.distributed.ProcessGroup)):
+        raise TypeError(f"parallel_cross_entropy: argument 'dist_process_group' must be a "
+                        f"torch.distributed.ProcessGroup or None, got {type(dist_process_group).__name__}")
     if dist_process_group is not None and torch.distributed.is_initialized() and \
             torch.distributed.get_world_size(dist_process_group) > 1:
         raise NotImplementedError("parallel_cross_entropy: vocab-parallel loss over a process group "

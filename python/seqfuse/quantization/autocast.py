@@ -195,6 +195,13 @@ def quantized_model_init(enabled=True, recipe=None, preserve_high_precision_init
     saved): with enabled=True this says so in a log line, once per process,
     and records the setting (quantized_model_init_state())."""
     global _logged_high_precision_weights
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise TypeError(f"quantized_model_init: argument 'recipe' must be a seqfuse.common.recipe recipe or None, "
+                        f"got {type(recipe).__name__}")
+    for name, flag in (("enabled", enabled), ("preserve_high_precision_init_val", preserve_high_precision_init_val)):
+        if isinstance(flag, Recipe) or not isinstance(flag, (bool, int)):
+            raise TypeError(f"quantized_model_init: argument '{name}' must be a bool, got {type(flag).__name__}"
+                            + (" (a recipe goes in 'recipe')" if isinstance(flag, Recipe) else ""))
     if enabled and not _logged_high_precision_weights:
         _logged_high_precision_weights = True
         logging.getLogger("seqfuse").warning(
