@@ -59,18 +59,33 @@ def like(p, local_tensor):
                               stride=p.stride())
 
 
-def as_state_of(p, t):
+def check_state_shape(op, p, t, name):
+    """Refuse loaded state ``t`` (named ``name``) whose shape is not the
+    parameter's: a plain tensor must have p's shape (or, for a DTensor p,
+    its local shard's), a DTensor p's global shape.  A state of another shape
+    but as many elements would otherwise be stepped on reinterpreted (torch
+    raises a size mismatch at its step)."""
+    if is_dtensor(t) or not is_dtensor(p):
+        if t.shape != p.shape:
+            raise ValueError(f"{op}: {name} has shape {tuple(t.shape)}, but its parameter has shape "
+                             f"{tuple(p.shape)}; the state must have the parameter's shape")
+        return
+    if t.shape != p.shape and t.shape != local(p).shape:
+        raise ValueError(f"{op}: {name} has shape {tuple(t.shape)}, but its parameter has shape {tuple(p.shape)} "
+                         f"(local shard {tuple(local(p).shape)}); the state must have either")
+
+
+def as_state_of(p, t, name="state"):
     """Loaded state ``t`` laid out like parameter ``p``: a DTensor is kept (DCP
     has already placed it); a plain tensor for a DTensor p is either p's
     local shard (taken as is) or the full tensor (every rank keeps its part,
-    without communication)."""
+    without communication).  A shape that is neither is refused (ValueError
+    naming ``name``)."""
+    check_state_shape("FusedAdamW.load_state_dict", p, t, name)
     if not is_dtensor(p) or is_dtensor(t):
         return t
     if t.shape == local(p).shape and t.shape != p.shape:
         return like(p, t)
-    if t.shape != p.shape:
-        raise ValueError(f"FusedAdamW.load_state_dict: state of shape {tuple(t.shape)} for a parameter of shape "
-                         f"{tuple(p.shape)} (local shard {tuple(local(p).shape)})")
     from torch.distributed.tensor import distribute_tensor
     return distribute_tensor(t, p.device_mesh, p.placements, src_data_rank=None)
 

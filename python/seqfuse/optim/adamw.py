@@ -42,18 +42,29 @@
   torch.distributed.checkpoint (get/set_optimizer_state_dict, dcp.save /
   dcp.load) save each rank's shard and reload it, resharded if the mesh
   changed.  No communication: AdamW is elementwise.
+- What the kernel cannot honour is refused, naming the argument, group or
+  parameter: amsgrad / maximize / decoupled_weight_decay=False with weight
+  decay (torch.optim.Adam's L2) in the constructor, any group (added or
+  changed later: checked at every step too) or a loaded checkpoint; betas
+  that are not a pair; parameters other than float32 / bfloat16 / float16,
+  gradients of another shape or dtype; loaded state of another shape.  A
+  step checks every group and parameter before it updates any, so a
+  refused step changes nothing (no parameter, moment or step count).
 """
 import itertools
 import logging
+import numbers
 
 import torch
 
 from ..ops import optim as _ops
-from ._dtensor import as_state_of, check_layout, like, local
+from ._dtensor import as_state_of, check_layout, check_state_shape, is_dtensor, like, local
 
 _log = logging.getLogger("seqfuse")
 #: The moment dtypes the kernel keeps.
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+#: The parameter dtypes the kernel updates.
+PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def moment_dtype(op, exp_avg_dtype, exp_avg_sq_dtype):
@@ -75,41 +86,101 @@ def moment_dtype(op, exp_avg_dtype, exp_avg_sq_dtype):
 
 
 def _grad_of(p, use_main_grad):
+    """(the gradient FusedAdamW reads for p, its name) or (None, None)."""
     if use_main_grad:
         main_grad = getattr(p, "main_grad", None)
         if main_grad is not None:
-            return main_grad
-    return p.grad
+            return main_grad, "main_grad"
+    return (p.grad, "grad") if p.grad is not None else (None, None)
+
+
+def _param_name(p, gi, pj):
+    return f"parameter {pj} of param group {gi} (shape {tuple(p.shape)})"
+
+
+def _dtype_name(dtype):
+    return str(dtype).replace("torch.", "")
 
 
 class FusedAdamW(torch.optim.Optimizer):
+    #: Group keys that say how this optimizer runs (where this model's gradients are, which
+    #: kernel modes it was built for), not where the training was: load_state_dict keeps this
+    #: optimizer's values over a checkpoint's.  The rest (hyper-parameters, master_weights) come
+    #: from the file where it has them, as torch's loader does.
+    _CONSTRUCTOR_KEYS = ("use_main_grad", "moment_dtype", "adam_w_mode")
+
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  master_weights=True, amsgrad=False, maximize=False, use_main_grad=False, *,
                  exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32):
-        if amsgrad or maximize:
-            raise NotImplementedError("FusedAdamW: amsgrad and maximize are not supported")
-        if isinstance(lr, torch.Tensor):
-            raise TypeError("FusedAdamW: argument 'lr' must be a Python number, not a tensor")
-        if not 0.0 <= lr:
-            raise ValueError(f"FusedAdamW: argument 'lr' must be >= 0, got {lr}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"FusedAdamW: argument 'betas' must lie in [0, 1), got {betas}")
-        if not 0.0 <= eps:
-            raise ValueError(f"FusedAdamW: argument 'eps' must be >= 0, got {eps}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"FusedAdamW: argument 'weight_decay' must be >= 0, got {weight_decay}")
-        moments = moment_dtype("FusedAdamW", exp_avg_dtype, exp_avg_sq_dtype)
+        moments = moment_dtype(type(self).__name__, exp_avg_dtype, exp_avg_sq_dtype)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, master_weights=master_weights,
                         use_main_grad=use_main_grad, moment_dtype=moments)
+        # keys a subclass adds to every group (te.optimizers.FusedAdam's adam_w_mode)
+        defaults.update(getattr(self, "_extra_defaults", {}))
+        self._check_group(dict(defaults, amsgrad=amsgrad, maximize=maximize), "argument '{}'")
         super().__init__(params, defaults)
 
+    def _check_group(self, group, name, refuse=NotImplementedError, at_step=False):
+        """Raise if ``group`` (a parameter group, or the constructor's
+        arguments) holds a value FusedAdamW cannot honour.  ``name`` formats
+        a key into the message ("argument '{}'", "param_groups[1]['{}']");
+        ``refuse`` is the exception for a feature the kernel does not have
+        (NotImplementedError, ValueError for a checkpoint's groups).  Run by
+        the constructor, add_param_group (the constructor's groups included),
+        load_state_dict (the saved groups, before anything changes) and every
+        step (values changed since, e.g. by a scheduler: there a tensor lr
+        is read as a number, as the kernel's entry does)."""
+        op = type(self).__name__
+        for key in ("lr", "eps", "weight_decay"):
+            if key not in group:
+                continue
+            value = group[key]
+            if isinstance(value, torch.Tensor):
+                if not at_step or value.numel() != 1:
+                    raise TypeError(f"{op}: {name.format(key)} must be a Python number, not a tensor")
+                value = value.item()
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"{op}: {name.format(key)} must be a number, got {type(value).__name__} {value!r}")
+            if not 0.0 <= value:
+                raise ValueError(f"{op}: {name.format(key)} must be >= 0, got {value}")
+        if "betas" in group:
+            betas = group["betas"]
+            if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+                raise ValueError(f"{op}: {name.format('betas')} must be a pair (beta1, beta2), got {betas!r}")
+            for b in betas:
+                if isinstance(b, torch.Tensor) and b.numel() == 1:
+                    b = b.item()
+                if isinstance(b, bool) or not isinstance(b, numbers.Real):
+                    raise TypeError(f"{op}: {name.format('betas')} must hold two numbers, got {betas!r}")
+                if not 0.0 <= b < 1.0:
+                    raise ValueError(f"{op}: {name.format('betas')} must lie in [0, 1), got {tuple(betas)}")
+        for key, why in (("amsgrad", "AMSGrad is not implemented in seqfuse's Adam kernel"),
+                         ("maximize", "seqfuse's Adam kernel always descends (maximize would be ignored)")):
+            if group.get(key):
+                raise refuse(f"{op}: {name.format(key)}={group[key]!r} is not supported: {why}")
+        wd = group.get("weight_decay", 0.0)
+        wd = wd.item() if isinstance(wd, torch.Tensor) else wd
+        for key in ("decoupled_weight_decay", "adam_w_mode"):
+            if key in group and not group[key] and wd > 0:
+                raise refuse(f"{op}: {name.format(key)}={group[key]!r} with weight_decay={wd} > 0 is not "
+                             "supported: that is Adam with L2 regularisation (torch.optim.Adam's weight_decay), "
+                             "which seqfuse's kernel does not implement; it decays decoupled (AdamW) only")
+        if "moment_dtype" in group:
+            md = group["moment_dtype"]
+            moment_dtype(op, md, md)
+
     def add_param_group(self, param_group):
-        """torch's, with a group's own ``moment_dtype`` (the key the
-        constructor's exp_avg_dtype / exp_avg_sq_dtype set) checked here,
-        not at the first step."""
-        if "moment_dtype" in param_group:
-            md = param_group["moment_dtype"]
-            moment_dtype("FusedAdamW", md, md)
+        """torch's, with the group's values checked here (the constructor's
+        groups too), not at the first step: hyper-parameters as the
+        constructor checks them, betas a pair, ``moment_dtype`` (the key
+        the constructor's exp_avg_dtype / exp_avg_sq_dtype set) one the
+        kernel keeps, and no ``amsgrad`` / ``maximize`` /
+        ``decoupled_weight_decay=False`` (with weight decay) the kernel
+        would ignore."""
+        if isinstance(param_group, dict):
+            merged = {k: v for k, v in self.defaults.items() if k not in param_group}
+            merged.update((k, v) for k, v in param_group.items() if k != "params")
+            self._check_group(merged, f"param_groups[{len(self.param_groups)}]['{{}}']")
         super().add_param_group(param_group)
 
     def _state(self, p, group):
@@ -124,9 +195,52 @@ class FusedAdamW(torch.optim.Optimizer):
             state["step"] = 0
             state["exp_avg"] = like(p, torch.zeros(lp.shape, dtype=md, device=lp.device))
             state["exp_avg_sq"] = like(p, torch.zeros(lp.shape, dtype=md, device=lp.device))
-            if group["master_weights"] and p.dtype != torch.float32:
+            if group.get("master_weights", True) and p.dtype != torch.float32:
                 state["master_param"] = like(p, lp.detach().to(torch.float32, copy=True))
         return state
+
+    def _check_param(self, p, grad, grad_name, gi, pj):
+        """Everything the kernel would refuse about parameter ``pj`` of group
+        ``gi`` and its gradient, checked before any update of a step runs (so
+        a refused step changes nothing: no parameter, moment or step count).
+        The common case costs a few attribute reads and allocates nothing;
+        the messages are built only for a refusal."""
+        op = type(self).__name__
+        if grad.is_sparse:
+            raise ValueError(f"{op}: sparse gradients are not supported ({_param_name(p, gi, pj)})")
+        if is_dtensor(p) or is_dtensor(grad):
+            check_layout(op, _param_name(p, gi, pj), p, grad)
+            lp, lg = local(p), local(grad)
+        else:
+            lp, lg = p, grad
+        pd, gd = p.dtype, grad.dtype
+        if pd not in PARAM_DTYPES:
+            raise TypeError(f"{op}: {_param_name(p, gi, pj)} has dtype {_dtype_name(pd)}; {op} takes float32, "
+                            "bfloat16 or float16 parameters (torch.optim.AdamW takes others)")
+        if gd != pd and not (gd == torch.float32 and pd != torch.float32):
+            also = " or float32" if pd != torch.float32 else ""
+            raise TypeError(f"{op}: the {grad_name} of {_param_name(p, gi, pj)} has dtype {_dtype_name(gd)}; it "
+                            f"must have the parameter's dtype ({_dtype_name(pd)}){also}")
+        if grad.shape != p.shape or (lg is not grad and lg.shape != lp.shape):
+            raise ValueError(f"{op}: the {grad_name} of {_param_name(p, gi, pj)} has shape {tuple(grad.shape)}; it "
+                             "must have the parameter's shape")
+        if lg.device != lp.device:
+            raise ValueError(f"{op}: the {grad_name} of {_param_name(p, gi, pj)} is on {lg.device}, the parameter "
+                             f"on {lp.device}; they must be on one device")
+        if lp.numel() == 0:
+            return
+        if not lp.is_contiguous() or not lg.is_contiguous():
+            what = "" if not lp.is_contiguous() else f"the {grad_name} of "
+            raise ValueError(f"{op}: {what}{_param_name(p, gi, pj)} must be contiguous (row-major); call "
+                             ".contiguous() on it first")
+        if lg.data_ptr() == lp.data_ptr():
+            raise ValueError(f"{op}: the {grad_name} of {_param_name(p, gi, pj)} is the parameter's own memory; "
+                             "it must be a tensor of its own")
+        if pd == torch.float32:
+            state = self.state.get(p)
+            if state and state.get("master_param") is not None:
+                raise ValueError(f"{op}: {_param_name(p, gi, pj)} is float32 but its state holds a 'master_param' "
+                                 "(fp32 master copies are for bfloat16 / float16 parameters)")
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -134,39 +248,94 @@ class FusedAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            buckets = {}
-            for p in group["params"]:
-                grad = _grad_of(p, group.get("use_main_grad", False))
+        # Every group and parameter is checked before anything changes: a
+        # refused step updates no parameter and advances no step count.
+        plan = []
+        for gi, group in enumerate(self.param_groups):
+            self._check_group(group, f"param_groups[{gi}]['{{}}']", at_step=True)
+            params, grads = [], []  # (parallel lists: no tuple per parameter for the GC to track)
+            for pj, p in enumerate(group["params"]):
+                grad, grad_name = _grad_of(p, group.get("use_main_grad", False))
                 if grad is None:
                     continue
-                if grad.is_sparse:
-                    raise ValueError("FusedAdamW: sparse gradients are not supported")
-                check_layout("FusedAdamW", f"parameter of shape {tuple(p.shape)}", p, grad)
+                self._check_param(p, grad, grad_name, gi, pj)
+                params.append(p)
+                grads.append(grad)
+            plan.append((group, params, grads))
+        for group, params, grads in plan:
+            beta1, beta2 = group["betas"]
+            buckets = {}
+            for p, grad in zip(params, grads):
                 state = self._state(p, group)
-                state["step"] += 1
+                step = state["step"] + 1
                 master = state.get("master_param")
                 lp = local(p)
                 if lp.numel() == 0:  # an uneven FSDP2 split can leave a rank nothing of a small tensor
+                    state["step"] = step
                     continue
-                key = (lp.device, lp.dtype, grad.dtype, state["exp_avg"].dtype, master is not None, state["step"])
-                lists = buckets.setdefault(key, ([], [], [], [], []))
+                key = (lp.device, lp.dtype, grad.dtype, state["exp_avg"].dtype, master is not None, step)
+                lists = buckets.setdefault(key, ([], [], [], [], [], []))
                 lists[0].append(lp)
                 lists[1].append(local(grad))
                 lists[2].append(local(state["exp_avg"]))
                 lists[3].append(local(state["exp_avg_sq"]))
                 if master is not None:
                     lists[4].append(local(master))
-            for (_, _, _, _, has_master, step), (ps, gs, ms, vs, ws) in buckets.items():
+                lists[5].append(state)
+            for (_, _, _, _, has_master, step), (ps, gs, ms, vs, ws, states) in buckets.items():
                 _ops.multi_tensor_adamw(ps, gs, ms, vs, ws if has_master else None, group["lr"], beta1, beta2,
                                         group["eps"], group["weight_decay"], step)
+                # the step counts of exactly the parameters this launch updated
+                for state in states:
+                    state["step"] = step
                 # The kernel wrote the parameters behind torch's back: bump their
                 # version counters as an in-place torch op would, so whatever is
                 # keyed on them (autograd's saved-tensor checks, the FP8 weight
                 # caches of seqfuse.pytorch.Linear) sees the update.
                 torch.autograd.graph.increment_version(ps)
         return loss
+
+    def _check_saved(self, state_dict):
+        """The checks load_state_dict makes before it changes anything: each
+        saved group merged with the built group's keys it lacks passes
+        _check_group (ValueError for a feature the kernel does not have:
+        a torch AdamW checkpoint with maximize or amsgrad, a torch Adam one
+        with L2 weight decay), and each saved state has the moments and a
+        step count, its tensors shaped like their parameter."""
+        op = f"{type(self).__name__}.load_state_dict"
+        saved_groups = state_dict.get("param_groups")
+        if (not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(self.param_groups)
+                or any(not isinstance(s, dict) or len(s.get("params", ())) != len(g["params"])
+                       for s, g in zip(saved_groups, self.param_groups))):
+            return  # torch's loader refuses these itself, before changing anything
+        for gi, (saved, built) in enumerate(zip(saved_groups, self.param_groups)):
+            merged = {k: v for k, v in built.items() if k not in ("params", "param_names")}
+            merged.update((k, v) for k, v in saved.items() if k not in ("params", "param_names"))
+            merged.update((k, built[k]) for k in self._CONSTRUCTOR_KEYS if k in built)  # the constructor's win
+            self._check_group(merged, f"the state dict's param_groups[{gi}]['{{}}']", refuse=ValueError,
+                              at_step=True)  # a one-element tensor lr (torch's fused AdamW) loads
+        states = state_dict.get("state", {})
+        for gi, (saved, built) in enumerate(zip(saved_groups, self.param_groups)):
+            for pj, (saved_id, p) in enumerate(zip(saved["params"], built["params"])):
+                st = states.get(saved_id)
+                if not st:
+                    continue
+                where = f"the state of parameter {pj} of param group {gi}"
+                for key in ("step", "exp_avg", "exp_avg_sq"):
+                    if key not in st:
+                        raise ValueError(f"{op}: {where} has no '{key}' (it has {sorted(st)})")
+                step = st["step"]
+                if isinstance(step, torch.Tensor) and step.numel() == 1:
+                    step = step.item()
+                if (isinstance(step, bool) or not isinstance(step, numbers.Real) or step < 0
+                        or step != int(step)):
+                    raise ValueError(f"{op}: {where} has 'step'={st['step']!r}; it must be a whole number >= 0")
+                for key in ("exp_avg", "exp_avg_sq", "master_param"):
+                    if key in st:
+                        if not isinstance(st[key], torch.Tensor):
+                            raise TypeError(f"{op}: {where} has '{key}' of type {type(st[key]).__name__}; it "
+                                            "must be a tensor")
+                        check_state_shape(op, p, st[key], f"{where}: '{key}'")
 
     def load_state_dict(self, state_dict):
         """torch's loader, then the state put back exactly: the moments in the
@@ -178,11 +347,32 @@ class FusedAdamW(torch.optim.Optimizer):
         round the master copies and moments of bf16 parameters).  Moments
         saved in another dtype are converted, with a warning (bf16 to fp32 is
         exact; fp32 to bf16 rounds).  DTensor state (a sharded parameter's,
-        as DCP loads it) stays a DTensor."""
-        built = [g.get("moment_dtype", torch.float32) for g in self.param_groups]
+        as DCP loads it) stays a DTensor.
+
+        torch's loader replaces each group by the saved one, hyper-parameters
+        included.  Here the keys that say how this optimizer runs
+        (use_main_grad, moment_dtype, te.optimizers.FusedAdam's adam_w_mode)
+        keep this optimizer's values whatever the file says (a torch
+        checkpoint has none of them; a FusedAdam one saved
+        use_main_grad=False, which would leave main_grad unread), and every
+        other key a saved group lacks (master_weights in a torch or TE
+        checkpoint) keeps this optimizer's value too.  A 16-bit parameter of a
+        master_weights group whose saved state has no fp32 master (torch's
+        AdamW keeps none) gets one from its value; saved masters are kept
+        (they hold the exact values) even where master_weights is False.  Refused
+        (ValueError naming the group and key, before anything changes): a
+        saved group with amsgrad or maximize, or decoupled_weight_decay=False
+        with weight decay (torch.optim.Adam's L2), which the kernel would
+        ignore; state without its moments or step, or whose tensors do not
+        have their parameter's shape."""
+        self._check_saved(state_dict)
+        built = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in self.param_groups]
         super().load_state_dict(state_dict)
-        for group, md in zip(self.param_groups, built):
-            group["moment_dtype"] = md
+        for group, keys in zip(self.param_groups, built):
+            for key, value in keys.items():
+                if key in self._CONSTRUCTOR_KEYS or key not in group:
+                    group[key] = value
+            group.setdefault("moment_dtype", torch.float32)
         saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         pairs = itertools.chain.from_iterable(((p, g) for p in g["params"]) for g in self.param_groups)
         converted = set()
@@ -195,8 +385,14 @@ class FusedAdamW(torch.optim.Optimizer):
                 if key in saved:
                     if saved[key].dtype != dtype:
                         converted.add((key, saved[key].dtype, dtype))
-                    self.state[p][key] = as_state_of(p, saved[key].to(device=p.device, dtype=dtype, copy=True))
-            self.state[p]["step"] = int(saved["step"])
+                    self.state[p][key] = as_state_of(p, saved[key].to(device=p.device, dtype=dtype, copy=True,
+                                                                      memory_format=torch.contiguous_format),
+                                                     key)
+            step = saved["step"]
+            self.state[p]["step"] = int(step.item() if isinstance(step, torch.Tensor) else step)
+            if (group.get("master_weights", True) and p.dtype != torch.float32
+                    and self.state[p].get("master_param") is None):
+                self.state[p]["master_param"] = like(p, local(p).detach().to(torch.float32, copy=True))
         for key, was, now in sorted(converted, key=str):
             _log.warning("FusedAdamW.load_state_dict: saved %s in %s converted to this optimizer's %s", key, was,
                          now)

@@ -10,6 +10,9 @@ squares of the local shards is all-reduced over the mesh dimensions the
 gradients are sharded on, once for all the gradients that share a mesh and
 sharding (FSDP2: one all-reduce per call), so every rank gets the norm of the
 whole unsharded gradient and scales its shards by the same coefficient."""
+import math
+import numbers
+
 import torch
 
 from ..ops import optim as _ops
@@ -30,7 +33,13 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     most ``max_norm``; returns the total norm before clipping (a plain 0-d
     float32 tensor on the gradients' device, the same on every rank for
     DTensor gradients).  ``use_main_grad``: take a parameter's float32
-    ``main_grad`` where it has one (as FusedAdamW(use_main_grad=True))."""
+    ``main_grad`` where it has one (as FusedAdamW(use_main_grad=True)).
+
+    Stricter than torch where torch gives a silently wrong answer:
+    ``max_norm`` must be >= 0 and not NaN (torch flips every gradient's sign
+    for a negative one and makes them NaN for NaN; inf means no clipping),
+    and the gradients must be float32, bfloat16 or float16 (the kernels'
+    dtypes; torch.nn.utils.clip_grad_norm_ takes others)."""
     import torch.distributed as dist
 
     if isinstance(parameters, torch.Tensor):
@@ -38,11 +47,25 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     if float(norm_type) != 2.0:
         raise NotImplementedError(f"clip_grad_norm_: seqfuse computes the 2-norm only, got norm_type={norm_type}; "
                                   "use torch.nn.utils.clip_grad_norm_ for other norms")
+    if isinstance(max_norm, torch.Tensor) and max_norm.numel() == 1 and max_norm.dtype != torch.bool:
+        max_norm = max_norm.item()
+    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real):
+        raise TypeError(f"clip_grad_norm_: argument 'max_norm' must be a real number, got "
+                        f"{type(max_norm).__name__} {max_norm!r}")
+    max_norm = float(max_norm)
+    if math.isnan(max_norm) or max_norm < 0:
+        # a negative max_norm would flip every gradient's sign, NaN would make them all NaN
+        raise ValueError(f"clip_grad_norm_: argument 'max_norm' must be >= 0 (inf: no clipping), got {max_norm}")
     grads = []
-    for p in parameters:
+    for i, p in enumerate(parameters):
         g = getattr(p, "main_grad", None) if use_main_grad else None
+        name = "main_grad" if g is not None else "grad"
         g = p.grad if g is None else g
         if g is not None:
+            if g.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                raise TypeError(f"clip_grad_norm_: the {name} of parameter {i} (shape {tuple(p.shape)}) has dtype "
+                                f"{str(g.dtype).replace('torch.', '')}; seqfuse's clip_grad_norm_ takes float32, "
+                                "bfloat16 or float16 gradients (torch.nn.utils.clip_grad_norm_ takes others)")
             grads.append(g)
     if not grads:
         return torch.tensor(0.0)
