@@ -45,6 +45,7 @@ multi-tensor (foreach) operations in fp32, so they run on the CPU too and
 take no host synchronisation (the flag is written on the device).
 chunk_size only sizes TE's kernel launches and changes no result here.
 """
+import numbers
 from typing import List, Optional, Tuple
 
 import torch
@@ -70,6 +71,13 @@ class MultiTensorApply:
         self.chunk_size = chunk_size
 
     def __call__(self, op, noop_flag_buffer, tensor_lists, *args):
+        if not isinstance(tensor_lists, (list, tuple)) or not tensor_lists:
+            raise ValueError("multi_tensor_applier: argument 'tensor_lists' must be a non-empty list of tensor "
+                             f"lists (as many as {getattr(op, '__name__', 'the op')} takes), got {tensor_lists!r}")
+        for i, ts in enumerate(tensor_lists):
+            if not isinstance(ts, (list, tuple)):
+                raise TypeError(f"multi_tensor_applier: argument 'tensor_lists' must hold lists of tensors, got "
+                                f"{type(ts).__name__} at index {i}")
         lists = [[_local(t) for t in ts] for ts in tensor_lists]
         if any(len(ts) != len(lists[0]) for ts in lists):
             raise RuntimeError("multi_tensor_applier: argument 'tensor_lists' must hold lists of one length "
@@ -176,6 +184,13 @@ def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: Li
         raise ValueError(f"{op}: argument 'mode' must be 0 (L2) or 1 (decoupled weight decay), got {mode!r}")
     if bias_correction not in (0, 1, True, False):
         raise ValueError(f"{op}: argument 'bias_correction' must be 0 or 1, got {bias_correction!r}")
+    if isinstance(step, torch.Tensor) and step.numel() == 1:
+        step = step.item()
+    if isinstance(step, bool) or not isinstance(step, numbers.Real):
+        raise TypeError(f"{op}: argument 'step' must be a number, got {type(step).__name__}")
+    if bias_correction and not step >= 1:  # (1 - beta ** 0 = 0: every parameter NaN)
+        raise ValueError(f"{op}: argument 'step' must be >= 1 (the 1-based count of this update) "
+                         f"with bias_correction, got {step}")
     bc1, bc2 = (1 - beta1 ** step, 1 - beta2 ** step) if bias_correction else (1.0, 1.0)
     masters = lists[4] if len(lists) == 5 else [None] * len(lists[0])
     for g, p, m, v, pm in zip(lists[0], lists[1], lists[2], lists[3], masters):

@@ -33,24 +33,18 @@ line.  TE's wd_after_momentum=True and materialize_master_grads=False are
 refused.
 
 The multi-tensor entry points TE exports here (multi_tensor_applier,
-multi_tensor_scale, multi_tensor_l2norm, ...) come from multi_tensor.py;
-MultiTensorApply (and so multi_tensor_applier) and multi_tensor_adam are
-wrapped here with two more checks: 'tensor_lists' must hold at least one
-list (TE indexes its first), and multi_tensor_adam's 'step' must be >= 1
-when it bias-corrects (step 0 divides by 1 - beta^0 = 0: NaN parameters).
+multi_tensor_scale, multi_tensor_l2norm, ...) come from multi_tensor.py.
 """
 import logging
-import numbers
-from typing import List
 
 import torch
 
 from torch.optim.optimizer import required as _required
 
 from ..optim import FusedAdamW, moment_dtype
-from . import multi_tensor as _mt
-from .multi_tensor import (multi_tensor_adam_capturable, multi_tensor_adam_capturable_master,  # noqa: F401
-                           multi_tensor_l2norm, multi_tensor_scale, multi_tensor_scale_tensor, multi_tensor_sgd,
+from .multi_tensor import (MultiTensorApply, multi_tensor_adam, multi_tensor_adam_capturable,  # noqa: F401
+                           multi_tensor_adam_capturable_master, multi_tensor_applier, multi_tensor_l2norm,
+                           multi_tensor_scale, multi_tensor_scale_tensor, multi_tensor_sgd,
                            multi_tensor_unscale_l2norm)
 
 __all__ = ["FusedAdam", "FusedSGD", "MultiTensorApply", "multi_tensor_applier", "multi_tensor_l2norm",
@@ -59,42 +53,6 @@ __all__ = ["FusedAdam", "FusedSGD", "MultiTensorApply", "multi_tensor_applier", 
 
 _log = logging.getLogger("seqfuse")
 _sgd_logged = False
-
-
-class MultiTensorApply(_mt.MultiTensorApply):
-    """TE's multi-tensor apply entry (multi_tensor.py's), refusing a
-    'tensor_lists' that is not a non-empty list of lists with a clear
-    error."""
-
-    def __call__(self, op, noop_flag_buffer, tensor_lists, *args):
-        if not isinstance(tensor_lists, (list, tuple)) or not tensor_lists:
-            raise ValueError("multi_tensor_applier: argument 'tensor_lists' must be a non-empty list of tensor "
-                             f"lists (as many as {getattr(op, '__name__', 'the op')} takes), got {tensor_lists!r}")
-        for i, ts in enumerate(tensor_lists):
-            if not isinstance(ts, (list, tuple)):
-                raise TypeError(f"multi_tensor_applier: argument 'tensor_lists' must hold lists of tensors, got "
-                                f"{type(ts).__name__} at index {i}")
-        return super().__call__(op, noop_flag_buffer, tensor_lists, *args)
-
-
-multi_tensor_applier = MultiTensorApply(2048 * 32)
-
-
-def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: List[List[torch.Tensor]], lr: float,
-                      beta1: float, beta2: float, epsilon: float, step: int, mode: int, bias_correction: int,
-                      weight_decay: float) -> None:
-    """multi_tensor.py's multi_tensor_adam (TE's kernel), refusing a 'step'
-    below 1 when it bias-corrects (1 - beta^0 = 0 would make every
-    parameter NaN)."""
-    if isinstance(step, torch.Tensor) and step.numel() == 1:
-        step = step.item()
-    if isinstance(step, bool) or not isinstance(step, numbers.Real):
-        raise TypeError(f"multi_tensor_adam: argument 'step' must be a number, got {type(step).__name__}")
-    if bias_correction and not step >= 1:
-        raise ValueError(f"multi_tensor_adam: argument 'step' must be >= 1 (the 1-based count of this update) "
-                         f"with bias_correction, got {step}")
-    return _mt.multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step, mode,
-                                 bias_correction, weight_decay)
 
 
 def _refuse(cls, name, value, why):
