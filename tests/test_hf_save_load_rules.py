@@ -86,6 +86,25 @@ def test_sharded_save_over_a_single_file_save_loads_the_new_model(tmp_path, capl
     assert not torch.allclose(_logits(back), _logits(old))
 
 
+def test_single_file_save_over_a_sharded_save_keeps_the_new_file(tmp_path, caplog):
+    """The reverse order: transformers removes the earlier shards but keeps their index; the new
+    model.safetensors stays (the save wrote it) and the stale index goes, named in the log."""
+    old, new = _llama(seed=0), _llama(seed=1)
+    old.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    with caplog.at_level(logging.WARNING, logger="seqfuse"):
+        new.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").is_file()
+    assert not (tmp_path / "model.safetensors.index.json").exists()
+    assert "earlier sharded save's index" in caplog.text
+    back = SeqfuseLlamaForCausalLM.from_pretrained(tmp_path).eval()
+    torch.testing.assert_close(_logits(back), _logits(new), rtol=1e-5, atol=1e-5)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="seqfuse"):
+        new.save_pretrained(tmp_path)  # the same kind again: nothing stale, nothing removed
+    assert (tmp_path / "model.safetensors").is_file() and "removed" not in caplog.text
+
+
 def test_tied_config_with_a_replaced_output_layer_is_refused():
     hf = hf_model(tie=True)
     hf.lm_head.weight = torch.nn.Parameter(torch.randn_like(hf.lm_head.weight))  # untied after it was built

@@ -13,7 +13,6 @@ steps, the same for every family, live here once.  Only tensors are moved,
 never recomputed, so a round trip through a family's mapping is
 bit-identical.
 """
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -129,27 +128,46 @@ _SINGLE_FILE = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
 
 
+def _stamp(file):
+    """(size, mtime_ns, inode) of ``file``, or None where there is none: what
+    tells whether a save wrote it."""
+    try:
+        st = os.stat(file)
+    except FileNotFoundError:
+        return None
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
 def save_pretrained_checked(model, path, where, save=None, **save_kwargs):
     """``model.save_pretrained(path, **save_kwargs)`` (or ``save(path, ...)``)
     with what transformers leaves silent made loud: a ``path`` that is a
     file raises NotADirectoryError (transformers logs an error and writes
-    nothing), and a sharded save into a directory that holds an earlier
-    single-file save removes that ``model.safetensors``, naming it in a log
-    line (transformers removes earlier shards but not that file, and its
-    loader would read the old weights ahead of the new shards)."""
+    nothing), and the weights an earlier save left beside the new ones are
+    removed, each named in a log line: after a sharded save, an earlier
+    single-file ``model.safetensors`` (transformers' loader would read it
+    ahead of the new shards); after a single-file save, an earlier sharded
+    save's index (whose shards transformers removed).  Only files this save
+    did not write are removed, and only on the process that saves."""
     path = os.fspath(path)
     if os.path.exists(path) and not os.path.isdir(path):
         raise NotADirectoryError(f"{where}: {path!r} is a file; a checkpoint is written into a directory")
-    (save or model.save_pretrained)(path, **save_kwargs)
     index = os.path.join(path, _INDEX)
     single = os.path.join(path, _SINGLE_FILE)
-    if os.path.isfile(index) and os.path.isfile(single):
-        with open(index) as f:
-            files = set(json.load(f).get("weight_map", {}).values())
-        if _SINGLE_FILE not in files:
-            os.remove(single)
-            _log.warning("%s: removed %s, an earlier single-file save in %r that the new sharded checkpoint "
-                         "replaces (transformers would have loaded it ahead of the shards)", where, single, path)
+    before = {f: _stamp(f) for f in (index, single)}
+    (save or model.save_pretrained)(path, **save_kwargs)
+    if not save_kwargs.get("is_main_process", True):
+        return
+    after = {f: _stamp(f) for f in (index, single)}
+    written = {f for f in after if after[f] is not None and after[f] != before[f]}
+    if index in written and after[single] is not None and single not in written:
+        stale, why = single, "an earlier single-file save that the new sharded checkpoint replaces"
+    elif single in written and after[index] is not None and index not in written:
+        stale, why = index, "an earlier sharded save's index, whose shards the new single-file save replaced"
+    else:
+        return
+    os.remove(stale)
+    _log.warning("%s: removed %s, %s (transformers' loader would have read it instead of the new weights)",
+                 where, stale, why)
 
 
 @dataclass(frozen=True)
