@@ -389,3 +389,16 @@ def test_validation_does_not_change_fp8_training(tmp_path):
     for (h0, s0), (h1, s1) in zip(runs[0][2], runs[2][2]):
         cols = [i for i in range(h0.shape[1]) if i % 3 != 1]
         assert torch.equal(h0[:, cols], h1[:, cols]) and torch.equal(s0[cols], s1[cols]), (h0, h1)
+
+
+def test_export_with_an_activation_esmconfig_cannot_describe_is_refused_before_training():
+    """checkpoint.export_dir with model.mlp_activation=relu would train the whole run and then fail to
+    export (and leave the other ranks waiting at the barrier): refused by check_run, naming both keys."""
+    from esm2_recipe.trainer import check_run
+
+    cfg = load_config("L0_sanity", ["model.mlp_activation=relu", "checkpoint.export_dir=/tmp/x"])
+    with pytest.raises(ValueError, match=r"checkpoint.export_dir is set, but model.mlp_activation='relu' has no "
+                                         r"transformers EsmConfig counterpart"):
+        check_run(cfg, torch.device("cpu"))
+    check_run(load_config("L0_sanity", ["model.mlp_activation=relu"]), torch.device("cpu"))  # no export: fine
+    check_run(load_config("L0_sanity", ["checkpoint.export_dir=/tmp/x"]), torch.device("cpu"))

@@ -23,8 +23,9 @@ MODEL_TYPE = "seqfuse_esm"
 
 _log = logging.getLogger("seqfuse")
 
-#: the MLP activations whose model transformers' EsmConfig can describe (it has no activation field: exact GELU)
-_HF_ACTIVATIONS = ("gelu_erf", "gelu")
+#: the MLP activations whose model transformers' EsmConfig can describe (it has no activation field: exact
+#: GELU; "gelu", its tanh approximation, exports with a logged warning): what to_hf_config / export_hf take
+HF_EXPORTABLE_ACTIVATIONS = ("gelu_erf", "gelu")
 
 #: Published ESM-2 sizes: (hidden_size, num_hidden_layers, num_attention_heads,
 #: intermediate_size); vocabulary, norms and RoPE are the same for all.
@@ -197,7 +198,7 @@ def to_hf_config(config):
     """transformers' EsmConfig with the same model as a SeqfuseEsmConfig."""
     if not isinstance(config, SeqfuseEsmConfig):
         raise TypeError(f"to_hf_config: expected SeqfuseEsmConfig, got {type(config).__name__}")
-    if config.mlp_activation not in _HF_ACTIVATIONS:
+    if config.mlp_activation not in HF_EXPORTABLE_ACTIVATIONS:
         raise NotImplementedError(
             f"to_hf_config: mlp_activation={config.mlp_activation!r} has no transformers EsmConfig "
             "counterpart (EsmForMaskedLM computes the exact GELU): only 'gelu_erf' exports as the same "

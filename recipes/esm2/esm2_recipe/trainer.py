@@ -38,12 +38,21 @@ def resolve_data_path(path: str) -> str:
 
 def check_run(cfg, device):
     """Nothing of ESM-2's precision depends on the device (no FP4 / MXFP8);
-    train.cuda_graphs needs one CUDA process (graphs.check_graphs_run)."""
+    train.cuda_graphs needs one CUDA process (graphs.check_graphs_run); an
+    export (checkpoint.export_dir) needs an MLP activation transformers'
+    EsmConfig describes, refused here rather than after the training."""
     import torch.distributed as dist
+
+    from seqfuse.hf.esm_config import HF_EXPORTABLE_ACTIVATIONS
 
     from .graphs import check_graphs_run
 
     check_graphs_run(cfg, device, dist.get_world_size() if dist.is_initialized() else 1)
+    if cfg.checkpoint.export_dir and cfg.model.mlp_activation not in HF_EXPORTABLE_ACTIVATIONS:
+        raise ValueError(f"checkpoint.export_dir is set, but model.mlp_activation={cfg.model.mlp_activation!r} "
+                         "has no transformers EsmConfig counterpart (EsmForMaskedLM computes the exact GELU); "
+                         f"export takes {list(HF_EXPORTABLE_ACTIVATIONS)}: change the activation or unset "
+                         "checkpoint.export_dir")
 
 
 def fp8_recipe(cfg):
