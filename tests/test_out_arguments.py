@@ -58,7 +58,36 @@ def _ce_backward(dev, out):
     return ops.cross_entropy_backward(logits, labels, lse, 1.0, out=out), None
 
 
-OPS = {"gemm": (_gemm, (4, 5)), "act_forward": (_act, (4, 8)), "act_backward": (_act_backward, (4, 8)),
+def _gemm_aux(dev, out):
+    a, b = torch.randn(4, 3, device=dev), torch.randn(3, 5, device=dev)
+    return ops.gemm(a, b, epilogue="gelu_aux", aux=out)[1], a @ b  # aux: the pre-GELU values
+
+
+def _gemm_bgrad(dev, out):
+    a, b = torch.randn(6, 4, device=dev), torch.randn(6, 5, device=dev)
+    return ops.gemm(a, b, transa=True, epilogue="bgrad", bias=out)[1], a.sum(0)
+
+
+def _amax(dev, out):
+    x = torch.randn(4, 8, device=dev)
+    return ops.amax(x, out=out), x.abs().max()
+
+
+def _l2norm(dev, out):
+    from seqfuse.ops import optim as optim_ops
+    xs = [torch.randn(5, device=dev), torch.randn(3, device=dev)]
+    return optim_ops.multi_tensor_l2norm(xs, out=out), torch.cat(xs).norm()
+
+
+def _attention_dq(dev, out):
+    q, k, v = (torch.randn(1, 6, 2, 8, device=dev) for _ in range(3))
+    o_, lse = ops.attention_forward(q, k, v)
+    dq, _, _ = ops.attention_backward(torch.randn(1, 6, 2, 8, device=dev), q, k, v, o_, lse, dq=out)
+    return dq, None
+
+
+OPS = {"gemm": (_gemm, (4, 5)), "gemm(aux)": (_gemm_aux, (4, 5)), "gemm(bias)": (_gemm_bgrad, (4,)),
+       "amax": (_amax, ()), "multi_tensor_l2norm": (_l2norm, ()), "attention_backward(dq)": (_attention_dq, (1, 6, 2, 8)), "act_forward": (_act, (4, 8)), "act_backward": (_act_backward, (4, 8)),
        "layernorm_forward": (_layernorm, (4, 8)), "rmsnorm_forward": (_rmsnorm, (4, 8)),
        "rope": (_rope, (4, 5, 2, 8)), "cross_entropy_backward": (_ce_backward, (4, 8))}
 
@@ -68,7 +97,9 @@ OPS = {"gemm": (_gemm, (4, 5)), "act_forward": (_act, (4, 8)), "act_backward": (
 def test_out_requiring_grad_refused_under_grad_mode(dev, name):
     run, shape = OPS[name]
     out = torch.full(shape, 7.0, device=dev, requires_grad=True)
-    with pytest.raises(ValueError, match=rf"{name}: argument 'out' requires grad; seqfuse.ops write out= "
+    op, _, arg = name.partition("(")
+    arg = arg.rstrip(")") or "out"
+    with pytest.raises(ValueError, match=rf"{op}: argument '{arg}' requires grad; seqfuse.ops write out= "
                                          r"tensors outside autograd .*torch.no_grad\(\)"):
         run(dev, out)
     assert (out.detach() == 7.0).all()  # nothing written

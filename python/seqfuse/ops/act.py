@@ -55,7 +55,7 @@ def _out_dtype(op, x, out_dtype):
     return out_dtype
 
 
-def _given_out(op, out, out_dtype):
+def _act_out(op, out, out_dtype):
     """``out`` as given, refused where ``out_dtype`` names another dtype
     (the C entry takes out's own dtype)."""
     if not isinstance(out, torch.Tensor):
@@ -74,7 +74,7 @@ def act_forward(x, activation, out_dtype=None, scale=None, amax=None, scale_inv=
     _check_x(op, "x", x)
     x = detached(x).contiguous()
     if out is not None:
-        y = _given_out(op, out, out_dtype)
+        y = _act_out(op, out, out_dtype)
     else:
         shape = list(x.shape)
         if activation in GATED and x.dim() >= 1:
@@ -97,7 +97,7 @@ def act_backward(dy, x, activation, out_dtype=None, scale=None, amax=None, scale
     _check_x(op, "dy", dy)
     x = detached(x).contiguous()
     dy = detached(dy).contiguous()
-    dx = _given_out(op, out, out_dtype) if out is not None else empty(x.shape, _out_dtype(op, x, out_dtype),
+    dx = _act_out(op, out, out_dtype) if out is not None else empty(x.shape, _out_dtype(op, x, out_dtype),
                                                                          x.device)
     _C.act_backward(code, dy, x, dx, scale, amax, scale_inv, stream_for(x))
     if out is not None:

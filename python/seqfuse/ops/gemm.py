@@ -126,6 +126,7 @@ def gemm(a, b, *, transa=False, transb=False, out=None, out_dtype=None, bias=Non
         raise ValueError(f"gemm: argument 'epilogue' must be one of {EPILOGUES}, got {epilogue!r}")
     if bias is not None and epilogue in _WITH_BIAS:
         epilogue = _WITH_BIAS[epilogue]
+    given_bias, given_aux = bias, aux  # (outputs under the bgrad / gelu_aux epilogues: checked as out= below)
     a, b, bias, aux, addend = detached(a), detached(b), detached(bias), detached(aux), detached(addend)
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"gemm: arguments 'a' and 'b' must be 2-D, got {a.dim()}-D and {b.dim()}-D")
@@ -142,14 +143,18 @@ def gemm(a, b, *, transa=False, transb=False, out=None, out_dtype=None, bias=Non
         if out_dtype is None:
             out_dtype = torch.bfloat16 if a.dtype in FP8_DTYPES else a.dtype
         out = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    extra = None
+    extra = user_extra = None
     if epilogue in ("gelu_aux", "bias_gelu_aux"):
-        if aux is None:
+        if aux is not None:  # an output here (dgelu reads it)
+            user_extra, aux = given_aux, given_out("gemm", given_aux, "aux")
+        else:
             aux_dtype = torch.bfloat16 if (a.dtype in FP8_DTYPES and out.dtype == torch.float32) else out.dtype
             aux = torch.empty((m, n), dtype=aux_dtype, device=a.device)
         extra = aux
     elif epilogue in ("bgrad", "dgelu_bgrad"):
-        if bias is None:
+        if bias is not None:  # an output here (the forward epilogues read it)
+            user_extra, bias = given_bias, given_out("gemm", given_bias, "bias")
+        else:
             bias_dtype = out.dtype
             if a.dtype in FP8_DTYPES:
                 bias_dtype = torch.float16 if out.dtype == torch.float16 else torch.bfloat16
@@ -182,6 +187,9 @@ def gemm(a, b, *, transa=False, transb=False, out=None, out_dtype=None, bias=Non
     if user_out is not None:
         mark_written(out)
         out = user_out
+    if user_extra is not None:
+        mark_written(extra)
+        extra = user_extra
     return out if extra is None else (out, extra)
 
 

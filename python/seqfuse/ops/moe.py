@@ -227,7 +227,7 @@ def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dt
     if first.dtype in FP8_DTYPES:
         require_fp8_dlpack(op)
     written = ()
-    grads = None
+    grads = returned = None
     if out is None:
         if accumulate:
             raise ValueError(f"{op}: accumulate=True adds to the current values of 'out', so it "
@@ -242,6 +242,7 @@ def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dt
             m = (a.shape[1] if transa else a.shape[0]) if a_split else _group_shape(op, "a", a, transa)[0]
             out = torch.empty((G, m, n), dtype=dtype, device=first.device)
     elif isinstance(out, (list, tuple)):
+        returned = list(out)  # the caller's tensors, as torch's out= functions return them
         out = [given_out(op, t, f"out[{g}]") for g, t in enumerate(out)]
         written = out
     else:
@@ -264,6 +265,8 @@ def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dt
                     workspace, stream_for(first))
     if written:
         mark_written(*written)
+    if returned is not None:
+        out = returned
     return out if grads is None else (out, grads)
 
 

@@ -6,7 +6,7 @@ them."""
 import torch
 
 from .. import _C
-from ._call import as_float, as_int, detached, stream_for
+from ._call import as_float, as_int, detached, given_out, mark_written, stream_for
 
 #: Elements per chunk of the multi-tensor kernels (one l2-norm workspace float each).
 CHUNK = _C.multi_tensor_chunk_size()
@@ -53,11 +53,17 @@ def multi_tensor_l2norm(tensors, out=None):
     _check_list("multi_tensor_l2norm", "tensors", tensors)
     tensors = _detached(tensors)
     device = tensors[0].device if tensors else torch.device("cpu")
+    user_out = out
     if out is None:
         out = torch.empty((), dtype=torch.float32, device=device)
+    else:
+        out = given_out("multi_tensor_l2norm", out)
     chunks = sum((t.numel() + CHUNK - 1) // CHUNK for t in tensors)
     ws = torch.empty(max(1, chunks), dtype=torch.float32, device=device) if device.type == "cuda" else out
     _C.multi_tensor_l2norm(tensors, ws, out, stream_for(out))
+    if user_out is not None:
+        mark_written(out)
+        return user_out
     return out
 
 

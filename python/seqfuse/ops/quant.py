@@ -22,11 +22,15 @@ def amax(x, out=None):
         raise TypeError(f"amax: argument 'x' must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _FLOAT_INPUTS:
         raise TypeError(f"amax: argument 'x' must have dtype float32, float16 or bfloat16, got {x.dtype}")
-    if out is None:
-        out = torch.empty((), dtype=torch.float32, device=x.device)
     if x.requires_grad:
         x = x.detach()
-    _C.amax(x, out, stream_for(x))
+    if out is None:
+        out = torch.empty((), dtype=torch.float32, device=x.device)
+        _C.amax(x, out, stream_for(x))
+        return out
+    y = given_out("amax", out)
+    _C.amax(x, y, stream_for(x))
+    mark_written(y)
     return out
 
 

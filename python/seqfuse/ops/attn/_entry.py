@@ -8,7 +8,7 @@ seqfuse._C with destination tensors allocated by torch.
 import torch
 
 from ... import _C
-from .._call import stream_for
+from .._call import given_out, mark_written, stream_for
 from ._args import (MASKS, PADDING, check_cu_kind, check_cu_values, check_head_dim, check_tensor, config,
                     kernel_layout, max_seqlen)
 from ._dropout import dropout_rng_state, wants_rng
@@ -60,6 +60,7 @@ def attention_backward(dout, q, k, v, out, lse, *, qkv_format="bshd", attn_mask_
     backward math).  With ``dropout_p`` > 0, ``rng_state`` must be the
     forward's (seed, offset).  Always seqfuse's kernels (the backend choice
     applies to ``attention`` only)."""
+    op = "attention_backward"
     for name, x in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
         check_tensor(name, x)
     if rng_state is None and wants_rng(dropout_p):
@@ -68,14 +69,18 @@ def attention_backward(dout, q, k, v, out, lse, *, qkv_format="bshd", attn_mask_
     cfg, cu_q, cu_k = config(q, k, qkv_format, attn_mask_type, cu_seqlens_q, cu_seqlens_kv,
                               max_seqlen_q, max_seqlen_kv, window_size, softmax_scale, deterministic,
                               dropout_p, rng_state, op="attention_backward")
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if dq is None else dq
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if dk is None else dk
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if dv is None else dv
+    given = (dq, dk, dv)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if dq is None else given_out(op, dq, "dq")
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if dk is None else given_out(op, dk, "dk")
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if dv is None else given_out(op, dv, "dv")
     dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
     if q.is_cuda:
         note_backward_kernel(q, deterministic, cfg[8] > 0.0)
     _C.attn_backward(q, k, v, out, dout, lse, cu_q, cu_k, dq, dk, dv, dq_accum, delta, cfg, stream_for(q))
+    if given != (None, None, None):  # the caller's tensors, marked written (ops._call.given_out)
+        mark_written(*(t for t, g in zip((dq, dk, dv), given) if g is not None))
+        return tuple(t if g is None else g for t, g in zip((dq, dk, dv), given))
     return dq, dk, dv
 
 
