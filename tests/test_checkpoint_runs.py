@@ -387,3 +387,22 @@ def test_resume_with_another_model_config_is_refused(run4, tmp_path, change, nam
     msg = str(e.value)
     assert msg.startswith(f"checkpoint {step_dir(d, 4)} was saved with another model config ({named}):"), msg
     assert steps_in(d) == [2, 4]
+
+
+def test_resume_with_a_longer_context_is_not_refused():
+    """max_position_embeddings changes no weight (RoPE's positions are computed): a resume may extend it;
+    with the same model.size on both sides, the shape fields the size replaces are not compared."""
+    from recipe_common.trainer import check_model_config
+
+    cfg = load_config("L0_sanity", ["model.max_position_embeddings=4096"])
+    saved = {"model": dict(cfg.model.to_dict(), max_position_embeddings=1024)}
+    check_model_config("ckpt", saved, cfg)
+    saved["model"]["hidden_size"] = cfg.model.hidden_size * 2
+    with pytest.raises(ckpt.CheckpointError, match=r"model.hidden_size: checkpoint"):
+        check_model_config("ckpt", saved, cfg)
+    sized = load_config("L0_sanity", ["model.size=1B"])
+    saved = {"model": dict(sized.model.to_dict(), hidden_size=12345)}  # not read under model.size
+    check_model_config("ckpt", saved, sized)
+    saved["model"]["size"] = "8B"
+    with pytest.raises(ckpt.CheckpointError, match=r"model.size: checkpoint '8B', this run '1B'"):
+        check_model_config("ckpt", saved, sized)

@@ -54,7 +54,6 @@ throughput, paths) for tests and benchmarks.
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import os
 import random
@@ -546,19 +545,33 @@ def check_checkpoint_dir(cfg):
             f"checkpoints")
 
 
+#: model fields a resume may change: no weight's shape or value depends on them (RoPE's positions are
+#: computed, so a longer context continues the same weights)
+_NO_WEIGHT_FIELDS = ("max_position_embeddings",)
+#: the shape fields a published ``model.size`` replaces (the recipes' model_config reads them only without one)
+_SIZE_FIELDS = frozenset({"hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                          "intermediate_size", "tie_word_embeddings", "rope_theta", "num_local_experts",
+                          "num_experts_per_tok", "max_position_embeddings"})
+
+
 def check_model_config(path, saved_config, cfg):
     """CheckpointError naming every model.* field in which checkpoint
     ``path``'s config (its trainer state's "config", ``saved_config``)
     differs from this run's: resuming it would load a part of the checkpoint
     into another model, or the same weights into another computation
-    (rope_theta).  A checkpoint without a recorded config is not compared
-    (and load_checkpoint still compares its keys with the model's)."""
+    (rope_theta).  Not compared: max_position_embeddings (no weight depends
+    on it), and the shape fields a published model.size replaces when both
+    name the same size.  A checkpoint without a recorded config is not
+    compared (and load_checkpoint still compares its keys with the model's)."""
     saved = (saved_config or {}).get("model") if isinstance(saved_config, dict) else None
     if not isinstance(saved, dict):
         return
     now = cfg.model.to_dict() if hasattr(cfg.model, "to_dict") else dict(cfg.model)
+    skip = set(_NO_WEIGHT_FIELDS)
+    if saved.get("size") and saved.get("size") == now.get("size"):
+        skip |= _SIZE_FIELDS  # a published shape: these fields are not read
     diff = [f"model.{k}: checkpoint {saved[k]!r}, this run {now[k]!r}" for k in sorted(set(saved) & set(now))
-            if saved[k] != now[k]]
+            if k not in skip and saved[k] != now[k]]
     if diff:
         raise ckpt.CheckpointError(
             f"checkpoint {path} was saved with another model config ({'; '.join(diff)}): resuming it would load "
