@@ -228,6 +228,24 @@ def test_nested_region_with_its_own_recipe_is_updated_at_the_outermost_exit(monk
         assert inner_st.scale[WEIGHT].item() == np.float32(448.0) / np.float32(3.0 + step) / 4
 
 
+def test_nested_region_update_survives_an_enabled_region_inside_a_disabled_one(monkeypatch):
+    """outer(enabled) > inner A (own recipe) > disabled > enabled B: B's exit (an outermost exit of its
+    own) takes only what was opened inside it; A's states are still updated at the outer exit."""
+    a_r, b_r, outer_r = (DelayedScaling(amax_history_len=n, margin=1) for n in (9, 10, 11))
+    a_st = ScalingState.for_linear(a_r)
+    calls = []
+    real = ops.quant.fp8_scale_update
+    monkeypatch.setattr(ops.quant, "fp8_scale_update", lambda *a, **k: (calls.append(a[0].shape[0]), real(*a, **k)))
+    with te.autocast(recipe=outer_r):
+        with te.autocast(recipe=a_r):
+            quantize_with_state(torch.full((4, 4), 3.0), a_st, WEIGHT)
+        with te.autocast(enabled=False):
+            with te.autocast(recipe=b_r):
+                pass
+        assert 9 not in calls
+    assert calls.count(9) == 1
+
+
 @needs_fp8
 def test_backward_amax_folds_in_at_next_exit():
     r = DelayedScaling(amax_history_len=4, margin=4)

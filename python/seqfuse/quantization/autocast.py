@@ -125,8 +125,9 @@ def autocast(enabled=True, recipe=None, amax_reduction_group=None, calibrating=F
     s = autocast_state()
     saved = s.settings()
     inside = saved[0] or saved[3]  # an enclosing region is on: this one is not the outermost
-    if not inside:
-        _nested_regions().clear()
+    # where the nested regions this one may update at its exit begin (an enabled region inside a
+    # disabled one inside an enabled one takes only its own: the outer region's stay for the outer exit)
+    mark = len(_nested_regions())
     s.enabled = bool(enabled)
     if recipe is None:
         if saved[0]:  # inherited from the enclosing enabled region
@@ -152,8 +153,9 @@ def autocast(enabled=True, recipe=None, amax_reduction_group=None, calibrating=F
         # a region inside a checkpointed function is left again in its
         # recompute (the backward): the step's update ran at the forward's exit
         if outermost_exit:
-            nested = tuple(_nested_regions())
-            _nested_regions().clear()
+            regions = _nested_regions()
+            nested = tuple(regions[mark:])
+            del regions[mark:]
             if ok and not s.recomputing:
                 reduce_and_update(recipe_now, group_now, nested=nested)
 
