@@ -4,8 +4,8 @@ cheapest torch op, in microseconds per call.
 Rows: the probe (imports three tensors, launches nothing) through the DLPack
 C exchange API and through __dlpack__ capsules; seqfuse.ops.amax with its
 kernel launch; torch.add on tiny tensors; reading data_ptr/shape/stride of
-three tensors in Python.  Run on the GPU machine for the README figure; on a
-CPU-only machine it measures CPU tensors.
+three tensors in Python.  Run on the GPU machine for the figure in
+benchmarks/results/PERFORMANCE_HISTORY.md; on a CPU-only machine it measures CPU tensors.
 """
 import torch
 

@@ -156,8 +156,8 @@ def test_fp8_scale_update_bad_fp8_max_tensor(bad):
 
 @pytest.mark.parametrize("bad", [0.0, -1.0, math.nan, -math.inf])
 def test_fp8_scale_update_bad_fp8_max_any_cpu_vector(bad):
-    """The C entry reads a CPU fp8_max of any producer (a numpy array, a strided-free torch view) and names
-    the element; scale and scale_inv over each other are refused as overlapping outputs."""
+    """The C entry reads a CPU fp8_max of any producer (a numpy array here; torch tensors in the test
+    above) and names the element; scale and scale_inv over each other are refused as overlapping outputs."""
     import numpy as np
     h, s, si = _scale_state()
     fm = np.array([448.0, 448.0, bad], dtype=np.float32)
