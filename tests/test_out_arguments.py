@@ -146,3 +146,17 @@ def test_grouped_gemm_out_list_checked_and_bumped(dev):
     assert [t._version for t in outs] == [v + 1 for v in before]
     torch.testing.assert_close(outs[0], a[:2] @ b[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(outs[1].detach(), a[2:] @ b[1], atol=1e-5, rtol=1e-5)
+
+
+def test_cross_entropy_inplace_backward_under_create_graph_names_the_module_argument():
+    """A double backward through cross_entropy(inplace_backward=True): the module's own message (not the
+    op's out= rule), naming inplace_backward."""
+    from seqfuse.modules.cross_entropy import cross_entropy
+    x = torch.randn(4, 8, requires_grad=True)
+    y = torch.tensor([1, 2, 3, 4])
+    loss = cross_entropy(x * 1.0, y, inplace_backward=True)
+    with pytest.raises(RuntimeError, match="cross_entropy: inplace_backward=True writes the gradient over the "
+                                           "logits.*create_graph=True.*pass inplace_backward=False"):
+        torch.autograd.grad(loss, x, create_graph=True)
+    (g,) = torch.autograd.grad(cross_entropy(x * 1.0, y, inplace_backward=True), x)  # a plain backward: fine
+    torch.testing.assert_close(g, torch.autograd.grad(torch.nn.functional.cross_entropy(x, y), x)[0])

@@ -94,6 +94,10 @@ class CrossEntropyFunction(torch.autograd.Function):
             scale = scale / count
         elif reduction == "none":
             scale = scale.contiguous()
+        if inplace and torch.is_grad_enabled():
+            raise RuntimeError("cross_entropy: inplace_backward=True writes the gradient over the logits, which a "
+                               "backward with create_graph=True (a double backward) cannot differentiate through; "
+                               "pass inplace_backward=False")
         grad = _loss.cross_entropy_backward(flat, labels, lse, scale, ignore_index, label_smoothing,
                                             out=flat if inplace else None, check_labels=False)  # forward did
         return grad.view(ctx.shape), None, None, None, None, None, None
