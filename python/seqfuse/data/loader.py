@@ -20,11 +20,11 @@ different batches.
 """
 from __future__ import annotations
 
-import operator
 import warnings
 
 import torch
 
+from ._checks import exact_int
 from .batching import TokenBudgetBatchSampler
 
 __all__ = ["ResumableDataLoader", "build_mlm_loader", "build_causal_lm_loader"]
@@ -191,15 +191,12 @@ class ResumableDataLoader:
 def _state_count(state: dict, key: str) -> int:
     """``state[key]`` as an int >= 0 (a saved count), or a ValueError naming the field."""
     v = state[key]
-    try:
-        if isinstance(v, bool):
-            raise TypeError
-        n = operator.index(v)
-    except TypeError:
+    n = exact_int(v)
+    if n is None:
         raise ValueError(
             f"ResumableDataLoader.load_state_dict: argument 'state' field {key!r} must be an integer >= 0, "
             f"got {v!r} ({type(v).__name__})"
-        ) from None
+        )
     if n < 0:
         raise ValueError(
             f"ResumableDataLoader.load_state_dict: argument 'state' field {key!r} must be an integer >= 0, got {n}"

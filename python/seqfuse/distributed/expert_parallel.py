@@ -48,15 +48,13 @@ attribute and ``expert_parameters()`` / ``expert_modules()`` methods (the
 local experts' parameters, and the submodules that hold only them):
 ExpertParallelGroupedMLP does.
 """
-import math
-import numbers
-import operator
 from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..ops import moe as moe_ops
+from ..ops.args import as_max_norm, exact_int
 
 __all__ = ["all_to_all_single_autograd", "EPDispatch", "dispatch_tokens", "combine_tokens",
            "init_expert_parallel_mesh", "expert_parameters", "reduce_expert_parallel_grads",
@@ -89,11 +87,12 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _index(v):
-    """``v`` as an int (int, numpy or torch integer); TypeError for bool, floats and the rest
+    """``v`` as an int (ops.args.exact_int); TypeError for bool, floats and the rest
     (int() would truncate 6.7 to 6)."""
-    if isinstance(v, bool) or (isinstance(v, torch.Tensor) and v.dtype == torch.bool):
-        raise TypeError("bool")
-    return operator.index(v)
+    n = exact_int(v)
+    if n is None:
+        raise TypeError(type(v).__name__)
+    return n
 
 
 def _splits(name, splits, size):
@@ -485,15 +484,7 @@ def clip_grad_norm_(model, max_norm, norm_type=2.0, ep_group=None, error_if_nonf
     norm_type = float(norm_type)
     if not (norm_type >= 1.0):
         raise ValueError(f"clip_grad_norm_: argument 'norm_type' must be >= 1 or inf, got {norm_type}")
-    if isinstance(max_norm, torch.Tensor) and max_norm.numel() == 1 and max_norm.dtype != torch.bool:
-        max_norm = max_norm.item()
-    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real):
-        raise TypeError(f"clip_grad_norm_: argument 'max_norm' must be a real number, got "
-                        f"{type(max_norm).__name__} {max_norm!r}")
-    max_norm = float(max_norm)
-    if math.isnan(max_norm) or max_norm < 0:
-        # a negative max_norm would flip every gradient's sign, NaN would make them all NaN
-        raise ValueError(f"clip_grad_norm_: argument 'max_norm' must be >= 0 (inf: no clipping), got {max_norm}")
+    max_norm = as_max_norm("clip_grad_norm_", max_norm)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"clip_grad_norm_: argument 'model' must be an nn.Module (its EP layers say which "
                         f"parameters are experts), got {type(model).__name__}")

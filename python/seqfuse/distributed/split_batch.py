@@ -18,11 +18,11 @@ pads each packed sequence at its end (labels -100 there, so the loss skips
 them).  Labels are the caller's business: shift them for causal LM before
 splitting, since a rank does not hold the token after its chunk's last one.
 """
-import operator
 from typing import NamedTuple, Optional
 
 import torch
 
+from ..ops.args import exact_int
 from .context_parallel import local_token_index
 
 
@@ -35,19 +35,9 @@ class CPBatch(NamedTuple):
     max_seqlen: Optional[int]            # the full batch's longest sequence (thd), or None
 
 
-def _as_int(v):
-    """``v`` as an int (int, numpy or torch integer), or None for bool, floats and the rest."""
-    if isinstance(v, bool) or (isinstance(v, torch.Tensor) and v.dtype == torch.bool):
-        return None
-    try:
-        return operator.index(v)
-    except TypeError:
-        return None
-
-
 def _check_cp(cp_size, cp_rank, who):
     """(cp_size, cp_rank) as ints, checked."""
-    size, rank = _as_int(cp_size), _as_int(cp_rank)
+    size, rank = exact_int(cp_size), exact_int(cp_rank)
     if size is None or size < 1:
         raise ValueError(f"{who}: cp_size must be a positive int, got {cp_size!r}")
     if rank is None or not 0 <= rank < size:
@@ -196,7 +186,7 @@ def freqs_for_cp_rank(freqs, cp_size, cp_rank, cu_seqlens=None, seq_len=None):
         raise ValueError(f"{who}: freqs must be a [s, 1, 1, d] tensor, got "
                          f"{tuple(freqs.shape) if isinstance(freqs, torch.Tensor) else type(freqs).__name__}")
     if cu_seqlens is None:
-        s = freqs.shape[0] if seq_len is None else _as_int(seq_len)
+        s = freqs.shape[0] if seq_len is None else exact_int(seq_len)
         if s is None:
             raise TypeError(f"{who}: seq_len must be an int (the full sequence length), got "
                             f"{type(seq_len).__name__} {seq_len!r}")

@@ -4,6 +4,8 @@ Stream: with torch >= 2.10 the extension asks torch for the current stream
 itself, through DLPack's C exchange API (no Python call).  Older torch has no
 such API, so ops pass the current stream's handle explicitly.
 """
+import math
+import numbers
 import operator
 
 import torch
@@ -160,6 +162,35 @@ def as_float(op, name, value):
         return float(value)
     except (TypeError, ValueError, RuntimeError):
         raise TypeError(f"{op}: argument '{name}' must be a real number, got {value!r}") from None
+
+
+def exact_int(value):
+    """``value`` as a Python int where it is an integer of any kind (int,
+    numpy's, a one-element integer torch tensor: ``operator.index``), else
+    None: a bool, a float (even a whole one), a string.  The strict reading
+    of counts, seeds and sizes that callers name in their own messages
+    (``as_int`` below also takes whole floats)."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def as_max_norm(op, max_norm):
+    """A gradient-clipping ``max_norm`` as a float >= 0 (inf: no clipping; a
+    one-element tensor is read), or a TypeError / ValueError naming it: a
+    negative one would flip every gradient's sign, NaN would make them NaN
+    (torch.nn.utils.clip_grad_norm_ does both silently)."""
+    if isinstance(max_norm, torch.Tensor) and max_norm.numel() == 1 and max_norm.dtype != torch.bool:
+        max_norm = max_norm.item()
+    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real):
+        raise TypeError(f"{op}: argument 'max_norm' must be a real number, got {type(max_norm).__name__} {max_norm!r}")
+    max_norm = float(max_norm)
+    if math.isnan(max_norm) or max_norm < 0:
+        raise ValueError(f"{op}: argument 'max_norm' must be >= 0 (inf: no clipping), got {max_norm}")
+    return max_norm
 
 
 def as_int(op, name, value, minimum=None, what=None):

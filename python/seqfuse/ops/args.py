@@ -3,9 +3,12 @@ above them (the modules' constructors and wrappers): ``as_int`` and
 ``as_float`` turn a Python number into the int / float C takes, or raise a
 TypeError / ValueError naming the op and the argument (a string, a
 fractional count, a number outside int64) instead of truncating it or
-failing later with a foreign message.  ``increment_versions`` bumps the
+failing later with a foreign message; ``exact_int`` is the strict reading
+(an integer of any kind, else None: no bool, no float) for callers that
+word their own message; ``as_max_norm`` reads a gradient-clipping bound
+(optim's and distributed's clip_grad_norm_).  ``increment_versions`` bumps the
 version counters of tensors written in place through C, so that autograd
 sees those writes as it sees torch's own."""
-from ._call import as_float, as_int, increment_versions
+from ._call import as_float, as_int, as_max_norm, exact_int, increment_versions
 
-__all__ = ["as_float", "as_int", "increment_versions"]
+__all__ = ["as_float", "as_int", "as_max_norm", "exact_int", "increment_versions"]

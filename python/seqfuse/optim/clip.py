@@ -10,12 +10,11 @@ squares of the local shards is all-reduced over the mesh dimensions the
 gradients are sharded on, once for all the gradients that share a mesh and
 sharding (FSDP2: one all-reduce per call), so every rank gets the norm of the
 whole unsharded gradient and scales its shards by the same coefficient."""
-import math
-import numbers
 
 import torch
 
 from ..ops import optim as _ops
+from ..ops.args import as_max_norm
 from ._dtensor import check_placements, is_dtensor, local, shard_key
 
 
@@ -47,15 +46,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     if float(norm_type) != 2.0:
         raise NotImplementedError(f"clip_grad_norm_: seqfuse computes the 2-norm only, got norm_type={norm_type}; "
                                   "use torch.nn.utils.clip_grad_norm_ for other norms")
-    if isinstance(max_norm, torch.Tensor) and max_norm.numel() == 1 and max_norm.dtype != torch.bool:
-        max_norm = max_norm.item()
-    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real):
-        raise TypeError(f"clip_grad_norm_: argument 'max_norm' must be a real number, got "
-                        f"{type(max_norm).__name__} {max_norm!r}")
-    max_norm = float(max_norm)
-    if math.isnan(max_norm) or max_norm < 0:
-        # a negative max_norm would flip every gradient's sign, NaN would make them all NaN
-        raise ValueError(f"clip_grad_norm_: argument 'max_norm' must be >= 0 (inf: no clipping), got {max_norm}")
+    max_norm = as_max_norm("clip_grad_norm_", max_norm)
     grads = []
     for i, p in enumerate(parameters):
         g = getattr(p, "main_grad", None) if use_main_grad else None

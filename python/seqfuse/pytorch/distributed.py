@@ -24,10 +24,10 @@ streams never share one.
 """
 import collections.abc
 import contextlib
-import operator
 
 import torch
 
+from ..ops.args import exact_int
 from ..quantization import checkpoint
 
 __all__ = ["CudaRNGStatesTracker", "checkpoint"]
@@ -94,13 +94,10 @@ def _stream_state(key, value):
 
 def _seed(seed):
     """``seed`` as an int (torch.manual_seed's range), refusing bool, floats and strings."""
-    if isinstance(seed, bool) or (isinstance(seed, torch.Tensor) and seed.dtype == torch.bool):
-        raise TypeError(f"CudaRNGStatesTracker.add: argument 'seed' must be an integer, got bool {seed!r}")
-    try:
-        value = operator.index(seed)
-    except TypeError:
+    value = exact_int(seed)
+    if value is None:
         raise TypeError(f"CudaRNGStatesTracker.add: argument 'seed' must be an integer (int, numpy or 0-d torch "
-                        f"integer), got {type(seed).__name__} {seed!r}") from None
+                        f"integer), got {type(seed).__name__} {seed!r}")
     if not -(1 << 63) <= value < (1 << 64):
         raise ValueError(f"CudaRNGStatesTracker.add: argument 'seed' must be in [-2**63, 2**64), got {value}")
     return value
