@@ -14,7 +14,7 @@ Rows per shape (b x s tokens, h heads of d, causal or not, bf16 inputs):
 - seqfuse_bf16: seqfuse.ops.attention in bf16 (auto route: cuDNN through
   torch SDPA on Hopper for these padding-free calls);
 - torch_sdpa_cudnn: torch's scaled_dot_product_attention pinned to its cuDNN
-  backend, bf16 (the strongest bf16 peer on Hopper, README attention table);
+  backend, bf16 (the strongest bf16 peer on Hopper: README, "Attention routes over the grid");
 - te_bf16, te_fp8_dpa: Transformer Engine's DotProductAttention, bf16 and
   under DelayedScaling(fp8_dpa=True), where transformer_engine imports (a
   line says why where it does not; te_fp8_dpa at head dim 128 only, as

@@ -27,7 +27,7 @@ rule).
 
 Why a separate route: cuDNN's padding-free bshd attention runs at 1.3-2.3x
 the speed of the FlashAttention-2 kernels that take packed batches today
-(README attention table), and cuDNN's graph API describes packed layouts
+(README, "Attention routes over the grid"), and cuDNN's graph API describes packed layouts
 directly (a ragged offset per sequence), so a packed batch need not be
 padded.  What torch 2.11 (the GPU machine's torch, 2.11.0+cu130, git
 70d99e998b) offers for it, read from its wheel and PyTorch's sources:
