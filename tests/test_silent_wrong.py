@@ -552,3 +552,21 @@ def test_nvfp4_infinity_makes_its_block_nan():
     others = torch.cat([got[0, 16:], got[1]])
     want = torch.cat([x[0, 16:], x[1]])
     assert ((others - want).abs() <= want.abs().max() / 6).all()
+
+
+def test_autocast_and_model_init_name_a_recipe_passed_as_a_flag():
+    """A recipe in a flag's place (TE's positional fp8_autocast(True, recipe) puts it in 'calibrating')
+    is refused naming the flag and where a recipe goes; the same shared check serves quantized_model_init."""
+    import seqfuse.pytorch as te
+    from seqfuse.common.recipe import DelayedScaling as DS
+    with pytest.raises(TypeError, match=r"autocast: argument 'calibrating' must be a bool, got DelayedScaling "
+                                        r"\(a recipe goes in 'recipe', fp8_autocast's 'fp8_recipe'\)"):
+        with te.fp8_autocast(True, DS()):
+            pass
+    with pytest.raises(TypeError, match=r"quantized_model_init: argument 'preserve_high_precision_init_val' must "
+                                        r"be a bool, got DelayedScaling \(a recipe goes in 'recipe'\)"):
+        with te.quantized_model_init(True, None, DS()):
+            pass
+    with pytest.raises(TypeError, match=r"autocast: argument 'recipe' must be a seqfuse.common.recipe recipe, got int"):
+        with te.autocast(recipe=3):
+            pass

@@ -106,6 +106,19 @@ def _nested_regions():
     return regions
 
 
+def _check_context_args(op, recipe, or_none, flags, recipe_goes_in):
+    """The argument checks autocast and quantized_model_init share: ``recipe``
+    a seqfuse recipe or None, each of ``flags`` ((name, value) pairs) a bool;
+    a recipe passed as a flag is told where it goes (``recipe_goes_in``)."""
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise TypeError(f"{op}: argument 'recipe' must be a seqfuse.common.recipe recipe{or_none}, "
+                        f"got {type(recipe).__name__}")
+    for name, flag in flags:
+        if isinstance(flag, Recipe) or not isinstance(flag, (bool, int)):
+            raise TypeError(f"{op}: argument '{name}' must be a bool, got {type(flag).__name__}"
+                            + (f" (a recipe goes in {recipe_goes_in})" if isinstance(flag, Recipe) else ""))
+
+
 @contextlib.contextmanager
 def autocast(enabled=True, recipe=None, amax_reduction_group=None, calibrating=False):
     """Run the region with quantized GEMMs under ``recipe`` (default
@@ -113,15 +126,9 @@ def autocast(enabled=True, recipe=None, amax_reduction_group=None, calibrating=F
     scaling update runs when the outermost enabled region exits, for its
     recipe and for every other DelayedScaling recipe (or amax reduction
     group) a region inside it ran with."""
-    if recipe is not None and not isinstance(recipe, Recipe):
-        raise TypeError(f"autocast: argument 'recipe' must be a seqfuse.common.recipe recipe, "
-                        f"got {type(recipe).__name__}")
-    for name, flag in (("enabled", enabled), ("calibrating", calibrating)):
-        # fp8_autocast(True, SomeRecipe()) puts the recipe in 'calibrating' (TE's second argument)
-        if isinstance(flag, Recipe) or not isinstance(flag, (bool, int)):
-            raise TypeError(f"autocast: argument '{name}' must be a bool, got {type(flag).__name__}"
-                            + (" (a recipe goes in 'recipe', fp8_autocast's 'fp8_recipe')"
-                               if isinstance(flag, Recipe) else ""))
+    # (fp8_autocast(True, SomeRecipe()) puts the recipe in 'calibrating', TE's second argument)
+    _check_context_args("autocast", recipe, "", (("enabled", enabled), ("calibrating", calibrating)),
+                        "'recipe', fp8_autocast's 'fp8_recipe'")
     s = autocast_state()
     saved = s.settings()
     inside = saved[0] or saved[3]  # an enclosing region is on: this one is not the outermost
@@ -197,13 +204,9 @@ def quantized_model_init(enabled=True, recipe=None, preserve_high_precision_init
     saved): with enabled=True this says so in a log line, once per process,
     and records the setting (quantized_model_init_state())."""
     global _logged_high_precision_weights
-    if recipe is not None and not isinstance(recipe, Recipe):
-        raise TypeError(f"quantized_model_init: argument 'recipe' must be a seqfuse.common.recipe recipe or None, "
-                        f"got {type(recipe).__name__}")
-    for name, flag in (("enabled", enabled), ("preserve_high_precision_init_val", preserve_high_precision_init_val)):
-        if isinstance(flag, Recipe) or not isinstance(flag, (bool, int)):
-            raise TypeError(f"quantized_model_init: argument '{name}' must be a bool, got {type(flag).__name__}"
-                            + (" (a recipe goes in 'recipe')" if isinstance(flag, Recipe) else ""))
+    _check_context_args("quantized_model_init", recipe, " or None",
+                        (("enabled", enabled), ("preserve_high_precision_init_val", preserve_high_precision_init_val)),
+                        "'recipe'")
     if enabled and not _logged_high_precision_weights:
         _logged_high_precision_weights = True
         logging.getLogger("seqfuse").warning(
