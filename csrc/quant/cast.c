@@ -46,7 +46,9 @@ static sf_status check_out_t_storage(const char *op, const sf_tensor *out_t, con
 }
 
 /* The checks of sf_cast_fp8, sf_cast_fp8_dbias (col_sums NULL for the
- * others) and sf_cast_fp8_current, and the problem they describe. */
+ * others) and sf_cast_fp8_current, and the problem they describe.  The
+ * overlap check (sf_check_apart) is each entry's own, once: current scaling
+ * writes amax and scale, which the others read. */
 static sf_status cast_prepare(const char *op, const sf_tensor *x, const sf_tensor *scale,
                               sf_tensor *amax, sf_tensor *out, sf_tensor *out_t,
                               sf_tensor *scale_inv, sf_tensor *col_sums, sf_cast_args *args)
@@ -125,10 +127,6 @@ static sf_status cast_prepare(const char *op, const sf_tensor *x, const sf_tenso
         SF_TRY(sf_check_writable(op, "col_sums", col_sums));
         SF_TRY(sf_check_same_device(op, "x", x, "col_sums", col_sums));
     }
-    const sf_mem_arg outs[] = {{"out", out, NULL}, {"out_t", out_t, NULL}, {"amax", amax, NULL},
-                               {"scale_inv", scale_inv, NULL}, {"col_sums", col_sums, NULL}};
-    const sf_mem_arg ins[] = {{"x", x, NULL}, {"scale", scale, NULL}};
-    SF_TRY(sf_check_apart(op, outs, 5, ins, 2));
     sf_cast_args *a = args;
     a->x = x->data;
     a->x_dtype = x->dtype;
@@ -158,6 +156,11 @@ static sf_status cast_entry(const char *op, const sf_tensor *x, const sf_tensor 
 {
     sf_cast_args a;
     SF_TRY(cast_prepare(op, x, scale, amax, out, out_t, scale_inv, col_sums, &a));
+    /* (sf_cast_fp8_current checks its own roles, amax and scale among the outputs) */
+    const sf_mem_arg outs[] = {{"out", out, NULL}, {"out_t", out_t, NULL}, {"amax", amax, NULL},
+                               {"scale_inv", scale_inv, NULL}, {"col_sums", col_sums, NULL}};
+    const sf_mem_arg ins[] = {{"x", x, NULL}, {"scale", scale, NULL}};
+    SF_TRY(sf_check_apart(op, outs, 5, ins, 2));
     return cast_run(op, &a, x, stream);
 }
 
