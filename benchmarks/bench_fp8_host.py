@@ -81,9 +81,12 @@ def layer_modules(device, hidden=128, ffn=512):
             Linear(hidden, hidden, **kw))
 
 
-def layer_runner(recipe, device, update=True, step_work="none"):
-    """A function ``run(n)``: n iterations of one layer's GEMM modules forward+backward
-    under ``recipe`` (autocast enter/exit included).  ``update``: every
+def layer_runner(recipe, device, update=True, step_work="none", layers=1):
+    """A function ``run(n)``: n iterations of ``layers`` layers' GEMM modules
+    forward+backward (each layer's output the next one's input) inside one
+    autocast region under ``recipe`` (its enter/exit, the delayed-scaling
+    update and the backward call included), timed per layer: its caller
+    divides by ``layers``.  ``update``: every
     weight's version moves between iterations, as an optimizer step moves it
     (the FP8 rows then pay their once-per-step weight casts; the same
     bump runs in every row).  ``step_work``: "none" (the default) moves the
@@ -97,19 +100,21 @@ def layer_runner(recipe, device, update=True, step_work="none"):
     from seqfuse.pytorch import autocast
 
     torch.manual_seed(0)
-    qkv, mlp, proj = layer_modules(device)
+    stack = [layer_modules(device) for _ in range(layers)]
     x = torch.randn(16, 128, dtype=torch.bfloat16, device=device, requires_grad=True)
     hidden = x.shape[-1]
 
-    weights = [m.weight for m in (qkv, proj)] + [mlp.fc1_weight, mlp.fc2_weight]
+    weights = [w for qkv, mlp, proj in stack for w in (qkv.weight, proj.weight, mlp.fc1_weight, mlp.fc2_weight)]
     if step_work not in ("none", "kernels"):
         raise ValueError(f"layer_runner: step_work must be 'none' or 'kernels', got {step_work!r}")
-    grads_of = [p for m in (qkv, mlp, proj) for p in m.parameters()] + [x]
+    grads_of = [p for mods in stack for m in mods for p in m.parameters()] + [x]
 
     def run(n):
         for _ in range(n):
             with autocast(enabled=recipe is not None, recipe=recipe):
-                y = proj(mlp(qkv(x)[:, :hidden]))
+                y = x
+                for qkv, mlp, proj in stack:
+                    y = proj(mlp(qkv(y)[:, :hidden]))
             y.backward(torch.ones_like(y))
             if step_work == "none":
                 if update:
@@ -145,7 +150,7 @@ def host_us(runners, iters, rounds=5):
     return best
 
 
-def profile_row(name, recipe, device, update, iters, top=35, step_work="none"):
+def profile_row(name, recipe, device, update, iters, top=35, step_work="none", layers=1):
     """cProfile of one row's runner (stubbed kernels, as timed), printed by
     tottime and by cumtime, with the Python-level tensor factory calls
     (torch.empty / empty_like / zeros, Tensor.new_zeros / new_empty) per
@@ -154,7 +159,7 @@ def profile_row(name, recipe, device, update, iters, top=35, step_work="none"):
     import cProfile
     import pstats
 
-    run = layer_runner(recipe, device, update, step_work)
+    run = layer_runner(recipe, device, update, step_work, layers)
     with stubbed_kernels():
         run(max(10, iters // 10))
         prof = cProfile.Profile()
@@ -167,7 +172,8 @@ def profile_row(name, recipe, device, update, iters, top=35, step_work="none"):
                            "<built-in method torch.zeros>", "<method 'new_zeros' of 'torch._C.TensorBase' objects>",
                            "<method 'new_empty' of 'torch._C.TensorBase' objects>"))
     print(f"== {name}, weights {'updated every step' if update else 'unchanged'}: {iters} iterations "
-          f"under cProfile; {allocs / iters:.1f} Python-level tensor factory calls per layer step ==")
+          f"of {layers} layer(s) under cProfile; {allocs / iters / layers:.1f} Python-level tensor factory calls "
+          f"per layer step ==")
     for key in ("tottime", "cumtime"):
         stats.sort_stats(key).print_stats(top)
 
@@ -206,13 +212,13 @@ def part_stand_ins():
     }
 
 
-def parts_us(name, recipe, device, iters, rounds):
+def parts_us(name, recipe, device, iters, rounds, layers=1):
     """Microseconds per layer step of the bf16 row, the FP8 row, and the FP8
     row with each part replaced (part_stand_ins), weights updated every
     step; rotating rounds as host_us, the best round of each."""
     variants = [("bf16", None, []), (name, recipe, [])]
     variants += [(f"{name} without {part}", recipe, swaps) for part, swaps in part_stand_ins().items()]
-    runners = [layer_runner(r, device, True) for _, r, _ in variants]
+    runners = [layer_runner(r, device, True, layers=layers) for _, r, _ in variants]
     best = [float("inf")] * len(variants)
     with stubbed_kernels():
         for r in range(rounds + 1):
@@ -225,7 +231,7 @@ def parts_us(name, recipe, device, iters, rounds):
                     runners[i](2)  # (the first calls fill the stand-ins and warm the row's code)
                     t0 = time.perf_counter()
                     runners[i](iters)
-                    t = (time.perf_counter() - t0) / iters * 1e6
+                    t = (time.perf_counter() - t0) / iters / layers * 1e6
                 finally:
                     for obj, attr, real in saved:
                         setattr(obj, attr, real)
@@ -251,20 +257,25 @@ def main():
                    help="what runs between iterations besides the layer: 'none' (versions bumped without a "
                         "kernel, gradients dropped as zero_grad() drops them) or 'kernels' (an in-place multiply "
                         "per weight, gradients accumulating: the definition of the figures up to session 36)")
+    p.add_argument("--layers", type=int, default=1,
+                   help="layers stacked inside one autocast region (the figures are per layer: the region's "
+                        "enter/exit, the delayed-scaling update and the backward call shared by all of them, "
+                        "as in a model; 1: each layer pays them alone)")
     p.add_argument("--parts", choices=("fp8_delayed", "fp8_current", "fp8_block"),
                    help="time this row with each part of its FP8 work replaced by a lookup (module note)")
     args = p.parse_args()
-    if args.iters < 1 or args.rounds < 1:
-        p.error(f"--iters and --rounds must be at least 1, got {args.iters} and {args.rounds}")
+    if args.iters < 1 or args.rounds < 1 or args.layers < 1:
+        p.error(f"--iters, --rounds and --layers must be at least 1, got {args.iters}, {args.rounds} and "
+                f"{args.layers}")
     device = torch.device(args.device)
     recipes = {"bf16": None, "fp8_delayed": DelayedScaling(), "fp8_current": Float8CurrentScaling(),
                "fp8_block": Float8BlockScaling()}
     if args.parts:
-        table = Table("fp8_host_parts", ["row", "device", "us_per_layer", "part_us", "vs_bf16"])
-        rows = parts_us(args.parts, recipes[args.parts], device, args.iters, args.rounds)
+        table = Table("fp8_host_parts", ["row", "layers", "device", "us_per_layer", "part_us", "vs_bf16"])
+        rows = parts_us(args.parts, recipes[args.parts], device, args.iters, args.rounds, args.layers)
         bf16, whole = rows[0][1], rows[1][1]
         for label, us in rows:
-            table.add(row=label, device=str(device), us_per_layer=us,
+            table.add(row=label, layers=args.layers, device=str(device), us_per_layer=us,
                       part_us=whole - us if label.startswith(args.parts + " without") else None, vs_bf16=us / bf16)
         table.save({"note": "weights updated every step, --step-work none; part_us: the row's time less its time "
                             "with that part replaced by a lookup of its first result (a lower bound of the "
@@ -272,16 +283,18 @@ def main():
         return
     if args.profile:
         profile_row(args.profile, recipes[args.profile], device, args.weights == "updated", args.iters,
-                    step_work=args.step_work)
+                    step_work=args.step_work, layers=args.layers)
         return
-    table = Table("fp8_host", ["precision", "weights", "step_work", "device", "us_per_layer", "vs_bf16"])
+    table = Table("fp8_host", ["precision", "weights", "layers", "step_work", "device", "us_per_layer", "vs_bf16"])
     rows = [(name, recipe, update) for update in (True, False) for name, recipe in recipes.items()]
-    times = host_us([layer_runner(recipe, device, update, args.step_work) for _, recipe, update in rows],
+    times = host_us([layer_runner(recipe, device, update, args.step_work, args.layers) for _, recipe, update in rows],
                     args.iters, args.rounds)
+    times = [t / args.layers for t in times]
     base = {}
     for (name, _, update), us in zip(rows, times):
         base.setdefault(update, us)  # bf16 comes first for each setting
         table.add(precision=name, weights="updated every step" if update else "unchanged (accumulation)",
+                  layers=args.layers,
                   step_work=args.step_work, device=str(device), us_per_layer=us, vs_bf16=us / base[update])
     table.save({"note": "LayerNormLinear(128->384) + LayerNormMLP(128->512 gelu) + Linear(128->128) forward+backward, "
                         "16 tokens, seqfuse's compute kernels stubbed out: host work only; 'updated every "

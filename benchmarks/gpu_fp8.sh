@@ -6,7 +6,7 @@
 # time limit so one slow step cannot eat the others; logs and result JSON
 # are packed into $OUT/fp8_run.tgz (and the JSONs copied to $OUT).
 #   bash benchmarks/gpu_fp8.sh
-# PARTS (default checks,tests,fp8_rows,fp8_host,esm2,graphs) picks the steps; TESTS the test files.
+# PARTS (default checks,tests,fp8_rows,fp8_host,esm2,graphs; also probe) picks the steps; TESTS the test files.
 # checks: the standalone kernel checks of the FP8 encoders (bin/, built on the development machine with
 # `make kernels` and carried: run(carry=["bin"])), whose device conversion turns an infinity into NaN since s38.
 set -uo pipefail
@@ -33,6 +33,12 @@ want tests && TAIL=12 run ${TEST_LIMIT:-140} pytest python3 -m pytest -q -rfE -m
      tests/test_bad_input_corpus.py}
 cd benchmarks
 want fp8_rows && TAIL=40 run 100 fp8_rows python3 bench_fp8_rows.py --rows 4097,16383
+# where an unaligned row count's extra time goes (issue 20's Linear at 4,097 rows): host issue, wall and kernels
+if want probe; then
+    for r in ${PROBE_RECIPES:-block delayed}; do
+        TAIL=40 run 120 "probe_$r" python3 probe_fp8_rows_profile.py --module Linear --recipe "$r" --rows 4097
+    done
+fi
 # the layer alone (the default since s37), then s36's definition (an optimizer stand-in per weight, gradients
 # accumulating) for comparison with the figures before it
 want fp8_host && TAIL=12 run 80 fp8_host env OMP_NUM_THREADS=1 python3 bench_fp8_host.py --device cuda --iters 40 --rounds 20 \
