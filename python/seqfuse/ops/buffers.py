@@ -51,6 +51,9 @@ TRANSIENT_POOL_BYTES = 128 << 20
 _transient = {}        # (place, dtype, shape) -> the view kept for that request
 _places = {}           # place -> (byte buffer, {dtype: its bytes seen in dtype}, keys of _transient viewing it)
 _transient_bytes = [0]
+#: Moves whenever a kept view is let go (evicted, its place's bytes replaced, clear()): a caller that
+#: keeps the views of a request set (GradQuantizer's) reuses them only while it has not moved.
+_generation = [0]
 #: Views kept per place: past it the oldest is let go (made again if asked for again).
 VIEWS_PER_PLACE = 16
 
@@ -109,6 +112,7 @@ def transient(place, dtype, *shape):
     keys = held[2]
     if len(keys) >= VIEWS_PER_PLACE:
         _transient.pop(keys.pop(0), None)
+        _generation[0] += 1
     if _places.get(place) is held:  # (not let go meanwhile by another thread's clear())
         _transient[key] = buf
         keys.append(key)
@@ -119,6 +123,7 @@ def _forget(place, held):
     """Let go of a place's bytes and the views kept over them (tolerant of a
     clear() another thread ran meanwhile: places are per thread, the pool is
     shared)."""
+    _generation[0] += 1
     for k in held[2]:
         _transient.pop(k, None)
     if _places.pop(place, None) is held:
@@ -128,9 +133,17 @@ def _forget(place, held):
 def clear():
     """Let go of every kept transient buffer (to torch's caching allocator;
     torch.cuda.empty_cache() can then return the memory to the driver)."""
+    _generation[0] += 1
     _transient.clear()
     _places.clear()
     _transient_bytes[0] = 0
+
+
+def generation():
+    """A number that moves whenever a kept view is let go: views transient()
+    gave while it stays the same are the ones it gives again for the same
+    requests (a caller may keep a set of them and skip the lookups)."""
+    return _generation[0]
 
 
 def new_or_transient(place, device, dtype, *shape):

@@ -275,7 +275,7 @@ class _Role:
             return si, None
         return si, torch.empty(*qops.block_sums_shape(sums_rows, x.shape[-1]), dtype=torch.float32, device=dev)
 
-    def _cast(self, x, transpose, dbias=None, rows=None, kept=False, row_place=None, col_place=None):
+    def _cast(self, x, transpose, dbias=None, rows=None, kept=False, row_place=None, col_place=None, grad_at=None):
         """Per-tensor cast of x [M, K] under the owner's recipe, the copies
         padded to ``rows`` token rows (None: M): a Float8Tensor, with
         ``dbias`` (a dtype) also x's column sums in it.  What quantize_with_state /
@@ -285,7 +285,10 @@ class _Role:
         GradQuantizer.kept_outputs' (its transient scale inverse where
         ``row_place`` is given).  ``row_place`` / ``col_place``: the row-wise
         / transposed copy is the transient buffer there (a
-        (transient_stream, purpose) pair: seqfuse.ops.buffers)."""
+        (transient_stream, purpose) pair: seqfuse.ops.buffers).  ``grad_at``:
+        a module backward's transient_stream, where every buffer of a
+        gradient cast is transient (GradQuantizer.transient_outputs; the
+        other buffer arguments are then unused)."""
         o = self.owner
         x, m, k = _cast_input(x)
         delayed = o.kind == "delayed"
@@ -298,12 +301,15 @@ class _Role:
         mp = m if rows is None else rows
         # (sizes as separate ints: torch parses them faster than a torch.Size or a tuple)
         sums_rows = None if dbias is None else mp
-        if kept:
-            scale_inv, sums = self.kept_outputs(x, sums_rows, where=None if row_place is None else row_place[0])
+        if grad_at is not None:
+            scale_inv, sums, out, out_t = self.transient_outputs(x, grad_at, fp8_dtype, m, mp, transpose, sums_rows)
         else:
-            scale_inv, sums = self.cast_outputs(x, sums_rows)
-        out = buffers.new_or_transient(row_place, dev, fp8_dtype, *(x.shape if mp == m else (mp, k)))
-        out_t = buffers.new_or_transient(col_place, dev, fp8_dtype, k, mp) if transpose else None
+            if kept:
+                scale_inv, sums = self.kept_outputs(x, sums_rows, where=None if row_place is None else row_place[0])
+            else:
+                scale_inv, sums = self.cast_outputs(x, sums_rows)
+            out = buffers.new_or_transient(row_place, dev, fp8_dtype, *(x.shape if mp == m else (mp, k)))
+            out_t = buffers.new_or_transient(col_place, dev, fp8_dtype, k, mp) if transpose else None
         if dbias is None:
             if delayed:
                 qops.cast_fp8_into(x, scale, amax, out, out_t, scale_inv)
@@ -457,13 +463,34 @@ class GradQuantizer(_Role):
     scale inverse is one kept tensor per role, read by GEMMs enqueued before
     the role's next cast (as the amax and scale of ``_scratch``).  A cast
     through the role's public ``quantize`` makes its own."""
-    __slots__ = ("kept_scale_inv",)
+    __slots__ = ("kept_scale_inv", "kept_set")
     _caches = _Role._caches + __slots__
     _fallback_logged = []
 
     def __init__(self, owner, index):
         super().__init__(owner, index)
-        self.kept_scale_inv = None
+        self.kept_scale_inv = self.kept_set = None
+
+    def transient_outputs(self, x, where, fp8_dtype, m, mp, transpose, sums_rows):
+        """(scale inverse, block sums or None, row-wise copy, transposed copy
+        or None): every buffer a gradient cast of ``x`` viewed as [m, K]
+        (padded to ``mp`` rows) writes in a module's backward, all transient
+        at ``where`` (the class note).  The role keeps its last set: a
+        request seen before is one comparison while buffers.generation()
+        says none of its views was let go (they are then the views
+        transient() would give again)."""
+        key = (where, fp8_dtype, x.shape, mp, transpose, sums_rows, buffers.generation())
+        kept = self.kept_set
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        si, sums = self.kept_outputs(x, sums_rows, where=where)
+        k = x.shape[-1]
+        out = buffers.transient((where, "grad"), fp8_dtype, *(x.shape if mp == m else (mp, k)))
+        out_t = buffers.transient((where, "grad_t"), fp8_dtype, k, mp) if transpose else None
+        outs = (si, sums, out, out_t)
+        # (kept where transient() keeps its views, and only if none was let go while making these)
+        self.kept_set = (key, outs) if where[1] is not None and key[-1] == buffers.generation() else None
+        return outs
 
     def kept_outputs(self, x, sums_rows=None, scale_inv=True, where=None):
         """The buffers a gradient cast of ``x`` writes besides its FP8 copies
@@ -533,12 +560,11 @@ class GradQuantizer(_Role):
         mp = padded_rows(m)
         rows = None if mp == m else mp
         db = None
-        places = self.grad_places(dy) if transient else (None, None)
+        at = buffers.transient_stream(dy) if transient else None
         if want_db and need_wgrad and qops.dbias_fusable(dy, rows=mp):
-            g, db = self._cast(dy, True, dbias=sum_dtype, rows=rows, kept=True, row_place=places[0],
-                               col_place=places[1])
+            g, db = self._cast(dy, True, dbias=sum_dtype, rows=rows, kept=True, grad_at=at)
         else:
-            g = self._cast(dy, need_wgrad, rows=rows, kept=True, row_place=places[0], col_place=places[1])
+            g = self._cast(dy, need_wgrad, rows=rows, kept=True, grad_at=at)
         if want_db and db is None:
             if need_wgrad and not GradQuantizer._fallback_logged:
                 GradQuantizer._fallback_logged.append(True)
