@@ -264,9 +264,10 @@ def main():
     p.add_argument("--parts", choices=("fp8_delayed", "fp8_current", "fp8_block"),
                    help="time this row with each part of its FP8 work replaced by a lookup (module note)")
     args = p.parse_args()
-    if args.iters < 1 or args.rounds < 1 or args.layers < 1:
-        p.error(f"--iters, --rounds and --layers must be at least 1, got {args.iters}, {args.rounds} and "
-                f"{args.layers}")
+    if args.iters < 1 or args.rounds < 1:
+        p.error(f"--iters and --rounds must be at least 1, got {args.iters} and {args.rounds}")
+    if args.layers < 1:
+        p.error(f"--layers must be at least 1, got {args.layers}")
     device = torch.device(args.device)
     recipes = {"bf16": None, "fp8_delayed": DelayedScaling(), "fp8_current": Float8CurrentScaling(),
                "fp8_block": Float8BlockScaling()}

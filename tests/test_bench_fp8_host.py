@@ -145,3 +145,32 @@ def test_parts_replace_each_part_only_inside_its_rows_and_restore_it():
     assert all(us > 0 for _, us in rows)
     assert (gq.WeightQuantizer.get, gq.GradQuantizer.quantize_grad, gq._Role.quantize,
             autocast_mod.reduce_and_update) == real
+
+
+def test_layers_below_one_refused(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["bench_fp8_host.py", "--layers", "0"])
+    with pytest.raises(SystemExit) as e:
+        bench_fp8_host.main()
+    assert e.value.code == 2 and "--layers must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_layers_stack_runs_every_layer_inside_one_region(monkeypatch):
+    """--layers N: each iteration runs N layers (every layer's weights get a
+    gradient and a version bump) inside one autocast region (one delayed-
+    scaling update per iteration, not one per layer)."""
+    from seqfuse.common.recipe import DelayedScaling
+    import importlib
+    autocast_mod = importlib.import_module("seqfuse.quantization.autocast")
+    updates = []
+    real = autocast_mod.reduce_and_update
+    monkeypatch.setattr(autocast_mod, "reduce_and_update", lambda *a, **k: (updates.append(1), real(*a, **k))[1])
+    torch.manual_seed(0)
+    run = bench_fp8_host.layer_runner(DelayedScaling(), torch.device("cpu"), update=True, layers=3)
+    from seqfuse.modules import Linear
+    seen = []
+    orig = Linear.forward
+    monkeypatch.setattr(Linear, "forward", lambda self, *a, **k: (seen.append(id(self)), orig(self, *a, **k))[1])
+    with bench_fp8_host.stubbed_kernels():
+        run(2)
+    assert len(set(seen)) == 3 and len(seen) == 6  # three layers' projections, each once an iteration
+    assert len(updates) == 2  # one update per region (per iteration)
