@@ -146,7 +146,10 @@ increment_versions = _version_bump()
 def mark_written(*outs):
     """Bump the version counters of the given ``out=`` tensors after a C
     write (other DLPack producers, which C also takes, keep no counter)."""
-    increment_versions(tuple(t for t in outs if isinstance(t, torch.Tensor)))
+    try:  # (all tensors, the modules' case: torch's one C call over the tuple as given)
+        increment_versions(outs)
+    except (RuntimeError, TypeError):  # a DLPack producer among them (a counter bumped twice still moved)
+        increment_versions(tuple(t for t in outs if isinstance(t, torch.Tensor)))
 
 
 _INT64 = (-(2 ** 63), 2 ** 63 - 1)
