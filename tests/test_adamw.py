@@ -223,24 +223,34 @@ def test_bf16_moments_state_dict_resumes_bit_exactly(device, seed):
             assert torch.equal(opt.state[p][key], opt2.state[q][key]), key
 
 
-def test_load_state_dict_keeps_the_constructors_moment_dtype(caplog):
-    """A checkpoint with fp32 moments (an older FusedAdamW's, torch's AdamW
-    on fp32 parameters) loaded into a bf16-moment optimizer: the moments are
-    converted to bf16 and a warning says so; the other way round they are
-    widened exactly."""
+def test_load_state_dict_converts_moments_only_when_asked(caplog):
+    """A checkpoint with fp32 moments loaded into a bf16-moment optimizer is
+    refused (it was converted to bf16, rounding the saved moments, with only
+    a log line); setting the state dict's moment_dtype to bf16 asks for the
+    conversion: the moments are rounded to bf16 and a warning says so.  The
+    other way round (bf16 saved, fp32 asked for) they are widened exactly.
+    tests/test_optim_bad_inputs.py has the refusals in detail."""
     params = make_params(torch.bfloat16, shapes=[(64,)])
     fp32 = FusedAdamW(params, **HYPER)
     fill_grads(params, 0)
     fp32.step()
     bf16 = FusedAdamW(params, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16, **HYPER)
+    sd = fp32.state_dict()
+    with pytest.raises(ValueError, match="saved with moment_dtype=torch.float32, but this optimizer's "
+                                         r"param_groups\[0\] keeps its moments in torch.bfloat16"):
+        bf16.load_state_dict(sd)
+    assert not bf16.state
+    sd["param_groups"][0]["moment_dtype"] = torch.bfloat16
     with caplog.at_level("WARNING", logger="seqfuse"):
-        bf16.load_state_dict(fp32.state_dict())
+        bf16.load_state_dict(sd)
     st = bf16.state[params[0]]
     assert st["exp_avg"].dtype == torch.bfloat16 and bf16.param_groups[0]["moment_dtype"] == torch.bfloat16
     assert torch.equal(st["exp_avg"], fp32.state[params[0]]["exp_avg"].to(torch.bfloat16))
     assert "saved exp_avg in torch.float32 converted to this optimizer's torch.bfloat16" in caplog.text
     back = FusedAdamW(params, **HYPER)
-    back.load_state_dict(bf16.state_dict())
+    sd = bf16.state_dict()
+    sd["param_groups"][0]["moment_dtype"] = torch.float32
+    back.load_state_dict(sd)
     assert torch.equal(back.state[params[0]]["exp_avg_sq"], st["exp_avg_sq"].float())
 
 

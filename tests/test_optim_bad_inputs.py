@@ -150,6 +150,188 @@ def test_load_refuses_torch_adams_l2_weight_decay():
     torch.testing.assert_close(q.detach(), p.detach(), rtol=1e-6, atol=1e-7)
 
 
+# ---- 1b. a checkpoint's moment dtype is never changed silently -----------------------------------
+
+def _fused_checkpoint(moments, dtype=torch.bfloat16, n=64):
+    """(the parameter's value, state_dict) after two steps of FusedAdamW with
+    moments in ``moments``; random gradients, so float32 moments are not
+    bfloat16 numbers and a rounding shows."""
+    gen = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(n, generator=gen).to(dtype))
+    opt = FusedAdamW([p], lr=0.01, exp_avg_dtype=moments, exp_avg_sq_dtype=moments)
+    for _ in range(2):
+        p.grad = torch.randn(n, generator=gen).to(dtype)
+        opt.step()
+    return p.detach().clone(), opt.state_dict()
+
+
+def _moments(dtype):
+    return dict(exp_avg_dtype=dtype, exp_avg_sq_dtype=dtype)
+
+
+@pytest.mark.parametrize("saved,built", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_load_refuses_another_moment_dtype(saved, built):
+    """A FusedAdamW checkpoint saved with one moment dtype, loaded into an
+    optimizer built with the other: the old loader converted the moments to
+    the constructor's dtype (float32 -> bfloat16 rounded them; bfloat16 ->
+    float32 resumed a bf16 run in another precision) with only a log line.
+    Now refused, naming both dtypes and the two fixes, before anything
+    changes; each fix the message names works."""
+    value, sd = _fused_checkpoint(saved)
+    if saved == torch.float32:  # the conversion would have lost something
+        assert not torch.equal(sd["state"][0]["exp_avg"], sd["state"][0]["exp_avg"].bfloat16().float())
+    q = torch.nn.Parameter(value.clone())
+    q.grad = torch.ones_like(q)
+    opt = FusedAdamW([q], lr=0.01, **_moments(built))
+    opt.step()  # state of its own, which a refused load must leave alone
+    before = _snapshot(opt)
+    with pytest.raises(ValueError) as err:
+        opt.load_state_dict(sd)
+    msg = str(err.value)
+    assert (f"FusedAdamW.load_state_dict: the state dict's param_groups[0] was saved with moment_dtype={saved}, "
+            f"but this optimizer's param_groups[0] keeps its moments in {built}") in msg
+    assert f"build the optimizer with exp_avg_dtype=exp_avg_sq_dtype={saved}" in msg
+    assert f"set state_dict['param_groups'][0]['moment_dtype'] = {built} before loading" in msg
+    assert ("rounded to torch.bfloat16" in msg) == (built == torch.bfloat16)
+    _same(before, _snapshot(opt))
+    assert opt.param_groups[0]["moment_dtype"] == built and opt.param_groups[0]["lr"] == 0.01
+
+    # fix 1: built with the saved dtype, the checkpoint loads exactly
+    same = FusedAdamW([q], lr=0.5, **_moments(saved))
+    same.load_state_dict(sd)
+    assert same.param_groups[0]["moment_dtype"] == saved
+    for key in ("exp_avg", "exp_avg_sq", "master_param"):
+        x, y = same.state[q][key], sd["state"][0][key]
+        assert x.dtype == y.dtype and torch.equal(x, y), key
+    assert same.state[q]["step"] == 2
+
+    # fix 2: the state dict says the new dtype: converted on purpose
+    sd["param_groups"][0]["moment_dtype"] = built
+    conv = FusedAdamW([q], lr=0.5, **_moments(built))
+    conv.load_state_dict(sd)
+    for key in ("exp_avg", "exp_avg_sq"):
+        x = conv.state[q][key]
+        assert x.dtype == built and torch.equal(x, sd["state"][0][key].to(built)), key
+
+
+def test_moment_dtype_checked_per_group():
+    """Group 0 matches, group 1 does not: group 1 is named, nothing loads."""
+    a, b = _param(4), _param(4)
+    a.grad, b.grad = torch.full((4,), 0.3), torch.full((4,), 0.7)
+    src = FusedAdamW([{"params": [a]}, {"params": [b], "moment_dtype": torch.bfloat16}], lr=0.1)
+    src.step()
+    x, y = _param(4), _param(4)
+    opt = FusedAdamW([{"params": [x]}, {"params": [y]}], lr=0.1)
+    with pytest.raises(ValueError, match=r"param_groups\[1\] was saved with moment_dtype=torch.bfloat16, but this "
+                                         r"optimizer's param_groups\[1\] keeps its moments in torch.float32"):
+        opt.load_state_dict(src.state_dict())
+    assert not opt.state
+    good = FusedAdamW([{"params": [x]}, {"params": [y], "moment_dtype": torch.bfloat16}], lr=0.1)
+    good.load_state_dict(src.state_dict())
+    assert torch.equal(good.state[y]["exp_avg"], src.state[b]["exp_avg"])
+    assert good.state[y]["exp_avg"].dtype == torch.bfloat16
+
+
+def test_torch_checkpoint_of_fp32_moments_into_bf16_moments_is_refused():
+    """torch.optim.AdamW on float32 parameters keeps float32 moments (and
+    no 'moment_dtype' key): loading them into bf16 moments would round them
+    (the old loader did, with a log line).  Refused, naming the key, the
+    dtypes and the fixes; the second fix loads them rounded, on purpose."""
+    p, _, sd = _torch_checkpoint()
+    assert not torch.equal(sd["state"][0]["exp_avg"], sd["state"][0]["exp_avg"].bfloat16().float())
+    q = torch.nn.Parameter(p.detach().clone())
+    opt = FusedAdamW([q], lr=0.1, **_moments(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"param_groups\[0\] has no 'moment_dtype' \(a torch.optim or Transformer "
+                                         r"Engine checkpoint\) and the state of its parameter 0 holds 'exp_avg' in "
+                                         r"torch.float32, but this optimizer's param_groups\[0\] keeps its moments "
+                                         r"in torch.bfloat16: converting would round the saved values"):
+        opt.load_state_dict(sd)
+    assert not opt.state and opt.param_groups[0]["moment_dtype"] == torch.bfloat16
+    sd["param_groups"][0]["moment_dtype"] = torch.bfloat16
+    opt.load_state_dict(sd)
+    assert torch.equal(opt.state[q]["exp_avg"], sd["state"][0]["exp_avg"].bfloat16())
+    # into float32 moments (the default) it loads exactly
+    same = FusedAdamW([q], lr=0.1)
+    _, _, sd = _torch_checkpoint()
+    same.load_state_dict(sd)
+    assert torch.equal(same.state[q]["exp_avg_sq"], sd["state"][0]["exp_avg_sq"])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_torch_checkpoint_of_16_bit_moments_widens_exactly(dtype, caplog):
+    """torch.optim.AdamW on bfloat16 / float16 parameters keeps moments in
+    the parameter's dtype: into a float32-moment FusedAdamW they widen
+    exactly (nothing saved is lost), and a log line names the conversion.
+    float16 moments into bfloat16 ones would round: refused, pointing at
+    float32 (FusedAdamW keeps no float16 moments)."""
+    p, _, sd = _torch_checkpoint(dtype=dtype)
+    assert sd["state"][0]["exp_avg"].dtype == dtype
+    q = torch.nn.Parameter(p.detach().clone())
+    opt = FusedAdamW([q], lr=0.1)
+    with caplog.at_level("WARNING", logger="seqfuse"):
+        opt.load_state_dict(sd)
+    for key in ("exp_avg", "exp_avg_sq"):
+        x = opt.state[q][key]
+        assert x.dtype == torch.float32 and torch.equal(x, sd["state"][0][key].float()), key
+    assert f"saved exp_avg in {dtype} converted to this optimizer's torch.float32" in caplog.text
+    if dtype == torch.float16:
+        opt = FusedAdamW([q], lr=0.1, **_moments(torch.bfloat16))
+        with pytest.raises(ValueError, match=r"holds 'exp_avg' in torch.float16, but this optimizer's "
+                                             r"param_groups\[0\] keeps its moments in torch.bfloat16: converting "
+                                             r"would round the saved values.  To keep the saved values exactly, "
+                                             r"build the optimizer with exp_avg_dtype=exp_avg_sq_dtype=torch.float32"):
+            opt.load_state_dict(sd)
+        assert not opt.state
+
+
+def _dcp_moment_worker(rank, init_file, out_dir):
+    import os
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    from seqfuse.distributed import end_process_group
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=1)
+    try:
+        torch.manual_seed(0)
+        m = torch.nn.Linear(8, 8)
+        opt = FusedAdamW(m.parameters(), lr=0.1)
+        m(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        ckpt = os.path.join(out_dir, "dcp")
+        dcp.save({"optim": get_optimizer_state_dict(m, opt)}, checkpoint_id=ckpt)
+        m2 = torch.nn.Linear(8, 8)
+        opt2 = FusedAdamW(m2.parameters(), lr=0.1, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+        sd = {"optim": get_optimizer_state_dict(m2, opt2)}  # a template in bf16: DCP reads into it
+        dcp.load(sd, checkpoint_id=ckpt)
+        try:
+            set_optimizer_state_dict(m2, opt2, sd["optim"])
+            result = "loaded"
+        except ValueError as e:
+            result = str(e)
+        torch.save({"result": result}, os.path.join(out_dir, "result.pt"))
+    finally:
+        end_process_group(True)
+
+
+def test_dcp_load_into_another_moment_dtype_is_refused(tmp_path):
+    """torch.distributed.checkpoint reads a float32-moment checkpoint into
+    the bf16 template of an optimizer built with bf16 moments (rounding it
+    on the way) and hands the file's param_groups to load_state_dict: the
+    saved moment_dtype there is refused as in a plain load (it loaded)."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    mp.spawn(_dcp_moment_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=1, join=True)
+    result = torch.load(tmp_path / "result.pt")["result"]
+    assert re.search(r"param_groups\[0\] was saved with moment_dtype=torch.float32, but this optimizer's "
+                     r"param_groups\[0\] keeps its moments in torch.bfloat16", result), result
+
+
 # ---- 2. flags the constructor refuses are refused per group and at step -----------------------------
 
 @pytest.mark.parametrize("extra,key", [({"maximize": True}, "maximize"), ({"amsgrad": True}, "amsgrad"),

@@ -21,9 +21,9 @@
 - ``state_dict()`` holds everything (moments, master copies, steps);
   ``load_state_dict`` restores them exactly (in the group's moment dtype and
   fp32 masters, not cast to the parameter's dtype as torch's default loader
-  would), so training resumes bit for bit.  State saved in another moment
-  dtype than the group's is converted to the group's, and a log line says
-  so.
+  would), so training resumes bit for bit.  A checkpoint whose moment dtype
+  is not the group's is refused (ValueError naming both and how to make them
+  match), never silently re-rounded: see load_state_dict.
 - ``lr`` must be a Python number (a tensor lr would need a host read).
 - Each update bumps the parameters' version counters (the kernel writes
   them directly, which torch would not notice): caches keyed on a weight's
@@ -105,8 +105,10 @@ def _dtype_name(dtype):
 class FusedAdamW(torch.optim.Optimizer):
     #: Group keys that say how this optimizer runs (where this model's gradients are, which
     #: kernel modes it was built for), not where the training was: load_state_dict keeps this
-    #: optimizer's values over a checkpoint's.  The rest (hyper-parameters, master_weights) come
-    #: from the file where it has them, as torch's loader does.
+    #: optimizer's values over a checkpoint's (for moment_dtype only after checking that the
+    #: checkpoint's moments are in it, or widen exactly to it: _check_saved_moments).  The rest
+    #: (hyper-parameters, master_weights) come from the file where it has them, as torch's
+    #: loader does.
     _CONSTRUCTOR_KEYS = ("use_main_grad", "moment_dtype", "adam_w_mode")
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
@@ -336,35 +338,102 @@ class FusedAdamW(torch.optim.Optimizer):
                             raise TypeError(f"{op}: {where} has '{key}' of type {type(st[key]).__name__}; it "
                                             "must be a tensor")
                         check_state_shape(op, p, st[key], f"{where}: '{key}'")
+        for gi, (saved, built) in enumerate(zip(saved_groups, self.param_groups)):
+            self._check_saved_moments(op, gi, saved, built, states)
+
+    def _check_saved_moments(self, op, gi, saved, built, states):
+        """Refuse (ValueError) loading saved group ``gi`` into ``built`` where
+        that would change the precision of the saved moments: a group saved
+        with another 'moment_dtype' (a FusedAdamW checkpoint: its setting is
+        in the file), or, in a checkpoint without the key (torch.optim's,
+        Transformer Engine's), moments that only a rounding conversion would
+        bring to this group's dtype (16-bit moments widened to float32 are
+        kept exactly, so they load).  Decided on group keys and tensor dtypes
+        alone, which every rank of a sharded load sees the same: all ranks
+        refuse or none does."""
+        have = built.get("moment_dtype", torch.float32)
+        rounds = have != torch.float32
+        convert = (f"to change the moment dtype on purpose, set state_dict['param_groups'][{gi}]['moment_dtype'] "
+                   f"= {have} before loading" + (f" (the saved moments are then rounded to {have})" if rounds
+                                                 else ""))
+        if "moment_dtype" in saved:
+            was = saved["moment_dtype"]
+            if was != have:
+                raise ValueError(
+                    f"{op}: the state dict's param_groups[{gi}] was saved with moment_dtype={was!r}, but this "
+                    f"optimizer's param_groups[{gi}] keeps its moments in {have}: loading would change the "
+                    f"precision of the saved moments.  To resume as saved, build the optimizer with "
+                    f"exp_avg_dtype=exp_avg_sq_dtype={was!r}; {convert}")
+            return
+        for pj, saved_id in enumerate(saved["params"]):
+            st = states.get(saved_id) or {}
+            for key in ("exp_avg", "exp_avg_sq"):
+                was = getattr(st.get(key), "dtype", have)
+                if was != have and not (have == torch.float32 and was in (torch.bfloat16, torch.float16)):
+                    if was in MOMENT_DTYPES:
+                        keep = f"To resume as saved, build the optimizer with exp_avg_dtype=exp_avg_sq_dtype={was}; "
+                    elif was == torch.float16:  # a torch checkpoint of fp16 parameters: no fp16 moments here
+                        keep = ("To keep the saved values exactly, build the optimizer with "
+                                "exp_avg_dtype=exp_avg_sq_dtype=torch.float32 (float16 widens exactly); ")
+                    else:  # float64: no exact home here
+                        keep = ""
+                    fixes = keep + convert if keep else convert[0].upper() + convert[1:]
+                    raise ValueError(
+                        f"{op}: the state dict's param_groups[{gi}] has no 'moment_dtype' (a torch.optim or "
+                        f"Transformer Engine checkpoint) and the state of its parameter {pj} holds '{key}' in "
+                        f"{was}, but this optimizer's param_groups[{gi}] keeps its moments in {have}: converting "
+                        f"would round the saved values.  {fixes}")
 
     def load_state_dict(self, state_dict):
         """torch's loader, then the state put back exactly: the moments in the
-        moment dtype this optimizer was built with (as Transformer Engine's
-        FusedAdam: the constructor's choice wins over the file's; torch's
-        loader would otherwise take the saved groups' key, or none from a
-        torch AdamW or TE checkpoint), the masters in fp32 (torch's loader
-        casts floating-point state to each parameter's dtype, which would
-        round the master copies and moments of bf16 parameters).  Moments
-        saved in another dtype are converted, with a warning (bf16 to fp32 is
-        exact; fp32 to bf16 rounds).  DTensor state (a sharded parameter's,
-        as DCP loads it) stays a DTensor.
+        group's moment dtype, the masters in fp32 (torch's loader casts
+        floating-point state to each parameter's dtype, which would round the
+        master copies and moments of bf16 parameters).  DTensor state (a
+        sharded parameter's, as DCP loads it) stays a DTensor.
+
+        The moment dtype is never changed silently, in either direction:
+        loading must not round what was saved, and a run resumed from a
+        checkpoint must keep the precision it was saved with.  So a group
+        saved with another ``moment_dtype`` than this optimizer's group
+        (a FusedAdamW or te.optimizers.FusedAdam checkpoint of float32
+        moments loaded into one built with exp_avg_dtype=torch.bfloat16, or
+        the other way round) is refused with a ValueError naming both dtypes
+        and the two ways to make them match: build the optimizer with the
+        saved dtype to resume as saved, or, to change the dtype on purpose,
+        set ``state_dict['param_groups'][i]['moment_dtype']`` to this
+        optimizer's before loading (the saved moments are then converted;
+        float32 to bfloat16 rounds).  A checkpoint without the key
+        (torch.optim's AdamW, Transformer Engine's FusedAdam) says its
+        precision by its moments' dtype: bfloat16 / float16 moments widen
+        exactly into a float32 group and load (a log line names the
+        conversion); moments that would be rounded (float32 ones into a
+        bfloat16 group) are refused the same way.  Moments already in the
+        key's dtype, or saved widened to float32 under it (as
+        te.optimizers.FusedAdam saves its bfloat16 moments, like TE), load
+        exactly.
 
         torch's loader replaces each group by the saved one, hyper-parameters
         included.  Here the keys that say how this optimizer runs
-        (use_main_grad, moment_dtype, te.optimizers.FusedAdam's adam_w_mode)
-        keep this optimizer's values whatever the file says (a torch
-        checkpoint has none of them; a FusedAdam one saved
-        use_main_grad=False, which would leave main_grad unread), and every
-        other key a saved group lacks (master_weights in a torch or TE
-        checkpoint) keeps this optimizer's value too.  A 16-bit parameter of a
+        (use_main_grad, te.optimizers.FusedAdam's adam_w_mode, and
+        moment_dtype once checked as above) keep this optimizer's values
+        whatever the file says: use_main_grad says where this process's
+        model leaves its gradients (in main_grad or .grad), which is not
+        training state and is nothing the file could know better (a torch
+        checkpoint has no such key; a FusedAdam one saved
+        use_main_grad=False, which would leave main_grad unread); Transformer
+        Engine keeps its equivalent (use_decoupled_grad) out of the state
+        dict for the same reason.  Every other key a saved group lacks
+        (master_weights in a torch or TE checkpoint) keeps this optimizer's
+        value too.  A 16-bit parameter of a
         master_weights group whose saved state has no fp32 master (torch's
         AdamW keeps none) gets one from its value; saved masters are kept
         (they hold the exact values) even where master_weights is False.  Refused
         (ValueError naming the group and key, before anything changes): a
         saved group with amsgrad or maximize, or decoupled_weight_decay=False
         with weight decay (torch.optim.Adam's L2), which the kernel would
-        ignore; state without its moments or step, or whose tensors do not
-        have their parameter's shape."""
+        ignore; a moment dtype that does not match (above); state without
+        its moments or step, or whose tensors do not have their parameter's
+        shape."""
         self._check_saved(state_dict)
         built = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in self.param_groups]
         super().load_state_dict(state_dict)
