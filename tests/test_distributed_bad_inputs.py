@@ -16,7 +16,8 @@ import seqfuse.pytorch as te
 from seqfuse.common.recipe import DelayedScaling
 from seqfuse.distributed import (all_to_all_single_autograd, clip_grad_norm_, dispatch_tokens, end_process_group,
                                  enable_fp8_all_gather, fp8_all_gather_params, freqs_for_cp_rank,
-                                 init_expert_parallel_mesh, pad_thd_sequences_for_cp, split_batch_for_cp_rank)
+                                 get_batch_on_this_cp_rank, init_expert_parallel_mesh, pad_thd_sequences_for_cp,
+                                 split_batch_for_cp_rank)
 from seqfuse.distributed.fp8_allgather import FP8ShardWeight
 
 from helpers import free_port
@@ -103,6 +104,56 @@ def test_split_batch_refuses_input_ids_not_matching_cu_seqlens():
     # matching: as before
     b = split_batch_for_cp_rank(ids[:16], cu_seqlens=cu, cp_size=2, cp_rank=0)
     assert b.input_ids.tolist() == [0, 1, 6, 7, 8, 9, 14, 15]
+
+
+@pytest.mark.parametrize("bad,match", [
+    # cu_seqlens not matching the batch: 20 tokens, cu_seqlens ending at 16 (or 24)
+    (dict(cu=torch.tensor([0, 8, 16], dtype=torch.int32)), r"input_ids hold 20 tokens but cu_seqlens ends at 16"),
+    (dict(cu=torch.tensor([0, 8, 24], dtype=torch.int32)), r"input_ids hold 20 tokens but cu_seqlens ends at 24"),
+    (dict(cu=torch.tensor([1, 8, 20], dtype=torch.int32)), r"cu_seqlens must start at 0 and never decrease"),
+    (dict(cu=torch.tensor([0, 12, 8, 20], dtype=torch.int32)), r"cu_seqlens must start at 0 and never decrease"),
+    (dict(cu=torch.tensor([[0, 8, 20]], dtype=torch.int32)), r"cu_seqlens must be a 1-D tensor"),
+    (dict(cu=[0, 8, 20]), r"cu_seqlens must be a 1-D tensor"),
+    (dict(cu=None), r"qkv_format 'thd' needs cu_seqlens"),
+    # per-token tensors of another shape
+    (dict(labels=torch.arange(16)), r"labels must be a tensor of input_ids' shape \(20,\), got \(16,\)"),
+    (dict(pos=torch.arange(20).view(1, 20)), r"position_ids must be a tensor of input_ids' shape \(20,\), got "
+                                             r"\(1, 20\)"),
+    (dict(ids=torch.arange(20).view(2, 10)), r"thd input_ids must be \[t\] or \[1, t\], got \(2, 10\)"),
+], ids=["cu-short", "cu-long", "cu-start", "cu-decreasing", "cu-2d", "cu-list", "cu-none", "labels-shape",
+        "position-ids-shape", "ids-2-rows"])
+def test_get_batch_on_this_cp_rank_checks_a_group_of_one(group, bad, match):
+    """A CP group of one rank returned its inputs unchecked: a cu_seqlens
+    that does not describe the batch (or labels / position ids of another
+    shape) went through silently there, and was refused with more ranks.
+    Now the same checks run at every group size."""
+    ids = bad.get("ids", torch.arange(20))
+    cu = bad.get("cu", torch.tensor([0, 8, 20], dtype=torch.int32))
+    labels = bad.get("labels", ids + 7)
+    pos = bad.get("pos", None)
+    assert dist.get_world_size(group) == 1
+    with pytest.raises(ValueError, match="get_batch_on_this_cp_rank: " + match):
+        get_batch_on_this_cp_rank(cu, ids, labels, pos, group)
+
+
+def test_get_batch_on_this_cp_rank_group_of_one_keeps_the_batch(group):
+    """A matching batch on one rank: the tensors themselves back, position
+    ids made per sequence when not given (as with more ranks); sequence
+    lengths need not be a multiple of 2 (one rank cuts no chunks)."""
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32)  # odd lengths
+    ids = torch.arange(20).view(1, 20)
+    labels, pos = ids + 7, torch.cat([torch.arange(7), torch.arange(13)]).view(1, 20)
+    got = get_batch_on_this_cp_rank(cu, ids, labels, pos, group)
+    assert got[0] is ids and got[1] is labels and got[2] is pos
+    got = get_batch_on_this_cp_rank(cu, ids, None, None, group)
+    assert got[0] is ids and got[1] is None and torch.equal(got[2], pos)
+    # the same split as split_batch_for_cp_rank(cp_size=1) where that applies (even lengths)
+    cu = torch.tensor([0, 8, 20], dtype=torch.int32)
+    want = split_batch_for_cp_rank(ids, labels, None, cu, cp_size=1, cp_rank=0)
+    got = get_batch_on_this_cp_rank(cu, ids, labels, None, group)
+    assert all(torch.equal(a, b) for a, b in zip(got, (want.input_ids, want.labels, want.position_ids)))
+    with pytest.raises(ValueError, match="qvk_format must be 'thd'"):
+        get_batch_on_this_cp_rank(cu, ids, labels, None, group, qvk_format="bshd")
 
 
 def test_cp_sizes_and_ranks_are_integers():

@@ -64,7 +64,15 @@ def split_batch_for_cp_rank(input_ids, labels=None, position_ids=None, cu_seqlen
     of 2 * cp_size (ValueError naming the sequence otherwise).  The tokens
     come in the rank's local order: per sequence, chunk cp_rank then chunk
     2*cp_size-1-cp_rank."""
-    who = "split_batch_for_cp_rank"
+    return _split(input_ids, labels, position_ids, cu_seqlens, cp_size, cp_rank, qkv_format,
+                  "split_batch_for_cp_rank")
+
+
+def _split(input_ids, labels, position_ids, cu_seqlens, cp_size, cp_rank, qkv_format, who, split=True):
+    """split_batch_for_cp_rank's body.  ``split=False`` (a group of one
+    rank, which keeps every token in its order): the same checks of the
+    batch against cu_seqlens, but no 2*cp_size padding rule (nothing is cut
+    into chunks) and the given tensors come back themselves, not copies."""
     cp_size, cp_rank = _check_cp(cp_size, cp_rank, who)
     fmt = qkv_format or ("thd" if cu_seqlens is not None else "bshd")
     if fmt not in ("thd", "bshd"):
@@ -89,7 +97,7 @@ def split_batch_for_cp_rank(input_ids, labels=None, position_ids=None, cu_seqlen
         total, seq_dim = input_ids.shape[1], 1
         lengths = torch.tensor([total])
     bad = (lengths % (2 * cp_size)) != 0
-    if bool(bad.any()):
+    if split and bool(bad.any()):
         i = int(bad.nonzero()[0])
         what = "the row length" if fmt == "bshd" else f"sequence {i}'s length"
         raise ValueError(f"{who}: with cp_size {cp_size} every sequence length must be a multiple of 2*cp_size = "
@@ -99,7 +107,7 @@ def split_batch_for_cp_rank(input_ids, labels=None, position_ids=None, cu_seqlen
         pos = torch.arange(total) - torch.repeat_interleave(starts, lengths)
         position_ids = pos.to(input_ids.device).expand(input_ids.shape) if fmt == "bshd" \
             else pos.to(input_ids.device).view(input_ids.shape)
-    index = local_token_index(lengths, cp_size, cp_rank)
+    index = local_token_index(lengths, cp_size, cp_rank) if split else None
 
     def take(name, x):
         if x is None:
@@ -107,7 +115,7 @@ def split_batch_for_cp_rank(input_ids, labels=None, position_ids=None, cu_seqlen
         if not isinstance(x, torch.Tensor) or x.shape != input_ids.shape:
             raise ValueError(f"{who}: {name} must be a tensor of input_ids' shape {tuple(input_ids.shape)}, got "
                              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-        return x.index_select(seq_dim, index.to(x.device))
+        return x.index_select(seq_dim, index.to(x.device)) if split else x
 
     max_seqlen = int(lengths.max()) if fmt == "thd" and len(lengths) else None
     return CPBatch(take("input_ids", input_ids), take("labels", labels), take("position_ids", position_ids),
@@ -117,17 +125,25 @@ def split_batch_for_cp_rank(input_ids, labels=None, position_ids=None, cu_seqlen
 def get_batch_on_this_cp_rank(cu_seqlens_padded, input_ids_padded, labels_padded, position_ids_padded,
                               cp_group=None, qvk_format="thd"):
     """Transformer Engine's name and argument order: (input_ids, labels,
-    position_ids) of this rank of ``cp_group`` (thd only, as TE's)."""
+    position_ids) of this rank of ``cp_group`` (thd only, as TE's).
+
+    A group of one rank keeps the whole batch: the given tensors come back
+    themselves (position ids made per sequence when None, as with more
+    ranks), after the same checks as with more ranks: cu_seqlens a 1-D
+    tensor starting at 0, never decreasing and ending at input_ids' token
+    count, input_ids [t] or [1, t], labels and position ids of its shape
+    (ValueError naming the argument otherwise; one host read of cu_seqlens,
+    as with more ranks).  Only the padding rule (each length a multiple of
+    2 * cp_size) is left out there: one rank cuts nothing into chunks."""
     import torch.distributed as dist
 
+    who = "get_batch_on_this_cp_rank"
     if qvk_format != "thd":
-        raise ValueError(f"get_batch_on_this_cp_rank: qvk_format must be 'thd' (as Transformer Engine's), got "
+        raise ValueError(f"{who}: qvk_format must be 'thd' (as Transformer Engine's), got "
                          f"{qvk_format!r}; split_batch_for_cp_rank takes bshd")
     size = dist.get_world_size(cp_group)
-    if size == 1:
-        return input_ids_padded, labels_padded, position_ids_padded
-    b = split_batch_for_cp_rank(input_ids_padded, labels_padded, position_ids_padded, cu_seqlens_padded,
-                                cp_size=size, cp_rank=dist.get_rank(cp_group), qkv_format="thd")
+    b = _split(input_ids_padded, labels_padded, position_ids_padded, cu_seqlens_padded, size,
+               dist.get_rank(cp_group), "thd", who, split=size > 1)
     return b.input_ids, b.labels, b.position_ids
 
 
