@@ -36,7 +36,7 @@ want fp8_rows && TAIL=40 run 100 fp8_rows python3 bench_fp8_rows.py --rows 4097,
 # where an unaligned row count's extra time goes (issue 20's Linear at 4,097 rows): host issue, wall and kernels
 if want probe; then
     for r in ${PROBE_RECIPES:-block delayed}; do
-        TAIL=40 run 120 "probe_$r" python3 probe_fp8_rows_profile.py --module Linear --recipe "$r" --rows 4097
+        TAIL=40 run 120 "probe_$r" python3 probe_fp8_rows_profile.py --module Linear --recipe "$r" --rows 4097 ${PROBE_ARGS:-}
     done
 fi
 # the layer alone (the default since s37), then s36's definition (an optimizer stand-in per weight, gradients

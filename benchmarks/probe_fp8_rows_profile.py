@@ -52,6 +52,10 @@ def main():
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=14)
+    p.add_argument("--host", action="store_true",
+                   help="also: one step under torch's sync debug mode (each synchronizing call printed with "
+                        "where it came from) and --steps steps under cProfile (the host's functions by own time, "
+                        "C entries included as builtins)")
     args = p.parse_args()
     name, m = next((n, mod) for n, mod in modules(args.hidden) if n.startswith(args.module))
     recipe = dict(RECIPES)[args.recipe]()
@@ -66,6 +70,38 @@ def main():
               f"{wall:.3f} / {wall2:.3f} ms a step, CUDA kernel time {total / 1e3:.3f} ms a step")
         for us, count, key in top:
             print(f"   {us:9.1f} us  x{count:<3d} {key}")
+        if args.host:
+            host_report(step, args.steps, args.top)
+
+
+def host_report(step, steps, top):
+    """Where a step's host time goes: the calls that synchronize with the GPU
+    (torch.cuda.set_sync_debug_mode, each reported once with its stack), then
+    cProfile's functions by own time over ``steps`` steps."""
+    import cProfile
+    import pstats
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    print(f"   synchronizing calls in one step: {len(syncs)}")
+    for w in syncs[:5]:
+        print(f"     {w.message} ({w.filename}:{w.lineno})")
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
 
 
 if __name__ == "__main__":

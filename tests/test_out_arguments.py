@@ -59,7 +59,8 @@ def _ce_backward(dev, out):
 
 
 def _gemm_aux(dev, out):
-    a, b = torch.randn(4, 3, device=dev), torch.randn(3, 5, device=dev)
+    # (8 columns: cuBLASLt's aux epilogue on CUDA takes a row stride that is a multiple of 8 elements)
+    a, b = torch.randn(4, 3, device=dev), torch.randn(3, 8, device=dev)
     return ops.gemm(a, b, epilogue="gelu_aux", aux=out)[1], a @ b  # aux: the pre-GELU values
 
 
@@ -80,23 +81,29 @@ def _l2norm(dev, out):
 
 
 def _attention_dq(dev, out):
-    q, k, v = (torch.randn(1, 6, 2, 8, device=dev) for _ in range(3))
+    dt = out.dtype  # (bfloat16 on CUDA, whose attention kernels take fp16 / bf16: _out_dtype)
+    q, k, v = (torch.randn(1, 6, 2, 8, device=dev, dtype=dt) for _ in range(3))
     o_, lse = ops.attention_forward(q, k, v)
-    dq, _, _ = ops.attention_backward(torch.randn(1, 6, 2, 8, device=dev), q, k, v, o_, lse, dq=out)
+    dq, _, _ = ops.attention_backward(torch.randn(1, 6, 2, 8, device=dev, dtype=dt), q, k, v, o_, lse, dq=out)
     return dq, None
 
 
-OPS = {"gemm": (_gemm, (4, 5)), "gemm(aux)": (_gemm_aux, (4, 5)), "gemm(bias)": (_gemm_bgrad, (4,)),
+OPS = {"gemm": (_gemm, (4, 5)), "gemm(aux)": (_gemm_aux, (4, 8)), "gemm(bias)": (_gemm_bgrad, (4,)),
        "amax": (_amax, ()), "multi_tensor_l2norm": (_l2norm, ()), "attention_backward(dq)": (_attention_dq, (1, 6, 2, 8)), "act_forward": (_act, (4, 8)), "act_backward": (_act_backward, (4, 8)),
        "layernorm_forward": (_layernorm, (4, 8)), "rmsnorm_forward": (_rmsnorm, (4, 8)),
        "rope": (_rope, (4, 5, 2, 8)), "cross_entropy_backward": (_ce_backward, (4, 8))}
+
+
+def _out_dtype(name, dev):
+    """The out= tensor's dtype: float32, but bfloat16 for attention on CUDA (its kernels take fp16 / bf16)."""
+    return torch.bfloat16 if dev == "cuda" and name.startswith("attention") else torch.float32
 
 
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("name", sorted(OPS))
 def test_out_requiring_grad_refused_under_grad_mode(dev, name):
     run, shape = OPS[name]
-    out = torch.full(shape, 7.0, device=dev, requires_grad=True)
+    out = torch.full(shape, 7.0, device=dev, dtype=_out_dtype(name, dev), requires_grad=True)
     op, _, arg = name.partition("(")
     arg = arg.rstrip(")") or "out"
     with pytest.raises(ValueError, match=rf"{op}: argument '{arg}' requires grad; seqfuse.ops write out= "
@@ -110,7 +117,7 @@ def test_out_requiring_grad_refused_under_grad_mode(dev, name):
 def test_out_written_under_no_grad_and_version_bumped(dev, name):
     run, shape = OPS[name]
     for requires_grad in (False, True):
-        out = torch.full(shape, 7.0, device=dev, requires_grad=requires_grad)
+        out = torch.full(shape, 7.0, device=dev, dtype=_out_dtype(name, dev), requires_grad=requires_grad)
         before = out._version
         with torch.no_grad():
             got, want = run(dev, out)
