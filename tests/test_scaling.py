@@ -474,13 +474,17 @@ def test_stats_log(tmp_path):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
-def test_cuda_update_bit_identical(algo, seed):
+@pytest.mark.parametrize("h, n", [(16, 1000), (1, 37), (2, 5), (129, 3), (130, 64), (1024, 300), (1500, 7)])
+def test_cuda_update_bit_identical(algo, h, n, seed):
+    """The CUDA update (one CTA per column, the roll in chunks of its
+    threads) against the CPU loop, bit for bit, over three steps: history
+    lengths around the chunk size (128), the default 1,024 and longer, with
+    zeros, subnormals, infinities and NaNs in the columns."""
     rng = np.random.default_rng(seed)
-    h, n = 16, 1000
     hist = torch.from_numpy((rng.random((h, n)) * 100).astype(np.float32))
     hist[:, ::7] = 0
-    hist[3, ::11] = float("inf")
-    hist[5, ::13] = float("nan")
+    hist[min(3, h - 1), ::11] = float("inf")
+    hist[min(5, h - 1), ::13] = float("nan")
     hist[0, ::17] = 1e-39
     fmax = torch.where(torch.rand(n) < 0.5, 448.0, 57344.0)
     scale = torch.from_numpy(rng.random(n).astype(np.float32) + 0.5)
@@ -491,6 +495,25 @@ def test_cuda_update_bit_identical(algo, seed):
         ops.fp8_scale_update(g[0], g[1], g[2], fmax.cuda(), algo, 2)
         for a, b in zip(c, g):
             assert torch.equal(a.view(torch.int32), b.cpu().view(torch.int32))
+
+
+@pytest.mark.cuda
+def test_cuda_update_strided_history_leaves_other_columns():
+    """A history that is a column slice of a wider tensor (the pool's chunk
+    views): the update writes its own columns only, as the CPU loop does."""
+    torch.manual_seed(0)
+    wide = torch.rand(300, 50) * 10
+    wide[7, 3] = float("nan")
+    c, g = wide.clone(), wide.cuda()
+    fmax = torch.full((20,), 448.0)
+    sc, sg = torch.ones(20), torch.ones(20, device="cuda")
+    si_c, si_g = torch.empty(20), torch.empty(20, device="cuda")
+    for _ in range(2):
+        ops.fp8_scale_update(c[:, 10:30], sc, si_c, fmax, "max", 1)
+        ops.fp8_scale_update(g[:, 10:30], sg, si_g, fmax.cuda(), "max", 1)
+    assert torch.equal(c.view(torch.int32), g.cpu().view(torch.int32))
+    assert torch.equal(sc.view(torch.int32), sg.cpu().view(torch.int32))
+    assert torch.equal(g[:, :10].cpu(), wide[:, :10]) and torch.equal(g[:, 30:].cpu(), wide[:, 30:])
 
 
 @pytest.mark.cuda

@@ -487,26 +487,56 @@ dequantize_kernel(const uint8_t *__restrict__ data, int64_t n, int e5m2,
         sf_store_dequant(out + i, __fmul_rn(sf_fp8_to_f32(data[i], e5m2), si));
 }
 
-__global__ void scale_update_kernel(sf_scale_args a)
+/* The delayed-scaling update of column j of the [h, ld] amax history, one
+ * CTA per column (blockIdx.x): the column's amax (algo 0: the max over
+ * every row; 1: row 0) by a block reduction over the absolute values' bits
+ * (order-free, so the CPU loop's bits exactly, NaN included), the scale and
+ * its inverse, then torch.roll(history, -1, 0) with row 0 cleared: row i
+ * takes row i + 1 (i = 1 .. h - 2), the last row takes row 0.  The roll runs
+ * in chunks of blockDim rows, each read into registers before the block
+ * synchronises and writes it one row up, so no row is written before it is
+ * read.  A thread per column walking the history (the first version) spent
+ * ~100 us at the default h = 1,024 in dependent strided loads; this takes a
+ * few microseconds. */
+constexpr int kUpdateThreads = 128;
+
+__global__ void __launch_bounds__(kUpdateThreads) scale_update_kernel(sf_scale_args a)
 {
-    int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (j >= a.n)
-        return;
+    const int64_t j = blockIdx.x;
     float *col = a.history + j;
+    const int64_t h = a.h, ld = a.ld;
+    const int t = threadIdx.x;
     const float first = col[0];
     uint32_t m = sf_abs_bits(first);
     if (a.algo == 0)
-        for (int64_t i = 1; i < a.h; ++i)
-            m = max(m, sf_abs_bits(col[i * a.ld]));
-    float s = sf_scale_from_amax(sf_bits_f32(m), a.fp8_max[j], a.pow2_neg_margin, a.scale[j]);
-    a.scale[j] = s;
-    a.scale_inv[j] = __fdiv_rn(1.0f, s);
-    if (a.h > 1) {
-        for (int64_t i = 1; i + 1 < a.h; ++i)
-            col[i * a.ld] = col[(i + 1) * a.ld];
-        col[(a.h - 1) * a.ld] = first;
+        for (int64_t i = 1 + t; i < h; i += kUpdateThreads)
+            m = max(m, sf_abs_bits(col[i * ld]));
+    __shared__ uint32_t warp_max[kUpdateThreads / 32];
+    for (int o = 16; o > 0; o >>= 1)
+        m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if ((t & 31) == 0)
+        warp_max[t >> 5] = m;
+    __syncthreads(); /* (also: every thread has read row 0 and the rows it maxed over) */
+    if (t == 0) {
+        for (int w = 1; w < kUpdateThreads / 32; ++w)
+            m = max(m, warp_max[w]);
+        const float s = sf_scale_from_amax(sf_bits_f32(m), a.fp8_max[j], a.pow2_neg_margin, a.scale[j]);
+        a.scale[j] = s;
+        a.scale_inv[j] = __fdiv_rn(1.0f, s);
     }
-    col[0] = 0.0f;
+    for (int64_t base = 1; base + 1 < h; base += kUpdateThreads) {
+        const int64_t i = base + t;
+        const float v = i + 1 < h ? col[(i + 1) * ld] : 0.0f;
+        __syncthreads();
+        if (i + 1 < h)
+            col[i * ld] = v;
+    }
+    __syncthreads();
+    if (t == 0) {
+        if (h > 1)
+            col[(h - 1) * ld] = first;
+        col[0] = 0.0f;
+    }
 }
 
 __global__ void compute_scale_kernel(sf_scale_args a)
@@ -880,7 +910,7 @@ extern "C" sf_status sf_dequantize_fp8_cuda(const sf_dequant_args *a, int device
 
 namespace {
 
-/* The scaling-state kernels: one thread per column, on `device`. */
+/* compute_scale_kernel's launch: one thread per column, on `device`. */
 template <typename Kernel>
 sf_status launch_scale(const char *op, Kernel kernel, const sf_scale_args *a, int device,
                        sf_stream s)
@@ -899,7 +929,15 @@ sf_status launch_scale(const char *op, Kernel kernel, const sf_scale_args *a, in
 
 extern "C" sf_status sf_fp8_scale_update_cuda(const sf_scale_args *a, int device, sf_stream s)
 {
-    return launch_scale("fp8_scale_update", scale_update_kernel, a, device, s);
+    if (a->n == 0)
+        return SF_OK;
+    cudaStream_t stream = sf_cuda_stream(s);
+    sf_cuda_device_guard guard;
+    SF_TRY(sf_cuda_device_enter("fp8_scale_update", device, &guard));
+    scale_update_kernel<<<(unsigned)a->n, kUpdateThreads, 0, stream>>>(*a); /* one CTA per column */
+    const sf_status st = sf_cuda_launch_status("fp8_scale_update", SF_OK);
+    sf_cuda_device_restore(&guard);
+    return st;
 }
 
 extern "C" sf_status sf_fp8_compute_scale_cuda(const sf_scale_args *a, int device, sf_stream s)
