@@ -85,7 +85,13 @@ class TiedCausalLM:
 def _check_model_type(cls, path, config, where):
     """Refuse a local checkpoint directory whose config.json names another
     model_type than ``cls``'s config class (transformers only warns, then
-    fails later with an error that names neither)."""
+    fails later with an error that names neither), or whose config.json
+    cannot be read as the JSON object save_pretrained writes: OSError naming
+    the file where it cannot be read, ValueError naming it and the rule
+    where it is not JSON (transformers' OSError says so, naming the file) or
+    not a JSON object (a list, a string: transformers' TypeError named
+    neither the file nor the rule).  A missing config.json is left to
+    transformers (its error names what is missing)."""
     want = getattr(getattr(cls, "config_class", None), "model_type", None)
     if config is not None or not want or not isinstance(path, (str, os.PathLike)):
         return
@@ -93,10 +99,24 @@ def _check_model_type(cls, path, config, where):
     if not os.path.isfile(file):
         return  # (transformers' own error for a missing config)
     try:
-        with open(file) as f:
-            got = json.load(f).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return  # (transformers' own error for an unreadable config)
+        with open(file, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: the checkpoint's config file {file} is not UTF-8 text ({e}); it must hold "
+                         "the JSON object save_pretrained writes") from None
+    except OSError as e:
+        raise OSError(e.errno, f"{where}: the checkpoint's config file {file} cannot be read: "
+                               f"{e.strerror or e}") from e
+    try:
+        saved = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{where}: the checkpoint's config file {file} is not valid JSON ({e}); it must hold "
+                         "the JSON object save_pretrained writes") from None
+    if not isinstance(saved, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(saved), "a number")
+        raise ValueError(f"{where}: the checkpoint's config file {file} holds {kind}, not the JSON object "
+                         "save_pretrained writes")
+    got = saved.get("model_type")
     if got is not None and got != want:
         raise ValueError(f"{where}: the checkpoint's config.json has model_type {got!r}, but {cls.__name__} "
                          f"loads {want!r} checkpoints")
@@ -158,7 +178,9 @@ class SeqfusePreTrainedModel(PreTrainedModel):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """transformers' from_pretrained, made strict: a checkpoint of another
-        model type (config.json's model_type) raises ValueError naming both, and
+        model type (config.json's model_type) raises ValueError naming both, a
+        config.json that is not a readable JSON object raises (ValueError, or
+        OSError where it cannot be read) naming the file, and
         one with missing or unexpected weights raises (KeyError / ValueError
         naming the keys) instead of leaving randomly initialised weights behind
         (an output layer may be absent only where the config ties it to the

@@ -138,6 +138,20 @@ def _stamp(file):
     return st.st_size, st.st_mtime_ns, st.st_ino
 
 
+def _saves_on_this_process(model, is_main_process):
+    """Whether transformers' save_pretrained writes the checkpoint files on
+    this process: ``is_main_process``, and rank 0 where torch.distributed is
+    initialised (transformers' ``should_save_on_this_rank``, used where the
+    model has it; the same rule otherwise)."""
+    should = getattr(model, "should_save_on_this_rank", None)
+    if callable(should):
+        return bool(should(is_main_process))
+    import torch.distributed as dist
+
+    initialised = dist.is_available() and dist.is_initialized()
+    return bool(is_main_process) and (not initialised or dist.get_rank() == 0)
+
+
 def save_pretrained_checked(model, path, where, save=None, **save_kwargs):
     """``model.save_pretrained(path, **save_kwargs)`` (or ``save(path, ...)``)
     with what transformers leaves silent made loud: a ``path`` that is a
@@ -147,7 +161,11 @@ def save_pretrained_checked(model, path, where, save=None, **save_kwargs):
     single-file ``model.safetensors`` (transformers' loader would read it
     ahead of the new shards); after a single-file save, an earlier sharded
     save's index (whose shards transformers removed).  Only files this save
-    did not write are removed, and only on the process that saves."""
+    did not write are removed, and only on the process that saves
+    (``is_main_process`` true and, under torch.distributed, rank 0, as
+    transformers decides who writes): every other process calls the save
+    (which may take part in collectives) and removes nothing, so ranks
+    saving together do not race to remove a file rank 0's save made stale."""
     path = os.fspath(path)
     if os.path.exists(path) and not os.path.isdir(path):
         raise NotADirectoryError(f"{where}: {path!r} is a file; a checkpoint is written into a directory")
@@ -155,7 +173,7 @@ def save_pretrained_checked(model, path, where, save=None, **save_kwargs):
     single = os.path.join(path, _SINGLE_FILE)
     before = {f: _stamp(f) for f in (index, single)}
     (save or model.save_pretrained)(path, **save_kwargs)
-    if not save_kwargs.get("is_main_process", True):
+    if not _saves_on_this_process(model, save_kwargs.get("is_main_process", True)):
         return
     after = {f: _stamp(f) for f in (index, single)}
     written = {f for f in after if after[f] is not None and after[f] != before[f]}
