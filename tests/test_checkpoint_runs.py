@@ -406,3 +406,28 @@ def test_resume_with_a_longer_context_is_not_refused():
     saved["model"]["size"] = "8B"
     with pytest.raises(ckpt.CheckpointError, match=r"model.size: checkpoint '8B', this run '1B'"):
         check_model_config("ckpt", saved, sized)
+
+
+def test_resume_with_other_adam_moments_is_refused_naming_the_setting(run4, tmp_path):
+    """The run of step 2 and 4 resumed with train.adam_moments changed: CheckpointError naming the
+    recipe setting (FusedAdamW's own refusal names its constructor arguments, which a recipe user does
+    not write), before anything is loaded; nothing is written."""
+    d = _copy(run4, tmp_path)
+    with pytest.raises(ckpt.CheckpointError) as e:
+        train(load_config("L0_sanity", BASE + ["train.steps=6", f"checkpoint.dir={d}",
+                                               "train.adam_moments=bfloat16"]), "ddp")
+    assert str(e.value) == (f"checkpoint {step_dir(d, 4)} was saved with train.adam_moments=float32, this run has "
+                            "bfloat16: its Adam moments would be loaded into another precision.  Resume with "
+                            "train.adam_moments=float32, or start a new run in another checkpoint.dir")
+    assert steps_in(d) == [2, 4]
+
+
+def test_optimizer_config_check_skips_checkpoints_without_the_setting():
+    from recipe_common.trainer import check_optimizer_config
+
+    cfg = load_config("L0_sanity", ["train.adam_moments=bfloat16"])
+    check_optimizer_config("ckpt", None, cfg)
+    check_optimizer_config("ckpt", {"train": {}}, cfg)
+    check_optimizer_config("ckpt", {"train": {"adam_moments": "bfloat16"}}, cfg)
+    with pytest.raises(ckpt.CheckpointError, match=r"train.adam_moments=float32, this run has bfloat16"):
+        check_optimizer_config("ckpt", {"train": {"adam_moments": "float32"}}, cfg)

@@ -579,6 +579,22 @@ def check_model_config(path, saved_config, cfg):
             f"another checkpoint.dir")
 
 
+def check_optimizer_config(path, saved_config, cfg):
+    """CheckpointError where checkpoint ``path`` was saved with another
+    train.adam_moments than this run's: FusedAdamW refuses to load moments
+    into another dtype (their precision would change), and a recipe user
+    sets the dtype here, not in the optimizer's arguments its message names.
+    A checkpoint without a recorded config (or setting) is not compared."""
+    saved = (saved_config or {}).get("train") if isinstance(saved_config, dict) else None
+    was = saved.get("adam_moments") if isinstance(saved, dict) else None
+    now = cfg.train.get("adam_moments", "float32")
+    if was is not None and was != now:
+        raise ckpt.CheckpointError(
+            f"checkpoint {path} was saved with train.adam_moments={was}, this run has {now}: its Adam moments "
+            f"would be loaded into another precision.  Resume with train.adam_moments={was}, or start a new run "
+            f"in another checkpoint.dir")
+
+
 def _resume(cfg, spec, model, optimizer, scheduler, train_loader, rank):
     """The step to continue from (0: a fresh run), everything restored.
     (check_checkpoint_dir, at the start of the run, has refused a fresh run
@@ -596,6 +612,7 @@ def _resume(cfg, spec, model, optimizer, scheduler, train_loader, rank):
     saved = ckpt.read_trainer_state(path)
     saved_step = int(saved["step"])
     check_model_config(path, saved.get("config"), cfg)
+    check_optimizer_config(path, saved.get("config"), cfg)
     if saved_step >= total_steps:
         where = "the end of" if saved_step == total_steps else "beyond"
         raise ckpt.CheckpointError(
