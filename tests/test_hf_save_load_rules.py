@@ -227,7 +227,10 @@ def test_a_process_that_does_not_save_removes_nothing(tmp_path, caplog, monkeypa
     (b'"seqfuse_llama"', r"holds a string, not the JSON object"),
     (b"null", r"holds null, not the JSON object"),
     (b"4096", r"holds a number, not the JSON object"),
-], ids=["truncated", "empty", "not-utf8", "array", "string", "null", "number"])
+    # (no model_type: transformers would build the default 32-layer, 4,096-wide Llama from it)
+    (b"{}", r"has no model_type; SeqfuseLlamaForCausalLM loads 'seqfuse_llama' checkpoints"),
+    (b'{"hidden_size": 64}', r"has no model_type"),
+], ids=["truncated", "empty", "not-utf8", "array", "string", "null", "number", "empty-object", "no-model-type"])
 def test_unreadable_config_json_is_refused_naming_the_file(tmp_path, content, rule):
     """from_pretrained of a directory whose config.json is not the JSON
     object save_pretrained writes: seqfuse's ValueError names the call, the

@@ -90,8 +90,9 @@ def _check_model_type(cls, path, config, where):
     the file where it cannot be read, ValueError naming it and the rule
     where it is not JSON (transformers' OSError says so, naming the file) or
     not a JSON object (a list, a string: transformers' TypeError named
-    neither the file nor the rule).  A missing config.json is left to
-    transformers (its error names what is missing)."""
+    neither the file nor the rule), or that names no model_type (transformers
+    would build the config class's default model from it).  A missing
+    config.json is left to transformers (its error names what is missing)."""
     want = getattr(getattr(cls, "config_class", None), "model_type", None)
     if config is not None or not want or not isinstance(path, (str, os.PathLike)):
         return
@@ -117,7 +118,13 @@ def _check_model_type(cls, path, config, where):
         raise ValueError(f"{where}: the checkpoint's config file {file} holds {kind}, not the JSON object "
                          "save_pretrained writes")
     got = saved.get("model_type")
-    if got is not None and got != want:
+    if got is None:
+        # (transformers fills every missing field with the config class's defaults: an empty config
+        # builds a 32-layer, 4,096-wide Llama, whose allocation alone can take the process down)
+        raise ValueError(f"{where}: the checkpoint's config file {file} has no model_type; {cls.__name__} loads "
+                         f"{want!r} checkpoints, whose config.json save_pretrained writes with "
+                         f"\"model_type\": \"{want}\" and every field of the model's shape")
+    if got != want:
         raise ValueError(f"{where}: the checkpoint's config.json has model_type {got!r}, but {cls.__name__} "
                          f"loads {want!r} checkpoints")
 
