@@ -262,3 +262,59 @@ def test_stack_trains_as_without_kept_buffers(device, recipe, monkeypatch, seed,
         assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref), step
         for i, (g, g_ref) in enumerate(zip(grads, grads_ref)):
             assert torch.equal(g, g_ref), (step, i)
+
+
+def _grad_cast(device, recipe_cls=DelayedScaling, rows=40, bias=True):
+    """One Linear's output-gradient cast as its backward makes it (quantize_grad, transient=True)."""
+    from seqfuse.quantization.gemm_quantizers import quantizers_for
+
+    m = te.Linear(64, 32, bias=bias, params_dtype=torch.bfloat16, device=device)
+    q = quantizers_for(m, recipe_cls(), torch.device(device))
+    dy = torch.randn(rows, 32, dtype=torch.bfloat16, device=device)
+    return lambda: q.grads[0].quantize_grad(dy, torch.bfloat16 if bias else None, transient=True)[0]
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_gradient_cast_reuses_its_kept_set_of_transient_views(device, empty_pool):
+    """A repeated gradient cast gets its four buffers from one kept set: the
+    very views transient() keeps for them (so the same memory as before)."""
+    needs_fp8(device)
+    cast = _grad_cast(device)
+    g1 = cast()
+    g2 = cast()
+    assert g2.data is g1.data and g2.data_t is g1.data_t and g2.scale_inv is g1.scale_inv
+    where = buffers.transient_stream(g1.data)
+    assert buffers.transient((where, "grad"), g1.data.dtype, *g1.data.shape) is g1.data
+    assert buffers.transient((where, "grad_t"), g1.data.dtype, *g1.data_t.shape) is g1.data_t
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_gradient_cast_keeps_no_set_of_buffers_the_pool_does_not_keep(device, monkeypatch, empty_pool):
+    """Buffers transient() makes without keeping them (over TRANSIENT_MAX_BYTES,
+    the pool off) are never kept in a set either: each cast gets new ones,
+    which go back to the allocator after the backward."""
+    needs_fp8(device)
+    cast = _grad_cast(device)
+    for name, value in (("TRANSIENT_MAX_BYTES", 64), ("TRANSIENT_POOL_BYTES", 0)):
+        with monkeypatch.context() as mp:
+            mp.setattr(buffers, name, value)
+            buffers.clear()
+            g1, g2 = cast(), cast()
+            assert g1.data is not g2.data and g1.data_t is not g2.data_t, name
+            assert not buffers._sets, name
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_letting_a_view_go_lets_every_kept_set_go(device, empty_pool):
+    """clear(), or a place grown past a kept view, drops the kept sets: none
+    keeps memory the pool let go, and the next cast gets the pool's views."""
+    needs_fp8(device)
+    cast = _grad_cast(device)
+    g1 = cast()
+    assert buffers._sets
+    buffers.clear()
+    assert not buffers._sets
+    g2 = cast()
+    assert g2.data is not g1.data and buffers._sets
+    big = _grad_cast(device, rows=400)()  # the 'grad' place grows: its old views are let go, and g2's set
+    assert len(buffers._sets) == 1 and next(iter(buffers._sets.values()))[2] is big.data

@@ -51,9 +51,10 @@ TRANSIENT_POOL_BYTES = 128 << 20
 _transient = {}        # (place, dtype, shape) -> the view kept for that request
 _places = {}           # place -> (byte buffer, {dtype: its bytes seen in dtype}, keys of _transient viewing it)
 _transient_bytes = [0]
-#: Moves whenever a kept view is let go (evicted, its place's bytes replaced, clear()): a caller that
-#: keeps the views of a request set (GradQuantizer's) reuses them only while it has not moved.
-_generation = [0]
+#: keep_set's sets of views, by their caller's key; emptied whenever a kept view is let go
+_sets = {}
+#: Sets kept at most (past it all are let go and kept anew): one per distinct request of a stream
+MAX_SETS = 64
 #: Views kept per place: past it the oldest is let go (made again if asked for again).
 VIEWS_PER_PLACE = 16
 
@@ -112,7 +113,7 @@ def transient(place, dtype, *shape):
     keys = held[2]
     if len(keys) >= VIEWS_PER_PLACE:
         _transient.pop(keys.pop(0), None)
-        _generation[0] += 1
+        _sets.clear()
     if _places.get(place) is held:  # (not let go meanwhile by another thread's clear())
         _transient[key] = buf
         keys.append(key)
@@ -123,7 +124,7 @@ def _forget(place, held):
     """Let go of a place's bytes and the views kept over them (tolerant of a
     clear() another thread ran meanwhile: places are per thread, the pool is
     shared)."""
-    _generation[0] += 1
+    _sets.clear()
     for k in held[2]:
         _transient.pop(k, None)
     if _places.pop(place, None) is held:
@@ -133,17 +134,33 @@ def _forget(place, held):
 def clear():
     """Let go of every kept transient buffer (to torch's caching allocator;
     torch.cuda.empty_cache() can then return the memory to the driver)."""
-    _generation[0] += 1
+    _sets.clear()
     _transient.clear()
     _places.clear()
     _transient_bytes[0] = 0
 
 
-def generation():
-    """A number that moves whenever a kept view is let go: views transient()
-    gave while it stays the same are the ones it gives again for the same
-    requests (a caller may keep a set of them and skip the lookups)."""
-    return _generation[0]
+def keep_set(key, views, requests):
+    """Keep ``views`` under ``key`` (a hashable that says everything the views
+    depend on: places, dtypes, shapes) when each is the view transient()
+    keeps for its request, a (place, dtype, shape) of ``requests`` (None
+    where the view is not a transient buffer): a caller that asks for the
+    same buffers on every call (a module backward's gradient cast) then gets
+    them from kept_set with one lookup.  A view transient() gave but does not
+    keep (too large, under capture, pool off) is never kept here, and
+    letting any kept view go (eviction, a place grown, clear()) lets every
+    set go, so a set is always the views transient() would give again."""
+    for view, request in zip(views, requests):
+        if request is not None and _transient.get(request) is not view:
+            return
+    if len(_sets) >= MAX_SETS:
+        _sets.clear()
+    _sets[key] = views
+
+
+def kept_set(key):
+    """The views keep_set kept under ``key``, or None."""
+    return _sets.get(key)
 
 
 def new_or_transient(place, device, dtype, *shape):

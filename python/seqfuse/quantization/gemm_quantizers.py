@@ -463,33 +463,36 @@ class GradQuantizer(_Role):
     scale inverse is one kept tensor per role, read by GEMMs enqueued before
     the role's next cast (as the amax and scale of ``_scratch``).  A cast
     through the role's public ``quantize`` makes its own."""
-    __slots__ = ("kept_scale_inv", "kept_set")
+    __slots__ = ("kept_scale_inv",)
     _caches = _Role._caches + __slots__
     _fallback_logged = []
 
     def __init__(self, owner, index):
         super().__init__(owner, index)
-        self.kept_scale_inv = self.kept_set = None
+        self.kept_scale_inv = None
 
     def transient_outputs(self, x, where, fp8_dtype, m, mp, transpose, sums_rows):
         """(scale inverse, block sums or None, row-wise copy, transposed copy
         or None): every buffer a gradient cast of ``x`` viewed as [m, K]
         (padded to ``mp`` rows) writes in a module's backward, all transient
-        at ``where`` (the class note).  The role keeps its last set: a
-        request seen before is one comparison while buffers.generation()
-        says none of its views was let go (they are then the views
-        transient() would give again)."""
-        key = (where, fp8_dtype, x.shape, mp, transpose, sums_rows, buffers.generation())
-        kept = self.kept_set
-        if kept is not None and kept[0] == key:
-            return kept[1]
+        at ``where`` (the class note).  A request seen before is one lookup
+        (buffers.kept_set: the same views transient() would give, kept only
+        while transient() keeps every one of them)."""
+        key = ("grad_cast", where, fp8_dtype, x.shape, mp, transpose, sums_rows)
+        outs = buffers.kept_set(key)
+        if outs is not None:
+            return outs
         si, sums = self.kept_outputs(x, sums_rows, where=where)
         k = x.shape[-1]
-        out = buffers.transient((where, "grad"), fp8_dtype, *(x.shape if mp == m else (mp, k)))
+        shape = tuple(x.shape) if mp == m else (mp, k)
+        out = buffers.transient((where, "grad"), fp8_dtype, *shape)
         out_t = buffers.transient((where, "grad_t"), fp8_dtype, k, mp) if transpose else None
         outs = (si, sums, out, out_t)
-        # (kept where transient() keeps its views, and only if none was let go while making these)
-        self.kept_set = (key, outs) if where[1] is not None and key[-1] == buffers.generation() else None
+        sums_shape = None if sums is None else qops.block_sums_shape(sums_rows, k)
+        buffers.keep_set(key, outs, (((where, "grad_scale_inv"), torch.float32, (1,)),
+                                     None if sums is None else ((where, "grad_sums"), torch.float32, sums_shape),
+                                     ((where, "grad"), fp8_dtype, shape),
+                                     None if out_t is None else ((where, "grad_t"), fp8_dtype, (k, mp))))
         return outs
 
     def kept_outputs(self, x, sums_rows=None, scale_inv=True, where=None):
