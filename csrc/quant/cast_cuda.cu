@@ -32,6 +32,7 @@
  *   generic: one element per thread, any shape or alignment.
  *   dequantize, and the scaling-state updates (one thread per tensor).
  */
+#include <climits>
 #include <cooperative_groups.h>
 #include <type_traits>
 
@@ -495,9 +496,9 @@ dequantize_kernel(const uint8_t *__restrict__ data, int64_t n, int e5m2,
  * takes row i + 1 (i = 1 .. h - 2), the last row takes row 0.  The roll runs
  * in chunks of blockDim rows, each read into registers before the block
  * synchronises and writes it one row up, so no row is written before it is
- * read.  A thread per column walking the history (the first version) spent
- * ~100 us at the default h = 1,024 in dependent strided loads; this takes a
- * few microseconds. */
+ * read.  Why a CTA per column: one thread walking a column makes 2h
+ * dependent strided loads, 106 us a step at the default h = 1,024 on an
+ * H200 (profiled); a CTA's threads load independently. */
 constexpr int kUpdateThreads = 128;
 
 __global__ void __launch_bounds__(kUpdateThreads) scale_update_kernel(sf_scale_args a)
@@ -512,8 +513,7 @@ __global__ void __launch_bounds__(kUpdateThreads) scale_update_kernel(sf_scale_a
         for (int64_t i = 1 + t; i < h; i += kUpdateThreads)
             m = max(m, sf_abs_bits(col[i * ld]));
     __shared__ uint32_t warp_max[kUpdateThreads / 32];
-    for (int o = 16; o > 0; o >>= 1)
-        m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+    m = sf_warp_max_bits(m);
     if ((t & 31) == 0)
         warp_max[t >> 5] = m;
     __syncthreads(); /* (also: every thread has read row 0 and the rows it maxed over) */
@@ -931,6 +931,9 @@ extern "C" sf_status sf_fp8_scale_update_cuda(const sf_scale_args *a, int device
 {
     if (a->n == 0)
         return SF_OK;
+    if (a->n > INT_MAX) /* (one CTA per column: the grid's x dimension) */
+        return sf_fail(SF_ERR_VALUE, "fp8_scale_update: %lld tensors in one update, more than the %d one "
+                       "launch takes", (long long)a->n, INT_MAX);
     cudaStream_t stream = sf_cuda_stream(s);
     sf_cuda_device_guard guard;
     SF_TRY(sf_cuda_device_enter("fp8_scale_update", device, &guard));
