@@ -82,14 +82,14 @@ def _l2norm(dev, out):
 
 def _attention_dq(dev, out):
     dt = out.dtype  # (bfloat16 on CUDA, whose attention kernels take fp16 / bf16: _out_dtype)
-    q, k, v = (torch.randn(1, 6, 2, 8, device=dev, dtype=dt) for _ in range(3))
+    q, k, v = (torch.randn(1, 6, 2, 16, device=dev, dtype=dt) for _ in range(3))  # (head dim 16: CUDA's smallest)
     o_, lse = ops.attention_forward(q, k, v)
-    dq, _, _ = ops.attention_backward(torch.randn(1, 6, 2, 8, device=dev, dtype=dt), q, k, v, o_, lse, dq=out)
+    dq, _, _ = ops.attention_backward(torch.randn(1, 6, 2, 16, device=dev, dtype=dt), q, k, v, o_, lse, dq=out)
     return dq, None
 
 
 OPS = {"gemm": (_gemm, (4, 5)), "gemm(aux)": (_gemm_aux, (4, 8)), "gemm(bias)": (_gemm_bgrad, (4,)),
-       "amax": (_amax, ()), "multi_tensor_l2norm": (_l2norm, ()), "attention_backward(dq)": (_attention_dq, (1, 6, 2, 8)), "act_forward": (_act, (4, 8)), "act_backward": (_act_backward, (4, 8)),
+       "amax": (_amax, ()), "multi_tensor_l2norm": (_l2norm, ()), "attention_backward(dq)": (_attention_dq, (1, 6, 2, 16)), "act_forward": (_act, (4, 8)), "act_backward": (_act_backward, (4, 8)),
        "layernorm_forward": (_layernorm, (4, 8)), "rmsnorm_forward": (_rmsnorm, (4, 8)),
        "rope": (_rope, (4, 5, 2, 8)), "cross_entropy_backward": (_ce_backward, (4, 8))}
 
