@@ -107,19 +107,21 @@ def test_split_batch_refuses_input_ids_not_matching_cu_seqlens():
 
 
 @pytest.mark.parametrize("bad,match", [
-    # cu_seqlens not matching the batch: 20 tokens, cu_seqlens ending at 16 (or 24)
-    (dict(cu=torch.tensor([0, 8, 16], dtype=torch.int32)), r"input_ids hold 20 tokens but cu_seqlens ends at 16"),
-    (dict(cu=torch.tensor([0, 8, 24], dtype=torch.int32)), r"input_ids hold 20 tokens but cu_seqlens ends at 24"),
-    (dict(cu=torch.tensor([1, 8, 20], dtype=torch.int32)), r"cu_seqlens must start at 0 and never decrease"),
-    (dict(cu=torch.tensor([0, 12, 8, 20], dtype=torch.int32)), r"cu_seqlens must start at 0 and never decrease"),
-    (dict(cu=torch.tensor([[0, 8, 20]], dtype=torch.int32)), r"cu_seqlens must be a 1-D tensor"),
-    (dict(cu=[0, 8, 20]), r"cu_seqlens must be a 1-D tensor"),
-    (dict(cu=None), r"qkv_format 'thd' needs cu_seqlens"),
+    # cu_seqlens not matching the batch: 20 tokens, cu_seqlens ending at 16 (or 24); each message names
+    # the argument as get_batch_on_this_cp_rank calls it
+    (dict(cu=torch.tensor([0, 8, 16], dtype=torch.int32)), r"input_ids_padded hold 20 tokens but cu_seqlens_padded ends at 16"),
+    (dict(cu=torch.tensor([0, 8, 24], dtype=torch.int32)), r"input_ids_padded hold 20 tokens but cu_seqlens_padded ends at 24"),
+    (dict(cu=torch.tensor([1, 8, 20], dtype=torch.int32)), r"cu_seqlens_padded must start at 0 and never decrease"),
+    (dict(cu=torch.tensor([0, 12, 8, 20], dtype=torch.int32)), r"cu_seqlens_padded must start at 0 and never decrease"),
+    (dict(cu=torch.tensor([[0, 8, 20]], dtype=torch.int32)), r"cu_seqlens_padded must be a 1-D tensor"),
+    (dict(cu=[0, 8, 20]), r"cu_seqlens_padded must be a 1-D tensor"),
+    (dict(cu=None), r"qkv_format 'thd' needs cu_seqlens_padded"),
     # per-token tensors of another shape
-    (dict(labels=torch.arange(16)), r"labels must be a tensor of input_ids' shape \(20,\), got \(16,\)"),
-    (dict(pos=torch.arange(20).view(1, 20)), r"position_ids must be a tensor of input_ids' shape \(20,\), got "
-                                             r"\(1, 20\)"),
-    (dict(ids=torch.arange(20).view(2, 10)), r"thd input_ids must be \[t\] or \[1, t\], got \(2, 10\)"),
+    (dict(labels=torch.arange(16)), r"labels_padded must be a tensor of input_ids_padded' shape \(20,\), got "
+                                   r"\(16,\)"),
+    (dict(pos=torch.arange(20).view(1, 20)), r"position_ids_padded must be a tensor of input_ids_padded' shape "
+                                             r"\(20,\), got \(1, 20\)"),
+    (dict(ids=torch.arange(20).view(2, 10)), r"thd input_ids_padded must be \[t\] or \[1, t\], got \(2, 10\)"),
 ], ids=["cu-short", "cu-long", "cu-start", "cu-decreasing", "cu-2d", "cu-list", "cu-none", "labels-shape",
         "position-ids-shape", "ids-2-rows"])
 def test_get_batch_on_this_cp_rank_checks_a_group_of_one(group, bad, match):

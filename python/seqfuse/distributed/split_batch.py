@@ -45,12 +45,12 @@ def _check_cp(cp_size, cp_rank, who):
     return size, rank
 
 
-def _lengths(cu_seqlens, who):
+def _lengths(cu_seqlens, who, name="cu_seqlens"):
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-        raise ValueError(f"{who}: cu_seqlens must be a 1-D tensor of cumulative lengths starting at 0")
+        raise ValueError(f"{who}: {name} must be a 1-D tensor of cumulative lengths starting at 0")
     cu = cu_seqlens.detach().to("cpu", torch.int64)
     if int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
-        raise ValueError(f"{who}: cu_seqlens must start at 0 and never decrease, got {cu.tolist()}")
+        raise ValueError(f"{who}: {name} must start at 0 and never decrease, got {cu.tolist()}")
     return cu[1:] - cu[:-1]
 
 
@@ -68,32 +68,36 @@ def split_batch_for_cp_rank(input_ids, labels=None, position_ids=None, cu_seqlen
                   "split_batch_for_cp_rank")
 
 
-def _split(input_ids, labels, position_ids, cu_seqlens, cp_size, cp_rank, qkv_format, who, split=True):
+def _split(input_ids, labels, position_ids, cu_seqlens, cp_size, cp_rank, qkv_format, who, split=True,
+           names=None):
     """split_batch_for_cp_rank's body.  ``split=False`` (a group of one
     rank, which keeps every token in its order): the same checks of the
     batch against cu_seqlens, but no 2*cp_size padding rule (nothing is cut
-    into chunks) and the given tensors come back themselves, not copies."""
+    into chunks) and the given tensors come back themselves, not copies.
+    ``names``: the caller's names of the four tensors (input_ids, labels,
+    position_ids, cu_seqlens), for its messages."""
+    ids_n, labels_n, pos_n, cu_n = names or ("input_ids", "labels", "position_ids", "cu_seqlens")
     cp_size, cp_rank = _check_cp(cp_size, cp_rank, who)
     fmt = qkv_format or ("thd" if cu_seqlens is not None else "bshd")
     if fmt not in ("thd", "bshd"):
         raise ValueError(f"{who}: qkv_format must be 'thd' or 'bshd', got {fmt!r}")
     if not isinstance(input_ids, torch.Tensor):
-        raise TypeError(f"{who}: input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+        raise TypeError(f"{who}: {ids_n} must be a torch.Tensor, got {type(input_ids).__name__}")
     if fmt == "thd":
         if cu_seqlens is None:
-            raise ValueError(f"{who}: qkv_format 'thd' needs cu_seqlens")
-        lengths = _lengths(cu_seqlens, who)
+            raise ValueError(f"{who}: qkv_format 'thd' needs {cu_n}")
+        lengths = _lengths(cu_seqlens, who, cu_n)
         total, seq_dim = int(lengths.sum()), input_ids.dim() - 1
         if input_ids.dim() not in (1, 2) or (input_ids.dim() == 2 and input_ids.shape[0] != 1):
-            raise ValueError(f"{who}: thd input_ids must be [t] or [1, t], got {tuple(input_ids.shape)}")
+            raise ValueError(f"{who}: thd {ids_n} must be [t] or [1, t], got {tuple(input_ids.shape)}")
         if input_ids.shape[-1] != total:
-            raise ValueError(f"{who}: input_ids hold {input_ids.shape[-1]} tokens but cu_seqlens ends at {total} "
-                             f"(cu_seqlens[-1] must be the packed batch's token count)")
+            raise ValueError(f"{who}: {ids_n} hold {input_ids.shape[-1]} tokens but {cu_n} ends at {total} "
+                             f"({cu_n}[-1] must be the packed batch's token count)")
     else:
         if cu_seqlens is not None:
-            raise ValueError(f"{who}: cu_seqlens is for qkv_format 'thd'; bshd rows are split along dim 1")
+            raise ValueError(f"{who}: {cu_n} is for qkv_format 'thd'; bshd rows are split along dim 1")
         if input_ids.dim() != 2:
-            raise ValueError(f"{who}: bshd input_ids must be [b, s], got {tuple(input_ids.shape)}")
+            raise ValueError(f"{who}: bshd {ids_n} must be [b, s], got {tuple(input_ids.shape)}")
         total, seq_dim = input_ids.shape[1], 1
         lengths = torch.tensor([total])
     bad = (lengths % (2 * cp_size)) != 0
@@ -113,12 +117,12 @@ def _split(input_ids, labels, position_ids, cu_seqlens, cp_size, cp_rank, qkv_fo
         if x is None:
             return None
         if not isinstance(x, torch.Tensor) or x.shape != input_ids.shape:
-            raise ValueError(f"{who}: {name} must be a tensor of input_ids' shape {tuple(input_ids.shape)}, got "
+            raise ValueError(f"{who}: {name} must be a tensor of {ids_n}' shape {tuple(input_ids.shape)}, got "
                              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
         return x.index_select(seq_dim, index.to(x.device)) if split else x
 
     max_seqlen = int(lengths.max()) if fmt == "thd" and len(lengths) else None
-    return CPBatch(take("input_ids", input_ids), take("labels", labels), take("position_ids", position_ids),
+    return CPBatch(take(ids_n, input_ids), take(labels_n, labels), take(pos_n, position_ids),
                    cu_seqlens if fmt == "thd" else None, max_seqlen)
 
 
@@ -143,7 +147,8 @@ def get_batch_on_this_cp_rank(cu_seqlens_padded, input_ids_padded, labels_padded
                          f"{qvk_format!r}; split_batch_for_cp_rank takes bshd")
     size = dist.get_world_size(cp_group)
     b = _split(input_ids_padded, labels_padded, position_ids_padded, cu_seqlens_padded, size,
-               dist.get_rank(cp_group), "thd", who, split=size > 1)
+               dist.get_rank(cp_group), "thd", who, split=size > 1,
+               names=("input_ids_padded", "labels_padded", "position_ids_padded", "cu_seqlens_padded"))
     return b.input_ids, b.labels, b.position_ids
 
 
