@@ -76,8 +76,9 @@ def main():
 
 def host_report(step, steps, top):
     """Where a step's host time goes: the calls that synchronize with the GPU
-    (torch.cuda.set_sync_debug_mode, each reported once with its stack), then
-    cProfile's functions by own time over ``steps`` steps."""
+    in one step (torch.cuda.set_sync_debug_mode's warnings: their count and
+    the first five with the file and line torch gives), then cProfile's
+    functions by own time over ``steps`` steps."""
     import cProfile
     import pstats
     import warnings
@@ -85,12 +86,14 @@ def host_report(step, steps, top):
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        before = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("warn")
         try:
             step()
         finally:
-            torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+            torch.cuda.set_sync_debug_mode(before)
+    # (torch's own note that the mode is a prototype is not a synchronizing call)
+    syncs = [w for w in caught if "called a synchronizing" in str(w.message)]
     print(f"   synchronizing calls in one step: {len(syncs)}")
     for w in syncs[:5]:
         print(f"     {w.message} ({w.filename}:{w.lineno})")

@@ -262,3 +262,16 @@ def test_config_json_that_cannot_be_opened_is_refused_naming_the_file(tmp_path, 
     assert err.value.errno == 13
     monkeypatch.undo()
     SeqfuseLlamaForCausalLM.from_pretrained(tmp_path)  # readable: loads
+
+
+def test_model_type_check_reads_the_subfolders_config(tmp_path):
+    """from_pretrained(dir, subfolder=...) reads the subfolder's config.json
+    (a root config.json without model_type, of something else, is not the
+    checkpoint's and refuses nothing)."""
+    _llama().save_pretrained(tmp_path / "model")
+    (tmp_path / "config.json").write_text("{}")
+    loaded = SeqfuseLlamaForCausalLM.from_pretrained(tmp_path, subfolder="model")
+    assert isinstance(loaded, SeqfuseLlamaForCausalLM)
+    (tmp_path / "model" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"config file .*model.config\.json has no model_type"):
+        SeqfuseLlamaForCausalLM.from_pretrained(tmp_path, subfolder="model")

@@ -167,3 +167,16 @@ def test_cross_entropy_inplace_backward_under_create_graph_names_the_module_argu
         torch.autograd.grad(loss, x, create_graph=True)
     (g,) = torch.autograd.grad(cross_entropy(x * 1.0, y, inplace_backward=True), x)  # a plain backward: fine
     torch.testing.assert_close(g, torch.autograd.grad(torch.nn.functional.cross_entropy(x, y), x)[0])
+
+
+def test_mark_written_bumps_tensors_among_other_dlpack_producers():
+    """mark_written's fallback: a DLPack producer without a version counter
+    (a numpy array) among the outputs is passed over, every tensor bumped."""
+    import numpy as np
+    from seqfuse.ops._call import mark_written
+
+    a, b = torch.zeros(3), torch.zeros(2)
+    va, vb = a._version, b._version
+    mark_written(a, np.zeros(3), b)
+    assert a._version > va and b._version > vb
+    mark_written()  # nothing given: nothing to do

@@ -193,7 +193,10 @@ class SeqfusePreTrainedModel(PreTrainedModel):
         (an output layer may be absent only where the config ties it to the
         input embedding)."""
         where = f"{cls.__name__}.from_pretrained({pretrained_model_name_or_path!r})"
-        _check_model_type(cls, pretrained_model_name_or_path, kwargs.get("config"), where)
+        # (a checkpoint in a subfolder of the directory keeps its config.json there)
+        _check_model_type(cls, os.path.join(os.fspath(pretrained_model_name_or_path), kwargs["subfolder"])
+                          if kwargs.get("subfolder") and isinstance(pretrained_model_name_or_path, (str, os.PathLike))
+                          else pretrained_model_name_or_path, kwargs.get("config"), where)
         want_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
                                               **kwargs)

@@ -410,7 +410,11 @@ class FusedAdamW(torch.optim.Optimizer):
         bfloat16 group) are refused the same way.  Moments already in the
         key's dtype, or saved widened to float32 under it (as
         te.optimizers.FusedAdam saves its bfloat16 moments, like TE), load
-        exactly.
+        exactly.  One path this check cannot see: torch.distributed.checkpoint
+        loads into this optimizer's own state (its dtypes) before this loader
+        runs, so a checkpoint without the key (torch's, TE's) whose float32
+        moments DCP loads into a bfloat16 group arrives already rounded; a
+        FusedAdamW checkpoint carries the key and is refused there too.
 
         torch's loader replaces each group by the saved one, hyper-parameters
         included.  Here the keys that say how this optimizer runs
