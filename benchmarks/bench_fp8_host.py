@@ -23,6 +23,11 @@ drops them); ``--step-work kernels`` adds an in-place multiply per weight
 and lets gradients accumulate, the same work in every row, as the figures
 up to session 36 did.  JSON: results/fp8_host.json.
 
+``--kernels real`` lets seqfuse's kernels run and times the host's issue
+time instead (on CUDA, the GPU drained outside the timed blocks): the whole
+host work of a layer step, seqfuse's C entries and the launches included,
+which the stubbed figures leave out.
+
 ``--profile ROW`` (bf16, fp8_delayed, fp8_current or fp8_block; with
 ``--weights unchanged`` for the accumulation setting) times nothing and
 writes no JSON: it runs that row's iterations under cProfile and prints
@@ -129,24 +134,33 @@ def layer_runner(recipe, device, update=True, step_work="none", layers=1):
     return run
 
 
-def host_us(runners, iters, rounds=5):
+def host_us(runners, iters, rounds=5, real=False):
     """Microseconds per iteration of each runner: ``rounds`` rounds that time
     every runner once in turn (interleaved, so a slower stretch of the host
     touches every row alike), the best round of each.  Each round starts one
     runner later than the one before: the runner timed right after another
     precision's runs its code cold (about 15 us a layer step on the
-    development machine), and a fixed order would charge that to one row."""
+    development machine), and a fixed order would charge that to one row.
+    ``real``: seqfuse's kernels run (``--kernels real``): the time is the
+    host's issue time of ``iters`` iterations, the GPU drained before each
+    timed block and after it (not timed); at these tiny shapes the GPU
+    finishes each iteration's kernels sooner than the host issues them, so
+    the queue never makes the host wait, and the figure is the whole host
+    work: Python, seqfuse's C entries, torch's allocations and the launches."""
     best = [float("inf")] * len(runners)
     n = len(runners)
-    with stubbed_kernels():
+    sync = torch.cuda.synchronize if real and torch.cuda.is_available() else (lambda: None)
+    with (contextlib.nullcontext() if real else stubbed_kernels()):
         for run in runners:
             run(max(10, iters // 10))
         for r in range(rounds):
             for j in range(n):
                 i = (r + j) % n
+                sync()
                 t0 = time.perf_counter()
                 runners[i](iters)
                 best[i] = min(best[i], (time.perf_counter() - t0) / iters * 1e6)
+                sync()
     return best
 
 
@@ -257,6 +271,11 @@ def main():
                    help="what runs between iterations besides the layer: 'none' (versions bumped without a "
                         "kernel, gradients dropped as zero_grad() drops them) or 'kernels' (an in-place multiply "
                         "per weight, gradients accumulating: the definition of the figures up to session 36)")
+    p.add_argument("--kernels", choices=("stubbed", "real"), default="stubbed",
+                   help="'stubbed' (the default, the figures' definition): seqfuse's compute entries return at "
+                        "once, so the time is the Python around them; 'real': they run, and the time is the "
+                        "host's whole issue time (C entries and launches included; see host_us): a CUDA figure (on the CPU "
+                        "device the kernels' own arithmetic is in it)")
     p.add_argument("--layers", type=int, default=1,
                    help="layers stacked inside one autocast region (the figures are per layer: the region's "
                         "enter/exit, the delayed-scaling update and the backward call shared by all of them, "
@@ -286,16 +305,17 @@ def main():
         profile_row(args.profile, recipes[args.profile], device, args.weights == "updated", args.iters,
                     step_work=args.step_work, layers=args.layers)
         return
-    table = Table("fp8_host", ["precision", "weights", "layers", "step_work", "device", "us_per_layer", "vs_bf16"])
+    table = Table("fp8_host", ["precision", "weights", "layers", "kernels", "step_work", "device", "us_per_layer",
+                               "vs_bf16"])
     rows = [(name, recipe, update) for update in (True, False) for name, recipe in recipes.items()]
     times = host_us([layer_runner(recipe, device, update, args.step_work, args.layers) for _, recipe, update in rows],
-                    args.iters, args.rounds)
+                    args.iters, args.rounds, real=args.kernels == "real")
     times = [t / args.layers for t in times]
     base = {}
     for (name, _, update), us in zip(rows, times):
         base.setdefault(update, us)  # bf16 comes first for each setting
         table.add(precision=name, weights="updated every step" if update else "unchanged (accumulation)",
-                  layers=args.layers,
+                  layers=args.layers, kernels=args.kernels,
                   step_work=args.step_work, device=str(device), us_per_layer=us, vs_bf16=us / base[update])
     table.save({"note": "LayerNormLinear(128->384) + LayerNormMLP(128->512 gelu) + Linear(128->128) forward+backward, "
                         "16 tokens, seqfuse's compute kernels stubbed out: host work only; 'updated every "

@@ -174,3 +174,18 @@ def test_layers_stack_runs_every_layer_inside_one_region(monkeypatch):
         run(2)
     assert len(set(seen)) == 3 and len(seen) == 6  # three layers' projections, each once an iteration
     assert len(updates) == 2  # one update per region (per iteration)
+
+
+def test_real_kernels_mode_runs_the_kernels_and_labels_its_rows(monkeypatch):
+    """--kernels real: nothing is stubbed (the C entries are called) and each
+    row says so in the JSON's 'kernels' column."""
+    from seqfuse import _C
+
+    calls = []
+    real_gemm = _C.gemm
+    monkeypatch.setattr(_C, "gemm", lambda *a: (calls.append(1), real_gemm(*a))[1])
+    monkeypatch.setattr(sys, "argv", ["bench_fp8_host.py", "--kernels", "real", "--iters", "1", "--rounds", "1"])
+    saved = {}
+    monkeypatch.setattr(bench_fp8_host.Table, "save", lambda self, extra=None: saved.setdefault("rows", self.rows))
+    bench_fp8_host.main()
+    assert calls and all(r["kernels"] == "real" for r in saved["rows"]) and len(saved["rows"]) == 8
