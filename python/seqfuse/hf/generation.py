@@ -63,6 +63,7 @@ the cached path lives here, reading the layer's submodules, until the
 modules grow one.
 """
 import logging
+import numbers
 
 import torch
 
@@ -215,16 +216,60 @@ def decode_step(model, cache, tokens, freqs, rows, cu_q):
     return logits
 
 
+def _is_real(value):
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def _check_sampling(do_sample, temperature, top_k, top_p, max_new_tokens):
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if do_sample not in (True, False):  # (a truthy string such as "no" would otherwise sample)
+        raise TypeError(f"generate: do_sample must be True or False, got {do_sample!r}")
     if do_sample:
+        if not _is_real(temperature):
+            raise TypeError(f"generate: temperature must be a number > 0, got {temperature!r}")
         if not temperature > 0:
             raise ValueError(f"generate: temperature must be > 0, got {temperature!r}")
         if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
             raise ValueError(f"generate: top_k must be a positive int or None, got {top_k!r}")
-        if top_p is not None and not 0 < top_p <= 1:
-            raise ValueError(f"generate: top_p must be in (0, 1], got {top_p!r}")
+        if top_p is not None and not (_is_real(top_p) and 0 < top_p <= 1):
+            raise ValueError(f"generate: top_p must be a number in (0, 1], got {top_p!r}")
+
+
+def _token_ids(value, name, vocab):
+    """The ids of ``value`` (one int, a list or tuple of ints, or an integer
+    tensor of at most one dimension) as a list, each in [0, vocab)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() > 1 or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise TypeError(f"generate: {name} must be an int, a list of ints or a 0-/1-D integer tensor, got a "
+                            f"{value.dtype} tensor of shape {tuple(value.shape)}")
+        ids = value.reshape(-1).tolist()
+    elif isinstance(value, (list, tuple)):
+        ids = list(value)
+    else:
+        ids = [value]
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+            raise TypeError(f"generate: {name} must be an int or a list of ints, got {value!r}")
+        if not 0 <= i < vocab:
+            raise ValueError(f"generate: {name} must be token ids in [0, vocab_size={vocab}), got {value!r} "
+                             "(an id outside the vocabulary is never generated, so it would never stop a row)")
+    return [int(i) for i in ids]
+
+
+def _check_cache(cache, cfg, dtype, device):
+    """A caller's InferenceParams must match the model's keys and values."""
+    if not isinstance(cache, InferenceParams):
+        raise TypeError(f"generate: inference_params must be an InferenceParams or None, got {type(cache).__name__}")
+    if cache.num_heads_kv != cfg.num_key_value_heads or cache.head_dim_k != cfg.head_dim:
+        raise ValueError(f"generate: inference_params holds {cache.num_heads_kv} key/value heads of dim "
+                         f"{cache.head_dim_k}; the model has {cfg.num_key_value_heads} of dim {cfg.head_dim} "
+                         "(num_heads_kv and head_dim_k must match the config)")
+    if cache.dtype != dtype:
+        raise ValueError(f"generate: inference_params' dtype {cache.dtype} must be the model's {dtype}")
+    if cache.sequence_lengths.device != device:
+        raise ValueError(f"generate: inference_params is on {cache.sequence_lengths.device}, input_ids on {device} "
+                         "(they must be on one device)")
 
 
 def next_tokens(logits, do_sample, temperature=1.0, top_k=None, top_p=None, generator=None):
@@ -451,10 +496,30 @@ def generate(model, input_ids, attention_mask=None, cu_seqlens=None, max_new_tok
     if decode_graphs and device.type != "cuda":
         raise ValueError(f"generate: decode_graphs=True needs a CUDA model and input_ids, got {device.type} "
                          "(CUDA graphs)")
+    vocab = inner.embed_tokens.weight.shape[0]
+    if input_ids.numel():
+        lo, hi = torch.stack(torch.aminmax(input_ids)).tolist()  # (one host read)
+        if not 0 <= lo <= hi < vocab:  # (an out-of-range id is an IndexError on the CPU, a device assert on CUDA)
+            raise ValueError(f"generate: input_ids must be token ids in [0, vocab_size={vocab}), got values in "
+                             f"[{lo}, {hi}]")
+    eos = cfg.eos_token_id if eos_token_id is None else eos_token_id
+    eos = torch.tensor([] if eos is None else _token_ids(
+        eos, "eos_token_id" if eos_token_id is not None else "eos_token_id (the config's)", vocab),
+        device=device, dtype=torch.long)
+    if pad_token_id is not None and (isinstance(pad_token_id, bool) or
+                                     not isinstance(pad_token_id, numbers.Integral)):
+        raise TypeError(f"generate: pad_token_id must be an int or None, got {pad_token_id!r}")
+    pad = pad_token_id if pad_token_id is not None else (cfg.pad_token_id if cfg.pad_token_id is not None
+                                                         else (int(eos[0]) if eos.numel() else 0))
     if layout.packed:
         cu = layout.cu_seqlens.to(device)
         lengths = (cu[1:] - cu[:-1]).to(torch.int32)
         ids = input_ids.reshape(-1)
+        bounds = cu.tolist()
+        if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != ids.numel() or \
+                any(a >= z for a, z in zip(bounds, bounds[1:])):
+            raise ValueError(f"generate: cu_seqlens must start at 0, rise strictly (no empty prompt) and end at the "
+                             f"number of tokens ({ids.numel()}), got {bounds}")
         rows = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths.long())
         positions = torch.arange(ids.numel(), device=device) - cu[:-1].long()[rows]
         rope = dict(tensor_format="thd", cu_seqlens=cu)
@@ -464,6 +529,8 @@ def generate(model, input_ids, attention_mask=None, cu_seqlens=None, max_new_tok
         last, pick = cu[1:].long() - 1, None
     else:
         b, s = input_ids.shape
+        if b == 0:
+            raise ValueError(f"generate: input_ids must hold at least one prompt, got shape {tuple(input_ids.shape)}")
         mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         lengths = mask.sum(-1).to(torch.int32)
         cols = torch.arange(s, device=device)
@@ -494,7 +561,9 @@ def generate(model, input_ids, attention_mask=None, cu_seqlens=None, max_new_tok
         else:
             inference_params = InferenceParams(b, total, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype,
                                                device=device)
-    elif inference_params.max_batch_size < b or inference_params.max_sequence_length < total:
+    else:
+        _check_cache(inference_params, cfg, dtype, device)
+    if inference_params.max_batch_size < b or inference_params.max_sequence_length < total:
         raise ValueError(f"generate: inference_params holds {inference_params.max_batch_size} rows of "
                          f"{inference_params.max_sequence_length} tokens; this call needs {b} of {total}")
     cache = inference_params
@@ -509,11 +578,6 @@ def generate(model, input_ids, attention_mask=None, cu_seqlens=None, max_new_tok
     h_last = x[last] if layout.packed else x[torch.arange(b, device=device), lengths.long() - 1]
     cache.sequence_lengths[:b] = lengths
 
-    eos = cfg.eos_token_id if eos_token_id is None else eos_token_id
-    eos = torch.tensor([] if eos is None else ([eos] if isinstance(eos, int) else list(eos)), device=device,
-                       dtype=torch.long)
-    pad = pad_token_id if pad_token_id is not None else (cfg.pad_token_id if cfg.pad_token_id is not None
-                                                         else (int(eos[0]) if eos.numel() else 0))
     out = torch.full((b, max_new_tokens), pad, dtype=torch.long, device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
     logits = torch.nn.functional.linear(h_last, model.lm_head.weight.to(h_last.dtype))
