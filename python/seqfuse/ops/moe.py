@@ -38,6 +38,8 @@ kernel), which is how GroupedMLP's bfloat16 step runs without a host
 synchronization.
 """
 
+import math
+
 import torch
 
 from .. import _C
@@ -79,7 +81,23 @@ def _split_size(op, arg, v):
     """One host row count as an int (as_int's rules: an integer of any kind,
     or a whole real number; a fractional one is a ValueError), naming
     ``arg``."""
+    if type(v) is not int and _is_bool(v):
+        raise TypeError(f"{op}: {arg} must hold integer row counts, got the bool {v!r} (a mask, not a count?)")
     return as_int(op, None, v, what=f"{arg} (a row count)")
+
+
+def _is_bool(v):
+    """A Python, numpy or torch bool (which int() / operator.index would
+    silently read as 0 / 1)."""
+    return isinstance(v, bool) or str(getattr(v, "dtype", "")) in ("bool", "torch.bool")
+
+
+def _count_arg(op, name, v, minimum=None):
+    """A host count argument as an int (as_int's rules: no fraction is
+    truncated), a bool refused."""
+    if _is_bool(v):
+        raise TypeError(f"{op}: argument '{name}' must be an integer, got the bool {v!r}")
+    return as_int(op, name, v, minimum)
 
 
 def host_splits(op, m_splits, arg="argument 'm_splits'"):
@@ -94,7 +112,8 @@ def host_splits(op, m_splits, arg="argument 'm_splits'"):
                 "per group sized on the host: pass a list of ints (e.g. tokens_per_expert.tolist()), or "
                 "use the device-side split route (grouped_gemm_device with device_split_offsets; "
                 "GroupedLinear takes it for a CUDA m_splits in bfloat16)")
-        if m_splits.dtype.is_floating_point or m_splits.dtype.is_complex or m_splits.dim() > 1:
+        if (m_splits.dtype.is_floating_point or m_splits.dtype.is_complex or m_splits.dtype == torch.bool
+                or m_splits.dim() > 1):
             raise TypeError(f"{op}: {arg} must be a 1-D integer tensor, got {m_splits.dim()}-D "
                             f"{m_splits.dtype}")
         check_storage(op, arg, m_splits)  # (tolist reads it on the host: a shrunk storage past its end)
@@ -623,6 +642,15 @@ def cast_fp8_current_list_into(xs, data, data_t, scale, amax, scale_inv, margin=
 
 # ---- router --------------------------------------------------------------
 
+def _finite(op, name, value):
+    """as_float, a NaN or infinity refused (it would make every probability
+    or the loss NaN without a word)."""
+    v = as_float(op, name, value)
+    if not math.isfinite(v):
+        raise ValueError(f"{op}: argument '{name}' must be a finite number, got {v}")
+    return v
+
+
 def _score_code(op, score_function):
     try:
         return _SCORES[score_function]
@@ -688,7 +716,7 @@ def fused_topk_with_score_function(logits, topk, use_pre_softmax=False, num_grou
             raise ValueError(f"{op}: argument 'expert_bias' goes with score_function='sigmoid' only "
                              "(as in Transformer Engine)")
         expert_bias = _tensor(op, "expert_bias", expert_bias).float().contiguous()
-    scaling = 1.0 if scaling_factor is None else as_float(op, "scaling_factor", scaling_factor)
+    scaling = 1.0 if scaling_factor is None else _finite(op, "scaling_factor", scaling_factor)
     return _TopK.apply(logits, topk, score, bool(use_pre_softmax), scaling, expert_bias)
 
 
@@ -765,11 +793,11 @@ def fused_moe_aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts, 
         raise ValueError(f"{op}: argument 'num_experts' ({num_experts}) must equal probs.shape[1] "
                          f"({probs.shape[1]})")
     _check_topk(op, topk, num_experts)
-    total = int(total_num_tokens)
+    total = _count_arg(op, "total_num_tokens", total_num_tokens)
     if total < 1:
         raise ValueError(f"{op}: argument 'total_num_tokens' must be at least 1, got {total}")
     tpe = _counts(op, tokens_per_expert, num_experts, probs.device)
-    return _AuxLoss.apply(probs, tpe, total, topk, as_float(op, "coeff", coeff))
+    return _AuxLoss.apply(probs, tpe, total, topk, _finite(op, "coeff", coeff))
 
 
 class _ZLoss(torch.autograd.Function):
@@ -910,8 +938,9 @@ def _permute(op, inp, routing_map, num_out_tokens, probs):
     if ids.shape[0] != inp.shape[0]:
         raise ValueError(f"{op}: argument 'routing_map' has {ids.shape[0]} tokens but 'inp' has "
                          f"{inp.shape[0]} rows")
+    n = -1 if num_out_tokens is None else _count_arg(op, "num_out_tokens", num_out_tokens)
     routed = int(counts.sum().item())
-    n = routed if num_out_tokens is None or int(num_out_tokens) < 0 else int(num_out_tokens)
+    n = routed if n < 0 else n
     if n > routed:
         raise ValueError(f"{op}: argument 'num_out_tokens' ({n}) exceeds the {routed} routed "
                          "(token, expert) pairs; rows past them would be left unwritten")
@@ -978,7 +1007,13 @@ def moe_unpermute(inp, row_id_map, merging_probs=None, restore_shape=None, map_t
     if merging_probs is not None:
         merging_probs = _float_tensor(op, "merging_probs", merging_probs, 2)
     out = _Unpermute.apply(inp, row_id_map, merging_probs)
-    return out if restore_shape is None else out.view(restore_shape)
+    if restore_shape is None:
+        return out
+    try:
+        return out.view(restore_shape)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"{op}: argument 'restore_shape' {restore_shape!r} must hold the output's "
+                         f"{out.numel()} elements ([{out.shape[0]} tokens, {out.shape[1]}]): {e}") from None
 
 
 # ---- SwiGLU scaled by the routing probability ----------------------------

@@ -49,6 +49,10 @@ def moe_permute_and_pad_with_probs(inp: torch.Tensor, probs: torch.Tensor, routi
     out, permuted_probs, ids = moe_permute_with_probs(inp, probs, routing_map)
     counts = (ids >= 0).sum(0)
     tokens_per_expert = torch.as_tensor(tokens_per_expert, device=counts.device)
+    if tokens_per_expert.dtype.is_floating_point or tokens_per_expert.dtype.is_complex \
+            or tokens_per_expert.dtype == torch.bool:
+        raise TypeError(f"{op}: argument 'tokens_per_expert' must hold integer counts, got {tokens_per_expert.dtype} "
+                        "(a fractional count would be truncated)")
     if tokens_per_expert.shape != counts.shape or not torch.equal(tokens_per_expert.long(), counts.long()):
         raise ValueError(f"{op}: argument 'tokens_per_expert' ({tokens_per_expert.tolist()}) must be the routing "
                          f"map's per-expert counts ({counts.tolist()})")
