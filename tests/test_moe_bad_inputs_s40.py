@@ -96,6 +96,17 @@ def test_aux_loss_coeff_nonfinite_refused():
         router.fused_moe_aux_loss(probs, rmap.sum(0), 4, 4, 2, float("nan"))
 
 
+@pytest.mark.parametrize("coeff", [float("nan"), float("inf")])
+def test_z_loss_coeff_nonfinite_refused(coeff):
+    """moe_z_loss took any float: a NaN or infinite coefficient made the loss NaN / inf."""
+    from seqfuse.ops import moe as moe_ops
+
+    logits = torch.randn(6, 4)
+    with pytest.raises(ValueError, match=r"moe_z_loss: argument 'coeff' must be a finite number"):
+        moe_ops.moe_z_loss(logits, coeff)
+    assert torch.isfinite(moe_ops.moe_z_loss(logits, 1e-3))
+
+
 def test_aux_loss_valid_unchanged():
     _, probs, rmap = _routed()
     a = router.fused_moe_aux_loss(probs, rmap.sum(0), 4, 4, 2, 1e-2)

@@ -828,7 +828,7 @@ def moe_z_loss(logits, coeff):
     if logits.shape[0] == 0 or logits.shape[1] == 0:
         raise ValueError(f"{op}: argument 'logits' must have at least one token and one expert, got "
                          f"shape {tuple(logits.shape)}")
-    return _ZLoss.apply(logits, as_float(op, "coeff", coeff))
+    return _ZLoss.apply(logits, _finite(op, "coeff", coeff))
 
 
 # ---- permutation ---------------------------------------------------------
