@@ -554,6 +554,12 @@ _SIZE_FIELDS = frozenset({"hidden_size", "num_hidden_layers", "num_attention_hea
                           "num_experts_per_tok", "max_position_embeddings"})
 
 
+def _saved_section(saved_config, name):
+    """The ``name`` section (a dict) of a checkpoint's recorded config, or None where there is none."""
+    section = saved_config.get(name) if isinstance(saved_config, dict) else None
+    return section if isinstance(section, dict) else None
+
+
 def check_model_config(path, saved_config, cfg):
     """CheckpointError naming every model.* field in which checkpoint
     ``path``'s config (its trainer state's "config", ``saved_config``)
@@ -563,8 +569,8 @@ def check_model_config(path, saved_config, cfg):
     on it), and the shape fields a published model.size replaces when both
     name the same size.  A checkpoint without a recorded config is not
     compared (and load_checkpoint still compares its keys with the model's)."""
-    saved = (saved_config or {}).get("model") if isinstance(saved_config, dict) else None
-    if not isinstance(saved, dict):
+    saved = _saved_section(saved_config, "model")
+    if saved is None:
         return
     now = cfg.model.to_dict() if hasattr(cfg.model, "to_dict") else dict(cfg.model)
     skip = set(_NO_WEIGHT_FIELDS)
@@ -585,8 +591,7 @@ def check_optimizer_config(path, saved_config, cfg):
     into another dtype (their precision would change), and a recipe user
     sets the dtype here, not in the optimizer's arguments its message names.
     A checkpoint without a recorded config (or setting) is not compared."""
-    saved = (saved_config or {}).get("train") if isinstance(saved_config, dict) else None
-    was = saved.get("adam_moments") if isinstance(saved, dict) else None
+    was = (_saved_section(saved_config, "train") or {}).get("adam_moments")
     now = cfg.train.get("adam_moments", "float32")
     if was is not None and was != now:
         raise ckpt.CheckpointError(

@@ -82,7 +82,7 @@ class TiedCausalLM:
         self.lm_head = new_embeddings
 
 
-def _check_model_type(cls, path, config, where):
+def _check_model_type(cls, path, config, where, subfolder=None):
     """Refuse a local checkpoint directory whose config.json names another
     model_type than ``cls``'s config class (transformers only warns, then
     fails later with an error that names neither), or whose config.json
@@ -92,11 +92,12 @@ def _check_model_type(cls, path, config, where):
     not a JSON object (a list, a string: transformers' TypeError named
     neither the file nor the rule), or that names no model_type (transformers
     would build the config class's default model from it).  A missing
-    config.json is left to transformers (its error names what is missing)."""
+    config.json is left to transformers (its error names what is missing).
+    ``subfolder``: from_pretrained's, where the checkpoint's config.json is."""
     want = getattr(getattr(cls, "config_class", None), "model_type", None)
     if config is not None or not want or not isinstance(path, (str, os.PathLike)):
         return
-    file = os.path.join(os.fspath(path), "config.json")
+    file = os.path.join(os.fspath(path), subfolder or "", "config.json")
     if not os.path.isfile(file):
         return  # (transformers' own error for a missing config)
     try:
@@ -193,10 +194,7 @@ class SeqfusePreTrainedModel(PreTrainedModel):
         (an output layer may be absent only where the config ties it to the
         input embedding)."""
         where = f"{cls.__name__}.from_pretrained({pretrained_model_name_or_path!r})"
-        # (a checkpoint in a subfolder of the directory keeps its config.json there)
-        _check_model_type(cls, os.path.join(os.fspath(pretrained_model_name_or_path), kwargs["subfolder"])
-                          if kwargs.get("subfolder") and isinstance(pretrained_model_name_or_path, (str, os.PathLike))
-                          else pretrained_model_name_or_path, kwargs.get("config"), where)
+        _check_model_type(cls, pretrained_model_name_or_path, kwargs.get("config"), where, kwargs.get("subfolder"))
         want_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
                                               **kwargs)
