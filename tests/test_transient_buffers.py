@@ -318,3 +318,17 @@ def test_letting_a_view_go_lets_every_kept_set_go(device, empty_pool):
     assert g2.data is not g1.data and buffers._sets
     big = _grad_cast(device, rows=400)()  # the 'grad' place grows: its old views are let go, and g2's set
     assert len(buffers._sets) == 1 and next(iter(buffers._sets.values()))[2] is big.data
+
+
+def test_kept_sets_past_max_are_let_go_and_kept_anew(monkeypatch, empty_pool):
+    """Past MAX_SETS sets every kept set goes (none is kept without bound),
+    and the set being kept is kept."""
+    monkeypatch.setattr(buffers, "MAX_SETS", 2)
+    where = buffers.transient_stream(torch.zeros(1))
+    views = {}
+    for i in range(3):
+        request = ((where, "grad"), torch.float32, (4, 3 - i))  # (largest first: no place grows)
+        views[i] = buffers.transient(*request[:2], *request[2])
+        buffers.keep_set(("k", i), (views[i],), (request,))
+    assert buffers.kept_set(("k", 0)) is None and buffers.kept_set(("k", 1)) is None
+    assert buffers.kept_set(("k", 2)) == (views[2],)
