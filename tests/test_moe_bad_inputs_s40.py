@@ -137,3 +137,14 @@ def test_m_splits_valid_forms_unchanged():
     ref = g(x, [2, 2, 2])
     for splits in ([2.0, 2.0, 2.0], np.array([2, 2, 2]), torch.tensor([2, 2, 2]), (2, 2, 2)):
         torch.testing.assert_close(g(x, splits), ref)
+
+
+@pytest.mark.parametrize("value", [True, np.bool_(True), torch.tensor(True)], ids=["bool", "numpy", "tensor"])
+def test_as_int_refuses_bools_for_every_count(value):
+    """ops' shared integer reading refuses a bool of any kind (it read True as 1 for every count argument:
+    sizes, offsets, margins), so no caller needs its own bool guard."""
+    from seqfuse.ops.args import as_int
+
+    with pytest.raises(TypeError, match=r"op: argument 'n' must be an integer, got the bool"):
+        as_int("op", "n", value)
+    assert as_int("op", "n", np.int64(3)) == 3 and as_int("op", "n", 2.0) == 2

@@ -149,7 +149,8 @@ def test_grouped_gemm_out_list_checked_and_bumped(dev):
         moe_ops.grouped_gemm(a, b, [2, 4], out=outs)
     before = [t._version for t in outs]
     with torch.no_grad():
-        moe_ops.grouped_gemm(a, b, [2, 4], out=outs)
+        got = moe_ops.grouped_gemm(a, b, [2, 4], out=outs)
+    assert len(got) == 2 and all(g is o for g, o in zip(got, outs))  # the caller's own tensors, as torch's out=
     assert [t._version for t in outs] == [v + 1 for v in before]
     torch.testing.assert_close(outs[0], a[:2] @ b[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(outs[1].detach(), a[2:] @ b[1], atol=1e-5, rtol=1e-5)

@@ -515,7 +515,7 @@ def generate(model, input_ids, attention_mask=None, cu_seqlens=None, max_new_tok
         cu = layout.cu_seqlens.to(device)
         lengths = (cu[1:] - cu[:-1]).to(torch.int32)
         ids = input_ids.reshape(-1)
-        bounds = cu.tolist()
+        bounds = layout.cu_seqlens.tolist()  # (read where the caller's tensor is, before the copy to the device)
         if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != ids.numel() or \
                 any(a >= z for a, z in zip(bounds, bounds[1:])):
             raise ValueError(f"generate: cu_seqlens must start at 0, rise strictly (no empty prompt) and end at the "

@@ -202,14 +202,17 @@ def as_int(op, name, value, minimum=None, what=None):
     Integers of any kind (numpy's, a one-element integer tensor) are taken
     as they are; a real number of any kind (float, numpy's float32, a
     one-element float tensor, a Fraction) only when it is whole, so nothing
-    is truncated.  A string is not a number, although int() would parse it.
-    ``what``: the phrase that names the value in messages where it is not an
+    is truncated.  A string is not a number, although int() would parse it,
+    and a bool (Python's, numpy's, a bool tensor) is not a count, although
+    operator.index reads it as 0 / 1.  ``what``: the phrase that names the value in messages where it is not an
     argument of its own (an element of a list argument); default
     "argument '<name>'"."""
     what = what or f"argument '{name}'"
     if type(value) is not int:
         if isinstance(value, (str, bytes, bytearray)):
             raise TypeError(f"{op}: {what} must be an integer, got {value!r}")
+        if isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):
+            raise TypeError(f"{op}: {what} must be an integer, got the bool {value!r}")
         try:
             value = operator.index(value)  # an integer of any kind, exactly
         except TypeError:

@@ -79,25 +79,9 @@ def _float_tensor(op, name, t, ndim=None):
 
 def _split_size(op, arg, v):
     """One host row count as an int (as_int's rules: an integer of any kind,
-    or a whole real number; a fractional one is a ValueError), naming
-    ``arg``."""
-    if type(v) is not int and _is_bool(v):
-        raise TypeError(f"{op}: {arg} must hold integer row counts, got the bool {v!r} (a mask, not a count?)")
+    or a whole real number; a fractional one is a ValueError, a bool a
+    TypeError), naming ``arg``."""
     return as_int(op, None, v, what=f"{arg} (a row count)")
-
-
-def _is_bool(v):
-    """A Python, numpy or torch bool (which int() / operator.index would
-    silently read as 0 / 1)."""
-    return isinstance(v, bool) or str(getattr(v, "dtype", "")) in ("bool", "torch.bool")
-
-
-def _count_arg(op, name, v, minimum=None):
-    """A host count argument as an int (as_int's rules: no fraction is
-    truncated), a bool refused."""
-    if _is_bool(v):
-        raise TypeError(f"{op}: argument '{name}' must be an integer, got the bool {v!r}")
-    return as_int(op, name, v, minimum)
 
 
 def host_splits(op, m_splits, arg="argument 'm_splits'"):
@@ -793,7 +777,7 @@ def fused_moe_aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts, 
         raise ValueError(f"{op}: argument 'num_experts' ({num_experts}) must equal probs.shape[1] "
                          f"({probs.shape[1]})")
     _check_topk(op, topk, num_experts)
-    total = _count_arg(op, "total_num_tokens", total_num_tokens)
+    total = as_int(op, "total_num_tokens", total_num_tokens)
     if total < 1:
         raise ValueError(f"{op}: argument 'total_num_tokens' must be at least 1, got {total}")
     tpe = _counts(op, tokens_per_expert, num_experts, probs.device)
@@ -938,7 +922,7 @@ def _permute(op, inp, routing_map, num_out_tokens, probs):
     if ids.shape[0] != inp.shape[0]:
         raise ValueError(f"{op}: argument 'routing_map' has {ids.shape[0]} tokens but 'inp' has "
                          f"{inp.shape[0]} rows")
-    n = -1 if num_out_tokens is None else _count_arg(op, "num_out_tokens", num_out_tokens)
+    n = -1 if num_out_tokens is None else as_int(op, "num_out_tokens", num_out_tokens)
     routed = int(counts.sum().item())
     n = routed if n < 0 else n
     if n > routed:
