@@ -56,10 +56,15 @@ def test_do_sample_must_be_a_bool(model, prompt):
 
 def test_sampling_numbers(model, prompt):
     kw = dict(max_new_tokens=2, do_sample=True)
-    with pytest.raises(TypeError, match="temperature must be a number > 0"):
+    with pytest.raises(TypeError, match="generate: argument 'temperature' must be a real number, got '0.7'"):
         model.generate(prompt, temperature="0.7", **kw)
-    with pytest.raises(ValueError, match=r"top_p must be a number in \(0, 1\]"):
+    with pytest.raises(ValueError, match=r"generate: argument 'temperature' must be > 0, got 0.0"):
+        model.generate(prompt, temperature=0, **kw)
+    with pytest.raises(TypeError, match="generate: argument 'top_p' must be a real number, got the bool True"):
         model.generate(prompt, top_p=True, **kw)
+    for bad in (0, 1.5, float("nan")):
+        with pytest.raises(ValueError, match=r"generate: argument 'top_p' must be in \(0, 1\], got"):
+            model.generate(prompt, top_p=bad, **kw)
 
 
 @pytest.mark.parametrize("eos", [VOCAB, -1, [3, 1000]])

@@ -69,6 +69,7 @@ import torch
 
 from .. import ops
 from ..ops import device_checks
+from ..ops.args import as_float
 from ..modules.rope import apply_rotary_pos_emb
 from ..quantization import is_fp8_enabled
 
@@ -216,24 +217,20 @@ def decode_step(model, cache, tokens, freqs, rows, cu_q):
     return logits
 
 
-def _is_real(value):
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
 def _check_sampling(do_sample, temperature, top_k, top_p, max_new_tokens):
+    """The sampling arguments checked; returns (temperature, top_p) as
+    floats where sampling reads them (top_p None stays None), else as given."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if do_sample not in (True, False):  # (a truthy string such as "no" would otherwise sample)
         raise TypeError(f"generate: do_sample must be True or False, got {do_sample!r}")
     if do_sample:
-        if not _is_real(temperature):
-            raise TypeError(f"generate: temperature must be a number > 0, got {temperature!r}")
-        if not temperature > 0:
-            raise ValueError(f"generate: temperature must be > 0, got {temperature!r}")
+        temperature = as_float("generate", "temperature", temperature, above=0)
         if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
             raise ValueError(f"generate: top_k must be a positive int or None, got {top_k!r}")
-        if top_p is not None and not (_is_real(top_p) and 0 < top_p <= 1):
-            raise ValueError(f"generate: top_p must be a number in (0, 1], got {top_p!r}")
+        if top_p is not None:
+            top_p = as_float("generate", "top_p", top_p, above=0, maximum=1)
+    return temperature, top_p
 
 
 def _token_ids(value, name, vocab):
@@ -486,7 +483,7 @@ def generate(model, input_ids, attention_mask=None, cu_seqlens=None, max_new_tok
     why (once per reason).  True: the same, except a CPU model is a
     ValueError.  False: eager.  Both give the same tokens: the eager step is
     the function the graph captures."""
-    _check_sampling(do_sample, temperature, top_k, top_p, max_new_tokens)
+    temperature, top_p = _check_sampling(do_sample, temperature, top_k, top_p, max_new_tokens)
     if decode_graphs not in (None, True, False):
         raise ValueError(f"generate: decode_graphs must be None (auto), True or False, got {decode_graphs!r}")
     cfg = model.config

@@ -155,16 +155,53 @@ def mark_written(*outs):
 _INT64 = (-(2 ** 63), 2 ** 63 - 1)
 
 
-def as_float(op, name, value):
-    """``value`` as a Python float for C, or a TypeError naming the argument
-    (a 1-element tensor is read, as float() would; a string is not a number,
-    although float() would parse it)."""
+def _real_rule(finite, minimum, above, maximum):
+    """The words of ``as_float``'s rule: "a finite number > 0", "in (0, 1]"..."""
+    if maximum is not None and (minimum is not None or above is not None):
+        bound = f"in [{minimum}, {maximum}]" if above is None else f"in ({above}, {maximum}]"
+    elif minimum is not None or above is not None:
+        bound = f">= {minimum}" if above is None else f"> {above}"
+    else:
+        bound = "" if maximum is None else f"<= {maximum}"
+    return " ".join(w for w in ("a finite number" if finite else "", bound) if w)
+
+
+def as_float(op, name, value, *, finite=False, minimum=None, above=None, maximum=None, why=None):
+    """``value`` as a Python float, or a TypeError / ValueError naming the op
+    and the argument: seqfuse's one reader of real-number arguments.
+
+    TypeError where it is not a real number: a string (although float()
+    would parse it), a bool (Python's, numpy's, a bool tensor: True is not
+    1.0 of anything), a complex number, a tensor or array of more than one
+    element.  A real number of any kind is read: int, float, numpy's
+    scalars, a Fraction, a one-element non-bool tensor (``float(t)``, as
+    ``t.item()``).
+
+    ValueError where it breaks the rule asked for: ``finite`` (NaN and
+    infinities refused), ``minimum`` (value >= minimum) or ``above`` (value >
+    above, the open bound; give one of the two), ``maximum`` (value <=
+    maximum).  A bound refuses NaN (it is in no range) even without
+    ``finite``; with no rule at all NaN and infinities pass, as float()
+    reads them.  ``why``: words appended to the ValueError's rule, e.g.
+    "(inf: no clipping)"."""
+    dtype = str(getattr(value, "dtype", ""))
     if isinstance(value, (str, bytes, bytearray)):
         raise TypeError(f"{op}: argument '{name}' must be a real number, got {value!r}")
+    if isinstance(value, bool) or dtype in ("bool", "torch.bool"):
+        raise TypeError(f"{op}: argument '{name}' must be a real number, got the bool {value!r}")
+    if "complex" in dtype or (isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real)):
+        raise TypeError(f"{op}: argument '{name}' must be a real number, got the complex number {value!r}")
     try:
-        return float(value)
+        v = float(value)
+    except OverflowError:  # (an int past the double range: a real number, but none C can take)
+        raise ValueError(f"{op}: argument '{name}' must fit a double, got {value!r}") from None
     except (TypeError, ValueError, RuntimeError):
         raise TypeError(f"{op}: argument '{name}' must be a real number, got {value!r}") from None
+    if ((finite and not math.isfinite(v)) or (minimum is not None and not v >= minimum)
+            or (above is not None and not v > above) or (maximum is not None and not v <= maximum)):
+        rule = _real_rule(finite, minimum, above, maximum)
+        raise ValueError(f"{op}: argument '{name}' must be {rule}{' ' + why if why else ''}, got {v}")
+    return v
 
 
 def exact_int(value):
@@ -186,14 +223,7 @@ def as_max_norm(op, max_norm):
     one-element tensor is read), or a TypeError / ValueError naming it: a
     negative one would flip every gradient's sign, NaN would make them NaN
     (torch.nn.utils.clip_grad_norm_ does both silently)."""
-    if isinstance(max_norm, torch.Tensor) and max_norm.numel() == 1 and max_norm.dtype != torch.bool:
-        max_norm = max_norm.item()
-    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real):
-        raise TypeError(f"{op}: argument 'max_norm' must be a real number, got {type(max_norm).__name__} {max_norm!r}")
-    max_norm = float(max_norm)
-    if math.isnan(max_norm) or max_norm < 0:
-        raise ValueError(f"{op}: argument 'max_norm' must be >= 0 (inf: no clipping), got {max_norm}")
-    return max_norm
+    return as_float(op, "max_norm", max_norm, minimum=0, why="(inf: no clipping)")
 
 
 def as_int(op, name, value, minimum=None, what=None):

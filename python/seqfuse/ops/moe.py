@@ -38,8 +38,6 @@ kernel), which is how GroupedMLP's bfloat16 step runs without a host
 synchronization.
 """
 
-import math
-
 import torch
 
 from .. import _C
@@ -626,15 +624,6 @@ def cast_fp8_current_list_into(xs, data, data_t, scale, amax, scale_inv, margin=
 
 # ---- router --------------------------------------------------------------
 
-def _finite(op, name, value):
-    """as_float, a NaN or infinity refused (it would make every probability
-    or the loss NaN without a word)."""
-    v = as_float(op, name, value)
-    if not math.isfinite(v):
-        raise ValueError(f"{op}: argument '{name}' must be a finite number, got {v}")
-    return v
-
-
 def _score_code(op, score_function):
     try:
         return _SCORES[score_function]
@@ -700,7 +689,7 @@ def fused_topk_with_score_function(logits, topk, use_pre_softmax=False, num_grou
             raise ValueError(f"{op}: argument 'expert_bias' goes with score_function='sigmoid' only "
                              "(as in Transformer Engine)")
         expert_bias = _tensor(op, "expert_bias", expert_bias).float().contiguous()
-    scaling = 1.0 if scaling_factor is None else _finite(op, "scaling_factor", scaling_factor)
+    scaling = 1.0 if scaling_factor is None else as_float(op, "scaling_factor", scaling_factor, finite=True)
     return _TopK.apply(logits, topk, score, bool(use_pre_softmax), scaling, expert_bias)
 
 
@@ -781,7 +770,7 @@ def fused_moe_aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts, 
     if total < 1:
         raise ValueError(f"{op}: argument 'total_num_tokens' must be at least 1, got {total}")
     tpe = _counts(op, tokens_per_expert, num_experts, probs.device)
-    return _AuxLoss.apply(probs, tpe, total, topk, _finite(op, "coeff", coeff))
+    return _AuxLoss.apply(probs, tpe, total, topk, as_float(op, "coeff", coeff, finite=True))
 
 
 class _ZLoss(torch.autograd.Function):
@@ -812,7 +801,7 @@ def moe_z_loss(logits, coeff):
     if logits.shape[0] == 0 or logits.shape[1] == 0:
         raise ValueError(f"{op}: argument 'logits' must have at least one token and one expert, got "
                          f"shape {tuple(logits.shape)}")
-    return _ZLoss.apply(logits, _finite(op, "coeff", coeff))
+    return _ZLoss.apply(logits, as_float(op, "coeff", coeff, finite=True))
 
 
 # ---- permutation ---------------------------------------------------------

@@ -45,10 +45,11 @@ multi-tensor (foreach) operations in fp32, so they run on the CPU too and
 take no host synchronisation (the flag is written on the device).
 chunk_size only sizes TE's kernel launches and changes no result here.
 """
-import numbers
 from typing import List, Optional, Tuple
 
 import torch
+
+from ..ops.args import as_float
 
 __all__ = ["MultiTensorApply", "multi_tensor_applier", "multi_tensor_scale", "multi_tensor_scale_tensor",
            "multi_tensor_l2norm", "multi_tensor_unscale_l2norm", "multi_tensor_adam",
@@ -184,13 +185,9 @@ def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: Li
         raise ValueError(f"{op}: argument 'mode' must be 0 (L2) or 1 (decoupled weight decay), got {mode!r}")
     if bias_correction not in (0, 1, True, False):
         raise ValueError(f"{op}: argument 'bias_correction' must be 0 or 1, got {bias_correction!r}")
-    if isinstance(step, torch.Tensor) and step.numel() == 1:
-        step = step.item()
-    if isinstance(step, bool) or not isinstance(step, numbers.Real):
-        raise TypeError(f"{op}: argument 'step' must be a number, got {type(step).__name__}")
-    if bias_correction and not step >= 1:  # (1 - beta ** 0 = 0: every parameter NaN)
-        raise ValueError(f"{op}: argument 'step' must be >= 1 (the 1-based count of this update) "
-                         f"with bias_correction, got {step}")
+    # (with bias correction a step below 1 divides by 1 - beta ** 0 = 0: every parameter NaN)
+    step = as_float(op, "step", step, minimum=1 if bias_correction else None,
+                    why="(the 1-based count of this update) with bias_correction")
     bc1, bc2 = (1 - beta1 ** step, 1 - beta2 ** step) if bias_correction else (1.0, 1.0)
     masters = lists[4] if len(lists) == 5 else [None] * len(lists[0])
     for g, p, m, v, pm in zip(lists[0], lists[1], lists[2], lists[3], masters):

@@ -65,6 +65,7 @@ from ..modules.grouped_linear import GroupedLinear as _GroupedLinearModule
 from ..modules.multihead_attention import L2Normalization as _L2Normalization
 from ..modules.te_compat import materialize, materialize_device, rng_fork
 from ..ops import moe as moe_ops
+from ..ops.args import as_float
 from ..quantization import is_fp8_enabled
 
 __all__ = ["FusibleOperation", "BasicOperation", "is_op_fuser_grouped_tensor_path_supported", "BasicLinear", "Bias", "Linear", "GroupedLinear", "LayerNorm", "RMSNorm", "GELU", "ReLU", "SiLU",
@@ -548,11 +549,10 @@ class ClampedSwiGLU(BasicOperation):
         if cache_quantized_input:
             _refuse("ClampedSwiGLU", "cache_quantized_input", cache_quantized_input,
                     "the activation keeps its input in high precision for the backward")
-        for name, v in (("limit", limit), ("alpha", alpha), ("glu_linear_offset", glu_linear_offset)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise TypeError(f"te.ops.ClampedSwiGLU: argument '{name}' must be a number, got {v!r}")
+        self.limit, self.alpha, self.glu_linear_offset = (
+            as_float("te.ops.ClampedSwiGLU", name, v)
+            for name, v in (("limit", limit), ("alpha", alpha), ("glu_linear_offset", glu_linear_offset)))
         _interleave_arg("ClampedSwiGLU", glu_interleave_size)
-        self.limit, self.alpha, self.glu_linear_offset = float(limit), float(alpha), float(glu_linear_offset)
         self.glu_interleave_size = glu_interleave_size
 
     def forward(self, x):
@@ -572,10 +572,8 @@ def _situ_glu(x, beta1, beta2):
 
 
 def _check_betas(who, beta1, beta2):
-    for name, v in (("beta1", beta1), ("beta2", beta2)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-            raise ValueError(f"te.ops.{who}: argument '{name}' must be a finite positive number, got {v!r}")
-    return float(beta1), float(beta2)
+    return tuple(as_float(f"te.ops.{who}", name, v, finite=True, above=0)
+                 for name, v in (("beta1", beta1), ("beta2", beta2)))
 
 
 class SiTUGLU(BasicOperation):
