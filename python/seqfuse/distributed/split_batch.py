@@ -166,6 +166,9 @@ def pad_thd_sequences_for_cp(input_ids, labels, cu_seqlens, cp_size, padding_tok
     lengths = _lengths(cu_seqlens, who)
     if not isinstance(input_ids, torch.Tensor):
         raise TypeError(f"{who}: input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+    if input_ids.dim() not in (1, 2) or (input_ids.dim() == 2 and input_ids.shape[0] != 1):
+        # (any other shape was flattened and came back [t'] or [1, t']: the caller's rows merged into one)
+        raise ValueError(f"{who}: input_ids must be packed, [t] or [1, t], got {tuple(input_ids.shape)}")
     if labels is not None and (not isinstance(labels, torch.Tensor) or labels.numel() != input_ids.numel()):
         raise ValueError(f"{who}: labels must be a tensor of one label per token of input_ids "
                          f"({input_ids.numel()}), got "
