@@ -317,3 +317,32 @@ def test_generate_reads_one_element_tensors_as_sampling_numbers(llama):
     assert torch.equal(a, b)
     with pytest.raises(TypeError, match="generate: argument 'temperature' must be a real number, got the bool"):
         model.generate(prompt, temperature=torch.tensor(True), **kw)
+
+
+@pytest.mark.parametrize("kw, rule", [({"limit": float("nan")}, "> 0"), ({"limit": 0.0}, "> 0"),
+                                      ({"limit": -7.0}, "> 0"), ({"alpha": float("nan")}, "finite"),
+                                      ({"alpha": float("inf")}, "finite"),
+                                      ({"glu_linear_offset": float("nan")}, "finite")])
+def test_clamped_swiglu_refuses_numbers_that_make_nan_or_flip_the_clamp(kw, rule):
+    # a NaN limit or alpha made every output NaN; a limit <= 0 clamped b into an empty range
+    (name,) = kw
+    with pytest.raises(ValueError, match=rf"ClampedSwiGLU: argument '{name}' must be .*{re.escape(rule)}"):
+        te.ops.ClampedSwiGLU(**kw)
+
+
+def test_clamped_swiglu_takes_an_infinite_limit_as_no_clamp():
+    x = torch.randn(3, 8, dtype=torch.float64) * 20
+    a, b = x.chunk(2, dim=-1)
+    want = a * torch.sigmoid(1.702 * a) * (b + 1.0)
+    torch.testing.assert_close(te.ops.ClampedSwiGLU(limit=float("inf"))(x), want)
+
+
+@pytest.mark.parametrize("value", [2.5, np.float64(2.5), torch.tensor(2.5), fractions.Fraction(5, 2)])
+def test_as_float_plain_float_path_equals_the_general_one(value):
+    # a plain Python float skips the type questions (the hot path); every other kind is read alike
+    got = as_float("op", "x", value)
+    assert got == 2.5 and type(got) is float
+    with pytest.raises(ValueError, match="argument 'x' must be a finite number"):
+        as_float("op", "x", value * math.inf, finite=True)
+    with pytest.raises(ValueError, match="argument 'x' must be >= 3"):
+        as_float("op", "x", value, minimum=3)

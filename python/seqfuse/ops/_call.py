@@ -184,6 +184,17 @@ def as_float(op, name, value, *, finite=False, minimum=None, above=None, maximum
     ``finite``; with no rule at all NaN and infinities pass, as float()
     reads them.  ``why``: words appended to the ValueError's rule, e.g.
     "(inf: no clipping)"."""
+    v = value if type(value) is float else _read_real(op, name, value)  # (a plain float: the hot path)
+    if ((finite and not math.isfinite(v)) or (minimum is not None and not v >= minimum)
+            or (above is not None and not v > above) or (maximum is not None and not v <= maximum)):
+        rule = _real_rule(finite, minimum, above, maximum)
+        raise ValueError(f"{op}: argument '{name}' must be {rule}{' ' + why if why else ''}, got {v}")
+    return v
+
+
+def _read_real(op, name, value):
+    """as_float's reading of anything but a plain Python float (its rules'
+    TypeErrors and the double range's ValueError)."""
     dtype = str(getattr(value, "dtype", ""))
     if isinstance(value, (str, bytes, bytearray)):
         raise TypeError(f"{op}: argument '{name}' must be a real number, got {value!r}")
@@ -197,10 +208,6 @@ def as_float(op, name, value, *, finite=False, minimum=None, above=None, maximum
         raise ValueError(f"{op}: argument '{name}' must fit a double, got {value!r}") from None
     except (TypeError, ValueError, RuntimeError):
         raise TypeError(f"{op}: argument '{name}' must be a real number, got {value!r}") from None
-    if ((finite and not math.isfinite(v)) or (minimum is not None and not v >= minimum)
-            or (above is not None and not v > above) or (maximum is not None and not v <= maximum)):
-        rule = _real_rule(finite, minimum, above, maximum)
-        raise ValueError(f"{op}: argument '{name}' must be {rule}{' ' + why if why else ''}, got {v}")
     return v
 
 

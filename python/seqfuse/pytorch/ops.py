@@ -549,9 +549,11 @@ class ClampedSwiGLU(BasicOperation):
         if cache_quantized_input:
             _refuse("ClampedSwiGLU", "cache_quantized_input", cache_quantized_input,
                     "the activation keeps its input in high precision for the backward")
-        self.limit, self.alpha, self.glu_linear_offset = (
-            as_float("te.ops.ClampedSwiGLU", name, v)
-            for name, v in (("limit", limit), ("alpha", alpha), ("glu_linear_offset", glu_linear_offset)))
+        # (a NaN limit or alpha made every output NaN; limit=inf, no clamp, is a choice)
+        op = "te.ops.ClampedSwiGLU"
+        self.limit = as_float(op, "limit", limit, above=0)
+        self.alpha = as_float(op, "alpha", alpha, finite=True)
+        self.glu_linear_offset = as_float(op, "glu_linear_offset", glu_linear_offset, finite=True)
         _interleave_arg("ClampedSwiGLU", glu_interleave_size)
         self.glu_interleave_size = glu_interleave_size
 
