@@ -346,3 +346,11 @@ def test_as_float_plain_float_path_equals_the_general_one(value):
         as_float("op", "x", value * math.inf, finite=True)
     with pytest.raises(ValueError, match="argument 'x' must be >= 3"):
         as_float("op", "x", value, minimum=3)
+
+
+def test_generate_refuses_input_ids_on_another_device_than_the_model(llama):
+    """(Meta prompts: another device on any machine; torch's embedding error named neither side.)"""
+    model, prompt = llama
+    with pytest.raises(ValueError, match=r"generate: input_ids are on meta, the model on cpu \(move the prompts "
+                                         r"with input_ids.to\('cpu'\)\)"):
+        model.generate(prompt.to("meta"), max_new_tokens=2)

@@ -493,7 +493,11 @@ def generate(model, input_ids, attention_mask=None, cu_seqlens=None, max_new_tok
     if decode_graphs and device.type != "cuda":
         raise ValueError(f"generate: decode_graphs=True needs a CUDA model and input_ids, got {device.type} "
                          "(CUDA graphs)")
-    vocab = inner.embed_tokens.weight.shape[0]
+    weights = inner.embed_tokens.weight
+    if weights.device != device:  # (torch's own error names neither)
+        raise ValueError(f"generate: input_ids are on {device}, the model on {weights.device} (move the "
+                         f"prompts with input_ids.to({str(weights.device)!r}))")
+    vocab = weights.shape[0]
     if input_ids.numel():
         lo, hi = torch.stack(torch.aminmax(input_ids)).tolist()  # (one host read)
         if not 0 <= lo <= hi < vocab:  # (an out-of-range id is an IndexError on the CPU, a device assert on CUDA)
