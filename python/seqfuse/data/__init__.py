@@ -13,6 +13,12 @@ Pure Python over torch and numpy; pyarrow only for Parquet. The pipeline:
              build_mlm_loader / build_causal_lm_loader: all of it in one call
 DNA: genome windows with provenance (genome.py) from Debian packages
 (debian.py), for the Llama 3 recipe (recipes/llama3/prepare_data.py).
+
+Arguments are read strictly (_checks.py): on/off flags are bools (the
+string "False" is refused, not read as True), counts, ids and indices are
+integers (numpy's and 0-d integer tensors too; never floats or bools, which
+would be truncated or read as 0 / 1), token ids are >= 0, seeds are in
+[0, 2**64 - 1]. Bad input is a TypeError / ValueError naming the argument.
 """
 from .batching import TokenBudgetBatchSampler
 from .collate import PackedTHDCollator, PaddedBSHDCollator, batch_to_device

@@ -42,7 +42,7 @@ import zlib
 import numpy as np
 import torch
 
-from ._checks import as_int, as_optional_int
+from ._checks import as_bool, as_int, as_optional_int, as_seed
 from .masking import sample_seed
 
 __all__ = ["TokenBudgetBatchSampler"]
@@ -92,7 +92,10 @@ class TokenBudgetBatchSampler(torch.utils.data.Sampler):
         max_sequences = as_optional_int(name, "max_sequences", max_sequences, 1)
         bucket_size = as_optional_int(name, "bucket_size", bucket_size, 1)
         attention_tokens = as_int(name, "attention_tokens", attention_tokens, 1)
-        seed = as_int(name, "seed", seed, 0)
+        seed = as_seed(name, "seed", seed)
+        padded = as_bool(name, "padded", padded)
+        shuffle = as_bool(name, "shuffle", shuffle)
+        balance_ranks = as_bool(name, "balance_ranks", balance_ranks)
         rank = as_int(name, "rank", rank)
         world_size = as_int(name, "world_size", world_size)
         if world_size < 1 or not 0 <= rank < world_size:
@@ -117,7 +120,7 @@ class TokenBudgetBatchSampler(torch.utils.data.Sampler):
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
-        self.balance_ranks = bool(balance_ranks)
+        self.balance_ranks = balance_ranks
         self.attention_tokens = int(attention_tokens)
         self.epoch = 0
         self._cache: tuple[int, list[list[int]]] | None = None
@@ -143,7 +146,7 @@ class TokenBudgetBatchSampler(torch.utils.data.Sampler):
         return fp
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
+        self.epoch = as_int("TokenBudgetBatchSampler.set_epoch", "epoch", epoch, 0)
 
     # -- batch construction -------------------------------------------------
     def _generator(self, epoch: int, stream: int) -> torch.Generator:

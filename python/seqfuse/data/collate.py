@@ -1,7 +1,10 @@
 """Batch layouts: packed THD (no padding between sequences) and padded BSHD.
 
 Both take a list of samples ``{"input_ids": [L_i], "labels": [L_i], ...}``
-(1-D int64) and return a dict of tensors.
+(1-D integer tensors, input ids >= 0; an optional integer ``"index"``) and
+return a dict of tensors. One sample dict instead of a list, a float or
+bool tensor, and a negative input id (-100: labels given as ids) are
+refused, naming the sample.
 
 PackedTHDCollator -> THD layout (tokens, heads, head dim) for attention with
 cu_seqlens (flash-attention varlen, seqfuse DotProductAttention qkv_format
@@ -34,12 +37,13 @@ B * L is a multiple of it), or a fixed ``max_length``.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import operator
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
 
-from ._checks import as_int, as_optional_int
+from ._checks import as_int, as_optional_int, exact_int
 from .masking import IGNORE_INDEX
 
 __all__ = ["PackedTHDCollator", "PaddedBSHDCollator", "batch_to_device"]
@@ -50,9 +54,13 @@ _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 def _check_samples(name: str, samples: Sequence[dict]) -> list[int]:
     """Refuses an empty batch and malformed samples; the samples' token counts."""
+    if not isinstance(samples, (list, tuple)):
+        raise TypeError(f"{name}: argument 'samples' must be a list of sample dicts, got {type(samples).__name__}")
     if len(samples) == 0:
         raise ValueError(f"{name}: got an empty batch")
     for k, s in enumerate(samples):
+        if type(s) is not dict and not isinstance(s, Mapping):
+            raise TypeError(f"{name}: sample {k} must be a dict with 'input_ids' and 'labels', got {type(s).__name__}")
         for key in ("input_ids", "labels"):
             if key not in s:
                 raise ValueError(f"{name}: sample {k} has no {key!r}")
@@ -69,12 +77,34 @@ def _check_samples(name: str, samples: Sequence[dict]) -> list[int]:
             )
         if ids.numel() == 0:
             raise ValueError(f"{name}: sample {k} is empty")
+        if "index" in s:
+            idx = s["index"]
+            if type(idx) is not int and exact_int(idx) is None:
+                raise TypeError(
+                    f"{name}: sample {k}: 'index' must be an integer, got {type(idx).__name__} ({idx!r:.40})"
+                )
     return [int(s["input_ids"].numel()) for s in samples]
+
+
+def _refuse_negative_ids(name: str, samples, collated: torch.Tensor) -> None:
+    """A negative input id (labels given as ids: -100) would make the
+    embedding lookup fail far from here, or index from the end of a table;
+    one check over the collated ids, then the sample is found."""
+    lowest = collated.numpy().min() if collated.device.type == "cpu" else int(collated.min())  # (numpy's: 10x faster)
+    if lowest < 0:
+        for k, s in enumerate(samples):
+            neg = torch.nonzero(s["input_ids"] < 0)
+            if neg.numel():
+                pos = int(neg[0])
+                raise ValueError(
+                    f"{name}: sample {k}: 'input_ids' holds {int(s['input_ids'][pos])} at position {pos}; token ids "
+                    "must be >= 0 (-100 marks ignored labels, not tokens)"
+                )
 
 
 def _indices(samples) -> dict:
     if all("index" in s for s in samples):
-        return {"sample_indices": torch.tensor([int(s["index"]) for s in samples], dtype=torch.long)}
+        return {"sample_indices": torch.tensor([operator.index(s["index"]) for s in samples], dtype=torch.long)}
     return {}
 
 
@@ -125,8 +155,10 @@ class PackedTHDCollator(_Collator):
         # position = token index minus the start of its segment (numpy: torch's
         # repeat_interleave is slow on CPU for this size)
         position_ids = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1], seg)
+        flat = torch.cat(ids)
+        _refuse_negative_ids("PackedTHDCollator", samples, flat)
         return {
-            "input_ids": torch.cat(ids),
+            "input_ids": flat,
             "labels": torch.cat(labels),
             "position_ids": torch.from_numpy(position_ids),
             "cu_seqlens": torch.from_numpy(cu.astype(np.int32)),
@@ -169,6 +201,7 @@ class PaddedBSHDCollator(_Collator):
             input_ids[b, :n] = s["input_ids"]
             labels[b, :n] = s["labels"]
             attention_mask[b, :n] = 1
+        _refuse_negative_ids("PaddedBSHDCollator", samples, input_ids)
         return {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
@@ -181,6 +214,10 @@ class PaddedBSHDCollator(_Collator):
 def batch_to_device(batch: dict, device, non_blocking: bool = True) -> dict:
     """Move a collated batch's tensors to ``device`` (ints stay ints).
     ``sample_indices`` stays on the CPU: it is bookkeeping, not model input."""
+    if not isinstance(batch, Mapping):
+        raise TypeError(
+            f"batch_to_device: argument 'batch' must be a dict (a collated batch), got {type(batch).__name__}"
+        )
     return {
         k: v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) and k != "sample_indices" else v
         for k, v in batch.items()

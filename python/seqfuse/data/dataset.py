@@ -22,31 +22,62 @@ target after the shift), and the collators put -100 on padding.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
 
-from ._checks import as_int
-from .masking import IGNORE_INDEX, check_mask_settings, mask_numpy, sample_seed
+from ._checks import MAX_SEED, as_bool, as_int, as_seed, exact_int
+from .masking import IGNORE_INDEX, check_mask_settings, mask_numpy, mix_seed
 from .tokenizers import CharTokenizer
 
 __all__ = ["TokenizedSequences", "FramedDataset", "MLMDataset", "CausalLMDataset"]
 
 
+def check_tokenizer(caller: str, tokenizer) -> CharTokenizer:
+    """``tokenizer`` if it is one of seqfuse.data's (the datasets read its
+    lookup table, specials and ids), else a TypeError naming it."""
+    if not isinstance(tokenizer, CharTokenizer):
+        raise TypeError(
+            f"{caller}: argument 'tokenizer' must be a seqfuse.data CharTokenizer (EsmTokenizer, "
+            f"NucleotideTokenizer), got {type(tokenizer).__name__}"
+        )
+    return tokenizer
+
+
 class TokenizedSequences:
-    """Residue ids (no specials) of many sequences, stored flat."""
+    """Residue ids (no specials) of many sequences, stored flat.
+
+    ``sequences``: a list (or any collection or iterable, read once) of
+    str. One str is refused (its characters would each become a
+    one-residue sequence), so are bytes and a dict (its keys, the ids,
+    would be read as sequences)."""
 
     def __init__(self, sequences: Sequence[str], tokenizer: CharTokenizer):
+        name = "TokenizedSequences"
+        check_tokenizer(name, tokenizer)
+        if isinstance(sequences, str):
+            raise TypeError(
+                f"{name}: argument 'sequences' must be a collection of sequences (str), got one str of "
+                f"{len(sequences)} characters; pass [sequence] for a single sequence"
+            )
+        if isinstance(sequences, (bytes, bytearray, memoryview)):
+            raise TypeError(f"{name}: argument 'sequences' must be a collection of sequences (str), got "
+                            f"{type(sequences).__name__}")
+        if isinstance(sequences, Mapping):
+            raise TypeError(f"{name}: argument 'sequences' is a {type(sequences).__name__}: pass its values "
+                            "(the sequences), not the mapping, whose keys would be read as sequences")
+        if not hasattr(sequences, "__len__"):
+            sequences = list(sequences)
         if tokenizer.vocab_size > 256:
-            raise ValueError(f"TokenizedSequences: vocabulary of {tokenizer.vocab_size} tokens does not fit uint8")
+            raise ValueError(f"{name}: vocabulary of {tokenizer.vocab_size} tokens does not fit uint8")
         lengths = np.zeros(len(sequences), dtype=np.int64)
         chunks = []
         for i, s in enumerate(sequences):
             try:
                 ids = tokenizer.encode_residues(s)
-            except ValueError as e:
-                raise ValueError(f"TokenizedSequences: sequence {i}: {e}") from None
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"{name}: sequence {i}: {e}") from None
             lengths[i] = ids.size
             chunks.append(ids.astype(np.uint8))
         self.tokenizer = tokenizer
@@ -58,6 +89,10 @@ class TokenizedSequences:
         return len(self.lengths)
 
     def residues(self, i: int) -> torch.Tensor:
+        """The residue ids of sequence ``i`` (0 <= i < len; IndexError otherwise)."""
+        i = as_int("TokenizedSequences.residues", "i", i)
+        if not 0 <= i < len(self.lengths):
+            raise IndexError(f"TokenizedSequences.residues: index {i} out of range [0, {len(self.lengths)})")
         a, b = self.offsets[i], self.offsets[i + 1]
         return torch.from_numpy(self.flat[a:b].astype(np.int64))
 
@@ -75,11 +110,13 @@ class FramedDataset(torch.utils.data.Dataset):
     def __init__(self, sequences, tokenizer: CharTokenizer, *, max_length: int, seed: int, crop: str,
                  add_special_tokens: bool = True):
         name = type(self).__name__
+        check_tokenizer(name, tokenizer)
         if crop not in ("random", "start"):
             raise ValueError(f"{name}: argument 'crop' must be 'random' or 'start', got {crop!r}")
+        add_special_tokens = as_bool(name, "add_special_tokens", add_special_tokens)
         n_spec = tokenizer.num_special_tokens_added if add_special_tokens else 0
         max_length = as_int(name, "max_length", max_length, n_spec + 1)
-        seed = as_int(name, "seed", seed, 0)  # (sample_seed takes no negative seed)
+        seed = as_seed(name, "seed", seed)  # (sample_seed's range: [0, 2**64 - 1])
         self.store = sequences if isinstance(sequences, TokenizedSequences) else TokenizedSequences(sequences, tokenizer)
         if self.store.tokenizer is not tokenizer and self.store.tokenizer.vocab != tokenizer.vocab:
             raise ValueError(f"{name}: the TokenizedSequences were made with a different vocabulary")
@@ -120,18 +157,34 @@ class FramedDataset(torch.utils.data.Dataset):
         state["_gen"] = None
         return state
 
-    def framed(self, key) -> tuple[int, np.ndarray, torch.Generator]:
+    def _key(self, key) -> tuple[int, int]:
+        """``(epoch, index)`` of a key: an index (epoch 0) or an
+        ``(epoch, index)`` pair of integers (never floats: 1.7 is no index)."""
+        name = type(self).__name__
         if isinstance(key, tuple):
+            if len(key) != 2:
+                raise ValueError(f"{name}: key must be an index or an (epoch, index) pair, got {key!r:.80}")
             epoch, index = key
         else:
             epoch, index = 0, key
-        index = int(index)
-        if not 0 <= index < len(self.store):
-            raise IndexError(f"{type(self).__name__}: index {index} out of range [0, {len(self.store)})")
+        i, e = exact_int(index), exact_int(epoch)
+        for what, v, n in (("index", index, i), ("epoch", epoch, e)):
+            if n is None:
+                raise TypeError(f"{name}: {what} must be an integer, got {type(v).__name__} ({v!r:.40})")
+        if not 0 <= i < len(self.store):
+            raise IndexError(f"{name}: index {i} out of range [0, {len(self.store)})")
+        if e < 0:
+            raise ValueError(f"{name}: epoch must be >= 0, got {e}")
+        if e > MAX_SEED:
+            raise ValueError(f"{name}: epoch must be <= 2**64 - 1, got {e}")
+        return e, i
+
+    def framed(self, key) -> tuple[int, np.ndarray, torch.Generator]:
+        epoch, index = self._key(key)
         if self._gen is None:
             self._gen = torch.Generator()
         g = self._gen
-        g.manual_seed(sample_seed(self.seed, int(epoch), index))
+        g.manual_seed(mix_seed(self.seed, epoch, index))  # sample_seed of values checked already
         a, b = int(self.store.offsets[index]), int(self.store.offsets[index + 1])
         n = b - a
         keep = self._max_residues
@@ -173,8 +226,14 @@ class MLMDataset(FramedDataset):
     ):
         mask_prob, mask_token_frac, random_token_frac = check_mask_settings(
             "MLMDataset", mask_prob, mask_token_frac, random_token_frac)
+        check_tokenizer("MLMDataset", tokenizer)
         if tokenizer.mask_token_id is None and mask_prob > 0:
             raise ValueError("MLMDataset: the tokenizer has no mask token; use mask_prob=0")
+        if tokenizer.random_token_ids.numel() == 0 and mask_prob > 0 and random_token_frac > 0:
+            raise ValueError(
+                "MLMDataset: the tokenizer has no random_token_ids, so 'random_token_frac' must be 0 "
+                f"(got {random_token_frac})"
+            )
         super().__init__(sequences, tokenizer, max_length=max_length, seed=seed, crop=crop)
         self.mask_prob = mask_prob
         self.mask_token_frac = mask_token_frac

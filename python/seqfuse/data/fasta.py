@@ -47,14 +47,32 @@ def open_text(path, mode: str = "rt"):
     path = os.fspath(path)
     if mode == "wt":
         return _open_write(path, path.endswith(".gz"))
+    return _open_read(path, "strict")
+
+
+def _open_read(path, errors: str):
+    """``path`` opened for reading ASCII text (gzip / xz by magic bytes);
+    ``errors`` as in ``open``."""
     magic = _magic(path)
     if magic == b"\xfd7zXZ\x00":
         import lzma
 
-        return lzma.open(path, "rt", encoding="ascii")
+        return lzma.open(path, "rt", encoding="ascii", errors=errors)
     if magic[:2] == b"\x1f\x8b":
-        return gzip.open(path, "rt", encoding="ascii")
-    return open(path, "rt", encoding="ascii")
+        return gzip.open(path, "rt", encoding="ascii", errors=errors)
+    return open(path, "rt", encoding="ascii", errors=errors)
+
+
+def _not_ascii(path, lineno: int, line: str) -> ValueError:
+    """The error for a line holding a byte >= 128 (read as a surrogate
+    escape): the file, the line, the byte and its column."""
+    col = next(k for k, c in enumerate(line) if not c.isascii())
+    c = line[col]
+    byte = ord(c) - 0xDC00 if 0xDC80 <= ord(c) <= 0xDCFF else ord(c)
+    return ValueError(
+        f"read_fasta: {path}:{lineno}: byte 0x{byte:02x} at column {col + 1} is not ASCII (FASTA files are read as "
+        "ASCII text; is this a FASTA file?)"
+    )
 
 
 class _OwningGzipFile(gzip.GzipFile):
@@ -85,13 +103,16 @@ def read_fasta(path) -> Iterator[SequenceRecord]:
     """Yield the records of a FASTA file (plain or .gz) one by one.
 
     Raises ValueError for sequence lines before the first header, for an
-    empty header, and (with the line number) for a record without residues.
+    empty header, and (with the line number) for a record without residues
+    or a byte that is not ASCII (with its column).
     """
-    with open_text(path, "rt") as f:
+    with _open_read(path, "surrogateescape") as f:
         header = None
         header_line = 0
         chunks: list[str] = []
         for lineno, line in enumerate(f, 1):
+            if not line.isascii():
+                raise _not_ascii(path, lineno, line)
             if line.startswith(">"):
                 if header is not None:
                     yield _make_record(header, chunks, path, header_line)
@@ -168,6 +189,14 @@ def check_record(caller: str, k: int, rec, *, fasta: bool) -> SequenceRecord:
     return rec
 
 
+def check_records(caller: str, records) -> None:
+    """A writer's ``records`` must be an iterable of records, not one record
+    (whose fields are not records either)."""
+    if isinstance(records, SequenceRecord):
+        raise TypeError(f"{caller}: argument 'records' must be an iterable of SequenceRecord, got one SequenceRecord; "
+                        "pass [record]")
+
+
 def write_fasta(records: Iterable[SequenceRecord], path, line_width: int = 60) -> int:
     """Write records to ``path`` (gzip when it ends in .gz); returns how many.
 
@@ -178,6 +207,7 @@ def write_fasta(records: Iterable[SequenceRecord], path, line_width: int = 60) -
     temporary file next to ``path`` that replaces ``path`` once all are
     written: an error leaves an existing file as it was.
     """
+    check_records("write_fasta", records)
     line_width = as_int("write_fasta", "line_width", line_width, 0)
     gz = os.fspath(path).endswith(".gz")
     n = 0

@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 from typing import Iterable, Iterator, Sequence
 
+from ._checks import as_int
 from .fasta import SequenceRecord
 from .nucleotide import reverse_complement
 from .parquet import read_metadata, write_rows
@@ -46,9 +47,9 @@ METADATA_KEY = "seqfuse.dataset"
 def window_spans(length: int, window: int, stride: int, min_length: int = 1) -> list[tuple[int, int]]:
     """``(start, end)`` of the windows of a record of ``length`` bases (the
     module note states the rule)."""
-    for name, v in (("length", length), ("window", window), ("stride", stride), ("min_length", min_length)):
-        if not isinstance(v, int) or isinstance(v, bool):
-            raise TypeError(f"window_spans: argument '{name}' must be an int, got {type(v).__name__}")
+    length, window, stride, min_length = (
+        as_int("window_spans", name, v) for name, v in
+        (("length", length), ("window", window), ("stride", stride), ("min_length", min_length)))
     if window < 1 or stride < 1 or min_length < 1 or length < 0:
         raise ValueError(
             f"window_spans: need window >= 1, stride >= 1, min_length >= 1, length >= 0; got window={window}, "
@@ -77,20 +78,31 @@ def genome_windows(
     """The window rows of one record: for each span, one row per strand in
     ``strands`` order. ``offset`` is added to the coordinates (for a record
     that is a region of a larger one)."""
+    if not isinstance(genome, str):
+        raise TypeError(f"genome_windows: argument 'genome' must be a str, got {type(genome).__name__}")
     if not genome or "/" in genome or any(c.isspace() for c in genome):
         raise ValueError(f"genome_windows: argument 'genome' must be a non-empty name without '/' or spaces, got {genome!r}")
     if not strands or any(s not in ("+", "-") for s in strands) or len(set(strands)) != len(strands):
         raise ValueError(f"genome_windows: argument 'strands' must be distinct '+' / '-' entries, got {strands!r}")
-    if offset < 0:
-        raise ValueError(f"genome_windows: argument 'offset' must be >= 0, got {offset}")
+    offset = as_int("genome_windows", "offset", offset, 0)
+    if not isinstance(record, SequenceRecord):
+        raise TypeError(f"genome_windows: argument 'record' must be a SequenceRecord, got {type(record).__name__}")
     seq = record.sequence
     for a, b in window_spans(len(seq), window, stride, min_length):
         piece = seq[a:b]
         for strand in strands:
             start, end = a + offset, b + offset
+            wid = f"{genome}/{record.id}:{start}-{end}{strand}"
+            if strand == "+":
+                bases = piece
+            else:
+                try:
+                    bases = reverse_complement(piece)
+                except ValueError as e:
+                    raise ValueError(f"genome_windows: window {wid} cannot be reverse complemented: {e}") from None
             yield {
-                "id": f"{genome}/{record.id}:{start}-{end}{strand}",
-                "sequence": piece if strand == "+" else reverse_complement(piece),
+                "id": wid,
+                "sequence": bases,
                 "genome": genome,
                 "record_id": record.id,
                 "strand": strand,

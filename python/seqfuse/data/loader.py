@@ -24,7 +24,7 @@ import warnings
 
 import torch
 
-from ._checks import exact_int
+from ._checks import as_bool, as_int, as_optional_int, exact_int
 from .batching import TokenBudgetBatchSampler
 
 __all__ = ["ResumableDataLoader", "build_mlm_loader", "build_causal_lm_loader"]
@@ -64,6 +64,12 @@ class ResumableDataLoader:
                 "ResumableDataLoader: argument 'batch_sampler' must be a TokenBudgetBatchSampler, got "
                 f"{type(batch_sampler).__name__}"
             )
+        name = "ResumableDataLoader"
+        if collate_fn is not None and not callable(collate_fn):
+            raise TypeError(f"{name}: argument 'collate_fn' must be callable, got {type(collate_fn).__name__}")
+        num_workers = as_int(name, "num_workers", num_workers, 0)
+        pin_memory = as_bool(name, "pin_memory", pin_memory)
+        fixed_epoch = as_optional_int(name, "fixed_epoch", fixed_epoch, 0)
         if len(dataset) != batch_sampler.lengths.size:
             raise ValueError(
                 f"ResumableDataLoader: dataset has {len(dataset)} samples but the batch sampler "
@@ -239,7 +245,11 @@ def build_mlm_loader(
     from .masking import check_mask_settings
 
     mask_prob = check_mask_settings("build_mlm_loader", mask_prob)[0]
-    _check_fits("build_mlm_loader", max_length, max_tokens, pad_to_multiple_of)
+    max_length, max_tokens, pad_to_multiple_of = _check_fits("build_mlm_loader", max_length, max_tokens,
+                                                             pad_to_multiple_of)
+    packed, shuffle, pin_memory, evaluation, balance_ranks = _flags(
+        "build_mlm_loader", packed=packed, shuffle=shuffle, pin_memory=pin_memory, evaluation=evaluation,
+        balance_ranks=balance_ranks)
     if evaluation:
         crop = "start"
     ds = MLMDataset(sequences, tokenizer, max_length=max_length, seed=seed, mask_prob=mask_prob, crop=crop)
@@ -280,7 +290,11 @@ def build_causal_lm_loader(
     no masking."""
     from .dataset import CausalLMDataset
 
-    _check_fits("build_causal_lm_loader", max_length, max_tokens, pad_to_multiple_of)
+    max_length, max_tokens, pad_to_multiple_of = _check_fits("build_causal_lm_loader", max_length, max_tokens,
+                                                             pad_to_multiple_of)
+    packed, shuffle, pin_memory, evaluation, balance_ranks, add_special_tokens = _flags(
+        "build_causal_lm_loader", packed=packed, shuffle=shuffle, pin_memory=pin_memory, evaluation=evaluation,
+        balance_ranks=balance_ranks, add_special_tokens=add_special_tokens)
     if evaluation:
         crop = "start"
     ds = CausalLMDataset(sequences, tokenizer, max_length=max_length, seed=seed, crop=crop,
@@ -292,12 +306,23 @@ def build_causal_lm_loader(
 
 
 def _check_fits(caller, max_length, max_tokens, pad_to_multiple_of):
+    """The sizes read as integers (>= 1), then: one sequence of
+    ``max_length`` tokens, padded, fits the budget. Returns the three."""
+    max_length = as_int(caller, "max_length", max_length, 1)
+    max_tokens = as_int(caller, "max_tokens", max_tokens, 1)
+    pad_to_multiple_of = as_optional_int(caller, "pad_to_multiple_of", pad_to_multiple_of, 1)
     m = pad_to_multiple_of or 1
     if (max_length + m - 1) // m * m > max_tokens:
         raise ValueError(
             f"{caller}: max_length={max_length} (padded to a multiple of {m}) does not fit in "
             f"max_tokens={max_tokens}: one sequence must fit in one batch"
         )
+    return max_length, max_tokens, pad_to_multiple_of
+
+
+def _flags(caller, **flags):
+    """The builders' on/off arguments, each a bool (``as_bool``), in order."""
+    return tuple(as_bool(caller, k, v) for k, v in flags.items())
 
 
 def _loader(ds, tokenizer, *, max_tokens, packed, pad_to_multiple_of, max_sequences, shuffle, bucket_size, seed,

@@ -23,7 +23,10 @@ import numbers
 import numpy as np
 import torch
 
-__all__ = ["sample_seed", "sample_generator", "mlm_mask", "mask_numpy", "check_mask_settings", "IGNORE_INDEX"]
+from ._checks import as_int, as_seed, integer_ids
+
+__all__ = ["sample_seed", "mix_seed", "sample_generator", "mlm_mask", "mask_numpy", "check_mask_settings",
+           "IGNORE_INDEX"]
 
 #: Label value the loss ignores (torch.nn.CrossEntropyLoss's default).
 IGNORE_INDEX = -100
@@ -41,20 +44,31 @@ def _splitmix64(x: int) -> int:
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
     """A well-mixed 63-bit seed for sample ``index`` of ``epoch`` under the
-    run seed ``seed`` (splitmix64 chained over the three integers)."""
-    for v in (seed, epoch, index):
-        if v < 0:
-            raise ValueError(f"sample_seed: seed, epoch and index must be >= 0, got {(seed, epoch, index)}")
-    h = _splitmix64(seed & _M64)
-    h = _splitmix64(h ^ (epoch & _M64))
-    h = _splitmix64(h ^ (index & _M64))
+    run seed ``seed`` (splitmix64 chained over the three integers). Each
+    is an integer (Python, numpy or a 0-d integer tensor; never a float or
+    a bool) in [0, 2**64 - 1]."""
+    seed = as_seed("sample_seed", "seed", seed)
+    epoch = as_seed("sample_seed", "epoch", epoch)
+    index = as_seed("sample_seed", "index", index)
+    return mix_seed(seed, epoch, index)
+
+
+def mix_seed(seed: int, epoch: int, index: int) -> int:
+    """sample_seed without its checks: three Python ints in [0, 2**64)
+    already checked (MLMDataset's per-sample path, which checks once)."""
+    h = _splitmix64(seed)
+    h = _splitmix64(h ^ epoch)
+    h = _splitmix64(h ^ index)
     return h >> 1
 
 
 def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
     """A CPU torch.Generator seeded for one sample of one epoch."""
     g = torch.Generator()
-    g.manual_seed(sample_seed(seed, epoch, index))
+    try:
+        g.manual_seed(sample_seed(seed, epoch, index))
+    except (TypeError, ValueError) as e:
+        raise type(e)(str(e).replace("sample_seed:", "sample_generator:", 1)) from None
     return g
 
 
@@ -71,24 +85,44 @@ def mlm_mask(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Corrupt a 1-D sequence of ids; returns ``(masked_ids, labels)``.
 
+    ``input_ids``: a 1-D integer CPU tensor of ids >= 0 (a float or bool
+    tensor, or a list, is refused: ids are never rounded).
+    ``special_token_ids``: integers >= 0 (a list, tuple or tensor);
+    ``mask_token_id``: an integer >= 0; ``random_token_ids``: a non-empty
+    integer tensor (or sequence) of ids >= 0; ``generator``: a CPU
+    ``torch.Generator`` (``sample_generator(seed, epoch, index)``; None is
+    refused, as it would draw from torch's global generator and no seed of
+    this module would reproduce the masks).
+
     The generator draws, in this order, 2L uniforms (L for selection, L for
     the action) and L random token choices, whatever the outcome, so the
     stream layout is fixed by the length alone. Runs on the CPU (it is a
     data-loading step).
     """
+    input_ids = integer_ids("mlm_mask", "input_ids", input_ids)
     if input_ids.dim() != 1:
         raise ValueError(f"mlm_mask: argument 'input_ids' must be 1-D, got shape {tuple(input_ids.shape)}")
     mask_prob, mask_token_frac, random_token_frac = check_mask_settings(
         "mlm_mask", mask_prob, mask_token_frac, random_token_frac)
     if input_ids.device.type != "cpu":
         raise ValueError(f"mlm_mask: argument 'input_ids' must be on the CPU (data loading), got {input_ids.device}")
+    if isinstance(special_token_ids, torch.Tensor):
+        special_token_ids = special_token_ids.reshape(-1).tolist()  # (a float tensor's floats are refused below)
+    special_token_ids = [as_int("mlm_mask", "special_token_ids", i, 0) for i in special_token_ids]
+    mask_token_id = as_int("mlm_mask", "mask_token_id", mask_token_id, 0)
+    random_token_ids = integer_ids("mlm_mask", "random_token_ids", random_token_ids, allow_sequence=True)
     if random_token_ids.numel() == 0:
         raise ValueError("mlm_mask: argument 'random_token_ids' is empty")
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(
+            "mlm_mask: argument 'generator' must be a torch.Generator (sample_generator(seed, epoch, index) gives "
+            f"one per sample), got {type(generator).__name__}"
+        )
     ids = input_ids.to(torch.long).numpy()
     special = np.zeros(int(max(ids.max(initial=0), max(special_token_ids, default=0))) + 1, dtype=bool)
-    special[list(special_token_ids)] = True
+    special[special_token_ids] = True
     out, labels = mask_numpy(
-        ids, special, mask_token_id, random_token_ids.to(torch.long).numpy(), generator,
+        ids, special, mask_token_id, random_token_ids.reshape(-1).to(torch.long).numpy(), generator,
         mask_prob, mask_token_frac, random_token_frac,
     )
     return torch.from_numpy(out), torch.from_numpy(labels)
@@ -130,7 +164,9 @@ def mask_numpy(ids, special_lut, mask_token_id, random_ids, generator, mask_prob
     # Draw order is fixed by the length alone: 2n uniforms (selection,
     # action), then n choices of a random token.
     u = torch.rand(2 * n, generator=generator).numpy()
-    choice = torch.randint(random_ids.size, (n,), generator=generator).numpy()
+    # (a vocabulary without random tokens draws none: then random_token_frac is 0)
+    choice = (torch.randint(random_ids.size, (n,), generator=generator).numpy() if random_ids.size
+              else np.zeros(n, dtype=np.int64))
     sel = np.flatnonzero((u[:n] < mask_prob) & ~special_lut[ids])
     action = u[n:][sel]
     orig = ids[sel]

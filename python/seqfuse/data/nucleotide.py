@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import os
 
-from .tokenizers import CharTokenizer
+from ._checks import as_bool, as_optional_int
+from ._files import replacing
+from .tokenizers import CharTokenizer, check_directory
 
 __all__ = ["NUCLEOTIDE_VOCAB", "NucleotideTokenizer", "reverse_complement"]
 
@@ -80,6 +82,9 @@ class NucleotideTokenizer(CharTokenizer):
     ):
         if unknown not in ("N", "error"):
             raise ValueError(f"NucleotideTokenizer: argument 'unknown' must be 'N' or 'error', got {unknown!r}")
+        strict = as_bool("NucleotideTokenizer", "strict", strict)
+        uppercase = as_bool("NucleotideTokenizer", "uppercase", uppercase)
+        iupac_to_n = as_bool("NucleotideTokenizer", "iupac_to_n", iupac_to_n)
         if strict:
             unknown = "error"
         extra = {}
@@ -114,8 +119,7 @@ class NucleotideTokenizer(CharTokenizer):
                 "NucleotideTokenizer.to_hf: Hugging Face tokenizers always recognise special tokens in the "
                 "text; build this tokenizer with parse_special_tokens=True"
             )
-        if model_max_length is not None and model_max_length < 1:
-            raise ValueError(f"NucleotideTokenizer.to_hf: argument 'model_max_length' must be >= 1, got {model_max_length}")
+        model_max_length = as_optional_int("NucleotideTokenizer.to_hf", "model_max_length", model_max_length, 1)
         from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
         from transformers import PreTrainedTokenizerFast
 
@@ -152,16 +156,19 @@ class NucleotideTokenizer(CharTokenizer):
         """Write the Hugging Face tokenizer directory (tokenizer.json,
         tokenizer_config.json) that ``AutoTokenizer.from_pretrained`` loads;
         returns the directory. The config names the class
-        PreTrainedTokenizerFast, which transformers 4 and 5 both know."""
+        PreTrainedTokenizerFast, which transformers 4 and 5 both know.
+        Tokenizer files already in ``directory`` are replaced, as
+        transformers' ``save_pretrained`` does; a ``directory`` that is a
+        file is refused (NotADirectoryError)."""
         import json
 
-        directory = os.fspath(directory)
+        directory = check_directory("NucleotideTokenizer.save_pretrained", directory)
         self.to_hf(model_max_length).save_pretrained(directory)
         path = os.path.join(directory, "tokenizer_config.json")
         with open(path) as f:
             config = json.load(f)
         config["tokenizer_class"] = "PreTrainedTokenizerFast"
-        with open(path, "w") as f:
+        with replacing(path, "NucleotideTokenizer.save_pretrained") as tmp, open(tmp, "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
             f.write("\n")
         return directory

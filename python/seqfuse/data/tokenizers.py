@@ -34,7 +34,8 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from ._checks import as_int
+from ._checks import as_bool, as_int, integer_ids
+from ._files import replacing
 
 __all__ = ["CharTokenizer", "EsmTokenizer", "ESM2_VOCAB"]
 
@@ -50,11 +51,42 @@ _WS = -2  # lookup-table code: skip
 _UNK = -1  # lookup-table code: not in the vocabulary
 
 
+def _residue_char(c: str) -> bool:
+    """Can ``c`` be a one-character token: printable ASCII, not whitespace
+    (the lookup table reads ASCII bytes and skips whitespace)."""
+    return c.isascii() and c.isprintable() and not c.isspace()
+
+
+def _check_vocab(name: str, vocab) -> None:
+    """A vocabulary is a sequence of distinct tokens: one printable ASCII
+    character (a residue) or a special token written ``<...>``."""
+    if isinstance(vocab, (str, bytes, dict)) or not hasattr(vocab, "__len__") or not hasattr(vocab, "__iter__"):
+        what = "one str" if isinstance(vocab, str) else type(vocab).__name__
+        raise TypeError(f"{name}: argument 'vocab' must be a sequence of tokens, got {what}")
+    for t in vocab:
+        if not isinstance(t, str) or not t:
+            raise TypeError(f"{name}: argument 'vocab': every token must be a non-empty str, got {t!r}")
+        if len(t) == 1 and not _residue_char(t):
+            raise ValueError(f"{name}: argument 'vocab': token {t!r} is not a printable ASCII character (the lookup "
+                             "table reads ASCII bytes and skips whitespace)")
+        if len(t) > 1 and not (t.startswith("<") and t.endswith(">")):
+            raise ValueError(f"{name}: argument 'vocab': token {t!r} has several characters but is not a special "
+                             "token written <...> (one token is one character, or a special token)")
+
+
 class CharTokenizer:
     """One character, one token; multi-character entries of the vocabulary
     (``<...>``) are special tokens. Subclasses set the vocabulary and which
     specials frame a sequence; the end, padding, unknown and mask tokens
-    default to ESM's spellings, which every vocabulary here uses."""
+    default to ESM's spellings, which every vocabulary here uses.
+
+    Rules (ValueError / TypeError naming the argument): ``vocab`` is a
+    sequence of distinct tokens, each one printable ASCII character (a
+    residue; not whitespace, which encoding skips) or a special token
+    written ``<...>``; the begin, end, padding, unknown and mask tokens are
+    special tokens of the vocabulary (a residue there would give padding or
+    <mask> a real token's id); ``random_tokens`` are residues of it;
+    ``extra_char_map`` maps one ASCII character to a residue."""
 
     def __init__(
         self,
@@ -70,33 +102,68 @@ class CharTokenizer:
         parse_special_tokens: bool = True,
         extra_char_map: dict[str, str] | None = None,
     ):
+        name = type(self).__name__
+        _check_vocab(name, vocab)
+        vocab = [str(t) for t in vocab]
         if len(set(vocab)) != len(vocab):
-            raise ValueError(f"{type(self).__name__}: vocabulary holds duplicates")
+            raise ValueError(f"{name}: vocabulary holds duplicates")
         if not isinstance(unknown, str) or (unknown not in ("error", "unk") and not (len(unknown) == 1 and unknown in vocab)):
             raise ValueError(
-                f"{type(self).__name__}: argument 'unknown' must be 'error' or 'unk' (or a one-character token "
+                f"{name}: argument 'unknown' must be 'error' or 'unk' (or a one-character token "
                 f"of the vocabulary that replaces unknown characters), got {unknown!r}"
             )
         self.vocab = list(vocab)
         self.token_to_id = {t: i for i, t in enumerate(self.vocab)}
         self.unknown = unknown
-        self.parse_special_tokens = parse_special_tokens
+        self.parse_special_tokens = as_bool(name, "parse_special_tokens", parse_special_tokens)
         self.special_tokens = [t for t in self.vocab if len(t) > 1]
-        self.pad_token_id = self.token_to_id[pad_token]
-        self.unk_token_id = self.token_to_id[unk_token]
-        self.bos_token_id = None if bos_token is None else self.token_to_id[bos_token]
-        self.eos_token_id = None if eos_token is None else self.token_to_id[eos_token]
-        self.mask_token_id = None if mask_token is None else self.token_to_id[mask_token]
+
+        def special_id(arg, token, optional=False):
+            """The id of a framing / padding / unknown / mask token: a special
+            token of the vocabulary (a residue's id would make padding or
+            <mask> indistinguishable from real tokens)."""
+            if token is None and optional:
+                return None
+            if token not in self.token_to_id:
+                raise ValueError(f"{name}: argument '{arg}' ({token!r}) is not in the vocabulary")
+            if len(token) == 1:
+                raise ValueError(
+                    f"{name}: argument '{arg}' must be a special token (<...>) of the vocabulary, got {token!r}, "
+                    "a residue (its id would be a real token's)"
+                )
+            return self.token_to_id[token]
+
+        self.pad_token_id = special_id("pad_token", pad_token)
+        self.unk_token_id = special_id("unk_token", unk_token)
+        self.bos_token_id = special_id("bos_token", bos_token, optional=True)
+        self.eos_token_id = special_id("eos_token", eos_token, optional=True)
+        self.mask_token_id = special_id("mask_token", mask_token, optional=True)
+        if isinstance(random_tokens, str):
+            random_tokens = list(random_tokens)
+        for t in random_tokens:
+            if t not in self.token_to_id:
+                raise ValueError(f"{name}: argument 'random_tokens': {t!r} is not in the vocabulary")
+            if len(t) != 1:
+                raise ValueError(f"{name}: argument 'random_tokens': {t!r} is a special token; random "
+                                 "replacements must be residues")
         #: ids a masking step may substitute at random (real residues only).
         self.random_token_ids = torch.tensor([self.token_to_id[t] for t in random_tokens], dtype=torch.long)
         #: ids never chosen as masking targets (every <...> token).
         self.special_token_ids = sorted(self.token_to_id[t] for t in self.special_tokens)
+        extra_char_map = dict(extra_char_map or {})
+        for src, dst in extra_char_map.items():
+            if not (isinstance(src, str) and len(src) == 1 and _residue_char(src)):
+                raise ValueError(f"{name}: argument 'extra_char_map': key {src!r} must be one ASCII character "
+                                 "(printable, not whitespace)")
+            if not (isinstance(dst, str) and len(dst) == 1 and dst in self.token_to_id):
+                raise ValueError(f"{name}: argument 'extra_char_map': {src!r} -> {dst!r}, which is not a residue "
+                                 "(one-character token) of the vocabulary")
 
         lut = np.full(256, _UNK, dtype=np.int16)
         for t, i in self.token_to_id.items():
             if len(t) == 1:
                 lut[ord(t)] = i
-        for src, dst in (extra_char_map or {}).items():
+        for src, dst in extra_char_map.items():
             lut[ord(src)] = self.token_to_id[dst]
         for c in " \t\n\r\v\f":
             lut[ord(c)] = _WS
@@ -187,7 +254,13 @@ class CharTokenizer:
         return self._encode_piece(text, 0)
 
     def add_special_tokens(self, residue_ids: torch.Tensor) -> torch.Tensor:
-        """Frame residue ids with the tokenizer's begin and end tokens."""
+        """Frame residue ids (a 1-D integer tensor) with the tokenizer's begin
+        and end tokens."""
+        residue_ids = integer_ids(f"{type(self).__name__}.add_special_tokens", "residue_ids", residue_ids)
+        return self._frame(residue_ids)
+
+    def _frame(self, residue_ids: torch.Tensor) -> torch.Tensor:
+        """add_special_tokens without its check (encode's own ids)."""
         parts = []
         if self.bos_token_id is not None:
             parts.append(torch.tensor([self.bos_token_id], dtype=torch.long))
@@ -200,6 +273,7 @@ class CharTokenizer:
         """Ids of ``text`` as a 1-D int64 tensor. ``max_length`` keeps the
         first residues so the result, specials included, has at most
         ``max_length`` tokens."""
+        add_special_tokens = as_bool(f"{type(self).__name__}.encode", "add_special_tokens", add_special_tokens)
         ids = self.encode_residues(text)
         n_spec = self.num_special_tokens_added if add_special_tokens else 0
         if max_length is not None:
@@ -211,7 +285,7 @@ class CharTokenizer:
                 )
             ids = ids[: max_length - n_spec]
         t = torch.from_numpy(np.ascontiguousarray(ids))
-        return self.add_special_tokens(t) if add_special_tokens else t
+        return self._frame(t) if add_special_tokens else t
 
     def __call__(self, texts, add_special_tokens: bool = True, max_length: int | None = None):
         if isinstance(texts, str):
@@ -220,6 +294,7 @@ class CharTokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of ``ids``; specials are written as ``<...>`` unless skipped."""
+        skip_special_tokens = as_bool(f"{type(self).__name__}.decode", "skip_special_tokens", skip_special_tokens)
         if isinstance(ids, torch.Tensor):
             ids = ids.tolist()
         special = set(self.special_token_ids)
@@ -234,17 +309,32 @@ class CharTokenizer:
         return "".join(out)
 
     def special_tokens_mask(self, ids: torch.Tensor) -> torch.Tensor:
-        """Boolean mask, True where ``ids`` holds a special (``<...>``) token."""
+        """Boolean mask, True where ``ids`` (an integer tensor) holds a special
+        (``<...>``) token."""
+        ids = integer_ids(f"{type(self).__name__}.special_tokens_mask", "ids", ids)
         return torch.isin(ids, torch.tensor(self.special_token_ids, dtype=ids.dtype, device=ids.device))
 
     def save_vocabulary(self, directory) -> str:
         """Write ``vocab.txt`` (one token per line, in id order; the format
-        transformers' EsmTokenizer reads); returns its path."""
+        transformers' EsmTokenizer reads); returns its path. An existing
+        vocab.txt is replaced (as transformers' save_vocabulary does), whole:
+        the new file is written next to it and renamed onto it."""
+        directory = check_directory(f"{type(self).__name__}.save_vocabulary", directory)
         os.makedirs(directory, exist_ok=True)
-        path = os.path.join(os.fspath(directory), "vocab.txt")
-        with open(path, "w", encoding="ascii", newline="\n") as f:
-            f.write("\n".join(self.vocab) + "\n")
+        path = os.path.join(directory, "vocab.txt")
+        with replacing(path, f"{type(self).__name__}.save_vocabulary") as tmp:
+            with open(tmp, "w", encoding="ascii", newline="\n") as f:
+                f.write("\n".join(self.vocab) + "\n")
         return path
+
+
+def check_directory(caller: str, directory) -> str:
+    """``directory`` as a str path that is a directory or does not exist
+    yet; NotADirectoryError naming it when it is a file."""
+    directory = os.fspath(directory)
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise NotADirectoryError(f"{caller}: argument 'directory' {directory!r} is a file, not a directory")
+    return directory
 
 
 class EsmTokenizer(CharTokenizer):
