@@ -37,9 +37,23 @@ def multi_tensor_adamw(params, grads, exp_avg, exp_avg_sq, master, lr, beta1, be
         _check_list(op, name, ts)
     if master is not None:
         _check_list(op, "master", master)
+    multi_tensor_adamw_prechecked(_detached(params), _detached(grads), exp_avg, exp_avg_sq, master, lr, beta1,
+                                  beta2, eps, weight_decay, step)
+
+
+def multi_tensor_adamw_prechecked(params, grads, exp_avg, exp_avg_sq, master, lr, beta1, beta2, eps, weight_decay,
+                                  step):
+    """multi_tensor_adamw for a caller that has checked its lists itself
+    (seqfuse.optim.FusedAdamW.step checks every parameter and gradient
+    before any update): the lists go to C without multi_tensor_adamw's
+    Python pass over them (that each is a list of tensors, and the detach
+    of those that require grad, which C's export does itself), so a bad
+    list is refused by C's checks alone.  The scalars are read as
+    multi_tensor_adamw reads them."""
     if not params:
         return
-    _C.multi_tensor_adamw(_detached(params), _detached(grads), exp_avg, exp_avg_sq, master,
+    op = "multi_tensor_adamw"
+    _C.multi_tensor_adamw(params, grads, exp_avg, exp_avg_sq, master,
                           *(as_float(op, n, v) for n, v in (("lr", lr), ("beta1", beta1), ("beta2", beta2),
                                                              ("eps", eps), ("weight_decay", weight_decay))),
                           as_int(op, "step", step),

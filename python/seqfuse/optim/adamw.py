@@ -50,10 +50,16 @@
   gradients of another shape or dtype; loaded state of another shape.  A
   step checks every group and parameter before it updates any, so a
   refused step changes nothing (no parameter, moment or step count).
+  Checked in full, those cost microseconds of Python per parameter, so a
+  step compares each parameter, gradient and state with what the last
+  fully checked step found, and checks in full only where something
+  differs (the step plan: see the note above _Entry).
 """
 import itertools
 import logging
 import numbers
+import operator
+from typing import NamedTuple
 
 import torch
 
@@ -100,6 +106,58 @@ def _param_name(p, gi, pj):
 
 def _dtype_name(dtype):
     return str(dtype).replace("torch.", "")
+
+
+# The step plan.  A step checks every parameter and gradient in full (_check_param) and sorts
+# the parameters into launches by device, dtype, gradient dtype, moment dtype, master and step
+# count: microseconds of Python per parameter.  From one step to the next nothing of that
+# changes but the gradient tensors (and the counts, read at each step), so a step that went
+# through the full path (FusedAdamW._checked) records what it found of each parameter (_Entry)
+# and the next steps compare against that record instead (FusedAdamW._planned): a parameter,
+# gradient and state equal to their entry are ones _check_param passes, and the parameter goes
+# to the launch the full path would give it (same lists in the same order, same step counts; a
+# parameter without a gradient is left out, as there).  The comparison only decides "as
+# recorded": anything else -- a group added, a parameter list edited, a parameter's .data
+# swapped (its address; memory on another device has another address), a gradient of another
+# type / dtype / shape / device / layout or in the parameter's memory, a first gradient of a
+# parameter the plan has no entry for, a state cleared, replaced or edited -- sends the whole
+# step down the full path, which raises today's error or records a new plan.  add_param_group
+# and load_state_dict drop the plan; a parameter listed in two groups gets none.  The plan
+# holds the parameters (as their groups do) and plain values: no gradient, group or state (the
+# state is looked up at each step).
+
+
+class _Entry(NamedTuple):
+    """One parameter as the full path last found it (``lp``: its local tensor,
+    a DTensor's to_local(), else itself): what the next steps compare it,
+    its gradient and its state with."""
+    kind: int  # its launch kind: index of (device, dtype, grad dtype, moment dtype, master, empty) in the group's
+    layout: tuple  # DTensor p: (mesh, placements, global shape) of p and its gradient; plain p: None
+    ptr: int  # lp.data_ptr(): p.data not swapped (nor moved to another device), the gradient not there; 0 if empty
+    shape: torch.Size  # lp's, and the local gradient's
+    dtype: torch.dtype  # lp's
+    device: torch.device  # lp's, and the local gradient's
+    empty: bool  # lp has no element: the step is counted, nothing launched (no contiguity or memory check)
+    grad_type: type
+    grad_dtype: torch.dtype
+    exp_avg_type: type
+    exp_avg_sq_type: type
+    master_type: type  # NoneType where the state has no master
+    moment_dtype: torch.dtype  # exp_avg's
+    local_state: bool  # a state tensor is a DTensor: the kernel gets its local tensor
+
+
+class _GroupPlan(NamedTuple):
+    params: tuple  # the group's params as recorded
+    entries: tuple  # an _Entry's fields (a plain tuple: unpacked faster) per parameter, None where none yet
+    kinds: tuple  # (has_master, launch) per launch kind
+
+
+def _launches(buckets, kinds):
+    """The launches of a group from its {(kind, step count): lists}: [(step,
+    has_master, launch, (params, grads, exp_avgs, exp_avg_sqs, masters,
+    states)), ...] in the order of the buckets' first parameters."""
+    return [(count + 1, *kinds[kind], lists) for (kind, count), lists in buckets.items()]
 
 
 class FusedAdamW(torch.optim.Optimizer):
@@ -184,6 +242,7 @@ class FusedAdamW(torch.optim.Optimizer):
             merged.update((k, v) for k, v in param_group.items() if k != "params")
             self._check_group(merged, f"param_groups[{len(self.param_groups)}]['{{}}']")
         super().add_param_group(param_group)
+        self._plan = None  # (the next step takes the full path and records the new group too)
 
     def _state(self, p, group):
         """The state of ``p``, created at its first update: tensors shaped like
@@ -244,18 +303,34 @@ class FusedAdamW(torch.optim.Optimizer):
                 raise ValueError(f"{op}: {_param_name(p, gi, pj)} is float32 but its state holds a 'master_param' "
                                  "(fp32 master copies are for bfloat16 / float16 parameters)")
 
+    #: The step plan (see the note above _Entry): a _GroupPlan per group, or None (until a step
+    #: has gone through the full path, and after add_param_group or load_state_dict).
+    _plan = None
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # Every group and parameter is checked before anything changes: a
-        # refused step updates no parameter and advances no step count.
-        plan = []
+        launches = self._planned()
+        if launches is None:
+            launches = self._checked()
+        for group, buckets in launches:
+            self._launch(group, buckets)
+        return loss
+
+    def _checked(self):
+        """The full path of a step: every group and parameter is checked
+        before anything changes (a refused step updates no parameter and
+        advances no step count); then, group by group, the state of a first
+        update is made and the parameters are sorted into launches (see
+        _built).  Returns an iterator of (group, launches)."""
+        self._plan = None
+        checked = []
         for gi, group in enumerate(self.param_groups):
             self._check_group(group, f"param_groups[{gi}]['{{}}']", at_step=True)
-            params, grads = [], []  # (parallel lists: no tuple per parameter for the GC to track)
+            params, grads, where = [], [], []  # (parallel lists: no tuple per parameter for the GC to track)
             for pj, p in enumerate(group["params"]):
                 grad, grad_name = _grad_of(p, group.get("use_main_grad", False))
                 if grad is None:
@@ -263,39 +338,155 @@ class FusedAdamW(torch.optim.Optimizer):
                 self._check_param(p, grad, grad_name, gi, pj)
                 params.append(p)
                 grads.append(grad)
-            plan.append((group, params, grads))
-        for group, params, grads in plan:
-            beta1, beta2 = group["betas"]
-            buckets = {}
-            for p, grad in zip(params, grads):
+                where.append(pj)
+            checked.append((group, params, grads, where))
+        return self._built(checked)
+
+    def _built(self, checked):
+        """Each checked group's (group, launches), built when the previous
+        group's launches have run (so a parameter listed in two groups, which
+        only changing param_groups by hand can make, has its count advanced
+        by the first group's launch before the second reads it).  Once all
+        are built, records the plan the next steps are compared with, unless
+        a parameter is in two groups: the plan reads every count before the
+        first launch."""
+        plans = []
+        for group, params, grads, where in checked:
+            buckets = {}  # (launch kind, step count) -> lists, in the order of their first parameters
+            kinds = {}  # (device, dtype, grad dtype, moment dtype, has master, empty) -> launch kind
+            entries = [None] * len(group["params"])
+            for p, grad, pj in zip(params, grads, where):
                 state = self._state(p, group)
-                step = state["step"] + 1
-                master = state.get("master_param")
-                lp = local(p)
-                if lp.numel() == 0:  # an uneven FSDP2 split can leave a rank nothing of a small tensor
-                    state["step"] = step
+                m, v, w = state["exp_avg"], state["exp_avg_sq"], state.get("master_param")
+                lp, lg, lm, lv, lw = local(p), local(grad), local(m), local(v), local(w)
+                # an uneven FSDP2 split can leave a rank nothing of a small tensor: it only counts the step
+                empty = lp.numel() == 0
+                kind = kinds.setdefault((lp.device, lp.dtype, grad.dtype, m.dtype, w is not None, empty), len(kinds))
+                ps, gs, ms, vs, ws, states = buckets.setdefault((kind, state["step"]), ([], [], [], [], [], []))
+                if not empty:
+                    ps.append(lp)
+                    gs.append(lg)
+                    ms.append(lm)
+                    vs.append(lv)
+                    if w is not None:
+                        ws.append(lw)
+                states.append(state)
+                entries[pj] = tuple(_Entry(
+                    kind, None if lp is p else (p.device_mesh, tuple(p.placements), p.shape),
+                    0 if empty else lp.data_ptr(), lp.shape, lp.dtype, lp.device, empty, type(grad), grad.dtype,
+                    type(m), type(v), type(w), m.dtype, lm is not m or lv is not v or lw is not w))
+            kinds = tuple((has_master, not empty) for *_, has_master, empty in kinds)
+            plans.append(_GroupPlan(tuple(group["params"]), tuple(entries), kinds))
+            yield group, _launches(buckets, kinds)
+        ids = [{id(p) for p in plan.params} for plan in plans]
+        if sum(map(len, ids)) == len(set().union(*ids)):
+            self._plan = tuple(plans)
+
+    def _planned(self):
+        """The launches of this step as _checked would return them, where every
+        group, parameter, gradient and state is as the plan recorded it (each
+        group's values are checked here as there, and raise the same), else
+        None: the full path then decides."""
+        plans = self._plan
+        if plans is None or len(plans) != len(self.param_groups):
+            return None
+        launches = []
+        for gi, (group, group_plan) in enumerate(zip(self.param_groups, plans)):
+            self._check_group(group, f"param_groups[{gi}]['{{}}']", at_step=True)
+            try:
+                buckets = self._as_planned(group, group_plan)
+            except Exception:  # noqa: BLE001 - something the plan did not see (e.g. a state without 'step')
+                return None
+            if buckets is None:
+                return None
+            launches.append((group, _launches(buckets, group_plan.kinds)))
+        return launches
+
+    def _as_planned(self, group, group_plan):
+        """The {(launch kind, step count): lists} of a group whose parameters,
+        gradients and states are as ``group_plan`` recorded them, else None.
+        Each test passes only a value equal to the recorded one, which passed
+        _check_param: the full check is the one that refuses, so the two
+        cannot disagree on what is refused.  Nothing is changed here."""
+        params = group["params"]
+        if len(params) != len(group_plan.params) or not all(map(operator.is_, params, group_plan.params)):
+            return None
+        use_main_grad = group.get("use_main_grad", False)
+        state_of = self.state.get
+        strided = torch.strided
+        buckets = {}
+        last_kind = last_count = None  # the bucket whose lists are at hand (neighbours mostly share one)
+        for p, entry in zip(params, group_plan.entries):
+            grad = getattr(p, "main_grad", None) if use_main_grad else None
+            if grad is None:
+                grad = p.grad
+                if grad is None:  # not updated this step, as in the full path
                     continue
-                key = (lp.device, lp.dtype, grad.dtype, state["exp_avg"].dtype, master is not None, step)
-                lists = buckets.setdefault(key, ([], [], [], [], [], []))
-                lists[0].append(lp)
-                lists[1].append(local(grad))
-                lists[2].append(local(state["exp_avg"]))
-                lists[3].append(local(state["exp_avg_sq"]))
-                if master is not None:
-                    lists[4].append(local(master))
-                lists[5].append(state)
-            for (_, _, _, _, has_master, step), (ps, gs, ms, vs, ws, states) in buckets.items():
-                _ops.multi_tensor_adamw(ps, gs, ms, vs, ws if has_master else None, group["lr"], beta1, beta2,
-                                        group["eps"], group["weight_decay"], step)
-                # the step counts of exactly the parameters this launch updated
+            if entry is None:  # its first gradient since the plan was recorded
+                return None
+            (kind, layout, ptr, shape, dtype, device, empty, grad_type, grad_dtype, m_type, v_type, w_type,
+             moment_dtype, local_state) = entry
+            if type(grad) is not grad_type:  # (also: a DTensor where it was a plain tensor, or the other way)
+                return None
+            if layout is None:
+                lp, lg = p, grad
+            else:
+                if ((grad.device_mesh, tuple(grad.placements), grad.shape) != layout
+                        or (p.device_mesh, tuple(p.placements), p.shape) != layout):
+                    return None
+                lp, lg = local(p), local(grad)
+            if (grad.layout is not strided or lg.dtype is not grad_dtype or lg.shape != shape
+                    or lg.device != device or lp.dtype is not dtype or lp.shape != shape):
+                return None
+            if empty:
+                if lp.device != device:
+                    return None
+            elif (lp.data_ptr() != ptr or lg.data_ptr() == ptr or not lp.is_contiguous()
+                    or not lg.is_contiguous()):
+                return None
+            state = state_of(p)  # (None, or a state without these keys, raises: the full path decides)
+            count = state["step"]
+            m, v, w = state["exp_avg"], state["exp_avg_sq"], state.get("master_param")
+            if (type(m) is not m_type or type(v) is not v_type or type(w) is not w_type or m.dtype is not moment_dtype
+                    or type(count) is not int):  # (a count set to a tensor: the full path keys its launch by it)
+                return None
+            if kind != last_kind or count != last_count:
+                last_kind, last_count = kind, count
+                ps, gs, ms, vs, ws, states = buckets.setdefault((kind, count), ([], [], [], [], [], []))
+            if not empty:
+                if local_state:
+                    m, v, w = local(m), local(v), local(w)
+                ps.append(lp)
+                gs.append(lg)
+                ms.append(m)
+                vs.append(v)
+                if w is not None:
+                    ws.append(w)
+            states.append(state)
+        return buckets
+
+    @staticmethod
+    def _launch(group, launches):
+        """Run a group's launches (see _launches) and count the steps of
+        exactly the parameters they updated."""
+        for step, _, launch, (_, _, _, _, _, states) in launches:
+            if not launch:  # parameters without a local element: the step is counted, nothing runs
                 for state in states:
                     state["step"] = step
-                # The kernel wrote the parameters behind torch's back: bump their
-                # version counters as an in-place torch op would, so whatever is
-                # keyed on them (autograd's saved-tensor checks, the FP8 weight
-                # caches of seqfuse.pytorch.Linear) sees the update.
-                torch.autograd.graph.increment_version(ps)
-        return loss
+        beta1, beta2 = group["betas"]
+        for step, has_master, launch, (ps, gs, ms, vs, ws, states) in launches:
+            if not launch:
+                continue
+            # (step() has checked every list: the op's own pass over them is skipped)
+            _ops.multi_tensor_adamw_prechecked(ps, gs, ms, vs, ws if has_master else None, group["lr"], beta1,
+                                               beta2, group["eps"], group["weight_decay"], step)
+            for state in states:
+                state["step"] = step
+            # The kernel wrote the parameters behind torch's back: bump their
+            # version counters as an in-place torch op would, so whatever is
+            # keyed on them (autograd's saved-tensor checks, the FP8 weight
+            # caches of seqfuse.pytorch.Linear) sees the update.
+            torch.autograd.graph.increment_version(ps)
 
     def _check_saved(self, state_dict):
         """The checks load_state_dict makes before it changes anything: each
@@ -440,6 +631,7 @@ class FusedAdamW(torch.optim.Optimizer):
         shape."""
         self._check_saved(state_dict)
         built = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in self.param_groups]
+        self._plan = None  # (new groups and state: the next step takes the full path)
         super().load_state_dict(state_dict)
         for group, keys in zip(self.param_groups, built):
             for key, value in keys.items():
