@@ -26,6 +26,26 @@ def compute_dtype(x, weight):
     return weight.dtype
 
 
+def autocast_input(x, *norm_params):
+    """(x, *norm_params) as a normalization-fused module computes with them:
+    under torch.autocast on x's device type, cast to the autocast dtype
+    (Transformer Engine's activation dtype: its LayerNormLinear and
+    LayerNormMLP cast the input, the norm weight and bias, then the GEMM
+    weights, to it; the gradients flow back through the casts to the
+    parameters' dtype), else unchanged.  None stays None."""
+    dev = x.device.type
+    if dev not in ("cuda", "cpu") or not torch.is_autocast_enabled(dev):
+        return (x, *norm_params)
+    dt = torch.get_autocast_dtype(dev)
+    return tuple(t if t is None or t.dtype == dt else t.to(dt) for t in (x, *norm_params))
+
+
+def same_dtype(t, dtype):
+    """``t`` in ``dtype`` (itself when it is already, None for None): a
+    returned bias in the output's dtype, as TE's cast_if_needed."""
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
 def mark_main_grad(weight):
     """Megatron's flag that dW went into ``weight.main_grad`` (set where the
     weight carries the attribute)."""
@@ -33,14 +53,33 @@ def mark_main_grad(weight):
         weight.grad_added_to_main_grad = True
 
 
-def main_grad_for(weight, needed):
+def main_grad_for(weight, needed, overwrite=False):
     """The weight's float32 ``main_grad`` where it has one and its gradient is
     needed (TE's fuse_wgrad_accumulation: dW is accumulated there by the
-    GEMM, the weight's own gradient stays None; the flag is set), else None."""
+    GEMM, the weight's own gradient stays None; the flag is set), else None.
+    ``overwrite`` (wgrad_overwrite): main_grad is zeroed first, so the
+    GEMM's accumulation leaves dW itself there, as TE's GEMM writing it
+    with beta = 0 does (0 + dW is dW exactly)."""
     main_grad = getattr(weight, "main_grad", None) if needed else None
     if main_grad is not None:
+        if overwrite:
+            main_grad.zero_()
         mark_main_grad(weight)
     return main_grad
+
+
+def wgrad_overwrite(module, weight, is_first_microbatch):
+    """Whether ``weight``'s gradient GEMM writes its ``main_grad`` rather than
+    adding to it, by Transformer Engine's rule: with the module's
+    fuse_wgrad_accumulation on, when is_first_microbatch is True (the first
+    micro-batch of a step: nothing to add to) or the weight's
+    ``overwrite_main_grad`` attribute is True (read at the forward, as TE
+    reads it).  Without fuse_wgrad_accumulation a main_grad the weight
+    carries is always added to (seqfuse's own use of it; TE leaves it alone
+    then)."""
+    if not module.fuse_wgrad_accumulation:
+        return False
+    return bool(is_first_microbatch) or bool(getattr(weight, "overwrite_main_grad", False))
 
 
 def default_device(device):

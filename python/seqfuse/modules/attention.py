@@ -60,6 +60,7 @@ from ..ops import device_checks
 from ..distributed.context_parallel import check_comm_type, context_parallel_attention, group_ranks
 from ._base import size_arg
 from ._input import check_input
+from .te_compat import check_window
 
 
 _log = logging.getLogger("seqfuse")
@@ -160,7 +161,10 @@ class DotProductAttention(torch.nn.Module):
     attention_dropout (probability, applied in training mode only), qkv_format ("sbhd", "bshd",
     "thd"), attn_mask_type ("no_mask", "padding", "causal", "padding_causal",
     "causal_bottom_right", "padding_causal_bottom_right"), window_size
-    ((left, right), -1 unbounded), softmax_scale (default 1/sqrt(d)).
+    ((left, right), -1 unbounded; (-1, 0) with a mask type that is not
+    causal is a ValueError: Transformer Engine reads it as no window there,
+    the kernels would read it as causal), softmax_scale (default
+    1/sqrt(d)).
     ``deterministic=True`` selects the atomics-free backward.
     """
 
@@ -235,6 +239,7 @@ class DotProductAttention(torch.nn.Module):
         qkv_format = qkv_format or self.qkv_format
         attn_mask_type = check_mask_type("DotProductAttention", attn_mask_type or self.attn_mask_type)
         window_size = window_size if window_size is not None else self.window_size
+        check_window("DotProductAttention", attn_mask_type, window_size)
         for name, value, off in (("core_attention_bias_type", core_attention_bias_type, "no_bias"),
                                  ("core_attention_bias", core_attention_bias, None),
                                  ("alibi_slopes", alibi_slopes, None)):

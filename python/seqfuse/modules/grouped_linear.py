@@ -92,6 +92,7 @@ from ..quantization.grouped import GroupedFloat8, note_grouped, quantize_grouped
 from . import _fp8 as F8
 from ._base import compute_dtype, default_device, mark_main_grad, set_linear_options
 from ._input import check_input, gemm_rows
+from .te_compat import materialize, rng_fork
 
 __all__ = ["ACTIVE_RECIPE", "GroupedLinear", "GroupedLinearFunction", "DeviceSplitGroupedLinearFunction", "Fp8GroupedLinearFunction"]
 
@@ -102,11 +103,20 @@ ACTIVE_RECIPE = object()
 #: forward's and _apply_to's default: the caller has not asked device_split_refusal yet.
 _UNASKED = object()
 
-#: TE arguments accepted with only their default value (parallelism, overlap).
-_TE_DEFAULTS = {"sequence_parallel": False, "tp_group": None, "tp_size": 1, "parallel_mode": None,
-                "ub_overlap_ag": False, "ub_overlap_rs": False, "ub_name": None,
-                "delay_wgrad_compute": False, "save_original_input": False}
-_TE_IGNORED = ("name", "get_rng_state_tracker", "rng_tracker_name")
+_PARALLEL = "no tensor/sequence parallelism or comm overlap here"
+#: TE arguments accepted with only their default value -> (that value, why another is refused).
+_TE_DEFAULTS = {**{name: (off, _PARALLEL) for name, off in (
+    ("sequence_parallel", False), ("tp_group", None), ("tp_size", 1), ("parallel_mode", None),
+    ("ub_overlap_ag", False), ("ub_overlap_rs", False), ("ub_name", None))},
+    "delay_wgrad_compute": (False, "deferred weight-gradient GEMMs are not implemented; the weight gradients "
+                                   "are computed in the backward"),
+    "save_original_input": (False, "saving the unquantized input for the backward is not implemented"),
+    "single_grouped_weight": (False, "the experts' weights are parameters weight0 .. weight{G-1} (one "
+                                     "[G, out, in] buffer underneath), not one grouped parameter"),
+    "single_grouped_bias": (False, "the experts' biases are parameters bias0 .. bias{G-1}, not one grouped "
+                                   "parameter")}
+#: TE arguments that only pick TE's GEMM path: no effect on the result here (logged once when set)
+_TE_NO_EFFECT = {"use_grouped_tensor": None}
 
 
 def _swiglu_input(h, probs, dtype):
@@ -369,7 +379,14 @@ class GroupedLinear(torch.nn.Module):
     applied to each expert's weight in place (default normal, std 0.023, as
     TE); return_bias: return (y, [bias0, ...]) and leave the add to the
     caller; fuse_wgrad_accumulation: accepted (accumulation into main_grad
-    happens whenever every weight carries one).
+    happens whenever every weight carries one).  get_rng_state_tracker,
+    rng_tracker_name: the weights are drawn inside
+    ``get_rng_state_tracker().fork(rng_tracker_name)`` (TE), else from
+    torch's generator; name: kept as ``self.name`` (TE's debug name).
+    use_grouped_tensor (TE's choice of its own GEMM path) changes nothing
+    here (logged once at INFO when given); TE's parallelism, overlap,
+    deferred-wgrad and single-grouped-parameter arguments raise
+    NotImplementedError unless off.
 
     forward(inp [sum(m_splits), in_features] (or [..., in_features] whose
     rows add up), m_splits: G ints (host values; a CPU tensor is read) or
@@ -378,16 +395,22 @@ class GroupedLinear(torch.nn.Module):
     """
 
     def __init__(self, num_gemms, in_features, out_features, bias=True, params_dtype=None, device=None,
-                 init_method=None, return_bias=False, fuse_wgrad_accumulation=False, **unsupported):
+                 init_method=None, return_bias=False, fuse_wgrad_accumulation=False, get_rng_state_tracker=None,
+                 rng_tracker_name=None, name=None, **unsupported):
         super().__init__()
-        for name, value in unsupported.items():
-            if name in _TE_IGNORED:
+        for arg, value in unsupported.items():
+            if arg in _TE_NO_EFFECT:
+                if value is not _TE_NO_EFFECT[arg]:
+                    note_once(_log, "seqfuse GroupedLinear: argument '%s'=%r picks one of Transformer Engine's "
+                              "GEMM paths; it changes nothing in seqfuse (one grouped GEMM route per call, chosen "
+                              "as the module note says)", arg, value)
                 continue
-            if name not in _TE_DEFAULTS:
-                raise TypeError(f"GroupedLinear: unexpected argument {name!r}")
-            if value != _TE_DEFAULTS[name]:
-                raise NotImplementedError(f"GroupedLinear: argument '{name}'={value!r} is not supported "
-                                          "(no tensor/sequence parallelism or comm overlap here)")
+            if arg not in _TE_DEFAULTS:
+                raise TypeError(f"GroupedLinear: unexpected argument {arg!r}")
+            off, why = _TE_DEFAULTS[arg]
+            if value != off:
+                raise NotImplementedError(f"GroupedLinear: argument '{arg}'={value!r} is not supported: {why}")
+        self.get_rng_state_tracker, self.rng_tracker_name, self.name = get_rng_state_tracker, rng_tracker_name, name
         if isinstance(num_gemms, bool) or not isinstance(num_gemms, int) or num_gemms < 1:
             raise ValueError(f"GroupedLinear: num_gemms must be a positive int, got {num_gemms!r}")
         dtype = set_linear_options(self, "GroupedLinear", in_features, out_features, bias, return_bias,
@@ -496,11 +519,20 @@ class GroupedLinear(torch.nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self):
-        for w in self.weights():
-            if self.init_method is not None:
-                self.init_method(w)
-            else:
-                w.normal_(0.0, 0.023)
+        """(Re)initialise the parameters (each weight by init_method, inside
+        the RNG tracker's fork where one was given; biases zero).  On a
+        module built with device="meta", first materialise them on the
+        current CUDA device (the CPU without one), the weights again slices
+        of one buffer, with the values direct construction gives."""
+        if any(p.is_meta for p in self.parameters(recurse=False)):
+            materialize(self)
+            self.restack_weights()
+        with rng_fork(self.get_rng_state_tracker, self.rng_tracker_name):
+            for w in self.weights():
+                if self.init_method is not None:
+                    self.init_method(w)
+                else:
+                    w.normal_(0.0, 0.023)
         for b in self.biases():
             b.zero_()
 

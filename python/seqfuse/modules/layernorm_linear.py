@@ -33,7 +33,10 @@ NotImplementedError (their GEMMs need compute capability 10.x).
 
 Weight-gradient accumulation (TE's fuse_wgrad_accumulation): where the
 weight carries a float32 ``main_grad``, dW is accumulated into it by the
-GEMM and the weight's own gradient is left None (as Linear does).
+GEMM and the weight's own gradient is left None (as Linear does, TE's
+overwrite rule included: with fuse_wgrad_accumulation=True,
+is_first_microbatch=True or the weight's ``overwrite_main_grad`` writes dW
+there instead of adding it).
 Unsupported TE arguments (tensor/sequence parallelism, userbuffers:
 seqfuse.modules.te_compat.REFUSED) raise NotImplementedError naming them
 when set to anything but their default.  ``return_bias=True`` returns (out, bias) with the bias not added
@@ -48,8 +51,8 @@ from ..quantization.gemm_quantizers import wants_weight_transpose
 from . import _fp8 as F8
 from ._base import (as_dtype, fp8_norm, main_grad_for, weight_and_bias_grads,
                     fp8_quantizers, hidden_dim, init_weight, make_norm_params, norm_backward,
-                    norm_forward, norm_output, norm_param, reset_norm_params, size_arg,
-                    take_norm_module_options)
+                    norm_forward, norm_output, norm_param, reset_norm_params, same_dtype, size_arg,
+                    take_norm_module_options, wgrad_overwrite, autocast_input)
 from .te_compat import materialize, refuse_fp8_io, rng_fork
 from ._input import check_input
 from ._split import fused_params, install_split, parse_split, reset_split, weight_sources
@@ -57,7 +60,7 @@ from ._split import fused_params, install_split, parse_split, reset_split, weigh
 class _LayerNormLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ln_w, ln_b, weight, bias, eps, rms, zc, ret_ln, q, sources, first_mb=None, grad=True,
-                alias=False):
+                alias=False, wgrad_overwrite=False):
         in_features = x.shape[-1]
         x2 = x.reshape(-1, in_features)
         lnw, lnb = norm_param(ln_w, x2), norm_param(ln_b, x2)
@@ -87,6 +90,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
             # (then it lives anyway): a [tokens, in_features] tensor less kept per module.
             ctx.save_for_backward(x2, lnw, lnb, mean, rstd, ln_out if ret_ln else None, w)
         ctx.weight = weight  # the parameter object, for its main_grad (not saved data)
+        ctx.wgrad_overwrite = wgrad_overwrite  # dW written into main_grad, not added (_base.wgrad_overwrite)
         ctx.meta = (x.shape, eps, rms, zc, ln_b is not None, bias is not None, weight.dtype,
                     None if bias is None else bias.dtype, ln_w.dtype)
         out = out.view(*x.shape[:-1], out.shape[-1])
@@ -115,7 +119,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
             dln, dweight = F8.backward(g, F8.restore(ln_t, ln_si, kind),
                                        F8.weight_dgrad_kept(w_t, w_si, kind, ctx.want_t), kind, x2.dtype,
                                        x2.shape[0], True, need_dw, w_dtype,
-                                       main_grad_for(ctx.weight, need_dw))
+                                       main_grad_for(ctx.weight, need_dw, ctx.wgrad_overwrite))
         else:
             x2, lnw, lnb, mean, rstd, ln_out, w = ctx.saved_tensors
             ln_out = norm_output(ln_out, x2, lnw, lnb, eps, rms, zc)
@@ -123,7 +127,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
             need_dw = ctx.needs_input_grad[3]
             # (dW accumulated into main_grad by the GEMM where the weight carries one)
             dweight, dbias = weight_and_bias_grads(dout2, ln_out, need_dw, has_bias and ctx.needs_input_grad[4],
-                                                   main_grad_for(ctx.weight, need_dw))
+                                                   main_grad_for(ctx.weight, need_dw, ctx.wgrad_overwrite))
             dbias = as_dtype(dbias, b_dtype)
             dweight = as_dtype(dweight, w_dtype)
         if dln_extra is not None:
@@ -131,7 +135,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
         dx, dg, db = norm_backward(dln, x2, mean, rstd, lnw, rms, zc, has_ln_bias,
                                    dres=None if dres is None else dres.reshape(x2.shape))
         return (dx.view(x_shape), as_dtype(dg, lnw_dtype), as_dtype(db, lnw_dtype), dweight, dbias,
-                None, None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None)
 
 
 class LayerNormLinear(torch.nn.Module):
@@ -178,22 +182,37 @@ class LayerNormLinear(torch.nn.Module):
         view of ``inp`` (its values, no copy) whose gradient is added to
         ``inp``'s inside the norm backward's own pass: a pre-norm block hands
         it to its last GEMM as the residual (``Linear(..., residual=alias)``),
-        so the residual's gradient needs no add of its own."""
+        so the residual's gradient needs no add of its own (under a
+        torch.autocast that casts the input, the alias is ``inp`` itself:
+        the residual keeps its values and dtype).
+
+        Under torch.autocast (on the input's device type) the module
+        computes in the autocast dtype, as TE does: the input, the norm's
+        weight and bias and the weight are cast to it, and so is the output
+        (and the bias return_bias hands back)."""
         refuse_fp8_io("LayerNormLinear", fp8_output, fp8_grad)
         check_input("LayerNormLinear", inp, self.in_features, "in_features")
-        q = fp8_quantizers(self, inp)
+        # under torch.autocast: the input and the norm's parameters in its dtype (TE's activation dtype)
+        x, ln_w, ln_b = autocast_input(inp, self.layer_norm_weight, self.layer_norm_bias)
+        alias = bool(return_input_alias)
+        cast_alias = alias and x is not inp  # the caller's input itself is the alias then, not the cast copy
+        q = fp8_quantizers(self, x)
         weight, bias = fused_params(self, "LayerNormLinear")
-        out = _LayerNormLinearFn.apply(inp, self.layer_norm_weight, self.layer_norm_bias, weight,
+        out = _LayerNormLinearFn.apply(x, ln_w, ln_b, weight,
                                        None if self.return_bias else bias, self.eps,
                                        self.normalization == "RMSNorm", self.zero_centered_gamma,
                                        self.return_layernorm_output, q,
                                        weight_sources(self) if q is not None else None, is_first_microbatch,
-                                       torch.is_grad_enabled(), bool(return_input_alias))
+                                       torch.is_grad_enabled(), alias and not cast_alias,
+                                       self.fuse_wgrad_accumulation and wgrad_overwrite(self, weight,
+                                                                                        is_first_microbatch))
+        if cast_alias:
+            out = (out if isinstance(out, tuple) else (out,)) + (inp,)
         if not self.return_bias:
             return out
         outs = out if isinstance(out, tuple) else (out,)
-        # TE's order: output, bias, norm output (then seqfuse's input alias)
-        return (outs[0], bias) + outs[1:]
+        # TE's order: output, bias (in the output's dtype, TE's cast), norm output (then seqfuse's input alias)
+        return (outs[0], same_dtype(bias, outs[0].dtype)) + outs[1:]
 
     fp8_num_gemms = 1
 

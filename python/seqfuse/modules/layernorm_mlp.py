@@ -55,7 +55,8 @@ output whose gradient flows back through the norm); ``return_bias=True``
 returns FC2's bias instead of adding it (TE's order: output, bias, norm
 output).  fuse_wgrad_accumulation: where fc1_weight / fc2_weight carry a
 float32 ``main_grad``, their gradients are accumulated into it by the
-GEMMs (as Linear does).  seqfuse.modules.te_compat.REFUSED lists the
+GEMMs (as Linear does, with TE's overwrite rule: is_first_microbatch=True
+or a weight's ``overwrite_main_grad`` writes dW there instead of adding).  seqfuse.modules.te_compat.REFUSED lists the
 refused arguments.  ``seq_length`` and ``micro_batch_size`` only size buffers in TE
 (JIT warm-up); they are kept as attributes and change nothing here.
 ``device="meta"`` defers initialisation: reset_parameters() materialises the
@@ -72,8 +73,8 @@ from ..quantization.gemm_quantizers import wants_weight_transpose
 from . import _fp8 as F8
 from ._base import (as_dtype, fp8_norm, main_grad_for, weight_and_bias_grads,
                     fp8_quantizers, hidden_dim, init_weight, make_norm_params, norm_backward,
-                    norm_forward, norm_output, norm_param, reset_norm_params, size_arg,
-                    take_norm_module_options)
+                    norm_forward, norm_output, norm_param, reset_norm_params, same_dtype, size_arg,
+                    take_norm_module_options, wgrad_overwrite, autocast_input)
 from ._input import check_input, check_residual
 from .te_compat import materialize, rng_fork
 
@@ -88,7 +89,8 @@ ACTIVATIONS = ("gelu", "gelu_erf", "relu", "silu", "swiglu", "geglu", "reglu", "
 class _LayerNormMLPFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ln_w, ln_b, w1, b1, w2, b2, eps, rms, zc, activation, q, ckpt=False, ret_ln=False,
-                first_mb=None, recompute_act=False, grad=True, residual=None, residual_is_input=False):
+                first_mb=None, recompute_act=False, grad=True, residual=None, residual_is_input=False,
+                wgrad_overwrite=(False, False)):
         hidden = x.shape[-1]
         x2 = x.reshape(-1, hidden)
         if residual_is_input:  # out = x + MLP(x): its backward adds dout into the norm's dx in one pass
@@ -127,6 +129,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
                                       None if recompute_act else a, w1c, w2c)
         ctx.ckpt, ctx.eps, ctx.residual_is_input = ckpt, eps, residual_is_input
         ctx.w1, ctx.w2 = w1, w2  # the parameter objects, for their main_grad (not saved data)
+        ctx.wgrad_overwrite = wgrad_overwrite  # per weight: dW written into main_grad, not added
         ctx.meta = (x.shape, rms, zc, activation, ln_b is not None, ln_w.dtype, w1.dtype, w2.dtype,
                     None if b1 is None else b1.dtype, None if b2 is None else b2.dtype)
         out = out.view(*x.shape[:-1], out.shape[-1])
@@ -146,7 +149,8 @@ class _LayerNormMLPFn(torch.autograd.Function):
              w2_si) = ctx.saved_tensors
             dt, kind, q, rows = x2.dtype, ctx.kind, ctx.q, x2.shape[0]
             need_w1, need_w2 = ctx.needs_input_grad[3], ctx.needs_input_grad[5]
-            mg1, mg2 = main_grad_for(ctx.w1, need_w1), main_grad_for(ctx.w2, need_w2)
+            ow1, ow2 = ctx.wgrad_overwrite
+            mg1, mg2 = main_grad_for(ctx.w1, need_w1, ow1), main_grad_for(ctx.w2, need_w2, ow2)
             # the bias gradients come out of the gradients' cast passes where the kernels take them
             g2, db2 = q.grads[1].quantize_grad(dout2, b2_dt, need_wgrad=need_w2, transient=True)
             w2_dgrad = F8.weight_dgrad_kept(w2_t, w2_si, kind, ctx.want_t)
@@ -156,8 +160,8 @@ class _LayerNormMLPFn(torch.autograd.Function):
             dln, dw1 = F8.backward(g1, F8.restore(ln_t, ln_si, kind), w1_dgrad, kind, dt, rows, True, need_w1, w1_dt,
                                    mg1)
         else:
-            mg1 = main_grad_for(ctx.w1, ctx.needs_input_grad[3])
-            mg2 = main_grad_for(ctx.w2, ctx.needs_input_grad[5])
+            mg1 = main_grad_for(ctx.w1, ctx.needs_input_grad[3], ctx.wgrad_overwrite[0])
+            mg2 = main_grad_for(ctx.w2, ctx.needs_input_grad[5], ctx.wgrad_overwrite[1])
             if ctx.ckpt:  # recompute the norm, FC1 and the activation
                 x2, lnw, lnb, mean, rstd, b1c, w1c, w2c = ctx.saved_tensors
                 ln, _, _, h, a = _fc1_act(x2, lnw, lnb, ctx.eps, rms, zc, w1c, b1c, activation)
@@ -187,7 +191,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
         return (dx.view(x_shape), as_dtype(dg, lnw_dt), as_dtype(db, lnw_dt), as_dtype(dw1, w1_dt),
                 as_dtype(db1, b1_dt), as_dtype(dw2, w2_dt), as_dtype(db2, b2_dt),
                 None, None, None, None, None, None, None, None, None, None,
-                dout2 if ctx.needs_input_grad[17] else None, None)
+                dout2 if ctx.needs_input_grad[17] else None, None, None)
 
 
 def _fc1_act(x2, lnw, lnb, eps, rms, zc, w1c, b1c, activation):
@@ -301,24 +305,43 @@ class LayerNormMLP(torch.nn.Module):
         ``x + mlp(x)`` is ``mlp(x, residual=x)``: given the input itself (the
         same tensor object), the backward also adds out's gradient to the
         input's in the norm's backward pass (one gradient for the input, no
-        add of two)."""
+        add of two).
+
+        Under torch.autocast (on the input's device type) the module
+        computes in the autocast dtype, as TE does: the input, the norm's
+        weight and bias and the FC weights are cast to it, and so is the
+        output (and the bias return_bias hands back).  A residual in
+        another dtype (the input itself, cast) is then added to the output
+        after FC2, in torch's promoted dtype, not in its epilogue."""
         check_input("LayerNormMLP", inp, self.hidden_size, "hidden_size")
-        residual_is_input = residual is inp
+        # under torch.autocast: the input and the norm's parameters in its dtype (TE's activation dtype)
+        x, ln_w, ln_b = autocast_input(inp, self.layer_norm_weight, self.layer_norm_bias)
+        after = None  # a residual added after the module (not in FC2's epilogue): see the docstring
+        if x is not inp and residual is not None and (residual is inp or residual.dtype != x.dtype):
+            check_residual("LayerNormMLP", residual, x.shape, residual.dtype, x.device)
+            after, residual = residual, None
+        residual_is_input = residual is not None and residual is x
         if residual is not None:
-            residual = None if residual_is_input else check_residual("LayerNormMLP", residual, inp.shape,
-                                                                      inp.dtype, inp.device)
-        q = fp8_quantizers(self, inp)
-        args = (inp, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight, self.fc1_bias,
+            residual = None if residual_is_input else check_residual("LayerNormMLP", residual, x.shape,
+                                                                      x.dtype, x.device)
+        q = fp8_quantizers(self, x)
+        args = (x, ln_w, ln_b, self.fc1_weight, self.fc1_bias,
                 self.fc2_weight, None if self.return_bias else self.fc2_bias, self.eps,
                 self.normalization == "RMSNorm", self.zero_centered_gamma, self.activation, q)
         ret_ln = self.return_layernorm_output
         out = self._run(args, q, ret_ln, is_first_microbatch, residual, residual_is_input)
+        if after is not None:
+            out = (out[0] + after, out[1]) if ret_ln else out + after
         if not self.return_bias:
             return out
-        bias = self.fc2_bias.to(inp.dtype) if self.fc2_bias is not None else None
+        bias = same_dtype(self.fc2_bias, x.dtype)  # (TE: cast to the activation dtype)
         return (out[0], bias, out[1]) if ret_ln else (out, bias)
 
     def _run(self, args, q, ret_ln, first_mb, residual, residual_is_input):
+        overwrite = (False, False)
+        if self.fuse_wgrad_accumulation:  # TE's rule for writing main_grad rather than adding to it
+            overwrite = (wgrad_overwrite(self, self.fc1_weight, first_mb),
+                         wgrad_overwrite(self, self.fc2_weight, first_mb))
         if self.checkpoint and q is not None and torch.is_grad_enabled():
             global _logged_fp8_checkpoint
             if not _logged_fp8_checkpoint:
@@ -328,9 +351,9 @@ class LayerNormMLP(torch.nn.Module):
             from ..quantization import checkpoint as fp8_checkpoint
             # ckpt False (the checkpoint is this call), recompute_act False, grad True (autograd is on here)
             return fp8_checkpoint(_LayerNormMLPFn.apply, *args, False, ret_ln, first_mb, False, True, residual,
-                                  residual_is_input)
+                                  residual_is_input, overwrite)
         return _LayerNormMLPFn.apply(*args, self.checkpoint, ret_ln, first_mb, self.recompute_activation,
-                                     torch.is_grad_enabled(), residual, residual_is_input)
+                                     torch.is_grad_enabled(), residual, residual_is_input, overwrite)
 
     fp8_num_gemms = 2
 

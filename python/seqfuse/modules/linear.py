@@ -47,6 +47,9 @@ Weight-gradient accumulation (TE's fuse_wgrad_accumulation): where the
 weight parameter carries a float32 ``main_grad`` buffer, dW is accumulated
 into it by the GEMM itself (beta = 1), and the weight's own gradient is
 left None (``weight.grad_added_to_main_grad`` is set, as Megatron expects).
+With fuse_wgrad_accumulation=True, TE's overwrite rule: on a call with
+is_first_microbatch=True, or for a weight whose ``overwrite_main_grad`` is
+True, main_grad is zeroed before the GEMM adds dW, so it holds dW alone.
 
 Works under torch.distributed.fsdp.fully_shard (parameters are read at
 forward time, whatever FSDP put there) and under CUDA graph capture (no host
@@ -58,7 +61,8 @@ from .. import ops
 from .. import quantization as _q
 from ..quantization import gemm_quantizers as _gq
 from . import _fp8 as F8
-from ._base import compute_dtype, main_grad_for, set_linear_options, weight_and_bias_grads
+from ._base import (compute_dtype, main_grad_for, same_dtype, set_linear_options, weight_and_bias_grads,
+                    wgrad_overwrite)
 from ._input import check_input, check_residual, gemm_rows
 from ._split import fused_params, install_split, parse_split, reset_split, weight_sources
 from .te_compat import materialize, refuse_fp8_io, rng_fork, take_refused
@@ -74,11 +78,13 @@ class LinearFunction(torch.autograd.Function):
     """Autograd of y = x W^T + b in one compute dtype (bf16, fp16 or fp32).
 
     forward(x [tokens, in], weight [out, in], bias [out] or None, dtype,
-    residual [tokens, out] in dtype or None: added in the GEMM's epilogue)
+    residual [tokens, out] in dtype or None: added in the GEMM's epilogue,
+    wgrad_overwrite: dW written into the weight's main_grad, not added;
+    _base.wgrad_overwrite)
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, dtype, residual=None):
+    def forward(ctx, x, weight, bias, dtype, residual=None, wgrad_overwrite=False):
         xc = x if x.dtype == dtype else x.to(dtype)
         wc = _gq.high_precision(weight)  # (an FP8-gathered weight outside FP8 autocast)
         wc = wc if wc.dtype == dtype else wc.to(dtype)
@@ -86,6 +92,7 @@ class LinearFunction(torch.autograd.Function):
         y = ops.gemm(xc, wc, transb=True, bias=bc, addend=residual)
         ctx.save_for_backward(xc, wc)
         ctx.weight = weight  # for main_grad (the parameter object, not saved data)
+        ctx.wgrad_overwrite = wgrad_overwrite
         ctx.has_bias = bias is not None
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.dtype = dtype
@@ -100,12 +107,13 @@ class LinearFunction(torch.autograd.Function):
         dx = ops.gemm(dy, wc) if need_dx else None
         dw = db = None
         weight = ctx.weight
-        dw, db = weight_and_bias_grads(dy, xc, need_dw, ctx.has_bias and need_db, main_grad_for(weight, need_dw))
+        dw, db = weight_and_bias_grads(dy, xc, need_dw, ctx.has_bias and need_db,
+                                       main_grad_for(weight, need_dw, ctx.wgrad_overwrite))
         if db is not None:
             db = db.to(ctx.bias_dtype)
         if dw is not None and dw.dtype != weight.dtype:
             dw = dw.to(weight.dtype)
-        return dx, dw, db, None, (dy if ctx.needs_input_grad[4] else None)
+        return dx, dw, db, None, (dy if ctx.needs_input_grad[4] else None), None
 
 
 class Linear(torch.nn.Module):
@@ -117,9 +125,12 @@ class Linear(torch.nn.Module):
     defers initialization, e.g. for FSDP2 — call reset_parameters());
     init_method: callable(weight) that initializes the weight in place
     (default normal with std 0.023, TE's default); the bias starts at zero.
-    return_bias: return (y, bias) and leave the bias add to the caller (TE).
-    fuse_wgrad_accumulation: accepted for TE compatibility; accumulation into
-    ``weight.main_grad`` happens whenever the weight carries one.
+    return_bias: return (y, bias) and leave the bias add to the caller (TE;
+    the bias in y's dtype, as TE casts it to the activation dtype).
+    fuse_wgrad_accumulation: dW goes into ``weight.main_grad`` whenever the
+    weight carries one (with it off too: seqfuse's own use); with it on, TE's
+    overwrite rule holds: is_first_microbatch=True, or the weight's
+    ``overwrite_main_grad`` set, writes dW there instead of adding it.
     parameters_split: TE's split of the weight's rows into several
     parameters (see seqfuse.modules._split); still one GEMM.
     get_rng_state_tracker, rng_tracker_name: the weight is drawn inside
@@ -205,17 +216,18 @@ class Linear(torch.nn.Module):
         if residual is not None:
             residual = check_residual("Linear", residual, (*lead, self.out_features), dtype, inp.device)
         recipe = _active_fp8_recipe()
+        overwrite = self.fuse_wgrad_accumulation and wgrad_overwrite(self, weight, is_first_microbatch)
         if recipe is not None:
             q = _gq.quantizers_for(self, recipe, x.device)
             y = Fp8LinearFunction.apply(x, weight, use_bias, q, dtype,
                                         (is_first_microbatch, weight_sources(self), torch.is_grad_enabled()),
-                                        residual)
+                                        residual, overwrite)
         else:
-            y = LinearFunction.apply(x, weight, use_bias, dtype, residual)
+            y = LinearFunction.apply(x, weight, use_bias, dtype, residual, overwrite)
         if inp.dim() != 2:  # a 2-D input gets the Function's output itself, not a view of it
             y = y.view(*lead, self.out_features)
         if self.return_bias:
-            return y, bias
+            return y, same_dtype(bias, y.dtype)  # (TE: cast to the activation dtype)
         return y
 
 
@@ -239,10 +251,11 @@ class Fp8LinearFunction(torch.autograd.Function):
     (activation) dtype; the first two are WeightQuantizer.get's arguments,
     ``grad`` whether autograd was on at the call (inside forward it is
     always off): without it no backward follows and the weight's
-    transposed FP8 copy is not made (gemm_quantizers.wants_weight_transpose)."""
+    transposed FP8 copy is not made (gemm_quantizers.wants_weight_transpose);
+    wgrad_overwrite as LinearFunction's."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, q, dtype, weight_args, residual=None):
+    def forward(ctx, x, weight, bias, q, dtype, weight_args, residual=None, wgrad_overwrite=False):
         need_w = ctx.needs_input_grad[1]  # False under no_grad: no transposed input copy
         kind = q.kind
         first_mb, sources, grad = weight_args
@@ -256,7 +269,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         ctx.want_t = want_t
         ctx.save_for_backward(*x_col, w_data, w_si)
         ctx.q, ctx.kind, ctx.dtype, ctx.rows = q, kind, dtype, x.shape[0]
-        ctx.weight = weight
+        ctx.weight, ctx.wgrad_overwrite = weight, wgrad_overwrite
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y
 
@@ -268,7 +281,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         need_db = need_db and ctx.bias_dtype is not None
         dy = dy.contiguous()
         weight = ctx.weight
-        main_grad = main_grad_for(weight, need_dw)
+        main_grad = main_grad_for(weight, need_dw, ctx.wgrad_overwrite)
         dx = dw = db = None
         if need_dx or need_dw:
             g, db = ctx.q.grads[0].quantize_grad(dy, ctx.bias_dtype if need_db else None,
@@ -278,4 +291,4 @@ class Fp8LinearFunction(torch.autograd.Function):
                                  kind, ctx.dtype, ctx.rows, need_dx, need_dw, weight.dtype, main_grad)
         elif need_db:
             db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None, (dy if ctx.needs_input_grad[6] else None)
+        return dx, dw, db, None, None, None, (dy if ctx.needs_input_grad[6] else None), None

@@ -97,6 +97,23 @@ REFUSED = {
 }
 
 
+def check_window(cls, attn_mask_type, window_size):
+    """Refuse window_size (-1, 0) with a mask type that is not causal.
+    Transformer Engine reads that pair as "no window" for such a mask and
+    attends to every key (with a warning: check_set_window_size), where
+    seqfuse's kernels would read it as a window ending at the diagonal, a
+    causal mask: the two give different results, so neither is guessed."""
+    if window_size is None or "causal" in attn_mask_type:
+        return
+    if isinstance(window_size, (tuple, list)) and len(window_size) == 2 and \
+            window_size[0] == -1 and window_size[1] == 0:
+        raise ValueError(f"{cls}: window_size={tuple(window_size)!r} with attn_mask_type={attn_mask_type!r} is "
+                         "ambiguous: Transformer Engine reads (-1, 0) as no window for a non-causal mask and "
+                         "attends to every key, a window ending at the diagonal would be causal; pass "
+                         "window_size=None (or (-1, -1)) for full attention, or a causal attn_mask_type "
+                         "('causal', 'padding_causal', ...) for causal attention")
+
+
 def refuse_fp8_io(cls, fp8_output, fp8_grad):
     """TE's forward flags fp8_output / fp8_grad (an FP8 output, an FP8 input
     gradient for the next FP8 module): refused when set."""

@@ -179,7 +179,11 @@ class TransformerLayer(torch.nn.Module):
         seqfuse extension: ``qkv_format`` overrides attn_input_format for this
         call.  checkpoint_core_attention, fast_zero_fill, the *_padded
         cu_seqlens, bottom_right_diagonal and pad_between_seqs as
-        MultiheadAttention's forward takes them."""
+        MultiheadAttention's forward takes them.  As in TE, the
+        self-attention reads cu_seqlens_q (and max_seqlen_q,
+        cu_seqlens_q_padded) for its keys too, and a decoder's
+        cross-attention gets cu_seqlens_q / cu_seqlens_kv (the encoder's
+        lengths) and their max_seqlen and *_padded twins."""
         if enc_dec_bottom_right_diagonal is not None:
             raise NotImplementedError(f"TransformerLayer: argument 'enc_dec_bottom_right_diagonal'="
                                       f"{enc_dec_bottom_right_diagonal!r} is not supported: the "
@@ -196,10 +200,11 @@ class TransformerLayer(torch.nn.Module):
             window_size=window_size if window_size is not None else self.window_size,
             rotary_pos_emb=rotary_pos_emb, core_attention_bias_type=core_attention_bias_type,
             core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes,
-            cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
-            max_seqlen_kv=max_seqlen_kv, qkv_format=qkv_format, is_first_microbatch=is_first_microbatch,
+            # (self-attention: the keys are the queries' tokens, so the query's lengths serve both, as in TE)
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+            max_seqlen_kv=max_seqlen_q, qkv_format=qkv_format, is_first_microbatch=is_first_microbatch,
             checkpoint_core_attention=checkpoint_core_attention, bottom_right_diagonal=bottom_right_diagonal,
-            cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded,
+            cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_q_padded,
             pad_between_seqs=pad_between_seqs, residual=hidden_states if fuse_attn else None)
         if post_ln and not self.output_layernorm:  # the residual is the norm's output
             attn_out, residual = attn_out
@@ -219,7 +224,10 @@ class TransformerLayer(torch.nn.Module):
                 x, attention_mask=enc_dec_attn_mask, encoder_output=encoder_output,
                 attn_mask_type=enc_dec_attn_mask_type, window_size=enc_dec_window_size,
                 qkv_format=qkv_format, is_first_microbatch=is_first_microbatch,
-                checkpoint_core_attention=checkpoint_core_attention)
+                checkpoint_core_attention=checkpoint_core_attention, cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+                cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded,
+                pad_between_seqs=pad_between_seqs)
             cross, residual = cross if post_ln else (cross, x)
             x = self._residual(residual, cross)
         if fuse_attn:  # the same layout and dropout rules; LayerNormMLP computes in x's dtype
