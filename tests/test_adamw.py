@@ -406,7 +406,10 @@ def test_many_tensors_cross_launch_boundaries(seed):
     ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
     ours, theirs = FusedAdamW(params, **HYPER), torch.optim.AdamW(ref, foreach=False, **HYPER)
     step_both(ours, params, theirs, ref, 3)
-    assert all(max_rel(p.detach(), r.detach()) < 1e-5 for p, r in zip(params, ref))
+    # (an absolute floor: a one-element parameter that ends near zero, e.g. 4.4e-5, differs from torch's in
+    # float32's last bits, 4.7e-10, which is a relative 1.06e-5 at seed 1135666803)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-5, atol=1e-8)
 
 
 def test_bad_inputs():
