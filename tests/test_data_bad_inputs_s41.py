@@ -1,4 +1,4 @@
-"""seqfuse.data, audited for bad input (session 41): every case here was a
+"""seqfuse.data, audited for bad input: every case here was a
 crash with a foreign error (AttributeError, KeyError, OverflowError, a
 numpy IndexError), or a silently wrong answer (a flag given as the string
 "False" read as True, a float id or seed truncated, a negative id read from

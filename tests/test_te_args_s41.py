@@ -1,14 +1,15 @@
 """Transformer Engine arguments that seqfuse's TE-named modules took but
-ignored or computed differently (session 41's audit), each now honoured as
-TE computes it or refused naming the argument, the value and why:
+ignored or computed differently, each honoured as TE computes it or
+refused naming the argument, the value and why:
 
 - window_size=(-1, 0) with a non-causal attn_mask_type: TE reads it as "no
   window" for that mask (full attention, with a warning); seqfuse attended
-  causally.  Now a ValueError naming both (DotProductAttention,
+  causally.  Now read as TE reads it, logged once (DotProductAttention,
   MultiheadAttention, TransformerLayer; constructor or per call).
 - fuse_wgrad_accumulation=True with is_first_microbatch=True, or a weight
   whose ``overwrite_main_grad`` is True: TE writes dW into main_grad
-  (overwrites); seqfuse added it to what main_grad held.
+  (overwrites); seqfuse added it to what main_grad held (Linear,
+  LayerNormLinear, LayerNormMLP and GroupedLinear).
 - GroupedLinear's get_rng_state_tracker / rng_tracker_name: TE draws the
   weights inside the tracker's fork; seqfuse ignored both (and ``name``).
   GroupedLinear(device="meta").reset_parameters() left the parameters on the
@@ -46,25 +47,33 @@ def _qkv(b=2, s=6, h=2, d=8):
 
 
 @pytest.mark.parametrize("mask", ["no_mask", "padding"])
-def test_causal_window_with_a_non_causal_mask_is_refused(mask):
+def test_causal_window_with_a_non_causal_mask_reads_as_te_reads_it(mask, caplog):
+    """TE reads window_size=(-1, 0) with a non-causal mask as no window
+    (full attention, with a warning); seqfuse attended causally."""
+    import seqfuse.modules.te_compat as tc
+
+    tc._window_read_logged.clear()
     q, k, v = _qkv()
     kw = dict(attention_mask=pad_mask([6, 4], 6)) if mask == "padding" else {}
-    want = rf"window_size=\(-1, 0\) with attn_mask_type='{mask}'"
-    built = te.DotProductAttention(2, 8, qkv_format="bshd", attn_mask_type=mask, window_size=(-1, 0))
-    with pytest.raises(ValueError, match=want):
-        built(q, k, v, **kw)
-    per_call = te.DotProductAttention(2, 8, qkv_format="bshd", attn_mask_type="causal")
-    with pytest.raises(ValueError, match=want):
-        per_call(q, k, v, attn_mask_type=mask, window_size=[-1, 0], **kw)
+    full = te.DotProductAttention(2, 8, qkv_format="bshd", attn_mask_type=mask)(q, k, v, **kw)
+    causal_mask = "causal" if mask == "no_mask" else "padding_causal"
+    causal = te.DotProductAttention(2, 8, qkv_format="bshd", attn_mask_type=causal_mask)(q, k, v, **kw)
+    assert not torch.allclose(full, causal)
+    with caplog.at_level("WARNING", logger="seqfuse"):
+        built = te.DotProductAttention(2, 8, qkv_format="bshd", attn_mask_type=mask, window_size=(-1, 0))
+        torch.testing.assert_close(built(q, k, v, **kw), full, rtol=0, atol=0)
+        per_call = te.DotProductAttention(2, 8, qkv_format="bshd", attn_mask_type="causal")
+        torch.testing.assert_close(per_call(q, k, v, attn_mask_type=mask, window_size=[-1, 0], **kw), full,
+                                   rtol=0, atol=0)
+    assert f"window_size=(-1, 0) with attn_mask_type='{mask}' is read as no window" in caplog.text
     x = torch.randn(2, 6, 16)
+    torch.manual_seed(5)
+    mha_full = te.MultiheadAttention(16, 2, attn_mask_type=mask, attention_dropout=0.0, qkv_format="bshd",
+                                     device="cpu")
     mha = te.MultiheadAttention(16, 2, attn_mask_type=mask, window_size=(-1, 0), attention_dropout=0.0,
                                 qkv_format="bshd", device="cpu")
-    with pytest.raises(ValueError, match=want):
-        mha(x, **kw)
-    layer = te.TransformerLayer(16, 32, 2, hidden_dropout=0.0, attention_dropout=0.0, attn_input_format="bshd",
-                                device="cpu")
-    with pytest.raises(ValueError, match=want):
-        layer(x, self_attn_mask_type=mask, window_size=(-1, 0), **kw)
+    mha.load_state_dict(mha_full.state_dict())
+    torch.testing.assert_close(mha(x, **kw), mha_full(x, **kw), rtol=0, atol=0)
 
 
 def test_windows_te_takes_still_run():
@@ -387,3 +396,30 @@ def test_cuda_first_microbatch_overwrites_main_grad(fp8):
             fused(x, is_first_microbatch=False).float().pow(2).sum().backward()
         for n, p in weights:
             close(p.main_grad, 2 * ref[n].grad.float(), rel_tol(torch.bfloat16, 4))
+
+
+@pytest.mark.parametrize("fp8", [False, pytest.param(True, marks=needs_fp8)])
+@pytest.mark.parametrize("first, overwrite_attr", [(True, False), (None, False), (None, True), (False, False)])
+def test_grouped_linear_follows_the_main_grad_overwrite_rule(fp8, first, overwrite_attr):
+    """TE's GroupedLinear, as its Linear: with fuse_wgrad_accumulation,
+    is_first_microbatch=True or weights[0].overwrite_main_grad writes dW into
+    main_grad (beta = 0); otherwise dW is added to it."""
+    torch.manual_seed(41)
+    dtype = torch.bfloat16 if fp8 else torch.float32
+    splits = [32, 16, 16]
+    x = torch.randn(sum(splits), 128, dtype=dtype)
+    ctx = (lambda: te.autocast(enabled=True, recipe=Float8CurrentScaling())) if fp8 else contextlib.nullcontext
+    plain = te.GroupedLinear(3, 128, 64, bias=False, params_dtype=dtype, device="cpu")
+    fused = te.GroupedLinear(3, 128, 64, bias=False, params_dtype=dtype, device="cpu", fuse_wgrad_accumulation=True)
+    fused.load_state_dict(plain.state_dict())
+    for w in fused.weights():
+        w.main_grad = torch.full(w.shape, 0.5)
+        if overwrite_attr:
+            w.overwrite_main_grad = True
+    for m, kw in ((plain, {}), (fused, dict(is_first_microbatch=first))):
+        with ctx():
+            out = m(x, splits, **kw)
+        out.float().pow(2).sum().backward()
+    writes = bool(first) or overwrite_attr
+    for w, r in zip(fused.weights(), plain.weights()):
+        close(w.main_grad, r.grad.float() if writes else r.grad.float() + 0.5, rel_tol(dtype, 2))

@@ -104,8 +104,9 @@ class SeqfuseExperts(nn.Module):
         splits = tuple(tokens_per_expert.tolist())  # one host synchronization per block, as GroupedMLP
         xp, pp = moe_ops.moe_permute_by_row_id_map(x.to(dtype), row_ids, sum(splits), probs)
         # float32: TF32 as torch's switch says (None), as the replaced transformers module computed
-        h = GroupedLinearFunction.apply(xp, None, splits, dtype, E, False, None, *self.gate_up_proj.unbind(0))
-        y = GroupedLinearFunction.apply(h, pp, splits, dtype, E, False, None, *self.down_proj.unbind(0))
+        h = GroupedLinearFunction.apply(xp, None, splits, dtype, E, False, None, False,
+                                        *self.gate_up_proj.unbind(0))
+        y = GroupedLinearFunction.apply(h, pp, splits, dtype, E, False, None, False, *self.down_proj.unbind(0))
         out = moe_ops.moe_unpermute(y, row_ids)
         return out.to(hidden_states.dtype).reshape(hidden_states.shape)
 

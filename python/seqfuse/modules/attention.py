@@ -239,7 +239,7 @@ class DotProductAttention(torch.nn.Module):
         qkv_format = qkv_format or self.qkv_format
         attn_mask_type = check_mask_type("DotProductAttention", attn_mask_type or self.attn_mask_type)
         window_size = window_size if window_size is not None else self.window_size
-        check_window("DotProductAttention", attn_mask_type, window_size)
+        window_size = check_window("DotProductAttention", attn_mask_type, window_size)
         for name, value, off in (("core_attention_bias_type", core_attention_bias_type, "no_bias"),
                                  ("core_attention_bias", core_attention_bias, None),
                                  ("alibi_slopes", alibi_slopes, None)):

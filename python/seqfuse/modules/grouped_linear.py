@@ -90,7 +90,7 @@ from ..quantization import gemm_quantizers as _gq
 from ..quantization import stats
 from ..quantization.grouped import GroupedFloat8, note_grouped, quantize_grouped, stacked_weights_fp8, weight_pairs
 from . import _fp8 as F8
-from ._base import compute_dtype, default_device, mark_main_grad, set_linear_options
+from ._base import compute_dtype, default_device, mark_main_grad, set_linear_options, wgrad_overwrite
 from ._input import check_input, gemm_rows
 from .te_compat import materialize, rng_fork
 
@@ -157,17 +157,19 @@ def _weight_grad_input(ctx, kept, probs, dtype):
 
 
 #: GroupedLinearFunction's arguments before the weights and biases.
-_HOST_ARGS = 7
+_HOST_ARGS = 8
 
 
 class GroupedLinearFunction(torch.autograd.Function):
     """Autograd of y_g = x_g W_g^T + b_g over host m_splits.
 
     forward(x [sum(m_splits), in], probs, m_splits (tuple of ints), dtype,
-    num_gemms, use_bias, allow_tf32, *weights, *biases).  allow_tf32:
-    float32 operands on TF32 tensor cores; None follows
+    num_gemms, use_bias, allow_tf32, overwrite, *weights, *biases).
+    allow_tf32: float32 operands on TF32 tensor cores; None follows
     torch.backends.cuda.matmul.allow_tf32 (ops.gemm's rule, what every
-    module passes).
+    module passes).  overwrite: where the weights carry main_grad, the
+    weight-gradient GEMM writes dW there instead of adding it
+    (_base.wgrad_overwrite, Transformer Engine's rule).
 
     ``probs`` None: x is the GEMMs' input.  ``probs`` [M] (GroupedMLP's down
     projection): x is [M, 2 in] gate|up pairs and the GEMMs' input is
@@ -179,7 +181,7 @@ class GroupedLinearFunction(torch.autograd.Function):
     x's size)."""
 
     @staticmethod
-    def forward(ctx, x, probs, m_splits, dtype, G, use_bias, allow_tf32, *params):
+    def forward(ctx, x, probs, m_splits, dtype, G, use_bias, allow_tf32, overwrite, *params):
         weights, biases = params[:G], params[G:] if use_bias else None
         if probs is None:
             ctx.swiglu = False
@@ -195,6 +197,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         ctx.save_for_backward(kept, probs, *wc)
         ctx.weights = weights  # the parameter objects, for main_grad
         ctx.m_splits, ctx.dtype, ctx.G, ctx.use_bias, ctx.tf32 = m_splits, dtype, G, use_bias, allow_tf32
+        ctx.overwrite = overwrite
         ctx.bias_dtypes = [b.dtype for b in biases] if use_bias else None
         return y
 
@@ -220,7 +223,7 @@ class GroupedLinearFunction(torch.autograd.Function):
             mains = [getattr(w, "main_grad", None) for w in weights] if need_dw else [None]
             use_main = need_dw and all(m is not None for m in mains)
             if use_main:
-                res = moe_ops.grouped_gemm(dy, xc, splits, transa=True, out=mains, accumulate=True,
+                res = moe_ops.grouped_gemm(dy, xc, splits, transa=True, out=mains, accumulate=not ctx.overwrite,
                                            bgrad=need_db, allow_tf32=tf32)
             else:
                 res = moe_ops.grouped_gemm(dy, xc, splits, transa=True, bgrad=need_db, allow_tf32=tf32)
@@ -234,7 +237,7 @@ class GroupedLinearFunction(torch.autograd.Function):
             elif need_dw:
                 dws = [res[g] if res.dtype == weights[g].dtype else res[g].to(weights[g].dtype)
                        for g in range(G)]
-        return (dx, dprobs, None, None, None, None, None, *dws, *dbs)
+        return (dx, dprobs, None, None, None, None, None, None, *dws, *dbs)
 
 
 class DeviceSplitGroupedLinearFunction(torch.autograd.Function):
@@ -665,12 +668,14 @@ class GroupedLinear(torch.nn.Module):
         dtype = compute_dtype(inp, weights[0])
         use_bias = self.use_bias and not self.return_bias
         params = weights + (biases if use_bias else [])
+        overwrite = wgrad_overwrite(self, weights[0], is_first_microbatch)  # (TE reads the first weight's attribute)
         if recipe is not None:
             q = self._quantizers(recipe, x.device)
             y = Fp8GroupedLinearFunction.apply(x, probs, splits, dtype, self.num_gemms, use_bias,
-                                               (q, is_first_microbatch, probs is not None), *params)
+                                               (q, is_first_microbatch, probs is not None, overwrite), *params)
         else:
-            y = GroupedLinearFunction.apply(x, probs, splits, dtype, self.num_gemms, use_bias, None, *params)
+            y = GroupedLinearFunction.apply(x, probs, splits, dtype, self.num_gemms, use_bias, None, overwrite,
+                                            *params)
         if inp.dim() != 2:
             y = y.view(*lead, self.out_features)
         if self.return_bias:
@@ -958,7 +963,7 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, probs, m_splits, dtype, G, use_bias, qargs, *params):
-        q, first, swiglu = qargs
+        q, first, swiglu, overwrite = qargs
         kind = q.kind
         weights, biases = params[:G], params[G:] if use_bias else None
         need_w = any(ctx.needs_input_grad[_FP8_ARGS:_FP8_ARGS + G])
@@ -1010,6 +1015,7 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
             saved += [t for op in x_col for t in op[:2]]
         # the SwiGLU's backward reads its input (kept where a gradient flows to it)
         ctx.swiglu, ctx.recast = swiglu_grad, recast
+        ctx.overwrite = overwrite
         if swiglu_grad:
             saved += [x, probs]
         ctx.save_for_backward(*saved)
@@ -1060,7 +1066,7 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
                 x_col = _swiglu_columns(q, h, probs, splits, padded)
             mains = [getattr(w, "main_grad", None) for w in weights]
             if all(m is not None for m in mains):
-                _grouped(g_col, x_col, padded, mains, accumulate=True)
+                _grouped(g_col, x_col, padded, mains, accumulate=not ctx.overwrite)
                 for w in weights:
                     mark_main_grad(w)
             else:

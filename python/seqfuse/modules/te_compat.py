@@ -13,10 +13,13 @@ column, and tests/test_te_api_table.py passes each entry's ``probe`` value
 to the module to check that it really raises, naming the argument.
 """
 import contextlib
+import logging
 
 import torch
 
 from .._runtime import cuda_available
+
+_log = logging.getLogger("seqfuse")
 
 _TP = "tensor/sequence parallelism is not implemented; shard with FSDP2 (torch.distributed.fsdp.fully_shard)"
 _UB = "userbuffers communication overlap belongs to tensor parallelism, which is not implemented"
@@ -98,20 +101,26 @@ REFUSED = {
 
 
 def check_window(cls, attn_mask_type, window_size):
-    """Refuse window_size (-1, 0) with a mask type that is not causal.
-    Transformer Engine reads that pair as "no window" for such a mask and
-    attends to every key (with a warning: check_set_window_size), where
-    seqfuse's kernels would read it as a window ending at the diagonal, a
-    causal mask: the two give different results, so neither is guessed."""
+    """The window a call runs with: ``window_size`` itself, except (-1, 0)
+    with a mask type that is not causal, which Transformer Engine reads as
+    "no window" for such a mask (full attention; its check_set_window_size
+    warns and sets (-1, -1)).  seqfuse's kernels would read (-1, 0) as a
+    window ending at the diagonal, a causal mask, so the pair is read as TE
+    reads it (None) and the reading is logged once per (module, mask)."""
     if window_size is None or "causal" in attn_mask_type:
-        return
+        return window_size
     if isinstance(window_size, (tuple, list)) and len(window_size) == 2 and \
             window_size[0] == -1 and window_size[1] == 0:
-        raise ValueError(f"{cls}: window_size={tuple(window_size)!r} with attn_mask_type={attn_mask_type!r} is "
-                         "ambiguous: Transformer Engine reads (-1, 0) as no window for a non-causal mask and "
-                         "attends to every key, a window ending at the diagonal would be causal; pass "
-                         "window_size=None (or (-1, -1)) for full attention, or a causal attn_mask_type "
-                         "('causal', 'padding_causal', ...) for causal attention")
+        if (cls, attn_mask_type) not in _window_read_logged:
+            _window_read_logged.add((cls, attn_mask_type))
+            _log.warning("%s: window_size=(-1, 0) with attn_mask_type=%r is read as no window (full attention), "
+                         "as Transformer Engine reads it; pass a causal attn_mask_type for causal attention",
+                         cls, attn_mask_type)
+        return None
+    return window_size
+
+
+_window_read_logged = set()
 
 
 def refuse_fp8_io(cls, fp8_output, fp8_grad):

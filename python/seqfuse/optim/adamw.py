@@ -395,7 +395,8 @@ class FusedAdamW(torch.optim.Optimizer):
             self._check_group(group, f"param_groups[{gi}]['{{}}']", at_step=True)
             try:
                 buckets = self._as_planned(group, group_plan)
-            except Exception:  # noqa: BLE001 - something the plan did not see (e.g. a state without 'step')
+            except (KeyError, TypeError, AttributeError, ValueError, IndexError):
+                # (a state the plan did not see, e.g. one without 'step': the full path names it)
                 return None
             if buckets is None:
                 return None

@@ -549,7 +549,7 @@ class ClampedSwiGLU(BasicOperation):
         if cache_quantized_input:
             _refuse("ClampedSwiGLU", "cache_quantized_input", cache_quantized_input,
                     "the activation keeps its input in high precision for the backward")
-        # (a NaN limit or alpha made every output NaN; limit=inf, no clamp, is a choice)
+        # (a NaN limit or alpha would make every output NaN; limit=inf, no clamp, is a valid choice)
         op = "te.ops.ClampedSwiGLU"
         self.limit = as_float(op, "limit", limit, above=0)
         self.alpha = as_float(op, "alpha", alpha, finite=True)
