@@ -219,7 +219,7 @@ def _stack(device, h=128):
 
 def _train(model, xs, dys, recipe):
     out = []
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt = torch.optim.SGD(model.parameters(), lr=0.005)
     for x, dy in zip(xs, dys):
         x = x.detach().requires_grad_(True)
         with te.autocast(recipe=recipe):
