@@ -318,7 +318,11 @@ def main():
                   layers=args.layers, kernels=args.kernels,
                   step_work=args.step_work, device=str(device), us_per_layer=us, vs_bf16=us / base[update])
     table.save({"note": "LayerNormLinear(128->384) + LayerNormMLP(128->512 gelu) + Linear(128->128) forward+backward, "
-                        "16 tokens, seqfuse's compute kernels stubbed out: host work only; 'updated every "
+                        "16 tokens, " + ("seqfuse's compute kernels stubbed out: host work only (Python, torch's "
+                                         "allocations and autograd)" if args.kernels == "stubbed" else
+                                         "seqfuse's kernels running: the host's whole issue time, C entries and "
+                                         "launches included, the GPU drained outside the timed blocks") +
+                        "; 'updated every "
                         "step' bumps each weight's version after the backward (an optimizer "
                         "step's effect), so FP8 rows cast every weight once per iteration; step_work "
                         "'none': the bump without a kernel and the gradients dropped after each backward "
