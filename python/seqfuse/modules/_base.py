@@ -17,13 +17,18 @@ from ..quantization import gemm_quantizers
 from .te_compat import take_refused
 
 
-def compute_dtype(x, weight):
-    """The dtype a module's GEMMs run in: torch.autocast's where it is on for
-    x's device type, else the weight's."""
+def _autocast_dtype(x):
+    """torch.autocast's dtype where it is on for x's device type, else None."""
     dev = x.device.type
     if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
         return torch.get_autocast_dtype(dev)
-    return weight.dtype
+    return None
+
+
+def compute_dtype(x, weight):
+    """The dtype a module's GEMMs run in: torch.autocast's where it is on for
+    x's device type, else the weight's."""
+    return _autocast_dtype(x) or weight.dtype
 
 
 def autocast_input(x, *norm_params):
@@ -33,10 +38,9 @@ def autocast_input(x, *norm_params):
     LayerNormMLP cast the input, the norm weight and bias, then the GEMM
     weights, to it; the gradients flow back through the casts to the
     parameters' dtype), else unchanged.  None stays None."""
-    dev = x.device.type
-    if dev not in ("cuda", "cpu") or not torch.is_autocast_enabled(dev):
+    dt = _autocast_dtype(x)
+    if dt is None:
         return (x, *norm_params)
-    dt = torch.get_autocast_dtype(dev)
     return tuple(t if t is None or t.dtype == dt else t.to(dt) for t in (x, *norm_params))
 
 

@@ -204,8 +204,7 @@ class LayerNormLinear(torch.nn.Module):
                                        self.return_layernorm_output, q,
                                        weight_sources(self) if q is not None else None, is_first_microbatch,
                                        torch.is_grad_enabled(), alias and not cast_alias,
-                                       self.fuse_wgrad_accumulation and wgrad_overwrite(self, weight,
-                                                                                        is_first_microbatch))
+                                       wgrad_overwrite(self, weight, is_first_microbatch))
         if cast_alias:
             out = (out if isinstance(out, tuple) else (out,)) + (inp,)
         if not self.return_bias:

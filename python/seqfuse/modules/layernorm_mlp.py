@@ -338,10 +338,8 @@ class LayerNormMLP(torch.nn.Module):
         return (out[0], bias, out[1]) if ret_ln else (out, bias)
 
     def _run(self, args, q, ret_ln, first_mb, residual, residual_is_input):
-        overwrite = (False, False)
-        if self.fuse_wgrad_accumulation:  # TE's rule for writing main_grad rather than adding to it
-            overwrite = (wgrad_overwrite(self, self.fc1_weight, first_mb),
-                         wgrad_overwrite(self, self.fc2_weight, first_mb))
+        # TE's rule for writing main_grad rather than adding to it (per weight)
+        overwrite = (wgrad_overwrite(self, self.fc1_weight, first_mb), wgrad_overwrite(self, self.fc2_weight, first_mb))
         if self.checkpoint and q is not None and torch.is_grad_enabled():
             global _logged_fp8_checkpoint
             if not _logged_fp8_checkpoint:

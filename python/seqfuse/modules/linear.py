@@ -216,7 +216,7 @@ class Linear(torch.nn.Module):
         if residual is not None:
             residual = check_residual("Linear", residual, (*lead, self.out_features), dtype, inp.device)
         recipe = _active_fp8_recipe()
-        overwrite = self.fuse_wgrad_accumulation and wgrad_overwrite(self, weight, is_first_microbatch)
+        overwrite = wgrad_overwrite(self, weight, is_first_microbatch)
         if recipe is not None:
             q = _gq.quantizers_for(self, recipe, x.device)
             y = Fp8LinearFunction.apply(x, weight, use_bias, q, dtype,

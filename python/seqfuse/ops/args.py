@@ -6,9 +6,10 @@ fractional count, a number outside int64, a bool read as 0 / 1) instead of
 truncating it or failing later with a foreign message.  ``as_float`` is
 the one reader of real-number arguments for ops and every layer above
 them: its keywords ask for a rule (``finite``, ``minimum`` / ``above``,
-``maximum``), so no caller keeps its own "a real number, not a bool" test
+``maximum``), so no caller needs its own "a real number, not a bool" test
 (seqfuse.common, below ops, and seqfuse.data, which depends on nothing of
-seqfuse's, cannot import it).  ``exact_int`` is the strict reading (an
+seqfuse's, cannot import it; optim/adamw.py's hyper-parameter checks still
+word their own).  ``exact_int`` is the strict reading (an
 integer of any kind, else None: no bool, no float) for callers that word
 their own message; ``as_max_norm`` reads a gradient-clipping bound
 (optim's and distributed's clip_grad_norm_: as_float, >= 0).
