@@ -290,10 +290,10 @@ def test_tokenized_sequences_tokenizer_iterables_and_indices():
 
 
 @pytest.mark.parametrize("key,exc,match", [
-    (1.7, TypeError, r"index must be an integer, got float \(1.7\)"),
-    (True, TypeError, r"index must be an integer, got bool"),
-    ((0.5, 0), TypeError, r"epoch must be an integer, got float \(0.5\)"),
-    ((-1, 0), ValueError, r"epoch must be >= 0, got -1"),
+    (1.7, TypeError, r"argument 'index' must be an integer, got float \(1.7\)"),
+    (True, TypeError, r"argument 'index' must be an integer, got bool"),
+    ((0.5, 0), TypeError, r"argument 'epoch' must be an integer, got float \(0.5\)"),
+    ((-1, 0), ValueError, r"argument 'epoch' must be >= 0, got -1"),
     ((0, 0, 1), ValueError, r"key must be an index or an \(epoch, index\) pair, got \(0, 0, 1\)"),
 ])
 def test_dataset_keys_are_integers(key, exc, match):

@@ -80,10 +80,21 @@ def integer_ids(caller: str, name: str, value, *, allow_sequence: bool = False) 
                             f"{type(value).__name__}") from None
     if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
         raise TypeError(f"{caller}: argument '{name}' must hold integers, got dtype {value.dtype}")
-    if value.numel() and bool((value < 0).any()):
-        pos = int(torch.nonzero(value.reshape(-1) < 0)[0])
+    found = first_negative(value)
+    if found is not None:
+        pos, v = found
         raise ValueError(
-            f"{caller}: argument '{name}' holds {int(value.reshape(-1)[pos])} at position {pos}; token ids are >= 0"
+            f"{caller}: argument '{name}' holds {v} at position {pos}; token ids are >= 0"
             " (-100 marks ignored labels, not tokens)"
         )
     return value
+
+
+def first_negative(ids: torch.Tensor):
+    """(position, value) of the first negative entry of ``ids`` read flat,
+    or None: where a negative token id (labels given as ids: -100) is."""
+    if not ids.numel() or not bool((ids < 0).any()):
+        return None
+    flat = ids.reshape(-1)
+    pos = int(torch.nonzero(flat < 0)[0])
+    return pos, int(flat[pos])

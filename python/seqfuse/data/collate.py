@@ -43,7 +43,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from ._checks import as_int, as_optional_int, exact_int
+from ._checks import as_int, as_optional_int, exact_int, first_negative
 from .masking import IGNORE_INDEX
 
 __all__ = ["PackedTHDCollator", "PaddedBSHDCollator", "batch_to_device"]
@@ -93,11 +93,10 @@ def _refuse_negative_ids(name: str, samples, collated: torch.Tensor) -> None:
     lowest = collated.numpy().min() if collated.device.type == "cpu" else int(collated.min())  # (numpy's: 10x faster)
     if lowest < 0:
         for k, s in enumerate(samples):
-            neg = torch.nonzero(s["input_ids"] < 0)
-            if neg.numel():
-                pos = int(neg[0])
+            found = first_negative(s["input_ids"])
+            if found is not None:
                 raise ValueError(
-                    f"{name}: sample {k}: 'input_ids' holds {int(s['input_ids'][pos])} at position {pos}; token ids "
+                    f"{name}: sample {k}: 'input_ids' holds {found[1]} at position {found[0]}; token ids "
                     "must be >= 0 (-100 marks ignored labels, not tokens)"
                 )
 

@@ -27,7 +27,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from ._checks import MAX_SEED, as_bool, as_int, as_seed, exact_int
+from ._checks import as_bool, as_int, as_seed
 from .masking import IGNORE_INDEX, check_mask_settings, mask_numpy, mix_seed
 from .tokenizers import CharTokenizer
 
@@ -167,17 +167,10 @@ class FramedDataset(torch.utils.data.Dataset):
             epoch, index = key
         else:
             epoch, index = 0, key
-        i, e = exact_int(index), exact_int(epoch)
-        for what, v, n in (("index", index, i), ("epoch", epoch, e)):
-            if n is None:
-                raise TypeError(f"{name}: {what} must be an integer, got {type(v).__name__} ({v!r:.40})")
+        i = as_int(name, "index", index)
         if not 0 <= i < len(self.store):
             raise IndexError(f"{name}: index {i} out of range [0, {len(self.store)})")
-        if e < 0:
-            raise ValueError(f"{name}: epoch must be >= 0, got {e}")
-        if e > MAX_SEED:
-            raise ValueError(f"{name}: epoch must be <= 2**64 - 1, got {e}")
-        return e, i
+        return as_seed(name, "epoch", epoch), i  # (the epoch is mixed into the seed: a seed's range)
 
     def framed(self, key) -> tuple[int, np.ndarray, torch.Generator]:
         epoch, index = self._key(key)
