@@ -90,6 +90,14 @@ class Twin:
                 else:
                     t.grad = copied
 
+    def steps_alike(self, steps):
+        """For each step number: fresh gradients, a step that is not refused,
+        and both optimizers' parameters and states the same."""
+        for s in steps:
+            self.grads(s)
+            assert self.step() is None
+            self.assert_same()
+
     def assert_same(self):
         for i, (p, q) in enumerate(zip(self.ours, self.ref)):
             assert p.dtype == q.dtype and p.shape == q.shape and torch.equal(p.detach(), q.detach()), i
@@ -268,10 +276,7 @@ def test_add_param_group_after_a_step():
     extra = [torch.nn.Parameter(torch.full((3,), 0.5, dtype=torch.bfloat16)) for _ in range(2)]
     t.both(lambda ps, opt: opt.add_param_group({"params": [p := torch.nn.Parameter(extra[0].detach().clone())],
                                                 "lr": 1e-2}) or ps.append(p))
-    for s in range(3, 6):
-        t.grads(s)
-        assert t.step() is None
-        t.assert_same()
+    t.steps_alike(range(3, 6))
     assert t.opt.state[t.ours[-1]]["step"] == 3
 
 
@@ -352,10 +357,7 @@ def test_state_edited_between_steps(edit):
         t.both(lambda ps, opt: opt.state[ps[3]].__setitem__("step", torch.tensor(3)))
     else:
         t.both(lambda ps, opt: setattr(opt, "state", type(opt.state)(dict)))
-    for s in range(3, 6):
-        t.grads(s)
-        assert t.step() is None
-        t.assert_same()
+    t.steps_alike(range(3, 6))
 
 
 def test_a_master_given_to_a_float32_parameter_is_refused():
@@ -382,10 +384,7 @@ def test_masters_and_moments_edited_between_steps(edit):
     else:
         t.both(lambda ps, opt: opt.state[ps[3]].update(exp_avg=opt.state[ps[3]]["exp_avg"].bfloat16(),
                                                        exp_avg_sq=opt.state[ps[3]]["exp_avg_sq"].bfloat16()))
-    for s in range(3, 6):
-        t.grads(s)
-        assert t.step() is None
-        t.assert_same()
+    t.steps_alike(range(3, 6))
 
 
 def test_param_groups_edited_by_hand():
