@@ -24,7 +24,8 @@
 #      without a torchao wheel there the torchao part and the ESM-2 hfao rows
 #      are skipped (not importable), and the run says so;
 #   2. two builds at once: Transformer Engine 2.20 from the carried .te (as
-#      ../shared/peers/prepare_te.py's docstring says; its PyTorch extension
+#      ../shared/peers/prepare_te.py's docstring says, then shrunk by
+#      benchmarks/peers/shrink_te_wheels.py to fit 64 MiB beside the tree; its PyTorch extension
 #      builds here in about 2 minutes), where a part compares with it, in the
 #      background, and seqfuse (pip install -e; SEQFUSE_CUDA_ARCHS passes
 #      through, e.g. "90a" for the H200 alone; at nice 10 beside TE's build,
