@@ -5,6 +5,7 @@ output.  A private helper of seqfuse.modules: its siblings import it; code
 outside the package uses the modules."""
 import logging
 import numbers
+from typing import NamedTuple
 
 import torch
 
@@ -57,19 +58,24 @@ def mark_main_grad(weight):
         weight.grad_added_to_main_grad = True
 
 
+class MainGrad(NamedTuple):
+    """Where a weight-gradient GEMM puts dW: the weight's float32
+    ``main_grad`` ``tensor``, added to it (``accumulate``, beta = 1) or
+    written over it (beta = 0: TE's overwrite rule, wgrad_overwrite)."""
+    tensor: torch.Tensor
+    accumulate: bool
+
+
 def main_grad_for(weight, needed, overwrite=False):
-    """The weight's float32 ``main_grad`` where it has one and its gradient is
-    needed (TE's fuse_wgrad_accumulation: dW is accumulated there by the
-    GEMM, the weight's own gradient stays None; the flag is set), else None.
-    ``overwrite`` (wgrad_overwrite): main_grad is zeroed first, so the
-    GEMM's accumulation leaves dW itself there, as TE's GEMM writing it
-    with beta = 0 does (0 + dW is dW exactly)."""
+    """A MainGrad for the weight's float32 ``main_grad`` where it has one
+    and its gradient is needed (TE's fuse_wgrad_accumulation: the GEMM puts
+    dW there, the weight's own gradient stays None; the flag is set), else
+    None.  ``overwrite`` (wgrad_overwrite): the GEMM writes dW over it."""
     main_grad = getattr(weight, "main_grad", None) if needed else None
-    if main_grad is not None:
-        if overwrite:
-            main_grad.zero_()
-        mark_main_grad(weight)
-    return main_grad
+    if main_grad is None:
+        return None
+    mark_main_grad(weight)
+    return MainGrad(main_grad, not overwrite)
 
 
 def wgrad_overwrite(module, weight, is_first_microbatch):
@@ -139,8 +145,8 @@ def size_arg(cls_name, name, value, minimum=1):
 
 def weight_and_bias_grads(dy, inp, want_dw, want_db, main_grad=None):
     """(dW = dy^T @ inp or None, the bias gradient = dy's column sums or
-    None) of a high-precision GEMM module's backward; with ``main_grad`` dW
-    is accumulated into it (and None returned).  The bias gradient comes
+    None) of a high-precision GEMM module's backward; with ``main_grad`` (a
+    MainGrad) dW goes there (and None is returned).  The bias gradient comes
     out of the weight GEMM's bgrad epilogue where that GEMM runs anyway and
     dy's rows are 16-byte multiples; otherwise it is a column sum of its own
     (float32 accumulation): for other widths (a 30,522-word MLM head)
@@ -151,7 +157,8 @@ def weight_and_bias_grads(dy, inp, want_dw, want_db, main_grad=None):
     if want_dw:
         epilogue = "bgrad" if fuse else "none"
         if main_grad is not None:
-            res = ops.gemm(dy, inp, transa=True, out=main_grad, accumulate=True, epilogue=epilogue)
+            res = ops.gemm(dy, inp, transa=True, out=main_grad.tensor, accumulate=main_grad.accumulate,
+                           epilogue=epilogue)
         else:
             res = ops.gemm(dy, inp, transa=True, epilogue=epilogue)
         if fuse:

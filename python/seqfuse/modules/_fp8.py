@@ -148,14 +148,15 @@ def wgrad_dtype(w_dtype):
 def backward(g, x_col, w_dgrad, kind, out_dtype, rows, need_dx, need_dw, w_dtype, main_grad=None):
     """(dx [rows, K] or None, dW or None) from the quantized output gradient
     ``g``, the input's wgrad operand ``x_col`` and the weight's dgrad
-    operand.  With ``main_grad`` dW is accumulated into it (returned None)."""
+    operand.  With ``main_grad`` (a modules._base.MainGrad) dW goes there
+    (returned None)."""
     dx = dw = None
     if need_dx:
         dx = row_prefix(gemm(rowwise(g, kind), w_dgrad, out_dtype), rows)
     if need_dw:
         g_col = columnwise(g, kind)
         if main_grad is not None:
-            gemm(g_col, x_col, None, out=main_grad, accumulate=True)
+            gemm(g_col, x_col, None, out=main_grad.tensor, accumulate=main_grad.accumulate)
         else:
             dw = gemm(g_col, x_col, wgrad_dtype(w_dtype))
             if dw.dtype != w_dtype:

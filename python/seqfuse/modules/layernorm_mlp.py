@@ -247,8 +247,8 @@ def _fp8_act_grad(q, da, h, activation, bias_dtype, need_col):
 
 def _wgrad(dy, inp, bias_dtype, main_grad=None):
     """(dW = dy^T @ inp, the bias gradient: from the same GEMM where
-    weight_and_bias_grads can); with ``main_grad`` dW is accumulated into it
-    and returned as None."""
+    weight_and_bias_grads can); with ``main_grad`` (a MainGrad) dW goes
+    there and is returned as None."""
     return weight_and_bias_grads(dy, inp, True, bias_dtype is not None, main_grad)
 
 

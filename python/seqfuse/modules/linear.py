@@ -49,7 +49,7 @@ into it by the GEMM itself (beta = 1), and the weight's own gradient is
 left None (``weight.grad_added_to_main_grad`` is set, as Megatron expects).
 With fuse_wgrad_accumulation=True, TE's overwrite rule: on a call with
 is_first_microbatch=True, or for a weight whose ``overwrite_main_grad`` is
-True, main_grad is zeroed before the GEMM adds dW, so it holds dW alone.
+True, the GEMM writes dW over main_grad (beta = 0) instead of adding it.
 
 Works under torch.distributed.fsdp.fully_shard (parameters are read at
 forward time, whatever FSDP put there) and under CUDA graph capture (no host
