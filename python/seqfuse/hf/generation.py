@@ -63,13 +63,12 @@ the cached path lives here, reading the layer's submodules, until the
 modules grow one.
 """
 import logging
-import numbers
 
 import torch
 
 from .. import ops
 from ..ops import device_checks
-from ..ops.args import as_float
+from ..ops.args import as_float, exact_int
 from ..modules.rope import apply_rotary_pos_emb
 from ..quantization import is_fp8_enabled
 
@@ -245,13 +244,14 @@ def _token_ids(value, name, vocab):
         ids = list(value)
     else:
         ids = [value]
+    ids = [exact_int(i) for i in ids]
     for i in ids:
-        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+        if i is None:
             raise TypeError(f"generate: {name} must be an int or a list of ints, got {value!r}")
         if not 0 <= i < vocab:
             raise ValueError(f"generate: {name} must be token ids in [0, vocab_size={vocab}), got {value!r} "
                              "(an id outside the vocabulary is never generated, so it would never stop a row)")
-    return [int(i) for i in ids]
+    return ids
 
 
 def _check_cache(cache, cfg, dtype, device):
@@ -507,9 +507,10 @@ def generate(model, input_ids, attention_mask=None, cu_seqlens=None, max_new_tok
     eos = torch.tensor([] if eos is None else _token_ids(
         eos, "eos_token_id" if eos_token_id is not None else "eos_token_id (the config's)", vocab),
         device=device, dtype=torch.long)
-    if pad_token_id is not None and (isinstance(pad_token_id, bool) or
-                                     not isinstance(pad_token_id, numbers.Integral)):
-        raise TypeError(f"generate: pad_token_id must be an int or None, got {pad_token_id!r}")
+    if pad_token_id is not None:
+        pad_token_id, given = exact_int(pad_token_id), pad_token_id
+        if pad_token_id is None:
+            raise TypeError(f"generate: pad_token_id must be an int or None, got {given!r}")
     pad = pad_token_id if pad_token_id is not None else (cfg.pad_token_id if cfg.pad_token_id is not None
                                                          else (int(eos[0]) if eos.numel() else 0))
     if layout.packed:
