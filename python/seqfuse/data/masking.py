@@ -47,10 +47,12 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
     run seed ``seed`` (splitmix64 chained over the three integers). Each
     is an integer (Python, numpy or a 0-d integer tensor; never a float or
     a bool) in [0, 2**64 - 1]."""
-    seed = as_seed("sample_seed", "seed", seed)
-    epoch = as_seed("sample_seed", "epoch", epoch)
-    index = as_seed("sample_seed", "index", index)
-    return mix_seed(seed, epoch, index)
+    return _checked_seed("sample_seed", seed, epoch, index)
+
+
+def _checked_seed(caller: str, seed, epoch, index) -> int:
+    """mix_seed of the three after as_seed's checks, named for ``caller``."""
+    return mix_seed(as_seed(caller, "seed", seed), as_seed(caller, "epoch", epoch), as_seed(caller, "index", index))
 
 
 def mix_seed(seed: int, epoch: int, index: int) -> int:
@@ -65,10 +67,7 @@ def mix_seed(seed: int, epoch: int, index: int) -> int:
 def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
     """A CPU torch.Generator seeded for one sample of one epoch."""
     g = torch.Generator()
-    try:
-        g.manual_seed(sample_seed(seed, epoch, index))
-    except (TypeError, ValueError) as e:
-        raise type(e)(str(e).replace("sample_seed:", "sample_generator:", 1)) from None
+    g.manual_seed(_checked_seed("sample_generator", seed, epoch, index))
     return g
 
 
