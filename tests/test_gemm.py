@@ -594,8 +594,9 @@ def test_cuda_plan_serves_a_size_class(seed, dtype):
     """Token counts that differ within one size class (the next power of two
     above 128: 257..512 here) reuse one plan, its layouts resized: one
     heuristic query for the class (at its upper bound, whatever the order of
-    the calls), and every product still exact to the reference (cuBLASLt
-    confirms the class algorithm for each size).  The token count is m of
+    the calls), and every product still exact to the reference (the class
+    algorithm runs each size; cublasLtMatmul refuses one it cannot run, and
+    that size then takes the heuristic's own choice).  The token count is m of
     the forward (a not transposed) and k of the weight gradient (a
     transposed, b not).  A count in another class is a new plan."""
     b = make((448, 320), dtype, "cuda")

@@ -171,5 +171,6 @@ int main(void)
     }
     bandwidth(16384, 16384); /* 512 MiB of bf16 */
     bandwidth(4096, 16384);  /* a Llama 1B MLP at 4,096 tokens: gate and up [4096, 2 x 8192] */
+    bandwidth(8192, 16384);  /* the same at 8,192 tokens (the Transformer Engine module bench's shape) */
     return check_finish("check_act");
 }

@@ -28,10 +28,16 @@
  * A plan's class algorithm is chosen by the heuristic for the class's upper
  * bound (a function of the key alone, so the same for every call order: a
  * run and its resume pick the same kernels).  A call of an exact size in the
- * class describes that size in the plan's layouts and uses the class
- * algorithm where cublasLtMatmulAlgoCheck confirms it for that size within
- * the workspace; where it does not, the heuristic's choice for the exact
- * size (also a function of the problem alone), counted like any query.  Per
+ * class describes that size in the plan's layouts and runs the class
+ * algorithm; cublasLtMatmul validates the algorithm against the problem it
+ * is given and refuses one that cannot run it (INVALID_VALUE for an
+ * impossible configuration, a workspace too small included; NOT_SUPPORTED),
+ * and on that refusal the call takes the heuristic's choice for the exact
+ * size (also a function of the problem alone, counted like any query) and
+ * runs again.  Confirming the class algorithm first with
+ * cublasLtMatmulAlgoCheck cost about 60 us of host time per new size: with
+ * the experts' row counts changing every call, more than the GPU time of a
+ * Mixtral-small down projection's per-expert GEMM.  Per
  * call the data pointers of the descriptor (scales, bias, aux) are
  * rewritten, then the matmul is enqueued.  cuBLASLt reads the
  * descriptor during cublasLtMatmul, so one mutex around "set pointers +
@@ -72,6 +78,7 @@ struct Plan {
     uint64_t hash;
     PlanKey key;
     int64_t m, k;                    /* our exact m and k the layouts describe now; -1: none */
+    int algo_confirmed;              /* algo has run (or was chosen) for the exact m and k */
     cublasLtMatmulAlgo_t class_algo; /* the heuristic's choice at the class's upper bound */
     cublasLtMatmulDesc_t desc;
     cublasLtMatrixLayout_t la, lb, ld;
@@ -300,7 +307,7 @@ sf_status describe_no_algo(const sf_gemm_problem *p, cublasStatus_t s)
 }
 
 sf_status choose_algo(cublasLtHandle_t h, const sf_gemm_problem *p, Plan *plan, cublasLtMatmulAlgo_t *algo);
-sf_status resize_plan(cublasLtHandle_t h, const sf_gemm_problem *p, Plan *plan);
+sf_status resize_plan(const sf_gemm_problem *p, Plan *plan);
 
 /* LT_TRY for a function that cleans up at `label` before it returns: on failure,
  * st takes the failure (named by `what`) and control goes to the cleanup.
@@ -374,7 +381,7 @@ sf_status build_plan(cublasLtHandle_t h, const sf_gemm_problem *p, const PlanKey
         plan->m = k->n; /* the layouts describe the class's upper bound now */
         plan->k = k->k;
         plan->algo = plan->class_algo;
-        st = resize_plan(h, p, plan);
+        st = resize_plan(p, plan);
     }
     if (st != SF_OK)
         goto fail;
@@ -429,11 +436,12 @@ done:
     return st;
 }
 
-/* Describe p's exact sizes in the plan's layouts and pick its algorithm:
- * the class algorithm where cuBLASLt confirms it for p within the
- * workspace (or p is the class's upper bound), else the heuristic's choice
- * for p.  On failure the plan describes no size (the next call redoes it). */
-sf_status resize_plan(cublasLtHandle_t h, const sf_gemm_problem *p, Plan *plan)
+/* Describe p's exact sizes in the plan's layouts and take the class
+ * algorithm for them, confirmed at the class's upper bound (where the
+ * heuristic chose it) and otherwise by the first matmul that runs it
+ * (run_locked).  On failure the plan describes no size (the next call
+ * redoes it). */
+sf_status resize_plan(const sf_gemm_problem *p, Plan *plan)
 {
     if (plan->m == p->m && plan->k == p->k)
         return SF_OK;
@@ -448,15 +456,7 @@ sf_status resize_plan(cublasLtHandle_t h, const sf_gemm_problem *p, Plan *plan)
                                           layouts[i], CUBLASLT_MATRIX_LAYOUT_COLS, &dims[i][1], sizeof(uint64_t)));
     }
     plan->algo = plan->class_algo;
-    if (p->m != plan->key.n || p->k != plan->key.k) {
-        cublasLtMatmulHeuristicResult_t check;
-        memset(&check, 0, sizeof check);
-        cublasStatus_t s = cublasLtMatmulAlgoCheck(h, plan->desc, plan->la, plan->lb, plan->ld, plan->ld,
-                                                   &plan->class_algo, &check);
-        if (!(s == CUBLAS_STATUS_SUCCESS && check.state == CUBLAS_STATUS_SUCCESS &&
-              check.workspaceSize <= plan->key.workspace_bytes))
-            SF_TRY(choose_algo(h, p, plan, &plan->algo));
-    }
+    plan->algo_confirmed = p->m == plan->key.n && p->k == plan->key.k;
     plan->m = p->m;
     plan->k = p->k;
     return SF_OK;
@@ -474,7 +474,7 @@ sf_status lookup_locked(cublasLtHandle_t h, const sf_gemm_problem *p, Plan **out
         if (!e->used)
             break;
         if (e->hash == hash && memcmp(&e->key, &key, sizeof key) == 0) {
-            SF_TRY(resize_plan(h, p, e));
+            SF_TRY(resize_plan(p, e));
             *out = e;
             return set_pointers(e, p);
         }
@@ -500,9 +500,18 @@ sf_status run_locked(const sf_gemm_problem *p, cudaStream_t stream)
     Plan *plan = NULL;
     SF_TRY(lookup_locked(h, p, &plan));
     float alpha = p->alpha, beta = p->accumulate ? 1.0f : 0.0f;
-    LT_TRY("Matmul", cublasLtMatmul(h, plan->desc, &alpha, p->b.data, plan->la, p->a.data, plan->lb,
-                                    &beta, p->c, plan->ld, p->out, plan->ld, &plan->algo,
-                                    p->workspace, p->workspace_bytes, stream));
+    cublasStatus_t s = cublasLtMatmul(h, plan->desc, &alpha, p->b.data, plan->la, p->a.data, plan->lb, &beta,
+                                      p->c, plan->ld, p->out, plan->ld, &plan->algo, p->workspace,
+                                      p->workspace_bytes, stream);
+    if (!plan->algo_confirmed && (s == CUBLAS_STATUS_INVALID_VALUE || s == CUBLAS_STATUS_NOT_SUPPORTED)) {
+        /* the class algorithm refused this exact size: the heuristic's choice for it, and again */
+        SF_TRY(choose_algo(h, p, plan, &plan->algo));
+        s = cublasLtMatmul(h, plan->desc, &alpha, p->b.data, plan->la, p->a.data, plan->lb, &beta, p->c,
+                           plan->ld, p->out, plan->ld, &plan->algo, p->workspace, p->workspace_bytes, stream);
+    }
+    if (s != CUBLAS_STATUS_SUCCESS)
+        return lt_fail(s, "Matmul");
+    plan->algo_confirmed = 1;
     return SF_OK;
 }
 
