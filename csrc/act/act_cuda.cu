@@ -12,13 +12,19 @@
  *
  * Speed: these are pure streams (forward reads 2 bytes and writes 2 per bf16
  * element; GLUs read 4 and write 2 per output), so what matters is bytes in
- * flight per SM, i.e. occupancy.  The activation is a template parameter of
- * the vector kernels (an earlier version switched on it at run time: every
- * kernel carried erfc's and the gated backward's registers, 114-128 in all,
- * 2 blocks of 256 per SM, and ran at 45-77 % of copy, below torch's own
- * element-wise kernels); the kernels are bounded to 64 registers (4 blocks
- * of 256 per SM at least) and the grid is what fits at once (occupancy
- * query), walking the tensor grid-stride.  Only the element-wise fallback
+ * flight per SM, i.e. occupancy, and an even end.  The activation is a
+ * template parameter of the vector kernels (an earlier version switched on
+ * it at run time: every kernel carried erfc's and the gated backward's
+ * registers, 114-128 in all, 2 blocks of 256 per SM, and ran at 45-77 % of
+ * copy, below torch's own element-wise kernels); the kernels are bounded to
+ * 64 registers (4 blocks of 256 per SM at least).  The grid covers the
+ * tensor once (a block is 256 threads x U vectors of one row; rows past
+ * 65,535 are walked block-stride), so the hardware hands out many short
+ * blocks and the last wave is a sliver: a grid of what fits at once,
+ * walking the tensor grid-stride, gave each thread ceil(work / threads)
+ * rounds, 3 % more than the mean at a Llama 1B MLP's 8,192 x 2 x 8,192
+ * (SwiGLU forward 0.143 against 0.136 ms on an H100, backward 0.237 against
+ * 0.224; bin/check_act_act's bandwidth section, s42).  Only the element-wise fallback
  * (rows not in 16-byte vectors) switches on the activation at run time.
  * When a row's vectors cannot be 16-byte aligned (a gated n, or a dropout row
  * length, not a multiple of the vector width; an offset view) the same kernel
@@ -184,7 +190,7 @@ __global__ void __launch_bounds__(kThreads) act_kernel(ActParams p)
  * registers. */
 __host__ __device__ constexpr int vec_unroll(bool gated, bool backward)
 {
-    return backward ? (gated ? 1 : 2) : (gated ? 2 : 4);
+    return backward ? (gated ? 1 : 2) : (gated ? 1 : 4);
 }
 
 /* The vector path: BASE (0 gelu-tanh, 1 gelu-erf, 2 silu, 3 relu), GATED
@@ -383,72 +389,60 @@ __global__ void __launch_bounds__(kThreads) dropout_backward_kernel(DropParams p
 
 /* ---- host side --------------------------------------------------------------- */
 
-/* The grid of an act kernel: what fits on the GPU at once (occupancy of this
- * kernel), split between the vectors of a row (x: enough blocks to give each
- * thread U vectors of it, no more) and the rows (y). */
-template <typename K>
-sf_status act_grid(const char *op, K kernel, int device, int64_t rows, int64_t vecs_per_row, int unroll,
-                   dim3 *grid)
+/* The grid of an act kernel: the tensor once over (see the note at the top):
+ * x: enough blocks to give each thread U vectors of a row, y: the rows, at
+ * most 65,535 (the kernels walk further rows block-stride). */
+dim3 act_grid(int64_t rows, int64_t vecs_per_row, int unroll)
 {
-    int sms, per_sm;
-    SF_TRY(sm_count(op, device, &sms));
-    SF_TRY(blocks_per_sm(op, kernel, kThreads, 0, device, &per_sm));
-    const int64_t target = (int64_t)sms * per_sm;
     int64_t gx = (vecs_per_row + (int64_t)kThreads * unroll - 1) / ((int64_t)kThreads * unroll);
-    gx = gx < 1 ? 1 : gx > target ? target : gx;
-    int64_t gy = target / gx;
-    gy = gy < 1 ? 1 : gy > rows ? rows : gy;
-    gy = gy > 65535 ? 65535 : gy;
-    *grid = dim3((unsigned)gx, (unsigned)gy);
-    return SF_OK;
+    gx = gx < 1 ? 1 : gx;
+    int64_t gy = rows < 1 ? 1 : rows > 65535 ? 65535 : rows;
+    return dim3((unsigned)gx, (unsigned)gy);
 }
 
 template <typename K>
-sf_status launch_with(const char *op, K kernel, const ActParams &p, int device, int64_t vecs_per_row,
-                      int unroll, cudaStream_t stream)
+sf_status launch_with(const char *op, K kernel, const ActParams &p, int64_t vecs_per_row, int unroll,
+                      cudaStream_t stream)
 {
-    dim3 grid;
-    SF_TRY(act_grid(op, kernel, device, p.rows, vecs_per_row, unroll, &grid));
-    kernel<<<grid, kThreads, 0, stream>>>(p);
+    kernel<<<act_grid(p.rows, vecs_per_row, unroll), kThreads, 0, stream>>>(p);
     SF_CUDA_CHECK_LAUNCH(op);
     return SF_OK;
 }
 
 template <typename T, int BASE, bool BACKWARD>
-sf_status launch_vec(const char *op, const ActParams &p, int device, cudaStream_t stream)
+sf_status launch_vec(const char *op, const ActParams &p, cudaStream_t stream)
 {
     /* whole vectors only (an element-wise row's tail is block (0, 0)'s,
      * after its vectors): the x blocks cover the row's vectors exactly, so
      * none holds a sliver of work (a gated row of 1,024 vectors, n 8,192 in
-     * bf16, takes two blocks of 2 x 256, not three) */
+     * bf16, takes four blocks of 256 threads x 1 vector forward) */
     constexpr int64_t V = 16 / (int64_t)sizeof(T);
     const int64_t vecs = (p.n + V - 1) / V;
     if (p.gated)
-        return launch_with(op, act_vec_kernel<T, BASE, true, BACKWARD>, p, device, vecs,
+        return launch_with(op, act_vec_kernel<T, BASE, true, BACKWARD>, p, vecs,
                            vec_unroll(true, BACKWARD), stream);
-    return launch_with(op, act_vec_kernel<T, BASE, false, BACKWARD>, p, device, vecs,
+    return launch_with(op, act_vec_kernel<T, BASE, false, BACKWARD>, p, vecs,
                        vec_unroll(false, BACKWARD), stream);
 }
 
 template <typename T, bool BACKWARD>
-sf_status launch_act_dir(const char *op, const ActParams &p, int device, bool vec, cudaStream_t stream)
+sf_status launch_act_dir(const char *op, const ActParams &p, bool vec, cudaStream_t stream)
 {
     if (!vec)
-        return launch_with(op, act_kernel<T, 1, BACKWARD>, p, device, p.n, BACKWARD ? 2 : 4, stream);
+        return launch_with(op, act_kernel<T, 1, BACKWARD>, p, p.n, BACKWARD ? 2 : 4, stream);
     switch (p.base) {
-    case 0:  return launch_vec<T, 0, BACKWARD>(op, p, device, stream);
-    case 1:  return launch_vec<T, 1, BACKWARD>(op, p, device, stream);
-    case 2:  return launch_vec<T, 2, BACKWARD>(op, p, device, stream);
-    default: return launch_vec<T, 3, BACKWARD>(op, p, device, stream);
+    case 0:  return launch_vec<T, 0, BACKWARD>(op, p, stream);
+    case 1:  return launch_vec<T, 1, BACKWARD>(op, p, stream);
+    case 2:  return launch_vec<T, 2, BACKWARD>(op, p, stream);
+    default: return launch_vec<T, 3, BACKWARD>(op, p, stream);
     }
 }
 
 template <typename T>
-sf_status launch_act(const char *op, const ActParams &p, int device, bool vec, bool backward,
-                     cudaStream_t stream)
+sf_status launch_act(const char *op, const ActParams &p, bool vec, bool backward, cudaStream_t stream)
 {
-    return backward ? launch_act_dir<T, true>(op, p, device, vec, stream)
-               : launch_act_dir<T, false>(op, p, device, vec, stream);
+    return backward ? launch_act_dir<T, true>(op, p, vec, stream)
+               : launch_act_dir<T, false>(op, p, vec, stream);
 }
 
 __global__ void write_scale_inv_kernel(const float *scale, float *scale_inv) { *scale_inv = 1.0f / *scale; }
@@ -482,9 +476,8 @@ sf_status act(const sf_act_args *a, bool backward, cudaStream_t stream)
      * element-wise row (rows == 1) takes its tail element by element */
     const bool vec = (!a->gated || a->n % ve == 0) && aligned16(p.x) && aligned16(p.out) &&
                      (!p.dy || aligned16(p.dy));
-    const int device = a->x->device_id;
     return sf_visit_float(op, "x", a->x->dtype, [&](auto tag) {
-        return launch_act<typename decltype(tag)::type>(op, p, device, vec, backward, stream);
+        return launch_act<typename decltype(tag)::type>(op, p, vec, backward, stream);
     });
 }
 

@@ -128,6 +128,26 @@ static void bandwidth(int64_t rows, int64_t cols)
                "(%.0f%%)\n", sf_activation_name(a), (long long)rows, (long long)cols, f, fb / f / 1e9,
                100 * fb / f / 1e9 / copy_tbs, b, bb / b / 1e9, 100 * bb / b / 1e9 / copy_tbs);
     }
+    {   /* SwiGLU with FP8 E4M3 output, amax and scale inverse: what FP8 LayerNormMLP runs (output 1 byte) */
+        void *sc, *am, *si;
+        CHECK_CUDA(cudaMalloc(&sc, 4)); CHECK_CUDA(cudaMalloc(&am, 4)); CHECK_CUDA(cudaMalloc(&si, 4));
+        const float one = 1.0f;
+        CHECK_CUDA(cudaMemcpy(sc, &one, 4, cudaMemcpyHostToDevice));
+        int64_t o1[1] = {1};
+        sf_tensor S, A, SI, Y8, DX8;
+        sf_tensor_init(&S, sc, SF_FLOAT32, 1, o1, SF_CUDA, 0);
+        sf_tensor_init(&A, am, SF_FLOAT32, 1, o1, SF_CUDA, 0);
+        sf_tensor_init(&SI, si, SF_FLOAT32, 1, o1, SF_CUDA, 0);
+        sf_tensor_init(&Y8, y, SF_FLOAT8_E4M3, 2, s2h, SF_CUDA, 0);
+        sf_tensor_init(&DX8, dx, SF_FLOAT8_E4M3, 2, s2, SF_CUDA, 0);
+        float f = time_ms([&] { CHECK_SF(sf_act_forward(SF_ACT_SWIGLU, &X, &Y8, &S, &A, &SI, NULL)); });
+        float b = time_ms([&] { CHECK_SF(sf_act_backward(SF_ACT_SWIGLU, &DYh, &X, &DX8, &S, &A, &SI, NULL)); });
+        const double fb = 1.25 * n * 2, bb = 2.0 * n * 2; /* bytes, n elements of x: forward reads 2n, writes n/2; backward reads 2n + n (dy), writes n */
+        printf("swiglu    bf16 %lldx%lld -> e4m3 with amax: forward %.3f ms %.2f TB/s (%.0f%% of copy), backward "
+               "%.3f ms %.2f TB/s (%.0f%%)\n", (long long)rows, (long long)cols, f, fb / f / 1e9,
+               100 * fb / f / 1e9 / copy_tbs, b, bb / b / 1e9, 100 * bb / b / 1e9 / copy_tbs);
+        cudaFree(sc); cudaFree(am); cudaFree(si);
+    }
     float d = time_ms([&] { CHECK_SF(sf_bias_dropout_add_forward(&X, &B, &R, 0.1f, 1, 0, &Y, NULL)); });
     printf("bias_dropout_add bf16 %lldx%lld: %.3f ms %.2f TB/s (%.0f%% of copy)\n", (long long)rows, (long long)cols,
            d, 3.0 * n * 2 / d / 1e9, 100 * 3.0 * n * 2 / d / 1e9 / copy_tbs);
