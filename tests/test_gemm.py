@@ -591,30 +591,31 @@ def test_cuda_misaligned_views(seed):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_plan_serves_a_size_class(seed, dtype):
-    """Token counts that differ within one size class (the next power of two
-    above 128: 257..512 here) reuse one plan, its layouts resized: one
-    heuristic query for the class (at its upper bound, whatever the order of
-    the calls), and every product still exact to the reference (the class
-    algorithm runs each size; cublasLtMatmul refuses one it cannot run, and
-    that size then takes the heuristic's own choice).  The token count is m of
-    the forward (a not transposed) and k of the weight gradient (a
-    transposed, b not).  A count in another class is a new plan."""
+    """Token counts that differ within one size class (an eighth of an
+    octave above 128: 2^j (1 + i/8), so 449..512 here) reuse one plan, its
+    layouts resized: one heuristic query for the class (at its upper bound,
+    whatever the order of the calls), and every product still exact to the
+    reference (the class algorithm runs each size; cublasLtMatmul refuses
+    one it cannot run, and that size then takes the heuristic's own
+    choice).  The token count is m of the forward (a not transposed) and k
+    of the weight gradient (a transposed, b not).  A count in another class
+    is a new plan."""
     b = make((448, 320), dtype, "cuda")
     gemm_mod.plan_cache_clear()
     q = gemm_mod.heuristic_queries()
-    for m in (300, 511, 257, 384, 512, 301):
+    for m in (460, 511, 449, 480, 512, 461):
         a = make((m, 448), dtype, "cuda")
         assert_close_rel(gemm(a, b, allow_tf32=False), reference(a, b)[0], dtype)
     assert gemm_mod.heuristic_queries() == q + 1 and gemm_mod.plan_cache_size() == 1
     a_all, b_all = make((300, 512), dtype, "cuda", trans=True), make((512, 320), dtype, "cuda")
-    for k in (260, 300, 500):  # the weight gradient's k: rows of both stored operands, as split operands are
+    for k in (481, 490, 500):  # the weight gradient's k: rows of both stored operands, as split operands are
         a, bk = a_all[:k], b_all[:k]
         assert_close_rel(gemm(a, bk, transa=True, allow_tf32=False), reference(a, bk, True)[0], dtype)
     assert gemm_mod.heuristic_queries() == q + 2
-    for m in (100, 1000):  # exact below 129; 1000 is the class 1024
+    for m in (100, 1000, 300):  # exact below 129; 1000 is the class 1024, 300 the class 320
         a = make((m, 448), dtype, "cuda")
         assert_close_rel(gemm(a, b, allow_tf32=False), reference(a, b)[0], dtype)
-    assert gemm_mod.heuristic_queries() == q + 4
+    assert gemm_mod.heuristic_queries() == q + 5
 
 
 @pytest.mark.cuda

@@ -9,7 +9,11 @@
  * expert's down projection (x_g [m, 3,584] x W^T [3,584, 1,024]) and its
  * gate|up projection (x_g [m, 1,024] x W^T [1,024, 7,168]), bf16, m fresh on
  * every call in the class (4,096, 8,192] (multiples of 16, as the experts'
- * row counts), class algorithm chosen at m = 8,192.  Host microseconds per
+ * row counts), class algorithm chosen at m = 8,192.  Then the GPU time of
+ * the algorithm chosen at 8,192 (a power-of-two class's bound), of the
+ * heuristic's choice for the exact m and of its choice at m's eighth-octave
+ * bound (seqfuse's size classes), at sizes across (4,096, 8,192]
+ * (back-to-back launches, CUDA events).  Host microseconds per
  * call are timed with the GPU held busy by a spin kernel in front, so
  * nothing waits on the GPU; (b)'s outputs are compared bit for bit with
  * (a)'s for every size (the same algorithm, or (a)'s heuristic fallback:
@@ -205,6 +209,43 @@ int main()
         double t1 = now_us();
         CK(cudaDeviceSynchronize());
         printf("%s: same size every call, matmul only: %.1f us a call (host)\n", names[s], (t1 - t0) / calls);
+        /* GPU time: the class algorithm (chosen at m = 8,192) against the heuristic's choice for the exact m */
+        {
+            cudaEvent_t e0, e1;
+            CK(cudaEventCreate(&e0));
+            CK(cudaEventCreate(&e1));
+            const long sizes[] = {4112, 4352, 4608, 4624, 5120, 5632, 6144, 7168, 7200, 8192};
+            for (long m : sizes) {
+                long octave = 128;
+                while (octave * 2 < m)
+                    octave <<= 1;
+                const long eighth = octave + (m - octave + octave / 8 - 1) / (octave / 8) * (octave / 8);
+                cublasLtMatmulAlgo_t exact, fine;
+                resize(g, eighth);
+                if (!heuristic(g, &fine))
+                    continue;
+                resize(g, m);
+                if (!heuristic(g, &exact))
+                    continue;
+                float t[3];
+                for (int which = 0; which < 3; ++which) {
+                    const cublasLtMatmulAlgo_t *al = which == 2 ? &fine : which ? &exact : &g.class_algo;
+                    for (int i = 0; i < 5; ++i)
+                        CK(matmul(g, al, w, x, oa));
+                    CK(cudaEventRecord(e0));
+                    for (int i = 0; i < 50; ++i)
+                        CK(matmul(g, al, w, x, oa));
+                    CK(cudaEventRecord(e1));
+                    CK(cudaEventSynchronize(e1));
+                    CK(cudaEventElapsedTime(&t[which], e0, e1));
+                    t[which] *= 1000.0f / 50;
+                }
+                const double fl = 2.0 * m * g.n * g.k;
+                printf("%s: m=%ld: algorithm chosen at 8,192 %.1f us (%.0f TFLOP/s), at m %.1f us (%.0f TFLOP/s), "
+                       "at the eighth-octave bound %ld %.1f us (%.0f TFLOP/s)\n",
+                       names[s], m, t[0], fl / t[0] / 1e6, t[1], fl / t[1] / 1e6, eighth, t[2], fl / t[2] / 1e6);
+            }
+        }
         cudaFree(w);
         cudaFree(x);
         cudaFree(oa);

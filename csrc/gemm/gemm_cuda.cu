@@ -17,7 +17,8 @@
  * (device, dtypes, n, leading dimensions, op flags, epilogue, scaling modes,
  * fast accumulation, compute type, pointer alignments, workspace size), with
  * a token-count dimension keyed by its size class (exact up to 128, else
- * the next power of two): m when a is not transposed (forward, input
+ * the next eighth of an octave: 2^j (1 + i/8) for i = 1..8, so 4,097 to
+ * 4,608 are one class): m when a is not transposed (forward, input
  * gradient), k when a is transposed and b is not (weight gradient) -- the
  * dimensions that are never an operand's contiguous one, so the layouts'
  * leading dimensions stay valid at any size in the class.  Token counts
@@ -27,7 +28,15 @@
  *
  * A plan's class algorithm is chosen by the heuristic for the class's upper
  * bound (a function of the key alone, so the same for every call order: a
- * run and its resume pick the same kernels).  A call of an exact size in the
+ * run and its resume pick the same kernels).  Classes are an eighth of an
+ * octave wide because an algorithm chosen for one size can run a much
+ * smaller one at its own cost: on an H100, the algorithm cuBLASLt picks for
+ * [8,192, 3,584] x [3,584, 1,024] (a Mixtral-small expert's down
+ * projection) takes 73 us at every m from 4,112 to 8,192, where the
+ * heuristic's choice for m = 4,112 takes 39 us
+ * (benchmarks/gemm/cublaslt_resize_probe.cu); with power-of-two classes a
+ * grouped GEMM's experts, whose row counts change every call, ran at 0.68x
+ * torch's grouped kernel.  A call of an exact size in the
  * class describes that size in the plan's layouts and runs the class
  * algorithm; cublasLtMatmul validates the algorithm against the problem it
  * is given and refuses one that cannot run it (INVALID_VALUE for an
@@ -223,15 +232,16 @@ sf_status set_pointers(Plan *plan, const sf_gemm_problem *p)
 }
 
 /* The key's value for a dimension a token count may land in: exact up to
- * 128, else the next power of two. */
+ * 128, else the smallest 2^j (1 + i/8), i = 1..8, at least x (2^j < x). */
 int64_t size_class(int64_t x)
 {
     if (x <= 128)
         return x;
-    int64_t c = 256;
-    while (c < x)
-        c <<= 1;
-    return c;
+    int64_t octave = 128;
+    while (octave * 2 < x)
+        octave <<= 1;
+    const int64_t step = octave / 8;
+    return octave + (x - octave + step - 1) / step * step;
 }
 
 /* Which of our m and k take part in the key by size class (see the note). */
