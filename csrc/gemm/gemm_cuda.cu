@@ -68,8 +68,8 @@
 namespace {
 
 constexpr int kMaxDevices = 64;
-constexpr int kTableSize = 1024;      /* power of two */
-constexpr int kTableMaxUsed = 768;    /* then the table is emptied and refilled */
+constexpr int kTableSize = 4096;      /* power of two */
+constexpr int kTableMaxUsed = 3072;   /* then the table is emptied and refilled */
 
 struct PlanKey {
     int32_t device;
