@@ -16,8 +16,9 @@
  * (back-to-back launches, CUDA events).  Host microseconds per
  * call are timed with the GPU held busy by a spin kernel in front, so
  * nothing waits on the GPU; (b)'s outputs are compared bit for bit with
- * (a)'s for every size (the same algorithm, or (a)'s heuristic fallback:
- * counted), and refusals by the matmul are counted.  Standalone (cuBLASLt
+ * (a)'s for every size (the same algorithm where AlgoCheck passes, so this
+ * shows determinism; (a)'s heuristic fallback otherwise: counted), and
+ * refusals by the matmul are counted.  Standalone (cuBLASLt
  * only, no seqfuse): build here, run on the GPU machine:
  *   nvcc -O2 -std=c++17 -gencode=arch=compute_90a,code=sm_90a \
  *        benchmarks/gemm/cublaslt_resize_probe.cu -lcublasLt -o cublaslt_resize_probe
@@ -216,12 +217,12 @@ int main()
             CK(cudaEventCreate(&e1));
             const long sizes[] = {4112, 4352, 4608, 4624, 5120, 5632, 6144, 7168, 7200, 8192};
             for (long m : sizes) {
-                long octave = 128;
+                long octave = 128; /* m's size class, as size_class() in csrc/gemm/gemm_cuda.cu */
                 while (octave * 2 < m)
                     octave <<= 1;
-                const long eighth = octave + (m - octave + octave / 8 - 1) / (octave / 8) * (octave / 8);
+                const long bound = octave + (m - octave + octave / 8 - 1) / (octave / 8) * (octave / 8);
                 cublasLtMatmulAlgo_t exact, fine;
-                resize(g, eighth);
+                resize(g, bound);
                 if (!heuristic(g, &fine))
                     continue;
                 resize(g, m);
@@ -243,7 +244,7 @@ int main()
                 const double fl = 2.0 * m * g.n * g.k;
                 printf("%s: m=%ld: algorithm chosen at 8,192 %.1f us (%.0f TFLOP/s), at m %.1f us (%.0f TFLOP/s), "
                        "at the eighth-octave bound %ld %.1f us (%.0f TFLOP/s)\n",
-                       names[s], m, t[0], fl / t[0] / 1e6, t[1], fl / t[1] / 1e6, eighth, t[2], fl / t[2] / 1e6);
+                       names[s], m, t[0], fl / t[0] / 1e6, t[1], fl / t[1] / 1e6, bound, t[2], fl / t[2] / 1e6);
             }
         }
         cudaFree(w);

@@ -23,8 +23,10 @@
  * dimensions that are never an operand's contiguous one, so the layouts'
  * leading dimensions stay valid at any size in the class.  Token counts
  * change every step in MoE experts (each expert's share of the batch) and
- * packed batches; keyed exactly, each new count cost a heuristic query
- * (tens of microseconds) and filled the table.
+ * packed batches; keyed exactly, each new count cost a heuristic query and
+ * filled the table (cublaslt_resize_probe's queries waited for the GPU's
+ * queued work before returning: 2.6 ms each on average behind a 1 s
+ * kernel).
  *
  * A plan's class algorithm is chosen by the heuristic for the class's upper
  * bound (a function of the key alone, so the same for every call order: a
@@ -32,21 +34,20 @@
  * octave wide because an algorithm chosen for one size can run a much
  * smaller one at its own cost: on an H100, the algorithm cuBLASLt picks for
  * [8,192, 3,584] x [3,584, 1,024] (a Mixtral-small expert's down
- * projection) takes 73 us at every m from 4,112 to 8,192, where the
- * heuristic's choice for m = 4,112 takes 39 us
- * (benchmarks/gemm/cublaslt_resize_probe.cu); with power-of-two classes a
- * grouped GEMM's experts, whose row counts change every call, ran at 0.68x
- * torch's grouped kernel.  A call of an exact size in the
+ * projection) takes 73-82 us at every m from 4,112 to 8,192, where the
+ * heuristic's choice for m = 4,112 takes 40 us and the choice for its
+ * eighth-octave bound 4,608 46 us (benchmarks/gemm/cublaslt_resize_probe.cu);
+ * with power-of-two classes a grouped GEMM's down projections, whose row
+ * counts change every call, ran at 0.69x torch's grouped kernel (0.90x
+ * with these classes).  A call of an exact size in the
  * class describes that size in the plan's layouts and runs the class
  * algorithm; cublasLtMatmul validates the algorithm against the problem it
  * is given and refuses one that cannot run it (INVALID_VALUE for an
  * impossible configuration, a workspace too small included; NOT_SUPPORTED),
  * and on that refusal the call takes the heuristic's choice for the exact
  * size (also a function of the problem alone, counted like any query) and
- * runs again.  Confirming the class algorithm first with
- * cublasLtMatmulAlgoCheck cost about 60 us of host time per new size: with
- * the experts' row counts changing every call, more than the GPU time of a
- * Mixtral-small down projection's per-expert GEMM.  Per
+ * runs again.  cublasLtMatmulAlgoCheck before each new size would confirm
+ * the same thing for 1-15 us more host time a call (the probe's logs).  Per
  * call the data pointers of the descriptor (scales, bias, aux) are
  * rewritten, then the matmul is enqueued.  cuBLASLt reads the
  * descriptor during cublasLtMatmul, so one mutex around "set pointers +
@@ -391,6 +392,7 @@ sf_status build_plan(cublasLtHandle_t h, const sf_gemm_problem *p, const PlanKey
         plan->m = k->n; /* the layouts describe the class's upper bound now */
         plan->k = k->k;
         plan->algo = plan->class_algo;
+        plan->algo_confirmed = 1; /* the heuristic chose it for exactly these sizes */
         st = resize_plan(p, plan);
     }
     if (st != SF_OK)
