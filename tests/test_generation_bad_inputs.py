@@ -4,6 +4,7 @@ rule, not a crash deep inside (IndexError, a shape mismatch) nor a silently
 wrong answer (an empty packed prompt answered from its neighbour's last
 token, an eos id that can never stop a row, a truthy string taken for
 do_sample=True)."""
+import numpy as np
 import pytest
 import torch
 
@@ -90,6 +91,32 @@ def test_eos_as_an_integer_tensor(model, prompt):
 def test_pad_token_id_must_be_an_int(model, prompt):
     with pytest.raises(TypeError, match="pad_token_id must be an int"):
         model.generate(prompt, max_new_tokens=2, pad_token_id=2.5)
+
+
+def test_counts_are_positive_integers_of_any_kind(model, prompt):
+    """max_new_tokens and top_k are read as integers of any kind (numpy's, a
+    one-element integer tensor: the same tokens as the int), and refused
+    naming themselves when not whole numbers (a bool, a float) or below 1."""
+    kw = dict(eos_token_id=[])
+    want = model.generate(prompt, max_new_tokens=3, **kw)
+    for n in (np.int64(3), torch.tensor(3)):
+        assert torch.equal(model.generate(prompt, max_new_tokens=n, **kw), want)
+    for bad in (3.0, True, "3", None):
+        with pytest.raises(TypeError, match=r"generate: max_new_tokens must be an int, got"):
+            model.generate(prompt, max_new_tokens=bad, **kw)
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match=rf"generate: max_new_tokens must be >= 1, got {bad}"):
+            model.generate(prompt, max_new_tokens=bad, **kw)
+    gen = dict(max_new_tokens=3, do_sample=True, **kw)
+    torch.manual_seed(5)
+    sampled = model.generate(prompt, top_k=4, generator=torch.Generator().manual_seed(7), **gen)
+    assert torch.equal(model.generate(prompt, top_k=np.int32(4), generator=torch.Generator().manual_seed(7), **gen),
+                       sampled)
+    for bad in (1.5, False):
+        with pytest.raises(TypeError, match=r"generate: top_k must be an int, got"):
+            model.generate(prompt, top_k=bad, **gen)
+    with pytest.raises(ValueError, match=r"generate: top_k must be >= 1, got 0"):
+        model.generate(prompt, top_k=0, **gen)
 
 
 def test_inference_params_must_match_the_model(model, prompt):

@@ -76,8 +76,9 @@ def reference_layer(layer, x, lengths, causal, freqs, activation, normalization,
                             f32(P.get("self_attention.layernorm_qkv.layer_norm_bias")), eps, normalization))
     mixed = F.linear(ln, P["self_attention.layernorm_qkv.weight"], P.get("self_attention.layernorm_qkv.bias"))
     q, k, v = _split(mixed, h, g, d, interleaved)
-    if freqs is not None:
-        q, k = rnd(rope_reference(f32(q), f32(freqs.double()))), rnd(rope_reference(f32(k), f32(freqs.double())))
+    if freqs is not None:  # freqs [positions >= s, d]: q and k turn by their own positions
+        fq = f32(freqs[:x.shape[1]].double())
+        q, k = rnd(rope_reference(f32(q), fq)), rnd(rope_reference(f32(k), fq))
     a = rnd(_attention(f32(q), f32(k), f32(v), lengths, lengths, causal, scale, window))
     x = x + F.linear(a, P["self_attention.proj.weight"], P.get("self_attention.proj.bias"))
     if encoder is not None:
@@ -88,7 +89,10 @@ def reference_layer(layer, x, lengths, causal, freqs, activation, normalization,
         q = q.view(*q.shape[:-1], h, d)
         kv = F.linear(enc, P["inter_attention.key_value.weight"], P.get("inter_attention.key_value.bias"))
         kv = kv.view(*kv.shape[:-1], g, 2, d)
-        a = _attention(q, kv[..., 0, :], kv[..., 1, :], [x.shape[1]] * x.shape[0], enc_lengths, False, scale)
+        kc = kv[..., 0, :]
+        if freqs is not None:  # TE turns cross-attention's q by the decoder's positions, k by the encoder's
+            q, kc = rope_reference(q, freqs[:q.shape[1]].double()), rope_reference(kc, freqs[:kc.shape[1]].double())
+        a = _attention(q, kc, kv[..., 1, :], [x.shape[1]] * x.shape[0], enc_lengths, False, scale)
         x = x + F.linear(a, P["inter_attention.proj.weight"], P.get("inter_attention.proj.bias"))
     ln = rnd(norm_reference(f32(x), f32(P["layernorm_mlp.layer_norm_weight"]),
                             f32(P.get("layernorm_mlp.layer_norm_bias")), eps, normalization))
@@ -277,6 +281,20 @@ def test_decoder_layer_cross_attention():
     assert rel_error(out, ref) <= 1e-5
     with pytest.raises(ValueError, match="encoder_output"):
         layer(x)
+
+
+def test_decoder_layer_rotary_reaches_cross_attention():
+    """rotary_pos_emb turns the cross-attention's queries (decoder
+    positions) and keys (encoder positions) too, as Transformer Engine's
+    TransformerLayer passes it to its inter_attention."""
+    torch.manual_seed(6)
+    layer = make_layer(layer_type="decoder", mask="causal", groups=2)
+    x, enc = torch.randn(2, 6, 64), torch.randn(2, 9, 64)
+    freqs = rope_freqs(9, 16)
+    out = layer(x, encoder_output=enc, rotary_pos_emb=freqs)
+    ref = reference_layer(layer, x, [6, 6], True, freqs[:, 0, 0, :], "gelu", "LayerNorm", 1e-5, encoder=enc,
+                          enc_lengths=[9, 9])
+    assert rel_error(out, ref) <= 1e-5
 
 
 def test_multihead_attention_alone():

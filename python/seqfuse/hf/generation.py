@@ -216,20 +216,32 @@ def decode_step(model, cache, tokens, freqs, rows, cu_q):
     return logits
 
 
+def _positive_int(name, value):
+    """``value`` as a Python int >= 1 (an integer of any kind: numpy's, a
+    one-element integer tensor), or a TypeError / ValueError naming it."""
+    n = exact_int(value)
+    if n is None:
+        raise TypeError(f"generate: {name} must be an int, got {value!r}")
+    if n < 1:
+        raise ValueError(f"generate: {name} must be >= 1, got {n}")
+    return n
+
+
 def _check_sampling(do_sample, temperature, top_k, top_p, max_new_tokens):
-    """The sampling arguments checked; returns (temperature, top_p) as
-    floats where sampling reads them (top_p None stays None), else as given."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"generate: max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    """The sampling arguments checked; returns (max_new_tokens, temperature,
+    top_k, top_p), the numbers as Python ints and floats where generation
+    reads them (top_k and top_p None stay None; temperature, top_k and top_p
+    as given when not sampling)."""
+    max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
     if do_sample not in (True, False):  # (a truthy string such as "no" would otherwise sample)
         raise TypeError(f"generate: do_sample must be True or False, got {do_sample!r}")
     if do_sample:
         temperature = as_float("generate", "temperature", temperature, above=0)
-        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-            raise ValueError(f"generate: top_k must be a positive int or None, got {top_k!r}")
+        if top_k is not None:
+            top_k = _positive_int("top_k", top_k)
         if top_p is not None:
             top_p = as_float("generate", "top_p", top_p, above=0, maximum=1)
-    return temperature, top_p
+    return max_new_tokens, temperature, top_k, top_p
 
 
 def _token_ids(value, name, vocab):
@@ -483,7 +495,7 @@ def generate(model, input_ids, attention_mask=None, cu_seqlens=None, max_new_tok
     why (once per reason).  True: the same, except a CPU model is a
     ValueError.  False: eager.  Both give the same tokens: the eager step is
     the function the graph captures."""
-    temperature, top_p = _check_sampling(do_sample, temperature, top_k, top_p, max_new_tokens)
+    max_new_tokens, temperature, top_k, top_p = _check_sampling(do_sample, temperature, top_k, top_p, max_new_tokens)
     if decode_graphs not in (None, True, False):
         raise ValueError(f"generate: decode_graphs must be None (auto), True or False, got {decode_graphs!r}")
     cfg = model.config

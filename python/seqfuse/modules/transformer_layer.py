@@ -14,7 +14,9 @@ TE's cross-attention over ``encoder_output`` (causality is the
 ("thd", with cu_seqlens_q/kv and max_seqlen_q/kv).
 
 QK-norm (``qk_norm_type``, ``qk_norm_eps``, ``qk_norm_before_rope``) is
-MultiheadAttention's, applied in self- and cross-attention as in TE.
+MultiheadAttention's, applied in self- and cross-attention as in TE; so is
+``rotary_pos_emb`` (in cross-attention the queries turn by the decoder's
+positions, the keys by the encoder's).
 ``seq_length`` and ``micro_batch_size`` only size buffers in TE and change
 nothing here.  ``device="meta"`` defers initialisation to
 reset_parameters() (MultiheadAttention's note).
@@ -224,10 +226,10 @@ class TransformerLayer(torch.nn.Module):
                 x, attention_mask=enc_dec_attn_mask, encoder_output=encoder_output,
                 attn_mask_type=enc_dec_attn_mask_type, window_size=enc_dec_window_size,
                 qkv_format=qkv_format, is_first_microbatch=is_first_microbatch,
-                checkpoint_core_attention=checkpoint_core_attention, cu_seqlens_q=cu_seqlens_q,
-                cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
-                cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded,
-                pad_between_seqs=pad_between_seqs)
+                checkpoint_core_attention=checkpoint_core_attention, rotary_pos_emb=rotary_pos_emb,
+                cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
+                max_seqlen_kv=max_seqlen_kv, cu_seqlens_q_padded=cu_seqlens_q_padded,
+                cu_seqlens_kv_padded=cu_seqlens_kv_padded, pad_between_seqs=pad_between_seqs)
             cross, residual = cross if post_ln else (cross, x)
             x = self._residual(residual, cross)
         if fuse_attn:  # the same layout and dropout rules; LayerNormMLP computes in x's dtype
