@@ -113,6 +113,23 @@ def test_cpu_return_bias_and_no_input_grad(seed):
     assert y.weight.grad is not None and y.bias.grad is not None
 
 
+def test_default_init_is_te_default_in_every_module():
+    """Without init_method every module's weights start N(0, 0.023), Transformer
+    Engine's default (its get_default_init_method), the norms' LayerNormLinear
+    and LayerNormMLP included: a model built from TE's modules starts from the
+    same distribution on either library."""
+    torch.manual_seed(0)
+    mods = {"Linear": te.Linear(256, 512, device="cpu"),
+            "LayerNormLinear": te.LayerNormLinear(256, 512, device="cpu"),
+            "LayerNormMLP": te.LayerNormMLP(256, 512, device="cpu"),
+            "GroupedLinear": te.GroupedLinear(2, 256, 512, device="cpu")}
+    for name, m in mods.items():
+        for pname, p in m.named_parameters():
+            if p.dim() == 2:
+                assert abs(p.std().item() - 0.023) < 0.002, (name, pname, p.std().item())
+                assert abs(p.mean().item()) < 0.002, (name, pname)
+
+
 def test_init_and_meta_device():
     calls = []
 

@@ -230,7 +230,7 @@ def test_transformer_layer_decoder_forward_keywords_against_torch():
     lengths, enc_lengths, s, s_enc = [5, 3], [7, 4], 5, 7
     x = torch.randn(2, s, 32, requires_grad=True)
     enc = torch.randn(2, s_enc, 32)
-    freqs = rope_freqs(s, 16)
+    freqs = rope_freqs(s_enc, 16)  # the cross-attention's keys turn by the encoder's 7 positions
     out = layer(hidden_states=x, attention_mask=pad_mask(lengths, s), self_attn_mask_type="padding_causal",
                 window_size=(-1, 0), encoder_output=enc, enc_dec_attn_mask=(pad_mask(lengths, s), pad_mask(enc_lengths, s_enc)),
                 enc_dec_attn_mask_type="padding", enc_dec_window_size=(-1, -1), is_first_microbatch=True,

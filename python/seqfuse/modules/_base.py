@@ -279,11 +279,17 @@ def fp8_norm(q, x2, lnw, lnb, eps, rms, zc, need_col):
     return iq.quantize(y, transpose=need_col, transient=True), mean, rstd
 
 
+#: Transformer Engine's default weight initialisation: N(0, 0.023) (its get_default_init_method)
+DEFAULT_INIT_STD = 0.023
+
+
 def init_weight(w, init_method):
+    """Initialise weight ``w`` in place with the module's ``init_method``, else
+    TE's default, N(0, DEFAULT_INIT_STD): every module's one rule."""
     if init_method is not None:
         init_method(w)
     else:
-        torch.nn.init.normal_(w, mean=0.0, std=0.02)
+        w.normal_(0.0, DEFAULT_INIT_STD)
 
 
 def take_norm_module_options(module, cls_name, te_refused, normalization, return_bias, fuse_wgrad_accumulation,

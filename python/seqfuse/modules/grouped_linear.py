@@ -90,7 +90,7 @@ from ..quantization import gemm_quantizers as _gq
 from ..quantization import stats
 from ..quantization.grouped import GroupedFloat8, note_grouped, quantize_grouped, stacked_weights_fp8, weight_pairs
 from . import _fp8 as F8
-from ._base import compute_dtype, default_device, mark_main_grad, set_linear_options, wgrad_overwrite
+from ._base import compute_dtype, default_device, init_weight, mark_main_grad, set_linear_options, wgrad_overwrite
 from ._input import check_input, gemm_rows
 from .te_compat import materialize, rng_fork
 
@@ -532,10 +532,7 @@ class GroupedLinear(torch.nn.Module):
             self.restack_weights()
         with rng_fork(self.get_rng_state_tracker, self.rng_tracker_name):
             for w in self.weights():
-                if self.init_method is not None:
-                    self.init_method(w)
-                else:
-                    w.normal_(0.0, 0.023)
+                init_weight(w, self.init_method)
         for b in self.biases():
             b.zero_()
 

@@ -61,8 +61,8 @@ from .. import ops
 from .. import quantization as _q
 from ..quantization import gemm_quantizers as _gq
 from . import _fp8 as F8
-from ._base import (compute_dtype, main_grad_for, same_dtype, set_linear_options, weight_and_bias_grads,
-                    wgrad_overwrite)
+from ._base import (compute_dtype, init_weight, main_grad_for, same_dtype, set_linear_options,
+                    weight_and_bias_grads, wgrad_overwrite)
 from ._input import check_input, check_residual, gemm_rows
 from ._split import fused_params, install_split, parse_split, reset_split, weight_sources
 from .te_compat import materialize, refuse_fp8_io, rng_fork, take_refused
@@ -169,10 +169,7 @@ class Linear(torch.nn.Module):
         return (("in_features", self.in_features), ("out_features", self.out_features))
 
     def _init_weight(self, weight):
-        if self.init_method is not None:
-            self.init_method(weight)
-        else:
-            weight.normal_(0.0, 0.023)
+        init_weight(weight, self.init_method)
 
     @torch.no_grad()
     def reset_parameters(self):

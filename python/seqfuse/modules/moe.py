@@ -66,7 +66,7 @@ import torch
 from .. import quantization as _q
 from ..common.notes import note_once
 from ..ops import moe as moe_ops
-from ._base import default_device
+from ._base import default_device, init_weight
 from ._input import check_input
 from .grouped_linear import ACTIVE_RECIPE, GroupedLinear
 
@@ -113,11 +113,8 @@ class RoutedExperts(torch.nn.Module):
 
     @torch.no_grad()
     def reset_router(self):
-        """The router weight from init_method, else N(0, 0.023)."""
-        if self.init_method is not None:
-            self.init_method(self.router_weight)
-        else:
-            self.router_weight.normal_(0.0, 0.023)
+        """The router weight from init_method, else N(0, 0.023) (TE's default)."""
+        init_weight(self.router_weight, self.init_method)
 
     def route(self, x):
         """(probs [T, E] float32, routing_map [T, E], logits [T, E] float32)."""

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from ..common.recipe import DelayedScaling
 from ..distributed.expert_parallel import combine_tokens, dispatch_tokens, group_size_rank
 from ..quantization import get_amax_reduction_group, get_recipe, is_fp8_enabled
-from ._base import default_device
+from ._base import default_device, init_weight
 from ._input import check_input
 from .grouped_linear import GroupedLinear
 from .moe import GroupedMLP, RoutedExperts
@@ -141,11 +141,7 @@ class ExpertParallelGroupedMLP(RoutedExperts):
             with torch.random.fork_rng(devices=devices, device_type=device.type if devices else None):
                 torch.manual_seed(base + e)
                 for fc in (self.fc1, self.fc2):
-                    w = fc.weights()[g]
-                    if self.init_method is not None:
-                        self.init_method(w)
-                    else:
-                        w.normal_(0.0, 0.023)
+                    init_weight(fc.weights()[g], self.init_method)
                     if fc.use_bias:
                         fc.biases()[g].zero_()
 
