@@ -411,6 +411,45 @@ def test_readme_table_is_current():
         "README.md's TE table is stale: run python3 benchmarks/te_compat/compat_table.py --write"
 
 
+def _positional(fn):
+    """The names a positional argument of ``fn`` can bind to, in order (no self)."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in inspect.signature(fn).parameters.values() if p.kind in kinds][1:]
+
+
+#: GroupedLinear's leading constructor arguments in TE 2.20 (not in the snapshot's eight modules)
+TE_GROUPED_LINEAR_INIT = ["num_gemms", "in_features", "out_features", "sequence_parallel", "fuse_wgrad_accumulation"]
+
+
+@pytest.mark.parametrize("cls", sorted(REQUIRED) + ["GroupedLinear"])
+def test_a_positional_argument_binds_as_in_te(cls):
+    """Every argument a caller can pass by position binds to the parameter of
+    the same name as in Transformer Engine (the constructor's and forward's
+    order are TE's as far as seqfuse takes arguments by position; the rest is
+    keyword-only), so TE code that passes arguments by position either means
+    the same here or fails with a TypeError: te.Linear(16, 16, False) is TE's
+    sequence_parallel=False, never bias=False."""
+    orders = ({"init": TE_GROUPED_LINEAR_INIT} if cls == "GroupedLinear" else
+              {w: [a for a, _ in SNAPSHOT["modules"][cls][w]] for w in ("init", "forward")})
+    for which, theirs in orders.items():
+        ours = _positional(getattr(te, cls).__init__ if which == "init" else getattr(te, cls).forward)
+        n = min(len(ours), len(theirs))
+        if cls == "GroupedLinear":
+            assert len(ours) <= len(theirs), (cls, ours)
+        assert ours[:n] == theirs[:n], (cls, which, ours, theirs)
+
+
+def test_a_positional_argument_past_tes_order_is_a_type_error():
+    with pytest.raises(TypeError, match="positional argument"):
+        te.Linear(16, 16, False, device="cpu")  # TE: sequence_parallel=False
+    with pytest.raises(TypeError, match="positional argument"):
+        te.GroupedLinear(2, 16, 16, False, device="cpu")
+    layer = te.TransformerLayer(16, 32, 2, hidden_dropout=0.0, attention_dropout=0.0, attn_input_format="bshd",
+                                device="cpu")
+    with pytest.raises(TypeError, match="positional argument"):
+        layer(torch.randn(1, 4, 16), None, "causal", None, None)  # TE's fifth: bottom_right_diagonal
+
+
 def test_no_core_constructor_argument_lacks():
     lacking = {cls: [a for a, s, _ in rows if s == "lacks"] for cls, rows in RESULT["modules"].items()}
     assert not any(lacking.values()), lacking

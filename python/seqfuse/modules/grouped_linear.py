@@ -397,7 +397,7 @@ class GroupedLinear(torch.nn.Module):
     is_first_microbatch, swiglu_probs: see forward).
     """
 
-    def __init__(self, num_gemms, in_features, out_features, bias=True, params_dtype=None, device=None,
+    def __init__(self, num_gemms, in_features, out_features, *, bias=True, params_dtype=None, device=None,
                  init_method=None, return_bias=False, fuse_wgrad_accumulation=False, get_rng_state_tracker=None,
                  rng_tracker_name=None, name=None, **unsupported):
         super().__init__()

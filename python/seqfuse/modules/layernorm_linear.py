@@ -141,7 +141,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
 class LayerNormLinear(torch.nn.Module):
     """Normalization + linear layer; see the module note."""
 
-    def __init__(self, in_features, out_features, eps=1e-5, bias=True, normalization="LayerNorm",
+    def __init__(self, in_features, out_features, eps=1e-5, *, bias=True, normalization="LayerNorm",
                  zero_centered_gamma=False, return_layernorm_output=False, params_dtype=None,
                  device=None, init_method=None, parameters_split=None, return_bias=False,
                  get_rng_state_tracker=None, name=None, fuse_wgrad_accumulation=False, **te_refused):

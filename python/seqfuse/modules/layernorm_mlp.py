@@ -255,7 +255,7 @@ def _wgrad(dy, inp, bias_dtype, main_grad=None):
 class LayerNormMLP(torch.nn.Module):
     """Norm + FC1 + activation + FC2; see the module note."""
 
-    def __init__(self, hidden_size, ffn_hidden_size, eps=1e-5, bias=True, normalization="LayerNorm",
+    def __init__(self, hidden_size, ffn_hidden_size, eps=1e-5, *, bias=True, normalization="LayerNorm",
                  activation="gelu", zero_centered_gamma=False, params_dtype=None, device=None,
                  init_method=None, output_layer_init_method=None, return_layernorm_output=False,
                  checkpoint=False, seq_length=None, micro_batch_size=None, get_rng_state_tracker=None,

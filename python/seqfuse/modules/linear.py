@@ -140,7 +140,7 @@ class Linear(torch.nn.Module):
     NotImplementedError unless off (seqfuse.modules.te_compat.REFUSED).
     """
 
-    def __init__(self, in_features, out_features, bias=True, params_dtype=None, device=None,
+    def __init__(self, in_features, out_features, *, bias=True, params_dtype=None, device=None,
                  init_method=None, return_bias=False, fuse_wgrad_accumulation=False, parameters_split=None,
                  get_rng_state_tracker=None, rng_tracker_name=None, name=None, **te_refused):
         super().__init__()

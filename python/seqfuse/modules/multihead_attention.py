@@ -91,7 +91,7 @@ class MultiheadAttention(torch.nn.Module):
     def __init__(self, hidden_size, num_attention_heads, kv_channels=None, attention_dropout=0.1,
                  layernorm_epsilon=1e-5, init_method=None, output_layer_init_method=None,
                  layer_number=None, attn_mask_type="causal", window_size=None,
-                 num_gqa_groups=None, get_rng_state_tracker=None, params_dtype=None,
+                 *, num_gqa_groups=None, get_rng_state_tracker=None, params_dtype=None,
                  return_layernorm_output=False, input_layernorm=False, attention_type="self",
                  fuse_qkv_params=False, zero_centered_gamma=False,
                  qkv_weight_interleaved=True, bias=True, normalization="LayerNorm", device=None,
@@ -240,7 +240,7 @@ class MultiheadAttention(torch.nn.Module):
         self.core_attention.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
 
     def forward(self, hidden_states, attention_mask=None, encoder_output=None, attn_mask_type=None,
-                window_size=None, is_first_microbatch=None, checkpoint_core_attention=False,
+                window_size=None, *, is_first_microbatch=None, checkpoint_core_attention=False,
                 inference_params=None, rotary_pos_emb=None, core_attention_bias_type="no_bias",
                 core_attention_bias=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_kv=None,
                 max_seqlen_q=None, max_seqlen_kv=None, fast_zero_fill=True, qkv_format=None,

@@ -54,7 +54,7 @@ class TransformerLayer(torch.nn.Module):
     def __init__(self, hidden_size, ffn_hidden_size, num_attention_heads, num_gqa_groups=None,
                  layernorm_epsilon=1e-5, hidden_dropout=0.1, attention_dropout=0.1, init_method=None,
                  output_layer_init_method=None, layer_number=None, kv_channels=None,
-                 self_attn_mask_type="causal", window_size=None, enc_dec_attn_mask_type="no_mask",
+                 self_attn_mask_type="causal", window_size=None, *, enc_dec_attn_mask_type="no_mask",
                  enc_dec_window_size=None, params_dtype=None, get_rng_state_tracker=None, seq_length=None,
                  micro_batch_size=None, layer_type="encoder", fuse_qkv_params=False, zero_centered_gamma=False,
                  qkv_weight_interleaved=True, bias=True, activation="gelu", normalization="LayerNorm",
@@ -169,7 +169,7 @@ class TransformerLayer(torch.nn.Module):
                 child.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
 
     def forward(self, hidden_states, attention_mask=None, self_attn_mask_type=None, window_size=None,
-                encoder_output=None, enc_dec_attn_mask=None, enc_dec_attn_mask_type=None,
+                *, encoder_output=None, enc_dec_attn_mask=None, enc_dec_attn_mask_type=None,
                 enc_dec_window_size=None, is_first_microbatch=None, checkpoint_core_attention=False,
                 inference_params=None, rotary_pos_emb=None, core_attention_bias_type="no_bias",
                 core_attention_bias=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_kv=None,

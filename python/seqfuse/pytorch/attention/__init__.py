@@ -52,7 +52,7 @@ class DotProductAttention(_DotProductAttention):
     __doc__ = _DotProductAttention.__doc__
 
     def __init__(self, num_attention_heads, kv_channels, num_gqa_groups=None, attention_dropout=0.0,
-                 qkv_format="sbhd", attn_mask_type="causal", window_size=None, layer_number=None,
+                 qkv_format="sbhd", attn_mask_type="causal", window_size=None, *, layer_number=None,
                  attention_type="self", cp_group=None, cp_global_ranks=None, cp_stream=None,
                  cp_comm_type="p2p", softmax_scale=None, deterministic=False, name=None,
                  get_rng_state_tracker=None, **te_refused):
