@@ -369,3 +369,24 @@ def test_multihead_attention_without_bias_against_torch():
     ctx = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
     ref = ctx.transpose(1, 2).reshape(2, 5, 16) @ m.proj.weight.double().T
     close(m(x), ref)
+
+
+def test_make_graphed_callables_takes_te_2_20_names():
+    """make_graphed_callables takes TE 2.20's names (enabled, calibrating,
+    recipe, amax_reduction_group, cache_quantized_params) and their older
+    fp8_* ones, one of each pair: both is a ValueError naming both, before
+    anything is captured (on a CPU the call then stops at the CUDA check)."""
+    lin = te.Linear(16, 16, device="cpu")
+    sample = (torch.randn(2, 16),)
+    pairs = (("fp8_enabled", "enabled", True), ("fp8_calibrating", "calibrating", False),
+             ("fp8_recipe", "recipe", te.recipe.DelayedScaling()), ("fp8_group", "amax_reduction_group", None),
+             ("fp8_weight_caching", "cache_quantized_params", True))
+    for old, new, value in pairs:
+        if value is None:
+            continue
+        with pytest.raises(ValueError, match=f"give '{new}' or its older name '{old}', not both"):
+            te.make_graphed_callables(lin, sample, **{old: value, new: value})
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA graphs need a CUDA device"):
+            te.make_graphed_callables(lin, sample, enabled=True, recipe=te.recipe.DelayedScaling(),
+                                      cache_quantized_params=True)

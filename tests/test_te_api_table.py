@@ -411,31 +411,61 @@ def test_readme_table_is_current():
         "README.md's TE table is stale: run python3 benchmarks/te_compat/compat_table.py --write"
 
 
-def _positional(fn):
-    """The names a positional argument of ``fn`` can bind to, in order (no self)."""
+def _positional(fn, owner=None, method=None):
+    """The names a positional argument of ``fn`` can bind to, in order (no
+    self for a method).  A method that passes ``*args`` on (DotProductAttention's
+    forward) is read through to the first class in ``owner``'s MRO whose
+    ``method`` names its parameters."""
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return [p.name for p in inspect.signature(fn).parameters.values() if p.kind in kinds][1:]
+    params = list(inspect.signature(fn).parameters.values())
+    if owner is not None and any(p.kind == p.VAR_POSITIONAL for p in params):
+        base = next(b for b in owner.__mro__[1:] if method in vars(b))
+        return _positional(vars(base)[method], base, method)
+    names = [p.name for p in params if p.kind in kinds]
+    return names[1:] if owner is not None else names
 
 
-#: GroupedLinear's leading constructor arguments in TE 2.20 (not in the snapshot's eight modules)
-TE_GROUPED_LINEAR_INIT = ["num_gemms", "in_features", "out_features", "sequence_parallel", "fuse_wgrad_accumulation"]
+#: TE 2.20's leading positional arguments of the callables not in the snapshot's eight modules
+TE_ORDERS = {
+    "GroupedLinear": ["num_gemms", "in_features", "out_features", "sequence_parallel", "fuse_wgrad_accumulation"],
+    "autocast": ["enabled", "calibrating", "recipe", "amax_reduction_group", "_graph"],
+    "fp8_autocast": ["enabled", "calibrating", "fp8_recipe", "fp8_group", "_graph"],
+    "make_graphed_callables": ["modules", "sample_args", "num_warmup_iters", "allow_unused_input", "sample_kwargs",
+                               "fp8_enabled", "fp8_calibrating", "fp8_recipe", "fp8_group", "fp8_weight_caching",
+                               "enabled", "calibrating", "recipe", "amax_reduction_group", "cache_quantized_params"],
+    # TE's recipes' fields in order (dataclasses); seqfuse's are keyword-only where the orders differ
+    "DelayedScaling": ["margin", "fp8_format", "amax_history_len", "amax_compute_algo", "scaling_factor_compute_algo",
+                       "reduce_amax", "fp8_dpa", "fp8_mha", "backward_override"],
+    "Float8CurrentScaling": ["use_power_2_scales", "fp8_format", "fp8_gemm_fprop", "fp8_gemm_dgrad",
+                             "fp8_gemm_wgrad", "fp8_dpa", "fp8_mha", "backward_override"],
+    "Float8BlockScaling": ["use_f32_scales", "fp8_format", "x_block_scaling_dim", "w_block_scaling_dim",
+                           "grad_block_scaling_dim", "fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad", "fp8_dpa",
+                           "fp8_mha", "backward_override"],
+    "MXFP8BlockScaling": ["margin", "fp8_format", "fp8_dpa", "fp8_mha", "backward_override",
+                          "enable_2d_quantization"],
+    "NVFP4BlockScaling": ["disable_rht", "disable_stochastic_rounding", "disable_2d_quantization"],
+}
 
 
-@pytest.mark.parametrize("cls", sorted(REQUIRED) + ["GroupedLinear"])
+@pytest.mark.parametrize("cls", sorted(REQUIRED) + sorted(TE_ORDERS))
 def test_a_positional_argument_binds_as_in_te(cls):
     """Every argument a caller can pass by position binds to the parameter of
-    the same name as in Transformer Engine (the constructor's and forward's
-    order are TE's as far as seqfuse takes arguments by position; the rest is
-    keyword-only), so TE code that passes arguments by position either means
-    the same here or fails with a TypeError: te.Linear(16, 16, False) is TE's
-    sequence_parallel=False, never bias=False."""
-    orders = ({"init": TE_GROUPED_LINEAR_INIT} if cls == "GroupedLinear" else
-              {w: [a for a, _ in SNAPSHOT["modules"][cls][w]] for w in ("init", "forward")})
-    for which, theirs in orders.items():
-        ours = _positional(getattr(te, cls).__init__ if which == "init" else getattr(te, cls).forward)
+    the same name as in Transformer Engine (constructors', forwards' and
+    functions' orders are TE's as far as seqfuse takes arguments by position;
+    the rest is keyword-only), so TE code that passes arguments by position
+    either means the same here or fails with a TypeError: te.Linear(16, 16,
+    False) is TE's sequence_parallel=False, never bias=False."""
+    if cls in TE_ORDERS:
+        obj = getattr(te, cls, None) or getattr(te.recipe, cls)
+        fn = obj.__init__ if isinstance(obj, type) else getattr(obj, "__wrapped__", obj)
+        orders = {"init": (TE_ORDERS[cls], _positional(fn, obj if isinstance(obj, type) else None, "__init__"))}
+    else:
+        klass = getattr(te, cls)
+        orders = {w: ([a for a, _ in SNAPSHOT["modules"][cls][w]],
+                      _positional(getattr(klass, "__init__" if w == "init" else "forward"), klass,
+                                  "__init__" if w == "init" else "forward")) for w in ("init", "forward")}
+    for which, (theirs, ours) in orders.items():
         n = min(len(ours), len(theirs))
-        if cls == "GroupedLinear":
-            assert len(ours) <= len(theirs), (cls, ours)
         assert ours[:n] == theirs[:n], (cls, which, ours, theirs)
 
 
@@ -448,6 +478,15 @@ def test_a_positional_argument_past_tes_order_is_a_type_error():
                                 device="cpu")
     with pytest.raises(TypeError, match="positional argument"):
         layer(torch.randn(1, 4, 16), None, "causal", None, None)  # TE's fifth: bottom_right_diagonal
+    dpa = te.DotProductAttention(2, 8, qkv_format="bshd", attn_mask_type="no_mask")
+    q = torch.randn(1, 3, 2, 8)
+    with pytest.raises(TypeError, match="positional argument"):  # TE's 14th: bottom_right_diagonal
+        dpa(q, q, q, None, "bshd", None, None, None, None, None, None, "no_mask", (2, 0), False)
+    with pytest.raises(NotImplementedError, match="bottom_right_diagonal"):  # TE's top-left diagonal
+        dpa(q, q, q, window_size=(2, 0), bottom_right_diagonal=False)
+    with pytest.raises(TypeError, match="positional argument"):
+        with te.autocast(True, None):  # TE's second: calibrating
+            pass
 
 
 def test_no_core_constructor_argument_lacks():

@@ -217,7 +217,7 @@ class DelayedScaling(Recipe):
         _attention_flags(self)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Float8CurrentScaling(Recipe):
     """Per-tensor scaling from the tensor's own amax, computed just before the cast."""
 
@@ -232,7 +232,7 @@ class Float8CurrentScaling(Recipe):
         _attention_flags(self)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Float8BlockScaling(Recipe):
     """FP8 with fp32 block scales: 1x128 blocks for activations and gradients
     (x_block_scaling_dim=1, grad_block_scaling_dim=1), 128x128 for weights
@@ -254,7 +254,7 @@ class Float8BlockScaling(Recipe):
         _attention_flags(self)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class MXFP8BlockScaling(Recipe):
     """MXFP8: FP8 values with an E8M0 scale per 32 consecutive elements."""
 
@@ -267,7 +267,7 @@ class MXFP8BlockScaling(Recipe):
         _attention_flags(self)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class NVFP4BlockScaling(Recipe):
     """NVFP4: E2M1 values, an E4M3 scale per 16 elements, an fp32 scale per tensor."""
 

@@ -233,7 +233,7 @@ class DotProductAttention(torch.nn.Module):
     def forward(self, query_layer, key_layer, value_layer, attention_mask=None, qkv_format=None,
                 cu_seqlens_q=None, cu_seqlens_kv=None, cu_seqlens_q_padded=None,
                 cu_seqlens_kv_padded=None, max_seqlen_q=None, max_seqlen_kv=None,
-                attn_mask_type=None, window_size=None, checkpoint_core_attention=False,
+                attn_mask_type=None, window_size=None, *, checkpoint_core_attention=False,
                 core_attention_bias_type="no_bias", core_attention_bias=None, alibi_slopes=None,
                 fast_zero_fill=True, inference_params=None):
         qkv_format = qkv_format or self.qkv_format

@@ -15,8 +15,9 @@ TE's cross-attention over ``encoder_output`` (causality is the
 
 QK-norm (``qk_norm_type``, ``qk_norm_eps``, ``qk_norm_before_rope``) is
 MultiheadAttention's, applied in self- and cross-attention as in TE; so is
-``rotary_pos_emb`` (in cross-attention the queries turn by the decoder's
-positions, the keys by the encoder's).
+``rotary_pos_emb`` (one table for queries and keys, or a (q, k) pair; in
+cross-attention the queries turn by the decoder's positions and the keys by
+the encoder's, so a single table must cover the longer of the two).
 ``seq_length`` and ``micro_batch_size`` only size buffers in TE and change
 nothing here.  ``device="meta"`` defers initialisation to
 reset_parameters() (MultiheadAttention's note).

@@ -120,7 +120,7 @@ def _check_context_args(op, recipe, or_none, flags, recipe_goes_in):
 
 
 @contextlib.contextmanager
-def autocast(enabled=True, recipe=None, amax_reduction_group=None, calibrating=False):
+def autocast(enabled=True, *, recipe=None, amax_reduction_group=None, calibrating=False):
     """Run the region with quantized GEMMs under ``recipe`` (default
     DelayedScaling()).  Nested regions inherit and restore; the delayed-
     scaling update runs when the outermost enabled region exits, for its

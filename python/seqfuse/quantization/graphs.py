@@ -68,21 +68,40 @@ _first_step_logged = []
 __all__ = ["make_graphed_callables"]
 
 
+def _one_of(old_name, old, new_name, new, default):
+    """The value of an argument TE 2.20 renamed (``old_name`` -> ``new_name``):
+    whichever of the two was given, else ``default``; both given is a
+    ValueError naming both (as in TE)."""
+    if old is not None and new is not None:
+        raise ValueError(f"make_graphed_callables: give '{new_name}' or its older name '{old_name}', not both")
+    return old if old is not None else (new if new is not None else default)
+
+
 def make_graphed_callables(modules, sample_args, num_warmup_iters=3, allow_unused_input=False,
-                           sample_kwargs=None, fp8_enabled=False, fp8_calibrating=False,
-                           fp8_recipe=None, fp8_group=None, fp8_weight_caching=False, pool=None,
-                           _order=None, retain_graph_in_backward=False):
+                           sample_kwargs=None, fp8_enabled=None, fp8_calibrating=None,
+                           fp8_recipe=None, fp8_group=None, fp8_weight_caching=None, enabled=None,
+                           calibrating=None, recipe=None, amax_reduction_group=None, cache_quantized_params=None,
+                           *, pool=None, _order=None, retain_graph_in_backward=False):
     """Graphed versions of ``modules`` (a module or callable, or a tuple of
     them with a tuple of sample-argument tuples), as
     torch.cuda.make_graphed_callables returns them, captured with FP8 on
-    when ``fp8_enabled`` (``fp8_recipe``, default DelayedScaling()).
+    when ``enabled`` (``recipe``, default DelayedScaling()).
 
+    TE 2.20's names and their older ones are both taken, in TE's order:
+    ``enabled`` / ``fp8_enabled``, ``calibrating`` / ``fp8_calibrating``,
+    ``recipe`` / ``fp8_recipe``, ``amax_reduction_group`` / ``fp8_group``,
+    ``cache_quantized_params`` / ``fp8_weight_caching`` (one of each pair).
     Run the result inside ``seqfuse.pytorch.autocast`` with the same recipe
     (the delayed-scaling update runs at that region's exit).
-    ``fp8_weight_caching`` is accepted for TE's signature: weights are cast
-    at every replay (a graph cannot know whether the optimizer stepped).
+    ``cache_quantized_params`` is accepted for TE's signature: weights are
+    cast at every replay (a graph cannot know whether the optimizer stepped).
     TE's pipeline-schedule arguments (``_order``) and keyword sample
     arguments are not supported and raise."""
+    fp8_enabled = _one_of("fp8_enabled", fp8_enabled, "enabled", enabled, False)
+    fp8_calibrating = _one_of("fp8_calibrating", fp8_calibrating, "calibrating", calibrating, False)
+    fp8_recipe = _one_of("fp8_recipe", fp8_recipe, "recipe", recipe, None)
+    fp8_group = _one_of("fp8_group", fp8_group, "amax_reduction_group", amax_reduction_group, None)
+    _one_of("fp8_weight_caching", fp8_weight_caching, "cache_quantized_params", cache_quantized_params, False)
     if _order is not None:
         raise NotImplementedError("make_graphed_callables: argument '_order' (pipeline-parallel capture "
                                   "order) is not supported")

@@ -74,7 +74,9 @@ class DotProductAttention(_DotProductAttention):
         for name, off in _TE_FORWARD_OFF.items():
             if name in kwargs:
                 value = kwargs.pop(name)
-                if not (value is off or (off is None and value is False)
+                # (False is off for pad_between_seqs; for bottom_right_diagonal it is TE's top-left
+                # diagonal, which seqfuse's windows do not take)
+                if not (value is off or (name == "pad_between_seqs" and value is False)
                         or (type(value) is type(off) and value == off)):
                     shown = "a tensor" if isinstance(value, torch.Tensor) else repr(value)
                     raise NotImplementedError(f"DotProductAttention: argument '{name}'={shown} is not "
