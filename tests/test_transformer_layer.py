@@ -489,16 +489,23 @@ def test_qkv_split_backward_cats_at_most_4d(interleaved):
 
 def test_linear_parameters_split():
     """TE's parameters_split on Linear and LayerNormLinear: names from a
-    tuple (equal rows, trailing underscores stripped) or a dict; one GEMM;
-    the same initial values as the unsplit module from the same seed; bad
-    splits name the argument."""
-    torch.manual_seed(3)
-    whole = te.Linear(16, 12, device="cpu")
+    tuple (equal rows, trailing underscores stripped) or a dict; one GEMM
+    over the pieces; each piece initialised on its own in order, as TE
+    initialises each split parameter (init_method sees the piece's shape);
+    bad splits name the argument."""
     torch.manual_seed(3)
     split = te.Linear(16, 12, parameters_split=("a_", "b_", "c_"), device="cpu")
     assert [n for n, _ in split.named_parameters()] == ["a_weight", "a_bias", "b_weight", "b_bias",
                                                         "c_weight", "c_bias"]
-    assert torch.equal(torch.cat([split.a_weight, split.b_weight, split.c_weight]), whole.weight)
+    torch.manual_seed(3)
+    pieces = [torch.empty(4, 16).normal_(0.0, 0.023) for _ in range(3)]
+    assert all(torch.equal(getattr(split, f"{n}_weight"), p) for n, p in zip("abc", pieces))
+    shapes = []
+    te.Linear(16, 10, parameters_split={"q": 6, "kv": 4}, device="cpu", init_method=lambda w: shapes.append(w.shape))
+    assert shapes == [(6, 16), (4, 16)]
+    whole = te.Linear(16, 12, device="cpu")  # the same GEMM over the concatenated pieces
+    with torch.no_grad():
+        whole.weight.copy_(torch.cat(pieces))
     x = torch.randn(5, 16)
     assert torch.equal(split(x), whole(x))
     ln = te.LayerNormLinear(16, 10, parameters_split={"q": 6, "kv": 4}, bias=False, device="cpu")

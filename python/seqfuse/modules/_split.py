@@ -14,9 +14,10 @@ weight update.
 ``parameters_split`` is a dict (name -> rows, in order) or a list / tuple
 of names (equal rows).  Trailing underscores are stripped and ``_weight`` /
 ``_bias`` appended: ("query_", "key_", "value_") gives ``query_weight`` and
-so on.  The pieces start as the rows of the weight the unsplit module
-would have made, so a split and an unsplit module built from the same seed
-compute the same function.
+so on.  Each piece is initialised on its own, in order, as TE initialises
+its split parameters: ``init_method`` is called once per piece and sees
+the piece's shape (an initialiser that reads the fan-out, such as Xavier's,
+draws what TE draws); biases start at zero.
 """
 import torch
 
@@ -72,20 +73,15 @@ def install_split(module, split):
 
 
 @torch.no_grad()
-def reset_split(module, init_full):
-    """Initialize the pieces as the rows of one full weight made by
-    ``init_full(weight)`` (the unsplit module's initialization); biases zero."""
-    pieces = [getattr(module, f"{name}_weight") for name, _ in module.parameters_split]
-    full = torch.empty(module.out_features, module.in_features, dtype=pieces[0].dtype,
-                       device=pieces[0].device)
-    init_full(full)
-    start = 0
-    for (name, rows), piece in zip(module.parameters_split, pieces):
-        piece.copy_(full[start:start + rows])
+def reset_split(module, init_piece):
+    """Initialize the pieces as Transformer Engine initializes its split
+    parameters: ``init_piece(piece)`` on each piece in order (an init_method
+    that reads its tensor's shape sees the piece's, as in TE); biases zero."""
+    for name, _ in module.parameters_split:
+        init_piece(getattr(module, f"{name}_weight"))
         b = getattr(module, f"{name}_bias")
         if b is not None:
             b.zero_()
-        start += rows
 
 
 def weight_sources(module):
