@@ -226,6 +226,32 @@ def test_fused_decoder_layer_residual_rules_logged(caplog, monkeypatch):
                     "residual dropout in training"]
 
 
+def test_multihead_attention_residual_in_another_dtype_is_added_after(caplog, monkeypatch):
+    """MultiheadAttention's residual in another dtype than the output
+    projection computes in (float32 hidden states and parameters under a
+    bfloat16 torch.autocast) is added after the GEMM, as x + mha(x) adds it
+    (it raised the Linear's dtype rule before), said once in a log line; the
+    pre-norm case (the residual is hidden_states) included, gradients too."""
+    from seqfuse.common import notes
+
+    monkeypatch.setattr(notes, "_noted", set())
+    torch.manual_seed(0)
+    mha = te.MultiheadAttention(32, 2, attention_dropout=0.0, qkv_format="bshd", attn_mask_type="causal",
+                                input_layernorm=True, device="cpu")
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    other = torch.randn(2, 5, 32)
+    with caplog.at_level(logging.INFO, logger="seqfuse"), torch.autocast("cpu", dtype=torch.bfloat16):
+        for r in (x, other):
+            out = mha(x, residual=r)
+            grad = torch.autograd.grad(out.sum(), x)[0]
+            ref = r + mha(x)
+            assert out.dtype == ref.dtype == torch.float32 and torch.equal(out, ref)
+            assert torch.equal(grad, torch.autograd.grad(ref.sum(), x)[0])
+    said = [m for m in (r.getMessage() for r in caplog.records) if "residual adds" in m]
+    assert said == ["MultiheadAttention: residual adds run after the GEMMs, not in their epilogues: the hidden "
+                    "states are torch.float32 and the branch computes in torch.bfloat16 (autocast)"]
+
+
 @pytest.mark.parametrize("recipe", ["none", _fp8_param("delayed")])
 @pytest.mark.parametrize("fmt", ["bshd", "thd"])
 def test_transformer_layer_residuals_in_the_epilogues_cpu(recipe, fmt, monkeypatch):

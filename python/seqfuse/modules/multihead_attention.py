@@ -49,7 +49,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ._base import size_arg
+from ._base import compute_dtype, residual_fusable, size_arg
 from .attention import DotProductAttention
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear
@@ -250,7 +250,9 @@ class MultiheadAttention(torch.nn.Module):
         layout given at construction for this call (one model can take padded
         bshd and packed thd batches); ``residual`` (the output's shape and
         dtype) is added in the output projection's GEMM epilogue
-        (Linear's residual); when it is ``hidden_states`` itself (a pre-norm
+        (Linear's residual; in another dtype, e.g. float32 hidden states
+        under a bfloat16 torch.autocast, it is added after the GEMM, as torch
+        would, said once in a log line); when it is ``hidden_states`` itself (a pre-norm
         block) its gradient is added to the input's in the QKV norm's
         backward pass (LayerNormLinear's ``return_input_alias``).  ``checkpoint_core_attention=True``
         recomputes the core attention in the backward
@@ -283,6 +285,10 @@ class MultiheadAttention(torch.nn.Module):
                              f"{self.hidden_size} for qkv_format {fmt!r}, got {tuple(hidden_states.shape)}")
         if fmt == "thd" and cu_seqlens_q is None:
             raise ValueError("MultiheadAttention: qkv_format 'thd' needs cu_seqlens_q")
+        added_after = None  # a residual the output projection's epilogue cannot add (another dtype): added after
+        if isinstance(residual, torch.Tensor) and not residual_fusable(
+                "MultiheadAttention", residual, compute_dtype(hidden_states, self.proj.weight)):
+            added_after, residual = residual, None
         ln_out = None
         if self.attention_type == "self":
             if self.input_layernorm and residual is hidden_states and torch.is_grad_enabled() and \
@@ -342,6 +348,8 @@ class MultiheadAttention(torch.nn.Module):
         # (output, bias) with return_bias
         out = self.proj(context, is_first_microbatch=is_first_microbatch, residual=residual)
         outputs = list(out) if self.return_bias else [out]
+        if added_after is not None:
+            outputs[0] = outputs[0] + added_after
         if self.return_layernorm_output and self.input_layernorm:
             outputs.append(ln_out)  # TE's order: output, bias, norm output
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
