@@ -8,9 +8,10 @@ Problem: 16,384 tokens x top-2 = 32,768 expert rows, hidden 1024, FFN 3584
 experts, the rows split evenly ("balanced"), by a Zipf-like law with
 some experts empty ("skewed"), or at random afresh on every call
 ("fresh", bf16 only: as in training, where the counts change every step,
-so each call meets row counts cuBLASLt plans have not seen; this row
-carries the cost of a heuristic query per new shape); every group a
-multiple of 16 rows (FP8's rule).  Rows:
+so each call meets row counts the GEMM plans have not seen exactly: each
+runs its size class's algorithm, chosen once at the class's bound; see
+csrc/gemm/gemm_cuda.cu); every group a multiple of 16 rows (FP8's rule).
+Rows:
 
   bf16        seqfuse grouped_gemm vs torch._grouped_mm vs torch.matmul loop
   fp8         seqfuse grouped_gemm, E4M3 per-tensor scales (one per expert),
