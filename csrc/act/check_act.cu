@@ -129,15 +129,13 @@ static void bandwidth(int64_t rows, int64_t cols)
                100 * fb / f / 1e9 / copy_tbs, b, bb / b / 1e9, 100 * bb / b / 1e9 / copy_tbs);
     }
     {   /* SwiGLU with FP8 E4M3 output, amax and scale inverse: what FP8 LayerNormMLP runs (output 1 byte) */
-        void *sc, *am, *si;
-        CHECK_CUDA(cudaMalloc(&sc, 4)); CHECK_CUDA(cudaMalloc(&am, 4)); CHECK_CUDA(cudaMalloc(&si, 4));
-        const float one = 1.0f;
-        CHECK_CUDA(cudaMemcpy(sc, &one, 4, cudaMemcpyHostToDevice));
+        CheckBuf sc(SF_FLOAT32, 1), am(SF_FLOAT32, 1), si(SF_FLOAT32, 1);
+        sc.set(0, 1.0f);
+        am.set(0, 0.0f);
+        sc.up();
+        am.up();
         int64_t o1[1] = {1};
-        sf_tensor S, A, SI, Y8, DX8;
-        sf_tensor_init(&S, sc, SF_FLOAT32, 1, o1, SF_CUDA, 0);
-        sf_tensor_init(&A, am, SF_FLOAT32, 1, o1, SF_CUDA, 0);
-        sf_tensor_init(&SI, si, SF_FLOAT32, 1, o1, SF_CUDA, 0);
+        sf_tensor S = sc.view(1, o1, 1), A = am.view(1, o1, 1), SI = si.view(1, o1, 1), Y8, DX8;
         sf_tensor_init(&Y8, y, SF_FLOAT8_E4M3, 2, s2h, SF_CUDA, 0);
         sf_tensor_init(&DX8, dx, SF_FLOAT8_E4M3, 2, s2, SF_CUDA, 0);
         float f = time_ms([&] { CHECK_SF(sf_act_forward(SF_ACT_SWIGLU, &X, &Y8, &S, &A, &SI, NULL)); });
@@ -146,7 +144,6 @@ static void bandwidth(int64_t rows, int64_t cols)
         printf("swiglu    bf16 %lldx%lld -> e4m3 with amax: forward %.3f ms %.2f TB/s (%.0f%% of copy), backward "
                "%.3f ms %.2f TB/s (%.0f%%)\n", (long long)rows, (long long)cols, f, fb / f / 1e9,
                100 * fb / f / 1e9 / copy_tbs, b, bb / b / 1e9, 100 * bb / b / 1e9 / copy_tbs);
-        cudaFree(sc); cudaFree(am); cudaFree(si);
     }
     float d = time_ms([&] { CHECK_SF(sf_bias_dropout_add_forward(&X, &B, &R, 0.1f, 1, 0, &Y, NULL)); });
     printf("bias_dropout_add bf16 %lldx%lld: %.3f ms %.2f TB/s (%.0f%% of copy)\n", (long long)rows, (long long)cols,

@@ -505,21 +505,25 @@ sf_status lookup_locked(cublasLtHandle_t h, const sf_gemm_problem *p, Plan **out
     return SF_OK;
 }
 
+/* Enqueue p's matmul with the plan's descriptor, layouts and algorithm. */
+cublasStatus_t enqueue(cublasLtHandle_t h, const sf_gemm_problem *p, const Plan *plan, cudaStream_t stream)
+{
+    const float alpha = p->alpha, beta = p->accumulate ? 1.0f : 0.0f;
+    return cublasLtMatmul(h, plan->desc, &alpha, p->b.data, plan->la, p->a.data, plan->lb, &beta, p->c, plan->ld,
+                          p->out, plan->ld, &plan->algo, p->workspace, p->workspace_bytes, stream);
+}
+
 sf_status run_locked(const sf_gemm_problem *p, cudaStream_t stream)
 {
     cublasLtHandle_t h = NULL;
     SF_TRY(get_handle_locked(p->device_id, &h));
     Plan *plan = NULL;
     SF_TRY(lookup_locked(h, p, &plan));
-    float alpha = p->alpha, beta = p->accumulate ? 1.0f : 0.0f;
-    cublasStatus_t s = cublasLtMatmul(h, plan->desc, &alpha, p->b.data, plan->la, p->a.data, plan->lb, &beta,
-                                      p->c, plan->ld, p->out, plan->ld, &plan->algo, p->workspace,
-                                      p->workspace_bytes, stream);
+    cublasStatus_t s = enqueue(h, p, plan, stream);
     if (!plan->algo_confirmed && (s == CUBLAS_STATUS_INVALID_VALUE || s == CUBLAS_STATUS_NOT_SUPPORTED)) {
         /* the class algorithm refused this exact size: the heuristic's choice for it, and again */
         SF_TRY(choose_algo(h, p, plan, &plan->algo));
-        s = cublasLtMatmul(h, plan->desc, &alpha, p->b.data, plan->la, p->a.data, plan->lb, &beta, p->c,
-                           plan->ld, p->out, plan->ld, &plan->algo, p->workspace, p->workspace_bytes, stream);
+        s = enqueue(h, p, plan, stream);
     }
     if (s != CUBLAS_STATUS_SUCCESS)
         return lt_fail(s, "Matmul");
