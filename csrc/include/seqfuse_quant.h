@@ -55,10 +55,12 @@ sf_status sf_cast_fp8(const sf_tensor *x, const sf_tensor *scale, sf_tensor *ama
  * serves both).  Summed in float32 in the CUDA kernel's fixed order, which
  * the CPU backend repeats: the two agree bit for bit.  Needs K % 8 == 0,
  * Mp % 16 == 0 and, on CUDA, 16-byte aligned x and out_t and an 8-byte
- * aligned out (when given). */
+ * aligned out (when given).  dbias (optional): col_sums' total as
+ * sf_column_sums writes it, in the same call (the bias gradient: one C call
+ * for the cast and the sum, two launches on CUDA). */
 sf_status sf_cast_fp8_dbias(const sf_tensor *x, const sf_tensor *scale, sf_tensor *amax,
                             sf_tensor *out, sf_tensor *out_t, sf_tensor *scale_inv,
-                            sf_tensor *col_sums, sf_stream stream);
+                            sf_tensor *col_sums, sf_tensor *dbias, sf_stream stream);
 
 /* A bias gradient from a cast's per-block column sums: out[j] = the sum
  * over p of col_sums[p][j] (col_sums float32 [P, N], contiguous; out [N]
@@ -80,10 +82,15 @@ sf_status sf_column_sums(const sf_tensor *col_sums, sf_tensor *out, sf_stream st
  * cooperative launch: every block folds its part of max |x|, the blocks meet
  * at a grid barrier, each derives the scale, and they cast their tiles;
  * other shapes run the three kernels (three launches, same results).
- * amax, scale, scale_inv: float32, 1 element each, on x's device. */
+ * amax, scale, scale_inv: float32, 1 element each, on x's device.
+ * col_sums (optional, with out_t) and dbias (optional, with col_sums): the
+ * per-block column sums of sf_cast_fp8_dbias and their total, made by the
+ * three kernels' cast pass and one sum launch (a bias gradient under
+ * current scaling in one call: amax, scale, cast+sums, total). */
 sf_status sf_cast_fp8_current(const sf_tensor *x, sf_tensor *amax, sf_tensor *scale,
                               sf_tensor *scale_inv, sf_tensor *out, sf_tensor *out_t,
-                              int margin, sf_stream stream);
+                              sf_tensor *col_sums, sf_tensor *dbias, int margin,
+                              sf_stream stream);
 
 /* The FP8 casts of a mixture-of-experts layer's expert-sorted tokens, every
  * expert with its own scale, in one call (CUDA: one launch under delayed
@@ -246,10 +253,11 @@ sf_status sf_quantize_rowwise_fp8(const sf_tensor *x, sf_tensor *out, sf_tensor 
  * fixed (both backends): with rows r = 128 mb + g + 16 i (g = 0..15,
  * i = 0..7; rows past M read as 0), s_g = x[g] + x[g+16] + ... + x[g+112]
  * left to right, p_w = s_2w + s_2w+1, col_sums = p_0 + p_1 + ... + p_7 left
- * to right. */
+ * to right.  dbias (optional, with col_sums): their total as sf_column_sums
+ * writes it, in the same call. */
 sf_status sf_quantize_block_fp8_rowcol(const sf_tensor *x, sf_tensor *out, sf_tensor *scale_inv,
                                        sf_tensor *out_t, sf_tensor *scale_inv_t,
-                                       sf_tensor *col_sums, sf_stream stream);
+                                       sf_tensor *col_sums, sf_tensor *dbias, sf_stream stream);
 
 /* MXFP8: 1x32 blocks along K with E8M0 scales, K % 32 == 0.
  *   out: FP8 [M, K]; scales: float8_e8m0fnu or uint8 [M, K/32], row-major

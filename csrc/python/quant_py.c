@@ -11,17 +11,10 @@ SF_PY_OP(cast_fp8, sf_cast_fp8,
          "Scale, cast to the FP8 dtype of out/out_t, transpose into out_t, accumulate max|x| into "
          "amax.",
          (T, x), (T, scale), (OT, amax), (OT, out), (OT, out_t), (OT, scale_inv));
-SF_PY_OP(cast_fp8_dbias, sf_cast_fp8_dbias,
-         "cast_fp8 with the transposed copy and x's column sums per block of 128 rows.", (T, x),
-         (T, scale), (OT, amax), (OT, out), (T, out_t), (OT, scale_inv), (T, col_sums));
 SF_PY_OP(column_sums, sf_column_sums,
          "out[j] = sum over p of col_sums[p][j] in a fixed order, rounded once to out's dtype (the "
          "bias gradient from a cast's per-block column sums).",
          (T, col_sums), (T, out));
-SF_PY_OP(cast_fp8_current, sf_cast_fp8_current,
-         "amax = max|x|, the current-scaling scale and its inverse, then cast_fp8 (one launch on "
-         "CUDA where the tiled kernel takes the shapes).",
-         (T, x), (T, amax), (T, scale), (T, scale_inv), (OT, out), (OT, out_t), (INT, margin));
 SF_PY_OP(cast_fp8_grouped, sf_cast_fp8_grouped,
          "The per-expert casts of expert-sorted rows in one call: group g of x (m_splits, a CPU "
          "int64 tensor) with scale[g] into its padded block of out / out_t.",
@@ -65,18 +58,43 @@ SF_PY_OP(quantize_nvfp4, sf_quantize_nvfp4, "1x16 blocks of FP4 with E4M3 scales
 SF_PY_OP(dequantize_nvfp4, sf_dequantize_nvfp4, "out = data times its two-level scales.",
          (T, data), (T, block_scales), (T, global_scale_inv), (T, out));
 
-/* col_sums follows the stream argument (so it is written out): calls that
- * pass the stream positionally keep their meaning. */
+/* The optional outputs added to an entry after its first form follow the
+ * stream argument (so they are written out by keyword): calls that pass the
+ * stream positionally keep their meaning. */
+static const sf_py_arg dbias_args[] = {SF_T(x),       SF_T(scale),    SF_OT(amax),
+                                       SF_OT(out),    SF_T(out_t),    SF_OT(scale_inv),
+                                       SF_T(col_sums), SF_STREAM,     SF_OT_NONE(dbias)};
+static sf_status dbias_cast(sf_py_value *v, sf_stream s)
+{
+    return sf_cast_fp8_dbias(v[0].t, v[1].t, v[2].t, v[3].t, v[4].t, v[5].t, v[6].t, v[8].t, s);
+}
+SF_PY_BINDING(cast_fp8_dbias, dbias_args, dbias_cast,
+              "cast_fp8 with the transposed copy and x's column sums per block of 128 rows; with "
+              "dbias, their total (column_sums) in the same call.");
+
+static const sf_py_arg current_args[] = {SF_T(x),      SF_T(amax),      SF_T(scale),
+                                         SF_T(scale_inv), SF_OT(out),   SF_OT(out_t),
+                                         SF_INT(margin), SF_STREAM,     SF_OT_NONE(col_sums),
+                                         SF_OT_NONE(dbias)};
+static sf_status current_cast(sf_py_value *v, sf_stream s)
+{
+    return sf_cast_fp8_current(v[0].t, v[1].t, v[2].t, v[3].t, v[4].t, v[5].t, v[8].t, v[9].t, v[6].i, s);
+}
+SF_PY_BINDING(cast_fp8_current, current_args, current_cast,
+              "amax = max|x|, the current-scaling scale and its inverse, then cast_fp8 (one launch on "
+              "CUDA where the tiled kernel takes the shapes); with col_sums (and dbias) the column "
+              "sums per block of 128 rows (and their total) as cast_fp8_dbias makes them.");
+
 static const sf_py_arg rowcol_args[] = {SF_T(x),      SF_OT(out),         SF_OT(scale_inv),
                                         SF_OT(out_t), SF_OT(scale_inv_t), SF_STREAM,
-                                        SF_OT_NONE(col_sums)};
+                                        SF_OT_NONE(col_sums), SF_OT_NONE(dbias)};
 static sf_status rowcol(sf_py_value *v, sf_stream s)
 {
-    return sf_quantize_block_fp8_rowcol(v[0].t, v[1].t, v[2].t, v[3].t, v[4].t, v[6].t, s);
+    return sf_quantize_block_fp8_rowcol(v[0].t, v[1].t, v[2].t, v[3].t, v[4].t, v[6].t, v[7].t, s);
 }
 SF_PY_BINDING(quantize_block_fp8_rowcol, rowcol_args, rowcol,
               "1x128 blocks along K and (transposed) along M in one pass, and the column sums "
-              "per 128-row block.");
+              "per 128-row block (with dbias, their total in the same call).");
 
 const sf_py_binding *const sf_py_quant_bindings[] = {
     &amax_binding,           &cast_fp8_binding,         &cast_fp8_dbias_binding, &column_sums_binding,

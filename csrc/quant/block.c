@@ -269,7 +269,7 @@ sf_status sf_quantize_rowwise_fp8(const sf_tensor *x, sf_tensor *out, sf_tensor 
 
 sf_status sf_quantize_block_fp8_rowcol(const sf_tensor *x, sf_tensor *out, sf_tensor *scale_inv,
                                        sf_tensor *out_t, sf_tensor *scale_inv_t,
-                                       sf_tensor *col_sums, sf_stream stream)
+                                       sf_tensor *col_sums, sf_tensor *dbias, sf_stream stream)
 {
     static const char op[] = "quantize_block_fp8_rowcol";
     SF_TRY(sf_check_float_input(op, "x", x));
@@ -320,6 +320,17 @@ sf_status sf_quantize_block_fp8_rowcol(const sf_tensor *x, sf_tensor *out, sf_te
                            "[%lld, %lld]", op, (long long)(mt / 128), (long long)a.k);
         SF_TRY(check_out(op, "col_sums", col_sums, "x", x, mt / 128 * a.k, 1));
     }
+    if (dbias) {
+        if (!col_sums)
+            return sf_fail(SF_ERR_VALUE, "%s: argument 'dbias' comes with 'col_sums' (the total of "
+                           "its per-block sums)", op);
+        SF_TRY(sf_quant_check_column_sums(op, "col_sums", col_sums, "dbias", dbias));
+        const sf_mem_arg outs[] = {{"out", out, NULL},     {"scale_inv", scale_inv, NULL},
+                                   {"out_t", out_t, NULL}, {"scale_inv_t", scale_inv_t, NULL},
+                                   {"col_sums", col_sums, NULL}, {"dbias", dbias, NULL}};
+        const sf_mem_arg ins[] = {{"x", x, NULL}};
+        SF_TRY(sf_check_apart(op, outs, 6, ins, 1));
+    }
     a.format = SF_BLOCK_FP8_ROWCOL;
     a.x = x->data;
     a.x_dtype = x->dtype;
@@ -328,7 +339,8 @@ sf_status sf_quantize_block_fp8_rowcol(const sf_tensor *x, sf_tensor *out, sf_te
     a.data_t = out_t ? (uint8_t *)out_t->data : NULL;
     a.scales_t = scale_inv_t ? (float *)scale_inv_t->data : NULL;
     a.col_sums = col_sums ? (float *)col_sums->data : NULL;
-    return dispatch(op, "x", x, &a, 1, stream);
+    SF_TRY(dispatch(op, "x", x, &a, 1, stream));
+    return dbias ? sf_quant_column_sums_run(op, col_sums, dbias, stream) : SF_OK;
 }
 
 sf_status sf_dequantize_block_fp8(const sf_tensor *data, const sf_tensor *scale_inv,

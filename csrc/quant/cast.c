@@ -150,60 +150,80 @@ static sf_status cast_run(const char *op, const sf_cast_args *a, const sf_tensor
     return SF_DISPATCH(op, "x", x, sf_cast_fp8_cpu(a), sf_cast_fp8_cuda(a, x->device_id, stream));
 }
 
+sf_status sf_quant_check_column_sums(const char *op, const char *sums_arg, const sf_tensor *col_sums,
+                                     const char *out_arg, const sf_tensor *out)
+{
+    SF_TRY(sf_check_dtype(op, sums_arg, col_sums, SF_FLOAT32));
+    if (col_sums->ndim != 2)
+        return sf_fail(SF_ERR_VALUE, "%s: argument '%s' must be 2-D [P, N], got %d-D", op, sums_arg,
+                       (int)col_sums->ndim);
+    SF_TRY(sf_check_contiguous(op, sums_arg, col_sums));
+    int64_t parts = col_sums->shape[0], n = col_sums->shape[1];
+    if (parts > 0x7fffffff || n > 0x7fffffff)
+        return sf_fail(SF_ERR_VALUE, "%s: argument '%s' must have fewer than 2^31 rows and columns, "
+                       "got [%lld, %lld]", op, sums_arg, (long long)parts, (long long)n);
+    SF_TRY(sf_check_float_input(op, out_arg, out));
+    SF_TRY(sf_check_numel(op, out_arg, out, n));
+    SF_TRY(sf_check_contiguous(op, out_arg, out));
+    SF_TRY(sf_check_same_device(op, sums_arg, col_sums, out_arg, out));
+    return sf_check_writable(op, out_arg, out);
+}
+
+sf_status sf_quant_column_sums_run(const char *op, const sf_tensor *col_sums, sf_tensor *out,
+                                   sf_stream stream)
+{
+    const int64_t parts = col_sums->shape[0], n = col_sums->shape[1];
+    return SF_DISPATCH(op, "col_sums", col_sums,
+                       sf_column_sums_cpu((const float *)col_sums->data, parts, n, out->data, out->dtype),
+                       sf_column_sums_cuda((const float *)col_sums->data, parts, n, out->data, out->dtype,
+                                           col_sums->device_id, stream));
+}
+
+/* sf_cast_fp8 and sf_cast_fp8_dbias: the checks, then the cast, then (dbias
+ * given) the column sums' total. */
 static sf_status cast_entry(const char *op, const sf_tensor *x, const sf_tensor *scale,
                             sf_tensor *amax, sf_tensor *out, sf_tensor *out_t,
-                            sf_tensor *scale_inv, sf_tensor *col_sums, sf_stream stream)
+                            sf_tensor *scale_inv, sf_tensor *col_sums, sf_tensor *dbias,
+                            sf_stream stream)
 {
     sf_cast_args a;
     SF_TRY(cast_prepare(op, x, scale, amax, out, out_t, scale_inv, col_sums, &a));
+    if (dbias)
+        SF_TRY(sf_quant_check_column_sums(op, "col_sums", col_sums, "dbias", dbias));
     /* (sf_cast_fp8_current checks its own roles, amax and scale among the outputs) */
-    const sf_mem_arg outs[] = {{"out", out, NULL}, {"out_t", out_t, NULL}, {"amax", amax, NULL},
-                               {"scale_inv", scale_inv, NULL}, {"col_sums", col_sums, NULL}};
+    const sf_mem_arg outs[] = {{"out", out, NULL},       {"out_t", out_t, NULL},
+                               {"amax", amax, NULL},     {"scale_inv", scale_inv, NULL},
+                               {"col_sums", col_sums, NULL}, {"dbias", dbias, NULL}};
     const sf_mem_arg ins[] = {{"x", x, NULL}, {"scale", scale, NULL}};
-    SF_TRY(sf_check_apart(op, outs, 5, ins, 2));
-    return cast_run(op, &a, x, stream);
+    SF_TRY(sf_check_apart(op, outs, 6, ins, 2));
+    SF_TRY(cast_run(op, &a, x, stream));
+    return dbias ? sf_quant_column_sums_run(op, col_sums, dbias, stream) : SF_OK;
 }
 
 sf_status sf_cast_fp8(const sf_tensor *x, const sf_tensor *scale, sf_tensor *amax,
                       sf_tensor *out, sf_tensor *out_t, sf_tensor *scale_inv,
                       sf_stream stream)
 {
-    return cast_entry("cast_fp8", x, scale, amax, out, out_t, scale_inv, NULL, stream);
+    return cast_entry("cast_fp8", x, scale, amax, out, out_t, scale_inv, NULL, NULL, stream);
 }
 
 sf_status sf_cast_fp8_dbias(const sf_tensor *x, const sf_tensor *scale, sf_tensor *amax,
                             sf_tensor *out, sf_tensor *out_t, sf_tensor *scale_inv,
-                            sf_tensor *col_sums, sf_stream stream)
+                            sf_tensor *col_sums, sf_tensor *dbias, sf_stream stream)
 {
     if (!col_sums)
         return sf_fail(SF_ERR_VALUE, "cast_fp8_dbias: argument 'col_sums' must be given");
-    return cast_entry("cast_fp8_dbias", x, scale, amax, out, out_t, scale_inv, col_sums, stream);
+    return cast_entry("cast_fp8_dbias", x, scale, amax, out, out_t, scale_inv, col_sums, dbias, stream);
 }
 
 sf_status sf_column_sums(const sf_tensor *col_sums, sf_tensor *out, sf_stream stream)
 {
     static const char op[] = "column_sums";
-    SF_TRY(sf_check_dtype(op, "col_sums", col_sums, SF_FLOAT32));
-    if (col_sums->ndim != 2)
-        return sf_fail(SF_ERR_VALUE, "%s: argument 'col_sums' must be 2-D [P, N], got %d-D", op,
-                       (int)col_sums->ndim);
-    SF_TRY(sf_check_contiguous(op, "col_sums", col_sums));
-    int64_t parts = col_sums->shape[0], n = col_sums->shape[1];
-    if (parts > 0x7fffffff || n > 0x7fffffff)
-        return sf_fail(SF_ERR_VALUE, "%s: argument 'col_sums' must have fewer than 2^31 rows and columns, "
-                       "got [%lld, %lld]", op, (long long)parts, (long long)n);
-    SF_TRY(sf_check_float_input(op, "out", out));
-    SF_TRY(sf_check_numel(op, "out", out, n));
-    SF_TRY(sf_check_contiguous(op, "out", out));
-    SF_TRY(sf_check_same_device(op, "col_sums", col_sums, "out", out));
-    SF_TRY(sf_check_writable(op, "out", out));
+    SF_TRY(sf_quant_check_column_sums(op, "col_sums", col_sums, "out", out));
     const sf_mem_arg outs[] = {{"out", out, NULL}};
     const sf_mem_arg ins[] = {{"col_sums", col_sums, NULL}};
     SF_TRY(sf_check_apart(op, outs, 1, ins, 1));
-    return SF_DISPATCH(op, "col_sums", col_sums,
-                       sf_column_sums_cpu((const float *)col_sums->data, parts, n, out->data, out->dtype),
-                       sf_column_sums_cuda((const float *)col_sums->data, parts, n, out->data, out->dtype,
-                                           col_sums->device_id, stream));
+    return sf_quant_column_sums_run(op, col_sums, out, stream);
 }
 
 /* A float32 vector of n elements with any positive element stride (one
@@ -638,25 +658,39 @@ sf_status sf_fp8_compute_scale(const sf_tensor *amax, sf_tensor *scale,
 
 sf_status sf_cast_fp8_current(const sf_tensor *x, sf_tensor *amax, sf_tensor *scale,
                               sf_tensor *scale_inv, sf_tensor *out, sf_tensor *out_t,
-                              int margin, sf_stream stream)
+                              sf_tensor *col_sums, sf_tensor *dbias, int margin, sf_stream stream)
 {
     static const char op[] = "cast_fp8_current";
     SF_TRY(sf_check_float_input(op, "x", x));
     SF_TRY(sf_quant_check_scalar(op, "amax", amax, x, 1));
     SF_TRY(sf_quant_check_scalar(op, "scale", scale, x, 1));
     SF_TRY(sf_quant_check_scalar(op, "scale_inv", scale_inv, x, 1));
+    if (dbias && !col_sums)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'dbias' comes with 'col_sums' (the total of its "
+                       "per-block sums)", op);
     {
-        /* (all five are written: amax, then the scale from it, then the copies) */
-        const sf_mem_arg outs[] = {{"amax", amax, NULL}, {"scale", scale, NULL}, {"scale_inv", scale_inv, NULL},
-                                   {"out", out, NULL}, {"out_t", out_t, NULL}};
+        /* (all are written: amax, then the scale from it, then the copies and sums) */
+        const sf_mem_arg outs[] = {{"amax", amax, NULL},       {"scale", scale, NULL},
+                                   {"scale_inv", scale_inv, NULL}, {"out", out, NULL},
+                                   {"out_t", out_t, NULL},     {"col_sums", col_sums, NULL},
+                                   {"dbias", dbias, NULL}};
         const sf_mem_arg ins[] = {{"x", x, NULL}};
-        SF_TRY(sf_check_apart(op, outs, 5, ins, 1));
+        SF_TRY(sf_check_apart(op, outs, 7, ins, 1));
     }
     float pow2_neg_margin = 1.0f; /* check_margin sets it */
     SF_TRY(check_margin(op, margin, &pow2_neg_margin));
     sf_cast_args a;
-    SF_TRY(cast_prepare(op, x, scale, NULL, out, out_t, scale_inv, NULL, &a));
+    SF_TRY(cast_prepare(op, x, scale, NULL, out, out_t, scale_inv, col_sums, &a));
+    if (dbias)
+        SF_TRY(sf_quant_check_column_sums(op, "col_sums", col_sums, "dbias", dbias));
     float fp8_max = a.e5m2 ? 57344.0f : 448.0f;
+    if (col_sums) {
+        /* the column sums come from the cast+transpose pass: the three kernels, then the total */
+        SF_TRY(sf_amax(x, amax, stream));
+        SF_TRY(sf_fp8_compute_scale(amax, scale, scale_inv, fp8_max, margin, stream));
+        SF_TRY(cast_run(op, &a, x, stream));
+        return dbias ? sf_quant_column_sums_run(op, col_sums, dbias, stream) : SF_OK;
+    }
 #ifdef SF_WITH_CUDA
     if (x->device != SF_CPU) {
         /* the one-launch path: amax, scale and the cast with a grid barrier between */

@@ -20,6 +20,15 @@ sf_status sf_quant_check_fp8(const char *op, const char *arg, const sf_tensor *t
 sf_status sf_quant_check_scalar(const char *op, const char *arg, const sf_tensor *t,
                                 const sf_tensor *x, int written);
 
+/* A bias gradient from a cast's per-block column sums, shared by
+ * sf_column_sums and the casts that take 'dbias' (defined in cast.c): the
+ * checks of out (dbias) against col_sums [P, N] (float32, contiguous), then
+ * the launch.  The caller checks out apart from the buffers it writes. */
+sf_status sf_quant_check_column_sums(const char *op, const char *sums_arg, const sf_tensor *col_sums,
+                                     const char *out_arg, const sf_tensor *out);
+sf_status sf_quant_column_sums_run(const char *op, const sf_tensor *col_sums, sf_tensor *out,
+                                   sf_stream stream);
+
 /* A cast problem after validation: x is [m, k] contiguous; pointers may be
  * NULL where the output is not wanted.  The outputs have mp >= m rows (out
  * [mp, k], out_t [k, mp]); rows m.. are written as zeros (the FP8 GEMMs'

@@ -101,7 +101,7 @@ static void fp8_rowcol(sf_dtype dt, int64_t m, int64_t k)
     for (int cuda = 0; cuda < 2; ++cuda) {
         sf_tensor xi = x.view(2, sx, cuda), qo = q.view(2, sx, cuda), so = si.view(2, ss, cuda),
                   qto = qt.view(2, st, cuda), sto = sit.view(2, sst, cuda), co = sums.view(2, sc, cuda);
-        CHECK_SF(sf_quantize_block_fp8_rowcol(&xi, &qo, &so, &qto, &sto, &co, NULL));
+        CHECK_SF(sf_quantize_block_fp8_rowcol(&xi, &qo, &so, &qto, &sto, &co, NULL, NULL));
     }
     report("fp8 e4m3 1x128 rows and columns (+ column sums)", dt, m, k,
            same_bytes(q) && same_bytes(si) && same_bytes(qt) && same_bytes(sit) && same_bytes(sums));
@@ -204,7 +204,7 @@ static void bench(void)
     sf_tensor_init(&tsit, sit, SF_FLOAT32, 2, sst, SF_CUDA, 0);
     const double copy = check_copy_tbs((size_t)m * k * 2);
     const float t1 = time_ms([&] { CHECK_SF(sf_quantize_block_fp8(&tx, &tq, &tsi, 1, NULL)); });
-    const float t2 = time_ms([&] { CHECK_SF(sf_quantize_block_fp8_rowcol(&tx, &tq, &tsi, &tqt, &tsit, NULL, NULL)); });
+    const float t2 = time_ms([&] { CHECK_SF(sf_quantize_block_fp8_rowcol(&tx, &tq, &tsi, &tqt, &tsit, NULL, NULL, NULL)); });
     int64_t sr[1] = {m};
     sf_tensor trs;
     sf_tensor_init(&trs, si, SF_FLOAT32, 1, sr, SF_CUDA, 0);

@@ -133,7 +133,7 @@ static void run_case(sf_dtype dtype, int64_t m, int64_t k, int e5m2, int transpo
         CHECK_CUDA(cudaMemset(dsums, 0xff, gsums.size() * 4));
         sf_tensor_init(&sums, dsums, SF_FLOAT32, 2, sshape, SF_CUDA, 0);
         sf_tensor_init(&hsums, csums.data(), SF_FLOAT32, 2, sshape, SF_CPU, 0);
-        CHECK_SF(sf_cast_fp8_dbias(&x, &scale, &amax, &out, &out_t, &si, &sums, NULL));
+        CHECK_SF(sf_cast_fp8_dbias(&x, &scale, &amax, &out, &out_t, &si, &sums, NULL, NULL));
     } else {
         CHECK_SF(sf_cast_fp8(&x, &scale, &amax, &out, transpose ? &out_t : NULL, &si, NULL));
     }
@@ -148,7 +148,7 @@ static void run_case(sf_dtype dtype, int64_t m, int64_t k, int e5m2, int transpo
     sf_tensor_init(&hamax, cs + 1, SF_FLOAT32, 1, one, SF_CPU, 0);
     sf_tensor_init(&hsi, cs + 2, SF_FLOAT32, 1, one, SF_CPU, 0);
     if (dbias) {
-        CHECK_SF(sf_cast_fp8_dbias(&hx, &hscale, &hamax, &hout, &hout_t, &hsi, &hsums, NULL));
+        CHECK_SF(sf_cast_fp8_dbias(&hx, &hscale, &hamax, &hout, &hout_t, &hsi, &hsums, NULL, NULL));
         CHECK_CUDA(cudaMemcpy(gsums.data(), dsums, gsums.size() * 4, cudaMemcpyDeviceToHost));
         cudaFree(dsums);
     } else {
@@ -206,7 +206,7 @@ static void bandwidth(int64_t m, int64_t k)
     sf_tensor_init(&si, ds + 2, SF_FLOAT32, 1, one, SF_CUDA, 0);
     sf_tensor_init(&sums, dsums, SF_FLOAT32, 2, sshape, SF_CUDA, 0);
     float ms = time_ms([&] { CHECK_SF(sf_cast_fp8(&x, &scale, &amax, &out, &out_t, &si, NULL)); });
-    float fused = time_ms([&] { CHECK_SF(sf_cast_fp8_dbias(&x, &scale, &amax, &out, &out_t, &si, &sums, NULL)); });
+    float fused = time_ms([&] { CHECK_SF(sf_cast_fp8_dbias(&x, &scale, &amax, &out, &out_t, &si, &sums, NULL, NULL)); });
     float copy_ms = time_ms([&] { CHECK_CUDA(cudaMemcpyAsync(copy, dx, n * 2, cudaMemcpyDeviceToDevice)); });
     double tbs = 4.0 * n / ms / 1e9, copy_tbs = 4.0 * n / copy_ms / 1e9;
     printf("cast_transpose+amax bf16 [%lld, %lld]: %.4f ms = %.2f TB/s (read+write); copy %.4f ms = %.2f TB/s; "
@@ -464,7 +464,7 @@ static void grouped_time(const std::vector<int64_t> &splits, int64_t k, int curr
             if (mg == 0)
                 continue;
             if (current)
-                CHECK_SF(sf_cast_fp8_current(&xv, &av, &sv, &iv, &ov, &tv, 0, NULL));
+                CHECK_SF(sf_cast_fp8_current(&xv, &av, &sv, &iv, &ov, &tv, NULL, NULL, 0, NULL));
             else
                 CHECK_SF(sf_cast_fp8(&xv, &sv, &av, &ov, &tv, &iv, NULL));
             row += mg;
@@ -596,7 +596,7 @@ static void run_list_case(sf_dtype dtype, int64_t G, int64_t n, int64_t k, int e
                     sf_tensor_init(&s1, dslots + 3 * g, SF_FLOAT32, 1, one, SF_CUDA, 0);
                     sf_tensor_init(&a1, dslots + 3 * G + 3 * g, SF_FLOAT32, 1, one, SF_CUDA, 0);
                     sf_tensor_init(&i1, dslots + 6 * G + 3 * g, SF_FLOAT32, 1, one, SF_CUDA, 0);
-                    CHECK_SF(sf_cast_fp8_current(&x[g], &a1, &s1, &i1, &out[g], &out_t[g], 0, NULL));
+                    CHECK_SF(sf_cast_fp8_current(&x[g], &a1, &s1, &i1, &out[g], &out_t[g], NULL, NULL, 0, NULL));
                 }
             });
             double moved = (double)G * n * k * (es + 2);

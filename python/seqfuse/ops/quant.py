@@ -131,8 +131,8 @@ def cast_transpose_fp8(x, scale, amax, fp8_dtype, *, out=None, out_t=None, scale
     when x is an output gradient) and returns ``(data, data_t, dbias)``,
     dbias [K] in ``dbias_dtype`` (float32, bfloat16 or float16): the kernel
     writes the float32 sums of each 128-row block in a fixed order (the CPU
-    backend repeats it bit for bit) and :func:`column_sums` adds the blocks,
-    rounding once.  It takes the fast kernel's shapes and, on CUDA, 16-byte
+    backend repeats it bit for bit) and the same C call adds the blocks as
+    :func:`column_sums` does, rounding once.  It takes the fast kernel's shapes and, on CUDA, 16-byte
     aligned x (see :func:`dbias_fusable`).
     """
     op = "cast_transpose_fp8"
@@ -152,8 +152,9 @@ def cast_transpose_fp8(x, scale, amax, fp8_dtype, *, out=None, out_t=None, scale
             raise TypeError(f"{op}: argument 'dbias_dtype' must be torch.float32, torch.bfloat16 or "
                             f"torch.float16, got {dbias_dtype}")
         sums = torch.empty(*block_sums_shape(m, k), dtype=torch.float32, device=x.device)
-        _C.cast_fp8_dbias(x, scale, amax, out if rowwise else None, out_t, scale_inv, sums, stream_for(x))
-        return (out if rowwise else None), out_t, column_sums(sums, dbias_dtype)
+        db = torch.empty(k, dtype=dbias_dtype, device=x.device)
+        _C.cast_fp8_dbias(x, scale, amax, out if rowwise else None, out_t, scale_inv, sums, stream_for(x), db)
+        return (out if rowwise else None), out_t, db
     _C.cast_fp8(x, scale, amax, out if rowwise else None, out_t, scale_inv, stream_for(x))
     return (out if rowwise else None), out_t
 
@@ -186,7 +187,7 @@ def column_sums(col_sums, dtype=torch.float32):
     return out
 
 
-def cast_fp8_into(x, scale, amax, out, out_t, scale_inv, col_sums=None):
+def cast_fp8_into(x, scale, amax, out, out_t, scale_inv, col_sums=None, dbias=None):
     """The cast of :func:`cast_fp8` / :func:`cast_transpose_fp8` into outputs
     the caller made: the quantizers' hot path (seqfuse.quantization), which
     knows its shapes and makes one set of outputs per cast.
@@ -196,25 +197,33 @@ def cast_fp8_into(x, scale, amax, out, out_t, scale_inv, col_sums=None):
     of one dtype, either None (not both), rows >= M with rows M.. written as
     zeros.  ``scale``, ``amax``, ``scale_inv`` as in :func:`cast_fp8`.
     ``col_sums`` (with ``out_t``): float32 [ceil(rows / 128), K], receives
-    x's column sums per 128-row block (the dbias pass).  Nothing is checked
-    here: the C entry checks every argument and names it in its error.
-    Returns None."""
+    x's column sums per 128-row block (the dbias pass); ``dbias`` (with
+    ``col_sums``): a [K] tensor of a :data:`SUM_DTYPES` dtype, receives
+    their total as :func:`column_sums` makes it, in the same C call.
+    Nothing is checked here: the C entry checks every argument and names it
+    in its error.  Returns None."""
     if not FP8_DLPACK:  # (a flag test on the quantizers' hot path, not a call)
         require_fp8_dlpack("cast_fp8")
     if col_sums is None:
         _C.cast_fp8(x, scale, amax, out, out_t, scale_inv, stream_for(x))
     else:
-        _C.cast_fp8_dbias(x, scale, amax, out, out_t, scale_inv, col_sums, stream_for(x))
+        _C.cast_fp8_dbias(x, scale, amax, out, out_t, scale_inv, col_sums, stream_for(x), dbias)
 
 
-def cast_fp8_current_into(x, amax, scale, scale_inv, out, out_t, margin=0):
+def cast_fp8_current_into(x, amax, scale, scale_inv, out, out_t, margin=0, col_sums=None, dbias=None):
     """:func:`cast_fp8_current` into outputs the caller made (``out`` /
     ``out_t`` as in :func:`cast_fp8_into`; ``amax``, ``scale`` and
-    ``scale_inv`` one-element float32 buffers it writes).  The quantizers'
-    hot path: the C entry checks every argument.  Returns None."""
+    ``scale_inv`` one-element float32 buffers it writes).  ``col_sums`` /
+    ``dbias``: the dbias pass's block sums and their total, as
+    :func:`cast_fp8_into` takes them (the C call then runs amax, scale,
+    cast and sums as separate launches).  The quantizers' hot path: the C
+    entry checks every argument.  Returns None."""
     if not FP8_DLPACK:  # (a flag test on the quantizers' hot path, not a call)
         require_fp8_dlpack("cast_fp8_current")
-    _C.cast_fp8_current(x, amax, scale, scale_inv, out, out_t, margin, stream_for(x))
+    if col_sums is None:
+        _C.cast_fp8_current(x, amax, scale, scale_inv, out, out_t, margin, stream_for(x))
+    else:
+        _C.cast_fp8_current(x, amax, scale, scale_inv, out, out_t, margin, stream_for(x), col_sums, dbias)
 
 
 def _check_rows(op, rows, m):
@@ -576,18 +585,19 @@ def _scales_place(place):
     return None if place is None else (place[0], (place[1], "scale_inv"))
 
 
-def quantize_block_fp8_rowcol_into(x, data, scale_inv, data_t, scale_inv_t, col_sums=None):
+def quantize_block_fp8_rowcol_into(x, data, scale_inv, data_t, scale_inv_t, col_sums=None, dbias=None):
     """:func:`quantize_block_fp8_rowcol` into outputs the caller made
     (:func:`rowcol_outputs`; ``col_sums`` float32 [round_up(M, 128)/128, K] or
-    None): the quantizers' hot path, which knows its shapes; the C entry
-    checks every argument.  ``x``: contiguous, without autograd history.
-    Returns None."""
+    None; ``dbias`` (with ``col_sums``) a [K] tensor that receives their
+    total as :func:`column_sums` makes it, in the same C call): the
+    quantizers' hot path, which knows its shapes; the C entry checks every
+    argument.  ``x``: contiguous, without autograd history.  Returns None."""
     if not FP8_DLPACK:  # (a flag test on the quantizers' hot path, not a call)
         require_fp8_dlpack("quantize_block_fp8_rowcol")
     if col_sums is None:
         _C.quantize_block_fp8_rowcol(x, data, scale_inv, data_t, scale_inv_t, stream_for(x))
     else:
-        _C.quantize_block_fp8_rowcol(x, data, scale_inv, data_t, scale_inv_t, stream_for(x), col_sums)
+        _C.quantize_block_fp8_rowcol(x, data, scale_inv, data_t, scale_inv_t, stream_for(x), col_sums, dbias)
 
 
 def dequantize_block_fp8(data, scale_inv, block_rows=1, out_dtype=torch.float32):

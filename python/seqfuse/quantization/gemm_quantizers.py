@@ -316,15 +316,14 @@ class _Role:
             else:
                 qops.cast_fp8_current_into(x, amax, scale, scale_inv, out, out_t, o.margin)
             return Float8Tensor(out, scale_inv, fp8_dtype, data_t=out_t, dtype=x.dtype, shape=x.shape)
-        if not delayed:
-            # current scaling with the bias gradient: x's amax, the scale, then the cast+dbias pass (the
-            # one-launch current cast writes no sums) and the sums' total: four launches
-            qops.amax(x, out=amax)
-            qops.fp8_compute_scale(amax, scale, scale_inv, qops.FP8_MAX[fp8_dtype], o.margin)
-            amax = None
-        qops.cast_fp8_into(x, scale, amax, out, out_t, scale_inv, sums)
-        q = Float8Tensor(out, scale_inv, fp8_dtype, data_t=out_t, dtype=x.dtype, shape=x.shape)
-        return q, qops.column_sums(sums, dbias)
+        # the cast+dbias pass and the block sums' total in one C call (current scaling: x's amax and
+        # the scale first, four launches in all; the one-launch current cast writes no sums)
+        db = torch.empty(k, dtype=dbias, device=dev)
+        if delayed:
+            qops.cast_fp8_into(x, scale, amax, out, out_t, scale_inv, sums, db)
+        else:
+            qops.cast_fp8_current_into(x, amax, scale, scale_inv, out, out_t, o.margin, sums, db)
+        return Float8Tensor(out, scale_inv, fp8_dtype, data_t=out_t, dtype=x.dtype, shape=x.shape), db
 
     def quantize(self, x, transpose=True, transient=False):
         """x [M, K] -> Float8Tensor whose data (and data_t) carry
@@ -352,15 +351,16 @@ class _Role:
         LayerNormMLP never share a buffer)."""
         return buffers.transient_stream(x), ("input", self.index)
 
-    def _block_cast(self, x, rows, rowwise=True, sums=None, row_place=None, col_place=None):
+    def _block_cast(self, x, rows, rowwise=True, sums=None, row_place=None, col_place=None, dbias=None):
         """1x128-block cast of x [M, K] with its column-wise copy (what
         quantize_block(..., 1, columnwise=True, rowwise=rowwise, rows=rows)
         makes), its outputs made here: a Float8BlockTensor; ``sums`` (float32
-        [ceil(M / 128), K]) receives the dbias pass's block sums.
+        [ceil(M / 128), K]) receives the dbias pass's block sums and
+        ``dbias`` (a [K] tensor, with ``sums``) their total, in the same C call.
         ``row_place`` / ``col_place``: transient buffers for the copies (_cast's)."""
         x, m, k = _cast_input(x)
         outs = qops.rowcol_outputs(x, m, k, self.fp8_dtype, rows, rowwise, True, row_place, col_place)
-        qops.quantize_block_fp8_rowcol_into(x, *outs, sums)
+        qops.quantize_block_fp8_rowcol_into(x, *outs, sums, dbias)
         data, si, data_t, si_t = outs
         return Float8BlockTensor(data, si, 1, dtype=x.dtype, data_t=data_t, scale_inv_t=si_t, shape=x.shape)
 
@@ -451,7 +451,7 @@ class InputQuantizer(_Role):
 
 class GradQuantizer(_Role):
     """A GEMM's output gradient (the recipe's backward format).  The dbias
-    pass's block sums, which column_sums reads right after the cast, are a
+    pass's block sums, which the cast's C call totals right after the pass, are a
     transient buffer (seqfuse.ops.buffers: one place per device, stream
     and thread for every cast).  In the backward of Linear, LayerNormLinear
     and LayerNormMLP (``quantize_grad(..., transient=True)``, and
@@ -588,9 +588,9 @@ class GradQuantizer(_Role):
             places = self.grad_places(dy) if transient else (None, None)
             sums = self.kept_outputs(dy, m, scale_inv=False, where=places[0][0] if transient else None)[1] \
                 if want_db else None
-            q = self._block_cast(dy, rows, rowwise=need_dgrad, sums=sums, row_place=places[0], col_place=places[1])
-            if want_db:
-                db = qops.column_sums(sums, sum_dtype)
+            db = torch.empty(dy.shape[1], dtype=sum_dtype, device=dy.device) if want_db else None
+            q = self._block_cast(dy, rows, rowwise=need_dgrad, sums=sums, row_place=places[0], col_place=places[1],
+                                 dbias=db)
         else:
             g, g_si = qops.quantize_block_fp8(dy, 1, self.fp8_dtype, rows=rows)
             q = Float8BlockTensor(g, g_si, 1, dtype=dy.dtype, shape=dy.shape)
