@@ -23,6 +23,10 @@ drops them); ``--step-work kernels`` adds an in-place multiply per weight
 and lets gradients accumulate, the same work in every row, as the figures
 up to session 36 did.  JSON: results/fp8_host.json.
 
+Each row also counts its seqfuse._C calls per layer step (``c_calls``,
+per entry in the JSON's ``c_entries``): on the GPU each is a launch or more,
+host time the stubbed figures leave out.
+
 ``--kernels real`` lets seqfuse's kernels run and times the host's issue
 time instead (on CUDA, the GPU drained outside the timed blocks): the whole
 host work of a layer step, seqfuse's C entries and the launches included,
@@ -162,6 +166,35 @@ def host_us(runners, iters, rounds=5, real=False):
                 best[i] = min(best[i], (time.perf_counter() - t0) / iters * 1e6)
                 sync()
     return best
+
+
+def c_calls_per_layer(run, layers=1, iters=4):
+    """seqfuse._C calls per layer step of ``run`` (a layer_runner), counted
+    over ``iters`` iterations with every _C entry wrapped by a counter and the
+    compute entries stubbed (the count does not depend on the kernels): each
+    is a CUDA launch or more on the GPU, a few microseconds of the host's
+    issue time that the stubbed timings leave out.  Returns {entry: calls}."""
+    from seqfuse import _C
+
+    counts = {}
+    names = [n for n in dir(_C) if not n.startswith("_") and callable(getattr(_C, n))]
+    with stubbed_kernels():
+        run(2)
+        saved = {n: getattr(_C, n) for n in names}
+
+        def counted(name, fn):
+            def call(*args, **kwargs):
+                counts[name] = counts.get(name, 0) + 1
+                return fn(*args, **kwargs)
+            return call
+        try:
+            for n in names:
+                setattr(_C, n, counted(n, saved[n]))
+            run(iters)
+        finally:
+            for n, fn in saved.items():
+                setattr(_C, n, fn)
+    return {n: c / iters / layers for n, c in sorted(counts.items())}
 
 
 def profile_row(name, recipe, device, update, iters, top=35, step_work="none", layers=1):
@@ -306,17 +339,19 @@ def main():
                     step_work=args.step_work, layers=args.layers)
         return
     table = Table("fp8_host", ["precision", "weights", "layers", "kernels", "step_work", "device", "us_per_layer",
-                               "vs_bf16"])
+                               "vs_bf16", "c_calls"])
     rows = [(name, recipe, update) for update in (True, False) for name, recipe in recipes.items()]
-    times = host_us([layer_runner(recipe, device, update, args.step_work, args.layers) for _, recipe, update in rows],
-                    args.iters, args.rounds, real=args.kernels == "real")
+    runners = [layer_runner(recipe, device, update, args.step_work, args.layers) for _, recipe, update in rows]
+    times = host_us(runners, args.iters, args.rounds, real=args.kernels == "real")
     times = [t / args.layers for t in times]
     base = {}
-    for (name, _, update), us in zip(rows, times):
+    for (name, _, update), us, run in zip(rows, times, runners):
         base.setdefault(update, us)  # bf16 comes first for each setting
+        calls = c_calls_per_layer(run, args.layers)
         table.add(precision=name, weights="updated every step" if update else "unchanged (accumulation)",
                   layers=args.layers, kernels=args.kernels,
-                  step_work=args.step_work, device=str(device), us_per_layer=us, vs_bf16=us / base[update])
+                  step_work=args.step_work, device=str(device), us_per_layer=us, vs_bf16=us / base[update],
+                  c_calls=sum(calls.values()), c_entries=calls)
     table.save({"note": "LayerNormLinear(128->384) + LayerNormMLP(128->512 gelu) + Linear(128->128) forward+backward, "
                         "16 tokens, " + ("seqfuse's compute kernels stubbed out: host work only (Python, torch's "
                                          "allocations and autograd)" if args.kernels == "stubbed" else
@@ -327,7 +362,8 @@ def main():
                         "step's effect), so FP8 rows cast every weight once per iteration; step_work "
                         "'none': the bump without a kernel and the gradients dropped after each backward "
                         "(zero_grad), 'kernels': an in-place multiply per weight and gradients "
-                        "accumulating (the definition up to session 36)"})
+                        "accumulating (the definition up to session 36); c_calls: seqfuse._C calls per layer "
+                        "step (c_entries: per entry), each a CUDA launch or more on the GPU"})
 
 
 if __name__ == "__main__":

@@ -189,3 +189,33 @@ def test_real_kernels_mode_runs_the_kernels_and_labels_its_rows(monkeypatch):
     monkeypatch.setattr(bench_fp8_host.Table, "save", lambda self, extra=None: saved.setdefault("rows", self.rows))
     bench_fp8_host.main()
     assert calls and all(r["kernels"] == "real" for r in saved["rows"]) and len(saved["rows"]) == 8
+
+
+@needs_fp8
+def test_c_calls_per_layer_step():
+    """The C calls a layer step makes (each a launch or more on the GPU): the
+    counter restores every entry, and the FP8 rows make the calls their
+    design says -- the bias gradients come out of the gradient casts' own
+    calls (no column_sums call), current scaling's biased gradient casts are
+    one call each (not amax, scale, cast and sum)."""
+    from seqfuse import _C
+    from seqfuse.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+
+    real = _C.gemm
+    counts = {}
+    for name, recipe in (("bf16", None), ("delayed", DelayedScaling()), ("current", Float8CurrentScaling()),
+                         ("block", Float8BlockScaling())):
+        for update in (True, False):
+            counts[name, update] = bench_fp8_host.c_calls_per_layer(
+                bench_fp8_host.layer_runner(recipe, torch.device("cpu"), update))
+    assert _C.gemm is real
+    assert counts["bf16", True] == {"gemm": 12, "layernorm_backward": 2, "layernorm_forward": 4}
+    for name in ("delayed", "current", "block"):
+        assert "column_sums" not in counts[name, True] and "amax" not in counts[name, True]
+        assert counts[name, True]["gemm"] == 12
+    assert counts["current", True]["cast_fp8_current"] == 12  # 4 weights, 4 activations, 4 gradients
+    assert sum(counts["delayed", True].values()) == 31 and sum(counts["current", True].values()) == 30
+    assert sum(counts["block", True].values()) == 30
+    # unchanged weights: the four weight casts are not made
+    for name in ("delayed", "current", "block"):
+        assert sum(counts[name, False].values()) == sum(counts[name, True].values()) - 4
