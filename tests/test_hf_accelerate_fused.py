@@ -662,6 +662,41 @@ def test_recompute_activation_same_bits_one_ffn_tensor_less(name, dtype):
     assert again.fused == [] and all(layer.mlp_fused.recompute_activation for layer in plain.model.layers)
 
 
+@needs_fp8
+def test_recompute_activation_under_an_fp8_recipe():
+    """Under accelerate()'s FP8 recipe the default leaves the fused MLPs
+    keeping the activation's FP8 copy (the bf16 default's trade not measured
+    under FP8); True makes it again in the backward: the same loss and
+    gradients bit for bit, one byte per [tokens, intermediate] element less
+    kept per layer (its FP8 transposed copy), the report says so."""
+    from seqfuse.common.recipe import DelayedScaling
+
+    ids, mask, labels = batch()
+    _, plain, kept = accelerated("llama", torch.bfloat16, recipe=DelayedScaling())
+    _, lean, report = accelerated("llama", torch.bfloat16, recipe=DelayedScaling(), recompute_activation=True)
+    assert not any(layer.mlp_fused.recompute_activation for layer in plain.model.layers)
+    assert all(layer.mlp_fused.recompute_activation for layer in lean.model.layers)
+    assert "made again in the backward" in str(report) and "made again in the backward" not in str(kept)
+    results = []
+    for model in (plain, lean):
+        for _ in range(2):  # (the second step: delayed scaling's activation cast in the kernel)
+            out, saved = _saved_bytes(lambda: model(ids, attention_mask=mask, labels=labels))
+            out.loss.backward()
+            grads = hf_named_tensors(model)
+            model.zero_grad()
+        results.append((out.loss.detach(), grads, saved))
+    (loss_a, grads_a, saved_a), (loss_b, grads_b, saved_b) = results
+    assert torch.equal(loss_a, loss_b)
+    for n, g in grads_a.items():
+        assert (g is None) == (grads_b[n] is None) and (g is None or torch.equal(g, grads_b[n])), n
+    tokens, ffn = ids.numel(), plain.config.intermediate_size
+    rows = (tokens + 15) // 16 * 16  # (FP8 copies carry the token rows padded to 16)
+    less = saved_a - saved_b
+    layers = len(plain.model.layers)
+    # one byte per element of the [ffn, rows] copy, less the one-element scale copy delayed scaling keeps
+    assert layers * (ffn * rows - 8) <= less <= layers * ffn * rows, (less, layers * ffn * rows)
+
+
 def test_recompute_activation_argument_rules():
     from seqfuse.pytorch import LayerNormMLP
 

@@ -415,7 +415,7 @@ def fuse_layer(layer, rmsnorm_match, rotary, recompute_activation=False):
         notes.append(f"RoPE rotates with transformers' cos/sin in torch: {why}")
     if recompute_activation:
         notes.append("the gated activation made again in the backward, not kept (recompute_activation; under "
-                     "FP8 its FP8 copy is kept either way)")
+                     "FP8 its FP8 copy for FC2's weight gradient, made again with the forward's scale)")
     if len(parts.qkv) == 1 and len(parts.fc1) == 1:
         notes.append("the layer's own Parameter objects throughout (its QKV and gate/up weights were fused already)")
     new._split_sizes = (heads * d, groups * d, groups * d)

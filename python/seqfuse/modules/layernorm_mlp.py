@@ -48,8 +48,12 @@ makes the activation again from it for FC2's weight gradient by the
 forward's own kernel (the same bits): one [tokens, ffn] tensor less from
 the forward to the backward (for swiglu, a third of the MLP's
 activations), for one more elementwise pass over FC1's output.  What
-Liger-Kernel's fused SwiGLU does.  Under FP8 the activation is kept as its
-FP8 transposed copy (one byte an element) either way.
+Liger-Kernel's fused SwiGLU does.  Under FP8 the forward writes only the
+activation's row-wise FP8 copy (FC2's input) and keeps neither copy; the
+backward makes the transposed FP8 copy FC2's weight gradient reads again
+from FC1's output, with the forward's kernel and scale (the forward's
+bytes): one byte an element less kept, for one more pass over FC1's output
+and the transpose.
 ``return_layernorm_output=True`` also returns the norm's output (a second
 output whose gradient flows back through the norm); ``return_bias=True``
 returns FC2's bias instead of adding it (TE's order: output, bias, norm
@@ -69,7 +73,8 @@ import torch
 
 from .. import ops
 from ..ops import act as A
-from ..quantization.gemm_quantizers import wants_weight_transpose
+from ..quantization.gemm_quantizers import InputQuantizer, padded_rows, transposed, wants_weight_transpose
+from ..quantization.tensor import Float8Tensor
 from . import _fp8 as F8
 from ._base import (as_dtype, fp8_norm, main_grad_for, weight_and_bias_grads,
                     fp8_quantizers, hidden_dim, init_weight, make_norm_params, norm_backward,
@@ -107,11 +112,17 @@ class _LayerNormMLPFn(torch.autograd.Function):
             want_t = wants_weight_transpose(grad and any(ctx.needs_input_grad[:7]), q.weights[0])
             p1 = q.weights[0].get(w1, first_mb, transposed=want_t)
             h = F8.forward(lnq, p1, kind, dt, as_dtype(b1, dt), rows)
-            aq = _fp8_act(q, h, activation, need_w2)
+            remake = recompute_act and need_w2  # FC2's wgrad operand made again in the backward
+            aq, act_scale = _fp8_act(q, h, activation, need_w2 and not remake, remake)
             p2 = q.weights[1].get(w2, first_mb, transposed=want_t)
             out = F8.forward(aq, p2, kind, dt, as_dtype(b2, dt), rows, residual)
             ln_col = F8.saved(F8.columnwise(lnq, kind)) if need_w1 else (None, None)
-            a_col = F8.saved(F8.columnwise(aq, kind)) if need_w2 else (None, None)
+            if remake:  # (the a_col slots: no bytes, the forward's scale where the backward needs it)
+                a_col = (None, act_scale)
+                ctx.act_remake = (act_scale is not None, getattr(aq, "fp8_dtype", None), q.margin)
+            else:
+                a_col = F8.saved(F8.columnwise(aq, kind)) if need_w2 else (None, None)
+                ctx.act_remake = None
             ctx.save_for_backward(x2, lnw, mean, rstd, h, *ln_col, *a_col,
                                   *F8.weight_kept(p1, kind, want_t), *F8.weight_kept(p2, kind, want_t))
             ctx.want_t = want_t
@@ -154,7 +165,10 @@ class _LayerNormMLPFn(torch.autograd.Function):
             # the bias gradients come out of the gradients' cast passes where the kernels take them
             g2, db2 = q.grads[1].quantize_grad(dout2, b2_dt, need_wgrad=need_w2, transient=True)
             w2_dgrad = F8.weight_dgrad_kept(w2_t, w2_si, kind, ctx.want_t)
-            da, dw2 = F8.backward(g2, F8.restore(a_t, a_si, kind), w2_dgrad, kind, dt, rows, True, need_w2, w2_dt, mg2)
+            a_col = F8.restore(a_t, a_si, kind) if ctx.act_remake is None else \
+                _fp8_act_remade(q, kind, h, activation, a_si, *ctx.act_remake)
+            da, dw2 = F8.backward(g2, a_col, w2_dgrad, kind, dt, rows, True, need_w2, w2_dt, mg2)
+            del a_col  # (read by FC2's weight gradient only)
             g1, db1 = _fp8_act_grad(q, da, h, activation, b1_dt, need_w1)
             w1_dgrad = F8.weight_dgrad_kept(w1_t, w1_si, kind, ctx.want_t)
             dln, dw1 = F8.backward(g1, F8.restore(ln_t, ln_si, kind), w1_dgrad, kind, dt, rows, True, need_w1, w1_dt,
@@ -206,18 +220,54 @@ def _fc1_act(x2, lnw, lnb, eps, rms, zc, w1c, b1c, activation):
     return ln, mean, rstd, h, a
 
 
-def _fp8_act(q, h, activation, need_col):
-    """The activation of FC1's output as FC2's quantized input: written in
-    FP8 by the activation kernel under delayed scaling once it has an amax
-    history, else (other recipes, the first step) made in h's dtype and cast.
-    The row-wise copy is a transient buffer, as fp8_norm's."""
+def _fp8_act(q, h, activation, need_col, keep_scale=False):
+    """(the activation of FC1's output as FC2's quantized input, the scale
+    it was cast with or None): written in FP8 by the activation kernel under
+    delayed scaling once it has an amax history, else (other recipes, the
+    first step) made in h's dtype and cast.  The row-wise copy is a
+    transient buffer, as fp8_norm's.  ``keep_scale`` (recompute_activation):
+    the fused kernel's scale comes back as a copy of the state's (which the
+    step's update rewrites before the backward), for _fp8_act_remade; the
+    casts of h's-dtype activations take their scale from its own amax (current
+    scaling, and delayed scaling's first step), which the backward finds again."""
     iq = q.inputs[1]
     if iq.fused_cast:
         width = h.shape[1] // 2 if activation in A.GATED else h.shape[1]
         scale, amax, fp8_dtype, si, buf, a = iq.fused_outputs(h.shape[0], width, h.device, place=iq.input_place(h))
         A.act_forward(h, activation, fp8_dtype, scale, amax, si, out=a)
-        return iq.fp8_output(buf, a.shape, si, h.dtype)
-    return iq.quantize(A.act_forward(h, activation), transpose=need_col, transient=True)
+        return iq.fp8_output(buf, a.shape, si, h.dtype), (scale.clone() if keep_scale else None)
+    return iq.quantize(A.act_forward(h, activation), transpose=need_col, transient=True), None
+
+
+def _fp8_act_remade(q, kind, h, activation, scale, fused, fp8_dtype, margin):
+    """FC2's weight-gradient operand (the activation's column-wise FP8 copy)
+    made again in the backward from FC1's output ``h`` (recompute_activation):
+    the forward's kernel with the forward's scale, so the forward's bytes.
+    ``fused``: the activation kernel wrote FP8 with ``scale`` (_fp8_act's
+    copy); else the activation in h's dtype, cast with the scale of its own
+    amax (per tensor, ``margin``) or in 1x128 blocks -- what the forward's
+    cast did.  The forward never wrote a column-wise copy (nor, with
+    ``fused``, any bytes this needs): one [tokens, ffn] FP8 tensor less from
+    the forward to the backward, for one more pass over h."""
+    rows = h.shape[0]
+    if fused:
+        width = h.shape[1] // 2 if activation in A.GATED else h.shape[1]
+        buf, view = InputQuantizer.fp8_output_buffer(rows, width, fp8_dtype, h.device)
+        si = torch.empty(1, dtype=torch.float32, device=h.device)
+        A.act_forward(h, activation, fp8_dtype, scale, None, si, out=view)
+        return transposed(Float8Tensor(buf, si, fp8_dtype, dtype=h.dtype, shape=view.shape)), si, None
+    a = A.act_forward(h, activation)
+    mp = padded_rows(rows)
+    if kind == "block":
+        _, _, data_t, si_t = ops.quantize_block_fp8_rowcol(a, q.inputs[1].fp8_dtype, rowwise=False,
+                                                           rows=None if mp == rows else mp)
+        return data_t, si_t, "block_1x128"
+    fp8_dtype = q.inputs[1].fp8_dtype
+    data_t = torch.empty(a.shape[1], mp, dtype=fp8_dtype, device=h.device)
+    amax, scale = torch.empty(2, dtype=torch.float32, device=h.device).split(1)  # (scratch)
+    si = torch.empty(1, dtype=torch.float32, device=h.device)
+    ops.quant.cast_fp8_current_into(a, amax, scale, si, None, data_t, margin)
+    return data_t, si, None
 
 
 def _fp8_act_grad(q, da, h, activation, bias_dtype, need_col):

@@ -1,0 +1,135 @@
+"""LayerNormMLP's recompute_activation under FP8: the backward makes the
+activation's FP8 transposed copy (FC2's weight-gradient operand) again from
+FC1's output instead of keeping it.  Outputs and every gradient equal the
+module that keeps it, bit for bit, over several steps of each recipe (the
+first delayed step casts with the activation's own amax, later ones in the
+activation kernel with the state's scale, which the step's update rewrites
+before the backward), at aligned and unaligned token counts; and the
+forward keeps one byte per activation element less."""
+import pytest
+import torch
+
+import seqfuse.pytorch as te
+from seqfuse.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+from helpers import needs_fp8
+
+pytestmark = needs_fp8
+
+RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling, "block": Float8BlockScaling}
+
+
+def pair(activation, bias, device, hidden=128, ffn=256):
+    torch.manual_seed(0)
+    kept = te.LayerNormMLP(hidden, ffn, activation=activation, bias=bias, params_dtype=torch.bfloat16,
+                           device=device)
+    remade = te.LayerNormMLP(hidden, ffn, activation=activation, bias=bias, params_dtype=torch.bfloat16,
+                             device=device, recompute_activation=True)
+    remade.load_state_dict(kept.state_dict())
+    return kept, remade
+
+
+def run_steps(module, recipe, xs):
+    """Forward and backward of each input under ``recipe``, an SGD step
+    between (the weights move: every step casts them again); returns the
+    outputs and gradients of every step."""
+    got = []
+    for x in xs:
+        x = x.clone().requires_grad_()
+        with te.autocast(recipe=recipe):
+            y = module(x)
+        y.backward(torch.cos(y.float()).to(y.dtype))
+        grads = {n: p.grad.clone() for n, p in module.named_parameters()}
+        got.append((y.detach(), x.grad, grads))
+        with torch.no_grad():
+            for p in module.parameters():
+                p -= 1e-2 * p.grad
+                p.grad = None
+    return got
+
+
+def check_equal(a, b):
+    for (ya, xa, ga), (yb, xb, gb) in zip(a, b):
+        assert torch.equal(ya, yb) and torch.equal(xa, xb)
+        assert ga.keys() == gb.keys()
+        for n in ga:
+            assert torch.equal(ga[n], gb[n]), n
+
+
+def cases(device):
+    for name in RECIPES:
+        for activation in ("gelu_erf", "swiglu"):
+            for rows in (32, 40):
+                if name == "block" and activation == "gelu_erf" and rows == 40:
+                    continue  # (one unaligned block case below is enough to keep the test short)
+                yield name, activation, rows
+
+
+@pytest.mark.parametrize("name,activation,rows", list(cases("cpu")))
+@pytest.mark.parametrize("bias", [True, False])
+def test_recompute_activation_fp8_same_bits(name, activation, rows, bias, seed):
+    kept, remade = pair(activation, bias, "cpu")
+    xs = [torch.randn(rows, 128, dtype=torch.bfloat16) for _ in range(3)]
+    check_equal(run_steps(kept, RECIPES[name](), xs), run_steps(remade, RECIPES[name](), xs))
+
+
+def saved_bytes(module, recipe, x):
+    """Bytes of the tensors autograd saves for the module's backward."""
+    total = [0]
+
+    def pack(t):
+        total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with te.autocast(recipe=recipe):
+            y = module(x.clone().requires_grad_())
+    return total[0], y
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_recompute_activation_fp8_keeps_one_byte_an_element_less(name):
+    """The saving is the activation's FP8 transposed copy ([ffn, rows], one
+    byte each; block scaling also its 1x128 scales); delayed scaling keeps a
+    one-element copy of the scale instead."""
+    rows, ffn = 256, 256
+    kept, remade = pair("swiglu", True, "cpu", ffn=ffn)
+    x = torch.randn(rows, 128, dtype=torch.bfloat16)
+    for _ in range(2):  # (a second step: delayed scaling's activation then takes the fused kernel)
+        run_steps(kept, RECIPES[name](), [x])
+        run_steps(remade, RECIPES[name](), [x])
+    a, _ = saved_bytes(kept, RECIPES[name](), x)
+    b, _ = saved_bytes(remade, RECIPES[name](), x)
+    less = a - b
+    assert less >= rows * ffn, (a, b)
+    assert less <= rows * ffn + rows * ffn // 128 * 4 + 64, (a, b)
+
+
+def test_recompute_activation_under_a_checkpoint_and_without_grad():
+    """Inside seqfuse's FP8 checkpoint (the forward run again in the
+    backward) and under no_grad (nothing kept, nothing made again) the
+    results are the kept module's."""
+    from seqfuse.quantization import checkpoint
+
+    kept, remade = pair("swiglu", True, "cpu")
+    x = torch.randn(48, 128, dtype=torch.bfloat16)
+    for recipe in (DelayedScaling(), Float8CurrentScaling()):
+        outs = []
+        for m in (kept, remade):
+            xi = x.clone().requires_grad_()
+            with te.autocast(recipe=recipe):
+                y = checkpoint(m, xi)
+            y.float().square().sum().backward()
+            outs.append((y.detach(), xi.grad, m.fc2_weight.grad.clone()))
+            m.zero_grad()
+        assert all(torch.equal(u, v) for u, v in zip(*outs))
+        with torch.no_grad(), te.autocast(recipe=recipe):
+            assert torch.equal(kept(x), remade(x))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize("rows", [1024, 1000])
+def test_cuda_recompute_activation_fp8_same_bits(name, rows, seed):
+    kept, remade = pair("swiglu", True, "cuda", hidden=256, ffn=1024)
+    xs = [torch.randn(rows, 256, dtype=torch.bfloat16, device="cuda") for _ in range(3)]
+    check_equal(run_steps(kept, RECIPES[name](), xs), run_steps(remade, RECIPES[name](), xs))
