@@ -28,9 +28,11 @@
  * between back-to-back calls, all enqueued while a spin kernel holds the GPU,
  * so host gaps are not counted.  Host time: the enqueue time per call of a
  * batch enqueued while the spin kernel holds the GPU (a host flag releases it;
- * batches are short enough for the launch queue), so nothing waits on the GPU;
- * held=0 flags a row where the spin ran out first (something waited on the
- * GPU: that row's host time is not pure enqueue cost).
+ * batch= calls a batch, few enough for the launch queue), so nothing waits on
+ * the GPU; held=0 flags a row where the spin ran out first (something waited
+ * on the GPU: that row's host time is not pure enqueue cost, its GPU time may
+ * hold host gaps); waits=1: a single call already waited on the GPU (a
+ * synchronous library call), so that route ran without the spin.
  * Checks, on the first split of every row: the loop's output against an fp32
  * reference at 2,048 sampled elements, the grouped routes' whole outputs
  * against the loop's (outputs pre-filled with NaN, so unwritten rows show).
@@ -318,6 +320,7 @@ static Result time_route(int route, Row &r, int iters, int hiters)
     hold(HOLD_MAX); /* does one call wait on the GPU by itself (then holding it is pointless)? */
     res.status = res.status ? res.status : call(route, r, ci++, 0);
     res.waits = !release();
+    res.held = !res.waits;
     /* calls per batch: the launch queue must take a whole batch while the GPU is held (~2 kernels a matmul);
        if a batch still outlasted the spin, both passes are redone once with batches 8x smaller */
     res.batch = std::max(1, std::min(NSLOT, 384 / (route == LOOP ? 2 * r.G + 1 : 4)));
@@ -476,7 +479,7 @@ int main(int argc, char **argv)
                 clear_plans(s); /* the loop's plan cache lives for one row */
                 const long q0 = n_queries;
 
-                /* correctness on the first split: the loop against the fp32 reference, grouped routes against the loop */
+                /* correctness, first split: the loop against the fp32 reference, grouped routes against the loop */
                 upload_samples(r);
                 CK(cudaMemsetAsync(Ya, 0xff, (size_t)M * s.N * 2, st));
                 CK(call(LOOP, r, 0, 0));
@@ -513,15 +516,18 @@ int main(int argc, char **argv)
                            "held=%d waits=%d batch=%d lt_queries=%ld bound=%s\n",
                            s.name, s.N, s.K, G, pattern, route_name[route], ne, mmin, mmax, r.splits.size(), x.gpu_us,
                            flops / x.gpu_us / 1e6, x.gpu_us / a.gpu_us, x.gpu_us / rw.gpu_us, x.host_us,
-                           x.host_us / a.host_us, (int)x.held, (int)x.waits, x.batch, route == LOOP ? n_queries - q0 : 0L,
+                           x.host_us / a.host_us, (int)x.held, (int)x.waits, x.batch,
+                           route == LOOP ? n_queries - q0 : 0L,
                            x.host_us > x.gpu_us ? "host" : "gpu");
                 }
 
                 /* this (shape, G, split)'s summary line; nan where a route did not run */
                 const double a = res[LOOP].gpu_us, b = skip[GROUPED] ? NAN : res[GROUPED].gpu_us;
-                const double c = skip[BYSIZE] ? NAN : res[BYSIZE].gpu_us, bh = skip[GROUPED] ? NAN : res[GROUPED].host_us;
+                const double c = skip[BYSIZE] ? NAN : res[BYSIZE].gpu_us;
+                const double bh = skip[GROUPED] ? NAN : res[GROUPED].host_us;
                 char line[400];
-                snprintf(line, sizeof line, "summary shape=%s G=%d split=%s loop_us=%.1f grouped_us=%.1f bysize_us=%.1f "
+                snprintf(line, sizeof line,
+                         "summary shape=%s G=%d split=%s loop_us=%.1f grouped_us=%.1f bysize_us=%.1f "
                          "grouped_vs_loop=%.3f bysize_vs_loop=%.3f host_loop_us=%.1f host_grouped_us=%.1f",
                          s.name, G, pattern, a, b, c, b / a, c / a, res[LOOP].host_us, bh);
                 summary.push_back(line);
