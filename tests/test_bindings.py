@@ -47,7 +47,13 @@ def test_signatures_come_from_the_tables():
     assert list(inspect.signature(_C.amax).parameters) == ["x", "out", "stream"]
     assert inspect.signature(_C.amax).parameters["stream"].default is None
     rowcol = inspect.signature(_C.quantize_block_fp8_rowcol).parameters
-    assert list(rowcol)[-2:] == ["stream", "col_sums"] and rowcol["col_sums"].default is None
+    assert list(rowcol)[-3:] == ["stream", "col_sums", "dbias"] and rowcol["col_sums"].default is None
+    assert rowcol["dbias"].default is None
+    # outputs added after an entry's first form follow its stream, so positional calls keep their meaning
+    for name, added in (("cast_fp8_dbias", ["dbias"]), ("cast_fp8_current", ["col_sums", "dbias"])):
+        params = inspect.signature(getattr(_C, name)).parameters
+        assert list(params)[-len(added) - 1:] == ["stream", *added], name
+        assert all(params[a].default is None for a in added), name
     # the dequantize bindings name their first tensor as the Python ops do
     for name in ("dequantize_fp8", "dequantize_block_fp8", "dequantize_mxfp8", "dequantize_nvfp4"):
         assert next(iter(inspect.signature(getattr(_C, name)).parameters)) == "data", name
