@@ -104,32 +104,73 @@ def test_recompute_activation_fp8_keeps_one_byte_an_element_less(name):
     assert less <= rows * ffn + rows * ffn // 128 * 4 + 64, (a, b)
 
 
-def test_recompute_activation_under_a_checkpoint_and_without_grad():
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_recompute_activation_under_a_checkpoint_and_without_grad(name):
     """Inside seqfuse's FP8 checkpoint (the forward run again in the
-    backward) and under no_grad (nothing kept, nothing made again) the
-    results are the kept module's."""
+    backward with its noted scales) over three steps -- delayed scaling's
+    first cast from the activation's own amax, then the fused kernel -- and
+    under no_grad (nothing kept, nothing made again) the results are the
+    kept module's, bit for bit."""
     from seqfuse.quantization import checkpoint
 
     kept, remade = pair("swiglu", True, "cpu")
-    x = torch.randn(48, 128, dtype=torch.bfloat16)
-    for recipe in (DelayedScaling(), Float8CurrentScaling()):
+    xs = [torch.randn(48, 128, dtype=torch.bfloat16) * (i + 1) for i in range(3)]
+    recipes = [RECIPES[name](), RECIPES[name]()]
+    for x in xs:
         outs = []
-        for m in (kept, remade):
+        for m, recipe in zip((kept, remade), recipes):
             xi = x.clone().requires_grad_()
             with te.autocast(recipe=recipe):
                 y = checkpoint(m, xi)
             y.float().square().sum().backward()
-            outs.append((y.detach(), xi.grad, m.fc2_weight.grad.clone()))
+            outs.append((y.detach(), xi.grad, m.fc1_weight.grad.clone(), m.fc2_weight.grad.clone()))
+            with torch.no_grad():
+                for p in m.parameters():
+                    p -= 1e-2 * p.grad
             m.zero_grad()
         assert all(torch.equal(u, v) for u, v in zip(*outs))
-        with torch.no_grad(), te.autocast(recipe=recipe):
+        with torch.no_grad(), te.autocast(recipe=recipes[0]):
             assert torch.equal(kept(x), remade(x))
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize("activation", ["swiglu", "gelu_erf"])
 @pytest.mark.parametrize("rows", [1024, 1000])
-def test_cuda_recompute_activation_fp8_same_bits(name, rows, seed):
-    kept, remade = pair("swiglu", True, "cuda", hidden=256, ffn=1024)
+def test_cuda_recompute_activation_fp8_same_bits(name, activation, rows, seed):
+    """On CUDA the forward's row-wise-only per-tensor cast runs amax, scale
+    and cast as three launches and the backward's one launch with the
+    transposed copy: the same bits, as the header says of cast_fp8_current."""
+    kept, remade = pair(activation, True, "cuda", hidden=256, ffn=1024)
     xs = [torch.randn(rows, 256, dtype=torch.bfloat16, device="cuda") for _ in range(3)]
     check_equal(run_steps(kept, RECIPES[name](), xs), run_steps(remade, RECIPES[name](), xs))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["delayed", "current"])
+def test_cuda_recompute_activation_fp8_graphed(name, seed):
+    """make_graphed_callables over a module with recompute_activation: the
+    captured forward copies the scale and the captured backward makes the
+    copy again; four steps equal the eager module that keeps the copy."""
+    kept, remade = pair("swiglu", True, "cuda", hidden=256, ffn=1024)
+    r = RECIPES[name]()
+    sample = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    graphed = te.make_graphed_callables(remade, (sample,), fp8_enabled=True, fp8_recipe=r)
+    r_kept = RECIPES[name]()
+    for step in range(4):
+        x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16) * (step + 1)
+        got = []
+        for model, recipe in ((kept, r_kept), (graphed, r)):
+            with te.autocast(recipe=recipe):
+                y = model(x.clone().requires_grad_(True))
+            y.float().square().mean().backward()
+            got.append((y.detach().clone(), {n: p.grad.clone() for n, p in
+                                             (kept if model is kept else remade).named_parameters()}))
+        for n, g in got[0][1].items():
+            torch.testing.assert_close(got[1][1][n].float(), g.float(), rtol=1e-3, atol=1e-3, msg=f"{step} {n}")
+        torch.testing.assert_close(got[1][0].float(), got[0][0].float(), rtol=1e-3, atol=1e-3)
+        for m in (kept, remade):
+            with torch.no_grad():
+                for p in m.parameters():
+                    p -= 1e-2 * p.grad
+            m.zero_grad()

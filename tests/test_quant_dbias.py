@@ -161,6 +161,29 @@ def test_dbias_rules_are_checked_before_anything_is_written():
         C.quantize_block_fp8_rowcol(xb, *outs, None, nan_buf((1, 128)), nan_buf((64,)))
 
 
+def test_cast_fp8_current_refuses_scalar_shapes_before_writing_amax():
+    """amax / scale / scale_inv of shape [1, 1] (one element, two dimensions):
+    refused by name before the amax pass writes anything, on the three-kernel
+    path the column sums take as on the others."""
+    x = torch.randn(32, 16)
+    for bad in ("amax", "scale", "scale_inv"):
+        args = {"amax": one(-1.0), "scale": one(-1.0), "scale_inv": one(-1.0)}
+        args[bad] = args[bad].reshape(1, 1)
+        for sums in (None, nan_buf((1, 16))):
+            out_t = fp8_buf((16, 32), E4M3)
+            with pytest.raises(ValueError, match=f"argument '{bad}' must be a contiguous 1-D tensor"):
+                C.cast_fp8_current(x, args["amax"], args["scale"], args["scale_inv"], None, out_t, 0, None, sums)
+            assert all(t.item() == -1.0 for t in args.values()) and (bits(out_t) == 255).all()
+
+
+def test_block_rowcol_refuses_overlapping_outputs_with_or_without_dbias():
+    xb = torch.randn(128, 128)
+    outs = list(ops.quant.rowcol_outputs(xb, 128, 128, E4M3, None, True, True))
+    outs[3] = outs[1]  # the transposed copy's scales over the row-wise copy's
+    with pytest.raises(ValueError, match="outputs 'scale_inv' and 'scale_inv_t' share memory"):
+        C.quantize_block_fp8_rowcol(xb, *outs, None)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("sum_dtype", SUMS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -325,6 +325,8 @@ sf_status sf_quantize_block_fp8_rowcol(const sf_tensor *x, sf_tensor *out, sf_te
             return sf_fail(SF_ERR_VALUE, "%s: argument 'dbias' comes with 'col_sums' (the total of "
                            "its per-block sums)", op);
         SF_TRY(sf_quant_check_column_sums(op, "col_sums", col_sums, "dbias", dbias));
+    }
+    {
         const sf_mem_arg outs[] = {{"out", out, NULL},     {"scale_inv", scale_inv, NULL},
                                    {"out_t", out_t, NULL}, {"scale_inv_t", scale_inv_t, NULL},
                                    {"col_sums", col_sums, NULL}, {"dbias", dbias, NULL}};

@@ -665,6 +665,11 @@ sf_status sf_cast_fp8_current(const sf_tensor *x, sf_tensor *amax, sf_tensor *sc
     SF_TRY(sf_quant_check_scalar(op, "amax", amax, x, 1));
     SF_TRY(sf_quant_check_scalar(op, "scale", scale, x, 1));
     SF_TRY(sf_quant_check_scalar(op, "scale_inv", scale_inv, x, 1));
+    /* (the three-kernel path hands them to sf_fp8_compute_scale, which takes 1-D vectors only:
+     * refused here, before sf_amax writes amax) */
+    SF_TRY(check_vector(op, "amax", amax, 1, "amax", amax, 1));
+    SF_TRY(check_vector(op, "scale", scale, 1, "amax", amax, 1));
+    SF_TRY(check_vector(op, "scale_inv", scale_inv, 1, "amax", amax, 1));
     if (dbias && !col_sums)
         return sf_fail(SF_ERR_VALUE, "%s: argument 'dbias' comes with 'col_sums' (the total of its "
                        "per-block sums)", op);

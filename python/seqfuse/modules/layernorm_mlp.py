@@ -73,7 +73,7 @@ import torch
 
 from .. import ops
 from ..ops import act as A
-from ..quantization.gemm_quantizers import InputQuantizer, padded_rows, transposed, wants_weight_transpose
+from ..quantization.gemm_quantizers import padded_rows, transposed, wants_weight_transpose
 from ..quantization.tensor import Float8Tensor
 from . import _fp8 as F8
 from ._base import (as_dtype, fp8_norm, main_grad_for, weight_and_bias_grads,
@@ -112,7 +112,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
             want_t = wants_weight_transpose(grad and any(ctx.needs_input_grad[:7]), q.weights[0])
             p1 = q.weights[0].get(w1, first_mb, transposed=want_t)
             h = F8.forward(lnq, p1, kind, dt, as_dtype(b1, dt), rows)
-            remake = recompute_act and need_w2  # FC2's wgrad operand made again in the backward
+            remake = recompute_act and need_w2 and grad  # FC2's wgrad operand made again in the backward
             aq, act_scale = _fp8_act(q, h, activation, need_w2 and not remake, remake)
             p2 = q.weights[1].get(w2, first_mb, transposed=want_t)
             out = F8.forward(aq, p2, kind, dt, as_dtype(b2, dt), rows, residual)
@@ -248,22 +248,27 @@ def _fp8_act_remade(q, kind, h, activation, scale, fused, fp8_dtype, margin):
     amax (per tensor, ``margin``) or in 1x128 blocks -- what the forward's
     cast did.  The forward never wrote a column-wise copy (nor, with
     ``fused``, any bytes this needs): one [tokens, ffn] FP8 tensor less from
-    the forward to the backward, for one more pass over h."""
+    the forward to the backward, for one more pass over h.  While this runs
+    the layer's backward also holds its temporaries: the activation in h's
+    dtype (fused: the row-wise bytes, in the forward's transient buffer)
+    beside the copy."""
     rows = h.shape[0]
+    iq = q.inputs[1]
     if fused:
         width = h.shape[1] // 2 if activation in A.GATED else h.shape[1]
-        buf, view = InputQuantizer.fp8_output_buffer(rows, width, fp8_dtype, h.device)
+        # (the row-wise bytes only feed the transpose: the transient buffer the forward wrote them in)
+        buf, view = iq.fp8_output_buffer(rows, width, fp8_dtype, h.device, iq.input_place(h))
         si = torch.empty(1, dtype=torch.float32, device=h.device)
         A.act_forward(h, activation, fp8_dtype, scale, None, si, out=view)
         return transposed(Float8Tensor(buf, si, fp8_dtype, dtype=h.dtype, shape=view.shape)), si, None
     a = A.act_forward(h, activation)
-    mp = padded_rows(rows)
-    if kind == "block":
-        _, _, data_t, si_t = ops.quantize_block_fp8_rowcol(a, q.inputs[1].fp8_dtype, rowwise=False,
-                                                           rows=None if mp == rows else mp)
+    if kind == "block":  # (the column-wise copy is [ffn, round_up(rows, 128)] whatever the row-wise rows)
+        _, _, data_t, si_t = ops.quantize_block_fp8_rowcol(a, iq.fp8_dtype, rowwise=False)
         return data_t, si_t, "block_1x128"
-    fp8_dtype = q.inputs[1].fp8_dtype
-    data_t = torch.empty(a.shape[1], mp, dtype=fp8_dtype, device=h.device)
+    # per tensor: the forward cast the row-wise copy alone, so through the three launches (amax, scale,
+    # cast); this one-launch cast with the transposed copy gives the same bits (seqfuse_quant.h's rule
+    # for cast_fp8_current: both are sf_amax, sf_fp8_compute_scale and sf_cast_fp8 in turn)
+    data_t = torch.empty(a.shape[1], padded_rows(rows), dtype=iq.fp8_dtype, device=h.device)
     amax, scale = torch.empty(2, dtype=torch.float32, device=h.device).split(1)  # (scratch)
     si = torch.empty(1, dtype=torch.float32, device=h.device)
     ops.quant.cast_fp8_current_into(a, amax, scale, si, None, data_t, margin)
