@@ -427,9 +427,56 @@ def test_probe_second_batch_and_cases(probe):
     spec = dict(lengths=[5, 17, 9, 3, 20])
     cu2, max2 = probe.second_batch(spec, cu_seqlens(spec["lengths"]))
     assert cu2.tolist() == [0, 5, 22, 34, 54] and max2 == 20  # 9 and 3, the shortest neighbours, merged
-    esm, llama = probe.cases()
+    esm, esm_sorted, llama = probe.cases()
     assert sum(esm["lengths"]) <= probe.TOKENS and max(esm["lengths"]) <= 1024 and min(esm["lengths"]) >= 50
+    assert esm_sorted["lengths"] == sorted(esm["lengths"], reverse=True)
     assert sum(llama["lengths"]) == probe.TOKENS and (llama["h"], llama["hk"], llama["causal"]) == (32, 8, True)
+
+
+def test_probe_length_groups(probe):
+    """Longest first, groups within a factor of 2, and no permutation for a
+    batch already in that order."""
+    perm, groups = probe.length_groups([100, 1024, 50, 600, 300, 1024, 200])
+    assert [g[2] for g in groups] == [[1024, 1024, 600], [300, 200], [100], [50]]
+    assert [(a, b) for a, b, _ in groups] == [(0, 2648), (2648, 3148), (3148, 3248), (3248, 3298)]
+    assert sorted(perm) == list(range(3298)) and perm[:2] == [100, 101]  # the first 1,024-token sequence
+    assert probe.length_groups([1024, 1024, 600, 300, 200, 100, 50])[0] is None
+
+
+@pytest.mark.parametrize("causal,lengths", [(False, [5, 17, 1, 9, 12]), (True, [9, 3, 16, 8])])
+def test_probe_frontend_split_call_matches_the_reference(probe, monkeypatch, causal, lengths):
+    """frontend_split_call with a CPU stand-in of cudnn.sdpa_torch (float64
+    attention per sequence of its cu_seqlens, lengths checked against its
+    max_seqlen): one call per length group, the permutation into length
+    order and back right, forward and gradients against the probe's float64
+    reference."""
+    import sys
+    import types
+
+    calls = []
+
+    def sdpa_torch(q, k, v, *, is_causal=False, cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=0,
+                   max_seqlen_kv=0, return_lse=False):
+        bounds = cu_seqlens_q.tolist()
+        calls.append((bounds, max_seqlen_q))
+        assert bounds == cu_seqlens_kv.tolist() and bounds[-1] == q.shape[0]
+        assert max(b - a for a, b in zip(bounds, bounds[1:])) == max_seqlen_q == max_seqlen_kv
+        mask = "causal" if is_causal else "no_mask"
+        out = torch.cat([attend(q[a:b].double(), k[a:b].double(), v[a:b].double(), mask, None, q.shape[-1] ** -0.5)
+                         for a, b in zip(bounds, bounds[1:])]).to(q.dtype)
+        return (out, None) if return_lse else out
+
+    monkeypatch.setitem(sys.modules, "cudnn", types.SimpleNamespace(sdpa_torch=sdpa_torch))
+    spec = dict(name="t", lengths=lengths, h=2, hk=2, d=16, causal=causal, seed=4)
+    q, k, v, dout, cu, max_len = probe.make_inputs(spec, device="cpu")
+    q, k, v = (x.double() for x in (q, k, v))
+    fn = probe.frontend_split_call(spec, cu, max_len)
+    out, grads = probe.outputs(fn, q, k, v, dout.double())
+    exact, exact_grads = probe.float64_reference(spec, q, k, v, dout.double())
+    assert len(calls) >= 2 and all(2 * min(b - a for a, b in zip(bd, bd[1:])) > m for bd, m in calls)
+    assert torch.allclose(out, exact, atol=1e-10)
+    for g, r in zip(grads, exact_grads):
+        assert torch.allclose(g, r, atol=1e-10)
 
 
 def test_probe_child_results_survive_a_crash(probe, monkeypatch):

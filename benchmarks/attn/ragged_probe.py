@@ -1,12 +1,13 @@
 """Does torch expose cuDNN's variable-length (ragged) attention in a form
 seqfuse can route packed thd batches to, and is it equal to and faster than
-seqfuse's current thd route?  One GPU script (60-100 s on an H200), one line
-per route and case.
+seqfuse's current thd route?  One GPU script (about 2-3 minutes on an H200),
+one line per route and case.
 
 Cases (bf16, forward and forward+backward):
 - "ESM-2 650M packed": 20 heads x 64, bidirectional, real UniProt lengths
   (recipes/esm2/data/subset, as benchmarks/attn/bench_routes.py draws them:
-  +2 special tokens, clamped to 50..1024) up to 16,384 tokens;
+  +2 special tokens, clamped to 50..1024) up to 16,384 tokens; and the same
+  sequences packed longest first;
 - "Llama 1B GQA causal packed": 32 q / 8 k/v heads x 64, top-left causal,
   eight genomic windows of 512 to 4,096 tokens, 16,384 in all.
 
@@ -39,7 +40,12 @@ Routes:
   with empty sequences) and max_seqlen rounded up to a power of two, so
   that another batch reuses the graph; and seqfuse's cudnn_ragged route
   with that op as its provider (SEQFUSE_ATTN_CUDNN_RAGGED=frontend: the
-  same bucketing, training calls taken);
+  same bucketing, training calls taken); and the op once per group of
+  sequences whose lengths are within a factor of 2 (longest first; a
+  batch out of that order permuted inside the call), in case cuDNN's
+  ragged kernels size their work by max_seqlen (s13: the whole batch in
+  one call ran 1.55x slower than FlashAttention-2 at ESM-2 lengths,
+  though cuDNN's padding-free kernels are 1.3-2.3x faster than it);
 - ceiling: cuDNN SDPA on the equivalent padding-free bshd call (the same
   tokens cut into equal sequences of the token-weighted mean length, the
   same FLOPs; timing only, not the same problem).
@@ -80,8 +86,8 @@ from helpers import BACKWARD_FACTOR, pair_tol  # noqa: E402
 
 DT = torch.bfloat16
 TOKENS = 16384
-CHILD_TIMEOUT_S = 35
-CHILD_BUDGET_S = 50  # no child route starts after this many seconds (the whole probe stays under ~100 s)
+CHILD_TIMEOUT_S = 60
+CHILD_BUDGET_S = 110  # no child route starts after this many seconds (the whole probe stays under ~180 s)
 LLAMA_WINDOWS = [4096, 1536, 2048, 512, 3072, 1024, 2560, 1536]  # 16,384 tokens
 
 
@@ -101,6 +107,8 @@ def esm2_lengths():
 def cases():
     lengths, source = esm2_lengths()
     return [dict(name="ESM-2 650M packed", lengths=lengths, h=20, hk=20, d=64, causal=False, seed=1, source=source),
+            dict(name="ESM-2 650M packed, sorted by length", lengths=sorted(lengths, reverse=True), h=20, hk=20,
+                 d=64, causal=False, seed=1, source=source + ", longest first (as a collator could pack them)"),
             dict(name="Llama 1B GQA causal packed", lengths=LLAMA_WINDOWS, h=32, hk=8, d=64, causal=True, seed=2,
                  source="fixed genomic windows")]
 
@@ -264,6 +272,69 @@ def frontend_call(spec, cu, max_len, bucketed):
     return call
 
 
+def length_groups(lengths, ratio=2):
+    """The sequences in order of length, longest first, cut into groups
+    whose shortest is more than 1/``ratio`` of their longest: (token
+    permutation into that order or None where the batch is in it already,
+    [(first token, end token, lengths) per group]) -- what
+    frontend_split_call runs one cuDNN call per group on."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    perm = None if order == list(range(len(lengths))) else \
+        [t for i in order for t in range(starts[i], starts[i + 1])]
+    ordered = [lengths[i] for i in order]
+    groups, i, t0 = [], 0, 0
+    while i < len(ordered):
+        j = i
+        while j < len(ordered) and ordered[j] * ratio > ordered[i]:
+            j += 1
+        groups.append((t0, t0 + sum(ordered[i:j]), ordered[i:j]))
+        t0 += sum(ordered[i:j])
+        i = j
+    return perm, groups
+
+
+def frontend_split_call(spec, cu, max_len):
+    """The cuDNN frontend op once per group of similar lengths (within a
+    factor of 2, longest first): each call's max_seqlen bounds its own
+    sequences, so a kernel that sizes its work by max_seqlen does the
+    group's work, not the batch's.  A batch not in that order is permuted
+    into it (q, k, v gathered, the output gathered back: in the timing, and
+    in autograd); a recipe's collator could hand the packed batch sorted
+    (the "sorted by length" case measures that)."""
+    import cudnn  # ImportError: absent
+
+    sdpa = cudnn.sdpa_torch
+    lengths = [int(b) - int(a) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
+    perm, groups = length_groups(lengths)
+    dev = cu.device
+    calls = []
+    for a, b, lens in groups:
+        bounds = [0]
+        for n in lens:
+            bounds.append(bounds[-1] + n)
+        calls.append((a, b, torch.tensor(bounds, dtype=torch.int32, device=dev), max(lens)))
+    if perm is not None:
+        perm = torch.tensor(perm, dtype=torch.int64, device=dev)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.numel(), device=dev)
+
+    def call(q, k, v):
+        wants = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        if perm is not None:
+            q, k, v = (x.index_select(0, perm) for x in (q, k, v))
+        outs = []
+        for a, b, cu_g, m in calls:
+            out = sdpa(q[a:b], k[a:b], v[a:b], is_causal=spec["causal"], cu_seqlens_q=cu_g, cu_seqlens_kv=cu_g,
+                       max_seqlen_q=m, max_seqlen_kv=m, return_lse=wants)
+            outs.append(out[0] if wants else out)
+        out = torch.cat(outs)
+        return out if perm is None else out.index_select(0, inv)
+    return call
+
+
 def seqfuse_frontend_call(spec, cu, max_len):
     """seqfuse's cudnn_ragged route, forced, with the frontend provider
     (batch size and max lengths bucketed by the route)."""
@@ -353,6 +424,7 @@ CHILD_ROUTES = {
     "frontend": lambda spec, cu, max_len: frontend_call(spec, cu, max_len, False),
     "frontend_bucketed": lambda spec, cu, max_len: frontend_call(spec, cu, max_len, True),
     "seqfuse_frontend": seqfuse_frontend_call,
+    "frontend_split": frontend_split_call,
 }
 
 
@@ -483,7 +555,9 @@ def probe_case(spec, children):
                                    "TORCH_CUDNN_SDPA_NESTED_TENSOR_ENABLED=1)"),
                         ("frontend", "cuDNN frontend torch op cudnn.sdpa_torch (child, nvidia-cudnn-frontend)"),
                         ("frontend_bucketed", "cuDNN frontend torch op, batch size and max_seqlen bucketed (child)"),
-                        ("seqfuse_frontend", "cudnn_ragged (seqfuse route, forced, frontend provider; child)")):
+                        ("seqfuse_frontend", "cudnn_ragged (seqfuse route, forced, frontend provider; child)"),
+                        ("frontend_split", "cuDNN frontend torch op, one call per group of lengths within 2x "
+                                           "(child; a batch out of length order permuted inside the call)")):
         if mode == "direct" and not ragged.op_available():
             rows.append(row(spec, route, f"absent: torch {torch.__version__} has no aten._cudnn_attention_forward"))
             continue
