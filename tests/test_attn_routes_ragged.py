@@ -441,6 +441,9 @@ def test_probe_length_groups(probe):
     assert [(a, b) for a, b, _ in groups] == [(0, 2648), (2648, 3148), (3148, 3248), (3248, 3298)]
     assert sorted(perm) == list(range(3298)) and perm[:2] == [100, 101]  # the first 1,024-token sequence
     assert probe.length_groups([1024, 1024, 600, 300, 200, 100, 50])[0] is None
+    # empty sequences hold no tokens: no group of their own (and no endless loop)
+    perm, groups = probe.length_groups([7, 0, 3, 0])
+    assert [g[2] for g in groups] == [[7], [3]] and groups[-1][1] == 10
 
 
 @pytest.mark.parametrize("causal,lengths", [(False, [5, 17, 1, 9, 12]), (True, [9, 3, 16, 8])])

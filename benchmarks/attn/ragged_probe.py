@@ -286,7 +286,7 @@ def length_groups(lengths, ratio=2):
         [t for i in order for t in range(starts[i], starts[i + 1])]
     ordered = [lengths[i] for i in order]
     groups, i, t0 = [], 0, 0
-    while i < len(ordered):
+    while i < len(ordered) and ordered[i] > 0:  # (empty sequences, last in this order, hold no tokens)
         j = i
         while j < len(ordered) and ordered[j] * ratio > ordered[i]:
             j += 1
@@ -303,7 +303,13 @@ def frontend_split_call(spec, cu, max_len):
     group's work, not the batch's.  A batch not in that order is permuted
     into it (q, k, v gathered, the output gathered back: in the timing, and
     in autograd); a recipe's collator could hand the packed batch sorted
-    (the "sorted by length" case measures that)."""
+    (the "sorted by length" case measures that).  The groups are views from
+    torch.split (their gradients come back as one concatenation, not a
+    zero-filled full-size tensor per group as slices' would), the outputs
+    one concatenation: a pass over q, k, v and the output each way that a
+    route writing into preallocated outputs would not make.  The setup here
+    (the lengths read to the host, the order, the permutation) is per batch:
+    child_case's second-batch time includes it."""
     import cudnn  # ImportError: absent
 
     sdpa = cudnn.sdpa_torch
@@ -321,13 +327,18 @@ def frontend_split_call(spec, cu, max_len):
         inv = torch.empty_like(perm)
         inv[perm] = torch.arange(perm.numel(), device=dev)
 
+    sizes = [b - a for a, b, _, _ in calls]
+
     def call(q, k, v):
+        if q.shape[0] != sum(sizes):
+            raise ValueError(f"frontend_split: the batch has {q.shape[0]} tokens, its sequences {sum(sizes)} "
+                             "(tokens past the last sequence are not taken)")
         wants = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         if perm is not None:
             q, k, v = (x.index_select(0, perm) for x in (q, k, v))
         outs = []
-        for a, b, cu_g, m in calls:
-            out = sdpa(q[a:b], k[a:b], v[a:b], is_causal=spec["causal"], cu_seqlens_q=cu_g, cu_seqlens_kv=cu_g,
+        for (_, _, cu_g, m), qg, kg, vg in zip(calls, q.split(sizes), k.split(sizes), v.split(sizes)):
+            out = sdpa(qg, kg, vg, is_causal=spec["causal"], cu_seqlens_q=cu_g, cu_seqlens_kv=cu_g,
                        max_seqlen_q=m, max_seqlen_kv=m, return_lse=wants)
             outs.append(out[0] if wants else out)
         out = torch.cat(outs)
@@ -470,8 +481,8 @@ def child_case(mode, spec):
         result["forward_backward_ms"] = both_ms
         result["err_grad"] = max(rel(g, r) for g, r in zip(grads, ref[1]))
         cu2, max2 = second_batch(spec, cu)
+        t0 = time.perf_counter()  # (the route's per-batch setup included)
         fn2 = CHILD_ROUTES[mode](spec, cu2, max2)
-        t0 = time.perf_counter()
         outputs(fn2, q, k, v, dout)
         torch.cuda.synchronize()
         result["second_batch_cold_forward_backward_ms"] = (time.perf_counter() - t0) * 1e3
@@ -571,7 +582,8 @@ def probe_case(spec, children):
         notes = ["k/v heads expanded"] if mode == "nested" and spec["h"] != spec["hk"] else []
         notes += [f"{name} {result[key]:.1f} ms" for name, key in (
             ("first forward", "cold_forward_ms"), ("first forward+backward", "cold_forward_backward_ms"),
-            ("a new batch's first forward+backward", "second_batch_cold_forward_backward_ms")) if key in result]
+            ("a new batch's first forward+backward (its setup included)", "second_batch_cold_forward_backward_ms"))
+                  if key in result]
         rows.append(row(spec, route, status, result.get("forward_ms"), result.get("forward_backward_ms"), result.get("err_forward"),
                         result.get("err_grad"), note="; ".join(notes)))
 

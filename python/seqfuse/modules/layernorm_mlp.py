@@ -250,13 +250,15 @@ def _fp8_act_remade(q, kind, h, activation, scale, fused, fp8_dtype, margin):
     ``fused``, any bytes this needs): one [tokens, ffn] FP8 tensor less from
     the forward to the backward, for one more pass over h.  While this runs
     the layer's backward also holds its temporaries: the activation in h's
-    dtype (fused: the row-wise bytes, in the forward's transient buffer)
-    beside the copy."""
+    dtype, or (fused) the row-wise bytes in a transient buffer -- the
+    backward's own place for this role (seqfuse.ops.buffers keys places by
+    device, stream and thread, and autograd's CUDA backward runs on a thread
+    of its own), kept allocated within the transient pool's limit."""
     rows = h.shape[0]
     iq = q.inputs[1]
     if fused:
         width = h.shape[1] // 2 if activation in A.GATED else h.shape[1]
-        # (the row-wise bytes only feed the transpose: the transient buffer the forward wrote them in)
+        # (the row-wise bytes only feed the transpose, enqueued before this returns: a transient buffer)
         buf, view = iq.fp8_output_buffer(rows, width, fp8_dtype, h.device, iq.input_place(h))
         si = torch.empty(1, dtype=torch.float32, device=h.device)
         A.act_forward(h, activation, fp8_dtype, scale, None, si, out=view)
