@@ -25,7 +25,9 @@ up to session 36 did.  JSON: results/fp8_host.json.
 
 Each row also counts its seqfuse._C calls per layer step (``c_calls``,
 per entry in the JSON's ``c_entries``): on the GPU each is a launch or more,
-host time the stubbed figures leave out.
+host time the stubbed figures leave out; and its Python-level function
+calls per layer step (``py_calls``, cProfile's count): the interpreter's
+work, which the host's load does not move as it moves the timings.
 
 ``--kernels real`` lets seqfuse's kernels run and times the host's issue
 time instead (on CUDA, the GPU drained outside the timed blocks): the whole
@@ -197,6 +199,23 @@ def c_calls_per_layer(run, layers=1, iters=4):
     return {n: c / iters / layers for n, c in sorted(counts.items())}
 
 
+def py_calls_per_layer(run, layers=1, iters=4):
+    """Python-level function calls (cProfile's count, builtins and C methods
+    included) per layer step of ``run``, kernels stubbed: a count of the
+    interpreter's work that does not move with the host's load, beside the
+    timings that do."""
+    import cProfile
+    import pstats
+
+    with stubbed_kernels():
+        run(2)
+        prof = cProfile.Profile()
+        prof.enable()
+        run(iters)
+        prof.disable()
+    return sum(v[1] for v in pstats.Stats(prof).stats.values()) / iters / layers
+
+
 def profile_row(name, recipe, device, update, iters, top=35, step_work="none", layers=1):
     """cProfile of one row's runner (stubbed kernels, as timed), printed by
     tottime and by cumtime, with the Python-level tensor factory calls
@@ -339,7 +358,7 @@ def main():
                     step_work=args.step_work, layers=args.layers)
         return
     table = Table("fp8_host", ["precision", "weights", "layers", "kernels", "step_work", "device", "us_per_layer",
-                               "vs_bf16", "c_calls"])
+                               "vs_bf16", "c_calls", "py_calls"])
     rows = [(name, recipe, update) for update in (True, False) for name, recipe in recipes.items()]
     runners = [layer_runner(recipe, device, update, args.step_work, args.layers) for _, recipe, update in rows]
     times = host_us(runners, args.iters, args.rounds, real=args.kernels == "real")
@@ -351,7 +370,7 @@ def main():
         table.add(precision=name, weights="updated every step" if update else "unchanged (accumulation)",
                   layers=args.layers, kernels=args.kernels,
                   step_work=args.step_work, device=str(device), us_per_layer=us, vs_bf16=us / base[update],
-                  c_calls=sum(calls.values()), c_entries=calls)
+                  c_calls=sum(calls.values()), c_entries=calls, py_calls=py_calls_per_layer(run, args.layers))
     table.save({"note": "LayerNormLinear(128->384) + LayerNormMLP(128->512 gelu) + Linear(128->128) forward+backward, "
                         "16 tokens, " + ("seqfuse's compute kernels stubbed out: host work only (Python, torch's "
                                          "allocations and autograd)" if args.kernels == "stubbed" else
@@ -363,7 +382,8 @@ def main():
                         "'none': the bump without a kernel and the gradients dropped after each backward "
                         "(zero_grad), 'kernels': an in-place multiply per weight and gradients "
                         "accumulating (the definition up to session 36); c_calls: seqfuse._C calls per layer "
-                        "step (c_entries: per entry), each a CUDA launch or more on the GPU"})
+                        "step (c_entries: per entry), each a CUDA launch or more on the GPU; py_calls: Python-level function "
+                        "calls per layer step (cProfile's count)"})
 
 
 if __name__ == "__main__":
