@@ -480,6 +480,8 @@ def test_probe_frontend_split_call_matches_the_reference(probe, monkeypatch, cau
     assert torch.allclose(out, exact, atol=1e-10)
     for g, r in zip(grads, exact_grads):
         assert torch.allclose(g, r, atol=1e-10)
+    with pytest.raises(ValueError, match="tokens past the last sequence are not taken"):
+        fn(*(torch.cat((x, x[:1])) for x in (q, k, v)))
 
 
 def test_probe_child_results_survive_a_crash(probe, monkeypatch):

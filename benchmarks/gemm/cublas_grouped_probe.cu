@@ -64,14 +64,7 @@
 #include <string>
 #include <vector>
 
-#define CK(x)                                                                       \
-    do {                                                                            \
-        int e_ = (int)(x);                                                          \
-        if (e_ != 0) {                                                              \
-            printf("ERR %s:%d status %d\n", __FILE__, __LINE__, e_);                \
-            exit(1);                                                                \
-        }                                                                           \
-    } while (0)
+#include "probe_check.cuh"
 #define GRID_STRIDE(i, n) \
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (n); i += (size_t)gridDim.x * blockDim.x)
 

@@ -24,7 +24,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <vector>
-#define CK(x) do { auto e_ = (x); if ((int)e_ != 0) { printf("ERR %s:%d %d\n", __FILE__, __LINE__, (int)e_); exit(1);} } while (0)
+#include "probe_check.cuh"
 
 __global__ void fill(uint8_t *p, size_t n, int fp8, uint32_t salt) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {

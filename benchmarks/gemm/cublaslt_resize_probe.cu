@@ -33,14 +33,7 @@
 #include <cstring>
 #include <vector>
 
-#define CK(x)                                                                       \
-    do {                                                                            \
-        int e_ = (int)(x);                                                          \
-        if (e_ != 0) {                                                              \
-            printf("ERR %s:%d status %d\n", __FILE__, __LINE__, e_);                \
-            exit(1);                                                                \
-        }                                                                           \
-    } while (0)
+#include "probe_check.cuh"
 
 __global__ void spin(long long cycles)
 {

@@ -689,16 +689,10 @@ sf_status sf_cast_fp8_current(const sf_tensor *x, sf_tensor *amax, sf_tensor *sc
     if (dbias)
         SF_TRY(sf_quant_check_column_sums(op, "col_sums", col_sums, "dbias", dbias));
     float fp8_max = a.e5m2 ? 57344.0f : 448.0f;
-    if (col_sums) {
-        /* the column sums come from the cast+transpose pass: the three kernels, then the total */
-        SF_TRY(sf_amax(x, amax, stream));
-        SF_TRY(sf_fp8_compute_scale(amax, scale, scale_inv, fp8_max, margin, stream));
-        SF_TRY(cast_run(op, &a, x, stream));
-        return dbias ? sf_quant_column_sums_run(op, col_sums, dbias, stream) : SF_OK;
-    }
 #ifdef SF_WITH_CUDA
-    if (x->device != SF_CPU) {
-        /* the one-launch path: amax, scale and the cast with a grid barrier between */
+    if (x->device != SF_CPU && !col_sums) {
+        /* the one-launch path: amax, scale and the cast with a grid barrier between (it writes
+         * no column sums: a call with col_sums takes the three kernels) */
         int launched = 0;
         a.amax = (float *)amax->data;
         SF_TRY(sf_cast_fp8_current_cuda(&a, fp8_max, pow2_neg_margin, x->device_id,
@@ -710,5 +704,6 @@ sf_status sf_cast_fp8_current(const sf_tensor *x, sf_tensor *amax, sf_tensor *sc
 #endif
     SF_TRY(sf_amax(x, amax, stream));
     SF_TRY(sf_fp8_compute_scale(amax, scale, scale_inv, fp8_max, margin, stream));
-    return cast_run(op, &a, x, stream);
+    SF_TRY(cast_run(op, &a, x, stream));
+    return dbias ? sf_quant_column_sums_run(op, col_sums, dbias, stream) : SF_OK;
 }

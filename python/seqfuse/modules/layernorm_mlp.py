@@ -220,6 +220,11 @@ def _fc1_act(x2, lnw, lnb, eps, rms, zc, w1c, b1c, activation):
     return ln, mean, rstd, h, a
 
 
+def _act_width(h, activation):
+    """The activation's output width for FC1's output ``h`` (half of it for the gated ones)."""
+    return h.shape[1] // 2 if activation in A.GATED else h.shape[1]
+
+
 def _fp8_act(q, h, activation, need_col, keep_scale=False):
     """(the activation of FC1's output as FC2's quantized input, the scale
     it was cast with or None): written in FP8 by the activation kernel under
@@ -232,8 +237,8 @@ def _fp8_act(q, h, activation, need_col, keep_scale=False):
     scaling, and delayed scaling's first step), which the backward finds again."""
     iq = q.inputs[1]
     if iq.fused_cast:
-        width = h.shape[1] // 2 if activation in A.GATED else h.shape[1]
-        scale, amax, fp8_dtype, si, buf, a = iq.fused_outputs(h.shape[0], width, h.device, place=iq.input_place(h))
+        scale, amax, fp8_dtype, si, buf, a = iq.fused_outputs(h.shape[0], _act_width(h, activation), h.device,
+                                                              place=iq.input_place(h))
         A.act_forward(h, activation, fp8_dtype, scale, amax, si, out=a)
         return iq.fp8_output(buf, a.shape, si, h.dtype), (scale.clone() if keep_scale else None)
     return iq.quantize(A.act_forward(h, activation), transpose=need_col, transient=True), None
@@ -257,9 +262,8 @@ def _fp8_act_remade(q, kind, h, activation, scale, fused, fp8_dtype, margin):
     rows = h.shape[0]
     iq = q.inputs[1]
     if fused:
-        width = h.shape[1] // 2 if activation in A.GATED else h.shape[1]
         # (the row-wise bytes only feed the transpose, enqueued before this returns: a transient buffer)
-        buf, view = iq.fp8_output_buffer(rows, width, fp8_dtype, h.device, iq.input_place(h))
+        buf, view = iq.fp8_output_buffer(rows, _act_width(h, activation), fp8_dtype, h.device, iq.input_place(h))
         si = torch.empty(1, dtype=torch.float32, device=h.device)
         A.act_forward(h, activation, fp8_dtype, scale, None, si, out=view)
         return transposed(Float8Tensor(buf, si, fp8_dtype, dtype=h.dtype, shape=view.shape)), si, None
