@@ -267,3 +267,130 @@ def test_per_group_scales_are_laid_out_aligned():
     base = views[0].data_ptr()
     assert [v.item() for v in views] == vals.tolist()
     assert all(v.numel() == 1 and (v.data_ptr() - base) == 256 * g for g, v in enumerate(views))
+
+
+# ---- lanes: the groups' GEMMs on several CUDA streams ----------------------
+
+@pytest.mark.parametrize("lanes", [0, 9, True, 2.0, "4"])
+def test_lanes_are_checked(lanes):
+    x, w, _ = _inputs([4, 4], 16, 8, torch.float32)
+    with pytest.raises(ValueError, match="argument 'lanes' must be an int from 1 to 8"):
+        moe.grouped_gemm(x, w, [4, 4], transb=True, lanes=lanes)
+
+
+def test_c_entry_checks_lanes():
+    """The C entry's own bound (its callers are not only this module)."""
+    from seqfuse import _C
+
+    x, w, _ = _inputs([4, 4], 16, 8, torch.float32)
+    out = torch.empty(8, 8)
+    with pytest.raises(ValueError, match="argument 'lanes' must be 0 to 8"):
+        _C.grouped_gemm(x, list(w.unbind(0)), out, [4, 4], 0, 1, None, None, 0, 0, None, 0, 0,
+                        0, 1, None, 9, 0)
+
+
+def test_lanes_leave_cpu_results_alone(seed):
+    splits = SPLITS["unbalanced"]
+    x, w, dy = _inputs(splits, 24, 16, torch.float32)
+    for lanes in (2, 8):
+        assert torch.equal(moe.grouped_gemm(x, w, splits, transb=True, lanes=lanes),
+                           moe.grouped_gemm(x, w, splits, transb=True, lanes=1))
+
+
+LANE_SPLITS = {"many": [0, 48, 16, 112, 0, 32, 208, 16, 64, 0, 96, 16, 128, 0, 32, 80],
+               "two": [0, 0, 320, 0, 16], "mostly_empty": [0, 0, 0, 5]}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("lanes", [2, 4, 8])
+@pytest.mark.parametrize("case", sorted(LANE_SPLITS))
+def test_cuda_lanes_match_cpu_and_one_stream(case, lanes, seed):
+    """Every product (bias, bias gradient, accumulation into a list) with
+    the groups spread over `lanes` streams equals the one-stream route and
+    the CPU reference; outputs poisoned and read on the caller's stream
+    right after the call (the join orders them)."""
+    splits = LANE_SPLITS[case]
+    G, k, n = len(splits), 128, 96
+    x, w, dy = _inputs(splits, k, n, torch.bfloat16)
+    bias = torch.randn(G, n).to(torch.bfloat16)
+    xc, wc, dyc, bc = x.cuda(), w.cuda(), dy.cuda(), bias.cuda()
+    got = {}
+    for ln in (1, lanes):
+        y = poisoned_like(torch.empty(sum(splits), n, dtype=torch.bfloat16, device="cuda"))
+        moe.grouped_gemm(xc, list(wc.unbind(0)), splits, transb=True, bias=bc, out=y, lanes=ln)
+        dx = poisoned_like(xc)
+        moe.grouped_gemm(dyc, wc, splits, out=dx, lanes=ln)
+        dw = poisoned_like(torch.empty(G, n, k, dtype=torch.float32, device="cuda"))
+        db = poisoned_like(torch.empty(G, n, dtype=torch.float32, device="cuda"))
+        moe.grouped_gemm(dyc, xc, splits, transa=True, out=dw, bias=db, bgrad=True, lanes=ln)
+        mains = [torch.ones(n, k, device="cuda") for _ in range(G)]
+        moe.grouped_gemm(dyc, xc, splits, transa=True, out=mains, accumulate=True, lanes=ln)
+        got[ln] = (y.float().cpu(), dx.float().cpu(), dw.cpu(), db.cpu(), torch.stack(mains).cpu())
+    ry = moe.grouped_gemm(x, w, splits, transb=True, bias=bias)
+    rdx = moe.grouped_gemm(dy, w, splits)
+    rdw, rdb = moe.grouped_gemm(dy, x, splits, transa=True, bgrad=True, out_dtype=torch.float32)
+    tol = pair_tol(torch.bfloat16)
+    for ours, one, ref in zip(got[lanes], got[1], (ry, rdx, rdw, rdb, rdw + 1)):
+        assert rel_error(ours, ref) <= tol
+        assert rel_error(ours, one) <= tol
+
+
+@pytest.mark.cuda
+@needs_fp8
+def test_cuda_fp8_lanes_match_cpu(seed):
+    splits = [32, 0, 128, 16, 64, 0, 16, 48]
+    G, k, n = len(splits), 256, 128
+    xq = torch.randn(sum(splits), k).to(torch.float8_e4m3fn)
+    wq = torch.randn(G, n, k).to(torch.float8_e4m3fn)
+    sx, sw = torch.rand(G) + 0.5, torch.rand(G) + 0.5
+    ref = moe.grouped_gemm(xq, wq, splits, transb=True, a_scale_inv=sx, b_scale_inv=sw)
+    out = poisoned_like(torch.empty(sum(splits), n, dtype=torch.bfloat16, device="cuda"))
+    moe.grouped_gemm(xq.cuda(), wq.cuda(), splits, transb=True, a_scale_inv=sx.cuda(),
+                     b_scale_inv=sw.cuda(), out=out, lanes=4)
+    assert rel_error(out, ref) <= pair_tol(torch.bfloat16)
+
+
+@pytest.mark.cuda
+def test_cuda_lanes_on_a_side_stream_and_in_a_graph(seed):
+    """Forked from and joined into whatever stream is current: a user's side
+    stream, and a CUDA graph's capture stream (replayed on new inputs)."""
+    splits = LANE_SPLITS["many"]
+    G, k, n = len(splits), 128, 64
+    x, w, _ = _inputs(splits, k, n, torch.bfloat16)
+    xc, wl = x.cuda(), list(w.cuda().unbind(0))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        y_side = moe.grouped_gemm(xc, wl, splits, transb=True, lanes=4)
+        s_side = y_side.float().sum(dim=1)
+    torch.cuda.current_stream().wait_stream(side)
+    assert rel_error(y_side, moe.grouped_gemm(x, w, splits, transb=True)) <= pair_tol(torch.bfloat16)
+    assert rel_error(s_side, y_side.float().sum(dim=1)) == 0
+
+    static_x = xc.clone()
+    static_y = torch.empty(sum(splits), n, dtype=torch.bfloat16, device="cuda")
+    moe.grouped_gemm(static_x, wl, splits, transb=True, out=static_y, lanes=4)  # plans made before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        moe.grouped_gemm(static_x, wl, splits, transb=True, out=static_y, lanes=4)
+    x2 = torch.randn_like(x)
+    static_x.copy_(x2.cuda())
+    static_y.fill_(float("nan"))
+    graph.replay()
+    assert rel_error(static_y, moe.grouped_gemm(x2, w, splits, transb=True)) <= pair_tol(torch.bfloat16)
+
+
+@pytest.mark.cuda
+def test_cuda_lanes_failing_group_joins_and_releases(seed):
+    """A group refused after earlier groups went out on the lanes: the error
+    names it, the lanes are joined and released (the next call, on the same
+    lanes, runs and is right)."""
+    splits = [64, 64, 64, 64]
+    x, w, _ = _inputs(splits, 64, 32, torch.bfloat16, device="cuda")
+    bad = list(w.unbind(0))
+    bad[2] = torch.randn(32, 48, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="group 2"):
+        moe.grouped_gemm(x, bad, splits, transb=True, lanes=4)
+    y = moe.grouped_gemm(x, w, splits, transb=True, lanes=4)
+    assert rel_error(y, moe.grouped_gemm(x.cpu(), w.cpu(), splits, transb=True)) <= pair_tol(torch.bfloat16)

@@ -21,12 +21,18 @@ Rows:
   fp8 block   seqfuse grouped_gemm, 1x128 activation x 128x128 weight block
               scales per expert (no torch peer on Hopper), against seqfuse's bf16
 
-Goals (issue 18): bf16 >= 1.0x torch._grouped_mm; FP8 >= 1.6x seqfuse's bf16.
-Prints one line per row and the JSON document; writes
-benchmarks/results/moe_grouped_gemm.json.  About 30-60 s on an H200.
+seqfuse's rows are timed once per --lanes value (the grouped GEMM's
+concurrent CUDA streams, ops.moe.grouped_gemm's ``lanes``; 1 = every group
+on the current stream), the peers once per shape.
 
-    python3 benchmarks/moe/bench_grouped_gemm.py
+Goals (issue 18): bf16 >= 1.0x torch._grouped_mm; FP8 >= 1.6x seqfuse's bf16
+(at the same lanes).  Prints one line per row and the JSON document; writes
+benchmarks/results/moe_grouped_gemm.json.  About 30-60 s on an H200 with
+one lanes value.
+
+    python3 benchmarks/moe/bench_grouped_gemm.py [--lanes 1,2,4,8] [--experts 8,16,64]
 """
+import argparse
 import json
 import os
 import sys
@@ -70,6 +76,11 @@ def fresh_splits(rows, experts, count, gen):
     return out
 
 
+def per_lanes(lanes_list, call):
+    """{lanes: median ms of call(lanes)} for each lanes value."""
+    return {ln: cuda_time_ms(lambda: call(ln)) for ln in lanes_list}
+
+
 def tflops(splits, n, k, ms):
     return 2.0 * sum(splits) * n * k / (ms * 1e-3) / 1e12
 
@@ -100,13 +111,18 @@ def torch_scaled_grouped(xq, xs_row, wq_t, ws_row, offs):
 
 
 def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lanes", default="1", help="comma-separated lanes values to time seqfuse at")
+    ap.add_argument("--experts", default="8,16,64", help="comma-separated expert counts")
+    args = ap.parse_args()
+    lanes_list = [int(v) for v in args.lanes.split(",")]
     torch.manual_seed(0)
-    table = Table("moe_grouped_gemm", ["experts", "split", "gemm", "precision", "seqfuse_tflops",
+    table = Table("moe_grouped_gemm", ["experts", "split", "gemm", "precision", "lanes", "seqfuse_tflops",
                                        "peer_tflops", "vs_peer", "loop_tflops", "vs_loop",
                                        "vs_seqfuse_bf16", "peer"])
     rows = TOKENS * TOPK
     notes = set()
-    for experts in (8, 16, 64):
+    for experts in [int(v) for v in args.experts.split(",")]:
         for kind in ("balanced", "skewed"):
             splits = splits_for(rows, experts, kind)
             offs = torch.tensor(splits, device="cuda").cumsum(0).to(torch.int32)
@@ -115,7 +131,8 @@ def main():
                 w = (torch.randn(experts, n, k, device="cuda") * 0.02).bfloat16()
                 ws = list(w.unbind(0))
                 out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
-                s_ms = cuda_time_ms(lambda: moe.grouped_gemm(x, ws, splits, transb=True, out=out))
+                s_ms = per_lanes(lanes_list, lambda ln: moe.grouped_gemm(x, ws, splits, transb=True, out=out,
+                                                                         lanes=ln))
                 peer, name = torch_grouped(x, w.transpose(-2, -1), offs)
                 notes.add(name) if peer is None else None
                 p_ms = cuda_time_ms(peer) if peer else float("nan")
@@ -130,11 +147,12 @@ def main():
                         if hi > lo:
                             torch.matmul(x[lo:hi], ws[g].t(), out=out[lo:hi])
                 l_ms = cuda_time_ms(loop)
-                bf = tflops(splits, n, k, s_ms)
-                table.add(experts=experts, split=kind, gemm=gemm, precision="bf16", seqfuse_tflops=bf,
-                          peer_tflops=tflops(splits, n, k, p_ms), vs_peer=p_ms / s_ms,
-                          loop_tflops=tflops(splits, n, k, l_ms), vs_loop=l_ms / s_ms,
-                          vs_seqfuse_bf16=1.0, peer=name)
+                bf = {ln: tflops(splits, n, k, t) for ln, t in s_ms.items()}
+                for ln, t in s_ms.items():
+                    table.add(experts=experts, split=kind, gemm=gemm, precision="bf16", lanes=ln,
+                              seqfuse_tflops=bf[ln], peer_tflops=tflops(splits, n, k, p_ms), vs_peer=p_ms / t,
+                              loop_tflops=tflops(splits, n, k, l_ms), vs_loop=l_ms / t,
+                              vs_seqfuse_bf16=1.0, peer=name)
 
                 # FP8: per-expert per-tensor scales (the same bytes for the peer)
                 amax_x = x.float().abs().amax().clamp(min=1e-12)
@@ -144,16 +162,19 @@ def main():
                 wq = (w.float() * (448.0 / amax_w)[:, None, None]).to(E4M3)
                 wsc = (amax_w / 448.0).float().contiguous()
                 wql = list(wq.unbind(0))
-                s8 = cuda_time_ms(lambda: moe.grouped_gemm(xq, wql, splits, transb=True, a_scale_inv=xs,
-                                                           b_scale_inv=wsc, out=out, fast_accum=True))
+                s8 = per_lanes(lanes_list, lambda ln: moe.grouped_gemm(xq, wql, splits, transb=True, a_scale_inv=xs,
+                                                                       b_scale_inv=wsc, out=out, fast_accum=True,
+                                                                       lanes=ln))
                 peer8, name8 = torch_scaled_grouped(xq, xs.expand(rows).contiguous(), wq.transpose(-2, -1),
                                                     wsc[:, None].expand(experts, n).contiguous(), offs)
                 notes.add(name8) if peer8 is None else None
                 p8 = cuda_time_ms(peer8) if peer8 else float("nan")
-                f8 = tflops(splits, n, k, s8)
-                table.add(experts=experts, split=kind, gemm=gemm, precision="fp8 tensor", seqfuse_tflops=f8,
-                          peer_tflops=tflops(splits, n, k, p8), vs_peer=p8 / s8, loop_tflops=float("nan"),
-                          vs_loop=float("nan"), vs_seqfuse_bf16=f8 / bf, peer=name8)
+                for ln, t in s8.items():
+                    f8 = tflops(splits, n, k, t)
+                    table.add(experts=experts, split=kind, gemm=gemm, precision="fp8 tensor", lanes=ln,
+                              seqfuse_tflops=f8, peer_tflops=tflops(splits, n, k, p8), vs_peer=p8 / t,
+                              loop_tflops=float("nan"), vs_loop=float("nan"), vs_seqfuse_bf16=f8 / bf[ln],
+                              peer=name8)
                 # FP8 block scales, per expert (the grouped GEMM takes per-group scale lists)
                 bounds_nz = [(g, lo, hi) for g, (lo, hi) in enumerate(bounds)]
                 xb, xbs, wb, wbs = [], [], [], []
@@ -167,13 +188,15 @@ def main():
                     d, si = quant.quantize_block_fp8(w[g], 128)
                     wb.append(d)
                     wbs.append(si)
-                sb = cuda_time_ms(lambda: moe.grouped_gemm(xb, wb, splits, transb=True, a_scale_inv=xbs,
-                                                           b_scale_inv=wbs, a_scaling="block_1x128",
-                                                           b_scaling="block_128x128", out=out))
-                fb = tflops(splits, n, k, sb)
-                table.add(experts=experts, split=kind, gemm=gemm, precision="fp8 block", seqfuse_tflops=fb,
-                          peer_tflops=float("nan"), vs_peer=float("nan"), loop_tflops=float("nan"),
-                          vs_loop=float("nan"), vs_seqfuse_bf16=fb / bf, peer="none on Hopper")
+                sb_ms = per_lanes(lanes_list, lambda ln: moe.grouped_gemm(
+                    xb, wb, splits, transb=True, a_scale_inv=xbs, b_scale_inv=wbs, a_scaling="block_1x128",
+                    b_scaling="block_128x128", out=out, lanes=ln))
+                for ln, sb in sb_ms.items():
+                    fb = tflops(splits, n, k, sb)
+                    table.add(experts=experts, split=kind, gemm=gemm, precision="fp8 block", lanes=ln,
+                              seqfuse_tflops=fb, peer_tflops=float("nan"), vs_peer=float("nan"),
+                              loop_tflops=float("nan"), vs_loop=float("nan"), vs_seqfuse_bf16=fb / bf[ln],
+                              peer="none on Hopper")
                 del x, w, ws, out, xq, wq, wql, xb, wb
                 torch.cuda.empty_cache()
         # fresh row counts on every call (25 calls per timing: 5 warm-up + 20 timed)
@@ -192,33 +215,41 @@ def main():
                 state["i"] = (state["i"] + 1) % len(draws)
                 return state["i"]
 
-            s_ms = cuda_time_ms(lambda: moe.grouped_gemm(x, ws, draws[next_draw()], transb=True, out=out))
+            s_ms = per_lanes(lanes_list, lambda ln: moe.grouped_gemm(x, ws, draws[next_draw()], transb=True,
+                                                                     out=out, lanes=ln))
             peer, name = torch_grouped(x, wt, offs_list[0])
             p_ms = float("nan")
             if peer is not None:
                 p_ms = cuda_time_ms(lambda: torch._grouped_mm(x, wt, offs=offs_list[next_draw()],
                                                               out_dtype=torch.bfloat16))
-            table.add(experts=experts, split="fresh", gemm=gemm, precision="bf16",
-                      seqfuse_tflops=tflops(draws[0], n, k, s_ms), peer_tflops=tflops(draws[0], n, k, p_ms),
-                      vs_peer=p_ms / s_ms, loop_tflops=float("nan"), vs_loop=float("nan"),
-                      vs_seqfuse_bf16=float("nan"), peer=name)
+            for ln, t in s_ms.items():
+                table.add(experts=experts, split="fresh", gemm=gemm, precision="bf16", lanes=ln,
+                          seqfuse_tflops=tflops(draws[0], n, k, t), peer_tflops=tflops(draws[0], n, k, p_ms),
+                          vs_peer=p_ms / t, loop_tflops=float("nan"), vs_loop=float("nan"),
+                          vs_seqfuse_bf16=float("nan"), peer=name)
             del x, w, ws, wt, out
             torch.cuda.empty_cache()
-    bf_rows = [r for r in table.rows if r["precision"] == "bf16" and r["split"] != "fresh"]
-    f8_rows = [r for r in table.rows if r["precision"] == "fp8 tensor"]
-    goals = {
-        "bf16_min_vs_torch_grouped_mm": min(r["vs_peer"] for r in bf_rows),
-        "bf16_min_vs_loop": min(r["vs_loop"] for r in bf_rows),
-        "bf16_fresh_splits_min_vs_torch_grouped_mm": min(
-            r["vs_peer"] for r in table.rows if r["split"] == "fresh"),
-        "fp8_min_vs_seqfuse_bf16": min(r["vs_seqfuse_bf16"] for r in f8_rows),
-        "fp8_block_min_vs_seqfuse_bf16": min(r["vs_seqfuse_bf16"] for r in table.rows
-                                             if r["precision"] == "fp8 block"),
+    goals = {}
+    for ln in lanes_list:
+        mine = [r for r in table.rows if r["lanes"] == ln]
+        bf_rows = [r for r in mine if r["precision"] == "bf16" and r["split"] != "fresh"]
+        goals[f"lanes={ln}"] = {
+            "bf16_min_vs_torch_grouped_mm": min(r["vs_peer"] for r in bf_rows),
+            "bf16_min_vs_loop": min(r["vs_loop"] for r in bf_rows),
+            "bf16_fresh_splits_min_vs_torch_grouped_mm": min(r["vs_peer"] for r in mine
+                                                             if r["split"] == "fresh"),
+            "fp8_min_vs_seqfuse_bf16": min(r["vs_seqfuse_bf16"] for r in mine
+                                           if r["precision"] == "fp8 tensor"),
+            "fp8_block_min_vs_seqfuse_bf16": min(r["vs_seqfuse_bf16"] for r in mine
+                                                 if r["precision"] == "fp8 block"),
+        }
+    goals.update({
         "goal_bf16_vs_torch": 1.0, "goal_fp8_vs_bf16": 1.6,
-        "route": "one cuBLASLt call per non-empty expert from host m_splits",
+        "route": "one cuBLASLt call per non-empty expert from host m_splits, on `lanes` CUDA streams",
+        "default_lanes": moe.GROUPED_LANES,
         "peers_missing": sorted(notes),
-        "command": "python3 benchmarks/moe/bench_grouped_gemm.py",
-    }
+        "command": "python3 benchmarks/moe/bench_grouped_gemm.py " + " ".join(sys.argv[1:]),
+    })
     path = table.save({"goals": goals, "shape": {"tokens": TOKENS, "topk": TOPK, "hidden": HIDDEN,
                                                  "ffn": FFN}})
     with open(path) as f:

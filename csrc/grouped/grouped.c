@@ -24,7 +24,10 @@
  * nothing itself: each group's product is an sf_gemm call (the gemm
  * family's CPU reference, cuBLASLt, and check_cublaslt.cu), and the empty
  * groups are cleared here with memset on the CPU and by grouped_cuda.cu
- * (cudaMemset2DAsync, declared in grouped_backend.h) on the GPU.
+ * (cudaMemset2DAsync, declared in grouped_backend.h) on the GPU.  With
+ * args->lanes >= 2 the CUDA groups run on that many side streams
+ * (grouped_cuda.cu's lanes), each group on the lane with the least work
+ * (m n k) issued so far, each lane with its own share of the workspace.
  * tests/test_moe_grouped_gemm.py compares the two backends.
  */
 #include <stdio.h>
@@ -191,6 +194,32 @@ sf_status sf_grouped_gemm(const sf_grouped_gemm_args *args, sf_stream stream)
     if (args->bgrad && !args->bias_list)
         return sf_fail(SF_ERR_VALUE, "%s: bgrad=1 needs 'bias' (the bias gradients' outputs)", OP);
 
+    if (args->lanes < 0 || args->lanes > SF_GROUPED_MAX_LANES)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'lanes' must be 0 to %d (concurrent streams), got %d",
+                       OP, SF_GROUPED_MAX_LANES, args->lanes);
+
+    /* Lanes (CUDA, 2 or more non-empty groups): open here, closed on the one
+     * way out below, error or not. */
+    const sf_tensor *first = args->a ? args->a : &args->a_list[0];
+    int busy = 0;
+    for (int g = 0; g < G; ++g)
+        busy += args->m_splits[g] > 0;
+    sf_grouped_lanes lanes = {0};
+    int64_t load[SF_GROUPED_MAX_LANES] = {0};
+    sf_tensor lane_ws[SF_GROUPED_MAX_LANES];
+    const int want = args->lanes < busy ? args->lanes : busy;
+    if (first->device != SF_CPU && want >= 2) {
+        SF_TRY(SF_IF_CUDA(OP, "lanes", sf_grouped_lanes_open(first->device_id, stream, want, &lanes)));
+        for (int i = 0; i < lanes.n && args->workspace; ++i) {
+            /* lane i's 256-byte-aligned share of the workspace */
+            const int64_t share = args->workspace->shape[0] / lanes.n / 256 * 256;
+            lane_ws[i] = *args->workspace;
+            lane_ws[i].shape[0] = share;
+            lane_ws[i].data = (char *)args->workspace->data + (int64_t)i * share;
+        }
+    }
+
+    sf_status st = SF_OK;
     sf_gemm_args ga;
     sf_gemm_args_init(&ga);
     ga.transa = args->transa;
@@ -200,15 +229,17 @@ sf_status sf_grouped_gemm(const sf_grouped_gemm_args *args, sf_stream stream)
     ga.allow_tf32 = args->allow_tf32;
     ga.workspace = args->workspace;
     int64_t off = 0; /* row offset of group g in the split operands */
-    for (int g = 0; g < G; off += args->m_splits[g], ++g) {
+    for (int g = 0; st == SF_OK && g < G; off += args->m_splits[g], ++g) {
         int64_t rows = args->m_splits[g];
         sf_tensor a, b, out, bias, sa, sb;
         view_at(args->a, args->a_list, g, off, rows, &a);
         view_at(args->b, args->b_list, g, off, rows, &b);
         view_at(args->out, args->out_list, g, off, rows, &out);
-        if (a.ndim != 2 || b.ndim != 2 || out.ndim != 2)
-            return sf_fail(SF_ERR_VALUE, "%s: group %d: a, b and out must be 2-D (got %d, %d and %d "
-                           "dimensions)", OP, g, a.ndim, b.ndim, out.ndim);
+        if (a.ndim != 2 || b.ndim != 2 || out.ndim != 2) {
+            st = sf_fail(SF_ERR_VALUE, "%s: group %d: a, b and out must be 2-D (got %d, %d and %d "
+                         "dimensions)", OP, g, a.ndim, b.ndim, out.ndim);
+            break;
+        }
         int64_t m = args->transa ? a.shape[1] : a.shape[0];
         int64_t k = args->transa ? a.shape[0] : a.shape[1];
         int64_t n = args->transb ? b.shape[0] : b.shape[1];
@@ -223,18 +254,30 @@ sf_status sf_grouped_gemm(const sf_grouped_gemm_args *args, sf_stream stream)
         if (m == 0 || n == 0) {
             /* an expert with no tokens: out_g has no rows (or no columns) */
             if (args->bgrad && m > 0)
-                return sf_fail(SF_ERR_VALUE, "%s: group %d: a bias gradient over an empty output "
-                               "(n = 0) is not defined here", OP, g);
+                st = sf_fail(SF_ERR_VALUE, "%s: group %d: a bias gradient over an empty output "
+                             "(n = 0) is not defined here", OP, g);
             continue;
+        }
+        /* this group's stream: the lane with the least work so far */
+        sf_stream on = stream;
+        if (lanes.n) {
+            int best = 0;
+            for (int i = 1; i < lanes.n; ++i)
+                best = load[i] < load[best] ? i : best;
+            load[best] += m * n * (k > 0 ? k : 1);
+            on = lanes.stream[best];
+            if (args->workspace)
+                ga.workspace = &lane_ws[best];
         }
         if (k == 0) { /* the empty sum: dW_g of an expert with no tokens */
             if (out.ndim != 2 || out.shape[0] != m || out.shape[1] != n)
-                return sf_fail(SF_ERR_VALUE, "%s: group %d: argument 'out' must have shape [%lld, %lld]",
-                               OP, g, (long long)m, (long long)n);
-            if (ga.bias && (!args->bgrad || bias.ndim != 1 || bias.shape[0] != m))
-                return sf_fail(SF_ERR_VALUE, "%s: group %d has an empty inner dimension: only a bias "
-                               "gradient (bgrad=1) of length %lld can go with it", OP, g, (long long)m);
-            SF_TRY(write_empty_product(args, &out, args->bgrad ? &bias : NULL, m, n, stream));
+                st = sf_fail(SF_ERR_VALUE, "%s: group %d: argument 'out' must have shape [%lld, %lld]",
+                             OP, g, (long long)m, (long long)n);
+            else if (ga.bias && (!args->bgrad || bias.ndim != 1 || bias.shape[0] != m))
+                st = sf_fail(SF_ERR_VALUE, "%s: group %d has an empty inner dimension: only a bias "
+                             "gradient (bgrad=1) of length %lld can go with it", OP, g, (long long)m);
+            else
+                st = write_empty_product(args, &out, args->bgrad ? &bias : NULL, m, n, on);
             continue;
         }
         group_scale(args->a_scale_inv, args->a_scale_list, args->a_scaling, g, &sa,
@@ -242,12 +285,22 @@ sf_status sf_grouped_gemm(const sf_grouped_gemm_args *args, sf_stream stream)
         group_scale(args->b_scale_inv, args->b_scale_list, args->b_scaling, g, &sb,
                     &ga.b_scale_inv, &ga.b_scaling);
         ga.epilogue = !ga.bias ? SF_GEMM_EPI_NONE : args->bgrad ? SF_GEMM_EPI_BGRAD : SF_GEMM_EPI_BIAS;
-        sf_status st = sf_gemm(&ga, stream);
+        st = sf_gemm(&ga, on);
         if (st != SF_OK) {
             char why[768];
             snprintf(why, sizeof why, "%s", sf_last_error());
-            return sf_fail(st, "%s: group %d (m_splits[%d] = %lld): %s", OP, g, g, (long long)rows, why);
+            st = sf_fail(st, "%s: group %d (m_splits[%d] = %lld): %s", OP, g, g, (long long)rows, why);
         }
     }
-    return SF_OK;
+    if (lanes.n) {
+        /* join even after a failed group; the first error is the one reported */
+        char why[768] = "";
+        if (st != SF_OK)
+            snprintf(why, sizeof why, "%s", sf_last_error());
+        sf_status joined = SF_IF_CUDA(OP, "lanes", sf_grouped_lanes_close(&lanes));
+        if (st != SF_OK)
+            return sf_fail(st, "%s", why);
+        return joined;
+    }
+    return st;
 }

@@ -36,7 +36,11 @@
  *
  * Route: the row offsets are computed once from the host m_splits, then one
  * sf_gemm per non-empty group (CPU: the reference GEMM; CUDA: one cuBLASLt
- * call per group on `stream`, with its cached plan).  Row counts held in a
+ * call per group with its cached plan, on `stream`, or with lanes >= 2 on
+ * that many side streams forked from and joined back into `stream`, each
+ * group given to the lane with the least work so far and a 256-byte-aligned
+ * 1/lanes share of the workspace; `stream` sees the call as one ordered
+ * step either way).  The CPU backend ignores lanes.  Row counts held in a
  * device tensor are not taken by this entry.
  */
 #ifndef SEQFUSE_GROUPED_H
@@ -67,7 +71,11 @@ typedef struct sf_grouped_gemm_args {
     int fast_accum;                /* fp8 only */
     int allow_tf32;
     sf_tensor *workspace;          /* CUDA: cuBLASLt scratch, or NULL */
+    int lanes;                     /* CUDA: 0 or 1 (one stream) to SF_GROUPED_MAX_LANES
+                                      concurrent streams (see Route) */
 } sf_grouped_gemm_args;
+
+#define SF_GROUPED_MAX_LANES 8
 
 void sf_grouped_gemm_args_init(sf_grouped_gemm_args *args);
 

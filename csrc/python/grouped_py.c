@@ -23,7 +23,7 @@ typedef struct {
 
 /* Argument positions in grouped_args. */
 enum { A, B, OUT, SPLITS, TRANSA, TRANSB, SA, SB, A_SCALING, B_SCALING, BIAS, BGRAD, ACCUMULATE,
-       FAST_ACCUM, ALLOW_TF32, WORKSPACE };
+       FAST_ACCUM, ALLOW_TF32, WORKSPACE, LANES };
 
 /* The list-or-tensor arguments, in the order they are imported. */
 enum { OP_A, OP_B, OP_OUT, OP_BIAS, OP_SA, OP_SB, N_OPERANDS };
@@ -141,7 +141,7 @@ static const sf_py_arg grouped_args[] = {
     SF_INT(transa),     SF_INT(transb),     SF_OBJ(a_scale_inv), SF_OBJ(b_scale_inv),
     SF_INT(a_scaling),  SF_INT(b_scaling),  SF_OBJ(bias),        SF_INT(bgrad),
     SF_INT(accumulate), SF_INT(fast_accum), SF_INT(allow_tf32),  SF_OT(workspace),
-    SF_STREAM};
+    SF_INT(lanes),      SF_STREAM};
 
 /* The state lives on the heap (the frame's scratch holds its address): it
  * is larger than the small frame every call carries. */
@@ -178,7 +178,7 @@ static int grouped_prepare(sf_py_frame *f)
         .a_scaling = (sf_gemm_scaling)v[A_SCALING].i, .b_scaling = (sf_gemm_scaling)v[B_SCALING].i,
         .bias_list = op[OP_BIAS].views, .bgrad = v[BGRAD].i != 0,
         .accumulate = v[ACCUMULATE].i != 0, .fast_accum = v[FAST_ACCUM].i != 0,
-        .allow_tf32 = v[ALLOW_TF32].i != 0, .workspace = v[WORKSPACE].t};
+        .allow_tf32 = v[ALLOW_TF32].i != 0, .workspace = v[WORKSPACE].t, .lanes = (int)v[LANES].i};
     v[SPLITS].p = &st->g;
     return 0;
 }

@@ -184,9 +184,24 @@ def _aligned_scalars(values):
     return [buf[g, :1] for g in range(G)]
 
 
+#: Concurrent streams ("lanes") a CUDA grouped GEMM spreads its groups over
+#: when the caller does not say (see grouped_gemm's ``lanes``).
+GROUPED_LANES = 1
+MAX_LANES = 8  # SF_GROUPED_MAX_LANES
+
+
+def _lanes(op, lanes):
+    if lanes is None:
+        return GROUPED_LANES
+    if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= MAX_LANES:
+        raise ValueError(f"{op}: argument 'lanes' must be an int from 1 to {MAX_LANES} (concurrent "
+                         f"CUDA streams), got {lanes!r}")
+    return lanes
+
+
 def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dtype=None, bias=None,
                  bgrad=False, accumulate=False, a_scale_inv=None, b_scale_inv=None, a_scaling=None,
-                 b_scaling=None, fast_accum=False, allow_tf32=None, workspace=None):
+                 b_scaling=None, fast_accum=False, allow_tf32=None, workspace=None, lanes=None):
     """Per group g: ``out_g = op(a_g) @ op(b_g)`` (+ bias_g), G GEMMs in one call.
 
     Each of a, b, out is one 2-D tensor split by m_splits along dim 0 (the
@@ -215,9 +230,18 @@ def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dt
         a list of G tensors, group g's as seqfuse.ops.gemm takes them under
         a_scaling / b_scaling ("tensor", "block_1x128", "block_128x128";
         block scales need the list form).
+    lanes: on CUDA, the number of streams the groups' GEMMs run on side by
+        side (1: one after another on the current stream; 2 to 8: that many
+        side streams forked from the current one and joined back into it,
+        each group on the least loaded, each with 1/lanes of the
+        workspace).  Many small experts leave most of the GPU idle one at a
+        time; None takes GROUPED_LANES.  The current stream sees the call as
+        one ordered step either way (CUDA graphs capture it); the CPU
+        ignores it.
     Returns out, or (out, bias_grads) with bgrad.
     """
     op = "grouped_gemm"
+    lanes = _lanes(op, lanes)
     splits = host_splits(op, m_splits)
     G = len(splits)
     a_scale_inv, a_code = _scales(op, "a_scale_inv", a_scale_inv, a_scaling, G)
@@ -263,7 +287,7 @@ def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dt
     c_out = written[0] if written and isinstance(out, torch.Tensor) else out
     _C.grouped_gemm(a, b, c_out, splits, bool(transa), bool(transb), a_scale_inv, b_scale_inv, a_code,
                     b_code, bias, bool(bgrad), bool(accumulate), bool(fast_accum), tf32_of(allow_tf32, first.dtype),
-                    workspace, stream_for(first))
+                    workspace, lanes, stream_for(first))
     if written:
         mark_written(*written)
     if returned is not None:
