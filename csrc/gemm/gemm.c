@@ -389,6 +389,10 @@ sf_status sf_gemm(const sf_gemm_args *g, sf_stream stream)
     p.allow_tf32 = g->allow_tf32 != 0;
     p.alpha = g->alpha;
     p.device_id = g->a->device_id;
+    if (g->sm_count_target < 0)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'sm_count_target' must be >= 0 (0: the device's "
+                       "SMs), got %d", OP, g->sm_count_target);
+    p.sm_count_target = g->sm_count_target;
 
     if (g->workspace) {
         if (g->workspace->dtype != SF_UINT8 || g->workspace->ndim != 1 ||

@@ -57,6 +57,7 @@ typedef struct {
     float alpha;
     void *workspace;
     size_t workspace_bytes;
+    int sm_count_target;           /* 0: the device's */
     int device_id;
 } sf_gemm_problem;
 

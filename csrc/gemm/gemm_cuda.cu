@@ -15,8 +15,9 @@
  * cublasLtMatmulAlgoGetHeuristic are built once per problem and kept in a
  * small open-addressing hash table keyed by everything the heuristic sees
  * (device, dtypes, n, leading dimensions, op flags, epilogue, scaling modes,
- * fast accumulation, compute type, pointer alignments, workspace size), with
- * a token-count dimension keyed by its size class (exact up to 128, else
+ * fast accumulation, compute type, pointer alignments, workspace size, SM
+ * count target), with a token-count dimension keyed by its size class
+ * (exact up to 128, else
  * the next eighth of an octave: 2^j (1 + i/8) for i = 1..8, so 4,097 to
  * 4,608 are one class): m when a is not transposed (forward, input
  * gradient), k when a is transposed and b is not (weight gradient) -- the
@@ -81,6 +82,8 @@ struct PlanKey {
     int32_t fast_accum, compute;
     uint32_t align_a, align_b, align_c, align_d;
     uint64_t workspace_bytes;
+    int32_t sm_count_target;
+    int32_t pad_;
 };
 
 struct Plan {
@@ -297,6 +300,7 @@ sf_status make_key(const sf_gemm_problem *p, PlanKey *k)
     k->align_c = alignment(p->c);
     k->align_d = alignment(p->out);
     k->workspace_bytes = p->workspace_bytes;
+    k->sm_count_target = p->sm_count_target;
     return SF_OK;
 }
 
@@ -360,6 +364,10 @@ sf_status build_plan(cublasLtHandle_t h, const sf_gemm_problem *p, const PlanKey
             BP_TRY("setting A_SCALE_MODE", set_attr(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, ma));
             BP_TRY("setting B_SCALE_MODE", set_attr(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, mb));
         }
+    }
+    if (k->sm_count_target > 0) {
+        int32_t sms = k->sm_count_target;
+        BP_TRY("setting SM_COUNT_TARGET", set_attr(plan->desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, sms));
     }
     if (k->bias_type >= 0) {
         int32_t bt = k->bias_type;

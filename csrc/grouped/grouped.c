@@ -27,7 +27,8 @@
  * (cudaMemset2DAsync, declared in grouped_backend.h) on the GPU.  With
  * args->lanes >= 2 the CUDA groups run on that many side streams
  * (grouped_cuda.cu's lanes), each group on the lane with the least work
- * (m n k) issued so far, each lane with its own share of the workspace.
+ * (m n k) issued so far, each lane with its own share of the workspace and
+ * of the SMs (sf_gemm's sm_count_target).
  * tests/test_moe_grouped_gemm.py compares the two backends.
  */
 #include <stdio.h>
@@ -266,6 +267,7 @@ sf_status sf_grouped_gemm(const sf_grouped_gemm_args *args, sf_stream stream)
                 best = load[i] < load[best] ? i : best;
             load[best] += m * n * (k > 0 ? k : 1);
             on = lanes.stream[best];
+            ga.sm_count_target = lanes.sm_share;
             if (args->workspace)
                 ga.workspace = &lane_ws[best];
         }

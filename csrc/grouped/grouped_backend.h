@@ -25,6 +25,7 @@ typedef struct {
     int n;            /* lanes open (0: none; the groups run on the caller's stream) */
     int device_id;
     sf_stream caller; /* the stream the call was made on */
+    int sm_share;     /* the device's SMs / n: each lane's GEMMs are chosen and sized for these */
     sf_stream stream[SF_GROUPED_MAX_LANES];
 } sf_grouped_lanes;
 

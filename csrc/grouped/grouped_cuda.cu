@@ -9,7 +9,9 @@
  *    512 x 1024 outputs, 32 tiles of 128 x 128 on a 132-SM H100), so
  *    issued one after another on one stream most of the GPU idles; on
  *    several streams their tiles share the GPU as one grouped kernel's
- *    would.  A call forks from the caller's stream with one event (each
+ *    would.  Each lane's GEMMs ask cuBLASLt for algorithms sized for their
+ *    share of the SMs (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET: the device's
+ *    count / lanes), not for a whole GPU the others are using.  A call forks from the caller's stream with one event (each
  *    lane waits on it) and joins with one event per lane (the caller's
  *    stream waits on each), so the caller's stream sees the grouped GEMM
  *    as one ordered step: tensors freed or reused after it on that stream
@@ -86,6 +88,10 @@ extern "C" sf_status sf_grouped_lanes_open(int device_id, sf_stream stream, int 
     if (n < 2 || n > SF_GROUPED_MAX_LANES || device_id < 0 || device_id >= kMaxDevices)
         return sf_fail(SF_ERR_VALUE, "grouped_gemm: %d lanes on device %d: lanes run 2 to %d "
                        "streams on devices 0 to %d", n, device_id, SF_GROUPED_MAX_LANES, kMaxDevices - 1);
+    int sms = 0;
+    if (cudaError_t e = sf_cuda_query_sm_count(device_id, &sms); e != cudaSuccess)
+        return sf_fail(SF_ERR_RUNTIME, "grouped_gemm: CUDA error %s: %s (asking device %d's SM count)",
+                       cudaGetErrorName(e), cudaGetErrorString(e), device_id);
     LaneSet &s = g_lanes[device_id];
     s.lock.lock();
     sf_cuda_device_guard guard;
@@ -104,6 +110,7 @@ extern "C" sf_status sf_grouped_lanes_open(int device_id, sf_stream stream, int 
         s.lock.unlock();
         return st;
     }
+    lanes->sm_share = sms / n > 0 ? sms / n : 1;
     lanes->n = n;
     lanes->device_id = device_id;
     lanes->caller = stream;

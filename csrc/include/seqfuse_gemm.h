@@ -82,6 +82,8 @@ typedef struct sf_gemm_args {
     sf_tensor *workspace;          /* CUDA: uint8 scratch for cuBLASLt, or NULL */
     const sf_tensor *addend;       /* [m, n], out's dtype and row stride, or NULL; not with
                                     * accumulate; no memory of out's */
+    int sm_count_target;           /* CUDA: SMs the algorithm is chosen and sized for (0: the
+                                    * device's); fewer when other streams run beside it */
 } sf_gemm_args;
 
 /* Fill args with the defaults: no scales, no epilogue, alpha 1, tf32 on. */

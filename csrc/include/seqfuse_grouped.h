@@ -38,9 +38,9 @@
  * sf_gemm per non-empty group (CPU: the reference GEMM; CUDA: one cuBLASLt
  * call per group with its cached plan, on `stream`, or with lanes >= 2 on
  * that many side streams forked from and joined back into `stream`, each
- * group given to the lane with the least work so far and a 256-byte-aligned
- * 1/lanes share of the workspace; `stream` sees the call as one ordered
- * step either way).  The CPU backend ignores lanes.  Row counts held in a
+ * group given to the lane with the least work so far, a 256-byte-aligned
+ * 1/lanes share of the workspace and GEMM algorithms chosen for 1/lanes of
+ * the SMs; `stream` sees the call as one ordered step either way).  The CPU backend ignores lanes.  Row counts held in a
  * device tensor are not taken by this entry.
  */
 #ifndef SEQFUSE_GROUPED_H
