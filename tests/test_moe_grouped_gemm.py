@@ -302,13 +302,14 @@ LANE_SPLITS = {"many": [0, 48, 16, 112, 0, 32, 208, 16, 64, 0, 96, 16, 128, 0, 3
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("lanes", [2, 4, 8])
+@pytest.mark.parametrize("lanes", [None, 2, 4, 8], ids=["auto", "2", "4", "8"])
 @pytest.mark.parametrize("case", sorted(LANE_SPLITS))
 def test_cuda_lanes_match_cpu_and_one_stream(case, lanes, seed):
     """Every product (bias, bias gradient, accumulation into a list) with
     the groups spread over `lanes` streams equals the one-stream route and
     the CPU reference; outputs poisoned and read on the caller's stream
-    right after the call (the join orders them)."""
+    right after the call (the join orders them).  None: the C entry's own
+    choice, 4 lanes for groups this small (one or two output tiles)."""
     splits = LANE_SPLITS[case]
     G, k, n = len(splits), 128, 96
     x, w, dy = _inputs(splits, k, n, torch.bfloat16)

@@ -23,14 +23,15 @@ Rows:
 
 seqfuse's rows are timed once per --lanes value (the grouped GEMM's
 concurrent CUDA streams, ops.moe.grouped_gemm's ``lanes``; 1 = every group
-on the current stream), the peers once per shape.
+on the current stream; 0 = the default, chosen from the groups' sizes), the
+peers once per shape.
 
 Goals (issue 18): bf16 >= 1.0x torch._grouped_mm; FP8 >= 1.6x seqfuse's bf16
 (at the same lanes).  Prints one line per row and the JSON document; writes
 benchmarks/results/moe_grouped_gemm.json.  About 30-60 s on an H200 with
 one lanes value.
 
-    python3 benchmarks/moe/bench_grouped_gemm.py [--lanes 1,2,4,8] [--experts 8,16,64]
+    python3 benchmarks/moe/bench_grouped_gemm.py [--lanes 0,1,4] [--experts 8,16,64]
 """
 import argparse
 import json
@@ -77,8 +78,9 @@ def fresh_splits(rows, experts, count, gen):
 
 
 def per_lanes(lanes_list, call):
-    """{lanes: median ms of call(lanes)} for each lanes value."""
-    return {ln: cuda_time_ms(lambda: call(ln)) for ln in lanes_list}
+    """{lanes: median ms of call(lanes)} for each lanes value (0: call(None),
+    the default, which the C entry sizes from the groups)."""
+    return {ln: cuda_time_ms(lambda: call(ln or None)) for ln in lanes_list}
 
 
 def tflops(splits, n, k, ms):
@@ -112,7 +114,8 @@ def torch_scaled_grouped(xq, xs_row, wq_t, ws_row, offs):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--lanes", default="1", help="comma-separated lanes values to time seqfuse at")
+    ap.add_argument("--lanes", default="0", help="comma-separated lanes values to time seqfuse at "
+                    "(0: the default, chosen by the C entry from the groups' sizes)")
     ap.add_argument("--experts", default="8,16,64", help="comma-separated expert counts")
     args = ap.parse_args()
     lanes_list = [int(v) for v in args.lanes.split(",")]
@@ -246,7 +249,7 @@ def main():
     goals.update({
         "goal_bf16_vs_torch": 1.0, "goal_fp8_vs_bf16": 1.6,
         "route": "one cuBLASLt call per non-empty expert from host m_splits, on `lanes` CUDA streams",
-        "default_lanes": moe.GROUPED_LANES,
+        "lanes_auto": "lanes=0 rows: the C entry's own choice (ops.moe.grouped_gemm's default)",
         "peers_missing": sorted(notes),
         "command": "python3 benchmarks/moe/bench_grouped_gemm.py " + " ".join(sys.argv[1:]),
     })

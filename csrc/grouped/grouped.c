@@ -104,6 +104,40 @@ static void view_at(const sf_tensor *split, const sf_tensor *list, int g, int64_
         v->data = (char *)split->data + off * split->strides[0] * (int64_t)sf_dtype_size(split->dtype);
 }
 
+/* Group g's product sizes: op(a) [m, k] x op(b) [k, n]; 0 where a view is
+ * not 2-D (the caller refuses it). */
+static void group_dims(const sf_grouped_gemm_args *args, const sf_tensor *a, const sf_tensor *b,
+                       int64_t *m, int64_t *n, int64_t *k)
+{
+    if (a->ndim != 2 || b->ndim != 2) {
+        *m = *n = *k = 0;
+        return;
+    }
+    *m = args->transa ? a->shape[1] : a->shape[0];
+    *k = args->transa ? a->shape[0] : a->shape[1];
+    *n = args->transb ? b->shape[0] : b->shape[1];
+}
+
+/* The output tiles of 128 x 128 per non-empty group, on average (what
+ * lanes = 0 sizes its lanes by), and the number of non-empty groups. */
+static int64_t tiles_per_group(const sf_grouped_gemm_args *args, int *busy)
+{
+    int64_t tiles = 0, off = 0;
+    *busy = 0;
+    for (int g = 0; g < args->num_groups; off += args->m_splits[g], ++g) {
+        sf_tensor a, b;
+        int64_t m, n, k;
+        view_at(args->a, args->a_list, g, off, args->m_splits[g], &a);
+        view_at(args->b, args->b_list, g, off, args->m_splits[g], &b);
+        group_dims(args, &a, &b, &m, &n, &k);
+        if (m > 0 && n > 0) {
+            tiles += ((m + 127) / 128) * ((n + 127) / 128);
+            *busy += 1;
+        }
+    }
+    return *busy ? tiles / *busy : 0;
+}
+
 static void scale_at(const sf_tensor *s, int g, sf_tensor *v)
 {
     *v = *s;
@@ -196,21 +230,21 @@ sf_status sf_grouped_gemm(const sf_grouped_gemm_args *args, sf_stream stream)
         return sf_fail(SF_ERR_VALUE, "%s: bgrad=1 needs 'bias' (the bias gradients' outputs)", OP);
 
     if (args->lanes < 0 || args->lanes > SF_GROUPED_MAX_LANES)
-        return sf_fail(SF_ERR_VALUE, "%s: argument 'lanes' must be 0 to %d (concurrent streams), got %d",
-                       OP, SF_GROUPED_MAX_LANES, args->lanes);
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'lanes' must be 0 to %d (0: chosen here; else "
+                       "concurrent streams), got %d", OP, SF_GROUPED_MAX_LANES, args->lanes);
 
     /* Lanes (CUDA, 2 or more non-empty groups): open here, closed on the one
      * way out below, error or not. */
     const sf_tensor *first = args->a ? args->a : &args->a_list[0];
-    int busy = 0;
-    for (int g = 0; g < G; ++g)
-        busy += args->m_splits[g] > 0;
     sf_grouped_lanes lanes = {0};
     int64_t load[SF_GROUPED_MAX_LANES] = {0};
     sf_tensor lane_ws[SF_GROUPED_MAX_LANES];
-    const int want = args->lanes < busy ? args->lanes : busy;
-    if (first->device != SF_CPU && want >= 2) {
-        SF_TRY(SF_IF_CUDA(OP, "lanes", sf_grouped_lanes_open(first->device_id, stream, want, &lanes)));
+    if (first->device != SF_CPU && args->lanes != 1) {
+        int busy = 0;
+        const int64_t tiles = tiles_per_group(args, &busy);
+        if (busy >= 2)
+            SF_TRY(SF_IF_CUDA(OP, "lanes", sf_grouped_lanes_open(first->device_id, stream, args->lanes, tiles,
+                                                                 busy, &lanes)));
         for (int i = 0; i < lanes.n && args->workspace; ++i) {
             /* lane i's 256-byte-aligned share of the workspace */
             const int64_t share = args->workspace->shape[0] / lanes.n / 256 * 256;
@@ -241,9 +275,8 @@ sf_status sf_grouped_gemm(const sf_grouped_gemm_args *args, sf_stream stream)
                          "dimensions)", OP, g, a.ndim, b.ndim, out.ndim);
             break;
         }
-        int64_t m = args->transa ? a.shape[1] : a.shape[0];
-        int64_t k = args->transa ? a.shape[0] : a.shape[1];
-        int64_t n = args->transb ? b.shape[0] : b.shape[1];
+        int64_t m, n, k;
+        group_dims(args, &a, &b, &m, &n, &k);
         ga.a = &a;
         ga.b = &b;
         ga.out = &out;

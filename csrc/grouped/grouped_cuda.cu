@@ -9,7 +9,10 @@
  *    512 x 1024 outputs, 32 tiles of 128 x 128 on a 132-SM H100), so
  *    issued one after another on one stream most of the GPU idles; on
  *    several streams their tiles share the GPU as one grouped kernel's
- *    would.  Each lane's GEMMs ask cuBLASLt for algorithms sized for their
+ *    would.  Asked for no number (lanes = 0), a call takes as many lanes
+ *    as the SMs hold its average group's 128 x 128 output tiles, at most
+ *    SF_GROUPED_AUTO_LANES: groups that fill the GPU alone run on the
+ *    caller's stream.  Each lane's GEMMs ask cuBLASLt for algorithms sized for their
  *    share of the SMs (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET: the device's
  *    count / lanes), not for a whole GPU the others are using.  A call forks from the caller's stream with one event (each
  *    lane waits on it) and joins with one event per lane (the caller's
@@ -81,17 +84,25 @@ sf_status lanes_create(LaneSet &s, int n)
 
 } // namespace
 
-extern "C" sf_status sf_grouped_lanes_open(int device_id, sf_stream stream, int n,
-                                           sf_grouped_lanes *lanes)
+extern "C" sf_status sf_grouped_lanes_open(int device_id, sf_stream stream, int n, int64_t tiles,
+                                           int groups, sf_grouped_lanes *lanes)
 {
     lanes->n = 0;
-    if (n < 2 || n > SF_GROUPED_MAX_LANES || device_id < 0 || device_id >= kMaxDevices)
+    if (n == 1 || n < 0 || n > SF_GROUPED_MAX_LANES || device_id < 0 || device_id >= kMaxDevices)
         return sf_fail(SF_ERR_VALUE, "grouped_gemm: %d lanes on device %d: lanes run 2 to %d "
                        "streams on devices 0 to %d", n, device_id, SF_GROUPED_MAX_LANES, kMaxDevices - 1);
     int sms = 0;
     if (cudaError_t e = sf_cuda_query_sm_count(device_id, &sms); e != cudaSuccess)
         return sf_fail(SF_ERR_RUNTIME, "grouped_gemm: CUDA error %s: %s (asking device %d's SM count)",
                        cudaGetErrorName(e), cudaGetErrorString(e), device_id);
+    if (n == 0) {
+        /* as many groups side by side as the SMs hold (a group at least one tile) */
+        const int64_t fit = sms / (tiles > 0 ? tiles : 1);
+        n = fit < SF_GROUPED_AUTO_LANES ? (int)fit : SF_GROUPED_AUTO_LANES;
+    }
+    n = n < groups ? n : groups;
+    if (n < 2)
+        return SF_OK;
     LaneSet &s = g_lanes[device_id];
     s.lock.lock();
     sf_cuda_device_guard guard;

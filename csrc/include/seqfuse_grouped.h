@@ -37,7 +37,9 @@
  * Route: the row offsets are computed once from the host m_splits, then one
  * sf_gemm per non-empty group (CPU: the reference GEMM; CUDA: one cuBLASLt
  * call per group with its cached plan, on `stream`, or with lanes >= 2 on
- * that many side streams forked from and joined back into `stream`, each
+ * that many side streams forked from and joined back into `stream` (lanes
+ * = 0: as many as the SMs hold the average group's 128 x 128 output tiles
+ * side by side, at most 4; under 2, none), each
  * group given to the lane with the least work so far, a 256-byte-aligned
  * 1/lanes share of the workspace and GEMM algorithms chosen for 1/lanes of
  * the SMs; `stream` sees the call as one ordered step either way).  The CPU backend ignores lanes.  Row counts held in a
@@ -71,8 +73,9 @@ typedef struct sf_grouped_gemm_args {
     int fast_accum;                /* fp8 only */
     int allow_tf32;
     sf_tensor *workspace;          /* CUDA: cuBLASLt scratch, or NULL */
-    int lanes;                     /* CUDA: 0 or 1 (one stream) to SF_GROUPED_MAX_LANES
-                                      concurrent streams (see Route) */
+    int lanes;                     /* CUDA: 0 (chosen by the groups' sizes), 1 (the caller's
+                                      stream alone) or 2 to SF_GROUPED_MAX_LANES concurrent
+                                      streams (see Route) */
 } sf_grouped_gemm_args;
 
 #define SF_GROUPED_MAX_LANES 8

@@ -184,15 +184,13 @@ def _aligned_scalars(values):
     return [buf[g, :1] for g in range(G)]
 
 
-#: Concurrent streams ("lanes") a CUDA grouped GEMM spreads its groups over
-#: when the caller does not say (see grouped_gemm's ``lanes``).
-GROUPED_LANES = 1
 MAX_LANES = 8  # SF_GROUPED_MAX_LANES
 
 
 def _lanes(op, lanes):
+    """The C entry's lanes: 0 (None: its own choice) or 1 to MAX_LANES."""
     if lanes is None:
-        return GROUPED_LANES
+        return 0
     if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= MAX_LANES:
         raise ValueError(f"{op}: argument 'lanes' must be an int from 1 to {MAX_LANES} (concurrent "
                          f"CUDA streams), got {lanes!r}")
@@ -233,11 +231,14 @@ def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dt
     lanes: on CUDA, the number of streams the groups' GEMMs run on side by
         side (1: one after another on the current stream; 2 to 8: that many
         side streams forked from the current one and joined back into it,
-        each group on the least loaded, each with 1/lanes of the
-        workspace).  Many small experts leave most of the GPU idle one at a
-        time; None takes GROUPED_LANES.  The current stream sees the call as
-        one ordered step either way (CUDA graphs capture it); the CPU
-        ignores it.
+        each group on the least loaded, each with 1/lanes of the workspace
+        and GEMM algorithms chosen for 1/lanes of the SMs).  Many small
+        experts leave most of the GPU idle one at a time.  None: as many
+        lanes as the SMs hold the average group's 128 x 128 output tiles,
+        at most 4 (Mixtral-small at 64 experts: 4 for the down projection,
+        none for the gate-up one or at 8-16 experts).  The current stream
+        sees the call as one ordered step either way (CUDA graphs capture
+        it); the CPU ignores it.
     Returns out, or (out, bias_grads) with bgrad.
     """
     op = "grouped_gemm"
