@@ -25,10 +25,11 @@
  * family's CPU reference, cuBLASLt, and check_cublaslt.cu), and the empty
  * groups are cleared here with memset on the CPU and by grouped_cuda.cu
  * (cudaMemset2DAsync, declared in grouped_backend.h) on the GPU.  With
- * args->lanes >= 2 the CUDA groups run on that many side streams
- * (grouped_cuda.cu's lanes), each group on the lane with the least work
- * (m n k) issued so far, each lane with its own share of the workspace and
- * of the SMs (sf_gemm's sm_count_target).
+ * args->lanes >= 2, or 0 and the rule in grouped_cuda.cu, the CUDA groups
+ * run on side streams (grouped_cuda.cu's lanes), each group on the lane
+ * with the least work (m n k) issued so far, each lane with its own share
+ * of the workspace and, when the groups fit side by side, of the SMs
+ * (sf_gemm's sm_count_target).
  * tests/test_moe_grouped_gemm.py compares the two backends.
  */
 #include <stdio.h>

@@ -25,15 +25,17 @@ typedef struct {
     int n;            /* lanes open (0: none; the groups run on the caller's stream) */
     int device_id;
     sf_stream caller; /* the stream the call was made on */
-    int sm_share;     /* the device's SMs / n: each lane's GEMMs are chosen and sized for these */
+    int sm_share;     /* the device's SMs / n when n groups fit side by side (each lane's
+                         GEMMs are chosen and sized for these), else 0 (the whole GPU) */
     sf_stream stream[SF_GROUPED_MAX_LANES];
 } sf_grouped_lanes;
 
-/* Takes device_id's lanes for one call of `groups` non-empty groups: n of
- * them (2 <= n <= SF_GROUPED_MAX_LANES), or with n = 0 as many as the
- * device's SMs hold groups of `tiles` output tiles side by side, at most
- * SF_GROUPED_AUTO_LANES; never more than `groups` (none, lanes->n = 0,
- * when that leaves fewer than 2).  Each
+/* Takes device_id's lanes for one call of `groups` non-empty groups of
+ * `tiles` output tiles on average: n of them (2 <= n <=
+ * SF_GROUPED_MAX_LANES), or with n = 0 as many as the device's SMs hold
+ * such groups side by side, at most SF_GROUPED_AUTO_LANES, and 2 when one
+ * group fills them; never more than `groups` (none, lanes->n = 0, when
+ * that leaves fewer than 2).  Each
  * stream taken waits for the work already on `stream`; they stay the
  * caller's until sf_grouped_lanes_close, which every successful open must
  * reach (error or not). */
@@ -43,8 +45,8 @@ sf_status sf_grouped_lanes_open(int device_id, sf_stream stream, int n, int64_t 
 /* The most lanes n = 0 takes.  Measured on an H100 (s44, Mixtral-small's
  * experts at 64 groups of 512 rows, 32 tiles each): 4 lanes ran the down
  * projection at 1.73x one stream's rate, 8 at 1.67x, 2 at 1.35x; groups of
- * 128 tiles or more (8 or 16 experts) lost up to 2.6x on lanes sized
- * for a share of the SMs, hence the rule. */
+ * 128 tiles or more (8 or 16 experts) lost up to 2.6x on lanes sized for a
+ * share of the SMs, and gained 0-10 % on 2 lanes of whole-GPU algorithms. */
 #define SF_GROUPED_AUTO_LANES 4
 
 /* `stream` waits for everything issued on the lanes; releases them.  A

@@ -9,12 +9,16 @@
  *    512 x 1024 outputs, 32 tiles of 128 x 128 on a 132-SM H100), so
  *    issued one after another on one stream most of the GPU idles; on
  *    several streams their tiles share the GPU as one grouped kernel's
- *    would.  Asked for no number (lanes = 0), a call takes as many lanes
- *    as the SMs hold its average group's 128 x 128 output tiles, at most
- *    SF_GROUPED_AUTO_LANES: groups that fill the GPU alone run on the
- *    caller's stream.  Each lane's GEMMs ask cuBLASLt for algorithms sized for their
- *    share of the SMs (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET: the device's
- *    count / lanes), not for a whole GPU the others are using.  A call forks from the caller's stream with one event (each
+ *    would.  When the n lanes' groups fit the GPU side by side (n times the
+ *    average group's 128 x 128 output tiles at most the SM count), each
+ *    lane's GEMMs ask cuBLASLt for algorithms sized for their share of the
+ *    SMs (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET: the device's count / n),
+ *    not for a whole GPU the others are using; larger groups keep
+ *    whole-GPU algorithms and the lanes only overlap one GEMM's tail with
+ *    the next one's start.  Asked for no number (lanes = 0), a call takes
+ *    as many lanes as the SMs hold its groups side by side, at most
+ *    SF_GROUPED_AUTO_LANES, and 2 when a group fills the GPU alone.  A
+ *    call forks from the caller's stream with one event (each
  *    lane waits on it) and joins with one event per lane (the caller's
  *    stream waits on each), so the caller's stream sees the grouped GEMM
  *    as one ordered step: tensors freed or reused after it on that stream
@@ -95,11 +99,9 @@ extern "C" sf_status sf_grouped_lanes_open(int device_id, sf_stream stream, int 
     if (cudaError_t e = sf_cuda_query_sm_count(device_id, &sms); e != cudaSuccess)
         return sf_fail(SF_ERR_RUNTIME, "grouped_gemm: CUDA error %s: %s (asking device %d's SM count)",
                        cudaGetErrorName(e), cudaGetErrorString(e), device_id);
-    if (n == 0) {
-        /* as many groups side by side as the SMs hold (a group at least one tile) */
-        const int64_t fit = sms / (tiles > 0 ? tiles : 1);
-        n = fit < SF_GROUPED_AUTO_LANES ? (int)fit : SF_GROUPED_AUTO_LANES;
-    }
+    const int64_t fit = sms / (tiles > 0 ? tiles : 1); /* groups the SMs hold side by side */
+    if (n == 0)
+        n = fit < 2 ? 2 : fit < SF_GROUPED_AUTO_LANES ? (int)fit : SF_GROUPED_AUTO_LANES;
     n = n < groups ? n : groups;
     if (n < 2)
         return SF_OK;
@@ -121,7 +123,7 @@ extern "C" sf_status sf_grouped_lanes_open(int device_id, sf_stream stream, int 
         s.lock.unlock();
         return st;
     }
-    lanes->sm_share = sms / n > 0 ? sms / n : 1;
+    lanes->sm_share = n <= fit ? sms / n : 0;
     lanes->n = n;
     lanes->device_id = device_id;
     lanes->caller = stream;

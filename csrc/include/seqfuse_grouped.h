@@ -39,10 +39,11 @@
  * call per group with its cached plan, on `stream`, or with lanes >= 2 on
  * that many side streams forked from and joined back into `stream` (lanes
  * = 0: as many as the SMs hold the average group's 128 x 128 output tiles
- * side by side, at most 4; under 2, none), each
- * group given to the lane with the least work so far, a 256-byte-aligned
- * 1/lanes share of the workspace and GEMM algorithms chosen for 1/lanes of
- * the SMs; `stream` sees the call as one ordered step either way).  The CPU backend ignores lanes.  Row counts held in a
+ * side by side, at most 4, or 2 when one group fills them), each group
+ * given to the lane with the least work so far, a 256-byte-aligned 1/lanes
+ * share of the workspace and, when the lanes' groups fit side by side, GEMM
+ * algorithms chosen for 1/lanes of the SMs; `stream` sees the call as one
+ * ordered step either way).  The CPU backend ignores lanes.  Row counts held in a
  * device tensor are not taken by this entry.
  */
 #ifndef SEQFUSE_GROUPED_H

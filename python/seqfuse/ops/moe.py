@@ -232,11 +232,12 @@ def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dt
         side (1: one after another on the current stream; 2 to 8: that many
         side streams forked from the current one and joined back into it,
         each group on the least loaded, each with 1/lanes of the workspace
-        and GEMM algorithms chosen for 1/lanes of the SMs).  Many small
-        experts leave most of the GPU idle one at a time.  None: as many
-        lanes as the SMs hold the average group's 128 x 128 output tiles,
-        at most 4 (Mixtral-small at 64 experts: 4 for the down projection,
-        none for the gate-up one or at 8-16 experts).  The current stream
+        and, when the lanes' groups fit the GPU side by side, GEMM
+        algorithms chosen for 1/lanes of the SMs).  Many small experts
+        leave most of the GPU idle one at a time.  None: as many lanes as
+        the SMs hold the average group's 128 x 128 output tiles side by
+        side, at most 4, or 2 when one group fills the GPU (Mixtral-small
+        on an H100: 4 for 64 experts' down projection, 2 otherwise).  The current stream
         sees the call as one ordered step either way (CUDA graphs capture
         it); the CPU ignores it.
     Returns out, or (out, bias_grads) with bgrad.
