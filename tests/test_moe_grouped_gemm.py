@@ -271,11 +271,24 @@ def test_per_group_scales_are_laid_out_aligned():
 
 # ---- lanes: the groups' GEMMs on several CUDA streams ----------------------
 
-@pytest.mark.parametrize("lanes", [0, 9, True, 2.0, "4"])
-def test_lanes_are_checked(lanes):
+@pytest.mark.parametrize("lanes,error,match", [
+    (0, ValueError, "argument 'lanes' must be from 1 to 8.*got 0"),
+    (9, ValueError, "argument 'lanes' must be from 1 to 8.*got 9"),
+    (True, TypeError, "argument 'lanes' must be an int or None, got bool"),
+    (2.0, TypeError, "argument 'lanes' must be an int or None, got float"),
+    ("4", TypeError, "argument 'lanes' must be an int or None, got str")])
+def test_lanes_are_checked(lanes, error, match):
     x, w, _ = _inputs([4, 4], 16, 8, torch.float32)
-    with pytest.raises(ValueError, match="argument 'lanes' must be an int from 1 to 8"):
+    with pytest.raises(error, match=match):
         moe.grouped_gemm(x, w, [4, 4], transb=True, lanes=lanes)
+
+
+def test_lanes_take_integer_types():
+    import numpy as np
+
+    x, w, _ = _inputs([4, 4], 16, 8, torch.float32)
+    assert torch.equal(moe.grouped_gemm(x, w, [4, 4], transb=True, lanes=np.int64(2)),
+                       moe.grouped_gemm(x, w, [4, 4], transb=True, lanes=torch.tensor(2)))
 
 
 def test_c_entry_checks_lanes():
@@ -309,7 +322,9 @@ def test_cuda_lanes_match_cpu_and_one_stream(case, lanes, seed):
     the groups spread over `lanes` streams equals the one-stream route and
     the CPU reference; outputs poisoned and read on the caller's stream
     right after the call (the join orders them).  None: the C entry's own
-    choice, 4 lanes for groups this small (one or two output tiles)."""
+    choice (groups of one or two output tiles: as many lanes as there are
+    groups with rows, up to 4; "mostly_empty" has one such group in the
+    forward and input gradient, which then run on the caller's stream)."""
     splits = LANE_SPLITS[case]
     G, k, n = len(splits), 128, 96
     x, w, dy = _inputs(splits, k, n, torch.bfloat16)
@@ -395,3 +410,86 @@ def test_cuda_lanes_failing_group_joins_and_releases(seed):
         moe.grouped_gemm(x, bad, splits, transb=True, lanes=4)
     y = moe.grouped_gemm(x, w, splits, transb=True, lanes=4)
     assert rel_error(y, moe.grouped_gemm(x.cpu(), w.cpu(), splits, transb=True)) <= pair_tol(torch.bfloat16)
+
+
+@pytest.mark.cuda
+def test_cuda_lanes_wait_for_the_callers_earlier_work(seed):
+    """The fork: the caller's stream sleeps, then writes the input; lanes that
+    did not wait for it would read the old values."""
+    splits = LANE_SPLITS["many"]
+    x, w, _ = _inputs(splits, 256, 128, torch.bfloat16)
+    x2 = torch.randn_like(x)
+    xc, x2c, wl = x.cuda(), x2.cuda(), list(w.cuda().unbind(0))
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)  # tens of ms of the caller's stream
+    xc.copy_(x2c)
+    y = moe.grouped_gemm(xc, wl, splits, transb=True, lanes=4)
+    assert rel_error(y, moe.grouped_gemm(x2, w, splits, transb=True)) <= pair_tol(torch.bfloat16)
+
+
+@pytest.mark.cuda
+def test_cuda_lanes_open_with_their_share_of_the_sms(seed):
+    """Lanes do open: groups this small fit side by side, so a call on 4
+    lanes plans its GEMMs for a quarter of the SMs (new cuBLASLt heuristic
+    queries after the one-stream call on the same shapes), once."""
+    from seqfuse.ops import gemm as gemm_mod
+
+    splits = LANE_SPLITS["many"]
+    x, w, _ = _inputs(splits, 128, 64, torch.bfloat16, device="cuda")
+    wl = list(w.unbind(0))
+    moe.grouped_gemm(x, wl, splits, transb=True, lanes=1)
+    q1 = gemm_mod.heuristic_queries()
+    moe.grouped_gemm(x, wl, splits, transb=True, lanes=1)
+    assert gemm_mod.heuristic_queries() == q1
+    moe.grouped_gemm(x, wl, splits, transb=True, lanes=4)
+    q4 = gemm_mod.heuristic_queries()
+    assert q4 > q1
+    moe.grouped_gemm(x, wl, splits, transb=True, lanes=4)
+    assert gemm_mod.heuristic_queries() == q4
+
+
+@pytest.mark.cuda
+def test_cuda_lanes_from_two_threads_on_their_own_streams(seed):
+    """Two host threads, each on its own stream, each call on 4 lanes: both
+    results right every time (the lane sets and their locks)."""
+    import threading
+
+    splits = LANE_SPLITS["many"]
+    x, w, _ = _inputs(splits, 128, 64, torch.bfloat16)
+    ref = moe.grouped_gemm(x, w, splits, transb=True)
+    xc, wl = x.cuda(), list(w.cuda().unbind(0))
+    errors = []
+
+    def work():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(20):
+                y = moe.grouped_gemm(xc, wl, splits, transb=True, lanes=4)
+                err = rel_error(y, ref)
+                if err > pair_tol(torch.bfloat16):
+                    errors.append(err)
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a thread did not finish (lanes' lock held?)"
+    assert errors == []
+
+
+@pytest.mark.cuda
+def test_cuda_listed_outputs_sharing_memory_keep_their_order(seed):
+    """Two groups accumulating into the same output: summed, as on one
+    stream (outputs that share memory are not spread over lanes)."""
+    splits = [64, 64, 64, 64]
+    x, _, dy = _inputs(splits, 96, 32, torch.float32)
+    shared = torch.zeros(32, 96)
+    outs = [shared, torch.zeros(32, 96), shared, torch.zeros(32, 96)]
+    moe.grouped_gemm(dy, x, splits, transa=True, out=outs, accumulate=True)
+    sc = torch.zeros(32, 96, device="cuda")
+    outs_c = [sc, torch.zeros(32, 96, device="cuda"), sc, torch.zeros(32, 96, device="cuda")]
+    moe.grouped_gemm(dy.cuda(), x.cuda(), splits, transa=True, out=outs_c, accumulate=True, lanes=4,
+                     allow_tf32=False)
+    assert rel_error(sc, shared) <= pair_tol(torch.float32)

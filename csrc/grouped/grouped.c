@@ -33,6 +33,7 @@
  * tests/test_moe_grouped_gemm.py compares the two backends.
  */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "../core/dispatch.h"
@@ -119,8 +120,9 @@ static void group_dims(const sf_grouped_gemm_args *args, const sf_tensor *a, con
     *n = args->transb ? b->shape[0] : b->shape[1];
 }
 
-/* The output tiles of 128 x 128 per non-empty group, on average (what
- * lanes = 0 sizes its lanes by), and the number of non-empty groups. */
+/* The output tiles of 128 x 128 per group with a product to compute (m, n
+ * and k > 0), on average (what lanes = 0 sizes its lanes by), and the
+ * number of those groups. */
 static int64_t tiles_per_group(const sf_grouped_gemm_args *args, int *busy)
 {
     int64_t tiles = 0, off = 0;
@@ -131,12 +133,58 @@ static int64_t tiles_per_group(const sf_grouped_gemm_args *args, int *busy)
         view_at(args->a, args->a_list, g, off, args->m_splits[g], &a);
         view_at(args->b, args->b_list, g, off, args->m_splits[g], &b);
         group_dims(args, &a, &b, &m, &n, &k);
-        if (m > 0 && n > 0) {
+        if (m > 0 && n > 0 && k > 0) {
             tiles += ((m + 127) / 128) * ((n + 127) / 128);
             *busy += 1;
         }
     }
     return *busy ? tiles / *busy : 0;
+}
+
+/* Byte range [lo, hi) a 2-D view spans (its strides taken as they come). */
+typedef struct {
+    uintptr_t lo, hi;
+} byte_range;
+
+static int by_start(const void *x, const void *y)
+{
+    const byte_range *a = x, *b = y;
+    return a->lo < b->lo ? -1 : a->lo > b->lo;
+}
+
+/* 1 when two groups' outputs (a list of views) share memory: their order
+ * then matters (accumulate, or the last write wins), so they run on one
+ * stream.  A split output's groups are disjoint row runs. */
+static int outputs_overlap(const sf_grouped_gemm_args *args)
+{
+    if (!args->out_list || args->num_groups < 2)
+        return 0;
+    const int G = args->num_groups;
+    byte_range *r = malloc((size_t)G * sizeof *r);
+    if (!r)
+        return 1; /* (one stream is always right) */
+    int used = 0;
+    for (int g = 0; g < G; ++g) {
+        const sf_tensor *t = &args->out_list[g];
+        if (sf_numel(t) == 0)
+            continue;
+        int64_t lo = 0, hi = 0;
+        for (int d = 0; d < t->ndim; ++d) {
+            const int64_t span = (t->shape[d] - 1) * t->strides[d];
+            lo += span < 0 ? span : 0;
+            hi += span > 0 ? span : 0;
+        }
+        const int64_t es = (int64_t)sf_dtype_size(t->dtype);
+        r[used].lo = (uintptr_t)t->data + lo * es;
+        r[used].hi = (uintptr_t)t->data + (hi + 1) * es;
+        ++used;
+    }
+    qsort(r, (size_t)used, sizeof *r, by_start);
+    int overlap = 0;
+    for (int i = 1; i < used && !overlap; ++i)
+        overlap = r[i].lo < r[i - 1].hi;
+    free(r);
+    return overlap;
 }
 
 static void scale_at(const sf_tensor *s, int g, sf_tensor *v)
@@ -238,21 +286,24 @@ sf_status sf_grouped_gemm(const sf_grouped_gemm_args *args, sf_stream stream)
      * way out below, error or not. */
     const sf_tensor *first = args->a ? args->a : &args->a_list[0];
     sf_grouped_lanes lanes = {0};
-    int64_t load[SF_GROUPED_MAX_LANES] = {0};
+    int args_ws_none = 0;
+    double load[SF_GROUPED_MAX_LANES] = {0}; /* m n k issued to each lane (double: no overflow) */
     sf_tensor lane_ws[SF_GROUPED_MAX_LANES];
-    if (first->device != SF_CPU && args->lanes != 1) {
+    if (first->device != SF_CPU && args->lanes != 1 && !outputs_overlap(args)) {
         int busy = 0;
         const int64_t tiles = tiles_per_group(args, &busy);
         if (busy >= 2)
             SF_TRY(SF_IF_CUDA(OP, "lanes", sf_grouped_lanes_open(first->device_id, stream, args->lanes, tiles,
                                                                  busy, &lanes)));
         for (int i = 0; i < lanes.n && args->workspace; ++i) {
-            /* lane i's 256-byte-aligned share of the workspace */
+            /* lane i's share of the workspace, a multiple of 256 bytes from its start */
             const int64_t share = args->workspace->shape[0] / lanes.n / 256 * 256;
             lane_ws[i] = *args->workspace;
             lane_ws[i].shape[0] = share;
             lane_ws[i].data = (char *)args->workspace->data + (int64_t)i * share;
         }
+        if (args->workspace && args->workspace->shape[0] / lanes.n < 256)
+            args_ws_none = 1; /* shares of nothing: the lanes' GEMMs run without one */
     }
 
     sf_status st = SF_OK;
@@ -299,11 +350,11 @@ sf_status sf_grouped_gemm(const sf_grouped_gemm_args *args, sf_stream stream)
             int best = 0;
             for (int i = 1; i < lanes.n; ++i)
                 best = load[i] < load[best] ? i : best;
-            load[best] += m * n * (k > 0 ? k : 1);
+            load[best] += (double)m * (double)n * (double)(k > 0 ? k : 1);
             on = lanes.stream[best];
             ga.sm_count_target = lanes.sm_share;
             if (args->workspace)
-                ga.workspace = &lane_ws[best];
+                ga.workspace = args_ws_none ? NULL : &lane_ws[best];
         }
         if (k == 0) { /* the empty sum: dW_g of an expert with no tokens */
             if (out.ndim != 2 || out.shape[0] != m || out.shape[1] != n)

@@ -28,15 +28,15 @@ typedef struct {
     int sm_share;     /* the device's SMs / n when n groups fit side by side (each lane's
                          GEMMs are chosen and sized for these), else 0 (the whole GPU) */
     sf_stream stream[SF_GROUPED_MAX_LANES];
+    void *set;        /* the lane set held (grouped_cuda.cu's) */
 } sf_grouped_lanes;
 
 /* Takes device_id's lanes for one call of `groups` non-empty groups of
  * `tiles` output tiles on average: n of them (2 <= n <=
  * SF_GROUPED_MAX_LANES), or with n = 0 as many as the device's SMs hold
- * such groups side by side, at most SF_GROUPED_AUTO_LANES, and 2 when one
- * group fills them; never more than `groups` (none, lanes->n = 0, when
- * that leaves fewer than 2).  Each
- * stream taken waits for the work already on `stream`; they stay the
+ * such groups side by side, at most SF_GROUPED_AUTO_LANES, and 2 when
+ * fewer than two fit; never more than `groups` (none, lanes->n = 0, when
+ * that leaves fewer than 2).  Each stream taken waits for the work already on `stream`; they stay the
  * caller's until sf_grouped_lanes_close, which every successful open must
  * reach (error or not). */
 sf_status sf_grouped_lanes_open(int device_id, sf_stream stream, int n, int64_t tiles, int groups,

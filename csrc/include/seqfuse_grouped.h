@@ -39,12 +39,14 @@
  * call per group with its cached plan, on `stream`, or with lanes >= 2 on
  * that many side streams forked from and joined back into `stream` (lanes
  * = 0: as many as the SMs hold the average group's 128 x 128 output tiles
- * side by side, at most 4, or 2 when one group fills them), each group
- * given to the lane with the least work so far, a 256-byte-aligned 1/lanes
- * share of the workspace and, when the lanes' groups fit side by side, GEMM
- * algorithms chosen for 1/lanes of the SMs; `stream` sees the call as one
- * ordered step either way).  The CPU backend ignores lanes.  Row counts held in a
- * device tensor are not taken by this entry.
+ * side by side, at most SF_GROUPED_AUTO_LANES = 4, and 2 when fewer than
+ * two fit), each group given to the lane with the least work so far, a
+ * 1/lanes share of the workspace (a multiple of 256 bytes) and, when the
+ * lanes' groups fit side by side, GEMM algorithms chosen for 1/lanes of the
+ * SMs; `stream` sees the call as one ordered step either way).  Listed
+ * outputs that share memory run on `stream` alone (their order matters).
+ * The CPU backend ignores lanes.  Row counts held in a device tensor are
+ * not taken by this entry.
  */
 #ifndef SEQFUSE_GROUPED_H
 #define SEQFUSE_GROUPED_H

@@ -38,6 +38,8 @@ kernel), which is how GroupedMLP's bfloat16 step runs without a host
 synchronization.
 """
 
+import operator
+
 import torch
 
 from .. import _C
@@ -191,9 +193,15 @@ def _lanes(op, lanes):
     """The C entry's lanes: 0 (None: its own choice) or 1 to MAX_LANES."""
     if lanes is None:
         return 0
-    if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= MAX_LANES:
-        raise ValueError(f"{op}: argument 'lanes' must be an int from 1 to {MAX_LANES} (concurrent "
-                         f"CUDA streams), got {lanes!r}")
+    try:
+        if isinstance(lanes, bool):
+            raise TypeError
+        lanes = operator.index(lanes)
+    except TypeError:
+        raise TypeError(f"{op}: argument 'lanes' must be an int or None, got {type(lanes).__name__}") from None
+    if not 1 <= lanes <= MAX_LANES:
+        raise ValueError(f"{op}: argument 'lanes' must be from 1 to {MAX_LANES} (concurrent CUDA "
+                         f"streams), got {lanes}")
     return lanes
 
 
@@ -236,10 +244,11 @@ def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dt
         algorithms chosen for 1/lanes of the SMs).  Many small experts
         leave most of the GPU idle one at a time.  None: as many lanes as
         the SMs hold the average group's 128 x 128 output tiles side by
-        side, at most 4, or 2 when one group fills the GPU (Mixtral-small
-        on an H100: 4 for 64 experts' down projection, 2 otherwise).  The current stream
-        sees the call as one ordered step either way (CUDA graphs capture
-        it); the CPU ignores it.
+        side, at most 4, and 2 when fewer than two fit (Mixtral-small on an
+        H100: 4 for 64 experts' down projection, 2 otherwise).  The current
+        stream sees the call as one ordered step either way (CUDA graphs
+        capture it); listed outputs that share memory run on it alone; the
+        CPU ignores lanes.
     Returns out, or (out, bias_grads) with bgrad.
     """
     op = "grouped_gemm"
