@@ -175,9 +175,15 @@ def c_calls_per_layer(run, layers=1, iters=4):
     over ``iters`` iterations with every _C entry wrapped by a counter and the
     compute entries stubbed (the count does not depend on the kernels): each
     is a CUDA launch or more on the GPU, a few microseconds of the host's
-    issue time that the stubbed timings leave out.  Returns {entry: calls}."""
+    issue time that the stubbed timings leave out.  Garbage is collected
+    first: delayed scaling's update makes one call per pool chunk holding
+    live scaling states, and a dead layer's states count as live until its
+    reference cycles are collected.  Returns {entry: calls}."""
+    import gc
+
     from seqfuse import _C
 
+    gc.collect()
     counts = {}
     names = [n for n in dir(_C) if not n.startswith("_") and callable(getattr(_C, n))]
     with stubbed_kernels():

@@ -192,14 +192,24 @@ def test_real_kernels_mode_runs_the_kernels_and_labels_its_rows(monkeypatch):
 
 
 @needs_fp8
-def test_c_calls_per_layer_step():
+def test_c_calls_per_layer_step(monkeypatch):
     """The C calls a layer step makes (each a launch or more on the GPU): the
     counter restores every entry, and the FP8 rows make the calls their
     design says -- the bias gradients come out of the gradient casts' own
     calls (no column_sums call), current scaling's biased gradient casts are
-    one call each (not amax, scale, cast and sum)."""
+    one call each (not amax, scale, cast and sum).  The scaling states live
+    in a pool of their own here: delayed scaling's update makes one call per
+    pool chunk holding live states, so states other tests of this process
+    keep alive would add calls."""
     from seqfuse import _C
     from seqfuse.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+    import importlib
+
+    state_mod = importlib.import_module("seqfuse.quantization.state")
+    autocast_mod = importlib.import_module("seqfuse.quantization.autocast")  # (the package's autocast is the function)
+    pool = type(state_mod.POOL)()
+    monkeypatch.setattr(state_mod, "POOL", pool)
+    monkeypatch.setattr(autocast_mod, "POOL", pool)
 
     real = _C.gemm
     counts = {}

@@ -286,7 +286,7 @@ sf_status sf_grouped_gemm(const sf_grouped_gemm_args *args, sf_stream stream)
      * way out below, error or not. */
     const sf_tensor *first = args->a ? args->a : &args->a_list[0];
     sf_grouped_lanes lanes = {0};
-    int args_ws_none = 0;
+    int lane_ws_none = 0;
     double load[SF_GROUPED_MAX_LANES] = {0}; /* m n k issued to each lane (double: no overflow) */
     sf_tensor lane_ws[SF_GROUPED_MAX_LANES];
     if (first->device != SF_CPU && args->lanes != 1 && !outputs_overlap(args)) {
@@ -302,8 +302,8 @@ sf_status sf_grouped_gemm(const sf_grouped_gemm_args *args, sf_stream stream)
             lane_ws[i].shape[0] = share;
             lane_ws[i].data = (char *)args->workspace->data + (int64_t)i * share;
         }
-        if (args->workspace && args->workspace->shape[0] / lanes.n < 256)
-            args_ws_none = 1; /* shares of nothing: the lanes' GEMMs run without one */
+        if (lanes.n && args->workspace && args->workspace->shape[0] / lanes.n < 256)
+            lane_ws_none = 1; /* shares of nothing: the lanes' GEMMs run without one */
     }
 
     sf_status st = SF_OK;
@@ -354,7 +354,7 @@ sf_status sf_grouped_gemm(const sf_grouped_gemm_args *args, sf_stream stream)
             on = lanes.stream[best];
             ga.sm_count_target = lanes.sm_share;
             if (args->workspace)
-                ga.workspace = args_ws_none ? NULL : &lane_ws[best];
+                ga.workspace = lane_ws_none ? NULL : &lane_ws[best];
         }
         if (k == 0) { /* the empty sum: dW_g of an expert with no tokens */
             if (out.ndim != 2 || out.shape[0] != m || out.shape[1] != n)
