@@ -243,8 +243,9 @@ def test_cuda_matches_cpu(splits, dtype, seed):
 
 @pytest.mark.cuda
 @needs_fp8
-def test_cuda_fp8_matches_cpu(seed):
-    splits = [32, 0, 128, 16]
+@pytest.mark.parametrize("splits,lanes", [([32, 0, 128, 16], 1), ([32, 0, 128, 16, 64, 0, 16, 48], 4)],
+                         ids=["one_stream", "lanes"])
+def test_cuda_fp8_matches_cpu(splits, lanes, seed):
     G, k, n = len(splits), 256, 128
     xq = torch.randn(sum(splits), k).to(torch.float8_e4m3fn)
     wq = torch.randn(G, n, k).to(torch.float8_e4m3fn)
@@ -252,7 +253,7 @@ def test_cuda_fp8_matches_cpu(seed):
     ref = moe.grouped_gemm(xq, wq, splits, transb=True, a_scale_inv=sx, b_scale_inv=sw)
     out = poisoned_like(torch.empty(sum(splits), n, dtype=torch.bfloat16, device="cuda"))
     moe.grouped_gemm(xq.cuda(), wq.cuda(), splits, transb=True, a_scale_inv=sx.cuda(),
-                     b_scale_inv=sw.cuda(), out=out)
+                     b_scale_inv=sw.cuda(), out=out, lanes=lanes)
     assert rel_error(out, ref) <= pair_tol(torch.bfloat16)
 
 
@@ -349,21 +350,6 @@ def test_cuda_lanes_match_cpu_and_one_stream(case, lanes, seed):
     for ours, one, ref in zip(got[lanes], got[1], (ry, rdx, rdw, rdb, rdw + 1)):
         assert rel_error(ours, ref) <= tol
         assert rel_error(ours, one) <= tol
-
-
-@pytest.mark.cuda
-@needs_fp8
-def test_cuda_fp8_lanes_match_cpu(seed):
-    splits = [32, 0, 128, 16, 64, 0, 16, 48]
-    G, k, n = len(splits), 256, 128
-    xq = torch.randn(sum(splits), k).to(torch.float8_e4m3fn)
-    wq = torch.randn(G, n, k).to(torch.float8_e4m3fn)
-    sx, sw = torch.rand(G) + 0.5, torch.rand(G) + 0.5
-    ref = moe.grouped_gemm(xq, wq, splits, transb=True, a_scale_inv=sx, b_scale_inv=sw)
-    out = poisoned_like(torch.empty(sum(splits), n, dtype=torch.bfloat16, device="cuda"))
-    moe.grouped_gemm(xq.cuda(), wq.cuda(), splits, transb=True, a_scale_inv=sx.cuda(),
-                     b_scale_inv=sw.cuda(), out=out, lanes=4)
-    assert rel_error(out, ref) <= pair_tol(torch.bfloat16)
 
 
 @pytest.mark.cuda
