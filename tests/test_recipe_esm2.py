@@ -402,3 +402,16 @@ def test_export_with_an_activation_esmconfig_cannot_describe_is_refused_before_t
         check_run(cfg, torch.device("cpu"))
     check_run(load_config("L0_sanity", ["model.mlp_activation=relu"]), torch.device("cpu"))  # no export: fine
     check_run(load_config("L0_sanity", ["checkpoint.export_dir=/tmp/x"]), torch.device("cpu"))
+
+
+def test_recompute_activation_option_reaches_the_model():
+    """model.recompute_activation=true sets the config's mlp_recompute_activation,
+    which every layer's LayerNormMLP takes; refused with the tanh "gelu"."""
+    from esm2_recipe.trainer import model_config
+
+    assert model_config(load_config("L0_sanity")).mlp_recompute_activation is False
+    mcfg = model_config(load_config("L0_sanity", ["model.recompute_activation=true"]))
+    assert mcfg.mlp_recompute_activation is True
+    assert model_config(load_config("650M", ["model.recompute_activation=true"])).mlp_recompute_activation
+    with pytest.raises(ValueError, match="mlp_recompute_activation=True needs an mlp_activation other than 'gelu'"):
+        model_config(load_config("L0_sanity", ["model.recompute_activation=true", "model.mlp_activation=gelu"]))

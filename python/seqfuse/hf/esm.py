@@ -125,6 +125,8 @@ class SeqfuseEsmEncoder(nn.Module):
                 activation=config.mlp_activation, attn_input_format=config.attn_input_format,
                 fuse_qkv_params=True, qkv_weight_interleaved=True, bias=True, device=default_device())
             for i in range(config.num_hidden_layers)])
+        for layer in self.layers:
+            layer.layernorm_mlp.recompute_activation = config.mlp_recompute_activation
         self.emb_layer_norm_after = LayerNorm(config.hidden_size, eps=config.layer_norm_eps, device=default_device())
 
 

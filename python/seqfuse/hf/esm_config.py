@@ -52,6 +52,11 @@ class SeqfuseEsmConfig(PreTrainedConfig):
     ``mlp_activation`` is the activation name passed to seqfuse's LayerNormMLP:
     "gelu_erf" (default) is ESM-2's exact GELU; TE's "gelu" (tanh
     approximation) may be chosen for speed, at ~2e-4 relative change in logits.
+    ``mlp_recompute_activation`` sets every layer's LayerNormMLP
+    ``recompute_activation``: the MLP activation (under FP8 its transposed
+    FP8 copy) is made again in the backward instead of kept, the same bits
+    (ESM-2 650M, 16 x 1,024 tokens on an H100: 5.2 GiB less peak memory in
+    bf16 and 2.6 GiB under FP8 for 2.4-2.7 % of the step); not with "gelu".
     """
 
     model_type = MODEL_TYPE
@@ -76,6 +81,7 @@ class SeqfuseEsmConfig(PreTrainedConfig):
     tie_word_embeddings: bool = True
     attn_input_format: str = "bshd"
     mlp_activation: str = "gelu_erf"
+    mlp_recompute_activation: bool = False
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -96,10 +102,24 @@ class SeqfuseEsmConfig(PreTrainedConfig):
         if self.attn_input_format not in ("bshd", "thd"):
             raise ValueError(
                 f"SeqfuseEsmConfig: attn_input_format must be 'bshd' or 'thd', got {self.attn_input_format!r}")
+        check_recompute_activation(self, "SeqfuseEsmConfig", self.mlp_activation)
 
     @property
     def head_dim(self):
         return self.hidden_size // self.num_attention_heads
+
+
+def check_recompute_activation(config, name, activation):
+    """ValueError naming ``mlp_recompute_activation`` unless it is a bool the
+    activation allows (LayerNormMLP makes every activation but TE's tanh
+    "gelu" again bit for bit)."""
+    value = config.mlp_recompute_activation
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: mlp_recompute_activation must be a bool, got {type(value).__name__}")
+    if value and activation == "gelu":
+        raise ValueError(f"{name}: mlp_recompute_activation=True needs an mlp_activation other than 'gelu' (its "
+                         "tanh GELU is computed in FC1's epilogue, which the backward cannot make again bit for "
+                         "bit); 'gelu_erf' takes it")
 
 
 def esm2_config(size="8M", **overrides):

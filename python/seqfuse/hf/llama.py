@@ -118,8 +118,9 @@ class _BshdLayer(nn.Module):
 
 def make_layer(config, layer_number):
     """One Llama decoder layer as seqfuse's TransformerLayer: RMSNorm fused
-    into QKV and FC1, SwiGLU, grouped-query causal self-attention, no biases."""
-    return TransformerLayer(
+    into QKV and FC1, SwiGLU, grouped-query causal self-attention, no biases;
+    the SwiGLU output kept or made again per config.mlp_recompute_activation."""
+    layer = TransformerLayer(
         config.hidden_size, config.intermediate_size, config.num_attention_heads,
         num_gqa_groups=config.num_key_value_heads, kv_channels=config.head_dim,
         layernorm_epsilon=config.rms_norm_eps, hidden_dropout=0.0,
@@ -127,6 +128,8 @@ def make_layer(config, layer_number):
         self_attn_mask_type="causal", layer_type="encoder", normalization="RMSNorm", activation="swiglu",
         attn_input_format=config.attn_input_format, fuse_qkv_params=True, qkv_weight_interleaved=True,
         bias=False, device=default_device())
+    layer.layernorm_mlp.recompute_activation = getattr(config, "mlp_recompute_activation", False)
+    return layer
 
 
 class DecoderPreTrainedModel(SeqfusePreTrainedModel):

@@ -4,7 +4,8 @@ to) transformers' ``LlamaConfig``, and Llama 3's rotary frequencies.
 ``SeqfuseLlamaConfig`` IS a ``LlamaConfig`` (a subclass: the same fields,
 defaults, RoPE standardisation and validation, read by the same code) with
 its own model_type ("seqfuse_llama", registered with AutoConfig when
-``seqfuse.hf`` is imported) and one seqfuse field, ``attn_input_format``.
+``seqfuse.hf`` is imported) and two seqfuse fields, ``attn_input_format``
+and ``mlp_recompute_activation``.
 It refuses, naming the field, any value seqfuse's model cannot compute
 exactly (another activation than SiLU, biases, RoPE types other than
 "default" and "llama3", partial rotary), instead of building a different
@@ -53,11 +54,15 @@ class SeqfuseLlamaConfig(LlamaConfig):
 
     ``attn_input_format`` is the default layout of ``forward`` ("bshd" padded
     batches; packed "thd" batches are chosen per call by passing cu_seqlens
-    or restarting position_ids)."""
+    or restarting position_ids).  ``mlp_recompute_activation`` sets every
+    layer's LayerNormMLP ``recompute_activation`` (the SwiGLU output, under
+    FP8 its transposed FP8 copy, made again in the backward instead of
+    kept: the same bits, one [tokens, FFN] tensor less a layer)."""
 
     model_type = MODEL_TYPE
 
     attn_input_format: str = "bshd"
+    mlp_recompute_activation: bool = False
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -72,6 +77,9 @@ class SeqfuseLlamaConfig(LlamaConfig):
             if getattr(self, field):
                 raise NotImplementedError(f"{name}: {field}=True cannot be represented: seqfuse's Llama has no "
                                           "biases (as Llama 3)")
+        if not isinstance(self.mlp_recompute_activation, bool):
+            raise ValueError(f"{name}: mlp_recompute_activation must be a bool, got "
+                             f"{type(self.mlp_recompute_activation).__name__}")
 
 
 def check_decoder_fields(config, name):
@@ -147,7 +155,7 @@ def llama3_config(size="1B", **overrides):
 
 
 #: Fields of SeqfuseLlamaConfig that LlamaConfig does not have.
-SEQFUSE_FIELDS = ("attn_input_format",)
+SEQFUSE_FIELDS = ("attn_input_format", "mlp_recompute_activation")
 #: LlamaConfig fields that do not change the model's numbers: field -> why.
 _IGNORED = {
     "pretraining_tp": "transformers 5 does not read it (the weights are whole)",

@@ -41,6 +41,7 @@ class ModelConfig:
     num_attention_heads: int = rule(20, Int(1))
     intermediate_size: int = rule(1280, Int(1))
     mlp_activation: str = rule("gelu_erf", Choice(*MLP_ACTIVATIONS))
+    recompute_activation: bool = rule(False, Bool())  # SeqfuseEsmConfig.mlp_recompute_activation
 
 
 @dataclass

@@ -63,11 +63,12 @@ def model_config(cfg):
     from seqfuse.hf import SeqfuseEsmConfig, esm2_config
 
     m = cfg.model
+    mlp = dict(mlp_activation=m.mlp_activation, mlp_recompute_activation=bool(m.recompute_activation))
     if m.size:
-        return esm2_config(str(m.size), mlp_activation=m.mlp_activation)
+        return esm2_config(str(m.size), **mlp)
     return SeqfuseEsmConfig(hidden_size=int(m.hidden_size), num_hidden_layers=int(m.num_hidden_layers),
                             num_attention_heads=int(m.num_attention_heads),
-                            intermediate_size=int(m.intermediate_size), mlp_activation=m.mlp_activation)
+                            intermediate_size=int(m.intermediate_size), **mlp)
 
 
 def build_model(cfg, device, dtype):
