@@ -422,8 +422,9 @@ def test_cuda_lanes_open_with_their_share_of_the_sms(seed):
 
     gemm_mod = importlib.import_module("seqfuse.ops.gemm")  # the module (seqfuse.ops.gemm is the op)
     splits = LANE_SPLITS["many"]
-    x, w, _ = _inputs(splits, 128, 64, torch.bfloat16, device="cuda")
+    x, w, _ = _inputs(splits, 160, 80, torch.bfloat16, device="cuda")  # (sizes no other test plans)
     wl = list(w.unbind(0))
+    gemm_mod.plan_cache_clear()
     moe.grouped_gemm(x, wl, splits, transb=True, lanes=1)
     q1 = gemm_mod.heuristic_queries()
     moe.grouped_gemm(x, wl, splits, transb=True, lanes=1)

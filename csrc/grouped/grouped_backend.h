@@ -36,7 +36,8 @@ typedef struct {
  * SF_GROUPED_MAX_LANES), or with n = 0 as many as the device's SMs hold
  * such groups side by side, at most SF_GROUPED_AUTO_LANES, and 2 when
  * fewer than two fit; never more than `groups` (none, lanes->n = 0, when
- * that leaves fewer than 2).  Each stream taken waits for the work already on `stream`; they stay the
+ * that leaves fewer than 2, or when `stream` finds no lane set of its own
+ * left: grouped_cuda.cu's note).  Each stream taken waits for the work already on `stream`; they stay the
  * caller's until sf_grouped_lanes_close, which every successful open must
  * reach (error or not). */
 sf_status sf_grouped_lanes_open(int device_id, sf_stream stream, int n, int64_t tiles, int groups,
@@ -45,8 +46,9 @@ sf_status sf_grouped_lanes_open(int device_id, sf_stream stream, int n, int64_t 
 /* The most lanes n = 0 takes.  Measured on an H100 (s44, Mixtral-small's
  * experts at 64 groups of 512 rows, 32 tiles each): 4 lanes ran the down
  * projection at 1.73x one stream's rate, 8 at 1.67x, 2 at 1.35x; groups of
- * 128 tiles or more (8 or 16 experts) lost up to 2.6x on lanes sized for a
- * share of the SMs, and gained 0-10 % on 2 lanes of whole-GPU algorithms. */
+ * 128 tiles or more (8 or 16 experts) lost up to 2.9x on lanes sized for a
+ * share of the SMs, and moved -5 to +10 % on 2 lanes of whole-GPU
+ * algorithms, mostly up. */
 #define SF_GROUPED_AUTO_LANES 4
 
 /* `stream` waits for everything issued on the lanes; releases them.  A

@@ -32,8 +32,10 @@
  *    stream keeps the set it first took: calls from different streams (two
  *    threads, a capture stream beside the default one, micro-batches
  *    overlapped on two streams) use different sets and neither waits for
- *    the other's lanes; only past kSets caller streams do two share a set
- *    (correct, serialised).  A set serves one call at a time: the call
+ *    the other's lanes.  A set is never shared by two caller streams (one
+ *    of them may be capturing a graph, which would take the other's lane
+ *    work in): past kSets caller streams on a device, a further stream's
+ *    grouped GEMMs run on that stream alone.  A set serves one call at a time: the call
  *    holds the set's lock from open to close (close is on sf_grouped_gemm's
  *    one way out), since the fork and join events are reused.
  *
@@ -65,7 +67,7 @@ extern "C" sf_status sf_grouped_zero_cuda(void *data, int64_t rows, int64_t row_
 namespace {
 
 constexpr int kMaxDevices = 64; /* as the gemm family's plan cache */
-constexpr int kSets = 4;        /* lane sets per device (see the note) */
+constexpr int kSets = 8;        /* lane sets per device (see the note) */
 
 /* One set of lanes, kept for the process. */
 struct LaneSet {
@@ -116,7 +118,8 @@ sf_status make_sets(DeviceLanes &d)
 }
 
 /* The set `caller` uses: the one it took before, else a free one (now its),
- * else one shared by hash.  Makes the sets on the device's first call. */
+ * else none (*out = NULL: the call runs on its own stream).  Makes the sets
+ * on the device's first call. */
 sf_status pick_set(int device_id, cudaStream_t caller, LaneSet **out)
 {
     DeviceLanes &d = g_devices[device_id];
@@ -135,7 +138,7 @@ sf_status pick_set(int device_id, cudaStream_t caller, LaneSet **out)
             *out = &s;
             return SF_OK;
         }
-    *out = &d.sets[((uintptr_t)caller >> 4) % kSets];
+    *out = nullptr;
     return SF_OK;
 }
 
@@ -177,9 +180,9 @@ extern "C" sf_status sf_grouped_lanes_open(int device_id, sf_stream stream, int 
     const cudaStream_t caller = sf_cuda_stream(stream);
     LaneSet *set = nullptr;
     sf_status st = pick_set(device_id, caller, &set);
-    if (st != SF_OK) {
+    if (st != SF_OK || set == nullptr) {
         sf_cuda_device_restore(&guard);
-        return st;
+        return st; /* (no set left for this stream: lanes->n = 0, the groups run on it) */
     }
     set->lock.lock();
     int waiting = 0; /* lanes that wait on the fork: joined again if a later step fails */

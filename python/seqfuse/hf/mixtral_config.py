@@ -4,8 +4,8 @@ from (and to) transformers' ``MixtralConfig``.
 ``SeqfuseMixtralConfig`` IS a ``MixtralConfig`` (a subclass: the same
 fields, defaults and RoPE standardisation) with its own model_type
 ("seqfuse_mixtral", registered with AutoConfig when ``seqfuse.hf`` is
-imported) and one seqfuse field, ``attn_input_format``, as
-SeqfuseLlamaConfig.  ``head_dim`` left None is filled in as transformers'
+imported) and one seqfuse field, ``attn_input_format`` (SeqfuseLlamaConfig's
+first; its MLP field has no counterpart: the experts are a GroupedMLP).  ``head_dim`` left None is filled in as transformers'
 Mixtral computes it (hidden_size // num_attention_heads), so the model's
 code reads one number.
 

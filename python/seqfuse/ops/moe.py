@@ -247,8 +247,9 @@ def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dt
         side, at most 4, and 2 when fewer than two fit (Mixtral-small on an
         H100: 4 for 64 experts' down projection, 2 otherwise).  The current
         stream sees the call as one ordered step either way (CUDA graphs
-        capture it); listed outputs that share memory run on it alone; the
-        CPU ignores lanes.
+        capture it); listed outputs that share memory run on it alone, as
+        do the calls of a ninth and later stream to use lanes on a device
+        (each stream keeps its own lane streams); the CPU ignores lanes.
     Returns out, or (out, bias_grads) with bgrad.
     """
     op = "grouped_gemm"
