@@ -286,24 +286,22 @@ sf_status sf_grouped_gemm(const sf_grouped_gemm_args *args, sf_stream stream)
      * way out below, error or not. */
     const sf_tensor *first = args->a ? args->a : &args->a_list[0];
     sf_grouped_lanes lanes = {0};
-    int lane_ws_none = 0;
     double load[SF_GROUPED_MAX_LANES] = {0}; /* m n k issued to each lane (double: no overflow) */
     sf_tensor lane_ws[SF_GROUPED_MAX_LANES];
-    if (first->device != SF_CPU && args->lanes != 1 && !outputs_overlap(args)) {
+    int64_t share = 0; /* bytes of workspace a lane gets (a multiple of 256; 0: none) */
+    if (first->device != SF_CPU && args->lanes != 1) {
         int busy = 0;
         const int64_t tiles = tiles_per_group(args, &busy);
-        if (busy >= 2)
+        if (busy >= 2 && !outputs_overlap(args))
             SF_TRY(SF_IF_CUDA(OP, "lanes", sf_grouped_lanes_open(first->device_id, stream, args->lanes, tiles,
                                                                  busy, &lanes)));
-        for (int i = 0; i < lanes.n && args->workspace; ++i) {
-            /* lane i's share of the workspace, a multiple of 256 bytes from its start */
-            const int64_t share = args->workspace->shape[0] / lanes.n / 256 * 256;
+        if (lanes.n && args->workspace)
+            share = args->workspace->shape[0] / lanes.n / 256 * 256;
+        for (int i = 0; i < lanes.n && share; ++i) {
             lane_ws[i] = *args->workspace;
             lane_ws[i].shape[0] = share;
             lane_ws[i].data = (char *)args->workspace->data + (int64_t)i * share;
         }
-        if (lanes.n && args->workspace && args->workspace->shape[0] / lanes.n < 256)
-            lane_ws_none = 1; /* shares of nothing: the lanes' GEMMs run without one */
     }
 
     sf_status st = SF_OK;
@@ -353,8 +351,8 @@ sf_status sf_grouped_gemm(const sf_grouped_gemm_args *args, sf_stream stream)
             load[best] += (double)m * (double)n * (double)(k > 0 ? k : 1);
             on = lanes.stream[best];
             ga.sm_count_target = lanes.sm_share;
-            if (args->workspace)
-                ga.workspace = lane_ws_none ? NULL : &lane_ws[best];
+            if (args->workspace) /* (shares of nothing: the lanes' GEMMs run without one) */
+                ga.workspace = share ? &lane_ws[best] : NULL;
         }
         if (k == 0) { /* the empty sum: dW_g of an expert with no tokens */
             if (out.ndim != 2 || out.shape[0] != m || out.shape[1] != n)
