@@ -128,7 +128,7 @@ def make_layer(config, layer_number):
         self_attn_mask_type="causal", layer_type="encoder", normalization="RMSNorm", activation="swiglu",
         attn_input_format=config.attn_input_format, fuse_qkv_params=True, qkv_weight_interleaved=True,
         bias=False, device=default_device())
-    layer.layernorm_mlp.recompute_activation = getattr(config, "mlp_recompute_activation", False)
+    layer.layernorm_mlp.recompute_activation = config.mlp_recompute_activation
     return layer
 
 
