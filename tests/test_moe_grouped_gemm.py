@@ -292,6 +292,27 @@ def test_lanes_take_integer_types():
                        moe.grouped_gemm(x, w, [4, 4], transb=True, lanes=torch.tensor(2)))
 
 
+@pytest.mark.parametrize("env,match", [("x", "SEQFUSE_GROUPED_LANES must be an integer from 0 to 8, got 'x'"),
+                                       ("9", "SEQFUSE_GROUPED_LANES must be from 0 to 8, got 9"),
+                                       ("-1", "SEQFUSE_GROUPED_LANES must be from 0 to 8, got -1")])
+def test_lanes_environment_variable_is_checked(monkeypatch, env, match):
+    x, w, _ = _inputs([4, 4], 16, 8, torch.float32)
+    monkeypatch.setenv("SEQFUSE_GROUPED_LANES", env)
+    with pytest.raises(ValueError, match=match):
+        moe.grouped_gemm(x, w, [4, 4], transb=True)
+
+
+def test_lanes_environment_variable_sets_the_default(monkeypatch):
+    """lanes=None reads SEQFUSE_GROUPED_LANES at every call; an explicit lanes wins."""
+    monkeypatch.setenv("SEQFUSE_GROUPED_LANES", "3")
+    assert moe._lanes("op", None) == 3
+    assert moe._lanes("op", 2) == 2
+    monkeypatch.setenv("SEQFUSE_GROUPED_LANES", "0")
+    assert moe._lanes("op", None) == 0
+    monkeypatch.delenv("SEQFUSE_GROUPED_LANES")
+    assert moe._lanes("op", None) == 0
+
+
 def test_c_entry_checks_lanes():
     """The C entry's own bound (its callers are not only this module)."""
     from seqfuse import _C

@@ -39,6 +39,7 @@ synchronization.
 """
 
 import operator
+import os
 
 import torch
 
@@ -190,9 +191,23 @@ MAX_LANES = 8  # SF_GROUPED_MAX_LANES
 
 
 def _lanes(op, lanes):
-    """The C entry's lanes: 0 (None: its own choice) or 1 to MAX_LANES."""
+    """The C entry's lanes: 0 (None: its own choice) or 1 to MAX_LANES.
+    ``lanes=None`` takes SEQFUSE_GROUPED_LANES when set (0 = the C entry's
+    choice, 1 = one stream, 2-8 = that many), read at every call so a
+    benchmark can compare settings in one process."""
     if lanes is None:
-        return 0
+        env = os.environ.get("SEQFUSE_GROUPED_LANES")
+        if not env:
+            return 0
+        try:
+            lanes = int(env)
+        except ValueError:
+            raise ValueError(f"{op}: environment variable SEQFUSE_GROUPED_LANES must be an integer from 0 to "
+                             f"{MAX_LANES}, got {env!r}") from None
+        if not 0 <= lanes <= MAX_LANES:
+            raise ValueError(f"{op}: environment variable SEQFUSE_GROUPED_LANES must be from 0 to {MAX_LANES}, "
+                             f"got {lanes}")
+        return lanes
     try:
         if isinstance(lanes, bool):
             raise TypeError
