@@ -46,6 +46,10 @@ want() { # is this check's family asked for (all when none is named)?
     return 1
 }
 checks=()
+# A check whose first line is "// check-links: fam ..." also links those
+# families (their C files and kernel units), e.g. a grouped check timing the
+# gemm family's cuBLASLt route beside its own kernel.
+links() { sed -n '1s#^// check-links: ##p' "$1"; }
 for check in csrc/*/check_*.cu; do
     [ -e "$check" ] || continue
     want "$(basename "$(dirname "$check")")" "$@" && checks+=("$check")
@@ -54,7 +58,7 @@ done
 # the kernel units of those families, JOBS at a time (each job's status is waited for)
 JOBS=${JOBS:-$(nproc)}
 pids=()
-for dir in $(for c in "${checks[@]}"; do dirname "$c"; done | sort -u); do
+for dir in $(for c in "${checks[@]}"; do dirname "$c"; for f in $(links "$c"); do echo "csrc/$f"; done; done | sort -u); do
     for f in "$dir"/*_cuda.cu; do
         [ -e "$f" ] || continue
         cu_obj "$f" > /dev/null &
@@ -68,8 +72,10 @@ for f in csrc/core/*.c; do core="$core $(cc_obj "$f")"; done
 for check in "${checks[@]}"; do
     dir=$(dirname "$check"); family=$(basename "$dir"); name=$(basename "$check" .cu)
     objs="$core"
-    for f in "$dir"/*.c; do [ -e "$f" ] && objs="$objs $(cc_obj "$f")"; done
-    for f in "$dir"/*_cuda.cu; do [ -e "$f" ] && objs="$objs $(cu_obj "$f")"; done
+    for d in "$dir" $(for f in $(links "$check"); do echo "csrc/$f"; done); do
+        for f in "$d"/*.c; do [ -e "$f" ] && objs="$objs $(cc_obj "$f")"; done
+        for f in "$d"/*_cuda.cu; do [ -e "$f" ] && objs="$objs $(cu_obj "$f")"; done
+    done
     out="bin/${name/check_/check_${family}_}"
     echo "nvcc $check -> $out"
     "$NVCC" -O3 -std=c++17 $ARCH -DSF_WITH_CUDA=1 -DSF_WORKBENCH=1 $INC "$check" $objs -o "$out" \

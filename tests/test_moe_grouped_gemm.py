@@ -384,7 +384,7 @@ def test_cuda_lanes_on_a_side_stream_and_in_a_graph(seed):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        y_side = moe.grouped_gemm(xc, wl, splits, transb=True, lanes=4)
+        y_side = moe.grouped_gemm(xc, wl, splits, transb=True, lanes=4, kernel="cublaslt")
         s_side = y_side.float().sum(dim=1)
     torch.cuda.current_stream().wait_stream(side)
     assert rel_error(y_side, moe.grouped_gemm(x, w, splits, transb=True)) <= pair_tol(torch.bfloat16)
@@ -392,11 +392,11 @@ def test_cuda_lanes_on_a_side_stream_and_in_a_graph(seed):
 
     static_x = xc.clone()
     static_y = torch.empty(sum(splits), n, dtype=torch.bfloat16, device="cuda")
-    moe.grouped_gemm(static_x, wl, splits, transb=True, out=static_y, lanes=4)  # plans made before capture
+    moe.grouped_gemm(static_x, wl, splits, transb=True, out=static_y, lanes=4, kernel="cublaslt")  # plans made before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        moe.grouped_gemm(static_x, wl, splits, transb=True, out=static_y, lanes=4)
+        moe.grouped_gemm(static_x, wl, splits, transb=True, out=static_y, lanes=4, kernel="cublaslt")
     x2 = torch.randn_like(x)
     static_x.copy_(x2.cuda())
     static_y.fill_(float("nan"))
@@ -414,8 +414,8 @@ def test_cuda_lanes_failing_group_joins_and_releases(seed):
     bad = list(w.unbind(0))
     bad[2] = torch.randn(32, 48, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="group 2"):
-        moe.grouped_gemm(x, bad, splits, transb=True, lanes=4)
-    y = moe.grouped_gemm(x, w, splits, transb=True, lanes=4)
+        moe.grouped_gemm(x, bad, splits, transb=True, lanes=4, kernel="cublaslt")
+    y = moe.grouped_gemm(x, w, splits, transb=True, lanes=4, kernel="cublaslt")
     assert rel_error(y, moe.grouped_gemm(x.cpu(), w.cpu(), splits, transb=True)) <= pair_tol(torch.bfloat16)
 
 
@@ -430,7 +430,7 @@ def test_cuda_lanes_wait_for_the_callers_earlier_work(seed):
     torch.cuda.synchronize()
     torch.cuda._sleep(50_000_000)  # tens of ms of the caller's stream
     xc.copy_(x2c)
-    y = moe.grouped_gemm(xc, wl, splits, transb=True, lanes=4)
+    y = moe.grouped_gemm(xc, wl, splits, transb=True, lanes=4, kernel="cublaslt")
     assert rel_error(y, moe.grouped_gemm(x2, w, splits, transb=True)) <= pair_tol(torch.bfloat16)
 
 
@@ -446,14 +446,14 @@ def test_cuda_lanes_open_with_their_share_of_the_sms(seed):
     x, w, _ = _inputs(splits, 160, 80, torch.bfloat16, device="cuda")  # (sizes no other test plans)
     wl = list(w.unbind(0))
     gemm_mod.plan_cache_clear()
-    moe.grouped_gemm(x, wl, splits, transb=True, lanes=1)
+    moe.grouped_gemm(x, wl, splits, transb=True, lanes=1, kernel="cublaslt")
     q1 = gemm_mod.heuristic_queries()
-    moe.grouped_gemm(x, wl, splits, transb=True, lanes=1)
+    moe.grouped_gemm(x, wl, splits, transb=True, lanes=1, kernel="cublaslt")
     assert gemm_mod.heuristic_queries() == q1
-    moe.grouped_gemm(x, wl, splits, transb=True, lanes=4)
+    moe.grouped_gemm(x, wl, splits, transb=True, lanes=4, kernel="cublaslt")
     q4 = gemm_mod.heuristic_queries()
     assert q4 > q1
-    moe.grouped_gemm(x, wl, splits, transb=True, lanes=4)
+    moe.grouped_gemm(x, wl, splits, transb=True, lanes=4, kernel="cublaslt")
     assert gemm_mod.heuristic_queries() == q4
 
 
@@ -474,7 +474,7 @@ def test_cuda_lanes_from_two_threads_on_their_own_streams(seed):
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(20):
-                y = moe.grouped_gemm(xc, wl, splits, transb=True, lanes=4)
+                y = moe.grouped_gemm(xc, wl, splits, transb=True, lanes=4, kernel="cublaslt")
                 err = rel_error(y, ref)
                 if err > pair_tol(torch.bfloat16):
                     errors.append(err)

@@ -77,10 +77,11 @@ def fresh_splits(rows, experts, count, gen):
     return out
 
 
-def per_lanes(lanes_list, call):
-    """{lanes: median ms of call(lanes)} for each lanes value (0: call(None),
-    the default, which the C entry sizes from the groups)."""
-    return {ln: cuda_time_ms(lambda: call(ln or None)) for ln in lanes_list}
+def per_variant(variants, call):
+    """{(kernel, lanes): median ms of call(kernel=..., lanes=...)} for each
+    variant (lanes 0: None, the default, which the C entry sizes from the
+    groups)."""
+    return {v: cuda_time_ms(lambda: call(kernel=v[0], lanes=v[1] or None)) for v in variants}
 
 
 def tflops(splits, n, k, ms):
@@ -116,11 +117,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lanes", default="0", help="comma-separated lanes values to time seqfuse at "
                     "(0: the default, chosen by the C entry from the groups' sizes)")
+    ap.add_argument("--kernels", default="auto", help="comma-separated ops.moe.grouped_gemm kernels to time "
+                    "seqfuse with (auto, cublaslt, sm90); --lanes applies to cublaslt")
     ap.add_argument("--experts", default="8,16,64", help="comma-separated expert counts")
     args = ap.parse_args()
     lanes_list = [int(v) for v in args.lanes.split(",")]
+    variants = [(kn, ln) for kn in args.kernels.split(",") for ln in (lanes_list if kn == "cublaslt" else [0])]
     torch.manual_seed(0)
-    table = Table("moe_grouped_gemm", ["experts", "split", "gemm", "precision", "lanes", "seqfuse_tflops",
+    table = Table("moe_grouped_gemm", ["experts", "split", "gemm", "precision", "kernel", "lanes", "seqfuse_tflops",
                                        "peer_tflops", "vs_peer", "loop_tflops", "vs_loop",
                                        "vs_seqfuse_bf16", "peer"])
     rows = TOKENS * TOPK
@@ -134,8 +138,7 @@ def main():
                 w = (torch.randn(experts, n, k, device="cuda") * 0.02).bfloat16()
                 ws = list(w.unbind(0))
                 out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
-                s_ms = per_lanes(lanes_list, lambda ln: moe.grouped_gemm(x, ws, splits, transb=True, out=out,
-                                                                         lanes=ln))
+                s_ms = per_variant(variants, lambda **kw: moe.grouped_gemm(x, ws, splits, transb=True, out=out, **kw))
                 peer, name = torch_grouped(x, w.transpose(-2, -1), offs)
                 notes.add(name) if peer is None else None
                 p_ms = cuda_time_ms(peer) if peer else float("nan")
@@ -150,10 +153,10 @@ def main():
                         if hi > lo:
                             torch.matmul(x[lo:hi], ws[g].t(), out=out[lo:hi])
                 l_ms = cuda_time_ms(loop)
-                bf = {ln: tflops(splits, n, k, t) for ln, t in s_ms.items()}
-                for ln, t in s_ms.items():
-                    table.add(experts=experts, split=kind, gemm=gemm, precision="bf16", lanes=ln,
-                              seqfuse_tflops=bf[ln], peer_tflops=tflops(splits, n, k, p_ms), vs_peer=p_ms / t,
+                bf = {v: tflops(splits, n, k, t) for v, t in s_ms.items()}
+                for v, t in s_ms.items():
+                    table.add(experts=experts, split=kind, gemm=gemm, precision="bf16", kernel=v[0], lanes=v[1],
+                              seqfuse_tflops=bf[v], peer_tflops=tflops(splits, n, k, p_ms), vs_peer=p_ms / t,
                               loop_tflops=tflops(splits, n, k, l_ms), vs_loop=l_ms / t,
                               vs_seqfuse_bf16=1.0, peer=name)
 
@@ -165,18 +168,18 @@ def main():
                 wq = (w.float() * (448.0 / amax_w)[:, None, None]).to(E4M3)
                 wsc = (amax_w / 448.0).float().contiguous()
                 wql = list(wq.unbind(0))
-                s8 = per_lanes(lanes_list, lambda ln: moe.grouped_gemm(xq, wql, splits, transb=True, a_scale_inv=xs,
-                                                                       b_scale_inv=wsc, out=out, fast_accum=True,
-                                                                       lanes=ln))
+                s8 = per_variant(variants, lambda **kw: moe.grouped_gemm(xq, wql, splits, transb=True, a_scale_inv=xs,
+                                                                         b_scale_inv=wsc, out=out, fast_accum=True,
+                                                                         **kw))
                 peer8, name8 = torch_scaled_grouped(xq, xs.expand(rows).contiguous(), wq.transpose(-2, -1),
                                                     wsc[:, None].expand(experts, n).contiguous(), offs)
                 notes.add(name8) if peer8 is None else None
                 p8 = cuda_time_ms(peer8) if peer8 else float("nan")
-                for ln, t in s8.items():
+                for v, t in s8.items():
                     f8 = tflops(splits, n, k, t)
-                    table.add(experts=experts, split=kind, gemm=gemm, precision="fp8 tensor", lanes=ln,
+                    table.add(experts=experts, split=kind, gemm=gemm, precision="fp8 tensor", kernel=v[0], lanes=v[1],
                               seqfuse_tflops=f8, peer_tflops=tflops(splits, n, k, p8), vs_peer=p8 / t,
-                              loop_tflops=float("nan"), vs_loop=float("nan"), vs_seqfuse_bf16=f8 / bf[ln],
+                              loop_tflops=float("nan"), vs_loop=float("nan"), vs_seqfuse_bf16=f8 / bf[v],
                               peer=name8)
                 # FP8 block scales, per expert (the grouped GEMM takes per-group scale lists)
                 bounds_nz = [(g, lo, hi) for g, (lo, hi) in enumerate(bounds)]
@@ -191,14 +194,14 @@ def main():
                     d, si = quant.quantize_block_fp8(w[g], 128)
                     wb.append(d)
                     wbs.append(si)
-                sb_ms = per_lanes(lanes_list, lambda ln: moe.grouped_gemm(
+                sb_ms = per_variant(variants, lambda **kw: moe.grouped_gemm(
                     xb, wb, splits, transb=True, a_scale_inv=xbs, b_scale_inv=wbs, a_scaling="block_1x128",
-                    b_scaling="block_128x128", out=out, lanes=ln))
-                for ln, sb in sb_ms.items():
+                    b_scaling="block_128x128", out=out, **kw))
+                for v, sb in sb_ms.items():
                     fb = tflops(splits, n, k, sb)
-                    table.add(experts=experts, split=kind, gemm=gemm, precision="fp8 block", lanes=ln,
+                    table.add(experts=experts, split=kind, gemm=gemm, precision="fp8 block", kernel=v[0], lanes=v[1],
                               seqfuse_tflops=fb, peer_tflops=float("nan"), vs_peer=float("nan"),
-                              loop_tflops=float("nan"), vs_loop=float("nan"), vs_seqfuse_bf16=fb / bf[ln],
+                              loop_tflops=float("nan"), vs_loop=float("nan"), vs_seqfuse_bf16=fb / bf[v],
                               peer="none on Hopper")
                 del x, w, ws, out, xq, wq, wql, xb, wb
                 torch.cuda.empty_cache()
@@ -218,25 +221,25 @@ def main():
                 state["i"] = (state["i"] + 1) % len(draws)
                 return state["i"]
 
-            s_ms = per_lanes(lanes_list, lambda ln: moe.grouped_gemm(x, ws, draws[next_draw()], transb=True,
-                                                                     out=out, lanes=ln))
+            s_ms = per_variant(variants, lambda **kw: moe.grouped_gemm(x, ws, draws[next_draw()], transb=True,
+                                                                       out=out, **kw))
             peer, name = torch_grouped(x, wt, offs_list[0])
             p_ms = float("nan")
             if peer is not None:
                 p_ms = cuda_time_ms(lambda: torch._grouped_mm(x, wt, offs=offs_list[next_draw()],
                                                               out_dtype=torch.bfloat16))
-            for ln, t in s_ms.items():
-                table.add(experts=experts, split="fresh", gemm=gemm, precision="bf16", lanes=ln,
+            for v, t in s_ms.items():
+                table.add(experts=experts, split="fresh", gemm=gemm, precision="bf16", kernel=v[0], lanes=v[1],
                           seqfuse_tflops=tflops(draws[0], n, k, t), peer_tflops=tflops(draws[0], n, k, p_ms),
                           vs_peer=p_ms / t, loop_tflops=float("nan"), vs_loop=float("nan"),
                           vs_seqfuse_bf16=float("nan"), peer=name)
             del x, w, ws, wt, out
             torch.cuda.empty_cache()
     goals = {}
-    for ln in lanes_list:
-        mine = [r for r in table.rows if r["lanes"] == ln]
+    for kn, ln in variants:
+        mine = [r for r in table.rows if r["lanes"] == ln and r["kernel"] == kn]
         bf_rows = [r for r in mine if r["precision"] == "bf16" and r["split"] != "fresh"]
-        goals[f"lanes={ln}"] = {
+        goals[f"kernel={kn},lanes={ln}"] = {
             "bf16_min_vs_torch_grouped_mm": min(r["vs_peer"] for r in bf_rows),
             "bf16_min_vs_loop": min(r["vs_loop"] for r in bf_rows),
             "bf16_fresh_splits_min_vs_torch_grouped_mm": min(r["vs_peer"] for r in mine
@@ -248,8 +251,9 @@ def main():
         }
     goals.update({
         "goal_bf16_vs_torch": 1.0, "goal_fp8_vs_bf16": 1.6,
-        "route": "one cuBLASLt call per non-empty expert from host m_splits, on `lanes` CUDA streams",
-        "lanes_auto": "lanes=0 rows: the C entry's own choice (ops.moe.grouped_gemm's default)",
+        "kernels": "cublaslt: one cuBLASLt call per non-empty expert from host m_splits, on `lanes` CUDA "
+                   "streams (lanes=0: the C entry's own choice); sm90: seqfuse's persistent Hopper kernel, every "
+                   "expert in one launch; auto: sm90 where the call fits it (fp8 block scales do not), else cublaslt",
         "peers_missing": sorted(notes),
         "command": "python3 benchmarks/moe/bench_grouped_gemm.py " + " ".join(sys.argv[1:]),
     })

@@ -335,7 +335,8 @@ static sf_status check_addend(const sf_gemm_args *g, sf_gemm_problem *p, int fp8
     return SF_OK;
 }
 
-sf_status sf_gemm(const sf_gemm_args *g, sf_stream stream)
+/* Every rule of the call, folded into *pp; *empty when m, n or k is 0. */
+static sf_status prepare(const sf_gemm_args *g, sf_gemm_problem *pp, int *empty_out)
 {
     if (!g || !g->a || !g->b || !g->out)
         return sf_fail(SF_ERR_VALUE, "%s: arguments 'a', 'b' and 'out' are required", OP);
@@ -406,6 +407,23 @@ sf_status sf_gemm(const sf_gemm_args *g, sf_stream stream)
         p.workspace_bytes = (size_t)g->workspace->shape[0];
     }
 
+    *pp = p;
+    *empty_out = empty;
+    return SF_OK;
+}
+
+sf_status sf_gemm_validate(const sf_gemm_args *g)
+{
+    sf_gemm_problem p;
+    int empty;
+    return prepare(g, &p, &empty);
+}
+
+sf_status sf_gemm(const sf_gemm_args *g, sf_stream stream)
+{
+    sf_gemm_problem p;
+    int empty;
+    SF_TRY(prepare(g, &p, &empty));
     if (empty)
         return SF_OK;
     return SF_DISPATCH(OP, "a", g->a, sf_gemm_cpu(&p), sf_gemm_cuda(&p, stream));

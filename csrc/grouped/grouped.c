@@ -39,6 +39,7 @@
 #include "../core/dispatch.h"
 #include "../core/float_io.h"
 #include "grouped_backend.h"
+#include "grouped_sm90.h"
 
 static const char OP[] = "grouped_gemm";
 
@@ -245,6 +246,112 @@ static sf_status write_empty_product(const sf_grouped_gemm_args *args, sf_tensor
     return SF_OK;
 }
 
+/* Why the sm90 kernel cannot take this call's form, or NULL (the kernel's
+ * own numeric rules, sf_grouped_sm90_unfit, come after). */
+static const char *sm90_form(const sf_grouped_gemm_args *args)
+{
+    if (!args->a || !args->out || !args->b_list)
+        return "it takes a and out split by m_splits and b as a list of num_groups views";
+    if (args->transa || !args->transb)
+        return "it takes transa=0 and transb=1 only";
+    if (args->bias_list || args->accumulate)
+        return "it takes no bias and no accumulate";
+    if (args->num_groups > SF_GROUPED_SM90_MAX_GROUPS)
+        return "it takes at most 64 groups";
+    const sf_dtype t = args->a->dtype;
+    if (args->out->dtype != SF_BFLOAT16 || (t != SF_BFLOAT16 && t != SF_FLOAT8_E4M3))
+        return "it takes bfloat16 or float8_e4m3fn operands and a bfloat16 out";
+    if (t == SF_FLOAT8_E4M3) {
+        if ((args->a_scale_list && args->a_scaling != SF_GEMM_SCALE_TENSOR) ||
+            (args->b_scale_list && args->b_scaling != SF_GEMM_SCALE_TENSOR))
+            return "it takes per-tensor FP8 scales only";
+        if (!args->fast_accum)
+            return "its FP8 products accumulate as fast_accum=1 does (pass fast_accum=1)";
+    }
+    return NULL;
+}
+
+static const float *scale_ptr(const sf_tensor *per_group, const sf_tensor *list, int g)
+{
+    if (list)
+        return (const float *)list[g].data;
+    return sf_numel(per_group) > 1 ? (const float *)per_group->data + (int64_t)g * per_group->strides[0]
+                                    : (const float *)per_group->data;
+}
+
+/* The sm90 kernel's route (see Kernel in seqfuse_grouped.h).  *taken = 1
+ * when it ran the call (or refused it: the status says); 0 with *why when
+ * the call goes to cuBLASLt instead. */
+static sf_status try_sm90(const sf_grouped_gemm_args *args, sf_stream stream, int *taken, const char **why)
+{
+    *taken = 0;
+#ifdef SF_WITH_CUDA
+    if ((*why = sm90_form(args)) != NULL)
+        return SF_OK;
+    sf_grouped_sm90_args local; /* ~2.6 KiB */
+    memset(&local, 0, sizeof local);
+    local.dtype = args->a->dtype;
+    local.groups = args->num_groups;
+    local.a = args->a->data;
+    local.lda = args->a->strides[0];
+    local.out = args->out->data;
+    local.ldo = args->out->strides[0];
+    local.device_id = args->a->device_id;
+    local.k = args->a->shape[1];
+    local.n = args->out->shape[1];
+    if (args->a->strides[1] != 1 || args->out->strides[1] != 1) {
+        *why = "it takes a and out with unit column stride";
+        return SF_OK;
+    }
+    sf_gemm_args ga;
+    sf_gemm_args_init(&ga);
+    ga.transb = 1;
+    ga.fast_accum = args->fast_accum;
+    int64_t off = 0;
+    for (int g = 0; g < args->num_groups; off += args->m_splits[g], ++g) {
+        const int64_t rows = args->m_splits[g];
+        local.row_start[g + 1] = off + rows;
+        local.b[g] = args->b_list[g].data;
+        local.ldb[g] = args->b_list[g].ndim == 2 ? args->b_list[g].strides[0] : 0;
+        if (rows == 0)
+            continue;
+        /* the group under sf_gemm's rules: a refusal is the call's error, as on cuBLASLt */
+        sf_tensor a, out, sa, sb;
+        view_at(args->a, NULL, g, off, rows, &a);
+        view_at(args->out, NULL, g, off, rows, &out);
+        ga.a = &a;
+        ga.b = &args->b_list[g];
+        ga.out = &out;
+        ga.a_scale_inv = ga.b_scale_inv = NULL;
+        ga.a_scaling = ga.b_scaling = SF_GEMM_SCALE_NONE;
+        group_scale(args->a_scale_inv, args->a_scale_list, args->a_scaling, g, &sa, &ga.a_scale_inv,
+                    &ga.a_scaling);
+        group_scale(args->b_scale_inv, args->b_scale_list, args->b_scaling, g, &sb, &ga.b_scale_inv,
+                    &ga.b_scaling);
+        sf_status st = sf_gemm_validate(&ga);
+        if (st != SF_OK) {
+            char msg[768];
+            snprintf(msg, sizeof msg, "%s", sf_last_error());
+            *taken = 1;
+            return sf_fail(st, "%s: group %d (m_splits[%d] = %lld): %s", OP, g, g, (long long)rows, msg);
+        }
+        if (local.dtype == SF_FLOAT8_E4M3) {
+            local.a_scale_inv[g] = scale_ptr(args->a_scale_inv, args->a_scale_list, g);
+            local.b_scale_inv[g] = scale_ptr(args->b_scale_inv, args->b_scale_list, g);
+        }
+    }
+    if ((*why = sf_grouped_sm90_unfit(&local)) != NULL)
+        return SF_OK;
+    *taken = 1;
+    return sf_grouped_sm90_run(&local, stream);
+#else
+    (void)args;
+    (void)stream;
+    *why = "the library was built without CUDA";
+    return SF_OK;
+#endif
+}
+
 sf_status sf_grouped_gemm(const sf_grouped_gemm_args *args, sf_stream stream)
 {
     if (!args)
@@ -281,6 +388,29 @@ sf_status sf_grouped_gemm(const sf_grouped_gemm_args *args, sf_stream stream)
     if (args->lanes < 0 || args->lanes > SF_GROUPED_MAX_LANES)
         return sf_fail(SF_ERR_VALUE, "%s: argument 'lanes' must be 0 to %d (0: chosen here; else "
                        "concurrent streams), got %d", OP, SF_GROUPED_MAX_LANES, args->lanes);
+    if (args->kernel < SF_GROUPED_KERNEL_AUTO || args->kernel > SF_GROUPED_KERNEL_SM90)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'kernel' must be 0 (auto), 1 (cuBLASLt) or 2 (sm90), "
+                       "got %d", OP, args->kernel);
+
+    /* The sm90 kernel: every group in one launch (Kernel in seqfuse_grouped.h). */
+    const sf_tensor *first_a = args->a ? args->a : &args->a_list[0];
+    const char *not_sm90 = "the tensors are on the CPU";
+    if (args->kernel != SF_GROUPED_KERNEL_CUBLASLT) {
+        int taken = 0;
+        sf_status st = SF_OK;
+        if (first_a->device != SF_CPU)
+            st = try_sm90(args, stream, &taken, &not_sm90);
+        if (taken) {
+            if (args->kernel_note)
+                *args->kernel_note = NULL;
+            return st;
+        }
+        if (args->kernel == SF_GROUPED_KERNEL_SM90)
+            return sf_fail(SF_ERR_VALUE, "%s: kernel='sm90' cannot take this call: %s", OP, not_sm90);
+    }
+    if (args->kernel_note)
+        *args->kernel_note = args->kernel == SF_GROUPED_KERNEL_CUBLASLT ? "kernel='cublaslt' was asked for"
+                                                                        : not_sm90;
 
     /* Lanes (CUDA, 2 or more non-empty groups): open here, closed on the one
      * way out below, error or not. */

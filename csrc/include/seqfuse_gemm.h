@@ -103,6 +103,11 @@ void sf_gemm_args_init(sf_gemm_args *args);
  * a mutex held while a plan's pointers are set and its matmul is enqueued. */
 sf_status sf_gemm(const sf_gemm_args *args, sf_stream stream);
 
+/* Every check sf_gemm makes of `args`, with the same errors, and nothing
+ * launched: for callers that run the product another way (the grouped
+ * family's own kernel) under sf_gemm's rules. */
+sf_status sf_gemm_validate(const sf_gemm_args *args);
+
 /* Number of cached cuBLASLt plans (all devices), and a way to drop them
  * (tests; after which the next call of each problem queries again). */
 int sf_gemm_plan_cache_size(void);

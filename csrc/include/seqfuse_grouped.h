@@ -79,7 +79,28 @@ typedef struct sf_grouped_gemm_args {
     int lanes;                     /* CUDA: 0 (chosen by the groups' sizes), 1 (the caller's
                                       stream alone) or 2 to SF_GROUPED_MAX_LANES concurrent
                                       streams (see Route) */
+    int kernel;                    /* CUDA: an sf_grouped_kernel (see Kernel) */
+    const char **kernel_note;      /* out, or NULL: under SF_GROUPED_KERNEL_AUTO, why the call did not
+                                      take the sm90 kernel (a static string), NULL when it did */
 } sf_grouped_gemm_args;
+
+/* Kernel: which CUDA code runs the groups.
+ *   AUTO      the sm90 kernel where the call fits it, else cuBLASLt per group;
+ *   CUBLASLT  one cuBLASLt call per group (lanes apply);
+ *   SM90      the sm90 kernel, or SF_ERR_VALUE with the rule the call breaks.
+ * The sm90 kernel (grouped_sm90.h) runs every group's output tiles in one
+ * persistent launch on a Hopper GPU: the forward form only (a and out split
+ * by m_splits, b a list of G [n, k] views, transa=0, transb=1, no bias, no
+ * accumulate, at most 64 groups), bfloat16 operands and output, or e4m3
+ * operands with per-tensor scales, fast_accum=1 and a bfloat16 output;
+ * k and n multiples of 16 bytes, 16-byte aligned operands.  Every group is
+ * checked by sf_gemm's rules (sf_gemm_validate) first, so a call is refused
+ * the same way on either kernel. */
+typedef enum {
+    SF_GROUPED_KERNEL_AUTO = 0,
+    SF_GROUPED_KERNEL_CUBLASLT = 1,
+    SF_GROUPED_KERNEL_SM90 = 2,
+} sf_grouped_kernel;
 
 #define SF_GROUPED_MAX_LANES 8
 

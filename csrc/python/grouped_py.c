@@ -23,7 +23,7 @@ typedef struct {
 
 /* Argument positions in grouped_args. */
 enum { A, B, OUT, SPLITS, TRANSA, TRANSB, SA, SB, A_SCALING, B_SCALING, BIAS, BGRAD, ACCUMULATE,
-       FAST_ACCUM, ALLOW_TF32, WORKSPACE, LANES };
+       FAST_ACCUM, ALLOW_TF32, WORKSPACE, LANES, KERNEL };
 
 /* The list-or-tensor arguments, in the order they are imported. */
 enum { OP_A, OP_B, OP_OUT, OP_BIAS, OP_SA, OP_SB, N_OPERANDS };
@@ -39,6 +39,7 @@ typedef struct {
     int64_t *m;
     grouped_operand op[N_OPERANDS];
     sf_grouped_gemm_args g;
+    const char *kernel_note; /* the C entry's: why the sm90 kernel did not run, or NULL */
 } grouped_state;
 
 /* None, a list / tuple of G tensors (imported as views), or one tensor. */
@@ -141,7 +142,7 @@ static const sf_py_arg grouped_args[] = {
     SF_INT(transa),     SF_INT(transb),     SF_OBJ(a_scale_inv), SF_OBJ(b_scale_inv),
     SF_INT(a_scaling),  SF_INT(b_scaling),  SF_OBJ(bias),        SF_INT(bgrad),
     SF_INT(accumulate), SF_INT(fast_accum), SF_INT(allow_tf32),  SF_OT(workspace),
-    SF_INT(lanes),      SF_STREAM};
+    SF_INT(lanes),      SF_INT(kernel),     SF_STREAM};
 
 /* The state lives on the heap (the frame's scratch holds its address): it
  * is larger than the small frame every call carries. */
@@ -178,7 +179,8 @@ static int grouped_prepare(sf_py_frame *f)
         .a_scaling = (sf_gemm_scaling)v[A_SCALING].i, .b_scaling = (sf_gemm_scaling)v[B_SCALING].i,
         .bias_list = op[OP_BIAS].views, .bgrad = v[BGRAD].i != 0,
         .accumulate = v[ACCUMULATE].i != 0, .fast_accum = v[FAST_ACCUM].i != 0,
-        .allow_tf32 = v[ALLOW_TF32].i != 0, .workspace = v[WORKSPACE].t, .lanes = (int)v[LANES].i};
+        .allow_tf32 = v[ALLOW_TF32].i != 0, .workspace = v[WORKSPACE].t, .lanes = (int)v[LANES].i,
+        .kernel = (int)v[KERNEL].i, .kernel_note = &st->kernel_note};
     v[SPLITS].p = &st->g;
     return 0;
 }
@@ -202,8 +204,19 @@ static sf_status grouped_call(sf_py_value *v, sf_stream s)
 {
     return sf_grouped_gemm(v[SPLITS].p, s);
 }
+/* The result: None where the sm90 kernel ran the call, else why it did not
+ * (the C entry's static string). */
+static PyObject *grouped_result(sf_py_frame *f)
+{
+    grouped_state *st;
+    memcpy(&st, f->scratch, sizeof st);
+    if (!st->kernel_note)
+        Py_RETURN_NONE;
+    return PyUnicode_FromString(st->kernel_note);
+}
 SF_PY_BINDING_FULL(grouped_gemm, "grouped_gemm", grouped_args, grouped_call, grouped_prepare,
-                   grouped_cleanup, NULL,
-                   "Per group g, out_g = op(a_g) @ op(b_g). See seqfuse.ops.moe.grouped_gemm.");
+                   grouped_cleanup, grouped_result,
+                   "Per group g, out_g = op(a_g) @ op(b_g); returns None where the sm90 kernel ran "
+                   "it, else why it did not. See seqfuse.ops.moe.grouped_gemm.");
 
 const sf_py_binding *const sf_py_grouped_bindings[] = {&grouped_gemm_binding, NULL};

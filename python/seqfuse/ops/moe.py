@@ -38,12 +38,14 @@ kernel), which is how GroupedMLP's bfloat16 step runs without a host
 synchronization.
 """
 
+import logging
 import operator
 import os
 
 import torch
 
 from .. import _C
+from ..common.notes import note_once
 from ._call import (as_float, as_int, capability_of, dense, detached, given_out, mark_written,
                     require_fp8_dlpack, stream_for)
 from .device_checks import check_storage
@@ -220,9 +222,26 @@ def _lanes(op, lanes):
     return lanes
 
 
+_log = logging.getLogger("seqfuse")
+
+KERNELS = {"auto": 0, "cublaslt": 1, "sm90": 2}  # sf_grouped_kernel
+
+
+def _kernel(op, kernel):
+    """The C entry's kernel code of ``kernel`` (None: SEQFUSE_GROUPED_KERNEL, else "auto")."""
+    name = "argument 'kernel'"
+    if kernel is None:
+        kernel = os.environ.get("SEQFUSE_GROUPED_KERNEL") or "auto"
+        name = "environment variable SEQFUSE_GROUPED_KERNEL"
+    code = KERNELS.get(kernel) if isinstance(kernel, str) else None
+    if code is None:
+        raise ValueError(f"{op}: {name} must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
+    return code
+
+
 def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dtype=None, bias=None,
                  bgrad=False, accumulate=False, a_scale_inv=None, b_scale_inv=None, a_scaling=None,
-                 b_scaling=None, fast_accum=False, allow_tf32=None, workspace=None, lanes=None):
+                 b_scaling=None, fast_accum=False, allow_tf32=None, workspace=None, lanes=None, kernel=None):
     """Per group g: ``out_g = op(a_g) @ op(b_g)`` (+ bias_g), G GEMMs in one call.
 
     Each of a, b, out is one 2-D tensor split by m_splits along dim 0 (the
@@ -265,10 +284,22 @@ def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dt
         capture it); listed outputs that share memory run on it alone, as
         do the calls of a ninth and later stream to use lanes on a device
         (each stream keeps its own lane streams); the CPU ignores lanes.
+    kernel: on CUDA, "auto" (None: SEQFUSE_GROUPED_KERNEL when set, else
+        "auto"), "cublaslt" or "sm90".  "sm90" is seqfuse's persistent
+        Hopper kernel, every group's output tiles in one launch (so the
+        groups share the GPU's waves, and the call costs one launch of host
+        work): the forward form only (a and out split, b a list or [G, n,
+        k], transb=True, no bias, no accumulate, at most 64 groups),
+        bfloat16, or e4m3 with per-tensor scales and fast_accum=True, to a
+        bfloat16 out; k and n multiples of 16 bytes.  "auto" takes it where
+        the call fits and otherwise runs one cuBLASLt call per group (with
+        lanes), logging the reason once (logger "seqfuse"); "sm90" refuses a
+        call it cannot take with the rule.
     Returns out, or (out, bias_grads) with bgrad.
     """
     op = "grouped_gemm"
     lanes = _lanes(op, lanes)
+    kernel_code = _kernel(op, kernel)
     splits = host_splits(op, m_splits)
     G = len(splits)
     a_scale_inv, a_code = _scales(op, "a_scale_inv", a_scale_inv, a_scaling, G)
@@ -312,9 +343,11 @@ def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dt
     if workspace is None and first.is_cuda:
         workspace = workspace_for(first.device)
     c_out = written[0] if written and isinstance(out, torch.Tensor) else out
-    _C.grouped_gemm(a, b, c_out, splits, bool(transa), bool(transb), a_scale_inv, b_scale_inv, a_code,
-                    b_code, bias, bool(bgrad), bool(accumulate), bool(fast_accum), tf32_of(allow_tf32, first.dtype),
-                    workspace, lanes, stream_for(first))
+    note = _C.grouped_gemm(a, b, c_out, splits, bool(transa), bool(transb), a_scale_inv, b_scale_inv, a_code,
+                           b_code, bias, bool(bgrad), bool(accumulate), bool(fast_accum),
+                           tf32_of(allow_tf32, first.dtype), workspace, lanes, kernel_code, stream_for(first))
+    if note is not None and kernel_code == 0 and first.is_cuda and capability_of(first.device) == (9, 0):
+        note_once(_log, "seqfuse grouped_gemm: one cuBLASLt call per group, not the sm90 kernel: %s", note)
     if written:
         mark_written(*written)
     if returned is not None:

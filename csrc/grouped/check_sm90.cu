@@ -1,0 +1,367 @@
+// check-links: gemm
+/*
+ * check_sm90.cu - standalone check and benchmark of the grouped
+ * GEMM's Hopper kernel (grouped_sm90_cuda.cu).
+ *
+ * Correctness: fresh random bf16 operands (and e4m3 codes with random
+ * per-group scale inverses) at group row counts that are and are not
+ * multiples of the 128-row tile, empty groups among them, k with and
+ * without a partial 128-byte block, n not a multiple of the 256-column tile,
+ * each group's B in its own allocation; out poisoned with NaN, with padding
+ * columns (ldo > n) and rows past the last group that must stay poisoned.
+ * Every output is held to a float64 reference of the same inputs:
+ * |out - ref| <= 2^-8 |ref| + 2^-12 sum_k |a b| (bf16 output rounding plus
+ * float32 accumulation).
+ * Speed: Mixtral-small's expert products (fc1 [rows, 1024] x [7168, 1024]^T,
+ * fc2 [rows, 3584] x [1024, 3584]^T, 32,768 routed rows) at 8 and 64 experts,
+ * balanced and random splits, against the library's per-group cuBLASLt
+ * route (sf_grouped_gemm, one stream and its default lanes), TFLOP/s.
+ */
+#include "core/check_util.h"
+#include "core/float_bits.h"
+#include "grouped/grouped_sm90.h"
+#include "seqfuse.h"
+
+static float e4m3_to_f32(uint8_t c)
+{
+    const int s = c >> 7, e = (c >> 3) & 15, m = c & 7;
+    const float v = e == 0 ? ldexpf((float)m, -9) : ldexpf(1.f + m / 8.f, e - 7);
+    return s ? -v : v;
+}
+
+static uint8_t random_e4m3(void)
+{
+    uint8_t code;
+    do {
+        code = (uint8_t)(rng_next() >> 56);
+    } while ((code & 0x7f) == 0x7f || ((code >> 3) & 0xf) > 10);
+    return code;
+}
+
+struct Problem {
+    bool fp8;
+    int groups;
+    std::vector<int64_t> splits;
+    int64_t n, k;
+};
+
+/* host operands as floats (already rounded to the element type) and their codes */
+struct HostOps {
+    std::vector<float> a;                 /* [rows, k] */
+    std::vector<std::vector<float>> b;    /* per group [n, k] */
+    std::vector<uint16_t> a16;
+    std::vector<std::vector<uint16_t>> b16;
+    std::vector<uint8_t> a8;
+    std::vector<std::vector<uint8_t>> b8;
+    std::vector<float> sa, sb;            /* per group scale inverses (FP8) */
+};
+
+static int64_t total_rows(const Problem &p)
+{
+    int64_t r = 0;
+    for (int64_t s : p.splits)
+        r += s;
+    return r;
+}
+
+static void make_ops(const Problem &p, HostOps &h)
+{
+    const int64_t rows = total_rows(p);
+    h.a.resize(rows * p.k);
+    h.b.assign(p.groups, std::vector<float>(p.n * p.k));
+    if (p.fp8) {
+        h.a8.resize(rows * p.k);
+        h.b8.assign(p.groups, std::vector<uint8_t>(p.n * p.k));
+        for (int64_t i = 0; i < rows * p.k; ++i)
+            h.a[i] = e4m3_to_f32(h.a8[i] = random_e4m3());
+        for (int g = 0; g < p.groups; ++g)
+            for (int64_t i = 0; i < p.n * p.k; ++i)
+                h.b[g][i] = e4m3_to_f32(h.b8[g][i] = random_e4m3());
+        h.sa.resize(p.groups);
+        h.sb.resize(p.groups);
+        for (int g = 0; g < p.groups; ++g) {
+            h.sa[g] = ldexpf(1.f + rng_uniform(), -(int)(rng_next() % 6));
+            h.sb[g] = ldexpf(1.f + rng_uniform(), -(int)(rng_next() % 6));
+        }
+    } else {
+        h.a16.resize(rows * p.k);
+        h.b16.assign(p.groups, std::vector<uint16_t>(p.n * p.k));
+        for (int64_t i = 0; i < rows * p.k; ++i)
+            h.a[i] = sf_bf16_to_f32(h.a16[i] = sf_f32_to_bf16(rng_normal()));
+        for (int g = 0; g < p.groups; ++g)
+            for (int64_t i = 0; i < p.n * p.k; ++i)
+                h.b[g][i] = sf_bf16_to_f32(h.b16[g][i] = sf_f32_to_bf16(rng_normal() * 0.05f));
+    }
+}
+
+/* device copies: a and out in one buffer each, every b in its own allocation */
+struct DevOps {
+    void *a = nullptr, *out = nullptr;
+    std::vector<void *> b;
+    float *scales = nullptr; /* [2, groups] */
+    ~DevOps()
+    {
+        cudaFree(a);
+        cudaFree(out);
+        for (void *p : b)
+            cudaFree(p);
+        cudaFree(scales);
+    }
+};
+
+static void upload(const Problem &p, const HostOps &h, DevOps &d, int64_t out_rows, int64_t ldo)
+{
+    const int64_t rows = total_rows(p), es = p.fp8 ? 1 : 2;
+    CHECK_CUDA(cudaMalloc(&d.a, rows * p.k * es + 16));
+    CHECK_CUDA(cudaMemcpy(d.a, p.fp8 ? (const void *)h.a8.data() : (const void *)h.a16.data(), rows * p.k * es,
+                          cudaMemcpyHostToDevice));
+    d.b.resize(p.groups);
+    for (int g = 0; g < p.groups; ++g) {
+        CHECK_CUDA(cudaMalloc(&d.b[g], p.n * p.k * es));
+        CHECK_CUDA(cudaMemcpy(d.b[g], p.fp8 ? (const void *)h.b8[g].data() : (const void *)h.b16[g].data(),
+                              p.n * p.k * es, cudaMemcpyHostToDevice));
+    }
+    CHECK_CUDA(cudaMalloc(&d.out, out_rows * ldo * 2));
+    if (p.fp8) {
+        CHECK_CUDA(cudaMalloc(&d.scales, 2 * p.groups * sizeof(float)));
+        CHECK_CUDA(cudaMemcpy(d.scales, h.sa.data(), p.groups * sizeof(float), cudaMemcpyHostToDevice));
+        CHECK_CUDA(cudaMemcpy(d.scales + p.groups, h.sb.data(), p.groups * sizeof(float), cudaMemcpyHostToDevice));
+    }
+}
+
+static void fill_args(const Problem &p, const DevOps &d, int64_t ldo, sf_grouped_sm90_args &args)
+{
+    memset(&args, 0, sizeof args);
+    args.dtype = p.fp8 ? SF_FLOAT8_E4M3 : SF_BFLOAT16;
+    args.groups = p.groups;
+    args.n = p.n;
+    args.k = p.k;
+    args.a = d.a;
+    args.lda = p.k;
+    args.out = d.out;
+    args.ldo = ldo;
+    args.row_start[0] = 0;
+    for (int g = 0; g < p.groups; ++g) {
+        args.b[g] = d.b[g];
+        args.ldb[g] = p.k;
+        args.row_start[g + 1] = args.row_start[g] + p.splits[g];
+        if (p.fp8) {
+            args.a_scale_inv[g] = d.scales + g;
+            args.b_scale_inv[g] = d.scales + p.groups + g;
+        }
+    }
+    args.device_id = 0;
+}
+
+static void check_case(const Problem &p)
+{
+    if (!check_take_case())
+        return;
+    HostOps h;
+    make_ops(p, h);
+    const int64_t rows = total_rows(p), ldo = p.n + 8, out_rows = rows + 3;
+    DevOps d;
+    upload(p, h, d, out_rows, ldo);
+    CHECK_CUDA(cudaMemset(d.out, 0xFF, out_rows * ldo * 2)); /* bf16 NaN */
+    sf_grouped_sm90_args args;
+    fill_args(p, d, ldo, args);
+    CHECK_SF(sf_grouped_sm90_run(&args, NULL));
+    CHECK_CUDA(cudaDeviceSynchronize());
+    std::vector<uint16_t> out(out_rows * ldo);
+    CHECK_CUDA(cudaMemcpy(out.data(), d.out, out.size() * 2, cudaMemcpyDeviceToHost));
+    int64_t bad = 0, untouched_bad = 0;
+    double worst = 0;
+    int64_t r0 = 0;
+    for (int g = 0; g < p.groups; ++g) {
+        const double scale = p.fp8 ? (double)h.sa[g] * h.sb[g] : 1.0;
+        for (int64_t r = r0; r < r0 + p.splits[g]; ++r)
+            for (int64_t c = 0; c < p.n; ++c) {
+                double ref = 0, mag = 0;
+                const float *ar = &h.a[r * p.k], *br = &h.b[g][c * p.k];
+                for (int64_t kk = 0; kk < p.k; ++kk) {
+                    ref += (double)ar[kk] * br[kk];
+                    mag += fabs((double)ar[kk] * br[kk]);
+                }
+                ref *= scale;
+                mag *= scale;
+                const double got = sf_bf16_to_f32(out[r * ldo + c]);
+                const double err = fabs(got - ref), tol = ldexp(fabs(ref), -8) + ldexp(mag, -12) + 1e-30;
+                if (!(err <= tol))
+                    ++bad;
+                worst = std::max(worst, err / tol);
+            }
+        r0 += p.splits[g];
+    }
+    for (int64_t r = 0; r < out_rows; ++r)
+        for (int64_t c = (r < rows ? p.n : 0); c < ldo; ++c)
+            untouched_bad += out[r * ldo + c] != 0xFFFF;
+    char what[256];
+    snprintf(what, sizeof what, "%s groups=%d rows=%lld n=%lld k=%lld: %lld outputs off (worst err/tol %.3g), "
+             "%lld padding elements written", p.fp8 ? "e4m3" : "bf16", p.groups, (long long)rows, (long long)p.n,
+             (long long)p.k, (long long)bad, worst, (long long)untouched_bad);
+    check_report(bad == 0 && untouched_bad == 0, what);
+    if (bad || untouched_bad || getenv("CHECK_VERBOSE"))
+        printf("  %s\n", what);
+}
+
+/* ---- speed --------------------------------------------------------------- */
+
+static sf_tensor view2d(void *data, sf_dtype dt, int64_t r, int64_t c, int64_t ld)
+{
+    sf_tensor t;
+    memset(&t, 0, sizeof t);
+    t.data = data;
+    t.dtype = dt;
+    t.ndim = 2;
+    t.shape[0] = r;
+    t.shape[1] = c;
+    t.strides[0] = ld;
+    t.strides[1] = 1;
+    t.device = SF_CUDA;
+    t.device_id = 0;
+    return t;
+}
+
+static void bench(const char *name, bool fp8, int groups, const std::vector<int64_t> &splits, int64_t n, int64_t k)
+{
+    Problem p{fp8, groups, splits, n, k};
+    const int64_t rows = total_rows(p), es = fp8 ? 1 : 2;
+    /* operands: random bits are enough for timing (finite values) */
+    DevOps d;
+    CHECK_CUDA(cudaMalloc(&d.a, rows * k * es));
+    CHECK_CUDA(cudaMemset(d.a, 0x22, rows * k * es));
+    d.b.resize(groups);
+    void *wbuf;
+    CHECK_CUDA(cudaMalloc(&wbuf, groups * n * k * es)); /* one stacked buffer, as the modules keep it */
+    CHECK_CUDA(cudaMemset(wbuf, 0x11, groups * n * k * es));
+    for (int g = 0; g < groups; ++g)
+        d.b[g] = nullptr;
+    CHECK_CUDA(cudaMalloc(&d.out, rows * n * 2));
+    CHECK_CUDA(cudaMalloc(&d.scales, 2 * groups * sizeof(float)));
+    std::vector<float> ones(2 * groups, 1.f);
+    CHECK_CUDA(cudaMemcpy(d.scales, ones.data(), ones.size() * 4, cudaMemcpyHostToDevice));
+    sf_grouped_sm90_args args;
+    memset(&args, 0, sizeof args);
+    args.dtype = fp8 ? SF_FLOAT8_E4M3 : SF_BFLOAT16;
+    args.groups = groups;
+    args.n = n;
+    args.k = k;
+    args.a = d.a;
+    args.lda = k;
+    args.out = d.out;
+    args.ldo = n;
+    for (int g = 0; g < groups; ++g) {
+        args.b[g] = (char *)wbuf + (int64_t)g * n * k * es;
+        args.ldb[g] = k;
+        args.row_start[g + 1] = args.row_start[g] + splits[g];
+        args.a_scale_inv[g] = d.scales;
+        args.b_scale_inv[g] = d.scales + groups;
+    }
+    const double flops = 2.0 * rows * n * k;
+    float t_kernel = time_ms([&] { CHECK_SF(sf_grouped_sm90_run(&args, NULL)); }, 5, 20);
+
+    /* the library's per-group cuBLASLt route */
+    const sf_dtype dt = fp8 ? SF_FLOAT8_E4M3 : SF_BFLOAT16;
+    sf_tensor ta = view2d(d.a, dt, rows, k, k), tout = view2d(d.out, SF_BFLOAT16, rows, n, n);
+    std::vector<sf_tensor> tb(groups);
+    for (int g = 0; g < groups; ++g)
+        tb[g] = view2d((void *)args.b[g], dt, n, k, k);
+    sf_tensor sa = view2d(d.scales, SF_FLOAT32, 1, 1, 1), sb = sa;
+    sa.ndim = sb.ndim = 1;
+    sa.shape[0] = sb.shape[0] = 1;
+    sa.strides[0] = sb.strides[0] = 1;
+    void *ws;
+    const int64_t ws_bytes = 32 << 20;
+    CHECK_CUDA(cudaMalloc(&ws, ws_bytes));
+    sf_tensor tws = view2d(ws, SF_UINT8, ws_bytes, 1, 1);
+    tws.ndim = 1;
+    float t_lib[2];
+    for (int li = 0; li < 2; ++li) {
+        sf_grouped_gemm_args ga;
+        sf_grouped_gemm_args_init(&ga);
+        ga.num_groups = groups;
+        ga.m_splits = splits.data();
+        ga.a = &ta;
+        ga.b_list = tb.data();
+        ga.out = &tout;
+        ga.transb = 1;
+        ga.workspace = &tws;
+        ga.lanes = li == 0 ? 1 : 0;
+        if (fp8) {
+            ga.a_scale_inv = &sa;
+            ga.b_scale_inv = &sb;
+            ga.fast_accum = 1;
+        }
+        t_lib[li] = time_ms([&] { CHECK_SF(sf_grouped_gemm(&ga, NULL)); }, 5, 20);
+    }
+    printf("bench %-24s %s G=%2d n=%5lld k=%5lld rows=%lld: kernel %.3f ms %.0f TFLOP/s | cuBLASLt one stream "
+           "%.3f ms %.0f (%.2fx) | default lanes %.3f ms %.0f (%.2fx)\n",
+           name, fp8 ? "e4m3" : "bf16", groups, (long long)n, (long long)k, (long long)rows, t_kernel,
+           flops / t_kernel / 1e9, t_lib[0], flops / t_lib[0] / 1e9, t_lib[0] / t_kernel, t_lib[1],
+           flops / t_lib[1] / 1e9, t_lib[1] / t_kernel);
+    cudaFree(wbuf);
+    cudaFree(ws);
+}
+
+static std::vector<int64_t> random_splits(int64_t rows, int groups, int multiple)
+{
+    std::vector<int64_t> s(groups, 0);
+    for (int64_t u = 0; u < rows / multiple; ++u)
+        s[rng_next() % groups] += multiple;
+    return s;
+}
+
+int main(int argc, char **argv)
+{
+    rng_seed();
+    int dev = 0;
+    cudaDeviceProp prop;
+    CHECK_CUDA(cudaGetDeviceProperties(&prop, dev));
+    printf("device: %s (%d SMs)\n", prop.name, prop.multiProcessorCount);
+    sf_grouped_sm90_args probe;
+    memset(&probe, 0, sizeof probe);
+    probe.dtype = SF_BFLOAT16;
+    probe.groups = 1;
+    probe.n = probe.k = probe.lda = probe.ldo = 8;
+    probe.ldb[0] = 8;
+    static char dummy[64] __attribute__((aligned(16)));
+    probe.a = probe.b[0] = dummy;
+    probe.out = dummy;
+    const char *why = sf_grouped_sm90_unfit(&probe);
+    if (why) {
+        printf("the kernel cannot run here: %s\n", why);
+        return 1;
+    }
+
+    /* correctness */
+    for (int fp8 = 0; fp8 < 2; ++fp8) {
+        const int64_t kal = fp8 ? 16 : 8;
+        check_case({(bool)fp8, 1, {128}, 256, 64 * (fp8 ? 2 : 1)});
+        check_case({(bool)fp8, 1, {1}, 8, kal});
+        check_case({(bool)fp8, 3, {0, 200, 57}, 264, 5 * kal});
+        check_case({(bool)fp8, 4, {129, 0, 0, 383}, 520, 24 * kal});
+        check_case({(bool)fp8, 8, {16, 300, 128, 0, 1, 255, 640, 7}, 1024, 160});
+        check_case({(bool)fp8, 2, {700, 300}, 72, 1024});
+        check_case({(bool)fp8, 5, {0, 0, 0, 0, 33}, 512, 3584 / (fp8 ? 2 : 1)});
+        for (int rep = 0; rep < 4; ++rep) {
+            const int groups = 1 + (int)(rng_next() % 12);
+            const int64_t n = 8 * (1 + (int64_t)(rng_next() % 80)), k = kal * (1 + (int64_t)(rng_next() % 40));
+            check_case({(bool)fp8, groups, random_splits(64 + rng_next() % 1500, groups, 1), n, k});
+        }
+    }
+    check_case({false, 64, random_splits(4096, 64, 1), 256, 256});
+
+    if (argc > 1 && !strcmp(argv[1], "--no-bench"))
+        return check_finish("check_grouped_sm90");
+    const int64_t rows = 32768, hidden = 1024, ffn = 3584;
+    for (int fp8 = 0; fp8 < 2; ++fp8)
+        for (int groups : {8, 64}) {
+            std::vector<int64_t> bal(groups, rows / groups);
+            std::vector<int64_t> rnd = random_splits(rows, groups, 16);
+            bench("fc1 balanced", fp8, groups, bal, 2 * ffn, hidden);
+            bench("fc2 balanced", fp8, groups, bal, hidden, ffn);
+            bench("fc1 random", fp8, groups, rnd, 2 * ffn, hidden);
+            bench("fc2 random", fp8, groups, rnd, hidden, ffn);
+        }
+    return check_finish("check_grouped_sm90");
+}

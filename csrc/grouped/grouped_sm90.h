@@ -1,0 +1,67 @@
+/*
+ * grouped_sm90.h - the grouped GEMM's own Hopper kernel (grouped_sm90_cuda.cu):
+ * every group's output tiles in one persistent launch, so the tiles of all
+ * experts share the GPU's waves instead of each expert's GEMM rounding up
+ * to whole waves of its own (and paying a cuBLASLt call's host work).
+ *
+ * The one layout it serves is the experts' forward product:
+ *
+ *     out[rows_g, 0:N] = A[rows_g, 0:K] @ B_g[0:N, 0:K]^T     (g = 0 .. G-1)
+ *
+ * A: one row-major [rows, K] matrix whose groups are consecutive row ranges
+ * (rows_g = [row_start[g], row_start[g + 1])), B_g: G row-major [N, K]
+ * matrices anywhere in memory, out: one row-major [rows, N] matrix.  Both
+ * operands are K-major, which is what wgmma needs for FP8 as well.
+ * Element types: bf16 x bf16 -> bf16, or e4m3 x e4m3 -> bf16 with one scale
+ * per group (a_scale_inv[g] x b_scale_inv[g], float32 on the device).
+ */
+#ifndef SF_GROUPED_SM90_H
+#define SF_GROUPED_SM90_H
+
+#include <stdint.h>
+
+#include "seqfuse.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The most groups one launch takes (the per-group TMA descriptors travel
+ * in the kernel's parameters: 128 bytes each). */
+#define SF_GROUPED_SM90_MAX_GROUPS 64
+
+typedef struct {
+    sf_dtype dtype;                 /* SF_BFLOAT16 or SF_FLOAT8_E4M3 (a and every b) */
+    int groups;                     /* 1 .. SF_GROUPED_SM90_MAX_GROUPS */
+    int64_t n, k;                   /* out columns, reduction length */
+    const void *a;                  /* [row_start[groups], k], row stride lda elements */
+    int64_t lda;
+    const void *b[SF_GROUPED_SM90_MAX_GROUPS]; /* group g: [n, k], row stride ldb[g] */
+    int64_t ldb[SF_GROUPED_SM90_MAX_GROUPS];
+    void *out;                      /* bf16 [row_start[groups], n], row stride ldo */
+    int64_t ldo;
+    int64_t row_start[SF_GROUPED_SM90_MAX_GROUPS + 1]; /* non-decreasing, row_start[0] = 0 */
+    /* FP8 only: float32 device pointers, one value per group (may repeat) */
+    const float *a_scale_inv[SF_GROUPED_SM90_MAX_GROUPS];
+    const float *b_scale_inv[SF_GROUPED_SM90_MAX_GROUPS];
+    int device_id;
+} sf_grouped_sm90_args;
+
+/* NULL when `args` fits the kernel on this build and device, else the rule
+ * it breaks (a static string naming the argument): compute capability 9.0
+ * with an sm_90a build; k and n multiples of 16 bytes of elements (8 bf16,
+ * 16 e4m3) and k > 0; lda, ldb, ldo at least k / k / n and multiples of the
+ * same 16 bytes; every pointer 16-byte aligned; rows below 2^31. */
+const char *sf_grouped_sm90_unfit(const sf_grouped_sm90_args *args);
+
+/* Launches the kernel on `stream` (args checked by sf_grouped_sm90_unfit
+ * first; a failure there is returned as SF_ERR_VALUE with that rule).
+ * Groups with no rows are skipped; out rows of other groups are not
+ * touched. */
+sf_status sf_grouped_sm90_run(const sf_grouped_sm90_args *args, sf_stream stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* SF_GROUPED_SM90_H */

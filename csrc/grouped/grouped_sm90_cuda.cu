@@ -1,0 +1,433 @@
+/*
+ * grouped_sm90_cuda.cu - one persistent Hopper kernel for all groups of a
+ * grouped GEMM (the experts' forward product, grouped_sm90.h).
+ *
+ * Why: issued one cuBLASLt call per expert, each expert's GEMM rounds up to
+ * whole waves of its own.  Mixtral-small's down projection at 8 experts has
+ * about 4,096 rows an expert, 32 x 4 = 128 tiles of 128 x 256 outputs: one
+ * wave on a 132-SM H100 when the rows split evenly, two waves (the second
+ * nearly empty) for an expert that draws 4,224 rows or more, which in
+ * training's uneven splits some expert nearly always does.  Here the tiles of
+ * all groups form one list that the CTAs walk in steps of the grid, so only
+ * the last wave of the whole call is partial; and the call is one launch of
+ * host work, not G cuBLASLt calls (64 experts: 64 x 9 us of host time).
+ *
+ * Shape of the kernel (the FlashAttention-3 / CUTLASS "warp-specialized
+ * persistent" form):
+ *  - 384 threads: warpgroup 0 is the producer, one thread of it issuing TMA
+ *    copies of the A tile (128 rows x 64 bf16 / 128 e4m3 = 128 bytes a row)
+ *    and the B tile (256 rows x the same) of each k-block into a ring of
+ *    kStages shared-memory stages; warpgroups 1 and 2 are the consumers, each
+ *    computing 64 of the tile's 128 rows x 256 columns with wgmma
+ *    m64n256 (128 float accumulators a thread).
+ *  - Each stage has a "full" mbarrier (the producer arms it with the stage's
+ *    byte count; TMA completes it) and an "empty" one (each consumer
+ *    warpgroup arrives once its wgmma reading the stage has completed).  The
+ *    producer runs up to kStages k-blocks ahead, across tile boundaries, so
+ *    the next tile's loads overlap this tile's epilogue.
+ *  - TMA writes the tiles in the 128-byte swizzled layout wgmma reads
+ *    (attn_sm90.cuh describes it); rows past the end of A or B and columns
+ *    past k are filled with zeros by TMA, so ragged edges cost no code in the
+ *    main loop.  A tile's rows past its group's end belong to the next group
+ *    (or are zeros): they are computed and not stored.
+ *  - Epilogue: accumulators (times the group's scale for FP8) to bf16,
+ *    stored straight from registers, rows and columns masked.
+ *
+ * TMA descriptors: one for A, one per group for B (the experts' weights need
+ * not be one buffer), encoded on the host at each call
+ * (cuTensorMapEncodeTiled, through the runtime's driver entry point, so the
+ * library does not link libcuda) and passed in the kernel's parameters.
+ */
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <mutex>
+
+#include "../core/cuda_util.h"
+#include "grouped_sm90.h"
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define SF_GROUPED_SM90A 1
+#endif
+
+namespace {
+
+constexpr int kBM = 128, kBN = 256, kRowBytes = 128; /* a k-block is 128 bytes of each row */
+constexpr int kStages = 4;
+constexpr int kThreads = 384;
+constexpr int kABytes = kBM * kRowBytes, kBBytes = kBN * kRowBytes; /* 16 KiB, 32 KiB */
+constexpr int kStageBytes = kABytes + kBBytes;
+constexpr int kSmemBytes = kStages * kStageBytes + 1024 /* alignment */ + 1024 /* barriers, tables */;
+constexpr int kMaxGroups = SF_GROUPED_SM90_MAX_GROUPS;
+
+struct Params {
+    CUtensorMap a_map;
+    CUtensorMap b_map[kMaxGroups];
+    __nv_bfloat16 *out;
+    int64_t ldo;
+    int n, kblocks, groups, n_tiles, total_tiles, fp8;
+    int row_start[kMaxGroups + 1];
+    int tile_start[kMaxGroups + 1];
+    const float *a_scale_inv[kMaxGroups];
+    const float *b_scale_inv[kMaxGroups];
+};
+
+#ifdef SF_GROUPED_SM90A
+__device__ __forceinline__ uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar)
+{
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity)
+{
+    asm volatile("{\n"
+                 ".reg .pred done;\n"
+                 "WAIT_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra WAIT_%=;\n"
+                 "}\n" ::"r"(bar),
+                 "r"(parity)
+                 : "memory");
+}
+/* 2-D TMA copy of box (c0 = column, c1 = row) into shared memory, completing
+ * `bytes` on bar. */
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, int c0, int c1, uint32_t bar)
+{
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+                 ::"r"(dst), "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(bar)
+                 : "memory");
+}
+
+/* K-major operand in the 128-byte swizzled layout: row0's 128-byte row,
+ * k step kk (32 bytes: 16 bf16 or 32 e4m3); 8-row groups 1024 bytes apart. */
+__device__ __forceinline__ uint64_t desc_k(uint32_t tile, int row0, int kk)
+{
+    const uint32_t addr = tile + row0 * kRowBytes + kk * 32;
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+#define SF_D128                                                                                                     \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "     \
+    "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, " \
+    "%45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, " \
+    "%67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, " \
+    "%89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, "  \
+    "%109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, "   \
+    "%127}"
+#define SF_A8(i)                                                                                                    \
+    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]),    \
+        "+f"(d[i + 7])
+#define SF_A32(i) SF_A8(i), SF_A8(i + 8), SF_A8(i + 16), SF_A8(i + 24)
+#define SF_A128 SF_A32(0), SF_A32(32), SF_A32(64), SF_A32(96)
+
+/* d (+)= A B^T for one k step: m64 n256, A and B K-major in shared memory. */
+template <bool FP8> __device__ __forceinline__ void wgmma_n256(float (&d)[128], uint64_t a, uint64_t b, int scale_d)
+{
+    if constexpr (FP8)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 " SF_D128 ", %128, %129, p, 1, 1;\n}\n"
+                     : SF_A128
+                     : "l"(a), "l"(b), "r"(scale_d));
+    else
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " SF_D128 ", %128, %129, p, 1, 1, 0, 0;\n}\n"
+                     : SF_A128
+                     : "l"(a), "l"(b), "r"(scale_d));
+}
+#undef SF_D128
+#undef SF_A8
+#undef SF_A32
+#undef SF_A128
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void pin(float (&d)[128])
+{
+#pragma unroll
+    for (int i = 0; i < 128; ++i)
+        asm volatile("" : "+f"(d[i])::"memory");
+}
+
+/* Tile t of the call: its group, first row, first column. */
+struct Tile {
+    int g, m0, row_end, n0;
+};
+__device__ __forceinline__ Tile tile_of(int t, const int *tile_start, const int *row_start, int groups, int n_tiles)
+{
+    int g = 0;
+    while (g + 1 < groups && tile_start[g + 1] <= t)
+        ++g;
+    const int local = t - tile_start[g];
+    Tile r;
+    r.g = g;
+    r.m0 = row_start[g] + (local / n_tiles) * kBM;
+    r.row_end = row_start[g + 1];
+    r.n0 = (local % n_tiles) * kBN;
+    return r;
+}
+#endif
+
+template <bool FP8>
+__global__ void __launch_bounds__(kThreads, 1) grouped_sm90_kernel(const __grid_constant__ Params p)
+{
+#ifdef SF_GROUPED_SM90A
+    extern __shared__ __align__(1024) uint8_t smem_raw[];
+    uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    uint64_t *full = (uint64_t *)(smem + kStages * kStageBytes);
+    uint64_t *empty = full + kStages;
+    int *tile_start = (int *)(empty + kStages);
+    int *row_start = tile_start + kMaxGroups + 1;
+    const int tid = threadIdx.x, wg = tid / 128;
+
+    for (int i = tid; i <= p.groups; i += kThreads) {
+        tile_start[i] = p.tile_start[i];
+        row_start[i] = p.row_start[i];
+    }
+    if (tid == 0) {
+        for (int s = 0; s < kStages; ++s) {
+            mbar_init(smem_u32(&full[s]), 1);
+            mbar_init(smem_u32(&empty[s]), 2);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+        if (tid == 0) {
+            int stage = 0, phase = 0;
+            for (int t = blockIdx.x; t < p.total_tiles; t += gridDim.x) {
+                const Tile tl = tile_of(t, tile_start, row_start, p.groups, p.n_tiles);
+                const CUtensorMap *bmap = &p.b_map[tl.g];
+                for (int kb = 0; kb < p.kblocks; ++kb) {
+                    mbar_wait(smem_u32(&empty[stage]), phase ^ 1);
+                    const uint32_t bar = smem_u32(&full[stage]);
+                    const uint32_t a_dst = smem_u32(smem + stage * kStageBytes), b_dst = a_dst + kABytes;
+                    mbar_expect_tx(bar, kStageBytes);
+                    const int col = kb * (FP8 ? 128 : 64); /* in elements */
+                    tma_load_2d(a_dst, &p.a_map, col, tl.m0, bar);
+                    tma_load_2d(b_dst, bmap, col, tl.n0, bar);
+                    if (++stage == kStages) {
+                        stage = 0;
+                        phase ^= 1;
+                    }
+                }
+            }
+        }
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+        const int ct = tid - 128 * wg; /* thread in the consumer warpgroup */
+        const int row0 = (wg - 1) * 64;
+        int stage = 0, phase = 0;
+        float d[128];
+        for (int t = blockIdx.x; t < p.total_tiles; t += gridDim.x) {
+            const Tile tl = tile_of(t, tile_start, row_start, p.groups, p.n_tiles);
+            for (int kb = 0; kb < p.kblocks; ++kb) {
+                mbar_wait(smem_u32(&full[stage]), phase);
+                const uint32_t a_t = smem_u32(smem + stage * kStageBytes), b_t = a_t + kABytes;
+                pin(d);
+                wg_fence();
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk)
+                    wgmma_n256<FP8>(d, desc_k(a_t, row0, kk), desc_k(b_t, 0, kk), kb > 0 || kk > 0);
+                wg_commit();
+                /* the previous k-block's wgmma has finished: release its stage */
+                wg_wait<1>();
+                pin(d);
+                if (kb > 0 && ct == 0)
+                    mbar_arrive(smem_u32(&empty[stage == 0 ? kStages - 1 : stage - 1]));
+                if (++stage == kStages) {
+                    stage = 0;
+                    phase ^= 1;
+                }
+            }
+            wg_wait<0>();
+            pin(d);
+            if (ct == 0)
+                mbar_arrive(smem_u32(&empty[stage == 0 ? kStages - 1 : stage - 1]));
+
+            /* epilogue: register 4j + e is row 16 w + r8 + 8 (e >> 1), column 8 j + 2 q + (e & 1) */
+            float scale = 1.f;
+            if (FP8)
+                scale = __ldg(p.a_scale_inv[tl.g]) * __ldg(p.b_scale_inv[tl.g]);
+            const int w = ct / 32, r8 = (ct % 32) / 4, q = ct % 4;
+            const int rbase = tl.m0 + row0 + 16 * w + r8;
+            const int cbase = tl.n0 + 2 * q;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = rbase + 8 * h;
+                if (row < tl.row_end) {
+                    __nv_bfloat16 *orow = p.out + (int64_t)row * p.ldo;
+#pragma unroll
+                    for (int j = 0; j < 32; ++j) {
+                        const int col = cbase + 8 * j;
+                        if (col < p.n)
+                            *(__nv_bfloat162 *)(orow + col) =
+                                __floats2bfloat162_rn(d[4 * j + 2 * h] * scale, d[4 * j + 2 * h + 1] * scale);
+                    }
+                }
+            }
+        }
+    }
+#endif
+}
+
+/* cuTensorMapEncodeTiled through the runtime's driver entry point. */
+typedef CUresult (*EncodeTiled)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
+                                const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
+                                CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+EncodeTiled encode_fn(const char **why)
+{
+    static std::once_flag once;
+    static EncodeTiled fn = nullptr;
+    static const char *failure = nullptr;
+    std::call_once(once, [] {
+        void *p = nullptr;
+        cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) !=
+                cudaSuccess ||
+            q != cudaDriverEntryPointSuccess || !p)
+            failure = "the CUDA driver does not provide cuTensorMapEncodeTiled";
+        else
+            fn = (EncodeTiled)p;
+    });
+    *why = failure;
+    return fn;
+}
+
+/* A [rows, cols] row-major matrix (row stride ld elements of esize bytes) as
+ * boxes of box_rows x 128 bytes, 128-byte swizzled, zeros past the edges. */
+const char *encode(CUtensorMap *map, EncodeTiled fn, bool fp8, const void *ptr, int64_t rows, int64_t cols,
+                   int64_t ld, int box_rows)
+{
+    const int esize = fp8 ? 1 : 2;
+    cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)(rows > 0 ? rows : 1)};
+    cuuint64_t strides[1] = {(cuuint64_t)(ld * esize)};
+    cuuint32_t box[2] = {(cuuint32_t)(kRowBytes / esize), (cuuint32_t)box_rows};
+    cuuint32_t estr[2] = {1, 1};
+    CUresult r = fn(map, fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void *)ptr, dims,
+                    strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    return r == CUDA_SUCCESS ? nullptr : "cuTensorMapEncodeTiled refused an operand";
+}
+
+bool built_for_sm90a(int device)
+{
+    static int cached[64] = {0}; /* 0 unknown, 1 yes, 2 no */
+    if (device < 0 || device >= 64)
+        return false;
+    if (!cached[device]) {
+        cudaFuncAttributes fa;
+        cudaDeviceProp prop;
+        bool ok = cudaGetDeviceProperties(&prop, device) == cudaSuccess && prop.major == 9 && prop.minor == 0 &&
+                  cudaFuncGetAttributes(&fa, grouped_sm90_kernel<false>) == cudaSuccess && fa.binaryVersion == 90;
+        cudaGetLastError();
+        cached[device] = ok ? 1 : 2;
+    }
+    return cached[device] == 1;
+}
+
+bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+} // namespace
+
+extern "C" const char *sf_grouped_sm90_unfit(const sf_grouped_sm90_args *a)
+{
+    if (a->dtype != SF_BFLOAT16 && a->dtype != SF_FLOAT8_E4M3)
+        return "the kernel takes bfloat16 or float8_e4m3fn operands";
+    if (a->groups < 1 || a->groups > kMaxGroups)
+        return "the kernel takes 1 to 64 groups";
+    const int64_t align = a->dtype == SF_BFLOAT16 ? 8 : 16;
+    if (a->k <= 0 || a->k % align || a->n <= 0 || a->n % 8)
+        return a->dtype == SF_BFLOAT16 ? "the kernel needs k a positive multiple of 8 and n of 8"
+                                       : "the kernel needs k a positive multiple of 16 and n of 8";
+    if (a->lda < a->k || a->lda % align || a->ldo < a->n || a->ldo % 8)
+        return "the kernel needs row strides of a and out multiples of 16 bytes, at least a row";
+    if (a->row_start[0] != 0 || a->row_start[a->groups] >= ((int64_t)1 << 31) || a->n >= ((int64_t)1 << 31))
+        return "the kernel needs fewer than 2^31 rows and columns";
+    if (!aligned16(a->a) || !aligned16(a->out))
+        return "the kernel needs a and out 16-byte aligned";
+    for (int g = 0; g < a->groups; ++g) {
+        if (a->row_start[g + 1] < a->row_start[g])
+            return "the groups' row counts must not be negative";
+        if (a->row_start[g + 1] == a->row_start[g])
+            continue; /* (an empty group's b is never read) */
+        if (!aligned16(a->b[g]) || a->ldb[g] < a->k || a->ldb[g] % align)
+            return "the kernel needs each b 16-byte aligned with a row stride of a multiple of 16 bytes";
+        if (a->dtype == SF_FLOAT8_E4M3 && (!a->a_scale_inv[g] || !a->b_scale_inv[g]))
+            return "the FP8 kernel needs a scale inverse for a and b of every group";
+    }
+    if (!built_for_sm90a(a->device_id))
+        return "the kernel runs on compute capability 9.0 with a library built for sm_90a";
+    return nullptr;
+}
+
+extern "C" sf_status sf_grouped_sm90_run(const sf_grouped_sm90_args *a, sf_stream stream)
+{
+    const char *why = sf_grouped_sm90_unfit(a);
+    if (why)
+        return sf_fail(SF_ERR_VALUE, "grouped_gemm (sm90 kernel): %s", why);
+    EncodeTiled fn = encode_fn(&why);
+    if (!fn)
+        return sf_fail(SF_ERR_NOT_IMPLEMENTED, "grouped_gemm (sm90 kernel): %s", why);
+    const bool fp8 = a->dtype == SF_FLOAT8_E4M3;
+    static Params p; /* ~9 KiB: built here, copied into the launch */
+    static std::mutex lock;
+    std::lock_guard<std::mutex> hold(lock);
+    const int64_t rows = a->row_start[a->groups];
+    p.groups = a->groups;
+    p.n = (int)a->n;
+    p.ldo = a->ldo;
+    p.out = (__nv_bfloat16 *)a->out;
+    p.fp8 = fp8;
+    p.kblocks = (int)((a->k * (fp8 ? 1 : 2) + kRowBytes - 1) / kRowBytes);
+    p.n_tiles = (int)((a->n + kBN - 1) / kBN);
+    p.tile_start[0] = 0;
+    p.row_start[0] = 0;
+    if ((why = encode(&p.a_map, fn, fp8, a->a, rows, a->k, a->lda, kBM)))
+        return sf_fail(SF_ERR_RUNTIME, "grouped_gemm (sm90 kernel): %s (a)", why);
+    for (int g = 0; g < a->groups; ++g) {
+        const int64_t m = a->row_start[g + 1] - a->row_start[g];
+        p.row_start[g + 1] = (int)a->row_start[g + 1];
+        p.tile_start[g + 1] = p.tile_start[g] + (int)((m + kBM - 1) / kBM) * p.n_tiles;
+        if (m > 0 && (why = encode(&p.b_map[g], fn, fp8, a->b[g], a->n, a->k, a->ldb[g], kBN)))
+            return sf_fail(SF_ERR_RUNTIME, "grouped_gemm (sm90 kernel): %s (b of group %d)", why, g);
+        p.a_scale_inv[g] = fp8 ? a->a_scale_inv[g] : nullptr;
+        p.b_scale_inv[g] = fp8 ? a->b_scale_inv[g] : nullptr;
+    }
+    p.total_tiles = p.tile_start[a->groups];
+    if (p.total_tiles == 0)
+        return SF_OK;
+    sf_cuda_device_guard guard;
+    SF_TRY(sf_cuda_device_enter("grouped_gemm", a->device_id, &guard));
+    const int sms = sf_cuda_sm_count(a->device_id);
+    const int grid = p.total_tiles < sms ? p.total_tiles : sms;
+    cudaError_t e = cudaSuccess;
+    auto kernel = fp8 ? grouped_sm90_kernel<true> : grouped_sm90_kernel<false>;
+    static bool attr_set[2][64];
+    if (!attr_set[fp8][a->device_id]) {
+        e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+        attr_set[fp8][a->device_id] = e == cudaSuccess;
+    }
+    if (e == cudaSuccess) {
+        kernel<<<grid, kThreads, kSmemBytes, sf_cuda_stream(stream)>>>(p);
+        e = cudaGetLastError();
+    }
+    sf_cuda_device_restore(&guard);
+    if (e != cudaSuccess)
+        return sf_fail(SF_ERR_RUNTIME, "grouped_gemm (sm90 kernel): CUDA error %s: %s", cudaGetErrorName(e),
+                       cudaGetErrorString(e));
+    return SF_OK;
+}

@@ -1,0 +1,240 @@
+"""The grouped GEMM's own Hopper kernel (csrc/grouped/grouped_sm90_cuda.cu,
+``seqfuse.ops.moe.grouped_gemm(kernel=...)``): every group's output tiles in
+one persistent launch.  On the CPU: the kernel argument and its environment
+variable are checked, and kernel="sm90" refuses a call it cannot take with
+the rule.  On a Hopper GPU: the kernel against the CPU reference and the
+cuBLASLt route at row counts on and off the 128-row tile, empty groups, k
+with a partial block, n off the 256-column tile, bf16 and e4m3 with
+per-group scales; outputs poisoned, padding columns of out left alone; a
+side stream, a CUDA graph, the caller's earlier work; auto choosing it and
+naming why not when it does not (logger "seqfuse")."""
+import logging
+
+import pytest
+import torch
+
+from seqfuse.ops import moe
+
+from helpers import needs_fp8, pair_tol, poisoned_like, rel_error
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
+needs_hopper = pytest.mark.skipif(not HOPPER, reason="the sm90 grouped kernel runs on compute capability 9.0")
+
+
+def _inputs(splits, k, n, device="cpu", dtype=torch.bfloat16):
+    x = torch.randn(sum(splits), k, device=device).to(dtype)
+    w = (torch.randn(len(splits), n, k, device=device) * 0.1).to(dtype)
+    return x, w
+
+
+# ---- arguments (CPU) ------------------------------------------------------
+
+@pytest.mark.parametrize("kernel,error,match", [
+    ("fast", ValueError, "argument 'kernel' must be one of 'auto', 'cublaslt', 'sm90', got 'fast'"),
+    (2, ValueError, "argument 'kernel' must be one of 'auto', 'cublaslt', 'sm90', got 2")])
+def test_kernel_argument_is_checked(kernel, error, match):
+    x, w = _inputs([4, 4], 16, 8)
+    with pytest.raises(error, match=match):
+        moe.grouped_gemm(x, w, [4, 4], transb=True, kernel=kernel)
+
+
+def test_kernel_environment_variable_is_checked(monkeypatch):
+    x, w = _inputs([4, 4], 16, 8)
+    monkeypatch.setenv("SEQFUSE_GROUPED_KERNEL", "cutlass")
+    with pytest.raises(ValueError, match="environment variable SEQFUSE_GROUPED_KERNEL must be one of "
+                                         "'auto', 'cublaslt', 'sm90', got 'cutlass'"):
+        moe.grouped_gemm(x, w, [4, 4], transb=True)
+    monkeypatch.setenv("SEQFUSE_GROUPED_KERNEL", "cublaslt")
+    assert torch.equal(moe.grouped_gemm(x, w, [4, 4], transb=True),
+                       moe.grouped_gemm(x, w, [4, 4], transb=True, kernel="auto"))
+
+
+def test_forced_sm90_refuses_cpu_tensors():
+    x, w = _inputs([4, 4], 16, 8)
+    with pytest.raises(ValueError, match="kernel='sm90' cannot take this call: the tensors are on the CPU"):
+        moe.grouped_gemm(x, w, [4, 4], transb=True, kernel="sm90")
+
+
+def test_c_entry_checks_kernel():
+    from seqfuse import _C
+
+    x, w = _inputs([4, 4], 16, 8, dtype=torch.float32)
+    with pytest.raises(ValueError, match="argument 'kernel' must be 0 \\(auto\\), 1 \\(cuBLASLt\\) or 2 "
+                                         "\\(sm90\\), got 3"):
+        _C.grouped_gemm(x, list(w.unbind(0)), torch.empty(8, 8), [4, 4], 0, 1, None, None, 0, 0, None, 0, 0,
+                        0, 1, None, 0, 3)
+
+
+def test_c_entry_returns_why_not_sm90_on_the_cpu():
+    from seqfuse import _C
+
+    x, w = _inputs([4, 4], 16, 8, dtype=torch.float32)
+    note = _C.grouped_gemm(x, list(w.unbind(0)), torch.empty(8, 8), [4, 4], 0, 1, None, None, 0, 0, None, 0,
+                           0, 0, 1, None, 0, 0)
+    assert note == "the tensors are on the CPU"
+    note = _C.grouped_gemm(x, list(w.unbind(0)), torch.empty(8, 8), [4, 4], 0, 1, None, None, 0, 0, None, 0,
+                           0, 0, 1, None, 0, 1)
+    assert note == "kernel='cublaslt' was asked for"
+
+
+# ---- the kernel (Hopper) ---------------------------------------------------
+
+CASES = {  # splits, k, n
+    "one_tile": ([128], 64, 256),
+    "one_row": ([1], 8, 8),
+    "ragged": ([0, 200, 57], 40, 264),
+    "empty_middle": ([129, 0, 0, 383], 192, 520),
+    "eight": ([16, 300, 128, 0, 1, 255, 640, 7], 160, 1024),
+    "long_k": ([700, 300], 1024, 72),
+    "mostly_empty": ([0, 0, 0, 0, 33], 3584, 512),
+}
+
+
+@pytest.mark.cuda
+@needs_hopper
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cuda_sm90_bf16_matches_cpu_and_cublaslt(case, seed):
+    splits, k, n = CASES[case]
+    x, w = _inputs(splits, k, n)
+    ref = moe.grouped_gemm(x.double(), w.double(), splits, transb=True)
+    xc, wl = x.cuda(), list(w.cuda().unbind(0))
+    pad = torch.full((sum(splits) + 2, n + 8), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = pad[:sum(splits), :n]  # row stride n + 8: the padding columns must stay NaN
+    moe.grouped_gemm(xc, wl, splits, transb=True, out=out, kernel="sm90")
+    lt = moe.grouped_gemm(xc, wl, splits, transb=True, kernel="cublaslt")
+    assert rel_error(out, ref) <= pair_tol(torch.bfloat16) / 2
+    assert rel_error(out, lt) <= pair_tol(torch.bfloat16)
+    assert torch.isnan(pad[:, n:]).all() and torch.isnan(pad[sum(splits):]).all()
+
+
+@pytest.mark.cuda
+@needs_hopper
+@needs_fp8
+@pytest.mark.parametrize("case", ["ragged", "eight", "long_k"])
+def test_cuda_sm90_fp8_matches_cpu_with_per_group_scales(case, seed):
+    splits, k, n = CASES[case]
+    k = 16 * ((k + 15) // 16)
+    G = len(splits)
+    xq = torch.randn(sum(splits), k).to(torch.float8_e4m3fn)
+    wq = torch.randn(G, n, k).to(torch.float8_e4m3fn)
+    sx, sw = torch.rand(G) + 0.5, torch.rand(G) + 0.5
+    ends = torch.tensor(splits).cumsum(0).tolist()
+    bounds = list(zip([0] + ends[:-1], ends))
+    ref = torch.cat([(xq[lo:hi].double() @ wq[g].double().T) * sx[g].item() * sw[g].item()
+                     for g, (lo, hi) in enumerate(bounds)])
+    out = poisoned_like(torch.empty(sum(splits), n, dtype=torch.bfloat16, device="cuda"))
+    moe.grouped_gemm(xq.cuda(), wq.cuda(), splits, transb=True, a_scale_inv=sx.cuda(), b_scale_inv=sw.cuda(),
+                     fast_accum=True, out=out, kernel="sm90")
+    assert rel_error(out, ref) <= pair_tol(torch.bfloat16) / 2
+    # one scale shared by every group
+    out1 = poisoned_like(out)
+    moe.grouped_gemm(xq.cuda(), wq.cuda(), splits, transb=True, a_scale_inv=sx[:1].cuda(),
+                     b_scale_inv=sw[:1].cuda(), fast_accum=True, out=out1, kernel="sm90")
+    ref1 = ref.clone()
+    for g, (lo, hi) in enumerate(bounds):
+        ref1[lo:hi] *= (sx[0] * sw[0]).item() / (sx[g] * sw[g]).item()
+    assert rel_error(out1, ref1) <= pair_tol(torch.bfloat16) / 2
+
+
+@pytest.mark.cuda
+@needs_hopper
+@pytest.mark.parametrize("why,call", [
+    ("it takes no bias and no accumulate",
+     lambda x, w, s: moe.grouped_gemm(x, w, s, transb=True, bias=torch.zeros(len(s), w.shape[1], device="cuda",
+                                                                           dtype=x.dtype), kernel="sm90")),
+    ("it takes transa=0 and transb=1 only",
+     lambda x, w, s: moe.grouped_gemm(x, w.transpose(1, 2).contiguous(), s, kernel="sm90")),
+    ("it takes bfloat16 or float8_e4m3fn operands and a bfloat16 out",
+     lambda x, w, s: moe.grouped_gemm(x.half(), w.half(), s, transb=True, kernel="sm90")),
+    ("the kernel needs k a positive multiple of 8",
+     lambda x, w, s: moe.grouped_gemm(x[:, :12], w[:, :, :12], s, transb=True, kernel="sm90")),
+    ("it takes at most 64 groups",
+     lambda x, w, s: moe.grouped_gemm(x, w[:1].expand(65, -1, -1), [0] * 64 + [sum(s)], transb=True,
+                                      kernel="sm90")),
+])
+def test_cuda_forced_sm90_names_the_rule(why, call):
+    splits = [32, 16]
+    x, w = _inputs(splits, 64, 32, device="cuda")
+    with pytest.raises(ValueError, match=f"kernel='sm90' cannot take this call: {why}"):
+        call(x, w, splits)
+
+
+@pytest.mark.cuda
+@needs_hopper
+def test_cuda_sm90_refuses_a_bad_group_as_cublaslt_does():
+    splits = [64, 64, 64]
+    x, w = _inputs(splits, 64, 32, device="cuda")
+    bad = list(w.unbind(0))
+    bad[1] = torch.randn(32, 48, dtype=torch.bfloat16, device="cuda")
+    for kernel in ("sm90", "auto", "cublaslt"):
+        with pytest.raises(ValueError, match="group 1 \\(m_splits\\[1\\] = 64\\)"):
+            moe.grouped_gemm(x, bad, splits, transb=True, kernel=kernel)
+
+
+@pytest.mark.cuda
+@needs_hopper
+def test_cuda_auto_takes_sm90_and_logs_why_not_once(caplog):
+    from seqfuse import _C
+
+    splits = [32, 16]
+    x, w = _inputs(splits, 64, 32, device="cuda")
+    out = torch.empty(48, 32, dtype=torch.bfloat16, device="cuda")
+    args = (x, list(w.unbind(0)), out, splits, 0, 1, None, None, 0, 0, None, 0, 0, 0, 1, None, 0)
+    assert _C.grouped_gemm(*args, 0) is None  # auto: the kernel ran
+    assert _C.grouped_gemm(*args, 2) is None
+    with caplog.at_level(logging.INFO, logger="seqfuse"):
+        for _ in range(2):
+            moe.grouped_gemm(x.half(), w.half(), splits, transb=True)
+    lines = [r.getMessage() for r in caplog.records if "not the sm90 kernel" in r.getMessage()]
+    assert len(lines) <= 1  # (once a process: an earlier test may have logged it)
+    assert all("bfloat16 or float8_e4m3fn" in ln for ln in lines)
+
+
+@pytest.mark.cuda
+@needs_hopper
+def test_cuda_sm90_on_a_side_stream_in_a_graph_and_after_earlier_work(seed):
+    splits = [96, 0, 300, 17, 64]
+    k, n = 128, 264
+    x, w = _inputs(splits, k, n)
+    xc, wl = x.cuda(), list(w.cuda().unbind(0))
+    ref = moe.grouped_gemm(x, w, splits, transb=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        y_side = moe.grouped_gemm(xc, wl, splits, transb=True, kernel="sm90")
+    torch.cuda.current_stream().wait_stream(side)
+    assert rel_error(y_side, ref) <= pair_tol(torch.bfloat16)
+
+    static_x, static_y = xc.clone(), torch.empty(sum(splits), n, dtype=torch.bfloat16, device="cuda")
+    moe.grouped_gemm(static_x, wl, splits, transb=True, out=static_y, kernel="sm90")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        moe.grouped_gemm(static_x, wl, splits, transb=True, out=static_y, kernel="sm90")
+    x2 = torch.randn_like(x)
+    static_x.copy_(x2.cuda())
+    static_y.fill_(float("nan"))
+    graph.replay()
+    assert rel_error(static_y, moe.grouped_gemm(x2, w, splits, transb=True)) <= pair_tol(torch.bfloat16)
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)  # the caller's stream busy, then the input rewritten
+    x3 = torch.randn_like(x)
+    xc.copy_(x3.cuda(), non_blocking=True)
+    y = moe.grouped_gemm(xc, wl, splits, transb=True, kernel="sm90")
+    assert rel_error(y, moe.grouped_gemm(x3, w, splits, transb=True)) <= pair_tol(torch.bfloat16)
+
+
+@pytest.mark.cuda
+@needs_hopper
+def test_cuda_sm90_at_mixtral_small_shapes_matches_cublaslt(seed):
+    """The benchmark's shapes (8 experts, uneven counts), against cuBLASLt."""
+    torch.manual_seed(0)
+    draw = torch.multinomial(torch.ones(8), 512, replacement=True)
+    splits = [16 * int(c) for c in torch.bincount(draw, minlength=8)]
+    for n, k in ((7168, 1024), (1024, 3584)):
+        x, w = _inputs(splits, k, n, device="cuda")
+        wl = list(w.unbind(0))
+        y = moe.grouped_gemm(x, wl, splits, transb=True, kernel="sm90")
+        lt = moe.grouped_gemm(x, wl, splits, transb=True, kernel="cublaslt")
+        assert rel_error(y, lt) <= pair_tol(torch.bfloat16)
