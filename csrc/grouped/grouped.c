@@ -19,12 +19,22 @@
  * as well when every operand is a list (the FP8 weight gradient, whose
  * operands are the per-expert transposed copies).
  *
- * File shape (README, Layout): the grouped family has no math header, no
- * CPU reference file and no check program of its own, because it computes
- * nothing itself: each group's product is an sf_gemm call (the gemm
- * family's CPU reference, cuBLASLt, and check_cublaslt.cu), and the empty
- * groups are cleared here with memset on the CPU and by grouped_cuda.cu
- * (cudaMemset2DAsync, declared in grouped_backend.h) on the GPU.  With
+ * The sm90 kernel (grouped_sm90_cuda.cu, args->kernel AUTO or SM90): on a
+ * Hopper GPU the forward form (a and out split, b listed, transb) runs as
+ * one persistent launch over every group's output tiles instead of a
+ * cuBLASLt call per group; each group is first held to sf_gemm's rules
+ * (sf_gemm_validate), so a bad group is refused with the same message on
+ * either route.  try_sm90 below decides; under AUTO a call the kernel
+ * cannot take goes on to cuBLASLt with the reason in args->kernel_note
+ * (the binding returns it, and ops.moe logs it once).
+ *
+ * File shape (README, Layout): the grouped family has no math header and
+ * no CPU reference file of its own: on the CPU each group's product is an
+ * sf_gemm call (the gemm family's reference), and the empty groups are
+ * cleared here with memset on the CPU and by grouped_cuda.cu
+ * (cudaMemset2DAsync, declared in grouped_backend.h) on the GPU.  Its one
+ * check program, check_sm90.cu, holds the sm90 kernel to a float64
+ * reference and times it against the cuBLASLt route.  With
  * args->lanes >= 2, or 0 and the rule in grouped_cuda.cu, the CUDA groups
  * run on side streams (grouped_cuda.cu's lanes), each group on the lane
  * with the least work (m n k) issued so far, each lane with its own share
